@@ -1,0 +1,61 @@
+"""The one place where the device and the distributed backend are chosen.
+
+Everything else asks here: no `.cuda()` calls scattered around. On a machine with CUDA the
+backend is NCCL and each rank uses the GPU of its local rank; otherwise gloo on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+
+#: Default timeout for every collective and point-to-point operation (seconds). A rank that
+#: waits longer raises instead of hanging. Override with MEGAPAR_TIMEOUT_S.
+DEFAULT_TIMEOUT_S = float(os.environ.get("MEGAPAR_TIMEOUT_S", "300"))
+
+
+def use_cuda() -> bool:
+    """True when this process should run on CUDA (available and not disabled by MEGAPAR_CPU=1)."""
+    return torch.cuda.is_available() and os.environ.get("MEGAPAR_CPU", "0") != "1"
+
+
+def backend() -> str:
+    """The torch.distributed backend: "nccl" with CUDA, "gloo" otherwise."""
+    return "nccl" if use_cuda() else "gloo"
+
+
+def device(local_rank: int | None = None) -> torch.device:
+    """The device of this rank: cuda:<local_rank> with CUDA, cpu otherwise."""
+    if use_cuda():
+        if local_rank is None:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(rank: int | None = None, world_size: int | None = None,
+                     timeout_s: float | None = None) -> None:
+    """Initialise the default process group from the environment (torchrun / Slurm / our launcher).
+
+    Does nothing when the default group is already initialised. Every later collective inherits
+    the timeout, so a rank that never arrives makes the others fail instead of hanging forever.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if rank is None:
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    dev = device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(
+        backend=backend(), rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S),
+    )

@@ -1,0 +1,120 @@
+"""Start N local worker processes, one per rank, and bring them all down if one fails.
+
+Used by the tests (fork: 8 gloo ranks start in well under a second, because the parent has
+already imported torch), by `megapar-train` when it is not run under torchrun, and by
+`megapar-bubble`. Under CUDA the start method is spawn (CUDA cannot be forked).
+
+A worker that raises sends its traceback to the parent, which terminates the other workers at
+once (they may be blocked in a collective) and raises `WorkerError` naming the rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+from megapar import device as _device
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; the message names the rank and carries its traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env):
+    os.environ.update(env)
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        if world_size > 1:
+            _device.init_distributed(rank, world_size, timeout_s=timeout_s)
+        out = fn(*args, **kwargs)
+        results.put((rank, "ok", out))
+    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 240.0,
+              collective_timeout_s: float | None = None, start_method: str | None = None,
+              env: dict[str, str] | None = None, **kwargs) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` local ranks and return each rank's result.
+
+    The process group is initialised before `fn` runs (RANK / WORLD_SIZE are in the
+    environment). Raises `WorkerError` naming the first rank that failed, or a `TimeoutError`
+    naming the ranks that had not finished after `timeout_s`.
+    """
+    if start_method is None:
+        start_method = "spawn" if _device.use_cuda() else "fork"
+    ctx = mp.get_context(start_method)
+    results = ctx.Queue()
+    port = free_port()
+    coll_timeout = collective_timeout_s or max(10.0, timeout_s - 5.0)
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, r, world_size, port, args, kwargs, results, coll_timeout, env or {}))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outputs) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=0.05)
+            except queue_mod.Empty:
+                for r, p in enumerate(procs):
+                    if r not in outputs and p.exitcode not in (None, 0):
+                        time.sleep(0.2)  # its traceback may still be in flight
+                        _drain(results, outputs)
+                        if r not in outputs:
+                            raise WorkerError(f"rank {r} died with exit code {p.exitcode}")
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in outputs]
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+                continue
+            if status == "error":
+                raise WorkerError(f"rank {rank} failed: {payload}")
+            outputs[rank] = payload
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [outputs[r] for r in range(world_size)]
+
+
+def _drain(results, outputs):
+    while True:
+        try:
+            rank, status, payload = results.get_nowait()
+        except queue_mod.Empty:
+            return
+        if status == "error":
+            raise WorkerError(f"rank {rank} failed: {payload}")
+        outputs[rank] = payload

@@ -1,0 +1,64 @@
+"""How a parameter is split across the tensor-parallel group, and slicing full tensors to shards.
+
+Every parameter of a megapar model carries two attributes, set by the layer that owns it:
+
+- ``param.tp_dim``: the dim split across tp ranks, or None when every tp rank holds all of it.
+- ``param.full_shape``: the canonical full shape, the same in every layout (for a vocab-parallel
+  tensor, the *unpadded* vocabulary size).
+
+Shards are contiguous: tp rank r holds rows [r*s, (r+1)*s) of dim ``tp_dim`` of the full tensor
+padded along that dim to ``s * tp`` (s = the local size). Rows at or beyond ``full_shape[tp_dim]``
+are padding: zero on load, dropped on gather. Checkpoints, conversion, clipping and Hugging Face
+import/export all use this one rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def set_partition(param: torch.Tensor, tp_dim: int | None, full_shape) -> torch.Tensor:
+    param.tp_dim = tp_dim
+    param.full_shape = tuple(int(x) for x in full_shape)
+    return param
+
+
+def tp_dim(param: torch.Tensor) -> int | None:
+    return getattr(param, "tp_dim", None)
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    return getattr(param, "full_shape", tuple(param.shape))
+
+
+def local_size(full: int, tp: int, multiple: int = 1) -> int:
+    """Size of one shard when `full` is padded up to a multiple of tp*multiple and split tp ways."""
+    return math.ceil(full / (tp * multiple)) * multiple
+
+
+def shard_range(full: int, local: int, tp_rank: int) -> tuple[int, int]:
+    """[start, stop) of tp rank's shard *within the unpadded full tensor* (may be empty)."""
+    start = min(full, tp_rank * local)
+    return start, min(full, start + local)
+
+
+def shard_of(full_tensor: torch.Tensor, dim: int | None, local: int, tp_rank: int) -> torch.Tensor:
+    """The shard of `full_tensor` that tp rank holds, zero-padded to `local` along `dim`."""
+    if dim is None:
+        return full_tensor.clone()
+    start, stop = shard_range(full_tensor.shape[dim], local, tp_rank)
+    piece = full_tensor.narrow(dim, start, stop - start)
+    if stop - start == local:
+        return piece.clone()
+    pad_shape = list(full_tensor.shape)
+    pad_shape[dim] = local - (stop - start)
+    return torch.cat([piece, full_tensor.new_zeros(pad_shape)], dim=dim)
+
+
+def unpad(gathered: torch.Tensor, dim: int | None, full: tuple[int, ...]) -> torch.Tensor:
+    """Drop padding rows from a tensor gathered from all tp shards."""
+    if dim is None:
+        return gathered
+    return gathered.narrow(dim, 0, full[dim])

@@ -1,0 +1,71 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from megapar.launcher import run_local
+from megapar.mesh import Layout, LayoutError, Mesh
+
+
+def test_rank_order_tp_fastest_then_pp_then_dp():
+    layout = Layout(tp=2, pp=2, dp=2)
+    expected = {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 1, 0), 3: (1, 1, 0),
+                4: (0, 0, 1), 5: (1, 0, 1), 6: (0, 1, 1), 7: (1, 1, 1)}
+    for rank, coords in expected.items():
+        assert layout.coords(rank) == coords
+        assert layout.rank(*coords) == rank
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=8, tp=3), "world size 8 is not divisible by tp\\*pp = 3\\*1"),
+    (dict(world_size=8, tp=2, pp=2, dp=1), "world size 8 != tp\\*pp\\*dp = 2\\*2\\*1 = 4"),
+    (dict(world_size=8, tp=0), "--tp and --pp must be >= 1"),
+])
+def test_bad_sizes_are_named(kwargs, message):
+    with pytest.raises(LayoutError, match=message):
+        Layout.infer(**kwargs)
+
+
+def test_layout_rejects_zero_dp():
+    with pytest.raises(LayoutError, match="--dp must be an integer >= 1"):
+        Layout(1, 1, 0)
+
+
+def _members(group):
+    # Learn a group's members by all-gathering global ranks over it.
+    size = dist.get_world_size(group)
+    out = [torch.zeros(1) for _ in range(size)]
+    dist.all_gather(out, torch.tensor([float(dist.get_rank())]), group=group)
+    return sorted(int(t.item()) for t in out)
+
+
+def _describe():
+    mesh = Mesh(Layout(2, 2, 2), dist.get_rank())
+    return dict(coords=(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank),
+                tp=_members(mesh.tp_group), pp=_members(mesh.pp_group), dp=_members(mesh.dp_group),
+                mp=_members(mesh.mp_group), emb=_members(mesh.embedding_group),
+                prev=mesh.prev_stage_rank, next=mesh.next_stage_rank)
+
+
+def test_groups_of_every_rank_on_2x2x2():
+    got = run_local(_describe, 8)
+    layout = Layout(2, 2, 2)
+    for rank, info in enumerate(got):
+        t, p, d = layout.coords(rank)
+        assert info["coords"] == (t, p, d)
+        assert info["tp"] == [layout.rank(x, p, d) for x in range(2)]
+        assert info["pp"] == [layout.rank(t, x, d) for x in range(2)]
+        assert info["dp"] == [layout.rank(t, p, x) for x in range(2)]
+        assert info["mp"] == [r for r in range(8) if layout.coords(r)[2] == d]
+        assert info["emb"] == [layout.rank(t, 0, d), layout.rank(t, 1, d)]
+        assert info["prev"] == (None if p == 0 else layout.rank(t, 0, d))
+        assert info["next"] == (None if p == 1 else layout.rank(t, 1, d))
+
+
+def _wrong_world():
+    Mesh(Layout(2, 2, 1), dist.get_rank())
+
+
+def test_mesh_rejects_wrong_world_size():
+    from megapar.launcher import WorkerError
+    with pytest.raises(WorkerError, match="world size 2 != tp\\*pp\\*dp = 2\\*2\\*1 = 4"):
+        run_local(_wrong_world, 2)
