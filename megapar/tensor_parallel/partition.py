@@ -62,3 +62,14 @@ def unpad(gathered: torch.Tensor, dim: int | None, full: tuple[int, ...]) -> tor
     if dim is None:
         return gathered
     return gathered.narrow(dim, 0, full[dim])
+
+
+def gather_full(shard: torch.Tensor, dim: int | None, full: tuple[int, ...], group) -> torch.Tensor:
+    """The full (unpadded) tensor from every tp rank's shard; collective over `group`."""
+    import torch.distributed as dist
+
+    if dim is None or group is None or dist.get_world_size(group) == 1:
+        return unpad(shard, dim, full)
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return unpad(torch.cat(parts, dim=dim), dim, full)

@@ -1,0 +1,77 @@
+"""Cross-entropy over logits whose vocabulary is split across the tensor-parallel group.
+
+The full logits are never gathered: each rank reduces its slice (max, sum of exponentials and
+the target's logit) and the tp group sums those. Padding columns (global index >= vocab_size)
+are excluded; targets equal to `ignore_index` give zero loss and zero gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _all_reduce(x, group, op=dist.ReduceOp.SUM):
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index):
+        local_vocab = logits.shape[-1]
+        logits = logits.float()
+        cols = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
+        padding = cols >= vocab_size
+        if padding.any():
+            logits = logits.masked_fill(padding, float("-inf"))
+        logits_max = logits.max(dim=-1).values
+        _all_reduce(logits_max, group, dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        ignored = target == ignore_index
+        local_target = target - vocab_start
+        outside = (local_target < 0) | (local_target >= local_vocab) | ignored
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(outside, 0.0)
+        _all_reduce(target_logit, group)
+
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        _all_reduce(sum_exp, group)
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside, ignored = ctx.saved_tensors
+        grad = softmax.clone()
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
+        grad.mul_((grad_loss * (~ignored)).unsqueeze(-1))
+        return grad, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
+                                 vocab_start: int = 0, vocab_size: int | None = None,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Per-token loss (fp32, same shape as `target`; 0 where target == ignore_index).
+
+    logits: [..., local_vocab], this rank's columns [vocab_start, vocab_start + local_vocab) of
+    the padded vocabulary; vocab_size: the true vocabulary (columns beyond it are padding).
+    """
+    if vocab_size is None:
+        vocab_size = vocab_start + logits.shape[-1]
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size,
+                                            ignore_index)
+
+
+def masked_mean(per_token: torch.Tensor, target: torch.Tensor, ignore_index: int = -100):
+    """Mean of per-token losses over the tokens that are not ignored (0 if all are)."""
+    count = (target != ignore_index).sum().clamp(min=1)
+    return per_token.sum() / count

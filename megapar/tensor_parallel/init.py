@@ -1,0 +1,47 @@
+"""Layout-independent initialisation.
+
+Each parameter's *full* tensor is drawn from its own generator, seeded from (seed, canonical
+parameter name), and each rank keeps its shard. So the same seed gives bitwise the same full
+weights whatever tp and pp are, and a pipeline stage only ever draws its own layers.
+A parameter that is a tied copy (``param.tied_to = "embed.word.weight"``) is drawn as the
+parameter it is tied to.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+from megapar.tensor_parallel.partition import full_shape, shard_of, tp_dim
+
+InitFn = Callable[[str, tuple, torch.Generator], torch.Tensor]
+
+
+def param_seed(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}/{name}".encode()) + (seed % 65536) * 2**32
+
+
+def normal_init(std: float = 0.02) -> InitFn:
+    """Biases zero, norm weights one, everything else N(0, std)."""
+    def init(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+        if name.endswith("bias"):
+            return torch.zeros(shape)
+        if ".ln" in name or "norm" in name or "LayerNorm" in name:
+            return torch.ones(shape)
+        return torch.empty(shape).normal_(0.0, std, generator=gen)
+    return init
+
+
+@torch.no_grad()
+def initialize(module: nn.Module, seed: int, init_fn: InitFn, tp_rank: int = 0) -> None:
+    """Fill every parameter of `module` with its shard of the seeded full tensor."""
+    for name, param in module.named_parameters():
+        source = getattr(param, "tied_to", name)
+        gen = torch.Generator().manual_seed(param_seed(seed, source))
+        full = init_fn(source, full_shape(param), gen)
+        dim = tp_dim(param)
+        local = param.shape[dim] if dim is not None else None
+        param.copy_(shard_of(full, dim, local, tp_rank).to(param.device))

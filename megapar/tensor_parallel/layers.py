@@ -1,0 +1,107 @@
+"""Megatron-style tensor-parallel layers.
+
+Weights follow `nn.Linear`'s [out_features, in_features] layout and are created empty at their
+*local* (shard) size; `megapar.tensor_parallel.init.initialize` fills them from the full tensor, so
+initialisation does not depend on the layout. Every parameter records its partition
+(`tp_dim`, `full_shape`, see `partition.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapar.mesh import LayoutError, Mesh
+from megapar.tensor_parallel.mappings import (
+    copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region,
+)
+from megapar.tensor_parallel.partition import local_size, set_partition
+
+
+def divide(numerator: int, tp: int, what: str) -> int:
+    """numerator / tp, or a LayoutError that names the sizes."""
+    if numerator % tp:
+        raise LayoutError(f"{what} {numerator} is not divisible by --tp {tp}")
+    return numerator // tp
+
+
+def _param(shape, tp_dim, full_shape, device) -> nn.Parameter:
+    return set_partition(nn.Parameter(torch.empty(shape, device=device)), tp_dim, full_shape)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its output dim: each rank computes a slice of Y.
+
+    gather_output=True all-gathers Y so every rank holds it whole; otherwise the output stays
+    split (feed it to a RowParallelLinear with input_is_parallel=True).
+    """
+
+    def __init__(self, in_features: int, out_features: int, mesh: Mesh, bias: bool = True,
+                 gather_output: bool = False, name: str = "output features"):
+        super().__init__()
+        self.group = mesh.tp_group
+        self.gather_output = gather_output
+        local = divide(out_features, mesh.tp, name)
+        self.weight = _param((local, in_features), 0, (out_features, in_features), mesh.device)
+        self.bias = _param((local,), 0, (out_features,), mesh.device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split along its input dim: each rank computes a partial sum of Y.
+
+    input_is_parallel=True takes X already split along its last dim (from a column-parallel
+    layer); otherwise X is whole and each rank keeps its slice. The bias is replicated and added
+    once, after the partial sums are reduced.
+    """
+
+    def __init__(self, in_features: int, out_features: int, mesh: Mesh, bias: bool = True,
+                 input_is_parallel: bool = True, name: str = "input features"):
+        super().__init__()
+        self.group = mesh.tp_group
+        self.input_is_parallel = input_is_parallel
+        local = divide(in_features, mesh.tp, name)
+        self.weight = _param((out_features, local), 1, (out_features, in_features), mesh.device)
+        self.bias = _param((out_features,), None, (out_features,), mesh.device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose vocabulary rows are split across tp ranks.
+
+    The vocabulary is padded to a multiple of tp x `divisible_by` (Megatron's
+    make-vocab-size-divisible-by); ids outside this rank's rows give zeros here and the sum over
+    the tp group fills them in. Padding rows are never looked up and never leave the model.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, mesh: Mesh, divisible_by: int = 1):
+        super().__init__()
+        self.group = mesh.tp_group
+        self.vocab_size = vocab_size
+        self.local_vocab = local_size(vocab_size, mesh.tp, divisible_by)
+        self.vocab_start = mesh.tp_rank * self.local_vocab
+        self.weight = _param((self.local_vocab, dim), 0, (vocab_size, dim), mesh.device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.local_vocab)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.group)
+
+
+def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor, mesh: Mesh,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's vocab slice of the logits, from (tied) vocab-parallel word embeddings."""
+    return F.linear(copy_to_tp_region(hidden, mesh.tp_group), word_embeddings, bias)

@@ -1,0 +1,109 @@
+"""Autograd primitives that move activations into and out of the tensor-parallel region.
+
+Each is a pair (forward op, backward op) over the tp group, named after what it does:
+
+| primitive                 | forward                    | backward                   |
+|---------------------------|----------------------------|----------------------------|
+| copy_to_tp_region         | identity                   | all-reduce (sum)           |
+| reduce_from_tp_region     | all-reduce (sum)           | identity                   |
+| scatter_to_tp_region      | keep my slice of last dim  | all-gather last dim        |
+| gather_from_tp_region     | all-gather last dim        | keep my slice of last dim  |
+
+With a group of None (tp = 1) every primitive is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if _size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    size = _size(group)
+    if size == 1:
+        return x
+    return x.chunk(size, dim=-1)[dist.get_rank(group)].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    size = _size(group)
+    if size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward; sums the input gradient over the tp group in backward."""
+    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Sums partial results over the tp group in forward; identity backward."""
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Keeps this rank's slice of the last dim; gathers the gradient in backward."""
+    return x if _size(group) == 1 else _ScatterToTP.apply(x, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Concatenates every rank's last-dim slice; keeps this rank's slice of the gradient."""
+    return x if _size(group) == 1 else _GatherFromTP.apply(x, group)

@@ -1,0 +1,31 @@
+"""Helpers shared by the parallel tests."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megapar.mesh import Layout, Mesh
+
+
+def make_mesh(tp=1, pp=1, dp=1) -> Mesh:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Mesh(Layout(tp, pp, dp), rank)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| (0 when both are zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    scale = b.abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def assert_close(a, b, tol=1e-5, what=""):
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    err = rel_err(a, b)
+    assert err < tol, f"{what}: relative error {err:.3g} >= {tol}"
+
+
+def world(n):
+    return int(os.environ.get("WORLD_SIZE", "1")) == n
