@@ -1,0 +1,1 @@
+"""Command-line entry points (``megapar-train``, ``megapar-data``, ...)."""

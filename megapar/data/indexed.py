@@ -1,0 +1,198 @@
+"""The indexed dataset: a tokenized corpus as three files sharing a prefix.
+
+* ``PREFIX.bin`` -- every document's token ids, each followed by the end-of-document
+  token, concatenated into one flat little-endian array (``uint16`` when the vocabulary
+  has at most 65,536 ids, else ``uint32``).
+* ``PREFIX.idx`` -- document boundaries: the 8-byte magic ``b"MPIDX\\x00\\x00\\x01"``, the
+  number of documents ``D`` as a little-endian ``uint64``, then ``D + 1`` little-endian
+  ``int64`` token offsets (document ``i`` is ``tokens[off[i]:off[i+1]]``, its eod included).
+* ``PREFIX.json`` -- metadata: format, version, dtype, vocab size, tokenizer spec,
+  number of documents and tokens.
+
+Files are written to temporary names and renamed into place (the ``.json`` last), so an
+interrupted write never leaves a dataset that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+IDX_MAGIC = b"MPIDX\x00\x00\x01"
+FORMAT_NAME = "megapar-indexed"
+FORMAT_VERSION = 1
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """Smallest little-endian unsigned dtype that holds every id of ``vocab_size``."""
+    return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
+
+
+def _tmp_name(path: str) -> str:
+    return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _missing_error(prefix: str, what: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"dataset prefix {prefix}: {prefix}{what} not found; create it with "
+        f"`megapar-data --input TEXT_FILES --output-prefix {prefix} --tokenizer gpt2`"
+    )
+
+
+class IndexedDatasetBuilder:
+    """Streams documents into ``PREFIX.{bin,idx,json}``; call :meth:`finalize` at the end.
+
+    Use it as a context manager: on an exception the temporary files are removed.
+    """
+
+    def __init__(self, prefix: str, vocab_size: int, eod_id: int, tokenizer_spec: dict[str, Any]):
+        self.prefix = os.fspath(prefix)
+        self.vocab_size = int(vocab_size)
+        self.eod_id = int(eod_id)
+        self.tokenizer_spec = dict(tokenizer_spec)
+        self.dtype = dtype_for_vocab(self.vocab_size)
+        parent = os.path.dirname(os.path.abspath(self.prefix))
+        os.makedirs(parent, exist_ok=True)
+        self._bin_tmp = _tmp_name(self.prefix + ".bin")
+        self._bin = open(self._bin_tmp, "wb")
+        self._offsets: list[int] = [0]
+
+    def add_document(self, ids: Sequence[int] | np.ndarray) -> None:
+        """Append one document; its end-of-document token is added here."""
+        arr = np.empty(len(ids) + 1, dtype=np.int64)
+        arr[:-1] = ids
+        arr[-1] = self.eod_id
+        if arr.size > 1 and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise ValueError(
+                f"token id {int(arr.max())} or {int(arr.min())} is outside the vocabulary "
+                f"[0, {self.vocab_size}); the tokenizer and vocab_size passed to the builder disagree"
+            )
+        self._bin.write(arr.astype(self.dtype).tobytes())
+        self._offsets.append(self._offsets[-1] + arr.size)
+
+    def add_documents(self, docs: Iterable[Sequence[int]]) -> None:
+        """``add_document`` for each of ``docs``."""
+        for d in docs:
+            self.add_document(d)
+
+    def finalize(self) -> str:
+        """Write the index and metadata, rename everything into place, return the prefix."""
+        self._bin.close()
+        offsets = np.asarray(self._offsets, dtype="<i8")
+        idx_tmp = _tmp_name(self.prefix + ".idx")
+        with open(idx_tmp, "wb") as f:
+            f.write(IDX_MAGIC)
+            f.write(np.asarray([len(offsets) - 1], dtype="<u8").tobytes())
+            f.write(offsets.tobytes())
+        meta = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "dtype": self.dtype.name,
+            "vocab_size": self.vocab_size,
+            "eod_id": self.eod_id,
+            "tokenizer": self.tokenizer_spec,
+            "num_docs": int(len(offsets) - 1),
+            "num_tokens": int(offsets[-1]),
+        }
+        json_tmp = _tmp_name(self.prefix + ".json")
+        with open(json_tmp, "w") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+        os.replace(self._bin_tmp, self.prefix + ".bin")
+        os.replace(idx_tmp, self.prefix + ".idx")
+        os.replace(json_tmp, self.prefix + ".json")
+        return self.prefix
+
+    def abort(self) -> None:
+        """Close and delete the temporary files (nothing is renamed)."""
+        self._bin.close()
+        if os.path.exists(self._bin_tmp):
+            os.remove(self._bin_tmp)
+
+    def __enter__(self) -> "IndexedDatasetBuilder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def read_doc_offsets(path: str) -> np.ndarray:
+    """Read the ``int64`` document offsets of a ``.idx`` file (validating its header)."""
+    with open(path, "rb") as f:
+        magic = f.read(8)
+        if magic != IDX_MAGIC:
+            raise ValueError(
+                f"{path} is not a megapar index (bad magic {magic!r}); regenerate it with megapar-data"
+            )
+        (count,) = np.frombuffer(f.read(8), dtype="<u8")
+        offsets = np.frombuffer(f.read(), dtype="<i8")
+    if len(offsets) != int(count) + 1:
+        raise ValueError(
+            f"{path} is truncated: header says {int(count)} documents but holds "
+            f"{len(offsets)} offsets; regenerate it with megapar-data"
+        )
+    return offsets.astype(np.int64)
+
+
+class IndexedDataset:
+    """Read-only view of ``PREFIX.{bin,idx,json}``; the tokens are memory-mapped."""
+
+    def __init__(self, prefix: str | os.PathLike):
+        prefix = os.fspath(prefix)
+        for ext in (".json", ".bin", ".idx"):
+            if not os.path.isfile(prefix + ext):
+                raise _missing_error(prefix, ext)
+        with open(prefix + ".json") as f:
+            meta = json.load(f)
+        if meta.get("format") != FORMAT_NAME or meta.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{prefix}.json is format {meta.get('format')!r} version {meta.get('version')!r}, "
+                f"expected {FORMAT_NAME!r} version {FORMAT_VERSION}; regenerate it with megapar-data"
+            )
+        self.prefix = prefix
+        self.meta: dict[str, Any] = meta
+        self.dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+        self.vocab_size: int = int(meta["vocab_size"])
+        self.eod_id: int = int(meta["eod_id"])
+        self.tokenizer_spec: dict[str, Any] = meta["tokenizer"]
+        self.doc_offsets: np.ndarray = read_doc_offsets(prefix + ".idx")
+        self.num_docs: int = len(self.doc_offsets) - 1
+        num_tokens = int(meta["num_tokens"])
+        size = os.path.getsize(prefix + ".bin")
+        if size != num_tokens * self.dtype.itemsize or self.doc_offsets[-1] != num_tokens:
+            raise ValueError(
+                f"{prefix}.bin holds {size} bytes but {prefix}.json/.idx describe {num_tokens} "
+                f"{self.dtype.name} tokens; the files are from different runs -- regenerate them"
+            )
+        if num_tokens == 0:
+            self.tokens: np.ndarray = np.zeros(0, dtype=self.dtype)
+        else:
+            self.tokens = np.memmap(prefix + ".bin", dtype=self.dtype, mode="r", shape=(num_tokens,))
+
+    @property
+    def num_tokens(self) -> int:
+        """Total number of tokens, eod tokens included."""
+        return int(self.tokens.shape[0])
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def get(self, start: int, length: int) -> np.ndarray:
+        """A copy of ``tokens[start:start+length]`` as ``int64``."""
+        if start < 0 or length < 0 or start + length > self.num_tokens:
+            raise IndexError(
+                f"token range [{start}, {start + length}) is outside the dataset's {self.num_tokens} tokens"
+            )
+        return np.asarray(self.tokens[start:start + length], dtype=np.int64)
+
+    def doc(self, i: int, include_eod: bool = True) -> np.ndarray:
+        """Document ``i``'s tokens as ``int64`` (with its trailing eod unless ``include_eod=False``)."""
+        start, end = int(self.doc_offsets[i]), int(self.doc_offsets[i + 1])
+        return self.get(start, end - start - (0 if include_eod else 1))
+
+    def __repr__(self) -> str:
+        return f"IndexedDataset({self.prefix!r}, docs={self.num_docs}, tokens={self.num_tokens})"

@@ -1,0 +1,228 @@
+"""Turn raw text into an indexed dataset (the engine behind ``megapar-data``).
+
+Inputs, in the order given (directories expanded recursively, files sorted by path):
+
+* ``.txt`` (or any other non-``.jsonl`` file): by default the whole file is one document;
+  with ``split_paragraphs=True`` (CLI ``--split-lines``) every blank-line-separated
+  paragraph is a document.
+* ``.jsonl``: one document per line, the text under ``jsonl_key`` (default ``"text"``).
+
+Whitespace-only documents are skipped.  Tokenization runs in a ``multiprocessing`` pool
+when ``workers > 1``; documents are processed in order (``imap``), so the output is
+byte-identical whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import multiprocessing as mp
+import os
+import re
+from typing import Iterator, Sequence
+
+from tqdm import tqdm
+
+from megapar.data.indexed import IndexedDatasetBuilder, _tmp_name
+from megapar.data.tokenizers import APPENDED_ORDER, Tokenizer, load_tokenizer
+
+#: Documents handed to a worker at a time.
+BATCH_DOCS = 16
+#: Above this many input bytes, ``workers=None`` uses a pool of several workers.
+POOL_THRESHOLD_BYTES = 8 << 20
+_PARAGRAPH_SPLIT = re.compile(r"\n[ \t\r\f\v]*\n")
+
+
+def expand_inputs(inputs: Sequence[str]) -> list[str]:
+    """Input paths with directories replaced by their ``.txt``/``.jsonl`` files (recursive, sorted)."""
+    files: list[str] = []
+    for path in inputs:
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            found = []
+            for root, _dirs, names in os.walk(path):
+                found += [os.path.join(root, n) for n in names if n.endswith((".txt", ".jsonl"))]
+            if not found:
+                raise FileNotFoundError(f"input directory {path} holds no .txt or .jsonl files")
+            files += sorted(found)
+        elif os.path.isfile(path):
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"input {path} does not exist; pass text files, .jsonl files or directories")
+    return files
+
+
+def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
+                   jsonl_key: str = "text") -> Iterator[tuple[str, int]]:
+    """Yield ``(document_text, source_bytes)`` for every non-blank document of ``files``."""
+    for path in files:
+        if path.endswith(".jsonl"):
+            with open(path, "rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)[jsonl_key]
+                    except (ValueError, KeyError, TypeError) as e:
+                        raise ValueError(
+                            f"{path}:{lineno}: expected a JSON object with a string field "
+                            f"{jsonl_key!r} ({e!r}); fix the line or pass --jsonl-key"
+                        ) from None
+                    if isinstance(text, str) and text.strip():
+                        yield text, len(line)
+            continue
+        with open(path, encoding="utf-8", errors="replace") as f:
+            content = f.read()
+        if not split_paragraphs:
+            if content.strip():
+                yield content, os.path.getsize(path)
+            continue
+        for para in _PARAGRAPH_SPLIT.split(content):
+            if para.strip():
+                yield para.strip("\n"), len(para) + 2
+
+
+def _batched(docs: Iterator[tuple[str, int]], n: int) -> Iterator[tuple[list[str], int]]:
+    batch, nbytes = [], 0
+    for text, size in docs:
+        batch.append(text)
+        nbytes += size
+        if len(batch) == n:
+            yield batch, nbytes
+            batch, nbytes = [], 0
+    if batch:
+        yield batch, nbytes
+
+
+def _worker_init(spec: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    global _WORKER_TOKENIZER  # per-worker-process cache, not shared state of the package
+    _WORKER_TOKENIZER = load_tokenizer(spec)
+
+
+def _worker_encode(item: tuple[list[str], int]) -> tuple[list[list[int]], int]:
+    texts, nbytes = item
+    return _WORKER_TOKENIZER.encode_batch(texts), nbytes
+
+
+_WORKER_TOKENIZER: Tokenizer
+
+
+def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: str, workers: int | None = None,
+               split_paragraphs: bool = False, jsonl_key: str = "text", progress: bool = True) -> str:
+    """Tokenize ``inputs`` into ``output_prefix.{bin,idx,json}``; return the prefix.
+
+    ``tokenizer`` is a :func:`load_tokenizer` spec.  ``workers=None`` picks one worker for
+    small inputs and up to 8 processes (bounded by the CPU count) above 8 MB.
+    """
+    files = expand_inputs(inputs)
+    tok = load_tokenizer(tokenizer)
+    total = sum(os.path.getsize(p) for p in files)
+    if workers is None:
+        workers = min(8, os.cpu_count() or 1) if total > POOL_THRESHOLD_BYTES else 1
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    batches = _batched(iter_documents(files, split_paragraphs, jsonl_key), BATCH_DOCS)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
+    with IndexedDatasetBuilder(output_prefix, tok.vocab_size, tok.eod_id, tok.spec()) as builder:
+        if workers == 1:
+            results = ((tok.encode_batch(texts), n) for texts, n in batches)
+            _consume(results, builder, bar)
+        else:
+            ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+            with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.path,)) as pool:
+                _consume(pool.imap(_worker_encode, batches, chunksize=1), builder, bar)
+        bar.n = total
+        bar.close()
+        return builder.finalize()
+
+
+def _consume(results, builder: IndexedDatasetBuilder, bar) -> None:
+    for encoded, nbytes in results:
+        builder.add_documents(encoded)
+        bar.update(nbytes)
+
+
+def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: int,
+                        model_type: str = "unigram", split_paragraphs: bool = False,
+                        jsonl_key: str = "text", num_threads: int = 1) -> str:
+    """Train a SentencePiece model on ``inputs`` in-process; write ``model_prefix.model``.
+
+    ``[PAD] [CLS] [SEP] [MASK]`` are reserved as user-defined symbols (ids 3-6 after
+    ``<unk> <s> </s>``), so the trained model needs no appended special tokens.
+    Returns the model path.
+    """
+    files = expand_inputs(inputs)
+
+    def sentences() -> Iterator[str]:
+        for text, _ in iter_documents(files, split_paragraphs, jsonl_key):
+            for line in text.splitlines():
+                if line.strip():
+                    yield line
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences(), model_writer=buf, vocab_size=vocab_size,
+            model_type=model_type, user_defined_symbols=[t for t in APPENDED_ORDER if t != "[EOD]"],
+            character_coverage=1.0, num_threads=num_threads, minloglevel=2,
+            hard_vocab_limit=True,
+        )
+    except RuntimeError as e:
+        raise ValueError(
+            f"SentencePiece training failed ({e}); a smaller --vocab-size or more input text usually fixes it"
+        ) from None
+    path = os.fspath(model_prefix) + ".model"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = _tmp_name(path)
+    with open(tmp, "wb") as f:
+        f.write(buf.getvalue())
+    os.replace(tmp, path)
+    return path
+
+
+def file_sha256(path: str) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
+                   split_paragraphs: bool = True, progress: bool = False) -> str:
+    """Preprocess a raw text file into ``cache_dir`` once; return the dataset prefix.
+
+    The cache key is the SHA-256 of the file's content, the tokenizer (kind, vocab size
+    and the hash of its model files) and ``split_paragraphs``; a later call with the same
+    inputs returns the cached prefix without work.  By default every blank-line-separated
+    paragraph is a document, so a single file can still be split into train/val by
+    documents.  Writes are atomic: concurrent callers (e.g. several ranks) are safe.
+    """
+    if not os.path.isfile(text_path):
+        raise FileNotFoundError(f"training text {text_path} does not exist; pass an existing .txt file")
+    tok = load_tokenizer(tokenizer_spec)
+    if tok.kind == "sentencepiece":
+        tok_files = [tok.path]
+    elif tok.path == "gpt2":
+        from megapar.data.tokenizers import asset_path
+        tok_files = [asset_path("gpt2_vocab.json"), asset_path("gpt2_merges.txt")]
+    else:
+        tok_files = [os.path.join(tok.path, "vocab.json"), os.path.join(tok.path, "merges.txt")]
+    key = json.dumps({
+        "text": file_sha256(text_path),
+        "tokenizer": [tok.kind, tok.vocab_size] + [file_sha256(p) for p in tok_files],
+        "split_paragraphs": split_paragraphs,
+        "format": 1,
+    }, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(text_path))[0]
+    prefix = os.path.join(os.fspath(cache_dir), f"{stem}-{digest}")
+    if all(os.path.isfile(prefix + ext) for ext in (".bin", ".idx", ".json")):
+        return prefix
+    return preprocess([text_path], prefix, tokenizer_spec, workers=1,
+                      split_paragraphs=split_paragraphs, progress=progress)
