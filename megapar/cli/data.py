@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = build_parser().parse_args(argv)
     from megapar.data.indexed import IndexedDataset
-    from megapar.data.preprocess import preprocess, train_sentencepiece
+    from megapar.data.preprocess import preprocess_files, train_sentencepiece
 
     try:
         tokenizer = args.tokenizer or "gpt2"
@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"trained SentencePiece model {tokenizer}", file=sys.stderr)
         elif args.vocab_size is not None:
             raise ValueError("--vocab-size only applies with --train-sentencepiece")
-        prefix = preprocess(
+        prefix = preprocess_files(
             args.input, args.output_prefix, tokenizer, workers=args.workers,
             split_paragraphs=args.split_lines, jsonl_key=args.jsonl_key,
             progress=not args.no_progress,

@@ -109,7 +109,7 @@ def _worker_encode(item: tuple[list[str], int]) -> tuple[list[list[int]], int]:
 _WORKER_TOKENIZER: Tokenizer
 
 
-def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer: str, workers: int | None = None,
+def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, workers: int | None = None,
                split_paragraphs: bool = False, jsonl_key: str = "text", progress: bool = True) -> str:
     """Tokenize ``inputs`` into ``output_prefix.{bin,idx,json}``; return the prefix.
 
@@ -224,5 +224,5 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     prefix = os.path.join(os.fspath(cache_dir), f"{stem}-{digest}")
     if all(os.path.isfile(prefix + ext) for ext in (".bin", ".idx", ".json")):
         return prefix
-    return preprocess([text_path], prefix, tokenizer_spec, workers=1,
+    return preprocess_files([text_path], prefix, tokenizer_spec, workers=1,
                       split_paragraphs=split_paragraphs, progress=progress)

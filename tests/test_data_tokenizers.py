@@ -1,0 +1,81 @@
+"""Tokenizers: the shipped GPT-2 BPE and SentencePiece models, special tokens, specs."""
+
+import json
+import os
+
+import pytest
+
+from megapar.data.tokenizers import APPENDED_ORDER, asset_path, load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
+
+
+def test_gpt2_hello_world_and_specials():
+    tok = load_tokenizer("gpt2")
+    assert tok.kind == "gpt2-bpe"
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.eod_id == 50256 and tok.base_vocab_size == 50257
+    # GPT-2 lacks [PAD] [CLS] [SEP] [MASK]: appended in that fixed order.
+    assert (tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id) == (50257, 50258, 50259, 50260)
+    assert tok.vocab_size == 50261
+    assert tok.decode([15496, tok.mask_id, 995]) == "Hello[MASK] world"
+
+
+def test_gpt2_roundtrip_is_lossless():
+    tok = load_tokenizer("gpt2")
+    text = "  Tis   nobler in the mind\n\nto suffer — 'slings' & arrows 🤗\t!"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode_batch([text, "Hello world"]) == [tok.encode(text), [15496, 995]]
+
+
+def test_gpt2_directory_spec_matches_transformers():
+    src = os.path.join(SHARED_DATA, "gpt2-tokenizer")
+    if not os.path.isdir(src):
+        pytest.skip("shared GPT-2 tokenizer not available")
+    from transformers import GPT2TokenizerFast
+
+    ours = load_tokenizer(src)
+    hf = GPT2TokenizerFast.from_pretrained(src)
+    with open(asset_path("shakespeare_sample.txt")) as f:
+        text = f.read()[:40000]
+    assert ours.encode(text) == hf.encode(text)
+    assert ours.path == os.path.abspath(src)
+    assert ours.spec()["vocab_size"] == 50261
+
+
+def test_sentencepiece_shipped_model():
+    import sentencepiece as spm
+
+    tok = load_tokenizer("sentencepiece")
+    proc = spm.SentencePieceProcessor(model_file=asset_path("botchan_en_unigram_1000.model"))
+    text = "I was a reckless boy, and my father never liked me."
+    assert tok.kind == "sentencepiece"
+    assert tok.encode(text) == proc.encode(text)
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eod_id == proc.eos_id() == 2
+    # botchan has no pad / [CLS] / [SEP] / [MASK]: appended after its 1000 pieces.
+    assert (tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id) == (1000, 1001, 1002, 1003)
+    assert tok.vocab_size == 1004
+    special = tok.special_tokens()
+    assert {0, 1, 2, 1000, 1001, 1002, 1003} <= set(special.reserved_ids)
+
+
+def test_sentencepiece_path_spec_and_spec_dict_reload():
+    path = os.path.join(SHARED_DATA, "sentencepiece", "botchan_en_bpe_1000.model")
+    if not os.path.isfile(path):
+        pytest.skip("shared SentencePiece models not available")
+    tok = load_tokenizer(path)
+    spec = json.loads(json.dumps(tok.spec()))
+    assert spec["kind"] == "sentencepiece" and spec["vocab_size"] == tok.vocab_size
+    again = load_tokenizer(spec)
+    assert again.encode("the school master") == tok.encode("the school master")
+
+
+def test_appended_order_is_documented_and_errors_are_clear(tmp_path):
+    assert APPENDED_ORDER[:4] == ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
+    with pytest.raises(ValueError, match="unknown tokenizer 'bert'.*'gpt2'"):
+        load_tokenizer("bert")
+    (tmp_path / "vocab.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="lacks merges.txt"):
+        load_tokenizer(str(tmp_path))
