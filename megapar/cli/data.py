@@ -20,7 +20,7 @@ from typing import Sequence
 def build_parser() -> argparse.ArgumentParser:
     """The ``megapar-data`` argument parser."""
     p = argparse.ArgumentParser(
-        prog="megapar-data", description=__doc__.split("\n\n")[0],
+        prog="megapar-data", description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
