@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -45,7 +46,9 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env):
         if world_size > 1:
             _device.init_distributed(rank, world_size, timeout_s=timeout_s)
         out = fn(*args, **kwargs)
-        results.put((rank, "ok", out))
+        # By value: torch's queue reducers would share tensors through file descriptors that
+        # vanish when this process exits.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as exc:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -97,7 +100,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
                 continue
             if status == "error":
                 raise WorkerError(f"rank {rank} failed: {payload}")
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             if p.is_alive():
@@ -117,4 +120,4 @@ def _drain(results, outputs):
             return
         if status == "error":
             raise WorkerError(f"rank {rank} failed: {payload}")
-        outputs[rank] = payload
+        outputs[rank] = pickle.loads(payload)

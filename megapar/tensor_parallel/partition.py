@@ -73,3 +73,10 @@ def gather_full(shard: torch.Tensor, dim: int | None, full: tuple[int, ...], gro
     parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, shard.contiguous(), group=group)
     return unpad(torch.cat(parts, dim=dim), dim, full)
+
+
+def mark_replicated(module) -> None:
+    """Give every parameter without a partition the replicated one (tp_dim None, its own shape)."""
+    for param in module.parameters():
+        if not hasattr(param, "tp_dim"):
+            set_partition(param, None, param.shape)

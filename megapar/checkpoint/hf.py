@@ -1,0 +1,233 @@
+"""Hugging Face transformers checkpoints in and out (GPT2LMHeadModel, BertForMaskedLM, BertModel).
+
+megapar's *canonical* state is the full (unsharded, unpadded) tensor of every parameter under its
+megapar name (`layers.3.attn.q.weight`, ...), the same in every layout. This module maps between
+canonical tensors and transformers' names and layouts (GPT-2's Conv1D stores weights
+transposed and fuses q, k, v into `c_attn`). Reading is lazy: a rank materialises only the
+tensors it asks for, one at a time, and keeps its shard.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from megapar.models.config import ConfigError, config_from_dict
+from megapar.tensor_parallel.partition import shard_of
+
+Getter = Callable[[str], torch.Tensor]
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+class HFReader:
+    """Lazy access to the tensors of a local transformers directory (no network)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        cfg = self.path / "config.json"
+        if not cfg.exists():
+            raise FileNotFoundError(f"{self.path}: no config.json; expected a transformers "
+                                    f"directory written by save_pretrained")
+        self.config = config_from_dict(json.loads(cfg.read_text()))
+        st, pt = self.path / "model.safetensors", self.path / "pytorch_model.bin"
+        if st.exists():
+            from safetensors import safe_open
+
+            self._file = safe_open(str(st), framework="pt")
+            self.keys = set(self._file.keys())
+            self._get = self._file.get_tensor
+        elif pt.exists():
+            state = torch.load(pt, map_location="cpu", weights_only=True)
+            self.keys = set(state)
+            self._get = state.__getitem__
+        else:
+            raise FileNotFoundError(f"{self.path}: neither model.safetensors nor "
+                                    f"pytorch_model.bin found")
+        self.prefix = self._detect_prefix()
+
+    def _detect_prefix(self) -> str:
+        probe = "wte.weight" if self.config.model_type == "gpt2" else \
+            "embeddings.word_embeddings.weight"
+        for prefix in ("transformer.", "bert.", ""):
+            if prefix + probe in self.keys:
+                return prefix
+        raise ConfigError(f"{self.path}: not a {self.config.model_type} checkpoint "
+                          f"(no {probe} found)")
+
+    def get(self, key: str) -> torch.Tensor:
+        """An HF tensor by its name (without the model prefix for base-model tensors)."""
+        for k in (self.prefix + key, key):
+            if k in self.keys:
+                return self._get(k)
+        raise KeyError(key)
+
+    def canonical(self, name: str) -> torch.Tensor:
+        """The full canonical tensor `name`, converted from the HF tensors."""
+        fn = _gpt2_canonical if self.config.model_type == "gpt2" else _bert_canonical
+        return fn(name, self.get, self.config).contiguous()
+
+
+# --- GPT-2 ---------------------------------------------------------------------------------
+_GPT2_TOP = {"embed.word.weight": "wte.weight", "embed.position.weight": "wpe.weight",
+             "final_norm.weight": "ln_f.weight", "final_norm.bias": "ln_f.bias"}
+_GPT2_LAYER = {"ln_1": "ln_1", "ln_2": "ln_2", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc",
+               "mlp.proj": "mlp.c_proj"}
+
+
+def _gpt2_canonical(name: str, get: Getter, config) -> torch.Tensor:
+    if name in _GPT2_TOP:
+        return get(_GPT2_TOP[name])
+    i, rest = _LAYER.fullmatch(name).groups()
+    module, kind = rest.rsplit(".", 1)
+    if module in ("attn.q", "attn.k", "attn.v"):
+        h = config.n_embd
+        j = "qkv".index(module[-1])
+        fused = get(f"h.{i}.attn.c_attn.{kind}")
+        return fused[..., j * h:(j + 1) * h].T if kind == "weight" else fused[j * h:(j + 1) * h]
+    tensor = get(f"h.{i}.{_GPT2_LAYER[module]}.{kind}")
+    conv1d = module != "ln_1" and module != "ln_2"
+    return tensor.T if conv1d and kind == "weight" else tensor
+
+
+def _gpt2_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    out = {"transformer." + hf: canonical[ours] for ours, hf in _GPT2_TOP.items()}
+    for i in range(config.n_layer):
+        p, hp = f"layers.{i}.", f"transformer.h.{i}."
+        out[hp + "attn.c_attn.weight"] = torch.cat(
+            [canonical[p + f"attn.{x}.weight"].T for x in "qkv"], dim=1)
+        out[hp + "attn.c_attn.bias"] = torch.cat([canonical[p + f"attn.{x}.bias"] for x in "qkv"])
+        for ours, hf in _GPT2_LAYER.items():
+            conv1d = ours not in ("ln_1", "ln_2")
+            w = canonical[p + ours + ".weight"]
+            out[hp + hf + ".weight"] = w.T if conv1d else w
+            out[hp + hf + ".bias"] = canonical[p + ours + ".bias"]
+    return out
+
+
+# --- BERT ----------------------------------------------------------------------------------
+_BERT_TOP = {"embed.word": "embeddings.word_embeddings",
+             "embed.position": "embeddings.position_embeddings",
+             "embed.token_type": "embeddings.token_type_embeddings",
+             "embed.norm": "embeddings.LayerNorm"}
+_BERT_LAYER = {"attn.q": "attention.self.query", "attn.k": "attention.self.key",
+               "attn.v": "attention.self.value", "attn.proj": "attention.output.dense",
+               "attn_norm": "attention.output.LayerNorm", "mlp.fc": "intermediate.dense",
+               "mlp.proj": "output.dense", "mlp_norm": "output.LayerNorm"}
+_BERT_HEAD = {"head.transform": "cls.predictions.transform.dense",
+              "head.norm": "cls.predictions.transform.LayerNorm"}
+
+
+def _bert_canonical(name: str, get: Getter, config) -> torch.Tensor:
+    if name == "head.bias":
+        return get("cls.predictions.bias")
+    module, kind = name.rsplit(".", 1)
+    if module in _BERT_TOP:
+        return get(f"{_BERT_TOP[module]}.{kind}")
+    if module in _BERT_HEAD:
+        return get(f"{_BERT_HEAD[module]}.{kind}")
+    i, rest = _LAYER.fullmatch(module + "." + kind).groups()
+    sub, kind = rest.rsplit(".", 1)
+    return get(f"encoder.layer.{i}.{_BERT_LAYER[sub]}.{kind}")
+
+
+def _bert_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    out = {}
+    for ours, hf in _BERT_TOP.items():
+        for kind in ("weight", "bias") if ours == "embed.norm" else ("weight",):
+            out[f"bert.{hf}.{kind}"] = canonical[f"{ours}.{kind}"]
+    for i in range(config.num_hidden_layers):
+        for ours, hf in _BERT_LAYER.items():
+            for kind in ("weight", "bias"):
+                out[f"bert.encoder.layer.{i}.{hf}.{kind}"] = canonical[f"layers.{i}.{ours}.{kind}"]
+    for ours, hf in _BERT_HEAD.items():
+        for kind in ("weight", "bias"):
+            out[f"{hf}.{kind}"] = canonical[f"{ours}.{kind}"]
+    out["cls.predictions.bias"] = canonical["head.bias"]
+    return out
+
+
+# --- megapar models <-> HF -----------------------------------------------------------------
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, reader: HFReader) -> list[str]:
+    """Copy this rank's shard of every parameter from an HF checkpoint into `model`.
+
+    Returns the canonical names the checkpoint lacks (e.g. the MLM head of a plain BertModel);
+    those parameters keep the values they had (call `model.init_weights(seed)` first).
+    """
+    missing = []
+    tp_rank = model.mesh.tp_rank
+    for name, param in model.named_parameters():
+        source = getattr(param, "tied_to", name)
+        try:
+            full = reader.canonical(source)
+        except KeyError:
+            missing.append(source)
+            continue
+        dim = getattr(param, "tp_dim", None)
+        if tuple(full.shape) != tuple(getattr(param, "full_shape", param.shape)):
+            raise ConfigError(f"{reader.path}: {source} has shape {tuple(full.shape)}, the model "
+                              f"expects {param.full_shape}")
+        local = param.shape[dim] if dim is not None else None
+        param.copy_(shard_of(full.to(param.dtype), dim, local, tp_rank))
+    return missing
+
+
+def to_hf_state(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """transformers' state dict (GPT2LMHeadModel / BertForMaskedLM names) from canonical tensors."""
+    fn = _gpt2_to_hf if config.model_type == "gpt2" else _bert_to_hf
+    return {k: v.contiguous() for k, v in fn(canonical, config).items()}
+
+
+def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path) -> Path:
+    """Write a directory that transformers' `from_pretrained` loads (config.json + safetensors).
+
+    Written to a temporary sibling directory and renamed at the end (atomic).
+    """
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        hf_config = config.to_hf()
+        hf_config.architectures = ["GPT2LMHeadModel" if config.model_type == "gpt2"
+                                   else "BertForMaskedLM"]
+        hf_config.tie_word_embeddings = True
+        (tmp / "config.json").write_text(hf_config.to_json_string())
+        save_file(to_hf_state(canonical, config), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def canonical_names(model: torch.nn.Module) -> Iterable[str]:
+    """The canonical names of a model's own parameters (tied copies excluded)."""
+    return [n for n, p in model.named_parameters() if not hasattr(p, "tied_to")]
+
+
+@torch.no_grad()
+def gather_canonical(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full tensors of this stage's parameters, gathered over the tp group (collective)."""
+    from megapar.tensor_parallel.partition import gather_full
+
+    out = {}
+    for name, param in model.named_parameters():
+        if hasattr(param, "tied_to"):
+            continue
+        out[name] = gather_full(param.detach(), getattr(param, "tp_dim", None),
+                                getattr(param, "full_shape", tuple(param.shape)),
+                                model.mesh.tp_group).cpu()
+    return out

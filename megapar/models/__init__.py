@@ -1,0 +1,20 @@
+"""GPT-2 and BERT built from tensor-parallel layers. Models never import the pipeline or CLI."""
+
+from megapar.models.bert import Bert
+from megapar.models.config import (
+    BertConfig, ConfigError, GPT2Config, config_from_dict, config_from_hf, load_config_file,
+)
+from megapar.models.gpt2 import GPT2
+from megapar.models.blocks import set_recompute
+
+MODEL_CLASSES = {"gpt2": GPT2, "bert": Bert}
+
+
+def build_model(config, mesh, layers=None, pre_process=True, post_process=True, tracker=None):
+    """The model (or pipeline stage) for a config; weights are left uninitialised."""
+    return MODEL_CLASSES[config.model_type](config, mesh, layers, pre_process, post_process,
+                                            tracker)
+
+
+__all__ = ["GPT2", "Bert", "GPT2Config", "BertConfig", "ConfigError", "config_from_dict",
+           "config_from_hf", "load_config_file", "build_model", "set_recompute", "MODEL_CLASSES"]

@@ -1,0 +1,150 @@
+"""BERT for masked-LM (numerically the same model as transformers' BertForMaskedLM).
+
+Post-LN encoder layers built from tp layers; token types; a padding attention mask; the MLM
+head (dense + GELU + LayerNorm transform, then the decoder tied to the word embedding, plus a
+vocab-parallel bias). Like GPT2, one class is the whole model or any pipeline stage of it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from megapar.mesh import Mesh
+from megapar.models.blocks import (
+    ParallelAttention, ParallelMLP, activation, layer_norm, run_layers,
+)
+from megapar.models.config import BertConfig
+from megapar.models.gpt2 import WORD_EMBEDDING
+from megapar.tensor_parallel import (
+    NullTracker, VocabParallelEmbedding, initialize, masked_mean, parallel_lm_logits,
+    vocab_parallel_cross_entropy,
+)
+from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
+
+
+class BertLayer(nn.Module):
+    """Post-LN: h = norm(x + attn(x)); out = norm(h + mlp(h))."""
+
+    def __init__(self, config: BertConfig, mesh: Mesh, tracker):
+        super().__init__()
+        eps, d = config.layer_norm_eps, mesh.device
+        self.attn = ParallelAttention(config.hidden_size, config.num_attention_heads, mesh,
+                                      tracker, config.attention_probs_dropout_prob, causal=False)
+        self.attn_norm = layer_norm(config.hidden_size, eps, d)
+        self.mlp = ParallelMLP(config.hidden_size, config.intermediate_size, mesh,
+                               config.hidden_act)
+        self.mlp_norm = layer_norm(config.hidden_size, eps, d)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        x = self.attn_norm(x + self.dropout(self.attn(x, mask)))
+        return self.mlp_norm(x + self.dropout(self.mlp(x)))
+
+
+class BertEmbedding(nn.Module):
+    def __init__(self, config: BertConfig, mesh: Mesh):
+        super().__init__()
+        d = mesh.device
+        self.word = VocabParallelEmbedding(config.vocab_size, config.hidden_size, mesh,
+                                           config.make_vocab_size_divisible_by)
+        self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size, device=d)
+        self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size, device=d)
+        self.norm = layer_norm(config.hidden_size, config.layer_norm_eps, d)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, ids: torch.Tensor, token_types: torch.Tensor | None) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        if token_types is None:
+            token_types = torch.zeros_like(ids)
+        x = self.word(ids) + self.position(positions) + self.token_type(token_types)
+        return self.dropout(self.norm(x))
+
+
+class BertMLMHead(nn.Module):
+    """transform (dense, GELU, LayerNorm), then logits = x E^T + bias with the tied embedding."""
+
+    def __init__(self, config: BertConfig, mesh: Mesh, tied_copy: bool):
+        super().__init__()
+        h, d = config.hidden_size, mesh.device
+        local = local_size(config.vocab_size, mesh.tp, config.make_vocab_size_divisible_by)
+        self.transform = nn.Linear(h, h, device=d)
+        self.act = activation(config.hidden_act)
+        self.norm = layer_norm(h, config.layer_norm_eps, d)
+        self.bias = set_partition(nn.Parameter(torch.empty(local, device=d)), 0,
+                                  (config.vocab_size,))
+        if tied_copy:
+            self.weight = set_partition(nn.Parameter(torch.empty(local, h, device=d)), 0,
+                                        (config.vocab_size, h))
+            self.weight.tied_to = WORD_EMBEDDING
+            self.weight.shared_embedding = True
+
+    def forward(self, x: torch.Tensor, word_embeddings: torch.Tensor, mesh: Mesh):
+        x = self.norm(self.act(self.transform(x)))
+        return parallel_lm_logits(x, word_embeddings, mesh, self.bias)
+
+
+class Bert(nn.Module):
+    """BERT MLM, or one pipeline stage of it.
+
+    batch: "input_ids" [b, s], optional "token_type_ids" [b, s], optional "attention_mask"
+    [b, s] (1 = real token, 0 = padding; needed on every stage), and "labels" [b, s] (-100 where
+    no loss). Returns hidden states, or on the last stage the mean MLM loss (or this rank's
+    vocab slice of the logits when the batch has no labels).
+    """
+
+    def __init__(self, config: BertConfig, mesh: Mesh, layers: Sequence[int] | None = None,
+                 pre_process: bool = True, post_process: bool = True, tracker=None):
+        super().__init__()
+        config.validate(mesh.layout)
+        self.config, self.mesh = config, mesh
+        self.tracker = tracker or NullTracker()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.recompute = "none"
+        layers = range(config.num_hidden_layers) if layers is None else layers
+        self.embed = BertEmbedding(config, mesh) if pre_process else None
+        self.layers = nn.ModuleDict({str(i): BertLayer(config, mesh, self.tracker) for i in layers})
+        self.head = BertMLMHead(config, mesh, tied_copy=not pre_process) if post_process else None
+        if pre_process:
+            self.embed.word.weight.shared_embedding = True
+        mark_replicated(self)
+
+    @property
+    def word_embeddings(self) -> nn.Parameter:
+        return self.embed.word.weight if self.pre_process else self.head.weight
+
+    @property
+    def vocab_start(self) -> int:
+        return self.mesh.tp_rank * self.word_embeddings.shape[0]
+
+    def init_weights(self, seed: int) -> None:
+        """Layout-independent init, as transformers initialises BertForMaskedLM."""
+        std = self.config.initializer_range
+
+        def init(name, shape, gen):
+            if name.endswith("bias"):
+                return torch.zeros(shape)
+            if "norm" in name:
+                return torch.ones(shape)
+            return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+        initialize(self, seed, init, self.mesh.tp_rank)
+
+    def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        if self.pre_process:
+            hidden = self.embed(batch["input_ids"], batch.get("token_type_ids"))
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            mask = mask.bool()[:, None, None, :]
+        hidden = run_layers(self.layers, hidden, mask, self.recompute, self.tracker)
+        if not self.post_process:
+            return hidden
+        logits = self.head(hidden, self.word_embeddings, self.mesh)
+        if "labels" not in batch:
+            return logits
+        labels = batch["labels"]
+        per_token = vocab_parallel_cross_entropy(logits, labels, self.mesh.tp_group,
+                                                 self.vocab_start, self.config.vocab_size)
+        return masked_mean(per_token, labels)

@@ -1,0 +1,116 @@
+"""Transformer pieces built from tensor-parallel layers, shared by GPT-2 and BERT.
+
+Attention heads are split across the tp group: q, k and v are column-parallel (each rank
+computes its heads), the output projection is row-parallel (partial sums reduced over tp).
+The MLP is column-parallel up, row-parallel down. Between the two halves nothing is
+communicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapar.mesh import Mesh
+from megapar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, divide
+
+ACTIVATIONS = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {name!r}; expected one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def layer_norm(size: int, eps: float, device) -> nn.LayerNorm:
+    return nn.LayerNorm(size, eps=eps, device=device)
+
+
+class ParallelAttention(nn.Module):
+    """Multi-head self-attention with this rank's share of the heads.
+
+    `recompute_core` (selective recomputation) recomputes only the attention core
+    (softmax(QK^T)V) in backward instead of storing its activations.
+    """
+
+    def __init__(self, hidden: int, heads: int, mesh: Mesh, tracker, dropout: float,
+                 causal: bool):
+        super().__init__()
+        self.local_heads = divide(heads, mesh.tp, "attention heads")
+        self.head_dim = divide(hidden, heads, f"hidden size (for {heads} heads)") if hidden else 0
+        self.q = ColumnParallelLinear(hidden, hidden, mesh, name="hidden size")
+        self.k = ColumnParallelLinear(hidden, hidden, mesh, name="hidden size")
+        self.v = ColumnParallelLinear(hidden, hidden, mesh, name="hidden size")
+        self.proj = RowParallelLinear(hidden, hidden, mesh, name="hidden size")
+        self.tracker = tracker
+        self.dropout = dropout
+        self.causal = causal
+        self.recompute_core = False
+
+    def _core(self, q, k, v, mask):
+        with self.tracker.fork():  # dropout on this rank's heads: the per-tp-rank stream
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                is_causal=self.causal and mask is None)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+
+        def heads(t):
+            return t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        if self.recompute_core and torch.is_grad_enabled():
+            if mask is None:
+                out = self.tracker.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, None),
+                                              q, k, v)
+            else:
+                out = self.tracker.checkpoint(self._core, q, k, v, mask)
+        else:
+            out = self._core(q, k, v, mask)
+        out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
+        return self.proj(out)
+
+
+class ParallelMLP(nn.Module):
+    """fc (column-parallel) -> activation -> proj (row-parallel)."""
+
+    def __init__(self, hidden: int, ffn: int, mesh: Mesh, act: str):
+        super().__init__()
+        self.fc = ColumnParallelLinear(hidden, ffn, mesh, name="FFN size")
+        self.proj = RowParallelLinear(ffn, hidden, mesh, name="FFN size")
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+def run_layers(layers: nn.ModuleDict, hidden: torch.Tensor, mask, recompute: str, tracker):
+    """Run blocks in order; with recompute == "full" keep only each block's input for backward."""
+    for layer in layers.values():
+        if recompute == "full" and torch.is_grad_enabled():
+            hidden = tracker.checkpoint(layer, hidden, mask) if mask is not None else \
+                tracker.checkpoint(layer, hidden)
+        else:
+            hidden = layer(hidden, mask)
+    return hidden
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def set_recompute(model: nn.Module, mode: str) -> None:
+    """Choose activation recomputation for a model (or stage): none, selective or full."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"unknown recompute mode {mode!r}; expected one of {RECOMPUTE_MODES}")
+    model.recompute = mode
+    for module in model.modules():
+        if isinstance(module, ParallelAttention):
+            module.recompute_core = mode == "selective"

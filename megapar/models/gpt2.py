@@ -1,0 +1,131 @@
+"""GPT-2 (numerically the same model as transformers' GPT2LMHeadModel), built from tp layers.
+
+One class serves the whole model and any pipeline stage of it: a stage holds the embedding if it
+is first (`pre_process`), a contiguous run of blocks (named by their *global* index, so
+parameter names are the same in every layout), and the final norm + LM head if it is last
+(`post_process`). The LM head reuses the word embedding; a last stage without the embedding
+keeps a tied copy, `head.weight`, whose gradient the trainer sums with the first stage's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from megapar.mesh import Mesh
+from megapar.models.blocks import ParallelAttention, ParallelMLP, layer_norm, run_layers
+from megapar.models.config import GPT2Config
+from megapar.tensor_parallel import (
+    NullTracker, VocabParallelEmbedding, initialize, masked_mean, parallel_lm_logits,
+    vocab_parallel_cross_entropy,
+)
+from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
+
+WORD_EMBEDDING = "embed.word.weight"
+
+
+class GPT2Block(nn.Module):
+    """Pre-LN block: x + attn(ln_1(x)), then x + mlp(ln_2(x)), dropout before each residual add."""
+
+    def __init__(self, config: GPT2Config, mesh: Mesh, tracker):
+        super().__init__()
+        d = mesh.device
+        self.ln_1 = layer_norm(config.n_embd, config.layer_norm_epsilon, d)
+        self.attn = ParallelAttention(config.n_embd, config.n_head, mesh, tracker,
+                                      config.attn_pdrop, causal=True)
+        self.ln_2 = layer_norm(config.n_embd, config.layer_norm_epsilon, d)
+        self.mlp = ParallelMLP(config.n_embd, config.ffn_size, mesh, config.activation_function)
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x), mask))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+class GPT2Embedding(nn.Module):
+    def __init__(self, config: GPT2Config, mesh: Mesh):
+        super().__init__()
+        self.word = VocabParallelEmbedding(config.vocab_size, config.n_embd, mesh,
+                                           config.make_vocab_size_divisible_by)
+        self.position = nn.Embedding(config.n_positions, config.n_embd, device=mesh.device)
+        self.dropout = nn.Dropout(config.embd_pdrop)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.dropout(self.word(ids) + self.position(positions))
+
+
+class GPT2(nn.Module):
+    """GPT-2 LM, or one pipeline stage of it.
+
+    forward(hidden, batch): `hidden` is the previous stage's output (None on the first stage);
+    `batch` holds "input_ids" [b, s] and, for a loss, "labels" [b, s] (next-token ids, -100 to
+    ignore). Returns the hidden states, or on the last stage the mean loss over labelled tokens
+    (or this rank's vocab slice of the logits when the batch has no labels).
+    """
+
+    def __init__(self, config: GPT2Config, mesh: Mesh, layers: Sequence[int] | None = None,
+                 pre_process: bool = True, post_process: bool = True, tracker=None):
+        super().__init__()
+        config.validate(mesh.layout)
+        self.config, self.mesh = config, mesh
+        self.tracker = tracker or NullTracker()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.recompute = "none"
+        layers = range(config.n_layer) if layers is None else layers
+        self.embed = GPT2Embedding(config, mesh) if pre_process else None
+        self.layers = nn.ModuleDict({str(i): GPT2Block(config, mesh, self.tracker) for i in layers})
+        if post_process:
+            self.final_norm = layer_norm(config.n_embd, config.layer_norm_epsilon, mesh.device)
+            if not pre_process:
+                local = local_size(config.vocab_size, mesh.tp, config.make_vocab_size_divisible_by)
+                self.head = nn.Module()
+                self.head.weight = set_partition(
+                    nn.Parameter(torch.empty(local, config.n_embd, device=mesh.device)),
+                    0, (config.vocab_size, config.n_embd))
+                self.head.weight.tied_to = WORD_EMBEDDING
+        if pre_process:
+            self.embed.word.weight.shared_embedding = True
+        mark_replicated(self)
+        if post_process and not pre_process:
+            self.head.weight.shared_embedding = True
+
+    @property
+    def word_embeddings(self) -> nn.Parameter:
+        return self.embed.word.weight if self.pre_process else self.head.weight
+
+    @property
+    def vocab_start(self) -> int:
+        return self.mesh.tp_rank * self.word_embeddings.shape[0]
+
+    def init_weights(self, seed: int) -> None:
+        """Layout-independent init, as transformers initialises GPT2LMHeadModel."""
+        std = self.config.initializer_range
+        proj_std = std / math.sqrt(2 * self.config.n_layer)
+
+        def init(name, shape, gen):
+            if name.endswith("bias"):
+                return torch.zeros(shape)
+            if ".ln_" in name or name.startswith("final_norm"):
+                return torch.ones(shape)
+            s = proj_std if name.endswith("proj.weight") else std
+            return torch.empty(shape).normal_(0.0, s, generator=gen)
+
+        initialize(self, seed, init, self.mesh.tp_rank)
+
+    def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        if self.pre_process:
+            hidden = self.embed(batch["input_ids"])
+        hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
+        if not self.post_process:
+            return hidden
+        logits = parallel_lm_logits(self.final_norm(hidden), self.word_embeddings, self.mesh)
+        if "labels" not in batch:
+            return logits
+        labels = batch["labels"]
+        per_token = vocab_parallel_cross_entropy(logits, labels, self.mesh.tp_group,
+                                                 self.vocab_start, self.config.vocab_size)
+        return masked_mean(per_token, labels)

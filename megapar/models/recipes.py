@@ -1,0 +1,40 @@
+"""Named model recipes (the JSON files in the repository's top-level `models/` folder).
+
+`resolve_model("gpt2-124m")` gives the config of a recipe; a path to a JSON/YAML file (a megapar
+recipe or a transformers config.json) works too. The vocabulary size of a recipe is a default:
+training overrides it with the tokenizer's.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from megapar.models.config import ConfigError, load_config_file
+
+
+def recipe_dirs() -> list[Path]:
+    """Where recipes live: the source tree's models/ (editable installs), then the installed copy."""
+    here = Path(__file__).resolve().parents[2] / "models"
+    return [d for d in (here, Path(sys.prefix) / "share" / "megapar" / "models") if d.is_dir()]
+
+
+def list_recipes() -> list[str]:
+    return sorted({p.stem for d in recipe_dirs() for p in d.glob("*.json")})
+
+
+def resolve_model(name_or_path: str):
+    """A model config from a recipe name or a JSON/YAML config file."""
+    path = Path(name_or_path)
+    if path.suffix in (".json", ".yaml", ".yml") or path.exists():
+        if not path.exists():
+            raise ConfigError(f"model config file {path} not found")
+        if path.is_dir():
+            path = path / "config.json"
+        return load_config_file(path)
+    for d in recipe_dirs():
+        candidate = d / f"{name_or_path}.json"
+        if candidate.exists():
+            return load_config_file(candidate)
+    raise ConfigError(f"unknown model {name_or_path!r}; known recipes: "
+                      f"{', '.join(list_recipes())} (or pass a JSON/YAML config file)")
