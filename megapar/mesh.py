@@ -122,6 +122,22 @@ class Mesh:
                     self.embedding_group = group
 
     @classmethod
+    def virtual(cls, layout: Layout, rank: int = 0, device: str = "meta") -> "Mesh":
+        """A mesh with coordinates but no process groups, for planning without processes.
+
+        Building a model on it with device "meta" lists each rank's parameters (names, shard
+        shapes, partitions) without allocating memory; the checkpoint converter uses this.
+        """
+        mesh = cls.__new__(cls)
+        mesh.layout, mesh.rank = layout, rank
+        mesh.tp_rank, mesh.pp_rank, mesh.dp_rank = layout.coords(rank)
+        mesh.device = torch.device(device)
+        mesh.device_mesh = None
+        mesh.tp_group = mesh.pp_group = mesh.dp_group = mesh.mp_group = None
+        mesh.embedding_group = None
+        return mesh
+
+    @classmethod
     def from_env(cls, tp: int = 1, pp: int = 1, dp: int | None = None) -> "Mesh":
         """Initialise torch.distributed from the environment (if needed) and build the mesh."""
         import os

@@ -1,0 +1,1 @@
+"""Checkpoints: the sharded format, layout conversion, Hugging Face import/export."""

@@ -1,0 +1,1 @@
+"""The training loop, the train step and their logging."""
