@@ -61,10 +61,13 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env):
             pass
 
 
-def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 240.0,
+def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float | None = 240.0,
               collective_timeout_s: float | None = None, start_method: str | None = None,
               env: dict[str, str] | None = None, **kwargs) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` local ranks and return each rank's result.
+
+    timeout_s=None waits as long as the workers run (training); collectives still time out
+    after `collective_timeout_s` (default: megapar.device.DEFAULT_TIMEOUT_S).
 
     The process group is initialised before `fn` runs (RANK / WORLD_SIZE are in the
     environment). Raises `WorkerError` naming the first rank that failed, or a `TimeoutError`
@@ -75,14 +78,14 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float =
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    coll_timeout = collective_timeout_s or max(10.0, timeout_s - 5.0)
+    coll_timeout = collective_timeout_s or (max(10.0, timeout_s - 5.0) if timeout_s else None)
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, r, world_size, port, args, kwargs, results, coll_timeout, env or {}))
              for r in range(world_size)]
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
     try:
         while len(outputs) < world_size:
             try:
@@ -121,3 +124,32 @@ def _drain(results, outputs):
         if status == "error":
             raise WorkerError(f"rank {rank} failed: {payload}")
         outputs[rank] = pickle.loads(payload)
+
+
+def under_launcher() -> bool:
+    """True under torchrun / Slurm (they set the rank environment for us)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+
+
+def run_workers(fn: Callable[..., Any], world_size: int, *args,
+                collective_timeout_s: float | None = None) -> list[Any]:
+    """Run `fn(*args)` as this process's rank under torchrun / Slurm, or else start
+    `world_size` local workers (in this process when world_size is 1). Returns the results of
+    the ranks this process ran."""
+    if under_launcher():
+        if os.environ.get("SLURM_PROCID") and "RANK" not in os.environ:
+            os.environ.update(RANK=os.environ["SLURM_PROCID"],
+                              WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                              LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+        _device.init_distributed(timeout_s=collective_timeout_s)
+        return [fn(*args)]
+    if world_size == 1:
+        return [fn(*args)]
+    return run_local(fn, world_size, *args, timeout_s=None,
+                     collective_timeout_s=collective_timeout_s)

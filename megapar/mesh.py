@@ -138,14 +138,15 @@ class Mesh:
         return mesh
 
     @classmethod
-    def from_env(cls, tp: int = 1, pp: int = 1, dp: int | None = None) -> "Mesh":
+    def from_env(cls, tp: int = 1, pp: int = 1, dp: int | None = None,
+                 timeout_s: float | None = None) -> "Mesh":
         """Initialise torch.distributed from the environment (if needed) and build the mesh."""
         import os
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
         layout = Layout.infer(world, tp, pp, dp)
         if world > 1:
-            _device.init_distributed()
+            _device.init_distributed(timeout_s=timeout_s)
             return cls(layout, dist.get_rank())
         return cls(layout, 0)
 

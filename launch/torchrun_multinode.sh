@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Multi-node megapar-train with torchrun (static rendezvous: node 0 hosts it).
+#
+# Run the same command on every node, changing NODE_RANK:
+#   NNODES=2 NODE_RANK=0 NPROC_PER_NODE=8 MASTER_ADDR=node0.example MASTER_PORT=29500 \
+#     launch/torchrun_multinode.sh --tp 8 --pp 2 --model gpt2-1.5b --data /data/corpus
+#
+# Rank order is tp fastest, then pp, then dp: keep tp <= NPROC_PER_NODE so tensor-parallel
+# groups stay inside a node; dp (= world / (tp*pp)) crosses nodes. Extra torchrun flags can go
+# in TORCHRUN_ARGS (e.g. TORCHRUN_ARGS="--max-restarts 0").
+set -euo pipefail
+: "${NNODES:?set NNODES (number of nodes)}"
+: "${NODE_RANK:?set NODE_RANK (0 .. NNODES-1)}"
+: "${NPROC_PER_NODE:=1}"
+: "${MASTER_ADDR:=127.0.0.1}"
+: "${MASTER_PORT:=29500}"
+PYTHON="${PYTHON:-python3}"
+exec "$PYTHON" -m torch.distributed.run \
+  --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" ${TORCHRUN_ARGS:-} \
+  -m megapar.cli.train "$@"

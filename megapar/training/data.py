@@ -1,0 +1,122 @@
+"""From `--data` / `--tokenizer` / `--model` to datasets, the model config and batches.
+
+`prepare_data` runs once, in the launching process, before any worker starts: it checks the
+data exists, tokenizes raw text into the cache, and resolves the model config against the
+tokenizer, so the usual mistakes are reported before a process group could hang.
+Workers then call `build_datasets` and `batches`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megapar.data import (
+    GlobalBatchSampler, GPTDataset, IndexedDataset, MLMDataset, asset_path, collate,
+    ensure_dataset, load_tokenizer, split_documents,
+)
+from megapar.models.config import ConfigError
+from megapar.training.config import TrainConfig
+
+DEFAULT_TEXT = "shakespeare_sample.txt"
+DEFAULT_MODEL = "gpt2-tiny"
+
+
+@dataclass
+class DataPlan:
+    """What the launcher resolved before starting workers."""
+
+    prefix: str
+    """Tokenized dataset prefix (PREFIX.bin / .idx / .json)."""
+    model_config: dict
+    """The model config (a dict with model_type), vocab size matched to the tokenizer."""
+
+
+def resolve_data_prefix(cfg: TrainConfig) -> str:
+    """The dataset prefix for --data: tokenizing raw text (or the shipped sample) if needed."""
+    data = cfg.data
+    if data is None:
+        data = asset_path(DEFAULT_TEXT)
+    data = os.path.expanduser(data)
+    if data.endswith((".txt", ".text", ".md")) or (os.path.isfile(data) and
+                                                    not os.path.exists(data + ".bin")):
+        if not os.path.isfile(data):
+            raise FileNotFoundError(f"--data {data}: no such text file")
+        return ensure_dataset(data, cfg.tokenizer, os.path.expanduser(cfg.data_cache),
+                              split_paragraphs=True, progress=cfg.progress)
+    missing = [data + ext for ext in (".bin", ".idx", ".json") if not os.path.exists(data + ext)]
+    if missing:
+        raise FileNotFoundError(
+            f"--data {data}: {', '.join(os.path.basename(m) for m in missing)} not found; pass "
+            f"the prefix written by `megapar-data --output-prefix`, or a raw .txt file")
+    return data
+
+
+def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str):
+    """The model config for --model / --from-hf, checked against the tokenizer and seq-len."""
+    from megapar.models.recipes import resolve_model
+
+    if cfg.from_hf:
+        from megapar.checkpoint.hf import HFReader
+
+        config = HFReader(cfg.from_hf).config
+        if config.vocab_size < vocab_size:
+            raise ConfigError(
+                f"tokenizer {tokenizer_name} has {vocab_size} tokens but the model from "
+                f"{cfg.from_hf} has a vocabulary of {config.vocab_size}; use the model's own "
+                f"tokenizer (--tokenizer) or data tokenized with it")
+    elif cfg.model and os.path.exists(os.path.expanduser(cfg.model)):
+        config = resolve_model(os.path.expanduser(cfg.model))
+        if config.vocab_size != vocab_size:
+            raise ConfigError(
+                f"the model config {cfg.model} has vocab_size {config.vocab_size} but the data's "
+                f"tokenizer {tokenizer_name} has {vocab_size} tokens; make them match")
+    else:
+        config = resolve_model(cfg.model or DEFAULT_MODEL)
+        config.vocab_size = vocab_size  # recipes take the tokenizer's vocabulary
+    max_len = getattr(config, "n_positions", None) or config.max_position_embeddings
+    if cfg.seq_len > max_len:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of {max_len} "
+                          f"positions; lower --seq-len")
+    return config
+
+
+def prepare_data(cfg: TrainConfig) -> DataPlan:
+    prefix = resolve_data_prefix(cfg)
+    indexed = IndexedDataset(prefix)
+    tokenizer = indexed.tokenizer_spec.get("path", "?")
+    config = resolve_model_config(cfg, indexed.vocab_size, str(tokenizer))
+    return DataPlan(prefix=prefix, model_config=config.to_dict())
+
+
+def build_datasets(cfg: TrainConfig, prefix: str, model_type: str):
+    """(train, val) datasets: GPT windows or BERT MLM samples, split by documents."""
+    indexed = IndexedDataset(prefix)
+    if cfg.val_fraction > 0 and indexed.num_docs > 1:
+        train_docs, val_docs = split_documents(indexed.num_docs, cfg.val_fraction, cfg.seed)
+    else:
+        train_docs, val_docs = None, None
+    if model_type == "gpt2":
+        make = lambda docs: GPTDataset(indexed, cfg.seq_len, doc_range=docs)  # noqa: E731
+    else:
+        special = load_tokenizer(indexed.tokenizer_spec)
+        make = lambda docs: MLMDataset(indexed, cfg.seq_len, special, cfg.seed,  # noqa: E731
+                                       doc_range=docs)
+    train = make(train_docs)
+    val = make(val_docs) if val_docs is not None else None
+    return train, val
+
+
+def make_sampler(cfg: TrainConfig, dataset, dp: int, dp_rank: int, shuffle=True, seed=None):
+    return GlobalBatchSampler(len(dataset), cfg.global_batch_size, cfg.micro_batch_size, dp,
+                              dp_rank, cfg.seed if seed is None else seed, shuffle=shuffle)
+
+
+def batches(dataset, sampler, device: torch.device):
+    """Endless: per global batch, this rank's micro-batches as dicts of tensors on `device`."""
+    while True:
+        for micro_batches in sampler:
+            yield [{k: v.to(device) for k, v in collate([dataset[i] for i in mb]).items()}
+                   for mb in micro_batches]

@@ -1,0 +1,111 @@
+"""Metrics of a training run: the progress bar, log lines, JSON lines, TensorBoard and W&B.
+
+Only the rank that logs (global rank 0) creates a `MetricsLogger`; the others get a
+`NullLogger`. FLOPs per token follow the usual dense-transformer estimate
+6N + 12 L h s (forward + backward, N parameters, L layers, hidden h, sequence s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), without recomputation."""
+    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak, or the peak resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
+class NullLogger:
+    def log(self, step: int, metrics: dict) -> None: ...
+    def message(self, text: str) -> None: ...
+    def advance(self, step: int, loss: float | None) -> None: ...
+    def close(self) -> None: ...
+
+
+class MetricsLogger(NullLogger):
+    """Rank 0's logger: tqdm progress bar, console lines, --log-json, TensorBoard, W&B."""
+
+    def __init__(self, cfg, start_step: int, run_config: dict):
+        self.bar = None
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train",
+                            dynamic_ncols=True, file=sys.stderr)
+        self.json = None
+        if cfg.log_json:
+            Path(cfg.log_json).parent.mkdir(parents=True, exist_ok=True)
+            self.json = open(cfg.log_json, "a", buffering=1)
+        self.tb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(cfg.tensorboard)
+        self.wandb = None
+        if cfg.wandb_project:
+            import wandb
+
+            os.environ.setdefault("WANDB_MODE", "offline")
+            self.wandb = wandb.init(project=cfg.wandb_project, config=run_config)
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def advance(self, step: int, loss: float | None) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            self.bar.refresh()
+
+    def log(self, step: int, metrics: dict) -> None:
+        """One JSON line per call; scalars to TensorBoard / W&B."""
+        record = {"step": step, **metrics}
+        if self.json is not None:
+            self.json.write(json.dumps(record) + "\n")
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self.tb is not None:
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.json is not None:
+            self.json.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def format_line(step: int, m: dict) -> str:
+    """The console log line."""
+    parts = [f"step {step:>6}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.3e}",
+             f"grad_norm {m['grad_norm']:.3f}", f"tok/s {m['tokens_per_s']:,.0f}",
+             f"TFLOP/s {m['tflops']:.3f}", f"MFU {100 * m['mfu']:.2f}%",
+             f"bubble {100 * m['bubble']:.1f}%", f"mem {m['peak_mem_mb']:,.0f} MB"]
+    if m.get("skipped"):
+        parts.append("skipped (inf/nan)")
+    if "loss_scale" in m and m["loss_scale"] != 1.0:
+        parts.append(f"scale {m['loss_scale']:.0f}")
+    return " | ".join(parts)

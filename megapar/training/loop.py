@@ -1,0 +1,227 @@
+"""The training loop one rank runs: build everything, resume, step, evaluate, log, save.
+
+Read top to bottom: `train()` builds the mesh, the model stage, data, pipeline executor and
+optimizer; resumes from a checkpoint if asked; then loops over optimizer steps. Every rank runs
+the same loop (same step count, same collectives); only global rank 0 logs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from megapar.mesh import Mesh
+from megapar.models.config import config_from_dict
+from megapar.training.build import build_stage
+from megapar.training.config import TrainConfig
+from megapar.training.data import DataPlan, batches, build_datasets, make_sampler
+from megapar.training.logging import (
+    MetricsLogger, NullLogger, flops_per_token, format_line, peak_memory_mb,
+)
+
+
+class TrainingError(RuntimeError):
+    """A failure on one rank, naming the rank and the step."""
+
+
+def _dp_mean(value: float, mesh: Mesh) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=mesh.device)
+    if mesh.dp_group is not None:
+        dist.all_reduce(t, group=mesh.dp_group)
+        t /= mesh.dp
+    return t.item()
+
+
+def _num_params(model, mesh: Mesh) -> int:
+    """Parameters of the whole model (each counted once across tp and pp)."""
+    count = sum(p.numel() for p in model.parameters()
+                if not hasattr(p, "tied_to") and (p.tp_dim is not None or mesh.tp_rank == 0))
+    t = torch.tensor([count], dtype=torch.float64, device=mesh.device)
+    if mesh.mp_group is not None:
+        dist.all_reduce(t, group=mesh.mp_group)
+    return int(t.item())
+
+
+class Trainer:
+    """Everything one rank needs for a run, built from a TrainConfig and a DataPlan."""
+
+    def __init__(self, cfg: TrainConfig, plan: DataPlan):
+        from megapar.data_parallel import GradBuckets
+        from megapar.optim import LRScheduler, Precision, build_optimizer
+        from megapar.pipeline.executor import PipelineExecutor
+        from megapar.training.step import TrainStep
+
+        self.cfg = cfg
+        self.mesh = mesh = Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s)
+        self.config = config_from_dict(plan.model_config)
+        self.model = build_stage(self.config, mesh, cfg.seed, cfg.recompute)
+        self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
+        self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
+        act_shape = (cfg.micro_batch_size, cfg.seq_len, self.config.hidden_size)
+        self.executor = PipelineExecutor(self.model, mesh, cfg.schedule, act_shape,
+                                         timeout_s=cfg.timeout_s)
+        self.precision = Precision(cfg.precision, mesh.device)
+        self.optimizer = build_optimizer(self.model, mesh, cfg.lr, cfg.weight_decay,
+                                         zero=cfg.zero)
+        self.scheduler = LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps,
+                                     cfg.lr_decay)
+        grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_group) \
+            if mesh.dp > 1 else None
+        self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer,
+                                 self.scheduler, self.precision, cfg.clip_grad, grad_sync)
+        self.step = 0
+        self.notes: list[str] = []
+        if cfg.from_hf and not cfg.load:
+            self._load_hf(cfg.from_hf)
+        if cfg.load:
+            self._resume(cfg.load)
+        n_params = _num_params(self.model, mesh)
+        self.flops_per_token = flops_per_token(n_params, self.config.num_layers,
+                                               self.config.hidden_size, cfg.seq_len)
+        self.n_params = n_params
+
+    # -- start ------------------------------------------------------------------------------
+    def _load_hf(self, path: str) -> None:
+        from megapar.checkpoint.hf import HFReader, load_hf_weights
+
+        missing = load_hf_weights(self.model, HFReader(path))
+        note = f"loaded weights from {path}"
+        if missing:
+            note += f"; initialised from --seed (not in the checkpoint): {', '.join(missing)}"
+        self.notes.append(note)
+
+    def _resume(self, path: str) -> None:
+        from megapar.checkpoint.distributed import load_checkpoint
+
+        state = load_checkpoint(path, self.model, self.mesh)
+        meta = state.meta
+        if state.optim_tensors:
+            self.optimizer.load_state_tensors(state.optim_tensors)
+        if meta.get("optimizer"):
+            self.optimizer.load_state_json(meta["optimizer"])
+        if meta.get("scheduler"):
+            self.scheduler.load_state_dict(meta["scheduler"])
+        if meta.get("scaler"):
+            self.precision.load_state_dict(meta["scaler"])
+        if meta.get("sampler"):
+            self.sampler.load_state_dict(meta["sampler"])
+        if state.rng:
+            self._set_rng(state.rng)
+        self.step = int(meta.get("step", 0))
+        how = f"resharded from {state.source_layout}" if state.resharded else "same layout"
+        self.notes.append(f"resumed from {path} at step {self.step} ({how})")
+
+    def _rng(self) -> dict[str, torch.Tensor]:
+        out = {"cpu": torch.get_rng_state()}
+        if self.mesh.device.type == "cuda":
+            out["cuda"] = torch.cuda.get_rng_state(self.mesh.device)
+        tracker = getattr(self.model, "tracker", None)
+        if getattr(tracker, "tp_state", None) is not None:
+            out["tp"] = tracker.tp_state
+        return out
+
+    def _set_rng(self, rng: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and self.mesh.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.mesh.device)
+        if "tp" in rng and getattr(self.model, "tracker", None) is not None:
+            self.model.tracker.tp_state = rng["tp"]
+
+    # -- save / eval -------------------------------------------------------------------------
+    def save(self) -> str:
+        from megapar.checkpoint.distributed import save_checkpoint
+
+        meta = {"step": self.step, "consumed_samples": self.sampler.consumed_samples,
+                "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scaler": self.precision.state_dict(), "optimizer": self.optimizer.state_json(),
+                "train_config": self.cfg.to_dict()}
+        return save_checkpoint(self.cfg.save, self.step, self.model, self.mesh,
+                               self.optimizer.state_tensors(), meta, self._rng())
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over the first --eval-steps global batches of the validation split."""
+        if self.val_ds is None or len(self.val_ds) < self.cfg.global_batch_size:
+            return None
+        sampler = make_sampler(self.cfg, self.val_ds, self.mesh.dp, self.mesh.dp_rank,
+                               shuffle=False)
+        losses = []
+        self.model.eval()
+        for i, micro_batches in enumerate(batches(self.val_ds, sampler, self.mesh.device)):
+            if i >= min(self.cfg.eval_steps, sampler.batches_per_epoch):
+                break
+            with self.precision.autocast():
+                loss = self.executor.run(micro_batches, forward_only=True)
+            losses.append(_dp_mean(float(loss), self.mesh))
+        self.model.train()
+        return sum(losses) / len(losses)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def bubble(self) -> float:
+        """Measured bubble fraction of the last step over all stages (collective over pp)."""
+        from megapar.pipeline.executor import gather_timeline
+        from megapar.pipeline.timeline import bubble_stats
+
+        timeline = gather_timeline(self.executor.last_timeline, self.mesh)
+        return bubble_stats(timeline)["measured_bubble"] if timeline is not None else 0.0
+
+    def run(self) -> list[dict]:
+        cfg, mesh = self.cfg, self.mesh
+        logger = MetricsLogger(cfg, self.step, cfg.to_dict()) if mesh.rank == 0 else NullLogger()
+        logger.message(f"megapar: {self.config.model_type} with {self.n_params:,} parameters, "
+                       f"{mesh.layout}, global batch {cfg.global_batch_size} x {cfg.seq_len} "
+                       f"tokens, {self.sampler.micro_batches_per_rank} micro-batches per step")
+        for note in self.notes:
+            logger.message(note)
+        history: list[dict] = []
+        data = batches(self.train_ds, self.sampler, mesh.device)
+        tokens_per_step = cfg.global_batch_size * cfg.seq_len
+        try:
+            while self.step < cfg.max_steps:
+                start = time.perf_counter()
+                micro_batches = next(data)
+                result = self.step_fn.step(micro_batches, self.step)
+                elapsed = time.perf_counter() - start
+                self.step += 1
+                loss = _dp_mean(float(result.loss), mesh)
+                tokens_per_s = tokens_per_step / elapsed
+                tflops = self.flops_per_token * tokens_per_s / 1e12
+                metrics = {"loss": loss, "lr": result.lr, "grad_norm": float(result.grad_norm),
+                           "tokens_per_s": tokens_per_s, "step_time_s": elapsed,
+                           "tflops": tflops, "mfu": tflops / (cfg.peak_tflops * mesh.layout.world_size),
+                           "skipped": bool(result.skipped), "loss_scale": float(result.loss_scale)}
+                logging_step = self.step % cfg.log_interval == 0 or self.step == cfg.max_steps
+                if logging_step:
+                    metrics["bubble"] = self.bubble()
+                    metrics["peak_mem_mb"] = peak_memory_mb(mesh.device)
+                if cfg.eval_interval and self.step % cfg.eval_interval == 0:
+                    val = self.evaluate()
+                    if val is not None:
+                        metrics["val_loss"] = val
+                        metrics["val_ppl"] = math.exp(min(val, 50.0))
+                logger.log(self.step, metrics)
+                logger.advance(self.step, loss)
+                if logging_step:
+                    logger.message(format_line(self.step, metrics) + (
+                        f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""))
+                history.append({"step": self.step, **metrics})
+                if cfg.save and cfg.save_interval and self.step % cfg.save_interval == 0 \
+                        and self.step < cfg.max_steps:
+                    logger.message(f"saved {self.save()}")
+            if cfg.save:
+                logger.message(f"saved {self.save()}")
+        except Exception as exc:
+            raise TrainingError(f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
+                                f"pp={mesh.pp_rank} dp={mesh.dp_rank}) failed at step "
+                                f"{self.step + 1}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            logger.close()
+        return history
+
+
+def train(cfg: TrainConfig, plan: DataPlan) -> list[dict]:
+    """Entry point of one worker (rank): returns the per-step metrics history."""
+    return Trainer(cfg, plan).run()
