@@ -1,0 +1,249 @@
+"""Run one pipeline stage's schedule for a training (or evaluation) step.
+
+The executor knows nothing about GPipe or 1F1B: it asks `get_schedule(name)(pp, m, stage)` for this
+stage's list of `Action`s and runs them in order, dispatching on `Action.kind` through a dict of
+handlers (`self.handlers`). A new action kind (the zero-bubble ``backward_input`` /
+``backward_weight``) is a new entry in that dict; the loop does not change.
+
+Per in-flight micro-batch it keeps the input activation (a leaf that requires grad, so its `.grad`
+is what the previous stage needs) and the output (hidden states, or the loss on the last stage),
+and frees both at the micro-batch's backward. The last stage backpropagates
+``loss * loss_scale / m``, so `param.grad` accumulates the gradient of the mean loss over the m
+micro-batches (the caller zeroes gradients between steps).
+
+Every action is traced (a tuple append per action, always on); `last_timeline` turns the last step
+into a `Timeline`, and `gather_timeline` aligns and collects all stages' timelines on pp rank 0.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapar.device import DEFAULT_TIMEOUT_S
+from megapar.mesh import Mesh
+from megapar.pipeline.p2p import P2PTimeoutError, StageP2P
+from megapar.pipeline.schedules import Action, get_schedule
+from megapar.pipeline.timeline import Event, Timeline
+
+FORWARD_KINDS = frozenset({"recv_act", "forward", "send_act"})
+"""The actions an evaluation (forward-only) step keeps from the schedule."""
+WEIGHT_GRAD_KINDS = frozenset({"backward", "backward_weight"})
+"""Actions that accumulate parameter gradients; `before_last_backward` precedes the last one."""
+
+
+class PipelineExecutor:
+    """Executes a named schedule on this rank's stage.
+
+    `stage(hidden_or_None, batch)` returns hidden states of shape `act_shape`, or on the last stage
+    the scalar mean loss of the micro-batch. `timeout_s` bounds every blocking wait.
+    """
+
+    def __init__(self, stage: nn.Module, mesh: Mesh, schedule: str, act_shape: tuple,
+                 act_dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.stage, self.mesh = stage, mesh
+        self.schedule_name = schedule
+        self.schedule_fn = get_schedule(schedule)
+        self.timeout_s = timeout_s
+        self.p2p = StageP2P(mesh, act_shape, act_dtype, timeout_s) if mesh.pp > 1 else None
+        self.handlers = {
+            "recv_act": self._recv_act, "forward": self._forward, "send_act": self._send_act,
+            "recv_grad": self._recv_grad, "backward": self._backward, "send_grad": self._send_grad,
+        }
+        self._trace: list[tuple] = []
+        self.last_timeline = Timeline([])
+        self._reset([], 1.0, False)
+
+    def _reset(self, micro_batches, loss_scale, forward_only) -> None:
+        self._batches, self._loss_scale, self._forward_only = micro_batches, loss_scale, forward_only
+        self._inputs: dict[int, torch.Tensor] = {}       # received activations (leaves)
+        self._outputs: dict[int, torch.Tensor] = {}      # stage outputs (hidden or loss)
+        self._out_grads: dict[int, torch.Tensor] = {}    # received d(loss)/d(output)
+        self._in_grads: dict[int, torch.Tensor] = {}     # d(loss)/d(input) to send upstream
+        self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
+
+    # the step ------------------------------------------------------------------------------
+    def run(self, micro_batches: list[dict], grad_sync=None, loss_scale: float = 1.0,
+            forward_only: bool = False) -> torch.Tensor:
+        """One step over `micro_batches`; returns the mean loss (fp32 scalar) on every pp rank.
+
+        `grad_sync` (optional, ignored when `forward_only`) gets `begin_step()` before the
+        schedule, `before_last_backward()` right before this stage's last backward action, and
+        `finish()` after the schedule and the wait for outstanding sends.
+        """
+        m = len(micro_batches)
+        if m == 0:
+            raise ValueError("PipelineExecutor.run needs at least one micro-batch")
+        actions = self.schedule_fn(self.mesh.pp, m, self.mesh.pp_rank)
+        if forward_only:
+            actions, grad_sync = [a for a in actions if a.kind in FORWARD_KINDS], None
+        self._check_actions(actions)
+        last_backward = max((i for i, a in enumerate(actions) if a.kind in WEIGHT_GRAD_KINDS),
+                            default=None)
+        self._trace = []
+        self._reset(micro_batches, loss_scale, forward_only)
+        trace, clock = self._trace, time.perf_counter
+        try:
+            if grad_sync is not None:
+                grad_sync.begin_step()
+            with torch.set_grad_enabled(not forward_only):
+                for i, action in enumerate(actions):
+                    if i == last_backward and grad_sync is not None:
+                        grad_sync.before_last_backward()
+                    start = clock()
+                    self._dispatch(action)
+                    trace.append((action.kind, action.mb, action.chunk, start, clock()))
+            start = clock()
+            if self.p2p is not None:
+                self.p2p.wait_sends()
+            trace.append(("wait", None, 0, start, clock()))
+            if grad_sync is not None:
+                grad_sync.finish()
+            start = clock()
+            loss = self._mean_loss(m)
+            trace.append(("loss_broadcast", None, 0, start, clock()))
+            return loss
+        finally:
+            self._reset([], 1.0, False)
+            rank = self.mesh.pp_rank
+            self.last_timeline = Timeline([Event(rank, k, mb, s, e, c) for k, mb, c, s, e in trace])
+
+    def _dispatch(self, action: Action) -> None:
+        handler = self.handlers.get(action.kind)
+        if handler is None:
+            raise NotImplementedError(
+                f"schedule {self.schedule_name!r} uses action {action.kind!r}, which "
+                f"PipelineExecutor has no handler for; register one in executor.handlers")
+        try:
+            handler(action)
+        except P2PTimeoutError:
+            raise
+        except Exception as exc:
+            exc.add_note(f"[megapar] while running {action.kind} of micro-batch {action.mb} on "
+                         f"pp stage {self.mesh.pp_rank} (rank {self.mesh.rank}), schedule "
+                         f"{self.schedule_name!r}")
+            raise
+
+    def _check_actions(self, actions: list[Action]) -> None:
+        chunks = {a.chunk for a in actions}
+        if chunks - {0}:
+            raise NotImplementedError(
+                f"schedule {self.schedule_name!r} uses model chunks {sorted(chunks)}, but this "
+                f"executor runs one chunk per rank; use a non-interleaved schedule")
+
+    # handlers ------------------------------------------------------------------------------
+    def _recv_act(self, a: Action) -> None:
+        x = self.p2p.recv_act(a.mb)
+        self._inputs[a.mb] = x.requires_grad_(not self._forward_only)
+
+    def _forward(self, a: Action) -> None:
+        x = self._inputs.get(a.mb)
+        if x is None and not self.mesh.is_first_stage:
+            raise RuntimeError(f"forward of micro-batch {a.mb} on pp stage {self.mesh.pp_rank} "
+                               f"before its activation was received; the schedule is wrong")
+        out = self.stage(x, self._batches[a.mb])
+        if self._forward_only:  # no graph: the input is not needed any more
+            self._inputs.pop(a.mb, None)
+        if self.mesh.is_last_stage:
+            if out.dim() != 0:
+                raise ValueError(
+                    f"the last pipeline stage returned a tensor of shape {tuple(out.shape)} for "
+                    f"micro-batch {a.mb}, not a scalar loss; every micro-batch needs 'labels'")
+            self._losses[a.mb] = out.detach().float()
+            if self._forward_only:
+                return
+        self._outputs[a.mb] = out
+
+    def _send_act(self, a: Action) -> None:
+        out = self._outputs.pop(a.mb) if self._forward_only else self._outputs[a.mb]
+        self.p2p.send_act(out, a.mb)
+
+    def _recv_grad(self, a: Action) -> None:
+        self._out_grads[a.mb] = self.p2p.recv_grad(a.mb)
+
+    def _backward(self, a: Action) -> None:
+        out = self._outputs.pop(a.mb)
+        if self.mesh.is_last_stage:
+            torch.autograd.backward(out * self._loss_scale / len(self._batches))
+        else:
+            torch.autograd.backward(out, grad_tensors=self._out_grads.pop(a.mb))
+        x = self._inputs.pop(a.mb, None)
+        if x is not None:
+            if x.grad is None:
+                raise RuntimeError(f"pp stage {self.mesh.pp_rank}: the output of micro-batch "
+                                   f"{a.mb} does not depend on the received activation")
+            self._in_grads[a.mb] = x.grad
+
+    def _send_grad(self, a: Action) -> None:
+        self.p2p.send_grad(self._in_grads.pop(a.mb), a.mb)
+
+    # loss ----------------------------------------------------------------------------------
+    def _mean_loss(self, m: int) -> torch.Tensor:
+        """Mean of the m micro-batch losses, broadcast from the last stage over the pp group."""
+        if self.mesh.is_last_stage:
+            loss = torch.stack([self._losses[i] for i in range(m)]).sum() / m
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        if self.mesh.pp > 1:
+            src = self.mesh.stage_rank(self.mesh.pp - 1)
+            work = dist.broadcast(loss, src=src, group=self.mesh.pp_group, async_op=True)
+            _wait(work, self.timeout_s, f"rank {self.mesh.rank}: broadcast of the loss from the "
+                                        f"last pipeline stage (rank {src})")
+        return loss
+
+
+def _wait(work, timeout_s: float, what: str) -> None:
+    from datetime import timedelta
+
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise P2PTimeoutError(f"{what} did not complete within {timeout_s:g} s ({exc}); another "
+                              f"rank of the pipeline group probably failed (look for its error)"
+                              ) from exc
+
+
+# timelines across stages -------------------------------------------------------------------
+TRACE_KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad",
+               "backward_input", "backward_weight", "wait", "loss_broadcast")
+"""Event kinds `gather_timeline` can encode (as their index in this tuple)."""
+
+
+def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Every pp stage's events on pp rank 0 (a `Timeline`), None on the other ranks.
+
+    Collective over `mesh.pp_group`. Clocks are aligned at a barrier: each rank reads its clock
+    right after the barrier and shifts its events by that reading, so all stages share the
+    barrier's exit as time 0 (exact up to the barrier's exit skew). Events travel as float64
+    tensors [kind, mb, chunk, start, end] (mb -1 for None), no pickled objects.
+    """
+    if mesh.pp == 1:
+        return Timeline(list(timeline.events))
+    group, dst = mesh.pp_group, mesh.stage_rank(0)
+    barrier = torch.zeros(1)
+    _wait(dist.all_reduce(barrier, group=group, async_op=True), timeout_s,
+          f"rank {mesh.rank}: barrier of gather_timeline")
+    t_sync = time.perf_counter()
+    rows = torch.tensor([[TRACE_KINDS.index(e.kind), -1 if e.mb is None else e.mb, e.chunk,
+                          e.start - t_sync, e.end - t_sync] for e in timeline.events],
+                        dtype=torch.float64).reshape(-1, 5)
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(mesh.pp)]
+    _wait(dist.all_gather(counts, torch.tensor([len(rows)]), group=group, async_op=True),
+          timeout_s, f"rank {mesh.rank}: gathering timeline sizes")
+    longest = max(int(c) for c in counts)
+    padded = torch.zeros(longest, 5, dtype=torch.float64)
+    padded[:len(rows)] = rows
+    parts = [torch.zeros_like(padded) for _ in range(mesh.pp)] if mesh.is_first_stage else None
+    _wait(dist.gather(padded, parts, dst=dst, group=group, async_op=True), timeout_s,
+          f"rank {mesh.rank}: gathering timelines on pp rank 0")
+    if not mesh.is_first_stage:
+        return None
+    events = []
+    for stage, (part, count) in enumerate(zip(parts, counts)):
+        for kind, mb, chunk, start, end in part[:int(count)].tolist():
+            events.append(Event(stage, TRACE_KINDS[int(kind)], None if mb < 0 else int(mb),
+                                start, end, int(chunk)))
+    return Timeline(events)

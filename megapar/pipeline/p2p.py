@@ -1,0 +1,112 @@
+"""Point-to-point communication between neighbouring pipeline stages.
+
+Activations flow forward (stage s -> s+1), gradients flow backward (s+1 -> s). Every message of a
+run has the same static shape (micro-batch x seq x hidden) and dtype, so only the payload is sent:
+no shape or metadata messages.
+
+Plain `dist.isend` / `dist.irecv` (not `batch_isend_irecv`, which is unreliable on gloo), with one
+tag per channel so an activation can never be mistaken for a gradient between the same two ranks:
+
+- a send returns at once; the tensor and its work handle are kept until `wait_sends()`, which the
+  executor calls at the end of the step (a buffer must stay alive until its send completes);
+- a receive blocks, but never forever: after `timeout_s` it raises `P2PTimeoutError` naming this
+  rank, the peer and the micro-batch.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megapar.mesh import Mesh
+
+ACT_TAG = 1
+"""Tag of the activation channel (s -> s+1)."""
+GRAD_TAG = 2
+"""Tag of the gradient channel (s+1 -> s)."""
+
+
+class P2PTimeoutError(TimeoutError):
+    """A pipeline send or receive did not complete in time (the peer died, hangs or mismatched)."""
+
+
+class StageP2P:
+    """Activation / gradient messages of one pipeline stage with its two neighbours."""
+
+    def __init__(self, mesh: Mesh, shape: tuple, dtype: torch.dtype = torch.float32,
+                 timeout_s: float = 300.0):
+        self.mesh = mesh
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self._pending: list[tuple[str, int, int, torch.Tensor, object]] = []
+
+    # sends ---------------------------------------------------------------------------------
+    def send_act(self, tensor: torch.Tensor, mb: int) -> None:
+        """Start sending micro-batch `mb`'s output activation to the next stage."""
+        self._isend(tensor, self.mesh.next_stage_rank, ACT_TAG, "activation", mb)
+
+    def send_grad(self, tensor: torch.Tensor, mb: int) -> None:
+        """Start sending d(loss)/d(input) of micro-batch `mb` to the previous stage."""
+        self._isend(tensor, self.mesh.prev_stage_rank, GRAD_TAG, "gradient", mb)
+
+    def _isend(self, tensor, peer, tag, what, mb) -> None:
+        if peer is None:
+            raise RuntimeError(f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}) has no "
+                               f"neighbour to send the {what} of micro-batch {mb} to; the "
+                               f"schedule is wrong for this stage")
+        self._check(tensor, what, mb)
+        payload = tensor.detach().contiguous()
+        work = dist.isend(payload, dst=peer, tag=tag)
+        self._pending.append((what, peer, mb, payload, work))
+
+    def wait_sends(self) -> None:
+        """Wait (with the timeout) for every send started since the last call."""
+        pending, self._pending = self._pending, []
+        for what, peer, mb, _payload, work in pending:
+            self._wait(work, f"sending the {what} of micro-batch {mb} to rank {peer}")
+
+    # receives ------------------------------------------------------------------------------
+    def recv_act(self, mb: int) -> torch.Tensor:
+        """Block until micro-batch `mb`'s input activation arrives from the previous stage."""
+        return self._recv(self.mesh.prev_stage_rank, ACT_TAG, "activation", mb)
+
+    def recv_grad(self, mb: int) -> torch.Tensor:
+        """Block until d(loss)/d(output) of micro-batch `mb` arrives from the next stage."""
+        return self._recv(self.mesh.next_stage_rank, GRAD_TAG, "gradient", mb)
+
+    def _recv(self, peer, tag, what, mb) -> torch.Tensor:
+        if peer is None:
+            raise RuntimeError(f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}) has no "
+                               f"neighbour to receive the {what} of micro-batch {mb} from; the "
+                               f"schedule is wrong for this stage")
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.mesh.device)
+        work = dist.irecv(buffer, src=peer, tag=tag)
+        self._wait(work, f"receiving the {what} of micro-batch {mb} from rank {peer}")
+        return buffer
+
+    # helpers -------------------------------------------------------------------------------
+    def _wait(self, work, doing: str) -> None:
+        try:
+            ok = work.wait(timeout=self.timeout)
+        except Exception as exc:  # gloo raises on timeout or when the peer's connection closes
+            raise P2PTimeoutError(self._message(doing, exc)) from exc
+        if ok is False:
+            raise P2PTimeoutError(self._message(doing, "wait() returned False"))
+
+    def _message(self, doing: str, cause) -> str:
+        return (f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}) failed {doing} within "
+                f"{self.timeout_s:g} s ({cause}). The peer stage probably failed or is stuck "
+                f"(look for its error), or the stages run mismatched schedules / micro-batch "
+                f"counts; raise the pipeline timeout if a step is legitimately this slow")
+
+    def _check(self, tensor: torch.Tensor, what: str, mb: int) -> None:
+        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+            raise ValueError(
+                f"rank {self.mesh.rank}: the {what} of micro-batch {mb} has shape "
+                f"{tuple(tensor.shape)} {tensor.dtype}, but the pipeline was set up for "
+                f"{self.shape} {self.dtype}; every micro-batch must have the same "
+                f"(micro-batch size, seq, hidden) and act_shape must match it")

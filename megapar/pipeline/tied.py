@@ -1,0 +1,57 @@
+"""Keep the tied word embedding equal on the first and the last pipeline stage.
+
+GPT-2 and BERT use the word embedding twice: as the input embedding (first stage,
+``embed.word.weight``) and as the output projection (last stage). With pp > 1 these live on
+different ranks, so the last stage holds a copy (``head.weight``, ``tied_to="embed.word.weight"``)
+initialised identically. Each copy only sees its own half of the gradient: the first stage the
+embedding-lookup part, the last stage the LM-head part. The true gradient of the shared weight is
+their sum. Summing the two gradients over `mesh.embedding_group` (only the first and last stage of
+each tp/dp position are in it) gives both copies the same full gradient, so the same optimizer
+update keeps them bitwise equal, exactly as if they were one tensor.
+
+Call `sync_tied_embeddings` after the pipeline schedule (all gradients accumulated) and before
+gradient clipping and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapar.device import DEFAULT_TIMEOUT_S
+from megapar.mesh import Mesh
+
+
+def shared_embedding_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters marked ``shared_embedding=True`` (the word embedding or its tied copy)."""
+    return [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
+
+
+def sync_tied_embeddings(model: nn.Module, mesh: Mesh, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """Sum the tied embedding's gradient over the first and last stage; returns how many
+    parameters were synchronised (0 when pp == 1 or this stage holds no tied copy)."""
+    if mesh.pp == 1:
+        return 0
+    params = shared_embedding_params(model)
+    if not params:
+        return 0
+    if mesh.embedding_group is None:
+        raise RuntimeError(
+            f"rank {mesh.rank} (pp stage {mesh.pp_rank}) holds a shared embedding but is in no "
+            f"embedding group; only the first and last pipeline stage may hold one")
+    for p in params:
+        if p.grad is None:  # e.g. nothing ran backward: take part anyway, the peer is waiting
+            p.grad = torch.zeros_like(p)
+        work = dist.all_reduce(p.grad, group=mesh.embedding_group, async_op=True)
+        try:
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        except Exception as exc:
+            raise TimeoutError(
+                f"rank {mesh.rank}: all-reduce of the tied embedding gradient with the other end "
+                f"of the pipeline did not complete within {timeout_s:g} s ({exc}); the first or "
+                f"last stage probably failed, or only one of them called sync_tied_embeddings"
+            ) from exc
+    return len(params)
