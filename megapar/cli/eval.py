@@ -1,0 +1,147 @@
+"""megapar-eval: loss / perplexity of a checkpoint on a dataset, or its logits for given ids.
+
+    megapar-eval --load CKPT --data PREFIX --seq-len 128 --max-batches 8 [--tp 2 --pp 2]
+    megapar-eval --load CKPT --input-ids ids.npy --save-logits logits.npy
+
+Windows are taken in order, unshuffled: window i is tokens [i*seq_len, i*seq_len + seq_len + 1)
+of the stream (token 0 first; consecutive windows share one boundary token). The checkpoint is
+resharded on load when --tp / --pp differ from its layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megapar-eval", description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--data", help="dataset prefix (PREFIX.bin/.idx/.json)")
+    p.add_argument("--seq-len", type=int, help="sequence length of the windows")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="windows per batch")
+    p.add_argument("--max-batches", type=int, default=8, help="number of batches K")
+    p.add_argument("--input-ids", help="a [batch, seq] integer .npy file")
+    p.add_argument("--save-logits", help="where rank 0 writes the float32 logits (.npy)")
+    p.add_argument("--seed", type=int, default=1234, help="seed for BERT masking")
+    return p
+
+
+def _load_model(args):
+    from megapar.checkpoint.distributed import load_checkpoint
+    from megapar.checkpoint.format import read_manifest, resolve_checkpoint
+    from megapar.mesh import Mesh
+    from megapar.models.config import config_from_dict
+    from megapar.training.build import build_stage
+
+    mesh = Mesh.from_env(args.tp, args.pp, 1)
+    manifest = read_manifest(resolve_checkpoint(args.load))
+    config = config_from_dict(manifest["model"])
+    model = build_stage(config, mesh, seed=0, init=False)
+    load_checkpoint(args.load, model, mesh)
+    model.eval()
+    return mesh, config, model
+
+
+@torch.no_grad()
+def _loss_worker(args):
+    from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
+    from megapar.pipeline.executor import PipelineExecutor
+
+    mesh, config, model = _load_model(args)
+    indexed = IndexedDataset(args.data)
+    if config.model_type == "gpt2":
+        dataset = GPTDataset(indexed, args.seq_len)
+    else:
+        dataset = MLMDataset(indexed, args.seq_len, load_tokenizer(indexed.tokenizer_spec),
+                             args.seed)
+    b, k = args.micro_batch_size, args.max_batches
+    if len(dataset) < b * k:
+        k = len(dataset) // b
+        if k == 0:
+            raise ValueError(f"{args.data} has {len(dataset)} windows of {args.seq_len + 1} "
+                             f"tokens, fewer than one batch of {b}")
+    executor = PipelineExecutor(model, mesh, "1f1b", (b, args.seq_len, config.hidden_size))
+    losses, tokens = [], 0
+    for i in range(k):
+        batch = collate([dataset[j] for j in range(i * b, (i + 1) * b)])
+        batch = {key: v.to(mesh.device) for key, v in batch.items()}
+        losses.append(float(executor.run([batch], forward_only=True)))
+        tokens += int((batch["labels"] != -100).sum())
+    loss = sum(losses) / len(losses)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
+            "batches": k}
+
+
+@torch.no_grad()
+def _logits_worker(args):
+    from megapar.tensor_parallel.partition import gather_full
+
+    mesh, config, model = _load_model(args)
+    ids = torch.from_numpy(np.load(args.input_ids, allow_pickle=False).astype(np.int64))
+    if ids.ndim != 2:
+        raise ValueError(f"--input-ids must be a [batch, seq] array, got shape {tuple(ids.shape)}")
+    ids = ids.to(mesh.device)
+    batch = {"input_ids": ids}
+    shape = (ids.shape[0], ids.shape[1], config.hidden_size)
+    hidden = None
+    if not mesh.is_first_stage:
+        hidden = torch.empty(shape, device=mesh.device)
+        dist.recv(hidden, src=mesh.prev_stage_rank)
+    out = model(hidden, batch)
+    if not mesh.is_last_stage:
+        dist.send(out.contiguous(), dst=mesh.next_stage_rank)
+        logits = None
+    else:
+        logits = gather_full(out, 2, (shape[0], shape[1], config.vocab_size), mesh.tp_group)
+    full_shape = (shape[0], shape[1], config.vocab_size)
+    if mesh.pp > 1 and mesh.tp_rank == 0:  # the last stage hands the logits to rank 0
+        if mesh.is_last_stage:
+            dist.send(logits.float().contiguous(), dst=mesh.stage_rank(0))
+        elif mesh.is_first_stage:
+            logits = torch.empty(full_shape, device=mesh.device)
+            dist.recv(logits, src=mesh.stage_rank(mesh.pp - 1))
+    if mesh.rank == 0:
+        np.save(args.save_logits, logits.float().cpu().numpy(), allow_pickle=False)
+        return {"saved": args.save_logits, "shape": list(full_shape)}
+    return None
+
+
+def main(argv=None) -> int:
+    from megapar.launcher import WorkerError, run_workers
+
+    args = build_parser().parse_args(argv)
+    if args.input_ids:
+        if not args.save_logits:
+            print("megapar-eval: error: --input-ids needs --save-logits OUT.npy", file=sys.stderr)
+            return 2
+        worker = _logits_worker
+    elif args.data:
+        if not args.seq_len:
+            print("megapar-eval: error: --data needs --seq-len", file=sys.stderr)
+            return 2
+        worker = _loss_worker
+    else:
+        print("megapar-eval: error: give --data PREFIX --seq-len N, or --input-ids IDS.npy "
+              "--save-logits OUT.npy", file=sys.stderr)
+        return 2
+    try:
+        results = run_workers(worker, args.tp * args.pp, args)
+    except (WorkerError, ValueError, FileNotFoundError) as exc:
+        print(f"megapar-eval: error: {exc}", file=sys.stderr)
+        return 1
+    if results and results[0] is not None:
+        print(json.dumps(results[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Measure the pipeline bubble of the real engine, or simulate it from per-action costs.
+
+`measure()` runs the executor on real processes (one per rank) for a few steps of a model whose
+stages are equal and compute-bound (a small vocabulary, so the embedding and head add little),
+and returns pp rank 0's view of the last step's timeline, aligned across stages.
+`simulate()` computes the same timeline from costs without processes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BubbleRun:
+    """What a bubble measurement or simulation produced."""
+
+    timeline: object
+    """The step's Timeline (rows = pipeline stages)."""
+    stats: dict
+    """`bubble_stats(timeline)`."""
+    theoretical: float
+    """(pp - 1) / (m + pp - 1)."""
+    in_flight: list[int]
+    """Peak micro-batches in flight per stage (forwarded, not yet backwarded)."""
+    activation_mb: list[float] | None = None
+    """Peak activation memory kept for backward per stage (MB), when measured."""
+    costs: dict | None = None
+    """Mean forward / backward / p2p milliseconds per action, when measured."""
+
+    def summary(self) -> dict:
+        return {"measured_bubble": self.stats["measured_bubble"],
+                "theoretical_bubble": self.theoretical,
+                "step_time_s": self.stats["step_time_s"],
+                "per_stage_bubble": [r["bubble"] for r in self.stats["per_rank"]],
+                "in_flight_peak": self.in_flight, "activation_mb": self.activation_mb,
+                "costs_ms": self.costs}
+
+
+def bench_config(model: str | None, pp: int):
+    """The model to measure: a recipe, or by default a compute-bound GPT-2 with 2 blocks per
+    stage and a 256-token vocabulary (so stages are nearly equal)."""
+    from megapar.models import GPT2Config
+    from megapar.models.recipes import resolve_model
+
+    if model:
+        return resolve_model(model)
+    return GPT2Config(vocab_size=256, n_positions=256, n_embd=256, n_layer=2 * pp, n_head=4,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len):
+    from megapar.mesh import Mesh
+    from megapar.models.config import config_from_dict
+    from megapar.pipeline.executor import PipelineExecutor, gather_timeline
+    from megapar.pipeline.schedules import get_schedule, in_flight_peak
+    from megapar.training.build import build_stage
+
+    config = config_from_dict(config_dict)
+    mesh = Mesh.from_env(tp, pp, 1)
+    model = build_stage(config, mesh, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, config.vocab_size, (mbs, seq_len + 1), generator=gen)
+           for _ in range(m)]
+    micro = [{"input_ids": t[:, :-1].to(mesh.device), "labels": t[:, 1:].to(mesh.device)}
+             for t in ids]
+    executor = PipelineExecutor(model, mesh, schedule, (mbs, seq_len, config.hidden_size))
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    timeline = None
+    for step in range(steps + 1):  # step 0 warms up
+        model.zero_grad(set_to_none=True)
+        saved[0] = 0
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            executor.run(micro)
+        timeline = gather_timeline(executor.last_timeline, mesh)
+    peak = in_flight_peak(get_schedule(schedule)(pp, m, mesh.pp_rank))
+    info = torch.tensor([float(peak), saved[0] / 2**20])
+    if mesh.pp_group is not None:
+        parts = [torch.zeros(2) for _ in range(pp)]
+        torch.distributed.all_gather(parts, info, group=mesh.pp_group)
+    else:
+        parts = [info]
+    if mesh.rank != 0:
+        return None
+    return timeline.to_json(), [int(p[0]) for p in parts], [float(p[1]) for p in parts]
+
+
+def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = None,
+            steps: int = 3, micro_batch_size: int = 4, seq_len: int = 64) -> BubbleRun:
+    """Run the real engine on pp*tp local processes; the last of `steps` steps' timeline.
+
+    saved-activation bytes are those of the whole step (all micro-batches' saved tensors
+    counted as they are created); the peak in flight is what bounds memory."""
+    from megapar.launcher import run_local
+    from megapar.pipeline.simulate import theoretical_bubble
+    from megapar.pipeline.timeline import Timeline, bubble_stats
+
+    config = bench_config(model, pp)
+    results = run_local(_worker, pp * tp, config.to_dict(), tp, pp, m, schedule, steps,
+                        micro_batch_size, seq_len, timeout_s=600)
+    timeline_json, in_flight, act = results[0]
+    timeline = Timeline.from_json(timeline_json)
+    stats = bubble_stats(timeline)
+    return BubbleRun(timeline, stats, theoretical_bubble(pp, m), in_flight, act,
+                     costs=mean_costs(timeline))
+
+
+def mean_costs(timeline) -> dict:
+    """Mean duration (ms) of forwards, backwards and receives that did not wait long."""
+    def mean(kind):
+        d = [e.end - e.start for e in timeline.events if e.kind == kind]
+        return 1e3 * sum(d) / len(d) if d else 0.0
+    return {"fwd_ms": mean("forward"), "bwd_ms": mean("backward"),
+            "p2p_ms": min((1e3 * (e.end - e.start) for e in timeline.events
+                           if e.kind in ("recv_act", "recv_grad")), default=0.0)}
+
+
+def simulate(pp: int, m: int, schedule: str, fwd_ms: float, bwd_ms: float,
+             p2p_ms: float = 0.0) -> BubbleRun:
+    """The same timeline and table computed from per-action costs, without processes."""
+    from megapar.pipeline.schedules import get_schedule, in_flight_peak
+    from megapar.pipeline.simulate import Costs, simulate_schedule, theoretical_bubble
+    from megapar.pipeline.timeline import bubble_stats
+
+    timeline = simulate_schedule(schedule, pp, m, Costs(fwd_ms=fwd_ms, bwd_ms=bwd_ms,
+                                                        p2p_ms=p2p_ms))
+    in_flight = [in_flight_peak(get_schedule(schedule)(pp, m, s)) for s in range(pp)]
+    return BubbleRun(timeline, bubble_stats(timeline), theoretical_bubble(pp, m), in_flight,
+                     costs={"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "p2p_ms": p2p_ms})
+
+
+def timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
