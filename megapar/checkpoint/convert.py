@@ -1,0 +1,263 @@
+"""Offline checkpoint conversion (one process, no process group): another tp x pp layout,
+Hugging Face import and export, and a summary of a checkpoint.
+
+Conversion streams one canonical tensor at a time: every target shard file is laid out up
+front (`ShardWriter`), then for each tensor the target shards are assembled from the slices of
+the source shards they overlap and written in place. Peak memory is about one tensor (plus its
+target shard), whatever the model size. The output is built in a hidden sibling directory of
+DST and renamed at the end, so a failure leaves DST untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from megapar.checkpoint.format import (
+    FORMAT_NAME, FORMAT_VERSION, MANIFEST, RNG_FILE, CheckpointError, ShardReader, ShardWriter,
+    dtype_from_name, dtype_name, file_record, fsync_dir, resolve_checkpoint, set_latest,
+    shard_file_name, staging_dir, step_dir_name, verify, write_json,
+)
+from megapar.mesh import Layout, LayoutError, Mesh
+from megapar.models.config import config_from_dict
+
+Fill = Callable[[str, "str | None", int, "int | None"], torch.Tensor]
+
+
+def plan(config, layout: Layout) -> dict[str, dict]:
+    """Manifest entries of every canonical tensor in `layout`, from meta-device stages."""
+    from megapar.training.build import build_stage
+
+    try:
+        config.validate(layout)
+    except LayoutError as exc:
+        raise LayoutError(f"the model cannot take layout {layout}: {exc}") from exc
+    entries = {}
+    grid = Layout(layout.tp, layout.pp, 1)
+    for p in range(layout.pp):
+        stage = build_stage(config, Mesh.virtual(grid, grid.rank(0, p, 0)), seed=0, init=False)
+        for name, param in stage.named_parameters():
+            if hasattr(param, "tied_to"):
+                continue
+            entries[name] = {"full_shape": list(param.full_shape), "tp_dim": param.tp_dim,
+                             "local_shape": list(param.shape), "dtype": dtype_name(param.dtype),
+                             "stage": p, "optim": {}}
+    return entries
+
+
+def _local(entry: dict) -> int | None:
+    dim = entry["tp_dim"]
+    return None if dim is None else entry["local_shape"][dim]
+
+
+def _refuse_existing(dst: Path, overwrite: bool) -> None:
+    if dst.exists() and not overwrite:
+        raise CheckpointError(f"{dst} already exists; pass --overwrite to replace it (it is "
+                              f"replaced only once the new output is complete)")
+
+
+def _swap_into(tmp: Path, dst: Path) -> None:
+    """Move a finished output to `dst`, replacing an existing `dst` only at the very end."""
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{secrets.token_hex(4)}"
+        os.rename(dst, old)
+    os.rename(tmp, dst)
+    fsync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_checkpoint(dst, step: int, layout: Layout, config, meta: dict,
+                     entries: dict[str, dict], fill: Fill, overwrite: bool = False,
+                     progress: bool = True, after_tensor: Callable[[], None] | None = None) -> Path:
+    """Write checkpoint root `dst` (step dir + latest) tensor by tensor; returns the step dir.
+
+    `fill(name, key, tp_rank, local)` gives one target shard (key None = weights). `meta` is
+    written last, so `fill` may still add to it.
+    """
+    from tqdm import tqdm
+
+    dst = Path(dst)
+    _refuse_existing(dst, overwrite)
+    tmp = staging_dir(dst.parent, f".{dst.name}.tmp-")
+    writers: dict[tuple[int, int], ShardWriter] = {}
+    try:
+        step_dir = tmp / step_dir_name(step)
+        step_dir.mkdir()
+        for p in range(layout.pp):
+            for t in range(layout.tp):
+                specs = {}
+                for name, e in entries.items():
+                    if e["stage"] == p:
+                        shape = tuple(e["local_shape"])
+                        specs[f"model/{name}"] = (dtype_from_name(e["dtype"]), shape)
+                        for key, dt in e["optim"].items():
+                            specs[f"optim/{name}/{key}"] = (dtype_from_name(dt), shape)
+                writers[t, p] = ShardWriter(step_dir / shard_file_name(t, p), specs)
+        for name in tqdm(entries, desc=f"writing {layout}", unit="tensor", disable=not progress):
+            e = entries[name]
+            for t in range(layout.tp):
+                writer = writers[t, e["stage"]]
+                writer.write(f"model/{name}", fill(name, None, t, _local(e)))
+                for key in e["optim"]:
+                    writer.write(f"optim/{name}/{key}", fill(name, key, t, _local(e)))
+            if after_tensor:
+                after_tensor()
+        for writer in writers.values():
+            writer.close()
+        files = {w.path.name: file_record(w.path) for w in writers.values()}
+        manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": int(step),
+                    "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+                    "model": config.to_dict(), "meta": meta, "tensors": entries,
+                    "files": dict(sorted(files.items()))}
+        write_json(step_dir / MANIFEST, manifest)
+        fsync_dir(step_dir)
+        set_latest(tmp, step_dir.name)
+        _swap_into(tmp, dst)
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst / step_dir_name(step)
+
+
+def convert_checkpoint(src, dst, tp: int, pp: int, dp: int = 1, overwrite: bool = False,
+                       progress: bool = True) -> Path:
+    """Rewrite checkpoint `src` (ROOT or step dir) for layout tp x pp (x dp) as root `dst`.
+
+    Weights and optimizer moments are resharded exactly; the manifest is carried over with the
+    new layout; RNG states (which belong to ranks) are dropped and the fact noted in meta."""
+    step_dir = resolve_checkpoint(src)
+    manifest = verify(step_dir)
+    config = config_from_dict(manifest["model"])
+    layout = Layout(tp, pp, dp)
+    target = plan(config, layout)
+    source = manifest["tensors"]
+    if set(source) != set(target) or any(source[n]["full_shape"] != e["full_shape"]
+                                         for n, e in target.items()):
+        odd = sorted(set(source) ^ set(target))[:5]
+        raise CheckpointError(f"{step_dir}: its tensors do not match its own model config "
+                              f"(e.g. {odd}); the manifest is inconsistent")
+    for name, e in target.items():
+        e["dtype"], e["optim"] = source[name]["dtype"], dict(source[name]["optim"])
+    meta = dict(manifest["meta"])
+    meta["converted_from"] = {"path": str(step_dir), "layout": manifest["layout"]}
+    if RNG_FILE in manifest["files"]:
+        meta["rng_note"] = (f"RNG states of the {Layout(**manifest['layout'])} ranks were "
+                            f"dropped by megapar-convert (they belong to ranks)")
+    reader = ShardReader(step_dir, manifest)
+
+    def fill(name, key, t, local):
+        return reader.shard(name, key, tp, t, local)
+
+    return write_checkpoint(dst, manifest["step"], layout, config, meta, target, fill,
+                            overwrite, progress, after_tensor=reader.release)
+
+
+def _seeded(config, name: str, seed: int, stages: dict) -> torch.Tensor:
+    """The full tensor `name` as `build_stage(..., seed)` initialises it (layout-independent):
+    only the one-layer pipeline stage that holds it is built (and kept in `stages`)."""
+    from megapar.training.build import build_stage
+    from megapar.tensor_parallel.partition import unpad
+
+    grid = Layout(1, config.num_layers, 1)
+    stage = plan(config, grid)[name]["stage"]
+    if stage not in stages:
+        stages[stage] = build_stage(config, Mesh.virtual(grid, stage, device="cpu"), seed)
+    param = dict(stages[stage].named_parameters())[name]
+    return unpad(param.detach(), param.tp_dim, param.full_shape).clone()
+
+
+def import_hf(hf_dir, dst, tp: int, pp: int, dp: int = 1, seed: int = 0,
+              overwrite: bool = False, progress: bool = True) -> tuple[Path, list[str]]:
+    """A megapar checkpoint (step 0, no optimizer state) from a transformers directory.
+
+    Tensors the HF model lacks (the MLM head of a plain BertModel) are initialised from `seed`
+    exactly as training would; their names are returned and recorded in meta."""
+    from megapar.checkpoint.hf import HFReader
+    from megapar.tensor_parallel.partition import shard_of
+
+    reader = HFReader(hf_dir)
+    config, layout = reader.config, Layout(tp, pp, dp)
+    target = plan(config, layout)
+    initialised: list[str] = []
+    meta = {"imported_from_hf": str(Path(hf_dir).resolve()), "seed": seed,
+            "initialised_from_seed": initialised,
+            "rng_note": "imported from Hugging Face: no RNG states, no optimizer state"}
+    current: dict[str, torch.Tensor] = {}
+    stages: dict = {}
+
+    def fill(name, key, t, local):
+        if name not in current:
+            current.clear()
+            try:
+                full = reader.canonical(name)
+            except KeyError:
+                full = _seeded(config, name, seed, stages)
+                initialised.append(name)
+            current[name] = full.to(dtype_from_name(target[name]["dtype"]))
+        full = current[name]
+        if list(full.shape) != target[name]["full_shape"]:
+            raise CheckpointError(f"{hf_dir}: {name} has shape {list(full.shape)}, the config "
+                                  f"implies {target[name]['full_shape']}")
+        return shard_of(full, target[name]["tp_dim"], local, t)
+
+    path = write_checkpoint(dst, 0, layout, config, meta, target, fill, overwrite, progress)
+    return path, initialised
+
+
+def export_hf(src, hf_dir, overwrite: bool = False) -> Path:
+    """A transformers directory (GPT2LMHeadModel / BertForMaskedLM) from a checkpoint."""
+    from megapar.checkpoint.hf import save_hf
+
+    step_dir = resolve_checkpoint(src)
+    manifest = verify(step_dir)
+    hf_dir = Path(hf_dir)
+    _refuse_existing(hf_dir, overwrite)
+    reader = ShardReader(step_dir, manifest)
+    canonical = {}
+    for name, e in manifest["tensors"].items():
+        dim = e["tp_dim"]
+        canonical[name] = reader.shard(name, None, 1, 0, None if dim is None
+                                       else e["full_shape"][dim])
+    reader.release()
+    return save_hf(canonical, config_from_dict(manifest["model"]), hf_dir)
+
+
+def checkpoint_info(path, tensors: bool = False) -> str:
+    """A readable summary: layout, step, model, parameter count, bytes per file (and tensors)."""
+    step_dir = resolve_checkpoint(path)
+    m = verify(step_dir, checksums=False)
+    model, entries = m["model"], m["tensors"]
+    params = sum(math.prod(e["full_shape"]) for e in entries.values())
+    optim = sorted({k for e in entries.values() for k in e["optim"]})
+    lines = [f"checkpoint  {step_dir}",
+             f"step        {m['step']}",
+             f"layout      tp={m['layout']['tp']} pp={m['layout']['pp']} dp={m['layout']['dp']}",
+             f"model       {model['model_type']} ({_size(model)}), {params:,} parameters",
+             f"optimizer   {', '.join(optim) if optim else 'none'}",
+             f"meta keys   {', '.join(sorted(m['meta'])) or 'none'}", "files:"]
+    total = sum(r["bytes"] for r in m["files"].values())
+    lines += [f"  {name:32s} {r['bytes']:>14,} bytes" for name, r in m["files"].items()]
+    lines.append(f"  {'total':32s} {total:>14,} bytes")
+    if tensors:
+        lines.append(f"{'tensor':44s} {'full shape':>16s} {'tp_dim':>6s} {'stage':>5s}  optim")
+        for name, e in entries.items():
+            shape = "x".join(map(str, e["full_shape"]))
+            lines.append(f"{name:44s} {shape:>16s} {str(e['tp_dim']):>6s} {e['stage']:>5d}  "
+                         f"{','.join(e['optim']) or '-'}")
+    return "\n".join(lines)
+
+
+def _size(model: dict) -> str:
+    config = config_from_dict(model)
+    return (f"{config.num_layers} layers, hidden {config.hidden_size}, "
+            f"vocab {config.vocab_size}")

@@ -1,0 +1,276 @@
+"""Saving and loading sharded checkpoints from a running job (every rank calls, collectively).
+
+Save: dp rank 0 of every (tp, pp) coordinate writes its shard file into a staging directory;
+every rank sends its RNG state and its write outcome to rank 0 as a safetensors byte buffer
+(tensor collectives only, nothing pickled); rank 0 writes ``rng.safetensors`` and the manifest,
+publishes the directory and tells every rank the outcome, so all ranks return (or raise) together.
+
+Load: each rank reads what its own parameters need. In the checkpoint's own layout that is its
+own file; in any other layout (tp, pp, padding) the shards are reassembled through the canonical
+index space (`ShardReader`), weights and optimizer moments alike. dp never matters.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megapar.checkpoint.format import (
+    FORMAT_NAME, FORMAT_VERSION, MANIFEST, RNG_FILE, CheckpointError, ShardReader, dtype_name,
+    publish, read_manifest, resolve_checkpoint, shard_file_name, staging_dir, verify_file,
+    write_json, write_tensors,
+)
+from megapar.mesh import Layout, Mesh
+
+# Config fields that do not change any parameter (dropouts, init std, vocab padding multiple):
+# a checkpoint loads into a model that differs only in these.
+NON_STRUCTURAL = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob",
+                  "attention_probs_dropout_prob", "initializer_range",
+                  "make_vocab_size_divisible_by"}
+
+
+@dataclass
+class LoadedState:
+    """What `load_checkpoint` returns besides filling the model's parameters."""
+
+    optim_tensors: dict[str, dict[str, torch.Tensor]]
+    """Optimizer moments as local shards for this rank (`optimizer.load_state_tensors` format);
+    empty when the checkpoint has none (e.g. imported from Hugging Face)."""
+    meta: dict
+    """The trainer's free dict, as saved."""
+    rng: dict[str, torch.Tensor] | None
+    """This rank's RNG states; None unless the checkpoint's layout equals the mesh's."""
+    resharded: bool
+    """True when shards were reassembled for a different tp / pp / padding."""
+    step: int = 0
+    layout: Layout | None = None
+    """The checkpoint's layout."""
+    path: Path | None = None
+    notes: list[str] = field(default_factory=list)
+    """Human-readable remarks (RNG not restored, non-structural config differences)."""
+
+    @property
+    def has_optimizer_state(self) -> bool:
+        return bool(self.optim_tensors)
+
+
+def _world(mesh: Mesh) -> bool:
+    return mesh.layout.world_size > 1 and dist.is_initialized()
+
+
+def _broadcast_text(text: str | None, mesh: Mesh) -> str:
+    """Rank 0's text on every rank (a uint8 tensor broadcast)."""
+    if not _world(mesh):
+        return text
+    length = torch.tensor([len(text.encode()) if mesh.rank == 0 else 0], dtype=torch.int64)
+    dist.broadcast(length, 0)
+    buf = torch.zeros(int(length), dtype=torch.uint8)
+    if mesh.rank == 0:
+        buf.copy_(torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8))
+    dist.broadcast(buf, 0)
+    return bytes(buf.tolist()).decode()
+
+
+def _gather_payloads(payload: bytes, mesh: Mesh) -> list[bytes] | None:
+    """Every rank's bytes on rank 0 (None elsewhere), via padded uint8 tensor gathers."""
+    if not _world(mesh):
+        return [payload]
+    n = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(mesh.layout.world_size)]
+    dist.all_gather(sizes, n)
+    longest = max(int(s) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    parts = [torch.empty_like(buf) for _ in sizes] if mesh.rank == 0 else None
+    dist.gather(buf, parts, dst=0)
+    if mesh.rank != 0:
+        return None
+    return [p[:int(s)].numpy().tobytes() for p, s in zip(parts, sizes)]
+
+
+def _pack(header: dict, tensors: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+    return save({"__json__": raw, **{f"t/{k}": v.detach().cpu().contiguous()
+                                     for k, v in tensors.items()}})
+
+
+def _unpack(payload: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load
+
+    data = load(payload)
+    header = json.loads(data.pop("__json__").numpy().tobytes())
+    return header, {k[2:]: v for k, v in data.items()}
+
+
+def _write_shard(tmp: Path, model, mesh: Mesh, optim_tensors) -> dict:
+    """Write this (tp, pp) shard file; returns its file record and tensor entries."""
+    tensors, entries = {}, {}
+    for name, param in model.named_parameters():
+        if hasattr(param, "tied_to"):
+            continue
+        moments = (optim_tensors or {}).get(name, {})
+        tensors[f"model/{name}"] = param.detach().cpu()
+        for key, value in moments.items():
+            if tuple(value.shape) != tuple(param.shape):
+                raise CheckpointError(f"optimizer state {name}/{key} has shape "
+                                      f"{tuple(value.shape)}, its parameter's shard is "
+                                      f"{tuple(param.shape)}; pass local shards")
+            tensors[f"optim/{name}/{key}"] = value.detach().cpu()
+        dim = getattr(param, "tp_dim", None)
+        entries[name] = {"full_shape": list(getattr(param, "full_shape", param.shape)),
+                         "tp_dim": dim, "local_shape": list(param.shape),
+                         "dtype": dtype_name(param.dtype), "stage": mesh.pp_rank,
+                         "optim": {k: dtype_name(v.dtype) for k, v in moments.items()}}
+    fname = shard_file_name(mesh.tp_rank, mesh.pp_rank)
+    return {"file": fname, "record": write_tensors(tmp / fname, tensors), "tensors": entries}
+
+
+def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dict,
+                    rng: dict[str, torch.Tensor]) -> Path:
+    """Save a checkpoint of every rank's stage to ``root/step_{step:08d}`` (collective).
+
+    `optim_tensors`: {canonical name: {key: local shard}} as `optimizer.state_tensors()` gives
+    (only dp rank 0's is written); `meta`: JSON-able dict (rank 0's is written); `rng`: this
+    rank's RNG state tensors. Returns the step directory once it and ``root/latest`` are
+    published on every rank; raises CheckpointError on every rank if any rank failed.
+    """
+    root = Path(root)
+    tmp_name, error = "", ""
+    if mesh.rank == 0:
+        try:
+            tmp_name = staging_dir(root, f".tmp-step_{step}-").name
+        except OSError as exc:
+            error = f"cannot create a staging directory in {root}: {exc}"
+    tmp_name = _broadcast_text(tmp_name, mesh)
+    if not tmp_name:
+        raise CheckpointError(_broadcast_text(error, mesh))
+    tmp = root / tmp_name
+    header = {"rank": mesh.rank, "error": None}
+    try:
+        if mesh.dp_rank == 0:
+            header.update(_write_shard(tmp, model, mesh, optim_tensors))
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0 and raised on every rank
+        header["error"] = f"rank {mesh.rank}: {type(exc).__name__}: {exc}"
+    payloads = _gather_payloads(_pack(header, rng or {}), mesh)
+    outcome = ""
+    if mesh.rank == 0:
+        try:
+            outcome = str(_finish(tmp, root, step, model, mesh, meta, payloads))
+        except Exception as exc:  # noqa: BLE001
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = f"ERROR checkpoint of step {step} not saved: {exc}"
+    outcome = _broadcast_text(outcome, mesh)
+    if outcome.startswith("ERROR "):
+        raise CheckpointError(outcome[6:])
+    return Path(outcome)
+
+
+def _finish(tmp: Path, root: Path, step: int, model, mesh: Mesh, meta, payloads) -> Path:
+    """Rank 0: RNG file, manifest, publication."""
+    errors, files, tensors, rng = [], {}, {}, {}
+    for payload in payloads:
+        header, states = _unpack(payload)
+        if header["error"]:
+            errors.append(header["error"])
+        if header.get("file"):
+            files[header["file"]] = header["record"]
+            tensors.update(header["tensors"])
+        rng.update({f"rank{header['rank']}/{k}": v for k, v in states.items()})
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    try:
+        json.dumps(meta)
+    except TypeError as exc:
+        raise CheckpointError(f"meta must be JSON-serialisable (tensors go elsewhere): {exc}")
+    if rng:
+        files[RNG_FILE] = write_tensors(tmp / RNG_FILE, rng)
+    layout = mesh.layout
+    manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": int(step),
+                "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+                "model": model.config.to_dict(), "meta": meta, "tensors": tensors,
+                "files": dict(sorted(files.items()))}
+    write_json(tmp / MANIFEST, manifest)
+    return publish(tmp, root, step)
+
+
+def check_model(manifest: dict, config, where) -> list[str]:
+    """Raise if the checkpoint holds another model; returns notes on harmless differences."""
+    ours, theirs = config.to_dict(), manifest["model"]
+    diff = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
+    structural = sorted(diff - NON_STRUCTURAL)
+    if structural:
+        shown = ", ".join(f"{k}={theirs.get(k)!r} (checkpoint) vs {ours.get(k)!r} (model)"
+                          for k in structural)
+        raise CheckpointError(f"{where} holds a different model: {shown}; build the model from "
+                              f"the checkpoint's config (manifest.json \"model\")")
+    return [f"config differs in non-structural fields: {sorted(diff)}"] if diff else []
+
+
+@torch.no_grad()
+def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedState:
+    """Fill `model` (this rank's stage) from a checkpoint saved in any layout.
+
+    `path`: a checkpoint ROOT (follows ``latest``) or step directory. `verify`: "sha256" (default:
+    every file this rank reads is hashed against the manifest), "size" or "none".
+    Not collective: each rank reads only the slices it needs.
+    """
+    step_dir = resolve_checkpoint(path)
+    manifest = read_manifest(step_dir)
+    notes = check_model(manifest, model.config, step_dir)
+    src = Layout(**manifest["layout"])
+    reader = ShardReader(step_dir, manifest)
+    wanted, resharded = [], (src.tp, src.pp) != (mesh.tp, mesh.pp)
+    for name, param in model.named_parameters():
+        source = getattr(param, "tied_to", name)
+        entry = reader.entry(source)
+        dim = entry["tp_dim"]
+        if list(getattr(param, "full_shape", param.shape)) != entry["full_shape"]:
+            raise CheckpointError(f"{step_dir}: {source} has shape {entry['full_shape']}, the "
+                                  f"model expects {list(param.full_shape)}")
+        resharded |= dim is not None and entry["local_shape"] != list(param.shape)
+        wanted.append((name, source, param, None if dim is None else param.shape[dim]))
+    same_layout = src == mesh.layout and not resharded
+    rng_record = manifest["files"].get(RNG_FILE)
+    needed = {f for _, source, _, local in wanted
+              for f, *_ in reader.pieces(source, mesh.tp, mesh.tp_rank, local)}
+    if same_layout and rng_record:
+        needed.add(RNG_FILE)
+    if verify != "none":
+        for fname in sorted(needed):
+            if fname not in manifest["files"]:
+                raise CheckpointError(f"{step_dir}: {fname} is not in the manifest")
+            verify_file(step_dir, fname, manifest["files"][fname], verify == "sha256")
+    optim = {}
+    for name, source, param, local in wanted:
+        param.copy_(reader.shard(source, None, mesh.tp, mesh.tp_rank, local))
+        if source == name:
+            keys = reader.entry(name)["optim"]
+            moments = {k: reader.shard(name, k, mesh.tp, mesh.tp_rank, local) for k in keys}
+            if moments:
+                optim[name] = moments
+    rng = None
+    if same_layout and rng_record:
+        rng = _read_rng(step_dir / RNG_FILE, mesh.rank)
+    elif not same_layout:
+        notes.append(f"RNG states not restored: checkpoint layout {src} != {mesh.layout}")
+    else:
+        notes.append("RNG states not restored: the checkpoint has none "
+                     + str(manifest["meta"].get("rng_note", "")).strip())
+    reader.release()
+    return LoadedState(optim, manifest["meta"], rng, resharded, manifest["step"], src, step_dir,
+                       notes)
+
+
+def _read_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    prefix = f"rank{rank}/"
+    with safe_open(str(path), framework="pt") as f:
+        return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}

@@ -1,0 +1,318 @@
+"""The sharded checkpoint format: files, manifest, atomic publication, verification, resharding reads.
+
+A checkpoint is a directory ``ROOT/step_{N:08d}/`` holding
+
+- ``model_tp{t:02d}_pp{p:02d}.safetensors`` for every (tp, pp) shard: keys ``model/{name}`` (the
+  local shard of parameter ``name``, zero padding included) and ``optim/{name}/{key}`` (optimizer
+  moments, partitioned exactly like their parameter). Tied copies are never stored.
+- ``rng.safetensors``: every rank's RNG state tensors, keys ``rank{r}/{what}`` (optional).
+- ``manifest.json``: format version, layout, model config, step, the trainer's free ``meta``,
+  one entry per canonical tensor ``{full_shape, tp_dim, local_shape, dtype, stage, optim}``
+  (``optim`` maps moment key -> dtype) and one per file ``{bytes, sha256}``.
+
+Everything is written into ``ROOT/.tmp-step_{N}-<random>/``, fsynced and renamed; ``ROOT/latest``
+(the step directory's name) is replaced last, so a reader never sees half a checkpoint.
+Pure file handling: no process groups here (see distributed.py and convert.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+import torch
+
+from megapar.tensor_parallel.partition import shard_range
+
+FORMAT_NAME = "megapar-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+RNG_FILE = "rng.safetensors"
+
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupted or of another model."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{int(step):08d}"
+
+
+def shard_file_name(tp_rank: int, pp_rank: int) -> str:
+    return f"model_tp{tp_rank:02d}_pp{pp_rank:02d}.safetensors"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in manifest")
+    return dtype
+
+
+# --- writing -------------------------------------------------------------------------------
+class ShardWriter:
+    """A safetensors file written one tensor at a time: the header (every key's dtype and shape)
+    is laid out up front, then each `write` puts one tensor's bytes at its offset, so only the
+    tensor being written is ever in memory. `close` checks every key was written and fsyncs."""
+
+    def __init__(self, path: str | Path, specs: dict[str, tuple[torch.dtype, tuple]]):
+        self.path = Path(path)
+        header, offset, self._slots = {}, 0, {}
+        for key, (dtype, shape) in specs.items():
+            size = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                           "data_offsets": [offset, offset + size]}
+            self._slots[key] = (offset, size, dtype, tuple(shape))
+            offset += size
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._base = 8 + len(raw)
+        self._file = open(self.path, "wb")
+        self._file.write(len(raw).to_bytes(8, "little") + raw)
+        self._file.truncate(self._base + offset)
+        self._pending = set(specs)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        offset, size, dtype, shape = self._slots[key]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise CheckpointError(f"{self.path.name}: {key} is {dtype_name(tensor.dtype)} "
+                                  f"{tuple(tensor.shape)}, expected {dtype_name(dtype)} {shape}")
+        self._file.seek(self._base + offset)
+        if size:
+            self._file.write(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+        self._pending.discard(key)
+
+    def abort(self) -> None:
+        """Close without checks (the caller deletes the half-written file)."""
+        self._file.close()
+
+    def close(self) -> None:
+        if self._pending:
+            self._file.close()
+            raise CheckpointError(f"{self.path.name}: tensors never written: "
+                                  f"{sorted(self._pending)[:5]}")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+
+def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> dict:
+    """Write a whole dict as one safetensors file; returns its file record."""
+    writer = ShardWriter(path, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()})
+    for key, tensor in tensors.items():
+        writer.write(key, tensor)
+    writer.close()
+    return file_record(path)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def file_record(path: str | Path) -> dict:
+    """{bytes, sha256} of a file, hashed in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(4 << 20):
+            digest.update(chunk)
+    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str | Path, data) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def staging_dir(parent: str | Path, prefix: str) -> Path:
+    """A fresh hidden directory ``parent/{prefix}<random>`` to build a checkpoint in."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    path = parent / f"{prefix}{secrets.token_hex(6)}"
+    path.mkdir()
+    return path
+
+
+def set_latest(root: str | Path, step_name: str) -> None:
+    """Atomically point ``root/latest`` at a step directory."""
+    root = Path(root)
+    tmp = root / f".{LATEST}.tmp-{secrets.token_hex(4)}"
+    with open(tmp, "w") as f:
+        f.write(step_name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    fsync_dir(root)
+
+
+def publish(tmp: Path, root: str | Path, step: int) -> Path:
+    """Rename a complete, fsynced staging directory to ``root/step_{N}`` and update `latest`.
+
+    An existing directory of the same step is replaced (moved aside first, deleted after)."""
+    root = Path(root)
+    fsync_dir(tmp)
+    final = root / step_dir_name(step)
+    old = None
+    if final.exists():
+        old = root / f".old-{final.name}-{secrets.token_hex(4)}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    set_latest(root, final.name)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+# --- reading -------------------------------------------------------------------------------
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The step directory of `path`: a step directory itself, or a ROOT (follows ``latest``)."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    if (path / LATEST).exists():
+        step = path / (path / LATEST).read_text().strip()
+        if not (step / MANIFEST).exists():
+            raise CheckpointError(f"{path}/latest points to {step.name}, which has no {MANIFEST} "
+                                  f"(deleted or moved?); pass a step directory explicitly")
+        return step
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    raise CheckpointError(f"{path}: neither a checkpoint step directory (no {MANIFEST}) nor a "
+                          f"checkpoint root (no {LATEST} file); was the save interrupted?")
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of a checkpoint (ROOT or step directory), with its version checked."""
+    step_dir = resolve_checkpoint(path)
+    try:
+        manifest = json.loads((step_dir / MANIFEST).read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{step_dir / MANIFEST}: not valid JSON ({exc}); the file is "
+                              f"corrupted") from exc
+    if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{step_dir / MANIFEST}: format {manifest.get('format')!r} version "
+                              f"{manifest.get('version')!r}, this megapar reads {FORMAT_NAME!r} "
+                              f"version {FORMAT_VERSION}")
+    return manifest
+
+
+def verify_file(step_dir: Path, name: str, record: dict, checksum: bool = True) -> None:
+    """Check one file against its manifest record (existence, size, and sha256 if `checksum`)."""
+    path = step_dir / name
+    if not path.exists():
+        kind = "shard" if name.startswith("model_") else "file"
+        raise CheckpointError(f"missing {kind} {name} in {step_dir} (checkpoint incomplete or "
+                              f"files deleted); restore it or use another checkpoint")
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        raise CheckpointError(f"{name}: {size} bytes, the manifest records {record['bytes']} "
+                              f"(file truncated or altered); restore it or use another checkpoint")
+    if checksum and file_record(path)["sha256"] != record["sha256"]:
+        raise CheckpointError(f"{name}: checksum mismatch (file altered or truncated); restore "
+                              f"it or use another checkpoint")
+
+
+def verify(path: str | Path, checksums: bool = True) -> dict:
+    """Check every file of a checkpoint (size and sha256); returns the manifest."""
+    step_dir = resolve_checkpoint(path)
+    manifest = read_manifest(step_dir)
+    for name, record in manifest["files"].items():
+        verify_file(step_dir, name, record, checksums)
+    return manifest
+
+
+class ShardReader:
+    """Reads target shards of any tp layout from a checkpoint, through the canonical index space.
+
+    `shard(name, key, tp, tp_rank, local)` returns tp rank `tp_rank`'s shard (padded to `local`
+    along tp_dim) of canonical tensor `name` (its weights if `key` is None, else optimizer
+    moment `key`), reading only the overlapping slices of the source shards
+    (``safe_open(...).get_slice``): at most one target shard plus its pieces is in memory.
+    """
+
+    def __init__(self, step_dir: str | Path, manifest: dict):
+        self.step_dir, self.manifest = Path(step_dir), manifest
+        self.tensors = manifest["tensors"]
+        self.src_tp = manifest["layout"]["tp"]
+        self._open: dict[str, object] = {}
+
+    def _file(self, name: str):
+        if name not in self._open:
+            from safetensors import safe_open
+
+            path = self.step_dir / name
+            if not path.exists():
+                raise CheckpointError(f"missing shard {name} in {self.step_dir}")
+            self._open[name] = safe_open(str(path), framework="pt")
+        return self._open[name]
+
+    def release(self) -> None:
+        """Close (unmap) the source files opened so far."""
+        self._open.clear()
+
+    def entry(self, name: str) -> dict:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.step_dir}: no tensor {name!r} in the checkpoint")
+        return self.tensors[name]
+
+    def pieces(self, name: str, tp: int, tp_rank: int, local: int | None):
+        """[(file, source local range, target local offset)] that make up the target shard."""
+        entry = self.entry(name)
+        dim, stage = entry["tp_dim"], entry["stage"]
+        if dim is None:
+            return [(shard_file_name(0, stage), None, 0)]
+        full, src_local = entry["full_shape"][dim], entry["local_shape"][dim]
+        start, stop = shard_range(full, local, tp_rank)
+        out = []
+        for t in range(self.src_tp):
+            s0, s1 = shard_range(full, src_local, t)
+            lo, hi = max(start, s0), min(stop, s1)
+            if lo < hi:
+                out.append((shard_file_name(t, stage), (lo - t * src_local, hi - t * src_local),
+                            lo - start))
+        return out
+
+    def shard(self, name: str, key: str | None, tp: int, tp_rank: int,
+              local: int | None) -> torch.Tensor:
+        entry = self.entry(name)
+        dim = entry["tp_dim"]
+        tkey = f"model/{name}" if key is None else f"optim/{name}/{key}"
+        if key is not None and key not in entry["optim"]:
+            raise CheckpointError(f"{self.step_dir}: no optimizer state {key!r} for {name}")
+        dtype = dtype_from_name(entry["dtype"] if key is None else entry["optim"][key])
+        if dim is None:
+            return self._file(shard_file_name(0, entry["stage"])).get_tensor(tkey)
+        shape = list(entry["full_shape"])
+        shape[dim] = local
+        out = torch.zeros(shape, dtype=dtype)
+        for fname, (a, b), at in self.pieces(name, tp, tp_rank, local):
+            index = (slice(None),) * dim + (slice(a, b),)
+            out.narrow(dim, at, b - a).copy_(self._file(fname).get_slice(tkey)[index])
+        return out

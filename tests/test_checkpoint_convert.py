@@ -1,0 +1,100 @@
+"""Offline conversion between layouts is exact: weights and optimizer moments, bitwise."""
+
+import json
+
+import pytest
+import torch
+
+from megapar.checkpoint.convert import checkpoint_info, convert_checkpoint
+from megapar.checkpoint.format import LATEST, RNG_FILE, read_manifest, resolve_checkpoint
+from megapar.checkpoint.hf import gather_canonical
+from megapar.cli.convert import main
+from megapar.mesh import Layout, Mesh
+from megapar.training.build import build_stage
+from test_checkpoint_helpers import (
+    KEYS, assert_same, canonical_state, file_tensors, moment, save_serial, tiny_config,
+)
+
+
+@pytest.mark.parametrize("kind, hops", [("gpt2", [(2, 2), (4, 1), (1, 4), (1, 1)]),
+                                        ("bert", [(2, 2), (4, 1), (1, 1)])])
+def test_round_trip_through_layouts_is_bitwise(tmp_path, kind, hops):
+    src = save_serial(tmp_path / "src", kind)
+    weights, moments = canonical_state(src)
+    # The 1x1 checkpoint holds the seeded model and the synthetic moments.
+    reference = gather_canonical(build_stage(tiny_config(kind), Mesh(Layout()), seed=7))
+    assert_same(weights, reference, "saved weights")
+    assert_same(moments, {n: {k: moment(n, k, w.shape) for k in KEYS}
+                          for n, w in reference.items()}, "saved moments")
+
+    previous = src
+    for i, (tp, pp) in enumerate(hops):
+        out = convert_checkpoint(previous, tmp_path / f"hop{i}", tp, pp, progress=False)
+        manifest = read_manifest(out)
+        assert manifest["layout"] == {"tp": tp, "pp": pp, "dp": 1}
+        assert sorted(manifest["files"]) == sorted(f"model_tp{t:02d}_pp{p:02d}.safetensors"
+                                                   for t in range(tp) for p in range(pp))
+        assert manifest["meta"]["consumed_samples"] == 96 and manifest["step"] == 3
+        hop_weights, hop_moments = canonical_state(out)
+        assert_same(hop_weights, weights, f"weights at {tp}x{pp}")
+        assert_same(hop_moments, moments, f"moments at {tp}x{pp}")
+        previous = out
+    # Back at 1x1 every stored tensor, padding rows included, is the original one.
+    name = "model_tp00_pp00.safetensors"
+    assert_same(file_tensors(previous / name), file_tensors(src / name), "final shard file")
+
+
+def test_shards_follow_the_partition_rule(tmp_path):
+    """At tp=4 the vocab (101 -> 4 x 128) puts everything on tp rank 0; proj splits dim 1."""
+    src = save_serial(tmp_path / "src")
+    out = convert_checkpoint(src, tmp_path / "tp4", 4, 1, progress=False)
+    weights, _ = canonical_state(src)
+    shards = [file_tensors(out / f"model_tp{t:02d}_pp00.safetensors") for t in range(4)]
+    word = weights["embed.word.weight"]
+    assert torch.equal(shards[0]["model/embed.word.weight"][:101], word)
+    assert not shards[0]["model/embed.word.weight"][101:].any()
+    assert all(not s["model/embed.word.weight"].any() for s in shards[1:])
+    proj = torch.cat([s["model/layers.2.mlp.proj.weight"] for s in shards], dim=1)
+    assert torch.equal(proj, weights["layers.2.mlp.proj.weight"])
+    assert shards[3]["model/layers.2.mlp.proj.weight"].shape == (32, 32)
+
+
+def test_conversion_updates_layout_drops_rng_and_keeps_meta(tmp_path):
+    src = save_serial(tmp_path / "src", meta={"consumed_samples": 5, "scheduler": {"lr": 0.1}})
+    assert RNG_FILE in read_manifest(src)["files"]
+    out = convert_checkpoint(tmp_path / "src", tmp_path / "dst", 2, 2, dp=3, progress=False)
+    manifest = read_manifest(tmp_path / "dst")          # ROOT resolves through latest
+    assert resolve_checkpoint(tmp_path / "dst") == out
+    assert (tmp_path / "dst" / LATEST).read_text().strip() == "step_00000003"
+    assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 3}
+    assert RNG_FILE not in manifest["files"] and not (out / RNG_FILE).exists()
+    assert "dropped" in manifest["meta"]["rng_note"]
+    assert manifest["meta"]["scheduler"] == {"lr": 0.1}
+    assert manifest["meta"]["converted_from"]["layout"] == {"tp": 1, "pp": 1, "dp": 1}
+    assert manifest["model"] == read_manifest(src)["model"]
+    assert manifest["tensors"]["layers.3.attn.q.weight"]["stage"] == 1
+    assert manifest["tensors"]["layers.3.attn.q.weight"]["local_shape"] == [16, 32]
+
+
+def test_cli_convert_and_info(tmp_path, capsys):
+    save_serial(tmp_path / "src")
+    assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--tp", "2", "--pp", "4",
+                 "--no-progress"]) == 0
+    assert "tp=2 pp=4" in capsys.readouterr().out
+    assert main(["--info", str(tmp_path / "dst"), "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "layout      tp=2 pp=4 dp=1" in out and "step        3" in out
+    assert "gpt2 (4 layers, hidden 32, vocab 101)" in out
+    assert "model_tp01_pp03.safetensors" in out and "exp_avg, exp_avg_sq" in out
+    n_params = sum(w.numel() for w in canonical_state(tmp_path / "src")[0].values())
+    assert f"{n_params:,} parameters" in out
+    assert "layers.3.mlp.fc.weight" in out and "128x32" in out
+    manifest = json.loads((resolve_checkpoint(tmp_path / "dst") / "manifest.json").read_text())
+    assert checkpoint_info(tmp_path / "dst").count(".safetensors") == len(manifest["files"])
+
+
+def test_cli_usage_errors(tmp_path, capsys):
+    assert main([str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "--tp N --pp M" in capsys.readouterr().err
+    assert main(["--info", str(tmp_path / "nothing")]) == 2
+    assert "no such checkpoint directory" in capsys.readouterr().err
