@@ -1,0 +1,153 @@
+"""Every broken input gives an error naming the problem, and DST is never touched on failure."""
+
+import os
+
+import pytest
+
+from megapar.checkpoint import convert as cv
+from megapar.checkpoint.distributed import load_checkpoint
+from megapar.checkpoint.format import (
+    CheckpointError, ShardReader, read_manifest, resolve_checkpoint, verify,
+)
+from megapar.cli.convert import main
+from megapar.mesh import Layout, LayoutError, Mesh
+from megapar.training.build import build_stage
+from test_checkpoint_helpers import save_serial, tiny_config
+
+SHARD = "model_tp01_pp00.safetensors"
+
+
+@pytest.fixture
+def src(tmp_path):
+    """A 2x2 checkpoint (converted from 1x1) to break in various ways."""
+    save_serial(tmp_path / "serial")
+    return cv.convert_checkpoint(tmp_path / "serial", tmp_path / "src", 2, 2, progress=False)
+
+
+def _missing(step):
+    os.remove(step / SHARD)
+
+
+def _truncated(step):
+    with open(step / SHARD, "r+b") as f:
+        f.truncate(os.path.getsize(step / SHARD) - 10)
+
+
+def _altered(step):
+    with open(step / SHARD, "r+b") as f:
+        f.seek(os.path.getsize(step / SHARD) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+BREAKS = {
+    "missing": (_missing, f"missing shard {SHARD}"),
+    "truncated": (_truncated, f"{SHARD}: .* bytes, the manifest records .* \\(file truncated"),
+    "altered": (_altered, f"{SHARD}: checksum mismatch \\(file altered or truncated\\)"),
+}
+
+
+def _dst_with_marker(tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "marker").write_text("keep me")
+    return dst
+
+
+def _assert_untouched(dst):
+    assert [p.name for p in dst.iterdir()] == ["marker"]
+    assert (dst / "marker").read_text() == "keep me"
+    leftovers = [p.name for p in dst.parent.iterdir() if p.name.startswith(".")]
+    assert leftovers == [], f"temporary directories left behind: {leftovers}"
+
+
+@pytest.mark.parametrize("case", sorted(BREAKS))
+def test_corrupted_source_is_named_and_dst_untouched(src, tmp_path, case, capsys):
+    breaker, message = BREAKS[case]
+    breaker(src)
+    with pytest.raises(CheckpointError, match=message):
+        verify(src)
+    dst = _dst_with_marker(tmp_path)
+    assert main([str(src), str(dst), "--tp", "1", "--pp", "1", "--overwrite",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megapar-convert: error: ") and SHARD in err
+    _assert_untouched(dst)
+    # Loading into a model checks the files it reads too (tp rank 1 of stage 0 at 2x2).
+    model = build_stage(tiny_config("gpt2"), Mesh(Layout()), seed=1)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(src, model, Mesh(Layout()))
+
+
+def test_size_only_verification_misses_an_altered_byte_but_sha256_does_not(src):
+    _altered(src)
+    verify(src, checksums=False)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        verify(src)
+
+
+@pytest.mark.parametrize("tp, pp, message", [
+    (3, 1, "4 attention heads are not divisible by --tp 3"),
+    (1, 5, "4 layers cannot be cut into --pp 5 stages"),
+])
+def test_impossible_target_layout(src, tmp_path, tp, pp, message, capsys):
+    with pytest.raises(LayoutError, match=message):
+        cv.convert_checkpoint(src, tmp_path / "out", tp, pp, progress=False)
+    dst = _dst_with_marker(tmp_path)
+    assert main([str(src), str(dst), "--tp", str(tp), "--pp", str(pp), "--overwrite"]) == 2
+    assert message in capsys.readouterr().err
+    _assert_untouched(dst)
+
+
+def test_loading_into_another_model_is_refused(src):
+    model = build_stage(tiny_config("gpt2", n_embd=64), Mesh(Layout()), seed=1)
+    with pytest.raises(CheckpointError, match=r"different model: n_embd=32 \(checkpoint\) vs 64"):
+        load_checkpoint(src, model, Mesh(Layout()))
+
+
+def test_existing_dst_is_refused_without_overwrite(src, tmp_path, capsys):
+    dst = _dst_with_marker(tmp_path)
+    assert main([str(src), str(dst), "--tp", "1", "--pp", "1"]) == 2
+    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    _assert_untouched(dst)
+    with pytest.raises(CheckpointError, match="already exists"):
+        cv.export_hf(src, dst)
+    _assert_untouched(dst)
+
+
+def test_failure_midway_leaves_dst_untouched_and_no_temp_dirs(src, tmp_path, monkeypatch):
+    calls = []
+    real = ShardReader.shard
+
+    def flaky(self, *args):
+        calls.append(args)
+        if len(calls) == 40:
+            raise OSError("disk full (simulated)")
+        return real(self, *args)
+
+    monkeypatch.setattr(ShardReader, "shard", flaky)
+    dst = _dst_with_marker(tmp_path)
+    with pytest.raises(OSError, match="disk full"):
+        cv.convert_checkpoint(src, dst, 1, 2, overwrite=True, progress=False)
+    _assert_untouched(dst)
+    fresh = tmp_path / "fresh"
+    calls.clear()
+    with pytest.raises(OSError, match="disk full"):
+        cv.convert_checkpoint(src, fresh, 1, 2, progress=False)
+    assert not fresh.exists()
+    monkeypatch.setattr(ShardReader, "shard", real)
+    out = cv.convert_checkpoint(src, dst, 1, 2, overwrite=True, progress=False)
+    assert read_manifest(dst)["layout"]["pp"] == 2 and not (dst / "marker").exists()
+    assert resolve_checkpoint(dst) == out
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="neither a checkpoint step directory"):
+        resolve_checkpoint(tmp_path / "empty")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "latest").write_text("step_00000009\n")
+    with pytest.raises(CheckpointError, match="latest points to step_00000009"):
+        resolve_checkpoint(root)
