@@ -212,23 +212,30 @@ TRACE_KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send
 """Event kinds `gather_timeline` can encode (as their index in this tuple)."""
 
 
-def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_TIMEOUT_S):
+def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    sync_rounds: int = 8):
     """Every pp stage's events on pp rank 0 (a `Timeline`), None on the other ranks.
 
-    Collective over `mesh.pp_group`. Clocks are aligned at a barrier: each rank reads its clock
-    right after the barrier and shifts its events by that reading, so all stages share the
-    barrier's exit as time 0 (exact up to the barrier's exit skew). Events travel as float64
-    tensors [kind, mb, chunk, start, end] (mb -1 for None), no pickled objects.
+    Collective over `mesh.pp_group`. Clocks are aligned to pp rank 0's: rank 0 broadcasts its
+    clock reading `sync_rounds` times; a receiver's reading minus rank 0's is its clock offset
+    plus the message latency, never less (the message cannot arrive before it was sent), so the
+    minimum over the rounds is the offset, off by the smallest latency seen (microseconds), and
+    robust to a rank being descheduled in one round. Events travel as float64 tensors
+    [kind, mb, chunk, start, end] (mb -1 for None), no pickled objects.
     """
     if mesh.pp == 1:
         return Timeline(list(timeline.events))
-    group, dst = mesh.pp_group, mesh.stage_rank(0)
-    barrier = torch.zeros(1)
-    _wait(dist.all_reduce(barrier, group=group, async_op=True), timeout_s,
-          f"rank {mesh.rank}: barrier of gather_timeline")
-    t_sync = time.perf_counter()
+    group, root = mesh.pp_group, mesh.stage_rank(0)
+    offset = float("inf")
+    for _ in range(sync_rounds):
+        stamp = torch.tensor([time.perf_counter()], dtype=torch.float64)
+        _wait(dist.broadcast(stamp, src=root, group=group, async_op=True), timeout_s,
+              f"rank {mesh.rank}: clock alignment of gather_timeline")
+        offset = min(offset, time.perf_counter() - stamp.item())
+    if mesh.is_first_stage:
+        offset = 0.0
     rows = torch.tensor([[TRACE_KINDS.index(e.kind), -1 if e.mb is None else e.mb, e.chunk,
-                          e.start - t_sync, e.end - t_sync] for e in timeline.events],
+                          e.start - offset, e.end - offset] for e in timeline.events],
                         dtype=torch.float64).reshape(-1, 5)
     counts = [torch.zeros(1, dtype=torch.int64) for _ in range(mesh.pp)]
     _wait(dist.all_gather(counts, torch.tensor([len(rows)]), group=group, async_op=True),
@@ -237,7 +244,7 @@ def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_T
     padded = torch.zeros(longest, 5, dtype=torch.float64)
     padded[:len(rows)] = rows
     parts = [torch.zeros_like(padded) for _ in range(mesh.pp)] if mesh.is_first_stage else None
-    _wait(dist.gather(padded, parts, dst=dst, group=group, async_op=True), timeout_s,
+    _wait(dist.gather(padded, parts, dst=root, group=group, async_op=True), timeout_s,
           f"rank {mesh.rank}: gathering timelines on pp rank 0")
     if not mesh.is_first_stage:
         return None

@@ -1,0 +1,187 @@
+"""The pipeline executor's machinery: tracing, timeline gathering, grad_sync hooks, failures.
+
+Uses a toy stage (one linear layer + tanh, squared-error loss on the last stage) so the tests
+are about the executor, not the model; numerical parity is in test_pipeline_parity.py.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapar.launcher import WorkerError, run_local
+from megapar.mesh import Layout, Mesh
+from megapar.pipeline.executor import PipelineExecutor, gather_timeline
+from megapar.pipeline.p2p import P2PTimeoutError
+from megapar.pipeline.schedules import Action, get_schedule
+from tp_utils import assert_close, make_mesh
+
+B, S, H = 2, 4, 8
+SHAPE = (B, S, H)
+
+
+class ToyStage(nn.Module):
+    """tanh(linear(x)); the first stage reads batch["x"], the last returns mse to batch["y"]."""
+
+    def __init__(self, mesh, sleep_s=0.0, fail_at_mb=None):
+        super().__init__()
+        torch.manual_seed(10 + mesh.pp_rank)
+        self.lin = nn.Linear(H, H)
+        self.mesh, self.sleep_s, self.fail_at_mb = mesh, sleep_s, fail_at_mb
+
+    def forward(self, hidden, batch):
+        if batch["mb"] == self.fail_at_mb:
+            raise RuntimeError(f"boom in stage {self.mesh.pp_rank} at micro-batch {batch['mb']}")
+        if self.mesh.is_first_stage:
+            hidden = batch["x"]
+        out = torch.tanh(self.lin(hidden))
+        time.sleep(self.sleep_s)
+        return ((out - batch["y"]) ** 2).mean() if self.mesh.is_last_stage else out
+
+
+def toy_batches(m):
+    gen = torch.Generator().manual_seed(0)
+    return [{"mb": i, "x": torch.randn(SHAPE, generator=gen), "y": torch.randn(SHAPE, generator=gen)}
+            for i in range(m)]
+
+
+class RecordingSync:
+    """A grad_sync that records when each hook is called (perf_counter)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def begin_step(self):
+        self.calls.append(("begin_step", time.perf_counter()))
+
+    def before_last_backward(self):
+        self.calls.append(("before_last_backward", time.perf_counter()))
+
+    def finish(self):
+        self.calls.append(("finish", time.perf_counter()))
+
+
+def traced_worker(pp, m, schedule):
+    mesh = make_mesh(pp=pp)
+    stage = ToyStage(mesh, sleep_s=0.01)
+    executor = PipelineExecutor(stage, mesh, schedule, SHAPE, timeout_s=30)
+    sync = RecordingSync()
+    loss = executor.run(toy_batches(m), grad_sync=sync)
+    local = executor.last_timeline
+    expected = [(a.kind, a.mb) for a in get_schedule(schedule)(pp, m, mesh.pp_rank)]
+    events = local.for_rank(mesh.pp_rank)
+    assert [(e.kind, e.mb) for e in events] == expected + [("wait", None), ("loss_broadcast", None)]
+    assert all(a.end <= b.start for a, b in zip(events, events[1:])), "events overlap"
+    # grad_sync hooks: begin before the first action, before_last_backward right before the last
+    # backward, finish after the end-of-step wait for sends.
+    calls = dict(sync.calls)
+    assert [c for c, _ in sync.calls] == ["begin_step", "before_last_backward", "finish"]
+    last_b = max(i for i, e in enumerate(events) if e.kind == "backward")
+    assert calls["begin_step"] <= events[0].start
+    assert events[last_b - 1].end <= calls["before_last_backward"] <= events[last_b].start
+    wait = next(e for e in events if e.kind == "wait")
+    assert wait.end <= calls["finish"]
+    grads = [p.grad.clone() for p in stage.parameters()]
+    # Evaluation: forwards only, no graph, same loss, gradients untouched.
+    eval_loss = executor.run(toy_batches(m), forward_only=True)
+    kinds = {e.kind for e in executor.last_timeline.events}
+    assert kinds <= {"recv_act", "forward", "send_act", "wait", "loss_broadcast"}
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, stage.parameters()))
+    gathered = gather_timeline(local, mesh)
+    return {"loss": loss.item(), "eval_loss": eval_loss.item(), "local": local,
+            "gathered": gathered}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_timeline_per_action_and_gathered_on_rank0(schedule):
+    pp, m = 3, 4
+    results = run_local(traced_worker, pp, pp, m, schedule)
+    losses = {r["loss"] for r in results}
+    assert len(losses) == 1, f"loss not broadcast to every stage: {losses}"
+    assert results[0]["eval_loss"] == pytest.approx(results[0]["loss"], rel=1e-6)
+    gathered = results[0]["gathered"]
+    assert all(r["gathered"] is None for r in results[1:])
+    assert gathered.ranks() == list(range(pp))
+    for stage, r in enumerate(results):
+        mine = r["local"].for_rank(stage)
+        theirs = gathered.for_rank(stage)
+        assert [(e.kind, e.mb) for e in theirs] == [(e.kind, e.mb) for e in mine]
+        # Same durations after the clock shift.
+        assert all(abs(a.duration - b.duration) < 1e-6 for a, b in zip(mine, theirs))
+    # Aligned clocks: a micro-batch's forward on stage s+1 starts after it ended on stage s,
+    # and its backward on stage s starts after it ended on stage s+1 (10 ms forwards, 2 ms slack).
+    def span(stage, kind, mb):
+        return next(e for e in gathered.for_rank(stage) if e.kind == kind and e.mb == mb)
+    for s in range(pp - 1):
+        for mb in range(m):
+            assert span(s + 1, "forward", mb).start >= span(s, "forward", mb).end - 2e-3
+            assert span(s, "backward", mb).start >= span(s + 1, "backward", mb).end - 2e-3
+
+
+def failing_worker():
+    mesh = make_mesh(pp=3)
+    stage = ToyStage(mesh, fail_at_mb=2 if mesh.pp_rank == 1 else None)
+    PipelineExecutor(stage, mesh, "1f1b", SHAPE).run(toy_batches(4))  # default (long) timeout
+
+
+def test_stage_that_raises_fails_the_run_fast_naming_the_rank():
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        run_local(failing_worker, 3, timeout_s=60)
+    assert time.monotonic() - start < 10
+    message = str(info.value)
+    assert message.startswith("rank 1 failed: RuntimeError: boom in stage 1 at micro-batch 2")
+    assert "while running forward of micro-batch 2 on pp stage 1" in message
+
+
+def timeout_worker(flag):
+    mesh = make_mesh(pp=2)
+    if mesh.pp_rank == 0:  # never runs its schedule, so stage 1's first receive must time out
+        deadline = time.monotonic() + 20
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)  # stay alive (a dead peer would close the connection instead)
+        return None
+    start = time.monotonic()
+    try:
+        PipelineExecutor(ToyStage(mesh), mesh, "gpipe", SHAPE, timeout_s=1.0).run(toy_batches(2))
+    except P2PTimeoutError as exc:
+        return str(exc), time.monotonic() - start
+    finally:
+        open(flag, "w").close()  # a timed-out gloo pair is closed: no barrier possible, use a file
+    return None
+
+
+def test_receive_timeout_names_rank_peer_and_micro_batch(tmp_path):
+    _, result = run_local(timeout_worker, 2, str(tmp_path / "done"), timeout_s=60)
+    assert result is not None, "stage 1 did not time out"
+    message, elapsed = result
+    assert 0.9 <= elapsed < 5, elapsed
+    assert "rank 1 (pp stage 1) failed receiving the activation of micro-batch 0 from rank 0" \
+        in message
+    assert "within 1 s" in message
+
+
+def test_single_stage_runs_without_processes_and_matches_direct_loss():
+    mesh = Mesh(Layout())
+    stage = ToyStage(mesh)
+    batches = toy_batches(3)
+    loss = PipelineExecutor(stage, mesh, "1f1b", SHAPE).run(batches, loss_scale=4.0)
+    grads = [p.grad.clone() for p in stage.parameters()]
+    stage.zero_grad(set_to_none=True)
+    direct = [stage(None, b) for b in batches]
+    (sum(direct) * 4.0 / 3).backward()  # loss_scale scales the gradients, not the loss
+    assert loss.item() == pytest.approx((sum(direct) / 3).item(), rel=1e-6)
+    for g, p in zip(grads, stage.parameters()):
+        assert_close(g, p.grad, what="single-stage gradient")
+
+
+def test_unknown_action_kind_names_the_missing_handler():
+    mesh = Mesh(Layout())
+    executor = PipelineExecutor(ToyStage(mesh), mesh, "gpipe", SHAPE)
+    executor.schedule_fn = lambda pp, m, stage: [Action("forward", 0), Action("backward_input", 0)]
+    with pytest.raises(NotImplementedError, match="'backward_input'.*register one"):
+        executor.run(toy_batches(1))
+    assert [e.kind for e in executor.last_timeline.events] == ["forward"]
