@@ -1,0 +1,117 @@
+"""Mixed precision: autocast for the forward, fp32 master weights, fp16 dynamic loss scaling.
+
+Parameters, gradients and optimizer state stay fp32 in every mode; `autocast()` runs matmuls in
+bf16 / fp16. In fp16 the loss is multiplied by a dynamic scale before backward (the executor
+takes it as `loss_scale`); after backward `unscale_and_check` divides the gradients by it and
+finds infs / NaNs. The found-inf flag is all-reduced with MAX over the whole world, so every
+rank (every tp, pp and dp coordinate) skips the same step and changes its scale the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class DynamicLossScaler:
+    """Loss scale that halves on overflow and doubles after a run of clean steps."""
+
+    init_scale: float = 2.0**16
+    """Starting loss scale."""
+    growth_factor: float = 2.0
+    """Multiplier after `growth_interval` consecutive steps without inf / NaN."""
+    backoff_factor: float = 0.5
+    """Multiplier on a step whose gradients overflowed (that step is skipped)."""
+    growth_interval: int = 1000
+    """Clean steps needed before growing the scale."""
+    min_scale: float = 1.0
+    """The scale never drops below this."""
+    scale: float | None = None
+    """Current loss scale (init_scale at start)."""
+    clean_steps: int = 0
+    """Consecutive steps without overflow since the last change of scale."""
+
+    def __post_init__(self):
+        if self.scale is None:
+            self.scale = float(self.init_scale)
+        if not (self.growth_factor > 1 and 0 < self.backoff_factor < 1):
+            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
+                             f"{self.growth_factor} and {self.backoff_factor}")
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale = max(self.min_scale, self.scale * self.backoff_factor)
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, d: dict) -> None:
+        for k, v in d.items():
+            setattr(self, k, v)
+
+
+class Precision:
+    """The numeric mode of training: "fp32", "bf16" or "fp16"."""
+
+    def __init__(self, mode: str, device: torch.device | str, scaler: DynamicLossScaler | None = None):
+        if mode not in PRECISIONS:
+            raise ValueError(f"unknown precision {mode!r}; expected one of {sorted(PRECISIONS)}")
+        self.mode = mode
+        self.device = torch.device(device)
+        self.dtype = PRECISIONS[mode]
+        self.scaler = (scaler or DynamicLossScaler()) if mode == "fp16" else None
+
+    def autocast(self):
+        """Context for the forward (and the executor's interleaved backward)."""
+        if self.mode == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @torch.no_grad()
+    def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Divide gradients by the loss scale; True if any rank anywhere has an inf / NaN.
+
+        Collective over the whole world in fp16 (every rank must call it); free otherwise.
+        """
+        if self.scaler is None:
+            return False
+        grads = [p.grad for p in params if p.grad is not None]
+        inv = 1.0 / self.scaler.scale
+        flag = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            g.mul_(inv)
+            flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def update(self, found_inf: bool) -> None:
+        """After the step: change the loss scale (fp16 only)."""
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+
+    def state_dict(self) -> dict:
+        return {"mode": self.mode,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, d: dict) -> None:
+        """Restore the loss scale; a checkpoint of another mode (a switch on resume) has none."""
+        if self.scaler is not None and d.get("scaler"):
+            self.scaler.load_state_dict(d["scaler"])

@@ -1,0 +1,107 @@
+"""One optimizer step of 3D-parallel training, and the global-batch arithmetic behind it.
+
+`TrainStep.step` on every rank, in this order:
+
+1. zero the gradients, set this step's learning rate;
+2. run the pipeline schedule under autocast (gradients accumulate over the m micro-batches; the
+   dp average is bucketed and overlapped with the last micro-batch's backward by `grad_sync`);
+3. sum the tied embedding's gradient over the first and last stage (pp > 1);
+4. fp16: unscale the gradients and agree, over the whole world, whether any is inf / NaN;
+5. clip to the global gradient norm (over tp x pp, each parameter counted once);
+6. step the optimizer unless the step overflowed; update the loss scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megapar.mesh import Mesh, all_reduce
+from megapar.optim.clip import clip_grad_norm
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a global batch is split: G = micro-batch size x micro-batches per step x dp."""
+
+    global_batch_size: int
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int
+    """Sequences per micro-batch (one pipeline forward / backward)."""
+    dp: int
+    """Data-parallel size."""
+
+    def __post_init__(self):
+        if min(self.global_batch_size, self.micro_batch_size, self.dp) < 1:
+            raise ValueError(f"batch sizes and dp must be >= 1, got global {self.global_batch_size}"
+                             f", micro {self.micro_batch_size}, dp {self.dp}")
+        per_step = self.micro_batch_size * self.dp
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"global batch size {self.global_batch_size} is not divisible by micro-batch size "
+                f"{self.micro_batch_size} x dp {self.dp} = {per_step}; choose a global batch size "
+                f"that is a multiple of {per_step}")
+
+    @property
+    def micro_batches(self) -> int:
+        """m: micro-batches each dp rank runs per optimizer step."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def split(self, global_batch: dict[str, torch.Tensor], dp_rank: int) -> list[dict]:
+        """dp rank's contiguous slice of a global batch, cut into its m micro-batches."""
+        per_rank = self.global_batch_size // self.dp
+        out = []
+        for i in range(self.micro_batches):
+            start = dp_rank * per_rank + i * self.micro_batch_size
+            out.append({k: v[start:start + self.micro_batch_size] for k, v in global_batch.items()})
+        return out
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports (identical on every rank)."""
+
+    loss: float
+    """Mean loss over the global batch (averaged over micro-batches and dp ranks)."""
+    grad_norm: float
+    """Global gradient norm before clipping (inf when the step overflowed)."""
+    lr: float
+    """Learning rate used for this step."""
+    skipped: bool
+    """The step found an inf / NaN gradient (fp16) and did not update the weights."""
+    loss_scale: float
+    """Loss scale used for this step's backward (1.0 unless fp16)."""
+
+
+class TrainStep:
+    """Runs optimizer steps for one rank's stage; every rank calls `step` together."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, executor, optimizer, scheduler, precision,
+                 clip_grad: float, grad_sync=None):
+        self.model, self.mesh = model, mesh
+        self.executor, self.optimizer, self.scheduler = executor, optimizer, scheduler
+        self.precision, self.clip_grad, self.grad_sync = precision, clip_grad, grad_sync
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(self, micro_batches: list[dict], step_index: int) -> StepResult:
+        self.optimizer.zero_grad()
+        lr = self.scheduler.lr(step_index)
+        self.optimizer.set_lr(lr)
+        scale = self.precision.loss_scale
+        with self.precision.autocast():
+            loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
+        if self.mesh.pp > 1:
+            from megapar.pipeline.tied import sync_tied_embeddings
+
+            sync_tied_embeddings(self.model, self.mesh)
+        skipped = self.precision.unscale_and_check(self.params)
+        norm = math.inf if skipped else clip_grad_norm(self.model, self.mesh, self.clip_grad)
+        if not skipped:
+            self.optimizer.step()
+        self.precision.update(skipped)
+        loss = loss.detach().float().reshape(()).clone()
+        all_reduce(loss, self.mesh.dp_group)
+        return StepResult(loss.item() / self.mesh.dp, norm, lr, skipped, scale)
