@@ -1,0 +1,210 @@
+"""Optimizer groups and checkpoint state, ZeRO-1 equivalence, LR schedule, clipping, batch plan."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megapar.launcher import run_local
+from megapar.mesh import Layout, Mesh
+from megapar.models import GPT2Config
+from megapar.optim import LRScheduler, build_optimizer, clip_grad_norm
+from megapar.optim.zero import assign_owners
+from megapar.training.build import build_stage
+from megapar.training.step import BatchPlan
+from tp_utils import assert_close, make_mesh
+
+CONFIG = GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                    make_vocab_size_divisible_by=16)
+
+
+def serial_model(seed=3):
+    return build_stage(CONFIG, Mesh(Layout()), seed)
+
+
+# --- LR schedule --------------------------------------------------------------------------------
+def test_warmup_then_cosine_to_min_lr():
+    s = LRScheduler(1.0, 0.1, 4, 14, "cosine")
+    assert [s.lr(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s.lr(4) == pytest.approx(1.0)
+    assert s.lr(9) == pytest.approx(0.55)  # halfway through the decay: (max + min) / 2
+    assert s.lr(14) == pytest.approx(0.1) and s.lr(100) == pytest.approx(0.1)
+    lrs = [s.lr(i) for i in range(4, 15)]
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_linear_and_constant_decay():
+    lin = LRScheduler(1.0, 0.0, 0, 10, "linear")
+    assert [lin.lr(i) for i in (0, 5, 10, 20)] == pytest.approx([1.0, 0.5, 0.0, 0.0])
+    const = LRScheduler(2.0, 0.0, 2, 10, "constant")
+    assert [const.lr(i) for i in (0, 1, 2, 50)] == pytest.approx([1.0, 2.0, 2.0, 2.0])
+
+
+def test_scheduler_state_round_trips_through_json():
+    s = LRScheduler(3e-4, 3e-5, 10, 100, "linear")
+    restored = LRScheduler(1.0, 0.0, 0, 1)
+    restored.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert restored == s and restored.lr(37) == s.lr(37)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((1.0, 0.0, 0, 10, "exp"), "unknown lr decay 'exp'"),
+    ((1.0, 2.0, 0, 10), "min_lr 2.0 is larger than max_lr 1.0"),
+    ((1.0, 0.0, 20, 10), "warmup of 20 steps is longer than the 10 training steps"),
+])
+def test_scheduler_errors(args, message):
+    with pytest.raises(ValueError, match=message):
+        LRScheduler(*args)
+
+
+# --- batch plan -----------------------------------------------------------------------------------
+def test_batch_plan():
+    plan = BatchPlan(16, 2, 4)
+    assert plan.micro_batches == 2
+    batch = {"input_ids": torch.arange(16).unsqueeze(1)}
+    micro = plan.split(batch, dp_rank=1)  # contiguous slice [4, 8) in micro-batches of 2
+    assert [mb["input_ids"].flatten().tolist() for mb in micro] == [[4, 5], [6, 7]]
+    with pytest.raises(ValueError, match=r"global batch size 10 is not divisible by micro-batch "
+                                         r"size 2 x dp 4 = 8"):
+        BatchPlan(10, 2, 4)
+
+
+# --- optimizer ------------------------------------------------------------------------------------
+def test_weight_decay_groups_follow_megatron():
+    model = serial_model()
+    opt = build_optimizer(model, Mesh(Layout()), lr=1e-3, weight_decay=0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay, no_decay = ([names[id(p)] for p in g["params"]] for g in opt.param_groups)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert "embed.word.weight" in decay and "embed.position.weight" in decay
+    assert "layers.0.attn.q.weight" in decay
+    assert all(n.endswith("bias") or ".ln_" in n or "norm" in n for n in no_decay)
+    assert "layers.0.ln_1.weight" in no_decay and "layers.1.mlp.fc.bias" in no_decay
+    assert len(decay) + len(no_decay) == len(names)
+    opt.set_lr(5e-4)
+    assert [g["lr"] for g in opt.param_groups] == [5e-4, 5e-4]
+    assert [g["lr"] for g in opt.inner.param_groups] == [5e-4, 5e-4]
+
+
+def test_unsupported_zero_stage():
+    with pytest.raises(ValueError, match="--zero 2 is not supported"):
+        build_optimizer(serial_model(), Mesh(Layout()), 1e-3, 0.0, zero=2)
+
+
+def test_tied_copy_is_stepped_but_not_checkpointed():
+    last = build_stage(CONFIG, Mesh.virtual(Layout(1, 2, 1), rank=1, device="cpu"), seed=3)
+    opt = build_optimizer(last, Mesh.virtual(Layout(1, 2, 1), 1, "cpu"), 1e-3, 0.1)
+    assert any(p is last.head.weight for g in opt.param_groups for p in g["params"])
+    state = opt.state_tensors()
+    assert "head.weight" not in state and "final_norm.weight" in state
+    # A checkpoint of this stage gives the tied copy the state of the embedding it copies.
+    emb = {"exp_avg": torch.full_like(last.head.weight, 0.5),
+           "exp_avg_sq": torch.full_like(last.head.weight, 0.25)}
+    opt.load_state_tensors({**state, "embed.word.weight": emb})
+    assert torch.equal(opt.inner.state[last.head.weight]["exp_avg"], emb["exp_avg"])
+    with pytest.raises(KeyError, match="no entry for parameter 'head.weight'"):
+        opt.load_state_tensors(state)
+
+
+def test_assign_owners_is_balanced():
+    owners = assign_owners([100, 10, 60, 50, 5, 5], 2)
+    load = [sum(s for s, o in zip([100, 10, 60, 50, 5, 5], owners) if o == r) for r in range(2)]
+    assert sorted(load) == [115, 115]
+
+
+def _zero_worker() -> dict:
+    mesh = make_mesh(dp=2)
+    plain_model, zero_model, resumed_model = (build_stage(CONFIG, mesh, seed=3) for _ in range(3))
+    plain = build_optimizer(plain_model, mesh, 1e-2, 0.1)
+    zero = build_optimizer(zero_model, mesh, 1e-2, 0.1, zero=1)
+    owned = [n for n, p in zero_model.named_parameters() if any(p is q for q in zero.owned_params())]
+
+    def set_grads(model, step):  # the same averaged gradient on every dp rank, as after GradBuckets
+        gen = torch.Generator().manual_seed(step)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+
+    for step in range(3):
+        for model, opt in ((plain_model, plain), (zero_model, zero)):
+            opt.zero_grad()
+            set_grads(model, step)
+            opt.step()
+    for (n, a), b in zip(plain_model.named_parameters(), zero_model.parameters()):
+        assert_close(b, a, what=f"ZeRO-1 weight {n}")
+    plain_state, zero_state = plain.state_tensors(), zero.state_tensors()  # collective
+    assert set(zero_state) == set(plain_state) == {n for n, _ in plain_model.named_parameters()}
+    for n in plain_state:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert_close(zero_state[n][k], plain_state[n][k], what=f"ZeRO-1 {k} of {n}")
+    # Resume a ZeRO-1 run from the (layout-free) state and take one more step: same as plain.
+    resumed = build_optimizer(resumed_model, mesh, 1e-2, 0.1, zero=1)
+    resumed_model.load_state_dict(zero_model.state_dict())
+    resumed.load_state_tensors(zero_state)
+    resumed.load_state_json(json.loads(json.dumps(zero.state_json())))
+    for model, opt in ((plain_model, plain), (resumed_model, resumed)):
+        opt.zero_grad()
+        set_grads(model, 3)
+        opt.step()
+    for (n, a), b in zip(plain_model.named_parameters(), resumed_model.parameters()):
+        assert_close(b, a, what=f"resumed ZeRO-1 weight {n}")
+    return {"owned": owned, "state_entries": sum(len(s) for s in resumed.inner.state.values()),
+            "step": resumed.state_json()["step"]}
+
+
+def test_zero1_equals_unsharded_adamw_and_resumes():
+    outs = run_local(_zero_worker, 2)
+    owned = [set(o["owned"]) for o in outs]
+    names = {n for n, _ in serial_model().named_parameters()}
+    assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == names
+    assert all(o["owned"] for o in outs)
+    # Each rank holds state (step, exp_avg, exp_avg_sq) only for the parameters it owns.
+    assert [o["state_entries"] for o in outs] == [3 * len(s) for s in owned]
+    assert [o["step"] for o in outs] == [4, 4]
+
+
+# --- clipping -------------------------------------------------------------------------------------
+def _with_grads(seed=5):
+    model = serial_model()
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    return model
+
+
+def test_clip_matches_torch_on_the_serial_model():
+    ours, ref = _with_grads(), _with_grads()
+    total = clip_grad_norm(ours, Mesh(Layout()), 1.0)
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item()
+    assert total == pytest.approx(expected, rel=1e-6) and total > 1.0
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert_close(a.grad, b.grad, what=f"clipped grad of {n}")
+    clipped = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in ours.parameters()))
+    assert clipped == pytest.approx(1.0, rel=1e-5)
+
+
+def test_clip_with_nonpositive_max_norm_only_reports():
+    model = _with_grads()
+    before = [p.grad.clone() for p in model.parameters()]
+    total = clip_grad_norm(model, Mesh(Layout()), 0.0)
+    assert total > 1.0
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
+
+
+def _tp_norm_worker():
+    mesh = make_mesh(tp=2)
+    model = build_stage(CONFIG, mesh, seed=3)
+    ids = torch.arange(16).reshape(2, 8)
+    model(None, {"input_ids": ids, "labels": (ids * 7) % 100}).backward()
+    return clip_grad_norm(model, mesh, 0.0), dist.get_rank()
+
+
+def test_tp_norm_counts_replicated_params_once():
+    model = serial_model()
+    ids = torch.arange(16).reshape(2, 8)
+    model(None, {"input_ids": ids, "labels": (ids * 7) % 100}).backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.0).item()
+    for norm, _ in run_local(_tp_norm_worker, 2):
+        assert norm == pytest.approx(expected, rel=1e-5)

@@ -1,0 +1,142 @@
+"""Mixed precision: autocast modes, the dynamic loss scaler, and fp16 overflow handling agreed
+over the whole world (an inf on one rank makes every rank skip the step and back off)."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megapar.launcher import run_local
+from megapar.optim import DynamicLossScaler, Precision
+
+SCALE = 2.0**8
+
+
+def test_scaler_backs_off_and_grows():
+    s = DynamicLossScaler(init_scale=64.0, growth_interval=3)
+    s.update(found_inf=True)
+    assert s.scale == 32.0 and s.clean_steps == 0
+    for _ in range(2):
+        s.update(False)
+    assert s.scale == 32.0
+    s.update(False)
+    assert s.scale == 64.0 and s.clean_steps == 0
+    restored = DynamicLossScaler()
+    restored.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert restored == s
+
+
+def test_autocast_modes():
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with Precision("fp32", "cpu").autocast():
+        assert (a @ b).dtype == torch.float32
+    with Precision("bf16", "cpu").autocast():
+        assert (a @ b).dtype == torch.bfloat16
+    assert Precision("bf16", "cpu").loss_scale == 1.0 and Precision("bf16", "cpu").scaler is None
+    assert Precision("fp16", "cpu").loss_scale == 2.0**16
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        Precision("fp8", "cpu")
+
+
+def test_unscale_and_check_single_process():
+    prec = Precision("fp16", "cpu", DynamicLossScaler(init_scale=4.0))
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([4.0, 8.0, -2.0])
+    assert prec.unscale_and_check([p]) is False
+    assert torch.equal(p.grad, torch.tensor([1.0, 2.0, -0.5]))
+    p.grad = torch.tensor([1.0, float("nan"), 0.0])
+    assert prec.unscale_and_check([p]) is True
+    # Modes other than fp16 never scale and never skip.
+    q = torch.nn.Parameter(torch.zeros(1))
+    q.grad = torch.tensor([float("inf")])
+    assert Precision("bf16", "cpu").unscale_and_check([q]) is False
+
+
+INJECT_STEP, INJECT_RANK = 2, 3
+
+
+class InjectInf:
+    """Executor wrapper: after the backward of step INJECT_STEP, rank INJECT_RANK (only) puts an
+    inf in one gradient of a parameter no other rank holds a copy of."""
+
+    def __init__(self, executor, model, rank):
+        self.executor, self.model, self.rank, self.calls = executor, model, rank, 0
+
+    def run(self, *args, **kwargs):
+        loss = self.executor.run(*args, **kwargs)
+        if self.calls == INJECT_STEP and self.rank == INJECT_RANK:
+            self.model.final_norm.weight.grad[0] = float("inf")
+        self.calls += 1
+        return loss
+
+
+def _run(mode: str, inject: bool) -> dict:
+    from megapar.mesh import Layout, Mesh
+    from megapar.optim import build_optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.training.build import build_stage
+    from megapar.training.step import BatchPlan, TrainStep
+    from test_parity_3d import CONFIG, G, MBS, SEED, SEQ, config, global_batches, scheduler
+
+    mesh = Mesh(Layout(2, 2, 2), dist.get_rank())
+    model = build_stage(config(), mesh, SEED)
+    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, SEQ, CONFIG["n_embd"]))
+    if inject:
+        executor = InjectInf(executor, model, mesh.rank)
+    precision = Precision(mode, mesh.device, DynamicLossScaler(init_scale=SCALE))
+    from megapar.data_parallel import GradBuckets
+
+    step = TrainStep(model, mesh, executor, build_optimizer(model, mesh, 3e-3, 0.1), scheduler(),
+                     precision, 1.0, GradBuckets(list(model.parameters()), mesh.dp_group))
+    plan = BatchPlan(G, MBS, mesh.dp)
+    results, unchanged = [], []
+    for i, batch in enumerate(global_batches()):
+        before = [p.detach().clone() for p in model.parameters()]
+        results.append(step.step(plan.split(batch, mesh.dp_rank), i))
+        unchanged.append(all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+    return {"results": results, "unchanged": unchanged, "scale": precision.loss_scale}
+
+
+def _worker() -> dict:
+    return {"fp32": _run("fp32", False), "bf16": _run("bf16", False), "fp16": _run("fp16", True)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_local(_worker, 8)
+
+
+def test_bf16_tracks_fp32(runs):
+    fp32 = [r.loss for r in runs[0]["fp32"]["results"]]
+    bf16 = [r.loss for r in runs[0]["bf16"]["results"]]
+    assert all(math.isfinite(x) for x in bf16)
+    # bf16 keeps 8 mantissa bits (unit roundoff 2^-8 = 3.9e-3); matmul inputs are rounded to
+    # it while weights, gradients and optimizer state stay fp32, so losses agree to a small
+    # multiple of that roundoff, not to fp32 precision. 2e-2 relative is ~5 roundoffs; an error
+    # in the bf16 path (e.g. weights updated in bf16, or a wrong cast) is far larger. Measured:
+    # 5e-6 .. 4e-5 (the loss of a freshly initialised model, ~ln(vocab), is insensitive to
+    # rounding of its small logits), so the bound has room for longer runs.
+    for step, (a, b) in enumerate(zip(bf16, fp32)):
+        assert abs(a - b) / b < 2e-2, f"step {step}: bf16 loss {a} vs fp32 {b}"
+    assert fp32 != bf16, "bf16 run gave bitwise fp32 losses: autocast is not active"
+    for out in runs:  # every rank reports the same bf16 losses and no skipped step
+        assert [r.loss for r in out["bf16"]["results"]] == bf16
+        assert not any(r.skipped for r in out["bf16"]["results"])
+
+
+def test_fp16_inf_on_one_rank_skips_the_step_everywhere(runs):
+    for rank, out in enumerate(runs):
+        fp16 = out["fp16"]
+        skipped = [r.skipped for r in fp16["results"]]
+        assert skipped == [i == INJECT_STEP for i in range(5)], f"rank {rank}: {skipped}"
+        # Weights untouched on every rank for that step, updated on the others.
+        assert fp16["unchanged"] == skipped, f"rank {rank}: {fp16['unchanged']}"
+        scales = [r.loss_scale for r in fp16["results"]]
+        assert scales == [SCALE] * 3 + [SCALE / 2] * 2, f"rank {rank}: {scales}"
+        assert fp16["scale"] == SCALE / 2
+        assert math.isinf(fp16["results"][INJECT_STEP].grad_norm)
+        fp32 = [r.loss for r in out["fp32"]["results"]]
+        for i, r in enumerate(fp16["results"][:INJECT_STEP + 1]):  # same weights until the skip
+            assert abs(r.loss - fp32[i]) / fp32[i] < 2e-2
