@@ -63,34 +63,39 @@ def _world(mesh: Mesh) -> bool:
     return mesh.layout.world_size > 1 and dist.is_initialized()
 
 
+def _bytes_tensor(data: bytes, mesh: Mesh, pad_to: int = 0) -> torch.Tensor:
+    """`data` as a uint8 tensor on the device collectives use (zero-padded to `pad_to`)."""
+    buf = torch.zeros(max(pad_to, len(data)), dtype=torch.uint8)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf.to(mesh.device)
+
+
 def _broadcast_text(text: str | None, mesh: Mesh) -> str:
     """Rank 0's text on every rank (a uint8 tensor broadcast)."""
     if not _world(mesh):
         return text
-    length = torch.tensor([len(text.encode()) if mesh.rank == 0 else 0], dtype=torch.int64)
+    data = text.encode() if mesh.rank == 0 else b""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=mesh.device)
     dist.broadcast(length, 0)
-    buf = torch.zeros(int(length), dtype=torch.uint8)
-    if mesh.rank == 0:
-        buf.copy_(torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8))
+    buf = _bytes_tensor(data, mesh, int(length))
     dist.broadcast(buf, 0)
-    return bytes(buf.tolist()).decode()
+    return buf.cpu().numpy().tobytes().decode()
 
 
 def _gather_payloads(payload: bytes, mesh: Mesh) -> list[bytes] | None:
     """Every rank's bytes on rank 0 (None elsewhere), via padded uint8 tensor gathers."""
     if not _world(mesh):
         return [payload]
-    n = torch.tensor([len(payload)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(mesh.layout.world_size)]
+    n = torch.tensor([len(payload)], dtype=torch.int64, device=mesh.device)
+    sizes = [torch.zeros_like(n) for _ in range(mesh.layout.world_size)]
     dist.all_gather(sizes, n)
-    longest = max(int(s) for s in sizes)
-    buf = torch.zeros(longest, dtype=torch.uint8)
-    buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    buf = _bytes_tensor(payload, mesh, max(int(s) for s in sizes))
     parts = [torch.empty_like(buf) for _ in sizes] if mesh.rank == 0 else None
     dist.gather(buf, parts, dst=0)
     if mesh.rank != 0:
         return None
-    return [p[:int(s)].numpy().tobytes() for p, s in zip(parts, sizes)]
+    return [p[:int(s)].cpu().numpy().tobytes() for p, s in zip(parts, sizes)]
 
 
 def _pack(header: dict, tensors: dict[str, torch.Tensor]) -> bytes:

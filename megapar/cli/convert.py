@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         print(run(args))
-    except (CheckpointError, ConfigError, ValueError, FileNotFoundError) as exc:
+    except (CheckpointError, ConfigError, ValueError, OSError) as exc:
         print(f"megapar-convert: error: {exc}", file=sys.stderr)
         return 2
     return 0
