@@ -121,6 +121,26 @@ def test_timeline_per_action_and_gathered_on_rank0(schedule):
             assert span(s, "backward", mb).start >= span(s + 1, "backward", mb).end - 2e-3
 
 
+def pending_sends_worker(schedule, m):
+    mesh = make_mesh(pp=2)
+    stage = ToyStage(mesh)
+    executor = PipelineExecutor(stage, mesh, schedule, SHAPE, timeout_s=30)
+    seen, forward = [], stage.forward
+    stage.forward = lambda h, b: (seen.append(executor.p2p.pending_sends), forward(h, b))[1]
+    executor.run(toy_batches(m))
+    assert executor.p2p.pending_sends == 0, "sends left unwaited after the step"
+    return max(seen)
+
+
+def test_sent_buffers_are_freed_once_the_peer_acknowledged_them():
+    m = 8
+    # 1F1B: a sent activation is freed when its gradient comes back (and a sent gradient when
+    # the next activation arrives), so at most one send is outstanding at any forward.
+    assert run_local(pending_sends_worker, 2, "1f1b", m) == [1, 1]
+    # GPipe: nothing comes back before all forwards are done; stage 0 holds every activation.
+    assert run_local(pending_sends_worker, 2, "gpipe", m) == [m - 1, 0]
+
+
 def failing_worker():
     mesh = make_mesh(pp=3)
     stage = ToyStage(mesh, fail_at_mb=2 if mesh.pp_rank == 1 else None)

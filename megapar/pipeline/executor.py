@@ -17,6 +17,7 @@ into a `Timeline`, and `gather_timeline` aligns and collects all stages' timelin
 
 from __future__ import annotations
 
+import bisect
 import time
 
 import torch
@@ -64,6 +65,7 @@ class PipelineExecutor:
         self._out_grads: dict[int, torch.Tensor] = {}    # received d(loss)/d(output)
         self._in_grads: dict[int, torch.Tensor] = {}     # d(loss)/d(input) to send upstream
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
+        self._acks: dict[tuple, list[tuple]] = {}        # see _acknowledgements
 
     # the step ------------------------------------------------------------------------------
     def run(self, micro_batches: list[dict], grad_sync=None, loss_scale: float = 1.0,
@@ -77,14 +79,15 @@ class PipelineExecutor:
         m = len(micro_batches)
         if m == 0:
             raise ValueError("PipelineExecutor.run needs at least one micro-batch")
-        actions = self.schedule_fn(self.mesh.pp, m, self.mesh.pp_rank)
+        actions = self._actions(m, self.mesh.pp_rank, forward_only)
         if forward_only:
-            actions, grad_sync = [a for a in actions if a.kind in FORWARD_KINDS], None
+            grad_sync = None
         self._check_actions(actions)
         last_backward = max((i for i, a in enumerate(actions) if a.kind in WEIGHT_GRAD_KINDS),
                             default=None)
         self._trace = []
         self._reset(micro_batches, loss_scale, forward_only)
+        self._acks = self._acknowledgements(actions, m, forward_only)
         trace, clock = self._trace, time.perf_counter
         try:
             if grad_sync is not None:
@@ -127,6 +130,40 @@ class PipelineExecutor:
                          f"{self.schedule_name!r}")
             raise
 
+    def _actions(self, m: int, stage: int, forward_only: bool) -> list[Action]:
+        actions = self.schedule_fn(self.mesh.pp, m, stage)
+        return [a for a in actions if a.kind in FORWARD_KINDS] if forward_only else actions
+
+    def _acknowledgements(self, actions, m, forward_only) -> dict[tuple, list[tuple]]:
+        """Which of my sends are known received once a given receive of mine returns.
+
+        A gloo send completes only when the peer receives it, and sends are waited for at the
+        end of the step, so without this every sent buffer would live until then (all m
+        activations, defeating 1F1B's memory bound). From the peer's schedule: my k-th send on
+        a channel matches the peer's k-th receive on it; the first message the peer sends me
+        *after* that receive proves it completed, so when I receive that message the send can
+        be waited for at no cost. Returns {(recv kind, mb): [(send kind, mb), ...]}.
+        """
+        me, acks = self.mesh.pp_rank, {}
+        for peer, my_send, my_recv, their_recv, their_send in (
+                (me + 1, "send_act", "recv_grad", "recv_act", "send_grad"),
+                (me - 1, "send_grad", "recv_act", "recv_grad", "send_act")):
+            if not 0 <= peer < self.mesh.pp:
+                continue
+            theirs = self._actions(m, peer, forward_only)
+            their_recvs = [i for i, a in enumerate(theirs) if a.kind == their_recv]
+            their_sends = [i for i, a in enumerate(theirs) if a.kind == their_send]
+            my_recvs = [a for a in actions if a.kind == my_recv]
+            for k, send in enumerate(a for a in actions if a.kind == my_send):
+                j = bisect.bisect_right(their_sends, their_recvs[k])  # peer's next send to me
+                if j < len(my_recvs):
+                    acks.setdefault((my_recv, my_recvs[j].mb), []).append((my_send, send.mb))
+        return acks
+
+    def _release_acknowledged(self, recv: Action) -> None:
+        for kind, mb in self._acks.get((recv.kind, recv.mb), ()):
+            self.p2p.release(kind, mb)
+
     def _check_actions(self, actions: list[Action]) -> None:
         chunks = {a.chunk for a in actions}
         if chunks - {0}:
@@ -137,6 +174,7 @@ class PipelineExecutor:
     # handlers ------------------------------------------------------------------------------
     def _recv_act(self, a: Action) -> None:
         x = self.p2p.recv_act(a.mb)
+        self._release_acknowledged(a)
         self._inputs[a.mb] = x.requires_grad_(not self._forward_only)
 
     def _forward(self, a: Action) -> None:
@@ -163,6 +201,7 @@ class PipelineExecutor:
 
     def _recv_grad(self, a: Action) -> None:
         self._out_grads[a.mb] = self.p2p.recv_grad(a.mb)
+        self._release_acknowledged(a)
 
     def _backward(self, a: Action) -> None:
         out = self._outputs.pop(a.mb)

@@ -7,8 +7,9 @@ no shape or metadata messages.
 Plain `dist.isend` / `dist.irecv` (not `batch_isend_irecv`, which is unreliable on gloo), with one
 tag per channel so an activation can never be mistaken for a gradient between the same two ranks:
 
-- a send returns at once; the tensor and its work handle are kept until `wait_sends()`, which the
-  executor calls at the end of the step (a buffer must stay alive until its send completes);
+- a send returns at once; the tensor and its work handle are kept until the send is waited for:
+  by `release()` as soon as the executor knows the peer has received it, or by `wait_sends()` at
+  the end of the step (a buffer must stay alive until its send completes);
 - a receive blocks, but never forever: after `timeout_s` it raises `P2PTimeoutError` naming this
   rank, the peer and the micro-batch.
 """
@@ -42,7 +43,7 @@ class StageP2P:
         self.dtype = dtype
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
-        self._pending: list[tuple[str, int, int, torch.Tensor, object]] = []
+        self._pending: dict[tuple[str, int], tuple[int, torch.Tensor, object]] = {}
 
     # sends ---------------------------------------------------------------------------------
     def send_act(self, tensor: torch.Tensor, mb: int) -> None:
@@ -60,13 +61,31 @@ class StageP2P:
                                f"schedule is wrong for this stage")
         self._check(tensor, what, mb)
         payload = tensor.detach().contiguous()
-        work = dist.isend(payload, dst=peer, tag=tag)
-        self._pending.append((what, peer, mb, payload, work))
+        work = dist.isend(payload, dst=peer, tag=tag, group=self.mesh.pp_group)
+        self._pending[(what, mb)] = (peer, payload, work)
+
+    @property
+    def pending_sends(self) -> int:
+        """Sends started but not yet waited for (their buffers are still held)."""
+        return len(self._pending)
+
+    def release(self, kind: str, mb: int) -> None:
+        """Wait for one send that is known to have been received, and free its buffer.
+
+        A gloo send only completes once the peer has posted the matching receive, so waiting
+        early could block; the executor calls this only when a later message from the peer
+        proves the receive has happened (then the wait returns at once). `kind` is "send_act"
+        or "send_grad"; sends already waited for are ignored.
+        """
+        what = "activation" if kind == "send_act" else "gradient"
+        entry = self._pending.pop((what, mb), None)
+        if entry is not None:
+            self._wait(entry[2], f"sending the {what} of micro-batch {mb} to rank {entry[0]}")
 
     def wait_sends(self) -> None:
-        """Wait (with the timeout) for every send started since the last call."""
-        pending, self._pending = self._pending, []
-        for what, peer, mb, _payload, work in pending:
+        """Wait (with the timeout) for every send not waited for yet."""
+        pending, self._pending = self._pending, {}
+        for (what, mb), (peer, _payload, work) in pending.items():
             self._wait(work, f"sending the {what} of micro-batch {mb} to rank {peer}")
 
     # receives ------------------------------------------------------------------------------
@@ -84,7 +103,7 @@ class StageP2P:
                                f"neighbour to receive the {what} of micro-batch {mb} from; the "
                                f"schedule is wrong for this stage")
         buffer = torch.empty(self.shape, dtype=self.dtype, device=self.mesh.device)
-        work = dist.irecv(buffer, src=peer, tag=tag)
+        work = dist.irecv(buffer, src=peer, tag=tag, group=self.mesh.pp_group)
         self._wait(work, f"receiving the {what} of micro-batch {mb} from rank {peer}")
         return buffer
 
