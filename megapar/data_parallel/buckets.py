@@ -41,8 +41,6 @@ class Bucket:
     """The packed gradients while an all-reduce is in flight."""
     handle: object | None = None
     """The async work handle of the in-flight all-reduce."""
-    launched: bool = False
-    """The bucket's all-reduce has been issued this step."""
 
     @property
     def numel(self) -> int:
@@ -79,7 +77,7 @@ class GradBuckets:
         self.dp = group_size(dp_group)
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[Bucket] = []
-        self.active = False
+        self.active = self.in_step = False
         self.next_launch = 0
         self._handles = []
         if self.dp == 1:
@@ -97,9 +95,9 @@ class GradBuckets:
                 raise RuntimeError("GradBuckets.begin_step() called while a previous step's "
                                    "all-reduce is still in flight; call finish() first")
             b.ready.clear()
-            b.launched = False
         self.next_launch = 0
         self.active = False
+        self.in_step = True
 
     def before_last_backward(self) -> None:
         """Arm the hooks: gradients become final during the next backward."""
@@ -109,7 +107,10 @@ class GradBuckets:
         """Launch any bucket not launched yet, wait for all, write the averages to param.grad."""
         if self.dp == 1:
             return
-        self.active = False
+        if not self.in_step:
+            raise RuntimeError("GradBuckets.finish() without begin_step(): call begin_step() "
+                               "before each step's first backward (the executor does)")
+        self.active = self.in_step = False
         for b in self.buckets:
             b.ready.update(id(p) for p in b.params)
         self._launch_ready()
@@ -147,13 +148,10 @@ class GradBuckets:
     def _launch(self, b: Bucket) -> None:
         # A parameter without a gradient (unused on this stage) is packed as zeros; its grad
         # stays None afterwards. Unused parameters are the same on every dp rank (same stage).
-        ref = b.params[0]
         parts = [(p.grad.detach() if p.grad is not None
                   else torch.zeros_like(p, memory_format=torch.contiguous_format)).reshape(-1)
                  for p in b.params]
         flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        flat = flat.to(ref.grad.dtype if ref.grad is not None else ref.dtype)
         flat.div_(self.dp)
         b.flat = flat
         b.handle = dist.all_reduce(flat, group=self.group, async_op=True)
-        b.launched = True
