@@ -5,7 +5,7 @@ import torch
 
 from megapar.checkpoint.distributed import load_checkpoint, save_checkpoint
 from megapar.checkpoint.format import (
-    CheckpointError, LATEST, RNG_FILE, read_manifest, resolve_checkpoint,
+    CheckpointError, LATEST, RNG_FILE, ShardReader, read_manifest, resolve_checkpoint,
 )
 from megapar.checkpoint.hf import gather_canonical
 from megapar.launcher import run_local
@@ -30,6 +30,8 @@ def _load(path, tp, pp, dp):
     """Load into a differently seeded model; gather weights and moments to canonical tensors."""
     mesh = make_mesh(tp, pp, dp)
     model = build_stage(tiny_config("gpt2"), mesh, seed=99)
+    opened, real_file = set(), ShardReader._file
+    ShardReader._file = lambda self, name: opened.add(name) or real_file(self, name)
     state = load_checkpoint(path, model, mesh)
     params = dict(model.named_parameters())
     moments = {n: {k: gather_full(v, params[n].tp_dim, params[n].full_shape, mesh.tp_group)
@@ -37,6 +39,11 @@ def _load(path, tp, pp, dp):
     tied = {n: gather_full(p.detach(), 0, p.full_shape, mesh.tp_group)
             for n, p in params.items() if hasattr(p, "tied_to")}
     marker = None if state.rng is None else state.rng["marker"].tolist()
+    if (tp, pp) == (2, 2):   # in its own layout a rank reads its own file, and the last
+        name = "model_tp{:02d}_pp{:02d}.safetensors".format   # stage may read the tied
+        tied_source = {name(mesh.tp_rank, 0)} if mesh.is_last_stage else set()   # embedding
+        assert name(mesh.tp_rank, mesh.pp_rank) in opened
+        assert opened <= {name(mesh.tp_rank, mesh.pp_rank)} | tied_source
     return gather_canonical(model), moments, tied, state.resharded, marker, state.notes, state.meta
 
 

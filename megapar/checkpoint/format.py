@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -72,7 +73,7 @@ class ShardWriter:
         self.path = Path(path)
         header, offset, self._slots = {}, 0, {}
         for key, (dtype, shape) in specs.items():
-            size = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            size = math.prod(shape) * dtype.itemsize
             header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
                            "data_offsets": [offset, offset + size]}
             self._slots[key] = (offset, size, dtype, tuple(shape))
@@ -117,13 +118,6 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> dict:
         writer.write(key, tensor)
     writer.close()
     return file_record(path)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def file_record(path: str | Path) -> dict:
@@ -286,8 +280,8 @@ class ShardReader:
         """[(file, source local range, target local offset)] that make up the target shard."""
         entry = self.entry(name)
         dim, stage = entry["tp_dim"], entry["stage"]
-        if dim is None:
-            return [(shard_file_name(0, stage), None, 0)]
+        if dim is None:   # replicated: the same tp rank's file if the source has one
+            return [(shard_file_name(tp_rank if tp_rank < self.src_tp else 0, stage), None, 0)]
         full, src_local = entry["full_shape"][dim], entry["local_shape"][dim]
         start, stop = shard_range(full, local, tp_rank)
         out = []
@@ -308,7 +302,7 @@ class ShardReader:
             raise CheckpointError(f"{self.step_dir}: no optimizer state {key!r} for {name}")
         dtype = dtype_from_name(entry["dtype"] if key is None else entry["optim"][key])
         if dim is None:
-            return self._file(shard_file_name(0, entry["stage"])).get_tensor(tkey)
+            return self._file(self.pieces(name, tp, tp_rank, local)[0][0]).get_tensor(tkey)
         shape = list(entry["full_shape"])
         shape[dim] = local
         out = torch.zeros(shape, dtype=dtype)
