@@ -62,7 +62,8 @@ def measure(src: str, dst: str, tp: int, pp: int) -> dict:
     seconds = time.perf_counter() - start
     done.set()
     thread.join()
-    return {"seconds": seconds, "fixed": base["RssAnon"] - cold["RssAnon"], "anon_peak": peak["RssAnon"] - base["RssAnon"],
+    return {"seconds": seconds, "fixed": base["RssAnon"] - cold["RssAnon"],
+            "anon_peak": peak["RssAnon"] - base["RssAnon"],
             "rss_peak": _status()["VmHWM"] - base["VmRSS"]}
 
 
@@ -113,8 +114,8 @@ def main() -> None:
         print(f"GPT-2 {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}: "
               f"{sizes['params']:,} parameters; sizes include 2 fp32 optimizer moments")
         print(f"  whole checkpoint          {sizes['total'] / MB:8.1f} MB")
-        print(f"  largest layer ({sizes['largest_layer_name']})  {sizes['largest_layer'] / MB:8.1f} MB"
-              f"   (one block: {sizes['block'] / MB:.1f} MB)")
+        print(f"  largest layer ({sizes['largest_layer_name']})  "
+              f"{sizes['largest_layer'] / MB:8.1f} MB   (one block: {sizes['block'] / MB:.1f} MB)")
         print(f"  largest single tensor     {sizes['largest_tensor'] / MB:8.1f} MB")
         previous = Path(tmp) / "src"
         for i, (tp, pp) in enumerate([(2, 2), (4, 1), (1, 4)]):

@@ -1,4 +1,4 @@
-"""The sharded checkpoint format: files, manifest, atomic publication, verification, resharding reads.
+"""The sharded checkpoint format: files, manifest, atomic publishing, verifying, resharded reads.
 
 A checkpoint is a directory ``ROOT/step_{N:08d}/`` holding
 

@@ -1,4 +1,4 @@
-"""``megapar-convert``: rewrite a checkpoint for another layout, import/export Hugging Face, inspect.
+"""``megapar-convert``: rewrite a checkpoint for another layout; Hugging Face import/export; info.
 
 Examples::
 
