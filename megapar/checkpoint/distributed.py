@@ -255,11 +255,12 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
     optim = {}
     for name, source, param, local in wanted:
         param.copy_(reader.shard(source, None, mesh.tp, mesh.tp_rank, local))
-        if source == name:
-            keys = reader.entry(name)["optim"]
-            moments = {k: reader.shard(name, k, mesh.tp, mesh.tp_rank, local) for k in keys}
-            if moments:
-                optim[name] = moments
+        # A tied copy (the last stage's head.weight) gets the moments of the tensor it is tied
+        # to, keyed by that canonical name, which the optimizer accepts for the copy.
+        keys = reader.entry(source)["optim"]
+        moments = {k: reader.shard(source, k, mesh.tp, mesh.tp_rank, local) for k in keys}
+        if moments:
+            optim[source] = moments
     rng = None
     if same_layout and rng_record:
         rng = _read_rng(step_dir / RNG_FILE, mesh.rank)

@@ -69,10 +69,13 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str)
                 f"tokenizer (--tokenizer) or data tokenized with it")
     elif cfg.model and os.path.exists(os.path.expanduser(cfg.model)):
         config = resolve_model(os.path.expanduser(cfg.model))
-        if config.vocab_size != vocab_size:
+        if "vocab_size" not in _raw_keys(os.path.expanduser(cfg.model)):
+            config.vocab_size = vocab_size  # a config without a vocabulary takes the tokenizer's
+        elif config.vocab_size != vocab_size:
             raise ConfigError(
                 f"the model config {cfg.model} has vocab_size {config.vocab_size} but the data's "
-                f"tokenizer {tokenizer_name} has {vocab_size} tokens; make them match")
+                f"tokenizer {tokenizer_name} has {vocab_size} tokens; make them match (or leave "
+                f"vocab_size out of the config to take the tokenizer's)")
     else:
         config = resolve_model(cfg.model or DEFAULT_MODEL)
         config.vocab_size = vocab_size  # recipes take the tokenizer's vocabulary
@@ -81,6 +84,22 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str)
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of {max_len} "
                           f"positions; lower --seq-len")
     return config
+
+
+def _raw_keys(path: str) -> set:
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        return set(yaml.safe_load(text) or {})
+    import json
+
+    return set(json.loads(text))
 
 
 def prepare_data(cfg: TrainConfig) -> DataPlan:

@@ -111,7 +111,7 @@ class Trainer:
         if state.rng:
             self._set_rng(state.rng)
         self.step = int(meta.get("step", 0))
-        how = f"resharded from {state.source_layout}" if state.resharded else "same layout"
+        how = f"resharded from {state.layout}" if state.resharded else "same layout"
         self.notes.append(f"resumed from {path} at step {self.step} ({how})")
 
     def _rng(self) -> dict[str, torch.Tensor]:
@@ -186,7 +186,7 @@ class Trainer:
                 result = self.step_fn.step(micro_batches, self.step)
                 elapsed = time.perf_counter() - start
                 self.step += 1
-                loss = _dp_mean(float(result.loss), mesh)
+                loss = float(result.loss)  # already averaged over the global batch
                 tokens_per_s = tokens_per_step / elapsed
                 tflops = self.flops_per_token * tokens_per_s / 1e12
                 metrics = {"loss": loss, "lr": result.lr, "grad_norm": float(result.grad_norm),

@@ -1,0 +1,149 @@
+"""megapar-train end to end: training on real text, exact resume, CLI parity, clear errors.
+
+The CLI is called in-process (`main(argv)`), so its workers are forked from this test process
+(fast); only the multi-node test starts real torchrun processes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megapar.cli.train import main
+from megapar.data import asset_path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--warmup-steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    """A real text sample: the first ~40 KB of the shipped Shakespeare sample."""
+    path = tmp_path_factory.mktemp("text") / "sample.txt"
+    path.write_text(Path(asset_path("shakespeare_sample.txt")).read_text()[:40_000])
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def _model(tmp_path, kind="gpt2"):
+    cfg = ({"model_type": "gpt2", "n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 64,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if kind == "gpt2" else
+           {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 64,
+            "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
+    path = tmp_path / f"{kind}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _losses(log_json):
+    return [json.loads(line)["loss"] for line in Path(log_json).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "sentencepiece"])
+def test_trains_at_tp2_pp2_and_loss_falls(tmp_path, text, cache, tokenizer):
+    log = tmp_path / "log.jsonl"
+    rc = main(["--tp", "2", "--pp", "2", "--model", "gpt2-tiny", "--data", text,
+               "--tokenizer", tokenizer, "--data-cache", cache, "--max-steps", "12",
+               "--lr", "3e-3", "--log-json", str(log), *TINY])
+    assert rc == 0
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+        assert all(key in r for r in records)
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, text, cache, kind):
+    common = ["--model", _model(tmp_path, kind), "--data", text, "--tokenizer", "sentencepiece",
+              "--data-cache", cache, "--pp", "2", "--lr", "2e-3", *TINY]
+    full = tmp_path / "full.jsonl"
+    assert main([*common, "--max-steps", "6", "--log-json", str(full)]) == 0
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    ckpt = tmp_path / "ckpt"
+    assert main([*common, "--max-steps", "6", "--save", str(ckpt), "--save-interval", "3",
+                 "--log-json", str(first)]) == 0
+    assert main([*common, "--max-steps", "6", "--load", str(ckpt / "step_00000003"),
+                 "--log-json", str(second)]) == 0
+    resumed = _losses(first)[:3] + _losses(second)
+    assert [json.loads(x)["step"] for x in second.read_text().splitlines()] == [4, 5, 6]
+    assert resumed == _losses(full)
+
+
+def test_cli_3d_parity_2x2x2_equals_1x1x1(tmp_path, text, cache):
+    common = ["--model", _model(tmp_path), "--data", text, "--tokenizer", "sentencepiece",
+              "--data-cache", cache, "--max-steps", "4", "--clip-grad", "0.5", *TINY]
+    serial, parallel = tmp_path / "serial.jsonl", tmp_path / "parallel.jsonl"
+    assert main([*common, "--log-json", str(serial)]) == 0
+    assert main([*common, "--tp", "2", "--pp", "2", "--dp", "2", "--log-json", str(parallel)]) == 0
+    a, b = _losses(serial), _losses(parallel)
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        assert abs(x - y) / abs(x) < 1e-5, (a, b)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt5"], "unknown model 'gpt5'"),
+    (["--data", "/nonexistent/corpus"], "--data /nonexistent/corpus: corpus.bin"),
+    (["--global-batch-size", "10", "--micro-batch-size", "4"],
+     "global batch size 10 is not divisible by micro-batch size 4 x dp 1 = 4"),
+    (["--tp", "3"], "attention heads are not divisible by --tp 3"),
+    (["--pp", "8"], "4 layers cannot be cut into --pp 8 stages"),
+])
+def test_clear_errors_before_any_worker_starts(argv, message, capsys, cache, text):
+    rc = main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",
+               "--model", "gpt2-tiny", "--no-progress", *argv])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tokenizer_vocab_mismatch_with_the_model(tmp_path, capsys, cache, text):
+    cfg = tmp_path / "model.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 500, "n_embd": 32,
+                               "n_layer": 2, "n_head": 4, "n_positions": 64}))
+    rc = main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",
+               "--model", str(cfg), "--no-progress"])
+    assert rc == 2
+    assert "vocab_size 500 but the data's tokenizer" in capsys.readouterr().err
+
+
+def test_two_torchrun_nodes_with_data_parallelism_across_them(tmp_path, text, cache):
+    """launch/torchrun_multinode.sh twice on this machine: node 0 and node 1, two workers each,
+    tp=2 inside a node and dp=2 across the nodes."""
+    from megapar.launcher import free_port
+
+    port = str(free_port())
+    log = tmp_path / "log.jsonl"
+    args = ["--tp", "2", "--model", "gpt2-tiny", "--data", text, "--tokenizer", "sentencepiece",
+            "--data-cache", cache, "--max-steps", "3", "--log-json", str(log), *TINY]
+    procs = []
+    for node in (0, 1):
+        env = {**os.environ, "NNODES": "2", "NODE_RANK": str(node), "NPROC_PER_NODE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHON": sys.executable,
+               "OMP_NUM_THREADS": "1", "MEGAPAR_TIMEOUT_S": "120"}
+        procs.append(subprocess.Popen(
+            ["bash", str(ROOT / "launch" / "torchrun_multinode.sh"), *args], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=240)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for node, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"node {node} exited with {p.returncode}:\n{out[-3000:]}"
+    assert "tp=2 pp=1 dp=2" in outputs[0]
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2, 3]
