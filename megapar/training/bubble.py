@@ -27,7 +27,7 @@ class BubbleRun:
     in_flight: list[int]
     """Peak micro-batches in flight per stage (forwarded, not yet backwarded)."""
     activation_mb: list[float] | None = None
-    """Peak activation memory kept for backward per stage (MB), when measured."""
+    """Per stage, the peak MB of tensors autograd held for backward during the step."""
     costs: dict | None = None
     """Mean forward / backward / p2p milliseconds per action, when measured."""
 
@@ -52,6 +52,31 @@ def bench_config(model: str | None, pp: int):
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
+class _HeldBytes:
+    """Bytes of activations autograd holds for backward: now, and the peak of the step."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+
+    def pack(self, t):
+        return _Held(self, t)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor
+
+
+class _Held:
+    def __init__(self, owner: _HeldBytes, t: torch.Tensor):
+        self.owner, self.tensor = owner, t
+        self.bytes = t.numel() * t.element_size()
+        owner.now += self.bytes
+        owner.peak = max(owner.peak, owner.now)
+
+    def __del__(self):
+        self.owner.now -= self.bytes
+
+
 def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len):
     from megapar.mesh import Mesh
     from megapar.models.config import config_from_dict
@@ -68,21 +93,16 @@ def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len):
     micro = [{"input_ids": t[:, :-1].to(mesh.device), "labels": t[:, 1:].to(mesh.device)}
              for t in ids]
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq_len, config.hidden_size))
-    saved = [0]
-
-    def pack(t):
-        saved[0] += t.numel() * t.element_size()
-        return t
-
+    held = _HeldBytes()
     timeline = None
     for step in range(steps + 1):  # step 0 warms up
         model.zero_grad(set_to_none=True)
-        saved[0] = 0
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        held.peak = held.now
+        with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
             executor.run(micro)
         timeline = gather_timeline(executor.last_timeline, mesh)
     peak = in_flight_peak(get_schedule(schedule)(pp, m, mesh.pp_rank))
-    info = torch.tensor([float(peak), saved[0] / 2**20])
+    info = torch.tensor([float(peak), held.peak / 2**20])
     if mesh.pp_group is not None:
         parts = [torch.zeros(2) for _ in range(pp)]
         torch.distributed.all_gather(parts, info, group=mesh.pp_group)
@@ -97,8 +117,8 @@ def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = Non
             steps: int = 3, micro_batch_size: int = 4, seq_len: int = 64) -> BubbleRun:
     """Run the real engine on pp*tp local processes; the last of `steps` steps' timeline.
 
-    saved-activation bytes are those of the whole step (all micro-batches' saved tensors
-    counted as they are created); the peak in flight is what bounds memory."""
+    activation_mb is, per stage, the peak of the tensors autograd held for backward during
+    the step (parameters included when saved): what the schedule's in-flight count bounds."""
     from megapar.launcher import run_local
     from megapar.pipeline.simulate import theoretical_bubble
     from megapar.pipeline.timeline import Timeline, bubble_stats
