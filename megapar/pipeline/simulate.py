@@ -1,0 +1,187 @@
+"""Run every stage's pipeline schedule together on a cost model, without processes.
+
+Each stage executes its `Action`s in program order on its own clock, with the communication
+semantics of `megapar.pipeline.schedules`: sends are non-blocking (the sender pays `send_ms`,
+default 0), receives block until the matching message has arrived. A message arrives `p2p_ms`
+after its send has been issued (the end of the send action). Compute actions take `fwd_ms` /
+`bwd_ms`. The result is a `Timeline` (seconds), ready for `bubble_stats`, Chrome traces and Gantt
+plots.
+
+The simulation is exact for this model: every time is determined by program order and message
+arrival, so the order in which stages are advanced does not matter. If no stage can advance the
+schedule deadlocks (`DeadlockError`); if a channel's messages do not pair up (counts, or the
+micro-batch order on one directed channel) the schedules are inconsistent (`CommMismatchError`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megapar.pipeline.schedules import Action, get_schedule
+from megapar.pipeline.timeline import Event, Timeline
+
+# Directed channel: (sender stage, receiver stage, "act" | "grad").
+Channel = tuple[int, int, str]
+
+
+class ScheduleError(RuntimeError):
+    """A set of per-stage schedules that cannot run together."""
+
+
+class DeadlockError(ScheduleError):
+    """Every unfinished stage is blocked in a receive whose matching send can never be issued."""
+
+
+class CommMismatchError(ScheduleError):
+    """Sends and receives do not pair up: missing peer, count mismatch or order mismatch."""
+
+
+@dataclass
+class Costs:
+    """Cost model of one micro-batch on one stage (all stages equal)."""
+
+    fwd_ms: float = 1.0
+    """Duration of a forward."""
+    bwd_ms: float = 2.0
+    """Duration of a full backward; backward_input and backward_weight take half of it each."""
+    p2p_ms: float = 0.0
+    """Latency from the end of a send to the arrival of the message at the receiver."""
+    send_ms: float = 0.0
+    """Time the sender spends issuing a (non-blocking) send."""
+
+    def duration_ms(self, kind: str) -> float:
+        """Time an action of `kind` occupies its stage, excluding any wait for a message."""
+        if kind == "forward":
+            return self.fwd_ms
+        if kind == "backward":
+            return self.bwd_ms
+        if kind in ("backward_input", "backward_weight"):
+            return self.bwd_ms / 2
+        if kind in ("send_act", "send_grad"):
+            return self.send_ms
+        return 0.0
+
+
+def _channel(stage: int, action: Action) -> Channel | None:
+    """The directed channel an action sends on or receives from (None for compute)."""
+    return {
+        "send_act": (stage, stage + 1, "act"),
+        "recv_act": (stage - 1, stage, "act"),
+        "send_grad": (stage, stage - 1, "grad"),
+        "recv_grad": (stage + 1, stage, "grad"),
+    }.get(action.kind)
+
+
+class _Simulator:
+    """State of one simulation: program counters, clocks and in-flight messages."""
+
+    def __init__(self, schedules: list[list[Action]], costs: Costs):
+        self.schedules = schedules
+        self.costs = costs
+        self.pp = len(schedules)
+        self.pc = [0] * self.pp
+        self.clock_ms = [0.0] * self.pp
+        self.sent: dict[Channel, list[tuple[Action, float]]] = {}
+        self.received: dict[Channel, int] = {}
+        self.events: list[Event] = []
+
+    def check_peers(self) -> None:
+        """Every send and receive must name a stage that exists."""
+        for stage, actions in enumerate(self.schedules):
+            for action in actions:
+                channel = _channel(stage, action)
+                if channel is None:
+                    continue
+                peer = channel[0] if channel[1] == stage else channel[1]
+                if not 0 <= peer < self.pp:
+                    raise CommMismatchError(f"stage {stage} has {action} ({action.kind}) but there "
+                                            f"is no stage {peer} (pp={self.pp})")
+
+    def done(self, stage: int) -> bool:
+        return self.pc[stage] == len(self.schedules[stage])
+
+    def next_action(self, stage: int) -> Action:
+        return self.schedules[stage][self.pc[stage]]
+
+    def try_step(self, stage: int) -> bool:
+        """Execute the stage's next action if it can complete; False if blocked in a receive."""
+        action = self.next_action(stage)
+        start = self.clock_ms[stage]
+        channel = _channel(stage, action)
+        if action.kind.startswith("recv"):
+            queue, index = self.sent.get(channel, []), self.received.get(channel, 0)
+            if index >= len(queue):
+                return False
+            sent_action, arrival = queue[index]
+            if (sent_action.mb, sent_action.chunk) != (action.mb, action.chunk):
+                raise CommMismatchError(
+                    f"order mismatch on channel stage {channel[0]} -> stage {channel[1]} "
+                    f"({channel[2]}): message #{index} is {sent_action} but stage {stage} "
+                    f"receives {action}")
+            self.received[channel] = index + 1
+            end = max(start, arrival)
+        else:
+            end = start + self.costs.duration_ms(action.kind)
+            if channel is not None:
+                self.sent.setdefault(channel, []).append((action, end + self.costs.p2p_ms))
+        self.events.append(Event(stage, action.kind, action.mb, start / 1e3, end / 1e3, action.chunk))
+        self.clock_ms[stage] = end
+        self.pc[stage] += 1
+        return True
+
+    def stuck_error(self) -> ScheduleError:
+        """The error to raise when no stage can advance."""
+        waiting = []
+        for stage in range(self.pp):
+            if self.done(stage):
+                continue
+            action = self.next_action(stage)
+            sender = _channel(stage, action)[0]
+            if self.done(sender):
+                return CommMismatchError(
+                    f"stage {stage} waits for {action} ({action.kind}) but stage {sender} "
+                    f"finished its schedule without sending it")
+            waiting.append(f"stage {stage} blocked at {action} (waiting for stage {sender}, "
+                           f"which is blocked at {self.next_action(sender)})")
+        return DeadlockError("pipeline schedule deadlocks: " + "; ".join(waiting))
+
+    def check_all_received(self) -> None:
+        for (src, dst, what), queue in sorted(self.sent.items()):
+            received = self.received.get((src, dst, what), 0)
+            if received != len(queue):
+                extra = " ".join(str(a) for a, _ in queue[received:])
+                raise CommMismatchError(
+                    f"stage {src} sent {len(queue)} {what} messages to stage {dst}, which "
+                    f"received only {received}; never received: {extra}")
+
+    def run(self) -> Timeline:
+        self.check_peers()
+        while not all(self.done(s) for s in range(self.pp)):
+            progressed = False
+            for stage in range(self.pp):
+                while not self.done(stage) and self.try_step(stage):
+                    progressed = True
+            if not progressed:
+                raise self.stuck_error()
+        self.check_all_received()
+        return Timeline(self.events)
+
+
+def simulate(schedules: list[list[Action]], costs: Costs | None = None) -> Timeline:
+    """Run `schedules[s]` on stage s for every s; the timeline of the step (times in seconds)."""
+    if not schedules:
+        raise ValueError("simulate needs at least one stage's schedule")
+    return _Simulator(schedules, costs or Costs()).run()
+
+
+def simulate_schedule(name: str, pp: int, m: int, costs: Costs | None = None) -> Timeline:
+    """Simulate the named schedule (see `SCHEDULES`) with pp stages and m micro-batches."""
+    schedule = get_schedule(name)
+    return simulate([schedule(pp, m, stage) for stage in range(pp)], costs)
+
+
+def theoretical_bubble(pp: int, m: int) -> float:
+    """Idle fraction of GPipe / 1F1B with equal stages and free communication: (pp-1)/(m+pp-1)."""
+    if pp < 1 or m < 1:
+        raise ValueError(f"theoretical_bubble needs pp >= 1 and m >= 1, got pp={pp} m={m}")
+    return (pp - 1) / (m + pp - 1)

@@ -1,0 +1,240 @@
+"""Timelines of a training step: events per rank, bubble statistics, Chrome traces, Gantt plots.
+
+Used by both the pipeline simulator (`megapar.pipeline.simulate`) and the real executor's tracer,
+so everything here works on plain `Event` records and knows nothing about how they were produced.
+Times are in seconds on any monotonic clock (any origin); outputs are shifted so the step starts at 0.
+
+Bubble accounting: the step runs from the earliest event start to the latest event end over *all*
+ranks. A rank is busy while at least one compute event (`COMPUTE_KINDS`) runs on it; everything
+else (waiting for a receive, idling at the start or end of the step) is idle time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+COMPUTE_KINDS = frozenset({"forward", "backward", "recompute", "backward_input", "backward_weight"})
+"""Event kinds that count as useful work in bubble statistics."""
+
+COMM_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})
+"""Pipeline point-to-point communication kinds."""
+
+SHORT_NAMES = {
+    "forward": "F", "backward": "B", "recompute": "R", "backward_input": "BI",
+    "backward_weight": "BW", "recv_act": "RA", "send_act": "SA", "recv_grad": "RG",
+    "send_grad": "SG",
+}
+"""Short labels of known kinds; other kinds are labelled by their full name."""
+
+
+def short_label(kind: str, mb: int | None, chunk: int = 0) -> str:
+    """A compact label such as "F3", "RG0", "F3@1" (chunk 1) or "optimizer"."""
+    label = SHORT_NAMES.get(kind, kind)
+    if mb is not None:
+        label = f"{label}{mb}"
+    if chunk:
+        label = f"{label}@{chunk}"
+    return label
+
+
+@dataclass
+class Event:
+    """One interval of activity on one rank."""
+
+    rank: int
+    """Row of the timeline: pipeline stage or global rank."""
+    kind: str
+    """What happened: "forward", "backward", "recv_act", "wait", "optimizer", ... (free string)."""
+    mb: int | None
+    """Micro-batch index, or None for per-step work such as the optimizer."""
+    start: float
+    """Start time in seconds (monotonic clock, any origin)."""
+    end: float
+    """End time in seconds; `end >= start`."""
+    chunk: int = 0
+    """Model chunk (virtual stage) for interleaved schedules; 0 otherwise."""
+
+    def __post_init__(self):
+        if self.end < self.start:
+            raise ValueError(f"event {self.label} on rank {self.rank} ends before it starts "
+                             f"({self.end} < {self.start})")
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def label(self) -> str:
+        return short_label(self.kind, self.mb, self.chunk)
+
+
+@dataclass
+class Timeline:
+    """All events of one step (or several), over all ranks."""
+
+    events: list[Event] = field(default_factory=list)
+    """Events in any order; several may overlap on one rank (e.g. an isend during a forward)."""
+
+    def ranks(self) -> list[int]:
+        """Sorted ranks that have at least one event."""
+        return sorted({e.rank for e in self.events})
+
+    def for_rank(self, rank: int) -> list[Event]:
+        """Events of one rank, sorted by start time."""
+        return sorted((e for e in self.events if e.rank == rank), key=lambda e: (e.start, e.end))
+
+    @property
+    def start(self) -> float:
+        return min(e.start for e in self.events) if self.events else 0.0
+
+    @property
+    def end(self) -> float:
+        return max(e.end for e in self.events) if self.events else 0.0
+
+    @property
+    def step_time(self) -> float:
+        """Seconds from the earliest start to the latest end over all ranks."""
+        return self.end - self.start
+
+    def busy_time(self, rank: int) -> float:
+        """Seconds during which at least one compute event runs on `rank` (union of intervals)."""
+        intervals = sorted((e.start, e.end) for e in self.events
+                           if e.rank == rank and e.kind in COMPUTE_KINDS)
+        busy, cur_start, cur_end = 0.0, None, None
+        for s, e in intervals:
+            if cur_end is None or s > cur_end:
+                if cur_end is not None:
+                    busy += cur_end - cur_start
+                cur_start, cur_end = s, e
+            else:
+                cur_end = max(cur_end, e)
+        if cur_end is not None:
+            busy += cur_end - cur_start
+        return busy
+
+    def to_json(self) -> dict:
+        """A JSON-serialisable dict: {"events": [{rank, kind, mb, start, end, chunk}, ...]}."""
+        return {"events": [asdict(e) for e in self.events]}
+
+    @classmethod
+    def from_json(cls, data: dict | list) -> "Timeline":
+        """Inverse of `to_json`; also accepts the bare list of event dicts."""
+        rows = data["events"] if isinstance(data, dict) else data
+        return cls([Event(**row) for row in rows])
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f)
+
+    @classmethod
+    def load(cls, path: str) -> "Timeline":
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+
+def bubble_stats(timeline: Timeline) -> dict:
+    """Busy / idle time and bubble fraction per rank, and overall.
+
+    Returns {"step_time_s", "measured_bubble" (mean of per-rank bubbles),
+    "per_rank": [{"rank", "busy_s", "idle_s", "bubble"}, ...]} with ranks in increasing order.
+    """
+    if not timeline.events:
+        raise ValueError("bubble_stats needs a timeline with at least one event")
+    step = timeline.step_time
+    per_rank = []
+    for rank in timeline.ranks():
+        busy = timeline.busy_time(rank)
+        idle = step - busy
+        per_rank.append({"rank": rank, "busy_s": busy, "idle_s": idle,
+                         "bubble": idle / step if step > 0 else 0.0})
+    measured = sum(r["bubble"] for r in per_rank) / len(per_rank)
+    return {"step_time_s": step, "measured_bubble": measured, "per_rank": per_rank}
+
+
+def format_bubble_table(stats: dict, theoretical: float | None = None, row_name: str = "stage") -> str:
+    """A fixed-width table of `bubble_stats` output, one line per rank plus a mean line."""
+    theory = "-" if theoretical is None else f"{100 * theoretical:.1f}"
+    lines = [f"{row_name:>6} {'busy ms':>10} {'idle ms':>10} {'bubble %':>9} {'theory %':>9}"]
+    for r in stats["per_rank"]:
+        lines.append(f"{r['rank']:>6} {1e3 * r['busy_s']:>10.3f} {1e3 * r['idle_s']:>10.3f} "
+                     f"{100 * r['bubble']:>9.1f} {theory:>9}")
+    lines.append(f"{'mean':>6} {'':>10} {'':>10} {100 * stats['measured_bubble']:>9.1f} {theory:>9}")
+    lines.append(f"step time {1e3 * stats['step_time_s']:.3f} ms")
+    return "\n".join(lines)
+
+
+def to_chrome_trace(timeline: Timeline, row_name: str = "stage") -> dict:
+    """Chrome trace-event JSON (chrome://tracing, Perfetto): one thread per rank, times in us."""
+    t0 = timeline.start
+    trace = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "megapar"}}]
+    for rank in timeline.ranks():
+        trace.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": rank,
+                      "args": {"name": f"{row_name} {rank}"}})
+        trace.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": rank,
+                      "args": {"sort_index": rank}})
+    for e in sorted(timeline.events, key=lambda e: (e.rank, e.start)):
+        trace.append({"ph": "X", "name": e.label, "cat": e.kind, "pid": 0, "tid": e.rank,
+                      "ts": 1e6 * (e.start - t0), "dur": 1e6 * e.duration,
+                      "args": {"mb": e.mb, "chunk": e.chunk}})
+    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(timeline: Timeline, path: str, row_name: str = "stage") -> None:
+    with open(path, "w") as f:
+        json.dump(to_chrome_trace(timeline, row_name), f)
+
+
+_COLOURS = {
+    "forward": "#4c72b0", "backward": "#55a868", "recompute": "#dd8452",
+    "backward_input": "#8fd18f", "backward_weight": "#2e7d32",
+    "comm": "#8c8c8c", "other": "#8172b2", "idle": "#f2f2f2",
+}
+
+
+def _colour_key(kind: str) -> str:
+    if kind in _COLOURS:
+        return kind
+    return "comm" if kind in COMM_KINDS or kind == "wait" else "other"
+
+
+def plot_gantt(timeline: Timeline, path: str, title: str | None = None, row_name: str = "stage") -> None:
+    """Save a Gantt chart PNG: one row per rank, compute as full boxes, communication as thin bars."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    ranks = timeline.ranks()
+    t0, span_ms = timeline.start, 1e3 * timeline.step_time
+    fig = Figure(figsize=(max(8.0, min(24.0, 0.25 * len(timeline.events) / max(1, len(ranks)))),
+                          1.0 + 0.6 * max(1, len(ranks))))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    used = {"idle"}
+    for row, rank in enumerate(ranks):
+        ax.broken_barh([(0.0, span_ms)], (row - 0.4, 0.8), facecolors=_COLOURS["idle"])
+        for e in timeline.for_rank(rank):
+            key = _colour_key(e.kind)
+            used.add(key)
+            x, w = 1e3 * (e.start - t0), 1e3 * e.duration
+            if e.kind in COMPUTE_KINDS or key == "other":
+                ax.broken_barh([(x, w)], (row - 0.4, 0.8), facecolors=_COLOURS[key],
+                               edgecolors="white", linewidth=0.5)
+                if e.mb is not None and span_ms > 0 and w > 0.02 * span_ms:
+                    ax.text(x + w / 2, row, str(e.mb), ha="center", va="center",
+                            fontsize=7, color="white")
+            else:
+                ax.broken_barh([(x, w)], (row - 0.4, 0.15), facecolors=_COLOURS[key])
+    ax.set_yticks(range(len(ranks)), [f"{row_name} {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlim(0.0, span_ms if span_ms > 0 else 1.0)
+    ax.set_xlabel("time (ms)")
+    if title:
+        ax.set_title(title)
+    order = ["forward", "backward", "backward_input", "backward_weight", "recompute", "comm",
+             "other", "idle"]
+    ax.legend(handles=[Patch(facecolor=_COLOURS[k], edgecolor="#999999", label=k)
+                       for k in order if k in used],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,106 @@
+"""Timeline helpers: busy time, bubble stats, table, Chrome trace, JSON round trip, Gantt PNG."""
+
+import json
+
+import pytest
+
+from megapar.pipeline.simulate import Costs, simulate_schedule, theoretical_bubble
+from megapar.pipeline.timeline import (
+    Event, Timeline, bubble_stats, format_bubble_table, plot_gantt, to_chrome_trace,
+    write_chrome_trace)
+
+
+def _small():
+    # rank 0: forward [10, 12], backward [13, 16] overlapping a recompute [14, 15], a send.
+    # rank 1: waits [10, 12], forward [12, 14], optimizer [17, 18] (not compute).
+    return Timeline([
+        Event(0, "forward", 0, 10.0, 12.0),
+        Event(0, "send_act", 0, 12.0, 12.5),
+        Event(0, "backward", 0, 13.0, 16.0),
+        Event(0, "recompute", 0, 14.0, 15.0),
+        Event(1, "recv_act", 0, 10.0, 12.0),
+        Event(1, "forward", 0, 12.0, 14.0),
+        Event(1, "optimizer", None, 17.0, 18.0),
+    ])
+
+
+def test_busy_time_is_union_of_compute():
+    tl = _small()
+    assert tl.ranks() == [0, 1]
+    assert tl.step_time == pytest.approx(8.0)  # 10 .. 18 over all ranks
+    assert tl.busy_time(0) == pytest.approx(5.0)  # 2 + 3, recompute overlaps the backward
+    assert tl.busy_time(1) == pytest.approx(2.0)
+    assert tl.busy_time(7) == 0.0
+
+
+def test_bubble_stats_counts_idle_over_whole_step():
+    stats = bubble_stats(_small())
+    assert stats["step_time_s"] == pytest.approx(8.0)
+    r0, r1 = stats["per_rank"]
+    assert (r0["rank"], r0["busy_s"], r0["idle_s"]) == (0, pytest.approx(5.0), pytest.approx(3.0))
+    assert r0["bubble"] == pytest.approx(3 / 8)
+    assert r1["bubble"] == pytest.approx(6 / 8)
+    assert stats["measured_bubble"] == pytest.approx((3 / 8 + 6 / 8) / 2)
+    with pytest.raises(ValueError, match="at least one event"):
+        bubble_stats(Timeline([]))
+
+
+def test_format_bubble_table():
+    table = format_bubble_table(bubble_stats(_small()), theoretical=0.25)
+    lines = table.splitlines()
+    assert lines[0].split() == ["stage", "busy", "ms", "idle", "ms", "bubble", "%", "theory", "%"]
+    assert lines[1].split() == ["0", "5000.000", "3000.000", "37.5", "25.0"]
+    assert lines[2].split() == ["1", "2000.000", "6000.000", "75.0", "25.0"]
+    assert lines[3].split() == ["mean", "56.2", "25.0"]
+    assert "-" in format_bubble_table(bubble_stats(_small())).splitlines()[1]
+
+
+def test_event_validation_and_label():
+    assert Event(0, "forward", 3, 0.0, 1.0).label == "F3"
+    assert Event(0, "backward", 2, 0.0, 1.0, chunk=1).label == "B2@1"
+    assert Event(0, "optimizer", None, 0.0, 1.0).label == "optimizer"
+    with pytest.raises(ValueError, match="ends before it starts"):
+        Event(0, "forward", 0, 2.0, 1.0)
+
+
+def test_json_round_trip(tmp_path):
+    tl = simulate_schedule("1f1b", 3, 4, Costs(fwd_ms=1, bwd_ms=2, p2p_ms=0.1))
+    again = Timeline.from_json(json.loads(json.dumps(tl.to_json())))
+    assert again.events == tl.events
+    path = tmp_path / "tl.json"
+    tl.save(str(path))
+    assert Timeline.load(str(path)).events == tl.events
+
+
+def test_chrome_trace(tmp_path):
+    tl = simulate_schedule("gpipe", 3, 2, Costs(fwd_ms=1, bwd_ms=2, p2p_ms=0.1))
+    path = tmp_path / "trace.json"
+    write_chrome_trace(tl, str(path))
+    trace = json.loads(path.read_text())
+    assert trace == json.loads(json.dumps(to_chrome_trace(tl)))
+    assert trace["displayTimeUnit"] == "ms"
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == len(tl.events)
+    for e in complete:
+        assert {"ts", "dur", "pid", "tid", "name", "cat", "args"} <= e.keys()
+        assert e["pid"] == 0 and e["ts"] >= 0 and e["dur"] >= 0
+    assert {e["tid"] for e in complete} == {0, 1, 2}
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {0: "stage 0", 1: "stage 1", 2: "stage 2"}
+    # Stage 2's first backward: forwards end at (2+3-1)*1 ms + 2 links * 0.1 ms = 4.2 ms.
+    b0 = next(e for e in complete if e["tid"] == 2 and e["name"] == "B0")
+    assert b0["cat"] == "backward" and b0["args"]["mb"] == 0
+    assert b0["ts"] == pytest.approx(4200.0) and b0["dur"] == pytest.approx(2000.0)
+    rows = to_chrome_trace(tl, row_name="rank")["traceEvents"]
+    assert any(e.get("args", {}).get("name") == "rank 1" for e in rows)
+
+
+def test_gantt_png(tmp_path):
+    tl = simulate_schedule("1f1b", 4, 8, Costs(fwd_ms=1, bwd_ms=2, p2p_ms=0.1))
+    tl.events.append(Event(0, "optimizer", None, tl.end, tl.end + 1e-3))
+    path = tmp_path / "gantt.png"
+    plot_gantt(tl, str(path), title=f"1F1B pp=4 m=8 (theory {theoretical_bubble(4, 8):.0%})")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 1000
