@@ -6,7 +6,7 @@ import transformers
 
 from megapar.checkpoint.hf import HFReader, gather_canonical, load_hf_weights, save_hf
 from megapar.launcher import run_local
-from megapar.models import Bert, GPT2, config_from_hf
+from megapar.models import Bert, GPT2
 from megapar.tensor_parallel.partition import gather_full
 from tp_utils import assert_close, make_mesh
 

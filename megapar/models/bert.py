@@ -17,12 +17,9 @@ from megapar.models.blocks import (
     ParallelAttention, ParallelMLP, activation, layer_norm, run_layers,
 )
 from megapar.models.config import BertConfig
-from megapar.models.gpt2 import WORD_EMBEDDING
-from megapar.tensor_parallel import (
-    NullTracker, VocabParallelEmbedding, initialize, masked_mean, parallel_lm_logits,
-    vocab_parallel_cross_entropy,
-)
-from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
+from megapar.models.stage import StageModel
+from megapar.tensor_parallel import VocabParallelEmbedding, initialize, parallel_lm_logits
+from megapar.tensor_parallel.partition import local_size, set_partition
 
 
 class BertLayer(nn.Module):
@@ -66,7 +63,7 @@ class BertEmbedding(nn.Module):
 class BertMLMHead(nn.Module):
     """transform (dense, GELU, LayerNorm), then logits = x E^T + bias with the tied embedding."""
 
-    def __init__(self, config: BertConfig, mesh: Mesh, tied_copy: bool):
+    def __init__(self, config: BertConfig, mesh: Mesh):
         super().__init__()
         h, d = config.hidden_size, mesh.device
         local = local_size(config.vocab_size, mesh.tp, config.make_vocab_size_divisible_by)
@@ -75,18 +72,13 @@ class BertMLMHead(nn.Module):
         self.norm = layer_norm(h, config.layer_norm_eps, d)
         self.bias = set_partition(nn.Parameter(torch.empty(local, device=d)), 0,
                                   (config.vocab_size,))
-        if tied_copy:
-            self.weight = set_partition(nn.Parameter(torch.empty(local, h, device=d)), 0,
-                                        (config.vocab_size, h))
-            self.weight.tied_to = WORD_EMBEDDING
-            self.weight.shared_embedding = True
 
     def forward(self, x: torch.Tensor, word_embeddings: torch.Tensor, mesh: Mesh):
         x = self.norm(self.act(self.transform(x)))
         return parallel_lm_logits(x, word_embeddings, mesh, self.bias)
 
 
-class Bert(nn.Module):
+class Bert(StageModel):
     """BERT MLM, or one pipeline stage of it.
 
     batch: "input_ids" [b, s], optional "token_type_ids" [b, s], optional "attention_mask"
@@ -98,26 +90,13 @@ class Bert(nn.Module):
     def __init__(self, config: BertConfig, mesh: Mesh, layers: Sequence[int] | None = None,
                  pre_process: bool = True, post_process: bool = True, tracker=None):
         super().__init__()
-        config.validate(mesh.layout)
-        self.config, self.mesh = config, mesh
-        self.tracker = tracker or NullTracker()
-        self.pre_process, self.post_process = pre_process, post_process
-        self.recompute = "none"
-        layers = range(config.num_hidden_layers) if layers is None else layers
+        layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
         self.embed = BertEmbedding(config, mesh) if pre_process else None
-        self.layers = nn.ModuleDict({str(i): BertLayer(config, mesh, self.tracker) for i in layers})
-        self.head = BertMLMHead(config, mesh, tied_copy=not pre_process) if post_process else None
-        if pre_process:
-            self.embed.word.weight.shared_embedding = True
-        mark_replicated(self)
-
-    @property
-    def word_embeddings(self) -> nn.Parameter:
-        return self.embed.word.weight if self.pre_process else self.head.weight
-
-    @property
-    def vocab_start(self) -> int:
-        return self.mesh.tp_rank * self.word_embeddings.shape[0]
+        self.layers = self._build_layers(layers, lambda: BertLayer(config, mesh, self.tracker))
+        self.head = BertMLMHead(config, mesh) if post_process else None
+        if post_process and not pre_process:
+            self.head.weight = self.tied_copy()
+        self._end()
 
     def init_weights(self, seed: int) -> None:
         """Layout-independent init, as transformers initialises BertForMaskedLM."""
@@ -141,10 +120,4 @@ class Bert(nn.Module):
         hidden = run_layers(self.layers, hidden, mask, self.recompute, self.tracker)
         if not self.post_process:
             return hidden
-        logits = self.head(hidden, self.word_embeddings, self.mesh)
-        if "labels" not in batch:
-            return logits
-        labels = batch["labels"]
-        per_token = vocab_parallel_cross_entropy(logits, labels, self.mesh.tp_group,
-                                                 self.vocab_start, self.config.vocab_size)
-        return masked_mean(per_token, labels)
+        return self._output(self.head(hidden, self.word_embeddings, self.mesh), batch)

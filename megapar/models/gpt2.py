@@ -1,10 +1,8 @@
 """GPT-2 (numerically the same model as transformers' GPT2LMHeadModel), built from tp layers.
 
-One class serves the whole model and any pipeline stage of it: a stage holds the embedding if it
-is first (`pre_process`), a contiguous run of blocks (named by their *global* index, so
-parameter names are the same in every layout), and the final norm + LM head if it is last
-(`post_process`). The LM head reuses the word embedding; a last stage without the embedding
-keeps a tied copy, `head.weight`, whose gradient the trainer sums with the first stage's.
+One class serves the whole model and any pipeline stage of it (see `stage.py`): the embedding
+on the first stage, blocks by global index, the final norm + LM head (tied to the word
+embedding; `head.weight` is the last stage's tied copy) on the last.
 """
 
 from __future__ import annotations
@@ -18,13 +16,8 @@ from torch import nn
 from megapar.mesh import Mesh
 from megapar.models.blocks import ParallelAttention, ParallelMLP, layer_norm, run_layers
 from megapar.models.config import GPT2Config
-from megapar.tensor_parallel import (
-    NullTracker, VocabParallelEmbedding, initialize, masked_mean, parallel_lm_logits,
-    vocab_parallel_cross_entropy,
-)
-from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
-
-WORD_EMBEDDING = "embed.word.weight"
+from megapar.models.stage import StageModel
+from megapar.tensor_parallel import VocabParallelEmbedding, initialize, parallel_lm_logits
 
 
 class GPT2Block(nn.Module):
@@ -58,7 +51,7 @@ class GPT2Embedding(nn.Module):
         return self.dropout(self.word(ids) + self.position(positions))
 
 
-class GPT2(nn.Module):
+class GPT2(StageModel):
     """GPT-2 LM, or one pipeline stage of it.
 
     forward(hidden, batch): `hidden` is the previous stage's output (None on the first stage);
@@ -70,36 +63,15 @@ class GPT2(nn.Module):
     def __init__(self, config: GPT2Config, mesh: Mesh, layers: Sequence[int] | None = None,
                  pre_process: bool = True, post_process: bool = True, tracker=None):
         super().__init__()
-        config.validate(mesh.layout)
-        self.config, self.mesh = config, mesh
-        self.tracker = tracker or NullTracker()
-        self.pre_process, self.post_process = pre_process, post_process
-        self.recompute = "none"
-        layers = range(config.n_layer) if layers is None else layers
+        layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
         self.embed = GPT2Embedding(config, mesh) if pre_process else None
-        self.layers = nn.ModuleDict({str(i): GPT2Block(config, mesh, self.tracker) for i in layers})
+        self.layers = self._build_layers(layers, lambda: GPT2Block(config, mesh, self.tracker))
         if post_process:
             self.final_norm = layer_norm(config.n_embd, config.layer_norm_epsilon, mesh.device)
             if not pre_process:
-                local = local_size(config.vocab_size, mesh.tp, config.make_vocab_size_divisible_by)
                 self.head = nn.Module()
-                self.head.weight = set_partition(
-                    nn.Parameter(torch.empty(local, config.n_embd, device=mesh.device)),
-                    0, (config.vocab_size, config.n_embd))
-                self.head.weight.tied_to = WORD_EMBEDDING
-        if pre_process:
-            self.embed.word.weight.shared_embedding = True
-        mark_replicated(self)
-        if post_process and not pre_process:
-            self.head.weight.shared_embedding = True
-
-    @property
-    def word_embeddings(self) -> nn.Parameter:
-        return self.embed.word.weight if self.pre_process else self.head.weight
-
-    @property
-    def vocab_start(self) -> int:
-        return self.mesh.tp_rank * self.word_embeddings.shape[0]
+                self.head.weight = self.tied_copy()
+        self._end()
 
     def init_weights(self, seed: int) -> None:
         """Layout-independent init, as transformers initialises GPT2LMHeadModel."""
@@ -123,9 +95,4 @@ class GPT2(nn.Module):
         if not self.post_process:
             return hidden
         logits = parallel_lm_logits(self.final_norm(hidden), self.word_embeddings, self.mesh)
-        if "labels" not in batch:
-            return logits
-        labels = batch["labels"]
-        per_token = vocab_parallel_cross_entropy(logits, labels, self.mesh.tp_group,
-                                                 self.vocab_start, self.config.vocab_size)
-        return masked_mean(per_token, labels)
+        return self._output(logits, batch)

@@ -1,0 +1,71 @@
+"""What GPT-2 and BERT share as pipeline-stage models: the layer slice, the tied word embedding
+and the vocab-parallel loss at the end.
+
+A stage holds the embedding if it is first (`pre_process`), blocks named by their *global*
+index (so parameter names are the same in every layout), and the head if it is last
+(`post_process`). The LM head reuses the word embedding; a last stage without the embedding
+keeps a tied copy (`tied_to = "embed.word.weight"`, created by `tied_copy`), whose gradient
+the trainer sums with the first stage's (`shared_embedding = True` on both).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from megapar.mesh import Mesh
+from megapar.tensor_parallel import NullTracker, masked_mean, vocab_parallel_cross_entropy
+from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
+
+WORD_EMBEDDING = "embed.word.weight"
+
+
+class StageModel(nn.Module):
+    """Base of GPT2 and Bert. Subclasses build `embed`, `layers` and their head in between
+    `_begin` and `_end`, and finish `forward` with `_output`."""
+
+    def _begin(self, config, mesh: Mesh, layers: Sequence[int] | None, pre_process: bool,
+               post_process: bool, tracker) -> range | Sequence[int]:
+        config.validate(mesh.layout)
+        self.config, self.mesh = config, mesh
+        self.tracker = tracker or NullTracker()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.recompute = "none"
+        return range(config.num_layers) if layers is None else layers
+
+    def _build_layers(self, layers, make_block: Callable[[], nn.Module]) -> nn.ModuleDict:
+        return nn.ModuleDict({str(i): make_block() for i in layers})
+
+    def tied_copy(self) -> nn.Parameter:
+        """The last stage's copy of the word embedding (when it does not hold the embedding)."""
+        c = self.config
+        local = local_size(c.vocab_size, self.mesh.tp, c.make_vocab_size_divisible_by)
+        param = set_partition(
+            nn.Parameter(torch.empty(local, c.hidden_size, device=self.mesh.device)),
+            0, (c.vocab_size, c.hidden_size))
+        param.tied_to = WORD_EMBEDDING
+        return param
+
+    def _end(self) -> None:
+        if self.pre_process or self.post_process:
+            self.word_embeddings.shared_embedding = True
+        mark_replicated(self)
+
+    @property
+    def word_embeddings(self) -> nn.Parameter:
+        return self.embed.word.weight if self.pre_process else self.head.weight
+
+    @property
+    def vocab_start(self) -> int:
+        return self.mesh.tp_rank * self.word_embeddings.shape[0]
+
+    def _output(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        """The mean loss over labelled tokens, or the logits slice when there are no labels."""
+        if "labels" not in batch:
+            return logits
+        labels = batch["labels"]
+        per_token = vocab_parallel_cross_entropy(logits, labels, self.mesh.tp_group,
+                                                 self.vocab_start, self.config.vocab_size)
+        return masked_mean(per_token, labels)
