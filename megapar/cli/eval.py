@@ -133,9 +133,16 @@ def main(argv=None) -> int:
         print("megapar-eval: error: give --data PREFIX --seq-len N, or --input-ids IDS.npy "
               "--save-logits OUT.npy", file=sys.stderr)
         return 2
+    from megapar.checkpoint.format import CheckpointError, read_manifest
+
+    try:  # a wrong --load is reported here, once, before any worker starts
+        read_manifest(args.load)
+    except (CheckpointError, OSError) as exc:
+        print(f"megapar-eval: error: {exc}", file=sys.stderr)
+        return 2
     try:
         results = run_workers(worker, args.tp * args.pp, args)
-    except (WorkerError, ValueError, FileNotFoundError) as exc:
+    except (WorkerError, CheckpointError, ValueError, FileNotFoundError) as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)
         return 1
     if results and results[0] is not None:

@@ -1,0 +1,181 @@
+"""megapar-eval end to end, checked against transformers.
+
+* logits: a transformers model -> `megapar-convert --from-hf` (tp=2 x pp=2) -> `megapar-eval
+  --input-ids --save-logits`, at 2x2 and resharded on load to 1x1, equal transformers' logits;
+* loss: `megapar-eval --data` on a checkpoint trained by megapar-train equals the loss computed
+  here with transformers on the weights exported by `megapar-convert --to-hf`, over windows cut
+  from the token stream read straight from the dataset's .bin file;
+* clear errors.
+
+The CLIs are called in-process (`main(argv)`); their workers are forked from this process.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megapar.cli.convert import main as convert
+from megapar.cli.data import main as data_main
+from megapar.cli.eval import main as evaluate
+from megapar.cli.train import main as train
+from megapar.data import asset_path
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5
+VOCAB = 1004  # the shipped sentencepiece model's 1000 pieces + 4 appended special tokens
+
+
+def _rel(a, b) -> float:
+    """max |a - b| / max |b| (relative error of a whole tensor)."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _hf_model(kind: str):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4,
+                                      n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, bos_token_id=2, eos_token_id=2)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
+                                      num_attention_heads=4, intermediate_size=64,
+                                      max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0)
+        model = transformers.BertForMaskedLM(cfg)
+    with torch.no_grad():  # non-trivial biases and norms, so a mis-mapped one shows up
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "ln" in name.lower() or "layernorm" in name.lower():
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys):
+    model = _hf_model(kind)
+    hf_dir, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    model.save_pretrained(hf_dir)
+    assert convert(["--from-hf", str(hf_dir), str(ckpt), "--tp", "2", "--pp", "2",
+                    "--no-progress"]) == 0
+    ids = np.random.default_rng(0).integers(0, VOCAB, size=(3, 24), dtype=np.int64)
+    np.save(tmp_path / "ids.npy", ids)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(ids)).logits.float()
+    assert expected.shape == (3, 24, VOCAB)
+
+    measured = []
+    for tp, pp in [(2, 2), (1, 1)]:  # the checkpoint's own layout, then resharded on load
+        out = tmp_path / f"logits_{tp}x{pp}.npy"
+        capsys.readouterr()
+        assert evaluate(["--load", str(ckpt), "--tp", str(tp), "--pp", str(pp),
+                         "--input-ids", str(tmp_path / "ids.npy"),
+                         "--save-logits", str(out)]) == 0
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert report == {"saved": str(out), "shape": [3, 24, VOCAB]}
+        logits = np.load(out)
+        assert logits.dtype == np.float32 and logits.shape == (3, 24, VOCAB)  # no vocab padding
+        err = _rel(logits, expected)
+        measured.append(f"{kind} logits at tp={tp} pp={pp}: max relative error {err:.3g}")
+        assert err < TOL, (kind, tp, pp, err)
+    print("\n".join(measured))  # shown with -s
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small real-text dataset made with megapar-data (sentencepiece, a document per
+    paragraph) and the token stream read straight from its .bin file."""
+    root = tmp_path_factory.mktemp("corpus")
+    text = root / "sample.txt"
+    text.write_text(Path(asset_path("shakespeare_sample.txt")).read_text()[:20_000])
+    prefix = str(root / "shakespeare")
+    assert data_main(["--input", str(text), "--output-prefix", prefix, "--tokenizer",
+                      "sentencepiece", "--split-lines", "--no-progress"]) == 0
+    meta = json.loads(Path(prefix + ".json").read_text())
+    stream = np.fromfile(prefix + ".bin", dtype=np.dtype(meta["dtype"]).newbyteorder("<"))
+    assert len(stream) == meta["num_tokens"] and meta["vocab_size"] == VOCAB
+    # the stream is what sentencepiece makes of the text: the first paragraph, then eod
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(
+        model_file=asset_path("botchan_en_unigram_1000.model"))
+    first = sp.encode(text.read_text().split("\n\n")[0].strip())
+    assert stream[:len(first)].tolist() == first and stream[len(first)] == meta["eod_id"]
+    return prefix, stream.astype(np.int64), root
+
+
+def test_eval_loss_on_a_dataset_equals_transformers(tmp_path, corpus, capsys):
+    prefix, stream, root = corpus
+    model_json = tmp_path / "gpt2.json"
+    model_json.write_text(json.dumps({
+        "model_type": "gpt2", "n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 64,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}))
+    ckpt = tmp_path / "ckpt"
+    assert train(["--tp", "2", "--pp", "2", "--model", str(model_json), "--data", prefix,
+                  "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+                  "--max-steps", "12", "--lr", "1e-2", "--warmup-steps", "1",
+                  "--eval-interval", "0", "--no-progress", "--save", str(ckpt)]) == 0
+
+    # the reference: transformers on the exported weights, windows of seq_len + 1 tokens
+    # starting at token 0, consecutive windows sharing one boundary token
+    hf_dir = tmp_path / "hf"
+    assert convert([str(ckpt), "--to-hf", str(hf_dir)]) == 0
+    hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    seq, batch, k = 32, 4, 3
+    n = k * batch
+    assert len(stream) > n * seq + 1
+
+    def loss_of(start, stride):
+        windows = torch.from_numpy(np.stack([stream[start + i * stride:][:seq + 1]
+                                             for i in range(n)]))
+        with torch.no_grad():
+            logits = hf(windows[:, :-1]).logits.double()
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                       windows[:, 1:].reshape(-1)))
+
+    expected = loss_of(0, seq)
+    assert 3.0 < expected < math.log(VOCAB)  # a real, partly trained loss
+    # the tolerance tells the window convention apart from its near misses (windows shifted
+    # by one token; windows that do not share their boundary token)
+    for start, stride in [(1, seq), (0, seq + 1)]:
+        assert abs(loss_of(start, stride) - expected) / expected > 3 * TOL, (start, stride)
+
+    measured = []
+    for tp, pp in [(2, 2), (1, 2)]:
+        capsys.readouterr()
+        assert evaluate(["--load", str(ckpt), "--tp", str(tp), "--pp", str(pp), "--data", prefix,
+                         "--seq-len", str(seq), "--micro-batch-size", str(batch),
+                         "--max-batches", str(k)]) == 0
+        report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        err = abs(report["loss"] - expected) / expected
+        measured.append(f"eval loss at tp={tp} pp={pp}: {report['loss']:.6f} vs transformers "
+                        f"{expected:.6f}, relative error {err:.3g}")
+        assert err < TOL, (tp, pp, report, expected)
+        assert report["perplexity"] == pytest.approx(math.exp(report["loss"]), rel=1e-12)
+        assert report["tokens"] == k * batch * seq
+        assert report["batches"] == k
+    print("\n".join(measured))  # shown with -s
+
+
+def test_eval_without_data_or_input_ids_exits_2(tmp_path, capsys):
+    assert evaluate(["--load", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "give --data PREFIX --seq-len N, or --input-ids IDS.npy" in err
+
+
+def test_eval_of_a_missing_checkpoint_names_the_path(tmp_path, capsys):
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.zeros((1, 4), dtype=np.int64))
+    missing = tmp_path / "no_such_checkpoint"
+    rc = evaluate(["--load", str(missing), "--input-ids", str(ids),
+                   "--save-logits", str(tmp_path / "out.npy")])
+    assert rc == 2  # reported before any worker starts, not as a worker's traceback
+    err = capsys.readouterr().err
+    assert err.startswith("megapar-eval: error:") and "Traceback" not in err
+    assert f"{missing}: no such checkpoint directory" in err
+    assert not (tmp_path / "out.npy").exists()
