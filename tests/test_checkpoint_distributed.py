@@ -34,7 +34,10 @@ def _load(path, tp, pp, dp):
     ShardReader._file = lambda self, name: opened.add(name) or real_file(self, name)
     state = load_checkpoint(path, model, mesh)
     params = dict(model.named_parameters())
-    moments = {n: {k: gather_full(v, params[n].tp_dim, params[n].full_shape, mesh.tp_group)
+    # moments are keyed by canonical name: the last stage's tied head.weight gets
+    # embed.word.weight's
+    by_source = {getattr(p, "tied_to", n): p for n, p in params.items()}
+    moments = {n: {k: gather_full(v, by_source[n].tp_dim, by_source[n].full_shape, mesh.tp_group)
                    for k, v in m.items()} for n, m in state.optim_tensors.items()}
     tied = {n: gather_full(p.detach(), 0, p.full_shape, mesh.tp_group)
             for n, p in params.items() if hasattr(p, "tied_to")}
