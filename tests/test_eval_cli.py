@@ -179,3 +179,21 @@ def test_eval_of_a_missing_checkpoint_names_the_path(tmp_path, capsys):
     assert err.startswith("megapar-eval: error:") and "Traceback" not in err
     assert f"{missing}: no such checkpoint directory" in err
     assert not (tmp_path / "out.npy").exists()
+
+
+def test_layout_the_model_cannot_take_is_refused_before_workers(tmp_path, capsys):
+    """A tp that does not divide the heads: exit 2, one clear message, no worker traceback."""
+    import transformers
+
+    hf = tmp_path / "hf"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)).save_pretrained(hf)
+    assert convert(["--from-hf", str(hf), str(tmp_path / "ckpt"), "--tp", "1",
+                             "--pp", "1"]) == 0
+    np.save(tmp_path / "ids.npy", np.zeros((1, 4), dtype=np.int64))
+    capsys.readouterr()
+    rc = evaluate(["--load", str(tmp_path / "ckpt"), "--tp", "3", "--input-ids",
+                        str(tmp_path / "ids.npy"), "--save-logits", str(tmp_path / "out.npy")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "4 attention heads are not divisible by --tp 3" in err
+    assert "Traceback" not in err and not (tmp_path / "out.npy").exists()

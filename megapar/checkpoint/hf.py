@@ -201,6 +201,10 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path) -> 
         hf_config.architectures = ["GPT2LMHeadModel" if config.model_type == "gpt2"
                                    else "BertForMaskedLM"]
         hf_config.tie_word_embeddings = True
+        for special in ("bos_token_id", "eos_token_id", "pad_token_id"):  # GPT-2's 50256
+            value = getattr(hf_config, special, None)  # means nothing in another vocabulary
+            if isinstance(value, int) and value >= config.vocab_size:
+                setattr(hf_config, special, None)
         (tmp / "config.json").write_text(hf_config.to_json_string())
         save_file(to_hf_state(canonical, config), str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})

@@ -133,11 +133,14 @@ def main(argv=None) -> int:
         print("megapar-eval: error: give --data PREFIX --seq-len N, or --input-ids IDS.npy "
               "--save-logits OUT.npy", file=sys.stderr)
         return 2
-    from megapar.checkpoint.format import CheckpointError, read_manifest
+    from megapar.checkpoint.format import CheckpointError, read_manifest, resolve_checkpoint
+    from megapar.mesh import Layout, LayoutError
+    from megapar.models.config import config_from_dict
 
-    try:  # a wrong --load is reported here, once, before any worker starts
-        read_manifest(args.load)
-    except (CheckpointError, OSError) as exc:
+    try:  # a wrong --load or a layout the model cannot take: reported once, before any worker
+        manifest = read_manifest(resolve_checkpoint(args.load))
+        config_from_dict(manifest["model"]).validate(Layout(args.tp, args.pp, 1))
+    except (CheckpointError, LayoutError, OSError) as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)
         return 2
     try:

@@ -111,8 +111,10 @@ class Trainer:
         if state.rng:
             self._set_rng(state.rng)
         self.step = int(meta.get("step", 0))
-        how = f"resharded from {state.layout}" if state.resharded else "same layout"
+        how = f"resharded from {state.layout}" if state.resharded else (
+            "same layout" if state.layout == self.mesh.layout else f"from {state.layout}")
         self.notes.append(f"resumed from {path} at step {self.step} ({how})")
+        self.notes.extend(state.notes)
 
     def _rng(self) -> dict[str, torch.Tensor]:
         out = {"cpu": torch.get_rng_state()}
