@@ -8,6 +8,7 @@ Only the rank that logs (global rank 0) creates a `MetricsLogger`; the others ge
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -78,8 +79,10 @@ class MetricsLogger(NullLogger):
     def log(self, step: int, metrics: dict) -> None:
         """One JSON line per call; scalars to TensorBoard / W&B."""
         record = {"step": step, **metrics}
-        if self.json is not None:
-            self.json.write(json.dumps(record) + "\n")
+        if self.json is not None:  # strict JSON: a skipped fp16 step's inf norm becomes null
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                     for k, v in record.items()}
+            self.json.write(json.dumps(clean, allow_nan=False) + "\n")
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.tb is not None:
             for key, value in scalars.items():
