@@ -11,8 +11,9 @@ and frees both at the micro-batch's backward. The last stage backpropagates
 ``loss * loss_scale / m``, so `param.grad` accumulates the gradient of the mean loss over the m
 micro-batches (the caller zeroes gradients between steps).
 
-Every action is traced (a tuple append per action, always on); `last_timeline` turns the last step
-into a `Timeline`, and `gather_timeline` aligns and collects all stages' timelines on pp rank 0.
+Every action is traced unless `trace=False` (two clock reads and a tuple append per action; cost
+in benchmarks/tracing_overhead.py); `last_timeline` turns the last step into a `Timeline` (empty
+when not traced), and `gather_timeline` aligns and collects all stages' timelines on pp rank 0.
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ class PipelineExecutor:
     """Executes a named schedule on this rank's stage.
 
     `stage(hidden_or_None, batch)` returns hidden states of shape `act_shape`, or on the last stage
-    the scalar mean loss of the micro-batch. `timeout_s` bounds every blocking wait.
+    the scalar mean loss of the micro-batch. `timeout_s` bounds every blocking wait. `trace`
+    (an attribute, may be changed between steps) records the step's events for `last_timeline`.
     """
 
     def __init__(self, stage: nn.Module, mesh: Mesh, schedule: str, act_shape: tuple,
-                 act_dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.stage, self.mesh = stage, mesh
+                 act_dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 trace: bool = True):
+        self.stage, self.mesh, self.trace = stage, mesh, trace
         self.schedule_name = schedule
         self.schedule_fn = get_schedule(schedule)
         self.timeout_s = timeout_s
@@ -88,7 +91,7 @@ class PipelineExecutor:
         self._trace = []
         self._reset(micro_batches, loss_scale, forward_only)
         self._acks = self._acknowledgements(actions, m, forward_only)
-        trace, clock = self._trace, time.perf_counter
+        trace, record, clock = self._trace, self.trace, time.perf_counter
         try:
             if grad_sync is not None:
                 grad_sync.begin_step()
@@ -96,18 +99,21 @@ class PipelineExecutor:
                 for i, action in enumerate(actions):
                     if i == last_backward and grad_sync is not None:
                         grad_sync.before_last_backward()
-                    start = clock()
+                    start = clock() if record else 0.0
                     self._dispatch(action)
-                    trace.append((action.kind, action.mb, action.chunk, start, clock()))
-            start = clock()
+                    if record:
+                        trace.append((action.kind, action.mb, action.chunk, start, clock()))
+            start = clock() if record else 0.0
             if self.p2p is not None:
                 self.p2p.wait_sends()
-            trace.append(("wait", None, 0, start, clock()))
+            if record:
+                trace.append(("wait", None, 0, start, clock()))
             if grad_sync is not None:
                 grad_sync.finish()
-            start = clock()
+            start = clock() if record else 0.0
             loss = self._mean_loss(m)
-            trace.append(("loss_broadcast", None, 0, start, clock()))
+            if record:
+                trace.append(("loss_broadcast", None, 0, start, clock()))
             return loss
         finally:
             self._reset([], 1.0, False)
@@ -265,9 +271,10 @@ def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_T
     if mesh.pp == 1:
         return Timeline(list(timeline.events))
     group, root = mesh.pp_group, mesh.stage_rank(0)
+    dev = mesh.device  # NCCL collectives need tensors on the GPU
     offset = float("inf")
     for _ in range(sync_rounds):
-        stamp = torch.tensor([time.perf_counter()], dtype=torch.float64)
+        stamp = torch.tensor([time.perf_counter()], dtype=torch.float64, device=dev)
         _wait(dist.broadcast(stamp, src=root, group=group, async_op=True), timeout_s,
               f"rank {mesh.rank}: clock alignment of gather_timeline")
         offset = min(offset, time.perf_counter() - stamp.item())
@@ -275,12 +282,13 @@ def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_T
         offset = 0.0
     rows = torch.tensor([[TRACE_KINDS.index(e.kind), -1 if e.mb is None else e.mb, e.chunk,
                           e.start - offset, e.end - offset] for e in timeline.events],
-                        dtype=torch.float64).reshape(-1, 5)
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(mesh.pp)]
-    _wait(dist.all_gather(counts, torch.tensor([len(rows)]), group=group, async_op=True),
+                        dtype=torch.float64).reshape(-1, 5).to(dev)
+    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(mesh.pp)]
+    _wait(dist.all_gather(counts, torch.tensor([len(rows)], device=dev), group=group,
+                          async_op=True),
           timeout_s, f"rank {mesh.rank}: gathering timeline sizes")
     longest = max(int(c) for c in counts)
-    padded = torch.zeros(longest, 5, dtype=torch.float64)
+    padded = torch.zeros(longest, 5, dtype=torch.float64, device=dev)
     padded[:len(rows)] = rows
     parts = [torch.zeros_like(padded) for _ in range(mesh.pp)] if mesh.is_first_stage else None
     _wait(dist.gather(padded, parts, dst=root, group=group, async_op=True), timeout_s,
@@ -289,7 +297,7 @@ def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_T
         return None
     events = []
     for stage, (part, count) in enumerate(zip(parts, counts)):
-        for kind, mb, chunk, start, end in part[:int(count)].tolist():
+        for kind, mb, chunk, start, end in part[:int(count)].cpu().tolist():
             events.append(Event(stage, TRACE_KINDS[int(kind)], None if mb < 0 else int(mb),
                                 start, end, int(chunk)))
     return Timeline(events)

@@ -1,0 +1,166 @@
+"""megapar-bubble end to end: simulated numbers checked by hand, a measured run's trace and plot,
+GPipe vs 1F1B memory, tracing off, and the operator plot scripts in tools/.
+
+Measured runs assert structure (every micro-batch forwarded and backwarded once per stage, no
+overlapping events, a bubble in [0, 1)) and deterministic memory, never wall-clock values.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megapar.cli.bubble import main
+from megapar.mesh import Layout, Mesh
+from megapar.pipeline.executor import PipelineExecutor
+from megapar.training import bubble
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = ["--micro-batch-size", "2", "--seq-len", "16", "--steps", "1"]
+
+
+def run_cli(capsys, *argv) -> tuple[dict, str]:
+    """Run megapar-bubble; its final JSON line and the whole stdout."""
+    assert main(list(argv)) == 0
+    out = capsys.readouterr().out
+    return json.loads(out.strip().splitlines()[-1]), out
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_png(path):
+    data = Path(path).read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert len(data) > 5_000  # a real chart, not an empty canvas
+
+
+# simulated: by hand -------------------------------------------------------------------------
+# Equal stages, forward f = 1 ms, backward b = 2 ms, free communication. Both schedules: the
+# last stage starts its first forward after the forward wave crossed pp-1 stages ((pp-1)*f), and
+# stage 0 finishes its last backward after the backward wave crossed them back ((pp-1)*b), with
+# m*(f+b) of work per stage in between, so step = (m+pp-1)*(f+b) and every stage idles
+# (pp-1)*(f+b) of it: bubble = (pp-1)/(m+pp-1).
+#   pp=2, m=4: step = 5*3 = 15 ms, bubble = 1/5 = 0.2
+#   pp=4, m=8: step = 11*3 = 33 ms, bubble = 3/11
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp, m, step_ms, bubble_frac", [(2, 4, 15.0, 1 / 5), (4, 8, 33.0, 3 / 11)])
+def test_simulated_cli_matches_hand_computation(capsys, schedule, pp, m, step_ms, bubble_frac):
+    result, out = run_cli(capsys, "--pp", str(pp), "--microbatches", str(m), "--schedule",
+                          schedule, "--simulate", "--fwd-ms", "1", "--bwd-ms", "2")
+    assert result["step_time_s"] == pytest.approx(step_ms / 1e3, rel=1e-12)
+    assert result["measured_bubble"] == pytest.approx(bubble_frac, rel=1e-12)
+    assert result["measured_bubble"] == pytest.approx(result["theoretical_bubble"], rel=1e-12)
+    assert result["per_stage_bubble"] == pytest.approx([bubble_frac] * pp, rel=1e-12)
+    assert f"simulated {schedule}, pp={pp}, m={m}" in out
+    assert f"{100 * bubble_frac:.1f}" in out  # the table shows it too
+
+
+def test_simulated_cli_latency_and_default_backward(capsys):
+    # GPipe, pp=2, m=4, f=1, b=2 (the default 2 x f), p2p latency c=0.5. Stage 0 forwards over
+    # [0, 4]; act i arrives at i+1.5, so stage 1 forwards over [1.5, 5.5] and backwards over
+    # [5.5, 13.5] (grad i sent at 7.5+2i). Stage 0 gets grad i at 8+2i, backwards over [8, 16]:
+    # step 16 ms = 15 + 2*c. Busy 12 ms per stage: bubble 4/16 = 0.25 > theory (0.2).
+    result, _ = run_cli(capsys, "--pp", "2", "-m", "4", "--schedule", "gpipe", "--simulate",
+                        "--fwd-ms", "1", "--p2p-ms", "0.5")
+    assert result["step_time_s"] == pytest.approx(16e-3, rel=1e-12)
+    assert result["measured_bubble"] == pytest.approx(0.25, rel=1e-12)
+    assert result["theoretical_bubble"] == pytest.approx(0.2)
+
+
+# measured on real processes -----------------------------------------------------------------
+def test_measured_run_writes_chrome_trace_and_gantt(capsys, tmp_path):
+    trace, png = tmp_path / "trace.json", tmp_path / "gantt.png"
+    pp, m = 2, 4
+    result, out = run_cli(capsys, "--pp", str(pp), "-m", str(m), "--schedule", "1f1b", *SMALL,
+                          "--trace", str(trace), "--plot", str(png))
+    assert "measured 1f1b, pp=2, m=4" in out
+    assert 0.0 <= result["measured_bubble"] < 1.0
+    assert all(0.0 <= b < 1.0 for b in result["per_stage_bubble"])
+    assert result["theoretical_bubble"] == pytest.approx(1 / 5)
+    assert result["in_flight_peak"] == [2, 1]
+    assert_png(png)
+
+    doc = json.loads(trace.read_text())
+    assert isinstance(doc["traceEvents"], list)
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    for e in spans:
+        assert {"name", "ph", "ts", "dur", "pid", "tid"} <= e.keys()
+        assert e["dur"] >= 0 and e["ts"] >= 0
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {0: "stage 0", 1: "stage 1"}
+    for stage in range(pp):
+        mine = sorted((e for e in spans if e["tid"] == stage), key=lambda e: e["ts"])
+        for kind in ("forward", "backward"):  # every micro-batch exactly once per stage
+            assert sorted(e["args"]["mb"] for e in mine if e["cat"] == kind) == list(range(m))
+        for a, b in zip(mine, mine[1:]):  # one action at a time on a stage
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (a, b)
+
+    # The operator script turns the saved trace back into the same Gantt chart.
+    out_png = tmp_path / "from_trace.png"
+    assert load_tool("plot_trace").main([str(trace), "-o", str(out_png)]) == 0
+    assert_png(out_png)
+
+
+def test_1f1b_holds_fewer_micro_batches_and_less_activation_memory_than_gpipe():
+    kw = dict(steps=1, micro_batch_size=2, seq_len=16)
+    gpipe, one_f = (bubble.measure(2, 8, s, **kw) for s in ("gpipe", "1f1b"))
+    assert gpipe.in_flight == [8, 8] and one_f.in_flight == [2, 1]
+    # Bytes autograd saved for backward: deterministic, unlike times. Stage 0 of 1F1B holds 2
+    # micro-batches at a time instead of 8 (and stage 1 one instead of 8).
+    assert one_f.activation_mb[0] < gpipe.activation_mb[0]
+    assert one_f.activation_mb[1] < gpipe.activation_mb[1]
+    assert one_f.activation_mb[0] < 0.5 * gpipe.activation_mb[0]
+
+
+# tracing off ---------------------------------------------------------------------------------
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden, batch):
+        return self.lin(batch["x"]).pow(2).mean()
+
+
+def test_tracing_off_records_nothing_and_changes_no_numbers():
+    mesh = Mesh(Layout())
+    batches = [{"x": torch.full((2, 4), float(i))} for i in range(3)]
+    results = []
+    for trace in (True, False):
+        torch.manual_seed(0)
+        stage = Tiny()
+        executor = PipelineExecutor(stage, mesh, "1f1b", (2, 4), trace=trace)
+        loss = executor.run(batches)
+        results.append((loss, stage.lin.weight.grad.clone(), executor.last_timeline.events))
+    (loss_on, grad_on, events_on), (loss_off, grad_off, events_off) = results
+    assert torch.equal(loss_on, loss_off) and torch.equal(grad_on, grad_off)
+    assert [e.kind for e in events_on].count("forward") == 3
+    assert events_off == []
+
+
+# tools/plot_log.py ---------------------------------------------------------------------------
+def test_plot_log_draws_loss_and_val_loss(tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    rows = [{"step": s, "loss": 5.0 / s, "lr": 1e-3} for s in range(1, 11)]
+    rows[4]["val_loss"], rows[9]["val_loss"] = 1.2, 0.7
+    rows.append({"step": 10, "loss": 0.4, "lr": 1e-3})  # a resumed run re-logs step 10
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tool = load_tool("plot_log")
+    series = tool.read_series(log, ["loss", "val_loss"])
+    assert series["loss"][0] == list(range(1, 11)) and series["loss"][1][-1] == 0.4
+    assert series["val_loss"] == ([5, 10], [1.2, 0.7])
+    png = tmp_path / "loss.png"
+    assert tool.main([str(log), "-o", str(png)]) == 0
+    assert_png(png)
+    with pytest.raises(SystemExit):
+        tool.main(["--help"])
+    assert "--log-json" in capsys.readouterr().out

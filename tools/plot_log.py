@@ -1,0 +1,88 @@
+"""Plot training curves (loss and val_loss vs step) from megapar-train --log-json files.
+
+Usage::
+
+    python tools/plot_log.py LOG.jsonl [LOG2.jsonl ...] [-o loss.png] [--metrics loss,val_loss]
+                             [--log-y] [--title TEXT]
+
+Each LOG is a file written by ``megapar-train --log-json LOG``: one JSON record per logged step
+({"step", "loss", "lr", ..., and "val_loss" on evaluation steps}). A resumed run appends to the
+same file, so a step logged twice keeps its last record. With several files (e.g. two layouts of
+the same run) every curve is labelled with its file name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+STYLES = {"loss": dict(linewidth=1.2), "val_loss": dict(marker="o", linewidth=1.5)}
+
+
+def read_series(path, metrics) -> dict[str, tuple[list[int], list[float]]]:
+    """{metric: (steps, values)} sorted by step; a step logged again (resume) keeps the last."""
+    latest: dict[str, dict[int, float]] = {k: {} for k in metrics}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not a JSON line ({exc})") from None
+        for key in metrics:
+            if isinstance(record.get(key), (int, float)) and "step" in record:
+                latest[key][int(record["step"])] = float(record[key])
+    return {k: (sorted(v), [v[s] for s in sorted(v)]) for k, v in latest.items() if v}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("logs", nargs="+", help="--log-json files of megapar-train")
+    p.add_argument("-o", "--output", default="loss.png", help="PNG to write (default: loss.png)")
+    p.add_argument("--metrics", default="loss,val_loss",
+                   help="comma-separated record keys to plot (default: loss,val_loss)")
+    p.add_argument("--log-y", action="store_true", help="logarithmic y axis")
+    p.add_argument("--title", help="chart title")
+    args = p.parse_args(argv)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    fig = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    curves = 0
+    for log in args.logs:
+        try:
+            series = read_series(log, metrics)
+        except (OSError, ValueError) as exc:
+            print(f"plot_log: error: {exc}", file=sys.stderr)
+            return 2
+        for key, (steps, values) in series.items():
+            label = key if len(args.logs) == 1 else f"{Path(log).name}: {key}"
+            ax.plot(steps, values, label=label, **STYLES.get(key, {}))
+            print(f"{log}: {key}: {len(steps)} points, steps {steps[0]}..{steps[-1]}, "
+                  f"last {values[-1]:.4f}")
+            curves += 1
+    if curves == 0:
+        print(f"plot_log: error: no {', '.join(metrics)} records in {', '.join(args.logs)}",
+              file=sys.stderr)
+        return 2
+    ax.set_xlabel("step")
+    ax.set_ylabel(" / ".join(metrics))
+    if args.log_y:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    ax.set_title(args.title or ", ".join(Path(log).name for log in args.logs))
+    fig.tight_layout()
+    fig.savefig(args.output, dpi=120)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
