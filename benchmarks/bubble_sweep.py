@@ -1,0 +1,125 @@
+"""Pipeline bubble vs number of micro-batches: measured, simulated and theoretical side by side.
+
+For every (pp, schedule, m) the real engine runs on pp local processes (`bubble.measure`, the
+last of --steps steps after a warm-up); the simulator then replays the same schedule with that
+run's own per-action costs (`bubble.mean_costs`: forward, backward, p2p latency from the
+receives), and the theory is (pp-1)/(m+pp-1). Prints one table row per point (bubble %, step
+times, simulated / measured step time ratio, in-flight micro-batches, activation MB of stage 0)
+and writes a plot of bubble vs m: one line per source (measured solid, simulated dashed) per
+schedule and pp, theory dotted per pp (it is the same for both schedules).
+
+pp=4 needs 4 processes: on a 2-core machine they oversubscribe the cores, stages time-share a
+core and "idle" waits partly hide other stages' compute, so only pp=2 (one core per stage) is
+meaningful there; run pp=4 on a machine with at least 4 free cores.
+
+    python benchmarks/bubble_sweep.py [--pp 2 4] [--m 1 2 4 8 16] [--schedules gpipe 1f1b]
+                                      [--steps 2] [--plot bubble_sweep.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def sweep(args) -> list[dict]:
+    from megapar.training import bubble
+
+    rows = []
+    for pp in args.pp:
+        for schedule in args.schedules:
+            for m in args.m:
+                run = bubble.measure(pp, m, schedule, steps=args.steps,
+                                     micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
+                sim = bubble.simulate(pp, m, schedule, **run.costs)
+                row = {"pp": pp, "schedule": schedule, "m": m,
+                       "measured": run.stats["measured_bubble"],
+                       "simulated": sim.stats["measured_bubble"], "theory": run.theoretical,
+                       "step_ms": 1e3 * run.stats["step_time_s"],
+                       "sim_step_ms": 1e3 * sim.stats["step_time_s"],
+                       "in_flight": run.in_flight, "act_mb0": run.activation_mb[0],
+                       "costs_ms": run.costs}
+                row["sim_over_measured"] = row["sim_step_ms"] / row["step_ms"]
+                rows.append(row)
+                print(format_row(row), flush=True)
+    return rows
+
+
+HEADER = (f"{'pp':>3} {'schedule':>8} {'m':>3} {'measured%':>9} {'simulated%':>10} "
+          f"{'theory%':>7} {'step ms':>8} {'sim ms':>8} {'sim/meas':>8} {'in-flight':>10} "
+          f"{'act MB s0':>9}")
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['pp']:>3} {r['schedule']:>8} {r['m']:>3} {100 * r['measured']:>9.1f} "
+            f"{100 * r['simulated']:>10.1f} {100 * r['theory']:>7.1f} {r['step_ms']:>8.1f} "
+            f"{r['sim_step_ms']:>8.1f} {r['sim_over_measured']:>8.3f} "
+            f"{str(r['in_flight']):>10} {r['act_mb0']:>9.1f}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    colours = iter(["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860"])
+    for pp in sorted({r["pp"] for r in rows}):
+        mine = [r for r in rows if r["pp"] == pp]
+        ms = sorted({r["m"] for r in mine})
+        theory = {r["m"]: r["theory"] for r in mine}
+        ax.plot(ms, [100 * theory[m] for m in ms], ":", color="black", marker=".",
+                label=f"theory pp={pp}")
+        for schedule in sorted({r["schedule"] for r in mine}):
+            pts = sorted((r for r in mine if r["schedule"] == schedule), key=lambda r: r["m"])
+            colour = next(colours)
+            x = [r["m"] for r in pts]
+            ax.plot(x, [100 * r["measured"] for r in pts], "-o", color=colour,
+                    label=f"measured {schedule} pp={pp}")
+            ax.plot(x, [100 * r["simulated"] for r in pts], "--s", color=colour, alpha=0.7,
+                    label=f"simulated {schedule} pp={pp}")
+    ax.set_xscale("log", base=2)
+    ms = sorted({r["m"] for r in rows})
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.set_xlabel("micro-batches per step (m)")
+    ax.set_ylabel("bubble (% of step time idle)")
+    ax.set_title("pipeline bubble vs micro-batches")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="micro-batches")
+    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
+                   choices=["gpipe", "1f1b"])
+    p.add_argument("--steps", type=int, default=2, help="measured steps per point (+1 warm-up)")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--plot", default="bubble_sweep.png", help="PNG to write ('' for none)")
+    p.add_argument("--json", help="also write the rows as JSON")
+    args = p.parse_args(argv)
+
+    print(HEADER, flush=True)
+    rows = sweep(args)
+    ratios = [r["sim_over_measured"] for r in rows]
+    print(f"simulated / measured step time: min {min(ratios):.3f}, "
+          f"mean {sum(ratios) / len(ratios):.3f}, max {max(ratios):.3f}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
