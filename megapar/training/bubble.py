@@ -53,12 +53,17 @@ def bench_config(model: str | None, pp: int):
 
 
 class _HeldBytes:
-    """Bytes of activations autograd holds for backward: now, and the peak of the step."""
+    """Bytes of activations autograd holds for backward: now, and the peak of the step.
+    Tensors that share storage with a parameter (weights saved by linear layers) are not
+    activations and are left out."""
 
-    def __init__(self):
+    def __init__(self, params):
         self.now = self.peak = 0
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
 
     def pack(self, t):
+        if t.untyped_storage().data_ptr() in self.param_storages:
+            return _Held(self, t, counted=False)
         return _Held(self, t)
 
     @staticmethod
@@ -67,9 +72,9 @@ class _HeldBytes:
 
 
 class _Held:
-    def __init__(self, owner: _HeldBytes, t: torch.Tensor):
+    def __init__(self, owner: _HeldBytes, t: torch.Tensor, counted: bool = True):
         self.owner, self.tensor = owner, t
-        self.bytes = t.numel() * t.element_size()
+        self.bytes = t.numel() * t.element_size() if counted else 0
         owner.now += self.bytes
         owner.peak = max(owner.peak, owner.now)
 
@@ -93,7 +98,7 @@ def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len):
     micro = [{"input_ids": t[:, :-1].to(mesh.device), "labels": t[:, 1:].to(mesh.device)}
              for t in ids]
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq_len, config.hidden_size))
-    held = _HeldBytes()
+    held = _HeldBytes(model.parameters())
     timeline = None
     for step in range(steps + 1):  # step 0 warms up
         model.zero_grad(set_to_none=True)
@@ -134,18 +139,26 @@ def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = Non
 
 
 def mean_costs(timeline) -> dict:
-    """Per-action costs (ms) for the simulator: mean forward and backward, and as the
-    point-to-point latency the median receive (most receives find their message in flight, so
-    the median is the transfer; the long ones are pipeline waits the simulator reproduces)."""
+    """Per-action costs (ms) for the simulator: mean forward and backward, and the point-to-point
+    latency: for each receive, the time from when both its send and the receive had started to
+    when the receive ended (so waiting for the other stage to get to its send is left out);
+    the median over all messages of the (clock-aligned) step."""
     import statistics
 
     def mean(kind):
         d = [e.end - e.start for e in timeline.events if e.kind == kind]
         return 1e3 * sum(d) / len(d) if d else 0.0
-    recvs = [1e3 * (e.end - e.start) for e in timeline.events
-             if e.kind in ("recv_act", "recv_grad")]
+    sends = {(e.kind, e.rank, e.mb): e for e in timeline.events
+             if e.kind in ("send_act", "send_grad")}
+    latencies = []
+    for e in timeline.events:
+        if e.kind in ("recv_act", "recv_grad"):
+            peer = e.rank - 1 if e.kind == "recv_act" else e.rank + 1
+            send = sends.get(("send_" + e.kind[5:], peer, e.mb))
+            if send is not None:
+                latencies.append(1e3 * max(0.0, e.end - max(e.start, send.start)))
     return {"fwd_ms": mean("forward"), "bwd_ms": mean("backward"),
-            "p2p_ms": statistics.median(recvs) if recvs else 0.0}
+            "p2p_ms": statistics.median(latencies) if latencies else 0.0}
 
 
 def simulate(pp: int, m: int, schedule: str, fwd_ms: float, bwd_ms: float,

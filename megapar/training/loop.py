@@ -168,7 +168,9 @@ class Trainer:
         from megapar.pipeline.timeline import bubble_stats
 
         timeline = gather_timeline(self.executor.last_timeline, self.mesh)
-        return bubble_stats(timeline)["measured_bubble"] if timeline is not None else 0.0
+        if timeline is None or not timeline.events:  # not pp rank 0, or tracing was off
+            return float("nan")
+        return bubble_stats(timeline)["measured_bubble"]
 
     def run(self) -> list[dict]:
         cfg, mesh = self.cfg, self.mesh
