@@ -39,43 +39,28 @@ def _run(fn, tp):
     return [fn(tp)] if tp == 1 else run_local(fn, tp, tp)
 
 
-def _column(tp):
+def _linear(kind, tp):
+    """A column- (gather_output) or row-parallel (input not parallel) linear vs F.linear on the
+    full weights: output, input gradient, and the full weight and bias gradients."""
     mesh = make_mesh(tp)
-    layer = ColumnParallelLinear(12, 8, mesh, gather_output=True)
+    if kind == "column":
+        layer = ColumnParallelLinear(12, 8, mesh, gather_output=True)
+    else:
+        layer = RowParallelLinear(12, 8, mesh, input_is_parallel=False)
     layer._mesh = mesh
     _init(layer)
-    w, b = _full("weight", (8, 12)), _full("bias", (8,))
+    w_ref = _full("weight", (8, 12)).requires_grad_()
+    b_ref = _full("bias", (8,)).requires_grad_()
     x = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(1), requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
-    w_ref, b_ref = w.clone().requires_grad_(), b.clone().requires_grad_()
     out, ref = layer(x), F.linear(x_ref, w_ref, b_ref)
-    assert_close(out, ref, what="column forward")
+    assert_close(out, ref, what=f"{kind} forward")
     grad_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
     out.backward(grad_out)
     ref.backward(grad_out)
-    assert_close(x.grad, x_ref.grad, what="column input grad")
-    assert_close(_grad_full(layer.weight, mesh), w_ref.grad, what="column weight grad")
-    assert_close(_grad_full(layer.bias, mesh), b_ref.grad, what="column bias grad")
-    return True
-
-
-def _row(tp):
-    mesh = make_mesh(tp)
-    layer = RowParallelLinear(12, 8, mesh, input_is_parallel=False)
-    layer._mesh = mesh
-    _init(layer)
-    w, b = _full("weight", (8, 12)), _full("bias", (8,))
-    x = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_()
-    w_ref, b_ref = w.clone().requires_grad_(), b.clone().requires_grad_()
-    out, ref = layer(x), F.linear(x_ref, w_ref, b_ref)
-    assert_close(out, ref, what="row forward")
-    grad_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
-    out.backward(grad_out)
-    ref.backward(grad_out)
-    assert_close(x.grad, x_ref.grad, what="row input grad")
-    assert_close(_grad_full(layer.weight, mesh), w_ref.grad, what="row weight grad")
-    assert_close(layer.bias.grad, b_ref.grad, what="row bias grad")
+    assert_close(x.grad, x_ref.grad, what=f"{kind} input grad")
+    assert_close(_grad_full(layer.weight, mesh), w_ref.grad, what=f"{kind} weight grad")
+    assert_close(_grad_full(layer.bias, mesh), b_ref.grad, what=f"{kind} bias grad")
     return True
 
 
@@ -118,14 +103,11 @@ def _embedding_and_loss(tp):
     return True
 
 
+@pytest.mark.parametrize("kind", ["column", "row"])
 @pytest.mark.parametrize("tp", TPS)
-def test_column_parallel_linear(tp):
-    assert all(_run(_column, tp))
-
-
-@pytest.mark.parametrize("tp", TPS)
-def test_row_parallel_linear(tp):
-    assert all(_run(_row, tp))
+def test_parallel_linear(kind, tp):
+    results = [_linear(kind, tp)] if tp == 1 else run_local(_linear, tp, kind, tp)
+    assert all(results)
 
 
 @pytest.mark.parametrize("tp", TPS)
