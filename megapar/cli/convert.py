@@ -1,6 +1,6 @@
 """``megapar-convert``: rewrite a checkpoint for another layout; Hugging Face import/export; info.
 
-Examples::
+Examples:
 
     megapar-convert ckpt/ ckpt_tp4/ --tp 4 --pp 1            # any layout -> tp 4, pp 1
     megapar-convert --from-hf gpt2-dir/ ckpt/ --tp 2 --pp 2  # transformers -> megapar (step 0)

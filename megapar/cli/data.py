@@ -1,6 +1,6 @@
 """``megapar-data``: tokenize text into an indexed dataset (``PREFIX.bin/.idx/.json``).
 
-Examples::
+Examples:
 
     megapar-data --input corpus/ --output-prefix data/shakespeare --tokenizer gpt2
     megapar-data --input docs.jsonl --jsonl-key body --output-prefix data/docs --tokenizer gpt2
