@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megapar.launcher import WorkerError, run_local
