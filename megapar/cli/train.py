@@ -33,6 +33,9 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
                          f"choose a multiple of {per_step}")
     if cfg.save_interval < 0 or cfg.max_steps < 1:
         raise ValueError("--max-steps must be >= 1 and --save-interval >= 0")
+    from megapar.optim import LRScheduler
+
+    LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks
     plan = prepare_data(cfg)
     config_from_dict(plan.model_config).validate(layout)
     return layout, plan
