@@ -100,6 +100,7 @@ def test_cli_3d_parity_2x2x2_equals_1x1x1(tmp_path, text, cache):
     (["--tp", "3"], "attention heads are not divisible by --tp 3"),
     (["--pp", "8"], "4 layers cannot be cut into --pp 8 stages"),
     (["--max-steps", "4", "--warmup-steps", "20"], "warmup of 20 steps is longer than the 4"),
+    (["--global-batch-size", "65536"], "fewer than one global batch of 65536"),
 ])
 def test_clear_errors_before_any_worker_starts(argv, message, capsys, cache, text):
     rc = main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",

@@ -17,7 +17,7 @@ from megapar.launcher import WorkerError, launched_world_size, run_workers, unde
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError, config_from_dict
 from megapar.training.config import TrainConfig, parse_args
-from megapar.training.data import DataPlan, prepare_data
+from megapar.training.data import DataPlan, build_datasets, prepare_data
 
 
 def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
@@ -37,7 +37,13 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks
     plan = prepare_data(cfg)
-    config_from_dict(plan.model_config).validate(layout)
+    config = config_from_dict(plan.model_config)
+    config.validate(layout)
+    train, _ = build_datasets(cfg, plan.prefix, config.model_type)
+    if len(train) < cfg.global_batch_size:
+        raise ValueError(f"the training split has {len(train)} samples of {cfg.seq_len} tokens, "
+                         f"fewer than one global batch of {cfg.global_batch_size}; use more data, "
+                         f"a shorter --seq-len or a smaller --global-batch-size")
     return layout, plan
 
 
