@@ -149,3 +149,24 @@ def test_two_torchrun_nodes_with_data_parallelism_across_them(tmp_path, text, ca
         assert p.returncode == 0, f"node {node} exited with {p.returncode}:\n{out[-3000:]}"
     assert "tp=2 pp=1 dp=2" in outputs[0]
     assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_from_hf_gpt2_with_the_real_vocabulary_trains_on_gpt2_tokenized_text(tmp_path, text, cache):
+    """A transformers GPT-2 with the real 50257-token vocabulary, data tokenized with the GPT-2
+    BPE (whose tokenizer appends BERT specials after 50257, never used by GPT data)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf = tmp_path / "hf"
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0))
+    with torch.no_grad():  # a final norm scaled 30x: logits far from a fresh init's, so the
+        model.transformer.ln_f.weight.mul_(30.0)  # first loss shows the weights were loaded
+    model.save_pretrained(hf)
+    log = tmp_path / "log.jsonl"
+    assert main(["--from-hf", str(hf), "--data", text, "--tokenizer", "gpt2", "--data-cache",
+                 cache, "--max-steps", "3", "--log-json", str(log), *TINY]) == 0
+    losses = _losses(log)
+    assert len(losses) == 3 and losses[0] > 13.0, losses  # a fresh init gives ~ln(50257) = 10.8

@@ -54,28 +54,37 @@ def resolve_data_prefix(cfg: TrainConfig) -> str:
     return data
 
 
-def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str):
-    """The model config for --model / --from-hf, checked against the tokenizer and seq-len."""
+def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
+                         gpt_vocab_size: int | None = None):
+    """The model config for --model / --from-hf, checked against the tokenizer and seq-len.
+
+    vocab_size is the tokenizer's, special tokens appended for BERT included; gpt_vocab_size
+    the ids GPT data can contain (base vocabulary and end-of-document), so the real GPT-2
+    (50257) trains on GPT-2-tokenized data although the tokenizer appends [MASK] and friends.
+    """
     from megapar.models.recipes import resolve_model
+
+    def needed(config) -> int:
+        return gpt_vocab_size if config.model_type == "gpt2" and gpt_vocab_size else vocab_size
 
     if cfg.from_hf:
         from megapar.checkpoint.hf import HFReader
 
         config = HFReader(cfg.from_hf).config
-        if config.vocab_size < vocab_size:
+        if config.vocab_size < needed(config):
             raise ConfigError(
-                f"tokenizer {tokenizer_name} has {vocab_size} tokens but the model from "
+                f"tokenizer {tokenizer_name} needs {needed(config)} token ids but the model from "
                 f"{cfg.from_hf} has a vocabulary of {config.vocab_size}; use the model's own "
                 f"tokenizer (--tokenizer) or data tokenized with it")
     elif cfg.model and os.path.exists(os.path.expanduser(cfg.model)):
         config = resolve_model(os.path.expanduser(cfg.model))
         if "vocab_size" not in _raw_keys(os.path.expanduser(cfg.model)):
             config.vocab_size = vocab_size  # a config without a vocabulary takes the tokenizer's
-        elif config.vocab_size != vocab_size:
+        elif config.vocab_size < needed(config):
             raise ConfigError(
                 f"the model config {cfg.model} has vocab_size {config.vocab_size} but the data's "
-                f"tokenizer {tokenizer_name} has {vocab_size} tokens; make them match (or leave "
-                f"vocab_size out of the config to take the tokenizer's)")
+                f"tokenizer {tokenizer_name} needs {needed(config)} token ids; make them match "
+                f"(or leave vocab_size out of the config to take the tokenizer's)")
     else:
         config = resolve_model(cfg.model or DEFAULT_MODEL)
         config.vocab_size = vocab_size  # recipes take the tokenizer's vocabulary
@@ -105,8 +114,9 @@ def _raw_keys(path: str) -> set:
 def prepare_data(cfg: TrainConfig) -> DataPlan:
     prefix = resolve_data_prefix(cfg)
     indexed = IndexedDataset(prefix)
-    tokenizer = indexed.tokenizer_spec.get("path", "?")
-    config = resolve_model_config(cfg, indexed.vocab_size, str(tokenizer))
+    tokenizer = load_tokenizer(indexed.tokenizer_spec)
+    gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
+    config = resolve_model_config(cfg, indexed.vocab_size, str(tokenizer.path), gpt_vocab)
     return DataPlan(prefix=prefix, model_config=config.to_dict())
 
 
