@@ -114,9 +114,15 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
-CHOICES = {"schedule": ["gpipe", "1f1b"], "recompute": ["none", "selective", "full"],
-           "precision": ["fp32", "bf16", "fp16"], "zero": [0, 1],
-           "lr_decay": ["cosine", "linear", "constant"]}
+def _choices() -> dict[str, list]:
+    """Allowed values, taken from the modules that implement them."""
+    from megapar.models.blocks import RECOMPUTE_MODES
+    from megapar.optim.precision import PRECISIONS
+    from megapar.optim.scheduler import DECAY_STYLES
+    from megapar.pipeline.schedules import SCHEDULES
+
+    return {"schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
+            "precision": list(PRECISIONS), "zero": [0, 1], "lr_decay": list(DECAY_STYLES)}
 
 
 def _type_of(f) -> Any:
@@ -136,7 +142,7 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", help="JSON or YAML file whose keys are these flags' names "
                         "(command-line flags override it)")
-    docs = field_docs()
+    docs, choices = field_docs(), _choices()
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = _type_of(f)
@@ -144,7 +150,7 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help=docs.get(f.name, ""))
         else:
-            parser.add_argument(flag, type=kind, default=None, choices=CHOICES.get(f.name),
+            parser.add_argument(flag, type=kind, default=None, choices=choices.get(f.name),
                                 help=f"{docs.get(f.name, '')} (default: {f.default})")
     return parser
 
