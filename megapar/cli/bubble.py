@@ -15,12 +15,14 @@ import argparse
 import json
 import sys
 
+from megapar.pipeline.schedules import SCHEDULES
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megapar-bubble", description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, required=True, help="pipeline stages")
     p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per stage")
     p.add_argument("--model", help="model recipe (default: a compute-bound GPT-2, 2 blocks/stage)")
     p.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up)")
