@@ -21,8 +21,18 @@ class ConfigError(ValueError):
 
 @dataclass
 class _Base:
+    hf_config_class = ""  # the transformers config class this one maps onto
+
     def to_dict(self) -> dict:
         return {"model_type": self.model_type, **dataclasses.asdict(self)}
+
+    def to_hf(self):
+        """The transformers config with the same fields (megapar-only fields left out)."""
+        import transformers
+
+        return getattr(transformers, self.hf_config_class)(
+            **{k: v for k, v in dataclasses.asdict(self).items()
+               if k != "make_vocab_size_divisible_by"})
 
     @classmethod
     def from_dict(cls, d: dict):
@@ -49,6 +59,7 @@ class GPT2Config(_Base):
     """GPT-2: learned positions, pre-LayerNorm blocks, GELU (tanh), tied input/output embedding."""
 
     model_type = "gpt2"
+    hf_config_class = "GPT2Config"
     vocab_size: int = 50257
     """Vocabulary size (unpadded)."""
     n_positions: int = 1024
@@ -91,18 +102,12 @@ class GPT2Config(_Base):
     def validate(self, layout: Layout) -> None:
         self._check(layout, self.n_embd, self.n_head, self.ffn_size, self.n_layer)
 
-    def to_hf(self):
-        import transformers
-
-        return transformers.GPT2Config(**{k: v for k, v in dataclasses.asdict(self).items()
-                                          if k != "make_vocab_size_divisible_by"})
-
-
 @dataclass
 class BertConfig(_Base):
     """BERT: post-LayerNorm encoder, token types, attention mask, MLM head with tied decoder."""
 
     model_type = "bert"
+    hf_config_class = "BertConfig"
     vocab_size: int = 30522
     """Vocabulary size (unpadded)."""
     hidden_size: int = 768
@@ -143,13 +148,6 @@ class BertConfig(_Base):
     def validate(self, layout: Layout) -> None:
         self._check(layout, self.hidden_size, self.num_attention_heads, self.intermediate_size,
                     self.num_hidden_layers)
-
-    def to_hf(self):
-        import transformers
-
-        return transformers.BertConfig(**{k: v for k, v in dataclasses.asdict(self).items()
-                                          if k != "make_vocab_size_divisible_by"})
-
 
 CONFIG_CLASSES = {"gpt2": GPT2Config, "bert": BertConfig}
 
