@@ -102,6 +102,7 @@ class GPT2Config(_Base):
     def validate(self, layout: Layout) -> None:
         self._check(layout, self.n_embd, self.n_head, self.ffn_size, self.n_layer)
 
+
 @dataclass
 class BertConfig(_Base):
     """BERT: post-LayerNorm encoder, token types, attention mask, MLM head with tied decoder."""
