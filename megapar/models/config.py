@@ -150,6 +150,7 @@ class BertConfig(_Base):
         self._check(layout, self.hidden_size, self.num_attention_heads, self.intermediate_size,
                     self.num_hidden_layers)
 
+
 CONFIG_CLASSES = {"gpt2": GPT2Config, "bert": BertConfig}
 
 
