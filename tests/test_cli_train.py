@@ -170,3 +170,30 @@ def test_from_hf_gpt2_with_the_real_vocabulary_trains_on_gpt2_tokenized_text(tmp
                  cache, "--max-steps", "3", "--log-json", str(log), *TINY]) == 0
     losses = _losses(log)
     assert len(losses) == 3 and losses[0] > 13.0, losses  # a fresh init gives ~ln(50257) = 10.8
+
+
+def test_a_failing_rank_brings_the_run_down_naming_rank_and_step(tmp_path, text, cache,
+                                                                 capsys, monkeypatch):
+    """Rank 3 raises inside its 2nd step (the workers are forked, so they inherit the patch);
+    every rank stops and the error names the rank and the step."""
+    import time
+
+    import torch.distributed as dist
+
+    from megapar.training.step import TrainStep
+
+    real_step = TrainStep.step
+
+    def flaky_step(self, micro_batches, step_index):
+        if dist.get_rank() == 3 and step_index == 1:
+            raise RuntimeError("injected failure")
+        return real_step(self, micro_batches, step_index)
+
+    monkeypatch.setattr(TrainStep, "step", flaky_step)
+    start = time.monotonic()
+    rc = main(["--tp", "2", "--pp", "2", "--model", "gpt2-tiny", "--data", text, "--tokenizer",
+               "sentencepiece", "--data-cache", cache, "--max-steps", "4", *TINY])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "rank 3 failed" in err and "failed at step 2" in err and "injected failure" in err
+    assert time.monotonic() - start < 60  # the other ranks were brought down, not left waiting
