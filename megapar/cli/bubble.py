@@ -3,6 +3,7 @@
     megapar-bubble --pp 2 --microbatches 8 --schedule 1f1b              # real processes
     megapar-bubble --pp 16 --microbatches 64 --simulate --fwd-ms 10 --bwd-ms 20
     megapar-bubble --pp 2 --microbatches 4 --trace trace.json --plot gantt.png
+    megapar-bubble --pp 4 --microbatches 8 --show-schedule          # the schedule as data
 
 Prints a table (per stage busy, idle, bubble %, theory %) and a JSON line with
 measured_bubble, theoretical_bubble and step_time_s. --simulate without costs measures them
@@ -28,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--show-schedule", action="store_true",
+                   help="print each stage's list of actions (F3 = forward mb 3, SA = send "
+                        "activation, RG = receive gradient, ...) and exit")
     p.add_argument("--simulate", action="store_true", help="compute the timeline from costs")
     p.add_argument("--fwd-ms", type=float, help="forward cost per micro-batch and stage")
     p.add_argument("--bwd-ms", type=float, help="backward cost (default 2 x forward)")
@@ -45,6 +49,13 @@ def main(argv=None) -> int:
     if args.pp < 1 or args.microbatches < 1:
         print("megapar-bubble: error: --pp and --microbatches must be >= 1", file=sys.stderr)
         return 2
+    if args.show_schedule:
+        from megapar.pipeline.schedules import format_schedule, get_schedule
+
+        schedule = get_schedule(args.schedule)
+        for stage in range(args.pp):
+            print(f"stage {stage}: {format_schedule(schedule(args.pp, args.microbatches, stage))}")
+        return 0
     if args.simulate:
         fwd, bwd, p2p = args.fwd_ms, args.bwd_ms, args.p2p_ms
         if fwd is None:  # measure the costs once on the real engine
