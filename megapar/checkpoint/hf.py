@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
@@ -215,11 +215,6 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def canonical_names(model: torch.nn.Module) -> Iterable[str]:
-    """The canonical names of a model's own parameters (tied copies excluded)."""
-    return [n for n, p in model.named_parameters() if not hasattr(p, "tied_to")]
 
 
 @torch.no_grad()

@@ -44,7 +44,7 @@ class ParallelAttention(nn.Module):
                  causal: bool):
         super().__init__()
         self.local_heads = divide(heads, mesh.tp, "attention heads")
-        self.head_dim = divide(hidden, heads, f"hidden size (for {heads} heads)") if hidden else 0
+        self.head_dim = divide(hidden, heads, f"hidden size (for {heads} heads)")
         self.q = ColumnParallelLinear(hidden, hidden, mesh, name="hidden size")
         self.k = ColumnParallelLinear(hidden, hidden, mesh, name="hidden size")
         self.v = ColumnParallelLinear(hidden, hidden, mesh, name="hidden size")

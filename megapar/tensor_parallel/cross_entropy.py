@@ -10,11 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _all_reduce(x, group, op=dist.ReduceOp.SUM):
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
-    return x
+from megapar.mesh import all_reduce as _all_reduce
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -8,7 +8,6 @@ and returns pp rank 0's view of the last step's timeline, aligned across stages.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -173,9 +172,3 @@ def simulate(pp: int, m: int, schedule: str, fwd_ms: float, bwd_ms: float,
     in_flight = [in_flight_peak(get_schedule(schedule)(pp, m, s)) for s in range(pp)]
     return BubbleRun(timeline, bubble_stats(timeline), theoretical_bubble(pp, m), in_flight,
                      costs={"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "p2p_ms": p2p_ms})
-
-
-def timed(fn, *args, **kwargs):
-    start = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - start

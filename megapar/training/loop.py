@@ -11,9 +11,8 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 
-from megapar.mesh import Mesh
+from megapar.mesh import Mesh, all_reduce
 from megapar.models.config import config_from_dict
 from megapar.training.build import build_stage
 from megapar.training.config import TrainConfig
@@ -29,10 +28,7 @@ class TrainingError(RuntimeError):
 
 def _dp_mean(value: float, mesh: Mesh) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=mesh.device)
-    if mesh.dp_group is not None:
-        dist.all_reduce(t, group=mesh.dp_group)
-        t /= mesh.dp
-    return t.item()
+    return all_reduce(t, mesh.dp_group).item() / mesh.dp
 
 
 def _num_params(model, mesh: Mesh) -> int:
@@ -40,9 +36,7 @@ def _num_params(model, mesh: Mesh) -> int:
     count = sum(p.numel() for p in model.parameters()
                 if not hasattr(p, "tied_to") and (p.tp_dim is not None or mesh.tp_rank == 0))
     t = torch.tensor([count], dtype=torch.float64, device=mesh.device)
-    if mesh.mp_group is not None:
-        dist.all_reduce(t, group=mesh.mp_group)
-    return int(t.item())
+    return int(all_reduce(t, mesh.mp_group).item())
 
 
 class Trainer:
