@@ -1,4 +1,5 @@
-"""Hugging Face transformers checkpoints in and out (GPT2LMHeadModel, BertForMaskedLM, BertModel).
+"""Hugging Face transformers checkpoints in and out (GPT2LMHeadModel, BertForMaskedLM, BertModel,
+LlamaForCausalLM).
 
 megapar's *canonical* state is the full (unsharded, unpadded) tensor of every parameter under its
 megapar name (`layers.3.attn.q.weight`, ...), the same in every layout. This module maps between
@@ -50,9 +51,9 @@ class HFReader:
         self.prefix = self._detect_prefix()
 
     def _detect_prefix(self) -> str:
-        probe = "wte.weight" if self.config.model_type == "gpt2" else \
-            "embeddings.word_embeddings.weight"
-        for prefix in ("transformer.", "bert.", ""):
+        probe = {"gpt2": "wte.weight", "llama": "embed_tokens.weight"}.get(
+            self.config.model_type, "embeddings.word_embeddings.weight")
+        for prefix in ("transformer.", "bert.", "model.", ""):
             if prefix + probe in self.keys:
                 return prefix
         raise ConfigError(f"{self.path}: not a {self.config.model_type} checkpoint "
@@ -67,7 +68,7 @@ class HFReader:
 
     def canonical(self, name: str) -> torch.Tensor:
         """The full canonical tensor `name`, converted from the HF tensors."""
-        fn = _gpt2_canonical if self.config.model_type == "gpt2" else _bert_canonical
+        fn = _CANONICAL[self.config.model_type]
         return fn(name, self.get, self.config).contiguous()
 
 
@@ -150,6 +151,41 @@ def _bert_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.T
     return out
 
 
+# --- Llama ---------------------------------------------------------------------------------
+_LLAMA_TOP = {"embed.word.weight": "embed_tokens.weight", "final_norm.weight": "norm.weight"}
+_LLAMA_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+                "attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj",
+                "attn.v": "self_attn.v_proj", "attn.proj": "self_attn.o_proj",
+                "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
+
+
+def _llama_canonical(name: str, get: Getter, config) -> torch.Tensor:
+    """Same layout as transformers (nn.Linear weights, no fusing): only the names differ."""
+    if name == "head.weight":  # untied head; a tied model has no lm_head to read
+        return get("lm_head.weight")
+    if name in _LLAMA_TOP:
+        return get(_LLAMA_TOP[name])
+    i, rest = _LAYER.fullmatch(name).groups()
+    module, kind = rest.rsplit(".", 1)
+    return get(f"layers.{i}.{_LLAMA_LAYER[module]}.{kind}")
+
+
+def _llama_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    out = {"model." + hf: canonical[ours] for ours, hf in _LLAMA_TOP.items()}
+    for i in range(config.num_hidden_layers):
+        for ours, hf in _LLAMA_LAYER.items():
+            out[f"model.layers.{i}.{hf}.weight"] = canonical[f"layers.{i}.{ours}.weight"]
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = canonical["head.weight"]
+    return out
+
+
+_CANONICAL = {"gpt2": _gpt2_canonical, "bert": _bert_canonical, "llama": _llama_canonical}
+_TO_HF = {"gpt2": _gpt2_to_hf, "bert": _bert_to_hf, "llama": _llama_to_hf}
+_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
+                  "llama": "LlamaForCausalLM"}
+
+
 # --- megapar models <-> HF -----------------------------------------------------------------
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, reader: HFReader) -> list[str]:
@@ -177,8 +213,9 @@ def load_hf_weights(model: torch.nn.Module, reader: HFReader) -> list[str]:
 
 
 def to_hf_state(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """transformers' state dict (GPT2LMHeadModel / BertForMaskedLM names) from canonical tensors."""
-    fn = _gpt2_to_hf if config.model_type == "gpt2" else _bert_to_hf
+    """transformers' state dict (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM names)
+    from canonical tensors."""
+    fn = _TO_HF[config.model_type]
     return {k: v.contiguous() for k, v in fn(canonical, config).items()}
 
 
@@ -198,9 +235,8 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path) -> 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         hf_config = config.to_hf()
-        hf_config.architectures = ["GPT2LMHeadModel" if config.model_type == "gpt2"
-                                   else "BertForMaskedLM"]
-        hf_config.tie_word_embeddings = True
+        hf_config.architectures = [_ARCHITECTURES[config.model_type]]
+        hf_config.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
         for special in ("bos_token_id", "eos_token_id", "pad_token_id"):  # GPT-2's 50256
             value = getattr(hf_config, special, None)  # means nothing in another vocabulary
             if isinstance(value, int) and value >= config.vocab_size:

@@ -1,13 +1,17 @@
-"""GPT-2 and BERT built from tensor-parallel layers. Models never import the pipeline or CLI."""
+"""GPT-2, BERT and Llama built from tensor-parallel layers.
+
+Models never import the pipeline or CLI."""
 
 from megapar.models.bert import Bert
 from megapar.models.config import (
     BertConfig, ConfigError, GPT2Config, config_from_dict, config_from_hf, load_config_file,
 )
+from megapar.models.config import LlamaConfig
 from megapar.models.gpt2 import GPT2
 from megapar.models.blocks import set_recompute
+from megapar.models.llama import Llama
 
-MODEL_CLASSES = {"gpt2": GPT2, "bert": Bert}
+MODEL_CLASSES = {"gpt2": GPT2, "bert": Bert, "llama": Llama}
 
 
 def build_model(config, mesh, layers=None, pre_process=True, post_process=True, tracker=None):
@@ -17,4 +21,5 @@ def build_model(config, mesh, layers=None, pre_process=True, post_process=True, 
 
 
 __all__ = ["GPT2", "Bert", "GPT2Config", "BertConfig", "ConfigError", "config_from_dict",
-           "config_from_hf", "load_config_file", "build_model", "set_recompute", "MODEL_CLASSES"]
+           "config_from_hf", "load_config_file", "build_model", "set_recompute", "MODEL_CLASSES",
+           "Llama", "LlamaConfig"]

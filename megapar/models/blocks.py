@@ -20,6 +20,7 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
     "relu": F.relu,
+    "silu": F.silu,
 }
 
 
@@ -112,5 +113,5 @@ def set_recompute(model: nn.Module, mode: str) -> None:
         raise ValueError(f"unknown recompute mode {mode!r}; expected one of {RECOMPUTE_MODES}")
     model.recompute = mode
     for module in model.modules():
-        if isinstance(module, ParallelAttention):
+        if hasattr(module, "recompute_core"):  # ParallelAttention, LlamaAttention
             module.recompute_core = mode == "selective"

@@ -151,11 +151,126 @@ class BertConfig(_Base):
                     self.num_hidden_layers)
 
 
-CONFIG_CLASSES = {"gpt2": GPT2Config, "bert": BertConfig}
+@dataclass
+class LlamaConfig(_Base):
+    """Llama family: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases.
+
+    Field names are transformers' `LlamaConfig`'s (Llama 2 / 3 / 3.1 / 3.2 config.json files
+    load as they are; transformers 5's `rope_parameters` is read too). With tp, query heads are
+    split across ranks; key/value heads are split too when tp divides num_key_value_heads and
+    otherwise kept whole (replicated) on every tp rank, each rank using the ones its query heads
+    need (their gradient is summed over tp).
+    """
+
+    model_type = "llama"
+    hf_config_class = "LlamaConfig"
+    vocab_size: int = 32000
+    """Vocabulary size (unpadded)."""
+    hidden_size: int = 4096
+    """Hidden size."""
+    intermediate_size: int = 11008
+    """SwiGLU MLP size (gate and up projections)."""
+    num_hidden_layers: int = 32
+    """Number of decoder layers."""
+    num_attention_heads: int = 32
+    """Query heads per layer."""
+    num_key_value_heads: int | None = None
+    """Key/value heads (grouped-query attention); None means num_attention_heads (MHA)."""
+    head_dim: int | None = None
+    """Size of one head; None means hidden_size / num_attention_heads."""
+    hidden_act: str = "silu"
+    """Activation of the gate projection (SwiGLU uses silu)."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the model is meant for (rotary positions have no table)."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    rope_scaling: dict | None = None
+    """Rotary frequency scaling: None, {"rope_type": "linear", "factor": f} or Llama 3's
+    {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings"}."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    tie_word_embeddings: bool = False
+    """The LM head reuses the input embedding (Llama 3.2 1B / 3B) instead of its own weight."""
+    initializer_range: float = 0.02
+    """Std of the normal initialisation (every linear and the embedding, as transformers does)."""
+    bos_token_id: int | None = 1
+    """Beginning-of-sequence id (carried to exported configs)."""
+    eos_token_id: int | None = 2
+    """End-of-sequence id (carried to exported configs)."""
+    make_vocab_size_divisible_by: int = 128
+    """The vocabulary is padded to a multiple of this x tp (padding never leaves the model)."""
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        d = dict(d)
+        params = d.pop("rope_parameters", None)  # transformers >= 5 spelling of theta + scaling
+        if isinstance(params, dict):
+            params = dict(params)
+            d.setdefault("rope_theta", params.pop("rope_theta", 10000.0))
+            if params.get("rope_type", params.get("type", "default")) != "default":
+                d.setdefault("rope_scaling", params)
+        if isinstance(d.get("eos_token_id"), list):  # Llama 3 instruct lists several
+            d["eos_token_id"] = d["eos_token_id"][0]
+        return super().from_dict(d)
+
+    def to_hf(self):
+        hf = super().to_hf()
+        hf.architectures = ["LlamaForCausalLM"]
+        return hf
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def ffn_size(self) -> int:
+        return self.intermediate_size
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def validate(self, layout: Layout) -> None:
+        q, kv = self.num_attention_heads, self.kv_heads
+        if q % kv:
+            raise ConfigError(f"num_attention_heads {q} is not a multiple of "
+                              f"num_key_value_heads {kv}")
+        if self.head_dim is None and self.hidden_size % q:
+            raise LayoutError(f"hidden size {self.hidden_size} is not divisible by {q} "
+                              f"attention heads (or set head_dim)")
+        if self.head_size % 2:
+            raise ConfigError(f"head size {self.head_size} must be even for rotary embeddings")
+        if q % layout.tp:
+            raise LayoutError(f"{q} attention heads are not divisible by --tp {layout.tp}")
+        if self.intermediate_size % layout.tp:
+            raise LayoutError(f"FFN size {self.intermediate_size} is not divisible by "
+                              f"--tp {layout.tp}")
+        if self.num_hidden_layers < layout.pp:
+            raise LayoutError(f"{self.num_hidden_layers} layers cannot be cut into --pp "
+                              f"{layout.pp} stages (each stage needs at least one layer); "
+                              f"lower --pp")
+        rope_type = (self.rope_scaling or {}).get("rope_type",
+                                                  (self.rope_scaling or {}).get("type"))
+        if self.rope_scaling is not None and rope_type not in ("default", "linear", "llama3"):
+            raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; megapar "
+                              f"implements default, linear and llama3")
+
+
+CAUSAL_LM_TYPES = ("gpt2", "llama")
+"""Model types trained on next-token windows (GPT data); the others are masked LMs."""
+
+CONFIG_CLASSES = {"gpt2": GPT2Config, "bert": BertConfig, "llama": LlamaConfig}
 
 
 def config_from_dict(d: dict):
-    """A model config from a dict with a "model_type" key ("gpt2" or "bert")."""
+    """A model config from a dict with a "model_type" key ("gpt2", "bert" or "llama")."""
     kind = d.get("model_type")
     if kind not in CONFIG_CLASSES:
         raise ConfigError(f"unknown model_type {kind!r}; expected one of {sorted(CONFIG_CLASSES)}")

@@ -1,0 +1,271 @@
+"""Llama-family decoder (numerically the same model as transformers' LlamaForCausalLM).
+
+RMSNorm, rotary position embeddings (rope_theta; linear or Llama 3 frequency scaling), a SwiGLU
+MLP and grouped-query attention, no biases, an own or a tied LM head. Built from the same tp
+layers as GPT-2, and like GPT-2 one class is the whole model or any pipeline stage of it.
+
+Tensor parallelism keeps whole heads on each rank. Query heads are split across tp (column-
+parallel q; the output projection is row-parallel). Key/value heads are split too when tp divides
+num_key_value_heads (each rank holds exactly the kv heads its query heads use); otherwise k and v
+stay whole on every rank (replicated, tp_dim None), each rank projects only the kv heads its
+query heads need, and their weight gradient is summed over tp (`copy_to_tp_region` on the weight).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapar.mesh import Mesh
+from megapar.models.blocks import activation, run_layers
+from megapar.models.config import LlamaConfig
+from megapar.models.stage import StageModel
+from megapar.tensor_parallel import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp_region, divide,
+    initialize, parallel_lm_logits,
+)
+from megapar.tensor_parallel.partition import local_size, set_partition
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back (as LlamaRMSNorm)."""
+
+    def __init__(self, size: int, eps: float, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with the config's scaling applied."""
+    dim = config.head_size
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float()
+                                            / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary:
+    """cos / sin tables for positions 0..s-1 (fp32, cached per length and device)."""
+
+    def __init__(self, config: LlamaConfig):
+        self.inv_freq = rope_frequencies(config)
+        self._cache: dict = {}
+
+    def __call__(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq_len, str(device))
+        if key not in self._cache:
+            positions = torch.arange(seq_len, dtype=torch.float32)
+            freqs = positions[:, None] * self.inv_freq[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._cache = {key: (emb.cos().to(device), emb.sin().to(device))}
+        return self._cache[key]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [b, heads, s, d] by the position angles (the rotate-half convention)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class ReplicatedHeads(nn.Module):
+    """A projection kept whole on every tp rank; this rank computes output rows [start, stop).
+
+    Used for k / v when tp does not divide the kv heads. The weight's gradient is summed over
+    the tp group (each rank only sees its query heads' share), so the copies stay equal.
+    """
+
+    def __init__(self, in_features: int, out_features: int, rows: tuple[int, int], mesh: Mesh):
+        super().__init__()
+        self.group = mesh.tp_group
+        self.rows = rows
+        self.weight = set_partition(
+            nn.Parameter(torch.empty(out_features, in_features, device=mesh.device)), None,
+            (out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = copy_to_tp_region(self.weight, self.group)[self.rows[0]:self.rows[1]]
+        return F.linear(copy_to_tp_region(x, self.group), weight)
+
+
+class LlamaAttention(nn.Module):
+    """Causal grouped-query self-attention with rotary q / k and this rank's query heads."""
+
+    def __init__(self, config: LlamaConfig, mesh: Mesh, rotary: Rotary, tracker):
+        super().__init__()
+        hidden, hd = config.hidden_size, config.head_size
+        n_q, n_kv = config.num_attention_heads, config.kv_heads
+        self.head_dim, self.local_heads = hd, divide(n_q, mesh.tp, "attention heads")
+        group = n_q // n_kv  # query heads per kv head
+        first_q = mesh.tp_rank * self.local_heads
+        self.q = ColumnParallelLinear(hidden, n_q * hd, mesh, bias=False,
+                                      name="attention heads x head size")
+        if n_kv % mesh.tp == 0:
+            first_kv = mesh.tp_rank * (n_kv // mesh.tp)
+            self.k = ColumnParallelLinear(hidden, n_kv * hd, mesh, bias=False,
+                                          name="kv heads x head size")
+            self.v = ColumnParallelLinear(hidden, n_kv * hd, mesh, bias=False,
+                                          name="kv heads x head size")
+        else:
+            first_kv = first_q // group
+            last_kv = (first_q + self.local_heads - 1) // group
+            rows = (first_kv * hd, (last_kv + 1) * hd)
+            self.k = ReplicatedHeads(hidden, n_kv * hd, rows, mesh)
+            self.v = ReplicatedHeads(hidden, n_kv * hd, rows, mesh)
+        # local query head j attends with local kv head kv_index[j]
+        self.kv_index = [(first_q + j) // group - first_kv for j in range(self.local_heads)]
+        self.proj = RowParallelLinear(n_q * hd, hidden, mesh, bias=False,
+                                      name="attention heads x head size")
+        self.rotary, self.tracker = rotary, tracker
+        self.dropout = config.attention_dropout
+        self.recompute_core = False
+
+    def _core(self, q, k, v):
+        with self.tracker.fork():  # dropout on this rank's heads: the per-tp-rank stream
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        b, s, _ = x.shape
+
+        def heads(t):
+            return t.view(b, s, -1, self.head_dim).transpose(1, 2)
+
+        cos, sin = self.rotary(s, x.device)
+        q = apply_rotary(heads(self.q(x)), cos, sin)
+        k = apply_rotary(heads(self.k(x)), cos, sin)
+        v = heads(self.v(x))
+        if self.kv_index != list(range(k.shape[1])):
+            index = torch.tensor(self.kv_index, device=k.device)
+            k, v = k.index_select(1, index), v.index_select(1, index)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = self.tracker.checkpoint(self._core, q, k, v)
+        else:
+            out = self._core(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """down(act(gate(x)) * up(x)): gate / up column-parallel, down row-parallel."""
+
+    def __init__(self, config: LlamaConfig, mesh: Mesh):
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.gate = ColumnParallelLinear(h, f, mesh, bias=False, name="FFN size")
+        self.up = ColumnParallelLinear(h, f, mesh, bias=False, name="FFN size")
+        self.down = RowParallelLinear(f, h, mesh, bias=False, name="FFN size")
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    """x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+
+    def __init__(self, config: LlamaConfig, mesh: Mesh, rotary: Rotary, tracker):
+        super().__init__()
+        eps, d = config.rms_norm_eps, mesh.device
+        self.attn_norm = RMSNorm(config.hidden_size, eps, d)
+        self.attn = LlamaAttention(config, mesh, rotary, tracker)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps, d)
+        self.mlp = SwiGLU(config, mesh)
+
+    def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(StageModel):
+    """Llama causal LM, or one pipeline stage of it (same interface as `GPT2`).
+
+    Untied (`tie_word_embeddings` False): the last stage holds its own vocab-parallel
+    `head.weight`. Tied: the head reuses the embedding, and a last stage without it holds the
+    tied copy, exactly as GPT-2 does.
+    """
+
+    def __init__(self, config: LlamaConfig, mesh: Mesh, layers: Sequence[int] | None = None,
+                 pre_process: bool = True, post_process: bool = True, tracker=None):
+        super().__init__()
+        layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
+        rotary = Rotary(config)
+        if pre_process:
+            self.embed = nn.Module()
+            self.embed.word = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                     mesh, config.make_vocab_size_divisible_by)
+        else:
+            self.embed = None
+        self.layers = self._build_layers(
+            layers, lambda: LlamaBlock(config, mesh, rotary, self.tracker))
+        self.tied = config.tie_word_embeddings
+        if post_process:
+            self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, mesh.device)
+            if not self.tied:
+                local = local_size(config.vocab_size, mesh.tp,
+                                   config.make_vocab_size_divisible_by)
+                self.head = nn.Module()
+                self.head.weight = set_partition(
+                    nn.Parameter(torch.empty(local, config.hidden_size, device=mesh.device)),
+                    0, (config.vocab_size, config.hidden_size))
+            elif not pre_process:
+                self.head = nn.Module()
+                self.head.weight = self.tied_copy()
+        if self.tied:
+            self._end()
+        else:
+            from megapar.tensor_parallel.partition import mark_replicated
+
+            mark_replicated(self)
+
+    @property
+    def output_weights(self) -> nn.Parameter:
+        """The LM head's weight (this rank's vocab rows)."""
+        return self.word_embeddings if self.tied else self.head.weight
+
+    def init_weights(self, seed: int) -> None:
+        """Layout-independent init, as transformers initialises LlamaForCausalLM."""
+        std = self.config.initializer_range
+
+        def init(name, shape, gen):
+            if "norm" in name:
+                return torch.ones(shape)
+            return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+        initialize(self, seed, init, self.mesh.tp_rank)
+
+    def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        if self.pre_process:
+            hidden = self.embed.word(batch["input_ids"])
+        hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
+        if not self.post_process:
+            return hidden
+        logits = parallel_lm_logits(self.final_norm(hidden), self.output_weights, self.mesh)
+        return self._output(logits, batch)

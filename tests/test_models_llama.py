@@ -1,0 +1,176 @@
+"""Llama built from tp layers equals transformers' LlamaForCausalLM: logits, loss, gradients.
+
+Grouped-query attention with 4 query heads and 2 key/value heads, tied and untied head, Llama 3
+rope scaling, at tp in {1, 2, 4} (tp 4 > 2 kv heads: k / v replicated) and pp in {1, 2}. The
+model is loaded from a seeded transformers checkpoint; at pp 2 the loss and gradients come
+through the pipeline executor (1F1B, two micro-batches) and the tied-embedding sync.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+from megapar.checkpoint.hf import HFReader, _llama_canonical, gather_canonical, load_hf_weights, \
+    save_hf
+from megapar.launcher import run_local
+from megapar.models import Llama, LlamaConfig
+from megapar.pipeline.executor import PipelineExecutor
+from megapar.pipeline.partition import stage_spec
+from megapar.pipeline.tied import sync_tied_embeddings
+from megapar.tensor_parallel.partition import gather_full
+from tp_utils import assert_close, make_mesh
+
+VOCAB, SEQ, B = 101, 16, 4
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-5, rope_theta=500000.0)
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)
+
+
+def _hf_dir(root, tied: bool, llama3: bool) -> str:
+    torch.manual_seed(0)
+    kwargs = dict(TINY, tie_word_embeddings=tied)
+    if llama3:
+        kwargs["rope_scaling"] = dict(LLAMA3_ROPE)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    with torch.no_grad():  # non-trivial norms, so a mapping mistake shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = root / f"llama-{'tied' if tied else 'untied'}{'-llama3' if llama3 else ''}"
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_llama")
+    return {"untied": _hf_dir(root, False, False), "tied": _hf_dir(root, True, True)}
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (B, SEQ), generator=gen)
+    labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)  # HF shifts inside
+    return ids, labels
+
+
+def _hf_reference(path):
+    hf = transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    ids, _ = _batch()
+    out = hf(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {k: p.grad for k, p in hf.named_parameters()}
+    reader = HFReader(path)
+
+    def get(key):
+        return grads["model." + key] if "model." + key in grads else grads[key]
+
+    return out.logits.detach(), out.loss.detach(), lambda name: _llama_canonical(name, get,
+                                                                                reader.config)
+
+
+def _check(path, tp, pp):
+    mesh = make_mesh(tp, pp)
+    reader = HFReader(path)
+    config = reader.config
+    spec = stage_spec(config.num_layers, pp, mesh.pp_rank)
+    model = Llama(config, mesh, spec.layers, spec.pre_process, spec.post_process)
+    assert load_hf_weights(model, reader) == []
+    model.eval()
+    ref_logits, ref_loss, ref_grad = _hf_reference(path)
+    ids, labels = _batch()
+
+    # logits: stage by stage (the last stage's vocab slices gathered over tp)
+    hidden = None
+    if not mesh.is_first_stage:
+        hidden = torch.empty(B, SEQ, config.hidden_size)
+        dist.recv(hidden, src=mesh.prev_stage_rank)
+    with torch.no_grad():
+        out = model(hidden, {"input_ids": ids})
+    if not mesh.is_last_stage:
+        dist.send(out.contiguous(), dst=mesh.next_stage_rank)
+    else:
+        logits = gather_full(out, 2, (B, SEQ, VOCAB), mesh.tp_group)
+        assert_close(logits, ref_logits, what=f"logits tp={tp} pp={pp}")
+
+    # loss and gradients through the pipeline: 2 micro-batches of 2
+    micro = [{"input_ids": ids[i:i + 2], "labels": labels[i:i + 2]} for i in (0, 2)]
+    loss = PipelineExecutor(model, mesh, "1f1b", (2, SEQ, config.hidden_size)).run(micro)
+    sync_tied_embeddings(model, mesh)
+    assert_close(loss, ref_loss, what=f"loss tp={tp} pp={pp}")
+    checked = []
+    for name, p in model.named_parameters():
+        source = getattr(p, "tied_to", name)
+        grad = gather_full(p.grad, p.tp_dim, p.full_shape, mesh.tp_group)
+        assert_close(grad, ref_grad(source), what=f"grad of {name} tp={tp} pp={pp}")
+        checked.append(source)
+    return checked
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)])
+def test_llama_equals_transformers(hf_dirs, which, tp, pp):
+    path = hf_dirs[which]
+    results = [_check(path, 1, 1)] if tp * pp == 1 else run_local(_check, tp * pp, path, tp, pp)
+    checked = set().union(*map(set, results))
+    expected = {n for n in gather_canonical(_full(path))}
+    assert checked == expected, checked ^ expected
+    assert ("head.weight" in checked) == (which == "untied")
+
+
+def _full(path):
+    reader = HFReader(path)
+    model = Llama(reader.config, make_mesh(1))
+    load_hf_weights(model, reader)
+    return model
+
+
+def test_kv_heads_split_when_tp_divides_them_replicated_otherwise():
+    from megapar.mesh import Layout, Mesh
+
+    config = LlamaConfig(**TINY)
+    for tp, kv_dim, kv_rows in ((2, 0, 8), (4, None, 16)):  # head size 8, 2 kv heads
+        mesh = Mesh.virtual(Layout(tp, 1, 1), 3 if tp == 4 else 1)
+        attn = Llama(config, mesh).layers["0"].attn
+        assert attn.k.weight.tp_dim == kv_dim and attn.k.weight.shape[0] == kv_rows
+        assert attn.local_heads == 4 // tp
+    # tp 4, rank 3: query head 3 uses kv head 1 (rows 8..16 of the whole k weight)
+    attn = Llama(config, Mesh.virtual(Layout(4, 1, 1), 3)).layers["0"].attn
+    assert attn.k.rows == (8, 16) and attn.kv_index == [0]
+
+
+def test_config_reads_transformers_5_rope_parameters_and_round_trips():
+    hf = transformers.LlamaConfig(**TINY, rope_scaling=dict(LLAMA3_ROPE))
+    ours = LlamaConfig.from_dict(hf.to_dict())
+    assert ours.rope_theta == 500000.0 and ours.rope_scaling["rope_type"] == "llama3"
+    assert ours.kv_heads == 2 and ours.head_size == 8
+    back = ours.to_hf()
+    assert back.num_key_value_heads == 2 and back.architectures == ["LlamaForCausalLM"]
+    assert LlamaConfig.from_dict(back.to_dict()) == ours
+
+
+def _export(path, out, tp):
+    mesh = make_mesh(tp)
+    reader = HFReader(path)
+    model = Llama(reader.config, mesh)
+    load_hf_weights(model, reader)
+    state = gather_canonical(model)
+    if mesh.tp_rank == 0:
+        save_hf(state, reader.config, out)
+    return True
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_hf_export_at_tp2_reproduces_original_tensors(hf_dirs, which, tmp_path):
+    out = tmp_path / "exported"
+    run_local(_export, 2, hf_dirs[which], str(out), 2)
+    original = transformers.LlamaForCausalLM.from_pretrained(hf_dirs[which])
+    exported = transformers.LlamaForCausalLM.from_pretrained(str(out))
+    assert exported.config.tie_word_embeddings == (which == "tied")
+    a, b = original.state_dict(), exported.state_dict()
+    assert a.keys() == b.keys()
+    for key, tensor in a.items():
+        assert torch.equal(b[key], tensor), key
