@@ -156,7 +156,7 @@ def convert_checkpoint(src, dst, tp: int, pp: int, dp: int = 1, overwrite: bool 
     reader = ShardReader(step_dir, manifest)
 
     def fill(name, key, t, local):
-        return reader.shard(name, key, tp, t, local)
+        return reader.shard(name, key, tp, t, local, target[name]["tp_dim"])
 
     return write_checkpoint(dst, manifest["step"], layout, config, meta, target, fill,
                             overwrite, progress, after_tensor=reader.release)

@@ -240,7 +240,9 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
             raise CheckpointError(f"{step_dir}: {source} has shape {entry['full_shape']}, the "
                                   f"model expects {list(param.full_shape)}")
         resharded |= dim is not None and entry["local_shape"] != list(param.shape)
-        wanted.append((name, source, param, None if dim is None else param.shape[dim]))
+        pdim = getattr(param, "tp_dim", None)
+        resharded |= dim != pdim  # split in one layout, whole in another (Llama's kv heads)
+        wanted.append((name, source, param, None if pdim is None else param.shape[pdim]))
     same_layout = src == mesh.layout and not resharded
     rng_record = manifest["files"].get(RNG_FILE)
     needed = {f for _, source, _, local in wanted
@@ -254,11 +256,12 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
             verify_file(step_dir, fname, manifest["files"][fname], verify == "sha256")
     optim = {}
     for name, source, param, local in wanted:
-        param.copy_(reader.shard(source, None, mesh.tp, mesh.tp_rank, local))
+        pdim = getattr(param, "tp_dim", None)
+        param.copy_(reader.shard(source, None, mesh.tp, mesh.tp_rank, local, pdim))
         # A tied copy (the last stage's head.weight) gets the moments of the tensor it is tied
         # to, keyed by that canonical name, which the optimizer accepts for the copy.
         keys = reader.entry(source)["optim"]
-        moments = {k: reader.shard(source, k, mesh.tp, mesh.tp_rank, local) for k in keys}
+        moments = {k: reader.shard(source, k, mesh.tp, mesh.tp_rank, local, pdim) for k in keys}
         if moments:
             optim[source] = moments
     rng = None

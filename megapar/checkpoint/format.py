@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from megapar.tensor_parallel.partition import shard_range
+from megapar.tensor_parallel.partition import shard_of, shard_range
 
 FORMAT_NAME = "megapar-checkpoint"
 FORMAT_VERSION = 1
@@ -283,6 +283,8 @@ class ShardReader:
         if dim is None:   # replicated: the same tp rank's file if the source has one
             return [(shard_file_name(tp_rank if tp_rank < self.src_tp else 0, stage), None, 0)]
         full, src_local = entry["full_shape"][dim], entry["local_shape"][dim]
+        if local is None:  # split in the source, whole in the target (Llama's k / v at tp 4)
+            local, tp_rank = full, 0
         start, stop = shard_range(full, local, tp_rank)
         out = []
         for t in range(self.src_tp):
@@ -294,7 +296,10 @@ class ShardReader:
         return out
 
     def shard(self, name: str, key: str | None, tp: int, tp_rank: int,
-              local: int | None) -> torch.Tensor:
+              local: int | None, target_dim: int | None = None) -> torch.Tensor:
+        """`local` None: the target holds the tensor whole. `target_dim`: the target's tp_dim
+        when the source keeps the tensor whole but the target splits it (a partition that
+        depends on the layout, like Llama's kv heads: split when tp divides them)."""
         entry = self.entry(name)
         dim = entry["tp_dim"]
         tkey = f"model/{name}" if key is None else f"optim/{name}/{key}"
@@ -302,9 +307,12 @@ class ShardReader:
             raise CheckpointError(f"{self.step_dir}: no optimizer state {key!r} for {name}")
         dtype = dtype_from_name(entry["dtype"] if key is None else entry["optim"][key])
         if dim is None:
-            return self._file(self.pieces(name, tp, tp_rank, local)[0][0]).get_tensor(tkey)
+            whole = self._file(self.pieces(name, tp, tp_rank, local)[0][0]).get_tensor(tkey)
+            if local is None or target_dim is None:
+                return whole
+            return shard_of(whole, target_dim, local, tp_rank)
         shape = list(entry["full_shape"])
-        shape[dim] = local
+        shape[dim] = entry["full_shape"][dim] if local is None else local
         out = torch.zeros(shape, dtype=dtype)
         for fname, (a, b), at in self.pieces(name, tp, tp_rank, local):
             index = (slice(None),) * dim + (slice(a, b),)

@@ -56,9 +56,11 @@ def _loss_worker(args):
     from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
     from megapar.pipeline.executor import PipelineExecutor
 
+    from megapar.models.config import CAUSAL_LM_TYPES
+
     mesh, config, model = _load_model(args)
     indexed = IndexedDataset(args.data)
-    if config.model_type == "gpt2":
+    if config.model_type in CAUSAL_LM_TYPES:
         dataset = GPTDataset(indexed, args.seq_len)
     else:
         dataset = MLMDataset(indexed, args.seq_len, load_tokenizer(indexed.tokenizer_spec),

@@ -28,9 +28,9 @@ class TrainConfig:
     """Data-parallel size; default world size / (tp * pp) (1 when megapar-train starts the workers)."""
     # --- model ---
     model: str | None = None
-    """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny) or a JSON/YAML config file."""
+    """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny) or a JSON/YAML config file."""
     from_hf: str | None = None
-    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM)."""
+    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM)."""
     # --- data ---
     data: str | None = None
     """Dataset prefix (PREFIX.bin/.idx from megapar-data) or a raw .txt file (preprocessed into a cache). Default: the shipped Shakespeare sample."""

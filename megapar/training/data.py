@@ -17,7 +17,7 @@ from megapar.data import (
     GlobalBatchSampler, GPTDataset, IndexedDataset, MLMDataset, asset_path, collate,
     ensure_dataset, load_tokenizer, split_documents,
 )
-from megapar.models.config import ConfigError
+from megapar.models.config import CAUSAL_LM_TYPES, ConfigError
 from megapar.training.config import TrainConfig
 
 DEFAULT_TEXT = "shakespeare_sample.txt"
@@ -65,7 +65,8 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
     from megapar.models.recipes import resolve_model
 
     def needed(config) -> int:
-        return gpt_vocab_size if config.model_type == "gpt2" and gpt_vocab_size else vocab_size
+        causal = config.model_type in CAUSAL_LM_TYPES
+        return gpt_vocab_size if causal and gpt_vocab_size else vocab_size
 
     if cfg.from_hf:
         from megapar.checkpoint.hf import HFReader
@@ -127,7 +128,7 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str):
         train_docs, val_docs = split_documents(indexed.num_docs, cfg.val_fraction, cfg.seed)
     else:
         train_docs, val_docs = None, None
-    if model_type == "gpt2":
+    if model_type in CAUSAL_LM_TYPES:
         make = lambda docs: GPTDataset(indexed, cfg.seq_len, doc_range=docs)  # noqa: E731
     else:
         special = load_tokenizer(indexed.tokenizer_spec)
