@@ -17,7 +17,8 @@ from test_checkpoint_helpers import (
 
 
 @pytest.mark.parametrize("kind, hops", [("gpt2", [(2, 2), (4, 1), (1, 4), (1, 1)]),
-                                        ("bert", [(2, 2), (4, 1), (1, 1)])])
+                                        ("bert", [(2, 2), (4, 1), (1, 1)]),
+                                        ("llama", [(2, 2), (4, 1), (2, 1), (1, 4), (1, 1)])])
 def test_round_trip_through_layouts_is_bitwise(tmp_path, kind, hops):
     src = save_serial(tmp_path / "src", kind)
     weights, moments = canonical_state(src)

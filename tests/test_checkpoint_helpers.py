@@ -16,19 +16,24 @@ from megapar.checkpoint.format import (
     CheckpointError, ShardReader, ShardWriter, read_manifest, resolve_checkpoint, write_tensors,
 )
 from megapar.mesh import Layout, Mesh
-from megapar.models import BertConfig, GPT2Config
+from megapar.models import BertConfig, GPT2Config, LlamaConfig
 from megapar.tensor_parallel.partition import shard_of
 from megapar.training.build import build_stage
 
 GPT2_TINY = dict(vocab_size=101, n_positions=32, n_embd=32, n_layer=4, n_head=4)
 BERT_TINY = dict(vocab_size=103, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                  intermediate_size=64, max_position_embeddings=32)
+# 2 kv heads: split at tp 2, whole (replicated) at tp 4, so conversion crosses partitions
+LLAMA_TINY = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
 KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def tiny_config(kind: str, **overrides):
     if kind == "gpt2":
         return GPT2Config(**{**GPT2_TINY, **overrides})
+    if kind == "llama":
+        return LlamaConfig(**{**LLAMA_TINY, **overrides})
     return BertConfig(**{**BERT_TINY, **overrides})
 
 
