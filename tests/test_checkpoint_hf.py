@@ -16,6 +16,8 @@ from test_checkpoint_helpers import assert_same, canonical_state
 GPT2_HF = dict(vocab_size=101, n_positions=32, n_embd=32, n_layer=2, n_head=4)
 BERT_HF = dict(vocab_size=103, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                intermediate_size=64, max_position_embeddings=32)
+LLAMA_HF = dict(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
 HEAD = ["head.bias", "head.norm.bias", "head.norm.weight", "head.transform.bias",
         "head.transform.weight"]
 
@@ -23,17 +25,20 @@ HEAD = ["head.bias", "head.norm.bias", "head.norm.weight", "head.transform.bias"
 def _hf_dir(path, model):
     with torch.no_grad():   # non-trivial biases and norms, so a mapping mistake shows
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "LayerNorm" in name or "ln_" in name:
+            if name.endswith("bias") or "LayerNorm" in name or "ln_" in name or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     return str(path)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "llama-tied"])
 def test_import_at_2x2_then_export_reproduces_hf_tensors(tmp_path, kind, capsys):
     torch.manual_seed(0)
     if kind == "gpt2":
         cls, hf = transformers.GPT2LMHeadModel, transformers.GPT2Config(**GPT2_HF)
+    elif kind.startswith("llama"):
+        cls, hf = transformers.LlamaForCausalLM, transformers.LlamaConfig(
+            **LLAMA_HF, tie_word_embeddings=kind == "llama-tied")
     else:
         cls, hf = transformers.BertForMaskedLM, transformers.BertConfig(**BERT_HF)
     src = _hf_dir(tmp_path / "hf", cls(hf))

@@ -43,6 +43,12 @@ def _hf_model(kind: str):
                                       n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
                                       attn_pdrop=0.0, bos_token_id=2, eos_token_id=2)
         model = transformers.GPT2LMHeadModel(cfg)
+    elif kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=4, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=64,
+                                       bos_token_id=2, eos_token_id=2)
+        model = transformers.LlamaForCausalLM(cfg)
     else:
         cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
                                       num_attention_heads=4, intermediate_size=64,
@@ -51,12 +57,12 @@ def _hf_model(kind: str):
         model = transformers.BertForMaskedLM(cfg)
     with torch.no_grad():  # non-trivial biases and norms, so a mis-mapped one shows up
         for name, p in model.named_parameters():
-            if name.endswith("bias") or "ln" in name.lower() or "layernorm" in name.lower():
+            if name.endswith("bias") or "ln" in name.lower() or "norm" in name.lower():
                 p.add_(0.1 * torch.randn_like(p))
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
 def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys):
     model = _hf_model(kind)
     hf_dir, ckpt = tmp_path / "hf", tmp_path / "ckpt"
