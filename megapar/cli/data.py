@@ -5,6 +5,7 @@ Examples:
     megapar-data --input corpus/ --output-prefix data/shakespeare --tokenizer gpt2
     megapar-data --input docs.jsonl --jsonl-key body --output-prefix data/docs --tokenizer gpt2
     megapar-data --train-sentencepiece --vocab-size 8000 --input corpus/ --output-prefix data/sp
+    megapar-data --input corpus/ --output-prefix data/mt --tokenizer gpt2 --format megatron
 
 A ``.txt`` file is one document unless ``--split-lines`` is given, in which case every
 blank-line-separated paragraph is a document; each line of a ``.jsonl`` file is one.
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vocabulary size of the trained SentencePiece model")
     p.add_argument("--sp-model-type", default="unigram", choices=["unigram", "bpe"],
                    help="SentencePiece model type when training")
+    p.add_argument("--format", default="megapar", choices=["megapar", "megatron"],
+                   help="index format: megapar's, or Megatron-LM's MMIDIDX (readable by "
+                        "Megatron-LM / NeMo; megapar reads both)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -70,13 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = preprocess_files(
             args.input, args.output_prefix, tokenizer, workers=args.workers,
             split_paragraphs=args.split_lines, jsonl_key=args.jsonl_key,
-            progress=not args.no_progress,
+            progress=not args.no_progress, format=args.format,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"megapar-data: error: {e}", file=sys.stderr)
         return 2
     ds = IndexedDataset(prefix)
-    print(f"wrote {prefix}.bin/.idx/.json: {ds.num_docs} documents, {ds.num_tokens} tokens "
+    print(f"wrote {prefix}.bin/.idx/.json ({args.format} index): {ds.num_docs} documents, {ds.num_tokens} tokens "
           f"({ds.dtype.name}), vocab size {ds.vocab_size}")
     return 0
 

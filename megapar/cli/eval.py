@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-ids", help="a [batch, seq] integer .npy file")
     p.add_argument("--save-logits", help="where rank 0 writes the float32 logits (.npy)")
     p.add_argument("--seed", type=int, default=1234, help="seed for BERT masking")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer of a Megatron-LM dataset that has no megapar .json")
     return p
 
 
@@ -59,7 +61,7 @@ def _loss_worker(args):
     from megapar.models.config import CAUSAL_LM_TYPES
 
     mesh, config, model = _load_model(args)
-    indexed = IndexedDataset(args.data)
+    indexed = IndexedDataset(args.data, args.tokenizer)
     if config.model_type in CAUSAL_LM_TYPES:
         dataset = GPTDataset(indexed, args.seq_len)
     else:

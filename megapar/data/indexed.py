@@ -11,6 +11,11 @@
 
 Files are written to temporary names and renamed into place (the ``.json`` last), so an
 interrupted write never leaves a dataset that looks complete.
+
+Megatron-LM's format (``format="megatron"``: the same ``.bin``, an ``MMIDIDX`` ``.idx``, see
+``megatron.py``) is written on request and read wherever a prefix is, detected by the magic of
+the ``.idx``. A Megatron dataset made by Megatron-LM / NeMo has no ``.json``: its tokenizer
+(``--tokenizer``) supplies the vocabulary size and the end-of-document id.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 IDX_MAGIC = b"MPIDX\x00\x00\x01"
 FORMAT_NAME = "megapar-indexed"
 FORMAT_VERSION = 1
+INDEX_FORMATS = ("megapar", "megatron")
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -49,12 +55,19 @@ class IndexedDatasetBuilder:
     Use it as a context manager: on an exception the temporary files are removed.
     """
 
-    def __init__(self, prefix: str, vocab_size: int, eod_id: int, tokenizer_spec: dict[str, Any]):
+    def __init__(self, prefix: str, vocab_size: int, eod_id: int, tokenizer_spec: dict[str, Any],
+                 format: str = "megapar"):
+        from megapar.data import megatron
+
+        if format not in INDEX_FORMATS:
+            raise ValueError(f"unknown dataset format {format!r}; expected one of {INDEX_FORMATS}")
         self.prefix = os.fspath(prefix)
         self.vocab_size = int(vocab_size)
         self.eod_id = int(eod_id)
         self.tokenizer_spec = dict(tokenizer_spec)
-        self.dtype = dtype_for_vocab(self.vocab_size)
+        self.format = format
+        self.dtype = dtype_for_vocab(self.vocab_size) if format == "megapar" else \
+            megatron.dtype_for_vocab(self.vocab_size)
         parent = os.path.dirname(os.path.abspath(self.prefix))
         os.makedirs(parent, exist_ok=True)
         self._bin_tmp = _tmp_name(self.prefix + ".bin")
@@ -84,10 +97,15 @@ class IndexedDatasetBuilder:
         self._bin.close()
         offsets = np.asarray(self._offsets, dtype="<i8")
         idx_tmp = _tmp_name(self.prefix + ".idx")
-        with open(idx_tmp, "wb") as f:
-            f.write(IDX_MAGIC)
-            f.write(np.asarray([len(offsets) - 1], dtype="<u8").tobytes())
-            f.write(offsets.tobytes())
+        if self.format == "megatron":
+            from megapar.data import megatron
+
+            megatron.write_index(idx_tmp, self.dtype, np.diff(offsets))
+        else:
+            with open(idx_tmp, "wb") as f:
+                f.write(IDX_MAGIC)
+                f.write(np.asarray([len(offsets) - 1], dtype="<u8").tobytes())
+                f.write(offsets.tobytes())
         meta = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -97,6 +115,7 @@ class IndexedDatasetBuilder:
             "tokenizer": self.tokenizer_spec,
             "num_docs": int(len(offsets) - 1),
             "num_tokens": int(offsets[-1]),
+            "index_format": self.format,
         }
         json_tmp = _tmp_name(self.prefix + ".json")
         with open(json_tmp, "w") as f:
@@ -121,7 +140,12 @@ class IndexedDatasetBuilder:
 
 
 def read_doc_offsets(path: str) -> np.ndarray:
-    """Read the ``int64`` document offsets of a ``.idx`` file (validating its header)."""
+    """Read the ``int64`` document offsets of a ``.idx`` file (validating its header); megapar's
+    index or Megatron's (``MMIDIDX``), told apart by the magic."""
+    from megapar.data import megatron
+
+    if megatron.is_megatron_index(path):
+        return megatron.read_index(path)[1]
     with open(path, "rb") as f:
         magic = f.read(8)
         if magic != IDX_MAGIC:
@@ -139,15 +163,27 @@ def read_doc_offsets(path: str) -> np.ndarray:
 
 
 class IndexedDataset:
-    """Read-only view of ``PREFIX.{bin,idx,json}``; the tokens are memory-mapped."""
+    """Read-only view of ``PREFIX.{bin,idx,json}``; the tokens are memory-mapped.
 
-    def __init__(self, prefix: str | os.PathLike):
+    ``tokenizer`` (a spec for ``load_tokenizer``) is needed only for a Megatron dataset
+    without megapar's ``.json``: it gives the vocabulary size and the end-of-document id.
+    """
+
+    def __init__(self, prefix: str | os.PathLike, tokenizer: Any = None):
+        from megapar.data import megatron
+
         prefix = os.fspath(prefix)
-        for ext in (".json", ".bin", ".idx"):
+        megatron_index = os.path.isfile(prefix + ".idx") and \
+            megatron.is_megatron_index(prefix + ".idx")
+        for ext in (".bin", ".idx") if megatron_index else (".json", ".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
                 raise _missing_error(prefix, ext)
-        with open(prefix + ".json") as f:
-            meta = json.load(f)
+        self.index_format = "megatron" if megatron_index else "megapar"
+        if os.path.isfile(prefix + ".json"):
+            with open(prefix + ".json") as f:
+                meta = json.load(f)
+        else:
+            meta = _megatron_meta(prefix, tokenizer)
         if meta.get("format") != FORMAT_NAME or meta.get("version") != FORMAT_VERSION:
             raise ValueError(
                 f"{prefix}.json is format {meta.get('format')!r} version {meta.get('version')!r}, "
@@ -196,3 +232,20 @@ class IndexedDataset:
 
     def __repr__(self) -> str:
         return f"IndexedDataset({self.prefix!r}, docs={self.num_docs}, tokens={self.num_tokens})"
+
+
+def _megatron_meta(prefix: str, tokenizer: Any) -> dict[str, Any]:
+    """Metadata of a Megatron dataset made elsewhere: from its index and the given tokenizer."""
+    from megapar.data import megatron
+    from megapar.data.tokenizers import load_tokenizer
+
+    if tokenizer is None:
+        raise ValueError(f"{prefix}.idx is a Megatron-LM index without megapar's {prefix}.json; "
+                         f"name the tokenizer it was made with (--tokenizer gpt2, a "
+                         f"tokenizer.json directory, ...)")
+    tok = load_tokenizer(tokenizer)
+    dtype, offsets = megatron.read_index(prefix + ".idx")
+    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "dtype": dtype.name,
+            "vocab_size": tok.vocab_size, "eod_id": tok.eod_id, "tokenizer": tok.spec(),
+            "num_docs": int(len(offsets) - 1), "num_tokens": int(offsets[-1]),
+            "index_format": "megatron"}

@@ -110,8 +110,11 @@ _WORKER_TOKENIZER: Tokenizer
 
 
 def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, workers: int | None = None,
-               split_paragraphs: bool = False, jsonl_key: str = "text", progress: bool = True) -> str:
+               split_paragraphs: bool = False, jsonl_key: str = "text", progress: bool = True,
+               format: str = "megapar") -> str:
     """Tokenize ``inputs`` into ``output_prefix.{bin,idx,json}``; return the prefix.
+
+    ``format="megatron"`` writes Megatron-LM's ``MMIDIDX`` index instead of megapar's.
 
     ``tokenizer`` is a :func:`load_tokenizer` spec.  ``workers=None`` picks one worker for
     small inputs and up to 8 processes (bounded by the CPU count) above 8 MB.
@@ -125,7 +128,8 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
         raise ValueError(f"workers must be >= 1, got {workers}")
     batches = _batched(iter_documents(files, split_paragraphs, jsonl_key), BATCH_DOCS)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
-    with IndexedDatasetBuilder(output_prefix, tok.vocab_size, tok.eod_id, tok.spec()) as builder:
+    with IndexedDatasetBuilder(output_prefix, tok.vocab_size, tok.eod_id, tok.spec(),
+                               format) as builder:
         if workers == 1:
             results = ((tok.encode_batch(texts), n) for texts, n in batches)
             _consume(results, builder, bar)

@@ -33,7 +33,7 @@ class TrainConfig:
     """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM)."""
     # --- data ---
     data: str | None = None
-    """Dataset prefix (PREFIX.bin/.idx from megapar-data) or a raw .txt file (preprocessed into a cache). Default: the shipped Shakespeare sample."""
+    """Dataset prefix (PREFIX.bin/.idx from megapar-data, or a Megatron-LM MMIDIDX dataset) or a raw .txt file (preprocessed into a cache). Default: the shipped Shakespeare sample."""
     tokenizer: str = "gpt2"
     """Tokenizer for raw text: gpt2, sentencepiece, a vocab.json+merges.txt dir or a .model file."""
     data_cache: str = "~/.cache/megapar"

@@ -46,12 +46,20 @@ def resolve_data_prefix(cfg: TrainConfig) -> str:
             raise FileNotFoundError(f"--data {data}: no such text file")
         return ensure_dataset(data, cfg.tokenizer, os.path.expanduser(cfg.data_cache),
                               split_paragraphs=True, progress=cfg.progress)
-    missing = [data + ext for ext in (".bin", ".idx", ".json") if not os.path.exists(data + ext)]
+    needed = (".bin", ".idx") if _is_megatron(data) else (".bin", ".idx", ".json")
+    missing = [data + ext for ext in needed if not os.path.exists(data + ext)]
     if missing:
         raise FileNotFoundError(
             f"--data {data}: {', '.join(os.path.basename(m) for m in missing)} not found; pass "
             f"the prefix written by `megapar-data --output-prefix`, or a raw .txt file")
     return data
+
+
+def _is_megatron(prefix: str) -> bool:
+    """A Megatron-LM dataset (MMIDIDX index): its .json (megapar's metadata) is optional."""
+    from megapar.data.megatron import is_megatron_index
+
+    return os.path.isfile(prefix + ".idx") and is_megatron_index(prefix + ".idx")
 
 
 def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
@@ -114,7 +122,7 @@ def _raw_keys(path: str) -> set:
 
 def prepare_data(cfg: TrainConfig) -> DataPlan:
     prefix = resolve_data_prefix(cfg)
-    indexed = IndexedDataset(prefix)
+    indexed = IndexedDataset(prefix, cfg.tokenizer)
     tokenizer = load_tokenizer(indexed.tokenizer_spec)
     gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
     config = resolve_model_config(cfg, indexed.vocab_size, str(tokenizer.path), gpt_vocab)
@@ -123,7 +131,7 @@ def prepare_data(cfg: TrainConfig) -> DataPlan:
 
 def build_datasets(cfg: TrainConfig, prefix: str, model_type: str):
     """(train, val) datasets: GPT windows or BERT MLM samples, split by documents."""
-    indexed = IndexedDataset(prefix)
+    indexed = IndexedDataset(prefix, cfg.tokenizer)
     if cfg.val_fraction > 0 and indexed.num_docs > 1:
         train_docs, val_docs = split_documents(indexed.num_docs, cfg.val_fraction, cfg.seed)
     else:
