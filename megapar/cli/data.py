@@ -6,6 +6,8 @@ Examples:
     megapar-data --input docs.jsonl --jsonl-key body --output-prefix data/docs --tokenizer gpt2
     megapar-data --train-sentencepiece --vocab-size 8000 --input corpus/ --output-prefix data/sp
     megapar-data --input corpus/ --output-prefix data/mt --tokenizer gpt2 --format megatron
+    megapar-data --train-tokenizer bpe --vocab-size 8000 --input corpus/ --output-prefix data/bpe
+    megapar-data --input corpus/ --output-prefix data/llama --tokenizer ./my-hf-tokenizer/
 
 A ``.txt`` file is one document unless ``--split-lines`` is given, in which case every
 blank-line-separated paragraph is a document; each line of a ``.jsonl`` file is one.
@@ -29,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-prefix", required=True, metavar="PREFIX",
                    help="writes PREFIX.bin, PREFIX.idx, PREFIX.json (and PREFIX.model when training)")
     p.add_argument("--tokenizer", default=None, metavar="SPEC",
-                   help="'gpt2', 'sentencepiece', a dir with vocab.json+merges.txt, or a .model file "
-                        "(default: gpt2, or the trained model with --train-sentencepiece)")
+                   help="'gpt2', 'sentencepiece', a transformers dir with tokenizer.json, a dir "
+                        "with vocab.json+merges.txt, or a .model file (default: gpt2, or the "
+                        "trained one with --train-tokenizer / --train-sentencepiece)")
     p.add_argument("--workers", type=int, default=None,
                    help="tokenizer processes (default: 1 for inputs under 8 MB, else up to 8); "
                         "the output is identical for any value")
@@ -40,8 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: one document per file)")
     p.add_argument("--train-sentencepiece", action="store_true",
                    help="first train a SentencePiece model on the inputs (saved as PREFIX.model)")
+    p.add_argument("--train-tokenizer", choices=["bpe", "sentencepiece"], default=None,
+                   help="first train a tokenizer on the inputs: bpe = a byte-level BPE with the "
+                        "tokenizers library (saved as the transformers directory "
+                        "PREFIX-tokenizer/), sentencepiece = --train-sentencepiece")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary size of the trained SentencePiece model")
+                   help="vocabulary size of the trained tokenizer")
     p.add_argument("--sp-model-type", default="unigram", choices=["unigram", "bpe"],
                    help="SentencePiece model type when training")
     p.add_argument("--format", default="megapar", choices=["megapar", "megatron"],
@@ -59,7 +66,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         tokenizer = args.tokenizer or "gpt2"
-        if args.train_sentencepiece:
+        if args.train_tokenizer == "sentencepiece":
+            args.train_sentencepiece = True
+        if args.train_tokenizer == "bpe":
+            if args.vocab_size is None:
+                raise ValueError("--train-tokenizer bpe needs --vocab-size N (e.g. --vocab-size 8000)")
+            if args.tokenizer is not None or args.train_sentencepiece:
+                raise ValueError("--train-tokenizer trains its own tokenizer; drop --tokenizer")
+            from megapar.data.hf_tokenizer import train_bpe
+            from megapar.data.preprocess import expand_inputs, iter_documents
+
+            docs = iter_documents(expand_inputs(args.input), args.split_lines, args.jsonl_key)
+            tokenizer = train_bpe((text for text, _ in docs), args.output_prefix + "-tokenizer",
+                                  args.vocab_size)
+            print(f"trained byte-level BPE {tokenizer}/tokenizer.json", file=sys.stderr)
+        elif args.train_sentencepiece:
             if args.vocab_size is None:
                 raise ValueError("--train-sentencepiece needs --vocab-size N (e.g. --vocab-size 8000)")
             if args.tokenizer is not None:
@@ -70,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(f"trained SentencePiece model {tokenizer}", file=sys.stderr)
         elif args.vocab_size is not None:
-            raise ValueError("--vocab-size only applies with --train-sentencepiece")
+            raise ValueError("--vocab-size only applies with --train-tokenizer / "
+                             "--train-sentencepiece")
         prefix = preprocess_files(
             args.input, args.output_prefix, tokenizer, workers=args.workers,
             split_paragraphs=args.split_lines, jsonl_key=args.jsonl_key,

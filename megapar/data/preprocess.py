@@ -132,19 +132,21 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
                                format) as builder:
         if workers == 1:
             results = ((tok.encode_batch(texts), n) for texts, n in batches)
-            _consume(results, builder, bar)
+            _consume(results, builder, bar, tok.bos_id)
         else:
             ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
             with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.path,)) as pool:
-                _consume(pool.imap(_worker_encode, batches, chunksize=1), builder, bar)
+                _consume(pool.imap(_worker_encode, batches, chunksize=1), builder, bar,
+                         tok.bos_id)
         bar.n = total
         bar.close()
         return builder.finalize()
 
 
-def _consume(results, builder: IndexedDatasetBuilder, bar) -> None:
+def _consume(results, builder: IndexedDatasetBuilder, bar, bos_id: int | None = None) -> None:
+    """Add each document (after the tokenizer's own BOS, when it has one; the eod follows)."""
     for encoded, nbytes in results:
-        builder.add_documents(encoded)
+        builder.add_documents(encoded if bos_id is None else ([bos_id] + e for e in encoded))
         bar.update(nbytes)
 
 
@@ -215,6 +217,10 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     elif tok.path == "gpt2":
         from megapar.data.tokenizers import asset_path
         tok_files = [asset_path("gpt2_vocab.json"), asset_path("gpt2_merges.txt")]
+    elif tok.kind == "hf":
+        tok_files = [os.path.join(tok.path, n) for n in
+                     ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+                     if os.path.isfile(os.path.join(tok.path, n))]
     else:
         tok_files = [os.path.join(tok.path, "vocab.json"), os.path.join(tok.path, "merges.txt")]
     key = json.dumps({

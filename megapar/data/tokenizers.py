@@ -5,7 +5,12 @@
 * ``"gpt2"`` -- the GPT-2 BPE shipped in ``megapar/assets`` (50,257 tokens);
 * a directory holding ``vocab.json`` + ``merges.txt`` -- any GPT-2 style byte-level BPE;
 * a path to a SentencePiece ``.model`` file;
-* ``"sentencepiece"`` -- the small SentencePiece model shipped in ``megapar/assets``.
+* ``"sentencepiece"`` -- the small SentencePiece model shipped in ``megapar/assets``;
+* a transformers tokenizer directory holding ``tokenizer.json`` (or that file's path): loaded
+  offline with the ``tokenizers`` library, exactly as ``AutoTokenizer`` tokenizes text. Its own
+  end-of-sequence token (``eos_token`` of ``tokenizer_config.json`` /
+  ``special_tokens_map.json``) is the end-of-document token, and its own beginning-of-sequence
+  token (``bos_id``), when it has a different one, starts every document in megapar-data.
 
 Special tokens.  Every tokenizer exposes ``eod_id``, ``pad_id``, ``cls_id``, ``sep_id``
 and ``mask_id``.  Those found in the base vocabulary are used as they are (GPT-2's
@@ -101,16 +106,24 @@ class Tokenizer:
     sep_id: int
     mask_id: int
 
+    #: Beginning-of-sequence id that starts each document (transformers tokenizers only).
+    bos_id: int | None = None
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
         if self.kind == "gpt2-bpe":
             return list(self._backend.encode(text).ids)
+        if self.kind == "hf":
+            return list(self._backend.encode(text, add_special_tokens=False).ids)
         return list(self._backend.encode(text))
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """``[encode(t) for t in texts]``, faster."""
         if self.kind == "gpt2-bpe":
             return [list(e.ids) for e in self._backend.encode_batch(list(texts))]
+        if self.kind == "hf":
+            return [list(e.ids) for e in
+                    self._backend.encode_batch(list(texts), add_special_tokens=False)]
         return [list(x) for x in self._backend.encode(list(texts))]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -130,7 +143,7 @@ class Tokenizer:
         return "".join(out)
 
     def _decode_base(self, ids: list[int]) -> str:
-        if self.kind == "gpt2-bpe":
+        if self.kind in ("gpt2-bpe", "hf"):
             return self._backend.decode(ids, skip_special_tokens=False)
         return self._backend.decode(ids)
 
@@ -204,6 +217,12 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
         return _load_gpt2_bpe(asset_path("gpt2_vocab.json"), asset_path("gpt2_merges.txt"), "gpt2")
     if spec == "sentencepiece":
         return _load_sentencepiece(asset_path("botchan_en_unigram_1000.model"))
+    if os.path.basename(spec) == "tokenizer.json" and os.path.isfile(spec):
+        spec = os.path.dirname(os.path.abspath(spec))
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.json")):
+        from megapar.data.hf_tokenizer import load_hf_tokenizer
+
+        return load_hf_tokenizer(os.path.abspath(spec))
     if os.path.isdir(spec):
         vocab, merges = os.path.join(spec, "vocab.json"), os.path.join(spec, "merges.txt")
         missing = [p for p in (vocab, merges) if not os.path.isfile(p)]
@@ -216,6 +235,7 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
     if os.path.isfile(spec) and spec.endswith(".model"):
         return _load_sentencepiece(os.path.abspath(spec))
     raise ValueError(
-        f"unknown tokenizer {spec!r}: use 'gpt2', 'sentencepiece', a directory with vocab.json + "
-        "merges.txt, or the path of an existing SentencePiece .model file"
+        f"unknown tokenizer {spec!r}: use 'gpt2', 'sentencepiece', a directory with "
+        "tokenizer.json (transformers) or vocab.json + merges.txt, or the path of an existing "
+        "SentencePiece .model file"
     )

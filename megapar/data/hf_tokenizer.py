@@ -1,0 +1,111 @@
+"""transformers tokenizers (``tokenizer.json``) loaded offline, and training a byte-level BPE.
+
+A transformers tokenizer directory holds ``tokenizer.json`` (the whole pipeline: normalizer,
+pre-tokenizer, model, post-processor) and usually ``tokenizer_config.json`` /
+``special_tokens_map.json`` naming its BOS / EOS / PAD tokens. megapar reads ``tokenizer.json``
+with the ``tokenizers`` library (what ``AutoTokenizer`` runs underneath, so the ids are the
+same) and the special tokens from the JSON files; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+from megapar.data.tokenizers import Tokenizer
+
+#: End-of-sequence tokens recognised when the directory names none.
+COMMON_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+COMMON_BOS = ("<|begin_of_text|>", "<s>", "<bos>")
+
+
+def _token(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _special_names(directory: str) -> dict[str, str]:
+    names: dict[str, str] = {}
+    for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # config wins
+        path = os.path.join(directory, fname)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            for key in ("bos_token", "eos_token", "pad_token", "cls_token", "sep_token",
+                        "mask_token"):
+                if _token(data.get(key)):
+                    names[key] = _token(data[key])
+    return names
+
+
+def load_hf_tokenizer(directory: str) -> Tokenizer:
+    """The tokenizer of a transformers directory with ``tokenizer.json``."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    backend = HFTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    size = backend.get_vocab_size(with_added_tokens=True)
+    names = _special_names(directory)
+
+    def find(key: str, fallbacks: Iterable[str] = ()) -> int | None:
+        for name in ([names[key]] if key in names else []) + list(fallbacks):
+            tid = backend.token_to_id(name)
+            if tid is not None:
+                return tid
+        return None
+
+    eos = find("eos_token", COMMON_EOS)
+    if eos is None:
+        raise ValueError(f"tokenizer {directory}: no end-of-sequence token found (set eos_token "
+                         f"in tokenizer_config.json); it ends every document")
+    present = {"[EOD]": eos}
+    for role, key in (("[PAD]", "pad_token"), ("[CLS]", "cls_token"), ("[SEP]", "sep_token"),
+                      ("[MASK]", "mask_token")):
+        tid = find(key)
+        if tid is not None:
+            present[role] = tid
+    special = [t.id if hasattr(t, "id") else i for i, t in
+               backend.get_added_tokens_decoder().items() if t.special]
+    tok = Tokenizer("hf", directory, backend, size, present, special + list(present.values()))
+    bos = find("bos_token", COMMON_BOS)
+    tok.bos_id = bos if bos is not None and bos != eos else None
+    return tok
+
+
+def train_bpe(texts: Iterable[str], out_dir: str, vocab_size: int,
+              eos_token: str = "<|endoftext|>") -> str:
+    """Train a byte-level BPE (GPT-2 style) on `texts` with the tokenizers library; write a
+    transformers directory (tokenizer.json + tokenizer_config.json) to `out_dir` (atomic)."""
+    import shutil
+    import tempfile
+
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise ValueError(f"--vocab-size {vocab_size} is too small for a byte-level BPE: it "
+                         f"needs at least {len(alphabet) + 1} (256 bytes + end of text)")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token],
+                                  initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    out_dir = os.fspath(out_dir)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        tok.save(os.path.join(tmp, "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token,
+                  "bos_token": eos_token, "unk_token": eos_token, "model_max_length": 1 << 30}
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
