@@ -32,8 +32,8 @@ class TrainConfig:
     from_hf: str | None = None
     """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM)."""
     # --- data ---
-    data: str | None = None
-    """Dataset prefix (PREFIX.bin/.idx from megapar-data, or a Megatron-LM MMIDIDX dataset) or a raw .txt file (preprocessed into a cache). Default: the shipped Shakespeare sample."""
+    data: str | list[str] | None = None
+    """Dataset prefix (PREFIX.bin/.idx from megapar-data, or a Megatron-LM MMIDIDX dataset) or a raw .txt file (preprocessed into a cache); or a blend "W1 PREFIX1 W2 PREFIX2 ..." (Megatron's syntax). Default: the shipped Shakespeare sample."""
     tokenizer: str = "gpt2"
     """Tokenizer for raw text: gpt2, sentencepiece, a vocab.json+merges.txt dir or a .model file."""
     data_cache: str = "~/.cache/megapar"
@@ -125,6 +125,9 @@ def _choices() -> dict[str, list]:
             "precision": list(PRECISIONS), "zero": [0, 1], "lr_decay": list(DECAY_STYLES)}
 
 
+MULTI_VALUE = {"data"}  # flags that take several values (a blend: --data 0.7 A 0.3 B)
+
+
 def _type_of(f) -> Any:
     text = str(f.type)
     if "bool" in text:
@@ -151,7 +154,8 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
                                 help=docs.get(f.name, ""))
         else:
             parser.add_argument(flag, type=kind, default=None, choices=choices.get(f.name),
-                                help=f"{docs.get(f.name, '')} (default: {f.default})")
+                                help=f"{docs.get(f.name, '')} (default: {f.default})",
+                                **({"nargs": "+"} if f.name in MULTI_VALUE else {}))
     return parser
 
 
@@ -178,6 +182,8 @@ def parse_args(argv=None) -> TrainConfig:
     values: dict[str, Any] = load_config_file(args.config) if args.config else {}
     for f in fields(TrainConfig):
         given = getattr(args, f.name)
+        if isinstance(given, list) and len(given) == 1:
+            given = given[0]
         if given is not None:
             values[f.name] = given
     return TrainConfig(**values)

@@ -35,8 +35,28 @@ class DataPlan:
 
 
 def resolve_data_prefix(cfg: TrainConfig) -> str:
-    """The dataset prefix for --data: tokenizing raw text (or the shipped sample) if needed."""
-    data = cfg.data
+    """The dataset prefix for --data: tokenizing raw text (or the shipped sample) if needed.
+
+    For a blend, every part is resolved and checked to share one tokenizer; the first
+    part's prefix is returned (it stands for the vocabulary)."""
+    from megapar.data.blended import parse_blend
+
+    blend = parse_blend(cfg.data) if cfg.data is not None else None
+    if blend is None:
+        return _resolve_one(cfg, cfg.data if not isinstance(cfg.data, list) else cfg.data[0])
+    prefixes = [_resolve_one(cfg, p) for _, p in blend]
+    first = IndexedDataset(prefixes[0], cfg.tokenizer)
+    for prefix in prefixes[1:]:
+        other = IndexedDataset(prefix, cfg.tokenizer)
+        if (other.vocab_size, other.eod_id) != (first.vocab_size, first.eod_id):
+            raise ValueError(f"--data blend: {prefix} (vocab {other.vocab_size}, eod "
+                             f"{other.eod_id}) and {prefixes[0]} (vocab {first.vocab_size}, eod "
+                             f"{first.eod_id}) were made with different tokenizers; "
+                             f"tokenize every part with the same one")
+    return prefixes[0]
+
+
+def _resolve_one(cfg: TrainConfig, data: str | None) -> str:
     if data is None:
         data = asset_path(DEFAULT_TEXT)
     data = os.path.expanduser(data)
@@ -130,7 +150,23 @@ def prepare_data(cfg: TrainConfig) -> DataPlan:
 
 
 def build_datasets(cfg: TrainConfig, prefix: str, model_type: str):
-    """(train, val) datasets: GPT windows or BERT MLM samples, split by documents."""
+    """(train, val) datasets: GPT windows or BERT MLM samples, split by documents; for a
+    blended --data, each part is split and the parts are blended by weight."""
+    from megapar.data.blended import BlendedDataset, parse_blend
+
+    blend = parse_blend(cfg.data) if cfg.data is not None else None
+    if blend is None:
+        return _build_one(cfg, prefix, model_type)
+    parts = [_build_one(cfg, _resolve_one(cfg, p), model_type) for _, p in blend]
+    weights, names = [w for w, _ in blend], [p for _, p in blend]
+    train = BlendedDataset([t for t, _ in parts], weights, names, cfg.seed)
+    val = None
+    if all(v is not None and len(v) > 0 for _, v in parts):
+        val = BlendedDataset([v for _, v in parts], weights, names, cfg.seed)
+    return train, val
+
+
+def _build_one(cfg: TrainConfig, prefix: str, model_type: str):
     indexed = IndexedDataset(prefix, cfg.tokenizer)
     if cfg.val_fraction > 0 and indexed.num_docs > 1:
         train_docs, val_docs = split_documents(indexed.num_docs, cfg.val_fraction, cfg.seed)
@@ -147,7 +183,25 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str):
     return train, val
 
 
+def planned_samples(sampler: GlobalBatchSampler, steps: int):
+    """Indices of the samples `steps` global batches from the sampler's position draw."""
+    import numpy as np
+
+    want, out = steps * sampler.global_batch_size, []
+    start, epoch = sampler.consumed_samples, 0
+    while want > 0:
+        order = sampler.epoch_order(epoch)[:sampler.samples_per_epoch]
+        skip = min(start, len(order))
+        take = order[skip:skip + want]
+        out.append(take)
+        start -= skip
+        want -= len(take)
+        epoch += 1
+    return np.concatenate(out)
+
+
 def make_sampler(cfg: TrainConfig, dataset, dp: int, dp_rank: int, shuffle=True, seed=None):
+    shuffle = shuffle and not getattr(dataset, "shuffled", False)  # a blend comes shuffled
     return GlobalBatchSampler(len(dataset), cfg.global_batch_size, cfg.micro_batch_size, dp,
                               dp_rank, cfg.seed if seed is None else seed, shuffle=shuffle)
 

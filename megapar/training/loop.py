@@ -54,6 +54,12 @@ class Trainer:
         self.model = build_stage(self.config, mesh, cfg.seed, cfg.recompute)
         self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
+        self.notes: list[str] = []
+        if hasattr(self.train_ds, "describe"):  # a blend: the proportions this run will see
+            from megapar.training.data import planned_samples
+
+            self.notes.append(self.train_ds.describe(planned_samples(self.sampler,
+                                                                     cfg.max_steps)))
         act_shape = (cfg.micro_batch_size, cfg.seq_len, self.config.hidden_size)
         self.executor = PipelineExecutor(self.model, mesh, cfg.schedule, act_shape,
                                          timeout_s=cfg.timeout_s)
@@ -67,7 +73,6 @@ class Trainer:
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer,
                                  self.scheduler, self.precision, cfg.clip_grad, grad_sync)
         self.step = 0
-        self.notes: list[str] = []
         if cfg.from_hf and not cfg.load:
             self._load_hf(cfg.from_hf)
         if cfg.load:

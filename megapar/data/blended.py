@@ -1,0 +1,103 @@
+"""Blended datasets: several datasets mixed by weight (``--data 0.7 PREFIX_A 0.3 PREFIX_B``).
+
+Sample ``i`` of the blend is the ``k``-th draw from dataset ``dataset_index[i]``. The
+interleaving is a pure function of the weights and the size: the ``k``-th draw of dataset ``d``
+is due at time ``(k + 1/2) / w_d`` and the blend takes draws in order of due time (ties to the
+lower dataset index), so every run of consecutive samples holds each dataset in proportion to
+its weight, within about one sample. Draws walk through a seeded permutation of the dataset's
+samples, a new one each time the dataset is exhausted (a dataset weighted above its share of
+the data is repeated, as in Megatron-LM). So the blend is already shuffled: the global batch
+sampler takes it in order (and splits it over data-parallel ranks as usual), which keeps the
+proportions in every global batch. Nothing depends on the parallel layout, and since the blend
+is a fixed sequence, resuming from ``consumed_samples`` is exact.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def parse_blend(spec) -> list[tuple[float, str]] | None:
+    """[(weight, prefix)] from Megatron's "W1 P1 W2 P2 ..." (a string or a list), or None for a
+    single prefix. Weights are normalised to sum to 1."""
+    items = spec.split() if isinstance(spec, str) else [str(x) for x in spec]
+    if len(items) == 1:
+        return None
+    if len(items) % 2:
+        raise ValueError(f"--data {' '.join(items)}: a blend is pairs of WEIGHT PREFIX "
+                         f"(e.g. --data 0.7 data/a 0.3 data/b)")
+    pairs = []
+    for w, prefix in zip(items[::2], items[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise ValueError(f"--data: {w!r} is not a weight; a blend is pairs of WEIGHT PREFIX "
+                             f"(e.g. --data 0.7 data/a 0.3 data/b)") from None
+        if not weight > 0:
+            raise ValueError(f"--data: weight {w} of {prefix} must be positive")
+        pairs.append((weight, prefix))
+    total = sum(w for w, _ in pairs)
+    return [(w / total, p) for w, p in pairs]
+
+
+def blend_indices(weights: Sequence[float], lengths: Sequence[int], size: int,
+                  seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset_index, sample_index) of each of `size` blended samples."""
+    w = np.asarray(weights, dtype=np.float64)
+    due, which = [], []
+    for d, wd in enumerate(w):
+        k = np.arange(int(np.ceil(wd * size)) + 1, dtype=np.float64)
+        due.append((k + 0.5) / wd)
+        which.append(np.full(len(k), d, dtype=np.int64))
+    due, which = np.concatenate(due), np.concatenate(which)
+    order = np.lexsort((which, due))[:size]  # by due time, then dataset index
+    dataset_index = which[order]
+    sample_index = np.empty(size, dtype=np.int64)
+    for d, n in enumerate(lengths):
+        mask = dataset_index == d
+        draws = int(mask.sum())
+        passes = [np.random.default_rng([seed, d, e]).permutation(n)
+                  for e in range(-(-draws // n))]
+        sample_index[mask] = np.concatenate(passes)[:draws] if passes else []
+    return dataset_index, sample_index
+
+
+class BlendedDataset:
+    """Datasets mixed by weight; as long as all of them together unless `size` is given."""
+
+    #: The order is already shuffled (by `seed`): samplers take it as it is.
+    shuffled = True
+
+    def __init__(self, datasets: Sequence, weights: Sequence[float], names: Sequence[str],
+                 seed: int = 0, size: int | None = None):
+        if len(datasets) != len(weights) or not datasets:
+            raise ValueError("a blend needs one weight per dataset")
+        empty = [n for n, d in zip(names, datasets) if len(d) == 0]
+        if empty:
+            raise ValueError(f"blended dataset {empty[0]} has no samples at this sequence length")
+        self.datasets, self.names = list(datasets), list(names)
+        self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+        self.size = int(size if size is not None else sum(len(d) for d in datasets))
+        self.dataset_index, self.sample_index = blend_indices(
+            self.weights, [len(d) for d in datasets], self.size, seed)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int):
+        return self.datasets[int(self.dataset_index[i])][int(self.sample_index[i])]
+
+    def proportions(self, indices: np.ndarray | None = None) -> np.ndarray:
+        """Share of each dataset among the samples `indices` (default: the whole blend)."""
+        which = self.dataset_index if indices is None else self.dataset_index[indices]
+        counts = np.bincount(which, minlength=len(self.datasets))
+        return counts / max(1, len(which))
+
+    def describe(self, indices: np.ndarray | None = None) -> str:
+        achieved = self.proportions(indices)
+        n = self.size if indices is None else len(indices)
+        parts = [f"{name} {a:.4f} (weight {w:.4f}, {len(d)} samples)"
+                 for name, a, w, d in zip(self.names, achieved, self.weights, self.datasets)]
+        return f"blend over {n} samples: " + ", ".join(parts)
