@@ -10,7 +10,8 @@ Examples:
     megapar-data --input corpus/ --output-prefix data/llama --tokenizer ./my-hf-tokenizer/
 
 A ``.txt`` file is one document unless ``--split-lines`` is given, in which case every
-blank-line-separated paragraph is a document; each line of a ``.jsonl`` file is one.
+blank-line-separated paragraph is a document; each line of a ``.jsonl`` file is one, each
+object of a ``.json`` file (JSON lines or an array) and each row of a ``.parquet`` file.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help=".txt / .jsonl files or directories of them (recursive, sorted)")
+                   help=".txt / .jsonl / .json / .parquet files or directories of them "
+                        "(recursive, sorted)")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX",
                    help="writes PREFIX.bin, PREFIX.idx, PREFIX.json (and PREFIX.model when training)")
     p.add_argument("--tokenizer", default=None, metavar="SPEC",
@@ -37,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None,
                    help="tokenizer processes (default: 1 for inputs under 8 MB, else up to 8); "
                         "the output is identical for any value")
-    p.add_argument("--jsonl-key", default="text", help="field holding the text in .jsonl inputs")
+    p.add_argument("--jsonl-key", default="text",
+                   help="field (or parquet column) holding the text in .jsonl / .json / "
+                        ".parquet inputs")
     p.add_argument("--split-lines", action="store_true",
                    help="treat each blank-line-separated paragraph of a .txt file as a document "
                         "(default: one document per file)")

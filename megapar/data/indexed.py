@@ -20,6 +20,7 @@ the ``.idx``. A Megatron dataset made by Megatron-LM / NeMo has no ``.json``: it
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import uuid
@@ -72,7 +73,7 @@ class IndexedDatasetBuilder:
         os.makedirs(parent, exist_ok=True)
         self._bin_tmp = _tmp_name(self.prefix + ".bin")
         self._bin = open(self._bin_tmp, "wb")
-        self._offsets: list[int] = [0]
+        self._offsets = array.array("q", [0])  # 8 bytes per document, not a Python int
 
     def add_document(self, ids: Sequence[int] | np.ndarray) -> None:
         """Append one document; its end-of-document token is added here."""
@@ -95,7 +96,7 @@ class IndexedDatasetBuilder:
     def finalize(self) -> str:
         """Write the index and metadata, rename everything into place, return the prefix."""
         self._bin.close()
-        offsets = np.asarray(self._offsets, dtype="<i8")
+        offsets = np.frombuffer(self._offsets, dtype=np.int64).astype("<i8")
         idx_tmp = _tmp_name(self.prefix + ".idx")
         if self.format == "megatron":
             from megapar.data import megatron

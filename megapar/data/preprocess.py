@@ -5,7 +5,14 @@ Inputs, in the order given (directories expanded recursively, files sorted by pa
 * ``.txt`` (or any other non-``.jsonl`` file): by default the whole file is one document;
   with ``split_paragraphs=True`` (CLI ``--split-lines``) every blank-line-separated
   paragraph is a document.
-* ``.jsonl``: one document per line, the text under ``jsonl_key`` (default ``"text"``).
+* ``.jsonl``: one document per line, the text under ``jsonl_key`` (default ``"text"``);
+  ``.json``: the same when it holds JSON lines, or a JSON array of such objects;
+* ``.parquet``: one document per row of the ``jsonl_key`` column, read a record batch at a
+  time (pyarrow).
+
+Everything is streamed: documents are read, tokenized and written a batch at a time, so
+memory does not grow with the corpus (a ``.txt`` file that is one document, and a ``.json``
+array, are read whole).
 
 Whitespace-only documents are skipped.  Tokenization runs in a ``multiprocessing`` pool
 when ``workers > 1``; documents are processed in order (``imap``), so the output is
@@ -32,6 +39,8 @@ BATCH_DOCS = 16
 #: Above this many input bytes, ``workers=None`` uses a pool of several workers.
 POOL_THRESHOLD_BYTES = 8 << 20
 _PARAGRAPH_SPLIT = re.compile(r"\n[ \t\r\f\v]*\n")
+#: File types taken from input directories.
+INPUT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
@@ -42,9 +51,10 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
         if os.path.isdir(path):
             found = []
             for root, _dirs, names in os.walk(path):
-                found += [os.path.join(root, n) for n in names if n.endswith((".txt", ".jsonl"))]
+                found += [os.path.join(root, n) for n in names if n.endswith(INPUT_SUFFIXES)]
             if not found:
-                raise FileNotFoundError(f"input directory {path} holds no .txt or .jsonl files")
+                raise FileNotFoundError(f"input directory {path} holds no "
+                                        f"{' / '.join(INPUT_SUFFIXES)} files")
             files += sorted(found)
         elif os.path.isfile(path):
             files.append(path)
@@ -57,7 +67,13 @@ def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
                    jsonl_key: str = "text") -> Iterator[tuple[str, int]]:
     """Yield ``(document_text, source_bytes)`` for every non-blank document of ``files``."""
     for path in files:
-        if path.endswith(".jsonl"):
+        if path.endswith(".parquet"):
+            yield from _parquet_documents(path, jsonl_key)
+            continue
+        if path.endswith(".json") and _is_json_array(path):
+            yield from _json_array_documents(path, jsonl_key)
+            continue
+        if path.endswith((".jsonl", ".json")):
             with open(path, "rb") as f:
                 for lineno, line in enumerate(f, 1):
                     if not line.strip():
@@ -81,6 +97,38 @@ def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
         for para in _PARAGRAPH_SPLIT.split(content):
             if para.strip():
                 yield para.strip("\n"), len(para) + 2
+
+
+def _is_json_array(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+def _json_array_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
+    with open(path, encoding="utf-8") as f:
+        records = json.load(f)
+    size = os.path.getsize(path) / max(1, len(records))
+    for i, record in enumerate(records):
+        if not isinstance(record, dict) or not isinstance(record.get(key), str):
+            raise ValueError(f"{path}: item {i} is not an object with a string field {key!r}; "
+                             f"fix it or pass --jsonl-key")
+        if record[key].strip():
+            yield record[key], int(size)
+
+
+def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
+    import pyarrow.parquet as pq
+
+    file = pq.ParquetFile(path)
+    if key not in file.schema_arrow.names:
+        raise ValueError(f"{path}: no column {key!r} (columns: {file.schema_arrow.names}); "
+                         f"pass --jsonl-key COLUMN")
+    size = os.path.getsize(path) / max(1, file.metadata.num_rows)
+    for batch in file.iter_batches(columns=[key], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if isinstance(text, str) and text.strip():
+                yield text, int(size)
 
 
 def _batched(docs: Iterator[tuple[str, int]], n: int) -> Iterator[tuple[list[str], int]]:
@@ -136,11 +184,25 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
         else:
             ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
             with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.path,)) as pool:
-                _consume(pool.imap(_worker_encode, batches, chunksize=1), builder, bar,
+                _consume(_ordered_bounded(pool, batches, 4 * workers), builder, bar,
                          tok.bos_id)
         bar.n = total
         bar.close()
         return builder.finalize()
+
+
+def _ordered_bounded(pool, batches, window: int):
+    """``pool.imap(_worker_encode, batches)`` with at most `window` batches in flight (imap
+    would read the whole input ahead into its task queue)."""
+    from collections import deque
+
+    pending: deque = deque()
+    for item in batches:
+        pending.append(pool.apply_async(_worker_encode, (item,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def _consume(results, builder: IndexedDatasetBuilder, bar, bos_id: int | None = None) -> None:

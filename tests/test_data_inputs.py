@@ -1,0 +1,69 @@
+"""Inputs users have: .jsonl, .json (JSON lines or an array), .parquet and directories of them,
+streamed through megapar-data (any number of workers gives the same bytes)."""
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megapar.cli.data import main as data_main
+from megapar.data import IndexedDataset, asset_path, load_tokenizer
+from megapar.data.preprocess import iter_documents
+
+PARAS = [p.strip("\n") for p in Path(asset_path("shakespeare_sample.txt")).read_text()
+         .split("\n\n") if p.strip()][:120]
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    a, b, c, d = PARAS[:30], PARAS[30:60], PARAS[60:90], PARAS[90:]
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n"
+                                          for i, t in enumerate(a)))
+    (root / "b.json").write_text(json.dumps([{"text": t} for t in b]))
+    (root / "sub" / "c.json").write_text("\n".join(json.dumps({"text": t}) for t in c))
+    pq.write_table(pa.table({"text": d, "n": list(range(len(d)))}), root / "sub" / "d.parquet",
+                   row_group_size=7)
+    return root, a + b + c + d
+
+
+def test_every_input_kind_gives_its_documents_in_order(inputs):
+    root, expected = inputs
+    from megapar.data.preprocess import expand_inputs
+
+    files = expand_inputs([str(root)])
+    assert [Path(f).name for f in files] == ["a.jsonl", "b.json", "c.json", "d.parquet"]
+    assert [t for t, _ in iter_documents(files)] == expected
+
+
+@pytest.mark.parametrize("fmt", ["megapar", "megatron"])
+def test_directory_to_dataset_is_the_same_for_1_and_2_workers(inputs, tmp_path, fmt):
+    root, expected = inputs
+    outs = []
+    for workers in (1, 2):
+        prefix = str(tmp_path / f"out{workers}")
+        assert data_main(["--input", str(root), "--output-prefix", prefix, "--tokenizer",
+                          "sentencepiece", "--workers", str(workers), "--no-progress",
+                          "--format", fmt]) == 0
+        outs.append(prefix)
+    for ext in (".bin", ".idx"):
+        assert Path(outs[0] + ext).read_bytes() == Path(outs[1] + ext).read_bytes()
+    ds, tok = IndexedDataset(outs[0]), load_tokenizer("sentencepiece")
+    assert ds.num_docs == len(expected)
+    for i in (0, 45, len(expected) - 1):
+        assert ds.doc(i, include_eod=False).tolist() == tok.encode(expected[i])
+
+
+def test_bad_inputs_name_the_problem(tmp_path, capsys):
+    pq.write_table(pa.table({"body": ["x"]}), tmp_path / "t.parquet")
+    assert data_main(["--input", str(tmp_path / "t.parquet"), "--output-prefix",
+                      str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "no column 'text'" in capsys.readouterr().err
+    (tmp_path / "arr.json").write_text(json.dumps([{"text": "a"}, {"body": "b"}]))
+    assert data_main(["--input", str(tmp_path / "arr.json"), "--output-prefix",
+                      str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "item 1 is not an object with a string field 'text'" in capsys.readouterr().err
+    assert not list(tmp_path.glob("o*"))
