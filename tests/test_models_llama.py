@@ -174,3 +174,36 @@ def test_hf_export_at_tp2_reproduces_original_tensors(hf_dirs, which, tmp_path):
     assert a.keys() == b.keys()
     for key, tensor in a.items():
         assert torch.equal(b[key], tensor), key
+
+
+@pytest.mark.parametrize("name, params", [
+    ("llama-1b", 1_235_814_400),    # meta-llama/Llama-3.2-1B (tied head)
+    ("llama-8b", 8_030_261_248),    # meta-llama/Llama-3.1-8B
+    ("llama-70b", 70_553_706_496),  # meta-llama/Llama-3.1-70B
+    ("llama-160m", 162_417_408),    # JackFram/llama-160m
+])
+def test_recipes_have_the_published_parameter_counts(name, params):
+    import math
+
+    from megapar.mesh import Layout, Mesh
+    from megapar.models.recipes import resolve_model
+    from megapar.training.build import build_stage
+
+    config = resolve_model(name)
+    model = build_stage(config, Mesh.virtual(Layout()), 0, init=False)
+    assert sum(math.prod(p.full_shape) for p in model.parameters()) == params
+    config.validate(Layout(tp=4, pp=4))
+
+
+@pytest.mark.parametrize("change, layout, message", [
+    (dict(num_key_value_heads=3), (1, 1), "num_attention_heads 4 is not a multiple of"),
+    (dict(), (3, 1), "4 attention heads are not divisible by --tp 3"),
+    (dict(attention_bias=True), (1, 1), "attention_bias / mlp_bias are not supported"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), (1, 1), "'yarn' is not supported"),
+    (dict(), (1, 3), "2 layers cannot be cut into --pp 3"),
+])
+def test_configs_the_model_cannot_take(change, layout, message):
+    from megapar.mesh import Layout
+
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig(**{**TINY, **change}).validate(Layout(*layout))

@@ -31,7 +31,8 @@ from megapar.mesh import Layout, Mesh
 # a checkpoint loads into a model that differs only in these.
 NON_STRUCTURAL = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob",
                   "attention_probs_dropout_prob", "initializer_range",
-                  "make_vocab_size_divisible_by"}
+                  "make_vocab_size_divisible_by", "attention_dropout", "bos_token_id",
+                  "eos_token_id"}
 
 
 @dataclass

@@ -194,6 +194,10 @@ class LlamaConfig(_Base):
     """Dropout on attention probabilities."""
     tie_word_embeddings: bool = False
     """The LM head reuses the input embedding (Llama 3.2 1B / 3B) instead of its own weight."""
+    attention_bias: bool = False
+    """Biases on q / k / v / o (transformers' option); megapar's Llama has none: must be False."""
+    mlp_bias: bool = False
+    """Biases in the MLP (transformers' option); megapar's Llama has none: must be False."""
     initializer_range: float = 0.02
     """Std of the normal initialisation (every linear and the embedding, as transformers does)."""
     bos_token_id: int | None = 1
@@ -256,6 +260,9 @@ class LlamaConfig(_Base):
             raise LayoutError(f"{self.num_hidden_layers} layers cannot be cut into --pp "
                               f"{layout.pp} stages (each stage needs at least one layer); "
                               f"lower --pp")
+        if self.attention_bias or self.mlp_bias:
+            raise ConfigError("attention_bias / mlp_bias are not supported: megapar's Llama has "
+                              "no biases (as every published Llama)")
         rope_type = (self.rope_scaling or {}).get("rope_type",
                                                   (self.rope_scaling or {}).get("type"))
         if self.rope_scaling is not None and rope_type not in ("default", "linear", "llama3"):
