@@ -207,3 +207,15 @@ def test_configs_the_model_cannot_take(change, layout, message):
 
     with pytest.raises(ValueError, match=message):
         LlamaConfig(**{**TINY, **change}).validate(Layout(*layout))
+
+
+def test_sharded_safetensors_checkpoint_loads(tmp_path, hf_dirs):
+    """transformers writes big models as model-0000k-of-0000n.safetensors + an index."""
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dirs["untied"])
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    reader, original = HFReader(tmp_path / "sharded"), _full(hf_dirs["untied"])
+    loaded = Llama(reader.config, make_mesh(1))
+    assert load_hf_weights(loaded, reader) == []
+    a, b = gather_canonical(loaded), gather_canonical(original)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -41,13 +41,28 @@ class HFReader:
             self._file = safe_open(str(st), framework="pt")
             self.keys = set(self._file.keys())
             self._get = self._file.get_tensor
+        elif (self.path / "model.safetensors.index.json").exists():  # sharded (Llama 8B, 70B)
+            from safetensors import safe_open
+
+            index = json.loads((self.path / "model.safetensors.index.json").read_text())
+            weight_map: dict[str, str] = index["weight_map"]
+            opened: dict[str, object] = {}
+
+            def get(key: str) -> torch.Tensor:
+                fname = weight_map[key]
+                if fname not in opened:
+                    opened[fname] = safe_open(str(self.path / fname), framework="pt")
+                return opened[fname].get_tensor(key)
+
+            self.keys = set(weight_map)
+            self._get = get
         elif pt.exists():
             state = torch.load(pt, map_location="cpu", weights_only=True)
             self.keys = set(state)
             self._get = state.__getitem__
         else:
-            raise FileNotFoundError(f"{self.path}: neither model.safetensors nor "
-                                    f"pytorch_model.bin found")
+            raise FileNotFoundError(f"{self.path}: neither model.safetensors (or its sharded "
+                                    f"index) nor pytorch_model.bin found")
         self.prefix = self._detect_prefix()
 
     def _detect_prefix(self) -> str:
