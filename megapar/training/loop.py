@@ -55,7 +55,9 @@ class Trainer:
         self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
         self.notes: list[str] = []
-        if hasattr(self.train_ds, "describe"):  # a blend: the proportions this run will see
+        from megapar.data.blended import BlendedDataset
+
+        if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see
             from megapar.training.data import planned_samples
 
             self.notes.append(self.train_ds.describe(planned_samples(self.sampler,
