@@ -171,3 +171,25 @@ def test_kv_heads_reshard_between_split_and_replicated(tmp_path, save_tp, load_t
             assert torch.equal(weights[name], full), name
             for k in KEYS:
                 assert torch.equal(moments[name][k], moment(name, k, p.full_shape)), (name, k)
+
+
+def test_checkpoint_from_before_a_config_field_existed_still_loads(tmp_path):
+    """A manifest without a field added later (attention_bias, mlp_bias) compares with the
+    field's default; a real difference is still refused."""
+    import json
+
+    from megapar.checkpoint.format import CheckpointError, MANIFEST, resolve_checkpoint
+
+    path = resolve_checkpoint(_save(str(tmp_path / "ckpt"), 1))
+    manifest = json.loads((path / MANIFEST).read_text())
+    for key in ("attention_bias", "mlp_bias"):
+        del manifest["model"][key]
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    weights, _, _, _ = _load(str(path), 1)
+    assert torch.equal(weights["layers.0.attn.q.weight"],
+                       build_stage(config(False), Mesh(Layout()), seed=7)
+                       .layers["0"].attn.q.weight.detach())
+    manifest["model"]["rope_theta"] = 500000.0
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="rope_theta=500000.0 \\(checkpoint\\)"):
+        _load(str(path), 1)

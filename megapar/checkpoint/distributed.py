@@ -208,7 +208,11 @@ def _finish(tmp: Path, root: Path, step: int, model, mesh: Mesh, meta, payloads)
 
 def check_model(manifest: dict, config, where) -> list[str]:
     """Raise if the checkpoint holds another model; returns notes on harmless differences."""
-    ours, theirs = config.to_dict(), manifest["model"]
+    from megapar.models.config import config_from_dict
+
+    ours, theirs = config.to_dict(), dict(manifest["model"])
+    if theirs.get("model_type") == ours.get("model_type"):  # fields added since it was saved
+        theirs = {**config_from_dict(theirs).to_dict(), **theirs}  # take their defaults
     diff = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
     structural = sorted(diff - NON_STRUCTURAL)
     if structural:
