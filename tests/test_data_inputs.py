@@ -67,3 +67,26 @@ def test_bad_inputs_name_the_problem(tmp_path, capsys):
                       str(tmp_path / "o"), "--no-progress"]) == 2
     assert "item 1 is not an object with a string field 'text'" in capsys.readouterr().err
     assert not list(tmp_path.glob("o*"))
+
+
+def test_worker_pool_reads_the_input_only_a_bounded_window_ahead():
+    import multiprocessing as mp
+
+    from megapar.data.preprocess import _ordered_bounded, _worker_init
+
+    read = []
+
+    def batches():
+        for i in range(2_000):
+            read.append(i)
+            yield [f"document {i}"], 10
+
+    with mp.get_context("fork").Pool(2, initializer=_worker_init,
+                                     initargs=("sentencepiece",)) as pool:
+        results = _ordered_bounded(pool, batches(), window=4)
+        first = next(results)
+        assert len(read) <= 5, len(read)  # not the whole input, as Pool.imap would
+        assert first == (load_tokenizer("sentencepiece").encode_batch(["document 0"]), 10)
+        rest = list(results)
+    assert len(rest) == 1_999 and rest[-1][0] == load_tokenizer("sentencepiece").encode_batch(
+        ["document 1999"])

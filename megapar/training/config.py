@@ -141,7 +141,8 @@ def _type_of(f) -> Any:
 
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="Train a GPT-2 or BERT with tensor, pipeline and data parallelism.",
+        prog=prog,
+        description="Train a GPT-2, BERT or Llama with tensor, pipeline and data parallelism.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", help="JSON or YAML file whose keys are these flags' names "
                         "(command-line flags override it)")
