@@ -23,7 +23,8 @@ def spec_write(prefix, docs, dtype=np.uint16):
         seqs += cut
         doc_idx.append(len(seqs))
     lengths = np.array([len(s) for s in seqs], dtype="<i4")
-    pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype("<i8") * np.dtype(dtype).itemsize
+    item = np.dtype(dtype).itemsize
+    pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype("<i8") * item
     np.concatenate(seqs).astype(dtype).tofile(prefix + ".bin")
     code = {np.uint16: 8, np.int32: 4}[dtype]
     with open(prefix + ".idx", "wb") as f:
@@ -96,7 +97,8 @@ def test_spec_built_dataset_trains_with_the_same_losses(corpus, tmp_path):
         log = tmp_path / f"{name}.jsonl"
         assert train(["--data", prefix, "--tokenizer", "sentencepiece", "--model", str(model),
                       "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-                      "--max-steps", "4", "--warmup-steps", "1", "--eval-interval", "0", "--no-progress",
+                      "--max-steps", "4", "--warmup-steps", "1", "--eval-interval", "0",
+                      "--no-progress",
                       "--log-json", str(log)]) == 0
         losses[name] = [json.loads(x)["loss"] for x in log.read_text().splitlines()]
     assert len(losses["megapar"]) == 4 and losses["megapar"] == losses["megatron"]

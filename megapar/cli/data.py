@@ -74,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.train_sentencepiece = True
         if args.train_tokenizer == "bpe":
             if args.vocab_size is None:
-                raise ValueError("--train-tokenizer bpe needs --vocab-size N (e.g. --vocab-size 8000)")
+                raise ValueError("--train-tokenizer bpe needs --vocab-size N "
+                                 "(e.g. --vocab-size 8000)")
             if args.tokenizer is not None or args.train_sentencepiece:
                 raise ValueError("--train-tokenizer trains its own tokenizer; drop --tokenizer")
             from megapar.data.hf_tokenizer import train_bpe
@@ -106,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"megapar-data: error: {e}", file=sys.stderr)
         return 2
     ds = IndexedDataset(prefix)
-    print(f"wrote {prefix}.bin/.idx/.json ({args.format} index): {ds.num_docs} documents, {ds.num_tokens} tokens "
+    print(f"wrote {prefix}.bin/.idx/.json ({args.format} index): {ds.num_docs} documents, "
+          f"{ds.num_tokens} tokens "
           f"({ds.dtype.name}), vocab size {ds.vocab_size}")
     return 0
 
