@@ -12,11 +12,13 @@ import time
 
 import torch
 
+from megapar.data.blended import BlendedDataset
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.config import config_from_dict
 from megapar.training.build import build_stage
 from megapar.training.config import TrainConfig
 from megapar.training.data import DataPlan, batches, build_datasets, make_sampler
+from megapar.training.data import planned_samples
 from megapar.training.logging import (
     MetricsLogger, NullLogger, flops_per_token, format_line, peak_memory_mb,
 )
@@ -54,14 +56,6 @@ class Trainer:
         self.model = build_stage(self.config, mesh, cfg.seed, cfg.recompute)
         self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
-        self.notes: list[str] = []
-        from megapar.data.blended import BlendedDataset
-
-        if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see
-            from megapar.training.data import planned_samples
-
-            self.notes.append(self.train_ds.describe(planned_samples(self.sampler,
-                                                                     cfg.max_steps)))
         act_shape = (cfg.micro_batch_size, cfg.seq_len, self.config.hidden_size)
         self.executor = PipelineExecutor(self.model, mesh, cfg.schedule, act_shape,
                                          timeout_s=cfg.timeout_s)
@@ -75,6 +69,10 @@ class Trainer:
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer,
                                  self.scheduler, self.precision, cfg.clip_grad, grad_sync)
         self.step = 0
+        self.notes: list[str] = []
+        if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see
+            self.notes.append(self.train_ds.describe(planned_samples(self.sampler,
+                                                                     cfg.max_steps)))
         if cfg.from_hf and not cfg.load:
             self._load_hf(cfg.from_hf)
         if cfg.load:
