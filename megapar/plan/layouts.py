@@ -89,12 +89,12 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
 
 def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int) -> str | None:
     """Why candidate `c` cannot run (one sentence naming the fix), or None if it can."""
-    if c.tp * c.pp * c.dp != gpus:
-        return f"tp*pp*dp = {c.tp}*{c.pp}*{c.dp} = {c.tp * c.pp * c.dp} is not --gpus {gpus}"
     try:
         config.validate(Layout(c.tp, c.pp, c.dp))
     except LayoutError as exc:
         return str(exc)
+    if c.tp * c.pp * c.dp != gpus:
+        return f"tp*pp*dp = {c.tp}*{c.pp}*{c.dp} = {c.tp * c.pp * c.dp} is not --gpus {gpus}"
     if c.tp > gpus_per_node:
         return (f"tp {c.tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
                 f"parallelism needs the intra-node link")

@@ -68,14 +68,16 @@ def head_bytes(s: int, b: int, h: int, vocab_local: int, act_bytes: int,
                logits_bytes: int = 4) -> float:
     """What the last stage keeps beyond its blocks, per micro-batch: the final norm's input and
     output, the softmax of this rank's vocabulary slice (fp32, as the paper's 4 s b v / t) and
-    the int64 targets with two boolean masks of the vocab-parallel cross-entropy."""
-    return s * b * (2 * h * act_bytes + vocab_local * logits_bytes + 8 + 2) + 2 * s * b * 4
+    the int64 targets with two boolean masks of the vocab-parallel cross-entropy (and the count
+    of labelled tokens); the norm's statistics are fp32."""
+    return s * b * (2 * h * act_bytes + vocab_local * logits_bytes + 8 + 2) + 2 * s * b * 4 + 8
 
 
 def embedding_bytes(s: int, b: int, h: int, dropout: bool, sp_t: int = 1) -> float:
-    """What the first stage keeps beyond its blocks, per micro-batch: input ids (int64) and, with
+    """What the first stage keeps beyond its blocks, per micro-batch: the int64 token ids (s + 1
+    per sequence: inputs and labels are views of one tensor), the position ids and, with
     dropout, the embedding dropout mask (1 byte per element; split by t under SP)."""
-    return s * b * 8 + (s * b * h / sp_t if dropout else 0)
+    return (s + 1) * b * 8 + s * 8 + (s * b * h / sp_t if dropout else 0)
 
 
 @dataclass
