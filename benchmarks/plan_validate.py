@@ -136,6 +136,36 @@ def _worker(config_dict, layout, schedule, zero, mbs, seq, global_batch, steps):
             "step_s": statistics.median(times)}
 
 
+def _comm_probe(sizes):
+    """Median seconds of a gloo all-reduce between two ranks for each float32 size."""
+    import torch.distributed as dist
+
+    out = []
+    for n in sizes:
+        t = torch.zeros(n)
+        for _ in range(3):
+            dist.all_reduce(t)
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - start)
+        out.append(statistics.median(times))
+    return out
+
+
+def calibrate():
+    """This machine as the planner sees it: message latency and bandwidth from a 2-rank gloo
+    all-reduce (small and 4 MiB), compute rate from the 1x1x1 step."""
+    from megapar.launcher import run_local
+
+    small, big = run_local(_comm_probe, 2, [1, 2**20])[0]
+    # a 2-rank ring all-reduce is 2 messages of n/2 elements each
+    latency_us = small / 2 * 1e6
+    gbps = 2**20 * 4 * 8 / ((big - small) * 1e9)
+    return latency_us, gbps
+
+
 def main() -> None:
     from megapar.launcher import run_local
     from megapar.models import GPT2Config
@@ -150,7 +180,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--mbs", type=int, default=4, help="micro-batch size")
     parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="measured steps (median)")
     args = parser.parse_args()
     config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,
                         n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0,
@@ -161,12 +191,21 @@ def main() -> None:
           f"peak activations), most loaded rank of each stage")
     print(f"{'layout':<28} {'stage':>5} {'pred MiB':>9} {'meas MiB':>9} {'err':>7}   "
           f"{'pred act':>8} {'meas act':>8} {'err':>7}")
+    import os
+
+    latency_us, gbps = calibrate()
+    cores = len(os.sched_getaffinity(0))
+    rate = None   # TFLOP/s one rank reaches alone, from the 1x1x1 step
     worst, ref = 0.0, None
     rows = []
     for tp, pp, dp, schedule, zero in LAYOUTS:
-        problem = Problem(config, tp * pp * dp, tp * pp * dp, 1e6, args.global_batch, args.seq,
-                          "fp32", "fp32", True, peak_tflops=0.05, efficiency=1.0,
-                          intra_gbps=10.0, inter_gbps=10.0)
+        world = tp * pp * dp
+
+        def problem_at(tflops):
+            return Problem(config, world, world, 1e6, args.global_batch, args.seq, "fp32",
+                           "fp32", True, tflops, 1.0, gbps, gbps, latency_us)
+
+        problem = problem_at(rate * min(1.0, cores / world) if rate else 1.0)
         cand = Candidate(tp, pp, dp, args.mbs, schedule, 1, "none", False, zero)
         predicted = stage_memory(problem, cand)
         results = run_local(_worker, tp * pp * dp, config.to_dict(), (tp, pp, dp), schedule,
@@ -187,15 +226,21 @@ def main() -> None:
                   f"{100 * err:>+6.1f}%   {pred.activations / 2**20:>8.2f} "
                   f"{meas['activations'] / 2**20:>8.2f} {100 * act_err:>+6.1f}%")
         step = max(r["step_s"] for r in results)
+        if rate is None:  # calibrate on 1x1x1: its predicted compute at 1 TFLOP/s / measured
+            rate = estimate(problem, cand).compute_s / step
+            problem = problem_at(rate)
         pred_step = estimate(problem, cand).step_s
         ref = ref or (step, pred_step)
-        rows.append((label, step / ref[0], pred_step / ref[1]))
+        rows.append((label, step, pred_step))
     print(f"\nlargest memory error: {100 * worst:.1f} %")
-    print(f"\n{'layout':<28} {'measured step / 1x1x1':>22} {'predicted':>10}")
+    print(f"\n{'layout':<28} {'measured s':>10} {'predicted s':>11} {'meas / 1x1x1':>12} "
+          f"{'pred / 1x1x1':>12}")
     for label, meas, pred in rows:
-        print(f"{label:<28} {meas:>22.2f} {pred:>10.2f}")
-    print("(step times on 2 shared CPU cores: ranks beyond 2 time-share the cores, which the "
-          "prediction does not model)")
+        print(f"{label:<28} {meas:>10.3f} {pred:>11.3f} {meas / ref[0]:>12.2f} "
+              f"{pred / ref[1]:>12.2f}")
+    print(f"(calibration: gloo latency {latency_us:.0f} us per message, {gbps:.1f} Gbit/s, "
+          f"{1e3 * rate:.2f} GFLOP/s per rank alone, divided by ranks / {cores} cores when "
+          f"ranks outnumber cores)")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--efficiency", type=float, default=0.6, help="share of peak matmuls reach")
     p.add_argument("--intra-node-gbps", type=float, default=2400.0, help="per GPU, Gbit/s")
     p.add_argument("--inter-node-gbps", type=float, default=200.0, help="per GPU, Gbit/s")
+    p.add_argument("--latency-us", type=float, default=10.0, help="per message of a collective")
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--schedules", nargs="+", choices=PLAN_SCHEDULES, default=list(PLAN_SCHEDULES))
     p.add_argument("--virtual-stages", type=int, nargs="+", default=[2, 4],
@@ -73,7 +74,7 @@ def _problem(args):
     return Problem(config, args.gpus, args.gpus_per_node, args.gpu_memory_gb,
                    args.global_batch_size, args.seq_len, args.precision, args.master_weights,
                    args.fused_attention, args.peak_tflops, args.efficiency,
-                   args.intra_node_gbps, args.inter_node_gbps)
+                   args.intra_node_gbps, args.inter_node_gbps, args.latency_us)
 
 
 def _explain(args, problem) -> int:

@@ -8,7 +8,8 @@ Time model (all per optimizer step, on the slowest pipeline stage):
   recompute adds a forward of the blocks, selective the attention core (4 s^2 b h / tp).
 - tensor parallelism: per layer 2 all-reduces of s b h activations in the forward and 2 in the
   backward (with SP: all-gather + reduce-scatter, the same bytes), ring cost 2 (t-1)/t x bytes /
-  intra-node bandwidth, not overlapped (they sit between the matmuls); full recompute repeats
+  intra-node bandwidth + 2 (t-1) message latencies, not overlapped (they sit between the
+  matmuls); full recompute repeats
   the forward's.
 - pipeline: the schedule's bubble from `plan.pipeline` (simulated or formula), plus 2 (p-1)
   activation transfers on the fill / drain critical path (steady-state transfers overlap
@@ -66,6 +67,8 @@ class Problem:
     """Intra-node bandwidth per GPU, Gbit/s (A100 NVLink: 2400)."""
     inter_gbps: float = 200.0
     """Inter-node bandwidth per GPU, Gbit/s (one 200 Gb/s HDR InfiniBand NIC per GPU)."""
+    latency_us: float = 10.0
+    """Latency of one message (a ring collective sends 2 (n-1) of them in sequence)."""
 
     @property
     def act_bytes(self) -> int:
@@ -138,8 +141,11 @@ def stage_memory(p: Problem, c: Candidate) -> list[mem.MemoryBreakdown]:
     return out
 
 
-def _ring(n: int, nbytes: float, gbps: float) -> float:
-    return 2 * (n - 1) / n * nbytes * 8 / (gbps * 1e9) if n > 1 else 0.0
+def _ring(n: int, nbytes: float, gbps: float, latency_us: float = 0.0) -> float:
+    """Ring all-reduce: 2 (n-1) steps, each moving 1/n of the bytes."""
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * (nbytes / n * 8 / (gbps * 1e9) + latency_us * 1e-6)
 
 
 def estimate(p: Problem, c: Candidate) -> Estimate:
@@ -160,7 +166,7 @@ def estimate(p: Problem, c: Candidate) -> Estimate:
                                 stage_layer_counts(cfg.num_layers, c.pp)[-1] == layers else 0)
     bwd = 2 * fwd + layers * extra
     act = s * b * h * p.act_bytes
-    tp_fwd = layers * 2 * _ring(t, act, p.intra_gbps)
+    tp_fwd = layers * 2 * _ring(t, act, p.intra_gbps, p.latency_us)
     tp_bwd = tp_fwd * (2 if c.recompute == "full" else 1)
     t_f, t_b = fwd / rate + tp_fwd, bwd / rate + tp_bwd
     frac, source = pipeline.bubble(c.schedule, c.pp, m, c.v, round(t_b / t_f, 1))
@@ -168,12 +174,14 @@ def estimate(p: Problem, c: Candidate) -> Estimate:
     one_node = p.gpus <= p.gpus_per_node
     pp_gbps = p.intra_gbps if c.tp * c.pp <= p.gpus_per_node else p.inter_gbps
     dp_gbps = p.intra_gbps if one_node else p.inter_gbps
-    p2p = 2 * (c.pp - 1) * (act / (c.tp if c.sp else 1)) * 8 / (pp_gbps * 1e9)
+    p2p = 2 * (c.pp - 1) * ((act / (c.tp if c.sp else 1)) * 8 / (pp_gbps * 1e9)
+                            + p.latency_us * 1e-6)
     n_params = max(stage_params(cfg, t, c.pp))
     grad_bytes = n_params * 4
-    dp_exposed = max(0.0, _ring(c.dp, grad_bytes, dp_gbps) - t_b)
-    zero_s = (c.dp - 1) / c.dp * n_params * 4 * 8 / (dp_gbps * 1e9) if c.zero else 0.0
-    tied = piece_counts(cfg, t).tied_copy * 4 * 8 / (pp_gbps * 1e9) if c.pp > 1 else 0.0
+    dp_exposed = max(0.0, _ring(c.dp, grad_bytes, dp_gbps, p.latency_us) - t_b)
+    zero_s = _ring(c.dp, n_params * 4, dp_gbps, p.latency_us) / 2 if c.zero else 0.0
+    tied = _ring(2, piece_counts(cfg, t).tied_copy * 4, pp_gbps, p.latency_us) \
+        if c.pp > 1 else 0.0
     comm = {"tp": m * (tp_fwd + tp_bwd) / (1 - frac), "pp": p2p + tied, "dp": dp_exposed + zero_s}
     step = pipe_s + p2p + dp_exposed + zero_s + tied
     tokens = p.global_batch * s
