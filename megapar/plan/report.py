@@ -76,13 +76,13 @@ def row(e: Estimate) -> dict:
 
 
 def table(estimates: list[Estimate]) -> str:
-    head = (f"{'#':>3} {'layout':<52} {'mem/GPU':>9} {'fits':>4} {'bubble':>10} {'comm':>5} "
+    head = (f"{'#':>3} {'layout':<56} {'mem/GPU':>9} {'fits':>4} {'bubble':>10} {'comm':>5} "
             f"{'step s':>8} {'tokens/s':>10} {'MFU':>5} {'today':>5}")
     lines = [head, "-" * len(head)]
     for i, e in enumerate(estimates, 1):
         src = {"simulated": "s", "formula": "f"}.get(e.bubble_source, " ")
         lines.append(
-            f"{i:>3} {e.candidate.label():<52} {e.memory.total / GIB:>7.1f}Gi "
+            f"{i:>3} {e.candidate.label():<56} {e.memory.total / GIB:>7.1f}Gi "
             f"{'yes' if e.fits else 'no':>4} {100 * e.bubble:>8.1f}%{src} "
             f"{100 * e.comm_share:>4.0f}% {e.step_s:>8.3f} {e.tokens_per_s:>10.0f} "
             f"{100 * e.mfu:>4.0f}% {'yes' if not runnable(e) else 'no':>5}")
