@@ -141,6 +141,10 @@ def main(argv=None) -> int:
           f"{problem.global_batch} x {problem.seq_len} tokens; {len(estimates)} valid layouts, "
           f"{len(rejected)} rejected")
     print(table(estimates[:args.top]))
+    if not estimates:
+        common = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+        print("no valid layout; most common reasons: " + "; ".join(r for r, _ in common))
+        return 1
     if best is None:
         print("no layout fits: raise --gpus or --gpu-memory-gb, add --recompute full, or "
               "shorten --seq-len")

@@ -16,8 +16,13 @@ _FEATURE_FIELDS = {
 
 
 def rank(estimates: list[Estimate]) -> list[Estimate]:
-    """Layouts that fit first, fastest first; then by memory."""
-    return sorted(estimates, key=lambda e: (not e.fits, e.step_s, e.memory.total))
+    """Layouts that fit, fastest first (then by memory); then the others, smallest first."""
+    return sorted(estimates, key=lambda e: (0, e.step_s, e.memory.total) if e.fits
+                  else (1, e.memory.total, e.step_s))
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:>7.1f}Gi" if nbytes >= GIB else f"{nbytes / 2**20:>7.1f}Mi"
 
 
 def _train_fields() -> tuple[set[str], dict]:
@@ -82,10 +87,10 @@ def table(estimates: list[Estimate]) -> str:
     for i, e in enumerate(estimates, 1):
         src = {"simulated": "s", "formula": "f"}.get(e.bubble_source, " ")
         lines.append(
-            f"{i:>3} {e.candidate.label():<56} {e.memory.total / GIB:>7.1f}Gi "
+            f"{i:>3} {e.candidate.label():<56} {_size(e.memory.total)} "
             f"{'yes' if e.fits else 'no':>4} {100 * e.bubble:>8.1f}%{src} "
             f"{100 * e.comm_share:>4.0f}% {e.step_s:>8.3f} {e.tokens_per_s:>10.0f} "
-            f"{100 * e.mfu:>4.0f}% {'yes' if not runnable(e) else 'no':>5}")
+            f"{100 * e.mfu:>4.1f}% {'yes' if not runnable(e) else 'no':>5}")
     lines.append("bubble: s = simulated on megapar's schedule simulator, f = published formula "
                  "(schedule not in megapar yet); mem = most loaded rank; today = megapar-train "
                  "can run it now")
