@@ -147,6 +147,7 @@ def test_unregistered_schedules_fall_back_to_their_formula(monkeypatch):
     ("mbs=3", 1, "not divisible by micro-batch size 3"),
     ("tp=2,sp=0,zero=1", 2, "ZeRO-1 needs dp > 1"),
     ("sp=1", 1, "needs tp > 1"),
+    ("tp=2,sp=1", 2, "--seq-len 99 divisible by tp 2"),
     ("pp=2,schedule=interleaved,v=2,mbs=16", 2, "divisible by pp"),
     ("pp=4,schedule=interleaved,v=2", 4, "cannot be cut into pp*v"),
     ("schedule=gpipe", 1, "needs pp > 1"),
@@ -155,7 +156,8 @@ def test_unregistered_schedules_fall_back_to_their_formula(monkeypatch):
 def test_invalid_layouts_are_rejected_with_the_reason(spec, gpus, reason):
     config = GPT2Config(n_layer=4, n_head=16, n_embd=1024)
     c = parse_candidate(spec, gpus)
-    assert reason in check(c, config, gpus, 8, 16)
+    seq_len = 99 if "sp=1" in spec else 128
+    assert reason in check(c, config, gpus, 8, 16, seq_len)
     assert parse_candidate(c.spec()) == c
 
 

@@ -82,7 +82,8 @@ def _explain(args, problem) -> int:
     from megapar.plan.report import command, explain, row
 
     c = parse_candidate(args.explain, problem.gpus)
-    reason = check(c, problem.config, problem.gpus, problem.gpus_per_node, problem.global_batch)
+    reason = check(c, problem.config, problem.gpus, problem.gpus_per_node, problem.global_batch,
+                   problem.seq_len)
     if reason:
         if args.json:
             print(json.dumps({"layout": c.label(), "valid": False, "reason": reason}))

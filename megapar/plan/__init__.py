@@ -19,5 +19,6 @@ def plan(problem: Problem, **space) -> tuple[list[Estimate], list]:
     from megapar.plan.report import rank
 
     valid, rejected = enumerate_candidates(problem.config, problem.gpus, problem.gpus_per_node,
-                                           problem.global_batch, **space)
+                                           problem.global_batch, seq_len=problem.seq_len,
+                                           **space)
     return rank([estimate(problem, c) for c in valid]), rejected

@@ -87,7 +87,8 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     return Candidate(**values)
 
 
-def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int) -> str | None:
+def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int,
+          seq_len: int | None = None) -> str | None:
     """Why candidate `c` cannot run (one sentence naming the fix), or None if it can."""
     try:
         config.validate(Layout(c.tp, c.pp, c.dp))
@@ -120,6 +121,8 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
         return f"v {c.v} needs schedule interleaved"
     if c.sp and c.tp == 1:
         return "sequence parallelism needs tp > 1"
+    if c.sp and seq_len and seq_len % c.tp:
+        return f"sequence parallelism needs --seq-len {seq_len} divisible by tp {c.tp}"
     if c.zero not in (0, 1):
         return f"zero {c.zero}: only 0 and 1 are modelled"
     if c.zero and c.dp == 1:
@@ -134,7 +137,7 @@ def divisors(n: int) -> list[int]:
 def enumerate_candidates(config, gpus: int, gpus_per_node: int, global_batch: int,
                          micro_batch_sizes=(1, 2, 4, 8), schedules=PLAN_SCHEDULES,
                          virtual_stages=(2, 4), recompute=RECOMPUTE, allow_sp: bool = True,
-                         allow_zero: bool = True):
+                         allow_zero: bool = True, seq_len: int | None = None):
     """(valid candidates, [(candidate, reason)] rejected) over the whole space."""
     valid, rejected = [], []
     for tp in divisors(gpus):
@@ -147,7 +150,8 @@ def enumerate_candidates(config, gpus: int, gpus_per_node: int, global_batch: in
                             for sp in ((False, True) if allow_sp and tp > 1 else (False,)):
                                 for zero in ((0, 1) if allow_zero and dp > 1 else (0,)):
                                     c = Candidate(tp, pp, dp, mbs, schedule, v, rc, sp, zero)
-                                    reason = check(c, config, gpus, gpus_per_node, global_batch)
+                                    reason = check(c, config, gpus, gpus_per_node,
+                                                   global_batch, seq_len)
                                     if reason:
                                         rejected.append((c, reason))
                                     else:
