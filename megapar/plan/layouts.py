@@ -68,7 +68,8 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
         if not item:
             continue
         if "=" not in item:
-            raise ValueError(f"--explain item {item!r} is not KEY=VALUE (keys: {', '.join(fields)})")
+            raise ValueError(f"--explain item {item!r} is not KEY=VALUE "
+                             f"(keys: {', '.join(fields)})")
         key, value = item.split("=", 1)
         key = _ALIASES.get(key.strip().lower(), key.strip().lower())
         if key not in fields:

@@ -12,8 +12,9 @@ s tokens, hidden h, a heads, tensor-parallel size t,
 `paper_layer_bytes` is exactly that. `layer_bytes` is the same count term by term, so it can
 also describe what megapar's implementation keeps: element size 4 in fp32, no dropout masks
 when dropout is 0, and a fused attention kernel (PyTorch's scaled_dot_product_attention keeps
-q, k, v and a log-sum-exp per row, its output being the projection's input, instead of the a s^2 softmax): with those knobs it
-reproduces the bytes counted on CPU (benchmarks/plan_validate.py).
+q, k, v and a log-sum-exp per row, its output being the projection's input, instead of the
+a s^2 softmax): with those knobs it reproduces the bytes counted on CPU
+(benchmarks/plan_validate.py, tests/test_plan.py).
 
 Term by term (elements unless noted; "rep" = replicated over tp unless SP):
   rep: LN1 input, LN1 output (QKV input), LN2 input, LN2 output (FC1 input)  4 s b h

@@ -59,8 +59,8 @@ def formula_bubble(name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0,
 
 @lru_cache(maxsize=4096)
 def bubble(name: str, pp: int, m: int, v: int = 1, bwd_ratio: float = 2.0) -> tuple[float, str]:
-    """(idle share of the step, "simulated" | "formula" | "no pipeline") with t_B = bwd_ratio x t_F per
-    micro-batch (the B and W halves of a split backward equal)."""
+    """(idle share of the step, "simulated" | "formula" | "no pipeline") with
+    t_B = bwd_ratio x t_F per micro-batch (the B and W halves of a split backward equal)."""
     if pp == 1:
         return 0.0, "no pipeline"
     if _registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS:
