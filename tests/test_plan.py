@@ -211,3 +211,21 @@ def test_cli_json_and_explain(capsys):
     assert code == 0 and "activations" in out.out and "command: megapar-train --dp 2" in out.out
     code, out = _cli(capsys, *base, "--seq-len", "4096")
     assert code == 2 and "1024 positions" in out.err
+
+
+def test_command_uses_only_flags_megapar_train_has():
+    import dataclasses
+
+    from megapar.plan.report import command
+    from megapar.training.config import TrainConfig, _choices
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    problem = Problem(resolve_model("gpt2-124m"), 16, 8, 80, 64, 1024)
+    cand = Candidate(2, 4, 2, 1, "interleaved", 3, "selective", True, 1)
+    cmd, missing = command(estimate(problem, cand), problem, "gpt2-124m")
+    assert cmd.startswith("torchrun --nnodes 2 --nproc-per-node 8 -m megapar.cli.train")
+    assert ("--sequence-parallel" in cmd) == ("sequence_parallel" in fields)
+    assert ("sequence parallelism" in " ".join(missing)) == ("sequence_parallel" not in fields)
+    assert ("--virtual-stages 3" in cmd) == ("virtual_stages" in fields)
+    assert ("--schedule interleaved" in cmd) == ("interleaved" in _choices()["schedule"])
+    assert "--zero 1" in cmd
