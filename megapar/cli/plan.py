@@ -1,0 +1,161 @@
+"""megapar-plan: predict memory, bubble, communication and step time of every parallel layout
+for N GPUs, rank them, and print the best one's megapar-train command.
+
+    megapar-plan --model gpt2-1.5b --gpus 16 --gpus-per-node 8 --gpu-memory-gb 40 \
+        --global-batch-size 512 --seq-len 1024
+    megapar-plan --model gpt3-175b.json --gpus 1024 --gpu-memory-gb 80 --global-batch-size 1536 \
+        --seq-len 2048 --master-weights separate --top 10
+    megapar-plan ... --explain tp=8,pp=16,mbs=1,schedule=1f1b,recompute=full
+    megapar-plan ... --json > plan.json
+
+Nothing runs on a GPU: parameters are counted on meta-device models, activations come from
+Korthikanti et al. 2022, bubbles from megapar's schedule simulator (or the published formula of
+a schedule megapar does not implement yet), communication from byte counts and bandwidths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megapar.plan.layouts import PLAN_SCHEDULES, RECOMPUTE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megapar-plan", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="model recipe (models/) or JSON/YAML config")
+    p.add_argument("--gpus", type=int, required=True, help="total GPUs N")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="tp stays within a node")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GiB")
+    p.add_argument("--global-batch-size", type=int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16",
+                   help="activations in 4 (fp32) or 2 bytes")
+    p.add_argument("--master-weights", choices=["fp32", "separate"], default="fp32",
+                   help="fp32: megapar today (fp32 params, grads, Adam: 16 B/param); separate: "
+                        "16-bit params + fp32 grads, master and moments (Megatron: 18 B/param)")
+    p.add_argument("--fused-attention", action="store_true",
+                   help="a fused attention kernel keeps no a*s^2 scores (the paper counts them)")
+    p.add_argument("--peak-tflops", type=float, default=312.0, help="per GPU (A100 bf16: 312)")
+    p.add_argument("--efficiency", type=float, default=0.6, help="share of peak matmuls reach")
+    p.add_argument("--intra-node-gbps", type=float, default=2400.0, help="per GPU, Gbit/s")
+    p.add_argument("--inter-node-gbps", type=float, default=200.0, help="per GPU, Gbit/s")
+    p.add_argument("--latency-us", type=float, default=10.0, help="per message of a collective")
+    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--schedules", nargs="+", choices=PLAN_SCHEDULES, default=list(PLAN_SCHEDULES))
+    p.add_argument("--virtual-stages", type=int, nargs="+", default=[2, 4],
+                   help="chunks per rank tried for the interleaved schedule")
+    p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=list(RECOMPUTE))
+    p.add_argument("--today", action="store_true",
+                   help="only layouts megapar-train can run now (no schedule / SP it lacks)")
+    p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
+    p.add_argument("--explain", metavar="LAYOUT",
+                   help="check and break down one layout, e.g. tp=2,pp=4,mbs=2,schedule=1f1b,"
+                        "recompute=selective,sp=1,zero=1 (dp defaults to gpus/(tp*pp))")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p
+
+
+def _problem(args):
+    from megapar.models.recipes import resolve_model
+    from megapar.plan import Problem
+
+    config = resolve_model(args.model)
+    limit = getattr(config, "n_positions", getattr(config, "max_position_embeddings", None))
+    if limit is not None and args.seq_len > limit:
+        raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {limit} positions")
+    for name in ("gpus", "gpus_per_node", "global_batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.peak_tflops <= 0 or not 0 < args.efficiency <= 1:
+        raise ValueError("--peak-tflops must be > 0 and --efficiency in (0, 1]")
+    return Problem(config, args.gpus, args.gpus_per_node, args.gpu_memory_gb,
+                   args.global_batch_size, args.seq_len, args.precision, args.master_weights,
+                   args.fused_attention, args.peak_tflops, args.efficiency,
+                   args.intra_node_gbps, args.inter_node_gbps, args.latency_us)
+
+
+def _explain(args, problem) -> int:
+    from megapar.plan import check, estimate, parse_candidate
+    from megapar.plan.report import command, explain, row
+
+    c = parse_candidate(args.explain, problem.gpus)
+    reason = check(c, problem.config, problem.gpus, problem.gpus_per_node, problem.global_batch,
+                   problem.seq_len)
+    if reason:
+        if args.json:
+            print(json.dumps({"layout": c.label(), "valid": False, "reason": reason}))
+        else:
+            print(f"{c.label()}: invalid: {reason}")
+        return 1
+    e = estimate(problem, c)
+    cmd, missing = command(e, problem, args.model)
+    if args.json:
+        print(json.dumps({**row(e), "valid": True, "command": cmd}, indent=1))
+        return 0
+    print(explain(e))
+    print(f"command: {cmd}")
+    for m in missing:
+        print(f"  note: megapar-train cannot do this yet: {m}")
+    return 0
+
+
+def main(argv=None) -> int:
+    from megapar.models.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        problem = _problem(args)
+        if args.explain:
+            return _explain(args, problem)
+    except (ConfigError, ValueError) as exc:
+        print(f"megapar-plan: error: {exc}", file=sys.stderr)
+        return 2
+    from megapar.plan import plan
+    from megapar.plan.report import command, row, runnable, table
+    from megapar.plan.params import model_params
+
+    estimates, rejected = plan(problem, micro_batch_sizes=tuple(args.micro_batch_sizes),
+                               schedules=tuple(args.schedules),
+                               virtual_stages=tuple(args.virtual_stages),
+                               recompute=tuple(args.recompute))
+    if args.today:
+        estimates = [e for e in estimates if not runnable(e)]
+    best = estimates[0] if estimates and estimates[0].fits else None
+    cmd = command(best, problem, args.model) if best else None
+    reasons: dict[str, int] = {}
+    for _, reason in rejected:
+        key = reason.split(";")[0]
+        reasons[key] = reasons.get(key, 0) + 1
+    if args.json:
+        print(json.dumps({"model_params": model_params(problem.config),
+                          "layouts": [row(e) for e in estimates[:args.top]],
+                          "valid": len(estimates), "rejected": len(rejected),
+                          "rejected_reasons": reasons,
+                          "command": cmd[0] if cmd else None,
+                          "missing_in_megapar_train": cmd[1] if cmd else None}, indent=1))
+        return 0 if best else 1
+    print(f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters; {problem.gpus} "
+          f"GPUs ({problem.gpus_per_node} per node, {problem.gpu_memory_gb:g} GiB); global batch "
+          f"{problem.global_batch} x {problem.seq_len} tokens; {len(estimates)} valid layouts, "
+          f"{len(rejected)} rejected")
+    print(table(estimates[:args.top]))
+    if not estimates:
+        common = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+        print("no valid layout; most common reasons: " + "; ".join(r for r, _ in common))
+        return 1
+    if best is None:
+        print("no layout fits: raise --gpus or --gpu-memory-gb, add --recompute full, or "
+              "shorten --seq-len")
+        return 1
+    print(f"\nchosen: {best.candidate.label()}\ncommand: {cmd[0]}")
+    for m in cmd[1]:
+        print(f"  note: megapar-train cannot do this yet: {m} (plan with --today for a layout "
+              f"it runs now)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Predict one candidate layout: memory of the most loaded rank and the time of one step.
+
+Time model (all per optimizer step, on the slowest pipeline stage):
+
+- compute: matmul FLOPs / (peak TFLOP/s x efficiency). Per layer and micro-batch the forward is
+  2 s b (4 h^2 + 2 h f) + 4 s^2 b h FLOPs (QKV, projection, MLP; scores and attention over V),
+  split over tp; the LM head adds 2 s b h V / tp on the last stage. Backward = 2 x forward; full
+  recompute adds a forward of the blocks, selective the attention core (4 s^2 b h / tp).
+- tensor parallelism: per layer 2 all-reduces of s b h activations in the forward and 2 in the
+  backward (with SP: all-gather + reduce-scatter, the same bytes), ring cost 2 (t-1)/t x bytes /
+  intra-node bandwidth + 2 (t-1) message latencies, not overlapped (they sit between the
+  matmuls); full recompute repeats
+  the forward's.
+- pipeline: the schedule's bubble from `plan.pipeline` (simulated or formula), plus 2 (p-1)
+  activation transfers on the fill / drain critical path (steady-state transfers overlap
+  compute); a stage boundary uses the inter-node link once tp x pp exceeds a node.
+- data parallelism: gradient all-reduce 2 (d-1)/d x gradient bytes / bandwidth (inter-node once
+  the job spans nodes), overlapped with the last micro-batch's backward (as megapar's buckets
+  do): only the part longer than that backward is exposed. ZeRO-1 adds the parameter broadcast
+  after the step (d-1)/d x parameter bytes, exposed. The tied embedding's gradient all-reduce
+  between first and last stage (pp > 1) is exposed.
+- the optimizer step, the loss and data loading are not modelled.
+
+MFU counts model FLOPs only (6 N + 12 L h s per token, what megapar-train logs) against
+GPUs x peak; `hw_tflops` adds recomputation (what Narayanan et al. report).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megapar.plan import memory as mem
+from megapar.plan import pipeline
+from megapar.plan.layouts import Candidate
+from megapar.plan.params import piece_counts, stage_layer_counts, stage_params
+from megapar.tensor_parallel.partition import local_size
+
+
+@dataclass
+class Problem:
+    """The model, the cluster and the batch a plan is for."""
+
+    config: object
+    """Model config (GPT2Config / BertConfig)."""
+    gpus: int
+    """Total GPUs (N)."""
+    gpus_per_node: int = 8
+    """GPUs per node: tp stays within a node."""
+    gpu_memory_gb: float = 80.0
+    """Memory per GPU in GiB (an "80 GB" A100 has 80 GiB)."""
+    global_batch: int = 512
+    """Sequences per optimizer step."""
+    seq_len: int = 1024
+    """Tokens per sequence."""
+    precision: str = "bf16"
+    """fp32 (4-byte activations) or bf16 / fp16 (2-byte)."""
+    master_weights: str = "fp32"
+    """fp32: megapar today (fp32 params + grads + Adam, 16 B/param); separate: 16-bit params +
+    fp32 grads + fp32 master and moments (Megatron, 18 B/param)."""
+    fused_attention: bool = False
+    """Count a fused attention kernel's log-sum-exp instead of the a s^2 scores (the paper)."""
+    peak_tflops: float = 312.0
+    """Peak dense TFLOP/s of one GPU in `precision` (A100: 312 bf16, 19.5 fp32)."""
+    efficiency: float = 0.6
+    """Share of peak the matmuls achieve."""
+    intra_gbps: float = 2400.0
+    """Intra-node bandwidth per GPU, Gbit/s (A100 NVLink: 2400)."""
+    inter_gbps: float = 200.0
+    """Inter-node bandwidth per GPU, Gbit/s (one 200 Gb/s HDR InfiniBand NIC per GPU)."""
+    latency_us: float = 10.0
+    """Latency of one message (a ring collective sends 2 (n-1) of them in sequence)."""
+
+    @property
+    def act_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def dropout(self) -> bool:
+        c = self.config
+        return any(getattr(c, k, 0) > 0 for k in ("resid_pdrop", "attn_pdrop",
+                                                  "hidden_dropout_prob"))
+
+
+@dataclass
+class Estimate:
+    """A candidate's predicted memory and time."""
+
+    candidate: Candidate
+    memory: mem.MemoryBreakdown
+    fits: bool
+    step_s: float
+    compute_s: float
+    bubble: float
+    bubble_source: str
+    comm_s: dict = field(default_factory=dict)
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    hw_tflops: float = 0.0
+
+    @property
+    def comm_share(self) -> float:
+        return sum(self.comm_s.values()) / self.step_s if self.step_s else 0.0
+
+
+def _layer_flops(c, s: int, b: int) -> float:
+    h, f = c.hidden_size, c.ffn_size
+    return 2 * s * b * (4 * h * h + 2 * h * f) + 4 * s * s * b * h
+
+
+def stage_memory(p: Problem, c: Candidate) -> list[mem.MemoryBreakdown]:
+    """Memory of one rank of every pipeline stage."""
+    cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
+    h, a = cfg.hidden_size, (cfg.n_head if hasattr(cfg, "n_head") else cfg.num_attention_heads)
+    m = p.global_batch // (c.mbs * c.dp)
+    counts, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v)
+    layers = stage_layer_counts(cfg.num_layers, c.pp)
+    sp_t = t if c.sp else 1
+    per_layer = mem.layer_bytes(s, b, h, a, t, c.sp, c.recompute, p.act_bytes, p.dropout,
+                                p.fused_attention, norm_stats=True)
+    full = mem.layer_bytes(s, b, h, a, t, c.sp, "none", p.act_bytes, p.dropout,
+                           p.fused_attention, norm_stats=True)
+    vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
+    out = []
+    for stage, n_params in enumerate(stage_params(cfg, t, c.pp)):
+        first, last = stage == 0, stage == c.pp - 1
+        per_mb = layers[stage] * per_layer
+        if first:
+            per_mb += mem.embedding_bytes(s, b, h, p.dropout, sp_t)
+        if last:
+            per_mb += mem.head_bytes(s, b, h, vocab_local, p.act_bytes)
+        else:
+            per_mb += s * b * h * p.act_bytes / sp_t    # stage output kept for its backward
+        buffers = 0.0
+        if c.recompute != "none":                       # one layer rebuilt during backward
+            buffers += full - per_layer
+        if last:                                        # the logits' gradient in backward
+            buffers += s * b * vocab_local * 4
+        params, grads, optim = mem.state_bytes(n_params, c.dp, c.zero, p.master_weights)
+        out.append(mem.MemoryBreakdown(stage, params, grads, optim, counts[stage] * per_mb,
+                                       int(round(counts[stage])), buffers))
+    return out
+
+
+def _ring(n: int, nbytes: float, gbps: float, latency_us: float = 0.0) -> float:
+    """Ring all-reduce: 2 (n-1) steps, each moving 1/n of the bytes."""
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * (nbytes / n * 8 / (gbps * 1e9) + latency_us * 1e-6)
+
+
+def estimate(p: Problem, c: Candidate) -> Estimate:
+    cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
+    h = cfg.hidden_size
+    stages = stage_memory(p, c)
+    worst = max(stages, key=lambda x: x.total)
+    fits = worst.total <= p.gpu_memory_gb * mem.GIB
+    m = p.global_batch // (c.mbs * c.dp)
+    rate = p.peak_tflops * 1e12 * p.efficiency
+    layers = max(stage_layer_counts(cfg.num_layers, c.pp))
+    vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
+    fwd_layer = _layer_flops(cfg, s, b) / t
+    head = 2 * s * b * h * vocab_local
+    extra = {"none": 0.0, "selective": 4 * s * s * b * h / t, "full": fwd_layer}[c.recompute]
+    # slowest stage: the most layers, plus the head if the last stage is among the slowest
+    fwd = layers * fwd_layer + (head if len(stage_layer_counts(cfg.num_layers, c.pp)) == 1 or
+                                stage_layer_counts(cfg.num_layers, c.pp)[-1] == layers else 0)
+    bwd = 2 * fwd + layers * extra
+    act = s * b * h * p.act_bytes
+    tp_fwd = layers * 2 * _ring(t, act, p.intra_gbps, p.latency_us)
+    tp_bwd = tp_fwd * (2 if c.recompute == "full" else 1)
+    t_f, t_b = fwd / rate + tp_fwd, bwd / rate + tp_bwd
+    frac, source = pipeline.bubble(c.schedule, c.pp, m, c.v, round(t_b / t_f, 1))
+    pipe_s = m * (t_f + t_b) / (1 - frac)
+    one_node = p.gpus <= p.gpus_per_node
+    pp_gbps = p.intra_gbps if c.tp * c.pp <= p.gpus_per_node else p.inter_gbps
+    dp_gbps = p.intra_gbps if one_node else p.inter_gbps
+    p2p = 2 * (c.pp - 1) * ((act / (c.tp if c.sp else 1)) * 8 / (pp_gbps * 1e9)
+                            + p.latency_us * 1e-6)
+    n_params = max(stage_params(cfg, t, c.pp))
+    grad_bytes = n_params * 4
+    dp_exposed = max(0.0, _ring(c.dp, grad_bytes, dp_gbps, p.latency_us) - t_b)
+    zero_s = _ring(c.dp, n_params * 4, dp_gbps, p.latency_us) / 2 if c.zero else 0.0
+    tied = _ring(2, piece_counts(cfg, t).tied_copy * 4, pp_gbps, p.latency_us) \
+        if c.pp > 1 else 0.0
+    comm = {"tp": m * (tp_fwd + tp_bwd) / (1 - frac), "pp": p2p + tied, "dp": dp_exposed + zero_s}
+    step = pipe_s + p2p + dp_exposed + zero_s + tied
+    tokens = p.global_batch * s
+    from megapar.plan.params import model_params
+
+    model_flops = tokens * (6 * model_params(cfg) + 12 * cfg.num_layers * h * s)
+    recompute_flops = tokens * cfg.num_layers * {"none": 0.0, "selective": 4 * s * h,
+                                                 "full": _layer_flops(cfg, s, 1) / s}[c.recompute]
+    return Estimate(c, worst, fits, step, m * (fwd + bwd) / rate, frac, source, comm,
+                    tokens / step, model_flops / (step * p.gpus * p.peak_tflops * 1e12),
+                    (model_flops + recompute_flops) / (step * p.gpus) / 1e12)

@@ -1,0 +1,160 @@
+"""The layouts a plan considers: every (tp, pp, dp, micro-batch size, schedule, V, recompute,
+SP, ZeRO-1) for N GPUs, each kept or rejected with the reason.
+
+A `Candidate` is one such choice; `check(candidate, ...)` returns why it cannot run (or None),
+`enumerate_candidates` walks the whole space. `parse_candidate("tp=8,pp=16,mbs=1,...")` reads
+the `--explain` syntax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megapar.mesh import Layout, LayoutError
+
+PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+"""Schedules the planner models. Those registered in `megapar.pipeline.schedules.SCHEDULES` are
+simulated (and can be passed to megapar-train); the others use their published bubble formula."""
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout and its memory / schedule options."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline stages."""
+    dp: int = 1
+    """Data-parallel replicas."""
+    mbs: int = 1
+    """Micro-batch size (sequences)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule (one of PLAN_SCHEDULES)."""
+    v: int = 1
+    """Model chunks per rank (interleaved 1F1B); 1 otherwise."""
+    recompute: str = "none"
+    """Activation recomputation: none, selective or full."""
+    sp: bool = False
+    """Sequence parallelism (splits LayerNorm / dropout activations over tp)."""
+    zero: int = 0
+    """1 shards the optimizer state over dp (ZeRO-1 / distributed optimizer)."""
+
+    def label(self) -> str:
+        sched = self.schedule + (f" v{self.v}" if self.v > 1 else "")
+        extras = [f"rc={self.recompute}"] + (["sp"] if self.sp else []) + \
+            (["zero1"] if self.zero else [])
+        return f"tp{self.tp} pp{self.pp} dp{self.dp} mbs{self.mbs} {sched} " + " ".join(extras)
+
+    def spec(self) -> str:
+        """The --explain syntax for this candidate."""
+        return (f"tp={self.tp},pp={self.pp},dp={self.dp},mbs={self.mbs},"
+                f"schedule={self.schedule},v={self.v},recompute={self.recompute},"
+                f"sp={int(self.sp)},zero={self.zero}")
+
+
+_ALIASES = {"micro_batch_size": "mbs", "micro-batch-size": "mbs", "virtual_stages": "v",
+            "virtual-stages": "v", "vpp": "v"}
+
+
+def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
+    """`tp=8,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`; dp defaults
+    to gpus / (tp pp). ValueError naming the bad item otherwise."""
+    fields = {f.name: f.type for f in dataclasses.fields(Candidate)}
+    values: dict = {}
+    for item in text.replace(" ", ",").split(","):
+        if not item:
+            continue
+        if "=" not in item:
+            raise ValueError(f"--explain item {item!r} is not KEY=VALUE "
+                             f"(keys: {', '.join(fields)})")
+        key, value = item.split("=", 1)
+        key = _ALIASES.get(key.strip().lower(), key.strip().lower())
+        if key not in fields:
+            raise ValueError(f"--explain: unknown key {key!r}; keys: {', '.join(fields)}")
+        if key in ("schedule", "recompute"):
+            values[key] = value
+        elif key == "sp":
+            values[key] = value.lower() in ("1", "true", "yes", "on")
+        else:
+            try:
+                values[key] = int(value)
+            except ValueError:
+                raise ValueError(f"--explain: {key}={value!r} is not an integer") from None
+    if "dp" not in values and gpus:
+        values["dp"] = max(1, gpus // (values.get("tp", 1) * values.get("pp", 1)))
+    return Candidate(**values)
+
+
+def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int,
+          seq_len: int | None = None) -> str | None:
+    """Why candidate `c` cannot run (one sentence naming the fix), or None if it can."""
+    try:
+        config.validate(Layout(c.tp, c.pp, c.dp))
+    except LayoutError as exc:
+        return str(exc)
+    if c.tp * c.pp * c.dp != gpus:
+        return f"tp*pp*dp = {c.tp}*{c.pp}*{c.dp} = {c.tp * c.pp * c.dp} is not --gpus {gpus}"
+    if c.tp > gpus_per_node:
+        return (f"tp {c.tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
+                f"parallelism needs the intra-node link")
+    if c.schedule not in PLAN_SCHEDULES:
+        return f"unknown schedule {c.schedule!r}; the planner models {', '.join(PLAN_SCHEDULES)}"
+    if c.recompute not in RECOMPUTE:
+        return f"unknown recompute {c.recompute!r}; use {', '.join(RECOMPUTE)}"
+    if c.mbs < 1 or global_batch % (c.mbs * c.dp):
+        return (f"global batch {global_batch} is not divisible by micro-batch size {c.mbs} x "
+                f"dp {c.dp}")
+    m = global_batch // (c.mbs * c.dp)
+    if c.pp == 1 and c.schedule != "1f1b":
+        return f"schedule {c.schedule} needs pp > 1 (with one stage there is no pipeline)"
+    if c.schedule == "interleaved":
+        if c.v < 2:
+            return "interleaved 1F1B needs v >= 2 model chunks per rank"
+        if config.num_layers % (c.pp * c.v):
+            return (f"{config.num_layers} layers cannot be cut into pp*v = {c.pp}*{c.v} equal "
+                    f"chunks")
+        if m % c.pp:
+            return f"interleaved 1F1B needs micro-batches ({m}) divisible by pp {c.pp}"
+    elif c.v != 1:
+        return f"v {c.v} needs schedule interleaved"
+    if c.sp and c.tp == 1:
+        return "sequence parallelism needs tp > 1"
+    if c.sp and seq_len and seq_len % c.tp:
+        return f"sequence parallelism needs --seq-len {seq_len} divisible by tp {c.tp}"
+    if c.zero not in (0, 1):
+        return f"zero {c.zero}: only 0 and 1 are modelled"
+    if c.zero and c.dp == 1:
+        return "ZeRO-1 needs dp > 1 (there is nothing to shard over)"
+    return None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_candidates(config, gpus: int, gpus_per_node: int, global_batch: int,
+                         micro_batch_sizes=(1, 2, 4, 8), schedules=PLAN_SCHEDULES,
+                         virtual_stages=(2, 4), recompute=RECOMPUTE, allow_sp: bool = True,
+                         allow_zero: bool = True, seq_len: int | None = None):
+    """(valid candidates, [(candidate, reason)] rejected) over the whole space."""
+    valid, rejected = [], []
+    for tp in divisors(gpus):
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            for mbs in micro_batch_sizes:
+                for schedule in schedules if pp > 1 else ("1f1b",):
+                    for v in virtual_stages if schedule == "interleaved" else (1,):
+                        for rc in recompute:
+                            for sp in ((False, True) if allow_sp and tp > 1 else (False,)):
+                                for zero in ((0, 1) if allow_zero and dp > 1 else (0,)):
+                                    c = Candidate(tp, pp, dp, mbs, schedule, v, rc, sp, zero)
+                                    reason = check(c, config, gpus, gpus_per_node,
+                                                   global_batch, seq_len)
+                                    if reason:
+                                        rejected.append((c, reason))
+                                    else:
+                                        valid.append(c)
+    return valid, rejected

@@ -1,0 +1,126 @@
+"""Memory one rank needs: weights, gradients, optimizer state and activations.
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models" (Section 4): one transformer layer keeps, per micro-batch of b sequences of
+s tokens, hidden h, a heads, tensor-parallel size t,
+
+    no recompute, no SP      s b h (10 + 24/t + 5 a s / (h t))    bytes (16-bit activations)
+    no recompute, SP         s b h (34 + 5 a s / h) / t
+    selective (attention)    s b h (10 + 24/t)  (SP: 34 s b h / t)
+    full recompute           2 s b h            (SP: 2 s b h / t): only the layer input
+
+`paper_layer_bytes` is exactly that. `layer_bytes` is the same count term by term, so it can
+also describe what megapar's implementation keeps: element size 4 in fp32, no dropout masks
+when dropout is 0, and a fused attention kernel (PyTorch's scaled_dot_product_attention keeps
+q, k, v and a log-sum-exp per row, its output being the projection's input, instead of the
+a s^2 softmax): with those knobs it reproduces the bytes counted on CPU
+(benchmarks/plan_validate.py, tests/test_plan.py).
+
+Term by term (elements unless noted; "rep" = replicated over tp unless SP):
+  rep: LN1 input, LN1 output (QKV input), LN2 input, LN2 output (FC1 input)  4 s b h
+       dropout masks after attention and MLP (1 byte each)                  2 s b h bytes
+  /t:  Q, K, V 3 s b h; attention-output-projection input s b h; GELU input 4 s b h;
+       FC2 input 4 s b h                                                    12 s b h
+  /t:  attention scores: softmax output a s^2 b, its dropout mask (bytes) and output a s^2 b
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+GIB = 2**30
+
+
+def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                      recompute: str = "none") -> float:
+    """Activation bytes of one layer and micro-batch, Korthikanti et al. 2022 (16-bit)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    attention = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return s * b * h * (34 + attention) / t
+    return s * b * h * (10 + 24 / t + attention / t)
+
+
+def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                recompute: str = "none", act_bytes: int = 2, dropout: bool = True,
+                fused_attention: bool = False, norm_stats: bool = False) -> float:
+    """Activation bytes of one layer and micro-batch, term by term (see the module docstring).
+
+    With the defaults this equals `paper_layer_bytes`. `norm_stats` adds the LayerNorms' saved
+    mean and 1/std (fp32, 2 per token each), which the paper leaves out."""
+    sbh = s * b * h
+    rep = sp and t or 1                     # replicated terms are split only under SP
+    if recompute == "full":
+        return sbh * act_bytes / rep
+    replicated = 4 * sbh * act_bytes + (2 * sbh if dropout else 0)
+    split = 12 * sbh * act_bytes
+    if recompute == "selective":
+        scores = 0.0
+    elif fused_attention:
+        scores = a * s * b * 4   # log-sum-exp (fp32); the kernel output is the proj input
+    else:
+        scores = a * s * s * b * (2 * act_bytes + 1) if dropout else a * s * s * b * act_bytes
+    stats = 2 * 2 * s * b * 4 / rep if norm_stats else 0.0
+    return replicated / rep + (split + scores) / t + stats
+
+
+def head_bytes(s: int, b: int, h: int, vocab_local: int, act_bytes: int,
+               logits_bytes: int = 4) -> float:
+    """What the last stage keeps beyond its blocks, per micro-batch: the final norm's input and
+    output, the softmax of this rank's vocabulary slice (fp32, as the paper's 4 s b v / t) and
+    the int64 targets with two boolean masks of the vocab-parallel cross-entropy (and the count
+    of labelled tokens); the norm's statistics are fp32."""
+    return s * b * (2 * h * act_bytes + vocab_local * logits_bytes + 8 + 2) + 2 * s * b * 4 + 8
+
+
+def embedding_bytes(s: int, b: int, h: int, dropout: bool, sp_t: int = 1) -> float:
+    """What the first stage keeps beyond its blocks, per micro-batch: the int64 token ids (s + 1
+    per sequence: inputs and labels are views of one tensor), the position ids and, with
+    dropout, the embedding dropout mask (1 byte per element; split by t under SP)."""
+    return (s + 1) * b * 8 + s * 8 + (s * b * h / sp_t if dropout else 0)
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes one rank of a pipeline stage needs at the peak of a step."""
+
+    stage: int
+    """Pipeline stage this is (the most loaded one is reported)."""
+    params: float
+    """Parameters (model weights as stored; 16-bit copies when master weights are separate)."""
+    grads: float
+    """Gradients (fp32)."""
+    optimizer: float
+    """Adam moments (and fp32 master weights when separate), divided by dp under ZeRO-1."""
+    activations: float
+    """Activations kept for backward at the peak: in-flight micro-batches x per micro-batch."""
+    in_flight: int
+    """Peak micro-batches in flight on this stage (from the schedule)."""
+    buffers: float
+    """Pipeline send / receive buffers and the stage output kept for backward."""
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def as_gib(self) -> dict:
+        d = {k: v / GIB for k, v in asdict(self).items() if k not in ("stage", "in_flight")}
+        return {"stage": self.stage, "in_flight": self.in_flight, **d, "total": self.total / GIB}
+
+
+def state_bytes(params: int, dp: int, zero: int, master_weights: str) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes for `params` elements on one rank.
+
+    master_weights "fp32" is megapar today: fp32 parameters (autocast casts on the fly), fp32
+    gradients, Adam's two fp32 moments: 4 + 4 + 8 bytes. "separate" is Megatron's mixed
+    precision (and issue 12's distributed optimizer): 16-bit parameters, fp32 main gradients,
+    fp32 master copy + two moments in the optimizer: 2 + 4 + 12 bytes. ZeRO-1 / the distributed
+    optimizer divides the optimizer column by dp."""
+    if master_weights == "fp32":
+        p, g, o = 4, 4, 8
+    elif master_weights == "separate":
+        p, g, o = 2, 4, 12
+    else:
+        raise ValueError(f"unknown master-weights layout {master_weights!r}; use fp32 or separate")
+    return params * p, params * g, params * o / (dp if zero else 1)

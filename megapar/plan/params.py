@@ -1,0 +1,103 @@
+"""Parameter counts per pipeline stage, read off the real models built on the meta device.
+
+Nothing here is a formula that could drift from the model code: a block, the embedding and the
+head are each built once per tp size on `Mesh.virtual(..., device="meta")` (no memory, no
+processes) and their parameters counted. A stage holds `layers x block + embedding (first stage)
++ head (last stage: final norm and, unless it is also the first stage, a tied copy of the word
+embedding)`; `tests/test_plan.py` checks this against whole stages built the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from megapar.mesh import Layout, Mesh
+from megapar.pipeline.partition import partition_layers
+
+
+@dataclass(frozen=True)
+class PieceCounts:
+    """Elements one tp rank holds of each piece of the model (vocabulary padding included)."""
+
+    block: int
+    """One transformer block."""
+    embedding: int
+    """What the first stage adds: word (tp shard), position (and token-type, norm) embeddings."""
+    head: int
+    """What the last stage adds: final norm (GPT-2) or MLM transform + bias (BERT)."""
+    tied_copy: int
+    """The last stage's copy of the word-embedding shard (only when it is not the first stage)."""
+
+
+def _build(config, tp: int, layers, pre: bool, post: bool):
+    from megapar.models import build_model
+
+    mesh = Mesh.virtual(Layout(tp, 1, 1), rank=0, device="meta")
+    return build_model(config, mesh, layers, pre_process=pre, post_process=post)
+
+
+def _numel(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@lru_cache(maxsize=64)
+def _pieces(config_json: str, tp: int) -> PieceCounts:
+    import json
+
+    from megapar.models.config import config_from_dict
+
+    config = config_from_dict(json.loads(config_json))
+    block = _numel(_build(config, tp, range(1), False, False))
+    first = _numel(_build(config, tp, range(0), True, False))
+    last_only = _build(config, tp, range(0), False, True)
+    tied = sum(p.numel() for p in last_only.parameters() if getattr(p, "tied_to", None))
+    head = _numel(last_only) - tied
+    return PieceCounts(block, first, head, tied)
+
+
+def piece_counts(config, tp: int) -> PieceCounts:
+    """Per-tp-rank element counts of a block, the embedding and the head of `config`."""
+    import json
+
+    return _pieces(json.dumps(config.to_dict(), sort_keys=True), tp)
+
+
+def stage_layer_counts(num_layers: int, pp: int) -> list[int]:
+    """Blocks per stage as megapar-train cuts them (the first num_layers % pp stages +1)."""
+    return [len(r) for r in partition_layers(num_layers, pp)]
+
+
+def stage_params(config, tp: int, pp: int) -> list[int]:
+    """Elements of parameters one tp rank of each pipeline stage holds."""
+    pieces = piece_counts(config, tp)
+    counts = []
+    for stage, layers in enumerate(stage_layer_counts(config.num_layers, pp)):
+        n = layers * pieces.block
+        if stage == 0:
+            n += pieces.embedding
+        if stage == pp - 1:
+            n += pieces.head + (pieces.tied_copy if pp > 1 else 0)
+        counts.append(n)
+    return counts
+
+
+def model_params(config) -> int:
+    """Parameters of the whole model, unpadded, the tied embedding counted once (what Hugging
+    Face's `num_parameters()` reports: 124,439,808 for GPT-2 small)."""
+    import json
+
+    return _model_params(json.dumps(config.to_dict(), sort_keys=True))
+
+
+@lru_cache(maxsize=16)
+def _model_params(config_json: str) -> int:
+    import json
+
+    from megapar.models.config import config_from_dict
+
+    config = config_from_dict(json.loads(config_json))
+    model = _build(config, 1, range(config.num_layers), True, True)
+    return sum(math.prod(getattr(p, "full_shape", p.shape)) for p in model.parameters()
+               if not getattr(p, "tied_to", None))

@@ -1,0 +1,110 @@
+"""What the planner needs from a pipeline schedule: its bubble and its in-flight micro-batches.
+
+A schedule registered in `megapar.pipeline.schedules.SCHEDULES` is *run*: its action lists are
+generated and played on megapar's simulator (`megapar.pipeline.simulate`), and the in-flight
+count is read off the actions (`in_flight_peak`). A schedule the planner models but megapar does
+not implement yet falls back to its published formula. Every result says which was used
+("simulated" or "formula"), so a plan never passes a formula off as a simulation.
+
+Chunked schedules (interleaved 1F1B) are called through `schedule_actions(name, pp, m, stage, v)`
+when the schedules module provides it; zero-bubble schedules split the backward into B and W,
+timed with the simulator's `bwd_input_ms` / `bwd_weight_ms` when its `Costs` has them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from functools import lru_cache
+
+MAX_SIMULATED_ACTIONS = 4096
+"""Above pp x m x v this many forwards the formula is used (the simulator is pure Python)."""
+
+
+def _registered(name: str) -> bool:
+    from megapar.pipeline import schedules
+
+    return name in schedules.SCHEDULES
+
+
+def _actions(name: str, pp: int, m: int, stage: int, v: int):
+    """The stage's action list, or None when megapar cannot generate this schedule."""
+    from megapar.pipeline import schedules
+
+    if not _registered(name):
+        return None
+    if hasattr(schedules, "schedule_actions"):
+        return schedules.schedule_actions(name, pp, m, stage, v)
+    if v != 1:
+        return None
+    return schedules.SCHEDULES[name](pp, m, stage)
+
+
+def formula_bubble(name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0,
+                   t_b: float = 1.0, t_w: float = 1.0) -> float:
+    """Idle share of the step with equal stages and free communication.
+
+    GPipe and 1F1B: (p-1)/(m+p-1). Interleaved 1F1B (Narayanan et al. 2021): (p-1)/(v m+p-1).
+    ZB-H1 (Qi et al. 2024): the idle time per stage is (p-1)(t_F + t_B - t_W) against
+    m (t_F + t_B + t_W) of work, t_B the input-gradient and t_W the weight-gradient half."""
+    if name in ("gpipe", "1f1b"):
+        return (pp - 1) / (m + pp - 1)
+    if name == "interleaved":
+        return (pp - 1) / (v * m + pp - 1)
+    if name == "zb-h1":
+        idle = (pp - 1) * max(0.0, t_f + t_b - t_w)
+        return idle / (m * (t_f + t_b + t_w) + idle)
+    raise ValueError(f"no bubble formula for schedule {name!r}")
+
+
+@lru_cache(maxsize=4096)
+def bubble(name: str, pp: int, m: int, v: int = 1, bwd_ratio: float = 2.0) -> tuple[float, str]:
+    """(idle share of the step, "simulated" | "formula" | "no pipeline") with
+    t_B = bwd_ratio x t_F per micro-batch (the B and W halves of a split backward equal)."""
+    if pp == 1:
+        return 0.0, "no pipeline"
+    if _registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS:
+        schedules = [_actions(name, pp, m, s, v) for s in range(pp)]
+        if all(a is not None for a in schedules):
+            return _simulated(schedules, bwd_ratio, v, name), "simulated"
+    half = bwd_ratio / 2
+    return formula_bubble(name, pp, m, v, 1.0, half, half), "formula"
+
+
+def _simulated(schedules, bwd_ratio: float, v: int, name: str) -> float:
+    from megapar.pipeline import simulate as sim
+    from megapar.pipeline.timeline import bubble_stats
+
+    # Chunks of an interleaved schedule each do 1/v of the stage's work.
+    costs = {"fwd_ms": 1.0 / v, "bwd_ms": bwd_ratio / v}
+    names = {f.name for f in dataclasses.fields(sim.Costs)}
+    if "bwd_input_ms" in names:
+        costs.update(bwd_input_ms=bwd_ratio / (2 * v), bwd_weight_ms=bwd_ratio / (2 * v))
+    kwargs = {}
+    if "placement" in inspect.signature(sim.simulate).parameters:
+        from megapar.pipeline import schedules as sched
+
+        kwargs["placement"] = getattr(sched, "placement_of", lambda n: "loop")(name)
+    timeline = sim.simulate(schedules, sim.Costs(**costs), **kwargs)
+    return float(bubble_stats(timeline)["measured_bubble"])
+
+
+@lru_cache(maxsize=4096)
+def in_flight(name: str, pp: int, m: int, v: int = 1) -> tuple[tuple[float, ...], str]:
+    """Per stage, the peak of stored activations in units of *whole-stage* micro-batches (an
+    interleaved chunk counts 1/v), and "simulated" (read off the actions) or "formula"."""
+    if _registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS:
+        from megapar.pipeline.schedules import in_flight_peak
+
+        per_stage = [_actions(name, pp, m, s, v) for s in range(pp)]
+        if all(a is not None for a in per_stage):
+            return tuple(in_flight_peak(a) / v for a in per_stage), "simulated"
+    if name == "gpipe":
+        counts = [m] * pp
+    elif name in ("1f1b", "zb-h1"):   # ZB-H1 keeps 1F1B's warmup, hence its memory
+        counts = [min(pp - s, m) for s in range(pp)]
+    elif name == "interleaved":       # Megatron's warmup: 2 (p - s - 1) + (v - 1) p chunks, + 1
+        counts = [min(2 * (pp - s - 1) + (v - 1) * pp + 1, m * v) / v for s in range(pp)]
+    else:
+        raise ValueError(f"no in-flight formula for schedule {name!r}")
+    return tuple(float(c) for c in counts), "formula"

@@ -1,0 +1,113 @@
+"""Rank estimates and present them: a table, the chosen layout's megapar-train command, JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megapar.plan.estimate import Estimate, Problem
+from megapar.plan.memory import GIB
+
+# Candidate option -> TrainConfig fields that would carry it, in order of preference. A flag is
+# only emitted when megapar-train has the field; otherwise the command says what is missing.
+_FEATURE_FIELDS = {
+    "sp": ("sequence_parallel",),
+    "v": ("virtual_stages", "virtual_pipeline_stages"),
+}
+
+
+def rank(estimates: list[Estimate]) -> list[Estimate]:
+    """Layouts that fit, fastest first (then by memory); then the others, smallest first."""
+    return sorted(estimates, key=lambda e: (0, e.step_s, e.memory.total) if e.fits
+                  else (1, e.memory.total, e.step_s))
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:>7.1f}Gi" if nbytes >= GIB else f"{nbytes / 2**20:>7.1f}Mi"
+
+
+def _train_fields() -> tuple[set[str], dict]:
+    from megapar.training.config import TrainConfig, _choices
+
+    return {f.name for f in dataclasses.fields(TrainConfig)}, _choices()
+
+
+def runnable(e: Estimate) -> list[str]:
+    """What megapar-train lacks to run this layout today (empty: it runs as planned)."""
+    fields, choices = _train_fields()
+    c, missing = e.candidate, []
+    if c.pp > 1 and c.schedule not in choices["schedule"]:
+        missing.append(f"schedule {c.schedule} (megapar-train --schedule offers "
+                       f"{', '.join(choices['schedule'])})")
+    if c.v > 1 and not fields & set(_FEATURE_FIELDS["v"]):
+        missing.append(f"{c.v} virtual stages per rank")
+    if c.sp and not fields & set(_FEATURE_FIELDS["sp"]):
+        missing.append("sequence parallelism")
+    return missing
+
+
+def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
+    """(the megapar-train command line for the estimate's layout, notes on what it lacks)."""
+    fields, _ = _train_fields()
+    c = e.candidate
+    flags = [f"--model {model}", f"--tp {c.tp}", f"--pp {c.pp}",
+             f"--seq-len {p.seq_len}", f"--micro-batch-size {c.mbs}",
+             f"--global-batch-size {p.global_batch}", f"--recompute {c.recompute}",
+             f"--precision {p.precision}", f"--peak-tflops {p.peak_tflops:g}"]
+    missing = runnable(e)
+    if c.pp > 1 and not any(c.schedule in m for m in missing):
+        flags.append(f"--schedule {c.schedule}")
+    if c.zero:
+        flags.append("--zero 1")
+    for feature, value in (("sp", c.sp), ("v", c.v > 1)):
+        name = next((n for n in _FEATURE_FIELDS[feature] if n in fields), None)
+        if value and name:
+            flags.append(f"--{name.replace('_', '-')}" + (f" {c.v}" if feature == "v" else ""))
+    if p.gpus <= p.gpus_per_node:
+        head = f"megapar-train --dp {c.dp}"
+    else:
+        head = (f"torchrun --nnodes {-(-p.gpus // p.gpus_per_node)} --nproc-per-node "
+                f"{p.gpus_per_node} -m megapar.cli.train")
+    return " ".join([head] + flags), missing
+
+
+def row(e: Estimate) -> dict:
+    """One estimate as plain JSON-able values."""
+    return {"layout": e.candidate.label(), "spec": e.candidate.spec(),
+            "memory_gib": e.memory.as_gib(), "fits": e.fits, "bubble": e.bubble,
+            "bubble_source": e.bubble_source, "comm_s": e.comm_s, "comm_share": e.comm_share,
+            "compute_s": e.compute_s, "step_s": e.step_s, "tokens_per_s": e.tokens_per_s,
+            "mfu": e.mfu, "hw_tflops_per_gpu": e.hw_tflops, "runs_today": not runnable(e),
+            "missing_in_megapar_train": runnable(e)}
+
+
+def table(estimates: list[Estimate]) -> str:
+    head = (f"{'#':>3} {'layout':<56} {'mem/GPU':>9} {'fits':>4} {'bubble':>10} {'comm':>5} "
+            f"{'step s':>8} {'tokens/s':>10} {'MFU':>5} {'today':>5}")
+    lines = [head, "-" * len(head)]
+    for i, e in enumerate(estimates, 1):
+        src = {"simulated": "s", "formula": "f"}.get(e.bubble_source, " ")
+        lines.append(
+            f"{i:>3} {e.candidate.label():<56} {_size(e.memory.total)} "
+            f"{'yes' if e.fits else 'no':>4} {100 * e.bubble:>8.1f}%{src} "
+            f"{100 * e.comm_share:>4.0f}% {e.step_s:>8.3f} {e.tokens_per_s:>10.0f} "
+            f"{100 * e.mfu:>4.1f}% {'yes' if not runnable(e) else 'no':>5}")
+    lines.append("bubble: s = simulated on megapar's schedule simulator, f = published formula "
+                 "(schedule not in megapar yet); mem = most loaded rank; today = megapar-train "
+                 "can run it now")
+    return "\n".join(lines)
+
+
+def explain(e: Estimate) -> str:
+    """Memory and time breakdown of one estimate."""
+    g = e.memory.as_gib()
+    lines = [f"layout {e.candidate.label()}  ({e.candidate.spec()})",
+             f"memory of the most loaded rank (stage {g['stage']}, {g['in_flight']} micro-batches "
+             f"in flight): params {g['params']:.2f} GiB, grads {g['grads']:.2f}, optimizer "
+             f"{g['optimizer']:.2f}, activations {g['activations']:.2f}, buffers "
+             f"{g['buffers']:.2f} = {g['total']:.2f} GiB -> {'fits' if e.fits else 'does NOT fit'}",
+             f"time per step {e.step_s:.4f} s: compute {e.compute_s:.4f} s, bubble "
+             f"{100 * e.bubble:.1f} % ({e.bubble_source}), exposed comm " +
+             ", ".join(f"{k} {v:.4f} s" for k, v in e.comm_s.items()),
+             f"tokens/s {e.tokens_per_s:.0f}, MFU {100 * e.mfu:.1f} %, "
+             f"{e.hw_tflops:.1f} TFLOP/s per GPU incl. recomputation"]
+    return "\n".join(lines)

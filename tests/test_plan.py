@@ -1,0 +1,231 @@
+"""megapar-plan: parameter counts against the models, activation memory against Korthikanti et
+al. 2022 and against bytes counted on a real forward, bubbles against the simulator, layout
+rejection, and the CLI's command line against megapar-train's own parser."""
+
+import json
+import shlex
+
+import pytest
+import torch
+
+from megapar.mesh import Layout, Mesh
+from megapar.models import GPT2Config, build_model
+from megapar.models.recipes import resolve_model
+from megapar.pipeline.partition import partition_layers
+from megapar.pipeline.schedules import SCHEDULES, get_schedule, in_flight_peak
+from megapar.pipeline.simulate import Costs, simulate_schedule
+from megapar.pipeline.timeline import bubble_stats
+from megapar.plan import Candidate, Problem, check, estimate, parse_candidate, stage_memory
+from megapar.plan import memory as mem
+from megapar.plan import pipeline
+from megapar.plan.params import model_params, stage_params
+
+GPT3 = GPT2Config(vocab_size=51200, n_positions=2048, n_embd=12288, n_layer=96, n_head=96)
+
+
+# -- parameters --------------------------------------------------------------------------------
+def test_gpt2_124m_has_124_4m_parameters_like_transformers():
+    import transformers
+
+    config = resolve_model("gpt2-124m")
+    with torch.device("meta"):
+        hf = transformers.GPT2LMHeadModel(config.to_hf())
+    assert model_params(config) == hf.num_parameters() == 124_439_808
+
+
+@pytest.mark.parametrize("recipe,tp,pp", [("gpt2-tiny", 2, 3), ("gpt2-tiny", 4, 4),
+                                          ("gpt2-124m", 4, 5), ("bert-tiny", 2, 2)])
+def test_stage_params_equal_whole_stages_built_on_meta(recipe, tp, pp):
+    config = resolve_model(recipe)
+    built = []
+    for stage, layers in enumerate(partition_layers(config.num_layers, pp)):
+        mesh = Mesh.virtual(Layout(tp, pp, 1), rank=Layout(tp, pp, 1).rank(0, stage, 0))
+        model = build_model(config, mesh, layers, stage == 0, stage == pp - 1)
+        built.append(sum(p.numel() for p in model.parameters()))
+    assert stage_params(config, tp, pp) == built
+
+
+# -- activation memory -------------------------------------------------------------------------
+def test_paper_formula_on_the_papers_examples():
+    # Korthikanti et al. 2022: 5as/h is 80 for GPT-3 (a=96, s=2048, h=12288), so with TP + SP
+    # selective recomputation keeps 34 / (34 + 80) of the activations: a 70 % reduction; MT-NLG
+    # (a=128, h=20480): 5as/h = 64, a 65 % reduction.
+    for a, h, cut in ((96, 12288, 0.70), (128, 20480, 0.65)):
+        full = mem.paper_layer_bytes(2048, 1, h, a, 8, sp=True)
+        selective = mem.paper_layer_bytes(2048, 1, h, a, 8, sp=True, recompute="selective")
+        assert 1 - selective / full == pytest.approx(cut, abs=0.005)
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    assert mem.paper_layer_bytes(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+    assert mem.paper_layer_bytes(s, b, h, a, t) == s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert mem.paper_layer_bytes(s, b, h, a, t, True, "selective") == 34 * s * b * h / t
+    assert mem.paper_layer_bytes(s, b, h, a, t, False, "full") == 2 * s * b * h
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_term_by_term_count_reproduces_the_paper(t, sp, recompute):
+    args = (2048, 2, 12288, 96, t, sp, recompute)
+    assert mem.layer_bytes(*args) == pytest.approx(mem.paper_layer_bytes(*args), rel=1e-12)
+
+
+@pytest.mark.parametrize("pre,post", [(False, False), (True, True)])
+def test_activation_prediction_equals_bytes_saved_by_a_real_forward(pre, post):
+    config = GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    s, b = 32, 3
+    model = build_model(config, Mesh(Layout()), range(2), pre, post)
+    model.init_weights(0)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 300, (b, s + 1))
+    hidden = None if pre else torch.randn(b, s, 32, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(hidden, {"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+    held = sum(saved.values()) + (0 if post else out.untyped_storage().nbytes())
+    problem = Problem(config, 1, 1, 80, b, s, "fp32", "fp32", fused_attention=True)
+    if not pre:  # a middle stage: compare against the first (= only) stage minus its extras
+        predicted = 2 * mem.layer_bytes(s, b, 32, 4, act_bytes=4, dropout=False,
+                                        fused_attention=True, norm_stats=True) + s * b * 32 * 4
+    else:
+        predicted = stage_memory(problem, Candidate(mbs=b))[0].activations
+    assert predicted == held
+
+
+# -- pipeline ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp,m", [(2, 2), (4, 8), (8, 3)])
+def test_bubble_and_in_flight_come_from_the_simulator(name, pp, m):
+    value, source = pipeline.bubble(name, pp, m, 1, 2.0)
+    expected = bubble_stats(simulate_schedule(name, pp, m, Costs(1.0, 2.0)))["measured_bubble"]
+    assert source == "simulated" and value == pytest.approx(expected, rel=1e-9)
+    assert value == pytest.approx((pp - 1) / (m + pp - 1))
+    counts, source = pipeline.in_flight(name, pp, m, 1)
+    assert source == "simulated"
+    assert counts == tuple(in_flight_peak(get_schedule(name)(pp, m, s)) for s in range(pp))
+
+
+@pytest.mark.parametrize("name", sorted(set(SCHEDULES) - {"gpipe", "1f1b"}))
+def test_other_registered_schedules_are_simulated_and_agree_with_their_formula(name):
+    v = 2 if name == "interleaved" else 1   # runs once the schedules issue registers them
+    value, source = pipeline.bubble(name, 4, 8, v, 2.0)
+    assert source == "simulated"
+    assert value == pytest.approx(pipeline.formula_bubble(name, 4, 8, v))
+
+
+def test_unregistered_schedules_fall_back_to_their_formula(monkeypatch):
+    from megapar.pipeline import schedules
+
+    for name in ("interleaved", "zb-h1"):   # as on a branch without the schedules issue
+        monkeypatch.delitem(schedules.SCHEDULES, name, raising=False)
+    pipeline.bubble.cache_clear()
+    pipeline.in_flight.cache_clear()
+    try:
+        assert pipeline.bubble("zb-h1", 4, 8, 1, 2.0) == (pytest.approx(3 / 27), "formula")
+        assert pipeline.bubble("interleaved", 4, 8, 2, 2.0) == (pytest.approx(3 / 19),
+                                                                "formula")
+        # Megatron's interleaved warmup: stage 0 holds L (1 + (p-1)/(p v)) layers' activations.
+        counts, source = pipeline.in_flight("interleaved", 4, 8, 2)
+        # (in units of whole-stage micro-batches: L/p layers each)
+        assert source == "formula" and counts[0] == pytest.approx(4 * (1 + 3 / 8))
+    finally:
+        pipeline.bubble.cache_clear()
+        pipeline.in_flight.cache_clear()
+    assert pipeline.formula_bubble("zb-h1", 4, 8, 1, 1.0, 2.0, 0.0) == pytest.approx(3 / 11)
+
+
+# -- layouts -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec,gpus,reason", [
+    ("tp=3", 3, "not divisible by --tp 3"),
+    ("tp=16", 16, "span nodes"),
+    ("mbs=3", 1, "not divisible by micro-batch size 3"),
+    ("tp=2,sp=0,zero=1", 2, "ZeRO-1 needs dp > 1"),
+    ("sp=1", 1, "needs tp > 1"),
+    ("tp=2,sp=1", 2, "--seq-len 99 divisible by tp 2"),
+    ("pp=2,schedule=interleaved,v=2,mbs=16", 2, "divisible by pp"),
+    ("pp=4,schedule=interleaved,v=2", 4, "cannot be cut into pp*v"),
+    ("schedule=gpipe", 1, "needs pp > 1"),
+    ("tp=2,pp=2,dp=2", 4, "is not --gpus"),
+])
+def test_invalid_layouts_are_rejected_with_the_reason(spec, gpus, reason):
+    config = GPT2Config(n_layer=4, n_head=16, n_embd=1024)
+    c = parse_candidate(spec, gpus)
+    seq_len = 99 if "sp=1" in spec else 128
+    assert reason in check(c, config, gpus, 8, 16, seq_len)
+    assert parse_candidate(c.spec()) == c
+
+
+def test_gpt3_175b_on_1024_a100s_at_tp8_pp16():
+    problem = Problem(GPT3, 1024, 8, 80, 1536, 2048, master_weights="separate")
+    full = estimate(problem, Candidate(8, 16, 8, 1, "1f1b", 1, "full"))
+    none = estimate(problem, Candidate(8, 16, 8, 1, "1f1b", 1, "none"))
+    # stage 0 holds 16 micro-batches x (6 layers of the paper's per-layer activations, the
+    # embedding's dropout mask s b h bytes, the stage output 2 s b h bytes)
+    layer, sbh = mem.paper_layer_bytes(2048, 1, 12288, 96, 8), 2048 * 12288
+    assert none.memory.activations == pytest.approx(16 * (6 * layer + 3 * sbh), rel=1e-3)
+    assert full.fits and none.memory.total > 70 * mem.GIB > 2 * full.memory.total
+    assert full.bubble == pytest.approx(15 / (192 + 15)) and full.bubble_source == "simulated"
+    assert 0.3 < full.mfu < 0.6          # Narayanan et al. report 44-49 % of peak with recompute
+    zero = estimate(problem, Candidate(8, 16, 8, 1, "1f1b", 1, "full", False, 1))
+    assert zero.memory.optimizer == pytest.approx(full.memory.optimizer / 8)
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+def _cli(capsys, *argv):
+    from megapar.cli.plan import main
+
+    code = main(list(argv))
+    return code, capsys.readouterr()
+
+
+def test_cli_command_line_is_accepted_by_megapar_train(capsys):
+    from megapar.training.config import build_parser
+
+    code, out = _cli(capsys, "--model", "gpt2-tiny", "--gpus", "4", "--gpus-per-node", "4",
+                     "--gpu-memory-gb", "1", "--global-batch-size", "16", "--seq-len", "64",
+                     "--today", "--top", "5")
+    assert code == 0 and "chosen:" in out.out
+    command = out.out.split("command: ")[1].splitlines()[0]
+    args = shlex.split(command)
+    assert args[0] == "megapar-train"
+    cfg = build_parser().parse_args(args[1:])
+    assert cfg.tp * cfg.pp * cfg.dp == 4 and cfg.model == "gpt2-tiny"
+
+
+def test_cli_json_and_explain(capsys):
+    base = ["--model", "gpt2-124m", "--gpus", "8", "--global-batch-size", "64", "--seq-len",
+            "1024", "--gpu-memory-gb", "40"]
+    code, out = _cli(capsys, *base, "--json", "--top", "3")
+    data = json.loads(out.out)
+    assert code == 0 and data["model_params"] == 124_439_808 and len(data["layouts"]) == 3
+    assert data["layouts"][0]["fits"] and data["rejected"] > 0
+    code, out = _cli(capsys, *base, "--explain", "tp=5,pp=1")
+    assert code == 1 and "12 attention heads are not divisible by --tp 5" in out.out
+    code, out = _cli(capsys, *base, "--explain", "tp=2,pp=2,mbs=2,recompute=selective")
+    assert code == 0 and "activations" in out.out and "command: megapar-train --dp 2" in out.out
+    code, out = _cli(capsys, *base, "--seq-len", "4096")
+    assert code == 2 and "1024 positions" in out.err
+
+
+def test_command_uses_only_flags_megapar_train_has():
+    import dataclasses
+
+    from megapar.plan.report import command
+    from megapar.training.config import TrainConfig, _choices
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    problem = Problem(resolve_model("gpt2-124m"), 16, 8, 80, 64, 1024)
+    cand = Candidate(2, 4, 2, 1, "interleaved", 3, "selective", True, 1)
+    cmd, missing = command(estimate(problem, cand), problem, "gpt2-124m")
+    assert cmd.startswith("torchrun --nnodes 2 --nproc-per-node 8 -m megapar.cli.train")
+    assert ("--sequence-parallel" in cmd) == ("sequence_parallel" in fields)
+    assert ("sequence parallelism" in " ".join(missing)) == ("sequence_parallel" not in fields)
+    assert ("--virtual-stages 3" in cmd) == ("virtual_stages" in fields)
+    assert ("--schedule interleaved" in cmd) == ("interleaved" in _choices()["schedule"])
+    assert "--zero 1" in cmd
