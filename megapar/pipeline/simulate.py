@@ -211,13 +211,17 @@ def theoretical_bubble(pp: int, m: int, schedule: str = "1f1b", virtual_stages: 
     - interleaved 1F1B with V chunks per rank (Narayanan et al. 2021): (pp-1) / (V m + pp-1);
     - ZB-H1 (Qi et al. 2024, Table 1): the bubble is (pp-1)(t_F + t_B - t_W) per stage next to
       m (t_F + t_B + t_W) of compute; t_F = `fwd_ms`, t_B = `bwd_input_ms`, t_W = `bwd_weight_ms`
-      (ignored by the other schedules, whose bubble does not depend on the costs).
+      (ignored by the other schedules, whose bubble does not depend on the costs). The paper's
+      formula assumes t_W <= t_F + t_B; outside that it does not say, and this returns NaN (the
+      simulator, `simulate_schedule`, covers every case).
     """
     if pp < 1 or m < 1:
         raise ValueError(f"theoretical_bubble needs pp >= 1 and m >= 1, got pp={pp} m={m}")
     if schedule == "interleaved":
         return (pp - 1) / (virtual_stages * m + pp - 1)
     if schedule == "zb-h1":
-        idle = (pp - 1) * max(0.0, fwd_ms + bwd_input_ms - bwd_weight_ms)
+        if bwd_weight_ms > fwd_ms + bwd_input_ms:
+            return float("nan")
+        idle = (pp - 1) * (fwd_ms + bwd_input_ms - bwd_weight_ms)
         return idle / (m * (fwd_ms + bwd_input_ms + bwd_weight_ms) + idle)
     return (pp - 1) / (m + pp - 1)
