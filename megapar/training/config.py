@@ -48,7 +48,9 @@ class TrainConfig:
     """Sequences per optimizer step (micro-batch size x micro-batches x dp)."""
     # --- pipeline / memory ---
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe or 1f1b."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved (needs --virtual-stages >= 2) or zb-h1 (zero bubble)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank for --schedule interleaved (Megatron's round-robin: rank r holds chunks r, r+pp, ...)."""
     recompute: str = "none"
     """Activation recomputation: none, selective (attention core) or full (each block)."""
     precision: str = "fp32"
