@@ -199,11 +199,11 @@ def _rounds(pp: int, m: int, what: str) -> int:
     """Micro-batches per round (torch's flexible rule; Megatron's is m % pp == 0)."""
     rounds = max(1, m // pp)
     if m % rounds:
-        ok = sorted({k * pp for k in range(1, 5)} | set(range(1, pp + 1)))
+        ok = [k for k in range(1, 4 * pp + 1) if k % max(1, k // pp) == 0]
         raise ValueError(
             f"{what} runs the {m} micro-batches in max(1, m // pp) = {rounds} rounds of equal "
             f"size, so m must be divisible by {rounds}; use m <= pp or a multiple of pp "
-            f"(pp={pp}: m in {ok[:8]}...)")
+            f"(valid m up to {4 * pp} for pp={pp}: {', '.join(map(str, ok))})")
     return m // rounds
 
 
