@@ -31,7 +31,7 @@ def test_interleaved_checkpoint_continues_under_1f1b_at_pp4_and_converted(tmp_pa
     assert read_manifest(resolve_checkpoint(dst))["layout"]["tp"] == 2
     log_b = tmp_path / "b.jsonl"
     assert train([*common, "--tp", "2", "--pp", "2", "--schedule", "zb-h1", "--load", str(dst),
-                  "--log-json", str(log_b)]) == 0
+                  "--rank-order", "tp-dp-pp", "--log-json", str(log_b)]) == 0
     measured.append(_assert_continues(reference, log_b,
                                       "interleaved 1x2 V=2 -> convert 2x2 -> zb-h1"))
     print("\n".join(measured))

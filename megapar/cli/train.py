@@ -23,9 +23,9 @@ from megapar.training.data import DataPlan, build_datasets, prepare_data
 def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
     """Validate the run and resolve its data and model; raises with a clear message."""
     if under_launcher():
-        layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp)
+        layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order)
     else:
-        layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1)
+        layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order)
     per_step = cfg.micro_batch_size * layout.dp
     if cfg.micro_batch_size < 1 or cfg.global_batch_size % per_step:
         raise ValueError(f"global batch size {cfg.global_batch_size} is not divisible by "

@@ -26,6 +26,8 @@ class TrainConfig:
     """Pipeline-parallel size (stages)."""
     dp: int | None = None
     """Data-parallel size; default world size / (tp * pp) (1 when megapar-train starts the workers)."""
+    rank_order: str = "tp-pp-dp"
+    """Rank order, fastest first: tp-pp-dp (dp outermost: gradient all-reduce crosses nodes) or tp-dp-pp (Megatron's: pp outermost, point-to-point crosses nodes)."""
     # --- model ---
     model: str | None = None
     """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny) or a JSON/YAML config file."""
@@ -123,7 +125,10 @@ def _choices() -> dict[str, list]:
     from megapar.optim.scheduler import DECAY_STYLES
     from megapar.pipeline.schedules import SCHEDULES
 
-    return {"schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
+    from megapar.mesh import RANK_ORDERS
+
+    return {"rank_order": list(RANK_ORDERS),
+            "schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
             "precision": list(PRECISIONS), "zero": [0, 1], "lr_decay": list(DECAY_STYLES)}
 
 

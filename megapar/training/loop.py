@@ -49,7 +49,8 @@ class Trainer:
         from megapar.training.step import TrainStep
 
         self.cfg = cfg
-        self.mesh = mesh = Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s)
+        self.mesh = mesh = Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
+                                         order=cfg.rank_order)
         self.config = config_from_dict(plan.model_config)
         self.model = build_stage(self.config, mesh, cfg.seed, cfg.recompute,
                                  virtual_stages=cfg.virtual_stages)
