@@ -160,8 +160,8 @@ def mean_costs(timeline, schedule: str = "1f1b") -> dict:
     the median over all messages of the (clock-aligned) step."""
     import statistics
 
-    def mean(kind):
-        d = [e.end - e.start for e in timeline.events if e.kind == kind]
+    def mean(kind, min_rank=0):
+        d = [e.end - e.start for e in timeline.events if e.kind == kind and e.rank >= min_rank]
         return 1e3 * sum(d) / len(d) if d else 0.0
     from megapar.pipeline.schedules import Action, peer_of, placement_of
 
@@ -180,8 +180,11 @@ def mean_costs(timeline, schedule: str = "1f1b") -> dict:
     costs = {"fwd_ms": mean("forward"), "bwd_ms": mean("backward"),
              "p2p_ms": statistics.median(latencies) if latencies else 0.0}
     if any(e.kind == "backward_input" for e in timeline.events):
-        costs["bwd_input_ms"], costs["bwd_weight_ms"] = mean("backward_input"), \
-            mean("backward_weight")
+        # The model's first stage has no input: its B is empty and its W the whole backward,
+        # so B and W are measured where the split is real (every later stage).
+        later = 1 if pp > 1 else 0
+        costs["bwd_input_ms"], costs["bwd_weight_ms"] = mean("backward_input", later), \
+            mean("backward_weight", later)
         costs["bwd_ms"] = costs["bwd_input_ms"] + costs["bwd_weight_ms"]
     return costs
 
