@@ -188,3 +188,26 @@ def test_schedule_error_is_raised_for_inconsistent_chunks():
     stages[1] = [a for a in stages[1] if not (a.kind == "send_grad" and a.chunk == 1)]
     with pytest.raises(ScheduleError):
         simulate(stages)
+
+
+def test_messages_pair_in_issue_order_per_rank_pair():
+    """NCCL ignores p2p tags: messages between two ranks pair up in issue order. Every schedule
+    sends on each directed rank pair (whatever the kind or chunk) in exactly the order the
+    receiver receives, so the per-chunk tags gloo uses are a safety net, not a requirement."""
+    from megapar.pipeline.schedules import peer_of, placement_of
+
+    for name, v in (("1f1b", 1), ("gpipe", 1)) + NEW:
+        for pp in range(2, 9):
+            for m in range(1, 4 * pp + 1):
+                if name == "interleaved" and m % max(1, m // pp):
+                    continue
+                sends, recvs = {}, {}
+                for r in range(pp):
+                    for a in schedule_actions(name, pp, m, r, v):
+                        if a.kind.startswith(("send", "recv")):
+                            peer, chunk = peer_of(r, a, pp, v, placement_of(name))
+                            if a.kind.startswith("send"):
+                                sends.setdefault((r, peer), []).append((a.kind[5:], a.mb, chunk))
+                            else:
+                                recvs.setdefault((peer, r), []).append((a.kind[5:], a.mb, a.chunk))
+                assert sends == recvs, (name, v, pp, m)

@@ -5,7 +5,10 @@ run has the same static shape (micro-batch x seq x hidden) and dtype, so only th
 no shape or metadata messages.
 
 Plain `dist.isend` / `dist.irecv` (not `batch_isend_irecv`, which is unreliable on gloo), with one
-tag per channel so an activation can never be mistaken for a gradient between the same two ranks:
+tag per channel (and per receiving model chunk) so an activation can never be mistaken for a
+gradient between the same two ranks. NCCL ignores tags and pairs a rank pair's messages in issue
+order; every schedule issues them in the order the receiver receives them (tested), so both
+backends pair the same messages:
 
 - a send returns at once; the tensor and its work handle are kept until the send is waited for:
   by `release()` as soon as the executor knows the peer has received it, or by `wait_sends()` at
