@@ -7,7 +7,6 @@ backward, W deferred) give the loss and every parameter's gradient of the single
 """
 
 import pytest
-import torch
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -15,7 +14,9 @@ from megapar.models import BertConfig, GPT2Config
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.tied import sync_tied_embeddings
 from megapar.training.build import build_stage
-from test_pipeline_parity import CONFIGS, HIDDEN, MB, SEED, SEQ, check_against, micro_batches
+from test_pipeline_parity import (
+    CONFIGS, HIDDEN, MB, SEED, SEQ, check_against, full_grad, micro_batches,
+)
 from tp_utils import make_mesh
 
 LAYERS, V, MS = 8, 2, (4, 8)
@@ -35,7 +36,6 @@ def reference(kind, batches):
         loss = model(None, batch)
         (loss / len(batches)).backward()
         losses.append(loss.detach())
-    from test_pipeline_parity import full_grad
     return sum(losses) / len(batches), {n: full_grad(p) for n, p in model.named_parameters()}
 
 

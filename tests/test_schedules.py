@@ -3,7 +3,7 @@
 import pytest
 
 from megapar.pipeline.schedules import (
-    ACTION_KINDS, SCHEDULES, Action, format_schedule, get_schedule, gpipe, in_flight_peak,
+    ACTION_KINDS, Action, format_schedule, get_schedule, gpipe, in_flight_peak,
     one_f_one_b)
 from megapar.pipeline.simulate import simulate
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megapar.pipeline.schedules import SCHEDULES, Action, gpipe
+from megapar.pipeline.schedules import Action, gpipe
 from megapar.pipeline.simulate import (
     CommMismatchError, Costs, DeadlockError, simulate, simulate_schedule, theoretical_bubble)
 from megapar.pipeline.timeline import bubble_stats
