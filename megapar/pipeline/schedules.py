@@ -27,11 +27,12 @@ checks):
 - Hence a schedule is deadlock-free iff simulating every stage in program order, where a receive
   completes only after the neighbour has issued the matching send, lets every stage finish.
 
-Design note: the vocabulary already carries `chunk` and the split backward. Interleaved 1F1B (each
-rank holds several model chunks; `chunk > 0` selects the virtual stage) and zero-bubble schedules
-(``backward`` split into ``backward_input``, which produces the gradient to send upstream, and
-``backward_weight``, which can be deferred to fill bubbles) are added as new schedule functions in
-`SCHEDULES` without changing the executor's dispatch loop.
+Model chunks and the split backward: interleaved 1F1B (each rank holds several model chunks;
+`chunk` selects one, `placement.py` maps it to its virtual stage and neighbours) and zero-bubble
+schedules (``backward`` split into ``backward_input``, which produces the gradient to send
+upstream, and ``backward_weight``, deferred to fill bubbles) are schedule functions in `SCHEDULES`
+like the others; the executor's dispatch loop is the same for all. Their compute orders equal
+torch.distributed.pipelining's `ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from megapar.pipeline.placement import (  # noqa: F401 (re-exported)
+    PLACEMENTS, peer_of, stage_location, virtual_stage,
+)
 from megapar.pipeline.timeline import short_label
 
 ACTION_KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad",
@@ -140,38 +144,7 @@ def one_f_one_b(pp: int, m: int, stage: int) -> list[Action]:
     return actions
 
 
-# Model chunks (virtual stages) ---------------------------------------------------------------
-PLACEMENTS = ("loop", "v")
-"""How a rank's chunks map to virtual stages. "loop" (Megatron's interleaving): chunk c of rank r
-is virtual stage c * pp + r, so activations go 0 -> 1 -> ... -> pp-1 -> 0 for the next chunk.
-"v" (ZB-V, two chunks): chunk 0 of rank r is virtual stage r, chunk 1 is 2 * pp - 1 - r."""
-
-
-def virtual_stage(rank: int, chunk: int, pp: int, placement: str = "loop") -> int:
-    """The virtual stage (index into the model's layer slices) of `chunk` on pp rank `rank`."""
-    if placement == "v":
-        return rank if chunk == 0 else 2 * pp - 1 - rank
-    return chunk * pp + rank
-
-
-def stage_location(vs: int, pp: int, placement: str = "loop") -> tuple[int, int]:
-    """(pp rank, chunk) holding virtual stage `vs`; inverse of `virtual_stage`."""
-    if placement == "v":
-        return (vs, 0) if vs < pp else (2 * pp - 1 - vs, 1)
-    return vs % pp, vs // pp
-
-
-def peer_of(rank: int, action: Action, pp: int, num_chunks: int,
-            placement: str = "loop") -> tuple[int, int] | None:
-    """(pp rank, chunk) a send goes to or a receive comes from; None for compute actions or
-    beyond the ends of the model."""
-    vs = virtual_stage(rank, action.chunk, pp, placement)
-    step = {"send_act": 1, "recv_grad": 1, "recv_act": -1, "send_grad": -1}.get(action.kind)
-    if step is None or not 0 <= vs + step < pp * num_chunks:
-        return None
-    return stage_location(vs + step, pp, placement)
-
-
+# Model chunks (virtual stages): placement helpers live in `placement.py` ----------------------
 def _with_comms(compute: list[Action], pp: int, stage: int, num_chunks: int,
                 placement: str = "loop") -> list[Action]:
     """Surround each compute action with its communication: receive right before, send right
