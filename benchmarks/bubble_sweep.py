@@ -2,8 +2,11 @@
 
 For every (pp, schedule, m) the real engine runs on pp local processes (`bubble.measure`, the
 last of --steps steps after a warm-up); the simulator then replays the same schedule with that
-run's own per-action costs (`bubble.mean_costs`: forward, backward, p2p latency from the
-receives), and the theory is (pp-1)/(m+pp-1). Prints one table row per point (bubble %, step
+run's own per-action costs (`bubble.mean_costs`: forward, backward, B and W for zero-bubble
+schedules, p2p latency from the receives), and the theory is the schedule's published formula
+((pp-1)/(m+pp-1) for GPipe and 1F1B, (pp-1)/(V m+pp-1) interleaved, Qi et al.'s for ZB-H1 with
+the measured F, B, W). m values a schedule cannot take (interleaved: m % max(1, m // pp)) are
+skipped. Prints one table row per point (bubble %, step
 times, simulated / measured step time ratio, in-flight micro-batches, activation MB of stage 0)
 and writes a plot of bubble vs m: one line per source (measured solid, simulated dashed) per
 schedule and pp, theory dotted per pp (it is the same for both schedules).
@@ -12,8 +15,9 @@ pp=4 needs 4 processes: on a 2-core machine they oversubscribe the cores, stages
 core and "idle" waits partly hide other stages' compute, so only pp=2 (one core per stage) is
 meaningful there; run pp=4 on a machine with at least 4 free cores.
 
-    python benchmarks/bubble_sweep.py [--pp 2 4] [--m 1 2 4 8 16] [--schedules gpipe 1f1b]
-                                      [--steps 2] [--plot bubble_sweep.png]
+    python benchmarks/bubble_sweep.py [--pp 2 4] [--m 1 2 4 8 16]
+                                      [--schedules gpipe 1f1b interleaved zb-h1]
+                                      [--virtual-stages 2] [--steps 2] [--plot bubble_sweep.png]
 """
 
 from __future__ import annotations
@@ -24,15 +28,23 @@ import sys
 
 
 def sweep(args) -> list[dict]:
+    from megapar.pipeline.schedules import CHUNKED_SCHEDULES, check_schedule
     from megapar.training import bubble
 
     rows = []
     for pp in args.pp:
         for schedule in args.schedules:
+            v = args.virtual_stages if schedule in CHUNKED_SCHEDULES else 1
             for m in args.m:
+                try:
+                    check_schedule(schedule, pp, m, v)
+                except ValueError as exc:
+                    print(f"skip {schedule} pp={pp} m={m}: {exc}", flush=True)
+                    continue
                 run = bubble.measure(pp, m, schedule, steps=args.steps,
-                                     micro_batch_size=args.micro_batch_size, seq_len=args.seq_len)
-                sim = bubble.simulate(pp, m, schedule, **run.costs)
+                                     micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
+                                     virtual_stages=v)
+                sim = bubble.simulate(pp, m, schedule, virtual_stages=v, **run.costs)
                 row = {"pp": pp, "schedule": schedule, "m": m,
                        "measured": run.stats["measured_bubble"],
                        "simulated": sim.stats["measured_bubble"], "theory": run.theoretical,
@@ -46,13 +58,13 @@ def sweep(args) -> list[dict]:
     return rows
 
 
-HEADER = (f"{'pp':>3} {'schedule':>8} {'m':>3} {'measured%':>9} {'simulated%':>10} "
+HEADER = (f"{'pp':>3} {'schedule':>11} {'m':>3} {'measured%':>9} {'simulated%':>10} "
           f"{'theory%':>7} {'step ms':>8} {'sim ms':>8} {'sim/meas':>8} {'in-flight':>10} "
           f"{'act MB s0':>9}")
 
 
 def format_row(r: dict) -> str:
-    return (f"{r['pp']:>3} {r['schedule']:>8} {r['m']:>3} {100 * r['measured']:>9.1f} "
+    return (f"{r['pp']:>3} {r['schedule']:>11} {r['m']:>3} {100 * r['measured']:>9.1f} "
             f"{100 * r['simulated']:>10.1f} {100 * r['theory']:>7.1f} {r['step_ms']:>8.1f} "
             f"{r['sim_step_ms']:>8.1f} {r['sim_over_measured']:>8.3f} "
             f"{str(r['in_flight']):>10} {r['act_mb0']:>9.1f}")
@@ -97,8 +109,10 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes")
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="micro-batches")
-    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
-                   choices=["gpipe", "1f1b"])
+    p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb-h1"],
+                   choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
+    p.add_argument("--virtual-stages", type=int, default=2,
+                   help="model chunks per rank for interleaved")
     p.add_argument("--steps", type=int, default=2, help="measured steps per point (+1 warm-up)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)

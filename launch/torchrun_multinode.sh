@@ -5,8 +5,11 @@
 #   NNODES=2 NODE_RANK=0 NPROC_PER_NODE=8 MASTER_ADDR=node0.example MASTER_PORT=29500 \
 #     launch/torchrun_multinode.sh --tp 8 --pp 2 --model gpt2-1.5b --data /data/corpus
 #
-# Rank order is tp fastest, then pp, then dp: keep tp <= NPROC_PER_NODE so tensor-parallel
-# groups stay inside a node; dp (= world / (tp*pp)) crosses nodes. Extra torchrun flags can go
+# Rank order is tp fastest, then pp, then dp (--rank-order tp-pp-dp, the default): keep
+# tp <= NPROC_PER_NODE so tensor-parallel groups stay inside a node; dp (= world / (tp*pp))
+# crosses nodes. With --rank-order tp-dp-pp (Megatron's) pp is outermost instead: only the
+# point-to-point activations cross nodes and the dp gradient all-reduce stays inside one
+# (needs tp*dp <= NPROC_PER_NODE for that). Extra torchrun flags can go
 # in TORCHRUN_ARGS (e.g. TORCHRUN_ARGS="--max-restarts 0").
 set -euo pipefail
 : "${NNODES:?set NNODES (number of nodes)}"

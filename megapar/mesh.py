@@ -1,7 +1,10 @@
 """The 3D device mesh: tensor (fastest) x pipeline x data (outermost) parallelism.
 
 Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so the ranks of a tensor-parallel group
-are contiguous (they stay inside a node) and data parallelism crosses nodes.
+are contiguous (they stay inside a node) and data parallelism crosses nodes. That is the default
+rank order "tp-pp-dp"; Megatron's "tp-dp-pp" puts pp outermost instead,
+rank = (pp_rank * dp + dp_rank) * tp + tp_rank, so the cheap point-to-point pipeline traffic
+crosses nodes and the data-parallel gradient reduction stays closer (see `RANK_ORDERS`).
 
 There are no module-level process groups: code that communicates receives a `Mesh`.
 A 1x1x1 mesh needs no process group at all (every group is then None and every collective
@@ -23,6 +26,11 @@ class LayoutError(ValueError):
     """A parallel layout that cannot work (sizes, world size, model shapes)."""
 
 
+RANK_ORDERS = ("tp-pp-dp", "tp-dp-pp")
+"""How mesh coordinates map to global ranks, fastest-varying dimension first. tp is always
+fastest (tensor-parallel groups are contiguous ranks, inside a node)."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout: how many ways each dimension is split."""
@@ -33,12 +41,17 @@ class Layout:
     """Pipeline-parallel size: number of pipeline stages."""
     dp: int = 1
     """Data-parallel size: model replicas that see different data."""
+    order: str = "tp-pp-dp"
+    """Rank order (`RANK_ORDERS`): "tp-pp-dp" (dp outermost) or "tp-dp-pp" (pp outermost)."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"--{name} must be an integer >= 1, got {value!r}")
+        if self.order not in RANK_ORDERS:
+            raise LayoutError(f"--rank-order must be one of {', '.join(RANK_ORDERS)}, "
+                              f"got {self.order!r}")
 
     @property
     def world_size(self) -> int:
@@ -46,17 +59,37 @@ class Layout:
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, pp_rank, dp_rank) of a global rank."""
+        if self.order == "tp-dp-pp":
+            return rank % self.tp, rank // (self.tp * self.dp), (rank // self.tp) % self.dp
         return rank % self.tp, (rank // self.tp) % self.pp, rank // (self.tp * self.pp)
 
     def rank(self, tp: int, pp: int, dp: int) -> int:
         """Global rank of mesh coordinates."""
+        if self.order == "tp-dp-pp":
+            return (pp * self.dp + dp) * self.tp + tp
         return (dp * self.pp + pp) * self.tp + tp
 
+    @property
+    def mesh_dims(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """DeviceMesh dimension names and sizes, outermost first (row-major = `rank`)."""
+        if self.order == "tp-dp-pp":
+            return ("pp", "dp", "tp"), (self.pp, self.dp, self.tp)
+        return ("dp", "pp", "tp"), (self.dp, self.pp, self.tp)
+
+    def to_dict(self) -> dict:
+        """{"tp", "pp", "dp"} (plus "order" when it is not the default), as manifests store it."""
+        out = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        if self.order != RANK_ORDERS[0]:
+            out["order"] = self.order
+        return out
+
     def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}"
+        order = "" if self.order == RANK_ORDERS[0] else f" order={self.order}"
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{order}"
 
     @staticmethod
-    def infer(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None) -> "Layout":
+    def infer(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
+              order: str = "tp-pp-dp") -> "Layout":
         """Layout for a world size; dp defaults to world_size / (tp * pp)."""
         if tp < 1 or pp < 1:
             raise LayoutError(f"--tp and --pp must be >= 1, got tp={tp} pp={pp}")
@@ -66,7 +99,7 @@ class Layout:
                     f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}; "
                     f"launch a multiple of {tp * pp} processes or change --tp/--pp")
             dp = world_size // (tp * pp)
-        layout = Layout(tp, pp, dp)
+        layout = Layout(tp, pp, dp, order)
         if layout.world_size != world_size:
             raise LayoutError(
                 f"world size {world_size} != tp*pp*dp = {tp}*{pp}*{dp} = {layout.world_size}; "
@@ -102,8 +135,8 @@ class Mesh:
                 f"{layout.world_size}; launch {layout.world_size} processes or change the layout")
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.device_mesh = init_device_mesh(
-            self.device.type, (layout.dp, layout.pp, layout.tp), mesh_dim_names=("dp", "pp", "tp"))
+        names, sizes = layout.mesh_dims
+        self.device_mesh = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
         self.tp_group = self.device_mesh.get_group("tp")
         self.pp_group = self.device_mesh.get_group("pp")
         self.dp_group = self.device_mesh.get_group("dp")
@@ -139,12 +172,12 @@ class Mesh:
 
     @classmethod
     def from_env(cls, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 timeout_s: float | None = None) -> "Mesh":
+                 timeout_s: float | None = None, order: str = "tp-pp-dp") -> "Mesh":
         """Initialise torch.distributed from the environment (if needed) and build the mesh."""
         import os
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        layout = Layout.infer(world, tp, pp, dp)
+        layout = Layout.infer(world, tp, pp, dp, order)
         if world > 1:
             _device.init_distributed(timeout_s=timeout_s)
             return cls(layout, dist.get_rank())

@@ -171,3 +171,31 @@ def test_show_schedule_prints_each_stage_action_list(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out == ["stage 0: F0 SA0 F1 SA1 RG0 B0 RG1 B1",
                    "stage 1: RA0 F0 B0 SG0 RA1 F1 B1 SG1"]
+
+
+# new schedules ---------------------------------------------------------------------------------
+def test_simulated_cli_interleaved_and_zb_h1_by_hand(capsys):
+    # Interleaved pp=2, m=2, V=2, f=1, b=2 per chunk: 15 ms step, 12 busy, bubble 1/5 =
+    # (p-1)/(V m + p-1) (spelled out in test_schedules_new.test_simulated_interleaved_by_hand).
+    result, out = run_cli(capsys, "--pp", "2", "-m", "2", "--schedule", "interleaved",
+                          "--virtual-stages", "2", "--simulate", "--fwd-ms", "1")
+    assert "simulated interleaved V=2, pp=2, m=2" in out
+    assert result["step_time_s"] == pytest.approx(15e-3)
+    assert result["measured_bubble"] == pytest.approx(0.2) == result["theoretical_bubble"]
+    assert result["in_flight_peak"] == [4, 3]
+    # ZB-H1 pp=2, m=2 with F=1, B=1, W=0.5: r1 F0[1,2] B0[2,3] F1[3,4] B1[4,5] W0 W1 -> 6;
+    # r0 F0 F1 [0,2] B0[3,4] W0[4,4.5] B1[5,6] W1[6,6.5]: step 6.5, busy 5 per stage.
+    result, _ = run_cli(capsys, "--pp", "2", "-m", "2", "--schedule", "zb-h1", "--simulate",
+                        "--fwd-ms", "1", "--bwd-input-ms", "1", "--bwd-weight-ms", "0.5")
+    assert result["step_time_s"] == pytest.approx(6.5e-3)
+    assert result["measured_bubble"] == pytest.approx(1.5 / 6.5)
+    # the paper's formula: (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)) = 1.5 / 6.5
+    assert result["theoretical_bubble"] == pytest.approx(1.5 / 6.5)
+
+
+def test_bubble_cli_rejects_bad_virtual_stages(capsys):
+    assert main(["--pp", "2", "-m", "5", "--schedule", "interleaved", "--virtual-stages", "2",
+                 "--simulate", "--fwd-ms", "1"]) == 2
+    assert "m must be divisible by 2" in capsys.readouterr().err
+    assert main(["--pp", "2", "-m", "4", "--virtual-stages", "2", "--show-schedule"]) == 2
+    assert "needs --schedule interleaved" in capsys.readouterr().err

@@ -15,6 +15,21 @@ def test_rank_order_tp_fastest_then_pp_then_dp():
         assert layout.rank(*coords) == rank
 
 
+def test_rank_order_megatron_pp_outermost():
+    # tp-dp-pp: tp fastest, then dp, pp outermost (Megatron's default order).
+    layout = Layout(tp=2, pp=2, dp=2, order="tp-dp-pp")
+    expected = {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 0, 1), 3: (1, 0, 1),
+                4: (0, 1, 0), 5: (1, 1, 0), 6: (0, 1, 1), 7: (1, 1, 1)}
+    for rank, coords in expected.items():
+        assert layout.coords(rank) == coords
+        assert layout.rank(*coords) == rank
+    assert layout.to_dict() == {"tp": 2, "pp": 2, "dp": 2, "order": "tp-dp-pp"}
+    assert Layout(2, 2, 2).to_dict() == {"tp": 2, "pp": 2, "dp": 2}
+    assert str(layout) == "tp=2 pp=2 dp=2 order=tp-dp-pp"
+    with pytest.raises(LayoutError, match="--rank-order must be one of tp-pp-dp, tp-dp-pp"):
+        Layout(1, 1, 1, "dp-pp-tp")
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(world_size=8, tp=3), "world size 8 is not divisible by tp\\*pp = 3\\*1"),
     (dict(world_size=8, tp=2, pp=2, dp=1), "world size 8 != tp\\*pp\\*dp = 2\\*2\\*1 = 4"),
@@ -38,17 +53,18 @@ def _members(group):
     return sorted(int(t.item()) for t in out)
 
 
-def _describe():
-    mesh = Mesh(Layout(2, 2, 2), dist.get_rank())
+def _describe(order="tp-pp-dp"):
+    mesh = Mesh(Layout(2, 2, 2, order), dist.get_rank())
     return dict(coords=(mesh.tp_rank, mesh.pp_rank, mesh.dp_rank),
                 tp=_members(mesh.tp_group), pp=_members(mesh.pp_group), dp=_members(mesh.dp_group),
                 mp=_members(mesh.mp_group), emb=_members(mesh.embedding_group),
                 prev=mesh.prev_stage_rank, next=mesh.next_stage_rank)
 
 
-def test_groups_of_every_rank_on_2x2x2():
-    got = run_local(_describe, 8)
-    layout = Layout(2, 2, 2)
+@pytest.mark.parametrize("order", ["tp-pp-dp", "tp-dp-pp"])
+def test_groups_of_every_rank_on_2x2x2(order):
+    got = run_local(_describe, 8, order)
+    layout = Layout(2, 2, 2, order)
     for rank, info in enumerate(got):
         t, p, d = layout.coords(rank)
         assert info["coords"] == (t, p, d)

@@ -78,7 +78,8 @@ def serial_reference() -> dict:
     return {"losses": losses, "norms": norms, "weights": weights, "grads": first_grads}
 
 
-def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32") -> dict:
+def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
+           schedule: str = "1f1b", virtual_stages: int = 1, order: str = "tp-pp-dp") -> dict:
     """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage."""
     import torch.distributed as dist
 
@@ -88,9 +89,10 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32") -> dic
     from megapar.tensor_parallel.partition import gather_full
     from megapar.training.step import TrainStep
 
-    mesh = Mesh(Layout(tp, pp, dp), dist.get_rank())
-    model = build_stage(config(), mesh, SEED)
-    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, SEQ, CONFIG["n_embd"]))
+    mesh = Mesh(Layout(tp, pp, dp, order), dist.get_rank())
+    model = build_stage(config(), mesh, SEED, virtual_stages=virtual_stages)
+    executor = PipelineExecutor(model, mesh, schedule, (MBS, SEQ, CONFIG["n_embd"]),
+                                virtual_stages=virtual_stages)
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
     grad_sync = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb=0.02) \
         if dp > 1 else None
@@ -112,7 +114,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32") -> dic
     weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group)
                for n, p in model.named_parameters()}
     keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
-    return {"layout": (tp, pp, dp, zero), "results": results,
+    return {"layout": (tp, pp, dp, zero, schedule, order), "results": results,
             "weights": weights if keep else {}, "grads": full_grads if keep else {}}
 
 
@@ -158,6 +160,15 @@ def test_reference_clips_every_step(reference):
 def test_3d_parity_tp2_pp2_dp2(reference):
     """tp=2 pp=2 dp=2, without and with ZeRO-1, in one launch of 8 ranks."""
     outs = run_local(_worker, 8, [(2, 2, 2, 0), (2, 2, 2, 1)])
+    for i in range(2):
+        check_against(reference, [o[i] for o in outs])
+
+
+def test_3d_parity_tp2_pp2_dp2_new_schedules(reference):
+    """tp=2 pp=2 dp=2 under ZB-H1 (dp reduction after the last W), and interleaved 1F1B (V=2)
+    with ZeRO-1 in Megatron's rank order (pp outermost)."""
+    outs = run_local(_worker, 8, [(2, 2, 2, 0, "fp32", "zb-h1"),
+                                  (2, 2, 2, 1, "fp32", "interleaved", 2, "tp-dp-pp")])
     for i in range(2):
         check_against(reference, [o[i] for o in outs])
 

@@ -200,6 +200,7 @@ def test_single_stage_runs_without_processes_and_matches_direct_loss():
 def test_unknown_action_kind_names_the_missing_handler():
     mesh = Mesh(Layout())
     executor = PipelineExecutor(ToyStage(mesh), mesh, "gpipe", SHAPE)
+    del executor.handlers["backward_input"]  # as if the kind had no handler yet
     executor.schedule_fn = lambda pp, m, stage: [Action("forward", 0), Action("backward_input", 0)]
     with pytest.raises(NotImplementedError, match="'backward_input'.*register one"):
         executor.run(toy_batches(1))

@@ -199,7 +199,7 @@ def _finish(tmp: Path, root: Path, step: int, model, mesh: Mesh, meta, payloads)
         files[RNG_FILE] = write_tensors(tmp / RNG_FILE, rng)
     layout = mesh.layout
     manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": int(step),
-                "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+                "layout": layout.to_dict(),
                 "model": model.config.to_dict(), "meta": meta, "tensors": tensors,
                 "files": dict(sorted(files.items()))}
     write_json(tmp / MANIFEST, manifest)

@@ -4,6 +4,9 @@
     megapar-bubble --pp 16 --microbatches 64 --simulate --fwd-ms 10 --bwd-ms 20
     megapar-bubble --pp 2 --microbatches 4 --trace trace.json --plot gantt.png
     megapar-bubble --pp 4 --microbatches 8 --show-schedule          # the schedule as data
+    megapar-bubble --pp 4 -m 8 --schedule interleaved --virtual-stages 2 --simulate --fwd-ms 1
+    megapar-bubble --pp 4 -m 8 --schedule zb-h1 --simulate --fwd-ms 1 --bwd-input-ms 1 \
+                   --bwd-weight-ms 1
 
 Prints a table (per stage busy, idle, bubble %, theory %) and a JSON line with
 measured_bubble, theoretical_bubble and step_time_s. --simulate without costs measures them
@@ -24,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, required=True, help="pipeline stages")
     p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step")
     p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per rank (--schedule interleaved needs >= 2)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per stage")
     p.add_argument("--model", help="model recipe (default: a compute-bound GPT-2, 2 blocks/stage)")
     p.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up)")
@@ -35,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", action="store_true", help="compute the timeline from costs")
     p.add_argument("--fwd-ms", type=float, help="forward cost per micro-batch and stage")
     p.add_argument("--bwd-ms", type=float, help="backward cost (default 2 x forward)")
+    p.add_argument("--bwd-input-ms", type=float,
+                   help="zero-bubble B (input-gradient) cost (default half the backward)")
+    p.add_argument("--bwd-weight-ms", type=float,
+                   help="zero-bubble W (weight-gradient) cost (default half the backward)")
     p.add_argument("--p2p-ms", type=float, default=0.0, help="point-to-point latency")
     p.add_argument("--trace", help="write a Chrome trace-event JSON (Perfetto, chrome://tracing)")
     p.add_argument("--plot", help="write the timeline as a Gantt chart PNG")
@@ -49,29 +58,42 @@ def main(argv=None) -> int:
     if args.pp < 1 or args.microbatches < 1:
         print("megapar-bubble: error: --pp and --microbatches must be >= 1", file=sys.stderr)
         return 2
-    if args.show_schedule:
-        from megapar.pipeline.schedules import format_schedule, get_schedule
+    from megapar.pipeline.schedules import check_schedule, format_schedule, schedule_actions
 
-        schedule = get_schedule(args.schedule)
-        for stage in range(args.pp):
-            print(f"stage {stage}: {format_schedule(schedule(args.pp, args.microbatches, stage))}")
+    pp, m, v = args.pp, args.microbatches, args.virtual_stages
+    try:
+        check_schedule(args.schedule, pp, m, v)
+    except ValueError as exc:
+        print(f"megapar-bubble: error: {exc}", file=sys.stderr)
+        return 2
+    if args.show_schedule:
+        for stage in range(pp):
+            print(f"stage {stage}: {format_schedule(schedule_actions(args.schedule, pp, m, stage, v))}")
         return 0
+    name = args.schedule + (f" V={v}" if v > 1 else "")
     if args.simulate:
         fwd, bwd, p2p = args.fwd_ms, args.bwd_ms, args.p2p_ms
+        b_in, b_w = args.bwd_input_ms, args.bwd_weight_ms
         if fwd is None:  # measure the costs once on the real engine
-            costs = bubble.measure(args.pp, args.microbatches, args.schedule, args.tp,
-                                   args.model, 1, args.micro_batch_size, args.seq_len).costs
+            costs = bubble.measure(pp, m, args.schedule, args.tp, args.model, 1,
+                                   args.micro_batch_size, args.seq_len, v).costs
             fwd, bwd, p2p = costs["fwd_ms"], costs["bwd_ms"], costs["p2p_ms"]
-        run = bubble.simulate(args.pp, args.microbatches, args.schedule, fwd,
-                              bwd if bwd is not None else 2 * fwd, p2p)
-        title = f"simulated {args.schedule}, pp={args.pp}, m={args.microbatches}"
+            b_in, b_w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")
+        if bwd is None:
+            bwd = b_in + b_w if b_in is not None and b_w is not None else 2 * fwd
+        run = bubble.simulate(pp, m, args.schedule, fwd, bwd, p2p, v, b_in, b_w)
+        title = f"simulated {name}, pp={pp}, m={m}"
     else:
-        run = bubble.measure(args.pp, args.microbatches, args.schedule, args.tp, args.model,
-                             args.steps, args.micro_batch_size, args.seq_len)
-        title = f"measured {args.schedule}, pp={args.pp}, m={args.microbatches}"
+        run = bubble.measure(pp, m, args.schedule, args.tp, args.model, args.steps,
+                             args.micro_batch_size, args.seq_len, v)
+        title = f"measured {name}, pp={pp}, m={m}"
     print(title)
     print(format_bubble_table(run.stats, run.theoretical))
-    print(f"in-flight micro-batches per stage (peak): {run.in_flight}")
+    print(f"in-flight micro-batches per stage (peak{', counted per chunk' if v > 1 else ''}): "
+          f"{run.in_flight}")
+    if run.activation_mb is not None:
+        print("activation memory per stage (peak MB held for backward): "
+              + ", ".join(f"{x:.1f}" for x in run.activation_mb))
     if args.trace:
         write_chrome_trace(run.timeline, args.trace)
         print(f"wrote {args.trace}")

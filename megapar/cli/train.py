@@ -23,9 +23,9 @@ from megapar.training.data import DataPlan, build_datasets, prepare_data
 def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
     """Validate the run and resolve its data and model; raises with a clear message."""
     if under_launcher():
-        layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp)
+        layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order)
     else:
-        layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1)
+        layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order)
     per_step = cfg.micro_batch_size * layout.dp
     if cfg.micro_batch_size < 1 or cfg.global_batch_size % per_step:
         raise ValueError(f"global batch size {cfg.global_batch_size} is not divisible by "
@@ -33,12 +33,19 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
                          f"choose a multiple of {per_step}")
     if cfg.save_interval < 0 or cfg.max_steps < 1:
         raise ValueError("--max-steps must be >= 1 and --save-interval >= 0")
+    from megapar.pipeline.schedules import check_schedule
+
+    check_schedule(cfg.schedule, layout.pp, cfg.global_batch_size // per_step, cfg.virtual_stages)
     from megapar.optim import LRScheduler
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks
     plan = prepare_data(cfg)
     config = config_from_dict(plan.model_config)
     config.validate(layout)
+    if cfg.virtual_stages > 1:
+        from megapar.pipeline.partition import chunk_specs
+
+        chunk_specs(config.num_layers, layout.pp, 0, cfg.virtual_stages)  # enough layers?
     train, _ = build_datasets(cfg, plan.prefix, config.model_type)
     if len(train) < cfg.global_batch_size:
         raise ValueError(f"the training split has {len(train)} samples of {cfg.seq_len} tokens, "

@@ -69,3 +69,48 @@ class StageModel(nn.Module):
         per_token = vocab_parallel_cross_entropy(logits, labels, self.mesh.tp_group,
                                                  self.vocab_start, self.config.vocab_size)
         return masked_mean(per_token, labels)
+
+
+class ModelChunks(nn.Module):
+    """Several model chunks (virtual pipeline stages) held by one rank, e.g. for interleaved 1F1B.
+
+    `chunks[i]` is an ordinary stage model (any `StageModel`: its own layer slice, the embedding
+    if it is the model's first slice, the head if it is the last). Parameter names are the
+    *canonical* ones (the chunks' own, without a "chunks.i." prefix; blocks are named by global
+    index, so they never collide), so optimizers, checkpoints and conversion see the same names
+    as in any other layout. `forward(hidden, batch, chunk=0)` runs one chunk.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        first = self.chunks[0]
+        self.config, self.mesh, self.tracker = first.config, first.mesh, first.tracker
+        names = [n for c in self.chunks for n, _ in c.named_parameters()]
+        if len(names) != len(set(names)):
+            raise ValueError("model chunks share parameter names; each chunk must hold "
+                             "different blocks")
+
+    @property
+    def pre_process(self) -> bool:
+        return any(c.pre_process for c in self.chunks)
+
+    @property
+    def post_process(self) -> bool:
+        return any(c.post_process for c in self.chunks)
+
+    @property
+    def recompute(self) -> str:
+        return self.chunks[0].recompute
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        for chunk in self.chunks:
+            yield from chunk.named_parameters(prefix, recurse, remove_duplicate)
+
+    def init_weights(self, seed: int) -> None:
+        for chunk in self.chunks:
+            chunk.init_weights(seed)
+
+    def forward(self, hidden, batch: dict, chunk: int = 0):
+        return self.chunks[chunk](hidden, batch)

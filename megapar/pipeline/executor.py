@@ -5,6 +5,12 @@ stage's list of `Action`s and runs them in order, dispatching on `Action.kind` t
 handlers (`self.handlers`). A new action kind (the zero-bubble ``backward_input`` /
 ``backward_weight``) is a new entry in that dict; the loop does not change.
 
+Model chunks (interleaved schedules): `stage` may be a `ModelChunks` (`stage.chunks`), and every
+action names its chunk; per-micro-batch state is keyed by (mb, chunk), and the peer of each
+send / receive comes from the chunk's virtual stage (`schedules.peer_of`), so activations wrap
+around from the last rank to rank 0 for the next chunk. Zero-bubble schedules split the backward
+into ``backward_input`` / ``backward_weight`` (`megapar.pipeline.split_backward`).
+
 Per in-flight micro-batch it keeps the input activation (a leaf that requires grad, so its `.grad`
 is what the previous stage needs) and the output (hidden states, or the loss on the last stage),
 and frees both at the micro-batch's backward. The last stage backpropagates
@@ -18,7 +24,7 @@ when not traced), and `gather_timeline` aligns and collects all stages' timeline
 
 from __future__ import annotations
 
-import bisect
+import functools
 import time
 
 import torch
@@ -28,7 +34,10 @@ from torch import nn
 from megapar.device import DEFAULT_TIMEOUT_S
 from megapar.mesh import Mesh
 from megapar.pipeline.p2p import P2PTimeoutError, StageP2P
-from megapar.pipeline.schedules import Action, get_schedule
+from megapar.pipeline import split_backward
+from megapar.pipeline.schedules import (
+    Action, get_schedule, peer_of, placement_of, schedule_actions, virtual_stage,
+)
 from megapar.pipeline.timeline import Event, Timeline
 
 FORWARD_KINDS = frozenset({"recv_act", "forward", "send_act"})
@@ -47,15 +56,24 @@ class PipelineExecutor:
 
     def __init__(self, stage: nn.Module, mesh: Mesh, schedule: str, act_shape: tuple,
                  act_dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 trace: bool = True):
+                 trace: bool = True, virtual_stages: int = 1):
         self.stage, self.mesh, self.trace = stage, mesh, trace
         self.schedule_name = schedule
-        self.schedule_fn = get_schedule(schedule)
+        get_schedule(schedule)  # unknown names fail here
+        self.schedule_fn = functools.partial(schedule_actions, schedule,
+                                             virtual_stages=virtual_stages)
+        self.chunks = list(getattr(stage, "chunks", [stage]))
+        if len(self.chunks) != virtual_stages:
+            raise ValueError(f"schedule {schedule!r} with --virtual-stages {virtual_stages} needs "
+                             f"a stage of {virtual_stages} model chunks; this rank holds "
+                             f"{len(self.chunks)} (build it with build_stage(virtual_stages=...))")
+        self.placement = placement_of(schedule)
         self.timeout_s = timeout_s
         self.p2p = StageP2P(mesh, act_shape, act_dtype, timeout_s) if mesh.pp > 1 else None
         self.handlers = {
             "recv_act": self._recv_act, "forward": self._forward, "send_act": self._send_act,
             "recv_grad": self._recv_grad, "backward": self._backward, "send_grad": self._send_grad,
+            "backward_input": self._backward_input, "backward_weight": self._backward_weight,
         }
         self._trace: list[tuple] = []
         self.last_timeline = Timeline([])
@@ -63,10 +81,12 @@ class PipelineExecutor:
 
     def _reset(self, micro_batches, loss_scale, forward_only) -> None:
         self._batches, self._loss_scale, self._forward_only = micro_batches, loss_scale, forward_only
-        self._inputs: dict[int, torch.Tensor] = {}       # received activations (leaves)
-        self._outputs: dict[int, torch.Tensor] = {}      # stage outputs (hidden or loss)
-        self._out_grads: dict[int, torch.Tensor] = {}    # received d(loss)/d(output)
-        self._in_grads: dict[int, torch.Tensor] = {}     # d(loss)/d(input) to send upstream
+        # Per (mb, chunk):
+        self._inputs: dict[tuple, torch.Tensor] = {}     # received activations (leaves)
+        self._outputs: dict[tuple, torch.Tensor] = {}    # stage outputs (hidden or loss)
+        self._out_grads: dict[tuple, torch.Tensor] = {}  # received d(loss)/d(output)
+        self._in_grads: dict[tuple, torch.Tensor] = {}   # d(loss)/d(input) to send upstream
+        self._pending_w: dict[tuple, object] = {}        # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
         self._acks: dict[tuple, list[tuple]] = {}        # see _acknowledgements
 
@@ -131,8 +151,9 @@ class PipelineExecutor:
         except P2PTimeoutError:
             raise
         except Exception as exc:
+            chunk = f" (chunk {action.chunk})" if len(self.chunks) > 1 else ""
             exc.add_note(f"[megapar] while running {action.kind} of micro-batch {action.mb} on "
-                         f"pp stage {self.mesh.pp_rank} (rank {self.mesh.rank}), schedule "
+                         f"pp stage {self.mesh.pp_rank}{chunk} (rank {self.mesh.rank}), schedule "
                          f"{self.schedule_name!r}")
             raise
 
@@ -140,58 +161,84 @@ class PipelineExecutor:
         actions = self.schedule_fn(self.mesh.pp, m, stage)
         return [a for a in actions if a.kind in FORWARD_KINDS] if forward_only else actions
 
+    def _peer(self, rank: int, a: Action) -> tuple[int, int] | None:
+        return peer_of(rank, a, self.mesh.pp, len(self.chunks), self.placement)
+
     def _acknowledgements(self, actions, m, forward_only) -> dict[tuple, list[tuple]]:
         """Which of my sends are known received once a given receive of mine returns.
 
         A gloo send completes only when the peer receives it, and sends are waited for at the
         end of the step, so without this every sent buffer would live until then (all m
-        activations, defeating 1F1B's memory bound). From the peer's schedule: my k-th send on
-        a channel matches the peer's k-th receive on it; the first message the peer sends me
-        *after* that receive proves it completed, so when I receive that message the send can
-        be waited for at no cost. Returns {(recv kind, mb): [(send kind, mb), ...]}.
+        activations, defeating 1F1B's memory bound). From the peer's schedule: my send is
+        matched by the peer's receive of the same (micro-batch, chunk) message; the first
+        message the peer sends me *after* that receive proves it completed, so when I receive
+        that message the send can be waited for at no cost.
+        Returns {(recv kind, mb, chunk): [(send kind, mb, chunk), ...]}.
         """
-        me, acks = self.mesh.pp_rank, {}
-        for peer, my_send, my_recv, their_recv, their_send in (
-                (me + 1, "send_act", "recv_grad", "recv_act", "send_grad"),
-                (me - 1, "send_grad", "recv_act", "recv_grad", "send_act")):
-            if not 0 <= peer < self.mesh.pp:
+        me, acks, schedules = self.mesh.pp_rank, {}, {}
+        for send in actions:
+            if send.kind not in ("send_act", "send_grad"):
                 continue
-            theirs = self._actions(m, peer, forward_only)
-            their_recvs = [i for i, a in enumerate(theirs) if a.kind == their_recv]
-            their_sends = [i for i, a in enumerate(theirs) if a.kind == their_send]
-            my_recvs = [a for a in actions if a.kind == my_recv]
-            for k, send in enumerate(a for a in actions if a.kind == my_send):
-                j = bisect.bisect_right(their_sends, their_recvs[k])  # peer's next send to me
-                if j < len(my_recvs):
-                    acks.setdefault((my_recv, my_recvs[j].mb), []).append((my_send, send.mb))
+            peer, peer_chunk = self._peer(me, send)
+            if peer not in schedules:
+                schedules[peer] = self._actions(m, peer, forward_only)
+            theirs = schedules[peer]
+            recv_kind = "recv_act" if send.kind == "send_act" else "recv_grad"
+            j = theirs.index(Action(recv_kind, send.mb, peer_chunk))
+            for later in theirs[j + 1:]:  # the peer's next message to me
+                if later.kind in ("send_act", "send_grad") and \
+                        self._peer(peer, later)[0] == me:
+                    key = ("recv_act" if later.kind == "send_act" else "recv_grad", later.mb,
+                           self._peer(peer, later)[1])
+                    acks.setdefault(key, []).append((send.kind, send.mb, send.chunk))
+                    break
         return acks
 
     def _release_acknowledged(self, recv: Action) -> None:
-        for kind, mb in self._acks.get((recv.kind, recv.mb), ()):
-            self.p2p.release(kind, mb)
+        for kind, mb, chunk in self._acks.get((recv.kind, recv.mb, recv.chunk), ()):
+            self.p2p.release(kind, mb, chunk)
 
     def _check_actions(self, actions: list[Action]) -> None:
         chunks = {a.chunk for a in actions}
-        if chunks - {0}:
+        if max(chunks, default=0) >= len(self.chunks):
             raise NotImplementedError(
                 f"schedule {self.schedule_name!r} uses model chunks {sorted(chunks)}, but this "
-                f"executor runs one chunk per rank; use a non-interleaved schedule")
+                f"rank holds {len(self.chunks)} chunk(s); build the stage with as many "
+                f"virtual stages as the schedule uses")
+
+    def _vs(self, a: Action) -> int:
+        return virtual_stage(self.mesh.pp_rank, a.chunk, self.mesh.pp, self.placement)
+
+    def _is_first(self, a: Action) -> bool:
+        return self._vs(a) == 0
+
+    def _is_last(self, a: Action) -> bool:
+        return self._vs(a) == self.mesh.pp * len(self.chunks) - 1
+
+    def _route(self, a: Action) -> dict:
+        """p2p keyword arguments of a chunked message (none with one chunk per rank)."""
+        if len(self.chunks) == 1 and self.placement == "loop":
+            return {}
+        where = self._peer(self.mesh.pp_rank, a)
+        return {"chunk": a.chunk, ("to" if a.kind.startswith("send") else "source"): where}
 
     # handlers ------------------------------------------------------------------------------
     def _recv_act(self, a: Action) -> None:
-        x = self.p2p.recv_act(a.mb)
+        x = self.p2p.recv_act(a.mb, **self._route(a))
         self._release_acknowledged(a)
-        self._inputs[a.mb] = x.requires_grad_(not self._forward_only)
+        self._inputs[a.mb, a.chunk] = x.requires_grad_(not self._forward_only)
 
     def _forward(self, a: Action) -> None:
-        x = self._inputs.get(a.mb)
-        if x is None and not self.mesh.is_first_stage:
-            raise RuntimeError(f"forward of micro-batch {a.mb} on pp stage {self.mesh.pp_rank} "
-                               f"before its activation was received; the schedule is wrong")
-        out = self.stage(x, self._batches[a.mb])
+        key = (a.mb, a.chunk)
+        x = self._inputs.get(key)
+        if x is None and not self._is_first(a):
+            raise RuntimeError(f"forward of micro-batch {a.mb} (chunk {a.chunk}) on pp stage "
+                               f"{self.mesh.pp_rank} before its activation was received; the "
+                               f"schedule is wrong")
+        out = self.chunks[a.chunk](x, self._batches[a.mb])
         if self._forward_only:  # no graph: the input is not needed any more
-            self._inputs.pop(a.mb, None)
-        if self.mesh.is_last_stage:
+            self._inputs.pop(key, None)
+        if self._is_last(a):
             if out.dim() != 0:
                 raise ValueError(
                     f"the last pipeline stage returned a tensor of shape {tuple(out.shape)} for "
@@ -199,31 +246,54 @@ class PipelineExecutor:
             self._losses[a.mb] = out.detach().float()
             if self._forward_only:
                 return
-        self._outputs[a.mb] = out
+            out = out * self._loss_scale / len(self._batches)  # what backward differentiates
+        self._outputs[key] = out
 
     def _send_act(self, a: Action) -> None:
-        out = self._outputs.pop(a.mb) if self._forward_only else self._outputs[a.mb]
-        self.p2p.send_act(out, a.mb)
+        key = (a.mb, a.chunk)
+        out = self._outputs.pop(key) if self._forward_only else self._outputs[key]
+        self.p2p.send_act(out, a.mb, **self._route(a))
 
     def _recv_grad(self, a: Action) -> None:
-        self._out_grads[a.mb] = self.p2p.recv_grad(a.mb)
+        self._out_grads[a.mb, a.chunk] = self.p2p.recv_grad(a.mb, **self._route(a))
         self._release_acknowledged(a)
 
     def _backward(self, a: Action) -> None:
-        out = self._outputs.pop(a.mb)
-        if self.mesh.is_last_stage:
-            torch.autograd.backward(out * self._loss_scale / len(self._batches))
-        else:
-            torch.autograd.backward(out, grad_tensors=self._out_grads.pop(a.mb))
-        x = self._inputs.pop(a.mb, None)
+        key = (a.mb, a.chunk)
+        out = self._outputs.pop(key)
+        grad = None if self._is_last(a) else self._out_grads.pop(key)
+        torch.autograd.backward(out, grad_tensors=grad)
+        x = self._inputs.pop(key, None)
         if x is not None:
-            if x.grad is None:
-                raise RuntimeError(f"pp stage {self.mesh.pp_rank}: the output of micro-batch "
-                                   f"{a.mb} does not depend on the received activation")
-            self._in_grads[a.mb] = x.grad
+            self._in_grads[key] = self._input_grad(a, x.grad)
+
+    def _input_grad(self, a: Action, grad) -> torch.Tensor:
+        if grad is None:
+            raise RuntimeError(f"pp stage {self.mesh.pp_rank}: the output of micro-batch {a.mb} "
+                               f"(chunk {a.chunk}) does not depend on the received activation")
+        return grad
+
+    def _backward_input(self, a: Action) -> None:
+        """B: the gradient w.r.t. the chunk's input only (sent upstream next); W comes later."""
+        key = (a.mb, a.chunk)
+        out = self._outputs.pop(key)
+        grad = None if self._is_last(a) else self._out_grads.pop(key)
+        x = self._inputs.pop(key, None)
+        params = self._params(a.chunk)
+        dx, self._pending_w[key] = split_backward.backward_input(out, grad, x, params)
+        if x is not None:
+            self._in_grads[key] = self._input_grad(a, dx)
+
+    def _backward_weight(self, a: Action) -> None:
+        """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`."""
+        pending = self._pending_w.pop((a.mb, a.chunk))
+        split_backward.backward_weight(pending, self._params(a.chunk))
+
+    def _params(self, chunk: int) -> list:
+        return [p for p in self.chunks[chunk].parameters() if p.requires_grad]
 
     def _send_grad(self, a: Action) -> None:
-        self.p2p.send_grad(self._in_grads.pop(a.mb), a.mb)
+        self.p2p.send_grad(self._in_grads.pop((a.mb, a.chunk)), a.mb, **self._route(a))
 
     # loss ----------------------------------------------------------------------------------
     def _mean_loss(self, m: int) -> torch.Tensor:

@@ -5,7 +5,10 @@ run has the same static shape (micro-batch x seq x hidden) and dtype, so only th
 no shape or metadata messages.
 
 Plain `dist.isend` / `dist.irecv` (not `batch_isend_irecv`, which is unreliable on gloo), with one
-tag per channel so an activation can never be mistaken for a gradient between the same two ranks:
+tag per channel (and per receiving model chunk) so an activation can never be mistaken for a
+gradient between the same two ranks. NCCL ignores tags and pairs a rank pair's messages in issue
+order; every schedule issues them in the order the receiver receives them (tested), so both
+backends pair the same messages:
 
 - a send returns at once; the tensor and its work handle are kept until the send is waited for:
   by `release()` as soon as the executor knows the peer has received it, or by `wait_sends()` at
@@ -46,15 +49,28 @@ class StageP2P:
         self._pending: dict[tuple[str, int], tuple[int, torch.Tensor, object]] = {}
 
     # sends ---------------------------------------------------------------------------------
-    def send_act(self, tensor: torch.Tensor, mb: int) -> None:
-        """Start sending micro-batch `mb`'s output activation to the next stage."""
-        self._isend(tensor, self.mesh.next_stage_rank, ACT_TAG, "activation", mb)
+    def send_act(self, tensor: torch.Tensor, mb: int, chunk: int = 0,
+                 to: tuple[int, int] | None = None) -> None:
+        """Start sending micro-batch `mb`'s output activation to the next stage; `to` =
+        (pp rank, chunk) of the receiver for model chunks (default: the next rank, chunk 0)."""
+        peer, tag = self._route(to, self.mesh.next_stage_rank, ACT_TAG)
+        self._isend(tensor, peer, tag, "activation", mb, chunk)
 
-    def send_grad(self, tensor: torch.Tensor, mb: int) -> None:
+    def send_grad(self, tensor: torch.Tensor, mb: int, chunk: int = 0,
+                  to: tuple[int, int] | None = None) -> None:
         """Start sending d(loss)/d(input) of micro-batch `mb` to the previous stage."""
-        self._isend(tensor, self.mesh.prev_stage_rank, GRAD_TAG, "gradient", mb)
+        peer, tag = self._route(to, self.mesh.prev_stage_rank, GRAD_TAG)
+        self._isend(tensor, peer, tag, "gradient", mb, chunk)
 
-    def _isend(self, tensor, peer, tag, what, mb) -> None:
+    def _route(self, where, default_peer, base_tag) -> tuple[int | None, int]:
+        """Global rank and tag of a message to/from (pp rank, chunk) `where`. Every receiving
+        chunk has its own tag per direction, so messages to different chunks never mix."""
+        if where is None:
+            return default_peer, base_tag
+        pp_rank, receiver_chunk = where
+        return self.mesh.stage_rank(pp_rank), base_tag + 2 * receiver_chunk
+
+    def _isend(self, tensor, peer, tag, what, mb, chunk=0) -> None:
         if peer is None:
             raise RuntimeError(f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}) has no "
                                f"neighbour to send the {what} of micro-batch {mb} to; the "
@@ -62,14 +78,14 @@ class StageP2P:
         self._check(tensor, what, mb)
         payload = tensor.detach().contiguous()
         work = dist.isend(payload, dst=peer, tag=tag, group=self.mesh.pp_group)
-        self._pending[(what, mb)] = (peer, payload, work)
+        self._pending[(what, mb, chunk)] = (peer, payload, work)
 
     @property
     def pending_sends(self) -> int:
         """Sends started but not yet waited for (their buffers are still held)."""
         return len(self._pending)
 
-    def release(self, kind: str, mb: int) -> None:
+    def release(self, kind: str, mb: int, chunk: int = 0) -> None:
         """Wait for one send that is known to have been received, and free its buffer.
 
         A gloo send only completes once the peer has posted the matching receive, so waiting
@@ -78,24 +94,31 @@ class StageP2P:
         or "send_grad"; sends already waited for are ignored.
         """
         what = "activation" if kind == "send_act" else "gradient"
-        entry = self._pending.pop((what, mb), None)
+        entry = self._pending.pop((what, mb, chunk), None)
         if entry is not None:
             self._wait(entry[2], f"sending the {what} of micro-batch {mb} to rank {entry[0]}")
 
     def wait_sends(self) -> None:
         """Wait (with the timeout) for every send not waited for yet."""
         pending, self._pending = self._pending, {}
-        for (what, mb), (peer, _payload, work) in pending.items():
+        for (what, mb, _chunk), (peer, _payload, work) in pending.items():
             self._wait(work, f"sending the {what} of micro-batch {mb} to rank {peer}")
 
     # receives ------------------------------------------------------------------------------
-    def recv_act(self, mb: int) -> torch.Tensor:
-        """Block until micro-batch `mb`'s input activation arrives from the previous stage."""
-        return self._recv(self.mesh.prev_stage_rank, ACT_TAG, "activation", mb)
+    def recv_act(self, mb: int, chunk: int = 0,
+                 source: tuple[int, int] | None = None) -> torch.Tensor:
+        """Block until micro-batch `mb`'s input activation arrives from the previous stage
+        (`source` = its (pp rank, chunk) for model chunks)."""
+        peer = self._route(source, self.mesh.prev_stage_rank, ACT_TAG)[0]
+        tag = ACT_TAG + 2 * chunk if source is not None else ACT_TAG
+        return self._recv(peer, tag, "activation", mb)
 
-    def recv_grad(self, mb: int) -> torch.Tensor:
+    def recv_grad(self, mb: int, chunk: int = 0,
+                  source: tuple[int, int] | None = None) -> torch.Tensor:
         """Block until d(loss)/d(output) of micro-batch `mb` arrives from the next stage."""
-        return self._recv(self.mesh.next_stage_rank, GRAD_TAG, "gradient", mb)
+        peer = self._route(source, self.mesh.next_stage_rank, GRAD_TAG)[0]
+        tag = GRAD_TAG + 2 * chunk if source is not None else GRAD_TAG
+        return self._recv(peer, tag, "gradient", mb)
 
     def _recv(self, peer, tag, what, mb) -> torch.Tensor:
         if peer is None:

@@ -55,3 +55,25 @@ def stage_spec(num_layers: int, pp: int, stage: int,
     """The StageSpec of pipeline rank `stage`."""
     ranges = partition_layers(num_layers, pp, layers_per_stage)
     return StageSpec(stage, ranges[stage], stage == 0, stage == pp - 1)
+
+
+def chunk_specs(num_layers: int, pp: int, stage: int, virtual_stages: int,
+                placement: str = "loop") -> list[StageSpec]:
+    """The StageSpecs of the `virtual_stages` model chunks pipeline rank `stage` holds: the
+    blocks are cut into pp * V slices as evenly as `partition_layers` cuts them into stages,
+    and chunk c of rank r holds slice `virtual_stage(r, c, pp, placement)` (c * pp + r for
+    Megatron's round-robin "loop" placement). Only the model's first slice holds the embedding
+    and only its last the head."""
+    from megapar.pipeline.placement import virtual_stage
+
+    total = pp * virtual_stages
+    if num_layers < total:
+        raise LayoutError(f"{num_layers} layers cannot be cut into --pp {pp} x --virtual-stages "
+                          f"{virtual_stages} = {total} model chunks (each needs at least one "
+                          f"layer); lower --virtual-stages or --pp")
+    ranges = partition_layers(num_layers, total)
+    specs = []
+    for chunk in range(virtual_stages):
+        vs = virtual_stage(stage, chunk, pp, placement)
+        specs.append(StageSpec(stage, ranges[vs], vs == 0, vs == total - 1))
+    return specs

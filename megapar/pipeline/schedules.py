@@ -27,11 +27,12 @@ checks):
 - Hence a schedule is deadlock-free iff simulating every stage in program order, where a receive
   completes only after the neighbour has issued the matching send, lets every stage finish.
 
-Design note: the vocabulary already carries `chunk` and the split backward. Interleaved 1F1B (each
-rank holds several model chunks; `chunk > 0` selects the virtual stage) and zero-bubble schedules
-(``backward`` split into ``backward_input``, which produces the gradient to send upstream, and
-``backward_weight``, which can be deferred to fill bubbles) are added as new schedule functions in
-`SCHEDULES` without changing the executor's dispatch loop.
+Model chunks and the split backward: interleaved 1F1B (each rank holds several model chunks;
+`chunk` selects one, `placement.py` maps it to its virtual stage and neighbours) and zero-bubble
+schedules (``backward`` split into ``backward_input``, which produces the gradient to send
+upstream, and ``backward_weight``, deferred to fill bubbles) are schedule functions in `SCHEDULES`
+like the others; the executor's dispatch loop is the same for all. Their compute orders equal
+torch.distributed.pipelining's `ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from megapar.pipeline.placement import (  # noqa: F401 (re-exported)
+    PLACEMENTS, peer_of, stage_location, virtual_stage,
+)
 from megapar.pipeline.timeline import short_label
 
 ACTION_KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad",
@@ -140,11 +144,157 @@ def one_f_one_b(pp: int, m: int, stage: int) -> list[Action]:
     return actions
 
 
+# Model chunks (virtual stages): placement helpers live in `placement.py` ----------------------
+def _with_comms(compute: list[Action], pp: int, stage: int, num_chunks: int,
+                placement: str = "loop") -> list[Action]:
+    """Surround each compute action with its communication: receive right before, send right
+    after (as `_forward` / `_backward` do for one chunk). ``backward_weight`` communicates nothing."""
+    last = pp * num_chunks - 1
+    out = []
+    for a in compute:
+        vs = virtual_stage(stage, a.chunk, pp, placement)
+        if a.kind == "forward":
+            before, after = ("recv_act", vs > 0), ("send_act", vs < last)
+        elif a.kind in ("backward", "backward_input"):
+            before, after = ("recv_grad", vs < last), ("send_grad", vs > 0)
+        else:
+            out.append(a)
+            continue
+        if before[1]:
+            out.append(Action(before[0], a.mb, a.chunk))
+        out.append(a)
+        if after[1]:
+            out.append(Action(after[0], a.mb, a.chunk))
+    return out
+
+
+def _rounds(pp: int, m: int, what: str) -> int:
+    """Micro-batches per round (torch's flexible rule; Megatron's is m % pp == 0)."""
+    rounds = max(1, m // pp)
+    if m % rounds:
+        ok = [k for k in range(1, 4 * pp + 1) if k % max(1, k // pp) == 0]
+        raise ValueError(
+            f"{what} runs the {m} micro-batches in max(1, m // pp) = {rounds} rounds of equal "
+            f"size, so m must be divisible by {rounds}; use m <= pp or a multiple of pp "
+            f"(valid m up to {4 * pp} for pp={pp}: {', '.join(map(str, ok))})")
+    return m // rounds
+
+
+def _looped(pp: int, m: int, stage: int, num_chunks: int, zero_bubble: bool) -> list[Action]:
+    """Compute order of interleaved 1F1B (Megatron / Narayanan et al. 2021), and with
+    `zero_bubble` of its zero-bubble variant (Qi et al. 2024; ZB-H1 when num_chunks == 1).
+
+    Forwards go round by round: `per_round` micro-batches through chunk 0, then the same ones
+    through chunk 1, ...; backwards visit the chunks in reverse. Warmup runs the forwards that
+    must happen before the first gradient can come back; the steady state pairs one forward with
+    one backward; cooldown drains the backwards. Zero-bubble: the backward is split into B
+    (input gradient, sent upstream at once) and W (weight gradient), and W of the oldest pending
+    micro-batch follows each B once `stage` Bs have been issued, the rest at the end.
+    """
+    per_round = m if num_chunks == 1 else _rounds(pp, m, "interleaved 1F1B")
+    total = num_chunks * m
+    factor = 1 if zero_bubble else 2
+    warmup = min((num_chunks - 1) * per_round + factor * (pp - 1 - stage), total)
+    backward = "backward_input" if zero_bubble else "backward"
+    f_next, b_next, w_next = [0] * num_chunks, [0] * num_chunks, [0] * num_chunks
+    done_b: list[int] = []  # chunk of every B issued, in order (W follows the same order)
+    out: list[Action] = []
+
+    def forward(k):
+        chunk = (k // per_round) % num_chunks
+        out.append(Action("forward", f_next[chunk], chunk))
+        f_next[chunk] += 1
+
+    def backward_(k):  # k-th backward of this rank
+        chunk = num_chunks - 1 - (k // per_round) % num_chunks
+        out.append(Action(backward, b_next[chunk], chunk))
+        b_next[chunk] += 1
+        done_b.append(chunk)
+        if zero_bubble and k >= stage:
+            weight()
+
+    def weight():
+        chunk = done_b[sum(w_next)]
+        out.append(Action("backward_weight", w_next[chunk], chunk))
+        w_next[chunk] += 1
+
+    # Warmup: forwards only.
+    for k in range(warmup):
+        forward(k)
+    # Steady state: one forward, one backward (plus a W once the pipe is full).
+    for k in range(total - warmup):
+        forward(warmup + k)
+        backward_(k)
+    # Cooldown: the remaining backwards, then the deferred weight gradients.
+    for k in range(total - warmup, total):
+        backward_(k)
+    while zero_bubble and sum(w_next) < total:
+        weight()
+    return out
+
+
+def _check_chunks(pp: int, virtual_stages: int, what: str) -> None:
+    if pp < 2:
+        raise ValueError(f"{what} needs --pp >= 2 (with one stage use --schedule 1f1b)")
+    if not isinstance(virtual_stages, int) or virtual_stages < 2:
+        raise ValueError(f"{what} needs --virtual-stages >= 2 model chunks per rank, got "
+                         f"{virtual_stages!r} (with one chunk per rank use --schedule 1f1b)")
+
+
+def interleaved_1f1b(pp: int, m: int, stage: int, virtual_stages: int = 2) -> list[Action]:
+    """Interleaved 1F1B: each rank holds `virtual_stages` (V) model chunks, assigned round-robin
+    (rank r holds virtual stages r, r + pp, ...). The bubble shrinks V-fold to
+    (pp-1)/(V m + pp-1) at the price of V times more point-to-point messages.
+
+    Constraints: pp >= 2, V >= 2, and m divisible by max(1, m // pp) (any m <= pp, any multiple
+    of pp). The model needs at least pp * V layers (one per virtual stage).
+    """
+    _check_args(pp, m, stage)
+    _check_chunks(pp, virtual_stages, "interleaved 1F1B")
+    return _with_comms(_looped(pp, m, stage, virtual_stages, False), pp, stage, virtual_stages)
+
+
+def zb_h1(pp: int, m: int, stage: int) -> list[Action]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's warmup and
+    activation memory, with each backward split into B (d loss / d input, sent upstream at once)
+    and W (d loss / d weights), W deferred into what would otherwise be the bubble. Bubble about
+    a third of 1F1B's when t_F = t_B = t_W: (pp-1)(t_F + t_B - t_W) per stage."""
+    _check_args(pp, m, stage)
+    return _with_comms(_looped(pp, m, stage, 1, True), pp, stage, 1)
+
+
 SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "zb-h1": zb_h1,
 }
-"""Schedule functions by name (what `--pp-schedule` accepts)."""
+"""Schedule functions by name (what `--schedule` accepts)."""
+
+CHUNKED_SCHEDULES = {"interleaved": "loop"}
+"""Schedules taking `virtual_stages` model chunks per rank, with their chunk placement."""
+
+
+def schedule_actions(name: str, pp: int, m: int, stage: int,
+                     virtual_stages: int = 1) -> list[Action]:
+    """The action list of `stage` for schedule `name` with `virtual_stages` chunks per rank."""
+    fn = get_schedule(name)
+    if name in CHUNKED_SCHEDULES:
+        return fn(pp, m, stage, virtual_stages)
+    if virtual_stages != 1:
+        raise ValueError(f"--virtual-stages {virtual_stages} needs --schedule interleaved; "
+                         f"schedule {name!r} runs one model chunk per rank")
+    return fn(pp, m, stage)
+
+
+def placement_of(name: str) -> str:
+    """The chunk placement of schedule `name` ("loop" unless it places chunks in a V)."""
+    return CHUNKED_SCHEDULES.get(name, "loop")
+
+
+def check_schedule(name: str, pp: int, m: int, virtual_stages: int = 1) -> None:
+    """Raise a ValueError naming the problem if (pp, m, V) do not suit schedule `name`."""
+    schedule_actions(name, pp, m, 0, virtual_stages)
 
 
 def get_schedule(name: str) -> Callable[[int, int, int], list[Action]]:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapar.pipeline.schedules import Action, get_schedule
+from megapar.pipeline.schedules import Action, peer_of, placement_of, schedule_actions
 from megapar.pipeline.timeline import Event, Timeline
 
-# Directed channel: (sender stage, receiver stage, "act" | "grad").
-Channel = tuple[int, int, str]
+# Directed channel: (sender stage, receiver stage, "act" | "grad", receiver chunk); one tag each.
+Channel = tuple[int, int, str, int]
 
 
 class ScheduleError(RuntimeError):
@@ -43,11 +43,16 @@ class Costs:
     fwd_ms: float = 1.0
     """Duration of a forward."""
     bwd_ms: float = 2.0
-    """Duration of a full backward; backward_input and backward_weight take half of it each."""
+    """Duration of a full backward; backward_input and backward_weight take half of it each
+    unless given below."""
     p2p_ms: float = 0.0
     """Latency from the end of a send to the arrival of the message at the receiver."""
     send_ms: float = 0.0
     """Time the sender spends issuing a (non-blocking) send."""
+    bwd_input_ms: float | None = None
+    """Duration of a backward_input (B: the input gradient); default bwd_ms / 2."""
+    bwd_weight_ms: float | None = None
+    """Duration of a backward_weight (W: the weight gradients); default bwd_ms / 2."""
 
     def duration_ms(self, kind: str) -> float:
         """Time an action of `kind` occupies its stage, excluding any wait for a message."""
@@ -55,30 +60,40 @@ class Costs:
             return self.fwd_ms
         if kind == "backward":
             return self.bwd_ms
-        if kind in ("backward_input", "backward_weight"):
-            return self.bwd_ms / 2
+        if kind == "backward_input":
+            return self.bwd_ms / 2 if self.bwd_input_ms is None else self.bwd_input_ms
+        if kind == "backward_weight":
+            return self.bwd_ms / 2 if self.bwd_weight_ms is None else self.bwd_weight_ms
         if kind in ("send_act", "send_grad"):
             return self.send_ms
         return 0.0
 
 
-def _channel(stage: int, action: Action) -> Channel | None:
-    """The directed channel an action sends on or receives from (None for compute)."""
-    return {
-        "send_act": (stage, stage + 1, "act"),
-        "recv_act": (stage - 1, stage, "act"),
-        "send_grad": (stage, stage - 1, "grad"),
-        "recv_grad": (stage + 1, stage, "grad"),
-    }.get(action.kind)
+def _channel(stage: int, action: Action, pp: int, chunks: int = 1,
+             placement: str = "loop") -> Channel | None:
+    """The directed channel an action sends on or receives from (None for compute). With one
+    chunk per rank a missing neighbour is reported as stage -1 or pp."""
+    if action.kind not in ("send_act", "recv_act", "send_grad", "recv_grad"):
+        return None
+    what = action.kind.split("_")[1]
+    peer = peer_of(stage, action, pp, chunks, placement)
+    if peer is None:
+        step = 1 if action.kind in ("send_act", "recv_grad") else -1
+        peer = (stage + step, action.chunk)
+    if action.kind.startswith("send"):
+        return (stage, peer[0], what, peer[1])
+    return (peer[0], stage, what, action.chunk)
 
 
 class _Simulator:
     """State of one simulation: program counters, clocks and in-flight messages."""
 
-    def __init__(self, schedules: list[list[Action]], costs: Costs):
+    def __init__(self, schedules: list[list[Action]], costs: Costs, placement: str = "loop"):
         self.schedules = schedules
         self.costs = costs
         self.pp = len(schedules)
+        self.chunks = 1 + max((a.chunk for acts in schedules for a in acts), default=0)
+        self.placement = placement
         self.pc = [0] * self.pp
         self.clock_ms = [0.0] * self.pp
         self.sent: dict[Channel, list[tuple[Action, float]]] = {}
@@ -89,13 +104,16 @@ class _Simulator:
         """Every send and receive must name a stage that exists."""
         for stage, actions in enumerate(self.schedules):
             for action in actions:
-                channel = _channel(stage, action)
+                channel = self.channel(stage, action)
                 if channel is None:
                     continue
                 peer = channel[0] if channel[1] == stage else channel[1]
                 if not 0 <= peer < self.pp:
                     raise CommMismatchError(f"stage {stage} has {action} ({action.kind}) but there "
                                             f"is no stage {peer} (pp={self.pp})")
+
+    def channel(self, stage: int, action: Action) -> Channel | None:
+        return _channel(stage, action, self.pp, self.chunks, self.placement)
 
     def done(self, stage: int) -> bool:
         return self.pc[stage] == len(self.schedules[stage])
@@ -107,13 +125,13 @@ class _Simulator:
         """Execute the stage's next action if it can complete; False if blocked in a receive."""
         action = self.next_action(stage)
         start = self.clock_ms[stage]
-        channel = _channel(stage, action)
+        channel = self.channel(stage, action)
         if action.kind.startswith("recv"):
             queue, index = self.sent.get(channel, []), self.received.get(channel, 0)
             if index >= len(queue):
                 return False
             sent_action, arrival = queue[index]
-            if (sent_action.mb, sent_action.chunk) != (action.mb, action.chunk):
+            if sent_action.mb != action.mb:
                 raise CommMismatchError(
                     f"order mismatch on channel stage {channel[0]} -> stage {channel[1]} "
                     f"({channel[2]}): message #{index} is {sent_action} but stage {stage} "
@@ -136,7 +154,7 @@ class _Simulator:
             if self.done(stage):
                 continue
             action = self.next_action(stage)
-            sender = _channel(stage, action)[0]
+            sender = self.channel(stage, action)[0]
             if self.done(sender):
                 return CommMismatchError(
                     f"stage {stage} waits for {action} ({action.kind}) but stage {sender} "
@@ -146,8 +164,8 @@ class _Simulator:
         return DeadlockError("pipeline schedule deadlocks: " + "; ".join(waiting))
 
     def check_all_received(self) -> None:
-        for (src, dst, what), queue in sorted(self.sent.items()):
-            received = self.received.get((src, dst, what), 0)
+        for (src, dst, what, chunk), queue in sorted(self.sent.items()):
+            received = self.received.get((src, dst, what, chunk), 0)
             if received != len(queue):
                 extra = " ".join(str(a) for a, _ in queue[received:])
                 raise CommMismatchError(
@@ -167,21 +185,43 @@ class _Simulator:
         return Timeline(self.events)
 
 
-def simulate(schedules: list[list[Action]], costs: Costs | None = None) -> Timeline:
-    """Run `schedules[s]` on stage s for every s; the timeline of the step (times in seconds)."""
+def simulate(schedules: list[list[Action]], costs: Costs | None = None,
+             placement: str = "loop") -> Timeline:
+    """Run `schedules[s]` on stage s for every s; the timeline of the step (times in seconds).
+    The number of chunks per rank is read off the actions; `placement` maps them to virtual
+    stages (see `megapar.pipeline.schedules.PLACEMENTS`)."""
     if not schedules:
         raise ValueError("simulate needs at least one stage's schedule")
-    return _Simulator(schedules, costs or Costs()).run()
+    return _Simulator(schedules, costs or Costs(), placement).run()
 
 
-def simulate_schedule(name: str, pp: int, m: int, costs: Costs | None = None) -> Timeline:
+def simulate_schedule(name: str, pp: int, m: int, costs: Costs | None = None,
+                      virtual_stages: int = 1) -> Timeline:
     """Simulate the named schedule (see `SCHEDULES`) with pp stages and m micro-batches."""
-    schedule = get_schedule(name)
-    return simulate([schedule(pp, m, stage) for stage in range(pp)], costs)
+    return simulate([schedule_actions(name, pp, m, stage, virtual_stages) for stage in range(pp)],
+                    costs, placement_of(name))
 
 
-def theoretical_bubble(pp: int, m: int) -> float:
-    """Idle fraction of GPipe / 1F1B with equal stages and free communication: (pp-1)/(m+pp-1)."""
+def theoretical_bubble(pp: int, m: int, schedule: str = "1f1b", virtual_stages: int = 1,
+                       fwd_ms: float = 1.0, bwd_input_ms: float = 1.0,
+                       bwd_weight_ms: float = 1.0) -> float:
+    """Idle fraction with equal stages and free communication (published formulas):
+
+    - GPipe / 1F1B (Huang et al. 2019; Narayanan et al. 2021): (pp-1) / (m + pp-1);
+    - interleaved 1F1B with V chunks per rank (Narayanan et al. 2021): (pp-1) / (V m + pp-1);
+    - ZB-H1 (Qi et al. 2024, Table 1): the bubble is (pp-1)(t_F + t_B - t_W) per stage next to
+      m (t_F + t_B + t_W) of compute; t_F = `fwd_ms`, t_B = `bwd_input_ms`, t_W = `bwd_weight_ms`
+      (ignored by the other schedules, whose bubble does not depend on the costs). The paper's
+      formula assumes t_W <= t_F + t_B; outside that it does not say, and this returns NaN (the
+      simulator, `simulate_schedule`, covers every case).
+    """
     if pp < 1 or m < 1:
         raise ValueError(f"theoretical_bubble needs pp >= 1 and m >= 1, got pp={pp} m={m}")
+    if schedule == "interleaved":
+        return (pp - 1) / (virtual_stages * m + pp - 1)
+    if schedule == "zb-h1":
+        if bwd_weight_ms > fwd_ms + bwd_input_ms:
+            return float("nan")
+        idle = (pp - 1) * (fwd_ms + bwd_input_ms - bwd_weight_ms)
+        return idle / (m * (fwd_ms + bwd_input_ms + bwd_weight_ms) + idle)
     return (pp - 1) / (m + pp - 1)

@@ -22,13 +22,13 @@ class BubbleRun:
     stats: dict
     """`bubble_stats(timeline)`."""
     theoretical: float
-    """(pp - 1) / (m + pp - 1)."""
+    """The schedule's published bubble formula (`simulate.theoretical_bubble`)."""
     in_flight: list[int]
     """Peak micro-batches in flight per stage (forwarded, not yet backwarded)."""
     activation_mb: list[float] | None = None
     """Per stage, the peak MB of tensors autograd held for backward during the step."""
     costs: dict | None = None
-    """Mean forward / backward / p2p milliseconds per action, when measured."""
+    """Mean forward / backward (and B / W) / p2p milliseconds per action."""
 
     def summary(self) -> dict:
         return {"measured_bubble": self.stats["measured_bubble"],
@@ -39,15 +39,17 @@ class BubbleRun:
                 "costs_ms": self.costs}
 
 
-def bench_config(model: str | None, pp: int):
+def bench_config(model: str | None, pp: int, virtual_stages: int = 1):
     """The model to measure: a recipe, or by default a compute-bound GPT-2 with 2 blocks per
-    stage and a 256-token vocabulary (so stages are nearly equal)."""
+    stage (one per chunk with V=2, V per rank beyond) and a 256-token vocabulary (so stages
+    are nearly equal)."""
     from megapar.models import GPT2Config
     from megapar.models.recipes import resolve_model
 
     if model:
         return resolve_model(model)
-    return GPT2Config(vocab_size=256, n_positions=256, n_embd=512, n_layer=2 * pp, n_head=8,
+    return GPT2Config(vocab_size=256, n_positions=256, n_embd=512,
+                      n_layer=max(2, virtual_stages) * pp, n_head=8,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
@@ -81,22 +83,23 @@ class _Held:
         self.owner.now -= self.bytes
 
 
-def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len):
+def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stages=1):
     from megapar.mesh import Mesh
     from megapar.models.config import config_from_dict
     from megapar.pipeline.executor import PipelineExecutor, gather_timeline
-    from megapar.pipeline.schedules import get_schedule, in_flight_peak
+    from megapar.pipeline.schedules import in_flight_peak, schedule_actions
     from megapar.training.build import build_stage
 
     config = config_from_dict(config_dict)
     mesh = Mesh.from_env(tp, pp, 1)
-    model = build_stage(config, mesh, seed=0)
+    model = build_stage(config, mesh, seed=0, virtual_stages=virtual_stages)
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, config.vocab_size, (mbs, seq_len + 1), generator=gen)
            for _ in range(m)]
     micro = [{"input_ids": t[:, :-1].to(mesh.device), "labels": t[:, 1:].to(mesh.device)}
              for t in ids]
-    executor = PipelineExecutor(model, mesh, schedule, (mbs, seq_len, config.hidden_size))
+    executor = PipelineExecutor(model, mesh, schedule, (mbs, seq_len, config.hidden_size),
+                                virtual_stages=virtual_stages)
     held = _HeldBytes(model.parameters())
     timeline = None
     for step in range(steps + 1):  # step 0 warms up
@@ -105,7 +108,7 @@ def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len):
         with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
             executor.run(micro)
         timeline = gather_timeline(executor.last_timeline, mesh)
-    peak = in_flight_peak(get_schedule(schedule)(pp, m, mesh.pp_rank))
+    peak = in_flight_peak(schedule_actions(schedule, pp, m, mesh.pp_rank, virtual_stages))
     info = torch.tensor([float(peak), held.peak / 2**20])
     if mesh.pp_group is not None:
         parts = [torch.zeros(2) for _ in range(pp)]
@@ -118,57 +121,89 @@ def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len):
 
 
 def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = None,
-            steps: int = 3, micro_batch_size: int = 4, seq_len: int = 64) -> BubbleRun:
+            steps: int = 3, micro_batch_size: int = 4, seq_len: int = 64,
+            virtual_stages: int = 1) -> BubbleRun:
     """Run the real engine on pp*tp local processes; the last of `steps` steps' timeline.
 
     activation_mb is, per stage, the peak of the tensors autograd held for backward during
     the step (parameters included when saved): what the schedule's in-flight count bounds."""
     from megapar.launcher import run_local
-    from megapar.pipeline.simulate import theoretical_bubble
+    from megapar.pipeline.schedules import check_schedule
     from megapar.pipeline.timeline import Timeline, bubble_stats
 
-    config = bench_config(model, pp)
+    check_schedule(schedule, pp, m, virtual_stages)
+    config = bench_config(model, pp, virtual_stages)
     results = run_local(_worker, pp * tp, config.to_dict(), tp, pp, m, schedule, steps,
-                        micro_batch_size, seq_len, timeout_s=600)
+                        micro_batch_size, seq_len, virtual_stages, timeout_s=600)
     timeline_json, in_flight, act = results[0]
     timeline = Timeline.from_json(timeline_json)
     stats = bubble_stats(timeline)
-    return BubbleRun(timeline, stats, theoretical_bubble(pp, m), in_flight, act,
-                     costs=mean_costs(timeline))
+    costs = mean_costs(timeline, schedule)
+    return BubbleRun(timeline, stats, theory(pp, m, schedule, virtual_stages, costs), in_flight,
+                     act, costs=costs)
 
 
-def mean_costs(timeline) -> dict:
-    """Per-action costs (ms) for the simulator: mean forward and backward, and the point-to-point
+def theory(pp: int, m: int, schedule: str, virtual_stages: int, costs: dict) -> float:
+    """The schedule's bubble formula; ZB-H1's uses the F, B and W costs."""
+    from megapar.pipeline.simulate import theoretical_bubble
+
+    return theoretical_bubble(pp, m, schedule, virtual_stages, costs["fwd_ms"],
+                              costs.get("bwd_input_ms") or 1.0, costs.get("bwd_weight_ms") or 1.0)
+
+
+def mean_costs(timeline, schedule: str = "1f1b") -> dict:
+    """Per-action costs (ms) for the simulator: mean forward and backward (for zero-bubble
+    schedules also B = backward_input and W = backward_weight, and backward = B + W), and the
+    point-to-point
     latency: for each receive, the time from when both its send and the receive had started to
     when the receive ended (so waiting for the other stage to get to its send is left out);
     the median over all messages of the (clock-aligned) step."""
     import statistics
 
-    def mean(kind):
-        d = [e.end - e.start for e in timeline.events if e.kind == kind]
+    def mean(kind, min_rank=0):
+        d = [e.end - e.start for e in timeline.events if e.kind == kind and e.rank >= min_rank]
         return 1e3 * sum(d) / len(d) if d else 0.0
-    sends = {(e.kind, e.rank, e.mb): e for e in timeline.events
+    from megapar.pipeline.schedules import Action, peer_of, placement_of
+
+    pp = len(timeline.ranks())
+    chunks = 1 + max((e.chunk for e in timeline.events), default=0)
+    placement = placement_of(schedule)
+    sends = {(e.kind, e.rank, e.mb, e.chunk): e for e in timeline.events
              if e.kind in ("send_act", "send_grad")}
     latencies = []
     for e in timeline.events:
         if e.kind in ("recv_act", "recv_grad"):
-            peer = e.rank - 1 if e.kind == "recv_act" else e.rank + 1
-            send = sends.get(("send_" + e.kind[5:], peer, e.mb))
+            peer = peer_of(e.rank, Action(e.kind, e.mb, e.chunk), pp, chunks, placement)
+            send = sends.get(("send_" + e.kind[5:], *peer[:1], e.mb, peer[1])) if peer else None
             if send is not None:
                 latencies.append(1e3 * max(0.0, e.end - max(e.start, send.start)))
-    return {"fwd_ms": mean("forward"), "bwd_ms": mean("backward"),
-            "p2p_ms": statistics.median(latencies) if latencies else 0.0}
+    costs = {"fwd_ms": mean("forward"), "bwd_ms": mean("backward"),
+             "p2p_ms": statistics.median(latencies) if latencies else 0.0}
+    if any(e.kind == "backward_input" for e in timeline.events):
+        # The model's first stage has no input: its B is empty and its W the whole backward,
+        # so B and W are measured where the split is real (every later stage).
+        later = 1 if pp > 1 else 0
+        costs["bwd_input_ms"], costs["bwd_weight_ms"] = mean("backward_input", later), \
+            mean("backward_weight", later)
+        costs["bwd_ms"] = costs["bwd_input_ms"] + costs["bwd_weight_ms"]
+    return costs
 
 
 def simulate(pp: int, m: int, schedule: str, fwd_ms: float, bwd_ms: float,
-             p2p_ms: float = 0.0) -> BubbleRun:
-    """The same timeline and table computed from per-action costs, without processes."""
-    from megapar.pipeline.schedules import get_schedule, in_flight_peak
-    from megapar.pipeline.simulate import Costs, simulate_schedule, theoretical_bubble
+             p2p_ms: float = 0.0, virtual_stages: int = 1, bwd_input_ms: float | None = None,
+             bwd_weight_ms: float | None = None) -> BubbleRun:
+    """The same timeline and table computed from per-action costs, without processes.
+    B and W default to half the backward each."""
+    from megapar.pipeline.schedules import in_flight_peak, schedule_actions
+    from megapar.pipeline.simulate import Costs, simulate_schedule
     from megapar.pipeline.timeline import bubble_stats
 
-    timeline = simulate_schedule(schedule, pp, m, Costs(fwd_ms=fwd_ms, bwd_ms=bwd_ms,
-                                                        p2p_ms=p2p_ms))
-    in_flight = [in_flight_peak(get_schedule(schedule)(pp, m, s)) for s in range(pp)]
-    return BubbleRun(timeline, bubble_stats(timeline), theoretical_bubble(pp, m), in_flight,
-                     costs={"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "p2p_ms": p2p_ms})
+    bwd_input_ms = bwd_ms / 2 if bwd_input_ms is None else bwd_input_ms
+    bwd_weight_ms = bwd_ms / 2 if bwd_weight_ms is None else bwd_weight_ms
+    costs = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "p2p_ms": p2p_ms,
+             "bwd_input_ms": bwd_input_ms, "bwd_weight_ms": bwd_weight_ms}
+    timeline = simulate_schedule(schedule, pp, m, Costs(**costs), virtual_stages)
+    in_flight = [in_flight_peak(schedule_actions(schedule, pp, m, s, virtual_stages))
+                 for s in range(pp)]
+    return BubbleRun(timeline, bubble_stats(timeline),
+                     theory(pp, m, schedule, virtual_stages, costs), in_flight, costs=costs)

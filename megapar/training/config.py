@@ -26,6 +26,8 @@ class TrainConfig:
     """Pipeline-parallel size (stages)."""
     dp: int | None = None
     """Data-parallel size; default world size / (tp * pp) (1 when megapar-train starts the workers)."""
+    rank_order: str = "tp-pp-dp"
+    """Rank order, fastest first: tp-pp-dp (dp outermost: gradient all-reduce crosses nodes) or tp-dp-pp (Megatron's: pp outermost, point-to-point crosses nodes)."""
     # --- model ---
     model: str | None = None
     """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny) or a JSON/YAML config file."""
@@ -48,7 +50,9 @@ class TrainConfig:
     """Sequences per optimizer step (micro-batch size x micro-batches x dp)."""
     # --- pipeline / memory ---
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe or 1f1b."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved (needs --virtual-stages >= 2) or zb-h1 (zero bubble)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank for --schedule interleaved (Megatron's round-robin: rank r holds chunks r, r+pp, ...)."""
     recompute: str = "none"
     """Activation recomputation: none, selective (attention core) or full (each block)."""
     precision: str = "fp32"
@@ -121,7 +125,10 @@ def _choices() -> dict[str, list]:
     from megapar.optim.scheduler import DECAY_STYLES
     from megapar.pipeline.schedules import SCHEDULES
 
-    return {"schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
+    from megapar.mesh import RANK_ORDERS
+
+    return {"rank_order": list(RANK_ORDERS),
+            "schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
             "precision": list(PRECISIONS), "zero": [0, 1], "lr_decay": list(DECAY_STYLES)}
 
 

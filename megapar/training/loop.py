@@ -51,14 +51,17 @@ class Trainer:
         from megapar.training.step import TrainStep
 
         self.cfg = cfg
-        self.mesh = mesh = Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s)
+        self.mesh = mesh = Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
+                                         order=cfg.rank_order)
         self.config = config_from_dict(plan.model_config)
-        self.model = build_stage(self.config, mesh, cfg.seed, cfg.recompute)
+        self.model = build_stage(self.config, mesh, cfg.seed, cfg.recompute,
+                                 virtual_stages=cfg.virtual_stages)
         self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
         act_shape = (cfg.micro_batch_size, cfg.seq_len, self.config.hidden_size)
         self.executor = PipelineExecutor(self.model, mesh, cfg.schedule, act_shape,
-                                         timeout_s=cfg.timeout_s)
+                                         timeout_s=cfg.timeout_s,
+                                         virtual_stages=cfg.virtual_stages)
         self.precision = Precision(cfg.precision, mesh.device)
         self.optimizer = build_optimizer(self.model, mesh, cfg.lr, cfg.weight_decay,
                                          zero=cfg.zero)

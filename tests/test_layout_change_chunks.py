@@ -1,0 +1,51 @@
+"""Checkpoints of chunked stages are canonical: a run under interleaved 1F1B (pp=2, V=2) saved
+at step 3 continues with the same losses under 1F1B at pp=4 (resharded on load) and, converted
+offline by megapar-convert to tp=2 x pp=2, under ZB-H1."""
+
+from megapar.checkpoint.format import read_manifest, resolve_checkpoint
+from megapar.cli.convert import main as convert
+from megapar.cli.train import main as train
+from test_layout_change import _assert_continues, _train_and_checkpoint, common  # noqa: F401
+
+INTERLEAVED = ["--tp", "1", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2"]
+
+
+def test_interleaved_checkpoint_continues_under_1f1b_at_pp4_and_converted(tmp_path, common,
+                                                                          capfd):
+    reference, step3 = _train_and_checkpoint(tmp_path, common, INTERLEAVED)
+    manifest = read_manifest(step3)
+    assert manifest["layout"] == {"tp": 1, "pp": 2, "dp": 1}
+    # canonical names only: blocks by global index, no chunk prefix
+    assert {n.split(".")[0] for n in manifest["tensors"]} == {"embed", "layers", "final_norm"}
+    assert manifest["tensors"]["layers.2.ln_1.weight"]["stage"] == 0  # chunk 1 of rank 0
+
+    log_a = tmp_path / "a.jsonl"
+    assert train([*common, "--pp", "4", "--schedule", "1f1b", "--load", str(step3),
+                  "--log-json", str(log_a)]) == 0
+    out = capfd.readouterr().out
+    assert "resharded from tp=1 pp=2 dp=1" in out
+    measured = [_assert_continues(reference, log_a, "interleaved pp=2 V=2 -> 1f1b pp=4")]
+
+    dst = tmp_path / "tp2pp2"
+    assert convert([str(step3), str(dst), "--tp", "2", "--pp", "2", "--no-progress"]) == 0
+    assert read_manifest(resolve_checkpoint(dst))["layout"]["tp"] == 2
+    log_b = tmp_path / "b.jsonl"
+    assert train([*common, "--tp", "2", "--pp", "2", "--schedule", "zb-h1", "--load", str(dst),
+                  "--rank-order", "tp-dp-pp", "--log-json", str(log_b)]) == 0
+    measured.append(_assert_continues(reference, log_b,
+                                      "interleaved 1x2 V=2 -> convert 2x2 -> zb-h1"))
+    print("\n".join(measured))
+
+
+def test_bad_virtual_stages_rejected_before_workers_start(common, capsys):
+    assert train([*common, "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "1"]) == 2
+    assert "--virtual-stages >= 2" in capsys.readouterr().err
+    assert train([*common, "--pp", "2", "--virtual-stages", "2"]) == 2
+    assert "needs --schedule interleaved" in capsys.readouterr().err
+    # 4 layers cannot make pp=2 x V=4 chunks
+    assert train([*common, "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "4"]) == 2
+    assert "cannot be cut into --pp 2 x --virtual-stages 4" in capsys.readouterr().err
+    # global batch 10 / micro-batch 2 = 5 micro-batches: 2 rounds at pp=2 cannot be equal
+    assert train([*common, "--global-batch-size", "10", "--pp", "2", "--schedule",
+                  "interleaved", "--virtual-stages", "2"]) == 2
+    assert "m must be divisible by 2" in capsys.readouterr().err

@@ -1,0 +1,213 @@
+"""Interleaved 1F1B and ZB-H1: torch's own schedules as the reference order, deadlock freedom
+over a grid, hand-computed simulations, constraints, and the split backward (B then W)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.pipelining.schedules import (
+    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+)
+
+from megapar.pipeline import split_backward
+from megapar.pipeline.schedules import (
+    check_schedule, format_schedule, in_flight_peak, interleaved_1f1b, schedule_actions, zb_h1,
+)
+from megapar.pipeline.simulate import (
+    Costs, ScheduleError, simulate_schedule, theoretical_bubble,
+)
+from megapar.pipeline.timeline import bubble_stats
+
+COMPUTE = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
+NEW = (("interleaved", 2), ("interleaved", 3), ("zb-h1", 1))
+
+
+def torch_order(cls, pp, m, v):
+    """torch's per-rank compute order as (kind letter, micro-batch, chunk), from the schedule
+    class's own `_calculate_single_rank_operations` (what its `pipeline_order` is built from;
+    the constructor needs real pipeline stages and a process group, the order does not)."""
+    rounds = max(1, m // pp)
+    state = SimpleNamespace(n_local_stages=v, pp_group_size=pp, _n_microbatches=m,
+                            microbatches_per_round=m // rounds)
+    return [[(a.computation_type.value, a.microbatch_index, a.stage_index // pp)
+             for a in cls._calculate_single_rank_operations(state, rank) if a is not None]
+            for rank in range(pp)]
+
+
+def ours(name, pp, m, v):
+    return [[(COMPUTE[a.kind], a.mb, a.chunk) for a in schedule_actions(name, pp, m, r, v)
+             if a.kind in COMPUTE] for r in range(pp)]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("v", [2, 3])
+def test_interleaved_equals_torch_interleaved_1f1b(pp, v):
+    for m in sorted({pp, 2 * pp, 4 * pp, 1, pp - 1} - {0}):
+        assert ours("interleaved", pp, m, v) == torch_order(ScheduleInterleaved1F1B, pp, m, v), \
+            (pp, m, v)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_zb_h1_equals_torch_zero_bubble_with_one_chunk(pp):
+    # torch's ScheduleInterleavedZeroBubble with one stage per rank is ZB-H1 (its docstring
+    # cites Qi et al.); its bubble-padding pass only inserts idle slots, never reorders.
+    for m in range(1, 4 * pp + 1):
+        assert ours("zb-h1", pp, m, 1) == torch_order(ScheduleInterleavedZeroBubble, pp, m, 1), \
+            (pp, m)
+
+
+def test_every_new_schedule_is_deadlock_free_and_complete():
+    """The all-rank simulator runs every stage's list for p in 2..8, m in 1..4p; m that a
+    schedule cannot take is rejected with a ValueError saying why (and nothing else fails)."""
+    ran = rejected = 0
+    for name, v in NEW:
+        for pp in range(2, 9):
+            for m in range(1, 4 * pp + 1):
+                try:
+                    check_schedule(name, pp, m, v)
+                except ValueError as exc:
+                    assert "divisible" in str(exc) and name == "interleaved", (name, pp, m)
+                    rejected += 1
+                    continue
+                timeline = simulate_schedule(name, pp, m, Costs(1, 2), v)  # raises on deadlock
+                kinds = [e.kind for e in timeline.events]
+                backward = "backward" if name == "interleaved" else "backward_input"
+                assert kinds.count("forward") == kinds.count(backward) == pp * m * v
+                if name == "zb-h1":
+                    assert kinds.count("backward_weight") == pp * m
+                ran += 1
+    assert ran > 250 and rejected > 0
+
+
+def test_interleaved_rejects_bad_arguments_clearly():
+    with pytest.raises(ValueError, match="divisible by 2"):
+        interleaved_1f1b(4, 9, 0, 2)
+    with pytest.raises(ValueError, match="--virtual-stages >= 2"):
+        interleaved_1f1b(4, 8, 0, 1)
+    with pytest.raises(ValueError, match="--pp >= 2"):
+        interleaved_1f1b(1, 8, 0, 2)
+    with pytest.raises(ValueError, match="needs --schedule interleaved"):
+        schedule_actions("1f1b", 2, 4, 0, virtual_stages=2)
+
+
+def test_spelled_out_orders():
+    assert format_schedule(zb_h1(2, 2, 0)) == "F0 SA0 F1 SA1 RG0 BI0 BW0 RG1 BI1 BW1"
+    assert format_schedule(zb_h1(2, 2, 1)) == "RA0 F0 BI0 SG0 RA1 F1 BI1 SG1 BW0 BW1"
+    # Chunk 1 of the last rank receives from rank 0's chunk 1 and is the model's end (no send).
+    assert format_schedule(interleaved_1f1b(2, 2, 1, 2)) == (
+        "RA0 F0 SA0 RA1 F1 SA1 RA0@1 F0@1 B0@1 SG0@1 RA1@1 F1@1 B1@1 SG1@1 "
+        "RG0 B0 SG0 RG1 B1 SG1")
+
+
+def test_simulated_interleaved_by_hand():
+    # pp=2, m=2, V=2, f=1, b=2 per chunk. Virtual stages r0c0 -> r1c0 -> r0c1 -> r1c1.
+    # r0: F0 [0,1] F1 [1,2] F0@1 [2,3] F1@1 [3,4]; r1: F0 [1,2] F1 [2,3] F0@1 [3,4] B0@1 [4,6]
+    # F1@1 [6,7] B1@1 [7,9] B0 [9,11] (grad from r0's B0@1 at 8) B1 [11,13];
+    # r0: B0@1 [6,8] B1@1 [9,11] B0 [11,13] B1 [13,15]. Step 15 ms, busy 12: bubble 1/5.
+    stats = bubble_stats(simulate_schedule("interleaved", 2, 2, Costs(1, 2), 2))
+    assert stats["step_time_s"] == pytest.approx(15e-3)
+    assert stats["measured_bubble"] == pytest.approx(0.2)
+    assert theoretical_bubble(2, 2, "interleaved", 2) == pytest.approx(0.2)
+
+
+def test_simulated_zb_h1_by_hand():
+    # pp=2, m=2, F=B=W=1. r0: F0 [0,1] F1 [1,2] BI0 [3,4] BW0 [4,5] BI1 [5,6] BW1 [6,7];
+    # r1: F0 [1,2] BI0 [2,3] F1 [3,4] BI1 [4,5] BW0 [5,6] BW1 [6,7]. 7 ms, busy 6: bubble 1/7,
+    # the paper's (p-1)(tF+tB-tW) / (m(tF+tB+tW) + (p-1)(tF+tB-tW)) = 1 / 7.
+    costs = Costs(fwd_ms=1, bwd_input_ms=1, bwd_weight_ms=1)
+    stats = bubble_stats(simulate_schedule("zb-h1", 2, 2, costs))
+    assert stats["step_time_s"] == pytest.approx(7e-3)
+    assert stats["measured_bubble"] == pytest.approx(1 / 7)
+    assert theoretical_bubble(2, 2, "zb-h1", fwd_ms=1, bwd_input_ms=1, bwd_weight_ms=1) == \
+        pytest.approx(1 / 7)
+    # B and W costs of their own: the simulator agrees with the paper's formula wherever it
+    # applies (t_W <= t_F + t_B); outside that the formula says nothing (NaN).
+    for f, b, w in [(1, 1, 0.5), (1, 1.5, 1), (2, 1, 1)]:
+        for pp, m in [(2, 4), (4, 8), (4, 16)]:
+            costs = Costs(fwd_ms=f, bwd_input_ms=b, bwd_weight_ms=w)
+            got = bubble_stats(simulate_schedule("zb-h1", pp, m, costs))["measured_bubble"]
+            assert got == pytest.approx(theoretical_bubble(
+                pp, m, "zb-h1", fwd_ms=f, bwd_input_ms=b, bwd_weight_ms=w), abs=1e-12)
+    assert theoretical_bubble(4, 8, "zb-h1", fwd_ms=1, bwd_input_ms=1, bwd_weight_ms=3) != \
+        theoretical_bubble(4, 8, "zb-h1", fwd_ms=1, bwd_input_ms=1, bwd_weight_ms=3)  # NaN
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 32)])
+def test_simulated_bubbles_equal_the_formulas(pp, m):
+    for name, v in NEW:
+        if name == "interleaved" and m % pp:
+            continue
+        stats = bubble_stats(simulate_schedule(name, pp, m, Costs(1, 2), v))
+        assert stats["measured_bubble"] == pytest.approx(
+            theoretical_bubble(pp, m, name, v, 1, 1, 1), abs=1e-12), (name, v)
+    one = bubble_stats(simulate_schedule("1f1b", pp, m, Costs(1, 2)))["measured_bubble"]
+    inter = bubble_stats(simulate_schedule("interleaved", pp, m, Costs(1, 2), 2))
+    assert inter["measured_bubble"] < one
+
+
+def test_in_flight_of_zb_h1_is_1f1bs():
+    # ZB-H1 keeps 1F1B's activation memory: at most pp - stage micro-batches in flight.
+    for pp, m in [(2, 4), (4, 8), (4, 3)]:
+        for s in range(pp):
+            assert in_flight_peak(zb_h1(pp, m, s)) == min(pp - s, m)
+
+
+def test_split_backward_equals_backward_and_accumulates_in_place():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    params = list(net.parameters())
+    x = torch.randn(5, 4, requires_grad=True)
+    g = torch.randn(5, 3)
+    net(x).backward(g)
+    want_x, want = x.grad.clone(), [p.grad.clone() for p in params]
+    existing = [p.grad for p in params]  # e.g. views into a flat buffer: must stay these tensors
+    for p in params:
+        p.grad.fill_(1.0)
+    x2 = x.detach().requires_grad_(True)
+    dx, pending = split_backward.backward_input(net(x2), g, x2, params)
+    torch.testing.assert_close(dx, want_x)
+    assert all(p.grad is e and bool((e == 1).all()) for p, e in zip(params, existing)), \
+        "B must not touch the weight gradients"
+    split_backward.backward_weight(pending, params)
+    for p, e, w in zip(params, existing, want):
+        assert p.grad is e
+        torch.testing.assert_close(p.grad, w + 1.0)
+    # The model's first slice has no input: B does nothing and W runs the whole backward.
+    for p in params:
+        p.grad = None
+    dx, pending = split_backward.backward_input(net(x.detach()), g, None, params)
+    assert dx is None and all(p.grad is None for p in params)
+    split_backward.backward_weight(pending, params)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w)
+
+
+def test_schedule_error_is_raised_for_inconsistent_chunks():
+    from megapar.pipeline.simulate import simulate
+    stages = [schedule_actions("interleaved", 2, 2, r, 2) for r in range(2)]
+    stages[1] = [a for a in stages[1] if not (a.kind == "send_grad" and a.chunk == 1)]
+    with pytest.raises(ScheduleError):
+        simulate(stages)
+
+
+def test_messages_pair_in_issue_order_per_rank_pair():
+    """NCCL ignores p2p tags: messages between two ranks pair up in issue order. Every schedule
+    sends on each directed rank pair (whatever the kind or chunk) in exactly the order the
+    receiver receives, so the per-chunk tags gloo uses are a safety net, not a requirement."""
+    from megapar.pipeline.schedules import peer_of, placement_of
+
+    for name, v in (("1f1b", 1), ("gpipe", 1)) + NEW:
+        for pp in range(2, 9):
+            for m in range(1, 4 * pp + 1):
+                if name == "interleaved" and m % max(1, m // pp):
+                    continue
+                sends, recvs = {}, {}
+                for r in range(pp):
+                    for a in schedule_actions(name, pp, m, r, v):
+                        if a.kind.startswith(("send", "recv")):
+                            peer, chunk = peer_of(r, a, pp, v, placement_of(name))
+                            if a.kind.startswith("send"):
+                                sends.setdefault((r, peer), []).append((a.kind[5:], a.mb, chunk))
+                            else:
+                                recvs.setdefault((peer, r), []).append((a.kind[5:], a.mb, a.chunk))
+                assert sends == recvs, (name, v, pp, m)
