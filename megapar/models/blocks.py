@@ -1,8 +1,11 @@
 """Transformer pieces built from tensor-parallel layers, shared by GPT-2 and BERT.
 
-Attention heads are split across the tp group: q, k and v are column-parallel (each rank
-computes its heads), the output projection is row-parallel (partial sums reduced over tp).
-The MLP is column-parallel up, row-parallel down. Between the two halves nothing is
+Attention heads are split across the tp group: q, k and v are one fused column-parallel
+projection (`qkv`, rows head-major: each rank holds whole heads, see
+`partition.fuse_heads`), the output projection is row-parallel (partial sums reduced over tp).
+The MLP is column-parallel up, row-parallel down. So each attention and each MLP has exactly one
+copy-to region (an all-reduce in backward) and one reduce-from region (an all-reduce in
+forward): Megatron's 2 + 2 all-reduces of b x s x h per layer. Between the two halves nothing is
 communicated.
 """
 
@@ -45,9 +48,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         self.local_heads = divide(heads, mesh.tp, "attention heads")
         self.head_dim = divide(hidden, heads, f"hidden size (for {heads} heads)")
-        self.q = ColumnParallelLinear(hidden, hidden, mesh, name="hidden size")
-        self.k = ColumnParallelLinear(hidden, hidden, mesh, name="hidden size")
-        self.v = ColumnParallelLinear(hidden, hidden, mesh, name="hidden size")
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, mesh, name="3 x hidden size")
         self.proj = RowParallelLinear(hidden, hidden, mesh, name="hidden size")
         self.tracker = tracker
         self.dropout = dropout
@@ -63,10 +64,9 @@ class ParallelAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
 
-        def heads(t):
-            return t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        # [b, s, local heads, (q, k, v), head_dim] -> three [b, local heads, s, head_dim]
+        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)
         if self.recompute_core and torch.is_grad_enabled():
             if mask is None:
                 out = self.tracker.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, None),
