@@ -38,7 +38,8 @@ def _group_size(group) -> int:
 
 
 @contextlib.contextmanager
-def count_collectives():
+def count_collectives(device: torch.device | None = None):
+    """Record every call; with `device`, a payload on another device raises at once."""
     calls: list[Call] = []
     originals = {op: getattr(dist, op) for op in _PAYLOAD}
 
@@ -47,6 +48,9 @@ def count_collectives():
 
         def wrapper(*args, **kwargs):
             t = kwargs[key] if key in kwargs else args[index]
+            if device is not None and t.device != device:
+                raise AssertionError(f"dist.{op} called with a tensor on {t.device}; the mesh "
+                                     f"device is {device}")
             calls.append(Call(op, t.numel(), t.numel() * t.element_size(), t.dtype, t.device,
                               _group_size(kwargs.get("group"))))
             return fn(*args, **kwargs)
