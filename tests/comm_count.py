@@ -20,6 +20,7 @@ _PAYLOAD = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "isend": (0
             "irecv": (0, "tensor"), "send": (0, "tensor"), "recv": (0, "tensor"),
             "all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
             "reduce_scatter_tensor": (1, "input"), "gather": (0, "tensor"),
+            "all_gather_single": (1, "input_tensor"), "reduce_scatter_single": (1, "input"),
             "reduce_scatter": (0, "output"), "all_to_all_single": (1, "input")}
 
 

@@ -78,7 +78,8 @@ def serial_reference() -> dict:
     return {"losses": losses, "norms": norms, "weights": weights, "grads": first_grads}
 
 
-def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32") -> dict:
+def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
+           sequence_parallel: bool = False) -> dict:
     """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage."""
     import torch.distributed as dist
 
@@ -89,8 +90,10 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32") -> dic
     from megapar.training.step import TrainStep
 
     mesh = Mesh(Layout(tp, pp, dp), dist.get_rank())
+    mesh.sequence_parallel = sequence_parallel
     model = build_stage(config(), mesh, SEED)
-    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, SEQ, CONFIG["n_embd"]))
+    seq = SEQ // tp if sequence_parallel else SEQ
+    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, seq, CONFIG["n_embd"]))
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
     grad_sync = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb=0.02) \
         if dp > 1 else None
@@ -156,9 +159,10 @@ def test_reference_clips_every_step(reference):
 
 
 def test_3d_parity_tp2_pp2_dp2(reference):
-    """tp=2 pp=2 dp=2, without and with ZeRO-1, in one launch of 8 ranks."""
-    outs = run_local(_worker, 8, [(2, 2, 2, 0), (2, 2, 2, 1)])
-    for i in range(2):
+    """tp=2 pp=2 dp=2, without and with ZeRO-1, and with sequence parallelism, in one launch
+    of 8 ranks."""
+    outs = run_local(_worker, 8, [(2, 2, 2, 0), (2, 2, 2, 1), (2, 2, 2, 0, "fp32", True)])
+    for i in range(3):
         check_against(reference, [o[i] for o in outs])
 
 

@@ -33,6 +33,9 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
                          f"choose a multiple of {per_step}")
     if cfg.save_interval < 0 or cfg.max_steps < 1:
         raise ValueError("--max-steps must be >= 1 and --save-interval >= 0")
+    if cfg.sequence_parallel and cfg.seq_len % layout.tp:
+        raise ValueError(f"--seq-len {cfg.seq_len} is not divisible by --tp {layout.tp}, which "
+                         f"--sequence-parallel needs; choose a multiple of {layout.tp}")
     from megapar.optim import LRScheduler
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks

@@ -62,10 +62,10 @@ class ParallelAttention(nn.Module):
                 is_causal=self.causal and mask is None)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
-
+        qkv = self.qkv(x)  # the whole sequence, also when x is a sequence-parallel slice
+        b, s = qkv.shape[:2]
         # [b, s, local heads, (q, k, v), head_dim] -> three [b, local heads, s, head_dim]
-        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)
+        qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)
         if self.recompute_core and torch.is_grad_enabled():
             if mask is None:
@@ -90,6 +90,23 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.act(self.fc(x)))
+
+
+class ResidualDropout(nn.Dropout):
+    """Dropout on the residual stream. Under sequence parallelism each tp rank holds other
+    positions, so its mask comes from the per-tp-rank stream (`tracker.fork()`); otherwise every
+    tp rank holds the same tensor and draws the same mask from the default stream."""
+
+    def __init__(self, p: float, mesh: Mesh, tracker):
+        super().__init__(p)
+        self.tracker = tracker
+        self.split = bool(getattr(mesh, "sequence_parallel", False)) and mesh.tp > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split and self.training and self.p > 0:
+            with self.tracker.fork():
+                return super().forward(x)
+        return super().forward(x)
 
 
 def run_layers(layers: nn.ModuleDict, hidden: torch.Tensor, mask, recompute: str, tracker):

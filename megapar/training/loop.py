@@ -50,11 +50,14 @@ class Trainer:
 
         self.cfg = cfg
         self.mesh = mesh = Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s)
+        mesh.sequence_parallel = cfg.sequence_parallel and mesh.tp > 1
         self.config = config_from_dict(plan.model_config)
         self.model = build_stage(self.config, mesh, cfg.seed, cfg.recompute)
         self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
         act_shape = (cfg.micro_batch_size, cfg.seq_len, self.config.hidden_size)
+        if mesh.sequence_parallel:  # stages exchange their sequence slice
+            act_shape = (cfg.micro_batch_size, cfg.seq_len // mesh.tp, self.config.hidden_size)
         self.executor = PipelineExecutor(self.model, mesh, cfg.schedule, act_shape,
                                          timeout_s=cfg.timeout_s)
         self.precision = Precision(cfg.precision, mesh.device)
