@@ -33,6 +33,8 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
                          f"choose a multiple of {per_step}")
     if cfg.save_interval < 0 or cfg.max_steps < 1:
         raise ValueError("--max-steps must be >= 1 and --save-interval >= 0")
+    if cfg.grad_bucket_mb <= 0:
+        raise ValueError(f"--grad-bucket-mb must be > 0, got {cfg.grad_bucket_mb}")
     if cfg.sequence_parallel and cfg.seq_len % layout.tp:
         raise ValueError(f"--seq-len {cfg.seq_len} is not divisible by --tp {layout.tp}, which "
                          f"--sequence-parallel needs; choose a multiple of {layout.tp}")

@@ -65,8 +65,8 @@ class Trainer:
                                          zero=cfg.zero)
         self.scheduler = LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps,
                                      cfg.lr_decay)
-        grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_group) \
-            if mesh.dp > 1 else None
+        # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
+        grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_group, cfg.grad_bucket_mb)
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer,
                                  self.scheduler, self.precision, cfg.clip_grad, grad_sync)
         self.step = 0
