@@ -41,7 +41,7 @@ def _train(kind, sequence_parallel, recompute, dropout=False):
 
     def record_then_step():
         for name, p in step.model.named_parameters():
-            grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape, mesh.tp_group)
+            grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape, mesh.tp_group).clone()
         optimizer_step()
 
     step.optimizer.step = record_then_step
