@@ -78,37 +78,23 @@ def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return out.transpose(0, SEQ_DIM)
 
 
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
+def _region(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd function doing `forward(x, group)` and, in backward, `backward(grad, group)`."""
+
+    def fwd(ctx, x, group):
         ctx.group = group
-        return gather_sequence(x, group)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_sequence(grad, ctx.group), None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
 
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_sequence(grad, ctx.group), None
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_sequence(grad, ctx.group), None
+_GatherFromSP = _region("_GatherFromSP", gather_sequence, reduce_scatter_sequence)
+_ReduceScatterToSP = _region("_ReduceScatterToSP", reduce_scatter_sequence, gather_sequence)
+_ScatterToSP = _region("_ScatterToSP", split_sequence, gather_sequence)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
