@@ -114,6 +114,11 @@ class Mesh:
     `torch.distributed.device_mesh.DeviceMesh` with dims ("dp", "pp", "tp").
     """
 
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: outside the tp regions activations are split along the
+    sequence over the tp group (`tensor_parallel/sequence_parallel.py`). Set it on the mesh
+    before building a model; layers read it when they are built."""
+
     def __init__(self, layout: Layout, rank: int = 0):
         self.layout = layout
         self.rank = rank

@@ -73,8 +73,8 @@ def test_conversion_updates_layout_drops_rng_and_keeps_meta(tmp_path):
     assert manifest["meta"]["scheduler"] == {"lr": 0.1}
     assert manifest["meta"]["converted_from"]["layout"] == {"tp": 1, "pp": 1, "dp": 1}
     assert manifest["model"] == read_manifest(src)["model"]
-    assert manifest["tensors"]["layers.3.attn.q.weight"]["stage"] == 1
-    assert manifest["tensors"]["layers.3.attn.q.weight"]["local_shape"] == [16, 32]
+    assert manifest["tensors"]["layers.3.attn.qkv.weight"]["stage"] == 1
+    assert manifest["tensors"]["layers.3.attn.qkv.weight"]["local_shape"] == [48, 32]
 
 
 def test_cli_convert_and_info(tmp_path, capsys):
@@ -99,3 +99,58 @@ def test_cli_usage_errors(tmp_path, capsys):
     assert "--tp N --pp M" in capsys.readouterr().err
     assert main(["--info", str(tmp_path / "nothing")]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
+
+
+def _to_separate_qkv(step_dir, heads):
+    """Rewrite a checkpoint in place as megapar wrote it before q, k, v were fused: separate
+    ``attn.q/k/v`` tensors, each tp shard holding its heads' rows of each."""
+    from megapar.checkpoint.format import MANIFEST, file_record, write_tensors
+    from megapar.tensor_parallel.partition import unfuse_heads
+
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    tp = manifest["layout"]["tp"]
+    for fname in [f for f in manifest["files"] if f.startswith("model_")]:
+        tensors = {}
+        for key, value in file_tensors(step_dir / fname).items():
+            value = value.clone()  # the file is about to be overwritten
+            if ".attn.qkv." not in key:
+                tensors[key] = value
+                continue
+            for x, part in zip("qkv", unfuse_heads(value, heads // tp)):
+                tensors[key.replace(".attn.qkv.", f".attn.{x}.")] = part
+        write_tensors(step_dir / fname, tensors)
+        manifest["files"][fname] = file_record(step_dir / fname)
+    for name in [n for n in manifest["tensors"] if ".attn.qkv." in n]:
+        e = manifest["tensors"].pop(name)
+        third = lambda shape: [shape[0] // 3, *shape[1:]]  # noqa: E731
+        for x in "qkv":
+            manifest["tensors"][name.replace(".qkv.", f".{x}.")] = dict(
+                e, full_shape=third(e["full_shape"]), local_shape=third(e["local_shape"]))
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_checkpoint_with_separate_qkv_still_loads_converts_and_exports(tmp_path, kind):
+    """Checkpoints written before the fused QKV projection read as the fused tensors."""
+    from megapar.checkpoint.convert import export_hf
+    from megapar.checkpoint.distributed import load_checkpoint
+
+    src = save_serial(tmp_path / "src", kind)
+    weights, moments = canonical_state(src)
+    old = convert_checkpoint(src, tmp_path / "old", 2, 2, progress=False)
+    _to_separate_qkv(old, 4)
+    assert "layers.0.attn.q.weight" in json.loads((old / "manifest.json").read_text())["tensors"]
+    old_weights, old_moments = canonical_state(old)
+    assert_same(old_weights, weights, "weights read from separate q, k, v")
+    assert_same(old_moments, moments, "moments read from separate q, k, v")
+    hop = convert_checkpoint(old, tmp_path / "hop", 4, 1, progress=False)
+    assert_same(canonical_state(hop)[0], weights, "converted weights")
+    model = build_stage(tiny_config(kind), Mesh(Layout()), seed=0)
+    state = load_checkpoint(old, model, Mesh(Layout()))
+    assert_same(gather_canonical(model), weights, "loaded weights")
+    assert torch.equal(state.optim_tensors["layers.1.attn.qkv.weight"]["exp_avg"],
+                       moments["layers.1.attn.qkv.weight"]["exp_avg"])
+    export_hf(old, tmp_path / "hf")
+    export_hf(src, tmp_path / "hf_new")
+    assert_same(file_tensors(tmp_path / "hf" / "model.safetensors"),
+                file_tensors(tmp_path / "hf_new" / "model.safetensors"), "exported HF tensors")

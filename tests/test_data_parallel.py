@@ -36,15 +36,32 @@ def test_make_buckets_never_mix_dtypes():
         [[torch.float32], [torch.float64], [torch.float32]]
 
 
-def test_dp1_is_a_no_op():
-    p = nn.Parameter(torch.ones(3))
+def test_dp1_grads_live_in_the_buffer_and_nothing_is_communicated():
+    p, q = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, 2))
+    sync = GradBuckets([p, q], None)
+    for _ in range(2):   # the second step reuses the buffer, zeroed
+        p.grad = q.grad = None        # what the optimizer's zero_grad does
+        sync.begin_step()
+        (2 * p.sum() + 3 * q.sum()).backward()
+        sync.before_last_backward()
+        (p.sum()).backward()
+        sync.finish()
+        assert torch.equal(p.grad, torch.full((3,), 3.0))
+        assert torch.equal(q.grad, torch.full((2, 2), 3.0))
+        buffer = sync.buffers[torch.float32]
+        assert p.grad.data_ptr() == sync.grad_view(p).data_ptr()
+        assert torch.equal(buffer, torch.cat([q.grad.reshape(-1), p.grad]))   # reverse order
+
+
+def test_a_replaced_grad_is_adopted_into_the_buffer():
+    """Code that assigns .grad instead of accumulating in place still gets the right result."""
+    p = nn.Parameter(torch.ones(4))
     sync = GradBuckets([p], None)
-    assert sync.buckets == []
-    p.grad = torch.full((3,), 2.0)
     sync.begin_step()
-    sync.before_last_backward()
+    p.grad = torch.full((4,), 5.0)
     sync.finish()
-    assert torch.equal(p.grad, torch.full((3,), 2.0))
+    assert torch.equal(sync.buffers[torch.float32], torch.full((4,), 5.0))
+    assert p.grad.data_ptr() == sync.grad_view(p).data_ptr()
 
 
 def _micro_batches(rank: int) -> list[dict]:
@@ -109,7 +126,9 @@ def _dp_worker(bucket_mb: float) -> dict:
         dist.all_reduce = real_all_reduce
     for n, p in model.named_parameters():
         assert_close(p.grad, expected[n], what=f"averaged grad of {n}")
-    assert unused.grad is None
+        view = sync.grad_view(p)   # averaged in place: .grad is still the buffer view
+        assert p.grad.data_ptr() == view.data_ptr() and p.grad.shape == view.shape
+    assert torch.equal(unused.grad, torch.zeros(5))   # unused on this stage: zero, and reduced
     return {"buckets": len(sync.buckets), "calls": per_step}
 
 
@@ -135,3 +154,28 @@ def test_averaged_grads_match_single_bucket():
     for out in outs:
         assert out["buckets"] == 1
         assert [len(c) for c in out["calls"]] == [1, 1]
+
+
+def _grads_ready_worker():
+    rank = dist.get_rank()
+    mesh = make_mesh(dp=2)
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    sync = GradBuckets([a, b], mesh.dp_group, bucket_mb=4 * 3 / 2**20)   # one bucket each
+    a.grad = b.grad = None
+    sync.begin_step()
+    sync.before_last_backward()
+    loss = (rank + 1) * (a.sum() + 2 * b.sum())
+    ga, gb = torch.autograd.grad(loss, [a, b])   # weight grads outside AccumulateGrad
+    b.grad.add_(gb)                              # accumulated in place, as zero-bubble does
+    sync.grads_ready([b])
+    launched_early = sync.next_launch            # b's bucket (registered last) goes first
+    a.grad.add_(ga)
+    sync.grads_ready([a])
+    sync.finish()
+    return launched_early, a.grad.tolist(), b.grad.tolist()
+
+
+def test_grads_ready_launches_buckets_for_weight_grads_made_outside_autograd_accumulation():
+    for launched, a, b in run_local(_grads_ready_worker, 2):
+        assert launched == 1
+        assert a == [1.5] * 3 and b == [3.0] * 2   # mean of (1, 2) and of (2, 4)

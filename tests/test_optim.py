@@ -80,7 +80,7 @@ def test_weight_decay_groups_follow_megatron():
     decay, no_decay = ([names[id(p)] for p in g["params"]] for g in opt.param_groups)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert "embed.word.weight" in decay and "embed.position.weight" in decay
-    assert "layers.0.attn.q.weight" in decay
+    assert "layers.0.attn.qkv.weight" in decay
     assert all(n.endswith("bias") or ".ln_" in n or "norm" in n for n in no_decay)
     assert "layers.0.ln_1.weight" in no_decay and "layers.1.mlp.fc.bias" in no_decay
     assert len(decay) + len(no_decay) == len(names)

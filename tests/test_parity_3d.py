@@ -79,7 +79,8 @@ def serial_reference() -> dict:
 
 
 def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
-           schedule: str = "1f1b", virtual_stages: int = 1, order: str = "tp-pp-dp") -> dict:
+           schedule: str = "1f1b", virtual_stages: int = 1, order: str = "tp-pp-dp",
+           sequence_parallel: bool = False) -> dict:
     """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage."""
     import torch.distributed as dist
 
@@ -90,8 +91,10 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     from megapar.training.step import TrainStep
 
     mesh = Mesh(Layout(tp, pp, dp, order), dist.get_rank())
+    mesh.sequence_parallel = sequence_parallel
     model = build_stage(config(), mesh, SEED, virtual_stages=virtual_stages)
-    executor = PipelineExecutor(model, mesh, schedule, (MBS, SEQ, CONFIG["n_embd"]),
+    seq = SEQ // tp if sequence_parallel else SEQ
+    executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, CONFIG["n_embd"]),
                                 virtual_stages=virtual_stages)
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
     grad_sync = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb=0.02) \
@@ -104,7 +107,8 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     def step_and_record_first_grads():  # clipped gradients as the optimizer sees them
         if not full_grads:
             for name, p in model.named_parameters():
-                full_grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape, mesh.tp_group)
+                full_grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape,
+                                              mesh.tp_group).clone()
         optimizer_step()
 
     optimizer.step = step_and_record_first_grads
@@ -158,9 +162,10 @@ def test_reference_clips_every_step(reference):
 
 
 def test_3d_parity_tp2_pp2_dp2(reference):
-    """tp=2 pp=2 dp=2, without and with ZeRO-1, in one launch of 8 ranks."""
-    outs = run_local(_worker, 8, [(2, 2, 2, 0), (2, 2, 2, 1)])
-    for i in range(2):
+    """tp=2 pp=2 dp=2, without and with ZeRO-1, and with sequence parallelism, in one launch
+    of 8 ranks."""
+    outs = run_local(_worker, 8, [(2, 2, 2, 0), (2, 2, 2, 1), (2, 2, 2, 0, "fp32", True)])
+    for i in range(3):
         check_against(reference, [o[i] for o in outs])
 
 

@@ -66,7 +66,7 @@ def _world(mesh: Mesh) -> bool:
 
 def _bytes_tensor(data: bytes, mesh: Mesh, pad_to: int = 0) -> torch.Tensor:
     """`data` as a uint8 tensor on the device collectives use (zero-padded to `pad_to`)."""
-    buf = torch.zeros(max(pad_to, len(data)), dtype=torch.uint8)
+    buf = torch.zeros(max(pad_to, len(data)), dtype=torch.uint8, device="cpu")  # staging
     if data:
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return buf.to(mesh.device)

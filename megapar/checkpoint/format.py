@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from megapar.tensor_parallel.partition import shard_of, shard_range
+from megapar.tensor_parallel.partition import fuse_heads, shard_of, shard_range
 
 FORMAT_NAME = "megapar-checkpoint"
 FORMAT_VERSION = 1
@@ -214,7 +214,27 @@ def read_manifest(path: str | Path) -> dict:
         raise CheckpointError(f"{step_dir / MANIFEST}: format {manifest.get('format')!r} version "
                               f"{manifest.get('version')!r}, this megapar reads {FORMAT_NAME!r} "
                               f"version {FORMAT_VERSION}")
+    _upgrade_separate_qkv(manifest)
     return manifest
+
+
+def _upgrade_separate_qkv(manifest: dict) -> None:
+    """Present a checkpoint written before attention's q, k, v were fused (separate
+    ``attn.q/k/v`` tensors) as one with the fused ``attn.qkv`` tensors of today's models: each
+    ``attn.qkv`` entry records its sources under ``fused_from`` and `ShardReader` fuses them
+    (`fuse_heads`) when read, so such checkpoints still load, convert and export."""
+    tensors, model = manifest["tensors"], manifest.get("model", {})
+    heads = model.get("n_head", model.get("num_attention_heads"))
+    for name in [n for n in tensors if n.endswith((".attn.q.weight", ".attn.q.bias"))]:
+        prefix, kind = name.rsplit(".attn.q.", 1)
+        sources = [f"{prefix}.attn.{x}.{kind}" for x in "qkv"]
+        if not all(src in tensors for src in sources):
+            continue
+        first = tensors[sources[0]]
+        grow = lambda shape: [3 * shape[0], *shape[1:]]  # noqa: E731
+        tensors[f"{prefix}.attn.qkv.{kind}"] = dict(
+            first, full_shape=grow(first["full_shape"]), local_shape=grow(first["local_shape"]),
+            fused_from={src: tensors.pop(src) for src in sources}, heads=heads)
 
 
 def verify_file(step_dir: Path, name: str, record: dict, checksum: bool = True) -> None:
@@ -276,9 +296,12 @@ class ShardReader:
             raise CheckpointError(f"{self.step_dir}: no tensor {name!r} in the checkpoint")
         return self.tensors[name]
 
-    def pieces(self, name: str, tp: int, tp_rank: int, local: int | None):
+    def pieces(self, name: str, tp: int, tp_rank: int, local: int | None, entry=None):
         """[(file, source local range, target local offset)] that make up the target shard."""
-        entry = self.entry(name)
+        entry = entry or self.entry(name)
+        if "fused_from" in entry:  # an old checkpoint's separate q, k, v: read whole
+            return [piece for src, e in entry["fused_from"].items()
+                    for piece in self.pieces(src, 1, 0, e["full_shape"][0], e)]
         dim, stage = entry["tp_dim"], entry["stage"]
         if dim is None:   # replicated: the same tp rank's file if the source has one
             return [(shard_file_name(tp_rank if tp_rank < self.src_tp else 0, stage), None, 0)]
@@ -296,25 +319,29 @@ class ShardReader:
         return out
 
     def shard(self, name: str, key: str | None, tp: int, tp_rank: int,
-              local: int | None, target_dim: int | None = None) -> torch.Tensor:
+              local: int | None, target_dim: int | None = None, entry=None) -> torch.Tensor:
         """`local` None: the target holds the tensor whole. `target_dim`: the target's tp_dim
         when the source keeps the tensor whole but the target splits it (a partition that
         depends on the layout, like Llama's kv heads: split when tp divides them)."""
-        entry = self.entry(name)
+        entry = entry or self.entry(name)
+        if "fused_from" in entry:
+            full = fuse_heads([self.shard(src, key, 1, 0, e["full_shape"][0], entry=e)
+                               for src, e in entry["fused_from"].items()], entry["heads"])
+            return full if local is None else shard_of(full, 0, local, tp_rank)
         dim = entry["tp_dim"]
         tkey = f"model/{name}" if key is None else f"optim/{name}/{key}"
         if key is not None and key not in entry["optim"]:
             raise CheckpointError(f"{self.step_dir}: no optimizer state {key!r} for {name}")
         dtype = dtype_from_name(entry["dtype"] if key is None else entry["optim"][key])
         if dim is None:
-            whole = self._file(self.pieces(name, tp, tp_rank, local)[0][0]).get_tensor(tkey)
+            whole = self._file(self.pieces(name, tp, tp_rank, local, entry)[0][0]).get_tensor(tkey)
             if local is None or target_dim is None:
                 return whole
             return shard_of(whole, target_dim, local, tp_rank)
         shape = list(entry["full_shape"])
         shape[dim] = entry["full_shape"][dim] if local is None else local
         out = torch.zeros(shape, dtype=dtype)
-        for fname, (a, b), at in self.pieces(name, tp, tp_rank, local):
+        for fname, (a, b), at in self.pieces(name, tp, tp_rank, local, entry):
             index = (slice(None),) * dim + (slice(a, b),)
             out.narrow(dim, at, b - a).copy_(self._file(fname).get_slice(tkey)[index])
         return out

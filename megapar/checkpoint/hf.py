@@ -2,9 +2,10 @@
 LlamaForCausalLM).
 
 megapar's *canonical* state is the full (unsharded, unpadded) tensor of every parameter under its
-megapar name (`layers.3.attn.q.weight`, ...), the same in every layout. This module maps between
+megapar name (`layers.3.attn.qkv.weight`, ...), the same in every layout. This module maps between
 canonical tensors and transformers' names and layouts (GPT-2's Conv1D stores weights
-transposed and fuses q, k, v into `c_attn`). Reading is lazy: a rank materialises only the
+transposed and fuses q, k, v into `c_attn` as [q | k | v]; megapar's fused `attn.qkv` is
+head-major, `partition.fuse_heads`, so each tp rank holds whole heads). Reading is lazy: a rank materialises only the
 tensors it asks for, one at a time, and keeps its shard.
 """
 
@@ -18,7 +19,7 @@ from typing import Callable
 import torch
 
 from megapar.models.config import ConfigError, config_from_dict
-from megapar.tensor_parallel.partition import shard_of
+from megapar.tensor_parallel.partition import fuse_heads, shard_of, unfuse_heads
 
 Getter = Callable[[str], torch.Tensor]
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -99,11 +100,9 @@ def _gpt2_canonical(name: str, get: Getter, config) -> torch.Tensor:
         return get(_GPT2_TOP[name])
     i, rest = _LAYER.fullmatch(name).groups()
     module, kind = rest.rsplit(".", 1)
-    if module in ("attn.q", "attn.k", "attn.v"):
-        h = config.n_embd
-        j = "qkv".index(module[-1])
+    if module == "attn.qkv":
         fused = get(f"h.{i}.attn.c_attn.{kind}")
-        return fused[..., j * h:(j + 1) * h].T if kind == "weight" else fused[j * h:(j + 1) * h]
+        return fuse_heads((fused.T if kind == "weight" else fused).chunk(3), config.n_head)
     tensor = get(f"h.{i}.{_GPT2_LAYER[module]}.{kind}")
     conv1d = module != "ln_1" and module != "ln_2"
     return tensor.T if conv1d and kind == "weight" else tensor
@@ -113,9 +112,9 @@ def _gpt2_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.T
     out = {"transformer." + hf: canonical[ours] for ours, hf in _GPT2_TOP.items()}
     for i in range(config.n_layer):
         p, hp = f"layers.{i}.", f"transformer.h.{i}."
-        out[hp + "attn.c_attn.weight"] = torch.cat(
-            [canonical[p + f"attn.{x}.weight"].T for x in "qkv"], dim=1)
-        out[hp + "attn.c_attn.bias"] = torch.cat([canonical[p + f"attn.{x}.bias"] for x in "qkv"])
+        for kind in ("weight", "bias"):
+            qkv = torch.cat(unfuse_heads(canonical[p + f"attn.qkv.{kind}"], config.n_head))
+            out[hp + f"attn.c_attn.{kind}"] = qkv.T if kind == "weight" else qkv
         for ours, hf in _GPT2_LAYER.items():
             conv1d = ours not in ("ln_1", "ln_2")
             w = canonical[p + ours + ".weight"]
@@ -129,8 +128,8 @@ _BERT_TOP = {"embed.word": "embeddings.word_embeddings",
              "embed.position": "embeddings.position_embeddings",
              "embed.token_type": "embeddings.token_type_embeddings",
              "embed.norm": "embeddings.LayerNorm"}
-_BERT_LAYER = {"attn.q": "attention.self.query", "attn.k": "attention.self.key",
-               "attn.v": "attention.self.value", "attn.proj": "attention.output.dense",
+_BERT_QKV = ("attention.self.query", "attention.self.key", "attention.self.value")
+_BERT_LAYER = {"attn.proj": "attention.output.dense",
                "attn_norm": "attention.output.LayerNorm", "mlp.fc": "intermediate.dense",
                "mlp.proj": "output.dense", "mlp_norm": "output.LayerNorm"}
 _BERT_HEAD = {"head.transform": "cls.predictions.transform.dense",
@@ -147,6 +146,9 @@ def _bert_canonical(name: str, get: Getter, config) -> torch.Tensor:
         return get(f"{_BERT_HEAD[module]}.{kind}")
     i, rest = _LAYER.fullmatch(module + "." + kind).groups()
     sub, kind = rest.rsplit(".", 1)
+    if sub == "attn.qkv":
+        return fuse_heads([get(f"encoder.layer.{i}.{hf}.{kind}") for hf in _BERT_QKV],
+                          config.num_attention_heads)
     return get(f"encoder.layer.{i}.{_BERT_LAYER[sub]}.{kind}")
 
 
@@ -159,6 +161,11 @@ def _bert_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.T
         for ours, hf in _BERT_LAYER.items():
             for kind in ("weight", "bias"):
                 out[f"bert.encoder.layer.{i}.{hf}.{kind}"] = canonical[f"layers.{i}.{ours}.{kind}"]
+        for kind in ("weight", "bias"):
+            parts = unfuse_heads(canonical[f"layers.{i}.attn.qkv.{kind}"],
+                                 config.num_attention_heads)
+            for hf, t in zip(_BERT_QKV, parts):
+                out[f"bert.encoder.layer.{i}.{hf}.{kind}"] = t
     for ours, hf in _BERT_HEAD.items():
         for kind in ("weight", "bias"):
             out[f"{hf}.{kind}"] = canonical[f"{ours}.{kind}"]

@@ -36,12 +36,20 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
     from megapar.pipeline.schedules import check_schedule
 
     check_schedule(cfg.schedule, layout.pp, cfg.global_batch_size // per_step, cfg.virtual_stages)
+    if cfg.grad_bucket_mb <= 0:
+        raise ValueError(f"--grad-bucket-mb must be > 0, got {cfg.grad_bucket_mb}")
+    if cfg.sequence_parallel and cfg.seq_len % layout.tp:
+        raise ValueError(f"--seq-len {cfg.seq_len} is not divisible by --tp {layout.tp}, which "
+                         f"--sequence-parallel needs; choose a multiple of {layout.tp}")
     from megapar.optim import LRScheduler
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks
     plan = prepare_data(cfg)
     config = config_from_dict(plan.model_config)
     config.validate(layout)
+    if cfg.sequence_parallel and config.model_type == "llama":
+        raise ValueError("--sequence-parallel is not supported for Llama models yet (tested for "
+                         "GPT-2 and BERT only); drop --sequence-parallel")
     if cfg.virtual_stages > 1:
         from megapar.pipeline.partition import chunk_specs
 

@@ -1,21 +1,33 @@
-"""Bucketed, overlapped gradient averaging over the data-parallel group.
+"""Gradients as views into one contiguous buffer, averaged over the data-parallel group in
+buckets, in place, overlapped with the last backward.
 
-`GradBuckets` implements the executor's grad-sync protocol:
+`GradBuckets` owns, per dtype, one flat buffer holding every parameter's gradient (parameters in
+reverse registration order, roughly the order their gradients become final in backward). Each
+``param.grad`` is a view into it, so autograd accumulates the micro-batches' gradients in place
+and nothing is allocated per step. The buffer is cut into buckets of ~`bucket_mb` MB
+(contiguous ranges); a bucket's all-reduce runs on its range of the buffer itself: no packing
+(`torch.cat`), no copy back, no second copy of the gradients alive during the reduction.
 
-- ``begin_step()``: before the schedule; hooks are inactive, so gradient accumulation over the
+The executor's grad-sync protocol:
+
+- ``begin_step()``: before the schedule; zeroes the buffer, (re)points every ``.grad`` at its
+  view (the optimizer may have set them to None) and disarms the hooks, so accumulating over the
   first m - 1 micro-batches communicates nothing.
 - ``before_last_backward()``: right before this stage's last backward; arms the hooks.
-- during that backward, ``register_post_accumulate_grad_hook`` tells us when each parameter's
-  gradient is final. When every gradient of a bucket is final, the bucket is packed into one
-  flat tensor, divided by dp and all-reduced asynchronously, overlapping with the rest of the
-  backward.
-- ``finish()``: launches the buckets that never became ready (parameters unused on this stage),
-  waits for every all-reduce and copies the averages back into ``param.grad``.
+- during that backward, ``register_post_accumulate_grad_hook`` reports each parameter whose
+  gradient is final. Code that produces weight gradients itself (e.g. ``torch.autograd.grad``
+  followed by an in-place ``param.grad.add_``, as zero-bubble schedules do) calls
+  ``grads_ready(params)`` instead. When every parameter of a bucket is ready, the bucket is
+  divided by dp and all-reduced asynchronously.
+- ``finish()``: launches the buckets not launched yet (parameters this stage did not use keep a
+  zero gradient), and waits for every all-reduce.
 
 Buckets are launched strictly in bucket order (a ready bucket waits for the ones before it), so
-every dp rank issues the same all-reduces in the same order whatever order hooks fire in.
-Parameters are bucketed in reverse registration order, which is roughly the order their
-gradients become final in backward.
+every dp rank issues the same all-reduces in the same order whatever order hooks fire in. A
+``.grad`` that was replaced by another tensor (not accumulated in place) is copied into its view
+when its bucket launches, so the result is right either way.
+With a dp group of size 1 the buffer still serves (no per-step gradient allocation); nothing is
+communicated.
 """
 
 from __future__ import annotations
@@ -31,14 +43,14 @@ from megapar.mesh import group_size
 
 @dataclass
 class Bucket:
-    """A group of parameters whose gradients are averaged in one all-reduce."""
+    """A contiguous range of a gradient buffer, averaged in one all-reduce."""
 
     params: list[torch.nn.Parameter]
-    """Parameters of the bucket, in the order they are packed."""
+    """Parameters of the bucket, in buffer order."""
     ready: set[int] = field(default_factory=set)
     """ids of the parameters whose gradient is final in the current step."""
     flat: torch.Tensor | None = None
-    """The packed gradients while an all-reduce is in flight."""
+    """The bucket's range of the gradient buffer (a view)."""
     handle: object | None = None
     """The async work handle of the in-flight all-reduce."""
 
@@ -65,10 +77,8 @@ def make_buckets(params: list[torch.nn.Parameter], bucket_mb: float) -> list[Buc
 
 
 class GradBuckets:
-    """Average gradients over `dp_group` in ~`bucket_mb` MB buckets, overlapped with backward.
-
-    With a dp group of size 1 (or None) every method is a no-op.
-    """
+    """`.grad` views into one buffer per dtype, averaged over `dp_group` in ~`bucket_mb` MB
+    buckets, in place and overlapped with backward."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], dp_group, bucket_mb: float = 25.0):
         if bucket_mb <= 0:
@@ -76,25 +86,53 @@ class GradBuckets:
         self.group = dp_group
         self.dp = group_size(dp_group)
         self.params = [p for p in params if p.requires_grad]
-        self.buckets: list[Bucket] = []
         self.active = self.in_step = False
         self.next_launch = 0
         self._handles = []
-        if self.dp == 1:
-            return
         self.buckets = make_buckets(self.params, bucket_mb)
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._views: dict[int, torch.Tensor] = {}
+        self._allocate()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        for p in self.params:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        if self.dp > 1:
+            for p in self.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _allocate(self) -> None:
+        """One zeroed buffer per dtype; bucket ranges and per-parameter views into it."""
+        sizes: dict[torch.dtype, int] = {}
+        for b in self.buckets:
+            dtype, device = b.params[0].dtype, b.params[0].device
+            sizes[dtype] = sizes.get(dtype, 0) + b.numel
+        devices = {b.params[0].dtype: b.params[0].device for b in self.buckets}
+        self.buffers = {dt: torch.zeros(n, dtype=dt, device=devices[dt])
+                        for dt, n in sizes.items()}
+        offsets = dict.fromkeys(sizes, 0)
+        for b in self.buckets:
+            buffer, start = self.buffers[b.params[0].dtype], offsets[b.params[0].dtype]
+            b.flat = buffer[start:start + b.numel]
+            offset = 0
+            for p in b.params:
+                self._views[id(p)] = b.flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            offsets[b.params[0].dtype] = start + b.numel
+
+    def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The buffer view that is `param`'s gradient."""
+        return self._views[id(param)]
 
     # protocol ---------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Start a step: disarm the hooks and forget the previous step's buckets."""
+        """Start a step: zero the buffer, point every .grad at its view, disarm the hooks."""
         for b in self.buckets:
             if b.handle is not None:
                 raise RuntimeError("GradBuckets.begin_step() called while a previous step's "
                                    "all-reduce is still in flight; call finish() first")
             b.ready.clear()
+        for buffer in self.buffers.values():
+            buffer.zero_()
+        for p in self.params:
+            p.grad = self._views[id(p)]
         self.next_launch = 0
         self.active = False
         self.in_step = True
@@ -103,26 +141,31 @@ class GradBuckets:
         """Arm the hooks: gradients become final during the next backward."""
         self.active = self.dp > 1
 
-    def finish(self) -> None:
-        """Launch any bucket not launched yet, wait for all, write the averages to param.grad."""
-        if self.dp == 1:
+    def grads_ready(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Declare these parameters' gradients final for this step (for code that accumulates
+        weight gradients itself instead of through autograd's AccumulateGrad)."""
+        if not self.active:
             return
+        for p in params:
+            self._bucket_of[id(p)].ready.add(id(p))
+        self._launch_ready()
+
+    def finish(self) -> None:
+        """Launch any bucket not launched yet and wait for all; the averages are in .grad."""
         if not self.in_step:
             raise RuntimeError("GradBuckets.finish() without begin_step(): call begin_step() "
                                "before each step's first backward (the executor does)")
         self.active = self.in_step = False
+        if self.dp == 1:
+            for b in self.buckets:
+                self._adopt_replaced_grads(b)
+            return
         for b in self.buckets:
             b.ready.update(id(p) for p in b.params)
         self._launch_ready()
         for b in self.buckets:
             b.handle.wait()
-            offset = 0
-            for p in b.params:
-                n = p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(b.flat[offset:offset + n].view_as(p.grad))
-                offset += n
-            b.flat, b.handle = None, None
+            b.handle = None
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the object is unusable afterwards)."""
@@ -145,13 +188,15 @@ class GradBuckets:
             self._launch(b)
             self.next_launch += 1
 
+    def _adopt_replaced_grads(self, b: Bucket) -> None:
+        for p in b.params:
+            view = self._views[id(p)]
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+
     def _launch(self, b: Bucket) -> None:
-        # A parameter without a gradient (unused on this stage) is packed as zeros; its grad
-        # stays None afterwards. Unused parameters are the same on every dp rank (same stage).
-        parts = [(p.grad.detach() if p.grad is not None
-                  else torch.zeros_like(p, memory_format=torch.contiguous_format)).reshape(-1)
-                 for p in b.params]
-        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        flat.div_(self.dp)
-        b.flat = flat
-        b.handle = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._adopt_replaced_grads(b)
+        b.flat.div_(self.dp)
+        b.handle = dist.all_reduce(b.flat, group=self.group, async_op=True)

@@ -14,7 +14,7 @@ from torch import nn
 
 from megapar.mesh import Mesh
 from megapar.models.blocks import (
-    ParallelAttention, ParallelMLP, activation, layer_norm, run_layers,
+    ParallelAttention, ParallelMLP, ResidualDropout, activation, layer_norm, run_layers,
 )
 from megapar.models.config import BertConfig
 from megapar.models.stage import StageModel
@@ -34,7 +34,7 @@ class BertLayer(nn.Module):
         self.mlp = ParallelMLP(config.hidden_size, config.intermediate_size, mesh,
                                config.hidden_act)
         self.mlp_norm = layer_norm(config.hidden_size, eps, d)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = ResidualDropout(config.hidden_dropout_prob, mesh, tracker)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         x = self.attn_norm(x + self.dropout(self.attn(x, mask)))
@@ -113,7 +113,8 @@ class Bert(StageModel):
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.pre_process:
-            hidden = self.embed(batch["input_ids"], batch.get("token_type_ids"))
+            hidden = self._split_sequence(self.embed(batch["input_ids"],
+                                                     batch.get("token_type_ids")))
         mask = batch.get("attention_mask")
         if mask is not None:
             mask = mask.bool()[:, None, None, :]

@@ -1,8 +1,11 @@
 """Transformer pieces built from tensor-parallel layers, shared by GPT-2 and BERT.
 
-Attention heads are split across the tp group: q, k and v are column-parallel (each rank
-computes its heads), the output projection is row-parallel (partial sums reduced over tp).
-The MLP is column-parallel up, row-parallel down. Between the two halves nothing is
+Attention heads are split across the tp group: q, k and v are one fused column-parallel
+projection (`qkv`, rows head-major: each rank holds whole heads, see
+`partition.fuse_heads`), the output projection is row-parallel (partial sums reduced over tp).
+The MLP is column-parallel up, row-parallel down. So each attention and each MLP has exactly one
+copy-to region (an all-reduce in backward) and one reduce-from region (an all-reduce in
+forward): Megatron's 2 + 2 all-reduces of b x s x h per layer. Between the two halves nothing is
 communicated.
 """
 
@@ -46,9 +49,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         self.local_heads = divide(heads, mesh.tp, "attention heads")
         self.head_dim = divide(hidden, heads, f"hidden size (for {heads} heads)")
-        self.q = ColumnParallelLinear(hidden, hidden, mesh, name="hidden size")
-        self.k = ColumnParallelLinear(hidden, hidden, mesh, name="hidden size")
-        self.v = ColumnParallelLinear(hidden, hidden, mesh, name="hidden size")
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, mesh, name="3 x hidden size")
         self.proj = RowParallelLinear(hidden, hidden, mesh, name="hidden size")
         self.tracker = tracker
         self.dropout = dropout
@@ -62,12 +63,11 @@ class ParallelAttention(nn.Module):
                 is_causal=self.causal and mask is None)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
-
-        def heads(t):
-            return t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        qkv = self.qkv(x)  # the whole sequence, also when x is a sequence-parallel slice
+        b, s = qkv.shape[:2]
+        # [b, s, local heads, (q, k, v), head_dim] -> three [b, local heads, s, head_dim]
+        qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)
         if self.recompute_core and torch.is_grad_enabled():
             if mask is None:
                 out = self.tracker.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, None),
@@ -91,6 +91,23 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.act(self.fc(x)))
+
+
+class ResidualDropout(nn.Dropout):
+    """Dropout on the residual stream. Under sequence parallelism each tp rank holds other
+    positions, so its mask comes from the per-tp-rank stream (`tracker.fork()`); otherwise every
+    tp rank holds the same tensor and draws the same mask from the default stream."""
+
+    def __init__(self, p: float, mesh: Mesh, tracker):
+        super().__init__(p)
+        self.tracker = tracker
+        self.split = bool(getattr(mesh, "sequence_parallel", False)) and mesh.tp > 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split and self.training and self.p > 0:
+            with self.tracker.fork():
+                return super().forward(x)
+        return super().forward(x)
 
 
 def run_layers(layers: nn.ModuleDict, hidden: torch.Tensor, mask, recompute: str, tracker):

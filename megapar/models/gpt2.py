@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from megapar.mesh import Mesh
-from megapar.models.blocks import ParallelAttention, ParallelMLP, layer_norm, run_layers
+from megapar.models.blocks import (
+    ParallelAttention, ParallelMLP, ResidualDropout, layer_norm, run_layers,
+)
 from megapar.models.config import GPT2Config
 from megapar.models.stage import StageModel
 from megapar.tensor_parallel import VocabParallelEmbedding, initialize, parallel_lm_logits
@@ -31,7 +33,7 @@ class GPT2Block(nn.Module):
                                       config.attn_pdrop, causal=True)
         self.ln_2 = layer_norm(config.n_embd, config.layer_norm_epsilon, d)
         self.mlp = ParallelMLP(config.n_embd, config.ffn_size, mesh, config.activation_function)
-        self.dropout = nn.Dropout(config.resid_pdrop)
+        self.dropout = ResidualDropout(config.resid_pdrop, mesh, tracker)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.ln_1(x), mask))
@@ -90,7 +92,7 @@ class GPT2(StageModel):
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.pre_process:
-            hidden = self.embed(batch["input_ids"])
+            hidden = self._split_sequence(self.embed(batch["input_ids"]))
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
         if not self.post_process:
             return hidden

@@ -18,6 +18,9 @@ from torch import nn
 from megapar.mesh import Mesh
 from megapar.tensor_parallel import NullTracker, masked_mean, vocab_parallel_cross_entropy
 from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
+from megapar.tensor_parallel.sequence_parallel import (
+    mark_sequence_parallel, scatter_to_sequence_parallel_region,
+)
 
 WORD_EMBEDDING = "embed.word.weight"
 
@@ -52,6 +55,15 @@ class StageModel(nn.Module):
         if self.pre_process or self.post_process:
             self.word_embeddings.shared_embedding = True
         mark_replicated(self)
+        if self.mesh.sequence_parallel and self.mesh.tp > 1:  # all but the embedding see a
+            mark_sequence_parallel(p for n, p in self.named_parameters()  # sequence slice
+                                   if not n.startswith("embed."))
+
+    def _split_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The embedding's output enters the sequence-parallel region (a no-op without SP)."""
+        if self.mesh.sequence_parallel:
+            return scatter_to_sequence_parallel_region(hidden, self.mesh.tp_group)
+        return hidden
 
     @property
     def word_embeddings(self) -> nn.Parameter:

@@ -30,11 +30,13 @@ def _counted(param: nn.Parameter, mesh: Mesh) -> bool:
 @torch.no_grad()
 def grad_norm(model: nn.Module, mesh: Mesh) -> float:
     """Global L2 norm of the gradient (collective over mesh.mp_group)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None and _counted(p, mesh)]
-    device = grads[0].device if grads else mesh.device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        total += g.detach().float().pow(2).sum()
+    grads = [p.grad.detach() for p in model.parameters()
+             if p.grad is not None and _counted(p, mesh)]
+    if grads:  # foreach kernels: one norm per tensor, then the norm of the norms
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+        total = torch.linalg.vector_norm(torch.stack(norms)).pow(2)
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=mesh.device)
     all_reduce(total, mesh.mp_group)
     return math.sqrt(total.item())
 
@@ -49,7 +51,6 @@ def clip_grad_norm(model: nn.Module, mesh: Mesh, max_norm: float) -> float:
     if max_norm > 0 and math.isfinite(total):
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None],
+                                coef)
     return total

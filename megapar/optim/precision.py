@@ -93,11 +93,10 @@ class Precision:
         if self.scaler is None:
             return False
         grads = [p.grad for p in params if p.grad is not None]
-        inv = 1.0 / self.scaler.scale
-        flag = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            g.mul_(inv)
-            flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
+        flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+        inv = torch.full((1,), 1.0 / self.scaler.scale, dtype=torch.float32, device=self.device)
+        if grads:  # one fused kernel: multiply by 1/scale and flag any inf / NaN
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

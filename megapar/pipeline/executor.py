@@ -33,6 +33,7 @@ from torch import nn
 
 from megapar.device import DEFAULT_TIMEOUT_S
 from megapar.mesh import Mesh
+from megapar.pipeline.clock import StepClock
 from megapar.pipeline.p2p import P2PTimeoutError, StageP2P
 from megapar.pipeline import split_backward
 from megapar.pipeline.schedules import (
@@ -76,6 +77,7 @@ class PipelineExecutor:
             "backward_input": self._backward_input, "backward_weight": self._backward_weight,
         }
         self._trace: list[tuple] = []
+        self.clock = StepClock(mesh.device)  # CUDA events on CUDA, perf_counter on the CPU
         self.last_timeline = Timeline([])
         self._reset([], 1.0, False)
 
@@ -111,7 +113,9 @@ class PipelineExecutor:
         self._trace = []
         self._reset(micro_batches, loss_scale, forward_only)
         self._acks = self._acknowledgements(actions, m, forward_only)
-        trace, record, clock = self._trace, self.trace, time.perf_counter
+        trace, record, clock = self._trace, self.trace, self.clock.stamp
+        if record:
+            self.clock.begin()
         try:
             if grad_sync is not None:
                 grad_sync.begin_step()
@@ -137,8 +141,11 @@ class PipelineExecutor:
             return loss
         finally:
             self._reset([], 1.0, False)
-            rank = self.mesh.pp_rank
-            self.last_timeline = Timeline([Event(rank, k, mb, s, e, c) for k, mb, c, s, e in trace])
+            rank, at = self.mesh.pp_rank, self.clock.resolve
+            if trace:
+                self.clock.finish()
+            self.last_timeline = Timeline([Event(rank, k, mb, at(s), at(e), c)
+                                           for k, mb, c, s, e in trace])
 
     def _dispatch(self, action: Action) -> None:
         handler = self.handlers.get(action.kind)
@@ -352,7 +359,7 @@ def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_T
         offset = 0.0
     rows = torch.tensor([[TRACE_KINDS.index(e.kind), -1 if e.mb is None else e.mb, e.chunk,
                           e.start - offset, e.end - offset] for e in timeline.events],
-                        dtype=torch.float64).reshape(-1, 5).to(dev)
+                        dtype=torch.float64, device=dev).reshape(-1, 5)
     counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(mesh.pp)]
     _wait(dist.all_gather(counts, torch.tensor([len(rows)], device=dev), group=group,
                           async_op=True),

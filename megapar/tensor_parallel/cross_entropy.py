@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megapar.mesh import all_reduce as _all_reduce
 
@@ -63,6 +64,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     """
     if vocab_size is None:
         vocab_size = vocab_start + logits.shape[-1]
+    if (group is None or dist.get_world_size(group) == 1) and vocab_start == 0:
+        # the whole vocabulary is here: torch's fused kernel, which keeps one [tokens x vocab]
+        # tensor for backward instead of the several the parallel version materialises
+        whole = logits[..., :vocab_size].reshape(-1, vocab_size).float()
+        return F.cross_entropy(whole, target.reshape(-1), ignore_index=ignore_index,
+                               reduction="none").view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size,
                                             ignore_index)
 

@@ -17,6 +17,13 @@ from megapar.tensor_parallel.mappings import (
     copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region,
 )
 from megapar.tensor_parallel.partition import local_size, set_partition
+from megapar.tensor_parallel.sequence_parallel import (
+    gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
+)
+
+
+def _sequence_parallel(mesh: Mesh) -> bool:
+    return bool(getattr(mesh, "sequence_parallel", False)) and mesh.tp > 1
 
 
 def divide(numerator: int, tp: int, what: str) -> int:
@@ -34,7 +41,9 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its output dim: each rank computes a slice of Y.
 
     gather_output=True all-gathers Y so every rank holds it whole; otherwise the output stays
-    split (feed it to a RowParallelLinear with input_is_parallel=True).
+    split (feed it to a RowParallelLinear with input_is_parallel=True). Under sequence
+    parallelism (`mesh.sequence_parallel`) X arrives split along the sequence and is all-gathered
+    first (its gradient reduce-scattered) instead of entering through `copy_to_tp_region`.
     """
 
     def __init__(self, in_features: int, out_features: int, mesh: Mesh, bias: bool = True,
@@ -42,12 +51,15 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group = mesh.tp_group
         self.gather_output = gather_output
+        self.sequence_parallel = _sequence_parallel(mesh)
         local = divide(out_features, mesh.tp, name)
         self.weight = _param((local, in_features), 0, (out_features, in_features), mesh.device)
         self.bias = _param((local,), 0, (out_features,), mesh.device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        x = gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel \
+            else copy_to_tp_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
@@ -56,7 +68,8 @@ class RowParallelLinear(nn.Module):
 
     input_is_parallel=True takes X already split along its last dim (from a column-parallel
     layer); otherwise X is whole and each rank keeps its slice. The bias is replicated and added
-    once, after the partial sums are reduced.
+    once, after the partial sums are reduced. Under sequence parallelism the partial sums are
+    reduce-scattered along the sequence instead of all-reduced.
     """
 
     def __init__(self, in_features: int, out_features: int, mesh: Mesh, bias: bool = True,
@@ -64,6 +77,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group = mesh.tp_group
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = _sequence_parallel(mesh)
         local = divide(in_features, mesh.tp, name)
         self.weight = _param((out_features, local), 1, (out_features, in_features), mesh.device)
         self.bias = _param((out_features,), None, (out_features,), mesh.device) if bias else None
@@ -71,7 +85,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sequence_parallel_region(y, self.group) if self.sequence_parallel \
+            else reduce_from_tp_region(y, self.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -103,5 +119,9 @@ class VocabParallelEmbedding(nn.Module):
 
 def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor, mesh: Mesh,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """This rank's vocab slice of the logits, from (tied) vocab-parallel word embeddings."""
+    """This rank's vocab slice of the logits, from (tied) vocab-parallel word embeddings
+    (under sequence parallelism `hidden` is this rank's sequence slice, gathered first)."""
+    if _sequence_parallel(mesh):
+        return F.linear(gather_from_sequence_parallel_region(hidden, mesh.tp_group),
+                        word_embeddings, bias)
     return F.linear(copy_to_tp_region(hidden, mesh.tp_group), word_embeddings, bias)

@@ -75,6 +75,28 @@ def gather_full(shard: torch.Tensor, dim: int | None, full: tuple[int, ...], gro
     return unpad(torch.cat(parts, dim=dim), dim, full)
 
 
+def fuse_heads(parts, heads: int) -> torch.Tensor:
+    """The canonical fused tensor of per-head projections (attention's q, k, v), head-major.
+
+    `parts` are full tensors of the same shape [heads * head_dim, ...] (q, k and v). The fused
+    tensor's rows are [head 0: q, k, v | head 1: q, k, v | ...] (Megatron's layout), so a
+    contiguous shard along dim 0 holds whole heads and all three projections of each: the one
+    shard rule above applies unchanged, in every tp that divides the heads.
+    """
+    stacked = torch.stack(list(parts))                      # [n, heads * head_dim, ...]
+    n, rows = stacked.shape[:2]
+    rest = stacked.shape[2:]
+    return stacked.reshape(n, heads, rows // heads, *rest).transpose(0, 1).reshape(
+        n * rows, *rest)
+
+
+def unfuse_heads(fused: torch.Tensor, heads: int, n: int = 3) -> list[torch.Tensor]:
+    """The inverse of `fuse_heads`: the n per-projection full tensors (q, k, v)."""
+    rows, rest = fused.shape[0] // n, fused.shape[1:]
+    split = fused.reshape(heads, n, rows // heads, *rest).transpose(0, 1)
+    return [t.reshape(rows, *rest) for t in split]
+
+
 def mark_replicated(module) -> None:
     """Give every parameter without a partition the replicated one (tp_dim None, its own shape)."""
     for param in module.parameters():

@@ -109,15 +109,21 @@ def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stage
             executor.run(micro)
         timeline = gather_timeline(executor.last_timeline, mesh)
     peak = in_flight_peak(schedule_actions(schedule, pp, m, mesh.pp_rank, virtual_stages))
-    info = torch.tensor([float(peak), held.peak / 2**20])
-    if mesh.pp_group is not None:
-        parts = [torch.zeros(2) for _ in range(pp)]
-        torch.distributed.all_gather(parts, info, group=mesh.pp_group)
-    else:
-        parts = [info]
+    parts = gather_stage_info(mesh, [float(peak), held.peak / 2**20])
     if mesh.rank != 0:
         return None
     return timeline.to_json(), [int(p[0]) for p in parts], [float(p[1]) for p in parts]
+
+
+def gather_stage_info(mesh, values: list[float]) -> list[list[float]]:
+    """Every pp stage's `values` (same length everywhere), in stage order; collective over
+    the pp group, on the mesh device (NCCL rejects CPU tensors)."""
+    info = torch.tensor(values, dtype=torch.float64, device=mesh.device)
+    if mesh.pp_group is None:
+        return [info.tolist()]
+    parts = [torch.zeros_like(info) for _ in range(mesh.pp)]
+    torch.distributed.all_gather(parts, info, group=mesh.pp_group)
+    return [p.tolist() for p in parts]
 
 
 def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = None,

@@ -59,6 +59,10 @@ class TrainConfig:
     """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
     zero: int = 0
     """1 shards the optimizer state over data-parallel ranks (ZeRO-1)."""
+    grad_bucket_mb: float = 25.0
+    """Data-parallel gradient bucket size in MB (gradients live in one buffer cut into buckets; each bucket is all-reduced in place as soon as its gradients are final)."""
+    sequence_parallel: bool = False
+    """Split LayerNorm, dropout and the residual stream along the sequence over the tp group (Megatron sequence parallelism; --seq-len must be divisible by --tp)."""
     # --- optimisation ---
     lr: float = 1e-3
     """Peak learning rate."""

@@ -53,12 +53,15 @@ class Trainer:
         self.cfg = cfg
         self.mesh = mesh = Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
                                          order=cfg.rank_order)
+        mesh.sequence_parallel = cfg.sequence_parallel and mesh.tp > 1
         self.config = config_from_dict(plan.model_config)
         self.model = build_stage(self.config, mesh, cfg.seed, cfg.recompute,
                                  virtual_stages=cfg.virtual_stages)
         self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
         act_shape = (cfg.micro_batch_size, cfg.seq_len, self.config.hidden_size)
+        if mesh.sequence_parallel:  # stages exchange their sequence slice
+            act_shape = (cfg.micro_batch_size, cfg.seq_len // mesh.tp, self.config.hidden_size)
         self.executor = PipelineExecutor(self.model, mesh, cfg.schedule, act_shape,
                                          timeout_s=cfg.timeout_s,
                                          virtual_stages=cfg.virtual_stages)
@@ -67,8 +70,8 @@ class Trainer:
                                          zero=cfg.zero)
         self.scheduler = LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps,
                                      cfg.lr_decay)
-        grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_group) \
-            if mesh.dp > 1 else None
+        # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
+        grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_group, cfg.grad_bucket_mb)
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer,
                                  self.scheduler, self.precision, cfg.clip_grad, grad_sync)
         self.step = 0

@@ -5,6 +5,7 @@
 1. zero the gradients, set this step's learning rate;
 2. run the pipeline schedule under autocast (gradients accumulate over the m micro-batches; the
    dp average is bucketed and overlapped with the last micro-batch's backward by `grad_sync`);
+   with --sequence-parallel, sum the replicated parameters' partial gradients over tp;
 3. sum the tied embedding's gradient over the first and last stage (pp > 1);
 4. fp16: unscale the gradients and agree, over the whole world, whether any is inf / NaN;
 5. clip to the global gradient norm (over tp x pp, each parameter counted once);
@@ -93,6 +94,10 @@ class TrainStep:
         scale = self.precision.loss_scale
         with self.precision.autocast():
             loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
+        if self.mesh.sequence_parallel:  # LayerNorm etc. saw only this rank's positions
+            from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
+
+            sync_sequence_parallel_grads(self.model, self.mesh.tp_group)
         if self.mesh.pp > 1:
             from megapar.pipeline.tied import sync_tied_embeddings
 

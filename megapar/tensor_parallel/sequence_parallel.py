@@ -1,0 +1,139 @@
+"""Sequence parallelism (Megatron-style): outside the tensor-parallel regions, activations are
+split along the sequence across the tp group.
+
+Without it, LayerNorm, dropout and the residual stream run on the whole [b, s, h] tensor on every
+tp rank. With it each tp rank holds s / tp positions there, and the region primitives change:
+
+| primitive (sequence = dim 1)                  | forward                | backward               |
+|-----------------------------------------------|------------------------|------------------------|
+| gather_from_sequence_parallel_region          | all-gather sequence    | reduce-scatter sequence|
+| reduce_scatter_to_sequence_parallel_region    | reduce-scatter sequence| all-gather sequence    |
+| scatter_to_sequence_parallel_region           | keep my sequence slice | all-gather sequence    |
+
+A column-parallel layer gathers its input instead of `copy_to_tp_region` (whose backward
+all-reduce becomes the gather's reduce-scatter) and a row-parallel layer reduce-scatters its
+output instead of `reduce_from_tp_region`: the same bytes as the two all-reduces they replace,
+while the activations in between are 1 / tp the size. Replicated parameters used on the split
+sequence (LayerNorms, row-parallel biases) see only their rank's positions, so their gradients
+are summed over tp after the backward (`sync_sequence_parallel_grads`).
+
+All primitives are the identity when the group is None (tp = 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megapar.mesh import LayoutError, group_size
+
+SEQ_DIM = 1
+
+
+def _all_gather_flat(out, x, group):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+def _reduce_scatter_flat(out, x, group):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, group=group)
+
+
+def _check(x: torch.Tensor, size: int) -> None:
+    if x.shape[SEQ_DIM] % size:
+        raise LayoutError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by --tp {size} "
+                          f"(needed by --sequence-parallel); change --seq-len or --tp")
+
+
+def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's contiguous slice of the sequence (no communication)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    _check(x, size)
+    return x.chunk(size, dim=SEQ_DIM)[dist.get_rank(group)].contiguous()
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's sequence slice, concatenated in rank order (all-gather)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    xt = x.transpose(0, SEQ_DIM).contiguous()           # sequence first: gathers are along dim 0
+    out = torch.empty((size * xt.shape[0],) + xt.shape[1:], dtype=x.dtype, device=x.device)
+    _all_gather_flat(out, xt, group)
+    return out.transpose(0, SEQ_DIM)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum over ranks of x, of which each rank keeps its sequence slice (reduce-scatter)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    _check(x, size)
+    xt = x.transpose(0, SEQ_DIM).contiguous()
+    out = torch.empty((xt.shape[0] // size,) + xt.shape[1:], dtype=x.dtype, device=x.device)
+    _reduce_scatter_flat(out, xt, group)
+    return out.transpose(0, SEQ_DIM)
+
+
+def _region(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd function doing `forward(x, group)` and, in backward, `backward(grad, group)`."""
+
+    def fwd(ctx, x, group):
+        ctx.group = group
+        return forward(x, group)
+
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+
+
+_GatherFromSP = _region("_GatherFromSP", gather_sequence, reduce_scatter_sequence)
+_ReduceScatterToSP = _region("_ReduceScatterToSP", reduce_scatter_sequence, gather_sequence)
+_ScatterToSP = _region("_ScatterToSP", split_sequence, gather_sequence)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gathers the sequence in forward; reduce-scatters the gradient in backward."""
+    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Sums partial results and keeps my sequence slice; all-gathers the gradient."""
+    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Keeps my sequence slice of a tensor every rank holds whole; all-gathers the gradient."""
+    return x if group_size(group) == 1 else _ScatterToSP.apply(x, group)
+
+
+def mark_sequence_parallel(params) -> None:
+    """Flag replicated parameters whose gradient is partial under sequence parallelism."""
+    for p in params:
+        if getattr(p, "tp_dim", None) is None:
+            p.sequence_parallel = True
+
+
+def sequence_parallel_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+
+
+@torch.no_grad()
+def sync_sequence_parallel_grads(model: torch.nn.Module, group) -> int:
+    """Sum the gradients of `mark_sequence_parallel` parameters over the tp group, in one
+    all-reduce of a flat buffer; returns the number of parameters synchronised."""
+    params = [p for p in sequence_parallel_params(model) if p.grad is not None]
+    if group_size(group) == 1 or not params:
+        return 0
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        offset += p.numel()
+    return len(params)
