@@ -153,3 +153,36 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
         return [fn(*args)]
     return run_local(fn, world_size, *args, timeout_s=None,
                      collective_timeout_s=collective_timeout_s)
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
+
+
+def launch(fn: Callable[..., Any], nprocs: int, *args, timeout_s: float | None = None) -> Any:
+    """Run `fn(*args)` on `nprocs` local ranks and return rank 0's return value.
+
+    The notebook launcher: works in a script and in Jupyter / IPython (workers are forked, so
+    `fn` may be defined in the notebook; with CUDA they are spawned, except in a notebook
+    before CUDA is initialised, where they are forked as well). The process group is set up
+    before `fn` runs (use `megapar.prepare` inside it). A failing rank brings all down and
+    raises `WorkerError` naming it. Under torchrun / Slurm (RANK / WORLD_SIZE set) `fn` runs
+    once as this process's rank and its value is returned; `nprocs` is then ignored.
+    `timeout_s`: give up (naming the unfinished ranks) after this long; None waits.
+    """
+    if under_launcher():
+        return run_workers(fn, launched_world_size(), *args)[0]
+    if nprocs < 1:
+        raise ValueError(f"megapar.launch needs nprocs >= 1, got {nprocs}")
+    method = None
+    if _device.use_cuda():
+        import torch
+
+        method = "fork" if _in_notebook() and not torch.cuda.is_initialized() else "spawn"
+    if nprocs == 1 and method is None:
+        return fn(*args)
+    return run_local(fn, nprocs, *args, timeout_s=timeout_s, start_method=method)[0]

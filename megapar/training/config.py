@@ -66,6 +66,10 @@ class TrainConfig:
     """Linear warmup steps."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to biases and norms)."""
+    optimizer: str = "adamw"
+    """adamw, lamb or lars (layer-wise trust ratio, for large batches) or sgd (with momentum)."""
+    lr_scale_with_batch: int = 0
+    """Linear LR scaling: the LR (and min LR) become --lr x global batch / this (0: off)."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
     max_steps: int = 300
@@ -117,12 +121,14 @@ def field_docs() -> dict[str, str]:
 def _choices() -> dict[str, list]:
     """Allowed values, taken from the modules that implement them."""
     from megapar.models.blocks import RECOMPUTE_MODES
+    from megapar.optim.optimizer import OPTIMIZERS
     from megapar.optim.precision import PRECISIONS
     from megapar.optim.scheduler import DECAY_STYLES
     from megapar.pipeline.schedules import SCHEDULES
 
     return {"schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
-            "precision": list(PRECISIONS), "zero": [0, 1], "lr_decay": list(DECAY_STYLES)}
+            "precision": list(PRECISIONS), "zero": [0, 1], "lr_decay": list(DECAY_STYLES),
+            "optimizer": list(OPTIMIZERS)}
 
 
 def _type_of(f) -> Any:

@@ -88,8 +88,9 @@ class TrainStep:
 
     def step(self, micro_batches: list[dict], step_index: int) -> StepResult:
         self.optimizer.zero_grad()
-        lr = self.scheduler.lr(step_index)
-        self.optimizer.set_lr(lr)
+        if self.scheduler is not None:  # else the optimizer's lr (e.g. set by a torch scheduler)
+            self.optimizer.set_lr(self.scheduler.lr(step_index))
+        lr = self.optimizer.lr
         scale = self.precision.loss_scale
         with self.precision.autocast():
             loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
