@@ -76,6 +76,18 @@ def test_user_script_equals_megapar_train_and_one_process(tmp_path, prefix):
     assert user[-1] < user[0]
 
 
+def test_notebook_cell_runs_under_ipython():
+    """The example notebook's cell, run by IPython (get_ipython() is set, as in Jupyter)."""
+    cell = json.loads((ROOT / "examples" / "notebook_launch.ipynb").read_text())["cells"][1]
+    run = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--quick", "-c",
+                          "".join(cell["source"])], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = [x for x in run.stdout.splitlines() if x.startswith("losses")]
+    assert line, run.stdout + run.stderr
+    losses = json.loads(line[0].split(" ", 1)[1])
+    assert len(losses) == 10 and losses[-1] < losses[0] - 0.3
+
+
 # --- engine features on a tiny model, forked ranks ---------------------------------------------
 VOCAB, SEQ, G = 96, 8, 8
 
@@ -86,7 +98,7 @@ def _hf_model(dropout=0.0):
     torch.manual_seed(3)
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2,
                                       n_head=4, resid_pdrop=dropout, embd_pdrop=dropout,
-                                      attn_pdrop=dropout))
+                                      attn_pdrop=dropout, bos_token_id=None, eos_token_id=None))
 
 
 def _batches(n):
