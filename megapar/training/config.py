@@ -68,6 +68,8 @@ class TrainConfig:
     """AdamW weight decay (not applied to biases and norms)."""
     optimizer: str = "adamw"
     """adamw, lamb or lars (layer-wise trust ratio, for large batches) or sgd (with momentum)."""
+    adam_eps: float = 1e-8
+    """Epsilon of AdamW / LAMB (added to the root of the second moment)."""
     lr_scale_with_batch: int = 0
     """Linear LR scaling: the LR (and min LR) become --lr x global batch / this (0: off)."""
     clip_grad: float = 1.0

@@ -42,8 +42,8 @@ class Engine:
         self.model = build_stage(model_config, mesh, cfg.seed, cfg.recompute)
         self.precision = Precision(cfg.precision, mesh.device)
         lr = self.scaled_lr(cfg)
-        self.optimizer = build_optimizer(self.model, mesh, lr, cfg.weight_decay, zero=cfg.zero,
-                                         kind=getattr(cfg, "optimizer", "adamw"))
+        self.optimizer = build_optimizer(self.model, mesh, lr, cfg.weight_decay,
+                                         eps=cfg.adam_eps, zero=cfg.zero, kind=cfg.optimizer)
         if scheduler == "from_cfg":
             min_lr = cfg.min_lr if lr == cfg.lr else cfg.min_lr * lr / cfg.lr
             scheduler = LRScheduler(lr, min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)
