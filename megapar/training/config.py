@@ -99,6 +99,10 @@ class TrainConfig:
     """Log to Weights & Biases (offline mode when there is no network)."""
     peak_tflops: float = 1.0
     """Peak TFLOP/s of one device, for MFU (e.g. 312 for A100 bf16; 1.0 is a rough CPU figure)."""
+    profile_steps: str | None = None
+    """Record a torch.profiler Chrome trace of steps A:B (e.g. 5:7) on every rank."""
+    profile_dir: str = "profile"
+    """Where --profile-steps writes trace_rank<R>.json."""
     timeout_s: float = 300.0
     """Timeout of every collective / point-to-point wait, in seconds."""
     progress: bool = True

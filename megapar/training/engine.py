@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megapar.diagnostics import set_action, set_step
 from megapar.mesh import Mesh, all_reduce
 from megapar.training.build import build_stage
 from megapar.training.config import TrainConfig
@@ -77,8 +78,10 @@ class Engine:
         """One optimizer step on this rank's micro-batches (its share of the global batch)."""
         self.executor = self.step_fn.executor = \
             self._executor(micro_batches[0]["input_ids"].shape[1])
+        set_step(self.step + 1)
         result = self.step_fn.step(micro_batches, self.step)
         self.step += 1
+        set_action(f"after step {self.step}")
         return result
 
     def split(self, batch: dict) -> list[dict]:

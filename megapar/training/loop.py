@@ -17,6 +17,7 @@ from megapar.models.config import config_from_dict
 from megapar.training.config import TrainConfig
 from megapar.training.data import DataPlan, batches, build_datasets, make_sampler
 from megapar.training.engine import dp_mean as _dp_mean
+from megapar.training.profiling import StepProfiler
 from megapar.training.logging import (
     MetricsLogger, NullLogger, flops_per_token, format_line, peak_memory_mb,
 )
@@ -127,12 +128,17 @@ class Trainer:
         history: list[dict] = []
         data = batches(self.train_ds, self.sampler, mesh.device)
         tokens_per_step = cfg.global_batch_size * cfg.seq_len
+        profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, mesh.rank, mesh.device)
         try:
             while self.step < cfg.max_steps:
                 start = time.perf_counter()
                 micro_batches = next(data)
+                profiler.before_step(self.step + 1)
                 result = self.engine.run_step(micro_batches)
                 elapsed = time.perf_counter() - start
+                if profiler.after_step(self.step):
+                    logger.message(f"profiler traces of steps {cfg.profile_steps}: "
+                                   f"{profiler.path.replace('rank0', 'rank<R>')} (one per rank)")
                 loss = float(result.loss)  # already averaged over the global batch
                 tokens_per_s = tokens_per_step / elapsed
                 tflops = self.flops_per_token * tokens_per_s / 1e12
