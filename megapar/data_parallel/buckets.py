@@ -70,7 +70,8 @@ class GradBuckets:
     With a dp group of size 1 (or None) every method is a no-op.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group, bucket_mb: float = 25.0):
+    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group, bucket_mb: float = 25.0,
+                 compressor=None):
         if bucket_mb <= 0:
             raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb}")
         self.group = dp_group
@@ -80,6 +81,10 @@ class GradBuckets:
         self.active = self.in_step = False
         self.next_launch = 0
         self._handles = []
+        self.compressor = compressor
+        """A `compression.py` compressor (synchronous reduction), or None (async all-reduce)."""
+        self.bytes_sent = 0
+        """Bytes this rank has put into dp reductions (all steps; payloads of the collectives)."""
         if self.dp == 1:
             return
         self.buckets = make_buckets(self.params, bucket_mb)
@@ -154,4 +159,16 @@ class GradBuckets:
         flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         flat.div_(self.dp)
         b.flat = flat
+        if self.compressor is not None:
+            self.bytes_sent += self.compressor.reduce(flat, b.params, self.group)
+            b.handle = _Done()
+            return
+        self.bytes_sent += flat.numel() * flat.element_size()
         b.handle = dist.all_reduce(flat, group=self.group, async_op=True)
+
+
+class _Done:
+    """The handle of a reduction that has already completed."""
+
+    def wait(self) -> bool:
+        return True

@@ -55,6 +55,10 @@ class TrainConfig:
     """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
     zero: int = 0
     """1 shards the optimizer state over data-parallel ranks (ZeRO-1)."""
+    grad_compression: str = "none"
+    """Data-parallel gradient reduction: none, fp16 / bf16 (cast, fp16 scaled) or powersgd."""
+    powersgd_rank: int = 4
+    """Rank of PowerSGD's low-rank factors (--grad-compression powersgd)."""
     # --- optimisation ---
     lr: float = 1e-3
     """Peak learning rate."""
@@ -127,6 +131,7 @@ def field_docs() -> dict[str, str]:
 def _choices() -> dict[str, list]:
     """Allowed values, taken from the modules that implement them."""
     from megapar.models.blocks import RECOMPUTE_MODES
+    from megapar.data_parallel.compression import GRAD_COMPRESSIONS
     from megapar.optim.optimizer import OPTIMIZERS
     from megapar.optim.precision import PRECISIONS
     from megapar.optim.scheduler import DECAY_STYLES
@@ -134,7 +139,7 @@ def _choices() -> dict[str, list]:
 
     return {"schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
             "precision": list(PRECISIONS), "zero": [0, 1], "lr_decay": list(DECAY_STYLES),
-            "optimizer": list(OPTIMIZERS)}
+            "optimizer": list(OPTIMIZERS), "grad_compression": list(GRAD_COMPRESSIONS)}
 
 
 def _type_of(f) -> Any:

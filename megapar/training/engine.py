@@ -35,6 +35,7 @@ class Engine:
     def __init__(self, cfg: TrainConfig, model_config, mesh: Mesh | None = None,
                  scheduler="from_cfg"):
         from megapar.data_parallel import GradBuckets
+        from megapar.data_parallel.compression import make_compressor
         from megapar.optim import LRScheduler, Precision, build_optimizer
         from megapar.training.step import TrainStep
 
@@ -49,8 +50,9 @@ class Engine:
             min_lr = cfg.min_lr if lr == cfg.lr else cfg.min_lr * lr / cfg.lr
             scheduler = LRScheduler(lr, min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)
         self.scheduler = scheduler
-        self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_group) \
-            if mesh.dp > 1 else None
+        compressor = make_compressor(cfg.grad_compression, cfg.powersgd_rank, cfg.seed)
+        self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_group,
+                                     compressor=compressor) if mesh.dp > 1 else None
         self._executors: dict[int, object] = {}
         self.executor = self._executor(cfg.seq_len)
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, scheduler,
