@@ -207,3 +207,42 @@ def test_prepare_rejects_different_weights_per_rank(run):
 
     with pytest.raises(megapar.WorkerError, match="weights differ between ranks"):
         run(differ, 2)
+
+
+def _bert(tp, pp):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(4)
+    model = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                       num_attention_heads=4, intermediate_size=64,
+                                       max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0))
+    engine = megapar.prepare(model, tp=tp, pp=pp, micro_batch_size=4, lr=1e-3)
+    batch = _bert_batch()
+    return engine.eval_step(batch), engine.train_step(batch), engine.eval_step(batch)
+
+
+def _bert_batch():
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, VOCAB, (G, SEQ), generator=gen)
+    mask = torch.ones(G, SEQ, dtype=torch.long)
+    mask[::3, -2:] = 0  # padding at the end of some rows
+    return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (G, SEQ), generator=gen),
+            "token_type_ids": (torch.arange(SEQ) >= SEQ // 2).long().expand(G, SEQ).clone(),
+            "attention_mask": mask}
+
+
+def test_prepare_bert_for_masked_lm_matches_transformers(run):
+    """Every token labelled, so each micro-batch's mean has the same weight as in one batch."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    before, trained, after = run(_bert, 4, 2, 2)[0]
+    torch.manual_seed(4)
+    hf = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=64,
+                                    max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0)).eval()
+    with torch.no_grad():
+        ref = hf(**_bert_batch()).loss.item()
+    assert math.isclose(before, ref, rel_tol=1e-5) and math.isclose(trained, ref, rel_tol=1e-5)
+    assert after < before
