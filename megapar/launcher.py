@@ -14,7 +14,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import shutil
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -33,7 +36,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env):
+def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, status, stacks):
+    from megapar import diagnostics
+
+    diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))
     os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -79,31 +85,20 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
     results = ctx.Queue()
     port = free_port()
     coll_timeout = collective_timeout_s or (max(10.0, timeout_s - 5.0) if timeout_s else None)
+    stacks = tempfile.mkdtemp(prefix="megapar-stacks-")
+    statuses = [ctx.RawArray("c", 256) for _ in range(world_size)]
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, r, world_size, port, args, kwargs, results, coll_timeout, env or {}))
+                         args=(fn, r, world_size, port, args, kwargs, results, coll_timeout,
+                               env or {}, statuses[r], stacks))
              for r in range(world_size)]
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
     try:
-        while len(outputs) < world_size:
-            try:
-                rank, status, payload = results.get(timeout=0.05)
-            except queue_mod.Empty:
-                for r, p in enumerate(procs):
-                    if r not in outputs and p.exitcode not in (None, 0):
-                        time.sleep(0.2)  # its traceback may still be in flight
-                        _drain(results, outputs)
-                        if r not in outputs:
-                            raise WorkerError(f"rank {r} died with exit code {p.exitcode}")
-                if time.monotonic() > deadline:
-                    missing = [r for r in range(world_size) if r not in outputs]
-                    raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
-                continue
-            if status == "error":
-                raise WorkerError(f"rank {rank} failed: {payload}")
-            outputs[rank] = pickle.loads(payload)
+        _collect(procs, results, outputs, deadline, timeout_s)
+    except (WorkerError, TimeoutError) as exc:
+        raise type(exc)(f"{exc}\n{_diagnose(procs, statuses, stacks)}") from None
     finally:
         for p in procs:
             if p.is_alive():
@@ -112,7 +107,50 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(stacks, ignore_errors=True)
     return [outputs[r] for r in range(world_size)]
+
+
+def _diagnose(procs, statuses, stacks: str, settle_s: float = 0.5) -> str:
+    """Every rank's status and (for ranks still running) Python stack, dumped on SIGUSR1."""
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in alive:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except (OSError, AttributeError):
+            pass
+    time.sleep(settle_s if alive else 0.0)  # faulthandler writes at once; let the files settle
+    lines = ["what every rank was doing when the run failed (status; stack of running ranks):"]
+    for r, p in enumerate(procs):
+        state = statuses[r].value.decode(errors="replace") or "not started"
+        lines.append(f"--- rank {r}: {state}" + ("" if r in alive else " [exited]"))
+        path = os.path.join(stacks, f"rank{r}.txt")
+        if r in alive and os.path.exists(path):
+            with open(path) as f:
+                lines.append(f.read().rstrip())
+    return "\n".join(lines)
+
+
+def _collect(procs, results, outputs, deadline, timeout_s) -> None:
+    """Gather each rank's result; raise at the first failure or at the deadline."""
+    world_size = len(procs)
+    while len(outputs) < world_size:
+        try:
+            rank, status, payload = results.get(timeout=0.05)
+        except queue_mod.Empty:
+            for r, p in enumerate(procs):
+                if r not in outputs and p.exitcode not in (None, 0):
+                    time.sleep(0.2)  # its traceback may still be in flight
+                    _drain(results, outputs)
+                    if r not in outputs:
+                        raise WorkerError(f"rank {r} died with exit code {p.exitcode}")
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if r not in outputs]
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+            continue
+        if status == "error":
+            raise WorkerError(f"rank {rank} failed: {payload}")
+        outputs[rank] = pickle.loads(payload)
 
 
 def _drain(results, outputs):
@@ -147,9 +185,45 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
             os.environ.update(RANK=os.environ["SLURM_PROCID"],
                               WORLD_SIZE=os.environ["SLURM_NTASKS"],
                               LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+        from megapar import diagnostics
+
+        diagnostics.install(int(os.environ["RANK"]), on_sigterm=True)
         _device.init_distributed(timeout_s=collective_timeout_s)
         return [fn(*args)]
     if world_size == 1:
         return [fn(*args)]
     return run_local(fn, world_size, *args, timeout_s=None,
                      collective_timeout_s=collective_timeout_s)
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
+
+
+def launch(fn: Callable[..., Any], nprocs: int, *args, timeout_s: float | None = None) -> Any:
+    """Run `fn(*args)` on `nprocs` local ranks and return rank 0's return value.
+
+    The notebook launcher: works in a script and in Jupyter / IPython (workers are forked, so
+    `fn` may be defined in the notebook; with CUDA they are spawned, except in a notebook
+    before CUDA is initialised, where they are forked as well). The process group is set up
+    before `fn` runs (use `megapar.prepare` inside it). A failing rank brings all down and
+    raises `WorkerError` naming it. Under torchrun / Slurm (RANK / WORLD_SIZE set) `fn` runs
+    once as this process's rank and its value is returned; `nprocs` is then ignored.
+    `timeout_s`: give up (naming the unfinished ranks) after this long; None waits.
+    """
+    if under_launcher():
+        return run_workers(fn, launched_world_size(), *args)[0]
+    if nprocs < 1:
+        raise ValueError(f"megapar.launch needs nprocs >= 1, got {nprocs}")
+    method = None
+    if _device.use_cuda():
+        import torch
+
+        method = "fork" if _in_notebook() and not torch.cuda.is_initialized() else "spawn"
+    if nprocs == 1 and method is None:
+        return fn(*args)
+    return run_local(fn, nprocs, *args, timeout_s=timeout_s, start_method=method)[0]

@@ -66,6 +66,20 @@ class HFReader:
                                     f"index) nor pytorch_model.bin found")
         self.prefix = self._detect_prefix()
 
+    @classmethod
+    def from_model(cls, hf_model) -> "HFReader":
+        """Read an in-memory transformers model (GPT2LMHeadModel, BertForMaskedLM, ...)."""
+        from megapar.models.config import config_from_hf
+
+        self = cls.__new__(cls)
+        self.path = Path(f"<{type(hf_model).__name__}>")
+        self.config = config_from_hf(hf_model.config)
+        state = hf_model.state_dict()
+        self.keys = set(state)
+        self._get = lambda k: state[k].detach().cpu()
+        self.prefix = self._detect_prefix()
+        return self
+
     def _detect_prefix(self) -> str:
         probe = {"gpt2": "wte.weight", "llama": "embed_tokens.weight"}.get(
             self.config.model_type, "embeddings.word_embeddings.weight")

@@ -44,6 +44,10 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
     from megapar.optim import LRScheduler
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks
+    if cfg.profile_steps:
+        from megapar.training.profiling import parse_steps
+
+        parse_steps(cfg.profile_steps)
     plan = prepare_data(cfg)
     config = config_from_dict(plan.model_config)
     config.validate(layout)

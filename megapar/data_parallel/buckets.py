@@ -80,7 +80,8 @@ class GradBuckets:
     """`.grad` views into one buffer per dtype, averaged over `dp_group` in ~`bucket_mb` MB
     buckets, in place and overlapped with backward."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group, bucket_mb: float = 25.0):
+    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group, bucket_mb: float = 25.0,
+                 compressor=None):
         if bucket_mb <= 0:
             raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb}")
         self.group = dp_group
@@ -89,6 +90,10 @@ class GradBuckets:
         self.active = self.in_step = False
         self.next_launch = 0
         self._handles = []
+        self.compressor = compressor
+        """A `compression.py` compressor (synchronous reduction), or None (async all-reduce)."""
+        self.bytes_sent = 0
+        """Bytes this rank has put into dp reductions (all steps; payloads of the collectives)."""
         self.buckets = make_buckets(self.params, bucket_mb)
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self._views: dict[int, torch.Tensor] = {}
@@ -199,4 +204,16 @@ class GradBuckets:
     def _launch(self, b: Bucket) -> None:
         self._adopt_replaced_grads(b)
         b.flat.div_(self.dp)
+        if self.compressor is not None:
+            self.bytes_sent += self.compressor.reduce(b.flat, b.params, self.group)
+            b.handle = _Done()
+            return
+        self.bytes_sent += b.flat.numel() * b.flat.element_size()
         b.handle = dist.all_reduce(b.flat, group=self.group, async_op=True)
+
+
+class _Done:
+    """The handle of a reduction that has already completed."""
+
+    def wait(self) -> bool:
+        return True

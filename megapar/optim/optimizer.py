@@ -1,4 +1,9 @@
-"""AdamW over one pipeline stage, with Megatron's weight-decay groups and checkpointable state.
+"""The optimizer of one pipeline stage: AdamW (or LAMB / LARS / SGD), with Megatron's
+weight-decay groups and checkpointable state.
+
+The wrapper is a real `torch.optim.Optimizer` (its `param_groups` hold every parameter of the
+stage, decay group first), so torch's LR schedulers (`LambdaLR`, ...) drive it: the learning
+rate and weight decay of each group are read at every `step()`.
 
 Weight decay applies to matrices and embeddings (params with 2+ dims) and not to biases or norm
 weights (1-D params). Parameters and optimizer state are fp32 (the master weights under mixed
@@ -6,8 +11,8 @@ precision). `build_optimizer(..., zero=1)` shards the state over the dp group (`
 
 Checkpoint format (the same with or without ZeRO, so a run can be resumed with either):
 
-- `state_tensors()`: canonical parameter name -> {"exp_avg": t, "exp_avg_sq": t}, each of the
-  parameter's local (tp / pp shard) shape, for every parameter of the stage except tied copies
+- `state_tensors()`: canonical parameter name -> {"exp_avg": t, "exp_avg_sq": t} (for SGD /
+  LARS {"momentum_buffer": t}), each of the parameter's local (tp / pp shard) shape, for every parameter of the stage except tied copies
   (`param.tied_to`), whose state equals the parameter they are tied to.
 - `state_json()`: step count and hyper-parameters, JSON-able.
 """
@@ -20,6 +25,8 @@ import torch
 from torch import nn
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
+OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
+"""`--optimizer` choices: AdamW, and the layer-wise trust-ratio LAMB / LARS (`trust_ratio.py`)."""
 
 
 def decays(param: torch.Tensor) -> bool:
@@ -27,33 +34,37 @@ def decays(param: torch.Tensor) -> bool:
     return param.dim() >= 2
 
 
-class AdamWOptimizer:
-    """AdamW over a stage's parameters (every parameter stepped on this rank)."""
+class AdamWOptimizer(torch.optim.Optimizer):
+    """AdamW (or `kind` lamb / lars / sgd) over a stage's parameters (every parameter stepped
+    on this rank). `tp_group` is needed by LAMB / LARS (their norms are of full parameters)."""
 
     zero = 0
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], lr: float,
                  weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8):
+                 eps: float = 1e-8, kind: str = "adamw", tp_group=None, momentum: float = 0.9):
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         if not self.named:
             raise ValueError("the optimizer got no trainable parameters (is the stage empty?)")
+        if kind not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {kind!r}; expected one of {OPTIMIZERS}")
         self.params = [p for _, p in self.named]
         self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
+        self.kind, self.momentum = kind, momentum
+        self.state_keys = STATE_KEYS if kind in ("adamw", "lamb") else ("momentum_buffer",)
         self.num_steps = 0
         decay = [p for p in self.params if decays(p)]
         no_decay = [p for p in self.params if not decays(p)]
-        self.param_groups = [
-            {"params": decay, "lr": lr, "weight_decay": weight_decay},
-            {"params": no_decay, "lr": lr, "weight_decay": 0.0},
-        ]
+        super().__init__([{"params": decay, "weight_decay": weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}], {"lr": lr})
         owned = set(id(p) for p in self.owned_params())
         groups = [{"params": [p for p in g["params"] if id(p) in owned], "lr": lr,
                    "weight_decay": g["weight_decay"]} for g in self.param_groups]
+        self._inner_group_of = [i for i, g in enumerate(groups) if g["params"]]
         groups = [g for g in groups if g["params"]]
         # A ZeRO rank may own nothing (more dp ranks than parameters): then it steps nothing.
-        self.inner = (torch.optim.AdamW(groups, lr=lr, betas=self.betas, eps=eps)
-                      if groups else None)
+        self.inner = _inner(kind, groups, lr, self.betas, eps, momentum, tp_group) \
+            if groups else None
 
     def owned_params(self) -> list[nn.Parameter]:
         """The parameters this rank updates (all of them without ZeRO)."""
@@ -63,21 +74,29 @@ class AdamWOptimizer:
     def set_lr(self, lr: float) -> None:
         for g in self.param_groups:
             g["lr"] = lr
+        self._sync_groups()
+
+    def _sync_groups(self) -> None:
+        """Copy lr / weight decay (possibly set by a torch LR scheduler) to the inner groups."""
         if self.inner is not None:
-            for g in self.inner.param_groups:
-                g["lr"] = lr
+            for i, g in zip(self._inner_group_of, self.inner.param_groups):
+                g["lr"], g["weight_decay"] = self.param_groups[i]["lr"], \
+                    self.param_groups[i]["weight_decay"]
 
     @property
     def lr(self) -> float:
         return self.param_groups[0]["lr"]
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("megapar optimizers take no closure (the engine runs the step)")
         if self.inner is not None:
+            self._sync_groups()
             self.inner.step()
         self.num_steps += 1
         self._after_step()
@@ -95,8 +114,9 @@ class AdamWOptimizer:
         return [(n, p) for n, p in self.named if getattr(p, "tied_to", None) is None]
 
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """name -> {"exp_avg", "exp_avg_sq"} for every non-tied parameter of the stage."""
-        return {n: {k: self._local_state(p, k) for k in STATE_KEYS}
+        """name -> {"exp_avg", "exp_avg_sq"} (or {"momentum_buffer"}) for every non-tied
+        parameter of the stage."""
+        return {n: {k: self._local_state(p, k) for k in self.state_keys}
                 for n, p in self._checkpointed()}
 
     @staticmethod
@@ -119,8 +139,12 @@ class AdamWOptimizer:
             if id(p) not in owned:
                 continue
             entry = self._entry(d, n, p)
-            state = {"step": torch.tensor(float(self.num_steps))}
-            for k in STATE_KEYS:
+            state = {"step": torch.tensor(float(self.num_steps))} if self.kind != "sgd" else {}
+            for k in self.state_keys:
+                if k not in entry:
+                    raise KeyError(f"optimizer state of {n!r} has {sorted(entry)}, not "
+                                   f"{list(self.state_keys)}: the checkpoint was written with "
+                                   f"another --optimizer than {self.kind}")
                 t = entry[k]
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"optimizer state {k} of {n!r} has shape {tuple(t.shape)}, "
@@ -130,7 +154,7 @@ class AdamWOptimizer:
             self.inner.state[p] = state
 
     def state_json(self) -> dict:
-        return {"step": self.num_steps, "zero": self.zero, "lr": self.lr,
+        return {"step": self.num_steps, "zero": self.zero, "lr": self.lr, "kind": self.kind,
                 "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
 
     def load_state_json(self, d: dict) -> None:
@@ -142,16 +166,31 @@ class AdamWOptimizer:
                     state["step"] = torch.tensor(float(self.num_steps))
 
 
+def _inner(kind, groups, lr, betas, eps, momentum, tp_group) -> torch.optim.Optimizer:
+    """The torch optimizer that updates the parameters this rank owns."""
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum)
+    from megapar.optim.trust_ratio import LAMB, LARS
+
+    if kind == "lamb":
+        return LAMB(groups, lr=lr, betas=betas, eps=eps, tp_group=tp_group)
+    return LARS(groups, lr=lr, momentum=momentum, tp_group=tp_group)
+
+
 def build_optimizer(model: nn.Module, mesh, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    zero: int = 0) -> AdamWOptimizer:
-    """AdamW for this rank's stage; zero=1 shards the optimizer state over mesh.dp_group."""
+                    zero: int = 0, kind: str = "adamw") -> AdamWOptimizer:
+    """The optimizer (`kind`: adamw, lamb, lars, sgd) for this rank's stage; zero=1 shards
+    its state over mesh.dp_group."""
     named = list(model.named_parameters())
     if zero == 0:
-        return AdamWOptimizer(named, lr, weight_decay, betas, eps)
+        return AdamWOptimizer(named, lr, weight_decay, betas, eps, kind, mesh.tp_group)
     if zero == 1:
         from megapar.optim.zero import ZeroOptimizer
 
-        return ZeroOptimizer(named, mesh.dp_group, lr, weight_decay, betas, eps)
+        return ZeroOptimizer(named, mesh.dp_group, lr, weight_decay, betas, eps, kind,
+                             mesh.tp_group)
     raise ValueError(f"--zero {zero} is not supported; use 0 (no sharding) or 1 (optimizer "
                      f"state sharded over data-parallel ranks)")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapar.mesh import group_size
-from megapar.optim.optimizer import STATE_KEYS, AdamWOptimizer
+from megapar.optim.optimizer import AdamWOptimizer
 
 
 def assign_owners(sizes: list[int], dp: int) -> list[int]:
@@ -40,14 +40,14 @@ class ZeroOptimizer(AdamWOptimizer):
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dp_group, lr: float,
                  weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8):
+                 eps: float = 1e-8, kind: str = "adamw", tp_group=None):
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.group = dp_group
         self.dp = group_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
         self.owners = assign_owners([p.numel() for _, p in named], self.dp)
         self._owned = [p for (_, p), r in zip(named, self.owners) if r == self.dp_rank]
-        super().__init__(named, lr, weight_decay, betas, eps)
+        super().__init__(named, lr, weight_decay, betas, eps, kind, tp_group)
 
     def owned_params(self) -> list[nn.Parameter]:
         return self._owned
@@ -81,8 +81,9 @@ class ZeroOptimizer(AdamWOptimizer):
     @torch.no_grad()
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every parameter's state, gathered from its owner (collective over the dp group)."""
-        full = {id(p): {k: self._local_state(p, k) for k in STATE_KEYS} for p in self.params}
+        keys = self.state_keys
+        full = {id(p): {k: self._local_state(p, k) for k in keys} for p in self.params}
         if self.dp > 1:
             self._broadcast_from_owners(
-                lambda r: [full[id(p)][k] for p in self._params_of(r) for k in STATE_KEYS])
+                lambda r: [full[id(p)][k] for p in self._params_of(r) for k in keys])
         return {n: full[id(p)] for n, p in self._checkpointed()}

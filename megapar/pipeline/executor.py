@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapar.device import DEFAULT_TIMEOUT_S
+from megapar.diagnostics import set_action
 from megapar.mesh import Mesh
 from megapar.pipeline.clock import StepClock
 from megapar.pipeline.p2p import P2PTimeoutError, StageP2P
@@ -79,6 +80,11 @@ class PipelineExecutor:
         self._trace: list[tuple] = []
         self.clock = StepClock(mesh.device)  # CUDA events on CUDA, perf_counter on the CPU
         self.last_timeline = Timeline([])
+        self._peer = {k: f" ({'from' if k.startswith('recv') else 'to'} rank {r})"
+                      for k, r in (("recv_act", mesh.prev_stage_rank),
+                                   ("send_grad", mesh.prev_stage_rank),
+                                   ("recv_grad", mesh.next_stage_rank),
+                                   ("send_act", mesh.next_stage_rank)) if r is not None}
         self._reset([], 1.0, False)
 
     def _reset(self, micro_batches, loss_scale, forward_only) -> None:
@@ -128,13 +134,16 @@ class PipelineExecutor:
                     if record:
                         trace.append((action.kind, action.mb, action.chunk, start, clock()))
             start = clock() if record else 0.0
+            set_action(f"waiting for the sends of pp stage {self.mesh.pp_rank}")
             if self.p2p is not None:
                 self.p2p.wait_sends()
             if record:
                 trace.append(("wait", None, 0, start, clock()))
             if grad_sync is not None:
+                set_action("waiting for the data-parallel gradient all-reduce")
                 grad_sync.finish()
             start = clock() if record else 0.0
+            set_action("loss broadcast from the last pipeline stage")
             loss = self._mean_loss(m)
             if record:
                 trace.append(("loss_broadcast", None, 0, start, clock()))
@@ -148,6 +157,8 @@ class PipelineExecutor:
                                            for k, mb, c, s, e in trace])
 
     def _dispatch(self, action: Action) -> None:
+        set_action(f"{action.kind} of micro-batch {action.mb} on pp stage {self.mesh.pp_rank}"
+                   f"{self._peer.get(action.kind, '')}")
         handler = self.handlers.get(action.kind)
         if handler is None:
             raise NotImplementedError(

@@ -63,6 +63,10 @@ class TrainConfig:
     """Data-parallel gradient bucket size in MB (gradients live in one buffer cut into buckets; each bucket is all-reduced in place as soon as its gradients are final)."""
     sequence_parallel: bool = False
     """Split LayerNorm, dropout and the residual stream along the sequence over the tp group (Megatron sequence parallelism; --seq-len must be divisible by --tp)."""
+    grad_compression: str = "none"
+    """Data-parallel gradient reduction: none, fp16 / bf16 (cast, fp16 scaled) or powersgd."""
+    powersgd_rank: int = 4
+    """Rank of PowerSGD's low-rank factors (--grad-compression powersgd)."""
     # --- optimisation ---
     lr: float = 1e-3
     """Peak learning rate."""
@@ -74,6 +78,12 @@ class TrainConfig:
     """Linear warmup steps."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to biases and norms)."""
+    optimizer: str = "adamw"
+    """adamw, lamb or lars (layer-wise trust ratio, for large batches) or sgd (with momentum)."""
+    adam_eps: float = 1e-8
+    """Epsilon of AdamW / LAMB (added to the root of the second moment)."""
+    lr_scale_with_batch: int = 0
+    """Linear LR scaling: the LR (and min LR) become --lr x global batch / this (0: off)."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
     max_steps: int = 300
@@ -101,6 +111,10 @@ class TrainConfig:
     """Log to Weights & Biases (offline mode when there is no network)."""
     peak_tflops: float = 1.0
     """Peak TFLOP/s of one device, for MFU (e.g. 312 for A100 bf16; 1.0 is a rough CPU figure)."""
+    profile_steps: str | None = None
+    """Record a torch.profiler Chrome trace of steps A:B (e.g. 5:7) on every rank."""
+    profile_dir: str = "profile"
+    """Where --profile-steps writes trace_rank<R>.json."""
     timeout_s: float = 300.0
     """Timeout of every collective / point-to-point wait, in seconds."""
     progress: bool = True
@@ -125,6 +139,8 @@ def field_docs() -> dict[str, str]:
 def _choices() -> dict[str, list]:
     """Allowed values, taken from the modules that implement them."""
     from megapar.models.blocks import RECOMPUTE_MODES
+    from megapar.data_parallel.compression import GRAD_COMPRESSIONS
+    from megapar.optim.optimizer import OPTIMIZERS
     from megapar.optim.precision import PRECISIONS
     from megapar.optim.scheduler import DECAY_STYLES
     from megapar.pipeline.schedules import SCHEDULES
@@ -133,7 +149,8 @@ def _choices() -> dict[str, list]:
 
     return {"rank_order": list(RANK_ORDERS),
             "schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
-            "precision": list(PRECISIONS), "zero": [0, 1], "lr_decay": list(DECAY_STYLES)}
+            "precision": list(PRECISIONS), "zero": [0, 1], "lr_decay": list(DECAY_STYLES),
+            "optimizer": list(OPTIMIZERS), "grad_compression": list(GRAD_COMPRESSIONS)}
 
 
 MULTI_VALUE = {"data"}  # flags that take several values (a blend: --data 0.7 A 0.3 B)

@@ -15,10 +15,11 @@ import torch
 from megapar.data.blended import BlendedDataset
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.config import config_from_dict
-from megapar.training.build import build_stage
 from megapar.training.config import TrainConfig
 from megapar.training.data import DataPlan, batches, build_datasets, make_sampler
 from megapar.training.data import planned_samples
+from megapar.training.engine import dp_mean as _dp_mean
+from megapar.training.profiling import StepProfiler
 from megapar.training.logging import (
     MetricsLogger, NullLogger, flops_per_token, format_line, peak_memory_mb,
 )
@@ -26,11 +27,6 @@ from megapar.training.logging import (
 
 class TrainingError(RuntimeError):
     """A failure on one rank, naming the rank and the step."""
-
-
-def _dp_mean(value: float, mesh: Mesh) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=mesh.device)
-    return all_reduce(t, mesh.dp_group).item() / mesh.dp
 
 
 def _num_params(model, mesh: Mesh) -> int:
@@ -45,36 +41,16 @@ class Trainer:
     """Everything one rank needs for a run, built from a TrainConfig and a DataPlan."""
 
     def __init__(self, cfg: TrainConfig, plan: DataPlan):
-        from megapar.data_parallel import GradBuckets
-        from megapar.optim import LRScheduler, Precision, build_optimizer
-        from megapar.pipeline.executor import PipelineExecutor
-        from megapar.training.step import TrainStep
+        from megapar.training.engine import Engine
 
         self.cfg = cfg
-        self.mesh = mesh = Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
-                                         order=cfg.rank_order)
-        mesh.sequence_parallel = cfg.sequence_parallel and mesh.tp > 1
         self.config = config_from_dict(plan.model_config)
-        self.model = build_stage(self.config, mesh, cfg.seed, cfg.recompute,
-                                 virtual_stages=cfg.virtual_stages)
+        self.engine = engine = Engine(cfg, self.config)
+        self.mesh = mesh = engine.mesh
+        self.model, self.executor, self.precision = engine.model, engine.executor, engine.precision
+        self.optimizer, self.scheduler = engine.optimizer, engine.scheduler
         self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
-        act_shape = (cfg.micro_batch_size, cfg.seq_len, self.config.hidden_size)
-        if mesh.sequence_parallel:  # stages exchange their sequence slice
-            act_shape = (cfg.micro_batch_size, cfg.seq_len // mesh.tp, self.config.hidden_size)
-        self.executor = PipelineExecutor(self.model, mesh, cfg.schedule, act_shape,
-                                         timeout_s=cfg.timeout_s,
-                                         virtual_stages=cfg.virtual_stages)
-        self.precision = Precision(cfg.precision, mesh.device)
-        self.optimizer = build_optimizer(self.model, mesh, cfg.lr, cfg.weight_decay,
-                                         zero=cfg.zero)
-        self.scheduler = LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps,
-                                     cfg.lr_decay)
-        # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
-        grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_group, cfg.grad_bucket_mb)
-        self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer,
-                                 self.scheduler, self.precision, cfg.clip_grad, grad_sync)
-        self.step = 0
         self.notes: list[str] = []
         if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see
             self.notes.append(self.train_ds.describe(planned_samples(self.sampler,
@@ -88,6 +64,10 @@ class Trainer:
                                                self.config.hidden_size, cfg.seq_len)
         self.n_params = n_params
 
+    @property
+    def step(self) -> int:
+        return self.engine.step
+
     # -- start ------------------------------------------------------------------------------
     def _load_hf(self, path: str) -> None:
         from megapar.checkpoint.hf import HFReader, load_hf_weights
@@ -99,54 +79,19 @@ class Trainer:
         self.notes.append(note)
 
     def _resume(self, path: str) -> None:
-        from megapar.checkpoint.distributed import load_checkpoint
-
-        state = load_checkpoint(path, self.model, self.mesh)
-        meta = state.meta
-        if state.optim_tensors:
-            self.optimizer.load_state_tensors(state.optim_tensors)
-        if meta.get("optimizer"):
-            self.optimizer.load_state_json(meta["optimizer"])
-        if meta.get("scheduler"):
-            self.scheduler.load_state_dict(meta["scheduler"])
-        if meta.get("scaler"):
-            self.precision.load_state_dict(meta["scaler"])
-        if meta.get("sampler"):
-            self.sampler.load_state_dict(meta["sampler"])
-        if state.rng:
-            self._set_rng(state.rng)
-        self.step = int(meta.get("step", 0))
+        state = self.engine.load(path)
+        if state.meta.get("sampler"):
+            self.sampler.load_state_dict(state.meta["sampler"])
         how = f"resharded from {state.layout}" if state.resharded else (
             "same layout" if state.layout == self.mesh.layout else f"from {state.layout}")
         self.notes.append(f"resumed from {path} at step {self.step} ({how})")
         self.notes.extend(state.notes)
 
-    def _rng(self) -> dict[str, torch.Tensor]:
-        out = {"cpu": torch.get_rng_state()}
-        if self.mesh.device.type == "cuda":
-            out["cuda"] = torch.cuda.get_rng_state(self.mesh.device)
-        tracker = getattr(self.model, "tracker", None)
-        if getattr(tracker, "tp_state", None) is not None:
-            out["tp"] = tracker.tp_state
-        return out
-
-    def _set_rng(self, rng: dict[str, torch.Tensor]) -> None:
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and self.mesh.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.mesh.device)
-        if "tp" in rng and getattr(self.model, "tracker", None) is not None:
-            self.model.tracker.tp_state = rng["tp"]
-
     # -- save / eval -------------------------------------------------------------------------
     def save(self) -> str:
-        from megapar.checkpoint.distributed import save_checkpoint
-
-        meta = {"step": self.step, "consumed_samples": self.sampler.consumed_samples,
-                "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "scaler": self.precision.state_dict(), "optimizer": self.optimizer.state_json(),
-                "train_config": self.cfg.to_dict()}
-        return save_checkpoint(self.cfg.save, self.step, self.model, self.mesh,
-                               self.optimizer.state_tensors(), meta, self._rng())
+        return self.engine.save(self.cfg.save, {
+            "consumed_samples": self.sampler.consumed_samples,
+            "sampler": self.sampler.state_dict(), "train_config": self.cfg.to_dict()})
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -188,13 +133,17 @@ class Trainer:
         history: list[dict] = []
         data = batches(self.train_ds, self.sampler, mesh.device)
         tokens_per_step = cfg.global_batch_size * cfg.seq_len
+        profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, mesh.rank, mesh.device)
         try:
             while self.step < cfg.max_steps:
                 start = time.perf_counter()
                 micro_batches = next(data)
-                result = self.step_fn.step(micro_batches, self.step)
+                profiler.before_step(self.step + 1)
+                result = self.engine.run_step(micro_batches)
                 elapsed = time.perf_counter() - start
-                self.step += 1
+                if profiler.after_step(self.step):
+                    logger.message(f"profiler traces of steps {cfg.profile_steps}: "
+                                   f"{profiler.path.replace('rank0', 'rank<R>')} (one per rank)")
                 loss = float(result.loss)  # already averaged over the global batch
                 tokens_per_s = tokens_per_step / elapsed
                 tflops = self.flops_per_token * tokens_per_s / 1e12

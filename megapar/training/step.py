@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megapar.diagnostics import set_action
 from megapar.mesh import Mesh, all_reduce
 from megapar.optim.clip import clip_grad_norm
 
@@ -89,8 +90,9 @@ class TrainStep:
 
     def step(self, micro_batches: list[dict], step_index: int) -> StepResult:
         self.optimizer.zero_grad()
-        lr = self.scheduler.lr(step_index)
-        self.optimizer.set_lr(lr)
+        if self.scheduler is not None:  # else the optimizer's lr (e.g. set by a torch scheduler)
+            self.optimizer.set_lr(self.scheduler.lr(step_index))
+        lr = self.optimizer.lr
         scale = self.precision.loss_scale
         with self.precision.autocast():
             loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
@@ -101,12 +103,17 @@ class TrainStep:
         if self.mesh.pp > 1:
             from megapar.pipeline.tied import sync_tied_embeddings
 
+            set_action("tied-embedding gradient all-reduce (first + last stage)")
             sync_tied_embeddings(self.model, self.mesh)
+        set_action("gradient inf/NaN check (all-reduce over all ranks)")
         skipped = self.precision.unscale_and_check(self.params)
+        set_action("gradient-norm all-reduce over tp x pp (clipping)")
         norm = math.inf if skipped else clip_grad_norm(self.model, self.mesh, self.clip_grad)
         if not skipped:
+            set_action("optimizer step (ZeRO / trust-ratio collectives)")
             self.optimizer.step()
         self.precision.update(skipped)
         loss = loss.detach().float().reshape(()).clone()
+        set_action("loss all-reduce over dp")
         all_reduce(loss, self.mesh.dp_group)
         return StepResult(loss.item() / self.mesh.dp, norm, lr, skipped, scale)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# LAMB with a large batch: gpt2-tiny on the shipped Shakespeare sample, global batch 256
+# (16x the default), 2 data-parallel ranks x 2 tensor-parallel ranks with ZeRO-1.
+# --lr-scale-with-batch 16 applies the linear scaling rule: the peak LR becomes
+# 1e-3 x 256 / 16 = 1.6e-2, reached after a 10-step warmup (LAMB's per-layer trust ratio
+# keeps every layer's step proportional to its weight norm, which is what makes this stable).
+# Extra flags are passed on, e.g. `examples/lamb_large_batch.sh --max-steps 5`.
+set -euo pipefail
+exec megapar-train --tp 2 --dp 2 --zero 1 --optimizer lamb --lr 1e-3 --min-lr 1e-4 \
+    --lr-scale-with-batch 16 --global-batch-size 256 --micro-batch-size 16 --seq-len 64 \
+    --warmup-steps 10 --max-steps 40 --log-interval 5 --eval-interval 20 "$@"

@@ -1,0 +1,137 @@
+"""Compressed data-parallel gradient reduction: `--grad-compression none|fp16|bf16|powersgd`.
+
+Each compressor takes a bucket's packed gradient (already divided by dp), replaces it in place
+with the dp sum (so the average) and returns the bytes it put on the wire.
+
+- fp16 / bf16 (Horovod's fp16 compression): cast, all-reduce in the narrow type, cast back.
+  fp16 is scaled against overflow and underflow first: the ranks agree (one MAX all-reduce of
+  a scalar) on the largest |g| of the bucket and multiply by a power of two S so that the dp
+  sum stays below 2^15, then divide by S after the reduction (exact: S is a power of two).
+  bf16 has fp32's range and needs no scale. Bound (stated and tested): every element of the
+  result is within (dp + 1) * u * sum_r |g_r| of the exact average, u = 2^-11 (fp16), 2^-8
+  (bf16) the unit roundoff, plus for fp16 an absolute 2^-24 / S from subnormals.
+- powersgd (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient Compression", the
+  algorithm of torch's DDP powerSGD_hook, here on megapar's buckets): each gradient matrix
+  M (n x m, plus its error-feedback residual) is sent as rank-r factors: P = M Q, all-reduce P,
+  orthonormalise P, Q = M^T P, all-reduce Q, result P Q^T ((n + m) r numbers instead of n m).
+  Q is warm-started from the previous step (seeded identically on every rank at first). The
+  residual e = M - P P^T M stays on the rank and is added to the next step's gradient (error
+  feedback), so sum_t result_t + sum_r e_r,T = sum_t mean_r g_r,t exactly: nothing is lost,
+  only delayed. Vectors, and matrices that would not shrink ((n + m) r >= n m), go
+uncompressed in fp32.
+
+Compressed reductions run when a bucket is ready, synchronously (no overlap with the rest of
+the backward); `none` keeps the asynchronous all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+
+FP16_TARGET = 2.0**15
+"""fp16: the scaled dp sum's largest magnitude stays below this (fp16's max is 65504)."""
+
+
+class CastCompressor:
+    """fp16 / bf16 cast-before-reduce (fp16 with a shared power-of-two scale)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def reduce(self, flat: torch.Tensor, params, group) -> int:
+        dp = dist.get_world_size(group)
+        scale, sent = 1.0, 0
+        if self.dtype == torch.float16:
+            amax = flat.abs().max().float().reshape(1)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            sent += amax.numel() * amax.element_size()
+            top = amax.item() * dp
+            if math.isfinite(top) and top > 0:
+                scale = 2.0 ** math.floor(math.log2(FP16_TARGET / top))
+        narrow = (flat * scale).to(self.dtype)
+        dist.all_reduce(narrow, group=group)
+        flat.copy_(narrow.float() / scale)
+        return sent + narrow.numel() * narrow.element_size()
+
+
+class PowerSGDCompressor:
+    """Rank-`rank` PowerSGD with error feedback; state per parameter (residual, Q)."""
+
+    def __init__(self, rank: int = 4, seed: int = 0):
+        if rank < 1:
+            raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+        self.rank, self.seed = rank, seed
+        self.errors: dict[int, torch.Tensor] = {}
+        self.qs: dict[int, torch.Tensor] = {}
+
+    def _matrix_shape(self, p: torch.Tensor) -> tuple[int, int] | None:
+        if p.dim() < 2:
+            return None
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        return (n, m) if (n + m) * self.rank < n * m else None
+
+    @torch.no_grad()
+    def reduce(self, flat: torch.Tensor, params, group) -> int:
+        views, plain, offset = [], [], 0
+        for i, p in enumerate(params):
+            piece = flat[offset:offset + p.numel()]
+            shape = self._matrix_shape(p)
+            (views if shape else plain).append((id(p), piece, shape, i))
+            offset += p.numel()
+        sent = 0
+        if plain:
+            rest = torch.cat([piece for _, piece, _, _ in plain])
+            dist.all_reduce(rest, group=group)
+            sent += rest.numel() * rest.element_size()
+            start = 0
+            for _, piece, _, _ in plain:
+                piece.copy_(rest[start:start + piece.numel()])
+                start += piece.numel()
+        if not views:
+            return sent
+        ms, ps = [], []
+        for key, piece, (n, m), index in views:
+            mat = piece.view(n, m)
+            if key in self.errors:
+                mat.add_(self.errors[key])
+            if key not in self.qs:
+                gen = torch.Generator().manual_seed(self.seed * 100003 + index * 7919 + n * 31 + m)
+                self.qs[key] = torch.randn(m, self.rank, generator=gen).to(mat)
+            ms.append(mat)
+            ps.append(mat @ self.qs[key])
+        p_flat = torch.cat([p.reshape(-1) for p in ps])
+        dist.all_reduce(p_flat, group=group)
+        sent += p_flat.numel() * p_flat.element_size()
+        start, orth, qs = 0, [], []
+        for (key, _, (n, m), _), mat in zip(views, ms):
+            p = torch.linalg.qr(p_flat[start:start + n * self.rank].view(n, self.rank)).Q
+            start += n * self.rank
+            orth.append(p)
+            qs.append(mat.t() @ p)
+            self.errors[key] = mat - p @ (p.t() @ mat)  # the part of M this rank could not send
+        q_flat = torch.cat([q.reshape(-1) for q in qs])
+        dist.all_reduce(q_flat, group=group)
+        sent += q_flat.numel() * q_flat.element_size()
+        start = 0
+        for (key, _, (n, m), _), mat, p in zip(views, ms, orth):
+            q = q_flat[start:start + m * self.rank].view(m, self.rank)
+            start += m * self.rank
+            mat.copy_(p @ q.t())
+            self.qs[key] = q.clone()
+        return sent
+
+
+def make_compressor(kind: str, powersgd_rank: int = 4, seed: int = 0):
+    """The compressor for --grad-compression (None for "none")."""
+    if kind == "none":
+        return None
+    if kind in ("fp16", "bf16"):
+        return CastCompressor(torch.float16 if kind == "fp16" else torch.bfloat16)
+    if kind == "powersgd":
+        return PowerSGDCompressor(powersgd_rank, seed)
+    raise ValueError(f"unknown --grad-compression {kind!r}; expected one of {GRAD_COMPRESSIONS}")

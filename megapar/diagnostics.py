@@ -1,0 +1,67 @@
+"""Hang diagnosis: what each rank is doing, and every rank's Python stack when a run fails.
+
+Each rank records its current step and action (`set_step`, `set_action`: the pipeline action
+with its micro-batch and peer, or the collective it is in) in a small buffer shared with the
+launcher. When one rank fails (typically a collective / point-to-point timeout, whose message
+names the rank it waited for), the launcher (`megapar.launcher.run_local`) sends every other
+rank SIGUSR1, which makes Python's `faulthandler` write that rank's stack of every thread to
+its stack file *immediately*, even while it is blocked in C++ (a gloo wait); the launcher then
+appends "rank R: step S, <action>" and the stack of every rank to the error it raises.
+
+Under torchrun / Slurm (no launcher of ours) `install` registers faulthandler on SIGTERM, which
+torchrun sends to the surviving ranks when one fails: each writes its stack to its own log
+(stderr, or torchrun --log-dir) before it exits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import signal
+import sys
+
+_state = {"step": None, "action": "starting"}
+_shared = None  # a multiprocessing char array from the launcher, or None
+_stack_file = None  # kept open for faulthandler
+
+
+def install(rank: int, shared=None, stack_path: str | None = None,
+            on_sigterm: bool = False) -> None:
+    """Register the stack dump for this process (rank). `shared`: the launcher's status buffer;
+    `stack_path`: file faulthandler writes to (default stderr); `on_sigterm`: also dump when
+    terminated (torchrun / Slurm)."""
+    global _shared, _stack_file
+    _shared = shared
+    out = sys.stderr
+    if stack_path:
+        _stack_file = out = open(stack_path, "w")  # noqa: SIM115 - must outlive this call
+    try:
+        faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+        if on_sigterm:
+            faulthandler.register(signal.SIGTERM, file=out, all_threads=True, chain=True)
+    except (AttributeError, ValueError, OSError):  # no SIGUSR1 (Windows) or no real fd
+        pass
+    _publish()
+
+
+def set_step(step: int) -> None:
+    """The 1-based optimizer step this rank is running."""
+    _state["step"] = step
+    _publish()
+
+
+def set_action(action: str) -> None:
+    """What this rank is doing now, e.g. "recv_grad of micro-batch 3 from rank 5"."""
+    _state["action"] = action
+    _publish()
+
+
+def status() -> str:
+    step = _state["step"]
+    return (f"step {step}, " if step is not None else "") + str(_state["action"])
+
+
+def _publish() -> None:
+    if _shared is not None:  # a plain memory copy: this runs for every pipeline action
+        data = status().encode()[:len(_shared) - 1] + b"\0"
+        ctypes.memmove(_shared, data, len(data))

@@ -1,0 +1,119 @@
+"""Layer-wise trust-ratio optimizers for large batches: LAMB and LARS, correct under tp and ZeRO.
+
+Both scale each parameter's update by a *trust ratio* built from norms of the whole parameter
+(one "layer" = one parameter tensor):
+
+- LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning", Algorithm 2, with Adam's
+  bias correction): u = m_hat / (sqrt(v_hat) + eps) + wd * w, then
+  w -= lr * r * u with r = ||w|| / ||u|| (1 when either norm is 0).
+- LARS (You et al. 2017, "Large Batch Training of Convolutional Networks"):
+  local_lr = eta * ||w|| / (||g|| + wd * ||w||) (1 when either norm is 0),
+  v = mu * v + lr * local_lr * (g + wd * w), w -= v.
+
+Under tensor parallelism a rank holds a shard of a parameter, so the norms are reduced over the
+tp group: the squared norms of a tp-sharded parameter's shards are summed (padding rows of a
+vocab-parallel tensor are zero and add nothing); a replicated parameter (tp_dim None) is whole
+on every tp rank and is not summed. All of a rank's parameters share one all-reduce per step.
+Under ZeRO-1 whole parameters are dealt to dp ranks, and every tp rank of a dp rank owns the
+same parameters (their shards have the same sizes), so the tp peers reduce the same list. Under
+pp every parameter lives on one stage (the tied LM-head copy gets the same gradient and so the
+same ratio as the embedding), so nothing crosses pp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megapar.mesh import group_size
+
+
+def full_norms(pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list, tp_group
+               ) -> list[tuple[float, float]]:
+    """(||a||, ||b||) of the full tensors for each (a, b) shard pair (collective over tp_group:
+    every tp rank must pass the same parameters in the same order)."""
+    if not pairs:
+        return []
+    sq = torch.stack([torch.stack([a.float().pow(2).sum(), b.float().pow(2).sum()])
+                      for a, b in pairs])
+    sharded = torch.tensor([getattr(p, "tp_dim", None) is not None for p in params],
+                           device=sq.device).unsqueeze(1)
+    if group_size(tp_group) > 1:
+        summed = torch.where(sharded, sq, torch.zeros_like(sq))
+        dist.all_reduce(summed, group=tp_group)
+        sq = torch.where(sharded, summed, sq)
+    return [(float(a), float(b)) for a, b in sq.sqrt().tolist()]
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if num > 0 and den > 0 else 1.0
+
+
+class LAMB(torch.optim.Optimizer):
+    """LAMB over (shards of) parameters; `tp_group` reduces the norms of tp-sharded ones."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0, tp_group=None):
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
+                                  "weight_decay": weight_decay})
+        self.tp_group = tp_group
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        updates, params, pairs = [], [], []
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                t = float(state["step"])
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                u = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    u.add_(p, alpha=group["weight_decay"])
+                updates.append((p, u, group["lr"]))
+                params.append(p)
+                pairs.append((p, u))
+        for (p, u, lr), (w_norm, u_norm) in zip(updates, full_norms(pairs, params,
+                                                                     self.tp_group)):
+            p.add_(u, alpha=-lr * _ratio(w_norm, u_norm))
+
+
+class LARS(torch.optim.Optimizer):
+    """LARS (momentum SGD with a layer-wise learning rate); `trust_coefficient` is eta."""
+
+    def __init__(self, params, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
+                 trust_coefficient: float = 1e-3, tp_group=None):
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
+                                  "trust_coefficient": trust_coefficient})
+        self.tp_group = tp_group
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        entries, params, pairs = [], [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    entries.append((p, group))
+                    params.append(p)
+                    pairs.append((p, p.grad))
+        for (p, group), (w_norm, g_norm) in zip(entries, full_norms(pairs, params,
+                                                                    self.tp_group)):
+            wd = group["weight_decay"]
+            local_lr = (group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm)
+                        if w_norm > 0 and g_norm > 0 else 1.0)
+            d = p.grad.add(p, alpha=wd) if wd else p.grad.clone()
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = torch.zeros_like(p)
+            buf.mul_(group["momentum"]).add_(d, alpha=group["lr"] * local_lr)
+            p.sub_(buf)

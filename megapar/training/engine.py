@@ -1,0 +1,292 @@
+"""The engine: one rank's model stage, pipeline, dp reduction, optimizer and loss scaler.
+
+`Engine` is what `megapar-train` runs (the `Trainer` in loop.py adds data, logging and the loop
+around it) and what `megapar.prepare(...)` returns to users who write their own loop:
+
+    engine = megapar.prepare(GPT2LMHeadModel(cfg), tp=2, pp=2, micro_batch_size=2, lr=1e-3)
+    for batch in my_batches:                    # the global batch, the same on every rank
+        loss = engine.train_step(batch)         # one optimizer step; the global mean loss
+
+Every rank calls every method together (they are collective).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from megapar.diagnostics import set_action, set_step
+from megapar.mesh import Mesh, all_reduce
+from megapar.training.build import build_stage
+from megapar.training.config import TrainConfig
+from megapar.training.step import BatchPlan, StepResult
+
+
+class Engine:
+    """Builds and owns one rank's training state for `model_config` under `cfg`.
+
+    `scheduler`: a megapar `LRScheduler` (the learning rate is set at every step), or None to
+    leave the optimizer's learning rate alone (constant, or driven by a torch LR scheduler on
+    `engine.optimizer`). The default builds one from cfg's lr / warmup / decay fields.
+    """
+
+    def __init__(self, cfg: TrainConfig, model_config, mesh: Mesh | None = None,
+                 scheduler="from_cfg"):
+        from megapar.data_parallel import GradBuckets
+        from megapar.data_parallel.compression import make_compressor
+        from megapar.optim import LRScheduler, Precision, build_optimizer
+        from megapar.training.step import TrainStep
+
+        self.cfg, self.config = cfg, model_config
+        self.mesh = mesh = mesh or Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
+                                                 order=cfg.rank_order)
+        mesh.sequence_parallel = cfg.sequence_parallel and mesh.tp > 1
+        self.model = build_stage(model_config, mesh, cfg.seed, cfg.recompute,
+                                 virtual_stages=cfg.virtual_stages)
+        self.precision = Precision(cfg.precision, mesh.device)
+        lr = self.scaled_lr(cfg)
+        self.optimizer = build_optimizer(self.model, mesh, lr, cfg.weight_decay,
+                                         eps=cfg.adam_eps, zero=cfg.zero, kind=cfg.optimizer)
+        if scheduler == "from_cfg":
+            min_lr = cfg.min_lr if lr == cfg.lr else cfg.min_lr * lr / cfg.lr
+            scheduler = LRScheduler(lr, min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)
+        self.scheduler = scheduler
+        compressor = make_compressor(cfg.grad_compression, cfg.powersgd_rank, cfg.seed)
+        # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
+        self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_group,
+                                     cfg.grad_bucket_mb, compressor=compressor)
+        self._executors: dict[int, object] = {}
+        self.executor = self._executor(cfg.seq_len)
+        self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, scheduler,
+                                 self.precision, cfg.clip_grad, self.grad_sync)
+        self.step = 0
+        """Optimizer steps taken (restored by `load`)."""
+
+    @staticmethod
+    def scaled_lr(cfg: TrainConfig) -> float:
+        """--lr, times global batch / --lr-scale-with-batch when that is set (linear scaling)."""
+        base = getattr(cfg, "lr_scale_with_batch", 0) or 0
+        return cfg.lr * cfg.global_batch_size / base if base > 0 else cfg.lr
+
+    def _executor(self, seq_len: int):
+        from megapar.pipeline.executor import PipelineExecutor
+
+        if seq_len not in self._executors:
+            if self.mesh.sequence_parallel:  # stages exchange their sequence slice
+                seq_len_sent = seq_len // self.mesh.tp
+            else:
+                seq_len_sent = seq_len
+            shape = (self.cfg.micro_batch_size, seq_len_sent, self.config.hidden_size)
+            self._executors[seq_len] = PipelineExecutor(
+                self.model, self.mesh, self.cfg.schedule, shape, timeout_s=self.cfg.timeout_s,
+                virtual_stages=self.cfg.virtual_stages)
+        return self._executors[seq_len]
+
+    # steps ----------------------------------------------------------------------------------
+    def run_step(self, micro_batches: list[dict]) -> StepResult:
+        """One optimizer step on this rank's micro-batches (its share of the global batch)."""
+        self.executor = self.step_fn.executor = \
+            self._executor(micro_batches[0]["input_ids"].shape[1])
+        set_step(self.step + 1)
+        result = self.step_fn.step(micro_batches, self.step)
+        self.step += 1
+        set_action(f"after step {self.step}")
+        return result
+
+    def split(self, batch: dict) -> list[dict]:
+        """This dp rank's micro-batches of a global batch, on the mesh device."""
+        size = batch["input_ids"].shape[0]
+        plan = BatchPlan(size, self.cfg.micro_batch_size, self.mesh.dp)
+        return [{k: v.to(self.mesh.device) for k, v in mb.items()}
+                for mb in plan.split(batch, self.mesh.dp_rank)]
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> float:
+        """One full optimizer step on a global batch; returns its mean loss (the same everywhere).
+
+        `batch`: the *global* batch, the same on every rank, a dict of [G, seq] tensors:
+        GPT-2 `input_ids` and `labels` (labels are the next-token ids aligned with input_ids,
+        i.e. labels[:, t] = the token after input_ids[:, t]; -100 is ignored; unlike
+        transformers, megapar does not shift them), or BERT's MLM fields (input_ids, labels,
+        token_type_ids, attention_mask). Each dp rank takes its contiguous G / dp rows and cuts
+        them into micro-batches of `micro_batch_size`; G must be a multiple of
+        micro_batch_size x dp.
+        """
+        return self.run_step(self.split(batch)).loss
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict[str, torch.Tensor]) -> float:
+        """Mean loss of a global batch (same format as `train_step`), without training."""
+        micro = self.split(batch)
+        executor = self._executor(micro[0]["input_ids"].shape[1])
+        self.model.eval()
+        try:
+            with self.precision.autocast():
+                loss = executor.run(micro, forward_only=True)
+        finally:
+            self.model.train()
+        return dp_mean(float(loss), self.mesh)
+
+    # checkpoints ----------------------------------------------------------------------------
+    def save(self, path: str | Path, extra: dict | None = None) -> Path:
+        """Checkpoint into `path/step_XXXXXXXX` (megapar's format: convertible between layouts
+        with megapar-convert, exact resume with `load`). `extra`: JSON-able values of yours
+        (e.g. a torch LR scheduler's state_dict()), returned by `load`. Collective."""
+        from megapar.checkpoint.distributed import save_checkpoint
+
+        meta = {"step": self.step, "scaler": self.precision.state_dict(),
+                "optimizer": self.optimizer.state_json(), **(extra or {})}
+        if self.scheduler is not None:
+            meta["scheduler"] = self.scheduler.state_dict()
+        return save_checkpoint(path, self.step, self.model, self.mesh,
+                               self.optimizer.state_tensors(), meta, self.rng_state())
+
+    def load(self, path: str | Path):
+        """Restore weights, optimizer, loss scale, LR schedule, RNG and step from a checkpoint
+        (any layout: resharded on load). Returns the checkpoint's `LoadedState` (its `.meta`
+        holds what `save(extra=...)` stored)."""
+        from megapar.checkpoint.distributed import load_checkpoint
+
+        state = load_checkpoint(path, self.model, self.mesh)
+        meta = state.meta
+        if state.optim_tensors:
+            self.optimizer.load_state_tensors(state.optim_tensors)
+        if meta.get("optimizer"):
+            self.optimizer.load_state_json(meta["optimizer"])
+        if meta.get("scheduler") and self.scheduler is not None:
+            self.scheduler.load_state_dict(meta["scheduler"])
+        if meta.get("scaler"):
+            self.precision.load_state_dict(meta["scaler"])
+        if state.rng:
+            self.set_rng_state(state.rng)
+        self.step = int(meta.get("step", 0))
+        return state
+
+    def export_hf(self, path: str | Path) -> Path:
+        """Write a transformers directory (GPT2LMHeadModel / BertForMaskedLM `from_pretrained`
+        loads it). Collective; rank 0 writes."""
+        import shutil
+
+        from megapar.checkpoint.convert import export_hf
+        from megapar.checkpoint.distributed import _broadcast_text, save_checkpoint
+
+        path = Path(path)
+        tmp = path.parent / f".{path.name}.megapar-export"
+        save_checkpoint(tmp, self.step, self.model, self.mesh, {}, {"step": self.step}, {})
+        outcome = ""
+        if self.mesh.rank == 0:
+            try:
+                export_hf(tmp, path, overwrite=True)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                outcome = f"{type(exc).__name__}: {exc}"
+            shutil.rmtree(tmp, ignore_errors=True)
+        outcome = _broadcast_text(outcome, self.mesh)
+        if outcome:
+            raise RuntimeError(f"export to {path} failed: {outcome}")
+        return path
+
+    # RNG ------------------------------------------------------------------------------------
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        out = {"cpu": torch.get_rng_state()}
+        if self.mesh.device.type == "cuda":
+            out["cuda"] = torch.cuda.get_rng_state(self.mesh.device)
+        tracker = getattr(self.model, "tracker", None)
+        if getattr(tracker, "tp_state", None) is not None:
+            out["tp"] = tracker.tp_state
+        return out
+
+    def set_rng_state(self, rng: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and self.mesh.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.mesh.device)
+        if "tp" in rng and getattr(self.model, "tracker", None) is not None:
+            self.model.tracker.tp_state = rng["tp"]
+
+
+def dp_mean(value: float, mesh: Mesh) -> float:
+    """Mean of a per-rank float over the dp group."""
+    t = torch.tensor([value], dtype=torch.float64, device=mesh.device)
+    return all_reduce(t, mesh.dp_group).item() / mesh.dp
+
+
+# --- megapar.prepare -------------------------------------------------------------------------
+def _resolve_model(model):
+    """(megapar config, HF reader or None) for a transformers model / config or a recipe name."""
+    from megapar.models.config import ConfigError, config_from_hf
+
+    if isinstance(model, str):
+        from megapar.models.recipes import resolve_model
+
+        return resolve_model(model), None
+    if hasattr(model, "state_dict") and hasattr(model, "config"):
+        from megapar.checkpoint.hf import HFReader
+
+        reader = HFReader.from_model(model)
+        return reader.config, reader
+    if hasattr(model, "to_dict") and hasattr(model, "model_type"):
+        return config_from_hf(model), None
+    raise ConfigError(f"megapar.prepare: cannot use a {type(model).__name__}; pass a transformers "
+                      f"GPT2LMHeadModel / BertForMaskedLM (or its config) or a recipe name such "
+                      f"as 'gpt2-tiny'")
+
+
+def _check_same_weights(model, mesh: Mesh) -> None:
+    """Every rank must pass the same weights: compare a checksum (max - min over the world)."""
+    import torch.distributed as dist
+
+    if mesh.layout.world_size == 1:
+        return
+    with torch.no_grad():
+        total = sum(p.detach().double().abs().sum() for p in model.parameters())
+    t = torch.tensor([float(total), -float(total)], dtype=torch.float64, device=mesh.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t[0].item() != -t[1].item():
+        raise ValueError("megapar.prepare: the model's weights differ between ranks; build it the "
+                         "same way on every rank (torch.manual_seed before constructing it, or "
+                         "from_pretrained)")
+
+
+def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule: str = "1f1b",
+            recompute: str = "none", precision: str = "fp32", zero: int = 0,
+            optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
+            clip_grad: float = 0.0, lr_schedule=None, seed: int = 1234,
+            timeout_s: float | None = None, **options) -> Engine:
+    """Shard `model` over this process's ranks and return its `Engine` (collective: call it on
+    every rank, inside the function `megapar.launch` runs, or under torchrun / Slurm).
+
+    model: a transformers `GPT2LMHeadModel` / `BertForMaskedLM` instance (its weights are kept;
+    build it identically on every rank), a transformers config (weights initialised from
+    `seed`, the same in every layout), or a megapar recipe name ("gpt2-tiny", "bert-base").
+    dp = world size / (tp x pp). optimizer: adamw, lamb, lars or sgd. weight_decay applies to
+    matrices and embeddings only. clip_grad: global gradient-norm clip (0: off).
+    lr_schedule: None (constant `lr`; attach a torch LR scheduler to `engine.optimizer` if you
+    like), a megapar `LRScheduler`, or a dict of its fields (warmup_steps, max_steps, decay,
+    min_lr). Any other `TrainConfig` field (e.g. lr_scale_with_batch, global_batch_size) can be
+    passed as a keyword.
+    """
+    from megapar.device import DEFAULT_TIMEOUT_S
+    from megapar.optim import LRScheduler
+
+    config, reader = _resolve_model(model)
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrainConfig)})
+    if unknown:
+        raise TypeError(f"megapar.prepare got unknown options {unknown}; see TrainConfig")
+    cfg = TrainConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, schedule=schedule,
+                      recompute=recompute, precision=precision, zero=zero, optimizer=optimizer,
+                      lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, seed=seed,
+                      timeout_s=timeout_s or DEFAULT_TIMEOUT_S, progress=False, **options)
+    if isinstance(lr_schedule, dict):
+        fields = {"min_lr": 0.0, "warmup_steps": 0, "decay": "cosine", **lr_schedule}
+        lr_schedule = LRScheduler(Engine.scaled_lr(cfg), **fields)
+    elif lr_schedule is not None and not isinstance(lr_schedule, LRScheduler):
+        raise TypeError("lr_schedule must be None, a dict of LRScheduler fields or an "
+                        "LRScheduler; for any other schedule use a torch LR scheduler on "
+                        "engine.optimizer")
+    engine = Engine(cfg, config, scheduler=lr_schedule)
+    if reader is not None:
+        from megapar.checkpoint.hf import load_hf_weights
+
+        _check_same_weights(model, engine.mesh)
+        load_hf_weights(engine.model, reader)
+    return engine

@@ -1,0 +1,248 @@
+"""The public API: megapar.launch + megapar.prepare in a user's own loop.
+
+The user-script test runs examples/own_loop_gpt2.py as a user would (a subprocess: its own loop
+over a transformers GPT2LMHeadModel at tp 2 x pp 2) and compares its losses with megapar-train
+on the same data, seed and weights, and with the same script on one process.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import megapar
+from megapar.cli.train import main as train_main
+from megapar.data import asset_path, ensure_dataset
+from tp_utils import assert_close
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "own_loop_gpt2.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("own_loop_gpt2", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory):
+    text = tmp_path_factory.mktemp("text") / "sample.txt"
+    text.write_text(Path(asset_path("shakespeare_sample.txt")).read_text()[:40_000])
+    return ensure_dataset(str(text), "gpt2", str(tmp_path_factory.mktemp("cache")))
+
+
+def test_import_megapar_is_cheap():
+    out = subprocess.run([sys.executable, "-c", "import sys, megapar; "
+                          "print('torch' in sys.modules, callable(megapar.launch))"],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.split() == ["False", "True"], out.stderr
+
+
+def test_user_script_equals_megapar_train_and_one_process(tmp_path, prefix):
+    steps = 5
+    out = tmp_path / "losses.json"
+    run = subprocess.run([sys.executable, str(EXAMPLE), "--data", prefix, "--steps", str(steps),
+                          "--json", str(out)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr
+    user = json.loads(out.read_text())
+    assert len(user) == steps and "step 5: loss" in run.stdout
+
+    example = _example()
+    hf_dir = tmp_path / "hf"
+    example.make_model().save_pretrained(hf_dir)
+    log = tmp_path / "log.jsonl"
+    rc = train_main(["--from-hf", str(hf_dir), "--data", prefix, "--val-fraction", "0",
+                     "--tp", "2", "--pp", "2", "--seq-len", "32", "--micro-batch-size", "2",
+                     "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
+                     "--warmup-steps", "2", "--max-steps", str(steps), "--weight-decay", "0.1",
+                     "--clip-grad", "1.0", "--seed", "1234", "--eval-interval", "0",
+                     "--log-interval", "1", "--no-progress", "--log-json", str(log)])
+    assert rc == 0
+    cli = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+    serial = example.train(example.main.__globals__["argparse"].Namespace(
+        tp=1, pp=1, steps=steps, seq_len=32, batch_size=8, seed=1234, data=prefix, save=None))
+    assert_close(torch.tensor(user), torch.tensor(cli), 1e-5, "user script vs megapar-train")
+    assert_close(torch.tensor(user), torch.tensor(serial), 1e-5, "tp2 x pp2 vs one process")
+    assert user[-1] < user[0]
+
+
+def test_notebook_cell_runs_under_ipython():
+    """The example notebook's cell, run by IPython (get_ipython() is set, as in Jupyter)."""
+    cell = json.loads((ROOT / "examples" / "notebook_launch.ipynb").read_text())["cells"][1]
+    run = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--quick", "-c",
+                          "".join(cell["source"])], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    line = [x for x in run.stdout.splitlines() if x.startswith("losses")]
+    assert line, run.stdout + run.stderr
+    losses = json.loads(line[0].split(" ", 1)[1])
+    assert len(losses) == 10 and losses[-1] < losses[0] - 0.3
+
+
+# --- engine features on a tiny model, forked ranks ---------------------------------------------
+VOCAB, SEQ, G = 96, 8, 8
+
+
+def _hf_model(dropout=0.0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(3)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2,
+                                      n_head=4, resid_pdrop=dropout, embd_pdrop=dropout,
+                                      attn_pdrop=dropout, bos_token_id=None, eos_token_id=None))
+
+
+def _batches(n):
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, VOCAB, (G, SEQ), generator=gen)
+        out.append({"input_ids": x, "labels": (x * 3 + 1) % VOCAB})
+    return out
+
+
+def _lambda_lr(zero_after):
+    engine = megapar.prepare(_hf_model(), tp=2, pp=2, micro_batch_size=2, lr=1e-2)
+    sched = None
+    if zero_after is not None:
+        sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer,
+                                                  lambda s: 1.0 if s < zero_after else 0.0)
+    batch, losses, lrs = _batches(1)[0], [], []
+    for _ in range(4):
+        losses.append(engine.train_step(batch))
+        lrs.append(engine.optimizer.param_groups[0]["lr"])
+        if sched is not None:
+            sched.step()
+    return losses, lrs, isinstance(engine.optimizer, torch.optim.Optimizer)
+
+
+def test_torch_lambda_lr_drives_engine_optimizer(run):
+    losses, lrs, is_optimizer = run(_lambda_lr, 4, 1)[0]
+    assert is_optimizer
+    assert lrs == [1e-2, 0.0, 0.0, 0.0]
+    # lr 0 from the second step on: the weights stop changing, so the same batch's loss repeats
+    assert losses[1] < losses[0] and losses[1] == losses[2] == losses[3]
+    plain = run(_lambda_lr, 4, None)[0][0]
+    assert plain[0] == losses[0] and plain[3] < plain[2] < plain[1]  # constant lr keeps training
+
+
+def _resume_run(ckpt, stop_at, load, layout):
+    tp, pp, zero = layout
+    engine = megapar.prepare(_hf_model(dropout=0.1), tp=tp, pp=pp, micro_batch_size=2, lr=3e-3,
+                             weight_decay=0.1, clip_grad=0.5, zero=zero,
+                             lr_schedule={"warmup_steps": 2, "max_steps": 6})
+    if load:
+        state = engine.load(ckpt)
+        assert state.meta["mine"] == {"note": "x"}
+    losses = []
+    for batch in _batches(6)[engine.step:stop_at]:
+        losses.append(engine.train_step(batch))
+    if not load:
+        engine.save(ckpt, extra={"mine": {"note": "x"}})
+    return losses, engine.step
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 0), (1, 2, 1)])
+def test_engine_save_load_resumes_exactly(run, tmp_path, layout):
+    full, _ = run(_resume_run, 4, str(tmp_path / "a"), 6, False, layout)[0]
+    first, step = run(_resume_run, 4, str(tmp_path / "b"), 3, False, layout)[0]
+    rest, end = run(_resume_run, 4, str(tmp_path / "b"), 6, True, layout)[0]
+    assert step == 3 and end == 6
+    assert first + rest == full  # bitwise: weights, Adam moments, schedule, dropout RNG restored
+
+
+def _export(out_dir):
+    engine = megapar.prepare(_hf_model(), tp=2, pp=2, micro_batch_size=2, lr=3e-3)
+    batches = _batches(3)
+    for batch in batches[:2]:
+        engine.train_step(batch)
+    engine.export_hf(out_dir)
+    return engine.eval_step(batches[2])
+
+
+def test_export_hf_loads_in_transformers_with_the_engine_loss(run, tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    loss = run(_export, 4, str(tmp_path / "hf"))[0]
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    batch = _batches(3)[2]
+    with torch.no_grad():
+        logits = model(batch["input_ids"]).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1))
+    assert math.isclose(loss, ref.item(), rel_tol=1e-5)
+
+
+def _fails_on_rank(bad):
+    import torch.distributed as dist
+
+    if dist.get_rank() == bad:
+        raise ValueError("user code broke")
+    dist.barrier()
+    return "ok"
+
+
+def test_launch_names_the_failing_rank_and_returns_rank0_value():
+    assert megapar.launch(_fails_on_rank, 2, -1) == "ok"
+    with pytest.raises(megapar.WorkerError, match="rank 1 failed: ValueError: user code broke"):
+        megapar.launch(_fails_on_rank, 2, 1)
+
+
+def test_prepare_rejects_different_weights_per_rank(run):
+    def differ():
+        import torch.distributed as dist
+
+        model = _hf_model()
+        with torch.no_grad():
+            model.transformer.wte.weight[0, 0] += dist.get_rank()
+        megapar.prepare(model, tp=2)
+
+    with pytest.raises(megapar.WorkerError, match="weights differ between ranks"):
+        run(differ, 2)
+
+
+def _bert(tp, pp):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(4)
+    model = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                       num_attention_heads=4, intermediate_size=64,
+                                       max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0))
+    engine = megapar.prepare(model, tp=tp, pp=pp, micro_batch_size=4, lr=1e-3)
+    batch = _bert_batch()
+    return engine.eval_step(batch), engine.train_step(batch), engine.eval_step(batch)
+
+
+def _bert_batch():
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, VOCAB, (G, SEQ), generator=gen)
+    mask = torch.ones(G, SEQ, dtype=torch.long)
+    mask[::3, -2:] = 0  # padding at the end of some rows
+    return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (G, SEQ), generator=gen),
+            "token_type_ids": (torch.arange(SEQ) >= SEQ // 2).long().expand(G, SEQ).clone(),
+            "attention_mask": mask}
+
+
+def test_prepare_bert_for_masked_lm_matches_transformers(run):
+    """Every token labelled, so each micro-batch's mean has the same weight as in one batch."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    before, trained, after = run(_bert, 4, 2, 2)[0]
+    torch.manual_seed(4)
+    hf = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=64,
+                                    max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0)).eval()
+    with torch.no_grad():
+        ref = hf(**_bert_batch()).loss.item()
+    assert math.isclose(before, ref, rel_tol=1e-5) and math.isclose(trained, ref, rel_tol=1e-5)
+    assert after < before

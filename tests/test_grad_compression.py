@@ -1,0 +1,126 @@
+"""Compressed dp gradient reduction against the exact fp32 average (bounds from
+megapar/data_parallel/compression.py), its byte counts, and PowerSGD's error feedback."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megapar.data_parallel import GradBuckets
+from megapar.data_parallel.compression import FP16_TARGET, make_compressor
+
+SHAPES = [(48, 40), (40,), (64, 24), (24,), (3, 5)]
+U = {"fp16": 2.0**-11, "bf16": 2.0**-8}
+
+
+def _params():
+    return [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+
+
+def _grads(rank, step=0, scale=1.0):
+    """Rank `rank`'s gradients: entries spanning 1e-4 .. 1e2 in magnitude, times `scale`."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    out = []
+    for s in SHAPES:
+        mag = 10.0 ** (torch.rand(s, generator=gen) * 6 - 4)
+        out.append(torch.randn(s, generator=gen).sign() * mag * scale)
+    return out
+
+
+def _reduce(buckets, params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    buckets.begin_step()
+    buckets.finish()
+    return [p.grad.clone() for p in params]
+
+
+def _cast(kind, scale):
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    params = _params()
+    buckets = GradBuckets(params, dist.group.WORLD, bucket_mb=0.004,
+                          compressor=make_compressor(kind))
+    out = _reduce(buckets, params, _grads(rank, scale=scale))
+    all_grads = [_grads(r, scale=scale) for r in range(dp)]
+    worst = 0.0
+    for i, got in enumerate(out):
+        parts = [g[i].double() / dp for g in all_grads]
+        exact = sum(parts)
+        bound = (dp + 1) * U[kind] * sum(p.abs() for p in parts)
+        if kind == "fp16":  # subnormals: absolute 2^-24 / S, S from the bucket's largest entry
+            top = max(float(p.abs().max()) for p in parts) * dp
+            bound = bound + 2.0**-24 / 2.0 ** math.floor(math.log2(FP16_TARGET / top))
+        worst = max(worst, float(((got.double() - exact).abs() / bound).max()))
+        assert got.abs().max() > 0
+    numel = sum(p.numel() for p in params)
+    return worst, buckets.bytes_sent, numel, len(buckets.buckets)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("scale", [1.0, 1e-7, 1e2])
+def test_cast_compression_within_the_stated_bound(run, kind, scale):
+    """Every element within (dp + 1) u sum_r |g_r| (+ fp16 subnormal term); fp16 is scaled, so
+    gradients of 1e-11 (far below fp16's smallest subnormal 6e-8) and 1e4 survive."""
+    for worst, sent, numel, n_buckets in run(_cast, 4, kind, scale):
+        assert worst <= 1.0
+        assert sent == numel * 2 + (4 * n_buckets if kind == "fp16" else 0)
+
+
+def _powersgd(steps, rank_r):
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    params = _params()
+    comp = make_compressor("powersgd", rank_r)
+    buckets = GradBuckets(params, dist.group.WORLD, compressor=comp)
+    total_out = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    total_mean = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    sent = []
+    for step in range(steps):
+        before = buckets.bytes_sent
+        out = _reduce(buckets, params, _grads(rank, step))
+        sent.append(buckets.bytes_sent - before)
+        for i, o in enumerate(out):
+            total_out[i] += o.double()
+            total_mean[i] += sum(_grads(r, step)[i].double() for r in range(dp)) / dp
+    errors = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    for i, p in enumerate(params):
+        e = comp.errors.get(id(p))
+        if e is not None:
+            e = e.double().reshape(SHAPES[i]).clone()
+            dist.all_reduce(e)
+            errors[i] = e
+    gap = max(float((o + e - m).abs().max() / m.abs().max())
+              for o, e, m in zip(total_out, errors, total_mean))
+    compressed = max(float((o - m).abs().max() / m.abs().max())
+                     for o, m in zip(total_out[:1], total_mean[:1]))
+    return [o.float() for o in total_out], gap, compressed, sent
+
+
+def test_powersgd_error_feedback_identical_ranks_and_bytes(run):
+    results = run(_powersgd, 2, 6, 2)
+    out0 = results[0][0]
+    for out, gap, compressed, sent in results:
+        for a, b in zip(out, out0):
+            assert torch.equal(a, b)  # every dp replica gets the same gradient
+        # error feedback: sum of results + sum of residuals == sum of true averages
+        assert gap < 1e-5
+        assert compressed > 1e-2  # a 48 x 40 random matrix is not rank 2: it was compressed
+        r = 2
+        matrices = [(48, 40), (64, 24)]
+        plain = 40 + 24 + 15  # vectors and the 3 x 5 matrix ((3 + 5) r >= 15) go uncompressed
+        assert sent == [4 * (plain + sum((n + m) * r for n, m in matrices))] * 6
+    assert 8 * sent[0] < 4 * sum(math.prod(s) for s in SHAPES)  # > 8x fewer bytes than fp32
+
+
+def _rank1():
+    params = [torch.nn.Parameter(torch.zeros(32, 16))]
+    buckets = GradBuckets(params, dist.group.WORLD, compressor=make_compressor("powersgd", 1))
+    u, v = torch.arange(1.0, 33.0), torch.linspace(-1, 1, 16)
+    g = torch.outer(u, v) * (dist.get_rank() + 1)
+    out = _reduce(buckets, params, [g])[0]
+    exact = torch.outer(u, v) * sum(r + 1 for r in range(dist.get_world_size())) / 2
+    return float((out - exact).abs().max() / exact.abs().max())
+
+
+def test_powersgd_is_exact_for_a_low_rank_gradient(run):
+    assert max(run(_rank1, 2)) < 1e-6
