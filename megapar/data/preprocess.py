@@ -7,7 +7,10 @@ Inputs, in the order given (directories expanded recursively, files sorted by pa
   paragraph is a document.
 * ``.jsonl``: one document per line, the text under ``jsonl_key`` (default ``"text"``).
 
-Whitespace-only documents are skipped.  Tokenization runs in a ``multiprocessing`` pool
+Whitespace-only documents are skipped; an input that yields no document at all is an error.
+Bytes that are not valid UTF-8 become U+FFFD and are counted: more than
+``MAX_INVALID_UTF8`` of a file's bytes (binary data, another encoding) is an error unless
+``allow_invalid_utf8`` (CLI ``--allow-invalid-utf8``); fewer are reported as a warning.  Tokenization runs in a ``multiprocessing`` pool
 when ``workers > 1``; documents are processed in order (``imap``), so the output is
 byte-identical whatever the number of workers.
 """
@@ -32,6 +35,27 @@ BATCH_DOCS = 16
 #: Above this many input bytes, ``workers=None`` uses a pool of several workers.
 POOL_THRESHOLD_BYTES = 8 << 20
 _PARAGRAPH_SPLIT = re.compile(r"\n[ \t\r\f\v]*\n")
+#: Largest share of a text file's bytes that may be invalid UTF-8 without --allow-invalid-utf8.
+MAX_INVALID_UTF8 = 0.001
+_ESCAPED = re.compile("[\udc80-\udcff]")
+
+
+def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None = None) -> str:
+    """A file's text; invalid UTF-8 bytes become U+FFFD and are counted into
+    ``report[path]``. Raises ValueError above ``MAX_INVALID_UTF8`` unless allowed."""
+    raw = open(path, "rb").read()
+    text = raw.decode("utf-8", errors="surrogateescape")
+    bad = len(_ESCAPED.findall(text))
+    if not bad:
+        return text
+    if bad > MAX_INVALID_UTF8 * len(raw) and not allow_invalid_utf8:
+        raise ValueError(
+            f"{path}: {bad:,} of {len(raw):,} bytes ({100 * bad / len(raw):.1f} %) are not valid "
+            f"UTF-8 (binary data or another encoding?); convert it to UTF-8 (e.g. iconv -f "
+            f"latin1 -t utf-8) or pass --allow-invalid-utf8 to replace them with U+FFFD")
+    if report is not None:
+        report[path] = bad
+    return _ESCAPED.sub("\ufffd", text)
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
@@ -54,8 +78,10 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
 
 
 def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
-                   jsonl_key: str = "text") -> Iterator[tuple[str, int]]:
-    """Yield ``(document_text, source_bytes)`` for every non-blank document of ``files``."""
+                   jsonl_key: str = "text", allow_invalid_utf8: bool = False,
+                   report: dict | None = None) -> Iterator[tuple[str, int]]:
+    """Yield ``(document_text, source_bytes)`` for every non-blank document of ``files``
+    (invalid UTF-8: see `read_text`)."""
     for path in files:
         if path.endswith(".jsonl"):
             with open(path, "rb") as f:
@@ -72,8 +98,7 @@ def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
                     if isinstance(text, str) and text.strip():
                         yield text, len(line)
             continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            content = f.read()
+        content = read_text(path, allow_invalid_utf8, report)
         if not split_paragraphs:
             if content.strip():
                 yield content, os.path.getsize(path)
@@ -110,7 +135,8 @@ _WORKER_TOKENIZER: Tokenizer
 
 
 def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, workers: int | None = None,
-               split_paragraphs: bool = False, jsonl_key: str = "text", progress: bool = True) -> str:
+               split_paragraphs: bool = False, jsonl_key: str = "text", progress: bool = True,
+               allow_invalid_utf8: bool = False, report: dict | None = None) -> str:
     """Tokenize ``inputs`` into ``output_prefix.{bin,idx,json}``; return the prefix.
 
     ``tokenizer`` is a :func:`load_tokenizer` spec.  ``workers=None`` picks one worker for
@@ -123,7 +149,9 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
         workers = min(8, os.cpu_count() or 1) if total > POOL_THRESHOLD_BYTES else 1
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    batches = _batched(iter_documents(files, split_paragraphs, jsonl_key), BATCH_DOCS)
+    report = {} if report is None else report  # path -> invalid UTF-8 bytes replaced
+    batches = _batched(iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8,
+                                      report), BATCH_DOCS)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
     with IndexedDatasetBuilder(output_prefix, tok.vocab_size, tok.eod_id, tok.spec()) as builder:
         if workers == 1:
@@ -135,6 +163,9 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
                 _consume(pool.imap(_worker_encode, batches, chunksize=1), builder, bar)
         bar.n = total
         bar.close()
+        if builder.num_docs == 0:
+            raise ValueError(f"no text in {', '.join(files)}: every input is empty or "
+                             f"whitespace; nothing written")
         return builder.finalize()
 
 
@@ -194,7 +225,8 @@ def file_sha256(path: str) -> str:
 
 
 def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
-                   split_paragraphs: bool = True, progress: bool = False) -> str:
+                   split_paragraphs: bool = True, progress: bool = False,
+                   allow_invalid_utf8: bool = False) -> str:
     """Preprocess a raw text file into ``cache_dir`` once; return the dataset prefix.
 
     The cache key is the SHA-256 of the file's content, the tokenizer (kind, vocab size
@@ -203,8 +235,9 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     paragraph is a document, so a single file can still be split into train/val by
     documents.  Writes are atomic: concurrent callers (e.g. several ranks) are safe.
     """
-    if not os.path.isfile(text_path):
+    if not os.path.exists(text_path):
         raise FileNotFoundError(f"training text {text_path} does not exist; pass an existing .txt file")
+    files = expand_inputs([text_path])  # a directory: its .txt / .jsonl files
     tok = load_tokenizer(tokenizer_spec)
     if tok.kind == "sentencepiece":
         tok_files = [tok.path]
@@ -214,7 +247,7 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     else:
         tok_files = [os.path.join(tok.path, "vocab.json"), os.path.join(tok.path, "merges.txt")]
     key = json.dumps({
-        "text": file_sha256(text_path),
+        "text": [file_sha256(p) for p in files] if os.path.isdir(text_path) else file_sha256(text_path),
         "tokenizer": [tok.kind, tok.vocab_size] + [file_sha256(p) for p in tok_files],
         "split_paragraphs": split_paragraphs,
         "format": 1,
@@ -225,4 +258,5 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     if all(os.path.isfile(prefix + ext) for ext in (".bin", ".idx", ".json")):
         return prefix
     return preprocess_files([text_path], prefix, tokenizer_spec, workers=1,
-                      split_paragraphs=split_paragraphs, progress=progress)
+                      split_paragraphs=split_paragraphs, progress=progress,
+                      allow_invalid_utf8=allow_invalid_utf8)

@@ -40,9 +40,9 @@ def resolve_data_prefix(cfg: TrainConfig) -> str:
     if data is None:
         data = asset_path(DEFAULT_TEXT)
     data = os.path.expanduser(data)
-    if data.endswith((".txt", ".text", ".md")) or (os.path.isfile(data) and
-                                                    not os.path.exists(data + ".bin")):
-        if not os.path.isfile(data):
+    if data.endswith((".txt", ".text", ".md")) or os.path.isdir(data) or (
+            os.path.isfile(data) and not os.path.exists(data + ".bin")):
+        if not os.path.exists(data):
             raise FileNotFoundError(f"--data {data}: no such text file")
         return ensure_dataset(data, cfg.tokenizer, os.path.expanduser(cfg.data_cache),
                               split_paragraphs=True, progress=cfg.progress)

@@ -127,7 +127,7 @@ def checkpoint_manifest(path: str) -> dict:
     from megapar.checkpoint.format import CheckpointError, verify
 
     if not os.path.exists(os.path.expanduser(path)):
-        raise UsageError(f"--load {path}: no such checkpoint; pass a directory written by --save "
+        raise UsageError(f"--load {path}: no such checkpoint directory; pass a directory written by --save "
                          f"(or one of its step_* directories)")
     try:
         return verify(os.path.expanduser(path))
@@ -184,6 +184,13 @@ def check_eval_args(args) -> dict:
         if missing:
             raise UsageError(f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
                              f"written by megapar-data --output-prefix")
+        from megapar.data import IndexedDataset
+
+        windows = (IndexedDataset(args.data).num_tokens - 1) // args.seq_len
+        if config.model_type == "gpt2" and windows < args.micro_batch_size:
+            raise UsageError(f"--data {args.data} has {windows} windows of {args.seq_len + 1} "
+                             f"tokens, fewer than one batch of --micro-batch-size "
+                             f"{args.micro_batch_size}; lower --seq-len or --micro-batch-size")
     if args.input_ids:
         _check_ids_file(args.input_ids, positions)
     return manifest
