@@ -273,3 +273,66 @@ def test_resume_a_from_hf_checkpoint_at_another_layout_with_no_model_flags(
                               tmp_path / "logits.npy"], capsys)
     assert rc == 0, err
     assert np.load(tmp_path / "logits.npy").shape == (2, 8, 50257)
+
+
+def test_a_worker_error_is_one_line_with_the_traceback_in_the_ranks_log(
+        texts, cache, tiny_model, tmp_path, capsys, monkeypatch):
+    """Rank 1 (forked) fails while saving after the last of 2 steps: one line naming rank 1 and
+    step 2 (not 3), the traceback in SAVE/logs/rank1.log; --debug puts it on the terminal."""
+    import torch.distributed as dist
+
+    from megapar.training.loop import Trainer
+
+    real_save = Trainer.save
+
+    def failing_save(self):
+        if dist.get_rank() == 1:
+            raise OSError("disk on fire")
+        return real_save(self)
+
+    monkeypatch.setattr(Trainer, "save", failing_save)
+    argv = ["--data", texts["poem"], "--data-cache", cache, "--model", tiny_model, "--tokenizer",
+            "sentencepiece", "--seq-len", "32", "--pp", "2", "--max-steps", "2", "--no-progress",
+            "--save", tmp_path / "ckpt"]
+    rc = train([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("megapar-train: ") and "not given" not in x]
+    assert rc == 1 and "Traceback" not in err
+    assert lines[0] == "megapar-train: error: rank 1 failed at step 2: OSError: disk on fire"
+    log = tmp_path / "ckpt" / "logs" / "rank1.log"
+    assert lines[1] == f"megapar-train: full traceback in {log} (or rerun with --debug)"
+    assert "Traceback" in log.read_text() and "disk on fire" in log.read_text()
+    rc = train([str(a) for a in argv] + ["--debug"])
+    assert rc == 1 and "Traceback" in capsys.readouterr().err
+
+
+def test_wandb_mode_follows_wandb_mode_else_the_network(monkeypatch):
+    import socket
+
+    from megapar.training.logging import wandb_mode
+
+    monkeypatch.setenv("WANDB_MODE", "online")
+    assert wandb_mode()[0] == "online"
+    monkeypatch.delenv("WANDB_MODE")
+
+    def unreachable(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    assert wandb_mode()[0] == "offline"
+
+    class Conn:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: Conn())
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode() == ("online", "api.wandb.ai reachable")
+
+
+def test_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        train(["--help"])
+    out = capsys.readouterr().out
+    assert "(default: None)" not in out and out.count("(default: 1)") == 2  # --tp, --pp
+    assert "(default: 1) (default" not in out
