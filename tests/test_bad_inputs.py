@@ -90,6 +90,8 @@ TRAIN = [
     (["--eval-steps", "0"], "--eval-steps 0 is invalid"),
     (["--eval-interval", "-1"], "--eval-interval -1 is invalid"),
     (["--tp", "0"], "--tp 0 is invalid"),
+    (["--seed", "-1"], "--seed -1 is invalid"),
+    (["--tokenizer", "no-such-tokenizer"], "no-such-tokenizer"),
     (["--tp", "3"], "4 attention heads are not divisible by --tp 3"),
     (["--pp", "3"], "2 layers cannot be cut into --pp 3 stages"),
     (["--seq-len", "100"], "--seq-len 100 exceeds the model's maximum of 64 positions"),

@@ -336,3 +336,25 @@ def test_help_shows_each_default_once(capsys):
     out = capsys.readouterr().out
     assert "(default: None)" not in out and out.count("(default: 1)") == 2  # --tp, --pp
     assert "(default: 1) (default" not in out
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_the_unsupported_transformers_settings_table_matches_transformers(kind, tmp_path):
+    """Checked against transformers itself: each setting megapar accepts only at one value
+    accepts transformers' default, and a config.json saved by transformers (all keys at their
+    defaults) loads; one setting changed is refused."""
+    import transformers
+
+    from megapar.models.config import (
+        HF_SUPPORTED_DEFAULTS, ConfigError, config_from_dict, config_from_file,
+    )
+
+    hf = getattr(transformers, {"gpt2": "GPT2Config", "bert": "BertConfig"}[kind])()
+    for key, value in HF_SUPPORTED_DEFAULTS[kind].items():
+        if hasattr(hf, key):
+            assert getattr(hf, key) == value, key
+    hf.save_pretrained(tmp_path)
+    assert config_from_file(tmp_path / "config.json").model_type == kind
+    data = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ConfigError, match="tie_word_embeddings=False"):
+        config_from_dict({**data, "tie_word_embeddings": False})

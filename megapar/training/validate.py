@@ -35,7 +35,7 @@ _RULES = [
     ("global_batch_size", "int", 1, True), ("max_steps", "int", 1, True),
     ("warmup_steps", "int", 0, True), ("eval_interval", "int", 0, True),
     ("eval_steps", "int", 1, True), ("save_interval", "int", 0, True),
-    ("log_interval", "int", 1, True),
+    ("log_interval", "int", 1, True), ("seed", "int", 0, True),
     ("lr", "float", 0.0, False), ("min_lr", "float", 0.0, True),
     ("weight_decay", "float", 0.0, True), ("clip_grad", "float", 0.0, True),
     ("peak_tflops", "float", 0.0, False), ("timeout_s", "float", 0.0, False),
