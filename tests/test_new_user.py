@@ -53,6 +53,9 @@ def texts(tmp_path_factory):
     (folder / "sub" / "more.jsonl").write_text(json.dumps({"text": words(rng, 300)}) + "\n")
     (folder / "notes.bin").write_bytes(b"\x00\xff" * 10)  # not a .txt / .jsonl: ignored
     out["directory"] = folder
+    out["few_bad_bytes"] = root / "latin1_bits.txt"
+    out["few_bad_bytes"].write_bytes(poem(rng, 300).encode() + "café naïve".encode("latin-1")
+                                     + b"\n\xff\n")
     out["tiny"] = root / "tiny.txt"
     out["tiny"].write_text(words(rng, 30) + "\n")
     out["invalid_utf8"] = root / "junk.txt"
@@ -93,7 +96,8 @@ def _assert_trained(log, steps):
     assert all(math.isfinite(r["loss"]) for r in records)
 
 
-@pytest.mark.parametrize("shape", ["poem", "one_paragraph", "crlf", "jsonl", "directory"])
+@pytest.mark.parametrize("shape", ["poem", "one_paragraph", "crlf", "jsonl", "directory",
+                                   "few_bad_bytes"])
 def test_text_of_every_shape_trains(shape, texts, cache, tiny_model, tmp_path, capsys):
     log = tmp_path / "log.jsonl"
     rc, err = _run(train, ["--data", texts[shape], "--data-cache", cache, "--model", tiny_model,
@@ -103,6 +107,8 @@ def test_text_of_every_shape_trains(shape, texts, cache, tiny_model, tmp_path, c
     _assert_trained(log, 2)
     if shape == "one_paragraph":  # one document: no validation split, said once
         assert err.count("no validation split: the data is one document") == 1
+    if shape == "few_bad_bytes":  # under 0.1 % of the bytes: replaced and counted
+        assert "warning: " in err and "3 bytes of invalid UTF-8 replaced" in err
 
 
 def test_a_poem_whose_held_out_paragraph_is_tiny_still_trains_and_evaluates(

@@ -226,7 +226,7 @@ def file_sha256(path: str) -> str:
 
 def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
                    split_paragraphs: bool = True, progress: bool = False,
-                   allow_invalid_utf8: bool = False) -> str:
+                   allow_invalid_utf8: bool = False, report: dict | None = None) -> str:
     """Preprocess a raw text file into ``cache_dir`` once; return the dataset prefix.
 
     The cache key is the SHA-256 of the file's content, the tokenizer (kind, vocab size
@@ -259,4 +259,4 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
         return prefix
     return preprocess_files([text_path], prefix, tokenizer_spec, workers=1,
                       split_paragraphs=split_paragraphs, progress=progress,
-                      allow_invalid_utf8=allow_invalid_utf8)
+                      allow_invalid_utf8=allow_invalid_utf8, report=report)

@@ -34,7 +34,7 @@ class DataPlan:
     """The model config (a dict with model_type), vocab size matched to the tokenizer."""
 
 
-def resolve_data_prefix(cfg: TrainConfig) -> str:
+def resolve_data_prefix(cfg: TrainConfig, notes: list[str] | None = None) -> str:
     """The dataset prefix for --data: tokenizing raw text (or the shipped sample) if needed."""
     data = cfg.data
     if data is None:
@@ -44,8 +44,13 @@ def resolve_data_prefix(cfg: TrainConfig) -> str:
             os.path.isfile(data) and not os.path.exists(data + ".bin")):
         if not os.path.exists(data):
             raise FileNotFoundError(f"--data {data}: no such text file")
-        return ensure_dataset(data, cfg.tokenizer, os.path.expanduser(cfg.data_cache),
-                              split_paragraphs=True, progress=cfg.progress)
+        report: dict = {}  # invalid UTF-8 bytes replaced, per file (above 0.1 %: an error)
+        prefix = ensure_dataset(data, cfg.tokenizer, os.path.expanduser(cfg.data_cache),
+                                split_paragraphs=True, progress=cfg.progress, report=report)
+        if notes is not None:
+            notes.extend(f"warning: {path}: {n:,} bytes of invalid UTF-8 replaced with U+FFFD"
+                         for path, n in report.items())
+        return prefix
     missing = [data + ext for ext in (".bin", ".idx", ".json") if not os.path.exists(data + ext)]
     if missing:
         raise FileNotFoundError(
@@ -130,7 +135,7 @@ def prepare_data(cfg: TrainConfig, notes: list[str] | None = None) -> DataPlan:
         from megapar.training.validate import checkpoint_manifest
 
         manifest = checkpoint_manifest(cfg.load)
-    prefix = resolve_data_prefix(cfg)
+    prefix = resolve_data_prefix(cfg, notes)
     indexed = IndexedDataset(prefix)
     tokenizer = load_tokenizer(indexed.tokenizer_spec)
     gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
