@@ -364,3 +364,23 @@ def test_the_unsupported_transformers_settings_table_matches_transformers(kind, 
     data = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ConfigError, match="tie_word_embeddings=False"):
         config_from_dict({**data, "tie_word_embeddings": False})
+
+
+def test_load_alone_resumes_with_the_checkpoints_settings(texts, cache, tiny_model, tmp_path,
+                                                          capsys):
+    """`--load CKPT` with no other flag takes data, batch, seq-len, ... from the checkpoint;
+    a setting given that breaks its data order is an error before workers start."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    rc, err = _run(train, ["--data", texts["poem"], "--data-cache", cache, "--model", tiny_model,
+                           "--tokenizer", "sentencepiece", "--seq-len", "32",
+                           "--global-batch-size", "8", "--max-steps", "4", "--save-interval", "2",
+                           "--save", ckpt, "--no-progress"], capsys)
+    assert rc == 0, err
+    rc, err = _run(train, ["--load", ckpt / "step_00000002", "--data-cache", cache, "--pp", "2",
+                           "--log-json", log, "--no-progress"], capsys)
+    assert rc == 0, err
+    assert "from the checkpoint (not given):" in err and "--seq-len 32" in err
+    assert [r["step"] for r in _records(log)] == [3, 4]
+    rc, err = _run(train, ["--load", ckpt, "--data-cache", cache, "--max-steps", "6",
+                           "--seq-len", "16", "--no-progress"], capsys)
+    assert rc == 2 and "cannot continue its data order: dataset_len" in err

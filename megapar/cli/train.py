@@ -20,7 +20,8 @@ from megapar.models.config import ConfigError, config_from_dict
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan, build_datasets, prepare_data
 from megapar.training.validate import (
-    UsageError, adapt_defaults, check_settings, log_dir_for, worker_failure,
+    UsageError, adapt_defaults, check_resumable, check_settings, checkpoint_manifest, log_dir_for,
+    settings_from_checkpoint, worker_failure,
 )
 
 
@@ -28,6 +29,10 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     """Validate the run and resolve its data and model; raises with a clear message.
     Settings the user did not give may adapt to the ones they gave (said in `notes`)."""
     notes = [] if notes is None else notes
+    manifest = None
+    if cfg.load:  # the checkpoint, checked once; settings not given are the checkpoint's
+        manifest = checkpoint_manifest(cfg.load)
+        notes.extend(settings_from_checkpoint(cfg, manifest))
     check_settings(cfg)
     if under_launcher():
         layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp)
@@ -44,7 +49,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     from megapar.optim import LRScheduler
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks
-    plan = prepare_data(cfg, notes)
+    plan = prepare_data(cfg, notes, manifest)
     config = config_from_dict(plan.model_config)
     config.validate(layout)
     train, _ = build_datasets(cfg, plan.prefix, config.model_type, notes)
@@ -52,6 +57,8 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         raise ValueError(f"the training split has {len(train)} samples of {cfg.seq_len} tokens, "
                          f"fewer than one global batch of {cfg.global_batch_size}; use more data, "
                          f"a shorter --seq-len or a smaller --global-batch-size")
+    if manifest is not None:
+        check_resumable(cfg, manifest, len(train))
     return layout, plan
 
 

@@ -129,9 +129,9 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
     return config
 
 
-def prepare_data(cfg: TrainConfig, notes: list[str] | None = None) -> DataPlan:
-    manifest = None
-    if cfg.load:  # checked (every file) before tokenizing anything
+def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
+                 manifest: dict | None = None) -> DataPlan:
+    if cfg.load and manifest is None:  # checked (every file) before tokenizing anything
         from megapar.training.validate import checkpoint_manifest
 
         manifest = checkpoint_manifest(cfg.load)

@@ -135,6 +135,46 @@ def checkpoint_manifest(path: str) -> dict:
         raise UsageError(f"--load {path}: {exc}") from None
 
 
+NOT_INHERITED = {"tp", "pp", "dp", "model", "from_hf", "load", "save", "data_cache", "log_json",
+                 "tensorboard", "wandb_project", "progress", "debug", "timeout_s", "peak_tflops"}
+"""Settings a --load run never takes from the checkpoint's saved train_config."""
+
+
+def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
+    """With --load, settings the user did not give are the checkpoint's (data, batch, seq-len,
+    schedule of the learning rate, --max-steps, ...), so `--load CKPT` alone resumes the run it
+    came from; layout and output flags are never taken. Returns a note listing what was taken."""
+    saved = (manifest.get("meta") or {}).get("train_config") or {}
+    given, taken = explicit(cfg), []
+    for f in dataclasses.fields(cfg):
+        name = f.name
+        if name in NOT_INHERITED or name in given or name not in saved:
+            continue
+        value = saved[name]
+        if name == "data" and value is not None and not os.path.exists(os.path.expanduser(value)):
+            continue  # moved since: the sampler check names the difference if it matters
+        if value != getattr(cfg, name):
+            setattr(cfg, name, value)
+            taken.append(f"{_flag(name)} {value}")
+        given.add(name)
+    cfg.explicit = frozenset(given)
+    return [f"from the checkpoint (not given): {', '.join(taken)}"] if taken else []
+
+
+def check_resumable(cfg, manifest: dict, train_len: int) -> None:
+    """The checkpoint's data order can continue: same number of training samples, global batch
+    and seed as when it was saved."""
+    state = (manifest.get("meta") or {}).get("sampler") or {}
+    ours = {"dataset_len": train_len, "global_batch_size": cfg.global_batch_size,
+            "seed": cfg.seed}
+    diff = [k for k in ours if k in state and state[k] != ours[k]]
+    if diff:
+        shown = ", ".join(f"{k} {state[k]} (checkpoint) vs {ours[k]}" for k in diff)
+        raise UsageError(f"--load {cfg.load} cannot continue its data order: {shown}; resume "
+                         f"with the --data, --seq-len, --val-fraction, --global-batch-size and "
+                         f"--seed it was saved with (left out, they are the checkpoint's)")
+
+
 def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: str = ""):
     """The model config of a --load run: the checkpoint's. A --model / --from-hf given too
     must describe the same model (vocabulary aside for a recipe, which takes the tokenizer's)."""
