@@ -40,7 +40,8 @@ def env(tmp_path_factory):
     configs = {}
     for name, content in {"missing.yaml": None, "bad.yaml": "seq_len: [1, 2\n",
                           "bad.json": "{\"seq_len\": 32,}", "list.yaml": "- 1\n- 2\n",
-                          "typo.yaml": "max_step: 3\n", "choice.yaml": "schedule: zigzag\n"}.items():
+                          "typo.yaml": "max_step: 3\n", "choice.yaml": "schedule: zigzag\n",
+                          "half.yaml": "log_interval: 2.5\n"}.items():
         if content is not None:
             (root / name).write_text(content)
         configs[name] = str(root / name)
@@ -103,6 +104,7 @@ TRAIN = [
     (["--config", "{list.yaml}"], "expected a mapping of names to values, got a list"),
     (["--config", "{typo.yaml}"], "unknown setting 'max_step'; did you mean 'max_steps'?"),
     (["--config", "{choice.yaml}"], "--schedule 'zigzag' is invalid: choose one of"),
+    (["--config", "{half.yaml}"], "--log-interval 2.5 is invalid: it must be a whole number >= 1"),
     (["--model", "{negative}"], "n_layer=-2 must be a whole number >= 1"),
     (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt: no such checkpoint directory"),
     (["--load", "{empty_dir}"], "neither a checkpoint step directory"),

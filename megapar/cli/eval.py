@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
         import traceback
 
-        from megapar.training.validate import log_dir_for, worker_failure
+        from megapar.training.failures import log_dir_for, worker_failure
 
         text = str(exc) if isinstance(exc, WorkerError) else \
             f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"

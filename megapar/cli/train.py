@@ -19,9 +19,10 @@ from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError, config_from_dict
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan, build_datasets, prepare_data
+from megapar.training.failures import log_dir_for, worker_failure
 from megapar.training.validate import (
-    UsageError, adapt_defaults, check_resumable, check_settings, checkpoint_manifest, log_dir_for,
-    settings_from_checkpoint, worker_failure,
+    UsageError, adapt_defaults, check_resumable, check_settings, checkpoint_manifest,
+    settings_from_checkpoint,
 )
 
 

@@ -8,9 +8,11 @@ exit code 2 instead of N tracebacks after the workers started:
   (warmup vs --max-steps, global vs micro-batch size); returns notes saying what changed.
 - `checkpoint_manifest(path)`: a --load checkpoint exists, is complete and intact (sizes and
   sha256 of every file), read once here.
+- `settings_from_checkpoint` / `check_resumable`: `--load CKPT` alone resumes its run; a
+  setting that breaks the checkpoint's data order is reported.
 - `check_eval_args` / `check_bubble_args`: the same for megapar-eval and megapar-bubble.
-- `worker_failure(text, log_dir, rank)`: an unexpected worker error as one line naming the rank
-  and the step, its traceback written to a per-rank log file.
+
+Unexpected errors in running workers are failures.py's.
 """
 
 from __future__ import annotations
@@ -18,9 +20,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
-import time
-from pathlib import Path
 
 
 class UsageError(ValueError):
@@ -60,7 +59,10 @@ def check_settings(cfg) -> None:
         bound = f">= {low}" if inclusive else f"> {low}"
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if kind == "int":
-            ok = ok and float(value).is_integer()
+            ok = ok and math.isfinite(value) and float(value).is_integer()
+            if ok:
+                value = int(value)  # 32.0 from a --config file is 32
+                setattr(cfg, name, value)
         else:
             ok = ok and math.isfinite(value)
         if ok:
@@ -295,45 +297,3 @@ def check_bubble_args(args) -> None:
     if args.seq_len > positions:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
                          f"lower --seq-len")
-
-
-# --- worker failures -------------------------------------------------------------------------
-_RANK = re.compile(r"^rank (\d+) failed: ")
-_DIED = re.compile(r"^rank (\d+) ")
-_STEP = re.compile(r"^TrainingError: rank \d+ \([^)]*\) failed at step (\d+): ")
-
-
-def log_dir_for(save: str | None, cache: str) -> Path:
-    """Where per-rank logs go: SAVE/logs with --save, else CACHE/logs/run-<time>-<pid>."""
-    if save:
-        return Path(os.path.expanduser(save)) / "logs"
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(os.path.expanduser(cache)) / "logs" / f"run-{stamp}-{os.getpid()}"
-
-
-def worker_failure(text: str, log_dir: Path, rank: int | None = None) -> tuple[str, str | None]:
-    """(one line naming the rank and the step, the log file with the full text) of a failure.
-
-    `text` is a WorkerError message ("rank R failed: Type: message\\nTraceback ...") or, for a
-    rank run in this process, "Type: message\\nTraceback ..." with `rank` given."""
-    first, _, _ = text.partition("\n")
-    m = _RANK.match(first)
-    if m:
-        rank, first = int(m.group(1)), first[m.end():]
-    elif _DIED.match(first):  # "rank R died with exit code C": no traceback to show
-        rank = int(_DIED.match(first).group(1))
-    rank = 0 if rank is None else rank
-    s = _STEP.match(first)
-    if s:
-        where, first = f"at step {s.group(1)}", first[s.end():]
-    else:
-        where = "before training started"
-    line = f"rank {rank} failed {where}: {first}" if not _DIED.match(first) else first
-    path = None
-    try:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        path = log_dir / f"rank{rank}.log"
-        path.write_text(text if text.endswith("\n") else text + "\n")
-    except OSError:
-        path = None
-    return line, (str(path) if path else None)
