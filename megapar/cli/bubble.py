@@ -55,8 +55,12 @@ def main(argv=None) -> int:
     from megapar.training import bubble
 
     args = build_parser().parse_args(argv)
-    if args.pp < 1 or args.microbatches < 1:
-        print("megapar-bubble: error: --pp and --microbatches must be >= 1", file=sys.stderr)
+    from megapar.training.validate import UsageError, check_bubble_args
+
+    try:
+        check_bubble_args(args)
+    except UsageError as exc:
+        print(f"megapar-bubble: error: {exc}", file=sys.stderr)
         return 2
     from megapar.pipeline.schedules import check_schedule, format_schedule, schedule_actions
 

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="megapar", choices=["megapar", "megatron"],
                    help="index format: megapar's, or Megatron-LM's MMIDIDX (readable by "
                         "Megatron-LM / NeMo; megapar reads both)")
+    p.add_argument("--allow-invalid-utf8", action="store_true",
+                   help="replace bytes that are not valid UTF-8 with U+FFFD even when they are "
+                        "more than 0.1%% of a file (default: such a file is refused as not text)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -98,11 +101,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.vocab_size is not None:
             raise ValueError("--vocab-size only applies with --train-tokenizer / "
                              "--train-sentencepiece")
+        report: dict = {}
         prefix = preprocess_files(
             args.input, args.output_prefix, tokenizer, workers=args.workers,
             split_paragraphs=args.split_lines, jsonl_key=args.jsonl_key,
-            progress=not args.no_progress, format=args.format,
+            progress=not args.no_progress, format=args.format, allow_invalid_utf8=args.allow_invalid_utf8,
+            report=report,
         )
+        for path, count in report.items():
+            print(f"megapar-data: warning: {path}: {count:,} bytes of invalid UTF-8 replaced "
+                  f"with U+FFFD", file=sys.stderr)
     except (ValueError, FileNotFoundError) as e:
         print(f"megapar-data: error: {e}", file=sys.stderr)
         return 2

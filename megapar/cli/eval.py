@@ -129,7 +129,7 @@ def main(argv=None) -> int:
             return 2
         worker = _logits_worker
     elif args.data:
-        if not args.seq_len:
+        if args.seq_len is None:
             print("megapar-eval: error: --data needs --seq-len", file=sys.stderr)
             return 2
         worker = _loss_worker
@@ -137,20 +137,25 @@ def main(argv=None) -> int:
         print("megapar-eval: error: give --data PREFIX --seq-len N, or --input-ids IDS.npy "
               "--save-logits OUT.npy", file=sys.stderr)
         return 2
-    from megapar.checkpoint.format import CheckpointError, read_manifest, resolve_checkpoint
-    from megapar.mesh import Layout, LayoutError
-    from megapar.models.config import config_from_dict
+    from megapar.training.validate import UsageError, check_eval_args
 
-    try:  # a wrong --load or a layout the model cannot take: reported once, before any worker
-        manifest = read_manifest(resolve_checkpoint(args.load))
-        config_from_dict(manifest["model"]).validate(Layout(args.tp, args.pp, 1))
-    except (CheckpointError, LayoutError, OSError) as exc:
+    try:  # every argument and the checkpoint: reported once, before any worker starts
+        check_eval_args(args)
+    except (UsageError, OSError) as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)
         return 2
     try:
         results = run_workers(worker, args.tp * args.pp, args)
-    except (WorkerError, CheckpointError, ValueError, FileNotFoundError) as exc:
-        print(f"megapar-eval: error: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
+        import traceback
+
+        from megapar.training.failures import log_dir_for, worker_failure
+
+        text = str(exc) if isinstance(exc, WorkerError) else \
+            f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        line, log = worker_failure(text, log_dir_for(None, "~/.cache/megapar"), None)
+        print(f"megapar-eval: error: {line.replace('before training started', 'in evaluation')}"
+              + (f" (full traceback in {log})" if log else ""), file=sys.stderr)
         return 1
     if results and results[0] is not None:
         print(json.dumps(results[0]))

@@ -12,20 +12,34 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError, config_from_dict
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan, build_datasets, prepare_data
+from megapar.training.failures import log_dir_for, worker_failure
+from megapar.training.validate import (
+    UsageError, adapt_defaults, check_resumable, check_settings, checkpoint_manifest,
+    settings_from_checkpoint,
+)
 
 
-def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
-    """Validate the run and resolve its data and model; raises with a clear message."""
+def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, DataPlan]:
+    """Validate the run and resolve its data and model; raises with a clear message.
+    Settings the user did not give may adapt to the ones they gave (said in `notes`)."""
+    notes = [] if notes is None else notes
+    manifest = None
+    if cfg.load:  # the checkpoint, checked once; settings not given are the checkpoint's
+        manifest = checkpoint_manifest(cfg.load)
+        notes.extend(settings_from_checkpoint(cfg, manifest))
+    check_settings(cfg)
     if under_launcher():
         layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order)
     else:
         layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order)
+    notes.extend(adapt_defaults(cfg, layout.dp))
     per_step = cfg.micro_batch_size * layout.dp
     if cfg.micro_batch_size < 1 or cfg.global_batch_size % per_step:
         raise ValueError(f"global batch size {cfg.global_batch_size} is not divisible by "
@@ -48,7 +62,7 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
         from megapar.training.profiling import parse_steps
 
         parse_steps(cfg.profile_steps)
-    plan = prepare_data(cfg)
+    plan = prepare_data(cfg, notes, manifest)
     config = config_from_dict(plan.model_config)
     config.validate(layout)
     if cfg.sequence_parallel and config.model_type == "llama":
@@ -58,11 +72,13 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
         from megapar.pipeline.partition import chunk_specs
 
         chunk_specs(config.num_layers, layout.pp, 0, cfg.virtual_stages)  # enough layers?
-    train, _ = build_datasets(cfg, plan.prefix, config.model_type)
+    train, _ = build_datasets(cfg, plan.prefix, config.model_type, notes)
     if len(train) < cfg.global_batch_size:
         raise ValueError(f"the training split has {len(train)} samples of {cfg.seq_len} tokens, "
                          f"fewer than one global batch of {cfg.global_batch_size}; use more data, "
                          f"a shorter --seq-len or a smaller --global-batch-size")
+    if manifest is not None:
+        check_resumable(cfg, manifest, len(train))
     return layout, plan
 
 
@@ -73,19 +89,33 @@ def _worker(cfg: TrainConfig, plan: DataPlan):
 
 
 def main(argv=None) -> int:
-    cfg = parse_args(argv)
+    notes: list[str] = []
     try:
-        layout, plan = plan_run(cfg)
-    except (LayoutError, ConfigError, ValueError, FileNotFoundError) as exc:
+        cfg = parse_args(argv)
+        layout, plan = plan_run(cfg, notes)
+    except (UsageError, LayoutError, ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"megapar-train: error: {exc}", file=sys.stderr)
         return 2
     cfg.dp = layout.dp
-    if under_launcher() and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    if under_launcher() and rank != 0:
         cfg.progress = False
+    for note in notes if rank == 0 else []:
+        print(f"megapar-train: {note}", file=sys.stderr)
     try:
         run_workers(_worker, layout.world_size, cfg, plan, collective_timeout_s=cfg.timeout_s)
-    except WorkerError as exc:
-        print(f"megapar-train: error: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - one line here, the traceback in the rank's log
+        if isinstance(exc, WorkerError):
+            text, failed = str(exc), None
+        else:  # a rank run in this process (one worker, or under torchrun)
+            text, failed = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", rank
+        line, log = worker_failure(text, log_dir_for(cfg.save, cfg.data_cache), failed)
+        print(f"megapar-train: error: {line}", file=sys.stderr)
+        if cfg.debug:
+            print(text, file=sys.stderr)
+        elif log:
+            print(f"megapar-train: full traceback in {log} (or rerun with --debug)",
+                  file=sys.stderr)
         return 1
     return 0
 

@@ -126,6 +126,11 @@ class IndexedDatasetBuilder:
         os.replace(json_tmp, self.prefix + ".json")
         return self.prefix
 
+    @property
+    def num_docs(self) -> int:
+        """Documents added so far."""
+        return len(self._offsets) - 1
+
     def abort(self) -> None:
         """Close and delete the temporary files (nothing is renamed)."""
         self._bin.close()

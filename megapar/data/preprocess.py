@@ -14,7 +14,10 @@ Everything is streamed: documents are read, tokenized and written a batch at a t
 memory does not grow with the corpus (a ``.txt`` file that is one document, and a ``.json``
 array, are read whole).
 
-Whitespace-only documents are skipped.  Tokenization runs in a ``multiprocessing`` pool
+Whitespace-only documents are skipped; an input that yields no document at all is an error.
+Bytes that are not valid UTF-8 become U+FFFD and are counted: more than
+``MAX_INVALID_UTF8`` of a file's bytes (binary data, another encoding) is an error unless
+``allow_invalid_utf8`` (CLI ``--allow-invalid-utf8``); fewer are reported as a warning.  Tokenization runs in a ``multiprocessing`` pool
 when ``workers > 1``; documents are processed in order (``imap``), so the output is
 byte-identical whatever the number of workers.
 """
@@ -41,6 +44,27 @@ POOL_THRESHOLD_BYTES = 8 << 20
 _PARAGRAPH_SPLIT = re.compile(r"\n[ \t\r\f\v]*\n")
 #: File types taken from input directories.
 INPUT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+#: Largest share of a text file's bytes that may be invalid UTF-8 without --allow-invalid-utf8.
+MAX_INVALID_UTF8 = 0.001
+_ESCAPED = re.compile("[\udc80-\udcff]")
+
+
+def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None = None) -> str:
+    """A file's text; invalid UTF-8 bytes become U+FFFD and are counted into
+    ``report[path]``. Raises ValueError above ``MAX_INVALID_UTF8`` unless allowed."""
+    raw = open(path, "rb").read()
+    text = raw.decode("utf-8", errors="surrogateescape")
+    bad = len(_ESCAPED.findall(text))
+    if not bad:
+        return text
+    if bad > MAX_INVALID_UTF8 * len(raw) and not allow_invalid_utf8:
+        raise ValueError(
+            f"{path}: {bad:,} of {len(raw):,} bytes ({100 * bad / len(raw):.1f} %) are not valid "
+            f"UTF-8 (binary data or another encoding?); convert it to UTF-8 (e.g. iconv -f "
+            f"latin1 -t utf-8) or pass --allow-invalid-utf8 to replace them with U+FFFD")
+    if report is not None:
+        report[path] = bad
+    return _ESCAPED.sub("\ufffd", text)
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
@@ -64,8 +88,10 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
 
 
 def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
-                   jsonl_key: str = "text") -> Iterator[tuple[str, int]]:
-    """Yield ``(document_text, source_bytes)`` for every non-blank document of ``files``."""
+                   jsonl_key: str = "text", allow_invalid_utf8: bool = False,
+                   report: dict | None = None) -> Iterator[tuple[str, int]]:
+    """Yield ``(document_text, source_bytes)`` for every non-blank document of ``files``
+    (invalid UTF-8: see `read_text`)."""
     for path in files:
         if path.endswith(".parquet"):
             yield from _parquet_documents(path, jsonl_key)
@@ -88,8 +114,7 @@ def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
                     if isinstance(text, str) and text.strip():
                         yield text, len(line)
             continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            content = f.read()
+        content = read_text(path, allow_invalid_utf8, report)
         if not split_paragraphs:
             if content.strip():
                 yield content, os.path.getsize(path)
@@ -159,7 +184,8 @@ _WORKER_TOKENIZER: Tokenizer
 
 def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, workers: int | None = None,
                split_paragraphs: bool = False, jsonl_key: str = "text", progress: bool = True,
-               format: str = "megapar") -> str:
+               format: str = "megapar",
+               allow_invalid_utf8: bool = False, report: dict | None = None) -> str:
     """Tokenize ``inputs`` into ``output_prefix.{bin,idx,json}``; return the prefix.
 
     ``format="megatron"`` writes Megatron-LM's ``MMIDIDX`` index instead of megapar's.
@@ -174,7 +200,9 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
         workers = min(8, os.cpu_count() or 1) if total > POOL_THRESHOLD_BYTES else 1
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    batches = _batched(iter_documents(files, split_paragraphs, jsonl_key), BATCH_DOCS)
+    report = {} if report is None else report  # path -> invalid UTF-8 bytes replaced
+    batches = _batched(iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8,
+                                      report), BATCH_DOCS)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
     with IndexedDatasetBuilder(output_prefix, tok.vocab_size, tok.eod_id, tok.spec(),
                                format) as builder:
@@ -188,6 +216,9 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
                          tok.bos_id)
         bar.n = total
         bar.close()
+        if builder.num_docs == 0:
+            raise ValueError(f"no text in {', '.join(files)}: every input is empty or "
+                             f"whitespace; nothing written")
         return builder.finalize()
 
 
@@ -262,7 +293,8 @@ def file_sha256(path: str) -> str:
 
 
 def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
-                   split_paragraphs: bool = True, progress: bool = False) -> str:
+                   split_paragraphs: bool = True, progress: bool = False,
+                   allow_invalid_utf8: bool = False, report: dict | None = None) -> str:
     """Preprocess a raw text file into ``cache_dir`` once; return the dataset prefix.
 
     The cache key is the SHA-256 of the file's content, the tokenizer (kind, vocab size
@@ -271,8 +303,9 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     paragraph is a document, so a single file can still be split into train/val by
     documents.  Writes are atomic: concurrent callers (e.g. several ranks) are safe.
     """
-    if not os.path.isfile(text_path):
+    if not os.path.exists(text_path):
         raise FileNotFoundError(f"training text {text_path} does not exist; pass an existing .txt file")
+    files = expand_inputs([text_path])  # a directory: its .txt / .jsonl files
     tok = load_tokenizer(tokenizer_spec)
     if tok.kind == "sentencepiece":
         tok_files = [tok.path]
@@ -286,7 +319,7 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     else:
         tok_files = [os.path.join(tok.path, "vocab.json"), os.path.join(tok.path, "merges.txt")]
     key = json.dumps({
-        "text": file_sha256(text_path),
+        "text": [file_sha256(p) for p in files] if os.path.isdir(text_path) else file_sha256(text_path),
         "tokenizer": [tok.kind, tok.vocab_size] + [file_sha256(p) for p in tok_files],
         "split_paragraphs": split_paragraphs,
         "format": 1,
@@ -297,4 +330,5 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     if all(os.path.isfile(prefix + ext) for ext in (".bin", ".idx", ".json")):
         return prefix
     return preprocess_files([text_path], prefix, tokenizer_spec, workers=1,
-                      split_paragraphs=split_paragraphs, progress=progress)
+                      split_paragraphs=split_paragraphs, progress=progress,
+                      allow_invalid_utf8=allow_invalid_utf8, report=report)

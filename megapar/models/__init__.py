@@ -4,7 +4,7 @@ Models never import the pipeline or CLI."""
 
 from megapar.models.bert import Bert
 from megapar.models.config import (
-    BertConfig, ConfigError, GPT2Config, config_from_dict, config_from_hf, load_config_file,
+    BertConfig, ConfigError, GPT2Config, config_from_dict, config_from_hf, config_from_file, load_config_file,
 )
 from megapar.models.config import LlamaConfig
 from megapar.models.gpt2 import GPT2
@@ -21,5 +21,5 @@ def build_model(config, mesh, layers=None, pre_process=True, post_process=True, 
 
 
 __all__ = ["GPT2", "Bert", "GPT2Config", "BertConfig", "ConfigError", "config_from_dict",
-           "config_from_hf", "load_config_file", "build_model", "set_recompute", "MODEL_CLASSES",
-           "Llama", "LlamaConfig"]
+           "config_from_hf", "config_from_file", "load_config_file", "build_model", "set_recompute",
+           "MODEL_CLASSES", "Llama", "LlamaConfig"]

@@ -8,6 +8,7 @@ that the model can be split the way the user asked.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +37,43 @@ class _Base:
 
     @classmethod
     def from_dict(cls, d: dict):
+        """The config from a dict; an unknown key, or a transformers setting megapar does not
+        implement set to anything but its default, is an error (never silently dropped)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        known = {k: v for k, v in d.items() if k in names}
-        return cls(**known)
+        supported = HF_SUPPORTED_DEFAULTS[cls.model_type]
+        for key, value in d.items():
+            if key in names or key == "model_type" or key in HF_METADATA_KEYS or \
+                    key.startswith("summary_"):
+                continue
+            if key in supported:
+                if value != supported[key]:
+                    raise ConfigError(
+                        f"model config: {key}={value!r} is a transformers {cls.hf_config_class} "
+                        f"setting megapar does not implement (only {key}={supported[key]!r}); "
+                        f"remove it or use a model without it")
+                continue
+            close = difflib.get_close_matches(key, sorted(names | set(supported)), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else \
+                f"valid keys: {', '.join(sorted(names))}"
+            raise ConfigError(f"model config: unknown key {key!r} for {cls.model_type}; {hint}")
+        config = cls(**{k: v for k, v in d.items() if k in names})
+        config.check_sizes()
+        return config
+
+    def check_sizes(self) -> None:
+        """Every size and count is a whole number >= 1 (dropouts in [0, 1))."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.type == "int | None":
+                continue
+            if f.type in ("int", "int | None") and (
+                    not isinstance(value, int) or isinstance(value, bool)
+                    or value < (0 if f.name == "pad_token_id" else 1)):
+                raise ConfigError(f"model config: {f.name}={value!r} must be a whole number "
+                                  f">= {0 if f.name == 'pad_token_id' else 1}")
+            if f.name.endswith(("pdrop", "dropout_prob")) and not (
+                    isinstance(value, (int, float)) and 0 <= value < 1):
+                raise ConfigError(f"model config: {f.name}={value!r} must be in [0, 1)")
 
     def _check(self, layout: Layout, hidden: int, heads: int, ffn: int, layers: int) -> None:
         if hidden % heads:
@@ -275,6 +310,30 @@ CAUSAL_LM_TYPES = ("gpt2", "llama")
 
 CONFIG_CLASSES = {"gpt2": GPT2Config, "bert": BertConfig, "llama": LlamaConfig}
 
+HF_SUPPORTED_DEFAULTS = {
+    "gpt2": {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+             "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
+             "add_cross_attention": False, "is_encoder_decoder": False, "is_decoder": False,
+             "chunk_size_feed_forward": 0, "pruned_heads": {}},
+    "bert": {"position_embedding_type": "absolute", "tie_word_embeddings": True,
+             "add_cross_attention": False, "is_encoder_decoder": False, "is_decoder": False,
+             "chunk_size_feed_forward": 0, "pruned_heads": {}},
+}
+"""transformers settings megapar does not implement, with the one value it does (their
+transformers default): a config.json may carry them at that value, never another."""
+
+HF_METADATA_KEYS = {
+    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype",
+    "task_specific_params", "n_ctx", "id2label", "label2id", "num_labels", "problem_type",
+    "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id", "use_cache",
+    "return_dict", "output_attentions", "output_hidden_states", "torchscript",
+    "gradient_checkpointing", "classifier_dropout", "tokenizer_class", "finetuning_task",
+    "prefix", "tie_encoder_decoder", "cross_attention_hidden_size",
+} | {"pad_token_id"}
+"""transformers config keys that do not change the network megapar builds (metadata, token ids
+for generation, heads other than the LM / MLM one); ignored when read. BERT's pad_token_id is
+a megapar field and read as such."""
+
 
 def config_from_dict(d: dict):
     """A model config from a dict with a "model_type" key ("gpt2", "bert" or "llama")."""
@@ -289,14 +348,45 @@ def config_from_hf(hf_config):
     return config_from_dict(hf_config.to_dict())
 
 
-def load_config_file(path: str | Path):
-    """A model config from a JSON or YAML file (megapar recipe or transformers config.json)."""
-    path = Path(path)
-    text = path.read_text()
+def load_config_file(path: str | Path) -> dict:
+    """The mapping in a JSON or YAML file (a model config, a transformers config.json or a
+    megapar-train --config), with one clear ConfigError for a missing file, bad syntax or a
+    file that is not a mapping. The one reader of config files in megapar."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (IsADirectoryError, UnicodeDecodeError, OSError) as exc:
+        raise ConfigError(f"{path}: cannot be read as a config file ({exc})") from None
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where is not None else ""
+            raise ConfigError(f"{path}: not valid YAML{at}: "
+                              f"{getattr(exc, 'problem', None) or exc}") from None
     else:
-        data = json.loads(text)
-    return config_from_dict(data)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: "
+                              f"{exc.msg}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of names to values, got a "
+                          f"{type(data).__name__}")
+    return data
+
+
+def config_from_file(path: str | Path):
+    """A model config from a JSON or YAML file (megapar recipe or transformers config.json)."""
+    try:
+        return config_from_dict(load_config_file(path))
+    except ConfigError as exc:
+        text = str(exc)
+        raise ConfigError(text if text.startswith(str(path)) else f"{path}: {text}") from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from megapar.models.config import ConfigError, load_config_file
+from megapar.models.config import ConfigError, config_from_file
 
 
 def recipe_dirs() -> list[Path]:
@@ -31,10 +31,10 @@ def resolve_model(name_or_path: str):
             raise ConfigError(f"model config file {path} not found")
         if path.is_dir():
             path = path / "config.json"
-        return load_config_file(path)
+        return config_from_file(path)
     for d in recipe_dirs():
         candidate = d / f"{name_or_path}.json"
         if candidate.exists():
-            return load_config_file(candidate)
+            return config_from_file(candidate)
     raise ConfigError(f"unknown model {name_or_path!r}; known recipes: "
                       f"{', '.join(list_recipes())} (or pass a JSON/YAML config file)")

@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
-import json
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 
@@ -119,6 +118,8 @@ class TrainConfig:
     """Timeout of every collective / point-to-point wait, in seconds."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    debug: bool = False
+    """Print a failing worker's full traceback on the terminal (it is always in the per-rank log)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -169,50 +170,46 @@ def _type_of(f) -> Any:
 
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Train a GPT-2, BERT or Llama with tensor, pipeline and data parallelism.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        prog=prog, description="Train a GPT-2, BERT or Llama with tensor, pipeline and data parallelism.")
     parser.add_argument("--config", help="JSON or YAML file whose keys are these flags' names "
                         "(command-line flags override it)")
     docs, choices = field_docs(), _choices()
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = _type_of(f)
+        default = "" if f.default is None else f" (default: {f.default})"
         if kind == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=docs.get(f.name, ""))
+                                help=docs.get(f.name, "") + default)
         else:
             parser.add_argument(flag, type=kind, default=None, choices=choices.get(f.name),
-                                help=f"{docs.get(f.name, '')} (default: {f.default})",
-                                **({"nargs": "+"} if f.name in MULTI_VALUE else {}))
+                               help=docs.get(f.name, "") + default,
+                               **({"nargs": "+"} if f.name in MULTI_VALUE else {}))
     return parser
 
 
-def load_config_file(path: str) -> dict[str, Any]:
-    text = Path(path).read_text()
-    data = _yaml(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
+def read_run_config(path: str) -> dict[str, Any]:
+    """The settings of a `--config` file, keys checked against the flags' names."""
+    from megapar.models.config import ConfigError, load_config_file
+
     known = {f.name for f in fields(TrainConfig)}
-    data = {k.replace("-", "_"): v for k, v in (data or {}).items()}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{path}: unknown settings {unknown}; valid names are the megapar-train "
-                         f"flags, e.g. {sorted(known)[:6]}")
+    data = {str(k).replace("-", "_"): v for k, v in load_config_file(path).items()}
+    for key in sorted(set(data) - known):
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "valid keys are the megapar-train flags"
+        raise ConfigError(f"{path}: unknown setting {key!r}; {hint}")
     return data
-
-
-def _yaml(text: str):
-    import yaml
-
-    return yaml.safe_load(text)
 
 
 def parse_args(argv=None) -> TrainConfig:
     args = build_parser().parse_args(argv)
-    values: dict[str, Any] = load_config_file(args.config) if args.config else {}
+    values: dict[str, Any] = read_run_config(args.config) if args.config else {}
     for f in fields(TrainConfig):
         given = getattr(args, f.name)
         if isinstance(given, list) and len(given) == 1:
             given = given[0]
         if given is not None:
             values[f.name] = given
-    return TrainConfig(**values)
+    cfg = TrainConfig(**values)
+    cfg.explicit = frozenset(values)  # what the user set; the rest may adapt (validate.py)
+    return cfg

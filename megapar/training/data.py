@@ -15,7 +15,7 @@ import torch
 
 from megapar.data import (
     GlobalBatchSampler, GPTDataset, IndexedDataset, MLMDataset, asset_path, collate,
-    ensure_dataset, load_tokenizer, split_documents,
+    ensure_dataset, load_tokenizer,
 )
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError
 from megapar.training.config import TrainConfig
@@ -34,7 +34,7 @@ class DataPlan:
     """The model config (a dict with model_type), vocab size matched to the tokenizer."""
 
 
-def resolve_data_prefix(cfg: TrainConfig) -> str:
+def resolve_data_prefix(cfg: TrainConfig, notes: list[str] | None = None) -> str:
     """The dataset prefix for --data: tokenizing raw text (or the shipped sample) if needed.
 
     For a blend, every part is resolved and checked to share one tokenizer; the first
@@ -43,8 +43,9 @@ def resolve_data_prefix(cfg: TrainConfig) -> str:
 
     blend = parse_blend(cfg.data) if cfg.data is not None else None
     if blend is None:
-        return _resolve_one(cfg, cfg.data if not isinstance(cfg.data, list) else cfg.data[0])
-    prefixes = [_resolve_one(cfg, p) for _, p in blend]
+        data = cfg.data if not isinstance(cfg.data, list) else cfg.data[0]
+        return _resolve_one(cfg, data, notes)
+    prefixes = [_resolve_one(cfg, p, notes) for _, p in blend]
     first = IndexedDataset(prefixes[0], cfg.tokenizer)
     for prefix in prefixes[1:]:
         other = IndexedDataset(prefix, cfg.tokenizer)
@@ -56,16 +57,21 @@ def resolve_data_prefix(cfg: TrainConfig) -> str:
     return prefixes[0]
 
 
-def _resolve_one(cfg: TrainConfig, data: str | None) -> str:
+def _resolve_one(cfg: TrainConfig, data: str | None, notes: list[str] | None = None) -> str:
     if data is None:
         data = asset_path(DEFAULT_TEXT)
     data = os.path.expanduser(data)
-    if data.endswith((".txt", ".text", ".md")) or (os.path.isfile(data) and
-                                                    not os.path.exists(data + ".bin")):
-        if not os.path.isfile(data):
+    if data.endswith((".txt", ".text", ".md")) or os.path.isdir(data) or (
+            os.path.isfile(data) and not os.path.exists(data + ".bin")):
+        if not os.path.exists(data):
             raise FileNotFoundError(f"--data {data}: no such text file")
-        return ensure_dataset(data, cfg.tokenizer, os.path.expanduser(cfg.data_cache),
-                              split_paragraphs=True, progress=cfg.progress)
+        report: dict = {}  # invalid UTF-8 bytes replaced, per file (above 0.1 %: an error)
+        prefix = ensure_dataset(data, cfg.tokenizer, os.path.expanduser(cfg.data_cache),
+                                split_paragraphs=True, progress=cfg.progress, report=report)
+        if notes is not None:
+            notes.extend(f"warning: {path}: {n:,} bytes of invalid UTF-8 replaced with U+FFFD"
+                         for path, n in report.items())
+        return prefix
     needed = (".bin", ".idx") if _is_megatron(data) else (".bin", ".idx", ".json")
     missing = [data + ext for ext in needed if not os.path.exists(data + ext)]
     if missing:
@@ -83,12 +89,16 @@ def _is_megatron(prefix: str) -> bool:
 
 
 def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
-                         gpt_vocab_size: int | None = None):
-    """The model config for --model / --from-hf, checked against the tokenizer and seq-len.
+                         gpt_vocab_size: int | None = None, manifest: dict | None = None,
+                         notes: list[str] | None = None):
+    """The model config for --load / --model / --from-hf, checked against the tokenizer and
+    seq-len.
 
     vocab_size is the tokenizer's, special tokens appended for BERT included; gpt_vocab_size
     the ids GPT data can contain (base vocabulary and end-of-document), so the real GPT-2
     (50257) trains on GPT-2-tokenized data although the tokenizer appends [MASK] and friends.
+    With --load (`manifest` given) the model is the checkpoint's; a --model or --from-hf given
+    as well must describe the same model.
     """
     from megapar.models.recipes import resolve_model
 
@@ -96,20 +106,27 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
         causal = config.model_type in CAUSAL_LM_TYPES
         return gpt_vocab_size if causal and gpt_vocab_size else vocab_size
 
+    given_from = ""
     if cfg.from_hf:
         from megapar.checkpoint.hf import HFReader
 
-        config = HFReader(cfg.from_hf).config
-        if config.vocab_size < needed(config):
+        config, given_from = HFReader(cfg.from_hf).config, f"--from-hf {cfg.from_hf}"
+        if config.vocab_size < needed(config) and manifest is None:
             raise ConfigError(
                 f"tokenizer {tokenizer_name} needs {needed(config)} token ids but the model from "
                 f"{cfg.from_hf} has a vocabulary of {config.vocab_size}; use the model's own "
                 f"tokenizer (--tokenizer) or data tokenized with it")
     elif cfg.model and os.path.exists(os.path.expanduser(cfg.model)):
-        config = resolve_model(os.path.expanduser(cfg.model))
-        if "vocab_size" not in _raw_keys(os.path.expanduser(cfg.model)):
+        from megapar.models.config import load_config_file
+
+        path = os.path.expanduser(cfg.model)
+        config, given_from = resolve_model(path), f"--model {cfg.model}"
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if "vocab_size" not in load_config_file(path):
             config.vocab_size = vocab_size  # a config without a vocabulary takes the tokenizer's
-        elif config.vocab_size < needed(config):
+            given_from = "recipe"
+        elif config.vocab_size < needed(config) and manifest is None:
             raise ConfigError(
                 f"the model config {cfg.model} has vocab_size {config.vocab_size} but the data's "
                 f"tokenizer {tokenizer_name} needs {needed(config)} token ids; make them match "
@@ -117,47 +134,102 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
     else:
         config = resolve_model(cfg.model or DEFAULT_MODEL)
         config.vocab_size = vocab_size  # recipes take the tokenizer's vocabulary
+        given_from = "recipe"
+    if manifest is not None:
+        from megapar.training.validate import model_from_checkpoint
+
+        given = config if (cfg.model or cfg.from_hf) else None
+        config = model_from_checkpoint(cfg, manifest, given, given_from)
+        if config.vocab_size < needed(config):
+            raise ConfigError(
+                f"--load {cfg.load} holds a model with a vocabulary of {config.vocab_size} but the "
+                f"data's tokenizer {tokenizer_name} needs {needed(config)} token ids; use data "
+                f"tokenized with the checkpoint's tokenizer")
     max_len = getattr(config, "n_positions", None) or config.max_position_embeddings
     if cfg.seq_len > max_len:
-        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of {max_len} "
-                          f"positions; lower --seq-len")
+        from megapar.training.validate import explicit
+
+        if "seq_len" in explicit(cfg):
+            raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of "
+                              f"{max_len} positions; lower --seq-len")
+        if notes is not None:
+            notes.append(f"--seq-len not given: using the model's {max_len} positions instead "
+                         f"of the default {cfg.seq_len}")
+        cfg.seq_len = max_len
     return config
 
 
-def _raw_keys(path: str) -> set:
-    from pathlib import Path
+def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
+                 manifest: dict | None = None) -> DataPlan:
+    if cfg.load and manifest is None:  # checked (every file) before tokenizing anything
+        from megapar.training.validate import checkpoint_manifest
 
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        return set(yaml.safe_load(text) or {})
-    import json
-
-    return set(json.loads(text))
-
-
-def prepare_data(cfg: TrainConfig) -> DataPlan:
-    prefix = resolve_data_prefix(cfg)
+        manifest = checkpoint_manifest(cfg.load)
+    prefix = resolve_data_prefix(cfg, notes)
     indexed = IndexedDataset(prefix, cfg.tokenizer)
     tokenizer = load_tokenizer(indexed.tokenizer_spec)
     gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
-    config = resolve_model_config(cfg, indexed.vocab_size, str(tokenizer.path), gpt_vocab)
+    config = resolve_model_config(cfg, indexed.vocab_size, str(tokenizer.path), gpt_vocab,
+                                  manifest, notes)
     return DataPlan(prefix=prefix, model_config=config.to_dict())
 
 
-def build_datasets(cfg: TrainConfig, prefix: str, model_type: str):
+def _samples(lengths, seq_len: int, model_type: str):
+    """Running count of samples the first k documents (token counts `lengths`) hold: GPT
+    windows of a concatenated stream, or MLM chunks of up to seq_len - 3 tokens per document."""
+    import numpy as np
+
+    if model_type in CAUSAL_LM_TYPES:
+        return np.maximum(np.cumsum(lengths) - 1, 0) // seq_len
+    body, most = np.maximum(lengths - 1, 0), max(1, seq_len - 3)
+    return np.cumsum(body // most + (body % most >= 2))
+
+
+def split_for_training(cfg: TrainConfig, indexed, model_type: str):
+    """(train_docs, val_docs, note) for a run; val_docs None means no validation.
+
+    The validation split is `--val-fraction` of the documents, in the order of a seeded
+    permutation, extended with further documents until it holds one global batch (so it can be
+    evaluated). If that would take more than half the data, or leave the training split short
+    of one global batch, the run trains without validation, and `note` says so. A validation
+    split never stops a run."""
+    import numpy as np
+
+    if cfg.val_fraction <= 0:
+        return None, None, None
+    n = indexed.num_docs
+    if n < 2:
+        return None, None, (f"no validation split: the data is one document; train on several "
+                            f"(paragraphs separated by blank lines, or megapar-data --split-lines)"
+                            f" or pass --val-fraction 0")
+    perm = np.random.default_rng(cfg.seed).permutation(n)
+    lengths = np.diff(indexed.doc_offsets)[perm].astype(np.int64)
+    counts = _samples(lengths, cfg.seq_len, model_type)
+    rest = _samples(lengths[::-1], cfg.seq_len, model_type)[::-1]  # samples in perm[k:]
+    want = max(1, int(round(n * cfg.val_fraction)))
+    k = max(want, int(np.searchsorted(counts, cfg.global_batch_size)) + 1)
+    if k >= n or k > max(want, n // 2) or rest[k] < cfg.global_batch_size:
+        return None, None, (f"no validation split: the data is too small for a validation "
+                            f"batch of {cfg.global_batch_size} x {cfg.seq_len} tokens besides "
+                            f"training; training without validation (use more data, a shorter "
+                            f"--seq-len or a smaller --global-batch-size to get one)")
+    note = None
+    if k > want:
+        note = (f"validation split: {k} documents ({int(lengths[:k].sum())} tokens) instead of "
+                f"{want}, so it holds one global batch")
+    return np.sort(perm[k:]).astype(np.int64), np.sort(perm[:k]).astype(np.int64), note
+
+
+def build_datasets(cfg: TrainConfig, prefix: str, model_type: str,
+                   notes: list[str] | None = None):
     """(train, val) datasets: GPT windows or BERT MLM samples, split by documents; for a
     blended --data, each part is split and the parts are blended by weight."""
     from megapar.data.blended import BlendedDataset, parse_blend
 
     blend = parse_blend(cfg.data) if cfg.data is not None else None
     if blend is None:
-        return _build_one(cfg, prefix, model_type)
-    parts = [_build_one(cfg, _resolve_one(cfg, p), model_type) for _, p in blend]
+        return _build_one(cfg, prefix, model_type, notes)
+    parts = [_build_one(cfg, _resolve_one(cfg, p), model_type, notes) for _, p in blend]
     weights, names = [w for w, _ in blend], [p for _, p in blend]
     train = BlendedDataset([t for t, _ in parts], weights, names, cfg.seed)
     val = None
@@ -166,12 +238,11 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str):
     return train, val
 
 
-def _build_one(cfg: TrainConfig, prefix: str, model_type: str):
+def _build_one(cfg: TrainConfig, prefix: str, model_type: str, notes: list[str] | None = None):
     indexed = IndexedDataset(prefix, cfg.tokenizer)
-    if cfg.val_fraction > 0 and indexed.num_docs > 1:
-        train_docs, val_docs = split_documents(indexed.num_docs, cfg.val_fraction, cfg.seed)
-    else:
-        train_docs, val_docs = None, None
+    train_docs, val_docs, note = split_for_training(cfg, indexed, model_type)
+    if note and notes is not None:
+        notes.append(note)
     if model_type in CAUSAL_LM_TYPES:
         make = lambda docs: GPTDataset(indexed, cfg.seq_len, doc_range=docs)  # noqa: E731
     else:

@@ -30,6 +30,27 @@ def peak_memory_mb(device: torch.device) -> float:
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 
 
+def wandb_mode(timeout_s: float = 2.0) -> tuple[str, str]:
+    """(mode, reason): WANDB_MODE when set; else online when the W&B server answers and
+    credentials exist (WANDB_API_KEY or ~/.netrc), offline otherwise (sync later with
+    `wandb sync`)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"], "WANDB_MODE"
+    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    host, port = url.hostname or "api.wandb.ai", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError:
+        return "offline", f"{host} unreachable; sync later with `wandb sync`"
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    if os.environ.get("WANDB_API_KEY") or (netrc.exists() and host in netrc.read_text()):
+        return "online", f"{host} reachable"
+    return "offline", "no W&B credentials (wandb login); sync later with `wandb sync`"
+
+
 class NullLogger:
     def log(self, step: int, metrics: dict) -> None: ...
     def message(self, text: str) -> None: ...
@@ -60,8 +81,9 @@ class MetricsLogger(NullLogger):
         if cfg.wandb_project:
             import wandb
 
-            os.environ.setdefault("WANDB_MODE", "offline")
-            self.wandb = wandb.init(project=cfg.wandb_project, config=run_config)
+            mode, why = wandb_mode()
+            self.message(f"W&B: {mode} ({why})")
+            self.wandb = wandb.init(project=cfg.wandb_project, config=run_config, mode=mode)
 
     def message(self, text: str) -> None:
         if self.bar is not None:

@@ -134,8 +134,10 @@ class Trainer:
         data = batches(self.train_ds, self.sampler, mesh.device)
         tokens_per_step = cfg.global_batch_size * cfg.seq_len
         profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, mesh.rank, mesh.device)
+        at = self.step + 1  # the step being run (or saved), for the failure message
         try:
             while self.step < cfg.max_steps:
+                at = self.step + 1
                 start = time.perf_counter()
                 micro_batches = next(data)
                 profiler.before_step(self.step + 1)
@@ -169,12 +171,13 @@ class Trainer:
                 if cfg.save and cfg.save_interval and self.step % cfg.save_interval == 0 \
                         and self.step < cfg.max_steps:
                     logger.message(f"saved {self.save()}")
+            at = self.step
             if cfg.save:
                 logger.message(f"saved {self.save()}")
         except Exception as exc:
             raise TrainingError(f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
                                 f"pp={mesh.pp_rank} dp={mesh.dp_rank}) failed at step "
-                                f"{self.step + 1}: {type(exc).__name__}: {exc}") from exc
+                                f"{at}: {type(exc).__name__}: {exc}") from exc
         finally:
             logger.close()
         return history

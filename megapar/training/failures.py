@@ -1,0 +1,53 @@
+"""An unexpected error in a running worker: one line for the terminal, the traceback in a file.
+
+`worker_failure(text, log_dir, rank)` turns a failure (a launcher WorkerError message, or the
+traceback of a rank run in this process) into one line naming the rank and the step, and writes
+the full text to `log_dir/rank{R}.log`; `log_dir_for` says where those logs go.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+_RANK = re.compile(r"^rank (\d+) failed: ")
+_DIED = re.compile(r"^rank (\d+) ")
+_STEP = re.compile(r"^TrainingError: rank \d+ \([^)]*\) failed at step (\d+): ")
+
+
+def log_dir_for(save: str | None, cache: str) -> Path:
+    """Where per-rank logs go: SAVE/logs with --save, else CACHE/logs/run-<time>-<pid>."""
+    if save:
+        return Path(os.path.expanduser(save)) / "logs"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(os.path.expanduser(cache)) / "logs" / f"run-{stamp}-{os.getpid()}"
+
+
+def worker_failure(text: str, log_dir: Path, rank: int | None = None) -> tuple[str, str | None]:
+    """(one line naming the rank and the step, the log file with the full text) of a failure.
+
+    `text` is a WorkerError message ("rank R failed: Type: message\\nTraceback ...") or, for a
+    rank run in this process, "Type: message\\nTraceback ..." with `rank` given."""
+    first, _, _ = text.partition("\n")
+    m = _RANK.match(first)
+    if m:
+        rank, first = int(m.group(1)), first[m.end():]
+    elif _DIED.match(first):  # "rank R died with exit code C": no traceback to show
+        rank = int(_DIED.match(first).group(1))
+    rank = 0 if rank is None else rank
+    s = _STEP.match(first)
+    if s:
+        where, first = f"at step {s.group(1)}", first[s.end():]
+    else:
+        where = "before training started"
+    line = f"rank {rank} failed {where}: {first}" if not _DIED.match(first) else first
+    path = None
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        path = log_dir / f"rank{rank}.log"
+        path.write_text(text if text.endswith("\n") else text + "\n")
+    except OSError:
+        path = None
+    return line, (str(path) if path else None)

@@ -1,0 +1,299 @@
+"""Everything about a run that can be checked before a worker starts, checked in one place.
+
+The CLI entry points call these in the launching process, so a mistake costs one line and
+exit code 2 instead of N tracebacks after the workers started:
+
+- `check_settings(cfg)`: every numeric flag of `megapar-train` (ranges, NaN / inf).
+- `adapt_defaults(cfg, dp)`: values the user did not set give way to the ones they did
+  (warmup vs --max-steps, global vs micro-batch size); returns notes saying what changed.
+- `checkpoint_manifest(path)`: a --load checkpoint exists, is complete and intact (sizes and
+  sha256 of every file), read once here.
+- `settings_from_checkpoint` / `check_resumable`: `--load CKPT` alone resumes its run; a
+  setting that breaks the checkpoint's data order is reported.
+- `check_eval_args` / `check_bubble_args`: the same for megapar-eval and megapar-bubble.
+
+Unexpected errors in running workers are failures.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+
+class UsageError(ValueError):
+    """A bad input: the message names the problem and the fix (exit code 2)."""
+
+
+# --- megapar-train ---------------------------------------------------------------------------
+# (field, kind, lowest allowed, lowest is allowed itself): kind "int" or "float" (finite).
+_RULES = [
+    ("tp", "int", 1, True), ("pp", "int", 1, True), ("dp", "int", 1, True),
+    ("seq_len", "int", 1, True), ("micro_batch_size", "int", 1, True),
+    ("global_batch_size", "int", 1, True), ("max_steps", "int", 1, True),
+    ("warmup_steps", "int", 0, True), ("eval_interval", "int", 0, True),
+    ("eval_steps", "int", 1, True), ("save_interval", "int", 0, True),
+    ("log_interval", "int", 1, True), ("seed", "int", 0, True),
+    ("lr", "float", 0.0, False), ("min_lr", "float", 0.0, True),
+    ("weight_decay", "float", 0.0, True), ("clip_grad", "float", 0.0, True),
+    ("peak_tflops", "float", 0.0, False), ("timeout_s", "float", 0.0, False),
+    ("val_fraction", "float", 0.0, True),
+]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _default(cfg, name: str):
+    return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+
+
+def check_settings(cfg) -> None:
+    """Raise UsageError for the first setting out of range (NaN and inf included)."""
+    for name, kind, low, inclusive in _RULES:
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        bound = f">= {low}" if inclusive else f"> {low}"
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind == "int":
+            ok = ok and math.isfinite(value) and float(value).is_integer()
+            if ok:
+                value = int(value)  # 32.0 from a --config file is 32
+                setattr(cfg, name, value)
+        else:
+            ok = ok and math.isfinite(value)
+        if ok:
+            ok = value >= low if inclusive else value > low
+        if not ok:
+            what = "a whole number" if kind == "int" else "a finite number"
+            default = _default(cfg, name)
+            hint = f" (the default is {default})" if default is not None else ""
+            raise UsageError(f"{_flag(name)} {value} is invalid: it must be {what} {bound}{hint}")
+    from megapar.training.config import _choices
+
+    for name, allowed in _choices().items():
+        if getattr(cfg, name) not in allowed:
+            raise UsageError(f"{_flag(name)} {getattr(cfg, name)!r} is invalid: choose one of "
+                             f"{', '.join(map(str, allowed))}")
+    if cfg.val_fraction >= 1:
+        raise UsageError(f"--val-fraction {cfg.val_fraction} is invalid: it is the share of "
+                         f"documents held out, in [0, 1) (e.g. 0.05; 0 disables validation)")
+    if cfg.min_lr > cfg.lr:
+        raise UsageError(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr "
+                         f"or raise --lr")
+
+
+def explicit(cfg) -> set[str]:
+    """The settings the user gave (flags or --config keys); without that record (a config
+    built in code), the ones that differ from their defaults."""
+    given = getattr(cfg, "explicit", None)
+    if given is not None:
+        return set(given)
+    return {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != f.default}
+
+
+def adapt_defaults(cfg, dp: int) -> list[str]:
+    """Let settings the user did not give adapt to the ones they gave; returns notes.
+
+    Only settings the user gave are checked against each other (by the caller, afterwards)."""
+    given, notes = explicit(cfg), []
+    if "warmup_steps" not in given:
+        warmup = min(cfg.warmup_steps, cfg.max_steps // 10)
+        if warmup != cfg.warmup_steps:
+            notes.append(f"--warmup-steps not given: using {warmup} (10 % of --max-steps "
+                         f"{cfg.max_steps}) instead of the default {cfg.warmup_steps}")
+            cfg.warmup_steps = warmup
+    per_step = cfg.micro_batch_size * dp
+    if cfg.global_batch_size % per_step:
+        if "global_batch_size" not in given:
+            gbs = max(1, round(cfg.global_batch_size / per_step)) * per_step
+            notes.append(f"--global-batch-size not given: using {gbs} (a multiple of "
+                         f"micro-batch size {cfg.micro_batch_size} x dp {dp}) instead of the "
+                         f"default {cfg.global_batch_size}")
+            cfg.global_batch_size = gbs
+        elif "micro_batch_size" not in given and cfg.global_batch_size % dp == 0:
+            per_rank = cfg.global_batch_size // dp
+            mbs = max(d for d in range(1, cfg.micro_batch_size + 1) if per_rank % d == 0)
+            notes.append(f"--micro-batch-size not given: using {mbs} (divides --global-batch-"
+                         f"size {cfg.global_batch_size} / dp {dp}) instead of the default "
+                         f"{cfg.micro_batch_size}")
+            cfg.micro_batch_size = mbs
+    return notes
+
+
+def checkpoint_manifest(path: str) -> dict:
+    """The manifest of a --load checkpoint after checking every file it lists (size, sha256)."""
+    from megapar.checkpoint.format import CheckpointError, verify
+
+    if not os.path.exists(os.path.expanduser(path)):
+        raise UsageError(f"--load {path}: no such checkpoint directory; pass a directory written by --save "
+                         f"(or one of its step_* directories)")
+    try:
+        return verify(os.path.expanduser(path))
+    except (CheckpointError, KeyError, OSError) as exc:
+        raise UsageError(f"--load {path}: {exc}") from None
+
+
+NOT_INHERITED = {"tp", "pp", "dp", "model", "from_hf", "load", "save", "data_cache", "log_json",
+                 "tensorboard", "wandb_project", "progress", "debug", "timeout_s", "peak_tflops"}
+"""Settings a --load run never takes from the checkpoint's saved train_config."""
+
+
+def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
+    """With --load, settings the user did not give are the checkpoint's (data, batch, seq-len,
+    schedule of the learning rate, --max-steps, ...), so `--load CKPT` alone resumes the run it
+    came from; layout and output flags are never taken. Returns a note listing what was taken."""
+    saved = (manifest.get("meta") or {}).get("train_config") or {}
+    given, taken = explicit(cfg), []
+    for f in dataclasses.fields(cfg):
+        name = f.name
+        if name in NOT_INHERITED or name in given or name not in saved:
+            continue
+        value = saved[name]
+        if name == "data" and value is not None and not os.path.exists(os.path.expanduser(value)):
+            continue  # moved since: the sampler check names the difference if it matters
+        if value != getattr(cfg, name):
+            setattr(cfg, name, value)
+            taken.append(f"{_flag(name)} {value}")
+        given.add(name)
+    cfg.explicit = frozenset(given)
+    return [f"from the checkpoint (not given): {', '.join(taken)}"] if taken else []
+
+
+def check_resumable(cfg, manifest: dict, train_len: int) -> None:
+    """The checkpoint's data order can continue: same number of training samples, global batch
+    and seed as when it was saved."""
+    state = (manifest.get("meta") or {}).get("sampler") or {}
+    ours = {"dataset_len": train_len, "global_batch_size": cfg.global_batch_size,
+            "seed": cfg.seed}
+    diff = [k for k in ours if k in state and state[k] != ours[k]]
+    if diff:
+        shown = ", ".join(f"{k} {state[k]} (checkpoint) vs {ours[k]}" for k in diff)
+        raise UsageError(f"--load {cfg.load} cannot continue its data order: {shown}; resume "
+                         f"with the --data, --seq-len, --val-fraction, --global-batch-size and "
+                         f"--seed it was saved with (left out, they are the checkpoint's)")
+
+
+def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: str = ""):
+    """The model config of a --load run: the checkpoint's. A --model / --from-hf given too
+    must describe the same model (vocabulary aside for a recipe, which takes the tokenizer's)."""
+    from megapar.models.config import config_from_dict
+
+    config = config_from_dict(manifest["model"])
+    if given_config is not None:
+        from megapar.checkpoint.distributed import NON_STRUCTURAL
+
+        ours, theirs = given_config.to_dict(), config.to_dict()
+        skip = set(NON_STRUCTURAL) | ({"vocab_size"} if given_from == "recipe" else set())
+        diff = sorted(k for k in set(ours) | set(theirs)
+                      if k not in skip and ours.get(k) != theirs.get(k))
+        if diff:
+            shown = ", ".join(f"{k}={theirs.get(k)!r} (checkpoint) vs {ours.get(k)!r}" for k in diff)
+            raise UsageError(f"--load {cfg.load} holds another model than {given_from or 'given'}: "
+                             f"{shown}; with --load the model comes from the checkpoint, drop "
+                             f"--model / --from-hf")
+    if cfg.max_steps <= int(manifest.get("step", 0)):
+        raise UsageError(f"--load {cfg.load} is at step {manifest.get('step')} and --max-steps "
+                         f"is {cfg.max_steps}: nothing left to train; raise --max-steps")
+    return config
+
+
+# --- megapar-eval ----------------------------------------------------------------------------
+def check_eval_args(args) -> dict:
+    """Check megapar-eval's arguments and checkpoint; returns the checkpoint's manifest."""
+    from megapar.mesh import Layout, LayoutError
+    from megapar.models.config import ConfigError, config_from_dict
+
+    for name in ("tp", "pp", "micro_batch_size", "max_batches", "seq_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
+    manifest = checkpoint_manifest(args.load)
+    config = config_from_dict(manifest["model"])
+    try:
+        config.validate(Layout(args.tp, args.pp, 1))
+    except (LayoutError, ConfigError) as exc:
+        raise UsageError(str(exc)) from None
+    positions = getattr(config, "n_positions", None) or config.max_position_embeddings
+    if args.seq_len and args.seq_len > positions:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
+                         f"lower --seq-len")
+    if args.data:
+        missing = [e for e in (".bin", ".idx", ".json") if not os.path.exists(args.data + e)]
+        if missing:
+            raise UsageError(f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
+                             f"written by megapar-data --output-prefix")
+        from megapar.data import IndexedDataset
+
+        windows = (IndexedDataset(args.data).num_tokens - 1) // args.seq_len
+        if config.model_type == "gpt2" and windows < args.micro_batch_size:
+            raise UsageError(f"--data {args.data} has {windows} windows of {args.seq_len + 1} "
+                             f"tokens, fewer than one batch of --micro-batch-size "
+                             f"{args.micro_batch_size}; lower --seq-len or --micro-batch-size")
+    if args.input_ids:
+        _check_ids_file(args.input_ids, positions)
+    return manifest
+
+
+def _check_ids_file(path: str, positions: int) -> None:
+    import numpy as np
+
+    try:
+        ids = np.load(path, allow_pickle=False, mmap_mode="r")
+    except FileNotFoundError:
+        raise UsageError(f"--input-ids {path}: no such file") from None
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"--input-ids {path}: not a .npy array of token ids ({exc})") from None
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise UsageError(f"--input-ids {path} holds {ids.dtype} values; token ids must be "
+                         f"integers (e.g. np.save(path, ids.astype(np.int64)))")
+    if ids.ndim != 2 or 0 in ids.shape:
+        raise UsageError(f"--input-ids must be a non-empty [batch, seq] array, got shape "
+                         f"{tuple(ids.shape)}")
+    if ids.shape[1] > positions:
+        raise UsageError(f"--input-ids has sequences of {ids.shape[1]} tokens, more than the "
+                         f"model's {positions} positions; shorten them")
+
+
+# --- megapar-bubble --------------------------------------------------------------------------
+MAX_SIMULATED_ACTIONS = 2_000_000
+"""--simulate refuses schedules with more forward + backward actions than this (pp x m x 2)."""
+
+
+def check_bubble_args(args) -> None:
+    for name in ("pp", "microbatches", "tp", "steps", "micro_batch_size", "seq_len"):
+        value = getattr(args, name)
+        if value < 1:
+            raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
+    for name in ("fwd_ms", "bwd_ms", "p2p_ms"):
+        value = getattr(args, name)
+        low = 0.0 if name == "p2p_ms" else 1e-300
+        if value is not None and not (math.isfinite(value) and value >= low):
+            need = ">= 0" if name == "p2p_ms" else "> 0"
+            raise UsageError(f"{_flag(name)} {value} is invalid: a cost must be a finite "
+                             f"number of milliseconds {need}")
+    actions = 2 * args.pp * args.microbatches
+    if (args.simulate or args.show_schedule) and actions > MAX_SIMULATED_ACTIONS:
+        raise UsageError(f"--pp {args.pp} x --microbatches {args.microbatches} is "
+                         f"{actions:,} actions, more than megapar-bubble handles "
+                         f"({MAX_SIMULATED_ACTIONS:,}); the bubble (p-1)/(m+p-1) = "
+                         f"{(args.pp - 1) / (args.microbatches + args.pp - 1):.4f} needs no "
+                         f"simulation at this size")
+    if args.simulate and args.fwd_ms is not None:
+        return  # no model is built
+    from megapar.mesh import Layout, LayoutError
+    from megapar.models.config import ConfigError
+    from megapar.training.bubble import bench_config
+
+    try:
+        config = bench_config(args.model, args.pp)
+        config.validate(Layout(args.tp, args.pp, 1))
+    except (LayoutError, ConfigError) as exc:
+        raise UsageError(str(exc)) from None
+    positions = getattr(config, "n_positions", None) or config.max_position_embeddings
+    if args.seq_len > positions:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
+                         f"lower --seq-len")

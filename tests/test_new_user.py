@@ -1,0 +1,386 @@
+"""A new user's ordinary runs, end to end through the real CLIs, on text of every shape.
+
+Texts are generated here (many short paragraphs, one paragraph, CRLF, JSONL, a directory, a
+tiny file, invalid UTF-8, an empty file). Each run either trains (finite losses, every step
+logged) or fails with its documented message and exit code 2: never a traceback. The CLIs run
+in-process (their workers are forked from this test process), with a tiny model and 1-5 steps.
+"""
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from megapar.cli.convert import main as convert
+from megapar.cli.data import main as data_cli
+from megapar.cli.eval import main as evaluate
+from megapar.cli.train import main as train
+
+SYLLABLES = ["ka", "lo", "mi", "ra", "ten", "su", "vo", "the", "an", "dor", "wyn", "el", "ish"]
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join("".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3)))
+                    for _ in range(n))
+
+
+def poem(rng: random.Random, paragraphs: int) -> str:
+    """Many short paragraphs (1-3 short lines each), blank-line separated, like a poem."""
+    return "\n\n".join("\n".join(words(rng, rng.randint(1, 6)) for _ in range(rng.randint(1, 3)))
+                       for _ in range(paragraphs)) + "\n"
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("texts")
+    rng = random.Random(0)
+    out = {}
+    out["poem"] = root / "poem.txt"
+    out["poem"].write_text(poem(rng, 600))
+    out["one_paragraph"] = root / "one.txt"
+    out["one_paragraph"].write_text("\n".join(words(rng, 12) for _ in range(300)) + "\n")
+    out["crlf"] = root / "crlf.txt"
+    out["crlf"].write_bytes(poem(rng, 300).replace("\n", "\r\n").encode())
+    out["jsonl"] = root / "docs.jsonl"
+    out["jsonl"].write_text("".join(json.dumps({"text": words(rng, rng.randint(5, 60))}) + "\n"
+                                    for _ in range(200)))
+    folder = root / "folder"
+    (folder / "sub").mkdir(parents=True)
+    for i in range(3):
+        (folder / f"part{i}.txt").write_text(poem(rng, 60))
+    (folder / "sub" / "more.jsonl").write_text(json.dumps({"text": words(rng, 300)}) + "\n")
+    (folder / "notes.bin").write_bytes(b"\x00\xff" * 10)  # not a .txt / .jsonl: ignored
+    out["directory"] = folder
+    out["few_bad_bytes"] = root / "latin1_bits.txt"
+    out["few_bad_bytes"].write_bytes(poem(rng, 300).encode() + "café naïve".encode("latin-1")
+                                     + b"\n\xff\n")
+    out["tiny"] = root / "tiny.txt"
+    out["tiny"].write_text(words(rng, 30) + "\n")
+    out["invalid_utf8"] = root / "junk.txt"
+    out["invalid_utf8"].write_bytes(random.Random(1).randbytes(20_000))
+    out["empty"] = root / "empty.txt"
+    out["empty"].write_text("\n\n  \n")
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A 2-layer GPT-2 config without vocab_size (it takes the tokenizer's) and 64 positions."""
+    path = tmp_path_factory.mktemp("model") / "tiny.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4,
+                                "n_positions": 64}))
+    return str(path)
+
+
+def _run(cli, argv, capsys):
+    rc = cli([str(a) for a in argv])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err + out.out, out.err[-3000:]
+    return rc, out.err
+
+
+def _records(log):
+    return [json.loads(line) for line in Path(log).read_text().splitlines()]
+
+
+def _assert_trained(log, steps):
+    records = _records(log)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert all(math.isfinite(r["loss"]) for r in records)
+
+
+@pytest.mark.parametrize("shape", ["poem", "one_paragraph", "crlf", "jsonl", "directory",
+                                   "few_bad_bytes"])
+def test_text_of_every_shape_trains(shape, texts, cache, tiny_model, tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    rc, err = _run(train, ["--data", texts[shape], "--data-cache", cache, "--model", tiny_model,
+                           "--tokenizer", "sentencepiece", "--seq-len", "32", "--max-steps", "2",
+                           "--no-progress", "--log-json", log], capsys)
+    assert rc == 0, err
+    _assert_trained(log, 2)
+    if shape == "one_paragraph":  # one document: no validation split, said once
+        assert err.count("no validation split: the data is one document") == 1
+    if shape == "few_bad_bytes":  # under 0.1 % of the bytes: replaced and counted
+        assert "warning: " in err and "3 bytes of invalid UTF-8 replaced" in err
+
+
+def test_a_poem_whose_held_out_paragraph_is_tiny_still_trains_and_evaluates(
+        texts, cache, tiny_model, tmp_path, capsys):
+    """The regression: short paragraphs at --seq-len 32 held out a few-token validation split
+    (here one paragraph: --val-fraction 0.001 of 600) and the run died. The split now grows
+    to one global batch, and evaluation runs."""
+    log = tmp_path / "log.jsonl"
+    rc, err = _run(train, ["--data", texts["poem"], "--data-cache", cache, "--model", tiny_model,
+                           "--tokenizer", "sentencepiece", "--seq-len", "32", "--max-steps", "2",
+                           "--val-fraction", "0.001",
+                           "--eval-interval", "2", "--eval-steps", "1", "--no-progress",
+                           "--log-json", log], capsys)
+    assert rc == 0, err
+    assert "validation split:" in err and "instead of 1, so it holds one global batch" in err
+    assert math.isfinite(_records(log)[-1]["val_loss"])
+
+
+def test_a_tiny_file_trains_with_a_batch_that_fits(texts, cache, tiny_model, tmp_path, capsys):
+    """One short paragraph, a window or two: no validation split (warned, training goes on);
+    --global-batch-size 1 alone is enough (the micro-batch size adapts)."""
+    log = tmp_path / "log.jsonl"
+    rc, err = _run(train, ["--data", texts["tiny"], "--data-cache", cache, "--model", tiny_model,
+                           "--tokenizer", "sentencepiece", "--seq-len", "32",
+                           "--global-batch-size", "1", "--max-steps", "2", "--no-progress",
+                           "--log-json", log], capsys)
+    assert rc == 0, err
+    assert "no validation split: the data is one document" in err
+    assert "--micro-batch-size not given: using 1" in err
+    _assert_trained(log, 2)
+
+
+@pytest.mark.parametrize("doc_tokens, gbs, expect", [
+    ([5] * 100, 4, "grown"),           # 5 held-out docs of 5 tokens: grown to one batch
+    ([400] * 100, 4, "as asked"),      # 5 % of the docs already hold a batch
+    ([20] * 10, 8, "none"),            # a batch would take more than half the data
+    ([40, 40], 2, "none"),             # a batch needs both documents: none left to train
+])
+def test_the_validation_split_grows_to_one_batch_or_steps_aside(doc_tokens, gbs, expect):
+    import numpy as np
+
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import split_for_training
+
+    class Indexed:
+        doc_offsets = np.concatenate([[0], np.cumsum(doc_tokens)])
+        num_docs = len(doc_tokens)
+
+    cfg = TrainConfig(seq_len=32, global_batch_size=gbs, micro_batch_size=1)
+    train_docs, val_docs, note = split_for_training(cfg, Indexed, "gpt2")
+    if expect == "none":
+        assert val_docs is None and train_docs is None and "no validation split" in note
+        return
+    assert sorted([*train_docs, *val_docs]) == list(range(len(doc_tokens)))
+    val_tokens = sum(doc_tokens[i] for i in val_docs)
+    assert val_tokens >= gbs * 32 + 1  # one global batch of windows
+    assert (len(val_docs) > 5) == (expect == "grown") and (note is not None) == (expect == "grown")
+
+
+@pytest.mark.parametrize("shape, argv, message", [
+    ("tiny", [], "fewer than one global batch of 16"),
+    ("invalid_utf8", [], "are not valid UTF-8"),
+    ("empty", [], "every input is empty or whitespace"),
+])
+def test_unusable_text_fails_with_its_message(shape, argv, message, texts, cache, tiny_model,
+                                              capsys):
+    rc, err = _run(train, ["--data", texts[shape], "--data-cache", cache, "--model", tiny_model,
+                           "--tokenizer", "sentencepiece", "--seq-len", "32", "--no-progress",
+                           *argv], capsys)
+    assert rc == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5])
+def test_default_flags_with_a_few_steps(steps, texts, cache, tiny_model, tmp_path, capsys):
+    """Only --max-steps (and a small model and tokenizer): the default warmup (20) and
+    --seq-len (128, the model has 64 positions) adapt, and the log says so."""
+    log = tmp_path / "log.jsonl"
+    rc, err = _run(train, ["--max-steps", steps, "--data", texts["poem"], "--data-cache", cache,
+                           "--model", tiny_model, "--tokenizer", "sentencepiece",
+                           "--log-json", log], capsys)
+    assert rc == 0, err
+    assert f"--warmup-steps not given: using {steps // 10}" in err
+    assert "--seq-len not given: using the model's 64 positions" in err
+    _assert_trained(log, steps)
+
+
+def test_megapar_data_refuses_junk_and_warns_on_a_few_bad_bytes(texts, tmp_path, capsys):
+    rc, err = _run(data_cli, ["--input", texts["invalid_utf8"], "--output-prefix",
+                              tmp_path / "junk", "--no-progress"], capsys)
+    assert rc == 2 and "--allow-invalid-utf8" in err
+    assert not list(tmp_path.iterdir())  # nothing half-written
+    rc, err = _run(data_cli, ["--input", texts["empty"], "--output-prefix", tmp_path / "empty",
+                              "--no-progress"], capsys)
+    assert rc == 2 and "every input is empty" in err
+    mostly = tmp_path / "mostly.txt"
+    mostly.write_bytes(texts["poem"].read_bytes() + b"\xff\xfe")
+    rc, err = _run(data_cli, ["--input", mostly, "--output-prefix", tmp_path / "mostly",
+                              "--no-progress"], capsys)
+    assert rc == 0 and "2 bytes of invalid UTF-8 replaced" in err
+    rc, err = _run(data_cli, ["--input", texts["invalid_utf8"], "--output-prefix",
+                              tmp_path / "forced", "--no-progress", "--allow-invalid-utf8"],
+                   capsys)
+    assert rc == 0 and "invalid UTF-8 replaced" in err
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"model_type": "gpt2", "n_embd": 32, "n_layers": 4, "n_head": 4},
+     "unknown key 'n_layers' for gpt2; did you mean 'n_layer'?"),
+    ({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4,
+      "tie_word_embeddings": False}, "tie_word_embeddings=False is a transformers GPT2Config "
+                                     "setting megapar does not implement"),
+    ({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4,
+      "scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
+    ({"model_type": "gpt2", "n_embd": -32, "n_layer": 2, "n_head": 4},
+     "n_embd=-32 must be a whole number >= 1"),
+])
+def test_model_config_typos_are_errors(content, message, texts, cache, tmp_path, capsys):
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(content))
+    rc, err = _run(train, ["--data", texts["poem"], "--data-cache", cache, "--model", model,
+                           "--tokenizer", "sentencepiece", "--no-progress"], capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_run_config_typo_is_an_error(texts, cache, tmp_path, capsys):
+    run = tmp_path / "run.yaml"
+    run.write_text("max_step: 3\nseq_len: 32\n")
+    rc, err = _run(train, ["--config", run, "--data", texts["poem"], "--data-cache", cache],
+                   capsys)
+    assert rc == 2 and "unknown setting 'max_step'; did you mean 'max_steps'?" in err
+
+
+def test_resume_a_from_hf_checkpoint_at_another_layout_with_no_model_flags(
+        texts, cache, tmp_path, capsys):
+    """The regression: a transformers GPT-2 (vocab 50257) started with --from-hf, saved,
+    converted to pp 2, then resumed with only --load: the model comes from the checkpoint
+    (the recipe default would have had the tokenizer's 50261 and died in the workers)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf = tmp_path / "hf"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_positions=64, n_embd=32, n_layer=2, n_head=4)).save_pretrained(hf)
+    common = ["--data", texts["poem"], "--data-cache", cache, "--tokenizer", "gpt2",
+              "--seq-len", "32", "--global-batch-size", "4", "--no-progress"]
+    ckpt, moved, log = tmp_path / "ckpt", tmp_path / "ckpt-pp2", tmp_path / "log.jsonl"
+    rc, err = _run(train, [*common, "--from-hf", hf, "--max-steps", "2", "--save", ckpt], capsys)
+    assert rc == 0, err
+    assert _run(convert, [ckpt, moved, "--tp", "1", "--pp", "2", "--no-progress"], capsys)[0] == 0
+    rc, err = _run(train, [*common, "--load", moved, "--pp", "2", "--max-steps", "3",
+                           "--log-json", log], capsys)
+    assert rc == 0, err
+    assert [r["step"] for r in _records(log)] == [3]
+    # flags that agree with the checkpoint are fine; flags that contradict it are an error
+    rc, err = _run(train, [*common, "--load", moved, "--from-hf", hf, "--max-steps", "3"],
+                   capsys)
+    assert rc == 0, err
+    rc, err = _run(train, [*common, "--load", moved, "--model", "gpt2-124m", "--max-steps", "3"],
+                   capsys)
+    assert rc == 2 and "holds another model than recipe" in err and "n_embd=32" in err
+    # megapar-eval --load takes the model from the checkpoint too, at any layout
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(16, dtype=np.int64).reshape(2, 8))
+    rc, err = _run(evaluate, ["--load", moved, "--tp", "2", "--input-ids", ids, "--save-logits",
+                              tmp_path / "logits.npy"], capsys)
+    assert rc == 0, err
+    assert np.load(tmp_path / "logits.npy").shape == (2, 8, 50257)
+
+
+def test_a_worker_error_is_one_line_with_the_traceback_in_the_ranks_log(
+        texts, cache, tiny_model, tmp_path, capsys, monkeypatch):
+    """Rank 1 (forked) fails while saving after the last of 2 steps: one line naming rank 1 and
+    step 2 (not 3), the traceback in SAVE/logs/rank1.log; --debug puts it on the terminal."""
+    import torch.distributed as dist
+
+    from megapar.training.loop import Trainer
+
+    real_save = Trainer.save
+
+    def failing_save(self):
+        if dist.get_rank() == 1:
+            raise OSError("disk on fire")
+        return real_save(self)
+
+    monkeypatch.setattr(Trainer, "save", failing_save)
+    argv = ["--data", texts["poem"], "--data-cache", cache, "--model", tiny_model, "--tokenizer",
+            "sentencepiece", "--seq-len", "32", "--pp", "2", "--max-steps", "2", "--no-progress",
+            "--save", tmp_path / "ckpt"]
+    rc = train([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("megapar-train: ") and "not given" not in x]
+    assert rc == 1 and "Traceback" not in err
+    assert lines[0] == "megapar-train: error: rank 1 failed at step 2: OSError: disk on fire"
+    log = tmp_path / "ckpt" / "logs" / "rank1.log"
+    assert lines[1] == f"megapar-train: full traceback in {log} (or rerun with --debug)"
+    assert "Traceback" in log.read_text() and "disk on fire" in log.read_text()
+    rc = train([str(a) for a in argv] + ["--debug"])
+    assert rc == 1 and "Traceback" in capsys.readouterr().err
+
+
+def test_wandb_mode_follows_wandb_mode_else_the_network(monkeypatch):
+    import socket
+
+    from megapar.training.logging import wandb_mode
+
+    monkeypatch.setenv("WANDB_MODE", "online")
+    assert wandb_mode()[0] == "online"
+    monkeypatch.delenv("WANDB_MODE")
+
+    def unreachable(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    assert wandb_mode()[0] == "offline"
+
+    class Conn:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: Conn())
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode() == ("online", "api.wandb.ai reachable")
+
+
+def test_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        train(["--help"])
+    out = capsys.readouterr().out
+    assert "(default: None)" not in out and out.count("(default: 1)") == 2  # --tp, --pp
+    assert "(default: 1) (default" not in out
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_the_unsupported_transformers_settings_table_matches_transformers(kind, tmp_path):
+    """Checked against transformers itself: each setting megapar accepts only at one value
+    accepts transformers' default, and a config.json saved by transformers (all keys at their
+    defaults) loads; one setting changed is refused."""
+    import transformers
+
+    from megapar.models.config import (
+        HF_SUPPORTED_DEFAULTS, ConfigError, config_from_dict, config_from_file,
+    )
+
+    hf = getattr(transformers, {"gpt2": "GPT2Config", "bert": "BertConfig"}[kind])()
+    for key, value in HF_SUPPORTED_DEFAULTS[kind].items():
+        if hasattr(hf, key):
+            assert getattr(hf, key) == value, key
+    hf.save_pretrained(tmp_path)
+    assert config_from_file(tmp_path / "config.json").model_type == kind
+    data = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ConfigError, match="tie_word_embeddings=False"):
+        config_from_dict({**data, "tie_word_embeddings": False})
+
+
+def test_load_alone_resumes_with_the_checkpoints_settings(texts, cache, tiny_model, tmp_path,
+                                                          capsys):
+    """`--load CKPT` with no other flag takes data, batch, seq-len, ... from the checkpoint;
+    a setting given that breaks its data order is an error before workers start."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    rc, err = _run(train, ["--data", texts["poem"], "--data-cache", cache, "--model", tiny_model,
+                           "--tokenizer", "sentencepiece", "--seq-len", "32",
+                           "--global-batch-size", "8", "--max-steps", "4", "--save-interval", "2",
+                           "--save", ckpt, "--no-progress"], capsys)
+    assert rc == 0, err
+    rc, err = _run(train, ["--load", ckpt / "step_00000002", "--data-cache", cache, "--pp", "2",
+                           "--log-json", log, "--no-progress"], capsys)
+    assert rc == 0, err
+    assert "from the checkpoint (not given):" in err and "--seq-len 32" in err
+    assert [r["step"] for r in _records(log)] == [3, 4]
+    rc, err = _run(train, ["--load", ckpt, "--data-cache", cache, "--max-steps", "6",
+                           "--seq-len", "16", "--no-progress"], capsys)
+    assert rc == 2 and "cannot continue its data order: dataset_len" in err
