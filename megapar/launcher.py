@@ -4,8 +4,14 @@ Used by the tests (fork: 8 gloo ranks start in well under a second, because the 
 already imported torch), by `megapar-train` when it is not run under torchrun, and by
 `megapar-bubble`. Under CUDA the start method is spawn (CUDA cannot be forked).
 
-A worker that raises sends its traceback to the parent, which terminates the other workers at
-once (they may be blocked in a collective) and raises `WorkerError` naming the rank.
+A worker that raises sends its traceback to the parent, which kills the other workers at once
+(they may be blocked in a collective) and raises `WorkerError` naming the rank that caused it:
+a rank that died (with its exit code or signal) before the ranks that failed because of it, and
+on a timeout the rank that did not answer.
+
+Workers die with the launcher (`die_with_parent`), run in their own process group (a terminal's
+Ctrl-C reaches the launcher only, which forwards it once), and receive the launcher's SIGTERM /
+SIGUSR1 / SIGINT. Rank 0 serves the rendezvous store on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -14,7 +20,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import re
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -33,24 +43,81 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env):
+PR_SET_PDEATHSIG = 1
+_launcher_pid: int | None = None
+
+
+def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Kill this process (SIGKILL) as soon as `parent_pid`, its launcher, is gone: Linux's
+    ``prctl(PR_SET_PDEATHSIG)``, and on any OS a watchdog thread that notices the re-parenting."""
+    global _launcher_pid
+    _launcher_pid = parent_pid
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog still works
+    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watchdog():
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watchdog, name="megapar-parent-watchdog", daemon=True).start()
+
+
+def launcher_alive() -> bool:
+    """False once the launcher that started this worker has gone (True when there is none)."""
+    return _launcher_pid is None or os.getppid() == _launcher_pid
+
+
+def loopback_store(rank: int, world_size: int, port: int, timeout_s: float | None):
+    """The rendezvous store of a local run: rank 0 serves it on 127.0.0.1 only."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s or _device.DEFAULT_TIMEOUT_S)
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout,
+                          master_listen_fd=sock.detach())
+    return store
+
+
+def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, parent):
+    die_with_parent(parent)
+    os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
     os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets: loopback too
     try:
         import torch
 
         torch.set_num_threads(1)
         if world_size > 1:
-            _device.init_distributed(rank, world_size, timeout_s=timeout_s)
+            store = loopback_store(rank, world_size, port, timeout_s)
+            _device.init_distributed(rank, world_size, timeout_s=timeout_s, store=store)
         out = fn(*args, **kwargs)
         # By value: torch's queue reducers would share tensors through file descriptors that
         # vanish when this process exits.
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as exc:  # noqa: BLE001 - report everything to the parent
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        tb = "" if getattr(exc, "no_traceback", False) else "\n" + traceback.format_exc()
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}{tb}"))
     finally:
         try:
             import torch.distributed as dist
@@ -63,15 +130,17 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env):
 
 def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float | None = 240.0,
               collective_timeout_s: float | None = None, start_method: str | None = None,
-              env: dict[str, str] | None = None, **kwargs) -> list[Any]:
+              env: dict[str, str] | None = None,
+              forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"), **kwargs) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` local ranks and return each rank's result.
 
     timeout_s=None waits as long as the workers run (training); collectives still time out
     after `collective_timeout_s` (default: megapar.device.DEFAULT_TIMEOUT_S).
 
     The process group is initialised before `fn` runs (RANK / WORLD_SIZE are in the
-    environment). Raises `WorkerError` naming the first rank that failed, or a `TimeoutError`
-    naming the ranks that had not finished after `timeout_s`.
+    environment). Raises `WorkerError` naming the rank that failed first (see `_blame`), or a
+    `TimeoutError` naming the ranks that had not finished after `timeout_s`. The signals named
+    in `forward` are passed on to the workers; a second SIGINT aborts.
     """
     if start_method is None:
         start_method = "spawn" if _device.use_cuda() else "fork"
@@ -80,50 +149,148 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
     port = free_port()
     coll_timeout = collective_timeout_s or (max(10.0, timeout_s - 5.0) if timeout_s else None)
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, r, world_size, port, args, kwargs, results, coll_timeout, env or {}))
+                         args=(fn, r, world_size, port, args, kwargs, results, coll_timeout,
+                               env or {}, os.getpid()))
              for r in range(world_size)]
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
+    restore = _forward_signals(procs, forward)
     try:
+        failed_at = None
         while len(outputs) < world_size:
-            try:
-                rank, status, payload = results.get(timeout=0.05)
-            except queue_mod.Empty:
-                for r, p in enumerate(procs):
-                    if r not in outputs and p.exitcode not in (None, 0):
-                        time.sleep(0.2)  # its traceback may still be in flight
-                        _drain(results, outputs)
-                        if r not in outputs:
-                            raise WorkerError(f"rank {r} died with exit code {p.exitcode}")
-                if time.monotonic() > deadline:
-                    missing = [r for r in range(world_size) if r not in outputs]
-                    raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
-                continue
-            if status == "error":
-                raise WorkerError(f"rank {rank} failed: {payload}")
-            outputs[rank] = pickle.loads(payload)
+            _drain(results, outputs, errors, block=0.05)
+            dead = [r for r, p in enumerate(procs)
+                    if r not in outputs and r not in errors and p.exitcode not in (None, 0)]
+            if (errors or dead) and failed_at is None:
+                failed_at = time.monotonic()  # give the others' reports a moment to arrive
+            if failed_at is not None and time.monotonic() - failed_at > 0.5:
+                _drain(results, outputs, errors, block=0.0)
+                raise WorkerError(_blame(procs, outputs, errors))
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if r not in outputs]
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s"
+                                   + "".join(f"; rank {r} {_state(procs[r])}" for r in missing
+                                             if _state(procs[r])))
     finally:
+        restore()
         for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        for p in procs:
+            p.join(timeout=5)
     return [outputs[r] for r in range(world_size)]
 
 
-def _drain(results, outputs):
+def _drain(results, outputs: dict, errors: dict, block: float) -> None:
     while True:
         try:
-            rank, status, payload = results.get_nowait()
+            rank, status, payload = results.get(timeout=block) if block else results.get_nowait()
         except queue_mod.Empty:
             return
+        block = 0.0
         if status == "error":
-            raise WorkerError(f"rank {rank} failed: {payload}")
-        outputs[rank] = pickle.loads(payload)
+            errors[rank] = payload
+        else:
+            outputs[rank] = pickle.loads(payload)
+
+
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} ({-exitcode})"
+    return f"exited with code {exitcode} without reporting an error"
+
+
+def _state(proc) -> str:
+    """"is stopped (SIGSTOP?)" when a live worker is stopped (Linux /proc), else ""."""
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return "is stopped (SIGSTOP / SIGTSTP?)" if state in ("T", "t") else ""
+
+
+_CONSEQUENTIAL = ("timed out", "timeout", "connection closed", "connection reset",
+                  "broken pipe", "connection refused", "did not complete", "peer")
+
+
+def _blame(procs, outputs: dict, errors: dict) -> str:
+    """The failure report: first the cause, then the ranks that failed because of it.
+
+    Cause, in order: ranks that died without a report (their signal / exit code); ranks whose
+    error is not a communication timeout or lost connection; live ranks that never answered
+    while the others timed out waiting for them."""
+    dead = {r: _how(p.exitcode) for r, p in enumerate(procs)
+            if r not in outputs and r not in errors and p.exitcode not in (None, 0)}
+    own = {r: e for r, e in errors.items()
+           if not any(w in e.split("\n", 1)[0].lower() for w in _CONSEQUENTIAL)}
+    silent = [r for r, p in enumerate(procs)
+              if r not in outputs and r not in errors and r not in dead]
+    if dead:
+        lines = [f"rank {r} {how}" for r, how in sorted(dead.items())]
+        rest = errors
+    elif own:
+        first = min(own)
+        lines = [f"rank {first} failed: {own[first]}"]
+        rest = {r: e for r, e in errors.items() if r != first}
+    elif silent and errors:
+        lines = [f"rank {r} did not answer" + (f" (it {_state(procs[r])})" if _state(procs[r])
+                                               else "") for r in silent]
+        rest = errors
+    else:
+        first = min(errors)
+        lines = [f"rank {first} failed: {errors[first]}"]
+        rest = {r: e for r, e in errors.items() if r != first}
+    same = [r for r, e in rest.items() if _gist(e) == _gist(lines[0])]
+    if same:
+        lines.append(f"(ranks {sorted(same)} stopped for the same reason)")
+    rest = {r: e for r, e in rest.items() if r not in same}
+    if rest:
+        lines.append("then: " + "; ".join(f"rank {r}: {e.splitlines()[0][:300]}"
+                                          for r, e in sorted(rest.items())))
+    return "\n".join(lines)
+
+
+def _gist(text: str) -> str:
+    """An error's first line without the rank that reported it."""
+    line = text.splitlines()[0] if text else ""
+    return re.sub(r"rank \d+( \([^)]*\))?", "rank", line.split(" failed: ", 1)[-1])
+
+
+def _forward_signals(procs, names) -> Callable[[], None]:
+    """Forward the signals `names` to the workers (a second SIGINT aborts the launcher).
+    Returns a function that restores the previous handlers. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    sigints = [0]
+
+    def forward(signum, frame):
+        if signum == signal.SIGINT:
+            sigints[0] += 1
+            if sigints[0] > 1:
+                raise KeyboardInterrupt("second SIGINT: aborting")
+        for p in procs:
+            if p.is_alive():
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    old = {sig: signal.signal(sig, forward) for sig in (getattr(signal, n) for n in names
+                                                        if hasattr(signal, n))}
+
+    def restore():
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+    return restore
 
 
 def under_launcher() -> bool:
@@ -138,7 +305,8 @@ def launched_world_size() -> int:
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args,
-                collective_timeout_s: float | None = None) -> list[Any]:
+                collective_timeout_s: float | None = None,
+                forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")) -> list[Any]:
     """Run `fn(*args)` as this process's rank under torchrun / Slurm, or else start
     `world_size` local workers (in this process when world_size is 1). Returns the results of
     the ranks this process ran."""
@@ -147,9 +315,11 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
             os.environ.update(RANK=os.environ["SLURM_PROCID"],
                               WORLD_SIZE=os.environ["SLURM_NTASKS"],
                               LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun: die with its agent
+            die_with_parent(os.getppid())
         _device.init_distributed(timeout_s=collective_timeout_s)
         return [fn(*args)]
     if world_size == 1:
         return [fn(*args)]
     return run_local(fn, world_size, *args, timeout_s=None,
-                     collective_timeout_s=collective_timeout_s)
+                     collective_timeout_s=collective_timeout_s, forward=forward)

@@ -18,6 +18,7 @@ from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError, config_from_dict
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan, build_datasets, prepare_data
+from megapar.training.faults import parse_signals
 
 
 def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
@@ -31,6 +32,7 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
         raise ValueError(f"global batch size {cfg.global_batch_size} is not divisible by "
                          f"micro-batch size {cfg.micro_batch_size} x dp {layout.dp} = {per_step}; "
                          f"choose a multiple of {per_step}")
+    parse_signals(cfg.exit_signals)  # a typo is an error now, not when the signal comes
     if cfg.save_interval < 0 or cfg.max_steps < 1:
         raise ValueError("--max-steps must be >= 1 and --save-interval >= 0")
     from megapar.optim import LRScheduler
@@ -48,9 +50,14 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
 
 
 def _worker(cfg: TrainConfig, plan: DataPlan):
+    from megapar.training.faults import install_stop_handlers
     from megapar.training.loop import train
 
-    return train(cfg, plan)
+    restore = install_stop_handlers(cfg.exit_signals)
+    try:
+        return train(cfg, plan)
+    finally:
+        restore()
 
 
 def main(argv=None) -> int:
@@ -63,11 +70,16 @@ def main(argv=None) -> int:
     cfg.dp = layout.dp
     if under_launcher() and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
         cfg.progress = False
+    forward = tuple(s.name for s in parse_signals(cfg.exit_signals)) + ("SIGINT",)
     try:
-        run_workers(_worker, layout.world_size, cfg, plan, collective_timeout_s=cfg.timeout_s)
+        run_workers(_worker, layout.world_size, cfg, plan, collective_timeout_s=cfg.timeout_s,
+                    forward=forward)
     except WorkerError as exc:
         print(f"megapar-train: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("megapar-train: aborted (second SIGINT): nothing saved", file=sys.stderr)
+        return 130
     return 0
 
 

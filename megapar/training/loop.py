@@ -17,6 +17,8 @@ from megapar.models.config import config_from_dict
 from megapar.training.build import build_stage
 from megapar.training.config import TrainConfig
 from megapar.training.data import DataPlan, batches, build_datasets, make_sampler
+from megapar.training.faults import NonFiniteError, NonFiniteGuard, RunStopped, StopRequests, \
+    params_finite
 from megapar.training.logging import (
     MetricsLogger, NullLogger, flops_per_token, format_line, peak_memory_mb,
 )
@@ -68,9 +70,13 @@ class Trainer:
                                  self.scheduler, self.precision, cfg.clip_grad, grad_sync)
         self.step = 0
         self.notes: list[str] = []
-        if cfg.from_hf and not cfg.load:
+        resume = bool(cfg.load) and (cfg.load_strict or _has_checkpoint(cfg.load))
+        if cfg.load and not resume:
+            self.notes.append(f"--load {cfg.load}: no checkpoint there yet, starting from scratch "
+                              f"(--load-strict makes this an error)")
+        if cfg.from_hf and not resume:
             self._load_hf(cfg.from_hf)
-        if cfg.load:
+        if resume:
             self._resume(cfg.load)
         n_params = _num_params(self.model, mesh)
         self.flops_per_token = flops_per_token(n_params, self.config.num_layers,
@@ -129,7 +135,13 @@ class Trainer:
     # -- save / eval -------------------------------------------------------------------------
     def save(self) -> str:
         from megapar.checkpoint.distributed import save_checkpoint
+        from megapar.launcher import launcher_alive
 
+        if not launcher_alive():
+            raise RunStopped(f"the launcher is gone: step {self.step} not saved")
+        if not params_finite(self.model):
+            raise NonFiniteError(f"weights are not finite at step {self.step}: checkpoint not "
+                                 f"written (the last one, if any, is intact)")
         meta = {"step": self.step, "consumed_samples": self.sampler.consumed_samples,
                 "sampler": self.sampler.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.precision.state_dict(), "optimizer": self.optimizer.state_json(),
@@ -177,6 +189,10 @@ class Trainer:
         history: list[dict] = []
         data = batches(self.train_ds, self.sampler, mesh.device)
         tokens_per_step = cfg.global_batch_size * cfg.seq_len
+        guard = NonFiniteGuard(cfg.max_nonfinite_steps, cfg.precision,
+                               getattr(self.precision.scaler, "min_scale", None))
+        stop = StopRequests(cfg.exit_duration_mins, cfg.exit_interval, mesh.device)
+        saved = None
         try:
             while self.step < cfg.max_steps:
                 start = time.perf_counter()
@@ -206,18 +222,38 @@ class Trainer:
                     logger.message(format_line(self.step, metrics) + (
                         f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""))
                 history.append({"step": self.step, **metrics})
+                guard.observe(self.step, loss, metrics["grad_norm"], result.skipped,
+                              metrics["loss_scale"])
                 if cfg.save and cfg.save_interval and self.step % cfg.save_interval == 0 \
                         and self.step < cfg.max_steps:
                     logger.message(f"saved {self.save()}")
-            if cfg.save:
+                    saved = self.step
+                why = stop.reason(self.step) if self.step < cfg.max_steps else None
+                if why:
+                    logger.message(why if cfg.save else why.replace(", saving", "")
+                                   + " (no --save given: nothing saved)")
+                    break
+            if cfg.save and saved != self.step:
                 logger.message(f"saved {self.save()}")
         except Exception as exc:
-            raise TrainingError(f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
+            err = TrainingError(f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
                                 f"pp={mesh.pp_rank} dp={mesh.dp_rank}) failed at step "
-                                f"{self.step + 1}: {type(exc).__name__}: {exc}") from exc
+                                f"{self.step + (not isinstance(exc, RunStopped))}: "
+                                f"{type(exc).__name__}: {exc}")
+            err.no_traceback = getattr(exc, "no_traceback", False)
+            raise err from exc
         finally:
             logger.close()
         return history
+
+
+def _has_checkpoint(path: str) -> bool:
+    """Whether `path` holds something to resume from (else a requeued run starts fresh)."""
+    from pathlib import Path
+
+    p = Path(path)
+    return p.is_dir() and any(x.name == "latest" or x.name == "manifest.json" or (
+        x.name.startswith("step_") and (x / "manifest.json").exists()) for x in p.iterdir())
 
 
 def train(cfg: TrainConfig, plan: DataPlan) -> list[dict]:
