@@ -150,7 +150,12 @@ def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dic
     tmp_name, error = "", ""
     if mesh.rank == 0:
         try:
-            tmp_name = staging_dir(root, f".tmp-step_{step}-").name
+            from megapar.checkpoint.publish import clean_stale, mark_owner
+
+            clean_stale(root)
+            staging = staging_dir(root, f".tmp-step_{step}-")
+            mark_owner(staging)
+            tmp_name = staging.name
         except OSError as exc:
             error = f"cannot create a staging directory in {root}: {exc}"
     tmp_name = _broadcast_text(tmp_name, mesh)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
+from megapar.checkpoint.publish import has_checkpoint
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError, config_from_dict
@@ -33,6 +34,9 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
                          f"micro-batch size {cfg.micro_batch_size} x dp {layout.dp} = {per_step}; "
                          f"choose a multiple of {per_step}")
     parse_signals(cfg.exit_signals)  # a typo is an error now, not when the signal comes
+    if cfg.load and cfg.load_strict and not has_checkpoint(cfg.load):
+        raise ValueError(f"--load {cfg.load}: no checkpoint there (--load-strict); drop "
+                         f"--load-strict to start fresh when there is none")
     if cfg.save_interval < 0 or cfg.max_steps < 1:
         raise ValueError("--max-steps must be >= 1 and --save-interval >= 0")
     from megapar.optim import LRScheduler

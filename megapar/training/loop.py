@@ -70,7 +70,9 @@ class Trainer:
                                  self.scheduler, self.precision, cfg.clip_grad, grad_sync)
         self.step = 0
         self.notes: list[str] = []
-        resume = bool(cfg.load) and (cfg.load_strict or _has_checkpoint(cfg.load))
+        from megapar.checkpoint.publish import has_checkpoint
+
+        resume = bool(cfg.load) and (cfg.load_strict or has_checkpoint(cfg.load))
         if cfg.load and not resume:
             self.notes.append(f"--load {cfg.load}: no checkpoint there yet, starting from scratch "
                               f"(--load-strict makes this an error)")
@@ -245,15 +247,6 @@ class Trainer:
         finally:
             logger.close()
         return history
-
-
-def _has_checkpoint(path: str) -> bool:
-    """Whether `path` holds something to resume from (else a requeued run starts fresh)."""
-    from pathlib import Path
-
-    p = Path(path)
-    return p.is_dir() and any(x.name == "latest" or x.name == "manifest.json" or (
-        x.name.startswith("step_") and (x / "manifest.json").exists()) for x in p.iterdir())
 
 
 def train(cfg: TrainConfig, plan: DataPlan) -> list[dict]:
