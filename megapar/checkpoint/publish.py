@@ -29,8 +29,8 @@ from megapar.checkpoint.format import MANIFEST, fsync_dir
 
 OWNER = ".owner"
 
-#: Tests replace this to kill the process at a named point of `publish_step` ("after-aside",
-#: "after-rename", "after-latest-tmp", "after-latest").
+#: Tests replace this to kill the process at a named point of `publish_step` ("start",
+#: "after-aside", "after-rename", "after-latest-tmp", "after-latest").
 crash_point = None
 
 
@@ -47,7 +47,7 @@ def mark_owner(staging: Path) -> None:
 def set_latest(root: str | Path, step_name: str) -> None:
     """Atomically point ``root/latest`` at a step directory."""
     root = Path(root)
-    tmp = root / f".latest.tmp-{secrets.token_hex(4)}"
+    tmp = root / f".latest.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     with open(tmp, "w") as f:
         f.write(step_name + "\n")
         f.flush()
@@ -60,6 +60,7 @@ def set_latest(root: str | Path, step_name: str) -> None:
 def publish_step(tmp: Path, root: str | Path, step_name: str) -> Path:
     """Rename a complete, fsynced staging directory to ``root/step_name``; update ``latest``."""
     root = Path(root)
+    _crash("start")
     fsync_dir(tmp)
     final = root / step_name
     old = None
@@ -122,8 +123,11 @@ def has_checkpoint(path: str | Path) -> bool:
 
 def _owner_gone(path: Path) -> bool:
     try:
-        owner = json.loads((path / OWNER).read_text())
-    except (OSError, ValueError):
+        if path.is_file():  # .latest.tmp-{pid}-*
+            owner = {"host": socket.gethostname(), "pid": path.name.split("-")[1]}
+        else:
+            owner = json.loads((path / OWNER).read_text())
+    except (OSError, ValueError, IndexError):
         return False  # no owner file: not ours to judge
     if owner.get("host") != socket.gethostname():
         return False
@@ -140,7 +144,8 @@ def clean_stale(root: str | Path) -> list[str]:
     """Delete leftovers of dead saves in `root`; returns their names.
 
     ``.tmp-step_*`` whose owner process (on this host) is gone, and ``.old-step_*`` whose step
-    is in place again; never the only complete copy of a step that ``latest`` is missing."""
+    is in place again, ``.latest.tmp-{pid}-*`` of dead processes; never the only complete copy of
+    a step that ``latest`` is missing."""
     root = Path(root)
     removed = []
     if not root.is_dir():
@@ -154,9 +159,13 @@ def clean_stale(root: str | Path) -> list[str]:
             step_name = f"step_{int(n):08d}" if n.isdigit() else ""
             stale = _owner_gone(p) and (not (p / MANIFEST).exists()
                                         or (root / step_name / MANIFEST).exists())
+        elif p.name.startswith(".latest.tmp-"):
+            stale = _owner_gone(p)
         else:
             continue
-        if stale:
+        if stale and p.is_file():
+            p.unlink(missing_ok=True)
+        elif stale:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
     return sorted(removed)
