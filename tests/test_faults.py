@@ -242,3 +242,33 @@ def test_local_runs_listen_on_loopback_only():
     loopback = {"0100007F", "00000000000000000000000001000000"}
     for sockets in ranks:
         assert all(addr in loopback for addr, _ in sockets), sockets
+
+
+@pytest.mark.parametrize("flag", ["--save", "--log-json", "--tensorboard", "--data-cache"])
+def test_unwritable_outputs_are_refused_before_any_work(tmp_path, common, capsys, flag):
+    rc = main([*common, "--max-steps", "2", flag, "/proc/megapar-test/x"])
+    assert rc == 2
+    assert f"{flag} /proc/megapar-test/x is not writable" in capsys.readouterr().err
+
+
+def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(tmp_path, common, capsys,
+                                                                      monkeypatch):
+    import megapar.checkpoint.distributed as cd
+
+    real = cd.write_tensors
+    calls = []
+
+    def full_disk(path, tensors):
+        calls.append(path)
+        if len(calls) > 2:  # the first save (shard + rng) fits, then the disk is full
+            raise OSError(28, "No space left on device")
+        return real(path, tensors)
+
+    monkeypatch.setattr(cd, "write_tensors", full_disk)
+    ckpt = tmp_path / "ckpt"
+    rc = main([*common, "--max-steps", "4", "--save", str(ckpt), "--save-interval", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    assert "No space left on device" in err
+    assert "not saved: steps 3-4 (last checkpoint: step 2)" in err
+    assert (ckpt / "latest").read_text().strip() == "step_00000002"

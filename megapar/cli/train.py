@@ -19,7 +19,7 @@ from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError, config_from_dict
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan, build_datasets, prepare_data
-from megapar.training.faults import parse_signals
+from megapar.training.faults import check_outputs, parse_signals
 
 
 def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
@@ -34,6 +34,7 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
                          f"micro-batch size {cfg.micro_batch_size} x dp {layout.dp} = {per_step}; "
                          f"choose a multiple of {per_step}")
     parse_signals(cfg.exit_signals)  # a typo is an error now, not when the signal comes
+    check_outputs(cfg)  # before any work: an unwritable --save is not found after the run
     if cfg.load and cfg.load_strict and not has_checkpoint(cfg.load):
         raise ValueError(f"--load {cfg.load}: no checkpoint there (--load-strict); drop "
                          f"--load-strict to start fresh when there is none")
@@ -79,6 +80,11 @@ def main(argv=None) -> int:
         run_workers(_worker, layout.world_size, cfg, plan, collective_timeout_s=cfg.timeout_s,
                     forward=forward)
     except WorkerError as exc:
+        print(f"megapar-train: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # in-process (one rank): a clean stop is one line, not a traceback
+        if not getattr(exc, "no_traceback", False):
+            raise
         print(f"megapar-train: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

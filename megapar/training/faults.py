@@ -153,3 +153,41 @@ class StopRequests:
         if self.exit_interval and step % self.exit_interval == 0:
             return f"--exit-interval {self.exit_interval} reached at step {step}"
         return None
+
+
+# --- output locations -------------------------------------------------------------------------
+def check_writable(path: str, flag: str, kind: str = "dir") -> None:
+    """Raise ValueError unless `path` (a directory, or a file's directory) can be written now.
+
+    Creates the directory (as the run would) and writes and removes a probe file there, so a
+    read-only mount, an immutable directory or a path under /proc is found before any work."""
+    import errno
+    import tempfile
+
+    target = os.path.expanduser(path)
+    directory = target if kind == "dir" else (os.path.dirname(os.path.abspath(target)) or ".")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-probe-"):
+            pass
+        if kind == "file" and os.path.exists(target):
+            with open(target, "a"):
+                pass
+    except OSError as exc:
+        reason = errno.errorcode.get(exc.errno, "") if exc.errno else ""
+        raise ValueError(f"{flag} {path} is not writable ({exc.strerror or exc}"
+                         f"{' ' + reason if reason else ''}); choose a location you can write "
+                         f"to") from None
+
+
+def check_outputs(cfg) -> None:
+    """Every output location of a training run, checked in the launching process."""
+    if cfg.save:
+        check_writable(cfg.save, "--save")
+    if cfg.log_json:
+        check_writable(cfg.log_json, "--log-json", kind="file")
+    if cfg.tensorboard:
+        check_writable(cfg.tensorboard, "--tensorboard")
+    data = os.path.expanduser(cfg.data) if cfg.data else None
+    if data is None or (os.path.isfile(data) and not os.path.exists(data + ".idx")):
+        check_writable(cfg.data_cache, "--data-cache")  # raw text is tokenized into it

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from megapar.checkpoint.format import CheckpointError
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.config import config_from_dict
 from megapar.training.build import build_stage
@@ -78,6 +79,7 @@ class Trainer:
                               f"(--load-strict makes this an error)")
         if cfg.from_hf and not resume:
             self._load_hf(cfg.from_hf)
+        self.resumed = resume
         if resume:
             self._resume(cfg.load)
         n_params = _num_params(self.model, mesh)
@@ -194,7 +196,7 @@ class Trainer:
         guard = NonFiniteGuard(cfg.max_nonfinite_steps, cfg.precision,
                                getattr(self.precision.scaler, "min_scale", None))
         stop = StopRequests(cfg.exit_duration_mins, cfg.exit_interval, mesh.device)
-        saved = None
+        saved = self.step if self.resumed else None
         try:
             while self.step < cfg.max_steps:
                 start = time.perf_counter()
@@ -240,9 +242,13 @@ class Trainer:
         except Exception as exc:
             err = TrainingError(f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
                                 f"pp={mesh.pp_rank} dp={mesh.dp_rank}) failed at step "
-                                f"{self.step + (not isinstance(exc, RunStopped))}: "
+                                f"{self.step + (not isinstance(exc, (RunStopped, CheckpointError)))}: "
                                 f"{type(exc).__name__}: {exc}")
             err.no_traceback = getattr(exc, "no_traceback", False)
+            if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
+                err.no_traceback = True
+                err.args = (f"{err} -- not saved: steps {(saved or 0) + 1}-{self.step} (last "
+                            f"checkpoint: {'step %d' % saved if saved else 'none'})",)
             raise err from exc
         finally:
             logger.close()
