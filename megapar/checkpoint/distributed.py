@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from megapar.checkpoint.format import (
-    FORMAT_NAME, FORMAT_VERSION, MANIFEST, RNG_FILE, CheckpointError, ShardReader, dtype_name,
+    FORMAT_NAME, FORMAT_VERSION, RNG_FILE, CheckpointError, ShardReader, dtype_name,
     publish, read_manifest, resolve_checkpoint, shard_file_name, staging_dir, verify_file,
-    write_json, write_tensors,
+    write_tensors,
 )
+from megapar.checkpoint.manifest import write_manifest
 from megapar.mesh import Layout, Mesh
 
 # Config fields that do not change any parameter (dropouts, init std, vocab padding multiple):
@@ -206,7 +207,7 @@ def _finish(tmp: Path, root: Path, step: int, model, mesh: Mesh, meta, payloads)
                 "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
                 "model": model.config.to_dict(), "meta": meta, "tensors": tensors,
                 "files": dict(sorted(files.items()))}
-    write_json(tmp / MANIFEST, manifest)
+    write_manifest(tmp, manifest)
     return publish(tmp, root, step)
 
 

@@ -196,16 +196,21 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def read_manifest(path: str | Path) -> dict:
     """The manifest of a checkpoint (ROOT or step directory), with its version checked."""
+    from megapar.checkpoint.manifest import check_digest, check_manifest
+
     step_dir = resolve_checkpoint(path)
+    raw = (step_dir / MANIFEST).read_bytes()
     try:
-        manifest = json.loads((step_dir / MANIFEST).read_text())
-    except json.JSONDecodeError as exc:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{step_dir / MANIFEST}: not valid JSON ({exc}); the file is "
                               f"corrupted") from exc
     if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{step_dir / MANIFEST}: format {manifest.get('format')!r} version "
                               f"{manifest.get('version')!r}, this megapar reads {FORMAT_NAME!r} "
                               f"version {FORMAT_VERSION}")
+    check_digest(step_dir, raw)
+    check_manifest(manifest, step_dir)
     return manifest
 
 
@@ -256,7 +261,10 @@ class ShardReader:
             path = self.step_dir / name
             if not path.exists():
                 raise CheckpointError(f"missing shard {name} in {self.step_dir}")
+            from megapar.checkpoint.manifest import check_file_shapes
+
             self._open[name] = safe_open(str(path), framework="pt")
+            check_file_shapes(self._open[name], name, self.manifest, self.step_dir)
         return self._open[name]
 
     def release(self) -> None:
