@@ -115,6 +115,22 @@ def _logits_worker(args):
     return None
 
 
+def _check_ids(args, vocab_size: int) -> None:
+    """Token ids outside the vocabulary are refused at any layout (at tp > 1 the vocab-parallel
+    embedding would silently turn them into zero vectors)."""
+    if args.input_ids:
+        ids = np.load(args.input_ids, allow_pickle=False)
+        if ids.size and (not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0
+                         or ids.max() >= vocab_size):
+            bad = ids.max() if ids.max() >= vocab_size else ids.min()
+            raise ValueError(f"--input-ids {args.input_ids} holds id {bad} ({ids.dtype}), outside "
+                             f"the model's vocabulary of {vocab_size} ids (0-{vocab_size - 1})")
+    elif args.data:
+        from megapar.data import IndexedDataset
+
+        IndexedDataset(args.data).check_vocab(vocab_size)
+
+
 def main(argv=None) -> int:
     from megapar.launcher import WorkerError, run_workers
 
@@ -139,8 +155,10 @@ def main(argv=None) -> int:
 
     try:  # a wrong --load or a layout the model cannot take: reported once, before any worker
         manifest = read_manifest(resolve_checkpoint(args.load))
-        config_from_dict(manifest["model"]).validate(Layout(args.tp, args.pp, 1))
-    except (CheckpointError, LayoutError, OSError) as exc:
+        config = config_from_dict(manifest["model"])
+        config.validate(Layout(args.tp, args.pp, 1))
+        _check_ids(args, config.vocab_size)
+    except (CheckpointError, LayoutError, OSError, ValueError) as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)
         return 2
     try:

@@ -14,6 +14,7 @@ import os
 import sys
 
 from megapar.checkpoint.publish import has_checkpoint
+from megapar.data import IndexedDataset
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError, config_from_dict
@@ -46,6 +47,7 @@ def plan_run(cfg: TrainConfig) -> tuple[Layout, DataPlan]:
     plan = prepare_data(cfg)
     config = config_from_dict(plan.model_config)
     config.validate(layout)
+    IndexedDataset(plan.prefix).check_vocab(config.vocab_size)  # ids outside it: refused at any tp
     train, _ = build_datasets(cfg, plan.prefix, config.model_type)
     if len(train) < cfg.global_batch_size:
         raise ValueError(f"the training split has {len(train)} samples of {cfg.seq_len} tokens, "
