@@ -272,3 +272,19 @@ def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(tmp_path, c
     assert "No space left on device" in err
     assert "not saved: steps 3-4 (last checkpoint: step 2)" in err
     assert (ckpt / "latest").read_text().strip() == "step_00000002"
+
+
+def test_a_second_sigint_aborts_at_once(tmp_path, common):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    # Steps of 32 micro-batches: the first SIGINT's step cannot end before the second arrives.
+    pid = _fork_main([*common, "--tp", "2", "--max-steps", "400", "--save", str(ckpt),
+                      "--log-json", str(log), "--global-batch-size", "64"], tmp_path / "out")
+    assert _wait_for(lambda: len(_steps(log)) >= 1)
+    workers = _children(pid)
+    os.kill(pid, signal.SIGINT)
+    time.sleep(0.2)  # two signals sent at once would merge into one
+    os.kill(pid, signal.SIGINT)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 130, (tmp_path / "out").read_text()
+    assert "aborted (second SIGINT)" in (tmp_path / "out").read_text()
+    assert _wait_for(lambda: not any(_alive(w) for w in workers), timeout=5.0)
