@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -196,7 +197,10 @@ class Trainer:
         guard = NonFiniteGuard(cfg.max_nonfinite_steps, cfg.precision,
                                getattr(self.precision.scaler, "min_scale", None))
         stop = StopRequests(cfg.exit_duration_mins, cfg.exit_interval, mesh.device)
-        saved = self.step if self.resumed else None
+        # The step resumed from is already saved when it came from --save itself (a requeue).
+        save_root = Path(cfg.save).expanduser().resolve() if cfg.save else None
+        loaded = Path(cfg.load).expanduser().resolve() if self.resumed else None
+        saved = self.step if loaded and save_root in (loaded, *loaded.parents) else None
         try:
             while self.step < cfg.max_steps:
                 start = time.perf_counter()
