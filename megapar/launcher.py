@@ -20,7 +20,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
-import re
 import signal
 import socket
 import sys
@@ -30,6 +29,7 @@ import traceback
 from typing import Any, Callable
 
 from megapar import device as _device
+from megapar.blame import blame, state
 
 
 class WorkerError(RuntimeError):
@@ -138,7 +138,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
     after `collective_timeout_s` (default: megapar.device.DEFAULT_TIMEOUT_S).
 
     The process group is initialised before `fn` runs (RANK / WORLD_SIZE are in the
-    environment). Raises `WorkerError` naming the rank that failed first (see `_blame`), or a
+    environment). Raises `WorkerError` naming the rank that caused the failure (`megapar.blame`), or a
     `TimeoutError` naming the ranks that had not finished after `timeout_s`. The signals named
     in `forward` are passed on to the workers; a second SIGINT aborts.
     """
@@ -168,12 +168,12 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
                 failed_at = time.monotonic()  # give the others' reports a moment to arrive
             if failed_at is not None and time.monotonic() - failed_at > 0.5:
                 _drain(results, outputs, errors, block=0.0)
-                raise WorkerError(_blame(procs, outputs, errors))
+                raise WorkerError(blame(procs, outputs, errors))
             if time.monotonic() > deadline:
                 missing = [r for r in range(world_size) if r not in outputs]
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s"
-                                   + "".join(f"; rank {r} {_state(procs[r])}" for r in missing
-                                             if _state(procs[r])))
+                                   + "".join(f"; rank {r} {state(procs[r])}" for r in missing
+                                             if state(procs[r])))
     finally:
         restore()
         for p in procs:
@@ -195,73 +195,6 @@ def _drain(results, outputs: dict, errors: dict, block: float) -> None:
             errors[rank] = payload
         else:
             outputs[rank] = pickle.loads(payload)
-
-
-def _how(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name} ({-exitcode})"
-    return f"exited with code {exitcode} without reporting an error"
-
-
-def _state(proc) -> str:
-    """"is stopped (SIGSTOP?)" when a live worker is stopped (Linux /proc), else ""."""
-    try:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-    return "is stopped (SIGSTOP / SIGTSTP?)" if state in ("T", "t") else ""
-
-
-_CONSEQUENTIAL = ("timed out", "timeout", "connection closed", "connection reset",
-                  "broken pipe", "connection refused", "did not complete", "peer")
-
-
-def _blame(procs, outputs: dict, errors: dict) -> str:
-    """The failure report: first the cause, then the ranks that failed because of it.
-
-    Cause, in order: ranks that died without a report (their signal / exit code); ranks whose
-    error is not a communication timeout or lost connection; live ranks that never answered
-    while the others timed out waiting for them."""
-    dead = {r: _how(p.exitcode) for r, p in enumerate(procs)
-            if r not in outputs and r not in errors and p.exitcode not in (None, 0)}
-    own = {r: e for r, e in errors.items()
-           if not any(w in e.split("\n", 1)[0].lower() for w in _CONSEQUENTIAL)}
-    silent = [r for r, p in enumerate(procs)
-              if r not in outputs and r not in errors and r not in dead]
-    if dead:
-        lines = [f"rank {r} {how}" for r, how in sorted(dead.items())]
-        rest = errors
-    elif own:
-        first = min(own)
-        lines = [f"rank {first} failed: {own[first]}"]
-        rest = {r: e for r, e in errors.items() if r != first}
-    elif silent and errors:
-        lines = [f"rank {r} did not answer" + (f" (it {_state(procs[r])})" if _state(procs[r])
-                                               else "") for r in silent]
-        rest = errors
-    else:
-        first = min(errors)
-        lines = [f"rank {first} failed: {errors[first]}"]
-        rest = {r: e for r, e in errors.items() if r != first}
-    same = [r for r, e in rest.items() if _gist(e) == _gist(lines[0])]
-    if same:
-        lines.append(f"(ranks {sorted(same)} stopped for the same reason)")
-    rest = {r: e for r, e in rest.items() if r not in same}
-    if rest:
-        lines.append("then: " + "; ".join(f"rank {r}: {e.splitlines()[0][:300]}"
-                                          for r, e in sorted(rest.items())))
-    return "\n".join(lines)
-
-
-def _gist(text: str) -> str:
-    """An error's first line without the rank that reported it."""
-    line = text.splitlines()[0] if text else ""
-    return re.sub(r"rank \d+( \([^)]*\))?", "rank", line.split(" failed: ", 1)[-1])
 
 
 def _forward_signals(procs, names) -> Callable[[], None]:
