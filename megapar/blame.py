@@ -26,10 +26,10 @@ def state(proc) -> str:
     """"is stopped (SIGSTOP?)" when a live worker is stopped (Linux /proc), else ""."""
     try:
         with open(f"/proc/{proc.pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+            code = f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
-    return "is stopped (SIGSTOP / SIGTSTP?)" if state in ("T", "t") else ""
+    return "is stopped (SIGSTOP / SIGTSTP?)" if code in ("T", "t") else ""
 
 
 _CONSEQUENTIAL = ("timed out", "timeout", "connection closed", "connection reset",
