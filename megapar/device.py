@@ -36,10 +36,11 @@ def device(local_rank: int | None = None) -> torch.device:
 
 
 def init_distributed(rank: int | None = None, world_size: int | None = None,
-                     timeout_s: float | None = None) -> None:
+                     timeout_s: float | None = None, store=None) -> None:
     """Initialise the default process group from the environment (torchrun / Slurm / our launcher).
 
-    Does nothing when the default group is already initialised. Every later collective inherits
+    `store`: a rendezvous store to use instead of MASTER_ADDR / MASTER_PORT (the launcher's
+    loopback-only store). Does nothing when the default group is already initialised. Every later collective inherits
     the timeout, so a rank that never arrives makes the others fail instead of hanging forever.
     """
     import torch.distributed as dist
@@ -57,5 +58,5 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
         torch.cuda.set_device(dev)
     dist.init_process_group(
         backend=backend(), rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S),
+        timeout=timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S), store=store,
     )

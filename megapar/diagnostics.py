@@ -4,7 +4,7 @@ Each rank records its current step and action (`set_step`, `set_action`: the pip
 with its micro-batch and peer, or the collective it is in) in a small buffer shared with the
 launcher. When one rank fails (typically a collective / point-to-point timeout, whose message
 names the rank it waited for), the launcher (`megapar.launcher.run_local`) sends every other
-rank SIGUSR1, which makes Python's `faulthandler` write that rank's stack of every thread to
+rank SIGUSR2 (SIGUSR1 and SIGTERM are clean-stop signals of megapar-train), which makes Python's `faulthandler` write that rank's stack of every thread to
 its stack file *immediately*, even while it is blocked in C++ (a gloo wait); the launcher then
 appends "rank R: step S, <action>" and the stack of every rank to the error it raises.
 
@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import os
 import signal
 import sys
+import time
 
 _state = {"step": None, "action": "starting"}
 _shared = None  # a multiprocessing char array from the launcher, or None
 _stack_file = None  # kept open for faulthandler
+
+DUMP_SIGNAL = getattr(signal, "SIGUSR2", None)
+"""The signal that makes a rank write its Python stacks (faulthandler)."""
 
 
 def install(rank: int, shared=None, stack_path: str | None = None,
@@ -36,10 +41,10 @@ def install(rank: int, shared=None, stack_path: str | None = None,
     if stack_path:
         _stack_file = out = open(stack_path, "w")  # noqa: SIM115 - must outlive this call
     try:
-        faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+        faulthandler.register(DUMP_SIGNAL, file=out, all_threads=True)
         if on_sigterm:
             faulthandler.register(signal.SIGTERM, file=out, all_threads=True, chain=True)
-    except (AttributeError, ValueError, OSError):  # no SIGUSR1 (Windows) or no real fd
+    except (AttributeError, ValueError, OSError):  # no SIGUSR2 (Windows) or no real fd
         pass
     _publish()
 
@@ -65,3 +70,23 @@ def _publish() -> None:
     if _shared is not None:  # a plain memory copy: this runs for every pipeline action
         data = status().encode()[:len(_shared) - 1] + b"\0"
         ctypes.memmove(_shared, data, len(data))
+
+
+def diagnose(procs, statuses, stacks: str, settle_s: float = 0.5) -> str:
+    """Every rank's status and (for ranks still running) Python stack, dumped on DUMP_SIGNAL."""
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in alive:
+        try:
+            os.kill(procs[r].pid, DUMP_SIGNAL)
+        except (OSError, AttributeError, TypeError):
+            pass
+    time.sleep(settle_s if alive else 0.0)  # faulthandler writes at once; let the files settle
+    lines = ["what every rank was doing when the run failed (status; stack of running ranks):"]
+    for r, p in enumerate(procs):
+        state = statuses[r].value.decode(errors="replace") or "not started"
+        lines.append(f"--- rank {r}: {state}" + ("" if r in alive else " [exited]"))
+        path = os.path.join(stacks, f"rank{r}.txt")
+        if r in alive and os.path.exists(path):
+            with open(path) as f:
+                lines.append(f.read().rstrip())
+    return "\n".join(lines)

@@ -4,8 +4,14 @@ Used by the tests (fork: 8 gloo ranks start in well under a second, because the 
 already imported torch), by `megapar-train` when it is not run under torchrun, and by
 `megapar-bubble`. Under CUDA the start method is spawn (CUDA cannot be forked).
 
-A worker that raises sends its traceback to the parent, which terminates the other workers at
-once (they may be blocked in a collective) and raises `WorkerError` naming the rank.
+A worker that raises sends its traceback to the parent, which kills the other workers at once
+(they may be blocked in a collective) and raises `WorkerError` naming the rank that caused it:
+a rank that died (with its exit code or signal) before the ranks that failed because of it, and
+on a timeout the rank that did not answer.
+
+Workers die with the launcher (`die_with_parent`), run in their own process group (a terminal's
+Ctrl-C reaches the launcher only, which forwards it once), and receive the launcher's SIGTERM /
+SIGUSR1 / SIGINT. Rank 0 serves the rendezvous store on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ import queue as queue_mod
 import shutil
 import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
 
 from megapar import device as _device
+from megapar.blame import blame, state
+from megapar.diagnostics import diagnose
 
 
 class WorkerError(RuntimeError):
@@ -36,27 +46,85 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, status, stacks):
+PR_SET_PDEATHSIG = 1
+_launcher_pid: int | None = None
+
+
+def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Kill this process (SIGKILL) as soon as `parent_pid`, its launcher, is gone: Linux's
+    ``prctl(PR_SET_PDEATHSIG)``, and on any OS a watchdog thread that notices the re-parenting."""
+    global _launcher_pid
+    _launcher_pid = parent_pid
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog still works
+    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watchdog():
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watchdog, name="megapar-parent-watchdog", daemon=True).start()
+
+
+def launcher_alive() -> bool:
+    """False once the launcher that started this worker has gone (True when there is none)."""
+    return _launcher_pid is None or os.getppid() == _launcher_pid
+
+
+def loopback_store(rank: int, world_size: int, port: int, timeout_s: float | None):
+    """The rendezvous store of a local run: rank 0 serves it on 127.0.0.1 only."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s or _device.DEFAULT_TIMEOUT_S)
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(128)
+    store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout,
+                          master_listen_fd=sock.detach())
+    return store
+
+
+def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, parent,
+            status, stacks):
     from megapar import diagnostics
 
+    die_with_parent(parent)
     diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))
+    os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
     os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets: loopback too
     try:
         import torch
 
         torch.set_num_threads(1)
         if world_size > 1:
-            _device.init_distributed(rank, world_size, timeout_s=timeout_s)
+            store = loopback_store(rank, world_size, port, timeout_s)
+            _device.init_distributed(rank, world_size, timeout_s=timeout_s, store=store)
         out = fn(*args, **kwargs)
         # By value: torch's queue reducers would share tensors through file descriptors that
         # vanish when this process exits.
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as exc:  # noqa: BLE001 - report everything to the parent
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        tb = "" if getattr(exc, "no_traceback", False) else "\n" + traceback.format_exc()
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}{tb}"))
     finally:
         try:
             import torch.distributed as dist
@@ -69,15 +137,17 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, s
 
 def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float | None = 240.0,
               collective_timeout_s: float | None = None, start_method: str | None = None,
-              env: dict[str, str] | None = None, **kwargs) -> list[Any]:
+              env: dict[str, str] | None = None,
+              forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"), **kwargs) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` local ranks and return each rank's result.
 
     timeout_s=None waits as long as the workers run (training); collectives still time out
     after `collective_timeout_s` (default: megapar.device.DEFAULT_TIMEOUT_S).
 
     The process group is initialised before `fn` runs (RANK / WORLD_SIZE are in the
-    environment). Raises `WorkerError` naming the first rank that failed, or a `TimeoutError`
-    naming the ranks that had not finished after `timeout_s`.
+    environment). Raises `WorkerError` naming the rank that caused the failure (`megapar.blame`), or a
+    `TimeoutError` naming the ranks that had not finished after `timeout_s`. The signals named
+    in `forward` are passed on to the workers; a second SIGINT aborts.
     """
     if start_method is None:
         start_method = "spawn" if _device.use_cuda() else "fork"
@@ -89,79 +159,83 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
     statuses = [ctx.RawArray("c", 256) for _ in range(world_size)]
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, r, world_size, port, args, kwargs, results, coll_timeout,
-                               env or {}, statuses[r], stacks))
+                               env or {}, os.getpid(), statuses[r], stacks))
              for r in range(world_size)]
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
+    restore = _forward_signals(procs, forward)
     try:
-        _collect(procs, results, outputs, deadline, timeout_s)
-    except (WorkerError, TimeoutError) as exc:
-        raise type(exc)(f"{exc}\n{_diagnose(procs, statuses, stacks)}") from None
+        failed_at = None
+        while len(outputs) < world_size:
+            _drain(results, outputs, errors, block=0.05)
+            dead = [r for r, p in enumerate(procs)
+                    if r not in outputs and r not in errors and p.exitcode not in (None, 0)]
+            if (errors or dead) and failed_at is None:
+                failed_at = time.monotonic()  # give the others' reports a moment to arrive
+            if failed_at is not None and time.monotonic() - failed_at > 0.5:
+                _drain(results, outputs, errors, block=0.0)
+                raise WorkerError(f"{blame(procs, outputs, errors)}\n"
+                                  f"{diagnose(procs, statuses, stacks)}")
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if r not in outputs]
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s"
+                                   + "".join(f"; rank {r} {state(procs[r])}" for r in missing
+                                             if state(procs[r]))
+                                   + f"\n{diagnose(procs, statuses, stacks)}")
     finally:
+        restore()
         for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        for p in procs:
+            p.join(timeout=5)
         shutil.rmtree(stacks, ignore_errors=True)
     return [outputs[r] for r in range(world_size)]
 
 
-def _diagnose(procs, statuses, stacks: str, settle_s: float = 0.5) -> str:
-    """Every rank's status and (for ranks still running) Python stack, dumped on SIGUSR1."""
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in alive:
-        try:
-            os.kill(procs[r].pid, signal.SIGUSR1)
-        except (OSError, AttributeError):
-            pass
-    time.sleep(settle_s if alive else 0.0)  # faulthandler writes at once; let the files settle
-    lines = ["what every rank was doing when the run failed (status; stack of running ranks):"]
-    for r, p in enumerate(procs):
-        state = statuses[r].value.decode(errors="replace") or "not started"
-        lines.append(f"--- rank {r}: {state}" + ("" if r in alive else " [exited]"))
-        path = os.path.join(stacks, f"rank{r}.txt")
-        if r in alive and os.path.exists(path):
-            with open(path) as f:
-                lines.append(f.read().rstrip())
-    return "\n".join(lines)
-
-
-def _collect(procs, results, outputs, deadline, timeout_s) -> None:
-    """Gather each rank's result; raise at the first failure or at the deadline."""
-    world_size = len(procs)
-    while len(outputs) < world_size:
-        try:
-            rank, status, payload = results.get(timeout=0.05)
-        except queue_mod.Empty:
-            for r, p in enumerate(procs):
-                if r not in outputs and p.exitcode not in (None, 0):
-                    time.sleep(0.2)  # its traceback may still be in flight
-                    _drain(results, outputs)
-                    if r not in outputs:
-                        raise WorkerError(f"rank {r} died with exit code {p.exitcode}")
-            if time.monotonic() > deadline:
-                missing = [r for r in range(world_size) if r not in outputs]
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
-            continue
-        if status == "error":
-            raise WorkerError(f"rank {rank} failed: {payload}")
-        outputs[rank] = pickle.loads(payload)
-
-
-def _drain(results, outputs):
+def _drain(results, outputs: dict, errors: dict, block: float) -> None:
     while True:
         try:
-            rank, status, payload = results.get_nowait()
+            rank, status, payload = results.get(timeout=block) if block else results.get_nowait()
         except queue_mod.Empty:
             return
+        block = 0.0
         if status == "error":
-            raise WorkerError(f"rank {rank} failed: {payload}")
-        outputs[rank] = pickle.loads(payload)
+            errors[rank] = payload
+        else:
+            outputs[rank] = pickle.loads(payload)
+
+
+def _forward_signals(procs, names) -> Callable[[], None]:
+    """Forward the signals `names` to the workers (a second SIGINT aborts the launcher).
+    Returns a function that restores the previous handlers. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    sigints = [0]
+
+    def forward(signum, frame):
+        if signum == signal.SIGINT:
+            sigints[0] += 1
+            if sigints[0] > 1:
+                raise KeyboardInterrupt("second SIGINT: aborting")
+        for p in procs:
+            if p.is_alive():
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    old = {sig: signal.signal(sig, forward) for sig in (getattr(signal, n) for n in names
+                                                        if hasattr(signal, n))}
+
+    def restore():
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+    return restore
 
 
 def under_launcher() -> bool:
@@ -176,7 +250,8 @@ def launched_world_size() -> int:
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args,
-                collective_timeout_s: float | None = None) -> list[Any]:
+                collective_timeout_s: float | None = None,
+                forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")) -> list[Any]:
     """Run `fn(*args)` as this process's rank under torchrun / Slurm, or else start
     `world_size` local workers (in this process when world_size is 1). Returns the results of
     the ranks this process ran."""
@@ -185,6 +260,8 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
             os.environ.update(RANK=os.environ["SLURM_PROCID"],
                               WORLD_SIZE=os.environ["SLURM_NTASKS"],
                               LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun: die with its agent
+            die_with_parent(os.getppid())
         from megapar import diagnostics
 
         diagnostics.install(int(os.environ["RANK"]), on_sigterm=True)
@@ -193,7 +270,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
     if world_size == 1:
         return [fn(*args)]
     return run_local(fn, world_size, *args, timeout_s=None,
-                     collective_timeout_s=collective_timeout_s)
+                     collective_timeout_s=collective_timeout_s, forward=forward)
 
 
 def _in_notebook() -> bool:

@@ -20,10 +20,11 @@ from typing import Callable
 import torch
 
 from megapar.checkpoint.format import (
-    FORMAT_NAME, FORMAT_VERSION, MANIFEST, RNG_FILE, CheckpointError, ShardReader, ShardWriter,
+    FORMAT_NAME, FORMAT_VERSION, RNG_FILE, CheckpointError, ShardReader, ShardWriter,
     dtype_from_name, dtype_name, file_record, fsync_dir, resolve_checkpoint, set_latest,
-    shard_file_name, staging_dir, step_dir_name, verify, write_json,
+    shard_file_name, staging_dir, step_dir_name, verify,
 )
+from megapar.checkpoint.manifest import write_manifest
 from megapar.mesh import Layout, LayoutError, Mesh
 from megapar.models.config import config_from_dict
 
@@ -117,7 +118,7 @@ def write_checkpoint(dst, step: int, layout: Layout, config, meta: dict,
                     "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
                     "model": config.to_dict(), "meta": meta, "tensors": entries,
                     "files": dict(sorted(files.items()))}
-        write_json(step_dir / MANIFEST, manifest)
+        write_manifest(step_dir, manifest)
         fsync_dir(step_dir)
         set_latest(tmp, step_dir.name)
         _swap_into(tmp, dst)
@@ -136,6 +137,9 @@ def convert_checkpoint(src, dst, tp: int, pp: int, dp: int = 1, overwrite: bool 
     Weights and optimizer moments are resharded exactly; the manifest is carried over with the
     new layout; RNG states (which belong to ranks) are dropped and the fact noted in meta."""
     step_dir = resolve_checkpoint(src)
+    if Path(dst).resolve() in (step_dir.resolve(), *step_dir.resolve().parents):
+        raise CheckpointError(f"DST {dst} holds the source {step_dir}: converting a checkpoint "
+                              f"onto itself would delete it; give a new DST")
     manifest = verify(step_dir)
     config = config_from_dict(manifest["model"])
     layout = Layout(tp, pp, dp)
@@ -232,10 +236,11 @@ def export_hf(src, hf_dir, overwrite: bool = False) -> Path:
     return save_hf(canonical, config_from_dict(manifest["model"]), hf_dir)
 
 
-def checkpoint_info(path, tensors: bool = False) -> str:
-    """A readable summary: layout, step, model, parameter count, bytes per file (and tensors)."""
+def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
+    """A readable summary: layout, step, model, parameter count, bytes per file (and tensors).
+    Every file is verified against the manifest (sha256 unless `checksums` is False: sizes)."""
     step_dir = resolve_checkpoint(path)
-    m = verify(step_dir, checksums=False)
+    m = verify(step_dir, checksums=checksums)
     model, entries = m["model"], m["tensors"]
     params = sum(math.prod(e["full_shape"]) for e in entries.values())
     optim = sorted({k for e in entries.values() for k in e["optim"]})
@@ -244,7 +249,9 @@ def checkpoint_info(path, tensors: bool = False) -> str:
              f"layout      tp={m['layout']['tp']} pp={m['layout']['pp']} dp={m['layout']['dp']}",
              f"model       {model['model_type']} ({_size(model)}), {params:,} parameters",
              f"optimizer   {', '.join(optim) if optim else 'none'}",
-             f"meta keys   {', '.join(sorted(m['meta'])) or 'none'}", "files:"]
+             f"meta keys   {', '.join(sorted(m['meta'])) or 'none'}",
+             f"verified    {'sha256 of every file' if checksums else 'sizes only (--fast)'}",
+             "files:"]
     total = sum(r["bytes"] for r in m["files"].values())
     lines += [f"  {name:32s} {r['bytes']:>14,} bytes" for name, r in m["files"].items()]
     lines.append(f"  {'total':32s} {total:>14,} bytes")

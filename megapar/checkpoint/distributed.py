@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from megapar.checkpoint.format import (
-    FORMAT_NAME, FORMAT_VERSION, MANIFEST, RNG_FILE, CheckpointError, ShardReader, dtype_name,
+    FORMAT_NAME, FORMAT_VERSION, RNG_FILE, CheckpointError, ShardReader, dtype_name,
     publish, read_manifest, resolve_checkpoint, shard_file_name, staging_dir, verify_file,
-    write_json, write_tensors,
+    write_tensors,
 )
+from megapar.checkpoint.manifest import write_manifest
 from megapar.mesh import Layout, Mesh
 
 # Config fields that do not change any parameter (dropouts, init std, vocab padding multiple):
@@ -151,7 +152,12 @@ def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dic
     tmp_name, error = "", ""
     if mesh.rank == 0:
         try:
-            tmp_name = staging_dir(root, f".tmp-step_{step}-").name
+            from megapar.checkpoint.publish import clean_stale, mark_owner
+
+            clean_stale(root)
+            staging = staging_dir(root, f".tmp-step_{step}-")
+            mark_owner(staging)
+            tmp_name = staging.name
         except OSError as exc:
             error = f"cannot create a staging directory in {root}: {exc}"
     tmp_name = _broadcast_text(tmp_name, mesh)
@@ -202,7 +208,7 @@ def _finish(tmp: Path, root: Path, step: int, model, mesh: Mesh, meta, payloads)
                 "layout": layout.to_dict(),
                 "model": model.config.to_dict(), "meta": meta, "tensors": tensors,
                 "files": dict(sorted(files.items()))}
-    write_json(tmp / MANIFEST, manifest)
+    write_manifest(tmp, manifest)
     return publish(tmp, root, step)
 
 

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import secrets
-import shutil
 from pathlib import Path
 
 import torch
@@ -155,33 +154,18 @@ def staging_dir(parent: str | Path, prefix: str) -> Path:
 
 def set_latest(root: str | Path, step_name: str) -> None:
     """Atomically point ``root/latest`` at a step directory."""
-    root = Path(root)
-    tmp = root / f".{LATEST}.tmp-{secrets.token_hex(4)}"
-    with open(tmp, "w") as f:
-        f.write(step_name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
-    fsync_dir(root)
+    from megapar.checkpoint.publish import set_latest as _set_latest
+
+    _set_latest(root, step_name)
 
 
 def publish(tmp: Path, root: str | Path, step: int) -> Path:
-    """Rename a complete, fsynced staging directory to ``root/step_{N}`` and update `latest`.
+    """Rename a complete, fsynced staging directory to ``root/step_{N}`` and update `latest`,
+    crash-safely (see megapar/checkpoint/publish.py). An existing directory of the same step is
+    replaced (moved aside first, deleted after)."""
+    from megapar.checkpoint.publish import publish_step
 
-    An existing directory of the same step is replaced (moved aside first, deleted after)."""
-    root = Path(root)
-    fsync_dir(tmp)
-    final = root / step_dir_name(step)
-    old = None
-    if final.exists():
-        old = root / f".old-{final.name}-{secrets.token_hex(4)}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    fsync_dir(root)
-    set_latest(root, final.name)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    return publish_step(tmp, root, step_dir_name(step))
 
 
 # --- reading -------------------------------------------------------------------------------
@@ -190,30 +174,43 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if (path / MANIFEST).exists():
         return path
+    from megapar.checkpoint import publish as pub
+
     if (path / LATEST).exists():
         step = path / (path / LATEST).read_text().strip()
         if not (step / MANIFEST).exists():
-            raise CheckpointError(f"{path}/latest points to {step.name}, which has no {MANIFEST} "
-                                  f"(deleted or moved?); pass a step directory explicitly")
+            problem = pub.recover(path, step.name) if step.name.startswith("step_") else ""
+            if problem is not None:
+                raise CheckpointError(f"{path}/latest points to {step.name}, which has no "
+                                      f"{MANIFEST} (deleted or moved?); {problem or 'no copy'}; "
+                                      f"pass a step directory explicitly")
         return step
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
+    newest = pub.newest_step(path)
+    if newest is not None:  # a crash before the first `latest` was written
+        return newest
     raise CheckpointError(f"{path}: neither a checkpoint step directory (no {MANIFEST}) nor a "
                           f"checkpoint root (no {LATEST} file); was the save interrupted?")
 
 
 def read_manifest(path: str | Path) -> dict:
     """The manifest of a checkpoint (ROOT or step directory), with its version checked."""
+    from megapar.checkpoint.manifest import check_digest, check_manifest
+
     step_dir = resolve_checkpoint(path)
+    raw = (step_dir / MANIFEST).read_bytes()
     try:
-        manifest = json.loads((step_dir / MANIFEST).read_text())
-    except json.JSONDecodeError as exc:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{step_dir / MANIFEST}: not valid JSON ({exc}); the file is "
                               f"corrupted") from exc
     if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{step_dir / MANIFEST}: format {manifest.get('format')!r} version "
                               f"{manifest.get('version')!r}, this megapar reads {FORMAT_NAME!r} "
                               f"version {FORMAT_VERSION}")
+    check_digest(step_dir, raw)
+    check_manifest(manifest, step_dir)
     _upgrade_separate_qkv(manifest)
     return manifest
 
@@ -284,7 +281,10 @@ class ShardReader:
             path = self.step_dir / name
             if not path.exists():
                 raise CheckpointError(f"missing shard {name} in {self.step_dir}")
+            from megapar.checkpoint.manifest import check_file_shapes
+
             self._open[name] = safe_open(str(path), framework="pt")
+            check_file_shapes(self._open[name], name, self.manifest, self.step_dir)
         return self._open[name]
 
     def release(self) -> None:

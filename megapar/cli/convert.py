@@ -6,6 +6,7 @@ Examples:
     megapar-convert --from-hf gpt2-dir/ ckpt/ --tp 2 --pp 2  # transformers -> megapar (step 0)
     megapar-convert ckpt/ --to-hf exported/                  # megapar -> transformers
     megapar-convert --info ckpt/                             # layout, step, model, sizes
+                                                             # (files verified; --fast: sizes)
 
 SRC may be a checkpoint root (its ``latest`` is followed) or a step directory; DST is a new
 checkpoint root. Sources are verified (sizes and sha256) first. Outputs are built in a hidden
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to-hf", metavar="HF_DIR", help="export SRC as a transformers directory")
     p.add_argument("--info", metavar="CKPT", help="print a summary of a checkpoint")
     p.add_argument("--tensors", action="store_true", help="with --info: list every tensor")
+    p.add_argument("--fast", action="store_true", help="with --info: check file sizes only, "
+                                                       "not their sha256")
     p.add_argument("--seed", type=int, default=0,
                    help="--from-hf: seed for tensors the HF model lacks (plain BertModel's head)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
@@ -61,7 +64,7 @@ def run(args) -> str:
         raise ValueError("--from-hf, --to-hf and --info are separate modes; give one")
     if args.info:
         _need(args, 0, "no positional path with --info CKPT")
-        return cv.checkpoint_info(args.info, tensors=args.tensors)
+        return cv.checkpoint_info(args.info, tensors=args.tensors, checksums=not args.fast)
     if args.to_hf:
         (src,) = _need(args, 1, "SRC --to-hf HF_DIR")
         out = cv.export_hf(src, args.to_hf, overwrite=args.overwrite)

@@ -72,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megapar.data.preprocess import preprocess_files, train_sentencepiece
 
     try:
+        from megapar.training.faults import check_writable
+
+        check_writable(args.output_prefix, "--output-prefix", kind="file")
         tokenizer = args.tokenizer or "gpt2"
         if args.train_tokenizer == "sentencepiece":
             args.train_sentencepiece = True

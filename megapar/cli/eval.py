@@ -119,6 +119,22 @@ def _logits_worker(args):
     return None
 
 
+def _check_ids(args, vocab_size: int) -> None:
+    """Token ids outside the vocabulary are refused at any layout (at tp > 1 the vocab-parallel
+    embedding would silently turn them into zero vectors)."""
+    if args.input_ids:
+        ids = np.load(args.input_ids, allow_pickle=False)
+        if ids.size and (not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0
+                         or ids.max() >= vocab_size):
+            bad = ids.max() if ids.max() >= vocab_size else ids.min()
+            raise ValueError(f"--input-ids {args.input_ids} holds id {bad} ({ids.dtype}), outside "
+                             f"the model's vocabulary of {vocab_size} ids (0-{vocab_size - 1})")
+    elif args.data:
+        from megapar.data import IndexedDataset
+
+        IndexedDataset(args.data).check_vocab(vocab_size)
+
+
 def main(argv=None) -> int:
     from megapar.launcher import WorkerError, run_workers
 
@@ -137,11 +153,14 @@ def main(argv=None) -> int:
         print("megapar-eval: error: give --data PREFIX --seq-len N, or --input-ids IDS.npy "
               "--save-logits OUT.npy", file=sys.stderr)
         return 2
+    from megapar.checkpoint.format import CheckpointError
+    from megapar.models.config import config_from_dict
     from megapar.training.validate import UsageError, check_eval_args
 
-    try:  # every argument and the checkpoint: reported once, before any worker starts
-        check_eval_args(args)
-    except (UsageError, OSError) as exc:
+    try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
+        manifest = check_eval_args(args)
+        _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
+    except (UsageError, CheckpointError, OSError, ValueError) as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)
         return 2
     try:

@@ -14,12 +14,15 @@ import os
 import sys
 import traceback
 
+from megapar.checkpoint.publish import has_checkpoint
+from megapar.data import IndexedDataset
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError, config_from_dict
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan, build_datasets, prepare_data
 from megapar.training.failures import log_dir_for, worker_failure
+from megapar.training.faults import check_outputs, parse_signals
 from megapar.training.validate import (
     UsageError, adapt_defaults, check_resumable, check_settings, checkpoint_manifest,
     settings_from_checkpoint,
@@ -31,7 +34,8 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     Settings the user did not give may adapt to the ones they gave (said in `notes`)."""
     notes = [] if notes is None else notes
     manifest = None
-    if cfg.load:  # the checkpoint, checked once; settings not given are the checkpoint's
+    if cfg.load and (cfg.load_strict or has_checkpoint(cfg.load)):
+        # the checkpoint, checked once; settings not given are the checkpoint's
         manifest = checkpoint_manifest(cfg.load)
         notes.extend(settings_from_checkpoint(cfg, manifest))
     check_settings(cfg)
@@ -45,6 +49,11 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         raise ValueError(f"global batch size {cfg.global_batch_size} is not divisible by "
                          f"micro-batch size {cfg.micro_batch_size} x dp {layout.dp} = {per_step}; "
                          f"choose a multiple of {per_step}")
+    parse_signals(cfg.exit_signals)  # a typo is an error now, not when the signal comes
+    check_outputs(cfg)  # before any work: an unwritable --save is not found after the run
+    if cfg.load and cfg.load_strict and not has_checkpoint(cfg.load):
+        raise ValueError(f"--load {cfg.load}: no checkpoint there (--load-strict); drop "
+                         f"--load-strict to start fresh when there is none")
     if cfg.save_interval < 0 or cfg.max_steps < 1:
         raise ValueError("--max-steps must be >= 1 and --save-interval >= 0")
     from megapar.pipeline.schedules import check_schedule
@@ -72,6 +81,8 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         from megapar.pipeline.partition import chunk_specs
 
         chunk_specs(config.num_layers, layout.pp, 0, cfg.virtual_stages)  # enough layers?
+    # ids outside the vocabulary: refused at any tp
+    IndexedDataset(plan.prefix, cfg.tokenizer).check_vocab(config.vocab_size)
     train, _ = build_datasets(cfg, plan.prefix, config.model_type, notes)
     if len(train) < cfg.global_batch_size:
         raise ValueError(f"the training split has {len(train)} samples of {cfg.seq_len} tokens, "
@@ -83,9 +94,14 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
 
 
 def _worker(cfg: TrainConfig, plan: DataPlan):
+    from megapar.training.faults import install_stop_handlers
     from megapar.training.loop import train
 
-    return train(cfg, plan)
+    restore = install_stop_handlers(cfg.exit_signals)
+    try:
+        return train(cfg, plan)
+    finally:
+        restore()
 
 
 def main(argv=None) -> int:
@@ -102,11 +118,15 @@ def main(argv=None) -> int:
         cfg.progress = False
     for note in notes if rank == 0 else []:
         print(f"megapar-train: {note}", file=sys.stderr)
+    forward = tuple(s.name for s in parse_signals(cfg.exit_signals)) + ("SIGINT",)
     try:
-        run_workers(_worker, layout.world_size, cfg, plan, collective_timeout_s=cfg.timeout_s)
+        run_workers(_worker, layout.world_size, cfg, plan, collective_timeout_s=cfg.timeout_s,
+                    forward=forward)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in the rank's log
         if isinstance(exc, WorkerError):
             text, failed = str(exc), None
+        elif getattr(exc, "no_traceback", False):  # a clean stop in this process: one line
+            text, failed = str(exc), rank
         else:  # a rank run in this process (one worker, or under torchrun)
             text, failed = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", rank
         line, log = worker_failure(text, log_dir_for(cfg.save, cfg.data_cache), failed)
@@ -117,6 +137,9 @@ def main(argv=None) -> int:
             print(f"megapar-train: full traceback in {log} (or rerun with --debug)",
                   file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("megapar-train: aborted (second SIGINT): nothing saved", file=sys.stderr)
+        return 130
     return 0
 
 

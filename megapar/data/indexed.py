@@ -7,7 +7,7 @@
   number of documents ``D`` as a little-endian ``uint64``, then ``D + 1`` little-endian
   ``int64`` token offsets (document ``i`` is ``tokens[off[i]:off[i+1]]``, its eod included).
 * ``PREFIX.json`` -- metadata: format, version, dtype, vocab size, tokenizer spec,
-  number of documents and tokens.
+  number of documents and tokens, the largest token id (``max_id``).
 
 Files are written to temporary names and renamed into place (the ``.json`` last), so an
 interrupted write never leaves a dataset that looks complete.
@@ -74,6 +74,7 @@ class IndexedDatasetBuilder:
         self._bin_tmp = _tmp_name(self.prefix + ".bin")
         self._bin = open(self._bin_tmp, "wb")
         self._offsets = array.array("q", [0])  # 8 bytes per document, not a Python int
+        self.max_id = -1
 
     def add_document(self, ids: Sequence[int] | np.ndarray) -> None:
         """Append one document; its end-of-document token is added here."""
@@ -85,6 +86,7 @@ class IndexedDatasetBuilder:
                 f"token id {int(arr.max())} or {int(arr.min())} is outside the vocabulary "
                 f"[0, {self.vocab_size}); the tokenizer and vocab_size passed to the builder disagree"
             )
+        self.max_id = max(self.max_id, int(arr.max()))
         self._bin.write(arr.astype(self.dtype).tobytes())
         self._offsets.append(self._offsets[-1] + arr.size)
 
@@ -117,6 +119,7 @@ class IndexedDatasetBuilder:
             "num_docs": int(len(offsets) - 1),
             "num_tokens": int(offsets[-1]),
             "index_format": self.format,
+            "max_id": self.max_id,
         }
         json_tmp = _tmp_name(self.prefix + ".json")
         with open(json_tmp, "w") as f:
@@ -235,6 +238,27 @@ class IndexedDataset:
         """Document ``i``'s tokens as ``int64`` (with its trailing eod unless ``include_eod=False``)."""
         start, end = int(self.doc_offsets[i]), int(self.doc_offsets[i + 1])
         return self.get(start, end - start - (0 if include_eod else 1))
+
+    #: Datasets up to this many tokens are scanned for their largest id (exact even if the .bin
+    #: was edited); larger ones trust the ``max_id`` recorded at preprocessing.
+    SCAN_LIMIT = 1 << 28
+
+    def max_id(self) -> int:
+        """The largest token id in the dataset (-1 when empty)."""
+        if self.num_tokens == 0:
+            return -1
+        if self.num_tokens > self.SCAN_LIMIT and "max_id" in self.meta:
+            return int(self.meta["max_id"])
+        return int(self.tokens.max())
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if any id is outside a model vocabulary of `vocab_size` ids (at
+        tp > 1 such ids would silently embed to zero vectors instead of failing)."""
+        top = self.max_id()
+        if top >= vocab_size:
+            raise ValueError(f"dataset {self.prefix} holds token id {top}, outside the model's "
+                             f"vocabulary of {vocab_size} ids (0-{vocab_size - 1}); tokenize it "
+                             f"with the model's tokenizer or use a model with a larger vocabulary")
 
     def __repr__(self) -> str:
         return f"IndexedDataset({self.prefix!r}, docs={self.num_docs}, tokens={self.num_tokens})"

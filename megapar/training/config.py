@@ -99,7 +99,9 @@ class TrainConfig:
     save_interval: int = 0
     """Save every N steps (0: only at the end)."""
     load: str | None = None
-    """Checkpoint to resume from (a directory written by --save, or one of its step dirs)."""
+    """Checkpoint to resume from (a directory written by --save, or one of its step dirs). A directory that does not exist yet or holds no checkpoint starts a fresh run (logged), so a requeued job can pass the same --load as its --save."""
+    load_strict: bool = False
+    """Fail instead of starting fresh when --load holds no checkpoint."""
     log_interval: int = 10
     """Print a log line every N steps."""
     log_json: str | None = None
@@ -116,6 +118,15 @@ class TrainConfig:
     """Where --profile-steps writes trace_rank<R>.json."""
     timeout_s: float = 300.0
     """Timeout of every collective / point-to-point wait, in seconds."""
+    # --- faults and clean stops ---
+    max_nonfinite_steps: int = 5
+    """Stop (rc 1, nothing saved) after this many consecutive steps with a non-finite loss or gradient norm (fp16: skipped steps; also when the loss scale overflows at its floor). 0 never stops."""
+    exit_signals: str = "SIGTERM,SIGUSR1"
+    """Signals that make every rank finish its step, save (with --save) and exit 0; "" for none. A first SIGINT does the same, a second aborts."""
+    exit_duration_mins: float = 0.0
+    """Finish the step, save and exit 0 once the run has trained this many minutes (0: no limit)."""
+    exit_interval: int = 0
+    """Finish, save and exit 0 at the first step that is a multiple of N (0: never)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     debug: bool = False

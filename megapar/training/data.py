@@ -161,7 +161,10 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
 
 def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
                  manifest: dict | None = None) -> DataPlan:
-    if cfg.load and manifest is None:  # checked (every file) before tokenizing anything
+    from megapar.checkpoint.publish import has_checkpoint
+
+    if cfg.load and manifest is None and (cfg.load_strict or has_checkpoint(cfg.load)):
+        # checked (every file) before tokenizing anything
         from megapar.training.validate import checkpoint_manifest
 
         manifest = checkpoint_manifest(cfg.load)

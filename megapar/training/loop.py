@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import torch
 
+from megapar.checkpoint.format import CheckpointError
 from megapar.data.blended import BlendedDataset
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.config import config_from_dict
@@ -19,6 +21,8 @@ from megapar.training.config import TrainConfig
 from megapar.training.data import DataPlan, batches, build_datasets, make_sampler
 from megapar.training.data import planned_samples
 from megapar.training.engine import dp_mean as _dp_mean
+from megapar.training.faults import NonFiniteError, NonFiniteGuard, RunStopped, StopRequests, \
+    params_finite
 from megapar.training.profiling import StepProfiler
 from megapar.training.logging import (
     MetricsLogger, NullLogger, flops_per_token, format_line, peak_memory_mb,
@@ -55,9 +59,16 @@ class Trainer:
         if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see
             self.notes.append(self.train_ds.describe(planned_samples(self.sampler,
                                                                      cfg.max_steps)))
-        if cfg.from_hf and not cfg.load:
+        from megapar.checkpoint.publish import has_checkpoint
+
+        resume = bool(cfg.load) and (cfg.load_strict or has_checkpoint(cfg.load))
+        if cfg.load and not resume:
+            self.notes.append(f"--load {cfg.load}: no checkpoint there yet, starting from scratch "
+                              f"(--load-strict makes this an error)")
+        if cfg.from_hf and not resume:
             self._load_hf(cfg.from_hf)
-        if cfg.load:
+        self.resumed = resume
+        if resume:
             self._resume(cfg.load)
         n_params = _num_params(self.model, mesh)
         self.flops_per_token = flops_per_token(n_params, self.config.num_layers,
@@ -89,6 +100,13 @@ class Trainer:
 
     # -- save / eval -------------------------------------------------------------------------
     def save(self) -> str:
+        from megapar.launcher import launcher_alive
+
+        if not launcher_alive():
+            raise RunStopped(f"the launcher is gone: step {self.step} not saved")
+        if not params_finite(self.model):
+            raise NonFiniteError(f"weights are not finite at step {self.step}: checkpoint not "
+                                 f"written (the last one, if any, is intact)")
         return self.engine.save(self.cfg.save, {
             "consumed_samples": self.sampler.consumed_samples,
             "sampler": self.sampler.state_dict(), "train_config": self.cfg.to_dict()})
@@ -135,6 +153,13 @@ class Trainer:
         tokens_per_step = cfg.global_batch_size * cfg.seq_len
         profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, mesh.rank, mesh.device)
         at = self.step + 1  # the step being run (or saved), for the failure message
+        guard = NonFiniteGuard(cfg.max_nonfinite_steps, cfg.precision,
+                               getattr(self.precision.scaler, "min_scale", None))
+        stop = StopRequests(cfg.exit_duration_mins, cfg.exit_interval, mesh.device)
+        # The step resumed from is already saved when it came from --save itself (a requeue).
+        save_root = Path(cfg.save).expanduser().resolve() if cfg.save else None
+        loaded = Path(cfg.load).expanduser().resolve() if self.resumed else None
+        saved = self.step if loaded and save_root in (loaded, *loaded.parents) else None
         try:
             while self.step < cfg.max_steps:
                 at = self.step + 1
@@ -168,16 +193,30 @@ class Trainer:
                     logger.message(format_line(self.step, metrics) + (
                         f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""))
                 history.append({"step": self.step, **metrics})
+                guard.observe(self.step, loss, metrics["grad_norm"], result.skipped,
+                              metrics["loss_scale"])
                 if cfg.save and cfg.save_interval and self.step % cfg.save_interval == 0 \
                         and self.step < cfg.max_steps:
                     logger.message(f"saved {self.save()}")
+                    saved = self.step
+                why = stop.reason(self.step) if self.step < cfg.max_steps else None
+                if why:
+                    logger.message(why if cfg.save else why.replace(", saving", "")
+                                   + " (no --save given: nothing saved)")
+                    break
             at = self.step
-            if cfg.save:
+            if cfg.save and saved != self.step:
                 logger.message(f"saved {self.save()}")
         except Exception as exc:
-            raise TrainingError(f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
+            err = TrainingError(f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
                                 f"pp={mesh.pp_rank} dp={mesh.dp_rank}) failed at step "
-                                f"{at}: {type(exc).__name__}: {exc}") from exc
+                                f"{at}: {type(exc).__name__}: {exc}")
+            err.no_traceback = getattr(exc, "no_traceback", False)
+            if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
+                err.no_traceback = True
+                err.args = (f"{err} -- not saved: steps {(saved or 0) + 1}-{self.step} (last "
+                            f"checkpoint: {'step %d' % saved if saved else 'none'})",)
+            raise err from exc
         finally:
             logger.close()
         return history

@@ -9,7 +9,8 @@
 3. sum the tied embedding's gradient over the first and last stage (pp > 1);
 4. fp16: unscale the gradients and agree, over the whole world, whether any is inf / NaN;
 5. clip to the global gradient norm (over tp x pp, each parameter counted once);
-6. step the optimizer unless the step overflowed; update the loss scale.
+6. step the optimizer unless the step overflowed (any precision: a non-finite gradient norm is
+   never applied); update the loss scale.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class StepResult:
     lr: float
     """Learning rate used for this step."""
     skipped: bool
-    """The step found an inf / NaN gradient (fp16) and did not update the weights."""
+    """The step found an inf / NaN gradient and did not update the weights."""
     loss_scale: float
     """Loss scale used for this step's backward (1.0 unless fp16)."""
 
@@ -109,6 +110,8 @@ class TrainStep:
         skipped = self.precision.unscale_and_check(self.params)
         set_action("gradient-norm all-reduce over tp x pp (clipping)")
         norm = math.inf if skipped else clip_grad_norm(self.model, self.mesh, self.clip_grad)
+        # A non-finite gradient is never applied (the norm is global: every rank agrees).
+        skipped = skipped or not math.isfinite(norm)
         if not skipped:
             set_action("optimizer step (ZeRO / trust-ratio collectives)")
             self.optimizer.step()

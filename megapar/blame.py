@@ -1,0 +1,79 @@
+"""Which rank to blame when local workers fail: the cause first, then the ranks that followed.
+
+A worker killed by a signal never reports; the ranks blocked in a collective with it fail a
+moment later with connection errors or timeouts. `blame` puts the cause first: a rank that died
+(with its signal or exit code), else a rank whose error is its own, else the live ranks that never
+answered while the others timed out (stopped ones said so, from /proc).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+
+
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} ({-exitcode})"
+    return f"exited with code {exitcode} without reporting an error"
+
+
+def state(proc) -> str:
+    """"is stopped (SIGSTOP?)" when a live worker is stopped (Linux /proc), else ""."""
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return "is stopped (SIGSTOP / SIGTSTP?)" if code in ("T", "t") else ""
+
+
+_CONSEQUENTIAL = ("timed out", "timeout", "connection closed", "connection reset",
+                  "broken pipe", "connection refused", "did not complete", "peer")
+
+
+def blame(procs, outputs: dict, errors: dict) -> str:
+    """The failure report: first the cause, then the ranks that failed because of it.
+
+    Cause, in order: ranks that died without a report (their signal / exit code); ranks whose
+    error is not a communication timeout or lost connection; live ranks that never answered
+    while the others timed out waiting for them."""
+    dead = {r: _how(p.exitcode) for r, p in enumerate(procs)
+            if r not in outputs and r not in errors and p.exitcode not in (None, 0)}
+    own = {r: e for r, e in errors.items()
+           if not any(w in e.split("\n", 1)[0].lower() for w in _CONSEQUENTIAL)}
+    silent = [r for r, p in enumerate(procs)
+              if r not in outputs and r not in errors and r not in dead]
+    if dead:
+        lines = [f"rank {r} {how}" for r, how in sorted(dead.items())]
+        rest = errors
+    elif own:
+        first = min(own)
+        lines = [f"rank {first} failed: {own[first]}"]
+        rest = {r: e for r, e in errors.items() if r != first}
+    elif silent and errors:
+        lines = [f"rank {r} did not answer" + (f" (it {state(procs[r])})" if state(procs[r])
+                                               else "") for r in silent]
+        rest = errors
+    else:
+        first = min(errors)
+        lines = [f"rank {first} failed: {errors[first]}"]
+        rest = {r: e for r, e in errors.items() if r != first}
+    same = [r for r, e in rest.items() if _gist(e) == _gist(lines[0])]
+    if same:
+        lines.append(f"(ranks {sorted(same)} stopped for the same reason)")
+    rest = {r: e for r, e in rest.items() if r not in same}
+    if rest:
+        lines.append("then: " + "; ".join(f"rank {r}: {e.splitlines()[0][:300]}"
+                                          for r, e in sorted(rest.items())))
+    return "\n".join(lines)
+
+
+def _gist(text: str) -> str:
+    """An error's first line without the rank that reported it."""
+    line = text.splitlines()[0] if text else ""
+    return re.sub(r"rank \d+( \([^)]*\))?", "rank", line.split(" failed: ", 1)[-1])

@@ -1,0 +1,103 @@
+"""The manifest's integrity: its own checksum, its schema, and its layout against its shards.
+
+``manifest.sha256`` (next to ``manifest.json``, written just before it) holds the sha256 of the
+manifest's bytes: an edited manifest (a changed layout or ``n_layer``) is refused instead of
+silently reading half of every tensor. `check_manifest` names a missing or malformed key and
+checks every tensor's recorded shard shape against what the layout implies; `check_file_shapes`
+compares a shard file's own header with the manifest before any data is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from megapar.checkpoint.format import MANIFEST, CheckpointError, shard_file_name, write_json
+
+DIGEST = "manifest.sha256"
+
+
+def write_manifest(step_dir: str | Path, manifest: dict) -> None:
+    """Write ``manifest.sha256`` then ``manifest.json`` (the file that marks a step complete)."""
+    import json
+
+    step_dir = Path(step_dir)
+    text = json.dumps(manifest, indent=1)
+    with open(step_dir / DIGEST, "w") as f:
+        f.write(hashlib.sha256(text.encode()).hexdigest() + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    with open(step_dir / MANIFEST, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_digest(step_dir: Path, raw: bytes) -> None:
+    """Raise if ``manifest.json`` is not the file that was saved (no digest: older checkpoint)."""
+    path = step_dir / DIGEST
+    if not path.exists():
+        return
+    recorded = path.read_text().strip()
+    if hashlib.sha256(raw).hexdigest() != recorded:
+        raise CheckpointError(f"{step_dir / MANIFEST} was changed after it was saved (its sha256 "
+                              f"does not match {DIGEST}); restore the original manifest or use "
+                              f"another checkpoint")
+
+
+_TOP = {"step": int, "layout": dict, "model": dict, "meta": dict, "tensors": dict, "files": dict}
+_ENTRY = {"full_shape": list, "local_shape": list, "dtype": str, "stage": int, "optim": dict}
+
+
+def check_manifest(manifest: dict, where) -> None:
+    """Every key present with the right type; shard shapes consistent with the layout."""
+    for key, kind in _TOP.items():
+        if not isinstance(manifest.get(key), kind):
+            what = "is missing" if key not in manifest else f"is not a {kind.__name__}"
+            raise CheckpointError(f"{where}: the manifest's {key!r} {what}; the manifest is "
+                                  f"damaged, restore it or use another checkpoint")
+    layout = manifest["layout"]
+    if not all(isinstance(layout.get(k), int) and layout[k] >= 1 for k in ("tp", "pp", "dp")):
+        raise CheckpointError(f"{where}: the manifest's layout {layout} needs positive integers "
+                              f"tp, pp and dp")
+    tp, pp = layout["tp"], layout["pp"]
+    for name, e in manifest["tensors"].items():
+        for key, kind in _ENTRY.items():
+            if not isinstance(e.get(key) if isinstance(e, dict) else None, kind):
+                raise CheckpointError(f"{where}: tensor {name!r} lacks a valid {key!r} in the "
+                                      f"manifest")
+        full, local, dim = e["full_shape"], e["local_shape"], e.get("tp_dim")
+        bad = len(full) != len(local) or not 0 <= e["stage"] < pp or (
+            dim is not None and not (isinstance(dim, int) and 0 <= dim < len(full)))
+        if not bad:
+            bad = any(loc != f for d, (loc, f) in enumerate(zip(local, full)) if d != dim) or (
+                dim is not None and local[dim] * tp < full[dim])
+        if bad:
+            raise CheckpointError(
+                f"{where}: tensor {name!r} (full shape {full}, shard {local}, tp_dim {dim}, "
+                f"stage {e['stage']}) does not fit the manifest's layout tp={tp} pp={pp}; the "
+                f"manifest does not describe its shards (edited?)")
+    missing = [shard_file_name(t, p) for t in range(tp) for p in range(pp)
+               if shard_file_name(t, p) not in manifest["files"]]
+    if missing:
+        raise CheckpointError(f"{where}: the layout tp={tp} pp={pp} needs shard files "
+                              f"{missing[:4]} that the manifest does not list")
+
+
+def check_file_shapes(handle, fname: str, manifest: dict, step_dir) -> None:
+    """The tensors in shard file `fname` (an open safetensors handle) have the shapes the
+    manifest records; checked from the file's header, before any data is read."""
+    tensors = manifest["tensors"]
+    for key in handle.keys():
+        parts = key.split("/")
+        if parts[0] not in ("model", "optim") or len(parts) < 2:
+            continue
+        name = "/".join(parts[1:]) if parts[0] == "model" else "/".join(parts[1:-1])
+        if name not in tensors:
+            continue
+        shape = list(handle.get_slice(key).get_shape())
+        if shape != tensors[name]["local_shape"]:
+            raise CheckpointError(f"{step_dir}/{fname}: {key} has shape {shape}, the manifest "
+                                  f"records {tensors[name]['local_shape']}; the manifest does "
+                                  f"not match its shards")

@@ -1,0 +1,171 @@
+"""Crash-safe publishing of a checkpoint step, repair on load, and cleaning stale staging dirs.
+
+`publish_step` turns a complete staging directory into ``ROOT/step_N`` and points ``latest`` at
+it. A crash (kill -9, power loss) at any point leaves a root that loads:
+
+1. (re-saving an existing step) ``step_N`` is moved aside to ``.old-step_N-*``;
+2. the staging directory ``.tmp-step_N-*`` (manifest written last) is renamed to ``step_N``;
+3. ``latest`` is replaced atomically (written to a temporary file, renamed);
+4. ``.old-step_N-*`` is deleted.
+
+Between 1 and 2 ``latest`` names a missing directory while two complete copies exist:
+`recover` (called when a load finds ``latest`` dangling) renames the newer complete copy into
+place, or names it when the root is read-only. A crash before the first ``latest`` is written
+leaves complete ``step_*`` directories: a load takes the newest. Staging directories carry an
+owner file (host, pid); `clean_stale` deletes those whose process is gone, never a copy that is
+the only complete one of its step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+from pathlib import Path
+
+from megapar.checkpoint.format import MANIFEST, fsync_dir
+
+OWNER = ".owner"
+
+#: Tests replace this to kill the process at a named point of `publish_step` ("start",
+#: "after-aside", "after-rename", "after-latest-tmp", "after-latest").
+crash_point = None
+
+
+def _crash(where: str) -> None:
+    if crash_point is not None:
+        crash_point(where)
+
+
+def mark_owner(staging: Path) -> None:
+    """Record which process builds `staging` (so a later run can tell a dead one's leftovers)."""
+    (staging / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+
+
+def set_latest(root: str | Path, step_name: str) -> None:
+    """Atomically point ``root/latest`` at a step directory."""
+    root = Path(root)
+    tmp = root / f".latest.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    with open(tmp, "w") as f:
+        f.write(step_name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _crash("after-latest-tmp")
+    os.replace(tmp, root / "latest")
+    fsync_dir(root)
+
+
+def publish_step(tmp: Path, root: str | Path, step_name: str) -> Path:
+    """Rename a complete, fsynced staging directory to ``root/step_name``; update ``latest``."""
+    root = Path(root)
+    _crash("start")
+    fsync_dir(tmp)
+    final = root / step_name
+    old = None
+    if final.exists():
+        old = root / f".old-{step_name}-{secrets.token_hex(4)}"
+        os.rename(final, old)
+        fsync_dir(root)
+        _crash("after-aside")
+    os.rename(tmp, final)
+    fsync_dir(root)
+    _crash("after-rename")
+    (final / OWNER).unlink(missing_ok=True)
+    set_latest(root, step_name)
+    _crash("after-latest")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _copies(root: Path, step_name: str) -> list[Path]:
+    """Complete hidden copies of `step_name` (staging or moved aside), newest first."""
+    n = int(step_name.split("_")[1])
+    found = [p for p in root.glob(f".tmp-step_{n}-*") if (p / MANIFEST).exists()]
+    found += [p for p in root.glob(f".old-{step_name}-*") if (p / MANIFEST).exists()]
+    return sorted(found, key=lambda p: (p / MANIFEST).stat().st_mtime, reverse=True)
+
+
+def recover(root: Path, step_name: str) -> str | None:
+    """``latest`` names `step_name`, which is missing: put the newest complete copy in place.
+
+    Returns None when repaired, else a sentence for the error (the copy to use, or none)."""
+    final = root / step_name
+    copies = _copies(root, step_name)
+    if not copies:
+        return "no complete copy of it was found"
+    try:
+        os.rename(copies[0], final)
+        fsync_dir(root)
+        (final / OWNER).unlink(missing_ok=True)
+    except OSError as exc:
+        if (final / MANIFEST).exists():  # another rank repaired it first
+            return None
+        return (f"a complete copy is in {copies[0]} but could not be moved into place ({exc}); "
+                f"rename it to {final}")
+    return None
+
+
+def newest_step(root: Path) -> Path | None:
+    """The highest complete ``step_*`` directory of a root without ``latest``."""
+    steps = sorted(p for p in root.glob("step_*") if (p / MANIFEST).exists())
+    return steps[-1] if steps else None
+
+
+def has_checkpoint(path: str | Path) -> bool:
+    """Whether `path` holds something to resume from (else a requeued run starts fresh)."""
+    p = Path(path).expanduser()
+    return p.is_dir() and ((p / MANIFEST).exists() or (p / "latest").exists()
+                           or newest_step(p) is not None)
+
+
+def _owner_gone(path: Path) -> bool:
+    try:
+        if path.is_file():  # .latest.tmp-{pid}-*
+            owner = {"host": socket.gethostname(), "pid": path.name.split("-")[1]}
+        else:
+            owner = json.loads((path / OWNER).read_text())
+    except (OSError, ValueError, IndexError):
+        return False  # no owner file: not ours to judge
+    if owner.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(owner["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, KeyError, ValueError):
+        return False
+    return False
+
+
+def clean_stale(root: str | Path) -> list[str]:
+    """Delete leftovers of dead saves in `root`; returns their names.
+
+    ``.tmp-step_*`` whose owner process (on this host) is gone, and ``.old-step_*`` whose step
+    is in place again, ``.latest.tmp-{pid}-*`` of dead processes; never the only complete copy of
+    a step that ``latest`` is missing."""
+    root = Path(root)
+    removed = []
+    if not root.is_dir():
+        return removed
+    for p in root.iterdir():
+        if p.name.startswith(".old-step_"):
+            step_name = p.name[len(".old-"):].rsplit("-", 1)[0]
+            stale = (root / step_name / MANIFEST).exists()
+        elif p.name.startswith(".tmp-step_"):
+            n = p.name[len(".tmp-step_"):].split("-", 1)[0]
+            step_name = f"step_{int(n):08d}" if n.isdigit() else ""
+            stale = _owner_gone(p) and (not (p / MANIFEST).exists()
+                                        or (root / step_name / MANIFEST).exists())
+        elif p.name.startswith(".latest.tmp-"):
+            stale = _owner_gone(p)
+        else:
+            continue
+        if stale and p.is_file():
+            p.unlink(missing_ok=True)
+        elif stale:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    return sorted(removed)

@@ -1,0 +1,290 @@
+"""Fault injection: a killed launcher, killed / stopped workers, signals, NaN runs, requeue.
+
+Runs of `megapar-train` are forked from the test process (`os.fork` + `main(argv)`), so the
+launcher is a real process the test can signal; its workers are forked from it.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megapar.cli.train import main
+from megapar.data import asset_path
+from megapar.launcher import WorkerError, run_local
+from megapar.training.faults import NonFiniteError, NonFiniteGuard
+
+TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--warmup-steps", "1",
+        "--tokenizer", "sentencepiece"]
+
+
+@pytest.fixture(scope="module")
+def common(tmp_path_factory):
+    d = tmp_path_factory.mktemp("faults")
+    text = d / "sample.txt"
+    text.write_text(Path(asset_path("shakespeare_sample.txt")).read_text()[:30_000])
+    model = d / "m.json"
+    model.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4,
+                                 "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                                 "attn_pdrop": 0.0}))
+    return ["--model", str(model), "--data", str(text), "--data-cache", str(d / "cache"), *TINY]
+
+
+def _fork_main(argv, out: Path) -> int:
+    """Run `megapar-train argv` in a forked child (stdout/stderr to `out`); returns its pid."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = sys.stderr = open(fd, "w", buffering=1)  # not pytest's capture
+        rc = 3
+        try:
+            rc = main(argv)
+        finally:
+            os._exit(rc)
+    return pid
+
+
+def _wait_for(cond, timeout=120.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids = (task / "children").read_text().split()
+        out += [int(k) for k in kids]
+    return out
+
+
+def _steps(log: Path) -> list[int]:
+    if not log.exists():
+        return []
+    return [json.loads(x)["step"] for x in log.read_text().splitlines() if x.strip()]
+
+
+def _losses(log: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in log.read_text().splitlines()]
+
+
+def test_sigkill_of_the_launcher_kills_its_workers_and_nothing_is_saved_after(tmp_path, common):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    pid = _fork_main([*common, "--tp", "2", "--max-steps", "400", "--save", str(ckpt),
+                      "--save-interval", "1", "--log-json", str(log)], tmp_path / "out")
+    assert _wait_for(lambda: (ckpt / "step_00000002").exists()), (tmp_path / "out").read_text()
+    workers = _children(pid)
+    assert len([w for w in workers if _alive(w)]) >= 2
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    killed_at = time.time()  # the launcher is gone (reaped): its workers were sent SIGKILL
+    assert _wait_for(lambda: not any(_alive(w) for w in workers), timeout=5.0), \
+        "workers outlived their launcher"
+    time.sleep(1.0)
+    late = [p.name for p in ckpt.iterdir() if p.stat().st_mtime > killed_at + 0.02]
+    assert late == [], f"written after the launcher died: {late}"
+
+
+def test_sigterm_saves_exits_0_and_the_resumed_run_matches(tmp_path, common):
+    args = [*common, "--pp", "2", "--lr-decay", "constant", "--max-steps", "8"]
+    full = tmp_path / "full.jsonl"
+    assert main([*args, "--log-json", str(full)]) == 0
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    pid = _fork_main([*args, "--save", str(ckpt), "--log-json", str(first)], tmp_path / "out")
+    assert _wait_for(lambda: len(_steps(first)) >= 2)
+    os.kill(pid, signal.SIGTERM)
+    _, status = os.waitpid(pid, 0)
+    out = (tmp_path / "out").read_text()
+    assert os.waitstatus_to_exitcode(status) == 0, out
+    stopped = _steps(first)[-1]
+    assert stopped < 8 and f"SIGTERM received: stopping at step {stopped}" in out
+    assert (ckpt / "latest").read_text().strip() == f"step_{stopped:08d}"
+    assert main([*args, "--load", str(ckpt), "--log-json", str(second)]) == 0
+    assert _steps(second) == list(range(stopped + 1, 9))
+    assert _losses(first) + _losses(second) == _losses(full)
+
+
+def test_first_sigint_saves_with_a_message(tmp_path, common):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    pid = _fork_main([*common, "--tp", "2", "--max-steps", "200", "--save", str(ckpt),
+                      "--log-json", str(log)], tmp_path / "out")
+    assert _wait_for(lambda: len(_steps(log)) >= 1)
+    os.kill(pid, signal.SIGINT)
+    _, status = os.waitpid(pid, 0)
+    out = (tmp_path / "out").read_text()
+    assert os.waitstatus_to_exitcode(status) == 0, out
+    assert "KeyboardInterrupt" not in out
+    step = _steps(log)[-1]
+    assert f"interrupted at step {step}, saving" in out
+    assert (ckpt / f"step_{step:08d}" / "manifest.json").exists()
+
+
+def test_exit_interval_stops_and_saves(tmp_path, common, capsys):
+    ckpt = tmp_path / "ckpt"
+    assert main([*common, "--max-steps", "10", "--exit-interval", "3", "--save", str(ckpt)]) == 0
+    assert "--exit-interval 3 reached at step 3" in capsys.readouterr().out
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000003"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_diverging_run_stops_and_saves_nothing(tmp_path, common, capsys, precision):
+    ckpt = tmp_path / "ckpt"
+    rc = main([*common, "--tp", "2", "--lr", "1e6", "--precision", precision, "--max-steps", "60",
+               "--max-nonfinite-steps", "3", "--save", str(ckpt), "--save-interval", "50"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "training diverged" in err and "Traceback" not in err, err
+    assert not ckpt.exists() or not any(p.name.startswith("step_") for p in ckpt.iterdir())
+
+
+def test_guard_counts_consecutive_steps_and_the_fp16_floor():
+    guard = NonFiniteGuard(3, "fp32")
+    for step in (1, 2):
+        guard.observe(step, float("nan"), 1.0, False, 1.0)
+    guard.observe(3, 2.0, 1.0, False, 1.0)  # a finite step resets the count
+    guard.observe(4, 2.0, float("inf"), True, 1.0)
+    guard.observe(5, float("nan"), float("nan"), True, 1.0)
+    with pytest.raises(NonFiniteError, match=r"3 consecutive steps \(4-6\)"):
+        guard.observe(6, float("nan"), float("nan"), True, 1.0)
+    fp16 = NonFiniteGuard(100, "fp16", min_scale=1.0)
+    fp16.observe(1, 5.0, float("inf"), True, 2.0)
+    with pytest.raises(NonFiniteError, match="loss scale reached its floor"):
+        fp16.observe(2, 5.0, float("inf"), True, 1.0)
+
+
+def test_load_of_an_empty_dir_starts_fresh_unless_strict(tmp_path, common, capsys):
+    ckpt = tmp_path / "requeue"
+    same = ["--save", str(ckpt), "--load", str(ckpt)]  # what a requeued job passes again
+    assert main([*common, "--max-steps", "2", *same]) == 0
+    assert "no checkpoint there yet, starting from scratch" in capsys.readouterr().out
+    assert main([*common, "--max-steps", "3", *same]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert (ckpt / "latest").read_text().strip() == "step_00000003"
+    assert main([*common, "--max-steps", "2", "--load", str(tmp_path / "nothing"),
+                 "--load-strict"]) == 2
+    assert "no checkpoint there (--load-strict)" in capsys.readouterr().err
+
+
+# --- the launcher names the rank that caused a failure --------------------------------------
+def _rank1_killed():
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(t)
+    return 0
+
+
+def _rank2_stopped():
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+    if dist.get_rank() == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(t)
+    return 0
+
+
+def test_a_killed_rank_is_named_with_its_signal():
+    with pytest.raises(WorkerError) as info:
+        run_local(_rank1_killed, 4, timeout_s=60, collective_timeout_s=30)
+    assert str(info.value).startswith("rank 1 was killed by SIGKILL (9)"), str(info.value)
+
+
+def test_a_stopped_rank_is_named_on_timeout():
+    with pytest.raises(WorkerError) as info:
+        run_local(_rank2_stopped, 4, timeout_s=60, collective_timeout_s=3)
+    assert str(info.value).startswith("rank 2 did not answer (it is stopped"), str(info.value)
+
+
+def _listening():
+    """(local address, port) of every TCP socket this process listens on (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A = LISTEN
+                addr, port = cols[1].split(":")
+                found.append((addr, int(port, 16)))
+    return found
+
+
+def test_local_runs_listen_on_loopback_only():
+    ranks = run_local(_listening, 2)
+    assert any(ranks[0]), "rank 0 serves the rendezvous store"
+    loopback = {"0100007F", "00000000000000000000000001000000"}
+    for sockets in ranks:
+        assert all(addr in loopback for addr, _ in sockets), sockets
+
+
+@pytest.mark.parametrize("flag", ["--save", "--log-json", "--tensorboard", "--data-cache"])
+def test_unwritable_outputs_are_refused_before_any_work(tmp_path, common, capsys, flag):
+    rc = main([*common, "--max-steps", "2", flag, "/proc/megapar-test/x"])
+    assert rc == 2
+    assert f"{flag} /proc/megapar-test/x is not writable" in capsys.readouterr().err
+
+
+def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(tmp_path, common, capsys,
+                                                                      monkeypatch):
+    import megapar.checkpoint.distributed as cd
+
+    real = cd.write_tensors
+    calls = []
+
+    def full_disk(path, tensors):
+        calls.append(path)
+        if len(calls) > 2:  # the first save (shard + rng) fits, then the disk is full
+            raise OSError(28, "No space left on device")
+        return real(path, tensors)
+
+    monkeypatch.setattr(cd, "write_tensors", full_disk)
+    ckpt = tmp_path / "ckpt"
+    rc = main([*common, "--max-steps", "4", "--save", str(ckpt), "--save-interval", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    assert "No space left on device" in err
+    assert "not saved: steps 3-4 (last checkpoint: step 2)" in err
+    assert (ckpt / "latest").read_text().strip() == "step_00000002"
+
+
+def test_a_second_sigint_aborts_at_once(tmp_path, common):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    # Steps of 32 micro-batches: the first SIGINT's step cannot end before the second arrives.
+    pid = _fork_main([*common, "--tp", "2", "--max-steps", "400", "--save", str(ckpt),
+                      "--log-json", str(log), "--global-batch-size", "64"], tmp_path / "out")
+    assert _wait_for(lambda: len(_steps(log)) >= 1)
+    workers = _children(pid)
+    os.kill(pid, signal.SIGINT)
+    time.sleep(0.2)  # two signals sent at once would merge into one
+    os.kill(pid, signal.SIGINT)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 130, (tmp_path / "out").read_text()
+    assert "aborted (second SIGINT)" in (tmp_path / "out").read_text()
+    assert _wait_for(lambda: not any(_alive(w) for w in workers), timeout=5.0)

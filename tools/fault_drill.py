@@ -1,0 +1,177 @@
+"""Fault drill: inject faults into real `megapar-train` runs (tp 2 x pp 2, a tiny GPT-2) and
+print, for each, how long the run took to exit, what it left behind and what it lost.
+
+    python tools/fault_drill.py                 # every drill, ~2 minutes on 2 CPU cores
+    python tools/fault_drill.py --only sigterm sigkill-launcher
+
+Columns: fault; exit code; time from the fault to the last process gone; leftovers (live
+processes, staging directories, a `latest` that does not load); data lost (trained steps not in
+the newest checkpoint); the first line the launcher printed. Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = {"model_type": "gpt2", "n_embd": 32, "n_layer": 4, "n_head": 4, "n_positions": 64,
+         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            out += [int(k) for k in (task / "children").read_text().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _steps(log: Path) -> list[int]:
+    if not log.exists():
+        return []
+    return [json.loads(x)["step"] for x in log.read_text().splitlines() if x.strip()]
+
+
+class Run:
+    def __init__(self, work: Path, name: str, extra: list[str]):
+        self.dir = work / name
+        self.dir.mkdir()
+        self.ckpt, self.log, self.out = self.dir / "ckpt", self.dir / "log.jsonl", self.dir / "out"
+        argv = [sys.executable, "-m", "megapar.cli.train", "--tp", "2", "--pp", "2",
+                "--model", str(work / "model.json"), "--data", str(work / "text.txt"),
+                "--tokenizer", "sentencepiece", "--data-cache", str(work / "cache"),
+                "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+                "--log-interval", "1", "--eval-interval", "0", "--no-progress",
+                "--warmup-steps", "2", "--save", str(self.ckpt), "--log-json", str(self.log),
+                *extra]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(argv, stdout=open(self.out, "w"), stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        self.workers: list[int] = []
+
+    def wait_steps(self, n: int, timeout: float = 120.0) -> None:
+        end = time.monotonic() + timeout
+        while len(_steps(self.log)) < n and time.monotonic() < end and self.proc.poll() is None:
+            time.sleep(0.05)
+        self.workers = [w for w in _children(self.proc.pid) if _alive(w)]
+
+    def finish(self, t0: float, timeout: float = 120.0) -> dict:
+        """Wait for the launcher and its workers; measure from `t0`."""
+        end = time.monotonic() + timeout
+        while (self.proc.poll() is None or any(_alive(w) for w in self.workers)) \
+                and time.monotonic() < end:
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+        live = [w for w in self.workers if _alive(w)]
+        for w in live:
+            os.kill(w, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.report(took, live)
+
+    def report(self, took: float, live: list[int]) -> dict:
+        leftovers = [f"{len(live)} live processes"] if live else []
+        if self.ckpt.exists():
+            stale = [p.name for p in self.ckpt.iterdir() if p.name.startswith(".")]
+            if stale:
+                leftovers.append(f"{len(stale)} staging")
+        saved = 0
+        if (self.ckpt / "latest").exists():
+            sys.path.insert(0, str(ROOT))
+            from megapar.checkpoint.format import CheckpointError, read_manifest
+
+            try:
+                saved = read_manifest(self.ckpt)["step"]
+            except CheckpointError:
+                leftovers.append("latest does not load")
+        trained = max(_steps(self.log), default=0)
+        lines = [x for x in self.out.read_text().splitlines()
+                 if x.startswith(("megapar-train:", "SIGTERM", "SIGUSR1", "interrupted",
+                                  "--exit"))]
+        return {"rc": self.proc.returncode, "exit_s": took,
+                "leftovers": ", ".join(leftovers) or "none",
+                "lost": f"{trained - saved} steps (trained {trained}, saved {saved})",
+                "said": re.sub(r"rank \d+ failed: TrainingError: rank \d+ \([^)]*\) ", "",
+                               lines[0] if lines else "")[:120]}
+
+
+def drill(name: str, work: Path) -> dict:
+    if name == "sigkill-launcher":
+        run = Run(work, name, ["--max-steps", "400", "--save-interval", "3"])
+        run.wait_steps(4)
+        t0 = time.monotonic()
+        os.kill(run.proc.pid, signal.SIGKILL)
+        return run.finish(t0)
+    if name in ("sigterm", "sigusr1", "sigint"):
+        run = Run(work, name, ["--max-steps", "400"])
+        run.wait_steps(3)
+        t0 = time.monotonic()
+        os.kill(run.proc.pid, getattr(signal, name.upper()))
+        return run.finish(t0)
+    if name == "sigkill-worker":
+        run = Run(work, name, ["--max-steps", "400", "--save-interval", "3"])
+        run.wait_steps(4)
+        t0 = time.monotonic()
+        os.kill(run.workers[1], signal.SIGKILL)
+        return run.finish(t0)
+    if name == "sigstop-worker":
+        run = Run(work, name, ["--max-steps", "400", "--save-interval", "3", "--timeout-s", "10"])
+        run.wait_steps(4)
+        t0 = time.monotonic()
+        os.kill(run.workers[2], signal.SIGSTOP)
+        return run.finish(t0)
+    if name == "nan":
+        run = Run(work, name, ["--max-steps", "400", "--lr", "1e6"])
+        t0 = time.monotonic()
+        return run.finish(t0)
+    if name == "exit-duration":
+        run = Run(work, name, ["--max-steps", "4000", "--exit-duration-mins", "0.1"])
+        t0 = time.monotonic()
+        return run.finish(t0)
+    raise ValueError(name)
+
+
+DRILLS = ["sigkill-launcher", "sigterm", "sigusr1", "sigint", "sigkill-worker", "sigstop-worker",
+          "nan", "exit-duration"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", choices=DRILLS, default=DRILLS)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="megapar-drill-"))
+    (work / "model.json").write_text(json.dumps(MODEL))
+    sample = (ROOT / "megapar" / "assets" / "shakespeare_sample.txt").read_text()[:40_000]
+    (work / "text.txt").write_text(sample)
+    rows = []
+    for name in args.only:
+        r = drill(name, work)
+        rows.append(r)
+        print(f"{name:17s} rc {r['rc']!s:>4}  exit {r['exit_s']:6.2f} s  leftovers: "
+              f"{r['leftovers']:12s}  lost: {r['lost']:34s}  {r['said']}", flush=True)
+    print(f"(runs in {work}; exit time counts from the fault, for nan / exit-duration from the "
+          f"start)")
+
+
+if __name__ == "__main__":
+    main()
