@@ -106,8 +106,8 @@ TRAIN = [
     (["--config", "{choice.yaml}"], "--schedule 'zigzag' is invalid: choose one of"),
     (["--config", "{half.yaml}"], "--log-interval 2.5 is invalid: it must be a whole number >= 1"),
     (["--model", "{negative}"], "n_layer=-2 must be a whole number >= 1"),
-    (["--load", "/nonexistent/ckpt"], "--load /nonexistent/ckpt: no such checkpoint directory"),
-    (["--load", "{empty_dir}"], "neither a checkpoint step directory"),
+    (["--load", "/nonexistent/ckpt", "--load-strict"], "--load /nonexistent/ckpt: no such checkpoint directory"),  # without --load-strict: starts fresh (requeue)
+    (["--load", "{empty_dir}", "--load-strict"], "neither a checkpoint step directory"),
     (["--load", "{corrupt}"], "checksum mismatch"),
     (["--load", "{ckpt}", "--model", "gpt2-124m"], "holds another model than recipe"),
     (["--load", "{ckpt}", "--max-steps", "1"], "is at step 1 and --max-steps is 1"),

@@ -80,7 +80,7 @@ class PipelineExecutor:
         self._trace: list[tuple] = []
         self.clock = StepClock(mesh.device)  # CUDA events on CUDA, perf_counter on the CPU
         self.last_timeline = Timeline([])
-        self._peer = {k: f" ({'from' if k.startswith('recv') else 'to'} rank {r})"
+        self._peer_note = {k: f" ({'from' if k.startswith('recv') else 'to'} rank {r})"
                       for k, r in (("recv_act", mesh.prev_stage_rank),
                                    ("send_grad", mesh.prev_stage_rank),
                                    ("recv_grad", mesh.next_stage_rank),
@@ -158,7 +158,7 @@ class PipelineExecutor:
 
     def _dispatch(self, action: Action) -> None:
         set_action(f"{action.kind} of micro-batch {action.mb} on pp stage {self.mesh.pp_rank}"
-                   f"{self._peer.get(action.kind, '')}")
+                   f"{self._peer_note.get(action.kind, '')}")
         handler = self.handlers.get(action.kind)
         if handler is None:
             raise NotImplementedError(
