@@ -221,6 +221,8 @@ def _upgrade_separate_qkv(manifest: dict) -> None:
     ``attn.qkv`` entry records its sources under ``fused_from`` and `ShardReader` fuses them
     (`fuse_heads`) when read, so such checkpoints still load, convert and export."""
     tensors, model = manifest["tensors"], manifest.get("model", {})
+    if model.get("model_type") not in ("gpt2", "bert"):  # Llama keeps q, k, v separate (GQA)
+        return
     heads = model.get("n_head", model.get("num_attention_heads"))
     for name in [n for n in tensors if n.endswith((".attn.q.weight", ".attn.q.bias"))]:
         prefix, kind = name.rsplit(".attn.q.", 1)

@@ -318,6 +318,8 @@ HF_SUPPORTED_DEFAULTS = {
     "bert": {"position_embedding_type": "absolute", "tie_word_embeddings": True,
              "add_cross_attention": False, "is_encoder_decoder": False, "is_decoder": False,
              "chunk_size_feed_forward": 0, "pruned_heads": {}},
+    "llama": {"pretraining_tp": 1, "add_cross_attention": False, "is_encoder_decoder": False,
+              "is_decoder": False, "chunk_size_feed_forward": 0, "pruned_heads": {}},
 }
 """transformers settings megapar does not implement, with the one value it does (their
 transformers default): a config.json may carry them at that value, never another."""
