@@ -107,7 +107,7 @@ TRAIN = [
     (["--config", "{half.yaml}"], "--log-interval 2.5 is invalid: it must be a whole number >= 1"),
     (["--model", "{negative}"], "n_layer=-2 must be a whole number >= 1"),
     (["--load", "/nonexistent/ckpt", "--load-strict"], "--load /nonexistent/ckpt: no such checkpoint directory"),  # without --load-strict: starts fresh (requeue)
-    (["--load", "{empty_dir}", "--load-strict"], "neither a checkpoint step directory"),
+    (["--load", "{empty_dir}", "--load-strict"], "empty_dir: no checkpoint there (--load-strict)"),
     (["--load", "{corrupt}"], "checksum mismatch"),
     (["--load", "{ckpt}", "--model", "gpt2-124m"], "holds another model than recipe"),
     (["--load", "{ckpt}", "--max-steps", "1"], "is at step 1 and --max-steps is 1"),

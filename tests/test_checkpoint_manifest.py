@@ -52,11 +52,11 @@ def test_a_layout_that_does_not_fit_the_shards_is_refused_without_the_digest(src
 
 def test_a_shard_shape_that_differs_from_the_file_is_refused(src):
     def shrink(m):
-        e = m["tensors"]["layers.0.attn.q.weight"]
+        e = m["tensors"]["layers.0.attn.qkv.weight"]
         e["local_shape"][0] += 1
     _edit(src, shrink, keep_digest=False)
-    with pytest.raises(CheckpointError, match=r"q.weight has shape \[16, 32\], the manifest "
-                                              r"records \[17, 32\]"):
+    with pytest.raises(CheckpointError, match=r"qkv.weight has shape \[48, 32\], the manifest "
+                                              r"records \[49, 32\]"):
         _load_serial(src)
 
 

@@ -182,7 +182,11 @@ def test_load_of_an_empty_dir_starts_fresh_unless_strict(tmp_path, common, capsy
     assert (ckpt / "latest").read_text().strip() == "step_00000003"
     assert main([*common, "--max-steps", "2", "--load", str(tmp_path / "nothing"),
                  "--load-strict"]) == 2
-    assert "no checkpoint there (--load-strict)" in capsys.readouterr().err
+    assert "nothing: no such checkpoint directory (--load-strict)" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([*common, "--max-steps", "2", "--load", str(tmp_path / "empty"),
+                 "--load-strict"]) == 2
+    assert "empty: no checkpoint there (--load-strict)" in capsys.readouterr().err
 
 
 # --- the launcher names the rank that caused a failure --------------------------------------

@@ -29,9 +29,9 @@ def _grads(rank, step=0, scale=1.0):
 
 
 def _reduce(buckets, params, grads):
+    buckets.begin_step()  # points each .grad at its view of the buffer, zeroed
     for p, g in zip(params, grads):
-        p.grad = g.clone()
-    buckets.begin_step()
+        p.grad.copy_(g)  # as backward would accumulate it
     buckets.finish()
     return [p.grad.clone() for p in params]
 

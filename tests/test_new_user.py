@@ -304,7 +304,9 @@ def test_a_worker_error_is_one_line_with_the_traceback_in_the_ranks_log(
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("megapar-train: ") and "not given" not in x]
     assert rc == 1 and "Traceback" not in err
-    assert lines[0] == "megapar-train: error: rank 1 failed at step 2: OSError: disk on fire"
+    # the line also says what the failure cost (issue 11): nothing was saved yet
+    assert lines[0] == ("megapar-train: error: rank 1 failed at step 2: OSError: disk on fire"
+                        " -- not saved: steps 1-2 (last checkpoint: none)")
     log = tmp_path / "ckpt" / "logs" / "rank1.log"
     assert lines[1] == f"megapar-train: full traceback in {log} (or rerun with --debug)"
     assert "Traceback" in log.read_text() and "disk on fire" in log.read_text()
@@ -340,7 +342,7 @@ def test_help_shows_each_default_once(capsys):
     with pytest.raises(SystemExit):
         train(["--help"])
     out = capsys.readouterr().out
-    assert "(default: None)" not in out and out.count("(default: 1)") == 2  # --tp, --pp
+    assert "(default: None)" not in out and out.count("(default: 1)") == 3  # --tp, --pp, --virtual-stages
     assert "(default: 1) (default" not in out
 
 

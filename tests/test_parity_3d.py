@@ -164,7 +164,8 @@ def test_reference_clips_every_step(reference):
 def test_3d_parity_tp2_pp2_dp2(reference):
     """tp=2 pp=2 dp=2, without and with ZeRO-1, and with sequence parallelism, in one launch
     of 8 ranks."""
-    outs = run_local(_worker, 8, [(2, 2, 2, 0), (2, 2, 2, 1), (2, 2, 2, 0, "fp32", True)])
+    outs = run_local(_worker, 8, [(2, 2, 2, 0), (2, 2, 2, 1),
+                                  (2, 2, 2, 0, "fp32", "1f1b", 1, "tp-pp-dp", True)])
     for i in range(3):
         check_against(reference, [o[i] for o in outs])
 

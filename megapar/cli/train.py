@@ -34,7 +34,13 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     Settings the user did not give may adapt to the ones they gave (said in `notes`)."""
     notes = [] if notes is None else notes
     manifest = None
-    if cfg.load and (cfg.load_strict or has_checkpoint(cfg.load)):
+    if cfg.load and cfg.load_strict and not has_checkpoint(cfg.load):
+        what = ("no checkpoint there" if os.path.isdir(os.path.expanduser(cfg.load))
+                else "no such checkpoint directory")
+        raise UsageError(f"--load {cfg.load}: {what} (--load-strict); pass a directory written "
+                         f"by --save (or one of its step_* directories), or drop --load-strict "
+                         f"to start fresh when there is none")
+    if cfg.load and has_checkpoint(cfg.load):
         # the checkpoint, checked once; settings not given are the checkpoint's
         manifest = checkpoint_manifest(cfg.load)
         notes.extend(settings_from_checkpoint(cfg, manifest))
@@ -51,9 +57,6 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
                          f"choose a multiple of {per_step}")
     parse_signals(cfg.exit_signals)  # a typo is an error now, not when the signal comes
     check_outputs(cfg)  # before any work: an unwritable --save is not found after the run
-    if cfg.load and cfg.load_strict and not has_checkpoint(cfg.load):
-        raise ValueError(f"--load {cfg.load}: no checkpoint there (--load-strict); drop "
-                         f"--load-strict to start fresh when there is none")
     if cfg.save_interval < 0 or cfg.max_steps < 1:
         raise ValueError("--max-steps must be >= 1 and --save-interval >= 0")
     from megapar.pipeline.schedules import check_schedule

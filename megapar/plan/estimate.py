@@ -127,7 +127,8 @@ def stage_memory(p: Problem, c: Candidate) -> list[mem.MemoryBreakdown]:
         if first:
             per_mb += mem.embedding_bytes(s, b, h, p.dropout, sp_t)
         if last:
-            per_mb += mem.head_bytes(s, b, h, vocab_local, p.act_bytes)
+            per_mb += mem.head_bytes(s, b, h, vocab_local, p.act_bytes,
+                                     whole_vocab=cfg.vocab_size if t == 1 else None)
         else:
             per_mb += s * b * h * p.act_bytes / sp_t    # stage output kept for its backward
         buffers = 0.0

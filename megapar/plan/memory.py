@@ -66,12 +66,19 @@ def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
 
 
 def head_bytes(s: int, b: int, h: int, vocab_local: int, act_bytes: int,
-               logits_bytes: int = 4) -> float:
+               logits_bytes: int = 4, whole_vocab: int | None = None) -> float:
     """What the last stage keeps beyond its blocks, per micro-batch: the final norm's input and
     output, the softmax of this rank's vocabulary slice (fp32, as the paper's 4 s b v / t) and
     the int64 targets with two boolean masks of the vocab-parallel cross-entropy (and the count
-    of labelled tokens); the norm's statistics are fp32."""
-    return s * b * (2 * h * act_bytes + vocab_local * logits_bytes + 8 + 2) + 2 * s * b * 4 + 8
+    of labelled tokens); the norm's statistics are fp32.
+
+    At t = 1 (`whole_vocab` = the true vocabulary) torch's fused cross-entropy runs instead: it
+    keeps the log-softmax of the true (unpadded) vocabulary, the targets and a 4-byte weight sum,
+    no masks."""
+    norm = s * b * 2 * h * act_bytes + 2 * s * b * 4
+    if whole_vocab is not None:
+        return norm + s * b * (whole_vocab * logits_bytes + 8) + 4 + 8
+    return norm + s * b * (vocab_local * logits_bytes + 8 + 2) + 8
 
 
 def embedding_bytes(s: int, b: int, h: int, dropout: bool, sp_t: int = 1) -> float:

@@ -188,6 +188,14 @@ def check_outputs(cfg) -> None:
         check_writable(cfg.log_json, "--log-json", kind="file")
     if cfg.tensorboard:
         check_writable(cfg.tensorboard, "--tensorboard")
-    data = os.path.expanduser(cfg.data) if cfg.data else None
-    if data is None or (os.path.isfile(data) and not os.path.exists(data + ".idx")):
+    from megapar.data.blended import parse_blend
+
+    if not cfg.data:
+        paths = [None]
+    else:
+        blend = parse_blend(cfg.data)
+        single = cfg.data[0] if isinstance(cfg.data, list) else cfg.data
+        paths = [os.path.expanduser(p) for p in ([single] if blend is None else
+                                                 [p for _, p in blend])]
+    if any(p is None or (os.path.isfile(p) and not os.path.exists(p + ".idx")) for p in paths):
         check_writable(cfg.data_cache, "--data-cache")  # raw text is tokenized into it

@@ -213,7 +213,6 @@ class Trainer:
                                 f"{at}: {type(exc).__name__}: {exc}")
             err.no_traceback = getattr(exc, "no_traceback", False)
             if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
-                err.no_traceback = True
                 err.args = (f"{err} -- not saved: steps {(saved or 0) + 1}-{self.step} (last "
                             f"checkpoint: {'step %d' % saved if saved else 'none'})",)
             raise err from exc

@@ -137,8 +137,14 @@ def checkpoint_manifest(path: str) -> dict:
         raise UsageError(f"--load {path}: {exc}") from None
 
 
-NOT_INHERITED = {"tp", "pp", "dp", "model", "from_hf", "load", "save", "data_cache", "log_json",
-                 "tensorboard", "wandb_project", "progress", "debug", "timeout_s", "peak_tflops"}
+NOT_INHERITED = {
+    # the layout and how it runs (any layout resumes any checkpoint, with the same numbers)
+    "tp", "pp", "dp", "rank_order", "schedule", "virtual_stages", "sequence_parallel",
+    "recompute", "zero", "grad_bucket_mb",
+    # where things go and how the run is watched or stopped
+    "model", "from_hf", "load", "load_strict", "save", "data_cache", "log_json", "tensorboard",
+    "wandb_project", "progress", "debug", "timeout_s", "peak_tflops", "profile_steps",
+    "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval"}
 """Settings a --load run never takes from the checkpoint's saved train_config."""
 
 
@@ -153,7 +159,7 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
         if name in NOT_INHERITED or name in given or name not in saved:
             continue
         value = saved[name]
-        if name == "data" and value is not None and not os.path.exists(os.path.expanduser(value)):
+        if name == "data" and value is not None and not _data_exists(value):
             continue  # moved since: the sampler check names the difference if it matters
         if value != getattr(cfg, name):
             setattr(cfg, name, value)
@@ -161,6 +167,14 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
         given.add(name)
     cfg.explicit = frozenset(given)
     return [f"from the checkpoint (not given): {', '.join(taken)}"] if taken else []
+
+
+def _data_exists(data) -> bool:
+    """Whether every path of a saved --data (one path, or a blend's WEIGHT PATH list) exists."""
+    items = data if isinstance(data, list) else [data]
+    paths = items[1::2] if len(items) > 1 else items
+    return all(os.path.exists(os.path.expanduser(str(p))) or
+               os.path.exists(os.path.expanduser(str(p)) + ".idx") for p in paths)
 
 
 def check_resumable(cfg, manifest: dict, train_len: int) -> None:
