@@ -7,6 +7,7 @@ backend is NCCL and each rank uses the GPU of its local rank; otherwise gloo on 
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -33,6 +34,30 @@ def device(local_rank: int | None = None) -> torch.device:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def keep_freed_host_memory() -> bool:
+    """Let glibc keep freed host memory for reuse instead of returning it to the kernel.
+
+    glibc serves every allocation above its mmap threshold (at most 32 MB) with a fresh mmap and
+    unmaps it on free, so each large CPU tensor (logits: tokens x vocab x 4 bytes, ~100 MB for
+    the default job's micro-batch) costs page faults that zero it again: the default CPU job
+    spent ~45 % of its CPU time in the kernel. Served from the heap and never trimmed, the
+    memory is reused: 2.3x faster steps for ~1.6x the resident memory (measured on the default
+    job). Does nothing off glibc or with MEGAPAR_HOST_MALLOC=system; settings are inherited
+    by forked workers. Returns whether it applied."""
+    if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
+            "linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(
+            libc.mallopt(m_trim_threshold, 2**31 - 1))
+    except (OSError, AttributeError):  # not glibc (musl, ...): its allocator stays as it is
+        return False
 
 
 def init_distributed(rank: int | None = None, world_size: int | None = None,

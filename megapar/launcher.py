@@ -115,6 +115,7 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
         import torch
 
         torch.set_num_threads(1)
+        _device.keep_freed_host_memory()
         if world_size > 1:
             store = loopback_store(rank, world_size, port, timeout_s)
             _device.init_distributed(rank, world_size, timeout_s=timeout_s, store=store)
@@ -255,6 +256,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
     """Run `fn(*args)` as this process's rank under torchrun / Slurm, or else start
     `world_size` local workers (in this process when world_size is 1). Returns the results of
     the ranks this process ran."""
+    _device.keep_freed_host_memory()
     if under_launcher():
         if os.environ.get("SLURM_PROCID") and "RANK" not in os.environ:
             os.environ.update(RANK=os.environ["SLURM_PROCID"],
