@@ -386,3 +386,30 @@ def test_load_alone_resumes_with_the_checkpoints_settings(texts, cache, tiny_mod
     rc, err = _run(train, ["--load", ckpt, "--data-cache", cache, "--max-steps", "6",
                            "--seq-len", "16", "--no-progress"], capsys)
     assert rc == 2 and "cannot continue its data order: dataset_len" in err
+
+
+def test_a_raised_max_steps_stretches_the_lr_schedule(texts, cache, tiny_model, tmp_path,
+                                                      capsys):
+    """Extending a finished run (`--load CKPT --max-steps` higher, as the 'nothing left to
+    train' error advises) decays the learning rate over the new length, with a note; the
+    checkpoint's schedule is not silently kept (it would hold --min-lr for every new step)."""
+    from megapar.optim import LRScheduler
+
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    common = ["--data", texts["poem"], "--data-cache", cache, "--tokenizer", "sentencepiece",
+              "--seq-len", "32", "--global-batch-size", "8", "--no-progress", "--lr", "1e-3",
+              "--min-lr", "1e-4", "--warmup-steps", "1"]
+    rc, err = _run(train, [*common, "--model", tiny_model, "--max-steps", "3", "--save", ckpt],
+                   capsys)
+    assert rc == 0, err
+    rc = train([str(a) for a in [*common, "--load", ckpt, "--max-steps", "6", "--log-json", log]])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "learning-rate schedule follows the flags, not the checkpoint: max_steps 3 -> 6" \
+        in out.out
+    expected = LRScheduler(1e-3, 1e-4, 1, 6, "cosine")
+    lrs = {r["step"]: r["lr"] for r in _records(log)}
+    assert list(lrs) == [4, 5, 6]
+    for step, lr in lrs.items():
+        assert lr == pytest.approx(expected.lr(step - 1), rel=1e-6)
+    assert lrs[4] > 2e-4  # mid-decay, not the floor

@@ -90,7 +90,17 @@ class Trainer:
         self.notes.append(note)
 
     def _resume(self, path: str) -> None:
+        planned = self.scheduler.state_dict() if self.scheduler is not None else None
         state = self.engine.load(path)
+        if planned is not None and self.scheduler.state_dict() != planned:
+            # the flags (or, where not given, the checkpoint's saved flags) set the schedule:
+            # e.g. a raised --max-steps stretches the decay instead of staying at --min-lr
+            saved = self.scheduler.state_dict()
+            self.scheduler.load_state_dict(planned)
+            changed = ", ".join(f"{k} {saved[k]} -> {v}" for k, v in planned.items()
+                                if saved.get(k) != v)
+            self.notes.append(f"learning-rate schedule follows the flags, not the checkpoint: "
+                              f"{changed}")
         if state.meta.get("sampler"):
             self.sampler.load_state_dict(state.meta["sampler"])
         how = f"resharded from {state.layout}" if state.resharded else (
