@@ -281,8 +281,14 @@ def make_sampler(cfg: TrainConfig, dataset, dp: int, dp_rank: int, shuffle=True,
 
 
 def batches(dataset, sampler, device: torch.device):
-    """Endless: per global batch, this rank's micro-batches as dicts of tensors on `device`."""
+    """Endless: per global batch, this rank's micro-batches as dicts of tensors on `device`.
+
+    Collation is a few index lookups per sample (profiled: not in the top 20 of the default
+    job's CPU time), so it stays in the training process; on CUDA the batch goes through pinned
+    memory and an asynchronous copy, so the next step's upload overlaps the compute queue."""
+    cuda = device.type == "cuda"
     while True:
         for micro_batches in sampler:
-            yield [{k: v.to(device) for k, v in collate([dataset[i] for i in mb]).items()}
+            yield [{k: (v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device))
+                    for k, v in collate([dataset[i] for i in mb]).items()}
                    for mb in micro_batches]
