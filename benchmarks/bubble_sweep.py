@@ -2,8 +2,10 @@
 
 For every (pp, schedule, m) the real engine runs on pp local processes (`bubble.measure`, the
 last of --steps steps after a warm-up); the simulator then replays the same schedule with that
-run's own per-action costs (`bubble.mean_costs`: forward, backward, B and W for zero-bubble
-schedules, p2p latency from the receives), and the theory is the schedule's published formula
+run's own per-action costs, each stage with its own (`bubble.stage_costs`: forward, backward, B
+and W for zero-bubble schedules; the last stage also computes the LM head, and under ZB-H1 the
+first stage's B is empty and its W the whole backward; p2p latency from the receives), and the
+theory is the schedule's published formula
 ((pp-1)/(m+pp-1) for GPipe and 1F1B, (pp-1)/(V m+pp-1) interleaved, Qi et al.'s for ZB-H1 with
 the measured F, B, W). m values a schedule cannot take (interleaved: m % max(1, m // pp)) are
 skipped. Prints one table row per point (bubble %, step
@@ -44,7 +46,9 @@ def sweep(args) -> list[dict]:
                 run = bubble.measure(pp, m, schedule, steps=args.steps,
                                      micro_batch_size=args.micro_batch_size, seq_len=args.seq_len,
                                      virtual_stages=v)
-                sim = bubble.simulate(pp, m, schedule, virtual_stages=v, **run.costs)
+                # each stage simulated with its own measured costs (the last one has the head)
+                sim = bubble.simulate(pp, m, schedule, virtual_stages=v, **run.costs,
+                                      stage_costs=run.stage_costs)
                 row = {"pp": pp, "schedule": schedule, "m": m,
                        "measured": run.stats["measured_bubble"],
                        "simulated": sim.stats["measured_bubble"], "theory": run.theoretical,

@@ -138,3 +138,34 @@ def test_theoretical_bubble():
         theoretical_bubble(0, 1)
     with pytest.raises(ValueError, match="at least one"):
         simulate([])
+
+
+def test_stages_with_their_own_costs_by_hand():
+    """pp=2, m=1, 1F1B: stage 0 F=1 B=2, stage 1 F=3 B=4 (e.g. it has the LM head), p2p 0.5.
+    F0 [0, 1]; F1 [1.5, 4.5]; B1 [4.5, 8.5]; B0 [9, 11]: step 11, stage 0 busy 3, stage 1 busy 7."""
+    from megapar.pipeline.simulate import Costs, simulate_schedule
+    from megapar.pipeline.timeline import bubble_stats
+
+    costs = [Costs(fwd_ms=1, bwd_ms=2, p2p_ms=0.5), Costs(fwd_ms=3, bwd_ms=4, p2p_ms=0.5)]
+    stats = bubble_stats(simulate_schedule("1f1b", 2, 1, costs))
+    assert stats["step_time_s"] == pytest.approx(11e-3)
+    assert [r["busy_s"] for r in stats["per_rank"]] == pytest.approx([3e-3, 7e-3])
+    with pytest.raises(ValueError, match="2 per-stage costs for 3 stages"):
+        simulate_schedule("1f1b", 3, 1, costs)
+
+
+def test_measured_stage_costs_are_each_stages_own():
+    from megapar.pipeline.timeline import Event, Timeline
+    from megapar.training.bubble import stage_costs
+
+    ms = 1e-3
+    timeline = Timeline([Event(0, "forward", 0, 0, 1 * ms), Event(1, "forward", 0, 1 * ms, 4 * ms),
+                         Event(1, "backward_input", 0, 4 * ms, 6 * ms),
+                         Event(1, "backward_weight", 0, 6 * ms, 9 * ms),
+                         Event(0, "backward_input", 0, 9 * ms, 9 * ms),
+                         Event(0, "backward_weight", 0, 9 * ms, 14 * ms)])
+    first, last = stage_costs(timeline, 0.25)
+    assert first == pytest.approx({"fwd_ms": 1, "bwd_ms": 5, "p2p_ms": 0.25, "bwd_input_ms": 0,
+                                   "bwd_weight_ms": 5})
+    assert last == pytest.approx({"fwd_ms": 3, "bwd_ms": 5, "p2p_ms": 0.25, "bwd_input_ms": 2,
+                                  "bwd_weight_ms": 3})

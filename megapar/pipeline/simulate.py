@@ -38,7 +38,7 @@ class CommMismatchError(ScheduleError):
 
 @dataclass
 class Costs:
-    """Cost model of one micro-batch on one stage (all stages equal)."""
+    """Cost model of one micro-batch on one stage (the same for every stage, or one per stage)."""
 
     fwd_ms: float = 1.0
     """Duration of a forward."""
@@ -88,10 +88,13 @@ def _channel(stage: int, action: Action, pp: int, chunks: int = 1,
 class _Simulator:
     """State of one simulation: program counters, clocks and in-flight messages."""
 
-    def __init__(self, schedules: list[list[Action]], costs: Costs, placement: str = "loop"):
+    def __init__(self, schedules: list[list[Action]], costs: Costs | list[Costs],
+                 placement: str = "loop"):
         self.schedules = schedules
-        self.costs = costs
         self.pp = len(schedules)
+        self.costs = list(costs) if isinstance(costs, (list, tuple)) else [costs] * self.pp
+        if len(self.costs) != self.pp:
+            raise ValueError(f"{len(self.costs)} per-stage costs for {self.pp} stages")
         self.chunks = 1 + max((a.chunk for acts in schedules for a in acts), default=0)
         self.placement = placement
         self.pc = [0] * self.pp
@@ -139,9 +142,10 @@ class _Simulator:
             self.received[channel] = index + 1
             end = max(start, arrival)
         else:
-            end = start + self.costs.duration_ms(action.kind)
+            cost = self.costs[stage]
+            end = start + cost.duration_ms(action.kind)
             if channel is not None:
-                self.sent.setdefault(channel, []).append((action, end + self.costs.p2p_ms))
+                self.sent.setdefault(channel, []).append((action, end + cost.p2p_ms))
         self.events.append(Event(stage, action.kind, action.mb, start / 1e3, end / 1e3, action.chunk))
         self.clock_ms[stage] = end
         self.pc[stage] += 1
@@ -185,17 +189,19 @@ class _Simulator:
         return Timeline(self.events)
 
 
-def simulate(schedules: list[list[Action]], costs: Costs | None = None,
+def simulate(schedules: list[list[Action]], costs: Costs | list[Costs] | None = None,
              placement: str = "loop") -> Timeline:
     """Run `schedules[s]` on stage s for every s; the timeline of the step (times in seconds).
-    The number of chunks per rank is read off the actions; `placement` maps them to virtual
-    stages (see `megapar.pipeline.schedules.PLACEMENTS`)."""
+    `costs`: one cost model for every stage, or a list with one per stage (stages that differ,
+    e.g. the last one with the LM head, measured each on its own). The number of chunks per rank
+    is read off the actions; `placement` maps them to virtual stages (see
+    `megapar.pipeline.schedules.PLACEMENTS`)."""
     if not schedules:
         raise ValueError("simulate needs at least one stage's schedule")
     return _Simulator(schedules, costs or Costs(), placement).run()
 
 
-def simulate_schedule(name: str, pp: int, m: int, costs: Costs | None = None,
+def simulate_schedule(name: str, pp: int, m: int, costs: Costs | list[Costs] | None = None,
                       virtual_stages: int = 1) -> Timeline:
     """Simulate the named schedule (see `SCHEDULES`) with pp stages and m micro-batches."""
     return simulate([schedule_actions(name, pp, m, stage, virtual_stages) for stage in range(pp)],

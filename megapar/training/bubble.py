@@ -29,6 +29,9 @@ class BubbleRun:
     """Per stage, the peak MB of tensors autograd held for backward during the step."""
     costs: dict | None = None
     """Mean forward / backward (and B / W) / p2p milliseconds per action."""
+    stage_costs: list[dict] | None = None
+    """The same per stage, each from its own actions (stages differ: the last one computes the
+    LM head and the loss; under ZB-H1 the first one's B is empty and its W the whole backward)."""
 
     def summary(self) -> dict:
         return {"measured_bubble": self.stats["measured_bubble"],
@@ -36,7 +39,7 @@ class BubbleRun:
                 "step_time_s": self.stats["step_time_s"],
                 "per_stage_bubble": [r["bubble"] for r in self.stats["per_rank"]],
                 "in_flight_peak": self.in_flight, "activation_mb": self.activation_mb,
-                "costs_ms": self.costs}
+                "costs_ms": self.costs, "stage_costs_ms": self.stage_costs}
 
 
 def bench_config(model: str | None, pp: int, virtual_stages: int = 1):
@@ -146,7 +149,7 @@ def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = Non
     stats = bubble_stats(timeline)
     costs = mean_costs(timeline, schedule)
     return BubbleRun(timeline, stats, theory(pp, m, schedule, virtual_stages, costs), in_flight,
-                     act, costs=costs)
+                     act, costs=costs, stage_costs=stage_costs(timeline, costs["p2p_ms"]))
 
 
 def theory(pp: int, m: int, schedule: str, virtual_stages: int, costs: dict) -> float:
@@ -195,11 +198,32 @@ def mean_costs(timeline, schedule: str = "1f1b") -> dict:
     return costs
 
 
+def stage_costs(timeline, p2p_ms: float) -> list[dict]:
+    """Per stage (in rank order), the mean forward and backward (and B / W where the schedule
+    splits it) milliseconds of that stage's own actions; `p2p_ms` for every stage."""
+    out = []
+    for rank in timeline.ranks():
+        def mean(kind):
+            d = [e.end - e.start for e in timeline.events if e.kind == kind and e.rank == rank]
+            return 1e3 * sum(d) / len(d) if d else None
+        costs = {"fwd_ms": mean("forward") or 0.0, "bwd_ms": mean("backward") or 0.0,
+                 "p2p_ms": p2p_ms}
+        b, w = mean("backward_input"), mean("backward_weight")
+        if b is not None or w is not None:
+            costs.update(bwd_input_ms=b or 0.0, bwd_weight_ms=w or 0.0,
+                         bwd_ms=(b or 0.0) + (w or 0.0))
+        out.append(costs)
+    return out
+
+
 def simulate(pp: int, m: int, schedule: str, fwd_ms: float, bwd_ms: float,
              p2p_ms: float = 0.0, virtual_stages: int = 1, bwd_input_ms: float | None = None,
-             bwd_weight_ms: float | None = None) -> BubbleRun:
+             bwd_weight_ms: float | None = None,
+             stage_costs: list[dict] | None = None) -> BubbleRun:
     """The same timeline and table computed from per-action costs, without processes.
-    B and W default to half the backward each."""
+    B and W default to half the backward each. `stage_costs` (one dict of the same keys per
+    stage, e.g. `BubbleRun.stage_costs` of a measurement) simulates stages that differ; the
+    other cost arguments then only feed the published formula."""
     from megapar.pipeline.schedules import in_flight_peak, schedule_actions
     from megapar.pipeline.simulate import Costs, simulate_schedule
     from megapar.pipeline.timeline import bubble_stats
@@ -208,7 +232,8 @@ def simulate(pp: int, m: int, schedule: str, fwd_ms: float, bwd_ms: float,
     bwd_weight_ms = bwd_ms / 2 if bwd_weight_ms is None else bwd_weight_ms
     costs = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "p2p_ms": p2p_ms,
              "bwd_input_ms": bwd_input_ms, "bwd_weight_ms": bwd_weight_ms}
-    timeline = simulate_schedule(schedule, pp, m, Costs(**costs), virtual_stages)
+    per_stage = [Costs(**c) for c in stage_costs] if stage_costs else Costs(**costs)
+    timeline = simulate_schedule(schedule, pp, m, per_stage, virtual_stages)
     in_flight = [in_flight_peak(schedule_actions(schedule, pp, m, s, virtual_stages))
                  for s in range(pp)]
     return BubbleRun(timeline, bubble_stats(timeline),
