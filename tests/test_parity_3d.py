@@ -106,6 +106,8 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
 
     def step_and_record_first_grads():  # clipped gradients as the optimizer sees them
         if not full_grads:
+            if getattr(optimizer, "sharded", False):  # ZeRO-1 reduced only this rank's slices
+                optimizer.gather_grads()
             for name, p in model.named_parameters():
                 full_grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape,
                                               mesh.tp_group).clone()
