@@ -120,8 +120,12 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group)
                for n, p in model.named_parameters()}
     keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
+    # ZeRO-1: parameters this rank updates only part of (its slice ends inside them)
+    cut = [n for n, p in model.named_parameters()
+           if 0 < sum(e - s for q, s, e in getattr(optimizer, "_piece_of", []) if q is p)
+           < p.numel()]
     return {"layout": (tp, pp, dp, zero, schedule, order), "results": results,
-            "weights": weights if keep else {}, "grads": full_grads if keep else {}}
+            "weights": weights if keep else {}, "grads": full_grads if keep else {}, "cut": cut}
 
 
 def _worker(runs: list[tuple]) -> list[dict]:
@@ -182,7 +186,9 @@ def test_3d_parity_tp2_pp2_dp2_new_schedules(reference):
 
 
 def test_3d_parity_4_ranks(reference):
-    """tp=1 pp=2 dp=2 and tp=2 pp=1 dp=2 (plus ZeRO-1) in one launch of 4 ranks."""
-    outs = run_local(_worker, 4, [(1, 2, 2, 0), (2, 1, 2, 0), (2, 1, 2, 1)])
-    for i in range(3):
+    """tp=1 pp=2 dp=2 and tp=2 pp=1 dp=2 (plus ZeRO-1), and ZeRO-1 at dp=4 (its slices cut
+    parameters), in one launch of 4 ranks."""
+    outs = run_local(_worker, 4, [(1, 2, 2, 0), (2, 1, 2, 0), (2, 1, 2, 1), (1, 1, 4, 1)])
+    for i in range(4):
         check_against(reference, [o[i] for o in outs])
+    assert all(o[3]["cut"] for o in outs), "dp=4: no parameter is cut between two dp ranks"
