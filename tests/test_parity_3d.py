@@ -168,20 +168,22 @@ def test_reference_clips_every_step(reference):
 
 
 def test_3d_parity_tp2_pp2_dp2(reference):
-    """tp=2 pp=2 dp=2, without and with ZeRO-1, and with sequence parallelism, in one launch
-    of 8 ranks."""
+    """tp=2 pp=2 dp=2, without and with ZeRO-1, and with sequence parallelism (also under
+    ZeRO-1: the tp sum of the replicated parameters' gradients follows the reduce-scatter), in
+    one launch of 8 ranks."""
     outs = run_local(_worker, 8, [(2, 2, 2, 0), (2, 2, 2, 1),
-                                  (2, 2, 2, 0, "fp32", "1f1b", 1, "tp-pp-dp", True)])
-    for i in range(3):
+                                  (2, 2, 2, 0, "fp32", "1f1b", 1, "tp-pp-dp", True),
+                                  (2, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", True)])
+    for i in range(4):
         check_against(reference, [o[i] for o in outs])
 
 
 def test_3d_parity_tp2_pp2_dp2_new_schedules(reference):
-    """tp=2 pp=2 dp=2 under ZB-H1 (dp reduction after the last W), and interleaved 1F1B (V=2)
-    with ZeRO-1 in Megatron's rank order (pp outermost)."""
-    outs = run_local(_worker, 8, [(2, 2, 2, 0, "fp32", "zb-h1"),
+    """tp=2 pp=2 dp=2 under ZB-H1 (dp reduction after the last W; also with ZeRO-1), and
+    interleaved 1F1B (V=2) with ZeRO-1 in Megatron's rank order (pp outermost)."""
+    outs = run_local(_worker, 8, [(2, 2, 2, 0, "fp32", "zb-h1"), (2, 2, 2, 1, "fp32", "zb-h1"),
                                   (2, 2, 2, 1, "fp32", "interleaved", 2, "tp-dp-pp")])
-    for i in range(2):
+    for i in range(3):
         check_against(reference, [o[i] for o in outs])
 
 
