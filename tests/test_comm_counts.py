@@ -44,7 +44,7 @@ def micro_batches(kind: str) -> list[dict]:
 
 
 def make_step(kind: str, mesh: Mesh, recompute: str = "none", overrides: dict | None = None,
-              **step_kwargs):
+              zero: int = 0, bucket_mb: float | None = None, **step_kwargs):
     from megapar.optim import LRScheduler, Precision, build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.training.step import TrainStep
@@ -53,7 +53,11 @@ def make_step(kind: str, mesh: Mesh, recompute: str = "none", overrides: dict | 
     model = build_stage(config, mesh, seed=0, recompute=recompute)
     seq = SEQ // mesh.tp if mesh.sequence_parallel else SEQ
     executor = PipelineExecutor(model, mesh, "1f1b", (MBS, seq, H))
-    optimizer = build_optimizer(model, mesh, 1e-3, 0.1)
+    optimizer = build_optimizer(model, mesh, 1e-3, 0.1, zero=zero)
+    if bucket_mb is not None:
+        from megapar.data_parallel import GradBuckets
+
+        step_kwargs["grad_sync"] = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb)
     return TrainStep(model, mesh, executor, optimizer, LRScheduler(1e-3, 1e-4, 0, 10, "constant"),
                      Precision("fp32", mesh.device), 1.0, **step_kwargs)
 
@@ -110,3 +114,68 @@ def test_sequence_parallel_step_collectives(kind):
     tp = 2
     for rank_calls in run_local(_worker, tp, kind, tp, True):
         assert summary(rank_calls) == expected_sp_step(kind, tp)
+
+
+# --- data parallelism: ZeRO-1's distributed optimizer ------------------------------------------
+def _dp_worker(pp: int, dp: int, zero: int):
+    """One counted step; returns the calls and the gradient buffer's (padded) size."""
+    import torch.distributed as dist
+
+    mesh = Mesh(Layout(1, pp, dp), dist.get_rank())
+    step = make_step("gpt2", mesh, zero=zero, bucket_mb=0.01)
+    grad_sync = step.grad_sync
+    step.step(micro_batches("gpt2"), 0)  # warm-up
+    with count_collectives(mesh.device) as calls:
+        step.step(micro_batches("gpt2"), 1)
+    numel = sum(b.numel() for b in grad_sync.buffers.values())
+    state = sum(t.numel() for st in step.optimizer.inner.state.values() for k, t in st.items()
+                if k != "step")
+    return {"calls": calls, "buffer": numel, "buckets": len(grad_sync.buckets),
+            "params": sum(p.numel() for p in step.model.parameters()), "state": state,
+            "stage": mesh.pp_rank}
+
+
+def _reduced(calls, dp: int) -> list:
+    return [c for c in calls if c.group_size == dp and c.op not in ("isend", "irecv")]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_zero1_reduce_scatters_and_all_gathers_the_buffer(pp):
+    """dp=2: plain dp all-reduces the gradient buffer (2 units of traffic per element); the
+    distributed optimizer reduce-scatters it and all-gathers the parameters (also 2 units), no
+    broadcast, and all-reduces only scalars over dp (the squared gradient norm and the loss);
+    each rank keeps 1/dp of the Adam state. With pp=2 the tied embedding's gradient is summed
+    over the first and last stage (before the reduce-scatter) in one all-reduce of its size."""
+    dp = 2
+    plain = run_local(_dp_worker, pp * dp, pp, dp, 0)
+    sharded = run_local(_dp_worker, pp * dp, pp, dp, 1)
+    embedding = 96 * H  # vocab padded to 96 (a multiple of 8), unsharded at tp=1
+    for base, out in zip(plain, sharded):
+        assert out["buckets"] > 1
+        # the buffer is padded: each bucket to a multiple of dp
+        assert base["params"] == base["buffer"] <= out["buffer"] < base["buffer"] + dp * out["buckets"]
+        calls = _reduced(out["calls"], dp)
+        scatters = [c for c in calls if c.op == "reduce_scatter_single"]
+        gathers = [c for c in calls if c.op == "all_gather_single"]
+        assert sum(c.bytes for c in scatters) == 4 * out["buffer"]        # input: whole bucket
+        assert sum(c.bytes for c in gathers) == 4 * out["buffer"] // dp   # input: own slice
+        assert len(scatters) == len(gathers) == out["buckets"]
+        base_calls = _reduced(base["calls"], dp)
+        # (with pp=2 the pipeline group has size 2 too: the executor's scalar broadcasts and the
+        # norm's all-reduce over pp appear in both runs)
+        assert summary(c for c in calls if c.op == "broadcast") == \
+            summary(c for c in base_calls if c.op == "broadcast")
+        assert all(c.numel == 1 for c in calls if c.op == "broadcast")
+        scalars = [c for c in calls if c.op == "all_reduce" and c.numel == 1]
+        # the loss, (pp > 1: the norm over pp,) and the norm over dp
+        assert len(scalars) == 2 + (pp > 1)
+        assert len(scalars) == len([c for c in base_calls
+                                    if c.op == "all_reduce" and c.numel == 1]) + 1
+        tied = [c for c in out["calls"] if c.op == "all_reduce" and c.numel > 1]
+        assert [c.numel for c in tied] == ([embedding] if pp > 1 else [])
+        # plain dp: all-reduces of the buckets, the buffer's size in all (plus the tied sync)
+        assert sum(c.numel for c in base_calls if c.op == "all_reduce" and c.numel > 1) == \
+            base["buffer"] + (embedding if pp > 1 else 0)
+        # optimizer memory: exp_avg + exp_avg_sq for 1/dp of the stage's elements (+ padding)
+        assert base["state"] == 2 * base["params"]
+        assert abs(out["state"] - base["state"] / dp) <= 2 * out["buckets"] * dp

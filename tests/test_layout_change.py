@@ -101,7 +101,8 @@ def test_tp2_pp2_checkpoint_continues_at_tp1_pp4_and_tp4_pp1(tmp_path, common, c
     print("\n".join(measured))  # shown with -s
 
 
-def test_zero1_dp2_checkpoint_continues_at_dp1_with_and_without_zero(tmp_path, common):
+def test_zero1_dp2_checkpoint_continues_at_dp1_with_and_without_zero_and_at_dp4(tmp_path,
+                                                                                common):
     # the global batch (8) stays the same; only how it is split over dp ranks changes
     reference, step3 = _train_and_checkpoint(
         tmp_path, common, ["--tp", "1", "--pp", "2", "--dp", "2", "--zero", "1"])
@@ -112,4 +113,9 @@ def test_zero1_dp2_checkpoint_continues_at_dp1_with_and_without_zero(tmp_path, c
         assert train([*common, "--tp", "1", "--pp", "2", "--dp", "1", "--zero", zero,
                       "--load", str(step3), "--log-json", str(log)]) == 0
         measured.append(_assert_continues(reference, log, f"zero=1 dp=2 -> zero={zero} dp=1"))
+    # more dp ranks, each taking its (differently cut) slice of the state; pp 2 -> 1 as well
+    log = tmp_path / "dp4_zero1.jsonl"
+    assert train([*common, "--tp", "1", "--pp", "1", "--dp", "4", "--zero", "1",
+                  "--load", str(step3), "--log-json", str(log)]) == 0
+    measured.append(_assert_continues(reference, log, "zero=1 dp=2 pp=2 -> zero=1 dp=4 pp=1"))
     print("\n".join(measured))  # shown with -s

@@ -90,6 +90,8 @@ def _train(tp, pp, dp, zero, tied, recompute):
 
     def record_first_grads_then_step():
         if not grads:
+            if getattr(optimizer, "sharded", False):  # ZeRO-1 reduced only this rank's slices
+                optimizer.gather_grads()
             for name, p in model.named_parameters():
                 grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape, mesh.tp_group).clone()
         optimizer_step()

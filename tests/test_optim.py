@@ -11,7 +11,6 @@ from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.models import GPT2Config
 from megapar.optim import LRScheduler, build_optimizer, clip_grad_norm
-from megapar.optim.zero import assign_owners
 from megapar.training.build import build_stage
 from megapar.training.step import BatchPlan
 from tp_utils import assert_close, make_mesh
@@ -109,60 +108,81 @@ def test_tied_copy_is_stepped_but_not_checkpointed():
         opt.load_state_tensors(state)
 
 
-def test_assign_owners_is_balanced():
-    owners = assign_owners([100, 10, 60, 50, 5, 5], 2)
-    load = [sum(s for s, o in zip([100, 10, 60, 50, 5, 5], owners) if o == r) for r in range(2)]
-    assert sorted(load) == [115, 115]
+def _zero_worker(dp: int) -> dict:
+    from megapar.data_parallel import GradBuckets
 
-
-def _zero_worker() -> dict:
-    mesh = make_mesh(dp=2)
+    mesh = make_mesh(dp=dp)
     plain_model, zero_model, resumed_model = (build_stage(CONFIG, mesh, seed=3) for _ in range(3))
     plain = build_optimizer(plain_model, mesh, 1e-2, 0.1)
-    zero = build_optimizer(zero_model, mesh, 1e-2, 0.1, zero=1)
-    owned = [n for n, p in zero_model.named_parameters() if any(p is q for q in zero.owned_params())]
 
-    def set_grads(model, step):  # the same averaged gradient on every dp rank, as after GradBuckets
-        gen = torch.Generator().manual_seed(step)
+    def sharded(model):
+        opt = build_optimizer(model, mesh, 1e-2, 0.1, zero=1)
+        grads = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb=100)
+        opt.attach(grads)
+        return opt, grads
+
+    zero, zero_grads = sharded(zero_model)
+
+    def step(model, opt, grads, seed):  # the same gradient on every dp rank: its average
+        gen = torch.Generator().manual_seed(seed)
+        opt.zero_grad()
+        if grads is not None:
+            grads.begin_step()
         for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=gen)
+            g = torch.randn(p.shape, generator=gen)
+            if grads is None:
+                p.grad = g
+            else:
+                p.grad.copy_(g)
+        if grads is not None:
+            grads.before_last_backward()
+            grads.finish()
+        opt.step()
 
-    for step in range(3):
-        for model, opt in ((plain_model, plain), (zero_model, zero)):
-            opt.zero_grad()
-            set_grads(model, step)
-            opt.step()
+    for s in range(3):
+        step(plain_model, plain, None, s)
+        step(zero_model, zero, zero_grads, s)
     for (n, a), b in zip(plain_model.named_parameters(), zero_model.parameters()):
         assert_close(b, a, what=f"ZeRO-1 weight {n}")
     plain_state, zero_state = plain.state_tensors(), zero.state_tensors()  # collective
-    assert set(zero_state) == set(plain_state) == {n for n, _ in plain_model.named_parameters()}
-    for n in plain_state:
-        for k in ("exp_avg", "exp_avg_sq"):
-            assert_close(zero_state[n][k], plain_state[n][k], what=f"ZeRO-1 {k} of {n}")
+    if mesh.dp_rank == 0:
+        assert set(zero_state) == set(plain_state) == {n for n, _ in plain_model.named_parameters()}
+        for n in plain_state:
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert_close(zero_state[n][k], plain_state[n][k], what=f"ZeRO-1 {k} of {n}")
+    else:
+        assert zero_state == {}  # only dp rank 0 (the writer) gets the full state
     # Resume a ZeRO-1 run from the (layout-free) state and take one more step: same as plain.
-    resumed = build_optimizer(resumed_model, mesh, 1e-2, 0.1, zero=1)
+    resumed, resumed_grads = sharded(resumed_model)
     resumed_model.load_state_dict(zero_model.state_dict())
-    resumed.load_state_tensors(zero_state)
+    resumed.load_state_tensors(plain_state)
     resumed.load_state_json(json.loads(json.dumps(zero.state_json())))
-    for model, opt in ((plain_model, plain), (resumed_model, resumed)):
-        opt.zero_grad()
-        set_grads(model, 3)
-        opt.step()
+    step(plain_model, plain, None, 3)
+    step(resumed_model, resumed, resumed_grads, 3)
     for (n, a), b in zip(plain_model.named_parameters(), resumed_model.parameters()):
         assert_close(b, a, what=f"resumed ZeRO-1 weight {n}")
-    return {"owned": owned, "state_entries": sum(len(s) for s in resumed.inner.state.values()),
-            "step": resumed.state_json()["step"]}
+    numel = sum(p.numel() for p in plain_model.parameters())
+    cut = [n for n, p in resumed_model.named_parameters()
+           if 0 < sum(e - s for q, s, e in resumed._piece_of if q is p) < p.numel()]
+    return {"state_numel": sum(t.numel() for st in resumed.inner.state.values()
+                               for k, t in st.items() if k != "step"),
+            "plain_numel": 2 * numel, "cut": cut, "step": resumed.state_json()["step"],
+            "buffer": sum(b.numel() for b in resumed_grads.buffers.values())}
 
 
-def test_zero1_equals_unsharded_adamw_and_resumes():
-    outs = run_local(_zero_worker, 2)
-    owned = [set(o["owned"]) for o in outs]
-    names = {n for n, _ in serial_model().named_parameters()}
-    assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == names
-    assert all(o["owned"] for o in outs)
-    # Each rank holds state (step, exp_avg, exp_avg_sq) only for the parameters it owns.
-    assert [o["state_entries"] for o in outs] == [3 * len(s) for s in owned]
-    assert [o["step"] for o in outs] == [4, 4]
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero1_equals_unsharded_adamw_and_resumes(dp):
+    outs = run_local(_zero_worker, dp, dp)
+    # One bucket: each rank's slice is 1/dp of the buffer, padded to a multiple of dp, and
+    # state (exp_avg, exp_avg_sq) exists only for the real elements of its slice.
+    plain = outs[0]["plain_numel"]  # exp_avg + exp_avg_sq of every parameter, unsharded
+    n = plain // 2
+    assert outs[0]["buffer"] == -(-n // dp) * dp
+    assert sum(o["state_numel"] for o in outs) == plain
+    for o in outs:
+        assert 2 * (n // dp - dp) <= o["state_numel"] <= 2 * -(-n // dp)
+        assert o["cut"], "no parameter was cut between two dp ranks' slices"
+        assert o["step"] == 4
 
 
 # --- clipping -------------------------------------------------------------------------------------

@@ -106,6 +106,8 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
 
     def step_and_record_first_grads():  # clipped gradients as the optimizer sees them
         if not full_grads:
+            if getattr(optimizer, "sharded", False):  # ZeRO-1 reduced only this rank's slices
+                optimizer.gather_grads()
             for name, p in model.named_parameters():
                 full_grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape,
                                               mesh.tp_group).clone()
@@ -118,8 +120,12 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group)
                for n, p in model.named_parameters()}
     keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
+    # ZeRO-1: parameters this rank updates only part of (its slice ends inside them)
+    cut = [n for n, p in model.named_parameters()
+           if 0 < sum(e - s for q, s, e in getattr(optimizer, "_piece_of", []) if q is p)
+           < p.numel()]
     return {"layout": (tp, pp, dp, zero, schedule, order), "results": results,
-            "weights": weights if keep else {}, "grads": full_grads if keep else {}}
+            "weights": weights if keep else {}, "grads": full_grads if keep else {}, "cut": cut}
 
 
 def _worker(runs: list[tuple]) -> list[dict]:
@@ -162,25 +168,29 @@ def test_reference_clips_every_step(reference):
 
 
 def test_3d_parity_tp2_pp2_dp2(reference):
-    """tp=2 pp=2 dp=2, without and with ZeRO-1, and with sequence parallelism, in one launch
-    of 8 ranks."""
+    """tp=2 pp=2 dp=2, without and with ZeRO-1, and with sequence parallelism (also under
+    ZeRO-1: the tp sum of the replicated parameters' gradients follows the reduce-scatter), in
+    one launch of 8 ranks."""
     outs = run_local(_worker, 8, [(2, 2, 2, 0), (2, 2, 2, 1),
-                                  (2, 2, 2, 0, "fp32", "1f1b", 1, "tp-pp-dp", True)])
-    for i in range(3):
+                                  (2, 2, 2, 0, "fp32", "1f1b", 1, "tp-pp-dp", True),
+                                  (2, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", True)])
+    for i in range(4):
         check_against(reference, [o[i] for o in outs])
 
 
 def test_3d_parity_tp2_pp2_dp2_new_schedules(reference):
-    """tp=2 pp=2 dp=2 under ZB-H1 (dp reduction after the last W), and interleaved 1F1B (V=2)
-    with ZeRO-1 in Megatron's rank order (pp outermost)."""
-    outs = run_local(_worker, 8, [(2, 2, 2, 0, "fp32", "zb-h1"),
+    """tp=2 pp=2 dp=2 under ZB-H1 (dp reduction after the last W; also with ZeRO-1), and
+    interleaved 1F1B (V=2) with ZeRO-1 in Megatron's rank order (pp outermost)."""
+    outs = run_local(_worker, 8, [(2, 2, 2, 0, "fp32", "zb-h1"), (2, 2, 2, 1, "fp32", "zb-h1"),
                                   (2, 2, 2, 1, "fp32", "interleaved", 2, "tp-dp-pp")])
-    for i in range(2):
+    for i in range(3):
         check_against(reference, [o[i] for o in outs])
 
 
 def test_3d_parity_4_ranks(reference):
-    """tp=1 pp=2 dp=2 and tp=2 pp=1 dp=2 (plus ZeRO-1) in one launch of 4 ranks."""
-    outs = run_local(_worker, 4, [(1, 2, 2, 0), (2, 1, 2, 0), (2, 1, 2, 1)])
-    for i in range(3):
+    """tp=1 pp=2 dp=2 and tp=2 pp=1 dp=2 (plus ZeRO-1), and ZeRO-1 at dp=4 (its slices cut
+    parameters), in one launch of 4 ranks."""
+    outs = run_local(_worker, 4, [(1, 2, 2, 0), (2, 1, 2, 0), (2, 1, 2, 1), (1, 1, 4, 1)])
+    for i in range(4):
         check_against(reference, [o[i] for o in outs])
+    assert all(o[3]["cut"] for o in outs), "dp=4: no parameter is cut between two dp ranks"

@@ -28,6 +28,15 @@ every dp rank issues the same all-reduces in the same order whatever order hooks
 when its bucket launches, so the result is right either way.
 With a dp group of size 1 the buffer still serves (no per-step gradient allocation); nothing is
 communicated.
+
+Sharded mode (``shard_over_dp``, used by the ZeRO-1 distributed optimizer, `optim/zero.py`):
+every bucket is zero-padded to a multiple of dp and *reduce-scattered* instead of all-reduced,
+so dp rank r ends up with the dp-averaged gradient of the r-th of the dp equal slices of each
+bucket (``shard_range``); the rest of the buffer keeps this rank's unreduced gradient and must
+not be read. Parameters given as ``last`` (the tied embedding) go into the last bucket(s),
+which launch only in ``finish()`` after ``before_reduce()`` ran (the tied-embedding sum over the
+first and last pipeline stage must precede the dp reduction, as slices differ between stages).
+Gradient compression is refused in this mode.
 """
 
 from __future__ import annotations
@@ -53,6 +62,13 @@ class Bucket:
     """The bucket's range of the gradient buffer (a view)."""
     handle: object | None = None
     """The async work handle of the in-flight all-reduce."""
+    start: int = 0
+    """Offset of the bucket in its dtype's buffer."""
+    padded: int = 0
+    """Elements the bucket occupies in the buffer (numel, rounded up to a multiple of dp when
+    sharded)."""
+    deferred: bool = False
+    """Sharded mode: launched only in finish(), after `before_reduce`."""
 
     @property
     def numel(self) -> int:
@@ -91,6 +107,13 @@ class GradBuckets:
         self.next_launch = 0
         self._handles = []
         self.compressor = compressor
+        self.bucket_mb = bucket_mb
+        self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
+        self.sharded = False
+        """Reduce-scatter the buckets (ZeRO-1) instead of all-reducing them."""
+        self.before_reduce = None
+        """Sharded mode: called in finish() before the deferred buckets launch."""
+        self._deferred_ok = False
         """A `compression.py` compressor (synchronous reduction), or None (async all-reduce)."""
         self.bytes_sent = 0
         """Bytes this rank has put into dp reductions (all steps; payloads of the collectives)."""
@@ -103,24 +126,55 @@ class GradBuckets:
             for p in self.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
+    def shard_over_dp(self, last: Iterable[torch.nn.Parameter] = (), before_reduce=None) -> None:
+        """Switch to reduce-scatter: buckets padded to a multiple of dp, rank r keeps slice r of
+        each. `last` parameters are put in the last bucket(s), launched in finish() only after
+        `before_reduce()` (e.g. the tied-embedding sync). Call before the first step."""
+        if self.compressor is not None:
+            raise ValueError("--grad-compression cannot be combined with --zero 1: the "
+                             "distributed optimizer reduce-scatters the gradient buffer, the "
+                             "compressors compress an all-reduce; use --grad-compression none")
+        if self.in_step:
+            raise RuntimeError("shard_over_dp() during a step")
+        self.sharded, self.before_reduce = True, before_reduce
+        late = {id(p) for p in last}
+        # make_buckets takes parameters in reverse, so the first ones listed end up last
+        ordered = ([p for p in self.params if id(p) in late]
+                   + [p for p in self.params if id(p) not in late])
+        self.buckets = make_buckets(ordered, self.bucket_mb)
+        for b in self.buckets:
+            b.deferred = before_reduce is not None and any(id(p) in late for p in b.params)
+        self._views = {}
+        self._allocate()
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+
+    def shard_range(self, b: Bucket) -> tuple[int, int]:
+        """This rank's slice [lo, hi) of bucket `b` (relative to the bucket; whole when not
+        sharded)."""
+        if not self.sharded:
+            return 0, b.padded
+        size = b.padded // self.dp
+        return self.dp_rank * size, (self.dp_rank + 1) * size
+
     def _allocate(self) -> None:
         """One zeroed buffer per dtype; bucket ranges and per-parameter views into it."""
         sizes: dict[torch.dtype, int] = {}
         for b in self.buckets:
-            dtype, device = b.params[0].dtype, b.params[0].device
-            sizes[dtype] = sizes.get(dtype, 0) + b.numel
+            dtype = b.params[0].dtype
+            b.padded = -(-b.numel // self.dp) * self.dp if self.sharded else b.numel
+            sizes[dtype] = sizes.get(dtype, 0) + b.padded
         devices = {b.params[0].dtype: b.params[0].device for b in self.buckets}
         self.buffers = {dt: torch.zeros(n, dtype=dt, device=devices[dt])
                         for dt, n in sizes.items()}
         offsets = dict.fromkeys(sizes, 0)
         for b in self.buckets:
             buffer, start = self.buffers[b.params[0].dtype], offsets[b.params[0].dtype]
-            b.flat = buffer[start:start + b.numel]
+            b.start, b.flat = start, buffer[start:start + b.padded]
             offset = 0
             for p in b.params:
                 self._views[id(p)] = b.flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
-            offsets[b.params[0].dtype] = start + b.numel
+            offsets[b.params[0].dtype] = start + b.padded
 
     def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The buffer view that is `param`'s gradient."""
@@ -139,7 +193,7 @@ class GradBuckets:
         for p in self.params:
             p.grad = self._views[id(p)]
         self.next_launch = 0
-        self.active = False
+        self.active = self._deferred_ok = False
         self.in_step = True
 
     def before_last_backward(self) -> None:
@@ -168,6 +222,10 @@ class GradBuckets:
         for b in self.buckets:
             b.ready.update(id(p) for p in b.params)
         self._launch_ready()
+        if self.next_launch < len(self.buckets):  # deferred buckets: tied sync first
+            self.before_reduce()
+            self._deferred_ok = True
+            self._launch_ready()
         for b in self.buckets:
             b.handle.wait()
             b.handle = None
@@ -188,7 +246,7 @@ class GradBuckets:
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.buckets):
             b = self.buckets[self.next_launch]
-            if len(b.ready) < len(b.params):
+            if len(b.ready) < len(b.params) or (b.deferred and not self._deferred_ok):
                 return
             self._launch(b)
             self.next_launch += 1
@@ -204,6 +262,12 @@ class GradBuckets:
     def _launch(self, b: Bucket) -> None:
         self._adopt_replaced_grads(b)
         b.flat.div_(self.dp)
+        if self.sharded:
+            lo, hi = self.shard_range(b)
+            self.bytes_sent += b.flat.numel() * b.flat.element_size()
+            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            b.handle = fn(b.flat[lo:hi], b.flat, group=self.group, async_op=True)
+            return
         if self.compressor is not None:
             self.bytes_sent += self.compressor.reduce(b.flat, b.params, self.group)
             b.handle = _Done()

@@ -13,7 +13,9 @@ Checkpoint format (the same with or without ZeRO, so a run can be resumed with e
 
 - `state_tensors()`: canonical parameter name -> {"exp_avg": t, "exp_avg_sq": t} (for SGD /
   LARS {"momentum_buffer": t}), each of the parameter's local (tp / pp shard) shape, for every parameter of the stage except tied copies
-  (`param.tied_to`), whose state equals the parameter they are tied to.
+  (`param.tied_to`), whose state equals the parameter they are tied to. Under ZeRO-1 the
+  state is sharded by buffer slice and gathered to dp rank 0 only (the checkpoint writer; {}
+  elsewhere); `load_state_tensors` takes full per-parameter tensors on every rank.
 - `state_json()`: step count and hyper-parameters, JSON-able.
 """
 

@@ -14,8 +14,8 @@ Under tensor parallelism a rank holds a shard of a parameter, so the norms are r
 tp group: the squared norms of a tp-sharded parameter's shards are summed (padding rows of a
 vocab-parallel tensor are zero and add nothing); a replicated parameter (tp_dim None) is whole
 on every tp rank and is not summed. All of a rank's parameters share one all-reduce per step.
-Under ZeRO-1 whole parameters are dealt to dp ranks, and every tp rank of a dp rank owns the
-same parameters (their shards have the same sizes), so the tp peers reduce the same list. Under
+Under ZeRO-1 (`zero.py`) a rank steps *pieces* of parameters; the optimizer sets `norms` to a
+function that sums the pieces' squares per parameter over dp (and tp) instead. Under
 pp every parameter lives on one stage (the tied LM-head copy gets the same gradient and so the
 same ratio as the embedding), so nothing crosses pp.
 """
@@ -57,6 +57,13 @@ class LAMB(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
                                   "weight_decay": weight_decay})
         self.tp_group = tp_group
+        self.norms = None
+        """Optional (pairs, params) -> full norms, replacing `full_norms` (ZeRO-1 pieces)."""
+
+    def _norms(self, pairs, params):
+        if self.norms is not None:
+            return self.norms(pairs, params)
+        return full_norms(pairs, params, self.tp_group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -82,8 +89,7 @@ class LAMB(torch.optim.Optimizer):
                 updates.append((p, u, group["lr"]))
                 params.append(p)
                 pairs.append((p, u))
-        for (p, u, lr), (w_norm, u_norm) in zip(updates, full_norms(pairs, params,
-                                                                     self.tp_group)):
+        for (p, u, lr), (w_norm, u_norm) in zip(updates, self._norms(pairs, params)):
             p.add_(u, alpha=-lr * _ratio(w_norm, u_norm))
 
 
@@ -95,6 +101,10 @@ class LARS(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
                                   "trust_coefficient": trust_coefficient})
         self.tp_group = tp_group
+        self.norms = None
+        """Optional (pairs, params) -> full norms, replacing `full_norms` (ZeRO-1 pieces)."""
+
+    _norms = LAMB._norms
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -105,8 +115,7 @@ class LARS(torch.optim.Optimizer):
                     entries.append((p, group))
                     params.append(p)
                     pairs.append((p, p.grad))
-        for (p, group), (w_norm, g_norm) in zip(entries, full_norms(pairs, params,
-                                                                    self.tp_group)):
+        for (p, group), (w_norm, g_norm) in zip(entries, self._norms(pairs, params)):
             wd = group["weight_decay"]
             local_lr = (group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm)
                         if w_norm > 0 and g_norm > 0 else 1.0)

@@ -1,89 +1,277 @@
-"""ZeRO stage 1: AdamW state sharded over the data-parallel group.
+"""ZeRO stage 1 as Megatron's distributed optimizer: state and updates sharded by buffer slice.
 
-Scheme: whole parameters are dealt to dp ranks, largest first, each to the rank holding the
-fewest elements so far (deterministic, so every dp rank computes the same assignment). A rank
-keeps Adam state only for the parameters it owns and steps only those; then each rank broadcasts
-its updated parameters, packed into one flat tensor, to the rest of the dp group.
+The gradients live in `GradBuckets`' flat buffer (one per dtype, cut into buckets). `attach`
+switches it to sharded mode: every bucket is zero-padded to a multiple of dp and
+reduce-scattered, so dp rank r gets the dp-averaged gradient of the r-th equal slice of each
+bucket (one contiguous slice of the buffer when there is one bucket). Slices are element ranges,
+cut inside parameters. The parameters themselves are moved into a flat parameter buffer with
+the same layout (each ``param.data`` becomes a view into it), so per step:
 
-Gradients are still averaged in full on every rank (ZeRO-1 does not shard them), so clipping and
-the inf check see the whole gradient, and each owned parameter gets exactly the update the
-unsharded optimizer would give it.
+1. reduce-scatter each gradient bucket (overlapped with the last backward, in `GradBuckets`);
+2. the global gradient norm (clipping, non-finite check) from the local slices: a squared sum
+   all-reduced over tp x pp and over dp, each parameter counted once (`clip.py`'s rule);
+3. AdamW (or LAMB / LARS / SGD) on this rank's *pieces* (the parts of parameters inside its
+   slices): views into the parameter buffer, with views into the gradient buffer as ``.grad``;
+   optimizer state exists only for the pieces (1/dp of it, up to padding);
+4. all-gather each parameter bucket in place, so every rank has the full weights.
+
+Traffic per step: one reduce-scatter and one all-gather of the padded buffer, the same as one
+all-reduce (the old whole-parameter ZeRO-1 added a broadcast of every weight on top).
+Parameters are fp32 in every precision (autocast casts on the fly), so the parameter buffer is
+also the fp32 master.
+
+LAMB / LARS need norms of whole parameters: each piece's squared sums are all-reduced over dp
+(one small tensor, two entries per parameter), then over tp for tp-sharded parameters.
+
+Checkpoints keep the canonical format: `state_tensors()` gathers the slices to dp rank 0 only
+(the rank that writes the shard file) and returns {} on the other dp ranks;
+`load_state_tensors` takes each rank's slices out of the full per-parameter tensors.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapar.mesh import group_size
-from megapar.optim.optimizer import AdamWOptimizer
-
-
-def assign_owners(sizes: list[int], dp: int) -> list[int]:
-    """Owner dp rank of each parameter (by element count): greedy, largest first."""
-    load = [0] * dp
-    owners = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(dp), key=lambda r: (load[r], r))
-        owners[i] = r
-        load[r] += sizes[i]
-    return owners
+from megapar.mesh import all_reduce, group_size
+from megapar.optim.optimizer import AdamWOptimizer, _inner
 
 
 class ZeroOptimizer(AdamWOptimizer):
-    """AdamW whose state is split over `dp_group`; same updates as the unsharded optimizer."""
+    """The distributed optimizer; `attach(grad_sync, ...)` (done by `TrainStep`) must be called
+    before the first step when dp > 1. With dp == 1 it is the plain optimizer."""
 
     zero = 1
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dp_group, lr: float,
                  weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, kind: str = "adamw", tp_group=None):
-        named = [(n, p) for n, p in named_params if p.requires_grad]
-        self.group = dp_group
+        self.group, self.tp_group = dp_group, tp_group
         self.dp = group_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
-        self.owners = assign_owners([p.numel() for _, p in named], self.dp)
-        self._owned = [p for (_, p), r in zip(named, self.owners) if r == self.dp_rank]
-        super().__init__(named, lr, weight_decay, betas, eps, kind, tp_group)
+        self.sharded = False
+        self.pieces: list[torch.Tensor] = []
+        """This rank's parameter pieces (views into the parameter buffer; ``.grad`` set)."""
+        self._piece_of: list[tuple[nn.Parameter, int, int]] = []
+        """(parameter, start, end) in the parameter's flattened elements, per piece."""
+        self._offset: dict[int, int] = {}
+        """id(parameter) -> its offset inside its bucket."""
+        self._pending: dict | None = None
+        self.grad_sync = None
+        self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
+        super().__init__(named_params, lr, weight_decay, betas, eps, kind, tp_group)
 
     def owned_params(self) -> list[nn.Parameter]:
-        return self._owned
+        """Parameters this rank updates (a slice of): all with dp == 1, none before attach."""
+        if self.dp == 1:
+            return self.params
+        return list({id(p): p for p, _, _ in self._piece_of}.values())
 
-    def _params_of(self, r: int) -> list[nn.Parameter]:
-        return [p for p, owner in zip(self.params, self.owners) if owner == r]
+    # setup ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def attach(self, grad_sync, last: Iterable[nn.Parameter] = (), before_reduce=None) -> None:
+        """Shard `grad_sync` (a GradBuckets over the same parameters) and this optimizer over
+        dp: parameters move into a flat buffer laid out like the gradient buffer. `last` /
+        `before_reduce`: see `GradBuckets.shard_over_dp` (the tied-embedding sync)."""
+        if self.dp == 1 or self.sharded:
+            return
+        if grad_sync is None or grad_sync.dp != self.dp:
+            raise ValueError("the ZeRO-1 optimizer needs the GradBuckets of the dp group")
+        if {id(p) for p in grad_sync.params} != {id(p) for p in self.params}:
+            raise ValueError("GradBuckets and the optimizer hold different parameters")
+        grad_sync.shard_over_dp(last, before_reduce)
+        self.grad_sync, self.sharded = grad_sync, True
+        self.param_buffers = {dt: torch.zeros_like(buf) for dt, buf in grad_sync.buffers.items()}
+        for b in grad_sync.buckets:
+            lo, hi = grad_sync.shard_range(b)
+            pflat = self.param_buffers[b.params[0].dtype][b.start:b.start + b.padded]
+            offset = 0
+            for p in b.params:
+                self._offset[id(p)] = offset
+                view = pflat[offset:offset + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+                start, end = max(offset, lo) - offset, min(offset + p.numel(), hi) - offset
+                if start < end:
+                    piece = pflat[offset + start:offset + end]
+                    piece.grad = b.flat[offset + start:offset + end]
+                    self.pieces.append(piece)
+                    self._piece_of.append((p, start, end))
+                offset += p.numel()
+        self._build_inner()
+        if self._pending is not None:
+            self.load_state_tensors(self._pending)
+            self._pending = None
 
-    def _broadcast_from_owners(self, pieces_of) -> None:
-        """For each dp rank r: pack pieces_of(r)'s tensors on r, broadcast, unpack everywhere."""
-        for r in range(self.dp):
-            targets = pieces_of(r)
-            if not targets:
-                continue
-            if r == self.dp_rank:
-                flat = torch.cat([t.detach().reshape(-1) for t in targets])
-            else:
-                flat = torch.empty(sum(t.numel() for t in targets), dtype=targets[0].dtype,
-                                   device=targets[0].device)
-            dist.broadcast(flat, src=dist.get_global_rank(self.group, r), group=self.group)
-            if r != self.dp_rank:
-                offset = 0
-                for t in targets:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+    def _build_inner(self) -> None:
+        groups, self._inner_group_of = [], []
+        for i, g in enumerate(self.param_groups):
+            members = {id(p) for p in g["params"]}
+            pieces = [t for t, (p, _, _) in zip(self.pieces, self._piece_of) if id(p) in members]
+            if pieces:
+                groups.append({"params": pieces, "lr": g["lr"],
+                               "weight_decay": g["weight_decay"]})
+                self._inner_group_of.append(i)
+        self.inner = _inner(self.kind, groups, self.lr, self.betas, self.eps, self.momentum,
+                            self.tp_group) if groups else None
+        if self.inner is not None and hasattr(self.inner, "norms"):
+            self.inner.norms = self._full_norms
+
+    # step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        if self.dp > 1 and not self.sharded:
+            raise RuntimeError("ZeroOptimizer.step() before attach(grad_sync): the distributed "
+                               "optimizer needs the dp gradient buffer (TrainStep attaches it)")
+        if self.sharded and self.inner is None and self.kind in ("lamb", "lars"):
+            self._full_norms([], [])  # own nothing, but the norm all-reduces are collective
+        super().step(closure)
 
     @torch.no_grad()
     def _after_step(self) -> None:
-        if self.dp > 1:
-            self._broadcast_from_owners(self._params_of)
+        """All-gather every parameter bucket in place: each rank contributes its slice."""
+        if self.sharded:
+            self._gather(self.param_buffers)
+
+    def _gather(self, buffers: dict[torch.dtype, torch.Tensor]) -> None:
+        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        handles = []
+        for b in self.grad_sync.buckets:
+            lo, hi = self.grad_sync.shard_range(b)
+            flat = buffers[b.params[0].dtype][b.start:b.start + b.padded]
+            handles.append(fn(flat, flat[lo:hi], group=self.group, async_op=True))
+        for h in handles:
+            h.wait()
 
     @torch.no_grad()
+    def gather_grads(self) -> None:
+        """Debugging / tests: all-gather the reduced gradient slices so every ``.grad`` is the
+        full averaged gradient (collective over dp; the step does not need it)."""
+        if self.sharded:
+            self._gather(self.grad_sync.buffers)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Tensors whose ``.grad`` this rank's step reads (for the fp16 unscale / inf check)."""
+        return self.pieces if self.sharded else self.params
+
+    @torch.no_grad()
+    def clip_grad_norm(self, mesh, max_norm: float) -> float:
+        """Global gradient norm from the local slices (all-reduce over tp x pp, then dp), each
+        parameter counted once as in `clip.py`; clip the local slices to max_norm."""
+        from megapar.optim.clip import _counted
+
+        counted = [t.grad for t, (p, _, _) in zip(self.pieces, self._piece_of)
+                   if _counted(p, mesh)]
+        total = torch.zeros((), dtype=torch.float32, device=mesh.device)
+        if counted:
+            norms = torch._foreach_norm([g.float() for g in counted])
+            total = torch.linalg.vector_norm(torch.stack(norms)).pow(2)
+        all_reduce(total, mesh.mp_group)
+        all_reduce(total, self.group)
+        norm = math.sqrt(total.item())
+        if max_norm > 0 and math.isfinite(norm) and self.pieces:
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_([t.grad for t in self.pieces], coef)
+        return norm
+
+    def _full_norms(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                    pieces: list[torch.Tensor]) -> list[tuple[float, float]]:
+        """LAMB / LARS: (||a||, ||b||) over whole parameters for each piece pair (collective
+        over dp and tp: one row per parameter of the stage)."""
+        row = {id(p): i for i, p in enumerate(self.params)}
+        param_of = {id(t): p for t, (p, _, _) in zip(self.pieces, self._piece_of)}
+        device = self.param_buffers[next(iter(self.param_buffers))].device
+        sq = torch.zeros(len(self.params), 2, dtype=torch.float32, device=device)
+        rows = [row[id(param_of[id(t)])] for t in pieces]
+        for (a, b), i in zip(pairs, rows):
+            sq[i, 0] += a.float().pow(2).sum()
+            sq[i, 1] += b.float().pow(2).sum()
+        dist.all_reduce(sq, group=self.group)
+        if group_size(self.tp_group) > 1:
+            sharded = torch.tensor([getattr(p, "tp_dim", None) is not None for p in self.params],
+                                   device=device).unsqueeze(1)
+            summed = torch.where(sharded, sq, torch.zeros_like(sq))
+            dist.all_reduce(summed, group=self.tp_group)
+            sq = torch.where(sharded, summed, sq)
+        norms = sq.sqrt().tolist()
+        return [(norms[i][0], norms[i][1]) for i in rows]
+
+    # checkpoints ----------------------------------------------------------------------------
+    @torch.no_grad()
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every parameter's state, gathered from its owner (collective over the dp group)."""
-        keys = self.state_keys
-        full = {id(p): {k: self._local_state(p, k) for k in keys} for p in self.params}
-        if self.dp > 1:
-            self._broadcast_from_owners(
-                lambda r: [full[id(p)][k] for p in self._params_of(r) for k in keys])
-        return {n: full[id(p)] for n, p in self._checkpointed()}
+        """Every non-tied parameter's full (local tp / pp shard) state on dp rank 0, gathered
+        from the slices (collective over dp); {} on the other dp ranks."""
+        if not self.sharded:
+            return super().state_tensors()
+        gs = self.grad_sync
+        out: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in self.params}
+        for key in self.state_keys:
+            full = {}
+            for dtype, buffer in self.param_buffers.items():
+                mine = [(b, *gs.shard_range(b)) for b in gs.buckets if b.params[0].dtype == dtype]
+                local = torch.zeros(sum(hi - lo for _, lo, hi in mine), dtype=dtype,
+                                    device=buffer.device)
+                starts, at = {}, 0
+                for b, lo, hi in mine:
+                    starts[id(b)] = at
+                    at += hi - lo
+                for t, (p, s, e) in zip(self.pieces, self._piece_of):
+                    if p.dtype != dtype:
+                        continue
+                    b = gs._bucket_of[id(p)]
+                    pos = starts[id(b)] + self._offset[id(p)] + s - gs.shard_range(b)[0]
+                    state = self.inner.state.get(t, {}).get(key)
+                    if state is not None:
+                        local[pos:pos + e - s] = state
+                parts = [torch.empty_like(local) for _ in range(self.dp)] \
+                    if self.dp_rank == 0 else None
+                dist.gather(local, parts, dst=dist.get_global_rank(self.group, 0),
+                            group=self.group)
+                if self.dp_rank == 0:
+                    full[dtype] = torch.zeros_like(buffer)
+                    for b, lo, hi in mine:
+                        for r in range(self.dp):
+                            size = hi - lo
+                            full[dtype][b.start + r * size:b.start + (r + 1) * size] = \
+                                parts[r][starts[id(b)]:starts[id(b)] + size]
+            if self.dp_rank == 0:
+                for p in self.params:
+                    b = gs._bucket_of[id(p)]
+                    at = b.start + self._offset[id(p)]
+                    out[id(p)][key] = full[p.dtype][at:at + p.numel()].view_as(p).clone()
+        if self.dp_rank != 0:
+            return {}
+        return {n: out[id(p)] for n, p in self._checkpointed()}
+
+    @torch.no_grad()
+    def load_state_tensors(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Load canonical per-parameter state: each rank keeps its slices of it."""
+        if not self.sharded:
+            if self.dp > 1:
+                self._pending = d  # applied by attach()
+                return
+            return super().load_state_tensors(d)
+        if self.inner is None:
+            return
+        names = {id(p): n for n, p in self.named}
+        for t, (p, s, e) in zip(self.pieces, self._piece_of):
+            name = names[id(p)]
+            entry = self._entry(d, name, p)
+            state = {"step": torch.tensor(float(self.num_steps))} if self.kind != "sgd" else {}
+            for k in self.state_keys:
+                if k not in entry:
+                    raise KeyError(f"optimizer state of {name!r} has {sorted(entry)}, not "
+                                   f"{list(self.state_keys)}: the checkpoint was written with "
+                                   f"another --optimizer than {self.kind}")
+                full = entry[k]
+                if tuple(full.shape) != tuple(p.shape):
+                    raise ValueError(f"optimizer state {k} of {name!r} has shape "
+                                     f"{tuple(full.shape)}, the parameter has {tuple(p.shape)}: "
+                                     f"the checkpoint is for another layout; convert it first")
+                state[k] = full.reshape(-1)[s:e].to(device=t.device, dtype=t.dtype).clone()
+            self.inner.state[t] = state

@@ -16,8 +16,9 @@ Time model (all per optimizer step, on the slowest pipeline stage):
   compute); a stage boundary uses the inter-node link once tp x pp exceeds a node.
 - data parallelism: gradient all-reduce 2 (d-1)/d x gradient bytes / bandwidth (inter-node once
   the job spans nodes), overlapped with the last micro-batch's backward (as megapar's buckets
-  do): only the part longer than that backward is exposed. ZeRO-1 adds the parameter broadcast
-  after the step (d-1)/d x parameter bytes, exposed. The tied embedding's gradient all-reduce
+  do): only the part longer than that backward is exposed. ZeRO-1 (the distributed optimizer)
+  reduce-scatters instead, (d-1)/d x gradient bytes, overlapped the same way, and all-gathers
+  the parameters after the step, (d-1)/d x parameter bytes, exposed. The tied embedding's gradient all-reduce
   between first and last stage (pp > 1) is exposed.
 - the optimizer step, the loss and data loading are not modelled.
 
@@ -179,7 +180,10 @@ def estimate(p: Problem, c: Candidate) -> Estimate:
                             + p.latency_us * 1e-6)
     n_params = max(stage_params(cfg, t, c.pp))
     grad_bytes = n_params * 4
-    dp_exposed = max(0.0, _ring(c.dp, grad_bytes, dp_gbps, p.latency_us) - t_b)
+    # ZeRO-1 (distributed optimizer): the gradient reduce-scatter (half an all-reduce) hides
+    # behind the backward, the parameter all-gather (the other half) after the step does not
+    reduce = _ring(c.dp, grad_bytes, dp_gbps, p.latency_us) / (2 if c.zero else 1)
+    dp_exposed = max(0.0, reduce - t_b)
     zero_s = _ring(c.dp, n_params * 4, dp_gbps, p.latency_us) / 2 if c.zero else 0.0
     tied = _ring(2, piece_counts(cfg, t).tied_copy * 4, pp_gbps, p.latency_us) \
         if c.pp > 1 else 0.0

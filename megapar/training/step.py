@@ -11,6 +11,11 @@
 5. clip to the global gradient norm (over tp x pp, each parameter counted once);
 6. step the optimizer unless the step overflowed (any precision: a non-finite gradient norm is
    never applied); update the loss scale.
+
+With the ZeRO-1 distributed optimizer (`optim/zero.py`, dp > 1) the gradient buffer is
+reduce-scattered, not all-reduced: step 3 runs inside `grad_sync.finish()` before the buffer
+slice holding the embedding is reduced (`attach` below), and steps 4-6 read only this rank's
+slices (the norm is all-reduced over dp as well); the optimizer all-gathers the weights.
 """
 
 from __future__ import annotations
@@ -88,6 +93,26 @@ class TrainStep:
         self.executor, self.optimizer, self.scheduler = executor, optimizer, scheduler
         self.precision, self.clip_grad, self.grad_sync = precision, clip_grad, grad_sync
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sharded = getattr(optimizer, "zero", 0) == 1 and mesh.dp > 1
+        if self.sharded:
+            self._attach()
+
+    def _attach(self) -> None:
+        """Shard the gradient buffer for the distributed optimizer; with pp > 1 the tied
+        embedding is synchronised inside finish(), before its bucket's reduce-scatter."""
+        if self.grad_sync is None:
+            raise ValueError("--zero 1 with dp > 1 needs the GradBuckets gradient buffer "
+                             "(pass grad_sync to TrainStep)")
+        last, before = (), None
+        if self.mesh.pp > 1:
+            from megapar.pipeline.tied import shared_embedding_params, sync_tied_embeddings
+
+            last = shared_embedding_params(self.model)
+            if last:
+                def before() -> None:
+                    set_action("tied-embedding gradient all-reduce (first + last stage)")
+                    sync_tied_embeddings(self.model, self.mesh)
+        self.optimizer.attach(self.grad_sync, last, before)
 
     def step(self, micro_batches: list[dict], step_index: int) -> StepResult:
         self.optimizer.zero_grad()
@@ -101,15 +126,21 @@ class TrainStep:
             from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
 
             sync_sequence_parallel_grads(self.model, self.mesh.tp_group)
-        if self.mesh.pp > 1:
+        if self.mesh.pp > 1 and not self.sharded:  # sharded: done in grad_sync.finish()
             from megapar.pipeline.tied import sync_tied_embeddings
 
             set_action("tied-embedding gradient all-reduce (first + last stage)")
             sync_tied_embeddings(self.model, self.mesh)
         set_action("gradient inf/NaN check (all-reduce over all ranks)")
-        skipped = self.precision.unscale_and_check(self.params)
+        skipped = self.precision.unscale_and_check(
+            self.optimizer.grad_tensors() if self.sharded else self.params)
         set_action("gradient-norm all-reduce over tp x pp (clipping)")
-        norm = math.inf if skipped else clip_grad_norm(self.model, self.mesh, self.clip_grad)
+        if skipped:
+            norm = math.inf
+        elif self.sharded:  # from this rank's slices, all-reduced over dp too
+            norm = self.optimizer.clip_grad_norm(self.mesh, self.clip_grad)
+        else:
+            norm = clip_grad_norm(self.model, self.mesh, self.clip_grad)
         # A non-finite gradient is never applied (the norm is global: every rank agrees).
         skipped = skipped or not math.isfinite(norm)
         if not skipped:

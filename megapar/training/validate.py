@@ -84,6 +84,10 @@ def check_settings(cfg) -> None:
     if cfg.min_lr > cfg.lr:
         raise UsageError(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr "
                          f"or raise --lr")
+    if cfg.zero == 1 and cfg.grad_compression != "none":
+        raise UsageError(f"--grad-compression {cfg.grad_compression} cannot be combined with "
+                         f"--zero 1: the distributed optimizer reduce-scatters the gradient "
+                         f"buffer, the compressors compress an all-reduce; drop one of them")
 
 
 def explicit(cfg) -> set[str]:
