@@ -17,7 +17,7 @@ import torch
 from comm_count import count_collectives, summary
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
-from megapar.models import BertConfig, GPT2Config
+from megapar.models import BertConfig, GPT2Config, LlamaConfig
 from megapar.training.build import build_stage
 
 L, H, MBS, SEQ, M, VOCAB = 3, 32, 2, 8, 2, 96
@@ -28,7 +28,12 @@ CONFIGS = {
                  intermediate_size=2 * H, max_position_embeddings=SEQ,
                  make_vocab_size_divisible_by=8, hidden_dropout_prob=0.0,
                  attention_probs_dropout_prob=0.0),
+    # 4 query heads, 2 kv heads: split across tp 2, replicated (each rank its rows) at tp 4
+    "llama": dict(vocab_size=VOCAB, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=L,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                  make_vocab_size_divisible_by=8, tie_word_embeddings=False),
 }
+CONFIG_CLASSES = {"gpt2": GPT2Config, "bert": BertConfig, "llama": LlamaConfig}
 
 
 def micro_batches(kind: str) -> list[dict]:
@@ -49,7 +54,7 @@ def make_step(kind: str, mesh: Mesh, recompute: str = "none", overrides: dict | 
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.training.step import TrainStep
 
-    config = (GPT2Config if kind == "gpt2" else BertConfig)(**{**CONFIGS[kind], **(overrides or {})})
+    config = CONFIG_CLASSES[kind](**{**CONFIGS[kind], **(overrides or {})})
     model = build_stage(config, mesh, seed=0, recompute=recompute)
     seq = SEQ // mesh.tp if mesh.sequence_parallel else SEQ
     executor = PipelineExecutor(model, mesh, "1f1b", (MBS, seq, H))
@@ -74,19 +79,26 @@ def _worker(kind: str, tp: int, sequence_parallel: bool = False):
     return calls
 
 
-def expected_tp_step(tp: int) -> Counter:
+def expected_tp_step(tp: int, kind: str = "gpt2") -> Counter:
     bsh, bs = MBS * SEQ * H, MBS * SEQ
     per_micro_batch = 2 * L + 2 * L + 1 + 1   # layers fwd + bwd, embedding fwd, head bwd
-    return Counter({("all_reduce", bsh, tp): M * per_micro_batch,
-                    ("all_reduce", bs, tp): M * 3,    # vocab-parallel cross-entropy
-                    ("all_reduce", 1, tp): 1})        # global gradient norm
+    expected = Counter({("all_reduce", bsh, tp): M * per_micro_batch,
+                        ("all_reduce", bs, tp): M * 3,    # vocab-parallel cross-entropy
+                        ("all_reduce", 1, tp): 1})        # global gradient norm
+    if kind == "llama" and tp > CONFIGS["llama"]["num_key_value_heads"]:
+        # kv heads replicated: each rank's share of the k and v weight gradients, summed once
+        kv = CONFIGS["llama"]["num_key_value_heads"] * H // CONFIGS["llama"]["num_attention_heads"]
+        expected[("all_reduce", L * 2 * kv * H, tp)] += 1
+    return expected
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_step_does_megatrons_minimum_all_reduces(kind, tp):
+    """Llama too: one input region for q, k, v (also when tp 4 replicates its 2 kv heads) and
+    one for the SwiGLU's gate and up projections."""
     for rank_calls in run_local(_worker, tp, kind, tp):
-        assert summary(rank_calls) == expected_tp_step(tp)
+        assert summary(rank_calls) == expected_tp_step(tp, kind)
         assert all(c.dtype == torch.float32 and c.bytes == 4 * c.numel for c in rank_calls)
 
 
@@ -100,7 +112,8 @@ def expected_sp_step(kind: str, tp: int) -> Counter:
     bsh, bs, h = MBS * SEQ * H, MBS * SEQ, H
     gathers = 2 * L + 2 * L + 1 + 1     # layers fwd + bwd, head fwd, embedding bwd
     scatters = 2 * L + 2 * L + 1        # layers fwd + bwd, head bwd
-    replicated = L * 6 * h + (2 * h if kind == "gpt2" else h * h + 3 * h)
+    replicated = {"gpt2": L * 6 * h + 2 * h, "bert": L * 6 * h + h * h + 3 * h,
+                  "llama": L * 2 * h + h}[kind]  # Llama: two RMSNorms per layer, the final one
     return Counter({("all_gather_single", bsh // tp, tp): M * gathers,
                     ("reduce_scatter_single", bsh, tp): M * scatters,
                     ("all_reduce", bsh, tp): M,        # vocab-parallel embedding
@@ -109,7 +122,7 @@ def expected_sp_step(kind: str, tp: int) -> Counter:
                     ("all_reduce", 1, tp): 1})
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
 def test_sequence_parallel_step_collectives(kind):
     tp = 2
     for rank_calls in run_local(_worker, tp, kind, tp, True):

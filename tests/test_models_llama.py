@@ -16,6 +16,7 @@ from megapar.checkpoint.hf import HFReader, _llama_canonical, gather_canonical, 
 from megapar.launcher import run_local
 from megapar.models import Llama, LlamaConfig
 from megapar.pipeline.executor import PipelineExecutor
+from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
 from megapar.pipeline.partition import stage_spec
 from megapar.pipeline.tied import sync_tied_embeddings
 from megapar.tensor_parallel.partition import gather_full
@@ -100,6 +101,8 @@ def _check(path, tp, pp):
     micro = [{"input_ids": ids[i:i + 2], "labels": labels[i:i + 2]} for i in (0, 2)]
     loss = PipelineExecutor(model, mesh, "1f1b", (2, SEQ, config.hidden_size)).run(micro)
     sync_tied_embeddings(model, mesh)
+    # replicated k / v heads (tp 4 > 2 kv heads): each rank's share, summed once per step
+    sync_sequence_parallel_grads(model, mesh.tp_group)
     assert_close(loss, ref_loss, what=f"loss tp={tp} pp={pp}")
     checked = []
     for name, p in model.named_parameters():

@@ -53,8 +53,9 @@ def _worker(kind):
     return [_train(kind, sp, mode) for sp, mode in RUNS]
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
 def test_sequence_parallel_matches_tp_with_pipeline_and_recompute(kind):
+    """Llama as configured in test_comm_counts: untied head, 2 kv heads split over tp 2."""
     for rank, runs in enumerate(run_local(_worker, 4, kind)):
         (ref_losses, ref_norms, ref_grads), others = runs[0], runs[1:]
         for (sp, mode), (losses, norms, grads) in zip(RUNS[1:], others):
@@ -119,3 +120,40 @@ def _primitives_worker():
 
 def test_sequence_parallel_primitives():
     assert all(run_local(_primitives_worker, 2))
+
+
+def _llama_worker(tied: bool, kv_heads: int):
+    import torch.distributed as dist
+
+    overrides = {"tie_word_embeddings": tied, "num_key_value_heads": kv_heads}
+    out = []
+    for sp, mode in [(False, "none"), (True, "none"), (True, "full")]:
+        mesh = Mesh(Layout(2, 2, 1), dist.get_rank())
+        mesh.sequence_parallel = sp
+        step = make_step("llama", mesh, mode, overrides)
+        grads, optimizer_step = {}, step.optimizer.step
+
+        def record_then_step(step=step, grads=grads, optimizer_step=optimizer_step, mesh=mesh):
+            for name, p in step.model.named_parameters():
+                grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape, mesh.tp_group).clone()
+            optimizer_step()
+
+        step.optimizer.step = record_then_step
+        results = [step.step(_batches("llama"), i) for i in range(2)]
+        out.append(([r.loss for r in results], grads))
+    return out
+
+
+@pytest.mark.parametrize("tied,kv_heads", [(True, 2), (False, 1)])
+def test_llama_sequence_parallel_tied_and_replicated_kv_heads(tied, kv_heads):
+    """Tied head; one kv head replicated over tp 2 (each rank its rows, summed once a step)."""
+    for rank, runs in enumerate(run_local(_llama_worker, 4, tied, kv_heads)):
+        (ref_losses, ref_grads), others = runs[0], runs[1:]
+        for i, (losses, grads) in enumerate(others):
+            what = f"rank {rank} tied={tied} kv={kv_heads} run {i + 1}"
+            for s in range(2):
+                assert_close(torch.tensor(losses[s]), torch.tensor(ref_losses[s]),
+                             what=f"{what} loss {s}")
+            assert grads.keys() == ref_grads.keys() and grads
+            for name in grads:
+                assert_close(grads[name], ref_grads[name], what=f"{what} grad of {name}")

@@ -77,9 +77,6 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     plan = prepare_data(cfg, notes, manifest)
     config = config_from_dict(plan.model_config)
     config.validate(layout)
-    if cfg.sequence_parallel and config.model_type == "llama":
-        raise ValueError("--sequence-parallel is not supported for Llama models yet (tested for "
-                         "GPT-2 and BERT only); drop --sequence-parallel")
     if cfg.virtual_stages > 1:
         from megapar.pipeline.partition import chunk_specs
 

@@ -8,7 +8,8 @@ Tensor parallelism keeps whole heads on each rank. Query heads are split across 
 parallel q; the output projection is row-parallel). Key/value heads are split too when tp divides
 num_key_value_heads (each rank holds exactly the kv heads its query heads use); otherwise k and v
 stay whole on every rank (replicated, tp_dim None), each rank projects only the kv heads its
-query heads need, and their weight gradient is summed over tp (`copy_to_tp_region` on the weight).
+query heads need, and their weight gradient is summed over tp once per step (with the
+sequence-parallel ones: `sync_sequence_parallel_grads`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from megapar.tensor_parallel import (
     initialize, parallel_lm_logits,
 )
 from megapar.tensor_parallel.partition import local_size, set_partition
+from megapar.tensor_parallel.sequence_parallel import gather_from_sequence_parallel_region
 
 
 class RMSNorm(nn.Module):
@@ -107,13 +109,22 @@ class ReplicatedHeads(nn.Module):
         super().__init__()
         self.group = mesh.tp_group
         self.rows = rows
+        self.sequence_parallel = bool(getattr(mesh, "sequence_parallel", False)) and mesh.tp > 1
         self.weight = set_partition(
             nn.Parameter(torch.empty(out_features, in_features, device=mesh.device)), None,
             (out_features, in_features))
+        # this rank's gradient covers only its rows' share: summed over tp once per step,
+        # with the sequence-parallel ones (`sync_sequence_parallel_grads`), not per micro-batch
+        self.weight.sequence_parallel = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = copy_to_tp_region(self.weight, self.group)[self.rows[0]:self.rows[1]]
-        return F.linear(copy_to_tp_region(x, self.group), weight)
+    def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
+        """`entered`: x is already the tp region's input (`ColumnParallelLinear.enter` of the
+        attention's q projection); this layer only reads its rows of the whole weight."""
+        weight = self.weight[self.rows[0]:self.rows[1]]
+        if not entered:
+            x = gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel \
+                else copy_to_tp_region(x, self.group)
+        return F.linear(x, weight)
 
 
 class LlamaAttention(nn.Module):
@@ -154,15 +165,16 @@ class LlamaAttention(nn.Module):
                 q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
+        x = self.q.enter(x)  # one region for q, k and v (under SP: the whole sequence, gathered)
         b, s, _ = x.shape
 
         def heads(t):
             return t.view(b, s, -1, self.head_dim).transpose(1, 2)
 
-        cos, sin = self.rotary(s, x.device)
-        q = apply_rotary(heads(self.q(x)), cos, sin)
-        k = apply_rotary(heads(self.k(x)), cos, sin)
-        v = heads(self.v(x))
+        cos, sin = self.rotary(s, x.device)  # positions of the whole sequence
+        q = apply_rotary(heads(self.q(x, entered=True)), cos, sin)
+        k = apply_rotary(heads(self.k(x, entered=True)), cos, sin)
+        v = heads(self.v(x, entered=True))
         if self.kv_index != list(range(k.shape[1])):
             index = torch.tensor(self.kv_index, device=k.device)
             k, v = k.index_select(1, index), v.index_select(1, index)
@@ -185,7 +197,8 @@ class SwiGLU(nn.Module):
         self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.gate(x)) * self.up(x))
+        x = self.gate.enter(x)  # one region for gate and up
+        return self.down(self.act(self.gate(x, entered=True)) * self.up(x, entered=True))
 
 
 class LlamaBlock(nn.Module):
@@ -244,6 +257,7 @@ class Llama(StageModel):
             from megapar.tensor_parallel.partition import mark_replicated
 
             mark_replicated(self)
+            self._mark_sequence_parallel()
 
     @property
     def output_weights(self) -> nn.Parameter:
@@ -263,7 +277,7 @@ class Llama(StageModel):
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.pre_process:
-            hidden = self.embed.word(batch["input_ids"])
+            hidden = self._split_sequence(self.embed.word(batch["input_ids"]))
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
         if not self.post_process:
             return hidden

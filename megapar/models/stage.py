@@ -55,8 +55,13 @@ class StageModel(nn.Module):
         if self.pre_process or self.post_process:
             self.word_embeddings.shared_embedding = True
         mark_replicated(self)
-        if self.mesh.sequence_parallel and self.mesh.tp > 1:  # all but the embedding see a
-            mark_sequence_parallel(p for n, p in self.named_parameters()  # sequence slice
+        self._mark_sequence_parallel()
+
+    def _mark_sequence_parallel(self) -> None:
+        """Under SP every parameter but the embedding's sees a sequence slice: mark them (their
+        replicated gradients are summed over tp)."""
+        if self.mesh.sequence_parallel and self.mesh.tp > 1:
+            mark_sequence_parallel(p for n, p in self.named_parameters()
                                    if not n.startswith("embed."))
 
     def _split_sequence(self, hidden: torch.Tensor) -> torch.Tensor:

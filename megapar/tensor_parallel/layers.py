@@ -56,10 +56,16 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param((local, in_features), 0, (out_features, in_features), mesh.device)
         self.bias = _param((local,), 0, (out_features,), mesh.device) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel \
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """X as this layer needs it: all-gathered along the sequence (SP) or copied into the tp
+        region. Several projections of one X (q, k, v; gate, up) enter once and share it, so
+        the backward reduces their summed input gradient in one collective."""
+        return gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel \
             else copy_to_tp_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
+        """`entered`: X already went through `enter` (of this or a sibling projection)."""
+        y = F.linear(x if entered else self.enter(x), self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 

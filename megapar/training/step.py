@@ -93,6 +93,10 @@ class TrainStep:
         self.executor, self.optimizer, self.scheduler = executor, optimizer, scheduler
         self.precision, self.clip_grad, self.grad_sync = precision, clip_grad, grad_sync
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.partial_over_tp = mesh.tp > 1 and any(
+            getattr(p, "sequence_parallel", False) for p in self.params)
+        """Some gradients are partial over tp and summed once per step: sequence parallelism's
+        replicated parameters, Llama's replicated k / v heads."""
         self.sharded = getattr(optimizer, "zero", 0) == 1 and mesh.dp > 1
         if self.sharded:
             self._attach()
@@ -122,7 +126,7 @@ class TrainStep:
         scale = self.precision.loss_scale
         with self.precision.autocast():
             loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
-        if self.mesh.sequence_parallel:  # LayerNorm etc. saw only this rank's positions
+        if self.partial_over_tp:  # under SP, LayerNorm etc. saw only this rank's positions
             from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
 
             sync_sequence_parallel_grads(self.model, self.mesh.tp_group)
