@@ -91,6 +91,8 @@ TRAIN = [
     (["--eval-steps", "0"], "--eval-steps 0 is invalid"),
     (["--eval-interval", "-1"], "--eval-interval -1 is invalid"),
     (["--tp", "0"], "--tp 0 is invalid"),
+    (["--grad-reduce-dtype", "bf16", "--grad-compression", "fp16"],
+     "--grad-reduce-dtype bf16 and --grad-compression fp16 both choose how gradients travel"),
     (["--seed", "-1"], "--seed -1 is invalid"),
     (["--tokenizer", "no-such-tokenizer"], "no-such-tokenizer"),
     (["--tp", "3"], "4 attention heads are not divisible by --tp 3"),

@@ -18,6 +18,30 @@ import torch.distributed as dist
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+COMM_DTYPES = ["auto", "fp32", "bf16", "fp16"]
+"""Choices of --p2p-dtype and --grad-reduce-dtype ("auto": Megatron's default for the mode)."""
+
+
+def comm_dtypes(mode: str, p2p: str = "auto", grad_reduce: str = "auto"
+                ) -> tuple[torch.dtype, torch.dtype]:
+    """(pipeline message dtype, data-parallel gradient reduction dtype) for precision `mode`.
+
+    "auto" follows Megatron-LM: pipeline messages travel in the compute dtype (its
+    `pipeline_dtype` is the parameters' dtype: bf16 / fp16 under mixed precision); gradients
+    are reduced in fp32 under bf16 ("bfloat16 requires gradient accumulation and all-reduce to
+    be done in fp32") and in fp16 under fp16 (loss-scaled). Only the wire changes: received
+    activations / gradients are cast back, and gradients are accumulated and stepped in fp32.
+    """
+    for name, value in (("--p2p-dtype", p2p), ("--grad-reduce-dtype", grad_reduce)):
+        if value not in COMM_DTYPES:
+            raise ValueError(f"{name} {value!r} is invalid: choose one of {', '.join(COMM_DTYPES)}")
+    wire = PRECISIONS[mode] if p2p == "auto" else PRECISIONS[p2p]
+    if grad_reduce == "auto":
+        reduce = torch.float16 if mode == "fp16" else torch.float32
+    else:
+        reduce = PRECISIONS[grad_reduce]
+    return wire, reduce
+
 
 @dataclass
 class DynamicLossScaler:

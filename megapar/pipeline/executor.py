@@ -52,13 +52,15 @@ class PipelineExecutor:
     """Executes a named schedule on this rank's stage.
 
     `stage(hidden_or_None, batch)` returns hidden states of shape `act_shape`, or on the last stage
-    the scalar mean loss of the micro-batch. `timeout_s` bounds every blocking wait. `trace`
+    the scalar mean loss of the micro-batch; `wire_dtype` narrows the messages between stages
+    (cast back on receipt). `timeout_s` bounds every blocking wait. `trace`
     (an attribute, may be changed between steps) records the step's events for `last_timeline`.
     """
 
     def __init__(self, stage: nn.Module, mesh: Mesh, schedule: str, act_shape: tuple,
                  act_dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 trace: bool = True, virtual_stages: int = 1):
+                 trace: bool = True, virtual_stages: int = 1,
+                 wire_dtype: torch.dtype | None = None):
         self.stage, self.mesh, self.trace = stage, mesh, trace
         self.schedule_name = schedule
         get_schedule(schedule)  # unknown names fail here
@@ -71,7 +73,8 @@ class PipelineExecutor:
                              f"{len(self.chunks)} (build it with build_stage(virtual_stages=...))")
         self.placement = placement_of(schedule)
         self.timeout_s = timeout_s
-        self.p2p = StageP2P(mesh, act_shape, act_dtype, timeout_s) if mesh.pp > 1 else None
+        self.p2p = (StageP2P(mesh, act_shape, act_dtype, timeout_s, wire_dtype)
+                    if mesh.pp > 1 else None)
         self.handlers = {
             "recv_act": self._recv_act, "forward": self._forward, "send_act": self._send_act,
             "recv_grad": self._recv_grad, "backward": self._backward, "send_grad": self._send_grad,

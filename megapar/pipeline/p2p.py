@@ -2,7 +2,9 @@
 
 Activations flow forward (stage s -> s+1), gradients flow backward (s+1 -> s). Every message of a
 run has the same static shape (micro-batch x seq x hidden) and dtype, so only the payload is sent:
-no shape or metadata messages.
+no shape or metadata messages. The payload may travel in a narrower `wire_dtype` (bf16 / fp16
+under mixed precision, as Megatron's pipeline_dtype): it is cast on send and cast back to the
+stage's `dtype` on receipt, so the stages compute exactly as before on the rounded values.
 
 Plain `dist.isend` / `dist.irecv` (not `batch_isend_irecv`, which is unreliable on gloo), with one
 tag per channel (and per receiving model chunk) so an activation can never be mistaken for a
@@ -40,10 +42,14 @@ class StageP2P:
     """Activation / gradient messages of one pipeline stage with its two neighbours."""
 
     def __init__(self, mesh: Mesh, shape: tuple, dtype: torch.dtype = torch.float32,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, wire_dtype: torch.dtype | None = None):
         self.mesh = mesh
         self.shape = tuple(shape)
         self.dtype = dtype
+        self.wire_dtype = wire_dtype or dtype
+        """The dtype messages travel in (`dtype` unless narrowed)."""
+        self.bytes_sent = 0
+        """Payload bytes this rank has sent (all steps)."""
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self._pending: dict[tuple[str, int], tuple[int, torch.Tensor, object]] = {}
@@ -76,7 +82,8 @@ class StageP2P:
                                f"neighbour to send the {what} of micro-batch {mb} to; the "
                                f"schedule is wrong for this stage")
         self._check(tensor, what, mb)
-        payload = tensor.detach().contiguous()
+        payload = tensor.detach().to(self.wire_dtype).contiguous()
+        self.bytes_sent += payload.numel() * payload.element_size()
         work = dist.isend(payload, dst=peer, tag=tag, group=self.mesh.pp_group)
         self._pending[(what, mb, chunk)] = (peer, payload, work)
 
@@ -125,10 +132,10 @@ class StageP2P:
             raise RuntimeError(f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}) has no "
                                f"neighbour to receive the {what} of micro-batch {mb} from; the "
                                f"schedule is wrong for this stage")
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.mesh.device)
+        buffer = torch.empty(self.shape, dtype=self.wire_dtype, device=self.mesh.device)
         work = dist.irecv(buffer, src=peer, tag=tag, group=self.mesh.pp_group)
         self._wait(work, f"receiving the {what} of micro-batch {mb} from rank {peer}")
-        return buffer
+        return buffer.to(self.dtype)
 
     # helpers -------------------------------------------------------------------------------
     def _wait(self, work, doing: str) -> None:

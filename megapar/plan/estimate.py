@@ -179,7 +179,8 @@ def estimate(p: Problem, c: Candidate) -> Estimate:
     p2p = 2 * (c.pp - 1) * ((act / (c.tp if c.sp else 1)) * 8 / (pp_gbps * 1e9)
                             + p.latency_us * 1e-6)
     n_params = max(stage_params(cfg, t, c.pp))
-    grad_bytes = n_params * 4
+    # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
+    grad_bytes = n_params * (2 if p.precision == "fp16" else 4)
     # ZeRO-1 (distributed optimizer): the gradient reduce-scatter (half an all-reduce) hides
     # behind the backward, the parameter all-gather (the other half) after the step does not
     reduce = _ring(c.dp, grad_bytes, dp_gbps, p.latency_us) / (2 if c.zero else 1)

@@ -58,6 +58,10 @@ class TrainConfig:
     """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
     zero: int = 0
     """1 shards the optimizer state over data-parallel ranks (ZeRO-1)."""
+    p2p_dtype: str = "auto"
+    """Dtype of pipeline messages on the wire: auto (the --precision compute dtype, Megatron's pipeline_dtype: bf16 / fp16 under mixed precision, fp32 otherwise), fp32, bf16 or fp16. Received activations and gradients are cast back, so only the bytes change."""
+    grad_reduce_dtype: str = "auto"
+    """Dtype of the data-parallel gradient reduction: auto (Megatron's: fp32 under fp32 and bf16, fp16 under fp16), fp32, bf16 or fp16. Gradients are still accumulated and stepped in fp32."""
     grad_bucket_mb: float = 25.0
     """Data-parallel gradient bucket size in MB (gradients live in one buffer cut into buckets; each bucket is all-reduced in place as soon as its gradients are final)."""
     sequence_parallel: bool = False
@@ -153,7 +157,7 @@ def _choices() -> dict[str, list]:
     from megapar.models.blocks import RECOMPUTE_MODES
     from megapar.data_parallel.compression import GRAD_COMPRESSIONS
     from megapar.optim.optimizer import OPTIMIZERS
-    from megapar.optim.precision import PRECISIONS
+    from megapar.optim.precision import COMM_DTYPES, PRECISIONS
     from megapar.optim.scheduler import DECAY_STYLES
     from megapar.pipeline.schedules import SCHEDULES
 
@@ -161,7 +165,8 @@ def _choices() -> dict[str, list]:
 
     return {"rank_order": list(RANK_ORDERS),
             "schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
-            "precision": list(PRECISIONS), "zero": [0, 1], "lr_decay": list(DECAY_STYLES),
+            "precision": list(PRECISIONS), "p2p_dtype": COMM_DTYPES,
+            "grad_reduce_dtype": COMM_DTYPES, "zero": [0, 1], "lr_decay": list(DECAY_STYLES),
             "optimizer": list(OPTIMIZERS), "grad_compression": list(GRAD_COMPRESSIONS)}
 
 

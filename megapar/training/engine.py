@@ -37,6 +37,7 @@ class Engine:
         from megapar.data_parallel import GradBuckets
         from megapar.data_parallel.compression import make_compressor
         from megapar.optim import LRScheduler, Precision, build_optimizer
+        from megapar.optim.precision import comm_dtypes
         from megapar.training.step import TrainStep
 
         self.cfg, self.config = cfg, model_config
@@ -46,6 +47,8 @@ class Engine:
         self.model = build_stage(model_config, mesh, cfg.seed, cfg.recompute,
                                  virtual_stages=cfg.virtual_stages)
         self.precision = Precision(cfg.precision, mesh.device)
+        self.wire_dtype, reduce_dtype = comm_dtypes(cfg.precision, cfg.p2p_dtype,
+                                                    cfg.grad_reduce_dtype)
         lr = self.scaled_lr(cfg)
         self.optimizer = build_optimizer(self.model, mesh, lr, cfg.weight_decay,
                                          eps=cfg.adam_eps, zero=cfg.zero, kind=cfg.optimizer)
@@ -56,7 +59,8 @@ class Engine:
         compressor = make_compressor(cfg.grad_compression, cfg.powersgd_rank, cfg.seed)
         # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
         self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_group,
-                                     cfg.grad_bucket_mb, compressor=compressor)
+                                     cfg.grad_bucket_mb, compressor=compressor,
+                                     reduce_dtype=None if compressor else reduce_dtype)
         self._executors: dict[int, object] = {}
         self.executor = self._executor(cfg.seq_len)
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, scheduler,
@@ -81,7 +85,7 @@ class Engine:
             shape = (self.cfg.micro_batch_size, seq_len_sent, self.config.hidden_size)
             self._executors[seq_len] = PipelineExecutor(
                 self.model, self.mesh, self.cfg.schedule, shape, timeout_s=self.cfg.timeout_s,
-                virtual_stages=self.cfg.virtual_stages)
+                virtual_stages=self.cfg.virtual_stages, wire_dtype=self.wire_dtype)
         return self._executors[seq_len]
 
     # steps ----------------------------------------------------------------------------------

@@ -88,6 +88,10 @@ def check_settings(cfg) -> None:
         raise UsageError(f"--grad-compression {cfg.grad_compression} cannot be combined with "
                          f"--zero 1: the distributed optimizer reduce-scatters the gradient "
                          f"buffer, the compressors compress an all-reduce; drop one of them")
+    if cfg.grad_compression != "none" and cfg.grad_reduce_dtype != "auto":
+        raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} and --grad-compression "
+                         f"{cfg.grad_compression} both choose how gradients travel; give one "
+                         f"(--grad-compression bf16 / fp16 is a reduction in that dtype)")
 
 
 def explicit(cfg) -> set[str]:
@@ -144,7 +148,7 @@ def checkpoint_manifest(path: str) -> dict:
 NOT_INHERITED = {
     # the layout and how it runs (any layout resumes any checkpoint, with the same numbers)
     "tp", "pp", "dp", "rank_order", "schedule", "virtual_stages", "sequence_parallel",
-    "recompute", "zero", "grad_bucket_mb",
+    "recompute", "zero", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
     "model", "from_hf", "load", "load_strict", "save", "data_cache", "log_json", "tensorboard",
     "wandb_project", "progress", "debug", "timeout_s", "peak_tflops", "profile_steps",
