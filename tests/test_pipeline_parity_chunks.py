@@ -2,7 +2,7 @@
 
 GPT-2 and BERT (8 tiny blocks, so pp=4 x V=2 gives every chunk one block) at (tp, pp) in
 (1, 2), (1, 4), (2, 2), m in {4, 8}: interleaved 1F1B with V=2 chunks per rank and ZB-H1 (split
-backward, W deferred) give the loss and every parameter's gradient of the single-process model
+backward: the linear layers' weight products deferred to W, counted) give the loss and every parameter's gradient of the single-process model
 (fp32, relative error < 1e-5). One `run_local` per layout.
 """
 
@@ -58,6 +58,11 @@ def parity_worker(tp, pp):
                 checked |= {f"{kind}:{n}" for n in
                             check_against(model, mesh, loss, ref_loss, ref_grads, what)}
                 assert executor.p2p.pending_sends == 0, what
+                # ZB-H1's W is the linear layers' deferred dW products (one per linear per
+                # micro-batch); the other schedules defer nothing
+                linears = sum(hasattr(mod, "weight_grad_store") for mod in model.modules())
+                deferred = m * linears if schedule == "zb-h1" else 0
+                assert executor.weight_grads.deferred == deferred, what
                 steps += 1
     return {"checked": checked, "steps": steps}
 

@@ -1,6 +1,7 @@
 """Interleaved 1F1B and ZB-H1: torch's own schedules as the reference order, deadlock freedom
 over a grid, hand-computed simulations, constraints, and the split backward (B then W)."""
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -152,34 +153,98 @@ def test_in_flight_of_zb_h1_is_1f1bs():
             assert in_flight_peak(zb_h1(pp, m, s)) == min(pp - s, m)
 
 
-def test_split_backward_equals_backward_and_accumulates_in_place():
+def _mlp(store=None):
+    from megapar.mesh import Layout, Mesh
+    from megapar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megapar.tensor_parallel.weight_grad import attach
+
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    mesh = Mesh(Layout(1), 0)
+    net = torch.nn.Sequential(ColumnParallelLinear(4, 8, mesh), torch.nn.LayerNorm(8),
+                              torch.nn.Tanh(), RowParallelLinear(8, 3, mesh))
+    for p in net.parameters():
+        torch.nn.init.normal_(p)
+    assert attach(net, store) == 2
+    return net
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_split_backward_equals_backward_and_accumulates_in_place(autocast):
+    from megapar.tensor_parallel.weight_grad import WeightGradStore
+
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else \
+        contextlib.nullcontext
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    g = torch.randn(2, 5, 3, dtype=torch.bfloat16 if autocast else torch.float32)
+    ref = _mlp()
+    with ctx():
+        ref(x).backward(g)
+    want_x, want = x.grad.clone(), [p.grad.clone() for p in ref.parameters()]
+
+    store = WeightGradStore()
+    net = _mlp(store)
     params = list(net.parameters())
-    x = torch.randn(5, 4, requires_grad=True)
-    g = torch.randn(5, 3)
-    net(x).backward(g)
-    want_x, want = x.grad.clone(), [p.grad.clone() for p in params]
-    existing = [p.grad for p in params]  # e.g. views into a flat buffer: must stay these tensors
-    for p in params:
-        p.grad.fill_(1.0)
+    existing = [torch.ones_like(p) for p in params]  # e.g. views into a flat buffer
+    for p, e in zip(params, existing):
+        p.grad = e
     x2 = x.detach().requires_grad_(True)
-    dx, pending = split_backward.backward_input(net(x2), g, x2, params)
-    torch.testing.assert_close(dx, want_x)
-    assert all(p.grad is e and bool((e == 1).all()) for p, e in zip(params, existing)), \
-        "B must not touch the weight gradients"
-    split_backward.backward_weight(pending, params)
+    store.enabled = True
+    with ctx():
+        out = net(x2)
+        dx, pending = split_backward.backward_input(out, g, x2, store)
+    torch.testing.assert_close(dx, want_x, rtol=0, atol=0)
+    linear_weights = {id(net[0].weight), id(net[3].weight)}
+    for p, w in zip(params, want):  # B: everything but the two linear weights' dW = dY^T X
+        if id(p) in linear_weights:
+            assert bool((p.grad == 1).all()), "B computed a deferred weight gradient"
+        else:
+            torch.testing.assert_close(p.grad, w + 1.0, rtol=0, atol=0)
+    assert len(pending.entries) == 2 and len(store) == 0
+    with ctx():
+        split_backward.backward_weight(pending)
     for p, e, w in zip(params, existing, want):
-        assert p.grad is e
-        torch.testing.assert_close(p.grad, w + 1.0)
-    # The model's first slice has no input: B does nothing and W runs the whole backward.
-    for p in params:
-        p.grad = None
-    dx, pending = split_backward.backward_input(net(x.detach()), g, None, params)
-    assert dx is None and all(p.grad is None for p in params)
-    split_backward.backward_weight(pending, params)
-    for p, w in zip(params, want):
-        torch.testing.assert_close(p.grad, w)
+        assert p.grad is e  # accumulated in place
+        torch.testing.assert_close(p.grad, w + 1.0, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_split_backward_of_a_model_stage_under_recompute(recompute):
+    # Activation checkpointing hands saved tensors back as recomputed stand-ins: W must still
+    # add into the parameters' own .grad (it once set .grad on a stand-in under "full").
+    from megapar.mesh import Layout, Mesh
+    from megapar.models import GPT2Config
+    from megapar.tensor_parallel.weight_grad import WeightGradStore, attach
+    from megapar.training.build import build_stage
+
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": (ids * 3 + 1) % 64}
+    ref = build_stage(cfg, Mesh(Layout()), 1, recompute)
+    ref(None, batch).backward()
+    model, store = build_stage(cfg, Mesh(Layout()), 1, recompute), WeightGradStore()
+    assert attach(model, store) == 8
+    store.enabled = True
+    _, pending = split_backward.backward_input(model(None, batch), None, None, store)
+    assert len(pending.entries) == 8
+    split_backward.backward_weight(pending)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_disabled_or_absent_store_is_an_ordinary_linear():
+    from megapar.tensor_parallel.weight_grad import WeightGradStore
+
+    store = WeightGradStore()  # attached, not enabled: forwards outside a split step
+    net = _mlp(store)
+    x = torch.randn(3, 4, requires_grad=True)
+    net(x).sum().backward()
+    assert len(store) == 0 and all(p.grad is not None for p in net.parameters())
+    ref = _mlp()
+    ref(x.detach().requires_grad_(True)).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_schedule_error_is_raised_for_inconsistent_chunks():

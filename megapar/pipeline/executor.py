@@ -37,6 +37,8 @@ from megapar.mesh import Mesh
 from megapar.pipeline.clock import StepClock
 from megapar.pipeline.p2p import P2PTimeoutError, StageP2P
 from megapar.pipeline import split_backward
+from megapar.tensor_parallel.weight_grad import WeightGradStore
+from megapar.tensor_parallel.weight_grad import attach as attach_weight_grad_store
 from megapar.pipeline.schedules import (
     Action, get_schedule, peer_of, placement_of, schedule_actions, virtual_stage,
 )
@@ -75,6 +77,8 @@ class PipelineExecutor:
         self.timeout_s = timeout_s
         self.p2p = (StageP2P(mesh, act_shape, act_dtype, timeout_s, wire_dtype)
                     if mesh.pp > 1 else None)
+        self.weight_grads = WeightGradStore()  # enabled only in steps with a split backward
+        attach_weight_grad_store(stage, self.weight_grads)
         self.handlers = {
             "recv_act": self._recv_act, "forward": self._forward, "send_act": self._send_act,
             "recv_grad": self._recv_grad, "backward": self._backward, "send_grad": self._send_grad,
@@ -121,6 +125,9 @@ class PipelineExecutor:
                             default=None)
         self._trace = []
         self._reset(micro_batches, loss_scale, forward_only)
+        self.weight_grads.take()
+        self.weight_grads.enabled = not forward_only and any(
+            a.kind == "backward_input" for a in actions)
         self._acks = self._acknowledgements(actions, m, forward_only)
         trace, record, clock = self._trace, self.trace, self.clock.stamp
         if record:
@@ -153,6 +160,8 @@ class PipelineExecutor:
             return loss
         finally:
             self._reset([], 1.0, False)
+            self.weight_grads.enabled = False  # forwards outside a step compute dW as usual
+            self.weight_grads.take()
             rank, at = self.mesh.pp_rank, self.clock.resolve
             if trace:
                 self.clock.finish()
@@ -300,18 +309,14 @@ class PipelineExecutor:
         out = self._outputs.pop(key)
         grad = None if self._is_last(a) else self._out_grads.pop(key)
         x = self._inputs.pop(key, None)
-        params = self._params(a.chunk)
-        dx, self._pending_w[key] = split_backward.backward_input(out, grad, x, params)
+        dx, self._pending_w[key] = split_backward.backward_input(out, grad, x,
+                                                                 self.weight_grads)
         if x is not None:
             self._in_grads[key] = self._input_grad(a, dx)
 
     def _backward_weight(self, a: Action) -> None:
         """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`."""
-        pending = self._pending_w.pop((a.mb, a.chunk))
-        split_backward.backward_weight(pending, self._params(a.chunk))
-
-    def _params(self, chunk: int) -> list:
-        return [p for p in self.chunks[chunk].parameters() if p.requires_grad]
+        split_backward.backward_weight(self._pending_w.pop((a.mb, a.chunk)))
 
     def _send_grad(self, a: Action) -> None:
         self.p2p.send_grad(self._in_grads.pop((a.mb, a.chunk)), a.mb, **self._route(a))

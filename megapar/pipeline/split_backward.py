@@ -1,51 +1,44 @@
 """The zero-bubble split of a stage's backward: B (input gradient) now, W (weight gradients) later.
 
-`backward_input` computes d(loss)/d(input) only, the gradient the previous stage waits for, and
-keeps what the weight gradients need: autograd's gradients at the nodes that lead to the
-parameters (captured during B). `backward_weight` finishes from those captured gradients
-without recomputing B's part of the graph, and adds the result IN PLACE into `param.grad`
-(`grad += dw`), so `.grad` tensors that are views into a flat buffer (data-parallel buckets)
-keep being those views. Built on torch.distributed.pipelining's own split
-(`stage_backward_input` / `stage_backward_weight`, what its zero-bubble schedules run).
+B runs the stage's ordinary backward while its linear layers defer their weight-gradient
+products (``dW = dY^T X``) into the stage's `WeightGradStore`
+(`megapar.tensor_parallel.weight_grad`): it yields d(loss)/d(input), the gradient the previous
+stage waits for, plus every gradient that is cheap (LayerNorms, biases, embeddings, the loss).
+W computes the deferred products and adds them IN PLACE into ``param.grad`` (``grad += dw``),
+so ``.grad`` tensors that are views into a flat buffer (data-parallel buckets) stay those views.
+B + W is the work of one ordinary backward: nothing is traversed twice.
 
-A stage without an input (the model's first slice) has no B to speed up: B does nothing and W
-runs the whole backward (as torch does).
+A stage without an input (the model's first slice) splits the same way: its B sends nothing
+upstream, and its W is the linear layers' weight products.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from megapar.tensor_parallel.weight_grad import WeightGradStore
 
 
 class PendingWeightGrad:
-    """What W of one micro-batch of one chunk needs from its B."""
+    """What W of one micro-batch of one chunk needs from its B: the deferred products."""
 
-    def __init__(self, output: torch.Tensor, grad: torch.Tensor | None, groups):
-        self.output, self.grad, self.groups = output, grad, groups
+    def __init__(self, entries: list):
+        self.entries = entries
 
 
 def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None,
-                   params: list[torch.nn.Parameter]):
+                   store: WeightGradStore):
     """B: returns (d loss / d inp or None, the PendingWeightGrad for W). `grad` is None when
-    `output` is the (scaled) loss."""
-    if inp is None:
-        return None, PendingWeightGrad(output, grad, None)
-    grads, groups = stage_backward_input([output], None if grad is None else [grad], [inp],
-                                         iter(params))
-    return grads[0], PendingWeightGrad(None, None, groups)
+    `output` is the (scaled) loss; `store` must be enabled and attached to the stage's linear
+    layers before their forward."""
+    if len(store):
+        raise RuntimeError("the weight-gradient store holds products of another backward; "
+                           "every B must be followed by taking its products")
+    torch.autograd.backward(output, grad_tensors=grad)
+    return (inp.grad if inp is not None else None), PendingWeightGrad(store.take())
 
 
-def backward_weight(pending: PendingWeightGrad, params: list[torch.nn.Parameter]) -> None:
+def backward_weight(pending: PendingWeightGrad) -> None:
     """W: accumulate the weight gradients of one B into `param.grad`, in place."""
-    if pending.groups is not None:
-        stage_backward_weight(iter(params), pending.groups)
-        return
-    grads = torch.autograd.grad(pending.output, params, pending.grad, allow_unused=True)
-    for p, g in zip(params, grads):
-        if g is None:
-            continue
-        if p.grad is None:
-            p.grad = g
-        else:
-            p.grad.add_(g)
+    WeightGradStore.apply(pending.entries)
+    pending.entries = []

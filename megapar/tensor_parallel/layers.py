@@ -20,6 +20,7 @@ from megapar.tensor_parallel.partition import local_size, set_partition
 from megapar.tensor_parallel.sequence_parallel import (
     gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
 )
+from megapar.tensor_parallel.weight_grad import linear
 
 
 def _sequence_parallel(mesh: Mesh) -> bool:
@@ -55,6 +56,8 @@ class ColumnParallelLinear(nn.Module):
         local = divide(out_features, mesh.tp, name)
         self.weight = _param((local, in_features), 0, (out_features, in_features), mesh.device)
         self.bias = _param((local,), 0, (out_features,), mesh.device) if bias else None
+        self.weight_grad_store = None
+        """A `WeightGradStore` to defer the weight gradient into (zero-bubble pipelines)."""
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """X as this layer needs it: all-gathered along the sequence (SP) or copied into the tp
@@ -65,7 +68,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
         """`entered`: X already went through `enter` (of this or a sibling projection)."""
-        y = F.linear(x if entered else self.enter(x), self.weight, self.bias)
+        y = linear(x if entered else self.enter(x), self.weight, self.bias,
+                   self.weight_grad_store)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
@@ -87,11 +91,13 @@ class RowParallelLinear(nn.Module):
         local = divide(in_features, mesh.tp, name)
         self.weight = _param((out_features, local), 1, (out_features, in_features), mesh.device)
         self.bias = _param((out_features,), None, (out_features,), mesh.device) if bias else None
+        self.weight_grad_store = None
+        """A `WeightGradStore` to defer the weight gradient into (zero-bubble pipelines)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.weight_grad_store)
         y = reduce_scatter_to_sequence_parallel_region(y, self.group) if self.sequence_parallel \
             else reduce_from_tp_region(y, self.group)
         return y + self.bias if self.bias is not None else y

@@ -31,7 +31,7 @@ class BubbleRun:
     """Mean forward / backward (and B / W) / p2p milliseconds per action."""
     stage_costs: list[dict] | None = None
     """The same per stage, each from its own actions (stages differ: the last one computes the
-    LM head and the loss; under ZB-H1 the first one's B is empty and its W the whole backward)."""
+    LM head and the loss)."""
 
     def summary(self) -> dict:
         return {"measured_bubble": self.stats["measured_bubble"],
@@ -169,8 +169,8 @@ def mean_costs(timeline, schedule: str = "1f1b") -> dict:
     the median over all messages of the (clock-aligned) step."""
     import statistics
 
-    def mean(kind, min_rank=0):
-        d = [e.end - e.start for e in timeline.events if e.kind == kind and e.rank >= min_rank]
+    def mean(kind):
+        d = [e.end - e.start for e in timeline.events if e.kind == kind]
         return 1e3 * sum(d) / len(d) if d else 0.0
     from megapar.pipeline.schedules import Action, peer_of, placement_of
 
@@ -189,11 +189,9 @@ def mean_costs(timeline, schedule: str = "1f1b") -> dict:
     costs = {"fwd_ms": mean("forward"), "bwd_ms": mean("backward"),
              "p2p_ms": statistics.median(latencies) if latencies else 0.0}
     if any(e.kind == "backward_input" for e in timeline.events):
-        # The model's first stage has no input: its B is empty and its W the whole backward,
-        # so B and W are measured where the split is real (every later stage).
-        later = 1 if pp > 1 else 0
-        costs["bwd_input_ms"], costs["bwd_weight_ms"] = mean("backward_input", later), \
-            mean("backward_weight", later)
+        # B: the backward with the linear layers' weight products deferred; W: those products
+        costs["bwd_input_ms"], costs["bwd_weight_ms"] = mean("backward_input"), \
+            mean("backward_weight")
         costs["bwd_ms"] = costs["bwd_input_ms"] + costs["bwd_weight_ms"]
     return costs
 
