@@ -18,6 +18,7 @@ from megapar.pipeline.timeline import bubble_stats
 from megapar.plan import Candidate, Problem, check, estimate, parse_candidate, stage_memory
 from megapar.plan import memory as mem
 from megapar.plan import pipeline
+from megapar.cli.plan import main as plan_main
 from megapar.plan.params import model_params, stage_params
 
 GPT3 = GPT2Config(vocab_size=51200, n_positions=2048, n_embd=12288, n_layer=96, n_head=96)
@@ -148,7 +149,6 @@ def test_unregistered_schedules_fall_back_to_their_formula(monkeypatch):
     ("tp=2,sp=0,zero=1", 2, "ZeRO-1 needs dp > 1"),
     ("sp=1", 1, "needs tp > 1"),
     ("tp=2,sp=1", 2, "--seq-len 99 divisible by tp 2"),
-    ("pp=2,schedule=interleaved,v=2,mbs=16", 2, "divisible by pp"),
     ("pp=4,schedule=interleaved,v=2", 4, "cannot be cut into pp*v"),
     ("schedule=gpipe", 1, "needs pp > 1"),
     ("tp=2,pp=2,dp=2", 4, "is not --gpus"),
@@ -159,6 +159,55 @@ def test_invalid_layouts_are_rejected_with_the_reason(spec, gpus, reason):
     seq_len = 99 if "sp=1" in spec else 128
     assert reason in check(c, config, gpus, 8, 16, seq_len)
     assert parse_candidate(c.spec()) == c
+
+
+def test_interleaved_layouts_follow_megapar_trains_rules():
+    """The planner accepts exactly what megapar-train runs: m <= pp or a multiple of pp, and
+    uneven chunks once there is a layer per chunk; the per-rank blocks are the chunks' blocks."""
+    from megapar.pipeline.partition import chunk_specs
+    from megapar.pipeline.schedules import check_schedule
+    from megapar.plan.params import stage_layer_counts
+
+    config = GPT2Config(n_layer=10, n_head=4, n_embd=64)
+    for gb, mbs, v, ok in [(8, 8, 2, True),     # m = 1 < pp
+                           (8, 1, 3, True),     # 10 layers in 2 x 3 uneven chunks
+                           (6, 1, 2, True),     # m = 6: 3 rounds of 2
+                           (5, 1, 2, False),    # m = 5 at pp 2: rounds of 2 do not divide it
+                           (8, 1, 6, False)]:   # 12 chunks for 10 layers
+        c = Candidate(pp=2, mbs=mbs, schedule="interleaved", v=v)
+        reason = check(c, config, 2, 8, gb)
+        if ok:
+            assert reason is None, reason
+            check_schedule("interleaved", 2, gb // mbs, v)   # megapar-train's own check passes
+        else:
+            assert reason and ("m must be divisible by" in reason or "each needs" in reason)
+    for stage, blocks in enumerate(stage_layer_counts(10, 2, 3)):
+        assert blocks == sum(len(s.layers) for s in chunk_specs(10, 2, stage, 3))
+    # slices of 10 blocks in 6: [2, 2, 2, 2, 1, 1]; rank 0 holds slices 0, 2, 4, rank 1 1, 3, 5
+    assert stage_layer_counts(10, 2, 3) == [5, 5]
+    assert stage_layer_counts(9, 2, 3) == [5, 4] and stage_layer_counts(9, 4, 2) == [3, 2, 2, 2]
+
+
+def test_a_separate_master_weights_plan_does_not_run_today():
+    from megapar.plan.report import runnable
+
+    problem = Problem(GPT3, 1024, 8, 80, 1536, 2048, master_weights="separate")
+    e = estimate(problem, Candidate(8, 16, 8, 1, "1f1b", 1, "full"))
+    assert runnable(e) == [] and "master weights" in runnable(e, "separate")[0]
+
+
+def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
+    base = ["--model", "gpt2-tiny", "--global-batch-size", "16", "--seq-len", "64"]
+    for extra, message in [(["--gpus", "12"], "is not a multiple of it"),
+                           (["--gpus", "8", "--gpu-memory-gb", "0"], "--gpu-memory-gb 0 is invalid"),
+                           (["--gpus", "8", "--top", "0"], "--top must be >= 1"),
+                           (["--gpus", "8", "--today", "--master-weights", "separate"],
+                            "drop --master-weights separate")]:
+        assert plan_main(base + extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert plan_main(base + ["--gpus", "12", "--gpus-per-node", "4", "--top", "1"]) == 0
+    assert "torchrun --nnodes 3 --nproc-per-node 4" in capsys.readouterr().out
 
 
 def test_gpt3_175b_on_1024_a100s_at_tp8_pp16():

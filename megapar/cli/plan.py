@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from megapar.plan.layouts import PLAN_SCHEDULES, RECOMPUTE
@@ -66,11 +67,26 @@ def _problem(args):
     limit = getattr(config, "n_positions", getattr(config, "max_position_embeddings", None))
     if limit is not None and args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {limit} positions")
-    for name in ("gpus", "gpus_per_node", "global_batch_size", "seq_len"):
+    for name in ("gpus", "gpus_per_node", "global_batch_size", "seq_len", "top"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.peak_tflops <= 0 or not 0 < args.efficiency <= 1:
-        raise ValueError("--peak-tflops must be > 0 and --efficiency in (0, 1]")
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        raise ValueError(f"--gpus {args.gpus} spans several nodes of --gpus-per-node "
+                         f"{args.gpus_per_node} but is not a multiple of it (torchrun starts "
+                         f"the same number of processes on every node); use a multiple of "
+                         f"{args.gpus_per_node}, or the --gpus-per-node each node really uses")
+    for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{name.replace('_', '-')} {value:g} is invalid: it must be a "
+                             f"finite number > 0")
+    if not (math.isfinite(args.latency_us) and args.latency_us >= 0):
+        raise ValueError(f"--latency-us {args.latency_us:g} is invalid: it must be >= 0")
+    if not 0 < args.efficiency <= 1:
+        raise ValueError(f"--efficiency {args.efficiency:g} is invalid: it must be in (0, 1]")
+    if args.today and args.master_weights != "fp32":
+        raise ValueError("--today plans what megapar-train runs now, and it keeps fp32 "
+                         "parameters: drop --master-weights separate (or drop --today)")
     return Problem(config, args.gpus, args.gpus_per_node, args.gpu_memory_gb,
                    args.global_batch_size, args.seq_len, args.precision, args.master_weights,
                    args.fused_attention, args.peak_tflops, args.efficiency,
@@ -93,7 +109,8 @@ def _explain(args, problem) -> int:
     e = estimate(problem, c)
     cmd, missing = command(e, problem, args.model)
     if args.json:
-        print(json.dumps({**row(e), "valid": True, "command": cmd}, indent=1))
+        print(json.dumps({**row(e, problem.master_weights), "valid": True, "command": cmd},
+                         indent=1))
         return 0
     print(explain(e))
     print(f"command: {cmd}")
@@ -122,7 +139,7 @@ def main(argv=None) -> int:
                                virtual_stages=tuple(args.virtual_stages),
                                recompute=tuple(args.recompute))
     if args.today:
-        estimates = [e for e in estimates if not runnable(e)]
+        estimates = [e for e in estimates if not runnable(e, problem.master_weights)]
     best = estimates[0] if estimates and estimates[0].fits else None
     cmd = command(best, problem, args.model) if best else None
     reasons: dict[str, int] = {}
@@ -131,7 +148,8 @@ def main(argv=None) -> int:
         reasons[key] = reasons.get(key, 0) + 1
     if args.json:
         print(json.dumps({"model_params": model_params(problem.config),
-                          "layouts": [row(e) for e in estimates[:args.top]],
+                          "layouts": [row(e, problem.master_weights)
+                                      for e in estimates[:args.top]],
                           "valid": len(estimates), "rejected": len(rejected),
                           "rejected_reasons": reasons,
                           "command": cmd[0] if cmd else None,
@@ -141,7 +159,7 @@ def main(argv=None) -> int:
           f"GPUs ({problem.gpus_per_node} per node, {problem.gpu_memory_gb:g} GiB); global batch "
           f"{problem.global_batch} x {problem.seq_len} tokens; {len(estimates)} valid layouts, "
           f"{len(rejected)} rejected")
-    print(table(estimates[:args.top]))
+    print(table(estimates[:args.top], problem.master_weights))
     if not estimates:
         common = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
         print("no valid layout; most common reasons: " + "; ".join(r for r, _ in common))

@@ -168,8 +168,9 @@ def _with_comms(compute: list[Action], pp: int, stage: int, num_chunks: int,
     return out
 
 
-def _rounds(pp: int, m: int, what: str) -> int:
-    """Micro-batches per round (torch's flexible rule; Megatron's is m % pp == 0)."""
+def interleaved_rounds(pp: int, m: int, what: str = "interleaved 1F1B") -> int:
+    """Micro-batches per round (torch's flexible rule; Megatron's is m % pp == 0); a ValueError
+    naming the valid m otherwise. Cheap: the planner checks every candidate with it."""
     rounds = max(1, m // pp)
     if m % rounds:
         ok = [k for k in range(1, 4 * pp + 1) if k % max(1, k // pp) == 0]
@@ -191,7 +192,7 @@ def _looped(pp: int, m: int, stage: int, num_chunks: int, zero_bubble: bool) -> 
     (input gradient, sent upstream at once) and W (weight gradient), and W of the oldest pending
     micro-batch follows each B once `stage` Bs have been issued, the rest at the end.
     """
-    per_round = m if num_chunks == 1 else _rounds(pp, m, "interleaved 1F1B")
+    per_round = m if num_chunks == 1 else interleaved_rounds(pp, m)
     total = num_chunks * m
     factor = 1 if zero_bubble else 2
     warmup = min((num_chunks - 1) * per_round + factor * (pp - 1 - stage), total)

@@ -114,7 +114,7 @@ def stage_memory(p: Problem, c: Candidate) -> list[mem.MemoryBreakdown]:
     h, a = cfg.hidden_size, (cfg.n_head if hasattr(cfg, "n_head") else cfg.num_attention_heads)
     m = p.global_batch // (c.mbs * c.dp)
     counts, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v)
-    layers = stage_layer_counts(cfg.num_layers, c.pp)
+    layers = stage_layer_counts(cfg.num_layers, c.pp, c.v)
     sp_t = t if c.sp else 1
     per_layer = mem.layer_bytes(s, b, h, a, t, c.sp, c.recompute, p.act_bytes, p.dropout,
                                 p.fused_attention, norm_stats=True)
@@ -122,7 +122,7 @@ def stage_memory(p: Problem, c: Candidate) -> list[mem.MemoryBreakdown]:
                            p.fused_attention, norm_stats=True)
     vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
     out = []
-    for stage, n_params in enumerate(stage_params(cfg, t, c.pp)):
+    for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v)):
         first, last = stage == 0, stage == c.pp - 1
         per_mb = layers[stage] * per_layer
         if first:
@@ -158,14 +158,14 @@ def estimate(p: Problem, c: Candidate) -> Estimate:
     fits = worst.total <= p.gpu_memory_gb * mem.GIB
     m = p.global_batch // (c.mbs * c.dp)
     rate = p.peak_tflops * 1e12 * p.efficiency
-    layers = max(stage_layer_counts(cfg.num_layers, c.pp))
+    per_rank = stage_layer_counts(cfg.num_layers, c.pp, c.v)
+    layers = max(per_rank)
     vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
     fwd_layer = _layer_flops(cfg, s, b) / t
     head = 2 * s * b * h * vocab_local
     extra = {"none": 0.0, "selective": 4 * s * s * b * h / t, "full": fwd_layer}[c.recompute]
     # slowest stage: the most layers, plus the head if the last stage is among the slowest
-    fwd = layers * fwd_layer + (head if len(stage_layer_counts(cfg.num_layers, c.pp)) == 1 or
-                                stage_layer_counts(cfg.num_layers, c.pp)[-1] == layers else 0)
+    fwd = layers * fwd_layer + (head if per_rank[-1] == layers else 0)
     bwd = 2 * fwd + layers * extra
     act = s * b * h * p.act_bytes
     tp_fwd = layers * 2 * _ring(t, act, p.intra_gbps, p.latency_us)
@@ -178,7 +178,7 @@ def estimate(p: Problem, c: Candidate) -> Estimate:
     dp_gbps = p.intra_gbps if one_node else p.inter_gbps
     p2p = 2 * (c.pp - 1) * ((act / (c.tp if c.sp else 1)) * 8 / (pp_gbps * 1e9)
                             + p.latency_us * 1e-6)
-    n_params = max(stage_params(cfg, t, c.pp))
+    n_params = max(stage_params(cfg, t, c.pp, c.v))
     # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
     grad_bytes = n_params * (2 if p.precision == "fp16" else 4)
     # ZeRO-1 (distributed optimizer): the gradient reduce-scatter (half an all-reduce) hides

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megapar.mesh import Layout, LayoutError
+from megapar.pipeline.schedules import interleaved_rounds
 
 PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 """Schedules the planner models. Those registered in `megapar.pipeline.schedules.SCHEDULES` are
@@ -113,11 +114,13 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
     if c.schedule == "interleaved":
         if c.v < 2:
             return "interleaved 1F1B needs v >= 2 model chunks per rank"
-        if config.num_layers % (c.pp * c.v):
-            return (f"{config.num_layers} layers cannot be cut into pp*v = {c.pp}*{c.v} equal "
-                    f"chunks")
-        if m % c.pp:
-            return f"interleaved 1F1B needs micro-batches ({m}) divisible by pp {c.pp}"
+        if config.num_layers < c.pp * c.v:
+            return (f"{config.num_layers} layers cannot be cut into pp*v = {c.pp}*{c.v} model "
+                    f"chunks (each needs at least one layer)")
+        try:  # megapar-train's own rule: m <= pp or a multiple of pp
+            interleaved_rounds(c.pp, m)
+        except ValueError as exc:
+            return str(exc)
     elif c.v != 1:
         return f"v {c.v} needs schedule interleaved"
     if c.sp and c.tp == 1:

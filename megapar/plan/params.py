@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from megapar.mesh import Layout, Mesh
-from megapar.pipeline.partition import partition_layers
+from megapar.pipeline.partition import chunk_specs, partition_layers
 
 
 @dataclass(frozen=True)
@@ -64,16 +64,21 @@ def piece_counts(config, tp: int) -> PieceCounts:
     return _pieces(json.dumps(config.to_dict(), sort_keys=True), tp)
 
 
-def stage_layer_counts(num_layers: int, pp: int) -> list[int]:
-    """Blocks per stage as megapar-train cuts them (the first num_layers % pp stages +1)."""
+def stage_layer_counts(num_layers: int, pp: int, v: int = 1) -> list[int]:
+    """Blocks per pipeline rank as megapar-train cuts them (the first num_layers % pp stages +1;
+    with v > 1 model chunks per rank, the blocks of its chunks, cut into pp * v slices)."""
+    if v > 1:
+        return [sum(len(spec.layers) for spec in chunk_specs(num_layers, pp, stage, v))
+                for stage in range(pp)]
     return [len(r) for r in partition_layers(num_layers, pp)]
 
 
-def stage_params(config, tp: int, pp: int) -> list[int]:
-    """Elements of parameters one tp rank of each pipeline stage holds."""
+def stage_params(config, tp: int, pp: int, v: int = 1) -> list[int]:
+    """Elements of parameters one tp rank of each pipeline stage holds (the embedding is on the
+    first virtual stage, rank 0, and the head on the last, rank pp - 1, with v chunks too)."""
     pieces = piece_counts(config, tp)
     counts = []
-    for stage, layers in enumerate(stage_layer_counts(config.num_layers, pp)):
+    for stage, layers in enumerate(stage_layer_counts(config.num_layers, pp, v)):
         n = layers * pieces.block
         if stage == 0:
             n += pieces.embedding

@@ -31,10 +31,18 @@ def _train_fields() -> tuple[set[str], dict]:
     return {f.name for f in dataclasses.fields(TrainConfig)}, _choices()
 
 
-def runnable(e: Estimate) -> list[str]:
-    """What megapar-train lacks to run this layout today (empty: it runs as planned)."""
+SEPARATE_MASTER_WEIGHTS = ("16-bit parameters with separate fp32 master weights (megapar-train "
+                           "keeps fp32 parameters, 16 B/param: plan with --master-weights fp32)")
+"""What a --master-weights separate plan needs that megapar-train does not do yet."""
+
+
+def runnable(e: Estimate, master_weights: str = "fp32") -> list[str]:
+    """What megapar-train lacks to run this layout as planned today (empty: it runs as planned);
+    `master_weights` is the plan's (--master-weights)."""
     fields, choices = _train_fields()
     c, missing = e.candidate, []
+    if master_weights != "fp32":
+        missing.append(SEPARATE_MASTER_WEIGHTS)
     if c.pp > 1 and c.schedule not in choices["schedule"]:
         missing.append(f"schedule {c.schedule} (megapar-train --schedule offers "
                        f"{', '.join(choices['schedule'])})")
@@ -53,7 +61,7 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
              f"--seq-len {p.seq_len}", f"--micro-batch-size {c.mbs}",
              f"--global-batch-size {p.global_batch}", f"--recompute {c.recompute}",
              f"--precision {p.precision}", f"--peak-tflops {p.peak_tflops:g}"]
-    missing = runnable(e)
+    missing = runnable(e, p.master_weights)
     if c.pp > 1 and not any(c.schedule in m for m in missing):
         flags.append(f"--schedule {c.schedule}")
     if c.zero:
@@ -70,17 +78,18 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
     return " ".join([head] + flags), missing
 
 
-def row(e: Estimate) -> dict:
+def row(e: Estimate, master_weights: str = "fp32") -> dict:
     """One estimate as plain JSON-able values."""
+    missing = runnable(e, master_weights)
     return {"layout": e.candidate.label(), "spec": e.candidate.spec(),
             "memory_gib": e.memory.as_gib(), "fits": e.fits, "bubble": e.bubble,
             "bubble_source": e.bubble_source, "comm_s": e.comm_s, "comm_share": e.comm_share,
             "compute_s": e.compute_s, "step_s": e.step_s, "tokens_per_s": e.tokens_per_s,
-            "mfu": e.mfu, "hw_tflops_per_gpu": e.hw_tflops, "runs_today": not runnable(e),
-            "missing_in_megapar_train": runnable(e)}
+            "mfu": e.mfu, "hw_tflops_per_gpu": e.hw_tflops, "runs_today": not missing,
+            "missing_in_megapar_train": missing}
 
 
-def table(estimates: list[Estimate]) -> str:
+def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
     head = (f"{'#':>3} {'layout':<56} {'mem/GPU':>9} {'fits':>4} {'bubble':>10} {'comm':>5} "
             f"{'step s':>8} {'tokens/s':>10} {'MFU':>5} {'today':>5}")
     lines = [head, "-" * len(head)]
@@ -90,9 +99,9 @@ def table(estimates: list[Estimate]) -> str:
             f"{i:>3} {e.candidate.label():<56} {_size(e.memory.total)} "
             f"{'yes' if e.fits else 'no':>4} {100 * e.bubble:>8.1f}%{src} "
             f"{100 * e.comm_share:>4.0f}% {e.step_s:>8.3f} {e.tokens_per_s:>10.0f} "
-            f"{100 * e.mfu:>4.1f}% {'yes' if not runnable(e) else 'no':>5}")
+            f"{100 * e.mfu:>4.1f}% {'yes' if not runnable(e, master_weights) else 'no':>5}")
     lines.append("bubble: s = simulated on megapar's schedule simulator, f = published formula "
-                 "(schedule not in megapar yet); mem = most loaded rank; today = megapar-train "
+                 "(schedule not in megapar, or too many actions to simulate); mem = most loaded rank; today = megapar-train "
                  "can run it now")
     return "\n".join(lines)
 
