@@ -111,9 +111,20 @@ def test_existing_dst_is_refused_without_overwrite(src, tmp_path, capsys):
     assert main([str(src), str(dst), "--tp", "1", "--pp", "1"]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     _assert_untouched(dst)
-    with pytest.raises(CheckpointError, match="already exists"):
+
+
+def test_hf_export_keeps_other_files_and_replaces_an_export_only_when_asked(src, tmp_path):
+    dst = _dst_with_marker(tmp_path)   # e.g. a tokenizer directory: exported into, as
+    cv.export_hf(src, dst)             # transformers' save_pretrained does, the marker kept
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "marker", "model.safetensors"]
+    assert (dst / "marker").read_text() == "keep me"
+    weights = (dst / "model.safetensors").read_bytes()
+    with pytest.raises(CheckpointError, match="already holds an exported model"):
         cv.export_hf(src, dst)
-    _assert_untouched(dst)
+    cv.export_hf(src, dst, overwrite=True)
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "marker", "model.safetensors"]
+    assert (dst / "model.safetensors").read_bytes() == weights
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_failure_midway_leaves_dst_untouched_and_no_temp_dirs(src, tmp_path, monkeypatch):

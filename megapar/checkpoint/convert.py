@@ -220,12 +220,15 @@ def import_hf(hf_dir, dst, tp: int, pp: int, dp: int = 1, seed: int = 0,
 
 def export_hf(src, hf_dir, overwrite: bool = False) -> Path:
     """A transformers directory (GPT2LMHeadModel / BertForMaskedLM) from a checkpoint."""
-    from megapar.checkpoint.hf import save_hf
+    from megapar.checkpoint.hf import HF_FILES, save_hf
 
     step_dir = resolve_checkpoint(src)
     manifest = verify(step_dir)
     hf_dir = Path(hf_dir)
-    _refuse_existing(hf_dir, overwrite)
+    if not overwrite and any((hf_dir / name).exists() for name in HF_FILES):
+        raise CheckpointError(f"{hf_dir} already holds an exported model ({', '.join(HF_FILES)})"
+                              f"; pass --overwrite to replace those files (other files there, "
+                              f"e.g. a tokenizer, are kept)")
     reader = ShardReader(step_dir, manifest)
     canonical = {}
     for name, e in manifest["tensors"].items():

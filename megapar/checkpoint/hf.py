@@ -255,20 +255,22 @@ def to_hf_state(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.T
     return {k: v.contiguous() for k, v in fn(canonical, config).items()}
 
 
-def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path) -> Path:
-    """Write a directory that transformers' `from_pretrained` loads (config.json + safetensors).
+HF_FILES = ("model.safetensors", "config.json")
+"""The files an export writes (and replaces); anything else in the directory is left alone."""
 
-    Written to a temporary sibling directory and renamed at the end (atomic).
-    """
+
+def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path) -> Path:
+    """Write config.json + model.safetensors into `out_dir` (created if missing), which
+    transformers' `from_pretrained` loads. As `save_pretrained`, other files there (a tokenizer,
+    notes) are left alone; each file is written under a temporary name and renamed when complete
+    (weights first), so an interrupted export never leaves a half-written file."""
     import os
-    import shutil
-    import tempfile
 
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = {name: out_dir / f".{name}.tmp-{os.getpid()}" for name in HF_FILES}
     try:
         hf_config = config.to_hf()
         hf_config.architectures = [_ARCHITECTURES[config.model_type]]
@@ -277,14 +279,14 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path) -> 
             value = getattr(hf_config, special, None)  # means nothing in another vocabulary
             if isinstance(value, int) and value >= config.vocab_size:
                 setattr(hf_config, special, None)
-        (tmp / "config.json").write_text(hf_config.to_json_string())
-        save_file(to_hf_state(canonical, config), str(tmp / "model.safetensors"),
+        save_file(to_hf_state(canonical, config), str(tmp["model.safetensors"]),
                   metadata={"format": "pt"})
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        tmp["config.json"].write_text(hf_config.to_json_string())
+        for name in HF_FILES:
+            os.replace(tmp[name], out_dir / name)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
         raise
     return out_dir
 

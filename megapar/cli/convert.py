@@ -11,7 +11,9 @@ Examples:
 SRC may be a checkpoint root (its ``latest`` is followed) or a step directory; DST is a new
 checkpoint root. Sources are verified (sizes and sha256) first. Outputs are built in a hidden
 temporary directory and renamed at the end: on any error DST is left as it was. An existing
-DST is refused unless --overwrite.
+DST is refused unless --overwrite. --to-hf DIR writes config.json + model.safetensors into DIR
+as transformers' save_pretrained does (other files there, e.g. a tokenizer, are kept; an
+earlier export is replaced only with --overwrite).
 """
 
 from __future__ import annotations

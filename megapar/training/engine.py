@@ -168,15 +168,16 @@ class Engine:
         return state
 
     def export_hf(self, path: str | Path) -> Path:
-        """Write a transformers directory (GPT2LMHeadModel / BertForMaskedLM `from_pretrained`
-        loads it). Collective; rank 0 writes."""
+        """Write config.json + model.safetensors into `path` (GPT2LMHeadModel /
+        BertForMaskedLM / LlamaForCausalLM `from_pretrained` loads it), replacing those two files
+        and leaving anything else there (a tokenizer) alone. Collective; rank 0 writes."""
         import shutil
 
         from megapar.checkpoint.convert import export_hf
         from megapar.checkpoint.distributed import _broadcast_text, save_checkpoint
 
-        path = Path(path)
-        tmp = path.parent / f".{path.name}.megapar-export"
+        path = Path(path).absolute()
+        tmp = path.parent / f".{path.name or 'export'}.megapar-export-{self.step}"
         save_checkpoint(tmp, self.step, self.model, self.mesh, {}, {"step": self.step}, {})
         outcome = ""
         if self.mesh.rank == 0:
