@@ -251,3 +251,62 @@ def test_prepare_bert_for_masked_lm_matches_transformers(run):
         ref = hf(**_bert_batch()).loss.item()
     assert math.isclose(before, ref, rel_tol=1e-5) and math.isclose(trained, ref, rel_tol=1e-5)
     assert after < before
+
+
+def _bad_batches():
+    import numpy as np
+
+    engine = megapar.prepare(_hf_model(), tp=2, micro_batch_size=2, lr=3e-3)
+    good = _batches(1)[0]
+    x = good["input_ids"]
+    cases = {
+        "id": {"input_ids": torch.where(x == x[0, 0], VOCAB + 5, x), "labels": good["labels"]},
+        "negative id": {"input_ids": x - 200, "labels": good["labels"]},
+        "label": {"input_ids": x, "labels": torch.full_like(x, VOCAB)},
+        "key": {**good, "position_ids": torch.zeros_like(x)},
+        "mask": {**good, "attention_mask": torch.ones_like(x).index_fill_(1, torch.tensor([0]), 0)},
+        "numpy": {"input_ids": np.zeros((G, SEQ), dtype=np.int64), "labels": good["labels"]},
+        "float": {"input_ids": x.float(), "labels": good["labels"]},
+        "long": {"input_ids": torch.zeros(G, 128, dtype=torch.long),
+                 "labels": torch.zeros(G, 128, dtype=torch.long)},
+    }
+    out = {}
+    for name, batch in cases.items():
+        try:
+            engine.train_step(batch)
+            out[name] = "accepted"
+        except (TypeError, ValueError) as exc:
+            out[name] = str(exc)
+    engine.train_step({**good, "attention_mask": torch.ones_like(x)})  # a tokenizer's: accepted
+    return out, engine.step
+
+
+def test_bad_batches_are_refused_at_any_layout(run):
+    out, steps = run(_bad_batches, 2)[0]
+    expected = {"id": f"input id {VOCAB + 5} is outside the model's vocabulary of {VOCAB}",
+                "negative id": "is outside the model's vocabulary",
+                "label": f"label {VOCAB} is outside the vocabulary",
+                "key": "batch key 'position_ids' is not used by gpt2",
+                "mask": "has no padding mask",
+                "numpy": "is a ndarray; pass torch tensors",
+                "float": "holds torch.float32; token ids",
+                "long": "longer than the model's 16 positions"}
+    for name, message in expected.items():
+        assert message in out[name], (name, out[name])
+    assert steps == 1   # only the all-ones attention mask trained
+
+
+def _global_rng_batches():
+    engine = megapar.prepare(_hf_model(), pp=2, micro_batch_size=2, lr=3e-3)
+    x = torch.randint(0, VOCAB, (G, SEQ))   # torch's global RNG: seeded per stage by prepare
+    try:
+        engine.train_step({"input_ids": x, "labels": x})
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_batch_that_differs_between_ranks_is_refused_on_every_rank(run):
+    for message in run(_global_rng_batches, 2):
+        assert "got another global batch than other ranks" in message
+        assert "torch.Generator" in message

@@ -67,6 +67,7 @@ class Engine:
                                  self.precision, cfg.clip_grad, self.grad_sync)
         self.step = 0
         """Optimizer steps taken (restored by `load`)."""
+        self._batch_seen = False  # the first user batch is compared across ranks
 
     @staticmethod
     def scaled_lr(cfg: TrainConfig) -> float:
@@ -115,14 +116,27 @@ class Engine:
         transformers, megapar does not shift them), or BERT's MLM fields (input_ids, labels,
         token_type_ids, attention_mask). Each dp rank takes its contiguous G / dp rows and cuts
         them into micro-batches of `micro_batch_size`; G must be a multiple of
-        micro_batch_size x dp.
+        micro_batch_size x dp. The batch is checked first (ids inside the vocabulary, keys the
+        model reads; on the first call, the same batch on every rank): a clear error, not
+        silent nonsense. The loss is Megatron's: the mean over micro-batches (and dp ranks) of
+        each micro-batch's mean over its labelled tokens, so with unevenly spread -100 labels it
+        differs slightly from one token mean over the whole batch.
         """
-        return self.run_step(self.split(batch)).loss
+        return self.run_step(self.split(self._checked(batch, "train_step"))).loss
+
+    def _checked(self, batch, what: str) -> dict:
+        from megapar.training.batch_check import check_batch, same_on_every_rank
+
+        batch = check_batch(batch, self.config, what)
+        if not self._batch_seen:
+            same_on_every_rank(batch, self.mesh.device, what)
+            self._batch_seen = True
+        return batch
 
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor]) -> float:
         """Mean loss of a global batch (same format as `train_step`), without training."""
-        micro = self.split(batch)
+        micro = self.split(self._checked(batch, "eval_step"))
         executor = self._executor(micro[0]["input_ids"].shape[1])
         self.model.eval()
         try:

@@ -1,0 +1,114 @@
+"""Checks of the global batch a user hands to `engine.train_step` / `eval_step`.
+
+A vocab-parallel embedding cannot see an id outside every shard (it becomes a zero vector at
+tp > 1, an IndexError at tp = 1), GPT-2 and Llama have no padding mask, and a pipeline trains on
+nonsense if stage 0's inputs and the last stage's labels come from different batches. So the
+batch is checked in the user's process, once, with one clear error naming the fix:
+
+- `check_batch`: tensors of integer ids of one [G, seq] shape, keys the model reads, ids and
+  labels inside the vocabulary (labels may be -100), seq within the model's positions;
+- `same_on_every_rank`: on the first step, a fingerprint of the batch all-reduced over the
+  world (one collective of two int64s), since train_step takes the *same* global batch on every
+  rank (draw it from a seeded `torch.Generator`: `prepare` seeds torch's global RNG per
+  pipeline stage for dropout, as Megatron does, so global-RNG draws differ between stages).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+BERT_KEYS = ("input_ids", "labels", "token_type_ids", "attention_mask")
+DECODER_KEYS = ("input_ids", "labels")
+
+
+def _positions(config) -> int | None:
+    return getattr(config, "n_positions", getattr(config, "max_position_embeddings", None))
+
+
+def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tensor]:
+    """The batch, checked (ValueError / TypeError naming the fix otherwise). An all-ones
+    `attention_mask` for a decoder (what a tokenizer returns) is accepted and dropped."""
+    if not isinstance(batch, dict) or "input_ids" not in batch:
+        raise TypeError(f"{what} takes a dict of tensors with at least 'input_ids' (and 'labels' "
+                        f"to train), got {type(batch).__name__}")
+    bert = config.model_type == "bert"
+    allowed = BERT_KEYS if bert else DECODER_KEYS
+    out = {}
+    shape = None
+    for key, value in batch.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{what}: batch[{key!r}] is a {type(value).__name__}; pass torch "
+                            f"tensors (torch.as_tensor(...))")
+        if key == "attention_mask" and not bert:
+            if not bool((value == 1).all()):
+                raise ValueError(f"{what}: {config.model_type} in megapar has no padding mask; "
+                                 f"pack sequences without padding, or set the labels of padded "
+                                 f"positions to -100 and drop attention_mask")
+            continue
+        if key not in allowed:
+            raise ValueError(f"{what}: batch key {key!r} is not used by {config.model_type} "
+                             f"(it reads {', '.join(allowed)}); drop it")
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{what}: batch[{key!r}] holds {value.dtype}; token ids, labels and "
+                            f"masks must be integer tensors (e.g. .long())")
+        if value.dim() != 2 or (shape is not None and tuple(value.shape) != shape):
+            raise ValueError(f"{what}: batch[{key!r}] has shape {tuple(value.shape)}; every "
+                             f"entry must be [global batch, seq]"
+                             + (f" like the others, {shape}" if shape else ""))
+        shape = tuple(value.shape)
+        out[key] = value
+    if value_range := _out_of_range(out, config):
+        raise ValueError(f"{what}: {value_range}")
+    limit = _positions(config)
+    if limit is not None and shape[1] > limit:
+        raise ValueError(f"{what}: sequences of {shape[1]} tokens are longer than the model's "
+                         f"{limit} positions; cut them to at most {limit}")
+    return out
+
+
+def _out_of_range(batch: dict[str, torch.Tensor], config) -> str:
+    vocab = config.vocab_size
+    ids = batch["input_ids"]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
+        return (f"input id {bad} is outside the model's vocabulary of {vocab} tokens (0 to "
+                f"{vocab - 1}); is the data tokenized for another vocabulary?")
+    labels = batch.get("labels")
+    if labels is not None and labels.numel():
+        bad = labels[(labels != -100) & ((labels < 0) | (labels >= vocab))]
+        if bad.numel():
+            return (f"label {int(bad[0])} is outside the vocabulary of {vocab} tokens (0 to "
+                    f"{vocab - 1}; -100 marks a position without a label)")
+    types = batch.get("token_type_ids")
+    n_types = getattr(config, "type_vocab_size", None)
+    if types is not None and n_types and types.numel() and (
+            int(types.min()) < 0 or int(types.max()) >= n_types):
+        return f"token_type_ids must be 0 to {n_types - 1}"
+    return ""
+
+
+def fingerprint(batch: dict[str, torch.Tensor]) -> int:
+    """An int64 hash of the batch's keys and values (position-weighted sums)."""
+    total = 0
+    for i, key in enumerate(sorted(batch)):
+        flat = batch[key].reshape(-1).to(torch.int64).cpu()
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64) % 1_000_003 + 7919 * i
+        total = (total * 1_000_000_007 + int((flat * weights).sum())) % (2 ** 61 - 1)
+    return total
+
+
+def same_on_every_rank(batch: dict[str, torch.Tensor], device: torch.device,
+                       what: str = "train_step") -> None:
+    """Raise on every rank (no hang) unless all ranks hold the same batch (one all-reduce)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    fp = fingerprint(batch)
+    both = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if int(both[0]) != fp or int(both[1]) != -fp:
+        raise ValueError(
+            f"{what}: rank {dist.get_rank()} got another global batch than other ranks; every "
+            f"rank must pass the same global batch (each takes its own share). Draw it from a "
+            f"torch.Generator with a fixed seed, not torch's global RNG, which megapar.prepare "
+            f"seeds per pipeline stage (for dropout)")
