@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 _LAZY = {"launch": ("megapar.launcher", "launch"),
          "WorkerError": ("megapar.launcher", "WorkerError"),
-         "prepare": ("megapar.training.engine", "prepare"),
+         "prepare": ("megapar.training.prepare", "prepare"),
          "Engine": ("megapar.training.engine", "Engine")}
 
 __all__ = ["launch", "prepare", "Engine", "WorkerError", "__version__"]

@@ -310,3 +310,25 @@ def test_a_batch_that_differs_between_ranks_is_refused_on_every_rank(run):
     for message in run(_global_rng_batches, 2):
         assert "got another global batch than other ranks" in message
         assert "torch.Generator" in message
+
+
+def _prepare_classes():
+    from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2Model
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(3)
+    try:
+        megapar.prepare(GPT2ForSequenceClassification(cfg))
+        refused = "accepted"
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        refused = str(exc)
+    torch.manual_seed(3)
+    body = GPT2Model(cfg)   # GPT-2's head is the tied embedding: nothing is missing
+    engine = megapar.prepare(body, micro_batch_size=2)
+    return refused, engine.eval_step(_batches(1)[0])
+
+
+def test_prepare_refuses_a_model_whose_head_it_would_drop(run):
+    refused, loss = run(_prepare_classes, 1)[0]
+    assert "GPT2ForSequenceClassification has a head megapar does not train" in refused
+    assert "GPT2LMHeadModel" in refused and math.isfinite(loss)

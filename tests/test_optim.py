@@ -228,3 +228,26 @@ def test_tp_norm_counts_replicated_params_once():
     expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.0).item()
     for norm, _ in run_local(_tp_norm_worker, 2):
         assert norm == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind, key", [("adamw", "betas"), ("lamb", "betas"), ("sgd", "momentum"),
+                                       ("lars", "momentum")])
+def test_one_cycle_lr_cycles_the_momentum_of_the_inner_optimizer(kind, key):
+    """torch's OneCycleLR / CyclicLR need betas or momentum in param_groups (cycle_momentum);
+    what they set reaches the optimizer that steps."""
+    from megapar.optim.optimizer import AdamWOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = AdamWOptimizer(list(model.named_parameters()), 1e-3, 0.1, kind=kind)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=6)
+    seen = []
+    for _ in range(4):
+        model(torch.randn(2, 4)).sum().backward()
+        outer = opt.param_groups[0][key]
+        opt.step()
+        inner = opt.inner.param_groups[0][key]
+        assert inner == outer and opt.inner.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+        seen.append(inner[0] if key == "betas" else inner)
+        sched.step()
+    assert len(set(seen)) == 4   # the momentum really cycles (0.95 down towards 0.85)

@@ -57,8 +57,12 @@ class AdamWOptimizer(torch.optim.Optimizer):
         self.num_steps = 0
         decay = [p for p in self.params if decays(p)]
         no_decay = [p for p in self.params if not decays(p)]
+        # Hyperparameters a torch LR scheduler may change live in these groups (OneCycleLR /
+        # CyclicLR cycle "betas" or "momentum" too); _sync_groups copies them inward.
+        defaults = {"lr": lr, **({"betas": self.betas} if kind in ("adamw", "lamb")
+                                 else {"momentum": momentum})}
         super().__init__([{"params": decay, "weight_decay": weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}], {"lr": lr})
+                          {"params": no_decay, "weight_decay": 0.0}], defaults)
         owned = set(id(p) for p in self.owned_params())
         groups = [{"params": [p for p in g["params"] if id(p) in owned], "lr": lr,
                    "weight_decay": g["weight_decay"]} for g in self.param_groups]
@@ -79,11 +83,14 @@ class AdamWOptimizer(torch.optim.Optimizer):
         self._sync_groups()
 
     def _sync_groups(self) -> None:
-        """Copy lr / weight decay (possibly set by a torch LR scheduler) to the inner groups."""
+        """Copy lr, weight decay and betas / momentum (possibly set by a torch LR scheduler) to
+        the inner groups."""
         if self.inner is not None:
             for i, g in zip(self._inner_group_of, self.inner.param_groups):
-                g["lr"], g["weight_decay"] = self.param_groups[i]["lr"], \
-                    self.param_groups[i]["weight_decay"]
+                outer = self.param_groups[i]
+                for key in ("lr", "weight_decay", "betas", "momentum"):
+                    if key in outer and key in g:
+                        g[key] = outer[key]
 
     @property
     def lr(self) -> float:

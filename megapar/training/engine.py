@@ -12,7 +12,6 @@ Every rank calls every method together (they are collective).
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -227,85 +226,3 @@ def dp_mean(value: float, mesh: Mesh) -> float:
     """Mean of a per-rank float over the dp group."""
     t = torch.tensor([value], dtype=torch.float64, device=mesh.device)
     return all_reduce(t, mesh.dp_group).item() / mesh.dp
-
-
-# --- megapar.prepare -------------------------------------------------------------------------
-def _resolve_model(model):
-    """(megapar config, HF reader or None) for a transformers model / config or a recipe name."""
-    from megapar.models.config import ConfigError, config_from_hf
-
-    if isinstance(model, str):
-        from megapar.models.recipes import resolve_model
-
-        return resolve_model(model), None
-    if hasattr(model, "state_dict") and hasattr(model, "config"):
-        from megapar.checkpoint.hf import HFReader
-
-        reader = HFReader.from_model(model)
-        return reader.config, reader
-    if hasattr(model, "to_dict") and hasattr(model, "model_type"):
-        return config_from_hf(model), None
-    raise ConfigError(f"megapar.prepare: cannot use a {type(model).__name__}; pass a transformers "
-                      f"GPT2LMHeadModel / BertForMaskedLM (or its config) or a recipe name such "
-                      f"as 'gpt2-tiny'")
-
-
-def _check_same_weights(model, mesh: Mesh) -> None:
-    """Every rank must pass the same weights: compare a checksum (max - min over the world)."""
-    import torch.distributed as dist
-
-    if mesh.layout.world_size == 1:
-        return
-    with torch.no_grad():
-        total = sum(p.detach().double().abs().sum() for p in model.parameters())
-    t = torch.tensor([float(total), -float(total)], dtype=torch.float64, device=mesh.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if t[0].item() != -t[1].item():
-        raise ValueError("megapar.prepare: the model's weights differ between ranks; build it the "
-                         "same way on every rank (torch.manual_seed before constructing it, or "
-                         "from_pretrained)")
-
-
-def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule: str = "1f1b",
-            recompute: str = "none", precision: str = "fp32", zero: int = 0,
-            optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
-            clip_grad: float = 0.0, lr_schedule=None, seed: int = 1234,
-            timeout_s: float | None = None, **options) -> Engine:
-    """Shard `model` over this process's ranks and return its `Engine` (collective: call it on
-    every rank, inside the function `megapar.launch` runs, or under torchrun / Slurm).
-
-    model: a transformers `GPT2LMHeadModel` / `BertForMaskedLM` instance (its weights are kept;
-    build it identically on every rank), a transformers config (weights initialised from
-    `seed`, the same in every layout), or a megapar recipe name ("gpt2-tiny", "bert-base").
-    dp = world size / (tp x pp). optimizer: adamw, lamb, lars or sgd. weight_decay applies to
-    matrices and embeddings only. clip_grad: global gradient-norm clip (0: off).
-    lr_schedule: None (constant `lr`; attach a torch LR scheduler to `engine.optimizer` if you
-    like), a megapar `LRScheduler`, or a dict of its fields (warmup_steps, max_steps, decay,
-    min_lr). Any other `TrainConfig` field (e.g. lr_scale_with_batch, global_batch_size) can be
-    passed as a keyword.
-    """
-    from megapar.device import DEFAULT_TIMEOUT_S
-    from megapar.optim import LRScheduler
-
-    config, reader = _resolve_model(model)
-    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrainConfig)})
-    if unknown:
-        raise TypeError(f"megapar.prepare got unknown options {unknown}; see TrainConfig")
-    cfg = TrainConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, schedule=schedule,
-                      recompute=recompute, precision=precision, zero=zero, optimizer=optimizer,
-                      lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, seed=seed,
-                      timeout_s=timeout_s or DEFAULT_TIMEOUT_S, progress=False, **options)
-    if isinstance(lr_schedule, dict):
-        fields = {"min_lr": 0.0, "warmup_steps": 0, "decay": "cosine", **lr_schedule}
-        lr_schedule = LRScheduler(Engine.scaled_lr(cfg), **fields)
-    elif lr_schedule is not None and not isinstance(lr_schedule, LRScheduler):
-        raise TypeError("lr_schedule must be None, a dict of LRScheduler fields or an "
-                        "LRScheduler; for any other schedule use a torch LR scheduler on "
-                        "engine.optimizer")
-    engine = Engine(cfg, config, scheduler=lr_schedule)
-    if reader is not None:
-        from megapar.checkpoint.hf import load_hf_weights
-
-        _check_same_weights(model, engine.mesh)
-        load_hf_weights(engine.model, reader)
-    return engine
