@@ -199,3 +199,74 @@ def test_bubble_cli_rejects_bad_virtual_stages(capsys):
     assert "m must be divisible by 2" in capsys.readouterr().err
     assert main(["--pp", "2", "-m", "4", "--virtual-stages", "2", "--show-schedule"]) == 2
     assert "needs --schedule interleaved" in capsys.readouterr().err
+
+
+# bad inputs: one line, exit 2, before any work -----------------------------------------------
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fail the test if a measurement or simulation starts."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("work started for a bad input")
+
+    monkeypatch.setattr(bubble, "measure", refuse)
+    monkeypatch.setattr(bubble, "simulate", refuse)
+
+
+def _error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megapar-bubble: error: "), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag", ["--fwd-ms", "--bwd-ms", "--bwd-input-ms", "--bwd-weight-ms",
+                                  "--p2p-ms"])
+def test_cost_flags_without_simulate_are_refused(capsys, no_work, flag):
+    # measured mode used to ignore them silently
+    assert main(["--pp", "2", "-m", "4", flag, "1"]) == 2
+    assert f"{flag} is used only with --simulate" in _error_line(capsys)
+
+
+def test_cost_flags_that_would_be_ignored_under_simulate_or_show_schedule(capsys, no_work):
+    # without --fwd-ms, --simulate measures every cost: a lone --bwd-ms would be overwritten
+    assert main(["--pp", "2", "-m", "4", "--simulate", "--bwd-ms", "2"]) == 2
+    assert "--bwd-ms needs --fwd-ms" in _error_line(capsys)
+    assert main(["--pp", "2", "-m", "4", "--show-schedule", "--fwd-ms", "1"]) == 2
+    assert "--fwd-ms is not used with --show-schedule" in _error_line(capsys)
+    assert main(["--pp", "2", "-m", "4", "--show-schedule", "--plot", "g.png"]) == 2
+    assert "--plot is not used with --show-schedule" in _error_line(capsys)
+    assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--bwd-weight-ms",
+                 "nan"]) == 2
+    assert "--bwd-weight-ms nan is invalid" in _error_line(capsys)
+
+
+@pytest.mark.parametrize("mode", [["--simulate", "--fwd-ms", "1"], SMALL])
+@pytest.mark.parametrize("flag", ["--trace", "--plot"])
+def test_unwritable_output_is_refused_before_any_work(capsys, tmp_path, no_work, mode, flag):
+    # used to fail with a traceback after the simulation (or after the workers ran)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = blocker / "sub" / ("g.png" if flag == "--plot" else "t.json")
+    assert main(["--pp", "2", "-m", "4", *mode, flag, str(out)]) == 2
+    line = _error_line(capsys)
+    assert f"{flag} {out} is not writable" in line and "choose a location" in line
+
+
+@pytest.mark.parametrize("flag", ["--trace", "--plot"])
+def test_output_naming_a_directory_is_refused(capsys, tmp_path, no_work, flag):
+    assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", flag, str(tmp_path)]) == 2
+    assert f"{flag} {tmp_path} is a directory; give a file name" in _error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_format_is_checked_and_the_real_file_named(capsys, tmp_path):
+    assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--plot",
+                 str(tmp_path / "g.txt")]) == 2
+    assert "matplotlib cannot write .txt files; end the name with .png" in _error_line(capsys)
+    # no suffix: matplotlib writes g.png, and that is the name reported
+    _, out = run_cli(capsys, "--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1",
+                     "--plot", str(tmp_path / "g"))
+    assert f"wrote {tmp_path / 'g.png'}" in out
+    assert_png(tmp_path / "g.png")
+    assert not (tmp_path / "g").exists()

@@ -155,3 +155,30 @@ def test_checkpoint_with_separate_qkv_still_loads_converts_and_exports(tmp_path,
     export_hf(src, tmp_path / "hf_new")
     assert_same(file_tensors(tmp_path / "hf" / "model.safetensors"),
                 file_tensors(tmp_path / "hf_new" / "model.safetensors"), "exported HF tensors")
+
+
+def test_resuming_a_converted_checkpoint_says_why_rng_states_are_missing(tmp_path):
+    """The note used to read "the checkpoint has none RNG states of the tp=1 pp=4 dp=1 ranks
+    were dropped by megapar-convert (they belong to ranks)"."""
+    from megapar.checkpoint.distributed import load_checkpoint, missing_rng_note
+
+    save_serial(tmp_path / "src")
+    convert_checkpoint(tmp_path / "src", tmp_path / "pp4", 1, 4, progress=False)
+    convert_checkpoint(tmp_path / "pp4", tmp_path / "back", 1, 1, progress=False)
+    meta = read_manifest(tmp_path / "back")["meta"]
+    # the RNG states were those of the first checkpoint's ranks (1x1); the second hop keeps it
+    assert meta["rng_note"] == ("megapar-convert dropped the RNG states of the tp=1 pp=1 dp=1 "
+                                "ranks (they belong to the ranks of that layout)")
+    mesh = Mesh(Layout())
+    state = load_checkpoint(tmp_path / "back", build_stage(tiny_config("gpt2"), mesh, seed=1), mesh)
+    assert state.rng is None
+    assert state.notes == ["RNG states not restored: megapar-convert dropped them (they belong "
+                           "to the ranks of the old layout); dropout masks differ from an "
+                           "uninterrupted run"]
+    # an HF import, and a checkpoint saved without RNG states: one sentence each too
+    assert missing_rng_note({"imported_from_hf": "/x", "rng_note": "imported from Hugging "
+                             "Face: no RNG states, no optimizer state"}) == (
+        "RNG states not restored: the checkpoint was imported from Hugging Face, which saves "
+        "none; dropout is seeded from --seed")
+    assert missing_rng_note({}) == ("RNG states not restored: the checkpoint has none; dropout "
+                                    "masks differ from an uninterrupted run")

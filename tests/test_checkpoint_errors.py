@@ -162,3 +162,33 @@ def test_not_a_checkpoint(tmp_path):
     (root / "latest").write_text("step_00000009\n")
     with pytest.raises(CheckpointError, match="latest points to step_00000009"):
         resolve_checkpoint(root)
+
+
+@pytest.mark.parametrize("mode", ["convert", "to-hf"])
+def test_unwritable_output_is_named_with_the_fix_before_reading_the_source(src, tmp_path, mode,
+                                                                           capsys, monkeypatch):
+    """Used to print a raw "[Errno 2] No such file or directory: '/proc/x'" (naming neither the
+    output nor the fix), and only after verifying every source file."""
+    def no_verify(*args, **kwargs):
+        raise AssertionError("the source was verified before the output was checked")
+
+    monkeypatch.setattr(cv, "verify", no_verify)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = blocker / "sub" / "y"
+    argv = ([str(src), str(out), "--tp", "1", "--pp", "1"] if mode == "convert"
+            else [str(src), "--to-hf", str(out)])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"megapar-convert: error: cannot create {out}: ")
+    assert lines[0].endswith("; choose a writable directory") and "[Errno" not in err
+    assert blocker.read_text() == ""
+
+
+def test_output_that_is_a_file_is_refused(src, tmp_path):
+    target = tmp_path / "a_file"
+    target.write_text("x")
+    with pytest.raises(CheckpointError, match=f"cannot create {target}: it is a file"):
+        cv.export_hf(src, target)
+    assert target.read_text() == "x"

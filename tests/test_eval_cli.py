@@ -203,3 +203,75 @@ def test_layout_the_model_cannot_take_is_refused_before_workers(tmp_path, capsys
     err = capsys.readouterr().err
     assert rc == 2 and "4 attention heads are not divisible by --tp 3" in err
     assert "Traceback" not in err and not (tmp_path / "out.npy").exists()
+
+
+# --save-logits: checked before any worker, the real file name reported ------------------------
+@pytest.fixture
+def tiny_ckpt(tmp_path):
+    """A 1x1 checkpoint of a tiny GPT-2 (vocab 101) and a [2, 8] ids file."""
+    from test_checkpoint_helpers import save_serial
+
+    save_serial(tmp_path / "ckpt")
+    np.save(tmp_path / "ids.npy", np.arange(16, dtype=np.int64).reshape(2, 8))
+    return tmp_path / "ckpt", tmp_path / "ids.npy"
+
+
+def _refuse_workers(monkeypatch):
+    import megapar.launcher
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a worker was started for a bad --save-logits")
+
+    monkeypatch.setattr(megapar.launcher, "run_workers", refuse)
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("megapar-eval: error: "), err
+    return lines[0]
+
+
+def test_unwritable_save_logits_is_refused_before_the_evaluation(tiny_ckpt, tmp_path, capsys,
+                                                                  monkeypatch):
+    # used to fail with exit 1 (rank 0's FileNotFoundError) after the evaluation
+    _refuse_workers(monkeypatch)
+    ckpt, ids = tiny_ckpt
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = blocker / "sub" / "lg.npy"
+    assert evaluate(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+                     str(out)]) == 2
+    line = _one_error_line(capsys)
+    assert f"--save-logits {out} is not writable" in line and "choose a location" in line
+
+
+def test_save_logits_naming_a_directory_is_refused(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    # used to print {"saved": "txt"} while numpy wrote txt.npy next to the directory
+    _refuse_workers(monkeypatch)
+    ckpt, ids = tiny_ckpt
+    (tmp_path / "txt").mkdir()
+    assert evaluate(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+                     str(tmp_path / "txt")]) == 2
+    assert f"--save-logits {tmp_path / 'txt'} is a directory" in _one_error_line(capsys)
+    assert not (tmp_path / "txt.npy").exists()
+    (tmp_path / "d.npy").mkdir()  # the name numpy would write is a directory
+    assert evaluate(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+                     str(tmp_path / "d")]) == 2
+    assert "which is a directory" in _one_error_line(capsys)
+
+
+def test_save_logits_without_input_ids_is_refused(tiny_ckpt, capsys):
+    ckpt, _ = tiny_ckpt
+    assert evaluate(["--load", str(ckpt), "--data", "x", "--seq-len", "8", "--save-logits",
+                     "out.npy"]) == 2
+    assert "--save-logits is used only with --input-ids" in _one_error_line(capsys)
+
+
+def test_saved_reports_the_file_numpy_wrote(tiny_ckpt, tmp_path, capsys):
+    ckpt, ids = tiny_ckpt
+    assert evaluate(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+                     str(tmp_path / "lg")]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["saved"] == str(tmp_path / "lg.npy")
+    assert np.load(report["saved"]).shape == (2, 8, 101) == tuple(report["shape"])

@@ -63,6 +63,31 @@ def _refuse_existing(dst: Path, overwrite: bool) -> None:
                               f"replaced only once the new output is complete)")
 
 
+def check_output(path, into: bool = False) -> None:
+    """Raise CheckpointError (naming `path` and the fix) unless the output `path` can be
+    written, before any source is read: a checkpoint root is built beside it (in its parent,
+    then renamed), a transformers export (`into`) inside it. The directory that must take the
+    files is created as the conversion would, and a probe file is written and removed there."""
+    import tempfile
+
+    target = Path(path).expanduser()
+    if into and target.exists() and not target.is_dir():
+        raise CheckpointError(f"cannot create {path}: it is a file, and the export is a "
+                              f"directory; choose another path")
+    directory = target if into else target.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-probe-"):
+            pass
+    except OSError as exc:
+        where = exc.filename or directory  # the part that failed, e.g. /proc/x of /proc/x/y
+        why = ("is a file, not a directory" if isinstance(exc, FileExistsError) else
+               f"{exc.strerror or exc}")
+        sep = " " if isinstance(exc, FileExistsError) else ": "
+        raise CheckpointError(f"cannot create {path}: {where}{sep}{why}; choose a writable "
+                              f"directory") from None
+
+
 def _swap_into(tmp: Path, dst: Path) -> None:
     """Move a finished output to `dst`, replacing an existing `dst` only at the very end."""
     old = None
@@ -87,6 +112,7 @@ def write_checkpoint(dst, step: int, layout: Layout, config, meta: dict,
 
     dst = Path(dst)
     _refuse_existing(dst, overwrite)
+    check_output(dst)
     tmp = staging_dir(dst.parent, f".{dst.name}.tmp-")
     writers: dict[tuple[int, int], ShardWriter] = {}
     try:
@@ -140,6 +166,8 @@ def convert_checkpoint(src, dst, tp: int, pp: int, dp: int = 1, overwrite: bool 
     if Path(dst).resolve() in (step_dir.resolve(), *step_dir.resolve().parents):
         raise CheckpointError(f"DST {dst} holds the source {step_dir}: converting a checkpoint "
                               f"onto itself would delete it; give a new DST")
+    _refuse_existing(Path(dst), overwrite)
+    check_output(dst)  # before the source is verified (sha256 of every file)
     manifest = verify(step_dir)
     config = config_from_dict(manifest["model"])
     layout = Layout(tp, pp, dp)
@@ -155,8 +183,9 @@ def convert_checkpoint(src, dst, tp: int, pp: int, dp: int = 1, overwrite: bool 
     meta = dict(manifest["meta"])
     meta["converted_from"] = {"path": str(step_dir), "layout": manifest["layout"]}
     if RNG_FILE in manifest["files"]:
-        meta["rng_note"] = (f"RNG states of the {Layout(**manifest['layout'])} ranks were "
-                            f"dropped by megapar-convert (they belong to ranks)")
+        meta["rng_note"] = (f"megapar-convert dropped the RNG states of the "
+                            f"{Layout(**manifest['layout'])} ranks (they belong to the ranks of "
+                            f"that layout)")
     reader = ShardReader(step_dir, manifest)
 
     def fill(name, key, t, local):
@@ -223,12 +252,13 @@ def export_hf(src, hf_dir, overwrite: bool = False) -> Path:
     from megapar.checkpoint.hf import HF_FILES, save_hf
 
     step_dir = resolve_checkpoint(src)
-    manifest = verify(step_dir)
     hf_dir = Path(hf_dir)
     if not overwrite and any((hf_dir / name).exists() for name in HF_FILES):
         raise CheckpointError(f"{hf_dir} already holds an exported model ({', '.join(HF_FILES)})"
                               f"; pass --overwrite to replace those files (other files there, "
                               f"e.g. a tokenizer, are kept)")
+    check_output(hf_dir, into=True)
+    manifest = verify(step_dir)
     reader = ShardReader(step_dir, manifest)
     canonical = {}
     for name, e in manifest["tensors"].items():

@@ -281,11 +281,23 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
     elif not same_layout:
         notes.append(f"RNG states not restored: checkpoint layout {src} != {mesh.layout}")
     else:
-        notes.append("RNG states not restored: the checkpoint has none "
-                     + str(manifest["meta"].get("rng_note", "")).strip())
+        notes.append(missing_rng_note(manifest["meta"]))
     reader.release()
     return LoadedState(optim, manifest["meta"], rng, resharded, manifest["step"], src, step_dir,
                        notes)
+
+
+def missing_rng_note(meta: dict) -> str:
+    """One sentence on why a checkpoint loaded in its own layout has no RNG states (built from
+    meta's keys, not from the free-text rng_note, whose wording older versions garbled)."""
+    if meta.get("converted_from"):
+        return ("RNG states not restored: megapar-convert dropped them (they belong to the "
+                "ranks of the old layout); dropout masks differ from an uninterrupted run")
+    if meta.get("imported_from_hf"):
+        return ("RNG states not restored: the checkpoint was imported from Hugging Face, which "
+                "saves none; dropout is seeded from --seed")
+    return ("RNG states not restored: the checkpoint has none; dropout masks differ from an "
+            "uninterrupted run")
 
 
 def _read_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:

@@ -10,13 +10,16 @@
 
 Prints a table (per stage busy, idle, bubble %, theory %) and a JSON line with
 measured_bubble, theoretical_bubble and step_time_s. --simulate without costs measures them
-once on real processes and then simulates.
+once on real processes and then simulates; the cost flags (--fwd-ms, --bwd-ms, --bwd-input-ms,
+--bwd-weight-ms, --p2p-ms) are used only with --simulate and --fwd-ms. --trace and --plot are
+checked (writable, not a directory) before any work.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from megapar.pipeline.schedules import SCHEDULES
@@ -44,10 +47,87 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zero-bubble B (input-gradient) cost (default half the backward)")
     p.add_argument("--bwd-weight-ms", type=float,
                    help="zero-bubble W (weight-gradient) cost (default half the backward)")
-    p.add_argument("--p2p-ms", type=float, default=0.0, help="point-to-point latency")
+    p.add_argument("--p2p-ms", type=float, help="point-to-point latency (default 0)")
     p.add_argument("--trace", help="write a Chrome trace-event JSON (Perfetto, chrome://tracing)")
-    p.add_argument("--plot", help="write the timeline as a Gantt chart PNG")
+    p.add_argument("--plot", help="write the timeline as a Gantt chart (.png added when the name "
+                                  "has no suffix)")
     return p
+
+
+COST_FLAGS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "p2p_ms")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_cost_flags(args) -> None:
+    """The cost flags feed only the simulator, and only with --fwd-ms (without it, --simulate
+    measures every cost): refuse them where they would be ignored."""
+    if args.show_schedule:
+        for name in ("trace", "plot"):
+            if getattr(args, name):
+                raise ValueError(f"--{name} is not used with --show-schedule (which prints the "
+                                 f"actions only); drop one of them")
+    given = [_flag(n) for n in COST_FLAGS if getattr(args, n) is not None]
+    if not given:
+        return
+    if args.show_schedule:
+        raise ValueError(f"{given[0]} is not used with --show-schedule (which prints the "
+                         f"actions only); drop it")
+    if not args.simulate:
+        raise ValueError(f"{given[0]} is used only with --simulate; add --simulate to compute "
+                         f"the timeline from costs, or drop {given[0]} to measure it")
+    if args.fwd_ms is None:
+        raise ValueError(f"{given[0]} needs --fwd-ms: without --fwd-ms, --simulate measures "
+                         f"every cost on real processes; give --fwd-ms too, or drop {given[0]}")
+    for name in ("bwd_input_ms", "bwd_weight_ms"):  # the others: check_bubble_args
+        value = getattr(args, name)
+        if value is not None and not (value >= 0 and value < float("inf")):
+            raise ValueError(f"{_flag(name)} {value} is invalid: a cost must be a finite number "
+                             f"of milliseconds >= 0")
+
+
+def plot_file(path: str) -> str:
+    """The file matplotlib's savefig writes for `path` (it adds .png when there is no suffix);
+    the suffix must be a format it can write."""
+    root, ext = os.path.splitext(path)
+    if not ext or ext == ".":
+        return root + ".png"
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if ext[1:].lower() not in formats:
+        raise ValueError(f"--plot {path}: matplotlib cannot write {ext} files; end the name "
+                         f"with .png (or one of {', '.join('.' + f for f in sorted(formats))})")
+    return path
+
+
+def check_output_files(args) -> None:
+    """--trace / --plot: files (not directories) in writable directories, checked before any
+    work; args.plot becomes the file name matplotlib will actually write."""
+    from megapar.training.faults import check_writable
+
+    if args.trace:
+        if os.path.isdir(os.path.expanduser(args.trace)):
+            raise ValueError(f"--trace {args.trace} is a directory; give a file name, e.g. "
+                             f"--trace {os.path.join(args.trace, 'trace.json')}")
+        check_writable(args.trace, "--trace", kind="file")
+    if args.plot:
+        if os.path.isdir(os.path.expanduser(args.plot)):
+            raise ValueError(f"--plot {args.plot} is a directory; give a file name, e.g. "
+                             f"--plot {os.path.join(args.plot, 'gantt.png')}")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib (pip install matplotlib); or drop --plot "
+                             "and plot a --trace file later") from None
+        real = plot_file(args.plot)
+        if os.path.isdir(os.path.expanduser(real)):
+            raise ValueError(f"--plot {args.plot} would write {real}, which is a directory; "
+                             f"give another file name")
+        check_writable(real, "--plot", kind="file")
+        args.plot = real
 
 
 def main(argv=None) -> int:
@@ -55,19 +135,16 @@ def main(argv=None) -> int:
     from megapar.training import bubble
 
     args = build_parser().parse_args(argv)
+    from megapar.pipeline.schedules import check_schedule, format_schedule, schedule_actions
     from megapar.training.validate import UsageError, check_bubble_args
 
-    try:
-        check_bubble_args(args)
-    except UsageError as exc:
-        print(f"megapar-bubble: error: {exc}", file=sys.stderr)
-        return 2
-    from megapar.pipeline.schedules import check_schedule, format_schedule, schedule_actions
-
     pp, m, v = args.pp, args.microbatches, args.virtual_stages
-    try:
+    try:  # every argument and output: one line, exit 2, before any work or worker starts
+        check_cost_flags(args)
+        check_bubble_args(args)
         check_schedule(args.schedule, pp, m, v)
-    except ValueError as exc:
+        check_output_files(args)  # last: it creates a missing output directory
+    except (UsageError, ValueError) as exc:
         print(f"megapar-bubble: error: {exc}", file=sys.stderr)
         return 2
     if args.show_schedule:
@@ -76,7 +153,7 @@ def main(argv=None) -> int:
         return 0
     name = args.schedule + (f" V={v}" if v > 1 else "")
     if args.simulate:
-        fwd, bwd, p2p = args.fwd_ms, args.bwd_ms, args.p2p_ms
+        fwd, bwd, p2p = args.fwd_ms, args.bwd_ms, args.p2p_ms or 0.0
         b_in, b_w = args.bwd_input_ms, args.bwd_weight_ms
         if fwd is None:  # measure the costs once on the real engine
             costs = bubble.measure(pp, m, args.schedule, args.tp, args.model, 1,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -30,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=4, help="windows per batch")
     p.add_argument("--max-batches", type=int, default=8, help="number of batches K")
     p.add_argument("--input-ids", help="a [batch, seq] integer .npy file")
-    p.add_argument("--save-logits", help="where rank 0 writes the float32 logits (.npy)")
+    p.add_argument("--save-logits", help="where rank 0 writes the float32 logits (.npy; the "
+                                          "suffix is added when missing, as numpy does)")
     p.add_argument("--seed", type=int, default=1234, help="seed for BERT masking")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer of a Megatron-LM dataset that has no megapar .json")
@@ -135,6 +137,23 @@ def _check_ids(args, vocab_size: int) -> None:
         IndexedDataset(args.data).check_vocab(vocab_size)
 
 
+def logits_file(path: str) -> str:
+    """The file `np.save(path, ...)` writes (it adds .npy when missing), checked up front:
+    not a directory, and its directory writable (created if missing, as the run needs)."""
+    from megapar.training.faults import check_writable
+
+    target = os.path.expanduser(path)
+    if os.path.isdir(target):
+        raise ValueError(f"--save-logits {path} is a directory; give a file name, e.g. "
+                         f"--save-logits {os.path.join(path, 'logits.npy')}")
+    real = target if target.endswith(".npy") else target + ".npy"
+    if os.path.isdir(real):
+        raise ValueError(f"--save-logits {path} would write {real}, which is a directory; "
+                         f"give another file name")
+    check_writable(real, "--save-logits", kind="file")
+    return real
+
+
 def main(argv=None) -> int:
     from megapar.launcher import WorkerError, run_workers
 
@@ -144,6 +163,10 @@ def main(argv=None) -> int:
             print("megapar-eval: error: --input-ids needs --save-logits OUT.npy", file=sys.stderr)
             return 2
         worker = _logits_worker
+    elif args.save_logits:
+        print("megapar-eval: error: --save-logits is used only with --input-ids IDS.npy (--data "
+              "reports the loss); drop it or give --input-ids", file=sys.stderr)
+        return 2
     elif args.data:
         if args.seq_len is None:
             print("megapar-eval: error: --data needs --seq-len", file=sys.stderr)
@@ -160,6 +183,8 @@ def main(argv=None) -> int:
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
         manifest = check_eval_args(args)
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
+        if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
+            args.save_logits = logits_file(args.save_logits)
     except (UsageError, CheckpointError, OSError, ValueError) as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)
         return 2
