@@ -12,6 +12,8 @@ Examples:
 A ``.txt`` file is one document unless ``--split-lines`` is given, in which case every
 blank-line-separated paragraph is a document; each line of a ``.jsonl`` file is one, each
 object of a ``.json`` file (JSON lines or an array) and each row of a ``.parquet`` file.
+Windows (CRLF) and old Mac (CR) line endings are read as LF, in every input kind, so the
+same text gives the same dataset whichever line endings it was saved with.
 """
 
 from __future__ import annotations
@@ -65,15 +67,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag for a numeric flag out of range (before any work)."""
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers {args.workers} is invalid: it must be >= 1 (or leave it "
+                         f"out: 1 for inputs under 8 MB, else up to 8)")
+    if args.vocab_size is not None and args.vocab_size < 1:
+        raise ValueError(f"--vocab-size {args.vocab_size} is invalid: it must be >= 1 "
+                         f"(e.g. --vocab-size 8000)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = build_parser().parse_args(argv)
     from megapar.data.indexed import IndexedDataset
-    from megapar.data.preprocess import preprocess_files, train_sentencepiece
+    from megapar.data.preprocess import expand_inputs, preprocess_files, train_sentencepiece
 
     try:
         from megapar.training.faults import check_writable
 
+        check_flags(args)
+        expand_inputs(args.input)  # a missing input is reported before any training
         check_writable(args.output_prefix, "--output-prefix", kind="file")
         tokenizer = args.tokenizer or "gpt2"
         if args.train_tokenizer == "sentencepiece":
@@ -85,12 +99,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.tokenizer is not None or args.train_sentencepiece:
                 raise ValueError("--train-tokenizer trains its own tokenizer; drop --tokenizer")
             from megapar.data.hf_tokenizer import train_bpe
-            from megapar.data.preprocess import expand_inputs, iter_documents
+            from megapar.data.preprocess import iter_documents
 
             docs = iter_documents(expand_inputs(args.input), args.split_lines, args.jsonl_key)
+            info: dict = {}
             tokenizer = train_bpe((text for text, _ in docs), args.output_prefix + "-tokenizer",
-                                  args.vocab_size)
+                                  args.vocab_size, info=info)
             print(f"trained byte-level BPE {tokenizer}/tokenizer.json", file=sys.stderr)
+            got = info.get("vocab_size", args.vocab_size)
+            if got < args.vocab_size:
+                print(f"megapar-data: note: --vocab-size {args.vocab_size}: the corpus supported "
+                      f"only {got:,} tokens (every pair of tokens in it is merged), so the "
+                      f"tokenizer has {got:,}; train on more text for a larger vocabulary",
+                      file=sys.stderr)
         elif args.train_sentencepiece:
             if args.vocab_size is None:
                 raise ValueError("--train-sentencepiece needs --vocab-size N (e.g. --vocab-size 8000)")
@@ -105,15 +126,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--vocab-size only applies with --train-tokenizer / "
                              "--train-sentencepiece")
         report: dict = {}
+        stats: dict = {}
         prefix = preprocess_files(
             args.input, args.output_prefix, tokenizer, workers=args.workers,
             split_paragraphs=args.split_lines, jsonl_key=args.jsonl_key,
             progress=not args.no_progress, format=args.format, allow_invalid_utf8=args.allow_invalid_utf8,
-            report=report,
+            report=report, stats=stats,
         )
         for path, count in report.items():
             print(f"megapar-data: warning: {path}: {count:,} bytes of invalid UTF-8 replaced "
                   f"with U+FFFD", file=sys.stderr)
+        if stats.get("empty_docs"):
+            print(f"megapar-data: warning: {stats['empty_docs']:,} of {stats['docs']:,} documents "
+                  f"tokenized to no ids (only their end-of-document token was written); "
+                  f"tokenizer {tokenizer} may not cover their text", file=sys.stderr)
     except (ValueError, FileNotFoundError) as e:
         print(f"megapar-data: error: {e}", file=sys.stderr)
         return 2

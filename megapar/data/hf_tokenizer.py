@@ -70,13 +70,40 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
     tok = Tokenizer("hf", directory, backend, size, present, special + list(present.values()))
     bos = find("bos_token", COMMON_BOS)
     tok.bos_id = bos if bos is not None and bos != eos else None
+    _check_encodes_text(directory, backend, set(special) | set(present.values()))
     return tok
 
 
+#: Ordinary text every usable tokenizer turns into some non-special ids.
+PROBE_TEXT = "Hello world"
+
+
+def _check_encodes_text(directory: str, backend, special: set[int]) -> None:
+    """Refuse a tokenizer.json that cannot encode ordinary text: `PROBE_TEXT` gives no ids, or
+    only special ones (e.g. a vocabulary of nothing but ``<|endoftext|>``, which some
+    transformers versions write when a slow-style tokenizer is built from vocab/merges files and
+    saved). Training on its output would train on end-of-document tokens alone."""
+    ids = backend.encode(PROBE_TEXT, add_special_tokens=False).ids
+    if ids and not all(i in special for i in ids):
+        return
+    total = backend.get_vocab_size(with_added_tokens=True)
+    ordinary = total - len(special)
+    what = (f"its tokenizer.json has {total:,} tokens, only special ones" if ordinary <= 0 else
+            f"{PROBE_TEXT!r} gives {list(ids) if ids else 'no ids'}, though its tokenizer.json "
+            f"has {total:,} tokens")
+    raise ValueError(
+        f"tokenizer {directory} encodes text to nothing: {what}; save it with "
+        f"AutoTokenizer.from_pretrained(<original name or directory>).save_pretrained(...) "
+        f"(or pass the vocab.json + merges.txt directory it came from, if any)")
+
+
 def train_bpe(texts: Iterable[str], out_dir: str, vocab_size: int,
-              eos_token: str = "<|endoftext|>") -> str:
+              eos_token: str = "<|endoftext|>", info: dict | None = None) -> str:
     """Train a byte-level BPE (GPT-2 style) on `texts` with the tokenizers library; write a
-    transformers directory (tokenizer.json + tokenizer_config.json) to `out_dir` (atomic)."""
+    transformers directory (tokenizer.json + tokenizer_config.json) to `out_dir` (atomic).
+
+    The vocabulary is smaller than `vocab_size` when the corpus runs out of pairs to merge;
+    ``info["vocab_size"]`` (when `info` is given) receives the size it got."""
     import shutil
     import tempfile
 
@@ -92,6 +119,8 @@ def train_bpe(texts: Iterable[str], out_dir: str, vocab_size: int,
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token],
                                   initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(texts, trainer)
+    if info is not None:
+        info["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
     out_dir = os.fspath(out_dir)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)

@@ -156,19 +156,55 @@ def read_doc_offsets(path: str) -> np.ndarray:
     if megatron.is_megatron_index(path):
         return megatron.read_index(path)[1]
     with open(path, "rb") as f:
-        magic = f.read(8)
-        if magic != IDX_MAGIC:
-            raise ValueError(
-                f"{path} is not a megapar index (bad magic {magic!r}); regenerate it with megapar-data"
-            )
-        (count,) = np.frombuffer(f.read(8), dtype="<u8")
-        offsets = np.frombuffer(f.read(), dtype="<i8")
-    if len(offsets) != int(count) + 1:
+        data = f.read()
+    if len(data) < 16 + 8 or data[:8] != IDX_MAGIC:
+        if len(data) >= 8 and data[:8] != IDX_MAGIC:
+            raise ValueError(f"{path} is not a megapar index (bad magic {data[:8]!r}, "
+                             f"{len(data):,} bytes): re-create the dataset with megapar-data")
+        raise _truncated_index(path, len(data))
+    count = int(np.frombuffer(data, "<u8", 1, 8)[0])
+    if (len(data) - 16) % 8 or (len(data) - 16) // 8 != count + 1:
         raise ValueError(
-            f"{path} is truncated: header says {int(count)} documents but holds "
-            f"{len(offsets)} offsets; regenerate it with megapar-data"
-        )
-    return offsets.astype(np.int64)
+            f"{path} is truncated or corrupt ({len(data):,} bytes): its header says {count:,} "
+            f"documents, which needs {16 + 8 * (count + 1):,} bytes; re-create the dataset "
+            f"with megapar-data")
+    offsets = np.frombuffer(data, "<i8", count + 1, 16).astype(np.int64)
+    if offsets[0] != 0 or np.any(np.diff(offsets) < 0):
+        raise ValueError(f"{path} is corrupt: its document offsets do not rise from 0; "
+                         f"re-create the dataset with megapar-data")
+    return offsets
+
+
+def _truncated_index(path: str, size: int) -> ValueError:
+    return ValueError(f"{path} is truncated or not an index file ({size:,} bytes): re-create "
+                      f"the dataset with megapar-data")
+
+
+#: Keys of PREFIX.json that reading a dataset needs.
+_META_KEYS = ("format", "version", "dtype", "vocab_size", "eod_id", "tokenizer", "num_tokens")
+
+
+def _read_meta(path: str) -> dict[str, Any]:
+    """The parsed ``PREFIX.json``, or a ValueError naming the file, the problem and the fix."""
+    fix = "re-create the dataset with megapar-data"
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column "
+                         f"{e.colno}): the dataset's metadata is damaged; {fix}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a text file: the dataset's metadata is damaged; "
+                         f"{fix}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} holds a JSON {type(meta).__name__}, not the dataset's "
+                         f"metadata object; {fix}")
+    if meta.get("format") == FORMAT_NAME and meta.get("version") == FORMAT_VERSION:
+        missing = [k for k in _META_KEYS if k not in meta]
+        if missing:
+            raise ValueError(f"{path} lacks {', '.join(missing)}: the dataset's metadata is "
+                             f"incomplete; {fix}")
+    return meta
 
 
 class IndexedDataset:
@@ -189,8 +225,7 @@ class IndexedDataset:
                 raise _missing_error(prefix, ext)
         self.index_format = "megatron" if megatron_index else "megapar"
         if os.path.isfile(prefix + ".json"):
-            with open(prefix + ".json") as f:
-                meta = json.load(f)
+            meta = _read_meta(prefix + ".json")
         else:
             meta = _megatron_meta(prefix, tokenizer)
         if meta.get("format") != FORMAT_NAME or meta.get("version") != FORMAT_VERSION:
@@ -200,13 +235,22 @@ class IndexedDataset:
             )
         self.prefix = prefix
         self.meta: dict[str, Any] = meta
-        self.dtype = np.dtype(meta["dtype"]).newbyteorder("<")
-        self.vocab_size: int = int(meta["vocab_size"])
-        self.eod_id: int = int(meta["eod_id"])
+        try:
+            self.dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+            if self.dtype.kind not in "ui":
+                raise TypeError(self.dtype)
+            self.vocab_size: int = int(meta["vocab_size"])
+            self.eod_id: int = int(meta["eod_id"])
+            num_tokens = int(meta["num_tokens"])
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{prefix}.json has an invalid dtype, vocab_size, eod_id or num_tokens "
+                f"({meta.get('dtype')!r}, {meta.get('vocab_size')!r}, {meta.get('eod_id')!r}, "
+                f"{meta.get('num_tokens')!r}): the dataset's metadata is damaged; re-create the "
+                f"dataset with megapar-data") from None
         self.tokenizer_spec: dict[str, Any] = meta["tokenizer"]
         self.doc_offsets: np.ndarray = read_doc_offsets(prefix + ".idx")
         self.num_docs: int = len(self.doc_offsets) - 1
-        num_tokens = int(meta["num_tokens"])
         size = os.path.getsize(prefix + ".bin")
         if size != num_tokens * self.dtype.itemsize or self.doc_offsets[-1] != num_tokens:
             raise ValueError(

@@ -67,22 +67,28 @@ def read_index(path: str) -> tuple[np.dtype, np.ndarray]:
     """(token dtype, int64 document token offsets [D + 1]) of an MMIDIDX index."""
     with open(path, "rb") as f:
         data = f.read()
+    fix = "re-create the dataset with megapar-data (or Megatron-LM's preprocess_data.py)"
     if data[:len(MAGIC)] != MAGIC:
-        raise ValueError(f"{path} is not a Megatron index (no MMIDIDX magic)")
+        raise ValueError(f"{path} is not a Megatron index (no MMIDIDX magic); {fix}")
     pos = len(MAGIC)
+    if len(data) < pos + 9 + 16:
+        raise ValueError(f"{path} is truncated or not an index file ({len(data):,} bytes): "
+                         f"{fix}")
     version = int(np.frombuffer(data, "<u8", 1, pos)[0])
     if version != VERSION:
-        raise ValueError(f"{path}: Megatron index version {version}; megapar reads version 1")
+        raise ValueError(f"{path}: Megatron index version {version}; megapar reads version 1 "
+                         f"(a corrupt index?); {fix}")
     code = int(data[pos + 8])
     if code not in DTYPE_CODES:
-        raise ValueError(f"{path}: unknown Megatron dtype code {code}")
+        raise ValueError(f"{path}: unknown Megatron dtype code {code} (a corrupt index?); {fix}")
     dtype = np.dtype(DTYPE_CODES[code]).newbyteorder("<")
     seqs, docs = (int(x) for x in np.frombuffer(data, "<u8", 2, pos + 9))
     pos += 9 + 16
     need = pos + seqs * 4 + seqs * 8 + docs * 8
     if len(data) != need:
-        raise ValueError(f"{path} holds {len(data)} bytes; its header ({seqs} sequences, {docs} "
-                         f"document indices) needs {need}: the index is truncated or corrupt")
+        raise ValueError(f"{path} is truncated or corrupt ({len(data):,} bytes): its header "
+                         f"({seqs:,} sequences, {docs:,} document indices) needs {need:,} bytes; "
+                         f"{fix}")
     lengths = np.frombuffer(data, "<i4", seqs, pos).astype(np.int64)
     pointers = np.frombuffer(data, "<i8", seqs, pos + seqs * 4)
     doc_idx = np.frombuffer(data, "<i8", docs, pos + seqs * 12)
@@ -91,5 +97,6 @@ def read_index(path: str) -> tuple[np.dtype, np.ndarray]:
         raise ValueError(f"{path}: sequences are not stored back to back in the .bin; megapar "
                          f"reads contiguous Megatron datasets only")
     if docs < 1 or doc_idx[0] != 0 or doc_idx[-1] != seqs or np.any(np.diff(doc_idx) < 0):
-        raise ValueError(f"{path}: document indices must rise from 0 to the {seqs} sequences")
+        raise ValueError(f"{path}: document indices must rise from 0 to the {seqs} sequences "
+                         f"(a corrupt index); {fix}")
     return dtype, starts[doc_idx]

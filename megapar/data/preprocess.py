@@ -14,7 +14,16 @@ Everything is streamed: documents are read, tokenized and written a batch at a t
 memory does not grow with the corpus (a ``.txt`` file that is one document, and a ``.json``
 array, are read whole).
 
+Line endings.  Every document's text, whatever its source (``.txt``, a ``.jsonl`` / ``.json``
+record, a ``.parquet`` row), has its Windows (CRLF) and old Mac (lone CR) line endings turned
+into ``\n`` before anything else (`normalize_newlines`): the same text gives the same tokens,
+and blank-line document splitting works, whatever the editor or OS that saved it.  A CRLF copy
+of a file and the LF file give byte-identical datasets.
+
 Whitespace-only documents are skipped; an input that yields no document at all is an error.
+A document that tokenizes to no ids at all (only its end-of-document token would be written)
+is counted into ``stats["empty_docs"]`` (megapar-data warns); when every document does, the
+tokenizer cannot encode the text and nothing is written (an error).
 Bytes that are not valid UTF-8 become U+FFFD and are counted: more than
 ``MAX_INVALID_UTF8`` of a file's bytes (binary data, another encoding) is an error unless
 ``allow_invalid_utf8`` (CLI ``--allow-invalid-utf8``); fewer are reported as a warning.  Tokenization runs in a ``multiprocessing`` pool
@@ -47,13 +56,21 @@ INPUT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 #: Largest share of a text file's bytes that may be invalid UTF-8 without --allow-invalid-utf8.
 MAX_INVALID_UTF8 = 0.001
 _ESCAPED = re.compile("[\udc80-\udcff]")
+_CR = re.compile("\r\n?")
+
+
+def normalize_newlines(text: str) -> str:
+    """``text`` with CRLF and lone CR line endings turned into LF."""
+    return _CR.sub("\n", text) if "\r" in text else text
 
 
 def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None = None) -> str:
-    """A file's text; invalid UTF-8 bytes become U+FFFD and are counted into
-    ``report[path]``. Raises ValueError above ``MAX_INVALID_UTF8`` unless allowed."""
-    raw = open(path, "rb").read()
-    text = raw.decode("utf-8", errors="surrogateescape")
+    """A file's text with LF line endings (`normalize_newlines`); invalid UTF-8 bytes become
+    U+FFFD and are counted into ``report[path]``. Raises ValueError above ``MAX_INVALID_UTF8``
+    unless allowed."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    text = normalize_newlines(raw.decode("utf-8", errors="surrogateescape"))
     bad = len(_ESCAPED.findall(text))
     if not bad:
         return text
@@ -90,14 +107,15 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
 def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
                    jsonl_key: str = "text", allow_invalid_utf8: bool = False,
                    report: dict | None = None) -> Iterator[tuple[str, int]]:
-    """Yield ``(document_text, source_bytes)`` for every non-blank document of ``files``
-    (invalid UTF-8: see `read_text`)."""
+    """Yield ``(document_text, source_bytes)`` for every non-blank document of ``files``, its
+    line endings LF (see the module docstring; invalid UTF-8: see `read_text`)."""
     for path in files:
         if path.endswith(".parquet"):
-            yield from _parquet_documents(path, jsonl_key)
+            yield from ((normalize_newlines(t), n) for t, n in _parquet_documents(path, jsonl_key))
             continue
         if path.endswith(".json") and _is_json_array(path):
-            yield from _json_array_documents(path, jsonl_key)
+            yield from ((normalize_newlines(t), n) for t, n in
+                        _json_array_documents(path, jsonl_key))
             continue
         if path.endswith((".jsonl", ".json")):
             with open(path, "rb") as f:
@@ -112,7 +130,7 @@ def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
                             f"{jsonl_key!r} ({e!r}); fix the line or pass --jsonl-key"
                         ) from None
                     if isinstance(text, str) and text.strip():
-                        yield text, len(line)
+                        yield normalize_newlines(text), len(line)
             continue
         content = read_text(path, allow_invalid_utf8, report)
         if not split_paragraphs:
@@ -185,40 +203,53 @@ _WORKER_TOKENIZER: Tokenizer
 def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, workers: int | None = None,
                split_paragraphs: bool = False, jsonl_key: str = "text", progress: bool = True,
                format: str = "megapar",
-               allow_invalid_utf8: bool = False, report: dict | None = None) -> str:
+               allow_invalid_utf8: bool = False, report: dict | None = None,
+               stats: dict | None = None) -> str:
     """Tokenize ``inputs`` into ``output_prefix.{bin,idx,json}``; return the prefix.
 
     ``format="megatron"`` writes Megatron-LM's ``MMIDIDX`` index instead of megapar's.
+    ``stats`` (a dict, when given) receives ``docs`` and ``empty_docs``: the documents written
+    and those of them that tokenized to no ids (raises ValueError when that is all of them).
 
     ``tokenizer`` is a :func:`load_tokenizer` spec.  ``workers=None`` picks one worker for
     small inputs and up to 8 processes (bounded by the CPU count) above 8 MB.
     """
+    if workers is not None and (isinstance(workers, bool) or int(workers) != workers
+                                or workers < 1):
+        raise ValueError(f"--workers {workers} is invalid: it must be >= 1")
     files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer)
     total = sum(os.path.getsize(p) for p in files)
     if workers is None:
         workers = min(8, os.cpu_count() or 1) if total > POOL_THRESHOLD_BYTES else 1
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
     report = {} if report is None else report  # path -> invalid UTF-8 bytes replaced
     batches = _batched(iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8,
                                       report), BATCH_DOCS)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
+    stats = {} if stats is None else stats
+    stats["empty_docs"] = 0
     with IndexedDatasetBuilder(output_prefix, tok.vocab_size, tok.eod_id, tok.spec(),
                                format) as builder:
         if workers == 1:
             results = ((tok.encode_batch(texts), n) for texts, n in batches)
-            _consume(results, builder, bar, tok.bos_id)
+            _consume(results, builder, bar, tok.bos_id, stats)
         else:
             ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
             with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.path,)) as pool:
                 _consume(_ordered_bounded(pool, batches, 4 * workers), builder, bar,
-                         tok.bos_id)
+                         tok.bos_id, stats)
         bar.n = total
         bar.close()
+        stats["docs"] = builder.num_docs
         if builder.num_docs == 0:
             raise ValueError(f"no text in {', '.join(files)}: every input is empty or "
                              f"whitespace; nothing written")
+        if stats["empty_docs"] == builder.num_docs:
+            raise ValueError(
+                f"tokenizer {tok.path} encodes the text of {', '.join(files)} to nothing: all "
+                f"{builder.num_docs:,} documents gave no token ids (only end-of-document tokens "
+                f"would be written); use a tokenizer whose vocabulary covers this text "
+                f"(e.g. --tokenizer gpt2); nothing written")
         return builder.finalize()
 
 
@@ -236,9 +267,13 @@ def _ordered_bounded(pool, batches, window: int):
         yield pending.popleft().get()
 
 
-def _consume(results, builder: IndexedDatasetBuilder, bar, bos_id: int | None = None) -> None:
-    """Add each document (after the tokenizer's own BOS, when it has one; the eod follows)."""
+def _consume(results, builder: IndexedDatasetBuilder, bar, bos_id: int | None = None,
+             stats: dict | None = None) -> None:
+    """Add each document (after the tokenizer's own BOS, when it has one; the eod follows);
+    count into ``stats["empty_docs"]`` those that tokenized to no ids."""
     for encoded, nbytes in results:
+        if stats is not None:
+            stats["empty_docs"] = stats.get("empty_docs", 0) + sum(1 for e in encoded if not e)
         builder.add_documents(encoded if bos_id is None else ([bos_id] + e for e in encoded))
         bar.update(nbytes)
 
@@ -252,6 +287,8 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
     ``<unk> <s> </s>``), so the trained model needs no appended special tokens.
     Returns the model path.
     """
+    if vocab_size < 1:
+        raise ValueError(f"--vocab-size {vocab_size} is invalid: it must be >= 1")
     files = expand_inputs(inputs)
 
     def sentences() -> Iterator[str]:
@@ -271,9 +308,7 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
             hard_vocab_limit=True,
         )
     except RuntimeError as e:
-        raise ValueError(
-            f"SentencePiece training failed ({e}); a smaller --vocab-size or more input text usually fixes it"
-        ) from None
+        raise ValueError(_sentencepiece_error(str(e), vocab_size)) from None
     path = os.fspath(model_prefix) + ".model"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = _tmp_name(path)
@@ -281,6 +316,25 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
         f.write(buf.getvalue())
     os.replace(tmp, path)
     return path
+
+
+def _sentencepiece_error(message: str, vocab_size: int) -> str:
+    """One line for a SentencePiece training failure, naming --vocab-size and the fix."""
+    message = " ".join(message.split())
+    low = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
+    if low:
+        need = int(low.group(1))
+        return (f"--vocab-size {vocab_size} is too small for this corpus: SentencePiece needs at "
+                f"least {need:,} tokens (one per distinct character, plus its control tokens); "
+                f"pass --vocab-size {need} or more")
+    high = re.search(r"value <= (\d+)", message)
+    if high:
+        most = int(high.group(1))
+        return (f"--vocab-size {vocab_size} is too large for this corpus: SentencePiece can make "
+                f"at most {most:,} tokens from it; pass --vocab-size {most} or less, or train on "
+                f"more text")
+    return (f"SentencePiece training failed ({message}); a smaller --vocab-size or more input "
+            f"text usually fixes it")
 
 
 def file_sha256(path: str) -> str:
@@ -292,21 +346,36 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _digest_and_cr(path: str) -> tuple[str, bool]:
+    """(hex SHA-256 of a file's bytes, whether it may hold a carriage return: a CR byte, or a
+    JSON-escaped one in a ``.jsonl`` / ``.json`` record)."""
+    h, cr = hashlib.sha256(), False
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            cr = cr or b"\r" in block or b"\\r" in block
+    return h.hexdigest(), cr
+
+
 def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
                    split_paragraphs: bool = True, progress: bool = False,
-                   allow_invalid_utf8: bool = False, report: dict | None = None) -> str:
+                   allow_invalid_utf8: bool = False, report: dict | None = None,
+                   stats: dict | None = None, jsonl_key: str = "text") -> str:
     """Preprocess a raw text file into ``cache_dir`` once; return the dataset prefix.
 
     The cache key is the SHA-256 of the file's content, the tokenizer (kind, vocab size
-    and the hash of its model files) and ``split_paragraphs``; a later call with the same
+    and the hash of its model files), ``split_paragraphs`` and (when not their defaults)
+    ``jsonl_key`` and ``allow_invalid_utf8``; a later call with the same
     inputs returns the cached prefix without work.  By default every blank-line-separated
     paragraph is a document, so a single file can still be split into train/val by
     documents.  Writes are atomic: concurrent callers (e.g. several ranks) are safe.
+    ``report`` and ``stats``: as for `preprocess_files` (filled only when the text is tokenized).
     """
     if not os.path.exists(text_path):
         raise FileNotFoundError(f"training text {text_path} does not exist; pass an existing .txt file")
     files = expand_inputs([text_path])  # a directory: its .txt / .jsonl files
     tok = load_tokenizer(tokenizer_spec)
+    digests = [_digest_and_cr(p) for p in (files if os.path.isdir(text_path) else [text_path])]
     if tok.kind == "sentencepiece":
         tok_files = [tok.path]
     elif tok.path == "gpt2":
@@ -319,10 +388,15 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     else:
         tok_files = [os.path.join(tok.path, "vocab.json"), os.path.join(tok.path, "merges.txt")]
     key = json.dumps({
-        "text": [file_sha256(p) for p in files] if os.path.isdir(text_path) else file_sha256(text_path),
+        "text": [d for d, _ in digests] if os.path.isdir(text_path) else digests[0][0],
         "tokenizer": [tok.kind, tok.vocab_size] + [file_sha256(p) for p in tok_files],
         "split_paragraphs": split_paragraphs,
         "format": 1,
+        # text with CR line endings: cached before they were normalised to LF, so a new key
+        **({"newlines": "lf"} if any(cr for _, cr in digests) else {}),
+        # only when set, so the datasets cached with the defaults keep their key
+        **({"jsonl_key": jsonl_key} if jsonl_key != "text" else {}),
+        **({"allow_invalid_utf8": True} if allow_invalid_utf8 else {}),
     }, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(text_path))[0]
@@ -330,5 +404,5 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     if all(os.path.isfile(prefix + ext) for ext in (".bin", ".idx", ".json")):
         return prefix
     return preprocess_files([text_path], prefix, tokenizer_spec, workers=1,
-                      split_paragraphs=split_paragraphs, progress=progress,
-                      allow_invalid_utf8=allow_invalid_utf8, report=report)
+                      split_paragraphs=split_paragraphs, jsonl_key=jsonl_key, progress=progress,
+                      allow_invalid_utf8=allow_invalid_utf8, report=report, stats=stats)

@@ -206,6 +206,11 @@ def _load_sentencepiece(model_path: str) -> Tokenizer:
     return Tokenizer("sentencepiece", model_path, proc, size, present, reserved + list(present.values()))
 
 
+def _count_merges(path: str) -> int:
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip() and not line.startswith("#version"))
+
+
 def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
     """Load a tokenizer from ``spec`` (see the module docstring), or from a ``Tokenizer.spec()`` dict."""
     if isinstance(spec, dict):
@@ -231,7 +236,13 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
                 f"tokenizer directory {spec!r} lacks {', '.join(os.path.basename(m) for m in missing)}; "
                 "a GPT-2 BPE directory needs vocab.json and merges.txt"
             )
-        return _load_gpt2_bpe(vocab, merges, os.path.abspath(spec))
+        tok = _load_gpt2_bpe(vocab, merges, os.path.abspath(spec))
+        if not tok.encode("Hello world"):
+            raise ValueError(
+                f"tokenizer {spec} encodes text to nothing: its vocab.json has "
+                f"{tok.base_vocab_size:,} tokens and merges.txt {_count_merges(merges):,} merges; "
+                f"point --tokenizer at a complete GPT-2 style vocab.json + merges.txt")
+        return tok
     if os.path.isfile(spec) and spec.endswith(".model"):
         return _load_sentencepiece(os.path.abspath(spec))
     raise ValueError(

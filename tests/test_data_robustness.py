@@ -1,0 +1,256 @@
+"""Bad or unusual data inputs: one clear line (exit code 2) before any work, and the same text
+gives the same tokens whatever its form (CRLF / CR / LF line endings, .txt or .jsonl)."""
+
+import json
+import string
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megapar.cli.data import main as data_main
+from megapar.data import IndexedDataset, asset_path, load_tokenizer
+from megapar.data.preprocess import ensure_dataset, iter_documents, normalize_newlines
+
+TEXT = Path(asset_path("shakespeare_sample.txt")).read_text()[:20000]
+
+
+def _files(prefix):
+    return [Path(str(prefix) + ext).read_bytes() for ext in (".bin", ".idx")]
+
+
+def _one_line_error(capsys, *needles):
+    err = capsys.readouterr().err.strip()
+    line = err.splitlines()[-1]
+    assert line.startswith("megapar-data: error: "), err
+    for needle in needles:
+        assert needle in line, line
+    return line
+
+
+# --- 1. line endings ---------------------------------------------------------------------------
+
+def test_normalize_newlines():
+    assert normalize_newlines("a\r\nb\rc\n\r\nd") == "a\nb\nc\n\nd"
+    assert normalize_newlines("plain\n") == "plain\n"
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_crlf_and_cr_files_give_the_lf_dataset_byte_for_byte(tmp_path, split):
+    lf = tmp_path / "lf.txt"
+    lf.write_bytes(TEXT.encode())
+    (tmp_path / "crlf.txt").write_bytes(TEXT.replace("\n", "\r\n").encode())
+    (tmp_path / "cr.txt").write_bytes(TEXT.replace("\n", "\r").encode())
+    outs = {}
+    for name in ("lf", "crlf", "cr"):
+        prefix = tmp_path / "data" / name
+        args = ["--input", str(tmp_path / f"{name}.txt"), "--output-prefix", str(prefix),
+                "--no-progress"] + (["--split-lines"] if split else [])
+        assert data_main(args) == 0
+        outs[name] = _files(prefix)
+    assert outs["crlf"] == outs["lf"] and outs["cr"] == outs["lf"]
+    ds = IndexedDataset(tmp_path / "data" / "crlf")
+    if split:  # blank-line document splitting works on CRLF text too
+        assert ds.num_docs == len([p for p in TEXT.split("\n\n") if p.strip()]) > 10
+    tok = load_tokenizer("gpt2")
+    assert tok.encode("\r")[0] not in ds.tokens
+
+
+def test_crlf_inside_jsonl_records_is_normalised(tmp_path):
+    paras = [p for p in TEXT.split("\n\n") if p.strip()][:20]
+    (tmp_path / "lf.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paras))
+    (tmp_path / "crlf.jsonl").write_bytes("".join(
+        json.dumps({"text": p.replace("\n", "\r\n")}) + "\r\n" for p in paras).encode())
+    docs = [t for t, _ in iter_documents([str(tmp_path / "crlf.jsonl")])]
+    assert docs == paras
+    for name in ("lf", "crlf"):
+        assert data_main(["--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix",
+                          str(tmp_path / name), "--no-progress"]) == 0
+    assert _files(tmp_path / "crlf") == _files(tmp_path / "lf")
+
+
+def test_megapar_train_raw_text_cache_normalises_crlf(tmp_path):
+    """megapar-train --data FILE.txt tokenizes through ensure_dataset: the same code."""
+    (tmp_path / "lf.txt").write_bytes(TEXT.encode())
+    (tmp_path / "crlf.txt").write_bytes(TEXT.replace("\n", "\r\n").encode())
+    a = ensure_dataset(str(tmp_path / "lf.txt"), "gpt2", str(tmp_path / "cache"))
+    b = ensure_dataset(str(tmp_path / "crlf.txt"), "gpt2", str(tmp_path / "cache"))
+    assert a != b and _files(a) == _files(b)
+
+
+# --- 2. damaged dataset files ------------------------------------------------------------------
+
+@pytest.fixture
+def dataset(tmp_path):
+    (tmp_path / "t.txt").write_text(TEXT)
+    prefix = tmp_path / "d"
+    assert data_main(["--input", str(tmp_path / "t.txt"), "--output-prefix", str(prefix),
+                      "--split-lines", "--no-progress"]) == 0
+    return str(prefix)
+
+
+@pytest.mark.parametrize("size", [0, 5, 12, 50])
+def test_truncated_idx_names_the_file_and_the_fix(dataset, size):
+    data = Path(dataset + ".idx").read_bytes()
+    Path(dataset + ".idx").write_bytes(data[:size])
+    with pytest.raises(ValueError) as e:
+        IndexedDataset(dataset)
+    msg = str(e.value)
+    assert dataset + ".idx" in msg and "megapar-data" in msg and "\n" not in msg
+    assert ("truncated" in msg or "not a megapar index" in msg) and f"{size} bytes" in msg
+
+
+@pytest.mark.parametrize("size", [5, 20, 40, 100])
+def test_truncated_megatron_idx_names_the_file_and_the_fix(tmp_path, size):
+    (tmp_path / "t.txt").write_text(TEXT)
+    prefix = str(tmp_path / "mt")
+    assert data_main(["--input", str(tmp_path / "t.txt"), "--output-prefix", prefix,
+                      "--split-lines", "--format", "megatron", "--no-progress"]) == 0
+    data = Path(prefix + ".idx").read_bytes()
+    Path(prefix + ".idx").write_bytes(data[:size])
+    with pytest.raises(ValueError) as e:
+        IndexedDataset(prefix)
+    msg = str(e.value)
+    assert prefix + ".idx" in msg and "megapar-data" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("{\n", "is not valid JSON"),
+    ("[1, 2]", "holds a JSON list"),
+    ('{"format": "megapar-indexed", "version": 1}', "lacks dtype"),
+    ('{"format": "megapar-indexed", "version": 1, "dtype": "float99", "vocab_size": 5, '
+     '"eod_id": 1, "tokenizer": {}, "num_tokens": 3}', "invalid dtype"),
+])
+def test_broken_json_names_the_file_and_the_fix(dataset, content, needle):
+    Path(dataset + ".json").write_text(content)
+    with pytest.raises(ValueError) as e:
+        IndexedDataset(dataset)
+    msg = str(e.value)
+    assert msg.startswith(dataset + ".json") and needle in msg and "megapar-data" in msg
+    assert "\n" not in msg
+
+
+def test_megapar_train_reports_a_damaged_dataset_with_exit_code_2(dataset, capsys):
+    from megapar.cli.train import main as train_main
+
+    Path(dataset + ".idx").write_bytes(Path(dataset + ".idx").read_bytes()[:50])
+    assert train_main(["--data", dataset, "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("megapar-train: error: " + dataset + ".idx is truncated"), err
+
+
+# --- 3. tokenizers that encode text to nothing -------------------------------------------------
+
+def _hf_dir(path, vocab):
+    from tokenizers import Tokenizer, models
+
+    path.mkdir()
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return str(path)
+
+
+def test_tokenizer_json_with_only_special_tokens_is_refused(tmp_path, capsys):
+    directory = _hf_dir(tmp_path / "hftok", {})
+    with pytest.raises(ValueError, match="encodes text to nothing: its tokenizer.json has 1 "
+                                         "tokens, only special ones; save it with AutoTokenizer"):
+        load_tokenizer(directory)
+    (tmp_path / "t.txt").write_text(TEXT)
+    assert data_main(["--input", str(tmp_path / "t.txt"), "--output-prefix",
+                      str(tmp_path / "out"), "--tokenizer", directory]) == 2
+    _one_line_error(capsys, "hftok encodes text to nothing")
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_transformers_saved_tokenizer_is_loaded_or_refused(tmp_path):
+    """The repro: GPT2TokenizerFast(vocab_file, merges_file).save_pretrained writes a
+    tokenizer.json with an empty vocabulary under some transformers versions."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hftok"
+    transformers.GPT2TokenizerFast(vocab_file=asset_path("gpt2_vocab.json"),
+                                   merges_file=asset_path("gpt2_merges.txt")).save_pretrained(out)
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    if vocab:
+        assert load_tokenizer(str(out)).encode("Hello world") == [15496, 995]
+    else:
+        with pytest.raises(ValueError, match="encodes text to nothing"):
+            load_tokenizer(str(out))
+
+
+def test_documents_that_tokenize_to_nothing_warn_or_fail(tmp_path, capsys):
+    vocab = {c: i for i, c in enumerate(string.ascii_letters + ".,")}
+    vocab["<|endoftext|>"] = len(vocab)
+    directory = _hf_dir(tmp_path / "ascii", vocab)
+    (tmp_path / "mixed.txt").write_text("Hello world.\n\nПриветмир\n\nДобрыйдень\n")
+    assert data_main(["--input", str(tmp_path / "mixed.txt"), "--output-prefix",
+                      str(tmp_path / "mixed"), "--tokenizer", directory, "--split-lines",
+                      "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 2 of 3 documents tokenized to no ids" in err
+    (tmp_path / "cyr.txt").write_text("Приветмир\n\nДобрыйдень\n")
+    assert data_main(["--input", str(tmp_path / "cyr.txt"), "--output-prefix",
+                      str(tmp_path / "cyr"), "--tokenizer", directory, "--split-lines",
+                      "--no-progress"]) == 2
+    _one_line_error(capsys, "encodes the text of", "all 2 documents gave no token ids")
+    assert not list(tmp_path.glob("cyr.*[bnx]"))
+
+
+def test_empty_gpt2_bpe_directory_is_refused(tmp_path):
+    (tmp_path / "bpe").mkdir()
+    (tmp_path / "bpe" / "vocab.json").write_text("{}")
+    (tmp_path / "bpe" / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(ValueError, match="encodes text to nothing: its vocab.json has 0 tokens"):
+        load_tokenizer(str(tmp_path / "bpe"))
+
+
+# --- 4. a trained vocabulary smaller than asked ------------------------------------------------
+
+def test_bpe_vocab_smaller_than_asked_is_noted(tmp_path, capsys):
+    (tmp_path / "t.txt").write_text(TEXT[:3000])
+    assert data_main(["--train-tokenizer", "bpe", "--vocab-size", "70000", "--input",
+                      str(tmp_path / "t.txt"), "--output-prefix", str(tmp_path / "b"),
+                      "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    got = load_tokenizer(str(tmp_path / "b-tokenizer")).base_vocab_size
+    assert got < 70000
+    assert f"note: --vocab-size 70000: the corpus supported only {got:,} tokens" in err
+
+
+def test_sentencepiece_vocab_size_out_of_reach_names_the_flag(tmp_path, capsys):
+    (tmp_path / "t.txt").write_text(TEXT)
+    base = ["--train-sentencepiece", "--input", str(tmp_path / "t.txt"), "--output-prefix",
+            str(tmp_path / "s"), "--no-progress", "--vocab-size"]
+    assert data_main(base + ["20"]) == 2
+    _one_line_error(capsys, "--vocab-size 20 is too small for this corpus", "or more")
+    assert data_main(base + ["70000"]) == 2
+    _one_line_error(capsys, "--vocab-size 70000 is too large for this corpus", "or less")
+
+
+# --- 5. numeric flags ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--workers", "0"], "--workers 0 is invalid: it must be >= 1"),
+    (["--workers", "-3"], "--workers -3 is invalid: it must be >= 1"),
+    (["--train-tokenizer", "bpe", "--vocab-size", "0"], "--vocab-size 0 is invalid: it must be >= 1"),
+    (["--train-sentencepiece", "--vocab-size", "-1"], "--vocab-size -1 is invalid: it must be >= 1"),
+    (["--train-tokenizer", "bpe", "--vocab-size", "8000", "--workers", "0"],
+     "--workers 0 is invalid"),
+    (["--train-tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size 100 is too small"),
+])
+def test_numeric_flags_name_the_flag_before_any_work(tmp_path, capsys, flags, needle):
+    (tmp_path / "t.txt").write_text(TEXT)
+    assert data_main(["--input", str(tmp_path / "t.txt"), "--output-prefix",
+                      str(tmp_path / "out"), "--no-progress"] + flags) == 2
+    _one_line_error(capsys, needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]  # nothing trained or written
+
+
+def test_preprocess_files_workers_message_names_the_flag(tmp_path):
+    from megapar.data.preprocess import preprocess_files
+
+    (tmp_path / "t.txt").write_text("hello")
+    with pytest.raises(ValueError, match="--workers 0 is invalid: it must be >= 1"):
+        preprocess_files([str(tmp_path / "t.txt")], str(tmp_path / "o"), "gpt2", workers=0)
+    assert np.array_equal(sorted(p.name for p in tmp_path.iterdir()), ["t.txt"])
