@@ -41,7 +41,9 @@ def env(tmp_path_factory):
     for name, content in {"missing.yaml": None, "bad.yaml": "seq_len: [1, 2\n",
                           "bad.json": "{\"seq_len\": 32,}", "list.yaml": "- 1\n- 2\n",
                           "typo.yaml": "max_step: 3\n", "choice.yaml": "schedule: zigzag\n",
-                          "half.yaml": "log_interval: 2.5\n"}.items():
+                          "half.yaml": "log_interval: 2.5\n", "null.json": "{\"lr\": null}",
+                          "switch.yaml": "sequence_parallel: \"maybe\"\n",
+                          "word.yaml": "lr: fast\n", "flag.yaml": "max_steps: true\n"}.items():
         if content is not None:
             (root / name).write_text(content)
         configs[name] = str(root / name)
@@ -113,6 +115,50 @@ TRAIN = [
     (["--load", "{corrupt}"], "checksum mismatch"),
     (["--load", "{ckpt}", "--model", "gpt2-124m"], "holds another model than recipe"),
     (["--load", "{ckpt}", "--max-steps", "1"], "is at step 1 and --max-steps is 1"),
+    # --config values are parsed like the flags: null and values a flag cannot take are errors
+    (["--config", "{null.json}"], "--lr: null is not a value; remove the key to use the default"),
+    (["--config", "{switch.yaml}"], "--sequence-parallel 'maybe' is invalid: a switch is true or "
+                                    "false"),
+    (["--config", "{word.yaml}"], "--lr 'fast' is invalid: expected a number"),
+    (["--config", "{flag.yaml}"], "--max-steps True is invalid: expected a whole number"),
+    # values that failed late (or never): refused up front
+    (["--exit-duration-mins", "-1"], "--exit-duration-mins -1.0 is invalid: it must be a finite "
+                                     "number > 0.0, or 0 for no limit"),
+    (["--exit-duration-mins", "nan"], "--exit-duration-mins nan is invalid"),
+    (["--exit-interval", "-2"], "--exit-interval -2 is invalid: it must be a whole number >= 1, "
+                                "or 0 for never"),
+    (["--max-nonfinite-steps", "-1"], "--max-nonfinite-steps -1 is invalid: it must be a whole "
+                                      "number >= 1, or 0 for never stop"),
+    (["--lr-scale-with-batch", "-1"], "--lr-scale-with-batch -1 is invalid: it must be a whole "
+                                      "number >= 1, or 0 for off"),
+    (["--adam-eps", "0"], "--adam-eps 0.0 is invalid: it must be a finite number > 0.0"),
+    (["--adam-eps", "nan"], "--adam-eps nan is invalid"),
+    (["--adam-eps", "inf"], "--adam-eps inf is invalid"),
+    (["--adam-eps=-1e-8"], "--adam-eps -1e-08 is invalid"),
+    (["--powersgd-rank", "0"], "--powersgd-rank 0 is invalid: it must be a whole number >= 1"),
+    (["--powersgd-rank", "-2"], "--powersgd-rank -2 is invalid"),
+    (["--grad-bucket-mb", "nan"], "--grad-bucket-mb nan is invalid: it must be a finite number"),
+    (["--grad-bucket-mb", "inf"], "--grad-bucket-mb inf is invalid"),
+    (["--virtual-stages", "0"], "--virtual-stages 0 is invalid"),
+    (["--profile-steps", "2:3", "--profile-dir", "{text}"], "text.txt is a file, not a directory"),
+    (["--profile-steps", "2:3", "--profile-dir", "/proc/megapar-test/x"],
+     "--profile-dir /proc/megapar-test/x is not writable"),
+    (["--profile-steps", "5:400"], "--profile-steps 5:400 goes beyond --max-steps 300"),
+    (["--load", "{ckpt}", "--max-steps", "3", "--profile-steps", "1:2"],
+     "--profile-steps 1:2 starts at or before step 1, where --load resumes"),
+    (["--lr", "5e-5", "--min-lr", "1e-4"], "--min-lr 0.0001 is larger than --lr 5e-05"),
+    # --load: a file, or a step that is not there, is never a fresh start
+    (["--load", "{ckpt/latest}"], "ckpt/latest is a file; give the checkpoint directory (e.g. "
+                                  "its parent"),
+    (["--load", "{ckpt/shard}"], ".safetensors is a file; give the checkpoint directory (e.g. "
+                                 "its parent"),
+    (["--load", "{ckpt/step_00000099}"], "step_00000099: no such checkpoint; "),
+    (["--load", "{ckpt/step_00000099}"], "ckpt holds step_00000001; pass one of them"),
+    (["--load", "{ckpt/typo}"], "ckpt holds step_00000001; pass one of them"),
+    (["--load", "/nonexistent/ckpt/step_00000003"], "no such checkpoint step, and /nonexistent/"
+                                                    "ckpt holds no step_* checkpoints"),
+    # a global batch the user gave stays an error on data too small for it
+    (["--global-batch-size", "4096"], "fewer than one global batch of 4096"),
 ]
 
 
@@ -120,6 +166,10 @@ def _fill(argv, env):
     names = {**{k.split(".")[0] + "." + k.split(".")[1]: v for k, v in env["configs"].items()},
              "negative": env["negative"], "ckpt": env["ckpt"], "corrupt": env["corrupt"],
              "prefix": env["prefix"], "empty_dir": str(env["root"] / "empty_dir"),
+             "text": str(env["root"] / "text.txt"), "ckpt/latest": env["ckpt"] + "/latest",
+             "ckpt/shard": str(next(Path(env["ckpt"], "step_00000001").glob("*.safetensors"))),
+             "ckpt/step_00000099": env["ckpt"] + "/step_00000099",
+             "ckpt/typo": env["ckpt"] + "/typo",
              **{f"ids:{k}": str(v) for k, v in env["ids"].items()}}
     return [names[a[1:-1]] if a.startswith("{") else a for a in argv]
 

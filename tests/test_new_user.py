@@ -169,7 +169,7 @@ def test_the_validation_split_grows_to_one_batch_or_steps_aside(doc_tokens, gbs,
 
 
 @pytest.mark.parametrize("shape, argv, message", [
-    ("tiny", [], "fewer than one global batch of 16"),
+    ("tiny", ["--global-batch-size", "16"], "fewer than one global batch of 16"),  # given: kept
     ("invalid_utf8", [], "are not valid UTF-8"),
     ("empty", [], "every input is empty or whitespace"),
 ])
@@ -180,6 +180,114 @@ def test_unusable_text_fails_with_its_message(shape, argv, message, texts, cache
                            *argv], capsys)
     assert rc == 2
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_tiny_file_with_default_flags_trains_with_a_smaller_global_batch(
+        texts, cache, tiny_model, tmp_path, capsys):
+    """The regression: a file of a window or two and no batch flags failed with "fewer than
+    one global batch of 16"; the global batch (and micro-batch) not given now shrink to what
+    the data holds, with a note. Given, the error stays (test_unusable_text_fails_...)."""
+    log = tmp_path / "log.jsonl"
+    rc, err = _run(train, ["--data", texts["tiny"], "--data-cache", cache, "--model", tiny_model,
+                           "--tokenizer", "sentencepiece", "--seq-len", "32", "--max-steps", "2",
+                           "--no-progress", "--log-json", log], capsys)
+    assert rc == 0, err
+    assert "--global-batch-size not given: using" in err and "instead of 16" in err
+    _assert_trained(log, 2)
+    # at dp 2 (pp 1, tp 1 with --dp is not launched here): a batch a multiple of mbs x dp
+    from megapar.training.config import TrainConfig
+    from megapar.training.validate import fit_batch_to_data
+
+    cfg = TrainConfig()
+    cfg.explicit = frozenset()
+    assert "using 6 and micro-batch size 3" in fit_batch_to_data(cfg, 7, 2)
+    assert (cfg.global_batch_size, cfg.micro_batch_size) == (6, 3)
+    cfg = TrainConfig()
+    cfg.explicit = frozenset({"micro_batch_size"})
+    assert fit_batch_to_data(cfg, 7, 2) is None  # 4 x 2 does not fit; --micro-batch-size given
+    assert fit_batch_to_data(TrainConfig(global_batch_size=8), 3, 1) is None  # given
+
+
+def test_a_file_too_short_for_one_window_is_named_not_its_cache(cache, tiny_model, tmp_path,
+                                                                capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("hello there world ok")  # 20 bytes
+    rc, err = _run(train, ["--data", short, "--data-cache", cache, "--model", tiny_model,
+                           "--tokenizer", "sentencepiece", "--seq-len", "32", "--no-progress"],
+                   capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--data {short} (tokenized with --tokenizer sentencepiece): " in err
+    assert cache not in err and "fewer than one window of --seq-len + 1 = 33" in err
+
+
+def test_min_lr_not_given_follows_a_lower_lr(texts, cache, tiny_model, tmp_path, capsys):
+    """The regression: `--lr 5e-5` alone failed ("--min-lr 0.0001 is larger than --lr");
+    --min-lr not given now keeps the defaults' ratio (0.1) below a lower --lr."""
+    from megapar.optim import LRScheduler
+
+    log = tmp_path / "log.jsonl"
+    rc, err = _run(train, ["--data", texts["poem"], "--data-cache", cache, "--model", tiny_model,
+                           "--tokenizer", "sentencepiece", "--seq-len", "32", "--max-steps", "3",
+                           "--lr", "5e-5", "--no-progress", "--log-json", log], capsys)
+    assert rc == 0, err
+    assert "--min-lr not given: using 5e-06 (--lr 5e-05 x 0.1" in err
+    expected = LRScheduler(5e-5, 5e-6, 0, 3, "cosine")
+    lrs = [r["lr"] for r in _records(log)]
+    assert lrs == pytest.approx([expected.lr(i) for i in range(3)], rel=1e-6)
+    rc, err = _run(train, ["--data", texts["poem"], "--data-cache", cache, "--model", tiny_model,
+                           "--tokenizer", "sentencepiece", "--seq-len", "32", "--max-steps", "2",
+                           "--lr", "3e-3", "--no-progress"], capsys)
+    assert rc == 0 and "--min-lr not given" not in err  # a higher --lr keeps the default
+
+
+def test_config_file_values_are_parsed_like_flags(texts, cache, tiny_model, tmp_path, capsys):
+    """The regression: YAML reads `lr: 1e-3` as a string (refused), "no" was true and null a
+    traceback. Values now go through each flag's type."""
+    from megapar.training.config import parse_args
+
+    run = tmp_path / "run.yaml"
+    run.write_text('lr: 1e-3\nmin_lr: "1e-5"\nsequence_parallel: "no"\nprogress: off\n'
+                   'global_batch_size: "8"\nmicro_batch_size: 4.0\nmax_steps: 2\n'
+                   'seq_len: 32\ndebug: 1\n')
+    cfg = parse_args(["--config", str(run)])
+    assert (cfg.lr, cfg.min_lr, cfg.global_batch_size, cfg.micro_batch_size) == \
+        (1e-3, 1e-5, 8, 4)
+    assert cfg.sequence_parallel is False and cfg.progress is False and cfg.debug is True
+    assert type(cfg.micro_batch_size) is int
+    assert parse_args(["--config", str(run), "--sequence-parallel"]).sequence_parallel is True
+    run.write_text(run.read_text().replace("debug: 1", "debug: false"))
+    rc, err = _run(train, ["--config", run, "--data", texts["poem"], "--data-cache", cache,
+                           "--model", tiny_model, "--tokenizer", "sentencepiece",
+                           "--log-json", tmp_path / "log.jsonl"], capsys)
+    assert rc == 0, err
+    _assert_trained(tmp_path / "log.jsonl", 2)
+
+
+def test_the_raw_text_flags_its_messages_recommend_exist(texts, cache, tiny_model, tmp_path,
+                                                         capsys):
+    """megapar-train said "pass --allow-invalid-utf8" / "pass --jsonl-key", flags only
+    megapar-data had. Both are megapar-train flags now, and part of the cache key (a dataset
+    cached with other settings is not reused)."""
+    common = ["--data-cache", cache, "--model", tiny_model, "--tokenizer", "sentencepiece",
+              "--seq-len", "32", "--max-steps", "1", "--no-progress"]
+    body = tmp_path / "body.jsonl"
+    rng = random.Random(3)
+    body.write_text("".join(json.dumps({"body": words(rng, 40)}) + "\n" for _ in range(100)))
+    rc, err = _run(train, ["--data", body, *common], capsys)
+    assert rc == 2 and "pass --jsonl-key" in err
+    rc, err = _run(train, ["--data", body, "--jsonl-key", "body", *common], capsys)
+    assert rc == 0, err
+    rc, err = _run(train, ["--data", body, *common], capsys)  # not the cached "body" dataset
+    assert rc == 2 and "pass --jsonl-key" in err
+
+    junk = tmp_path / "junk.txt"
+    junk.write_bytes(texts["poem"].read_bytes() + random.Random(1).randbytes(2_000))
+    rc, err = _run(train, ["--data", junk, *common], capsys)
+    assert rc == 2 and "pass --allow-invalid-utf8" in err
+    rc, err = _run(train, ["--data", junk, "--allow-invalid-utf8", *common], capsys)
+    assert rc == 0 and "bytes of invalid UTF-8 replaced with U+FFFD" in err, err
+    rc, err = _run(train, ["--data", junk, *common], capsys)  # not the cached dataset
+    assert rc == 2 and "pass --allow-invalid-utf8" in err
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3, 4, 5])

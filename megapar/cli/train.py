@@ -24,8 +24,8 @@ from megapar.training.data import DataPlan, build_datasets, prepare_data
 from megapar.training.failures import log_dir_for, worker_failure
 from megapar.training.faults import check_outputs, parse_signals
 from megapar.training.validate import (
-    UsageError, adapt_defaults, check_resumable, check_settings, checkpoint_manifest,
-    settings_from_checkpoint,
+    UsageError, adapt_defaults, check_load_path, check_resumable, check_settings,
+    checkpoint_manifest, fit_batch_to_data, settings_from_checkpoint,
 )
 
 
@@ -34,6 +34,8 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     Settings the user did not give may adapt to the ones they gave (said in `notes`)."""
     notes = [] if notes is None else notes
     manifest = None
+    if cfg.load:
+        check_load_path(cfg)  # a file, or a step that is not there: never a fresh start
     if cfg.load and cfg.load_strict and not has_checkpoint(cfg.load):
         what = ("no checkpoint there" if os.path.isdir(os.path.expanduser(cfg.load))
                 else "no such checkpoint directory")
@@ -55,6 +57,19 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         raise ValueError(f"global batch size {cfg.global_batch_size} is not divisible by "
                          f"micro-batch size {cfg.micro_batch_size} x dp {layout.dp} = {per_step}; "
                          f"choose a multiple of {per_step}")
+    if cfg.profile_steps:  # before check_outputs creates --profile-dir
+        from megapar.training.profiling import parse_steps
+
+        first, last = parse_steps(cfg.profile_steps)
+        start = int(manifest.get("step", 0)) if manifest else 0
+        if last > cfg.max_steps:
+            raise UsageError(f"--profile-steps {cfg.profile_steps} goes beyond --max-steps "
+                             f"{cfg.max_steps}: the trace would never be written; profile steps "
+                             f"within {start + 1}:{cfg.max_steps} or raise --max-steps")
+        if first <= start:
+            raise UsageError(f"--profile-steps {cfg.profile_steps} starts at or before step "
+                             f"{start}, where --load resumes; profile steps within "
+                             f"{start + 1}:{cfg.max_steps}")
     parse_signals(cfg.exit_signals)  # a typo is an error now, not when the signal comes
     check_outputs(cfg)  # before any work: an unwritable --save is not found after the run
     if cfg.save_interval < 0 or cfg.max_steps < 1:
@@ -62,18 +77,12 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     from megapar.pipeline.schedules import check_schedule
 
     check_schedule(cfg.schedule, layout.pp, cfg.global_batch_size // per_step, cfg.virtual_stages)
-    if cfg.grad_bucket_mb <= 0:
-        raise ValueError(f"--grad-bucket-mb must be > 0, got {cfg.grad_bucket_mb}")
     if cfg.sequence_parallel and cfg.seq_len % layout.tp:
         raise ValueError(f"--seq-len {cfg.seq_len} is not divisible by --tp {layout.tp}, which "
                          f"--sequence-parallel needs; choose a multiple of {layout.tp}")
     from megapar.optim import LRScheduler
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks
-    if cfg.profile_steps:
-        from megapar.training.profiling import parse_steps
-
-        parse_steps(cfg.profile_steps)
     plan = prepare_data(cfg, notes, manifest)
     config = config_from_dict(plan.model_config)
     config.validate(layout)
@@ -83,14 +92,58 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         chunk_specs(config.num_layers, layout.pp, 0, cfg.virtual_stages)  # enough layers?
     # ids outside the vocabulary: refused at any tp
     IndexedDataset(plan.prefix, cfg.tokenizer).check_vocab(config.vocab_size)
-    train, _ = build_datasets(cfg, plan.prefix, config.model_type, notes)
+    train, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
+    notes.extend(split_notes)
     if len(train) < cfg.global_batch_size:
+        fix = (f"fewer data-parallel ranks (dp {layout.dp} needs {layout.dp} samples)"
+               if len(train) < layout.dp else "a smaller --global-batch-size")
         raise ValueError(f"the training split has {len(train)} samples of {cfg.seq_len} tokens, "
                          f"fewer than one global batch of {cfg.global_batch_size}; use more data, "
-                         f"a shorter --seq-len or a smaller --global-batch-size")
+                         f"a shorter --seq-len or {fix}")
     if manifest is not None:
         check_resumable(cfg, manifest, len(train))
     return layout, plan
+
+
+def _training_split(cfg: TrainConfig, plan: DataPlan, model_type: str, layout: Layout,
+                    notes: list[str]):
+    """(training split, notes on the split): a global batch the user did not give shrinks to
+    what the data holds (said in `notes`); errors name the user's --data, not its cache."""
+    from megapar.pipeline.schedules import check_schedule
+
+    def fits(gbs: int, mbs: int) -> bool:
+        try:
+            check_schedule(cfg.schedule, layout.pp, gbs // (mbs * layout.dp), cfg.virtual_stages)
+        except ValueError:
+            return False
+        return True
+
+    for _ in range(4):  # a smaller batch can change the validation split: until it settles
+        split_notes: list[str] = []
+        try:
+            train, _ = build_datasets(cfg, plan.prefix, model_type, split_notes)
+        except ValueError as exc:
+            raise ValueError(_name_user_data(str(exc), cfg)) from None
+        note = fit_batch_to_data(cfg, len(train), layout.dp, fits)
+        if note is None:
+            return train, split_notes
+        notes.append(note)
+    return train, split_notes
+
+
+def _name_user_data(message: str, cfg: TrainConfig) -> str:
+    """A dataset error that names a tokenized copy in --data-cache names the user's file."""
+    cache = os.path.abspath(os.path.expanduser(cfg.data_cache))
+    first, sep, rest = message.partition(": ")
+    if not sep or os.path.dirname(os.path.abspath(first)) != cache:
+        return message
+    items = cfg.data if isinstance(cfg.data, list) else [cfg.data]
+    stem = os.path.basename(first).rsplit("-", 1)[0]
+    users = [p for p in items if p and os.path.splitext(os.path.basename(
+        os.path.expanduser(str(p)).rstrip("/")))[0] == stem]
+    data = users[0] if users else (cfg.data or "the shipped sample")
+    return f"--data {data} (tokenized with --tokenizer {cfg.tokenizer}): " + \
+        rest.replace("seq_len + 1", "--seq-len + 1").replace("shorter seq_len", "shorter --seq-len")
 
 
 def _worker(cfg: TrainConfig, plan: DataPlan):

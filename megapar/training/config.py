@@ -38,7 +38,11 @@ class TrainConfig:
     tokenizer: str = "gpt2"
     """Tokenizer for raw text: gpt2, sentencepiece, a vocab.json+merges.txt dir or a .model file."""
     data_cache: str = "~/.cache/megapar"
-    """Where raw text is tokenized to (keyed by content hash)."""
+    """Where raw text is tokenized to (keyed by content hash and the settings below)."""
+    jsonl_key: str = "text"
+    """For raw .jsonl / .json / .parquet data: the key (column) holding each document's text."""
+    allow_invalid_utf8: bool = False
+    """For raw text: replace invalid UTF-8 with U+FFFD even above 0.1 % of a file's bytes (else an error; fewer are replaced with a warning)."""
     val_fraction: float = 0.05
     """Share of documents held out for validation."""
     seq_len: int = 128
@@ -46,7 +50,7 @@ class TrainConfig:
     micro_batch_size: int = 4
     """Sequences per micro-batch."""
     global_batch_size: int = 16
-    """Sequences per optimizer step (micro-batch size x micro-batches x dp)."""
+    """Sequences per optimizer step (micro-batch size x micro-batches x dp). Not given, it shrinks to what a small dataset holds (with a note)."""
     # --- pipeline / memory ---
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved (needs --virtual-stages >= 2) or zb-h1 (zero bubble)."""
@@ -74,7 +78,7 @@ class TrainConfig:
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
-    """Learning rate at the end of the decay."""
+    """Learning rate at the end of the decay. Not given, it is at most --lr x 0.1 (the defaults' ratio; with a note)."""
     lr_decay: str = "cosine"
     """Decay after warmup: cosine, linear or constant."""
     warmup_steps: int = 20
@@ -103,7 +107,7 @@ class TrainConfig:
     save_interval: int = 0
     """Save every N steps (0: only at the end)."""
     load: str | None = None
-    """Checkpoint to resume from (a directory written by --save, or one of its step dirs). A directory that does not exist yet or holds no checkpoint starts a fresh run (logged), so a requeued job can pass the same --load as its --save."""
+    """Checkpoint to resume from (a directory written by --save, or one of its step dirs). A directory that does not exist yet or holds no checkpoint starts a fresh run (logged), so a requeued job can pass the same --load as its --save. A file, or a step_* directory that is not there, is an error."""
     load_strict: bool = False
     """Fail instead of starting fresh when --load holds no checkpoint."""
     log_interval: int = 10
@@ -184,12 +188,17 @@ def _type_of(f) -> Any:
     return str
 
 
+def _escaped(docs: dict[str, str]) -> dict[str, str]:
+    """Docstrings as argparse help (a literal % is %% there)."""
+    return {name: text.replace("%", "%%") for name, text in docs.items()}
+
+
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="Train a GPT-2, BERT or Llama with tensor, pipeline and data parallelism.")
     parser.add_argument("--config", help="JSON or YAML file whose keys are these flags' names "
                         "(command-line flags override it)")
-    docs, choices = field_docs(), _choices()
+    docs, choices = _escaped(field_docs()), _choices()
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = _type_of(f)
@@ -204,17 +213,55 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     return parser
 
 
+TRUE, FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _config_value(f, value: Any, path: str) -> Any:
+    """A `--config` value converted with its flag's type, as the command line would: "1e-3"
+    is 0.001, "no" is False, 32.0 is 32; null, or a value the flag cannot take, is an error.
+    (A number that is not whole, for a whole-number flag, is left for check_settings to name.)"""
+    from megapar.models.config import ConfigError
+
+    flag, kind = "--" + f.name.replace("_", "-"), _type_of(f)
+    if value is None:
+        raise ConfigError(f"{path}: {flag}: null is not a value; remove the key to use the default")
+    if f.name in MULTI_VALUE and isinstance(value, list):
+        return [str(v) for v in value]
+    if kind == "bool":
+        if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+            return bool(value)
+        text = str(value).strip().lower() if isinstance(value, str) else None
+        if text in TRUE or text in FALSE:
+            return text in TRUE
+        raise ConfigError(f"{path}: {flag} {value!r} is invalid: a switch is true or false "
+                          f"(also yes / no, 1 / 0)")
+    if kind is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{path}: {flag} {value!r} is invalid: expected one value")
+        return str(value)
+    try:
+        if isinstance(value, bool) or isinstance(value, (dict, list)):
+            raise ValueError
+        if kind is int and isinstance(value, float):
+            return int(value) if value.is_integer() else value
+        return kind(value.strip() if isinstance(value, str) else value)
+    except (ValueError, TypeError, OverflowError):
+        what = "a whole number" if kind is int else "a number"
+        raise ConfigError(f"{path}: {flag} {value!r} is invalid: expected {what}") from None
+
+
 def read_run_config(path: str) -> dict[str, Any]:
-    """The settings of a `--config` file, keys checked against the flags' names."""
+    """The settings of a `--config` file, keys checked against the flags' names and values
+    converted with the flags' types (so a file says what the command line says)."""
     from megapar.models.config import ConfigError, load_config_file
 
-    known = {f.name for f in fields(TrainConfig)}
+    by_name = {f.name: f for f in fields(TrainConfig)}
     data = {str(k).replace("-", "_"): v for k, v in load_config_file(path).items()}
-    for key in sorted(set(data) - known):
-        close = difflib.get_close_matches(key, sorted(known), n=1)
+    for key in sorted(set(data) - set(by_name)):
+        close = difflib.get_close_matches(key, sorted(by_name), n=1)
         hint = f"did you mean {close[0]!r}?" if close else "valid keys are the megapar-train flags"
         raise ConfigError(f"{path}: unknown setting {key!r}; {hint}")
-    return data
+    return {key: _config_value(by_name[key], value, path) for key, value in data.items()}
 
 
 def parse_args(argv=None) -> TrainConfig:

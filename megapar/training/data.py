@@ -67,7 +67,9 @@ def _resolve_one(cfg: TrainConfig, data: str | None, notes: list[str] | None = N
             raise FileNotFoundError(f"--data {data}: no such text file")
         report: dict = {}  # invalid UTF-8 bytes replaced, per file (above 0.1 %: an error)
         prefix = ensure_dataset(data, cfg.tokenizer, os.path.expanduser(cfg.data_cache),
-                                split_paragraphs=True, progress=cfg.progress, report=report)
+                                split_paragraphs=True, progress=cfg.progress, report=report,
+                                jsonl_key=cfg.jsonl_key,
+                                allow_invalid_utf8=cfg.allow_invalid_utf8)
         if notes is not None:
             notes.extend(f"warning: {path}: {n:,} bytes of invalid UTF-8 replaced with U+FFFD"
                          for path, n in report.items())

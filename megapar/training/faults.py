@@ -166,6 +166,11 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
 
     target = os.path.expanduser(path)
     directory = target if kind == "dir" else (os.path.dirname(os.path.abspath(target)) or ".")
+    if kind == "dir" and os.path.exists(target) and not os.path.isdir(target):
+        raise ValueError(f"{flag} {path} is a file, not a directory; choose a directory (or "
+                         f"remove the file)")
+    if kind == "file" and os.path.isdir(target):
+        raise ValueError(f"{flag} {path} is a directory; give a file name")
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-probe-"):
@@ -188,6 +193,8 @@ def check_outputs(cfg) -> None:
         check_writable(cfg.log_json, "--log-json", kind="file")
     if cfg.tensorboard:
         check_writable(cfg.tensorboard, "--tensorboard")
+    if cfg.profile_steps:  # without --profile-steps nothing is written there
+        check_writable(cfg.profile_dir, "--profile-dir")
     from megapar.data.blended import parse_blend
 
     if not cfg.data:

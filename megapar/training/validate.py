@@ -5,12 +5,16 @@ exit code 2 instead of N tracebacks after the workers started:
 
 - `check_settings(cfg)`: every numeric flag of `megapar-train` (ranges, NaN / inf).
 - `adapt_defaults(cfg, dp)`: values the user did not set give way to the ones they did
-  (warmup vs --max-steps, global vs micro-batch size); returns notes saying what changed.
+  (warmup vs --max-steps, --min-lr vs --lr, global vs micro-batch size); returns notes saying
+  what changed. `fit_batch_to_data` does the same for a global batch the data cannot fill.
+- `check_load_path(cfg)`: a --load that names a file or a step that is not there is an error
+  (a missing or empty directory starts fresh: a requeued job).
 - `checkpoint_manifest(path)`: a --load checkpoint exists, is complete and intact (sizes and
   sha256 of every file), read once here.
 - `settings_from_checkpoint` / `check_resumable`: `--load CKPT` alone resumes its run; a
   setting that breaks the checkpoint's data order is reported.
-- `check_eval_args` / `check_bubble_args`: the same for megapar-eval and megapar-bubble.
+- `check_eval_args` / `check_bubble_args`: the same for megapar-eval and megapar-bubble
+  (in validate_tools.py, importable from here).
 
 Unexpected errors in running workers are failures.py's.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 
 
 class UsageError(ValueError):
@@ -27,7 +32,8 @@ class UsageError(ValueError):
 
 
 # --- megapar-train ---------------------------------------------------------------------------
-# (field, kind, lowest allowed, lowest is allowed itself): kind "int" or "float" (finite).
+# (field, kind, lowest allowed, lowest is allowed itself[, (value that turns it off, meaning)]):
+# kind "int" or "float" (finite).
 _RULES = [
     ("tp", "int", 1, True), ("pp", "int", 1, True), ("dp", "int", 1, True),
     ("seq_len", "int", 1, True), ("micro_batch_size", "int", 1, True),
@@ -38,7 +44,13 @@ _RULES = [
     ("lr", "float", 0.0, False), ("min_lr", "float", 0.0, True),
     ("weight_decay", "float", 0.0, True), ("clip_grad", "float", 0.0, True),
     ("peak_tflops", "float", 0.0, False), ("timeout_s", "float", 0.0, False),
-    ("val_fraction", "float", 0.0, True),
+    ("val_fraction", "float", 0.0, True), ("virtual_stages", "int", 1, True),
+    ("adam_eps", "float", 0.0, False), ("grad_bucket_mb", "float", 0.0, False),
+    ("powersgd_rank", "int", 1, True),
+    ("lr_scale_with_batch", "int", 1, True, (0, "off")),
+    ("max_nonfinite_steps", "int", 1, True, (0, "never stop")),
+    ("exit_interval", "int", 1, True, (0, "never")),
+    ("exit_duration_mins", "float", 0.0, False, (0, "no limit")),
 ]
 
 
@@ -52,9 +64,9 @@ def _default(cfg, name: str):
 
 def check_settings(cfg) -> None:
     """Raise UsageError for the first setting out of range (NaN and inf included)."""
-    for name, kind, low, inclusive in _RULES:
+    for name, kind, low, inclusive, *off in _RULES:
         value = getattr(cfg, name)
-        if value is None:
+        if value is None or (off and value == off[0][0] and not isinstance(value, bool)):
             continue
         bound = f">= {low}" if inclusive else f"> {low}"
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -71,6 +83,9 @@ def check_settings(cfg) -> None:
             what = "a whole number" if kind == "int" else "a finite number"
             default = _default(cfg, name)
             hint = f" (the default is {default})" if default is not None else ""
+            if off:
+                hint = f", or {off[0][0]} for {off[0][1]}" + (" (the default)" if
+                                                              default == off[0][0] else hint)
             raise UsageError(f"{_flag(name)} {value} is invalid: it must be {what} {bound}{hint}")
     from megapar.training.config import _choices
 
@@ -81,7 +96,7 @@ def check_settings(cfg) -> None:
     if cfg.val_fraction >= 1:
         raise UsageError(f"--val-fraction {cfg.val_fraction} is invalid: it is the share of "
                          f"documents held out, in [0, 1) (e.g. 0.05; 0 disables validation)")
-    if cfg.min_lr > cfg.lr:
+    if cfg.min_lr > cfg.lr and "min_lr" in explicit(cfg):  # not given: it adapts to --lr
         raise UsageError(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr "
                          f"or raise --lr")
     if cfg.zero == 1 and cfg.grad_compression != "none":
@@ -114,6 +129,13 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
             notes.append(f"--warmup-steps not given: using {warmup} (10 % of --max-steps "
                          f"{cfg.max_steps}) instead of the default {cfg.warmup_steps}")
             cfg.warmup_steps = warmup
+    if "min_lr" not in given:
+        low, peak = _default(cfg, "min_lr"), _default(cfg, "lr")
+        min_lr = min(low, float(f"{cfg.lr * low / peak:.12g}"))  # the defaults' ratio, at most
+        if min_lr != cfg.min_lr:
+            notes.append(f"--min-lr not given: using {min_lr:g} (--lr {cfg.lr:g} x {low / peak:g}"
+                         f", the defaults' ratio) instead of the default {cfg.min_lr:g}")
+            cfg.min_lr = min_lr
     per_step = cfg.micro_batch_size * dp
     if cfg.global_batch_size % per_step:
         if "global_batch_size" not in given:
@@ -130,6 +152,60 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
                          f"{cfg.micro_batch_size}")
             cfg.micro_batch_size = mbs
     return notes
+
+
+def fit_batch_to_data(cfg, samples: int, dp: int, fits=lambda gbs, mbs: True) -> str | None:
+    """When the training split holds fewer than one global batch and the user gave neither
+    --global-batch-size nor (for a smaller one) --micro-batch-size: the largest global batch
+    the data holds, a multiple of micro-batch size x dp that `fits` the layout (the pipeline
+    schedule). Returns the note, or None when nothing may (or can) change."""
+    given = explicit(cfg)
+    if samples >= cfg.global_batch_size or "global_batch_size" in given:
+        return None
+    sizes = [cfg.micro_batch_size] if "micro_batch_size" in given else \
+        range(cfg.micro_batch_size, 0, -1)
+    best = max(((samples // (m * dp) * m * dp, m) for m in sizes
+                if samples >= m * dp and fits(samples // (m * dp) * m * dp, m)), default=None)
+    if best is None:
+        return None
+    (gbs, mbs), was = best, (cfg.global_batch_size, cfg.micro_batch_size)
+    cfg.global_batch_size, cfg.micro_batch_size = gbs, mbs
+    also = f" and micro-batch size {mbs}" if mbs != was[1] else ""
+    return (f"--global-batch-size not given: using {gbs}{also} (the training split holds "
+            f"{samples} samples of {cfg.seq_len} tokens) instead of {was[0]}")
+
+
+_STEP_DIR = re.compile(r"step_\d+")
+
+
+def check_load_path(cfg) -> None:
+    """A --load that cannot be what the user meant: a file, or a step directory that is not
+    there. Only a missing directory, or one without a checkpoint, starts fresh (a requeue)."""
+    from megapar.checkpoint.format import MANIFEST
+
+    path = os.path.expanduser(cfg.load)
+    if os.path.isfile(path):
+        parent = os.path.dirname(cfg.load.rstrip("/")) or "."
+        raise UsageError(f"--load {cfg.load} is a file; give the checkpoint directory (e.g. its "
+                         f"parent {parent})")
+    if os.path.exists(path):
+        return
+    root = os.path.dirname(os.path.abspath(path))
+    try:
+        names = os.listdir(root)
+    except OSError:  # no such parent (or unreadable): nothing to name
+        names = []
+    steps = sorted(n for n in names
+                   if _STEP_DIR.fullmatch(n) and os.path.exists(os.path.join(root, n, MANIFEST)))
+    if not steps and _STEP_DIR.fullmatch(os.path.basename(os.path.abspath(path))):
+        raise UsageError(f"--load {cfg.load}: no such checkpoint step, and {root} holds no "
+                         f"step_* checkpoints; pass a directory written by --save (or one of "
+                         f"its step_* directories)")
+    if steps:
+        shown = ", ".join(steps) if len(steps) <= 6 else \
+            f"{len(steps)} steps, {steps[0]} ... {', '.join(steps[-3:])}"
+        raise UsageError(f"--load {cfg.load}: no such checkpoint; {root} holds {shown}; "
+                         f"pass one of them, or {root} for the latest")
 
 
 def checkpoint_manifest(path: str) -> dict:
@@ -223,99 +299,11 @@ def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: st
     return config
 
 
-# --- megapar-eval ----------------------------------------------------------------------------
-def check_eval_args(args) -> dict:
-    """Check megapar-eval's arguments and checkpoint; returns the checkpoint's manifest."""
-    from megapar.mesh import Layout, LayoutError
-    from megapar.models.config import ConfigError, config_from_dict
+def __getattr__(name: str):
+    """megapar-eval's and megapar-bubble's checks live in validate_tools.py (imported here
+    on first use, so `from megapar.training.validate import check_eval_args` still works)."""
+    if name in ("check_eval_args", "check_bubble_args", "MAX_SIMULATED_ACTIONS"):
+        from megapar.training import validate_tools
 
-    for name in ("tp", "pp", "micro_batch_size", "max_batches", "seq_len"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
-    manifest = checkpoint_manifest(args.load)
-    config = config_from_dict(manifest["model"])
-    try:
-        config.validate(Layout(args.tp, args.pp, 1))
-    except (LayoutError, ConfigError) as exc:
-        raise UsageError(str(exc)) from None
-    positions = getattr(config, "n_positions", None) or config.max_position_embeddings
-    if args.seq_len and args.seq_len > positions:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
-                         f"lower --seq-len")
-    if args.data:
-        missing = [e for e in (".bin", ".idx", ".json") if not os.path.exists(args.data + e)]
-        if missing:
-            raise UsageError(f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
-                             f"written by megapar-data --output-prefix")
-        from megapar.data import IndexedDataset
-
-        windows = (IndexedDataset(args.data).num_tokens - 1) // args.seq_len
-        if config.model_type == "gpt2" and windows < args.micro_batch_size:
-            raise UsageError(f"--data {args.data} has {windows} windows of {args.seq_len + 1} "
-                             f"tokens, fewer than one batch of --micro-batch-size "
-                             f"{args.micro_batch_size}; lower --seq-len or --micro-batch-size")
-    if args.input_ids:
-        _check_ids_file(args.input_ids, positions)
-    return manifest
-
-
-def _check_ids_file(path: str, positions: int) -> None:
-    import numpy as np
-
-    try:
-        ids = np.load(path, allow_pickle=False, mmap_mode="r")
-    except FileNotFoundError:
-        raise UsageError(f"--input-ids {path}: no such file") from None
-    except (ValueError, OSError) as exc:
-        raise UsageError(f"--input-ids {path}: not a .npy array of token ids ({exc})") from None
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise UsageError(f"--input-ids {path} holds {ids.dtype} values; token ids must be "
-                         f"integers (e.g. np.save(path, ids.astype(np.int64)))")
-    if ids.ndim != 2 or 0 in ids.shape:
-        raise UsageError(f"--input-ids must be a non-empty [batch, seq] array, got shape "
-                         f"{tuple(ids.shape)}")
-    if ids.shape[1] > positions:
-        raise UsageError(f"--input-ids has sequences of {ids.shape[1]} tokens, more than the "
-                         f"model's {positions} positions; shorten them")
-
-
-# --- megapar-bubble --------------------------------------------------------------------------
-MAX_SIMULATED_ACTIONS = 2_000_000
-"""--simulate refuses schedules with more forward + backward actions than this (pp x m x 2)."""
-
-
-def check_bubble_args(args) -> None:
-    for name in ("pp", "microbatches", "tp", "steps", "micro_batch_size", "seq_len"):
-        value = getattr(args, name)
-        if value < 1:
-            raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
-    for name in ("fwd_ms", "bwd_ms", "p2p_ms"):
-        value = getattr(args, name)
-        low = 0.0 if name == "p2p_ms" else 1e-300
-        if value is not None and not (math.isfinite(value) and value >= low):
-            need = ">= 0" if name == "p2p_ms" else "> 0"
-            raise UsageError(f"{_flag(name)} {value} is invalid: a cost must be a finite "
-                             f"number of milliseconds {need}")
-    actions = 2 * args.pp * args.microbatches
-    if (args.simulate or args.show_schedule) and actions > MAX_SIMULATED_ACTIONS:
-        raise UsageError(f"--pp {args.pp} x --microbatches {args.microbatches} is "
-                         f"{actions:,} actions, more than megapar-bubble handles "
-                         f"({MAX_SIMULATED_ACTIONS:,}); the bubble (p-1)/(m+p-1) = "
-                         f"{(args.pp - 1) / (args.microbatches + args.pp - 1):.4f} needs no "
-                         f"simulation at this size")
-    if args.simulate and args.fwd_ms is not None:
-        return  # no model is built
-    from megapar.mesh import Layout, LayoutError
-    from megapar.models.config import ConfigError
-    from megapar.training.bubble import bench_config
-
-    try:
-        config = bench_config(args.model, args.pp)
-        config.validate(Layout(args.tp, args.pp, 1))
-    except (LayoutError, ConfigError) as exc:
-        raise UsageError(str(exc)) from None
-    positions = getattr(config, "n_positions", None) or config.max_position_embeddings
-    if args.seq_len > positions:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
-                         f"lower --seq-len")
+        return getattr(validate_tools, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,112 @@
+"""The checks of megapar-eval and megapar-bubble (megapar-train's are in validate.py).
+
+- `check_eval_args`: megapar-eval's flags, its --load checkpoint, --data and --input-ids.
+- `check_bubble_args`: megapar-bubble's flags, and a schedule small enough to simulate.
+
+Both raise validate.UsageError (exit code 2) before any model is built or process started.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from megapar.training.validate import UsageError, _flag, checkpoint_manifest
+
+
+# --- megapar-eval ----------------------------------------------------------------------------
+def check_eval_args(args) -> dict:
+    """Check megapar-eval's arguments and checkpoint; returns the checkpoint's manifest."""
+    from megapar.mesh import Layout, LayoutError
+    from megapar.models.config import ConfigError, config_from_dict
+
+    for name in ("tp", "pp", "micro_batch_size", "max_batches", "seq_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
+    manifest = checkpoint_manifest(args.load)
+    config = config_from_dict(manifest["model"])
+    try:
+        config.validate(Layout(args.tp, args.pp, 1))
+    except (LayoutError, ConfigError) as exc:
+        raise UsageError(str(exc)) from None
+    positions = getattr(config, "n_positions", None) or config.max_position_embeddings
+    if args.seq_len and args.seq_len > positions:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
+                         f"lower --seq-len")
+    if args.data:
+        missing = [e for e in (".bin", ".idx", ".json") if not os.path.exists(args.data + e)]
+        if missing:
+            raise UsageError(f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
+                             f"written by megapar-data --output-prefix")
+        from megapar.data import IndexedDataset
+
+        windows = (IndexedDataset(args.data).num_tokens - 1) // args.seq_len
+        if config.model_type == "gpt2" and windows < args.micro_batch_size:
+            raise UsageError(f"--data {args.data} has {windows} windows of {args.seq_len + 1} "
+                             f"tokens, fewer than one batch of --micro-batch-size "
+                             f"{args.micro_batch_size}; lower --seq-len or --micro-batch-size")
+    if args.input_ids:
+        _check_ids_file(args.input_ids, positions)
+    return manifest
+
+
+def _check_ids_file(path: str, positions: int) -> None:
+    import numpy as np
+
+    try:
+        ids = np.load(path, allow_pickle=False, mmap_mode="r")
+    except FileNotFoundError:
+        raise UsageError(f"--input-ids {path}: no such file") from None
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"--input-ids {path}: not a .npy array of token ids ({exc})") from None
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise UsageError(f"--input-ids {path} holds {ids.dtype} values; token ids must be "
+                         f"integers (e.g. np.save(path, ids.astype(np.int64)))")
+    if ids.ndim != 2 or 0 in ids.shape:
+        raise UsageError(f"--input-ids must be a non-empty [batch, seq] array, got shape "
+                         f"{tuple(ids.shape)}")
+    if ids.shape[1] > positions:
+        raise UsageError(f"--input-ids has sequences of {ids.shape[1]} tokens, more than the "
+                         f"model's {positions} positions; shorten them")
+
+
+# --- megapar-bubble --------------------------------------------------------------------------
+MAX_SIMULATED_ACTIONS = 2_000_000
+"""--simulate refuses schedules with more forward + backward actions than this (pp x m x 2)."""
+
+
+def check_bubble_args(args) -> None:
+    for name in ("pp", "microbatches", "tp", "steps", "micro_batch_size", "seq_len"):
+        value = getattr(args, name)
+        if value < 1:
+            raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
+    for name in ("fwd_ms", "bwd_ms", "p2p_ms"):
+        value = getattr(args, name)
+        low = 0.0 if name == "p2p_ms" else 1e-300
+        if value is not None and not (math.isfinite(value) and value >= low):
+            need = ">= 0" if name == "p2p_ms" else "> 0"
+            raise UsageError(f"{_flag(name)} {value} is invalid: a cost must be a finite "
+                             f"number of milliseconds {need}")
+    actions = 2 * args.pp * args.microbatches
+    if (args.simulate or args.show_schedule) and actions > MAX_SIMULATED_ACTIONS:
+        raise UsageError(f"--pp {args.pp} x --microbatches {args.microbatches} is "
+                         f"{actions:,} actions, more than megapar-bubble handles "
+                         f"({MAX_SIMULATED_ACTIONS:,}); the bubble (p-1)/(m+p-1) = "
+                         f"{(args.pp - 1) / (args.microbatches + args.pp - 1):.4f} needs no "
+                         f"simulation at this size")
+    if args.simulate and args.fwd_ms is not None:
+        return  # no model is built
+    from megapar.mesh import Layout, LayoutError
+    from megapar.models.config import ConfigError
+    from megapar.training.bubble import bench_config
+
+    try:
+        config = bench_config(args.model, args.pp)
+        config.validate(Layout(args.tp, args.pp, 1))
+    except (LayoutError, ConfigError) as exc:
+        raise UsageError(str(exc)) from None
+    positions = getattr(config, "n_positions", None) or config.max_position_embeddings
+    if args.seq_len > positions:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
+                         f"lower --seq-len")
