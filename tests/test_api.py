@@ -332,3 +332,34 @@ def test_prepare_refuses_a_model_whose_head_it_would_drop(run):
     refused, loss = run(_prepare_classes, 1)[0]
     assert "GPT2ForSequenceClassification has a head megapar does not train" in refused
     assert "GPT2LMHeadModel" in refused and math.isfinite(loss)
+
+
+def _betas_vs_torch_default():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+                     eos_token_id=None)
+    torch.manual_seed(3)
+    ref = GPT2LMHeadModel(cfg)
+    engine = megapar.prepare(ref, micro_batch_size=G, lr=3e-2, adam_beta2=0.999)
+    opt = torch.optim.AdamW(ref.parameters(), lr=3e-2, weight_decay=0.0)   # torch's betas
+    ours, theirs = [], []
+    for batch in _batches(4):
+        ours.append(engine.train_step(batch))
+        logits = ref(batch["input_ids"]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                                 batch["labels"].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        theirs.append(loss.item())
+    return ours, theirs, engine.optimizer.inner.param_groups[0]["betas"]
+
+
+def test_adam_betas_are_settings_and_match_torch_adamw(run):
+    ours, theirs, betas = run(_betas_vs_torch_default, 1)[0]
+    assert betas == (0.9, 0.999)
+    assert theirs[3] < theirs[0] - 0.1     # a large lr: the second moment's decay matters
+    for a, b in zip(ours, theirs):
+        assert math.isclose(a, b, rel_tol=1e-5), (ours, theirs)

@@ -78,6 +78,8 @@ TRAIN = [
     (["--max-steps", "0"], "--max-steps 0 is invalid"),
     (["--warmup-steps", "-1"], "--warmup-steps -1 is invalid"),
     (["--lr", "nan"], "--lr nan is invalid: it must be a finite number > 0.0"),
+    (["--adam-beta2", "1"], "--adam-beta2 1.0 is invalid: it must be in [0, 1)"),
+    (["--adam-beta1", "nan"], "--adam-beta1 nan is invalid"),
     (["--lr", "inf"], "--lr inf is invalid"),
     (["--lr", "0"], "--lr 0.0 is invalid"),
     (["--min-lr", "nan"], "--min-lr nan is invalid"),

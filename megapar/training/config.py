@@ -89,6 +89,11 @@ class TrainConfig:
     """adamw, lamb or lars (layer-wise trust ratio, for large batches) or sgd (with momentum)."""
     adam_eps: float = 1e-8
     """Epsilon of AdamW / LAMB (added to the root of the second moment)."""
+    adam_beta1: float = 0.9
+    """AdamW / LAMB beta1: decay of the first-moment (gradient) average."""
+    adam_beta2: float = 0.95
+    """AdamW / LAMB beta2: decay of the second-moment average (Megatron's GPT setting; torch's
+    default is 0.999)."""
     lr_scale_with_batch: int = 0
     """Linear LR scaling: the LR (and min LR) become --lr x global batch / this (0: off)."""
     clip_grad: float = 1.0

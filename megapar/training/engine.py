@@ -50,6 +50,7 @@ class Engine:
                                                     cfg.grad_reduce_dtype)
         lr = self.scaled_lr(cfg)
         self.optimizer = build_optimizer(self.model, mesh, lr, cfg.weight_decay,
+                                         betas=(cfg.adam_beta1, cfg.adam_beta2),
                                          eps=cfg.adam_eps, zero=cfg.zero, kind=cfg.optimizer)
         if scheduler == "from_cfg":
             min_lr = cfg.min_lr if lr == cfg.lr else cfg.min_lr * lr / cfg.lr

@@ -46,6 +46,7 @@ _RULES = [
     ("peak_tflops", "float", 0.0, False), ("timeout_s", "float", 0.0, False),
     ("val_fraction", "float", 0.0, True), ("virtual_stages", "int", 1, True),
     ("adam_eps", "float", 0.0, False), ("grad_bucket_mb", "float", 0.0, False),
+    ("adam_beta1", "float", 0.0, True), ("adam_beta2", "float", 0.0, True),
     ("powersgd_rank", "int", 1, True),
     ("lr_scale_with_batch", "int", 1, True, (0, "off")),
     ("max_nonfinite_steps", "int", 1, True, (0, "never stop")),
@@ -93,6 +94,10 @@ def check_settings(cfg) -> None:
         if getattr(cfg, name) not in allowed:
             raise UsageError(f"{_flag(name)} {getattr(cfg, name)!r} is invalid: choose one of "
                              f"{', '.join(map(str, allowed))}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if getattr(cfg, name) >= 1:
+            raise UsageError(f"{_flag(name)} {getattr(cfg, name)} is invalid: it must be in "
+                             f"[0, 1) (the default is {_default(cfg, name)})")
     if cfg.val_fraction >= 1:
         raise UsageError(f"--val-fraction {cfg.val_fraction} is invalid: it is the share of "
                          f"documents held out, in [0, 1) (e.g. 0.05; 0 disables validation)")
