@@ -57,3 +57,18 @@ def test_from_hf_llama_resumes_exactly(tmp_path, common):
     assert [r["step"] for r in _records(second)] == [3, 4]
     for a, b in zip(resumed, reference):
         assert abs(a - b) / b < 1e-5, (resumed, reference)
+
+
+def test_llama_recipe_exports_the_tokenizers_special_ids(tmp_path, common):
+    """A recipe trained on another tokenizer's data must not export Llama's own bos 1 / eos 2:
+    generate() would stop on whatever id 2 means in the data's vocabulary."""
+    from megapar.checkpoint.convert import export_hf
+    from megapar.data import load_tokenizer
+
+    assert main(["--model", "llama-tiny", "--max-steps", "2", "--save", str(tmp_path / "ck"),
+                 *common, "--tokenizer", "gpt2"]) == 0
+    export_hf(tmp_path / "ck", tmp_path / "hf")
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    tok = load_tokenizer("gpt2")
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (tok.bos_id, tok.eod_id)
+    assert tok.eod_id == 50256

@@ -66,11 +66,11 @@ class _Base:
             value = getattr(self, f.name)
             if value is None and f.type == "int | None":
                 continue
+            low = 0 if f.name.endswith("token_id") else 1   # token ids may be 0
             if f.type in ("int", "int | None") and (
-                    not isinstance(value, int) or isinstance(value, bool)
-                    or value < (0 if f.name == "pad_token_id" else 1)):
+                    not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise ConfigError(f"model config: {f.name}={value!r} must be a whole number "
-                                  f">= {0 if f.name == 'pad_token_id' else 1}")
+                                  f">= {low}")
             if f.name.endswith(("pdrop", "dropout_prob")) and not (
                     isinstance(value, (int, float)) and 0 <= value < 1):
                 raise ConfigError(f"model config: {f.name}={value!r} must be in [0, 1)")

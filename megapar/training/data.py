@@ -92,7 +92,7 @@ def _is_megatron(prefix: str) -> bool:
 
 def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
                          gpt_vocab_size: int | None = None, manifest: dict | None = None,
-                         notes: list[str] | None = None):
+                         notes: list[str] | None = None, special_ids: dict | None = None):
     """The model config for --load / --model / --from-hf, checked against the tokenizer and
     seq-len.
 
@@ -100,7 +100,8 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
     the ids GPT data can contain (base vocabulary and end-of-document), so the real GPT-2
     (50257) trains on GPT-2-tokenized data although the tokenizer appends [MASK] and friends.
     With --load (`manifest` given) the model is the checkpoint's; a --model or --from-hf given
-    as well must describe the same model.
+    as well must describe the same model. `special_ids` (bos_token_id / eos_token_id of the
+    tokenizer) replace a recipe's own, so an exported model generates with the data's ids.
     """
     from megapar.models.recipes import resolve_model
 
@@ -127,6 +128,7 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
             path = os.path.join(path, "config.json")
         if "vocab_size" not in load_config_file(path):
             config.vocab_size = vocab_size  # a config without a vocabulary takes the tokenizer's
+            _take_special_ids(config, special_ids)
             given_from = "recipe"
         elif config.vocab_size < needed(config) and manifest is None:
             raise ConfigError(
@@ -136,6 +138,7 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
     else:
         config = resolve_model(cfg.model or DEFAULT_MODEL)
         config.vocab_size = vocab_size  # recipes take the tokenizer's vocabulary
+        _take_special_ids(config, special_ids)
         given_from = "recipe"
     if manifest is not None:
         from megapar.training.validate import model_from_checkpoint
@@ -161,6 +164,13 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
     return config
 
 
+def _take_special_ids(config, special_ids: dict | None) -> None:
+    """A recipe's bos / eos ids (Llama's 1 / 2) become the tokenizer's (None where it has none)."""
+    for key, value in (special_ids or {}).items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+
+
 def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
                  manifest: dict | None = None) -> DataPlan:
     from megapar.checkpoint.publish import has_checkpoint
@@ -175,7 +185,8 @@ def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
     tokenizer = load_tokenizer(indexed.tokenizer_spec)
     gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
     config = resolve_model_config(cfg, indexed.vocab_size, str(tokenizer.path), gpt_vocab,
-                                  manifest, notes)
+                                  manifest, notes, {"bos_token_id": tokenizer.bos_id,
+                                                    "eos_token_id": tokenizer.eod_id})
     return DataPlan(prefix=prefix, model_config=config.to_dict())
 
 
