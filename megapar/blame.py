@@ -36,13 +36,18 @@ _CONSEQUENTIAL = ("timed out", "timeout", "connection closed", "connection reset
                   "broken pipe", "connection refused", "did not complete", "peer")
 
 
-def blame(procs, outputs: dict, errors: dict) -> str:
+def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None) -> str:
     """The failure report: first the cause, then the ranks that failed because of it.
 
-    Cause, in order: ranks that died without a report (their signal / exit code); ranks whose
-    error is not a communication timeout or lost connection; live ranks that never answered
-    while the others timed out waiting for them."""
-    dead = {r: _how(p.exitcode) for r, p in enumerate(procs)
+    Cause, in order: ranks that died without a report (their signal / exit code, and from
+    `statuses`, each rank's last "step S, action", where they were); ranks whose error is not a
+    communication timeout or lost connection; live ranks that never answered while the others
+    timed out waiting for them."""
+    def where(r: int) -> str:
+        last = statuses[r] if statuses and r < len(statuses) else ""
+        return f" at {last}" if last else ""
+
+    dead = {r: _how(p.exitcode) + where(r) for r, p in enumerate(procs)
             if r not in outputs and r not in errors and p.exitcode not in (None, 0)}
     own = {r: e for r, e in errors.items()
            if not any(w in e.split("\n", 1)[0].lower() for w in _CONSEQUENTIAL)}

@@ -178,7 +178,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
                 failed_at = time.monotonic()  # give the others' reports a moment to arrive
             if failed_at is not None and time.monotonic() - failed_at > 0.5:
                 _drain(results, outputs, errors, block=0.0)
-                raise WorkerError(f"{blame(procs, outputs, errors)}\n"
+                last = [s.value.decode(errors="replace") for s in statuses]
+                raise WorkerError(f"{blame(procs, outputs, errors, last)}\n"
                                   f"{diagnose(procs, statuses, stacks)}")
             if time.monotonic() > deadline:
                 missing = [r for r in range(world_size) if r not in outputs]

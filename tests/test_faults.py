@@ -194,6 +194,10 @@ def _rank1_killed():
     t = torch.zeros(1)
     dist.all_reduce(t)
     if dist.get_rank() == 1:
+        from megapar.diagnostics import set_action, set_step
+
+        set_step(7)
+        set_action("forward of micro-batch 2")
         os.kill(os.getpid(), signal.SIGKILL)
     dist.all_reduce(t)
     return 0
@@ -211,7 +215,8 @@ def _rank2_stopped():
 def test_a_killed_rank_is_named_with_its_signal():
     with pytest.raises(WorkerError) as info:
         run_local(_rank1_killed, 4, timeout_s=60, collective_timeout_s=30)
-    assert str(info.value).startswith("rank 1 was killed by SIGKILL (9)"), str(info.value)
+    first = str(info.value).splitlines()[0]   # where it died: its last step and action
+    assert first == "rank 1 was killed by SIGKILL (9) at step 7, forward of micro-batch 2", first
 
 
 def test_a_stopped_rank_is_named_on_timeout():

@@ -186,6 +186,9 @@ def main(argv=None) -> int:
         print(f"megapar-train: error: {line}", file=sys.stderr)
         if cfg.debug:
             print(text, file=sys.stderr)
+        elif log and " was killed by " in line:   # no traceback: its log and every rank's stack
+            print(f"megapar-train: its output in {log}; every rank's stack: --debug",
+                  file=sys.stderr)
         elif log:
             print(f"megapar-train: full traceback in {log} (or rerun with --debug)",
                   file=sys.stderr)
