@@ -1,0 +1,138 @@
+"""Reading the inputs of ``megapar-data`` / ``megapar-train --data`` as documents.
+
+``.txt`` (one document, or one per blank-line paragraph), ``.jsonl`` / ``.json`` (JSON lines or
+an array of objects, the text under a key), ``.parquet`` (a column, a record batch at a time),
+and directories of them. Every document's CRLF / lone CR line endings become LF
+(`normalize_newlines`); text that is not UTF-8 is counted and refused above a threshold
+(`read_text`). See `megapar.data.preprocess` for what is done with the documents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Iterator, Sequence
+
+_PARAGRAPH_SPLIT = re.compile(r"\n[ \t\r\f\v]*\n")
+#: File types taken from input directories.
+INPUT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+#: Largest share of a text file's bytes that may be invalid UTF-8 without --allow-invalid-utf8.
+MAX_INVALID_UTF8 = 0.001
+_ESCAPED = re.compile("[\udc80-\udcff]")
+_CR = re.compile("\r\n?")
+
+
+def normalize_newlines(text: str) -> str:
+    """``text`` with CRLF and lone CR line endings turned into LF."""
+    return _CR.sub("\n", text) if "\r" in text else text
+
+
+def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None = None) -> str:
+    """A file's text with LF line endings (`normalize_newlines`); invalid UTF-8 bytes become
+    U+FFFD and are counted into ``report[path]``. Raises ValueError above ``MAX_INVALID_UTF8``
+    unless allowed."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    text = normalize_newlines(raw.decode("utf-8", errors="surrogateescape"))
+    bad = len(_ESCAPED.findall(text))
+    if not bad:
+        return text
+    if bad > MAX_INVALID_UTF8 * len(raw) and not allow_invalid_utf8:
+        raise ValueError(
+            f"{path}: {bad:,} of {len(raw):,} bytes ({100 * bad / len(raw):.1f} %) are not valid "
+            f"UTF-8 (binary data or another encoding?); convert it to UTF-8 (e.g. iconv -f "
+            f"latin1 -t utf-8) or pass --allow-invalid-utf8 to replace them with U+FFFD")
+    if report is not None:
+        report[path] = bad
+    return _ESCAPED.sub("\ufffd", text)
+
+
+def expand_inputs(inputs: Sequence[str]) -> list[str]:
+    """Input paths with directories replaced by their ``.txt``/``.jsonl`` files (recursive, sorted)."""
+    files: list[str] = []
+    for path in inputs:
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            found = []
+            for root, _dirs, names in os.walk(path):
+                found += [os.path.join(root, n) for n in names if n.endswith(INPUT_SUFFIXES)]
+            if not found:
+                raise FileNotFoundError(f"input directory {path} holds no "
+                                        f"{' / '.join(INPUT_SUFFIXES)} files")
+            files += sorted(found)
+        elif os.path.isfile(path):
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"input {path} does not exist; pass text files, .jsonl files or directories")
+    return files
+
+
+def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
+                   jsonl_key: str = "text", allow_invalid_utf8: bool = False,
+                   report: dict | None = None) -> Iterator[tuple[str, int]]:
+    """Yield ``(document_text, source_bytes)`` for every non-blank document of ``files``, its
+    line endings LF (see the module docstring; invalid UTF-8: see `read_text`)."""
+    for path in files:
+        if path.endswith(".parquet"):
+            yield from ((normalize_newlines(t), n) for t, n in _parquet_documents(path, jsonl_key))
+            continue
+        if path.endswith(".json") and _is_json_array(path):
+            yield from ((normalize_newlines(t), n) for t, n in
+                        _json_array_documents(path, jsonl_key))
+            continue
+        if path.endswith((".jsonl", ".json")):
+            with open(path, "rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)[jsonl_key]
+                    except (ValueError, KeyError, TypeError) as e:
+                        raise ValueError(
+                            f"{path}:{lineno}: expected a JSON object with a string field "
+                            f"{jsonl_key!r} ({e!r}); fix the line or pass --jsonl-key"
+                        ) from None
+                    if isinstance(text, str) and text.strip():
+                        yield normalize_newlines(text), len(line)
+            continue
+        content = read_text(path, allow_invalid_utf8, report)
+        if not split_paragraphs:
+            if content.strip():
+                yield content, os.path.getsize(path)
+            continue
+        for para in _PARAGRAPH_SPLIT.split(content):
+            if para.strip():
+                yield para.strip("\n"), len(para) + 2
+
+
+def _is_json_array(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+def _json_array_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
+    with open(path, encoding="utf-8") as f:
+        records = json.load(f)
+    size = os.path.getsize(path) / max(1, len(records))
+    for i, record in enumerate(records):
+        if not isinstance(record, dict) or not isinstance(record.get(key), str):
+            raise ValueError(f"{path}: item {i} is not an object with a string field {key!r}; "
+                             f"fix it or pass --jsonl-key")
+        if record[key].strip():
+            yield record[key], int(size)
+
+
+def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
+    import pyarrow.parquet as pq
+
+    file = pq.ParquetFile(path)
+    if key not in file.schema_arrow.names:
+        raise ValueError(f"{path}: no column {key!r} (columns: {file.schema_arrow.names}); "
+                         f"pass --jsonl-key COLUMN")
+    size = os.path.getsize(path) / max(1, file.metadata.num_rows)
+    for batch in file.iter_batches(columns=[key], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if isinstance(text, str) and text.strip():
+                yield text, int(size)
