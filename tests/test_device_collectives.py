@@ -52,7 +52,7 @@ def _worker(root):
 
     from megapar.checkpoint.distributed import save_checkpoint
     from megapar.data_parallel import GradBuckets
-    from megapar.pipeline.executor import gather_timeline
+    from megapar.pipeline.gather import gather_timeline
     from megapar.training.bubble import gather_stage_info
 
     mesh = Mesh(Layout(2, 2, 2), dist.get_rank())

@@ -13,7 +13,8 @@ from torch import nn
 
 from megapar.launcher import WorkerError, run_local
 from megapar.mesh import Layout, Mesh
-from megapar.pipeline.executor import PipelineExecutor, gather_timeline
+from megapar.pipeline.executor import PipelineExecutor
+from megapar.pipeline.gather import gather_timeline
 from megapar.pipeline.p2p import P2PTimeoutError
 from megapar.pipeline.schedules import Action, get_schedule
 from tp_utils import assert_close, make_mesh

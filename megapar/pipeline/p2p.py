@@ -159,3 +159,16 @@ class StageP2P:
                 f"{tuple(tensor.shape)} {tensor.dtype}, but the pipeline was set up for "
                 f"{self.shape} {self.dtype}; every micro-batch must have the same "
                 f"(micro-batch size, seq, hidden) and act_shape must match it")
+
+
+def wait_work(work, timeout_s: float, what: str) -> None:
+    """Wait for an asynchronous collective, raising P2PTimeoutError naming `what` after
+    `timeout_s` (the pipeline's collectives: loss broadcast, timeline gathering)."""
+    from datetime import timedelta
+
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise P2PTimeoutError(f"{what} did not complete within {timeout_s:g} s ({exc}); another "
+                              f"rank of the pipeline group probably failed (look for its error)"
+                              ) from exc

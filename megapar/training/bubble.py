@@ -89,7 +89,8 @@ class _Held:
 def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stages=1):
     from megapar.mesh import Mesh
     from megapar.models.config import config_from_dict
-    from megapar.pipeline.executor import PipelineExecutor, gather_timeline
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.pipeline.gather import gather_timeline
     from megapar.pipeline.schedules import in_flight_peak, schedule_actions
     from megapar.training.build import build_stage
 

@@ -142,7 +142,7 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
     def bubble(self) -> float:
         """Measured bubble fraction of the last step over all stages (collective over pp)."""
-        from megapar.pipeline.executor import gather_timeline
+        from megapar.pipeline.gather import gather_timeline
         from megapar.pipeline.timeline import bubble_stats
 
         timeline = gather_timeline(self.executor.last_timeline, self.mesh)

@@ -1,0 +1,69 @@
+"""Every pipeline stage's trace events gathered on pp rank 0, on one clock (`gather_timeline`).
+
+Used after a traced step by megapar-train's bubble logging and megapar-bubble. Collectives over
+the pp group only, on the mesh device (NCCL needs GPU tensors), each with a timeout.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megapar.device import DEFAULT_TIMEOUT_S
+from megapar.mesh import Mesh
+from megapar.pipeline.p2p import wait_work
+from megapar.pipeline.timeline import Event, Timeline
+
+
+# timelines across stages -------------------------------------------------------------------
+TRACE_KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad",
+               "backward_input", "backward_weight", "wait", "loss_broadcast")
+"""Event kinds `gather_timeline` can encode (as their index in this tuple)."""
+
+
+def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    sync_rounds: int = 8):
+    """Every pp stage's events on pp rank 0 (a `Timeline`), None on the other ranks.
+
+    Collective over `mesh.pp_group`. Clocks are aligned to pp rank 0's: rank 0 broadcasts its
+    clock reading `sync_rounds` times; a receiver's reading minus rank 0's is its clock offset
+    plus the message latency, never less (the message cannot arrive before it was sent), so the
+    minimum over the rounds is the offset, off by the smallest latency seen (microseconds), and
+    robust to a rank being descheduled in one round. Events travel as float64 tensors
+    [kind, mb, chunk, start, end] (mb -1 for None), no pickled objects.
+    """
+    if mesh.pp == 1:
+        return Timeline(list(timeline.events))
+    group, root = mesh.pp_group, mesh.stage_rank(0)
+    dev = mesh.device  # NCCL collectives need tensors on the GPU
+    offset = float("inf")
+    for _ in range(sync_rounds):
+        stamp = torch.tensor([time.perf_counter()], dtype=torch.float64, device=dev)
+        wait_work(dist.broadcast(stamp, src=root, group=group, async_op=True), timeout_s,
+              f"rank {mesh.rank}: clock alignment of gather_timeline")
+        offset = min(offset, time.perf_counter() - stamp.item())
+    if mesh.is_first_stage:
+        offset = 0.0
+    rows = torch.tensor([[TRACE_KINDS.index(e.kind), -1 if e.mb is None else e.mb, e.chunk,
+                          e.start - offset, e.end - offset] for e in timeline.events],
+                        dtype=torch.float64, device=dev).reshape(-1, 5)
+    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(mesh.pp)]
+    wait_work(dist.all_gather(counts, torch.tensor([len(rows)], device=dev), group=group,
+                          async_op=True),
+          timeout_s, f"rank {mesh.rank}: gathering timeline sizes")
+    longest = max(int(c) for c in counts)
+    padded = torch.zeros(longest, 5, dtype=torch.float64, device=dev)
+    padded[:len(rows)] = rows
+    parts = [torch.zeros_like(padded) for _ in range(mesh.pp)] if mesh.is_first_stage else None
+    wait_work(dist.gather(padded, parts, dst=root, group=group, async_op=True), timeout_s,
+          f"rank {mesh.rank}: gathering timelines on pp rank 0")
+    if not mesh.is_first_stage:
+        return None
+    events = []
+    for stage, (part, count) in enumerate(zip(parts, counts)):
+        for kind, mb, chunk, start, end in part[:int(count)].cpu().tolist():
+            events.append(Event(stage, TRACE_KINDS[int(kind)], None if mb < 0 else int(mb),
+                                start, end, int(chunk)))
+    return Timeline(events)
