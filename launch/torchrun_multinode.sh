@@ -13,6 +13,7 @@
 # in TORCHRUN_ARGS (e.g. TORCHRUN_ARGS="--max-restarts 0").
 set -euo pipefail
 : "${NNODES:?set NNODES (number of nodes)}"
+if [ "$NNODES" = "1" ]; then NODE_RANK="${NODE_RANK:-0}"; fi  # one node: it is node 0
 : "${NODE_RANK:?set NODE_RANK (0 .. NNODES-1)}"
 : "${NPROC_PER_NODE:=1}"
 : "${MASTER_ADDR:=127.0.0.1}"

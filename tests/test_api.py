@@ -269,6 +269,10 @@ def _bad_batches():
         "float": {"input_ids": x.float(), "labels": good["labels"]},
         "long": {"input_ids": torch.zeros(G, 128, dtype=torch.long),
                  "labels": torch.zeros(G, 128, dtype=torch.long)},
+        "no labels": {"input_ids": x},
+        "mask shape": {**good, "attention_mask": torch.ones(G, SEQ - 2, dtype=torch.long)},
+        "int32": {"input_ids": x.int(), "labels": good["labels"].int()},        # trains
+        "uint8": {"input_ids": x.to(torch.uint8), "labels": good["labels"].to(torch.uint8)},
     }
     out = {}
     for name, batch in cases.items():
@@ -290,10 +294,13 @@ def test_bad_batches_are_refused_at_any_layout(run):
                 "mask": "has no padding mask",
                 "numpy": "is a ndarray; pass torch tensors",
                 "float": "holds torch.float32; token ids",
-                "long": "longer than the model's 16 positions"}
+                "long": "longer than the model's 16 positions",
+                "no labels": "train_step needs 'labels'",
+                "mask shape": "attention_mask has shape (8, 6), input_ids (8, 8)",
+                "int32": "accepted", "uint8": "accepted"}   # any integer width, as int64
     for name, message in expected.items():
         assert message in out[name], (name, out[name])
-    assert steps == 1   # only the all-ones attention mask trained
+    assert steps == 3   # int32, uint8 and the all-ones attention mask trained
 
 
 def _global_rng_batches():
@@ -363,3 +370,17 @@ def test_adam_betas_are_settings_and_match_torch_adamw(run):
     assert theirs[3] < theirs[0] - 0.1     # a large lr: the second moment's decay matters
     for a, b in zip(ours, theirs):
         assert math.isclose(a, b, rel_tol=1e-5), (ours, theirs)
+
+
+def _extra_clash(ckpt):
+    engine = megapar.prepare(_hf_model(), micro_batch_size=2)
+    try:
+        engine.save(ckpt, extra={"step": 100})
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_save_extra_may_not_overwrite_megapars_own_keys(run, tmp_path):
+    message = run(_extra_clash, 1, str(tmp_path / "ck"))[0]
+    assert "['step'] are megapar's own checkpoint keys" in message

@@ -251,3 +251,46 @@ def test_one_cycle_lr_cycles_the_momentum_of_the_inner_optimizer(kind, key):
         seen.append(inner[0] if key == "betas" else inner)
         sched.step()
     assert len(set(seen)) == 4   # the momentum really cycles (0.95 down towards 0.85)
+
+
+def test_resume_restores_momentum_a_torch_scheduler_moved():
+    """OneCycleLR cycles beta1: a resume must continue with the moved betas, not the initial
+    ones (the losses of a resumed run equal the uninterrupted run's exactly)."""
+    import copy
+
+    from megapar.optim.optimizer import AdamWOptimizer
+
+    def build(weights=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        if weights is not None:
+            model.load_state_dict(weights)
+        opt = AdamWOptimizer(list(model.named_parameters()), 1e-2, 0.1)
+        return model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=8)
+
+    data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def train(model, opt, sched, batches):
+        losses = []
+        for x in batches:
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+        return losses
+
+    model, opt, sched = build()
+    train(model, opt, sched, data[:3])
+    snap = (copy.deepcopy(model.state_dict()), json.loads(json.dumps(opt.state_json())),
+            {k: {s: t.clone() for s, t in v.items()} for k, v in opt.state_tensors().items()},
+            sched.state_dict())
+    full = train(model, opt, sched, data[3:])
+
+    model2, opt2, sched2 = build(snap[0])
+    opt2.load_state_tensors(snap[2])
+    opt2.load_state_json(snap[1])
+    sched2.load_state_dict(snap[3])
+    assert opt2.param_groups[0]["betas"] == tuple(snap[1]["groups"][0]["betas"]) != (0.9, 0.95)
+    assert train(model2, opt2, sched2, data[3:]) == full

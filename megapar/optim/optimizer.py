@@ -164,11 +164,22 @@ class AdamWOptimizer(torch.optim.Optimizer):
 
     def state_json(self) -> dict:
         return {"step": self.num_steps, "zero": self.zero, "lr": self.lr, "kind": self.kind,
-                "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
+                "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay,
+                "momentum": self.momentum,
+                # what a torch scheduler may have moved (OneCycleLR cycles betas / momentum)
+                "groups": [{k: list(g[k]) if k == "betas" else g[k] for k in ("lr", "betas",
+                            "momentum") if k in g} for g in self.param_groups]}
 
     def load_state_json(self, d: dict) -> None:
         self.num_steps = int(d["step"])
         self.set_lr(float(d.get("lr", self.lr)))
+        saved = {"betas": d.get("betas"), "momentum": d.get("momentum")}
+        for group, moved in zip(self.param_groups, d.get("groups", [])):
+            group["lr"] = float(moved.get("lr", group["lr"]))
+            for key in ("betas", "momentum"):  # restored only where a scheduler moved them, so
+                if key in group and key in moved and moved[key] != saved[key]:  # new flags win
+                    group[key] = tuple(moved[key]) if key == "betas" else float(moved[key])
+        self._sync_groups()
         if self.inner is not None:
             for state in self.inner.state.values():
                 if "step" in state:

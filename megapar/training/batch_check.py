@@ -27,11 +27,16 @@ def _positions(config) -> int | None:
 
 
 def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tensor]:
-    """The batch, checked (ValueError / TypeError naming the fix otherwise). An all-ones
-    `attention_mask` for a decoder (what a tokenizer returns) is accepted and dropped."""
+    """The batch, checked (ValueError / TypeError naming the fix otherwise), its integer
+    tensors as int64 (any integer width is accepted). An all-ones `attention_mask` for a decoder
+    (what a tokenizer returns) is accepted and dropped. Everything here is local: a bad batch
+    fails on every rank that holds it before any communication."""
     if not isinstance(batch, dict) or "input_ids" not in batch:
         raise TypeError(f"{what} takes a dict of tensors with at least 'input_ids' (and 'labels' "
                         f"to train), got {type(batch).__name__}")
+    if what == "train_step" and "labels" not in batch:
+        raise ValueError("train_step needs 'labels' (the next-token ids aligned with input_ids, "
+                         "-100 where there is none; BERT: the masked tokens' ids)")
     bert = config.model_type == "bert"
     allowed = BERT_KEYS if bert else DECODER_KEYS
     out = {}
@@ -40,6 +45,9 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{what}: batch[{key!r}] is a {type(value).__name__}; pass torch "
                             f"tensors (torch.as_tensor(...))")
+        if key == "attention_mask" and value.shape != batch["input_ids"].shape:
+            raise ValueError(f"{what}: attention_mask has shape {tuple(value.shape)}, input_ids "
+                             f"{tuple(batch['input_ids'].shape)}; they must match")
         if key == "attention_mask" and not bert:
             if not bool((value == 1).all()):
                 raise ValueError(f"{what}: {config.model_type} in megapar has no padding mask; "
@@ -49,9 +57,13 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
         if key not in allowed:
             raise ValueError(f"{what}: batch key {key!r} is not used by {config.model_type} "
                              f"(it reads {', '.join(allowed)}); drop it")
-        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        if value.is_floating_point() or value.is_complex() or (
+                value.dtype == torch.bool and key != "attention_mask"):
             raise TypeError(f"{what}: batch[{key!r}] holds {value.dtype}; token ids, labels and "
                             f"masks must be integer tensors (e.g. .long())")
+        if key == "attention_mask" and not bool(((value == 0) | (value == 1)).all()):
+            raise ValueError(f"{what}: attention_mask holds values other than 0 and 1")
+        value = value.long()   # int32 / uint8 ids work at every layout, and compare correctly
         if value.dim() != 2 or (shape is not None and tuple(value.shape) != shape):
             raise ValueError(f"{what}: batch[{key!r}] has shape {tuple(value.shape)}; every "
                              f"entry must be [global batch, seq]"

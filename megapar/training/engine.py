@@ -23,6 +23,11 @@ from megapar.training.config import TrainConfig
 from megapar.training.step import BatchPlan, StepResult
 
 
+RESERVED_META = frozenset({"step", "scaler", "optimizer", "scheduler", "rng_note", "model",
+                           "layout"})
+"""Checkpoint metadata keys megapar writes itself (`save(extra=...)` may not use them)."""
+
+
 class Engine:
     """Builds and owns one rank's training state for `model_config` under `cfg`.
 
@@ -153,6 +158,10 @@ class Engine:
         (e.g. a torch LR scheduler's state_dict()), returned by `load`. Collective."""
         from megapar.checkpoint.distributed import save_checkpoint
 
+        clash = sorted(set(extra or {}) & RESERVED_META)
+        if clash:
+            raise ValueError(f"engine.save(extra=...): {clash} are megapar's own checkpoint "
+                             f"keys; rename yours (e.g. 'my_{clash[0]}')")
         meta = {"step": self.step, "scaler": self.precision.state_dict(),
                 "optimizer": self.optimizer.state_json(), **(extra or {})}
         if self.scheduler is not None:
