@@ -123,6 +123,8 @@ def test_hf_export_keeps_other_files_and_replaces_an_export_only_when_asked(src,
         cv.export_hf(src, dst)
     cv.export_hf(src, dst, overwrite=True)
     assert sorted(p.name for p in dst.iterdir()) == ["config.json", "marker", "model.safetensors"]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in dst.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == modes["marker"], modes
     assert (dst / "model.safetensors").read_bytes() == weights
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 

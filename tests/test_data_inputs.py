@@ -66,6 +66,19 @@ def test_bad_inputs_name_the_problem(tmp_path, capsys):
     assert data_main(["--input", str(tmp_path / "arr.json"), "--output-prefix",
                       str(tmp_path / "o"), "--no-progress"]) == 2
     assert "item 1 is not an object with a string field 'text'" in capsys.readouterr().err
+    # a field that is there but is not text is an error, never a silently dropped document
+    for name, lines, message in [("num.jsonl", ['{"text": 5}', '{"text": "hello"}'],
+                                  "num.jsonl:1: field 'text' is an int, not a string"),
+                                 ("nul.jsonl", ['{"text": "a"}', '{"text": null}'],
+                                  "nul.jsonl:2: field 'text' is null, not a string")]:
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+        assert data_main(["--input", str(tmp_path / name), "--output-prefix",
+                          str(tmp_path / "o"), "--no-progress"]) == 2
+        assert message in capsys.readouterr().err
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
+    assert data_main(["--input", str(tmp_path / "n.parquet"), "--output-prefix",
+                      str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "column 'text' holds int64, not text" in capsys.readouterr().err
     assert not list(tmp_path.glob("o*"))
 
 

@@ -281,6 +281,9 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path) -> 
                 setattr(hf_config, special, None)
         save_file(to_hf_state(canonical, config), str(tmp["model.safetensors"]),
                   metadata={"format": "pt"})
+        umask = os.umask(0)   # safetensors creates its file 0600: give it the usual mode
+        os.umask(umask)
+        os.chmod(tmp["model.safetensors"], 0o666 & ~umask)
         tmp["config.json"].write_text(hf_config.to_json_string())
         for name in HF_FILES:
             os.replace(tmp[name], out_dir / name)

@@ -93,7 +93,14 @@ def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
                             f"{path}:{lineno}: expected a JSON object with a string field "
                             f"{jsonl_key!r} ({e!r}); fix the line or pass --jsonl-key"
                         ) from None
-                    if isinstance(text, str) and text.strip():
+                    if not isinstance(text, str):   # never dropped silently
+                        kind = type(text).__name__
+                        kind = "null" if text is None else (
+                            ("an " if kind[0] in "aeiou" else "a ") + kind)
+                        raise ValueError(
+                            f"{path}:{lineno}: field {jsonl_key!r} is {kind}, not a string; fix "
+                            f"the line or pass --jsonl-key naming the text field")
+                    if text.strip():
                         yield normalize_newlines(text), len(line)
             continue
         content = read_text(path, allow_invalid_utf8, report)
@@ -131,6 +138,10 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
     if key not in file.schema_arrow.names:
         raise ValueError(f"{path}: no column {key!r} (columns: {file.schema_arrow.names}); "
                          f"pass --jsonl-key COLUMN")
+    kind = file.schema_arrow.field(key).type
+    if str(kind) not in ("string", "large_string"):
+        raise ValueError(f"{path}: column {key!r} holds {kind}, not text; pass --jsonl-key "
+                         f"naming the text column")
     size = os.path.getsize(path) / max(1, file.metadata.num_rows)
     for batch in file.iter_batches(columns=[key], batch_size=1024):
         for text in batch.column(0).to_pylist():
