@@ -23,10 +23,11 @@ import os
 import sys
 
 from megapar.pipeline.schedules import SCHEDULES
+from megapar.training.config import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megapar-bubble", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="megapar-bubble", description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, required=True, help="pipeline stages")
     p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step")
     p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")

@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Sequence
+from megapar.training.config import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``megapar-convert`` argument parser."""
-    p = argparse.ArgumentParser(prog="megapar-convert", description=__doc__.replace("``", ""),
+    p = OneLineParser(prog="megapar-convert", description=__doc__.replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="*", metavar="PATH", help="SRC DST, DST (--from-hf) or SRC "
                                                             "(--to-hf)")

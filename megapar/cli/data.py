@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Sequence
+from megapar.training.config import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``megapar-data`` argument parser."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="megapar-data", description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -19,10 +19,11 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+from megapar.training.config import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megapar-eval", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="megapar-eval", description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")

@@ -21,10 +21,11 @@ import math
 import sys
 
 from megapar.plan.layouts import PLAN_SCHEDULES, RECOMPUTE
+from megapar.training.config import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megapar-plan", description=__doc__.split("\n")[0],
+    p = OneLineParser(prog="megapar-plan", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="model recipe (models/) or JSON/YAML config")
     p.add_argument("--gpus", type=int, required=True, help="total GPUs N")

@@ -198,8 +198,21 @@ def _escaped(docs: dict[str, str]) -> dict[str, str]:
     return {name: text.replace("%", "%%") for name, text in docs.items()}
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with megapar's rule for bad input: one line naming the problem and where the fix
+    is (exit 2), not the whole usage; flags are never abbreviated (`--max-step` is not
+    `--max-steps`), as in Megatron."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog, description="Train a GPT-2, BERT or Llama with tensor, pipeline and data parallelism.")
     parser.add_argument("--config", help="JSON or YAML file whose keys are these flags' names "
                         "(command-line flags override it)")
