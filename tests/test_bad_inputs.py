@@ -79,6 +79,9 @@ TRAIN = [
     (["--warmup-steps", "-1"], "--warmup-steps -1 is invalid"),
     (["--lr", "nan"], "--lr nan is invalid: it must be a finite number > 0.0"),
     (["--adam-beta2", "1"], "--adam-beta2 1.0 is invalid: it must be in [0, 1)"),
+    (["--load", "{ckpt}", "--model", "llama-tiny"],
+     "holds a gpt2 model and --model llama-tiny is a llama; with --load the model comes from"),
+    (["--load", "{ckpt/latest/ck}"], "is a file, so no checkpoint can be there"),
     (["--adam-beta1", "nan"], "--adam-beta1 nan is invalid"),
     (["--lr", "inf"], "--lr inf is invalid"),
     (["--lr", "0"], "--lr 0.0 is invalid"),
@@ -115,7 +118,7 @@ TRAIN = [
     (["--load", "/nonexistent/ckpt", "--load-strict"], "--load /nonexistent/ckpt: no such checkpoint directory"),  # without --load-strict: starts fresh (requeue)
     (["--load", "{empty_dir}", "--load-strict"], "empty_dir: no checkpoint there (--load-strict)"),
     (["--load", "{corrupt}"], "checksum mismatch"),
-    (["--load", "{ckpt}", "--model", "gpt2-124m"], "holds another model than recipe"),
+    (["--load", "{ckpt}", "--model", "gpt2-124m"], "holds another model than --model gpt2-124m"),
     (["--load", "{ckpt}", "--max-steps", "1"], "is at step 1 and --max-steps is 1"),
     # --config values are parsed like the flags: null and values a flag cannot take are errors
     (["--config", "{null.json}"], "--lr: null is not a value; remove the key to use the default"),
@@ -169,6 +172,7 @@ def _fill(argv, env):
              "negative": env["negative"], "ckpt": env["ckpt"], "corrupt": env["corrupt"],
              "prefix": env["prefix"], "empty_dir": str(env["root"] / "empty_dir"),
              "text": str(env["root"] / "text.txt"), "ckpt/latest": env["ckpt"] + "/latest",
+             "ckpt/latest/ck": env["ckpt"] + "/latest/ck",
              "ckpt/shard": str(next(Path(env["ckpt"], "step_00000001").glob("*.safetensors"))),
              "ckpt/step_00000099": env["ckpt"] + "/step_00000099",
              "ckpt/typo": env["ckpt"] + "/typo",

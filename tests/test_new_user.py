@@ -379,7 +379,7 @@ def test_resume_a_from_hf_checkpoint_at_another_layout_with_no_model_flags(
     assert rc == 0, err
     rc, err = _run(train, [*common, "--load", moved, "--model", "gpt2-124m", "--max-steps", "3"],
                    capsys)
-    assert rc == 2 and "holds another model than recipe" in err and "n_embd=32" in err
+    assert rc == 2 and "holds another model than --model gpt2-124m" in err and "n_embd=32" in err
     # megapar-eval --load takes the model from the checkpoint too, at any layout
     ids = tmp_path / "ids.npy"
     np.save(ids, np.arange(16, dtype=np.int64).reshape(2, 8))

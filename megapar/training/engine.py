@@ -164,6 +164,7 @@ class Engine:
                              f"keys; rename yours (e.g. 'my_{clash[0]}')")
         meta = {"step": self.step, "scaler": self.precision.state_dict(),
                 "optimizer": self.optimizer.state_json(), **(extra or {})}
+        set_action(f"saving the checkpoint of step {self.step} to {path}")
         if self.scheduler is not None:
             meta["scheduler"] = self.scheduler.state_dict()
         return save_checkpoint(path, self.step, self.model, self.mesh,

@@ -196,6 +196,12 @@ def check_load_path(cfg) -> None:
     if os.path.exists(path):
         return
     root = os.path.dirname(os.path.abspath(path))
+    blocker = root
+    while blocker and not os.path.exists(blocker):
+        blocker = os.path.dirname(blocker)
+    if blocker and not os.path.isdir(blocker):   # a missing dir under a file: never a checkpoint
+        raise UsageError(f"--load {cfg.load}: {blocker} is a file, so no checkpoint can be "
+                         f"there; give the directory --save writes to")
     try:
         names = os.listdir(root)
     except OSError:  # no such parent (or unreadable): nothing to name
@@ -290,12 +296,17 @@ def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: st
         from megapar.checkpoint.distributed import NON_STRUCTURAL
 
         ours, theirs = given_config.to_dict(), config.to_dict()
+        named = f"--model {cfg.model}" if given_from == "recipe" else given_from or "given"
+        if ours.get("model_type") != theirs.get("model_type"):
+            raise UsageError(f"--load {cfg.load} holds a {theirs.get('model_type')} model and "
+                             f"{named} is a {ours.get('model_type')}; with --load the model "
+                             f"comes from the checkpoint, drop {named.split()[0]}")
         skip = set(NON_STRUCTURAL) | ({"vocab_size"} if given_from == "recipe" else set())
         diff = sorted(k for k in set(ours) | set(theirs)
                       if k not in skip and ours.get(k) != theirs.get(k))
         if diff:
             shown = ", ".join(f"{k}={theirs.get(k)!r} (checkpoint) vs {ours.get(k)!r}" for k in diff)
-            raise UsageError(f"--load {cfg.load} holds another model than {given_from or 'given'}: "
+            raise UsageError(f"--load {cfg.load} holds another model than {named}: "
                              f"{shown}; with --load the model comes from the checkpoint, drop "
                              f"--model / --from-hf")
     if cfg.max_steps <= int(manifest.get("step", 0)):
