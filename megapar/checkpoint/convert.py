@@ -21,8 +21,8 @@ import torch
 
 from megapar.checkpoint.format import (
     FORMAT_NAME, FORMAT_VERSION, RNG_FILE, CheckpointError, ShardReader, ShardWriter,
-    dtype_from_name, dtype_name, file_record, fsync_dir, resolve_checkpoint, set_latest,
-    shard_file_name, staging_dir, step_dir_name, verify,
+    dtype_from_name, dtype_name, file_record, fsync_dir, probe_writable, resolve_checkpoint,
+    set_latest, shard_file_name, staging_dir, step_dir_name, verify,
 )
 from megapar.checkpoint.manifest import write_manifest
 from megapar.mesh import Layout, LayoutError, Mesh
@@ -68,17 +68,13 @@ def check_output(path, into: bool = False) -> None:
     written, before any source is read: a checkpoint root is built beside it (in its parent,
     then renamed), a transformers export (`into`) inside it. The directory that must take the
     files is created as the conversion would, and a probe file is written and removed there."""
-    import tempfile
-
     target = Path(path).expanduser()
     if into and target.exists() and not target.is_dir():
         raise CheckpointError(f"cannot create {path}: it is a file, and the export is a "
                               f"directory; choose another path")
     directory = target if into else target.parent
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-probe-"):
-            pass
+        probe_writable(directory)
     except OSError as exc:
         where = exc.filename or directory  # the part that failed, e.g. /proc/x of /proc/x/y
         why = ("is a file, not a directory" if isinstance(exc, FileExistsError) else

@@ -136,6 +136,17 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def probe_writable(directory: str | Path) -> None:
+    """Create `directory` (as a writer would) and write and remove a probe file there; OSError
+    when it cannot be written (a read-only mount, an immutable directory, a path under /proc or
+    under a file). Callers turn the error into their own message."""
+    import tempfile
+
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-probe-"):
+        pass
+
+
 def write_json(path: str | Path, data) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)

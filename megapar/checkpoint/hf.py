@@ -218,8 +218,9 @@ def _llama_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.
 
 _CANONICAL = {"gpt2": _gpt2_canonical, "bert": _bert_canonical, "llama": _llama_canonical}
 _TO_HF = {"gpt2": _gpt2_to_hf, "bert": _bert_to_hf, "llama": _llama_to_hf}
-_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
-                  "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
+                 "llama": "LlamaForCausalLM"}
+"""The transformers class megapar trains and exports, per model type."""
 
 
 # --- megapar models <-> HF -----------------------------------------------------------------
@@ -273,7 +274,7 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path) -> 
     tmp = {name: out_dir / f".{name}.tmp-{os.getpid()}" for name in HF_FILES}
     try:
         hf_config = config.to_hf()
-        hf_config.architectures = [_ARCHITECTURES[config.model_type]]
+        hf_config.architectures = [ARCHITECTURES[config.model_type]]
         hf_config.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
         for special in ("bos_token_id", "eos_token_id", "pad_token_id"):  # GPT-2's 50256
             value = getattr(hf_config, special, None)  # means nothing in another vocabulary

@@ -24,6 +24,7 @@ import sys
 
 from megapar.pipeline.schedules import SCHEDULES
 from megapar.training.config import OneLineParser
+from megapar.training.validate import _flag
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,10 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
 COST_FLAGS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "p2p_ms")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def check_cost_flags(args) -> None:
     """The cost flags feed only the simulator, and only with --fwd-ms (without it, --simulate
     measures every cost): refuse them where they would be ignored."""
@@ -82,11 +79,6 @@ def check_cost_flags(args) -> None:
     if args.fwd_ms is None:
         raise ValueError(f"{given[0]} needs --fwd-ms: without --fwd-ms, --simulate measures "
                          f"every cost on real processes; give --fwd-ms too, or drop {given[0]}")
-    for name in ("bwd_input_ms", "bwd_weight_ms"):  # the others: check_bubble_args
-        value = getattr(args, name)
-        if value is not None and not (value >= 0 and value < float("inf")):
-            raise ValueError(f"{_flag(name)} {value} is invalid: a cost must be a finite number "
-                             f"of milliseconds >= 0")
 
 
 def plot_file(path: str) -> str:
@@ -137,7 +129,8 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     from megapar.pipeline.schedules import check_schedule, format_schedule, schedule_actions
-    from megapar.training.validate import UsageError, check_bubble_args
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_tools import check_bubble_args
 
     pp, m, v = args.pp, args.microbatches, args.virtual_stages
     try:  # every argument and output: one line, exit 2, before any work or worker starts

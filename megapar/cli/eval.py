@@ -19,6 +19,7 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from megapar.training.config import OneLineParser
 
 
@@ -179,7 +180,8 @@ def main(argv=None) -> int:
         return 2
     from megapar.checkpoint.format import CheckpointError
     from megapar.models.config import config_from_dict
-    from megapar.training.validate import UsageError, check_eval_args
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_tools import check_eval_args
 
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
         manifest = check_eval_args(args)

@@ -65,8 +65,8 @@ def _problem(args):
     from megapar.plan import Problem
 
     config = resolve_model(args.model)
-    limit = getattr(config, "n_positions", getattr(config, "max_position_embeddings", None))
-    if limit is not None and args.seq_len > limit:
+    limit = config.max_positions
+    if args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {limit} positions")
     for name in ("gpus", "gpus_per_node", "global_batch_size", "seq_len", "top"):
         if getattr(args, name) < 1:

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Iterable
 
-from megapar.data.tokenizers import Tokenizer
+from megapar.data.tokenizers import PROBE_TEXT, Tokenizer
 
 #: End-of-sequence tokens recognised when the directory names none.
 COMMON_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
@@ -72,10 +72,6 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
     tok.bos_id = bos if bos is not None and bos != eos else None
     _check_encodes_text(directory, backend, set(special) | set(present.values()))
     return tok
-
-
-#: Ordinary text every usable tokenizer turns into some non-special ids.
-PROBE_TEXT = "Hello world"
 
 
 def _check_encodes_text(directory: str, backend, special: set[int]) -> None:

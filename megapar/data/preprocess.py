@@ -221,11 +221,7 @@ def _sentencepiece_error(message: str, vocab_size: int) -> str:
 
 def file_sha256(path: str) -> str:
     """Hex SHA-256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return _digest_and_cr(path)[0]
 
 
 def _digest_and_cr(path: str) -> tuple[str, bool]:

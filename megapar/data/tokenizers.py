@@ -206,6 +206,10 @@ def _load_sentencepiece(model_path: str) -> Tokenizer:
     return Tokenizer("sentencepiece", model_path, proc, size, present, reserved + list(present.values()))
 
 
+PROBE_TEXT = "Hello world"
+"""Ordinary text every usable tokenizer turns into some non-special ids."""
+
+
 def _count_merges(path: str) -> int:
     with open(path, encoding="utf-8") as f:
         return sum(1 for line in f if line.strip() and not line.startswith("#version"))
@@ -237,7 +241,7 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
                 "a GPT-2 BPE directory needs vocab.json and merges.txt"
             )
         tok = _load_gpt2_bpe(vocab, merges, os.path.abspath(spec))
-        if not tok.encode("Hello world"):
+        if not tok.encode(PROBE_TEXT):
             raise ValueError(
                 f"tokenizer {spec} encodes text to nothing: its vocab.json has "
                 f"{tok.base_vocab_size:,} tokens and merges.txt {_count_merges(merges):,} merges; "

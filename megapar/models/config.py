@@ -131,6 +131,11 @@ class GPT2Config(_Base):
         return self.n_layer
 
     @property
+    def max_positions(self) -> int:
+        """The longest sequence the model takes."""
+        return self.n_positions
+
+    @property
     def ffn_size(self) -> int:
         return self.n_inner or 4 * self.n_embd
 
@@ -176,6 +181,11 @@ class BertConfig(_Base):
     @property
     def num_layers(self) -> int:
         return self.num_hidden_layers
+
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the model takes."""
+        return self.max_position_embeddings
 
     @property
     def ffn_size(self) -> int:
@@ -263,6 +273,11 @@ class LlamaConfig(_Base):
     @property
     def num_layers(self) -> int:
         return self.num_hidden_layers
+
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the model takes."""
+        return self.max_position_embeddings
 
     @property
     def ffn_size(self) -> int:

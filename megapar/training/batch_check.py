@@ -18,12 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megapar.mesh import same_on_all_ranks
+
 BERT_KEYS = ("input_ids", "labels", "token_type_ids", "attention_mask")
 DECODER_KEYS = ("input_ids", "labels")
-
-
-def _positions(config) -> int | None:
-    return getattr(config, "n_positions", getattr(config, "max_position_embeddings", None))
 
 
 def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tensor]:
@@ -72,8 +70,8 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
         out[key] = value
     if value_range := _out_of_range(out, config):
         raise ValueError(f"{what}: {value_range}")
-    limit = _positions(config)
-    if limit is not None and shape[1] > limit:
+    limit = config.max_positions
+    if shape[1] > limit:
         raise ValueError(f"{what}: sequences of {shape[1]} tokens are longer than the model's "
                          f"{limit} positions; cut them to at most {limit}")
     return out
@@ -115,10 +113,7 @@ def same_on_every_rank(batch: dict[str, torch.Tensor], device: torch.device,
     """Raise on every rank (no hang) unless all ranks hold the same batch (one all-reduce)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    fp = fingerprint(batch)
-    both = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    if int(both[0]) != fp or int(both[1]) != -fp:
+    if not same_on_all_ranks(fingerprint(batch), device, torch.int64):
         raise ValueError(
             f"{what}: rank {dist.get_rank()} got another global batch than other ranks; every "
             f"rank must pass the same global batch (each takes its own share). Draw it from a "

@@ -150,7 +150,7 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
                 f"--load {cfg.load} holds a model with a vocabulary of {config.vocab_size} but the "
                 f"data's tokenizer {tokenizer_name} needs {needed(config)} token ids; use data "
                 f"tokenized with the checkpoint's tokenizer")
-    max_len = getattr(config, "n_positions", None) or config.max_position_embeddings
+    max_len = config.max_positions
     if cfg.seq_len > max_len:
         from megapar.training.validate import explicit
 

@@ -162,7 +162,8 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
     Creates the directory (as the run would) and writes and removes a probe file there, so a
     read-only mount, an immutable directory or a path under /proc is found before any work."""
     import errno
-    import tempfile
+
+    from megapar.checkpoint.format import probe_writable
 
     target = os.path.expanduser(path)
     directory = target if kind == "dir" else (os.path.dirname(os.path.abspath(target)) or ".")
@@ -172,9 +173,7 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
     if kind == "file" and os.path.isdir(target):
         raise ValueError(f"{flag} {path} is a directory; give a file name")
     try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-probe-"):
-            pass
+        probe_writable(directory)
         if kind == "file" and os.path.exists(target):
             with open(target, "a"):
                 pass

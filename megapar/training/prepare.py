@@ -7,7 +7,8 @@ import dataclasses
 
 import torch
 
-from megapar.mesh import Mesh
+from megapar.checkpoint.hf import ARCHITECTURES
+from megapar.mesh import Mesh, same_on_all_ranks
 from megapar.training.config import TrainConfig
 from megapar.training.engine import Engine
 
@@ -37,7 +38,7 @@ def _resolve_model(model):
                       f"'gpt2-tiny'")
 
 
-LM_CLASSES = ("GPT2LMHeadModel", "BertForMaskedLM", "LlamaForCausalLM")
+LM_CLASSES = tuple(ARCHITECTURES.values())
 """The transformers models megapar trains as they are."""
 BASE_CLASSES = ("GPT2Model", "BertModel", "LlamaModel")
 """Their bodies without the head: accepted, the head's missing tensors initialised (a warning
@@ -45,16 +46,12 @@ names them)."""
 
 
 def _check_same_weights(model, mesh: Mesh) -> None:
-    """Every rank must pass the same weights: compare a checksum (max - min over the world)."""
-    import torch.distributed as dist
-
+    """Every rank must pass the same weights: compare a checksum over the world."""
     if mesh.layout.world_size == 1:
         return
     with torch.no_grad():
         total = sum(p.detach().double().abs().sum() for p in model.parameters())
-    t = torch.tensor([float(total), -float(total)], dtype=torch.float64, device=mesh.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if t[0].item() != -t[1].item():
+    if not same_on_all_ranks(float(total), mesh.device):
         raise ValueError("megapar.prepare: the model's weights differ between ranks; build it the "
                          "same way on every rank (torch.manual_seed before constructing it, or "
                          "from_pretrained)")

@@ -13,8 +13,7 @@ exit code 2 instead of N tracebacks after the workers started:
   sha256 of every file), read once here.
 - `settings_from_checkpoint` / `check_resumable`: `--load CKPT` alone resumes its run; a
   setting that breaks the checkpoint's data order is reported.
-- `check_eval_args` / `check_bubble_args`: the same for megapar-eval and megapar-bubble
-  (in validate_tools.py, importable from here).
+- megapar-eval's and megapar-bubble's checks are in validate_tools.py.
 
 Unexpected errors in running workers are failures.py's.
 """
@@ -313,13 +312,3 @@ def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: st
         raise UsageError(f"--load {cfg.load} is at step {manifest.get('step')} and --max-steps "
                          f"is {cfg.max_steps}: nothing left to train; raise --max-steps")
     return config
-
-
-def __getattr__(name: str):
-    """megapar-eval's and megapar-bubble's checks live in validate_tools.py (imported here
-    on first use, so `from megapar.training.validate import check_eval_args` still works)."""
-    if name in ("check_eval_args", "check_bubble_args", "MAX_SIMULATED_ACTIONS"):
-        from megapar.training import validate_tools
-
-        return getattr(validate_tools, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,7 @@ def check_eval_args(args) -> dict:
         config.validate(Layout(args.tp, args.pp, 1))
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
-    positions = getattr(config, "n_positions", None) or config.max_position_embeddings
+    positions = config.max_positions
     if args.seq_len and args.seq_len > positions:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
                          f"lower --seq-len")
@@ -81,11 +81,12 @@ def check_bubble_args(args) -> None:
         value = getattr(args, name)
         if value < 1:
             raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
-    for name in ("fwd_ms", "bwd_ms", "p2p_ms"):
+    for name in ("fwd_ms", "bwd_ms", "p2p_ms", "bwd_input_ms", "bwd_weight_ms"):
         value = getattr(args, name)
-        low = 0.0 if name == "p2p_ms" else 1e-300
-        if value is not None and not (math.isfinite(value) and value >= low):
-            need = ">= 0" if name == "p2p_ms" else "> 0"
+        positive = name in ("fwd_ms", "bwd_ms")   # a split backward part may cost nothing
+        if value is not None and not (math.isfinite(value) and value >= (1e-300 if positive
+                                                                          else 0.0)):
+            need = "> 0" if positive else ">= 0"
             raise UsageError(f"{_flag(name)} {value} is invalid: a cost must be a finite "
                              f"number of milliseconds {need}")
     actions = 2 * args.pp * args.microbatches
@@ -106,7 +107,7 @@ def check_bubble_args(args) -> None:
         config.validate(Layout(args.tp, args.pp, 1))
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
-    positions = getattr(config, "n_positions", None) or config.max_position_embeddings
+    positions = config.max_positions
     if args.seq_len > positions:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
                          f"lower --seq-len")
