@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Sequence
+
 from megapar.training.config import OneLineParser
 
 

@@ -142,8 +142,7 @@ def _name_user_data(message: str, cfg: TrainConfig) -> str:
     users = [p for p in items if p and os.path.splitext(os.path.basename(
         os.path.expanduser(str(p)).rstrip("/")))[0] == stem]
     data = users[0] if users else (cfg.data or "the shipped sample")
-    return f"--data {data} (tokenized with --tokenizer {cfg.tokenizer}): " + \
-        rest.replace("seq_len + 1", "--seq-len + 1").replace("shorter seq_len", "shorter --seq-len")
+    return f"--data {data} (tokenized with --tokenizer {cfg.tokenizer}): {rest}"
 
 
 def _worker(cfg: TrainConfig, plan: DataPlan):

@@ -110,7 +110,8 @@ class GPTDataset(torch.utils.data.Dataset):
         if self.num_samples == 0:
             raise ValueError(
                 f"{indexed.prefix}: the selected documents hold {len(self.stream)} tokens, fewer than "
-                f"one window of seq_len + 1 = {self.seq_len + 1}; use more data or a shorter seq_len"
+                f"one window of --seq-len + 1 = {self.seq_len + 1}; use more data or a shorter "
+                f"--seq-len"
             )
 
     def __len__(self) -> int:

@@ -157,11 +157,12 @@ def read_doc_offsets(path: str) -> np.ndarray:
         return megatron.read_index(path)[1]
     with open(path, "rb") as f:
         data = f.read()
-    if len(data) < 16 + 8 or data[:8] != IDX_MAGIC:
-        if len(data) >= 8 and data[:8] != IDX_MAGIC:
-            raise ValueError(f"{path} is not a megapar index (bad magic {data[:8]!r}, "
-                             f"{len(data):,} bytes): re-create the dataset with megapar-data")
-        raise _truncated_index(path, len(data))
+    if len(data) >= 8 and data[:8] != IDX_MAGIC:
+        raise ValueError(f"{path} is not a megapar index (bad magic {data[:8]!r}, "
+                         f"{len(data):,} bytes): re-create the dataset with megapar-data")
+    if len(data) < 16 + 8:  # magic, document count, at least the first offset
+        raise ValueError(f"{path} is truncated or not an index file ({len(data):,} bytes): "
+                         f"re-create the dataset with megapar-data")
     count = int(np.frombuffer(data, "<u8", 1, 8)[0])
     if (len(data) - 16) % 8 or (len(data) - 16) // 8 != count + 1:
         raise ValueError(
@@ -173,11 +174,6 @@ def read_doc_offsets(path: str) -> np.ndarray:
         raise ValueError(f"{path} is corrupt: its document offsets do not rise from 0; "
                          f"re-create the dataset with megapar-data")
     return offsets
-
-
-def _truncated_index(path: str, size: int) -> ValueError:
-    return ValueError(f"{path} is truncated or not an index file ({size:,} bytes): re-create "
-                      f"the dataset with megapar-data")
 
 
 #: Keys of PREFIX.json that reading a dataset needs.

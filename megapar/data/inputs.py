@@ -72,14 +72,18 @@ def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
                    jsonl_key: str = "text", allow_invalid_utf8: bool = False,
                    report: dict | None = None) -> Iterator[tuple[str, int]]:
     """Yield ``(document_text, source_bytes)`` for every non-blank document of ``files``, its
-    line endings LF (see the module docstring; invalid UTF-8: see `read_text`)."""
+    line endings LF whatever its source (invalid UTF-8: see `read_text`)."""
+    for text, size in _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
+        yield normalize_newlines(text), size
+
+
+def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
     for path in files:
         if path.endswith(".parquet"):
-            yield from ((normalize_newlines(t), n) for t, n in _parquet_documents(path, jsonl_key))
+            yield from _parquet_documents(path, jsonl_key)
             continue
         if path.endswith(".json") and _is_json_array(path):
-            yield from ((normalize_newlines(t), n) for t, n in
-                        _json_array_documents(path, jsonl_key))
+            yield from _json_array_documents(path, jsonl_key)
             continue
         if path.endswith((".jsonl", ".json")):
             with open(path, "rb") as f:
@@ -101,9 +105,9 @@ def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
                             f"{path}:{lineno}: field {jsonl_key!r} is {kind}, not a string; fix "
                             f"the line or pass --jsonl-key naming the text field")
                     if text.strip():
-                        yield normalize_newlines(text), len(line)
+                        yield text, len(line)
             continue
-        content = read_text(path, allow_invalid_utf8, report)
+        content = read_text(path, allow_invalid_utf8, report)  # LF already: paragraphs split
         if not split_paragraphs:
             if content.strip():
                 yield content, os.path.getsize(path)

@@ -330,6 +330,6 @@ class PipelineExecutor:
         if self.mesh.pp > 1:
             src = self.mesh.stage_rank(self.mesh.pp - 1)
             work = dist.broadcast(loss, src=src, group=self.mesh.pp_group, async_op=True)
-            wait_work(work, self.timeout_s, f"rank {self.mesh.rank}: broadcast of the loss from the "
-                                        f"last pipeline stage (rank {src})")
+            wait_work(work, self.timeout_s, f"rank {self.mesh.rank}: broadcast of the loss from "
+                                            f"the last pipeline stage (rank {src})")
         return loss

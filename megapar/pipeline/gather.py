@@ -17,7 +17,6 @@ from megapar.pipeline.p2p import wait_work
 from megapar.pipeline.timeline import Event, Timeline
 
 
-# timelines across stages -------------------------------------------------------------------
 TRACE_KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad",
                "backward_input", "backward_weight", "wait", "loss_broadcast")
 """Event kinds `gather_timeline` can encode (as their index in this tuple)."""
@@ -42,7 +41,7 @@ def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_T
     for _ in range(sync_rounds):
         stamp = torch.tensor([time.perf_counter()], dtype=torch.float64, device=dev)
         wait_work(dist.broadcast(stamp, src=root, group=group, async_op=True), timeout_s,
-              f"rank {mesh.rank}: clock alignment of gather_timeline")
+                  f"rank {mesh.rank}: clock alignment of gather_timeline")
         offset = min(offset, time.perf_counter() - stamp.item())
     if mesh.is_first_stage:
         offset = 0.0
@@ -51,14 +50,14 @@ def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_T
                         dtype=torch.float64, device=dev).reshape(-1, 5)
     counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(mesh.pp)]
     wait_work(dist.all_gather(counts, torch.tensor([len(rows)], device=dev), group=group,
-                          async_op=True),
-          timeout_s, f"rank {mesh.rank}: gathering timeline sizes")
+                              async_op=True),
+              timeout_s, f"rank {mesh.rank}: gathering timeline sizes")
     longest = max(int(c) for c in counts)
     padded = torch.zeros(longest, 5, dtype=torch.float64, device=dev)
     padded[:len(rows)] = rows
     parts = [torch.zeros_like(padded) for _ in range(mesh.pp)] if mesh.is_first_stage else None
     wait_work(dist.gather(padded, parts, dst=root, group=group, async_op=True), timeout_s,
-          f"rank {mesh.rank}: gathering timelines on pp rank 0")
+              f"rank {mesh.rank}: gathering timelines on pp rank 0")
     if not mesh.is_first_stage:
         return None
     events = []

@@ -101,8 +101,8 @@ def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
             f"{100 * e.comm_share:>4.0f}% {e.step_s:>8.3f} {e.tokens_per_s:>10.0f} "
             f"{100 * e.mfu:>4.1f}% {'yes' if not runnable(e, master_weights) else 'no':>5}")
     lines.append("bubble: s = simulated on megapar's schedule simulator, f = published formula "
-                 "(schedule not in megapar, or too many actions to simulate); mem = most loaded rank; today = megapar-train "
-                 "can run it now")
+                 "(schedule not in megapar, or too many actions to simulate); mem = most loaded "
+                 "rank; today = megapar-train can run it now")
     return "\n".join(lines)
 
 
