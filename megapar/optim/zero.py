@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapar.mesh import all_reduce, group_size
-from megapar.optim.optimizer import AdamWOptimizer, _inner
+from megapar.optim.optimizer import AdamWOptimizer, _inner, step_state
 
 
 class ZeroOptimizer(AdamWOptimizer):
@@ -262,7 +262,8 @@ class ZeroOptimizer(AdamWOptimizer):
         for t, (p, s, e) in zip(self.pieces, self._piece_of):
             name = names[id(p)]
             entry = self._entry(d, name, p)
-            state = {"step": torch.tensor(float(self.num_steps))} if self.kind != "sgd" else {}
+            state = {"step": step_state(self.inner, self.num_steps, p)} \
+                if self.kind != "sgd" else {}
             for k in self.state_keys:
                 if k not in entry:
                     raise KeyError(f"optimizer state of {name!r} has {sorted(entry)}, not "

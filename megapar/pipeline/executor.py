@@ -17,6 +17,10 @@ and frees both at the micro-batch's backward. The last stage backpropagates
 ``loss * loss_scale / m``, so `param.grad` accumulates the gradient of the mean loss over the m
 micro-batches (the caller zeroes gradients between steps).
 
+What the schedules imply about messages is worked out once per step (`messages.py`): a received
+message frees the sends it proves received, and (on gloo) posts the next receive of its channel
+ahead of time, so messages land while the stage computes.
+
 Every action is traced unless `trace=False` (two clock reads and a tuple append per action; cost
 in benchmarks/tracing_overhead.py); `last_timeline` turns the last step into a `Timeline` (empty
 when not traced), and `gather.gather_timeline` aligns and collects all stages' timelines on pp rank 0.
@@ -35,7 +39,7 @@ from megapar.diagnostics import set_action
 from megapar.mesh import Mesh
 from megapar.pipeline.clock import StepClock
 from megapar.pipeline.p2p import P2PTimeoutError, StageP2P, wait_work
-from megapar.pipeline import split_backward
+from megapar.pipeline import messages, split_backward
 from megapar.tensor_parallel.weight_grad import WeightGradStore
 from megapar.tensor_parallel.weight_grad import attach as attach_weight_grad_store
 from megapar.pipeline.schedules import (
@@ -102,7 +106,8 @@ class PipelineExecutor:
         self._in_grads: dict[tuple, torch.Tensor] = {}   # d(loss)/d(input) to send upstream
         self._pending_w: dict[tuple, object] = {}        # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
-        self._acks: dict[tuple, list[tuple]] = {}        # see _acknowledgements
+        self._acks: dict[tuple, list[tuple]] = {}        # see messages.acknowledgements
+        self._next_post: dict[Action, Action] = {}       # see messages.early_receives
 
     # the step ------------------------------------------------------------------------------
     def run(self, micro_batches: list[dict], grad_sync=None, loss_scale: float = 1.0,
@@ -127,13 +132,19 @@ class PipelineExecutor:
         self.weight_grads.take()
         self.weight_grads.enabled = not forward_only and any(
             a.kind == "backward_input" for a in actions)
-        self._acks = self._acknowledgements(actions, m, forward_only)
+        self._acks = messages.acknowledgements(
+            actions, self.mesh.pp_rank, self._peer,
+            lambda rank: self._actions(m, rank, forward_only))
+        first_posts, self._next_post = messages.early_receives(actions) \
+            if self.p2p is not None and self.p2p.can_post_early else ([], {})
         trace, record, clock = self._trace, self.trace, self.clock.stamp
         if record:
             self.clock.begin()
         try:
             if grad_sync is not None:
                 grad_sync.begin_step()
+            for a in first_posts:
+                self.p2p.post_recv(a.kind, a.mb, **self._route(a))
             with torch.set_grad_enabled(not forward_only):
                 for i, action in enumerate(actions):
                     if i == last_backward and grad_sync is not None:
@@ -193,39 +204,13 @@ class PipelineExecutor:
     def _peer(self, rank: int, a: Action) -> tuple[int, int] | None:
         return peer_of(rank, a, self.mesh.pp, len(self.chunks), self.placement)
 
-    def _acknowledgements(self, actions, m, forward_only) -> dict[tuple, list[tuple]]:
-        """Which of my sends are known received once a given receive of mine returns.
-
-        A gloo send completes only when the peer receives it, and sends are waited for at the
-        end of the step, so without this every sent buffer would live until then (all m
-        activations, defeating 1F1B's memory bound). From the peer's schedule: my send is
-        matched by the peer's receive of the same (micro-batch, chunk) message; the first
-        message the peer sends me *after* that receive proves it completed, so when I receive
-        that message the send can be waited for at no cost.
-        Returns {(recv kind, mb, chunk): [(send kind, mb, chunk), ...]}.
-        """
-        me, acks, schedules = self.mesh.pp_rank, {}, {}
-        for send in actions:
-            if send.kind not in ("send_act", "send_grad"):
-                continue
-            peer, peer_chunk = self._peer(me, send)
-            if peer not in schedules:
-                schedules[peer] = self._actions(m, peer, forward_only)
-            theirs = schedules[peer]
-            recv_kind = "recv_act" if send.kind == "send_act" else "recv_grad"
-            j = theirs.index(Action(recv_kind, send.mb, peer_chunk))
-            for later in theirs[j + 1:]:  # the peer's next message to me
-                if later.kind in ("send_act", "send_grad") and \
-                        self._peer(peer, later)[0] == me:
-                    key = ("recv_act" if later.kind == "send_act" else "recv_grad", later.mb,
-                           self._peer(peer, later)[1])
-                    acks.setdefault(key, []).append((send.kind, send.mb, send.chunk))
-                    break
-        return acks
-
-    def _release_acknowledged(self, recv: Action) -> None:
+    def _after_receive(self, recv: Action) -> None:
+        """Free the sends `recv` proves received; post the next receive of its channel."""
         for kind, mb, chunk in self._acks.get((recv.kind, recv.mb, recv.chunk), ()):
             self.p2p.release(kind, mb, chunk)
+        after = self._next_post.get(recv)
+        if after is not None:
+            self.p2p.post_recv(after.kind, after.mb, **self._route(after))
 
     def _check_actions(self, actions: list[Action]) -> None:
         chunks = {a.chunk for a in actions}
@@ -254,7 +239,7 @@ class PipelineExecutor:
     # handlers ------------------------------------------------------------------------------
     def _recv_act(self, a: Action) -> None:
         x = self.p2p.recv_act(a.mb, **self._route(a))
-        self._release_acknowledged(a)
+        self._after_receive(a)
         self._inputs[a.mb, a.chunk] = x.requires_grad_(not self._forward_only)
 
     def _forward(self, a: Action) -> None:
@@ -285,7 +270,7 @@ class PipelineExecutor:
 
     def _recv_grad(self, a: Action) -> None:
         self._out_grads[a.mb, a.chunk] = self.p2p.recv_grad(a.mb, **self._route(a))
-        self._release_acknowledged(a)
+        self._after_receive(a)
 
     def _backward(self, a: Action) -> None:
         key = (a.mb, a.chunk)

@@ -16,7 +16,15 @@ backends pair the same messages:
   by `release()` as soon as the executor knows the peer has received it, or by `wait_sends()` at
   the end of the step (a buffer must stay alive until its send completes);
 - a receive blocks, but never forever: after `timeout_s` it raises `P2PTimeoutError` naming this
-  rank, the peer and the micro-batch.
+  rank, the peer and the micro-batch;
+- a receive may be *posted* ahead of time (`post_recv`) and collected when its action comes up.
+  gloo moves a message only once its receive is posted (the receiver tells the sender it is
+  ready), so a receive posted when the action comes up costs a round trip through two busy
+  processes; posted early, the data lands while the receiver computes. gloo pairs messages per
+  (peer, tag), so posting early on one channel never changes which message a receive gets.
+  NCCL pairs a rank pair's messages in issue order, whatever the tag, and runs them in that
+  order on one stream, so there `can_post_early` is False and receives are issued where the
+  schedule has them.
 """
 
 from __future__ import annotations
@@ -53,6 +61,10 @@ class StageP2P:
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self._pending: dict[tuple[str, int], tuple[int, torch.Tensor, object]] = {}
+        self._posted: dict[tuple[str, int, int], tuple[int, torch.Tensor, object]] = {}
+        self.can_post_early = mesh.pp_group is not None and \
+            dist.get_backend(mesh.pp_group) == "gloo"
+        """Receives may be posted before their turn (gloo: messages pair per channel, by tag)."""
 
     # sends ---------------------------------------------------------------------------------
     def send_act(self, tensor: torch.Tensor, mb: int, chunk: int = 0,
@@ -116,24 +128,43 @@ class StageP2P:
                  source: tuple[int, int] | None = None) -> torch.Tensor:
         """Block until micro-batch `mb`'s input activation arrives from the previous stage
         (`source` = its (pp rank, chunk) for model chunks)."""
-        peer = self._route(source, self.mesh.prev_stage_rank, ACT_TAG)[0]
-        tag = ACT_TAG + 2 * chunk if source is not None else ACT_TAG
-        return self._recv(peer, tag, "activation", mb)
+        return self._recv("recv_act", mb, chunk, source)
 
     def recv_grad(self, mb: int, chunk: int = 0,
                   source: tuple[int, int] | None = None) -> torch.Tensor:
         """Block until d(loss)/d(output) of micro-batch `mb` arrives from the next stage."""
-        peer = self._route(source, self.mesh.next_stage_rank, GRAD_TAG)[0]
-        tag = GRAD_TAG + 2 * chunk if source is not None else GRAD_TAG
-        return self._recv(peer, tag, "gradient", mb)
+        return self._recv("recv_grad", mb, chunk, source)
 
-    def _recv(self, peer, tag, what, mb) -> torch.Tensor:
+    def post_recv(self, kind: str, mb: int, chunk: int = 0,
+                  source: tuple[int, int] | None = None) -> None:
+        """Start receiving a message ahead of its `recv_act` / `recv_grad` (`kind`), which then
+        only waits for it. Only where `can_post_early`, in each channel's receive order."""
+        self._posted[kind, mb, chunk] = self._irecv(kind, mb, chunk, source)
+
+    @property
+    def posted_recvs(self) -> int:
+        """Receives posted ahead and not collected yet."""
+        return len(self._posted)
+
+    def _irecv(self, kind, mb, chunk, source) -> tuple[int, torch.Tensor, object]:
+        if kind == "recv_act":
+            peer, base, what = self.mesh.prev_stage_rank, ACT_TAG, "activation"
+        else:
+            peer, base, what = self.mesh.next_stage_rank, GRAD_TAG, "gradient"
+        if source is not None:
+            peer = self._route(source, peer, base)[0]
         if peer is None:
             raise RuntimeError(f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}) has no "
                                f"neighbour to receive the {what} of micro-batch {mb} from; the "
                                f"schedule is wrong for this stage")
+        tag = base + 2 * chunk if source is not None else base
         buffer = torch.empty(self.shape, dtype=self.wire_dtype, device=self.mesh.device)
-        work = dist.irecv(buffer, src=peer, tag=tag, group=self.mesh.pp_group)
+        return peer, buffer, dist.irecv(buffer, src=peer, tag=tag, group=self.mesh.pp_group)
+
+    def _recv(self, kind, mb, chunk, source) -> torch.Tensor:
+        posted = self._posted.pop((kind, mb, chunk), None)
+        peer, buffer, work = posted or self._irecv(kind, mb, chunk, source)
+        what = "activation" if kind == "recv_act" else "gradient"
         self._wait(work, f"receiving the {what} of micro-batch {mb} from rank {peer}")
         return buffer.to(self.dtype)
 
