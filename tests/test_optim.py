@@ -88,6 +88,35 @@ def test_weight_decay_groups_follow_megatron():
     assert [g["lr"] for g in opt.inner.param_groups] == [5e-4, 5e-4]
 
 
+def test_adamw_is_torch_fused_kernel_and_a_loaded_state_steps_like_a_fresh_one():
+    """AdamW runs torch's fused kernel on the CPU (and CUDA); a state loaded from a checkpoint
+    keeps `step` where that kernel needs it, and the next steps equal an uninterrupted run."""
+    def make():
+        model = serial_model()
+        return model, build_optimizer(model, make_mesh(), 1e-2, 0.1)
+
+    def train(model, opt, steps, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+
+    model, opt = make()
+    assert opt.inner.defaults["fused"] is True
+    train(model, opt, 2, 0)
+    resumed, opt2 = make()
+    resumed.load_state_dict(model.state_dict())
+    opt2.load_state_json(json.loads(json.dumps(opt.state_json())))
+    opt2.load_state_tensors(opt.state_tensors())
+    step = next(iter(opt2.inner.state.values()))["step"]
+    assert step.dtype == torch.float32 and step.device == next(resumed.parameters()).device
+    train(model, opt, 2, 1)
+    train(resumed, opt2, 2, 1)
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_unsupported_zero_stage():
     with pytest.raises(ValueError, match="--zero 2 is not supported"):
         build_optimizer(serial_model(), Mesh(Layout()), 1e-3, 0.0, zero=2)
