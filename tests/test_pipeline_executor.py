@@ -199,6 +199,25 @@ def test_stage_that_raises_fails_the_run_fast_naming_the_rank():
     assert "while running forward of micro-batch 2 on pp stage 1" in message
 
 
+def step_after_failure_worker():
+    mesh = make_mesh(pp=2)
+    stage = ToyStage(mesh, fail_at_mb=2 if mesh.pp_rank == 1 else None)
+    executor = PipelineExecutor(stage, mesh, "1f1b", SHAPE, timeout_s=3)
+    with pytest.raises(Exception):  # stage 1 raises, stage 0 times out waiting for it
+        executor.run(toy_batches(4))
+    stage.fail_at_mb = None
+    with pytest.raises(RuntimeError) as info:  # never a step on out-of-step messages
+        executor.run(toy_batches(4))
+    return str(info.value)
+
+
+def test_a_step_after_a_failed_step_is_refused():
+    for rank, message in enumerate(run_local(step_after_failure_worker, 2, timeout_s=60)):
+        assert message.startswith(f"rank {rank} (pp stage {rank}): the previous pipeline step "
+                                  f"failed part-way"), message
+        assert "restart the run" in message
+
+
 def timeout_worker(flag):
     mesh = make_mesh(pp=2)
     if mesh.pp_rank == 0:  # never runs its schedule, so stage 1's first receive must time out

@@ -121,6 +121,13 @@ class PipelineExecutor:
         m = len(micro_batches)
         if m == 0:
             raise ValueError("PipelineExecutor.run needs at least one micro-batch")
+        if self.p2p is not None and (self.p2p.failed or self.p2p.posted_recvs
+                                     or self.p2p.pending_sends):
+            raise RuntimeError(
+                f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}): the previous pipeline "
+                f"step failed part-way, so messages of it are still in flight and this stage "
+                f"is out of step with its neighbours; restart the run (resume from the last "
+                f"checkpoint) instead of stepping again")
         actions = self._actions(m, self.mesh.pp_rank, forward_only)
         if forward_only:
             grad_sync = None

@@ -62,6 +62,8 @@ class StageP2P:
         self.timeout_s = timeout_s
         self._pending: dict[tuple[str, int], tuple[int, torch.Tensor, object]] = {}
         self._posted: dict[tuple[str, int, int], tuple[int, torch.Tensor, object]] = {}
+        self.failed = False
+        """A send or receive failed: messages may still be in flight, the stage is out of step."""
         self.can_post_early = mesh.pp_group is not None and \
             dist.get_backend(mesh.pp_group) == "gloo"
         """Receives may be posted before their turn (gloo: messages pair per channel, by tag)."""
@@ -173,8 +175,10 @@ class StageP2P:
         try:
             ok = work.wait(timeout=self.timeout)
         except Exception as exc:  # gloo raises on timeout or when the peer's connection closes
+            self.failed = True
             raise P2PTimeoutError(self._message(doing, exc)) from exc
         if ok is False:
+            self.failed = True
             raise P2PTimeoutError(self._message(doing, "wait() returned False"))
 
     def _message(self, doing: str, cause) -> str:
