@@ -40,6 +40,9 @@ ACT_TAG = 1
 """Tag of the activation channel (s -> s+1)."""
 GRAD_TAG = 2
 """Tag of the gradient channel (s+1 -> s)."""
+CARRIES = {"send_act": "activation", "recv_act": "activation",
+           "send_grad": "gradient", "recv_grad": "gradient"}
+"""What a message of each action kind carries (the word used in messages and send keys)."""
 
 
 class P2PTimeoutError(TimeoutError):
@@ -114,7 +117,7 @@ class StageP2P:
         proves the receive has happened (then the wait returns at once). `kind` is "send_act"
         or "send_grad"; sends already waited for are ignored.
         """
-        what = "activation" if kind == "send_act" else "gradient"
+        what = CARRIES[kind]
         entry = self._pending.pop((what, mb, chunk), None)
         if entry is not None:
             self._wait(entry[2], f"sending the {what} of micro-batch {mb} to rank {entry[0]}")
@@ -149,12 +152,9 @@ class StageP2P:
         return len(self._posted)
 
     def _irecv(self, kind, mb, chunk, source) -> tuple[int, torch.Tensor, object]:
-        if kind == "recv_act":
-            peer, base, what = self.mesh.prev_stage_rank, ACT_TAG, "activation"
-        else:
-            peer, base, what = self.mesh.next_stage_rank, GRAD_TAG, "gradient"
-        if source is not None:
-            peer = self._route(source, peer, base)[0]
+        default, base = (self.mesh.prev_stage_rank, ACT_TAG) if kind == "recv_act" \
+            else (self.mesh.next_stage_rank, GRAD_TAG)
+        peer, what = self._route(source, default, base)[0], CARRIES[kind]
         if peer is None:
             raise RuntimeError(f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}) has no "
                                f"neighbour to receive the {what} of micro-batch {mb} from; the "
@@ -166,8 +166,7 @@ class StageP2P:
     def _recv(self, kind, mb, chunk, source) -> torch.Tensor:
         posted = self._posted.pop((kind, mb, chunk), None)
         peer, buffer, work = posted or self._irecv(kind, mb, chunk, source)
-        what = "activation" if kind == "recv_act" else "gradient"
-        self._wait(work, f"receiving the {what} of micro-batch {mb} from rank {peer}")
+        self._wait(work, f"receiving the {CARRIES[kind]} of micro-batch {mb} from rank {peer}")
         return buffer.to(self.dtype)
 
     # helpers -------------------------------------------------------------------------------
