@@ -89,13 +89,18 @@ def dataset(tmp_path):
     return str(prefix)
 
 
+def truncated_index_error(prefix: str, size: int) -> str:
+    """The error of opening `prefix` after cutting its .idx to `size` bytes."""
+    data = Path(prefix + ".idx").read_bytes()
+    Path(prefix + ".idx").write_bytes(data[:size])
+    with pytest.raises(ValueError) as e:
+        IndexedDataset(prefix)
+    return str(e.value)
+
+
 @pytest.mark.parametrize("size", [0, 5, 12, 50])
 def test_truncated_idx_names_the_file_and_the_fix(dataset, size):
-    data = Path(dataset + ".idx").read_bytes()
-    Path(dataset + ".idx").write_bytes(data[:size])
-    with pytest.raises(ValueError) as e:
-        IndexedDataset(dataset)
-    msg = str(e.value)
+    msg = truncated_index_error(dataset, size)
     assert dataset + ".idx" in msg and "megapar-data" in msg and "\n" not in msg
     assert ("truncated" in msg or "not a megapar index" in msg) and f"{size} bytes" in msg
 
@@ -106,11 +111,7 @@ def test_truncated_megatron_idx_names_the_file_and_the_fix(tmp_path, size):
     prefix = str(tmp_path / "mt")
     assert data_main(["--input", str(tmp_path / "t.txt"), "--output-prefix", prefix,
                       "--split-lines", "--format", "megatron", "--no-progress"]) == 0
-    data = Path(prefix + ".idx").read_bytes()
-    Path(prefix + ".idx").write_bytes(data[:size])
-    with pytest.raises(ValueError) as e:
-        IndexedDataset(prefix)
-    msg = str(e.value)
+    msg = truncated_index_error(prefix, size)
     assert prefix + ".idx" in msg and "megapar-data" in msg and "\n" not in msg
 
 
