@@ -60,6 +60,34 @@ def keep_freed_host_memory() -> bool:
         return False
 
 
+def polls_host(group) -> bool:
+    """Whether waiting on `group`'s work blocks the host (gloo) rather than the stream (NCCL)."""
+    import torch.distributed as dist
+
+    return dist.get_backend(group) != "nccl"
+
+
+def wait(work, group, timeout_s: float, what: str, error: type = TimeoutError,
+         hint: str = "") -> None:
+    """Wait for the asynchronous collective or point-to-point `work` of process group `group`.
+
+    gloo: the host waits at most `timeout_s`, then raises `error` naming `what`. NCCL: the wait
+    only orders the current CUDA stream after the work (no host blocking, no polling); a hang is
+    ended by the process group's own timeout (NCCL's watchdog, set by `init_distributed` from
+    the same default), and the launcher names the rank and what it was doing. `hint` ends the
+    error message (what probably went wrong, what to do)."""
+    if not polls_host(group):
+        work.wait()
+        return
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout_s))
+    except Exception as exc:  # gloo raises on timeout or when the peer's connection closes
+        raise error(f"{what} did not complete within {timeout_s:g} s ({exc}){hint}") from exc
+    if ok is False:
+        raise error(f"{what} did not complete within {timeout_s:g} s (wait() returned False)"
+                    f"{hint}")
+
+
 def init_distributed(rank: int | None = None, world_size: int | None = None,
                      timeout_s: float | None = None, store=None) -> None:
     """Initialise the default process group from the environment (torchrun / Slurm / our launcher).

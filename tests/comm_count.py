@@ -3,7 +3,9 @@
 `with count_collectives() as calls:` records one `Call` per collective or point-to-point call
 made through `torch.distributed` (every megapar module calls `dist.<op>` at call time, so the
 wrapper sees them all): the op, the payload's element count, bytes, dtype and device, and the
-size of the group it ran over.
+size of the group it ran over. Point-to-point messages are counted one `Call` each ("isend" /
+"irecv") where they are issued, in `dist.batch_isend_irecv` (which checks that its ops are
+torch's own isend / irecv, so those two are not wrapped).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 # op -> (positional index, keyword) of the tensor whose size is the payload
-_PAYLOAD = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "isend": (0, "tensor"),
-            "irecv": (0, "tensor"), "send": (0, "tensor"), "recv": (0, "tensor"),
+_PAYLOAD = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"),
+            "send": (0, "tensor"), "recv": (0, "tensor"),
             "all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
             "reduce_scatter_tensor": (1, "input"), "gather": (0, "tensor"),
             "all_gather_single": (1, "input_tensor"), "reduce_scatter_single": (1, "input"),
@@ -57,13 +59,27 @@ def count_collectives(device: torch.device | None = None):
             return fn(*args, **kwargs)
         return wrapper
 
+    batch = dist.batch_isend_irecv
+
+    def batch_wrapper(ops):
+        for p2p in ops:
+            t = p2p.tensor
+            if device is not None and t.device != device:
+                raise AssertionError(f"a p2p message on {t.device}; the mesh device is {device}")
+            calls.append(Call("isend" if p2p.op is dist.isend else "irecv", t.numel(),
+                              t.numel() * t.element_size(), t.dtype, t.device,
+                              _group_size(p2p.group)))
+        return batch(ops)
+
     for op, fn in originals.items():
         setattr(dist, op, wrap(op, fn))
+    dist.batch_isend_irecv = batch_wrapper
     try:
         yield calls
     finally:
         for op, fn in originals.items():
             setattr(dist, op, fn)
+        dist.batch_isend_irecv = batch
 
 
 def summary(calls: list[Call]) -> Counter:

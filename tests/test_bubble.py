@@ -166,11 +166,12 @@ def test_plot_log_draws_loss_and_val_loss(tmp_path, capsys):
     assert "--log-json" in capsys.readouterr().out
 
 
-def test_show_schedule_prints_each_stage_action_list(capsys):
-    assert main(["--pp", "2", "--microbatches", "2", "--schedule", "1f1b", "--show-schedule"]) == 0
+def test_show_schedule_prints_each_stage_program_with_its_message_groups(capsys):
+    assert main(["--pp", "2", "--microbatches", "3", "--schedule", "1f1b", "--show-schedule"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == ["stage 0: F0 SA0 F1 SA1 RG0 B0 RG1 B1",
-                   "stage 1: RA0 F0 B0 SG0 RA1 F1 B1 SG1"]
+    assert out[:2] == ["stage 0: F0 [SA0] F1 [SA1 RG0] B0 F2 [SA2 RG1] B1 [RG2] B2",
+                       "stage 1: [RA0] F0 [RA1] B0 [SG0] F1 B1 [SG1 RA2] F2 B2 [SG2]"]
+    assert "checked against NCCL's rules" in out[2]
 
 
 # new schedules ---------------------------------------------------------------------------------

@@ -141,48 +141,6 @@ def test_sent_buffers_are_freed_once_the_peer_acknowledged_them():
     assert run_local(pending_sends_worker, 2, "gpipe", m) == [m - 1, 0]
 
 
-def posted_receives_worker(schedule, m, early):
-    """One step with receives posted ahead (gloo's default) or at their turn (`early` False,
-    NCCL's rule); returns the loss, the weight gradients and what was posted when."""
-    mesh = make_mesh(pp=3)
-    stage = ToyStage(mesh)
-    executor = PipelineExecutor(stage, mesh, schedule, SHAPE, timeout_s=30)
-    p2p = executor.p2p
-    assert p2p.can_post_early  # the tests run on gloo
-    p2p.can_post_early = early
-    posts, most_per_channel, post = [], 0, p2p.post_recv
-
-    def recording_post(kind, mb, chunk=0, source=None):
-        nonlocal most_per_channel
-        post(kind, mb, chunk, source)
-        posts.append((kind, mb))
-        channel = [k for k in p2p._posted if k[0] == kind and k[2] == chunk]
-        most_per_channel = max(most_per_channel, len(channel))
-
-    p2p.post_recv = recording_post
-    loss = executor.run(toy_batches(m))
-    assert p2p.posted_recvs == 0, "a receive posted ahead was never collected"
-    receives = [(a.kind, a.mb) for a in executor._actions(m, mesh.pp_rank, False)
-                if a.kind.startswith("recv")]
-    return float(loss), stage.lin.weight.grad.clone(), posts, receives, most_per_channel
-
-
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_receives_are_posted_ahead_one_per_channel_and_change_no_number(schedule):
-    m = 6
-    early = run_local(posted_receives_worker, 3, schedule, m, True)
-    late = run_local(posted_receives_worker, 3, schedule, m, False)
-    for rank, ((loss, grad, posts, receives, most), (loss2, grad2, posts2, _, _)) in \
-            enumerate(zip(early, late)):
-        assert loss == loss2 and torch.equal(grad, grad2), rank  # bitwise: same messages
-        assert posts2 == [], rank  # NCCL's rule: every receive issued at its turn
-        assert sorted(posts) == sorted(receives), rank  # gloo: every receive posted ahead...
-        for kind in ("recv_act", "recv_grad"):  # ... in its channel's order ...
-            assert [p for p in posts if p[0] == kind] == [r for r in receives if r[0] == kind]
-        assert most == (1 if receives else 0), rank  # ... at most one buffer per channel
-    assert [len(r[3]) for r in early] == [m, 2 * m, m]
-
-
 def failing_worker():
     mesh = make_mesh(pp=3)
     stage = ToyStage(mesh, fail_at_mb=2 if mesh.pp_rank == 1 else None)
@@ -240,9 +198,8 @@ def test_receive_timeout_names_rank_peer_and_micro_batch(tmp_path):
     assert result is not None, "stage 1 did not time out"
     message, elapsed = result
     assert 0.9 <= elapsed < 5, elapsed
-    assert "rank 1 (pp stage 1) failed receiving the activation of micro-batch 0 from rank 0" \
-        in message
-    assert "within 1 s" in message
+    assert "rank 1 (pp stage 1): receiving the activation of micro-batch 0 from rank 0 did not " \
+        "complete within 1 s" in message
 
 
 def test_single_stage_runs_without_processes_and_matches_direct_loss():
@@ -263,7 +220,7 @@ def test_unknown_action_kind_names_the_missing_handler():
     mesh = Mesh(Layout())
     executor = PipelineExecutor(ToyStage(mesh), mesh, "gpipe", SHAPE)
     del executor.handlers["backward_input"]  # as if the kind had no handler yet
-    executor.schedule_fn = lambda pp, m, stage: [Action("forward", 0), Action("backward_input", 0)]
+    executor.program = lambda m, forward_only: (Action("forward", 0), Action("backward_input", 0))
     with pytest.raises(NotImplementedError, match="'backward_input'.*register one"):
         executor.run(toy_batches(1))
     assert [e.kind for e in executor.last_timeline.events] == ["forward"]

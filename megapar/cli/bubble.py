@@ -40,8 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--show-schedule", action="store_true",
-                   help="print each stage's list of actions (F3 = forward mb 3, SA = send "
-                        "activation, RG = receive gradient, ...) and exit")
+                   help="print each stage's program and exit: its computes (F3 = forward of "
+                        "micro-batch 3, B = backward, BI / BW = its input / weight halves, @1 = "
+                        "chunk 1) and, in brackets, the messages issued together as one "
+                        "batch_isend_irecv ([SA1 RG0] = send activation 1, receive gradient 0)")
     p.add_argument("--simulate", action="store_true", help="compute the timeline from costs")
     p.add_argument("--fwd-ms", type=float, help="forward cost per micro-batch and stage")
     p.add_argument("--bwd-ms", type=float, help="backward cost (default 2 x forward)")
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
     from megapar.training import bubble
 
     args = build_parser().parse_args(argv)
-    from megapar.pipeline.schedules import check_schedule, format_schedule, schedule_actions
+    from megapar.pipeline import messages, nccl_rules
+    from megapar.pipeline.schedules import check_schedule, format_schedule
     from megapar.training.validate import UsageError
     from megapar.training.validate_tools import check_bubble_args
 
@@ -142,8 +145,13 @@ def main(argv=None) -> int:
         print(f"megapar-bubble: error: {exc}", file=sys.stderr)
         return 2
     if args.show_schedule:
-        for stage in range(pp):
-            print(f"stage {stage}: {format_schedule(schedule_actions(args.schedule, pp, m, stage, v))}")
+        programs = messages.programs(args.schedule, pp, m, v)
+        for stage, program in enumerate(programs):
+            print(f"stage {stage}: {format_schedule(program)}")
+        nccl_rules.check_programs(programs, args.schedule)
+        print("each [...] is one batch_isend_irecv group (an NCCL group call); a compute waits "
+              "only for the message it consumes; checked against NCCL's rules: no deadlock, "
+              "every rank pair's messages pair in issue order")
         return 0
     name = args.schedule + (f" V={v}" if v > 1 else "")
     if args.simulate:

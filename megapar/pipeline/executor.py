@@ -1,34 +1,32 @@
-"""Run one pipeline stage's schedule for a training (or evaluation) step.
+"""Run one pipeline stage's program for a training (or evaluation) step.
 
-The executor knows nothing about GPipe or 1F1B: it asks `get_schedule(name)(pp, m, stage)` for this
-stage's list of `Action`s and runs them in order, dispatching on `Action.kind` through a dict of
-handlers (`self.handlers`). A new action kind (the zero-bubble ``backward_input`` /
-``backward_weight``) is a new entry in that dict; the loop does not change.
+The executor knows nothing about GPipe or 1F1B: it asks `messages.programs(name, pp, m)` for this
+stage's *program* (the schedule's compute `Action`s with `MessageGroup`s between them) and runs it
+in order. A message group is issued as one ``batch_isend_irecv``; a compute first waits for the
+received tensor it consumes (if any), then runs through a dict of handlers (`self.handlers`), so
+a new compute kind is a new entry there, not a new loop.
 
 Model chunks (interleaved schedules): `stage` may be a `ModelChunks` (`stage.chunks`), and every
 action names its chunk; per-micro-batch state is keyed by (mb, chunk), and the peer of each
-send / receive comes from the chunk's virtual stage (`schedules.peer_of`), so activations wrap
-around from the last rank to rank 0 for the next chunk. Zero-bubble schedules split the backward
-into ``backward_input`` / ``backward_weight`` (`megapar.pipeline.split_backward`).
+message comes from the chunk's virtual stage (`schedules.peer_of`), so activations wrap around
+from the last rank to rank 0 for the next chunk. Zero-bubble schedules split the backward into
+``backward_input`` / ``backward_weight`` (`megapar.pipeline.split_backward`).
 
 Per in-flight micro-batch it keeps the input activation (a leaf that requires grad, so its `.grad`
 is what the previous stage needs) and the output (hidden states, or the loss on the last stage),
 and frees both at the micro-batch's backward. The last stage backpropagates
 ``loss * loss_scale / m``, so `param.grad` accumulates the gradient of the mean loss over the m
-micro-batches (the caller zeroes gradients between steps).
+micro-batches (the caller zeroes gradients between steps). A received message also frees the
+sends it proves received (`messages.acknowledgements`).
 
-What the schedules imply about messages is worked out once per step (`messages.py`): a received
-message frees the sends it proves received, and (on gloo) posts the next receive of its channel
-ahead of time, so messages land while the stage computes.
-
-Every action is traced unless `trace=False` (two clock reads and a tuple append per action; cost
-in benchmarks/tracing_overhead.py); `last_timeline` turns the last step into a `Timeline` (empty
-when not traced), and `gather.gather_timeline` aligns and collects all stages' timelines on pp rank 0.
+Every action is traced unless `trace=False`: a compute as its own event, the wait for its
+message as a ``recv_act`` / ``recv_grad`` event before it, each sent message as a ``send_act`` /
+``send_grad`` event spanning its group's issue. `last_timeline` turns the last step into a
+`Timeline` (empty when not traced), and `gather.gather_timeline` aligns and collects all stages'
+timelines on pp rank 0.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
@@ -37,18 +35,15 @@ from torch import nn
 from megapar.device import DEFAULT_TIMEOUT_S
 from megapar.diagnostics import set_action
 from megapar.mesh import Mesh
-from megapar.pipeline.clock import StepClock
-from megapar.pipeline.p2p import P2PTimeoutError, StageP2P, wait_work
 from megapar.pipeline import messages, split_backward
-from megapar.tensor_parallel.weight_grad import WeightGradStore
-from megapar.tensor_parallel.weight_grad import attach as attach_weight_grad_store
+from megapar.pipeline.clock import StepClock
+from megapar.pipeline.p2p import CARRIES, P2PTimeoutError, StageP2P, wait_work
 from megapar.pipeline.schedules import (
-    Action, get_schedule, peer_of, placement_of, schedule_actions, virtual_stage,
+    Action, MessageGroup, get_schedule, peer_of, placement_of, virtual_stage,
 )
 from megapar.pipeline.timeline import Event, Timeline
+from megapar.tensor_parallel.weight_grad import store_of
 
-FORWARD_KINDS = frozenset({"recv_act", "forward", "send_act"})
-"""The actions an evaluation (forward-only) step keeps from the schedule."""
 WEIGHT_GRAD_KINDS = frozenset({"backward", "backward_weight"})
 """Actions that accumulate parameter gradients; `before_last_backward` precedes the last one."""
 
@@ -58,8 +53,9 @@ class PipelineExecutor:
 
     `stage(hidden_or_None, batch)` returns hidden states of shape `act_shape`, or on the last stage
     the scalar mean loss of the micro-batch; `wire_dtype` narrows the messages between stages
-    (cast back on receipt). `timeout_s` bounds every blocking wait. `trace`
-    (an attribute, may be changed between steps) records the step's events for `last_timeline`.
+    (cast back on receipt). `timeout_s` bounds every blocking wait (gloo; NCCL uses its process
+    group's timeout). `trace` (an attribute, may be changed between steps) records the step's
+    events for `last_timeline`.
     """
 
     def __init__(self, stage: nn.Module, mesh: Mesh, schedule: str, act_shape: tuple,
@@ -69,8 +65,7 @@ class PipelineExecutor:
         self.stage, self.mesh, self.trace = stage, mesh, trace
         self.schedule_name = schedule
         get_schedule(schedule)  # unknown names fail here
-        self.schedule_fn = functools.partial(schedule_actions, schedule,
-                                             virtual_stages=virtual_stages)
+        self.virtual_stages = virtual_stages
         self.chunks = list(getattr(stage, "chunks", [stage]))
         if len(self.chunks) != virtual_stages:
             raise ValueError(f"schedule {schedule!r} with --virtual-stages {virtual_stages} needs "
@@ -80,21 +75,14 @@ class PipelineExecutor:
         self.timeout_s = timeout_s
         self.p2p = (StageP2P(mesh, act_shape, act_dtype, timeout_s, wire_dtype)
                     if mesh.pp > 1 else None)
-        self.weight_grads = WeightGradStore()  # enabled only in steps with a split backward
-        attach_weight_grad_store(stage, self.weight_grads)
+        self.weight_grads = store_of(stage)  # enabled in steps with a split backward
         self.handlers = {
-            "recv_act": self._recv_act, "forward": self._forward, "send_act": self._send_act,
-            "recv_grad": self._recv_grad, "backward": self._backward, "send_grad": self._send_grad,
+            "forward": self._forward, "backward": self._backward,
             "backward_input": self._backward_input, "backward_weight": self._backward_weight,
         }
         self._trace: list[tuple] = []
         self.clock = StepClock(mesh.device)  # CUDA events on CUDA, perf_counter on the CPU
         self.last_timeline = Timeline([])
-        self._peer_note = {k: f" ({'from' if k.startswith('recv') else 'to'} rank {r})"
-                      for k, r in (("recv_act", mesh.prev_stage_rank),
-                                   ("send_grad", mesh.prev_stage_rank),
-                                   ("recv_grad", mesh.next_stage_rank),
-                                   ("send_act", mesh.next_stage_rank)) if r is not None}
         self._reset([], 1.0, False)
 
     def _reset(self, micro_batches, loss_scale, forward_only) -> None:
@@ -107,7 +95,12 @@ class PipelineExecutor:
         self._pending_w: dict[tuple, object] = {}        # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
         self._acks: dict[tuple, list[tuple]] = {}        # see messages.acknowledgements
-        self._next_post: dict[Action, Action] = {}       # see messages.early_receives
+
+    def program(self, m: int, forward_only: bool = False, stage: int | None = None) -> tuple:
+        """The program (computes and message groups) of `stage` (default: this rank's) for a
+        step of `m` micro-batches."""
+        return messages.programs(self.schedule_name, self.mesh.pp, m, self.virtual_stages,
+                                 forward_only)[self.mesh.pp_rank if stage is None else stage]
 
     # the step ------------------------------------------------------------------------------
     def run(self, micro_batches: list[dict], grad_sync=None, loss_scale: float = 1.0,
@@ -115,51 +108,55 @@ class PipelineExecutor:
         """One step over `micro_batches`; returns the mean loss (fp32 scalar) on every pp rank.
 
         `grad_sync` (optional, ignored when `forward_only`) gets `begin_step()` before the
-        schedule, `before_last_backward()` right before this stage's last backward action, and
-        `finish()` after the schedule and the wait for outstanding sends.
+        program, `before_last_backward()` right before this stage's last backward action, and
+        `finish()` after the program and the wait for outstanding sends.
         """
         m = len(micro_batches)
         if m == 0:
             raise ValueError("PipelineExecutor.run needs at least one micro-batch")
-        if self.p2p is not None and (self.p2p.failed or self.p2p.posted_recvs
+        if self.p2p is not None and (self.p2p.failed or self.p2p.pending_recvs
                                      or self.p2p.pending_sends):
             raise RuntimeError(
                 f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}): the previous pipeline "
                 f"step failed part-way, so messages of it are still in flight and this stage "
                 f"is out of step with its neighbours; restart the run (resume from the last "
                 f"checkpoint) instead of stepping again")
-        actions = self._actions(m, self.mesh.pp_rank, forward_only)
+        program = self.program(m, forward_only)
         if forward_only:
             grad_sync = None
-        self._check_actions(actions)
-        last_backward = max((i for i, a in enumerate(actions) if a.kind in WEIGHT_GRAD_KINDS),
+        self._check_chunks(program)
+        last_backward = max((i for i, a in enumerate(program)
+                             if isinstance(a, Action) and a.kind in WEIGHT_GRAD_KINDS),
                             default=None)
         self._trace = []
         self._reset(micro_batches, loss_scale, forward_only)
         self.weight_grads.take()
         self.weight_grads.enabled = not forward_only and any(
-            a.kind == "backward_input" for a in actions)
-        self._acks = messages.acknowledgements(
-            actions, self.mesh.pp_rank, self._peer,
-            lambda rank: self._actions(m, rank, forward_only))
-        first_posts, self._next_post = messages.early_receives(actions) \
-            if self.p2p is not None and self.p2p.can_post_early else ([], {})
+            isinstance(a, Action) and a.kind == "backward_input" for a in program)
+        if self.p2p is not None:
+            self._acks = messages.acknowledgements(
+                messages.programs(self.schedule_name, self.mesh.pp, m, self.virtual_stages,
+                                  forward_only), self.mesh.pp_rank, self._peer)
         trace, record, clock = self._trace, self.trace, self.clock.stamp
         if record:
             self.clock.begin()
         try:
             if grad_sync is not None:
                 grad_sync.begin_step()
-            for a in first_posts:
-                self.p2p.post_recv(a.kind, a.mb, **self._route(a))
+            if self.p2p is not None:
+                self.p2p.begin_step()
             with torch.set_grad_enabled(not forward_only):
-                for i, action in enumerate(actions):
+                for i, step in enumerate(program):
+                    if isinstance(step, MessageGroup):
+                        self._issue(step)
+                        continue
+                    self._receive_for(step)
                     if i == last_backward and grad_sync is not None:
                         grad_sync.before_last_backward()
                     start = clock() if record else 0.0
-                    self._dispatch(action)
+                    self._dispatch(step)
                     if record:
-                        trace.append((action.kind, action.mb, action.chunk, start, clock()))
+                        trace.append((step.kind, step.mb, step.chunk, start, clock()))
             start = clock() if record else 0.0
             set_action(f"waiting for the sends of pp stage {self.mesh.pp_rank}")
             if self.p2p is not None:
@@ -186,8 +183,7 @@ class PipelineExecutor:
                                            for k, mb, c, s, e in trace])
 
     def _dispatch(self, action: Action) -> None:
-        set_action(f"{action.kind} of micro-batch {action.mb} on pp stage {self.mesh.pp_rank}"
-                   f"{self._peer_note.get(action.kind, '')}")
+        set_action(f"{action.kind} of micro-batch {action.mb} on pp stage {self.mesh.pp_rank}")
         handler = self.handlers.get(action.kind)
         if handler is None:
             raise NotImplementedError(
@@ -199,28 +195,18 @@ class PipelineExecutor:
             raise
         except Exception as exc:
             chunk = f" (chunk {action.chunk})" if len(self.chunks) > 1 else ""
-            exc.add_note(f"[megapar] while running {action.kind} of micro-batch {action.mb} on "
-                         f"pp stage {self.mesh.pp_rank}{chunk} (rank {self.mesh.rank}), schedule "
-                         f"{self.schedule_name!r}")
+            note = (f"[megapar] while running {action.kind} of micro-batch {action.mb} on pp "
+                    f"stage {self.mesh.pp_rank}{chunk} (rank {self.mesh.rank}), schedule "
+                    f"{self.schedule_name!r}")
+            add_note(exc, note)
             raise
-
-    def _actions(self, m: int, stage: int, forward_only: bool) -> list[Action]:
-        actions = self.schedule_fn(self.mesh.pp, m, stage)
-        return [a for a in actions if a.kind in FORWARD_KINDS] if forward_only else actions
 
     def _peer(self, rank: int, a: Action) -> tuple[int, int] | None:
         return peer_of(rank, a, self.mesh.pp, len(self.chunks), self.placement)
 
-    def _after_receive(self, recv: Action) -> None:
-        """Free the sends `recv` proves received; post the next receive of its channel."""
-        for kind, mb, chunk in self._acks.get((recv.kind, recv.mb, recv.chunk), ()):
-            self.p2p.release(kind, mb, chunk)
-        after = self._next_post.get(recv)
-        if after is not None:
-            self.p2p.post_recv(after.kind, after.mb, **self._route(after))
-
-    def _check_actions(self, actions: list[Action]) -> None:
-        chunks = {a.chunk for a in actions}
+    def _check_chunks(self, program) -> None:
+        chunks = {a.chunk for step in program
+                  for a in (step.messages if isinstance(step, MessageGroup) else (step,))}
         if max(chunks, default=0) >= len(self.chunks):
             raise NotImplementedError(
                 f"schedule {self.schedule_name!r} uses model chunks {sorted(chunks)}, but this "
@@ -236,26 +222,57 @@ class PipelineExecutor:
     def _is_last(self, a: Action) -> bool:
         return self._vs(a) == self.mesh.pp * len(self.chunks) - 1
 
-    def _route(self, a: Action) -> dict:
-        """p2p keyword arguments of a chunked message (none with one chunk per rank)."""
-        if len(self.chunks) == 1 and self.placement == "loop":
-            return {}
-        where = self._peer(self.mesh.pp_rank, a)
-        return {"chunk": a.chunk, ("to" if a.kind.startswith("send") else "source"): where}
+    # messages ------------------------------------------------------------------------------
+    def _issue(self, group: MessageGroup) -> None:
+        """Issue one message group: its sends (tensors this stage produced) and receives."""
+        issue, peers = [], set()
+        for a in group.messages:
+            peer, peer_chunk = self._peer(self.mesh.pp_rank, a)
+            rank = self.mesh.stage_rank(peer)
+            peers.add(rank)
+            if a.kind == "send_act":
+                take = self._outputs.pop if self._forward_only else self._outputs.get
+                tensor, message = take((a.mb, a.chunk)), ("act", a.mb, peer_chunk)
+            elif a.kind == "send_grad":
+                tensor, message = self._in_grads.pop((a.mb, a.chunk)), ("grad", a.mb, peer_chunk)
+            else:
+                tensor, message = None, (a.kind[5:], a.mb, a.chunk)
+            issue.append(((a.kind, a.mb, a.chunk), tensor, rank, message, str(a)))
+        set_action(f"{group.name} {group} on pp stage {self.mesh.pp_rank} (with rank"
+                   f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, sorted(peers)))})")
+        start = self.clock.stamp() if self.trace else 0.0
+        self.p2p.issue(issue)
+        if self.trace:
+            end = self.clock.stamp()
+            self._trace.extend((a.kind, a.mb, a.chunk, start, end) for a in group.messages
+                               if a.kind.startswith("send"))
+
+    def _receive_for(self, a: Action) -> None:
+        """Wait for the message compute `a` consumes, if any (traced as its receive)."""
+        if a.kind == "forward" and not self._is_first(a):
+            kind = "recv_act"
+        elif a.kind in ("backward", "backward_input") and not self._is_last(a):
+            kind = "recv_grad"
+        else:
+            return
+        peer = self.mesh.stage_rank(self._peer(self.mesh.pp_rank, Action(kind, a.mb, a.chunk))[0])
+        set_action(f"{kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank} "
+                   f"(from rank {peer})")
+        start = self.clock.stamp() if self.trace else 0.0
+        tensor = self.p2p.wait_recv(kind, a.mb, a.chunk)
+        if self.trace:
+            self._trace.append((kind, a.mb, a.chunk, start, self.clock.stamp()))
+        for send in self._acks.get((kind, a.mb, a.chunk), ()):
+            self.p2p.release(*send)
+        if kind == "recv_act":
+            self._inputs[a.mb, a.chunk] = tensor.requires_grad_(not self._forward_only)
+        else:
+            self._out_grads[a.mb, a.chunk] = tensor
 
     # handlers ------------------------------------------------------------------------------
-    def _recv_act(self, a: Action) -> None:
-        x = self.p2p.recv_act(a.mb, **self._route(a))
-        self._after_receive(a)
-        self._inputs[a.mb, a.chunk] = x.requires_grad_(not self._forward_only)
-
     def _forward(self, a: Action) -> None:
         key = (a.mb, a.chunk)
         x = self._inputs.get(key)
-        if x is None and not self._is_first(a):
-            raise RuntimeError(f"forward of micro-batch {a.mb} (chunk {a.chunk}) on pp stage "
-                               f"{self.mesh.pp_rank} before its activation was received; the "
-                               f"schedule is wrong")
         out = self.chunks[a.chunk](x, self._batches[a.mb])
         if self._forward_only:  # no graph: the input is not needed any more
             self._inputs.pop(key, None)
@@ -269,15 +286,6 @@ class PipelineExecutor:
                 return
             out = out * self._loss_scale / len(self._batches)  # what backward differentiates
         self._outputs[key] = out
-
-    def _send_act(self, a: Action) -> None:
-        key = (a.mb, a.chunk)
-        out = self._outputs.pop(key) if self._forward_only else self._outputs[key]
-        self.p2p.send_act(out, a.mb, **self._route(a))
-
-    def _recv_grad(self, a: Action) -> None:
-        self._out_grads[a.mb, a.chunk] = self.p2p.recv_grad(a.mb, **self._route(a))
-        self._after_receive(a)
 
     def _backward(self, a: Action) -> None:
         key = (a.mb, a.chunk)
@@ -309,9 +317,6 @@ class PipelineExecutor:
         """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`."""
         split_backward.backward_weight(self._pending_w.pop((a.mb, a.chunk)))
 
-    def _send_grad(self, a: Action) -> None:
-        self.p2p.send_grad(self._in_grads.pop((a.mb, a.chunk)), a.mb, **self._route(a))
-
     # loss ----------------------------------------------------------------------------------
     def _mean_loss(self, m: int) -> torch.Tensor:
         """Mean of the m micro-batch losses, broadcast from the last stage over the pp group."""
@@ -322,6 +327,17 @@ class PipelineExecutor:
         if self.mesh.pp > 1:
             src = self.mesh.stage_rank(self.mesh.pp - 1)
             work = dist.broadcast(loss, src=src, group=self.mesh.pp_group, async_op=True)
-            wait_work(work, self.timeout_s, f"rank {self.mesh.rank}: broadcast of the loss from "
-                                            f"the last pipeline stage (rank {src})")
+            wait_work(work, self.mesh.pp_group, self.timeout_s,
+                      f"rank {self.mesh.rank}: broadcast of the loss from the last pipeline "
+                      f"stage (rank {src})")
         return loss
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """`exc.add_note(note)` (Python 3.11+); on 3.10 the note is appended to the message."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
+    else:
+        exc.args = (*exc.args, note)

@@ -1,73 +1,145 @@
-"""What a stage's schedule implies about its messages, worked out before the step runs.
+"""When a pipeline stage issues its messages, and what each received message proves.
 
-Both answers come from the schedules alone (this stage's, and its peers' for the first), so they
-are computed once per step and the executor only looks them up:
+A schedule (`megapar.pipeline.schedules`) says which messages every compute consumes and
+produces. This module turns the schedules of all stages into *programs*: each stage's computes
+in schedule order with `MessageGroup`s between them, one ``batch_isend_irecv`` each. The
+placement makes the programs correct under NCCL's rules, which are stricter than gloo's:
 
-- `acknowledgements`: which of my sends are known to have been received once a given receive of
-  mine returns (so their buffers can be freed early);
-- `early_receives`: which receives to post ahead of their turn, and when.
+- a rank pair's messages pair up in issue order (tags are ignored), so for every ordered pair
+  of ranks the sender's sends and the receiver's receives must list the same messages in the
+  same order;
+- a rank runs its point-to-point operations in issue order on one stream, and a large send
+  finishes only while the matching receive runs; so if two neighbours each issue a send before
+  the receive of the other's message, both wait forever (what 1F1B does when every message is
+  issued on its own).
+
+The rule that guarantees both is a global clock: simulate the step once with nominal costs
+(forward 1, backward 2, or B 1 + W 1) and give every message the time its producing compute
+ends. Each stage issues a message, send or receive, in the group at that time: after the
+computes that start earlier, before the computes that start at or after it. Then the messages
+exchanged at time t are in groups at time t on both sides, a compute only needs messages of
+earlier times, and by induction over time every group finds its peers' groups issued
+(`megapar.pipeline.nccl_rules` checks this for every schedule). Adjacent groups with no compute
+between them are merged (their messages progress together, which can only help). A compute
+waits only for the receives it consumes, so a receive issued early lets the message land while
+the stage computes.
+
+The same programs run on gloo and NCCL (one code path); only the stage's own compute order comes
+from the schedule, and it is unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from functools import lru_cache
 
-from megapar.pipeline.schedules import Action
+from megapar.pipeline.schedules import (
+    MESSAGE_KINDS, Action, MessageGroup, Step, placement_of, schedule_actions, virtual_stage,
+)
+from megapar.pipeline.simulate import Costs, simulate
 
-SENDS = ("send_act", "send_grad")
-RECEIVES = ("recv_act", "recv_grad")
+FORWARD_KINDS = frozenset({"recv_act", "forward", "send_act"})
+"""The actions an evaluation (forward-only) step keeps from the schedule."""
+NOMINAL_COSTS = Costs(fwd_ms=1.0, bwd_ms=2.0)
+"""The costs of the clock that orders messages (B and W take half a backward each)."""
+CONSUMERS = {"recv_act": ("forward",), "recv_grad": ("backward", "backward_input")}
+"""The compute kinds that consume a received message of each kind."""
 
 
-def acknowledgements(actions: list[Action], me: int,
-                     peer_of: Callable[[int, Action], tuple[int, int]],
-                     actions_of: Callable[[int], list[Action]]) -> dict[tuple, list[tuple]]:
-    """{(recv kind, mb, chunk): [(send kind, mb, chunk), ...]}: my sends proven received when
-    that receive of mine returns.
+def consumes(compute: Action, recv: Action) -> bool:
+    """Whether `compute` is the action that needs the message `recv` receives."""
+    return (compute.kind in CONSUMERS.get(recv.kind, ())
+            and (compute.mb, compute.chunk) == (recv.mb, recv.chunk))
 
-    A gloo send completes only when the peer receives it, and sends are waited for at the end of
-    the step, so without this every sent buffer would live until then (all m activations,
-    defeating 1F1B's memory bound). From the peer's schedule: my send is matched by the peer's
-    receive of the same (micro-batch, chunk) message; the first message the peer sends me
-    *after* that receive proves it completed, so when I receive that message the send can be
-    waited for at no cost. `peer_of(rank, action)` is the (pp rank, chunk) at the other end of
-    a message; `actions_of(rank)` is that rank's schedule for this step.
+
+def _message_id(stage: int, a: Action, pp: int, placement: str) -> tuple[str, int, int]:
+    """(what, mb, virtual stage of the sender): the same for a send and its receive."""
+    vs = virtual_stage(stage, a.chunk, pp, placement)
+    what = "act" if a.kind.endswith("act") else "grad"
+    if a.kind.startswith("recv"):
+        vs += -1 if what == "act" else 1
+    return what, a.mb, vs
+
+
+def group_messages(schedules: list[list[Action]], placement: str = "loop") -> list[list[Step]]:
+    """Every stage's program: its computes in `schedules` order, its messages in groups issued
+    on the nominal clock (see the module docstring)."""
+    pp = len(schedules)
+    timeline = simulate(schedules, NOMINAL_COSTS, placement)
+    times = [[] for _ in range(pp)]  # per stage, (start, end) of each action in program order
+    for event in timeline.events:
+        times[event.rank].append((event.start, event.end))
+    sent_at = {}
+    for stage, actions in enumerate(schedules):
+        for a, (_, end) in zip(actions, times[stage]):
+            if a.kind.startswith("send"):
+                sent_at[_message_id(stage, a, pp, placement)] = end
+    programs = []
+    for stage, actions in enumerate(schedules):
+        keyed = []  # (time, 0 = message / 1 = compute, program index, action)
+        for i, (a, (start, _)) in enumerate(zip(actions, times[stage])):
+            if a.kind in MESSAGE_KINDS:
+                keyed.append((sent_at[_message_id(stage, a, pp, placement)], 0, i, a))
+            else:
+                keyed.append((start, 1, i, a))
+        program, group = [], []
+        for _, is_compute, _, a in sorted(keyed, key=lambda k: k[:3]):
+            if not is_compute:
+                group.append(a)
+                continue
+            if group:
+                program.append(MessageGroup(tuple(group)))
+                group = []
+            program.append(a)
+        if group:
+            program.append(MessageGroup(tuple(group)))
+        programs.append(program)
+    return programs
+
+
+@lru_cache(maxsize=64)
+def programs(name: str, pp: int, m: int, virtual_stages: int = 1,
+             forward_only: bool = False) -> tuple[tuple[Step, ...], ...]:
+    """The program of every stage for schedule `name` (cached: every rank computes all stages').
+    `forward_only`: an evaluation step (the schedule's forwards and their messages)."""
+    schedules = [schedule_actions(name, pp, m, stage, virtual_stages) for stage in range(pp)]
+    if forward_only:
+        schedules = [[a for a in s if a.kind in FORWARD_KINDS] for s in schedules]
+    return tuple(tuple(p) for p in group_messages(schedules, placement_of(name)))
+
+
+def messages_of(program) -> list[Action]:
+    """The program's messages in issue order (groups flattened)."""
+    return [a for step in program if isinstance(step, MessageGroup) for a in step.messages]
+
+
+def computes_of(program) -> list[Action]:
+    """The program's compute actions in order."""
+    return [step for step in program if isinstance(step, Action)]
+
+
+def acknowledgements(programs_: tuple, me: int, peer_of) -> dict[tuple, list[tuple]]:
+    """{(recv kind, mb, chunk): [(send kind, mb, chunk), ...]}: my sends proven received once I
+    have that receive of mine in hand.
+
+    Sends are waited for at the end of the step, so without this every sent buffer would live
+    until then (all m activations, defeating 1F1B's memory bound). The peer waits for my message
+    right before the compute that consumes it; any message it sends me from a later group was
+    issued after that wait, so once I hold that message, my send has completed and waiting for
+    it costs nothing. `peer_of(rank, action)` is the (pp rank, chunk) at the other end.
     """
-    acks, schedules = {}, {}
-    for send in actions:
-        if send.kind not in SENDS:
+    acks = {}
+    for send in messages_of(programs_[me]):
+        if not send.kind.startswith("send"):
             continue
         peer, peer_chunk = peer_of(me, send)
-        if peer not in schedules:
-            schedules[peer] = actions_of(peer)
-        theirs = schedules[peer]
-        recv_kind = "recv_act" if send.kind == "send_act" else "recv_grad"
-        j = theirs.index(Action(recv_kind, send.mb, peer_chunk))
-        for later in theirs[j + 1:]:  # the peer's next message to me
-            if later.kind in SENDS and peer_of(peer, later)[0] == me:
-                key = ("recv_act" if later.kind == "send_act" else "recv_grad", later.mb,
-                       peer_of(peer, later)[1])
-                acks.setdefault(key, []).append((send.kind, send.mb, send.chunk))
-                break
+        theirs = programs_[peer]
+        recv = Action("recv" + send.kind[4:], send.mb, peer_chunk)
+        consumer = next(i for i, step in enumerate(theirs)
+                        if isinstance(step, Action) and consumes(step, recv))
+        later = (a for step in theirs[consumer + 1:] if isinstance(step, MessageGroup)
+                 for a in step.messages if a.kind.startswith("send") and peer_of(peer, a)[0] == me)
+        reply = next(later, None)
+        if reply is not None:
+            key = ("recv" + reply.kind[4:], reply.mb, peer_of(peer, reply)[1])
+            acks.setdefault(key, []).append((send.kind, send.mb, send.chunk))
     return acks
-
-
-def early_receives(actions: list[Action]) -> tuple[list[Action], dict[Action, Action]]:
-    """(receives to post at the start of the step, {receive: the next one on its channel}).
-
-    A channel is one (kind, chunk): one peer, one tag. Its first receive is posted when the step
-    starts and each next one as soon as the previous one has arrived, so a message can land
-    while the stage computes, each channel's receives are posted in the order the schedule
-    receives them, and at most one buffer per channel waits ahead (1F1B's memory bound holds).
-    Only for backends that pair messages per channel (gloo; see `p2p.StageP2P.can_post_early`).
-    """
-    last: dict[tuple, Action] = {}
-    first, after = [], {}
-    for a in actions:
-        if a.kind in RECEIVES:
-            channel = (a.kind, a.chunk)
-            if channel in last:
-                after[last[channel]] = a
-            else:
-                first.append(a)
-            last[channel] = a
-    return first, after

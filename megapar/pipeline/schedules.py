@@ -14,18 +14,17 @@ Vocabulary (`ACTION_KINDS`), for micro-batch `mb` of model chunk `chunk`:
 - ``backward``: backward through the stage's layers.
 - ``backward_input`` / ``backward_weight``: reserved for zero-bubble schedules (below).
 
-Communication semantics (what the executor implements, and what `megapar.pipeline.simulate`
-checks):
+A schedule function lists each message next to the compute it belongs to: a receive right
+before the compute that consumes it, a send right after the compute that produces it.
+``send_act`` mb i on stage s matches ``recv_act`` mb i on stage s+1; ``send_grad`` on stage s
+matches ``recv_grad`` on stage s-1, and both sides list a rank pair's messages in the same order.
 
-- Sends are NON-blocking (``isend``); the executor waits for all outstanding sends at the end of
-  the step. Receives are BLOCKING.
-- ``send_act`` mb i on stage s matches ``recv_act`` mb i on stage s+1; ``send_grad`` on stage s
-  matches ``recv_grad`` on stage s-1.
-- Point-to-point messages on one directed channel (s -> s+1 activations, s -> s-1 gradients) are
-  matched in issue order, so the sender's and the receiver's micro-batch orders on each channel must
-  be identical, and so must the message counts.
-- Hence a schedule is deadlock-free iff simulating every stage in program order, where a receive
-  completes only after the neighbour has issued the matching send, lets every stage finish.
+When the messages are *issued* is decided for all stages together (`megapar.pipeline.messages`):
+they go out in `MessageGroup`s, each one ``batch_isend_irecv`` call whose sends and receives
+progress together, placed so that NCCL's rules hold (messages of a rank pair pair up in issue
+order, one ordered stream per rank, a large send finishes only while its receive runs). A stage's
+*program* is its compute actions with those groups between them, printed as
+``F0 [SA0] F1 [SA1 RG0] B0 ...`` (`format_schedule`).
 
 Model chunks and the split backward: interleaved 1F1B (each rank holds several model chunks;
 `chunk` selects one, `placement.py` maps it to its virtual stage and neighbours) and zero-bubble
@@ -72,9 +71,49 @@ class Action:
         return short_label(self.kind, self.mb, self.chunk)
 
 
-def format_schedule(actions: list[Action]) -> str:
-    """One line, e.g. "F0 SA0 F1 SA1 RG0 B0 RG1 B1"."""
-    return " ".join(str(a) for a in actions)
+MESSAGE_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})
+"""Action kinds that are point-to-point messages (the others are compute)."""
+
+@dataclass(frozen=True)
+class MessageGroup:
+    """Messages a stage issues together as one ``batch_isend_irecv`` (an NCCL group call).
+
+    The sends and receives of a group progress concurrently, so two neighbours that exchange
+    messages in one group each never wait for each other, and the group's receives are waited
+    for only by the computes that consume them."""
+
+    messages: tuple[Action, ...]
+    """The group's messages in issue order (`MESSAGE_KINDS` only)."""
+
+    def __post_init__(self):
+        if not self.messages or any(a.kind not in MESSAGE_KINDS for a in self.messages):
+            raise ValueError(f"a MessageGroup holds one or more of {sorted(MESSAGE_KINDS)}, "
+                             f"got {[a.kind for a in self.messages]}")
+
+    @property
+    def name(self) -> str:
+        """Megatron's name for what the group does, e.g. "send_forward_recv_backward"."""
+        kinds = {a.kind for a in self.messages}
+        parts = []
+        for verb in ("send", "recv"):
+            ways = [way for way, what in (("forward", "act"), ("backward", "grad"))
+                    if f"{verb}_{what}" in kinds]
+            if ways:
+                parts.append("_".join([verb, *ways]))
+        return "_".join(parts)
+
+    def __str__(self) -> str:
+        return "[" + " ".join(str(a) for a in self.messages) + "]"
+
+
+Step = Action | MessageGroup
+"""One item of a stage's program: a compute `Action` or a `MessageGroup`."""
+
+
+def format_schedule(steps: list[Step]) -> str:
+    """One line, e.g. "F0 SA0 F1 SA1 RG0 B0" (a schedule) or "F0 [SA0] F1 [SA1 RG0] B0" (a
+    program, one bracket per message group)."""
+    return " ".join(str(a) for a in steps)
 
 
 def _check_args(pp: int, m: int, stage: int) -> None:

@@ -15,13 +15,11 @@ gradient clipping and the optimizer step.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapar.device import DEFAULT_TIMEOUT_S
+from megapar.device import DEFAULT_TIMEOUT_S, wait
 from megapar.mesh import Mesh
 
 
@@ -46,12 +44,8 @@ def sync_tied_embeddings(model: nn.Module, mesh: Mesh, timeout_s: float = DEFAUL
         if p.grad is None:  # e.g. nothing ran backward: take part anyway, the peer is waiting
             p.grad = torch.zeros_like(p)
         work = dist.all_reduce(p.grad, group=mesh.embedding_group, async_op=True)
-        try:
-            work.wait(timeout=timedelta(seconds=timeout_s))
-        except Exception as exc:
-            raise TimeoutError(
-                f"rank {mesh.rank}: all-reduce of the tied embedding gradient with the other end "
-                f"of the pipeline did not complete within {timeout_s:g} s ({exc}); the first or "
-                f"last stage probably failed, or only one of them called sync_tied_embeddings"
-            ) from exc
+        wait(work, mesh.embedding_group, timeout_s,
+             f"rank {mesh.rank}: all-reduce of the tied embedding gradient with the other end "
+             f"of the pipeline", hint="; the first or last stage probably failed, or only one "
+                                      "of them called sync_tied_embeddings")
     return len(params)

@@ -96,3 +96,15 @@ def attach(module: torch.nn.Module, store: WeightGradStore | None) -> int:
             m.weight_grad_store = store
             count += 1
     return count
+
+
+def store_of(module: torch.nn.Module) -> WeightGradStore:
+    """The store `module`'s layers point at, attaching a new one if they have none. Every
+    pipeline executor of one stage (one per sequence length) gets the same store this way, so
+    a second executor does not detach the first one's."""
+    for m in module.modules():
+        if getattr(m, "weight_grad_store", None) is not None:
+            return m.weight_grad_store
+    store = WeightGradStore()
+    attach(module, store)
+    return store
