@@ -153,6 +153,7 @@ class LlamaAttention(nn.Module):
             self.v = ReplicatedHeads(hidden, n_kv * hd, rows, mesh)
         # local query head j attends with local kv head kv_index[j]
         self.kv_index = [(first_q + j) // group - first_kv for j in range(self.local_heads)]
+        self._kv_index_on: dict[str, torch.Tensor] = {}  # kv_index as a tensor per device
         self.proj = RowParallelLinear(n_q * hd, hidden, mesh, bias=False,
                                       name="attention heads x head size")
         self.rotary, self.tracker = rotary, tracker
@@ -176,7 +177,10 @@ class LlamaAttention(nn.Module):
         k = apply_rotary(heads(self.k(x, entered=True)), cos, sin)
         v = heads(self.v(x, entered=True))
         if self.kv_index != list(range(k.shape[1])):
-            index = torch.tensor(self.kv_index, device=k.device)
+            index = self._kv_index_on.get(str(k.device))
+            if index is None:  # once per device: a host-to-device copy per call would sync
+                index = self._kv_index_on[str(k.device)] = torch.tensor(self.kv_index,
+                                                                        device=k.device)
             k, v = k.index_select(1, index), v.index_select(1, index)
         if self.recompute_core and torch.is_grad_enabled():
             out = self.tracker.checkpoint(self._core, q, k, v)

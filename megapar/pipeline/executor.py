@@ -82,7 +82,7 @@ class PipelineExecutor:
         }
         self._trace: list[tuple] = []
         self.clock = StepClock(mesh.device)  # CUDA events on CUDA, perf_counter on the CPU
-        self.last_timeline = Timeline([])
+        self._last_trace = (mesh.pp_rank, [], float)
         self._reset([], 1.0, False)
 
     def _reset(self, micro_batches, loss_scale, forward_only) -> None:
@@ -176,11 +176,14 @@ class PipelineExecutor:
             self._reset([], 1.0, False)
             self.weight_grads.enabled = False  # forwards outside a step compute dW as usual
             self.weight_grads.take()
-            rank, at = self.mesh.pp_rank, self.clock.resolve
-            if trace:
-                self.clock.finish()
-            self.last_timeline = Timeline([Event(rank, k, mb, at(s), at(e), c)
-                                           for k, mb, c, s, e in trace])
+            self._last_trace = (self.mesh.pp_rank, trace, self.clock.reader())
+
+    @property
+    def last_timeline(self) -> Timeline:
+        """The last step's events (empty when it was not traced), read when asked for: on CUDA
+        that is when the step's events are waited for, not during the step."""
+        rank, trace, at = self._last_trace
+        return Timeline([Event(rank, k, mb, at(s), at(e), c) for k, mb, c, s, e in trace])
 
     def _dispatch(self, action: Action) -> None:
         set_action(f"{action.kind} of micro-batch {action.mb} on pp stage {self.mesh.pp_rank}")

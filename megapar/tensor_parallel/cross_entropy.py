@@ -15,17 +15,25 @@ from megapar.mesh import all_reduce as _all_reduce
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's vocab-parallel cross-entropy, holding one fp32 [tokens x local vocab] tensor.
+
+    The forward makes one fp32 copy of the logits (shifted by the max), turns it into the
+    softmax in place and keeps it for backward, which turns it into the gradient in place (so,
+    as in Megatron, backward may run once: no ``retain_graph``). Padding columns are known from
+    the sizes alone, so nothing waits for the device."""
+
     @staticmethod
     def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index):
         local_vocab = logits.shape[-1]
-        logits = logits.float()
-        cols = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
-        padding = cols >= vocab_size
-        if padding.any():
-            logits = logits.masked_fill(padding, float("-inf"))
-        logits_max = logits.max(dim=-1).values
+        real = max(0, min(local_vocab, vocab_size - vocab_start))  # columns before the padding
+        logits_max = logits[..., :real].max(dim=-1).values.float() if real else \
+            logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
         _all_reduce(logits_max, group, dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+        if logits.dtype == torch.float32:
+            shifted = logits - logits_max.unsqueeze(-1)
+        else:
+            shifted = logits.float().sub_(logits_max.unsqueeze(-1))
+        shifted[..., real:] = float("-inf")  # padding: exp() = 0
 
         ignored = target == ignore_index
         local_target = target - vocab_start
@@ -35,7 +43,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = target_logit.masked_fill(outside, 0.0)
         _all_reduce(target_logit, group)
 
-        exp = shifted.exp()
+        exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
         _all_reduce(sum_exp, group)
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
@@ -46,8 +54,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside, ignored = ctx.saved_tensors
-        grad = softmax.clone()
+        grad, local_target, outside, ignored = ctx.saved_tensors  # the softmax, made the grad
         hit = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
         grad.mul_((grad_loss * (~ignored)).unsqueeze(-1))

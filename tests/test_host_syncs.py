@@ -1,0 +1,74 @@
+"""No host-device synchronisation per micro-batch: a step's syncs do not grow with m.
+
+On a GPU every `.item()`, `bool(tensor)`, boolean-mask index or host-to-device copy inside a
+micro-batch makes the host wait for the device, which stalls the pipeline. `sync_count` wraps
+those calls; a training step at tp 2 x pp 2 (GPT-2, BERT, grouped-query Llama with one kv head,
+from transformers configs, through `megapar.prepare`) makes the same number at 4 and at 8
+micro-batches, and none of them is on the micro-batch path (models, tensor-parallel layers,
+pipeline): only per-step work (checking the user's global batch, the gradient norm, the loss).
+"""
+
+import pytest
+import torch
+
+import megapar
+from megapar.launcher import run_local
+from sync_count import count_syncs
+
+PER_MICRO_BATCH = ("models/", "tensor_parallel/", "pipeline/", "data_parallel/")
+
+
+def config(kind):
+    from transformers import BertConfig, GPT2Config, LlamaConfig
+
+    small = dict(vocab_size=96, bos_token_id=0, eos_token_id=0)
+    if kind == "gpt2":
+        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=32, **small)
+    if kind == "llama":
+        return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1,
+                           max_position_embeddings=32, **small)
+    return BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=64, max_position_embeddings=32, vocab_size=96)
+
+
+def batch(kind, m):
+    ids = torch.randint(0, 96, (m, 16), generator=torch.Generator().manual_seed(m))
+    out = {"input_ids": ids, "labels": ids.clone()}
+    if kind == "bert":
+        out["labels"][:, ::2] = -100
+        out.update(attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids))
+    return out
+
+
+def syncs_worker(kind):
+    engine = megapar.prepare(config(kind), tp=2, pp=2, micro_batch_size=1)
+    counts = {}
+    for m in (4, 8):
+        engine.train_step(batch(kind, m))  # the first step of a shape builds its executor
+        with count_syncs() as syncs:
+            engine.train_step(batch(kind, m))
+        counts[m] = syncs
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+def test_a_steps_host_syncs_do_not_grow_with_micro_batches(kind):
+    for rank, counts in enumerate(run_local(syncs_worker, 4, kind)):
+        assert counts[4] == counts[8], (rank, counts)
+        assert 0 < sum(counts[8].values()) <= 8, (rank, counts[8])  # the loss at least
+        inside = [where for _, where in counts[8] if where.startswith(PER_MICRO_BATCH)]
+        assert not inside, (rank, inside)
+
+
+def test_the_counter_sees_what_a_micro_batch_path_would_do():
+    """The counter is not blind: the calls the old code made per micro-batch are counted."""
+    with count_syncs() as syncs:
+        t = torch.arange(4.0)
+        if (t > 2).any():  # `padding.any()` in the old vocab-parallel loss
+            pass
+        t[t > 1]  # a boolean mask
+        torch.tensor([0, 1], device=t.device)  # the old grouped-query kv index, per call
+        t.sum().item()
+    assert sorted(call for call, _ in syncs) == [
+        "__bool__", "item", "mask index", "torch.tensor(host data, device=...)"]
