@@ -201,7 +201,7 @@ class PipelineExecutor:
             note = (f"[megapar] while running {action.kind} of micro-batch {action.mb} on pp "
                     f"stage {self.mesh.pp_rank}{chunk} (rank {self.mesh.rank}), schedule "
                     f"{self.schedule_name!r}")
-            add_note(exc, note)
+            exc.add_note(note)
             raise
 
     def _peer(self, rank: int, a: Action) -> tuple[int, int] | None:
@@ -335,12 +335,3 @@ class PipelineExecutor:
                       f"stage (rank {src})")
         return loss
 
-
-def add_note(exc: BaseException, note: str) -> None:
-    """`exc.add_note(note)` (Python 3.11+); on 3.10 the note is appended to the message."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    elif exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
-    else:
-        exc.args = (*exc.args, note)
