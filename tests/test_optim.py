@@ -199,6 +199,90 @@ def _zero_worker(dp: int) -> dict:
             "buffer": sum(b.numel() for b in resumed_grads.buffers.values())}
 
 
+def _zero_save_worker(dp: int) -> dict:
+    """A ZeRO-1 save with several buckets: every gather to dp rank 0 is one bucket."""
+    from megapar.data_parallel import GradBuckets
+
+    mesh = make_mesh(dp=dp)
+    plain_model, zero_model = build_stage(CONFIG, mesh, seed=3), build_stage(CONFIG, mesh, seed=3)
+    plain = build_optimizer(plain_model, mesh, 1e-2, 0.1)
+    zero = build_optimizer(zero_model, mesh, 1e-2, 0.1, zero=1)
+    grads = GradBuckets(list(zero_model.parameters()), mesh.dp_group, bucket_mb=0.01)
+    zero.attach(grads)
+    for seed in range(2):
+        gen = torch.Generator().manual_seed(seed)
+        plain.zero_grad()
+        zero.zero_grad()
+        grads.begin_step()
+        for a, b in zip(plain_model.parameters(), zero_model.parameters()):
+            a.grad = torch.randn(a.shape, generator=gen)
+            b.grad.copy_(a.grad)
+        grads.before_last_backward()
+        grads.finish()
+        plain.step()
+        zero.step()
+    gathered, gather = [], dist.gather
+
+    def spy(tensor, gather_list=None, **kwargs):
+        gathered.append(sum(t.numel() * t.element_size() for t in gather_list or [tensor]))
+        return gather(tensor, gather_list, **kwargs)
+
+    dist.gather = spy
+    try:
+        state = zero.state_tensors()
+    finally:
+        dist.gather = gather
+    expected = plain.state_tensors()
+    if mesh.dp_rank == 0:
+        for n, entry in expected.items():
+            for k, t in entry.items():
+                assert state[n][k].device.type == "cpu"  # in host memory
+                assert_close(state[n][k], t, what=f"ZeRO-1 {k} of {n}")
+    # torch's state_dict holds the moments this rank updates, and loads back
+    sd = zero.state_dict()
+    moments = sum(v.numel() for st in sd["state"].values() for k, v in st.items()
+                  if k in ("exp_avg", "exp_avg_sq"))
+    assert moments == sum(t.numel() for st in zero.inner.state.values()
+                          for k, t in st.items() if k != "step") > 0
+    before = {id(t): st["exp_avg"].clone() for t, st in zero.inner.state.items()}
+    sd = {"state": {i: {k: v.clone() for k, v in st.items() if k != "elements"}
+                    | {"elements": st["elements"]} for i, st in sd["state"].items()},
+          "param_groups": sd["param_groups"]}  # like torch's, it holds references: copy
+    for st in zero.inner.state.values():
+        st["exp_avg"].zero_()
+    zero.load_state_dict(sd)
+    assert all(torch.equal(st["exp_avg"], before[id(t)]) for t, st in zero.inner.state.items())
+    bucket_bytes = [b.padded * 4 for b in grads.buckets]
+    return {"gathered": gathered, "buckets": bucket_bytes}
+
+
+def test_zero1_save_gathers_one_bucket_at_a_time_into_host_memory():
+    for rank, out in enumerate(run_local(_zero_save_worker, 2, 2)):
+        assert len(out["buckets"]) >= 4, out["buckets"]  # the test needs several buckets
+        assert len(out["gathered"]) == 2 * len(out["buckets"])  # per bucket, per moment
+        if rank == 0:  # what arrives at once on the writer's device: one padded bucket
+            assert sorted(out["gathered"]) == sorted(2 * out["buckets"])
+            assert max(out["gathered"]) == max(out["buckets"]) < sum(out["buckets"]) / 2
+
+
+def test_state_dict_holds_the_adam_moments():
+    model = serial_model()
+    opt = build_optimizer(model, Mesh(Layout()), 1e-2, 0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(sd["state"]) == len(params)
+    for i, p in enumerate(params):
+        assert torch.equal(sd["state"][i]["exp_avg"], opt.inner.state[p]["exp_avg"])
+    fresh = build_optimizer(serial_model(), Mesh(Layout()), 1.0, 0.0)
+    fresh.load_state_dict(sd)
+    assert fresh.lr == pytest.approx(1e-2)
+    for p, q in zip(params, (q for g in fresh.param_groups for q in g["params"])):
+        assert torch.equal(fresh.inner.state[q]["exp_avg_sq"], opt.inner.state[p]["exp_avg_sq"])
+
+
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero1_equals_unsharded_adamw_and_resumes(dp):
     outs = run_local(_zero_worker, dp, dp)

@@ -115,16 +115,18 @@ class AdamWOptimizer(torch.optim.Optimizer):
 
     # checkpoints ----------------------------------------------------------------------------
     def _local_state(self, p: nn.Parameter, key: str) -> torch.Tensor:
+        """A host copy of one state tensor (a save never adds device memory)."""
         state = self.inner.state.get(p, {}) if self.inner is not None else {}
         t = state.get(key)
-        return t.detach().clone() if t is not None else torch.zeros_like(p)
+        return t.detach().to("cpu", copy=True) if t is not None else \
+            torch.zeros(p.shape, dtype=p.dtype)
 
     def _checkpointed(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named if getattr(p, "tied_to", None) is None]
 
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """name -> {"exp_avg", "exp_avg_sq"} (or {"momentum_buffer"}) for every non-tied
-        parameter of the stage."""
+        parameter of the stage, in host memory."""
         return {n: {k: self._local_state(p, k) for k in self.state_keys}
                 for n, p in self._checkpointed()}
 
@@ -162,6 +164,45 @@ class AdamWOptimizer(torch.optim.Optimizer):
                                      f"another layout; convert it first")
                 state[k] = t.to(device=p.device, dtype=p.dtype).clone()
             self.inner.state[p] = state
+
+    def _held_state(self) -> list[tuple[nn.Parameter, dict]]:
+        """(parameter, the state this rank holds for it) for every parameter it updates."""
+        if self.inner is None:
+            return []
+        return [(p, dict(self.inner.state[p])) for p in self.owned_params()
+                if p in self.inner.state]
+
+    def _hold_state(self, p: nn.Parameter, state: dict) -> None:
+        self.inner.state[p] = {k: v.to(p.device) if k != "step" else v for k, v in state.items()}
+
+    def state_dict(self) -> dict:
+        """torch's optimizer format: {"state": {index: {...}}, "param_groups": [...]}, indices
+        counting the parameters of `param_groups` in order. "state" is what this rank holds:
+        per parameter Adam's "step", "exp_avg", "exp_avg_sq" (LARS / SGD: "momentum_buffer");
+        under ZeRO-1 the slice of each parameter on this rank, flat, with its "elements"
+        (start, end). It loads back in the same layout only; checkpoints that move between
+        layouts are megapar's own (`engine.save`, `state_tensors`)."""
+        order = [p for g in self.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(order)}
+        return {"state": {index[id(p)]: state for p, state in self._held_state()},
+                "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                                  "params": [index[id(p)] for p in g["params"]]}
+                                 for g in self.param_groups]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load `state_dict()` output of the same layout (hyper-parameters and moments)."""
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("the optimizer state_dict has other parameter groups than this "
+                             "stage's; load megapar checkpoints with engine.load instead")
+        for mine, saved in zip(self.param_groups, groups):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+        order = [p for g in self.param_groups for p in g["params"]]
+        if self.inner is not None:
+            for i, state in state_dict["state"].items():
+                self._hold_state(order[int(i)], state)
+        self._sync_groups()
 
     def state_json(self) -> dict:
         return {"step": self.num_steps, "zero": self.zero, "lr": self.lr, "kind": self.kind,

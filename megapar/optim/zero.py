@@ -24,7 +24,8 @@ LAMB / LARS need norms of whole parameters: each piece's squared sums are all-re
 (one small tensor, two entries per parameter), then over tp for tp-sharded parameters.
 
 Checkpoints keep the canonical format: `state_tensors()` gathers the slices to dp rank 0 only
-(the rank that writes the shard file) and returns {} on the other dp ranks;
+(the rank that writes the shard file), a bucket at a time through host memory, and returns {}
+on the other dp ranks;
 `load_state_tensors` takes each rank's slices out of the full per-parameter tensors.
 """
 
@@ -204,49 +205,64 @@ class ZeroOptimizer(AdamWOptimizer):
     # checkpoints ----------------------------------------------------------------------------
     @torch.no_grad()
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every non-tied parameter's full (local tp / pp shard) state on dp rank 0, gathered
-        from the slices (collective over dp); {} on the other dp ranks."""
+        """Every non-tied parameter's full (local tp / pp shard) state on dp rank 0, in host
+        memory; {} on the other dp ranks (collective over dp).
+
+        One bucket and one state key at a time: each rank's slice of the bucket is gathered to
+        dp rank 0 into one bucket-sized buffer on the device, copied to the host and freed, so
+        a save needs one bucket of device memory on top of training, never the stage's whole
+        state (3-4x the fp32 parameters)."""
         if not self.sharded:
             return super().state_tensors()
-        gs = self.grad_sync
-        out: dict[int, dict[str, torch.Tensor]] = {id(p): {} for p in self.params}
-        for key in self.state_keys:
-            full = {}
-            for dtype, buffer in self.param_buffers.items():
-                mine = [(b, *gs.shard_range(b)) for b in gs.buckets if b.params[0].dtype == dtype]
-                local = torch.zeros(sum(hi - lo for _, lo, hi in mine), dtype=dtype,
-                                    device=buffer.device)
-                starts, at = {}, 0
-                for b, lo, hi in mine:
-                    starts[id(b)] = at
-                    at += hi - lo
-                for t, (p, s, e) in zip(self.pieces, self._piece_of):
-                    if p.dtype != dtype:
-                        continue
-                    b = gs._bucket_of[id(p)]
-                    pos = starts[id(b)] + self._offset[id(p)] + s - gs.shard_range(b)[0]
-                    state = self.inner.state.get(t, {}).get(key)
-                    if state is not None:
-                        local[pos:pos + e - s] = state
-                parts = [torch.empty_like(local) for _ in range(self.dp)] \
-                    if self.dp_rank == 0 else None
-                dist.gather(local, parts, dst=dist.get_global_rank(self.group, 0),
+        gs, root = self.grad_sync, dist.get_global_rank(self.group, 0)
+        piece = {id(p): (t, s, e) for t, (p, s, e) in zip(self.pieces, self._piece_of)}
+        names = {id(p): n for n, p in self._checkpointed()}
+        out: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names.values()}
+        for b in gs.buckets:
+            lo, hi = gs.shard_range(b)
+            dtype = b.params[0].dtype
+            device = self.param_buffers[dtype].device
+            for key in self.state_keys:
+                parts = [torch.zeros(hi - lo, dtype=dtype, device=device)
+                         for _ in range(self.dp if self.dp_rank == 0 else 1)]
+                mine = parts[0]  # dp rank 0's own slice is gathered in place
+                for p in b.params:
+                    if id(p) in piece:
+                        t, s, e = piece[id(p)]
+                        state = self.inner.state.get(t, {}).get(key)
+                        if state is not None:
+                            at = self._offset[id(p)] + s - lo
+                            mine[at:at + e - s] = state.reshape(-1)
+                dist.gather(mine, parts if self.dp_rank == 0 else None, dst=root,
                             group=self.group)
                 if self.dp_rank == 0:
-                    full[dtype] = torch.zeros_like(buffer)
-                    for b, lo, hi in mine:
-                        for r in range(self.dp):
-                            size = hi - lo
-                            full[dtype][b.start + r * size:b.start + (r + 1) * size] = \
-                                parts[r][starts[id(b)]:starts[id(b)] + size]
-            if self.dp_rank == 0:
-                for p in self.params:
-                    b = gs._bucket_of[id(p)]
-                    at = b.start + self._offset[id(p)]
-                    out[id(p)][key] = full[p.dtype][at:at + p.numel()].view_as(p).clone()
-        if self.dp_rank != 0:
-            return {}
-        return {n: out[id(p)] for n, p in self._checkpointed()}
+                    host = torch.cat([part.cpu() for part in parts])  # the bucket, padded
+                    for p in b.params:
+                        if id(p) in names:
+                            at = self._offset[id(p)]
+                            out[names[id(p)]][key] = host[at:at + p.numel()].view_as(p).clone()
+                del parts, mine
+        return out if self.dp_rank == 0 else {}
+
+    def _held_state(self) -> list[tuple[nn.Parameter, dict]]:
+        if not self.sharded:
+            return super()._held_state()
+        return [(p, {**self.inner.state[t], "elements": (s, e)})
+                for t, (p, s, e) in zip(self.pieces, self._piece_of) if t in self.inner.state]
+
+    def _hold_state(self, p: nn.Parameter, state: dict) -> None:
+        if not self.sharded:
+            return super()._hold_state(p, state)
+        state = dict(state)
+        elements = tuple(state.pop("elements", ()))
+        for t, (q, s, e) in zip(self.pieces, self._piece_of):
+            if q is p and elements == (s, e):
+                self.inner.state[t] = {k: v.to(t.device) if k != "step" else v
+                                       for k, v in state.items()}
+                return
+        raise ValueError("the optimizer state_dict holds another slice of a parameter than "
+                         "this rank's (another dp size or ZeRO layout); load megapar "
+                         "checkpoints with engine.load instead")
 
     @torch.no_grad()
     def load_state_tensors(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
