@@ -105,20 +105,21 @@ def test_tp_step_does_megatrons_minimum_all_reduces(kind, tp):
 def expected_sp_step(kind: str, tp: int) -> Counter:
     """Sequence parallelism: each all-reduce of b x s x h becomes an all-gather of the b x s/tp
     x h slices and a reduce-scatter of b x s x h (the same bytes on the wire), at the same
-    places; the embedding's forward all-reduce stays (its output is then split, no traffic;
-    the backward all-gathers the gradient); the LM head gathers its input. Plus one all-reduce,
-    per step, of the replicated parameters' partial gradients (LayerNorms, row-parallel biases,
-    BERT's head transform)."""
+    places; the vocab-parallel embedding reduce-scatters its output (half an all-reduce's
+    bytes; the backward all-gathers the gradient); the LM head gathers its input. Plus one
+    all-reduce, per step, of the replicated parameters' partial gradients (LayerNorms,
+    row-parallel biases, BERT's head transform, the position and token-type embeddings, which
+    see only this rank's positions)."""
     bsh, bs, h = MBS * SEQ * H, MBS * SEQ, H
     gathers = 2 * L + 2 * L + 1 + 1     # layers fwd + bwd, head fwd, embedding bwd
-    scatters = 2 * L + 2 * L + 1        # layers fwd + bwd, head bwd
+    scatters = 2 * L + 2 * L + 1 + 1    # layers fwd + bwd, head bwd, embedding fwd
+    embeddings = {"gpt2": SEQ * h, "bert": SEQ * h + 2 * h + 2 * h, "llama": 0}[kind]
     replicated = {"gpt2": L * 6 * h + 2 * h, "bert": L * 6 * h + h * h + 3 * h,
                   "llama": L * 2 * h + h}[kind]  # Llama: two RMSNorms per layer, the final one
     return Counter({("all_gather_single", bsh // tp, tp): M * gathers,
                     ("reduce_scatter_single", bsh, tp): M * scatters,
-                    ("all_reduce", bsh, tp): M,        # vocab-parallel embedding
                     ("all_reduce", bs, tp): M * 3,
-                    ("all_reduce", replicated, tp): 1,
+                    ("all_reduce", replicated + embeddings, tp): 1,
                     ("all_reduce", 1, tp): 1})
 
 

@@ -122,6 +122,46 @@ def test_sequence_parallel_primitives():
     assert all(run_local(_primitives_worker, 2))
 
 
+def _no_copy_worker():
+    import torch.distributed as dist
+
+    from megapar.tensor_parallel import sequence_parallel as sp
+
+    group, rank = dist.group.WORLD, dist.get_rank()
+    seen, gather, scatter = [], sp._all_gather_flat, sp._reduce_scatter_flat
+    sp._all_gather_flat = lambda out, x, g: (seen.append((out, x)), gather(out, x, g))[1]
+    sp._reduce_scatter_flat = lambda out, x, g: (seen.append((out, x)), scatter(out, x, g))[1]
+    try:
+        copies = []
+        for b in (1, 3):
+            full = torch.arange(2 * b * 4 * 3, dtype=torch.float32).view(2, b, 4, 3)
+            mine = full[rank].chunk(2, dim=1)[rank].contiguous()
+            seen.clear()
+            gathered = sp.gather_sequence(mine, group)
+            assert torch.equal(gathered, torch.cat([full[r].chunk(2, dim=1)[r] for r in range(2)],
+                                                   dim=1))
+            (out, x), = seen
+            in_place = [x.data_ptr() == mine.data_ptr(), gathered.data_ptr() == out.data_ptr()]
+            seen.clear()
+            whole = full[rank].clone()
+            reduced = sp.reduce_scatter_sequence(whole, group)
+            assert torch.equal(reduced, (full[0] + full[1]).chunk(2, dim=1)[rank])
+            (out, x), = seen
+            in_place += [x.data_ptr() == whole.data_ptr(), reduced.data_ptr() == out.data_ptr()]
+            copies.append(in_place)
+        return copies
+    finally:
+        sp._all_gather_flat, sp._reduce_scatter_flat = gather, scatter
+
+
+def test_sequence_parallel_collectives_copy_nothing_at_one_sequence_per_micro_batch():
+    """[1, s/tp, h] slices go to the all-gather as they are and come back as the [1, s, h]
+    result; the reduce-scatter likewise. With b > 1 one copy regroups the sequences."""
+    for copies in run_local(_no_copy_worker, 2):
+        assert copies[0] == [True, True, True, True]  # b = 1
+        assert copies[1] == [True, False, False, True]  # b = 3: the output, the input regrouped
+
+
 def _llama_worker(tied: bool, kv_heads: int):
     import torch.distributed as dist
 

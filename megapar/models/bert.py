@@ -42,7 +42,10 @@ class BertLayer(nn.Module):
 
 
 class BertEmbedding(nn.Module):
-    def __init__(self, config: BertConfig, mesh: Mesh):
+    """Word + position + token-type embeddings, LayerNorm, dropout: of this rank's sequence
+    slice under SP (`positions` and `token_types` are that slice's)."""
+
+    def __init__(self, config: BertConfig, mesh: Mesh, tracker):
         super().__init__()
         d = mesh.device
         self.word = VocabParallelEmbedding(config.vocab_size, config.hidden_size, mesh,
@@ -50,12 +53,10 @@ class BertEmbedding(nn.Module):
         self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size, device=d)
         self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size, device=d)
         self.norm = layer_norm(config.hidden_size, config.layer_norm_eps, d)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = ResidualDropout(config.hidden_dropout_prob, mesh, tracker)
 
-    def forward(self, ids: torch.Tensor, token_types: torch.Tensor | None) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        if token_types is None:
-            token_types = torch.zeros_like(ids)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                token_types: torch.Tensor) -> torch.Tensor:
         x = self.word(ids) + self.position(positions) + self.token_type(token_types)
         return self.dropout(self.norm(x))
 
@@ -91,7 +92,7 @@ class Bert(StageModel):
                  pre_process: bool = True, post_process: bool = True, tracker=None):
         super().__init__()
         layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
-        self.embed = BertEmbedding(config, mesh) if pre_process else None
+        self.embed = BertEmbedding(config, mesh, self.tracker) if pre_process else None
         self.layers = self._build_layers(layers, lambda: BertLayer(config, mesh, self.tracker))
         self.head = BertMLMHead(config, mesh) if post_process else None
         if post_process and not pre_process:
@@ -113,8 +114,9 @@ class Bert(StageModel):
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.pre_process:
-            hidden = self._split_sequence(self.embed(batch["input_ids"],
-                                                     batch.get("token_type_ids")))
+            ids, types = batch["input_ids"], batch.get("token_type_ids")
+            types = self._local_tokens(torch.zeros_like(ids) if types is None else types)
+            hidden = self.embed(ids, self._positions(ids), types)
         mask = batch.get("attention_mask")
         if mask is not None:
             mask = mask.bool()[:, None, None, :]

@@ -41,15 +41,16 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Embedding(nn.Module):
-    def __init__(self, config: GPT2Config, mesh: Mesh):
+    """Word + position embeddings, then dropout: of this rank's sequence slice under SP."""
+
+    def __init__(self, config: GPT2Config, mesh: Mesh, tracker):
         super().__init__()
         self.word = VocabParallelEmbedding(config.vocab_size, config.n_embd, mesh,
                                            config.make_vocab_size_divisible_by)
         self.position = nn.Embedding(config.n_positions, config.n_embd, device=mesh.device)
-        self.dropout = nn.Dropout(config.embd_pdrop)
+        self.dropout = ResidualDropout(config.embd_pdrop, mesh, tracker)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.word(ids) + self.position(positions))
 
 
@@ -66,7 +67,7 @@ class GPT2(StageModel):
                  pre_process: bool = True, post_process: bool = True, tracker=None):
         super().__init__()
         layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
-        self.embed = GPT2Embedding(config, mesh) if pre_process else None
+        self.embed = GPT2Embedding(config, mesh, self.tracker) if pre_process else None
         self.layers = self._build_layers(layers, lambda: GPT2Block(config, mesh, self.tracker))
         if post_process:
             self.final_norm = layer_norm(config.n_embd, config.layer_norm_epsilon, mesh.device)
@@ -92,7 +93,8 @@ class GPT2(StageModel):
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.pre_process:
-            hidden = self._split_sequence(self.embed(batch["input_ids"]))
+            ids = batch["input_ids"]
+            hidden = self.embed(ids, self._positions(ids))
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
         if not self.post_process:
             return hidden

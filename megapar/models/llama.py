@@ -281,7 +281,7 @@ class Llama(StageModel):
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.pre_process:
-            hidden = self._split_sequence(self.embed.word(batch["input_ids"]))
+            hidden = self.embed.word(batch["input_ids"])  # this rank's slice under SP
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
         if not self.post_process:
             return hidden

@@ -19,7 +19,7 @@ from megapar.mesh import Mesh
 from megapar.tensor_parallel import NullTracker, masked_mean, vocab_parallel_cross_entropy
 from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
 from megapar.tensor_parallel.sequence_parallel import (
-    mark_sequence_parallel, scatter_to_sequence_parallel_region,
+    local_positions, mark_sequence_parallel, split_sequence,
 )
 
 WORD_EMBEDDING = "embed.word.weight"
@@ -58,17 +58,24 @@ class StageModel(nn.Module):
         self._mark_sequence_parallel()
 
     def _mark_sequence_parallel(self) -> None:
-        """Under SP every parameter but the embedding's sees a sequence slice: mark them (their
-        replicated gradients are summed over tp)."""
+        """Under SP every replicated parameter sees a sequence slice (position and token-type
+        embeddings too: the word embedding reduce-scatters its output): mark them (their
+        gradients are summed over tp)."""
         if self.mesh.sequence_parallel and self.mesh.tp > 1:
-            mark_sequence_parallel(p for n, p in self.named_parameters()
-                                   if not n.startswith("embed."))
+            mark_sequence_parallel(self.parameters())
 
-    def _split_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The embedding's output enters the sequence-parallel region (a no-op without SP)."""
-        if self.mesh.sequence_parallel:
-            return scatter_to_sequence_parallel_region(hidden, self.mesh.tp_group)
-        return hidden
+    @property
+    def _sp_group(self):
+        """The group the sequence is split over (None without sequence parallelism)."""
+        return self.mesh.tp_group if self.mesh.sequence_parallel else None
+
+    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Position ids of this rank's tokens: all of them, or its slice under SP."""
+        return local_positions(ids.shape[1], self._sp_group, ids.device)
+
+    def _local_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of per-token ids [b, s] under SP (all of them otherwise)."""
+        return split_sequence(ids, self._sp_group)
 
     @property
     def word_embeddings(self) -> nn.Parameter:

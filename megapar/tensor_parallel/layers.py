@@ -109,6 +109,8 @@ class VocabParallelEmbedding(nn.Module):
     The vocabulary is padded to a multiple of tp x `divisible_by` (Megatron's
     make-vocab-size-divisible-by); ids outside this rank's rows give zeros here and the sum over
     the tp group fills them in. Padding rows are never looked up and never leave the model.
+    Under sequence parallelism the sum is a reduce-scatter: each rank gets its sequence slice
+    of the embeddings (half the bytes of an all-reduce, and nothing to slice afterwards).
     """
 
     def __init__(self, vocab_size: int, dim: int, mesh: Mesh, divisible_by: int = 1):
@@ -118,6 +120,7 @@ class VocabParallelEmbedding(nn.Module):
         self.local_vocab = local_size(vocab_size, mesh.tp, divisible_by)
         self.vocab_start = mesh.tp_rank * self.local_vocab
         self.weight = _param((self.local_vocab, dim), 0, (vocab_size, dim), mesh.device)
+        self.sequence_parallel = _sequence_parallel(mesh)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
@@ -126,6 +129,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.local_vocab)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out, self.group)
         return reduce_from_tp_region(out, self.group)
 
 

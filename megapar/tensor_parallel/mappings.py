@@ -9,7 +9,10 @@ Each is a pair (forward op, backward op) over the tp group, named after what it 
 | scatter_to_tp_region      | keep my slice of last dim  | all-gather last dim        |
 | gather_from_tp_region     | all-gather last dim        | keep my slice of last dim  |
 
-With a group of None (tp = 1) every primitive is the identity.
+With a group of None (tp = 1) every primitive is the identity. The all-reduces run in place,
+as Megatron's: the forward one on the partial sums a row-parallel layer just made (marked dirty
+for autograd), the backward one on the gradient the region's consumers (linear layers) just
+made; no copy of the b x s x h activation is taken.
 """
 
 from __future__ import annotations
@@ -54,13 +57,16 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group), None
+        return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        out = _all_reduce(x, group)
+        if out is x:
+            ctx.mark_dirty(x)
+        return out
 
     @staticmethod
     def backward(ctx, grad):

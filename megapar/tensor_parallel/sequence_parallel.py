@@ -31,13 +31,15 @@ SEQ_DIM = 1
 
 
 def _all_gather_flat(out, x, group):
+    """`out` (contiguous) = every rank's `x` (contiguous), one after the other."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x, group=group)
+    fn(out.view(-1), x.view(-1), group=group)
 
 
 def _reduce_scatter_flat(out, x, group):
+    """`out` (contiguous) = the sum over ranks of this rank's equal part of `x` (contiguous)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, x, group=group)
+    fn(out.view(-1), x.view(-1), group=group)
 
 
 def _check(x: torch.Tensor, size: int) -> None:
@@ -55,27 +57,49 @@ def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(size, dim=SEQ_DIM)[dist.get_rank(group)].contiguous()
 
 
+def local_positions(seq_len: int, group, device) -> torch.Tensor:
+    """The positions of this rank's slice of a sequence of `seq_len` (all of them at tp 1)."""
+    size = group_size(group)
+    if seq_len % size:
+        raise LayoutError(f"sequence length {seq_len} is not divisible by --tp {size} "
+                          f"(needed by --sequence-parallel); change --seq-len or --tp")
+    start = (dist.get_rank(group) if size > 1 else 0) * (seq_len // size)
+    return torch.arange(start, start + seq_len // size, device=device)
+
+
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's sequence slice, concatenated in rank order (all-gather)."""
+    """Every rank's sequence slice, concatenated in rank order (all-gather).
+
+    The collective gathers whole tensors, so the ranks' [b, s/tp, h] slices arrive one after
+    the other; with one sequence per micro-batch (b = 1, the usual size for large models) that
+    is already the [1, s, h] layout and nothing is copied, otherwise one copy puts each
+    sequence's slices together (Megatron keeps [s, b, h] activations to avoid it)."""
     size = group_size(group)
     if size == 1:
         return x
-    xt = x.transpose(0, SEQ_DIM).contiguous()           # sequence first: gathers are along dim 0
-    out = torch.empty((size * xt.shape[0],) + xt.shape[1:], dtype=x.dtype, device=x.device)
-    _all_gather_flat(out, xt, group)
-    return out.transpose(0, SEQ_DIM)
+    b = x.shape[0]
+    out = torch.empty((size * b,) + x.shape[1:], dtype=x.dtype, device=x.device)
+    _all_gather_flat(out, x.contiguous(), group)
+    if b == 1:
+        return out.view(1, -1, *x.shape[2:])
+    return out.view(size, b, *x.shape[1:]).transpose(0, 1).reshape(
+        b, size * x.shape[1], *x.shape[2:])
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """The sum over ranks of x, of which each rank keeps its sequence slice (reduce-scatter)."""
+    """The sum over ranks of x, of which each rank keeps its sequence slice (reduce-scatter).
+    With b = 1 the input is handed to the collective as it is; otherwise one copy puts each
+    rank's slices of all sequences together first (see `gather_sequence`)."""
     size = group_size(group)
     if size == 1:
         return x
     _check(x, size)
-    xt = x.transpose(0, SEQ_DIM).contiguous()
-    out = torch.empty((xt.shape[0] // size,) + xt.shape[1:], dtype=x.dtype, device=x.device)
-    _reduce_scatter_flat(out, xt, group)
-    return out.transpose(0, SEQ_DIM)
+    b, s = x.shape[:2]
+    grouped = x.contiguous() if b == 1 else \
+        x.reshape(b, size, s // size, *x.shape[2:]).transpose(0, 1).contiguous()
+    out = torch.empty((b, s // size) + x.shape[2:], dtype=x.dtype, device=x.device)
+    _reduce_scatter_flat(out, grouped, group)
+    return out
 
 
 def _region(name: str, forward, backward) -> type[torch.autograd.Function]:
