@@ -179,3 +179,32 @@ def test_grads_ready_launches_buckets_for_weight_grads_made_outside_autograd_acc
     for launched, a, b in run_local(_grads_ready_worker, 2):
         assert launched == 1
         assert a == [1.5] * 3 and b == [3.0] * 2   # mean of (1, 2) and of (2, 4)
+
+
+def _zb_overlap_worker():
+    from megapar.models import GPT2Config
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.training.build import build_stage
+
+    mesh = make_mesh(pp=2, dp=2)
+    config = GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=4, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = build_stage(config, mesh, seed=0)
+    sync = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb=0.002)
+    executor = PipelineExecutor(model, mesh, "zb-h1", (2, 8, 16))
+    phase, launched, launch, finish = ["program"], [], sync._launch, sync.finish
+    sync._launch = lambda b: (launched.append(phase[0]), launch(b))[1]
+    sync.finish = lambda: (phase.__setitem__(0, "finish"), finish())[1]
+    gen = torch.Generator().manual_seed(mesh.dp_rank)
+    batches = [{"input_ids": (ids := torch.randint(0, 64, (2, 8), generator=gen)),
+                "labels": ids} for _ in range(4)]
+    executor.run(batches, grad_sync=sync)
+    return launched, len(sync.buckets)
+
+
+def test_zero_bubble_dp_reduction_overlaps_the_last_weight_gradient_pass():
+    """ZB-H1 defers weight gradients to W: the buckets launch as the last W finishes each
+    layer's weights (and the last B the other parameters'), not all at the end of the step."""
+    for launched, buckets in run_local(_zb_overlap_worker, 4):
+        assert buckets >= 4 and len(launched) == buckets
+        assert launched.count("program") == buckets, launched  # every one before finish()

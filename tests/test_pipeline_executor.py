@@ -224,3 +224,54 @@ def test_unknown_action_kind_names_the_missing_handler():
     with pytest.raises(NotImplementedError, match="'backward_input'.*register one"):
         executor.run(toy_batches(1))
     assert [e.kind for e in executor.last_timeline.events] == ["forward"]
+
+
+def freed_outputs_worker():
+    mesh = make_mesh(pp=3)
+    executor = PipelineExecutor(ToyStage(mesh), mesh, "1f1b", SHAPE, timeout_s=30)
+    issue, seen = executor._issue, []
+
+    def checked_issue(group):
+        issue(group)
+        for a in group.messages:
+            if a.kind == "send_act":  # sent: the stage keeps the graph, not the values
+                payload = executor.p2p._sends[a.kind, a.mb, a.chunk][1]
+                seen.append((executor._outputs[a.mb, a.chunk].numel(), payload.numel()))
+
+    executor._issue = checked_issue
+    loss = executor.run(toy_batches(4))
+    return seen, float(loss)
+
+
+def test_a_sent_output_is_freed_and_backward_still_runs():
+    """Megatron's deallocate_output_tensor: once a stage's output activation is sent, its
+    storage goes (the send holds its own reference until it completes); backward runs from the
+    graph alone, with the same numbers (parity tests)."""
+    results = run_local(freed_outputs_worker, 3)
+    for stage, (seen, _) in enumerate(results):
+        assert seen == ([(1, B * S * H)] * 4 if stage < 2 else []), (stage, seen)
+    assert len({loss for _, loss in results}) == 1
+
+
+def test_every_executor_of_a_stage_defers_weight_gradients():
+    """The engine keeps one executor per sequence length; they share the stage's weight-gradient
+    store, so a second one does not turn the first one's zero-bubble deferral off."""
+    from megapar.models import GPT2Config
+    from megapar.training.build import build_stage
+
+    mesh = Mesh(Layout())
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    model = build_stage(config, mesh, seed=0)
+    ids = {s: torch.randint(0, 64, (2, s), generator=torch.Generator().manual_seed(s))
+           for s in (8, 16)}
+    first = PipelineExecutor(model, mesh, "zb-h1", (2, 16, 16))
+    counts = [first.weight_grads.deferred]
+    first.run([{"input_ids": ids[16], "labels": ids[16]}])
+    counts.append(first.weight_grads.deferred)
+    second = PipelineExecutor(model, mesh, "zb-h1", (2, 8, 16))
+    second.run([{"input_ids": ids[8], "labels": ids[8]}])
+    counts.append(second.weight_grads.deferred)
+    first.run([{"input_ids": ids[16], "labels": ids[16]}])
+    counts.append(first.weight_grads.deferred)
+    linears = sum(hasattr(m, "weight_grad_store") for m in model.modules())
+    assert counts == [0, linears, 2 * linears, 3 * linears]

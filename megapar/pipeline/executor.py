@@ -44,8 +44,9 @@ from megapar.pipeline.schedules import (
 from megapar.pipeline.timeline import Event, Timeline
 from megapar.tensor_parallel.weight_grad import store_of
 
-WEIGHT_GRAD_KINDS = frozenset({"backward", "backward_weight"})
-"""Actions that accumulate parameter gradients; `before_last_backward` precedes the last one."""
+AUTOGRAD_KINDS = frozenset({"backward", "backward_input"})
+"""Actions whose autograd backward accumulates parameter gradients; `before_last_backward`
+precedes the last one, so the data-parallel buckets launch as gradients become final."""
 
 
 class PipelineExecutor:
@@ -95,6 +96,7 @@ class PipelineExecutor:
         self._pending_w: dict[tuple, object] = {}        # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
         self._acks: dict[tuple, list[tuple]] = {}        # see messages.acknowledgements
+        self._grad_sync, self._step_index, self._last_w = None, None, None
 
     def program(self, m: int, forward_only: bool = False, stage: int | None = None) -> tuple:
         """The program (computes and message groups) of `stage` (default: this rank's) for a
@@ -108,8 +110,10 @@ class PipelineExecutor:
         """One step over `micro_batches`; returns the mean loss (fp32 scalar) on every pp rank.
 
         `grad_sync` (optional, ignored when `forward_only`) gets `begin_step()` before the
-        program, `before_last_backward()` right before this stage's last backward action, and
-        `finish()` after the program and the wait for outstanding sends.
+        program, `before_last_backward()` right before this stage's last backward (of a split
+        backward: its last B; the last W then reports each weight gradient it finishes to
+        `grad_sync.grads_ready`, so the reduction overlaps the W passes), and `finish()` after
+        the program and the wait for outstanding sends.
         """
         m = len(micro_batches)
         if m == 0:
@@ -126,10 +130,12 @@ class PipelineExecutor:
             grad_sync = None
         self._check_chunks(program)
         last_backward = max((i for i, a in enumerate(program)
-                             if isinstance(a, Action) and a.kind in WEIGHT_GRAD_KINDS),
-                            default=None)
+                             if isinstance(a, Action) and a.kind in AUTOGRAD_KINDS), default=None)
         self._trace = []
         self._reset(micro_batches, loss_scale, forward_only)
+        self._last_w = max((i for i, a in enumerate(program)
+                            if isinstance(a, Action) and a.kind == "backward_weight"), default=None)
+        self._grad_sync = grad_sync
         self.weight_grads.take()
         self.weight_grads.enabled = not forward_only and any(
             isinstance(a, Action) and a.kind == "backward_input" for a in program)
@@ -151,6 +157,7 @@ class PipelineExecutor:
                         self._issue(step)
                         continue
                     self._receive_for(step)
+                    self._step_index = i
                     if i == last_backward and grad_sync is not None:
                         grad_sync.before_last_backward()
                     start = clock() if record else 0.0
@@ -245,6 +252,10 @@ class PipelineExecutor:
                    f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, sorted(peers)))})")
         start = self.clock.stamp() if self.trace else 0.0
         self.p2p.issue(issue)
+        if not self._forward_only:  # backward needs the graph, not the sent values
+            for a in group.messages:
+                if a.kind == "send_act":
+                    split_backward.free_output(self._outputs[a.mb, a.chunk])
         if self.trace:
             end = self.clock.stamp()
             self._trace.extend((a.kind, a.mb, a.chunk, start, end) for a in group.messages
@@ -294,7 +305,7 @@ class PipelineExecutor:
         key = (a.mb, a.chunk)
         out = self._outputs.pop(key)
         grad = None if self._is_last(a) else self._out_grads.pop(key)
-        torch.autograd.backward(out, grad_tensors=grad)
+        split_backward.backward(out, grad)
         x = self._inputs.pop(key, None)
         if x is not None:
             self._in_grads[key] = self._input_grad(a, x.grad)
@@ -317,8 +328,11 @@ class PipelineExecutor:
             self._in_grads[key] = self._input_grad(a, dx)
 
     def _backward_weight(self, a: Action) -> None:
-        """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`."""
-        split_backward.backward_weight(self._pending_w.pop((a.mb, a.chunk)))
+        """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; the
+        step's last W reports each finished weight to the data-parallel reduction."""
+        ready = getattr(self._grad_sync, "grads_ready", None) \
+            if self._step_index == self._last_w else None
+        split_backward.backward_weight(self._pending_w.pop((a.mb, a.chunk)), ready)
 
     # loss ----------------------------------------------------------------------------------
     def _mean_loss(self, m: int) -> torch.Tensor:

@@ -45,37 +45,42 @@ class WeightGradStore:
 
     @staticmethod
     @torch.no_grad()
-    def apply(entries) -> None:
+    def apply(entries, ready=None) -> None:
         """W: ``weight.grad += dY^T X`` for each entry, in the dtype autograd would use (the
-        autocast dtype of dY under mixed precision), accumulated into the weight's dtype."""
-        for weight, x, grad_out in entries:
+        autocast dtype of dY under mixed precision), accumulated into the weight's dtype.
+        `ready([weight])`, if given, follows a weight's last entry."""
+        last = {id(weight): i for i, (weight, _, _) in enumerate(entries)}
+        for i, (weight, x, grad_out) in enumerate(entries):
             g = grad_out.reshape(-1, grad_out.shape[-1])
             dw = g.t().matmul(x.reshape(-1, x.shape[-1]).to(g.dtype))
             if weight.grad is None:
                 weight.grad = dw.to(weight.dtype)
             else:
                 weight.grad.add_(dw)
+            if ready is not None and last[id(weight)] == i:
+                ready([weight])
 
 
 class _DeferredWeightGradLinear(torch.autograd.Function):
     """F.linear whose backward returns dX and db now and stores dW's operands."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store):
-        # The weight is kept as itself, not through save_for_backward: under activation
-        # checkpointing saved tensors come back as recomputed stand-ins, and W must add into
-        # the parameter's own .grad.
+    def forward(ctx, x, weight, bias, store, param):
+        # `weight` comes detached, so autograd has no edge to the parameter (no AccumulateGrad
+        # runs for it in B, and no post-accumulate hook says its gradient is ready before W);
+        # the parameter itself (`param`, in a tuple: not an input of the graph) is kept for W,
+        # also under activation checkpointing, whose saved tensors are recomputed stand-ins.
         ctx.save_for_backward(x)
-        ctx.weight, ctx.store, ctx.has_bias = weight, store, bias is not None
+        ctx.param, ctx.store, ctx.has_bias = param[0], store, bias is not None
         return F.linear(x, weight, bias)  # autocast (if on) casts here, as for F.linear
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,), weight = ctx.saved_tensors, ctx.weight
+        (x,), weight = ctx.saved_tensors, ctx.param
         grad_x = grad_out.matmul(weight.to(grad_out.dtype)) if ctx.needs_input_grad[0] else None
         grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
         ctx.store.put(weight, x.detach(), grad_out.detach())
-        return grad_x, None, grad_b, None
+        return grad_x, None, grad_b, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -84,7 +89,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if store is None or not store.enabled or not torch.is_grad_enabled() \
             or not weight.requires_grad:
         return F.linear(x, weight, bias)
-    return _DeferredWeightGradLinear.apply(x, weight, bias, store)
+    return _DeferredWeightGradLinear.apply(x, weight.detach(), bias, store, (weight,))
 
 
 def attach(module: torch.nn.Module, store: WeightGradStore | None) -> int:
