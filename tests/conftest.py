@@ -7,6 +7,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
 
 torch.set_num_threads(1)
+# The suite runs on the CPU with gloo on any machine (many ranks on one device); the tests marked
+# `cuda` (tests/test_cuda.py, tools/gpu_check.sh) run on the GPUs with NCCL instead.
+os.environ.setdefault("MEGAPAR_CPU", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -18,3 +21,26 @@ def run():
     from megapar.launcher import run_local
 
     return run_local
+
+
+def gpu_count() -> int:
+    """GPUs a `cuda` test can use (0 without CUDA). Asks torch without creating a CUDA context
+    in this process, whose forked CPU workers must not inherit one."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` (`@pytest.mark.cuda(gpus=N)`) are skipped without N GPUs (unless
+    MEGAPAR_CUDA_TIER_ON_CPU=1 rehearses them on gloo: see tests/test_cuda.py)."""
+    have = 8 if os.environ.get("MEGAPAR_CUDA_TIER_ON_CPU") == "1" else None
+    for item in items:
+        marker = item.get_closest_marker("cuda")
+        if marker is None:
+            continue
+        have = gpu_count() if have is None else have
+        need = marker.kwargs.get("gpus", 1)
+        if have < need:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {need} GPU(s) with CUDA, this machine has {have}; run "
+                       f"tools/gpu_check.sh on a machine with GPUs"))

@@ -125,10 +125,10 @@ H = 4
 class ToyChunk(nn.Module):
     """tanh(linear(x)); the model's first chunk reads batch["x"], its last returns the loss."""
 
-    def __init__(self, vs, last):
+    def __init__(self, vs, last, hidden=H):
         super().__init__()
         torch.manual_seed(vs)
-        self.lin, self.vs, self.last = nn.Linear(H, H), vs, last
+        self.lin, self.vs, self.last = nn.Linear(hidden, hidden), vs, last
 
     def forward(self, hidden, batch):
         out = torch.tanh(self.lin(batch["x"] if self.vs == 0 else hidden))
@@ -136,10 +136,11 @@ class ToyChunk(nn.Module):
 
 
 class ToyChunks(nn.Module):
-    def __init__(self, mesh, v):
+    def __init__(self, mesh, v, hidden=H):
         super().__init__()
         self.chunks = nn.ModuleList(
-            ToyChunk(virtual_stage(mesh.pp_rank, c, mesh.pp), mesh.pp * v - 1) for c in range(v))
+            ToyChunk(virtual_stage(mesh.pp_rank, c, mesh.pp), mesh.pp * v - 1, hidden)
+            for c in range(v))
 
 
 def issued_worker(tp, pp, dp):

@@ -1,0 +1,250 @@
+"""The CUDA tier: the parity and communication tests again, on GPUs with NCCL.
+
+Every test here is marked `cuda(gpus=N)` and skipped on a machine with fewer than N GPUs (the
+CPU suite runs everything else on gloo, where a send is buffered and messages pair by tag; NCCL
+is stricter). One process per GPU, started with spawn (CUDA cannot be forked). Run them with
+`tools/gpu_check.sh`, which prints a summary to paste into an issue and fails if no GPU test
+ran. What runs here:
+
+- pipeline parity on NCCL for every schedule (GPipe, 1F1B, interleaved, ZB-H1) against one
+  process, and the same schedules with 16 MiB activations (a send larger than NCCL's buffers
+  finishes only while its receive runs: the grouping of `pipeline/messages.py` is what keeps
+  this from deadlocking);
+- tensor, data (with ZeRO-1) and sequence parallelism, ZB-H1 with dp: the 3D parity test's
+  layouts against the serial reference; bf16 against fp32;
+- the collective counts of a tensor-parallel step on NCCL;
+- no host-device synchronisation inside a pipeline step (`torch.cuda.set_sync_debug_mode`);
+- the ZeRO-1 save's device memory: at most one bucket above training;
+- a short `megapar-train` on the GPUs.
+
+`MEGAPAR_CUDA_TIER_ON_CPU=1` runs the tier's own logic on gloo on a machine without GPUs (the
+CUDA-only checks are then skipped inside the tests); it is how the tier is developed, never a
+GPU check (`tools/gpu_check.sh` refuses it).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megapar.launcher import run_local
+
+ON_CPU = os.environ.get("MEGAPAR_CUDA_TIER_ON_CPU") == "1"
+
+
+def run_gpus(fn, n, *args, **kwargs):
+    """`fn` on n ranks, one per GPU, NCCL (gloo on the CPU in a rehearsal)."""
+    env = {"MEGAPAR_CPU": "1" if ON_CPU else "0"}
+    return run_local(fn, n, *args, start_method="fork" if ON_CPU else "spawn", env=env,
+                     timeout_s=900, collective_timeout_s=120, **kwargs)
+
+
+def on_cuda() -> bool:
+    return not ON_CPU and torch.cuda.is_available()
+
+
+# pipeline ---------------------------------------------------------------------------------------
+def _pipeline_parity(tp, pp):
+    import test_pipeline_parity
+    import test_pipeline_parity_chunks
+
+    from megapar import device
+
+    assert ON_CPU or device.backend() == "nccl"
+    return test_pipeline_parity.parity_worker(tp, pp), \
+        test_pipeline_parity_chunks.parity_worker(tp, pp)
+
+
+@pytest.mark.cuda(gpus=2)
+def test_every_schedule_matches_one_process_on_nccl():
+    for plain, chunked in run_gpus(_pipeline_parity, 2, 1, 2):
+        assert plain["steps"] > 0 and chunked["steps"] > 0
+
+
+@pytest.mark.cuda(gpus=4)
+def test_every_schedule_matches_one_process_on_nccl_tp2_pp2():
+    for plain, chunked in run_gpus(_pipeline_parity, 4, 2, 2):
+        assert plain["steps"] > 0 and chunked["steps"] > 0
+
+
+def _large_messages(schedule, v):
+    import torch.distributed as dist
+    from test_nccl_rules import ToyChunks
+
+    from megapar.mesh import Layout, Mesh
+    from megapar.pipeline.executor import PipelineExecutor
+
+    mesh = Mesh(Layout(1, 2, 1), dist.get_rank())
+    rows = 4096  # (4096, 1024) fp32 activations: 16 MiB per message
+    stage = ToyChunks(mesh, v, hidden=1024).to(mesh.device)
+    executor = PipelineExecutor(stage, mesh, schedule, (rows, 1024), virtual_stages=v,
+                                timeout_s=120)
+    gen = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randn(rows, 1024, generator=gen).to(mesh.device),
+                "y": torch.randn(rows, 1024, generator=gen).to(mesh.device)} for _ in range(4)]
+    return float(executor.run(batches))
+
+
+@pytest.mark.cuda(gpus=2)
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1),
+                                        ("interleaved", 2)])
+def test_16_mib_messages_do_not_deadlock_on_nccl(schedule, v):
+    losses = run_gpus(_large_messages, 2, schedule, v)
+    assert losses[0] == losses[1] and losses[0] > 0
+
+
+# 3D: tensor, data, sequence parallelism, ZeRO-1, bf16 --------------------------------------------
+@pytest.fixture(scope="module")
+def reference():
+    from test_parity_3d import serial_reference
+
+    return serial_reference()
+
+
+@pytest.mark.cuda(gpus=2)
+def test_tp_dp_zero1_and_sequence_parallel_match_serial_on_nccl(reference):
+    from test_parity_3d import _worker, check_against
+
+    runs = [(2, 1, 1, 0), (1, 1, 2, 1), (1, 2, 1, 0, "fp32", "zb-h1"),
+            (2, 1, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", True)]
+    outs = run_gpus(_worker, 2, runs)
+    for i in range(len(runs)):
+        check_against(reference, [o[i] for o in outs])
+
+
+@pytest.mark.cuda(gpus=8)
+def test_3d_parity_on_eight_gpus(reference):
+    from test_parity_3d import _worker, check_against
+
+    runs = [(2, 2, 2, 0), (2, 2, 2, 1), (2, 2, 2, 0, "fp32", "zb-h1"),
+            (2, 2, 2, 1, "fp32", "interleaved", 2, "tp-dp-pp"),
+            (2, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", True)]
+    outs = run_gpus(_worker, 8, runs)
+    for i in range(len(runs)):
+        check_against(reference, [o[i] for o in outs])
+
+
+def _bf16_and_fp32():
+    from test_parity_3d import _train
+
+    return [r.loss for r in _train(2, 1, 1, 0, "bf16")["results"]], \
+        [r.loss for r in _train(2, 1, 1, 0, "fp32")["results"]]
+
+
+@pytest.mark.cuda(gpus=2)
+def test_bf16_tracks_fp32_on_nccl():
+    for bf16, fp32 in run_gpus(_bf16_and_fp32, 2):
+        assert bf16 != fp32, "bf16 gave fp32's losses: autocast is not active"
+        for a, b in zip(bf16, fp32):  # the CPU suite's bound (test_precision)
+            assert abs(a - b) / b < 2e-2
+
+
+# communication, syncs, memory ---------------------------------------------------------------------
+def _counted(kind):
+    from test_comm_counts import _worker
+
+    return [(c.op, c.numel, c.group_size, c.device.type) for c in _worker(kind, 2)]
+
+
+@pytest.mark.cuda(gpus=2)
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+def test_tp_collectives_are_megatrons_minimum_on_nccl(kind):
+    from collections import Counter
+
+    from test_comm_counts import expected_tp_step
+
+    for calls in run_gpus(_counted, 2, kind):
+        assert Counter(c[:3] for c in calls) == expected_tp_step(2, kind)
+        assert {c[3] for c in calls} == {"cpu" if ON_CPU else "cuda"}
+
+
+def _syncs_in_a_step(kind):
+    import megapar
+    from test_host_syncs import batch, config
+
+    engine = megapar.prepare(config(kind), tp=1, pp=2, micro_batch_size=1)
+    run = engine.executor.run
+
+    def strict_run(*args, **kwargs):  # any host sync inside the pipeline step raises
+        if on_cuda():
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run(*args, **kwargs)
+        finally:
+            if on_cuda():
+                torch.cuda.set_sync_debug_mode("default")
+
+    engine.executor.run = engine.step_fn.executor.run = strict_run
+    return [engine.train_step(batch(kind, m)) for m in (4, 8, 4)]
+
+
+@pytest.mark.cuda(gpus=2)
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+def test_a_pipeline_step_never_waits_for_the_device(kind):
+    for losses in run_gpus(_syncs_in_a_step, 2, kind):
+        assert all(loss == loss for loss in losses)
+
+
+def _zero1_save_memory():
+    import torch.distributed as dist
+    from test_optim import CONFIG
+
+    from megapar.data_parallel import GradBuckets
+    from megapar.mesh import Layout, Mesh
+    from megapar.optim import build_optimizer
+    from megapar.training.build import build_stage
+
+    mesh = Mesh(Layout(1, 1, 2), dist.get_rank())
+    model = build_stage(CONFIG, mesh, seed=3)
+    optimizer = build_optimizer(model, mesh, 1e-2, 0.1, zero=1)
+    grads = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb=0.01)
+    optimizer.attach(grads)
+    grads.begin_step()
+    for p in model.parameters():
+        p.grad.normal_()
+    grads.before_last_backward()
+    grads.finish()
+    optimizer.step()
+    if on_cuda():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    state = optimizer.state_tensors()
+    peak = torch.cuda.max_memory_allocated() - before if on_cuda() else 0
+    bucket = max(b.padded * 4 for b in grads.buckets)
+    return peak, bucket, sum(t.numel() for e in state.values() for t in e.values())
+
+
+@pytest.mark.cuda(gpus=2)
+def test_a_zero1_save_needs_one_bucket_of_device_memory():
+    for rank, (peak, bucket, saved) in enumerate(run_gpus(_zero1_save_memory, 2)):
+        assert peak <= bucket + 4096, (rank, peak, bucket)  # allocator rounding: 512 B blocks
+        assert (saved > 0) == (rank == 0)
+
+
+@pytest.mark.cuda(gpus=2)
+def test_megapar_train_runs_on_the_gpus(tmp_path):
+    env = {**os.environ, "MEGAPAR_CPU": "1" if ON_CPU else "0"}
+    run = subprocess.run(
+        [sys.executable, "-m", "megapar.cli.train", "--model", "gpt2-tiny", "--pp", "2",
+         "--max-steps", "3", "--log-interval", "1", "--eval-interval", "0", "--no-progress",
+         "--log-json", str(tmp_path / "log.jsonl")],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (tmp_path / "log.jsonl").read_text().count("\n") >= 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or ON_CPU, reason="runs the tier where no GPU is")
+def test_gpu_check_fails_where_no_gpu_test_ran():
+    """tools/gpu_check.sh cannot pass vacuously: without GPUs every test is skipped, and it
+    says so and fails; a CPU rehearsal is refused."""
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "gpu_check.sh")
+    run = subprocess.run(["bash", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "gpu_check summary: 0 passed, 0 failed" in run.stdout
+    assert "no GPU test ran" in run.stdout
+    rehearsal = subprocess.run(["bash", script], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "MEGAPAR_CUDA_TIER_ON_CPU": "1"})
+    assert rehearsal.returncode == 2 and "unset it for a GPU check" in rehearsal.stderr
