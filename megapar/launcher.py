@@ -240,6 +240,22 @@ def _forward_signals(procs, names) -> Callable[[], None]:
     return restore
 
 
+def local_worker_limit() -> int:
+    """How many worker processes megapar starts on this machine unless told to oversubscribe:
+    4 per CPU core this process may use, at least 8 (tp 2 x pp 2 x dp 2 on 2 cores)."""
+    return max(8, 4 * _device.cpu_cores())
+
+
+def check_local_workers(n: int, what: str, flag: str = "--oversubscribe") -> None:
+    """ValueError (one line naming the fix) when `what` would start more local workers than
+    `local_worker_limit`; dozens of processes on a few cores only thrash."""
+    limit = local_worker_limit()
+    if n > limit:
+        raise ValueError(f"{what} starts {n} local worker processes, more than this machine "
+                         f"runs well ({limit}: 4 per CPU core, at least 8); use fewer, run under "
+                         f"torchrun / Slurm across machines, or pass {flag} to start them anyway")
+
+
 def under_launcher() -> bool:
     """True under torchrun / Slurm (they set the rank environment for us)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -139,12 +139,30 @@ def fsync_dir(path: str | Path) -> None:
 def probe_writable(directory: str | Path) -> None:
     """Create `directory` (as a writer would) and write and remove a probe file there; OSError
     when it cannot be written (a read-only mount, an immutable directory, a path under /proc or
-    under a file). Callers turn the error into their own message."""
+    under a file). Callers turn the error into their own message. Directories created for the
+    probe are removed again (the writer creates them when it writes), so a run refused later
+    leaves nothing behind."""
     import tempfile
 
+    directory = os.path.abspath(directory)
+    top = None  # the highest directory the probe creates
+    probe = directory
+    while not os.path.lexists(probe):
+        top, probe = probe, os.path.dirname(probe)
     os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-probe-"):
-        pass
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-probe-"):
+            pass
+    finally:
+        here = directory
+        while top is not None:
+            try:
+                os.rmdir(here)
+            except OSError:
+                break
+            if here == top:
+                break
+            here = os.path.dirname(here)
 
 
 def write_json(path: str | Path, data) -> None:

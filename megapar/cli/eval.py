@@ -118,6 +118,7 @@ def _logits_worker(args):
             logits = torch.empty(full_shape, device=mesh.device)
             dist.recv(logits, src=mesh.stage_rank(mesh.pp - 1))
     if mesh.rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_logits)), exist_ok=True)
         np.save(args.save_logits, logits.float().cpu().numpy(), allow_pickle=False)
         return {"saved": args.save_logits, "shape": list(full_shape)}
     return None
