@@ -191,7 +191,13 @@ def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
 def _load_sentencepiece(model_path: str) -> Tokenizer:
     import sentencepiece as spm
 
-    proc = spm.SentencePieceProcessor(model_file=model_path)
+    try:
+        proc = spm.SentencePieceProcessor(model_file=model_path)
+    except (RuntimeError, OSError) as exc:  # not a ModelProto: garbage, truncated, another file
+        raise ValueError(f"tokenizer {model_path} is not a SentencePiece model (sentencepiece: "
+                         f"{' '.join(str(exc).split())[:160]}); pass a .model file written by "
+                         f"SentencePiece (or megapar-data --train-tokenizer sentencepiece)"
+                         ) from None
     size = proc.vocab_size()
     present: dict[str, int] = {}
     for name in ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[EOD]"):
