@@ -156,7 +156,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
     results = ctx.Queue()
     port = free_port()
     coll_timeout = collective_timeout_s or (max(10.0, timeout_s - 5.0) if timeout_s else None)
-    stacks = tempfile.mkdtemp(prefix="megapar-stacks-")
+    _remove_dead_stacks()
+    stacks = tempfile.mkdtemp(prefix=f"{STACKS_PREFIX}{os.getpid()}-")
     statuses = [ctx.RawArray("c", 256) for _ in range(world_size)]
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, r, world_size, port, args, kwargs, results, coll_timeout,
@@ -196,6 +197,26 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
             p.join(timeout=5)
         shutil.rmtree(stacks, ignore_errors=True)
     return [outputs[r] for r in range(world_size)]
+
+
+STACKS_PREFIX = "megapar-stacks-"
+"""Workers write their stacks to TMPDIR/megapar-stacks-<launcher pid>-<random>/ (diagnostics)."""
+
+
+def _remove_dead_stacks() -> None:
+    """Delete the stack directories of launchers that are gone (a kill -9 leaves its own)."""
+    import glob
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), STACKS_PREFIX + "*-*")):
+        pid = os.path.basename(path)[len(STACKS_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _drain(results, outputs: dict, errors: dict, block: float) -> None:

@@ -57,6 +57,12 @@ def env(tmp_path_factory):
         ids[name] = root / f"{name}.npy"
         np.save(ids[name], array)
     (root / "empty_dir").mkdir()
+    import torch
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=1004, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=2,
+               eos_token_id=2).save_pretrained(root / "pickled_hf")
+    torch.save({"transformer.wte.weight": shutil.rmtree}, root / "pickled_hf" / "pytorch_model.bin")
     return dict(common=common, ckpt=str(ckpt), corrupt=str(corrupt), prefix=prefix,
                 configs=configs, negative=str(negative), ids=ids, root=root)
 
@@ -174,6 +180,7 @@ TRAIN = [
     (["--dp", "{too_many}"], "local worker processes, more than this machine runs well"),
     # a file that is not what the flag needs: one line, not a traceback
     (["--tokenizer", "{garbage.model}"], "garbage.model is not a SentencePiece model"),
+    (["--from-hf", "{pickled_hf}"], "pytorch_model.bin: refused: not a plain pickle of weights"),
     (["--global-batch-size", "1000000000"], "--data holds fewer than one global batch of "
                                             "1000000000: at most"),
 ]
@@ -188,6 +195,7 @@ def _fill(argv, env):
              "ckpt/shard": str(next(Path(env["ckpt"], "step_00000001").glob("*.safetensors"))),
              "ckpt/step_00000099": env["ckpt"] + "/step_00000099",
              "ckpt/typo": env["ckpt"] + "/typo", "too_many": TOO_MANY,
+             "pickled_hf": str(env["root"] / "pickled_hf"),
              **{f"ids:{k}": str(v) for k, v in env["ids"].items()}}
     return [names[a[1:-1]] if a.startswith("{") else a for a in argv]
 

@@ -103,6 +103,14 @@ def test_sigkill_of_the_launcher_kills_its_workers_and_nothing_is_saved_after(tm
     time.sleep(1.0)
     late = [p.name for p in ckpt.iterdir() if p.stat().st_mtime > killed_at + 0.02]
     assert late == [], f"written after the launcher died: {late}"
+    # its stack directory (TMPDIR/megapar-stacks-<pid>-*) outlives it, until the next launch
+    import glob
+    import tempfile
+
+    left = glob.glob(os.path.join(tempfile.gettempdir(), f"megapar-stacks-{pid}-*"))
+    assert left, "the killed launcher had a stack directory"
+    run_local(_listening, 2)
+    assert not any(os.path.exists(p) for p in left)
 
 
 def test_sigterm_saves_exits_0_and_the_resumed_run_matches(tmp_path, common):

@@ -276,7 +276,8 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
     lines = [f"checkpoint  {step_dir}",
              f"step        {m['step']}",
              f"layout      tp={m['layout']['tp']} pp={m['layout']['pp']} dp={m['layout']['dp']}",
-             f"model       {model['model_type']} ({_size(model)}), {params:,} parameters",
+             f"model       {model['model_type']} ({_size(model)}), {params:,} parameters "
+             f"(unpadded, as transformers counts them)",
              f"optimizer   {', '.join(optim) if optim else 'none'}",
              f"meta keys   {', '.join(sorted(m['meta'])) or 'none'}",
              f"verified    {'sha256 of every file' if checksums else 'sizes only (--fast)'}",

@@ -306,8 +306,8 @@ def missing_rng_note(meta: dict) -> str:
 
 
 def _read_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
+    from megapar.checkpoint.format import open_safetensors
 
     prefix = f"rank{rank}/"
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path, "RNG file") as f:
         return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}

@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -165,6 +166,19 @@ def probe_writable(directory: str | Path) -> None:
             here = os.path.dirname(here)
 
 
+def open_safetensors(path: str | Path, what: str = "checkpoint file"):
+    """`safetensors.safe_open` of `path`, or a CheckpointError naming the file when it is not
+    a safetensors file (its manifest may still vouch for it: a forged or replaced file)."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...: one line
+        raise CheckpointError(f"{path}: not a readable safetensors {what} ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())[:120]}); restore it or use another "
+                              f"checkpoint") from None
+
+
 def write_json(path: str | Path, data) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
@@ -206,13 +220,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
     from megapar.checkpoint import publish as pub
 
     if (path / LATEST).exists():
-        step = path / (path / LATEST).read_text().strip()
+        name = (path / LATEST).read_text().strip()
+        if not re.fullmatch(r"step_\d+", name):  # never a path out of the root
+            raise CheckpointError(f"{path}/latest holds {name[:80]!r}, not the name of a step "
+                                  f"directory in {path} (step_N); write the step to resume "
+                                  f"there, or pass a step directory explicitly")
+        step = path / name
         if not (step / MANIFEST).exists():
-            problem = pub.recover(path, step.name) if step.name.startswith("step_") else ""
+            problem = pub.recover(path, step.name)
             if problem is not None:
                 raise CheckpointError(f"{path}/latest points to {step.name}, which has no "
-                                      f"{MANIFEST} (deleted or moved?); {problem or 'no copy'}; "
-                                      f"pass a step directory explicitly")
+                                      f"{MANIFEST} (deleted or moved?); {problem}; pass a step "
+                                      f"directory explicitly")
         return step
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
@@ -307,14 +326,12 @@ class ShardReader:
 
     def _file(self, name: str):
         if name not in self._open:
-            from safetensors import safe_open
-
             path = self.step_dir / name
             if not path.exists():
                 raise CheckpointError(f"missing shard {name} in {self.step_dir}")
             from megapar.checkpoint.manifest import check_file_shapes
 
-            self._open[name] = safe_open(str(path), framework="pt")
+            self._open[name] = open_safetensors(path, "shard")
             check_file_shapes(self._open[name], name, self.manifest, self.step_dir)
         return self._open[name]
 

@@ -25,6 +25,37 @@ Getter = Callable[[str], torch.Tensor]
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
+def _open(path: Path):
+    """A safetensors file of a transformers directory; ConfigError when it is not one."""
+    from megapar.checkpoint.format import CheckpointError, open_safetensors
+
+    try:
+        return open_safetensors(path, "weights file")
+    except CheckpointError as exc:
+        raise ConfigError(str(exc).replace("use another checkpoint", "save the model again "
+                                           "with save_pretrained")) from None
+
+
+def _load_pickled_weights(path: Path) -> dict:
+    """An old-style ``pytorch_model.bin``, read by torch with ``weights_only`` (tensors only:
+    a pickle that would run code or build other objects is refused, in one line)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError ...
+        lines = [x.strip() for x in str(exc).splitlines() if x.strip()] or [""]
+        first = next((x for x in lines if "GLOBAL" in x or "WeightsUnpickler" in x),
+                     lines[-1] if len(lines) > 1 else lines[0])[:160]
+        raise ConfigError(f"{path}: refused: not a plain pickle of weights ({type(exc).__name__}"
+                          f": {first}); megapar reads tensors only, never code; convert it with "
+                          f"transformers (from_pretrained, then save_pretrained, which writes "
+                          f"model.safetensors) on a machine you trust") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
+                                              for v in state.values()):
+        raise ConfigError(f"{path}: not a state dict of tensors; save the model with "
+                          f"save_pretrained")
+    return state
+
+
 class HFReader:
     """Lazy access to the tensors of a local transformers directory (no network)."""
 
@@ -37,14 +68,10 @@ class HFReader:
         self.config = config_from_dict(json.loads(cfg.read_text()))
         st, pt = self.path / "model.safetensors", self.path / "pytorch_model.bin"
         if st.exists():
-            from safetensors import safe_open
-
-            self._file = safe_open(str(st), framework="pt")
+            self._file = _open(st)
             self.keys = set(self._file.keys())
             self._get = self._file.get_tensor
         elif (self.path / "model.safetensors.index.json").exists():  # sharded (Llama 8B, 70B)
-            from safetensors import safe_open
-
             index = json.loads((self.path / "model.safetensors.index.json").read_text())
             weight_map: dict[str, str] = index["weight_map"]
             opened: dict[str, object] = {}
@@ -52,13 +79,13 @@ class HFReader:
             def get(key: str) -> torch.Tensor:
                 fname = weight_map[key]
                 if fname not in opened:
-                    opened[fname] = safe_open(str(self.path / fname), framework="pt")
+                    opened[fname] = _open(self.path / fname)
                 return opened[fname].get_tensor(key)
 
             self.keys = set(weight_map)
             self._get = get
         elif pt.exists():
-            state = torch.load(pt, map_location="cpu", weights_only=True)
+            state = _load_pickled_weights(pt)
             self.keys = set(state)
             self._get = state.__getitem__
         else:
