@@ -234,3 +234,22 @@ def test_paths_with_spaces_and_non_ascii_characters(tmp_path, text, capsys):
                  str(hf / "config.json"), "--max-steps", "2", *common]) == 0
     assert main(["--data", str(odd / "no such.txt"), "--max-steps", "2", *common]) == 2
     assert f"--data {odd / 'no such.txt'}: no such text file" in capsys.readouterr().err
+
+
+def test_the_log_counts_parameters_as_convert_info_and_says_what_padding_adds(tmp_path, text,
+                                                                             cache, capsys):
+    import re
+
+    from megapar.checkpoint.convert import checkpoint_info
+
+    ckpt = tmp_path / "ckpt"
+    assert main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",
+                 "--model", _model(tmp_path), "--max-steps", "2", "--save", str(ckpt),
+                 *TINY]) == 0  # one process: its log is captured here
+    line = next(x for x in capsys.readouterr().out.splitlines() if " parameters" in x)
+    real, allocated = (int(x.replace(",", "")) for x in re.findall(r"([\d,]+) (?:parameters|"
+                                                                    r"allocated)", line))
+    assert f"{real:,} parameters (unpadded" in checkpoint_info(ckpt)
+    # 1,004 ids padded to 1,024: 20 rows of the tied 32-wide embedding
+    assert allocated - real == 20 * 32, line
+    assert "the vocabulary of 1,004 padded to 1,024, a multiple of 128 x tp" in line

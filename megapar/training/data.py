@@ -83,8 +83,7 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
         if not os.path.exists(data):
             raise FileNotFoundError(f"--data {data}: no such text file")
         return data
-    needed = (".bin", ".idx") if _is_megatron(data) else (".bin", ".idx", ".json")
-    missing = [data + ext for ext in needed if not os.path.exists(data + ext)]
+    missing = missing_files(data)
     if missing:
         raise FileNotFoundError(
             f"--data {data}: {', '.join(os.path.basename(m) for m in missing)} not found; pass "
@@ -92,7 +91,13 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
     return data
 
 
-def _is_megatron(prefix: str) -> bool:
+def missing_files(prefix: str) -> list[str]:
+    """The files of dataset `prefix` that are not there (a Megatron-LM index needs no .json)."""
+    needed = (".bin", ".idx") if is_megatron(prefix) else (".bin", ".idx", ".json")
+    return [prefix + ext for ext in needed if not os.path.exists(prefix + ext)]
+
+
+def is_megatron(prefix: str) -> bool:
     """A Megatron-LM dataset (MMIDIDX index): its .json (megapar's metadata) is optional."""
     from megapar.data.megatron import is_megatron_index
 

@@ -9,7 +9,6 @@ Both raise validate.UsageError (exit code 2) before any model is built or proces
 from __future__ import annotations
 
 import math
-import os
 
 from megapar.training.validate import UsageError, _flag, checkpoint_manifest
 
@@ -35,14 +34,17 @@ def check_eval_args(args) -> dict:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
                          f"lower --seq-len")
     if args.data:
-        missing = [e for e in (".bin", ".idx", ".json") if not os.path.exists(args.data + e)]
+        from megapar.data import IndexedDataset
+        from megapar.models.config import CAUSAL_LM_TYPES
+        from megapar.training.data import missing_files
+
+        missing = [f[len(args.data):] for f in missing_files(args.data)]
         if missing:
             raise UsageError(f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
-                             f"written by megapar-data --output-prefix")
-        from megapar.data import IndexedDataset
-
-        windows = (IndexedDataset(args.data).num_tokens - 1) // args.seq_len
-        if config.model_type == "gpt2" and windows < args.micro_batch_size:
+                             f"written by megapar-data --output-prefix (or a Megatron-LM "
+                             f"dataset's, with --tokenizer)")
+        windows = (IndexedDataset(args.data, args.tokenizer).num_tokens - 1) // args.seq_len
+        if config.model_type in CAUSAL_LM_TYPES and windows < args.micro_batch_size:
             raise UsageError(f"--data {args.data} has {windows} windows of {args.seq_len + 1} "
                              f"tokens, fewer than one batch of --micro-batch-size "
                              f"{args.micro_batch_size}; lower --seq-len or --micro-batch-size")
