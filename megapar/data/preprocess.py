@@ -45,7 +45,9 @@ from typing import Iterator, Sequence
 from tqdm import tqdm
 
 from megapar.data.indexed import IndexedDatasetBuilder, _tmp_name
-from megapar.data.tokenizers import APPENDED_ORDER, Tokenizer, load_tokenizer
+from megapar.data.tokenizers import (
+    APPENDED_ORDER, Tokenizer, load_tokenizer, tokenizer_files,
+)
 
 #: Documents handed to a worker at a time.
 BATCH_DOCS = 16
@@ -262,17 +264,7 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     files = expand_inputs([text_path])  # a directory: its .txt / .jsonl files
     tok = load_tokenizer(tokenizer_spec)
     digests = [_digest_and_cr(p) for p in (files if os.path.isdir(text_path) else [text_path])]
-    if tok.kind == "sentencepiece":
-        tok_files = [tok.path]
-    elif tok.path == "gpt2":
-        from megapar.data.tokenizers import asset_path
-        tok_files = [asset_path("gpt2_vocab.json"), asset_path("gpt2_merges.txt")]
-    elif tok.kind == "hf":
-        tok_files = [os.path.join(tok.path, n) for n in
-                     ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-                     if os.path.isfile(os.path.join(tok.path, n))]
-    else:
-        tok_files = [os.path.join(tok.path, "vocab.json"), os.path.join(tok.path, "merges.txt")]
+    tok_files = tokenizer_files(tok)
     key = json.dumps({
         "text": [d for d, _ in digests] if os.path.isdir(text_path) else digests[0][0],
         "tokenizer": [tok.kind, tok.vocab_size] + [file_sha256(p) for p in tok_files],

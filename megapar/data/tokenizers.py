@@ -212,6 +212,20 @@ def _load_sentencepiece(model_path: str) -> Tokenizer:
     return Tokenizer("sentencepiece", model_path, proc, size, present, reserved + list(present.values()))
 
 
+def tokenizer_files(tok: "Tokenizer") -> list[str]:
+    """The files that define `tok` (its vocabulary, merges, model or tokenizer.json and its
+    special-token configs), for fingerprints and exports."""
+    if tok.kind == "sentencepiece":
+        return [tok.path]
+    if tok.path == "gpt2":
+        return [asset_path("gpt2_vocab.json"), asset_path("gpt2_merges.txt")]
+    if tok.kind == "hf":
+        return [os.path.join(tok.path, n) for n in
+                ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+                if os.path.isfile(os.path.join(tok.path, n))]
+    return [os.path.join(tok.path, "vocab.json"), os.path.join(tok.path, "merges.txt")]
+
+
 PROBE_TEXT = "Hello world"
 """Ordinary text every usable tokenizer turns into some non-special ids."""
 

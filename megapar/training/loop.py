@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megapar.checkpoint.format import CheckpointError
+from megapar.data import IndexedDataset
 from megapar.data.blended import BlendedDataset
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.config import config_from_dict
@@ -61,6 +62,11 @@ class Trainer:
         self.model, self.executor, self.precision = engine.model, engine.executor, engine.precision
         self.optimizer, self.scheduler = engine.optimizer, engine.scheduler
         self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
+        from megapar.checkpoint.convert import recorded_tokenizer
+
+        # checkpoints record the data's tokenizer, so megapar-convert --to-hf exports it
+        engine.tokenizer = recorded_tokenizer(IndexedDataset(plan.prefix,
+                                                             cfg.tokenizer).tokenizer_spec)
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
         self.notes: list[str] = []
         if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see
@@ -90,7 +96,9 @@ class Trainer:
     def _load_hf(self, path: str) -> None:
         from megapar.checkpoint.hf import HFReader, load_hf_weights
 
-        missing = load_hf_weights(self.model, HFReader(path))
+        reader = HFReader(path)
+        missing = load_hf_weights(self.model, reader)
+        self.engine.source_dtype = reader.dtype  # exports write the model's own dtype back
         note = f"loaded weights from {path}"
         if missing:
             note += f"; initialised from --seed (not in the checkpoint): {', '.join(missing)}"
