@@ -129,8 +129,8 @@ def test_a_multimodal_index_of_text_is_read_one_with_images_is_refused(tmp_path)
     raw = bytearray(Path(prefix + ".idx").read_bytes())
     raw[-1] = 1  # the last sequence is an image
     Path(prefix + ".idx").write_bytes(bytes(raw))
-    with pytest.raises(ValueError, match=f"multimodal Megatron index: 1 of its {sequences} sequences are "
-                                         "not text"):
+    with pytest.raises(ValueError, match=f"multimodal Megatron index: 1 of its {sequences} "
+                                         f"sequences are not text"):
         IndexedDataset(prefix, "sentencepiece")
 
 

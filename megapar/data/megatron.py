@@ -17,8 +17,9 @@ Megatron-LM / NeMo's ``.idx`` (``megatron/core/datasets/indexed_dataset.py``), a
 A multimodal index (megatron-core's ``multimodal=True``) ends with one ``int8`` mode per
 sequence: one whose sequences are all text (mode 0) is read like any other, one with other
 modes (images) is refused. megapar reads any such index whose sequences are stored back to
-back (what Megatron's preprocessing writes) as documents; it writes one sequence per document (the eod included,
-like ``--append-eod``), with uint16 tokens below 65,500 ids and int32 otherwise, as Megatron.
+back (what Megatron's preprocessing writes) as documents; it writes one sequence per document
+(the eod included, like ``--append-eod``), with uint16 tokens below 65,500 ids and int32
+otherwise, as Megatron.
 """
 
 from __future__ import annotations
