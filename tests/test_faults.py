@@ -331,6 +331,7 @@ def test_a_second_writer_of_a_save_dir_is_refused_and_the_first_keeps_its_checkp
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert f"--save {ckpt} is in use by another run (pid {pid} on " in err
+    assert ": megapar-train --model " in err  # the other run's command line
     assert "give this run another --save" in err
     os.kill(pid, signal.SIGTERM)
     _, status = os.waitpid(pid, 0)

@@ -144,12 +144,14 @@ class SaveLock:
         try: ... run ...
         finally: lock.release()
 
+    `command`: the run's command line, recorded for the refusal (default: this process's).
     `acquire` returns self; `taken_over` then names a stale lock it replaced (or is None).
     While held, SIGTERM (when nothing else handles it) releases the lock and exits.
     """
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, command: str | None = None):
         self.root = Path(root).expanduser()
+        self.command = command or shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
         self.path = self.root / LOCK_NAME
         self.taken_over: str | None = None
         self._fd: int | None = None
@@ -191,7 +193,7 @@ class SaveLock:
         record = {"host": socket.gethostname(), "pid": os.getpid(),
                   "proc_start": _proc_start(os.getpid()),
                   "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                  "command": shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])}
+                  "command": self.command}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         os.fsync(fd)

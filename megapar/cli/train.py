@@ -11,6 +11,7 @@ one clear message instead of N stack traces or a hung process group.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import traceback
 
@@ -186,7 +187,8 @@ def main(argv=None) -> int:
         cfg = parse_args(argv)
         layout, plan = plan_run(cfg, notes)
         if cfg.save and _takes_save_lock():  # held until this process exits
-            lock = SaveLock(cfg.save).acquire()
+            command = shlex.join(["megapar-train", *(sys.argv[1:] if argv is None else argv)])
+            lock = SaveLock(cfg.save, command).acquire()
             notes.extend(filter(None, [lock.taken_over]))
     except (UsageError, LayoutError, ConfigError, ValueError, FileNotFoundError,
             SaveLockError) as exc:
