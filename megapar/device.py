@@ -22,6 +22,14 @@ def use_cuda() -> bool:
     return torch.cuda.is_available() and os.environ.get("MEGAPAR_CPU", "0") != "1"
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def backend() -> str:
     """The torch.distributed backend: "nccl" with CUDA, "gloo" otherwise."""
     return "nccl" if use_cuda() else "gloo"

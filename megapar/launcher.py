@@ -156,7 +156,8 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
     results = ctx.Queue()
     port = free_port()
     coll_timeout = collective_timeout_s or (max(10.0, timeout_s - 5.0) if timeout_s else None)
-    stacks = tempfile.mkdtemp(prefix="megapar-stacks-")
+    _remove_dead_stacks()
+    stacks = tempfile.mkdtemp(prefix=f"{STACKS_PREFIX}{os.getpid()}-")
     statuses = [ctx.RawArray("c", 256) for _ in range(world_size)]
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, r, world_size, port, args, kwargs, results, coll_timeout,
@@ -196,6 +197,26 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
             p.join(timeout=5)
         shutil.rmtree(stacks, ignore_errors=True)
     return [outputs[r] for r in range(world_size)]
+
+
+STACKS_PREFIX = "megapar-stacks-"
+"""Workers write their stacks to TMPDIR/megapar-stacks-<launcher pid>-<random>/ (diagnostics)."""
+
+
+def _remove_dead_stacks() -> None:
+    """Delete the stack directories of launchers that are gone (a kill -9 leaves its own)."""
+    import glob
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), STACKS_PREFIX + "*-*")):
+        pid = os.path.basename(path)[len(STACKS_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _drain(results, outputs: dict, errors: dict, block: float) -> None:
@@ -238,6 +259,22 @@ def _forward_signals(procs, names) -> Callable[[], None]:
             signal.signal(sig, handler)
 
     return restore
+
+
+def local_worker_limit() -> int:
+    """How many worker processes megapar starts on this machine unless told to oversubscribe:
+    4 per CPU core this process may use, at least 8 (tp 2 x pp 2 x dp 2 on 2 cores)."""
+    return max(8, 4 * _device.cpu_cores())
+
+
+def check_local_workers(n: int, what: str, flag: str = "--oversubscribe") -> None:
+    """ValueError (one line naming the fix) when `what` would start more local workers than
+    `local_worker_limit`; dozens of processes on a few cores only thrash."""
+    limit = local_worker_limit()
+    if n > limit:
+        raise ValueError(f"{what} starts {n} local worker processes, more than this machine "
+                         f"runs well ({limit}: 4 per CPU core, at least 8); use fewer, run under "
+                         f"torchrun / Slurm across machines, or pass {flag} to start them anyway")
 
 
 def under_launcher() -> bool:

@@ -384,3 +384,54 @@ def _extra_clash(ckpt):
 def test_save_extra_may_not_overwrite_megapars_own_keys(run, tmp_path):
     message = run(_extra_clash, 1, str(tmp_path / "ck"))[0]
     assert "['step'] are megapar's own checkpoint keys" in message
+
+
+def _prepare_twice():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=4, vocab_size=128,
+                     bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+    torch.manual_seed(0)
+    first = megapar.prepare(GPT2LMHeadModel(cfg), tp=2, micro_batch_size=2)
+    before = [first.train_step(batch) for _ in range(2)]
+    torch.manual_seed(0)  # a notebook cell run again: a second engine
+    second = megapar.prepare(GPT2LMHeadModel(cfg), tp=2, micro_batch_size=2)
+    again = [second.train_step(batch) for _ in range(2)]
+    return before, again, first.train_step(batch)
+
+
+def test_prepare_twice_in_one_process_gives_two_independent_engines(run):
+    """Documented (README): each call builds a new engine (its own model, optimizer and step;
+    the process groups are torch's, shared); the earlier one keeps its state and works on."""
+    for before, again, third in run(_prepare_twice, 2):
+        assert again == before and third < before[-1]
+
+
+def _export_with_tokenizer(out):
+    import warnings
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                       vocab_size=1004, bos_token_id=2, eos_token_id=2))
+    engine = megapar.prepare(model.to(torch.bfloat16), micro_batch_size=2)
+    engine.export_hf(out + "/with", tokenizer="sentencepiece")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.export_hf(out + "/without")
+    return [str(w.message) for w in caught]
+
+
+def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megapar.data import load_tokenizer
+
+    said = run(_export_with_tokenizer, 1, str(tmp_path))[0]
+    hf = AutoTokenizer.from_pretrained(tmp_path / "with")
+    assert hf("Hello world")["input_ids"] == load_tokenizer("sentencepiece").encode("Hello world")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "with").dtype == torch.bfloat16
+    assert any("no tokenizer given or known, the export has none" in s for s in said), said
+    assert not (tmp_path / "without" / "tokenizer_config.json").exists()

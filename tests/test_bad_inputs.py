@@ -43,7 +43,8 @@ def env(tmp_path_factory):
                           "typo.yaml": "max_step: 3\n", "choice.yaml": "schedule: zigzag\n",
                           "half.yaml": "log_interval: 2.5\n", "null.json": "{\"lr\": null}",
                           "switch.yaml": "sequence_parallel: \"maybe\"\n",
-                          "word.yaml": "lr: fast\n", "flag.yaml": "max_steps: true\n"}.items():
+                          "word.yaml": "lr: fast\n", "flag.yaml": "max_steps: true\n",
+                          "garbage.model": "not a sentencepiece model"}.items():
         if content is not None:
             (root / name).write_text(content)
         configs[name] = str(root / name)
@@ -56,8 +57,18 @@ def env(tmp_path_factory):
         ids[name] = root / f"{name}.npy"
         np.save(ids[name], array)
     (root / "empty_dir").mkdir()
+    import torch
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=1004, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=2,
+               eos_token_id=2).save_pretrained(root / "pickled_hf")
+    torch.save({"transformer.wte.weight": shutil.rmtree}, root / "pickled_hf" / "pytorch_model.bin")
     return dict(common=common, ckpt=str(ckpt), corrupt=str(corrupt), prefix=prefix,
                 configs=configs, negative=str(negative), ids=ids, root=root)
+
+
+TOO_MANY = str(2 * launcher.local_worker_limit())
+"""More local workers than this machine is allowed to start without --oversubscribe."""
 
 
 @pytest.fixture
@@ -163,7 +174,15 @@ TRAIN = [
     (["--load", "/nonexistent/ckpt/step_00000003"], "no such checkpoint step, and /nonexistent/"
                                                     "ckpt holds no step_* checkpoints"),
     # a global batch the user gave stays an error on data too small for it
-    (["--global-batch-size", "4096"], "fewer than one global batch of 4096"),
+    (["--global-batch-size", "1024"], "fewer than one global batch of 1024"),
+    (["--global-batch-size", "4096"], "fewer than one global batch of 4096: at most"),
+    # unbounded work from one flag: refused in one line, from the sizes alone
+    (["--dp", "{too_many}"], "local worker processes, more than this machine runs well"),
+    # a file that is not what the flag needs: one line, not a traceback
+    (["--tokenizer", "{garbage.model}"], "garbage.model is not a SentencePiece model"),
+    (["--from-hf", "{pickled_hf}"], "pytorch_model.bin: refused: not a plain pickle of weights"),
+    (["--global-batch-size", "1000000000"], "--data holds fewer than one global batch of "
+                                            "1000000000: at most"),
 ]
 
 
@@ -175,7 +194,8 @@ def _fill(argv, env):
              "ckpt/latest/ck": env["ckpt"] + "/latest/ck",
              "ckpt/shard": str(next(Path(env["ckpt"], "step_00000001").glob("*.safetensors"))),
              "ckpt/step_00000099": env["ckpt"] + "/step_00000099",
-             "ckpt/typo": env["ckpt"] + "/typo",
+             "ckpt/typo": env["ckpt"] + "/typo", "too_many": TOO_MANY,
+             "pickled_hf": str(env["root"] / "pickled_hf"),
              **{f"ids:{k}": str(v) for k, v in env["ids"].items()}}
     return [names[a[1:-1]] if a.startswith("{") else a for a in argv]
 
@@ -243,12 +263,114 @@ BUBBLE = [
      "--seq-len 100000 exceeds the model's 256 positions"),
     (["--pp", "100000", "-m", "100000", "--simulate", "--fwd-ms", "1"],
      "more than megapar-bubble handles"),
+    (["--pp", "1000", "-m", "1000", "--simulate", "--fwd-ms", "1"],
+     "2,000,000 actions on 1000 stages, more than megapar-bubble handles in seconds"),
+    (["--pp", "1000", "-m", "4", "--simulate", "--fwd-ms", "1"], "on 1000 stages"),
+    (["--pp", "{too_many}", "-m", "4"], "local worker processes, more than this machine runs"),
     (["--pp", "2", "-m", "4", "--steps", "0"], "--steps 0 is invalid"),
 ]
 
 
 @pytest.mark.parametrize("argv, message", BUBBLE, ids=[" ".join(a) for a, _ in BUBBLE])
 def test_megapar_bubble(argv, message, no_workers, capsys):
-    rc = bubble(argv)
+    rc = bubble([TOO_MANY if a == "{too_many}" else a for a in argv])
     line = _one_line(capsys, "megapar-bubble")
     assert rc == 2 and message in line, line
+
+
+# --- model and layout checks come before any data is read or anything written ----------------
+EARLY = [
+    (["--tp", "3"], "4 attention heads are not divisible by --tp 3"),
+    (["--pp", "8"], "2 layers cannot be cut into --pp 8 stages"),
+    (["--model", "no-such-recipe"], "no-such-recipe"),
+    (["--model", "{broken}"], "not valid JSON"),
+    (["--model", "{heads}"], "hidden size 32 is not divisible by 5 attention heads"),
+    (["--model", "{layers}"], "n_layer=0 must be a whole number >= 1"),
+    (["--from-hf", "{missing}"], "no config.json"),
+]
+
+
+@pytest.mark.parametrize("argv, message", EARLY, ids=[" ".join(a) for a, _ in EARLY])
+def test_model_and_layout_errors_come_before_tokenizing_and_writing(tmp_path, argv, message,
+                                                                    no_workers, capsys):
+    text = tmp_path / "fresh.txt"
+    text.write_text(f"{tmp_path}\n\n" + Path(asset_path("shakespeare_sample.txt")).read_text())
+    files = {"broken": "{\"model_type\": \"gpt2\",", "missing": None,
+             "heads": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 5},
+             "layers": {"model_type": "gpt2", "n_embd": 32, "n_layer": 0, "n_head": 4}}
+    for name, content in files.items():
+        if content is not None:
+            (tmp_path / f"{name}.json").write_text(content if isinstance(content, str)
+                                                   else json.dumps(content))
+    argv = [str(tmp_path / f"{a[1:-1]}.json") if a.startswith("{") else a for a in argv]
+    model = [] if "--model" in argv else ["--model", str(tmp_path / "tiny.json")]
+    (tmp_path / "tiny.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 32,
+                                                    "n_layer": 2, "n_head": 4}))
+    rc = train(["--data", str(text), "--data-cache", str(tmp_path / "cache"), "--tokenizer",
+                "sentencepiece", "--seq-len", "32", "--no-progress", "--save",
+                str(tmp_path / "ckpt"), "--log-json", str(tmp_path / "logs" / "log.jsonl"),
+                *model, *argv])
+    line = _one_line(capsys, "megapar-train")
+    assert rc == 2 and message in line, line
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["fresh.txt", "tiny.json", *(f"{n}.json" for n, c in files.items()
+                                                         if c is not None)]), left
+
+
+# --- unbounded work: answered in seconds (a generous timeout, not a performance assert) -----
+@pytest.mark.timeout(60)
+def test_a_billion_gpus_are_planned_in_seconds(capsys):
+    from megapar.cli.plan import main as plan
+
+    assert plan(["--model", "gpt2-124m", "--gpus", "1000000000", "--global-batch-size",
+                 "1000000000", "--seq-len", "1024"]) == 0
+    assert "chosen: tp" in capsys.readouterr().out
+    assert plan(["--model", "gpt2-124m", "--gpus", "1000000000", "--global-batch-size", "512",
+                 "--seq-len", "1024"]) == 1
+    assert "no valid layout" in capsys.readouterr().out
+
+
+def test_megapar_data_caps_workers_at_the_cores(tmp_path, capsys):
+    from megapar.cli.data import main as data
+    from megapar.device import cpu_cores
+
+    text = tmp_path / "t.txt"
+    text.write_text(Path(asset_path("shakespeare_sample.txt")).read_text()[:20_000])
+    common = ["--input", str(text), "--tokenizer", "sentencepiece", "--no-progress",
+              "--split-lines"]
+    assert data([*common, "--output-prefix", str(tmp_path / "many"), "--workers", "500"]) == 0
+    assert f"--workers 500: using {cpu_cores()}, the CPU cores" in capsys.readouterr().err
+    assert data([*common, "--output-prefix", str(tmp_path / "one"), "--workers", "1"]) == 0
+    assert (tmp_path / "many.bin").read_bytes() == (tmp_path / "one.bin").read_bytes()
+
+
+# --- megapar-data: one line, and no progress bar before it -------------------------------------
+DATA = [
+    ({"--output-prefix": ""}, "--output-prefix '' names no file"),
+    ({"--output-prefix": "{root}/"}, "names no file"),
+    ({"--input": "{binary}"}, "are not valid UTF-8 (binary data or another encoding?)"),
+    ({"--input": "{bad.jsonl}"}, "bad.jsonl:2: expected a JSON object with a string field"),
+    ({"--input": "{empty.txt}"}, "no text in"),
+    ({"--tokenizer": "{garbage.model}"}, "is not a SentencePiece model"),
+]
+
+
+@pytest.mark.parametrize("flags, message", DATA, ids=[m for _, m in DATA])
+def test_megapar_data(tmp_path, flags, message, capsys, monkeypatch):
+    from megapar.cli.data import main as data
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "binary").write_bytes(bytes(range(256)) * 40)
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "garbage.model").write_bytes(b"\x00not a sentencepiece model" * 10)
+    (tmp_path / "ok.txt").write_text("Some text to tokenize.\n")
+    args = {"--input": str(tmp_path / "ok.txt"), "--output-prefix": str(tmp_path / "out" / "x"),
+            "--tokenizer": "sentencepiece", **flags}
+    argv = [x for k, v in args.items() for x in
+            (k, v.replace("{root}", str(tmp_path)) if "{root}" in v else
+             str(tmp_path / v[1:-1]) if v.startswith("{") else v)]
+    assert data(argv) == 2  # with the progress bar on: it must not show before the error
+    line = _one_line(capsys, "megapar-data")
+    assert message in line, line
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*"))

@@ -194,3 +194,64 @@ def test_output_that_is_a_file_is_refused(src, tmp_path):
     with pytest.raises(CheckpointError, match=f"cannot create {target}: it is a file"):
         cv.export_hf(src, target)
     assert target.read_text() == "x"
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_a_forged_shard_behind_a_reforged_manifest_is_one_line(src, tmp_path, capsys):
+    """A file that is not safetensors, whose size and sha256 were written into the manifest
+    (and the manifest's own digest redone): every reader says so in one line, rc 2."""
+    from megapar.checkpoint.format import MANIFEST, file_record
+    from megapar.checkpoint.manifest import write_manifest
+
+    import json
+
+    (src / SHARD).write_bytes(b"this is not a safetensors file" * 100)
+    manifest = json.loads((src / MANIFEST).read_text())
+    manifest["files"][SHARD] = file_record(src / SHARD)
+    write_manifest(src, manifest)
+    verify(src)  # sizes and checksums match: only reading the file finds it
+    for argv in ([str(src), str(tmp_path / "dst"), "--tp", "1", "--pp", "1", "--no-progress"],
+                 [str(src), "--to-hf", str(tmp_path / "hf")]):
+        assert main(argv) == 2
+        line = _one_line(capsys)
+        assert f"{SHARD}: not a readable safetensors shard (SafetensorError" in line, line
+    assert not (tmp_path / "dst").exists() and not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+def test_a_pickled_hf_checkpoint_that_is_not_plain_weights_is_one_line(tmp_path, capsys):
+    import torch
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=64, n_positions=16, n_embd=8, n_layer=1, n_head=2, bos_token_id=0,
+               eos_token_id=0).save_pretrained(tmp_path / "hf")
+    torch.save({"transformer.wte.weight": os.system}, tmp_path / "hf" / "pytorch_model.bin")
+    assert main(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "dst"), "--tp", "1", "--pp",
+                 "1", "--no-progress"]) == 2
+    line = _one_line(capsys)
+    assert "pytorch_model.bin: refused: not a plain pickle of weights (UnpicklingError" in line
+    assert "megapar reads tensors only, never code" in line
+    (tmp_path / "hf" / "pytorch_model.bin").write_bytes(b"\x00" * 3)  # truncated
+    assert main(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "dst"), "--tp", "1", "--pp",
+                 "1", "--no-progress"]) == 2
+    assert "refused: not a plain pickle of weights" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("target", ["absolute", "relative"])
+def test_latest_naming_a_path_outside_the_root_is_refused(src, tmp_path, target, capsys):
+    import shutil
+
+    root = src.parent
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(root, elsewhere)  # a complete, valid checkpoint: still not this root's
+    step = elsewhere / src.name
+    (root / "latest").write_text(str(step) if target == "absolute" else
+                                 os.path.relpath(step, root))
+    with pytest.raises(CheckpointError, match="not the name of a step directory in"):
+        resolve_checkpoint(root)
+    assert main(["--info", str(root)]) == 2
+    assert "latest holds" in _one_line(capsys)

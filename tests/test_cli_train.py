@@ -100,7 +100,8 @@ def test_cli_3d_parity_2x2x2_equals_1x1x1(tmp_path, text, cache):
     (["--tp", "3"], "attention heads are not divisible by --tp 3"),
     (["--pp", "8"], "4 layers cannot be cut into --pp 8 stages"),
     (["--max-steps", "4", "--warmup-steps", "20"], "warmup of 20 steps is longer than the 4"),
-    (["--global-batch-size", "65536"], "fewer than one global batch of 65536"),
+    (["--global-batch-size", "512"], "fewer than one global batch of 512"),
+    (["--global-batch-size", "65536"], "fewer than one global batch of 65536: at most"),
 ])
 def test_clear_errors_before_any_worker_starts(argv, message, capsys, cache, text):
     rc = main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",
@@ -197,3 +198,58 @@ def test_a_failing_rank_brings_the_run_down_naming_rank_and_step(tmp_path, text,
     err = capsys.readouterr().err
     assert "rank 3 failed" in err and "failed at step 2" in err and "injected failure" in err
     assert time.monotonic() - start < 60  # the other ranks were brought down, not left waiting
+
+
+def test_paths_with_spaces_and_non_ascii_characters(tmp_path, text, capsys):
+    """Paths are paths: --data (text and a prepared prefix), --from-hf, --tokenizer, --save
+    and --load under "with space/ünïcødé" train, save and resume; none is read as a blend."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from megapar.cli.data import main as data
+
+    odd = tmp_path / "with space" / "ünïcødé dir"
+    odd.mkdir(parents=True)
+    corpus, tokenizer = odd / "my text.txt", odd / "my tokenizer.model"
+    corpus.write_text(Path(text).read_text())
+    tokenizer.write_bytes(Path(asset_path("botchan_en_unigram_1000.model")).read_bytes())
+    hf = odd / "hf model"
+    GPT2LMHeadModel(GPT2Config(vocab_size=1004, n_positions=64, n_embd=32, n_layer=2,
+                               n_head=4, bos_token_id=1, eos_token_id=2)).save_pretrained(hf)
+    said = lambda: "".join(capsys.readouterr())  # noqa: E731 - out and err
+    save, log = odd / "ckpt é", odd / "log é.jsonl"
+    common = ["--tokenizer", str(tokenizer), "--data-cache", str(odd / "cache"), *TINY]
+    assert main(["--data", str(corpus), "--from-hf", str(hf), "--save", str(save),
+                 "--max-steps", "2", "--log-json", str(log), *common]) == 0
+    assert "loaded weights from" in said()
+    assert main(["--load", str(save), "--save", str(save), "--max-steps", "3", *common]) == 0
+    assert "resumed from" in said()
+    assert (save / "latest").read_text().strip() == "step_00000003"
+    prefix = odd / "prepared set"  # a prepared prefix with a space
+    assert data(["--input", str(corpus), "--output-prefix", str(prefix), "--tokenizer",
+                 str(tokenizer), "--no-progress", "--split-lines"]) == 0
+    assert main(["--data", str(prefix), "--model", str(hf / "config.json"), "--max-steps", "2",
+                 *common]) == 0
+    # a real blend of the two still works, and a missing path is named whole
+    assert main(["--data", "0.5", str(prefix), "0.5", str(corpus), "--model",
+                 str(hf / "config.json"), "--max-steps", "2", *common]) == 0
+    assert main(["--data", str(odd / "no such.txt"), "--max-steps", "2", *common]) == 2
+    assert f"--data {odd / 'no such.txt'}: no such text file" in capsys.readouterr().err
+
+
+def test_the_log_counts_parameters_as_convert_info_and_says_what_padding_adds(tmp_path, text,
+                                                                             cache, capsys):
+    import re
+
+    from megapar.checkpoint.convert import checkpoint_info
+
+    ckpt = tmp_path / "ckpt"
+    assert main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",
+                 "--model", _model(tmp_path), "--max-steps", "2", "--save", str(ckpt),
+                 *TINY]) == 0  # one process: its log is captured here
+    line = next(x for x in capsys.readouterr().out.splitlines() if " parameters" in x)
+    real, allocated = (int(x.replace(",", "")) for x in re.findall(r"([\d,]+) (?:parameters|"
+                                                                    r"allocated)", line))
+    assert f"{real:,} parameters (unpadded" in checkpoint_info(ckpt)
+    # 1,004 ids padded to 1,024: 20 rows of the tied 32-wide embedding
+    assert allocated - real == 20 * 32, line
+    assert "the vocabulary of 1,004 padded to 1,024, a multiple of 128 x tp" in line

@@ -41,13 +41,25 @@ def test_blended_dataset_items_and_description():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("0.7 a 0.3", "pairs of WEIGHT PREFIX"), ("x a 0.3 b", "'x' is not a weight"),
+    ("0.7 a 0.3", "pairs of WEIGHT PREFIX"), (["x", "a", "0.3", "b"], "'x' is not a weight"),
     ("0 a 1 b", "must be positive")])
 def test_bad_blend_specs(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_blend(spec)
     assert parse_blend("data/a") is None and parse_blend(["1", "a", "3", "b"]) == [
         (0.25, "a"), (0.75, "b")]
+
+
+def test_a_path_with_spaces_is_one_path(tmp_path):
+    odd = tmp_path / "with space" / "0.5 a"
+    odd.mkdir(parents=True)
+    (odd / "x y.bin").write_bytes(b"")
+    assert parse_blend(str(odd / "x y")) is None  # an existing prefix: never split
+    assert parse_blend(str(odd / "x y.txt")) is None  # a string not starting with a weight
+    assert parse_blend("x a 0.3 b") is None and parse_blend(["/a b/c"]) is None
+    assert parse_blend("0.7 a 0.3 b") == [(0.7, "a"), (pytest.approx(0.3), "b")]
+    with pytest.raises(ValueError, match=r"quote it, --data '.*with space/0.5 a/x y'"):
+        parse_blend(str(odd / "x y").split(" "))  # the shell split an unquoted path
 
 
 @pytest.fixture(scope="module")

@@ -115,3 +115,32 @@ def test_truncated_or_foreign_index_is_refused(corpus, tmp_path):
     Path(bad + ".idx").write_bytes(raw[:9] + np.uint64(2).tobytes() + raw[17:])
     with pytest.raises(ValueError, match="version 2; megapar reads version 1"):
         IndexedDataset(bad, "sentencepiece")
+
+
+def test_a_multimodal_index_of_text_is_read_one_with_images_is_refused(tmp_path):
+    docs = [np.arange(1, 20), np.arange(30, 45)]
+    prefix = str(tmp_path / "mm")
+    spec_write(prefix, docs)
+    sequences = np.frombuffer(Path(prefix + ".idx").read_bytes(), "<u8", 1, 18)[0]
+    with open(prefix + ".idx", "ab") as f:  # megatron-core's multimodal=True: int8 modes
+        f.write(np.zeros(sequences, dtype=np.int8).tobytes())
+    ds = IndexedDataset(prefix, "sentencepiece")
+    assert [ds.doc(i).tolist() for i in range(ds.num_docs)] == [d.tolist() for d in docs]
+    raw = bytearray(Path(prefix + ".idx").read_bytes())
+    raw[-1] = 1  # the last sequence is an image
+    Path(prefix + ".idx").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=f"multimodal Megatron index: 1 of its {sequences} "
+                                         f"sequences are not text"):
+        IndexedDataset(prefix, "sentencepiece")
+
+
+def test_doc_without_its_eod_drops_only_an_eod(corpus, tmp_path):
+    _, _, ours = corpus
+    with_eod = IndexedDataset(ours)
+    assert with_eod.doc(0)[-1] == with_eod.eod_id
+    assert with_eod.doc(0, include_eod=False).tolist() == with_eod.doc(0)[:-1].tolist()
+    prefix = str(tmp_path / "no_eod")  # Megatron-LM data made without --append-eod
+    docs = [np.arange(10, 20), np.arange(40, 43)]
+    spec_write(prefix, docs)
+    plain = IndexedDataset(prefix, "sentencepiece")
+    assert plain.doc(1, include_eod=False).tolist() == [40, 41, 42]

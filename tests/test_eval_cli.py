@@ -275,3 +275,28 @@ def test_saved_reports_the_file_numpy_wrote(tiny_ckpt, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["saved"] == str(tmp_path / "lg.npy")
     assert np.load(report["saved"]).shape == (2, 8, 101) == tuple(report["shape"])
+
+
+def test_eval_reads_a_megatron_dataset_written_by_megapar(tmp_path, corpus, capsys):
+    """The same text as megapar's index and as Megatron-LM's MMIDIDX (megapar-data --format
+    megatron, its .json removed as a Megatron-LM made dataset has none): the same loss."""
+    prefix, _, root = corpus
+    ckpt = tmp_path / "ckpt"
+    _hf_model("gpt2").save_pretrained(tmp_path / "hf")
+    assert convert(["--from-hf", str(tmp_path / "hf"), str(ckpt), "--tp", "1", "--pp", "1",
+                    "--no-progress"]) == 0
+    megatron = str(tmp_path / "megatron")
+    assert data_main(["--input", str(root / "sample.txt"), "--output-prefix", megatron,
+                      "--tokenizer", "sentencepiece", "--split-lines", "--no-progress",
+                      "--format", "megatron"]) == 0
+    Path(megatron + ".json").unlink()
+    args = ["--load", str(ckpt), "--seq-len", "32", "--max-batches", "2"]
+    losses = []
+    for data, extra in [(prefix, []), (megatron, ["--tokenizer", "sentencepiece"])]:
+        capsys.readouterr()
+        assert evaluate([*args, "--data", data, *extra]) == 0, capsys.readouterr().err
+        losses.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"])
+    assert losses[0] == losses[1]
+    assert evaluate([*args, "--data", megatron]) == 2  # which tokenizer made it: one line
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "name the tokenizer it was made with" in err, err

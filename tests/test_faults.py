@@ -103,6 +103,14 @@ def test_sigkill_of_the_launcher_kills_its_workers_and_nothing_is_saved_after(tm
     time.sleep(1.0)
     late = [p.name for p in ckpt.iterdir() if p.stat().st_mtime > killed_at + 0.02]
     assert late == [], f"written after the launcher died: {late}"
+    # its stack directory (TMPDIR/megapar-stacks-<pid>-*) outlives it, until the next launch
+    import glob
+    import tempfile
+
+    left = glob.glob(os.path.join(tempfile.gettempdir(), f"megapar-stacks-{pid}-*"))
+    assert left, "the killed launcher had a stack directory"
+    run_local(_listening, 2)
+    assert not any(os.path.exists(p) for p in left)
 
 
 def test_sigterm_saves_exits_0_and_the_resumed_run_matches(tmp_path, common):
@@ -297,3 +305,93 @@ def test_a_second_sigint_aborts_at_once(tmp_path, common):
     assert os.waitstatus_to_exitcode(status) == 130, (tmp_path / "out").read_text()
     assert "aborted (second SIGINT)" in (tmp_path / "out").read_text()
     assert _wait_for(lambda: not any(_alive(w) for w in workers), timeout=5.0)
+
+
+# --- one writer per --save directory ----------------------------------------------------------
+def _manifests(ckpt: Path) -> dict[str, dict]:
+    from megapar.checkpoint.format import verify
+
+    return {p.name: verify(p) for p in sorted(ckpt.glob("step_*"))}
+
+
+def test_a_second_writer_of_a_save_dir_is_refused_and_the_first_keeps_its_checkpoints(
+        tmp_path, common, capsys):
+    from megapar.checkpoint.lock import LOCK_NAME
+
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    pid = _fork_main([*common, "--tp", "2", "--max-steps", "400", "--save", str(ckpt),
+                      "--save-interval", "2", "--log-json", str(log), "--seed", "1"],
+                     tmp_path / "out")
+    assert _wait_for(lambda: (ckpt / "step_00000002").exists()), (tmp_path / "out").read_text()
+    owner = json.loads((ckpt / LOCK_NAME).read_text())
+    assert owner["pid"] == pid and owner["host"] and owner["started"]
+    # the requeued job, started while the first still runs: refused before any worker starts
+    rc = main([*common, "--max-steps", "4", "--save", str(ckpt), "--seed", "2",
+               "--save-interval", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--save {ckpt} is in use by another run (pid {pid} on " in err
+    assert ": megapar-train --model " in err  # the other run's command line
+    assert "give this run another --save" in err
+    os.kill(pid, signal.SIGTERM)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, (tmp_path / "out").read_text()
+    saved = _manifests(ckpt)
+    stopped = _steps(log)[-1]
+    assert f"step_{stopped:08d}" in saved and (ckpt / "latest").read_text().strip() == \
+        f"step_{stopped:08d}"
+    assert {m["meta"]["train_config"]["seed"] for m in saved.values()} == {1}  # all the first's
+    assert not (ckpt / LOCK_NAME).exists()  # released on the clean stop
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_a_stale_lock_is_taken_over_and_another_hosts_live_one_refuses(tmp_path, common,
+                                                                      capsys):
+    import socket
+
+    from megapar.checkpoint import lock as save_lock
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    path = ckpt / save_lock.LOCK_NAME
+    # a run on this host that died (kill -9) left its lock: its pid is gone
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(),
+                                "started": "2026-01-01T00:00:00+00:00", "command": "x"}))
+    assert main([*common, "--max-steps", "2", "--save", str(ckpt)]) == 0
+    assert "took over the stale lock" in capsys.readouterr().err
+    assert (ckpt / "step_00000002").exists() and not path.exists()
+    # another host's run, alive by its heartbeat: refused (its processes cannot be seen)
+    path.write_text(json.dumps({"host": "node-b", "pid": 4242, "started": "2026-01-01T00:00",
+                                "command": "megapar-train --save x"}))
+    assert main([*common, "--max-steps", "3", "--save", str(ckpt), "--load", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert "in use by another run (pid 4242 on node-b" in err and "last alive" in err, err
+    assert f"delete {path} if that run is gone" in err
+    # ... and once its heartbeat is older than STALE_AFTER_S, it is stale
+    old = time.time() - save_lock.STALE_AFTER_S - 60
+    os.utime(path, (old, old))
+    assert main([*common, "--max-steps", "3", "--save", str(ckpt), "--load", str(ckpt)]) == 0
+    assert "took over the stale lock" in capsys.readouterr().err and not path.exists()
+
+
+def test_the_save_lock_is_exclusive_and_released_on_an_exception(tmp_path):
+    from megapar.checkpoint.lock import SaveLock, SaveLockError, check_unlocked
+
+    first = SaveLock(tmp_path / "ckpt").acquire()
+    with pytest.raises(SaveLockError, match=f"pid {os.getpid()} on "):
+        SaveLock(tmp_path / "ckpt").acquire()  # another holder, even in this process
+    check_unlocked(tmp_path / "ckpt", allowed_pids=(os.getpid(),))  # its own saves may write
+    with pytest.raises(SaveLockError):
+        check_unlocked(tmp_path / "ckpt")
+    first.release()
+    with pytest.raises(RuntimeError, match="boom"):
+        with SaveLock(tmp_path / "ckpt"):
+            raise RuntimeError("boom")
+    assert list((tmp_path / "ckpt").iterdir()) == []  # released: nothing left

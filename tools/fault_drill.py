@@ -1,7 +1,7 @@
 """Fault drill: inject faults into real `megapar-train` runs (tp 2 x pp 2, a tiny GPT-2) and
 print, for each, how long the run took to exit, what it left behind and what it lost.
 
-    python tools/fault_drill.py                 # every drill, ~2 minutes on 2 CPU cores
+    python tools/fault_drill.py                 # every drill, ~3 minutes on 2 CPU cores
     python tools/fault_drill.py --only sigterm sigkill-launcher
 
 Columns: fault; exit code; time from the fault to the last process gone; leftovers (live
@@ -52,10 +52,11 @@ def _steps(log: Path) -> list[int]:
 
 
 class Run:
-    def __init__(self, work: Path, name: str, extra: list[str]):
+    def __init__(self, work: Path, name: str, extra: list[str], save: Path | None = None):
         self.dir = work / name
         self.dir.mkdir()
-        self.ckpt, self.log, self.out = self.dir / "ckpt", self.dir / "log.jsonl", self.dir / "out"
+        self.ckpt, self.log, self.out = save or self.dir / "ckpt", self.dir / "log.jsonl", \
+            self.dir / "out"
         argv = [sys.executable, "-m", "megapar.cli.train", "--tp", "2", "--pp", "2",
                 "--model", str(work / "model.json"), "--data", str(work / "text.txt"),
                 "--tokenizer", "sentencepiece", "--data-cache", str(work / "cache"),
@@ -147,11 +148,56 @@ def drill(name: str, work: Path) -> dict:
         run = Run(work, name, ["--max-steps", "4000", "--exit-duration-mins", "0.1"])
         t0 = time.monotonic()
         return run.finish(t0)
+    if name == "second-writer":
+        return _second_writer(work)
+    if name == "stale-lock":
+        return _stale_lock(work)
     raise ValueError(name)
 
 
+def _second_writer(work: Path) -> dict:
+    """A run saving into a --save directory another live run is writing (a requeued job that
+    started while the old one still runs): refused before any worker starts, and the first run's
+    checkpoints are all its own when it stops."""
+    first = Run(work, "second-writer-first", ["--max-steps", "400", "--save-interval", "2",
+                                              "--seed", "1"])
+    first.wait_steps(3)
+    t0 = time.monotonic()
+    second = Run(work, "second-writer", ["--max-steps", "400", "--save-interval", "1",
+                                         "--seed", "2"], save=first.ckpt)
+    result = second.finish(t0)
+    os.kill(first.proc.pid, signal.SIGTERM)
+    first_result = first.finish(time.monotonic())
+    seeds = {json.loads((p / "manifest.json").read_text())["meta"]["train_config"]["seed"]
+             for p in first.ckpt.glob("step_*")}
+    result["lost"] = (f"none: the first run's checkpoints are all its own (seeds {sorted(seeds)},"
+                      f" first run: {first_result['lost']})")
+    if (first.ckpt / "megapar.lock").exists():
+        result["leftovers"] = "lock file left"
+    return result
+
+
+def _stale_lock(work: Path) -> dict:
+    """The launcher is killed with kill -9 (its lock file stays, its pid is gone); the requeued
+    run (same --save and --load) takes the stale lock over and resumes."""
+    dead = Run(work, "stale-lock-killed", ["--max-steps", "400", "--save-interval", "2"])
+    dead.wait_steps(3)
+    os.kill(dead.proc.pid, signal.SIGKILL)
+    dead.finish(time.monotonic())
+    assert (dead.ckpt / "megapar.lock").exists(), "kill -9 should leave the lock file"
+    t0 = time.monotonic()
+    again = Run(work, "stale-lock", ["--max-steps", "6", "--load", str(dead.ckpt)],
+                save=dead.ckpt)
+    result = again.finish(t0)
+    took = [x for x in again.out.read_text().splitlines() if "took over the stale lock" in x]
+    result["said"] = (took[0] if took else result["said"])[:120]
+    if (dead.ckpt / "megapar.lock").exists():
+        result["leftovers"] = "lock file left"
+    return result
+
+
 DRILLS = ["sigkill-launcher", "sigterm", "sigusr1", "sigint", "sigkill-worker", "sigstop-worker",
-          "nan", "exit-duration"]
+          "nan", "exit-duration", "second-writer", "stale-lock"]
 
 
 def main() -> None:
@@ -169,8 +215,8 @@ def main() -> None:
         rows.append(r)
         print(f"{name:17s} rc {r['rc']!s:>4}  exit {r['exit_s']:6.2f} s  leftovers: "
               f"{r['leftovers']:12s}  lost: {r['lost']:34s}  {r['said']}", flush=True)
-    print(f"(runs in {work}; exit time counts from the fault, for nan / exit-duration from the "
-          f"start)")
+    print(f"(runs in {work}; exit time counts from the fault, for nan / exit-duration / "
+          f"second-writer / stale-lock from the start of that run)")
 
 
 if __name__ == "__main__":

@@ -191,6 +191,19 @@ def convert_checkpoint(src, dst, tp: int, pp: int, dp: int = 1, overwrite: bool 
                             overwrite, progress, after_tensor=reader.release)
 
 
+def recorded_tokenizer(spec) -> dict | None:
+    """What a checkpoint records of a tokenizer (its spec and the sha256 of its files), or None
+    when `spec` (e.g. a transformers directory without one) is not a loadable tokenizer."""
+    from megapar.data.preprocess import file_sha256
+    from megapar.data.tokenizers import load_tokenizer, tokenizer_files
+
+    try:
+        tok = load_tokenizer(spec)
+    except (OSError, ValueError):
+        return None
+    return {**tok.spec(), "sha256": [file_sha256(p) for p in tokenizer_files(tok)]}
+
+
 def _seeded(config, name: str, seed: int, stages: dict) -> torch.Tensor:
     """The full tensor `name` as `build_stage(..., seed)` initialises it (layout-independent):
     only the one-layer pipeline stage that holds it is built (and kept in `stages`)."""
@@ -219,8 +232,11 @@ def import_hf(hf_dir, dst, tp: int, pp: int, dp: int = 1, seed: int = 0,
     target = plan(config, layout)
     initialised: list[str] = []
     meta = {"imported_from_hf": str(Path(hf_dir).resolve()), "seed": seed,
-            "initialised_from_seed": initialised,
+            "initialised_from_seed": initialised, "hf_dtype": reader.dtype,
             "rng_note": "imported from Hugging Face: no RNG states, no optimizer state"}
+    tokenizer = recorded_tokenizer(hf_dir)
+    if tokenizer is not None:
+        meta["tokenizer"] = tokenizer
     current: dict[str, torch.Tensor] = {}
     stages: dict = {}
 
@@ -243,18 +259,30 @@ def import_hf(hf_dir, dst, tp: int, pp: int, dp: int = 1, seed: int = 0,
     return path, initialised
 
 
-def export_hf(src, hf_dir, overwrite: bool = False) -> Path:
-    """A transformers directory (GPT2LMHeadModel / BertForMaskedLM) from a checkpoint."""
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes an export can write its weights in."""
+
+
+def export_hf(src, hf_dir, overwrite: bool = False, tokenizer=None,
+              dtype: str | None = None) -> Path:
+    """A transformers directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM) from a
+    checkpoint, with the tokenizer it trained with (`export_tokenizer`; `tokenizer`, a
+    `load_tokenizer` spec, overrides it), in `dtype` (default: the dtype of the Hugging Face
+    model it came from, recorded on import, else float32)."""
     from megapar.checkpoint.hf import HF_FILES, save_hf
 
     step_dir = resolve_checkpoint(src)
     hf_dir = Path(hf_dir)
     if not overwrite and any((hf_dir / name).exists() for name in HF_FILES):
         raise CheckpointError(f"{hf_dir} already holds an exported model ({', '.join(HF_FILES)})"
-                              f"; pass --overwrite to replace those files (other files there, "
-                              f"e.g. a tokenizer, are kept)")
+                              f"; pass --overwrite to replace those files (other files there "
+                              f"are kept)")
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)}")
     check_output(hf_dir, into=True)
     manifest = verify(step_dir)
+    config = config_from_dict(manifest["model"])
+    tok = export_tokenizer(manifest, config, tokenizer)
     reader = ShardReader(step_dir, manifest)
     canonical = {}
     for name, e in manifest["tensors"].items():
@@ -262,7 +290,44 @@ def export_hf(src, hf_dir, overwrite: bool = False) -> Path:
         canonical[name] = reader.shard(name, None, 1, 0, None if dim is None
                                        else e["full_shape"][dim])
     reader.release()
-    return save_hf(canonical, config_from_dict(manifest["model"]), hf_dir)
+    dtype = dtype or manifest["meta"].get("hf_dtype") or "float32"
+    return save_hf(canonical, config, hf_dir, tok, getattr(torch, dtype))
+
+
+def export_tokenizer(manifest: dict, config, given=None):
+    """The megapar Tokenizer an export carries: `given` (a spec), else the one the checkpoint
+    records (meta ``tokenizer``: what megapar-train's data was tokenized with, or the
+    transformers directory it was imported from); None when it records none. A recorded
+    tokenizer that cannot be loaded, or whose files changed since, is an error naming the fix
+    (the export must not carry a tokenizer the model did not train with)."""
+    from megapar.data.tokenizers import load_tokenizer
+
+    spec = given or manifest["meta"].get("tokenizer")
+    if not spec:
+        return None
+    what = f"--tokenizer {given}" if given else \
+        f"the checkpoint's tokenizer {spec.get('path') if isinstance(spec, dict) else spec}"
+    path = spec.get("path") if isinstance(spec, dict) else spec
+    try:
+        if path not in ("gpt2", "sentencepiece") and not os.path.exists(path):
+            raise FileNotFoundError("no such file or directory: moved or deleted?")
+        tok = load_tokenizer(spec)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{what} cannot be loaded ({exc}); pass --tokenizer SPEC (the "
+                              f"tokenizer it trained with, wherever it is now)") from None
+    if not given and isinstance(spec, dict) and spec.get("sha256"):
+        from megapar.data.preprocess import file_sha256
+        from megapar.data.tokenizers import tokenizer_files
+
+        if [file_sha256(p) for p in tokenizer_files(tok)] != spec["sha256"]:
+            raise CheckpointError(f"{what} has changed since the checkpoint was trained (its "
+                                  f"files' sha256 differ); pass --tokenizer SPEC naming the "
+                                  f"tokenizer it trained with")
+    if tok.vocab_size > config.vocab_size:
+        raise CheckpointError(f"{what} has {tok.vocab_size:,} token ids, more than the model's "
+                              f"vocabulary of {config.vocab_size:,}; pass the tokenizer it "
+                              f"trained with (--tokenizer)")
+    return tok
 
 
 def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
@@ -276,7 +341,8 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
     lines = [f"checkpoint  {step_dir}",
              f"step        {m['step']}",
              f"layout      tp={m['layout']['tp']} pp={m['layout']['pp']} dp={m['layout']['dp']}",
-             f"model       {model['model_type']} ({_size(model)}), {params:,} parameters",
+             f"model       {model['model_type']} ({_size(model)}), {params:,} parameters "
+             f"(unpadded, as transformers counts them)",
              f"optimizer   {', '.join(optim) if optim else 'none'}",
              f"meta keys   {', '.join(sorted(m['meta'])) or 'none'}",
              f"verified    {'sha256 of every file' if checksums else 'sizes only (--fast)'}",

@@ -13,6 +13,7 @@ index space (`ShardReader`), weights and optimizer moments alike. dp never matte
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,12 +153,16 @@ def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dic
     tmp_name, error = "", ""
     if mesh.rank == 0:
         try:
+            from megapar.checkpoint.lock import SaveLockError, check_unlocked
             from megapar.checkpoint.publish import clean_stale, mark_owner
 
+            check_unlocked(root, (os.getpid(), os.getppid()))  # another run writes root
             clean_stale(root)
             staging = staging_dir(root, f".tmp-step_{step}-")
             mark_owner(staging)
             tmp_name = staging.name
+        except SaveLockError as exc:
+            error = f"checkpoint of step {step} not saved: {exc}"
         except OSError as exc:
             error = f"cannot create a staging directory in {root}: {exc}"
     tmp_name = _broadcast_text(tmp_name, mesh)
@@ -301,8 +306,8 @@ def missing_rng_note(meta: dict) -> str:
 
 
 def _read_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
+    from megapar.checkpoint.format import open_safetensors
 
     prefix = f"rank{rank}/"
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path, "RNG file") as f:
         return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}

@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -139,12 +140,43 @@ def fsync_dir(path: str | Path) -> None:
 def probe_writable(directory: str | Path) -> None:
     """Create `directory` (as a writer would) and write and remove a probe file there; OSError
     when it cannot be written (a read-only mount, an immutable directory, a path under /proc or
-    under a file). Callers turn the error into their own message."""
+    under a file). Callers turn the error into their own message. Directories created for the
+    probe are removed again (the writer creates them when it writes), so a run refused later
+    leaves nothing behind."""
     import tempfile
 
+    directory = os.path.abspath(directory)
+    top = None  # the highest directory the probe creates
+    probe = directory
+    while not os.path.lexists(probe):
+        top, probe = probe, os.path.dirname(probe)
     os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-probe-"):
-        pass
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-probe-"):
+            pass
+    finally:
+        here = directory
+        while top is not None:
+            try:
+                os.rmdir(here)
+            except OSError:
+                break
+            if here == top:
+                break
+            here = os.path.dirname(here)
+
+
+def open_safetensors(path: str | Path, what: str = "checkpoint file"):
+    """`safetensors.safe_open` of `path`, or a CheckpointError naming the file when it is not
+    a safetensors file (its manifest may still vouch for it: a forged or replaced file)."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...: one line
+        raise CheckpointError(f"{path}: not a readable safetensors {what} ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())[:120]}); restore it or use another "
+                              f"checkpoint") from None
 
 
 def write_json(path: str | Path, data) -> None:
@@ -188,13 +220,18 @@ def resolve_checkpoint(path: str | Path) -> Path:
     from megapar.checkpoint import publish as pub
 
     if (path / LATEST).exists():
-        step = path / (path / LATEST).read_text().strip()
+        name = (path / LATEST).read_text().strip()
+        if not re.fullmatch(r"step_\d+", name):  # never a path out of the root
+            raise CheckpointError(f"{path}/latest holds {name[:80]!r}, not the name of a step "
+                                  f"directory in {path} (step_N); write the step to resume "
+                                  f"there, or pass a step directory explicitly")
+        step = path / name
         if not (step / MANIFEST).exists():
-            problem = pub.recover(path, step.name) if step.name.startswith("step_") else ""
+            problem = pub.recover(path, step.name)
             if problem is not None:
                 raise CheckpointError(f"{path}/latest points to {step.name}, which has no "
-                                      f"{MANIFEST} (deleted or moved?); {problem or 'no copy'}; "
-                                      f"pass a step directory explicitly")
+                                      f"{MANIFEST} (deleted or moved?); {problem}; pass a step "
+                                      f"directory explicitly")
         return step
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
@@ -289,14 +326,12 @@ class ShardReader:
 
     def _file(self, name: str):
         if name not in self._open:
-            from safetensors import safe_open
-
             path = self.step_dir / name
             if not path.exists():
                 raise CheckpointError(f"missing shard {name} in {self.step_dir}")
             from megapar.checkpoint.manifest import check_file_shapes
 
-            self._open[name] = safe_open(str(path), framework="pt")
+            self._open[name] = open_safetensors(path, "shard")
             check_file_shapes(self._open[name], name, self.manifest, self.step_dir)
         return self._open[name]
 

@@ -25,6 +25,37 @@ Getter = Callable[[str], torch.Tensor]
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
+def _open(path: Path):
+    """A safetensors file of a transformers directory; ConfigError when it is not one."""
+    from megapar.checkpoint.format import CheckpointError, open_safetensors
+
+    try:
+        return open_safetensors(path, "weights file")
+    except CheckpointError as exc:
+        raise ConfigError(str(exc).replace("use another checkpoint", "save the model again "
+                                           "with save_pretrained")) from None
+
+
+def _load_pickled_weights(path: Path) -> dict:
+    """An old-style ``pytorch_model.bin``, read by torch with ``weights_only`` (tensors only:
+    a pickle that would run code or build other objects is refused, in one line)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError ...
+        lines = [x.strip() for x in str(exc).splitlines() if x.strip()] or [""]
+        first = next((x for x in lines if "GLOBAL" in x or "WeightsUnpickler" in x),
+                     lines[-1] if len(lines) > 1 else lines[0])[:160]
+        raise ConfigError(f"{path}: refused: not a plain pickle of weights ({type(exc).__name__}"
+                          f": {first}); megapar reads tensors only, never code; convert it with "
+                          f"transformers (from_pretrained, then save_pretrained, which writes "
+                          f"model.safetensors) on a machine you trust") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
+                                              for v in state.values()):
+        raise ConfigError(f"{path}: not a state dict of tensors; save the model with "
+                          f"save_pretrained")
+    return state
+
+
 class HFReader:
     """Lazy access to the tensors of a local transformers directory (no network)."""
 
@@ -34,17 +65,15 @@ class HFReader:
         if not cfg.exists():
             raise FileNotFoundError(f"{self.path}: no config.json; expected a transformers "
                                     f"directory written by save_pretrained")
-        self.config = config_from_dict(json.loads(cfg.read_text()))
+        raw = json.loads(cfg.read_text())
+        self.config = config_from_dict(raw)
+        self._saved_dtype = raw.get("dtype") or raw.get("torch_dtype")
         st, pt = self.path / "model.safetensors", self.path / "pytorch_model.bin"
         if st.exists():
-            from safetensors import safe_open
-
-            self._file = safe_open(str(st), framework="pt")
+            self._file = _open(st)
             self.keys = set(self._file.keys())
             self._get = self._file.get_tensor
         elif (self.path / "model.safetensors.index.json").exists():  # sharded (Llama 8B, 70B)
-            from safetensors import safe_open
-
             index = json.loads((self.path / "model.safetensors.index.json").read_text())
             weight_map: dict[str, str] = index["weight_map"]
             opened: dict[str, object] = {}
@@ -52,13 +81,13 @@ class HFReader:
             def get(key: str) -> torch.Tensor:
                 fname = weight_map[key]
                 if fname not in opened:
-                    opened[fname] = safe_open(str(self.path / fname), framework="pt")
+                    opened[fname] = _open(self.path / fname)
                 return opened[fname].get_tensor(key)
 
             self.keys = set(weight_map)
             self._get = get
         elif pt.exists():
-            state = torch.load(pt, map_location="cpu", weights_only=True)
+            state = _load_pickled_weights(pt)
             self.keys = set(state)
             self._get = state.__getitem__
         else:
@@ -77,8 +106,19 @@ class HFReader:
         state = hf_model.state_dict()
         self.keys = set(state)
         self._get = lambda k: state[k].detach().cpu()
+        self._saved_dtype = None
         self.prefix = self._detect_prefix()
         return self
+
+    @property
+    def dtype(self) -> str:
+        """The dtype of the weights ("bfloat16", "float32", ...): config.json's ``dtype`` (or
+        ``torch_dtype``), else the word embedding's. An export writes this dtype by default."""
+        if isinstance(self._saved_dtype, str) and self._saved_dtype != "auto":
+            return self._saved_dtype.removeprefix("torch.")
+        probe = {"gpt2": "wte.weight", "llama": "embed_tokens.weight"}.get(
+            self.config.model_type, "embeddings.word_embeddings.weight")
+        return str(self.get(probe).dtype).removeprefix("torch.")
 
     def _detect_prefix(self) -> str:
         probe = {"gpt2": "wte.weight", "llama": "embed_tokens.weight"}.get(
@@ -260,20 +300,32 @@ HF_FILES = ("model.safetensors", "config.json")
 """The files an export writes (and replaces); anything else in the directory is left alone."""
 
 
-def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path) -> Path:
+def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
+            tokenizer=None, dtype: torch.dtype | None = None) -> Path:
     """Write config.json + model.safetensors into `out_dir` (created if missing), which
-    transformers' `from_pretrained` loads. As `save_pretrained`, other files there (a tokenizer,
-    notes) are left alone; each file is written under a temporary name and renamed when complete
-    (weights first), so an interrupted export never leaves a half-written file."""
+    transformers' `from_pretrained` loads, and, given a megapar `tokenizer`, that tokenizer in
+    transformers' format (`save_for_transformers`: checked to encode as megapar does), so
+    `AutoTokenizer.from_pretrained(out_dir)` works too. `dtype`: the weights' dtype in the
+    files (default: as given), recorded as the config's ``dtype``. As `save_pretrained`, other
+    files there (notes) are left alone; each file is written under a temporary name and renamed
+    when complete (the tokenizer, then the weights), so an interrupted export never leaves a
+    half-written file."""
     import os
 
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        from megapar.data.hf_tokenizer import save_for_transformers
+
+        save_for_transformers(tokenizer, str(out_dir))
+    if dtype is not None:
+        canonical = {k: v.to(dtype) for k, v in canonical.items()}
     tmp = {name: out_dir / f".{name}.tmp-{os.getpid()}" for name in HF_FILES}
     try:
         hf_config = config.to_hf()
+        hf_config.dtype = str(next(iter(canonical.values())).dtype).removeprefix("torch.")
         hf_config.architectures = [ARCHITECTURES[config.model_type]]
         hf_config.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
         for special in ("bos_token_id", "eos_token_id", "pad_token_id"):  # GPT-2's 50256

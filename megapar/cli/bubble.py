@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bwd-weight-ms", type=float,
                    help="zero-bubble W (weight-gradient) cost (default half the backward)")
     p.add_argument("--p2p-ms", type=float, help="point-to-point latency (default 0)")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="measure with more local processes (pp x tp) than 4 per CPU core "
+                        "(at least 8); refused otherwise")
     p.add_argument("--trace", help="write a Chrome trace-event JSON (Perfetto, chrome://tracing)")
     p.add_argument("--plot", help="write the timeline as a Gantt chart (.png added when the name "
                                   "has no suffix)")
@@ -177,6 +180,8 @@ def main(argv=None) -> int:
     if run.activation_mb is not None:
         print("activation memory per stage (peak MB held for backward): "
               + ", ".join(f"{x:.1f}" for x in run.activation_mb))
+    for out in filter(None, (args.trace, args.plot)):  # checked writable; created when written
+        os.makedirs(os.path.dirname(os.path.abspath(os.path.expanduser(out))), exist_ok=True)
     if args.trace:
         write_chrome_trace(run.timeline, args.trace)
         print(f"wrote {args.trace}")

@@ -5,15 +5,18 @@ Examples:
     megapar-convert ckpt/ ckpt_tp4/ --tp 4 --pp 1            # any layout -> tp 4, pp 1
     megapar-convert --from-hf gpt2-dir/ ckpt/ --tp 2 --pp 2  # transformers -> megapar (step 0)
     megapar-convert ckpt/ --to-hf exported/                  # megapar -> transformers
+                                                             # (weights, config, tokenizer)
     megapar-convert --info ckpt/                             # layout, step, model, sizes
                                                              # (files verified; --fast: sizes)
 
 SRC may be a checkpoint root (its ``latest`` is followed) or a step directory; DST is a new
 checkpoint root. Sources are verified (sizes and sha256) first. Outputs are built in a hidden
 temporary directory and renamed at the end: on any error DST is left as it was. An existing
-DST is refused unless --overwrite. --to-hf DIR writes config.json + model.safetensors into DIR
-as transformers' save_pretrained does (other files there, e.g. a tokenizer, are kept; an
-earlier export is replaced only with --overwrite).
+DST is refused unless --overwrite. --to-hf DIR writes config.json + model.safetensors and the
+tokenizer the checkpoint trained with (tokenizer.json + tokenizer_config.json, checked to
+encode as megapar does; --tokenizer to name it) into DIR as transformers' save_pretrained
+does, in the dtype of the Hugging Face model it came from (else float32; --dtype to choose);
+other files there are kept, an earlier export is replaced only with --overwrite.
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "files never depend on dp)")
     p.add_argument("--from-hf", metavar="HF_DIR", help="import a transformers directory")
     p.add_argument("--to-hf", metavar="HF_DIR", help="export SRC as a transformers directory")
+    p.add_argument("--tokenizer", metavar="SPEC",
+                   help="--to-hf: the tokenizer to export ('gpt2', 'sentencepiece', a .model "
+                        "file, a vocab.json + merges.txt or tokenizer.json directory); default: "
+                        "the one the checkpoint records")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="--to-hf: the dtype of the exported weights (default: the dtype of the "
+                        "Hugging Face model the checkpoint came from, else float32)")
     p.add_argument("--info", metavar="CKPT", help="print a summary of a checkpoint")
     p.add_argument("--tensors", action="store_true", help="with --info: list every tensor")
     p.add_argument("--fast", action="store_true", help="with --info: check file sizes only, "
@@ -69,10 +79,17 @@ def run(args) -> str:
     if args.info:
         _need(args, 0, "no positional path with --info CKPT")
         return cv.checkpoint_info(args.info, tensors=args.tensors, checksums=not args.fast)
+    if (args.tokenizer or args.dtype) and not args.to_hf:
+        raise ValueError("--tokenizer and --dtype are used only with --to-hf")
     if args.to_hf:
         (src,) = _need(args, 1, "SRC --to-hf HF_DIR")
-        out = cv.export_hf(src, args.to_hf, overwrite=args.overwrite)
-        return f"wrote transformers directory {out}"
+        out = cv.export_hf(src, args.to_hf, overwrite=args.overwrite, tokenizer=args.tokenizer,
+                           dtype=args.dtype)
+        report = f"wrote transformers directory {out}"
+        if not (out / "tokenizer_config.json").exists():
+            report += ("\nnote: the checkpoint records no tokenizer, so the export has none "
+                       "(AutoTokenizer cannot load it); pass --tokenizer SPEC")
+        return report
     _need_layout(args)
     if args.from_hf:
         (dst,) = _need(args, 1, "--from-hf HF_DIR DST --tp N --pp M")

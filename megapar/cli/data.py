@@ -19,6 +19,7 @@ same text gives the same dataset whichever line endings it was saved with.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -70,10 +71,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Raise ValueError naming the flag for a numeric flag out of range (before any work)."""
+    """Raise ValueError naming the flag for a numeric flag out of range (before any work);
+    --workers above the CPU cores is capped there (with a note)."""
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers {args.workers} is invalid: it must be >= 1 (or leave it "
                          f"out: 1 for inputs under 8 MB, else up to 8)")
+    from megapar.device import cpu_cores
+
+    name = os.path.basename(args.output_prefix)
+    if not name or name in (".", ".."):
+        raise ValueError(f"--output-prefix {args.output_prefix!r} names no file (it would write "
+                         f"hidden {os.path.join(args.output_prefix, '.bin')} and friends); give "
+                         f"a prefix such as data/corpus (writes data/corpus.bin, .idx, .json)")
+
+    if args.workers is not None and args.workers > cpu_cores():
+        print(f"megapar-data: note: --workers {args.workers}: using {cpu_cores()}, the CPU cores "
+              f"this process may use (more only thrash; the output is the same)",
+              file=sys.stderr)
+        args.workers = cpu_cores()
     if args.vocab_size is not None and args.vocab_size < 1:
         raise ValueError(f"--vocab-size {args.vocab_size} is invalid: it must be >= 1 "
                          f"(e.g. --vocab-size 8000)")

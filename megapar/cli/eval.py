@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--data", help="dataset prefix (PREFIX.bin/.idx/.json)")
+    p.add_argument("--data", help="dataset prefix (PREFIX.bin/.idx/.json from megapar-data, or "
+                                  "a Megatron-LM MMIDIDX PREFIX.bin/.idx with --tokenizer)")
     p.add_argument("--seq-len", type=int, help="sequence length of the windows")
     p.add_argument("--micro-batch-size", type=int, default=4, help="windows per batch")
     p.add_argument("--max-batches", type=int, default=8, help="number of batches K")
@@ -118,6 +119,7 @@ def _logits_worker(args):
             logits = torch.empty(full_shape, device=mesh.device)
             dist.recv(logits, src=mesh.stage_rank(mesh.pp - 1))
     if mesh.rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_logits)), exist_ok=True)
         np.save(args.save_logits, logits.float().cpu().numpy(), allow_pickle=False)
         return {"saved": args.save_logits, "shape": list(full_shape)}
     return None
@@ -136,7 +138,7 @@ def _check_ids(args, vocab_size: int) -> None:
     elif args.data:
         from megapar.data import IndexedDataset
 
-        IndexedDataset(args.data).check_vocab(vocab_size)
+        IndexedDataset(args.data, args.tokenizer).check_vocab(vocab_size)
 
 
 def logits_file(path: str) -> str:

@@ -11,21 +11,27 @@ one clear message instead of N stack traces or a hung process group.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import traceback
 
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset
-from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
+from megapar.checkpoint.lock import SaveLock, SaveLockError, check_unlocked
+from megapar.launcher import (
+    WorkerError, check_local_workers, launched_world_size, run_workers, under_launcher,
+)
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError, config_from_dict
 from megapar.training.config import TrainConfig, parse_args
-from megapar.training.data import DataPlan, build_datasets, prepare_data
+from megapar.training.data import (
+    DataPlan, build_datasets, max_samples, prepare_data, resolve_model,
+)
 from megapar.training.failures import log_dir_for, worker_failure
 from megapar.training.faults import check_outputs, parse_signals
 from megapar.training.validate import (
     UsageError, adapt_defaults, check_load_path, check_resumable, check_settings,
-    checkpoint_manifest, fit_batch_to_data, settings_from_checkpoint,
+    checkpoint_manifest, explicit, fit_batch_to_data, settings_from_checkpoint,
 )
 
 
@@ -51,13 +57,16 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order)
     else:
         layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order)
+        if not cfg.oversubscribe:
+            check_local_workers(layout.world_size,
+                                f"--tp {layout.tp} x --pp {layout.pp} x --dp {layout.dp}")
     notes.extend(adapt_defaults(cfg, layout.dp))
     per_step = cfg.micro_batch_size * layout.dp
     if cfg.micro_batch_size < 1 or cfg.global_batch_size % per_step:
         raise ValueError(f"global batch size {cfg.global_batch_size} is not divisible by "
                          f"micro-batch size {cfg.micro_batch_size} x dp {layout.dp} = {per_step}; "
                          f"choose a multiple of {per_step}")
-    if cfg.profile_steps:  # before check_outputs creates --profile-dir
+    if cfg.profile_steps:
         from megapar.training.profiling import parse_steps
 
         first, last = parse_steps(cfg.profile_steps)
@@ -71,25 +80,33 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
                              f"{start}, where --load resumes; profile steps within "
                              f"{start + 1}:{cfg.max_steps}")
     parse_signals(cfg.exit_signals)  # a typo is an error now, not when the signal comes
-    check_outputs(cfg)  # before any work: an unwritable --save is not found after the run
     if cfg.save_interval < 0 or cfg.max_steps < 1:
         raise ValueError("--max-steps must be >= 1 and --save-interval >= 0")
-    from megapar.pipeline.schedules import check_schedule
-
-    check_schedule(cfg.schedule, layout.pp, cfg.global_batch_size // per_step, cfg.virtual_stages)
     if cfg.sequence_parallel and cfg.seq_len % layout.tp:
         raise ValueError(f"--seq-len {cfg.seq_len} is not divisible by --tp {layout.tp}, which "
                          f"--sequence-parallel needs; choose a multiple of {layout.tp}")
     from megapar.optim import LRScheduler
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks
-    plan = prepare_data(cfg, notes, manifest)
-    config = config_from_dict(plan.model_config)
+    # the model and the layout: before any data is read or anything written
+    config = resolve_model(cfg, notes, manifest)
     config.validate(layout)
     if cfg.virtual_stages > 1:
         from megapar.pipeline.partition import chunk_specs
 
         chunk_specs(config.num_layers, layout.pp, 0, cfg.virtual_stages)  # enough layers?
+    most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
+    if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
+        raise ValueError(f"--data holds fewer than one global batch of {cfg.global_batch_size}"
+                         f": at most {most:,} samples of {cfg.seq_len} tokens by its size; use "
+                         f"more data, a shorter --seq-len or a smaller --global-batch-size")
+    from megapar.pipeline.schedules import check_schedule
+
+    check_schedule(cfg.schedule, layout.pp, cfg.global_batch_size // per_step, cfg.virtual_stages)
+    check_outputs(cfg)  # an unwritable --save is not found after the run
+    if cfg.save and _takes_save_lock():
+        check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
+    plan = prepare_data(cfg, notes, manifest, config)
     # ids outside the vocabulary: refused at any tp
     IndexedDataset(plan.prefix, cfg.tokenizer).check_vocab(config.vocab_size)
     train, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
@@ -145,6 +162,13 @@ def _name_user_data(message: str, cfg: TrainConfig) -> str:
     return f"--data {data} (tokenized with --tokenizer {cfg.tokenizer}): {rest}"
 
 
+def _takes_save_lock() -> bool:
+    """The process that locks --save: the launching one, or global rank 0 under torchrun /
+    Slurm (if it is refused, it exits 2 and torchrun stops the other ranks)."""
+    return not under_launcher() or \
+        int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+
+
 def _worker(cfg: TrainConfig, plan: DataPlan):
     from megapar.training.faults import install_stop_handlers
     from megapar.training.loop import train
@@ -158,12 +182,27 @@ def _worker(cfg: TrainConfig, plan: DataPlan):
 
 def main(argv=None) -> int:
     notes: list[str] = []
+    lock = None
     try:
         cfg = parse_args(argv)
         layout, plan = plan_run(cfg, notes)
-    except (UsageError, LayoutError, ConfigError, ValueError, FileNotFoundError) as exc:
+        if cfg.save and _takes_save_lock():  # held until this process exits
+            command = shlex.join(["megapar-train", *(sys.argv[1:] if argv is None else argv)])
+            lock = SaveLock(cfg.save, command).acquire()
+            notes.extend(filter(None, [lock.taken_over]))
+    except (UsageError, LayoutError, ConfigError, ValueError, FileNotFoundError,
+            SaveLockError) as exc:
         print(f"megapar-train: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _run(cfg, layout, plan, notes)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> int:
+    """Start the workers (or run this rank) and turn a failure into one line."""
     cfg.dp = layout.dp
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     if under_launcher() and rank != 0:
@@ -196,7 +235,6 @@ def main(argv=None) -> int:
         print("megapar-train: aborted (second SIGINT): nothing saved", file=sys.stderr)
         return 130
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,32 +14,67 @@ is a fixed sequence, resuming from ``consumed_samples`` is exact.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
 
 
+def _names_data(path: str) -> bool:
+    """Whether `path` names existing data: a file, a directory or a dataset prefix."""
+    path = os.path.expanduser(path)
+    return os.path.exists(path) or any(os.path.exists(path + ext) for ext in (".idx", ".bin"))
+
+
+def _is_weight(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_blend(spec) -> list[tuple[float, str]] | None:
     """[(weight, prefix)] from Megatron's "W1 P1 W2 P2 ..." (a string or a list), or None for a
-    single prefix. Weights are normalised to sum to 1."""
-    items = spec.split() if isinstance(spec, str) else [str(x) for x in spec]
-    if len(items) == 1:
-        return None
+    single path. Weights are normalised to sum to 1.
+
+    Paths are paths: a string that names existing data, or does not start with a weight, is one
+    path whatever spaces it holds (so is a list of one item); only what parses as WEIGHT PATH
+    pairs is a blend (a list: `--data 0.7 A 0.3 B`, a `--config` list, or such a string)."""
+    if isinstance(spec, str):
+        items = spec.split()
+        if _names_data(spec) or len(items) < 2 or not _is_weight(items[0]):
+            return None
+    else:
+        items = [str(x) for x in spec]
+        if len(items) == 1:
+            return None
+    quote = (f" (a path with spaces is one argument: quote it, --data '{' '.join(items)}')"
+             if not isinstance(spec, str) and _names_data(" ".join(items)) else "")
     if len(items) % 2:
         raise ValueError(f"--data {' '.join(items)}: a blend is pairs of WEIGHT PREFIX "
-                         f"(e.g. --data 0.7 data/a 0.3 data/b)")
+                         f"(e.g. --data 0.7 data/a 0.3 data/b){quote}")
     pairs = []
     for w, prefix in zip(items[::2], items[1::2]):
-        try:
-            weight = float(w)
-        except ValueError:
+        if not _is_weight(w):
             raise ValueError(f"--data: {w!r} is not a weight; a blend is pairs of WEIGHT PREFIX "
-                             f"(e.g. --data 0.7 data/a 0.3 data/b)") from None
+                             f"(e.g. --data 0.7 data/a 0.3 data/b){quote}")
+        weight = float(w)
         if not weight > 0:
             raise ValueError(f"--data: weight {w} of {prefix} must be positive")
         pairs.append((weight, prefix))
     total = sum(w for w, _ in pairs)
     return [(w / total, p) for w, p in pairs]
+
+
+def data_paths(spec) -> list[str | None]:
+    """The paths of a --data value: a blend's, or the single one ([None] for no --data)."""
+    if spec is None:
+        return [None]
+    blend = parse_blend(spec)
+    if blend is not None:
+        return [p for _, p in blend]
+    return [spec[0] if isinstance(spec, list) else spec]
 
 
 def blend_indices(weights: Sequence[float], lengths: Sequence[int], size: int,

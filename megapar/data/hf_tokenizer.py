@@ -1,4 +1,5 @@
-"""transformers tokenizers (``tokenizer.json``) loaded offline, and training a byte-level BPE.
+"""transformers tokenizers (``tokenizer.json``) loaded offline, training a byte-level BPE, and
+writing any megapar tokenizer in transformers' format (`save_for_transformers`, for exports).
 
 A transformers tokenizer directory holds ``tokenizer.json`` (the whole pipeline: normalizer,
 pre-tokenizer, model, post-processor) and usually ``tokenizer_config.json`` /
@@ -134,3 +135,98 @@ def train_bpe(texts: Iterable[str], out_dir: str, vocab_size: int,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+SAMPLE_TEXTS = ("Hello world", "  two  spaces,\ta tab\nand a new line ",
+                "Héllo wörld: ünïcödé, — ✓ 你好")
+"""Texts an exported tokenizer must encode as megapar does, besides a piece of the shipped
+Shakespeare sample (literal special tokens are left out: transformers gives their ids, megapar
+the pieces of their text)."""
+
+
+def to_transformers(tok: Tokenizer):
+    """A transformers fast tokenizer that encodes text to `tok`'s ids, carrying `tok`'s special
+    tokens as megapar trains with them: its end of document as ``eos_token``, a beginning of
+    sequence only when megapar-data starts documents with it (GPT-2's is its end of text, as
+    in transformers), the ones megapar appends, such as [MASK], added at the same ids. A
+    SentencePiece model is converted by transformers from the model's own settings; a
+    transformers directory is loaded as it is."""
+    import shutil
+    import tempfile
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if tok.kind == "hf":
+        hf = AutoTokenizer.from_pretrained(tok.path)
+    elif tok.kind == "sentencepiece":
+        with tempfile.TemporaryDirectory() as d:
+            shutil.copy(tok.path, os.path.join(d, "tokenizer.model"))
+            hf = PreTrainedTokenizerFast.from_pretrained(d)
+        # megapar's documents never begin with the model's <s>: no BOS, so clients such as
+        # lm-eval put the end of document before a text, as in training
+        hf.bos_token = None
+    else:  # GPT-2 style vocab.json + merges.txt: megapar's own tokenizers pipeline
+        hf = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(
+            tok._backend.to_str()))
+    if tok.appended:
+        hf.add_special_tokens({"additional_special_tokens": list(tok.appended)},
+                              replace_extra_special_tokens=False)
+    roles = {"eos_token": tok.eod_id, "pad_token": tok.pad_id, "cls_token": tok.cls_id,
+             "sep_token": tok.sep_id, "mask_token": tok.mask_id}
+    if tok.bos_id is not None:
+        roles["bos_token"] = tok.bos_id
+    elif tok.kind == "gpt2-bpe":  # GPT-2's own: <|endoftext|> begins, ends and is unknown
+        roles.update(bos_token=tok.eod_id, unk_token=tok.eod_id)
+    for role, tid in roles.items():
+        if getattr(hf, role, None) is None:
+            setattr(hf, role, hf.convert_ids_to_tokens(tid))
+    return hf
+
+
+def save_for_transformers(tok: Tokenizer, out_dir: str) -> list[str]:
+    """Write `tok` into `out_dir` as transformers' ``save_pretrained`` does (tokenizer.json,
+    tokenizer_config.json, and a SentencePiece model's ``tokenizer.model``), so that
+    ``AutoTokenizer.from_pretrained(out_dir)`` is the training tokenizer. Checked before
+    anything is written: the saved tokenizer, loaded back, encodes `SAMPLE_TEXTS` and a piece
+    of the shipped Shakespeare sample to `tok`'s ids (ValueError otherwise). Returns the names
+    of the files written (each replaced whole)."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from megapar.data.tokenizers import asset_path
+
+    with open(asset_path("shakespeare_sample.txt"), encoding="utf-8") as f:
+        texts = [*SAMPLE_TEXTS, f.read(4000)]
+    hf = to_transformers(tok)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tokenizer.tmp-", dir=parent)
+    try:
+        hf.save_pretrained(tmp)
+        if tok.kind == "sentencepiece":
+            shutil.copy(tok.path, os.path.join(tmp, "tokenizer.model"))
+        config_path = os.path.join(tmp, "tokenizer_config.json")
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+        if config.get("tokenizer_class") == "TokenizersBackend":  # older transformers' name
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        with open(config_path, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+        back = AutoTokenizer.from_pretrained(tmp)
+        for text in texts:
+            ours, theirs = tok.encode(text), back(text, add_special_tokens=False)["input_ids"]
+            if ours != theirs:
+                at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                          min(len(ours), len(theirs)))
+                raise ValueError(f"tokenizer {tok.path}: transformers' version of it encodes "
+                                 f"{text[:40]!r} differently (ids {ours[at:at + 3]} vs "
+                                 f"{theirs[at:at + 3]} at token {at}); not exported")
+        names = sorted(os.listdir(tmp))
+        for name in names:
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return names

@@ -275,9 +275,12 @@ class IndexedDataset:
         return np.asarray(self.tokens[start:start + length], dtype=np.int64)
 
     def doc(self, i: int, include_eod: bool = True) -> np.ndarray:
-        """Document ``i``'s tokens as ``int64`` (with its trailing eod unless ``include_eod=False``)."""
+        """Document ``i``'s tokens as ``int64``; ``include_eod=False`` drops its last token when
+        that is the end-of-document token (data written without one, e.g. by Megatron-LM
+        without ``--append-eod``, keeps every token)."""
         start, end = int(self.doc_offsets[i]), int(self.doc_offsets[i + 1])
-        return self.get(start, end - start - (0 if include_eod else 1))
+        ends_with_eod = end > start and int(self.tokens[end - 1]) == self.eod_id
+        return self.get(start, end - start - (1 if ends_with_eod and not include_eod else 0))
 
     #: Datasets up to this many tokens are scanned for their largest id (exact even if the .bin
     #: was edited); larger ones trust the ``max_id`` recorded at preprocessing.

@@ -14,9 +14,12 @@ Megatron-LM / NeMo's ``.idx`` (``megatron/core/datasets/indexed_dataset.py``), a
 ``int64[D + 1]``            document indices: document d is sequences [idx[d], idx[d+1])
 =========================  ===========================================================
 
-megapar reads any such index whose sequences are stored back to back (what Megatron's
-preprocessing writes) as documents; it writes one sequence per document (the eod included,
-like ``--append-eod``), with uint16 tokens below 65,500 ids and int32 otherwise, as Megatron.
+A multimodal index (megatron-core's ``multimodal=True``) ends with one ``int8`` mode per
+sequence: one whose sequences are all text (mode 0) is read like any other, one with other
+modes (images) is refused. megapar reads any such index whose sequences are stored back to
+back (what Megatron's preprocessing writes) as documents; it writes one sequence per document
+(the eod included, like ``--append-eod``), with uint16 tokens below 65,500 ids and int32
+otherwise, as Megatron.
 """
 
 from __future__ import annotations
@@ -85,7 +88,13 @@ def read_index(path: str) -> tuple[np.dtype, np.ndarray]:
     seqs, docs = (int(x) for x in np.frombuffer(data, "<u8", 2, pos + 9))
     pos += 9 + 16
     need = pos + seqs * 4 + seqs * 8 + docs * 8
-    if len(data) != need:
+    if len(data) == need + seqs:  # a multimodal index: one int8 mode per sequence follows
+        modes = np.frombuffer(data, "<i1", seqs, need)
+        if np.any(modes != 0):
+            raise ValueError(f"{path} is a multimodal Megatron index: {int(np.sum(modes != 0)):,} "
+                             f"of its {seqs:,} sequences are not text (sequence mode != 0); "
+                             f"megapar trains language models on text only")
+    elif len(data) != need:
         raise ValueError(f"{path} is truncated or corrupt ({len(data):,} bytes): its header "
                          f"({seqs:,} sequences, {docs:,} document indices) needs {need:,} bytes; "
                          f"{fix}")

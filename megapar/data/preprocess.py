@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -44,7 +45,9 @@ from typing import Iterator, Sequence
 from tqdm import tqdm
 
 from megapar.data.indexed import IndexedDatasetBuilder, _tmp_name
-from megapar.data.tokenizers import APPENDED_ORDER, Tokenizer, load_tokenizer
+from megapar.data.tokenizers import (
+    APPENDED_ORDER, Tokenizer, load_tokenizer, tokenizer_files,
+)
 
 #: Documents handed to a worker at a time.
 BATCH_DOCS = 16
@@ -94,24 +97,34 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
     and those of them that tokenized to no ids (raises ValueError when that is all of them).
 
     ``tokenizer`` is a :func:`load_tokenizer` spec.  ``workers=None`` picks one worker for
-    small inputs and up to 8 processes (bounded by the CPU count) above 8 MB.
+    small inputs and up to 8 processes (bounded by the CPU count) above 8 MB; more workers than
+    CPU cores are capped at the core count.
     """
     if workers is not None and (isinstance(workers, bool) or int(workers) != workers
                                 or workers < 1):
         raise ValueError(f"--workers {workers} is invalid: it must be >= 1")
+    from megapar.device import cpu_cores
+
     files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer)
     total = sum(os.path.getsize(p) for p in files)
     if workers is None:
-        workers = min(8, os.cpu_count() or 1) if total > POOL_THRESHOLD_BYTES else 1
+        workers = min(8, cpu_cores()) if total > POOL_THRESHOLD_BYTES else 1
+    stats = {} if stats is None else stats
+    workers = min(workers, cpu_cores())  # more only thrash (and the output is the same)
     report = {} if report is None else report  # path -> invalid UTF-8 bytes replaced
     batches = _batched(iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8,
                                       report), BATCH_DOCS)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress)
-    stats = {} if stats is None else stats
+    first = next(batches, None)  # a bad or empty first input fails before a bar is drawn
+    if first is None:
+        raise ValueError(f"no text in {', '.join(files)}: every input is empty or "
+                         f"whitespace; nothing written")
+    batches = itertools.chain([first], batches)
     stats["empty_docs"] = 0
     with IndexedDatasetBuilder(output_prefix, tok.vocab_size, tok.eod_id, tok.spec(),
-                               format) as builder:
+                               format) as builder, \
+            tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing",
+                 disable=not progress) as bar:  # closed (its line ended) before any error
         if workers == 1:
             results = ((tok.encode_batch(texts), n) for texts, n in batches)
             _consume(results, builder, bar, tok.bos_id, stats)
@@ -123,9 +136,6 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
         bar.n = total
         bar.close()
         stats["docs"] = builder.num_docs
-        if builder.num_docs == 0:
-            raise ValueError(f"no text in {', '.join(files)}: every input is empty or "
-                             f"whitespace; nothing written")
         if stats["empty_docs"] == builder.num_docs:
             raise ValueError(
                 f"tokenizer {tok.path} encodes the text of {', '.join(files)} to nothing: all "
@@ -254,17 +264,7 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     files = expand_inputs([text_path])  # a directory: its .txt / .jsonl files
     tok = load_tokenizer(tokenizer_spec)
     digests = [_digest_and_cr(p) for p in (files if os.path.isdir(text_path) else [text_path])]
-    if tok.kind == "sentencepiece":
-        tok_files = [tok.path]
-    elif tok.path == "gpt2":
-        from megapar.data.tokenizers import asset_path
-        tok_files = [asset_path("gpt2_vocab.json"), asset_path("gpt2_merges.txt")]
-    elif tok.kind == "hf":
-        tok_files = [os.path.join(tok.path, n) for n in
-                     ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-                     if os.path.isfile(os.path.join(tok.path, n))]
-    else:
-        tok_files = [os.path.join(tok.path, "vocab.json"), os.path.join(tok.path, "merges.txt")]
+    tok_files = tokenizer_files(tok)
     key = json.dumps({
         "text": [d for d, _ in digests] if os.path.isdir(text_path) else digests[0][0],
         "tokenizer": [tok.kind, tok.vocab_size] + [file_sha256(p) for p in tok_files],

@@ -191,7 +191,13 @@ def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
 def _load_sentencepiece(model_path: str) -> Tokenizer:
     import sentencepiece as spm
 
-    proc = spm.SentencePieceProcessor(model_file=model_path)
+    try:
+        proc = spm.SentencePieceProcessor(model_file=model_path)
+    except (RuntimeError, OSError) as exc:  # not a ModelProto: garbage, truncated, another file
+        raise ValueError(f"tokenizer {model_path} is not a SentencePiece model (sentencepiece: "
+                         f"{' '.join(str(exc).split())[:160]}); pass a .model file written by "
+                         f"SentencePiece (or megapar-data --train-tokenizer sentencepiece)"
+                         ) from None
     size = proc.vocab_size()
     present: dict[str, int] = {}
     for name in ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[EOD]"):
@@ -204,6 +210,20 @@ def _load_sentencepiece(model_path: str) -> Tokenizer:
         present["[PAD]"] = proc.pad_id()
     reserved = [i for i in range(size) if proc.is_control(i) or proc.is_unknown(i)]
     return Tokenizer("sentencepiece", model_path, proc, size, present, reserved + list(present.values()))
+
+
+def tokenizer_files(tok: "Tokenizer") -> list[str]:
+    """The files that define `tok` (its vocabulary, merges, model or tokenizer.json and its
+    special-token configs), for fingerprints and exports."""
+    if tok.kind == "sentencepiece":
+        return [tok.path]
+    if tok.path == "gpt2":
+        return [asset_path("gpt2_vocab.json"), asset_path("gpt2_merges.txt")]
+    if tok.kind == "hf":
+        return [os.path.join(tok.path, n) for n in
+                ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+                if os.path.isfile(os.path.join(tok.path, n))]
+    return [os.path.join(tok.path, "vocab.json"), os.path.join(tok.path, "merges.txt")]
 
 
 PROBE_TEXT = "Hello world"

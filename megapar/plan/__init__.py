@@ -14,11 +14,19 @@ __all__ = ["Candidate", "Estimate", "Problem", "check", "enumerate_candidates", 
            "parse_candidate", "stage_memory", "plan"]
 
 
+SIMULATED_LEADERS = 64
+"""`plan` ranks every candidate with the bubble formula, then simulates the schedules of this
+many leaders and ranks again: the search stays seconds long for any GPU count."""
+
+
 def plan(problem: Problem, **space) -> tuple[list[Estimate], list]:
-    """(every valid candidate's estimate, ranked; [(candidate, reason)] rejected)."""
+    """(every valid candidate's estimate, ranked; [(candidate, reason)] rejected). The leading
+    `SIMULATED_LEADERS` have simulated bubbles, the rest their formula's."""
     from megapar.plan.report import rank
 
     valid, rejected = enumerate_candidates(problem.config, problem.gpus, problem.gpus_per_node,
                                            problem.global_batch, seq_len=problem.seq_len,
                                            **space)
-    return rank([estimate(problem, c) for c in valid]), rejected
+    first = rank([estimate(problem, c, simulate=False) for c in valid])
+    leaders = [estimate(problem, e.candidate) for e in first[:SIMULATED_LEADERS]]
+    return rank(leaders + first[SIMULATED_LEADERS:]), rejected

@@ -108,12 +108,13 @@ def _layer_flops(c, s: int, b: int) -> float:
     return 2 * s * b * (4 * h * h + 2 * h * f) + 4 * s * s * b * h
 
 
-def stage_memory(p: Problem, c: Candidate) -> list[mem.MemoryBreakdown]:
-    """Memory of one rank of every pipeline stage."""
+def stage_memory(p: Problem, c: Candidate, simulate: bool = True) -> list[mem.MemoryBreakdown]:
+    """Memory of one rank of every pipeline stage (in-flight micro-batches read off the
+    schedule's actions, or with `simulate=False` from its formula)."""
     cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
     h, a = cfg.hidden_size, (cfg.n_head if hasattr(cfg, "n_head") else cfg.num_attention_heads)
     m = p.global_batch // (c.mbs * c.dp)
-    counts, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v)
+    counts, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v, simulate)
     layers = stage_layer_counts(cfg.num_layers, c.pp, c.v)
     sp_t = t if c.sp else 1
     per_layer = mem.layer_bytes(s, b, h, a, t, c.sp, c.recompute, p.act_bytes, p.dropout,
@@ -150,10 +151,12 @@ def _ring(n: int, nbytes: float, gbps: float, latency_us: float = 0.0) -> float:
     return 2 * (n - 1) * (nbytes / n * 8 / (gbps * 1e9) + latency_us * 1e-6)
 
 
-def estimate(p: Problem, c: Candidate) -> Estimate:
+def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
+    """The predicted step of candidate `c`; `simulate=False` takes the pipeline bubble and the
+    in-flight micro-batches from their formulas, not the schedule (`plan` ranks so first)."""
     cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
     h = cfg.hidden_size
-    stages = stage_memory(p, c)
+    stages = stage_memory(p, c, simulate)
     worst = max(stages, key=lambda x: x.total)
     fits = worst.total <= p.gpu_memory_gb * mem.GIB
     m = p.global_batch // (c.mbs * c.dp)
@@ -171,7 +174,7 @@ def estimate(p: Problem, c: Candidate) -> Estimate:
     tp_fwd = layers * 2 * _ring(t, act, p.intra_gbps, p.latency_us)
     tp_bwd = tp_fwd * (2 if c.recompute == "full" else 1)
     t_f, t_b = fwd / rate + tp_fwd, bwd / rate + tp_bwd
-    frac, source = pipeline.bubble(c.schedule, c.pp, m, c.v, round(t_b / t_f, 1))
+    frac, source = pipeline.bubble(c.schedule, c.pp, m, c.v, round(t_b / t_f, 1), simulate)
     pipe_s = m * (t_f + t_b) / (1 - frac)
     one_node = p.gpus <= p.gpus_per_node
     pp_gbps = p.intra_gbps if c.tp * c.pp <= p.gpus_per_node else p.inter_gbps

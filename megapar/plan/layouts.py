@@ -135,18 +135,49 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending (trial division up to sqrt(n): 1e9 takes milliseconds)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def _grid_reason(config, tp: int, pp: int, dp: int, gpus_per_node: int,
+                 global_batch: int) -> str | None:
+    """Why no option (micro-batch size, schedule, recompute, SP, ZeRO) can run tp x pp x dp."""
+    try:
+        config.validate(Layout(tp, pp, dp))
+    except LayoutError as exc:
+        return str(exc)
+    if tp > gpus_per_node:
+        return (f"tp {tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
+                f"parallelism needs the intra-node link")
+    if global_batch % dp:
+        return f"global batch {global_batch} is not divisible by dp {dp}"
+    return None
 
 
 def enumerate_candidates(config, gpus: int, gpus_per_node: int, global_batch: int,
                          micro_batch_sizes=(1, 2, 4, 8), schedules=PLAN_SCHEDULES,
                          virtual_stages=(2, 4), recompute=RECOMPUTE, allow_sp: bool = True,
                          allow_zero: bool = True, seq_len: int | None = None):
-    """(valid candidates, [(candidate, reason)] rejected) over the whole space."""
+    """(valid candidates, [(candidate, reason)] rejected) over the whole space. A (tp, pp, dp)
+    grid that no option can run (too many heads or stages, tp across nodes, a batch dp does
+    not divide) is rejected once, as its plain candidate, so the search is quick even for
+    huge GPU counts with many divisors."""
     valid, rejected = [], []
     for tp in divisors(gpus):
         for pp in divisors(gpus // tp):
             dp = gpus // (tp * pp)
+            reason = _grid_reason(config, tp, pp, dp, gpus_per_node, global_batch)
+            if reason:
+                rejected.append((Candidate(tp, pp, dp), reason))
+                continue
             for mbs in micro_batch_sizes:
                 for schedule in schedules if pp > 1 else ("1f1b",):
                     for v in virtual_stages if schedule == "interleaved" else (1,):

@@ -58,12 +58,14 @@ def formula_bubble(name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0,
 
 
 @lru_cache(maxsize=4096)
-def bubble(name: str, pp: int, m: int, v: int = 1, bwd_ratio: float = 2.0) -> tuple[float, str]:
+def bubble(name: str, pp: int, m: int, v: int = 1, bwd_ratio: float = 2.0,
+           simulate: bool = True) -> tuple[float, str]:
     """(idle share of the step, "simulated" | "formula" | "no pipeline") with
-    t_B = bwd_ratio x t_F per micro-batch (the B and W halves of a split backward equal)."""
+    t_B = bwd_ratio x t_F per micro-batch (the B and W halves of a split backward equal);
+    `simulate=False`: the formula whatever the size."""
     if pp == 1:
         return 0.0, "no pipeline"
-    if _registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS:
+    if simulate and _registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS:
         schedules = [_actions(name, pp, m, s, v) for s in range(pp)]
         if all(a is not None for a in schedules):
             return _simulated(schedules, bwd_ratio, v, name), "simulated"
@@ -90,10 +92,12 @@ def _simulated(schedules, bwd_ratio: float, v: int, name: str) -> float:
 
 
 @lru_cache(maxsize=4096)
-def in_flight(name: str, pp: int, m: int, v: int = 1) -> tuple[tuple[float, ...], str]:
+def in_flight(name: str, pp: int, m: int, v: int = 1,
+              simulate: bool = True) -> tuple[tuple[float, ...], str]:
     """Per stage, the peak of stored activations in units of *whole-stage* micro-batches (an
-    interleaved chunk counts 1/v), and "simulated" (read off the actions) or "formula"."""
-    if _registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS:
+    interleaved chunk counts 1/v), and "simulated" (read off the actions) or "formula"
+    (`simulate=False`: the formula whatever the size)."""
+    if simulate and _registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS:
         from megapar.pipeline.schedules import in_flight_peak
 
         per_stage = [_actions(name, pp, m, s, v) for s in range(pp)]

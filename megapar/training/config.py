@@ -25,6 +25,8 @@ class TrainConfig:
     """Pipeline-parallel size (stages)."""
     dp: int | None = None
     """Data-parallel size; default world size / (tp * pp) (1 when megapar-train starts the workers)."""
+    oversubscribe: bool = False
+    """Start more local workers than 4 per CPU core (at least 8) when megapar-train starts them itself; refused otherwise."""
     rank_order: str = "tp-pp-dp"
     """Rank order, fastest first: tp-pp-dp (dp outermost: gradient all-reduce crosses nodes) or tp-dp-pp (Megatron's: pp outermost, point-to-point crosses nodes)."""
     # --- model ---

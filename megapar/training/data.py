@@ -1,9 +1,10 @@
 """From `--data` / `--tokenizer` / `--model` to datasets, the model config and batches.
 
-`prepare_data` runs once, in the launching process, before any worker starts: it checks the
-data exists, tokenizes raw text into the cache, and resolves the model config against the
-tokenizer, so the usual mistakes are reported before a process group could hang.
-Workers then call `build_datasets` and `batches`.
+In the launching process, before any worker starts: `resolve_model` resolves the model config
+against the data's tokenizer from metadata alone (so model and layout mistakes are reported
+before anything is read or written), `max_samples` bounds what the data can hold from file
+sizes, and `prepare_data` tokenizes raw text into the cache. Workers then call
+`build_datasets` and `batches`.
 """
 
 from __future__ import annotations
@@ -39,13 +40,9 @@ def resolve_data_prefix(cfg: TrainConfig, notes: list[str] | None = None) -> str
 
     For a blend, every part is resolved and checked to share one tokenizer; the first
     part's prefix is returned (it stands for the vocabulary)."""
-    from megapar.data.blended import parse_blend
+    from megapar.data.blended import data_paths
 
-    blend = parse_blend(cfg.data) if cfg.data is not None else None
-    if blend is None:
-        data = cfg.data if not isinstance(cfg.data, list) else cfg.data[0]
-        return _resolve_one(cfg, data, notes)
-    prefixes = [_resolve_one(cfg, p, notes) for _, p in blend]
+    prefixes = [_resolve_one(cfg, p, notes) for p in data_paths(cfg.data)]
     first = IndexedDataset(prefixes[0], cfg.tokenizer)
     for prefix in prefixes[1:]:
         other = IndexedDataset(prefix, cfg.tokenizer)
@@ -57,14 +54,15 @@ def resolve_data_prefix(cfg: TrainConfig, notes: list[str] | None = None) -> str
     return prefixes[0]
 
 
+def is_raw_text(path: str) -> bool:
+    """Whether a --data path is text to tokenize (a file or directory) rather than a prefix."""
+    return path.endswith((".txt", ".text", ".md")) or os.path.isdir(path) or (
+        os.path.isfile(path) and not os.path.exists(path + ".bin"))
+
+
 def _resolve_one(cfg: TrainConfig, data: str | None, notes: list[str] | None = None) -> str:
-    if data is None:
-        data = asset_path(DEFAULT_TEXT)
-    data = os.path.expanduser(data)
-    if data.endswith((".txt", ".text", ".md")) or os.path.isdir(data) or (
-            os.path.isfile(data) and not os.path.exists(data + ".bin")):
-        if not os.path.exists(data):
-            raise FileNotFoundError(f"--data {data}: no such text file")
+    data = _text_or_prefix(cfg, data)
+    if is_raw_text(data):
         report: dict = {}  # invalid UTF-8 bytes replaced, per file (above 0.1 %: an error)
         prefix = ensure_dataset(data, cfg.tokenizer, os.path.expanduser(cfg.data_cache),
                                 split_paragraphs=True, progress=cfg.progress, report=report,
@@ -74,8 +72,18 @@ def _resolve_one(cfg: TrainConfig, data: str | None, notes: list[str] | None = N
             notes.extend(f"warning: {path}: {n:,} bytes of invalid UTF-8 replaced with U+FFFD"
                          for path, n in report.items())
         return prefix
-    needed = (".bin", ".idx") if _is_megatron(data) else (".bin", ".idx", ".json")
-    missing = [data + ext for ext in needed if not os.path.exists(data + ext)]
+    return data
+
+
+def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
+    """A --data path (the shipped sample when None), checked to exist: text to tokenize, or a
+    prepared prefix with its files."""
+    data = os.path.expanduser(data if data is not None else asset_path(DEFAULT_TEXT))
+    if is_raw_text(data):
+        if not os.path.exists(data):
+            raise FileNotFoundError(f"--data {data}: no such text file")
+        return data
+    missing = missing_files(data)
     if missing:
         raise FileNotFoundError(
             f"--data {data}: {', '.join(os.path.basename(m) for m in missing)} not found; pass "
@@ -83,11 +91,47 @@ def _resolve_one(cfg: TrainConfig, data: str | None, notes: list[str] | None = N
     return data
 
 
-def _is_megatron(prefix: str) -> bool:
+def missing_files(prefix: str) -> list[str]:
+    """The files of dataset `prefix` that are not there (a Megatron-LM index needs no .json)."""
+    needed = (".bin", ".idx") if is_megatron(prefix) else (".bin", ".idx", ".json")
+    return [prefix + ext for ext in needed if not os.path.exists(prefix + ext)]
+
+
+def is_megatron(prefix: str) -> bool:
     """A Megatron-LM dataset (MMIDIDX index): its .json (megapar's metadata) is optional."""
     from megapar.data.megatron import is_megatron_index
 
     return os.path.isfile(prefix + ".idx") and is_megatron_index(prefix + ".idx")
+
+
+def data_tokenizer(cfg: TrainConfig):
+    """(vocabulary size, tokenizer) of --data without tokenizing anything: a prepared dataset's
+    own (from its metadata; the first part of a blend), or --tokenizer for text."""
+    from megapar.data.blended import data_paths
+
+    data = _text_or_prefix(cfg, data_paths(cfg.data)[0])
+    if is_raw_text(data):
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        return tokenizer.vocab_size, tokenizer
+    indexed = IndexedDataset(data, cfg.tokenizer)
+    return indexed.vocab_size, load_tokenizer(indexed.tokenizer_spec)
+
+
+def max_samples(cfg: TrainConfig, model_type: str) -> int:
+    """An upper bound on the samples --data can give, from file sizes alone (nothing is read):
+    a token takes at least one byte of text (plus a begin and an end token per document, and a
+    document at least one byte) or of a prepared .bin."""
+    from megapar.data.blended import data_paths
+    from megapar.data.inputs import expand_inputs
+
+    tokens = 0
+    for path in data_paths(cfg.data):
+        data = _text_or_prefix(cfg, path)
+        if is_raw_text(data):
+            tokens += sum(3 * os.path.getsize(f) + 2 for f in expand_inputs([data]))
+        else:
+            tokens += os.path.getsize(data + ".bin")
+    return tokens // cfg.seq_len + 1 if model_type in CAUSAL_LM_TYPES else tokens
 
 
 def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
@@ -171,22 +215,30 @@ def _take_special_ids(config, special_ids: dict | None) -> None:
             setattr(config, key, value)
 
 
-def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
-                 manifest: dict | None = None) -> DataPlan:
+def resolve_model(cfg: TrainConfig, notes: list[str] | None = None,
+                  manifest: dict | None = None):
+    """The run's model config from --load / --model / --from-hf and the data's tokenizer (its
+    metadata only: nothing is tokenized), checked against --seq-len."""
     from megapar.checkpoint.publish import has_checkpoint
 
     if cfg.load and manifest is None and (cfg.load_strict or has_checkpoint(cfg.load)):
-        # checked (every file) before tokenizing anything
         from megapar.training.validate import checkpoint_manifest
 
-        manifest = checkpoint_manifest(cfg.load)
-    prefix = resolve_data_prefix(cfg, notes)
-    indexed = IndexedDataset(prefix, cfg.tokenizer)
-    tokenizer = load_tokenizer(indexed.tokenizer_spec)
+        manifest = checkpoint_manifest(cfg.load)  # every file checked
+    vocab_size, tokenizer = data_tokenizer(cfg)
     gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
-    config = resolve_model_config(cfg, indexed.vocab_size, str(tokenizer.path), gpt_vocab,
-                                  manifest, notes, {"bos_token_id": tokenizer.bos_id,
-                                                    "eos_token_id": tokenizer.eod_id})
+    return resolve_model_config(cfg, vocab_size, str(tokenizer.path), gpt_vocab, manifest,
+                                notes, {"bos_token_id": tokenizer.bos_id,
+                                        "eos_token_id": tokenizer.eod_id})
+
+
+def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
+                 manifest: dict | None = None, config=None) -> DataPlan:
+    """Tokenize --data (when it is text) and pair it with the model config (`config`, or
+    `resolve_model`'s)."""
+    if config is None:
+        config = resolve_model(cfg, notes, manifest)
+    prefix = resolve_data_prefix(cfg, notes)
     return DataPlan(prefix=prefix, model_config=config.to_dict())
 
 

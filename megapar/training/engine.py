@@ -24,7 +24,7 @@ from megapar.training.step import BatchPlan, StepResult
 
 
 RESERVED_META = frozenset({"step", "scaler", "optimizer", "scheduler", "rng_note", "model",
-                           "layout"})
+                           "layout", "tokenizer", "hf_dtype"})
 """Checkpoint metadata keys megapar writes itself (`save(extra=...)` may not use them)."""
 
 
@@ -72,6 +72,11 @@ class Engine:
                                  self.precision, cfg.clip_grad, self.grad_sync)
         self.step = 0
         """Optimizer steps taken (restored by `load`)."""
+        self.tokenizer: dict | None = None
+        """The tokenizer the model trains with (`checkpoint.convert.recorded_tokenizer`), saved
+        in checkpoints and carried by `export_hf`."""
+        self.source_dtype: str | None = None
+        """The dtype of the Hugging Face weights it started from: `export_hf` writes it."""
         self._batch_seen = False  # the first user batch is compared across ranks
 
     @staticmethod
@@ -167,6 +172,10 @@ class Engine:
         set_action(f"saving the checkpoint of step {self.step} to {path}")
         if self.scheduler is not None:
             meta["scheduler"] = self.scheduler.state_dict()
+        if self.tokenizer is not None:
+            meta["tokenizer"] = self.tokenizer
+        if self.source_dtype is not None:
+            meta["hf_dtype"] = self.source_dtype
         return save_checkpoint(path, self.step, self.model, self.mesh,
                                self.optimizer.state_tensors(), meta, self.rng_state())
 
@@ -189,12 +198,19 @@ class Engine:
         if state.rng:
             self.set_rng_state(state.rng)
         self.step = int(meta.get("step", 0))
+        self.tokenizer = meta.get("tokenizer", self.tokenizer)
+        self.source_dtype = meta.get("hf_dtype", self.source_dtype)
         return state
 
-    def export_hf(self, path: str | Path) -> Path:
+    def export_hf(self, path: str | Path, tokenizer=None, dtype: str | None = None) -> Path:
         """Write config.json + model.safetensors into `path` (GPT2LMHeadModel /
-        BertForMaskedLM / LlamaForCausalLM `from_pretrained` loads it), replacing those two files
-        and leaving anything else there (a tokenizer) alone. Collective; rank 0 writes."""
+        BertForMaskedLM / LlamaForCausalLM `from_pretrained` loads it) and the tokenizer in
+        transformers' format, so `AutoTokenizer.from_pretrained(path)` loads it: `tokenizer`
+        (a `load_tokenizer` spec: "gpt2", a .model file, a transformers directory ...), else
+        the engine's (megapar-train's data tokenizer; with none, a warning and no tokenizer).
+        `dtype`: float32, bfloat16 or float16 (default: the dtype of the transformers model
+        given to `prepare`, else float32). Replaces those files, leaves anything else there
+        alone. Collective; rank 0 writes."""
         import shutil
 
         from megapar.checkpoint.convert import export_hf
@@ -202,14 +218,23 @@ class Engine:
 
         path = Path(path).absolute()
         tmp = path.parent / f".{path.name or 'export'}.megapar-export-{self.step}"
-        save_checkpoint(tmp, self.step, self.model, self.mesh, {}, {"step": self.step}, {})
+        meta = {"step": self.step, "hf_dtype": self.source_dtype,
+                "tokenizer": self.tokenizer}
+        save_checkpoint(tmp, self.step, self.model, self.mesh, {}, meta, {})
         outcome = ""
         if self.mesh.rank == 0:
             try:
-                export_hf(tmp, path, overwrite=True)
+                export_hf(tmp, path, overwrite=True, tokenizer=tokenizer, dtype=dtype)
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 outcome = f"{type(exc).__name__}: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)
+            if not outcome and tokenizer is None and self.tokenizer is None:
+                import warnings
+
+                warnings.warn(f"engine.export_hf({path}): no tokenizer given or known, the "
+                              f"export has none (AutoTokenizer cannot load it); pass "
+                              f"tokenizer='gpt2' (or the .model file / directory you "
+                              f"tokenize with)", stacklevel=2)
         outcome = _broadcast_text(outcome, self.mesh)
         if outcome:
             raise RuntimeError(f"export to {path} failed: {outcome}")

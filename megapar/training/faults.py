@@ -194,14 +194,8 @@ def check_outputs(cfg) -> None:
         check_writable(cfg.tensorboard, "--tensorboard")
     if cfg.profile_steps:  # without --profile-steps nothing is written there
         check_writable(cfg.profile_dir, "--profile-dir")
-    from megapar.data.blended import parse_blend
+    from megapar.data.blended import data_paths
+    from megapar.training.data import is_raw_text
 
-    if not cfg.data:
-        paths = [None]
-    else:
-        blend = parse_blend(cfg.data)
-        single = cfg.data[0] if isinstance(cfg.data, list) else cfg.data
-        paths = [os.path.expanduser(p) for p in ([single] if blend is None else
-                                                 [p for _, p in blend])]
-    if any(p is None or (os.path.isfile(p) and not os.path.exists(p + ".idx")) for p in paths):
+    if any(p is None or is_raw_text(os.path.expanduser(p)) for p in data_paths(cfg.data)):
         check_writable(cfg.data_cache, "--data-cache")  # raw text is tokenized into it

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megapar.checkpoint.format import CheckpointError
+from megapar.data import IndexedDataset
 from megapar.data.blended import BlendedDataset
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.config import config_from_dict
@@ -33,12 +34,19 @@ class TrainingError(RuntimeError):
     """A failure on one rank, naming the rank and the step."""
 
 
-def _num_params(model, mesh: Mesh) -> int:
-    """Parameters of the whole model (each counted once across tp and pp)."""
-    count = sum(p.numel() for p in model.parameters()
-                if not hasattr(p, "tied_to") and (p.tp_dim is not None or mesh.tp_rank == 0))
-    t = torch.tensor([count], dtype=torch.float64, device=mesh.device)
-    return int(all_reduce(t, mesh.mp_group).item())
+def _num_params(model, mesh: Mesh) -> tuple[int, int]:
+    """(parameters of the model, as transformers and megapar-convert --info count them;
+    parameters allocated, the vocabulary padded for the tp split included), each counted once
+    across tp and pp."""
+    import math
+
+    own = [p for p in model.parameters() if not hasattr(p, "tied_to")]
+    allocated = sum(p.numel() for p in own if p.tp_dim is not None or mesh.tp_rank == 0)
+    real = sum(math.prod(getattr(p, "full_shape", p.shape)) for p in own) \
+        if mesh.tp_rank == 0 else 0
+    t = torch.tensor([real, allocated], dtype=torch.float64, device=mesh.device)
+    real, allocated = (int(x) for x in all_reduce(t, mesh.mp_group).tolist())
+    return real, allocated
 
 
 class Trainer:
@@ -54,6 +62,11 @@ class Trainer:
         self.model, self.executor, self.precision = engine.model, engine.executor, engine.precision
         self.optimizer, self.scheduler = engine.optimizer, engine.scheduler
         self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
+        from megapar.checkpoint.convert import recorded_tokenizer
+
+        # checkpoints record the data's tokenizer, so megapar-convert --to-hf exports it
+        engine.tokenizer = recorded_tokenizer(IndexedDataset(plan.prefix,
+                                                             cfg.tokenizer).tokenizer_spec)
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
         self.notes: list[str] = []
         if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see
@@ -70,10 +83,10 @@ class Trainer:
         self.resumed = resume
         if resume:
             self._resume(cfg.load)
-        n_params = _num_params(self.model, mesh)
-        self.flops_per_token = flops_per_token(n_params, self.config.num_layers,
+        self.n_params, allocated = _num_params(self.model, mesh)
+        self.flops_per_token = flops_per_token(allocated, self.config.num_layers,
                                                self.config.hidden_size, cfg.seq_len)
-        self.n_params = n_params
+        self.allocated_params = allocated
 
     @property
     def step(self) -> int:
@@ -83,7 +96,9 @@ class Trainer:
     def _load_hf(self, path: str) -> None:
         from megapar.checkpoint.hf import HFReader, load_hf_weights
 
-        missing = load_hf_weights(self.model, HFReader(path))
+        reader = HFReader(path)
+        missing = load_hf_weights(self.model, reader)
+        self.engine.source_dtype = reader.dtype  # exports write the model's own dtype back
         note = f"loaded weights from {path}"
         if missing:
             note += f"; initialised from --seed (not in the checkpoint): {', '.join(missing)}"
@@ -153,7 +168,16 @@ class Trainer:
     def run(self) -> list[dict]:
         cfg, mesh = self.cfg, self.mesh
         logger = MetricsLogger(cfg, self.step, cfg.to_dict()) if mesh.rank == 0 else NullLogger()
-        logger.message(f"megapar: {self.config.model_type} with {self.n_params:,} parameters, "
+        from megapar.tensor_parallel.partition import local_size
+
+        vocab = self.config.vocab_size
+        padded = mesh.tp * local_size(vocab, mesh.tp, self.config.make_vocab_size_divisible_by)
+        multiple = self.config.make_vocab_size_divisible_by
+        padding = (f" ({self.allocated_params:,} allocated: the vocabulary of {vocab:,} padded "
+                   f"to {padded:,}, a multiple of {multiple} x tp)"
+                   if self.allocated_params != self.n_params else "")
+        logger.message(f"megapar: {self.config.model_type} with {self.n_params:,} parameters"
+                       f"{padding}, "
                        f"{mesh.layout}, global batch {cfg.global_batch_size} x {cfg.seq_len} "
                        f"tokens, {self.sampler.micro_batches_per_rank} micro-batches per step")
         for note in self.notes:

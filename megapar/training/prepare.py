@@ -97,6 +97,7 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
                         "engine.optimizer")
     engine = Engine(cfg, config, scheduler=lr_schedule)
     if reader is not None:
+        engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
         from megapar.checkpoint.hf import load_hf_weights
 
         _check_same_weights(model, engine.mesh)

@@ -233,8 +233,8 @@ def checkpoint_manifest(path: str) -> dict:
 
 NOT_INHERITED = {
     # the layout and how it runs (any layout resumes any checkpoint, with the same numbers)
-    "tp", "pp", "dp", "rank_order", "schedule", "virtual_stages", "sequence_parallel",
-    "recompute", "zero", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
+    "tp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
+    "sequence_parallel", "recompute", "zero", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
     "model", "from_hf", "load", "load_strict", "save", "data_cache", "log_json", "tensorboard",
     "wandb_project", "progress", "debug", "timeout_s", "peak_tflops", "profile_steps",
@@ -265,10 +265,15 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
 
 def _data_exists(data) -> bool:
     """Whether every path of a saved --data (one path, or a blend's WEIGHT PATH list) exists."""
-    items = data if isinstance(data, list) else [data]
-    paths = items[1::2] if len(items) > 1 else items
-    return all(os.path.exists(os.path.expanduser(str(p))) or
-               os.path.exists(os.path.expanduser(str(p)) + ".idx") for p in paths)
+    from megapar.data.blended import data_paths
+
+    try:
+        paths = data_paths(data)
+    except ValueError:
+        return False
+    return all(p is not None and (os.path.exists(os.path.expanduser(str(p))) or
+                                  os.path.exists(os.path.expanduser(str(p)) + ".idx"))
+               for p in paths)
 
 
 def check_resumable(cfg, manifest: dict, train_len: int) -> None:

@@ -9,7 +9,6 @@ Both raise validate.UsageError (exit code 2) before any model is built or proces
 from __future__ import annotations
 
 import math
-import os
 
 from megapar.training.validate import UsageError, _flag, checkpoint_manifest
 
@@ -35,14 +34,17 @@ def check_eval_args(args) -> dict:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
                          f"lower --seq-len")
     if args.data:
-        missing = [e for e in (".bin", ".idx", ".json") if not os.path.exists(args.data + e)]
+        from megapar.data import IndexedDataset
+        from megapar.models.config import CAUSAL_LM_TYPES
+        from megapar.training.data import missing_files
+
+        missing = [f[len(args.data):] for f in missing_files(args.data)]
         if missing:
             raise UsageError(f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
-                             f"written by megapar-data --output-prefix")
-        from megapar.data import IndexedDataset
-
-        windows = (IndexedDataset(args.data).num_tokens - 1) // args.seq_len
-        if config.model_type == "gpt2" and windows < args.micro_batch_size:
+                             f"written by megapar-data --output-prefix (or a Megatron-LM "
+                             f"dataset's, with --tokenizer)")
+        windows = (IndexedDataset(args.data, args.tokenizer).num_tokens - 1) // args.seq_len
+        if config.model_type in CAUSAL_LM_TYPES and windows < args.micro_batch_size:
             raise UsageError(f"--data {args.data} has {windows} windows of {args.seq_len + 1} "
                              f"tokens, fewer than one batch of --micro-batch-size "
                              f"{args.micro_batch_size}; lower --seq-len or --micro-batch-size")
@@ -72,11 +74,16 @@ def _check_ids_file(path: str, positions: int) -> None:
 
 
 # --- megapar-bubble --------------------------------------------------------------------------
-MAX_SIMULATED_ACTIONS = 2_000_000
-"""--simulate refuses schedules with more forward + backward actions than this (pp x m x 2)."""
+MAX_SIMULATED_ACTIONS = 50_000
+"""--simulate / --show-schedule refuse schedules with more actions than this (forwards and
+backwards of every stage, chunk and micro-batch; the simulator is pure Python, ~2 s here)."""
+MAX_SIMULATED_STAGES = 256
+"""--simulate refuses more stages than this (its cost also grows with the square of pp)."""
 
 
 def check_bubble_args(args) -> None:
+    from megapar.launcher import check_local_workers
+
     for name in ("pp", "microbatches", "tp", "steps", "micro_batch_size", "seq_len"):
         value = getattr(args, name)
         if value < 1:
@@ -89,13 +96,19 @@ def check_bubble_args(args) -> None:
             need = "> 0" if positive else ">= 0"
             raise UsageError(f"{_flag(name)} {value} is invalid: a cost must be a finite "
                              f"number of milliseconds {need}")
-    actions = 2 * args.pp * args.microbatches
-    if (args.simulate or args.show_schedule) and actions > MAX_SIMULATED_ACTIONS:
+    actions = 2 * args.pp * args.microbatches * max(1, args.virtual_stages)
+    if (args.simulate or args.show_schedule) and actions > MAX_SIMULATED_ACTIONS or \
+            args.simulate and args.pp > MAX_SIMULATED_STAGES:
+        bubble = (args.pp - 1) / (args.microbatches * max(1, args.virtual_stages)
+                                  + args.pp - 1)
         raise UsageError(f"--pp {args.pp} x --microbatches {args.microbatches} is "
-                         f"{actions:,} actions, more than megapar-bubble handles "
-                         f"({MAX_SIMULATED_ACTIONS:,}); the bubble (p-1)/(m+p-1) = "
-                         f"{(args.pp - 1) / (args.microbatches + args.pp - 1):.4f} needs no "
-                         f"simulation at this size")
+                         f"{actions:,} actions on {args.pp} stages, more than megapar-bubble "
+                         f"handles in seconds ({MAX_SIMULATED_ACTIONS:,} actions, "
+                         f"{MAX_SIMULATED_STAGES} stages); the bubble (p-1)/(vm+p-1) = "
+                         f"{bubble:.4f} needs no simulation at this size")
+    if not (args.simulate and args.fwd_ms is not None) and not args.show_schedule \
+            and not args.oversubscribe:  # real processes: one per stage and tp rank
+        check_local_workers(args.pp * args.tp, f"--pp {args.pp} x --tp {args.tp}")
     if args.simulate and args.fwd_ms is not None:
         return  # no model is built
     from megapar.mesh import Layout, LayoutError

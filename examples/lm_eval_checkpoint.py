@@ -1,0 +1,91 @@
+"""Evaluate a megapar checkpoint with lm-evaluation-harness (pip install 'megapar[eval]').
+
+    python examples/lm_eval_checkpoint.py CKPT                      # a tiny local task, offline
+    python examples/lm_eval_checkpoint.py CKPT --tasks hellaswag    # any lm-eval task you have
+
+The recipe is two commands; this script runs them and, by default, builds a tiny perplexity
+task from the Shakespeare sample shipped with megapar, so it works without a network:
+
+    megapar-convert CKPT --to-hf exported/     # weights, config and the training tokenizer
+    lm_eval --model hf --model_args pretrained=exported/,dtype=float32 --tasks ... --device cpu
+
+`pretrained=DIR` alone is enough: the export carries its tokenizer (AutoTokenizer loads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+TASK = "megapar_shakespeare_tiny"
+"""The local task: rolling log-likelihood (word / byte perplexity, bits per byte) of documents."""
+
+
+def export(ckpt: str | Path, out: Path) -> Path:
+    """`megapar-convert CKPT --to-hf OUT`; returns OUT."""
+    from megapar.cli.convert import main as convert
+
+    if convert([str(ckpt), "--to-hf", str(out), "--overwrite"]) != 0:
+        raise SystemExit(f"megapar-convert {ckpt} --to-hf {out} failed (see above)")
+    return out
+
+
+def local_task(directory: Path, docs: list[str]) -> Path:
+    """Write `TASK` (its YAML and a JSON-lines file of `docs`) into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = directory / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (directory / f"{TASK}.yaml").write_text(
+        f"task: {TASK}\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(data))}\n"
+        "test_split: test\n"
+        "output_type: loglikelihood_rolling\n"
+        "doc_to_text: \"\"\n"
+        "doc_to_target: \"{{text}}\"\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n"
+        "  - metric: bits_per_byte\n")
+    return directory
+
+
+def evaluate(ckpt: str | Path, work: str | Path, docs: list[str] | None = None,
+             tasks: list[str] | None = None) -> tuple[dict, list[float]]:
+    """Export `ckpt` into WORK/exported and run lm-eval's `hf` model on `tasks` (default: the
+    local task over `docs`, or paragraphs of the shipped sample). Returns lm-eval's results and,
+    for the local task, each document's log-likelihood."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    work = Path(work)
+    exported = export(ckpt, work / "exported")
+    manager = None
+    if not tasks:
+        if docs is None:
+            from megapar.data import asset_path
+
+            text = Path(asset_path("shakespeare_sample.txt")).read_text()
+            docs = [p.strip() for p in text.split("\n\n") if 100 < len(p.strip()) < 400][:16]
+        manager = TaskManager(include_path=str(local_task(work / "task", docs)))
+        tasks = [TASK]
+    results = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={exported},dtype=float32", tasks=tasks,
+        task_manager=manager, batch_size=1, device="cpu", log_samples=True)
+    per_doc = [float(s["resps"][0][0]) for s in sorted(results["samples"].get(TASK, []),
+                                                       key=lambda s: s["doc_id"])]
+    return results, per_doc
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ckpt", help="a checkpoint written by megapar-train --save")
+    parser.add_argument("--work", default="lm_eval_work", help="where the export and task go")
+    parser.add_argument("--tasks", nargs="+", help="lm-eval tasks (default: the local one)")
+    args = parser.parse_args()
+    results, _ = evaluate(args.ckpt, args.work, tasks=args.tasks)
+    print(json.dumps(results["results"], indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

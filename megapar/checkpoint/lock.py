@@ -1,0 +1,245 @@
+"""The save-directory lock: one run at a time writes a checkpoint root.
+
+Two runs saving into one ``--save`` directory (a requeued job started while the old one still
+runs) would overwrite each other's ``step_*`` directories and ``latest`` silently. So a run
+takes ``ROOT/megapar.lock`` before any worker starts and keeps it until it exits:
+
+- the file holds the owner's host, pid, the process's start time (to tell a reused pid), the
+  start time of the run and its command line, as JSON; `describe` turns it into the one line a
+  refused run prints;
+- the owner holds an exclusive ``flock`` on it (released by the kernel when the process dies,
+  even by ``kill -9``) and refreshes its modification time every `HEARTBEAT_S` seconds;
+- `SaveLock.release` (on exit, an exception, SIGTERM) deletes the file.
+
+A lock left behind is *stale* when its owner is gone: on this host, when the pid no longer
+runs (or runs another process: its start time differs) and no process holds the ``flock``; on
+another host, whose processes cannot be seen, only when its heartbeat is older than
+`STALE_AFTER_S` (a ``flock`` on a network file system may or may not reach other hosts, so it
+is not trusted for them). A stale lock is taken over with a note; a live one refuses the run
+(`SaveLockError`), naming the other run and the fix.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import os
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+LOCK_NAME = "megapar.lock"
+HEARTBEAT_S = 30.0
+"""How often the owner refreshes the lock file's modification time."""
+STALE_AFTER_S = 300.0
+"""A lock of another host whose heartbeat is older than this is stale."""
+
+
+class SaveLockError(RuntimeError):
+    """The save directory is in use by another live run."""
+
+
+def _proc_start(pid: int) -> str | None:
+    """An id of process `pid`'s start (boot id + start time in clock ticks; Linux), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = f.read().rsplit(")", 1)[1].split()[19]
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}:{ticks}"
+    except (OSError, IndexError):
+        return None
+
+
+def _pid_alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    now = _proc_start(pid)
+    return start is None or now is None or now == start
+
+
+def _fs_now(directory: Path) -> float:
+    """The current time as the file system stamps it (immune to clock skew between hosts)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-clock-") as f:
+            return os.fstat(f.fileno()).st_mtime
+    except OSError:
+        return time.time()
+
+
+def read_owner(path: Path) -> dict | None:
+    """The owner record of a lock file (None when there is none or it is unreadable)."""
+    try:
+        owner = json.loads(path.read_text())
+        return owner if isinstance(owner, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def describe(owner: dict, root: Path, age_s: float | None = None) -> str:
+    """One sentence naming the run that holds `root`'s lock."""
+    alive = f", last alive {age_s:.0f} s ago" if age_s is not None else ""
+    command = owner.get("command") or "?"
+    if len(command) > 120:
+        command = command[:117] + "..."
+    return (f"--save {root} is in use by another run (pid {owner.get('pid')} on "
+            f"{owner.get('host')}, started {owner.get('started')}{alive}: {command})")
+
+
+def owner_state(path: Path) -> tuple[str, dict | None, float | None]:
+    """("none" | "live" | "stale", owner, heartbeat age in seconds) of a lock file, as seen
+    from this process (the ``flock`` is not consulted: see `SaveLock.acquire`)."""
+    owner = read_owner(path)
+    if owner is None:
+        return ("none" if not path.exists() else "stale"), None, None
+    try:
+        age = _fs_now(path.parent) - path.stat().st_mtime
+    except OSError:
+        return "none", None, None
+    if owner.get("host") == socket.gethostname():
+        try:
+            pid = int(owner["pid"])
+        except (KeyError, TypeError, ValueError):
+            return "stale", owner, age
+        return ("live" if _pid_alive(pid, owner.get("proc_start")) else "stale"), owner, age
+    return ("live" if age <= STALE_AFTER_S else "stale"), owner, age
+
+
+def refusal(root: Path, owner: dict, age: float | None) -> str:
+    """The message of a refused second writer: who holds the lock, and what to do."""
+    other_host = owner.get("host") != socket.gethostname()
+    when = (f"; a lock of another host counts as abandoned {STALE_AFTER_S / 60:g} minutes "
+            f"after its last heartbeat, or delete {root / LOCK_NAME} if that run is gone"
+            if other_host else "")
+    return (f"{describe(owner, root, age if other_host else None)}: two runs saving into one "
+            f"directory overwrite each other's checkpoints; wait for it to end, stop it, or give "
+            f"this run another --save{when}")
+
+
+def check_unlocked(root: str | Path, allowed_pids: tuple[int, ...] = ()) -> None:
+    """Raise SaveLockError when another live run (not one of `allowed_pids`, e.g. this process
+    and its launcher) holds `root`'s lock. Reads only; writes nothing."""
+    root = Path(root).expanduser()
+    state, owner, age = owner_state(root / LOCK_NAME)
+    if state != "live" or owner is None:
+        return
+    if owner.get("host") == socket.gethostname() and owner.get("pid") in allowed_pids:
+        return
+    raise SaveLockError(refusal(root, owner, age))
+
+
+class SaveLock:
+    """The exclusive lock of one checkpoint root, held by this process while a run writes it.
+
+        lock = SaveLock(save_dir).acquire()   # SaveLockError when another run holds it
+        try: ... run ...
+        finally: lock.release()
+
+    `command`: the run's command line, recorded for the refusal (default: this process's).
+    `acquire` returns self; `taken_over` then names a stale lock it replaced (or is None).
+    While held, SIGTERM (when nothing else handles it) releases the lock and exits.
+    """
+
+    def __init__(self, root: str | Path, command: str | None = None):
+        self.root = Path(root).expanduser()
+        self.command = command or shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+        self.path = self.root / LOCK_NAME
+        self.taken_over: str | None = None
+        self._fd: int | None = None
+        self._stop = threading.Event()
+        self._old_sigterm = None
+
+    def acquire(self) -> "SaveLock":
+        import fcntl
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live process holds it (here, or over NFS)
+                os.close(fd)
+                state, owner, age = owner_state(self.path)
+                raise SaveLockError(refusal(self.root, owner or {"host": "?", "pid": "?"},
+                                            age)) from None
+            except OSError as exc:  # a file system without flock: the record decides
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    os.close(fd)
+                    raise
+            try:  # the file may have been deleted (released) between open and flock: retry
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        state, owner, age = owner_state(self.path)
+        if state == "live" and owner is not None:  # e.g. another host's, alive by its heartbeat
+            os.close(fd)
+            raise SaveLockError(refusal(self.root, owner, age))
+        if owner is not None:
+            self.taken_over = (f"took over the stale lock {self.path} of pid {owner.get('pid')} "
+                               f"on {owner.get('host')} (started {owner.get('started')}), "
+                               f"whose run is gone")
+        record = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "proc_start": _proc_start(os.getpid()),
+                  "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                  "command": self.command}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        threading.Thread(target=self._heartbeat, name="megapar-save-lock", daemon=True).start()
+        self._catch_sigterm()
+        return self
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+
+    def _catch_sigterm(self) -> None:
+        """SIGTERM with its default action would kill this process with the file in place."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            def on_sigterm(signum, frame):
+                self.release()
+                raise SystemExit(128 + signum)
+
+            self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def release(self) -> None:
+        """Delete the lock file and drop the lock (idempotent)."""
+        if self._fd is None:
+            return
+        self._stop.set()
+        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+        try:
+            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:  # still ours
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+    def __enter__(self) -> "SaveLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+

@@ -1,0 +1,258 @@
+"""Clients no one here wrote, run on megapar's exports: transformers' AutoTokenizer and
+AutoModelForCausalLM (with generate) on `megapar-convert --to-hf` directories, and
+lm-evaluation-harness (when installed: `pip install megapar[eval]`).
+
+- every export carries the tokenizer the checkpoint trained with: AutoTokenizer on the export
+  gives megapar's ids, for the GPT-2 BPE (the package's and the shared copy), SentencePiece
+  (unigram and BPE, on a Llama), a byte-level BPE trained by megapar-data and transformers
+  tokenizer directories (a GPT-2 one and a Llama-3-style one with its own BOS);
+- a bf16 model survives --from-hf / --to-hf bit for bit, in bf16, its config keeping dtype;
+- lm-eval's Python API on a tiny local task gives the log-likelihoods megapar computes.
+"""
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megapar.cli.convert import main as convert
+from megapar.cli.data import main as data_main
+from megapar.cli.train import main as train
+from megapar.data import asset_path, load_tokenizer
+from conftest import SHARED_DATA
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--eval-interval", "0", "--no-progress", "--max-steps", "2"]
+MODELS = {"gpt2": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4,
+                   "n_positions": 64},
+          "llama": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "max_position_embeddings": 64}}
+SAMPLE = Path(asset_path("shakespeare_sample.txt")).read_text()
+
+
+def _shared(*parts) -> str:
+    path = os.path.join(SHARED_DATA, *parts)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} not here (shared data)")
+    return path
+
+
+def _llama3_style(root: Path) -> str:
+    """A transformers tokenizer directory like Llama 3's: byte-level BPE, <|begin_of_text|>
+    added in front of every text by its post-processor, <|end_of_text|> its eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([SAMPLE], trainers.BpeTrainer(
+        vocab_size=700, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)])
+    out = root / "llama3-style tokenizer"
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>").save_pretrained(out)
+    return str(out)
+
+
+def _trained_bpe(root: Path) -> str:
+    text = root / "corpus.txt"
+    text.write_text(SAMPLE)
+    assert data_main(["--input", str(text), "--output-prefix", str(root / "bpe"),
+                      "--train-tokenizer", "bpe", "--vocab-size", "600", "--split-lines",
+                      "--no-progress"]) == 0
+    return str(root / "bpe-tokenizer")
+
+
+def _hf_gpt2_dir(root: Path) -> str:
+    out = root / "hf gpt2 tokenizer"
+    transformers.GPT2TokenizerFast.from_pretrained(_shared("gpt2-tokenizer")).save_pretrained(out)
+    return str(out)
+
+
+TOKENIZERS = {  # name: (how to get the --tokenizer spec, model type)
+    "gpt2 (package assets)": (lambda root: "gpt2", "gpt2"),
+    "gpt2 (shared vocab.json + merges.txt)": (lambda root: _shared("gpt2-tokenizer"), "gpt2"),
+    "sentencepiece unigram (package)": (lambda root: "sentencepiece", "llama"),
+    "sentencepiece bpe (shared)": (lambda root: _shared("sentencepiece",
+                                                        "botchan_en_bpe_1000.model"), "llama"),
+    "byte-level bpe trained by megapar-data": (_trained_bpe, "gpt2"),
+    "transformers directory (gpt2)": (_hf_gpt2_dir, "gpt2"),
+    "transformers directory (llama 3 style)": (_llama3_style, "llama"),
+}
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "sample.txt"
+    path.write_text(SAMPLE[:30_000])
+    return str(path)
+
+
+def _train(root: Path, text: str, tokenizer: str, kind: str, *extra) -> Path:
+    model = root / f"{kind}.json"
+    model.write_text(json.dumps(MODELS[kind]))
+    ckpt = root / "ckpt"
+    assert train(["--data", text, "--tokenizer", tokenizer, "--model", str(model),
+                  "--data-cache", str(root / "cache"), "--save", str(ckpt), *TINY,
+                  *extra]) == 0
+    return ckpt
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_an_export_carries_the_tokenizer_it_trained_with(tmp_path, text, name, capsys):
+    make, kind = TOKENIZERS[name]
+    spec = make(tmp_path)
+    ckpt = _train(tmp_path, text, spec, kind)
+    out = tmp_path / "exported"
+    assert convert([str(ckpt), "--to-hf", str(out)]) == 0
+    assert "records no tokenizer" not in capsys.readouterr().out
+    ours = load_tokenizer(spec)
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    sample = SAMPLE[10_000:14_000] + "\nÜnïcødé — ✓ 你好"
+    ids = ours.encode(sample)
+    assert hf(sample, add_special_tokens=False)["input_ids"] == ids
+    # what a client gets by default: megapar-data's documents begin with the tokenizer's BOS
+    # when it has its own (Llama 3 style), else they are the text's ids alone
+    bos = [] if ours.bos_id is None else [ours.bos_id]
+    assert hf(sample)["input_ids"] == bos + ids
+    assert len(hf) == ours.vocab_size <= model.config.vocab_size
+    assert hf.eos_token_id == ours.eod_id
+    assert hf.convert_tokens_to_ids("[MASK]") == ours.mask_id
+    prompt = hf("To be, or not to be", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        first = model(**prompt).logits[0, -1].argmax().item()
+    assert generated[0, prompt["input_ids"].shape[1]].item() == first
+    assert isinstance(hf.decode(generated[0]), str)
+
+
+def test_a_moved_or_changed_tokenizer_is_named_and_can_be_given(tmp_path, text, capsys):
+    model_file = tmp_path / "mine.model"
+    shutil.copy(asset_path("botchan_en_unigram_1000.model"), model_file)
+    ckpt = _train(tmp_path, text, str(model_file), "gpt2")
+    capsys.readouterr()
+    model_file.rename(tmp_path / "moved.model")
+    assert convert([str(ckpt), "--to-hf", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mine.model cannot be loaded" in err, err
+    assert "pass --tokenizer SPEC" in err and not (tmp_path / "a" / "model.safetensors").exists()
+    other = os.path.join(SHARED_DATA, "sentencepiece", "botchan_en_bpe_1000.model")
+    if os.path.exists(other):  # another SentencePiece model where the trained one was
+        shutil.copy(other, model_file)
+        assert convert([str(ckpt), "--to-hf", str(tmp_path / "a")]) == 2
+        assert "has changed since the checkpoint was trained" in capsys.readouterr().err
+    assert convert([str(ckpt), "--to-hf", str(tmp_path / "a"), "--tokenizer",
+                    str(tmp_path / "moved.model")]) == 0
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert hf("Hello world", add_special_tokens=False)["input_ids"] == \
+        load_tokenizer("sentencepiece").encode("Hello world")
+
+
+def test_a_checkpoint_without_a_tokenizer_exports_with_a_note(tmp_path, capsys):
+    from test_checkpoint_helpers import save_serial
+
+    save_serial(tmp_path / "ckpt")
+    assert convert([str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert "records no tokenizer, so the export has none" in capsys.readouterr().out
+
+
+# --- dtype -------------------------------------------------------------------------------------
+def _bf16_llama(path: Path) -> dict[str, torch.Tensor]:
+    from megapar.data.hf_tokenizer import save_for_transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=1004, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2)).to(torch.bfloat16)
+    model.save_pretrained(path)
+    save_for_transformers(load_tokenizer("sentencepiece"), str(path))  # its tokenizer
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+def test_a_bf16_model_round_trips_bit_for_bit_in_bf16(tmp_path):
+    from safetensors.torch import load_file
+
+    source = _bf16_llama(tmp_path / "src")
+    assert convert(["--from-hf", str(tmp_path / "src"), str(tmp_path / "ckpt"), "--tp", "2",
+                    "--pp", "2", "--no-progress"]) == 0
+    assert convert([str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "out")]) == 0
+    back = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(back) == sorted(source)
+    for key, tensor in source.items():
+        assert back[key].dtype == torch.bfloat16
+        assert torch.equal(back[key].view(torch.int16), tensor.view(torch.int16)), key
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    size = (tmp_path / "src" / "model.safetensors").stat().st_size
+    assert (tmp_path / "out" / "model.safetensors").stat().st_size == size
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")  # carried over too
+    assert hf("Hello world")["input_ids"] == load_tokenizer("sentencepiece").encode("Hello world")
+    # --dtype chooses
+    assert convert([str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "fp32"), "--dtype",
+                    "float32"]) == 0
+    wide = load_file(tmp_path / "fp32" / "model.safetensors")
+    assert all(wide[k].dtype == torch.float32 and torch.equal(wide[k], source[k].float())
+               for k in source)
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_training_from_a_bf16_model_exports_bf16(tmp_path, text):
+    _bf16_llama(tmp_path / "src")
+    ckpt = tmp_path / "ckpt"
+    assert train(["--data", text, "--tokenizer", "sentencepiece", "--from-hf",
+                  str(tmp_path / "src"), "--data-cache", str(tmp_path / "cache"), "--save",
+                  str(ckpt), *TINY]) == 0
+    assert convert([str(ckpt), "--to-hf", str(tmp_path / "out")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.config.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+# --- lm-evaluation-harness ---------------------------------------------------------------------
+def test_lm_eval_on_an_export_gives_megapars_log_likelihoods(tmp_path, text):
+    """The recipe of examples/lm_eval_checkpoint.py: export, then lm-eval's `hf` model with
+    `pretrained=DIR` alone, on a tiny local task (no download). Its rolling log-likelihood of
+    each document (after the eos token it puts in front) equals megapar-eval's logits'."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "lm_eval_checkpoint", Path(__file__).resolve().parents[1] / "examples" /
+        "lm_eval_checkpoint.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    from megapar.cli.eval import main as evaluate
+
+    ckpt = _train(tmp_path, text, "sentencepiece", "gpt2", "--lr", "3e-3")
+    tok = load_tokenizer("sentencepiece")
+    docs = [p.strip() for p in SAMPLE.split("\n\n")
+            if 20 < len(tok.encode(p.strip())) < 60][:3]  # one window of the 64 positions
+    results, per_doc = example.evaluate(ckpt, tmp_path / "work", docs)
+    bpb = results["results"][example.TASK]["bits_per_byte,none"]
+    assert 0.5 < bpb < math.log2(1004) * 2  # not the 0 an export without a tokenizer gave
+    for doc, theirs in zip(docs, per_doc):
+        ids = np.array([[tok.eod_id, *tok.encode(doc)]], dtype=np.int64)
+        np.save(tmp_path / "ids.npy", ids)
+        assert evaluate(["--load", str(ckpt), "--input-ids", str(tmp_path / "ids.npy"),
+                         "--save-logits", str(tmp_path / "logits.npy")]) == 0
+        logits = torch.from_numpy(np.load(tmp_path / "logits.npy")).double()
+        ours = float(torch.log_softmax(logits[0, :-1], -1).gather(
+            1, torch.from_numpy(ids[0, 1:])[:, None]).sum())
+        assert abs(theirs - ours) / abs(ours) < 1e-5, (theirs, ours)
