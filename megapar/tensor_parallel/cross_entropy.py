@@ -19,10 +19,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index):
         local_vocab = logits.shape[-1]
         logits = logits.float()
-        cols = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
-        padding = cols >= vocab_size
-        if padding.any():
-            logits = logits.masked_fill(padding, float("-inf"))
+        if vocab_start + local_vocab > vocab_size:  # padding columns (no host sync to know)
+            cols = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
+            logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
         logits_max = logits.max(dim=-1).values
         _all_reduce(logits_max, group, dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
