@@ -46,6 +46,25 @@ def test_stage_params_equal_whole_stages_built_on_meta(recipe, tp, pp):
     assert stage_params(config, tp, pp) == built
 
 
+@pytest.mark.parametrize("recipe,tp,pp,v", [("gpt2-tiny", 2, 3, 1), ("bert-tiny", 2, 2, 1),
+                                            ("llama-tiny", 4, 2, 2), ("gpt2-tiny", 1, 2, 2),
+                                            ("llama-tiny", 2, 1, 1)])
+def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp, v):
+    from megapar.plan.params import stage_tensors
+    from megapar.training.build import build_stage
+
+    config = resolve_model(recipe)
+    layout = Layout(tp, pp, 1)
+    for stage in range(pp):
+        model = build_stage(config, Mesh.virtual(layout, rank=layout.rank(tp - 1, stage, 0)), 0,
+                            init=False, virtual_stages=v)
+        built = [(p.numel(), p.dtype, bool(getattr(p, "shared_embedding", False)),
+                  hasattr(p, "tied_to")) for p in model.parameters()]
+        planned = [(t.numel, t.dtype, t.shared, t.tied) for t in stage_tensors(config, tp, pp, v,
+                                                                               stage)]
+        assert planned == built
+
+
 # -- activation memory -------------------------------------------------------------------------
 def test_paper_formula_on_the_papers_examples():
     # Korthikanti et al. 2022: 5as/h is 80 for GPT-3 (a=96, s=2048, h=12288), so with TP + SP

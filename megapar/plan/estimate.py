@@ -28,12 +28,14 @@ GPUs x peak; `hw_tflops` adds recomputation (what Narayanan et al. report).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from megapar.plan import memory as mem
 from megapar.plan import pipeline
 from megapar.plan.layouts import Candidate
 from megapar.plan.params import piece_counts, stage_layer_counts, stage_params
+from megapar.plan.state import most_loaded
 from megapar.tensor_parallel.partition import local_size
 
 
@@ -70,6 +72,8 @@ class Problem:
     """Inter-node bandwidth per GPU, Gbit/s (one 200 Gb/s HDR InfiniBand NIC per GPU)."""
     latency_us: float = 10.0
     """Latency of one message (a ring collective sends 2 (n-1) of them in sequence)."""
+    grad_bucket_mb: float = 25.0
+    """megapar-train's --grad-bucket-mb (ZeRO-1 pads each bucket to a multiple of dp)."""
 
     @property
     def act_bytes(self) -> int:
@@ -108,12 +112,14 @@ def _layer_flops(c, s: int, b: int) -> float:
     return 2 * s * b * (4 * h * h + 2 * h * f) + 4 * s * s * b * h
 
 
-def stage_memory(p: Problem, c: Candidate) -> list[mem.MemoryBreakdown]:
-    """Memory of one rank of every pipeline stage."""
+def stage_memory(p: Problem, c: Candidate, counts=None) -> list[mem.MemoryBreakdown]:
+    """Memory of one rank of every pipeline stage; `counts`: the micro-batches in flight on
+    each stage (default: the schedule's, `pipeline.in_flight`)."""
     cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
     h, a = cfg.hidden_size, (cfg.n_head if hasattr(cfg, "n_head") else cfg.num_attention_heads)
     m = p.global_batch // (c.mbs * c.dp)
-    counts, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v)
+    if counts is None:
+        counts, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v)
     layers = stage_layer_counts(cfg.num_layers, c.pp, c.v)
     sp_t = t if c.sp else 1
     per_layer = mem.layer_bytes(s, b, h, a, t, c.sp, c.recompute, p.act_bytes, p.dropout,
@@ -121,7 +127,7 @@ def stage_memory(p: Problem, c: Candidate) -> list[mem.MemoryBreakdown]:
     full = mem.layer_bytes(s, b, h, a, t, c.sp, "none", p.act_bytes, p.dropout,
                            p.fused_attention, norm_stats=True)
     vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
-    out = []
+    out, config_json = [], json.dumps(cfg.to_dict(), sort_keys=True)
     for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v)):
         first, last = stage == 0, stage == c.pp - 1
         per_mb = layers[stage] * per_layer
@@ -137,7 +143,11 @@ def stage_memory(p: Problem, c: Candidate) -> list[mem.MemoryBreakdown]:
             buffers += full - per_layer
         if last:                                        # the logits' gradient in backward
             buffers += s * b * vocab_local * 4
-        params, grads, optim = mem.state_bytes(n_params, c.dp, c.zero, p.master_weights)
+        if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
+            held = most_loaded(config_json, t, c.pp, c.v, stage, c.dp, c.zero, p.grad_bucket_mb)
+            params, grads, optim = held.weights, held.grads, held.optimizer
+        else:
+            params, grads, optim = mem.state_bytes(n_params, c.dp, c.zero, p.master_weights)
         out.append(mem.MemoryBreakdown(stage, params, grads, optim, counts[stage] * per_mb,
                                        int(round(counts[stage])), buffers))
     return out
