@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from megapar.plan import memory as mem
 from megapar.plan import pipeline
 from megapar.plan.layouts import Candidate
+from megapar.pipeline.partition import chunk_specs
 from megapar.plan.params import piece_counts, stage_layer_counts, stage_params
 from megapar.plan.state import most_loaded
 from megapar.tensor_parallel.partition import local_size
@@ -113,43 +114,50 @@ def _layer_flops(c, s: int, b: int) -> float:
 
 
 def stage_memory(p: Problem, c: Candidate, counts=None) -> list[mem.MemoryBreakdown]:
-    """Memory of one rank of every pipeline stage; `counts`: the micro-batches in flight on
-    each stage (default: the schedule's, `pipeline.in_flight`)."""
+    """Memory of one rank of every pipeline stage. Activations: each model chunk's bytes per
+    micro-batch (its blocks, plus the embedding on the first chunk, the head on the last, the
+    chunk's output kept for backward on the others) weighted by the micro-batches in flight on
+    it, at the worst point of the stage's schedule. `counts`: {stage: `pipeline.chunk_counts`
+    of its action list} to use instead of the schedule's (the dry run passes its own)."""
     cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
     h, a = cfg.hidden_size, (cfg.n_head if hasattr(cfg, "n_head") else cfg.num_attention_heads)
     m = p.global_batch // (c.mbs * c.dp)
-    if counts is None:
-        counts, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v)
-    layers = stage_layer_counts(cfg.num_layers, c.pp, c.v)
+    totals, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v)
     sp_t = t if c.sp else 1
     per_layer = mem.layer_bytes(s, b, h, a, t, c.sp, c.recompute, p.act_bytes, p.dropout,
                                 p.fused_attention, norm_stats=True)
     full = mem.layer_bytes(s, b, h, a, t, c.sp, "none", p.act_bytes, p.dropout,
                            p.fused_attention, norm_stats=True)
     vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
+    embedding = mem.embedding_bytes(s, b, h, p.dropout, sp_t)
+    head = mem.head_bytes(s, b, h, vocab_local, p.act_bytes,
+                          whole_vocab=cfg.vocab_size if t == 1 else None)
+    output = s * b * h * p.act_bytes / sp_t             # a chunk's output kept for its backward
     out, config_json = [], json.dumps(cfg.to_dict(), sort_keys=True)
     for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v)):
-        first, last = stage == 0, stage == c.pp - 1
-        per_mb = layers[stage] * per_layer
-        if first:
-            per_mb += mem.embedding_bytes(s, b, h, p.dropout, sp_t)
-        if last:
-            per_mb += mem.head_bytes(s, b, h, vocab_local, p.act_bytes,
-                                     whole_vocab=cfg.vocab_size if t == 1 else None)
-        else:
-            per_mb += s * b * h * p.act_bytes / sp_t    # stage output kept for its backward
+        chunks = [len(spec.layers) * per_layer + (embedding if spec.pre_process else 0)
+                  + (head if spec.post_process else output)
+                  for spec in chunk_specs(cfg.num_layers, c.pp, stage, c.v)]
+        seen = (counts or {}).get(stage) or pipeline.stage_chunk_counts(c.schedule, c.pp, m,
+                                                                        c.v, stage)
+        if seen:
+            peak = max(seen, key=lambda n: sum(k * w for k, w in zip(n, chunks)))
+            activations, in_flight = sum(k * w for k, w in zip(peak, chunks)), sum(peak) / c.v
+        else:   # the formula's count, spread evenly over the chunks
+            in_flight = totals[stage]
+            activations = in_flight * sum(chunks)
         buffers = 0.0
         if c.recompute != "none":                       # one layer rebuilt during backward
             buffers += full - per_layer
-        if last:                                        # the logits' gradient in backward
+        if stage == c.pp - 1:                           # the logits' gradient in backward
             buffers += s * b * vocab_local * 4
         if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
             held = most_loaded(config_json, t, c.pp, c.v, stage, c.dp, c.zero, p.grad_bucket_mb)
             params, grads, optim = held.weights, held.grads, held.optimizer
         else:
             params, grads, optim = mem.state_bytes(n_params, c.dp, c.zero, p.master_weights)
-        out.append(mem.MemoryBreakdown(stage, params, grads, optim, counts[stage] * per_mb,
-                                       int(round(counts[stage])), buffers))
+        out.append(mem.MemoryBreakdown(stage, params, grads, optim, activations,
+                                       int(round(in_flight)), buffers))
     return out
 
 

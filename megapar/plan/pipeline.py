@@ -89,6 +89,32 @@ def _simulated(schedules, bwd_ratio: float, v: int, name: str) -> float:
     return float(bubble_stats(timeline)["measured_bubble"])
 
 
+def chunk_counts(actions) -> frozenset[tuple[int, ...]]:
+    """Micro-batches in flight on each model chunk, at every forward of a stage's action list
+    (where the peaks are), as the distinct per-chunk count vectors: with per-chunk activation
+    bytes w, the stage's peak is max(n . w) over them. Their largest sum is `in_flight_peak`.
+    A micro-batch leaves flight at its backward (a zero-bubble schedule's backward_input)."""
+    chunks = 1 + max((a.chunk for a in actions), default=0)
+    counts, seen = [0] * chunks, set()
+    for a in actions:
+        if a.kind == "forward":
+            counts[a.chunk] += 1
+            seen.add(tuple(counts))
+        elif a.kind in ("backward", "backward_input"):
+            counts[a.chunk] -= 1
+    return frozenset(seen)
+
+
+@lru_cache(maxsize=4096)
+def stage_chunk_counts(name: str, pp: int, m: int, v: int, stage: int):
+    """`chunk_counts` of a stage's schedule, or None when it is not simulated (the formula of
+    `in_flight` applies: its count spread evenly over the chunks)."""
+    if not (_registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS):
+        return None
+    actions = _actions(name, pp, m, stage, v)
+    return None if actions is None else chunk_counts(actions)
+
+
 @lru_cache(maxsize=4096)
 def in_flight(name: str, pp: int, m: int, v: int = 1) -> tuple[tuple[float, ...], str]:
     """Per stage, the peak of stored activations in units of *whole-stage* micro-batches (an
