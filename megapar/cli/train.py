@@ -47,7 +47,10 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         manifest = checkpoint_manifest(cfg.load)
         notes.extend(settings_from_checkpoint(cfg, manifest))
     check_settings(cfg)
-    if under_launcher():
+    if cfg.dry_run:  # the job's size as given, on this one process
+        world = cfg.world_size or cfg.tp * cfg.pp * (cfg.dp or 1)
+        layout = Layout.infer(world, cfg.tp, cfg.pp, cfg.dp, cfg.rank_order)
+    elif under_launcher():
         layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order)
     else:
         layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order)
@@ -71,7 +74,8 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
                              f"{start}, where --load resumes; profile steps within "
                              f"{start + 1}:{cfg.max_steps}")
     parse_signals(cfg.exit_signals)  # a typo is an error now, not when the signal comes
-    check_outputs(cfg)  # before any work: an unwritable --save is not found after the run
+    if not cfg.dry_run:  # a rehearsal writes nothing (its --save is the cluster's path)
+        check_outputs(cfg)  # before any work: an unwritable --save is not found after the run
     if cfg.save_interval < 0 or cfg.max_steps < 1:
         raise ValueError("--max-steps must be >= 1 and --save-interval >= 0")
     from megapar.pipeline.schedules import check_schedule
@@ -90,6 +94,8 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         from megapar.pipeline.partition import chunk_specs
 
         chunk_specs(config.num_layers, layout.pp, 0, cfg.virtual_stages)  # enough layers?
+    if plan.prefix is None:  # a rehearsal without the data
+        return layout, plan
     # ids outside the vocabulary: refused at any tp
     IndexedDataset(plan.prefix, cfg.tokenizer).check_vocab(config.vocab_size)
     train, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
@@ -165,6 +171,10 @@ def main(argv=None) -> int:
         print(f"megapar-train: error: {exc}", file=sys.stderr)
         return 2
     cfg.dp = layout.dp
+    if cfg.dry_run:
+        from megapar.dryrun.command import rehearse
+
+        return rehearse(cfg, layout, plan, notes)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     if under_launcher() and rank != 0:
         cfg.progress = False

@@ -28,8 +28,8 @@ DEFAULT_MODEL = "gpt2-tiny"
 class DataPlan:
     """What the launcher resolved before starting workers."""
 
-    prefix: str
-    """Tokenized dataset prefix (PREFIX.bin / .idx / .json)."""
+    prefix: str | None
+    """Tokenized dataset prefix (PREFIX.bin / .idx / .json); None for a dry run without data."""
     model_config: dict
     """The model config (a dict with model_type), vocab size matched to the tokenizer."""
 
@@ -180,7 +180,14 @@ def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
         from megapar.training.validate import checkpoint_manifest
 
         manifest = checkpoint_manifest(cfg.load)
-    prefix = resolve_data_prefix(cfg, notes)
+    if cfg.dry_run:  # the cluster's corpus is often not on the rehearsing machine
+        prefix = _readable_data(cfg, notes)
+        if prefix is None:
+            config = resolve_model_config(cfg, _own_vocab(cfg, manifest), cfg.tokenizer,
+                                          manifest=manifest, notes=notes)
+            return DataPlan(prefix=None, model_config=config.to_dict())
+    else:
+        prefix = resolve_data_prefix(cfg, notes)
     indexed = IndexedDataset(prefix, cfg.tokenizer)
     tokenizer = load_tokenizer(indexed.tokenizer_spec)
     gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
@@ -188,6 +195,37 @@ def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
                                   manifest, notes, {"bos_token_id": tokenizer.bos_id,
                                                     "eos_token_id": tokenizer.eod_id})
     return DataPlan(prefix=prefix, model_config=config.to_dict())
+
+
+def _readable_data(cfg: TrainConfig, notes: list[str] | None) -> str | None:
+    """A dry run's --data prefix, or None (said in `notes`) when there is none here to read;
+    the shipped sample never stands in for the job's data."""
+    skipped = None
+    if cfg.data is None:
+        skipped = "no --data given"
+    else:
+        try:
+            return resolve_data_prefix(cfg, notes)
+        except FileNotFoundError as exc:
+            skipped = str(exc)
+    if notes is not None:
+        notes.append(f"dry run: data skipped ({skipped}); the model keeps its own vocabulary "
+                     f"and no batch indices are shown")
+    return None
+
+
+def _own_vocab(cfg: TrainConfig, manifest: dict | None) -> int:
+    """The vocabulary the model itself declares (a checkpoint's, --from-hf's or the recipe's),
+    which a dry run without data keeps (training takes the data's tokenizer's)."""
+    from megapar.models.recipes import resolve_model
+
+    if manifest is not None:
+        return int(manifest["model"]["vocab_size"])
+    if cfg.from_hf:
+        from megapar.checkpoint.hf import HFReader
+
+        return HFReader(cfg.from_hf).config.vocab_size
+    return resolve_model(cfg.model or DEFAULT_MODEL).vocab_size
 
 
 def _samples(lengths, seq_len: int, model_type: str):
