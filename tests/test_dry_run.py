@@ -196,3 +196,45 @@ def test_a_rank_failing_in_the_rehearsal_is_named_in_one_line(capsys, monkeypatc
     assert err.strip().splitlines()[-1] == (
         "megapar-train: error: rank 0 (tp=1 pp=1 dp=2 coords tp=0 pp=0 dp=0) failed in the "
         "rehearsal: RuntimeError: out of something")
+
+
+# -- megapar-plan --verify ---------------------------------------------------------------------
+PLAN = ["--model", "gpt2-tiny", "--gpus", "8", "--global-batch-size", "32", "--seq-len", "64",
+        "--top", "2", "--schedules", "1f1b", "interleaved", "--micro-batch-sizes", "2"]
+
+
+def _plan(argv, capsys):
+    from megapar.cli.plan import main
+
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_plan_verify_dry_runs_the_best_layouts(capsys):
+    rc, out, err = _plan(PLAN + ["--verify", "2"], capsys)
+    assert rc == 0, out + err
+    lines = out.split("verifying the 2 best layouts")[1].strip().splitlines()[1:]
+    assert len(lines) == 2 and all("equal, 0 bytes apart" in line for line in lines)
+
+
+def test_plan_verify_reports_a_rank_the_plan_gets_wrong(capsys, monkeypatch):
+    import dataclasses
+
+    import megapar.plan.state as state
+
+    real = state.rank_state
+
+    def off_by_four(*args, **kwargs):  # a planner that forgets one step counter
+        held = real(*args, **kwargs)
+        return dataclasses.replace(held, optimizer=held.optimizer - 4)
+
+    monkeypatch.setattr(state, "rank_state", off_by_four)
+    rc, out, _ = _plan(PLAN + ["--verify", "1"], capsys)
+    assert rc == 1
+    assert "rank 0 optimizer: plan " in out and "(-4)" in out
+
+
+def test_plan_verify_needs_fp32_master_weights(capsys):
+    rc, _, err = _plan(PLAN + ["--verify", "1", "--master-weights", "separate"], capsys)
+    assert rc == 2 and "--verify compares the plan with what megapar-train holds" in err
