@@ -101,10 +101,18 @@ def _first_optimizer_step(optimizer, notes: list[str]) -> None:
     optimizer.step()
 
 
+OP_NAMES = {"isend": "send", "irecv": "receive", "reduce_scatter_single": "reduce_scatter",
+            "reduce_scatter_tensor": "reduce_scatter", "all_gather_single": "all_gather",
+            "all_gather_into_tensor": "all_gather"}
+"""torch.distributed's functions by what they do."""
+
+
 def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) -> dict:
     """{group: {"ranks": n, "crosses_nodes": bool, op: {"count", "bytes"}}} of `calls` (each
     made `repeats[i]` times; default once), groups named after the mesh's (tp, pp, dp, mp,
-    embedding; "world" for the default group)."""
+    embedding; "world" for the default group). Bytes are the whole tensor each call reduces,
+    gathers, scatters or sends (an all-gather's output, a reduce-scatter's input), so an
+    all-gather and the reduce-scatter it undoes weigh the same."""
     import torch.distributed as dist
 
     names = {}
@@ -117,12 +125,12 @@ def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) 
     for c, times in zip(calls, repeats or [1] * len(calls)):
         ranks = c.ranks or tuple(range(world))
         name = names.get(ranks, "world" if len(ranks) == world else f"group of {len(ranks)}")
-        op = {"isend": "send", "irecv": "receive"}.get(c.op, c.op)
+        op = OP_NAMES.get(c.op, c.op)
         entry = out.setdefault(name, {"ranks": len(ranks),
                                       "crosses_nodes": len({r // per_node for r in ranks}) > 1})
         totals = entry.setdefault(op, {"count": 0, "bytes": 0})
         totals["count"] += times
-        totals["bytes"] += times * c.bytes
+        totals["bytes"] += times * c.bytes * (len(ranks) if op == "all_gather" else 1)
     return out
 
 

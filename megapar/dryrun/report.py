@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from megapar.dryrun.rank import NOT_RUN, RankReport
 
-_OPS = {"all_reduce": "all-reduce", "send": "send", "receive": "receive",
-        "broadcast": "broadcast", "reduce_scatter_single": "reduce-scatter",
-        "reduce_scatter_tensor": "reduce-scatter", "all_gather_single": "all-gather",
-        "all_gather_into_tensor": "all-gather", "all_gather": "all-gather", "gather": "gather"}
+_OPS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter",
+        "all_gather": "all-gather"}
 
 
 def size(nbytes: float) -> str:
@@ -98,6 +96,8 @@ def describe_checkpoint(reports: list[RankReport], layout, step_dir: str) -> str
 
 
 def footer(seconds: float, ranks: int) -> str:
-    return (f"not run: {NOT_RUN}\nactivations are modelled (megapar-plan's activation model at "
+    return (f"communication: per step and group, the calls and the size of the tensors they "
+            f"reduce, gather or send (an all-gather's output, a reduce-scatter's input)\n"
+            f"not run: {NOT_RUN}\nactivations are modelled (megapar-plan's activation model at "
             f"the schedule's in-flight peak); every other figure is the real code's tensors and "
             f"collectives\nrehearsed {ranks} rank{'s' if ranks > 1 else ''} in {seconds:.1f} s")
