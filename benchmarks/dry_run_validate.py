@@ -12,6 +12,7 @@ against the dry run's planned sizes.
 
     python benchmarks/dry_run_validate.py [--model gpt2-small-cpu] [--tp 2 --pp 2 --dp 2]
         [--seq 64 --mbs 2 --global-batch 16] [--schedules 1f1b ...] [--recompute none ...]
+        [--zero 0 1] [--sequence-parallel]
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     parser.add_argument("--recompute", nargs="+", default=list(RECOMPUTE))
     parser.add_argument("--zero", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--sequence-parallel", action="store_true")
     args = parser.parse_args()
     config = resolve_model(args.model)
-    print(f"{args.model}: tp {args.tp} x pp {args.pp} x dp {args.dp}, seq {args.seq}, "
+    print(f"{args.model}: tp {args.tp} x pp {args.pp} x dp {args.dp}"
+          f"{' with sequence parallelism' if args.sequence_parallel else ''}, seq {args.seq}, "
           f"micro-batch {args.mbs}, global batch {args.global_batch}, fp32, AdamW; dry run vs "
           f"real (forked gloo ranks), every rank")
     print(f"{'layout':<34} {'bytes dry-real':>14} {'act dry MiB':>11} {'act real MiB':>12} "
@@ -92,7 +95,7 @@ def main() -> None:
                                   micro_batch_size=args.mbs, global_batch_size=args.global_batch,
                                   schedule=schedule, recompute=recompute, zero=zero,
                                   virtual_stages=2 if schedule == "interleaved" else 1,
-                                  grad_bucket_mb=1.0)
+                                  sequence_parallel=args.sequence_parallel, grad_bucket_mb=1.0)
                 rows = compare(cfg, config)
                 label = f"{schedule} rc={recompute}" + (" zero1" if zero else "")
                 by_stage: dict[int, dict] = {}

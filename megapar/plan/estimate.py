@@ -124,14 +124,15 @@ def stage_memory(p: Problem, c: Candidate, counts=None) -> list[mem.MemoryBreakd
     m = p.global_batch // (c.mbs * c.dp)
     totals, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v)
     sp_t = t if c.sp else 1
+    terms = mem.block_terms(cfg)
     per_layer = mem.layer_bytes(s, b, h, a, t, c.sp, c.recompute, p.act_bytes, p.dropout,
-                                p.fused_attention, norm_stats=True)
+                                p.fused_attention, norm_stats=True, terms=terms)
     full = mem.layer_bytes(s, b, h, a, t, c.sp, "none", p.act_bytes, p.dropout,
-                           p.fused_attention, norm_stats=True)
+                           p.fused_attention, norm_stats=True, terms=terms)
     vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
-    embedding = mem.embedding_bytes(s, b, h, p.dropout, sp_t)
+    embedding = mem.embedding_bytes(s, b, h, p.dropout, sp_t, terms)
     head = mem.head_bytes(s, b, h, vocab_local, p.act_bytes,
-                          whole_vocab=cfg.vocab_size if t == 1 else None)
+                          whole_vocab=cfg.vocab_size if t == 1 else None, terms=terms)
     output = s * b * h * p.act_bytes / sp_t             # a chunk's output kept for its backward
     out, config_json = [], json.dumps(cfg.to_dict(), sort_keys=True)
     for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v)):
