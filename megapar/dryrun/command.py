@@ -23,7 +23,7 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
 
     config = config_from_dict(plan.model_config)
     try:
-        ranks = parse_ranks(cfg.dry_run_ranks, layout)
+        ranks = parse_ranks(cfg.dry_run_ranks, layout, cfg.zero)
     except ValueError as exc:
         print(f"megapar-train: error: {exc}", file=sys.stderr)
         return 2

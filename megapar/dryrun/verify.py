@@ -48,7 +48,7 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
 
     c, start = candidate, time.perf_counter()
     layout = Layout(c.tp, c.pp, c.dp)
-    ranks = sample_ranks(layout) if ranks is None else ranks
+    ranks = sample_ranks(layout, c.zero) if ranks is None else ranks
     try:
         reports = dry_run(train_config(problem, c), problem.config, layout, ranks,
                           problem.gpus_per_node, progress=progress)

@@ -148,7 +148,7 @@ class TrainConfig:
     gpus_per_node: int = 8
     """With --dry-run: ranks per node (which groups cross nodes)."""
     dry_run_ranks: str = "sample"
-    """With --dry-run: the ranks to rehearse: sample (every stage and tp rank, and up to 16 dp ranks), all, or a list like 0,7,1023."""
+    """With --dry-run: the ranks to rehearse: sample (every stage, every tp rank, and the dp ranks whose state differs: the first, the last and, with --zero 1, one in the middle), all, or a list like 0,7,1023."""
     json: bool = False
     """With --dry-run: print one JSON object per rehearsed rank (figures in bytes) instead of text."""
     progress: bool = True
