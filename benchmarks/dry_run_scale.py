@@ -1,7 +1,8 @@
 """How long `megapar-train --dry-run` takes at the scale users plan for, and what it prints.
 
 Each job below runs as a user would run it (`megapar-train ... --dry-run --json`, a fresh
-process), timed on the wall clock; its per-rank bytes are then compared with the planner's
+process), timed on the wall clock and in CPU seconds (what the job costs whatever else the
+machine runs); its per-rank bytes are then compared with the planner's
 (`megapar.plan.state.rank_state`: weights, gradients, optimizer, parameters; equal or not).
 Printed per job: the command's flags, the ranks rehearsed, the seconds, the most loaded
 rehearsed rank's weights / gradients / optimizer / modelled activations in GiB, its
@@ -41,18 +42,23 @@ JOBS = {  # name: (world size, megapar-train flags)
 }
 
 
-def run_job(world: int, flags: str) -> tuple[float, list[dict], str]:
-    """(wall seconds, the JSON rows, stderr) of one dry run in a fresh process."""
+def run_job(world: int, flags: str) -> tuple[float, float, list[dict]]:
+    """(wall seconds, CPU seconds, the JSON rows) of one dry run in a fresh process."""
+    import resource
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "megapar.cli.train", *flags.split(), "--world-size",
            str(world), "--dry-run", "--json"]
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
-    return seconds, [json.loads(line) for line in done.stdout.splitlines()], done.stderr
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return seconds, cpu, [json.loads(line) for line in done.stdout.splitlines()]
 
 
 def planner_equal(flags: str, world: int, rows: list[dict]) -> bool:
@@ -80,16 +86,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", help="run the jobs whose name contains this")
     args = parser.parse_args()
-    print(f"{'job':<28} {'ranks':>5} {'seconds':>7}  most loaded rehearsed rank: weights / "
-          f"grads / optimizer / activations (modelled) GiB; planner")
+    print(f"{'job':<28} {'ranks':>5} {'wall s':>7} {'CPU s':>6}  most loaded rehearsed rank: "
+          f"weights / grads / optimizer / activations (modelled) GiB; planner")
     for name, (world, flags) in JOBS.items():
         if args.only and args.only not in name:
             continue
-        seconds, rows, _ = run_job(world, flags)
+        seconds, cpu, rows = run_job(world, flags)
         worst = max(rows, key=lambda r: r["weights"] + r["grads"] + r["optimizer"] +
                     r["activations"])
         same = planner_equal(flags, world, rows)
-        print(f"{name:<28} {len(rows):>5} {seconds:>7.1f}  rank {worst['rank']}: "
+        print(f"{name:<28} {len(rows):>5} {seconds:>7.1f} {cpu:>6.1f}  rank {worst['rank']}: "
               f"{_gib(worst['weights'])} / {_gib(worst['grads'])} / {_gib(worst['optimizer'])}"
               f" / {_gib(worst['activations'])}; {'equal' if same else 'DIFFERENT'}")
         comm = "; ".join(f"{g} " + ", ".join(f"{v['count']} {op} {_gib(v['bytes'])} GiB"

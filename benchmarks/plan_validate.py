@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from megapar.dryrun.measure import HeldStorages
-from megapar.dryrun.world import storage_bytes
+from megapar.dryrun.measure import HeldStorages, peak_held
+from megapar.dryrun.world import held_bytes
 
 LAYOUTS = [  # (tp, pp, dp, schedule, zero)
     (1, 1, 1, "1f1b", 0),
@@ -63,31 +63,20 @@ def _worker(config_dict, layout, schedule, zero, mbs, seq, global_batch, steps):
     plan = BatchPlan(global_batch, mbs, dp)
     gen = torch.Generator().manual_seed(0)
     held = HeldStorages(model.parameters())
-    peak = [0]
-    dispatch = executor._dispatch
-
-    def sampled(action):
-        dispatch(action)
-        live = list(executor._inputs.values()) + list(executor._outputs.values())
-        peak[0] = max(peak[0], held.bytes_with(live))
-
-    executor._dispatch = sampled
     times = []
-    for i in range(steps + 1):  # step 0 creates the optimizer state and warms up
-        ids = torch.randint(0, config.vocab_size, (global_batch, seq + 1), generator=gen)
-        micro = plan.split({"input_ids": ids[:, :-1], "labels": ids[:, 1:]}, mesh.dp_rank)
-        peak[0] = 0
-        start = time.perf_counter()
-        with held.counting():
-            step.step(micro, i)
-        if i:
-            times.append(time.perf_counter() - start)
-    params = list(model.parameters())
-    state = [t for s in (optimizer.inner.state.values() if optimizer.inner else [])
-             for t in s.values()]  # Adam's step counters too: the plan counts them
-    return {"stage": mesh.pp_rank, "params": storage_bytes(params),
-            "grads": storage_bytes([p.grad for p in params if p.grad is not None]),
-            "optimizer": storage_bytes(state), "activations": peak[0],
+    with peak_held(executor, held) as peak:
+        for i in range(steps + 1):  # step 0 creates the optimizer state and warms up
+            ids = torch.randint(0, config.vocab_size, (global_batch, seq + 1), generator=gen)
+            micro = plan.split({"input_ids": ids[:, :-1], "labels": ids[:, 1:]}, mesh.dp_rank)
+            peak[0] = 0
+            start = time.perf_counter()
+            with held.counting():
+                step.step(micro, i)
+            if i:
+                times.append(time.perf_counter() - start)
+    state = held_bytes(model, optimizer)  # Adam's step counters too: the plan counts them
+    return {"stage": mesh.pp_rank, "params": state["weights"], "grads": state["grads"],
+            "optimizer": state["optimizer"], "activations": peak[0],
             "step_s": statistics.median(times)}
 
 

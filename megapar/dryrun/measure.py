@@ -27,7 +27,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from megapar.comm_count import count_collectives
-from megapar.dryrun.world import storage_bytes
+from megapar.dryrun.world import held_bytes
 
 
 class HeldStorages:
@@ -93,13 +93,12 @@ class _Ref:
         self.owner.release(self.key)
 
 
-def measure_step(engine, micro_batches: list[dict], step_index: int = 0) -> dict:
-    """One real optimizer step of `engine` on this rank's `micro_batches`; returns params,
-    weights, grads, optimizer, activations (bytes, as above) and `calls` (its collectives)."""
-    executor = engine.executor
-    held = HeldStorages(engine.model.parameters())
-    peak = [0]
-    dispatch = executor._dispatch
+@contextlib.contextmanager
+def peak_held(executor, held: HeldStorages):
+    """While in the block, after every action the executor dispatches: the bytes `held` holds
+    with the executor's in-flight inputs and outputs; yields [the peak so far] (reset it by
+    assigning 0)."""
+    peak, dispatch = [0], executor._dispatch
 
     def sampled(action):
         dispatch(action)
@@ -108,17 +107,20 @@ def measure_step(engine, micro_batches: list[dict], step_index: int = 0) -> dict
 
     executor._dispatch = sampled
     try:
-        with count_collectives() as calls, held.counting():
-            engine.step_fn.step(micro_batches, step_index)
+        yield peak
     finally:
         executor._dispatch = dispatch
-    params = list(engine.model.parameters())
-    optimizer = engine.optimizer
-    state = [t for s in (optimizer.inner.state.values() if optimizer.inner else ())
-             for t in s.values()]
-    return {"params": sum(p.numel() for p in params), "weights": storage_bytes(params),
-            "grads": storage_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": storage_bytes(state), "activations": peak[0], "calls": list(calls)}
+
+
+def measure_step(engine, micro_batches: list[dict], step_index: int = 0) -> dict:
+    """One real optimizer step of `engine` on this rank's `micro_batches`; returns params,
+    weights, grads, optimizer, activations (bytes, as above) and `calls` (its collectives)."""
+    held = HeldStorages(engine.model.parameters())
+    with peak_held(engine.executor, held) as peak, count_collectives() as calls, \
+            held.counting():
+        engine.step_fn.step(micro_batches, step_index)
+    return {**held_bytes(engine.model, engine.optimizer), "activations": peak[0],
+            "calls": list(calls)}
 
 
 def measured_rank(cfg_dict: dict, config_dict: dict, steps: int = 2, save: str | None = None,

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from megapar.comm_count import count_collectives
-from megapar.dryrun.world import fake_process_group, fake_tensors, storage_bytes
+from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
 
 NOT_RUN = ("the gradient-norm all-reduce (tp x pp, and dp under ZeRO-1), the loss all-reduce "
@@ -171,10 +171,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     repeats = [m if c.op in ("isend", "irecv") or c.ranks == tp_ranks else 1
                for c in run_calls] + [1] * len(step_calls)
     comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
-    params = list(engine.model.parameters())
     optimizer = engine.optimizer
-    state = [t for s in (optimizer.inner.state.values() if optimizer.inner else ())
-             for t in s.values()]
     # the file of this (tp, pp) coordinate, as its dp rank 0 writes it: every parameter with
     # the optimizer's moments, each of its parameter's shape and dtype (what state_tensors()
     # gives the writer; tied copies are not stored)
@@ -185,12 +182,12 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     activations = _modelled_activations(cfg, config, layout, mesh.pp_rank, actions)
     in_flight = in_flight_peak(actions) / cfg.virtual_stages
     return RankReport(
-        mesh.rank, mesh.tp_rank, mesh.pp_rank, mesh.dp_rank, mesh.rank // gpus_per_node,
-        sum(p.numel() for p in params), storage_bytes(params),
-        storage_bytes(p.grad for p in params if p.grad is not None), storage_bytes(state),
-        activations, in_flight,
-        len(actions), len(engine.grad_sync.buckets), comm, file, size, mesh.dp_rank == 0,
-        first_batch, notes)
+        rank=mesh.rank, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, dp_rank=mesh.dp_rank,
+        node=mesh.rank // gpus_per_node, **held_bytes(engine.model, optimizer),
+        activations=activations, in_flight=in_flight, actions=len(actions),
+        buckets=len(engine.grad_sync.buckets), comm=comm, checkpoint_file=file,
+        checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0, first_batch=first_batch,
+        notes=notes)
 
 
 def _modelled_activations(cfg, config, layout: Layout, stage: int, actions) -> int:

@@ -63,3 +63,15 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
             storage = t.untyped_storage()
             seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
+
+
+def held_bytes(model, optimizer) -> dict[str, int]:
+    """What a rank holds besides activations: {"params": parameter elements, "weights",
+    "grads", "optimizer": bytes of the distinct storages behind the parameters, their gradients
+    and every tensor of the optimizer's state (Adam's step counters included)}."""
+    params = list(model.parameters())
+    state = [t for s in (optimizer.inner.state.values() if optimizer.inner else ())
+             for t in s.values()]
+    return {"params": sum(p.numel() for p in params), "weights": storage_bytes(params),
+            "grads": storage_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer": storage_bytes(state)}
