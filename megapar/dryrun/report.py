@@ -31,7 +31,8 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
         (["ZeRO-1"] if cfg.zero and layout.dp > 1 else []) + \
         (["sequence parallel"] if cfg.sequence_parallel and layout.tp > 1 else [])
     return (f"megapar-train --dry-run: {config.model_type} with {n_params:,} parameters on "
-            f"{layout.world_size:,} ranks (tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, "
+            f"{layout.world_size:,} rank{'s' if layout.world_size > 1 else ''} (tp {layout.tp} x "
+            f"pp {layout.pp} x dp {layout.dp}, "
             f"rank order {layout.order}; {nodes:,} node{'s' if nodes > 1 else ''} of "
             f"{gpus_per_node}); schedule {cfg.schedule}{v}, {mbs} of "
             f"{cfg.micro_batch_size} x {cfg.seq_len} tokens per step on each dp rank; "
@@ -61,7 +62,8 @@ def describe_rank(r: RankReport, step_dir: str) -> str:
              f"optimizer {size(r.optimizer)}, activations {size(r.activations)} (modelled, "
              f"{r.in_flight:g} micro-batch{'' if r.in_flight == 1 else 'es'} in flight at the "
              f"peak of its {r.actions} actions)",
-             f"  per step: {_traffic(r.comm)} ({r.buckets} gradient buckets)",
+             f"  per step: {_traffic(r.comm)} ({r.buckets} gradient bucket"
+             f"{'s' if r.buckets > 1 else ''})",
              f"  checkpoint: {step_dir}/{r.checkpoint_file} {size(r.checkpoint_bytes)} "
              + ("(this rank writes it)" if r.writes_checkpoint else
                 "(written by its dp rank 0)")]
