@@ -5,10 +5,10 @@ real trainer pieces (build_stage, PipelineExecutor, AdamW / ZeRO-1, bucketed dp 
 measure on every rank:
 
 - parameters, gradients and optimizer state: the bytes of the tensors themselves after a step;
-- activations: the peak, over the step, of the distinct tensor storages held for backward —
-  everything autograd saved (seen through `torch.autograd.graph.saved_tensors_hooks`, each
-  storage counted once while any saved reference to it is alive) plus the executor's in-flight
-  inputs and outputs — sampled after every schedule action;
+- activations: the peak, over the step, of the distinct tensor storages held for backward
+  (`megapar.dryrun.measure.HeldStorages`: everything autograd saved, each storage counted once
+  while any saved reference to it is alive, and the inputs of checkpointed regions) plus the
+  executor's in-flight inputs and outputs, sampled after every schedule action;
 - the step time (median of the measured steps).
 
 Predicted = `megapar.plan.stage_memory` for the same layout (fp32, fused attention: PyTorch's
@@ -27,6 +27,9 @@ import time
 
 import torch
 
+from megapar.dryrun.measure import HeldStorages, peak_held
+from megapar.dryrun.world import held_bytes
+
 LAYOUTS = [  # (tp, pp, dp, schedule, zero)
     (1, 1, 1, "1f1b", 0),
     (2, 1, 1, "1f1b", 0),
@@ -36,54 +39,6 @@ LAYOUTS = [  # (tp, pp, dp, schedule, zero)
     (2, 2, 1, "1f1b", 0),
     (1, 2, 2, "1f1b", 1),
 ]
-
-
-class HeldStorages:
-    """Distinct storages held for backward: refcounted by the saved-tensor references."""
-
-    def __init__(self, params):
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.live: dict[int, list[int]] = {}   # data_ptr -> [references, nbytes]
-
-    def pack(self, t: torch.Tensor):
-        key = t.untyped_storage().data_ptr()
-        if key in self.params:
-            return t
-        entry = self.live.setdefault(key, [0, t.untyped_storage().nbytes()])
-        entry[0] += 1
-        return _Ref(self, key, t)
-
-    @staticmethod
-    def unpack(ref):
-        return ref.tensor if isinstance(ref, _Ref) else ref
-
-    def release(self, key: int) -> None:
-        entry = self.live[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            del self.live[key]
-
-    def bytes_with(self, tensors) -> int:
-        sizes = {k: v[1] for k, v in self.live.items()}
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.params:
-                sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return sum(sizes.values())
-
-
-class _Ref:
-    def __init__(self, owner: HeldStorages, key: int, tensor: torch.Tensor):
-        self.owner, self.key, self.tensor = owner, key, tensor
-
-    def __del__(self):
-        self.owner.release(self.key)
-
-
-def _storage_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 def _worker(config_dict, layout, schedule, zero, mbs, seq, global_batch, steps):
@@ -108,31 +63,20 @@ def _worker(config_dict, layout, schedule, zero, mbs, seq, global_batch, steps):
     plan = BatchPlan(global_batch, mbs, dp)
     gen = torch.Generator().manual_seed(0)
     held = HeldStorages(model.parameters())
-    peak = [0]
-    dispatch = executor._dispatch
-
-    def sampled(action):
-        dispatch(action)
-        live = list(executor._inputs.values()) + list(executor._outputs.values())
-        peak[0] = max(peak[0], held.bytes_with(live))
-
-    executor._dispatch = sampled
     times = []
-    for i in range(steps + 1):  # step 0 creates the optimizer state and warms up
-        ids = torch.randint(0, config.vocab_size, (global_batch, seq + 1), generator=gen)
-        micro = plan.split({"input_ids": ids[:, :-1], "labels": ids[:, 1:]}, mesh.dp_rank)
-        peak[0] = 0
-        start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
-            step.step(micro, i)
-        if i:
-            times.append(time.perf_counter() - start)
-    params = list(model.parameters())
-    state = [t for s in (optimizer.inner.state.values() if optimizer.inner else [])
-             for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return {"stage": mesh.pp_rank, "params": _storage_bytes(params),
-            "grads": _storage_bytes([p.grad for p in params if p.grad is not None]),
-            "optimizer": _storage_bytes(state), "activations": peak[0],
+    with peak_held(executor, held) as peak:
+        for i in range(steps + 1):  # step 0 creates the optimizer state and warms up
+            ids = torch.randint(0, config.vocab_size, (global_batch, seq + 1), generator=gen)
+            micro = plan.split({"input_ids": ids[:, :-1], "labels": ids[:, 1:]}, mesh.dp_rank)
+            peak[0] = 0
+            start = time.perf_counter()
+            with held.counting():
+                step.step(micro, i)
+            if i:
+                times.append(time.perf_counter() - start)
+    state = held_bytes(model, optimizer)  # Adam's step counters too: the plan counts them
+    return {"stage": mesh.pp_rank, "params": state["weights"], "grads": state["grads"],
+            "optimizer": state["optimizer"], "activations": peak[0],
             "step_s": statistics.median(times)}
 
 

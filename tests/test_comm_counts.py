@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from comm_count import count_collectives, summary
+from megapar.comm_count import count_collectives, summary
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.models import BertConfig, GPT2Config, LlamaConfig

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from comm_count import count_collectives
+from megapar.comm_count import count_collectives
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from test_comm_counts import make_step, micro_batches

@@ -46,6 +46,25 @@ def test_stage_params_equal_whole_stages_built_on_meta(recipe, tp, pp):
     assert stage_params(config, tp, pp) == built
 
 
+@pytest.mark.parametrize("recipe,tp,pp,v", [("gpt2-tiny", 2, 3, 1), ("bert-tiny", 2, 2, 1),
+                                            ("llama-tiny", 4, 2, 2), ("gpt2-tiny", 1, 2, 2),
+                                            ("llama-tiny", 2, 1, 1)])
+def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp, v):
+    from megapar.plan.params import stage_tensors
+    from megapar.training.build import build_stage
+
+    config = resolve_model(recipe)
+    layout = Layout(tp, pp, 1)
+    for stage in range(pp):
+        model = build_stage(config, Mesh.virtual(layout, rank=layout.rank(tp - 1, stage, 0)), 0,
+                            init=False, virtual_stages=v)
+        built = [(p.numel(), p.dtype, bool(getattr(p, "shared_embedding", False)),
+                  hasattr(p, "tied_to")) for p in model.parameters()]
+        planned = [(t.numel, t.dtype, t.shared, t.tied) for t in stage_tensors(config, tp, pp, v,
+                                                                               stage)]
+        assert planned == built
+
+
 # -- activation memory -------------------------------------------------------------------------
 def test_paper_formula_on_the_papers_examples():
     # Korthikanti et al. 2022: 5as/h is 80 for GPT-3 (a=96, s=2048, h=12288), so with TP + SP
@@ -97,6 +116,48 @@ def test_activation_prediction_equals_bytes_saved_by_a_real_forward(pre, post):
     else:
         predicted = stage_memory(problem, Candidate(mbs=b))[0].activations
     assert predicted == held
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_block_terms_equal_bytes_saved_by_a_real_forward(kind):
+    """A middle stage of two blocks (FFN 2.5 h): megapar's block terms are every byte saved,
+    but for Llama's rotary cos / sin tables (one pair per stage) and its kv-head index."""
+    from megapar.models import BertConfig, LlamaConfig
+
+    s, b, h = 32, 3, 64
+    if kind == "bert":
+        config = BertConfig(vocab_size=300, hidden_size=h, num_hidden_layers=2,
+                            num_attention_heads=4, intermediate_size=160,
+                            max_position_embeddings=s, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
+        batch = {"attention_mask": torch.ones(b, s, dtype=torch.long)}
+    else:
+        config = LlamaConfig(vocab_size=300, hidden_size=h, intermediate_size=160,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=s)
+        batch = {}
+    model = build_model(config, Mesh(Layout()), range(2), False, False)
+    model.init_weights(0)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage()._cdata not in params:
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    hidden = torch.randn(b, s, h, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(hidden, batch)
+    held = sum(saved.values()) + out.untyped_storage().nbytes()
+    per_layer = mem.layer_bytes(s, b, h, 4, act_bytes=4, dropout=False, fused_attention=True,
+                                norm_stats=True, terms=mem.block_terms(config))
+    extra = 0
+    if kind == "bert":
+        extra = 2 * b * s * 4                                  # the attention mask, per layer
+    else:
+        extra = 2 * s * config.head_size * 4 + 2 * 4 * 8       # rotary tables, kv index
+    assert 2 * per_layer + s * b * h * 4 + extra == held
 
 
 # -- pipeline ----------------------------------------------------------------------------------

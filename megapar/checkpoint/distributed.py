@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from megapar.checkpoint.format import (
     FORMAT_NAME, FORMAT_VERSION, RNG_FILE, CheckpointError, ShardReader, dtype_name,
-    publish, read_manifest, resolve_checkpoint, shard_file_name, staging_dir, verify_file,
-    write_tensors,
+    publish, read_manifest, resolve_checkpoint, safetensors_size, shard_file_name, staging_dir,
+    verify_file, write_tensors,
 )
 from megapar.checkpoint.manifest import write_manifest
 from megapar.mesh import Layout, Mesh
@@ -119,6 +119,19 @@ def _unpack(payload: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def _write_shard(tmp: Path, model, mesh: Mesh, optim_tensors) -> dict:
     """Write this (tp, pp) shard file; returns its file record and tensor entries."""
+    fname, tensors, entries = shard_contents(model, mesh, optim_tensors)
+    return {"file": fname, "record": write_tensors(tmp / fname, tensors), "tensors": entries}
+
+
+def planned_shard(model, mesh: Mesh, optim_tensors) -> tuple[str, int]:
+    """(file name, bytes) of the shard file `save_checkpoint` would write for this (tp, pp)
+    coordinate, without writing it (the tensors may be fake: only shapes and dtypes are read)."""
+    fname, tensors, _ = shard_contents(model, mesh, optim_tensors)
+    return fname, safetensors_size({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()})
+
+
+def shard_contents(model, mesh: Mesh, optim_tensors) -> tuple[str, dict, dict]:
+    """(file name, {key: tensor}, manifest entries) of this (tp, pp) coordinate's shard file."""
     tensors, entries = {}, {}
     for name, param in model.named_parameters():
         if hasattr(param, "tied_to"):
@@ -136,8 +149,7 @@ def _write_shard(tmp: Path, model, mesh: Mesh, optim_tensors) -> dict:
                          "tp_dim": dim, "local_shape": list(param.shape),
                          "dtype": dtype_name(param.dtype), "stage": mesh.pp_rank,
                          "optim": {k: dtype_name(v.dtype) for k, v in moments.items()}}
-    fname = shard_file_name(mesh.tp_rank, mesh.pp_rank)
-    return {"file": fname, "record": write_tensors(tmp / fname, tensors), "tensors": entries}
+    return shard_file_name(mesh.tp_rank, mesh.pp_rank), tensors, entries
 
 
 def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dict,

@@ -64,6 +64,29 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 # --- writing -------------------------------------------------------------------------------
+def safetensors_layout(specs: dict[str, tuple[torch.dtype, tuple]]) -> tuple[bytes, dict, int]:
+    """How a safetensors file of these tensors ({key: (dtype, shape)}) is laid out: (its header,
+    {key: (offset, bytes, dtype, shape)} of each tensor's data, the data's total bytes). The
+    file is 8 + len(header) + data bytes long: what `ShardWriter` writes, and what the dry run
+    (`megapar.dryrun`) reports a checkpoint's files will take without writing them."""
+    header, offset, slots = {}, 0, {}
+    for key, (dtype, shape) in specs.items():
+        size = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                       "data_offsets": [offset, offset + size]}
+        slots[key] = (offset, size, dtype, tuple(shape))
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8), slots, offset
+
+
+def safetensors_size(specs: dict[str, tuple[torch.dtype, tuple]]) -> int:
+    """Bytes of the safetensors file `ShardWriter` writes for these tensors."""
+    header, _, data = safetensors_layout(specs)
+    return 8 + len(header) + data
+
+
 class ShardWriter:
     """A safetensors file written one tensor at a time: the header (every key's dtype and shape)
     is laid out up front, then each `write` puts one tensor's bytes at its offset, so only the
@@ -71,16 +94,7 @@ class ShardWriter:
 
     def __init__(self, path: str | Path, specs: dict[str, tuple[torch.dtype, tuple]]):
         self.path = Path(path)
-        header, offset, self._slots = {}, 0, {}
-        for key, (dtype, shape) in specs.items():
-            size = math.prod(shape) * dtype.itemsize
-            header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
-                           "data_offsets": [offset, offset + size]}
-            self._slots[key] = (offset, size, dtype, tuple(shape))
-            offset += size
-        header["__metadata__"] = {"format": "pt"}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
+        raw, self._slots, offset = safetensors_layout(specs)
         self._base = 8 + len(raw)
         self._file = open(self.path, "wb")
         self._file.write(len(raw).to_bytes(8, "little") + raw)

@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check and break down one layout, e.g. tp=2,pp=4,mbs=2,schedule=1f1b,"
                         "recompute=selective,sp=1,zero=1 (dp defaults to gpus/(tp*pp))")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="dry-run the K best layouts (megapar-train --dry-run, on this CPU) and "
+                        "report every rank whose planned weights, gradients or optimizer bytes "
+                        "differ from the real tensors' (exit code 1 if any do)")
     return p
 
 
@@ -85,6 +89,12 @@ def _problem(args):
         raise ValueError(f"--latency-us {args.latency_us:g} is invalid: it must be >= 0")
     if not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency:g} is invalid: it must be in (0, 1]")
+    if args.verify < 0:
+        raise ValueError(f"--verify {args.verify} is invalid: it is how many of the best "
+                         f"layouts to dry-run (0: none)")
+    if args.verify and args.master_weights != "fp32":
+        raise ValueError("--verify compares the plan with what megapar-train holds, fp32 "
+                         "parameters: drop --master-weights separate")
     if args.today and args.master_weights != "fp32":
         raise ValueError("--today plans what megapar-train runs now, and it keeps fp32 "
                          "parameters: drop --master-weights separate (or drop --today)")
@@ -173,7 +183,31 @@ def main(argv=None) -> int:
     for m in cmd[1]:
         print(f"  note: megapar-train cannot do this yet: {m} (plan with --today for a layout "
               f"it runs now)")
-    return 0
+    return _verify(estimates[:args.verify], problem) if args.verify else 0
+
+
+def _verify(estimates, problem) -> int:
+    """Dry-run each layout and print where the plan's bytes differ (exit code 1 if anywhere)."""
+    from megapar.dryrun.verify import verify_layout
+
+    print(f"\nverifying the {len(estimates)} best layouts against dry runs (weights, gradients, "
+          f"optimizer bytes and parameters of every sampled rank):")
+    failed = False
+    for i, e in enumerate(estimates, 1):
+        result = verify_layout(problem, e.candidate)
+        label = f"{i:>3} {e.candidate.label():<56}"
+        if result.error:
+            print(f"{label} megapar-train refuses it: {result.error}")
+        elif result.differences:
+            print(f"{label} {len({d[0] for d in result.differences})} of {result.ranks} ranks "
+                  f"differ ({result.seconds:.1f} s):")
+            for rank, field, planned, dry in result.differences:
+                print(f"      rank {rank} {field}: plan {planned:,}, dry run {dry:,} "
+                      f"({planned - dry:+,})")
+        else:
+            print(f"{label} {result.ranks} ranks: equal, 0 bytes apart ({result.seconds:.1f} s)")
+        failed |= bool(result.error or result.differences)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -53,7 +53,10 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         manifest = checkpoint_manifest(cfg.load)
         notes.extend(settings_from_checkpoint(cfg, manifest))
     check_settings(cfg)
-    if under_launcher():
+    if cfg.dry_run:  # the job's size as given, on this one process
+        world = cfg.world_size or cfg.tp * cfg.pp * (cfg.dp or 1)
+        layout = Layout.infer(world, cfg.tp, cfg.pp, cfg.dp, cfg.rank_order)
+    elif under_launcher():
         layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order)
     else:
         layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order)
@@ -95,18 +98,23 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         from megapar.pipeline.partition import chunk_specs
 
         chunk_specs(config.num_layers, layout.pp, 0, cfg.virtual_stages)  # enough layers?
-    most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
-    if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
-        raise ValueError(f"--data holds fewer than one global batch of {cfg.global_batch_size}"
-                         f": at most {most:,} samples of {cfg.seq_len} tokens by its size; use "
-                         f"more data, a shorter --seq-len or a smaller --global-batch-size")
+    if not cfg.dry_run:
+        most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
+        if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
+            raise ValueError(f"--data holds fewer than one global batch of "
+                             f"{cfg.global_batch_size}: at most {most:,} samples of "
+                             f"{cfg.seq_len} tokens by its size; use more data, a shorter "
+                             f"--seq-len or a smaller --global-batch-size")
     from megapar.pipeline.schedules import check_schedule
 
     check_schedule(cfg.schedule, layout.pp, cfg.global_batch_size // per_step, cfg.virtual_stages)
-    check_outputs(cfg)  # an unwritable --save is not found after the run
-    if cfg.save and _takes_save_lock():
-        check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
+    if not cfg.dry_run:  # a rehearsal writes nothing (its --save is the cluster's path)
+        check_outputs(cfg)  # an unwritable --save is not found after the run
+        if cfg.save and _takes_save_lock():
+            check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
     plan = prepare_data(cfg, notes, manifest, config)
+    if plan.prefix is None:  # a rehearsal without the data
+        return layout, plan
     # ids outside the vocabulary: refused at any tp
     IndexedDataset(plan.prefix, cfg.tokenizer).check_vocab(config.vocab_size)
     train, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
@@ -186,7 +194,7 @@ def main(argv=None) -> int:
     try:
         cfg = parse_args(argv)
         layout, plan = plan_run(cfg, notes)
-        if cfg.save and _takes_save_lock():  # held until this process exits
+        if cfg.save and _takes_save_lock() and not cfg.dry_run:  # held until this exits
             command = shlex.join(["megapar-train", *(sys.argv[1:] if argv is None else argv)])
             lock = SaveLock(cfg.save, command).acquire()
             notes.extend(filter(None, [lock.taken_over]))
@@ -204,6 +212,10 @@ def main(argv=None) -> int:
 def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> int:
     """Start the workers (or run this rank) and turn a failure into one line."""
     cfg.dp = layout.dp
+    if cfg.dry_run:
+        from megapar.dryrun.command import rehearse
+
+        return rehearse(cfg, layout, plan, notes)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     if under_launcher() and rank != 0:
         cfg.progress = False

@@ -45,7 +45,7 @@ Gradient compression is refused in this mode.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -78,21 +78,51 @@ class Bucket:
         return sum(p.numel() for p in self.params)
 
 
-def make_buckets(params: list[torch.nn.Parameter], bucket_mb: float) -> list[Bucket]:
-    """Parameters in reverse order, cut into buckets of at most bucket_mb MB (a larger single
-    parameter gets a bucket of its own); a bucket never mixes dtypes."""
+def bucket_layout(sizes: Sequence[tuple[int, torch.dtype]], bucket_mb: float, shards: int = 1,
+                  late: Iterable[int] = ()) -> list[tuple[list[int], int]]:
+    """How `GradBuckets` lays out parameters of these (numel, dtype), given in registration
+    order: per bucket, (the parameters' indices in buffer order, the elements the bucket
+    occupies). Parameters go in reverse order, cut into buckets of at most bucket_mb MB (a
+    larger single parameter gets a bucket of its own), never mixing dtypes; each bucket is
+    zero-padded to a multiple of `shards` (dp when sharded for ZeRO-1) and the `late` indices
+    go into the last bucket(s). The ZeRO-1 planner (`megapar.plan`) counts bytes with it."""
+    late = set(late)
+    order = [i for i in range(len(sizes)) if i in late] + \
+        [i for i in range(len(sizes)) if i not in late]  # reversed below: late ones go last
     limit = bucket_mb * 2**20
     buckets, current, size = [], [], 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if current and (p.dtype != current[0].dtype or size + nbytes > limit):
-            buckets.append(Bucket(current))
+    for i in reversed(order):
+        numel, dtype = sizes[i]
+        nbytes = numel * dtype.itemsize
+        if current and (dtype != sizes[current[0]][1] or size + nbytes > limit):
+            buckets.append(current)
             current, size = [], 0
-        current.append(p)
+        current.append(i)
         size += nbytes
     if current:
-        buckets.append(Bucket(current))
-    return buckets
+        buckets.append(current)
+    return [(idx, -(-sum(sizes[i][0] for i in idx) // shards) * shards) for idx in buckets]
+
+
+def make_buckets(params: list[torch.nn.Parameter], bucket_mb: float, shards: int = 1,
+                 late: Iterable[torch.nn.Parameter] = ()) -> list[Bucket]:
+    """`params` cut into buckets as `bucket_layout` lays them out."""
+    late_ids = {id(p) for p in late}
+    layout = bucket_layout([(p.numel(), p.dtype) for p in params], bucket_mb, shards,
+                           [i for i, p in enumerate(params) if id(p) in late_ids])
+    return [Bucket([params[i] for i in idx], padded=padded) for idx, padded in layout]
+
+
+def slice_pieces(numels: Sequence[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """For parameters of these sizes laid out back to back from 0 (a bucket), (index, start,
+    end) of each one's elements inside the slice [lo, hi): ZeRO-1's pieces of a dp rank."""
+    pieces, offset = [], 0
+    for i, numel in enumerate(numels):
+        start, end = max(offset, lo) - offset, min(offset + numel, hi) - offset
+        if start < end:
+            pieces.append((i, start, end))
+        offset += numel
+    return pieces
 
 
 class GradBuckets:
@@ -147,10 +177,7 @@ class GradBuckets:
             raise RuntimeError("shard_over_dp() during a step")
         self.sharded, self.before_reduce = True, before_reduce
         late = {id(p) for p in last}
-        # make_buckets takes parameters in reverse, so the first ones listed end up last
-        ordered = ([p for p in self.params if id(p) in late]
-                   + [p for p in self.params if id(p) not in late])
-        self.buckets = make_buckets(ordered, self.bucket_mb)
+        self.buckets = make_buckets(self.params, self.bucket_mb, self.dp, last)
         for b in self.buckets:
             b.deferred = before_reduce is not None and any(id(p) in late for p in b.params)
         self._views = {}
@@ -170,7 +197,6 @@ class GradBuckets:
         sizes: dict[torch.dtype, int] = {}
         for b in self.buckets:
             dtype = b.params[0].dtype
-            b.padded = -(-b.numel // self.dp) * self.dp if self.sharded else b.numel
             sizes[dtype] = sizes.get(dtype, 0) + b.padded
         devices = {b.params[0].dtype: b.params[0].device for b in self.buckets}
         self.buffers = {dt: torch.zeros(n, dtype=dt, device=devices[dt])

@@ -14,7 +14,8 @@ from torch import nn
 
 from megapar.mesh import Mesh
 from megapar.models.blocks import (
-    ParallelAttention, ParallelMLP, ResidualDropout, activation, layer_norm, run_layers,
+    ParallelAttention, ParallelMLP, ResidualDropout, activation, embedding, layer_norm,
+    run_layers,
 )
 from megapar.models.config import BertConfig
 from megapar.models.stage import StageModel
@@ -50,8 +51,8 @@ class BertEmbedding(nn.Module):
         d = mesh.device
         self.word = VocabParallelEmbedding(config.vocab_size, config.hidden_size, mesh,
                                            config.make_vocab_size_divisible_by)
-        self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size, device=d)
-        self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size, device=d)
+        self.position = embedding(config.max_position_embeddings, config.hidden_size, d)
+        self.token_type = embedding(config.type_vocab_size, config.hidden_size, d)
         self.norm = layer_norm(config.hidden_size, config.layer_norm_eps, d)
         self.dropout = ResidualDropout(config.hidden_dropout_prob, mesh, tracker)
 

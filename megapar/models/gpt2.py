@@ -15,7 +15,7 @@ from torch import nn
 
 from megapar.mesh import Mesh
 from megapar.models.blocks import (
-    ParallelAttention, ParallelMLP, ResidualDropout, layer_norm, run_layers,
+    ParallelAttention, ParallelMLP, ResidualDropout, embedding, layer_norm, run_layers,
 )
 from megapar.models.config import GPT2Config
 from megapar.models.stage import StageModel
@@ -47,7 +47,7 @@ class GPT2Embedding(nn.Module):
         super().__init__()
         self.word = VocabParallelEmbedding(config.vocab_size, config.n_embd, mesh,
                                            config.make_vocab_size_divisible_by)
-        self.position = nn.Embedding(config.n_positions, config.n_embd, device=mesh.device)
+        self.position = embedding(config.n_positions, config.n_embd, mesh.device)
         self.dropout = ResidualDropout(config.embd_pdrop, mesh, tracker)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

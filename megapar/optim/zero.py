@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapar.data_parallel.buckets import slice_pieces
 from megapar.mesh import all_reduce, group_size
 from megapar.optim.optimizer import AdamWOptimizer, _inner, step_state
 
@@ -96,13 +97,14 @@ class ZeroOptimizer(AdamWOptimizer):
                 view = pflat[offset:offset + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
-                start, end = max(offset, lo) - offset, min(offset + p.numel(), hi) - offset
-                if start < end:
-                    piece = pflat[offset + start:offset + end]
-                    piece.grad = b.flat[offset + start:offset + end]
-                    self.pieces.append(piece)
-                    self._piece_of.append((p, start, end))
                 offset += p.numel()
+            for i, start, end in slice_pieces([p.numel() for p in b.params], lo, hi):
+                p = b.params[i]
+                at = self._offset[id(p)]
+                piece = pflat[at + start:at + end]
+                piece.grad = b.flat[at + start:at + end]
+                self.pieces.append(piece)
+                self._piece_of.append((p, start, end))
         self._build_inner()
         if self._pending is not None:
             self.load_state_tensors(self._pending)

@@ -33,7 +33,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from megapar.pipeline.schedules import (
-    MESSAGE_KINDS, Action, MessageGroup, Step, placement_of, schedule_actions, virtual_stage,
+    MESSAGE_KINDS, Action, MessageGroup, Step, peer_of, placement_of, schedule_actions,
+    virtual_stage,
 )
 from megapar.pipeline.simulate import Costs, simulate
 
@@ -143,3 +144,38 @@ def acknowledgements(programs_: tuple, me: int, peer_of) -> dict[tuple, list[tup
             key = ("recv" + reply.kind[4:], reply.mb, peer_of(peer, reply)[1])
             acks.setdefault(key, []).append((send.kind, send.mb, send.chunk))
     return acks
+
+
+def held(programs_: tuple, stage: int, placement: str = "loop") -> frozenset:
+    """What `stage` holds at every point of its program, run as the executor runs it: the
+    distinct (micro-batches in flight per chunk, message buffers held). A micro-batch is in
+    flight from its forward to its backward (B of a split backward); a message buffer from its
+    group's issue until the receive is consumed, or until a later message proves the send
+    received (`acknowledgements`). A sent output's storage is the send's (the executor frees
+    the output itself), so the peak of activations is max(counts . chunk bytes + buffers x
+    message bytes) over these."""
+    pp = len(programs_)
+    chunks = 1 + max((a.chunk for p in programs_ for step in p
+                      for a in (step.messages if isinstance(step, MessageGroup) else (step,))),
+                     default=0)
+
+    def peer(rank, a):
+        return peer_of(rank, a, pp, chunks, placement)
+
+    acks = acknowledgements(programs_, stage, peer) if pp > 1 else {}
+    counts, buffers, seen = [0] * chunks, set(), set()
+    for step in programs_[stage]:
+        if isinstance(step, MessageGroup):
+            buffers |= {(a.kind, a.mb, a.chunk) for a in step.messages}
+        else:
+            for kind in ("recv_act", "recv_grad"):
+                key = (kind, step.mb, step.chunk)
+                if key in buffers and consumes(step, Action(kind, step.mb, step.chunk)):
+                    buffers.discard(key)
+                    buffers -= set(acks.get(key, ()))
+            if step.kind == "forward":
+                counts[step.chunk] += 1
+            elif step.kind in ("backward", "backward_input"):
+                counts[step.chunk] -= 1
+        seen.add((tuple(counts), len(buffers)))
+    return frozenset(seen)

@@ -135,6 +135,11 @@ class StageP2P:
         """Sends issued but not yet waited for (their buffers are still held)."""
         return len(self._sends)
 
+    def held(self) -> list[tuple[int, torch.Tensor, object]]:
+        """(peer, buffer, work) of every message whose buffer this stage still holds: sends not
+        waited for, receives not taken."""
+        return list(self._sends.values()) + list(self._recvs.values())
+
     @property
     def pending_recvs(self) -> int:
         """Receives issued whose tensors have not been taken yet."""

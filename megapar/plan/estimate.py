@@ -28,12 +28,15 @@ GPUs x peak; `hw_tflops` adds recomputation (what Narayanan et al. report).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from megapar.plan import memory as mem
 from megapar.plan import pipeline
 from megapar.plan.layouts import Candidate
+from megapar.pipeline.partition import chunk_specs
 from megapar.plan.params import piece_counts, stage_layer_counts, stage_params
+from megapar.plan.state import most_loaded
 from megapar.tensor_parallel.partition import local_size
 
 
@@ -70,6 +73,8 @@ class Problem:
     """Inter-node bandwidth per GPU, Gbit/s (one 200 Gb/s HDR InfiniBand NIC per GPU)."""
     latency_us: float = 10.0
     """Latency of one message (a ring collective sends 2 (n-1) of them in sequence)."""
+    grad_bucket_mb: float = 25.0
+    """megapar-train's --grad-bucket-mb (ZeRO-1 pads each bucket to a multiple of dp)."""
 
     @property
     def act_bytes(self) -> int:
@@ -108,39 +113,60 @@ def _layer_flops(c, s: int, b: int) -> float:
     return 2 * s * b * (4 * h * h + 2 * h * f) + 4 * s * s * b * h
 
 
-def stage_memory(p: Problem, c: Candidate, simulate: bool = True) -> list[mem.MemoryBreakdown]:
-    """Memory of one rank of every pipeline stage (in-flight micro-batches read off the
-    schedule's actions, or with `simulate=False` from its formula)."""
+def stage_memory(p: Problem, c: Candidate, counts=None,
+                 simulate: bool = True) -> list[mem.MemoryBreakdown]:
+    """Memory of one rank of every pipeline stage. Activations: each model chunk's bytes per
+    micro-batch (its blocks, plus the embedding on the first chunk, the head on the last, the
+    chunk's output kept for backward on the others) weighted by the micro-batches in flight on
+    it, plus the pipeline's message buffers (a sent output lives on in its send until the peer
+    has it), at the worst point of the stage's program. `counts`: {stage:
+    `pipeline.stage_held` of its program} to use instead of the schedule's (the dry run passes
+    its own, whatever the size);
+    `simulate=False` takes the in-flight counts from the schedule's formula instead."""
     cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
     h, a = cfg.hidden_size, (cfg.n_head if hasattr(cfg, "n_head") else cfg.num_attention_heads)
     m = p.global_batch // (c.mbs * c.dp)
-    counts, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v, simulate)
-    layers = stage_layer_counts(cfg.num_layers, c.pp, c.v)
+    totals, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v, simulate)
     sp_t = t if c.sp else 1
+    terms = mem.block_terms(cfg)
     per_layer = mem.layer_bytes(s, b, h, a, t, c.sp, c.recompute, p.act_bytes, p.dropout,
-                                p.fused_attention, norm_stats=True)
+                                p.fused_attention, norm_stats=True, terms=terms)
     full = mem.layer_bytes(s, b, h, a, t, c.sp, "none", p.act_bytes, p.dropout,
-                           p.fused_attention, norm_stats=True)
+                           p.fused_attention, norm_stats=True, terms=terms)
     vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
-    out = []
+    embedding = mem.embedding_bytes(s, b, h, p.dropout, sp_t, terms)
+    head = mem.head_bytes(s, b, h, vocab_local, p.act_bytes,
+                          whole_vocab=cfg.vocab_size if t == 1 else None, terms=terms)
+    message = s * b * h * p.act_bytes / sp_t            # an activation or its gradient in flight
+    out, config_json = [], json.dumps(cfg.to_dict(), sort_keys=True)
     for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v)):
-        first, last = stage == 0, stage == c.pp - 1
-        per_mb = layers[stage] * per_layer
-        if first:
-            per_mb += mem.embedding_bytes(s, b, h, p.dropout, sp_t)
-        if last:
-            per_mb += mem.head_bytes(s, b, h, vocab_local, p.act_bytes,
-                                     whole_vocab=cfg.vocab_size if t == 1 else None)
-        else:
-            per_mb += s * b * h * p.act_bytes / sp_t    # stage output kept for its backward
+        specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v)
+        chunks = [len(spec.layers) * per_layer + (embedding if spec.pre_process else 0)
+                  + (head if spec.post_process else 0) for spec in specs]
+        seen = (counts or {}).get(stage) or (
+            pipeline.stage_held(c.schedule, c.pp, m, c.v, stage) if simulate else None)
+        if seen:
+            def held(point):
+                flight, buffers = point
+                return sum(k * w for k, w in zip(flight, chunks)) + buffers * message
+            peak = max(seen, key=held)
+            activations, in_flight = held(peak), sum(peak[0]) / c.v
+        else:   # the formula's count, spread evenly over the chunks, each output held
+            in_flight = totals[stage]
+            outputs = sum(0 if spec.post_process else message for spec in specs)
+            activations = in_flight * (sum(chunks) + outputs)
         buffers = 0.0
         if c.recompute != "none":                       # one layer rebuilt during backward
             buffers += full - per_layer
-        if last:                                        # the logits' gradient in backward
+        if stage == c.pp - 1:                           # the logits' gradient in backward
             buffers += s * b * vocab_local * 4
-        params, grads, optim = mem.state_bytes(n_params, c.dp, c.zero, p.master_weights)
-        out.append(mem.MemoryBreakdown(stage, params, grads, optim, counts[stage] * per_mb,
-                                       int(round(counts[stage])), buffers))
+        if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
+            held = most_loaded(config_json, t, c.pp, c.v, stage, c.dp, c.zero, p.grad_bucket_mb)
+            params, grads, optim = held.weights, held.grads, held.optimizer
+        else:
+            params, grads, optim = mem.state_bytes(n_params, c.dp, c.zero, p.master_weights)
+        out.append(mem.MemoryBreakdown(stage, params, grads, optim, activations,
+                                       int(round(in_flight)), buffers))
     return out
 
 
@@ -156,7 +182,7 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     in-flight micro-batches from their formulas, not the schedule (`plan` ranks so first)."""
     cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
     h = cfg.hidden_size
-    stages = stage_memory(p, c, simulate)
+    stages = stage_memory(p, c, simulate=simulate)
     worst = max(stages, key=lambda x: x.total)
     fits = worst.total <= p.gpu_memory_gb * mem.GIB
     m = p.global_batch // (c.mbs * c.dp)

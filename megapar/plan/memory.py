@@ -22,6 +22,15 @@ Term by term (elements unless noted; "rep" = replicated over tp unless SP):
   /t:  Q, K, V 3 s b h; attention-output-projection input s b h; GELU input 4 s b h;
        FC2 input 4 s b h                                                    12 s b h
   /t:  attention scores: softmax output a s^2 b, its dropout mask (bytes) and output a s^2 b
+
+That is a GPT-2 block (and BERT's: its layer input stands for LN1's input). `block_terms` gives
+the counts of megapar's blocks, measured term by term on the models (`tests/test_plan.py`):
+GPT-2 and BERT as above with an FFN of any width f (2 f s b / t for the MLP); Llama's RMSNorm
+keeps its input, the normalised input and the output (3 s b h per norm, one fp32 1/rms per
+token), its SwiGLU MLP keeps gate, act(gate), up and their product (4 f s b / t), and q, k, v
+(k and v repeated to the local query heads), the attention output: 4 s b h / t. Under SP,
+megapar keeps the gathered (whole-sequence) inputs of the column-parallel projections where
+Megatron re-gathers them in backward: those 2 s b h of the replicated terms stay whole.
 """
 
 from __future__ import annotations
@@ -42,31 +51,68 @@ def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = Fal
     return s * b * h * (10 + 24 / t + attention / t)
 
 
+@dataclass(frozen=True)
+class BlockTerms:
+    """What one transformer block keeps for backward per token, in units of h elements unless
+    named otherwise. The defaults are the paper's (a GPT block with a 4 h FFN)."""
+
+    replicated: float = 4.0
+    """Norm inputs and outputs: whole on every tp rank, split by t under SP."""
+    gathered: float = 0.0
+    """Of those, the ones kept whole under SP too (megapar keeps the column-parallel
+    projections' gathered inputs; the paper, re-gathering them, splits all)."""
+    split: float = 12.0
+    """q, k, v, the attention output and the MLP's intermediates: split by t."""
+    norm_stats: float = 4.0
+    """fp32 statistics per token (not x h): a LayerNorm's mean and 1/std, an RMSNorm's 1/rms."""
+    final_norm: float = 2.0
+    """What the last stage's final norm keeps (input and output; RMSNorm also the normalised
+    input), and its fp32 statistics per token in `final_stats`."""
+    final_stats: float = 2.0
+    position_ids: bool = True
+    """The first stage keeps int64 position ids (a learned position embedding)."""
+
+
+def block_terms(config) -> BlockTerms:
+    """megapar's blocks for a model config (GPT-2, BERT: LayerNorm + GELU MLP; Llama: RMSNorm +
+    SwiGLU), with its FFN width."""
+    f = config.ffn_size / config.hidden_size
+    if config.model_type == "llama":
+        return BlockTerms(replicated=6.0, gathered=2.0, split=4.0 + 4.0 * f, norm_stats=2.0,
+                          final_norm=3.0, final_stats=1.0, position_ids=False)
+    return BlockTerms(replicated=4.0, gathered=2.0, split=4.0 + 2.0 * f)
+
+
 def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
                 recompute: str = "none", act_bytes: int = 2, dropout: bool = True,
-                fused_attention: bool = False, norm_stats: bool = False) -> float:
+                fused_attention: bool = False, norm_stats: bool = False,
+                terms: BlockTerms = BlockTerms()) -> float:
     """Activation bytes of one layer and micro-batch, term by term (see the module docstring).
 
-    With the defaults this equals `paper_layer_bytes`. `norm_stats` adds the LayerNorms' saved
-    mean and 1/std (fp32, 2 per token each), which the paper leaves out."""
+    With the defaults this equals `paper_layer_bytes`. `norm_stats` adds the norms' saved
+    statistics (fp32), which the paper leaves out; `terms` describes another block
+    (`block_terms`)."""
     sbh = s * b * h
     rep = sp and t or 1                     # replicated terms are split only under SP
     if recompute == "full":
         return sbh * act_bytes / rep
-    replicated = 4 * sbh * act_bytes + (2 * sbh if dropout else 0)
-    split = 12 * sbh * act_bytes
+    whole = terms.gathered if sp and t > 1 else 0.0
+    replicated = ((terms.replicated - whole) * sbh * act_bytes + (2 * sbh if dropout else 0)) \
+        + rep * whole * sbh * act_bytes
+    split = terms.split * sbh * act_bytes
     if recompute == "selective":
         scores = 0.0
     elif fused_attention:
         scores = a * s * b * 4   # log-sum-exp (fp32); the kernel output is the proj input
     else:
         scores = a * s * s * b * (2 * act_bytes + 1) if dropout else a * s * s * b * act_bytes
-    stats = 2 * 2 * s * b * 4 / rep if norm_stats else 0.0
+    stats = terms.norm_stats * s * b * 4 / rep if norm_stats else 0.0
     return replicated / rep + (split + scores) / t + stats
 
 
 def head_bytes(s: int, b: int, h: int, vocab_local: int, act_bytes: int,
-               logits_bytes: int = 4, whole_vocab: int | None = None) -> float:
+               logits_bytes: int = 4, whole_vocab: int | None = None,
+               terms: BlockTerms = BlockTerms()) -> float:
     """What the last stage keeps beyond its blocks, per micro-batch: the final norm's input and
     output, the softmax of this rank's vocabulary slice (fp32, as the paper's 4 s b v / t) and
     the int64 targets with two boolean masks of the vocab-parallel cross-entropy (and the count
@@ -75,17 +121,20 @@ def head_bytes(s: int, b: int, h: int, vocab_local: int, act_bytes: int,
     At t = 1 (`whole_vocab` = the true vocabulary) torch's fused cross-entropy runs instead: it
     keeps the log-softmax of the true (unpadded) vocabulary, the targets and a 4-byte weight sum,
     no masks."""
-    norm = s * b * 2 * h * act_bytes + 2 * s * b * 4
+    norm = s * b * terms.final_norm * h * act_bytes + terms.final_stats * s * b * 4
     if whole_vocab is not None:
         return norm + s * b * (whole_vocab * logits_bytes + 8) + 4 + 8
     return norm + s * b * (vocab_local * logits_bytes + 8 + 2) + 8
 
 
-def embedding_bytes(s: int, b: int, h: int, dropout: bool, sp_t: int = 1) -> float:
+def embedding_bytes(s: int, b: int, h: int, dropout: bool, sp_t: int = 1,
+                    terms: BlockTerms = BlockTerms()) -> float:
     """What the first stage keeps beyond its blocks, per micro-batch: the int64 token ids (s + 1
-    per sequence: inputs and labels are views of one tensor), the position ids and, with
-    dropout, the embedding dropout mask (1 byte per element; split by t under SP)."""
-    return (s + 1) * b * 8 + s * 8 + (s * b * h / sp_t if dropout else 0)
+    per sequence: inputs and labels are views of one tensor), the position ids (a learned
+    position embedding) and, with dropout, the embedding dropout mask (1 byte per element;
+    split by t under SP)."""
+    return (s + 1) * b * 8 + (s * 8 if terms.position_ids else 0) + \
+        (s * b * h / sp_t if dropout else 0)
 
 
 @dataclass

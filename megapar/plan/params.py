@@ -64,6 +64,60 @@ def piece_counts(config, tp: int) -> PieceCounts:
     return _pieces(json.dumps(config.to_dict(), sort_keys=True), tp)
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter tensor of a stage as the buffers see it."""
+
+    numel: int
+    dtype: object
+    """torch dtype."""
+    shared: bool = False
+    """The word embedding or its tied copy (`shared_embedding`): last in ZeRO-1's buckets."""
+    tied: bool = False
+    """A tied copy (held only by a last stage that is not also the first)."""
+
+
+def _specs(module) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(p.numel(), p.dtype, bool(getattr(p, "shared_embedding", False)),
+                            getattr(p, "tied_to", None) is not None)
+                 for p in module.parameters())
+
+
+@lru_cache(maxsize=64)
+def _piece_tensors(config_json: str, tp: int) -> tuple[tuple[TensorSpec, ...], ...]:
+    """(block, embedding, head) parameters of one tp rank, in registration order."""
+    import json
+
+    from megapar.models.config import config_from_dict
+
+    config = config_from_dict(json.loads(config_json))
+    return (_specs(_build(config, tp, range(1), False, False)),
+            _specs(_build(config, tp, range(0), True, False)),
+            _specs(_build(config, tp, range(0), False, True)))
+
+
+def stage_tensors(config, tp: int, pp: int, v: int, stage: int) -> list[TensorSpec]:
+    """The parameters one tp rank of pipeline rank `stage` holds, in the order
+    `model.parameters()` gives them (each chunk's embedding, blocks, then norm and head; the
+    tied copy only on a last chunk without the embedding). `tests/test_plan.py` checks it
+    against stages built on the meta device."""
+    import json
+
+    from megapar.pipeline.partition import stage_spec
+
+    block, embedding, head = _piece_tensors(json.dumps(config.to_dict(), sort_keys=True), tp)
+    specs = chunk_specs(config.num_layers, pp, stage, v) if v > 1 else \
+        [stage_spec(config.num_layers, pp, stage)]
+    out: list[TensorSpec] = []
+    for spec in specs:
+        if spec.pre_process:
+            out += embedding
+        out += block * len(spec.layers)
+        if spec.post_process:
+            out += [t for t in head if not (t.tied and spec.pre_process)]
+    return out
+
+
 def stage_layer_counts(num_layers: int, pp: int, v: int = 1) -> list[int]:
     """Blocks per pipeline rank as megapar-train cuts them (the first num_layers % pp stages +1;
     with v > 1 model chunks per rank, the blocks of its chunks, cut into pp * v slices)."""

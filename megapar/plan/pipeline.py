@@ -92,6 +92,19 @@ def _simulated(schedules, bwd_ratio: float, v: int, name: str) -> float:
 
 
 @lru_cache(maxsize=4096)
+def stage_held(name: str, pp: int, m: int, v: int, stage: int):
+    """What a stage holds at every point of its program (`megapar.pipeline.messages.held`:
+    micro-batches in flight per chunk, message buffers), or None when it is not simulated (the
+    formula of `in_flight` applies: its count spread evenly over the chunks)."""
+    if not (_registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS):
+        return None
+    from megapar.pipeline import messages
+    from megapar.pipeline.schedules import placement_of
+
+    return messages.held(messages.programs(name, pp, m, v), stage, placement_of(name))
+
+
+@lru_cache(maxsize=4096)
 def in_flight(name: str, pp: int, m: int, v: int = 1,
               simulate: bool = True) -> tuple[tuple[float, ...], str]:
     """Per stage, the peak of stored activations in units of *whole-stage* micro-batches (an

@@ -142,6 +142,17 @@ class TrainConfig:
     """Finish the step, save and exit 0 once the run has trained this many minutes (0: no limit)."""
     exit_interval: int = 0
     """Finish, save and exit 0 at the first step that is a multiple of N (0: never)."""
+    # --- rehearsal ---
+    dry_run: bool = False
+    """Rehearse the job on this CPU instead of training: the real start-up and one step's bookkeeping of each sampled rank of a --world-size job on a fake process group and fake tensors (no communication, no memory); prints each rank's weights, gradients, optimizer state, modelled activations, communication per step and checkpoint files, or fails with the error the job would give."""
+    world_size: int | None = None
+    """With --dry-run: ranks of the job (dp = world size / (tp x pp)); default tp x pp x dp."""
+    gpus_per_node: int = 8
+    """With --dry-run: ranks per node (which groups cross nodes)."""
+    dry_run_ranks: str = "sample"
+    """With --dry-run: the ranks to rehearse: sample (every stage, every tp rank, and the dp ranks whose state differs: the first, the last and, with --zero 1, one in the middle), all, or a list like 0,7,1023."""
+    json: bool = False
+    """With --dry-run: print one JSON object per rehearsed rank (figures in bytes) instead of text."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     debug: bool = False

@@ -29,8 +29,8 @@ DEFAULT_MODEL = "gpt2-tiny"
 class DataPlan:
     """What the launcher resolved before starting workers."""
 
-    prefix: str
-    """Tokenized dataset prefix (PREFIX.bin / .idx / .json)."""
+    prefix: str | None
+    """Tokenized dataset prefix (PREFIX.bin / .idx / .json); None for a dry run without data."""
     model_config: dict
     """The model config (a dict with model_type), vocab size matched to the tokenizer."""
 
@@ -218,13 +218,21 @@ def _take_special_ids(config, special_ids: dict | None) -> None:
 def resolve_model(cfg: TrainConfig, notes: list[str] | None = None,
                   manifest: dict | None = None):
     """The run's model config from --load / --model / --from-hf and the data's tokenizer (its
-    metadata only: nothing is tokenized), checked against --seq-len."""
+    metadata only: nothing is tokenized), checked against --seq-len. A dry run without its data
+    here keeps the model's own vocabulary."""
     from megapar.checkpoint.publish import has_checkpoint
 
     if cfg.load and manifest is None and (cfg.load_strict or has_checkpoint(cfg.load)):
         from megapar.training.validate import checkpoint_manifest
 
         manifest = checkpoint_manifest(cfg.load)  # every file checked
+    skipped = _dry_run_without_data(cfg)
+    if skipped is not None:
+        if notes is not None:
+            notes.append(f"dry run: data skipped ({skipped}); the model keeps its own "
+                         f"vocabulary and no batch indices are shown")
+        return resolve_model_config(cfg, _own_vocab(cfg, manifest), cfg.tokenizer,
+                                    manifest=manifest, notes=notes)
     vocab_size, tokenizer = data_tokenizer(cfg)
     gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
     return resolve_model_config(cfg, vocab_size, str(tokenizer.path), gpt_vocab, manifest,
@@ -235,11 +243,43 @@ def resolve_model(cfg: TrainConfig, notes: list[str] | None = None,
 def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
                  manifest: dict | None = None, config=None) -> DataPlan:
     """Tokenize --data (when it is text) and pair it with the model config (`config`, or
-    `resolve_model`'s)."""
+    `resolve_model`'s). A dry run without its data here has no prefix."""
     if config is None:
         config = resolve_model(cfg, notes, manifest)
-    prefix = resolve_data_prefix(cfg, notes)
+    prefix = None if _dry_run_without_data(cfg) else resolve_data_prefix(cfg, notes)
     return DataPlan(prefix=prefix, model_config=config.to_dict())
+
+
+def _dry_run_without_data(cfg: TrainConfig) -> str | None:
+    """Why a dry run goes on without data (None when it has some, or is no dry run): the
+    cluster's corpus is often not on the rehearsing machine, and the shipped sample never
+    stands in for the job's data."""
+    if not cfg.dry_run:
+        return None
+    if cfg.data is None:
+        return "no --data given"
+    try:
+        from megapar.data.blended import data_paths
+
+        for path in data_paths(cfg.data):
+            _text_or_prefix(cfg, path)
+    except FileNotFoundError as exc:
+        return str(exc)
+    return None
+
+
+def _own_vocab(cfg: TrainConfig, manifest: dict | None) -> int:
+    """The vocabulary the model itself declares (a checkpoint's, --from-hf's or the recipe's),
+    which a dry run without data keeps (training takes the data's tokenizer's)."""
+    from megapar.models.recipes import resolve_model as recipe
+
+    if manifest is not None:
+        return int(manifest["model"]["vocab_size"])
+    if cfg.from_hf:
+        from megapar.checkpoint.hf import HFReader
+
+        return HFReader(cfg.from_hf).config.vocab_size
+    return recipe(cfg.model or DEFAULT_MODEL).vocab_size
 
 
 def _samples(lengths, seq_len: int, model_type: str):

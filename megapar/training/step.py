@@ -118,14 +118,10 @@ class TrainStep:
                     sync_tied_embeddings(self.model, self.mesh)
         self.optimizer.attach(self.grad_sync, last, before)
 
-    def step(self, micro_batches: list[dict], step_index: int) -> StepResult:
-        self.optimizer.zero_grad()
-        if self.scheduler is not None:  # else the optimizer's lr (e.g. set by a torch scheduler)
-            self.optimizer.set_lr(self.scheduler.lr(step_index))
-        lr = self.optimizer.lr
-        scale = self.precision.loss_scale
-        with self.precision.autocast():
-            loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
+    def sync_gradients(self) -> None:
+        """After the schedule: sum what is partial over tp (sequence parallelism's replicated
+        parameters) and the tied embedding over the first and last stage (unless ZeRO-1's
+        grad_sync.finish() did that already)."""
         if self.partial_over_tp:  # under SP, LayerNorm etc. saw only this rank's positions
             from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
 
@@ -135,6 +131,16 @@ class TrainStep:
 
             set_action("tied-embedding gradient all-reduce (first + last stage)")
             sync_tied_embeddings(self.model, self.mesh)
+
+    def step(self, micro_batches: list[dict], step_index: int) -> StepResult:
+        self.optimizer.zero_grad()
+        if self.scheduler is not None:  # else the optimizer's lr (e.g. set by a torch scheduler)
+            self.optimizer.set_lr(self.scheduler.lr(step_index))
+        lr = self.optimizer.lr
+        scale = self.precision.loss_scale
+        with self.precision.autocast():
+            loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
+        self.sync_gradients()
         set_action("gradient inf/NaN check (all-reduce over all ranks)")
         skipped = self.precision.unscale_and_check(
             self.optimizer.grad_tensors() if self.sharded else self.params)

@@ -51,6 +51,7 @@ _RULES = [
     ("max_nonfinite_steps", "int", 1, True, (0, "never stop")),
     ("exit_interval", "int", 1, True, (0, "never")),
     ("exit_duration_mins", "float", 0.0, False, (0, "no limit")),
+    ("world_size", "int", 1, True), ("gpus_per_node", "int", 1, True),
 ]
 
 
@@ -107,6 +108,11 @@ def check_settings(cfg) -> None:
         raise UsageError(f"--grad-compression {cfg.grad_compression} cannot be combined with "
                          f"--zero 1: the distributed optimizer reduce-scatters the gradient "
                          f"buffer, the compressors compress an all-reduce; drop one of them")
+    rehearsal = [name for name in ("world_size", "gpus_per_node", "dry_run_ranks", "json")
+                 if name in explicit(cfg)]
+    if rehearsal and not cfg.dry_run:
+        raise UsageError(f"{_flag(rehearsal[0])} only applies to a rehearsal: add --dry-run (a "
+                         f"run's world size is the number of processes started)")
     if cfg.grad_compression != "none" and cfg.grad_reduce_dtype != "auto":
         raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} and --grad-compression "
                          f"{cfg.grad_compression} both choose how gradients travel; give one "
@@ -238,7 +244,9 @@ NOT_INHERITED = {
     # where things go and how the run is watched or stopped
     "model", "from_hf", "load", "load_strict", "save", "data_cache", "log_json", "tensorboard",
     "wandb_project", "progress", "debug", "timeout_s", "peak_tflops", "profile_steps",
-    "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval"}
+    "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval",
+    # a rehearsal
+    "dry_run", "world_size", "gpus_per_node", "dry_run_ranks", "json"}
 """Settings a --load run never takes from the checkpoint's saved train_config."""
 
 

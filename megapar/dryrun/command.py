@@ -1,0 +1,60 @@
+"""`megapar-train --dry-run`: rehearse the validated job rank by rank and print what each holds.
+
+`megapar.cli.train` validates the run exactly as for a real job (the same checks, the same
+one-line errors, exit code 2) with the job's --world-size as the world, then hands over here.
+A rank whose start-up or step fails in the rehearsal fails the way a worker of the job would:
+one line naming the rank and the error (exit code 1; --debug adds the traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+
+def rehearse(cfg, layout, plan, notes: list[str]) -> int:
+    """Rehearse the ranks --dry-run-ranks names; print each as it is done. Returns the exit code."""
+    from megapar.dryrun import parse_ranks, rehearse_rank
+    from megapar.dryrun import report
+    from megapar.models.config import config_from_dict
+    from megapar.plan.params import model_params
+
+    config = config_from_dict(plan.model_config)
+    try:
+        ranks = parse_ranks(cfg.dry_run_ranks, layout, cfg.zero)
+    except ValueError as exc:
+        print(f"megapar-train: error: {exc}", file=sys.stderr)
+        return 2
+    dataset = None
+    if plan.prefix is not None:
+        from megapar.training.data import build_datasets
+
+        dataset, _ = build_datasets(cfg, plan.prefix, config.model_type)
+    for note in notes:
+        print(f"megapar-train: {note}", file=sys.stderr)
+    first_save = cfg.save_interval if 0 < cfg.save_interval < cfg.max_steps else cfg.max_steps
+    step_dir = f"{cfg.save or '<--save>'}/step_{first_save:08d}"
+    out = sys.stdout
+    if not cfg.json:
+        print(report.describe_job(cfg, config, layout, cfg.gpus_per_node, model_params(config),
+                                  len(ranks)), file=out, flush=True)
+    start, reports = time.perf_counter(), []
+    for rank in ranks:
+        try:
+            r = rehearse_rank(cfg, config, layout, rank, cfg.gpus_per_node, dataset)
+        except Exception as exc:  # noqa: BLE001 - what the job's worker would die of, one line
+            tp, pp, dp = layout.coords(rank)
+            print(f"megapar-train: error: rank {rank} ({layout} coords tp={tp} pp={pp} dp={dp})"
+                  f" failed in the rehearsal: {type(exc).__name__}: {exc}", file=sys.stderr)
+            if cfg.debug:
+                traceback.print_exc()
+            return 1
+        reports.append(r)
+        print(json.dumps(r.to_json()) if cfg.json else report.describe_rank(r, step_dir),
+              file=out, flush=True)
+    if not cfg.json:
+        print(report.describe_checkpoint(reports, layout, step_dir), file=out)
+        print(report.footer(time.perf_counter() - start, len(reports)), file=out)
+    return 0

@@ -1,0 +1,208 @@
+"""One rank of the job, rehearsed: the real start-up and one step's bookkeeping on fake tensors.
+
+`rehearse_rank` runs, as rank r of the job's layout inside `fake_process_group` and `fake_tensors`:
+
+1. the real start-up: `Engine(cfg, config, mesh)` on the real `Mesh` (DeviceMesh, every group,
+   the rank order), so the stage is built (its layers, chunks, tp shards, padded vocabulary,
+   split or replicated kv heads) and initialised, the optimizer made (ZeRO-1 slices), the
+   gradient buffer cut into buckets and the pipeline executor set up, exactly as in a run;
+2. the executor on one micro-batch (the first one of the data, when there is data): every
+   chunk's forward and backward, its messages, the gradient buckets' reduction and the loss
+   broadcast, with every collective counted; then the gradient syncs after the schedule and the
+   optimizer step (which creates the optimizer state and, under ZeRO-1, all-gathers the
+   weights). A step of m micro-batches repeats the per-micro-batch part m times (each
+   micro-batch takes the same code path), so its traffic is the counted micro-batch's times m
+   plus the once-per-step part;
+3. what the first save would write: this (tp, pp) coordinate's shard file (name and exact size;
+   dp rank 0 writes it), laid out by the checkpoint writer's own `shard_contents`;
+4. the schedule's action list for the real m, its in-flight peak, and the planner's activation
+   model (`megapar.plan.stage_memory`) for this stage at that peak: activations are modelled,
+   not measured.
+
+Weights, gradients and optimizer state are the bytes of the distinct storages behind the real
+(fake) tensors: parameters (ZeRO-1: the flat parameter buffer, padding included), gradients
+(the gradient buffer) and every tensor of the optimizer's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from megapar.comm_count import count_collectives
+from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
+from megapar.mesh import Layout, Mesh
+
+NOT_RUN = ("the gradient-norm all-reduce (tp x pp, and dp under ZeRO-1), the loss all-reduce "
+           "over dp and fp16's overflow flag over all ranks: scalars whose values the step reads")
+"""Per-step collectives the rehearsal does not run (it has no values to read)."""
+
+
+@dataclass
+class RankReport:
+    """What one rank of the job holds and sends, in bytes unless named otherwise."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    node: int
+    """rank // ranks per node."""
+    params: int
+    """Parameter elements this rank holds (tied copy and vocabulary padding included)."""
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+    """Modelled: the planner's bytes per micro-batch of each chunk, weighted by the
+    micro-batches in flight on it at the worst point of this stage's action list."""
+    in_flight: float
+    """Most micro-batches in flight on this stage, from its action list (a chunk counts 1/V)."""
+    actions: int
+    """Actions in this stage's schedule for one step."""
+    buckets: int
+    """Gradient buckets (each one reduction per step)."""
+    comm: dict = field(default_factory=dict)
+    """{group: {"ranks": size, "crosses_nodes": bool, op: {"count": n, "bytes": b}}} per step."""
+    checkpoint_file: str = ""
+    checkpoint_bytes: int = 0
+    """Size of this coordinate's shard file in the first save."""
+    writes_checkpoint: bool = False
+    """This rank writes that file (dp rank 0 does)."""
+    first_batch: list | None = None
+    """Sample indices of this rank's micro-batches in the first global batch (with data)."""
+    notes: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _micro_batch(cfg, config, dataset, first_batch):
+    """The first micro-batch this rank trains on (real data), or zeros of its shapes."""
+    from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
+
+    if dataset is not None:
+        from megapar.data import collate
+
+        return collate([dataset[i] for i in first_batch[0]])
+    keys = BERT_KEYS if config.model_type == "bert" else DECODER_KEYS
+    return {k: torch.zeros(cfg.micro_batch_size, cfg.seq_len, dtype=torch.long) for k in keys}
+
+
+def _first_optimizer_step(optimizer, notes: list[str]) -> None:
+    """The optimizer step that creates its state (and, under ZeRO-1, all-gathers weights)."""
+    if optimizer.kind in ("lamb", "lars"):  # trust ratios read norms: resume-path state instead
+        optimizer.load_state_tensors({n: {k: torch.zeros_like(p) for k in optimizer.state_keys}
+                                      for n, p in optimizer.named})
+        notes.append(f"{optimizer.kind}: its step reads norms, so the optimizer state is the one "
+                     f"a resumed run loads, and its norm all-reduces are not counted")
+        return
+    optimizer.step()
+
+
+OP_NAMES = {"isend": "send", "irecv": "receive", "reduce_scatter_single": "reduce_scatter",
+            "reduce_scatter_tensor": "reduce_scatter", "all_gather_single": "all_gather",
+            "all_gather_into_tensor": "all_gather"}
+"""torch.distributed's functions by what they do."""
+
+
+def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) -> dict:
+    """{group: {"ranks": n, "crosses_nodes": bool, op: {"count", "bytes"}}} of `calls` (each
+    made `repeats[i]` times; default once), groups named after the mesh's (tp, pp, dp, mp,
+    embedding; "world" for the default group). Bytes are the whole tensor each call reduces,
+    gathers, scatters or sends (an all-gather's output, a reduce-scatter's input), so an
+    all-gather and the reduce-scatter it undoes weigh the same."""
+    import torch.distributed as dist
+
+    names = {}
+    for name in ("tp", "pp", "dp", "mp", "embedding"):
+        group = getattr(mesh, f"{name}_group")
+        if group is not None:
+            names.setdefault(tuple(dist.get_process_group_ranks(group)), name)
+    world = mesh.layout.world_size
+    out: dict = {}
+    for c, times in zip(calls, repeats or [1] * len(calls)):
+        ranks = c.ranks or tuple(range(world))
+        name = names.get(ranks, "world" if len(ranks) == world else f"group of {len(ranks)}")
+        op = OP_NAMES.get(c.op, c.op)
+        entry = out.setdefault(name, {"ranks": len(ranks),
+                                      "crosses_nodes": len({r // per_node for r in ranks}) > 1})
+        totals = entry.setdefault(op, {"count": 0, "bytes": 0})
+        totals["count"] += times
+        totals["bytes"] += times * c.bytes * (len(ranks) if op == "all_gather" else 1)
+    return out
+
+
+def rehearse_rank(cfg, config, layout: Layout, rank: int, gpus_per_node: int = 8,
+                  dataset=None) -> RankReport:
+    """Rank `rank` of a job of `layout` running `cfg` on model `config` (see the module
+    docstring); `dataset`: the training split, for the first batch (None: no data)."""
+    with fake_process_group(layout.world_size, rank):
+        mesh = Mesh(layout, rank)
+        with fake_tensors():
+            return _rehearse(cfg, config, mesh, gpus_per_node, dataset)
+
+
+def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankReport:
+    from megapar.checkpoint.distributed import planned_shard
+    from megapar.pipeline.schedules import in_flight_peak, schedule_actions
+    from megapar.training.data import make_sampler
+    from megapar.training.engine import Engine
+    import torch.distributed as dist
+
+    layout, notes = mesh.layout, []
+    m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
+    engine = Engine(cfg, config, mesh)
+    first_batch = None  # this rank's micro-batches of the first global batch (sample indices)
+    if dataset is not None:
+        first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
+        first_batch = [list(map(int, mb)) for mb in first]
+    with count_collectives() as run_calls:
+        with engine.precision.autocast():
+            engine.executor.run([_micro_batch(cfg, config, dataset, first_batch)],
+                                grad_sync=engine.grad_sync, loss_scale=engine.precision.loss_scale)
+    with count_collectives() as step_calls:
+        engine.step_fn.sync_gradients()
+        _first_optimizer_step(engine.optimizer, notes)
+    # inside the schedule, messages and tp collectives belong to the micro-batch; the bucket
+    # reductions, the loss broadcast and everything after the schedule to the step
+    tp_ranks = tuple(dist.get_process_group_ranks(mesh.tp_group)) if mesh.tp > 1 else ()
+    repeats = [m if c.op in ("isend", "irecv") or c.ranks == tp_ranks else 1
+               for c in run_calls] + [1] * len(step_calls)
+    comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
+    optimizer = engine.optimizer
+    # the file of this (tp, pp) coordinate, as its dp rank 0 writes it: every parameter with
+    # the optimizer's moments, each of its parameter's shape and dtype (what state_tensors()
+    # gives the writer; tied copies are not stored)
+    moments = {n: {k: p for k in optimizer.state_keys}
+               for n, p in engine.model.named_parameters()}
+    file, size = planned_shard(engine.model, mesh, moments)
+    actions = schedule_actions(cfg.schedule, layout.pp, m, mesh.pp_rank, cfg.virtual_stages)
+    activations = _modelled_activations(cfg, config, layout, mesh.pp_rank, actions)
+    in_flight = in_flight_peak(actions) / cfg.virtual_stages
+    return RankReport(
+        rank=mesh.rank, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, dp_rank=mesh.dp_rank,
+        node=mesh.rank // gpus_per_node, **held_bytes(engine.model, optimizer),
+        activations=activations, in_flight=in_flight, actions=len(actions),
+        buckets=len(engine.grad_sync.buckets), comm=comm, checkpoint_file=file,
+        checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0, first_batch=first_batch,
+        notes=notes)
+
+
+def _modelled_activations(cfg, config, layout: Layout, stage: int, actions) -> int:
+    """The planner's activation bytes of `stage` at the worst point of its action list."""
+    from megapar.plan import Candidate, Problem, stage_memory
+    from megapar.pipeline import messages
+    from megapar.pipeline.schedules import placement_of
+
+    problem = Problem(config, layout.world_size, global_batch=cfg.global_batch_size,
+                      seq_len=cfg.seq_len, precision=cfg.precision, master_weights="fp32",
+                      fused_attention=True)
+    candidate = Candidate(layout.tp, layout.pp, layout.dp, cfg.micro_batch_size, cfg.schedule,
+                          cfg.virtual_stages, cfg.recompute,
+                          bool(cfg.sequence_parallel and layout.tp > 1), cfg.zero)
+    m = len([a for a in actions if a.kind == "forward"]) // cfg.virtual_stages
+    held = messages.held(messages.programs(cfg.schedule, layout.pp, m, cfg.virtual_stages),
+                         stage, placement_of(cfg.schedule))
+    return int(stage_memory(problem, candidate, {stage: held})[stage].activations)

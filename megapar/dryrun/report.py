@@ -1,0 +1,105 @@
+"""What a dry run prints: the job, each rehearsed rank, the first checkpoint, what was not run.
+
+Text for people (`describe_job`, `describe_rank`, `describe_checkpoint`), or one JSON object per
+rank (`RankReport.to_json`) for scripts. Every figure but the activations is read off the real
+code's tensors and collectives; the activations are the planner's model, and say so.
+"""
+
+from __future__ import annotations
+
+from megapar.dryrun.rank import NOT_RUN, RankReport
+
+_OPS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter",
+        "all_gather": "all-gather"}
+
+
+def size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (B, KiB, ... TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} TiB"
+
+
+def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: int) -> str:
+    m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
+    mbs = f"{m} micro-batch{'' if m == 1 else 'es'}"
+    nodes = -(-layout.world_size // gpus_per_node)
+    v = f" V {cfg.virtual_stages}" if cfg.virtual_stages > 1 else ""
+    extras = [f"{cfg.precision}", f"recompute {cfg.recompute}"] + \
+        (["ZeRO-1"] if cfg.zero and layout.dp > 1 else []) + \
+        (["sequence parallel"] if cfg.sequence_parallel and layout.tp > 1 else [])
+    return (f"megapar-train --dry-run: {config.model_type} with {n_params:,} parameters on "
+            f"{layout.world_size:,} rank{'s' if layout.world_size > 1 else ''} (tp {layout.tp} x "
+            f"pp {layout.pp} x dp {layout.dp}, "
+            f"rank order {layout.order}; {nodes:,} node{'s' if nodes > 1 else ''} of "
+            f"{gpus_per_node}); schedule {cfg.schedule}{v}, {mbs} of "
+            f"{cfg.micro_batch_size} x {cfg.seq_len} tokens per step on each dp rank; "
+            f"{', '.join(extras)}\nrehearsing {ranks} rank{'s' if ranks > 1 else ''} on this "
+            f"CPU (fake process group, fake tensors: nothing is communicated or allocated)")
+
+
+GROUPS = ("tp", "pp", "dp", "embedding", "mp", "world")
+"""Order groups are listed in (others after)."""
+
+
+def _traffic(comm: dict) -> str:
+    parts = []
+    for group, entry in sorted(comm.items(), key=lambda kv: (
+            GROUPS.index(kv[0]) if kv[0] in GROUPS else len(GROUPS), kv[0])):
+        ops = ", ".join(f"{v['count']:,} {_OPS.get(op, op)}{'s' if v['count'] > 1 else ''} "
+                        f"{size(v['bytes'])}" for op, v in entry.items()
+                        if isinstance(v, dict))
+        where = "across nodes" if entry["crosses_nodes"] else "in a node"
+        parts.append(f"{group} ({entry['ranks']} ranks, {where}): {ops}")
+    return "; ".join(parts) or "nothing"
+
+
+def describe_rank(r: RankReport, step_dir: str) -> str:
+    lines = [f"rank {r.rank} (tp {r.tp_rank}, pp {r.pp_rank}, dp {r.dp_rank}; node {r.node}): "
+             f"{r.params:,} parameters; weights {size(r.weights)}, gradients {size(r.grads)}, "
+             f"optimizer {size(r.optimizer)}, activations {size(r.activations)} (modelled, "
+             f"{r.in_flight:g} micro-batch{'' if r.in_flight == 1 else 'es'} in flight at the "
+             f"peak of its {r.actions} actions)",
+             f"  per step: {_traffic(r.comm)} ({r.buckets} gradient bucket"
+             f"{'s' if r.buckets > 1 else ''})",
+             f"  checkpoint: {step_dir}/{r.checkpoint_file} {size(r.checkpoint_bytes)} "
+             + ("(this rank writes it)" if r.writes_checkpoint else
+                "(written by its dp rank 0)")]
+    if r.first_batch is not None:
+        flat = [i for mb in r.first_batch for i in mb]
+        shown = ", ".join(map(str, flat[:8])) + (", ..." if len(flat) > 8 else "")
+        lines.append(f"  first batch: samples {shown} ({len(r.first_batch)} micro-batch"
+                     f"{'es' if len(r.first_batch) > 1 else ''})")
+    lines += [f"  note: {n}" for n in r.notes]
+    return "\n".join(lines)
+
+
+def describe_checkpoint(reports: list[RankReport], layout, step_dir: str) -> str:
+    """The first save's shard files: their total when every stage's size is known (a sampled
+    writer per stage whose tp ranks all hold files of one size), else what was seen."""
+    sizes: dict[int, set[int]] = {}
+    seen: dict[str, int] = {}
+    for r in reports:
+        if r.writes_checkpoint:
+            sizes.setdefault(r.pp_rank, set()).add(r.checkpoint_bytes)
+            seen[r.checkpoint_file] = r.checkpoint_bytes
+    files = layout.tp * layout.pp
+    head = f"checkpoint of the first save: {step_dir}/ with {files:,} shard files"
+    tail = ", rng.safetensors and manifest.json (not sized)"
+    if len(seen) == files:
+        return f"{head}, {size(sum(seen.values()))} in all{tail}"
+    if len(sizes) == layout.pp and all(len(s) == 1 for s in sizes.values()):
+        total = sum(next(iter(s)) for s in sizes.values()) * layout.tp
+        return (f"{head}, {size(total)} in all (each stage's file size seen on its sampled "
+                f"writer; a stage's tp ranks hold equal shapes){tail}")
+    return f"{head}; {len(seen)} of them sized above{tail}"
+
+
+def footer(seconds: float, ranks: int) -> str:
+    return (f"communication: per step and group, the calls and the size of the tensors they "
+            f"reduce, gather or send (an all-gather's output, a reduce-scatter's input)\n"
+            f"not run: {NOT_RUN}\nactivations are modelled (megapar-plan's activation model at "
+            f"the schedule's in-flight peak); every other figure is the real code's tensors and "
+            f"collectives\nrehearsed {ranks} rank{'s' if ranks > 1 else ''} in {seconds:.1f} s")

@@ -1,0 +1,63 @@
+"""`megapar-plan --verify K`: the plan's bytes per rank against a dry run of the same job.
+
+For a planned layout, `verify_layout` dry-runs the job megapar-train would run (the plan's
+model, batch, sequence length, precision and layout) on the default sample of ranks, and
+compares each rank's weights, gradients and optimizer bytes and parameter count with what the
+planner counts for that rank (`megapar.plan.state.rank_state`). They must be equal to the byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FIELDS = ("params", "weights", "grads", "optimizer")
+
+
+@dataclass
+class Verified:
+    """One layout's verification."""
+
+    ranks: int
+    """Ranks dry-run."""
+    seconds: float
+    differences: list = field(default_factory=list)
+    """(rank, field, planned, dry run) wherever they differ."""
+    error: str = ""
+    """The error the job gave instead (a layout the plan accepts but megapar-train refuses)."""
+
+
+def train_config(problem, candidate):
+    """The megapar-train settings of a planned layout."""
+    from megapar.training.config import TrainConfig
+
+    c = candidate
+    return TrainConfig(tp=c.tp, pp=c.pp, dp=c.dp, micro_batch_size=c.mbs,
+                       global_batch_size=problem.global_batch, seq_len=problem.seq_len,
+                       schedule=c.schedule, virtual_stages=c.v, recompute=c.recompute,
+                       sequence_parallel=c.sp, zero=c.zero, precision=problem.precision,
+                       grad_bucket_mb=problem.grad_bucket_mb)
+
+
+def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
+    """Dry-run `candidate` (default ranks: `sample_ranks`) and compare with the plan."""
+    import time
+
+    from megapar.dryrun import dry_run, sample_ranks
+    from megapar.mesh import Layout
+    from megapar.plan.state import rank_state
+
+    c, start = candidate, time.perf_counter()
+    layout = Layout(c.tp, c.pp, c.dp)
+    ranks = sample_ranks(layout, c.zero) if ranks is None else ranks
+    try:
+        reports = dry_run(train_config(problem, c), problem.config, layout, ranks,
+                          problem.gpus_per_node, progress=progress)
+    except Exception as exc:  # noqa: BLE001 - reported: the plan accepted what the job refuses
+        return Verified(0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
+    out = Verified(len(reports), time.perf_counter() - start)
+    for r in reports:
+        planned = rank_state(problem.config, c.tp, c.pp, c.v, r.pp_rank, c.dp, r.dp_rank,
+                             c.zero, problem.grad_bucket_mb)
+        out.differences += [(r.rank, f, getattr(planned, f), getattr(r, f)) for f in FIELDS
+                            if getattr(planned, f) != getattr(r, f)]
+    return out

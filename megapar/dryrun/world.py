@@ -1,0 +1,77 @@
+"""One rank of an N-rank job inside this process: a fake process group and fake tensors.
+
+`fake_process_group(world_size, rank)` initialises torch.distributed's "fake" backend as `rank`
+of `world_size` (the real group construction runs: `Mesh` builds its DeviceMesh and every
+subgroup, but no collective communicates: each completes at once and leaves its tensors alone)
+and tears it down after; `fake_tensors()` is a `FakeTensorMode` (every tensor made inside has a
+shape, a dtype and a CPU device but no memory, and every operator runs its shape rule only). Nothing lives in a
+module global: each rank of a dry run gets its own group, one after the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int):
+    """Run the block as `rank` of a `world_size`-rank job on the fake process group, with the
+    CPU as the device (as a real rank would see its own GPU)."""
+    if dist.is_initialized():
+        raise RuntimeError("a dry run needs a process without a torch.distributed process group "
+                           "(it creates a fake one per rehearsed rank)")
+    cpu, hook = os.environ.get("MEGAPAR_CPU"), sys.excepthook
+    os.environ["MEGAPAR_CPU"] = "1"
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook  # torch's hook would prefix later tracebacks with "[rank R]:"
+        if cpu is None:
+            os.environ.pop("MEGAPAR_CPU", None)
+        else:
+            os.environ["MEGAPAR_CPU"] = cpu
+
+
+@contextlib.contextmanager
+def fake_tensors():
+    """Tensors made in the block are fake (shape, dtype, device; no memory, no values). Enter it
+    after the `Mesh`: DeviceMesh reads its rank grid's values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
+        # GradBuckets compares .grad and buffer-view data pointers (all 0 on fake tensors: it
+        # then treats every gradient as accumulated in place, which it is here)
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        yield
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once): what
+    they occupy in memory. Works alike on real and fake tensors."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
+def held_bytes(model, optimizer) -> dict[str, int]:
+    """What a rank holds besides activations: {"params": parameter elements, "weights",
+    "grads", "optimizer": bytes of the distinct storages behind the parameters, their gradients
+    and every tensor of the optimizer's state (Adam's step counters included)}."""
+    params = list(model.parameters())
+    state = [t for s in (optimizer.inner.state.values() if optimizer.inner else ())
+             for t in s.values()]
+    return {"params": sum(p.numel() for p in params), "weights": storage_bytes(params),
+            "grads": storage_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer": storage_bytes(state)}

@@ -1,0 +1,243 @@
+"""The dry run (`megapar-train --dry-run`): against real runs on forked gloo ranks, against the
+planner at the scale users plan for, and as a command (errors are the real job's)."""
+
+import json
+import os
+
+import pytest
+
+from megapar.dryrun import dry_run, parse_ranks, sample_ranks
+from megapar.dryrun.measure import measured_rank
+from megapar.mesh import Layout
+from megapar.models.recipes import resolve_model
+from megapar.plan.state import rank_state
+from megapar.training.config import TrainConfig
+
+
+# -- against real runs -------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe,schedule,recompute,zero,sp", [
+    ("gpt2-small-cpu", "1f1b", "none", 1, False),
+    ("gpt2-small-cpu", "interleaved", "selective", 0, False),
+    ("gpt2-small-cpu", "zb-h1", "full", 1, False), ("gpt2-small-cpu", "gpipe", "none", 0, False),
+    ("gpt2-small-cpu", "1f1b", "selective", 1, True),
+    ("llama-tiny", "interleaved", "none", 1, False)])
+def test_small_layout_equals_the_real_run(run, tmp_path, recipe, schedule, recompute, zero, sp):
+    """2x2x2 (gpt2-small-cpu: 4 layers, hidden 128; llama-tiny): every rank's weights,
+    gradients and optimizer bytes, its communication per step and its checkpoint file equal a
+    real run's; the modelled activation peak is within 2 % of the one measured with
+    saved-tensor hooks."""
+    from megapar.checkpoint.format import resolve_checkpoint
+
+    config = resolve_model(recipe)
+    cfg = TrainConfig(tp=2, pp=2, dp=2, seq_len=32, micro_batch_size=2, global_batch_size=16,
+                      schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1,
+                      recompute=recompute, zero=zero, sequence_parallel=sp, grad_bucket_mb=1.0)
+    real = run(measured_rank, 8, cfg.to_dict(), config.to_dict(), 2, str(tmp_path / "ckpt"))
+    step_dir = resolve_checkpoint(tmp_path / "ckpt")
+    dry = {r.rank: r for r in dry_run(cfg, config, Layout(2, 2, 2), list(range(8)))}
+    for meas in real:
+        d = dry[meas["rank"]]
+        assert (d.params, d.weights, d.grads, d.optimizer) == (
+            meas["params"], meas["weights"], meas["grads"], meas["optimizer"])
+        assert d.comm == meas["comm"]
+        assert d.checkpoint_bytes == os.path.getsize(step_dir / d.checkpoint_file)
+        assert d.activations == pytest.approx(meas["activations"], rel=0.02)
+
+
+# -- against the planner, at scale -------------------------------------------------------------
+SCALE = [  # (recipe, tp, pp, dp, schedule, V, zero, ranks rehearsed)
+    pytest.param("gpt3-175b", 8, 16, 8, "interleaved", 2, 1, [0, 519, 1016, 1023],
+                 id="gpt3-175b-1024-interleaved"),
+    pytest.param("gpt3-175b", 8, 16, 8, "1f1b", 1, 0, [0, 127, 1023],
+                 id="gpt3-175b-1024-1f1b"),
+    pytest.param("llama-70b", 8, 8, 1, "1f1b", 1, 0, [0, 63],
+                 id="llama-70b-64"),
+    pytest.param("llama-70b", 8, 4, 8, "1f1b", 1, 1, [0, 31, 255],
+                 id="llama-70b-256"),
+    pytest.param("llama-8b", 2, 2, 2, "zb-h1", 1, 1, [0, 3, 7], id="llama-8b-8"),
+    pytest.param("gpt2-1.5b", 1, 4, 4, "1f1b", 1, 1, [0, 3, 15], id="gpt2-1.5b-16"),
+    pytest.param("bert-large", 2, 2, 2, "1f1b", 1, 1, [0, 3, 6], id="bert-large-8"),
+]
+
+
+@pytest.mark.parametrize("recipe,tp,pp,dp,schedule,v,zero,ranks", SCALE)
+def test_planner_bytes_equal_the_dry_run_at_scale(recipe, tp, pp, dp, schedule, v, zero, ranks):
+    config = resolve_model(recipe)
+    layout = Layout(tp, pp, dp)
+    cfg = TrainConfig(tp=tp, pp=pp, dp=dp, seq_len=256, micro_batch_size=1,
+                      global_batch_size=dp * pp * 2, schedule=schedule, virtual_stages=v,
+                      zero=zero, precision="bf16")
+    for r in dry_run(cfg, config, layout, ranks):
+        planned = rank_state(config, tp, pp, v, r.pp_rank, dp, r.dp_rank, zero)
+        assert (planned.params, planned.weights, planned.grads, planned.optimizer) == (
+            r.params, r.weights, r.grads, r.optimizer), f"rank {r.rank}"
+
+
+def test_sample_covers_every_stage_tp_rank_and_dp_role():
+    layout = Layout(8, 16, 8)
+    ranks = sample_ranks(layout, zero=1)
+    coords = [layout.coords(r) for r in ranks]
+    assert len(set(ranks)) == len(ranks) == 16 + 2
+    assert {c[0] for c in coords} == set(range(8)) and {c[1] for c in coords} == set(range(16))
+    assert {c[2] for c in coords} == {0, 4, 7}  # first, a middle slice, the padded last
+    assert {c[1] for c in coords if c[2] == 0} == set(range(16))  # every stage's file writer
+    assert {layout.coords(r)[2] for r in sample_ranks(layout)} == {0, 7}  # no ZeRO: alike
+    assert sample_ranks(Layout(2, 1, 1)) == [0, 1]
+    assert parse_ranks("all", Layout(2, 1, 2)) == [0, 1, 2, 3]
+    assert parse_ranks("3,1,3", Layout(2, 1, 2)) == [1, 3]
+    with pytest.raises(ValueError, match="rank 4 is not in a job of 4 ranks"):
+        parse_ranks("4", Layout(2, 1, 2))
+
+
+# -- the command -------------------------------------------------------------------------------
+def _train(argv, capsys):
+    from megapar.cli.train import main
+
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_dry_run_prints_every_sampled_rank_and_the_checkpoint(capsys):
+    rc, out, err = _train(["--model", "gpt2-tiny", "--tp", "2", "--pp", "2", "--world-size",
+                           "8", "--dry-run", "--zero", "1", "--save", "/cluster/ckpt"], capsys)
+    assert rc == 0, err
+    assert "data skipped (no --data given)" in err
+    for rank in sample_ranks(Layout(2, 2, 2)):
+        assert f"\nrank {rank} (" in out
+    assert "/cluster/ckpt/step_00000300/model_tp00_pp00.safetensors" in out
+    assert "with 4 shard files" in out and "activations are modelled" in out
+    assert not os.path.exists("/cluster/ckpt")  # a rehearsal writes nothing
+
+
+def test_json_has_one_object_per_rank_with_bytes(capsys):
+    rc, out, err = _train(["--model", "llama-tiny", "--tp", "2", "--world-size", "4",
+                           "--dry-run", "--json", "--dry-run-ranks", "all"], capsys)
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        for key in ("tp_rank", "pp_rank", "dp_rank", "params", "weights", "grads", "optimizer",
+                    "activations"):
+            assert isinstance(r[key], int) and r[key] >= 0
+        assert r["weights"] == 4 * r["params"]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--tp", "7", "--pp", "16"],                                   # world not divisible
+    ["--tp", "8", "--pp", "8", "--dp", "4"],                        # tp*pp*dp != world
+    ["--tp", "8", "--pp", "16", "--schedule", "interleaved", "--virtual-stages", "8",
+     "--global-batch-size", "1536", "--micro-batch-size", "1"],     # 96 layers < 16 x 8 chunks
+    ["--tp", "8", "--pp", "16", "--schedule", "interleaved", "--virtual-stages", "2",
+     "--global-batch-size", "264", "--micro-batch-size", "1"],      # m = 33: not in 2 equal rounds
+])
+def test_a_layout_the_job_refuses_fails_with_the_jobs_message(capsys, monkeypatch, flags):
+    """The same line, exit code 2, as megapar-train under torchrun with 1024 processes."""
+    import megapar.cli.train as train
+
+    argv = ["--model", "gpt3-175b"] + flags
+    rc, _, dry = _train(argv + ["--dry-run", "--world-size", "1024"], capsys)
+    monkeypatch.setattr(train, "under_launcher", lambda: True)
+    monkeypatch.setattr(train, "launched_world_size", lambda: 1024)
+
+    def no_job(*args, **kwargs):  # validation passed: never start 1024 workers here
+        raise AssertionError("the job's validation accepted the layout")
+
+    monkeypatch.setattr(train, "run_workers", no_job)
+    job_rc, _, job = _train(argv, capsys)
+    assert rc == job_rc == 2
+    assert dry.strip().splitlines()[-1] == job.strip().splitlines()[-1]
+    assert dry.strip().splitlines()[-1].startswith("megapar-train: error: ")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--world-size", "8"], "--world-size only applies to a rehearsal: add --dry-run"),
+    (["--dry-run", "--world-size", "0"], "--world-size 0 is invalid"),
+    (["--dry-run", "--world-size", "4", "--dry-run-ranks", "4"], "rank 4 is not in a job of 4"),
+    (["--dry-run", "--world-size", "4", "--dry-run-ranks", "x"], "'x' is not a rank"),
+])
+def test_rehearsal_flags_are_checked(capsys, argv, message):
+    rc, _, err = _train(["--model", "gpt2-tiny"] + argv, capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) <= 3
+
+
+def test_with_data_the_first_batch_is_the_samplers(capsys, tmp_path):
+    """--data readable here: the sampled ranks show the sample indices the real sampler gives
+    them; --data not here: skipped, the rehearsal goes on."""
+    from megapar.cli.train import plan_run
+    from megapar.training.config import parse_args
+    from megapar.training.data import build_datasets, make_sampler
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: " + "some words here " * 40
+                                for i in range(60)))
+    argv = ["--model", "gpt2-tiny", "--data", str(text), "--data-cache", str(tmp_path / "c"),
+            "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--pp",
+            "2", "--world-size", "4", "--dry-run", "--json", "--dry-run-ranks", "all"]
+    rc, out, err = _train(argv, capsys)
+    assert rc == 0, err
+    cfg = parse_args(argv)
+    layout, plan = plan_run(cfg)
+    train, _ = build_datasets(cfg, plan.prefix, "gpt2")
+    for row in map(json.loads, out.splitlines()):
+        sampler = make_sampler(cfg, train, layout.dp, row["dp_rank"])
+        assert row["first_batch"] == [list(map(int, mb)) for mb in next(iter(sampler))]
+    rc, out, err = _train(["--model", "gpt2-tiny", "--data", str(tmp_path / "nowhere"),
+                           "--dry-run", "--world-size", "2"], capsys)
+    assert rc == 0 and "data skipped (--data" in err and "rank 1 (" in out
+
+
+def test_a_rank_failing_in_the_rehearsal_is_named_in_one_line(capsys, monkeypatch):
+    import megapar.training.engine as engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of something")
+
+    monkeypatch.setattr(engine.Engine, "__init__", broken)
+    rc, _, err = _train(["--model", "gpt2-tiny", "--dry-run", "--world-size", "2"], capsys)
+    assert rc == 1
+    assert err.strip().splitlines()[-1] == (
+        "megapar-train: error: rank 0 (tp=1 pp=1 dp=2 coords tp=0 pp=0 dp=0) failed in the "
+        "rehearsal: RuntimeError: out of something")
+
+
+# -- megapar-plan --verify ---------------------------------------------------------------------
+PLAN = ["--model", "gpt2-tiny", "--gpus", "8", "--global-batch-size", "32", "--seq-len", "64",
+        "--top", "2", "--schedules", "1f1b", "interleaved", "--micro-batch-sizes", "2"]
+
+
+def _plan(argv, capsys):
+    from megapar.cli.plan import main
+
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_plan_verify_dry_runs_the_best_layouts(capsys):
+    rc, out, err = _plan(PLAN + ["--verify", "2"], capsys)
+    assert rc == 0, out + err
+    lines = out.split("verifying the 2 best layouts")[1].strip().splitlines()[1:]
+    assert len(lines) == 2 and all("equal, 0 bytes apart" in line for line in lines)
+
+
+def test_plan_verify_reports_a_rank_the_plan_gets_wrong(capsys, monkeypatch):
+    import dataclasses
+
+    import megapar.plan.state as state
+
+    real = state.rank_state
+
+    def off_by_four(*args, **kwargs):  # a planner that forgets one step counter
+        held = real(*args, **kwargs)
+        return dataclasses.replace(held, optimizer=held.optimizer - 4)
+
+    monkeypatch.setattr(state, "rank_state", off_by_four)
+    rc, out, _ = _plan(PLAN + ["--verify", "1"], capsys)
+    assert rc == 1
+    assert "rank 0 optimizer: plan " in out and "(-4)" in out
+
+
+def test_plan_verify_needs_fp32_master_weights(capsys):
+    rc, _, err = _plan(PLAN + ["--verify", "1", "--master-weights", "separate"], capsys)
+    assert rc == 2 and "--verify compares the plan with what megapar-train holds" in err
