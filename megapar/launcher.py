@@ -31,8 +31,9 @@ import traceback
 from typing import Any, Callable
 
 from megapar import device as _device
-from megapar.blame import blame, state
-from megapar.diagnostics import diagnose
+from megapar.faults.blame import blame, state
+from megapar.faults.processes import die_with_parent, launcher_alive, pid_alive  # noqa: F401
+from megapar.faults.status import diagnose
 
 
 class WorkerError(RuntimeError):
@@ -44,39 +45,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-PR_SET_PDEATHSIG = 1
-_launcher_pid: int | None = None
-
-
-def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
-    """Kill this process (SIGKILL) as soon as `parent_pid`, its launcher, is gone: Linux's
-    ``prctl(PR_SET_PDEATHSIG)``, and on any OS a watchdog thread that notices the re-parenting."""
-    global _launcher_pid
-    _launcher_pid = parent_pid
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # the watchdog still works
-    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def watchdog():
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent_pid:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watchdog, name="megapar-parent-watchdog", daemon=True).start()
-
-
-def launcher_alive() -> bool:
-    """False once the launcher that started this worker has gone (True when there is none)."""
-    return _launcher_pid is None or os.getppid() == _launcher_pid
 
 
 def loopback_store(rank: int, world_size: int, port: int, timeout_s: float | None):
@@ -99,7 +67,7 @@ def loopback_store(rank: int, world_size: int, port: int, timeout_s: float | Non
 
 def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, parent,
             status, stacks):
-    from megapar import diagnostics
+    from megapar.faults import status as diagnostics
 
     die_with_parent(parent)
     diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))
@@ -146,7 +114,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
     after `collective_timeout_s` (default: megapar.device.DEFAULT_TIMEOUT_S).
 
     The process group is initialised before `fn` runs (RANK / WORLD_SIZE are in the
-    environment). Raises `WorkerError` naming the rank that caused the failure (`megapar.blame`), or a
+    environment). Raises `WorkerError` naming the rank that caused the failure (`megapar.faults.blame`), or a
     `TimeoutError` naming the ranks that had not finished after `timeout_s`. The signals named
     in `forward` are passed on to the workers; a second SIGINT aborts.
     """
@@ -211,12 +179,8 @@ def _remove_dead_stacks() -> None:
         pid = os.path.basename(path)[len(STACKS_PREFIX):].split("-", 1)[0]
         if not pid.isdigit():
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass
 
 
 def _drain(results, outputs: dict, errors: dict, block: float) -> None:
@@ -302,7 +266,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
                               LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun: die with its agent
             die_with_parent(os.getppid())
-        from megapar import diagnostics
+        from megapar.faults import status as diagnostics
 
         diagnostics.install(int(os.environ["RANK"]), on_sigterm=True)
         _device.init_distributed(timeout_s=collective_timeout_s)

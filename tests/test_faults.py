@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megapar.cli.train import main
 from megapar.data import asset_path
 from megapar.launcher import WorkerError, run_local
-from megapar.training.faults import NonFiniteError, NonFiniteGuard
+from megapar.faults.stop import NonFiniteError, NonFiniteGuard
 
 TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--warmup-steps", "1",
@@ -202,7 +202,7 @@ def _rank1_killed():
     t = torch.zeros(1)
     dist.all_reduce(t)
     if dist.get_rank() == 1:
-        from megapar.diagnostics import set_action, set_step
+        from megapar.faults.status import set_action, set_step
 
         set_step(7)
         set_action("forward of micro-batch 2")

@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+from megapar.faults.processes import pid_alive, process_start
+
 LOCK_NAME = "megapar.lock"
 HEARTBEAT_S = 30.0
 """How often the owner refreshes the lock file's modification time."""
@@ -43,28 +45,6 @@ STALE_AFTER_S = 300.0
 
 class SaveLockError(RuntimeError):
     """The save directory is in use by another live run."""
-
-
-def _proc_start(pid: int) -> str | None:
-    """An id of process `pid`'s start (boot id + start time in clock ticks; Linux), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            ticks = f.read().rsplit(")", 1)[1].split()[19]
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f"{f.read().strip()}:{ticks}"
-    except (OSError, IndexError):
-        return None
-
-
-def _pid_alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process: it exists
-    now = _proc_start(pid)
-    return start is None or now is None or now == start
 
 
 def _fs_now(directory: Path) -> float:
@@ -110,7 +90,7 @@ def owner_state(path: Path) -> tuple[str, dict | None, float | None]:
             pid = int(owner["pid"])
         except (KeyError, TypeError, ValueError):
             return "stale", owner, age
-        return ("live" if _pid_alive(pid, owner.get("proc_start")) else "stale"), owner, age
+        return ("live" if pid_alive(pid, owner.get("proc_start")) else "stale"), owner, age
     return ("live" if age <= STALE_AFTER_S else "stale"), owner, age
 
 
@@ -191,7 +171,7 @@ class SaveLock:
                                f"on {owner.get('host')} (started {owner.get('started')}), "
                                f"whose run is gone")
         record = {"host": socket.gethostname(), "pid": os.getpid(),
-                  "proc_start": _proc_start(os.getpid()),
+                  "proc_start": process_start(os.getpid()),
                   "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                   "command": self.command}
         os.ftruncate(fd, 0)

@@ -26,6 +26,7 @@ import socket
 from pathlib import Path
 
 from megapar.checkpoint.format import MANIFEST, fsync_dir
+from megapar.faults.processes import pid_alive
 
 OWNER = ".owner"
 
@@ -132,12 +133,9 @@ def _owner_gone(path: Path) -> bool:
     if owner.get("host") != socket.gethostname():
         return False
     try:
-        os.kill(int(owner["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, KeyError, ValueError):
+        return not pid_alive(int(owner["pid"]))
+    except (KeyError, ValueError):
         return False
-    return False
 
 
 def clean_stale(root: str | Path) -> list[str]:

@@ -104,7 +104,7 @@ def plot_file(path: str) -> str:
 def check_output_files(args) -> None:
     """--trace / --plot: files (not directories) in writable directories, checked before any
     work; args.plot becomes the file name matplotlib will actually write."""
-    from megapar.training.faults import check_writable
+    from megapar.training.validate import check_writable
 
     if args.trace:
         if os.path.isdir(os.path.expanduser(args.trace)):

@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megapar.data.preprocess import expand_inputs, preprocess_files, train_sentencepiece
 
     try:
-        from megapar.training.faults import check_writable
+        from megapar.training.validate import check_writable
 
         check_flags(args)
         expand_inputs(args.input)  # a missing input is reported before any training

@@ -144,7 +144,7 @@ def _check_ids(args, vocab_size: int) -> None:
 def logits_file(path: str) -> str:
     """The file `np.save(path, ...)` writes (it adds .npy when missing), checked up front:
     not a directory, and its directory writable (created if missing, as the run needs)."""
-    from megapar.training.faults import check_writable
+    from megapar.training.validate import check_writable
 
     target = os.path.expanduser(path)
     if os.path.isdir(target):
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
         import traceback
 
-        from megapar.training.failures import log_dir_for, worker_failure
+        from megapar.faults.report import log_dir_for, worker_failure
 
         text = str(exc) if isinstance(exc, WorkerError) else \
             f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"

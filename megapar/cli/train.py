@@ -27,8 +27,9 @@ from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import (
     DataPlan, build_datasets, max_samples, prepare_data, resolve_model,
 )
-from megapar.training.failures import log_dir_for, worker_failure
-from megapar.training.faults import check_outputs, parse_signals
+from megapar.faults.report import log_dir_for, worker_failure
+from megapar.faults.stop import parse_signals
+from megapar.training.validate import check_outputs
 from megapar.training.validate import (
     UsageError, adapt_defaults, check_load_path, check_resumable, check_settings,
     checkpoint_manifest, explicit, fit_batch_to_data, settings_from_checkpoint,
@@ -178,7 +179,7 @@ def _takes_save_lock() -> bool:
 
 
 def _worker(cfg: TrainConfig, plan: DataPlan):
-    from megapar.training.faults import install_stop_handlers
+    from megapar.faults.stop import install_stop_handlers
     from megapar.training.loop import train
 
     restore = install_stop_handlers(cfg.exit_signals)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapar.device import DEFAULT_TIMEOUT_S
-from megapar.diagnostics import set_action
+from megapar.faults.status import set_action
 from megapar.mesh import Mesh
 from megapar.pipeline import messages, split_backward
 from megapar.pipeline.clock import StepClock

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from megapar.diagnostics import set_action, set_step
+from megapar.faults.status import set_action, set_step
 from megapar.mesh import Mesh, all_reduce
 from megapar.training.build import build_stage
 from megapar.training.config import TrainConfig

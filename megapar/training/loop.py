@@ -22,7 +22,7 @@ from megapar.training.config import TrainConfig
 from megapar.training.data import DataPlan, batches, build_datasets, make_sampler
 from megapar.training.data import planned_samples
 from megapar.training.engine import dp_mean as _dp_mean
-from megapar.training.faults import NonFiniteError, NonFiniteGuard, RunStopped, StopRequests, \
+from megapar.faults.stop import NonFiniteError, NonFiniteGuard, RunStopped, StopRequests, \
     params_finite
 from megapar.training.profiling import StepProfiler
 from megapar.training.logging import (
@@ -125,7 +125,7 @@ class Trainer:
 
     # -- save / eval -------------------------------------------------------------------------
     def save(self) -> str:
-        from megapar.launcher import launcher_alive
+        from megapar.faults.processes import launcher_alive
 
         if not launcher_alive():
             raise RunStopped(f"the launcher is gone: step {self.step} not saved")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megapar.diagnostics import set_action
+from megapar.faults.status import set_action
 from megapar.mesh import Mesh, all_reduce
 from megapar.optim.clip import clip_grad_norm
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 import signal
 
+from megapar.faults.processes import stopped
+
 
 def _how(exitcode: int) -> str:
     if exitcode < 0:
@@ -24,12 +26,7 @@ def _how(exitcode: int) -> str:
 
 def state(proc) -> str:
     """"is stopped (SIGSTOP?)" when a live worker is stopped (Linux /proc), else ""."""
-    try:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            code = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-    return "is stopped (SIGSTOP / SIGTSTP?)" if code in ("T", "t") else ""
+    return "is stopped (SIGSTOP / SIGTSTP?)" if stopped(proc.pid) else ""
 
 
 _CONSEQUENTIAL = ("timed out", "timeout", "connection closed", "connection reset",

@@ -1,4 +1,4 @@
-"""Faults a run survives: numbers that stop being finite, stop requests.
+"""What stops a run on purpose: numbers that stop being finite, stop requests.
 
 - `NonFiniteGuard`: stops the run after N consecutive steps whose loss or gradient norm is not
   finite (fp16: N consecutive skipped steps, or an overflow at the loss-scale floor).
@@ -153,49 +153,3 @@ class StopRequests:
         if self.exit_interval and step % self.exit_interval == 0:
             return f"--exit-interval {self.exit_interval} reached at step {step}"
         return None
-
-
-# --- output locations -------------------------------------------------------------------------
-def check_writable(path: str, flag: str, kind: str = "dir") -> None:
-    """Raise ValueError unless `path` (a directory, or a file's directory) can be written now.
-
-    Creates the directory (as the run would) and writes and removes a probe file there, so a
-    read-only mount, an immutable directory or a path under /proc is found before any work."""
-    import errno
-
-    from megapar.checkpoint.format import probe_writable
-
-    target = os.path.expanduser(path)
-    directory = target if kind == "dir" else (os.path.dirname(os.path.abspath(target)) or ".")
-    if kind == "dir" and os.path.exists(target) and not os.path.isdir(target):
-        raise ValueError(f"{flag} {path} is a file, not a directory; choose a directory (or "
-                         f"remove the file)")
-    if kind == "file" and os.path.isdir(target):
-        raise ValueError(f"{flag} {path} is a directory; give a file name")
-    try:
-        probe_writable(directory)
-        if kind == "file" and os.path.exists(target):
-            with open(target, "a"):
-                pass
-    except OSError as exc:
-        reason = errno.errorcode.get(exc.errno, "") if exc.errno else ""
-        raise ValueError(f"{flag} {path} is not writable ({exc.strerror or exc}"
-                         f"{' ' + reason if reason else ''}); choose a location you can write "
-                         f"to") from None
-
-
-def check_outputs(cfg) -> None:
-    """Every output location of a training run, checked in the launching process."""
-    if cfg.save:
-        check_writable(cfg.save, "--save")
-    if cfg.log_json:
-        check_writable(cfg.log_json, "--log-json", kind="file")
-    if cfg.tensorboard:
-        check_writable(cfg.tensorboard, "--tensorboard")
-    if cfg.profile_steps:  # without --profile-steps nothing is written there
-        check_writable(cfg.profile_dir, "--profile-dir")
-    from megapar.data.blended import data_paths
-    from megapar.training.data import is_raw_text
-
-    if any(p is None or is_raw_text(os.path.expanduser(p)) for p in data_paths(cfg.data)):
-        check_writable(cfg.data_cache, "--data-cache")  # raw text is tokenized into it

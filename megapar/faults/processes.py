@@ -1,0 +1,83 @@
+"""Whether a process is alive, and workers that die with their launcher.
+
+One answer to "is that process still there?" for everything that must tell a live owner from a
+dead one: the save-directory lock, the leftovers of a crashed save, the stack directories of a
+launcher killed with -9, a stopped worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1
+_launcher_pid: int | None = None
+
+
+def process_start(pid: int) -> str | None:
+    """An id of process `pid`'s start (boot id + start time in clock ticks; Linux), or None: a
+    pid reused by another process after a reboot or a wrap-around has another one."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = f.read().rsplit(")", 1)[1].split()[19]
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}:{ticks}"
+    except (OSError, IndexError):
+        return None
+
+
+def pid_alive(pid: int, start: str | None = None) -> bool:
+    """Whether process `pid` of this host exists (another user's counts), and, when `start`
+    (its `process_start`) is given and can be read, is still the same process."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    except OSError:
+        return True  # cannot tell: never treat a possibly live owner as gone
+    now = process_start(pid) if start is not None else None
+    return start is None or now is None or now == start
+
+
+def stopped(pid: int) -> bool:
+    """Whether live process `pid` is stopped (SIGSTOP / SIGTSTP; Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return code in ("T", "t")
+
+
+def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Kill this process (SIGKILL) as soon as `parent_pid`, its launcher, is gone: Linux's
+    ``prctl(PR_SET_PDEATHSIG)``, and on any OS a watchdog thread that notices the re-parenting."""
+    global _launcher_pid
+    _launcher_pid = parent_pid
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes  # Linux only: prctl
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog still works
+    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def watchdog():
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watchdog, name="megapar-parent-watchdog", daemon=True).start()
+
+
+def launcher_alive() -> bool:
+    """False once the launcher that started this worker has gone (True when there is none)."""
+    return _launcher_pid is None or os.getppid() == _launcher_pid
