@@ -36,7 +36,7 @@ def compare(cfg, config, steps: int = 2, check_files: bool = True) -> list[dict]
     from megapar.dryrun.measure import measured_rank
     from megapar.launcher import run_local
     from megapar.mesh import Layout
-    from megapar.checkpoint.format import resolve_checkpoint
+    from megapar.checkpoint.publish import resolve_checkpoint
 
     layout = Layout(cfg.tp, cfg.pp, cfg.dp)
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from megapar.checkpoint.convert import checkpoint_info, convert_checkpoint
-from megapar.checkpoint.format import LATEST, RNG_FILE, read_manifest, resolve_checkpoint
+from megapar.checkpoint.format import LATEST, RNG_FILE
+from megapar.checkpoint.manifest import read_manifest
+from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.checkpoint.hf import gather_canonical
 from megapar.cli.convert import main
 from megapar.mesh import Layout, Mesh

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from megapar.checkpoint.distributed import load_checkpoint, save_checkpoint
-from megapar.checkpoint.format import (
-    CheckpointError, LATEST, RNG_FILE, ShardReader, read_manifest, resolve_checkpoint,
-)
+from megapar.checkpoint.format import CheckpointError, LATEST, RNG_FILE, ShardReader
+from megapar.checkpoint.manifest import read_manifest
+from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.checkpoint.hf import gather_canonical
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh

@@ -6,9 +6,9 @@ import pytest
 
 from megapar.checkpoint import convert as cv
 from megapar.checkpoint.distributed import load_checkpoint
-from megapar.checkpoint.format import (
-    CheckpointError, ShardReader, read_manifest, resolve_checkpoint, verify,
-)
+from megapar.checkpoint.format import CheckpointError, ShardReader
+from megapar.checkpoint.manifest import read_manifest, verify
+from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.convert import main
 from megapar.mesh import Layout, LayoutError, Mesh
 from megapar.training.build import build_stage

@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 
 from megapar.checkpoint.distributed import save_checkpoint
-from megapar.checkpoint.format import (
-    CheckpointError, ShardReader, ShardWriter, read_manifest, resolve_checkpoint, write_tensors,
-)
+from megapar.checkpoint.format import CheckpointError, ShardReader, ShardWriter, write_tensors
+from megapar.checkpoint.manifest import read_manifest
+from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.mesh import Layout, Mesh
 from megapar.models import BertConfig, GPT2Config, LlamaConfig
 from megapar.tensor_parallel.partition import shard_of

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from megapar.checkpoint.distributed import load_checkpoint
-from megapar.checkpoint.format import read_manifest
+from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.hf import gather_canonical
 from megapar.cli.convert import main
 from megapar.mesh import Layout, Mesh

@@ -7,7 +7,8 @@ import pytest
 
 from megapar.checkpoint import convert as cv
 from megapar.checkpoint.distributed import load_checkpoint
-from megapar.checkpoint.format import CheckpointError, read_manifest
+from megapar.checkpoint.format import CheckpointError
+from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.manifest import DIGEST
 from megapar.cli.convert import main
 from megapar.mesh import Layout, Mesh

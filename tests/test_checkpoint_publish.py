@@ -10,7 +10,9 @@ import torch
 
 from megapar.checkpoint import publish
 from megapar.checkpoint.distributed import load_checkpoint
-from megapar.checkpoint.format import CheckpointError, resolve_checkpoint, verify
+from megapar.checkpoint.format import CheckpointError
+from megapar.checkpoint.publish import resolve_checkpoint
+from megapar.checkpoint.manifest import verify
 from megapar.mesh import Layout, Mesh
 from megapar.training.build import build_stage
 from test_checkpoint_helpers import save_serial, tiny_config

@@ -26,7 +26,7 @@ def test_small_layout_equals_the_real_run(run, tmp_path, recipe, schedule, recom
     gradients and optimizer bytes, its communication per step and its checkpoint file equal a
     real run's; the modelled activation peak is within 2 % of the one measured with
     saved-tensor hooks."""
-    from megapar.checkpoint.format import resolve_checkpoint
+    from megapar.checkpoint.publish import resolve_checkpoint
 
     config = resolve_model(recipe)
     cfg = TrainConfig(tp=2, pp=2, dp=2, seq_len=32, micro_batch_size=2, global_batch_size=16,

@@ -309,7 +309,7 @@ def test_a_second_sigint_aborts_at_once(tmp_path, common):
 
 # --- one writer per --save directory ----------------------------------------------------------
 def _manifests(ckpt: Path) -> dict[str, dict]:
-    from megapar.checkpoint.format import verify
+    from megapar.checkpoint.manifest import verify
 
     return {p.name: verify(p) for p in sorted(ckpt.glob("step_*"))}
 

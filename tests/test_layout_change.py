@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megapar.checkpoint.format import read_manifest, resolve_checkpoint
+from megapar.checkpoint.manifest import read_manifest
+from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.convert import main as convert
 from megapar.cli.train import main as train
 from megapar.data import asset_path

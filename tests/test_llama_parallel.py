@@ -180,7 +180,8 @@ def test_checkpoint_from_before_a_config_field_existed_still_loads(tmp_path):
     field's default; a real difference is still refused."""
     import json
 
-    from megapar.checkpoint.format import CheckpointError, MANIFEST, resolve_checkpoint
+    from megapar.checkpoint.format import CheckpointError, MANIFEST
+    from megapar.checkpoint.publish import resolve_checkpoint
     from megapar.checkpoint.manifest import DIGEST
 
     path = resolve_checkpoint(_save(str(tmp_path / "ckpt"), 1))

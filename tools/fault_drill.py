@@ -98,7 +98,8 @@ class Run:
         saved = 0
         if (self.ckpt / "latest").exists():
             sys.path.insert(0, str(ROOT))
-            from megapar.checkpoint.format import CheckpointError, read_manifest
+            from megapar.checkpoint.format import CheckpointError
+            from megapar.checkpoint.manifest import read_manifest
 
             try:
                 saved = read_manifest(self.ckpt)["step"]

@@ -20,10 +20,10 @@ from typing import Callable
 import torch
 
 from megapar.checkpoint.format import (
-    FORMAT_NAME, FORMAT_VERSION, RNG_FILE, CheckpointError, ShardReader, ShardWriter,
-    dtype_from_name, dtype_name, file_record, fsync_dir, probe_writable, resolve_checkpoint,
-    set_latest, shard_file_name, staging_dir, step_dir_name, verify,
+    FORMAT_NAME, FORMAT_VERSION, RNG_FILE, CheckpointError, ShardReader, ShardWriter, dtype_from_name, dtype_name, file_record, fsync_dir, probe_writable, shard_file_name, staging_dir, step_dir_name,
 )
+from megapar.checkpoint.publish import resolve_checkpoint, set_latest
+from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.manifest import write_manifest
 from megapar.mesh import Layout, LayoutError, Mesh
 from megapar.models.config import config_from_dict

@@ -22,11 +22,10 @@ import torch
 import torch.distributed as dist
 
 from megapar.checkpoint.format import (
-    FORMAT_NAME, FORMAT_VERSION, RNG_FILE, CheckpointError, ShardReader, dtype_name,
-    publish, read_manifest, resolve_checkpoint, safetensors_size, shard_file_name, staging_dir,
-    verify_file, write_tensors,
+    FORMAT_NAME, FORMAT_VERSION, RNG_FILE, CheckpointError, ShardReader, dtype_name, safetensors_size, shard_file_name, staging_dir, step_dir_name, write_tensors,
 )
-from megapar.checkpoint.manifest import write_manifest
+from megapar.checkpoint.manifest import read_manifest, verify_file, write_manifest
+from megapar.checkpoint.publish import clean_stale, mark_owner, publish_step, resolve_checkpoint
 from megapar.mesh import Layout, Mesh
 
 # Config fields that do not change any parameter (dropouts, init std, vocab padding multiple):
@@ -166,8 +165,6 @@ def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dic
     if mesh.rank == 0:
         try:
             from megapar.checkpoint.lock import SaveLockError, check_unlocked
-            from megapar.checkpoint.publish import clean_stale, mark_owner
-
             check_unlocked(root, (os.getpid(), os.getppid()))  # another run writes root
             clean_stale(root)
             staging = staging_dir(root, f".tmp-step_{step}-")
@@ -226,7 +223,7 @@ def _finish(tmp: Path, root: Path, step: int, model, mesh: Mesh, meta, payloads)
                 "model": model.config.to_dict(), "meta": meta, "tensors": tensors,
                 "files": dict(sorted(files.items()))}
     write_manifest(tmp, manifest)
-    return publish(tmp, root, step)
+    return publish_step(tmp, root, step_dir_name(step))
 
 
 def check_model(manifest: dict, config, where) -> list[str]:

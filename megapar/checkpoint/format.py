@@ -21,7 +21,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import secrets
 from pathlib import Path
 
@@ -209,120 +208,7 @@ def staging_dir(parent: str | Path, prefix: str) -> Path:
     return path
 
 
-def set_latest(root: str | Path, step_name: str) -> None:
-    """Atomically point ``root/latest`` at a step directory."""
-    from megapar.checkpoint.publish import set_latest as _set_latest
-
-    _set_latest(root, step_name)
-
-
-def publish(tmp: Path, root: str | Path, step: int) -> Path:
-    """Rename a complete, fsynced staging directory to ``root/step_{N}`` and update `latest`,
-    crash-safely (see megapar/checkpoint/publish.py). An existing directory of the same step is
-    replaced (moved aside first, deleted after)."""
-    from megapar.checkpoint.publish import publish_step
-
-    return publish_step(tmp, root, step_dir_name(step))
-
-
 # --- reading -------------------------------------------------------------------------------
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The step directory of `path`: a step directory itself, or a ROOT (follows ``latest``)."""
-    path = Path(path)
-    if (path / MANIFEST).exists():
-        return path
-    from megapar.checkpoint import publish as pub
-
-    if (path / LATEST).exists():
-        name = (path / LATEST).read_text().strip()
-        if not re.fullmatch(r"step_\d+", name):  # never a path out of the root
-            raise CheckpointError(f"{path}/latest holds {name[:80]!r}, not the name of a step "
-                                  f"directory in {path} (step_N); write the step to resume "
-                                  f"there, or pass a step directory explicitly")
-        step = path / name
-        if not (step / MANIFEST).exists():
-            problem = pub.recover(path, step.name)
-            if problem is not None:
-                raise CheckpointError(f"{path}/latest points to {step.name}, which has no "
-                                      f"{MANIFEST} (deleted or moved?); {problem}; pass a step "
-                                      f"directory explicitly")
-        return step
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    newest = pub.newest_step(path)
-    if newest is not None:  # a crash before the first `latest` was written
-        return newest
-    raise CheckpointError(f"{path}: neither a checkpoint step directory (no {MANIFEST}) nor a "
-                          f"checkpoint root (no {LATEST} file); was the save interrupted?")
-
-
-def read_manifest(path: str | Path) -> dict:
-    """The manifest of a checkpoint (ROOT or step directory), with its version checked."""
-    from megapar.checkpoint.manifest import check_digest, check_manifest
-
-    step_dir = resolve_checkpoint(path)
-    raw = (step_dir / MANIFEST).read_bytes()
-    try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{step_dir / MANIFEST}: not valid JSON ({exc}); the file is "
-                              f"corrupted") from exc
-    if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{step_dir / MANIFEST}: format {manifest.get('format')!r} version "
-                              f"{manifest.get('version')!r}, this megapar reads {FORMAT_NAME!r} "
-                              f"version {FORMAT_VERSION}")
-    check_digest(step_dir, raw)
-    check_manifest(manifest, step_dir)
-    _upgrade_separate_qkv(manifest)
-    return manifest
-
-
-def _upgrade_separate_qkv(manifest: dict) -> None:
-    """Present a checkpoint written before attention's q, k, v were fused (separate
-    ``attn.q/k/v`` tensors) as one with the fused ``attn.qkv`` tensors of today's models: each
-    ``attn.qkv`` entry records its sources under ``fused_from`` and `ShardReader` fuses them
-    (`fuse_heads`) when read, so such checkpoints still load, convert and export."""
-    tensors, model = manifest["tensors"], manifest.get("model", {})
-    if model.get("model_type") not in ("gpt2", "bert"):  # Llama keeps q, k, v separate (GQA)
-        return
-    heads = model.get("n_head", model.get("num_attention_heads"))
-    for name in [n for n in tensors if n.endswith((".attn.q.weight", ".attn.q.bias"))]:
-        prefix, kind = name.rsplit(".attn.q.", 1)
-        sources = [f"{prefix}.attn.{x}.{kind}" for x in "qkv"]
-        if not all(src in tensors for src in sources):
-            continue
-        first = tensors[sources[0]]
-        grow = lambda shape: [3 * shape[0], *shape[1:]]  # noqa: E731
-        tensors[f"{prefix}.attn.qkv.{kind}"] = dict(
-            first, full_shape=grow(first["full_shape"]), local_shape=grow(first["local_shape"]),
-            fused_from={src: tensors.pop(src) for src in sources}, heads=heads)
-
-
-def verify_file(step_dir: Path, name: str, record: dict, checksum: bool = True) -> None:
-    """Check one file against its manifest record (existence, size, and sha256 if `checksum`)."""
-    path = step_dir / name
-    if not path.exists():
-        kind = "shard" if name.startswith("model_") else "file"
-        raise CheckpointError(f"missing {kind} {name} in {step_dir} (checkpoint incomplete or "
-                              f"files deleted); restore it or use another checkpoint")
-    size = path.stat().st_size
-    if size != record["bytes"]:
-        raise CheckpointError(f"{name}: {size} bytes, the manifest records {record['bytes']} "
-                              f"(file truncated or altered); restore it or use another checkpoint")
-    if checksum and file_record(path)["sha256"] != record["sha256"]:
-        raise CheckpointError(f"{name}: checksum mismatch (file altered or truncated); restore "
-                              f"it or use another checkpoint")
-
-
-def verify(path: str | Path, checksums: bool = True) -> dict:
-    """Check every file of a checkpoint (size and sha256); returns the manifest."""
-    step_dir = resolve_checkpoint(path)
-    manifest = read_manifest(step_dir)
-    for name, record in manifest["files"].items():
-        verify_file(step_dir, name, record, checksums)
-    return manifest
-
-
 class ShardReader:
     """Reads target shards of any tp layout from a checkpoint, through the canonical index space.
 

@@ -1,4 +1,5 @@
-"""The manifest's integrity: its own checksum, its schema, and its layout against its shards.
+"""A checkpoint's manifest: reading it (`read_manifest`), its integrity (its own checksum, its
+schema, its layout against its shards) and every file's against it (`verify`).
 
 ``manifest.sha256`` (next to ``manifest.json``, written just before it) holds the sha256 of the
 manifest's bytes: an edited manifest (a changed layout or ``n_layer``) is refused instead of
@@ -10,18 +11,20 @@ compares a shard file's own header with the manifest before any data is read.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
-from megapar.checkpoint.format import MANIFEST, CheckpointError, shard_file_name, write_json
+from megapar.checkpoint.format import (
+    FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, file_record, shard_file_name,
+)
+from megapar.checkpoint.publish import resolve_checkpoint
 
 DIGEST = "manifest.sha256"
 
 
 def write_manifest(step_dir: str | Path, manifest: dict) -> None:
     """Write ``manifest.sha256`` then ``manifest.json`` (the file that marks a step complete)."""
-    import json
-
     step_dir = Path(step_dir)
     text = json.dumps(manifest, indent=1)
     with open(step_dir / DIGEST, "w") as f:
@@ -101,3 +104,68 @@ def check_file_shapes(handle, fname: str, manifest: dict, step_dir) -> None:
             raise CheckpointError(f"{step_dir}/{fname}: {key} has shape {shape}, the manifest "
                                   f"records {tensors[name]['local_shape']}; the manifest does "
                                   f"not match its shards")
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The manifest of a checkpoint (ROOT or step directory), with its version checked."""
+    step_dir = resolve_checkpoint(path)
+    raw = (step_dir / MANIFEST).read_bytes()
+    try:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{step_dir / MANIFEST}: not valid JSON ({exc}); the file is "
+                              f"corrupted") from exc
+    if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{step_dir / MANIFEST}: format {manifest.get('format')!r} version "
+                              f"{manifest.get('version')!r}, this megapar reads {FORMAT_NAME!r} "
+                              f"version {FORMAT_VERSION}")
+    check_digest(step_dir, raw)
+    check_manifest(manifest, step_dir)
+    _upgrade_separate_qkv(manifest)
+    return manifest
+
+
+def _upgrade_separate_qkv(manifest: dict) -> None:
+    """Present a checkpoint written before attention's q, k, v were fused (separate
+    ``attn.q/k/v`` tensors) as one with the fused ``attn.qkv`` tensors of today's models: each
+    ``attn.qkv`` entry records its sources under ``fused_from`` and `ShardReader` fuses them
+    (`fuse_heads`) when read, so such checkpoints still load, convert and export."""
+    tensors, model = manifest["tensors"], manifest.get("model", {})
+    if model.get("model_type") not in ("gpt2", "bert"):  # Llama keeps q, k, v separate (GQA)
+        return
+    heads = model.get("n_head", model.get("num_attention_heads"))
+    for name in [n for n in tensors if n.endswith((".attn.q.weight", ".attn.q.bias"))]:
+        prefix, kind = name.rsplit(".attn.q.", 1)
+        sources = [f"{prefix}.attn.{x}.{kind}" for x in "qkv"]
+        if not all(src in tensors for src in sources):
+            continue
+        first = tensors[sources[0]]
+        grow = lambda shape: [3 * shape[0], *shape[1:]]  # noqa: E731
+        tensors[f"{prefix}.attn.qkv.{kind}"] = dict(
+            first, full_shape=grow(first["full_shape"]), local_shape=grow(first["local_shape"]),
+            fused_from={src: tensors.pop(src) for src in sources}, heads=heads)
+
+
+def verify_file(step_dir: Path, name: str, record: dict, checksum: bool = True) -> None:
+    """Check one file against its manifest record (existence, size, and sha256 if `checksum`)."""
+    path = step_dir / name
+    if not path.exists():
+        kind = "shard" if name.startswith("model_") else "file"
+        raise CheckpointError(f"missing {kind} {name} in {step_dir} (checkpoint incomplete or "
+                              f"files deleted); restore it or use another checkpoint")
+    size = path.stat().st_size
+    if size != record["bytes"]:
+        raise CheckpointError(f"{name}: {size} bytes, the manifest records {record['bytes']} "
+                              f"(file truncated or altered); restore it or use another checkpoint")
+    if checksum and file_record(path)["sha256"] != record["sha256"]:
+        raise CheckpointError(f"{name}: checksum mismatch (file altered or truncated); restore "
+                              f"it or use another checkpoint")
+
+
+def verify(path: str | Path, checksums: bool = True) -> dict:
+    """Check every file of a checkpoint (size and sha256); returns the manifest."""
+    step_dir = resolve_checkpoint(path)
+    manifest = read_manifest(step_dir)
+    for name, record in manifest["files"].items():
+        verify_file(step_dir, name, record, checksums)
+    return manifest

@@ -19,13 +19,14 @@ the only complete one of its step.
 from __future__ import annotations
 
 import json
+import re
 import os
 import secrets
 import shutil
 import socket
 from pathlib import Path
 
-from megapar.checkpoint.format import MANIFEST, fsync_dir
+from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError, fsync_dir
 from megapar.faults.processes import pid_alive
 
 OWNER = ".owner"
@@ -167,3 +168,31 @@ def clean_stale(root: str | Path) -> list[str]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
     return sorted(removed)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The step directory of `path`: a step directory itself, or a ROOT (follows ``latest``)."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    if (path / LATEST).exists():
+        name = (path / LATEST).read_text().strip()
+        if not re.fullmatch(r"step_\d+", name):  # never a path out of the root
+            raise CheckpointError(f"{path}/latest holds {name[:80]!r}, not the name of a step "
+                                  f"directory in {path} (step_N); write the step to resume "
+                                  f"there, or pass a step directory explicitly")
+        step = path / name
+        if not (step / MANIFEST).exists():
+            problem = recover(path, step.name)
+            if problem is not None:
+                raise CheckpointError(f"{path}/latest points to {step.name}, which has no "
+                                      f"{MANIFEST} (deleted or moved?); {problem}; pass a step "
+                                      f"directory explicitly")
+        return step
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    newest = newest_step(path)
+    if newest is not None:  # a crash before the first `latest` was written
+        return newest
+    raise CheckpointError(f"{path}: neither a checkpoint step directory (no {MANIFEST}) nor a "
+                          f"checkpoint root (no {LATEST} file); was the save interrupted?")

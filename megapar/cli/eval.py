@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_model(args):
     from megapar.checkpoint.distributed import load_checkpoint
-    from megapar.checkpoint.format import read_manifest, resolve_checkpoint
+    from megapar.checkpoint.manifest import read_manifest
+    from megapar.checkpoint.publish import resolve_checkpoint
     from megapar.mesh import Mesh
     from megapar.models.config import config_from_dict
     from megapar.training.build import build_stage

@@ -22,7 +22,7 @@ from megapar.launcher import (
     WorkerError, check_local_workers, launched_world_size, run_workers, under_launcher,
 )
 from megapar.mesh import Layout, LayoutError
-from megapar.models.config import ConfigError, config_from_dict
+from megapar.models.config import ConfigError
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import (
     DataPlan, build_datasets, max_samples, prepare_data, resolve_model,

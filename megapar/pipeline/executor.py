@@ -37,7 +37,7 @@ from megapar.faults.status import set_action
 from megapar.mesh import Mesh
 from megapar.pipeline import messages, split_backward
 from megapar.pipeline.clock import StepClock
-from megapar.pipeline.p2p import CARRIES, P2PTimeoutError, StageP2P, wait_work
+from megapar.pipeline.p2p import P2PTimeoutError, StageP2P, wait_work
 from megapar.pipeline.schedules import (
     Action, MessageGroup, get_schedule, peer_of, placement_of, virtual_stage,
 )

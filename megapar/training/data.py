@@ -307,9 +307,9 @@ def split_for_training(cfg: TrainConfig, indexed, model_type: str):
         return None, None, None
     n = indexed.num_docs
     if n < 2:
-        return None, None, (f"no validation split: the data is one document; train on several "
-                            f"(paragraphs separated by blank lines, or megapar-data --split-lines)"
-                            f" or pass --val-fraction 0")
+        return None, None, ("no validation split: the data is one document; train on several "
+                            "(paragraphs separated by blank lines, or megapar-data --split-lines)"
+                            " or pass --val-fraction 0")
     perm = np.random.default_rng(cfg.seed).permutation(n)
     lengths = np.diff(indexed.doc_offsets)[perm].astype(np.int64)
     counts = _samples(lengths, cfg.seq_len, model_type)

@@ -226,7 +226,8 @@ def check_load_path(cfg) -> None:
 
 def checkpoint_manifest(path: str) -> dict:
     """The manifest of a --load checkpoint after checking every file it lists (size, sha256)."""
-    from megapar.checkpoint.format import CheckpointError, verify
+    from megapar.checkpoint.format import CheckpointError
+    from megapar.checkpoint.manifest import verify
 
     if not os.path.exists(os.path.expanduser(path)):
         raise UsageError(f"--load {path}: no such checkpoint directory; pass a directory written by --save "
