@@ -143,6 +143,10 @@ class Mesh:
     norm) and `embedding_group` (the tied embedding's first and last stage) come on top.
     """
 
+    timeout_s: float = _device.DEFAULT_TIMEOUT_S
+    """How long a context-parallel exchange may wait (gloo; NCCL: the process group's timeout);
+    `from_env` sets it from the run's timeout."""
+
     sequence_parallel: bool = False
     """Megatron sequence parallelism: outside the tp regions activations are split along the
     sequence over the tp group (`tensor_parallel/sequence_parallel.py`). Set it on the mesh
@@ -230,8 +234,12 @@ class Mesh:
         layout = Layout.infer(world, tp, pp, dp, order, cp)
         if world > 1:
             _device.init_distributed(timeout_s=timeout_s)
-            return cls(layout, dist.get_rank())
-        return cls(layout, 0)
+            mesh = cls(layout, dist.get_rank())
+        else:
+            mesh = cls(layout, 0)
+        if timeout_s:
+            mesh.timeout_s = timeout_s
+        return mesh
 
     # sizes --------------------------------------------------------------------------------
     @property

@@ -24,8 +24,8 @@ from megapar.training.data import DataPlan, build_datasets, prepare_data
 from megapar.training.failures import log_dir_for, worker_failure
 from megapar.training.faults import check_outputs, parse_signals
 from megapar.training.validate import (
-    UsageError, adapt_defaults, check_load_path, check_resumable, check_settings,
-    checkpoint_manifest, fit_batch_to_data, settings_from_checkpoint,
+    UsageError, adapt_defaults, check_cp_seq_len, check_load_path, check_resumable,
+    check_settings, checkpoint_manifest, fit_batch_to_data, settings_from_checkpoint,
 )
 
 
@@ -48,9 +48,10 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         notes.extend(settings_from_checkpoint(cfg, manifest))
     check_settings(cfg)
     if under_launcher():
-        layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order)
+        layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order,
+                              cfg.cp)
     else:
-        layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order)
+        layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order, cfg.cp)
     notes.extend(adapt_defaults(cfg, layout.dp))
     per_step = cfg.micro_batch_size * layout.dp
     if cfg.micro_batch_size < 1 or cfg.global_batch_size % per_step:
@@ -80,6 +81,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     if cfg.sequence_parallel and cfg.seq_len % layout.tp:
         raise ValueError(f"--seq-len {cfg.seq_len} is not divisible by --tp {layout.tp}, which "
                          f"--sequence-parallel needs; choose a multiple of {layout.tp}")
+    check_cp_seq_len(cfg.seq_len, layout, cfg.sequence_parallel)
     from megapar.optim import LRScheduler
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks

@@ -273,3 +273,29 @@ def attention(q, k, v, spec: Spec, key_mask=None, kv_index=None, method: str = "
         spec = dataclasses.replace(spec, masks=DropoutMasks(spec.dropout_p, q.device))
     fn = RingAttention if method == "ring" else AllGatherAttention
     return fn.apply(q, k, v, key_mask, kv_index, spec)
+
+
+class LayerAttention:
+    """Context-parallel attention as one attention layer uses it: this rank's place in the cp
+    group, the method (`method_for`; an attribute, so it can be switched) and, for the ring, the
+    layer's `Ring` (made on first use). Holds no parameters and no global state."""
+
+    def __init__(self, mesh, causal: bool, method: str, label: str = "self-attention"):
+        if method not in METHODS:
+            raise ValueError(f"unknown context-parallel attention {method!r}; expected one of "
+                             f"{METHODS}")
+        self.mesh, self.causal, self.method, self.label = mesh, causal, method, label
+        self.ring = None
+
+    def __call__(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0):
+        mesh = self.mesh
+        if self.method == "ring":
+            if self.ring is None:
+                from megapar.context_parallel.ring import Ring
+
+                self.ring = Ring(mesh.cp_group, mesh.timeout_s)
+            comm = self.ring
+        else:
+            comm = mesh.cp_group
+        spec = Spec(mesh.cp, mesh.cp_rank, self.causal, comm, dropout_p, label=self.label)
+        return attention(q, k, v, spec, key_mask, kv_index, self.method)
