@@ -98,6 +98,10 @@ class TrainStep:
             getattr(p, "sequence_parallel", False) for p in self.params)
         """Some gradients are partial over tp and summed once per step: sequence parallelism's
         replicated parameters, Llama's replicated k / v heads."""
+        if mesh.cp > 1 and grad_sync is None:
+            raise ValueError("context parallelism needs grad_sync (a GradBuckets over "
+                             "mesh.dp_cp_group, average_over=mesh.dp): each cp rank's gradient "
+                             "is only its tokens' share until they are summed")
         self.sharded = getattr(optimizer, "zero", 0) == 1 and mesh.dp * mesh.cp > 1
         if self.sharded:
             self._attach()
