@@ -166,10 +166,19 @@ class _Pass:
         return _reduce(dk, self.kv_index, kv_heads), _reduce(dv, self.kv_index, kv_heads)
 
 
-def _result(acc: dict, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    keys = sorted(acc)
-    return (torch.cat([acc[k][0] for k in keys], dim=2).to(dtype),
-            torch.cat([acc[k][1] for k in keys], dim=2))
+def _result(acc: dict, q) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merged (out, lse) of every query row. out is [b, heads, s, d] laid out as
+    [b, s, heads, d] in memory, as torch's attention kernels return it, so that the caller's
+    transpose(1, 2).reshape(b, s, heads x d) is a view, not a copy kept by the next linear."""
+    b, heads, s, d = q.shape
+    out = torch.empty((b, s, heads, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = None
+    for (start, stop), (part, part_lse) in acc.items():
+        out[:, :, start:stop] = part
+        if lse is None:
+            lse = part_lse.new_empty((b, heads, s))
+        lse[:, :, start:stop] = part_lse
+    return out, lse
 
 
 class RingAttention(torch.autograd.Function):
@@ -185,7 +194,7 @@ class RingAttention(torch.autograd.Function):
             work.forward(source, kv[0], kv[1], acc)
             if handle is not None:
                 kv = ring.finish(handle)
-        out, lse = _result(acc, q.dtype)
+        out, lse = _result(acc, q)
         ctx.save_for_backward(q, k, v, out, lse, key_mask, kv_index)
         ctx.spec = spec
         return out
@@ -222,7 +231,7 @@ class AllGatherAttention(torch.autograd.Function):
         every = _gather(torch.stack([k, v]), spec)
         for source in range(spec.cp):
             work.forward(source, every[source, 0], every[source, 1], acc)
-        out, lse = _result(acc, q.dtype)
+        out, lse = _result(acc, q)
         ctx.save_for_backward(q, k, v, out, lse, key_mask, kv_index)
         ctx.spec = spec
         return out
