@@ -14,6 +14,7 @@ from megapar.models import GPT2Config, build_model
 from megapar.plan import Candidate, Problem, check, parse_candidate, stage_memory
 from megapar.plan import memory as mem
 from megapar.plan.estimate import cp_traffic
+from tp_utils import saved_bytes
 
 S, B, H, HEADS = 32, 3, 32, 4
 
@@ -24,18 +25,9 @@ def _saved_at_cp2():
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = build_model(config, Mesh(Layout(cp=2), dist.get_rank()), range(2), False, False)
     model.init_weights(0)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     hidden = torch.randn(B, S // 2, H, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(hidden, {})
-    return sum(saved.values()) + out.untyped_storage().nbytes()
+    saved, out = saved_bytes(model, lambda: model(hidden, {}))
+    return saved + out.untyped_storage().nbytes()
 
 
 def test_cp_activation_prediction_equals_bytes_a_cp_rank_saves():

@@ -181,6 +181,21 @@ def _result(acc: dict, q) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
+def _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec):
+    """The merged output; what backward needs is kept (this rank's blocks only)."""
+    out, lse = _result(acc, q)
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, kv_index)
+    ctx.spec = spec
+    return out
+
+
+def _backward_start(ctx):
+    """(saved tensors, spec, the per-source work, dq zeroed in the accumulation dtype)."""
+    saved = ctx.saved_tensors
+    q, _, _, _, _, key_mask, kv_index = saved
+    return saved, ctx.spec, _Pass(ctx.spec, q, key_mask, kv_index), wide(torch.zeros_like(q))
+
+
 class RingAttention(torch.autograd.Function):
     """Ring attention: K/V blocks passed around the cp group, overlapped with the attention."""
 
@@ -194,17 +209,12 @@ class RingAttention(torch.autograd.Function):
             work.forward(source, kv[0], kv[1], acc)
             if handle is not None:
                 kv = ring.finish(handle)
-        out, lse = _result(acc, q)
-        ctx.save_for_backward(q, k, v, out, lse, key_mask, kv_index)
-        ctx.spec = spec
-        return out
+        return _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, key_mask, kv_index = ctx.saved_tensors
-        spec = ctx.spec
-        work, ring, cp = _Pass(spec, q, key_mask, kv_index), spec.comm, spec.cp
-        dq = wide(torch.zeros_like(q))
+        (q, k, v, out, lse, _, _), spec, work, dq = _backward_start(ctx)
+        ring, cp = spec.comm, spec.cp
         kv, grads = torch.stack([k, v]), None
         with _replaying(spec):
             for i in range(cp):
@@ -231,19 +241,13 @@ class AllGatherAttention(torch.autograd.Function):
         every = _gather(torch.stack([k, v]), spec)
         for source in range(spec.cp):
             work.forward(source, every[source, 0], every[source, 1], acc)
-        out, lse = _result(acc, q)
-        ctx.save_for_backward(q, k, v, out, lse, key_mask, kv_index)
-        ctx.spec = spec
-        return out
+        return _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec)
 
     @staticmethod
     def backward(ctx, dout):
         from megapar.tensor_parallel.sequence_parallel import _reduce_scatter_flat
 
-        q, k, v, out, lse, key_mask, kv_index = ctx.saved_tensors
-        spec = ctx.spec
-        work = _Pass(spec, q, key_mask, kv_index)
-        dq = wide(torch.zeros_like(q))
+        (q, k, v, out, lse, _, _), spec, work, dq = _backward_start(ctx)
         every = _gather(torch.stack([k, v]), spec)
         with _replaying(spec):
             dkv = torch.stack([torch.stack(work.backward(source, every[source, 0],
