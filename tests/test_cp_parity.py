@@ -16,7 +16,7 @@ from megapar.models import BertConfig, GPT2Config, LlamaConfig
 from megapar.tensor_parallel.partition import gather_full, unpad
 from megapar.training.build import build_stage
 from megapar.training.step import BatchPlan
-from tp_utils import assert_close
+from tp_utils import assert_close, rel_err
 
 SEED, G, MBS, SEQ, VOCAB, H = 3, 4, 2, 16, 64, 32
 CONFIGS = {
@@ -185,3 +185,33 @@ def test_bf16_at_cp2_follows_bf16_at_cp1():
         for out in (o[i] for o in outs):
             assert abs(out["loss"] - ref["loss"]) / ref["loss"] < 1e-2, (run, out["loss"],
                                                                         ref["loss"])
+
+
+def _dropout_worker():
+    """GPT-2 at cp 2 with attention and residual dropout 0.1: recomputation (full, selective)
+    replays the same masks, so its gradients equal those of no recomputation; and dropout
+    changes the gradients."""
+    import torch.distributed as dist
+
+    out = {}
+    for p, recompute in ((0.1, "none"), (0.1, "full"), (0.1, "selective"), (0.0, "none")):
+        config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=H, n_layer=2, n_head=4,
+                            resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
+        mesh = Mesh(Layout(cp=2), dist.get_rank())
+        model = build_stage(config, mesh, SEED, recompute)  # seeds the dropout streams
+        batch = BatchPlan(G, G, 1).split(global_batch("gpt2"), 0)[0]
+        loss = model(None, batch)
+        loss.backward()
+        out[p, recompute] = (loss.item(), {n: q.grad.clone() for n, q in model.named_parameters()})
+    return out
+
+
+def test_attention_dropout_at_cp2_is_replayed_by_recomputation():
+    for out in run_local(_dropout_worker, 2):
+        loss, grads = out[0.1, "none"]
+        for mode in ("full", "selective"):
+            assert out[0.1, mode][0] == loss
+            for name, grad in grads.items():
+                assert_close(out[0.1, mode][1][name], grad, what=f"{mode} {name}")
+        plain = out[0.0, "none"][1]
+        assert max(rel_err(grads[n], plain[n]) for n in grads) > 1e-2
