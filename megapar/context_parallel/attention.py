@@ -42,7 +42,8 @@ import torch
 from megapar.context_parallel.kernels import (
     DropoutMasks, block_backward, block_forward, choose_kernel, merge, wide,
 )
-from megapar.context_parallel.split import chunk_ids
+from megapar.context_parallel.split import chunk_ids, split
+from megapar.tensor_parallel.sequence_parallel import _all_gather_flat, _reduce_scatter_flat
 
 METHODS = ("ring", "all-gather")
 
@@ -105,8 +106,6 @@ def _source_bias(key_mask, cp: int, source: int, dtype):
     """The additive key mask of source rank `source`'s block (None: no padding mask)."""
     if key_mask is None:
         return None
-    from megapar.context_parallel.split import split
-
     keep = split(key_mask, cp, source, dim=-1)[:, None, None, :]
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(
         ~keep, _lowest(dtype))
@@ -245,8 +244,6 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from megapar.tensor_parallel.sequence_parallel import _reduce_scatter_flat
-
         (q, k, v, out, lse, _, _), spec, work, dq = _backward_start(ctx)
         every = _gather(torch.stack([k, v]), spec)
         with _replaying(spec):
@@ -260,8 +257,6 @@ class AllGatherAttention(torch.autograd.Function):
 
 def _gather(kv: torch.Tensor, spec: Spec) -> torch.Tensor:
     """[cp, 2, b, kv heads, 2c, d]: every cp rank's stacked K/V block, in cp rank order."""
-    from megapar.tensor_parallel.sequence_parallel import _all_gather_flat
-
     out = torch.empty((spec.cp,) + kv.shape, dtype=kv.dtype, device=kv.device)
     _all_gather_flat(out, kv.contiguous(), spec.comm)
     return out
