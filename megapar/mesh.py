@@ -1,10 +1,16 @@
-"""The 3D device mesh: tensor (fastest) x pipeline x data (outermost) parallelism.
+"""The device mesh: tensor (fastest) x context x pipeline x data (outermost) parallelism.
 
-Global rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so the ranks of a tensor-parallel group
-are contiguous (they stay inside a node) and data parallelism crosses nodes. That is the default
-rank order "tp-pp-dp"; Megatron's "tp-dp-pp" puts pp outermost instead,
-rank = (pp_rank * dp + dp_rank) * tp + tp_rank, so the cheap point-to-point pipeline traffic
-crosses nodes and the data-parallel gradient reduction stays closer (see `RANK_ORDERS`).
+Global rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank, so the ranks of a
+tensor-parallel group are contiguous (they stay inside a node), a context-parallel group (the
+ranks that split each sequence, which exchange keys / values in every layer) comes next, as in
+Megatron, and data parallelism crosses nodes. That is the default rank order "tp-pp-dp";
+Megatron's "tp-dp-pp" puts pp outermost instead, rank = ((pp_rank * dp + dp_rank) * cp +
+cp_rank) * tp + tp_rank, so the cheap point-to-point pipeline traffic crosses nodes and the
+data-parallel gradient reduction stays closer (see `RANK_ORDERS`; cp is next to tp in both).
+
+Parameters are replicated over cp (each cp rank holds other tokens of the same sequences), so
+gradients are reduced over cp x dp (`dp_cp_group`, Megatron's data-parallel group with context
+parallelism), while the data is split over dp only (`dp_group`).
 
 There are no module-level process groups: code that communicates receives a `Mesh`.
 A 1x1x1 mesh needs no process group at all (every group is then None and every collective
@@ -28,7 +34,8 @@ class LayoutError(ValueError):
 
 RANK_ORDERS = ("tp-pp-dp", "tp-dp-pp")
 """How mesh coordinates map to global ranks, fastest-varying dimension first. tp is always
-fastest (tensor-parallel groups are contiguous ranks, inside a node)."""
+fastest (tensor-parallel groups are contiguous ranks, inside a node) and cp always next to it
+(so "tp-pp-dp" is tp-cp-pp-dp, "tp-dp-pp" is tp-cp-dp-pp)."""
 
 
 @dataclass(frozen=True)
@@ -43,9 +50,11 @@ class Layout:
     """Data-parallel size: model replicas that see different data."""
     order: str = "tp-pp-dp"
     """Rank order (`RANK_ORDERS`): "tp-pp-dp" (dp outermost) or "tp-dp-pp" (pp outermost)."""
+    cp: int = 1
+    """Context-parallel size: ranks that split every sequence (`megapar.context_parallel`)."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"--{name} must be an integer >= 1, got {value!r}")
@@ -55,64 +64,88 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    def coords4(self, rank: int) -> tuple[int, int, int, int]:
+        """(tp_rank, cp_rank, pp_rank, dp_rank) of a global rank."""
+        names, sizes = self.mesh_dims
+        coords = {}
+        for name, size in zip(reversed(names), reversed(sizes)):
+            rank, coords[name] = divmod(rank, size)
+        return coords["tp"], coords["cp"], coords["pp"], coords["dp"]
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(tp_rank, pp_rank, dp_rank) of a global rank."""
-        if self.order == "tp-dp-pp":
-            return rank % self.tp, rank // (self.tp * self.dp), (rank // self.tp) % self.dp
-        return rank % self.tp, (rank // self.tp) % self.pp, rank // (self.tp * self.pp)
+        """(tp_rank, pp_rank, dp_rank) of a global rank (`coords4` has its cp rank too)."""
+        tp, _, pp, dp = self.coords4(rank)
+        return tp, pp, dp
 
-    def rank(self, tp: int, pp: int, dp: int) -> int:
+    def rank(self, tp: int, pp: int, dp: int, cp: int = 0) -> int:
         """Global rank of mesh coordinates."""
         if self.order == "tp-dp-pp":
-            return (pp * self.dp + dp) * self.tp + tp
-        return (dp * self.pp + pp) * self.tp + tp
+            return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
 
     @property
     def mesh_dims(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """DeviceMesh dimension names and sizes, outermost first (row-major = `rank`)."""
         if self.order == "tp-dp-pp":
-            return ("pp", "dp", "tp"), (self.pp, self.dp, self.tp)
-        return ("dp", "pp", "tp"), (self.dp, self.pp, self.tp)
+            return ("pp", "dp", "cp", "tp"), (self.pp, self.dp, self.cp, self.tp)
+        return ("dp", "pp", "cp", "tp"), (self.dp, self.pp, self.cp, self.tp)
 
     def to_dict(self) -> dict:
-        """{"tp", "pp", "dp"} (plus "order" when it is not the default), as manifests store it."""
+        """{"tp", "pp", "dp"} (plus "cp" and "order" when they are not the defaults), as
+        manifests store it."""
         out = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        if self.cp != 1:
+            out["cp"] = self.cp
         if self.order != RANK_ORDERS[0]:
             out["order"] = self.order
         return out
 
     def __str__(self) -> str:
         order = "" if self.order == RANK_ORDERS[0] else f" order={self.order}"
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}{order}"
+        cp = f" cp={self.cp}" if self.cp != 1 else ""
+        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{order}"
 
     @staticmethod
     def infer(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-              order: str = "tp-pp-dp") -> "Layout":
-        """Layout for a world size; dp defaults to world_size / (tp * pp)."""
+              order: str = "tp-pp-dp", cp: int = 1) -> "Layout":
+        """Layout for a world size; dp defaults to world_size / (tp * cp * pp)."""
         if tp < 1 or pp < 1:
             raise LayoutError(f"--tp and --pp must be >= 1, got tp={tp} pp={pp}")
+        if cp < 1:
+            raise LayoutError(f"--cp must be >= 1, got {cp}")
+        split = tp * cp * pp
+        names = "tp*cp*pp" if cp > 1 else "tp*pp"
+        sizes = f"{tp}*{cp}*{pp}" if cp > 1 else f"{tp}*{pp}"
         if dp is None:
-            if world_size % (tp * pp):
+            if world_size % split:
                 raise LayoutError(
-                    f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}; "
-                    f"launch a multiple of {tp * pp} processes or change --tp/--pp")
-            dp = world_size // (tp * pp)
-        layout = Layout(tp, pp, dp, order)
+                    f"world size {world_size} is not divisible by {names} = {sizes}; "
+                    f"launch a multiple of {split} processes or change --tp/--pp"
+                    + ("/--cp" if cp > 1 else ""))
+            dp = world_size // split
+        layout = Layout(tp, pp, dp, order, cp)
         if layout.world_size != world_size:
             raise LayoutError(
-                f"world size {world_size} != tp*pp*dp = {tp}*{pp}*{dp} = {layout.world_size}; "
-                f"launch {layout.world_size} processes or change --tp/--pp/--dp")
+                f"world size {world_size} != {names}*dp = {sizes}*{dp} = {layout.world_size}; "
+                f"launch {layout.world_size} processes or change --tp/--pp/--dp"
+                + ("/--cp" if cp > 1 else ""))
         return layout
 
 
 class Mesh:
-    """This rank's view of the 3D mesh: its coordinates and its process groups.
+    """This rank's view of the mesh: its coordinates and its process groups.
 
     Built collectively (every rank must construct it, in the same order) on top of
-    `torch.distributed.device_mesh.DeviceMesh` with dims ("dp", "pp", "tp").
+    `torch.distributed.device_mesh.DeviceMesh` with dims ("dp", "pp", "cp", "tp") (or
+    ("pp", "dp", "cp", "tp")); `dp_cp_group` (gradients), `mp_group` (tp x pp: the gradient
+    norm) and `embedding_group` (the tied embedding's first and last stage) come on top.
     """
+
+    timeout_s: float = _device.DEFAULT_TIMEOUT_S
+    """How long a context-parallel exchange may wait (gloo; NCCL: the process group's timeout);
+    `from_env` sets it from the run's timeout."""
 
     sequence_parallel: bool = False
     """Megatron sequence parallelism: outside the tp regions activations are split along the
@@ -122,11 +155,11 @@ class Mesh:
     def __init__(self, layout: Layout, rank: int = 0):
         self.layout = layout
         self.rank = rank
-        self.tp_rank, self.pp_rank, self.dp_rank = layout.coords(rank)
+        self.tp_rank, self.cp_rank, self.pp_rank, self.dp_rank = layout.coords4(rank)
         self.device = _device.device()
         self.device_mesh = None
-        self.tp_group = self.pp_group = self.dp_group = None
-        self.mp_group = self.embedding_group = None
+        self.tp_group = self.cp_group = self.pp_group = self.dp_group = None
+        self.dp_cp_group = self.mp_group = self.embedding_group = None
         if layout.world_size == 1:
             return
         if not dist.is_initialized():
@@ -135,29 +168,44 @@ class Mesh:
                 f"initialised (run under megapar-train / torchrun)")
         world = dist.get_world_size()
         if world != layout.world_size:
+            split = "tp*cp*pp*dp" if layout.cp > 1 else "tp*pp*dp"
             raise LayoutError(
-                f"world size {world} != tp*pp*dp = {layout.tp}*{layout.pp}*{layout.dp} = "
+                f"world size {world} != {split} = "
+                f"{'*'.join(str(getattr(layout, n)) for n in split.split('*'))} = "
                 f"{layout.world_size}; launch {layout.world_size} processes or change the layout")
         from torch.distributed.device_mesh import init_device_mesh
 
         names, sizes = layout.mesh_dims
         self.device_mesh = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
         self.tp_group = self.device_mesh.get_group("tp")
+        self.cp_group = self.device_mesh.get_group("cp")
         self.pp_group = self.device_mesh.get_group("pp")
         self.dp_group = self.device_mesh.get_group("dp")
-        # Model-parallel (tp x pp) groups and embedding groups (first + last stage). new_group is
-        # collective over the whole world, so every rank creates every group in the same order.
-        for d in range(layout.dp):
-            ranks = [layout.rank(t, p, d) for p in range(layout.pp) for t in range(layout.tp)]
+        self.dp_cp_group = self.dp_group
+        # new_group is collective over the whole world, so every rank creates every group in
+        # the same order. Gradient reduction (cp x dp), model-parallel (tp x pp) and embedding
+        # groups (first + last stage):
+        L = layout
+        if L.cp > 1:
+            self.dp_cp_group = self._new_groups(
+                [[L.rank(t, p, d, c) for d in range(L.dp) for c in range(L.cp)]
+                 for p in range(L.pp) for t in range(L.tp)])
+        self.mp_group = self._new_groups(
+            [[L.rank(t, p, d, c) for p in range(L.pp) for t in range(L.tp)]
+             for d in range(L.dp) for c in range(L.cp)])
+        self.embedding_group = self._new_groups(
+            [sorted({L.rank(t, 0, d, c), L.rank(t, L.pp - 1, d, c)})
+             for d in range(L.dp) for c in range(L.cp) for t in range(L.tp)])
+
+    def _new_groups(self, all_ranks: list[list[int]]):
+        """Create one process group per rank list (collective: every rank creates all of
+        them, in the same order); returns the one holding this rank."""
+        mine = None
+        for ranks in all_ranks:
             group = dist.new_group(ranks)
-            if rank in ranks:
-                self.mp_group = group
-        for d in range(layout.dp):
-            for t in range(layout.tp):
-                ranks = sorted({layout.rank(t, 0, d), layout.rank(t, layout.pp - 1, d)})
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    self.embedding_group = group
+            if self.rank in ranks:
+                mine = group
+        return mine
 
     @classmethod
     def virtual(cls, layout: Layout, rank: int = 0, device: str = "meta") -> "Mesh":
@@ -168,30 +216,39 @@ class Mesh:
         """
         mesh = cls.__new__(cls)
         mesh.layout, mesh.rank = layout, rank
-        mesh.tp_rank, mesh.pp_rank, mesh.dp_rank = layout.coords(rank)
+        mesh.tp_rank, mesh.cp_rank, mesh.pp_rank, mesh.dp_rank = layout.coords4(rank)
         mesh.device = torch.device(device)
         mesh.device_mesh = None
-        mesh.tp_group = mesh.pp_group = mesh.dp_group = mesh.mp_group = None
-        mesh.embedding_group = None
+        mesh.tp_group = mesh.cp_group = mesh.pp_group = mesh.dp_group = mesh.mp_group = None
+        mesh.dp_cp_group = mesh.embedding_group = None
         return mesh
 
     @classmethod
     def from_env(cls, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 timeout_s: float | None = None, order: str = "tp-pp-dp") -> "Mesh":
+                 timeout_s: float | None = None, order: str = "tp-pp-dp",
+                 cp: int = 1) -> "Mesh":
         """Initialise torch.distributed from the environment (if needed) and build the mesh."""
         import os
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        layout = Layout.infer(world, tp, pp, dp, order)
+        layout = Layout.infer(world, tp, pp, dp, order, cp)
         if world > 1:
             _device.init_distributed(timeout_s=timeout_s)
-            return cls(layout, dist.get_rank())
-        return cls(layout, 0)
+            mesh = cls(layout, dist.get_rank())
+        else:
+            mesh = cls(layout, 0)
+        if timeout_s:
+            mesh.timeout_s = timeout_s
+        return mesh
 
     # sizes --------------------------------------------------------------------------------
     @property
     def tp(self) -> int:
         return self.layout.tp
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
 
     @property
     def pp(self) -> int:
@@ -210,8 +267,8 @@ class Mesh:
         return self.pp_rank == self.layout.pp - 1
 
     def stage_rank(self, pp_rank: int) -> int:
-        """Global rank of the rank with my tp and dp coordinates on pipeline stage `pp_rank`."""
-        return self.layout.rank(self.tp_rank, pp_rank, self.dp_rank)
+        """Global rank of the rank with my tp, cp and dp coordinates on stage `pp_rank`."""
+        return self.layout.rank(self.tp_rank, pp_rank, self.dp_rank, self.cp_rank)
 
     @cached_property
     def prev_stage_rank(self) -> int | None:
@@ -222,7 +279,8 @@ class Mesh:
         return None if self.is_last_stage else self.stage_rank(self.pp_rank + 1)
 
     def __repr__(self) -> str:
-        return (f"Mesh({self.layout}, rank={self.rank}: tp_rank={self.tp_rank} "
+        cp = f" cp_rank={self.cp_rank}" if self.layout.cp > 1 else ""
+        return (f"Mesh({self.layout}, rank={self.rank}: tp_rank={self.tp_rank}{cp} "
                 f"pp_rank={self.pp_rank} dp_rank={self.dp_rank})")
 
 

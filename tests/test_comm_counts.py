@@ -50,19 +50,22 @@ def micro_batches(kind: str) -> list[dict]:
 
 def make_step(kind: str, mesh: Mesh, recompute: str = "none", overrides: dict | None = None,
               zero: int = 0, bucket_mb: float | None = None, **step_kwargs):
+    """A TrainStep (1F1B) for `kind` on `mesh`; with `bucket_mb` its gradients are reduced over
+    cp x dp in buckets of that size."""
     from megapar.optim import LRScheduler, Precision, build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.training.step import TrainStep
 
     config = CONFIG_CLASSES[kind](**{**CONFIGS[kind], **(overrides or {})})
     model = build_stage(config, mesh, seed=0, recompute=recompute)
-    seq = SEQ // mesh.tp if mesh.sequence_parallel else SEQ
+    seq = SEQ // mesh.cp // (mesh.tp if mesh.sequence_parallel else 1)
     executor = PipelineExecutor(model, mesh, "1f1b", (MBS, seq, H))
     optimizer = build_optimizer(model, mesh, 1e-3, 0.1, zero=zero)
     if bucket_mb is not None:
         from megapar.data_parallel import GradBuckets
 
-        step_kwargs["grad_sync"] = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb)
+        step_kwargs["grad_sync"] = GradBuckets(list(model.parameters()), mesh.dp_cp_group,
+                                               bucket_mb, average_over=mesh.dp)
     return TrainStep(model, mesh, executor, optimizer, LRScheduler(1e-3, 1e-4, 0, 10, "constant"),
                      Precision("fp32", mesh.device), 1.0, **step_kwargs)
 
@@ -79,8 +82,9 @@ def _worker(kind: str, tp: int, sequence_parallel: bool = False):
     return calls
 
 
-def expected_tp_step(tp: int, kind: str = "gpt2") -> Counter:
-    bsh, bs = MBS * SEQ * H, MBS * SEQ
+def expected_tp_step(tp: int, kind: str = "gpt2", seq: int = SEQ) -> Counter:
+    """`seq`: the tokens of a sequence this rank holds (SEQ / cp under context parallelism)."""
+    bsh, bs = MBS * seq * H, MBS * seq
     per_micro_batch = 2 * L + 2 * L + 1 + 1   # layers fwd + bwd, embedding fwd, head bwd
     expected = Counter({("all_reduce", bsh, tp): M * per_micro_batch,
                         ("all_reduce", bs, tp): M * 3,    # vocab-parallel cross-entropy
@@ -102,7 +106,7 @@ def test_tp_step_does_megatrons_minimum_all_reduces(kind, tp):
         assert all(c.dtype == torch.float32 and c.bytes == 4 * c.numel for c in rank_calls)
 
 
-def expected_sp_step(kind: str, tp: int) -> Counter:
+def expected_sp_step(kind: str, tp: int, seq: int = SEQ) -> Counter:
     """Sequence parallelism: each all-reduce of b x s x h becomes an all-gather of the b x s/tp
     x h slices and a reduce-scatter of b x s x h (the same bytes on the wire), at the same
     places; the vocab-parallel embedding reduce-scatters its output (half an all-reduce's
@@ -110,7 +114,7 @@ def expected_sp_step(kind: str, tp: int) -> Counter:
     all-reduce, per step, of the replicated parameters' partial gradients (LayerNorms,
     row-parallel biases, BERT's head transform, the position and token-type embeddings, which
     see only this rank's positions)."""
-    bsh, bs, h = MBS * SEQ * H, MBS * SEQ, H
+    bsh, bs, h = MBS * seq * H, MBS * seq, H
     gathers = 2 * L + 2 * L + 1 + 1     # layers fwd + bwd, head fwd, embedding bwd
     scatters = 2 * L + 2 * L + 1 + 1    # layers fwd + bwd, head bwd, embedding fwd
     embeddings = {"gpt2": SEQ * h, "bert": SEQ * h + 2 * h + 2 * h, "llama": 0}[kind]
@@ -193,3 +197,61 @@ def test_zero1_reduce_scatters_and_all_gathers_the_buffer(pp):
         # optimizer memory: exp_avg + exp_avg_sq for 1/dp of the stage's elements (+ padding)
         assert base["state"] == 2 * base["params"]
         assert abs(out["state"] - base["state"] / dp) <= 2 * out["buckets"] * dp
+
+
+# --- context parallelism -----------------------------------------------------------------------
+def _cp_worker(tp: int, cp: int, sequence_parallel: bool, runs: list[tuple[str, str]]):
+    """For each (kind, recompute): the calls of one counted step, and the gradient buffer's
+    size."""
+    import torch.distributed as dist
+
+    mesh = Mesh(Layout(tp, 1, 1, cp=cp), dist.get_rank())
+    mesh.sequence_parallel = sequence_parallel
+    out = []
+    for kind, recompute in runs:
+        step = make_step(kind, mesh, recompute, bucket_mb=1000.0)  # one bucket
+        step.step(micro_batches(kind), 0)  # warm-up
+        with count_collectives(mesh.device) as calls:
+            step.step(micro_batches(kind), 1)
+        out.append((calls, sum(b.numel() for b in step.grad_sync.buffers.values())))
+    return out
+
+
+def expected_cp_step(kind: str, tp: int, cp: int, buffer: int, sp: bool = False,
+                     recompute: str = "none") -> Counter:
+    """Per layer and micro-batch, with this rank's K/V block of kv = 2 x b x s/cp x (kv heads
+    / tp) x head size elements: the ring (GPT-2, BERT) exchanges cp - 1 K/V blocks forward and
+    cp - 1 K/V plus cp dK/dV blocks backward (each an isend and an irecv of kv elements); the
+    all-gather (grouped-query Llama) all-gathers the K/V forward and again backward and
+    reduce-scatters their gradients (cp x kv in). Recomputation repeats the forward's. Per
+    micro-batch one all-reduce of the loss's (sum, count) over cp; per step the gradient buffer
+    is all-reduced over cp once. The tp collectives are those of s / cp tokens."""
+    seq = SEQ // cp
+    expected = Counter() if tp == 1 else \
+        expected_sp_step(kind, tp, seq) if sp else expected_tp_step(tp, kind, seq)
+    heads, kv_heads = 4, CONFIGS[kind].get("num_key_value_heads", 4)
+    kv = 2 * MBS * seq * (kv_heads // tp if kv_heads % tp == 0 else kv_heads) * (H // heads)
+    forwards = 2 if recompute in ("full", "selective") else 1  # the attention's, per layer
+    if kind == "llama":
+        expected[("all_gather_single", kv, cp)] += M * L * (forwards + 1)
+        expected[("reduce_scatter_single", cp * kv, cp)] += M * L
+    else:
+        for op in ("isend", "irecv"):
+            expected[(op, kv, cp)] += M * L * (forwards * (cp - 1) + (cp - 1) + cp)
+    expected[("all_reduce", 2, cp)] += M
+    expected[("all_reduce", buffer, cp)] += 1
+    return expected
+
+
+@pytest.mark.parametrize("tp,cp,sp", [(1, 2, False), (1, 4, False), (2, 2, False), (2, 2, True)])
+def test_cp_step_messages_and_bytes_are_the_analytic_ones(tp, cp, sp):
+    """GPT-2 and BERT (ring), grouped-query Llama (all-gather); at cp 2 also with full
+    recompute, which repeats the attention forward's messages in backward."""
+    runs = [(kind, "none") for kind in ("gpt2", "bert", "llama")]
+    if (tp, cp) == (1, 2):
+        runs += [("gpt2", "full"), ("llama", "full")]
+    for rank_results in run_local(_cp_worker, tp * cp, tp, cp, sp, runs):
+        for (kind, recompute), (calls, buffer) in zip(runs, rank_results):
+            assert summary(calls) == expected_cp_step(kind, tp, cp, buffer, sp, recompute), \
+                (kind, recompute)
+            assert all(c.dtype == torch.float32 and c.bytes == 4 * c.numel for c in calls)

@@ -12,6 +12,9 @@ ran. What runs here:
   this from deadlocking);
 - tensor, data (with ZeRO-1) and sequence parallelism, ZB-H1 with dp: the 3D parity test's
   layouts against the serial reference; bf16 against fp32;
+- context parallelism on NCCL (ring exchanges as group calls, the all-gather, the written-out
+  fp32 block kernel GPUs run): cp 2 for GPT-2, grouped-query Llama and BERT against one process,
+  and tp x cp x pp = 2 x 2 x 2 over 5 steps;
 - the collective counts of a tensor-parallel step on NCCL;
 - no host-device synchronisation inside a pipeline step (`torch.cuda.set_sync_debug_mode`);
 - the ZeRO-1 save's device memory: at most one bucket above training;
@@ -121,6 +124,26 @@ def test_3d_parity_on_eight_gpus(reference):
     runs = [(2, 2, 2, 0), (2, 2, 2, 1), (2, 2, 2, 0, "fp32", "zb-h1"),
             (2, 2, 2, 1, "fp32", "interleaved", 2, "tp-dp-pp"),
             (2, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", True)]
+    outs = run_gpus(_worker, 8, runs)
+    for i in range(len(runs)):
+        check_against(reference, [o[i] for o in outs])
+
+
+@pytest.mark.cuda(gpus=2)
+def test_context_parallel_matches_one_process_on_nccl():
+    from test_cp_parity import _worker, check
+
+    runs = [(kind, 1, 2, 1, 1, options) for kind in ("gpt2", "llama", "bert")
+            for options in ({}, {"recompute": "full"})]
+    check(runs, run_gpus(_worker, 2, runs))
+
+
+@pytest.mark.cuda(gpus=8)
+def test_4d_parity_on_eight_gpus(reference):
+    from test_parity_3d import _worker, check_against
+
+    runs = [(2, 2, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 2),
+            (2, 2, 1, 0, "fp32", "interleaved", 2, "tp-dp-pp", True, 2)]
     outs = run_gpus(_worker, 8, runs)
     for i in range(len(runs)):
         check_against(reference, [o[i] for o in outs])

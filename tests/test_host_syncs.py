@@ -6,6 +6,7 @@ those calls; a training step at tp 2 x pp 2 (GPT-2, BERT, grouped-query Llama wi
 from transformers configs, through `megapar.prepare`) makes the same number at 4 and at 8
 micro-batches, and none of them is on the micro-batch path (models, tensor-parallel layers,
 pipeline): only per-step work (checking the user's global batch, the gradient norm, the loss).
+The same holds at cp 2 x pp 2, where every attention layer exchanges keys and values.
 """
 
 import pytest
@@ -15,7 +16,8 @@ import megapar
 from megapar.launcher import run_local
 from sync_count import count_syncs
 
-PER_MICRO_BATCH = ("models/", "tensor_parallel/", "pipeline/", "data_parallel/")
+PER_MICRO_BATCH = ("models/", "tensor_parallel/", "pipeline/", "data_parallel/",
+                   "context_parallel/")
 
 
 def config(kind):
@@ -41,8 +43,8 @@ def batch(kind, m):
     return out
 
 
-def syncs_worker(kind):
-    engine = megapar.prepare(config(kind), tp=2, pp=2, micro_batch_size=1)
+def syncs_worker(kind, cp=1):
+    engine = megapar.prepare(config(kind), tp=2 // cp, cp=cp, pp=2, micro_batch_size=1)
     counts = {}
     for m in (4, 8):
         engine.train_step(batch(kind, m))  # the first step of a shape builds its executor
@@ -53,8 +55,10 @@ def syncs_worker(kind):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
-def test_a_steps_host_syncs_do_not_grow_with_micro_batches(kind):
-    for rank, counts in enumerate(run_local(syncs_worker, 4, kind)):
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_steps_host_syncs_do_not_grow_with_micro_batches(kind, cp):
+    """tp 2 x pp 2, and cp 2 x pp 2 (ring attention for GPT-2 / BERT, all-gather for Llama)."""
+    for rank, counts in enumerate(run_local(syncs_worker, 4, kind, cp)):
         assert counts[4] == counts[8], (rank, counts)
         assert 0 < sum(counts[8].values()) <= 8, (rank, counts[8])  # the loss at least
         inside = [where for _, where in counts[8] if where.startswith(PER_MICRO_BATCH)]

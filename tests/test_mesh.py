@@ -85,3 +85,52 @@ def test_mesh_rejects_wrong_world_size():
     from megapar.launcher import WorkerError
     with pytest.raises(WorkerError, match="world size 2 != tp\\*pp\\*dp = 2\\*2\\*1 = 4"):
         run_local(_wrong_world, 2)
+
+
+@pytest.mark.parametrize("order,expected", [
+    # (tp, cp, pp, dp) of ranks 0..7 at tp 2 x cp 2 x pp 2: cp right after tp, as Megatron
+    ("tp-pp-dp", [(0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (1, 1, 0, 0),
+                  (0, 0, 1, 0), (1, 0, 1, 0), (0, 1, 1, 0), (1, 1, 1, 0)]),
+    ("tp-dp-pp", [(0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (1, 1, 0, 0),
+                  (0, 0, 1, 0), (1, 0, 1, 0), (0, 1, 1, 0), (1, 1, 1, 0)]),
+])
+def test_rank_order_with_cp_next_to_tp(order, expected):
+    layout = Layout(2, 2, 1, order, cp=2)
+    for rank, (t, c, p, d) in enumerate(expected):
+        assert layout.coords4(rank) == (t, c, p, d)
+        assert layout.rank(t, p, d, c) == rank
+    four = Layout(1, 2, 2, order, cp=2)  # dp and pp both > 1: the orders differ
+    assert [four.coords4(r)[1:] for r in range(8)] == (
+        [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]
+        if order == "tp-pp-dp" else
+        [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1), (0, 1, 0), (1, 1, 0), (0, 1, 1), (1, 1, 1)])
+    assert Layout.infer(8, 2, 2, order=order, cp=2).dp == 1
+    assert str(layout).startswith("tp=2 cp=2 pp=2 dp=1")
+    assert layout.to_dict()["cp"] == 2 and "cp" not in Layout(2, 2, 2).to_dict()
+    assert Layout(**layout.to_dict()) == layout
+    with pytest.raises(LayoutError, match="not divisible by tp\\*cp\\*pp = 2\\*3\\*1"):
+        Layout.infer(8, 2, cp=3)
+
+
+def _describe_cp():
+    mesh = Mesh(Layout(1, 2, 2, cp=2), dist.get_rank())
+    return dict(cp=_members(mesh.cp_group), dp=_members(mesh.dp_group),
+                dp_cp=_members(mesh.dp_cp_group), mp=_members(mesh.mp_group),
+                emb=_members(mesh.embedding_group), next=mesh.next_stage_rank,
+                prev=mesh.prev_stage_rank)
+
+
+def test_cp_groups_of_every_rank():
+    """tp 1 x cp 2 x pp 2 x dp 2: the cp group splits sequences, gradients are reduced over cp
+    x dp, the pipeline and the tied embedding stay within one cp rank."""
+    layout = Layout(1, 2, 2, cp=2)
+    for rank, info in enumerate(run_local(_describe_cp, 8)):
+        t, c, p, d = layout.coords4(rank)
+        assert info["cp"] == [layout.rank(t, p, d, x) for x in range(2)]
+        assert info["dp"] == [layout.rank(t, p, x, c) for x in range(2)]
+        assert info["dp_cp"] == sorted(layout.rank(t, p, x, y) for x in range(2)
+                                       for y in range(2))
+        assert info["mp"] == [layout.rank(t, x, d, c) for x in range(2)]
+        assert info["emb"] == info["mp"]
+        assert (info["prev"], info["next"]) == ((None, layout.rank(t, 1, d, c)) if p == 0
+                                                else (layout.rank(t, 0, d, c), None))

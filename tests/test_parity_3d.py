@@ -80,8 +80,9 @@ def serial_reference() -> dict:
 
 def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            schedule: str = "1f1b", virtual_stages: int = 1, order: str = "tp-pp-dp",
-           sequence_parallel: bool = False) -> dict:
-    """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage."""
+           sequence_parallel: bool = False, cp: int = 1) -> dict:
+    """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage
+    (of every cp rank: they must agree)."""
     import torch.distributed as dist
 
     from megapar.data_parallel import GradBuckets
@@ -90,15 +91,15 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     from megapar.tensor_parallel.partition import gather_full
     from megapar.training.step import TrainStep
 
-    mesh = Mesh(Layout(tp, pp, dp, order), dist.get_rank())
+    mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank())
     mesh.sequence_parallel = sequence_parallel
     model = build_stage(config(), mesh, SEED, virtual_stages=virtual_stages)
-    seq = SEQ // tp if sequence_parallel else SEQ
+    seq = SEQ // cp // tp if sequence_parallel else SEQ // cp
     executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, CONFIG["n_embd"]),
                                 virtual_stages=virtual_stages)
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
-    grad_sync = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb=0.02) \
-        if dp > 1 else None
+    grad_sync = GradBuckets(list(model.parameters()), mesh.dp_cp_group, bucket_mb=0.02,
+                            average_over=dp) if dp * cp > 1 else None
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision(precision, mesh.device),
                      MAX_NORM, grad_sync)
     full_grads = {}
@@ -124,7 +125,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     cut = [n for n, p in model.named_parameters()
            if 0 < sum(e - s for q, s, e in getattr(optimizer, "_piece_of", []) if q is p)
            < p.numel()]
-    return {"layout": (tp, pp, dp, zero, schedule, order), "results": results,
+    return {"layout": (tp, pp, dp, zero, schedule, order, cp), "results": results,
             "weights": weights if keep else {}, "grads": full_grads if keep else {}, "cut": cut}
 
 
@@ -155,10 +156,12 @@ def check_against(reference: dict, per_rank: list[dict]) -> None:
         for out in per_rank:
             merged.update(out[key])
         assert set(merged) == expected, f"{layout}: parameter names differ"
-        for name, t in merged.items():
-            source = "embed.word.weight" if name == "head.weight" else name
-            what = f"{layout} {'first-step gradient' if key == 'grads' else 'final weight'} {name}"
-            assert_close(t, reference[key][source], what=what)
+        for rank, out in enumerate(per_rank):
+            for name, t in out[key].items():
+                source = "embed.word.weight" if name == "head.weight" else name
+                what = (f"{layout} rank {rank} "
+                        f"{'first-step gradient' if key == 'grads' else 'final weight'} {name}")
+                assert_close(t, reference[key][source], what=what)
 
 
 def test_reference_clips_every_step(reference):
@@ -184,6 +187,18 @@ def test_3d_parity_tp2_pp2_dp2_new_schedules(reference):
     outs = run_local(_worker, 8, [(2, 2, 2, 0, "fp32", "zb-h1"), (2, 2, 2, 1, "fp32", "zb-h1"),
                                   (2, 2, 2, 1, "fp32", "interleaved", 2, "tp-dp-pp")])
     for i in range(3):
+        check_against(reference, [o[i] for o in outs])
+
+
+def test_4d_parity_tp2_cp2_pp2(reference):
+    """tp x cp x pp x dp = 2 x 2 x 2 x 1 (context parallelism: each sequence split over 2
+    ranks, ring attention), with and without sequence parallelism, and with ZB-H1; cp 2 x dp 2
+    with ZeRO-1 (the optimizer state sharded over cp x dp) on 4 of the 8 ranks' worth."""
+    outs = run_local(_worker, 8, [(2, 2, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 2),
+                                  (2, 2, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", True, 2),
+                                  (2, 2, 1, 0, "fp32", "zb-h1", 1, "tp-dp-pp", False, 2),
+                                  (1, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", False, 2)])
+    for i in range(4):
         check_against(reference, [o[i] for o in outs])
 
 

@@ -20,6 +20,7 @@ from megapar.plan import memory as mem
 from megapar.plan import pipeline
 from megapar.cli.plan import main as plan_main
 from megapar.plan.params import model_params, stage_params
+from tp_utils import saved_bytes
 
 GPT3 = GPT2Config(vocab_size=51200, n_positions=2048, n_embd=12288, n_layer=96, n_head=96)
 
@@ -96,19 +97,11 @@ def test_activation_prediction_equals_bytes_saved_by_a_real_forward(pre, post):
     s, b = 32, 3
     model = build_model(config, Mesh(Layout()), range(2), pre, post)
     model.init_weights(0)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     ids = torch.randint(0, 300, (b, s + 1))
     hidden = None if pre else torch.randn(b, s, 32, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(hidden, {"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
-    held = sum(saved.values()) + (0 if post else out.untyped_storage().nbytes())
+    saved, out = saved_bytes(model, lambda: model(hidden, {"input_ids": ids[:, :-1],
+                                                           "labels": ids[:, 1:]}))
+    held = saved + (0 if post else out.untyped_storage().nbytes())
     problem = Problem(config, 1, 1, 80, b, s, "fp32", "fp32", fused_attention=True)
     if not pre:  # a middle stage: compare against the first (= only) stage minus its extras
         predicted = 2 * mem.layer_bytes(s, b, 32, 4, act_bytes=4, dropout=False,

@@ -39,3 +39,28 @@ def assert_close(a, b, tol=1e-5, what=""):
 
 def world(n):
     return int(os.environ.get("WORLD_SIZE", "1")) == n
+
+
+def saved_bytes(model, run):
+    """(bytes of the distinct storages autograd keeps for backward while `run()` executes,
+    parameters excluded; run's result)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sum(saved.values()), out
+
+
+def refusal(engine, batch) -> str:
+    """The ValueError `engine.train_step(batch)` raises, as text ("accepted" if it trains)."""
+    try:
+        engine.train_step(batch)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"

@@ -1,13 +1,14 @@
 """Saving and loading sharded checkpoints from a running job (every rank calls, collectively).
 
-Save: dp rank 0 of every (tp, pp) coordinate writes its shard file into a staging directory;
+Save: dp rank 0 (and cp rank 0) of every (tp, pp) coordinate writes its shard file into a
+staging directory;
 every rank sends its RNG state and its write outcome to rank 0 as a safetensors byte buffer
 (tensor collectives only, nothing pickled); rank 0 writes ``rng.safetensors`` and the manifest,
 publishes the directory and tells every rank the outcome, so all ranks return (or raise) together.
 
 Load: each rank reads what its own parameters need. In the checkpoint's own layout that is its
 own file; in any other layout (tp, pp, padding) the shards are reassembled through the canonical
-index space (`ShardReader`), weights and optimizer moments alike. dp never matters.
+index space (`ShardReader`), weights and optimizer moments alike. dp and cp never matter.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dic
     tmp = root / tmp_name
     header = {"rank": mesh.rank, "error": None}
     try:
-        if mesh.dp_rank == 0:
+        if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # cp holds no shards: replicas
             header.update(_write_shard(tmp, model, mesh, optim_tensors))
     except Exception as exc:  # noqa: BLE001 - reported to rank 0 and raised on every rank
         header["error"] = f"rank {mesh.rank}: {type(exc).__name__}: {exc}"

@@ -4,6 +4,7 @@
     megapar-bubble --pp 16 --microbatches 64 --simulate --fwd-ms 10 --bwd-ms 20
     megapar-bubble --pp 2 --microbatches 4 --trace trace.json --plot gantt.png
     megapar-bubble --pp 4 --microbatches 8 --show-schedule          # the schedule as data
+    megapar-bubble --pp 2 --microbatches 4 --cp 2 --seq-len 256     # each stage on 2 cp ranks
     megapar-bubble --pp 4 -m 8 --schedule interleaved --virtual-stages 2 --simulate --fwd-ms 1
     megapar-bubble --pp 4 -m 8 --schedule zb-h1 --simulate --fwd-ms 1 --bwd-input-ms 1 \
                    --bwd-weight-ms 1
@@ -35,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual-stages", type=int, default=1,
                    help="model chunks per rank (--schedule interleaved needs >= 2)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per stage")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size per stage: each sequence split over cp ranks, "
+                        "whose attention exchanges keys / values inside every F and B (their "
+                        "time is in the measured costs; --seq-len a multiple of 2 x cp)")
     p.add_argument("--model", help="model recipe (default: a compute-bound GPT-2, 2 blocks/stage)")
     p.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up)")
     p.add_argument("--micro-batch-size", type=int, default=4)
@@ -155,6 +160,13 @@ def main(argv=None) -> int:
         print("each [...] is one batch_isend_irecv group (an NCCL group call); a compute waits "
               "only for the message it consumes; checked against NCCL's rules: no deadlock, "
               "every rank pair's messages pair in issue order")
+        if args.cp > 1:
+            c = args.cp
+            print(f"cp {c}: every stage runs on {c} ranks with this program; inside each F (per "
+                  f"layer) {c - 1} ring exchanges [send K/V to the next cp rank, receive the "
+                  f"previous one's], inside each B {c - 1} of K/V and {c} of dK/dV "
+                  f"(grouped-query Llama: an all-gather of K/V per F, an all-gather and a "
+                  f"reduce-scatter per B)")
         return 0
     name = args.schedule + (f" V={v}" if v > 1 else "")
     if args.simulate:
@@ -162,7 +174,7 @@ def main(argv=None) -> int:
         b_in, b_w = args.bwd_input_ms, args.bwd_weight_ms
         if fwd is None:  # measure the costs once on the real engine
             costs = bubble.measure(pp, m, args.schedule, args.tp, args.model, 1,
-                                   args.micro_batch_size, args.seq_len, v).costs
+                                   args.micro_batch_size, args.seq_len, v, args.cp).costs
             fwd, bwd, p2p = costs["fwd_ms"], costs["bwd_ms"], costs["p2p_ms"]
             b_in, b_w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")
         if bwd is None:
@@ -171,8 +183,8 @@ def main(argv=None) -> int:
         title = f"simulated {name}, pp={pp}, m={m}"
     else:
         run = bubble.measure(pp, m, args.schedule, args.tp, args.model, args.steps,
-                             args.micro_batch_size, args.seq_len, v)
-        title = f"measured {name}, pp={pp}, m={m}"
+                             args.micro_batch_size, args.seq_len, v, args.cp)
+        title = f"measured {name}, pp={pp}, m={m}" + (f", cp={args.cp}" if args.cp > 1 else "")
     print(title)
     print(format_bubble_table(run.stats, run.theoretical))
     print(f"in-flight micro-batches per stage (peak{', counted per chunk' if v > 1 else ''}): "

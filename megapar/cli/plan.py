@@ -50,12 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual-stages", type=int, nargs="+", default=[2, 4],
                    help="chunks per rank tried for the interleaved schedule")
     p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=list(RECOMPUTE))
+    p.add_argument("--cp-sizes", type=int, nargs="+", default=None,
+                   help="context-parallel sizes tried (default: 1, and 2 4 8 too when --seq-len "
+                        "is 8192 or more)")
     p.add_argument("--today", action="store_true",
                    help="only layouts megapar-train can run now (no schedule / SP it lacks)")
     p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     p.add_argument("--explain", metavar="LAYOUT",
                    help="check and break down one layout, e.g. tp=2,pp=4,mbs=2,schedule=1f1b,"
-                        "recompute=selective,sp=1,zero=1 (dp defaults to gpus/(tp*pp))")
+                        "recompute=selective,sp=1,zero=1,cp=2 (dp defaults to gpus/(tp*cp*pp))")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--verify", type=int, default=0, metavar="K",
                    help="dry-run the K best layouts (megapar-train --dry-run, on this CPU) and "
@@ -75,6 +78,8 @@ def _problem(args):
     for name in ("gpus", "gpus_per_node", "global_batch_size", "seq_len", "top"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.cp_sizes and min(args.cp_sizes) < 1:
+        raise ValueError(f"--cp-sizes {min(args.cp_sizes)} is invalid: sizes are >= 1")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise ValueError(f"--gpus {args.gpus} spans several nodes of --gpus-per-node "
                          f"{args.gpus_per_node} but is not a multiple of it (torchrun starts "
@@ -148,7 +153,8 @@ def main(argv=None) -> int:
     estimates, rejected = plan(problem, micro_batch_sizes=tuple(args.micro_batch_sizes),
                                schedules=tuple(args.schedules),
                                virtual_stages=tuple(args.virtual_stages),
-                               recompute=tuple(args.recompute))
+                               recompute=tuple(args.recompute),
+                               cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None)
     if args.today:
         estimates = [e for e in estimates if not runnable(e, problem.master_weights)]
     best = estimates[0] if estimates and estimates[0].fits else None
@@ -176,8 +182,9 @@ def main(argv=None) -> int:
         print("no valid layout; most common reasons: " + "; ".join(r for r, _ in common))
         return 1
     if best is None:
-        print("no layout fits: raise --gpus or --gpu-memory-gb, add --recompute full, or "
-              "shorten --seq-len")
+        more_cp = "" if args.cp_sizes else ", try context parallelism (--cp-sizes 1 2 4 8)"
+        print(f"no layout fits: raise --gpus or --gpu-memory-gb, add --recompute full{more_cp}, "
+              f"or shorten --seq-len")
         return 1
     print(f"\nchosen: {best.candidate.label()}\ncommand: {cmd[0]}")
     for m in cmd[1]:

@@ -31,8 +31,8 @@ from megapar.faults.report import log_dir_for, worker_failure
 from megapar.faults.stop import parse_signals
 from megapar.training.validate import check_outputs
 from megapar.training.validate import (
-    UsageError, adapt_defaults, check_load_path, check_resumable, check_settings,
-    checkpoint_manifest, explicit, fit_batch_to_data, settings_from_checkpoint,
+    UsageError, adapt_defaults, check_cp_seq_len, check_load_path, check_resumable,
+    check_settings, checkpoint_manifest, explicit, fit_batch_to_data, settings_from_checkpoint,
 )
 
 
@@ -55,15 +55,17 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         notes.extend(settings_from_checkpoint(cfg, manifest))
     check_settings(cfg)
     if cfg.dry_run:  # the job's size as given, on this one process
-        world = cfg.world_size or cfg.tp * cfg.pp * (cfg.dp or 1)
-        layout = Layout.infer(world, cfg.tp, cfg.pp, cfg.dp, cfg.rank_order)
+        world = cfg.world_size or cfg.tp * cfg.cp * cfg.pp * (cfg.dp or 1)
+        layout = Layout.infer(world, cfg.tp, cfg.pp, cfg.dp, cfg.rank_order, cfg.cp)
     elif under_launcher():
-        layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order)
+        layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order,
+                              cfg.cp)
     else:
-        layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order)
+        layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order, cfg.cp)
         if not cfg.oversubscribe:
-            check_local_workers(layout.world_size,
-                                f"--tp {layout.tp} x --pp {layout.pp} x --dp {layout.dp}")
+            cp = f" x --cp {layout.cp}" if layout.cp > 1 else ""
+            check_local_workers(layout.world_size, f"--tp {layout.tp}{cp} x --pp {layout.pp} x "
+                                f"--dp {layout.dp}")
     notes.extend(adapt_defaults(cfg, layout.dp))
     per_step = cfg.micro_batch_size * layout.dp
     if cfg.micro_batch_size < 1 or cfg.global_batch_size % per_step:
@@ -89,6 +91,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     if cfg.sequence_parallel and cfg.seq_len % layout.tp:
         raise ValueError(f"--seq-len {cfg.seq_len} is not divisible by --tp {layout.tp}, which "
                          f"--sequence-parallel needs; choose a multiple of {layout.tp}")
+    check_cp_seq_len(cfg.seq_len, layout, cfg.sequence_parallel)
     from megapar.optim import LRScheduler
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks

@@ -30,7 +30,9 @@ when its bucket launches, so the result is right either way.
 the result cast back into the buffer when waited for (half the bytes in bf16 / fp16, one
 transient half-size copy of the bucket in flight).
 With a dp group of size 1 the buffer still serves (no per-step gradient allocation); nothing is
-communicated.
+communicated. Under context parallelism the group is cp x dp (`Mesh.dp_cp_group`) and
+`average_over` is dp: each cp rank's gradient is its tokens' share, so the reduction sums over
+cp and averages over dp (one collective either way).
 
 Sharded mode (``shard_over_dp``, used by the ZeRO-1 distributed optimizer, `optim/zero.py`):
 every bucket is zero-padded to a multiple of dp and *reduce-scattered* instead of all-reduced,
@@ -130,7 +132,8 @@ class GradBuckets:
     buckets, in place and overlapped with backward."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], dp_group, bucket_mb: float = 25.0,
-                 compressor=None, reduce_dtype: torch.dtype | None = None):
+                 compressor=None, reduce_dtype: torch.dtype | None = None,
+                 average_over: int | None = None):
         if bucket_mb <= 0:
             raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb}")
         if compressor is not None and reduce_dtype is not None:
@@ -141,6 +144,8 @@ class GradBuckets:
         buffer's own dtype."""
         self.group = dp_group
         self.dp = group_size(dp_group)
+        self.average_over = average_over or self.dp
+        """The sum over the group is divided by this (dp; the group may be cp x dp)."""
         self.params = [p for p in params if p.requires_grad]
         self.active = self.in_step = False
         self.next_launch = 0
@@ -296,7 +301,8 @@ class GradBuckets:
 
     def _launch(self, b: Bucket) -> None:
         self._adopt_replaced_grads(b)
-        b.flat.div_(self.dp)
+        if self.average_over > 1:
+            b.flat.div_(self.average_over)
         if self.compressor is not None:
             self.bytes_sent += self.compressor.reduce(b.flat, b.params, self.group)
             b.handle = _Done()

@@ -166,11 +166,11 @@ def measured_rank(cfg_dict: dict, config_dict: dict, steps: int = 2, save: str |
 
 def without_scalars(calls, mesh) -> list:
     """`calls` without the one-element all-reduces the dry run does not run (`NOT_RUN`): the
-    gradient norm's over tp x pp (and dp under ZeRO-1), the loss's over dp and fp16's overflow
+    gradient norm's over tp x pp (and dp x cp under ZeRO-1), the loss's over dp and fp16's overflow
     flag's over every rank."""
     import torch.distributed as dist
 
-    groups = {tuple(dist.get_process_group_ranks(g)) for g in (mesh.mp_group, mesh.dp_group)
-              if g is not None}
+    groups = {tuple(dist.get_process_group_ranks(g))
+              for g in (mesh.mp_group, mesh.dp_group, mesh.dp_cp_group) if g is not None}
     return [c for c in calls if not (c.op == "all_reduce" and c.numel == 1
                                      and (c.ranks is None or c.ranks in groups))]

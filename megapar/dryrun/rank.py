@@ -34,7 +34,7 @@ from megapar.comm_count import count_collectives
 from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
 
-NOT_RUN = ("the gradient-norm all-reduce (tp x pp, and dp under ZeRO-1), the loss all-reduce "
+NOT_RUN = ("the gradient-norm all-reduce (tp x pp, and dp x cp under ZeRO-1), the loss all-reduce "
            "over dp and fp16's overflow flag over all ranks: scalars whose values the step reads")
 """Per-step collectives the rehearsal does not run (it has no values to read)."""
 
@@ -67,6 +67,8 @@ class RankReport:
     """{group: {"ranks": size, "crosses_nodes": bool, op: {"count": n, "bytes": b}}} per step."""
     checkpoint_file: str = ""
     checkpoint_bytes: int = 0
+    cp_rank: int = 0
+    """Context-parallel rank (0 without cp)."""
     """Size of this coordinate's shard file in the first save."""
     writes_checkpoint: bool = False
     """This rank writes that file (dp rank 0 does)."""
@@ -109,17 +111,19 @@ OP_NAMES = {"isend": "send", "irecv": "receive", "reduce_scatter_single": "reduc
 
 def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) -> dict:
     """{group: {"ranks": n, "crosses_nodes": bool, op: {"count", "bytes"}}} of `calls` (each
-    made `repeats[i]` times; default once), groups named after the mesh's (tp, pp, dp, mp,
-    embedding; "world" for the default group). Bytes are the whole tensor each call reduces,
+    made `repeats[i]` times; default once), groups named after the mesh's (tp, cp, pp, dp,
+    "dp x cp" where gradients are reduced under context parallelism, mp, embedding; "world"
+    for the default group). Bytes are the whole tensor each call reduces,
     gathers, scatters or sends (an all-gather's output, a reduce-scatter's input), so an
     all-gather and the reduce-scatter it undoes weigh the same."""
     import torch.distributed as dist
 
     names = {}
-    for name in ("tp", "pp", "dp", "mp", "embedding"):
+    for name in ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding"):
         group = getattr(mesh, f"{name}_group")
         if group is not None:
-            names.setdefault(tuple(dist.get_process_group_ranks(group)), name)
+            names.setdefault(tuple(dist.get_process_group_ranks(group)),
+                             name.replace("_", " x "))
     world = mesh.layout.world_size
     out: dict = {}
     for c, times in zip(calls, repeats or [1] * len(calls)):
@@ -158,18 +162,32 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     if dataset is not None:
         first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
         first_batch = [list(map(int, mb)) for mb in first]
-    with count_collectives() as run_calls:
-        with engine.precision.autocast():
-            engine.executor.run([_micro_batch(cfg, config, dataset, first_batch)],
-                                grad_sync=engine.grad_sync, loss_scale=engine.precision.loss_scale)
+    sync, per_step = engine.grad_sync, set()  # the bucket reductions: once a step, whatever m
+    launch = sync._launch
+
+    def launched(bucket):
+        before = len(run_calls)
+        launch(bucket)
+        per_step.update(range(before, len(run_calls)))
+
+    sync._launch = launched
+    try:
+        with count_collectives() as run_calls:
+            with engine.precision.autocast():
+                engine.executor.run([_micro_batch(cfg, config, dataset, first_batch)],
+                                    grad_sync=sync, loss_scale=engine.precision.loss_scale)
+    finally:
+        sync._launch = launch
     with count_collectives() as step_calls:
         engine.step_fn.sync_gradients()
         _first_optimizer_step(engine.optimizer, notes)
-    # inside the schedule, messages and tp collectives belong to the micro-batch; the bucket
-    # reductions, the loss broadcast and everything after the schedule to the step
-    tp_ranks = tuple(dist.get_process_group_ranks(mesh.tp_group)) if mesh.tp > 1 else ()
-    repeats = [m if c.op in ("isend", "irecv") or c.ranks == tp_ranks else 1
-               for c in run_calls] + [1] * len(step_calls)
+    # inside the schedule, messages and tp / cp collectives belong to the micro-batch; the
+    # bucket reductions, the loss broadcast and everything after the schedule to the step
+    per_micro_batch = {tuple(dist.get_process_group_ranks(g))
+                       for g in (mesh.tp_group, mesh.cp_group) if g is not None}
+    repeats = [m if i not in per_step and (c.op in ("isend", "irecv")
+                                           or c.ranks in per_micro_batch) else 1
+               for i, c in enumerate(run_calls)] + [1] * len(step_calls)
     comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
     optimizer = engine.optimizer
     # the file of this (tp, pp) coordinate, as its dp rank 0 writes it: every parameter with
@@ -183,10 +201,12 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     in_flight = in_flight_peak(actions) / cfg.virtual_stages
     return RankReport(
         rank=mesh.rank, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, dp_rank=mesh.dp_rank,
+        cp_rank=mesh.cp_rank,
         node=mesh.rank // gpus_per_node, **held_bytes(engine.model, optimizer),
         activations=activations, in_flight=in_flight, actions=len(actions),
         buckets=len(engine.grad_sync.buckets), comm=comm, checkpoint_file=file,
-        checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0, first_batch=first_batch,
+        checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0 and mesh.cp_rank == 0,
+        first_batch=first_batch,
         notes=notes)
 
 
@@ -201,7 +221,7 @@ def _modelled_activations(cfg, config, layout: Layout, stage: int, actions) -> i
                       fused_attention=True)
     candidate = Candidate(layout.tp, layout.pp, layout.dp, cfg.micro_batch_size, cfg.schedule,
                           cfg.virtual_stages, cfg.recompute,
-                          bool(cfg.sequence_parallel and layout.tp > 1), cfg.zero)
+                          bool(cfg.sequence_parallel and layout.tp > 1), cfg.zero, layout.cp)
     m = len([a for a in actions if a.kind == "forward"]) // cfg.virtual_stages
     held = messages.held(messages.programs(cfg.schedule, layout.pp, m, cfg.virtual_stages),
                          stage, placement_of(cfg.schedule))

@@ -32,7 +32,7 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
         (["sequence parallel"] if cfg.sequence_parallel and layout.tp > 1 else [])
     return (f"megapar-train --dry-run: {config.model_type} with {n_params:,} parameters on "
             f"{layout.world_size:,} rank{'s' if layout.world_size > 1 else ''} (tp {layout.tp} x "
-            f"pp {layout.pp} x dp {layout.dp}, "
+            + (f"cp {layout.cp} x " if layout.cp > 1 else "") + f"pp {layout.pp} x dp {layout.dp}, "
             f"rank order {layout.order}; {nodes:,} node{'s' if nodes > 1 else ''} of "
             f"{gpus_per_node}); schedule {cfg.schedule}{v}, {mbs} of "
             f"{cfg.micro_batch_size} x {cfg.seq_len} tokens per step on each dp rank; "
@@ -40,7 +40,7 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
             f"CPU (fake process group, fake tensors: nothing is communicated or allocated)")
 
 
-GROUPS = ("tp", "pp", "dp", "embedding", "mp", "world")
+GROUPS = ("tp", "cp", "pp", "dp", "dp x cp", "embedding", "mp", "world")
 """Order groups are listed in (others after)."""
 
 
@@ -57,7 +57,9 @@ def _traffic(comm: dict) -> str:
 
 
 def describe_rank(r: RankReport, step_dir: str) -> str:
-    lines = [f"rank {r.rank} (tp {r.tp_rank}, pp {r.pp_rank}, dp {r.dp_rank}; node {r.node}): "
+    cp = f", cp {r.cp_rank}" if r.cp_rank or any(k.startswith("cp") for k in r.comm) else ""
+    lines = [f"rank {r.rank} (tp {r.tp_rank}{cp}, pp {r.pp_rank}, dp {r.dp_rank}; node "
+             f"{r.node}): "
              f"{r.params:,} parameters; weights {size(r.weights)}, gradients {size(r.grads)}, "
              f"optimizer {size(r.optimizer)}, activations {size(r.activations)} (modelled, "
              f"{r.in_flight:g} micro-batch{'' if r.in_flight == 1 else 'es'} in flight at the "
@@ -66,7 +68,7 @@ def describe_rank(r: RankReport, step_dir: str) -> str:
              f"{'s' if r.buckets > 1 else ''})",
              f"  checkpoint: {step_dir}/{r.checkpoint_file} {size(r.checkpoint_bytes)} "
              + ("(this rank writes it)" if r.writes_checkpoint else
-                "(written by its dp rank 0)")]
+                "(written by its dp rank 0" + (", cp rank 0)" if cp else ")"))]
     if r.first_batch is not None:
         flat = [i for mb in r.first_batch for i in mb]
         shown = ", ".join(map(str, flat[:8])) + (", ..." if len(flat) > 8 else "")

@@ -7,8 +7,9 @@ its ZeRO-1 slices start where the buckets start), the last (its slices hold the 
 padding) and, under ZeRO-1, one in the middle (slices that start inside parameters). Each stage
 is rehearsed with dp rank 0, the rank that writes the stage's file (tp ranks cycling over the
 stages, and any left over on further dp-rank-0 ranks); the other dp roles follow on the stages
-and tp ranks in turn. `--dry-run-ranks all` takes every rank, or a comma-separated list names
-them.
+and tp ranks in turn. With context parallelism all of it is at cp rank 0 (the one that writes
+checkpoints), plus one rank at the last cp rank (its other half of every sequence).
+`--dry-run-ranks all` takes every rank, or a comma-separated list names them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def sample_ranks(layout: Layout, zero: int = 0) -> list[int]:
     ranks = [layout.rank(i % tp, i % pp, 0) for i in range(max(tp, pp))]
     others = [d for d in sorted({dp // 2, dp - 1} if zero else {dp - 1}) if d > 0]
     ranks += [layout.rank((i + 1) % tp, (i + 1) % pp, d) for i, d in enumerate(others)]
+    if layout.cp > 1:
+        ranks.append(layout.rank(0, pp - 1, 0, layout.cp - 1))
     return ranks
 
 

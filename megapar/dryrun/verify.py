@@ -47,7 +47,7 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
     from megapar.plan.state import rank_state
 
     c, start = candidate, time.perf_counter()
-    layout = Layout(c.tp, c.pp, c.dp)
+    layout = Layout(c.tp, c.pp, c.dp, cp=c.cp)
     ranks = sample_ranks(layout, c.zero) if ranks is None else ranks
     try:
         reports = dry_run(train_config(problem, c), problem.config, layout, ranks,
@@ -56,8 +56,9 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
         return Verified(0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
     out = Verified(len(reports), time.perf_counter() - start)
     for r in reports:
-        planned = rank_state(problem.config, c.tp, c.pp, c.v, r.pp_rank, c.dp, r.dp_rank,
-                             c.zero, problem.grad_bucket_mb)
+        # gradients and ZeRO-1 slices are over cp x dp: dp rank d, cp rank c is d * cp + c
+        planned = rank_state(problem.config, c.tp, c.pp, c.v, r.pp_rank, c.dp * c.cp,
+                             r.dp_rank * c.cp + r.cp_rank, c.zero, problem.grad_bucket_mb)
         out.differences += [(r.rank, f, getattr(planned, f), getattr(r, f)) for f in FIELDS
                             if getattr(planned, f) != getattr(r, f)]
     return out

@@ -117,10 +117,10 @@ class Bert(StageModel):
         if self.pre_process:
             ids, types = batch["input_ids"], batch.get("token_type_ids")
             types = self._local_tokens(torch.zeros_like(ids) if types is None else types)
-            hidden = self.embed(ids, self._positions(ids), types)
-        mask = batch.get("attention_mask")
+            hidden = self.embed(self._cp_tokens(ids), self._positions(ids), types)
+        mask = batch.get("attention_mask")  # of the whole sequence (cp: every rank's keys)
         if mask is not None:
-            mask = mask.bool()[:, None, None, :]
+            mask = mask.bool()
         hidden = run_layers(self.layers, hidden, mask, self.recompute, self.tracker)
         if not self.post_process:
             return hidden

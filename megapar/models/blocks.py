@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapar.context_parallel import LayerAttention
 from megapar.mesh import Mesh
 from megapar.tensor_parallel import ColumnParallelLinear, RowParallelLinear, divide
 
@@ -47,8 +48,12 @@ def embedding(num: int, dim: int, device) -> nn.Embedding:
 class ParallelAttention(nn.Module):
     """Multi-head self-attention with this rank's share of the heads.
 
-    `recompute_core` (selective recomputation) recomputes only the attention core
-    (softmax(QK^T)V) in backward instead of storing its activations.
+    `mask` is a padding mask [b, s] (True: a real token; BERT) of the whole sequence, or None.
+    Under context parallelism (cp > 1) the queries, keys and values are this cp rank's tokens
+    and the core is ring attention (`megapar.context_parallel`: keys and values as many as the
+    queries, so the ring, not an all-gather). `recompute_core` (selective recomputation)
+    recomputes only the attention core (softmax(QK^T)V) in backward instead of storing its
+    activations.
     """
 
     def __init__(self, hidden: int, heads: int, mesh: Mesh, tracker, dropout: float,
@@ -62,12 +67,16 @@ class ParallelAttention(nn.Module):
         self.dropout = dropout
         self.causal = causal
         self.recompute_core = False
+        self.context_parallel = LayerAttention(mesh, causal, "ring") if mesh.cp > 1 else None
 
     def _core(self, q, k, v, mask):
+        dropout = self.dropout if self.training else 0.0
         with self.tracker.fork():  # dropout on this rank's heads: the per-tp-rank stream
+            if self.context_parallel is not None:
+                return self.context_parallel(q, k, v, mask, dropout_p=dropout)
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                is_causal=self.causal and mask is None)
+                q, k, v, attn_mask=None if mask is None else mask[:, None, None, :],
+                dropout_p=dropout, is_causal=self.causal and mask is None)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # the whole sequence, also when x is a sequence-parallel slice

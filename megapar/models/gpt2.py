@@ -94,7 +94,7 @@ class GPT2(StageModel):
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.pre_process:
             ids = batch["input_ids"]
-            hidden = self.embed(ids, self._positions(ids))
+            hidden = self.embed(self._cp_tokens(ids), self._positions(ids))
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
         if not self.post_process:
             return hidden

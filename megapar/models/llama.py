@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapar.context_parallel import LayerAttention, method_for
+from megapar.context_parallel import positions as cp_positions
 from megapar.mesh import Mesh
 from megapar.models.blocks import activation, run_layers
 from megapar.models.config import LlamaConfig
@@ -71,16 +73,18 @@ def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
 
 
 class Rotary:
-    """cos / sin tables for positions 0..s-1 (fp32, cached per length and device)."""
+    """cos / sin tables for the positions of this rank's tokens of a sequence of `seq_len`:
+    0..seq_len-1, or its cp chunks' global positions (fp32, cached per length and device)."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, cp: int = 1, cp_rank: int = 0):
         self.inv_freq = rope_frequencies(config)
+        self.cp, self.cp_rank = cp, cp_rank
         self._cache: dict = {}
 
     def __call__(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (seq_len, str(device))
         if key not in self._cache:
-            positions = torch.arange(seq_len, dtype=torch.float32)
+            positions = cp_positions(seq_len, self.cp, self.cp_rank, "cpu").float()
             freqs = positions[:, None] * self.inv_freq[None, :]
             emb = torch.cat([freqs, freqs], dim=-1)
             self._cache = {key: (emb.cos().to(device), emb.sin().to(device))}
@@ -128,7 +132,12 @@ class ReplicatedHeads(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Causal grouped-query self-attention with rotary q / k and this rank's query heads."""
+    """Causal grouped-query self-attention with rotary q / k and this rank's query heads.
+
+    Under context parallelism the tokens are this cp rank's (rotated by their global positions)
+    and the core is `megapar.context_parallel` attention with the kv heads unexpanded: an
+    all-gather of K/V with grouped-query heads (few kv heads: little to gather, as in Llama 3),
+    the ring with as many kv heads as query heads (`method_for`)."""
 
     def __init__(self, config: LlamaConfig, mesh: Mesh, rotary: Rotary, tracker):
         super().__init__()
@@ -159,11 +168,18 @@ class LlamaAttention(nn.Module):
         self.rotary, self.tracker = rotary, tracker
         self.dropout = config.attention_dropout
         self.recompute_core = False
+        self.cp = mesh.cp
+        self.context_parallel = LayerAttention(mesh, True, method_for(n_q, n_kv)) \
+            if mesh.cp > 1 else None
 
-    def _core(self, q, k, v):
+    def _core(self, q, k, v, index=None):
+        dropout = self.dropout if self.training else 0.0
         with self.tracker.fork():  # dropout on this rank's heads: the per-tp-rank stream
-            return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+            if self.context_parallel is not None:
+                return self.context_parallel(q, k, v, kv_index=index, dropout_p=dropout)
+            if index is not None:
+                k, v = k.index_select(1, index), v.index_select(1, index)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         x = self.q.enter(x)  # one region for q, k and v (under SP: the whole sequence, gathered)
@@ -172,20 +188,21 @@ class LlamaAttention(nn.Module):
         def heads(t):
             return t.view(b, s, -1, self.head_dim).transpose(1, 2)
 
-        cos, sin = self.rotary(s, x.device)  # positions of the whole sequence
+        # global positions of these tokens (of the whole sequence under SP, cp rank's under cp)
+        cos, sin = self.rotary(s * self.cp, x.device)
         q = apply_rotary(heads(self.q(x, entered=True)), cos, sin)
         k = apply_rotary(heads(self.k(x, entered=True)), cos, sin)
         v = heads(self.v(x, entered=True))
+        index = None
         if self.kv_index != list(range(k.shape[1])):
             index = self._kv_index_on.get(str(k.device))
             if index is None:  # once per device: a host-to-device copy per call would sync
                 index = self._kv_index_on[str(k.device)] = torch.tensor(self.kv_index,
                                                                         device=k.device)
-            k, v = k.index_select(1, index), v.index_select(1, index)
         if self.recompute_core and torch.is_grad_enabled():
-            out = self.tracker.checkpoint(self._core, q, k, v)
+            out = self.tracker.checkpoint(self._core, q, k, v, index)
         else:
-            out = self._core(q, k, v)
+            out = self._core(q, k, v, index)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
@@ -233,7 +250,7 @@ class Llama(StageModel):
                  pre_process: bool = True, post_process: bool = True, tracker=None):
         super().__init__()
         layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
-        rotary = Rotary(config)
+        rotary = Rotary(config, mesh.cp, mesh.cp_rank)
         if pre_process:
             self.embed = nn.Module()
             self.embed.word = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
@@ -281,7 +298,7 @@ class Llama(StageModel):
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.pre_process:
-            hidden = self.embed.word(batch["input_ids"])  # this rank's slice under SP
+            hidden = self.embed.word(self._cp_tokens(batch["input_ids"]))  # SP: its slice
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
         if not self.post_process:
             return hidden

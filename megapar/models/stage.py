@@ -1,6 +1,10 @@
 """What GPT-2 and BERT share as pipeline-stage models: the layer slice, the tied word embedding
 and the vocab-parallel loss at the end.
 
+Under context parallelism every stage reads the whole micro-batch (ids, labels, BERT's mask)
+and takes this cp rank's tokens of it (`_cp_tokens`, `megapar.context_parallel.split`), with
+their global positions; the loss sums token losses and counts over the cp group.
+
 A stage holds the embedding if it is first (`pre_process`), blocks named by their *global*
 index (so parameter names are the same in every layout), and the head if it is last
 (`post_process`). The LM head reuses the word embedding; a last stage without the embedding
@@ -15,12 +19,11 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from megapar import context_parallel as cp
 from megapar.mesh import Mesh
 from megapar.tensor_parallel import NullTracker, masked_mean, vocab_parallel_cross_entropy
 from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
-from megapar.tensor_parallel.sequence_parallel import (
-    local_positions, mark_sequence_parallel, split_sequence,
-)
+from megapar.tensor_parallel.sequence_parallel import mark_sequence_parallel, split_sequence
 
 WORD_EMBEDDING = "embed.word.weight"
 
@@ -70,12 +73,18 @@ class StageModel(nn.Module):
         return self.mesh.tp_group if self.mesh.sequence_parallel else None
 
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
-        """Position ids of this rank's tokens: all of them, or its slice under SP."""
-        return local_positions(ids.shape[1], self._sp_group, ids.device)
+        """Global position ids of this rank's tokens: its cp tokens, or its slice of them
+        under SP."""
+        positions = cp.positions(ids.shape[1], self.mesh.cp, self.mesh.cp_rank, ids.device)
+        return split_sequence(positions[None], self._sp_group)[0]
+
+    def _cp_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """This cp rank's tokens of per-token ids [b, s] (all of them at cp 1)."""
+        return cp.split(ids, self.mesh.cp, self.mesh.cp_rank)
 
     def _local_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of per-token ids [b, s] under SP (all of them otherwise)."""
-        return split_sequence(ids, self._sp_group)
+        """This rank's slice of per-token ids [b, s]: its cp tokens, split again under SP."""
+        return split_sequence(self._cp_tokens(ids), self._sp_group)
 
     @property
     def word_embeddings(self) -> nn.Parameter:
@@ -89,10 +98,10 @@ class StageModel(nn.Module):
         """The mean loss over labelled tokens, or the logits slice when there are no labels."""
         if "labels" not in batch:
             return logits
-        labels = batch["labels"]
+        labels = self._cp_tokens(batch["labels"])
         per_token = vocab_parallel_cross_entropy(logits, labels, self.mesh.tp_group,
                                                  self.vocab_start, self.config.vocab_size)
-        return masked_mean(per_token, labels)
+        return masked_mean(per_token, labels, group=self.mesh.cp_group)
 
 
 class ModelChunks(nn.Module):

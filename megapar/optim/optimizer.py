@@ -259,14 +259,14 @@ def build_optimizer(model: nn.Module, mesh, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                     zero: int = 0, kind: str = "adamw") -> AdamWOptimizer:
     """The optimizer (`kind`: adamw, lamb, lars, sgd) for this rank's stage; zero=1 shards
-    its state over mesh.dp_group."""
+    its state over mesh.dp_cp_group (the ranks holding the same parameters: dp, and cp's)."""
     named = list(model.named_parameters())
     if zero == 0:
         return AdamWOptimizer(named, lr, weight_decay, betas, eps, kind, mesh.tp_group)
     if zero == 1:
         from megapar.optim.zero import ZeroOptimizer
 
-        return ZeroOptimizer(named, mesh.dp_group, lr, weight_decay, betas, eps, kind,
+        return ZeroOptimizer(named, mesh.dp_cp_group, lr, weight_decay, betas, eps, kind,
                              mesh.tp_group)
     raise ValueError(f"--zero {zero} is not supported; use 0 (no sharding) or 1 (optimizer "
                      f"state sharded over data-parallel ranks)")

@@ -14,6 +14,15 @@ Time model (all per optimizer step, on the slowest pipeline stage):
 - pipeline: the schedule's bubble from `plan.pipeline` (simulated or formula), plus 2 (p-1)
   activation transfers on the fill / drain critical path (steady-state transfers overlap
   compute); a stage boundary uses the inter-node link once tp x pp exceeds a node.
+- context parallelism (cp > 1): every per-token cost (FLOPs, activations, tp and pp bytes) is of
+  s / cp tokens, and attention's s^2 term is split by cp too (load-balanced chunks). Per layer
+  and micro-batch the ring (GPT-2, BERT, multi-head Llama) exchanges cp - 1 K/V blocks forward
+  (each 2 s/cp b kv-width bytes, on the intra-node link while tp x cp fits a node), overlapped
+  with the block's attention (only the part longer than it is exposed), and cp - 1 K/V plus cp
+  fp32 dK/dV blocks backward; the all-gather (grouped-query Llama) gathers the K/V forward and
+  again backward and reduce-scatters their fp32 gradients, exposed. Full recompute repeats the
+  forward's. Transient buffers: one K/V block in flight (ring) or the whole sequence's K/V and
+  their gradients (all-gather). Gradients are reduced over cp x dp.
 - data parallelism: gradient all-reduce 2 (d-1)/d x gradient bytes / bandwidth (inter-node once
   the job spans nodes), overlapped with the last micro-batch's backward (as megapar's buckets
   do): only the part longer than that backward is exposed. ZeRO-1 (the distributed optimizer)
@@ -113,26 +122,104 @@ def _layer_flops(c, s: int, b: int) -> float:
     return 2 * s * b * (4 * h * h + 2 * h * f) + 4 * s * s * b * h
 
 
+def _heads(cfg) -> int:
+    return cfg.n_head if hasattr(cfg, "n_head") else cfg.num_attention_heads
+
+
+def kv_width(cfg, t: int) -> int:
+    """Elements per token of this tp rank's keys (as many for values): its kv heads x head size
+    (a grouped-query model keeping its kv heads whole when tp does not divide them uses those
+    its query heads need)."""
+    heads = _heads(cfg)
+    kv, head = getattr(cfg, "kv_heads", heads), cfg.hidden_size // heads
+    head = getattr(cfg, "head_size", head)
+    if kv % t == 0:
+        return kv // t * head
+    return ((heads // t - 1) // (heads // kv) + 1) * head
+
+
+def cp_method(cfg) -> str:
+    """The context-parallel attention megapar uses for this model (`method_for`)."""
+    from megapar.context_parallel import method_for
+
+    return method_for(_heads(cfg), getattr(cfg, "kv_heads", _heads(cfg)))
+
+
+def cp_block(p: Problem, c: Candidate) -> int:
+    """Elements of this rank's K/V block (keys and values of its s / cp tokens)."""
+    return 2 * (p.seq_len // c.cp) * c.mbs * kv_width(p.config, c.tp)
+
+
+def cp_traffic(p: Problem, c: Candidate) -> dict[str, list[tuple[str, int, int]]]:
+    """What one layer's context-parallel attention sends per micro-batch, as megapar issues it:
+    {"forward" / "backward": [(operation, calls, payload bytes of each)]} (empty at cp 1).
+    A ring exchange is one send (and one receive) of a block; an all-gather's payload is this
+    rank's block, a reduce-scatter's the cp blocks of gradients (fp32)."""
+    if c.cp == 1:
+        return {"forward": [], "backward": []}
+    n, block = c.cp, cp_block(p, c)
+    if cp_method(p.config) == "ring":
+        return {"forward": [("send", n - 1, block * p.act_bytes)],
+                "backward": [("send", n - 1, block * p.act_bytes), ("send", n, block * 4)]}
+    return {"forward": [("all-gather", 1, block * p.act_bytes)],
+            "backward": [("all-gather", 1, block * p.act_bytes),
+                         ("reduce-scatter", 1, n * block * 4)]}
+
+
+def cp_buffers(p: Problem, c: Candidate) -> float:
+    """Transient bytes of context-parallel attention in one layer (0 at cp 1): the ring's K/V
+    block sent, received and stacked, and backward's fp32 dK/dV the same; the all-gather's K/V
+    of the whole sequence and, backward, their fp32 gradients."""
+    if c.cp == 1:
+        return 0.0
+    block = cp_block(p, c)
+    if cp_method(p.config) == "ring":
+        return 3 * block * (p.act_bytes + 4)
+    return c.cp * block * (p.act_bytes + 4)
+
+
+def cp_layer_seconds(p: Problem, c: Candidate, attention_s: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's context-parallel communication that are not
+    hidden (`cp_traffic` over the intra-node link while tp x cp fits a node): a ring exchange
+    overlaps the block attention it runs beside (a cp-th of `attention_s`, the layer's attention
+    forward; twice that backward), the all-gather's ring collectives ((cp - 1) steps of a
+    block) do not."""
+    n = c.cp
+    gbps = p.intra_gbps if c.tp * n <= p.gpus_per_node else p.inter_gbps
+
+    def seconds(op: str, nbytes: int, hide: float) -> float:
+        steps, size = (1, nbytes) if op == "send" else \
+            (n - 1, nbytes / (n if op == "reduce-scatter" else 1))
+        wire = steps * (size * 8 / (gbps * 1e9) + p.latency_us * 1e-6)
+        return max(0.0, wire - hide) if op == "send" else wire
+
+    traffic = cp_traffic(p, c)
+    return tuple(sum(calls * seconds(op, nbytes, hide * attention_s / n)
+                     for op, calls, nbytes in traffic[way])
+                 for way, hide in (("forward", 1), ("backward", 2)))
+
+
 def stage_memory(p: Problem, c: Candidate, counts=None,
                  simulate: bool = True) -> list[mem.MemoryBreakdown]:
     """Memory of one rank of every pipeline stage. Activations: each model chunk's bytes per
-    micro-batch (its blocks, plus the embedding on the first chunk, the head on the last, the
-    chunk's output kept for backward on the others) weighted by the micro-batches in flight on
-    it, plus the pipeline's message buffers (a sent output lives on in its send until the peer
-    has it), at the worst point of the stage's program. `counts`: {stage:
+    micro-batch (its blocks, plus the embedding on the first chunk, the head on the last)
+    weighted by the micro-batches in flight on it, plus the pipeline's message buffers (a sent
+    output lives on in its send until the peer has it), at the worst point of the stage's
+    program; every per-token figure is of this cp rank's s / cp tokens. `counts`: {stage:
     `pipeline.stage_held` of its program} to use instead of the schedule's (the dry run passes
-    its own, whatever the size);
-    `simulate=False` takes the in-flight counts from the schedule's formula instead."""
-    cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
-    h, a = cfg.hidden_size, (cfg.n_head if hasattr(cfg, "n_head") else cfg.num_attention_heads)
+    its own, whatever the size); `simulate=False` takes the in-flight counts from the
+    schedule's formula instead."""
+    cfg, s, b, t = p.config, p.seq_len // c.cp, c.mbs, c.tp  # s: this cp rank's tokens
+    h, a = cfg.hidden_size, _heads(cfg)
     m = p.global_batch // (c.mbs * c.dp)
     totals, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v, simulate)
     sp_t = t if c.sp else 1
     terms = mem.block_terms(cfg)
+    fused = p.fused_attention or c.cp > 1  # cp attention keeps a log-sum-exp, never scores
     per_layer = mem.layer_bytes(s, b, h, a, t, c.sp, c.recompute, p.act_bytes, p.dropout,
-                                p.fused_attention, norm_stats=True, terms=terms)
-    full = mem.layer_bytes(s, b, h, a, t, c.sp, "none", p.act_bytes, p.dropout,
-                           p.fused_attention, norm_stats=True, terms=terms)
+                                fused, norm_stats=True, terms=terms)
+    full = mem.layer_bytes(s, b, h, a, t, c.sp, "none", p.act_bytes, p.dropout, fused,
+                           norm_stats=True, terms=terms)
     vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
     embedding = mem.embedding_bytes(s, b, h, p.dropout, sp_t, terms)
     head = mem.head_bytes(s, b, h, vocab_local, p.act_bytes,
@@ -155,16 +242,18 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
             in_flight = totals[stage]
             outputs = sum(0 if spec.post_process else message for spec in specs)
             activations = in_flight * (sum(chunks) + outputs)
-        buffers = 0.0
+        buffers = cp_buffers(p, c)                      # cp attention's K/V in flight
         if c.recompute != "none":                       # one layer rebuilt during backward
             buffers += full - per_layer
         if stage == c.pp - 1:                           # the logits' gradient in backward
             buffers += s * b * vocab_local * 4
         if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
-            held = most_loaded(config_json, t, c.pp, c.v, stage, c.dp, c.zero, p.grad_bucket_mb)
+            held = most_loaded(config_json, t, c.pp, c.v, stage, c.dp * c.cp, c.zero,
+                               p.grad_bucket_mb)
             params, grads, optim = held.weights, held.grads, held.optimizer
         else:
-            params, grads, optim = mem.state_bytes(n_params, c.dp, c.zero, p.master_weights)
+            params, grads, optim = mem.state_bytes(n_params, c.dp * c.cp, c.zero,
+                                                   p.master_weights)
         out.append(mem.MemoryBreakdown(stage, params, grads, optim, activations,
                                        int(round(in_flight)), buffers))
     return out
@@ -181,7 +270,7 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     """The predicted step of candidate `c`; `simulate=False` takes the pipeline bubble and the
     in-flight micro-batches from their formulas, not the schedule (`plan` ranks so first)."""
     cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
-    h = cfg.hidden_size
+    h, n = cfg.hidden_size, c.cp  # every per-token cost below is of s / n tokens
     stages = stage_memory(p, c, simulate=simulate)
     worst = max(stages, key=lambda x: x.total)
     fits = worst.total <= p.gpu_memory_gb * mem.GIB
@@ -190,16 +279,20 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     per_rank = stage_layer_counts(cfg.num_layers, c.pp, c.v)
     layers = max(per_rank)
     vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
-    fwd_layer = _layer_flops(cfg, s, b) / t
-    head = 2 * s * b * h * vocab_local
-    extra = {"none": 0.0, "selective": 4 * s * s * b * h / t, "full": fwd_layer}[c.recompute]
+    fwd_layer = _layer_flops(cfg, s, b) / (t * n)
+    head = 2 * s * b * h * vocab_local / n
+    attention = 4 * s * s * b * h / (t * n)
+    extra = {"none": 0.0, "selective": attention, "full": fwd_layer}[c.recompute]
     # slowest stage: the most layers, plus the head if the last stage is among the slowest
     fwd = layers * fwd_layer + (head if per_rank[-1] == layers else 0)
     bwd = 2 * fwd + layers * extra
-    act = s * b * h * p.act_bytes
+    act = s // n * b * h * p.act_bytes
     tp_fwd = layers * 2 * _ring(t, act, p.intra_gbps, p.latency_us)
     tp_bwd = tp_fwd * (2 if c.recompute == "full" else 1)
-    t_f, t_b = fwd / rate + tp_fwd, bwd / rate + tp_bwd
+    cp_f, cp_b = cp_layer_seconds(p, c, attention / rate)
+    cp_fwd = layers * cp_f
+    cp_bwd = layers * (cp_b + (cp_f if c.recompute != "none" else 0.0))
+    t_f, t_b = fwd / rate + tp_fwd + cp_fwd, bwd / rate + tp_bwd + cp_bwd
     frac, source = pipeline.bubble(c.schedule, c.pp, m, c.v, round(t_b / t_f, 1), simulate)
     pipe_s = m * (t_f + t_b) / (1 - frac)
     one_node = p.gpus <= p.gpus_per_node
@@ -212,12 +305,15 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     grad_bytes = n_params * (2 if p.precision == "fp16" else 4)
     # ZeRO-1 (distributed optimizer): the gradient reduce-scatter (half an all-reduce) hides
     # behind the backward, the parameter all-gather (the other half) after the step does not
-    reduce = _ring(c.dp, grad_bytes, dp_gbps, p.latency_us) / (2 if c.zero else 1)
+    replicas = c.dp * n  # gradients are reduced over cp x dp
+    reduce = _ring(replicas, grad_bytes, dp_gbps, p.latency_us) / (2 if c.zero else 1)
     dp_exposed = max(0.0, reduce - t_b)
-    zero_s = _ring(c.dp, n_params * 4, dp_gbps, p.latency_us) / 2 if c.zero else 0.0
+    zero_s = _ring(replicas, n_params * 4, dp_gbps, p.latency_us) / 2 if c.zero else 0.0
     tied = _ring(2, piece_counts(cfg, t).tied_copy * 4, pp_gbps, p.latency_us) \
         if c.pp > 1 else 0.0
     comm = {"tp": m * (tp_fwd + tp_bwd) / (1 - frac), "pp": p2p + tied, "dp": dp_exposed + zero_s}
+    if n > 1:
+        comm["cp"] = m * (cp_fwd + cp_bwd) / (1 - frac)
     step = pipe_s + p2p + dp_exposed + zero_s + tied
     tokens = p.global_batch * s
     from megapar.plan.params import model_params

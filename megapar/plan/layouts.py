@@ -1,5 +1,5 @@
-"""The layouts a plan considers: every (tp, pp, dp, micro-batch size, schedule, V, recompute,
-SP, ZeRO-1) for N GPUs, each kept or rejected with the reason.
+"""The layouts a plan considers: every (tp, cp, pp, dp, micro-batch size, schedule, V,
+recompute, SP, ZeRO-1) for N GPUs, each kept or rejected with the reason.
 
 A `Candidate` is one such choice; `check(candidate, ...)` returns why it cannot run (or None),
 `enumerate_candidates` walks the whole space. `parse_candidate("tp=8,pp=16,mbs=1,...")` reads
@@ -41,17 +41,22 @@ class Candidate:
     sp: bool = False
     """Sequence parallelism (splits LayerNorm / dropout activations over tp)."""
     zero: int = 0
-    """1 shards the optimizer state over dp (ZeRO-1 / distributed optimizer)."""
+    """1 shards the optimizer state over dp (ZeRO-1 / distributed optimizer; over cp x dp)."""
+    cp: int = 1
+    """Context-parallel size: ranks that split every sequence."""
 
     def label(self) -> str:
         sched = self.schedule + (f" v{self.v}" if self.v > 1 else "")
         extras = [f"rc={self.recompute}"] + (["sp"] if self.sp else []) + \
             (["zero1"] if self.zero else [])
-        return f"tp{self.tp} pp{self.pp} dp{self.dp} mbs{self.mbs} {sched} " + " ".join(extras)
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        return (f"tp{self.tp}{cp} pp{self.pp} dp{self.dp} mbs{self.mbs} {sched} "
+                + " ".join(extras))
 
     def spec(self) -> str:
         """The --explain syntax for this candidate."""
-        return (f"tp={self.tp},pp={self.pp},dp={self.dp},mbs={self.mbs},"
+        cp = f",cp={self.cp}" if self.cp > 1 else ""
+        return (f"tp={self.tp}{cp},pp={self.pp},dp={self.dp},mbs={self.mbs},"
                 f"schedule={self.schedule},v={self.v},recompute={self.recompute},"
                 f"sp={int(self.sp)},zero={self.zero}")
 
@@ -61,8 +66,8 @@ _ALIASES = {"micro_batch_size": "mbs", "micro-batch-size": "mbs", "virtual_stage
 
 
 def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
-    """`tp=8,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`; dp defaults
-    to gpus / (tp pp). ValueError naming the bad item otherwise."""
+    """`tp=8,cp=2,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`; dp
+    defaults to gpus / (tp cp pp). ValueError naming the bad item otherwise."""
     fields = {f.name: f.type for f in dataclasses.fields(Candidate)}
     values: dict = {}
     for item in text.replace(" ", ",").split(","):
@@ -85,7 +90,8 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
             except ValueError:
                 raise ValueError(f"--explain: {key}={value!r} is not an integer") from None
     if "dp" not in values and gpus:
-        values["dp"] = max(1, gpus // (values.get("tp", 1) * values.get("pp", 1)))
+        values["dp"] = max(1, gpus // (values.get("tp", 1) * values.get("cp", 1)
+                                       * values.get("pp", 1)))
     return Candidate(**values)
 
 
@@ -93,10 +99,13 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
           seq_len: int | None = None) -> str | None:
     """Why candidate `c` cannot run (one sentence naming the fix), or None if it can."""
     try:
-        config.validate(Layout(c.tp, c.pp, c.dp))
+        config.validate(Layout(c.tp, c.pp, c.dp, cp=c.cp))
     except LayoutError as exc:
         return str(exc)
-    if c.tp * c.pp * c.dp != gpus:
+    if c.tp * c.cp * c.pp * c.dp != gpus:
+        if c.cp > 1:
+            return (f"tp*cp*pp*dp = {c.tp}*{c.cp}*{c.pp}*{c.dp} = "
+                    f"{c.tp * c.cp * c.pp * c.dp} is not --gpus {gpus}")
         return f"tp*pp*dp = {c.tp}*{c.pp}*{c.dp} = {c.tp * c.pp * c.dp} is not --gpus {gpus}"
     if c.tp > gpus_per_node:
         return (f"tp {c.tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
@@ -127,9 +136,16 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
         return "sequence parallelism needs tp > 1"
     if c.sp and seq_len and seq_len % c.tp:
         return f"sequence parallelism needs --seq-len {seq_len} divisible by tp {c.tp}"
+    if c.cp > 1 and seq_len:
+        from megapar.training.validate import check_cp_seq_len
+
+        try:
+            check_cp_seq_len(seq_len, Layout(c.tp, c.pp, c.dp, cp=c.cp), c.sp)
+        except ValueError as exc:
+            return str(exc)
     if c.zero not in (0, 1):
         return f"zero {c.zero}: only 0 and 1 are modelled"
-    if c.zero and c.dp == 1:
+    if c.zero and c.dp * c.cp == 1:
         return "ZeRO-1 needs dp > 1 (there is nothing to shard over)"
     return None
 
@@ -162,33 +178,48 @@ def _grid_reason(config, tp: int, pp: int, dp: int, gpus_per_node: int,
     return None
 
 
+def default_cp_sizes(seq_len: int | None) -> tuple[int, ...]:
+    """Context-parallel sizes a plan tries unless told: 1, and 2, 4, 8 too from 8192 tokens on
+    (where a sequence's activations outgrow tp and recomputation)."""
+    return (1, 2, 4, 8) if seq_len and seq_len >= 8192 else (1,)
+
+
 def enumerate_candidates(config, gpus: int, gpus_per_node: int, global_batch: int,
                          micro_batch_sizes=(1, 2, 4, 8), schedules=PLAN_SCHEDULES,
                          virtual_stages=(2, 4), recompute=RECOMPUTE, allow_sp: bool = True,
-                         allow_zero: bool = True, seq_len: int | None = None):
-    """(valid candidates, [(candidate, reason)] rejected) over the whole space. A (tp, pp, dp)
-    grid that no option can run (too many heads or stages, tp across nodes, a batch dp does
-    not divide) is rejected once, as its plain candidate, so the search is quick even for
-    huge GPU counts with many divisors."""
+                         allow_zero: bool = True, seq_len: int | None = None,
+                         cp_sizes=None):
+    """(valid candidates, [(candidate, reason)] rejected) over the whole space (`cp_sizes`:
+    None for `default_cp_sizes`). A (tp, pp, dp) grid that no option can run (too many heads
+    or stages, tp across nodes, a batch dp does not divide) is rejected once, as its plain
+    candidate, so the search is quick even for huge GPU counts with many divisors."""
     valid, rejected = [], []
     for tp in divisors(gpus):
-        for pp in divisors(gpus // tp):
-            dp = gpus // (tp * pp)
-            reason = _grid_reason(config, tp, pp, dp, gpus_per_node, global_batch)
-            if reason:
-                rejected.append((Candidate(tp, pp, dp), reason))
-                continue
-            for mbs in micro_batch_sizes:
-                for schedule in schedules if pp > 1 else ("1f1b",):
-                    for v in virtual_stages if schedule == "interleaved" else (1,):
-                        for rc in recompute:
-                            for sp in ((False, True) if allow_sp and tp > 1 else (False,)):
-                                for zero in ((0, 1) if allow_zero and dp > 1 else (0,)):
-                                    c = Candidate(tp, pp, dp, mbs, schedule, v, rc, sp, zero)
-                                    reason = check(c, config, gpus, gpus_per_node,
-                                                   global_batch, seq_len)
-                                    if reason:
-                                        rejected.append((c, reason))
-                                    else:
-                                        valid.append(c)
+        for cp in (c for c in cp_sizes or default_cp_sizes(seq_len) if (gpus // tp) % c == 0):
+            for pp in divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                reason = _grid_reason(config, tp, pp, dp, gpus_per_node, global_batch)
+                if reason:
+                    rejected.append((Candidate(tp, pp, dp, cp=cp), reason))
+                    continue
+                for mbs, schedule, v, rc, sp, zero in _options(
+                        pp, dp * cp, tp > 1 and allow_sp, allow_zero, micro_batch_sizes,
+                        schedules, virtual_stages, recompute):
+                    c = Candidate(tp, pp, dp, mbs, schedule, v, rc, sp, zero, cp)
+                    reason = check(c, config, gpus, gpus_per_node, global_batch, seq_len)
+                    if reason:
+                        rejected.append((c, reason))
+                    else:
+                        valid.append(c)
     return valid, rejected
+
+
+def _options(pp, replicas, sp, zero, micro_batch_sizes, schedules, virtual_stages, recompute):
+    """(mbs, schedule, v, recompute, sp, zero) choices of a (tp, cp, pp, dp) layout."""
+    for mbs in micro_batch_sizes:
+        for schedule in schedules if pp > 1 else ("1f1b",):
+            for v in virtual_stages if schedule == "interleaved" else (1,):
+                for rc in recompute:
+                    for with_sp in ((False, True) if sp else (False,)):
+                        for with_zero in ((0, 1) if zero and replicas > 1 else (0,)):
+                            yield mbs, schedule, v, rc, with_sp, with_zero

@@ -57,7 +57,8 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
     """(the megapar-train command line for the estimate's layout, notes on what it lacks)."""
     fields, _ = _train_fields()
     c = e.candidate
-    flags = [f"--model {model}", f"--tp {c.tp}", f"--pp {c.pp}",
+    flags = [f"--model {model}", f"--tp {c.tp}", *([f"--cp {c.cp}"] if c.cp > 1 else []),
+             f"--pp {c.pp}",
              f"--seq-len {p.seq_len}", f"--micro-batch-size {c.mbs}",
              f"--global-batch-size {p.global_batch}", f"--recompute {c.recompute}",
              f"--precision {p.precision}", f"--peak-tflops {p.peak_tflops:g}"]

@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megapar.mesh import all_reduce as _all_reduce
+from megapar.mesh import group_size as _size
+from megapar.tensor_parallel.mappings import reduce_from_tp_region
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -81,7 +83,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
                                             ignore_index)
 
 
-def masked_mean(per_token: torch.Tensor, target: torch.Tensor, ignore_index: int = -100):
-    """Mean of per-token losses over the tokens that are not ignored (0 if all are)."""
-    count = (target != ignore_index).sum().clamp(min=1)
-    return per_token.sum() / count
+def masked_mean(per_token: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                group=None):
+    """Mean of per-token losses over the tokens that are not ignored (0 if all are).
+
+    With `group` (context parallelism: each rank holds other tokens of the same sequences) the
+    mean is over the tokens of every rank of the group: the sums and counts are all-reduced
+    together (one all-reduce of two numbers), forward only, so each rank's tokens get the
+    gradient 1 / (the group's count), as the sum over tp in the vocab-parallel loss."""
+    total, count = per_token.sum(), (target != ignore_index).sum()
+    if _size(group) > 1:
+        both = reduce_from_tp_region(torch.stack([total, count.to(total.dtype)]), group)
+        total, count = both[0], both[1]
+    return total / count.clamp(min=1)

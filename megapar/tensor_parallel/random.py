@@ -4,6 +4,7 @@ Two streams: the *default* stream (torch's global RNG) is seeded the same on eve
 dropout on replicated activations (after a row-parallel layer) draws the same mask everywhere;
 the *tp* stream is seeded differently per tp rank and used, through `tracker.fork()`, for
 dropout on sharded activations (attention probabilities of this rank's heads).
+Both are offset per context-parallel rank too (each holds other tokens of the sequences).
 `checkpoint` wraps torch.utils.checkpoint so a recomputed forward replays both streams exactly.
 """
 
@@ -17,6 +18,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from megapar.mesh import Mesh
 
 _TP_OFFSET = 2718
+_CP_OFFSET = 1_000_003
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
@@ -31,11 +33,12 @@ def _set_state(state: torch.Tensor, device: torch.device) -> None:
 
 
 class RNGTracker:
-    """Owns the tp dropout stream and seeds the default one (seed depends on the pp stage)."""
+    """Owns the tp dropout stream and seeds the default one (seed depends on the pp stage and
+    the cp rank)."""
 
     def __init__(self, seed: int, mesh: Mesh):
         self.device = mesh.device
-        default_seed = seed + 100 * mesh.pp_rank
+        default_seed = seed + 100 * mesh.pp_rank + _CP_OFFSET * getattr(mesh, "cp_rank", 0)
         torch.manual_seed(default_seed)
         saved = _get_state(self.device)
         torch.manual_seed(default_seed + _TP_OFFSET + mesh.tp_rank)

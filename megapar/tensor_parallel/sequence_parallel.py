@@ -57,16 +57,6 @@ def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(size, dim=SEQ_DIM)[dist.get_rank(group)].contiguous()
 
 
-def local_positions(seq_len: int, group, device) -> torch.Tensor:
-    """The positions of this rank's slice of a sequence of `seq_len` (all of them at tp 1)."""
-    size = group_size(group)
-    if seq_len % size:
-        raise LayoutError(f"sequence length {seq_len} is not divisible by --tp {size} "
-                          f"(needed by --sequence-parallel); change --seq-len or --tp")
-    start = (dist.get_rank(group) if size > 1 else 0) * (seq_len // size)
-    return torch.arange(start, start + seq_len // size, device=device)
-
-
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """Every rank's sequence slice, concatenated in rank order (all-gather).
 

@@ -86,7 +86,7 @@ class _Held:
         self.owner.now -= self.bytes
 
 
-def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stages=1):
+def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stages=1, cp=1):
     from megapar.mesh import Mesh
     from megapar.models.config import config_from_dict
     from megapar.pipeline.executor import PipelineExecutor
@@ -95,14 +95,14 @@ def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stage
     from megapar.training.build import build_stage
 
     config = config_from_dict(config_dict)
-    mesh = Mesh.from_env(tp, pp, 1)
+    mesh = Mesh.from_env(tp, pp, 1, cp=cp)
     model = build_stage(config, mesh, seed=0, virtual_stages=virtual_stages)
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, config.vocab_size, (mbs, seq_len + 1), generator=gen)
            for _ in range(m)]
     micro = [{"input_ids": t[:, :-1].to(mesh.device), "labels": t[:, 1:].to(mesh.device)}
              for t in ids]
-    executor = PipelineExecutor(model, mesh, schedule, (mbs, seq_len, config.hidden_size),
+    executor = PipelineExecutor(model, mesh, schedule, (mbs, seq_len // cp, config.hidden_size),
                                 virtual_stages=virtual_stages)
     held = _HeldBytes(model.parameters())
     timeline = None
@@ -132,8 +132,9 @@ def gather_stage_info(mesh, values: list[float]) -> list[list[float]]:
 
 def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = None,
             steps: int = 3, micro_batch_size: int = 4, seq_len: int = 64,
-            virtual_stages: int = 1) -> BubbleRun:
-    """Run the real engine on pp*tp local processes; the last of `steps` steps' timeline.
+            virtual_stages: int = 1, cp: int = 1) -> BubbleRun:
+    """Run the real engine on pp*tp*cp local processes; the last of `steps` steps' timeline
+    (cp rank 0's pipeline; the cp ranks' costs include their attention exchanges).
 
     activation_mb is, per stage, the peak of the tensors autograd held for backward during
     the step (parameters included when saved): what the schedule's in-flight count bounds."""
@@ -143,8 +144,8 @@ def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = Non
 
     check_schedule(schedule, pp, m, virtual_stages)
     config = bench_config(model, pp, virtual_stages)
-    results = run_local(_worker, pp * tp, config.to_dict(), tp, pp, m, schedule, steps,
-                        micro_batch_size, seq_len, virtual_stages, timeout_s=600)
+    results = run_local(_worker, pp * tp * cp, config.to_dict(), tp, pp, m, schedule, steps,
+                        micro_batch_size, seq_len, virtual_stages, cp, timeout_s=600)
     timeline_json, in_flight, act = results[0]
     timeline = Timeline.from_json(timeline_json)
     stats = bubble_stats(timeline)

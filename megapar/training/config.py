@@ -21,10 +21,12 @@ class TrainConfig:
     # --- layout ---
     tp: int = 1
     """Tensor-parallel size (ranks that split each layer)."""
+    cp: int = 1
+    """Context-parallel size: ranks that split every sequence (ring or all-gather attention over them; --seq-len must be divisible by 2 x cp). The mesh is tp x cp x pp x dp."""
     pp: int = 1
     """Pipeline-parallel size (stages)."""
     dp: int | None = None
-    """Data-parallel size; default world size / (tp * pp) (1 when megapar-train starts the workers)."""
+    """Data-parallel size; default world size / (tp * cp * pp) (1 when megapar-train starts the workers)."""
     oversubscribe: bool = False
     """Start more local workers than 4 per CPU core (at least 8) when megapar-train starts them itself; refused otherwise."""
     rank_order: str = "tp-pp-dp"

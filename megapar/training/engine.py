@@ -46,7 +46,7 @@ class Engine:
 
         self.cfg, self.config = cfg, model_config
         self.mesh = mesh = mesh or Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
-                                                 order=cfg.rank_order)
+                                                 order=cfg.rank_order, cp=cfg.cp)
         mesh.sequence_parallel = cfg.sequence_parallel and mesh.tp > 1
         self.model = build_stage(model_config, mesh, cfg.seed, cfg.recompute,
                                  virtual_stages=cfg.virtual_stages)
@@ -63,9 +63,11 @@ class Engine:
         self.scheduler = scheduler
         compressor = make_compressor(cfg.grad_compression, cfg.powersgd_rank, cfg.seed)
         # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
-        self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_group,
+        # (summed over cp, averaged over dp)
+        self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_cp_group,
                                      cfg.grad_bucket_mb, compressor=compressor,
-                                     reduce_dtype=None if compressor else reduce_dtype)
+                                     reduce_dtype=None if compressor else reduce_dtype,
+                                     average_over=mesh.dp)
         self._executors: dict[int, object] = {}
         self.executor = self._executor(cfg.seq_len)
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, scheduler,
@@ -89,10 +91,9 @@ class Engine:
         from megapar.pipeline.executor import PipelineExecutor
 
         if seq_len not in self._executors:
-            if self.mesh.sequence_parallel:  # stages exchange their sequence slice
-                seq_len_sent = seq_len // self.mesh.tp
-            else:
-                seq_len_sent = seq_len
+            seq_len_sent = seq_len // self.mesh.cp  # stages exchange this cp rank's tokens
+            if self.mesh.sequence_parallel:  # ... and of them this tp rank's slice
+                seq_len_sent //= self.mesh.tp
             shape = (self.cfg.micro_batch_size, seq_len_sent, self.config.hidden_size)
             self._executors[seq_len] = PipelineExecutor(
                 self.model, self.mesh, self.cfg.schedule, shape, timeout_s=self.cfg.timeout_s,
@@ -138,6 +139,10 @@ class Engine:
         from megapar.training.batch_check import check_batch, same_on_every_rank
 
         batch = check_batch(batch, self.config, what)
+        if self.mesh.cp > 1:
+            from megapar.context_parallel import check_length
+
+            check_length(batch["input_ids"].shape[1], self.mesh.cp)
         if not self._batch_seen:
             same_on_every_rank(batch, self.mesh.device, what)
             self._batch_seen = True

@@ -70,8 +70,10 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
     / `LlamaModel` gets its missing head initialised, with a warning; a model with another head,
     e.g. for classification, is refused), a transformers config (weights initialised from
     `seed`, the same in every layout), or a megapar recipe name ("gpt2-tiny", "bert-base").
-    dp = world size / (tp x pp). optimizer: adamw, lamb, lars or sgd. weight_decay applies to
-    matrices and embeddings only. clip_grad: global gradient-norm clip (0: off).
+    dp = world size / (tp x cp x pp); context parallelism is a keyword too (`cp=2`: every
+    sequence split over 2 ranks, its length a multiple of 2 x cp). optimizer: adamw, lamb,
+    lars or sgd. weight_decay applies to matrices and embeddings only. clip_grad: global
+    gradient-norm clip (0: off).
     lr_schedule: None (constant `lr`; attach a torch LR scheduler to `engine.optimizer` if you
     like), a megapar `LRScheduler`, or a dict of its fields (warmup_steps, max_steps, decay,
     min_lr). Any other `TrainConfig` field (e.g. lr_scale_with_batch, global_batch_size) can be

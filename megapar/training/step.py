@@ -4,7 +4,8 @@
 
 1. zero the gradients, set this step's learning rate;
 2. run the pipeline schedule under autocast (gradients accumulate over the m micro-batches; the
-   dp average is bucketed and overlapped with the last micro-batch's backward by `grad_sync`);
+   dp average (a sum over cp) is bucketed and overlapped with the last micro-batch's backward
+   by `grad_sync`);
    with --sequence-parallel, sum the replicated parameters' partial gradients over tp;
 3. sum the tied embedding's gradient over the first and last stage (pp > 1);
 4. fp16: unscale the gradients and agree, over the whole world, whether any is inf / NaN;
@@ -12,7 +13,7 @@
 6. step the optimizer unless the step overflowed (any precision: a non-finite gradient norm is
    never applied); update the loss scale.
 
-With the ZeRO-1 distributed optimizer (`optim/zero.py`, dp > 1) the gradient buffer is
+With the ZeRO-1 distributed optimizer (`optim/zero.py`, dp x cp > 1) the gradient buffer is
 reduce-scattered, not all-reduced: step 3 runs inside `grad_sync.finish()` before the buffer
 slice holding the embedding is reduced (`attach` below), and steps 4-6 read only this rank's
 slices (the norm is all-reduced over dp as well); the optimizer all-gathers the weights.
@@ -97,7 +98,11 @@ class TrainStep:
             getattr(p, "sequence_parallel", False) for p in self.params)
         """Some gradients are partial over tp and summed once per step: sequence parallelism's
         replicated parameters, Llama's replicated k / v heads."""
-        self.sharded = getattr(optimizer, "zero", 0) == 1 and mesh.dp > 1
+        if mesh.cp > 1 and grad_sync is None:
+            raise ValueError("context parallelism needs grad_sync (a GradBuckets over "
+                             "mesh.dp_cp_group, average_over=mesh.dp): each cp rank's gradient "
+                             "is only its tokens' share until they are summed")
+        self.sharded = getattr(optimizer, "zero", 0) == 1 and mesh.dp * mesh.cp > 1
         if self.sharded:
             self._attach()
 

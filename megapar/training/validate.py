@@ -34,7 +34,8 @@ class UsageError(ValueError):
 # (field, kind, lowest allowed, lowest is allowed itself[, (value that turns it off, meaning)]):
 # kind "int" or "float" (finite).
 _RULES = [
-    ("tp", "int", 1, True), ("pp", "int", 1, True), ("dp", "int", 1, True),
+    ("tp", "int", 1, True), ("cp", "int", 1, True), ("pp", "int", 1, True),
+    ("dp", "int", 1, True),
     ("seq_len", "int", 1, True), ("micro_batch_size", "int", 1, True),
     ("global_batch_size", "int", 1, True), ("max_steps", "int", 1, True),
     ("warmup_steps", "int", 0, True), ("eval_interval", "int", 0, True),
@@ -117,6 +118,18 @@ def check_settings(cfg) -> None:
         raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} and --grad-compression "
                          f"{cfg.grad_compression} both choose how gradients travel; give one "
                          f"(--grad-compression bf16 / fp16 is a reduction in that dtype)")
+
+
+def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> None:
+    """Context parallelism cuts each sequence into 2 x cp chunks (and, under sequence
+    parallelism, a cp rank's tokens into tp slices): --seq-len must allow both."""
+    cp, tp = layout.cp, layout.tp
+    need = math.lcm(2 * cp, cp * tp) if sequence_parallel and tp > 1 else 2 * cp
+    if cp > 1 and seq_len % need:
+        why = " and each cp rank's tokens into --tp slices" if need != 2 * cp else ""
+        raise UsageError(f"--seq-len {seq_len} is not divisible by {need}: --cp {cp} cuts "
+                         f"each sequence into 2 x cp = {2 * cp} chunks{why}; choose a multiple "
+                         f"of {need}")
 
 
 def explicit(cfg) -> set[str]:
@@ -240,7 +253,7 @@ def checkpoint_manifest(path: str) -> dict:
 
 NOT_INHERITED = {
     # the layout and how it runs (any layout resumes any checkpoint, with the same numbers)
-    "tp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
+    "tp", "cp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
     "sequence_parallel", "recompute", "zero", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
     "model", "from_hf", "load", "load_strict", "save", "data_cache", "log_json", "tensorboard",

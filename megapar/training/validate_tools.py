@@ -84,7 +84,7 @@ MAX_SIMULATED_STAGES = 256
 def check_bubble_args(args) -> None:
     from megapar.launcher import check_local_workers
 
-    for name in ("pp", "microbatches", "tp", "steps", "micro_batch_size", "seq_len"):
+    for name in ("pp", "microbatches", "tp", "cp", "steps", "micro_batch_size", "seq_len"):
         value = getattr(args, name)
         if value < 1:
             raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
@@ -117,9 +117,12 @@ def check_bubble_args(args) -> None:
 
     try:
         config = bench_config(args.model, args.pp)
-        config.validate(Layout(args.tp, args.pp, 1))
+        config.validate(Layout(args.tp, args.pp, 1, cp=args.cp))
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
+    from megapar.training.validate import check_cp_seq_len
+
+    check_cp_seq_len(args.seq_len, Layout(args.tp, args.pp, 1, cp=args.cp))
     positions = config.max_positions
     if args.seq_len > positions:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "

@@ -1,0 +1,309 @@
+"""Self-attention over a sequence split across the context-parallel group.
+
+Each cp rank holds its two chunks of every sequence (`split.py`) and their queries, keys and
+values ([b, heads, 2c, d], c = s / 2cp). A query needs the keys and values of the whole
+sequence (the earlier part of it under a causal mask). They come block by block: the keys /
+values of source rank j (its two chunks) meet this rank's queries in at most a few kernel calls
+(`plan`), and the results are merged with their log-sum-exp (`kernels.merge`), so no rank ever
+holds a score matrix larger than chunk x 2 chunks. Two ways to get the blocks:
+
+- ``"ring"`` (`RingAttention`): the K/V blocks travel around the cp group, one point-to-point
+  exchange per step (`ring.py`), the next block's transfer running while this block's attention
+  is computed; only one remote block is held at a time. Backward sends the blocks around again
+  with the gradients of the keys / values travelling behind them, back to their owner.
+  Per layer and micro-batch: cp - 1 exchanges of a K/V block forward, cp - 1 plus cp (dK/dV,
+  fp32) backward.
+- ``"all-gather"`` (`AllGatherAttention`, Llama 3's choice): one all-gather of every rank's K/V
+  block, then the attention of the local queries; backward gathers them again and reduce-
+  scatters their gradients (fp32) to their owners. Fewer, larger collectives that cannot
+  overlap with compute, and the whole sequence's keys / values held during the layer's
+  attention: cheap when there are few kv heads.
+
+`method_for(q_heads, kv_heads)` chooses: all-gather for grouped-query attention (kv heads fewer
+than query heads: the gathered K/V are a fraction of the queries' size, as in Llama 3 with 8 kv
+heads of 32, and two collectives beat 3cp - 2 exchanges), the ring otherwise (GPT-2, BERT,
+multi-head Llama: all-gathered K/V would be as large as the whole sequence's queries, which is
+the memory context parallelism exists to split). Both compose with grouped-query heads (kv heads
+are sent unexpanded and expanded per block), BERT's padding mask (each rank holds the whole
+mask, so no mask travels), tensor parallelism (this rank's heads only) and dropout.
+
+Causal rule (global chunk ids): query chunk a sees key chunk k fully when k < a, causally when
+k == a, not at all when k > a; with the load-balanced split every rank makes the same number of
+kernel calls of the same sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from megapar.context_parallel.kernels import (
+    DropoutMasks, block_backward, block_forward, choose_kernel, merge, wide,
+)
+from megapar.context_parallel.split import chunk_ids, split
+from megapar.tensor_parallel.sequence_parallel import _all_gather_flat, _reduce_scatter_flat
+
+METHODS = ("ring", "all-gather")
+
+
+def method_for(q_heads: int, kv_heads: int) -> str:
+    """The cp attention of a model: all-gather with grouped-query kv heads, else the ring."""
+    return "all-gather" if kv_heads < q_heads else "ring"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One kernel call: query rows `q` against key columns `kv` of a source's block."""
+
+    q: slice
+    kv: slice
+    causal: bool
+
+
+def plan(cp: int, rank: int, source: int, c: int, causal: bool) -> list[Call]:
+    """The kernel calls of this rank's queries against source rank `source`'s K/V block
+    (chunk length c). Bidirectional: one call of everything. Causal: per query chunk, the
+    source's earlier chunks in one call (they are adjacent) and its own chunk causally."""
+    if not causal:
+        return [Call(slice(0, 2 * c), slice(0, 2 * c), False)]
+    calls = []
+    kv_chunks = chunk_ids(cp, source)
+    for qi, qc in enumerate(chunk_ids(cp, rank)):
+        rows = slice(qi * c, (qi + 1) * c)
+        earlier = [ki for ki, kc in enumerate(kv_chunks) if kc < qc]
+        if earlier:  # [0] or [0, 1]: a source's first chunk is always its earlier one
+            calls.append(Call(rows, slice(earlier[0] * c, (earlier[-1] + 1) * c), False))
+        calls += [Call(rows, slice(ki * c, (ki + 1) * c), True)
+                  for ki, kc in enumerate(kv_chunks) if kc == qc]
+    return calls
+
+
+@dataclass
+class Spec:
+    """What a cp attention call needs besides its tensors."""
+
+    cp: int
+    rank: int
+    """This rank's index in the cp group."""
+    causal: bool
+    comm: object
+    """A `ring.Ring` (ring) or the cp process group (all-gather)."""
+    dropout_p: float = 0.0
+    kernel: str | None = None
+    """"flash" / "math" (`kernels.KERNELS`); None chooses by device and dropout."""
+    label: str = "attention"
+    """Names the layer in a timeout's message."""
+    masks: DropoutMasks | None = field(default=None, repr=False)
+
+
+def _lowest(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype if dtype.is_floating_point else torch.float32).min
+
+
+def _source_bias(key_mask, cp: int, source: int, dtype):
+    """The additive key mask of source rank `source`'s block (None: no padding mask)."""
+    if key_mask is None:
+        return None
+    keep = split(key_mask, cp, source, dim=-1)[:, None, None, :]
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(
+        ~keep, _lowest(dtype))
+
+
+def _expand(t, kv_index):
+    return t if kv_index is None else t.index_select(1, kv_index)
+
+
+def _reduce(grad, kv_index, kv_heads: int):
+    """A gradient of expanded kv heads summed back onto the kv heads."""
+    if kv_index is None:
+        return grad
+    out = grad.new_zeros(grad.shape[0], kv_heads, *grad.shape[2:])
+    return out.index_add_(1, kv_index, grad)
+
+
+class _Pass:
+    """The per-source work of one forward or backward, shared by both methods."""
+
+    def __init__(self, spec: Spec, q, key_mask, kv_index):
+        self.spec, self.q, self.key_mask, self.kv_index = spec, q, key_mask, kv_index
+        self.c = q.shape[2] // 2
+        self.kernel = spec.kernel or choose_kernel(q.device, spec.dropout_p)
+
+    def calls(self, source: int) -> list[Call]:
+        return plan(self.spec.cp, self.spec.rank, source, self.c, self.spec.causal)
+
+    def forward(self, source: int, k, v, acc: dict) -> None:
+        """Merge the attention of the queries against source's K/V into acc {rows: (o, lse)}."""
+        k, v = _expand(k, self.kv_index), _expand(v, self.kv_index)
+        bias = _source_bias(self.key_mask, self.spec.cp, source, self.q.dtype)
+        for call in self.calls(source):
+            out, lse = block_forward(self.q[:, :, call.q], k[:, :, call.kv], v[:, :, call.kv],
+                                     call.causal, None if bias is None else bias[..., call.kv],
+                                     self.kernel, self.spec.masks)
+            key = (call.q.start, call.q.stop)
+            acc[key] = merge(*acc.get(key, (None, None)), out, lse)
+
+    def backward(self, source: int, k, v, dout, out, lse, dq):
+        """Add the queries' gradient share of source's block into dq (fp32); returns the
+        block's (dk, dv) in fp32, on the unexpanded kv heads."""
+        kv_heads = k.shape[1]
+        k, v = _expand(k, self.kv_index), _expand(v, self.kv_index)
+        bias = _source_bias(self.key_mask, self.spec.cp, source, self.q.dtype)
+        dk = wide(torch.zeros_like(k))
+        dv = torch.zeros_like(dk)
+        for call in self.calls(source):
+            r, kv = call.q, call.kv
+            g = block_backward(dout[:, :, r], self.q[:, :, r], k[:, :, kv], v[:, :, kv],
+                               out[:, :, r], lse[:, :, r], call.causal,
+                               None if bias is None else bias[..., kv], self.kernel,
+                               self.spec.masks)
+            dq[:, :, r] += g[0]
+            dk[:, :, kv] += g[1]
+            dv[:, :, kv] += g[2]
+        return _reduce(dk, self.kv_index, kv_heads), _reduce(dv, self.kv_index, kv_heads)
+
+
+def _result(acc: dict, q) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merged (out, lse) of every query row. out is [b, heads, s, d] laid out as
+    [b, s, heads, d] in memory, as torch's attention kernels return it, so that the caller's
+    transpose(1, 2).reshape(b, s, heads x d) is a view, not a copy kept by the next linear."""
+    b, heads, s, d = q.shape
+    out = torch.empty((b, s, heads, d), dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = None
+    for (start, stop), (part, part_lse) in acc.items():
+        out[:, :, start:stop] = part
+        if lse is None:
+            lse = part_lse.new_empty((b, heads, s))
+        lse[:, :, start:stop] = part_lse
+    return out, lse
+
+
+def _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec):
+    """The merged output; what backward needs is kept (this rank's blocks only)."""
+    out, lse = _result(acc, q)
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, kv_index)
+    ctx.spec = spec
+    return out
+
+
+def _backward_start(ctx):
+    """(saved tensors, spec, the per-source work, dq zeroed in the accumulation dtype)."""
+    saved = ctx.saved_tensors
+    q, _, _, _, _, key_mask, kv_index = saved
+    return saved, ctx.spec, _Pass(ctx.spec, q, key_mask, kv_index), wide(torch.zeros_like(q))
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention: K/V blocks passed around the cp group, overlapped with the attention."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, kv_index, spec: Spec):
+        work, ring, cp = _Pass(spec, q, key_mask, kv_index), spec.comm, spec.cp
+        kv, acc = torch.stack([k, v]), {}
+        for i in range(cp):
+            source = (spec.rank - i) % cp
+            handle = ring.start(kv, f"{spec.label}: K/V step {i + 1}") if i + 1 < cp else None
+            work.forward(source, kv[0], kv[1], acc)
+            if handle is not None:
+                kv = ring.finish(handle)
+        return _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (q, k, v, out, lse, _, _), spec, work, dq = _backward_start(ctx)
+        ring, cp = spec.comm, spec.cp
+        kv, grads = torch.stack([k, v]), None
+        with _replaying(spec):
+            for i in range(cp):
+                source = (spec.rank - i) % cp
+                handle = ring.start(kv, f"{spec.label} backward: K/V step {i + 1}") \
+                    if i + 1 < cp else None
+                dkv = torch.stack(work.backward(source, kv[0], kv[1], dout, out, lse, dq))
+                if grads is not None:  # the gradient of this block's K/V so far, from upstream
+                    dkv += ring.finish(grads)
+                grads = ring.start(dkv, f"{spec.label} backward: dK/dV step {i + 1}")
+                if handle is not None:
+                    kv = ring.finish(handle)
+            dkv = ring.finish(grads)  # own K/V's gradient, back from its trip around the ring
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """All-gather attention: every rank's K/V block gathered once (again in backward, whose
+    K/V gradients are reduce-scattered to their owners)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, kv_index, spec: Spec):
+        work, acc = _Pass(spec, q, key_mask, kv_index), {}
+        every = _gather(torch.stack([k, v]), spec)
+        for source in range(spec.cp):
+            work.forward(source, every[source, 0], every[source, 1], acc)
+        return _forward_done(ctx, acc, q, k, v, key_mask, kv_index, spec)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (q, k, v, out, lse, _, _), spec, work, dq = _backward_start(ctx)
+        every = _gather(torch.stack([k, v]), spec)
+        with _replaying(spec):
+            dkv = torch.stack([torch.stack(work.backward(source, every[source, 0],
+                                                         every[source, 1], dout, out, lse, dq))
+                               for source in range(spec.cp)])
+        mine = torch.empty(dkv.shape[1:], dtype=dkv.dtype, device=dkv.device)
+        _reduce_scatter_flat(mine, dkv, spec.comm)
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None
+
+
+def _gather(kv: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """[cp, 2, b, kv heads, 2c, d]: every cp rank's stacked K/V block, in cp rank order."""
+    out = torch.empty((spec.cp,) + kv.shape, dtype=kv.dtype, device=kv.device)
+    _all_gather_flat(out, kv.contiguous(), spec.comm)
+    return out
+
+
+def _replaying(spec: Spec):
+    import contextlib
+
+    return spec.masks.replaying() if spec.masks is not None else contextlib.nullcontext()
+
+
+def attention(q, k, v, spec: Spec, key_mask=None, kv_index=None, method: str = "ring"):
+    """Attention of this rank's queries over the whole (cp-split) sequence.
+
+    q: [b, heads, 2c, d] (this rank's two chunks); k, v: [b, kv heads, 2c, d], with
+    `kv_index` [heads] naming each query head's kv head (None: one each); key_mask: [b, s] bool
+    (True = a real token) of the *whole* sequence, or None. Returns [b, heads, 2c, d]."""
+    if method not in METHODS:
+        raise ValueError(f"unknown context-parallel attention {method!r}; expected one of "
+                         f"{METHODS}")
+    if spec.dropout_p > 0:  # this call's masks (a spec may be reused)
+        spec = dataclasses.replace(spec, masks=DropoutMasks(spec.dropout_p, q.device))
+    fn = RingAttention if method == "ring" else AllGatherAttention
+    return fn.apply(q, k, v, key_mask, kv_index, spec)
+
+
+class LayerAttention:
+    """Context-parallel attention as one attention layer uses it: this rank's place in the cp
+    group, the method (`method_for`; an attribute, so it can be switched) and, for the ring, the
+    layer's `Ring` (made on first use). Holds no parameters and no global state."""
+
+    def __init__(self, mesh, causal: bool, method: str, label: str = "self-attention"):
+        if method not in METHODS:
+            raise ValueError(f"unknown context-parallel attention {method!r}; expected one of "
+                             f"{METHODS}")
+        self.mesh, self.causal, self.method, self.label = mesh, causal, method, label
+        self.ring = None
+
+    def __call__(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0):
+        mesh = self.mesh
+        if self.method == "ring":
+            if self.ring is None:
+                from megapar.context_parallel.ring import Ring
+
+                self.ring = Ring(mesh.cp_group, mesh.timeout_s)
+            comm = self.ring
+        else:
+            comm = mesh.cp_group
+        spec = Spec(mesh.cp, mesh.cp_rank, self.causal, comm, dropout_p, label=self.label)
+        return attention(q, k, v, spec, key_mask, kv_index, self.method)
