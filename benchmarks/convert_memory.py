@@ -74,7 +74,7 @@ def build_source(root: Path, layers: int, hidden: int, vocab: int) -> dict:
     from megapar.checkpoint.distributed import save_checkpoint
     from megapar.mesh import Layout, Mesh
     from megapar.models import GPT2Config
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     config = GPT2Config(vocab_size=vocab, n_positions=1024, n_embd=hidden, n_layer=layers,
                         n_head=8)

@@ -21,7 +21,7 @@ def _bench(args) -> dict:
     from megapar.data_parallel import GradBuckets
     from megapar.mesh import Layout, Mesh
     from megapar.models import GPT2Config
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     mesh = Mesh(Layout(1, 1, args.dp), dist.get_rank())
     cfg = GPT2Config(vocab_size=1000, n_positions=64, n_embd=args.hidden, n_layer=args.layers,

@@ -63,7 +63,7 @@ def _worker(args, variant: str):
     from megapar.mesh import Layout, Mesh
     from megapar.models import GPT2Config
     from megapar.pipeline.executor import PipelineExecutor
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     import ctypes
 

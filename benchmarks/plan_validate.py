@@ -47,7 +47,7 @@ def _worker(config_dict, layout, schedule, zero, mbs, seq, global_batch, steps):
     from megapar.models.config import config_from_dict
     from megapar.optim import LRScheduler, Precision, build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
     from megapar.training.step import BatchPlan, TrainStep
 
     tp, pp, dp = layout

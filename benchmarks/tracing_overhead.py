@@ -30,7 +30,7 @@ def _worker(pp, m, schedule, reps, hidden, seq_len, mbs):
     from megapar.mesh import Mesh
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.training.bubble import bench_config
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     config = bench_config(None, pp)
     if hidden:

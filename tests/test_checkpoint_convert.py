@@ -12,7 +12,7 @@ from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.checkpoint.hf import gather_canonical
 from megapar.cli.convert import main
 from megapar.mesh import Layout, Mesh
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from test_checkpoint_helpers import (
     KEYS, assert_same, canonical_state, file_tensors, moment, save_serial, tiny_config,
 )

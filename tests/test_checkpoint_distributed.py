@@ -11,7 +11,7 @@ from megapar.checkpoint.hf import gather_canonical
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.tensor_parallel.partition import gather_full
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from test_checkpoint_helpers import KEYS, file_tensors, moment, optim_for, tiny_config
 from tp_utils import make_mesh
 

@@ -11,7 +11,7 @@ from megapar.checkpoint.manifest import read_manifest, verify
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.convert import main
 from megapar.mesh import Layout, LayoutError, Mesh
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from test_checkpoint_helpers import save_serial, tiny_config
 
 SHARD = "model_tp01_pp00.safetensors"

@@ -18,7 +18,7 @@ from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.mesh import Layout, Mesh
 from megapar.models import BertConfig, GPT2Config, LlamaConfig
 from megapar.tensor_parallel.partition import shard_of
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 
 GPT2_TINY = dict(vocab_size=101, n_positions=32, n_embd=32, n_layer=4, n_head=4)
 BERT_TINY = dict(vocab_size=103, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,

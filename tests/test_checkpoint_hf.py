@@ -10,7 +10,7 @@ from megapar.checkpoint.hf import gather_canonical
 from megapar.cli.convert import main
 from megapar.mesh import Layout, Mesh
 from megapar.models import config_from_hf
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from test_checkpoint_helpers import assert_same, canonical_state
 
 GPT2_HF = dict(vocab_size=101, n_positions=32, n_embd=32, n_layer=2, n_head=4)

@@ -12,7 +12,7 @@ from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.manifest import DIGEST
 from megapar.cli.convert import main
 from megapar.mesh import Layout, Mesh
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from test_checkpoint_helpers import save_serial, tiny_config
 
 

@@ -14,7 +14,7 @@ from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.checkpoint.manifest import verify
 from megapar.mesh import Layout, Mesh
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from test_checkpoint_helpers import save_serial, tiny_config
 
 POINTS = ["start", "after-aside", "after-rename", "after-latest-tmp", "after-latest"]

@@ -18,7 +18,7 @@ from megapar.comm_count import count_collectives, summary
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.models import BertConfig, GPT2Config, LlamaConfig
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 
 L, H, MBS, SEQ, M, VOCAB = 3, 32, 2, 8, 2, 96
 CONFIGS = {

@@ -177,7 +177,7 @@ def _step_record_worker(schedule, v, recompute):
     from megapar.mesh import Layout, Mesh
     from megapar.models import GPT2Config
     from megapar.pipeline.executor import PipelineExecutor
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     mesh = Mesh(Layout(1, 2, 1, cp=2), dist.get_rank())
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=4, n_head=2,

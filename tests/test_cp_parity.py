@@ -14,7 +14,7 @@ from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.models import BertConfig, GPT2Config, LlamaConfig
 from megapar.tensor_parallel.partition import gather_full, unpad
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from megapar.training.step import BatchPlan
 from tp_utils import assert_close, rel_err
 

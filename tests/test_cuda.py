@@ -217,7 +217,7 @@ def _zero1_save_memory():
     from megapar.data_parallel import GradBuckets
     from megapar.mesh import Layout, Mesh
     from megapar.optim import build_optimizer
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     mesh = Mesh(Layout(1, 1, 2), dist.get_rank())
     model = build_stage(CONFIG, mesh, seed=3)

@@ -8,7 +8,7 @@ from torch import nn
 from megapar.data_parallel import GradBuckets, make_buckets
 from megapar.launcher import run_local
 from megapar.models import GPT2Config
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from tp_utils import assert_close, make_mesh
 
 M, MBS, SEQ, VOCAB = 3, 2, 8, 100
@@ -184,7 +184,7 @@ def test_grads_ready_launches_buckets_for_weight_grads_made_outside_autograd_acc
 def _zb_overlap_worker():
     from megapar.models import GPT2Config
     from megapar.pipeline.executor import PipelineExecutor
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     mesh = make_mesh(pp=2, dp=2)
     config = GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=4, n_head=2,

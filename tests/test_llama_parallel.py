@@ -16,7 +16,7 @@ from megapar.mesh import Layout, Mesh
 from megapar.models import LlamaConfig
 from megapar.optim import LRScheduler
 from megapar.tensor_parallel.partition import gather_full, unpad
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from megapar.training.step import BatchPlan
 from test_checkpoint_helpers import KEYS, moment, optim_for
 from tp_utils import assert_close, make_mesh

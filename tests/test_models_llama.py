@@ -190,7 +190,7 @@ def test_recipes_have_the_published_parameter_counts(name, params):
 
     from megapar.mesh import Layout, Mesh
     from megapar.models.recipes import resolve_model
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     config = resolve_model(name)
     model = build_stage(config, Mesh.virtual(Layout()), 0, init=False)

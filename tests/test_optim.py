@@ -11,7 +11,7 @@ from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.models import GPT2Config
 from megapar.optim import LRScheduler, build_optimizer, clip_grad_norm
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from megapar.training.step import BatchPlan
 from tp_utils import assert_close, make_mesh
 

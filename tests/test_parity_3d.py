@@ -16,7 +16,7 @@ from megapar.mesh import Layout, Mesh
 from megapar.models import GPT2Config
 from megapar.optim import LRScheduler
 from megapar.tensor_parallel.partition import unpad
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from megapar.training.step import BatchPlan
 from tp_utils import assert_close
 

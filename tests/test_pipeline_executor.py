@@ -257,7 +257,7 @@ def test_every_executor_of_a_stage_defers_weight_gradients():
     """The engine keeps one executor per sequence length; they share the stage's weight-gradient
     store, so a second one does not turn the first one's zero-bubble deferral off."""
     from megapar.models import GPT2Config
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     mesh = Mesh(Layout())
     config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)

@@ -17,7 +17,7 @@ from megapar.models import BertConfig, GPT2Config
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.tied import shared_embedding_params, sync_tied_embeddings
 from megapar.tensor_parallel.partition import gather_full
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from tp_utils import assert_close, make_mesh, rel_err
 
 SEED, MB, SEQ, HIDDEN = 1234, 2, 8, 32

@@ -13,7 +13,7 @@ from megapar.mesh import Layout, Mesh
 from megapar.models import BertConfig, GPT2Config
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.tied import sync_tied_embeddings
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from test_pipeline_parity import (
     CONFIGS, HIDDEN, MB, SEED, SEQ, check_against, full_grad, micro_batches,
 )

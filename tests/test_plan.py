@@ -52,7 +52,7 @@ def test_stage_params_equal_whole_stages_built_on_meta(recipe, tp, pp):
                                             ("llama-tiny", 2, 1, 1)])
 def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp, v):
     from megapar.plan.params import stage_tensors
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     config = resolve_model(recipe)
     layout = Layout(tp, pp, 1)

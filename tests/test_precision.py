@@ -81,7 +81,7 @@ def _run(mode: str, inject: bool, zero: int = 0) -> dict:
     from megapar.mesh import Layout, Mesh
     from megapar.optim import build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
     from megapar.training.step import BatchPlan, TrainStep
     from test_parity_3d import CONFIG, G, MBS, SEED, SEQ, config, global_batches, scheduler
 

@@ -15,7 +15,7 @@ import torch
 from megapar.launcher import run_local
 from megapar.models import BertConfig, GPT2Config
 from megapar.pipeline.executor import PipelineExecutor
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from test_pipeline_parity import CONFIGS, HIDDEN, MB, SEQ, SEED, micro_batches
 from tp_utils import assert_close, make_mesh, rel_err
 

@@ -214,7 +214,7 @@ def test_split_backward_of_a_model_stage_under_recompute(recompute):
     from megapar.mesh import Layout, Mesh
     from megapar.models import GPT2Config
     from megapar.tensor_parallel.weight_grad import WeightGradStore, attach
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

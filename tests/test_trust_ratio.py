@@ -21,7 +21,7 @@ import megapar
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import config_from_hf
 from megapar.tensor_parallel.partition import unpad
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from megapar.training.step import BatchPlan
 from tp_utils import assert_close
 

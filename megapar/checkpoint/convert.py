@@ -33,7 +33,7 @@ Fill = Callable[[str, "str | None", int, "int | None"], torch.Tensor]
 
 def plan(config, layout: Layout) -> dict[str, dict]:
     """Manifest entries of every canonical tensor in `layout`, from meta-device stages."""
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     try:
         config.validate(layout)
@@ -207,7 +207,7 @@ def recorded_tokenizer(spec) -> dict | None:
 def _seeded(config, name: str, seed: int, stages: dict) -> torch.Tensor:
     """The full tensor `name` as `build_stage(..., seed)` initialises it (layout-independent):
     only the one-layer pipeline stage that holds it is built (and kept in `stages`)."""
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
     from megapar.tensor_parallel.partition import unpad
 
     grid = Layout(1, config.num_layers, 1)

@@ -209,6 +209,24 @@ def staging_dir(parent: str | Path, prefix: str) -> Path:
 
 
 # --- reading -------------------------------------------------------------------------------
+def check_file_shapes(handle, fname: str, manifest: dict, step_dir) -> None:
+    """The tensors in shard file `fname` (an open safetensors handle) have the shapes the
+    manifest records; checked from the file's header, before any data is read."""
+    tensors = manifest["tensors"]
+    for key in handle.keys():
+        parts = key.split("/")
+        if parts[0] not in ("model", "optim") or len(parts) < 2:
+            continue
+        name = "/".join(parts[1:]) if parts[0] == "model" else "/".join(parts[1:-1])
+        if name not in tensors:
+            continue
+        shape = list(handle.get_slice(key).get_shape())
+        if shape != tensors[name]["local_shape"]:
+            raise CheckpointError(f"{step_dir}/{fname}: {key} has shape {shape}, the manifest "
+                                  f"records {tensors[name]['local_shape']}; the manifest does "
+                                  f"not match its shards")
+
+
 class ShardReader:
     """Reads target shards of any tp layout from a checkpoint, through the canonical index space.
 
@@ -229,8 +247,6 @@ class ShardReader:
             path = self.step_dir / name
             if not path.exists():
                 raise CheckpointError(f"missing shard {name} in {self.step_dir}")
-            from megapar.checkpoint.manifest import check_file_shapes
-
             self._open[name] = open_safetensors(path, "shard")
             check_file_shapes(self._open[name], name, self.manifest, self.step_dir)
         return self._open[name]

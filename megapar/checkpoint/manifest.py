@@ -4,8 +4,8 @@ schema, its layout against its shards) and every file's against it (`verify`).
 ``manifest.sha256`` (next to ``manifest.json``, written just before it) holds the sha256 of the
 manifest's bytes: an edited manifest (a changed layout or ``n_layer``) is refused instead of
 silently reading half of every tensor. `check_manifest` names a missing or malformed key and
-checks every tensor's recorded shard shape against what the layout implies; `check_file_shapes`
-compares a shard file's own header with the manifest before any data is read.
+checks every tensor's recorded shard shape against what the layout implies (a shard file's own
+header is compared with it when the file is opened: `format.ShardReader`).
 """
 
 from __future__ import annotations
@@ -86,24 +86,6 @@ def check_manifest(manifest: dict, where) -> None:
     if missing:
         raise CheckpointError(f"{where}: the layout tp={tp} pp={pp} needs shard files "
                               f"{missing[:4]} that the manifest does not list")
-
-
-def check_file_shapes(handle, fname: str, manifest: dict, step_dir) -> None:
-    """The tensors in shard file `fname` (an open safetensors handle) have the shapes the
-    manifest records; checked from the file's header, before any data is read."""
-    tensors = manifest["tensors"]
-    for key in handle.keys():
-        parts = key.split("/")
-        if parts[0] not in ("model", "optim") or len(parts) < 2:
-            continue
-        name = "/".join(parts[1:]) if parts[0] == "model" else "/".join(parts[1:-1])
-        if name not in tensors:
-            continue
-        shape = list(handle.get_slice(key).get_shape())
-        if shape != tensors[name]["local_shape"]:
-            raise CheckpointError(f"{step_dir}/{fname}: {key} has shape {shape}, the manifest "
-                                  f"records {tensors[name]['local_shape']}; the manifest does "
-                                  f"not match its shards")
 
 
 def read_manifest(path: str | Path) -> dict:

@@ -48,7 +48,7 @@ def _load_model(args):
     from megapar.checkpoint.publish import resolve_checkpoint
     from megapar.mesh import Mesh
     from megapar.models.config import config_from_dict
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     mesh = Mesh.from_env(args.tp, args.pp, 1)
     manifest = read_manifest(resolve_checkpoint(args.load))

@@ -14,7 +14,8 @@ import json
 import os
 from typing import Iterable
 
-from megapar.data.tokenizers import PROBE_TEXT, Tokenizer
+from megapar.data.assets import asset_path
+from megapar.data.tokenizer import PROBE_TEXT, Tokenizer
 
 #: End-of-sequence tokens recognised when the directory names none.
 COMMON_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
@@ -196,7 +197,6 @@ def save_for_transformers(tok: Tokenizer, out_dir: str) -> list[str]:
 
     from transformers import AutoTokenizer
 
-    from megapar.data.tokenizers import asset_path
 
     with open(asset_path("shakespeare_sample.txt"), encoding="utf-8") as f:
         texts = [*SAMPLE_TEXTS, f.read(4000)]

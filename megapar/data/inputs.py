@@ -23,6 +23,13 @@ _ESCAPED = re.compile("[\udc80-\udcff]")
 _CR = re.compile("\r\n?")
 
 
+def is_raw_text(path: str) -> bool:
+    """Whether a --data path is text to tokenize (a file or directory) rather than the prefix of
+    a prepared dataset (its .bin / .idx)."""
+    return path.endswith((".txt", ".text", ".md")) or os.path.isdir(path) or (
+        os.path.isfile(path) and not os.path.exists(path + ".bin"))
+
+
 def normalize_newlines(text: str) -> str:
     """``text`` with CRLF and lone CR line endings turned into LF."""
     return _CR.sub("\n", text) if "\r" in text else text

@@ -12,162 +12,19 @@
   ``special_tokens_map.json``) is the end-of-document token, and its own beginning-of-sequence
   token (``bos_id``), when it has a different one, starts every document in megapar-data.
 
-Special tokens.  Every tokenizer exposes ``eod_id``, ``pad_id``, ``cls_id``, ``sep_id``
-and ``mask_id``.  Those found in the base vocabulary are used as they are (GPT-2's
-``<|endoftext|>`` = 50256 is the end-of-document token; a SentencePiece model's ``</s>``
-is its end-of-document token and pieces named ``[PAD]``, ``[CLS]``, ``[SEP]``,
-``[MASK]`` are used when present).  The ones the base vocabulary lacks are appended
-after it in the fixed order of ``APPENDED_ORDER`` -- ``[PAD] [CLS] [SEP] [MASK] [EOD]``
--- skipping those already present, so ``vocab_size`` grows deterministically.  For
-GPT-2 this gives ``[PAD]``=50257, ``[CLS]``=50258, ``[SEP]``=50259, ``[MASK]``=50260 and
-``vocab_size`` = 50261.  ``encode`` never produces appended ids (the text is always
-tokenized by the base vocabulary; a literal ``<|endoftext|>`` in the text is plain text).
+Every one is a `megapar.data.tokenizer.Tokenizer` (its special tokens: see there).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Sequence
 
-#: Names of the special tokens, in the order they are appended when missing.
-APPENDED_ORDER: tuple[str, ...] = ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[EOD]")
+from megapar.data.assets import asset_path
+from megapar.data.hf_tokenizer import load_hf_tokenizer
+from megapar.data.tokenizer import APPENDED_ORDER, PROBE_TEXT, SpecialTokens, Tokenizer
 
-#: The attribute each special token name fills.
-_ROLE_OF: dict[str, str] = {
-    "[PAD]": "pad_id", "[CLS]": "cls_id", "[SEP]": "sep_id", "[MASK]": "mask_id", "[EOD]": "eod_id",
-}
-
-
-def asset_path(name: str) -> str:
-    """Absolute path of a file shipped in ``megapar/assets`` (e.g. ``"gpt2_vocab.json"``)."""
-    path = Path(__file__).resolve().parent.parent / "assets" / name
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"megapar asset {name!r} not found at {path}; the package install is incomplete "
-            "-- reinstall megapar (pip install -e .) so that megapar/assets/* is included"
-        )
-    return str(path)
-
-
-@dataclass(frozen=True)
-class SpecialTokens:
-    """Ids of the special tokens of a tokenizer, as needed by the datasets."""
-
-    pad_id: int
-    """Padding token."""
-    cls_id: int
-    """``[CLS]``: first token of an MLM sample."""
-    sep_id: int
-    """``[SEP]``: ends each MLM segment."""
-    mask_id: int
-    """``[MASK]``: replaces masked tokens."""
-    eod_id: int
-    """End of document: written after every document in the indexed dataset."""
-    base_vocab_size: int
-    """Size of the tokenizer's own vocabulary, before appended special tokens."""
-    vocab_size: int
-    """Total vocabulary size including appended special tokens."""
-    reserved_ids: tuple[int, ...]
-    """Every special/control id (base or appended); never masked, never a random replacement."""
-
-
-class Tokenizer:
-    """A loaded tokenizer: ``encode``/``decode`` plus special-token ids.
-
-    Build it with :func:`load_tokenizer`; the constructor is internal.
-    """
-
-    def __init__(self, kind: str, path: str, backend: Any, base_vocab_size: int,
-                 present: dict[str, int], base_reserved: Sequence[int]) -> None:
-        self.kind = kind
-        self.path = path
-        self._backend = backend
-        self.base_vocab_size = base_vocab_size
-        ids = dict(present)
-        self.appended: list[str] = []
-        next_id = base_vocab_size
-        for name in APPENDED_ORDER:
-            if name not in ids:
-                ids[name] = next_id
-                self.appended.append(name)
-                next_id += 1
-        self.vocab_size = next_id
-        for name, role in _ROLE_OF.items():
-            setattr(self, role, ids[name])
-        self._id_to_appended = {ids[n]: n for n in self.appended}
-        self._reserved = tuple(sorted(set(base_reserved) | set(ids.values())))
-
-    # Declared for type checkers; filled in __init__.
-    eod_id: int
-    pad_id: int
-    cls_id: int
-    sep_id: int
-    mask_id: int
-
-    #: Beginning-of-sequence id that starts each document (transformers tokenizers only).
-    bos_id: int | None = None
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added)."""
-        if self.kind == "gpt2-bpe":
-            return list(self._backend.encode(text).ids)
-        if self.kind == "hf":
-            return list(self._backend.encode(text, add_special_tokens=False).ids)
-        return list(self._backend.encode(text))
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """``[encode(t) for t in texts]``, faster."""
-        if self.kind == "gpt2-bpe":
-            return [list(e.ids) for e in self._backend.encode_batch(list(texts))]
-        if self.kind == "hf":
-            return [list(e.ids) for e in
-                    self._backend.encode_batch(list(texts), add_special_tokens=False)]
-        return [list(x) for x in self._backend.encode(list(texts))]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``; appended special tokens are rendered by name, e.g. ``[MASK]``."""
-        out: list[str] = []
-        run: list[int] = []
-        for i in (int(x) for x in ids):
-            if i in self._id_to_appended or not 0 <= i < self.base_vocab_size:
-                if run:
-                    out.append(self._decode_base(run))
-                    run = []
-                out.append(self._id_to_appended.get(i, f"[UNK-ID-{i}]"))
-            else:
-                run.append(i)
-        if run:
-            out.append(self._decode_base(run))
-        return "".join(out)
-
-    def _decode_base(self, ids: list[int]) -> str:
-        if self.kind in ("gpt2-bpe", "hf"):
-            return self._backend.decode(ids, skip_special_tokens=False)
-        return self._backend.decode(ids)
-
-    def special_tokens(self) -> SpecialTokens:
-        """The special-token ids as a :class:`SpecialTokens` record."""
-        return SpecialTokens(
-            pad_id=self.pad_id, cls_id=self.cls_id, sep_id=self.sep_id, mask_id=self.mask_id,
-            eod_id=self.eod_id, base_vocab_size=self.base_vocab_size,
-            vocab_size=self.vocab_size, reserved_ids=self._reserved,
-        )
-
-    def spec(self) -> dict[str, Any]:
-        """JSON-able description recorded in a dataset index; ``load_tokenizer(spec()["path"])`` reloads it."""
-        return {
-            "kind": self.kind,
-            "path": self.path,
-            "vocab_size": self.vocab_size,
-            "base_vocab_size": self.base_vocab_size,
-            "appended_special_tokens": list(self.appended),
-            "eod_id": self.eod_id,
-        }
-
-    def __repr__(self) -> str:
-        return f"Tokenizer(kind={self.kind!r}, path={self.path!r}, vocab_size={self.vocab_size})"
+__all__ = ["APPENDED_ORDER", "PROBE_TEXT", "SpecialTokens", "Tokenizer", "asset_path",
+           "load_tokenizer", "tokenizer_files"]
 
 
 def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
@@ -226,10 +83,6 @@ def tokenizer_files(tok: "Tokenizer") -> list[str]:
     return [os.path.join(tok.path, "vocab.json"), os.path.join(tok.path, "merges.txt")]
 
 
-PROBE_TEXT = "Hello world"
-"""Ordinary text every usable tokenizer turns into some non-special ids."""
-
-
 def _count_merges(path: str) -> int:
     with open(path, encoding="utf-8") as f:
         return sum(1 for line in f if line.strip() and not line.startswith("#version"))
@@ -249,8 +102,6 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
     if os.path.basename(spec) == "tokenizer.json" and os.path.isfile(spec):
         spec = os.path.dirname(os.path.abspath(spec))
     if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.json")):
-        from megapar.data.hf_tokenizer import load_hf_tokenizer
-
         return load_hf_tokenizer(os.path.abspath(spec))
     if os.path.isdir(spec):
         vocab, merges = os.path.join(spec, "vocab.json"), os.path.join(spec, "merges.txt")

@@ -7,7 +7,8 @@ rate and weight decay of each group are read at every `step()`.
 
 Weight decay applies to matrices and embeddings (params with 2+ dims) and not to biases or norm
 weights (1-D params). Parameters and optimizer state are fp32 (the master weights under mixed
-precision). `build_optimizer(..., zero=1)` shards the state over the dp group (`zero.py`).
+precision). The distributed optimizer (`zero.py`, where `build_optimizer` chooses between
+the two) shards the state over the data-parallel ranks.
 
 Checkpoint format (the same with or without ZeRO, so a run can be resumed with either):
 
@@ -253,20 +254,3 @@ def _inner(kind, groups, lr, betas, eps, momentum, tp_group) -> torch.optim.Opti
     if kind == "lamb":
         return LAMB(groups, lr=lr, betas=betas, eps=eps, tp_group=tp_group)
     return LARS(groups, lr=lr, momentum=momentum, tp_group=tp_group)
-
-
-def build_optimizer(model: nn.Module, mesh, lr: float, weight_decay: float,
-                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    zero: int = 0, kind: str = "adamw") -> AdamWOptimizer:
-    """The optimizer (`kind`: adamw, lamb, lars, sgd) for this rank's stage; zero=1 shards
-    its state over mesh.dp_cp_group (the ranks holding the same parameters: dp, and cp's)."""
-    named = list(model.named_parameters())
-    if zero == 0:
-        return AdamWOptimizer(named, lr, weight_decay, betas, eps, kind, mesh.tp_group)
-    if zero == 1:
-        from megapar.optim.zero import ZeroOptimizer
-
-        return ZeroOptimizer(named, mesh.dp_cp_group, lr, weight_decay, betas, eps, kind,
-                             mesh.tp_group)
-    raise ValueError(f"--zero {zero} is not supported; use 0 (no sharding) or 1 (optimizer "
-                     f"state sharded over data-parallel ranks)")

@@ -294,3 +294,18 @@ class ZeroOptimizer(AdamWOptimizer):
                                      f"the checkpoint is for another layout; convert it first")
                 state[k] = full.reshape(-1)[s:e].to(device=t.device, dtype=t.dtype).clone()
             self.inner.state[t] = state
+
+
+def build_optimizer(model: nn.Module, mesh, lr: float, weight_decay: float,
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                    zero: int = 0, kind: str = "adamw") -> AdamWOptimizer:
+    """The optimizer (`kind`: adamw, lamb, lars, sgd) for this rank's stage; zero=1 shards
+    its state over mesh.dp_cp_group (the ranks holding the same parameters: dp, and cp's)."""
+    named = list(model.named_parameters())
+    if zero == 0:
+        return AdamWOptimizer(named, lr, weight_decay, betas, eps, kind, mesh.tp_group)
+    if zero == 1:
+        return ZeroOptimizer(named, mesh.dp_cp_group, lr, weight_decay, betas, eps, kind,
+                             mesh.tp_group)
+    raise ValueError(f"--zero {zero} is not supported; use 0 (no sharding) or 1 (optimizer "
+                     f"state sharded over data-parallel ranks)")

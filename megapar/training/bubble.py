@@ -92,7 +92,7 @@ def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stage
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.pipeline.gather import gather_timeline
     from megapar.pipeline.schedules import in_flight_peak, schedule_actions
-    from megapar.training.build import build_stage
+    from megapar.pipeline.partition import build_stage
 
     config = config_from_dict(config_dict)
     mesh = Mesh.from_env(tp, pp, 1, cp=cp)

@@ -18,6 +18,7 @@ from megapar.data import (
     GlobalBatchSampler, GPTDataset, IndexedDataset, MLMDataset, asset_path, collate,
     ensure_dataset, load_tokenizer,
 )
+from megapar.data.inputs import is_raw_text
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError
 from megapar.training.config import TrainConfig
 
@@ -52,12 +53,6 @@ def resolve_data_prefix(cfg: TrainConfig, notes: list[str] | None = None) -> str
                              f"{first.eod_id}) were made with different tokenizers; "
                              f"tokenize every part with the same one")
     return prefixes[0]
-
-
-def is_raw_text(path: str) -> bool:
-    """Whether a --data path is text to tokenize (a file or directory) rather than a prefix."""
-    return path.endswith((".txt", ".text", ".md")) or os.path.isdir(path) or (
-        os.path.isfile(path) and not os.path.exists(path + ".bin"))
 
 
 def _resolve_one(cfg: TrainConfig, data: str | None, notes: list[str] | None = None) -> str:

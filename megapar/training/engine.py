@@ -18,7 +18,7 @@ import torch
 
 from megapar.faults.status import set_action, set_step
 from megapar.mesh import Mesh, all_reduce
-from megapar.training.build import build_stage
+from megapar.pipeline.partition import build_stage
 from megapar.training.config import TrainConfig
 from megapar.training.step import BatchPlan, StepResult
 

@@ -381,7 +381,7 @@ def check_outputs(cfg) -> None:
     if cfg.profile_steps:  # without --profile-steps nothing is written there
         check_writable(cfg.profile_dir, "--profile-dir")
     from megapar.data.blended import data_paths
-    from megapar.training.data import is_raw_text
+    from megapar.data.inputs import is_raw_text
 
     if any(p is None or is_raw_text(os.path.expanduser(p)) for p in data_paths(cfg.data)):
         check_writable(cfg.data_cache, "--data-cache")  # raw text is tokenized into it
