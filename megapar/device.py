@@ -6,11 +6,13 @@ backend is NCCL and each rank uses the GPU of its local rank; otherwise gloo on 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 #: Default timeout for every collective and point-to-point operation (seconds). A rank that
 #: waits longer raises instead of hanging. Override with MEGAPAR_TIMEOUT_S.
@@ -58,7 +60,6 @@ def keep_freed_host_memory() -> bool:
             "linux"):
         return False
     try:
-        import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
@@ -70,7 +71,6 @@ def keep_freed_host_memory() -> bool:
 
 def polls_host(group) -> bool:
     """Whether waiting on `group`'s work blocks the host (gloo) rather than the stream (NCCL)."""
-    import torch.distributed as dist
 
     return dist.get_backend(group) != "nccl"
 
@@ -104,7 +104,6 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
     loopback-only store). Does nothing when the default group is already initialised. Every later collective inherits
     the timeout, so a rank that never arrives makes the others fail instead of hanging forever.
     """
-    import torch.distributed as dist
 
     if dist.is_initialized():
         return

@@ -16,6 +16,7 @@ SIGUSR1 / SIGINT. Rank 0 serves the rendezvous store on 127.0.0.1 only.
 
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
 import pickle
@@ -28,9 +29,14 @@ import tempfile
 import threading
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+
 from megapar import device as _device
+from megapar.faults import status as diagnostics
 from megapar.faults.blame import blame, state
 from megapar.faults.processes import die_with_parent, launcher_alive, pid_alive  # noqa: F401
 from megapar.faults.status import diagnose
@@ -49,9 +55,7 @@ def free_port() -> int:
 
 def loopback_store(rank: int, world_size: int, port: int, timeout_s: float | None):
     """The rendezvous store of a local run: rank 0 serves it on 127.0.0.1 only."""
-    from datetime import timedelta
 
-    import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s or _device.DEFAULT_TIMEOUT_S)
     if rank != 0:
@@ -67,7 +71,6 @@ def loopback_store(rank: int, world_size: int, port: int, timeout_s: float | Non
 
 def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, parent,
             status, stacks):
-    from megapar.faults import status as diagnostics
 
     die_with_parent(parent)
     diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))
@@ -80,7 +83,6 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets: loopback too
     try:
-        import torch
 
         torch.set_num_threads(1)
         _device.keep_freed_host_memory()
@@ -96,7 +98,6 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
         results.put((rank, "error", f"{type(exc).__name__}: {exc}{tb}"))
     finally:
         try:
-            import torch.distributed as dist
 
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -173,7 +174,6 @@ STACKS_PREFIX = "megapar-stacks-"
 
 def _remove_dead_stacks() -> None:
     """Delete the stack directories of launchers that are gone (a kill -9 leaves its own)."""
-    import glob
 
     for path in glob.glob(os.path.join(tempfile.gettempdir(), STACKS_PREFIX + "*-*")):
         pid = os.path.basename(path)[len(STACKS_PREFIX):].split("-", 1)[0]
@@ -266,7 +266,6 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
                               LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun: die with its agent
             die_with_parent(os.getppid())
-        from megapar.faults import status as diagnostics
 
         diagnostics.install(int(os.environ["RANK"]), on_sigterm=True)
         _device.init_distributed(timeout_s=collective_timeout_s)
@@ -302,8 +301,6 @@ def launch(fn: Callable[..., Any], nprocs: int, *args, timeout_s: float | None =
         raise ValueError(f"megapar.launch needs nprocs >= 1, got {nprocs}")
     method = None
     if _device.use_cuda():
-        import torch
-
         method = "fork" if _in_notebook() and not torch.cuda.is_initialized() else "spawn"
     if nprocs == 1 and method is None:
         return fn(*args)

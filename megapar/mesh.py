@@ -19,11 +19,13 @@ over it is skipped), which is how serial reference models are built.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from megapar import device as _device
 
@@ -173,7 +175,6 @@ class Mesh:
                 f"world size {world} != {split} = "
                 f"{'*'.join(str(getattr(layout, n)) for n in split.split('*'))} = "
                 f"{layout.world_size}; launch {layout.world_size} processes or change the layout")
-        from torch.distributed.device_mesh import init_device_mesh
 
         names, sizes = layout.mesh_dims
         self.device_mesh = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
@@ -228,7 +229,6 @@ class Mesh:
                  timeout_s: float | None = None, order: str = "tp-pp-dp",
                  cp: int = 1) -> "Mesh":
         """Initialise torch.distributed from the environment (if needed) and build the mesh."""
-        import os
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
         layout = Layout.infer(world, tp, pp, dp, order, cp)

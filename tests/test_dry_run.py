@@ -229,15 +229,15 @@ def test_plan_verify_dry_runs_the_best_layouts(capsys):
 def test_plan_verify_reports_a_rank_the_plan_gets_wrong(capsys, monkeypatch):
     import dataclasses
 
-    import megapar.plan.state as state
+    import megapar.dryrun.verify as verify
 
-    real = state.rank_state
+    real = verify.rank_state
 
     def off_by_four(*args, **kwargs):  # a planner that forgets one step counter
         held = real(*args, **kwargs)
         return dataclasses.replace(held, optimizer=held.optimizer - 4)
 
-    monkeypatch.setattr(state, "rank_state", off_by_four)
+    monkeypatch.setattr(verify, "rank_state", off_by_four)
     rc, out, _ = _plan(PLAN + ["--verify", "1"], capsys)
     assert rc == 1
     assert "rank 0 optimizer: plan " in out and "(-4)" in out

@@ -18,22 +18,39 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from megapar.checkpoint.format import (
-    FORMAT_NAME, FORMAT_VERSION, RNG_FILE, CheckpointError, ShardReader, ShardWriter, dtype_from_name, dtype_name, file_record, fsync_dir, probe_writable, shard_file_name, staging_dir, step_dir_name,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    RNG_FILE,
+    CheckpointError,
+    ShardReader,
+    ShardWriter,
+    dtype_from_name,
+    dtype_name,
+    file_record,
+    fsync_dir,
+    probe_writable,
+    shard_file_name,
+    staging_dir,
+    step_dir_name,
 )
+from megapar.checkpoint.hf import HF_FILES, HFReader, save_hf
+from megapar.checkpoint.manifest import verify, write_manifest
 from megapar.checkpoint.publish import resolve_checkpoint, set_latest
-from megapar.checkpoint.manifest import verify
-from megapar.checkpoint.manifest import write_manifest
+from megapar.data.preprocess import file_sha256
+from megapar.data.tokenizers import load_tokenizer, tokenizer_files
 from megapar.mesh import Layout, LayoutError, Mesh
 from megapar.models.config import config_from_dict
+from megapar.pipeline.partition import build_stage
+from megapar.tensor_parallel.partition import shard_of, unpad
 
 Fill = Callable[[str, "str | None", int, "int | None"], torch.Tensor]
 
 
 def plan(config, layout: Layout) -> dict[str, dict]:
     """Manifest entries of every canonical tensor in `layout`, from meta-device stages."""
-    from megapar.pipeline.partition import build_stage
 
     try:
         config.validate(layout)
@@ -104,7 +121,6 @@ def write_checkpoint(dst, step: int, layout: Layout, config, meta: dict,
     `fill(name, key, tp_rank, local)` gives one target shard (key None = weights). `meta` is
     written last, so `fill` may still add to it.
     """
-    from tqdm import tqdm
 
     dst = Path(dst)
     _refuse_existing(dst, overwrite)
@@ -194,8 +210,6 @@ def convert_checkpoint(src, dst, tp: int, pp: int, dp: int = 1, overwrite: bool 
 def recorded_tokenizer(spec) -> dict | None:
     """What a checkpoint records of a tokenizer (its spec and the sha256 of its files), or None
     when `spec` (e.g. a transformers directory without one) is not a loadable tokenizer."""
-    from megapar.data.preprocess import file_sha256
-    from megapar.data.tokenizers import load_tokenizer, tokenizer_files
 
     try:
         tok = load_tokenizer(spec)
@@ -207,8 +221,6 @@ def recorded_tokenizer(spec) -> dict | None:
 def _seeded(config, name: str, seed: int, stages: dict) -> torch.Tensor:
     """The full tensor `name` as `build_stage(..., seed)` initialises it (layout-independent):
     only the one-layer pipeline stage that holds it is built (and kept in `stages`)."""
-    from megapar.pipeline.partition import build_stage
-    from megapar.tensor_parallel.partition import unpad
 
     grid = Layout(1, config.num_layers, 1)
     stage = plan(config, grid)[name]["stage"]
@@ -224,8 +236,6 @@ def import_hf(hf_dir, dst, tp: int, pp: int, dp: int = 1, seed: int = 0,
 
     Tensors the HF model lacks (the MLM head of a plain BertModel) are initialised from `seed`
     exactly as training would; their names are returned and recorded in meta."""
-    from megapar.checkpoint.hf import HFReader
-    from megapar.tensor_parallel.partition import shard_of
 
     reader = HFReader(hf_dir)
     config, layout = reader.config, Layout(tp, pp, dp)
@@ -269,7 +279,6 @@ def export_hf(src, hf_dir, overwrite: bool = False, tokenizer=None,
     checkpoint, with the tokenizer it trained with (`export_tokenizer`; `tokenizer`, a
     `load_tokenizer` spec, overrides it), in `dtype` (default: the dtype of the Hugging Face
     model it came from, recorded on import, else float32)."""
-    from megapar.checkpoint.hf import HF_FILES, save_hf
 
     step_dir = resolve_checkpoint(src)
     hf_dir = Path(hf_dir)
@@ -300,7 +309,6 @@ def export_tokenizer(manifest: dict, config, given=None):
     transformers directory it was imported from); None when it records none. A recorded
     tokenizer that cannot be loaded, or whose files changed since, is an error naming the fix
     (the export must not carry a tokenizer the model did not train with)."""
-    from megapar.data.tokenizers import load_tokenizer
 
     spec = given or manifest["meta"].get("tokenizer")
     if not spec:
@@ -316,9 +324,6 @@ def export_tokenizer(manifest: dict, config, given=None):
         raise CheckpointError(f"{what} cannot be loaded ({exc}); pass --tokenizer SPEC (the "
                               f"tokenizer it trained with, wherever it is now)") from None
     if not given and isinstance(spec, dict) and spec.get("sha256"):
-        from megapar.data.preprocess import file_sha256
-        from megapar.data.tokenizers import tokenizer_files
-
         if [file_sha256(p) for p in tokenizer_files(tok)] != spec["sha256"]:
             raise CheckpointError(f"{what} has changed since the checkpoint was trained (its "
                                   f"files' sha256 differ); pass --tokenizer SPEC naming the "

@@ -21,13 +21,32 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load, save
 
 from megapar.checkpoint.format import (
-    FORMAT_NAME, FORMAT_VERSION, RNG_FILE, CheckpointError, ShardReader, dtype_name, safetensors_size, shard_file_name, staging_dir, step_dir_name, write_tensors,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    RNG_FILE,
+    CheckpointError,
+    ShardReader,
+    dtype_name,
+    open_safetensors,
+    safetensors_size,
+    shard_file_name,
+    staging_dir,
+    step_dir_name,
+    write_tensors,
 )
+from megapar.checkpoint.lock import SaveLockError, check_unlocked
 from megapar.checkpoint.manifest import read_manifest, verify_file, write_manifest
-from megapar.checkpoint.publish import clean_stale, mark_owner, publish_step, resolve_checkpoint
+from megapar.checkpoint.publish import (
+    clean_stale,
+    mark_owner,
+    publish_step,
+    resolve_checkpoint,
+)
 from megapar.mesh import Layout, Mesh
+from megapar.models.config import config_from_dict
 
 # Config fields that do not change any parameter (dropouts, init std, vocab padding multiple):
 # a checkpoint loads into a model that differs only in these.
@@ -102,16 +121,12 @@ def _gather_payloads(payload: bytes, mesh: Mesh) -> list[bytes] | None:
 
 
 def _pack(header: dict, tensors: dict[str, torch.Tensor]) -> bytes:
-    from safetensors.torch import save
-
     raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
     return save({"__json__": raw, **{f"t/{k}": v.detach().cpu().contiguous()
                                      for k, v in tensors.items()}})
 
 
 def _unpack(payload: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors.torch import load
-
     data = load(payload)
     header = json.loads(data.pop("__json__").numpy().tobytes())
     return header, {k[2:]: v for k, v in data.items()}
@@ -165,7 +180,6 @@ def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dic
     tmp_name, error = "", ""
     if mesh.rank == 0:
         try:
-            from megapar.checkpoint.lock import SaveLockError, check_unlocked
             check_unlocked(root, (os.getpid(), os.getppid()))  # another run writes root
             clean_stale(root)
             staging = staging_dir(root, f".tmp-step_{step}-")
@@ -229,7 +243,6 @@ def _finish(tmp: Path, root: Path, step: int, model, mesh: Mesh, meta, payloads)
 
 def check_model(manifest: dict, config, where) -> list[str]:
     """Raise if the checkpoint holds another model; returns notes on harmless differences."""
-    from megapar.models.config import config_from_dict
 
     ours, theirs = config.to_dict(), dict(manifest["model"])
     if theirs.get("model_type") == ours.get("model_type"):  # fields added since it was saved
@@ -316,8 +329,6 @@ def missing_rng_note(meta: dict) -> str:
 
 
 def _read_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:
-    from megapar.checkpoint.format import open_safetensors
-
     prefix = f"rank{rank}/"
     with open_safetensors(path, "RNG file") as f:
         return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}

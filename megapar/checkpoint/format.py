@@ -22,9 +22,11 @@ import json
 import math
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from megapar.tensor_parallel.partition import fuse_heads, shard_of, shard_range
 
@@ -45,7 +47,6 @@ class CheckpointError(RuntimeError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{int(step):08d}"
-
 
 def shard_file_name(tp_rank: int, pp_rank: int) -> str:
     return f"model_tp{tp_rank:02d}_pp{pp_rank:02d}.safetensors"
@@ -156,7 +157,6 @@ def probe_writable(directory: str | Path) -> None:
     under a file). Callers turn the error into their own message. Directories created for the
     probe are removed again (the writer creates them when it writes), so a run refused later
     leaves nothing behind."""
-    import tempfile
 
     directory = os.path.abspath(directory)
     top = None  # the highest directory the probe creates
@@ -182,7 +182,6 @@ def probe_writable(directory: str | Path) -> None:
 def open_safetensors(path: str | Path, what: str = "checkpoint file"):
     """`safetensors.safe_open` of `path`, or a CheckpointError naming the file when it is not
     a safetensors file (its manifest may still vouch for it: a forged or replaced file)."""
-    from safetensors import safe_open
 
     try:
         return safe_open(str(path), framework="pt")

@@ -12,14 +12,23 @@ tensors it asks for, one at a time, and keeps its shard.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors.torch import save_file
 
-from megapar.models.config import ConfigError, config_from_dict
-from megapar.tensor_parallel.partition import fuse_heads, shard_of, unfuse_heads
+from megapar.checkpoint.format import CheckpointError, open_safetensors
+from megapar.data.hf_tokenizer import save_for_transformers
+from megapar.models.config import ConfigError, config_from_dict, config_from_hf
+from megapar.tensor_parallel.partition import (
+    fuse_heads,
+    gather_full,
+    shard_of,
+    unfuse_heads,
+)
 
 Getter = Callable[[str], torch.Tensor]
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -27,7 +36,6 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 def _open(path: Path):
     """A safetensors file of a transformers directory; ConfigError when it is not one."""
-    from megapar.checkpoint.format import CheckpointError, open_safetensors
 
     try:
         return open_safetensors(path, "weights file")
@@ -98,7 +106,6 @@ class HFReader:
     @classmethod
     def from_model(cls, hf_model) -> "HFReader":
         """Read an in-memory transformers model (GPT2LMHeadModel, BertForMaskedLM, ...)."""
-        from megapar.models.config import config_from_hf
 
         self = cls.__new__(cls)
         self.path = Path(f"<{type(hf_model).__name__}>")
@@ -310,14 +317,11 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
     files there (notes) are left alone; each file is written under a temporary name and renamed
     when complete (the tokenizer, then the weights), so an interrupted export never leaves a
     half-written file."""
-    import os
 
-    from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
-        from megapar.data.hf_tokenizer import save_for_transformers
 
         save_for_transformers(tokenizer, str(out_dir))
     if dtype is not None:
@@ -350,7 +354,6 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
 @torch.no_grad()
 def gather_canonical(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full tensors of this stage's parameters, gathered over the tp group (collective)."""
-    from megapar.tensor_parallel.partition import gather_full
 
     out = {}
     for name, param in model.named_parameters():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import fcntl
 import json
 import os
 import shlex
@@ -139,8 +140,6 @@ class SaveLock:
         self._old_sigterm = None
 
     def acquire(self) -> "SaveLock":
-        import fcntl
-
         self.root.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -16,7 +16,12 @@ import os
 from pathlib import Path
 
 from megapar.checkpoint.format import (
-    FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, file_record, shard_file_name,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST,
+    CheckpointError,
+    file_record,
+    shard_file_name,
 )
 from megapar.checkpoint.publish import resolve_checkpoint
 

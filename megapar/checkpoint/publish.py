@@ -19,8 +19,8 @@ the only complete one of its step.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import secrets
 import shutil
 import socket

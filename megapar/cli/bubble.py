@@ -23,9 +23,17 @@ import json
 import os
 import sys
 
-from megapar.pipeline.schedules import SCHEDULES
+from megapar.pipeline import messages, nccl_rules
+from megapar.pipeline.schedules import SCHEDULES, check_schedule, format_schedule
+from megapar.pipeline.timeline import (
+    format_bubble_table,
+    plot_gantt,
+    write_chrome_trace,
+)
+from megapar.training import bubble
 from megapar.training.config import OneLineParser
-from megapar.training.validate import _flag
+from megapar.training.validate import UsageError, _flag, check_writable
+from megapar.training.validate_tools import check_bubble_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +117,6 @@ def plot_file(path: str) -> str:
 def check_output_files(args) -> None:
     """--trace / --plot: files (not directories) in writable directories, checked before any
     work; args.plot becomes the file name matplotlib will actually write."""
-    from megapar.training.validate import check_writable
 
     if args.trace:
         if os.path.isdir(os.path.expanduser(args.trace)):
@@ -134,14 +141,7 @@ def check_output_files(args) -> None:
 
 
 def main(argv=None) -> int:
-    from megapar.pipeline.timeline import format_bubble_table, plot_gantt, write_chrome_trace
-    from megapar.training import bubble
-
     args = build_parser().parse_args(argv)
-    from megapar.pipeline import messages, nccl_rules
-    from megapar.pipeline.schedules import check_schedule, format_schedule
-    from megapar.training.validate import UsageError
-    from megapar.training.validate_tools import check_bubble_args
 
     pp, m, v = args.pp, args.microbatches, args.virtual_stages
     try:  # every argument and output: one line, exit 2, before any work or worker starts

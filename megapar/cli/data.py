@@ -98,7 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = build_parser().parse_args(argv)
     from megapar.data.indexed import IndexedDataset
-    from megapar.data.preprocess import expand_inputs, preprocess_files, train_sentencepiece
+    from megapar.data.preprocess import (
+        expand_inputs,
+        preprocess_files,
+        train_sentencepiece,
+    )
 
     try:
         from megapar.training.validate import check_writable

@@ -15,12 +15,27 @@ import json
 import math
 import os
 import sys
+import traceback
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megapar.checkpoint.distributed import load_checkpoint
+from megapar.checkpoint.format import CheckpointError
+from megapar.checkpoint.manifest import read_manifest
+from megapar.checkpoint.publish import resolve_checkpoint
+from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
+from megapar.faults.report import log_dir_for, worker_failure
+from megapar.launcher import WorkerError, run_workers
+from megapar.mesh import Mesh
+from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
+from megapar.pipeline.executor import PipelineExecutor
+from megapar.pipeline.partition import build_stage
+from megapar.tensor_parallel.partition import gather_full
 from megapar.training.config import OneLineParser
+from megapar.training.validate import UsageError, check_writable
+from megapar.training.validate_tools import check_eval_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,12 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_model(args):
-    from megapar.checkpoint.distributed import load_checkpoint
-    from megapar.checkpoint.manifest import read_manifest
-    from megapar.checkpoint.publish import resolve_checkpoint
-    from megapar.mesh import Mesh
-    from megapar.models.config import config_from_dict
-    from megapar.pipeline.partition import build_stage
 
     mesh = Mesh.from_env(args.tp, args.pp, 1)
     manifest = read_manifest(resolve_checkpoint(args.load))
@@ -61,10 +70,7 @@ def _load_model(args):
 
 @torch.no_grad()
 def _loss_worker(args):
-    from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
-    from megapar.pipeline.executor import PipelineExecutor
 
-    from megapar.models.config import CAUSAL_LM_TYPES
 
     mesh, config, model = _load_model(args)
     indexed = IndexedDataset(args.data, args.tokenizer)
@@ -93,8 +99,6 @@ def _loss_worker(args):
 
 @torch.no_grad()
 def _logits_worker(args):
-    from megapar.tensor_parallel.partition import gather_full
-
     mesh, config, model = _load_model(args)
     ids = torch.from_numpy(np.load(args.input_ids, allow_pickle=False).astype(np.int64))
     if ids.ndim != 2:
@@ -137,7 +141,6 @@ def _check_ids(args, vocab_size: int) -> None:
             raise ValueError(f"--input-ids {args.input_ids} holds id {bad} ({ids.dtype}), outside "
                              f"the model's vocabulary of {vocab_size} ids (0-{vocab_size - 1})")
     elif args.data:
-        from megapar.data import IndexedDataset
 
         IndexedDataset(args.data, args.tokenizer).check_vocab(vocab_size)
 
@@ -145,7 +148,6 @@ def _check_ids(args, vocab_size: int) -> None:
 def logits_file(path: str) -> str:
     """The file `np.save(path, ...)` writes (it adds .npy when missing), checked up front:
     not a directory, and its directory writable (created if missing, as the run needs)."""
-    from megapar.training.validate import check_writable
 
     target = os.path.expanduser(path)
     if os.path.isdir(target):
@@ -160,8 +162,6 @@ def logits_file(path: str) -> str:
 
 
 def main(argv=None) -> int:
-    from megapar.launcher import WorkerError, run_workers
-
     args = build_parser().parse_args(argv)
     if args.input_ids:
         if not args.save_logits:
@@ -181,10 +181,6 @@ def main(argv=None) -> int:
         print("megapar-eval: error: give --data PREFIX --seq-len N, or --input-ids IDS.npy "
               "--save-logits OUT.npy", file=sys.stderr)
         return 2
-    from megapar.checkpoint.format import CheckpointError
-    from megapar.models.config import config_from_dict
-    from megapar.training.validate import UsageError
-    from megapar.training.validate_tools import check_eval_args
 
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
         manifest = check_eval_args(args)
@@ -197,9 +193,7 @@ def main(argv=None) -> int:
     try:
         results = run_workers(worker, args.tp * args.pp, args)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
-        import traceback
 
-        from megapar.faults.report import log_dir_for, worker_failure
 
         text = str(exc) if isinstance(exc, WorkerError) else \
             f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"

@@ -20,7 +20,13 @@ import json
 import math
 import sys
 
+from megapar.dryrun.verify import verify_layout
+from megapar.models.config import ConfigError
+from megapar.models.recipes import resolve_model
+from megapar.plan import Problem, check, estimate, parse_candidate, plan
 from megapar.plan.layouts import PLAN_SCHEDULES, RECOMPUTE
+from megapar.plan.params import model_params
+from megapar.plan.report import command, explain, row, runnable, table
 from megapar.training.config import OneLineParser
 
 
@@ -68,9 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _problem(args):
-    from megapar.models.recipes import resolve_model
-    from megapar.plan import Problem
-
     config = resolve_model(args.model)
     limit = config.max_positions
     if args.seq_len > limit:
@@ -110,9 +113,6 @@ def _problem(args):
 
 
 def _explain(args, problem) -> int:
-    from megapar.plan import check, estimate, parse_candidate
-    from megapar.plan.report import command, explain, row
-
     c = parse_candidate(args.explain, problem.gpus)
     reason = check(c, problem.config, problem.gpus, problem.gpus_per_node, problem.global_batch,
                    problem.seq_len)
@@ -136,8 +136,6 @@ def _explain(args, problem) -> int:
 
 
 def main(argv=None) -> int:
-    from megapar.models.config import ConfigError
-
     args = build_parser().parse_args(argv)
     try:
         problem = _problem(args)
@@ -146,9 +144,6 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"megapar-plan: error: {exc}", file=sys.stderr)
         return 2
-    from megapar.plan import plan
-    from megapar.plan.report import command, row, runnable, table
-    from megapar.plan.params import model_params
 
     estimates, rejected = plan(problem, micro_batch_sizes=tuple(args.micro_batch_sizes),
                                schedules=tuple(args.schedules),
@@ -195,7 +190,6 @@ def main(argv=None) -> int:
 
 def _verify(estimates, problem) -> int:
     """Dry-run each layout and print where the plan's bytes differ (exit code 1 if anywhere)."""
-    from megapar.dryrun.verify import verify_layout
 
     print(f"\nverifying the {len(estimates)} best layouts against dry runs (weights, gradients, "
           f"optimizer bytes and parameters of every sampled rank):")

@@ -15,24 +15,46 @@ import shlex
 import sys
 import traceback
 
+from megapar.checkpoint.lock import SaveLock, SaveLockError, check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset
-from megapar.checkpoint.lock import SaveLock, SaveLockError, check_unlocked
+from megapar.dryrun.command import rehearse
+from megapar.faults.report import log_dir_for, worker_failure
+from megapar.faults.stop import install_stop_handlers, parse_signals
 from megapar.launcher import (
-    WorkerError, check_local_workers, launched_world_size, run_workers, under_launcher,
+    WorkerError,
+    check_local_workers,
+    launched_world_size,
+    run_workers,
+    under_launcher,
 )
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError
+from megapar.optim import LRScheduler
+from megapar.pipeline.partition import chunk_specs
+from megapar.pipeline.schedules import check_schedule
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import (
-    DataPlan, build_datasets, max_samples, prepare_data, resolve_model,
+    DataPlan,
+    build_datasets,
+    max_samples,
+    prepare_data,
+    resolve_model,
 )
-from megapar.faults.report import log_dir_for, worker_failure
-from megapar.faults.stop import parse_signals
-from megapar.training.validate import check_outputs
+from megapar.training.loop import train
+from megapar.training.profiling import parse_steps
 from megapar.training.validate import (
-    UsageError, adapt_defaults, check_cp_seq_len, check_load_path, check_resumable,
-    check_settings, checkpoint_manifest, explicit, fit_batch_to_data, settings_from_checkpoint,
+    UsageError,
+    adapt_defaults,
+    check_cp_seq_len,
+    check_load_path,
+    check_outputs,
+    check_resumable,
+    check_settings,
+    checkpoint_manifest,
+    explicit,
+    fit_batch_to_data,
+    settings_from_checkpoint,
 )
 
 
@@ -73,7 +95,6 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
                          f"micro-batch size {cfg.micro_batch_size} x dp {layout.dp} = {per_step}; "
                          f"choose a multiple of {per_step}")
     if cfg.profile_steps:
-        from megapar.training.profiling import parse_steps
 
         first, last = parse_steps(cfg.profile_steps)
         start = int(manifest.get("step", 0)) if manifest else 0
@@ -92,14 +113,12 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         raise ValueError(f"--seq-len {cfg.seq_len} is not divisible by --tp {layout.tp}, which "
                          f"--sequence-parallel needs; choose a multiple of {layout.tp}")
     check_cp_seq_len(cfg.seq_len, layout, cfg.sequence_parallel)
-    from megapar.optim import LRScheduler
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks
     # the model and the layout: before any data is read or anything written
     config = resolve_model(cfg, notes, manifest)
     config.validate(layout)
     if cfg.virtual_stages > 1:
-        from megapar.pipeline.partition import chunk_specs
 
         chunk_specs(config.num_layers, layout.pp, 0, cfg.virtual_stages)  # enough layers?
     if not cfg.dry_run:
@@ -109,7 +128,6 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
                              f"{cfg.global_batch_size}: at most {most:,} samples of "
                              f"{cfg.seq_len} tokens by its size; use more data, a shorter "
                              f"--seq-len or a smaller --global-batch-size")
-    from megapar.pipeline.schedules import check_schedule
 
     check_schedule(cfg.schedule, layout.pp, cfg.global_batch_size // per_step, cfg.virtual_stages)
     if not cfg.dry_run:  # a rehearsal writes nothing (its --save is the cluster's path)
@@ -138,7 +156,6 @@ def _training_split(cfg: TrainConfig, plan: DataPlan, model_type: str, layout: L
                     notes: list[str]):
     """(training split, notes on the split): a global batch the user did not give shrinks to
     what the data holds (said in `notes`); errors name the user's --data, not its cache."""
-    from megapar.pipeline.schedules import check_schedule
 
     def fits(gbs: int, mbs: int) -> bool:
         try:
@@ -182,9 +199,6 @@ def _takes_save_lock() -> bool:
 
 
 def _worker(cfg: TrainConfig, plan: DataPlan):
-    from megapar.faults.stop import install_stop_handlers
-    from megapar.training.loop import train
-
     restore = install_stop_handlers(cfg.exit_signals)
     try:
         return train(cfg, plan)
@@ -217,7 +231,6 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
     """Start the workers (or run this rank) and turn a failure into one line."""
     cfg.dp = layout.dp
     if cfg.dry_run:
-        from megapar.dryrun.command import rehearse
 
         return rehearse(cfg, layout, plan, notes)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))

@@ -12,10 +12,20 @@ gradients are reduced over cp x dp (`Mesh.dp_cp_group`).
 """
 
 from megapar.context_parallel.attention import (
-    METHODS, LayerAttention, Spec, attention, method_for,
+    METHODS,
+    LayerAttention,
+    Spec,
+    attention,
+    method_for,
 )
 from megapar.context_parallel.ring import CPTimeoutError, Ring
-from megapar.context_parallel.split import check_length, chunk_ids, positions, split, unsplit
+from megapar.context_parallel.split import (
+    check_length,
+    chunk_ids,
+    positions,
+    split,
+    unsplit,
+)
 
 __all__ = ["METHODS", "LayerAttention", "Spec", "attention", "method_for", "CPTimeoutError", "Ring",
            "check_length", "chunk_ids", "positions", "split", "unsplit"]

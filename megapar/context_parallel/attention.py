@@ -34,16 +34,26 @@ kernel calls of the same sizes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from megapar.context_parallel.kernels import (
-    DropoutMasks, block_backward, block_forward, choose_kernel, merge, wide,
+    DropoutMasks,
+    block_backward,
+    block_forward,
+    choose_kernel,
+    merge,
+    wide,
 )
+from megapar.context_parallel.ring import Ring
 from megapar.context_parallel.split import chunk_ids, split
-from megapar.tensor_parallel.sequence_parallel import _all_gather_flat, _reduce_scatter_flat
+from megapar.tensor_parallel.sequence_parallel import (
+    _all_gather_flat,
+    _reduce_scatter_flat,
+)
 
 METHODS = ("ring", "all-gather")
 
@@ -263,8 +273,6 @@ def _gather(kv: torch.Tensor, spec: Spec) -> torch.Tensor:
 
 
 def _replaying(spec: Spec):
-    import contextlib
-
     return spec.masks.replaying() if spec.masks is not None else contextlib.nullcontext()
 
 
@@ -299,7 +307,6 @@ class LayerAttention:
         mesh = self.mesh
         if self.method == "ring":
             if self.ring is None:
-                from megapar.context_parallel.ring import Ring
 
                 self.ring = Ring(mesh.cp_group, mesh.timeout_s)
             comm = self.ring

@@ -25,6 +25,8 @@ a block whose keys are all padding has a finite log-sum-exp and merges with weig
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 KERNELS = ("flash", "math")
@@ -68,7 +70,6 @@ class DropoutMasks:
     def replaying(self):
         """A context in which `draw` gives the forward's masks again, in the same order (and
         the RNG stream is left as it was)."""
-        import contextlib
 
         @contextlib.contextmanager
         def ctx():

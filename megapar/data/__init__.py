@@ -12,7 +12,11 @@ Typical use::
 from megapar.data.gpt_dataset import GPTDataset, TokenStream, split_documents
 from megapar.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from megapar.data.mlm_dataset import IGNORE_INDEX, MLMDataset
-from megapar.data.preprocess import ensure_dataset, preprocess_files, train_sentencepiece
+from megapar.data.preprocess import (
+    ensure_dataset,
+    preprocess_files,
+    train_sentencepiece,
+)
 from megapar.data.sampler import GlobalBatchSampler, collate
 from megapar.data.tokenizers import SpecialTokens, Tokenizer, asset_path, load_tokenizer
 

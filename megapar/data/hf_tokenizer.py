@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from typing import Iterable
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from megapar.data.assets import asset_path
 from megapar.data.tokenizer import PROBE_TEXT, Tokenizer
@@ -44,7 +49,6 @@ def _special_names(directory: str) -> dict[str, str]:
 
 def load_hf_tokenizer(directory: str) -> Tokenizer:
     """The tokenizer of a transformers directory with ``tokenizer.json``."""
-    from tokenizers import Tokenizer as HFTokenizer
 
     backend = HFTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
     size = backend.get_vocab_size(with_added_tokens=True)
@@ -102,10 +106,7 @@ def train_bpe(texts: Iterable[str], out_dir: str, vocab_size: int,
 
     The vocabulary is smaller than `vocab_size` when the corpus runs out of pairs to merge;
     ``info["vocab_size"]`` (when `info` is given) receives the size it got."""
-    import shutil
-    import tempfile
 
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
@@ -152,10 +153,7 @@ def to_transformers(tok: Tokenizer):
     in transformers), the ones megapar appends, such as [MASK], added at the same ids. A
     SentencePiece model is converted by transformers from the model's own settings; a
     transformers directory is loaded as it is."""
-    import shutil
-    import tempfile
 
-    from tokenizers import Tokenizer as HFTokenizer
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if tok.kind == "hf":
@@ -192,8 +190,6 @@ def save_for_transformers(tok: Tokenizer, out_dir: str) -> list[str]:
     anything is written: the saved tokenizer, loaded back, encodes `SAMPLE_TEXTS` and a piece
     of the shipped Shakespeare sample to `tok`'s ids (ValueError otherwise). Returns the names
     of the files written (each replaced whole)."""
-    import shutil
-    import tempfile
 
     from transformers import AutoTokenizer
 

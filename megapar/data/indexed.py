@@ -28,6 +28,9 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from megapar.data import megatron
+from megapar.data.tokenizers import load_tokenizer
+
 IDX_MAGIC = b"MPIDX\x00\x00\x01"
 FORMAT_NAME = "megapar-indexed"
 FORMAT_VERSION = 1
@@ -58,7 +61,6 @@ class IndexedDatasetBuilder:
 
     def __init__(self, prefix: str, vocab_size: int, eod_id: int, tokenizer_spec: dict[str, Any],
                  format: str = "megapar"):
-        from megapar.data import megatron
 
         if format not in INDEX_FORMATS:
             raise ValueError(f"unknown dataset format {format!r}; expected one of {INDEX_FORMATS}")
@@ -101,7 +103,6 @@ class IndexedDatasetBuilder:
         offsets = np.frombuffer(self._offsets, dtype=np.int64).astype("<i8")
         idx_tmp = _tmp_name(self.prefix + ".idx")
         if self.format == "megatron":
-            from megapar.data import megatron
 
             megatron.write_index(idx_tmp, self.dtype, np.diff(offsets))
         else:
@@ -151,7 +152,6 @@ class IndexedDatasetBuilder:
 def read_doc_offsets(path: str) -> np.ndarray:
     """Read the ``int64`` document offsets of a ``.idx`` file (validating its header); megapar's
     index or Megatron's (``MMIDIDX``), told apart by the magic."""
-    from megapar.data import megatron
 
     if megatron.is_megatron_index(path):
         return megatron.read_index(path)[1]
@@ -211,8 +211,6 @@ class IndexedDataset:
     """
 
     def __init__(self, prefix: str | os.PathLike, tokenizer: Any = None):
-        from megapar.data import megatron
-
         prefix = os.fspath(prefix)
         megatron_index = os.path.isfile(prefix + ".idx") and \
             megatron.is_megatron_index(prefix + ".idx")
@@ -309,8 +307,6 @@ class IndexedDataset:
 
 def _megatron_meta(prefix: str, tokenizer: Any) -> dict[str, Any]:
     """Metadata of a Megatron dataset made elsewhere: from its index and the given tokenizer."""
-    from megapar.data import megatron
-    from megapar.data.tokenizers import load_tokenizer
 
     if tokenizer is None:
         raise ValueError(f"{prefix}.idx is a Megatron-LM index without megapar's {prefix}.json; "

@@ -46,17 +46,29 @@ from tqdm import tqdm
 
 from megapar.data.indexed import IndexedDatasetBuilder, _tmp_name
 from megapar.data.tokenizers import (
-    APPENDED_ORDER, Tokenizer, load_tokenizer, tokenizer_files,
+    APPENDED_ORDER,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_files,
 )
 
 #: Documents handed to a worker at a time.
 BATCH_DOCS = 16
 #: Above this many input bytes, ``workers=None`` uses a pool of several workers.
 POOL_THRESHOLD_BYTES = 8 << 20
+from collections import deque
+
+import sentencepiece as spm
+
 from megapar.data.inputs import (  # noqa: F401 - re-exported
-    INPUT_SUFFIXES, MAX_INVALID_UTF8, expand_inputs, iter_documents, normalize_newlines,
+    INPUT_SUFFIXES,
+    MAX_INVALID_UTF8,
+    expand_inputs,
+    iter_documents,
+    normalize_newlines,
     read_text,
 )
+from megapar.device import cpu_cores
 
 
 def _batched(docs: Iterator[tuple[str, int]], n: int) -> Iterator[tuple[list[str], int]]:
@@ -103,7 +115,6 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
     if workers is not None and (isinstance(workers, bool) or int(workers) != workers
                                 or workers < 1):
         raise ValueError(f"--workers {workers} is invalid: it must be >= 1")
-    from megapar.device import cpu_cores
 
     files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer)
@@ -148,7 +159,6 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
 def _ordered_bounded(pool, batches, window: int):
     """``pool.imap(_worker_encode, batches)`` with at most `window` batches in flight (imap
     would read the whole input ahead into its task queue)."""
-    from collections import deque
 
     pending: deque = deque()
     for item in batches:
@@ -189,7 +199,6 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
                 if line.strip():
                     yield line
 
-    import sentencepiece as spm
 
     buf = io.BytesIO()
     try:

@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import os
 
+import sentencepiece as spm
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
 from megapar.data.assets import asset_path
 from megapar.data.hf_tokenizer import load_hf_tokenizer
 from megapar.data.tokenizer import APPENDED_ORDER, PROBE_TEXT, SpecialTokens, Tokenizer
@@ -28,8 +32,6 @@ __all__ = ["APPENDED_ORDER", "PROBE_TEXT", "SpecialTokens", "Tokenizer", "asset_
 
 
 def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-
     backend = HFTokenizer(models.BPE.from_file(vocab, merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -46,8 +48,6 @@ def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
 
 
 def _load_sentencepiece(model_path: str) -> Tokenizer:
-    import sentencepiece as spm
-
     try:
         proc = spm.SentencePieceProcessor(model_file=model_path)
     except (RuntimeError, OSError) as exc:  # not a ModelProto: garbage, truncated, another file

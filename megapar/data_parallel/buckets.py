@@ -188,7 +188,6 @@ class GradBuckets:
         self._views = {}
         self._allocate()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-
     def shard_range(self, b: Bucket) -> tuple[int, int]:
         """This rank's slice [lo, hi) of bucket `b` (relative to the bucket; whole when not
         sharded)."""

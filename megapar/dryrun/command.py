@@ -13,13 +13,14 @@ import sys
 import time
 import traceback
 
+from megapar.dryrun import parse_ranks, rehearse_rank, report
+from megapar.models.config import config_from_dict
+from megapar.plan.params import model_params
+from megapar.training.data import build_datasets
+
 
 def rehearse(cfg, layout, plan, notes: list[str]) -> int:
     """Rehearse the ranks --dry-run-ranks names; print each as it is done. Returns the exit code."""
-    from megapar.dryrun import parse_ranks, rehearse_rank
-    from megapar.dryrun import report
-    from megapar.models.config import config_from_dict
-    from megapar.plan.params import model_params
 
     config = config_from_dict(plan.model_config)
     try:
@@ -29,7 +30,6 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
         return 2
     dataset = None
     if plan.prefix is not None:
-        from megapar.training.data import build_datasets
 
         dataset, _ = build_datasets(cfg, plan.prefix, config.model_type)
     for note in notes:

@@ -24,10 +24,15 @@ import contextlib
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 
 from megapar.comm_count import count_collectives
+from megapar.dryrun.rank import traffic
 from megapar.dryrun.world import held_bytes
+from megapar.models.config import config_from_dict
+from megapar.training.config import TrainConfig
+from megapar.training.engine import Engine
 
 
 class HeldStorages:
@@ -140,10 +145,6 @@ def measured_rank(cfg_dict: dict, config_dict: dict, steps: int = 2, save: str |
     last one measured (`measure_step`); its communication as the dry run reports it (groups
     named, `traffic`) without the scalar all-reduces the dry run does not run; with `save`, a
     checkpoint written there after the steps."""
-    from megapar.dryrun.rank import traffic
-    from megapar.models.config import config_from_dict
-    from megapar.training.config import TrainConfig
-    from megapar.training.engine import Engine
 
     cfg, config = TrainConfig(**cfg_dict), config_from_dict(config_dict)
     engine = Engine(cfg, config)
@@ -168,7 +169,6 @@ def without_scalars(calls, mesh) -> list:
     """`calls` without the one-element all-reduces the dry run does not run (`NOT_RUN`): the
     gradient norm's over tp x pp (and dp x cp under ZeRO-1), the loss's over dp and fp16's overflow
     flag's over every rank."""
-    import torch.distributed as dist
 
     groups = {tuple(dist.get_process_group_ranks(g))
               for g in (mesh.mp_group, mesh.dp_group, mesh.dp_cp_group) if g is not None}

@@ -29,10 +29,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from megapar.checkpoint.distributed import planned_shard
 from megapar.comm_count import count_collectives
+from megapar.data import collate
 from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
+from megapar.pipeline import messages
+from megapar.pipeline.schedules import in_flight_peak, placement_of, schedule_actions
+from megapar.plan import Candidate, Problem, stage_memory
+from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
+from megapar.training.data import make_sampler
+from megapar.training.engine import Engine
 
 NOT_RUN = ("the gradient-norm all-reduce (tp x pp, and dp x cp under ZeRO-1), the loss all-reduce "
            "over dp and fp16's overflow flag over all ranks: scalars whose values the step reads")
@@ -82,10 +91,8 @@ class RankReport:
 
 def _micro_batch(cfg, config, dataset, first_batch):
     """The first micro-batch this rank trains on (real data), or zeros of its shapes."""
-    from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
 
     if dataset is not None:
-        from megapar.data import collate
 
         return collate([dataset[i] for i in first_batch[0]])
     keys = BERT_KEYS if config.model_type == "bert" else DECODER_KEYS
@@ -116,7 +123,6 @@ def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) 
     for the default group). Bytes are the whole tensor each call reduces,
     gathers, scatters or sends (an all-gather's output, a reduce-scatter's input), so an
     all-gather and the reduce-scatter it undoes weigh the same."""
-    import torch.distributed as dist
 
     names = {}
     for name in ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding"):
@@ -149,12 +155,6 @@ def rehearse_rank(cfg, config, layout: Layout, rank: int, gpus_per_node: int = 8
 
 
 def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankReport:
-    from megapar.checkpoint.distributed import planned_shard
-    from megapar.pipeline.schedules import in_flight_peak, schedule_actions
-    from megapar.training.data import make_sampler
-    from megapar.training.engine import Engine
-    import torch.distributed as dist
-
     layout, notes = mesh.layout, []
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
     engine = Engine(cfg, config, mesh)
@@ -212,9 +212,6 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
 
 def _modelled_activations(cfg, config, layout: Layout, stage: int, actions) -> int:
     """The planner's activation bytes of `stage` at the worst point of its action list."""
-    from megapar.plan import Candidate, Problem, stage_memory
-    from megapar.pipeline import messages
-    from megapar.pipeline.schedules import placement_of
 
     problem = Problem(config, layout.world_size, global_batch=cfg.global_batch_size,
                       seq_len=cfg.seq_len, precision=cfg.precision, master_weights="fp32",

@@ -8,7 +8,13 @@ planner counts for that rank (`megapar.plan.state.rank_state`). They must be equ
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+from megapar.dryrun import dry_run, sample_ranks
+from megapar.mesh import Layout
+from megapar.plan.state import rank_state
+from megapar.training.config import TrainConfig
 
 FIELDS = ("params", "weights", "grads", "optimizer")
 
@@ -28,7 +34,6 @@ class Verified:
 
 def train_config(problem, candidate):
     """The megapar-train settings of a planned layout."""
-    from megapar.training.config import TrainConfig
 
     c = candidate
     return TrainConfig(tp=c.tp, pp=c.pp, dp=c.dp, micro_batch_size=c.mbs,
@@ -40,11 +45,7 @@ def train_config(problem, candidate):
 
 def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
     """Dry-run `candidate` (default ranks: `sample_ranks`) and compare with the plan."""
-    import time
 
-    from megapar.dryrun import dry_run, sample_ranks
-    from megapar.mesh import Layout
-    from megapar.plan.state import rank_state
 
     c, start = candidate, time.perf_counter()
     layout = Layout(c.tp, c.pp, c.dp, cp=c.cp)

@@ -18,6 +18,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 @contextlib.contextmanager
@@ -45,7 +46,6 @@ def fake_process_group(world_size: int, rank: int):
 def fake_tensors():
     """Tensors made in the block are fake (shape, dtype, device; no memory, no values). Enter it
     after the `Mesh`: DeviceMesh reads its rank grid's values."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
         # GradBuckets compares .grad and buffer-view data pointers (all 0 on fake tensors: it

@@ -7,6 +7,7 @@ launcher killed with -9, a stopped worker.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -61,8 +62,6 @@ def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     _launcher_pid = parent_pid
     if sys.platform.startswith("linux"):
         try:
-            import ctypes  # Linux only: prctl
-
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         except (OSError, AttributeError):
             pass  # the watchdog still works

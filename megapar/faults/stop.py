@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+
 class RunStopped(RuntimeError):
     """A run brought down on purpose with a clear one-line reason (no traceback needed)."""
 

@@ -3,12 +3,18 @@
 Models never import the pipeline or CLI."""
 
 from megapar.models.bert import Bert
-from megapar.models.config import (
-    BertConfig, ConfigError, GPT2Config, config_from_dict, config_from_hf, config_from_file, load_config_file,
-)
-from megapar.models.config import LlamaConfig
-from megapar.models.gpt2 import GPT2
 from megapar.models.blocks import set_recompute
+from megapar.models.config import (
+    BertConfig,
+    ConfigError,
+    GPT2Config,
+    LlamaConfig,
+    config_from_dict,
+    config_from_file,
+    config_from_hf,
+    load_config_file,
+)
+from megapar.models.gpt2 import GPT2
 from megapar.models.llama import Llama
 
 MODEL_CLASSES = {"gpt2": GPT2, "bert": Bert, "llama": Llama}

@@ -14,12 +14,21 @@ from torch import nn
 
 from megapar.mesh import Mesh
 from megapar.models.blocks import (
-    ParallelAttention, ParallelMLP, ResidualDropout, activation, embedding, layer_norm,
+    ParallelAttention,
+    ParallelMLP,
+    ResidualDropout,
+    activation,
+    embedding,
+    layer_norm,
     run_layers,
 )
 from megapar.models.config import BertConfig
 from megapar.models.stage import StageModel
-from megapar.tensor_parallel import VocabParallelEmbedding, initialize, parallel_lm_logits
+from megapar.tensor_parallel import (
+    VocabParallelEmbedding,
+    initialize,
+    parallel_lm_logits,
+)
 from megapar.tensor_parallel.partition import local_size, set_partition
 
 

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from megapar.mesh import Layout, LayoutError
 
 
@@ -377,8 +379,6 @@ def load_config_file(path: str | Path) -> dict:
     except (IsADirectoryError, UnicodeDecodeError, OSError) as exc:
         raise ConfigError(f"{path}: cannot be read as a config file ({exc})") from None
     if path.suffix in (".yaml", ".yml"):
-        import yaml
-
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:

@@ -15,11 +15,20 @@ from torch import nn
 
 from megapar.mesh import Mesh
 from megapar.models.blocks import (
-    ParallelAttention, ParallelMLP, ResidualDropout, embedding, layer_norm, run_layers,
+    ParallelAttention,
+    ParallelMLP,
+    ResidualDropout,
+    embedding,
+    layer_norm,
+    run_layers,
 )
 from megapar.models.config import GPT2Config
 from megapar.models.stage import StageModel
-from megapar.tensor_parallel import VocabParallelEmbedding, initialize, parallel_lm_logits
+from megapar.tensor_parallel import (
+    VocabParallelEmbedding,
+    initialize,
+    parallel_lm_logits,
+)
 
 
 class GPT2Block(nn.Module):

@@ -28,11 +28,18 @@ from megapar.models.blocks import activation, run_layers
 from megapar.models.config import LlamaConfig
 from megapar.models.stage import StageModel
 from megapar.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp_region, divide,
-    initialize, parallel_lm_logits,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp_region,
+    divide,
+    initialize,
+    parallel_lm_logits,
 )
-from megapar.tensor_parallel.partition import local_size, set_partition
-from megapar.tensor_parallel.sequence_parallel import gather_from_sequence_parallel_region
+from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
+from megapar.tensor_parallel.sequence_parallel import (
+    gather_from_sequence_parallel_region,
+)
 
 
 class RMSNorm(nn.Module):
@@ -208,7 +215,6 @@ class LlamaAttention(nn.Module):
 
 class SwiGLU(nn.Module):
     """down(act(gate(x)) * up(x)): gate / up column-parallel, down row-parallel."""
-
     def __init__(self, config: LlamaConfig, mesh: Mesh):
         super().__init__()
         h, f = config.hidden_size, config.intermediate_size
@@ -275,7 +281,6 @@ class Llama(StageModel):
         if self.tied:
             self._end()
         else:
-            from megapar.tensor_parallel.partition import mark_replicated
 
             mark_replicated(self)
             self._mark_sequence_parallel()

@@ -21,9 +21,16 @@ from torch import nn
 
 from megapar import context_parallel as cp
 from megapar.mesh import Mesh
-from megapar.tensor_parallel import NullTracker, masked_mean, vocab_parallel_cross_entropy
+from megapar.tensor_parallel import (
+    NullTracker,
+    masked_mean,
+    vocab_parallel_cross_entropy,
+)
 from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
-from megapar.tensor_parallel.sequence_parallel import mark_sequence_parallel, split_sequence
+from megapar.tensor_parallel.sequence_parallel import (
+    mark_sequence_parallel,
+    split_sequence,
+)
 
 WORD_EMBEDDING = "embed.word.weight"
 
@@ -43,7 +50,6 @@ class StageModel(nn.Module):
 
     def _build_layers(self, layers, make_block: Callable[[], nn.Module]) -> nn.ModuleDict:
         return nn.ModuleDict({str(i): make_block() for i in layers})
-
     def tied_copy(self) -> nn.Parameter:
         """The last stage's copy of the word embedding (when it does not hold the embedding)."""
         c = self.config

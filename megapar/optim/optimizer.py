@@ -27,6 +27,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from megapar.optim.trust_ratio import LAMB, LARS
+
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
 """`--optimizer` choices: AdamW, and the layer-wise trust-ratio LAMB / LARS (`trust_ratio.py`)."""
@@ -249,7 +251,6 @@ def _inner(kind, groups, lr, betas, eps, momentum, tp_group) -> torch.optim.Opti
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None)
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum)
-    from megapar.optim.trust_ratio import LAMB, LARS
 
     if kind == "lamb":
         return LAMB(groups, lr=lr, betas=betas, eps=eps, tp_group=tp_group)

@@ -40,6 +40,7 @@ from torch import nn
 
 from megapar.data_parallel.buckets import slice_pieces
 from megapar.mesh import all_reduce, group_size
+from megapar.optim.clip import _counted
 from megapar.optim.optimizer import AdamWOptimizer, _inner, step_state
 
 
@@ -72,7 +73,6 @@ class ZeroOptimizer(AdamWOptimizer):
         if self.dp == 1:
             return self.params
         return list({id(p): p for p, _, _ in self._piece_of}.values())
-
     # setup ----------------------------------------------------------------------------------
     @torch.no_grad()
     def attach(self, grad_sync, last: Iterable[nn.Parameter] = (), before_reduce=None) -> None:
@@ -165,7 +165,6 @@ class ZeroOptimizer(AdamWOptimizer):
     def clip_grad_norm(self, mesh, max_norm: float) -> float:
         """Global gradient norm from the local slices (all-reduce over tp x pp, then dp), each
         parameter counted once as in `clip.py`; clip the local slices to max_norm."""
-        from megapar.optim.clip import _counted
 
         counted = [t.grad for t, (p, _, _) in zip(self.pieces, self._piece_of)
                    if _counted(p, mesh)]

@@ -39,7 +39,12 @@ from megapar.pipeline import messages, split_backward
 from megapar.pipeline.clock import StepClock
 from megapar.pipeline.p2p import P2PTimeoutError, StageP2P, wait_work
 from megapar.pipeline.schedules import (
-    Action, MessageGroup, get_schedule, peer_of, placement_of, virtual_stage,
+    Action,
+    MessageGroup,
+    get_schedule,
+    peer_of,
+    placement_of,
+    virtual_stage,
 )
 from megapar.pipeline.timeline import Event, Timeline
 from megapar.tensor_parallel.weight_grad import store_of

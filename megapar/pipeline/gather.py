@@ -16,7 +16,6 @@ from megapar.mesh import Mesh
 from megapar.pipeline.p2p import wait_work
 from megapar.pipeline.timeline import Event, Timeline
 
-
 TRACE_KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad",
                "backward_input", "backward_weight", "wait", "loss_broadcast")
 """Event kinds `gather_timeline` can encode (as their index in this tuple)."""

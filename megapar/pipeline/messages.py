@@ -33,7 +33,13 @@ from __future__ import annotations
 from functools import lru_cache
 
 from megapar.pipeline.schedules import (
-    MESSAGE_KINDS, Action, MessageGroup, Step, peer_of, placement_of, schedule_actions,
+    MESSAGE_KINDS,
+    Action,
+    MessageGroup,
+    Step,
+    peer_of,
+    placement_of,
+    schedule_actions,
     virtual_stage,
 )
 from megapar.pipeline.simulate import Costs, simulate

@@ -22,7 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapar.pipeline.schedules import MESSAGE_KINDS, MessageGroup, peer_of, placement_of
+from megapar.pipeline.schedules import (
+    MESSAGE_KINDS,
+    MessageGroup,
+    peer_of,
+    placement_of,
+)
 from megapar.pipeline.simulate import CommMismatchError, DeadlockError
 
 

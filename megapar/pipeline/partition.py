@@ -15,6 +15,7 @@ from typing import Sequence
 from megapar.mesh import LayoutError, Mesh
 from megapar.models import build_model, set_recompute
 from megapar.models.stage import ModelChunks
+from megapar.pipeline.placement import virtual_stage
 from megapar.tensor_parallel import RNGTracker
 
 
@@ -69,7 +70,6 @@ def chunk_specs(num_layers: int, pp: int, stage: int, virtual_stages: int,
     and chunk c of rank r holds slice `virtual_stage(r, c, pp, placement)` (c * pp + r for
     Megatron's round-robin "loop" placement). Only the model's first slice holds the embedding
     and only its last the head."""
-    from megapar.pipeline.placement import virtual_stage
 
     total = pp * virtual_stages
     if num_layers < total:

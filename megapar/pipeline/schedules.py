@@ -40,7 +40,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megapar.pipeline.placement import (  # noqa: F401 (re-exported)
-    PLACEMENTS, peer_of, stage_location, virtual_stage,
+    PLACEMENTS,
+    peer_of,
+    stage_location,
+    virtual_stage,
 )
 from megapar.pipeline.timeline import short_label
 
@@ -159,7 +162,6 @@ def gpipe(pp: int, m: int, stage: int) -> list[Action]:
 
 def one_f_one_b(pp: int, m: int, stage: int) -> list[Action]:
     """1F1B (PipeDream-flush / Megatron): same bubble as GPipe, at most pp - stage mbs in flight.
-
     Warmup fills the pipeline with forwards, the steady state alternates one forward with one
     backward, and cooldown drains the remaining backwards.
     """

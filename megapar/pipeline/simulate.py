@@ -212,7 +212,6 @@ def theoretical_bubble(pp: int, m: int, schedule: str = "1f1b", virtual_stages: 
                        fwd_ms: float = 1.0, bwd_input_ms: float = 1.0,
                        bwd_weight_ms: float = 1.0) -> float:
     """Idle fraction with equal stages and free communication (published formulas):
-
     - GPipe / 1F1B (Huang et al. 2019; Narayanan et al. 2021): (pp-1) / (m + pp-1);
     - interleaved 1F1B with V chunks per rank (Narayanan et al. 2021): (pp-1) / (V m + pp-1);
     - ZB-H1 (Qi et al. 2024, Table 1): the bubble is (pp-1)(t_F + t_B - t_W) per stage next to

@@ -9,6 +9,7 @@ published formula) for bubbles and in-flight micro-batches, `estimate.py` combin
 
 from megapar.plan.estimate import Estimate, Problem, estimate, stage_memory
 from megapar.plan.layouts import Candidate, check, enumerate_candidates, parse_candidate
+from megapar.plan.report import rank
 
 __all__ = ["Candidate", "Estimate", "Problem", "check", "enumerate_candidates", "estimate",
            "parse_candidate", "stage_memory", "plan"]
@@ -22,7 +23,6 @@ many leaders and ranks again: the search stays seconds long for any GPU count.""
 def plan(problem: Problem, **space) -> tuple[list[Estimate], list]:
     """(every valid candidate's estimate, ranked; [(candidate, reason)] rejected). The leading
     `SIMULATED_LEADERS` have simulated bubbles, the rest their formula's."""
-    from megapar.plan.report import rank
 
     valid, rejected = enumerate_candidates(problem.config, problem.gpus, problem.gpus_per_node,
                                            problem.global_batch, seq_len=problem.seq_len,

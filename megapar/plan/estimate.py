@@ -40,11 +40,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from megapar.context_parallel import method_for
+from megapar.pipeline.partition import chunk_specs
 from megapar.plan import memory as mem
 from megapar.plan import pipeline
 from megapar.plan.layouts import Candidate
-from megapar.pipeline.partition import chunk_specs
-from megapar.plan.params import piece_counts, stage_layer_counts, stage_params
+from megapar.plan.params import (
+    model_params,
+    piece_counts,
+    stage_layer_counts,
+    stage_params,
+)
 from megapar.plan.state import most_loaded
 from megapar.tensor_parallel.partition import local_size
 
@@ -140,7 +146,6 @@ def kv_width(cfg, t: int) -> int:
 
 def cp_method(cfg) -> str:
     """The context-parallel attention megapar uses for this model (`method_for`)."""
-    from megapar.context_parallel import method_for
 
     return method_for(_heads(cfg), getattr(cfg, "kv_heads", _heads(cfg)))
 
@@ -316,7 +321,6 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
         comm["cp"] = m * (cp_fwd + cp_bwd) / (1 - frac)
     step = pipe_s + p2p + dp_exposed + zero_s + tied
     tokens = p.global_batch * s
-    from megapar.plan.params import model_params
 
     model_flops = tokens * (6 * model_params(cfg) + 12 * cfg.num_layers * h * s)
     recompute_flops = tokens * cfg.num_layers * {"none": 0.0, "selective": 4 * s * h,

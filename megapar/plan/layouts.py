@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from megapar.mesh import Layout, LayoutError
 from megapar.pipeline.schedules import interleaved_rounds
+from megapar.training.validate import check_cp_seq_len
 
 PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 """Schedules the planner models. Those registered in `megapar.pipeline.schedules.SCHEDULES` are
@@ -137,7 +138,6 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
     if c.sp and seq_len and seq_len % c.tp:
         return f"sequence parallelism needs --seq-len {seq_len} divisible by tp {c.tp}"
     if c.cp > 1 and seq_len:
-        from megapar.training.validate import check_cp_seq_len
 
         try:
             check_cp_seq_len(seq_len, Layout(c.tp, c.pp, c.dp, cp=c.cp), c.sp)

@@ -9,12 +9,15 @@ embedding)`; `tests/test_plan.py` checks this against whole stages built the sam
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from megapar.mesh import Layout, Mesh
-from megapar.pipeline.partition import chunk_specs, partition_layers
+from megapar.models import build_model
+from megapar.models.config import config_from_dict
+from megapar.pipeline.partition import chunk_specs, partition_layers, stage_spec
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,6 @@ class PieceCounts:
 
 
 def _build(config, tp: int, layers, pre: bool, post: bool):
-    from megapar.models import build_model
-
     mesh = Mesh.virtual(Layout(tp, 1, 1), rank=0, device="meta")
     return build_model(config, mesh, layers, pre_process=pre, post_process=post)
 
@@ -44,9 +45,6 @@ def _numel(module) -> int:
 
 @lru_cache(maxsize=64)
 def _pieces(config_json: str, tp: int) -> PieceCounts:
-    import json
-
-    from megapar.models.config import config_from_dict
 
     config = config_from_dict(json.loads(config_json))
     block = _numel(_build(config, tp, range(1), False, False))
@@ -59,7 +57,6 @@ def _pieces(config_json: str, tp: int) -> PieceCounts:
 
 def piece_counts(config, tp: int) -> PieceCounts:
     """Per-tp-rank element counts of a block, the embedding and the head of `config`."""
-    import json
 
     return _pieces(json.dumps(config.to_dict(), sort_keys=True), tp)
 
@@ -86,9 +83,7 @@ def _specs(module) -> tuple[TensorSpec, ...]:
 @lru_cache(maxsize=64)
 def _piece_tensors(config_json: str, tp: int) -> tuple[tuple[TensorSpec, ...], ...]:
     """(block, embedding, head) parameters of one tp rank, in registration order."""
-    import json
 
-    from megapar.models.config import config_from_dict
 
     config = config_from_dict(json.loads(config_json))
     return (_specs(_build(config, tp, range(1), False, False)),
@@ -101,9 +96,7 @@ def stage_tensors(config, tp: int, pp: int, v: int, stage: int) -> list[TensorSp
     `model.parameters()` gives them (each chunk's embedding, blocks, then norm and head; the
     tied copy only on a last chunk without the embedding). `tests/test_plan.py` checks it
     against stages built on the meta device."""
-    import json
 
-    from megapar.pipeline.partition import stage_spec
 
     block, embedding, head = _piece_tensors(json.dumps(config.to_dict(), sort_keys=True), tp)
     specs = chunk_specs(config.num_layers, pp, stage, v) if v > 1 else \
@@ -145,16 +138,12 @@ def stage_params(config, tp: int, pp: int, v: int = 1) -> list[int]:
 def model_params(config) -> int:
     """Parameters of the whole model, unpadded, the tied embedding counted once (what Hugging
     Face's `num_parameters()` reports: 124,439,808 for GPT-2 small)."""
-    import json
 
     return _model_params(json.dumps(config.to_dict(), sort_keys=True))
 
 
 @lru_cache(maxsize=16)
 def _model_params(config_json: str) -> int:
-    import json
-
-    from megapar.models.config import config_from_dict
 
     config = config_from_dict(json.loads(config_json))
     model = _build(config, 1, range(config.num_layers), True, True)

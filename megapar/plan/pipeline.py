@@ -17,19 +17,22 @@ import dataclasses
 import inspect
 from functools import lru_cache
 
+from megapar.pipeline import messages, schedules
+from megapar.pipeline import schedules as sched
+from megapar.pipeline import simulate as sim
+from megapar.pipeline.schedules import in_flight_peak, placement_of
+from megapar.pipeline.timeline import bubble_stats
+
 MAX_SIMULATED_ACTIONS = 4096
 """Above pp x m x v this many forwards the formula is used (the simulator is pure Python)."""
 
 
 def _registered(name: str) -> bool:
-    from megapar.pipeline import schedules
-
     return name in schedules.SCHEDULES
 
 
 def _actions(name: str, pp: int, m: int, stage: int, v: int):
     """The stage's action list, or None when megapar cannot generate this schedule."""
-    from megapar.pipeline import schedules
 
     if not _registered(name):
         return None
@@ -74,9 +77,6 @@ def bubble(name: str, pp: int, m: int, v: int = 1, bwd_ratio: float = 2.0,
 
 
 def _simulated(schedules, bwd_ratio: float, v: int, name: str) -> float:
-    from megapar.pipeline import simulate as sim
-    from megapar.pipeline.timeline import bubble_stats
-
     # Chunks of an interleaved schedule each do 1/v of the stage's work.
     costs = {"fwd_ms": 1.0 / v, "bwd_ms": bwd_ratio / v}
     names = {f.name for f in dataclasses.fields(sim.Costs)}
@@ -84,7 +84,6 @@ def _simulated(schedules, bwd_ratio: float, v: int, name: str) -> float:
         costs.update(bwd_input_ms=bwd_ratio / (2 * v), bwd_weight_ms=bwd_ratio / (2 * v))
     kwargs = {}
     if "placement" in inspect.signature(sim.simulate).parameters:
-        from megapar.pipeline import schedules as sched
 
         kwargs["placement"] = getattr(sched, "placement_of", lambda n: "loop")(name)
     timeline = sim.simulate(schedules, sim.Costs(**costs), **kwargs)
@@ -98,8 +97,6 @@ def stage_held(name: str, pp: int, m: int, v: int, stage: int):
     formula of `in_flight` applies: its count spread evenly over the chunks)."""
     if not (_registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS):
         return None
-    from megapar.pipeline import messages
-    from megapar.pipeline.schedules import placement_of
 
     return messages.held(messages.programs(name, pp, m, v), stage, placement_of(name))
 
@@ -111,7 +108,6 @@ def in_flight(name: str, pp: int, m: int, v: int = 1,
     interleaved chunk counts 1/v), and "simulated" (read off the actions) or "formula"
     (`simulate=False`: the formula whatever the size)."""
     if simulate and _registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS:
-        from megapar.pipeline.schedules import in_flight_peak
 
         per_stage = [_actions(name, pp, m, s, v) for s in range(pp)]
         if all(a is not None for a in per_stage):

@@ -6,6 +6,7 @@ import dataclasses
 
 from megapar.plan.estimate import Estimate, Problem
 from megapar.plan.memory import GIB
+from megapar.training.config import TrainConfig, _choices
 
 # Candidate option -> TrainConfig fields that would carry it, in order of preference. A flag is
 # only emitted when megapar-train has the field; otherwise the command says what is missing.
@@ -26,8 +27,6 @@ def _size(nbytes: float) -> str:
 
 
 def _train_fields() -> tuple[set[str], dict]:
-    from megapar.training.config import TrainConfig, _choices
-
     return {f.name for f in dataclasses.fields(TrainConfig)}, _choices()
 
 

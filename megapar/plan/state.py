@@ -12,12 +12,14 @@ The dry run (`megapar.dryrun`) reads the same figures off the real tensors and
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
 from megapar.data_parallel.buckets import bucket_layout, slice_pieces
+from megapar.models.config import config_from_dict
 from megapar.plan.params import stage_tensors
 
 ADAM_MOMENTS = 2
@@ -62,8 +64,6 @@ def most_loaded(config_json: str, tp: int, pp: int, v: int, stage: int, dp: int,
                 bucket_mb: float = 25.0) -> RankState:
     """The largest `rank_state` over the dp ranks of a stage (ZeRO-1 slices differ: the last
     holds the padding, ranks whose slice starts inside a parameter hold one more piece)."""
-    from megapar.models.config import config_from_dict
-    import json
 
     config = config_from_dict(json.loads(config_json))
     tensors, buckets = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb)

@@ -1,12 +1,22 @@
 """Tensor parallelism: region primitives, parallel layers, vocab-parallel cross-entropy, RNG."""
 
-from megapar.tensor_parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy
+from megapar.tensor_parallel.cross_entropy import (
+    masked_mean,
+    vocab_parallel_cross_entropy,
+)
 from megapar.tensor_parallel.init import initialize, normal_init
 from megapar.tensor_parallel.layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, divide, parallel_lm_logits,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    divide,
+    parallel_lm_logits,
 )
 from megapar.tensor_parallel.mappings import (
-    copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
 )
 from megapar.tensor_parallel.random import NullTracker, RNGTracker
 

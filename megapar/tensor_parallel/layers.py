@@ -14,11 +14,15 @@ from torch import nn
 
 from megapar.mesh import LayoutError, Mesh
 from megapar.tensor_parallel.mappings import (
-    copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
 )
 from megapar.tensor_parallel.partition import local_size, set_partition
 from megapar.tensor_parallel.sequence_parallel import (
-    gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 from megapar.tensor_parallel.weight_grad import linear
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 
 def set_partition(param: torch.Tensor, tp_dim: int | None, full_shape) -> torch.Tensor:
@@ -66,7 +67,6 @@ def unpad(gathered: torch.Tensor, dim: int | None, full: tuple[int, ...]) -> tor
 
 def gather_full(shard: torch.Tensor, dim: int | None, full: tuple[int, ...], group) -> torch.Tensor:
     """The full (unpadded) tensor from every tp rank's shard; collective over `group`."""
-    import torch.distributed as dist
 
     if dim is None or group is None or dist.get_world_size(group) == 1:
         return unpad(shard, dim, full)

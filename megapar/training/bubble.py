@@ -8,9 +8,29 @@ and returns pp rank 0's view of the last step's timeline, aligned across stages.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
+
+from megapar.launcher import run_local
+from megapar.mesh import Mesh
+from megapar.models import GPT2Config
+from megapar.models.config import config_from_dict
+from megapar.models.recipes import resolve_model
+from megapar.pipeline.executor import PipelineExecutor
+from megapar.pipeline.gather import gather_timeline
+from megapar.pipeline.partition import build_stage
+from megapar.pipeline.schedules import (
+    Action,
+    check_schedule,
+    in_flight_peak,
+    peer_of,
+    placement_of,
+    schedule_actions,
+)
+from megapar.pipeline.simulate import Costs, simulate_schedule, theoretical_bubble
+from megapar.pipeline.timeline import Timeline, bubble_stats
 
 
 @dataclass
@@ -46,8 +66,6 @@ def bench_config(model: str | None, pp: int, virtual_stages: int = 1):
     """The model to measure: a recipe, or by default a compute-bound GPT-2 with 2 blocks per
     stage (one per chunk with V=2, V per rank beyond) and a 256-token vocabulary (so stages
     are nearly equal)."""
-    from megapar.models import GPT2Config
-    from megapar.models.recipes import resolve_model
 
     if model:
         return resolve_model(model)
@@ -87,12 +105,6 @@ class _Held:
 
 
 def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stages=1, cp=1):
-    from megapar.mesh import Mesh
-    from megapar.models.config import config_from_dict
-    from megapar.pipeline.executor import PipelineExecutor
-    from megapar.pipeline.gather import gather_timeline
-    from megapar.pipeline.schedules import in_flight_peak, schedule_actions
-    from megapar.pipeline.partition import build_stage
 
     config = config_from_dict(config_dict)
     mesh = Mesh.from_env(tp, pp, 1, cp=cp)
@@ -138,10 +150,6 @@ def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = Non
 
     activation_mb is, per stage, the peak of the tensors autograd held for backward during
     the step (parameters included when saved): what the schedule's in-flight count bounds."""
-    from megapar.launcher import run_local
-    from megapar.pipeline.schedules import check_schedule
-    from megapar.pipeline.timeline import Timeline, bubble_stats
-
     check_schedule(schedule, pp, m, virtual_stages)
     config = bench_config(model, pp, virtual_stages)
     results = run_local(_worker, pp * tp * cp, config.to_dict(), tp, pp, m, schedule, steps,
@@ -156,7 +164,6 @@ def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = Non
 
 def theory(pp: int, m: int, schedule: str, virtual_stages: int, costs: dict) -> float:
     """The schedule's bubble formula; ZB-H1's uses the F, B and W costs."""
-    from megapar.pipeline.simulate import theoretical_bubble
 
     return theoretical_bubble(pp, m, schedule, virtual_stages, costs["fwd_ms"],
                               costs.get("bwd_input_ms") or 1.0, costs.get("bwd_weight_ms") or 1.0)
@@ -169,12 +176,10 @@ def mean_costs(timeline, schedule: str = "1f1b") -> dict:
     latency: for each receive, the time from when both its send and the receive had started to
     when the receive ended (so waiting for the other stage to get to its send is left out);
     the median over all messages of the (clock-aligned) step."""
-    import statistics
 
     def mean(kind):
         d = [e.end - e.start for e in timeline.events if e.kind == kind]
         return 1e3 * sum(d) / len(d) if d else 0.0
-    from megapar.pipeline.schedules import Action, peer_of, placement_of
 
     pp = len(timeline.ranks())
     chunks = 1 + max((e.chunk for e in timeline.events), default=0)
@@ -224,9 +229,6 @@ def simulate(pp: int, m: int, schedule: str, fwd_ms: float, bwd_ms: float,
     B and W default to half the backward each. `stage_costs` (one dict of the same keys per
     stage, e.g. `BubbleRun.stage_costs` of a measurement) simulates stages that differ; the
     other cost arguments then only feed the published formula."""
-    from megapar.pipeline.schedules import in_flight_peak, schedule_actions
-    from megapar.pipeline.simulate import Costs, simulate_schedule
-    from megapar.pipeline.timeline import bubble_stats
 
     bwd_input_ms = bwd_ms / 2 if bwd_input_ms is None else bwd_input_ms
     bwd_weight_ms = bwd_ms / 2 if bwd_weight_ms is None else bwd_weight_ms

@@ -15,6 +15,15 @@ import inspect
 from dataclasses import dataclass, fields
 from typing import Any
 
+from megapar.data_parallel.compression import GRAD_COMPRESSIONS
+from megapar.mesh import RANK_ORDERS
+from megapar.models.blocks import RECOMPUTE_MODES
+from megapar.models.config import ConfigError, load_config_file
+from megapar.optim.optimizer import OPTIMIZERS
+from megapar.optim.precision import COMM_DTYPES, PRECISIONS
+from megapar.optim.scheduler import DECAY_STYLES
+from megapar.pipeline.schedules import SCHEDULES
+
 
 @dataclass
 class TrainConfig:
@@ -178,14 +187,7 @@ def field_docs() -> dict[str, str]:
 
 def _choices() -> dict[str, list]:
     """Allowed values, taken from the modules that implement them."""
-    from megapar.models.blocks import RECOMPUTE_MODES
-    from megapar.data_parallel.compression import GRAD_COMPRESSIONS
-    from megapar.optim.optimizer import OPTIMIZERS
-    from megapar.optim.precision import COMM_DTYPES, PRECISIONS
-    from megapar.optim.scheduler import DECAY_STYLES
-    from megapar.pipeline.schedules import SCHEDULES
 
-    from megapar.mesh import RANK_ORDERS
 
     return {"rank_order": list(RANK_ORDERS),
             "schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
@@ -253,7 +255,6 @@ def _config_value(f, value: Any, path: str) -> Any:
     """A `--config` value converted with its flag's type, as the command line would: "1e-3"
     is 0.001, "no" is False, 32.0 is 32; null, or a value the flag cannot take, is an error.
     (A number that is not whole, for a whole-number flag, is left for check_settings to name.)"""
-    from megapar.models.config import ConfigError
 
     flag, kind = "--" + f.name.replace("_", "-"), _type_of(f)
     if value is None:
@@ -286,7 +287,6 @@ def _config_value(f, value: Any, path: str) -> Any:
 def read_run_config(path: str) -> dict[str, Any]:
     """The settings of a `--config` file, keys checked against the flags' names and values
     converted with the flags' types (so a file says what the command line says)."""
-    from megapar.models.config import ConfigError, load_config_file
 
     by_name = {f.name: f for f in fields(TrainConfig)}
     data = {str(k).replace("-", "_"): v for k, v in load_config_file(path).items()}

@@ -12,15 +12,32 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from megapar.checkpoint.hf import HFReader
+from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import (
-    GlobalBatchSampler, GPTDataset, IndexedDataset, MLMDataset, asset_path, collate,
-    ensure_dataset, load_tokenizer,
+    GlobalBatchSampler,
+    GPTDataset,
+    IndexedDataset,
+    MLMDataset,
+    asset_path,
+    collate,
+    ensure_dataset,
+    load_tokenizer,
 )
-from megapar.data.inputs import is_raw_text
-from megapar.models.config import CAUSAL_LM_TYPES, ConfigError
+from megapar.data.blended import BlendedDataset, data_paths, parse_blend
+from megapar.data.inputs import expand_inputs, is_raw_text
+from megapar.data.megatron import is_megatron_index
+from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
+from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
+from megapar.training.validate import (
+    checkpoint_manifest,
+    explicit,
+    model_from_checkpoint,
+)
 
 DEFAULT_TEXT = "shakespeare_sample.txt"
 DEFAULT_MODEL = "gpt2-tiny"
@@ -41,7 +58,6 @@ def resolve_data_prefix(cfg: TrainConfig, notes: list[str] | None = None) -> str
 
     For a blend, every part is resolved and checked to share one tokenizer; the first
     part's prefix is returned (it stands for the vocabulary)."""
-    from megapar.data.blended import data_paths
 
     prefixes = [_resolve_one(cfg, p, notes) for p in data_paths(cfg.data)]
     first = IndexedDataset(prefixes[0], cfg.tokenizer)
@@ -94,7 +110,6 @@ def missing_files(prefix: str) -> list[str]:
 
 def is_megatron(prefix: str) -> bool:
     """A Megatron-LM dataset (MMIDIDX index): its .json (megapar's metadata) is optional."""
-    from megapar.data.megatron import is_megatron_index
 
     return os.path.isfile(prefix + ".idx") and is_megatron_index(prefix + ".idx")
 
@@ -102,7 +117,6 @@ def is_megatron(prefix: str) -> bool:
 def data_tokenizer(cfg: TrainConfig):
     """(vocabulary size, tokenizer) of --data without tokenizing anything: a prepared dataset's
     own (from its metadata; the first part of a blend), or --tokenizer for text."""
-    from megapar.data.blended import data_paths
 
     data = _text_or_prefix(cfg, data_paths(cfg.data)[0])
     if is_raw_text(data):
@@ -116,8 +130,6 @@ def max_samples(cfg: TrainConfig, model_type: str) -> int:
     """An upper bound on the samples --data can give, from file sizes alone (nothing is read):
     a token takes at least one byte of text (plus a begin and an end token per document, and a
     document at least one byte) or of a prepared .bin."""
-    from megapar.data.blended import data_paths
-    from megapar.data.inputs import expand_inputs
 
     tokens = 0
     for path in data_paths(cfg.data):
@@ -142,15 +154,12 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
     as well must describe the same model. `special_ids` (bos_token_id / eos_token_id of the
     tokenizer) replace a recipe's own, so an exported model generates with the data's ids.
     """
-    from megapar.models.recipes import resolve_model
-
     def needed(config) -> int:
         causal = config.model_type in CAUSAL_LM_TYPES
         return gpt_vocab_size if causal and gpt_vocab_size else vocab_size
 
     given_from = ""
     if cfg.from_hf:
-        from megapar.checkpoint.hf import HFReader
 
         config, given_from = HFReader(cfg.from_hf).config, f"--from-hf {cfg.from_hf}"
         if config.vocab_size < needed(config) and manifest is None:
@@ -159,10 +168,9 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
                 f"{cfg.from_hf} has a vocabulary of {config.vocab_size}; use the model's own "
                 f"tokenizer (--tokenizer) or data tokenized with it")
     elif cfg.model and os.path.exists(os.path.expanduser(cfg.model)):
-        from megapar.models.config import load_config_file
 
         path = os.path.expanduser(cfg.model)
-        config, given_from = resolve_model(path), f"--model {cfg.model}"
+        config, given_from = recipe(path), f"--model {cfg.model}"
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         if "vocab_size" not in load_config_file(path):
@@ -175,12 +183,11 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
                 f"tokenizer {tokenizer_name} needs {needed(config)} token ids; make them match "
                 f"(or leave vocab_size out of the config to take the tokenizer's)")
     else:
-        config = resolve_model(cfg.model or DEFAULT_MODEL)
+        config = recipe(cfg.model or DEFAULT_MODEL)
         config.vocab_size = vocab_size  # recipes take the tokenizer's vocabulary
         _take_special_ids(config, special_ids)
         given_from = "recipe"
     if manifest is not None:
-        from megapar.training.validate import model_from_checkpoint
 
         given = config if (cfg.model or cfg.from_hf) else None
         config = model_from_checkpoint(cfg, manifest, given, given_from)
@@ -191,7 +198,6 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
                 f"tokenized with the checkpoint's tokenizer")
     max_len = config.max_positions
     if cfg.seq_len > max_len:
-        from megapar.training.validate import explicit
 
         if "seq_len" in explicit(cfg):
             raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of "
@@ -215,11 +221,8 @@ def resolve_model(cfg: TrainConfig, notes: list[str] | None = None,
     """The run's model config from --load / --model / --from-hf and the data's tokenizer (its
     metadata only: nothing is tokenized), checked against --seq-len. A dry run without its data
     here keeps the model's own vocabulary."""
-    from megapar.checkpoint.publish import has_checkpoint
 
     if cfg.load and manifest is None and (cfg.load_strict or has_checkpoint(cfg.load)):
-        from megapar.training.validate import checkpoint_manifest
-
         manifest = checkpoint_manifest(cfg.load)  # every file checked
     skipped = _dry_run_without_data(cfg)
     if skipped is not None:
@@ -254,7 +257,6 @@ def _dry_run_without_data(cfg: TrainConfig) -> str | None:
     if cfg.data is None:
         return "no --data given"
     try:
-        from megapar.data.blended import data_paths
 
         for path in data_paths(cfg.data):
             _text_or_prefix(cfg, path)
@@ -266,12 +268,10 @@ def _dry_run_without_data(cfg: TrainConfig) -> str | None:
 def _own_vocab(cfg: TrainConfig, manifest: dict | None) -> int:
     """The vocabulary the model itself declares (a checkpoint's, --from-hf's or the recipe's),
     which a dry run without data keeps (training takes the data's tokenizer's)."""
-    from megapar.models.recipes import resolve_model as recipe
 
     if manifest is not None:
         return int(manifest["model"]["vocab_size"])
     if cfg.from_hf:
-        from megapar.checkpoint.hf import HFReader
 
         return HFReader(cfg.from_hf).config.vocab_size
     return recipe(cfg.model or DEFAULT_MODEL).vocab_size
@@ -280,7 +280,6 @@ def _own_vocab(cfg: TrainConfig, manifest: dict | None) -> int:
 def _samples(lengths, seq_len: int, model_type: str):
     """Running count of samples the first k documents (token counts `lengths`) hold: GPT
     windows of a concatenated stream, or MLM chunks of up to seq_len - 3 tokens per document."""
-    import numpy as np
 
     if model_type in CAUSAL_LM_TYPES:
         return np.maximum(np.cumsum(lengths) - 1, 0) // seq_len
@@ -296,7 +295,6 @@ def split_for_training(cfg: TrainConfig, indexed, model_type: str):
     evaluated). If that would take more than half the data, or leave the training split short
     of one global batch, the run trains without validation, and `note` says so. A validation
     split never stops a run."""
-    import numpy as np
 
     if cfg.val_fraction <= 0:
         return None, None, None
@@ -327,7 +325,6 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str,
                    notes: list[str] | None = None):
     """(train, val) datasets: GPT windows or BERT MLM samples, split by documents; for a
     blended --data, each part is split and the parts are blended by weight."""
-    from megapar.data.blended import BlendedDataset, parse_blend
 
     blend = parse_blend(cfg.data) if cfg.data is not None else None
     if blend is None:
@@ -359,7 +356,6 @@ def _build_one(cfg: TrainConfig, prefix: str, model_type: str, notes: list[str] 
 
 def planned_samples(sampler: GlobalBatchSampler, steps: int):
     """Indices of the samples `steps` global batches from the sampler's position draw."""
-    import numpy as np
 
     want, out = steps * sampler.global_batch_size, []
     start, epoch = sampler.consumed_samples, 0

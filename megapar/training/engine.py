@@ -12,16 +12,30 @@ Every rank calls every method together (they are collective).
 
 from __future__ import annotations
 
+import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
+from megapar.checkpoint.convert import export_hf
+from megapar.checkpoint.distributed import (
+    _broadcast_text,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megapar.context_parallel import check_length
+from megapar.data_parallel import GradBuckets
+from megapar.data_parallel.compression import make_compressor
 from megapar.faults.status import set_action, set_step
 from megapar.mesh import Mesh, all_reduce
+from megapar.optim import LRScheduler, Precision, build_optimizer
+from megapar.optim.precision import comm_dtypes
+from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
+from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
-from megapar.training.step import BatchPlan, StepResult
-
+from megapar.training.step import BatchPlan, StepResult, TrainStep
 
 RESERVED_META = frozenset({"step", "scaler", "optimizer", "scheduler", "rng_note", "model",
                            "layout", "tokenizer", "hf_dtype"})
@@ -38,11 +52,6 @@ class Engine:
 
     def __init__(self, cfg: TrainConfig, model_config, mesh: Mesh | None = None,
                  scheduler="from_cfg"):
-        from megapar.data_parallel import GradBuckets
-        from megapar.data_parallel.compression import make_compressor
-        from megapar.optim import LRScheduler, Precision, build_optimizer
-        from megapar.optim.precision import comm_dtypes
-        from megapar.training.step import TrainStep
 
         self.cfg, self.config = cfg, model_config
         self.mesh = mesh = mesh or Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
@@ -88,8 +97,6 @@ class Engine:
         return cfg.lr * cfg.global_batch_size / base if base > 0 else cfg.lr
 
     def _executor(self, seq_len: int):
-        from megapar.pipeline.executor import PipelineExecutor
-
         if seq_len not in self._executors:
             seq_len_sent = seq_len // self.mesh.cp  # stages exchange this cp rank's tokens
             if self.mesh.sequence_parallel:  # ... and of them this tp rank's slice
@@ -136,11 +143,8 @@ class Engine:
         return self.run_step(self.split(self._checked(batch, "train_step"))).loss
 
     def _checked(self, batch, what: str) -> dict:
-        from megapar.training.batch_check import check_batch, same_on_every_rank
-
         batch = check_batch(batch, self.config, what)
         if self.mesh.cp > 1:
-            from megapar.context_parallel import check_length
 
             check_length(batch["input_ids"].shape[1], self.mesh.cp)
         if not self._batch_seen:
@@ -166,7 +170,6 @@ class Engine:
         """Checkpoint into `path/step_XXXXXXXX` (megapar's format: convertible between layouts
         with megapar-convert, exact resume with `load`). `extra`: JSON-able values of yours
         (e.g. a torch LR scheduler's state_dict()), returned by `load`. Collective."""
-        from megapar.checkpoint.distributed import save_checkpoint
 
         clash = sorted(set(extra or {}) & RESERVED_META)
         if clash:
@@ -188,7 +191,6 @@ class Engine:
         """Restore weights, optimizer, loss scale, LR schedule, RNG and step from a checkpoint
         (any layout: resharded on load). Returns the checkpoint's `LoadedState` (its `.meta`
         holds what `save(extra=...)` stored)."""
-        from megapar.checkpoint.distributed import load_checkpoint
 
         state = load_checkpoint(path, self.model, self.mesh)
         meta = state.meta
@@ -216,10 +218,7 @@ class Engine:
         `dtype`: float32, bfloat16 or float16 (default: the dtype of the transformers model
         given to `prepare`, else float32). Replaces those files, leaves anything else there
         alone. Collective; rank 0 writes."""
-        import shutil
 
-        from megapar.checkpoint.convert import export_hf
-        from megapar.checkpoint.distributed import _broadcast_text, save_checkpoint
 
         path = Path(path).absolute()
         tmp = path.parent / f".{path.name or 'export'}.megapar-export-{self.step}"
@@ -234,7 +233,6 @@ class Engine:
                 outcome = f"{type(exc).__name__}: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)
             if not outcome and tokenizer is None and self.tokenizer is None:
-                import warnings
 
                 warnings.warn(f"engine.export_hf({path}): no tokenizer given or known, the "
                               f"export has none (AutoTokenizer cannot load it); pass "

@@ -11,10 +11,13 @@ import json
 import math
 import os
 import resource
+import socket
 import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
+from tqdm.auto import tqdm
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
@@ -34,8 +37,6 @@ def wandb_mode(timeout_s: float = 2.0) -> tuple[str, str]:
     """(mode, reason): WANDB_MODE when set; else online when the W&B server answers and
     credentials exist (WANDB_API_KEY or ~/.netrc), offline otherwise (sync later with
     `wandb sync`)."""
-    import socket
-    from urllib.parse import urlparse
 
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"], "WANDB_MODE"
@@ -64,7 +65,6 @@ class MetricsLogger(NullLogger):
     def __init__(self, cfg, start_step: int, run_config: dict):
         self.bar = None
         if cfg.progress:
-            from tqdm.auto import tqdm
 
             self.bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train",
                             dynamic_ncols=True, file=sys.stderr)

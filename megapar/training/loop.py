@@ -13,21 +13,43 @@ from pathlib import Path
 
 import torch
 
+from megapar.checkpoint.convert import recorded_tokenizer
 from megapar.checkpoint.format import CheckpointError
+from megapar.checkpoint.hf import HFReader, load_hf_weights
+from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset
 from megapar.data.blended import BlendedDataset
+from megapar.faults.processes import launcher_alive
+from megapar.faults.stop import (
+    NonFiniteError,
+    NonFiniteGuard,
+    RunStopped,
+    StopRequests,
+    params_finite,
+)
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.config import config_from_dict
+from megapar.pipeline.gather import gather_timeline
+from megapar.pipeline.timeline import bubble_stats
+from megapar.tensor_parallel.partition import local_size
 from megapar.training.config import TrainConfig
-from megapar.training.data import DataPlan, batches, build_datasets, make_sampler
-from megapar.training.data import planned_samples
-from megapar.training.engine import dp_mean as _dp_mean
-from megapar.faults.stop import NonFiniteError, NonFiniteGuard, RunStopped, StopRequests, \
-    params_finite
-from megapar.training.profiling import StepProfiler
-from megapar.training.logging import (
-    MetricsLogger, NullLogger, flops_per_token, format_line, peak_memory_mb,
+from megapar.training.data import (
+    DataPlan,
+    batches,
+    build_datasets,
+    make_sampler,
+    planned_samples,
 )
+from megapar.training.engine import Engine
+from megapar.training.engine import dp_mean as _dp_mean
+from megapar.training.logging import (
+    MetricsLogger,
+    NullLogger,
+    flops_per_token,
+    format_line,
+    peak_memory_mb,
+)
+from megapar.training.profiling import StepProfiler
 
 
 class TrainingError(RuntimeError):
@@ -38,7 +60,6 @@ def _num_params(model, mesh: Mesh) -> tuple[int, int]:
     """(parameters of the model, as transformers and megapar-convert --info count them;
     parameters allocated, the vocabulary padded for the tp split included), each counted once
     across tp and pp."""
-    import math
 
     own = [p for p in model.parameters() if not hasattr(p, "tied_to")]
     allocated = sum(p.numel() for p in own if p.tp_dim is not None or mesh.tp_rank == 0)
@@ -53,8 +74,6 @@ class Trainer:
     """Everything one rank needs for a run, built from a TrainConfig and a DataPlan."""
 
     def __init__(self, cfg: TrainConfig, plan: DataPlan):
-        from megapar.training.engine import Engine
-
         self.cfg = cfg
         self.config = config_from_dict(plan.model_config)
         self.engine = engine = Engine(cfg, self.config)
@@ -62,7 +81,6 @@ class Trainer:
         self.model, self.executor, self.precision = engine.model, engine.executor, engine.precision
         self.optimizer, self.scheduler = engine.optimizer, engine.scheduler
         self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
-        from megapar.checkpoint.convert import recorded_tokenizer
 
         # checkpoints record the data's tokenizer, so megapar-convert --to-hf exports it
         engine.tokenizer = recorded_tokenizer(IndexedDataset(plan.prefix,
@@ -72,7 +90,6 @@ class Trainer:
         if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see
             self.notes.append(self.train_ds.describe(planned_samples(self.sampler,
                                                                      cfg.max_steps)))
-        from megapar.checkpoint.publish import has_checkpoint
 
         resume = bool(cfg.load) and (cfg.load_strict or has_checkpoint(cfg.load))
         if cfg.load and not resume:
@@ -94,8 +111,6 @@ class Trainer:
 
     # -- start ------------------------------------------------------------------------------
     def _load_hf(self, path: str) -> None:
-        from megapar.checkpoint.hf import HFReader, load_hf_weights
-
         reader = HFReader(path)
         missing = load_hf_weights(self.model, reader)
         self.engine.source_dtype = reader.dtype  # exports write the model's own dtype back
@@ -125,8 +140,6 @@ class Trainer:
 
     # -- save / eval -------------------------------------------------------------------------
     def save(self) -> str:
-        from megapar.faults.processes import launcher_alive
-
         if not launcher_alive():
             raise RunStopped(f"the launcher is gone: step {self.step} not saved")
         if not params_finite(self.model):
@@ -157,8 +170,6 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
     def bubble(self) -> float:
         """Measured bubble fraction of the last step over all stages (collective over pp)."""
-        from megapar.pipeline.gather import gather_timeline
-        from megapar.pipeline.timeline import bubble_stats
 
         timeline = gather_timeline(self.executor.last_timeline, self.mesh)
         if timeline is None or not timeline.events:  # not pp rank 0, or tracing was off
@@ -168,7 +179,6 @@ class Trainer:
     def run(self) -> list[dict]:
         cfg, mesh = self.cfg, self.mesh
         logger = MetricsLogger(cfg, self.step, cfg.to_dict()) if mesh.rank == 0 else NullLogger()
-        from megapar.tensor_parallel.partition import local_size
 
         vocab = self.config.vocab_size
         padded = mesh.tp * local_size(vocab, mesh.tp, self.config.make_vocab_size_divisible_by)

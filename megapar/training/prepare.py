@@ -4,26 +4,27 @@ and wrapped in an `Engine` (see engine.py), for users who write their own traini
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
-from megapar.checkpoint.hf import ARCHITECTURES
+from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
+from megapar.device import DEFAULT_TIMEOUT_S
 from megapar.mesh import Mesh, same_on_all_ranks
+from megapar.models.config import ConfigError, config_from_hf
+from megapar.models.recipes import resolve_model
+from megapar.optim import LRScheduler
 from megapar.training.config import TrainConfig
 from megapar.training.engine import Engine
 
 
 def _resolve_model(model):
     """(megapar config, HF reader or None) for a transformers model / config or a recipe name."""
-    from megapar.models.config import ConfigError, config_from_hf
 
     if isinstance(model, str):
-        from megapar.models.recipes import resolve_model
 
         return resolve_model(model), None
     if hasattr(model, "state_dict") and hasattr(model, "config"):
-        from megapar.checkpoint.hf import HFReader
-
         name = type(model).__name__
         if name not in LM_CLASSES + BASE_CLASSES:
             raise ConfigError(f"megapar.prepare: a {name} has a head megapar does not train (it "
@@ -79,8 +80,6 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
     min_lr). Any other `TrainConfig` field (e.g. lr_scale_with_batch, global_batch_size) can be
     passed as a keyword.
     """
-    from megapar.device import DEFAULT_TIMEOUT_S
-    from megapar.optim import LRScheduler
 
     config, reader = _resolve_model(model)
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrainConfig)})
@@ -100,12 +99,10 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
     engine = Engine(cfg, config, scheduler=lr_schedule)
     if reader is not None:
         engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
-        from megapar.checkpoint.hf import load_hf_weights
 
         _check_same_weights(model, engine.mesh)
         missing = load_hf_weights(engine.model, reader)
         if missing and engine.mesh.rank == 0:
-            import warnings
 
             warnings.warn(f"megapar.prepare: the {type(model).__name__} has no {', '.join(missing)}"
                           f"; initialised from seed {seed} (pass the model with its head to keep "

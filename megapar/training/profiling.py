@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 
 def parse_steps(spec: str) -> tuple[int, int]:
@@ -35,7 +36,6 @@ class StepProfiler:
     def before_step(self, step: int) -> None:
         """Call with the 1-based number of the step about to run."""
         if self.steps and step == self.steps[0] and self.prof is None:
-            from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU]
             if self.device.type == "cuda":

@@ -30,6 +30,13 @@ from torch import nn
 from megapar.faults.status import set_action
 from megapar.mesh import Mesh, all_reduce
 from megapar.optim.clip import clip_grad_norm
+from megapar.pipeline.tied import (
+    shared_embedding_params,
+    sync_tied_embeddings,
+)
+from megapar.tensor_parallel.sequence_parallel import (
+    sync_sequence_parallel_grads,
+)
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,6 @@ class TrainStep:
                              "(pass grad_sync to TrainStep)")
         last, before = (), None
         if self.mesh.pp > 1:
-            from megapar.pipeline.tied import shared_embedding_params, sync_tied_embeddings
 
             last = shared_embedding_params(self.model)
             if last:
@@ -128,11 +134,9 @@ class TrainStep:
         parameters) and the tied embedding over the first and last stage (unless ZeRO-1's
         grad_sync.finish() did that already)."""
         if self.partial_over_tp:  # under SP, LayerNorm etc. saw only this rank's positions
-            from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
 
             sync_sequence_parallel_grads(self.model, self.mesh.tp_group)
         if self.mesh.pp > 1 and not self.sharded:  # sharded: done in grad_sync.finish()
-            from megapar.pipeline.tied import sync_tied_embeddings
 
             set_action("tied-embedding gradient all-reduce (first + last stage)")
             sync_tied_embeddings(self.model, self.mesh)

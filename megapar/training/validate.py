@@ -21,9 +21,18 @@ Unexpected errors in running workers are failures.py's.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import re
+
+from megapar.checkpoint.distributed import NON_STRUCTURAL
+from megapar.checkpoint.format import MANIFEST, CheckpointError, probe_writable
+from megapar.checkpoint.manifest import verify
+from megapar.data.blended import data_paths
+from megapar.data.inputs import is_raw_text
+from megapar.models.config import config_from_dict
+from megapar.training.config import _choices
 
 
 class UsageError(ValueError):
@@ -89,7 +98,6 @@ def check_settings(cfg) -> None:
                 hint = f", or {off[0][0]} for {off[0][1]}" + (" (the default)" if
                                                               default == off[0][0] else hint)
             raise UsageError(f"{_flag(name)} {value} is invalid: it must be {what} {bound}{hint}")
-    from megapar.training.config import _choices
 
     for name, allowed in _choices().items():
         if getattr(cfg, name) not in allowed:
@@ -204,7 +212,6 @@ _STEP_DIR = re.compile(r"step_\d+")
 def check_load_path(cfg) -> None:
     """A --load that cannot be what the user meant: a file, or a step directory that is not
     there. Only a missing directory, or one without a checkpoint, starts fresh (a requeue)."""
-    from megapar.checkpoint.format import MANIFEST
 
     path = os.path.expanduser(cfg.load)
     if os.path.isfile(path):
@@ -239,8 +246,6 @@ def check_load_path(cfg) -> None:
 
 def checkpoint_manifest(path: str) -> dict:
     """The manifest of a --load checkpoint after checking every file it lists (size, sha256)."""
-    from megapar.checkpoint.format import CheckpointError
-    from megapar.checkpoint.manifest import verify
 
     if not os.path.exists(os.path.expanduser(path)):
         raise UsageError(f"--load {path}: no such checkpoint directory; pass a directory written by --save "
@@ -284,10 +289,8 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
     cfg.explicit = frozenset(given)
     return [f"from the checkpoint (not given): {', '.join(taken)}"] if taken else []
 
-
 def _data_exists(data) -> bool:
     """Whether every path of a saved --data (one path, or a blend's WEIGHT PATH list) exists."""
-    from megapar.data.blended import data_paths
 
     try:
         paths = data_paths(data)
@@ -315,11 +318,9 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
 def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: str = ""):
     """The model config of a --load run: the checkpoint's. A --model / --from-hf given too
     must describe the same model (vocabulary aside for a recipe, which takes the tokenizer's)."""
-    from megapar.models.config import config_from_dict
 
     config = config_from_dict(manifest["model"])
     if given_config is not None:
-        from megapar.checkpoint.distributed import NON_STRUCTURAL
 
         ours, theirs = given_config.to_dict(), config.to_dict()
         named = f"--model {cfg.model}" if given_from == "recipe" else given_from or "given"
@@ -347,9 +348,7 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
 
     Creates the directory (as the run would) and writes and removes a probe file there, so a
     read-only mount, an immutable directory or a path under /proc is found before any work."""
-    import errno
 
-    from megapar.checkpoint.format import probe_writable
 
     target = os.path.expanduser(path)
     directory = target if kind == "dir" else (os.path.dirname(os.path.abspath(target)) or ".")
@@ -380,8 +379,6 @@ def check_outputs(cfg) -> None:
         check_writable(cfg.tensorboard, "--tensorboard")
     if cfg.profile_steps:  # without --profile-steps nothing is written there
         check_writable(cfg.profile_dir, "--profile-dir")
-    from megapar.data.blended import data_paths
-    from megapar.data.inputs import is_raw_text
 
     if any(p is None or is_raw_text(os.path.expanduser(p)) for p in data_paths(cfg.data)):
         check_writable(cfg.data_cache, "--data-cache")  # raw text is tokenized into it

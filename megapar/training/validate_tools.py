@@ -10,14 +10,25 @@ from __future__ import annotations
 
 import math
 
-from megapar.training.validate import UsageError, _flag, checkpoint_manifest
+import numpy as np
+
+from megapar.data import IndexedDataset
+from megapar.launcher import check_local_workers
+from megapar.mesh import Layout, LayoutError
+from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
+from megapar.training.bubble import bench_config
+from megapar.training.data import missing_files
+from megapar.training.validate import (
+    UsageError,
+    _flag,
+    check_cp_seq_len,
+    checkpoint_manifest,
+)
 
 
 # --- megapar-eval ----------------------------------------------------------------------------
 def check_eval_args(args) -> dict:
     """Check megapar-eval's arguments and checkpoint; returns the checkpoint's manifest."""
-    from megapar.mesh import Layout, LayoutError
-    from megapar.models.config import ConfigError, config_from_dict
 
     for name in ("tp", "pp", "micro_batch_size", "max_batches", "seq_len"):
         value = getattr(args, name)
@@ -34,9 +45,6 @@ def check_eval_args(args) -> dict:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
                          f"lower --seq-len")
     if args.data:
-        from megapar.data import IndexedDataset
-        from megapar.models.config import CAUSAL_LM_TYPES
-        from megapar.training.data import missing_files
 
         missing = [f[len(args.data):] for f in missing_files(args.data)]
         if missing:
@@ -54,8 +62,6 @@ def check_eval_args(args) -> dict:
 
 
 def _check_ids_file(path: str, positions: int) -> None:
-    import numpy as np
-
     try:
         ids = np.load(path, allow_pickle=False, mmap_mode="r")
     except FileNotFoundError:
@@ -82,8 +88,6 @@ MAX_SIMULATED_STAGES = 256
 
 
 def check_bubble_args(args) -> None:
-    from megapar.launcher import check_local_workers
-
     for name in ("pp", "microbatches", "tp", "cp", "steps", "micro_batch_size", "seq_len"):
         value = getattr(args, name)
         if value < 1:
@@ -111,16 +115,12 @@ def check_bubble_args(args) -> None:
         check_local_workers(args.pp * args.tp, f"--pp {args.pp} x --tp {args.tp}")
     if args.simulate and args.fwd_ms is not None:
         return  # no model is built
-    from megapar.mesh import Layout, LayoutError
-    from megapar.models.config import ConfigError
-    from megapar.training.bubble import bench_config
 
     try:
         config = bench_config(args.model, args.pp)
         config.validate(Layout(args.tp, args.pp, 1, cp=args.cp))
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
-    from megapar.training.validate import check_cp_seq_len
 
     check_cp_seq_len(args.seq_len, Layout(args.tp, args.pp, 1, cp=args.cp))
     positions = config.max_positions
