@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chunks per rank tried for the interleaved schedule")
     p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=list(RECOMPUTE))
     p.add_argument("--today", action="store_true",
-                   help="only layouts megapar-train can run now (no schedule / SP it lacks)")
+                   help="only layouts megapar-train runs as planned now (fp32 master weights; "
+                        "no schedule or feature it lacks)")
     p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     p.add_argument("--explain", metavar="LAYOUT",
                    help="check and break down one layout, e.g. tp=2,pp=4,mbs=2,schedule=1f1b,"
