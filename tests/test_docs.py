@@ -84,7 +84,7 @@ def test_runnable_block_runs_as_written(lang, text, tmp_path):
     script.write_text(text)
     work = tmp_path / "work"
     work.mkdir()
-    env = {**os.environ, "MEGAPAR_CPU": "1", "NO_MKDOCS_2_WARNING": "1"}
+    env = {**os.environ, "MEGAPAR_CPU": "1"}
     done = subprocess.run([*RUNNERS[lang], str(script)], cwd=work, env=env,
                           capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, (f"exit code {done.returncode}\n--- stdout\n{done.stdout[-3000:]}"
