@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context-parallel sizes tried (default: 1, and 2 4 8 too when --seq-len "
                         "is 8192 or more)")
     p.add_argument("--today", action="store_true",
-                   help="only layouts megapar-train can run now (no schedule / SP it lacks)")
+                   help="only layouts megapar-train runs as planned now (fp32 master weights; "
+                        "no schedule or feature it lacks)")
     p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     p.add_argument("--explain", metavar="LAYOUT",
                    help="check and break down one layout, e.g. tp=2,pp=4,mbs=2,schedule=1f1b,"

@@ -56,6 +56,7 @@ class Engine:
         self.cfg, self.config = cfg, model_config
         self.mesh = mesh = mesh or Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
                                                  order=cfg.rank_order, cp=cfg.cp)
+        """This rank's `Mesh`: its layout, its tp / cp / pp / dp coordinates and process groups."""
         mesh.sequence_parallel = cfg.sequence_parallel and mesh.tp > 1
         self.model = build_stage(model_config, mesh, cfg.seed, cfg.recompute,
                                  virtual_stages=cfg.virtual_stages)
@@ -66,6 +67,8 @@ class Engine:
         self.optimizer = build_optimizer(self.model, mesh, lr, cfg.weight_decay,
                                          betas=(cfg.adam_beta1, cfg.adam_beta2),
                                          eps=cfg.adam_eps, zero=cfg.zero, kind=cfg.optimizer)
+        """A `torch.optim.Optimizer` over this rank's parameters (under ZeRO-1, its slices of
+        the optimizer state): torch's LR schedulers can drive it."""
         if scheduler == "from_cfg":
             min_lr = cfg.min_lr if lr == cfg.lr else cfg.min_lr * lr / cfg.lr
             scheduler = LRScheduler(lr, min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)

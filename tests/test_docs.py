@@ -1,0 +1,156 @@
+"""The README and the documentation site say what the code does.
+
+- docs/reference/cli.md is what tools/gen_cli_docs.py writes from the commands' parsers (a flag
+  added without regenerating the page fails here);
+- `mkdocs build --strict` passes: no broken link or anchor, no page left out of the nav;
+- the README's two set-up commands are the ones .ci/run runs;
+- every code block marked runnable (an HTML comment line `<!-- runnable -->` right before its
+  fence) in README.md and docs/ runs as written in a fresh empty directory and exits 0: bash
+  blocks with `bash -e -o pipefail`, python blocks with `python3`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MARK = "<!-- runnable -->"
+FENCE = re.compile(r"^```(\w*)\s*$")
+RUNNERS = {"bash": ["bash", "-e", "-o", "pipefail"], "sh": ["bash", "-e", "-o", "pipefail"],
+           "python": [sys.executable]}
+
+
+def doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def code_blocks(path: Path) -> list[tuple[int, str, str, bool]]:
+    """(line, language, text, marked runnable) of every fenced block with a language in `path`.
+    A runnable mark that is not right before such a block is an error."""
+    lines = path.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        marked = lines[i].strip() == MARK
+        if marked:
+            fence = FENCE.match(lines[i + 1]) if i + 1 < len(lines) else None
+            assert fence and fence.group(1), (f"{path.relative_to(ROOT)}:{i + 1}: {MARK} is "
+                                              f"not right before a fenced code block")
+            i += 1
+        fence = FENCE.match(lines[i])
+        if fence and fence.group(1):
+            start, body = i + 1, []
+            i += 1
+            while i < len(lines) and lines[i].strip() != "```":
+                body.append(lines[i])
+                i += 1
+            blocks.append((start, fence.group(1), "\n".join(body) + "\n", marked))
+        i += 1
+    return blocks
+
+
+def runnable_blocks() -> list:
+    out = []
+    for path in doc_files():
+        for line, lang, text, marked in code_blocks(path):
+            if marked:
+                name = f"{path.relative_to(ROOT)}:{line}"
+                assert lang in RUNNERS, f"{name}: a runnable block must be bash or python, " \
+                                        f"not {lang!r}"
+                out.append(pytest.param(lang, text, id=name))
+    return out
+
+
+RUNNABLE = runnable_blocks()
+
+
+def test_every_use_in_the_readme_has_a_runnable_recipe():
+    readme = [p for p in RUNNABLE if p.id.startswith("README.md:")]
+    assert len(readme) >= 6, [p.id for p in readme]
+    assert {p.values[0] for p in readme} == {"bash", "python"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lang, text", RUNNABLE)
+def test_runnable_block_runs_as_written(lang, text, tmp_path):
+    script = tmp_path / ("block.py" if lang == "python" else "block.sh")
+    script.write_text(text)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "MEGAPAR_CPU": "1"}
+    done = subprocess.run([*RUNNERS[lang], str(script)], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, (f"exit code {done.returncode}\n--- stdout\n{done.stdout[-3000:]}"
+                                  f"\n--- stderr\n{done.stderr[-3000:]}")
+
+
+def _gen_cli_docs():
+    spec = importlib.util.spec_from_file_location("gen_cli_docs", ROOT / "tools" / "gen_cli_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_reference_page_equals_the_parsers():
+    gen = _gen_cli_docs()
+    assert gen.PAGE.read_text() == gen.render(), (
+        "docs/reference/cli.md differs from the commands' parsers: run "
+        "`python tools/gen_cli_docs.py` and commit the page")
+
+
+def test_cli_reference_covers_every_command_and_flag():
+    gen = _gen_cli_docs()
+    page = gen.PAGE.read_text()
+    for name, module in gen.commands().items():
+        assert f"## {name}\n" in page
+        for action in gen.parser_of(module)._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            for option in action.option_strings:
+                assert f"`{option}`" in page, f"{name} {option} is not on the page"
+
+
+def test_the_setup_commands_are_the_ones_ci_runs():
+    """The README's test command is .ci/run's pip and pytest lines (CI adds --quiet)."""
+    readme = (ROOT / "README.md").read_text()
+    run = [line.replace(" --quiet", "") for line in (ROOT / ".ci" / "run").read_text().splitlines()
+           if line.startswith("python3 -m p")]
+    assert " && ".join(run) in readme.splitlines()
+    main = run[0] + " && " + run[1].replace('".[dev]"', ".") + " && megapar-train"
+    assert main in readme.splitlines()
+
+
+@pytest.mark.slow
+def test_mkdocs_build_strict_passes(tmp_path):
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                           str(tmp_path / "site")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert (tmp_path / "site" / "reference" / "cli" / "index.html").exists()
+
+
+def test_the_readmes_links_reach_files_and_headings():
+    """README.md is outside the site: its links into docs/ are checked here (file and anchor)."""
+    from markdown.extensions.toc import slugify
+
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert any(link.startswith("docs/") for link in links)
+    for link in links:
+        if "://" in link:
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path if path else ROOT / "README.md"
+        assert target.is_file(), f"README.md links to {link}: no such file"
+        if anchor:
+            headings = [slugify(h, "-") for h in
+                        re.findall(r"^#+\s+(.*?)\s*$", target.read_text(), re.M)]
+            assert anchor in headings, f"README.md links to {link}: no such heading"
