@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tp_utils import assert_close, refusal
 
 import megapar
 from megapar.cli.train import main as train_main
 from megapar.data import asset_path, ensure_dataset
-from tp_utils import assert_close, refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "own_loop_gpt2.py"

@@ -4,18 +4,24 @@ import json
 
 import pytest
 import torch
+from test_checkpoint_helpers import (
+    KEYS,
+    assert_same,
+    canonical_state,
+    file_tensors,
+    moment,
+    save_serial,
+    tiny_config,
+)
 
 from megapar.checkpoint.convert import checkpoint_info, convert_checkpoint
 from megapar.checkpoint.format import LATEST, RNG_FILE
+from megapar.checkpoint.hf import gather_canonical
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
-from megapar.checkpoint.hf import gather_canonical
 from megapar.cli.convert import main
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline.partition import build_stage
-from test_checkpoint_helpers import (
-    KEYS, assert_same, canonical_state, file_tensors, moment, save_serial, tiny_config,
-)
 
 
 @pytest.mark.parametrize("kind, hops", [("gpt2", [(2, 2), (4, 1), (1, 4), (1, 1)]),

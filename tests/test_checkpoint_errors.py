@@ -3,6 +3,7 @@
 import os
 
 import pytest
+from test_checkpoint_helpers import save_serial, tiny_config
 
 from megapar.checkpoint import convert as cv
 from megapar.checkpoint.distributed import load_checkpoint
@@ -12,7 +13,6 @@ from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.convert import main
 from megapar.mesh import Layout, LayoutError, Mesh
 from megapar.pipeline.partition import build_stage
-from test_checkpoint_helpers import save_serial, tiny_config
 
 SHARD = "model_tp01_pp00.safetensors"
 
@@ -205,10 +205,10 @@ def _one_line(capsys) -> str:
 def test_a_forged_shard_behind_a_reforged_manifest_is_one_line(src, tmp_path, capsys):
     """A file that is not safetensors, whose size and sha256 were written into the manifest
     (and the manifest's own digest redone): every reader says so in one line, rc 2."""
+    import json
+
     from megapar.checkpoint.format import MANIFEST, file_record
     from megapar.checkpoint.manifest import write_manifest
-
-    import json
 
     (src / SHARD).write_bytes(b"this is not a safetensors file" * 100)
     manifest = json.loads((src / MANIFEST).read_text())

@@ -12,13 +12,18 @@ import torch
 from safetensors import safe_open
 
 from megapar.checkpoint.distributed import save_checkpoint
-from megapar.checkpoint.format import CheckpointError, ShardReader, ShardWriter, write_tensors
+from megapar.checkpoint.format import (
+    CheckpointError,
+    ShardReader,
+    ShardWriter,
+    write_tensors,
+)
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.mesh import Layout, Mesh
 from megapar.models import BertConfig, GPT2Config, LlamaConfig
-from megapar.tensor_parallel.partition import shard_of
 from megapar.pipeline.partition import build_stage
+from megapar.tensor_parallel.partition import shard_of
 
 GPT2_TINY = dict(vocab_size=101, n_positions=32, n_embd=32, n_layer=4, n_head=4)
 BERT_TINY = dict(vocab_size=103, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,

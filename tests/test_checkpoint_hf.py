@@ -3,15 +3,15 @@
 import pytest
 import torch
 import transformers
+from test_checkpoint_helpers import assert_same, canonical_state
 
 from megapar.checkpoint.distributed import load_checkpoint
-from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.hf import gather_canonical
+from megapar.checkpoint.manifest import read_manifest
 from megapar.cli.convert import main
 from megapar.mesh import Layout, Mesh
 from megapar.models import config_from_hf
 from megapar.pipeline.partition import build_stage
-from test_checkpoint_helpers import assert_same, canonical_state
 
 GPT2_HF = dict(vocab_size=101, n_positions=32, n_embd=32, n_layer=2, n_head=4)
 BERT_HF = dict(vocab_size=103, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

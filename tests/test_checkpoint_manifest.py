@@ -4,16 +4,15 @@ import json
 import os
 
 import pytest
+from test_checkpoint_helpers import save_serial, tiny_config
 
 from megapar.checkpoint import convert as cv
 from megapar.checkpoint.distributed import load_checkpoint
 from megapar.checkpoint.format import CheckpointError
-from megapar.checkpoint.manifest import read_manifest
-from megapar.checkpoint.manifest import DIGEST
+from megapar.checkpoint.manifest import DIGEST, read_manifest
 from megapar.cli.convert import main
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline.partition import build_stage
-from test_checkpoint_helpers import save_serial, tiny_config
 
 
 @pytest.fixture

@@ -7,15 +7,15 @@ import os
 
 import pytest
 import torch
+from test_checkpoint_helpers import save_serial, tiny_config
 
 from megapar.checkpoint import publish
 from megapar.checkpoint.distributed import load_checkpoint
 from megapar.checkpoint.format import CheckpointError
-from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.checkpoint.manifest import verify
+from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline.partition import build_stage
-from test_checkpoint_helpers import save_serial, tiny_config
 
 POINTS = ["start", "after-aside", "after-rename", "after-latest-tmp", "after-latest"]
 

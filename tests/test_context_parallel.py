@@ -12,10 +12,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megapar.context_parallel import Ring, Spec, attention, chunk_ids, positions, split, unsplit
+from megapar.context_parallel import (
+    Ring,
+    Spec,
+    attention,
+    chunk_ids,
+    positions,
+    split,
+    unsplit,
+)
 from megapar.context_parallel.attention import plan
 from megapar.launcher import run_local
-from megapar.pipeline import nccl_rules
+from megapar.pipeline import simulate as nccl_rules
 
 
 def test_split_positions_and_unsplit():

@@ -12,10 +12,15 @@ import json
 import pytest
 import torch
 import transformers  # noqa: F401  imported once, before the ranks fork
+from test_api import (  # its GPT-2 (16 positions), 8 x 8 batches
+    VOCAB,
+    G,
+    _batches,
+    _hf_model,
+)
+from tp_utils import assert_close, refusal
 
 import megapar
-from test_api import G, VOCAB, _batches, _hf_model  # its GPT-2 (16 positions), 8 x 8 batches
-from tp_utils import assert_close, refusal
 
 
 def _run(ckpt, stop_at, load, tp, cp, zero):

@@ -9,14 +9,14 @@ test_parity_3d.py). A bf16 run at cp 2 is compared with bf16 at cp 1.
 
 import pytest
 import torch
+from tp_utils import assert_close, rel_err
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.models import BertConfig, GPT2Config, LlamaConfig
-from megapar.tensor_parallel.partition import gather_full, unpad
 from megapar.pipeline.partition import build_stage
+from megapar.tensor_parallel.partition import gather_full, unpad
 from megapar.training.step import BatchPlan
-from tp_utils import assert_close, rel_err
 
 SEED, G, MBS, SEQ, VOCAB, H = 3, 4, 2, 16, 64, 32
 CONFIGS = {

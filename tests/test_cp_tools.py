@@ -6,6 +6,7 @@ import json
 
 import torch
 import torch.distributed as dist
+from tp_utils import saved_bytes
 
 from megapar.cli.plan import main as plan_main
 from megapar.launcher import run_local
@@ -14,7 +15,6 @@ from megapar.models import GPT2Config, build_model
 from megapar.plan import Candidate, Problem, check, parse_candidate, stage_memory
 from megapar.plan import memory as mem
 from megapar.plan.estimate import cp_traffic
-from tp_utils import saved_bytes
 
 S, B, H, HEADS = 32, 3, 32, 4
 
@@ -51,6 +51,7 @@ def test_cp_traffic_is_what_cp_attention_sends():
     step (tests/test_comm_counts.py's cp step at tp 1, cp 2): ring sends for GPT-2 and BERT,
     all-gathers and a reduce-scatter for grouped-query Llama."""
     import test_comm_counts as counts
+
     from megapar.comm_count import summary
 
     runs = [(kind, "none") for kind in ("gpt2", "bert", "llama")]

@@ -184,8 +184,9 @@ def test_tp_collectives_are_megatrons_minimum_on_nccl(kind):
 
 
 def _syncs_in_a_step(kind):
-    import megapar
     from test_host_syncs import batch, config
+
+    import megapar
 
     engine = megapar.prepare(config(kind), tp=1, pp=2, micro_batch_size=1)
     run = engine.executor.run

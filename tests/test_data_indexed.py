@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from megapar.cli.data import main as data_main
 import megapar.data.preprocess as pp
+from megapar.cli.data import main as data_main
 from megapar.data.indexed import IDX_MAGIC, IndexedDataset, IndexedDatasetBuilder
 from megapar.data.preprocess import ensure_dataset, preprocess_files
 from megapar.data.tokenizers import asset_path, load_tokenizer

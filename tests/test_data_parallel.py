@@ -4,12 +4,12 @@
 import torch
 import torch.distributed as dist
 from torch import nn
+from tp_utils import assert_close, make_mesh
 
 from megapar.data_parallel import GradBuckets, make_buckets
 from megapar.launcher import run_local
 from megapar.models import GPT2Config
 from megapar.pipeline.partition import build_stage
-from tp_utils import assert_close, make_mesh
 
 M, MBS, SEQ, VOCAB = 3, 2, 8, 100
 CONFIG = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4,

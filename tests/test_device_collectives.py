@@ -15,12 +15,11 @@ import contextlib
 import sys
 
 import torch
+from test_comm_counts import make_step, micro_batches
 
 from megapar.comm_count import count_collectives
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
-from test_comm_counts import make_step, micro_batches
-
 
 FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint")
 
@@ -52,7 +51,7 @@ def _worker(root):
 
     from megapar.checkpoint.distributed import save_checkpoint
     from megapar.data_parallel import GradBuckets
-    from megapar.pipeline.gather import gather_timeline
+    from megapar.pipeline.trace import gather_timeline
     from megapar.training.bubble import gather_stage_info
 
     mesh = Mesh(Layout(2, 2, 2), dist.get_rank())

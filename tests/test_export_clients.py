@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import SHARED_DATA
 
 from megapar.cli.convert import main as convert
 from megapar.cli.data import main as data_main
 from megapar.cli.train import main as train
 from megapar.data import asset_path, load_tokenizer
-from conftest import SHARED_DATA
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -49,7 +49,14 @@ def _shared(*parts) -> str:
 def _llama3_style(root: Path) -> str:
     """A transformers tokenizer directory like Llama 3's: byte-level BPE, <|begin_of_text|>
     added in front of every text by its post-processor, <|end_of_text|> its eos."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from megapar.cli.train import main
 from megapar.data import asset_path
-from megapar.launcher import WorkerError, run_local
 from megapar.faults.stop import NonFiniteError, NonFiniteGuard
+from megapar.launcher import WorkerError, run_local
 
 TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--warmup-steps", "1",

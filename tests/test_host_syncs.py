@@ -11,10 +11,10 @@ The same holds at cp 2 x pp 2, where every attention layer exchanges keys and va
 
 import pytest
 import torch
+from sync_count import count_syncs
 
 import megapar
 from megapar.launcher import run_local
-from sync_count import count_syncs
 
 PER_MICRO_BATCH = ("models/", "tensor_parallel/", "pipeline/", "data_parallel/",
                    "context_parallel/")

@@ -2,11 +2,12 @@
 at step 3 continues with the same losses under 1F1B at pp=4 (resharded on load) and, converted
 offline by megapar-convert to tp=2 x pp=2, under ZB-H1."""
 
+from test_layout_change import _assert_continues, _train_and_checkpoint, common  # noqa: F401
+
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.convert import main as convert
 from megapar.cli.train import main as train
-from test_layout_change import _assert_continues, _train_and_checkpoint, common  # noqa: F401
 
 INTERLEAVED = ["--tp", "1", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2"]
 

@@ -9,17 +9,17 @@
 
 import pytest
 import torch
+from test_checkpoint_helpers import KEYS, moment, optim_for
+from tp_utils import assert_close, make_mesh
 
 from megapar.checkpoint.distributed import load_checkpoint, save_checkpoint
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.models import LlamaConfig
 from megapar.optim import LRScheduler
-from megapar.tensor_parallel.partition import gather_full, unpad
 from megapar.pipeline.partition import build_stage
+from megapar.tensor_parallel.partition import gather_full, unpad
 from megapar.training.step import BatchPlan
-from test_checkpoint_helpers import KEYS, moment, optim_for
-from tp_utils import assert_close, make_mesh
 
 SEED, STEPS, G, MBS, SEQ, VOCAB = 11, 4, 8, 2, 8, 100
 LR, WD, MAX_NORM, EPS = 3e-3, 0.1, 0.3, 1e-4  # eps 1e-4: see test_parity_3d.py
@@ -180,9 +180,9 @@ def test_checkpoint_from_before_a_config_field_existed_still_loads(tmp_path):
     field's default; a real difference is still refused."""
     import json
 
-    from megapar.checkpoint.format import CheckpointError, MANIFEST
-    from megapar.checkpoint.publish import resolve_checkpoint
+    from megapar.checkpoint.format import MANIFEST, CheckpointError
     from megapar.checkpoint.manifest import DIGEST
+    from megapar.checkpoint.publish import resolve_checkpoint
 
     path = resolve_checkpoint(_save(str(tmp_path / "ckpt"), 1))
     (path / DIGEST).unlink()  # an old checkpoint (and this edited manifest) has no digest

@@ -3,12 +3,12 @@
 import pytest
 import torch
 import transformers
+from tp_utils import assert_close, make_mesh
 
 from megapar.checkpoint.hf import HFReader, gather_canonical, load_hf_weights, save_hf
 from megapar.launcher import run_local
-from megapar.models import Bert, GPT2
+from megapar.models import GPT2, Bert
 from megapar.tensor_parallel.partition import gather_full
-from tp_utils import assert_close, make_mesh
 
 GPT2_TINY = dict(vocab_size=101, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

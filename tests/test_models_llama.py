@@ -10,17 +10,22 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
+from tp_utils import assert_close, make_mesh
 
-from megapar.checkpoint.hf import HFReader, _llama_canonical, gather_canonical, load_hf_weights, \
-    save_hf
+from megapar.checkpoint.hf import (
+    HFReader,
+    _llama_canonical,
+    gather_canonical,
+    load_hf_weights,
+    save_hf,
+)
 from megapar.launcher import run_local
 from megapar.models import Llama, LlamaConfig
 from megapar.pipeline.executor import PipelineExecutor
-from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
 from megapar.pipeline.partition import stage_spec
 from megapar.pipeline.tied import sync_tied_embeddings
 from megapar.tensor_parallel.partition import gather_full
-from tp_utils import assert_close, make_mesh
+from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
 
 VOCAB, SEQ, B = 101, 16, 4
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -2,7 +2,7 @@
 
 NCCL pairs a rank pair's messages in issue order (tags ignored), runs a rank's operations in
 order on one stream, and finishes a large send only while its receive runs
-(`megapar.pipeline.nccl_rules` models exactly that). The old issue order, every message on its
+(`megapar.pipeline.simulate` models exactly that). The old issue order, every message on its
 own where the schedule lists it, deadlocks 1F1B, ZB-H1 and interleaved 1F1B under these rules;
 the grouped programs never do, as schedule data and as the operations real steps issue.
 """
@@ -10,15 +10,20 @@ the grouped programs never do, as schedule data and as the operations real steps
 import pytest
 import torch
 from torch import nn
+from tp_utils import make_mesh
 
 from megapar.launcher import run_local
-from megapar.pipeline import messages, nccl_rules
+from megapar.pipeline import messages
+from megapar.pipeline import simulate as nccl_rules
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.schedules import (
-    Action, MessageGroup, format_schedule, schedule_actions, virtual_stage,
+    Action,
+    MessageGroup,
+    format_schedule,
+    schedule_actions,
+    virtual_stage,
 )
 from megapar.pipeline.simulate import CommMismatchError, DeadlockError
-from tp_utils import make_mesh
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 3)]
 

@@ -462,7 +462,10 @@ def test_the_unsupported_transformers_settings_table_matches_transformers(kind, 
     import transformers
 
     from megapar.models.config import (
-        HF_SUPPORTED_DEFAULTS, ConfigError, config_from_dict, config_from_file,
+        HF_SUPPORTED_DEFAULTS,
+        ConfigError,
+        config_from_dict,
+        config_from_file,
     )
 
     hf = getattr(transformers, {"gpt2": "GPT2Config", "bert": "BertConfig"}[kind])()

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from tp_utils import assert_close, make_mesh
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -13,7 +14,6 @@ from megapar.models import GPT2Config
 from megapar.optim import LRScheduler, build_optimizer, clip_grad_norm
 from megapar.pipeline.partition import build_stage
 from megapar.training.step import BatchPlan
-from tp_utils import assert_close, make_mesh
 
 CONFIG = GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=4,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
+from test_checkpoint_helpers import save_serial
 
 from megapar.cli import eval as eval_cli
 from megapar.cli.data import main as data_main
 from megapar.cli.train import main as train_main
 from megapar.data import IndexedDataset, asset_path
-from test_checkpoint_helpers import save_serial
 
 ARGS = ["--model", "gpt2-tiny", "--seq-len", "32", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--eval-interval", "0", "--no-progress", "--max-steps", "2",

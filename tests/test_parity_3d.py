@@ -10,15 +10,15 @@ final weights (fp32, relative error < 1e-5), with clipping active on every step.
 
 import pytest
 import torch
+from tp_utils import assert_close
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.models import GPT2Config
 from megapar.optim import LRScheduler
-from megapar.tensor_parallel.partition import unpad
 from megapar.pipeline.partition import build_stage
+from megapar.tensor_parallel.partition import unpad
 from megapar.training.step import BatchPlan
-from tp_utils import assert_close
 
 SEED, STEPS, G, MBS, SEQ, VOCAB = 11, 5, 8, 2, 8, 100
 # Adam's eps is 1e-4, not the usual 1e-8, and that is a property of the problem, not a looser

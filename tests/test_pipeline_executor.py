@@ -10,14 +10,14 @@ import time
 import pytest
 import torch
 from torch import nn
+from tp_utils import assert_close, make_mesh
 
 from megapar.launcher import WorkerError, run_local
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline.executor import PipelineExecutor
-from megapar.pipeline.gather import gather_timeline
 from megapar.pipeline.p2p import P2PTimeoutError
 from megapar.pipeline.schedules import Action, get_schedule
-from tp_utils import assert_close, make_mesh
+from megapar.pipeline.trace import gather_timeline
 
 B, S, H = 2, 4, 8
 SHAPE = (B, S, H)

@@ -10,15 +10,15 @@ One `run_local` per (tp, pp) layout; the workers loop over models, schedules and
 
 import pytest
 import torch
+from tp_utils import assert_close, make_mesh, rel_err
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.models import BertConfig, GPT2Config
 from megapar.pipeline.executor import PipelineExecutor
+from megapar.pipeline.partition import build_stage
 from megapar.pipeline.tied import shared_embedding_params, sync_tied_embeddings
 from megapar.tensor_parallel.partition import gather_full
-from megapar.pipeline.partition import build_stage
-from tp_utils import assert_close, make_mesh, rel_err
 
 SEED, MB, SEQ, HIDDEN = 1234, 2, 8, 32
 SCHEDULES, MS = ("gpipe", "1f1b"), (1, 3, 8)

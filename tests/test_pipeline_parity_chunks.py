@@ -7,17 +7,24 @@ backward: the linear layers' weight products deferred to W, counted) give the lo
 """
 
 import pytest
+from test_pipeline_parity import (
+    CONFIGS,
+    HIDDEN,
+    MB,
+    SEED,
+    SEQ,
+    check_against,
+    full_grad,
+    micro_batches,
+)
+from tp_utils import make_mesh
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.models import BertConfig, GPT2Config
 from megapar.pipeline.executor import PipelineExecutor
-from megapar.pipeline.tied import sync_tied_embeddings
 from megapar.pipeline.partition import build_stage
-from test_pipeline_parity import (
-    CONFIGS, HIDDEN, MB, SEED, SEQ, check_against, full_grad, micro_batches,
-)
-from tp_utils import make_mesh
+from megapar.pipeline.tied import sync_tied_embeddings
 
 LAYERS, V, MS = 8, 2, (4, 8)
 RUNS = (("interleaved", V), ("zb-h1", 1))

@@ -7,7 +7,9 @@ import shlex
 
 import pytest
 import torch
+from tp_utils import saved_bytes
 
+from megapar.cli.plan import main as plan_main
 from megapar.mesh import Layout, Mesh
 from megapar.models import GPT2Config, build_model
 from megapar.models.recipes import resolve_model
@@ -15,12 +17,17 @@ from megapar.pipeline.partition import partition_layers
 from megapar.pipeline.schedules import SCHEDULES, get_schedule, in_flight_peak
 from megapar.pipeline.simulate import Costs, simulate_schedule
 from megapar.pipeline.timeline import bubble_stats
-from megapar.plan import Candidate, Problem, check, estimate, parse_candidate, stage_memory
+from megapar.plan import (
+    Candidate,
+    Problem,
+    check,
+    estimate,
+    parse_candidate,
+    pipeline,
+    stage_memory,
+)
 from megapar.plan import memory as mem
-from megapar.plan import pipeline
-from megapar.cli.plan import main as plan_main
 from megapar.plan.params import model_params, stage_params
-from tp_utils import saved_bytes
 
 GPT3 = GPT2Config(vocab_size=51200, n_positions=2048, n_embd=12288, n_layer=96, n_head=96)
 
@@ -51,8 +58,8 @@ def test_stage_params_equal_whole_stages_built_on_meta(recipe, tp, pp):
                                             ("llama-tiny", 4, 2, 2), ("gpt2-tiny", 1, 2, 2),
                                             ("llama-tiny", 2, 1, 1)])
 def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp, v):
-    from megapar.plan.params import stage_tensors
     from megapar.pipeline.partition import build_stage
+    from megapar.plan.params import stage_tensors
 
     config = resolve_model(recipe)
     layout = Layout(tp, pp, 1)

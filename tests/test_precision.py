@@ -78,12 +78,22 @@ class InjectInf:
 
 
 def _run(mode: str, inject: bool, zero: int = 0) -> dict:
+    from test_parity_3d import (
+        CONFIG,
+        MBS,
+        SEED,
+        SEQ,
+        G,
+        config,
+        global_batches,
+        scheduler,
+    )
+
     from megapar.mesh import Layout, Mesh
     from megapar.optim import build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.pipeline.partition import build_stage
     from megapar.training.step import BatchPlan, TrainStep
-    from test_parity_3d import CONFIG, G, MBS, SEED, SEQ, config, global_batches, scheduler
 
     mesh = Mesh(Layout(2, 2, 2), dist.get_rank())
     model = build_stage(config(), mesh, SEED)

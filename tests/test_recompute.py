@@ -11,13 +11,13 @@ state left behind by a step is checked too.
 
 import pytest
 import torch
+from test_pipeline_parity import CONFIGS, HIDDEN, MB, SEED, SEQ, micro_batches
+from tp_utils import assert_close, make_mesh, rel_err
 
 from megapar.launcher import run_local
 from megapar.models import BertConfig, GPT2Config
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
-from test_pipeline_parity import CONFIGS, HIDDEN, MB, SEQ, SEED, micro_batches
-from tp_utils import assert_close, make_mesh, rel_err
 
 MODES = ("none", "selective", "full")
 STEPS, M = 2, 3

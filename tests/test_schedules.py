@@ -3,8 +3,14 @@
 import pytest
 
 from megapar.pipeline.schedules import (
-    ACTION_KINDS, Action, format_schedule, get_schedule, gpipe, in_flight_peak,
-    one_f_one_b)
+    ACTION_KINDS,
+    Action,
+    format_schedule,
+    get_schedule,
+    gpipe,
+    in_flight_peak,
+    one_f_one_b,
+)
 from megapar.pipeline.simulate import simulate
 
 # Schedules with one chunk per rank and a full backward (the newer ones: test_schedules_new.py).

@@ -7,15 +7,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.distributed.pipelining.schedules import (
-    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
 )
 
-from megapar.pipeline import split_backward
+from megapar.pipeline import executor as split_backward
 from megapar.pipeline.schedules import (
-    check_schedule, format_schedule, in_flight_peak, interleaved_1f1b, schedule_actions, zb_h1,
+    check_schedule,
+    format_schedule,
+    in_flight_peak,
+    interleaved_1f1b,
+    schedule_actions,
+    zb_h1,
 )
 from megapar.pipeline.simulate import (
-    Costs, ScheduleError, simulate_schedule, theoretical_bubble,
+    Costs,
+    ScheduleError,
+    simulate_schedule,
+    theoretical_bubble,
 )
 from megapar.pipeline.timeline import bubble_stats
 
@@ -213,8 +222,8 @@ def test_split_backward_of_a_model_stage_under_recompute(recompute):
     # add into the parameters' own .grad (it once set .grad on a stand-in under "full").
     from megapar.mesh import Layout, Mesh
     from megapar.models import GPT2Config
-    from megapar.tensor_parallel.weight_grad import WeightGradStore, attach
     from megapar.pipeline.partition import build_stage
+    from megapar.tensor_parallel.weight_grad import WeightGradStore, attach
 
     cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

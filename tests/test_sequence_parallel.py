@@ -10,12 +10,12 @@ tensor ops on their own.
 
 import pytest
 import torch
+from test_comm_counts import make_step, micro_batches
+from tp_utils import assert_close
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.tensor_parallel.partition import gather_full
-from test_comm_counts import make_step, micro_batches
-from tp_utils import assert_close
 
 RUNS = [(False, "none"), (True, "none"), (True, "selective"), (True, "full")]
 
@@ -90,7 +90,8 @@ def _primitives_worker():
     import torch.distributed as dist
 
     from megapar.tensor_parallel.sequence_parallel import (
-        gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
+        gather_from_sequence_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
         scatter_to_sequence_parallel_region,
     )
 

@@ -4,7 +4,13 @@ import pytest
 
 from megapar.pipeline.schedules import Action, gpipe
 from megapar.pipeline.simulate import (
-    CommMismatchError, Costs, DeadlockError, simulate, simulate_schedule, theoretical_bubble)
+    CommMismatchError,
+    Costs,
+    DeadlockError,
+    simulate,
+    simulate_schedule,
+    theoretical_bubble,
+)
 from megapar.pipeline.timeline import bubble_stats
 
 # Schedules with one chunk per rank and a full backward (the newer ones: test_schedules_new.py).

@@ -6,8 +6,14 @@ import pytest
 
 from megapar.pipeline.simulate import Costs, simulate_schedule, theoretical_bubble
 from megapar.pipeline.timeline import (
-    Event, Timeline, bubble_stats, format_bubble_table, plot_gantt, to_chrome_trace,
-    write_chrome_trace)
+    Event,
+    Timeline,
+    bubble_stats,
+    format_bubble_table,
+    plot_gantt,
+    to_chrome_trace,
+    write_chrome_trace,
+)
 
 
 def _small():

@@ -3,15 +3,19 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from tp_utils import assert_close, make_mesh
 
 from megapar.launcher import run_local
 from megapar.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, initialize,
-    parallel_lm_logits, vocab_parallel_cross_entropy,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    initialize,
+    parallel_lm_logits,
+    vocab_parallel_cross_entropy,
 )
 from megapar.tensor_parallel.init import param_seed
 from megapar.tensor_parallel.partition import gather_full
-from tp_utils import assert_close, make_mesh
 
 SEED = 7
 TPS = [1, 2, 4]

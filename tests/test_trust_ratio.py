@@ -16,14 +16,14 @@ losses agree < 2e-7 with eps = 1e-8 as well.
 
 import pytest
 import torch
+from tp_utils import assert_close
 
 import megapar
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import config_from_hf
-from megapar.tensor_parallel.partition import unpad
 from megapar.pipeline.partition import build_stage
+from megapar.tensor_parallel.partition import unpad
 from megapar.training.step import BatchPlan
-from tp_utils import assert_close
 
 SEED, STEPS, G, MBS, SEQ, VOCAB = 5, 4, 8, 2, 8, 96
 WD, CLIP, BETAS, EPS, MOMENTUM, ETA = 0.1, 1.0, (0.9, 0.95), 1e-4, 0.9, 1e-3

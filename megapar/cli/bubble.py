@@ -23,7 +23,8 @@ import json
 import os
 import sys
 
-from megapar.pipeline import messages, nccl_rules
+from megapar.pipeline import messages
+from megapar.pipeline import simulate as nccl_rules
 from megapar.pipeline.schedules import SCHEDULES, check_schedule, format_schedule
 from megapar.pipeline.timeline import (
     format_bubble_table,

@@ -10,7 +10,7 @@ Model chunks (interleaved schedules): `stage` may be a `ModelChunks` (`stage.chu
 action names its chunk; per-micro-batch state is keyed by (mb, chunk), and the peer of each
 message comes from the chunk's virtual stage (`schedules.peer_of`), so activations wrap around
 from the last rank to rank 0 for the next chunk. Zero-bubble schedules split the backward into
-``backward_input`` / ``backward_weight`` (`megapar.pipeline.split_backward`).
+``backward_input`` / ``backward_weight`` (the functions at the end of this module).
 
 Per in-flight micro-batch it keeps the input activation (a leaf that requires grad, so its `.grad`
 is what the previous stage needs) and the output (hidden states, or the loss on the last stage),
@@ -35,8 +35,7 @@ from torch import nn
 from megapar.device import DEFAULT_TIMEOUT_S
 from megapar.faults.status import set_action
 from megapar.mesh import Mesh
-from megapar.pipeline import messages, split_backward
-from megapar.pipeline.clock import StepClock
+from megapar.pipeline import messages
 from megapar.pipeline.p2p import P2PTimeoutError, StageP2P, wait_work
 from megapar.pipeline.schedules import (
     Action,
@@ -47,7 +46,8 @@ from megapar.pipeline.schedules import (
     virtual_stage,
 )
 from megapar.pipeline.timeline import Event, Timeline
-from megapar.tensor_parallel.weight_grad import store_of
+from megapar.pipeline.trace import StepClock
+from megapar.tensor_parallel.weight_grad import WeightGradStore, store_of
 
 AUTOGRAD_KINDS = frozenset({"backward", "backward_input"})
 """Actions whose autograd backward accumulates parameter gradients; `before_last_backward`
@@ -260,7 +260,7 @@ class PipelineExecutor:
         if not self._forward_only:  # backward needs the graph, not the sent values
             for a in group.messages:
                 if a.kind == "send_act":
-                    split_backward.free_output(self._outputs[a.mb, a.chunk])
+                    free_output(self._outputs[a.mb, a.chunk])
         if self.trace:
             end = self.clock.stamp()
             self._trace.extend((a.kind, a.mb, a.chunk, start, end) for a in group.messages
@@ -310,7 +310,7 @@ class PipelineExecutor:
         key = (a.mb, a.chunk)
         out = self._outputs.pop(key)
         grad = None if self._is_last(a) else self._out_grads.pop(key)
-        split_backward.backward(out, grad)
+        backward(out, grad)
         x = self._inputs.pop(key, None)
         if x is not None:
             self._in_grads[key] = self._input_grad(a, x.grad)
@@ -327,7 +327,7 @@ class PipelineExecutor:
         out = self._outputs.pop(key)
         grad = None if self._is_last(a) else self._out_grads.pop(key)
         x = self._inputs.pop(key, None)
-        dx, self._pending_w[key] = split_backward.backward_input(out, grad, x,
+        dx, self._pending_w[key] = backward_input(out, grad, x,
                                                                  self.weight_grads)
         if x is not None:
             self._in_grads[key] = self._input_grad(a, dx)
@@ -337,7 +337,7 @@ class PipelineExecutor:
         step's last W reports each finished weight to the data-parallel reduction."""
         ready = getattr(self._grad_sync, "grads_ready", None) \
             if self._step_index == self._last_w else None
-        split_backward.backward_weight(self._pending_w.pop((a.mb, a.chunk)), ready)
+        backward_weight(self._pending_w.pop((a.mb, a.chunk)), ready)
 
     # loss ----------------------------------------------------------------------------------
     def _mean_loss(self, m: int) -> torch.Tensor:
@@ -354,3 +354,48 @@ class PipelineExecutor:
                       f"stage (rank {src})")
         return loss
 
+
+# --- a stage's backward: whole, or split into B and W -------------------------------------------
+def free_output(output: torch.Tensor) -> None:
+    """Release the storage of a sent output, keeping its autograd graph (a no-op for views,
+    whose storage is another tensor's)."""
+    if output._base is None and output.numel() > 1:
+        output.data = torch.empty((1,), dtype=output.dtype, device=output.device)
+
+
+def backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """`torch.autograd.backward(output, grad)`, also for an output freed by `free_output`
+    (autograd checks `grad` against the shape the output had when it was made)."""
+    if grad is None:
+        torch.autograd.backward(output)
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        (output,), (grad,), False, False, (), True, True)  # keep_graph, create_graph, inputs,
+    # allow_unreachable, accumulate_grad: what torch.autograd.backward passes
+
+
+class PendingWeightGrad:
+    """What W of one micro-batch of one chunk needs from its B: the deferred products."""
+
+    def __init__(self, entries: list):
+        self.entries = entries
+
+
+def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None,
+                   store: WeightGradStore):
+    """B: returns (d loss / d inp or None, the PendingWeightGrad for W). `grad` is None when
+    `output` is the (scaled) loss; `store` must be enabled and attached to the stage's linear
+    layers before their forward."""
+    if len(store):
+        raise RuntimeError("the weight-gradient store holds products of another backward; "
+                           "every B must be followed by taking its products")
+    backward(output, grad)
+    return (inp.grad if inp is not None else None), PendingWeightGrad(store.take())
+
+
+def backward_weight(pending: PendingWeightGrad, ready=None) -> None:
+    """W: accumulate the weight gradients of one B into `param.grad`, in place. `ready`
+    (optional) is called with [weight] as soon as a weight's gradient has been added (the last
+    W of a step: its gradient is then final)."""
+    WeightGradStore.apply(pending.entries, ready)
+    pending.entries = []

@@ -19,7 +19,7 @@ ends. Each stage issues a message, send or receive, in the group at that time: a
 computes that start earlier, before the computes that start at or after it. Then the messages
 exchanged at time t are in groups at time t on both sides, a compute only needs messages of
 earlier times, and by induction over time every group finds its peers' groups issued
-(`megapar.pipeline.nccl_rules` checks this for every schedule). Adjacent groups with no compute
+(`megapar.pipeline.simulate` checks this for every schedule). Adjacent groups with no compute
 between them are merged (their messages progress together, which can only help). A compute
 waits only for the receives it consumes, so a receive issued early lets the message land while
 the stage computes.

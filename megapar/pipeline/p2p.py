@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from megapar import device as _device
 from megapar.mesh import Mesh
-from megapar.pipeline.nccl_rules import Op
+from megapar.pipeline.simulate import Op
 
 CARRIES = {"send_act": "activation", "recv_act": "activation",
            "send_grad": "gradient", "recv_grad": "gradient"}

@@ -19,7 +19,6 @@ from megapar.models import GPT2Config
 from megapar.models.config import config_from_dict
 from megapar.models.recipes import resolve_model
 from megapar.pipeline.executor import PipelineExecutor
-from megapar.pipeline.gather import gather_timeline
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import (
     Action,
@@ -31,6 +30,7 @@ from megapar.pipeline.schedules import (
 )
 from megapar.pipeline.simulate import Costs, simulate_schedule, theoretical_bubble
 from megapar.pipeline.timeline import Timeline, bubble_stats
+from megapar.pipeline.trace import gather_timeline
 
 
 @dataclass

@@ -29,8 +29,8 @@ from megapar.faults.stop import (
 )
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.config import config_from_dict
-from megapar.pipeline.gather import gather_timeline
 from megapar.pipeline.timeline import bubble_stats
+from megapar.pipeline.trace import gather_timeline
 from megapar.tensor_parallel.partition import local_size
 from megapar.training.config import TrainConfig
 from megapar.training.data import (

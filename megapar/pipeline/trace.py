@@ -1,12 +1,23 @@
-"""Every pipeline stage's trace events gathered on pp rank 0, on one clock (`gather_timeline`).
+"""The executor's trace of a real step: time stamps right on the device that does the work
+(`StepClock`), and every stage's events gathered on pp rank 0 on one clock
+(`gather_timeline`, after a traced step: megapar-train's bubble logging, megapar-bubble; its
+collectives run over the pp group only, on the mesh device, each with a timeout).
 
-Used after a traced step by megapar-train's bubble logging and megapar-bubble. Collectives over
-the pp group only, on the mesh device (NCCL needs GPU tensors), each with a timeout.
+On the CPU an action has finished when its Python call returns, so `time.perf_counter` is the
+clock. On CUDA a call returns as soon as its kernels are queued: host timestamps would measure
+launch overhead, not work. There each stamp is a CUDA event recorded on the current stream, and
+the stamps are turned into seconds on the `perf_counter` axis only when the step's timeline is
+read (`StepClock.reader`): one wait for the step's last event then, none per action, none per
+step while nobody reads the trace. The axis is anchored by an event recorded at the start of the
+step together with a host reading; a step starts after the previous step's loss was read, so the
+device is idle then and the anchor runs when it is recorded. So timelines from either device
+share one clock and `gather_timeline` aligns them the same way.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,6 +27,47 @@ from megapar.mesh import Mesh
 from megapar.pipeline.p2p import wait_work
 from megapar.pipeline.timeline import Event, Timeline
 
+
+class StepClock:
+    """`begin()` starts a step, `stamp()` marks a moment of it, `reader()` (after the step)
+    gives the function that turns this step's stamps into seconds."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._origin = None  # (host seconds, CUDA event) recorded at begin()
+        self._last = None  # the latest CUDA event of the step
+        self.stamp = self._cuda_stamp if self.cuda else time.perf_counter
+
+    def begin(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._origin, self._last = (time.perf_counter(), event), event
+
+    def _cuda_stamp(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._last = event
+        return event
+
+    def reader(self) -> Callable[[object], float]:
+        """Seconds on the perf_counter axis of this step's stamps. On CUDA the first call waits
+        for the step's last event (so every stamp has a time)."""
+        if not self.cuda or self._origin is None:
+            return lambda stamp: stamp
+        (host, origin), last, done = self._origin, self._last, []
+
+        def seconds(stamp) -> float:
+            if isinstance(stamp, float):
+                return stamp
+            if not done:
+                last.synchronize()
+                done.append(True)
+            return host + origin.elapsed_time(stamp) / 1e3
+        return seconds
+
+
+# --- every stage's trace on pp rank 0 -----------------------------------------------------------
 TRACE_KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad",
                "backward_input", "backward_weight", "wait", "loss_broadcast")
 """Event kinds `gather_timeline` can encode (as their index in this tuple)."""
