@@ -1,0 +1,187 @@
+"""The house's rules, checked on the code: no import cycles, arrows only downwards, every module
+importable on its own, and imports at the top of the module unless there is a stated reason.
+
+The layers are the ones docs/architecture.md draws; an import is an arrow from its module to the
+module it names, wherever it stands (a function-level import that hides a cycle is still one).
+"""
+
+import ast
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+LAYERS = [  # lowest first: a module may import its own layer and the ones below
+    ("megapar.device", "megapar.faults", "megapar.comm_count"),
+    ("megapar.mesh", "megapar.launcher"),
+    ("megapar.tensor_parallel", "megapar.context_parallel"),
+    ("megapar.models", "megapar.pipeline", "megapar.data_parallel", "megapar.optim",
+     "megapar.checkpoint", "megapar.data"),
+    ("megapar.training",),
+    ("megapar.plan", "megapar.dryrun"),
+    ("megapar.cli", "megapar"),
+]
+
+LAZY_FILES = {
+    "megapar/__init__.py": "the public API is imported lazily, so `import megapar` is cheap",
+    "megapar/cli/data.py": "megapar-data answers --help and bad input before torch is imported",
+    "megapar/cli/convert.py": "megapar-convert answers --help and bad input before torch is "
+                              "imported",
+}
+"""Files whose function-level imports are deliberate, and why."""
+LAZY_PACKAGES = {
+    "matplotlib": "optional: plots only", "wandb": "optional: --wandb-project only",
+    "torch.utils.tensorboard": "optional: --tensorboard only", "pyarrow": "Parquet input only",
+    "IPython": "notebook detection only", "transformers": "heavy (seconds): HF import / export only",
+}
+"""Libraries any module may import where it uses them, and why."""
+
+
+def modules() -> dict[str, str]:
+    """{dotted name: path} of every megapar module."""
+    out = {}
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "megapar")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                out[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+    return out
+
+
+MODULES = modules()
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str) -> list[tuple[str, int, bool]]:
+    """(imported megapar module, line, inside a function) for every import of `module`."""
+    path = MODULES[module]
+    tree = ast.parse(open(path).read())
+    in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef,
+                                                                     ast.AsyncFunctionDef))
+                   for n in ast.walk(f)}
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                     for a in node.names]
+        for name in names:
+            target = _resolve(name) if name.startswith("megapar") else None
+            if target and target != module:
+                found.append((target, node.lineno, id(node) in in_function))
+    return found
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def test_no_import_cycles():
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w, _, _ in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(10000)
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    described = [" <-> ".join(c) + ": " + ", ".join(
+        f"{m} imports {t} (line {line})" for m in c for t, line, _ in GRAPH[m] if t in c)
+        for c in cycles]
+    assert not cycles, "import cycles:\n" + "\n".join(described)
+
+
+def _layer(module: str) -> int:
+    best = max(((i, len(prefix)) for i, names in enumerate(LAYERS) for prefix in names
+                if module == prefix or module.startswith(prefix + ".")), key=lambda x: x[1])
+    return best[0]
+
+
+def test_every_module_has_a_layer_and_no_arrow_runs_back_up():
+    upward = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)}) at line {line}"
+              for m, targets in GRAPH.items() for t, line, _ in targets if _layer(t) > _layer(m)]
+    assert not upward, "imports that run back up:\n" + "\n".join(upward)
+
+
+def test_models_never_import_the_pipeline_or_the_cli():
+    bad = [(m, t) for m, targets in GRAPH.items() if m.startswith("megapar.models")
+           for t, _, _ in targets if t.startswith(("megapar.pipeline", "megapar.cli",
+                                                   "megapar.training"))]
+    assert not bad
+
+
+def test_every_module_imports_on_its_own():
+    """Imported alone (no other megapar module loaded first), each module works: none relies
+    on an import order."""
+    script = (
+        "import importlib, sys\n"
+        f"names = {sorted(MODULES)!r}\n"
+        "bad = []\n"
+        "for name in names:\n"
+        "    for loaded in [m for m in sys.modules if m == 'megapar' or m.startswith('megapar.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as exc:\n"
+        "        bad.append(f'{name}: {type(exc).__name__}: {exc}')\n"
+        "print('\\n'.join(bad))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "", run.stdout
+
+
+def test_imports_are_at_the_top_unless_there_is_a_stated_reason():
+    late = []
+    for module, path in MODULES.items():
+        rel = os.path.relpath(path, ROOT)
+        if rel in LAZY_FILES:
+            continue
+        tree = ast.parse(open(path).read())
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    names = [node.module or ""]
+                else:
+                    continue
+                for name in names:
+                    if not name.startswith(tuple(LAZY_PACKAGES)):
+                        late.append(f"{rel}:{node.lineno} imports {name} inside {func.name}()")
+    assert not late, ("imports inside functions without a stated reason (move them to the top, "
+                      "or add the reason to LAZY_FILES / LAZY_PACKAGES):\n" + "\n".join(late))
