@@ -50,11 +50,10 @@ def keep_freed_host_memory() -> bool:
     """Let glibc keep freed host memory for reuse instead of returning it to the kernel.
 
     glibc serves every allocation above its mmap threshold (at most 32 MB) with a fresh mmap and
-    unmaps it on free, so each large CPU tensor (logits: tokens x vocab x 4 bytes, ~100 MB for
-    the default job's micro-batch) costs page faults that zero it again: the default CPU job
-    spent ~45 % of its CPU time in the kernel. Served from the heap and never trimmed, the
-    memory is reused: 2.3x faster steps for ~1.6x the resident memory (measured on the default
-    job). Does nothing off glibc or with MEGAPAR_HOST_MALLOC=system; settings are inherited
+    unmaps it on free, so each large CPU tensor (the logits: tokens x vocab x 4 bytes) costs
+    page faults that zero it again, step after step. Served from the heap and never trimmed,
+    the memory is reused, at the price of a larger resident set (docs/performance.md has the
+    figures). Does nothing off glibc or with MEGAPAR_HOST_MALLOC=system; settings are inherited
     by forked workers. Returns whether it applied."""
     if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
             "linux"):

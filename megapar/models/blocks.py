@@ -41,7 +41,7 @@ def layer_norm(size: int, eps: float, device) -> nn.LayerNorm:
 def embedding(num: int, dim: int, device) -> nn.Embedding:
     """An `nn.Embedding` whose weight torch leaves uninitialised: megapar's layout-independent
     `init_weights` (or a checkpoint) fills every parameter, so torch's own N(0, 1) draw would be
-    wasted work (1.4 s on the meta device for GPT-3's 2048 x 12288 positions)."""
+    wasted work (large for a big model's position embedding, even on the meta device)."""
     return nn.Embedding(num, dim, device=device, _weight=torch.empty(num, dim, device=device))
 
 

@@ -16,7 +16,7 @@ the same layout (each ``param.data`` becomes a view into it), so per step:
 4. all-gather each parameter bucket in place, so every rank has the full weights.
 
 Traffic per step: one reduce-scatter and one all-gather of the padded buffer, the same as one
-all-reduce (the old whole-parameter ZeRO-1 added a broadcast of every weight on top).
+all-reduce.
 Parameters are fp32 in every precision (autocast casts on the fly), so the parameter buffer is
 also the fp32 master.
 
