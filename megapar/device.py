@@ -59,7 +59,6 @@ def keep_freed_host_memory() -> bool:
             "linux"):
         return False
     try:
-
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
         return bool(libc.mallopt(m_mmap_max, 0)) and bool(

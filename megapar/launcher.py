@@ -56,7 +56,6 @@ def free_port() -> int:
 def loopback_store(rank: int, world_size: int, port: int, timeout_s: float | None):
     """The rendezvous store of a local run: rank 0 serves it on 127.0.0.1 only."""
 
-
     timeout = timedelta(seconds=timeout_s or _device.DEFAULT_TIMEOUT_S)
     if rank != 0:
         return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
@@ -71,7 +70,6 @@ def loopback_store(rank: int, world_size: int, port: int, timeout_s: float | Non
 
 def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, parent,
             status, stacks):
-
     die_with_parent(parent)
     diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
@@ -83,7 +81,6 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets: loopback too
     try:
-
         torch.set_num_threads(1)
         _device.keep_freed_host_memory()
         if world_size > 1:
@@ -98,7 +95,6 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
         results.put((rank, "error", f"{type(exc).__name__}: {exc}{tb}"))
     finally:
         try:
-
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:  # noqa: BLE001

@@ -263,3 +263,34 @@ def test_lm_eval_on_an_export_gives_megapars_log_likelihoods(tmp_path, text):
         ours = float(torch.log_softmax(logits[0, :-1], -1).gather(
             1, torch.from_numpy(ids[0, 1:])[:, None]).sum())
         assert abs(theirs - ours) / abs(ours) < 1e-5, (theirs, ours)
+
+
+def _export_standard_gpt2(out):
+    import megapar
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_positions=32, n_embd=32, n_layer=2, n_head=4))     # transformers' 50,257 ids
+    engine = megapar.prepare(model, micro_batch_size=1)
+    engine.export_hf(out, tokenizer="gpt2")
+    return True
+
+
+def test_a_standard_gpt2_exports_with_the_gpt2_tokenizer_and_pads_inside_its_vocabulary(tmp_path):
+    """megapar's `gpt2` tokenizer appends [PAD] [CLS] [SEP] [MASK] after 50,257 ids, which a
+    causal model never sees: the export of a transformers GPT-2 (50,257 ids) carries the
+    tokenizer without them, so no special token (batch padding's above all) is an id the model
+    does not have."""
+    from megapar.launcher import run_local
+
+    out = str(tmp_path / "exported")
+    assert run_local(_export_standard_gpt2, 1, out) == [True]
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.vocab_size == 50257
+    assert all(i < 50257 for i in tok.all_special_ids), tok.all_special_ids
+    assert tok("To be or not to be")["input_ids"] == load_tokenizer("gpt2").encode(
+        "To be or not to be")
+    tok.pad_token = tok.pad_token or tok.eos_token          # what clients such as lm-eval do
+    batch = tok(["To be", "or not to be"], return_tensors="pt", padding=True)
+    assert model(**batch).logits.shape[:2] == batch["input_ids"].shape

@@ -42,7 +42,7 @@ from megapar.checkpoint.publish import resolve_checkpoint, set_latest
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import load_tokenizer, tokenizer_files
 from megapar.mesh import Layout, LayoutError, Mesh
-from megapar.models.config import config_from_dict
+from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import shard_of, unpad
 
@@ -328,8 +328,12 @@ def export_tokenizer(manifest: dict, config, given=None):
             raise CheckpointError(f"{what} has changed since the checkpoint was trained (its "
                                   f"files' sha256 differ); pass --tokenizer SPEC naming the "
                                   f"tokenizer it trained with")
-    if tok.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{what} has {tok.vocab_size:,} token ids, more than the model's "
+    # a causal LM sees only the base vocabulary and the end of document (the appended
+    # [PAD] [CLS] [SEP] [MASK] are BERT's), as megapar-train counts it
+    needed = max(tok.base_vocab_size, tok.eod_id + 1) \
+        if config.model_type in CAUSAL_LM_TYPES else tok.vocab_size
+    if needed > config.vocab_size:
+        raise CheckpointError(f"{what} has {needed:,} token ids, more than the model's "
                               f"vocabulary of {config.vocab_size:,}; pass the tokenizer it "
                               f"trained with (--tokenizer)")
     return tok

@@ -318,12 +318,10 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
     when complete (the tokenizer, then the weights), so an interrupted export never leaves a
     half-written file."""
 
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
-
-        save_for_transformers(tokenizer, str(out_dir))
+        save_for_transformers(tokenizer, str(out_dir), config.vocab_size)
     if dtype is not None:
         canonical = {k: v.to(dtype) for k, v in canonical.items()}
     tmp = {name: out_dir / f".{name}.tmp-{os.getpid()}" for name in HF_FILES}

@@ -58,7 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_model(args):
-
     mesh = Mesh.from_env(args.tp, args.pp, 1)
     manifest = read_manifest(resolve_checkpoint(args.load))
     config = config_from_dict(manifest["model"])
@@ -70,8 +69,6 @@ def _load_model(args):
 
 @torch.no_grad()
 def _loss_worker(args):
-
-
     mesh, config, model = _load_model(args)
     indexed = IndexedDataset(args.data, args.tokenizer)
     if config.model_type in CAUSAL_LM_TYPES:
@@ -141,7 +138,6 @@ def _check_ids(args, vocab_size: int) -> None:
             raise ValueError(f"--input-ids {args.input_ids} holds id {bad} ({ids.dtype}), outside "
                              f"the model's vocabulary of {vocab_size} ids (0-{vocab_size - 1})")
     elif args.data:
-
         IndexedDataset(args.data, args.tokenizer).check_vocab(vocab_size)
 
 
@@ -193,7 +189,6 @@ def main(argv=None) -> int:
     try:
         results = run_workers(worker, args.tp * args.pp, args)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
-
 
         text = str(exc) if isinstance(exc, WorkerError) else \
             f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"

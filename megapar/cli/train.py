@@ -95,7 +95,6 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
                          f"micro-batch size {cfg.micro_batch_size} x dp {layout.dp} = {per_step}; "
                          f"choose a multiple of {per_step}")
     if cfg.profile_steps:
-
         first, last = parse_steps(cfg.profile_steps)
         start = int(manifest.get("step", 0)) if manifest else 0
         if last > cfg.max_steps:
@@ -119,7 +118,6 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     config = resolve_model(cfg, notes, manifest)
     config.validate(layout)
     if cfg.virtual_stages > 1:
-
         chunk_specs(config.num_layers, layout.pp, 0, cfg.virtual_stages)  # enough layers?
     if not cfg.dry_run:
         most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
@@ -231,7 +229,6 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
     """Start the workers (or run this rank) and turn a failure into one line."""
     cfg.dp = layout.dp
     if cfg.dry_run:
-
         return rehearse(cfg, layout, plan, notes)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     if under_launcher() and rank != 0:

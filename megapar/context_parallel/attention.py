@@ -307,7 +307,6 @@ class LayerAttention:
         mesh = self.mesh
         if self.method == "ring":
             if self.ring is None:
-
                 self.ring = Ring(mesh.cp_group, mesh.timeout_s)
             comm = self.ring
         else:

@@ -107,7 +107,6 @@ def train_bpe(texts: Iterable[str], out_dir: str, vocab_size: int,
     The vocabulary is smaller than `vocab_size` when the corpus runs out of pairs to merge;
     ``info["vocab_size"]`` (when `info` is given) receives the size it got."""
 
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
         raise ValueError(f"--vocab-size {vocab_size} is too small for a byte-level BPE: it "
@@ -146,11 +145,13 @@ Shakespeare sample (literal special tokens are left out: transformers gives thei
 the pieces of their text)."""
 
 
-def to_transformers(tok: Tokenizer):
+def to_transformers(tok: Tokenizer, vocab_size: int | None = None):
     """A transformers fast tokenizer that encodes text to `tok`'s ids, carrying `tok`'s special
     tokens as megapar trains with them: its end of document as ``eos_token``, a beginning of
     sequence only when megapar-data starts documents with it (GPT-2's is its end of text, as
-    in transformers), the ones megapar appends, such as [MASK], added at the same ids. A
+    in transformers), the ones megapar appends, such as [MASK], added at the same ids, but
+    none at an id the model (of `vocab_size` ids, when given) does not have: a transformers
+    GPT-2 of 50,257 ids gets no [PAD] at 50,257 that batch padding would look up. A
     SentencePiece model is converted by transformers from the model's own settings; a
     transformers directory is loaded as it is."""
 
@@ -168,11 +169,14 @@ def to_transformers(tok: Tokenizer):
     else:  # GPT-2 style vocab.json + merges.txt: megapar's own tokenizers pipeline
         hf = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(
             tok._backend.to_str()))
-    if tok.appended:
-        hf.add_special_tokens({"additional_special_tokens": list(tok.appended)},
+    limit = vocab_size if vocab_size is not None else tok.vocab_size
+    appended = [name for i, name in enumerate(tok.appended) if tok.base_vocab_size + i < limit]
+    if appended:
+        hf.add_special_tokens({"additional_special_tokens": appended},
                               replace_extra_special_tokens=False)
-    roles = {"eos_token": tok.eod_id, "pad_token": tok.pad_id, "cls_token": tok.cls_id,
-             "sep_token": tok.sep_id, "mask_token": tok.mask_id}
+    roles = {role: tid for role, tid in (("eos_token", tok.eod_id), ("pad_token", tok.pad_id),
+                                         ("cls_token", tok.cls_id), ("sep_token", tok.sep_id),
+                                         ("mask_token", tok.mask_id)) if tid < limit}
     if tok.bos_id is not None:
         roles["bos_token"] = tok.bos_id
     elif tok.kind == "gpt2-bpe":  # GPT-2's own: <|endoftext|> begins, ends and is unknown
@@ -183,7 +187,8 @@ def to_transformers(tok: Tokenizer):
     return hf
 
 
-def save_for_transformers(tok: Tokenizer, out_dir: str) -> list[str]:
+def save_for_transformers(tok: Tokenizer, out_dir: str,
+                          vocab_size: int | None = None) -> list[str]:
     """Write `tok` into `out_dir` as transformers' ``save_pretrained`` does (tokenizer.json,
     tokenizer_config.json, and a SentencePiece model's ``tokenizer.model``), so that
     ``AutoTokenizer.from_pretrained(out_dir)`` is the training tokenizer. Checked before
@@ -193,10 +198,9 @@ def save_for_transformers(tok: Tokenizer, out_dir: str) -> list[str]:
 
     from transformers import AutoTokenizer
 
-
     with open(asset_path("shakespeare_sample.txt"), encoding="utf-8") as f:
         texts = [*SAMPLE_TEXTS, f.read(4000)]
-    hf = to_transformers(tok)
+    hf = to_transformers(tok, vocab_size)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tokenizer.tmp-", dir=parent)

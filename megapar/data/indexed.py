@@ -61,7 +61,6 @@ class IndexedDatasetBuilder:
 
     def __init__(self, prefix: str, vocab_size: int, eod_id: int, tokenizer_spec: dict[str, Any],
                  format: str = "megapar"):
-
         if format not in INDEX_FORMATS:
             raise ValueError(f"unknown dataset format {format!r}; expected one of {INDEX_FORMATS}")
         self.prefix = os.fspath(prefix)
@@ -103,7 +102,6 @@ class IndexedDatasetBuilder:
         offsets = np.frombuffer(self._offsets, dtype=np.int64).astype("<i8")
         idx_tmp = _tmp_name(self.prefix + ".idx")
         if self.format == "megatron":
-
             megatron.write_index(idx_tmp, self.dtype, np.diff(offsets))
         else:
             with open(idx_tmp, "wb") as f:

@@ -199,7 +199,6 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
                 if line.strip():
                     yield line
 
-
     buf = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(

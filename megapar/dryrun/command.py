@@ -30,7 +30,6 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
         return 2
     dataset = None
     if plan.prefix is not None:
-
         dataset, _ = build_datasets(cfg, plan.prefix, config.model_type)
     for note in notes:
         print(f"megapar-train: {note}", file=sys.stderr)

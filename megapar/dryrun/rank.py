@@ -93,7 +93,6 @@ def _micro_batch(cfg, config, dataset, first_batch):
     """The first micro-batch this rank trains on (real data), or zeros of its shapes."""
 
     if dataset is not None:
-
         return collate([dataset[i] for i in first_batch[0]])
     keys = BERT_KEYS if config.model_type == "bert" else DECODER_KEYS
     return {k: torch.zeros(cfg.micro_batch_size, cfg.seq_len, dtype=torch.long) for k in keys}

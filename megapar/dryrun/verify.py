@@ -46,7 +46,6 @@ def train_config(problem, candidate):
 def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
     """Dry-run `candidate` (default ranks: `sample_ranks`) and compare with the plan."""
 
-
     c, start = candidate, time.perf_counter()
     layout = Layout(c.tp, c.pp, c.dp, cp=c.cp)
     ranks = sample_ranks(layout, c.zero) if ranks is None else ranks

@@ -281,7 +281,6 @@ class Llama(StageModel):
         if self.tied:
             self._end()
         else:
-
             mark_replicated(self)
             self._mark_sequence_parallel()
 

@@ -138,7 +138,6 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
     if c.sp and seq_len and seq_len % c.tp:
         return f"sequence parallelism needs --seq-len {seq_len} divisible by tp {c.tp}"
     if c.cp > 1 and seq_len:
-
         try:
             check_cp_seq_len(seq_len, Layout(c.tp, c.pp, c.dp, cp=c.cp), c.sp)
         except ValueError as exc:

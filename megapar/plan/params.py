@@ -45,7 +45,6 @@ def _numel(module) -> int:
 
 @lru_cache(maxsize=64)
 def _pieces(config_json: str, tp: int) -> PieceCounts:
-
     config = config_from_dict(json.loads(config_json))
     block = _numel(_build(config, tp, range(1), False, False))
     first = _numel(_build(config, tp, range(0), True, False))
@@ -84,7 +83,6 @@ def _specs(module) -> tuple[TensorSpec, ...]:
 def _piece_tensors(config_json: str, tp: int) -> tuple[tuple[TensorSpec, ...], ...]:
     """(block, embedding, head) parameters of one tp rank, in registration order."""
 
-
     config = config_from_dict(json.loads(config_json))
     return (_specs(_build(config, tp, range(1), False, False)),
             _specs(_build(config, tp, range(0), True, False)),
@@ -96,7 +94,6 @@ def stage_tensors(config, tp: int, pp: int, v: int, stage: int) -> list[TensorSp
     `model.parameters()` gives them (each chunk's embedding, blocks, then norm and head; the
     tied copy only on a last chunk without the embedding). `tests/test_plan.py` checks it
     against stages built on the meta device."""
-
 
     block, embedding, head = _piece_tensors(json.dumps(config.to_dict(), sort_keys=True), tp)
     specs = chunk_specs(config.num_layers, pp, stage, v) if v > 1 else \
@@ -144,7 +141,6 @@ def model_params(config) -> int:
 
 @lru_cache(maxsize=16)
 def _model_params(config_json: str) -> int:
-
     config = config_from_dict(json.loads(config_json))
     model = _build(config, 1, range(config.num_layers), True, True)
     return sum(math.prod(getattr(p, "full_shape", p.shape)) for p in model.parameters()

@@ -84,7 +84,6 @@ def _simulated(schedules, bwd_ratio: float, v: int, name: str) -> float:
         costs.update(bwd_input_ms=bwd_ratio / (2 * v), bwd_weight_ms=bwd_ratio / (2 * v))
     kwargs = {}
     if "placement" in inspect.signature(sim.simulate).parameters:
-
         kwargs["placement"] = getattr(sched, "placement_of", lambda n: "loop")(name)
     timeline = sim.simulate(schedules, sim.Costs(**costs), **kwargs)
     return float(bubble_stats(timeline)["measured_bubble"])
@@ -108,7 +107,6 @@ def in_flight(name: str, pp: int, m: int, v: int = 1,
     interleaved chunk counts 1/v), and "simulated" (read off the actions) or "formula"
     (`simulate=False`: the formula whatever the size)."""
     if simulate and _registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS:
-
         per_stage = [_actions(name, pp, m, s, v) for s in range(pp)]
         if all(a is not None for a in per_stage):
             return tuple(in_flight_peak(a) / v for a in per_stage), "simulated"

@@ -105,7 +105,6 @@ class _Held:
 
 
 def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stages=1, cp=1):
-
     config = config_from_dict(config_dict)
     mesh = Mesh.from_env(tp, pp, 1, cp=cp)
     model = build_stage(config, mesh, seed=0, virtual_stages=virtual_stages)

@@ -188,7 +188,6 @@ def field_docs() -> dict[str, str]:
 def _choices() -> dict[str, list]:
     """Allowed values, taken from the modules that implement them."""
 
-
     return {"rank_order": list(RANK_ORDERS),
             "schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
             "precision": list(PRECISIONS), "p2p_dtype": COMM_DTYPES,

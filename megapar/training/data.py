@@ -160,7 +160,6 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
 
     given_from = ""
     if cfg.from_hf:
-
         config, given_from = HFReader(cfg.from_hf).config, f"--from-hf {cfg.from_hf}"
         if config.vocab_size < needed(config) and manifest is None:
             raise ConfigError(
@@ -168,7 +167,6 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
                 f"{cfg.from_hf} has a vocabulary of {config.vocab_size}; use the model's own "
                 f"tokenizer (--tokenizer) or data tokenized with it")
     elif cfg.model and os.path.exists(os.path.expanduser(cfg.model)):
-
         path = os.path.expanduser(cfg.model)
         config, given_from = recipe(path), f"--model {cfg.model}"
         if os.path.isdir(path):
@@ -188,7 +186,6 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
         _take_special_ids(config, special_ids)
         given_from = "recipe"
     if manifest is not None:
-
         given = config if (cfg.model or cfg.from_hf) else None
         config = model_from_checkpoint(cfg, manifest, given, given_from)
         if config.vocab_size < needed(config):
@@ -198,7 +195,6 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
                 f"tokenized with the checkpoint's tokenizer")
     max_len = config.max_positions
     if cfg.seq_len > max_len:
-
         if "seq_len" in explicit(cfg):
             raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of "
                               f"{max_len} positions; lower --seq-len")
@@ -257,7 +253,6 @@ def _dry_run_without_data(cfg: TrainConfig) -> str | None:
     if cfg.data is None:
         return "no --data given"
     try:
-
         for path in data_paths(cfg.data):
             _text_or_prefix(cfg, path)
     except FileNotFoundError as exc:
@@ -272,7 +267,6 @@ def _own_vocab(cfg: TrainConfig, manifest: dict | None) -> int:
     if manifest is not None:
         return int(manifest["model"]["vocab_size"])
     if cfg.from_hf:
-
         return HFReader(cfg.from_hf).config.vocab_size
     return recipe(cfg.model or DEFAULT_MODEL).vocab_size
 

@@ -52,7 +52,6 @@ class Engine:
 
     def __init__(self, cfg: TrainConfig, model_config, mesh: Mesh | None = None,
                  scheduler="from_cfg"):
-
         self.cfg, self.config = cfg, model_config
         self.mesh = mesh = mesh or Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
                                                  order=cfg.rank_order, cp=cfg.cp)
@@ -148,7 +147,6 @@ class Engine:
     def _checked(self, batch, what: str) -> dict:
         batch = check_batch(batch, self.config, what)
         if self.mesh.cp > 1:
-
             check_length(batch["input_ids"].shape[1], self.mesh.cp)
         if not self._batch_seen:
             same_on_every_rank(batch, self.mesh.device, what)
@@ -222,7 +220,6 @@ class Engine:
         given to `prepare`, else float32). Replaces those files, leaves anything else there
         alone. Collective; rank 0 writes."""
 
-
         path = Path(path).absolute()
         tmp = path.parent / f".{path.name or 'export'}.megapar-export-{self.step}"
         meta = {"step": self.step, "hf_dtype": self.source_dtype,
@@ -236,7 +233,6 @@ class Engine:
                 outcome = f"{type(exc).__name__}: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)
             if not outcome and tokenizer is None and self.tokenizer is None:
-
                 warnings.warn(f"engine.export_hf({path}): no tokenizer given or known, the "
                               f"export has none (AutoTokenizer cannot load it); pass "
                               f"tokenizer='gpt2' (or the .model file / directory you "

@@ -65,7 +65,6 @@ class MetricsLogger(NullLogger):
     def __init__(self, cfg, start_step: int, run_config: dict):
         self.bar = None
         if cfg.progress:
-
             self.bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train",
                             dynamic_ncols=True, file=sys.stderr)
         self.json = None

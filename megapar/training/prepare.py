@@ -22,7 +22,6 @@ def _resolve_model(model):
     """(megapar config, HF reader or None) for a transformers model / config or a recipe name."""
 
     if isinstance(model, str):
-
         return resolve_model(model), None
     if hasattr(model, "state_dict") and hasattr(model, "config"):
         name = type(model).__name__
@@ -103,7 +102,6 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
         _check_same_weights(model, engine.mesh)
         missing = load_hf_weights(engine.model, reader)
         if missing and engine.mesh.rank == 0:
-
             warnings.warn(f"megapar.prepare: the {type(model).__name__} has no {', '.join(missing)}"
                           f"; initialised from seed {seed} (pass the model with its head to keep "
                           f"trained ones)", stacklevel=2)

@@ -36,7 +36,6 @@ class StepProfiler:
     def before_step(self, step: int) -> None:
         """Call with the 1-based number of the step about to run."""
         if self.steps and step == self.steps[0] and self.prof is None:
-
             activities = [ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(ProfilerActivity.CUDA)

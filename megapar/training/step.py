@@ -121,7 +121,6 @@ class TrainStep:
                              "(pass grad_sync to TrainStep)")
         last, before = (), None
         if self.mesh.pp > 1:
-
             last = shared_embedding_params(self.model)
             if last:
                 def before() -> None:

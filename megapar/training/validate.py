@@ -321,7 +321,6 @@ def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: st
 
     config = config_from_dict(manifest["model"])
     if given_config is not None:
-
         ours, theirs = given_config.to_dict(), config.to_dict()
         named = f"--model {cfg.model}" if given_from == "recipe" else given_from or "given"
         if ours.get("model_type") != theirs.get("model_type"):
@@ -348,7 +347,6 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
 
     Creates the directory (as the run would) and writes and removes a probe file there, so a
     read-only mount, an immutable directory or a path under /proc is found before any work."""
-
 
     target = os.path.expanduser(path)
     directory = target if kind == "dir" else (os.path.dirname(os.path.abspath(target)) or ".")

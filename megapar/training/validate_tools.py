@@ -45,7 +45,6 @@ def check_eval_args(args) -> dict:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
                          f"lower --seq-len")
     if args.data:
-
         missing = [f[len(args.data):] for f in missing_files(args.data)]
         if missing:
             raise UsageError(f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
