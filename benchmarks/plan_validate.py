@@ -56,6 +56,7 @@ def _worker(config_dict, layout, schedule, zero, mbs, seq, global_batch, steps):
     model = build_stage(config, mesh, seed=0)
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq, config.hidden_size),
                                 trace=False)
+    executor.post_ahead = False  # the program as NCCL runs it: what the planner models
     optimizer = build_optimizer(model, mesh, 1e-3, 0.1, zero=zero)
     grad_sync = GradBuckets(list(model.parameters()), mesh.dp_group) if dp > 1 else None
     step = TrainStep(model, mesh, executor, optimizer, LRScheduler(1e-3, 1e-4, 0, 100, "constant"),

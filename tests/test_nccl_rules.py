@@ -154,6 +154,7 @@ def issued_worker(tp, pp, dp):
     for name, v in SCHEDULES:
         executor = PipelineExecutor(ToyChunks(mesh, v), mesh, name, (2, H), virtual_stages=v,
                                     timeout_s=60)
+        executor.post_ahead = False  # what NCCL issues: the program's order
         for m in range(1, 9):
             if not valid(name, pp, m, v):
                 continue

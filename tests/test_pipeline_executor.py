@@ -275,3 +275,36 @@ def test_every_executor_of_a_stage_defers_weight_gradients():
     counts.append(first.weight_grads.deferred)
     linears = sum(hasattr(m, "weight_grad_store") for m in model.modules())
     assert counts == [0, linears, 2 * linears, 3 * linears]
+
+
+def posted_ahead_worker(schedule, v, ahead):
+    """One step with gloo's receives posted ahead (`ahead`) or where the program issues them
+    (NCCL's order); what was issued, per peer, and the numbers."""
+    from test_nccl_rules import ToyChunks
+
+    mesh = make_mesh(pp=2)
+    executor = PipelineExecutor(ToyChunks(mesh, v), mesh, schedule, (2, 4), virtual_stages=v,
+                                timeout_s=30)
+    assert executor.post_ahead  # the tests run on gloo
+    executor.post_ahead = ahead
+    gen = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randn(2, 4, generator=gen), "y": torch.randn(2, 4, generator=gen)}
+               for _ in range(4)]
+    loss = executor.run(batches)
+    grads = [p.grad.clone() for p in executor.stage.parameters()]
+    receives = [op.label for group in executor.p2p.issued for op in group if not op.send]
+    program = [a for step in executor.program(4) if hasattr(step, "messages")
+               for a in step.messages if a.kind.startswith("recv")]
+    groups = [" ".join(op.label for op in group) for group in executor.p2p.issued]
+    return float(loss), grads, receives, [str(a) for a in program], groups
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2)])
+def test_receives_posted_ahead_on_gloo_keep_each_peers_order_and_every_number(schedule, v):
+    ahead = run_local(posted_ahead_worker, 2, schedule, v, True)
+    ordered = run_local(posted_ahead_worker, 2, schedule, v, False)
+    for (loss, grads, receives, program, groups), (loss2, grads2, receives2, _, groups2) in \
+            zip(ahead, ordered):
+        assert loss == loss2 and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+        assert receives == receives2 == program  # the one peer's receives in program order
+        assert groups != groups2  # ahead: receives go out on their own, before their groups

@@ -131,6 +131,7 @@ def measure_step(engine, micro_batches: list[dict], step_index: int = 0) -> dict
     """One real optimizer step of `engine` on this rank's `micro_batches`; returns params,
     weights, grads, optimizer, activations (bytes, as above) and `calls` (its collectives)."""
     held = HeldStorages(engine.model.parameters())
+    engine.executor.post_ahead = False  # the program as NCCL runs it, which the model counts
     with peak_held(engine.executor, held) as peak, count_collectives() as calls, \
             held.counting():
         engine.step_fn.step(micro_batches, step_index)

@@ -17,7 +17,10 @@ is what the previous stage needs) and the output (hidden states, or the loss on 
 and frees both at the micro-batch's backward. The last stage backpropagates
 ``loss * loss_scale / m``, so `param.grad` accumulates the gradient of the mean loss over the m
 micro-batches (the caller zeroes gradients between steps). A received message also frees the
-sends it proves received (`messages.acknowledgements`).
+sends it proves received (`messages.acknowledgements`). On gloo, which moves a message only once
+its receive is posted, each peer's next receive is posted as soon as the previous one has
+arrived (`post_ahead`: in the peer's program order, which is the order it sends in, so pairing
+by order is kept; at most one ahead per peer); NCCL issues receives where the program has them.
 
 Every action is traced unless `trace=False`: a compute as its own event, the wait for its
 message as a ``recv_act`` / ``recv_grad`` event before it, each sent message as a ``send_act`` /
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapar.device import DEFAULT_TIMEOUT_S
+from megapar.device import DEFAULT_TIMEOUT_S, polls_host
 from megapar.faults.status import set_action
 from megapar.mesh import Mesh
 from megapar.pipeline import messages
@@ -82,6 +85,10 @@ class PipelineExecutor:
         self.p2p = (StageP2P(mesh, act_shape, act_dtype, timeout_s, wire_dtype)
                     if mesh.pp > 1 else None)
         self.weight_grads = store_of(stage)  # enabled in steps with a split backward
+        self.post_ahead = self.p2p is not None and polls_host(mesh.pp_group)
+        """Post each peer's next receive as soon as the previous one arrived (gloo: a message
+        moves only once its receive is posted). NCCL runs a rank's operations in issue order,
+        so there receives are issued where the program has them."""
         self.handlers = {
             "forward": self._forward, "backward": self._backward,
             "backward_input": self._backward_input, "backward_weight": self._backward_weight,
@@ -102,6 +109,8 @@ class PipelineExecutor:
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
         self._acks: dict[tuple, list[tuple]] = {}        # see messages.acknowledgements
         self._grad_sync, self._step_index, self._last_w = None, None, None
+        self._ahead: dict[int, list[Action]] = {}        # per peer rank, receives in order
+        self._recvs_issued: set[tuple] = set()           # (kind, mb, chunk) issued so far
 
     def program(self, m: int, forward_only: bool = False, stage: int | None = None) -> tuple:
         """The program (computes and message groups) of `stage` (default: this rank's) for a
@@ -156,6 +165,8 @@ class PipelineExecutor:
                 grad_sync.begin_step()
             if self.p2p is not None:
                 self.p2p.begin_step()
+                if self.post_ahead:
+                    self._plan_posts(program)
             with torch.set_grad_enabled(not forward_only):
                 for i, step in enumerate(program):
                     if isinstance(step, MessageGroup):
@@ -238,21 +249,55 @@ class PipelineExecutor:
         return self._vs(a) == self.mesh.pp * len(self.chunks) - 1
 
     # messages ------------------------------------------------------------------------------
+    def _message(self, a: Action) -> tuple:
+        """What `p2p.issue` takes for message action `a`: (key, tensor to send or None, peer
+        rank, what travels, label)."""
+        peer, peer_chunk = self._peer(self.mesh.pp_rank, a)
+        rank = self.mesh.stage_rank(peer)
+        if a.kind == "send_act":
+            take = self._outputs.pop if self._forward_only else self._outputs.get
+            tensor, message = take((a.mb, a.chunk)), ("act", a.mb, peer_chunk)
+        elif a.kind == "send_grad":
+            tensor, message = self._in_grads.pop((a.mb, a.chunk)), ("grad", a.mb, peer_chunk)
+        else:
+            tensor, message = None, (a.kind[5:], a.mb, a.chunk)
+        return (a.kind, a.mb, a.chunk), tensor, rank, message, str(a)
+
+    def _plan_posts(self, program) -> None:
+        """gloo: every peer's receives in program order, and the first of each posted now."""
+        for step in program:
+            if isinstance(step, MessageGroup):
+                for a in step.messages:
+                    if a.kind.startswith("recv"):
+                        rank = self.mesh.stage_rank(self._peer(self.mesh.pp_rank, a)[0])
+                        self._ahead.setdefault(rank, []).append(a)
+        for rank in self._ahead:
+            self._post_next(rank)
+
+    def _post_next(self, rank: int) -> None:
+        """Post the next receive from peer `rank` unless its group has issued it: a peer's
+        receives are posted in program order (the order it sends in), at most one ahead."""
+        queue = self._ahead.get(rank)
+        while queue and (queue[0].kind, queue[0].mb, queue[0].chunk) in self._recvs_issued:
+            queue.pop(0)
+        if queue:
+            a = queue.pop(0)
+            self._recvs_issued.add((a.kind, a.mb, a.chunk))
+            self.p2p.issue([self._message(a)])
+
     def _issue(self, group: MessageGroup) -> None:
-        """Issue one message group: its sends (tensors this stage produced) and receives."""
+        """Issue one message group: its sends (tensors this stage produced) and its receives
+        not posted ahead already."""
         issue, peers = [], set()
         for a in group.messages:
-            peer, peer_chunk = self._peer(self.mesh.pp_rank, a)
-            rank = self.mesh.stage_rank(peer)
-            peers.add(rank)
-            if a.kind == "send_act":
-                take = self._outputs.pop if self._forward_only else self._outputs.get
-                tensor, message = take((a.mb, a.chunk)), ("act", a.mb, peer_chunk)
-            elif a.kind == "send_grad":
-                tensor, message = self._in_grads.pop((a.mb, a.chunk)), ("grad", a.mb, peer_chunk)
-            else:
-                tensor, message = None, (a.kind[5:], a.mb, a.chunk)
-            issue.append(((a.kind, a.mb, a.chunk), tensor, rank, message, str(a)))
+            if (a.kind, a.mb, a.chunk) in self._recvs_issued:
+                continue
+            if a.kind.startswith("recv"):
+                self._recvs_issued.add((a.kind, a.mb, a.chunk))
+            issue.append(self._message(a))
+            peers.add(issue[-1][2])
+        if not issue:
+            return
         set_action(f"{group.name} {group} on pp stage {self.mesh.pp_rank} (with rank"
                    f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, sorted(peers)))})")
         start = self.clock.stamp() if self.trace else 0.0
@@ -283,6 +328,8 @@ class PipelineExecutor:
             self._trace.append((kind, a.mb, a.chunk, start, self.clock.stamp()))
         for send in self._acks.get((kind, a.mb, a.chunk), ()):
             self.p2p.release(*send)
+        if self.post_ahead:
+            self._post_next(peer)
         if kind == "recv_act":
             self._inputs[a.mb, a.chunk] = tensor.requires_grad_(not self._forward_only)
         else:
