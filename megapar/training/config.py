@@ -157,7 +157,7 @@ class TrainConfig:
     dry_run: bool = False
     """Rehearse the job on this CPU instead of training: the real start-up and one step's bookkeeping of each sampled rank of a --world-size job on a fake process group and fake tensors (no communication, no memory); prints each rank's weights, gradients, optimizer state, modelled activations, communication per step and checkpoint files, or fails with the error the job would give."""
     world_size: int | None = None
-    """With --dry-run: ranks of the job (dp = world size / (tp x pp)); default tp x pp x dp."""
+    """With --dry-run: ranks of the job (dp = world size / (tp x cp x pp)); default tp x cp x pp x dp."""
     gpus_per_node: int = 8
     """With --dry-run: ranks per node (which groups cross nodes)."""
     dry_run_ranks: str = "sample"
