@@ -183,6 +183,9 @@ TRAIN = [
     (["--from-hf", "{pickled_hf}"], "pytorch_model.bin: refused: not a plain pickle of weights"),
     (["--global-batch-size", "1000000000"], "--data holds fewer than one global batch of "
                                             "1000000000: at most"),
+    # a Hugging Face directory is not a checkpoint to resume (it would start from scratch)
+    (["--load", "{pickled_hf}"], "holds a Hugging Face model (config.json), not a megapar "
+                                 "checkpoint; start from it with --from-hf"),
 ]
 
 
@@ -229,6 +232,9 @@ EVAL = [
     (["--load", "/nonexistent/ckpt", "--data", "{prefix}", "--seq-len", "16"],
      "no such checkpoint directory"),
     (["--load", "{corrupt}", "--data", "{prefix}", "--seq-len", "16"], "checksum mismatch"),
+    (["--load", "{pickled_hf}", "--data", "{prefix}", "--seq-len", "16"],
+     "holds a Hugging Face model (config.json), not a megapar checkpoint; import it with "
+     "--from-hf"),
     (["--load", "{ckpt}", "--input-ids", "{ids:float}", "--save-logits", "out.npy"],
      "holds float64 values; token ids must be integers"),
     (["--load", "{ckpt}", "--input-ids", "{ids:flat}", "--save-logits", "out.npy"],

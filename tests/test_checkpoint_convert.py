@@ -104,9 +104,44 @@ def test_cli_convert_and_info(tmp_path, capsys):
 
 def test_cli_usage_errors(tmp_path, capsys):
     assert main([str(tmp_path / "a"), str(tmp_path / "b")]) == 2
-    assert "--tp N --pp M" in capsys.readouterr().err
+    assert f"{tmp_path / 'a'}: no such checkpoint directory" in capsys.readouterr().err
+    assert main([str(tmp_path / "a")]) == 2
+    assert "expected SRC DST [--tp N] [--pp M], got 1 path(s)" in capsys.readouterr().err
     assert main(["--info", str(tmp_path / "nothing")]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
+    save_serial(tmp_path / "src")
+    assert main([str(tmp_path / "src"), "--to-hf", str(tmp_path / "hf"), "--tp", "2"]) == 2
+    assert "--tp and --pp are not used with --to-hf" in capsys.readouterr().err
+    assert main([str(tmp_path / "src"), str(tmp_path / "b"), "--tp", "0"]) == 2
+    assert "--tp 0: a parallel size is at least 1" in capsys.readouterr().err
+
+
+def test_a_size_not_given_keeps_the_sources(tmp_path, capsys):
+    save_serial(tmp_path / "src")
+    assert main([str(tmp_path / "src"), str(tmp_path / "tp2"), "--tp", "2", "--pp", "2",
+                 "--no-progress"]) == 0
+    assert main([str(tmp_path / "tp2"), str(tmp_path / "pp4"), "--pp", "4", "--no-progress"]) == 0
+    assert "tp=2 pp=4" in capsys.readouterr().out
+    assert read_manifest(tmp_path / "pp4")["layout"] == {"tp": 2, "pp": 4, "dp": 1}
+
+
+def test_a_root_a_live_run_saves_into_is_never_replaced(tmp_path, capsys):
+    """--overwrite replaces a finished checkpoint, never the --save root of a live run (its
+    checkpoints and its lock would be gone, and a second writer let in)."""
+    from megapar.checkpoint.lock import SaveLock
+
+    save_serial(tmp_path / "src")
+    save_serial(tmp_path / "live")
+    before = sorted(p.name for p in (tmp_path / "live").iterdir())
+    with SaveLock(tmp_path / "live"):
+        assert main([str(tmp_path / "src"), str(tmp_path / "live"), "--tp", "2", "--pp", "1",
+                     "--overwrite", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is in use by another run" in err, err
+        assert sorted(p.name for p in (tmp_path / "live").iterdir()) == sorted(
+            [*before, "megapar.lock"])
+    assert main([str(tmp_path / "src"), str(tmp_path / "live"), "--tp", "2", "--pp", "1",
+                 "--overwrite", "--no-progress"]) == 0  # the run has ended: replaced
 
 
 def _to_separate_qkv(step_dir, heads):

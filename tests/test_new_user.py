@@ -499,6 +499,34 @@ def test_load_alone_resumes_with_the_checkpoints_settings(texts, cache, tiny_mod
     assert rc == 2 and "cannot continue its data order: dataset_len" in err
 
 
+def test_a_checkpoint_resumes_from_another_directory_and_names_data_that_moved(
+        texts, cache, tiny_model, tmp_path, capsys, monkeypatch):
+    """A relative --data is recorded as an absolute path, so `--load` alone resumes from any
+    directory; data moved since is named (never replaced by the shipped sample)."""
+    (tmp_path / "job").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "job" / "my text.txt").write_text(texts["poem"].read_text())
+    monkeypatch.chdir(tmp_path / "job")
+    rc, err = _run(train, ["--data", "my text.txt", "--data-cache", cache, "--model", tiny_model,
+                           "--tokenizer", "sentencepiece", "--seq-len", "32",
+                           "--global-batch-size", "8", "--max-steps", "2", "--save", "ckpt",
+                           "--no-progress"], capsys)
+    assert rc == 0, err
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    log = tmp_path / "log.jsonl"
+    rc, err = _run(train, ["--load", "../job/ckpt", "--data-cache", cache, "--max-steps", "3",
+                           "--log-json", log, "--no-progress"], capsys)
+    assert rc == 0, err
+    assert f"--data {tmp_path / 'job' / 'my text.txt'}" in err
+    assert [r["step"] for r in _records(log)] == [3]
+    (tmp_path / "job" / "my text.txt").rename(tmp_path / "job" / "moved.txt")
+    rc, err = _run(train, ["--load", "../job/ckpt", "--data-cache", cache, "--max-steps", "4",
+                           "--no-progress"], capsys)
+    assert rc == 2, err
+    assert (f"was trained on --data {tmp_path / 'job' / 'my text.txt'}, which is not found "
+            f"from here; pass --data") in err
+
+
 def test_a_raised_max_steps_stretches_the_lr_schedule(texts, cache, tiny_model, tmp_path,
                                                       capsys):
     """Extending a finished run (`--load CKPT --max-steps` higher, as the 'nothing left to

@@ -37,6 +37,7 @@ from megapar.checkpoint.format import (
     step_dir_name,
 )
 from megapar.checkpoint.hf import HF_FILES, HFReader, save_hf
+from megapar.checkpoint.lock import SaveLockError, check_unlocked
 from megapar.checkpoint.manifest import verify, write_manifest
 from megapar.checkpoint.publish import resolve_checkpoint, set_latest
 from megapar.data.preprocess import file_sha256
@@ -75,6 +76,12 @@ def _local(entry: dict) -> int | None:
 
 
 def _refuse_existing(dst: Path, overwrite: bool) -> None:
+    """Refuse a `dst` that exists (unless `overwrite`) or that a live run saves into (always:
+    replacing it would delete that run's checkpoints and its lock)."""
+    try:
+        check_unlocked(dst)
+    except SaveLockError as exc:
+        raise CheckpointError(f"cannot replace {dst}: {exc}") from None
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} already exists; pass --overwrite to replace it (it is "
                               f"replaced only once the new output is complete)")
@@ -159,6 +166,7 @@ def write_checkpoint(dst, step: int, layout: Layout, config, meta: dict,
         write_manifest(step_dir, manifest)
         fsync_dir(step_dir)
         set_latest(tmp, step_dir.name)
+        _refuse_existing(dst, overwrite)  # a run may have started saving there meanwhile
         _swap_into(tmp, dst)
     except BaseException:
         for writer in writers.values():

@@ -194,5 +194,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     newest = newest_step(path)
     if newest is not None:  # a crash before the first `latest` was written
         return newest
+    if (path / "config.json").exists():
+        raise CheckpointError(f"{path} holds a Hugging Face model (config.json), not a megapar "
+                              f"checkpoint; import it with --from-hf {path}")
     raise CheckpointError(f"{path}: neither a checkpoint step directory (no {MANIFEST}) nor a "
                           f"checkpoint root (no {LATEST} file); was the save interrupted?")

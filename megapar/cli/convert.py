@@ -12,7 +12,8 @@ Examples:
 SRC may be a checkpoint root (its ``latest`` is followed) or a step directory; DST is a new
 checkpoint root. Sources are verified (sizes and sha256) first. Outputs are built in a hidden
 temporary directory and renamed at the end: on any error DST is left as it was. An existing
-DST is refused unless --overwrite. --to-hf DIR writes config.json + model.safetensors and the
+DST is refused unless --overwrite, and the --save root of a live run always. A target --tp or
+--pp not given keeps the source's (1 with --from-hf). --to-hf DIR writes config.json + model.safetensors and the
 tokenizer the checkpoint trained with (tokenizer.json + tokenizer_config.json, checked to
 encode as megapar does; --tokenizer to name it) into DIR as transformers' save_pretrained
 does, in the dtype of the Hugging Face model it came from (else float32; --dtype to choose);
@@ -34,8 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="*", metavar="PATH", help="SRC DST, DST (--from-hf) or SRC "
                                                             "(--to-hf)")
-    p.add_argument("--tp", type=int, help="target tensor-parallel size")
-    p.add_argument("--pp", type=int, help="target pipeline-parallel size")
+    p.add_argument("--tp", type=int, help="target tensor-parallel size (default: the source's; "
+                                          "1 with --from-hf)")
+    p.add_argument("--pp", type=int, help="target pipeline-parallel size (default: the source's; "
+                                          "1 with --from-hf)")
     p.add_argument("--dp", type=int, default=1, help="target data-parallel size (recorded only; "
                                                      "files never depend on dp)")
     p.add_argument("--from-hf", metavar="HF_DIR", help="import a transformers directory")
@@ -64,14 +67,19 @@ def _need(args, n: int, usage: str) -> list[str]:
     return args.paths
 
 
-def _need_layout(args) -> None:
-    if args.tp is None or args.pp is None:
-        raise ValueError("give the target layout with --tp N --pp M")
+def _fill_layout(args, source: dict) -> None:
+    """A target size not given keeps the source's (`source`: {"tp": .., "pp": ..})."""
+    for name in ("tp", "pp"):
+        if getattr(args, name) is None:
+            setattr(args, name, int(source.get(name, 1)))
+        elif getattr(args, name) < 1:
+            raise ValueError(f"--{name} {getattr(args, name)}: a parallel size is at least 1")
 
 
 def run(args) -> str:
     """Do what the arguments ask; returns the report to print."""
     from megapar.checkpoint import convert as cv
+    from megapar.checkpoint.manifest import read_manifest
 
     progress = not args.no_progress
     if sum(x is not None for x in (args.from_hf, args.to_hf, args.info)) > 1:
@@ -83,6 +91,9 @@ def run(args) -> str:
         raise ValueError("--tokenizer and --dtype are used only with --to-hf")
     if args.to_hf:
         (src,) = _need(args, 1, "SRC --to-hf HF_DIR")
+        if args.tp is not None or args.pp is not None:
+            raise ValueError("--tp and --pp are not used with --to-hf: an export is one "
+                             "unsharded model; drop them")
         out = cv.export_hf(src, args.to_hf, overwrite=args.overwrite, tokenizer=args.tokenizer,
                            dtype=args.dtype)
         report = f"wrote transformers directory {out}"
@@ -90,9 +101,9 @@ def run(args) -> str:
             report += ("\nnote: the checkpoint records no tokenizer, so the export has none "
                        "(AutoTokenizer cannot load it); pass --tokenizer SPEC")
         return report
-    _need_layout(args)
     if args.from_hf:
-        (dst,) = _need(args, 1, "--from-hf HF_DIR DST --tp N --pp M")
+        (dst,) = _need(args, 1, "--from-hf HF_DIR DST [--tp N] [--pp M]")
+        _fill_layout(args, {})
         path, initialised = cv.import_hf(args.from_hf, dst, args.tp, args.pp, args.dp,
                                          seed=args.seed, overwrite=args.overwrite,
                                          progress=progress)
@@ -101,7 +112,8 @@ def run(args) -> str:
             report += (f"\nnot in {args.from_hf}, initialised from --seed {args.seed}: "
                        f"{', '.join(initialised)}")
         return report
-    src, dst = _need(args, 2, "SRC DST --tp N --pp M")
+    src, dst = _need(args, 2, "SRC DST [--tp N] [--pp M]")
+    _fill_layout(args, read_manifest(src)["layout"] if args.tp is None or args.pp is None else {})
     path = cv.convert_checkpoint(src, dst, args.tp, args.pp, args.dp, overwrite=args.overwrite,
                                  progress=progress)
     return f"wrote {path} (tp={args.tp} pp={args.pp} dp={args.dp})"

@@ -67,6 +67,22 @@ def parse_blend(spec) -> list[tuple[float, str]] | None:
     return [(w / total, p) for w, p in pairs]
 
 
+def absolute_data(spec):
+    """`spec` (a --data value) with every path that names data here made absolute, so that a
+    checkpoint's record of it still finds the data from another directory. A single path stays
+    a string; a blend becomes a WEIGHT PATH list (its paths may hold spaces)."""
+    def absolute(path: str) -> str:
+        return os.path.abspath(os.path.expanduser(path)) if _names_data(path) else path
+
+    if spec is None:
+        return None
+    blend = parse_blend(spec)
+    if blend is None:
+        return absolute(spec[0] if isinstance(spec, list) else spec)
+    items = spec.split() if isinstance(spec, str) else [str(x) for x in spec]
+    return [x if i % 2 == 0 else absolute(x) for i, x in enumerate(items)]
+
+
 def data_paths(spec) -> list[str | None]:
     """The paths of a --data value: a blend's, or the single one ([None] for no --data)."""
     if spec is None:

@@ -29,6 +29,7 @@ import re
 from megapar.checkpoint.distributed import NON_STRUCTURAL
 from megapar.checkpoint.format import MANIFEST, CheckpointError, probe_writable
 from megapar.checkpoint.manifest import verify
+from megapar.checkpoint.publish import has_checkpoint
 from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
 from megapar.models.config import config_from_dict
@@ -219,6 +220,9 @@ def check_load_path(cfg) -> None:
         raise UsageError(f"--load {cfg.load} is a file; give the checkpoint directory (e.g. its "
                          f"parent {parent})")
     if os.path.exists(path):
+        if os.path.isfile(os.path.join(path, "config.json")) and not has_checkpoint(path):
+            raise UsageError(f"--load {cfg.load} holds a Hugging Face model (config.json), not a "
+                             f"megapar checkpoint; start from it with --from-hf {cfg.load}")
         return
     root = os.path.dirname(os.path.abspath(path))
     blocker = root
@@ -281,7 +285,9 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
             continue
         value = saved[name]
         if name == "data" and value is not None and not _data_exists(value):
-            continue  # moved since: the sampler check names the difference if it matters
+            shown = value if isinstance(value, str) else " ".join(map(str, value))
+            raise UsageError(f"--load {cfg.load} was trained on --data {shown}, which is not "
+                             f"found from here; pass --data with where that data is now")
         if value != getattr(cfg, name):
             setattr(cfg, name, value)
             taken.append(f"{_flag(name)} {value}")
