@@ -146,6 +146,32 @@ def test_an_export_carries_the_tokenizer_it_trained_with(tmp_path, text, name, c
     assert isinstance(hf.decode(generated[0]), str)
 
 
+@pytest.mark.parametrize("tokenizer", ["gpt2", "sentencepiece"])
+def test_a_bert_export_encodes_sentences_as_it_trained(tmp_path, text, tokenizer):
+    """megapar's masked-LM samples are [CLS] A [SEP] B [SEP] (B with token type 1): an exported
+    BERT's tokenizer adds the same, so a client feeds the model what it saw in training."""
+    model = tmp_path / "bert.json"
+    model.write_text(json.dumps({"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2,
+                                 "num_attention_heads": 4, "intermediate_size": 64,
+                                 "max_position_embeddings": 64}))
+    ckpt = tmp_path / "ckpt"
+    assert train(["--data", text, "--tokenizer", tokenizer, "--model", str(model),
+                  "--data-cache", str(tmp_path / "cache"), "--save", str(ckpt), *TINY]) == 0
+    out = tmp_path / "exported"
+    assert convert([str(ckpt), "--to-hf", str(out)]) == 0
+    ours, hf = load_tokenizer(tokenizer), transformers.AutoTokenizer.from_pretrained(out)
+    a, b = ours.encode("To be, or not to be"), ours.encode(" that is the question")
+    assert hf("To be, or not to be")["input_ids"] == [ours.cls_id, *a, ours.sep_id]
+    pair = hf("To be, or not to be", " that is the question")
+    assert pair["input_ids"] == [ours.cls_id, *a, ours.sep_id, *b, ours.sep_id]
+    assert pair["token_type_ids"] == [0] * (len(a) + 2) + [1] * (len(b) + 1)
+    assert hf("To be", add_special_tokens=False)["input_ids"] == ours.encode("To be")
+    masked = transformers.AutoModelForMaskedLM.from_pretrained(out)
+    with torch.no_grad():
+        logits = masked(**hf("To be, or [MASK] to be", return_tensors="pt")).logits
+    assert logits.shape[-1] == masked.config.vocab_size and torch.isfinite(logits).all()
+
+
 def test_a_moved_or_changed_tokenizer_is_named_and_can_be_given(tmp_path, text, capsys):
     model_file = tmp_path / "mine.model"
     shutil.copy(asset_path("botchan_en_unigram_1000.model"), model_file)

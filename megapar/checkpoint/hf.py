@@ -321,7 +321,8 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
-        save_for_transformers(tokenizer, str(out_dir), config.vocab_size)
+        save_for_transformers(tokenizer, str(out_dir), config.vocab_size,
+                              sentence_pairs=config.model_type == "bert")
     if dtype is not None:
         canonical = {k: v.to(dtype) for k, v in canonical.items()}
     tmp = {name: out_dir / f".{name}.tmp-{os.getpid()}" for name in HF_FILES}

@@ -17,7 +17,7 @@ import tempfile
 from typing import Iterable
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from megapar.data.assets import asset_path
 from megapar.data.tokenizer import PROBE_TEXT, Tokenizer
@@ -145,7 +145,7 @@ Shakespeare sample (literal special tokens are left out: transformers gives thei
 the pieces of their text)."""
 
 
-def to_transformers(tok: Tokenizer, vocab_size: int | None = None):
+def to_transformers(tok: Tokenizer, vocab_size: int | None = None, sentence_pairs: bool = False):
     """A transformers fast tokenizer that encodes text to `tok`'s ids, carrying `tok`'s special
     tokens as megapar trains with them: its end of document as ``eos_token``, a beginning of
     sequence only when megapar-data starts documents with it (GPT-2's is its end of text, as
@@ -153,7 +153,8 @@ def to_transformers(tok: Tokenizer, vocab_size: int | None = None):
     none at an id the model (of `vocab_size` ids, when given) does not have: a transformers
     GPT-2 of 50,257 ids gets no [PAD] at 50,257 that batch padding would look up. A
     SentencePiece model is converted by transformers from the model's own settings; a
-    transformers directory is loaded as it is."""
+    transformers directory is loaded as it is. With `sentence_pairs` (a BERT export) encoding
+    adds [CLS] A [SEP] (and B [SEP], token type 1) as megapar's masked-LM samples have them."""
 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -184,11 +185,21 @@ def to_transformers(tok: Tokenizer, vocab_size: int | None = None):
     for role, tid in roles.items():
         if getattr(hf, role, None) is None:
             setattr(hf, role, hf.convert_ids_to_tokens(tid))
+    if sentence_pairs and tok.kind != "hf" and {"cls_token", "sep_token"} <= set(roles):
+        cls, sep = hf.convert_ids_to_tokens(tok.cls_id), hf.convert_ids_to_tokens(tok.sep_id)
+        template = processors.TemplateProcessing(
+            single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+            special_tokens=[(cls, tok.cls_id), (sep, tok.sep_id)])
+        before = hf._tokenizer.post_processor  # byte-level BPE's offset trimming is kept
+        hf._tokenizer.post_processor = processors.Sequence([before, template]) \
+            if isinstance(before, processors.ByteLevel) else template
+        hf.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
+        hf.init_kwargs["model_input_names"] = hf.model_input_names  # saved in its config
     return hf
 
 
-def save_for_transformers(tok: Tokenizer, out_dir: str,
-                          vocab_size: int | None = None) -> list[str]:
+def save_for_transformers(tok: Tokenizer, out_dir: str, vocab_size: int | None = None,
+                          sentence_pairs: bool = False) -> list[str]:
     """Write `tok` into `out_dir` as transformers' ``save_pretrained`` does (tokenizer.json,
     tokenizer_config.json, and a SentencePiece model's ``tokenizer.model``), so that
     ``AutoTokenizer.from_pretrained(out_dir)`` is the training tokenizer. Checked before
@@ -200,7 +211,7 @@ def save_for_transformers(tok: Tokenizer, out_dir: str,
 
     with open(asset_path("shakespeare_sample.txt"), encoding="utf-8") as f:
         texts = [*SAMPLE_TEXTS, f.read(4000)]
-    hf = to_transformers(tok, vocab_size)
+    hf = to_transformers(tok, vocab_size, sentence_pairs)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tokenizer.tmp-", dir=parent)
