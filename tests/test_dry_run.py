@@ -160,6 +160,13 @@ def test_a_layout_the_job_refuses_fails_with_the_jobs_message(capsys, monkeypatc
     (["--dry-run", "--world-size", "0"], "--world-size 0 is invalid"),
     (["--dry-run", "--world-size", "4", "--dry-run-ranks", "4"], "rank 4 is not in a job of 4"),
     (["--dry-run", "--world-size", "4", "--dry-run-ranks", "x"], "'x' is not a rank"),
+    (["--json"], "--json only applies to a rehearsal: add --dry-run"),
+    (["--dry-run", "--tp", "2", "--world-size", "8", "--gpus-per-node", "3"],
+     "--world-size 8 spans several nodes of --gpus-per-node 3 but is not a multiple of it"),
+    (["--dry-run", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+      "--world-size", "2", "--global-batch-size", "20", "--micro-batch-size", "4"],
+     "the nearest valid m are 4 and 6 (every m <= pp and every multiple of pp is valid, and some "
+     "others); m is --global-batch-size / (--micro-batch-size x dp) = 20 / 4"),
 ])
 def test_rehearsal_flags_are_checked(capsys, argv, message):
     rc, _, err = _train(["--model", "gpt2-tiny"] + argv, capsys)
@@ -173,10 +180,20 @@ def test_with_data_the_first_batch_is_the_samplers(capsys, tmp_path):
     from megapar.training.config import parse_args
     from megapar.training.data import build_datasets, make_sampler
 
+    from megapar.cli.data import main as data_main
+
     text = tmp_path / "corpus.txt"
     text.write_text("\n\n".join(f"Paragraph {i}: " + "some words here " * 40
                                 for i in range(60)))
-    argv = ["--model", "gpt2-tiny", "--data", str(text), "--data-cache", str(tmp_path / "c"),
+    rc, out, err = _train(["--model", "gpt2-tiny", "--data", str(text), "--data-cache",
+                           str(tmp_path / "c"), "--dry-run", "--world-size", "2"], capsys)
+    assert rc == 0 and "is raw text, which a rehearsal does not tokenize" in err
+    assert not (tmp_path / "c").exists()  # nothing written
+    assert data_main(["--input", str(text), "--output-prefix", str(tmp_path / "corpus"),
+                      "--no-progress"]) == 0
+    capsys.readouterr()
+    argv = ["--model", "gpt2-tiny", "--data", str(tmp_path / "corpus"), "--data-cache",
+            str(tmp_path / "c"),
             "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--pp",
             "2", "--world-size", "4", "--dry-run", "--json", "--dry-run-ranks", "all"]
     rc, out, err = _train(argv, capsys)

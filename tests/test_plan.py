@@ -323,6 +323,39 @@ def test_cli_json_and_explain(capsys):
     assert code == 2 and "1024 positions" in out.err
 
 
+def test_the_interleaved_formula_spreads_the_warmup_over_chunks_as_the_schedule_does():
+    """Above the simulated size the planner counts interleaved 1F1B's in-flight micro-batches
+    per chunk from Megatron's warmup (rounds of pp through each chunk in turn): the first chunk
+    holds more, as the simulated programs show at the sizes both cover."""
+    from megapar.plan import pipeline
+
+    for pp, m, v in [(4, 8, 2), (4, 16, 2), (8, 16, 2), (4, 12, 3)]:
+        for stage in range(pp - 1):  # the last stage's peak falls a forward earlier
+            held = pipeline.stage_held("interleaved", pp, m, v, stage)
+            peak = max(held, key=lambda point: (sum(point[0]), point[1]))
+            assert pipeline.chunk_counts("interleaved", pp, m, v, stage) == list(peak[0])
+    assert pipeline.chunk_counts("1f1b", 4, 8, 1, 0) == [4.0]
+
+
+def test_the_cli_names_what_the_user_can_change(capsys):
+    """No valid layout: the reasons are those of layouts the model allows (not every tp that
+    does not divide the heads), one line per kind; --explain names a split that cannot fill
+    --gpus; nothing fits: only fixes not already tried are suggested."""
+    base = ["--model", "gpt3-175b", "--global-batch-size", "1536", "--seq-len", "2048"]
+    code, out = _cli(capsys, *base, "--gpus", "1048576")
+    line = out.out.strip().splitlines()[-1]
+    assert code == 1 and line.startswith("no valid layout; most common reasons: global batch "
+                                         "1536 is not divisible by dp"), line
+    assert "attention heads" not in line and "layouts like it" in line
+    code, out = _cli(capsys, *base, "--gpus", "1024", "--explain", "tp=8,pp=17")
+    assert code == 1 and "tp*pp = 136 does not divide 1024, so no dp fills it" in out.out
+    code, out = _cli(capsys, *base, "--gpus", "8")
+    assert code == 1 and "no layout fits: raise --gpus or --gpu-memory-gb, try context" in out.out
+    assert "--recompute full" not in out.out  # already among the layouts tried
+    code, out = _cli(capsys, *base, "--gpus", "8", "--recompute", "none")
+    assert "add --recompute full" in out.out
+
+
 def test_command_uses_only_flags_megapar_train_has():
     import dataclasses
 

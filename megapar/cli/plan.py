@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 
 from megapar.dryrun.verify import verify_layout
+from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
 from megapar.plan import Problem, check, estimate, parse_candidate, plan
@@ -113,6 +115,15 @@ def _problem(args):
                    args.intra_node_gbps, args.inter_node_gbps, args.latency_us)
 
 
+def _model_allows(config, c) -> bool:
+    """Whether the model can be cut as candidate `c` (heads over tp, layers over pp)."""
+    try:
+        config.validate(Layout(c.tp, c.pp, 1, cp=c.cp))
+    except (LayoutError, ConfigError):
+        return False
+    return True
+
+
 def _explain(args, problem) -> int:
     c = parse_candidate(args.explain, problem.gpus)
     reason = check(c, problem.config, problem.gpus, problem.gpus_per_node, problem.global_batch,
@@ -174,13 +185,25 @@ def main(argv=None) -> int:
           f"{len(rejected)} rejected")
     print(table(estimates[:args.top], problem.master_weights))
     if not estimates:
-        common = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
-        print("no valid layout; most common reasons: " + "; ".join(r for r, _ in common))
+        # what stops the layouts the model itself allows (tp dividing its heads, ...) is what
+        # the user can change; the same reason for other sizes counts as one kind
+        allowed = [r for c, r in rejected if _model_allows(problem.config, c)]
+        kinds: dict[str, list] = {}
+        for reason in allowed or [r for _, r in rejected]:
+            kind = kinds.setdefault(re.sub(r"\d+", "N", reason.split(";")[0]),
+                                    [0, reason.split(";")[0]])
+            kind[0] += 1
+        common = sorted(kinds.values(), key=lambda kv: -kv[0])[:3]
+        print("no valid layout; most common reasons: " + "; ".join(
+            f"{example} ({n:,} layout{'s' if n > 1 else ''} like it)" for n, example in common))
         return 1
     if best is None:
-        more_cp = "" if args.cp_sizes else ", try context parallelism (--cp-sizes 1 2 4 8)"
-        print(f"no layout fits: raise --gpus or --gpu-memory-gb, add --recompute full{more_cp}, "
-              f"or shorten --seq-len")
+        fixes = ["raise --gpus or --gpu-memory-gb"]
+        if "full" not in args.recompute:
+            fixes.append("add --recompute full")
+        if not args.cp_sizes:
+            fixes.append("try context parallelism (--cp-sizes 1 2 4 8)")
+        print(f"no layout fits: {', '.join(fixes)}, or shorten --seq-len")
         return 1
     print(f"\nchosen: {best.candidate.label()}\ncommand: {cmd[0]}")
     for m in cmd[1]:

@@ -78,6 +78,12 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     check_settings(cfg)
     if cfg.dry_run:  # the job's size as given, on this one process
         world = cfg.world_size or cfg.tp * cfg.cp * cfg.pp * (cfg.dp or 1)
+        if world > cfg.gpus_per_node and world % cfg.gpus_per_node:
+            raise UsageError(f"--world-size {world} spans several nodes of --gpus-per-node "
+                             f"{cfg.gpus_per_node} but is not a multiple of it (torchrun starts "
+                             f"the same number of processes on every node); give a multiple "
+                             f"of {cfg.gpus_per_node}, or the --gpus-per-node each node really "
+                             f"uses")
         layout = Layout.infer(world, cfg.tp, cfg.pp, cfg.dp, cfg.rank_order, cfg.cp)
     elif under_launcher():
         layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order,
@@ -127,7 +133,12 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
                              f"{cfg.seq_len} tokens by its size; use more data, a shorter "
                              f"--seq-len or a smaller --global-batch-size")
 
-    check_schedule(cfg.schedule, layout.pp, cfg.global_batch_size // per_step, cfg.virtual_stages)
+    try:
+        check_schedule(cfg.schedule, layout.pp, cfg.global_batch_size // per_step,
+                       cfg.virtual_stages)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; m is --global-batch-size / (--micro-batch-size x dp) = "
+                         f"{cfg.global_batch_size} / {per_step}") from None
     if not cfg.dry_run:  # a rehearsal writes nothing (its --save is the cluster's path)
         check_outputs(cfg)  # an unwritable --save is not found after the run
         if cfg.save and _takes_save_lock():

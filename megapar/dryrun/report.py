@@ -22,6 +22,11 @@ def size(nbytes: float) -> str:
     return f"{nbytes:.2f} TiB"
 
 
+def _order(layout) -> str:
+    """The rank order, fastest axis first, with cp next to tp when there is one."""
+    return layout.order.replace("tp-", "tp-cp-", 1) if layout.cp > 1 else layout.order
+
+
 def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: int) -> str:
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
     mbs = f"{m} micro-batch{'' if m == 1 else 'es'}"
@@ -33,7 +38,7 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
     return (f"megapar-train --dry-run: {config.model_type} with {n_params:,} parameters on "
             f"{layout.world_size:,} rank{'s' if layout.world_size > 1 else ''} (tp {layout.tp} x "
             + (f"cp {layout.cp} x " if layout.cp > 1 else "") + f"pp {layout.pp} x dp {layout.dp}, "
-            f"rank order {layout.order}; {nodes:,} node{'s' if nodes > 1 else ''} of "
+            f"rank order {_order(layout)}; {nodes:,} node{'s' if nodes > 1 else ''} of "
             f"{gpus_per_node}); schedule {cfg.schedule}{v}, {mbs} of "
             f"{cfg.micro_batch_size} x {cfg.seq_len} tokens per step on each dp rank; "
             f"{', '.join(extras)}\nrehearsing {ranks} rank{'s' if ranks > 1 else ''} on this "

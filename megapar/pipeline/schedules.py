@@ -241,11 +241,15 @@ def interleaved_rounds(pp: int, m: int, what: str = "interleaved 1F1B") -> int:
     naming the valid m otherwise. Cheap: the planner checks every candidate with it."""
     rounds = max(1, m // pp)
     if m % rounds:
-        ok = [k for k in range(1, 4 * pp + 1) if k % max(1, k // pp) == 0]
+        def valid(k: int) -> bool:
+            return k % max(1, k // pp) == 0
+
+        below = next(k for k in range(m - 1, 0, -1) if valid(k))
+        above = next(k for k in range(m + 1, m + pp + 1) if valid(k))  # a multiple of pp is
         raise ValueError(
             f"{what} runs the {m} micro-batches in max(1, m // pp) = {rounds} rounds of equal "
-            f"size, so m must be divisible by {rounds}; use m <= pp or a multiple of pp "
-            f"(valid m up to {4 * pp} for pp={pp}: {', '.join(map(str, ok))})")
+            f"size, so m must be divisible by {rounds}; the nearest valid m are {below} and "
+            f"{above} (every m <= pp and every multiple of pp is valid, and some others)")
     return m // rounds
 
 

@@ -243,10 +243,11 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
                 return sum(k * w for k, w in zip(flight, chunks)) + buffers * message
             peak = max(seen, key=held)
             activations, in_flight = held(peak), sum(peak[0]) / c.v
-        else:   # the formula's count, spread evenly over the chunks, each output held
+        else:   # the formula's count over the chunks, each output held
             in_flight = totals[stage]
-            outputs = sum(0 if spec.post_process else message for spec in specs)
-            activations = in_flight * (sum(chunks) + outputs)
+            per_chunk = pipeline.chunk_counts(c.schedule, c.pp, m, c.v, stage)
+            activations = sum(k * (w + (0 if spec.post_process else message))
+                              for k, w, spec in zip(per_chunk, chunks, specs))
         buffers = cp_buffers(p, c)                      # cp attention's K/V in flight
         if c.recompute != "none":                       # one layer rebuilt during backward
             buffers += full - per_layer

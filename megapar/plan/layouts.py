@@ -91,8 +91,8 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
             except ValueError:
                 raise ValueError(f"--explain: {key}={value!r} is not an integer") from None
     if "dp" not in values and gpus:
-        values["dp"] = max(1, gpus // (values.get("tp", 1) * values.get("cp", 1)
-                                       * values.get("pp", 1)))
+        split = values.get("tp", 1) * values.get("cp", 1) * values.get("pp", 1)
+        values["dp"] = max(1, gpus // split) if split > 0 else 1  # `check` names a remainder
     return Candidate(**values)
 
 
@@ -104,10 +104,12 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
     except LayoutError as exc:
         return str(exc)
     if c.tp * c.cp * c.pp * c.dp != gpus:
-        if c.cp > 1:
-            return (f"tp*cp*pp*dp = {c.tp}*{c.cp}*{c.pp}*{c.dp} = "
-                    f"{c.tp * c.cp * c.pp * c.dp} is not --gpus {gpus}")
-        return f"tp*pp*dp = {c.tp}*{c.pp}*{c.dp} = {c.tp * c.pp * c.dp} is not --gpus {gpus}"
+        names, sizes = ("tp*cp*pp", f"{c.tp}*{c.cp}*{c.pp}") if c.cp > 1 else \
+            ("tp*pp", f"{c.tp}*{c.pp}")
+        split = c.tp * c.cp * c.pp
+        why = (f": {names} = {split} does not divide {gpus}, so no dp fills it"
+               if gpus % split else "")
+        return f"{names}*dp = {sizes}*{c.dp} = {split * c.dp} is not --gpus {gpus}{why}"
     if c.tp > gpus_per_node:
         return (f"tp {c.tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
                 f"parallelism needs the intra-node link")
@@ -127,7 +129,7 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
         if config.num_layers < c.pp * c.v:
             return (f"{config.num_layers} layers cannot be cut into pp*v = {c.pp}*{c.v} model "
                     f"chunks (each needs at least one layer)")
-        try:  # megapar-train's own rule: m <= pp or a multiple of pp
+        try:  # megapar-train's own rule (m divisible by max(1, m // pp))
             interleaved_rounds(c.pp, m)
         except ValueError as exc:
             return str(exc)

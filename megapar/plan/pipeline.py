@@ -100,6 +100,19 @@ def stage_held(name: str, pp: int, m: int, v: int, stage: int):
     return messages.held(messages.programs(name, pp, m, v), stage, placement_of(name))
 
 
+def chunk_counts(name: str, pp: int, m: int, v: int, stage: int) -> list[float]:
+    """The formula's peak micro-batches in flight on each model chunk of `stage`: interleaved
+    1F1B's warmup forwards (and the first steady one) run chunk by chunk in rounds of pp
+    micro-batches, so the first chunk holds more; other schedules have one chunk."""
+    total = in_flight(name, pp, m, v, simulate=False)[0][stage] * v
+    if name != "interleaved":
+        return [total / v] * v
+    counts = [0.0] * v
+    for j in range(int(total)):
+        counts[(j // pp) % v] += 1
+    return counts
+
+
 @lru_cache(maxsize=4096)
 def in_flight(name: str, pp: int, m: int, v: int = 1,
               simulate: bool = True) -> tuple[tuple[float, ...], str]:

@@ -254,7 +254,11 @@ def _dry_run_without_data(cfg: TrainConfig) -> str | None:
         return "no --data given"
     try:
         for path in data_paths(cfg.data):
-            _text_or_prefix(cfg, path)
+            if is_raw_text(_text_or_prefix(cfg, path)):
+                return (f"--data {path} is raw text, which a rehearsal does not tokenize: it "
+                        f"writes nothing, and a corpus can take hours; tokenize it once with "
+                        f"megapar-data and rehearse with its --output-prefix to see batch "
+                        f"indices")
     except FileNotFoundError as exc:
         return str(exc)
     return None

@@ -121,8 +121,10 @@ def check_settings(cfg) -> None:
     rehearsal = [name for name in ("world_size", "gpus_per_node", "dry_run_ranks", "json")
                  if name in explicit(cfg)]
     if rehearsal and not cfg.dry_run:
-        raise UsageError(f"{_flag(rehearsal[0])} only applies to a rehearsal: add --dry-run (a "
-                         f"run's world size is the number of processes started)")
+        why = {"world_size": " (a run's world size is the number of processes started)",
+               "gpus_per_node": " (a run's nodes are the ones torchrun or Slurm starts)"}
+        raise UsageError(f"{_flag(rehearsal[0])} only applies to a rehearsal: add --dry-run"
+                         f"{why.get(rehearsal[0], '')}")
     if cfg.grad_compression != "none" and cfg.grad_reduce_dtype != "auto":
         raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} and --grad-compression "
                          f"{cfg.grad_compression} both choose how gradients travel; give one "
