@@ -186,6 +186,11 @@ TRAIN = [
     # a Hugging Face directory is not a checkpoint to resume (it would start from scratch)
     (["--load", "{pickled_hf}"], "holds a Hugging Face model (config.json), not a megapar "
                                  "checkpoint; start from it with --from-hf"),
+    # a dataset's file, a directory of datasets or a checkpoint is not text to tokenize
+    (["--data", "{prefix.bin}"], ".bin is a file of the dataset"),
+    (["--data", "{prefix.bin}"], "; pass the prefix without .bin: --data "),
+    (["--data", "{cache}"], "is a directory of tokenized datasets; pass a dataset's prefix"),
+    (["--data", "{ckpt}"], "is a megapar checkpoint, not data; pass it to --load"),
 ]
 
 
@@ -199,6 +204,7 @@ def _fill(argv, env):
              "ckpt/step_00000099": env["ckpt"] + "/step_00000099",
              "ckpt/typo": env["ckpt"] + "/typo", "too_many": TOO_MANY,
              "pickled_hf": str(env["root"] / "pickled_hf"),
+             "prefix.bin": env["prefix"] + ".bin", "cache": str(env["root"] / "cache"),
              **{f"ids:{k}": str(v) for k, v in env["ids"].items()}}
     return [names[a[1:-1]] if a.startswith("{") else a for a in argv]
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megapar.checkpoint.format import MANIFEST
 from megapar.checkpoint.hf import HFReader
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import (
@@ -93,6 +94,7 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
     if is_raw_text(data):
         if not os.path.exists(data):
             raise FileNotFoundError(f"--data {data}: no such text file")
+        _refuse_what_is_not_text(data)
         return data
     missing = missing_files(data)
     if missing:
@@ -100,6 +102,26 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
             f"--data {data}: {', '.join(os.path.basename(m) for m in missing)} not found; pass "
             f"the prefix written by `megapar-data --output-prefix`, or a raw .txt file")
     return data
+
+
+def _refuse_what_is_not_text(path: str) -> None:
+    """A ValueError naming the fix for a --data path that looks like text to tokenize but is a
+    prepared dataset's file, a directory of datasets, or a checkpoint."""
+    stem, ext = os.path.splitext(path)
+    if ext in (".bin", ".idx") and os.path.exists(stem + (".idx" if ext == ".bin" else ".bin")):
+        raise ValueError(f"--data {path} is a file of the dataset {stem}; pass the prefix "
+                         f"without {ext}: --data {stem}")
+    if not os.path.isdir(path):
+        return
+    names = os.listdir(path)
+    if MANIFEST in names or "latest" in names or any(n.startswith("step_") for n in names):
+        raise ValueError(f"--data {path} is a megapar checkpoint, not data; pass it to --load, "
+                         f"and the text or dataset it trained on to --data")
+    prefixes = sorted(n[:-4] for n in names if n.endswith(".idx") and n[:-4] + ".bin" in names)
+    if prefixes:
+        shown = ", ".join(os.path.join(path, p) for p in prefixes[:3])
+        raise ValueError(f"--data {path} is a directory of tokenized datasets; pass a dataset's "
+                         f"prefix (e.g. --data {shown}), or a blend of them")
 
 
 def missing_files(prefix: str) -> list[str]:
