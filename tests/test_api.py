@@ -160,6 +160,34 @@ def test_engine_save_load_resumes_exactly(run, tmp_path, layout):
     assert first + rest == full  # bitwise: weights, Adam moments, schedule, dropout RNG restored
 
 
+def test_megapar_train_load_takes_an_engine_checkpoints_settings(run, tmp_path):
+    """A checkpoint of `engine.save` records the engine's settings as a megapar-train run does,
+    so `megapar-train --load CKPT` continues with its learning rate, schedule, weight decay and
+    clipping (not megapar-train's defaults); without a megapar schedule the rate is constant."""
+    from megapar.checkpoint.manifest import read_manifest
+    from megapar.training.config import parse_args
+    from megapar.training.validate import settings_from_checkpoint
+
+    run(_resume_run, 4, str(tmp_path / "scheduled"), 3, False, (2, 2, 0))
+    cfg = parse_args(["--load", str(tmp_path / "scheduled")])
+    note = settings_from_checkpoint(cfg, read_manifest(tmp_path / "scheduled"))[0]
+    assert (cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay) == \
+        (3e-3, 0.0, 2, 6, "cosine")
+    assert (cfg.weight_decay, cfg.clip_grad, cfg.micro_batch_size) == (0.1, 0.5, 2)
+    assert "--lr 0.003" in note and "--max-steps 6" in note and "--clip-grad 0.5" in note
+    run(_constant_save, 4, str(tmp_path / "constant"))
+    cfg = parse_args(["--load", str(tmp_path / "constant")])
+    settings_from_checkpoint(cfg, read_manifest(tmp_path / "constant"))
+    assert (cfg.lr, cfg.min_lr, cfg.lr_decay, cfg.warmup_steps, cfg.weight_decay) == \
+        (3e-3, 3e-3, "constant", 0, 0.0)
+
+
+def _constant_save(ckpt):
+    engine = megapar.prepare(_hf_model(), tp=2, pp=2, micro_batch_size=2, lr=3e-3)
+    engine.train_step(_batches(1)[0])
+    engine.save(ckpt)
+
+
 def _export(out_dir):
     engine = megapar.prepare(_hf_model(), tp=2, pp=2, micro_batch_size=2, lr=3e-3)
     batches = _batches(3)

@@ -274,12 +274,19 @@ BUBBLE = [
     (["--pp", "2", "-m", "4", "--seq-len", "100000"],
      "--seq-len 100000 exceeds the model's 256 positions"),
     (["--pp", "100000", "-m", "100000", "--simulate", "--fwd-ms", "1"],
-     "more than megapar-bubble handles"),
+     "more than megapar-bubble measures or simulates"),
     (["--pp", "1000", "-m", "1000", "--simulate", "--fwd-ms", "1"],
-     "2,000,000 actions on 1000 stages, more than megapar-bubble handles in seconds"),
+     "2,000,000 actions on 1000 stages, more than megapar-bubble measures or simulates in "
+     "seconds"),
     (["--pp", "1000", "-m", "4", "--simulate", "--fwd-ms", "1"], "on 1000 stages"),
     (["--pp", "{too_many}", "-m", "4"], "local worker processes, more than this machine runs"),
     (["--pp", "2", "-m", "4", "--steps", "0"], "--steps 0 is invalid"),
+    # measured runs are bounded too, and the chunks checked before a worker starts
+    (["--pp", "2", "-m", "20000"], "80,000 actions on 2 stages, more than megapar-bubble"),
+    (["--pp", "2", "-m", "4", "--schedule", "interleaved", "--virtual-stages", "100000"],
+     "--virtual-stages 100000 is 1,600,000 actions"),
+    (["--pp", "2", "-m", "4", "--schedule", "interleaved", "--virtual-stages", "3", "--model",
+      "gpt2-tiny"], "4 layers cannot be cut into --pp 2 x --virtual-stages 3 = 6 model chunks"),
 ]
 
 

@@ -192,6 +192,11 @@ def test_simulated_cli_interleaved_and_zb_h1_by_hand(capsys):
     assert result["measured_bubble"] == pytest.approx(1.5 / 6.5)
     # the paper's formula: (p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W)) = 1.5 / 6.5
     assert result["theoretical_bubble"] == pytest.approx(1.5 / 6.5)
+    # a W that costs nothing is a cost, not a missing one: pp 4, m 8, F = B = 1, W = 0 gives
+    # 3 x 2 / (8 x 2 + 3 x 2) = 27.3 % by the formula and by the simulator
+    result, _ = run_cli(capsys, "--pp", "4", "-m", "8", "--schedule", "zb-h1", "--simulate",
+                        "--fwd-ms", "1", "--bwd-weight-ms", "0")
+    assert result["theoretical_bubble"] == pytest.approx(6 / 22) == result["measured_bubble"]
 
 
 def test_bubble_cli_rejects_bad_virtual_stages(capsys):

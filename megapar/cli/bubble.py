@@ -59,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "chunk 1) and, in brackets, the messages issued together as one "
                         "batch_isend_irecv ([SA1 RG0] = send activation 1, receive gradient 0)")
     p.add_argument("--simulate", action="store_true", help="compute the timeline from costs")
-    p.add_argument("--fwd-ms", type=float, help="forward cost per micro-batch and stage")
+    p.add_argument("--fwd-ms", type=float,
+                   help="forward cost of one micro-batch through one model chunk (a stage's "
+                        "whole forward, or 1/V of it with --virtual-stages V: give the chunk's)")
     p.add_argument("--bwd-ms", type=float, help="backward cost (default 2 x forward)")
     p.add_argument("--bwd-input-ms", type=float,
                    help="zero-bubble B (input-gradient) cost (default half the backward)")

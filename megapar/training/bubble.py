@@ -164,8 +164,9 @@ def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = Non
 def theory(pp: int, m: int, schedule: str, virtual_stages: int, costs: dict) -> float:
     """The schedule's bubble formula; ZB-H1's uses the F, B and W costs."""
 
+    b, w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")  # W may cost nothing
     return theoretical_bubble(pp, m, schedule, virtual_stages, costs["fwd_ms"],
-                              costs.get("bwd_input_ms") or 1.0, costs.get("bwd_weight_ms") or 1.0)
+                              1.0 if b is None else b, 1.0 if w is None else w)
 
 
 def mean_costs(timeline, schedule: str = "1f1b") -> dict:

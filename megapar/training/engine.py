@@ -167,6 +167,20 @@ class Engine:
         return dp_mean(float(loss), self.mesh)
 
     # checkpoints ----------------------------------------------------------------------------
+    def recorded_settings(self) -> dict:
+        """This engine's settings as `megapar-train --load` takes those it is not given: its
+        `TrainConfig`, with the learning-rate schedule it runs (constant without a megapar
+        `LRScheduler`: a torch scheduler on `engine.optimizer` is the user's own)."""
+        settings, schedule = self.cfg.to_dict(), self.scheduler
+        if schedule is None:
+            settings.update(lr_decay="constant", warmup_steps=0, min_lr=self.cfg.lr)
+        elif isinstance(schedule, LRScheduler):
+            unscale = self.cfg.lr / self.scaled_lr(self.cfg)  # --lr-scale-with-batch reapplies
+            settings.update(lr=schedule.max_lr * unscale, min_lr=schedule.min_lr * unscale,
+                            warmup_steps=schedule.warmup_steps, max_steps=schedule.max_steps,
+                            lr_decay=schedule.decay)
+        return settings
+
     def save(self, path: str | Path, extra: dict | None = None) -> Path:
         """Checkpoint into `path/step_XXXXXXXX` (megapar's format: convertible between layouts
         with megapar-convert, exact resume with `load`). `extra`: JSON-able values of yours
@@ -177,7 +191,8 @@ class Engine:
             raise ValueError(f"engine.save(extra=...): {clash} are megapar's own checkpoint "
                              f"keys; rename yours (e.g. 'my_{clash[0]}')")
         meta = {"step": self.step, "scaler": self.precision.state_dict(),
-                "optimizer": self.optimizer.state_json(), **(extra or {})}
+                "optimizer": self.optimizer.state_json(),
+                "train_config": self.recorded_settings(), **(extra or {})}
         set_action(f"saving the checkpoint of step {self.step} to {path}")
         if self.scheduler is not None:
             meta["scheduler"] = self.scheduler.state_dict()

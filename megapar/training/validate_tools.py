@@ -16,6 +16,7 @@ from megapar.data import IndexedDataset
 from megapar.launcher import check_local_workers
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
+from megapar.pipeline.partition import chunk_specs
 from megapar.training.bubble import bench_config
 from megapar.training.data import missing_files
 from megapar.training.validate import (
@@ -100,15 +101,15 @@ def check_bubble_args(args) -> None:
             raise UsageError(f"{_flag(name)} {value} is invalid: a cost must be a finite "
                              f"number of milliseconds {need}")
     actions = 2 * args.pp * args.microbatches * max(1, args.virtual_stages)
-    if (args.simulate or args.show_schedule) and actions > MAX_SIMULATED_ACTIONS or \
-            args.simulate and args.pp > MAX_SIMULATED_STAGES:
+    if actions > MAX_SIMULATED_ACTIONS or args.simulate and args.pp > MAX_SIMULATED_STAGES:
         bubble = (args.pp - 1) / (args.microbatches * max(1, args.virtual_stages)
                                   + args.pp - 1)
-        raise UsageError(f"--pp {args.pp} x --microbatches {args.microbatches} is "
+        v = f" x --virtual-stages {args.virtual_stages}" if args.virtual_stages > 1 else ""
+        raise UsageError(f"--pp {args.pp} x --microbatches {args.microbatches}{v} is "
                          f"{actions:,} actions on {args.pp} stages, more than megapar-bubble "
-                         f"handles in seconds ({MAX_SIMULATED_ACTIONS:,} actions, "
+                         f"measures or simulates in seconds ({MAX_SIMULATED_ACTIONS:,} actions, "
                          f"{MAX_SIMULATED_STAGES} stages); the bubble (p-1)/(vm+p-1) = "
-                         f"{bubble:.4f} needs no simulation at this size")
+                         f"{bubble:.4f} needs no run at this size")
     if not (args.simulate and args.fwd_ms is not None) and not args.show_schedule \
             and not args.oversubscribe:  # real processes: one per stage and tp rank
         check_local_workers(args.pp * args.tp, f"--pp {args.pp} x --tp {args.tp}")
@@ -116,8 +117,10 @@ def check_bubble_args(args) -> None:
         return  # no model is built
 
     try:
-        config = bench_config(args.model, args.pp)
+        config = bench_config(args.model, args.pp, args.virtual_stages)
         config.validate(Layout(args.tp, args.pp, 1, cp=args.cp))
+        if args.virtual_stages > 1:
+            chunk_specs(config.num_layers, args.pp, 0, args.virtual_stages)  # enough layers?
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
 
