@@ -12,6 +12,7 @@ Every rank calls every method together (they are collective).
 
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -25,6 +26,7 @@ from megapar.checkpoint.distributed import (
     save_checkpoint,
 )
 from megapar.context_parallel import check_length
+from megapar.data.blended import absolute_data
 from megapar.data_parallel import GradBuckets
 from megapar.data_parallel.compression import make_compressor
 from megapar.faults.status import set_action, set_step
@@ -38,7 +40,7 @@ from megapar.training.config import TrainConfig
 from megapar.training.step import BatchPlan, StepResult, TrainStep
 
 RESERVED_META = frozenset({"step", "scaler", "optimizer", "scheduler", "rng_note", "model",
-                           "layout", "tokenizer", "hf_dtype"})
+                           "layout", "tokenizer", "hf_dtype", "train_config"})
 """Checkpoint metadata keys megapar writes itself (`save(extra=...)` may not use them)."""
 
 
@@ -68,10 +70,7 @@ class Engine:
                                          eps=cfg.adam_eps, zero=cfg.zero, kind=cfg.optimizer)
         """A `torch.optim.Optimizer` over this rank's parameters (under ZeRO-1, its slices of
         the optimizer state): torch's LR schedulers can drive it."""
-        if scheduler == "from_cfg":
-            min_lr = cfg.min_lr if lr == cfg.lr else cfg.min_lr * lr / cfg.lr
-            scheduler = LRScheduler(lr, min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)
-        self.scheduler = scheduler
+        self.scheduler = self.flags_schedule(cfg) if scheduler == "from_cfg" else scheduler
         compressor = make_compressor(cfg.grad_compression, cfg.powersgd_rank, cfg.seed)
         # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
         # (summed over cp, averaged over dp)
@@ -81,7 +80,7 @@ class Engine:
                                      average_over=mesh.dp)
         self._executors: dict[int, object] = {}
         self.executor = self._executor(cfg.seq_len)
-        self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, scheduler,
+        self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, self.scheduler,
                                  self.precision, cfg.clip_grad, self.grad_sync)
         self.step = 0
         """Optimizer steps taken (restored by `load`)."""
@@ -91,6 +90,13 @@ class Engine:
         self.source_dtype: str | None = None
         """The dtype of the Hugging Face weights it started from: `export_hf` writes it."""
         self._batch_seen = False  # the first user batch is compared across ranks
+
+    @classmethod
+    def flags_schedule(cls, cfg: TrainConfig) -> LRScheduler:
+        """The `LRScheduler` cfg's lr / min-lr / warmup / decay fields describe (scaled)."""
+        lr = cls.scaled_lr(cfg)
+        min_lr = cfg.min_lr if lr == cfg.lr else cfg.min_lr * lr / cfg.lr
+        return LRScheduler(lr, min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)
 
     @staticmethod
     def scaled_lr(cfg: TrainConfig) -> float:
@@ -169,13 +175,20 @@ class Engine:
     # checkpoints ----------------------------------------------------------------------------
     def recorded_settings(self) -> dict:
         """This engine's settings as `megapar-train --load` takes those it is not given: its
-        `TrainConfig`, with the learning-rate schedule it runs (constant without a megapar
-        `LRScheduler`: a torch scheduler on `engine.optimizer` is the user's own)."""
-        settings, schedule = self.cfg.to_dict(), self.scheduler
+        `TrainConfig` with local paths absolute (the resume may start in another directory),
+        and the learning-rate schedule it runs where that is not the flags' own (constant
+        without a megapar `LRScheduler`: a torch scheduler on `engine.optimizer` is the
+        user's)."""
+        cfg, schedule = self.cfg, self.scheduler
+        settings = cfg.to_dict()
+        settings["data"] = absolute_data(cfg.data)
+        if cfg.tokenizer not in ("gpt2", "sentencepiece") and \
+                os.path.exists(os.path.expanduser(cfg.tokenizer)):
+            settings["tokenizer"] = os.path.abspath(os.path.expanduser(cfg.tokenizer))
         if schedule is None:
-            settings.update(lr_decay="constant", warmup_steps=0, min_lr=self.cfg.lr)
-        elif isinstance(schedule, LRScheduler):
-            unscale = self.cfg.lr / self.scaled_lr(self.cfg)  # --lr-scale-with-batch reapplies
+            settings.update(lr_decay="constant", warmup_steps=0, min_lr=cfg.lr)
+        elif isinstance(schedule, LRScheduler) and schedule != self.flags_schedule(cfg):
+            unscale = cfg.lr / self.scaled_lr(cfg)  # --lr-scale-with-batch reapplies
             settings.update(lr=schedule.max_lr * unscale, min_lr=schedule.min_lr * unscale,
                             warmup_steps=schedule.warmup_steps, max_steps=schedule.max_steps,
                             lr_decay=schedule.decay)

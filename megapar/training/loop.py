@@ -8,7 +8,6 @@ the same loop (same step count, same collectives); only global rank 0 logs.
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.hf import HFReader, load_hf_weights
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset
-from megapar.data.blended import BlendedDataset, absolute_data
+from megapar.data.blended import BlendedDataset
 from megapar.faults.processes import launcher_alive
 from megapar.faults.stop import (
     NonFiniteError,
@@ -148,17 +147,7 @@ class Trainer:
                                  f"written (the last one, if any, is intact)")
         return self.engine.save(self.cfg.save, {
             "consumed_samples": self.sampler.consumed_samples,
-            "sampler": self.sampler.state_dict(), "train_config": self._recorded_config()})
-
-    def _recorded_config(self) -> dict:
-        """The flags a --load run inherits, with local paths absolute: the resume may start in
-        another directory."""
-        recorded = self.cfg.to_dict()
-        recorded["data"] = absolute_data(self.cfg.data)
-        if self.cfg.tokenizer not in ("gpt2", "sentencepiece") and \
-                os.path.exists(os.path.expanduser(self.cfg.tokenizer)):
-            recorded["tokenizer"] = os.path.abspath(os.path.expanduser(self.cfg.tokenizer))
-        return recorded
+            "sampler": self.sampler.state_dict()})
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
