@@ -22,11 +22,10 @@ import re
 import sys
 
 from megapar.dryrun.verify import verify_layout
-from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
 from megapar.plan import Problem, check, estimate, parse_candidate, plan
-from megapar.plan.layouts import PLAN_SCHEDULES, RECOMPUTE
+from megapar.plan.layouts import PLAN_SCHEDULES, RECOMPUTE, model_refusal
 from megapar.plan.params import model_params
 from megapar.plan.report import command, explain, row, runnable, table
 from megapar.training.config import OneLineParser
@@ -115,15 +114,6 @@ def _problem(args):
                    args.intra_node_gbps, args.inter_node_gbps, args.latency_us)
 
 
-def _model_allows(config, c) -> bool:
-    """Whether the model can be cut as candidate `c` (heads over tp, layers over pp)."""
-    try:
-        config.validate(Layout(c.tp, c.pp, 1, cp=c.cp))
-    except (LayoutError, ConfigError):
-        return False
-    return True
-
-
 def _explain(args, problem) -> int:
     c = parse_candidate(args.explain, problem.gpus)
     reason = check(c, problem.config, problem.gpus, problem.gpus_per_node, problem.global_batch,
@@ -187,7 +177,7 @@ def main(argv=None) -> int:
     if not estimates:
         # what stops the layouts the model itself allows (tp dividing its heads, ...) is what
         # the user can change; the same reason for other sizes counts as one kind
-        allowed = [r for c, r in rejected if _model_allows(problem.config, c)]
+        allowed = [r for c, r in rejected if model_refusal(c, problem.config) is None]
         kinds: dict[str, list] = {}
         for reason in allowed or [r for _, r in rejected]:
             kind = kinds.setdefault(re.sub(r"\d+", "N", reason.split(";")[0]),

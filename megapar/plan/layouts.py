@@ -96,13 +96,22 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     return Candidate(**values)
 
 
-def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int,
-          seq_len: int | None = None) -> str | None:
-    """Why candidate `c` cannot run (one sentence naming the fix), or None if it can."""
+def model_refusal(c: Candidate, config) -> str | None:
+    """Why the model itself cannot be cut as `c` (heads over tp, layers over pp, ...), or None:
+    the part of `check` that no other setting can mend."""
     try:
         config.validate(Layout(c.tp, c.pp, c.dp, cp=c.cp))
     except LayoutError as exc:
         return str(exc)
+    return None
+
+
+def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int,
+          seq_len: int | None = None) -> str | None:
+    """Why candidate `c` cannot run (one sentence naming the fix), or None if it can."""
+    reason = model_refusal(c, config)
+    if reason:
+        return reason
     if c.tp * c.cp * c.pp * c.dp != gpus:
         names, sizes = ("tp*cp*pp", f"{c.tp}*{c.cp}*{c.pp}") if c.cp > 1 else \
             ("tp*pp", f"{c.tp}*{c.pp}")
