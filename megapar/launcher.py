@@ -253,7 +253,8 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
                 forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")) -> list[Any]:
     """Run `fn(*args)` as this process's rank under torchrun / Slurm, or else start
     `world_size` local workers (in this process when world_size is 1). Returns the results of
-    the ranks this process ran."""
+    the ranks this process ran. Under torchrun / Slurm the default process group is set up
+    before `fn` and, if it was set up here, destroyed after `fn` returns."""
     _device.keep_freed_host_memory()
     if under_launcher():
         if os.environ.get("SLURM_PROCID") and "RANK" not in os.environ:
@@ -264,8 +265,16 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
             die_with_parent(os.getppid())
 
         diagnostics.install(int(os.environ["RANK"]), on_sigterm=True)
+        ours = not dist.is_initialized()
         _device.init_distributed(timeout_s=collective_timeout_s)
-        return [fn(*args)]
+        out = fn(*args)
+        if ours and dist.is_initialized():
+            # A process that exits with its group alive leaves gloo's worker threads to the
+            # interpreter's teardown, which can abort it ("terminate called without an active
+            # exception"). Only after success: after a failure the others may still be in a
+            # collective, and NCCL's destroy would wait for them.
+            dist.destroy_process_group()
+        return [out]
     if world_size == 1:
         return [fn(*args)]
     return run_local(fn, world_size, *args, timeout_s=None,
