@@ -134,3 +134,30 @@ def test_reader_reassembles_padded_shards_for_any_tp(tmp_path):
     for tp, local in [(1, 101), (1, 128), (3, 34), (4, 26)]:
         for r in range(tp):
             assert torch.equal(reader.shard("w", None, tp, r, local), shard_of(full, 0, local, r))
+
+
+def test_probe_writable_leaves_nothing_and_removes_only_its_own_probe(tmp_path, monkeypatch):
+    """Every rank of a torchrun job probes --save / --data-cache at once: a probe that made the
+    missing directory and removed it again pulled it from under another rank's probe or
+    write (ENOENT). The probe of a missing directory must never create or remove a directory
+    another process could be using."""
+    import os
+
+    from megapar.checkpoint.format import probe_writable
+
+    removed, made = [], []
+    real_rmdir, real_makedirs = os.rmdir, os.makedirs
+    monkeypatch.setattr(os, "rmdir", lambda p, *a, **k: (removed.append(str(p)),
+                                                         real_rmdir(p, *a, **k))[1])
+    monkeypatch.setattr(os, "makedirs", lambda p, *a, **k: (made.append(str(p)),
+                                                            real_makedirs(p, *a, **k))[1])
+    probe_writable(tmp_path / "a" / "b" / "c")
+    probe_writable(tmp_path)
+    assert made == []
+    assert len(removed) == 1 and os.path.basename(removed[0]).startswith(".megapar-probe-")
+    assert os.path.dirname(removed[0]) == str(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("x")
+    for bad in (tmp_path / "file" / "sub", "/proc/megapar-test/x"):
+        with pytest.raises(OSError):
+            probe_writable(bad)

@@ -152,31 +152,26 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def probe_writable(directory: str | Path) -> None:
-    """Create `directory` (as a writer would) and write and remove a probe file there; OSError
-    when it cannot be written (a read-only mount, an immutable directory, a path under /proc or
-    under a file). Callers turn the error into their own message. Directories created for the
-    probe are removed again (the writer creates them when it writes), so a run refused later
-    leaves nothing behind."""
+    """OSError unless `directory` can be written now (a read-only mount, an immutable
+    directory, a path under /proc or under a file). Callers turn the error into their own
+    message.
+
+    Writes and removes a probe file in `directory` when it exists; otherwise creates and
+    removes a probe directory in its nearest existing ancestor, where the writer's
+    `makedirs` would start. Nothing is left behind, and nothing is created that another
+    process could depend on: every rank of a torchrun job probes the same paths at once, and
+    one rank removing a directory it had made for the probe broke the others' probe or their
+    writes into it."""
 
     directory = os.path.abspath(directory)
-    top = None  # the highest directory the probe creates
-    probe = directory
-    while not os.path.lexists(probe):
-        top, probe = probe, os.path.dirname(probe)
-    os.makedirs(directory, exist_ok=True)
-    try:
+    existing = directory
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if existing == directory:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-probe-"):
             pass
-    finally:
-        here = directory
-        while top is not None:
-            try:
-                os.rmdir(here)
-            except OSError:
-                break
-            if here == top:
-                break
-            here = os.path.dirname(here)
+    else:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".megapar-probe-"))
 
 
 def open_safetensors(path: str | Path, what: str = "checkpoint file"):
