@@ -16,6 +16,7 @@ SIGUSR1 / SIGINT. Rank 0 serves the rendezvous store on 127.0.0.1 only.
 
 from __future__ import annotations
 
+import gc
 import glob
 import multiprocessing as mp
 import os
@@ -96,7 +97,7 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
     finally:
         try:
             if dist.is_initialized():
-                dist.destroy_process_group()
+                release_process_groups()  # a spawned worker exits through the interpreter
         except Exception:  # noqa: BLE001
             pass
 
@@ -248,6 +249,20 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
 
 
+def release_process_groups() -> None:
+    """Destroy the default process group and every group made from it, and free them now.
+
+    A gloo group frees its worker threads only when its last reference goes. One still alive
+    when the interpreter exits can abort the process after a clean run ("terminate called
+    without an active exception", SIGABRT): a worker thread that drops the last reference to
+    a finished collective's tensor needs the GIL, which the exiting interpreter no longer
+    gives. `destroy_process_group` forgets the groups; the collection frees the objects that
+    still held them (an engine, its mesh, their cycles), so every group's threads are joined
+    here. Call it on every rank once no collective is left, as torchtitan does on success."""
+    dist.destroy_process_group()
+    gc.collect()
+
+
 def run_workers(fn: Callable[..., Any], world_size: int, *args,
                 collective_timeout_s: float | None = None,
                 forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")) -> list[Any]:
@@ -268,12 +283,8 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
         ours = not dist.is_initialized()
         _device.init_distributed(timeout_s=collective_timeout_s)
         out = fn(*args)
-        if ours and dist.is_initialized():
-            # A process that exits with its group alive leaves gloo's worker threads to the
-            # interpreter's teardown, which can abort it ("terminate called without an active
-            # exception"). Only after success: after a failure the others may still be in a
-            # collective, and NCCL's destroy would wait for them.
-            dist.destroy_process_group()
+        if ours and dist.is_initialized():  # after a failure the others may be in a collective
+            release_process_groups()
         return [out]
     if world_size == 1:
         return [fn(*args)]

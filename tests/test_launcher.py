@@ -1,3 +1,5 @@
+import math
+import sys
 import time
 
 import pytest
@@ -65,3 +67,115 @@ def test_torchrun_rank_destroys_only_the_group_it_made(preinit):
     assert p.exitcode == 0
     assert inside is True
     assert after is preinit
+
+
+def _gloo_threads() -> int:
+    import os
+
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sum(n.startswith(("pt_gloo", "gloo_")) for n in names)
+
+
+def _torchrun_rank_of_megapar_train(rank, port, argv, out):
+    """Rank `rank` of a 2-rank torchrun job of megapar-train (no torchrun: its environment)."""
+    import os
+
+    from megapar.cli.train import main
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    rc = main(argv)
+    out.put((rank, rc, _gloo_threads()))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+@pytest.mark.parametrize("layout", [[], ["--zero", "1"], ["--tp", "2"], ["--pp", "2"],
+                                    ["--cp", "2"]], ids=["dp2", "dp2-zero1", "tp2", "pp2", "cp2"])
+def test_a_torchrun_rank_of_megapar_train_ends_with_no_gloo_thread_left(tmp_path, layout):
+    """The gloo threads of every group (world, tp, dp, ...) are joined before main returns, so
+    none is left for the interpreter's exit to abort on. At dp=2 the gradient hooks on the
+    parameters must not keep the dp group alive."""
+    import multiprocessing as mp
+    from pathlib import Path
+
+    from megapar.data import asset_path
+    from megapar.launcher import free_port
+
+    text = tmp_path / "sample.txt"
+    text.write_text(Path(asset_path("shakespeare_sample.txt")).read_text()[:20_000])
+    argv = ["--model", "gpt2-tiny", "--data", str(text), "--tokenizer", "sentencepiece",
+            "--data-cache", str(tmp_path / "cache"), "--max-steps", "2", "--seq-len", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "0",
+            "--warmup-steps", "0", "--no-progress", *layout]
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_torchrun_rank_of_megapar_train, args=(r, port, argv, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert results == [(0, 0, 0), (1, 0, 0)]
+
+
+def _api_train():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import megapar
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                       vocab_size=128))
+    engine = megapar.prepare(model, micro_batch_size=2, lr=1e-3)  # dp = 2
+    ids = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    return float(engine.train_step({"input_ids": ids[:, :-1], "labels": ids[:, 1:]}))
+
+
+def _torchrun_rank_of_an_api_script(rank, port, out):
+    import os
+
+    import megapar
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    loss = megapar.launch(_api_train, 2)
+    out.put((rank, math.isfinite(loss), _gloo_threads()))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+def test_megapar_launch_under_torchrun_ends_with_no_gloo_thread_left():
+    """The same for a user's script: once `launch` returns, the engine `fn` made is gone and
+    with it every group's threads."""
+    import multiprocessing as mp
+
+    from megapar.launcher import free_port
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_torchrun_rank_of_an_api_script, args=(r, port, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert results == [(0, True, 0), (1, True, 0)]

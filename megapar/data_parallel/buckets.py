@@ -46,6 +46,7 @@ Gradient compression is refused in this mode.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -167,8 +168,13 @@ class GradBuckets:
         self._allocate()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         if self.dp > 1:
+            # The parameters hold their hooks: a bound method would be a cycle through autograd
+            # that the garbage collector cannot free, keeping the dp group alive to the
+            # interpreter's exit (and a gloo group's threads with it).
+            on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
             for p in self.params:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    lambda param: (on_grad_ready() or _gone)(param)))
 
     def shard_over_dp(self, last: Iterable[torch.nn.Parameter] = (), before_reduce=None) -> None:
         """Switch to reduce-scatter: buckets padded to a multiple of dp, rank r keeps slice r of
@@ -335,3 +341,7 @@ class _Done:
 
     def wait(self) -> bool:
         return True
+
+
+def _gone(param: torch.nn.Parameter) -> None:
+    """The hook of a GradBuckets that no longer exists: nothing to reduce."""
