@@ -14,6 +14,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Before any group exists: imported later (torch imports it lazily), torch.distributed.nn's
+# functions would keep the world group in their `group=group.WORLD` defaults for good, so
+# `megapar.launcher.release_process_groups` could never free it.
+import torch.distributed.nn  # noqa: F401
+
 #: Default timeout for every collective and point-to-point operation (seconds). A rank that
 #: waits longer raises instead of hanging. Override with MEGAPAR_TIMEOUT_S.
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGAPAR_TIMEOUT_S", "300"))
@@ -114,10 +119,6 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    # Imported after the group exists, torch.distributed.nn's functions would keep the world
-    # group in their `group=group.WORLD` defaults for good: destroy_process_group could then
-    # never free it, and a gloo group still alive at the interpreter's exit can abort it.
-    import torch.distributed.nn  # noqa: F401
     dist.init_process_group(
         backend=backend(), rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S), store=store,
