@@ -167,6 +167,16 @@ def test_eval_loss_on_a_dataset_equals_transformers(tmp_path, corpus, capsys):
         assert report["batches"] == k
     print("\n".join(measured))  # shown with -s
 
+    # Under torchrun each process prints what its rank returns: only rank 0 returns the report
+    from megapar.cli.eval import _loss_worker, build_parser
+    from megapar.launcher import run_local
+
+    args = build_parser().parse_args(["--load", str(ckpt), "--tp", "2", "--data", prefix,
+                                      "--seq-len", str(seq), "--micro-batch-size", str(batch),
+                                      "--max-batches", "1"])
+    first, second = run_local(_loss_worker, 2, args)
+    assert first["batches"] == 1 and second is None
+
 
 def test_eval_without_data_or_input_ids_exits_2(tmp_path, capsys):
     assert evaluate(["--load", str(tmp_path)]) == 2
@@ -223,6 +233,7 @@ def _refuse_workers(monkeypatch):
         raise AssertionError("a worker was started for a bad --save-logits")
 
     monkeypatch.setattr(megapar.launcher, "run_workers", refuse)
+    monkeypatch.setattr("megapar.cli.eval.run_workers", refuse)  # its own reference too
 
 
 def _one_error_line(capsys) -> str:
@@ -300,3 +311,18 @@ def test_eval_reads_a_megatron_dataset_written_by_megapar(tmp_path, corpus, caps
     assert evaluate([*args, "--data", megatron]) == 2  # which tokenizer made it: one line
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "name the tokenizer it was made with" in err, err
+
+
+def test_a_torchrun_world_other_than_tp_x_pp_is_a_usage_error(tiny_ckpt, capsys, monkeypatch):
+    """megapar-eval has no data parallelism: 4 torchrun processes for --tp 2 is one line, rc 2,
+    before any process group (not a LayoutError from every rank, each calling itself rank 0)."""
+    ckpt, ids = tiny_ckpt
+    _refuse_workers(monkeypatch)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    rc = evaluate(["--load", str(ckpt), "--tp", "2", "--input-ids", str(ids),
+                   "--save-logits", str(ckpt.parent / "out.npy")])
+    line = _one_error_line(capsys)
+    assert rc == 2
+    assert ("torchrun / Slurm started 4 processes but megapar-eval runs on tp x pp = 2 x 1 = 2 "
+            "(it has no data parallelism); start 2 or change --tp / --pp") in line

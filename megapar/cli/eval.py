@@ -27,7 +27,7 @@ from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
 from megapar.faults.report import log_dir_for, worker_failure
-from megapar.launcher import WorkerError, run_workers
+from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 from megapar.mesh import Mesh
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.pipeline.executor import PipelineExecutor
@@ -89,6 +89,8 @@ def _loss_worker(args):
         batch = {key: v.to(mesh.device) for key, v in batch.items()}
         losses.append(float(executor.run([batch], forward_only=True)))
         tokens += int((batch["labels"] != -100).sum())
+    if mesh.rank != 0:  # every rank has the loss; rank 0 reports it (once under torchrun)
+        return None
     loss = sum(losses) / len(losses)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
             "batches": k}
@@ -179,6 +181,11 @@ def main(argv=None) -> int:
         return 2
 
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
+        if under_launcher() and launched_world_size() != args.tp * args.pp:
+            raise UsageError(f"torchrun / Slurm started {launched_world_size()} processes but "
+                             f"megapar-eval runs on tp x pp = {args.tp} x {args.pp} = "
+                             f"{args.tp * args.pp} (it has no data parallelism); start "
+                             f"{args.tp * args.pp} or change --tp / --pp")
         manifest = check_eval_args(args)
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
