@@ -106,6 +106,7 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
     `store`: a rendezvous store to use instead of MASTER_ADDR / MASTER_PORT (the launcher's
     loopback-only store). Does nothing when the default group is already initialised. Every later collective inherits
     the timeout, so a rank that never arrives makes the others fail instead of hanging forever.
+    Raises TimeoutError naming this rank when not every rank has joined within the timeout.
     """
 
     if dist.is_initialized():
@@ -119,7 +120,13 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group(
-        backend=backend(), rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S), store=store,
-    )
+    wait = timeout_s or DEFAULT_TIMEOUT_S
+    try:
+        dist.init_process_group(backend=backend(), rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=wait), store=store)
+    except dist.DistStoreError as exc:  # the store's own words name only keys
+        raise TimeoutError(
+            f"rank {rank} waited {wait:.0f} s for all {world_size} ranks to join the process "
+            f"group; some never did (a process that was refused, crashed or never started). "
+            f"Under torchrun / Slurm give every node the same command and let each reach "
+            f"MASTER_ADDR:MASTER_PORT; --timeout-s sets the wait ({exc})") from None

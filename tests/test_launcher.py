@@ -179,3 +179,35 @@ def test_megapar_launch_under_torchrun_ends_with_no_gloo_thread_left():
             if p.is_alive():
                 p.kill()
     assert results == [(0, True, 0), (1, True, 0)]
+
+
+def _join_alone(port, out):
+    from datetime import timedelta
+
+    from megapar import device
+
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=1),
+                          wait_for_workers=False)
+    try:
+        device.init_distributed(rank=0, world_size=2, timeout_s=1, store=store)
+        out.put("joined")
+    except Exception as exc:  # noqa: BLE001 - the message is the test
+        out.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_a_rank_that_never_joins_is_named_in_words_not_store_keys():
+    """A node started with other flags exits at once; the others used to report only
+    'DistStoreError: wait timeout after 30000ms, keys: /default_pg/0//cpu//0/2'."""
+    import multiprocessing as mp
+
+    from megapar.launcher import free_port
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    p = ctx.Process(target=_join_alone, args=(free_port(), out))
+    p.start()
+    message = out.get(timeout=60)
+    p.join(timeout=30)
+    assert message.startswith("TimeoutError: rank 0 waited 1 s for all 2 ranks to join the "
+                              "process group; some never did"), message
+    assert "give every node the same command" in message and "--timeout-s" in message
