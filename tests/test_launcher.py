@@ -34,19 +34,41 @@ def test_failing_rank_is_named_and_nobody_hangs():
     assert time.monotonic() - start < 30
 
 
-def _as_torchrun_rank(preinit, port, out):
-    """One rank of a torchrun job of one (RANK / WORLD_SIZE set), in a forked process."""
+def _as_torchrun_rank(rank, world, port, out, body):
+    """Rank `rank` of a `world`-rank torchrun job (torchrun's environment, not torchrun):
+    reports (rank, body())."""
     import os
 
-    from megapar.launcher import run_workers
-
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     os.environ.pop("TORCHELASTIC_RUN_ID", None)
-    if preinit:
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    [inside] = run_workers(dist.is_initialized, 1)
-    out.put((inside, dist.is_initialized()))
+    out.put((rank, body()))
+
+
+def _run_as_torchrun(body, world: int) -> list:
+    """`body()` on `world` forked ranks with torchrun's environment; their results by rank.
+    Every rank must exit 0."""
+    import multiprocessing as mp
+
+    from megapar.launcher import free_port
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_as_torchrun_rank, args=(r, world, port, out, body))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0] * world
+    return [results[r] for r in range(world)]
 
 
 @pytest.mark.parametrize("preinit", [False, True])
@@ -54,19 +76,15 @@ def test_torchrun_rank_destroys_only_the_group_it_made(preinit):
     """Under torchrun a rank that exits with its gloo group alive can abort in the interpreter's
     teardown ("terminate called without an active exception", SIGABRT): the group made for
     the run is destroyed when it returns; a group the caller made is left to the caller."""
-    import multiprocessing as mp
+    from megapar.launcher import run_workers
 
-    from megapar.launcher import free_port
+    def body():
+        if preinit:
+            dist.init_process_group("gloo", rank=0, world_size=1)
+        [inside] = run_workers(dist.is_initialized, 1)
+        return inside, dist.is_initialized()
 
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    p = ctx.Process(target=_as_torchrun_rank, args=(preinit, free_port(), out))
-    p.start()
-    inside, after = out.get(timeout=60)
-    p.join(timeout=30)
-    assert p.exitcode == 0
-    assert inside is True
-    assert after is preinit
+    assert _run_as_torchrun(body, 1) == [(True, preinit)]
 
 
 def _gloo_threads() -> int:
@@ -82,19 +100,6 @@ def _gloo_threads() -> int:
     return sum(n.startswith(("pt_gloo", "gloo_")) for n in names)
 
 
-def _torchrun_rank_of_megapar_train(rank, port, argv, out):
-    """Rank `rank` of a 2-rank torchrun job of megapar-train (no torchrun: its environment)."""
-    import os
-
-    from megapar.cli.train import main
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    os.environ.pop("TORCHELASTIC_RUN_ID", None)
-    rc = main(argv)
-    out.put((rank, rc, _gloo_threads()))
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
 @pytest.mark.parametrize("layout", [[], ["--zero", "1"], ["--tp", "2"], ["--pp", "2"],
                                     ["--cp", "2"]], ids=["dp2", "dp2-zero1", "tp2", "pp2", "cp2"])
@@ -102,11 +107,10 @@ def test_a_torchrun_rank_of_megapar_train_ends_with_no_gloo_thread_left(tmp_path
     """The gloo threads of every group (world, tp, dp, ...) are joined before main returns, so
     none is left for the interpreter's exit to abort on. At dp=2 the gradient hooks on the
     parameters must not keep the dp group alive."""
-    import multiprocessing as mp
     from pathlib import Path
 
+    from megapar.cli.train import main
     from megapar.data import asset_path
-    from megapar.launcher import free_port
 
     text = tmp_path / "sample.txt"
     text.write_text(Path(asset_path("shakespeare_sample.txt")).read_text()[:20_000])
@@ -114,21 +118,8 @@ def test_a_torchrun_rank_of_megapar_train_ends_with_no_gloo_thread_left(tmp_path
             "--data-cache", str(tmp_path / "cache"), "--max-steps", "2", "--seq-len", "32",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "0",
             "--warmup-steps", "0", "--no-progress", *layout]
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_torchrun_rank_of_megapar_train, args=(r, port, argv, out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert results == [(0, 0, 0), (1, 0, 0)]
+    # (exit code, gloo threads left) of each rank
+    assert _run_as_torchrun(lambda: (main(argv), _gloo_threads()), 2) == [(0, 0)] * 2
 
 
 def _api_train():
@@ -144,41 +135,16 @@ def _api_train():
     return float(engine.train_step({"input_ids": ids[:, :-1], "labels": ids[:, 1:]}))
 
 
-def _torchrun_rank_of_an_api_script(rank, port, out):
-    import os
-
-    import megapar
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    os.environ.pop("TORCHELASTIC_RUN_ID", None)
-    loss = megapar.launch(_api_train, 2)
-    out.put((rank, math.isfinite(loss), _gloo_threads()))
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
 def test_megapar_launch_under_torchrun_ends_with_no_gloo_thread_left():
     """The same for a user's script: once `launch` returns, the engine `fn` made is gone and
     with it every group's threads."""
-    import multiprocessing as mp
+    import megapar
 
-    from megapar.launcher import free_port
+    def body():
+        return math.isfinite(megapar.launch(_api_train, 2)), _gloo_threads()
 
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_torchrun_rank_of_an_api_script, args=(r, port, out))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert results == [(0, True, 0), (1, True, 0)]
+    assert _run_as_torchrun(body, 2) == [(True, 0)] * 2
 
 
 def _join_alone(port, out):
