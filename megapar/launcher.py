@@ -269,7 +269,8 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
     """Run `fn(*args)` as this process's rank under torchrun / Slurm, or else start
     `world_size` local workers (in this process when world_size is 1). Returns the results of
     the ranks this process ran. Under torchrun / Slurm the default process group is set up
-    before `fn` and, if it was set up here, destroyed after `fn` returns."""
+    before `fn` and, if it was set up here, released (`release_process_groups`) once `fn`
+    returns."""
     _device.keep_freed_host_memory()
     if under_launcher():
         if os.environ.get("SLURM_PROCID") and "RANK" not in os.environ:

@@ -172,9 +172,14 @@ class GradBuckets:
             # that the garbage collector cannot free, keeping the dp group alive to the
             # interpreter's exit (and a gloo group's threads with it).
             on_grad_ready = weakref.WeakMethod(self._on_grad_ready)
+
+            def hook(param: torch.nn.Parameter) -> None:
+                method = on_grad_ready()
+                if method is not None:  # else this GradBuckets is gone: nothing to reduce
+                    method(param)
+
             for p in self.params:
-                self._handles.append(p.register_post_accumulate_grad_hook(
-                    lambda param: (on_grad_ready() or _gone)(param)))
+                self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def shard_over_dp(self, last: Iterable[torch.nn.Parameter] = (), before_reduce=None) -> None:
         """Switch to reduce-scatter: buckets padded to a multiple of dp, rank r keeps slice r of
@@ -341,7 +346,3 @@ class _Done:
 
     def wait(self) -> bool:
         return True
-
-
-def _gone(param: torch.nn.Parameter) -> None:
-    """The hook of a GradBuckets that no longer exists: nothing to reduce."""
