@@ -23,6 +23,14 @@ import torch.distributed.nn  # noqa: F401
 #: waits longer raises instead of hanging. Override with MEGAPAR_TIMEOUT_S.
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGAPAR_TIMEOUT_S", "300"))
 
+#: Default timeout of an NCCL process group (seconds): NCCL's watchdog aborts a collective that
+#: has not finished by then. It is what ends a hang on GPUs (megapar's own waits only order the
+#: stream there), and it also runs while the other ranks wait in a collective for a slow
+#: checkpoint save or resharding load, so it is longer than the pipeline's DEFAULT_TIMEOUT_S
+#: (Megatron's --distributed-timeout-minutes, torchtitan's comm.train_timeout_seconds play the
+#: same part). Override with MEGAPAR_NCCL_TIMEOUT_S or megapar-train --nccl-timeout-s.
+DEFAULT_NCCL_TIMEOUT_S = float(os.environ.get("MEGAPAR_NCCL_TIMEOUT_S", "1800"))
+
 
 def use_cuda() -> bool:
     """True when this process should run on CUDA (available and not disabled by MEGAPAR_CPU=1)."""
@@ -42,13 +50,73 @@ def backend() -> str:
     return "nccl" if use_cuda() else "gloo"
 
 
+class DeviceError(RuntimeError):
+    """This process has no GPU of its own (more ranks on a node than GPUs)."""
+
+
+def env_local_rank() -> int:
+    """This process's rank on its node: torchrun's LOCAL_RANK, Slurm's SLURM_LOCALID, else 0."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+
+
 def device(local_rank: int | None = None) -> torch.device:
-    """The device of this rank: cuda:<local_rank> with CUDA, cpu otherwise."""
-    if use_cuda():
-        if local_rank is None:
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    """The device of this rank: cuda:<local_rank> with CUDA, cpu otherwise.
+
+    A local rank without a GPU of its own is a `DeviceError` naming the fix: NCCL would
+    otherwise fail later with "Duplicate GPU detected" (two ranks on one GPU). One exception:
+    under Slurm's per-task GPU binding (--gpus-per-task 1) every task sees its own GPU as its
+    only device, so a task whose SLURM_LOCALID is past the one visible device takes cuda:0."""
+    if not use_cuda():
+        return torch.device("cpu")
+    rank = env_local_rank() if local_rank is None else local_rank
+    count = torch.cuda.device_count()
+    if rank < count:
+        return torch.device("cuda", rank)
+    if count == 1 and "SLURM_LOCALID" in os.environ and "LOCAL_RANK" not in os.environ \
+            and os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return torch.device("cuda", 0)  # Slurm bound this task to one GPU
+    raise DeviceError(gpu_shortage(rank + 1, count))
+
+
+def gpu_shortage(ranks: int, gpus: int) -> str:
+    """The one-line error for `ranks` processes on a node with `gpus` GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    return (f"{ranks} ranks on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible"
+            f"{where}: NCCL needs a GPU per rank; start at most {gpus} process"
+            f"{'es' if gpus != 1 else ''} per node (torchrun --nproc-per-node {gpus}, or a "
+            f"layout of tp x cp x pp x dp <= {gpus}), or set MEGAPAR_CPU=1 to run on the CPU "
+            f"with gloo")
+
+
+def check_gpus(ranks: int) -> None:
+    """`DeviceError` (one line) when `ranks` local processes would run on this node's CUDA
+    devices and there are fewer GPUs than that; nothing on the CPU. Checked before workers
+    start."""
+    if use_cuda() and ranks > torch.cuda.device_count():
+        raise DeviceError(gpu_shortage(ranks, torch.cuda.device_count()))
+
+
+PEAK_TFLOPS = {  # dense TFLOP/s of one GPU by product name: (16-bit, TF32, fp32), datasheets
+    "H100 PCIe": (756.0, 378.0, 51.2),
+    "H100": (989.4, 494.7, 66.9),   # SXM (HBM3); NVIDIA's sparse figures are twice these
+    "H200": (989.4, 494.7, 66.9),
+    "A100": (312.0, 156.0, 19.5),
+}
+"""Peak dense matrix rates of the GPUs megapar has figures for (MFU's denominator)."""
+
+
+def peak_tflops(dev: torch.device, precision: str, tf32: bool = False) -> float | None:
+    """The dense peak TFLOP/s of `dev` for a run in `precision` (bf16 / fp16: the 16-bit
+    tensor-core rate; fp32: the TF32 rate with `tf32`, else plain fp32), or None where megapar
+    has no figure (the CPU, other GPUs)."""
+    if torch.device(dev).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(dev)
+    for product, rates in PEAK_TFLOPS.items():
+        if product in name:
+            return rates[0] if precision in ("bf16", "fp16") else rates[1 if tf32 else 2]
+    return None
 
 
 def keep_freed_host_memory() -> bool:
@@ -72,22 +140,26 @@ def keep_freed_host_memory() -> bool:
         return False
 
 
-def polls_host(group) -> bool:
-    """Whether waiting on `group`'s work blocks the host (gloo) rather than the stream (NCCL)."""
+def polls_host(device: torch.device) -> bool:
+    """Whether waiting on communication of tensors on `device` blocks the host (gloo, CPU
+    tensors) rather than ordering the stream (NCCL, CUDA tensors).
 
-    return dist.get_backend(group) != "nccl"
+    Decided by the device, not by the process group's backend name: a group the user made
+    reads "undefined" or "cpu:gloo,cuda:nccl", and taking the gloo path on NCCL (host waits,
+    receives posted ahead) breaks NCCL's issue order."""
+    return torch.device(device).type != "cuda"
 
 
-def wait(work, group, timeout_s: float, what: str, error: type = TimeoutError,
+def wait(work, device: torch.device, timeout_s: float, what: str, error: type = TimeoutError,
          hint: str = "") -> None:
-    """Wait for the asynchronous collective or point-to-point `work` of process group `group`.
+    """Wait for the asynchronous collective or point-to-point `work` on tensors of `device`.
 
     gloo: the host waits at most `timeout_s`, then raises `error` naming `what`. NCCL: the wait
     only orders the current CUDA stream after the work (no host blocking, no polling); a hang is
     ended by the process group's own timeout (NCCL's watchdog, set by `init_distributed` from
     the same default), and the launcher names the rank and what it was doing. `hint` ends the
     error message (what probably went wrong, what to do)."""
-    if not polls_host(group):
+    if not polls_host(device):
         work.wait()
         return
     try:
@@ -99,31 +171,91 @@ def wait(work, group, timeout_s: float, what: str, error: type = TimeoutError,
                     f"{hint}")
 
 
+def adopt_slurm_environment() -> bool:
+    """Under `srun` without torchrun (one task per GPU), give torch.distributed what torchrun
+    would: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE from SLURM_PROCID / SLURM_NTASKS /
+    SLURM_LOCALID / SLURM_NTASKS_PER_NODE, MASTER_ADDR from the first host of the step's node
+    list and MASTER_PORT from the job id (unless they are set). Does nothing under torchrun
+    (RANK set) or outside a Slurm step of several tasks. Returns whether it filled them."""
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) < 2:
+        return False
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
+               LOCAL_RANK=env.get("SLURM_LOCALID", "0"))
+    per_node = env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", ""))
+    if per_node.split("(")[0].split(",")[0].isdigit():  # "4(x2)" or "4,4": 4 on this node's kind
+        env.setdefault("LOCAL_WORLD_SIZE", per_node.split("(")[0].split(",")[0])
+    nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST",
+                                                   env.get("SLURM_NODELIST", "")))
+    if nodes:
+        env.setdefault("MASTER_ADDR", first_host(nodes))
+    job = env.get("SLURM_JOB_ID", "")
+    if job.isdigit():  # two jobs sharing a node must not share a port (as Lightning does)
+        env.setdefault("MASTER_PORT", str(15000 + int(job) % 20000))
+    return True
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: "gpu[003-004,9],cpu1" -> "gpu003" (what
+    `scontrol show hostnames | head -1` prints)."""
+    head = nodelist.strip()
+    depth = 0
+    for i, ch in enumerate(head):  # the first entry: up to a comma outside brackets
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            head = head[:i]
+            break
+    if "[" not in head:
+        return head
+    prefix, _, rest = head.partition("[")
+    ranges, _, suffix = rest.partition("]")
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+
+
+def group_timeout_s(name: str, timeout_s: float, nccl_timeout_s: float | None = None) -> float:
+    """The timeout of the process groups of backend `name`: gloo's is megapar's wait
+    (`timeout_s`); NCCL's is its watchdog's, `nccl_timeout_s` (default
+    DEFAULT_NCCL_TIMEOUT_S), never shorter than the wait."""
+    if name != "nccl":
+        return timeout_s
+    return max(timeout_s, nccl_timeout_s or DEFAULT_NCCL_TIMEOUT_S)
+
+
 def init_distributed(rank: int | None = None, world_size: int | None = None,
-                     timeout_s: float | None = None, store=None) -> None:
+                     timeout_s: float | None = None, store=None,
+                     nccl_timeout_s: float | None = None) -> None:
     """Initialise the default process group from the environment (torchrun / Slurm / our launcher).
 
     `store`: a rendezvous store to use instead of MASTER_ADDR / MASTER_PORT (the launcher's
-    loopback-only store). Does nothing when the default group is already initialised. Every later collective inherits
-    the timeout, so a rank that never arrives makes the others fail instead of hanging forever.
-    Raises TimeoutError naming this rank when not every rank has joined within the timeout.
+    loopback-only store). Does nothing when the default group is already initialised. Every
+    ranks waits at most `timeout_s` for the others to join; a rank that never arrives makes the
+    others fail with a TimeoutError naming this rank instead of hanging forever. Later
+    collectives inherit `timeout_s` on gloo and `nccl_timeout_s` (default
+    DEFAULT_NCCL_TIMEOUT_S) on NCCL, whose watchdog must outlast a checkpoint save.
     """
 
     if dist.is_initialized():
         return
+    adopt_slurm_environment()
     if rank is None:
-        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+        rank = int(os.environ.get("RANK", "0"))
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     wait = timeout_s or DEFAULT_TIMEOUT_S
+    groups = group_timeout_s(backend(), wait, nccl_timeout_s)
     try:
+        if store is None:  # torch's env:// rendezvous, waiting `wait`, not the groups' timeout
+            store, _, _ = next(dist.rendezvous("env://", rank, world_size,
+                                               timeout=timedelta(seconds=wait)))
+            store = dist.PrefixStore("default_pg", store)
         dist.init_process_group(backend=backend(), rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=wait), store=store)
+                                timeout=timedelta(seconds=groups), store=store)
     except dist.DistStoreError as exc:  # the store's own words name only keys
         raise TimeoutError(
             f"rank {rank} waited {wait:.0f} s for all {world_size} ranks to join the process "

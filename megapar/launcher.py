@@ -70,7 +70,7 @@ def loopback_store(rank: int, world_size: int, port: int, timeout_s: float | Non
 
 
 def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, parent,
-            status, stacks):
+            status, stacks, nccl_timeout_s=None):
     die_with_parent(parent)
     diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
@@ -86,7 +86,8 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
         _device.keep_freed_host_memory()
         if world_size > 1:
             store = loopback_store(rank, world_size, port, timeout_s)
-            _device.init_distributed(rank, world_size, timeout_s=timeout_s, store=store)
+            _device.init_distributed(rank, world_size, timeout_s=timeout_s, store=store,
+                                     nccl_timeout_s=nccl_timeout_s)
         out = fn(*args, **kwargs)
         # By value: torch's queue reducers would share tensors through file descriptors that
         # vanish when this process exits.
@@ -105,17 +106,24 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
 def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float | None = 240.0,
               collective_timeout_s: float | None = None, start_method: str | None = None,
               env: dict[str, str] | None = None,
-              forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"), **kwargs) -> list[Any]:
+              forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
+              nccl_timeout_s: float | None = None, **kwargs) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` local ranks and return each rank's result.
 
     timeout_s=None waits as long as the workers run (training); collectives still time out
-    after `collective_timeout_s` (default: megapar.device.DEFAULT_TIMEOUT_S).
+    after `collective_timeout_s` (default: megapar.device.DEFAULT_TIMEOUT_S; on NCCL after
+    `nccl_timeout_s`, default megapar.device.DEFAULT_NCCL_TIMEOUT_S). With CUDA (unless `env`
+    or the environment sets MEGAPAR_CPU=1) each rank takes its own GPU: more ranks than GPUs
+    is a `megapar.device.DeviceError` before any worker starts.
 
     The process group is initialised before `fn` runs (RANK / WORLD_SIZE are in the
     environment). Raises `WorkerError` naming the rank that caused the failure (`megapar.faults.blame`), or a
     `TimeoutError` naming the ranks that had not finished after `timeout_s`. The signals named
     in `forward` are passed on to the workers; a second SIGINT aborts.
     """
+    on_cpu = (env or {}).get("MEGAPAR_CPU", os.environ.get("MEGAPAR_CPU", "0")) == "1"
+    if not on_cpu:
+        _device.check_gpus(world_size)
     if start_method is None:
         start_method = "spawn" if _device.use_cuda() else "fork"
     ctx = mp.get_context(start_method)
@@ -127,7 +135,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
     statuses = [ctx.RawArray("c", 256) for _ in range(world_size)]
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, r, world_size, port, args, kwargs, results, coll_timeout,
-                               env or {}, os.getpid(), statuses[r], stacks))
+                               env or {}, os.getpid(), statuses[r], stacks, nccl_timeout_s))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -239,7 +247,9 @@ def check_local_workers(n: int, what: str, flag: str = "--oversubscribe") -> Non
 
 
 def under_launcher() -> bool:
-    """True under torchrun / Slurm (they set the rank environment for us)."""
+    """True under torchrun, or under `srun` with several tasks (one process per rank, started
+    by them; `megapar.device.adopt_slurm_environment` gives torch.distributed torchrun's
+    variables then)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
@@ -247,6 +257,15 @@ def under_launcher() -> bool:
 
 def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+
+
+def launched_local_size() -> int:
+    """Processes torchrun / srun started on this node (LOCAL_WORLD_SIZE, Slurm's tasks per
+    node), at least this one's local rank + 1."""
+    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get(
+        "SLURM_NTASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", "")).split("(")[0] \
+        .split(",")[0]
+    return max(int(per_node) if per_node.isdigit() else 1, _device.env_local_rank() + 1)
 
 
 def release_process_groups() -> None:
@@ -265,7 +284,8 @@ def release_process_groups() -> None:
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args,
                 collective_timeout_s: float | None = None,
-                forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")) -> list[Any]:
+                forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
+                nccl_timeout_s: float | None = None) -> list[Any]:
     """Run `fn(*args)` as this process's rank under torchrun / Slurm, or else start
     `world_size` local workers (in this process when world_size is 1). Returns the results of
     the ranks this process ran. Under torchrun / Slurm the default process group is set up
@@ -273,16 +293,13 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
     returns."""
     _device.keep_freed_host_memory()
     if under_launcher():
-        if os.environ.get("SLURM_PROCID") and "RANK" not in os.environ:
-            os.environ.update(RANK=os.environ["SLURM_PROCID"],
-                              WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                              LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+        _device.adopt_slurm_environment()  # srun without torchrun: torchrun's variables
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun: die with its agent
             die_with_parent(os.getppid())
 
         diagnostics.install(int(os.environ["RANK"]), on_sigterm=True)
         ours = not dist.is_initialized()
-        _device.init_distributed(timeout_s=collective_timeout_s)
+        _device.init_distributed(timeout_s=collective_timeout_s, nccl_timeout_s=nccl_timeout_s)
         out = fn(*args)
         if ours and dist.is_initialized():  # after a failure the others may be in a collective
             release_process_groups()
@@ -290,7 +307,8 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
     if world_size == 1:
         return [fn(*args)]
     return run_local(fn, world_size, *args, timeout_s=None,
-                     collective_timeout_s=collective_timeout_s, forward=forward)
+                     collective_timeout_s=collective_timeout_s, forward=forward,
+                     nccl_timeout_s=nccl_timeout_s)
 
 
 def _in_notebook() -> bool:

@@ -228,8 +228,10 @@ class Mesh:
     def from_env(cls, tp: int = 1, pp: int = 1, dp: int | None = None,
                  timeout_s: float | None = None, order: str = "tp-pp-dp",
                  cp: int = 1) -> "Mesh":
-        """Initialise torch.distributed from the environment (if needed) and build the mesh."""
+        """Initialise torch.distributed from the environment (if needed) and build the mesh:
+        torchrun's, our launcher's, or an `srun` step's (`device.adopt_slurm_environment`)."""
 
+        _device.adopt_slurm_environment()
         world = int(os.environ.get("WORLD_SIZE", "1"))
         layout = Layout.infer(world, tp, pp, dp, order, cp)
         if world > 1:

@@ -34,21 +34,30 @@ def test_failing_rank_is_named_and_nobody_hangs():
     assert time.monotonic() - start < 30
 
 
-def _as_torchrun_rank(rank, world, port, out, body):
-    """Rank `rank` of a `world`-rank torchrun job (torchrun's environment, not torchrun):
-    reports (rank, body())."""
+def _as_torchrun_rank(rank, world, port, out, body, launcher="torchrun"):
+    """Rank `rank` of a `world`-rank torchrun job (torchrun's environment, not torchrun), or
+    with launcher="srun" of an srun step without torchrun (Slurm's variables only): reports
+    (rank, body())."""
     import os
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    os.environ.pop("TORCHELASTIC_RUN_ID", None)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        os.environ.pop(name, None)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if launcher == "srun":
+        os.environ.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+                          SLURM_NTASKS=str(world), SLURM_NTASKS_PER_NODE=str(world),
+                          SLURM_STEP_NODELIST="localhost", MASTER_PORT=str(port))
+    else:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
     out.put((rank, body()))
 
 
-def _run_as_torchrun(body, world: int) -> list:
-    """`body()` on `world` forked ranks with torchrun's environment; their results by rank.
-    Every rank must exit 0."""
+def _run_as_torchrun(body, world: int, launcher: str = "torchrun") -> list:
+    """`body()` on `world` forked ranks with torchrun's (or srun's) environment; their results
+    by rank. Every rank must exit 0."""
     import multiprocessing as mp
 
     from megapar.launcher import free_port
@@ -56,7 +65,7 @@ def _run_as_torchrun(body, world: int) -> list:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_as_torchrun_rank, args=(r, world, port, out, body))
+    procs = [ctx.Process(target=_as_torchrun_rank, args=(r, world, port, out, body, launcher))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -21,9 +21,11 @@ from megapar.data import IndexedDataset
 from megapar.dryrun.command import rehearse
 from megapar.faults.report import log_dir_for, worker_failure
 from megapar.faults.stop import install_stop_handlers, parse_signals
+from megapar.device import DeviceError, check_gpus
 from megapar.launcher import (
     WorkerError,
     check_local_workers,
+    launched_local_size,
     launched_world_size,
     run_workers,
     under_launcher,
@@ -88,8 +90,10 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     elif under_launcher():
         layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order,
                               cfg.cp)
+        check_gpus(launched_local_size())  # every process of this node: a GPU each
     else:
         layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order, cfg.cp)
+        check_gpus(layout.world_size)
         if not cfg.oversubscribe:
             cp = f" x --cp {layout.cp}" if layout.cp > 1 else ""
             check_local_workers(layout.world_size, f"--tp {layout.tp}{cp} x --pp {layout.pp} x "
@@ -226,7 +230,7 @@ def main(argv=None) -> int:
             lock = SaveLock(cfg.save, command).acquire()
             notes.extend(filter(None, [lock.taken_over]))
     except (UsageError, LayoutError, ConfigError, ValueError, FileNotFoundError,
-            SaveLockError) as exc:
+            SaveLockError, DeviceError) as exc:
         print(f"megapar-train: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -249,7 +253,7 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
     forward = tuple(s.name for s in parse_signals(cfg.exit_signals)) + ("SIGINT",)
     try:
         run_workers(_worker, layout.world_size, cfg, plan, collective_timeout_s=cfg.timeout_s,
-                    forward=forward)
+                    forward=forward, nccl_timeout_s=cfg.nccl_timeout_s)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in the rank's log
         if isinstance(exc, WorkerError):
             text, failed = str(exc), None

@@ -56,7 +56,7 @@ class Ring:
         """Wait for an exchange; the received tensor."""
         works, _send, recv, label = handle
         for work in works:
-            _device.wait(work, self.group, self.timeout_s,
+            _device.wait(work, recv.device, self.timeout_s,
                          f"rank {self.global_rank} (cp rank {self.rank}): {label} (sending to "
                          f"rank {self.next}, receiving from rank {self.prev})", CPTimeoutError,
                          ". Another rank of the context-parallel group probably failed (look for "

@@ -85,7 +85,7 @@ class PipelineExecutor:
         self.p2p = (StageP2P(mesh, act_shape, act_dtype, timeout_s, wire_dtype)
                     if mesh.pp > 1 else None)
         self.weight_grads = store_of(stage)  # enabled in steps with a split backward
-        self.post_ahead = self.p2p is not None and polls_host(mesh.pp_group)
+        self.post_ahead = self.p2p is not None and polls_host(mesh.device)
         """Post each peer's next receive as soon as the previous one arrived (gloo: a message
         moves only once its receive is posted). NCCL runs a rank's operations in issue order,
         so there receives are issued where the program has them."""
@@ -396,7 +396,7 @@ class PipelineExecutor:
         if self.mesh.pp > 1:
             src = self.mesh.stage_rank(self.mesh.pp - 1)
             work = dist.broadcast(loss, src=src, group=self.mesh.pp_group, async_op=True)
-            wait_work(work, self.mesh.pp_group, self.timeout_s,
+            wait_work(work, self.mesh.device, self.timeout_s,
                       f"rank {self.mesh.rank}: broadcast of the loss from the last pipeline "
                       f"stage (rank {src})")
         return loss

@@ -66,10 +66,10 @@ class StageP2P:
         collective over the pipeline group: NCCL needs every rank of a group in the group's
         first call of `batch_isend_irecv` (torch.distributed's documentation of it)."""
         self.issued = []
-        if not self._joined and not _device.polls_host(self.mesh.pp_group):
+        if not self._joined and not _device.polls_host(self.mesh.device):
             flag = torch.zeros(1, device=self.mesh.device)
             _device.wait(dist.all_reduce(flag, group=self.mesh.pp_group, async_op=True),
-                         self.mesh.pp_group, self.timeout_s,
+                         self.mesh.device, self.timeout_s,
                          f"rank {self.mesh.rank}: the pipeline group's first collective",
                          P2PTimeoutError)
             self._joined = True
@@ -148,7 +148,7 @@ class StageP2P:
     # helpers -------------------------------------------------------------------------------
     def _wait(self, work, doing: str) -> None:
         try:
-            _device.wait(work, self.mesh.pp_group, self.timeout_s,
+            _device.wait(work, self.mesh.device, self.timeout_s,
                          f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}): {doing}",
                          P2PTimeoutError,
                          ". The peer stage probably failed or is stuck (look for its error), or "
@@ -167,8 +167,8 @@ class StageP2P:
                 f"(micro-batch size, seq, hidden) and act_shape must match it")
 
 
-def wait_work(work, group, timeout_s: float, what: str) -> None:
-    """Wait for an asynchronous collective of the pipeline (loss broadcast, timeline gathering),
-    raising P2PTimeoutError naming `what` (see `megapar.device.wait`)."""
-    _device.wait(work, group, timeout_s, what, P2PTimeoutError,
+def wait_work(work, device, timeout_s: float, what: str) -> None:
+    """Wait for an asynchronous collective of the pipeline (loss broadcast, timeline gathering)
+    on tensors of `device`, raising P2PTimeoutError naming `what` (see `megapar.device.wait`)."""
+    _device.wait(work, device, timeout_s, what, P2PTimeoutError,
                  "; another rank of the pipeline group probably failed (look for its error)")

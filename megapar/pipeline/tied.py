@@ -44,7 +44,7 @@ def sync_tied_embeddings(model: nn.Module, mesh: Mesh, timeout_s: float = DEFAUL
         if p.grad is None:  # e.g. nothing ran backward: take part anyway, the peer is waiting
             p.grad = torch.zeros_like(p)
         work = dist.all_reduce(p.grad, group=mesh.embedding_group, async_op=True)
-        wait(work, mesh.embedding_group, timeout_s,
+        wait(work, mesh.device, timeout_s,
              f"rank {mesh.rank}: all-reduce of the tied embedding gradient with the other end "
              f"of the pipeline", hint="; the first or last stage probably failed, or only one "
                                       "of them called sync_tied_embeddings")

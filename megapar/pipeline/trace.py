@@ -91,7 +91,7 @@ def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_T
     offset = float("inf")
     for _ in range(sync_rounds):
         stamp = torch.tensor([time.perf_counter()], dtype=torch.float64, device=dev)
-        wait_work(dist.broadcast(stamp, src=root, group=group, async_op=True), group, timeout_s,
+        wait_work(dist.broadcast(stamp, src=root, group=group, async_op=True), dev, timeout_s,
                   f"rank {mesh.rank}: clock alignment of gather_timeline")
         offset = min(offset, time.perf_counter() - stamp.item())
     if mesh.is_first_stage:
@@ -102,12 +102,12 @@ def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_T
     counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(mesh.pp)]
     wait_work(dist.all_gather(counts, torch.tensor([len(rows)], device=dev), group=group,
                               async_op=True),
-              group, timeout_s, f"rank {mesh.rank}: gathering timeline sizes")
+              dev, timeout_s, f"rank {mesh.rank}: gathering timeline sizes")
     longest = max(int(c) for c in counts)
     padded = torch.zeros(longest, 5, dtype=torch.float64, device=dev)
     padded[:len(rows)] = rows
     parts = [torch.zeros_like(padded) for _ in range(mesh.pp)] if mesh.is_first_stage else None
-    wait_work(dist.gather(padded, parts, dst=root, group=group, async_op=True), group, timeout_s,
+    wait_work(dist.gather(padded, parts, dst=root, group=group, async_op=True), dev, timeout_s,
               f"rank {mesh.rank}: gathering timelines on pp rank 0")
     if not mesh.is_first_stage:
         return None

@@ -73,6 +73,8 @@ class TrainConfig:
     """Activation recomputation: none, selective (attention core) or full (each block)."""
     precision: str = "fp32"
     """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
+    tf32: bool = False
+    """On CUDA: let fp32 matrix products use TensorFloat-32 (10-bit mantissa, several times faster on Ampere and newer GPUs). Off, fp32 runs keep full fp32 products and match one process to 1e-5."""
     zero: int = 0
     """1 shards the optimizer state over data-parallel ranks (ZeRO-1)."""
     p2p_dtype: str = "auto"
@@ -137,13 +139,15 @@ class TrainConfig:
     wandb_project: str | None = None
     """Log to Weights & Biases (offline mode when there is no network)."""
     peak_tflops: float = 1.0
-    """Peak TFLOP/s of one device, for MFU (e.g. 312 for A100 bf16; 1.0 is a rough CPU figure)."""
+    """Peak TFLOP/s of one device, for MFU. Not given: the GPU's dense datasheet figure for --precision (and --tf32) where megapar knows it (A100, H100, H200; e.g. 989 for H100 bf16), else 1.0 (a rough CPU figure)."""
     profile_steps: str | None = None
     """Record a torch.profiler Chrome trace of steps A:B (e.g. 5:7) on every rank."""
     profile_dir: str = "profile"
     """Where --profile-steps writes trace_rank<R>.json."""
     timeout_s: float = 300.0
-    """Timeout of every collective / point-to-point wait, in seconds."""
+    """Timeout of every collective / point-to-point wait, in seconds (on GPUs: of the wait for all ranks to join; NCCL's own is --nccl-timeout-s)."""
+    nccl_timeout_s: float = 1800.0
+    """On GPUs: timeout of the NCCL process groups, in seconds (NCCL's watchdog aborts a collective that has not finished by then). It also runs while ranks wait in a collective for a checkpoint save or a resharding load, so it is longer than --timeout-s."""
     # --- faults and clean stops ---
     max_nonfinite_steps: int = 5
     """Stop (rc 1, nothing saved) after this many consecutive steps with a non-finite loss or gradient norm (fp16: skipped steps; also when the loss scale overflows at its floor). 0 never stops."""

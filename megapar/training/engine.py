@@ -59,6 +59,8 @@ class Engine:
                                                  order=cfg.rank_order, cp=cfg.cp)
         """This rank's `Mesh`: its layout, its tp / cp / pp / dp coordinates and process groups."""
         mesh.sequence_parallel = cfg.sequence_parallel and mesh.tp > 1
+        if mesh.device.type == "cuda":  # process-wide in torch: fp32 products in TF32 or not
+            torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
         self.model = build_stage(model_config, mesh, cfg.seed, cfg.recompute,
                                  virtual_stages=cfg.virtual_stages)
         self.precision = Precision(cfg.precision, mesh.device)
@@ -127,11 +129,15 @@ class Engine:
         return result
 
     def split(self, batch: dict) -> list[dict]:
-        """This dp rank's micro-batches of a global batch, on the mesh device."""
+        """This dp rank's micro-batches of a global batch, on the mesh device: its rows are
+        copied there once per tensor (on a GPU each copy from host memory makes the host
+        wait), then cut into micro-batches (views)."""
         size = batch["input_ids"].shape[0]
         plan = BatchPlan(size, self.cfg.micro_batch_size, self.mesh.dp)
-        return [{k: v.to(self.mesh.device) for k, v in mb.items()}
-                for mb in plan.split(batch, self.mesh.dp_rank)]
+        rows = size // self.mesh.dp
+        first = self.mesh.dp_rank * rows
+        mine = {k: v[first:first + rows].to(self.mesh.device) for k, v in batch.items()}
+        return BatchPlan(rows, plan.micro_batch_size, 1).split(mine, 0)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> float:
         """One full optimizer step on a global batch; returns its mean loss (the same everywhere).

@@ -17,6 +17,7 @@ from megapar.checkpoint.convert import recorded_tokenizer
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.hf import HFReader, load_hf_weights
 from megapar.checkpoint.publish import has_checkpoint
+from megapar.device import peak_tflops
 from megapar.data import IndexedDataset
 from megapar.data.blended import BlendedDataset
 from megapar.faults.processes import launcher_alive
@@ -50,6 +51,7 @@ from megapar.training.logging import (
     peak_memory_mb,
 )
 from megapar.training.profiling import StepProfiler
+from megapar.training.validate import explicit
 
 
 class TrainingError(RuntimeError):
@@ -104,6 +106,10 @@ class Trainer:
         self.flops_per_token = flops_per_token(allocated, self.config.num_layers,
                                                self.config.hidden_size, cfg.seq_len)
         self.allocated_params = allocated
+        known = peak_tflops(mesh.device, cfg.precision, cfg.tf32)
+        self.peak_tflops = cfg.peak_tflops if "peak_tflops" in explicit(cfg) or known is None \
+            else known
+        """MFU's denominator per device: --peak-tflops, else the GPU's datasheet figure."""
 
     @property
     def step(self) -> int:
@@ -220,7 +226,8 @@ class Trainer:
                 tflops = self.flops_per_token * tokens_per_s / 1e12
                 metrics = {"loss": loss, "lr": result.lr, "grad_norm": float(result.grad_norm),
                            "tokens_per_s": tokens_per_s, "step_time_s": elapsed,
-                           "tflops": tflops, "mfu": tflops / (cfg.peak_tflops * mesh.layout.world_size),
+                           "tflops": tflops,
+                           "mfu": tflops / (self.peak_tflops * mesh.layout.world_size),
                            "skipped": bool(result.skipped), "loss_scale": float(result.loss_scale)}
                 logging_step = self.step % cfg.log_interval == 0 or self.step == cfg.max_steps
                 if logging_step:

@@ -54,6 +54,7 @@ _RULES = [
     ("lr", "float", 0.0, False), ("min_lr", "float", 0.0, True),
     ("weight_decay", "float", 0.0, True), ("clip_grad", "float", 0.0, True),
     ("peak_tflops", "float", 0.0, False), ("timeout_s", "float", 0.0, False),
+    ("nccl_timeout_s", "float", 0.0, False),
     ("val_fraction", "float", 0.0, True), ("virtual_stages", "int", 1, True),
     ("adam_eps", "float", 0.0, False), ("grad_bucket_mb", "float", 0.0, False),
     ("adam_beta1", "float", 0.0, True), ("adam_beta2", "float", 0.0, True),
@@ -268,7 +269,8 @@ NOT_INHERITED = {
     "sequence_parallel", "recompute", "zero", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
     "model", "from_hf", "load", "load_strict", "save", "data_cache", "log_json", "tensorboard",
-    "wandb_project", "progress", "debug", "timeout_s", "peak_tflops", "profile_steps",
+    "wandb_project", "progress", "debug", "timeout_s", "nccl_timeout_s", "peak_tflops",
+    "profile_steps",
     "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval",
     # a rehearsal
     "dry_run", "world_size", "gpus_per_node", "dry_run_ranks", "json"}
