@@ -102,7 +102,7 @@ class Spec:
     """A `ring.Ring` (ring) or the cp process group (all-gather)."""
     dropout_p: float = 0.0
     kernel: str | None = None
-    """"flash" / "math" (`kernels.KERNELS`); None chooses by device and dropout."""
+    """One of `kernels.KERNELS`; None chooses by device, dtype, mask and dropout."""
     label: str = "attention"
     """Names the layer in a timeout's message."""
     masks: DropoutMasks | None = field(default=None, repr=False)
@@ -139,7 +139,8 @@ class _Pass:
     def __init__(self, spec: Spec, q, key_mask, kv_index):
         self.spec, self.q, self.key_mask, self.kv_index = spec, q, key_mask, kv_index
         self.c = q.shape[2] // 2
-        self.kernel = spec.kernel or choose_kernel(q.device, spec.dropout_p)
+        self.kernel = spec.kernel or choose_kernel(q.device, spec.dropout_p, q.dtype,
+                                                   key_mask is not None, q.shape[-1])
 
     def calls(self, source: int) -> list[Call]:
         return plan(self.spec.cp, self.spec.rank, source, self.c, self.spec.causal)

@@ -6,16 +6,23 @@ the log-sum-exp in forward and, in backward, takes the *merged* output and log-s
 attention's backward: P = exp(S - lse), dS = P (dP - rowsum(dO O))), so that each block's
 gradients are its share of the whole attention's.
 
-`F.scaled_dot_product_attention` returns neither, so the kernels are:
+`F.scaled_dot_product_attention` returns neither, so the kernels are the fused ops behind it,
+called directly, which return the log-sum-exp and take it back in backward (as torch's own
+context parallelism, `torch.distributed.tensor.experimental.context_parallel`, calls them):
 
 - "flash": the fused CPU kernel that `scaled_dot_product_attention` itself runs on CPU
-  (`aten._scaled_dot_product_flash_attention_for_cpu` and its backward), which returns the
-  log-sum-exp and takes it back. It has no dropout.
-- "math": the same computation written out in fp32 matmuls, on any device (used on CUDA, and
-  wherever attention dropout is on: its masks are drawn again in backward from the RNG state
-  saved in forward, so nothing quadratic is kept). On GPUs a fused kernel with a log-sum-exp
-  (flash / memory-efficient attention's) would be faster; this one is written out so that the
-  exact code path GPUs run is the one the CPU tests check.
+  (`aten._scaled_dot_product_flash_attention_for_cpu` and its backward).
+- "cuda-flash": FlashAttention-2 on CUDA (`aten._scaled_dot_product_flash_attention`), for
+  bf16 / fp16 blocks without a padding mask.
+- "cuda-efficient": the memory-efficient kernel on CUDA
+  (`aten._scaled_dot_product_efficient_attention`), for fp32 blocks and BERT's padding bias.
+  Neither CUDA kernel materialises the s_q x s_k scores.
+- "math": the same computation written out in fp32 matmuls, on any device: wherever attention
+  dropout is on (its masks are drawn again in backward from the RNG state saved in forward, so
+  nothing quadratic is kept), and as the reference the others are tested against.
+
+The fused kernels have no dropout here (their dropout draws from a Philox stream megapar does
+not replay), so dropout always takes "math".
 
 Blocks are [b, heads, s_q, d] queries against [b, heads, s_k, d] keys / values; `causal` is the
 square causal mask (a block against its own positions), `bias` an additive key mask
@@ -29,12 +36,62 @@ import contextlib
 
 import torch
 
-KERNELS = ("flash", "math")
+KERNELS = ("flash", "cuda-flash", "cuda-efficient", "math")
 
 
-def choose_kernel(device: torch.device, dropout_p: float) -> str:
-    """The kernel for a device: the fused CPU kernel unless attention dropout is on."""
-    return "flash" if device.type == "cpu" and dropout_p == 0 else "math"
+def choose_kernel(device: torch.device, dropout_p: float, dtype: torch.dtype = torch.float32,
+                  masked: bool = False, head_dim: int = 64) -> str:
+    """The kernel for a device: a fused one unless attention dropout is on (on CUDA: flash for
+    16-bit blocks without a mask, memory-efficient otherwise, for head sizes that are a
+    multiple of 8 up to 128, which both support on every GPU they run on), else "math"."""
+    if dropout_p:
+        return "math"
+    if device.type == "cpu":
+        return "flash"
+    if device.type == "cuda" and head_dim % 8 == 0 and head_dim <= 128:
+        half = dtype in (torch.bfloat16, torch.float16)
+        return "cuda-flash" if half and not masked else "cuda-efficient"
+    return "math"
+
+
+_EFFICIENT_ALIGN = 16
+"""The memory-efficient kernel reads its bias in rows aligned to 16 elements (torch pads a
+mask the same way before calling it)."""
+
+
+def _efficient_bias(bias, q, k):
+    """The additive key mask as the memory-efficient kernel takes it: [b, heads, s_q, s_k] in
+    q's dtype, its storage padded to rows of a multiple of 16 keys (broadcast: no copy per
+    head or query)."""
+    if bias is None:
+        return None
+    b, heads, s_q, _ = q.shape
+    s_k = k.shape[2]
+    padded = -(-s_k // _EFFICIENT_ALIGN) * _EFFICIENT_ALIGN
+    rows = bias.to(q.dtype).expand(b, 1, 1, s_k)
+    store = rows.new_zeros(b, 1, 1, padded)
+    store[..., :s_k] = rows
+    return store[..., :s_k].expand(b, heads, s_q, s_k)
+
+
+_FORWARD_RNG: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+"""(kernel, device) -> the dropout RNG seed and offset its forward returned. The backward ops
+take them back; without dropout (always, here) they are placeholders whose types the kernel
+chooses, so the first forward's are kept and given to every backward, as torch's own
+autograd gives each backward its forward's."""
+
+
+def _keep_rng(kernel: str, device, seed: torch.Tensor, offset: torch.Tensor) -> None:
+    _FORWARD_RNG.setdefault((kernel, str(device)), (seed, offset))
+
+
+def _forward_rng(kernel: str, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seed and offset for `kernel`'s backward on q's device (a forward made them)."""
+    key = (kernel, str(q.device))
+    if key not in _FORWARD_RNG:  # a backward before any forward: run one of one query
+        one = q[:1, :1, :1].contiguous()
+        block_forward(one, one, one, False, None, kernel)
+    return _FORWARD_RNG[key]
 
 
 class DropoutMasks:
@@ -107,6 +164,17 @@ def block_forward(q, k, v, causal: bool, bias=None, kernel: str = "flash",
             bias = bias.to(q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=bias)
+    if kernel == "cuda-flash":
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal)
+        _keep_rng(kernel, q.device, res[6], res[7])
+        return res[0], res[1]
+    if kernel == "cuda-efficient":
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), _efficient_bias(bias, q, k), True,
+            0.0, causal)
+        _keep_rng(kernel, q.device, seed, offset)
+        return out, lse[..., :q.shape[2]]  # its rows are padded to a multiple of 32
     s, _ = _scores(q, k, causal, bias)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -124,6 +192,22 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, bias=None, kernel: str
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal,
             attn_mask=bias)
+    if kernel in ("cuda-flash", "cuda-efficient"):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+        seed, offset = _forward_rng(kernel, q)
+        if kernel == "cuda-flash":
+            s_q, s_k = q.shape[2], k.shape[2]
+            return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse.float().contiguous(), None, None, s_q, s_k, 0.0, causal,
+                seed, offset)
+        padded = -(-q.shape[2] // 32) * 32  # the log-sum-exp rows as its forward returns them
+        lse_rows = lse.new_zeros(*lse.shape[:-1], padded)
+        lse_rows[..., :q.shape[2]] = lse
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, _efficient_bias(bias, q, k), out, lse_rows, seed, offset, 0.0,
+            [True, True, True, False], causal)
+        return dq, dk, dv
     s, scale = _scores(q, k, causal, bias)
     p = torch.exp(s - lse.unsqueeze(-1))
     do, vf = wide(dout), wide(v)

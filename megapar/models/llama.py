@@ -81,20 +81,26 @@ def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
 
 class Rotary:
     """cos / sin tables for the positions of this rank's tokens of a sequence of `seq_len`:
-    0..seq_len-1, or its cp chunks' global positions (fp32, cached per length and device)."""
+    0..seq_len-1, or its cp chunks' global positions (fp32, cached per length and device).
 
-    def __init__(self, config: LlamaConfig, cp: int = 1, cp_rank: int = 0):
-        self.inv_freq = rope_frequencies(config)
+    The frequencies are computed on the CPU (as transformers does) and moved to `device` once,
+    when the model is built; the tables are computed where they are used, so a step never
+    copies host data to the device (a copy that would make a GPU's host wait)."""
+
+    def __init__(self, config: LlamaConfig, cp: int = 1, cp_rank: int = 0,
+                 device: torch.device | str = "cpu"):
+        self.inv_freq = rope_frequencies(config).to(device)
         self.cp, self.cp_rank = cp, cp_rank
         self._cache: dict = {}
 
     def __call__(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (seq_len, str(device))
         if key not in self._cache:
-            positions = cp_positions(seq_len, self.cp, self.cp_rank, "cpu").float()
-            freqs = positions[:, None] * self.inv_freq[None, :]
+            inv_freq = self.inv_freq.to(device)  # the device it was built on: no copy
+            positions = cp_positions(seq_len, self.cp, self.cp_rank, device).float()
+            freqs = positions[:, None] * inv_freq[None, :]
             emb = torch.cat([freqs, freqs], dim=-1)
-            self._cache = {key: (emb.cos().to(device), emb.sin().to(device))}
+            self._cache = {key: (emb.cos(), emb.sin())}
         return self._cache[key]
 
 
@@ -169,6 +175,14 @@ class LlamaAttention(nn.Module):
             self.v = ReplicatedHeads(hidden, n_kv * hd, rows, mesh)
         # local query head j attends with local kv head kv_index[j]
         self.kv_index = [(first_q + j) // group - first_kv for j in range(self.local_heads)]
+        local_kv = max(self.kv_index) + 1
+        per_kv = self.local_heads // local_kv
+        self.grouped = local_kv < self.local_heads and \
+            self.kv_index == [j // per_kv for j in range(self.local_heads)]
+        """Each local kv head serves the same number of consecutive query heads: the fused
+        kernels' grouped-query attention (SDPA's enable_gqa) reads k / v unexpanded. Otherwise
+        (a replicated kv head split unevenly across tp ranks) k / v are expanded per head."""
+        self._first_q, self._group, self._first_kv = first_q, group, first_kv
         self._kv_index_on: dict[str, torch.Tensor] = {}  # kv_index as a tensor per device
         self.proj = RowParallelLinear(n_q * hd, hidden, mesh, bias=False,
                                       name="attention heads x head size")
@@ -184,6 +198,9 @@ class LlamaAttention(nn.Module):
         with self.tracker.fork():  # dropout on this rank's heads: the per-tp-rank stream
             if self.context_parallel is not None:
                 return self.context_parallel(q, k, v, kv_index=index, dropout_p=dropout)
+            if self.grouped:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                      enable_gqa=True)
             if index is not None:
                 k, v = k.index_select(1, index), v.index_select(1, index)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
@@ -203,9 +220,11 @@ class LlamaAttention(nn.Module):
         index = None
         if self.kv_index != list(range(k.shape[1])):
             index = self._kv_index_on.get(str(k.device))
-            if index is None:  # once per device: a host-to-device copy per call would sync
-                index = self._kv_index_on[str(k.device)] = torch.tensor(self.kv_index,
-                                                                        device=k.device)
+            if index is None:  # once per device, from arange: no host data copied to it
+                heads = torch.arange(self.local_heads, device=k.device)
+                index = self._kv_index_on[str(k.device)] = \
+                    torch.div(self._first_q + heads, self._group, rounding_mode="floor") \
+                    - self._first_kv
         if self.recompute_core and torch.is_grad_enabled():
             out = self.tracker.checkpoint(self._core, q, k, v, index)
         else:
@@ -256,7 +275,7 @@ class Llama(StageModel):
                  pre_process: bool = True, post_process: bool = True, tracker=None):
         super().__init__()
         layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
-        rotary = Rotary(config, mesh.cp, mesh.cp_rank)
+        rotary = Rotary(config, mesh.cp, mesh.cp_rank, mesh.device)
         if pre_process:
             self.embed = nn.Module()
             self.embed.word = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
