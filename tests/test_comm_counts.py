@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+from tp_utils import to_device
 
 from megapar.comm_count import count_collectives, summary
 from megapar.launcher import run_local
@@ -76,9 +77,9 @@ def _worker(kind: str, tp: int, sequence_parallel: bool = False):
     mesh = Mesh(Layout(tp, 1, 1), dist.get_rank())
     mesh.sequence_parallel = sequence_parallel
     step = make_step(kind, mesh)
-    step.step(micro_batches(kind), 0)  # warm-up
+    step.step(to_device(micro_batches(kind), mesh.device), 0)  # warm-up
     with count_collectives() as calls:
-        step.step(micro_batches(kind), 1)
+        step.step(to_device(micro_batches(kind), mesh.device), 1)
     return calls
 
 

@@ -9,7 +9,7 @@ test_parity_3d.py). A bf16 run at cp 2 is compared with bf16 at cp 1.
 
 import pytest
 import torch
-from tp_utils import assert_close, rel_err
+from tp_utils import assert_close, rel_err, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -97,7 +97,8 @@ def one_step(kind, tp, cp, pp, dp, schedule="1f1b", sp=False, recompute="none", 
             grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape, mesh.tp_group).clone()
 
     optimizer.step = record
-    result = step.step(BatchPlan(G, MBS, dp).split(global_batch(kind), mesh.dp_rank), 0)
+    micro = BatchPlan(G, MBS, dp).split(global_batch(kind), mesh.dp_rank)
+    result = step.step(to_device(micro, mesh.device), 0)
     return {"loss": result.loss, "grads": grads if mesh.tp_rank == 0 else {},
             "where": (mesh.cp_rank, mesh.pp_rank, mesh.dp_rank)}
 

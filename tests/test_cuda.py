@@ -21,8 +21,12 @@ ran. What runs here:
 - a short `megapar-train` on the GPUs.
 
 `MEGAPAR_CUDA_TIER_ON_CPU=1` runs the tier's own logic on gloo on a machine without GPUs (the
-CUDA-only checks are then skipped inside the tests); it is how the tier is developed, never a
-GPU check (`tools/gpu_check.sh` refuses it).
+CUDA-only checks are then skipped inside the tests), with a GPU's placement rule modelled
+(`device_model.py`: a worker that hands a model a host tensor fails as it would on a GPU); it
+is how the tier is developed, never a GPU check (`tools/gpu_check.sh` refuses it). Workers
+put their batches on the mesh's device and return host tensors (`_tier_worker`), which the
+parent compares with references computed on the CPU. tests/test_cuda_single.py is the tier of
+one GPU.
 """
 
 import os
@@ -31,6 +35,7 @@ import sys
 
 import pytest
 import torch
+from device_model import HostTensorError, call_with_device_model
 
 from megapar.launcher import run_local
 
@@ -38,10 +43,30 @@ ON_CPU = os.environ.get("MEGAPAR_CUDA_TIER_ON_CPU") == "1"
 
 
 def run_gpus(fn, n, *args, **kwargs):
-    """`fn` on n ranks, one per GPU, NCCL (gloo on the CPU in a rehearsal)."""
+    """`fn` on n ranks, one per GPU, NCCL (gloo on the CPU in a rehearsal, under the device
+    model); each rank's result with its tensors on the host."""
     env = {"MEGAPAR_CPU": "1" if ON_CPU else "0"}
-    return run_local(fn, n, *args, start_method="fork" if ON_CPU else "spawn", env=env,
-                     timeout_s=900, collective_timeout_s=120, **kwargs)
+    return run_local(_tier_worker, n, fn, ON_CPU, *args,
+                     start_method="fork" if ON_CPU else "spawn", env=env, timeout_s=900,
+                     collective_timeout_s=120, **kwargs)
+
+
+def _tier_worker(fn, rehearsal, *args):
+    """A tier worker: `fn(*args)` (under the device model in a rehearsal), its tensors moved
+    to the host (the parent compares them with references computed on the CPU)."""
+    if rehearsal:
+        return _on_host(call_with_device_model(fn, *args))
+    return _on_host(fn(*args))
+
+
+def _on_host(out):
+    if isinstance(out, torch.Tensor):
+        return out.detach().cpu()
+    if isinstance(out, dict):
+        return {k: _on_host(v) for k, v in out.items()}
+    if type(out) in (list, tuple):
+        return type(out)(_on_host(v) for v in out)
+    return out
 
 
 def on_cuda() -> bool:
@@ -55,7 +80,7 @@ def _pipeline_parity(tp, pp):
 
     from megapar import device
 
-    assert ON_CPU or device.backend() == "nccl"
+    assert not on_cuda() or device.backend() == "nccl"
     return test_pipeline_parity.parity_worker(tp, pp), \
         test_pipeline_parity_chunks.parity_worker(tp, pp)
 
@@ -183,31 +208,44 @@ def test_tp_collectives_are_megatrons_minimum_on_nccl(kind):
         assert {c[3] for c in calls} == {"cpu" if ON_CPU else "cuda"}
 
 
+def strict_syncs(executor) -> list[int]:
+    """Make `executor.run` raise on any host-device synchronisation (CUDA's own check,
+    `torch.cuda.set_sync_debug_mode("error")`); returns the list its calls are counted in, so
+    a test can tell that the step it checked is the step that ran."""
+    run, calls = executor.run, []
+
+    def strict_run(*args, **kwargs):
+        calls.append(1)
+        if on_cuda():
+            before = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run(*args, **kwargs)
+        finally:
+            if on_cuda():
+                torch.cuda.set_sync_debug_mode(before)
+
+    executor.run = strict_run
+    return calls
+
+
 def _syncs_in_a_step(kind):
     from test_host_syncs import batch, config
 
     import megapar
 
     engine = megapar.prepare(config(kind), tp=1, pp=2, micro_batch_size=1)
-    run = engine.executor.run
-
-    def strict_run(*args, **kwargs):  # any host sync inside the pipeline step raises
-        if on_cuda():
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            return run(*args, **kwargs)
-        finally:
-            if on_cuda():
-                torch.cuda.set_sync_debug_mode("default")
-
-    engine.executor.run = engine.step_fn.executor.run = strict_run
-    return [engine.train_step(batch(kind, m)) for m in (4, 8, 4)]
+    engine.train_step(batch(kind, 4))  # warm-up: builds the executor of this sequence length
+    calls = strict_syncs(engine.executor)
+    losses = [engine.train_step(batch(kind, m)) for m in (4, 8, 4)]
+    return losses, len(calls)
 
 
 @pytest.mark.cuda(gpus=2)
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
 def test_a_pipeline_step_never_waits_for_the_device(kind):
-    for losses in run_gpus(_syncs_in_a_step, 2, kind):
+    for losses, checked in run_gpus(_syncs_in_a_step, 2, kind):
+        assert checked == 3, "the strict executor is not the one the steps ran"
         assert all(loss == loss for loss in losses)
 
 
@@ -272,3 +310,56 @@ def test_gpu_check_fails_where_no_gpu_test_ran():
     rehearsal = subprocess.run(["bash", script], capture_output=True, text=True, timeout=60,
                                env={**os.environ, "MEGAPAR_CUDA_TIER_ON_CPU": "1"})
     assert rehearsal.returncode == 2 and "unset it for a GPU check" in rehearsal.stderr
+
+
+# the tier's own checks, on the CPU ------------------------------------------------------------
+def _cp_runs():
+    from test_cp_parity import _worker
+
+    return _worker([("llama", 1, 2, 1, 1, {}), ("bert", 1, 2, 1, 1, {})])
+
+
+def _host_batch_worker():
+    """A tier worker as they all were: the batch made on the host, handed to the model."""
+    from test_pipeline_parity import make_config, micro_batches
+
+    from megapar.mesh import Layout, Mesh
+    from megapar.pipeline.partition import build_stage
+
+    model = build_stage(make_config("gpt2"), Mesh(Layout()), 0)
+    return model(None, micro_batches("gpt2", 1)[0])
+
+
+TIER_WORKERS = [(_pipeline_parity, 2, (1, 2)), (_bf16_and_fp32, 2, ()),
+                (_counted, 2, ("llama",)), (_syncs_in_a_step, 2, ("bert",)), (_cp_runs, 2, ())]
+
+
+@pytest.mark.skipif(ON_CPU, reason="the rehearsal runs every worker under the device model")
+@pytest.mark.parametrize("fn,n,args", TIER_WORKERS, ids=[w[0].__name__ for w in TIER_WORKERS])
+def test_tier_workers_hand_their_models_device_tensors(fn, n, args):
+    """The tier's workers on gloo with a GPU's placement rule modelled (`device_model.py`):
+    every batch a model gets is on the mesh's device. Before, each handed its model the host
+    batch, which a GPU refuses before NCCL is reached."""
+    run_local(_tier_worker, n, fn, True, *args, env={"MEGAPAR_CPU": "1"})
+
+
+def test_the_device_model_refuses_a_host_batch():
+    with pytest.raises(HostTensorError, match="host tensor 'input_ids'"):
+        call_with_device_model(_host_batch_worker)
+    assert _host_batch_worker() > 0  # the same worker passes on the CPU without the model
+
+
+def test_the_sync_check_wraps_the_executor_the_step_runs():
+    """`strict_syncs` counts the calls of what it wraps: the old test wrapped the executor
+    built for the default --seq-len 128, and its 16-token steps ran another one (0 calls)."""
+    from test_host_syncs import batch, config
+
+    import megapar
+
+    engine = megapar.prepare(config("gpt2"), micro_batch_size=1)
+    unused = strict_syncs(engine.executor)
+    engine.train_step(batch("gpt2", 2))
+    assert unused == []  # the blind spot: strict mode was never on
+    checked = strict_syncs(engine.executor)  # the executor of the step that just ran
+    engine.train_step(batch("gpt2", 2))
+    assert checked == [1]

@@ -10,7 +10,7 @@ final weights (fp32, relative error < 1e-5), with clipping active on every step.
 
 import pytest
 import torch
-from tp_utils import assert_close
+from tp_utils import assert_close, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -116,7 +116,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
 
     optimizer.step = step_and_record_first_grads
     plan = BatchPlan(G, MBS, dp)
-    results = [step.step(plan.split(batch, mesh.dp_rank), i)
+    results = [step.step(to_device(plan.split(batch, mesh.dp_rank), mesh.device), i)
                for i, batch in enumerate(global_batches())]
     weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group)
                for n, p in model.named_parameters()}

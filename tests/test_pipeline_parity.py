@@ -10,7 +10,7 @@ One `run_local` per (tp, pp) layout; the workers loop over models, schedules and
 
 import pytest
 import torch
-from tp_utils import assert_close, make_mesh, rel_err
+from tp_utils import assert_close, make_mesh, rel_err, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -100,7 +100,7 @@ def parity_worker(tp, pp):
         config = make_config(kind)
         model = build_stage(config, mesh, SEED)
         for m in MS:
-            batches = micro_batches(kind, m, seed=m)
+            batches = to_device(micro_batches(kind, m, seed=m), mesh.device)
             ref_loss, ref_grads = reference(kind, batches)
             for schedule in SCHEDULES:
                 what = f"{kind} tp={tp} pp={pp} {schedule} m={m} stage {mesh.pp_rank}"

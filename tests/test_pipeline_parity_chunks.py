@@ -17,7 +17,7 @@ from test_pipeline_parity import (
     full_grad,
     micro_batches,
 )
-from tp_utils import make_mesh
+from tp_utils import make_mesh, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -52,7 +52,7 @@ def parity_worker(tp, pp):
     for kind in CONFIGS:
         models = {v: build_stage(make_config(kind), mesh, SEED, virtual_stages=v) for v in (1, V)}
         for m in MS:
-            batches = micro_batches(kind, m, seed=m)
+            batches = to_device(micro_batches(kind, m, seed=m), mesh.device)
             ref_loss, ref_grads = reference(kind, batches)
             for schedule, v in RUNS:
                 what = f"{kind} tp={tp} pp={pp} {schedule} V={v} m={m} stage {mesh.pp_rank}"

@@ -13,6 +13,14 @@ def make_mesh(tp=1, pp=1, dp=1) -> Mesh:
     return Mesh(Layout(tp, pp, dp), rank)
 
 
+def to_device(batches, device):
+    """A micro-batch (a dict of tensors) or a list of them on `device` (the mesh's: on a GPU a
+    model cannot read host tensors)."""
+    if isinstance(batches, dict):
+        return {k: v.to(device) for k, v in batches.items()}
+    return [to_device(b, device) for b in batches]
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b| (0 when both are zero)."""
     a, b = a.detach().double(), b.detach().double()
