@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # megapar's CUDA test tier on this machine's GPUs, with a summary to paste into an issue.
 #
-#   tools/gpu_check.sh            # every test marked `cuda` (tests/test_cuda.py), NCCL
+#   tools/gpu_check.sh            # every test marked `cuda`: the one-GPU tier
+#                                 # (tests/test_cuda_single.py) and, with 2 GPUs or more, the
+#                                 # multi-GPU tier on NCCL (tests/test_cuda.py)
 #   tools/gpu_check.sh -k parity  # extra arguments go to pytest
 #
 # Exit status 0 only if at least one GPU test ran and none failed: on a machine without CUDA,
 # or where every test was skipped (too few GPUs), it fails instead of passing vacuously.
+# GPU_CHECK_JUNIT=FILE keeps pytest's JUnit report there (tools/gpu_session.sh reads it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${MEGAPAR_CUDA_TIER_ON_CPU:-}" == "1" ]]; then
@@ -32,8 +35,11 @@ if torch.cuda.is_available():
 else:
     print("no CUDA device visible to torch")
 PY
-MEGAPAR_CPU=0 python3 -m pytest -m cuda -rA -p no:cacheprovider tests/test_cuda.py \
-    --junitxml="$report/junit.xml" "$@"
+MEGAPAR_CPU=0 python3 -m pytest -m cuda -rA -p no:cacheprovider tests/test_cuda_single.py \
+    tests/test_cuda.py --junitxml="$report/junit.xml" "$@"
+if [[ -n "${GPU_CHECK_JUNIT:-}" ]]; then
+    cp "$report/junit.xml" "$GPU_CHECK_JUNIT" 2>/dev/null || true
+fi
 python3 - "$report/junit.xml" <<'PY'
 import sys
 import xml.etree.ElementTree as ET
@@ -51,7 +57,7 @@ for case in cases:
 passed, failed = outcome.get("passed", []), outcome.get("failure", []) + outcome.get("error", [])
 skipped = outcome.get("skipped", [])
 print(f"\ngpu_check summary: {len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped")
-for kind, names in (("FAILED", failed), ("skipped", skipped)):
+for kind, names in (("passed", passed), ("FAILED", failed), ("skipped", skipped)):
     for name in names:
         print(f"  {kind}: {name}")
 if not passed:
