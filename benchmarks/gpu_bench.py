@@ -194,6 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = False
