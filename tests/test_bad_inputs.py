@@ -223,6 +223,20 @@ def test_megapar_train(argv, message, env, no_workers, capsys):
     assert rc == 2 and message in line, line
 
 
+def test_wandb_project_without_wandb_is_refused_before_the_run(env, no_workers, capsys,
+                                                               monkeypatch):
+    """wandb is an extra (`megapar[wandb]`): without it --wandb-project is one line, not a
+    rank 0 traceback after the workers started."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "wandb" else real(name, *args))
+    rc = train([*env["common"], "--wandb-project", "mine"])
+    line = _one_line(capsys, "megapar-train")
+    assert rc == 2 and "--wandb-project needs wandb, which is not installed" in line, line
+
+
 EVAL = [
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "16", "--max-batches", "0"],
      "--max-batches 0 is invalid"),

@@ -179,9 +179,10 @@ class LlamaAttention(nn.Module):
         per_kv = self.local_heads // local_kv
         self.grouped = local_kv < self.local_heads and \
             self.kv_index == [j // per_kv for j in range(self.local_heads)]
-        """Each local kv head serves the same number of consecutive query heads: the fused
-        kernels' grouped-query attention (SDPA's enable_gqa) reads k / v unexpanded. Otherwise
-        (a replicated kv head split unevenly across tp ranks) k / v are expanded per head."""
+        """Each local kv head serves the same number of consecutive query heads: FlashAttention
+        (SDPA's enable_gqa, bf16 / fp16 on CUDA) reads k / v unexpanded. Otherwise (other
+        devices and dtypes, or a replicated kv head split unevenly across tp ranks) k / v are
+        expanded per query head."""
         self._first_q, self._group, self._first_kv = first_q, group, first_kv
         self._kv_index_on: dict[str, torch.Tensor] = {}  # kv_index as a tensor per device
         self.proj = RowParallelLinear(n_q * hd, hidden, mesh, bias=False,
@@ -198,7 +199,10 @@ class LlamaAttention(nn.Module):
         with self.tracker.fork():  # dropout on this rank's heads: the per-tp-rank stream
             if self.context_parallel is not None:
                 return self.context_parallel(q, k, v, kv_index=index, dropout_p=dropout)
-            if self.grouped:
+            if self.grouped and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+                # FlashAttention reads grouped k / v as they are; SDPA's other kernels do not
+                # take enable_gqa (fp32 would fall back to the unfused one), so elsewhere k / v
+                # are expanded below
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
                                                       enable_gqa=True)
             if index is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import importlib.util
 import math
 import os
 import re
@@ -387,6 +388,9 @@ def check_outputs(cfg) -> None:
         check_writable(cfg.tensorboard, "--tensorboard")
     if cfg.profile_steps:  # without --profile-steps nothing is written there
         check_writable(cfg.profile_dir, "--profile-dir")
+    if cfg.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise UsageError("--wandb-project needs wandb, which is not installed: pip install "
+                         "'megapar[wandb]' (or wandb), or log with --tensorboard / --log-json")
 
     if any(p is None or is_raw_text(os.path.expanduser(p)) for p in data_paths(cfg.data)):
         check_writable(cfg.data_cache, "--data-cache")  # raw text is tokenized into it
