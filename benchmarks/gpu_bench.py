@@ -129,8 +129,7 @@ def run_megapar(config, mbs, seq, batches, warmup, device):
         return engine.train_step({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
 
     seconds, peak, losses = timed(step, batches, warmup, device)
-    del engine
-    return seconds, peak - base, losses, n_params
+    return seconds, peak - base, losses, n_params  # the engine goes with this frame
 
 
 def run_torch(config, mbs, seq, batches, warmup, device, compile_: bool):
@@ -159,7 +158,6 @@ def run_torch(config, mbs, seq, batches, warmup, device, compile_: bool):
         return loss.item()
 
     seconds, peak, losses = timed(step, batches, warmup, device)
-    del model, opt, forward
     return seconds, peak - base, losses
 
 

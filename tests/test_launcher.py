@@ -156,13 +156,20 @@ def test_megapar_launch_under_torchrun_ends_with_no_gloo_thread_left():
     assert _run_as_torchrun(body, 2) == [(True, 0)] * 2
 
 
-def _join_alone(port, out):
+def _join_alone(port, out, rendezvous):
+    """Rank 0 of 2 alone: through the launcher's own store, or torch's env:// rendezvous
+    (torchrun, srun) that init_distributed makes itself."""
+    import os
     from datetime import timedelta
 
     from megapar import device
 
-    store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=1),
-                          wait_for_workers=False)
+    store = None
+    if rendezvous == "store":
+        store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=1),
+                              wait_for_workers=False)
+    else:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         device.init_distributed(rank=0, world_size=2, timeout_s=1, store=store)
         out.put("joined")
@@ -170,16 +177,18 @@ def _join_alone(port, out):
         out.put(f"{type(exc).__name__}: {exc}")
 
 
-def test_a_rank_that_never_joins_is_named_in_words_not_store_keys():
+@pytest.mark.parametrize("rendezvous", ["store", "env"])
+def test_a_rank_that_never_joins_is_named_in_words_not_store_keys(rendezvous):
     """A node started with other flags exits at once; the others used to report only
-    'DistStoreError: wait timeout after 30000ms, keys: /default_pg/0//cpu//0/2'."""
+    'DistStoreError: wait timeout after 30000ms, keys: /default_pg/0//cpu//0/2'. The env://
+    rendezvous waits --timeout-s too, not NCCL's longer watchdog timeout."""
     import multiprocessing as mp
 
     from megapar.launcher import free_port
 
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    p = ctx.Process(target=_join_alone, args=(free_port(), out))
+    p = ctx.Process(target=_join_alone, args=(free_port(), out, rendezvous))
     p.start()
     message = out.get(timeout=60)
     p.join(timeout=30)
