@@ -27,6 +27,12 @@ _PAYLOAD = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "isend": (0
             "reduce_scatter": (0, "output"), "all_to_all_single": (1, "input")}
 
 
+CANONICAL = {"all_gather_single": "all_gather_into_tensor",
+             "reduce_scatter_single": "reduce_scatter_tensor"}
+"""Ops recorded under one name whichever form torch has: megapar calls torch 2.13's
+`*_single` where they exist and the `*_tensor` forms of older versions otherwise."""
+
+
 @dataclass(frozen=True)
 class Call:
     op: str
@@ -54,7 +60,8 @@ def count_collectives(device: torch.device | None = None):
         if device is not None and t.device != device:
             raise AssertionError(f"dist.{op} called with a tensor on {t.device}; the mesh "
                                  f"device is {device}")
-        calls.append(Call(op, t.numel(), t.numel() * t.element_size(), t.dtype, t.device,
+        calls.append(Call(CANONICAL.get(op, op), t.numel(), t.numel() * t.element_size(),
+                          t.dtype, t.device,
                           _group_size(group),
                           None if group is None else tuple(dist.get_process_group_ranks(group))))
 

@@ -449,8 +449,10 @@ def _export_with_tokenizer(out):
 
 
 def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path):
+    from conftest import skip_unless_transformers_converts
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    skip_unless_transformers_converts()
     from megapar.data import load_tokenizer
 
     said = run(_export_with_tokenizer, 1, str(tmp_path))[0]

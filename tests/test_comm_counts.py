@@ -121,8 +121,8 @@ def expected_sp_step(kind: str, tp: int, seq: int = SEQ) -> Counter:
     embeddings = {"gpt2": SEQ * h, "bert": SEQ * h + 2 * h + 2 * h, "llama": 0}[kind]
     replicated = {"gpt2": L * 6 * h + 2 * h, "bert": L * 6 * h + h * h + 3 * h,
                   "llama": L * 2 * h + h}[kind]  # Llama: two RMSNorms per layer, the final one
-    return Counter({("all_gather_single", bsh // tp, tp): M * gathers,
-                    ("reduce_scatter_single", bsh, tp): M * scatters,
+    return Counter({("all_gather_into_tensor", bsh // tp, tp): M * gathers,
+                    ("reduce_scatter_tensor", bsh, tp): M * scatters,
                     ("all_reduce", bs, tp): M * 3,
                     ("all_reduce", replicated + embeddings, tp): 1,
                     ("all_reduce", 1, tp): 1})
@@ -174,8 +174,8 @@ def test_zero1_reduce_scatters_and_all_gathers_the_buffer(pp):
         # the buffer is padded: each bucket to a multiple of dp
         assert base["params"] == base["buffer"] <= out["buffer"] < base["buffer"] + dp * out["buckets"]
         calls = _reduced(out["calls"], dp)
-        scatters = [c for c in calls if c.op == "reduce_scatter_single"]
-        gathers = [c for c in calls if c.op == "all_gather_single"]
+        scatters = [c for c in calls if c.op == "reduce_scatter_tensor"]
+        gathers = [c for c in calls if c.op == "all_gather_into_tensor"]
         assert sum(c.bytes for c in scatters) == 4 * out["buffer"]        # input: whole bucket
         assert sum(c.bytes for c in gathers) == 4 * out["buffer"] // dp   # input: own slice
         assert len(scatters) == len(gathers) == out["buckets"]
@@ -234,8 +234,8 @@ def expected_cp_step(kind: str, tp: int, cp: int, buffer: int, sp: bool = False,
     kv = 2 * MBS * seq * (kv_heads // tp if kv_heads % tp == 0 else kv_heads) * (H // heads)
     forwards = 2 if recompute in ("full", "selective") else 1  # the attention's, per layer
     if kind == "llama":
-        expected[("all_gather_single", kv, cp)] += M * L * (forwards + 1)
-        expected[("reduce_scatter_single", cp * kv, cp)] += M * L
+        expected[("all_gather_into_tensor", kv, cp)] += M * L * (forwards + 1)
+        expected[("reduce_scatter_tensor", cp * kv, cp)] += M * L
     else:
         for op in ("isend", "irecv"):
             expected[(op, kv, cp)] += M * L * (forwards * (cp - 1) + (cp - 1) + cp)

@@ -56,8 +56,8 @@ def test_cp_traffic_is_what_cp_attention_sends():
 
     runs = [(kind, "none") for kind in ("gpt2", "bert", "llama")]
     results = run_local(counts._cp_worker, 2, 1, 2, False, runs)[0]
-    names = {"send": "isend", "all-gather": "all_gather_single",
-             "reduce-scatter": "reduce_scatter_single"}
+    names = {"send": "isend", "all-gather": "all_gather_into_tensor",
+             "reduce-scatter": "reduce_scatter_tensor"}
     for (kind, _), (calls, _) in zip(runs, results):
         config = counts.CONFIG_CLASSES[kind](**counts.CONFIGS[kind])
         problem = Problem(config, 2, 8, 80, counts.MBS * counts.M, counts.SEQ, "fp32")

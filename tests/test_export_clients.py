@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED_DATA
+from conftest import SHARED_DATA, skip_unless_transformers_converts, transformers_converts
 
 from megapar.cli.convert import main as convert
 from megapar.cli.data import main as data_main
@@ -121,6 +121,8 @@ def _train(root: Path, text: str, tokenizer: str, kind: str, *extra) -> Path:
 def test_an_export_carries_the_tokenizer_it_trained_with(tmp_path, text, name, capsys):
     make, kind = TOKENIZERS[name]
     spec = make(tmp_path)
+    if name.startswith("sentencepiece"):
+        skip_unless_transformers_converts(spec)
     ckpt = _train(tmp_path, text, spec, kind)
     out = tmp_path / "exported"
     assert convert([str(ckpt), "--to-hf", str(out)]) == 0
@@ -150,6 +152,8 @@ def test_an_export_carries_the_tokenizer_it_trained_with(tmp_path, text, name, c
 def test_a_bert_export_encodes_sentences_as_it_trained(tmp_path, text, tokenizer):
     """megapar's masked-LM samples are [CLS] A [SEP] B [SEP] (B with token type 1): an exported
     BERT's tokenizer adds the same, so a client feeds the model what it saw in training."""
+    if tokenizer == "sentencepiece":
+        skip_unless_transformers_converts()
     model = tmp_path / "bert.json"
     model.write_text(json.dumps({"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2,
                                  "num_attention_heads": 4, "intermediate_size": 64,
@@ -187,11 +191,36 @@ def test_a_moved_or_changed_tokenizer_is_named_and_can_be_given(tmp_path, text, 
         shutil.copy(other, model_file)
         assert convert([str(ckpt), "--to-hf", str(tmp_path / "a")]) == 2
         assert "has changed since the checkpoint was trained" in capsys.readouterr().err
+    skip_unless_transformers_converts(str(tmp_path / "moved.model"))  # the refusals ran
     assert convert([str(ckpt), "--to-hf", str(tmp_path / "a"), "--tokenizer",
                     str(tmp_path / "moved.model")]) == 0
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "a")
     assert hf("Hello world", add_special_tokens=False)["input_ids"] == \
         load_tokenizer("sentencepiece").encode("Hello world")
+
+
+@pytest.mark.parametrize("model", ["botchan_en_unigram_1000.model", "botchan_en_bpe_1000.model"])
+def test_a_sentencepiece_export_is_refused_where_transformers_converts_wrong(tmp_path, model):
+    """Whether transformers' conversion encodes as sentencepiece is decided independently
+    (`conftest.transformers_converts`); megapar exports the tokenizer exactly when it does, and
+    otherwise refuses in one line and writes nothing (transformers 5.17 refuses both, 5.24
+    exports both)."""
+    from megapar.data.hf_tokenizer import save_for_transformers
+
+    path = asset_path(model) if model.endswith("unigram_1000.model") else \
+        os.path.join(SHARED_DATA, "sentencepiece", model)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} not here")
+    out = tmp_path / "tok"
+    if transformers_converts(path):
+        save_for_transformers(load_tokenizer(path), str(out))
+        hf = transformers.AutoTokenizer.from_pretrained(out)
+        assert hf("Hello world", add_special_tokens=False)["input_ids"] == \
+            load_tokenizer(path).encode("Hello world")
+    else:
+        with pytest.raises(ValueError, match="encodes 'Hello world' differently"):
+            save_for_transformers(load_tokenizer(path), str(out))
+        assert not out.exists() or not any(out.iterdir())
 
 
 def test_a_checkpoint_without_a_tokenizer_exports_with_a_note(tmp_path, capsys):
@@ -221,6 +250,7 @@ def _bf16_llama(path: Path) -> dict[str, torch.Tensor]:
 def test_a_bf16_model_round_trips_bit_for_bit_in_bf16(tmp_path):
     from safetensors.torch import load_file
 
+    skip_unless_transformers_converts()  # the source carries the SentencePiece tokenizer
     source = _bf16_llama(tmp_path / "src")
     assert convert(["--from-hf", str(tmp_path / "src"), str(tmp_path / "ckpt"), "--tp", "2",
                     "--pp", "2", "--no-progress"]) == 0
@@ -245,6 +275,7 @@ def test_a_bf16_model_round_trips_bit_for_bit_in_bf16(tmp_path):
 
 
 def test_training_from_a_bf16_model_exports_bf16(tmp_path, text):
+    skip_unless_transformers_converts()
     _bf16_llama(tmp_path / "src")
     ckpt = tmp_path / "ckpt"
     assert train(["--data", text, "--tokenizer", "sentencepiece", "--from-hf",
