@@ -11,8 +11,9 @@ in turns, by:
 - torch compile: the same model wrapped in `torch.compile`.
 
 Dropout is off in both (the same model). Each system takes `--warmup` steps, then `--steps`
-timed steps between two device synchronisations; peak memory is the allocator's peak over the
-timed steps above what the process held before the model was built. MFU counts 6 N + 12 L h s
+timed steps between two device synchronisations. Peak memory is what the OS side sees: the
+device memory torch's allocator reserved at its peak, from building the model to the last step
+(not only what was allocated to tensors), with the CUDA context, printed once, on top. MFU counts 6 N + 12 L h s
 FLOPs per token (PaLM's appendix B, nanoGPT's `estimate_mfu`, megapar-train's log; N the
 parameters without position embeddings) against the GPU's dense bf16 peak
 (`megapar.device.PEAK_TFLOPS`); a measured 8192^3 bf16 matrix product gives the rate this GPU
@@ -35,7 +36,7 @@ import time
 import torch
 
 import megapar
-from megapar.device import PEAK_TFLOPS, peak_tflops
+from megapar.device import PEAK_TFLOPS, cuda_context_bytes, peak_tflops
 
 MODELS = {  # recipe: (transformers config kwargs, micro-batch size, sequence length)
     "gpt2-124m": (dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768,
@@ -96,25 +97,27 @@ def sync(device) -> None:
 
 
 def reset_memory(device) -> int:
+    """Free what the last system left and return what the allocator still reserves."""
     gc.collect()
     if device.type != "cuda":
         return 0
-    torch.cuda.empty_cache()
     torch.cuda.synchronize(device)
-    return torch.cuda.memory_allocated(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_reserved(device)
 
 
 def timed(step, batches, warmup: int, device) -> tuple[float, float, list[float]]:
-    """(seconds per step, peak bytes above the state before the timed steps' warm-up, losses)."""
+    """(seconds per step, the allocator's peak reserved bytes, losses): reserved, not only
+    allocated, is what the device holds for the process (the OS-side peak, with the CUDA
+    context on top)."""
     losses = [step(b) for b in batches[:warmup]]
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     start = time.perf_counter()
     losses += [step(b) for b in batches[warmup:]]
     sync(device)
     seconds = (time.perf_counter() - start) / (len(batches) - warmup)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    peak = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
     return seconds, peak, losses
 
 
@@ -201,17 +204,19 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = peak_tflops(device, "bf16")
     reached = matmul_tflops(device)
+    context = cuda_context_bytes(device) if device.type == "cuda" else 0
     print(f"gpu_bench on {name}: torch {torch.__version__}, bf16 peak "
           f"{peak or 'unknown'} TFLOP/s (datasheet), {reached or 0:.0f} TFLOP/s measured on "
-          f"an 8192^3 product")
+          f"an 8192^3 product; CUDA context and libraries {context / 2**30:.2f} GiB (add it "
+          f"to each peak for the process's device memory)")
     results = {"device": name, "torch": torch.__version__, "peak_tflops": peak,
-               "matmul_tflops": reached, "models": {}}
+               "matmul_tflops": reached, "context_bytes": context, "models": {}}
     # megapar and eager torch for every model first, the compiled runs (minutes of
     # compilation) last: a session cut short still has the comparison
     runs = [(m, s) for m in args.models for s in ("megapar", "torch eager")] + \
         [(m, "torch compile") for m in args.models if m in compiled]
     print(f"  {'model':10} {'system':14} {'ms/step':>9} {'tokens/s':>10} {'MFU':>7} "
-          f"{'peak GiB':>9} {'vs eager':>9}  first / last loss")
+          f"{'held GiB':>9} {'vs eager':>9}  first / last loss")
     for model, system in runs:
         config, mbs, seq = hf_config(model, args.tiny)
         batches = data(config, mbs, seq, device, args.warmup + args.steps)

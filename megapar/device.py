@@ -119,15 +119,26 @@ def peak_tflops(dev: torch.device, precision: str, tf32: bool = False) -> float 
     return None
 
 
+def cuda_context_bytes(dev: torch.device) -> int:
+    """Device memory this process holds outside torch's allocator: the CUDA context and the
+    libraries' own (what the driver reports used, less what the allocator has reserved; other
+    processes on the GPU count too, so call it where this process is alone on it)."""
+    free, total = torch.cuda.mem_get_info(dev)
+    return max(0, total - free - torch.cuda.memory_reserved(dev))
+
+
 def keep_freed_host_memory() -> bool:
     """Let glibc keep freed host memory for reuse instead of returning it to the kernel.
 
     glibc serves every allocation above its mmap threshold (at most 32 MB) with a fresh mmap and
     unmaps it on free, so each large CPU tensor (the logits: tokens x vocab x 4 bytes) costs
     page faults that zero it again, step after step. Served from the heap and never trimmed,
-    the memory is reused, at the price of a larger resident set (docs/performance.md has the
-    figures). Does nothing off glibc or with MEGAPAR_HOST_MALLOC=system; settings are inherited
-    by forked workers. Returns whether it applied."""
+    the memory is reused, at the price of a larger resident set (docs/performance.md, "At the
+    peak the OS sees", has the figures). Called once the long-lived state is built (the end of
+    `Engine`'s construction; the eval and bubble tools after loading their models), so that
+    what setup frees goes back to the OS instead of staying as holes in the heap. Does nothing
+    off glibc or with MEGAPAR_HOST_MALLOC=system; settings are inherited by forked workers.
+    Returns whether it applied."""
     if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
             "linux"):
         return False

@@ -83,7 +83,6 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets: loopback too
     try:
         torch.set_num_threads(1)
-        _device.keep_freed_host_memory()
         if world_size > 1:
             store = loopback_store(rank, world_size, port, timeout_s)
             _device.init_distributed(rank, world_size, timeout_s=timeout_s, store=store,
@@ -291,7 +290,6 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
     the ranks this process ran. Under torchrun / Slurm the default process group is set up
     before `fn` and, if it was set up here, released (`release_process_groups`) once `fn`
     returns."""
-    _device.keep_freed_host_memory()
     if under_launcher():
         _device.adopt_slurm_environment()  # srun without torchrun: torchrun's variables
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun: die with its agent

@@ -313,16 +313,19 @@ def test_gpt2_124m_peak_memory_against_the_planner():
     """One bf16 step of GPT-2 124M at micro-batch 4 x 1024 tokens (after a warm-up step, so
     Adam's state exists): the device's peak allocated memory above what the process held
     before, against `megapar-plan`'s prediction for that layout (fused attention: flash
-    keeps no scores). The ratio is the planner's first check on real hardware."""
+    keeps no scores). The ratio is the planner's first check on real hardware. Beside it what
+    the OS side sees: the memory the allocator reserved at its peak, from building the engine
+    to the end of the second step, and the CUDA context the process holds on top."""
     from megapar.models.recipes import resolve_model
     from megapar.plan import Candidate, Problem, stage_memory
 
     mbs, seq = (4, 1024) if on_cuda() else (1, 64)
     gc.collect()
     if on_cuda():
-        torch.cuda.empty_cache()
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     with placed("gpu"):
         engine = megapar.prepare("gpt2-124m", micro_batch_size=mbs, precision="bf16",
                                  seq_len=seq, lr=1e-4)
@@ -332,12 +335,17 @@ def test_gpt2_124m_peak_memory_against_the_planner():
     if not on_cuda():
         return
     torch.cuda.synchronize()
+    held_first = torch.cuda.max_memory_reserved() - base_reserved  # build and first step
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     engine.train_step(data)
     torch.cuda.synchronize()
     step_s = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() - base
+    held = max(held_first, torch.cuda.max_memory_reserved() - base_reserved)
+    from megapar.device import cuda_context_bytes
+
+    context = cuda_context_bytes(GPU)
     config = resolve_model("gpt2-124m")
     predicted = {fused: stage_memory(Problem(config, gpus=1, global_batch=mbs, seq_len=seq,
                                              precision="bf16", fused_attention=fused),
@@ -347,7 +355,10 @@ def test_gpt2_124m_peak_memory_against_the_planner():
     record("gpt2-124m peak memory", measured_gib=peak / 2**30,
            predicted_gib=predicted[True].total / 2**30,
            predicted_with_scores_gib=predicted[False].total / 2**30, ratio=ratio,
+           held_gib=held / 2**30, held_ratio=held / predicted[True].total,
+           context_gib=context / 2**30,
            breakdown_gib={k: v for k, v in predicted[True].as_gib().items()}, step_s=step_s)
+    assert peak <= held  # reserved holds every allocation
     assert 0.5 < ratio < 2.0, ratio
 
 

@@ -1,6 +1,9 @@
-"""Large CPU tensors come from glibc's heap, which keeps freed memory for reuse, instead of a
-fresh mmap per tensor that is unmapped on free and faulted in (zeroed) again next time
-(megapar.device.keep_freed_host_memory, applied in every worker)."""
+"""Once the training state is built, large CPU tensors come from glibc's heap, which keeps freed
+memory for reuse, instead of a fresh mmap per tensor that is unmapped on free and faulted in
+(zeroed) again next time (megapar.device.keep_freed_host_memory, applied at the end of the
+Engine's construction). Before that, while the weights, gradient buffer and optimizer state are
+made (and ZeRO-1 moves the weights into its buffer), glibc's own policy holds: a freed
+large block goes back to the OS instead of staying in the resident set."""
 
 import ctypes
 import sys
@@ -31,12 +34,22 @@ def _where_a_large_tensor_lives() -> tuple[int, int]:
     return during.hblkhd - before.hblkhd, during.uordblks - before.uordblks
 
 
-def test_a_worker_serves_large_tensors_from_the_heap():
-    mmapped, heap = run_local(_where_a_large_tensor_lives, 1)[0]
-    assert mmapped == 0 and heap >= 64 * 2**20, (mmapped, heap)
+def _before_and_after_an_engine():
+    import megapar
+
+    before = _where_a_large_tensor_lives()
+    megapar.prepare("gpt2-tiny", micro_batch_size=1, seq_len=16)
+    return before, _where_a_large_tensor_lives()
+
+
+def test_a_worker_serves_large_tensors_from_the_heap_once_its_engine_is_built():
+    (mmapped, _), (mmapped_after, heap) = run_local(_before_and_after_an_engine, 1,
+                                                    start_method="spawn")[0]
+    assert mmapped >= 64 * 2**20  # building the state: glibc's default, one mmap each
+    assert mmapped_after == 0 and heap >= 64 * 2**20, (mmapped_after, heap)
 
 
 def test_opt_out_keeps_the_system_allocator():
-    mmapped, _ = run_local(_where_a_large_tensor_lives, 1, env={"MEGAPAR_HOST_MALLOC": "system"},
-                           start_method="spawn")[0]
+    _, (mmapped, _) = run_local(_before_and_after_an_engine, 1,
+                                env={"MEGAPAR_HOST_MALLOC": "system"}, start_method="spawn")[0]
     assert mmapped >= 64 * 2**20  # glibc's default: one mmap per large tensor

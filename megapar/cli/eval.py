@@ -26,6 +26,7 @@ from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
+from megapar.device import keep_freed_host_memory
 from megapar.faults.report import log_dir_for, worker_failure
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 from megapar.mesh import Mesh
@@ -64,6 +65,7 @@ def _load_model(args):
     model = build_stage(config, mesh, seed=0, init=False)
     load_checkpoint(args.load, model, mesh)
     model.eval()
+    keep_freed_host_memory()  # the weights are in place: the batches' tensors are kept
     return mesh, config, model
 
 

@@ -74,6 +74,24 @@ class AdamWOptimizer(torch.optim.Optimizer):
         # A ZeRO rank may own nothing (more dp ranks than parameters): then it steps nothing.
         self.inner = _inner(kind, groups, lr, self.betas, eps, momentum, tp_group) \
             if groups else None
+        self.allocate_state()
+
+    @torch.no_grad()
+    def allocate_state(self) -> None:
+        """AdamW's moments made now, as torch would at the first step (zeros; the step count a
+        float32 scalar, on the device for the fused kernel), instead of in that step. Made
+        while the training state is being built, they sit where the allocator has room then,
+        not after the first step's activations (on the CPU a freed block is kept: made later,
+        they stacked on the first step's high-water mark, so the OS saw them on top of it)."""
+        if self.kind != "adamw" or self.inner is None:
+            return
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                if not self.inner.state.get(p):
+                    self.inner.state[p] = {
+                        "step": step_state(self.inner, 0, p),
+                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
     def owned_params(self) -> list[nn.Parameter]:
         """The parameters this rank updates (all of them without ZeRO)."""

@@ -123,6 +123,7 @@ class ZeroOptimizer(AdamWOptimizer):
                             self.tp_group) if groups else None
         if self.inner is not None and hasattr(self.inner, "norms"):
             self.inner.norms = self._full_norms
+        self.allocate_state()  # into the room the parameters moved out of
 
     # step -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -141,11 +142,17 @@ class ZeroOptimizer(AdamWOptimizer):
             self._gather(self.param_buffers)
 
     def _gather(self, buffers: dict[torch.dtype, torch.Tensor]) -> None:
+        """All-gather each bucket of `buffers` in place. On gloo, which holds a bucket-sized
+        copy per all-gather until it is waited for, at most `GradBuckets.MAX_COPIES_IN_FLIGHT`
+        are in flight (all 17 of GPT-2 124M's at once were 0.14 GiB at the OS peak)."""
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        bound = self.grad_sync.MAX_COPIES_IN_FLIGHT if self.grad_sync.host_waits else None
         handles = []
         for b in self.grad_sync.buckets:
             lo, hi = self.grad_sync.shard_range(b)
             flat = buffers[b.params[0].dtype][b.start:b.start + b.padded]
+            if bound is not None and len(handles) >= bound:
+                handles.pop(0).wait()
             handles.append(fn(flat, flat[lo:hi], group=self.group, async_op=True))
         for h in handles:
             h.wait()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megapar.device import keep_freed_host_memory
 from megapar.launcher import run_local
 from megapar.mesh import Mesh
 from megapar.models import GPT2Config
@@ -115,6 +116,7 @@ def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stage
              for t in ids]
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq_len // cp, config.hidden_size),
                                 virtual_stages=virtual_stages)
+    keep_freed_host_memory()  # the model is built: the steps' tensors are kept
     held = _HeldBytes(model.parameters())
     timeline = None
     for step in range(steps + 1):  # step 0 warms up

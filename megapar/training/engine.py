@@ -28,6 +28,7 @@ from megapar.checkpoint.distributed import (
 from megapar.context_parallel import check_length
 from megapar.data.blended import absolute_data
 from megapar.data_parallel import GradBuckets
+from megapar.device import keep_freed_host_memory
 from megapar.data_parallel.compression import make_compressor
 from megapar.faults.status import set_action, set_step
 from megapar.mesh import Mesh, all_reduce
@@ -35,6 +36,7 @@ from megapar.optim import LRScheduler, Precision, build_optimizer
 from megapar.optim.precision import comm_dtypes
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
+from megapar.pipeline.tied import shared_embedding_params
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
 from megapar.training.step import BatchPlan, StepResult, TrainStep
@@ -76,10 +78,13 @@ class Engine:
         compressor = make_compressor(cfg.grad_compression, cfg.powersgd_rank, cfg.seed)
         # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
         # (summed over cp, averaged over dp)
+        zero_layout = None  # laid out for ZeRO-1 from the start: no second buffer at sharding
+        if cfg.zero == 1 and mesh.dp * mesh.cp > 1 and not compressor:
+            zero_layout = shared_embedding_params(self.model) if mesh.pp > 1 else ()
         self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_cp_group,
                                      cfg.grad_bucket_mb, compressor=compressor,
                                      reduce_dtype=None if compressor else reduce_dtype,
-                                     average_over=mesh.dp)
+                                     average_over=mesh.dp, zero_layout=zero_layout)
         self._executors: dict[int, object] = {}
         self.executor = self._executor(cfg.seq_len)
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, self.scheduler,
@@ -92,6 +97,7 @@ class Engine:
         self.source_dtype: str | None = None
         """The dtype of the Hugging Face weights it started from: `export_hf` writes it."""
         self._batch_seen = False  # the first user batch is compared across ranks
+        keep_freed_host_memory()  # from here on: the training state is built
 
     @classmethod
     def flags_schedule(cls, cfg: TrainConfig) -> LRScheduler:

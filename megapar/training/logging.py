@@ -26,9 +26,11 @@ def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int)
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process: CUDA allocator peak, or the peak resident set on the CPU."""
+    """Peak memory of this process as the OS sees it: on CUDA the device memory torch's
+    allocator held at its peak (reserved, not only allocated to tensors), on the CPU the peak
+    resident set."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return torch.cuda.max_memory_reserved(device) / 2**20
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 

@@ -1,0 +1,126 @@
+"""Memory claims at the peak the OS sees, next to what they count.
+
+megapar's memory claims (ZeRO-1 shards the optimizer state, recomputation drops activations,
+sequence and context parallelism split them) are counted: the dry run and the planner add up
+the tensors a rank holds. This script measures each at the peak the operating system sees:
+every configuration is a fresh `megapar-train` run (2 steps, its data tokenized beforehand), and
+the figure is the largest process's peak resident set, `ru_maxrss` from `wait4` (every worker is
+a child of the launcher, so it is the largest rank's, whatever rank that is). Beside it, the
+dry run's count for the most loaded rank (weights + gradients + optimizer state + modelled
+activations). A claim holds at the OS peak when the peaks differ as the counts do.
+
+Each run is measured twice: with megapar's host allocator policy (the default: once the
+training state is built, glibc keeps freed blocks in its heap for reuse, which makes CPU steps
+2.3x faster; `megapar.device.keep_freed_host_memory`), and with glibc's own
+(`MEGAPAR_HOST_MALLOC=system`: a freed large block goes back to the OS). A transient that does
+not fit the heap's free room stays resident under the first, so its peak can be higher.
+
+    python benchmarks/peak_memory.py                  # every group, about 6 minutes on 2 cores
+    python benchmarks/peak_memory.py --groups zero1   # one group
+
+Each group compares configurations with one flag changed; `--repeats` runs each again (the
+peak of a run is deterministic to a few MB on an idle machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+MODEL = {"model_type": "gpt2", "vocab_size": 1004, "n_positions": 4096, "n_embd": 256,
+         "n_layer": 8, "n_head": 8, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+"""8 blocks of hidden 256 with a SentencePiece vocabulary (1,000 + megapar's 4): activations,
+not the logits, dominate a long sequence's memory."""
+
+SMALL = ["--model", "{model}", "--tokenizer", "sentencepiece"]
+GROUPS = {  # name: (the claim, [(label, flags)])
+    "zero1": ("--zero 1 holds 1/dp of the Adam state (GPT-2 124M, dp 2)", [
+        ("zero 0", ["--model", "gpt2-124m", "--dp", "2", "--seq-len", "64",
+                    "--micro-batch-size", "1", "--global-batch-size", "2"]),
+        ("zero 1", ["--model", "gpt2-124m", "--dp", "2", "--seq-len", "64",
+                    "--micro-batch-size", "1", "--global-batch-size", "2", "--zero", "1"])]),
+    "recompute": ("recomputation keeps fewer activations (seq 1024, micro-batch 4)", [
+        (mode, [*SMALL, "--seq-len", "1024", "--micro-batch-size", "4",
+                "--global-batch-size", "4", "--recompute", mode])
+        for mode in ("none", "selective", "full")]),
+    "sp": ("sequence parallelism splits the activations outside the tp regions (tp 2)", [
+        (label, [*SMALL, "--tp", "2", "--seq-len", "1024", "--micro-batch-size", "4",
+                 "--global-batch-size", "4", *extra])
+        for label, extra in (("tp 2", []), ("tp 2 + SP", ["--sequence-parallel"]))]),
+    "cp": ("context parallelism keeps 1/cp of a sequence's activations per rank (seq 4096)", [
+        (f"cp {cp}", [*SMALL, "--cp", str(cp), "--seq-len", "4096", "--micro-batch-size", "1",
+                      "--global-batch-size", "1"]) for cp in (1, 2, 4)]),
+}
+COMMON = ["--max-steps", "2", "--warmup-steps", "0", "--eval-interval", "0", "--no-progress",
+          "--log-interval", "1"]
+
+
+def os_peak(argv: list[str], env: dict) -> tuple[int, str]:
+    """(the largest process's peak resident bytes, stderr) of one megapar-train run."""
+    proc = subprocess.Popen([sys.executable, "-m", "megapar.cli.train", *argv],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"megapar-train {' '.join(argv)} failed:\n{err[-2000:]}")
+    return usage.ru_maxrss * 1024, err
+
+
+def counted(argv: list[str], env: dict) -> int:
+    """The dry run's bytes for the most loaded rank: weights, gradients, optimizer state and
+    modelled activations."""
+    run = subprocess.run([sys.executable, "-m", "megapar.cli.train", *argv, "--dry-run",
+                          "--json", "--dry-run-ranks", "all"], capture_output=True, text=True,
+                         env=env, check=True)
+    ranks = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return max(r["weights"] + r["grads"] + r["optimizer"] + r["activations"] for r in ranks)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--json", help="write every figure to this file")
+    args = parser.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="megapar-peak-")
+    model = os.path.join(work, "model.json")
+    with open(model, "w") as f:
+        json.dump(MODEL, f)
+    env = {**os.environ, "MEGAPAR_CPU": "1"}
+    results = {}
+    for group in args.groups:
+        claim, configs = GROUPS[group]
+        print(f"\n{group}: {claim}")
+        print(f"  {'configuration':14} {'counted':>9} {'OS peak':>9} {'glibc':>9}   "
+              f"change from the first: {'counted':>8} {'OS peak':>8} {'glibc':>8}  (GiB)")
+        rows = []
+        for label, flags in configs:
+            flags = [model if a == "{model}" else a for a in flags] + COMMON + \
+                ["--data-cache", os.path.join(work, "cache")]
+            count = counted(flags, env)
+            peaks = {policy: min(os_peak(flags, {**env, "MEGAPAR_HOST_MALLOC": policy})[0]
+                                 for _ in range(args.repeats)) for policy in ("keep", "system")}
+            rows.append((label, count, peaks))
+            first = rows[0]
+            g = 2**30
+            print(f"  {label:14} {count / g:9.3f} {peaks['keep'] / g:9.3f} "
+                  f"{peaks['system'] / g:9.3f}   {'':22} {(count - first[1]) / g:+8.3f} "
+                  f"{(peaks['keep'] - first[2]['keep']) / g:+8.3f} "
+                  f"{(peaks['system'] - first[2]['system']) / g:+8.3f}", flush=True)
+        results[group] = {"claim": claim, "rows": [
+            {"config": label, "counted_bytes": count, "os_peak_bytes": peaks["keep"],
+             "os_peak_glibc_bytes": peaks["system"]} for label, count, peaks in rows]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
