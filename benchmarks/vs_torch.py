@@ -150,7 +150,7 @@ def torch_run(name: str, steps: int) -> dict:
     )
 
     tp, pp, dp, schedule, m, size = CONFIGS[name]
-    hf, rank = hf_model(size), dist.get_rank()
+    hf = hf_model(size)
     mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     stage, n = mesh["pp"].get_local_rank(), hf.config.n_layer
     model = Part(hf, stage * n // pp, (stage + 1) * n // pp, stage == 0, stage == pp - 1)
