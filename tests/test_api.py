@@ -204,7 +204,7 @@ def test_export_hf_loads_in_transformers_with_the_engine_loss(run, tmp_path):
     (tmp_path / "hf" / "tokenizer.json").write_text("{}")   # the user's file: kept
     loss = run(_export, 4, str(tmp_path / "hf"))[0]
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json"]
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     model = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     batch = _batches(3)[2]

@@ -116,15 +116,18 @@ def test_existing_dst_is_refused_without_overwrite(src, tmp_path, capsys):
 def test_hf_export_keeps_other_files_and_replaces_an_export_only_when_asked(src, tmp_path):
     dst = _dst_with_marker(tmp_path)   # e.g. a tokenizer directory: exported into, as
     cv.export_hf(src, dst)             # transformers' save_pretrained does, the marker kept
-    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "marker", "model.safetensors"]
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "generation_config.json",
+                                                     "marker", "model.safetensors"]
     assert (dst / "marker").read_text() == "keep me"
     weights = (dst / "model.safetensors").read_bytes()
     with pytest.raises(CheckpointError, match="already holds an exported model"):
         cv.export_hf(src, dst)
     cv.export_hf(src, dst, overwrite=True)
-    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "marker", "model.safetensors"]
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "generation_config.json",
+                                                     "marker", "model.safetensors"]
     modes = {p.name: p.stat().st_mode & 0o777 for p in dst.iterdir()}
-    assert modes["model.safetensors"] == modes["config.json"] == modes["marker"], modes
+    assert modes["model.safetensors"] == modes["config.json"] == modes["marker"] == \
+        modes["generation_config.json"], modes
     assert (dst / "model.safetensors").read_bytes() == weights
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 

@@ -1,5 +1,8 @@
 """Hugging Face import (--from-hf) at 2x2 and export (--to-hf) give the original tensors back."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -41,7 +44,10 @@ def test_import_at_2x2_then_export_reproduces_hf_tensors(tmp_path, kind, capsys)
             **LLAMA_HF, tie_word_embeddings=kind == "llama-tied")
     else:
         cls, hf = transformers.BertForMaskedLM, transformers.BertConfig(**BERT_HF)
-    src = _hf_dir(tmp_path / "hf", cls(hf))
+    model = cls(hf)
+    if kind != "bert":  # a generation config of its own, which the export must keep
+        model.generation_config.update(do_sample=True, top_k=7, max_new_tokens=11)
+    src = _hf_dir(tmp_path / "hf", model)
     ckpt, out = tmp_path / "ckpt", tmp_path / "exported"
     assert main(["--from-hf", src, str(ckpt), "--tp", "2", "--pp", "2", "--no-progress"]) == 0
     assert "initialised" not in capsys.readouterr().out
@@ -55,6 +61,12 @@ def test_import_at_2x2_then_export_reproduces_hf_tensors(tmp_path, kind, capsys)
     assert original.keys() == exported.keys()
     for key, tensor in original.items():
         assert torch.equal(exported[key], tensor), key
+    generation = [d / "generation_config.json" for d in (Path(src), out)]
+    if kind == "bert":
+        assert not any(g.exists() for g in generation)
+    else:
+        assert json.loads(generation[1].read_text()) == json.loads(generation[0].read_text())
+        assert transformers.GenerationConfig.from_pretrained(out).top_k == 7
 
 
 def test_plain_bert_model_import_initialises_the_head_from_the_seed(tmp_path, capsys):
@@ -93,3 +105,65 @@ def test_a_checkpoint_without_optimizer_state_loads(tmp_path):
     model.eval()
     logits = model(None, {"input_ids": ids})[..., :101]
     assert torch.allclose(logits, hf.eval()(ids).logits, atol=1e-5)
+
+
+FORGED = {  # a tensor of the wrong shape in each architecture, and the shape it should have
+    "gpt2": ("transformer.h.1.attn.c_attn.weight", (32, 95), (32, 96)),
+    "bert": ("bert.encoder.layer.0.attention.self.key.weight", (31, 32), (32, 32)),
+    "llama": ("model.layers.1.self_attn.k_proj.weight", (32, 32), (16, 32)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FORGED))
+@pytest.mark.parametrize("how", ["convert", "train"])
+def test_a_tensor_of_the_wrong_shape_is_named_before_use(tmp_path, kind, how, capsys):
+    """A forged model.safetensors (the config says one shape, a tensor has another) is refused
+    in one line naming the tensor, its shape and the expected one: a fused GPT-2 c_attn of the
+    wrong width used to reach `fuse_heads` and end in a traceback."""
+    from safetensors.torch import load_file, save_file
+
+    from megapar.cli.train import main as train
+
+    torch.manual_seed(0)
+    cls, hf = {"gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(**GPT2_HF)),
+               "bert": (transformers.BertForMaskedLM, transformers.BertConfig(**BERT_HF)),
+               "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**LLAMA_HF))}[kind]
+    src = _hf_dir(tmp_path / "hf", cls(hf))
+    key, shape, expected = FORGED[kind]
+    state = load_file(f"{src}/model.safetensors")
+    assert tuple(state[key].shape) == expected
+    state[key] = torch.zeros(shape)
+    save_file(state, f"{src}/model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    if how == "convert":
+        assert main(["--from-hf", src, str(tmp_path / "ckpt"), "--no-progress"]) == 2
+        assert not (tmp_path / "ckpt").exists()
+    else:  # refused as the run resolves its model, before any worker starts (a rehearsal too)
+        assert train(["--from-hf", src, "--dry-run", "--seq-len", "16", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{key} has shape {list(shape)}" in err and f"{list(expected)}" in err, err
+
+
+def test_from_hf_with_a_model_that_disagrees_is_refused(tmp_path, capsys):
+    """megapar-train --from-hf takes the model from the directory's config.json: a --model
+    naming another model is an error (it was silently ignored); one describing the same
+    model is accepted."""
+    from megapar.cli.train import main as train
+
+    torch.manual_seed(0)
+    src = _hf_dir(tmp_path / "hf", transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_HF)))
+    common = ["--from-hf", src, "--dry-run", "--seq-len", "16", "--no-progress"]
+    capsys.readouterr()
+    assert train([*common, "--model", "llama-tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--model llama-tiny" in err and src in err, err
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps({"model_type": "gpt2", **GPT2_HF}))
+    assert train([*common, "--model", str(same)]) == 0, capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model_type": "gpt2", **GPT2_HF, "n_layer": 3}))
+    capsys.readouterr()
+    assert train([*common, "--model", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "n_layer" in err, err

@@ -103,3 +103,64 @@ def test_train_tokenizer_usage_errors(tmp_path, capsys):
                       "--output-prefix", str(tmp_path / "x")]) == 2
     assert "too small for a byte-level BPE" in capsys.readouterr().err
     assert not np.any([p.name.startswith("x") for p in tmp_path.iterdir()])
+
+
+def _wordpiece_dir(root: Path, with_mask: bool) -> str:
+    """A BERT-style WordPiece tokenizer directory (lower case, spaces dropped, [CLS] A [SEP]),
+    with [SEP] as its end of sequence (megapar needs one); with or without its own [MASK]."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import trainers
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"] + (["[MASK]"] if with_mask else [])
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator([TEXT], trainers.WordPieceTrainer(
+        vocab_size=800, special_tokens=specials, show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    roles = dict(unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+                 eos_token="[SEP]", **({"mask_token": "[MASK]"} if with_mask else {}))
+    out = root / f"wordpiece{'-mask' if with_mask else ''}"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **roles).save_pretrained(out)
+    return str(out)
+
+
+MASK_SPECS = {  # name: (spec, whether the exported [MASK] takes the space before it)
+    "gpt2": (lambda root, gpt2_dir: "gpt2", True),
+    "gpt2 transformers directory": (lambda root, gpt2_dir: gpt2_dir, True),
+    "sentencepiece": (lambda root, gpt2_dir: "sentencepiece", False),
+    "wordpiece with its [MASK]": (lambda root, gpt2_dir: _wordpiece_dir(root, True), False),
+    "wordpiece, [MASK] appended": (lambda root, gpt2_dir: _wordpiece_dir(root, False), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASK_SPECS))
+def test_an_exported_mask_follows_the_text_as_megapar_masks_it(tmp_path, gpt2_dir, name):
+    """megapar masks whole tokens, so "The king is [MASK]" must encode as the text before the
+    mask, then the mask: a byte-level BPE keeps a word's space in the word ("Ġqueen"), so its
+    appended [MASK] takes the space before it (lstrip, as RoBERTa's <mask>); WordPiece drops
+    spaces and SentencePiece's normalizer strips a trailing one, so theirs keep lstrip off (as
+    BERT's hub tokenizers have it). The export also truncates at the model's positions."""
+    from conftest import skip_unless_transformers_converts
+
+    from megapar.data.hf_tokenizer import save_for_transformers
+
+    make, lstrip = MASK_SPECS[name]
+    spec = make(tmp_path, gpt2_dir)
+    if spec == "sentencepiece":
+        skip_unless_transformers_converts()
+    ours, out = load_tokenizer(spec), tmp_path / "exported"
+    save_for_transformers(ours, str(out), sentence_pairs=True, model_max_length=48)
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    before = ours.encode("The king is")
+    assert hf("The king is [MASK]", add_special_tokens=False)["input_ids"] == \
+        [*before, ours.mask_id]
+    if name != "gpt2 transformers directory":  # which keeps its own post-processor (none)
+        assert hf("The king is [MASK]")["input_ids"] == [ours.cls_id, *before, ours.mask_id,
+                                                         ours.sep_id]
+    added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
+    assert next(t for t in added if t["content"] == "[MASK]")["lstrip"] is lstrip
+    assert hf.model_max_length == 48
+    assert len(hf(TEXT, truncation=True)["input_ids"]) == 48

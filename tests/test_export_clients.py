@@ -231,6 +231,153 @@ def test_a_checkpoint_without_a_tokenizer_exports_with_a_note(tmp_path, capsys):
     assert "records no tokenizer, so the export has none" in capsys.readouterr().out
 
 
+# --- what serving and fine-tuning an export need -----------------------------------------------
+BERT = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 64, "max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, text):
+    """A GPT-2 and a BERT of 64 positions, trained 2 steps on the GPT-2 BPE and exported: their
+    checkpoints (``ckpt-KIND``) and transformers directories (``hf-KIND``) under one root."""
+    root = tmp_path_factory.mktemp("exports")
+    for kind, model in (("gpt2", MODELS["gpt2"]), ("bert", BERT)):
+        (root / f"{kind}.json").write_text(json.dumps(model))
+        assert train(["--data", text, "--tokenizer", "gpt2", "--model", str(root / f"{kind}.json"),
+                      "--data-cache", str(root / "cache"), "--save", str(root / f"ckpt-{kind}"),
+                      *TINY]) == 0
+        assert convert([str(root / f"ckpt-{kind}"), "--to-hf", str(root / f"hf-{kind}")]) == 0
+    return root
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_an_exported_tokenizer_truncates_at_the_models_positions(exports, kind):
+    """Hub tokenizers carry their model's length (GPT-2 1024, BERT 512); an export's carries
+    its model's (64 here), so ``truncation=True`` cuts there (it did nothing at 1e30)."""
+    tok = transformers.AutoTokenizer.from_pretrained(exports / f"hf-{kind}")
+    positions = transformers.AutoConfig.from_pretrained(exports / f"hf-{kind}").max_position_embeddings
+    assert positions == 64 and tok.model_max_length == positions
+    assert len(tok(SAMPLE[:5000])["input_ids"]) > 64
+    ids = tok(SAMPLE[:5000], truncation=True)["input_ids"]
+    assert len(ids) == positions
+    if kind == "bert":  # [CLS] ... [SEP] kept around the cut text
+        assert ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id
+
+
+def test_fill_mask_on_a_long_text_works_with_truncation(exports):
+    out = exports / "hf-bert"
+    fill = transformers.pipeline("fill-mask", model=str(out))
+    text = "To be, or not to [MASK], that is the question. " + SAMPLE[:3000]
+    assert len(fill.tokenizer(text)["input_ids"]) > 64  # longer than the model's positions
+    top = fill(text, tokenizer_kwargs={"truncation": True})
+    batch = fill.tokenizer(text, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = fill.model(**batch).logits[0]
+    at = batch["input_ids"][0].tolist().index(fill.tokenizer.mask_token_id)
+    probs = logits[at].softmax(-1)
+    assert [x["token"] for x in top] == probs.topk(len(top)).indices.tolist()
+    assert abs(top[0]["score"] - probs.max().item()) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_an_exports_config_has_its_tokenizers_special_ids(exports, kind):
+    config = json.loads((exports / f"hf-{kind}" / "config.json").read_text())
+    tok = transformers.AutoTokenizer.from_pretrained(exports / f"hf-{kind}")
+    roles = [r for r in ("pad", "bos", "eos", "cls", "sep", "mask") if f"{r}_token_id" in config]
+    assert {"pad", "bos", "eos"} <= set(roles)
+    assert {r: config[f"{r}_token_id"] for r in roles} == \
+        {r: getattr(tok, f"{r}_token_id") for r in roles}
+    if kind == "bert":
+        assert config["pad_token_id"] == load_tokenizer("gpt2").pad_id != 0
+
+
+def test_fine_tuning_a_bert_export_trains_every_token_it_sees(exports):
+    """transformers builds the word embedding with ``padding_idx=config.pad_token_id``, whose
+    row never gets a gradient from the input side: with the old ``pad_token_id: 0`` a fine-tuned
+    export never trained token 0 ("!"). Fine-tuned for classification (no tied decoder to hide
+    it), every token of the batch moves, id 0 included; only [PAD] is the padding row."""
+    out = exports / "hf-bert"
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.BertForSequenceClassification.from_pretrained(out, num_labels=2)
+    embedding = model.bert.embeddings.word_embeddings
+    batch = tok(["Hello! Is this the king?", "No!"], padding=True, return_tensors="pt")
+    seen = set(batch["input_ids"][batch["attention_mask"].bool()].tolist())
+    assert 0 in seen and tok.pad_token_id not in seen
+    before = embedding.weight.detach().clone()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(2):
+        model(**batch, labels=torch.tensor([0, 1])).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = embedding.weight.detach()
+    assert sorted(i for i in seen if torch.equal(after[i], before[i])) == []
+    assert embedding.padding_idx == tok.pad_token_id  # [PAD], the row padding leaves alone
+    assert torch.equal(after[tok.pad_token_id], before[tok.pad_token_id])
+
+
+def test_the_bert_exports_mask_takes_the_space_before_it(exports):
+    """megapar masks whole tokens, and a byte-level BPE token carries its leading space
+    ("Ġqueen"): "The king is [MASK]" must not give a stray "Ġ" before the mask."""
+    ours = load_tokenizer("gpt2")
+    hf = transformers.AutoTokenizer.from_pretrained(exports / "hf-bert")
+    masked = ours.encode("The king is queen")[:-1] + [ours.mask_id]  # as megapar masks it
+    assert hf("The king is [MASK]", add_special_tokens=False)["input_ids"] == masked
+    assert hf("The king is [MASK]")["input_ids"] == [ours.cls_id, *masked, ours.sep_id]
+    assert hf("[MASK] is king", add_special_tokens=False)["input_ids"] == \
+        [ours.mask_id, *ours.encode(" is king")]  # the space after the mask stays
+    added = json.loads((exports / "hf-bert" / "tokenizer.json").read_text())["added_tokens"]
+    assert next(t for t in added if t["content"] == "[MASK]")["lstrip"] is True
+
+
+def test_a_causal_export_has_a_generation_config_with_its_tokenizers_ids(exports):
+    out = exports / "hf-gpt2"
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == \
+        (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    assert not (exports / "hf-bert" / "generation_config.json").exists()  # not a generator
+
+
+def test_training_from_a_hf_model_keeps_its_generation_config(tmp_path, text):
+    """--from-hf in megapar-train records the source's generation_config.json; the export of
+    the trained checkpoint writes it back as it was."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_positions=64, n_embd=32, n_layer=2, n_head=4))
+    model.generation_config.update(do_sample=True, top_k=7, max_new_tokens=11)
+    model.save_pretrained(tmp_path / "src")
+    source = json.loads((tmp_path / "src" / "generation_config.json").read_text())
+    assert source["top_k"] == 7
+    ckpt = tmp_path / "ckpt"
+    assert train(["--data", text, "--tokenizer", "gpt2", "--from-hf", str(tmp_path / "src"),
+                  "--data-cache", str(tmp_path / "cache"), "--save", str(ckpt), *TINY[:-1],
+                  "1"]) == 0
+    assert convert([str(ckpt), "--to-hf", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == source
+
+
+def test_exporting_another_tokenizer_than_the_recorded_one_is_refused(exports, tmp_path, capsys):
+    ckpt, out = exports / "ckpt-gpt2", tmp_path / "out"
+    capsys.readouterr()
+    assert convert([str(ckpt), "--to-hf", str(out), "--tokenizer", "sentencepiece"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "--tokenizer sentencepiece" in err and "gpt2" in err and \
+        "--allow-other-tokenizer" in err, err
+    assert not out.exists() or not any(out.iterdir())
+    shared = os.path.join(SHARED_DATA, "gpt2-tokenizer")
+    if os.path.exists(shared):  # the same files elsewhere are the same tokenizer
+        assert convert([str(ckpt), "--to-hf", str(out), "--tokenizer", shared]) == 0
+    assert convert([str(ckpt), "--to-hf", str(out), "--tokenizer", "sentencepiece",
+                    "--allow-other-tokenizer", "--overwrite"]) == 0
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf("Hello world", add_special_tokens=False)["input_ids"] == \
+        load_tokenizer("sentencepiece").encode("Hello world")
+
+
 # --- dtype -------------------------------------------------------------------------------------
 def _bf16_llama(path: Path) -> dict[str, torch.Tensor]:
     from megapar.data.hf_tokenizer import save_for_transformers

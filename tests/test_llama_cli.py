@@ -61,7 +61,10 @@ def test_from_hf_llama_resumes_exactly(tmp_path, common):
 
 def test_llama_recipe_exports_the_tokenizers_special_ids(tmp_path, common):
     """A recipe trained on another tokenizer's data must not export Llama's own bos 1 / eos 2:
-    generate() would stop on whatever id 2 means in the data's vocabulary."""
+    generate() would stop on whatever id 2 means in the data's vocabulary. The config's ids are
+    the exported tokenizer's (GPT-2's <|endoftext|> begins and ends, as in transformers)."""
+    import transformers
+
     from megapar.checkpoint.convert import export_hf
     from megapar.data import load_tokenizer
 
@@ -70,5 +73,6 @@ def test_llama_recipe_exports_the_tokenizers_special_ids(tmp_path, common):
     export_hf(tmp_path / "ck", tmp_path / "hf")
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
     tok = load_tokenizer("gpt2")
-    assert (exported["bos_token_id"], exported["eos_token_id"]) == (tok.bos_id, tok.eod_id)
-    assert tok.eod_id == 50256
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == \
+        (hf.bos_token_id, hf.eos_token_id) == (tok.eod_id, tok.eod_id) == (50256, 50256)

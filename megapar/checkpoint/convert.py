@@ -36,7 +36,7 @@ from megapar.checkpoint.format import (
     staging_dir,
     step_dir_name,
 )
-from megapar.checkpoint.hf import HF_FILES, HFReader, save_hf
+from megapar.checkpoint.hf import GENERATION_FILE, HF_FILES, HFReader, save_hf
 from megapar.checkpoint.lock import SaveLockError, check_unlocked
 from megapar.checkpoint.manifest import verify, write_manifest
 from megapar.checkpoint.publish import resolve_checkpoint, set_latest
@@ -243,15 +243,20 @@ def import_hf(hf_dir, dst, tp: int, pp: int, dp: int = 1, seed: int = 0,
     """A megapar checkpoint (step 0, no optimizer state) from a transformers directory.
 
     Tensors the HF model lacks (the MLM head of a plain BertModel) are initialised from `seed`
-    exactly as training would; their names are returned and recorded in meta."""
+    exactly as training would; their names are returned and recorded in meta. Every tensor's
+    shape is checked against the config first. The directory's ``generation_config.json``, if
+    any, is recorded (meta ``hf_generation_config``), so that `export_hf` writes it back."""
 
     reader = HFReader(hf_dir)
     config, layout = reader.config, Layout(tp, pp, dp)
     target = plan(config, layout)
+    reader.check_files()
     initialised: list[str] = []
     meta = {"imported_from_hf": str(Path(hf_dir).resolve()), "seed": seed,
             "initialised_from_seed": initialised, "hf_dtype": reader.dtype,
             "rng_note": "imported from Hugging Face: no RNG states, no optimizer state"}
+    if reader.generation_config is not None:
+        meta["hf_generation_config"] = reader.generation_config
     tokenizer = recorded_tokenizer(hf_dir)
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer
@@ -282,16 +287,19 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def export_hf(src, hf_dir, overwrite: bool = False, tokenizer=None,
-              dtype: str | None = None) -> Path:
+              dtype: str | None = None, allow_other_tokenizer: bool = False) -> Path:
     """A transformers directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM) from a
-    checkpoint, with the tokenizer it trained with (`export_tokenizer`; `tokenizer`, a
-    `load_tokenizer` spec, overrides it), in `dtype` (default: the dtype of the Hugging Face
-    model it came from, recorded on import, else float32)."""
+    checkpoint, with the tokenizer it trained with (`export_tokenizer`: `tokenizer`, a
+    `load_tokenizer` spec, names where it is now; another tokenizer than the recorded one only
+    with `allow_other_tokenizer`), in `dtype` (default: the dtype of the Hugging Face model it
+    came from, recorded on import, else float32); a causal LM with the generation config of
+    the model it was imported from, else one made from its config (`save_hf`)."""
 
     step_dir = resolve_checkpoint(src)
     hf_dir = Path(hf_dir)
-    if not overwrite and any((hf_dir / name).exists() for name in HF_FILES):
-        raise CheckpointError(f"{hf_dir} already holds an exported model ({', '.join(HF_FILES)})"
+    existing = [n for n in (*HF_FILES, GENERATION_FILE) if (hf_dir / n).exists()]
+    if not overwrite and existing:
+        raise CheckpointError(f"{hf_dir} already holds an exported model ({', '.join(existing)})"
                               f"; pass --overwrite to replace those files (other files there "
                               f"are kept)")
     if dtype is not None and dtype not in EXPORT_DTYPES:
@@ -299,7 +307,7 @@ def export_hf(src, hf_dir, overwrite: bool = False, tokenizer=None,
     check_output(hf_dir, into=True)
     manifest = verify(step_dir)
     config = config_from_dict(manifest["model"])
-    tok = export_tokenizer(manifest, config, tokenizer)
+    tok = export_tokenizer(manifest, config, tokenizer, allow_other_tokenizer)
     reader = ShardReader(step_dir, manifest)
     canonical = {}
     for name, e in manifest["tensors"].items():
@@ -308,15 +316,24 @@ def export_hf(src, hf_dir, overwrite: bool = False, tokenizer=None,
                                        else e["full_shape"][dim])
     reader.release()
     dtype = dtype or manifest["meta"].get("hf_dtype") or "float32"
-    return save_hf(canonical, config, hf_dir, tok, getattr(torch, dtype))
+    return save_hf(canonical, config, hf_dir, tok, getattr(torch, dtype),
+                   generation_config=manifest["meta"].get("hf_generation_config"))
 
 
-def export_tokenizer(manifest: dict, config, given=None):
+def _described(spec: dict) -> str:
+    """A recorded tokenizer in a few words: its path and the start of its files' sha256."""
+    digests = ",".join(d[:12] for d in spec.get("sha256", []))
+    return f"{spec.get('path')} (sha256 {digests})" if digests else str(spec.get("path"))
+
+
+def export_tokenizer(manifest: dict, config, given=None, allow_other: bool = False):
     """The megapar Tokenizer an export carries: `given` (a spec), else the one the checkpoint
     records (meta ``tokenizer``: what megapar-train's data was tokenized with, or the
     transformers directory it was imported from); None when it records none. A recorded
     tokenizer that cannot be loaded, or whose files changed since, is an error naming the fix
-    (the export must not carry a tokenizer the model did not train with)."""
+    (the export must not carry a tokenizer the model did not train with); so is a `given` one
+    whose files are not the recorded ones (the same files elsewhere are fine), unless
+    `allow_other`."""
 
     spec = given or manifest["meta"].get("tokenizer")
     if not spec:
@@ -336,6 +353,15 @@ def export_tokenizer(manifest: dict, config, given=None):
             raise CheckpointError(f"{what} has changed since the checkpoint was trained (its "
                                   f"files' sha256 differ); pass --tokenizer SPEC naming the "
                                   f"tokenizer it trained with")
+    recorded = manifest["meta"].get("tokenizer")
+    if given and not allow_other and isinstance(recorded, dict) and recorded.get("sha256"):
+        digests = [file_sha256(p) for p in tokenizer_files(tok)]
+        if digests != recorded["sha256"]:
+            raise CheckpointError(
+                f"{what} is not the tokenizer the checkpoint records, "
+                f"{_described(recorded)}: its files differ (sha256 "
+                f"{','.join(d[:12] for d in digests)}); pass that tokenizer (wherever it is "
+                f"now), or add --allow-other-tokenizer to export another one on purpose")
     # a causal LM sees only the base vocabulary and the end of document (the appended
     # [PAD] [CLS] [SEP] [MASK] are BERT's), as megapar-train counts it
     needed = max(tok.base_vocab_size, tok.eod_id + 1) \

@@ -21,8 +21,15 @@ import torch
 from safetensors.torch import save_file
 
 from megapar.checkpoint.format import CheckpointError, open_safetensors
-from megapar.data.hf_tokenizer import save_for_transformers
-from megapar.models.config import ConfigError, config_from_dict, config_from_hf
+from megapar.data.hf_tokenizer import SPECIAL_ROLES, save_for_transformers
+from megapar.mesh import Layout, Mesh
+from megapar.models.config import (
+    CAUSAL_LM_TYPES,
+    ConfigError,
+    config_from_dict,
+    config_from_hf,
+)
+from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import (
     fuse_heads,
     gather_full,
@@ -81,27 +88,32 @@ class HFReader:
             self._file = _open(st)
             self.keys = set(self._file.keys())
             self._get = self._file.get_tensor
+            self._shape = lambda key: self._file.get_slice(key).get_shape()
         elif (self.path / "model.safetensors.index.json").exists():  # sharded (Llama 8B, 70B)
             index = json.loads((self.path / "model.safetensors.index.json").read_text())
             weight_map: dict[str, str] = index["weight_map"]
             opened: dict[str, object] = {}
 
-            def get(key: str) -> torch.Tensor:
+            def shard(key: str):
                 fname = weight_map[key]
                 if fname not in opened:
                     opened[fname] = _open(self.path / fname)
-                return opened[fname].get_tensor(key)
+                return opened[fname]
 
             self.keys = set(weight_map)
-            self._get = get
+            self._get = lambda key: shard(key).get_tensor(key)
+            self._shape = lambda key: shard(key).get_slice(key).get_shape()
         elif pt.exists():
             state = _load_pickled_weights(pt)
             self.keys = set(state)
             self._get = state.__getitem__
+            self._shape = lambda key: state[key].shape
         else:
             raise FileNotFoundError(f"{self.path}: neither model.safetensors (or its sharded "
                                     f"index) nor pytorch_model.bin found")
         self.prefix = self._detect_prefix()
+        self._expected: dict[str, tuple[int, ...]] | None = None
+        self._generation_file: Path | None = self.path / "generation_config.json"
 
     @classmethod
     def from_model(cls, hf_model) -> "HFReader":
@@ -113,9 +125,31 @@ class HFReader:
         state = hf_model.state_dict()
         self.keys = set(state)
         self._get = lambda k: state[k].detach().cpu()
+        self._shape = lambda k: state[k].shape
         self._saved_dtype = None
         self.prefix = self._detect_prefix()
+        self._expected = None
+        self._generation_file = None  # an in-memory model: no files
         return self
+
+    @property
+    def generation_config(self) -> dict | None:
+        """The directory's ``generation_config.json`` (as a dict), None when it has none. An
+        import records it, so that the export writes it back."""
+        return self._read_generation_config()
+
+    def _read_generation_config(self) -> dict | None:
+        path = self._generation_file
+        if path is None or not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: not a readable JSON file ({exc}); fix or remove it (an "
+                              f"export then writes one from the model's config)") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: not a JSON object; fix or remove it")
+        return data
 
     @property
     def dtype(self) -> str:
@@ -136,12 +170,44 @@ class HFReader:
         raise ConfigError(f"{self.path}: not a {self.config.model_type} checkpoint "
                           f"(no {probe} found)")
 
-    def get(self, key: str) -> torch.Tensor:
-        """An HF tensor by its name (without the model prefix for base-model tensors)."""
+    def _key(self, key: str) -> str:
         for k in (self.prefix + key, key):
             if k in self.keys:
-                return self._get(k)
+                return k
         raise KeyError(key)
+
+    def _check_shape(self, key: str, shape) -> None:
+        """ConfigError unless the tensor `key` (a name as `get` takes it) has the shape the
+        config implies."""
+        if self._expected is None:
+            self._expected = expected_hf_shapes(self.config)
+        want = self._expected.get(key)
+        if want is not None and tuple(shape) != want:
+            raise ConfigError(f"{self.path}: {self._key(key)} has shape {list(shape)}, its "
+                              f"config.json implies {list(want)}; the weights do not belong to "
+                              f"this config (a damaged or forged file?): restore it, or save "
+                              f"the model again with save_pretrained")
+
+    def check_files(self) -> None:
+        """Check what a conversion reads before it reads it (ConfigError naming the first
+        problem): every tensor's shape against the config (from the files' headers: nothing is
+        loaded from safetensors) and generation_config.json."""
+        self._read_generation_config()
+        if self._expected is None:
+            self._expected = expected_hf_shapes(self.config)
+        for key in self._expected:
+            try:
+                shape = self._shape(self._key(key))
+            except KeyError:
+                continue  # a tensor the model lacks (BertModel's head) is initialised instead
+            self._check_shape(key, shape)
+
+    def get(self, key: str) -> torch.Tensor:
+        """An HF tensor by its name (without the model prefix for base-model tensors), checked
+        to have the shape the config implies."""
+        tensor = self._get(self._key(key))
+        self._check_shape(key, tensor.shape)
+        return tensor
 
     def canonical(self, name: str) -> torch.Tensor:
         """The full canonical tensor `name`, converted from the HF tensors."""
@@ -268,6 +334,22 @@ _TO_HF = {"gpt2": _gpt2_to_hf, "bert": _bert_to_hf, "llama": _llama_to_hf}
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
                  "llama": "LlamaForCausalLM"}
 """The transformers class megapar trains and exports, per model type."""
+_HF_PREFIXES = ("transformer.", "bert.", "model.")
+
+
+def expected_hf_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of the transformers model `config` describes, by the name
+    `HFReader.get` takes (without the base model's prefix): megapar's parameters, built on the
+    meta device, mapped as an export maps them."""
+    stage = build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False)
+    canonical = {name: torch.empty(p.full_shape, device="meta")
+                 for name, p in stage.named_parameters() if not hasattr(p, "tied_to")}
+    shapes = {}
+    for name, tensor in _TO_HF[config.model_type](canonical, config).items():
+        for prefix in _HF_PREFIXES:
+            name = name.removeprefix(prefix)
+        shapes[name] = tuple(tensor.shape)
+    return shapes
 
 
 # --- megapar models <-> HF -----------------------------------------------------------------
@@ -305,43 +387,66 @@ def to_hf_state(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.T
 
 HF_FILES = ("model.safetensors", "config.json")
 """The files an export writes (and replaces); anything else in the directory is left alone."""
+GENERATION_FILE = "generation_config.json"
+"""What a causal LM's export writes besides `HF_FILES` (and replaces)."""
 
 
 def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
-            tokenizer=None, dtype: torch.dtype | None = None) -> Path:
+            tokenizer=None, dtype: torch.dtype | None = None,
+            generation_config: dict | None = None) -> Path:
     """Write config.json + model.safetensors into `out_dir` (created if missing), which
     transformers' `from_pretrained` loads, and, given a megapar `tokenizer`, that tokenizer in
-    transformers' format (`save_for_transformers`: checked to encode as megapar does), so
-    `AutoTokenizer.from_pretrained(out_dir)` works too. `dtype`: the weights' dtype in the
-    files (default: as given), recorded as the config's ``dtype``. As `save_pretrained`, other
-    files there (notes) are left alone; each file is written under a temporary name and renamed
-    when complete (the tokenizer, then the weights), so an interrupted export never leaves a
-    half-written file."""
+    transformers' format (`save_for_transformers`: checked to encode as megapar does; its
+    ``model_max_length`` the model's positions), so `AutoTokenizer.from_pretrained(out_dir)`
+    works too; the config's special ids (``pad_token_id``, ``bos_token_id``, ...) are then the
+    tokenizer's (transformers builds BERT's embedding with ``padding_idx=pad_token_id``). A
+    causal LM (GPT-2, Llama) gets a ``generation_config.json`` too: `generation_config` (the
+    one of the transformers model it was imported from), else transformers'
+    ``GenerationConfig.from_model_config`` of the config written. `dtype`: the weights' dtype
+    in the files (default: as given), recorded as the config's ``dtype``. As `save_pretrained`,
+    other files there (notes) are left alone; each file is written under a temporary name and
+    renamed when complete (the tokenizer, then the rest), so an interrupted export never leaves
+    a half-written file."""
+
+    from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    special_ids: dict[str, int | None] = {}
     if tokenizer is not None:
         save_for_transformers(tokenizer, str(out_dir), config.vocab_size,
-                              sentence_pairs=config.model_type == "bert")
+                              sentence_pairs=config.model_type == "bert",
+                              model_max_length=config.max_positions, info=special_ids)
     if dtype is not None:
         canonical = {k: v.to(dtype) for k, v in canonical.items()}
-    tmp = {name: out_dir / f".{name}.tmp-{os.getpid()}" for name in HF_FILES}
+    causal = config.model_type in CAUSAL_LM_TYPES
+    names = HF_FILES + ((GENERATION_FILE,) if causal else ())
+    tmp = {name: out_dir / f".{name}.tmp-{os.getpid()}" for name in names}
     try:
         hf_config = config.to_hf()
         hf_config.dtype = str(next(iter(canonical.values())).dtype).removeprefix("torch.")
         hf_config.architectures = [ARCHITECTURES[config.model_type]]
         hf_config.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
-        for special in ("bos_token_id", "eos_token_id", "pad_token_id"):  # GPT-2's 50256
-            value = getattr(hf_config, special, None)  # means nothing in another vocabulary
+        for special in (f"{role}_token_id" for role in SPECIAL_ROLES):
+            if not hasattr(hf_config, special):
+                continue
+            value = special_ids[special] if special in special_ids else \
+                getattr(hf_config, special)  # the tokenizer's ids, when it is exported
             if isinstance(value, int) and value >= config.vocab_size:
-                setattr(hf_config, special, None)
+                value = None  # GPT-2's 50256 means nothing in another vocabulary
+            setattr(hf_config, special, value)
+        if causal:
+            text = json.dumps(generation_config, indent=2, sort_keys=True) + "\n" \
+                if generation_config is not None else \
+                GenerationConfig.from_model_config(hf_config).to_json_string()
+            tmp[GENERATION_FILE].write_text(text)
         save_file(to_hf_state(canonical, config), str(tmp["model.safetensors"]),
                   metadata={"format": "pt"})
         umask = os.umask(0)   # safetensors creates its file 0600: give it the usual mode
         os.umask(umask)
         os.chmod(tmp["model.safetensors"], 0o666 & ~umask)
         tmp["config.json"].write_text(hf_config.to_json_string())
-        for name in HF_FILES:
+        for name in names:
             os.replace(tmp[name], out_dir / name)
     except BaseException:
         for path in tmp.values():

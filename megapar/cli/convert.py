@@ -15,9 +15,12 @@ temporary directory and renamed at the end: on any error DST is left as it was. 
 DST is refused unless --overwrite, and the --save root of a live run always. A target --tp or
 --pp not given keeps the source's (1 with --from-hf). --to-hf DIR writes config.json + model.safetensors and the
 tokenizer the checkpoint trained with (tokenizer.json + tokenizer_config.json, checked to
-encode as megapar does; --tokenizer to name it) into DIR as transformers' save_pretrained
-does, in the dtype of the Hugging Face model it came from (else float32; --dtype to choose);
-other files there are kept, an earlier export is replaced only with --overwrite.
+encode as megapar does, truncating at the model's positions; --tokenizer to say where it is
+now, --allow-other-tokenizer to export another on purpose) into DIR as transformers'
+save_pretrained does, the config's special token ids the tokenizer's, in the dtype of the
+Hugging Face model it came from (else float32; --dtype to choose); a GPT-2 or Llama gets a
+generation_config.json too (the one of the model it was imported from, else one made from its
+config); other files there are kept, an earlier export is replaced only with --overwrite.
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="SPEC",
                    help="--to-hf: the tokenizer to export ('gpt2', 'sentencepiece', a .model "
                         "file, a vocab.json + merges.txt or tokenizer.json directory); default: "
-                        "the one the checkpoint records")
+                        "the one the checkpoint records (files that differ from those it records "
+                        "are refused unless --allow-other-tokenizer)")
+    p.add_argument("--allow-other-tokenizer", action="store_true",
+                   help="--to-hf: export --tokenizer even though it is not the tokenizer the "
+                        "checkpoint trained with")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="--to-hf: the dtype of the exported weights (default: the dtype of the "
                         "Hugging Face model the checkpoint came from, else float32)")
@@ -87,15 +94,18 @@ def run(args) -> str:
     if args.info:
         _need(args, 0, "no positional path with --info CKPT")
         return cv.checkpoint_info(args.info, tensors=args.tensors, checksums=not args.fast)
-    if (args.tokenizer or args.dtype) and not args.to_hf:
-        raise ValueError("--tokenizer and --dtype are used only with --to-hf")
+    if (args.tokenizer or args.dtype or args.allow_other_tokenizer) and not args.to_hf:
+        raise ValueError("--tokenizer, --allow-other-tokenizer and --dtype are used only with "
+                         "--to-hf")
+    if args.allow_other_tokenizer and not args.tokenizer:
+        raise ValueError("--allow-other-tokenizer needs --tokenizer SPEC, the tokenizer to export")
     if args.to_hf:
         (src,) = _need(args, 1, "SRC --to-hf HF_DIR")
         if args.tp is not None or args.pp is not None:
             raise ValueError("--tp and --pp are not used with --to-hf: an export is one "
                              "unsharded model; drop them")
         out = cv.export_hf(src, args.to_hf, overwrite=args.overwrite, tokenizer=args.tokenizer,
-                           dtype=args.dtype)
+                           dtype=args.dtype, allow_other_tokenizer=args.allow_other_tokenizer)
         report = f"wrote transformers directory {out}"
         if not (out / "tokenizer_config.json").exists():
             report += ("\nnote: the checkpoint records no tokenizer, so the export has none "

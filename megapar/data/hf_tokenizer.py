@@ -16,8 +16,15 @@ import shutil
 import tempfile
 from typing import Iterable
 
+from tokenizers import (
+    AddedToken,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from megapar.data.assets import asset_path
 from megapar.data.tokenizer import PROBE_TEXT, Tokenizer
@@ -145,16 +152,28 @@ Shakespeare sample (literal special tokens are left out: transformers gives thei
 the pieces of their text)."""
 
 
-def to_transformers(tok: Tokenizer, vocab_size: int | None = None, sentence_pairs: bool = False):
+def _trailing_space_is_a_token(tok: Tokenizer) -> bool:
+    """Whether a space at the end of a text becomes a token of its own ("a " -> "a", "Ġ" in a
+    byte-level BPE), i.e. the tokenizer keeps a word's leading space in the word's tokens
+    ("Ġqueen"). WordPiece drops spaces, SentencePiece's normalizer strips a trailing one."""
+    return tok.encode("a ") != tok.encode("a")
+
+
+def to_transformers(tok: Tokenizer, vocab_size: int | None = None, sentence_pairs: bool = False,
+                    model_max_length: int | None = None):
     """A transformers fast tokenizer that encodes text to `tok`'s ids, carrying `tok`'s special
     tokens as megapar trains with them: its end of document as ``eos_token``, a beginning of
     sequence only when megapar-data starts documents with it (GPT-2's is its end of text, as
     in transformers), the ones megapar appends, such as [MASK], added at the same ids, but
     none at an id the model (of `vocab_size` ids, when given) does not have: a transformers
-    GPT-2 of 50,257 ids gets no [PAD] at 50,257 that batch padding would look up. A
-    SentencePiece model is converted by transformers from the model's own settings; a
-    transformers directory is loaded as it is. With `sentence_pairs` (a BERT export) encoding
-    adds [CLS] A [SEP] (and B [SEP], token type 1) as megapar's masked-LM samples have them."""
+    GPT-2 of 50,257 ids gets no [PAD] at 50,257 that batch padding would look up. An appended
+    [MASK] takes the space before it (``lstrip``, as RoBERTa's ``<mask>``) where the tokenizer
+    keeps a word's space in the word's tokens (byte-level BPE): megapar masks whole tokens, so
+    "The king is [MASK]" must not leave a stray space token before the mask. A SentencePiece
+    model is converted by transformers from the model's own settings; a transformers directory
+    is loaded as it is. With `sentence_pairs` (a BERT export) encoding adds [CLS] A [SEP] (and
+    B [SEP], token type 1) as megapar's masked-LM samples have them. `model_max_length`: the
+    model's positions, where ``truncation=True`` cuts (transformers' default is unbounded)."""
 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -172,6 +191,9 @@ def to_transformers(tok: Tokenizer, vocab_size: int | None = None, sentence_pair
             tok._backend.to_str()))
     limit = vocab_size if vocab_size is not None else tok.vocab_size
     appended = [name for i, name in enumerate(tok.appended) if tok.base_vocab_size + i < limit]
+    if "[MASK]" in appended and _trailing_space_is_a_token(tok):
+        appended[appended.index("[MASK]")] = AddedToken("[MASK]", lstrip=True, special=True,
+                                                        normalized=False)
     if appended:
         hf.add_special_tokens({"additional_special_tokens": appended},
                               replace_extra_special_tokens=False)
@@ -195,23 +217,33 @@ def to_transformers(tok: Tokenizer, vocab_size: int | None = None, sentence_pair
             if isinstance(before, processors.ByteLevel) else template
         hf.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
         hf.init_kwargs["model_input_names"] = hf.model_input_names  # saved in its config
+    if model_max_length is not None:
+        hf.model_max_length = model_max_length
     return hf
 
 
+SPECIAL_ROLES = ("pad", "bos", "eos", "cls", "sep", "mask")
+"""The special tokens whose ids a model config may name too (``pad_token_id`` ...)."""
+
+
 def save_for_transformers(tok: Tokenizer, out_dir: str, vocab_size: int | None = None,
-                          sentence_pairs: bool = False) -> list[str]:
+                          sentence_pairs: bool = False, model_max_length: int | None = None,
+                          info: dict | None = None) -> list[str]:
     """Write `tok` into `out_dir` as transformers' ``save_pretrained`` does (tokenizer.json,
     tokenizer_config.json, and a SentencePiece model's ``tokenizer.model``), so that
-    ``AutoTokenizer.from_pretrained(out_dir)`` is the training tokenizer. Checked before
-    anything is written: the saved tokenizer, loaded back, encodes `SAMPLE_TEXTS` and a piece
-    of the shipped Shakespeare sample to `tok`'s ids (ValueError otherwise). Returns the names
-    of the files written (each replaced whole)."""
+    ``AutoTokenizer.from_pretrained(out_dir)`` is the training tokenizer (`to_transformers`;
+    `model_max_length`: the model's positions). Checked before anything is written: the saved
+    tokenizer, loaded back, encodes `SAMPLE_TEXTS` and a piece of the shipped Shakespeare
+    sample to `tok`'s ids (ValueError otherwise). Returns the names of the files written (each
+    replaced whole); ``info`` (when given) receives the written tokenizer's special ids
+    (``pad_token_id``, ... ``mask_token_id``, None where it has no such token), which the
+    model's config must repeat."""
 
     from transformers import AutoTokenizer
 
     with open(asset_path("shakespeare_sample.txt"), encoding="utf-8") as f:
         texts = [*SAMPLE_TEXTS, f.read(4000)]
-    hf = to_transformers(tok, vocab_size, sentence_pairs)
+    hf = to_transformers(tok, vocab_size, sentence_pairs, model_max_length)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tokenizer.tmp-", dir=parent)
@@ -235,6 +267,9 @@ def save_for_transformers(tok: Tokenizer, out_dir: str, vocab_size: int | None =
                 raise ValueError(f"tokenizer {tok.path}: transformers' version of it encodes "
                                  f"{text[:40]!r} differently (ids {ours[at:at + 3]} vs "
                                  f"{theirs[at:at + 3]} at token {at}); not exported")
+        if info is not None:
+            info.update({f"{role}_token_id": getattr(back, f"{role}_token_id")
+                         for role in SPECIAL_ROLES})
         names = sorted(os.listdir(tmp))
         for name in names:
             os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))

@@ -44,7 +44,7 @@ class TrainConfig:
     model: str | None = None
     """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny) or a JSON/YAML config file."""
     from_hf: str | None = None
-    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM)."""
+    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM): the model is its config.json's (a --model describing another is refused)."""
     # --- data ---
     data: str | list[str] | None = None
     """Dataset prefix (PREFIX.bin/.idx from megapar-data, or a Megatron-LM MMIDIDX dataset) or raw text: a .txt / .jsonl file or a directory of them (tokenized into --data-cache); or a blend "W1 PREFIX1 W2 PREFIX2 ..." (Megatron's syntax). Default: the shipped Shakespeare sample."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megapar.checkpoint.distributed import NON_STRUCTURAL
 from megapar.checkpoint.format import MANIFEST
 from megapar.checkpoint.hf import HFReader
 from megapar.checkpoint.publish import has_checkpoint
@@ -35,6 +36,7 @@ from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
 from megapar.training.validate import (
+    UsageError,
     checkpoint_manifest,
     explicit,
     model_from_checkpoint,
@@ -182,7 +184,11 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
 
     given_from = ""
     if cfg.from_hf:
-        config, given_from = HFReader(cfg.from_hf).config, f"--from-hf {cfg.from_hf}"
+        reader = HFReader(cfg.from_hf)
+        config, given_from = reader.config, f"--from-hf {cfg.from_hf}"
+        if cfg.model:
+            _check_same_model(cfg, config)
+        reader.check_files()  # a damaged file is named here, before any worker reads it
         if config.vocab_size < needed(config) and manifest is None:
             raise ConfigError(
                 f"tokenizer {tokenizer_name} needs {needed(config)} token ids but the model from "
@@ -225,6 +231,30 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
                          f"of the default {cfg.seq_len}")
         cfg.seq_len = max_len
     return config
+
+
+def _check_same_model(cfg: TrainConfig, config) -> None:
+    """A --model given with --from-hf must describe the model the directory holds (which is the
+    run's model): UsageError naming what differs otherwise. A recipe, or a config file without
+    vocab_size, takes the tokenizer's vocabulary: vocab_size is not compared then; neither are
+    dropouts, initialisation and token ids."""
+    path = os.path.expanduser(cfg.model)
+    given = recipe(path)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    own_vocab = os.path.isfile(file) and "vocab_size" in load_config_file(file)
+    ours, theirs = given.to_dict(), config.to_dict()
+    where = f"--from-hf {cfg.from_hf}"
+    if ours["model_type"] != theirs["model_type"]:
+        raise UsageError(f"{where} holds a {theirs['model_type']} model and --model {cfg.model} "
+                         f"is a {ours['model_type']}; the model comes from {where} (its "
+                         f"config.json): drop --model")
+    skip = set(NON_STRUCTURAL) | {"pad_token_id"} | (set() if own_vocab else {"vocab_size"})
+    diff = sorted(k for k in set(ours) | set(theirs) if k not in skip
+                  and ours.get(k) != theirs.get(k))
+    if diff:
+        shown = ", ".join(f"{k}={theirs.get(k)!r} (--from-hf) vs {ours.get(k)!r}" for k in diff)
+        raise UsageError(f"--model {cfg.model} describes another model than {where}: {shown}; "
+                         f"the model comes from {where} (its config.json): drop --model")
 
 
 def _take_special_ids(config, special_ids: dict | None) -> None:

@@ -42,7 +42,8 @@ from megapar.training.config import TrainConfig
 from megapar.training.step import BatchPlan, StepResult, TrainStep
 
 RESERVED_META = frozenset({"step", "scaler", "optimizer", "scheduler", "rng_note", "model",
-                           "layout", "tokenizer", "hf_dtype", "train_config"})
+                           "layout", "tokenizer", "hf_dtype", "hf_generation_config",
+                           "train_config"})
 """Checkpoint metadata keys megapar writes itself (`save(extra=...)` may not use them)."""
 
 
@@ -96,6 +97,9 @@ class Engine:
         in checkpoints and carried by `export_hf`."""
         self.source_dtype: str | None = None
         """The dtype of the Hugging Face weights it started from: `export_hf` writes it."""
+        self.source_generation_config: dict | None = None
+        """The generation_config.json of the Hugging Face directory it started from (None:
+        none), saved in checkpoints; `export_hf` writes it back."""
         self._batch_seen = False  # the first user batch is compared across ranks
         keep_freed_host_memory()  # from here on: the training state is built
 
@@ -225,6 +229,8 @@ class Engine:
             meta["tokenizer"] = self.tokenizer
         if self.source_dtype is not None:
             meta["hf_dtype"] = self.source_dtype
+        if self.source_generation_config is not None:
+            meta["hf_generation_config"] = self.source_generation_config
         return save_checkpoint(path, self.step, self.model, self.mesh,
                                self.optimizer.state_tensors(), meta, self.rng_state())
 
@@ -248,14 +254,19 @@ class Engine:
         self.step = int(meta.get("step", 0))
         self.tokenizer = meta.get("tokenizer", self.tokenizer)
         self.source_dtype = meta.get("hf_dtype", self.source_dtype)
+        self.source_generation_config = meta.get("hf_generation_config",
+                                                 self.source_generation_config)
         return state
 
-    def export_hf(self, path: str | Path, tokenizer=None, dtype: str | None = None) -> Path:
+    def export_hf(self, path: str | Path, tokenizer=None, dtype: str | None = None,
+                  allow_other_tokenizer: bool = False) -> Path:
         """Write config.json + model.safetensors into `path` (GPT2LMHeadModel /
         BertForMaskedLM / LlamaForCausalLM `from_pretrained` loads it) and the tokenizer in
         transformers' format, so `AutoTokenizer.from_pretrained(path)` loads it: `tokenizer`
         (a `load_tokenizer` spec: "gpt2", a .model file, a transformers directory ...), else
-        the engine's (megapar-train's data tokenizer; with none, a warning and no tokenizer).
+        the engine's (megapar-train's data tokenizer; with none, a warning and no tokenizer);
+        a `tokenizer` whose files are not those of the engine's is refused unless
+        `allow_other_tokenizer`.
         `dtype`: float32, bfloat16 or float16 (default: the dtype of the transformers model
         given to `prepare`, else float32). Replaces those files, leaves anything else there
         alone. Collective; rank 0 writes."""
@@ -263,12 +274,14 @@ class Engine:
         path = Path(path).absolute()
         tmp = path.parent / f".{path.name or 'export'}.megapar-export-{self.step}"
         meta = {"step": self.step, "hf_dtype": self.source_dtype,
+                "hf_generation_config": self.source_generation_config,
                 "tokenizer": self.tokenizer}
         save_checkpoint(tmp, self.step, self.model, self.mesh, {}, meta, {})
         outcome = ""
         if self.mesh.rank == 0:
             try:
-                export_hf(tmp, path, overwrite=True, tokenizer=tokenizer, dtype=dtype)
+                export_hf(tmp, path, overwrite=True, tokenizer=tokenizer, dtype=dtype,
+                          allow_other_tokenizer=allow_other_tokenizer)
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 outcome = f"{type(exc).__name__}: {exc}"
             shutil.rmtree(tmp, ignore_errors=True)

@@ -120,6 +120,7 @@ class Trainer:
         reader = HFReader(path)
         missing = load_hf_weights(self.model, reader)
         self.engine.source_dtype = reader.dtype  # exports write the model's own dtype back
+        self.engine.source_generation_config = reader.generation_config  # and its generation
         note = f"loaded weights from {path}"
         if missing:
             note += f"; initialised from --seed (not in the checkpoint): {', '.join(missing)}"
