@@ -407,3 +407,59 @@ def test_megapar_data(tmp_path, flags, message, capsys, monkeypatch):
     line = _one_line(capsys, "megapar-data")
     assert message in line, line
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*"))
+
+
+# --- a damaged tokenizer file: one line naming the file, in every command that takes one ------
+def _broken_tokenizers(root: Path) -> dict[str, Path]:
+    """A truncated tokenizer.json, a tokenizer.json with a truncated tokenizer_config.json, and
+    GPT-2 vocab.json + merges.txt directories whose merges.txt / vocab.json is damaged."""
+    from megapar.data import load_tokenizer
+
+    made = {name: root / name for name in ("truncated", "bad_merges", "bad_vocab", "bad_config")}
+    for path in made.values():
+        path.mkdir(exist_ok=True)
+    whole = load_tokenizer("gpt2")._backend.to_str()
+    (made["truncated"] / "tokenizer.json").write_text(whole[:len(whole) // 2])
+    (made["bad_config"] / "tokenizer.json").write_text(whole)
+    (made["bad_config"] / "tokenizer_config.json").write_text('{"eos_token": ')
+    vocab, merges = Path(asset_path("gpt2_vocab.json")), Path(asset_path("gpt2_merges.txt"))
+    (made["bad_merges"] / "vocab.json").write_bytes(vocab.read_bytes())
+    (made["bad_merges"] / "merges.txt").write_text("#version: 0.2\nnot a merge line at all\n")
+    (made["bad_vocab"] / "vocab.json").write_bytes(vocab.read_bytes()[:300])
+    (made["bad_vocab"] / "merges.txt").write_bytes(merges.read_bytes())
+    return made
+
+
+BROKEN = [("truncated", "tokenizer.json"), ("bad_merges", "merges.txt"),
+          ("bad_vocab", "vocab.json"), ("bad_config", "tokenizer_config.json")]
+
+
+@pytest.mark.parametrize("tool", ["megapar-data", "megapar-train", "megapar-convert",
+                                  "megapar-eval"])
+@pytest.mark.parametrize("broken, culprit", BROKEN, ids=[b for b, _ in BROKEN])
+def test_a_damaged_tokenizer_file_is_one_line_naming_it(tool, broken, culprit, env, no_workers,
+                                                        capsys, tmp_path):
+    from megapar.cli.convert import main as convert
+    from megapar.cli.data import main as data
+
+    spec = str(_broken_tokenizers(tmp_path)[broken])
+    text = str(env["root"] / "text.txt")
+    if tool == "megapar-data":
+        rc = data(["--input", text, "--output-prefix", str(tmp_path / "out" / "x"),
+                   "--tokenizer", spec])
+    elif tool == "megapar-train":
+        rc = train(["--data", text, "--data-cache", str(tmp_path / "cache"), "--tokenizer",
+                    spec, "--model", "gpt2-tiny", "--no-progress"])
+    elif tool == "megapar-convert":
+        rc = convert([env["ckpt"], "--to-hf", str(tmp_path / "hf"), "--tokenizer", spec])
+    else:  # a Megatron-LM dataset without megapar's .json takes its tokenizer from --tokenizer
+        prefix = str(tmp_path / "mt")
+        assert data(["--input", text, "--output-prefix", prefix, "--format", "megatron",
+                     "--tokenizer", "sentencepiece", "--no-progress"]) == 0
+        Path(prefix + ".json").unlink()
+        capsys.readouterr()
+        rc = evaluate(["--load", env["ckpt"], "--data", prefix, "--seq-len", "16",
+                       "--tokenizer", spec])
+    line = _one_line(capsys, tool)
+    assert rc == 2 and f"{spec}/{culprit}" in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()

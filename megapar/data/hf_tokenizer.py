@@ -38,8 +38,16 @@ def _special_names(directory: str) -> dict[str, str]:
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # config wins
         path = os.path.join(directory, fname)
         if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+            except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+                raise ValueError(f"tokenizer file {path} is not valid JSON ({exc}); save the "
+                                 f"tokenizer again, or pass another --tokenizer") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"tokenizer file {path} holds a JSON "
+                                 f"{type(data).__name__}, not an object of settings; save the "
+                                 f"tokenizer again, or pass another --tokenizer")
             for key in ("bos_token", "eos_token", "pad_token", "cls_token", "sep_token",
                         "mask_token"):
                 if _token(data.get(key)):
@@ -50,7 +58,14 @@ def _special_names(directory: str) -> dict[str, str]:
 def load_hf_tokenizer(directory: str) -> Tokenizer:
     """The tokenizer of a transformers directory with ``tokenizer.json``."""
 
-    backend = HFTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    path = os.path.join(directory, "tokenizer.json")
+    try:
+        backend = HFTokenizer.from_file(path)
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        raise ValueError(f"tokenizer file {path} is damaged or not a tokenizers file "
+                         f"(tokenizers: {' '.join(str(exc).split())[:200]}); save the tokenizer "
+                         f"again (AutoTokenizer.from_pretrained(...).save_pretrained(DIR)), or "
+                         f"pass another --tokenizer") from None
     size = backend.get_vocab_size(with_added_tokens=True)
     names = _special_names(directory)
 
