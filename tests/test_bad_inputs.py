@@ -37,6 +37,8 @@ def env(tmp_path_factory):
     raw[-1] ^= 0xFF
     shard.write_bytes(bytes(raw))
     prefix = str(next(cache.glob("*.bin")))[:-4]
+    shutil.copy(prefix + ".bin", root / "empty_idx.bin")  # a 0-byte .idx and no .json
+    (root / "empty_idx.idx").write_bytes(b"")
     configs = {}
     for name, content in {"missing.yaml": None, "bad.yaml": "seq_len: [1, 2\n",
                           "bad.json": "{\"seq_len\": 32,}", "list.yaml": "- 1\n- 2\n",
@@ -191,6 +193,13 @@ TRAIN = [
     (["--data", "{prefix.bin}"], "; pass the prefix without .bin: --data "),
     (["--data", "{cache}"], "is a directory of tokenized datasets; pass a dataset's prefix"),
     (["--data", "{ckpt}"], "is a megapar checkpoint, not data; pass it to --load"),
+    # an empty .idx is what is wrong, not the .json a megapar index would need
+    (["--data", "{empty_idx}"], "empty_idx.idx is empty (0 bytes): not a megapar or Megatron-LM "
+                                "index"),
+    # an empty path would log nothing (or save nothing) without a word
+    (["--log-json", ""], "--log-json '' is an empty path"),
+    (["--tensorboard", ""], "--tensorboard '' is an empty path"),
+    (["--save", ""], "--save '' is an empty path"),
 ]
 
 
@@ -205,6 +214,7 @@ def _fill(argv, env):
              "ckpt/typo": env["ckpt"] + "/typo", "too_many": TOO_MANY,
              "pickled_hf": str(env["root"] / "pickled_hf"),
              "prefix.bin": env["prefix"] + ".bin", "cache": str(env["root"] / "cache"),
+             "empty_idx": str(env["root"] / "empty_idx"),
              **{f"ids:{k}": str(v) for k, v in env["ids"].items()}}
     return [names[a[1:-1]] if a.startswith("{") else a for a in argv]
 
@@ -254,7 +264,9 @@ EVAL = [
     (["--load", "{corrupt}", "--data", "{prefix}", "--seq-len", "16"], "checksum mismatch"),
     (["--load", "{pickled_hf}", "--data", "{prefix}", "--seq-len", "16"],
      "holds a Hugging Face model (config.json), not a megapar checkpoint; import it with "
-     "--from-hf"),
+     "megapar-convert --from-hf"),
+    (["--load", "{ckpt}", "--data", "{empty_idx}", "--seq-len", "16"],
+     "empty_idx.idx is empty (0 bytes): not a megapar or Megatron-LM index"),
     (["--load", "{ckpt}", "--input-ids", "{ids:float}", "--save-logits", "out.npy"],
      "holds float64 values; token ids must be integers"),
     (["--load", "{ckpt}", "--input-ids", "{ids:flat}", "--save-logits", "out.npy"],

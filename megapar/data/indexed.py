@@ -53,6 +53,20 @@ def _missing_error(prefix: str, what: str) -> FileNotFoundError:
     )
 
 
+def check_index_magic(path: str) -> None:
+    """Raise ValueError naming `path` when it starts with neither megapar's nor Megatron-LM's
+    magic (empty, cut short, another file): a dataset without its ``.json`` is then reported
+    for its ``.idx``, not for the ``.json`` that only a megapar index needs."""
+    with open(path, "rb") as f:
+        head = f.read(max(len(IDX_MAGIC), len(megatron.MAGIC)))
+    if head.startswith((IDX_MAGIC, megatron.MAGIC)):
+        return
+    size = os.path.getsize(path)
+    what = "is empty (0 bytes)" if size == 0 else f"is truncated or another file ({size:,} bytes)"
+    raise ValueError(f"{path} {what}: not a megapar or Megatron-LM index; re-create the dataset "
+                     f"with megapar-data (or copy its .idx again)")
+
+
 class IndexedDatasetBuilder:
     """Streams documents into ``PREFIX.{bin,idx,json}``; call :meth:`finalize` at the end.
 
@@ -210,6 +224,8 @@ class IndexedDataset:
 
     def __init__(self, prefix: str | os.PathLike, tokenizer: Any = None):
         prefix = os.fspath(prefix)
+        if os.path.isfile(prefix + ".idx") and not os.path.isfile(prefix + ".json"):
+            check_index_magic(prefix + ".idx")
         megatron_index = os.path.isfile(prefix + ".idx") and \
             megatron.is_megatron_index(prefix + ".idx")
         for ext in (".bin", ".idx") if megatron_index else (".json", ".bin", ".idx"):

@@ -29,6 +29,7 @@ from megapar.data import (
     load_tokenizer,
 )
 from megapar.data.blended import BlendedDataset, data_paths, parse_blend
+from megapar.data.indexed import check_index_magic
 from megapar.data.inputs import expand_inputs, is_raw_text
 from megapar.data.megatron import is_megatron_index
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
@@ -125,7 +126,10 @@ def _refuse_what_is_not_text(path: str) -> None:
 
 
 def missing_files(prefix: str) -> list[str]:
-    """The files of dataset `prefix` that are not there (a Megatron-LM index needs no .json)."""
+    """The files of dataset `prefix` that are not there (a Megatron-LM index needs no .json).
+    Raises ValueError for an .idx without .json that is neither index (empty, cut short)."""
+    if os.path.isfile(prefix + ".idx") and not os.path.exists(prefix + ".json"):
+        check_index_magic(prefix + ".idx")
     needed = (".bin", ".idx") if is_megatron(prefix) else (".bin", ".idx", ".json")
     return [prefix + ext for ext in needed if not os.path.exists(prefix + ext)]
 

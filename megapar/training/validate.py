@@ -68,6 +68,9 @@ _RULES = [
 ]
 
 
+_EXAMPLE_PATHS = {"save": "ckpt", "log_json": "run.jsonl", "tensorboard": "tb"}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -102,6 +105,10 @@ def check_settings(cfg) -> None:
                                                               default == off[0][0] else hint)
             raise UsageError(f"{_flag(name)} {value} is invalid: it must be {what} {bound}{hint}")
 
+    for name in ("save", "log_json", "tensorboard"):  # "" would silently write nothing
+        if getattr(cfg, name) == "":
+            raise UsageError(f"{_flag(name)} '' is an empty path: give a path (e.g. "
+                             f"{_flag(name)} {_EXAMPLE_PATHS[name]}), or leave the flag out")
     for name, allowed in _choices().items():
         if getattr(cfg, name) not in allowed:
             raise UsageError(f"{_flag(name)} {getattr(cfg, name)!r} is invalid: choose one of "
