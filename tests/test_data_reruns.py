@@ -1,0 +1,147 @@
+"""A run to a destination that an earlier run wrote (or left behind): megapar-data's output
+prefix, megapar-train's data cache and --log-json, the temporaries of a killed writer, and a
+checkpoint resumed on data that changed since."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megapar.cli.data import main as data
+from megapar.cli.train import main as train
+from megapar.data import asset_path
+from megapar.data.preprocess import ensure_dataset
+
+TEXT = Path(asset_path("shakespeare_sample.txt")).read_text()
+TINY = ["--model", "gpt2-tiny", "--tokenizer", "sentencepiece", "--seq-len", "32",
+        "--micro-batch-size", "2", "--log-interval", "1", "--eval-interval", "0",
+        "--no-progress", "--warmup-steps", "0"]
+"""A tiny run; its global batch, not given, shrinks to what the data holds."""
+
+
+def _one_line(capsys, prog: str) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith(f"{prog}: error: "), err
+    return lines[-1]
+
+
+def _outputs(prefix) -> dict[str, bytes]:
+    return {ext: Path(f"{prefix}{ext}").read_bytes() for ext in (".bin", ".idx", ".json")}
+
+
+# --- megapar-data: an existing output prefix ----------------------------------------------------
+def test_megapar_data_refuses_an_existing_prefix_unless_overwrite(tmp_path, capsys):
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text(TEXT[:3000])
+    second.write_text(TEXT[3000:9000])
+    prefix = tmp_path / "out" / "d"
+    common = ["--output-prefix", str(prefix), "--tokenizer", "sentencepiece", "--no-progress"]
+    assert data(["--input", str(first), *common]) == 0
+    before = _outputs(prefix)
+    capsys.readouterr()
+    assert data(["--input", str(second), *common]) == 2
+    line = _one_line(capsys, "megapar-data")
+    assert f"{prefix}.bin" in line and "pass --overwrite" in line, line
+    assert _outputs(prefix) == before  # untouched
+    assert data(["--input", str(second), *common, "--overwrite"]) == 0
+    after = _outputs(prefix)
+    assert after[".bin"] != before[".bin"] and len(after[".bin"]) > len(before[".bin"])
+
+
+def test_megapar_data_refuses_an_existing_trained_tokenizer(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text(TEXT[:3000])
+    prefix = tmp_path / "bpe"
+    (tmp_path / "bpe-tokenizer").mkdir()  # an earlier --train-tokenizer bpe's
+    assert data(["--input", str(tmp_path / "a.txt"), "--output-prefix", str(prefix),
+                 "--train-tokenizer", "bpe", "--vocab-size", "300", "--no-progress"]) == 2
+    line = _one_line(capsys, "megapar-data")
+    assert "bpe-tokenizer" in line and "pass --overwrite" in line, line
+    assert not list(tmp_path.glob("bpe.*"))
+
+
+def test_a_refused_run_leaves_no_tokenizer_it_trained(tmp_path, capsys):
+    """Whitespace trains a byte-level BPE, then gives no document to write: refused, and the
+    tokenizer trained for it goes too (a rerun would otherwise be refused as overwriting)."""
+    (tmp_path / "blank.txt").write_text("   \n\n  \n")
+    assert data(["--input", str(tmp_path / "blank.txt"), "--output-prefix",
+                 str(tmp_path / "out" / "d"), "--train-tokenizer", "bpe", "--vocab-size", "300",
+                 "--no-progress"]) == 2
+    assert "no text in" in _one_line(capsys, "megapar-data")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("failure", [ValueError("a bad document"), KeyboardInterrupt()],
+                         ids=["error", "interrupt"])
+def test_a_run_that_fails_after_training_sentencepiece_leaves_nothing(tmp_path, monkeypatch,
+                                                                      capsys, failure):
+    import megapar.data.preprocess as preprocess
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(preprocess, "preprocess_files", fail)
+    (tmp_path / "a.txt").write_text(TEXT[:3000])
+    args = ["--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "out" / "d"),
+            "--train-sentencepiece", "--vocab-size", "100", "--no-progress"]
+    if isinstance(failure, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            data(args)
+    else:
+        assert data(args) == 2
+        assert "a bad document" in _one_line(capsys, "megapar-data")
+    assert not list(tmp_path.glob("out/*"))
+
+
+# --- megapar-train: the cache of a text refused as too small ------------------------------------
+def test_a_text_too_small_to_train_on_leaves_no_cache(tmp_path, capsys):
+    tiny, cache = tmp_path / "tiny.txt", tmp_path / "cache"
+    tiny.write_text("Too little text to train on.\n")
+    assert train(["--data", str(tiny), "--data-cache", str(cache), *TINY]) == 2
+    line = _one_line(capsys, "megapar-train")
+    assert "fewer than one window" in line, line
+    assert not list(cache.glob("tiny-*")), list(cache.iterdir())
+
+
+def test_a_cache_made_earlier_is_kept_when_a_run_is_refused(tmp_path, capsys):
+    tiny, cache = tmp_path / "tiny.txt", tmp_path / "cache"
+    tiny.write_text("Too little text to train on.\n")
+    prefix = ensure_dataset(str(tiny), "sentencepiece", str(cache))  # an earlier run's
+    before = _outputs(prefix)
+    assert train(["--data", str(tiny), "--data-cache", str(cache), *TINY]) == 2
+    assert "fewer than one window" in _one_line(capsys, "megapar-train")
+    assert _outputs(prefix) == before
+
+
+# --- --log-json: a fresh run starts the file, a resumed one continues it -----------------------
+def _steps(log: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in log.read_text().splitlines()]
+
+
+def test_log_json_is_restarted_by_a_fresh_run_and_continued_by_a_resume(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:40_000])
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    common = ["--data", str(text), "--data-cache", str(tmp_path / "cache"), *TINY,
+              "--log-json", str(log)]
+    log.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")  # an earlier run's
+    assert train([*common, "--max-steps", "3", "--save", str(ckpt), "--save-interval", "2"]) == 0
+    assert _steps(log) == [1, 2, 3]  # the earlier run's line is gone
+    assert all(json.loads(x)["loss"] != 9.0 for x in log.read_text().splitlines())
+    # resumed from step 2: step 3 of the first run is trained again, so logged once
+    assert train([*common, "--max-steps", "4", "--load", str(ckpt / "step_00000002")]) == 0
+    assert _steps(log) == [1, 2, 3, 4]
+    assert train([*common, "--max-steps", "1"]) == 0  # fresh again
+    assert _steps(log) == [1]
+
+
+def test_a_resume_drops_the_records_it_trains_again_and_a_torn_last_line(tmp_path):
+    from megapar.training.logging import keep_records_up_to
+
+    log = tmp_path / "log.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)]
+    log.write_text("".join(lines) + "not json, kept\n" + '{"step": 5, "lo')
+    keep_records_up_to(str(log), 2)
+    assert log.read_text() == "".join(lines[:2]) + "not json, kept\n"
+    keep_records_up_to(str(tmp_path / "missing.jsonl"), 2)
+    assert not (tmp_path / "missing.jsonl").exists()
