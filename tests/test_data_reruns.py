@@ -145,3 +145,87 @@ def test_a_resume_drops_the_records_it_trains_again_and_a_torn_last_line(tmp_pat
     assert log.read_text() == "".join(lines[:2]) + "not json, kept\n"
     keep_records_up_to(str(tmp_path / "missing.jsonl"), 2)
     assert not (tmp_path / "missing.jsonl").exists()
+
+
+# --- the temporaries of a writer killed with -9 -------------------------------------------------
+def _dead_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def _host() -> str:
+    import re
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+
+
+def test_megapar_data_killed_with_9_leaves_a_temporary_that_the_next_run_removes(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    big = tmp_path / "big.txt"
+    big.write_text(TEXT * max(1, (4 << 20) // len(TEXT)))  # about 4 MB: seconds of tokenizing
+    prefix = tmp_path / "out" / "d"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "megapar.cli.data", "--input", str(big),
+                             "--output-prefix", str(prefix), "--workers", "1", "--no-progress"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("out/d.bin.tmp-*")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "megapar-data never started writing"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = list(tmp_path.glob("out/d.bin.tmp-*"))
+    assert left, "killed before writing: nothing to clean"
+    (tmp_path / "small.txt").write_text(TEXT[:3000])
+    assert data(["--input", str(tmp_path / "small.txt"), "--output-prefix", str(prefix),
+                 "--no-progress"]) == 0
+    assert not list(tmp_path.glob("out/*.tmp-*")), list((tmp_path / "out").iterdir())
+
+
+def test_only_the_temporaries_of_dead_writers_of_this_host_are_removed(tmp_path):
+    """A live writer's temporary (another run writing the same prefix now) and another host's
+    (a shared file system) are kept; the cache megapar-train tokenizes into is cleaned too."""
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:3000])
+    prefix = ensure_dataset(str(text), "sentencepiece", str(tmp_path / "cache"))
+    for ext in (".bin", ".idx", ".json"):
+        Path(prefix + ext).unlink()
+    import os
+
+    dead = [f"{prefix}{ext}.tmp-{_dead_pid()}-{_host()}-0123abcd" for ext in (".bin", ".json")]
+    kept = [f"{prefix}.bin.tmp-{os.getpid()}-{_host()}-0123abcd",  # this live process's
+            f"{prefix}.bin.tmp-{_dead_pid()}-another-host-0123abcd"]
+    for path in dead + kept:
+        Path(path).write_bytes(b"partial")
+    assert ensure_dataset(str(text), "sentencepiece", str(tmp_path / "cache")) == prefix
+    assert not any(Path(p).exists() for p in dead)
+    assert all(Path(p).exists() for p in kept)
+
+
+def test_megapar_convert_removes_the_staging_directory_of_a_dead_conversion(tmp_path):
+    import os
+
+    from megapar.cli.convert import main as convert
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:20_000])
+    ckpt, dst = tmp_path / "ckpt", tmp_path / "converted"
+    assert train(["--data", str(text), "--data-cache", str(tmp_path / "cache"), *TINY,
+                  "--max-steps", "1", "--save", str(ckpt)]) == 0
+    dead = tmp_path / f".converted.tmp-{_dead_pid()}-{_host()}-0123456789ab"
+    live = tmp_path / f".converted.tmp-{os.getpid()}-{_host()}-0123456789ab"
+    for staging in (dead, live):
+        (staging / "step_00000001").mkdir(parents=True)
+        (staging / "step_00000001" / "model_tp00_pp00.safetensors").write_bytes(b"x" * 1000)
+    assert convert([str(ckpt), str(dst), "--tp", "1", "--pp", "1", "--no-progress"]) == 0
+    assert not dead.exists() and live.exists()
+    assert [p.name for p in tmp_path.glob(".converted.tmp-*")] == [live.name]

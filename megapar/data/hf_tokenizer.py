@@ -21,6 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from megapar.data.assets import asset_path
 from megapar.data.tokenizer import PROBE_TEXT, Tokenizer
+from megapar.faults.processes import owner_tag, remove_stale_temporaries
 
 #: End-of-sequence tokens recognised when the directory names none.
 COMMON_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
@@ -137,7 +138,9 @@ def train_bpe(texts: Iterable[str], out_dir: str, vocab_size: int,
     out_dir = os.fspath(out_dir)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    staging = f".{os.path.basename(out_dir)}.tmp-"
+    remove_stale_temporaries(parent, staging)  # a run killed with -9 while writing it
+    tmp = tempfile.mkdtemp(prefix=f"{staging}{owner_tag()}-", dir=parent)
     try:
         tok.save(os.path.join(tmp, "tokenizer.json"))
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token,

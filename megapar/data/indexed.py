@@ -30,6 +30,7 @@ import numpy as np
 
 from megapar.data import megatron
 from megapar.data.tokenizers import load_tokenizer
+from megapar.faults.processes import owner_tag, remove_stale_temporaries
 
 IDX_MAGIC = b"MPIDX\x00\x00\x01"
 FORMAT_NAME = "megapar-indexed"
@@ -43,7 +44,15 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 
 
 def _tmp_name(path: str) -> str:
-    return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """A temporary name beside `path`, ``path.tmp-PID-HOST-<random>`` (`owner_tag`)."""
+    return f"{path}.tmp-{owner_tag()}-{uuid.uuid4().hex[:8]}"
+
+
+def remove_stale_tmps(path: str) -> list[str]:
+    """Remove the ``path.tmp-*`` files of writers of this host that are gone (killed with -9
+    while writing `path`); a live writer's are kept. Returns the names removed."""
+    return remove_stale_temporaries(os.path.dirname(os.path.abspath(path)),
+                                    os.path.basename(path) + ".tmp-")
 
 
 def _missing_error(prefix: str, what: str) -> FileNotFoundError:
@@ -86,6 +95,8 @@ class IndexedDatasetBuilder:
             megatron.dtype_for_vocab(self.vocab_size)
         parent = os.path.dirname(os.path.abspath(self.prefix))
         os.makedirs(parent, exist_ok=True)
+        for ext in (".bin", ".idx", ".json"):  # the leftovers of a writer killed before us
+            remove_stale_tmps(self.prefix + ext)
         self._bin_tmp = _tmp_name(self.prefix + ".bin")
         self._bin = open(self._bin_tmp, "wb")
         self._offsets = array.array("q", [0])  # 8 bytes per document, not a Python int
