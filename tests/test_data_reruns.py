@@ -229,3 +229,64 @@ def test_megapar_convert_removes_the_staging_directory_of_a_dead_conversion(tmp_
     assert convert([str(ckpt), str(dst), "--tp", "1", "--pp", "1", "--no-progress"]) == 0
     assert not dead.exists() and live.exists()
     assert [p.name for p in tmp_path.glob(".converted.tmp-*")] == [live.name]
+
+
+# --- a resume on data whose tokens changed in place ----------------------------------------------
+def test_a_resume_on_data_changed_in_place_is_refused_unless_allowed(tmp_path, capsys):
+    import numpy as np
+
+    from megapar.checkpoint.manifest import read_manifest
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:20_000])
+    prefix, megatron = str(tmp_path / "d"), str(tmp_path / "mt")
+    for out, fmt in ((prefix, "megapar"), (megatron, "megatron")):
+        assert data(["--input", str(text), "--output-prefix", out, "--tokenizer",
+                     "sentencepiece", "--split-lines", "--format", fmt, "--no-progress"]) == 0
+    ckpt = tmp_path / "ckpt"
+    common = [*TINY, "--save", str(ckpt), "--global-batch-size", "4"]
+    assert train(["--data", prefix, *common, "--max-steps", "2"]) == 0
+    recorded = read_manifest(ckpt / "step_00000002")["meta"]["data_fingerprint"]
+    assert isinstance(recorded, list) and len(recorded) == 1
+    # the same tokens resume, whatever the index format or the copy
+    assert train(["--data", prefix, *common, "--load", str(ckpt), "--max-steps", "3"]) == 0
+    assert train(["--data", megatron, *common, "--load", str(ckpt), "--max-steps", "4"]) == 0
+    # the same size, other tokens: refused in one line naming the data and the flag
+    tokens = np.fromfile(prefix + ".bin", dtype="<u2")
+    tokens[10:40] = tokens[10:40][::-1].copy()
+    tokens.tofile(prefix + ".bin")
+    capsys.readouterr()
+    assert train(["--data", prefix, *common, "--load", str(ckpt), "--max-steps", "5"]) == 2
+    line = _one_line(capsys, "megapar-train")
+    assert f"--data {prefix}" in line and "changed" in line and "--allow-data-change" in line, line
+    assert train(["--data", prefix, *common, "--load", str(ckpt), "--max-steps", "5",
+                  "--allow-data-change"]) == 0
+    assert read_manifest(ckpt / "step_00000005")["meta"]["data_fingerprint"] != recorded
+
+
+def test_the_fingerprint_of_a_large_dataset_reads_samples_of_it(tmp_path, monkeypatch):
+    import numpy as np
+
+    from megapar.data import IndexedDataset
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:20_000])
+    prefix, megatron = str(tmp_path / "d"), str(tmp_path / "mt")
+    for out, fmt in ((prefix, "megapar"), (megatron, "megatron")):
+        assert data(["--input", str(text), "--output-prefix", out, "--tokenizer",
+                     "sentencepiece", "--split-lines", "--format", fmt, "--no-progress"]) == 0
+    monkeypatch.setattr(IndexedDataset, "FINGERPRINT_WHOLE", 64)  # "large": sampled
+    monkeypatch.setattr(IndexedDataset, "FINGERPRINT_BLOCKS", 4)
+    monkeypatch.setattr(IndexedDataset, "FINGERPRINT_BLOCK", 8)
+    before = IndexedDataset(prefix).fingerprint()
+    assert IndexedDataset(megatron, "sentencepiece").fingerprint() == before
+    tokens = np.fromfile(prefix + ".bin", dtype="<u2")
+    n = len(tokens)
+    first = tokens.copy()
+    first[3] = (first[3] + 1) % 1000  # in the first sampled block
+    first.tofile(prefix + ".bin")
+    assert IndexedDataset(prefix).fingerprint() != before
+    between = tokens.copy()
+    between[n // 6] = (between[n // 6] + 1) % 1000  # between the blocks: not read
+    between.tofile(prefix + ".bin")
+    assert IndexedDataset(prefix).fingerprint() == before

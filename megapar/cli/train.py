@@ -53,6 +53,7 @@ from megapar.training.validate import (
     check_load_path,
     check_outputs,
     check_resumable,
+    check_same_data,
     check_settings,
     checkpoint_manifest,
     explicit,
@@ -167,6 +168,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     notes.extend(split_notes)
     if manifest is not None:
         check_resumable(cfg, manifest, len(train))
+        check_same_data(cfg, manifest, plan.data_fingerprint)
     return layout, plan
 
 

@@ -21,6 +21,7 @@ the ``.idx``. A Megatron dataset made by Megatron-LM / NeMo has no ``.json``: it
 from __future__ import annotations
 
 import array
+import hashlib
 import json
 import os
 import uuid
@@ -308,6 +309,29 @@ class IndexedDataset:
     #: Datasets up to this many tokens are scanned for their largest id (exact even if the .bin
     #: was edited); larger ones trust the ``max_id`` recorded at preprocessing.
     SCAN_LIMIT = 1 << 28
+
+    #: A dataset of up to this many tokens (or documents) is fingerprinted whole; beyond, by
+    #: `FINGERPRINT_BLOCKS` blocks of `FINGERPRINT_BLOCK` ids spread evenly over it.
+    FINGERPRINT_WHOLE = 1 << 22
+    FINGERPRINT_BLOCKS = 256
+    FINGERPRINT_BLOCK = 4096
+
+    def fingerprint(self) -> str:
+        """A cheap digest of the dataset's content (hex SHA-256 of its document boundaries and
+        token ids), the same whatever the index format (megapar's or Megatron-LM's), the .bin's
+        dtype or where the files are. Up to `FINGERPRINT_WHOLE` tokens every id is hashed; a
+        larger dataset reads `FINGERPRINT_BLOCKS` x `FINGERPRINT_BLOCK` ids of its tokens (and of
+        its document offsets): 256 short reads, milliseconds for 100 GB, so a change outside
+        those blocks goes unseen."""
+        h = hashlib.sha256(np.asarray([self.num_docs, self.num_tokens], "<i8").tobytes())
+        for array in (self.doc_offsets, self.tokens):
+            n, block = len(array), self.FINGERPRINT_BLOCK
+            if n <= self.FINGERPRINT_WHOLE:
+                h.update(np.asarray(array, dtype="<i8").tobytes())
+                continue
+            for start in np.linspace(0, n - block, self.FINGERPRINT_BLOCKS).astype(np.int64):
+                h.update(np.asarray(array[start:start + block], dtype="<i8").tobytes())
+        return h.hexdigest()
 
     def max_id(self) -> int:
         """The largest token id in the dataset (-1 when empty)."""

@@ -56,20 +56,29 @@ class DataPlan:
     tokenized: list[str] = field(default_factory=list)
     """Prefixes this run tokenized into --data-cache (`discard_tokenized` removes them when the
     run is refused for too little text)."""
+    data_fingerprint: list[str] | None = None
+    """Each --data part's `IndexedDataset.fingerprint`, recorded in checkpoints: a resume on
+    other content is refused (`check_same_data`). None for a dry run without data."""
 
 
 def resolve_data_prefix(cfg: TrainConfig, notes: list[str] | None = None,
-                        tokenized: list[str] | None = None) -> str:
+                        tokenized: list[str] | None = None,
+                        fingerprints: list[str] | None = None) -> str:
     """The dataset prefix for --data: tokenizing raw text (or the shipped sample) if needed
-    (the prefixes tokenized now are appended to `tokenized`).
+    (the prefixes tokenized now are appended to `tokenized`, every part's fingerprint to
+    `fingerprints`).
 
     For a blend, every part is resolved and checked to share one tokenizer; the first
     part's prefix is returned (it stands for the vocabulary)."""
 
     prefixes = [_resolve_one(cfg, p, notes, tokenized) for p in data_paths(cfg.data)]
     first = IndexedDataset(prefixes[0], cfg.tokenizer)
+    if fingerprints is not None:
+        fingerprints.append(first.fingerprint())
     for prefix in prefixes[1:]:
         other = IndexedDataset(prefix, cfg.tokenizer)
+        if fingerprints is not None:
+            fingerprints.append(other.fingerprint())
         if (other.vocab_size, other.eod_id) != (first.vocab_size, first.eod_id):
             raise ValueError(f"--data blend: {prefix} (vocab {other.vocab_size}, eod "
                              f"{other.eod_id}) and {prefixes[0]} (vocab {first.vocab_size}, eod "
@@ -276,8 +285,11 @@ def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
     if config is None:
         config = resolve_model(cfg, notes, manifest)
     tokenized: list[str] = []
-    prefix = None if _dry_run_without_data(cfg) else resolve_data_prefix(cfg, notes, tokenized)
-    return DataPlan(prefix=prefix, model_config=config.to_dict(), tokenized=tokenized)
+    fingerprints: list[str] = []
+    prefix = None if _dry_run_without_data(cfg) else \
+        resolve_data_prefix(cfg, notes, tokenized, fingerprints)
+    return DataPlan(prefix=prefix, model_config=config.to_dict(), tokenized=tokenized,
+                    data_fingerprint=fingerprints if prefix is not None else None)
 
 
 def discard_tokenized(plan: DataPlan) -> None:
