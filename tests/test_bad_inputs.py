@@ -194,8 +194,8 @@ TRAIN = [
     (["--data", "{cache}"], "is a directory of tokenized datasets; pass a dataset's prefix"),
     (["--data", "{ckpt}"], "is a megapar checkpoint, not data; pass it to --load"),
     # an empty .idx is what is wrong, not the .json a megapar index would need
-    (["--data", "{empty_idx}"], "empty_idx.idx is empty (0 bytes): not a megapar or Megatron-LM "
-                                "index"),
+    (["--data", "{empty_idx}"], ("empty_idx.idx is empty (0 bytes): not a megapar or "
+                                 "Megatron-LM index")),
     # an empty path would log nothing (or save nothing) without a word
     (["--log-json", ""], "--log-json '' is an empty path"),
     (["--tensorboard", ""], "--tensorboard '' is an empty path"),

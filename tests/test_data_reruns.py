@@ -75,7 +75,7 @@ def test_a_refused_run_leaves_no_tokenizer_it_trained(tmp_path, capsys):
                          ids=["error", "interrupt"])
 def test_a_run_that_fails_after_training_sentencepiece_leaves_nothing(tmp_path, monkeypatch,
                                                                       capsys, failure):
-    import megapar.data.preprocess as preprocess
+    from megapar.data import preprocess
 
     def fail(*args, **kwargs):
         raise failure

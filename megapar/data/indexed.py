@@ -324,13 +324,13 @@ class IndexedDataset:
         its document offsets): 256 short reads, milliseconds for 100 GB, so a change outside
         those blocks goes unseen."""
         h = hashlib.sha256(np.asarray([self.num_docs, self.num_tokens], "<i8").tobytes())
-        for array in (self.doc_offsets, self.tokens):
-            n, block = len(array), self.FINGERPRINT_BLOCK
+        for values in (self.doc_offsets, self.tokens):
+            n, block = len(values), self.FINGERPRINT_BLOCK
             if n <= self.FINGERPRINT_WHOLE:
-                h.update(np.asarray(array, dtype="<i8").tobytes())
+                h.update(np.asarray(values, dtype="<i8").tobytes())
                 continue
             for start in np.linspace(0, n - block, self.FINGERPRINT_BLOCKS).astype(np.int64):
-                h.update(np.asarray(array[start:start + block], dtype="<i8").tobytes())
+                h.update(np.asarray(values[start:start + block], dtype="<i8").tobytes())
         return h.hexdigest()
 
     def max_id(self) -> int:
