@@ -37,6 +37,8 @@ def env(tmp_path_factory):
     raw[-1] ^= 0xFF
     shard.write_bytes(bytes(raw))
     prefix = str(next(cache.glob("*.bin")))[:-4]
+    shutil.copy(prefix + ".bin", root / "empty_idx.bin")  # a 0-byte .idx and no .json
+    (root / "empty_idx.idx").write_bytes(b"")
     configs = {}
     for name, content in {"missing.yaml": None, "bad.yaml": "seq_len: [1, 2\n",
                           "bad.json": "{\"seq_len\": 32,}", "list.yaml": "- 1\n- 2\n",
@@ -191,6 +193,13 @@ TRAIN = [
     (["--data", "{prefix.bin}"], "; pass the prefix without .bin: --data "),
     (["--data", "{cache}"], "is a directory of tokenized datasets; pass a dataset's prefix"),
     (["--data", "{ckpt}"], "is a megapar checkpoint, not data; pass it to --load"),
+    # an empty .idx is what is wrong, not the .json a megapar index would need
+    (["--data", "{empty_idx}"], ("empty_idx.idx is empty (0 bytes): not a megapar or "
+                                 "Megatron-LM index")),
+    # an empty path would log nothing (or save nothing) without a word
+    (["--log-json", ""], "--log-json '' is an empty path"),
+    (["--tensorboard", ""], "--tensorboard '' is an empty path"),
+    (["--save", ""], "--save '' is an empty path"),
 ]
 
 
@@ -205,6 +214,7 @@ def _fill(argv, env):
              "ckpt/typo": env["ckpt"] + "/typo", "too_many": TOO_MANY,
              "pickled_hf": str(env["root"] / "pickled_hf"),
              "prefix.bin": env["prefix"] + ".bin", "cache": str(env["root"] / "cache"),
+             "empty_idx": str(env["root"] / "empty_idx"),
              **{f"ids:{k}": str(v) for k, v in env["ids"].items()}}
     return [names[a[1:-1]] if a.startswith("{") else a for a in argv]
 
@@ -254,7 +264,9 @@ EVAL = [
     (["--load", "{corrupt}", "--data", "{prefix}", "--seq-len", "16"], "checksum mismatch"),
     (["--load", "{pickled_hf}", "--data", "{prefix}", "--seq-len", "16"],
      "holds a Hugging Face model (config.json), not a megapar checkpoint; import it with "
-     "--from-hf"),
+     "megapar-convert --from-hf"),
+    (["--load", "{ckpt}", "--data", "{empty_idx}", "--seq-len", "16"],
+     "empty_idx.idx is empty (0 bytes): not a megapar or Megatron-LM index"),
     (["--load", "{ckpt}", "--input-ids", "{ids:float}", "--save-logits", "out.npy"],
      "holds float64 values; token ids must be integers"),
     (["--load", "{ckpt}", "--input-ids", "{ids:flat}", "--save-logits", "out.npy"],
@@ -407,3 +419,59 @@ def test_megapar_data(tmp_path, flags, message, capsys, monkeypatch):
     line = _one_line(capsys, "megapar-data")
     assert message in line, line
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*"))
+
+
+# --- a damaged tokenizer file: one line naming the file, in every command that takes one ------
+def _broken_tokenizers(root: Path) -> dict[str, Path]:
+    """A truncated tokenizer.json, a tokenizer.json with a truncated tokenizer_config.json, and
+    GPT-2 vocab.json + merges.txt directories whose merges.txt / vocab.json is damaged."""
+    from megapar.data import load_tokenizer
+
+    made = {name: root / name for name in ("truncated", "bad_merges", "bad_vocab", "bad_config")}
+    for path in made.values():
+        path.mkdir(exist_ok=True)
+    whole = load_tokenizer("gpt2")._backend.to_str()
+    (made["truncated"] / "tokenizer.json").write_text(whole[:len(whole) // 2])
+    (made["bad_config"] / "tokenizer.json").write_text(whole)
+    (made["bad_config"] / "tokenizer_config.json").write_text('{"eos_token": ')
+    vocab, merges = Path(asset_path("gpt2_vocab.json")), Path(asset_path("gpt2_merges.txt"))
+    (made["bad_merges"] / "vocab.json").write_bytes(vocab.read_bytes())
+    (made["bad_merges"] / "merges.txt").write_text("#version: 0.2\nnot a merge line at all\n")
+    (made["bad_vocab"] / "vocab.json").write_bytes(vocab.read_bytes()[:300])
+    (made["bad_vocab"] / "merges.txt").write_bytes(merges.read_bytes())
+    return made
+
+
+BROKEN = [("truncated", "tokenizer.json"), ("bad_merges", "merges.txt"),
+          ("bad_vocab", "vocab.json"), ("bad_config", "tokenizer_config.json")]
+
+
+@pytest.mark.parametrize("tool", ["megapar-data", "megapar-train", "megapar-convert",
+                                  "megapar-eval"])
+@pytest.mark.parametrize("broken, culprit", BROKEN, ids=[b for b, _ in BROKEN])
+def test_a_damaged_tokenizer_file_is_one_line_naming_it(tool, broken, culprit, env, no_workers,
+                                                        capsys, tmp_path):
+    from megapar.cli.convert import main as convert
+    from megapar.cli.data import main as data
+
+    spec = str(_broken_tokenizers(tmp_path)[broken])
+    text = str(env["root"] / "text.txt")
+    if tool == "megapar-data":
+        rc = data(["--input", text, "--output-prefix", str(tmp_path / "out" / "x"),
+                   "--tokenizer", spec])
+    elif tool == "megapar-train":
+        rc = train(["--data", text, "--data-cache", str(tmp_path / "cache"), "--tokenizer",
+                    spec, "--model", "gpt2-tiny", "--no-progress"])
+    elif tool == "megapar-convert":
+        rc = convert([env["ckpt"], "--to-hf", str(tmp_path / "hf"), "--tokenizer", spec])
+    else:  # a Megatron-LM dataset without megapar's .json takes its tokenizer from --tokenizer
+        prefix = str(tmp_path / "mt")
+        assert data(["--input", text, "--output-prefix", prefix, "--format", "megatron",
+                     "--tokenizer", "sentencepiece", "--no-progress"]) == 0
+        Path(prefix + ".json").unlink()
+        capsys.readouterr()
+        rc = evaluate(["--load", env["ckpt"], "--data", prefix, "--seq-len", "16",
+                       "--tokenizer", spec])
+    line = _one_line(capsys, tool)
+    assert rc == 2 and f"{spec}/{culprit}" in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()

@@ -105,6 +105,30 @@ def test_truncated_idx_names_the_file_and_the_fix(dataset, size):
     assert ("truncated" in msg or "not a megapar index" in msg) and f"{size} bytes" in msg
 
 
+@pytest.mark.parametrize("size", [0, 5])
+def test_an_idx_too_short_for_any_magic_is_named_not_a_missing_json(tmp_path, size):
+    """A Megatron-LM dataset has no megapar .json: its .idx cut to nothing is what is wrong."""
+    (tmp_path / "t.txt").write_text(TEXT)
+    prefix = str(tmp_path / "mt")
+    assert data_main(["--input", str(tmp_path / "t.txt"), "--output-prefix", prefix,
+                      "--split-lines", "--format", "megatron", "--no-progress"]) == 0
+    Path(prefix + ".json").unlink()
+    Path(prefix + ".idx").write_bytes(Path(prefix + ".idx").read_bytes()[:size])
+    with pytest.raises(ValueError) as e:
+        IndexedDataset(prefix, "gpt2")
+    msg = str(e.value)
+    assert f"{prefix}.idx is " in msg and f"({size} bytes)" in msg and ".json" not in msg, msg
+
+
+def test_a_garbage_parquet_file_is_named(tmp_path, capsys):
+    bad = tmp_path / "rows.parquet"
+    bad.write_bytes(b"PAR1 this is not a parquet file at all " * 20)
+    assert data_main(["--input", str(bad), "--output-prefix", str(tmp_path / "out"),
+                      "--no-progress"]) == 2
+    _one_line_error(capsys, f"{bad} is not a readable parquet file")
+    assert not list(tmp_path.glob("out*"))
+
+
 @pytest.mark.parametrize("size", [5, 20, 40, 100])
 def test_truncated_megatron_idx_names_the_file_and_the_fix(tmp_path, size):
     (tmp_path / "t.txt").write_text(TEXT)

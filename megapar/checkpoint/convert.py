@@ -42,6 +42,7 @@ from megapar.checkpoint.manifest import verify, write_manifest
 from megapar.checkpoint.publish import resolve_checkpoint, set_latest
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import load_tokenizer, tokenizer_files
+from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.mesh import Layout, LayoutError, Mesh
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
 from megapar.pipeline.partition import build_stage
@@ -132,7 +133,8 @@ def write_checkpoint(dst, step: int, layout: Layout, config, meta: dict,
     dst = Path(dst)
     _refuse_existing(dst, overwrite)
     check_output(dst)
-    tmp = staging_dir(dst.parent, f".{dst.name}.tmp-")
+    remove_stale_temporaries(dst.parent, f".{dst.name}.tmp-")  # of a conversion killed -9
+    tmp = staging_dir(dst.parent, f".{dst.name}.tmp-{owner_tag()}-")
     writers: dict[tuple[int, int], ShardWriter] = {}
     try:
         step_dir = tmp / step_dir_name(step)

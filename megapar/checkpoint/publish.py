@@ -196,6 +196,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return newest
     if (path / "config.json").exists():
         raise CheckpointError(f"{path} holds a Hugging Face model (config.json), not a megapar "
-                              f"checkpoint; import it with --from-hf {path}")
+                              f"checkpoint; import it with megapar-convert --from-hf {path} "
+                              f"CKPT_DIR (or train from it: megapar-train --from-hf {path})")
     raise CheckpointError(f"{path}: neither a checkpoint step directory (no {MANIFEST}) nor a "
                           f"checkpoint root (no {LATEST} file); was the save interrupted?")

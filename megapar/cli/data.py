@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from typing import Sequence
 
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-invalid-utf8", action="store_true",
                    help="replace bytes that are not valid UTF-8 with U+FFFD even when they are "
                         "more than 0.1%% of a file (default: such a file is refused as not text)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing PREFIX.bin/.idx/.json (and the tokenizer a "
+                        "--train-tokenizer run writes); without it they are refused")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -94,8 +98,49 @@ def check_flags(args: argparse.Namespace) -> None:
                          f"(e.g. --vocab-size 8000)")
 
 
+def outputs(args: argparse.Namespace) -> list[str]:
+    """The paths a run writes: PREFIX.bin/.idx/.json, and the tokenizer it trains (PREFIX.model,
+    or the directory PREFIX-tokenizer)."""
+    prefix = args.output_prefix
+    paths = [prefix + ext for ext in (".bin", ".idx", ".json")]
+    if args.train_tokenizer == "bpe":
+        paths.append(prefix + "-tokenizer")
+    elif args.train_sentencepiece or args.train_tokenizer == "sentencepiece":
+        paths.append(prefix + ".model")
+    return paths
+
+
+def check_overwrite(args: argparse.Namespace) -> None:
+    """Raise ValueError when the run would replace files that exist and --overwrite is not
+    given (as megapar-convert refuses an existing destination)."""
+    existing = [p for p in outputs(args) if os.path.lexists(p)]
+    if existing and not args.overwrite:
+        raise ValueError(f"--output-prefix {args.output_prefix}: {', '.join(existing)} already "
+                         f"exist{'s' if len(existing) == 1 else ''}; pass --overwrite to replace "
+                         f"them, or choose another prefix")
+
+
+def _remove_trained(trained: list[str], replaced: bool, prefix: str) -> str:
+    """Remove the tokenizer this failed run trained; when it replaced one (--overwrite), also
+    the dataset PREFIX.bin/.idx/.json made with the replaced one. Returns a note on that."""
+    for path in trained:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    if not (trained and replaced):
+        return ""
+    gone = [prefix + ext for ext in (".bin", ".idx", ".json") if os.path.exists(prefix + ext)]
+    for path in gone:
+        os.remove(path)
+    return (f" (the earlier {', '.join(gone)}, made with the tokenizer this run replaced, were "
+            f"removed too)") if gone else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit code."""
+    """Entry point; returns the process exit code. A run that fails after training a tokenizer
+    removes it (and nothing else of the destination is touched: the dataset is renamed into
+    place at the end)."""
     args = build_parser().parse_args(argv)
     from megapar.data.indexed import IndexedDataset
     from megapar.data.preprocess import (
@@ -104,12 +149,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         train_sentencepiece,
     )
 
+    trained: list[str] = []  # the tokenizer this run trains, removed again if the run fails
+    replaced = False
     try:
         from megapar.training.validate import check_writable
 
         check_flags(args)
         expand_inputs(args.input)  # a missing input is reported before any training
         check_writable(args.output_prefix, "--output-prefix", kind="file")
+        check_overwrite(args)
+        replaced = any(os.path.lexists(p) for p in outputs(args)[3:])
         tokenizer = args.tokenizer or "gpt2"
         if args.train_tokenizer == "sentencepiece":
             args.train_sentencepiece = True
@@ -126,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             info: dict = {}
             tokenizer = train_bpe((text for text, _ in docs), args.output_prefix + "-tokenizer",
                                   args.vocab_size, info=info)
+            trained.append(tokenizer)
             print(f"trained byte-level BPE {tokenizer}/tokenizer.json", file=sys.stderr)
             got = info.get("vocab_size", args.vocab_size)
             if got < args.vocab_size:
@@ -142,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.input, args.output_prefix, args.vocab_size, model_type=args.sp_model_type,
                 split_paragraphs=args.split_lines, jsonl_key=args.jsonl_key,
             )
+            trained.append(tokenizer)
             print(f"trained SentencePiece model {tokenizer}", file=sys.stderr)
         elif args.vocab_size is not None:
             raise ValueError("--vocab-size only applies with --train-tokenizer / "
@@ -162,8 +213,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"tokenized to no ids (only their end-of-document token was written); "
                   f"tokenizer {tokenizer} may not cover their text", file=sys.stderr)
     except (ValueError, FileNotFoundError) as e:
-        print(f"megapar-data: error: {e}", file=sys.stderr)
+        note = _remove_trained(trained, replaced, args.output_prefix)
+        print(f"megapar-data: error: {e}{note}", file=sys.stderr)
         return 2
+    except BaseException:
+        _remove_trained(trained, replaced, args.output_prefix)
+        raise
     ds = IndexedDataset(prefix)
     print(f"wrote {prefix}.bin/.idx/.json ({args.format} index): {ds.num_docs} documents, "
           f"{ds.num_tokens} tokens "

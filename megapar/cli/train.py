@@ -39,6 +39,7 @@ from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import (
     DataPlan,
     build_datasets,
+    discard_tokenized,
     max_samples,
     prepare_data,
     resolve_model,
@@ -52,6 +53,7 @@ from megapar.training.validate import (
     check_load_path,
     check_outputs,
     check_resumable,
+    check_same_data,
     check_settings,
     checkpoint_manifest,
     explicit,
@@ -152,16 +154,21 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         return layout, plan
     # ids outside the vocabulary: refused at any tp
     IndexedDataset(plan.prefix, cfg.tokenizer).check_vocab(config.vocab_size)
-    train, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
+    try:
+        train, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
+        if len(train) < cfg.global_batch_size:
+            fix = (f"fewer data-parallel ranks (dp {layout.dp} needs {layout.dp} samples)"
+                   if len(train) < layout.dp else "a smaller --global-batch-size")
+            raise ValueError(f"the training split has {len(train)} samples of {cfg.seq_len} "
+                             f"tokens, fewer than one global batch of {cfg.global_batch_size}; "
+                             f"use more data, a shorter --seq-len or {fix}")
+    except ValueError:
+        discard_tokenized(plan)  # too little text to train on: its fresh copy in the cache goes
+        raise
     notes.extend(split_notes)
-    if len(train) < cfg.global_batch_size:
-        fix = (f"fewer data-parallel ranks (dp {layout.dp} needs {layout.dp} samples)"
-               if len(train) < layout.dp else "a smaller --global-batch-size")
-        raise ValueError(f"the training split has {len(train)} samples of {cfg.seq_len} tokens, "
-                         f"fewer than one global batch of {cfg.global_batch_size}; use more data, "
-                         f"a shorter --seq-len or {fix}")
     if manifest is not None:
         check_resumable(cfg, manifest, len(train))
+        check_same_data(cfg, manifest, plan.data_fingerprint)
     return layout, plan
 
 

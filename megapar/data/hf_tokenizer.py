@@ -28,6 +28,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from megapar.data.assets import asset_path
 from megapar.data.tokenizer import PROBE_TEXT, Tokenizer
+from megapar.faults.processes import owner_tag, remove_stale_temporaries
 
 #: End-of-sequence tokens recognised when the directory names none.
 COMMON_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
@@ -45,8 +46,16 @@ def _special_names(directory: str) -> dict[str, str]:
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # config wins
         path = os.path.join(directory, fname)
         if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+            except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+                raise ValueError(f"tokenizer file {path} is not valid JSON ({exc}); save the "
+                                 f"tokenizer again, or pass another --tokenizer") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"tokenizer file {path} holds a JSON "
+                                 f"{type(data).__name__}, not an object of settings; save the "
+                                 f"tokenizer again, or pass another --tokenizer")
             for key in ("bos_token", "eos_token", "pad_token", "cls_token", "sep_token",
                         "mask_token"):
                 if _token(data.get(key)):
@@ -57,7 +66,14 @@ def _special_names(directory: str) -> dict[str, str]:
 def load_hf_tokenizer(directory: str) -> Tokenizer:
     """The tokenizer of a transformers directory with ``tokenizer.json``."""
 
-    backend = HFTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    path = os.path.join(directory, "tokenizer.json")
+    try:
+        backend = HFTokenizer.from_file(path)
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        raise ValueError(f"tokenizer file {path} is damaged or not a tokenizers file "
+                         f"(tokenizers: {' '.join(str(exc).split())[:200]}); save the tokenizer "
+                         f"again (AutoTokenizer.from_pretrained(...).save_pretrained(DIR)), or "
+                         f"pass another --tokenizer") from None
     size = backend.get_vocab_size(with_added_tokens=True)
     names = _special_names(directory)
 
@@ -129,7 +145,9 @@ def train_bpe(texts: Iterable[str], out_dir: str, vocab_size: int,
     out_dir = os.fspath(out_dir)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    staging = f".{os.path.basename(out_dir)}.tmp-"
+    remove_stale_temporaries(parent, staging)  # a run killed with -9 while writing it
+    tmp = tempfile.mkdtemp(prefix=f"{staging}{owner_tag()}-", dir=parent)
     try:
         tok.save(os.path.join(tmp, "tokenizer.json"))
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token,

@@ -21,6 +21,7 @@ the ``.idx``. A Megatron dataset made by Megatron-LM / NeMo has no ``.json``: it
 from __future__ import annotations
 
 import array
+import hashlib
 import json
 import os
 import uuid
@@ -30,6 +31,7 @@ import numpy as np
 
 from megapar.data import megatron
 from megapar.data.tokenizers import load_tokenizer
+from megapar.faults.processes import owner_tag, remove_stale_temporaries
 
 IDX_MAGIC = b"MPIDX\x00\x00\x01"
 FORMAT_NAME = "megapar-indexed"
@@ -43,7 +45,15 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 
 
 def _tmp_name(path: str) -> str:
-    return f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """A temporary name beside `path`, ``path.tmp-PID-HOST-<random>`` (`owner_tag`)."""
+    return f"{path}.tmp-{owner_tag()}-{uuid.uuid4().hex[:8]}"
+
+
+def remove_stale_tmps(path: str) -> list[str]:
+    """Remove the ``path.tmp-*`` files of writers of this host that are gone (killed with -9
+    while writing `path`); a live writer's are kept. Returns the names removed."""
+    return remove_stale_temporaries(os.path.dirname(os.path.abspath(path)),
+                                    os.path.basename(path) + ".tmp-")
 
 
 def _missing_error(prefix: str, what: str) -> FileNotFoundError:
@@ -51,6 +61,20 @@ def _missing_error(prefix: str, what: str) -> FileNotFoundError:
         f"dataset prefix {prefix}: {prefix}{what} not found; create it with "
         f"`megapar-data --input TEXT_FILES --output-prefix {prefix} --tokenizer gpt2`"
     )
+
+
+def check_index_magic(path: str) -> None:
+    """Raise ValueError naming `path` when it starts with neither megapar's nor Megatron-LM's
+    magic (empty, cut short, another file): a dataset without its ``.json`` is then reported
+    for its ``.idx``, not for the ``.json`` that only a megapar index needs."""
+    with open(path, "rb") as f:
+        head = f.read(max(len(IDX_MAGIC), len(megatron.MAGIC)))
+    if head.startswith((IDX_MAGIC, megatron.MAGIC)):
+        return
+    size = os.path.getsize(path)
+    what = "is empty (0 bytes)" if size == 0 else f"is truncated or another file ({size:,} bytes)"
+    raise ValueError(f"{path} {what}: not a megapar or Megatron-LM index; re-create the dataset "
+                     f"with megapar-data (or copy its .idx again)")
 
 
 class IndexedDatasetBuilder:
@@ -72,6 +96,8 @@ class IndexedDatasetBuilder:
             megatron.dtype_for_vocab(self.vocab_size)
         parent = os.path.dirname(os.path.abspath(self.prefix))
         os.makedirs(parent, exist_ok=True)
+        for ext in (".bin", ".idx", ".json"):  # the leftovers of a writer killed before us
+            remove_stale_tmps(self.prefix + ext)
         self._bin_tmp = _tmp_name(self.prefix + ".bin")
         self._bin = open(self._bin_tmp, "wb")
         self._offsets = array.array("q", [0])  # 8 bytes per document, not a Python int
@@ -210,6 +236,8 @@ class IndexedDataset:
 
     def __init__(self, prefix: str | os.PathLike, tokenizer: Any = None):
         prefix = os.fspath(prefix)
+        if os.path.isfile(prefix + ".idx") and not os.path.isfile(prefix + ".json"):
+            check_index_magic(prefix + ".idx")
         megatron_index = os.path.isfile(prefix + ".idx") and \
             megatron.is_megatron_index(prefix + ".idx")
         for ext in (".bin", ".idx") if megatron_index else (".json", ".bin", ".idx"):
@@ -281,6 +309,29 @@ class IndexedDataset:
     #: Datasets up to this many tokens are scanned for their largest id (exact even if the .bin
     #: was edited); larger ones trust the ``max_id`` recorded at preprocessing.
     SCAN_LIMIT = 1 << 28
+
+    #: A dataset of up to this many tokens (or documents) is fingerprinted whole; beyond, by
+    #: `FINGERPRINT_BLOCKS` blocks of `FINGERPRINT_BLOCK` ids spread evenly over it.
+    FINGERPRINT_WHOLE = 1 << 22
+    FINGERPRINT_BLOCKS = 256
+    FINGERPRINT_BLOCK = 4096
+
+    def fingerprint(self) -> str:
+        """A cheap digest of the dataset's content (hex SHA-256 of its document boundaries and
+        token ids), the same whatever the index format (megapar's or Megatron-LM's), the .bin's
+        dtype or where the files are. Up to `FINGERPRINT_WHOLE` tokens every id is hashed; a
+        larger dataset reads `FINGERPRINT_BLOCKS` x `FINGERPRINT_BLOCK` ids of its tokens (and of
+        its document offsets): 256 short reads, milliseconds for 100 GB, so a change outside
+        those blocks goes unseen."""
+        h = hashlib.sha256(np.asarray([self.num_docs, self.num_tokens], "<i8").tobytes())
+        for values in (self.doc_offsets, self.tokens):
+            n, block = len(values), self.FINGERPRINT_BLOCK
+            if n <= self.FINGERPRINT_WHOLE:
+                h.update(np.asarray(values, dtype="<i8").tobytes())
+                continue
+            for start in np.linspace(0, n - block, self.FINGERPRINT_BLOCKS).astype(np.int64):
+                h.update(np.asarray(values[start:start + block], dtype="<i8").tobytes())
+        return h.hexdigest()
 
     def max_id(self) -> int:
         """The largest token id in the dataset (-1 when empty)."""

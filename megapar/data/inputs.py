@@ -143,9 +143,15 @@ def _json_array_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
 
 
 def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    file = pq.ParquetFile(path)
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"{path} is not a readable parquet file ({' '.join(str(exc).split())}"
+                         f"); check the file (truncated or another format?), or leave it "
+                         f"out") from None
     if key not in file.schema_arrow.names:
         raise ValueError(f"{path}: no column {key!r} (columns: {file.schema_arrow.names}); "
                          f"pass --jsonl-key COLUMN")
@@ -154,7 +160,16 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
         raise ValueError(f"{path}: column {key!r} holds {kind}, not text; pass --jsonl-key "
                          f"naming the text column")
     size = os.path.getsize(path) / max(1, file.metadata.num_rows)
-    for batch in file.iter_batches(columns=[key], batch_size=1024):
+    batches = file.iter_batches(columns=[key], batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as exc:  # a damaged page further in
+            raise ValueError(f"{path} is not a readable parquet file "
+                             f"({' '.join(str(exc).split())}); check the file (truncated?), "
+                             f"or leave it out") from None
+        if batch is None:
+            return
         for text in batch.column(0).to_pylist():
             if isinstance(text, str) and text.strip():
                 yield text, int(size)

@@ -32,7 +32,16 @@ __all__ = ["APPENDED_ORDER", "PROBE_TEXT", "SpecialTokens", "Tokenizer", "asset_
 
 
 def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
-    backend = HFTokenizer(models.BPE.from_file(vocab, merges))
+    try:
+        model = models.BPE.from_file(vocab, merges)
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        message = " ".join(str(exc).split())
+        culprit = merges if "Merges" in message or "out of vocabulary" in message else vocab
+        raise ValueError(f"tokenizer file {culprit} is damaged or not a GPT-2 "
+                         f"{os.path.basename(culprit)} (tokenizers: {message[:200]}); copy the "
+                         f"complete vocab.json and merges.txt there, or pass another "
+                         f"--tokenizer") from None
+    backend = HFTokenizer(model)
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     size = backend.get_vocab_size()

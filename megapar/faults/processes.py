@@ -1,15 +1,20 @@
-"""Whether a process is alive, and workers that die with their launcher.
+"""Whether a process is alive, workers that die with their launcher, and the temporaries of
+writers that died.
 
 One answer to "is that process still there?" for everything that must tell a live owner from a
 dead one: the save-directory lock, the leftovers of a crashed save, the stack directories of a
-launcher killed with -9, a stopped worker.
+launcher killed with -9, a stopped worker, the temporary files and staging directories of a
+writer killed with -9 (`owner_tag`, `remove_stale_temporaries`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
+import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -80,3 +85,43 @@ def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
 def launcher_alive() -> bool:
     """False once the launcher that started this worker has gone (True when there is none)."""
     return _launcher_pid is None or os.getppid() == _launcher_pid
+
+
+def _host() -> str:
+    """This host's name with every character but letters, digits and dots made ``_`` (so a
+    name holding it splits at its dashes unambiguously)."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+
+
+def owner_tag() -> str:
+    """``PID-HOST`` of this process, put after ``.tmp-`` in the names of its temporary files
+    and staging directories, so a later writer to the same destination can tell a dead one's
+    leftovers from a live one's (`remove_stale_temporaries`)."""
+    return f"{os.getpid()}-{_host()}"
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, prefix: str) -> list[str]:
+    """Remove the entries ``directory/{prefix}PID-HOST-...`` (files or directories, named with
+    `owner_tag`) whose writer was a process of this host that is gone (killed with -9, say).
+    A live writer's (another run writing the same destination now), another host's (a shared
+    file system) and names without a tag are kept. Returns the names removed."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    mine, removed = f"-{_host()}-", []
+    for name in names:
+        match = re.match(r"(\d+)(-.*)", name[len(prefix):]) if name.startswith(prefix) else None
+        if match is None or not match.group(2).startswith(mine) or \
+                pid_alive(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.remove(path)
+            except OSError:  # gone already (another run cleaned it), or not ours to remove
+                continue
+        removed.append(name)
+    return removed

@@ -64,6 +64,8 @@ class TrainConfig:
     """Sequences per micro-batch."""
     global_batch_size: int = 16
     """Sequences per optimizer step (micro-batch size x micro-batches x dp). Not given, it shrinks to what a small dataset holds (with a note)."""
+    allow_data_change: bool = False
+    """With --load: continue on --data whose content differs from what the checkpoint trained on (its recorded fingerprint), on purpose; without it such a resume is refused."""
     # --- pipeline / memory ---
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved (needs --virtual-stages >= 2) or zb-h1 (zero bubble)."""

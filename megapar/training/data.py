@@ -10,7 +10,7 @@ sizes, and `prepare_data` tokenizes raw text into the cache. Workers then call
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from megapar.data import (
     load_tokenizer,
 )
 from megapar.data.blended import BlendedDataset, data_paths, parse_blend
+from megapar.data.indexed import check_index_magic
 from megapar.data.inputs import expand_inputs, is_raw_text
 from megapar.data.megatron import is_megatron_index
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
@@ -54,18 +55,32 @@ class DataPlan:
     """Tokenized dataset prefix (PREFIX.bin / .idx / .json); None for a dry run without data."""
     model_config: dict
     """The model config (a dict with model_type), vocab size matched to the tokenizer."""
+    tokenized: list[str] = field(default_factory=list)
+    """Prefixes this run tokenized into --data-cache (`discard_tokenized` removes them when the
+    run is refused for too little text)."""
+    data_fingerprint: list[str] | None = None
+    """Each --data part's `IndexedDataset.fingerprint`, recorded in checkpoints: a resume on
+    other content is refused (`check_same_data`). None for a dry run without data."""
 
 
-def resolve_data_prefix(cfg: TrainConfig, notes: list[str] | None = None) -> str:
-    """The dataset prefix for --data: tokenizing raw text (or the shipped sample) if needed.
+def resolve_data_prefix(cfg: TrainConfig, notes: list[str] | None = None,
+                        tokenized: list[str] | None = None,
+                        fingerprints: list[str] | None = None) -> str:
+    """The dataset prefix for --data: tokenizing raw text (or the shipped sample) if needed
+    (the prefixes tokenized now are appended to `tokenized`, every part's fingerprint to
+    `fingerprints`).
 
     For a blend, every part is resolved and checked to share one tokenizer; the first
     part's prefix is returned (it stands for the vocabulary)."""
 
-    prefixes = [_resolve_one(cfg, p, notes) for p in data_paths(cfg.data)]
+    prefixes = [_resolve_one(cfg, p, notes, tokenized) for p in data_paths(cfg.data)]
     first = IndexedDataset(prefixes[0], cfg.tokenizer)
+    if fingerprints is not None:
+        fingerprints.append(first.fingerprint())
     for prefix in prefixes[1:]:
         other = IndexedDataset(prefix, cfg.tokenizer)
+        if fingerprints is not None:
+            fingerprints.append(other.fingerprint())
         if (other.vocab_size, other.eod_id) != (first.vocab_size, first.eod_id):
             raise ValueError(f"--data blend: {prefix} (vocab {other.vocab_size}, eod "
                              f"{other.eod_id}) and {prefixes[0]} (vocab {first.vocab_size}, eod "
@@ -74,14 +89,18 @@ def resolve_data_prefix(cfg: TrainConfig, notes: list[str] | None = None) -> str
     return prefixes[0]
 
 
-def _resolve_one(cfg: TrainConfig, data: str | None, notes: list[str] | None = None) -> str:
+def _resolve_one(cfg: TrainConfig, data: str | None, notes: list[str] | None = None,
+                 tokenized: list[str] | None = None) -> str:
     data = _text_or_prefix(cfg, data)
     if is_raw_text(data):
         report: dict = {}  # invalid UTF-8 bytes replaced, per file (above 0.1 %: an error)
+        stats: dict = {}  # filled only when the text is tokenized now
         prefix = ensure_dataset(data, cfg.tokenizer, os.path.expanduser(cfg.data_cache),
                                 split_paragraphs=True, progress=cfg.progress, report=report,
                                 jsonl_key=cfg.jsonl_key,
-                                allow_invalid_utf8=cfg.allow_invalid_utf8)
+                                allow_invalid_utf8=cfg.allow_invalid_utf8, stats=stats)
+        if stats and tokenized is not None:
+            tokenized.append(prefix)
         if notes is not None:
             notes.extend(f"warning: {path}: {n:,} bytes of invalid UTF-8 replaced with U+FFFD"
                          for path, n in report.items())
@@ -127,7 +146,10 @@ def _refuse_what_is_not_text(path: str) -> None:
 
 
 def missing_files(prefix: str) -> list[str]:
-    """The files of dataset `prefix` that are not there (a Megatron-LM index needs no .json)."""
+    """The files of dataset `prefix` that are not there (a Megatron-LM index needs no .json).
+    Raises ValueError for an .idx without .json that is neither index (empty, cut short)."""
+    if os.path.isfile(prefix + ".idx") and not os.path.exists(prefix + ".json"):
+        check_index_magic(prefix + ".idx")
     needed = (".bin", ".idx") if is_megatron(prefix) else (".bin", ".idx", ".json")
     return [prefix + ext for ext in needed if not os.path.exists(prefix + ext)]
 
@@ -292,8 +314,22 @@ def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
     `resolve_model`'s). A dry run without its data here has no prefix."""
     if config is None:
         config = resolve_model(cfg, notes, manifest)
-    prefix = None if _dry_run_without_data(cfg) else resolve_data_prefix(cfg, notes)
-    return DataPlan(prefix=prefix, model_config=config.to_dict())
+    tokenized: list[str] = []
+    fingerprints: list[str] = []
+    prefix = None if _dry_run_without_data(cfg) else \
+        resolve_data_prefix(cfg, notes, tokenized, fingerprints)
+    return DataPlan(prefix=prefix, model_config=config.to_dict(), tokenized=tokenized,
+                    data_fingerprint=fingerprints if prefix is not None else None)
+
+
+def discard_tokenized(plan: DataPlan) -> None:
+    """Remove the datasets this run tokenized into --data-cache (a text refused as too small
+    to train on leaves no cache behind; one tokenized by an earlier run is kept)."""
+    for prefix in plan.tokenized:
+        for ext in (".bin", ".idx", ".json"):
+            if os.path.exists(prefix + ext):
+                os.remove(prefix + ext)
+    plan.tokenized.clear()
 
 
 def _dry_run_without_data(cfg: TrainConfig) -> str | None:

@@ -54,6 +54,34 @@ def wandb_mode(timeout_s: float = 2.0) -> tuple[str, str]:
     return "offline", "no W&B credentials (wandb login); sync later with `wandb sync`"
 
 
+def keep_records_up_to(path: str, step: int) -> None:
+    """Drop the records of steps after `step` from a --log-json file (a run resumed from the
+    checkpoint of `step` trains them again, so each step is logged once), and a last line cut
+    short by a crash; other lines are kept. The file is replaced atomically; a missing one is
+    left missing."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return
+
+    def later(line: str) -> bool:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return not line.endswith("\n")  # only the last line can lack one: cut short
+        return isinstance(record, dict) and isinstance(record.get("step"), int) \
+            and record["step"] > step
+
+    kept = [line for line in lines if not later(line)]
+    if len(kept) == len(lines):
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
 class NullLogger:
     def log(self, step: int, metrics: dict) -> None: ...
     def message(self, text: str) -> None: ...
@@ -70,9 +98,11 @@ class MetricsLogger(NullLogger):
             self.bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train",
                             dynamic_ncols=True, file=sys.stderr)
         self.json = None
-        if cfg.log_json:
+        if cfg.log_json:  # a fresh run starts the file, a resumed one continues it
             Path(cfg.log_json).parent.mkdir(parents=True, exist_ok=True)
-            self.json = open(cfg.log_json, "a", buffering=1)
+            if start_step > 0:
+                keep_records_up_to(cfg.log_json, start_step)
+            self.json = open(cfg.log_json, "a" if start_step > 0 else "w", buffering=1)
         self.tb = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -83,6 +83,7 @@ class Trainer:
         self.model, self.executor, self.precision = engine.model, engine.executor, engine.precision
         self.optimizer, self.scheduler = engine.optimizer, engine.scheduler
         self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
+        self.data_fingerprint = plan.data_fingerprint  # recorded in checkpoints
 
         # checkpoints record the data's tokenizer, so megapar-convert --to-hf exports it
         engine.tokenizer = recorded_tokenizer(IndexedDataset(plan.prefix,
@@ -154,7 +155,8 @@ class Trainer:
                                  f"written (the last one, if any, is intact)")
         return self.engine.save(self.cfg.save, {
             "consumed_samples": self.sampler.consumed_samples,
-            "sampler": self.sampler.state_dict()})
+            "sampler": self.sampler.state_dict(),
+            **({"data_fingerprint": self.data_fingerprint} if self.data_fingerprint else {})})
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

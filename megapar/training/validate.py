@@ -11,8 +11,9 @@ exit code 2 instead of N tracebacks after the workers started:
   (a missing or empty directory starts fresh: a requeued job).
 - `checkpoint_manifest(path)`: a --load checkpoint exists, is complete and intact (sizes and
   sha256 of every file), read once here.
-- `settings_from_checkpoint` / `check_resumable`: `--load CKPT` alone resumes its run; a
-  setting that breaks the checkpoint's data order is reported.
+- `settings_from_checkpoint` / `check_resumable` / `check_same_data`: `--load CKPT` alone
+  resumes its run; a setting that breaks the checkpoint's data order, or data whose content
+  changed since, is reported.
 - megapar-eval's and megapar-bubble's checks are in validate_tools.py.
 
 Unexpected errors in running workers are failures.py's.
@@ -68,6 +69,9 @@ _RULES = [
 ]
 
 
+_EXAMPLE_PATHS = {"save": "ckpt", "log_json": "run.jsonl", "tensorboard": "tb"}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -102,6 +106,10 @@ def check_settings(cfg) -> None:
                                                               default == off[0][0] else hint)
             raise UsageError(f"{_flag(name)} {value} is invalid: it must be {what} {bound}{hint}")
 
+    for name in ("save", "log_json", "tensorboard"):  # "" would silently write nothing
+        if getattr(cfg, name) == "":
+            raise UsageError(f"{_flag(name)} '' is an empty path: give a path (e.g. "
+                             f"{_flag(name)} {_EXAMPLE_PATHS[name]}), or leave the flag out")
     for name, allowed in _choices().items():
         if getattr(cfg, name) not in allowed:
             raise UsageError(f"{_flag(name)} {getattr(cfg, name)!r} is invalid: choose one of "
@@ -269,7 +277,8 @@ NOT_INHERITED = {
     "tp", "cp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
     "sequence_parallel", "recompute", "zero", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
-    "model", "from_hf", "load", "load_strict", "save", "data_cache", "log_json", "tensorboard",
+    "model", "from_hf", "load", "load_strict", "allow_data_change", "save", "data_cache",
+    "log_json", "tensorboard",
     "wandb_project", "progress", "debug", "timeout_s", "nccl_timeout_s", "peak_tflops",
     "profile_steps",
     "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval",
@@ -324,6 +333,24 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
         raise UsageError(f"--load {cfg.load} cannot continue its data order: {shown}; resume "
                          f"with the --data, --seq-len, --val-fraction, --global-batch-size and "
                          f"--seed it was saved with (left out, they are the checkpoint's)")
+
+
+def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None:
+    """The checkpoint trained on the content --data holds now: each part's fingerprint (see
+    `IndexedDataset.fingerprint`) is the one the checkpoint recorded, unless
+    --allow-data-change. A checkpoint that recorded none (older, or from the Python API) is not
+    checked."""
+    saved = (manifest.get("meta") or {}).get("data_fingerprint")
+    if not saved or fingerprints is None or saved == fingerprints or cfg.allow_data_change:
+        return
+    paths = [p if p is not None else "(the shipped sample)" for p in data_paths(cfg.data)]
+    changed = [str(p) for p, a, b in zip(paths, saved, fingerprints) if a != b] or \
+        [str(p) for p in paths]
+    shown = " ".join(str(p) for p in paths)
+    raise UsageError(f"--load {cfg.load} trained on other tokens than --data {shown} holds now: "
+                     f"the content of {', '.join(changed)} changed since the checkpoint was "
+                     f"saved (its fingerprint differs); resume with the data it trained on, or "
+                     f"pass --allow-data-change to continue on this data on purpose")
 
 
 def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: str = ""):

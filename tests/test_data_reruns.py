@@ -1,0 +1,292 @@
+"""A run to a destination that an earlier run wrote (or left behind): megapar-data's output
+prefix, megapar-train's data cache and --log-json, the temporaries of a killed writer, and a
+checkpoint resumed on data that changed since."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megapar.cli.data import main as data
+from megapar.cli.train import main as train
+from megapar.data import asset_path
+from megapar.data.preprocess import ensure_dataset
+
+TEXT = Path(asset_path("shakespeare_sample.txt")).read_text()
+TINY = ["--model", "gpt2-tiny", "--tokenizer", "sentencepiece", "--seq-len", "32",
+        "--micro-batch-size", "2", "--log-interval", "1", "--eval-interval", "0",
+        "--no-progress", "--warmup-steps", "0"]
+"""A tiny run; its global batch, not given, shrinks to what the data holds."""
+
+
+def _one_line(capsys, prog: str) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith(f"{prog}: error: "), err
+    return lines[-1]
+
+
+def _outputs(prefix) -> dict[str, bytes]:
+    return {ext: Path(f"{prefix}{ext}").read_bytes() for ext in (".bin", ".idx", ".json")}
+
+
+# --- megapar-data: an existing output prefix ----------------------------------------------------
+def test_megapar_data_refuses_an_existing_prefix_unless_overwrite(tmp_path, capsys):
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text(TEXT[:3000])
+    second.write_text(TEXT[3000:9000])
+    prefix = tmp_path / "out" / "d"
+    common = ["--output-prefix", str(prefix), "--tokenizer", "sentencepiece", "--no-progress"]
+    assert data(["--input", str(first), *common]) == 0
+    before = _outputs(prefix)
+    capsys.readouterr()
+    assert data(["--input", str(second), *common]) == 2
+    line = _one_line(capsys, "megapar-data")
+    assert f"{prefix}.bin" in line and "pass --overwrite" in line, line
+    assert _outputs(prefix) == before  # untouched
+    assert data(["--input", str(second), *common, "--overwrite"]) == 0
+    after = _outputs(prefix)
+    assert after[".bin"] != before[".bin"] and len(after[".bin"]) > len(before[".bin"])
+
+
+def test_megapar_data_refuses_an_existing_trained_tokenizer(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text(TEXT[:3000])
+    prefix = tmp_path / "bpe"
+    (tmp_path / "bpe-tokenizer").mkdir()  # an earlier --train-tokenizer bpe's
+    assert data(["--input", str(tmp_path / "a.txt"), "--output-prefix", str(prefix),
+                 "--train-tokenizer", "bpe", "--vocab-size", "300", "--no-progress"]) == 2
+    line = _one_line(capsys, "megapar-data")
+    assert "bpe-tokenizer" in line and "pass --overwrite" in line, line
+    assert not list(tmp_path.glob("bpe.*"))
+
+
+def test_a_refused_run_leaves_no_tokenizer_it_trained(tmp_path, capsys):
+    """Whitespace trains a byte-level BPE, then gives no document to write: refused, and the
+    tokenizer trained for it goes too (a rerun would otherwise be refused as overwriting)."""
+    (tmp_path / "blank.txt").write_text("   \n\n  \n")
+    assert data(["--input", str(tmp_path / "blank.txt"), "--output-prefix",
+                 str(tmp_path / "out" / "d"), "--train-tokenizer", "bpe", "--vocab-size", "300",
+                 "--no-progress"]) == 2
+    assert "no text in" in _one_line(capsys, "megapar-data")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("failure", [ValueError("a bad document"), KeyboardInterrupt()],
+                         ids=["error", "interrupt"])
+def test_a_run_that_fails_after_training_sentencepiece_leaves_nothing(tmp_path, monkeypatch,
+                                                                      capsys, failure):
+    from megapar.data import preprocess
+
+    def fail(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(preprocess, "preprocess_files", fail)
+    (tmp_path / "a.txt").write_text(TEXT[:3000])
+    args = ["--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "out" / "d"),
+            "--train-sentencepiece", "--vocab-size", "100", "--no-progress"]
+    if isinstance(failure, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            data(args)
+    else:
+        assert data(args) == 2
+        assert "a bad document" in _one_line(capsys, "megapar-data")
+    assert not list(tmp_path.glob("out/*"))
+
+
+# --- megapar-train: the cache of a text refused as too small ------------------------------------
+def test_a_text_too_small_to_train_on_leaves_no_cache(tmp_path, capsys):
+    tiny, cache = tmp_path / "tiny.txt", tmp_path / "cache"
+    tiny.write_text("Too little text to train on.\n")
+    assert train(["--data", str(tiny), "--data-cache", str(cache), *TINY]) == 2
+    line = _one_line(capsys, "megapar-train")
+    assert "fewer than one window" in line, line
+    assert not list(cache.glob("tiny-*")), list(cache.iterdir())
+
+
+def test_a_cache_made_earlier_is_kept_when_a_run_is_refused(tmp_path, capsys):
+    tiny, cache = tmp_path / "tiny.txt", tmp_path / "cache"
+    tiny.write_text("Too little text to train on.\n")
+    prefix = ensure_dataset(str(tiny), "sentencepiece", str(cache))  # an earlier run's
+    before = _outputs(prefix)
+    assert train(["--data", str(tiny), "--data-cache", str(cache), *TINY]) == 2
+    assert "fewer than one window" in _one_line(capsys, "megapar-train")
+    assert _outputs(prefix) == before
+
+
+# --- --log-json: a fresh run starts the file, a resumed one continues it -----------------------
+def _steps(log: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in log.read_text().splitlines()]
+
+
+def test_log_json_is_restarted_by_a_fresh_run_and_continued_by_a_resume(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:40_000])
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    common = ["--data", str(text), "--data-cache", str(tmp_path / "cache"), *TINY,
+              "--log-json", str(log)]
+    log.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")  # an earlier run's
+    assert train([*common, "--max-steps", "3", "--save", str(ckpt), "--save-interval", "2"]) == 0
+    assert _steps(log) == [1, 2, 3]  # the earlier run's line is gone
+    assert all(json.loads(x)["loss"] != 9.0 for x in log.read_text().splitlines())
+    # resumed from step 2: step 3 of the first run is trained again, so logged once
+    assert train([*common, "--max-steps", "4", "--load", str(ckpt / "step_00000002")]) == 0
+    assert _steps(log) == [1, 2, 3, 4]
+    assert train([*common, "--max-steps", "1"]) == 0  # fresh again
+    assert _steps(log) == [1]
+
+
+def test_a_resume_drops_the_records_it_trains_again_and_a_torn_last_line(tmp_path):
+    from megapar.training.logging import keep_records_up_to
+
+    log = tmp_path / "log.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)]
+    log.write_text("".join(lines) + "not json, kept\n" + '{"step": 5, "lo')
+    keep_records_up_to(str(log), 2)
+    assert log.read_text() == "".join(lines[:2]) + "not json, kept\n"
+    keep_records_up_to(str(tmp_path / "missing.jsonl"), 2)
+    assert not (tmp_path / "missing.jsonl").exists()
+
+
+# --- the temporaries of a writer killed with -9 -------------------------------------------------
+def _dead_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def _host() -> str:
+    import re
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())
+
+
+def test_megapar_data_killed_with_9_leaves_a_temporary_that_the_next_run_removes(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    big = tmp_path / "big.txt"
+    big.write_text(TEXT * max(1, (4 << 20) // len(TEXT)))  # about 4 MB: seconds of tokenizing
+    prefix = tmp_path / "out" / "d"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "megapar.cli.data", "--input", str(big),
+                             "--output-prefix", str(prefix), "--workers", "1", "--no-progress"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("out/d.bin.tmp-*")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "megapar-data never started writing"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    left = list(tmp_path.glob("out/d.bin.tmp-*"))
+    assert left, "killed before writing: nothing to clean"
+    (tmp_path / "small.txt").write_text(TEXT[:3000])
+    assert data(["--input", str(tmp_path / "small.txt"), "--output-prefix", str(prefix),
+                 "--no-progress"]) == 0
+    assert not list(tmp_path.glob("out/*.tmp-*")), list((tmp_path / "out").iterdir())
+
+
+def test_only_the_temporaries_of_dead_writers_of_this_host_are_removed(tmp_path):
+    """A live writer's temporary (another run writing the same prefix now) and another host's
+    (a shared file system) are kept; the cache megapar-train tokenizes into is cleaned too."""
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:3000])
+    prefix = ensure_dataset(str(text), "sentencepiece", str(tmp_path / "cache"))
+    for ext in (".bin", ".idx", ".json"):
+        Path(prefix + ext).unlink()
+    import os
+
+    dead = [f"{prefix}{ext}.tmp-{_dead_pid()}-{_host()}-0123abcd" for ext in (".bin", ".json")]
+    kept = [f"{prefix}.bin.tmp-{os.getpid()}-{_host()}-0123abcd",  # this live process's
+            f"{prefix}.bin.tmp-{_dead_pid()}-another-host-0123abcd"]
+    for path in dead + kept:
+        Path(path).write_bytes(b"partial")
+    assert ensure_dataset(str(text), "sentencepiece", str(tmp_path / "cache")) == prefix
+    assert not any(Path(p).exists() for p in dead)
+    assert all(Path(p).exists() for p in kept)
+
+
+def test_megapar_convert_removes_the_staging_directory_of_a_dead_conversion(tmp_path):
+    import os
+
+    from megapar.cli.convert import main as convert
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:20_000])
+    ckpt, dst = tmp_path / "ckpt", tmp_path / "converted"
+    assert train(["--data", str(text), "--data-cache", str(tmp_path / "cache"), *TINY,
+                  "--max-steps", "1", "--save", str(ckpt)]) == 0
+    dead = tmp_path / f".converted.tmp-{_dead_pid()}-{_host()}-0123456789ab"
+    live = tmp_path / f".converted.tmp-{os.getpid()}-{_host()}-0123456789ab"
+    for staging in (dead, live):
+        (staging / "step_00000001").mkdir(parents=True)
+        (staging / "step_00000001" / "model_tp00_pp00.safetensors").write_bytes(b"x" * 1000)
+    assert convert([str(ckpt), str(dst), "--tp", "1", "--pp", "1", "--no-progress"]) == 0
+    assert not dead.exists() and live.exists()
+    assert [p.name for p in tmp_path.glob(".converted.tmp-*")] == [live.name]
+
+
+# --- a resume on data whose tokens changed in place ----------------------------------------------
+def test_a_resume_on_data_changed_in_place_is_refused_unless_allowed(tmp_path, capsys):
+    import numpy as np
+
+    from megapar.checkpoint.manifest import read_manifest
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:20_000])
+    prefix, megatron = str(tmp_path / "d"), str(tmp_path / "mt")
+    for out, fmt in ((prefix, "megapar"), (megatron, "megatron")):
+        assert data(["--input", str(text), "--output-prefix", out, "--tokenizer",
+                     "sentencepiece", "--split-lines", "--format", fmt, "--no-progress"]) == 0
+    ckpt = tmp_path / "ckpt"
+    common = [*TINY, "--save", str(ckpt), "--global-batch-size", "4"]
+    assert train(["--data", prefix, *common, "--max-steps", "2"]) == 0
+    recorded = read_manifest(ckpt / "step_00000002")["meta"]["data_fingerprint"]
+    assert isinstance(recorded, list) and len(recorded) == 1
+    # the same tokens resume, whatever the index format or the copy
+    assert train(["--data", prefix, *common, "--load", str(ckpt), "--max-steps", "3"]) == 0
+    assert train(["--data", megatron, *common, "--load", str(ckpt), "--max-steps", "4"]) == 0
+    # the same size, other tokens: refused in one line naming the data and the flag
+    tokens = np.fromfile(prefix + ".bin", dtype="<u2")
+    tokens[10:40] = tokens[10:40][::-1].copy()
+    tokens.tofile(prefix + ".bin")
+    capsys.readouterr()
+    assert train(["--data", prefix, *common, "--load", str(ckpt), "--max-steps", "5"]) == 2
+    line = _one_line(capsys, "megapar-train")
+    assert f"--data {prefix}" in line and "changed" in line and "--allow-data-change" in line, line
+    assert train(["--data", prefix, *common, "--load", str(ckpt), "--max-steps", "5",
+                  "--allow-data-change"]) == 0
+    assert read_manifest(ckpt / "step_00000005")["meta"]["data_fingerprint"] != recorded
+
+
+def test_the_fingerprint_of_a_large_dataset_reads_samples_of_it(tmp_path, monkeypatch):
+    import numpy as np
+
+    from megapar.data import IndexedDataset
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:20_000])
+    prefix, megatron = str(tmp_path / "d"), str(tmp_path / "mt")
+    for out, fmt in ((prefix, "megapar"), (megatron, "megatron")):
+        assert data(["--input", str(text), "--output-prefix", out, "--tokenizer",
+                     "sentencepiece", "--split-lines", "--format", fmt, "--no-progress"]) == 0
+    monkeypatch.setattr(IndexedDataset, "FINGERPRINT_WHOLE", 64)  # "large": sampled
+    monkeypatch.setattr(IndexedDataset, "FINGERPRINT_BLOCKS", 4)
+    monkeypatch.setattr(IndexedDataset, "FINGERPRINT_BLOCK", 8)
+    before = IndexedDataset(prefix).fingerprint()
+    assert IndexedDataset(megatron, "sentencepiece").fingerprint() == before
+    tokens = np.fromfile(prefix + ".bin", dtype="<u2")
+    n = len(tokens)
+    first = tokens.copy()
+    first[3] = (first[3] + 1) % 1000  # in the first sampled block
+    first.tofile(prefix + ".bin")
+    assert IndexedDataset(prefix).fingerprint() != before
+    between = tokens.copy()
+    between[n // 6] = (between[n // 6] + 1) % 1000  # between the blocks: not read
+    between.tofile(prefix + ".bin")
+    assert IndexedDataset(prefix).fingerprint() == before
