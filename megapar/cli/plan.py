@@ -206,7 +206,7 @@ def _verify(estimates, problem) -> int:
     """Dry-run each layout and print where the plan's bytes differ (exit code 1 if anywhere)."""
 
     print(f"\nverifying the {len(estimates)} best layouts against dry runs (weights, gradients, "
-          f"optimizer bytes and parameters of every sampled rank):")
+          f"optimizer bytes, parameters and modelled activations of every sampled rank):")
     failed = False
     for i, e in enumerate(estimates, 1):
         result = verify_layout(problem, e.candidate)
@@ -220,7 +220,8 @@ def _verify(estimates, problem) -> int:
                 print(f"      rank {rank} {field}: plan {planned:,}, dry run {dry:,} "
                       f"({planned - dry:+,})")
         else:
-            print(f"{label} {result.ranks} ranks: equal, 0 bytes apart ({result.seconds:.1f} s)")
+            print(f"{label} {result.ranks} ranks: equal, 0 bytes apart ({result.seconds:.1f} s)"
+                  + (f"; {result.note}" if result.note else ""))
         failed |= bool(result.error or result.differences)
     return 1 if failed else 0
 
