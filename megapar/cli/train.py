@@ -50,6 +50,7 @@ from megapar.training.validate import (
     adapt_defaults,
     check_cp_seq_len,
     check_load_path,
+    check_newer_steps,
     check_outputs,
     check_resumable,
     check_settings,
@@ -147,6 +148,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         check_outputs(cfg)  # an unwritable --save is not found after the run
         if cfg.save and _takes_save_lock():
             check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
+        check_newer_steps(cfg, manifest)  # steps a resumed or fresh run would overwrite
     plan = prepare_data(cfg, notes, manifest, config)
     if plan.prefix is None:  # a rehearsal without the data
         return layout, plan

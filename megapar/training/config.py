@@ -130,6 +130,8 @@ class TrainConfig:
     """Checkpoint to resume from (a directory written by --save, or one of its step dirs). A directory that does not exist yet or holds no checkpoint starts a fresh run (logged), so a requeued job can pass the same --load as its --save. A file, or a step_* directory that is not there, is an error."""
     load_strict: bool = False
     """Fail instead of starting fresh when --load holds no checkpoint."""
+    overwrite_newer: bool = False
+    """Let this run replace the steps in --save newer than the one it starts from (--load's, or 0 when it starts fresh); without it such a --save is refused, since its steps and `latest` would be replaced or left mixed with this run's."""
     log_interval: int = 10
     """Print a log line every N steps."""
     log_json: str | None = None
