@@ -90,6 +90,7 @@ def test_sample_covers_every_stage_tp_rank_and_dp_role():
     assert sample_ranks(Layout(2, 1, 1)) == [0, 1]
     assert parse_ranks("all", Layout(2, 1, 2)) == [0, 1, 2, 3]
     assert parse_ranks("3,1,3", Layout(2, 1, 2)) == [1, 3]
+    assert parse_ranks("5-7,0,6", Layout(2, 1, 4)) == [0, 5, 6, 7]
     with pytest.raises(ValueError, match="rank 4 is not in a job of 4 ranks"):
         parse_ranks("4", Layout(2, 1, 2))
 
@@ -161,6 +162,18 @@ def test_a_layout_the_job_refuses_fails_with_the_jobs_message(capsys, monkeypatc
     (["--dry-run", "--world-size", "4", "--dry-run-ranks", "4"], "rank 4 is not in a job of 4"),
     (["--dry-run", "--world-size", "4", "--dry-run-ranks", "x"], "'x' is not a rank"),
     (["--json"], "--json only applies to a rehearsal: add --dry-run"),
+    # unbounded work: refused from the sizes, with the bound and the way to do it in parts
+    (["--dry-run", "--world-size", "10000000"],
+     "--world-size 10,000,000 is more than a dry run rehearses (1,048,576 ranks)"),
+    (["--dry-run", "--world-size", "100000", "--global-batch-size", "100000",
+      "--micro-batch-size", "1", "--dry-run-ranks", "all"],
+     ("--dry-run-ranks all is 100,000 ranks of a 100,000-rank job, rehearsed one after another: "
+      "about 97.2 h here")),
+    (["--dry-run", "--world-size", "100000", "--global-batch-size", "100000",
+      "--micro-batch-size", "1", "--dry-run-ranks", "0-4999"],
+     ("at most 1.0 h, 1,028 of this job; give the default sample (every stage, tp rank and dp "
+      "role), or fewer ranks per run, e.g. --dry-run-ranks 0-1027, then 1028-2055, ...")),
+    (["--dry-run", "--world-size", "4", "--dry-run-ranks", "3-1"], "range '3-1' is empty"),
     (["--dry-run", "--tp", "2", "--world-size", "8", "--gpus-per-node", "3"],
      "--world-size 8 spans several nodes of --gpus-per-node 3 but is not a multiple of it"),
     (["--dry-run", "--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
@@ -258,6 +271,16 @@ def test_plan_verify_reports_a_rank_the_plan_gets_wrong(capsys, monkeypatch):
     rc, out, _ = _plan(PLAN + ["--verify", "1"], capsys)
     assert rc == 1
     assert "rank 0 optimizer: plan " in out and "(-4)" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--verify", "100000"], "--verify 100,000 is more layouts than one run dry-runs (at most 32"),
+    (["--verify", "1", "--gpus", "2097152", "--global-batch-size", "2097152"],
+     "--verify: jobs of 2,097,152 ranks are more than a dry run rehearses (1,048,576 ranks)"),
+])
+def test_plan_verify_is_bounded(capsys, argv, message):
+    rc, out, err = _plan(PLAN + argv, capsys)
+    assert rc == 2 and message in err and "verifying" not in out, err
 
 
 def test_plan_verify_needs_fp32_master_weights(capsys):

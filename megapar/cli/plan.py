@@ -21,7 +21,14 @@ import math
 import re
 import sys
 
+from megapar.dryrun.sample import (
+    MAX_DRY_RUN_WORLD,
+    MAX_REHEARSAL_S,
+    rehearsal_seconds,
+    sample_ranks,
+)
 from megapar.dryrun.verify import verify_layout
+from megapar.mesh import Layout
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
 from megapar.plan import Problem, check, estimate, parse_candidate, plan
@@ -75,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_VERIFY = 32
+"""Most layouts --verify dry-runs in one run (GPT-3 175B on 1024 GPUs: 5-10 s each here)."""
+
+
 def _problem(args):
     config = resolve_model(args.model)
     limit = config.max_positions
@@ -102,6 +113,16 @@ def _problem(args):
     if args.verify < 0:
         raise ValueError(f"--verify {args.verify} is invalid: it is how many of the best "
                          f"layouts to dry-run (0: none)")
+    if args.verify and args.gpus > MAX_DRY_RUN_WORLD:
+        raise ValueError(f"--verify: jobs of {args.gpus:,} ranks are more than a dry run "
+                         f"rehearses ({MAX_DRY_RUN_WORLD:,} ranks); rehearse a layout's "
+                         f"megapar-train command with --dry-run at a smaller dp (keep "
+                         f"--global-batch-size / dp)")
+    if args.verify > MAX_VERIFY:
+        raise ValueError(f"--verify {args.verify:,} is more layouts than one run dry-runs (at "
+                         f"most {MAX_VERIFY}: each takes seconds to minutes here, GPT-3 175B's "
+                         f"on 1024 GPUs 5-10 s); verify the best few, and another layout with "
+                         f"--explain LAYOUT and its megapar-train command with --dry-run")
     if args.verify and args.master_weights != "fp32":
         raise ValueError("--verify compares the plan with what megapar-train holds, fp32 "
                          "parameters: drop --master-weights separate")
@@ -203,7 +224,17 @@ def main(argv=None) -> int:
 
 
 def _verify(estimates, problem) -> int:
-    """Dry-run each layout and print where the plan's bytes differ (exit code 1 if anywhere)."""
+    """Dry-run each layout and print where the plan's bytes differ (exit code 1 if anywhere);
+    refused (exit code 2) when they would take longer than one dry run may."""
+
+    seconds = sum(rehearsal_seconds(len(sample_ranks(Layout(c.tp, c.pp, c.dp, cp=c.cp), c.zero)),
+                                    problem.gpus) for c in (e.candidate for e in estimates))
+    if seconds > MAX_REHEARSAL_S:
+        print(f"megapar-plan: error: --verify {len(estimates)} would dry-run for about "
+              f"{seconds / 60:,.0f} min here ({problem.gpus:,}-rank jobs), more than the "
+              f"{MAX_REHEARSAL_S / 60:.0f} min a dry run may take; verify fewer layouts",
+              file=sys.stderr)
+        return 2
 
     print(f"\nverifying the {len(estimates)} best layouts against dry runs (weights, gradients, "
           f"optimizer bytes, parameters and modelled activations of every sampled rank):")
