@@ -136,8 +136,8 @@ def test_train_refuses_a_save_holding_steps_its_saves_would_replace(tmp_path, ca
     assert train_cli.main([*common, "--max-steps", "8", "--save", str(root)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and not started
-    assert (f"holds step_00000003, step_00000006, of an earlier run, and this run starts from "
-            f"scratch" in err and f"resume it with --load {root}, give another --save" in err)
+    assert ("holds step_00000003, step_00000006, of an earlier run, and this run starts from "
+            "scratch" in err and f"resume it with --load {root}, give another --save" in err)
     assert train_cli.main([*common, "--max-steps", "8", "--load", str(root), "--save",
                            str(root)]) == 0
     assert train_cli.main([*branch, "--overwrite-newer"]) == 0 and len(started) == 2
