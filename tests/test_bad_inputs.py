@@ -104,6 +104,8 @@ TRAIN = [
     (["--val-fraction", "1"], "--val-fraction 1.0 is invalid: it is the share of documents"),
     (["--timeout-s", "0"], "--timeout-s 0.0 is invalid"),
     (["--timeout-s", "-5"], "--timeout-s -5.0 is invalid"),
+    (["--timeout-s", "1e15"], "--timeout-s 1e+15 is invalid: at most 1e+09 s (about 31 years"),
+    (["--nccl-timeout-s", "1e10"], "--nccl-timeout-s 1e+10 is invalid: at most 1e+09 s"),
     (["--log-interval", "0"], "--log-interval 0 is invalid"),
     (["--peak-tflops", "0"], "--peak-tflops 0.0 is invalid"),
     (["--eval-steps", "0"], "--eval-steps 0 is invalid"),

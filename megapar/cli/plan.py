@@ -96,6 +96,21 @@ def _problem(args):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.cp_sizes and min(args.cp_sizes) < 1:
         raise ValueError(f"--cp-sizes {min(args.cp_sizes)} is invalid: sizes are >= 1")
+    for cp in args.cp_sizes or ():
+        if args.gpus % cp:
+            raise ValueError(f"--cp-sizes {cp} does not divide --gpus {args.gpus}: every layout "
+                             f"is tp x cp x pp x dp = --gpus; give divisors of {args.gpus}")
+        if cp > 1 and args.seq_len % (2 * cp):
+            raise ValueError(f"--cp-sizes {cp} cannot split --seq-len {args.seq_len}: cp cuts "
+                             f"each sequence into 2 x cp = {2 * cp} chunks; give sizes whose "
+                             f"2 x cp divides {args.seq_len}, or another --seq-len")
+    if min(args.micro_batch_sizes) < 1:
+        raise ValueError(f"--micro-batch-sizes {min(args.micro_batch_sizes)} is invalid: sizes "
+                         f"are sequences per micro-batch, >= 1")
+    if min(args.virtual_stages) < 2:
+        raise ValueError(f"--virtual-stages {min(args.virtual_stages)} is invalid: they are the "
+                         f"model chunks per rank tried for the interleaved schedule, >= 2 (one "
+                         f"chunk per rank is the 1f1b schedule)")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise ValueError(f"--gpus {args.gpus} spans several nodes of --gpus-per-node "
                          f"{args.gpus_per_node} but is not a multiple of it (torchrun starts "
@@ -205,6 +220,11 @@ def main(argv=None) -> int:
                                     [0, reason.split(";")[0]])
             kind[0] += 1
         common = sorted(kinds.values(), key=lambda kv: -kv[0])[:3]
+        if not common:  # nothing was even tried: say which inputs left nothing
+            print(f"no valid layout: no split of --gpus {problem.gpus} into tp x cp x pp x dp "
+                  f"was left to try with --cp-sizes {' '.join(map(str, args.cp_sizes or [1]))}; "
+                  f"give sizes that divide --gpus")
+            return 1
         print("no valid layout; most common reasons: " + "; ".join(
             f"{example} ({n:,} layout{'s' if n > 1 else ''} like it)" for n, example in common))
         return 1

@@ -68,6 +68,12 @@ _RULES = [
 ]
 
 
+MAX_TIMEOUT_S = 1e9
+"""Longest --timeout-s / --nccl-timeout-s: torch's TCPStore fails at once from about 1e10 s
+(its deadline in int64 nanoseconds overflows), gloo from 1e13, datetime.timedelta from 8.64e13
+(measured with torch 2.13)."""
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -102,6 +108,13 @@ def check_settings(cfg) -> None:
                                                               default == off[0][0] else hint)
             raise UsageError(f"{_flag(name)} {value} is invalid: it must be {what} {bound}{hint}")
 
+    for name in ("timeout_s", "nccl_timeout_s"):
+        if getattr(cfg, name) > MAX_TIMEOUT_S:
+            raise UsageError(f"{_flag(name)} {getattr(cfg, name):g} is invalid: at most "
+                             f"{MAX_TIMEOUT_S:g} s (about 31 years; torch's rendezvous store "
+                             f"counts its wait in nanoseconds and fails at once from about 1e10 "
+                             f"s); give a finite wait in seconds (the default is "
+                             f"{_default(cfg, name):g})")
     for name, allowed in _choices().items():
         if getattr(cfg, name) not in allowed:
             raise UsageError(f"{_flag(name)} {getattr(cfg, name)!r} is invalid: choose one of "
