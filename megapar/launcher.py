@@ -317,7 +317,8 @@ def _in_notebook() -> bool:
     return get_ipython() is not None
 
 
-def launch(fn: Callable[..., Any], nprocs: int, *args, timeout_s: float | None = None) -> Any:
+def launch(fn: Callable[..., Any], nprocs: int, *args, timeout_s: float | None = None,
+           oversubscribe: bool = False) -> Any:
     """Run `fn(*args)` on `nprocs` local ranks and return rank 0's return value.
 
     The notebook launcher: works in a script and in Jupyter / IPython (workers are forked, so
@@ -326,12 +327,16 @@ def launch(fn: Callable[..., Any], nprocs: int, *args, timeout_s: float | None =
     before `fn` runs (use `megapar.prepare` inside it). A failing rank brings all down and
     raises `WorkerError` naming it. Under torchrun / Slurm (RANK / WORLD_SIZE set) `fn` runs
     once as this process's rank and its value is returned; `nprocs` is then ignored.
-    `timeout_s`: give up (naming the unfinished ranks) after this long; None waits.
+    `timeout_s`: give up (naming the unfinished ranks) after this long; None waits. More
+    processes than `local_worker_limit` (4 per CPU core, at least 8) is a ValueError before any
+    starts, unless `oversubscribe=True`.
     """
     if under_launcher():
         return run_workers(fn, launched_world_size(), *args)[0]
     if nprocs < 1:
         raise ValueError(f"megapar.launch needs nprocs >= 1, got {nprocs}")
+    if not oversubscribe:
+        check_local_workers(nprocs, f"megapar.launch(fn, {nprocs})", flag="oversubscribe=True")
     method = None
     if _device.use_cuda():
         method = "fork" if _in_notebook() and not torch.cuda.is_initialized() else "spawn"

@@ -106,6 +106,8 @@ TRAIN = [
     (["--val-fraction", "1"], "--val-fraction 1.0 is invalid: it is the share of documents"),
     (["--timeout-s", "0"], "--timeout-s 0.0 is invalid"),
     (["--timeout-s", "-5"], "--timeout-s -5.0 is invalid"),
+    (["--timeout-s", "1e15"], "--timeout-s 1e+15 is invalid: at most 1e+09 s (about 31 years"),
+    (["--nccl-timeout-s", "1e10"], "--nccl-timeout-s 1e+10 is invalid: at most 1e+09 s"),
     (["--log-interval", "0"], "--log-interval 0 is invalid"),
     (["--peak-tflops", "0"], "--peak-tflops 0.0 is invalid"),
     (["--eval-steps", "0"], "--eval-steps 0 is invalid"),
@@ -306,6 +308,10 @@ BUBBLE = [
      "seconds"),
     (["--pp", "1000", "-m", "4", "--simulate", "--fwd-ms", "1"], "on 1000 stages"),
     (["--pp", "{too_many}", "-m", "4"], "local worker processes, more than this machine runs"),
+    (["--pp", "2", "-m", "4", "--cp", "{limit}"],
+     "--pp 2 x --tp 1 x --cp {limit} starts {twice_limit} local worker processes"),
+    (["--pp", "2", "-m", "4", "--virtual-stages", "0"],
+     "--virtual-stages 0 is invalid: it must be >= 1"),
     (["--pp", "2", "-m", "4", "--steps", "0"], "--steps 0 is invalid"),
     # measured runs are bounded too, and the chunks checked before a worker starts
     (["--pp", "2", "-m", "20000"], "80,000 actions on 2 stages, more than megapar-bubble"),
@@ -318,8 +324,11 @@ BUBBLE = [
 
 @pytest.mark.parametrize("argv, message", BUBBLE, ids=[" ".join(a) for a, _ in BUBBLE])
 def test_megapar_bubble(argv, message, no_workers, capsys):
-    rc = bubble([TOO_MANY if a == "{too_many}" else a for a in argv])
+    limit = launcher.local_worker_limit()
+    names = {"{too_many}": TOO_MANY, "{limit}": str(limit)}
+    rc = bubble([names.get(a, a) for a in argv])
     line = _one_line(capsys, "megapar-bubble")
+    message = message.format(limit=limit, twice_limit=2 * limit)
     assert rc == 2 and message in line, line
 
 

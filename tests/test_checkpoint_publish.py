@@ -99,3 +99,45 @@ def test_a_live_runs_staging_dir_is_not_cleaned(tmp_path):
     publish.mark_owner(live)  # this (live) process
     save_serial(root, seed=7, step=5)
     assert live.exists()
+
+
+def test_steps_after_lists_the_complete_newer_steps(tmp_path):
+    root = tmp_path / "root"
+    save_serial(root, step=3)
+    save_serial(root, step=6)
+    (root / "step_00000009").mkdir()  # an interrupted copy: no manifest
+    assert publish.steps_after(root, 3) == ["step_00000006"]
+    assert publish.steps_after(root, 0) == ["step_00000003", "step_00000006"]
+    assert publish.steps_after(root, 6) == [] == publish.steps_after(tmp_path / "none", 0)
+
+
+def test_train_refuses_a_save_holding_steps_its_saves_would_replace(tmp_path, capsys,
+                                                                    monkeypatch):
+    """--load ROOT/step_3 --save ROOT where step_6 is: one line naming it and the fixes, before
+    any worker starts (it would be replaced at step 6); a fresh run into ROOT likewise. A
+    requeue (--load ROOT --save ROOT) and --overwrite-newer go on."""
+    import megapar.cli.train as train_cli
+
+    root = tmp_path / "ckpt"
+    common = ["--model", "gpt2-tiny", "--seq-len", "16", "--global-batch-size", "2",
+              "--micro-batch-size", "2", "--eval-interval", "0", "--no-progress"]
+    assert train_cli.main([*common, "--max-steps", "6", "--save-interval", "3", "--save",
+                           str(root)]) == 0
+    capsys.readouterr()
+    started = []
+    monkeypatch.setattr(train_cli, "run_workers", lambda *a, **k: started.append(a))
+    branch = [*common, "--max-steps", "8", "--load", str(root / "step_00000003"), "--save",
+              str(root)]
+    assert train_cli.main(branch) == 2 and not started
+    assert capsys.readouterr().err.strip() == (
+        f"megapar-train: error: --save {root} holds step_00000006, newer than step 3, where "
+        f"--load {root}/step_00000003 resumes: this run's saves would replace or mix with "
+        f"them; give another --save, or pass --overwrite-newer to replace them")
+    assert train_cli.main([*common, "--max-steps", "8", "--save", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and not started
+    assert ("holds step_00000003, step_00000006, of an earlier run, and this run starts from "
+            "scratch" in err and f"resume it with --load {root}, give another --save" in err)
+    assert train_cli.main([*common, "--max-steps", "8", "--load", str(root), "--save",
+                           str(root)]) == 0
+    assert train_cli.main([*branch, "--overwrite-newer"]) == 0 and len(started) == 2

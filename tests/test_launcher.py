@@ -34,6 +34,23 @@ def test_failing_rank_is_named_and_nobody_hangs():
     assert time.monotonic() - start < 30
 
 
+def test_launch_refuses_more_processes_than_the_machine_runs_unless_told(monkeypatch):
+    """megapar.launch(fn, 64) forked 64 processes on 2 cores: refused before any starts, the
+    limit and the way around it named; oversubscribe=True starts them."""
+    import megapar
+    from megapar import launcher
+
+    started = []
+    monkeypatch.setattr(launcher, "run_local", lambda fn, n, *a, **k: started.append(n) or [n])
+    too_many = launcher.local_worker_limit() + 1
+    with pytest.raises(ValueError, match=rf"megapar.launch\(fn, {too_many}\) starts {too_many} "
+                                         rf"local worker processes, more than this machine runs "
+                                         rf"well .* or pass oversubscribe=True"):
+        megapar.launch(print, too_many)
+    assert not started
+    assert megapar.launch(print, too_many, oversubscribe=True) == too_many == started[0]
+
+
 def _as_torchrun_rank(rank, world, port, out, body, launcher="torchrun"):
     """Rank `rank` of a `world`-rank torchrun job (torchrun's environment, not torchrun), or
     with launcher="srun" of an srun step without torchrun (Slurm's variables only): reports

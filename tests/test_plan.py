@@ -356,6 +356,26 @@ def test_the_cli_names_what_the_user_can_change(capsys):
     assert "add --recompute full" in out.out
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--cp-sizes", "3"], ("--cp-sizes 3 does not divide --gpus 8: every layout is tp x cp x "
+                           "pp x dp = --gpus; give divisors of 8")),
+    (["--cp-sizes", "2", "4", "--seq-len", "4"], ("--cp-sizes 4 cannot split --seq-len 4: cp "
+                                                  "cuts each sequence into 2 x cp = 8 chunks")),
+    (["--micro-batch-sizes", "0"], ("--micro-batch-sizes 0 is invalid: sizes are sequences per "
+                                    "micro-batch, >= 1")),
+    (["--micro-batch-sizes", "2", "-2"], "--micro-batch-sizes -2 is invalid"),
+    (["--virtual-stages", "0"], ("--virtual-stages 0 is invalid: they are the model chunks per "
+                                 "rank tried for the interleaved schedule, >= 2")),
+])
+def test_cli_refuses_sizes_no_layout_can_have(capsys, flags, message):
+    """Each in one line (exit code 2), not "no valid layout; most common reasons:" and nothing,
+    nor a table of layouts rejected for a micro-batch size of 0."""
+    code, out = _cli(capsys, "--model", "gpt2-tiny", "--gpus", "8", "--global-batch-size", "32",
+                     "--seq-len", "32", *flags)
+    lines = out.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0] and not out.out, out
+
+
 def test_command_uses_only_flags_megapar_train_has():
     import dataclasses
 

@@ -116,6 +116,17 @@ def newest_step(root: Path) -> Path | None:
     return steps[-1] if steps else None
 
 
+def steps_after(root: str | Path, step: int) -> list[str]:
+    """The complete ``step_N`` directories of `root` with N > `step`, oldest first (none when
+    `root` is not a directory)."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        return []
+    found = [(int(p.name[5:]), p.name) for p in root.glob("step_*")
+             if re.fullmatch(r"step_\d+", p.name) and (p / MANIFEST).exists()]
+    return [name for n, name in sorted(found) if n > step]
+
+
 def has_checkpoint(path: str | Path) -> bool:
     """Whether `path` holds something to resume from (else a requeued run starts fresh)."""
     p = Path(path).expanduser()

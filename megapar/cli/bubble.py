@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zero-bubble W (weight-gradient) cost (default half the backward)")
     p.add_argument("--p2p-ms", type=float, help="point-to-point latency (default 0)")
     p.add_argument("--oversubscribe", action="store_true",
-                   help="measure with more local processes (pp x tp) than 4 per CPU core "
+                   help="measure with more local processes (pp x tp x cp) than 4 per CPU core "
                         "(at least 8); refused otherwise")
     p.add_argument("--trace", help="write a Chrome trace-event JSON (Perfetto, chrome://tracing)")
     p.add_argument("--plot", help="write the timeline as a Gantt chart (.png added when the name "

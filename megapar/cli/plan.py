@@ -21,7 +21,14 @@ import math
 import re
 import sys
 
+from megapar.dryrun.sample import (
+    MAX_DRY_RUN_WORLD,
+    MAX_REHEARSAL_S,
+    rehearsal_seconds,
+    sample_ranks,
+)
 from megapar.dryrun.verify import verify_layout
+from megapar.mesh import Layout
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
 from megapar.plan import Problem, check, estimate, parse_candidate, plan
@@ -75,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_VERIFY = 32
+"""Most layouts --verify dry-runs in one run (GPT-3 175B on 1024 GPUs: 5-10 s each here)."""
+
+
 def _problem(args):
     config = resolve_model(args.model)
     limit = config.max_positions
@@ -85,6 +96,21 @@ def _problem(args):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.cp_sizes and min(args.cp_sizes) < 1:
         raise ValueError(f"--cp-sizes {min(args.cp_sizes)} is invalid: sizes are >= 1")
+    for cp in args.cp_sizes or ():
+        if args.gpus % cp:
+            raise ValueError(f"--cp-sizes {cp} does not divide --gpus {args.gpus}: every layout "
+                             f"is tp x cp x pp x dp = --gpus; give divisors of {args.gpus}")
+        if cp > 1 and args.seq_len % (2 * cp):
+            raise ValueError(f"--cp-sizes {cp} cannot split --seq-len {args.seq_len}: cp cuts "
+                             f"each sequence into 2 x cp = {2 * cp} chunks; give sizes whose "
+                             f"2 x cp divides {args.seq_len}, or another --seq-len")
+    if min(args.micro_batch_sizes) < 1:
+        raise ValueError(f"--micro-batch-sizes {min(args.micro_batch_sizes)} is invalid: sizes "
+                         f"are sequences per micro-batch, >= 1")
+    if min(args.virtual_stages) < 2:
+        raise ValueError(f"--virtual-stages {min(args.virtual_stages)} is invalid: they are the "
+                         f"model chunks per rank tried for the interleaved schedule, >= 2 (one "
+                         f"chunk per rank is the 1f1b schedule)")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         raise ValueError(f"--gpus {args.gpus} spans several nodes of --gpus-per-node "
                          f"{args.gpus_per_node} but is not a multiple of it (torchrun starts "
@@ -102,6 +128,16 @@ def _problem(args):
     if args.verify < 0:
         raise ValueError(f"--verify {args.verify} is invalid: it is how many of the best "
                          f"layouts to dry-run (0: none)")
+    if args.verify and args.gpus > MAX_DRY_RUN_WORLD:
+        raise ValueError(f"--verify: jobs of {args.gpus:,} ranks are more than a dry run "
+                         f"rehearses ({MAX_DRY_RUN_WORLD:,} ranks); rehearse a layout's "
+                         f"megapar-train command with --dry-run at a smaller dp (keep "
+                         f"--global-batch-size / dp)")
+    if args.verify > MAX_VERIFY:
+        raise ValueError(f"--verify {args.verify:,} is more layouts than one run dry-runs (at "
+                         f"most {MAX_VERIFY}: each takes seconds to minutes here, GPT-3 175B's "
+                         f"on 1024 GPUs 5-10 s); verify the best few, and another layout with "
+                         f"--explain LAYOUT and its megapar-train command with --dry-run")
     if args.verify and args.master_weights != "fp32":
         raise ValueError("--verify compares the plan with what megapar-train holds, fp32 "
                          "parameters: drop --master-weights separate")
@@ -184,6 +220,11 @@ def main(argv=None) -> int:
                                     [0, reason.split(";")[0]])
             kind[0] += 1
         common = sorted(kinds.values(), key=lambda kv: -kv[0])[:3]
+        if not common:  # nothing was even tried: say which inputs left nothing
+            print(f"no valid layout: no split of --gpus {problem.gpus} into tp x cp x pp x dp "
+                  f"was left to try with --cp-sizes {' '.join(map(str, args.cp_sizes or [1]))}; "
+                  f"give sizes that divide --gpus")
+            return 1
         print("no valid layout; most common reasons: " + "; ".join(
             f"{example} ({n:,} layout{'s' if n > 1 else ''} like it)" for n, example in common))
         return 1
@@ -203,10 +244,20 @@ def main(argv=None) -> int:
 
 
 def _verify(estimates, problem) -> int:
-    """Dry-run each layout and print where the plan's bytes differ (exit code 1 if anywhere)."""
+    """Dry-run each layout and print where the plan's bytes differ (exit code 1 if anywhere);
+    refused (exit code 2) when they would take longer than one dry run may."""
+
+    seconds = sum(rehearsal_seconds(len(sample_ranks(Layout(c.tp, c.pp, c.dp, cp=c.cp), c.zero)),
+                                    problem.gpus) for c in (e.candidate for e in estimates))
+    if seconds > MAX_REHEARSAL_S:
+        print(f"megapar-plan: error: --verify {len(estimates)} would dry-run for about "
+              f"{seconds / 60:,.0f} min here ({problem.gpus:,}-rank jobs), more than the "
+              f"{MAX_REHEARSAL_S / 60:.0f} min a dry run may take; verify fewer layouts",
+              file=sys.stderr)
+        return 2
 
     print(f"\nverifying the {len(estimates)} best layouts against dry runs (weights, gradients, "
-          f"optimizer bytes and parameters of every sampled rank):")
+          f"optimizer bytes, parameters and modelled activations of every sampled rank):")
     failed = False
     for i, e in enumerate(estimates, 1):
         result = verify_layout(problem, e.candidate)
@@ -220,7 +271,8 @@ def _verify(estimates, problem) -> int:
                 print(f"      rank {rank} {field}: plan {planned:,}, dry run {dry:,} "
                       f"({planned - dry:+,})")
         else:
-            print(f"{label} {result.ranks} ranks: equal, 0 bytes apart ({result.seconds:.1f} s)")
+            print(f"{label} {result.ranks} ranks: equal, 0 bytes apart ({result.seconds:.1f} s)"
+                  + (f"; {result.note}" if result.note else ""))
         failed |= bool(result.error or result.differences)
     return 1 if failed else 0
 

@@ -19,6 +19,7 @@ from megapar.checkpoint.lock import SaveLock, SaveLockError, check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset
 from megapar.dryrun.command import rehearse
+from megapar.dryrun.sample import check_world
 from megapar.faults.report import log_dir_for, worker_failure
 from megapar.faults.stop import install_stop_handlers, parse_signals
 from megapar.device import DeviceError, check_gpus
@@ -51,6 +52,7 @@ from megapar.training.validate import (
     adapt_defaults,
     check_cp_seq_len,
     check_load_path,
+    check_newer_steps,
     check_outputs,
     check_resumable,
     check_same_data,
@@ -82,6 +84,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     check_settings(cfg)
     if cfg.dry_run:  # the job's size as given, on this one process
         world = cfg.world_size or cfg.tp * cfg.cp * cfg.pp * (cfg.dp or 1)
+        check_world(world)
         if world > cfg.gpus_per_node and world % cfg.gpus_per_node:
             raise UsageError(f"--world-size {world} spans several nodes of --gpus-per-node "
                              f"{cfg.gpus_per_node} but is not a multiple of it (torchrun starts "
@@ -149,6 +152,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         check_outputs(cfg)  # an unwritable --save is not found after the run
         if cfg.save and _takes_save_lock():
             check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
+        check_newer_steps(cfg, manifest)  # steps a resumed or fresh run would overwrite
     plan = prepare_data(cfg, notes, manifest, config)
     if plan.prefix is None:  # a rehearsal without the data
         return layout, plan

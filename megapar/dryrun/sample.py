@@ -9,12 +9,46 @@ is rehearsed with dp rank 0, the rank that writes the stage's file (tp ranks cyc
 stages, and any left over on further dp-rank-0 ranks); the other dp roles follow on the stages
 and tp ranks in turn. With context parallelism all of it is at cp rank 0 (the one that writes
 checkpoints), plus one rank at the last cp rank (its other half of every sequence).
-`--dry-run-ranks all` takes every rank, or a comma-separated list names them.
+`--dry-run-ranks all` takes every rank, or a comma-separated list of ranks and ranges names them.
+
+Rehearsals are bounded (`check_world`, `parse_ranks`). A rehearsed rank costs about 0.5 s
+(its model and schedule; 0.36 s for gpt2-tiny, 0.6-1.8 s for GPT-3 175B here) plus 30 us and
+1 KB per rank of the job, whose process groups it all builds (measured: 16 s at 524,288
+ranks, 30 s and 1 GB at 1,048,576). A job of more than `MAX_DRY_RUN_WORLD` ranks, or a choice
+of ranks estimated to take more than `MAX_REHEARSAL_S`, is refused with the way to rehearse it
+in parts.
 """
 
 from __future__ import annotations
 
 from megapar.mesh import Layout
+
+MAX_DRY_RUN_WORLD = 1 << 20
+"""Largest job a dry run rehearses: 1,048,576 ranks (one rank of it takes 30 s and 1 GB here)."""
+MAX_REHEARSAL_S = 3600.0
+"""Longest a dry run's ranks are estimated to take (`rehearsal_seconds`)."""
+S_PER_RANK, S_PER_RANK_OF_JOB = 0.5, 30e-6
+"""A rehearsed rank's measured cost here: its own, and per rank of the job (its groups)."""
+
+
+def rehearsal_seconds(ranks: int, world_size: int) -> float:
+    """About how long rehearsing `ranks` ranks of a `world_size`-rank job takes here."""
+    return ranks * (S_PER_RANK + S_PER_RANK_OF_JOB * world_size)
+
+
+def check_world(world_size: int) -> None:
+    """ValueError when a job is larger than a dry run rehearses (`MAX_DRY_RUN_WORLD`)."""
+    if world_size > MAX_DRY_RUN_WORLD:
+        raise ValueError(
+            f"--world-size {world_size:,} is more than a dry run rehearses ({MAX_DRY_RUN_WORLD:,}"
+            f" ranks): each rehearsed rank builds all of the job's process groups (30 s and 1 GB"
+            f" per rank at {MAX_DRY_RUN_WORLD:,} ranks here, growing with the size); rehearse "
+            f"the same --tp / --cp / --pp with fewer dp ranks (keep --global-batch-size / dp: "
+            f"every figure but the dp groups' size and ZeRO-1's slices stays the same)")
+
+
+def _estimate(seconds: float) -> str:
+    return f"{seconds / 3600:,.1f} h" if seconds >= 3600 else f"{seconds / 60:,.0f} min"
 
 
 def sample_ranks(layout: Layout, zero: int = 0) -> list[int]:
@@ -29,21 +63,46 @@ def sample_ranks(layout: Layout, zero: int = 0) -> list[int]:
 
 
 def parse_ranks(text: str, layout: Layout, zero: int = 0) -> list[int]:
-    """--dry-run-ranks: "sample", "all" or "R1,R2,..."; ValueError naming the problem."""
+    """--dry-run-ranks: "sample", "all" or "R1,R2,A-B,..." (ranges inclusive); ValueError
+    naming the problem, also when they would take longer than `MAX_REHEARSAL_S`."""
     text = (text or "sample").strip()
+    world = layout.world_size
     if text == "sample":
-        return sample_ranks(layout, zero)
-    if text == "all":
-        return list(range(layout.world_size))
-    ranks = []
-    for item in text.split(","):
-        try:
-            rank = int(item)
-        except ValueError:
-            raise ValueError(f"--dry-run-ranks {text!r}: {item!r} is not a rank; give sample, "
-                             f"all or ranks like 0,7,1023") from None
-        if not 0 <= rank < layout.world_size:
-            raise ValueError(f"--dry-run-ranks: rank {rank} is not in a job of "
-                             f"{layout.world_size} ranks (0-{layout.world_size - 1})")
-        ranks.append(rank)
-    return sorted(set(ranks))
+        ranks = sample_ranks(layout, zero)
+    elif text == "all":
+        ranks = range(world)
+    else:
+        spans = []
+        for item in text.split(","):
+            first, sep, last = item.partition("-")
+            try:
+                low = int(first)
+                high = int(last) if sep else low
+            except ValueError:
+                raise ValueError(f"--dry-run-ranks {text!r}: {item!r} is not a rank; give sample, "
+                                 f"all or ranks and ranges like 0,7,1023 or 0-127") from None
+            for rank in (low, high):
+                if not 0 <= rank < world:
+                    raise ValueError(f"--dry-run-ranks: rank {rank} is not in a job of "
+                                     f"{world} ranks (0-{world - 1})")
+            if high < low:
+                raise ValueError(f"--dry-run-ranks: range {item!r} is empty; write it low-high")
+            spans.append(range(low, high + 1))
+        listed = sum(map(len, spans))  # overlaps counted twice: a bound, before making any set
+        ranks = {r for span in spans for r in span} \
+            if rehearsal_seconds(listed, world) <= MAX_REHEARSAL_S else range(listed)
+    n = len(ranks)
+    if rehearsal_seconds(n, world) > MAX_REHEARSAL_S:
+        most = max(1, int(MAX_REHEARSAL_S // rehearsal_seconds(1, world)))
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        what = "the default sample" if text == "sample" else f"--dry-run-ranks {shown}"
+        fix = ("" if text == "sample" else "the default sample (every stage, tp rank and dp role),"
+               " or ")
+        raise ValueError(
+            f"{what} is {n:,} ranks of a {world:,}-rank job, rehearsed one after another: about "
+            f"{_estimate(rehearsal_seconds(n, world))} here ({S_PER_RANK:g} s per rank, plus "
+            f"{S_PER_RANK_OF_JOB * 1e6:g} us per rank of the job for its process groups); one "
+            f"dry run rehearses ranks for at most {_estimate(MAX_REHEARSAL_S)}, {most:,} of this "
+            f"job; give {fix}fewer ranks per run, e.g. --dry-run-ranks 0-{most - 1}, then "
+            f"{most}-{min(2 * most, world) - 1}, ...")
+    return sorted(ranks)

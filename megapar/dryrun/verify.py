@@ -3,16 +3,22 @@
 For a planned layout, `verify_layout` dry-runs the job megapar-train would run (the plan's
 model, batch, sequence length, precision and layout) on the default sample of ranks, and
 compares each rank's weights, gradients and optimizer bytes and parameter count with what the
-planner counts for that rank (`megapar.plan.state.rank_state`). They must be equal to the byte.
+planner counts for that rank (`megapar.plan.state.rank_state`), and its activations with the
+plan's for its stage (`megapar.plan.stage_memory`, with megapar's fused attention, as the dry
+run models it). They must be equal to the byte; a layout too large for the planner to read
+the executor's programs (`megapar.plan.pipeline.held_is_exact`) has its activations estimated,
+and they are not compared (`Verified.note` says so).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 from megapar.dryrun import dry_run, sample_ranks
 from megapar.mesh import Layout
+from megapar.plan import pipeline, stage_memory
 from megapar.plan.state import rank_state
 from megapar.training.config import TrainConfig
 
@@ -30,6 +36,8 @@ class Verified:
     """(rank, field, planned, dry run) wherever they differ."""
     error: str = ""
     """The error the job gave instead (a layout the plan accepts but megapar-train refuses)."""
+    note: str = ""
+    """What was not compared (activations the plan estimates at this size)."""
 
 
 def train_config(problem, candidate):
@@ -55,10 +63,21 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
     except Exception as exc:  # noqa: BLE001 - reported: the plan accepted what the job refuses
         return Verified(0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
     out = Verified(len(reports), time.perf_counter() - start)
+    m = problem.global_batch // (c.mbs * c.dp)
+    exact = pipeline.held_is_exact(c.pp, m, c.v)
+    if exact:  # the dry run models megapar's fused attention (no a x s^2 scores kept)
+        stages = stage_memory(dataclasses.replace(problem, fused_attention=True), c)
+    else:
+        out.note = (f"activations not compared: pp x m x V = {c.pp * m * c.v:,} forwards, more "
+                    f"than the {pipeline.MAX_HELD_FORWARDS:,} the plan reads off the executor's "
+                    f"programs (it estimates them)")
     for r in reports:
         # gradients and ZeRO-1 slices are over cp x dp: dp rank d, cp rank c is d * cp + c
         planned = rank_state(problem.config, c.tp, c.pp, c.v, r.pp_rank, c.dp * c.cp,
                              r.dp_rank * c.cp + r.cp_rank, c.zero, problem.grad_bucket_mb)
         out.differences += [(r.rank, f, getattr(planned, f), getattr(r, f)) for f in FIELDS
                             if getattr(planned, f) != getattr(r, f)]
+        if exact and int(stages[r.pp_rank].activations) != r.activations:
+            out.differences.append((r.rank, "activations", int(stages[r.pp_rank].activations),
+                                    r.activations))
     return out

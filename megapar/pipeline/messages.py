@@ -134,22 +134,41 @@ def acknowledgements(programs_: tuple, me: int, peer_of) -> dict[tuple, list[tup
     issued after that wait, so once I hold that message, my send has completed and waiting for
     it costs nothing. `peer_of(rank, action)` is the (pp rank, chunk) at the other end.
     """
-    acks = {}
+    acks, index = {}, {}
     for send in messages_of(programs_[me]):
         if not send.kind.startswith("send"):
             continue
         peer, peer_chunk = peer_of(me, send)
-        theirs = programs_[peer]
-        recv = Action("recv" + send.kind[4:], send.mb, peer_chunk)
-        consumer = next(i for i, step in enumerate(theirs)
-                        if isinstance(step, Action) and consumes(step, recv))
-        later = (a for step in theirs[consumer + 1:] if isinstance(step, MessageGroup)
-                 for a in step.messages if a.kind.startswith("send") and peer_of(peer, a)[0] == me)
-        reply = next(later, None)
+        if peer not in index:
+            index[peer] = _reply_index(programs_[peer], peer, me, peer_of)
+        first, reply_after = index[peer]
+        recv_kind = "recv" + send.kind[4:]
+        consumer = min(first[(kind, send.mb, peer_chunk)] for kind in CONSUMERS[recv_kind]
+                       if (kind, send.mb, peer_chunk) in first)
+        reply = reply_after[consumer + 1]
         if reply is not None:
             key = ("recv" + reply.kind[4:], reply.mb, peer_of(peer, reply)[1])
             acks.setdefault(key, []).append((send.kind, send.mb, send.chunk))
     return acks
+
+
+def _reply_index(program, peer: int, me: int, peer_of) -> tuple[dict, list]:
+    """For `acknowledgements`, in one pass over `peer`'s program: the position of each of its
+    computes ((kind, mb, chunk) -> first index), and for every position the first message it
+    sends `me` from there on (None when there is none), so finding a send's acknowledgement
+    costs O(1) instead of a scan of the peer's program."""
+    first: dict[tuple, int] = {}
+    for i, step in enumerate(program):
+        if isinstance(step, Action):
+            first.setdefault((step.kind, step.mb, step.chunk), i)
+    reply_after: list = [None] * (len(program) + 1)
+    for i in range(len(program) - 1, -1, -1):
+        step, found = program[i], reply_after[i + 1]
+        if isinstance(step, MessageGroup):
+            found = next((a for a in step.messages if a.kind.startswith("send")
+                          and peer_of(peer, a)[0] == me), found)
+        reply_after[i] = found
+    return first, reply_after
 
 
 def held(programs_: tuple, stage: int, placement: str = "loop") -> frozenset:

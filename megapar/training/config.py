@@ -132,6 +132,8 @@ class TrainConfig:
     """Checkpoint to resume from (a directory written by --save, or one of its step dirs). A directory that does not exist yet or holds no checkpoint starts a fresh run (logged), so a requeued job can pass the same --load as its --save. A file, or a step_* directory that is not there, is an error."""
     load_strict: bool = False
     """Fail instead of starting fresh when --load holds no checkpoint."""
+    overwrite_newer: bool = False
+    """Let this run replace the steps in --save newer than the one it starts from (--load's, or 0 when it starts fresh); without it such a --save is refused, since its steps and `latest` would be replaced or left mixed with this run's."""
     log_interval: int = 10
     """Print a log line every N steps."""
     log_json: str | None = None
@@ -163,11 +165,11 @@ class TrainConfig:
     dry_run: bool = False
     """Rehearse the job on this CPU instead of training: the real start-up and one step's bookkeeping of each sampled rank of a --world-size job on a fake process group and fake tensors (no communication, no memory); prints each rank's weights, gradients, optimizer state, modelled activations, communication per step and checkpoint files, or fails with the error the job would give."""
     world_size: int | None = None
-    """With --dry-run: ranks of the job (dp = world size / (tp x cp x pp)); default tp x cp x pp x dp."""
+    """With --dry-run: ranks of the job (dp = world size / (tp x cp x pp)); default tp x cp x pp x dp. At most 1,048,576 (one rehearsed rank of such a job takes 30 s and 1 GB: it builds all of the job's groups)."""
     gpus_per_node: int = 8
     """With --dry-run: ranks per node (which groups cross nodes)."""
     dry_run_ranks: str = "sample"
-    """With --dry-run: the ranks to rehearse: sample (every stage, every tp rank, and the dp ranks whose state differs: the first, the last and, with --zero 1, one in the middle), all, or a list like 0,7,1023."""
+    """With --dry-run: the ranks to rehearse: sample (every stage, every tp rank, and the dp ranks whose state differs: the first, the last and, with --zero 1, one in the middle), all, or a list of ranks and ranges like 0,7,1000-1023. A choice estimated to take over an hour (0.5 s per rank, plus 30 us per rank of the job) is refused: rehearse it in parts."""
     json: bool = False
     """With --dry-run: print one JSON object per rehearsed rank (figures in bytes) instead of text."""
     progress: bool = True

@@ -31,7 +31,7 @@ import re
 from megapar.checkpoint.distributed import NON_STRUCTURAL
 from megapar.checkpoint.format import MANIFEST, CheckpointError, probe_writable
 from megapar.checkpoint.manifest import verify
-from megapar.checkpoint.publish import has_checkpoint
+from megapar.checkpoint.publish import has_checkpoint, steps_after
 from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
 from megapar.models.config import config_from_dict
@@ -70,6 +70,11 @@ _RULES = [
 
 
 _EXAMPLE_PATHS = {"save": "ckpt", "log_json": "run.jsonl", "tensorboard": "tb"}
+
+MAX_TIMEOUT_S = 1e9
+"""Longest --timeout-s / --nccl-timeout-s: torch's TCPStore fails at once from about 1e10 s
+(its deadline in int64 nanoseconds overflows), gloo from 1e13, datetime.timedelta from 8.64e13
+(measured with torch 2.13)."""
 
 
 def _flag(name: str) -> str:
@@ -110,6 +115,14 @@ def check_settings(cfg) -> None:
         if getattr(cfg, name) == "":
             raise UsageError(f"{_flag(name)} '' is an empty path: give a path (e.g. "
                              f"{_flag(name)} {_EXAMPLE_PATHS[name]}), or leave the flag out")
+
+    for name in ("timeout_s", "nccl_timeout_s"):
+        if getattr(cfg, name) > MAX_TIMEOUT_S:
+            raise UsageError(f"{_flag(name)} {getattr(cfg, name):g} is invalid: at most "
+                             f"{MAX_TIMEOUT_S:g} s (about 31 years; torch's rendezvous store "
+                             f"counts its wait in nanoseconds and fails at once from about 1e10 "
+                             f"s); give a finite wait in seconds (the default is "
+                             f"{_default(cfg, name):g})")
     for name, allowed in _choices().items():
         if getattr(cfg, name) not in allowed:
             raise UsageError(f"{_flag(name)} {getattr(cfg, name)!r} is invalid: choose one of "
@@ -260,6 +273,29 @@ def check_load_path(cfg) -> None:
                          f"pass one of them, or {root} for the latest")
 
 
+def check_newer_steps(cfg, manifest: dict | None) -> None:
+    """--save holding complete steps newer than the step this run starts from (--load's, or 0
+    for a fresh start): its saves would replace them, and `latest` would go back, leaving two
+    runs' steps mixed. Refused unless --overwrite-newer. A requeue (--load naming the --save
+    root itself) resumes that root's `latest`, and redoes any step past it the same way."""
+    if not cfg.save or cfg.overwrite_newer:
+        return
+    save = os.path.realpath(os.path.expanduser(cfg.save))
+    if manifest is not None and os.path.realpath(os.path.expanduser(cfg.load)) == save:
+        return
+    start = int(manifest.get("step", 0)) if manifest is not None else 0
+    newer = steps_after(save, start)
+    if not newer:
+        return
+    shown = ", ".join(newer) if len(newer) <= 4 else f"{newer[0]} ... {newer[-1]} ({len(newer)})"
+    where = (f"newer than step {start}, where --load {cfg.load} resumes" if manifest is not None
+             else "of an earlier run, and this run starts from scratch")
+    resume = "" if manifest is not None else f"resume it with --load {cfg.save}, "
+    raise UsageError(f"--save {cfg.save} holds {shown}, {where}: this run's saves would replace "
+                     f"or mix with them; {resume}give another --save, or pass --overwrite-newer "
+                     f"to replace them")
+
+
 def checkpoint_manifest(path: str) -> dict:
     """The manifest of a --load checkpoint after checking every file it lists (size, sha256)."""
 
@@ -277,7 +313,8 @@ NOT_INHERITED = {
     "tp", "cp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
     "sequence_parallel", "recompute", "zero", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
-    "model", "from_hf", "load", "load_strict", "allow_data_change", "save", "data_cache",
+    "model", "from_hf", "load", "load_strict", "allow_data_change", "save", "overwrite_newer",
+    "data_cache",
     "log_json", "tensorboard",
     "wandb_project", "progress", "debug", "timeout_s", "nccl_timeout_s", "peak_tflops",
     "profile_steps",

@@ -88,7 +88,8 @@ MAX_SIMULATED_STAGES = 256
 
 
 def check_bubble_args(args) -> None:
-    for name in ("pp", "microbatches", "tp", "cp", "steps", "micro_batch_size", "seq_len"):
+    for name in ("pp", "microbatches", "tp", "cp", "steps", "micro_batch_size", "seq_len",
+                 "virtual_stages"):
         value = getattr(args, name)
         if value < 1:
             raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
@@ -111,8 +112,9 @@ def check_bubble_args(args) -> None:
                          f"{MAX_SIMULATED_STAGES} stages); the bubble (p-1)/(vm+p-1) = "
                          f"{bubble:.4f} needs no run at this size")
     if not (args.simulate and args.fwd_ms is not None) and not args.show_schedule \
-            and not args.oversubscribe:  # real processes: one per stage and tp rank
-        check_local_workers(args.pp * args.tp, f"--pp {args.pp} x --tp {args.tp}")
+            and not args.oversubscribe:  # real processes: one per stage, tp and cp rank
+        cp = f" x --cp {args.cp}" if args.cp > 1 else ""
+        check_local_workers(args.pp * args.tp * args.cp, f"--pp {args.pp} x --tp {args.tp}{cp}")
     if args.simulate and args.fwd_ms is not None:
         return  # no model is built
 
