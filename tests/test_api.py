@@ -461,3 +461,50 @@ def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "with").dtype == torch.bfloat16
     assert any("no tokenizer given or known, the export has none" in s for s in said), said
     assert not (tmp_path / "without" / "tokenizer_config.json").exists()
+
+
+# --- the batch is the same on every rank, at every step -------------------------------------
+def _later_batches_differ():
+    import torch.distributed as dist
+
+    engine = megapar.prepare(_hf_model(), pp=2, micro_batch_size=2, lr=3e-3)
+    good = _batches(3)
+    out = [refusal(engine, good[0])]
+    other = {k: v.clone() for k, v in good[1].items()}
+    if dist.get_rank() == 1:  # the last stage's labels of another batch: silently wrong before
+        other["labels"][0, 0] = (other["labels"][0, 0] + 1) % VOCAB
+    out.append(refusal(engine, other))
+    shorter = {k: v[:, :-2] if dist.get_rank() == 1 else v for k, v in good[1].items()}
+    out.append(refusal(engine, shorter))  # another shape on one rank: refused, no hang
+    out.append(refusal(engine, good[2]))  # the engine goes on with the same batch everywhere
+    return out, engine.step
+
+
+def test_a_batch_that_differs_between_ranks_at_a_later_step_is_refused(run):
+    for out, step in run(_later_batches_differ, 2):
+        assert out[0] == "accepted" and out[3] == "accepted", out
+        for message in out[1:3]:
+            assert "got another global batch than other ranks" in message, out
+        assert step == 2  # the refused batches did not train
+
+
+def _fails_on_rank_1(where):
+    import torch.distributed as dist
+
+    engine = megapar.prepare(_hf_model(), tp=2, micro_batch_size=2, lr=3e-3)
+    batch = _batches(1)[0]
+    if where == "caller" and dist.get_rank() == 1:
+        raise ValueError("user code broke")
+    if dist.get_rank() == 1:  # ids outside the vocabulary on this rank only
+        batch = {**batch, "input_ids": batch["input_ids"] + VOCAB}
+    engine.train_step(batch)
+
+
+@pytest.mark.parametrize("where, status", [
+    ("caller", "megapar.prepare returned; in the caller's code"),
+    ("batch", "step 1, train_step: checking the batch")])
+def test_a_failed_api_ranks_status_says_what_it_was_doing(run, where, status):
+    """It said "starting" whatever the rank had done."""
+    with pytest.raises(megapar.WorkerError) as info:
+        run(_fails_on_rank_1, 2, where)
+    assert f"--- rank 1: {status} [exited]" in str(info.value), str(info.value)

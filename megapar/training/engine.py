@@ -96,7 +96,6 @@ class Engine:
         in checkpoints and carried by `export_hf`."""
         self.source_dtype: str | None = None
         """The dtype of the Hugging Face weights it started from: `export_hf` writes it."""
-        self._batch_seen = False  # the first user batch is compared across ranks
         keep_freed_host_memory()  # from here on: the training state is built
 
     @classmethod
@@ -155,20 +154,23 @@ class Engine:
         token_type_ids, attention_mask). Each dp rank takes its contiguous G / dp rows and cuts
         them into micro-batches of `micro_batch_size`; G must be a multiple of
         micro_batch_size x dp. The batch is checked first (ids inside the vocabulary, keys the
-        model reads; on the first call, the same batch on every rank): a clear error, not
-        silent nonsense. The loss is Megatron's: the mean over micro-batches (and dp ranks) of
-        each micro-batch's mean over its labelled tokens, so with unevenly spread -100 labels it
-        differs slightly from one token mean over the whole batch.
+        model reads; at every call, the same batch on every rank: one all-reduce of two int64s):
+        a clear error, not silent nonsense. The loss is Megatron's: the mean over micro-batches
+        (and dp ranks) of each micro-batch's mean over its labelled tokens, so with unevenly
+        spread -100 labels it differs slightly from one token mean over the whole batch.
         """
-        return self.run_step(self.split(self._checked(batch, "train_step"))).loss
+        result = self.run_step(self.split(self._checked(batch, "train_step")))
+        _returned("train_step")
+        return result.loss
 
     def _checked(self, batch, what: str) -> dict:
+        if what == "train_step":
+            set_step(self.step + 1)  # the step this batch is for
+        set_action(f"{what}: checking the batch")
         batch = check_batch(batch, self.config, what)
         if self.mesh.cp > 1:
             check_length(batch["input_ids"].shape[1], self.mesh.cp)
-        if not self._batch_seen:
-            same_on_every_rank(batch, self.mesh.device, what)
-            self._batch_seen = True
+        same_on_every_rank(batch, self.mesh.device, what)
         return batch
 
     @torch.no_grad()
@@ -182,7 +184,9 @@ class Engine:
                 loss = executor.run(micro, forward_only=True)
         finally:
             self.model.train()
-        return dp_mean(float(loss), self.mesh)
+        loss = dp_mean(float(loss), self.mesh)
+        _returned("eval_step")
+        return loss
 
     # checkpoints ----------------------------------------------------------------------------
     def recorded_settings(self) -> dict:
@@ -225,8 +229,10 @@ class Engine:
             meta["tokenizer"] = self.tokenizer
         if self.source_dtype is not None:
             meta["hf_dtype"] = self.source_dtype
-        return save_checkpoint(path, self.step, self.model, self.mesh,
-                               self.optimizer.state_tensors(), meta, self.rng_state())
+        out = save_checkpoint(path, self.step, self.model, self.mesh,
+                              self.optimizer.state_tensors(), meta, self.rng_state())
+        _returned("engine.save")
+        return out
 
     def load(self, path: str | Path):
         """Restore weights, optimizer, loss scale, LR schedule, RNG and step from a checkpoint
@@ -248,6 +254,8 @@ class Engine:
         self.step = int(meta.get("step", 0))
         self.tokenizer = meta.get("tokenizer", self.tokenizer)
         self.source_dtype = meta.get("hf_dtype", self.source_dtype)
+        set_step(self.step)
+        _returned("engine.load")
         return state
 
     def export_hf(self, path: str | Path, tokenizer=None, dtype: str | None = None) -> Path:
@@ -280,6 +288,7 @@ class Engine:
         outcome = _broadcast_text(outcome, self.mesh)
         if outcome:
             raise RuntimeError(f"export to {path} failed: {outcome}")
+        _returned("engine.export_hf")
         return path
 
     # RNG ------------------------------------------------------------------------------------
@@ -298,6 +307,12 @@ class Engine:
             torch.cuda.set_rng_state(rng["cuda"], self.mesh.device)
         if "tp" in rng and getattr(self.model, "tracker", None) is not None:
             self.model.tracker.tp_state = rng["tp"]
+
+
+def _returned(call: str) -> None:
+    """The rank's status (`megapar.faults.status`) once an API call is done: the caller's own
+    code runs until the next one, and a failure there is not megapar's last action."""
+    set_action(f"{call} returned; in the caller's code")
 
 
 def dp_mean(value: float, mesh: Mesh) -> float:

@@ -10,6 +10,7 @@ import torch
 
 from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
 from megapar.device import DEFAULT_TIMEOUT_S
+from megapar.faults.status import set_action
 from megapar.mesh import Mesh, same_on_all_ranks
 from megapar.models.config import ConfigError, config_from_hf
 from megapar.models.recipes import resolve_model
@@ -80,6 +81,7 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
     passed as a keyword.
     """
 
+    set_action("megapar.prepare: checking its arguments")
     config, reader = _resolve_model(model)
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrainConfig)})
     if unknown:
@@ -95,8 +97,10 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
         raise TypeError("lr_schedule must be None, a dict of LRScheduler fields or an "
                         "LRScheduler; for any other schedule use a torch LR scheduler on "
                         "engine.optimizer")
+    set_action("megapar.prepare: building the engine (mesh, model stage, optimizer)")
     engine = Engine(cfg, config, scheduler=lr_schedule)
     if reader is not None:
+        set_action(f"megapar.prepare: loading the {type(model).__name__}'s weights")
         engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
 
         _check_same_weights(model, engine.mesh)
@@ -105,4 +109,5 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
             warnings.warn(f"megapar.prepare: the {type(model).__name__} has no {', '.join(missing)}"
                           f"; initialised from seed {seed} (pass the model with its head to keep "
                           f"trained ones)", stacklevel=2)
+    set_action("megapar.prepare returned; in the caller's code")
     return engine
