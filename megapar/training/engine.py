@@ -31,6 +31,7 @@ from megapar.data_parallel import GradBuckets
 from megapar.device import keep_freed_host_memory
 from megapar.data_parallel.compression import make_compressor
 from megapar.faults.status import set_action, set_step
+from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh, all_reduce
 from megapar.optim import LRScheduler, Precision, build_optimizer
 from megapar.optim.precision import comm_dtypes
@@ -40,6 +41,16 @@ from megapar.pipeline.tied import shared_embedding_params
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
 from megapar.training.step import BatchPlan, StepResult, TrainStep
+
+ON_NONFINITE = ("raise", "skip")
+"""What `train_step` does with a step whose loss or gradients are not finite (the optimizer step
+is skipped either way): raise `NonFiniteError`, or return the non-finite loss."""
+
+API_ADVICE = ("the optimizer step was skipped: the weights and the optimizer state are those "
+              "before this step. Check the model's weights and the batch, lower lr or set "
+              "clip_grad; prepare(..., on_nonfinite='skip') skips such steps and returns their "
+              "loss instead")
+"""What `train_step`'s NonFiniteError adds after the reason."""
 
 RESERVED_META = frozenset({"step", "scaler", "optimizer", "scheduler", "rng_note", "model",
                            "layout", "tokenizer", "hf_dtype", "train_config"})
@@ -52,10 +63,14 @@ class Engine:
     `scheduler`: a megapar `LRScheduler` (the learning rate is set at every step), or None to
     leave the optimizer's learning rate alone (constant, or driven by a torch LR scheduler on
     `engine.optimizer`). The default builds one from cfg's lr / warmup / decay fields.
+    `on_nonfinite`: what `train_step` does with a non-finite step (`ON_NONFINITE`).
     """
 
     def __init__(self, cfg: TrainConfig, model_config, mesh: Mesh | None = None,
-                 scheduler="from_cfg"):
+                 scheduler="from_cfg", on_nonfinite: str = "raise"):
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of "
+                             f"{', '.join(map(repr, ON_NONFINITE))}")
         self.cfg, self.config = cfg, model_config
         self.mesh = mesh = mesh or Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
                                                  order=cfg.rank_order, cp=cfg.cp)
@@ -96,6 +111,14 @@ class Engine:
         in checkpoints and carried by `export_hf`."""
         self.source_dtype: str | None = None
         """The dtype of the Hugging Face weights it started from: `export_hf` writes it."""
+        self.on_nonfinite = on_nonfinite
+        """"raise" or "skip": see `train_step`."""
+        # megapar-train's guard: the first non-finite step raises; in fp16 an overflow is the
+        # loss scaler's business, so as in megapar-train only max_nonfinite_steps in a row (or
+        # one at the scale's floor) do
+        self._guard = NonFiniteGuard(cfg.max_nonfinite_steps if cfg.precision == "fp16" else 1,
+                                     cfg.precision, getattr(self.precision.scaler, "min_scale",
+                                                            None), advice=API_ADVICE)
         keep_freed_host_memory()  # from here on: the training state is built
 
     @classmethod
@@ -158,8 +181,19 @@ class Engine:
         a clear error, not silent nonsense. The loss is Megatron's: the mean over micro-batches
         (and dp ranks) of each micro-batch's mean over its labelled tokens, so with unevenly
         spread -100 labels it differs slightly from one token mean over the whole batch.
+
+        A step whose loss or gradients are not finite is never applied (weights and optimizer
+        state stay as they were; the step is counted in `step`). With `on_nonfinite="raise"`
+        (`prepare`'s default) every rank then raises `megapar.faults.stop.NonFiniteError`
+        naming the step and what was not finite; in fp16, where the loss scaler skips steps
+        whose gradients overflow, only `max_nonfinite_steps` (default 5) such steps in a row, or
+        one at the loss scale's floor, raise, as in megapar-train. With "skip" the non-finite
+        loss is returned.
         """
         result = self.run_step(self.split(self._checked(batch, "train_step")))
+        if self.on_nonfinite == "raise":
+            self._guard.observe(self.step, result.loss, result.grad_norm, result.skipped,
+                                result.loss_scale)
         _returned("train_step")
         return result.loss
 
