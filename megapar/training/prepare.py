@@ -10,7 +10,7 @@ import torch
 
 from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
 from megapar.device import DEFAULT_TIMEOUT_S
-from megapar.faults.status import set_action
+from megapar.faults.status import set_action, set_step
 from megapar.mesh import Mesh, same_on_all_ranks
 from megapar.models.config import ConfigError, config_from_hf
 from megapar.models.recipes import resolve_model
@@ -87,6 +87,7 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
     non-finite loss, for loops that handle it themselves.
     """
 
+    set_step(None)  # a new engine: no step yet (a forked rank inherits its parent's status)
     set_action("megapar.prepare: checking its arguments")
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"megapar.prepare: on_nonfinite={on_nonfinite!r} is not one of "
