@@ -461,3 +461,165 @@ def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "with").dtype == torch.bfloat16
     assert any("no tokenizer given or known, the export has none" in s for s in said), said
     assert not (tmp_path / "without" / "tokenizer_config.json").exists()
+
+
+# --- a non-finite step: an error naming the step, nothing applied ---------------------------
+def _state(engine):
+    """This rank's weights and optimizer state (Adam's moments and step count), as copies."""
+    weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    return weights, engine.optimizer.state_tensors(), engine.optimizer.state_json()["step"]
+
+
+def _same(a, b) -> bool:
+    (wa, oa, sa), (wb, ob, sb) = a, b
+    return sa == sb and wa.keys() == wb.keys() and oa.keys() == ob.keys() and \
+        all(torch.equal(wa[n], wb[n]) for n in wa) and \
+        all(torch.equal(oa[n][k], ob[n][k]) for n in oa for k in oa[n])
+
+
+def _nonfinite_step(tp, pp, zero, inf_before_prepare, on_nonfinite=None):
+    """One weight set to inf (in the transformers model before `prepare`, or in the engine after
+    a good step); then a train_step: what it did, and whether weights and optimizer state are
+    those before it."""
+    model = _hf_model()
+    if inf_before_prepare:
+        with torch.no_grad():
+            model.transformer.h[0].mlp.c_fc.weight[3, 5] = float("inf")
+    options = {} if on_nonfinite is None else {"on_nonfinite": on_nonfinite}
+    engine = megapar.prepare(model, tp=tp, pp=pp, micro_batch_size=2, lr=1e-2, zero=zero,
+                             **options)
+    batches = _batches(2)
+    if not inf_before_prepare:
+        engine.train_step(batches[0])  # a good step first: Adam's state exists
+        mesh = engine.mesh
+        if mesh.pp_rank == 0 and mesh.tp_rank == 0:
+            with torch.no_grad():
+                next(engine.model.parameters()).view(-1)[0] = float("inf")
+    before = _state(engine)
+    try:
+        outcome = f"returned {engine.train_step(batches[-1])}"
+    except Exception as exc:  # noqa: BLE001 - the outcome is the test's subject
+        outcome = f"{type(exc).__name__}: {exc}"
+    return outcome, _same(before, _state(engine)), engine.step
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 0, 4, True), (1, 1, 1, 2, False)],
+                         ids=["tp2xpp2-inf-in-the-hf-model", "dp2-zero1-inf-after-a-step"])
+def test_a_non_finite_step_raises_naming_the_step_and_applies_nothing(run, layout):
+    """The field's case: a transformers GPT-2 with an inf weight "trained" at tp 2 x pp 2 and
+    returned nan. Now every rank raises (NonFiniteError) naming the step and what went
+    non-finite, and the weights and the optimizer state are those before that step."""
+    tp, pp, zero, world, inf_before_prepare = layout
+    step = 1 if inf_before_prepare else 2
+    for outcome, unchanged, _ in run(_nonfinite_step, world, tp, pp, zero, inf_before_prepare):
+        assert outcome.startswith(f"NonFiniteError: training diverged at step {step}: "
+                                  f"non-finite loss (nan) and gradients (norm nan)"), outcome
+        assert "on_nonfinite='skip'" in outcome
+        assert unchanged
+
+
+def _nan_loss_on_dp_rank_1():
+    """Finite gradients, but dp rank 1's loss is nan: no replica may apply the step."""
+    import torch.distributed as dist
+
+    engine = megapar.prepare(_hf_model(), micro_batch_size=2, lr=1e-2)
+    batches = _batches(2)
+    engine.train_step(batches[0])
+    executor = engine._executor(SEQ)
+    if dist.get_rank() == 1:
+        run_pipeline = executor.run
+        executor.run = lambda *args, **kwargs: run_pipeline(*args, **kwargs) * float("nan")
+    before = _state(engine)
+    try:
+        outcome = f"returned {engine.train_step(batches[1])}"
+    except Exception as exc:  # noqa: BLE001 - the outcome is the test's subject
+        outcome = f"{type(exc).__name__}: {exc}"
+    return outcome, _same(before, _state(engine))
+
+
+def test_a_non_finite_loss_alone_is_not_applied_on_any_replica(run):
+    for outcome, unchanged in run(_nan_loss_on_dp_rank_1, 2):
+        assert outcome.startswith("NonFiniteError: training diverged at step 2: non-finite "
+                                  "loss (nan); the optimizer step was skipped"), outcome
+        assert unchanged
+
+
+def test_on_nonfinite_skip_returns_the_nan_and_skips_the_update(run):
+    for outcome, unchanged, step in run(_nonfinite_step, 2, 1, 1, 0, False, "skip"):
+        assert outcome == "returned nan" and unchanged and step == 2
+
+
+def _fp16_overflows():
+    engine = megapar.prepare(_hf_model(), micro_batch_size=2, lr=1e-3, precision="fp16")
+    engine.precision.scaler.scale = 2.0**40  # every gradient overflows in fp16
+    before = _state(engine)
+    losses = [engine.train_step(batch) for batch in _batches(4)]  # 4 < max_nonfinite_steps
+    return losses, _same(before, _state(engine)), engine.precision.scaler.scale
+
+
+def test_fp16_overflows_are_the_loss_scalers_business_not_an_error(run):
+    losses, unchanged, scale = run(_fp16_overflows, 1)[0]
+    assert all(math.isfinite(x) for x in losses) and unchanged and scale == 2.0**36
+
+
+def test_on_nonfinite_is_checked(run):
+    with pytest.raises(megapar.WorkerError, match="on_nonfinite='never' is not one of"):
+        run(lambda: megapar.prepare(_hf_model(), on_nonfinite="never"), 1)
+
+
+# --- the batch is the same on every rank, at every step -------------------------------------
+def _later_batches_differ():
+    import torch.distributed as dist
+
+    engine = megapar.prepare(_hf_model(), pp=2, micro_batch_size=2, lr=3e-3)
+    good = _batches(3)
+    out = [refusal(engine, good[0])]
+    other = {k: v.clone() for k, v in good[1].items()}
+    if dist.get_rank() == 1:  # the last stage's labels of another batch: silently wrong before
+        other["labels"][0, 0] = (other["labels"][0, 0] + 1) % VOCAB
+    out.append(refusal(engine, other))
+    shorter = {k: v[:, :-2] if dist.get_rank() == 1 else v for k, v in good[1].items()}
+    out.append(refusal(engine, shorter))  # another shape on one rank: refused, no hang
+    out.append(refusal(engine, good[2]))  # the engine goes on with the same batch everywhere
+    return out, engine.step
+
+
+def test_a_batch_that_differs_between_ranks_at_a_later_step_is_refused(run):
+    for out, step in run(_later_batches_differ, 2):
+        assert out[0] == "accepted" and out[3] == "accepted", out
+        for message in out[1:3]:
+            assert "got another global batch than other ranks" in message, out
+        assert step == 2  # the refused batches did not train
+
+
+def _fails_on_rank_1(where):
+    import torch.distributed as dist
+
+    engine = megapar.prepare(_hf_model(), tp=2, micro_batch_size=2, lr=3e-3)
+    batch = _batches(1)[0]
+    if where == "caller" and dist.get_rank() == 1:
+        raise ValueError("user code broke")
+    if dist.get_rank() == 1:  # ids outside the vocabulary on this rank only
+        batch = {**batch, "input_ids": batch["input_ids"] + VOCAB}
+    engine.train_step(batch)
+
+
+@pytest.mark.parametrize("where, status", [
+    ("caller", "megapar.prepare returned; in the caller's code"),
+    ("batch", "step 1, train_step: checking the batch")])
+def test_a_failed_api_ranks_status_says_what_it_was_doing(run, where, status):
+    """It said "starting" whatever the rank had done. (" [exited]" follows once the failed rank
+    is gone; it may still be tearing down when the report is written.) The ranks are forked from
+    a process that ran 5 steps itself (as a notebook might): a new engine has no step yet."""
+    from megapar.faults import status as rank_status
+
+    saved = dict(rank_status._state)
+    rank_status.set_step(5)
+    rank_status.set_action("after step 5")
+    try:
+        with pytest.raises(megapar.WorkerError) as info:
+            run(_fails_on_rank_1, 2, where)
+    finally:
+        rank_status._state.update(saved)
+    assert f"--- rank 1: {status}\n" in str(info.value) + "\n" or \
+        f"--- rank 1: {status} [exited]" in str(info.value), str(info.value)

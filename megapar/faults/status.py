@@ -49,8 +49,8 @@ def install(rank: int, shared=None, stack_path: str | None = None,
     _publish()
 
 
-def set_step(step: int) -> None:
-    """The 1-based optimizer step this rank is running."""
+def set_step(step: int | None) -> None:
+    """The 1-based optimizer step this rank is running (None: none yet, e.g. a new engine)."""
     _state["step"] = step
     _publish()
 

@@ -1,7 +1,8 @@
 """What stops a run on purpose: numbers that stop being finite, stop requests.
 
 - `NonFiniteGuard`: stops the run after N consecutive steps whose loss or gradient norm is not
-  finite (fp16: N consecutive skipped steps, or an overflow at the loss-scale floor).
+  finite (fp16: N consecutive skipped steps, or an overflow at the loss-scale floor): megapar-
+  train's loop, and `Engine.train_step` of the Python API (N = 1 outside fp16).
 - `StopRequests` / `install_stop_handlers`: SIGTERM / SIGUSR1 (configurable), the first SIGINT,
   a wall-clock budget or a step interval ask every rank to finish its step, save and exit 0; all
   ranks agree on the step with one tiny all-reduce per step. A second SIGINT aborts at once.
@@ -38,8 +39,16 @@ class NonFiniteGuard:
     Every rank sees the same loss, gradient norm and skip flag, so every rank raises together.
     """
 
-    def __init__(self, max_steps: int, precision: str, min_scale: float | None = None):
+    CLI_ADVICE = ("stopped without saving (the last checkpoint, if any, is intact). Lower --lr, "
+                  "raise --warmup-steps or use --clip-grad; --max-nonfinite-steps sets the "
+                  "patience (0 = never stop)")
+    """What megapar-train's error adds after the reason."""
+
+    def __init__(self, max_steps: int, precision: str, min_scale: float | None = None,
+                 advice: str = CLI_ADVICE):
         self.max_steps, self.precision, self.min_scale = max_steps, precision, min_scale
+        self.advice = advice
+        """What the error says after the reason (what was kept, how to go on)."""
         self.bad, self.first_bad = 0, None
 
     def observe(self, step: int, loss: float, grad_norm: float, skipped: bool,
@@ -56,15 +65,25 @@ class NonFiniteGuard:
         at_floor = (self.precision == "fp16" and self.min_scale is not None
                     and skipped and loss_scale <= self.min_scale)
         if self.max_steps and (self.bad >= self.max_steps or at_floor):
-            why = (f"the fp16 loss scale reached its floor {loss_scale:g} and still overflowed"
-                   if at_floor and self.bad < self.max_steps else
-                   f"{self.bad} consecutive steps ({self.first_bad}-{step}) had a non-finite "
-                   + ("gradient (skipped in fp16)" if self.precision == "fp16" else
-                      f"loss or gradient norm (last: loss {loss}, grad norm {grad_norm})"))
-            raise NonFiniteError(f"training diverged at step {step}: {why}; stopped without "
-                                 f"saving (the last checkpoint, if any, is intact). Lower --lr, "
-                                 f"raise --warmup-steps or use --clip-grad; "
-                                 f"--max-nonfinite-steps sets the patience (0 = never stop)")
+            what = nonfinite_parts(loss, grad_norm)
+            if at_floor and self.bad < self.max_steps:
+                why = f"the fp16 loss scale reached its floor {loss_scale:g} and still overflowed"
+            elif self.precision == "fp16":
+                why = (f"{self.bad} consecutive steps ({self.first_bad}-{step}) had a non-finite "
+                       f"gradient (skipped in fp16)")
+            elif self.bad == 1:
+                why = f"non-finite {what}"
+            else:
+                why = (f"{self.bad} consecutive steps ({self.first_bad}-{step}) had a non-finite "
+                       f"loss or gradient norm (last: {what})")
+            raise NonFiniteError(f"training diverged at step {step}: {why}; {self.advice}")
+
+
+def nonfinite_parts(loss: float, grad_norm: float) -> str:
+    """What of a step is not finite: "loss (nan) and gradients (norm inf)", "loss (nan)", ..."""
+    parts = ([f"loss ({loss})"] if not math.isfinite(loss) else []) + \
+        ([f"gradients (norm {grad_norm})"] if not math.isfinite(grad_norm) else [])
+    return " and ".join(parts) or f"nothing (loss {loss}, gradient norm {grad_norm})"
 
 
 def params_finite(model, group=None) -> bool:

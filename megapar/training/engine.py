@@ -31,6 +31,7 @@ from megapar.data_parallel import GradBuckets
 from megapar.device import keep_freed_host_memory
 from megapar.data_parallel.compression import make_compressor
 from megapar.faults.status import set_action, set_step
+from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh, all_reduce
 from megapar.optim import LRScheduler, Precision, build_optimizer
 from megapar.optim.precision import comm_dtypes
@@ -40,6 +41,16 @@ from megapar.pipeline.tied import shared_embedding_params
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
 from megapar.training.step import BatchPlan, StepResult, TrainStep
+
+ON_NONFINITE = ("raise", "skip")
+"""What `train_step` does with a step whose loss or gradients are not finite (the optimizer step
+is skipped either way): raise `NonFiniteError`, or return the non-finite loss."""
+
+API_ADVICE = ("the optimizer step was skipped: the weights and the optimizer state are those "
+              "before this step. Check the model's weights and the batch, lower lr or set "
+              "clip_grad; prepare(..., on_nonfinite='skip') skips such steps and returns their "
+              "loss instead")
+"""What `train_step`'s NonFiniteError adds after the reason."""
 
 RESERVED_META = frozenset({"step", "scaler", "optimizer", "scheduler", "rng_note", "model",
                            "layout", "tokenizer", "hf_dtype", "hf_generation_config",
@@ -53,10 +64,14 @@ class Engine:
     `scheduler`: a megapar `LRScheduler` (the learning rate is set at every step), or None to
     leave the optimizer's learning rate alone (constant, or driven by a torch LR scheduler on
     `engine.optimizer`). The default builds one from cfg's lr / warmup / decay fields.
+    `on_nonfinite`: what `train_step` does with a non-finite step (`ON_NONFINITE`).
     """
 
     def __init__(self, cfg: TrainConfig, model_config, mesh: Mesh | None = None,
-                 scheduler="from_cfg"):
+                 scheduler="from_cfg", on_nonfinite: str = "raise"):
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of "
+                             f"{', '.join(map(repr, ON_NONFINITE))}")
         self.cfg, self.config = cfg, model_config
         self.mesh = mesh = mesh or Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
                                                  order=cfg.rank_order, cp=cfg.cp)
@@ -100,7 +115,14 @@ class Engine:
         self.source_generation_config: dict | None = None
         """The generation_config.json of the Hugging Face directory it started from (None:
         none), saved in checkpoints; `export_hf` writes it back."""
-        self._batch_seen = False  # the first user batch is compared across ranks
+        self.on_nonfinite = on_nonfinite
+        """"raise" or "skip": see `train_step`."""
+        # megapar-train's guard: the first non-finite step raises; in fp16 an overflow is the
+        # loss scaler's business, so as in megapar-train only max_nonfinite_steps in a row (or
+        # one at the scale's floor) do
+        self._guard = NonFiniteGuard(cfg.max_nonfinite_steps if cfg.precision == "fp16" else 1,
+                                     cfg.precision, getattr(self.precision.scaler, "min_scale",
+                                                            None), advice=API_ADVICE)
         keep_freed_host_memory()  # from here on: the training state is built
 
     @classmethod
@@ -159,20 +181,34 @@ class Engine:
         token_type_ids, attention_mask). Each dp rank takes its contiguous G / dp rows and cuts
         them into micro-batches of `micro_batch_size`; G must be a multiple of
         micro_batch_size x dp. The batch is checked first (ids inside the vocabulary, keys the
-        model reads; on the first call, the same batch on every rank): a clear error, not
-        silent nonsense. The loss is Megatron's: the mean over micro-batches (and dp ranks) of
-        each micro-batch's mean over its labelled tokens, so with unevenly spread -100 labels it
-        differs slightly from one token mean over the whole batch.
+        model reads; at every call, the same batch on every rank: one all-reduce of two int64s):
+        a clear error, not silent nonsense. The loss is Megatron's: the mean over micro-batches
+        (and dp ranks) of each micro-batch's mean over its labelled tokens, so with unevenly
+        spread -100 labels it differs slightly from one token mean over the whole batch.
+
+        A step whose loss or gradients are not finite is never applied (weights and optimizer
+        state stay as they were; the step is counted in `step`). With `on_nonfinite="raise"`
+        (`prepare`'s default) every rank then raises `megapar.faults.stop.NonFiniteError`
+        naming the step and what was not finite; in fp16, where the loss scaler skips steps
+        whose gradients overflow, only `max_nonfinite_steps` (default 5) such steps in a row, or
+        one at the loss scale's floor, raise, as in megapar-train. With "skip" the non-finite
+        loss is returned.
         """
-        return self.run_step(self.split(self._checked(batch, "train_step"))).loss
+        result = self.run_step(self.split(self._checked(batch, "train_step")))
+        if self.on_nonfinite == "raise":
+            self._guard.observe(self.step, result.loss, result.grad_norm, result.skipped,
+                                result.loss_scale)
+        _returned("train_step")
+        return result.loss
 
     def _checked(self, batch, what: str) -> dict:
+        if what == "train_step":
+            set_step(self.step + 1)  # the step this batch is for
+        set_action(f"{what}: checking the batch")
         batch = check_batch(batch, self.config, what)
         if self.mesh.cp > 1:
             check_length(batch["input_ids"].shape[1], self.mesh.cp)
-        if not self._batch_seen:
-            same_on_every_rank(batch, self.mesh.device, what)
-            self._batch_seen = True
+        same_on_every_rank(batch, self.mesh.device, what)
         return batch
 
     @torch.no_grad()
@@ -186,7 +222,9 @@ class Engine:
                 loss = executor.run(micro, forward_only=True)
         finally:
             self.model.train()
-        return dp_mean(float(loss), self.mesh)
+        loss = dp_mean(float(loss), self.mesh)
+        _returned("eval_step")
+        return loss
 
     # checkpoints ----------------------------------------------------------------------------
     def recorded_settings(self) -> dict:
@@ -231,8 +269,10 @@ class Engine:
             meta["hf_dtype"] = self.source_dtype
         if self.source_generation_config is not None:
             meta["hf_generation_config"] = self.source_generation_config
-        return save_checkpoint(path, self.step, self.model, self.mesh,
-                               self.optimizer.state_tensors(), meta, self.rng_state())
+        out = save_checkpoint(path, self.step, self.model, self.mesh,
+                              self.optimizer.state_tensors(), meta, self.rng_state())
+        _returned("engine.save")
+        return out
 
     def load(self, path: str | Path):
         """Restore weights, optimizer, loss scale, LR schedule, RNG and step from a checkpoint
@@ -256,6 +296,8 @@ class Engine:
         self.source_dtype = meta.get("hf_dtype", self.source_dtype)
         self.source_generation_config = meta.get("hf_generation_config",
                                                  self.source_generation_config)
+        set_step(self.step)
+        _returned("engine.load")
         return state
 
     def export_hf(self, path: str | Path, tokenizer=None, dtype: str | None = None,
@@ -293,6 +335,7 @@ class Engine:
         outcome = _broadcast_text(outcome, self.mesh)
         if outcome:
             raise RuntimeError(f"export to {path} failed: {outcome}")
+        _returned("engine.export_hf")
         return path
 
     # RNG ------------------------------------------------------------------------------------
@@ -311,6 +354,12 @@ class Engine:
             torch.cuda.set_rng_state(rng["cuda"], self.mesh.device)
         if "tp" in rng and getattr(self.model, "tracker", None) is not None:
             self.model.tracker.tp_state = rng["tp"]
+
+
+def _returned(call: str) -> None:
+    """The rank's status (`megapar.faults.status`) once an API call is done: the caller's own
+    code runs until the next one, and a failure there is not megapar's last action."""
+    set_action(f"{call} returned; in the caller's code")
 
 
 def dp_mean(value: float, mesh: Mesh) -> float:

@@ -155,11 +155,17 @@ class MetricsLogger(NullLogger):
 
 
 def format_line(step: int, m: dict) -> str:
-    """The console log line."""
+    """The console log line: `bubble` with a pipeline, `grad-reduce wait` (the idle share of a
+    step without one: waiting for the data-parallel gradient reduction) at pp 1 with dp or cp,
+    neither at pp 1 alone."""
     parts = [f"step {step:>6}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.3e}",
              f"grad_norm {m['grad_norm']:.3f}", f"tok/s {m['tokens_per_s']:,.0f}",
-             f"TFLOP/s {m['tflops']:.3f}", f"MFU {100 * m['mfu']:.2f}%",
-             f"bubble {100 * m['bubble']:.1f}%", f"mem {m['peak_mem_mb']:,.0f} MB"]
+             f"TFLOP/s {m['tflops']:.3f}", f"MFU {100 * m['mfu']:.2f}%"]
+    if "bubble" in m:
+        parts.append(f"bubble {100 * m['bubble']:.1f}%")
+    if "grad_reduce_wait" in m:
+        parts.append(f"grad-reduce wait {100 * m['grad_reduce_wait']:.1f}%")
+    parts.append(f"mem {m['peak_mem_mb']:,.0f} MB")
     if m.get("skipped"):
         parts.append("skipped (inf/nan)")
     if "loss_scale" in m and m["loss_scale"] != 1.0:

@@ -178,7 +178,12 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def bubble(self) -> float:
-        """Measured bubble fraction of the last step over all stages (collective over pp)."""
+        """The idle share of the last step's schedule, averaged over the stages (collective over
+        pp): the time from the first forward to the loss in which a stage ran no forward /
+        backward. With pp > 1 that is the pipeline bubble (plus any gradient reduction the
+        backward did not hide); at pp 1 there is no bubble, and it is the wait after the last
+        backward for the data-parallel (x cp) gradient reduction (and for slower dp ranks),
+        logged as `grad_reduce_wait`."""
 
         timeline = gather_timeline(self.executor.last_timeline, self.mesh)
         if timeline is None or not timeline.events:  # not pp rank 0, or tracing was off
@@ -234,7 +239,10 @@ class Trainer:
                            "skipped": bool(result.skipped), "loss_scale": float(result.loss_scale)}
                 logging_step = self.step % cfg.log_interval == 0 or self.step == cfg.max_steps
                 if logging_step:
-                    metrics["bubble"] = self.bubble()
+                    if mesh.pp > 1:
+                        metrics["bubble"] = self.bubble()
+                    elif mesh.dp * mesh.cp > 1:  # no pipeline: the idle share is this wait
+                        metrics["grad_reduce_wait"] = self.bubble()
                     metrics["peak_mem_mb"] = peak_memory_mb(mesh.device)
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0:
                     val = self.evaluate()

@@ -10,12 +10,13 @@ import torch
 
 from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
 from megapar.device import DEFAULT_TIMEOUT_S
+from megapar.faults.status import set_action, set_step
 from megapar.mesh import Mesh, same_on_all_ranks
 from megapar.models.config import ConfigError, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.training.config import TrainConfig
-from megapar.training.engine import Engine
+from megapar.training.engine import ON_NONFINITE, Engine
 
 
 def _resolve_model(model):
@@ -61,7 +62,7 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
             recompute: str = "none", precision: str = "fp32", zero: int = 0,
             optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
             clip_grad: float = 0.0, lr_schedule=None, seed: int = 1234,
-            timeout_s: float | None = None, **options) -> Engine:
+            timeout_s: float | None = None, on_nonfinite: str = "raise", **options) -> Engine:
     """Shard `model` over this process's ranks and return its `Engine` (collective: call it on
     every rank, inside the function `megapar.launch` runs, or under torchrun / Slurm).
 
@@ -78,8 +79,19 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
     like), a megapar `LRScheduler`, or a dict of its fields (warmup_steps, max_steps, decay,
     min_lr). Any other `TrainConfig` field (e.g. lr_scale_with_batch, global_batch_size) can be
     passed as a keyword.
+    on_nonfinite: a step whose loss or gradients are not finite is never applied (weights and
+    optimizer state stay as they were); "raise" (default): `train_step` raises
+    `megapar.faults.stop.NonFiniteError` on every rank, naming the step and what was not
+    finite (in fp16 only when the loss scaler gives up: `max_nonfinite_steps` skipped steps in
+    a row, or an overflow at its floor, as in megapar-train); "skip": it returns the
+    non-finite loss, for loops that handle it themselves.
     """
 
+    set_step(None)  # a new engine: no step yet (a forked rank inherits its parent's status)
+    set_action("megapar.prepare: checking its arguments")
+    if on_nonfinite not in ON_NONFINITE:
+        raise ValueError(f"megapar.prepare: on_nonfinite={on_nonfinite!r} is not one of "
+                         f"{', '.join(map(repr, ON_NONFINITE))}")
     config, reader = _resolve_model(model)
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrainConfig)})
     if unknown:
@@ -95,8 +107,10 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
         raise TypeError("lr_schedule must be None, a dict of LRScheduler fields or an "
                         "LRScheduler; for any other schedule use a torch LR scheduler on "
                         "engine.optimizer")
-    engine = Engine(cfg, config, scheduler=lr_schedule)
+    set_action("megapar.prepare: building the engine (mesh, model stage, optimizer)")
+    engine = Engine(cfg, config, scheduler=lr_schedule, on_nonfinite=on_nonfinite)
     if reader is not None:
+        set_action(f"megapar.prepare: loading the {type(model).__name__}'s weights")
         engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
 
         _check_same_weights(model, engine.mesh)
@@ -105,4 +119,5 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
             warnings.warn(f"megapar.prepare: the {type(model).__name__} has no {', '.join(missing)}"
                           f"; initialised from seed {seed} (pass the model with its head to keep "
                           f"trained ones)", stacklevel=2)
+    set_action("megapar.prepare returned; in the caller's code")
     return engine

@@ -10,8 +10,10 @@
 3. sum the tied embedding's gradient over the first and last stage (pp > 1);
 4. fp16: unscale the gradients and agree, over the whole world, whether any is inf / NaN;
 5. clip to the global gradient norm (over tp x pp, each parameter counted once);
-6. step the optimizer unless the step overflowed (any precision: a non-finite gradient norm is
-   never applied); update the loss scale.
+6. step the optimizer unless the step overflowed (any precision: a non-finite gradient norm or
+   loss is never applied); update the loss scale. The loss is all-reduced over dp before the
+   norm (every rank holds the same global loss) and read with it, so a non-finite loss skips
+   the update on every rank alike, without another wait for the device.
 
 With the ZeRO-1 distributed optimizer (`optim/zero.py`, dp x cp > 1) the gradient buffer is
 reduce-scattered, not all-reduced: step 3 runs inside `grad_sync.finish()` before the buffer
@@ -87,7 +89,7 @@ class StepResult:
     lr: float
     """Learning rate used for this step."""
     skipped: bool
-    """The step found an inf / NaN gradient and did not update the weights."""
+    """The step found an inf / NaN gradient or loss and did not update the weights."""
     loss_scale: float
     """Loss scale used for this step's backward (1.0 unless fp16)."""
 
@@ -149,6 +151,9 @@ class TrainStep:
         with self.precision.autocast():
             loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
         self.sync_gradients()
+        loss = loss.detach().float().reshape(()).clone()
+        set_action("loss all-reduce over dp")
+        all_reduce(loss, self.mesh.dp_group)
         set_action("gradient inf/NaN check (all-reduce over all ranks)")
         skipped = self.precision.unscale_and_check(
             self.optimizer.grad_tensors() if self.sharded else self.params)
@@ -159,13 +164,11 @@ class TrainStep:
             norm = self.optimizer.clip_grad_norm(self.mesh, self.clip_grad)
         else:
             norm = clip_grad_norm(self.model, self.mesh, self.clip_grad)
-        # A non-finite gradient is never applied (the norm is global: every rank agrees).
-        skipped = skipped or not math.isfinite(norm)
+        mean_loss = loss.item() / self.mesh.dp  # complete by now: the norm was read after it
+        # A non-finite gradient or loss is never applied (both are global: every rank agrees).
+        skipped = skipped or not (math.isfinite(norm) and math.isfinite(mean_loss))
         if not skipped:
             set_action("optimizer step (ZeRO / trust-ratio collectives)")
             self.optimizer.step()
         self.precision.update(skipped)
-        loss = loss.detach().float().reshape(()).clone()
-        set_action("loss all-reduce over dp")
-        all_reduce(loss, self.mesh.dp_group)
-        return StepResult(loss.item() / self.mesh.dp, norm, lr, skipped, scale)
+        return StepResult(mean_loss, norm, lr, skipped, scale)

@@ -1,0 +1,48 @@
+"""The step log names what it measures: a pipeline bubble only where there is a pipeline.
+
+At pp 1 the idle share of the step the log called "bubble" (10.6 % at dp 2 in the field) is the
+wait, after the last backward, for the data-parallel gradient reduction that the backward did
+not hide (and for the slower dp ranks): it is logged as `grad_reduce_wait` there, and nothing
+at pp 1 without data parallelism.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megapar.cli.train import main
+from megapar.data import asset_path
+from megapar.training.logging import format_line
+
+TINY = ["--model", "gpt2-tiny", "--tokenizer", "sentencepiece", "--seq-len", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--max-steps", "2",
+        "--log-interval", "1", "--eval-interval", "0", "--no-progress"]
+
+
+@pytest.mark.parametrize("layout, logged, absent", [
+    (["--dp", "2"], "grad_reduce_wait", "bubble"),
+    (["--pp", "2"], "bubble", "grad_reduce_wait")])
+def test_the_log_calls_the_idle_share_a_bubble_only_with_a_pipeline(tmp_path, capfd, layout,
+                                                                     logged, absent):
+    text = tmp_path / "sample.txt"
+    text.write_text(Path(asset_path("shakespeare_sample.txt")).read_text()[:20_000])
+    log = tmp_path / "log.jsonl"
+    assert main([*TINY, *layout, "--data", str(text), "--data-cache", str(tmp_path / "cache"),
+                 "--log-json", str(log)]) == 0
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        assert absent not in record and 0.0 <= record[logged] <= 1.0, record
+    lines = [x for x in capfd.readouterr().out.splitlines() if x.startswith("step ")]
+    label = {"bubble": "bubble", "grad_reduce_wait": "grad-reduce wait"}
+    assert len(lines) == 2 and all(f"| {label[logged]} " in x for x in lines), lines
+    assert not any(f"| {label[absent]} " in x for x in lines), lines
+
+
+def test_a_step_without_pipeline_or_dp_logs_neither():
+    metrics = {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1e3, "tflops": 0.1,
+               "mfu": 0.01, "peak_mem_mb": 100.0}
+    line = format_line(3, metrics)
+    assert "bubble" not in line and "wait" not in line
+    assert "bubble 12.5%" in format_line(3, {**metrics, "bubble": 0.125})
