@@ -11,6 +11,7 @@ lm-evaluation-harness (when installed: `pip install megapar[eval]`).
 """
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -25,6 +26,7 @@ from megapar.cli.convert import main as convert
 from megapar.cli.data import main as data_main
 from megapar.cli.train import main as train
 from megapar.data import asset_path, load_tokenizer
+from megapar.data.hf_tokenizer import save_for_transformers
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -248,6 +250,24 @@ def exports(tmp_path_factory, text):
                       *TINY]) == 0
         assert convert([str(root / f"ckpt-{kind}"), "--to-hf", str(root / f"hf-{kind}")]) == 0
     return root
+
+
+def test_exporting_a_tokenizer_for_a_short_model_logs_no_warning(tmp_path):
+    """The export's check encodes texts longer than the model's positions: transformers'
+    "sequence length is longer than the specified maximum" must not reach the user."""
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    library = logging.getLogger("transformers")  # it does not propagate to the root logger
+    transformers.logging.set_verbosity_warning()  # this module silences it otherwise
+    library.addHandler(handler)
+    try:
+        save_for_transformers(load_tokenizer("gpt2"), str(tmp_path / "tok"), model_max_length=64)
+    finally:
+        library.removeHandler(handler)
+        transformers.logging.set_verbosity_error()
+    assert logged == []
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "tok").model_max_length == 64
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
