@@ -233,6 +233,17 @@ def group_timeout_s(name: str, timeout_s: float, nccl_timeout_s: float | None = 
     return max(timeout_s, nccl_timeout_s or DEFAULT_NCCL_TIMEOUT_S)
 
 
+def process_group_timeout_s(group=None) -> float | None:
+    """The timeout of process group `group` (default: the world group) in seconds, as its
+    backend holds it (gloo's or NCCL's options), or None where torch does not tell."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        dev = torch.device("cuda" if backend() == "nccl" else "cpu")
+        return pg._get_backend(dev).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def init_distributed(rank: int | None = None, world_size: int | None = None,
                      timeout_s: float | None = None, store=None,
                      nccl_timeout_s: float | None = None) -> None:
