@@ -395,3 +395,31 @@ def test_the_save_lock_is_exclusive_and_released_on_an_exception(tmp_path):
         with SaveLock(tmp_path / "ckpt"):
             raise RuntimeError("boom")
     assert list((tmp_path / "ckpt").iterdir()) == []  # released: nothing left
+
+
+def test_the_stopped_rank_is_blamed_not_the_ones_still_waiting_for_it():
+    """Rank 1 stopped; ranks 2 and 3 timed out; rank 0, waiting for rank 1 as well, had not
+    reported yet when the launcher gave up: rank 1 is the cause (it used to read "rank 0 did
+    not answer", rank 1 second)."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from megapar.faults.blame import blame
+
+    live, halted = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    try:
+        os.kill(halted.pid, signal.SIGSTOP)
+        _wait_for(lambda: open(f"/proc/{halted.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+                  == "T", timeout=10)
+        procs = [SimpleNamespace(pid=p.pid, exitcode=None) for p in (live, halted, live, live)]
+        timeout = "P2PTimeoutError: rank {} (pp stage 1): receiving ... did not complete within 10 s"
+        text = blame(procs, {}, {2: timeout.format(2), 3: timeout.format(3)},
+                     ["step 5, forward", "step 5, forward of micro-batch 1", "", ""])
+    finally:
+        for p in (live, halted):
+            p.kill()
+            p.wait()
+    lines = text.splitlines()
+    assert lines[0] == ("rank 1 did not answer (it is stopped (SIGSTOP / SIGTSTP?)) at step 5, "
+                        "forward of micro-batch 1"), text
+    assert lines[1] == "(ranks [0] were still waiting)", text

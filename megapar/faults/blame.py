@@ -3,7 +3,8 @@
 A worker killed by a signal never reports; the ranks blocked in a collective with it fail a
 moment later with connection errors or timeouts. `blame` puts the cause first: a rank that died
 (with its signal or exit code), else a rank whose error is its own, else the live ranks that never
-answered while the others timed out (stopped ones said so, from /proc).
+answered while the others timed out: the stopped ones (from /proc) when there are any, since the
+others are still waiting for them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
     Cause, in order: ranks that died without a report (their signal / exit code, and from
     `statuses`, each rank's last "step S, action", where they were); ranks whose error is not a
     communication timeout or lost connection; live ranks that never answered while the others
-    timed out waiting for them."""
+    timed out waiting for them (only the stopped ones, with where they stopped, when some
+    are)."""
     def where(r: int) -> str:
         last = statuses[r] if statuses and r < len(statuses) else ""
         return f" at {last}" if last else ""
@@ -58,8 +60,11 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
         lines = [f"rank {first} failed: {own[first]}"]
         rest = {r: e for r, e in errors.items() if r != first}
     elif silent and errors:
-        lines = [f"rank {r} did not answer" + (f" (it {state(procs[r])})" if state(procs[r])
-                                               else "") for r in silent]
+        stuck = [r for r in silent if state(procs[r])]
+        lines = [f"rank {r} did not answer" + (f" (it {state(procs[r])}){where(r)}"
+                                               if r in stuck else "") for r in stuck or silent]
+        if stuck and len(stuck) < len(silent):  # waiting for it, their timeout not yet up
+            lines.append(f"(ranks {[r for r in silent if r not in stuck]} were still waiting)")
         rest = errors
     else:
         first = min(errors)
