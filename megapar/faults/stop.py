@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megapar.faults import status as _status
+from megapar.faults.blame import stopped_siblings
 
 
 class RunStopped(RuntimeError):
@@ -191,9 +192,10 @@ def watch_sigterm(dump: bool = False) -> bool:
     killed with SIGKILL, leaving its --save lock behind. Here the signal wakes a thread (the
     signal module's wakeup fd) which, once the main thread has been blocked in one call for
     `BLOCKED_S`, writes the rank's Python stacks and what it waited for as one block to stderr,
-    runs the `on_forced_exit` cleanups and exits with code 143: at once when the SIGTERM handler
+    runs the `on_forced_exit` cleanups, names (and continues, `blame.stopped_siblings`) a stopped
+    torchrun rank of this node and exits with code 143: at once when the SIGTERM handler
     ends the process (`exits_at_once`: before training, the lock's), `STOP_GRACE_S` after the
-    signal when it asks for a clean stop. `dump`: also write the stacks as the signal comes
+    signal when it asks for a clean stop. `dump`: write the stacks as the signal comes instead
     (torchrun / Slurm, where no launcher of ours collects them). Needs a Python handler for
     SIGTERM (`terminate_on_sigterm`). Returns whether the watch runs (not where another wakeup
     fd is in use, or off the main thread)."""
@@ -262,11 +264,12 @@ def _end_if_blocked() -> None:
             done.append(what)
         except Exception:  # noqa: BLE001, S110 - exiting anyway
             pass
+    stuck = stopped_siblings(resume=True)  # torchrun's: what it may have waited for
     waited = time.monotonic() - _watch["since"]
     _write_block(f"megapar: rank {_rank()}: SIGTERM {waited:.0f} s ago and still blocked at "
                  f"{_status.status()} (a wait that cannot see the signal): exiting with code "
-                 f"{SIGTERM_EXIT_CODE}" + "".join(f"; {d}" for d in done)
-                 + f"; its Python stacks:\n{_stacks()}")
+                 f"{SIGTERM_EXIT_CODE}" + "".join(f"; {d}" for d in [*done, stuck] if d)
+                 + ("" if _watch["dump"] else f"; its Python stacks:\n{_stacks()}"))
     os._exit(SIGTERM_EXIT_CODE)
 
 
