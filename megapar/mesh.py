@@ -194,13 +194,17 @@ class Mesh:
 
         # new_group is collective over the whole world, so every rank creates every group in
         # the same order. The mesh dimensions, as init_device_mesh would make them but with
-        # the run's timeout (it takes none):
+        # the run's timeout (it takes none); one spanning the world is the world group, as
+        # there, when its timeout is the same (no second NCCL communicator):
         names, sizes = layout.mesh_dims
         grid = torch.arange(layout.world_size).reshape(sizes)
         dims = {}
         for i, name in enumerate(names):
             along = grid.movedim(i, -1).reshape(-1, sizes[i]).tolist()
-            dims[name] = self._new_groups(along, f"mesh_{name}")
+            if sizes[i] == world and world_timeout == self.group_timeout.total_seconds():
+                dims[name] = dist.group.WORLD
+            else:
+                dims[name] = self._new_groups(along, f"mesh_{name}")
         self.device_mesh = DeviceMesh.from_group([dims[n] for n in names], self.device.type,
                                                  mesh=grid, mesh_dim_names=names)
         self.tp_group, self.cp_group = dims["tp"], dims["cp"]
