@@ -19,6 +19,8 @@ import torch.distributed as dist
 # `megapar.launcher.release_process_groups` could never free it.
 import torch.distributed.nn  # noqa: F401
 
+from megapar.faults.status import set_action
+
 #: Default timeout for every collective and point-to-point operation (seconds). A rank that
 #: waits longer raises instead of hanging. Override with MEGAPAR_TIMEOUT_S.
 DEFAULT_TIMEOUT_S = float(os.environ.get("MEGAPAR_TIMEOUT_S", "300"))
@@ -233,6 +235,17 @@ def group_timeout_s(name: str, timeout_s: float, nccl_timeout_s: float | None = 
     return max(timeout_s, nccl_timeout_s or DEFAULT_NCCL_TIMEOUT_S)
 
 
+def process_group_timeout_s(group=None) -> float | None:
+    """The timeout of process group `group` (default: the world group) in seconds, as its
+    backend holds it (gloo's or NCCL's options), or None where torch does not tell."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        dev = torch.device("cuda" if backend() == "nccl" else "cpu")
+        return pg._get_backend(dev).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def init_distributed(rank: int | None = None, world_size: int | None = None,
                      timeout_s: float | None = None, store=None,
                      nccl_timeout_s: float | None = None) -> None:
@@ -260,6 +273,8 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
         torch.cuda.set_device(dev)
     wait = timeout_s or DEFAULT_TIMEOUT_S
     groups = group_timeout_s(backend(), wait, nccl_timeout_s)
+    set_action(f"joining the process group (waiting up to {wait:g} s for all {world_size} "
+               f"ranks)")
     try:
         if store is None:  # torch's env:// rendezvous, waiting `wait`, not the groups' timeout
             store, _, _ = next(dist.rendezvous("env://", rank, world_size,
@@ -273,3 +288,4 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
             f"group; some never did (a process that was refused, crashed or never started). "
             f"Under torchrun / Slurm give every node the same command and let each reach "
             f"MASTER_ADDR:MASTER_PORT; --timeout-s sets the wait ({exc})") from None
+    set_action("joined the process group")

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megapar import device as _device
 from megapar.faults import status as diagnostics
+from megapar.faults import stop
 from megapar.faults.blame import blame, state
 from megapar.faults.processes import die_with_parent, launcher_alive, pid_alive  # noqa: F401
 from megapar.faults.status import diagnose
@@ -73,6 +74,8 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
             status, stacks, nccl_timeout_s=None):
     die_with_parent(parent)
     diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))
+    stop.terminate_on_sigterm(replace=True)  # not the launcher's handler (its --save lock's)
+    stop.watch_sigterm()  # a forwarded SIGTERM is obeyed while waiting
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
     os.environ.update(env)
     os.environ.update({
@@ -295,7 +298,9 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun: die with its agent
             die_with_parent(os.getppid())
 
-        diagnostics.install(int(os.environ["RANK"]), on_sigterm=True)
+        diagnostics.install(int(os.environ["RANK"]))
+        stop.terminate_on_sigterm()  # torchrun's SIGTERM: obeyed while waiting, stacks
+        stop.watch_sigterm(dump=True)  # written as one block
         ours = not dist.is_initialized()
         _device.init_distributed(timeout_s=collective_timeout_s, nccl_timeout_s=nccl_timeout_s)
         out = fn(*args)

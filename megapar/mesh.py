@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import cached_property
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from megapar import device as _device
 
@@ -143,22 +144,29 @@ class Mesh:
     `torch.distributed.device_mesh.DeviceMesh` with dims ("dp", "pp", "cp", "tp") (or
     ("pp", "dp", "cp", "tp")); `dp_cp_group` (gradients), `mp_group` (tp x pp: the gradient
     norm) and `embedding_group` (the tied embedding's first and last stage) come on top.
+
+    Every group waits at most `timeout_s` (`group_timeout`): a collective on it that a rank
+    never joins raises on the others after that long, synchronous ones included (torch's
+    subgroups would otherwise keep its default of 30 minutes on gloo).
     """
 
     timeout_s: float = _device.DEFAULT_TIMEOUT_S
-    """How long a context-parallel exchange may wait (gloo; NCCL: the process group's timeout);
-    `from_env` sets it from the run's timeout."""
+    """How long a wait on this mesh's groups may last (gloo; on NCCL the groups keep the world
+    group's watchdog timeout, see `group_timeout`). `timeout_s` of the constructor or
+    `from_env` sets it; by default the world group's own."""
 
     sequence_parallel: bool = False
     """Megatron sequence parallelism: outside the tp regions activations are split along the
     sequence over the tp group (`tensor_parallel/sequence_parallel.py`). Set it on the mesh
     before building a model; layers read it when they are built."""
 
-    def __init__(self, layout: Layout, rank: int = 0):
+    def __init__(self, layout: Layout, rank: int = 0, timeout_s: float | None = None):
         self.layout = layout
         self.rank = rank
         self.tp_rank, self.cp_rank, self.pp_rank, self.dp_rank = layout.coords4(rank)
         self.device = _device.device()
+        if timeout_s:
+            self.timeout_s = timeout_s
         self.device_mesh = None
         self.tp_group = self.cp_group = self.pp_group = self.dp_group = None
         self.dp_cp_group = self.mp_group = self.embedding_group = None
@@ -176,16 +184,34 @@ class Mesh:
                 f"{'*'.join(str(getattr(layout, n)) for n in split.split('*'))} = "
                 f"{layout.world_size}; launch {layout.world_size} processes or change the layout")
 
-        names, sizes = layout.mesh_dims
-        self.device_mesh = init_device_mesh(self.device.type, sizes, mesh_dim_names=names)
-        self.tp_group = self.device_mesh.get_group("tp")
-        self.cp_group = self.device_mesh.get_group("cp")
-        self.pp_group = self.device_mesh.get_group("pp")
-        self.dp_group = self.device_mesh.get_group("dp")
-        self.dp_cp_group = self.dp_group
+        world_timeout = _device.process_group_timeout_s()
+        if not timeout_s and world_timeout and _device.backend() != "nccl":
+            self.timeout_s = world_timeout
+        self.group_timeout = timedelta(seconds=_device.group_timeout_s(
+            _device.backend(), self.timeout_s, world_timeout))
+        """The timeout every group of this mesh is created with: gloo's is `timeout_s`;
+        NCCL's is its watchdog's, the world group's (`init_distributed`), never shorter."""
+
         # new_group is collective over the whole world, so every rank creates every group in
-        # the same order. Gradient reduction (cp x dp), model-parallel (tp x pp) and embedding
-        # groups (first + last stage):
+        # the same order. The mesh dimensions, as init_device_mesh would make them but with
+        # the run's timeout (it takes none); one spanning the world is the world group, as
+        # there, when its timeout is the same (no second NCCL communicator):
+        names, sizes = layout.mesh_dims
+        grid = torch.arange(layout.world_size).reshape(sizes)
+        dims = {}
+        for i, name in enumerate(names):
+            along = grid.movedim(i, -1).reshape(-1, sizes[i]).tolist()
+            if sizes[i] == world and world_timeout == self.group_timeout.total_seconds():
+                dims[name] = dist.group.WORLD
+            else:
+                dims[name] = self._new_groups(along, f"mesh_{name}")
+        self.device_mesh = DeviceMesh.from_group([dims[n] for n in names], self.device.type,
+                                                 mesh=grid, mesh_dim_names=names)
+        self.tp_group, self.cp_group = dims["tp"], dims["cp"]
+        self.pp_group, self.dp_group = dims["pp"], dims["dp"]
+        self.dp_cp_group = self.dp_group
+        # Gradient reduction (cp x dp), model-parallel (tp x pp) and embedding groups (first +
+        # last stage):
         L = layout
         if L.cp > 1:
             self.dp_cp_group = self._new_groups(
@@ -198,12 +224,13 @@ class Mesh:
             [sorted({L.rank(t, 0, d, c), L.rank(t, L.pp - 1, d, c)})
              for d in range(L.dp) for c in range(L.cp) for t in range(L.tp)])
 
-    def _new_groups(self, all_ranks: list[list[int]]):
-        """Create one process group per rank list (collective: every rank creates all of
-        them, in the same order); returns the one holding this rank."""
+    def _new_groups(self, all_ranks: list[list[int]], desc: str | None = None):
+        """Create one process group per rank list, each with `group_timeout` (collective:
+        every rank creates all of them, in the same order); returns the one holding this
+        rank."""
         mine = None
         for ranks in all_ranks:
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=self.group_timeout, group_desc=desc)
             if self.rank in ranks:
                 mine = group
         return mine
@@ -236,11 +263,9 @@ class Mesh:
         layout = Layout.infer(world, tp, pp, dp, order, cp)
         if world > 1:
             _device.init_distributed(timeout_s=timeout_s)
-            mesh = cls(layout, dist.get_rank())
+            mesh = cls(layout, dist.get_rank(), timeout_s)
         else:
-            mesh = cls(layout, 0)
-        if timeout_s:
-            mesh.timeout_s = timeout_s
+            mesh = cls(layout, 0, timeout_s)
         return mesh
 
     # sizes --------------------------------------------------------------------------------

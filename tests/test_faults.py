@@ -395,3 +395,222 @@ def test_the_save_lock_is_exclusive_and_released_on_an_exception(tmp_path):
         with SaveLock(tmp_path / "ckpt"):
             raise RuntimeError("boom")
     assert list((tmp_path / "ckpt").iterdir()) == []  # released: nothing left
+
+
+def test_a_forked_worker_does_not_release_its_launchers_lock(tmp_path):
+    """Local workers are forked from megapar-train's process, which holds the lock: a worker
+    that ends (its inherited SIGTERM handler released the lock) deleted the launcher's file."""
+    from megapar.checkpoint.lock import SaveLock
+
+    lock = SaveLock(tmp_path / "ckpt").acquire()
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            lock.release()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert (tmp_path / "ckpt" / "megapar.lock").exists()
+    finally:
+        lock.release()
+    assert not (tmp_path / "ckpt" / "megapar.lock").exists()
+
+
+def test_the_stopped_rank_is_blamed_not_the_ones_still_waiting_for_it():
+    """Rank 1 stopped; ranks 2 and 3 timed out; rank 0, waiting for rank 1 as well, had not
+    reported yet when the launcher gave up: rank 1 is the cause (it used to read "rank 0 did
+    not answer", rank 1 second)."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from megapar.faults.blame import blame
+
+    live, halted = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    try:
+        os.kill(halted.pid, signal.SIGSTOP)
+        assert _wait_for(lambda: _state(halted.pid) == "T", timeout=10)
+        procs = [SimpleNamespace(pid=p.pid, exitcode=None) for p in (live, halted, live, live)]
+        timeout = "P2PTimeoutError: rank {} (pp stage 1): receiving ... did not complete within 10 s"
+        text = blame(procs, {}, {2: timeout.format(2), 3: timeout.format(3)},
+                     ["step 5, forward", "step 5, forward of micro-batch 1", "", ""])
+    finally:
+        for p in (live, halted):
+            p.kill()
+            p.wait()
+    lines = text.splitlines()
+    assert lines[0] == ("rank 1 did not answer (it is stopped (SIGSTOP / SIGTSTP?)) at step 5, "
+                        "forward of micro-batch 1"), text
+    assert lines[1] == "(ranks [0] were still waiting)", text
+
+
+def test_a_rank_under_torchrun_names_a_stopped_rank_of_its_node_and_continues_it():
+    """torchrun's workers are siblings (one parent, RANK in their environment): the rank whose
+    wait timed out names the stopped one and sends it SIGCONT, so that it ends as well instead
+    of when torchrun's SIGKILL comes 30 s after the SIGTERM a stopped process cannot act on."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    halted = subprocess.Popen(["sleep", "60"], env={**env, "RANK": "1"})
+    try:
+        os.kill(halted.pid, signal.SIGSTOP)
+        assert _wait_for(lambda: _state(halted.pid) == "T", timeout=10)
+        code = "from megapar.faults.blame import stopped_siblings; print(stopped_siblings())"
+        asked = subprocess.run([sys.executable, "-c", code], env={**env, "RANK": "0"},
+                               capture_output=True, text=True, timeout=120, check=False)
+        assert asked.stdout.strip() == (f"on this node rank 1 (pid {halted.pid}) is stopped "
+                                        f"(SIGSTOP / SIGTSTP?)"), asked
+        assert _wait_for(lambda: _state(halted.pid) == "S", timeout=10)  # running again
+    finally:
+        halted.kill()
+        halted.wait()
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _torchrun_rank0_alone(save, port, err, writes):
+    """Rank 0 of 2 under torchrun (its environment), holding the --save lock as megapar-train's
+    does, waits for rank 1, which never comes. Its stderr goes to `err`; the size of every
+    os.write to it is appended to `writes`."""
+    from megapar.checkpoint.lock import SaveLock
+    from megapar.launcher import run_workers
+
+    fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    real = os.write
+
+    def recording(f, data):
+        if f == 2:
+            with open(writes, "a") as w:
+                w.write(f"{len(data)}\n")
+        return real(f, data)
+
+    os.write = recording
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS"):
+        os.environ.pop(name, None)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    lock = SaveLock(save).acquire()
+    try:
+        run_workers(lambda: None, 2, collective_timeout_s=120)
+    finally:
+        lock.release()
+
+
+def test_a_torchrun_rank_waiting_for_the_group_obeys_sigterm_and_releases_its_lock(tmp_path):
+    """torchrun's SIGTERM while rank 0 waits in the rendezvous: Python runs no handler there,
+    so the rank used to stay until torchrun's SIGKILL 30 s later, leaving its --save lock. It
+    exits at once (143), the lock released, its stacks written as one block (one write)."""
+    import multiprocessing as mp
+
+    from megapar.launcher import free_port
+
+    save, err, writes = tmp_path / "ckpt", tmp_path / "err.txt", tmp_path / "writes.txt"
+    p = mp.get_context("fork").Process(target=_torchrun_rank0_alone,
+                                       args=(save, free_port(), err, writes))
+    p.start()
+    try:
+        assert _wait_for(lambda: (save / "megapar.lock").exists(), timeout=30)
+        time.sleep(2.0)  # in the rendezvous by now
+        start = time.monotonic()
+        os.kill(p.pid, signal.SIGTERM)
+        p.join(timeout=20)
+        took = time.monotonic() - start
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert p.exitcode == 143 and took < 15, (p.exitcode, took, err.read_text())
+    assert not (save / "megapar.lock").exists()
+    text = err.read_text()
+    dump, _, end = text.partition("\nmegapar: rank 0: SIGTERM ")
+    assert dump.startswith("megapar: rank 0 received SIGTERM at ") and (
+        "joining the process group (waiting up to 120 s for all 2 ranks); its Python stacks:\n"
+        in dump.splitlines(keepends=True)[0]) and "in init_distributed" in dump, text
+    assert end.count("\n") == 1 and "--save lock released" in end, text  # stacks: above
+    sizes = [int(x) for x in writes.read_text().split()]  # two blocks, one write each
+    assert sizes == [len(dump.encode()) + 1, len(text.encode()) - len(dump.encode()) - 1], text
+
+
+def _sigterm_while_blocked():
+    """Rank 1 stops; rank 0, asked to stop cleanly (SIGTERM, as megapar-train's workers are),
+    is blocked in a synchronous all-reduce that waits for rank 1 (the run's timeout: 120 s)."""
+    import threading
+
+    from megapar.faults.stop import install_stop_handlers
+    from megapar.mesh import Layout, Mesh
+
+    mesh = Mesh(Layout(2, 1, 1), dist.get_rank())
+    install_stop_handlers("SIGTERM")
+    dist.barrier()
+    if mesh.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    dist.all_reduce(torch.zeros(1), group=mesh.tp_group)
+
+
+def test_a_sigterm_ends_a_rank_blocked_in_a_wait_after_the_grace(monkeypatch):
+    """A clean stop needs the step to end, which a wait that never completes prevents: the rank
+    ends STOP_GRACE_S (1 s here) after the signal instead of when the wait times out (120 s;
+    torchrun would SIGKILL it after 30 s, its --save lock left behind)."""
+    from megapar.faults import stop
+
+    monkeypatch.setattr(stop, "STOP_GRACE_S", 1.0, raising=False)
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        run_local(_sigterm_while_blocked, 2, timeout_s=60, collective_timeout_s=120)
+    assert time.monotonic() - start < 30
+    assert str(info.value).startswith("rank 0 exited with code 143"), str(info.value)
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_stopped_rank_is_named_and_every_rank_exits(tmp_path, common):
+    """torchrun, tp 2 x pp 2, --timeout-s 10, rank 1 SIGSTOPped mid-run: rank 0 used to sit in
+    the grad-norm all-reduce of a subgroup (torch's 30 minutes), rank 3 in the tied embedding's
+    (300 s), until torchrun's SIGKILL, with rank 0's --save lock left behind. Now every rank
+    exits non-zero within 30 s, the stopped rank named, the lock released."""
+    import re
+    import subprocess
+
+    log, ckpt, out = tmp_path / "log.jsonl", tmp_path / "ckpt", tmp_path / "out.txt"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "4", "-m", "megapar.cli.train", *common, "--tp", "2", "--pp", "2", "--timeout-s",
+            "10", "--max-steps", "400", "--save", str(ckpt), "--save-interval", "2",
+            "--log-json", str(log)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    with open(out, "w") as f:
+        run = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        assert _wait_for(lambda: len(_steps(log)) >= 3 or run.poll() is not None), \
+            out.read_text()
+        ranks = {}
+        for pid in _children(run.pid):
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env_of = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            ranks[int(env_of[b"RANK"])] = pid
+        assert sorted(ranks) == [0, 1, 2, 3], out.read_text()
+        start = time.monotonic()
+        os.kill(ranks[1], signal.SIGSTOP)
+        exits = {}
+        while len(exits) < 4 and time.monotonic() - start < 60:
+            exits.update({r: time.monotonic() - start for r, p in ranks.items()
+                          if r not in exits and not _alive(p)})
+            time.sleep(0.05)
+        run.wait(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    text = out.read_text()
+    assert len(exits) == 4 and max(exits.values()) < 30, (exits, text)
+    codes = dict(re.findall(r"rank\s+: (\d) \(local_rank: \d\)\s+exitcode\s+: (-?\d+)", text))
+    assert sorted(codes) == ["0", "1", "2", "3"] and "0" not in codes.values(), (codes, text)
+    assert "-9" not in codes.values(), (codes, text)  # nobody waited for torchrun's SIGKILL
+    named = [x for x in text.splitlines() if re.match(
+        r"megapar-train: error: rank \d failed at step \d+: on this node rank 1 \(pid \d+\) is "
+        r"stopped \(SIGSTOP / SIGTSTP\?\); here: ", x)]
+    assert named, text
+    assert not (ckpt / "megapar.lock").exists(), text

@@ -134,3 +134,68 @@ def test_cp_groups_of_every_rank():
         assert info["emb"] == info["mp"]
         assert (info["prev"], info["next"]) == ((None, layout.rank(t, 1, d, c)) if p == 0
                                                 else (layout.rank(t, 0, d, c), None))
+
+
+# --- every group waits the run's timeout --------------------------------------------------
+def _group_timeouts():
+    mesh = Mesh(Layout(2, 2, 1, cp=2), dist.get_rank())
+    names = ("tp_group", "cp_group", "pp_group", "dp_group", "dp_cp_group", "mp_group",
+             "embedding_group")
+    return mesh.timeout_s, {  # as gloo holds it
+        n: getattr(mesh, n)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for n in names}
+
+
+def test_every_group_of_the_mesh_has_the_runs_timeout():
+    """The DeviceMesh's groups and the ones made on top (torch's default: 30 min on gloo)."""
+    for timeout, groups in run_local(_group_timeouts, 8, collective_timeout_s=7):
+        assert timeout == 7
+        assert groups == dict.fromkeys(groups, 7.0), groups
+
+
+def _rank1_stops_in(wait: str):
+    """tp 2 x pp 2; rank 1 stops (SIGSTOP) instead of joining `wait`, which the others enter:
+    the grad-norm's synchronous all-reduce over mp_group (ranks 0, 2, 3), or the tied
+    embedding's all-reduce (rank 3, the other end of rank 1's embedding group)."""
+    import os
+    import signal
+
+    from torch import nn
+
+    from megapar.faults.status import set_action
+    from megapar.optim.clip import grad_norm
+    from megapar.pipeline.tied import sync_tied_embeddings
+
+    mesh = Mesh(Layout(2, 2, 1), dist.get_rank())
+    model = nn.Linear(2, 2)
+    model.weight.shared_embedding = True
+    model.weight.grad = torch.ones(2, 2)
+    dist.barrier()
+    if mesh.rank == 1:
+        set_action(f"about to stop before the {wait}")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if wait == "grad-norm all-reduce":
+        grad_norm(model, mesh)
+    elif mesh.rank == 3:
+        sync_tied_embeddings(model, mesh)
+    return mesh.rank
+
+
+@pytest.mark.parametrize("wait", ["grad-norm all-reduce", "tied-embedding all-reduce"])
+def test_a_wait_on_a_subgroup_ends_after_the_runs_timeout(wait):
+    """A rank that stops answering makes the others fail after the run's timeout (3 s here), not
+    torch's 30 minutes (subgroups) or megapar's default 300 s (the tied embedding), and the
+    launcher names it."""
+    import time
+
+    from megapar.launcher import WorkerError
+
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        run_local(_rank1_stops_in, 4, wait, timeout_s=90, collective_timeout_s=3)
+    took = time.monotonic() - start
+    assert took < 45, took
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("rank 1 did not answer (it is stopped"), str(info.value)
+    if wait == "tied-embedding all-reduce":
+        assert "tied embedding gradient" in str(info.value) and "within 3 s" in str(info.value)

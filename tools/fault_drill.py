@@ -1,12 +1,14 @@
 """Fault drill: inject faults into real `megapar-train` runs (tp 2 x pp 2, a tiny GPT-2) and
 print, for each, how long the run took to exit, what it left behind and what it lost.
 
-    python tools/fault_drill.py                 # every drill, ~3 minutes on 2 CPU cores
+    python tools/fault_drill.py                 # every drill, ~5 minutes on 2 CPU cores
     python tools/fault_drill.py --only sigterm sigkill-launcher
 
 Columns: fault; exit code; time from the fault to the last process gone; leftovers (live
-processes, staging directories, a `latest` that does not load); data lost (trained steps not in
-the newest checkpoint); the first line the launcher printed. Linux only (/proc).
+processes, staging directories, a `latest` that does not load, a lock file); data lost (trained
+steps not in the newest checkpoint); the first line the launcher printed (under torchrun, the
+time each rank's process ended, then the first line naming the stopped rank). The `*-torchrun*`
+drills run the ranks under torchrun instead of megapar-train's launcher. Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -52,22 +54,28 @@ def _steps(log: Path) -> list[int]:
 
 
 class Run:
-    def __init__(self, work: Path, name: str, extra: list[str], save: Path | None = None):
+    def __init__(self, work: Path, name: str, extra: list[str], save: Path | None = None,
+                 torchrun: bool = False):
         self.dir = work / name
         self.dir.mkdir()
         self.ckpt, self.log, self.out = save or self.dir / "ckpt", self.dir / "log.jsonl", \
             self.dir / "out"
-        argv = [sys.executable, "-m", "megapar.cli.train", "--tp", "2", "--pp", "2",
+        start = [sys.executable, "-m", "megapar.cli.train"]
+        if torchrun:  # torchrun's agent starts the 4 ranks (one process each)
+            start = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc-per-node", "4", "-m", "megapar.cli.train"]
+        argv = [*start, "--tp", "2", "--pp", "2",
                 "--model", str(work / "model.json"), "--data", str(work / "text.txt"),
                 "--tokenizer", "sentencepiece", "--data-cache", str(work / "cache"),
                 "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
                 "--log-interval", "1", "--eval-interval", "0", "--no-progress",
                 "--warmup-steps", "2", "--save", str(self.ckpt), "--log-json", str(self.log),
                 *extra]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(argv, stdout=open(self.out, "w"), stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
         self.workers: list[int] = []
+        self.torchrun = torchrun
 
     def wait_steps(self, n: int, timeout: float = 120.0) -> None:
         end = time.monotonic() + timeout
@@ -75,11 +83,26 @@ class Run:
             time.sleep(0.05)
         self.workers = [w for w in _children(self.proc.pid) if _alive(w)]
 
+    def rank_pid(self, rank: int) -> int:
+        """The pid of worker `rank`: its RANK (torchrun), else the rank-th worker started."""
+        for w in self.workers:
+            try:
+                env = Path(f"/proc/{w}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                return w
+        return sorted(self.workers)[rank]
+
     def finish(self, t0: float, timeout: float = 120.0) -> dict:
-        """Wait for the launcher and its workers; measure from `t0`."""
+        """Wait for the launcher and its workers; measure from `t0` (each worker's exit too)."""
         end = time.monotonic() + timeout
+        self.exits: dict[int, float] = {}
         while (self.proc.poll() is None or any(_alive(w) for w in self.workers)) \
                 and time.monotonic() < end:
+            for w in self.workers:
+                if w not in self.exits and not _alive(w):
+                    self.exits[w] = time.monotonic() - t0
             time.sleep(0.02)
         took = time.monotonic() - t0
         live = [w for w in self.workers if _alive(w)]
@@ -109,6 +132,9 @@ class Run:
         lines = [x for x in self.out.read_text().splitlines()
                  if x.startswith(("megapar-train:", "SIGTERM", "SIGUSR1", "interrupted",
                                   "--exit"))]
+        if self.torchrun:  # every rank prints its own error line: the first one naming a rank
+            named = [x for x in lines if "stopped" in x or "did not answer" in x]
+            lines = named or lines
         return {"rc": self.proc.returncode, "exit_s": took,
                 "leftovers": ", ".join(leftovers) or "none",
                 "lost": f"{trained - saved} steps (trained {trained}, saved {saved})",
@@ -141,6 +167,38 @@ def drill(name: str, work: Path) -> dict:
         t0 = time.monotonic()
         os.kill(run.workers[2], signal.SIGSTOP)
         return run.finish(t0)
+    if name in ("sigstop-rank1", "sigstop-rank1-torchrun"):
+        torchrun = name.endswith("torchrun")
+        run = Run(work, name, ["--max-steps", "400", "--save-interval", "3", "--timeout-s", "10"],
+                  torchrun=torchrun)
+        run.wait_steps(4)
+        ranks = {run.rank_pid(r): r for r in range(4)}
+        t0 = time.monotonic()
+        os.kill(run.rank_pid(1), signal.SIGSTOP)
+        result = run.finish(t0)
+        if torchrun:  # when each rank's process ended (the stopped one: torchrun's SIGKILL)
+            result["said"] = " ".join(f"r{ranks.get(w, '?')}:{s:.1f}s" for w, s in
+                                      sorted(run.exits.items(), key=lambda x: x[1])) \
+                + " | " + result["said"]
+        if (run.ckpt / "megapar.lock").exists():
+            result["leftovers"] = "lock file left"
+        return result
+    if name == "sigterm-torchrun-hung":  # torchrun cancelled while its ranks wait for a stopped
+        run = Run(work, name, ["--max-steps", "400", "--save-interval", "3"], torchrun=True)
+        run.wait_steps(4)
+        ranks = {run.rank_pid(r): r for r in range(4)}
+        os.kill(run.rank_pid(1), signal.SIGSTOP)
+        time.sleep(3.0)  # the others are blocked waiting for rank 1 (--timeout-s 300)
+        t0 = time.monotonic()
+        os.kill(run.proc.pid, signal.SIGTERM)  # torchrun passes it on, SIGKILL 30 s later
+        result = run.finish(t0)
+        result["said"] = " ".join(f"r{ranks.get(w, '?')}:{s:.1f}s" for w, s in
+                                  sorted(run.exits.items(), key=lambda x: x[1]))
+        said = [x for x in run.out.read_text().splitlines() if "SIGTERM" in x and "blocked" in x]
+        result["said"] += " | " + (said[0][:80] if said else "")
+        if (run.ckpt / "megapar.lock").exists():
+            result["leftovers"] = "lock file left"
+        return result
     if name == "nan":
         run = Run(work, name, ["--max-steps", "400", "--lr", "1e6"])
         t0 = time.monotonic()
@@ -198,7 +256,7 @@ def _stale_lock(work: Path) -> dict:
 
 
 DRILLS = ["sigkill-launcher", "sigterm", "sigusr1", "sigint", "sigkill-worker", "sigstop-worker",
-          "nan", "exit-duration", "second-writer", "stale-lock"]
+          "sigstop-rank1", "sigstop-rank1-torchrun", "sigterm-torchrun-hung", "nan", "exit-duration", "second-writer", "stale-lock"]
 
 
 def main() -> None:

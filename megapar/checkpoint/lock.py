@@ -9,7 +9,9 @@ takes ``ROOT/megapar.lock`` before any worker starts and keeps it until it exits
   refused run prints;
 - the owner holds an exclusive ``flock`` on it (released by the kernel when the process dies,
   even by ``kill -9``) and refreshes its modification time every `HEARTBEAT_S` seconds;
-- `SaveLock.release` (on exit, an exception, SIGTERM) deletes the file.
+- `SaveLock.release` (on exit, an exception, SIGTERM) deletes the file, also when SIGTERM
+  comes while the process is blocked in a wait (`megapar.faults.stop.watch_sigterm`: torchrun's
+  rank 0 waiting for the others to join). A forked child never deletes its parent's lock.
 
 A lock left behind is *stale* when its owner is gone: on this host, when the pid no longer
 runs (or runs another process: its start time differs) and no process holds the ``flock``; on
@@ -35,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from megapar.faults import stop
 from megapar.faults.processes import pid_alive, process_start
 
 LOCK_NAME = "megapar.lock"
@@ -136,6 +139,7 @@ class SaveLock:
         self.path = self.root / LOCK_NAME
         self.taken_over: str | None = None
         self._fd: int | None = None
+        self._owner: int | None = None  # the pid that took it (a forked child does not own it)
         self._stop = threading.Event()
         self._old_sigterm = None
 
@@ -176,7 +180,8 @@ class SaveLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         os.fsync(fd)
-        self._fd = fd
+        self._fd, self._owner = fd, os.getpid()
+        stop.on_forced_exit(self.release, "--save lock released")
         threading.Thread(target=self._heartbeat, name="megapar-save-lock", daemon=True).start()
         self._catch_sigterm()
         return self
@@ -189,20 +194,24 @@ class SaveLock:
                 pass
 
     def _catch_sigterm(self) -> None:
-        """SIGTERM with its default action would kill this process with the file in place."""
+        """SIGTERM with its default action would kill this process with the file in place; a
+        SIGTERM while the process is blocked in a wait releases it too (`stop.watch_sigterm`)."""
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            @stop.exits_at_once
             def on_sigterm(signum, frame):
                 self.release()
                 raise SystemExit(128 + signum)
 
             self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+        stop.watch_sigterm()
 
     def release(self) -> None:
-        """Delete the lock file and drop the lock (idempotent)."""
-        if self._fd is None:
+        """Delete the lock file and drop the lock (idempotent; nothing in a forked child)."""
+        if self._fd is None or self._owner != os.getpid():
             return
+        stop.forget_forced_exit(self.release)
         self._stop.set()
         if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._old_sigterm)

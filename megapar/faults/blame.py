@@ -3,15 +3,17 @@
 A worker killed by a signal never reports; the ranks blocked in a collective with it fail a
 moment later with connection errors or timeouts. `blame` puts the cause first: a rank that died
 (with its signal or exit code), else a rank whose error is its own, else the live ranks that never
-answered while the others timed out (stopped ones said so, from /proc).
+answered while the others timed out: the stopped ones (from /proc) when there are any, since the
+others are still waiting for them.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 
-from megapar.faults.processes import stopped
+from megapar.faults.processes import sibling_ranks, stopped
 
 
 def _how(exitcode: int) -> str:
@@ -39,15 +41,15 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
     Cause, in order: ranks that died without a report (their signal / exit code, and from
     `statuses`, each rank's last "step S, action", where they were); ranks whose error is not a
     communication timeout or lost connection; live ranks that never answered while the others
-    timed out waiting for them."""
+    timed out waiting for them (only the stopped ones, with where they stopped, when some
+    are)."""
     def where(r: int) -> str:
         last = statuses[r] if statuses and r < len(statuses) else ""
         return f" at {last}" if last else ""
 
     dead = {r: _how(p.exitcode) + where(r) for r, p in enumerate(procs)
             if r not in outputs and r not in errors and p.exitcode not in (None, 0)}
-    own = {r: e for r, e in errors.items()
-           if not any(w in e.split("\n", 1)[0].lower() for w in _CONSEQUENTIAL)}
+    own = {r: e for r, e in errors.items() if not consequential(e)}
     silent = [r for r, p in enumerate(procs)
               if r not in outputs and r not in errors and r not in dead]
     if dead:
@@ -58,8 +60,11 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
         lines = [f"rank {first} failed: {own[first]}"]
         rest = {r: e for r, e in errors.items() if r != first}
     elif silent and errors:
-        lines = [f"rank {r} did not answer" + (f" (it {state(procs[r])})" if state(procs[r])
-                                               else "") for r in silent]
+        stuck = [r for r in silent if state(procs[r])]
+        lines = [f"rank {r} did not answer" + (f" (it {state(procs[r])}){where(r)}"
+                                               if r in stuck else "") for r in stuck or silent]
+        if stuck and len(stuck) < len(silent):  # waiting for it, their timeout not yet up
+            lines.append(f"(ranks {[r for r in silent if r not in stuck]} were still waiting)")
         rest = errors
     else:
         first = min(errors)
@@ -73,6 +78,31 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
         lines.append("then: " + "; ".join(f"rank {r}: {e.splitlines()[0][:300]}"
                                           for r, e in sorted(rest.items())))
     return "\n".join(lines)
+
+
+def consequential(error: str) -> bool:
+    """Whether an error (its first line) is a communication timeout or a lost connection: what
+    a rank reports when another one stopped answering or died."""
+    return any(w in error.split("\n", 1)[0].lower() for w in _CONSEQUENTIAL)
+
+
+def stopped_siblings(resume: bool = True) -> str:
+    """Under torchrun / srun, where no launcher of ours watches the ranks: which ranks on this
+    node are stopped (SIGSTOP / SIGTSTP), as "on this node rank 1 (pid P) is stopped (SIGSTOP /
+    SIGTSTP?)", or "". A rank that timed out waiting calls it to name the cause. With `resume`
+    each is sent SIGCONT, so that it sees that the run failed and ends too, releasing what it
+    holds (its --save lock), instead of when torchrun's SIGKILL comes 30 s after the SIGTERM it
+    cannot act on while stopped."""
+    names = []
+    for rank, pid in sorted(sibling_ranks().items()):
+        if stopped(pid):
+            names.append(f"rank {rank} (pid {pid}) is stopped (SIGSTOP / SIGTSTP?)")
+            if resume:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except OSError:
+                    pass
+    return f"on this node {', '.join(names)}" if names else ""
 
 
 def _gist(text: str) -> str:

@@ -60,6 +60,36 @@ def stopped(pid: int) -> bool:
     return code in ("T", "t")
 
 
+def sibling_ranks() -> dict[int, int]:
+    """{global rank: pid} of the other processes this one's parent started with a rank in
+    their environment (RANK, or SLURM_PROCID): torchrun's workers on this node, an srun step's
+    tasks. From /proc (Linux; {} elsewhere, and under megapar's own launcher, whose forked
+    workers were started without one)."""
+    found = {}
+    try:
+        tasks = os.listdir(f"/proc/{os.getppid()}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{os.getppid()}/task/{task}/children") as f:
+                pids = [int(p) for p in f.read().split()]
+        except (OSError, ValueError):
+            continue
+        for pid in pids:
+            if pid == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            except OSError:
+                continue
+            rank = env.get(b"RANK", env.get(b"SLURM_PROCID", b""))
+            if rank.isdigit():
+                found[int(rank)] = pid
+    return found
+
+
 def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     """Kill this process (SIGKILL) as soon as `parent_pid`, its launcher, is gone: Linux's
     ``prctl(PR_SET_PDEATHSIG)``, and on any OS a watchdog thread that notices the re-parenting."""

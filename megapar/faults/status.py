@@ -8,9 +8,10 @@ rank SIGUSR2 (SIGUSR1 and SIGTERM are clean-stop signals of megapar-train), whic
 its stack file *immediately*, even while it is blocked in C++ (a gloo wait); the launcher then
 appends "rank R: step S, <action>" and the stack of every rank to the error it raises.
 
-Under torchrun / Slurm (no launcher of ours) `install` registers faulthandler on SIGTERM, which
-torchrun sends to the surviving ranks when one fails: each writes its stack to its own log
-(stderr, or torchrun --log-dir) before it exits.
+Under torchrun / Slurm (no launcher of ours) each rank writes its stacks when SIGTERM comes,
+which torchrun sends to the surviving ranks when one fails: as one block on stderr (or torchrun
+--log-dir), so that the ranks sharing a terminal do not interleave (`megapar.faults.stop.
+watch_sigterm`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,9 @@ DUMP_SIGNAL = getattr(signal, "SIGUSR2", None)
 """The signal that makes a rank write its Python stacks (faulthandler)."""
 
 
-def install(rank: int, shared=None, stack_path: str | None = None,
-            on_sigterm: bool = False) -> None:
+def install(rank: int, shared=None, stack_path: str | None = None) -> None:
     """Register the stack dump for this process (rank). `shared`: the launcher's status buffer;
-    `stack_path`: file faulthandler writes to (default stderr); `on_sigterm`: also dump when
-    terminated (torchrun / Slurm)."""
+    `stack_path`: file faulthandler writes to (default stderr)."""
     global _shared, _stack_file
     _shared = shared
     out = sys.stderr
@@ -42,8 +41,6 @@ def install(rank: int, shared=None, stack_path: str | None = None,
         _stack_file = out = open(stack_path, "w")  # noqa: SIM115 - must outlive this call
     try:
         faulthandler.register(DUMP_SIGNAL, file=out, all_threads=True)
-        if on_sigterm:
-            faulthandler.register(signal.SIGTERM, file=out, all_threads=True, chain=True)
     except (AttributeError, ValueError, OSError):  # no SIGUSR2 (Windows) or no real fd
         pass
     _publish()

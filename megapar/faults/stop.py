@@ -6,20 +6,31 @@
 - `StopRequests` / `install_stop_handlers`: SIGTERM / SIGUSR1 (configurable), the first SIGINT,
   a wall-clock budget or a step interval ask every rank to finish its step, save and exit 0; all
   ranks agree on the step with one tiny all-reduce per step. A second SIGINT aborts at once.
+- `watch_sigterm`: a SIGTERM is obeyed even while the main thread is blocked in a wait that
+  cannot see it (a collective, the rendezvous, a CUDA synchronisation behind a hung NCCL
+  kernel), where Python runs no signal handler: see `STOP_GRACE_S`.
 
 Signal handlers only set flags (they never run training code), so a step is never cut in half.
 """
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import math
 import os
 import signal
+import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from megapar.faults import status as _status
+from megapar.faults.blame import stopped_siblings
 
 
 class RunStopped(RuntimeError):
@@ -141,6 +152,196 @@ def install_stop_handlers(spec: str = "SIGTERM,SIGUSR1"):
             signal.signal(sig, handler)
 
     return restore
+
+
+# --- a SIGTERM obeyed while waiting ---------------------------------------------------------
+STOP_GRACE_S = float(os.environ.get("MEGAPAR_STOP_GRACE_S", "20"))
+"""After a SIGTERM that asks for a clean stop (`install_stop_handlers`), how long a rank may go
+on (finish its step, save) before a wait it is blocked in ends it. torchrun and Slurm kill a
+process 30 s after their SIGTERM; a rank that is still blocked then exits first, with its
+--save lock released and its stacks written. MEGAPAR_STOP_GRACE_S overrides it."""
+
+BLOCKED_S = 2.0
+"""The main thread counts as blocked in one call (a wait) when it has run no Python for this
+long: it did not run a callback queued for it (`Py_AddPendingCall`)."""
+
+SIGTERM_EXIT_CODE = 128 + int(signal.SIGTERM)
+
+_watch: dict = {"pid": None, "dump": False, "since": None}
+_cleanups: dict[Callable[[], None], str] = {}
+
+
+def exits_at_once(handler):
+    """Mark a SIGTERM handler that ends the process (no clean stop to wait for): a rank
+    blocked when it comes ends at once instead of after `STOP_GRACE_S`."""
+    handler.megapar_exits = True
+    return handler
+
+
+@exits_at_once
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def terminate_on_sigterm(replace: bool = False) -> None:
+    """In the main thread: SIGTERM raises SystemExit(143), so `finally` blocks run and
+    `watch_sigterm` sees the signal, where it would have its default action (or always, with
+    `replace`: a forked worker must not run its launcher's handler)."""
+    if threading.current_thread() is threading.main_thread() and (
+            replace or signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+def on_forced_exit(cleanup: Callable[[], None], done: str) -> None:
+    """Run `cleanup` if `watch_sigterm` ends the process; `done` says what it did ("--save lock
+    released")."""
+    _cleanups[cleanup] = done
+
+
+def forget_forced_exit(cleanup: Callable[[], None]) -> None:
+    _cleanups.pop(cleanup, None)
+
+
+def watch_sigterm(dump: bool = False) -> bool:
+    """Make a SIGTERM obeyed while the main thread waits (call in the main thread; once per
+    process is enough).
+
+    Python runs a signal handler only between bytecodes, so a rank blocked in a collective or
+    the rendezvous would ignore torchrun's SIGTERM until its wait ends (up to --timeout-s) and be
+    killed with SIGKILL, leaving its --save lock behind. Here the signal wakes a thread (the
+    signal module's wakeup fd) which, once the main thread has been blocked in one call for
+    `BLOCKED_S`, writes the rank's Python stacks and what it waited for as one block to stderr,
+    runs the `on_forced_exit` cleanups, names (and continues, `blame.stopped_siblings`) a stopped
+    torchrun rank of this node and exits with code 143: at once when the SIGTERM handler
+    ends the process (`exits_at_once`: before training, the lock's), `STOP_GRACE_S` after the
+    signal when it asks for a clean stop. `dump`: write the stacks as the signal comes instead
+    (torchrun / Slurm, where no launcher of ours collects them). Needs a Python handler for
+    SIGTERM (`terminate_on_sigterm`). Returns whether the watch runs (not where another wakeup
+    fd is in use, or off the main thread)."""
+    _watch["dump"] = _watch["dump"] or dump
+    if _watch["pid"] == os.getpid():
+        return True
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:
+        old = -2
+    if old != -1:  # someone else's (an event loop): leave it theirs
+        if old >= 0:
+            signal.set_wakeup_fd(old)
+        os.close(r)
+        os.close(w)
+        return False
+    _watch.update(pid=os.getpid(), since=None)
+    threading.Thread(target=_read_signals, args=(r,), name="megapar-sigterm-watch",
+                     daemon=True).start()
+    return True
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has no watch thread; its inherited wakeup fd would wake its parent's."""
+    if _watch["pid"] is not None:
+        try:
+            signal.set_wakeup_fd(-1)
+        except ValueError:
+            pass
+    _watch.update(pid=None, dump=False, since=None)
+    _cleanups.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _read_signals(fd: int) -> None:
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        if int(signal.SIGTERM) in data and _watch["since"] is None:
+            _watch["since"] = time.monotonic()
+            if _watch["dump"]:
+                _write_block(f"megapar: rank {_rank()} received SIGTERM at {_status.status()}; "
+                             f"its Python stacks:\n{_stacks()}")
+            threading.Thread(target=_end_if_blocked, name="megapar-sigterm-grace",
+                             daemon=True).start()
+
+
+def _end_if_blocked() -> None:
+    handler = signal.getsignal(signal.SIGTERM)
+    grace = 0.0 if getattr(handler, "megapar_exits", False) else STOP_GRACE_S
+    time.sleep(max(0.0, _watch["since"] + grace - time.monotonic()))
+    while main_thread_runs(BLOCKED_S):
+        time.sleep(0.5)
+    done = []
+    for cleanup, what in list(_cleanups.items()):
+        try:
+            cleanup()
+            done.append(what)
+        except Exception:  # noqa: BLE001, S110 - exiting anyway
+            pass
+    stuck = stopped_siblings(resume=True)  # torchrun's: what it may have waited for
+    waited = time.monotonic() - _watch["since"]
+    _write_block(f"megapar: rank {_rank()}: SIGTERM {waited:.0f} s ago and still blocked at "
+                 f"{_status.status()} (a wait that cannot see the signal): exiting with code "
+                 f"{SIGTERM_EXIT_CODE}" + "".join(f"; {d}" for d in [*done, stuck] if d)
+                 + ("" if _watch["dump"] else f"; its Python stacks:\n{_stacks()}"))
+    os._exit(SIGTERM_EXIT_CODE)
+
+
+_PENDING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+def main_thread_runs(within_s: float) -> bool:
+    """Whether the main thread runs Python within `within_s`: it runs a callback queued with
+    `Py_AddPendingCall` at its next bytecode, which a thread blocked in one C call (a wait)
+    never reaches. True where that cannot be asked (nothing is ended then)."""
+    answered = threading.Event()
+
+    def answer(_):
+        answered.set()
+        return 0
+
+    callback = _PENDING(answer)
+    _watch["callback"] = callback  # alive until the main thread has run it
+    try:
+        add = ctypes.pythonapi.Py_AddPendingCall
+        add.argtypes, add.restype = [_PENDING, ctypes.c_void_p], ctypes.c_int
+        if add(callback, None) != 0:
+            return True
+    except (AttributeError, OSError):
+        return True
+    return answered.wait(within_s)
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
+
+
+def _stacks() -> str:
+    """Every Python thread's stack (faulthandler's format, which needs a real file)."""
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        return f.read()
+
+
+def _write_block(text: str) -> None:
+    """`text` to stderr in one write, so that the ranks sharing a terminal or a log file do not
+    interleave their lines."""
+    data = (text.rstrip("\n") + "\n").encode(errors="replace")
+    try:
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):
+        pass
+    while data:
+        try:
+            data = data[os.write(2, data):]
+        except OSError:
+            return
 
 
 class StopRequests:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapar.device import DEFAULT_TIMEOUT_S, polls_host
+from megapar.device import polls_host
 from megapar.faults.status import set_action
 from megapar.mesh import Mesh
 from megapar.pipeline import messages
@@ -62,13 +62,13 @@ class PipelineExecutor:
 
     `stage(hidden_or_None, batch)` returns hidden states of shape `act_shape`, or on the last stage
     the scalar mean loss of the micro-batch; `wire_dtype` narrows the messages between stages
-    (cast back on receipt). `timeout_s` bounds every blocking wait (gloo; NCCL uses its process
-    group's timeout). `trace` (an attribute, may be changed between steps) records the step's
+    (cast back on receipt). `timeout_s` bounds every blocking wait (default: the run's,
+    `mesh.timeout_s`; gloo; NCCL uses its process group's timeout). `trace` (an attribute, may be changed between steps) records the step's
     events for `last_timeline`.
     """
 
     def __init__(self, stage: nn.Module, mesh: Mesh, schedule: str, act_shape: tuple,
-                 act_dtype: torch.dtype = torch.float32, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 act_dtype: torch.dtype = torch.float32, timeout_s: float | None = None,
                  trace: bool = True, virtual_stages: int = 1,
                  wire_dtype: torch.dtype | None = None):
         self.stage, self.mesh, self.trace = stage, mesh, trace
@@ -81,7 +81,7 @@ class PipelineExecutor:
                              f"a stage of {virtual_stages} model chunks; this rank holds "
                              f"{len(self.chunks)} (build it with build_stage(virtual_stages=...))")
         self.placement = placement_of(schedule)
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s = timeout_s or mesh.timeout_s
         self.p2p = (StageP2P(mesh, act_shape, act_dtype, timeout_s, wire_dtype)
                     if mesh.pp > 1 else None)
         self.weight_grads = store_of(stage)  # enabled in steps with a split backward

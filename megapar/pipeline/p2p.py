@@ -44,7 +44,7 @@ class StageP2P:
     """Activation / gradient messages of one pipeline stage with the other stages."""
 
     def __init__(self, mesh: Mesh, shape: tuple, dtype: torch.dtype = torch.float32,
-                 timeout_s: float = 300.0, wire_dtype: torch.dtype | None = None):
+                 timeout_s: float | None = None, wire_dtype: torch.dtype | None = None):
         self.mesh = mesh
         self.shape = tuple(shape)
         self.dtype = dtype
@@ -52,7 +52,8 @@ class StageP2P:
         """The dtype messages travel in (`dtype` unless narrowed)."""
         self.bytes_sent = 0
         """Payload bytes this rank has sent (all steps)."""
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s or mesh.timeout_s
+        """How long a message may take (default: the run's, `mesh.timeout_s`)."""
         self.issued: list[list[Op]] = []
         """The groups issued since the last `begin_step`, in order (global ranks as peers)."""
         self._sends: dict[tuple, tuple[int, torch.Tensor, object]] = {}

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapar.device import DEFAULT_TIMEOUT_S, wait
+from megapar.device import wait
 from megapar.mesh import Mesh
 
 
@@ -28,9 +28,10 @@ def shared_embedding_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
 
 
-def sync_tied_embeddings(model: nn.Module, mesh: Mesh, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+def sync_tied_embeddings(model: nn.Module, mesh: Mesh, timeout_s: float | None = None) -> int:
     """Sum the tied embedding's gradient over the first and last stage; returns how many
-    parameters were synchronised (0 when pp == 1 or this stage holds no tied copy)."""
+    parameters were synchronised (0 when pp == 1 or this stage holds no tied copy). Waits at
+    most `timeout_s` (default: the run's, `mesh.timeout_s`)."""
     if mesh.pp == 1:
         return 0
     params = shared_embedding_params(model)
@@ -44,7 +45,7 @@ def sync_tied_embeddings(model: nn.Module, mesh: Mesh, timeout_s: float = DEFAUL
         if p.grad is None:  # e.g. nothing ran backward: take part anyway, the peer is waiting
             p.grad = torch.zeros_like(p)
         work = dist.all_reduce(p.grad, group=mesh.embedding_group, async_op=True)
-        wait(work, mesh.device, timeout_s,
+        wait(work, mesh.device, timeout_s or mesh.timeout_s,
              f"rank {mesh.rank}: all-reduce of the tied embedding gradient with the other end "
              f"of the pipeline", hint="; the first or last stage probably failed, or only one "
                                       "of them called sync_tied_embeddings")

@@ -22,7 +22,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megapar.device import DEFAULT_TIMEOUT_S
 from megapar.mesh import Mesh
 from megapar.pipeline.p2p import wait_work
 from megapar.pipeline.timeline import Event, Timeline
@@ -73,11 +72,12 @@ TRACE_KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send
 """Event kinds `gather_timeline` can encode (as their index in this tuple)."""
 
 
-def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_TIMEOUT_S,
+def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float | None = None,
                     sync_rounds: int = 8):
     """Every pp stage's events on pp rank 0 (a `Timeline`), None on the other ranks.
 
-    Collective over `mesh.pp_group`. Clocks are aligned to pp rank 0's: rank 0 broadcasts its
+    Collective over `mesh.pp_group`; each wait lasts at most `timeout_s` (default: the run's,
+    `mesh.timeout_s`). Clocks are aligned to pp rank 0's: rank 0 broadcasts its
     clock reading `sync_rounds` times; a receiver's reading minus rank 0's is its clock offset
     plus the message latency, never less (the message cannot arrive before it was sent), so the
     minimum over the rounds is the offset, off by the smallest latency seen (microseconds), and
@@ -87,6 +87,7 @@ def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float = DEFAULT_T
     if mesh.pp == 1:
         return Timeline(list(timeline.events))
     group, root = mesh.pp_group, mesh.stage_rank(0)
+    timeout_s = timeout_s or mesh.timeout_s
     dev = mesh.device  # NCCL collectives need tensors on the GPU
     offset = float("inf")
     for _ in range(sync_rounds):

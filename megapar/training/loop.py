@@ -20,6 +20,7 @@ from megapar.checkpoint.publish import has_checkpoint
 from megapar.device import peak_tflops
 from megapar.data import IndexedDataset
 from megapar.data.blended import BlendedDataset
+from megapar.faults.blame import consequential, stopped_siblings
 from megapar.faults.processes import launcher_alive
 from megapar.faults.stop import (
     NonFiniteError,
@@ -270,9 +271,12 @@ class Trainer:
             if cfg.save and saved != self.step:
                 logger.message(f"saved {self.save()}")
         except Exception as exc:
+            what = f"{type(exc).__name__}: {exc}"
+            # A timeout under torchrun: name a stopped rank of this node (and let it end too)
+            cause = stopped_siblings(resume=True) if consequential(what) else ""
             err = TrainingError(f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
                                 f"pp={mesh.pp_rank} dp={mesh.dp_rank}) failed at step "
-                                f"{at}: {type(exc).__name__}: {exc}")
+                                f"{at}: " + (f"{cause}; here: " if cause else "") + what)
             err.no_traceback = getattr(exc, "no_traceback", False)
             if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
                 err.args = (f"{err} -- not saved: steps {(saved or 0) + 1}-{self.step} (last "
