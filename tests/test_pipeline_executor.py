@@ -141,6 +141,30 @@ def test_sent_buffers_are_freed_once_the_peer_acknowledged_them():
     assert run_local(pending_sends_worker, 2, "gpipe", m) == [m - 1, 0]
 
 
+def repeated_steps_worker(schedule):
+    from megapar.pipeline import messages
+
+    mesh = make_mesh(pp=2)
+    executor = PipelineExecutor(ToyStage(mesh), mesh, schedule, SHAPE, timeout_s=30)
+    calls, acknowledgements = [], messages.acknowledgements
+    messages.acknowledgements = lambda *a: (calls.append(a[1:2]), acknowledgements(*a))[1]
+    try:
+        losses = [float(executor.run(toy_batches(m))) for m in (4, 4, 4, 2, 4)]
+    finally:
+        messages.acknowledgements = acknowledgements
+    return len(calls), losses
+
+
+def test_a_steps_acknowledgements_are_worked_out_once_per_step_size():
+    """The acknowledgements (O(m^2) Python) and the rest of a step's plan are kept per step
+    size: five steps of sizes 4, 4, 4, 2, 4 work them out twice, with the same losses as a
+    fresh executor gives."""
+    for rank, (calls, losses) in enumerate(run_local(repeated_steps_worker, 2, "1f1b")):
+        assert calls == 2, f"rank {rank}: acknowledgements worked out {calls} times"
+        # no optimizer: every step of the same micro-batches gives the same loss
+        assert losses[:3] == [losses[0]] * 3 and losses[4] == losses[0] != losses[3]
+
+
 def failing_worker():
     mesh = make_mesh(pp=3)
     stage = ToyStage(mesh, fail_at_mb=2 if mesh.pp_rank == 1 else None)
