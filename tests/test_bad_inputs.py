@@ -433,10 +433,12 @@ def test_megapar_data(tmp_path, flags, message, capsys, monkeypatch):
 # --- a damaged tokenizer file: one line naming the file, in every command that takes one ------
 def _broken_tokenizers(root: Path) -> dict[str, Path]:
     """A truncated tokenizer.json, a tokenizer.json with a truncated tokenizer_config.json, and
-    GPT-2 vocab.json + merges.txt directories whose merges.txt / vocab.json is damaged."""
+    GPT-2 vocab.json + merges.txt directories whose merges.txt / vocab.json is damaged (a
+    merges.txt empty or cut at a line break loads, but encodes nearly byte by byte)."""
     from megapar.data import load_tokenizer
 
-    made = {name: root / name for name in ("truncated", "bad_merges", "bad_vocab", "bad_config")}
+    made = {name: root / name for name in ("truncated", "bad_merges", "bad_vocab", "bad_config",
+                                           "empty_merges", "cut_merges")}
     for path in made.values():
         path.mkdir(exist_ok=True)
     whole = load_tokenizer("gpt2")._backend.to_str()
@@ -448,11 +450,16 @@ def _broken_tokenizers(root: Path) -> dict[str, Path]:
     (made["bad_merges"] / "merges.txt").write_text("#version: 0.2\nnot a merge line at all\n")
     (made["bad_vocab"] / "vocab.json").write_bytes(vocab.read_bytes()[:300])
     (made["bad_vocab"] / "merges.txt").write_bytes(merges.read_bytes())
+    lines = merges.read_bytes().splitlines(keepends=True)
+    for name, kept in (("empty_merges", b""), ("cut_merges", b"".join(lines[:1000]))):
+        (made[name] / "vocab.json").write_bytes(vocab.read_bytes())  # cut at a line break:
+        (made[name] / "merges.txt").write_bytes(kept)                # valid lines, too few
     return made
 
 
 BROKEN = [("truncated", "tokenizer.json"), ("bad_merges", "merges.txt"),
-          ("bad_vocab", "vocab.json"), ("bad_config", "tokenizer_config.json")]
+          ("bad_vocab", "vocab.json"), ("bad_config", "tokenizer_config.json"),
+          ("empty_merges", "merges.txt"), ("cut_merges", "merges.txt")]
 
 
 @pytest.mark.parametrize("tool", ["megapar-data", "megapar-train", "megapar-convert",
@@ -484,3 +491,16 @@ def test_a_damaged_tokenizer_file_is_one_line_naming_it(tool, broken, culprit, e
     line = _one_line(capsys, tool)
     assert rc == 2 and f"{spec}/{culprit}" in line, line
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_convert_names_an_empty_path_and_a_file_in_the_way(env, tmp_path, capsys):
+    """`--to-hf ''` is named as an empty path (it read as no --to-hf: "expected SRC DST"), and
+    a destination under a file names that file (not an internal probe's name)."""
+    from megapar.cli.convert import main as convert
+
+    assert convert([env["ckpt"], "--to-hf", ""]) == 2
+    assert "--to-hf '' is an empty path" in _one_line(capsys, "megapar-convert")
+    (tmp_path / "afile").write_text("x")
+    assert convert([env["ckpt"], "--to-hf", str(tmp_path / "afile" / "sub")]) == 2
+    line = _one_line(capsys, "megapar-convert")
+    assert f"{tmp_path / 'afile'} is a file, not a directory" in line and "probe" not in line

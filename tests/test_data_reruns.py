@@ -262,6 +262,19 @@ def test_a_resume_on_data_changed_in_place_is_refused_unless_allowed(tmp_path, c
     assert train(["--data", prefix, *common, "--load", str(ckpt), "--max-steps", "5",
                   "--allow-data-change"]) == 0
     assert read_manifest(ckpt / "step_00000005")["meta"]["data_fingerprint"] != recorded
+    # other data of another size: refused naming the flag; with it, the order starts anew
+    other = str(tmp_path / "other")
+    text.write_text(TEXT[20_000:50_000])
+    assert data(["--input", str(text), "--output-prefix", other, "--tokenizer", "sentencepiece",
+                 "--split-lines", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert train(["--data", other, *common, "--load", str(ckpt), "--max-steps", "6"]) == 2
+    line = _one_line(capsys, "megapar-train")
+    assert "dataset_len" in line and "--allow-data-change" in line, line
+    assert train(["--data", other, *common, "--load", str(ckpt), "--max-steps", "6",
+                  "--allow-data-change"]) == 0
+    assert "--allow-data-change: the data order starts anew" in capsys.readouterr().out
+    assert read_manifest(ckpt / "step_00000006")["meta"]["sampler"]["consumed_samples"] == 4
 
 
 def test_the_fingerprint_of_a_large_dataset_reads_samples_of_it(tmp_path, monkeypatch):
@@ -290,3 +303,41 @@ def test_the_fingerprint_of_a_large_dataset_reads_samples_of_it(tmp_path, monkey
     between[n // 6] = (between[n // 6] + 1) % 1000  # between the blocks: not read
     between.tofile(prefix + ".bin")
     assert IndexedDataset(prefix).fingerprint() == before
+
+
+# --- a prepared dataset's tokenizer -------------------------------------------------------------
+def test_a_tokenizer_other_than_the_datasets_own_is_refused(tmp_path, capsys):
+    """A prepared dataset trains with the tokenizer it was made with: another --tokenizer is
+    refused (it was silently ignored), the same files elsewhere are accepted, and a recorded
+    tokenizer that no longer loads is named as the dataset's."""
+    import shutil
+
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import data_tokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT[:5_000])
+    bpe = tmp_path / "bpe"
+    bpe.mkdir()
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(asset_path(f"gpt2_{name}"), bpe / name)
+    prefix = str(tmp_path / "d")
+    assert data(["--input", str(text), "--output-prefix", prefix, "--tokenizer", str(bpe),
+                 "--no-progress"]) == 0
+
+    def given(tokenizer):
+        cfg = TrainConfig(data=prefix, tokenizer=tokenizer)
+        cfg.explicit = frozenset({"data", "tokenizer"})
+        return cfg
+
+    assert data_tokenizer(given("gpt2"))[1].path == str(bpe)  # the same files elsewhere
+    with pytest.raises(ValueError, match=r"--tokenizer sentencepiece is not the tokenizer "
+                                         r"--data .* was made with .*leave --tokenizer out"):
+        data_tokenizer(given("sentencepiece"))
+    capsys.readouterr()
+    assert train(["--data", prefix, "--tokenizer", "sentencepiece", "--model", "gpt2-tiny"]) == 2
+    assert "is not the tokenizer" in _one_line(capsys, "megapar-train")
+    (bpe / "merges.txt").write_text("")  # the recorded tokenizer damaged after the fact
+    with pytest.raises(ValueError, match=r"--data .* was made with the tokenizer at .*bpe, "
+                                         r"which does not load now: .*merges.txt is cut short"):
+        data_tokenizer(given("gpt2"))

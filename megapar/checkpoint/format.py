@@ -167,6 +167,8 @@ def probe_writable(directory: str | Path) -> None:
     existing = directory
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise NotADirectoryError(f"{existing} is a file, not a directory")
     if existing == directory:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".megapar-probe-"):
             pass

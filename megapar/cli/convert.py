@@ -89,6 +89,9 @@ def run(args) -> str:
     from megapar.checkpoint.manifest import read_manifest
 
     progress = not args.no_progress
+    for flag in ("from_hf", "to_hf", "info"):
+        if getattr(args, flag) == "":
+            raise ValueError(f"--{flag.replace('_', '-')} '' is an empty path: give a directory")
     if sum(x is not None for x in (args.from_hf, args.to_hf, args.info)) > 1:
         raise ValueError("--from-hf, --to-hf and --info are separate modes; give one")
     if args.info:

@@ -117,7 +117,7 @@ def check_overwrite(args: argparse.Namespace) -> None:
     if existing and not args.overwrite:
         raise ValueError(f"--output-prefix {args.output_prefix}: {', '.join(existing)} already "
                          f"exist{'s' if len(existing) == 1 else ''}; pass --overwrite to replace "
-                         f"them, or choose another prefix")
+                         f"{'it' if len(existing) == 1 else 'them'}, or choose another prefix")
 
 
 def _remove_trained(trained: list[str], replaced: bool, prefix: str) -> str:

@@ -51,11 +51,11 @@ def _special_names(directory: str) -> dict[str, str]:
                     data = json.load(f)
             except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
                 raise ValueError(f"tokenizer file {path} is not valid JSON ({exc}); save the "
-                                 f"tokenizer again, or pass another --tokenizer") from None
+                                 f"tokenizer again") from None
             if not isinstance(data, dict):
                 raise ValueError(f"tokenizer file {path} holds a JSON "
                                  f"{type(data).__name__}, not an object of settings; save the "
-                                 f"tokenizer again, or pass another --tokenizer")
+                                 f"tokenizer again")
             for key in ("bos_token", "eos_token", "pad_token", "cls_token", "sep_token",
                         "mask_token"):
                 if _token(data.get(key)):
@@ -72,8 +72,7 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception
         raise ValueError(f"tokenizer file {path} is damaged or not a tokenizers file "
                          f"(tokenizers: {' '.join(str(exc).split())[:200]}); save the tokenizer "
-                         f"again (AutoTokenizer.from_pretrained(...).save_pretrained(DIR)), or "
-                         f"pass another --tokenizer") from None
+                         f"again (AutoTokenizer.from_pretrained(...).save_pretrained(DIR))") from None
     size = backend.get_vocab_size(with_added_tokens=True)
     names = _special_names(directory)
 

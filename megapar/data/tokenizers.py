@@ -17,7 +17,10 @@ Every one is a `megapar.data.tokenizer.Tokenizer` (its special tokens: see there
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 
 import sentencepiece as spm
 from tokenizers import Tokenizer as HFTokenizer
@@ -28,7 +31,7 @@ from megapar.data.hf_tokenizer import load_hf_tokenizer
 from megapar.data.tokenizer import APPENDED_ORDER, PROBE_TEXT, SpecialTokens, Tokenizer
 
 __all__ = ["APPENDED_ORDER", "PROBE_TEXT", "SpecialTokens", "Tokenizer", "asset_path",
-           "load_tokenizer", "tokenizer_files"]
+           "load_tokenizer", "same_tokenizer", "tokenizer_files"]
 
 
 def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
@@ -39,8 +42,7 @@ def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
         culprit = merges if "Merges" in message or "out of vocabulary" in message else vocab
         raise ValueError(f"tokenizer file {culprit} is damaged or not a GPT-2 "
                          f"{os.path.basename(culprit)} (tokenizers: {message[:200]}); copy the "
-                         f"complete vocab.json and merges.txt there, or pass another "
-                         f"--tokenizer") from None
+                         f"complete vocab.json and merges.txt there") from None
     backend = HFTokenizer(model)
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -92,6 +94,38 @@ def tokenizer_files(tok: "Tokenizer") -> list[str]:
     return [os.path.join(tok.path, "vocab.json"), os.path.join(tok.path, "merges.txt")]
 
 
+_SPECIAL_LIKE = re.compile(r"^(<[^\s<>]+>|\[[A-Z_]+\])$")
+
+
+def _check_merges_complete(vocab_file: str, merges: str) -> None:
+    """ValueError when merges.txt is cut short (cut at a line break, or empty): in a byte-level
+    BPE every token beyond the 256 bytes and the special tokens is made by one merge, so a
+    vocab.json of V tokens needs at least V - 256 - (special-looking tokens) merges."""
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)  # it loaded already: valid JSON
+    specials = sum(1 for token in vocab if _SPECIAL_LIKE.match(token))
+    needed, have = len(vocab) - 256 - specials, _count_merges(merges)
+    if have < needed:
+        raise ValueError(f"tokenizer file {merges} is cut short: it has {have:,} merges, but its "
+                         f"vocab.json's {len(vocab):,} tokens need at least {needed:,} (every "
+                         f"token beyond the 256 bytes and {specials} special tokens is made by a "
+                         f"merge); copy the complete merges.txt there")
+
+
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers are the same files (wherever they lie): same kind, and the same
+    bytes in each of `tokenizer_files`."""
+    files_a, files_b = tokenizer_files(a), tokenizer_files(b)
+    if a.kind != b.kind or len(files_a) != len(files_b):
+        return False
+    return all(_digest(x) == _digest(y) for x, y in zip(files_a, files_b))
+
+
+def _digest(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").digest()
+
+
 def _count_merges(path: str) -> int:
     with open(path, encoding="utf-8") as f:
         return sum(1 for line in f if line.strip() and not line.startswith("#version"))
@@ -121,6 +155,7 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
                 "a GPT-2 BPE directory needs vocab.json and merges.txt"
             )
         tok = _load_gpt2_bpe(vocab, merges, os.path.abspath(spec))
+        _check_merges_complete(vocab, merges)
         if not tok.encode(PROBE_TEXT):
             raise ValueError(
                 f"tokenizer {spec} encodes text to nothing: its vocab.json has "

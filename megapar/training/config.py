@@ -65,7 +65,7 @@ class TrainConfig:
     global_batch_size: int = 16
     """Sequences per optimizer step (micro-batch size x micro-batches x dp). Not given, it shrinks to what a small dataset holds (with a note)."""
     allow_data_change: bool = False
-    """With --load: continue on --data whose content differs from what the checkpoint trained on (its recorded fingerprint), on purpose; without it such a resume is refused."""
+    """With --load: continue on --data whose content differs from what the checkpoint trained on (its recorded fingerprint or its number of samples), on purpose: the same number of samples continues the data order, another number starts it anew; without it such a resume is refused."""
     # --- pipeline / memory ---
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved (needs --virtual-stages >= 2) or zb-h1 (zero bubble)."""

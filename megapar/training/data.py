@@ -33,6 +33,7 @@ from megapar.data.blended import BlendedDataset, data_paths, parse_blend
 from megapar.data.indexed import check_index_magic
 from megapar.data.inputs import expand_inputs, is_raw_text
 from megapar.data.megatron import is_megatron_index
+from megapar.data.tokenizers import same_tokenizer
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
@@ -169,7 +170,22 @@ def data_tokenizer(cfg: TrainConfig):
         tokenizer = load_tokenizer(cfg.tokenizer)
         return tokenizer.vocab_size, tokenizer
     indexed = IndexedDataset(data, cfg.tokenizer)
-    return indexed.vocab_size, load_tokenizer(indexed.tokenizer_spec)
+    if not os.path.isfile(data + ".json"):  # a Megatron-LM dataset: --tokenizer is its own
+        return indexed.vocab_size, load_tokenizer(indexed.tokenizer_spec)
+    try:
+        tokenizer = load_tokenizer(indexed.tokenizer_spec)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--data {data} was made with the tokenizer at "
+                         f"{indexed.tokenizer_spec.get('path')}, which does not load now: {exc} "
+                         f"(a prepared dataset keeps the tokenizer it was made with; --tokenizer "
+                         f"does not replace it)") from None
+    if "tokenizer" in explicit(cfg) and not same_tokenizer(load_tokenizer(cfg.tokenizer),
+                                                           tokenizer):
+        raise ValueError(f"--tokenizer {cfg.tokenizer} is not the tokenizer --data {data} was "
+                         f"made with ({tokenizer.path}): a prepared dataset keeps its own; leave "
+                         f"--tokenizer out, or prepare the data again with megapar-data "
+                         f"--tokenizer {cfg.tokenizer}")
+    return indexed.vocab_size, tokenizer
 
 
 def max_samples(cfg: TrainConfig, model_type: str) -> int:

@@ -47,9 +47,9 @@ ON_NONFINITE = ("raise", "skip")
 is skipped either way): raise `NonFiniteError`, or return the non-finite loss."""
 
 API_ADVICE = ("the optimizer step was skipped: the weights and the optimizer state are those "
-              "before this step. Check the model's weights and the batch, lower lr or set "
-              "clip_grad; prepare(..., on_nonfinite='skip') skips such steps and returns their "
-              "loss instead")
+              "before this step. Check the model's weights and the batch, or lower lr{clip}; "
+              "prepare(..., on_nonfinite='skip') skips such steps and returns their loss "
+              "instead")
 """What `train_step`'s NonFiniteError adds after the reason."""
 
 RESERVED_META = frozenset({"step", "scaler", "optimizer", "scheduler", "rng_note", "model",
@@ -106,7 +106,9 @@ class Engine:
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, self.scheduler,
                                  self.precision, cfg.clip_grad, self.grad_sync)
         self.step = 0
-        """Optimizer steps taken (restored by `load`)."""
+        """Steps run (restored by `load`), those not applied included: a non-finite step
+        (raised or skipped, see `train_step`) counts, and the learning-rate schedule moves past
+        it, as megapar-train counts the fp16 loss scaler's skipped steps."""
         self.tokenizer: dict | None = None
         """The tokenizer the model trains with (`checkpoint.convert.recorded_tokenizer`), saved
         in checkpoints and carried by `export_hf`."""
@@ -122,7 +124,9 @@ class Engine:
         # one at the scale's floor) do
         self._guard = NonFiniteGuard(cfg.max_nonfinite_steps if cfg.precision == "fp16" else 1,
                                      cfg.precision, getattr(self.precision.scaler, "min_scale",
-                                                            None), advice=API_ADVICE)
+                                                            None),
+                                     advice=API_ADVICE.format(
+                                         clip="" if cfg.clip_grad else " or set clip_grad"))
         keep_freed_host_memory()  # from here on: the training state is built
 
     @classmethod

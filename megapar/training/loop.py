@@ -140,8 +140,14 @@ class Trainer:
                                 if saved.get(k) != v)
             self.notes.append(f"learning-rate schedule follows the flags, not the checkpoint: "
                               f"{changed}")
-        if state.meta.get("sampler"):
-            self.sampler.load_state_dict(state.meta["sampler"])
+        saved_order = state.meta.get("sampler")
+        if saved_order and self.cfg.allow_data_change and \
+                saved_order.get("dataset_len") != self.sampler.dataset_len:
+            self.notes.append(f"--allow-data-change: the data order starts anew on --data's "
+                              f"{self.sampler.dataset_len} samples (the checkpoint's data had "
+                              f"{saved_order.get('dataset_len')})")
+        elif saved_order:
+            self.sampler.load_state_dict(saved_order)
         how = f"resharded from {state.layout}" if state.resharded else (
             "same layout" if state.layout == self.mesh.layout else f"from {state.layout}")
         self.notes.append(f"resumed from {path} at step {self.step} ({how})")

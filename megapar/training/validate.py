@@ -359,17 +359,22 @@ def _data_exists(data) -> bool:
 
 
 def check_resumable(cfg, manifest: dict, train_len: int) -> None:
-    """The checkpoint's data order can continue: same number of training samples, global batch
-    and seed as when it was saved."""
+    """The checkpoint's data order can continue: same number of training samples (unless
+    --allow-data-change: the order then starts anew), global batch and seed as when it was
+    saved."""
     state = (manifest.get("meta") or {}).get("sampler") or {}
     ours = {"dataset_len": train_len, "global_batch_size": cfg.global_batch_size,
             "seed": cfg.seed}
-    diff = [k for k in ours if k in state and state[k] != ours[k]]
+    diff = [k for k in ours if k in state and state[k] != ours[k]
+            and not (k == "dataset_len" and cfg.allow_data_change)]
     if diff:
         shown = ", ".join(f"{k} {state[k]} (checkpoint) vs {ours[k]}" for k in diff)
+        other = (", or pass --allow-data-change to continue on this data on purpose (its data "
+                 "order starts anew)" if "dataset_len" in diff else "")
         raise UsageError(f"--load {cfg.load} cannot continue its data order: {shown}; resume "
                          f"with the --data, --seq-len, --val-fraction, --global-batch-size and "
-                         f"--seed it was saved with (left out, they are the checkpoint's)")
+                         f"--seed it was saved with (left out, they are the checkpoint's)"
+                         f"{other}")
 
 
 def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None:
