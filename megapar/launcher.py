@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megapar import device as _device
 from megapar.faults import status as diagnostics
 from megapar.faults import stop
-from megapar.faults.blame import blame, state
+from megapar.faults.blame import blame, forget_stale_marks, state
 from megapar.faults.processes import die_with_parent, launcher_alive, pid_alive  # noqa: F401
 from megapar.faults.status import diagnose
 
@@ -297,6 +297,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
         _device.adopt_slurm_environment()  # srun without torchrun: torchrun's variables
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun: die with its agent
             die_with_parent(os.getppid())
+        forget_stale_marks()  # what ranks of finished jobs found stopped
 
         diagnostics.install(int(os.environ["RANK"]))
         stop.terminate_on_sigterm()  # torchrun's SIGTERM: obeyed while waiting, stacks

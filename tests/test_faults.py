@@ -613,4 +613,17 @@ def test_under_torchrun_a_stopped_rank_is_named_and_every_rank_exits(tmp_path, c
         r"megapar-train: error: rank \d failed at step \d+: on this node rank 1 \(pid \d+\) is "
         r"stopped \(SIGSTOP / SIGTSTP\?\); here: ", x)]
     assert named, text
+    # every other rank that reports an error names it too, not only the first to find it
+    # stopped (which continues it): torchrun's "root cause" may be any of them
+    others = [x for x in text.splitlines() if re.match(r"megapar-train: error: rank [023] ", x)]
+    assert others and all("on this node rank 1 (pid" in x for x in others), text
+    # that record of the stopped rank goes once its job's agent is gone
+    import tempfile
+
+    from megapar.faults.blame import _MARKS_PREFIX, forget_stale_marks
+
+    marks = f"{_MARKS_PREFIX}{run.pid}-*"
+    assert list(Path(tempfile.gettempdir()).glob(marks)), text
+    forget_stale_marks()
+    assert not list(Path(tempfile.gettempdir()).glob(marks))
     assert not (ckpt / "megapar.lock").exists(), text

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
-from megapar.faults.processes import sibling_ranks, stopped
+from megapar.faults.processes import pid_alive, sibling_ranks, stopped
 
 
 def _how(exitcode: int) -> str:
@@ -92,17 +95,57 @@ def stopped_siblings(resume: bool = True) -> str:
     SIGTSTP?)", or "". A rank that timed out waiting calls it to name the cause. With `resume`
     each is sent SIGCONT, so that it sees that the run failed and ends too, releasing what it
     holds (its --save lock), instead of when torchrun's SIGKILL comes 30 s after the SIGTERM it
-    cannot act on while stopped."""
-    names = []
+    cannot act on while stopped. A rank found stopped is first marked (`_marks`), so that the
+    ranks that time out after it was continued name it too: every rank's error, the first of
+    which torchrun reports as the root cause, names the stopped one."""
+    marks = _marks()
+    found = {}
     for rank, pid in sorted(sibling_ranks().items()):
         if stopped(pid):
-            names.append(f"rank {rank} (pid {pid}) is stopped (SIGSTOP / SIGTSTP?)")
+            found[rank] = pid
             if resume:
+                try:
+                    marks.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    (marks / f"{rank}-{pid}").touch()
+                except OSError:
+                    pass
                 try:
                     os.kill(pid, signal.SIGCONT)
                 except OSError:
                     pass
+    try:
+        for mark in marks.iterdir():
+            rank, _, pid = mark.name.partition("-")
+            if rank.isdigit() and pid.isdigit():
+                found.setdefault(int(rank), int(pid))
+    except OSError:
+        pass
+    names = [f"rank {rank} (pid {pid}) is stopped (SIGSTOP / SIGTSTP?)"
+             for rank, pid in sorted(found.items())]
     return f"on this node {', '.join(names)}" if names else ""
+
+
+_MARKS_PREFIX = f"megapar-{os.getuid()}-stopped-"
+
+
+def _marks() -> Path:
+    """This node's record of the ranks found stopped in this attempt of the job: a directory
+    named by the parent (torchrun's agent, the srun step) and the restart count."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return Path(tempfile.gettempdir()) / f"{_MARKS_PREFIX}{os.getppid()}-{attempt}"
+
+
+def forget_stale_marks() -> None:
+    """Remove the records of `stopped_siblings` whose parent (a finished job's agent) is gone:
+    called as a rank starts under torchrun / srun."""
+    try:
+        entries = list(Path(tempfile.gettempdir()).glob(f"{_MARKS_PREFIX}*"))
+    except OSError:
+        return
+    for entry in entries:
+        parent = entry.name[len(_MARKS_PREFIX):].split("-")[0]
+        if parent.isdigit() and not pid_alive(int(parent)):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _gist(text: str) -> str:
