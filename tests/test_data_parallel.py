@@ -1,6 +1,7 @@
 """Bucketed data-parallel gradient averaging: bucket layout, one all-reduce per bucket per step
 (not per micro-batch), launched during the last backward, equal to the plain per-param average."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -208,3 +209,36 @@ def test_zero_bubble_dp_reduction_overlaps_the_last_weight_gradient_pass():
     for launched, buckets in run_local(_zb_overlap_worker, 4):
         assert buckets >= 4 and len(launched) == buckets
         assert launched.count("program") == buckets, launched  # every one before finish()
+
+
+def _overlap_count_worker(schedule: str, virtual_stages: int):
+    from megapar.models import GPT2Config
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.pipeline.partition import build_stage
+
+    mesh = make_mesh(pp=2, dp=2)
+    config = GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=4, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = build_stage(config, mesh, seed=0, virtual_stages=virtual_stages)
+    sync = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb=0.002)
+    executor = PipelineExecutor(model, mesh, schedule, (2, 8, 16), virtual_stages=virtual_stages)
+    gen = torch.Generator().manual_seed(mesh.dp_rank)
+    batches = [{"input_ids": (ids := torch.randint(0, 64, (2, 8), generator=gen)),
+                "labels": ids} for _ in range(4)]
+    counts = []
+    for _ in range(2):
+        executor.run(batches, grad_sync=sync)
+        counts.append((sync.launched_in_step, sync.launched_in_finish))
+    return counts, len(sync.buckets)
+
+
+@pytest.mark.parametrize("schedule, virtual_stages",
+                         [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_every_schedule_launches_its_buckets_during_the_step(schedule, virtual_stages):
+    """The dp reduction overlaps the backward under every schedule: each bucket launches as its
+    gradients become final, none waits for finish(). Interleaved stages hold two chunks whose
+    last backwards come apart; the later chunk's parameters fill the first buckets, so when the
+    hooks were armed only before the stage's last backward every bucket launched in finish()."""
+    for counts, buckets in run_local(_overlap_count_worker, 4, schedule, virtual_stages):
+        assert buckets >= 4
+        assert counts == [(buckets, 0)] * 2, (schedule, counts, buckets)

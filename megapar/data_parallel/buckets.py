@@ -13,6 +13,9 @@ The executor's grad-sync protocol:
 - ``begin_step()``: before the schedule; zeroes the buffer, (re)points every ``.grad`` at its
   view (the optimizer may have set them to None) and disarms the hooks, so accumulating over the
   first m - 1 micro-batches communicates nothing.
+- ``arm(params)``: with several model chunks per stage (interleaved schedules), right before
+  a chunk's last backward: arms the hooks of the parameters whose gradients are final after it,
+  so that chunk's buckets reduce while the other chunks' backwards run.
 - ``before_last_backward()``: right before this stage's last backward; arms the hooks.
 - during that backward, ``register_post_accumulate_grad_hook`` reports each parameter whose
   gradient is final. Code that produces weight gradients itself (e.g. ``torch.autograd.grad``
@@ -153,6 +156,10 @@ class GradBuckets:
         """The sum over the group is divided by this (dp; the group may be cp x dp)."""
         self.params = [p for p in params if p.requires_grad]
         self.active = self.in_step = False
+        self._armed: set[int] = set()
+        """Parameters (ids) armed by `arm` this step, before the hooks of all are."""
+        self.launched_in_step = self.launched_in_finish = 0
+        """Buckets launched during the last step's backward, and by its `finish()`."""
         self.next_launch = 0
         self._handles = []
         self.compressor = compressor
@@ -258,7 +265,15 @@ class GradBuckets:
             p.grad = self._views[id(p)]
         self.next_launch = 0
         self.active = self._deferred_ok = False
+        self._armed.clear()
+        self.launched_in_step = self.launched_in_finish = 0
         self.in_step = True
+
+    def arm(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Arm these parameters' hooks: their gradients become final during the next backward
+        (one model chunk's last), before the others'."""
+        if self.dp > 1:
+            self._armed.update(id(p) for p in params)
 
     def before_last_backward(self) -> None:
         """Arm the hooks: gradients become final during the next backward."""
@@ -267,9 +282,10 @@ class GradBuckets:
     def grads_ready(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Declare these parameters' gradients final for this step (for code that accumulates
         weight gradients itself instead of through autograd's AccumulateGrad)."""
-        if not self.active:
+        ready = [p for p in params if self.active or id(p) in self._armed]
+        if not ready:
             return
-        for p in params:
+        for p in ready:
             self._bucket_of[id(p)].ready.add(id(p))
         self._launch_ready()
 
@@ -279,6 +295,7 @@ class GradBuckets:
             raise RuntimeError("GradBuckets.finish() without begin_step(): call begin_step() "
                                "before each step's first backward (the executor does)")
         self.active = self.in_step = False
+        self._armed.clear()
         if self.dp == 1:
             for b in self.buckets:
                 self._adopt_replaced_grads(b)
@@ -302,7 +319,7 @@ class GradBuckets:
 
     # internals --------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not self.active:
+        if not (self.active or id(param) in self._armed):
             return
         self._bucket_of[id(param)].ready.add(id(param))
         self._launch_ready()
@@ -342,6 +359,10 @@ class GradBuckets:
             b.handle = _Done()
 
     def _launch(self, b: Bucket) -> None:
+        if self.in_step:
+            self.launched_in_step += 1
+        else:
+            self.launched_in_finish += 1
         if self.host_waits and self.sharded:
             self._bound_copies()
         self._adopt_replaced_grads(b)

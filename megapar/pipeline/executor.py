@@ -75,6 +75,10 @@ class StepPlan(NamedTuple):
     """(recv kind, mb, chunk) -> the sends it proves received (`messages.acknowledgements`)."""
     posts: dict
     """gloo: per peer rank, this rank's receives from it in program order."""
+    arm_at: dict
+    """Index of a model chunk's last backward (before the stage's last) -> the parameters whose
+    gradients are final after it (those of no chunk with a later last backward): armed there
+    (`grad_sync.arm`), so their buckets reduce while the other chunks' backwards run."""
 
 
 class PipelineExecutor:
@@ -160,15 +164,38 @@ class PipelineExecutor:
                         if a.kind.startswith("recv"):
                             rank = self.mesh.stage_rank(self._peer(self.mesh.pp_rank, a)[0])
                             posts.setdefault(rank, []).append(a)
+            last_backward = max((i for i, a in actions if a.kind in AUTOGRAD_KINDS),
+                                default=None)
             self._plans[key] = StepPlan(
                 program=program,
-                last_backward=max((i for i, a in actions if a.kind in AUTOGRAD_KINDS),
-                                  default=None),
+                last_backward=last_backward,
                 last_weight=max((i for i, a in actions if a.kind == "backward_weight"),
                                 default=None),
                 split_backward=any(a.kind == "backward_input" for _, a in actions),
-                acks=acks, posts={rank: tuple(recvs) for rank, recvs in posts.items()})
+                acks=acks, posts={rank: tuple(recvs) for rank, recvs in posts.items()},
+                arm_at=self._chunk_arming(actions, last_backward))
         return self._plans[key]
+
+    def _chunk_arming(self, actions: list, last_backward: int | None) -> dict:
+        """`StepPlan.arm_at`: with several model chunks, each chunk's last backward before the
+        stage's last, and the parameters it leaves final (a parameter two chunks share is
+        final only after the later one)."""
+        last_of = {}
+        for i, a in actions:
+            if a.kind in AUTOGRAD_KINDS:
+                last_of[a.chunk] = i
+        if len(last_of) < 2:
+            return {}
+        owner = {}  # id(param) -> (index of its last backward, param)
+        for chunk, index in last_of.items():
+            for p in self.chunks[chunk].parameters():
+                if p.requires_grad and index > owner.get(id(p), (-1, None))[0]:
+                    owner[id(p)] = (index, p)
+        arm_at: dict[int, list] = {}
+        for index, p in owner.values():
+            if index != last_backward:
+                arm_at.setdefault(index, []).append(p)
+        return {index: tuple(params) for index, params in arm_at.items()}
 
     # the step ------------------------------------------------------------------------------
     def run(self, micro_batches: list[dict], grad_sync=None, loss_scale: float = 1.0,
@@ -176,7 +203,9 @@ class PipelineExecutor:
         """One step over `micro_batches`; returns the mean loss (fp32 scalar) on every pp rank.
 
         `grad_sync` (optional, ignored when `forward_only`) gets `begin_step()` before the
-        program, `before_last_backward()` right before this stage's last backward (of a split
+        program, `arm(params)` (where it has one) before each model chunk's last backward but
+        the stage's last, with the parameters that chunk leaves final,
+        `before_last_backward()` right before this stage's last backward (of a split
         backward: its last B; the last W then reports each weight gradient it finishes to
         `grad_sync.grads_ready`, so the reduction overlaps the W passes), and `finish()` after
         the program and the wait for outstanding sends.
@@ -218,8 +247,11 @@ class PipelineExecutor:
                         continue
                     self._receive_for(step)
                     self._step_index = i
-                    if i == last_backward and grad_sync is not None:
-                        grad_sync.before_last_backward()
+                    if grad_sync is not None:
+                        if i == last_backward:
+                            grad_sync.before_last_backward()
+                        elif i in plan.arm_at and hasattr(grad_sync, "arm"):
+                            grad_sync.arm(plan.arm_at[i])  # a chunk's gradients final next
                     start = clock() if record else 0.0
                     self._dispatch(step)
                     if record:
