@@ -232,17 +232,24 @@ def test_megapar_convert_removes_the_staging_directory_of_a_dead_conversion(tmp_
 
 
 # --- a resume on data whose tokens changed in place ----------------------------------------------
-def test_a_resume_on_data_changed_in_place_is_refused_unless_allowed(tmp_path, capsys):
-    import numpy as np
-
-    from megapar.checkpoint.manifest import read_manifest
-
+def _in_both_formats(tmp_path):
+    """(text, megapar prefix, Megatron prefix): the same 20,000 characters tokenized into
+    each index format."""
     text = tmp_path / "t.txt"
     text.write_text(TEXT[:20_000])
     prefix, megatron = str(tmp_path / "d"), str(tmp_path / "mt")
     for out, fmt in ((prefix, "megapar"), (megatron, "megatron")):
         assert data(["--input", str(text), "--output-prefix", out, "--tokenizer",
                      "sentencepiece", "--split-lines", "--format", fmt, "--no-progress"]) == 0
+    return text, prefix, megatron
+
+
+def test_a_resume_on_data_changed_in_place_is_refused_unless_allowed(tmp_path, capsys):
+    import numpy as np
+
+    from megapar.checkpoint.manifest import read_manifest
+
+    text, prefix, megatron = _in_both_formats(tmp_path)
     ckpt = tmp_path / "ckpt"
     common = [*TINY, "--save", str(ckpt), "--global-batch-size", "4"]
     assert train(["--data", prefix, *common, "--max-steps", "2"]) == 0
@@ -282,12 +289,7 @@ def test_the_fingerprint_of_a_large_dataset_reads_samples_of_it(tmp_path, monkey
 
     from megapar.data import IndexedDataset
 
-    text = tmp_path / "t.txt"
-    text.write_text(TEXT[:20_000])
-    prefix, megatron = str(tmp_path / "d"), str(tmp_path / "mt")
-    for out, fmt in ((prefix, "megapar"), (megatron, "megatron")):
-        assert data(["--input", str(text), "--output-prefix", out, "--tokenizer",
-                     "sentencepiece", "--split-lines", "--format", fmt, "--no-progress"]) == 0
+    text, prefix, megatron = _in_both_formats(tmp_path)
     monkeypatch.setattr(IndexedDataset, "FINGERPRINT_WHOLE", 64)  # "large": sampled
     monkeypatch.setattr(IndexedDataset, "FINGERPRINT_BLOCKS", 4)
     monkeypatch.setattr(IndexedDataset, "FINGERPRINT_BLOCK", 8)
