@@ -314,6 +314,10 @@ def test_eval_reads_a_megatron_dataset_written_by_megapar(tmp_path, corpus, caps
     assert evaluate([*args, "--data", megatron]) == 2  # which tokenizer made it: one line
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "name the tokenizer it was made with" in err, err
+    # megapar's index keeps its own tokenizer: another --tokenizer is refused, not ignored
+    assert evaluate([*args, "--data", prefix, "--tokenizer", "gpt2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not the tokenizer --data" in err, err
 
 
 def test_a_torchrun_world_other_than_tp_x_pp_is_a_usage_error(tiny_ckpt, capsys, monkeypatch):

@@ -26,6 +26,7 @@ from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
+from megapar.data.tokenizers import same_tokenizer
 from megapar.device import keep_freed_host_memory
 from megapar.faults.report import log_dir_for, worker_failure
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
@@ -142,7 +143,14 @@ def _check_ids(args, vocab_size: int) -> None:
             raise ValueError(f"--input-ids {args.input_ids} holds id {bad} ({ids.dtype}), outside "
                              f"the model's vocabulary of {vocab_size} ids (0-{vocab_size - 1})")
     elif args.data:
-        IndexedDataset(args.data, args.tokenizer).check_vocab(vocab_size)
+        indexed = IndexedDataset(args.data, args.tokenizer)
+        indexed.check_vocab(vocab_size)
+        if args.tokenizer and os.path.isfile(args.data + ".json") and not same_tokenizer(
+                load_tokenizer(args.tokenizer), load_tokenizer(indexed.tokenizer_spec)):
+            raise ValueError(f"--tokenizer {args.tokenizer} is not the tokenizer --data "
+                             f"{args.data} was made with ({indexed.tokenizer_spec.get('path')}): "
+                             f"a prepared dataset keeps its own; leave --tokenizer out (it is "
+                             f"for a Megatron-LM dataset without megapar's .json)")
 
 
 def logits_file(path: str) -> str:
