@@ -45,9 +45,11 @@ from megapar.pipeline.p2p import P2PTimeoutError, StageP2P, wait_work
 from megapar.pipeline.schedules import (
     Action,
     MessageGroup,
+    chunks_per_rank,
     get_schedule,
     peer_of,
     placement_of,
+    stage_location,
     virtual_stage,
 )
 from megapar.pipeline.timeline import Event, Timeline
@@ -98,7 +100,7 @@ class PipelineExecutor:
         self.stage, self.mesh, self.trace = stage, mesh, trace
         self.schedule_name = schedule
         get_schedule(schedule)  # unknown names fail here
-        self.virtual_stages = virtual_stages
+        self.virtual_stages = virtual_stages = chunks_per_rank(schedule, virtual_stages)
         self.chunks = list(getattr(stage, "chunks", [stage]))
         if len(self.chunks) != virtual_stages:
             raise ValueError(f"schedule {schedule!r} with --virtual-stages {virtual_stages} needs "
@@ -383,14 +385,19 @@ class PipelineExecutor:
                                if a.kind.startswith("send"))
 
     def _receive_for(self, a: Action) -> None:
-        """Wait for the message compute `a` consumes, if any (traced as its receive)."""
+        """Wait for the message compute `a` consumes, if any (traced as its receive); from a
+        chunk of this rank (the V's turn), take it from that chunk's output or input gradient."""
         if a.kind == "forward" and not self._is_first(a):
             kind = "recv_act"
         elif a.kind in ("backward", "backward_input") and not self._is_last(a):
             kind = "recv_grad"
         else:
             return
-        peer = self.mesh.stage_rank(self._peer(self.mesh.pp_rank, Action(kind, a.mb, a.chunk))[0])
+        peer_stage, peer_chunk = self._peer(self.mesh.pp_rank, Action(kind, a.mb, a.chunk))
+        if peer_stage == self.mesh.pp_rank:
+            self._hand_over(kind, a.mb, a.chunk, peer_chunk)
+            return
+        peer = self.mesh.stage_rank(peer_stage)
         set_action(f"{kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank} "
                    f"(from rank {peer})")
         start = self.clock.stamp() if self.trace else 0.0
@@ -405,6 +412,16 @@ class PipelineExecutor:
             self._inputs[a.mb, a.chunk] = tensor.requires_grad_(not self._forward_only)
         else:
             self._out_grads[a.mb, a.chunk] = tensor
+
+    def _hand_over(self, kind: str, mb: int, chunk: int, source: int) -> None:
+        """In-memory handover between two chunks of this rank (no message): the forward of
+        `chunk` takes `source`'s output as its input leaf, the backward its input gradient."""
+        if kind == "recv_act":
+            take = self._outputs.pop if self._forward_only else self._outputs.get
+            out = take((mb, source))
+            self._inputs[mb, chunk] = out.detach().requires_grad_(not self._forward_only)
+        else:
+            self._out_grads[mb, chunk] = self._in_grads.pop((mb, source))
 
     # handlers ------------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
@@ -429,6 +446,8 @@ class PipelineExecutor:
         out = self._outputs.pop(key)
         grad = None if self._is_last(a) else self._out_grads.pop(key)
         backward(out, grad)
+        if len(self.weight_grads):  # a whole backward in a step with split ones (DualPipeV)
+            WeightGradStore.apply(self.weight_grads.take())
         x = self._inputs.pop(key, None)
         if x is not None:
             self._in_grads[key] = self._input_grad(a, x.grad)
@@ -460,12 +479,14 @@ class PipelineExecutor:
     # loss ----------------------------------------------------------------------------------
     def _mean_loss(self, m: int) -> torch.Tensor:
         """Mean of the m micro-batch losses, broadcast from the last stage over the pp group."""
-        if self.mesh.is_last_stage:
+        last = stage_location(self.mesh.pp * len(self.chunks) - 1, self.mesh.pp,
+                              self.placement)[0]  # rank 0 in a V
+        if self.mesh.pp_rank == last:
             loss = torch.stack([self._losses[i] for i in range(m)]).sum() / m
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         if self.mesh.pp > 1:
-            src = self.mesh.stage_rank(self.mesh.pp - 1)
+            src = self.mesh.stage_rank(last)
             work = dist.broadcast(loss, src=src, group=self.mesh.pp_group, async_op=True)
             wait_work(work, self.mesh.device, self.timeout_s,
                       f"rank {self.mesh.rank}: broadcast of the loss from the last pipeline "
