@@ -148,12 +148,24 @@ def chunk_counts(name: str, pp: int, m: int, v: int, stage: int) -> list[float]:
     1F1B's warmup forwards (and the first steady one) run chunk by chunk in rounds of pp
     micro-batches, so the first chunk holds more; other schedules have one chunk."""
     total = in_flight(name, pp, m, v, simulate=False)[0][stage] * v
+    if name in V_COUNTS:  # the V's peak: chunk 0 holds the warmup, chunk 1 stage + 1
+        first, second = V_COUNTS[name](pp, m, stage)
+        return [float(first), float(second)]
     if name != "interleaved":
         return [total / v] * v
     counts = [0.0] * v
     for j in range(int(total)):
         counts[(j // pp) % v] += 1
     return counts
+
+
+V_COUNTS = {
+    "zb-v": lambda pp, m, s: (min(2 * pp - 1 - s, m), min(s + 1, m)),
+    "dualpipev": lambda pp, m, s: (min(2 * pp - s, m), min(s + 1, m)),
+}
+"""The V schedules' peak micro-batches in flight on (chunk 0, chunk 1) of stage s, read off
+their orders at m >= 2 pp (ZB-V: 2 pp chunk-micro-batches on every rank, pp whole stages, as
+1F1B's first stage; DualPipeV one more)."""
 
 
 @lru_cache(maxsize=4096)
@@ -172,6 +184,8 @@ def in_flight(name: str, pp: int, m: int, v: int = 1,
         counts = [min(pp - s, m) for s in range(pp)]
     elif name == "interleaved":       # Megatron's warmup: 2 (p - s - 1) + (v - 1) p chunks, + 1
         counts = [min(2 * (pp - s - 1) + (v - 1) * pp + 1, m * v) / v for s in range(pp)]
+    elif name in V_COUNTS:            # two half-stage chunks
+        counts = [sum(V_COUNTS[name](pp, m, s)) / 2 for s in range(pp)]
     else:
         raise ValueError(f"no in-flight formula for schedule {name!r}")
     return tuple(float(c) for c in counts), "formula"
