@@ -69,8 +69,10 @@ class StepPlan(NamedTuple):
     """The computes and message groups, in order (`messages.programs`)."""
     last_backward: int | None
     """Index of the last action whose backward accumulates parameter gradients."""
-    last_weight: int | None
-    """Index of the last `backward_weight` (zero bubble), None without a split backward."""
+    report_at: frozenset
+    """Indices of each model chunk's last action that adds to its weight gradients, where it
+    is a `backward_weight` (zero bubble) or a whole backward applying deferred products
+    (DualPipeV): it reports the weights it finishes to `grad_sync.grads_ready`."""
     split_backward: bool
     """Whether the backward is split into B and W (the linear layers store (X, dY))."""
     acks: dict
@@ -136,7 +138,7 @@ class PipelineExecutor:
         self._pending_w: dict[tuple, object] = {}        # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
         self._acks: dict[tuple, list[tuple]] = {}        # see messages.acknowledgements
-        self._grad_sync, self._step_index, self._last_w = None, None, None
+        self._grad_sync, self._step_index, self._report_at = None, None, frozenset()
         self._ahead: dict[int, list[Action]] = {}        # per peer rank, receives in order
         self._recvs_issued: set[tuple] = set()           # (kind, mb, chunk) issued so far
 
@@ -171,12 +173,23 @@ class PipelineExecutor:
             self._plans[key] = StepPlan(
                 program=program,
                 last_backward=last_backward,
-                last_weight=max((i for i, a in actions if a.kind == "backward_weight"),
-                                default=None),
+                report_at=self._report_points(actions),
                 split_backward=any(a.kind == "backward_input" for _, a in actions),
                 acks=acks, posts={rank: tuple(recvs) for rank, recvs in posts.items()},
                 arm_at=self._chunk_arming(actions, last_backward))
         return self._plans[key]
+
+    @staticmethod
+    def _report_points(actions: list) -> frozenset:
+        """`StepPlan.report_at`: per chunk, its last backward or W, where the step splits the
+        backward (only then are weight products deferred)."""
+        if not any(a.kind == "backward_input" for _, a in actions):
+            return frozenset()
+        last = {}
+        for i, a in actions:
+            if a.kind in ("backward", "backward_weight"):
+                last[a.chunk] = i
+        return frozenset(last.values())
 
     def _chunk_arming(self, actions: list, last_backward: int | None) -> dict:
         """`StepPlan.arm_at`: with several model chunks, each chunk's last backward before the
@@ -208,8 +221,9 @@ class PipelineExecutor:
         program, `arm(params)` (where it has one) before each model chunk's last backward but
         the stage's last, with the parameters that chunk leaves final,
         `before_last_backward()` right before this stage's last backward (of a split
-        backward: its last B; the last W then reports each weight gradient it finishes to
-        `grad_sync.grads_ready`, so the reduction overlaps the W passes), and `finish()` after
+        backward: its last B; each chunk's last W then reports each weight gradient it
+        finishes to `grad_sync.grads_ready`, so the reduction overlaps the W passes), and
+        `finish()` after
         the program and the wait for outstanding sends.
         """
         m = len(micro_batches)
@@ -228,7 +242,7 @@ class PipelineExecutor:
             grad_sync = None
         self._trace = []
         self._reset(micro_batches, loss_scale, forward_only)
-        self._last_w, self._acks = plan.last_weight, plan.acks
+        self._report_at, self._acks = plan.report_at, plan.acks
         self._grad_sync = grad_sync
         self.weight_grads.take()
         self.weight_grads.enabled = not forward_only and plan.split_backward
@@ -447,7 +461,7 @@ class PipelineExecutor:
         grad = None if self._is_last(a) else self._out_grads.pop(key)
         backward(out, grad)
         if len(self.weight_grads):  # a whole backward in a step with split ones (DualPipeV)
-            WeightGradStore.apply(self.weight_grads.take())
+            WeightGradStore.apply(self.weight_grads.take(), self._ready())
         x = self._inputs.pop(key, None)
         if x is not None:
             self._in_grads[key] = self._input_grad(a, x.grad)
@@ -470,11 +484,15 @@ class PipelineExecutor:
             self._in_grads[key] = self._input_grad(a, dx)
 
     def _backward_weight(self, a: Action) -> None:
-        """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; the
-        step's last W reports each finished weight to the data-parallel reduction."""
-        ready = getattr(self._grad_sync, "grads_ready", None) \
-            if self._step_index == self._last_w else None
-        backward_weight(self._pending_w.pop((a.mb, a.chunk)), ready)
+        """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; a
+        chunk's last W reports each finished weight to the data-parallel reduction."""
+        backward_weight(self._pending_w.pop((a.mb, a.chunk)), self._ready())
+
+    def _ready(self):
+        """`grad_sync.grads_ready` at a chunk's last weight-gradient action, else None."""
+        if self._step_index in self._report_at:
+            return getattr(self._grad_sync, "grads_ready", None)
+        return None
 
     # loss ----------------------------------------------------------------------------------
     def _mean_loss(self, m: int) -> torch.Tensor:
