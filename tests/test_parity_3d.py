@@ -88,12 +88,15 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     from megapar.data_parallel import GradBuckets
     from megapar.optim import Precision, build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
+    from megapar.pipeline.schedules import chunks_per_rank, placement_of
     from megapar.tensor_parallel.partition import gather_full
     from megapar.training.step import TrainStep
 
     mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank())
     mesh.sequence_parallel = sequence_parallel
-    model = build_stage(config(), mesh, SEED, virtual_stages=virtual_stages)
+    model = build_stage(config(), mesh, SEED,
+                        virtual_stages=chunks_per_rank(schedule, virtual_stages),
+                        placement=placement_of(schedule))
     seq = SEQ // cp // tp if sequence_parallel else SEQ // cp
     executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, CONFIG["n_embd"]),
                                 virtual_stages=virtual_stages)
@@ -186,6 +189,18 @@ def test_3d_parity_tp2_pp2_dp2_new_schedules(reference):
     interleaved 1F1B (V=2) with ZeRO-1 in Megatron's rank order (pp outermost)."""
     outs = run_local(_worker, 8, [(2, 2, 2, 0, "fp32", "zb-h1"), (2, 2, 2, 1, "fp32", "zb-h1"),
                                   (2, 2, 2, 1, "fp32", "interleaved", 2, "tp-dp-pp")])
+    for i in range(3):
+        check_against(reference, [o[i] for o in outs])
+
+
+def test_3d_parity_v_schedules(reference):
+    """The V placement (embedding and head both on pp rank 0, the tied copies summed there):
+    ZB-V at tp 2 x pp 2 x dp 2 with ZeRO-1 (m 2: fewer micro-batches than virtual stages), and
+    at tp 2 x cp 2 x pp 2; DualPipeV (m >= 2 pp: dp 1, m 4) at tp 2 x cp 2 x pp 2 with ZeRO-1
+    over the cp ranks."""
+    outs = run_local(_worker, 8, [(2, 2, 2, 1, "fp32", "zb-v"),
+                                  (2, 2, 1, 0, "fp32", "zb-v", 1, "tp-pp-dp", False, 2),
+                                  (2, 2, 1, 1, "fp32", "dualpipev", 1, "tp-pp-dp", False, 2)])
     for i in range(3):
         check_against(reference, [o[i] for o in outs])
 
