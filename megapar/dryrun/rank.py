@@ -26,7 +26,7 @@ Weights, gradients and optimizer state are the bytes of the distinct storages be
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -158,10 +158,17 @@ def rehearse_rank(cfg, config, layout: Layout, rank: int, gpus_per_node: int = 8
             return _rehearse(cfg, config, mesh, gpus_per_node, dataset)
 
 
+REHEARSED_AS = {"dualpipev": "zb-v"}
+"""Schedules whose one-micro-batch rehearsal runs under another of the same placement."""
+
+
 def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankReport:
     layout, notes = mesh.layout, []
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
-    engine = Engine(cfg, config, mesh)
+    # the rehearsal runs one micro-batch; DualPipeV takes no fewer than 2 pp, so its one is run
+    # under ZB-V: the same V placement, so the same messages and collectives per micro-batch
+    engine = Engine(replace(cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule)), config,
+                    mesh)
     first_batch = None  # this rank's micro-batches of the first global batch (sample indices)
     if dataset is not None:
         first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
