@@ -9,7 +9,9 @@ a new compute kind is a new entry there, not a new loop.
 Model chunks (interleaved schedules): `stage` may be a `ModelChunks` (`stage.chunks`), and every
 action names its chunk; per-micro-batch state is keyed by (mb, chunk), and the peer of each
 message comes from the chunk's virtual stage (`schedules.peer_of`), so activations wrap around
-from the last rank to rank 0 for the next chunk. Zero-bubble schedules split the backward into
+from the last rank to rank 0 for the next chunk. In the V placement (ZB-V, DualPipeV) the turn
+from one chunk to the other is on one rank: no message, the output (or input gradient) is
+handed over in memory; the loss is then on rank 0. Zero-bubble schedules split the backward into
 ``backward_input`` / ``backward_weight`` (the functions at the end of this module).
 
 Per in-flight micro-batch it keeps the input activation (a leaf that requires grad, so its `.grad`

@@ -31,7 +31,10 @@ Model chunks and the split backward: interleaved 1F1B (each rank holds several m
 schedules (``backward`` split into ``backward_input``, which produces the gradient to send
 upstream, and ``backward_weight``, deferred to fill bubbles) are schedule functions in `SCHEDULES`
 like the others; the executor's dispatch loop is the same for all. Their compute orders equal
-torch.distributed.pipelining's `ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble`.
+torch.distributed.pipelining's `ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble`, and
+those of ZB-V and DualPipeV (two chunks per rank in the "v" placement) its
+`ScheduleZBVZeroBubble` / `ScheduleDualPipeV`. Between two chunks of one rank (the V's turn) a
+schedule lists no message: the executor hands the tensor over in memory.
 """
 
 from __future__ import annotations
