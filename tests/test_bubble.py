@@ -207,7 +207,7 @@ def test_simulated_cli_zb_v_against_zb_h1_and_1f1b(capsys):
     flags = ["--pp", "8", "-m", "32", "--simulate", "--fwd-ms", "10", "--bwd-ms", "20"]
     results = {}
     for schedule in ("1f1b", "zb-h1", "zb-v", "dualpipev"):
-        results[schedule], out = run_cli(capsys, *flags, "--schedule", schedule)
+        results[schedule], _ = run_cli(capsys, *flags, "--schedule", schedule)
     zb_v, zb_h1, one = results["zb-v"], results["zb-h1"], results["1f1b"]
     assert zb_h1["measured_bubble"] == pytest.approx(70 / 1030)
     assert zb_v["measured_bubble"] == pytest.approx(70 / 1990) == zb_v["theoretical_bubble"]

@@ -10,8 +10,16 @@ stage pp - 1 to pp on rank pp - 1) is handed over in memory: no message for it i
 
 import pytest
 import torch
-from test_pipeline_parity import CONFIGS, HIDDEN, MB, SEED, SEQ, check_against, full_grad, \
-    micro_batches
+from test_pipeline_parity import (
+    CONFIGS,
+    HIDDEN,
+    MB,
+    SEED,
+    SEQ,
+    check_against,
+    full_grad,
+    micro_batches,
+)
 from test_pipeline_parity_chunks import LAYERS
 from test_pipeline_parity_chunks import make_config as make_gpt2_or_bert
 from tp_utils import make_mesh, rel_err, to_device

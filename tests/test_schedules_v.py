@@ -4,7 +4,10 @@ over a grid, the in-memory turn, their bubble and in-flight activations, and the
 from types import SimpleNamespace
 
 import pytest
-from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+from torch.distributed.pipelining.schedules import (
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+)
 
 from megapar.pipeline import messages
 from megapar.pipeline import simulate as nccl_rules
