@@ -18,8 +18,13 @@ core and "idle" waits partly hide other stages' compute, so only pp=2 (one core 
 meaningful there; run pp=4 on a machine with at least 4 free cores.
 
     python benchmarks/bubble_sweep.py [--pp 2 4] [--m 1 2 4 8 16]
-                                      [--schedules gpipe 1f1b interleaved zb-h1]
+                                      [--schedules gpipe 1f1b interleaved zb-h1 zb-v dualpipev]
                                       [--virtual-stages 2] [--steps 2] [--plot bubble_sweep.png]
+                                      [--repeats 1]
+
+--repeats N runs the whole sweep N times, the schedules alternating (so a load that changes
+during the run hits all of them alike), and ends with each point's measured bubble as mean,
+min and max over the repeats: the run-to-run spread.
 """
 
 from __future__ import annotations
@@ -30,13 +35,21 @@ import sys
 
 
 def sweep(args) -> list[dict]:
+    rows = []
+    for _ in range(args.repeats):
+        rows += _sweep_once(args)
+    return rows
+
+
+def _sweep_once(args) -> list[dict]:
     from megapar.pipeline.schedules import CHUNKED_SCHEDULES, check_schedule
     from megapar.training import bubble
 
     rows = []
     for pp in args.pp:
         for schedule in args.schedules:
-            v = args.virtual_stages if schedule in CHUNKED_SCHEDULES else 1
+            v = args.virtual_stages if CHUNKED_SCHEDULES.get(schedule) == "loop" else \
+                2 if schedule in CHUNKED_SCHEDULES else 1
             for m in args.m:
                 try:
                     check_schedule(schedule, pp, m, v)
@@ -72,6 +85,18 @@ def format_row(r: dict) -> str:
             f"{100 * r['simulated']:>10.1f} {100 * r['theory']:>7.1f} {r['step_ms']:>8.1f} "
             f"{r['sim_step_ms']:>8.1f} {r['sim_over_measured']:>8.3f} "
             f"{str(r['in_flight']):>10} {r['act_mb0']:>9.1f}")
+
+
+def spread(rows: list[dict]) -> str:
+    """Per (pp, schedule, m): the measured bubble's mean, min and max over the repeats."""
+    points: dict[tuple, list[float]] = {}
+    for r in rows:
+        points.setdefault((r["pp"], r["schedule"], r["m"]), []).append(100 * r["measured"])
+    lines = ["measured bubble % over the repeats: mean [min, max]"]
+    for (pp, schedule, m), values in points.items():
+        lines.append(f"  pp={pp} {schedule:>11} m={m:<3} {sum(values) / len(values):5.1f} "
+                     f"[{min(values):.1f}, {max(values):.1f}] (n={len(values)})")
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -114,7 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes")
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="micro-batches")
     p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved", "zb-h1"],
-                   choices=["gpipe", "1f1b", "interleaved", "zb-h1"])
+                   choices=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"])
     p.add_argument("--virtual-stages", type=int, default=2,
                    help="model chunks per rank for interleaved")
     p.add_argument("--steps", type=int, default=2, help="measured steps per point (+1 warm-up)")
@@ -122,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--plot", default="bubble_sweep.png", help="PNG to write ('' for none)")
     p.add_argument("--json", help="also write the rows as JSON")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the sweep this many times; report each point's spread")
     args = p.parse_args(argv)
 
     print(HEADER, flush=True)
@@ -129,6 +156,8 @@ def main(argv=None) -> int:
     ratios = [r["sim_over_measured"] for r in rows]
     print(f"simulated / measured step time: min {min(ratios):.3f}, "
           f"mean {sum(ratios) / len(ratios):.3f}, max {max(ratios):.3f}")
+    if args.repeats > 1:
+        print(spread(rows))
     if args.plot:
         plot(rows, args.plot)
         print(f"wrote {args.plot}")

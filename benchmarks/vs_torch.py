@@ -7,7 +7,9 @@ PyTorch GPT-2 parallelised with torch's own tools:
 
 - pipeline: `torch.distributed.pipelining` (`PipelineStage`, `Schedule1F1B` / `ScheduleGPipe`),
   the model cut in two halves by hand, the tied embedding's gradient summed over the first and
-  last stage after the step (what Megatron and megapar do);
+  last stage after the step (what Megatron and megapar do); for ZB-V (`pp2-zbv`) in four
+  quarters, two `PipelineStage`s per rank in the V (rank r: stages r and 2 pp - 1 - r) under
+  `ScheduleZBVZeroBubble`, the tied embedding's two copies both on rank 0, summed there;
 - tensor parallel: DTensor (`parallelize_module` with `ColwiseParallel` on q / k / v / MLP-up,
   `RowwiseParallel` on the output projections, as torchtitan does); embeddings and LM head
   replicated (megapar splits them over the vocabulary);
@@ -46,6 +48,7 @@ CONFIGS = {  # name: (tp, pp, dp, schedule, micro-batches, model size)
     "serial": (1, 1, 1, "1f1b", 1, "small"),
     "pp2-1f1b": (1, 2, 1, "1f1b", 8, "small"),
     "pp2-gpipe": (1, 2, 1, "gpipe", 8, "small"),
+    "pp2-zbv": (1, 2, 1, "zb-v", 8, "small"),
     "tp2": (2, 1, 1, "1f1b", 1, "small"),
     "tp2-pp2": (2, 2, 1, "1f1b", 4, "small"),
     "dp2-tp2": (2, 1, 2, "1f1b", 1, "small"),
@@ -144,7 +147,12 @@ def loss_fn(logits, labels):
 
 def torch_run(name: str, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleZBVZeroBubble,
+    )
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, RowwiseParallel, parallelize_module,
     )
@@ -153,6 +161,12 @@ def torch_run(name: str, steps: int) -> dict:
     hf = hf_model(size)
     mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     stage, n = mesh["pp"].get_local_rank(), hf.config.n_layer
+    if schedule == "zb-v":  # two quarters per rank, in a V: stages r and 2 pp - 1 - r
+        v = 2 * pp
+        parts = [Part(hf, s * n // v, (s + 1) * n // v, s == 0, s == v - 1)
+                 for s in (stage, v - 1 - stage)]
+        return _timed(_zbv_step(parts, stage, pp, m, mesh, ScheduleZBVZeroBubble, PipelineStage),
+                      size, steps)
     model = Part(hf, stage * n // pp, (stage + 1) * n // pp, stage == 0, stage == pp - 1)
     if tp > 1:
         plan = {f"blocks.{i}.{k}": ColwiseParallel() for i in range(len(model.blocks))
@@ -202,6 +216,35 @@ def torch_run(name: str, steps: int) -> dict:
         return float(loss)
 
     return _timed(step, size, steps)
+
+
+def _zbv_step(parts, stage, pp, m, mesh, schedule_cls, stage_cls):
+    """torch's ZB-V step on this rank's two parts (`parts[0]` virtual stage `stage`, `parts[1]`
+    2 pp - 1 - stage); rank 0 holds the input, the loss and both tied copies."""
+    group = mesh["pp"].get_group()
+    stages = [stage_cls(part, index, 2 * pp, torch.device("cpu"), group=group)
+              for part, index in zip(parts, (stage, 2 * pp - 1 - stage))]
+    runner = schedule_cls(stages, m, loss_fn)
+    params = [p for part in parts for p in part.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.0, eps=1e-8)
+
+    def step(batch) -> float:
+        optimizer.zero_grad(set_to_none=False)
+        loss = torch.zeros(())
+        if stage == 0:
+            losses = []
+            runner.step(batch["input_ids"], target=batch["labels"], losses=losses)
+            loss = torch.stack(losses).mean().detach()
+            embedding, head = parts[0].wte.weight, parts[1].head.weight
+            total = embedding.grad + head.grad  # the tied copies, both here: summed in place
+            embedding.grad.copy_(total), head.grad.copy_(total)
+        else:
+            runner.step()
+        optimizer.step()
+        dist.broadcast(loss, src=dist.get_global_rank(group, 0), group=group)
+        return float(loss)
+
+    return step
 
 
 def megapar_run(name: str, steps: int) -> dict:

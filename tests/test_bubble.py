@@ -199,6 +199,29 @@ def test_simulated_cli_interleaved_and_zb_h1_by_hand(capsys):
     assert result["theoretical_bubble"] == pytest.approx(6 / 22) == result["measured_bubble"]
 
 
+def test_simulated_cli_zb_v_against_zb_h1_and_1f1b(capsys):
+    """The issue's command, pp 8, m 32, F 10 ms, backward 20 ms (B and W 10 each): ZB-V's
+    bubble is the pipeline fill, 70 ms of 1990 (3.5 %, the formula's too), about half of
+    ZB-H1's 6.8 %: no two-chunk schedule with a synchronous step can go below the fill. Its
+    peak activations, 16 half-stage chunks on every rank, are 1F1B's 8 stages."""
+    flags = ["--pp", "8", "-m", "32", "--simulate", "--fwd-ms", "10", "--bwd-ms", "20"]
+    results = {}
+    for schedule in ("1f1b", "zb-h1", "zb-v", "dualpipev"):
+        results[schedule], _ = run_cli(capsys, *flags, "--schedule", schedule)
+    zb_v, zb_h1, one = results["zb-v"], results["zb-h1"], results["1f1b"]
+    assert zb_h1["measured_bubble"] == pytest.approx(70 / 1030)
+    assert zb_v["measured_bubble"] == pytest.approx(70 / 1990) == zb_v["theoretical_bubble"]
+    assert zb_v["measured_bubble"] < 0.52 * zb_h1["measured_bubble"]
+    assert results["dualpipev"]["measured_bubble"] == pytest.approx(70 / 1990)
+    assert max(zb_v["in_flight_peak"]) / 2 <= max(one["in_flight_peak"]) == 8
+    assert main(["--pp", "2", "-m", "4", "--schedule", "zb-v", "--virtual-stages", "3",
+                 "--show-schedule"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--virtual-stages 3 does not apply to --schedule zb-v" in err
+    assert main(["--pp", "2", "-m", "3", "--schedule", "dualpipev", "--show-schedule"]) == 2
+    assert "DualPipeV needs at least 2 x pp = 4 micro-batches" in capsys.readouterr().err
+
+
 def test_bubble_cli_rejects_bad_virtual_stages(capsys):
     assert main(["--pp", "2", "-m", "5", "--schedule", "interleaved", "--virtual-stages", "2",
                  "--simulate", "--fwd-ms", "1"]) == 2

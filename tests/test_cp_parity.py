@@ -72,11 +72,13 @@ def one_step(kind, tp, cp, pp, dp, schedule="1f1b", sp=False, recompute="none", 
     from megapar.data_parallel import GradBuckets
     from megapar.optim import Precision, build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
+    from megapar.pipeline.schedules import placement_of
     from megapar.training.step import TrainStep
 
     mesh = Mesh(Layout(tp, pp, dp, cp=cp), dist.get_rank())
     mesh.sequence_parallel = sp
-    model = build_stage(CONFIGS[kind](), mesh, SEED, recompute, virtual_stages=v)
+    model = build_stage(CONFIGS[kind](), mesh, SEED, recompute, virtual_stages=v,
+                        placement=placement_of(schedule))
     if method is not None:  # the other cp attention than the model's choice
         for module in model.modules():
             if getattr(module, "context_parallel", None) is not None:
@@ -139,7 +141,7 @@ def check(runs, outs, tol=1e-5):
         assert covered >= set(ref["grads"]) - {"head.weight"}, what
 
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])

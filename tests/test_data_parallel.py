@@ -215,11 +215,13 @@ def _overlap_count_worker(schedule: str, virtual_stages: int):
     from megapar.models import GPT2Config
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.pipeline.partition import build_stage
+    from megapar.pipeline.schedules import placement_of
 
     mesh = make_mesh(pp=2, dp=2)
     config = GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=4, n_head=2,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = build_stage(config, mesh, seed=0, virtual_stages=virtual_stages)
+    model = build_stage(config, mesh, seed=0, virtual_stages=virtual_stages,
+                        placement=placement_of(schedule))
     sync = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb=0.002)
     executor = PipelineExecutor(model, mesh, schedule, (2, 8, 16), virtual_stages=virtual_stages)
     gen = torch.Generator().manual_seed(mesh.dp_rank)
@@ -233,7 +235,8 @@ def _overlap_count_worker(schedule: str, virtual_stages: int):
 
 
 @pytest.mark.parametrize("schedule, virtual_stages",
-                         [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+                         [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2),
+                          ("zb-v", 2), ("dualpipev", 2)])
 def test_every_schedule_launches_its_buckets_during_the_step(schedule, virtual_stages):
     """The dp reduction overlaps the backward under every schedule: each bucket launches as its
     gradients become final, none waits for finish(). Interleaved stages hold two chunks whose

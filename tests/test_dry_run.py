@@ -22,6 +22,8 @@ from megapar.training.config import TrainConfig
     ("gpt2-small-cpu", "gpipe", "none", 0, False, 1),
     ("gpt2-small-cpu", "1f1b", "selective", 1, True, 1),
     ("llama-tiny", "interleaved", "none", 1, False, 1),
+    ("gpt2-small-cpu", "zb-v", "none", 1, False, 1),
+    ("llama-tiny", "dualpipev", "selective", 0, False, 1),
     ("gpt2-small-cpu", "1f1b", "none", 1, False, 2)])
 def test_small_layout_equals_the_real_run(run, tmp_path, recipe, schedule, recompute, zero, sp,
                                           cp):

@@ -20,14 +20,14 @@ PER_MICRO_BATCH = ("models/", "tensor_parallel/", "pipeline/", "data_parallel/",
                    "context_parallel/")
 
 
-def config(kind):
+def config(kind, layers=2):
     from transformers import BertConfig, GPT2Config, LlamaConfig
 
     small = dict(vocab_size=96, bos_token_id=0, eos_token_id=0)
     if kind == "gpt2":
-        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=32, **small)
+        return GPT2Config(n_embd=32, n_layer=layers, n_head=4, n_positions=32, **small)
     if kind == "llama":
-        return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                            num_attention_heads=4, num_key_value_heads=1,
                            max_position_embeddings=32, **small)
     return BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -43,8 +43,10 @@ def batch(kind, m):
     return out
 
 
-def syncs_worker(kind, cp=1):
-    engine = megapar.prepare(config(kind), tp=2 // cp, cp=cp, pp=2, micro_batch_size=1)
+def syncs_worker(kind, cp=1, schedule="1f1b"):
+    layers = 4 if schedule in ("zb-v", "dualpipev") else 2  # the V: 2 pp chunks
+    engine = megapar.prepare(config(kind, layers), tp=2 // cp, cp=cp, pp=2, micro_batch_size=1,
+                             schedule=schedule)
     counts = {}
     for m in (4, 8):
         engine.train_step(batch(kind, m))  # the first step of a shape builds its executor
@@ -61,6 +63,17 @@ def test_a_steps_host_syncs_do_not_grow_with_micro_batches(kind, cp):
     for rank, counts in enumerate(run_local(syncs_worker, 4, kind, cp)):
         assert counts[4] == counts[8], (rank, counts)
         assert 0 < sum(counts[8].values()) <= 8, (rank, counts[8])  # the loss at least
+        inside = [where for _, where in counts[8] if where.startswith(PER_MICRO_BATCH)]
+        assert not inside, (rank, inside)
+
+
+@pytest.mark.parametrize("kind,schedule", [("gpt2", "zb-v"), ("llama", "dualpipev")])
+def test_v_schedules_sync_no_more_per_micro_batch(kind, schedule):
+    """tp 2 x pp 2 in the V: the in-memory turn, the loss and the tied sum on rank 0 add no
+    per-micro-batch sync."""
+    for rank, counts in enumerate(run_local(syncs_worker, 4, kind, 1, schedule)):
+        assert counts[4] == counts[8], (rank, counts)
+        assert 0 < sum(counts[8].values()) <= 8, (rank, counts[8])
         inside = [where for _, where in counts[8] if where.startswith(PER_MICRO_BATCH)]
         assert not inside, (rank, inside)
 

@@ -51,3 +51,35 @@ def test_bad_virtual_stages_rejected_before_workers_start(common, capsys):
     assert train([*common, "--global-batch-size", "10", "--pp", "2", "--schedule",
                   "interleaved", "--virtual-stages", "2"]) == 2
     assert "m must be divisible by 2" in capsys.readouterr().err
+    # the V schedules: always two chunks, DualPipeV at least 2 pp micro-batches, 2 pp layers
+    assert train([*common, "--pp", "2", "--schedule", "zb-v", "--virtual-stages", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--virtual-stages 3 does not apply to --schedule zb-v" in err and err.count("\n") == 1
+    assert train([*common, "--global-batch-size", "6", "--pp", "2", "--schedule",
+                  "dualpipev"]) == 2
+    assert "DualPipeV needs at least 2 x pp = 4 micro-batches" in capsys.readouterr().err
+    assert train([*common, "--pp", "4", "--schedule", "zb-v"]) == 2
+    assert "2 x --pp 4 = 8 virtual stages of at least one layer each, but it has 4" in \
+        capsys.readouterr().err
+
+
+def test_zb_v_checkpoint_continues_under_1f1b_at_pp2_one_process_and_dualpipev(tmp_path, common,
+                                                                             capfd):
+    """The V placement puts layers 0 and 3 (and the head) on rank 0, 1 and 2 on rank 1; the
+    checkpoint is still canonical per layer, so it loads under any other schedule and layout."""
+    reference, step3 = _train_and_checkpoint(tmp_path, common, ["--pp", "2", "--schedule", "zb-v"])
+    manifest = read_manifest(step3)
+    assert manifest["layout"] == {"tp": 1, "pp": 2, "dp": 1}
+    stage = {n: e["stage"] for n, e in manifest["tensors"].items()}
+    assert stage["layers.0.ln_1.weight"] == stage["layers.3.ln_1.weight"] == 0
+    assert stage["layers.1.ln_1.weight"] == stage["layers.2.ln_1.weight"] == 1
+    assert stage["embed.word.weight"] == stage["final_norm.weight"] == 0
+    measured = []
+    for layout, what in ((["--pp", "2", "--schedule", "1f1b"], "zb-v pp=2 -> 1f1b pp=2"),
+                         (["--pp", "1"], "zb-v pp=2 -> one process"),
+                         (["--pp", "2", "--schedule", "dualpipev"], "zb-v -> dualpipev pp=2")):
+        log = tmp_path / f"{len(measured)}.jsonl"
+        assert train([*common, *layout, "--load", str(step3), "--log-json", str(log)]) == 0
+        measured.append(_assert_continues(reference, log, what))
+    capfd.readouterr()
+    print("\n".join(measured))

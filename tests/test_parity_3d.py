@@ -80,7 +80,7 @@ def serial_reference() -> dict:
 
 def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            schedule: str = "1f1b", virtual_stages: int = 1, order: str = "tp-pp-dp",
-           sequence_parallel: bool = False, cp: int = 1) -> dict:
+           sequence_parallel: bool = False, cp: int = 1, mbs: int = MBS) -> dict:
     """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage
     (of every cp rank: they must agree)."""
     import torch.distributed as dist
@@ -88,14 +88,17 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     from megapar.data_parallel import GradBuckets
     from megapar.optim import Precision, build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
+    from megapar.pipeline.schedules import chunks_per_rank, placement_of
     from megapar.tensor_parallel.partition import gather_full
     from megapar.training.step import TrainStep
 
     mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank())
     mesh.sequence_parallel = sequence_parallel
-    model = build_stage(config(), mesh, SEED, virtual_stages=virtual_stages)
+    model = build_stage(config(), mesh, SEED,
+                        virtual_stages=chunks_per_rank(schedule, virtual_stages),
+                        placement=placement_of(schedule))
     seq = SEQ // cp // tp if sequence_parallel else SEQ // cp
-    executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, CONFIG["n_embd"]),
+    executor = PipelineExecutor(model, mesh, schedule, (mbs, seq, CONFIG["n_embd"]),
                                 virtual_stages=virtual_stages)
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
     grad_sync = GradBuckets(list(model.parameters()), mesh.dp_cp_group, bucket_mb=0.02,
@@ -115,7 +118,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
         optimizer_step()
 
     optimizer.step = step_and_record_first_grads
-    plan = BatchPlan(G, MBS, dp)
+    plan = BatchPlan(G, mbs, dp)
     results = [step.step(to_device(plan.split(batch, mesh.dp_rank), mesh.device), i)
                for i, batch in enumerate(global_batches())]
     weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group)
@@ -187,6 +190,24 @@ def test_3d_parity_tp2_pp2_dp2_new_schedules(reference):
     outs = run_local(_worker, 8, [(2, 2, 2, 0, "fp32", "zb-h1"), (2, 2, 2, 1, "fp32", "zb-h1"),
                                   (2, 2, 2, 1, "fp32", "interleaved", 2, "tp-dp-pp")])
     for i in range(3):
+        check_against(reference, [o[i] for o in outs])
+
+
+def test_3d_parity_v_schedules(reference):
+    """The V placement (embedding and head both on pp rank 0, the tied copies summed there):
+    ZB-V at tp 2 x pp 2 x dp 2 with ZeRO-1 (m 2: fewer micro-batches than virtual stages), and
+    at tp 2 x cp 2 x pp 2; DualPipeV (m >= 2 pp: dp 1, m 4) at tp 2 x cp 2 x pp 2 with ZeRO-1
+    over the cp ranks; with micro-batches of 1 (m 4), DualPipeV and ZB-V at pp 2 x dp 2 with
+    ZeRO-1."""
+    outs = run_local(_worker, 8, [(2, 2, 2, 1, "fp32", "zb-v"),
+                                  (2, 2, 1, 0, "fp32", "zb-v", 1, "tp-pp-dp", False, 2),
+                                  (2, 2, 1, 1, "fp32", "dualpipev", 1, "tp-pp-dp", False, 2)])
+    for i in range(3):
+        check_against(reference, [o[i] for o in outs])
+    # micro-batches of 1: m 4 per dp rank, enough for DualPipeV at dp 2 with ZeRO-1
+    outs = run_local(_worker, 4, [(1, 2, 2, 1, "fp32", "dualpipev", 1, "tp-pp-dp", False, 1, 1),
+                                  (1, 2, 2, 1, "fp32", "zb-v", 1, "tp-pp-dp", False, 1, 1)])
+    for i in range(2):
         check_against(reference, [o[i] for o in outs])
 
 

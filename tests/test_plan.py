@@ -54,23 +54,27 @@ def test_stage_params_equal_whole_stages_built_on_meta(recipe, tp, pp):
     assert stage_params(config, tp, pp) == built
 
 
-@pytest.mark.parametrize("recipe,tp,pp,v", [("gpt2-tiny", 2, 3, 1), ("bert-tiny", 2, 2, 1),
-                                            ("llama-tiny", 4, 2, 2), ("gpt2-tiny", 1, 2, 2),
-                                            ("llama-tiny", 2, 1, 1)])
-def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp, v):
+@pytest.mark.parametrize("recipe,tp,pp,v,placement", [
+    ("gpt2-tiny", 2, 3, 1, "loop"), ("bert-tiny", 2, 2, 1, "loop"), ("llama-tiny", 4, 2, 2, "loop"),
+    ("gpt2-tiny", 1, 2, 2, "loop"), ("llama-tiny", 2, 1, 1, "loop"), ("gpt2-tiny", 2, 2, 2, "v"),
+    ("bert-tiny", 1, 2, 2, "v")])
+def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp, v, placement):
     from megapar.pipeline.partition import build_stage
-    from megapar.plan.params import stage_tensors
+    from megapar.plan.params import stage_params, stage_tensors
 
     config = resolve_model(recipe)
     layout = Layout(tp, pp, 1)
     for stage in range(pp):
         model = build_stage(config, Mesh.virtual(layout, rank=layout.rank(tp - 1, stage, 0)), 0,
-                            init=False, virtual_stages=v)
+                            init=False, virtual_stages=v, placement=placement)
         built = [(p.numel(), p.dtype, bool(getattr(p, "shared_embedding", False)),
                   hasattr(p, "tied_to")) for p in model.parameters()]
         planned = [(t.numel, t.dtype, t.shared, t.tied) for t in stage_tensors(config, tp, pp, v,
-                                                                               stage)]
+                                                                               stage, placement)]
         assert planned == built
+        if tp == 1:  # stage_params counts tp rank 0's (the vocabulary padding on the last)
+            assert stage_params(config, tp, pp, v, placement)[stage] == \
+                sum(p.numel() for p in model.parameters())
 
 
 # -- activation memory -------------------------------------------------------------------------

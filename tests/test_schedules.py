@@ -134,7 +134,7 @@ def test_argument_validation(fn):
 def test_get_schedule():
     assert get_schedule("gpipe") is gpipe
     assert get_schedule("1f1b") is one_f_one_b
-    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'.*1f1b, gpipe"):
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'.*1f1b, dualpipev, gpipe"):
         get_schedule("zb")
 
 

@@ -35,7 +35,7 @@ from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import chunk_specs
-from megapar.pipeline.schedules import check_schedule
+from megapar.pipeline.schedules import check_schedule, chunks_per_rank, placement_of
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import (
     DataPlan,
@@ -132,8 +132,13 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     # the model and the layout: before any data is read or anything written
     config = resolve_model(cfg, notes, manifest)
     config.validate(layout)
-    if cfg.virtual_stages > 1:
-        chunk_specs(config.num_layers, layout.pp, 0, cfg.virtual_stages)  # enough layers?
+    chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)  # one line if V does not apply
+    if placement_of(cfg.schedule) == "v" and config.num_layers < 2 * layout.pp:
+        raise ValueError(f"--schedule {cfg.schedule} cuts the model into 2 x --pp {layout.pp} = "
+                         f"{2 * layout.pp} virtual stages of at least one layer each, but it has "
+                         f"{config.num_layers}; lower --pp or use --schedule zb-h1")
+    if chunks > 1:
+        chunk_specs(config.num_layers, layout.pp, 0, chunks)  # enough layers?
     if not cfg.dry_run:
         most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
         if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):

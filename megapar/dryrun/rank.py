@@ -26,7 +26,7 @@ Weights, gradients and optimizer state are the bytes of the distinct storages be
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,12 @@ from megapar.data import collate
 from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline import messages
-from megapar.pipeline.schedules import in_flight_peak, placement_of, schedule_actions
+from megapar.pipeline.schedules import (
+    chunks_per_rank,
+    in_flight_peak,
+    placement_of,
+    schedule_actions,
+)
 from megapar.plan import Candidate, Problem, stage_memory
 from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
 from megapar.training.data import make_sampler
@@ -153,10 +158,17 @@ def rehearse_rank(cfg, config, layout: Layout, rank: int, gpus_per_node: int = 8
             return _rehearse(cfg, config, mesh, gpus_per_node, dataset)
 
 
+REHEARSED_AS = {"dualpipev": "zb-v"}
+"""Schedules whose one-micro-batch rehearsal runs under another of the same placement."""
+
+
 def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankReport:
     layout, notes = mesh.layout, []
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
-    engine = Engine(cfg, config, mesh)
+    # the rehearsal runs one micro-batch; DualPipeV takes no fewer than 2 pp, so its one is run
+    # under ZB-V: the same V placement, so the same messages and collectives per micro-batch
+    engine = Engine(replace(cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule)), config,
+                    mesh)
     first_batch = None  # this rank's micro-batches of the first global batch (sample indices)
     if dataset is not None:
         first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
@@ -197,7 +209,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     file, size = planned_shard(engine.model, mesh, moments)
     actions = schedule_actions(cfg.schedule, layout.pp, m, mesh.pp_rank, cfg.virtual_stages)
     activations = _modelled_activations(cfg, config, layout, mesh.pp_rank, actions)
-    in_flight = in_flight_peak(actions) / cfg.virtual_stages
+    in_flight = in_flight_peak(actions) / chunks_per_rank(cfg.schedule, cfg.virtual_stages)
     return RankReport(
         rank=mesh.rank, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, dp_rank=mesh.dp_rank,
         cp_rank=mesh.cp_rank,
@@ -216,9 +228,9 @@ def _modelled_activations(cfg, config, layout: Layout, stage: int, actions) -> i
                       seq_len=cfg.seq_len, precision=cfg.precision, master_weights="fp32",
                       fused_attention=True)
     candidate = Candidate(layout.tp, layout.pp, layout.dp, cfg.micro_batch_size, cfg.schedule,
-                          cfg.virtual_stages, cfg.recompute,
+                          chunks_per_rank(cfg.schedule, cfg.virtual_stages), cfg.recompute,
                           bool(cfg.sequence_parallel and layout.tp > 1), cfg.zero, layout.cp)
-    m = len([a for a in actions if a.kind == "forward"]) // cfg.virtual_stages
+    m = len([a for a in actions if a.kind == "forward"]) // candidate.v
     held = messages.held(messages.programs(cfg.schedule, layout.pp, m, cfg.virtual_stages),
                          stage, placement_of(cfg.schedule))
     return int(stage_memory(problem, candidate, {stage: held})[stage].activations)

@@ -9,7 +9,9 @@ a new compute kind is a new entry there, not a new loop.
 Model chunks (interleaved schedules): `stage` may be a `ModelChunks` (`stage.chunks`), and every
 action names its chunk; per-micro-batch state is keyed by (mb, chunk), and the peer of each
 message comes from the chunk's virtual stage (`schedules.peer_of`), so activations wrap around
-from the last rank to rank 0 for the next chunk. Zero-bubble schedules split the backward into
+from the last rank to rank 0 for the next chunk. In the V placement (ZB-V, DualPipeV) the turn
+from one chunk to the other is on one rank: no message, the output (or input gradient) is
+handed over in memory; the loss is then on rank 0. Zero-bubble schedules split the backward into
 ``backward_input`` / ``backward_weight`` (the functions at the end of this module).
 
 Per in-flight micro-batch it keeps the input activation (a leaf that requires grad, so its `.grad`
@@ -45,9 +47,11 @@ from megapar.pipeline.p2p import P2PTimeoutError, StageP2P, wait_work
 from megapar.pipeline.schedules import (
     Action,
     MessageGroup,
+    chunks_per_rank,
     get_schedule,
     peer_of,
     placement_of,
+    stage_location,
     virtual_stage,
 )
 from megapar.pipeline.timeline import Event, Timeline
@@ -67,8 +71,10 @@ class StepPlan(NamedTuple):
     """The computes and message groups, in order (`messages.programs`)."""
     last_backward: int | None
     """Index of the last action whose backward accumulates parameter gradients."""
-    last_weight: int | None
-    """Index of the last `backward_weight` (zero bubble), None without a split backward."""
+    report_at: frozenset
+    """Indices of each model chunk's last action that adds to its weight gradients, where it
+    is a `backward_weight` (zero bubble) or a whole backward applying deferred products
+    (DualPipeV): it reports the weights it finishes to `grad_sync.grads_ready`."""
     split_backward: bool
     """Whether the backward is split into B and W (the linear layers store (X, dY))."""
     acks: dict
@@ -98,7 +104,7 @@ class PipelineExecutor:
         self.stage, self.mesh, self.trace = stage, mesh, trace
         self.schedule_name = schedule
         get_schedule(schedule)  # unknown names fail here
-        self.virtual_stages = virtual_stages
+        self.virtual_stages = virtual_stages = chunks_per_rank(schedule, virtual_stages)
         self.chunks = list(getattr(stage, "chunks", [stage]))
         if len(self.chunks) != virtual_stages:
             raise ValueError(f"schedule {schedule!r} with --virtual-stages {virtual_stages} needs "
@@ -134,7 +140,7 @@ class PipelineExecutor:
         self._pending_w: dict[tuple, object] = {}        # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
         self._acks: dict[tuple, list[tuple]] = {}        # see messages.acknowledgements
-        self._grad_sync, self._step_index, self._last_w = None, None, None
+        self._grad_sync, self._step_index, self._report_at = None, None, frozenset()
         self._ahead: dict[int, list[Action]] = {}        # per peer rank, receives in order
         self._recvs_issued: set[tuple] = set()           # (kind, mb, chunk) issued so far
 
@@ -169,12 +175,23 @@ class PipelineExecutor:
             self._plans[key] = StepPlan(
                 program=program,
                 last_backward=last_backward,
-                last_weight=max((i for i, a in actions if a.kind == "backward_weight"),
-                                default=None),
+                report_at=self._report_points(actions),
                 split_backward=any(a.kind == "backward_input" for _, a in actions),
                 acks=acks, posts={rank: tuple(recvs) for rank, recvs in posts.items()},
                 arm_at=self._chunk_arming(actions, last_backward))
         return self._plans[key]
+
+    @staticmethod
+    def _report_points(actions: list) -> frozenset:
+        """`StepPlan.report_at`: per chunk, its last backward or W, where the step splits the
+        backward (only then are weight products deferred)."""
+        if not any(a.kind == "backward_input" for _, a in actions):
+            return frozenset()
+        last = {}
+        for i, a in actions:
+            if a.kind in ("backward", "backward_weight"):
+                last[a.chunk] = i
+        return frozenset(last.values())
 
     def _chunk_arming(self, actions: list, last_backward: int | None) -> dict:
         """`StepPlan.arm_at`: with several model chunks, each chunk's last backward before the
@@ -206,8 +223,9 @@ class PipelineExecutor:
         program, `arm(params)` (where it has one) before each model chunk's last backward but
         the stage's last, with the parameters that chunk leaves final,
         `before_last_backward()` right before this stage's last backward (of a split
-        backward: its last B; the last W then reports each weight gradient it finishes to
-        `grad_sync.grads_ready`, so the reduction overlaps the W passes), and `finish()` after
+        backward: its last B; each chunk's last W then reports each weight gradient it
+        finishes to `grad_sync.grads_ready`, so the reduction overlaps the W passes), and
+        `finish()` after
         the program and the wait for outstanding sends.
         """
         m = len(micro_batches)
@@ -226,7 +244,7 @@ class PipelineExecutor:
             grad_sync = None
         self._trace = []
         self._reset(micro_batches, loss_scale, forward_only)
-        self._last_w, self._acks = plan.last_weight, plan.acks
+        self._report_at, self._acks = plan.report_at, plan.acks
         self._grad_sync = grad_sync
         self.weight_grads.take()
         self.weight_grads.enabled = not forward_only and plan.split_backward
@@ -383,14 +401,19 @@ class PipelineExecutor:
                                if a.kind.startswith("send"))
 
     def _receive_for(self, a: Action) -> None:
-        """Wait for the message compute `a` consumes, if any (traced as its receive)."""
+        """Wait for the message compute `a` consumes, if any (traced as its receive); from a
+        chunk of this rank (the V's turn), take it from that chunk's output or input gradient."""
         if a.kind == "forward" and not self._is_first(a):
             kind = "recv_act"
         elif a.kind in ("backward", "backward_input") and not self._is_last(a):
             kind = "recv_grad"
         else:
             return
-        peer = self.mesh.stage_rank(self._peer(self.mesh.pp_rank, Action(kind, a.mb, a.chunk))[0])
+        peer_stage, peer_chunk = self._peer(self.mesh.pp_rank, Action(kind, a.mb, a.chunk))
+        if peer_stage == self.mesh.pp_rank:
+            self._hand_over(kind, a.mb, a.chunk, peer_chunk)
+            return
+        peer = self.mesh.stage_rank(peer_stage)
         set_action(f"{kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank} "
                    f"(from rank {peer})")
         start = self.clock.stamp() if self.trace else 0.0
@@ -405,6 +428,16 @@ class PipelineExecutor:
             self._inputs[a.mb, a.chunk] = tensor.requires_grad_(not self._forward_only)
         else:
             self._out_grads[a.mb, a.chunk] = tensor
+
+    def _hand_over(self, kind: str, mb: int, chunk: int, source: int) -> None:
+        """In-memory handover between two chunks of this rank (no message): the forward of
+        `chunk` takes `source`'s output as its input leaf, the backward its input gradient."""
+        if kind == "recv_act":
+            take = self._outputs.pop if self._forward_only else self._outputs.get
+            out = take((mb, source))
+            self._inputs[mb, chunk] = out.detach().requires_grad_(not self._forward_only)
+        else:
+            self._out_grads[mb, chunk] = self._in_grads.pop((mb, source))
 
     # handlers ------------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
@@ -429,6 +462,8 @@ class PipelineExecutor:
         out = self._outputs.pop(key)
         grad = None if self._is_last(a) else self._out_grads.pop(key)
         backward(out, grad)
+        if len(self.weight_grads):  # a whole backward in a step with split ones (DualPipeV)
+            WeightGradStore.apply(self.weight_grads.take(), self._ready())
         x = self._inputs.pop(key, None)
         if x is not None:
             self._in_grads[key] = self._input_grad(a, x.grad)
@@ -451,21 +486,27 @@ class PipelineExecutor:
             self._in_grads[key] = self._input_grad(a, dx)
 
     def _backward_weight(self, a: Action) -> None:
-        """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; the
-        step's last W reports each finished weight to the data-parallel reduction."""
-        ready = getattr(self._grad_sync, "grads_ready", None) \
-            if self._step_index == self._last_w else None
-        backward_weight(self._pending_w.pop((a.mb, a.chunk)), ready)
+        """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; a
+        chunk's last W reports each finished weight to the data-parallel reduction."""
+        backward_weight(self._pending_w.pop((a.mb, a.chunk)), self._ready())
+
+    def _ready(self):
+        """`grad_sync.grads_ready` at a chunk's last weight-gradient action, else None."""
+        if self._step_index in self._report_at:
+            return getattr(self._grad_sync, "grads_ready", None)
+        return None
 
     # loss ----------------------------------------------------------------------------------
     def _mean_loss(self, m: int) -> torch.Tensor:
         """Mean of the m micro-batch losses, broadcast from the last stage over the pp group."""
-        if self.mesh.is_last_stage:
+        last = stage_location(self.mesh.pp * len(self.chunks) - 1, self.mesh.pp,
+                              self.placement)[0]  # rank 0 in a V
+        if self.mesh.pp_rank == last:
             loss = torch.stack([self._losses[i] for i in range(m)]).sum() / m
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
         if self.mesh.pp > 1:
-            src = self.mesh.stage_rank(self.mesh.pp - 1)
+            src = self.mesh.stage_rank(last)
             work = dist.broadcast(loss, src=src, group=self.mesh.pp_group, async_op=True)
             wait_work(work, self.mesh.device, self.timeout_s,
                       f"rank {self.mesh.rank}: broadcast of the loss from the last pipeline "

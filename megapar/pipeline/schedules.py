@@ -31,13 +31,16 @@ Model chunks and the split backward: interleaved 1F1B (each rank holds several m
 schedules (``backward`` split into ``backward_input``, which produces the gradient to send
 upstream, and ``backward_weight``, deferred to fill bubbles) are schedule functions in `SCHEDULES`
 like the others; the executor's dispatch loop is the same for all. Their compute orders equal
-torch.distributed.pipelining's `ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble`.
+torch.distributed.pipelining's `ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble`, and
+those of ZB-V and DualPipeV (two chunks per rank in the "v" placement) its
+`ScheduleZBVZeroBubble` / `ScheduleDualPipeV`. Between two chunks of one rank (the V's turn) a
+schedule lists no message: the executor hands the tensor over in memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from megapar.pipeline.timeline import short_label
 
@@ -218,13 +221,17 @@ def _with_comms(compute: list[Action], pp: int, stage: int, num_chunks: int,
     """Surround each compute action with its communication: receive right before, send right
     after (as `_forward` / `_backward` do for one chunk). ``backward_weight`` communicates nothing."""
     last = pp * num_chunks - 1
+
+    def remote(vs):  # a neighbour on another rank (the V's turn is on this one: in memory)
+        return 0 <= vs <= last and stage_location(vs, pp, placement)[0] != stage
+
     out = []
     for a in compute:
         vs = virtual_stage(stage, a.chunk, pp, placement)
         if a.kind == "forward":
-            before, after = ("recv_act", vs > 0), ("send_act", vs < last)
+            before, after = ("recv_act", remote(vs - 1)), ("send_act", remote(vs + 1))
         elif a.kind in ("backward", "backward_input"):
-            before, after = ("recv_grad", vs < last), ("send_grad", vs > 0)
+            before, after = ("recv_grad", remote(vs + 1)), ("send_grad", remote(vs - 1))
         else:
             out.append(a)
             continue
@@ -234,6 +241,151 @@ def _with_comms(compute: list[Action], pp: int, stage: int, num_chunks: int,
         if after[1]:
             out.append(Action(after[0], a.mb, a.chunk))
     return out
+
+
+def _v_compute(rank_ops: list[tuple[str, int, int]], m: int) -> list[Action]:
+    """Actions from (kind, mb, chunk) triples, dropping micro-batches >= m (the V orders are
+    built for at least 2 pp - 1 micro-batches and trimmed, as torch does)."""
+    return [Action(kind, mb, chunk) for kind, mb, chunk in rank_ops if mb < m]
+
+
+def _zb_v_order(pp: int, m: int, stage: int) -> list[Action]:
+    """Compute order of ZB-V (Qi et al. 2024, section 6; torch's ScheduleZBVZeroBubble).
+
+    Chunk 0 is virtual stage `stage`, chunk 1 is 2 pp - 1 - stage. Warmup: 2 (pp - stage) - 1
+    forwards of chunk 0, then `stage` pairs F chunk 1 / F chunk 0, then pp - stage rounds of
+    F B W on chunk 1. Steady state: F B W on chunk 0, then F B W on chunk 1, until every
+    forward is issued. Cooldown: B of both chunks, then B W of chunk 0, then every deferred W.
+    Built for n = max(m, 2 pp - 1) micro-batches and trimmed to m."""
+    n = max(m, 2 * pp - 1)
+    nxt = {(k, c): 0 for k in ("forward", "backward_input", "backward_weight") for c in (0, 1)}
+    ops: list[tuple[str, int, int]] = []
+
+    def add(kind, chunk):
+        ops.append((kind, nxt[kind, chunk], chunk))
+        nxt[kind, chunk] += 1
+
+    for _ in range(2 * (pp - stage) - 1):
+        add("forward", 0)
+    for _ in range(stage):
+        add("forward", 1)
+        add("forward", 0)
+    for _ in range(pp - stage):
+        add("forward", 1)
+        add("backward_input", 1)
+        add("backward_weight", 1)
+    while nxt["forward", 1] < nxt["forward", 0] or nxt["forward", 0] < n:
+        if nxt["forward", 0] < n:
+            add("forward", 0)
+        add("backward_input", 0)
+        add("backward_weight", 0)
+        add("forward", 1)
+        add("backward_input", 1)
+        add("backward_weight", 1)
+    for _ in range(stage):
+        add("backward_input", 0)
+        add("backward_input", 1)
+    for _ in range(pp - stage):
+        add("backward_input", 0)
+        add("backward_weight", 0)
+    for chunk in (1, 0):
+        while nxt["backward_weight", chunk] < nxt["backward_input", chunk]:
+            add("backward_weight", chunk)
+    return _v_compute(ops, m)
+
+
+def _dualpipev_order(pp: int, m: int, stage: int) -> list[Action]:
+    """Compute order of DualPipeV (DeepSeek-V3's DualPipe folded onto pp ranks; torch's
+    ScheduleDualPipeV). Its overlapped "F of one chunk with B of the other" pairs are listed as
+    the forward followed by the full backward (one stream: see docs/guides/schedules.md); the
+    last ranks' first backwards and the tail use the split B / W to fill the bubble. Needs
+    m >= 2 pp."""
+    nxt: dict[tuple[str, int], int] = {}
+    pending_w: list[tuple[int, int]] = []  # (chunk, mb) of B without its W yet, oldest first
+    ops: list[tuple[str, int, int]] = []
+
+    def count(kind, chunk):
+        k = nxt.get((kind, chunk), 0)
+        nxt[kind, chunk] = k + 1
+        return k
+
+    def add(kind, chunk):
+        mb = count("backward_input" if kind == "backward" else kind, chunk)
+        ops.append((kind, mb, chunk))
+        if kind == "backward_input":
+            pending_w.append((chunk, mb))
+
+    def weight():
+        if pending_w:
+            chunk, mb = pending_w.pop(0)
+            ops.append(("backward_weight", mb, chunk))
+
+    def overlap(f_chunk, b_chunk):  # torch's OVERLAP_F_B, run as F then B
+        add("forward", f_chunk)
+        add("backward", b_chunk)
+
+    for _ in range(2 * (pp - stage - 1)):
+        add("forward", 0)
+    for _ in range(stage + 1):
+        add("forward", 0)
+        add("forward", 1)
+    for _ in range(pp - stage - 1):
+        add("backward_input", 1)
+        weight()
+        add("forward", 1)
+    for _ in range(m - 2 * pp + stage + 1):
+        overlap(0, 1)  # on the last rank the first one is not overlapped: same order
+        overlap(1, 0)
+    for _ in range(pp - stage - 1):
+        add("backward", 1)
+        overlap(1, 0)
+    split = False
+    for i in range(stage + 1):
+        if i == (stage + 1) // 2 and stage % 2 == 1:
+            split = True
+        add("backward_input" if split else "backward", 1)
+        if i == (stage + 1) // 2 and stage % 2 == 0:
+            split = True
+        add("backward_input" if split else "backward", 0)
+    for _ in range(pp - stage - 1):
+        weight()
+        add("backward_input" if split else "backward", 0)
+    for _ in range(stage + 1):
+        weight()
+    return [Action(kind, mb, chunk) for kind, mb, chunk in ops]
+
+
+def _check_v(pp: int, what: str) -> None:
+    if pp < 2:
+        raise ValueError(f"{what} needs --pp >= 2 (with one stage use --schedule 1f1b)")
+
+
+def zb_v(pp: int, m: int, stage: int) -> list[Action]:
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 6): two model
+    chunks per rank placed in a V (rank r holds virtual stages r and 2 pp - 1 - r, so the
+    first stage's input and the last stage's loss are both on rank 0, and the turn from
+    virtual stage pp - 1 to pp is handed over in memory on rank pp - 1), each backward split
+    into B and W. With t_F = t_B = t_W the bubble is near zero at 1F1B's activation memory
+    (2 pp micro-batch-chunks, each half a stage, in flight on rank 0). Any m >= 1; needs
+    pp >= 2 and a model of at least 2 pp layers."""
+    _check_args(pp, m, stage)
+    _check_v(pp, "ZB-V")
+    return _with_comms(_zb_v_order(pp, m, stage), pp, stage, 2, "v")
+
+
+def dualpipev(pp: int, m: int, stage: int) -> list[Action]:
+    """DualPipeV (DeepSeek-V3's DualPipe on pp ranks in the V placement of `zb_v`): in the
+    steady state each rank runs a forward of one chunk next to the backward of the other
+    (F&B overlap, meant to hide one micro-batch's communication behind the other's compute on
+    separate CUDA streams), the tail splits B and W to fill the drain. Needs pp >= 2,
+    m >= 2 pp and a model of at least 2 pp layers."""
+    _check_args(pp, m, stage)
+    _check_v(pp, "DualPipeV")
+    if m < 2 * pp:
+        raise ValueError(f"DualPipeV needs at least 2 x pp = {2 * pp} micro-batches (one per "
+                         f"virtual stage), got m = {m}; raise --global-batch-size or use "
+                         f"--schedule zb-v, which takes any m")
+    return _with_comms(_dualpipev_order(pp, m, stage), pp, stage, 2, "v")
 
 
 def interleaved_rounds(pp: int, m: int, what: str = "interleaved 1F1B") -> int:
@@ -341,22 +493,42 @@ SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
     "zb-h1": zb_h1,
+    "zb-v": zb_v,
+    "dualpipev": dualpipev,
 }
 """Schedule functions by name (what `--schedule` accepts)."""
 
-CHUNKED_SCHEDULES = {"interleaved": "loop"}
-"""Schedules taking `virtual_stages` model chunks per rank, with their chunk placement."""
+CHUNKED_SCHEDULES = {"interleaved": "loop", "zb-v": "v", "dualpipev": "v"}
+"""Schedules running several model chunks per rank, with their chunk placement: "loop" ones
+take `virtual_stages` chunks, "v" ones exactly two (`chunks_per_rank`)."""
+
+
+def chunks_per_rank(name: str, virtual_stages: int = 1) -> int:
+    """Model chunks each rank holds for schedule `name`: `virtual_stages` for interleaved, 2 for
+    the V schedules (where `virtual_stages` may be left at 1, or given as 2), 1 otherwise.
+    ValueError with one line naming the fix where `virtual_stages` does not apply."""
+    if CHUNKED_SCHEDULES.get(name) == "v":
+        if virtual_stages not in (1, 2):
+            raise ValueError(f"--virtual-stages {virtual_stages} does not apply to --schedule "
+                             f"{name}: it places exactly two model chunks per rank in a V "
+                             f"(rank r holds virtual stages r and 2 pp - 1 - r); drop "
+                             f"--virtual-stages")
+        return 2
+    if name in CHUNKED_SCHEDULES:
+        return virtual_stages
+    if virtual_stages != 1:
+        raise ValueError(f"--virtual-stages {virtual_stages} needs --schedule interleaved; "
+                         f"schedule {name!r} runs one model chunk per rank")
+    return 1
 
 
 def schedule_actions(name: str, pp: int, m: int, stage: int,
                      virtual_stages: int = 1) -> list[Action]:
     """The action list of `stage` for schedule `name` with `virtual_stages` chunks per rank."""
     fn = get_schedule(name)
-    if name in CHUNKED_SCHEDULES:
-        return fn(pp, m, stage, virtual_stages)
-    if virtual_stages != 1:
-        raise ValueError(f"--virtual-stages {virtual_stages} needs --schedule interleaved; "
-                         f"schedule {name!r} runs one model chunk per rank")
+    chunks = chunks_per_rank(name, virtual_stages)
+    if placement_of(name) == "loop" and name in CHUNKED_SCHEDULES:
+        return fn(pp, m, stage, chunks)
     return fn(pp, m, stage)
 
 

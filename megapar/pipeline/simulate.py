@@ -225,12 +225,20 @@ def theoretical_bubble(pp: int, m: int, schedule: str = "1f1b", virtual_stages: 
       m (t_F + t_B + t_W) of compute; t_F = `fwd_ms`, t_B = `bwd_input_ms`, t_W = `bwd_weight_ms`
       (ignored by the other schedules, whose bubble does not depend on the costs). The paper's
       formula assumes t_W <= t_F + t_B; outside that it does not say, and this returns NaN (the
-      simulator, `simulate_schedule`, covers every case).
+      simulator, `simulate_schedule`, covers every case);
+    - ZB-V and DualPipeV (two chunks per rank in a V; the costs are a chunk's): the pipeline
+      fill, (pp-1) t_F next to 2 m (t_F + t_B + t_W) of compute. No schedule of two chunks per
+      rank does better with a synchronous step (the last rank cannot start before pp - 1 chunk
+      forwards, and then has all its work to do); ZB-V reaches it when t_F = t_B = t_W, and
+      other costs leave more (the simulator gives it).
     """
     if pp < 1 or m < 1:
         raise ValueError(f"theoretical_bubble needs pp >= 1 and m >= 1, got pp={pp} m={m}")
     if schedule == "interleaved":
         return (pp - 1) / (virtual_stages * m + pp - 1)
+    if schedule in ("zb-v", "dualpipev"):
+        fill = (pp - 1) * fwd_ms
+        return fill / (2 * m * (fwd_ms + bwd_input_ms + bwd_weight_ms) + fill)
     if schedule == "zb-h1":
         if bwd_weight_ms > fwd_ms + bwd_input_ms:
             return float("nan")

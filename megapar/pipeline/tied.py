@@ -7,7 +7,9 @@ initialised identically. Each copy only sees its own half of the gradient: the f
 embedding-lookup part, the last stage the LM-head part. The true gradient of the shared weight is
 their sum. Summing the two gradients over `mesh.embedding_group` (only the first and last stage of
 each tp/dp position are in it) gives both copies the same full gradient, so the same optimizer
-update keeps them bitwise equal, exactly as if they were one tensor.
+update keeps them bitwise equal, exactly as if they were one tensor. In the V placement (ZB-V,
+DualPipeV) the first and the last virtual stage are both on pp rank 0, as two chunks: there the
+two copies are summed in place, and the last rank holds none.
 
 Call `sync_tied_embeddings` after the pipeline schedule (all gradients accumulated) and before
 gradient clipping and the optimizer step.
@@ -37,6 +39,15 @@ def sync_tied_embeddings(model: nn.Module, mesh: Mesh, timeout_s: float | None =
     params = shared_embedding_params(model)
     if not params:
         return 0
+    if len(params) == 2:  # both ends on this rank (the V placement): sum here, no message
+        embedding, copy = params
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        total = embedding.grad + copy.grad
+        embedding.grad.copy_(total)
+        copy.grad.copy_(total)
+        return 2
     if mesh.embedding_group is None:
         raise RuntimeError(
             f"rank {mesh.rank} (pp stage {mesh.pp_rank}) holds a shared embedding but is in no "

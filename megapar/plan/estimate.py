@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from megapar.context_parallel import method_for
 from megapar.pipeline.partition import chunk_specs
+from megapar.pipeline.schedules import placement_of
 from megapar.plan import memory as mem
 from megapar.plan import pipeline
 from megapar.plan.layouts import Candidate
@@ -231,8 +232,9 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
                           whole_vocab=cfg.vocab_size if t == 1 else None, terms=terms)
     message = s * b * h * p.act_bytes / sp_t            # an activation or its gradient in flight
     out, config_json = [], json.dumps(cfg.to_dict(), sort_keys=True)
-    for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v)):
-        specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v)
+    placement = placement_of(c.schedule)
+    for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v, placement)):
+        specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v, placement)
         chunks = [len(spec.layers) * per_layer + (embedding if spec.pre_process else 0)
                   + (head if spec.post_process else 0) for spec in specs]
         seen = (counts or {}).get(stage) or (
@@ -251,11 +253,11 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
         buffers = cp_buffers(p, c)                      # cp attention's K/V in flight
         if c.recompute != "none":                       # one layer rebuilt during backward
             buffers += full - per_layer
-        if stage == c.pp - 1:                           # the logits' gradient in backward
+        if any(spec.post_process for spec in specs):    # the logits' gradient in backward
             buffers += s * b * vocab_local * 4
         if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
             held = most_loaded(config_json, t, c.pp, c.v, stage, c.dp * c.cp, c.zero,
-                               p.grad_bucket_mb)
+                               p.grad_bucket_mb, placement)
             params, grads, optim = held.weights, held.grads, held.optimizer
         else:
             params, grads, optim = mem.state_bytes(n_params, c.dp * c.cp, c.zero,
@@ -282,7 +284,7 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     fits = worst.total <= p.gpu_memory_gb * mem.GIB
     m = p.global_batch // (c.mbs * c.dp)
     rate = p.peak_tflops * 1e12 * p.efficiency
-    per_rank = stage_layer_counts(cfg.num_layers, c.pp, c.v)
+    per_rank = stage_layer_counts(cfg.num_layers, c.pp, c.v, placement_of(c.schedule))
     layers = max(per_rank)
     vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
     fwd_layer = _layer_flops(cfg, s, b) / (t * n)
@@ -290,7 +292,8 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     attention = 4 * s * s * b * h / (t * n)
     extra = {"none": 0.0, "selective": attention, "full": fwd_layer}[c.recompute]
     # slowest stage: the most layers, plus the head if the last stage is among the slowest
-    fwd = layers * fwd_layer + (head if per_rank[-1] == layers else 0)
+    head_rank = 0 if placement_of(c.schedule) == "v" else -1  # the LM head's stage
+    fwd = layers * fwd_layer + (head if per_rank[head_rank] == layers else 0)
     bwd = 2 * fwd + layers * extra
     act = s // n * b * h * p.act_bytes
     tp_fwd = layers * 2 * _ring(t, act, p.intra_gbps, p.latency_us)
@@ -306,7 +309,7 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     dp_gbps = p.intra_gbps if one_node else p.inter_gbps
     p2p = 2 * (c.pp - 1) * ((act / (c.tp if c.sp else 1)) * 8 / (pp_gbps * 1e9)
                             + p.latency_us * 1e-6)
-    n_params = max(stage_params(cfg, t, c.pp, c.v))
+    n_params = max(stage_params(cfg, t, c.pp, c.v, placement_of(c.schedule)))
     # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
     grad_bytes = n_params * (2 if p.precision == "fp16" else 4)
     # ZeRO-1 (distributed optimizer): the gradient reduce-scatter (half an all-reduce) hides

@@ -15,7 +15,7 @@ from megapar.mesh import Layout, LayoutError
 from megapar.pipeline.schedules import interleaved_rounds
 from megapar.training.validate import check_cp_seq_len
 
-PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev")
 """Schedules the planner models. Those registered in `megapar.pipeline.schedules.SCHEDULES` are
 simulated (and can be passed to megapar-train); the others use their published bubble formula."""
 RECOMPUTE = ("none", "selective", "full")
@@ -142,6 +142,14 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
             interleaved_rounds(c.pp, m)
         except ValueError as exc:
             return str(exc)
+    elif c.schedule in ("zb-v", "dualpipev"):
+        if c.v != 2:
+            return f"schedule {c.schedule} places exactly v = 2 model chunks per rank (a V)"
+        if config.num_layers < 2 * c.pp:
+            return (f"{config.num_layers} layers cannot be cut into 2*pp = {2 * c.pp} model "
+                    f"chunks (each needs at least one layer)")
+        if c.schedule == "dualpipev" and m < 2 * c.pp:
+            return (f"DualPipeV needs at least 2*pp = {2 * c.pp} micro-batches, got m = {m}")
     elif c.v != 1:
         return f"v {c.v} needs schedule interleaved"
     if c.sp and c.tp == 1:
@@ -228,7 +236,8 @@ def _options(pp, replicas, sp, zero, micro_batch_sizes, schedules, virtual_stage
     """(mbs, schedule, v, recompute, sp, zero) choices of a (tp, cp, pp, dp) layout."""
     for mbs in micro_batch_sizes:
         for schedule in schedules if pp > 1 else ("1f1b",):
-            for v in virtual_stages if schedule == "interleaved" else (1,):
+            for v in virtual_stages if schedule == "interleaved" else \
+                    (2,) if schedule in ("zb-v", "dualpipev") else (1,):
                 for rc in recompute:
                     for with_sp in ((False, True) if sp else (False,)):
                         for with_zero in ((0, 1) if zero and replicas > 1 else (0,)):

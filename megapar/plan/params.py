@@ -89,14 +89,15 @@ def _piece_tensors(config_json: str, tp: int) -> tuple[tuple[TensorSpec, ...], .
             _specs(_build(config, tp, range(0), False, True)))
 
 
-def stage_tensors(config, tp: int, pp: int, v: int, stage: int) -> list[TensorSpec]:
+def stage_tensors(config, tp: int, pp: int, v: int, stage: int,
+                  placement: str = "loop") -> list[TensorSpec]:
     """The parameters one tp rank of pipeline rank `stage` holds, in the order
     `model.parameters()` gives them (each chunk's embedding, blocks, then norm and head; the
     tied copy only on a last chunk without the embedding). `tests/test_plan.py` checks it
     against stages built on the meta device."""
 
     block, embedding, head = _piece_tensors(json.dumps(config.to_dict(), sort_keys=True), tp)
-    specs = chunk_specs(config.num_layers, pp, stage, v) if v > 1 else \
+    specs = chunk_specs(config.num_layers, pp, stage, v, placement) if v > 1 else \
         [stage_spec(config.num_layers, pp, stage)]
     out: list[TensorSpec] = []
     for spec in specs:
@@ -108,25 +109,29 @@ def stage_tensors(config, tp: int, pp: int, v: int, stage: int) -> list[TensorSp
     return out
 
 
-def stage_layer_counts(num_layers: int, pp: int, v: int = 1) -> list[int]:
+def stage_layer_counts(num_layers: int, pp: int, v: int = 1,
+                       placement: str = "loop") -> list[int]:
     """Blocks per pipeline rank as megapar-train cuts them (the first num_layers % pp stages +1;
     with v > 1 model chunks per rank, the blocks of its chunks, cut into pp * v slices)."""
     if v > 1:
-        return [sum(len(spec.layers) for spec in chunk_specs(num_layers, pp, stage, v))
+        return [sum(len(spec.layers) for spec in chunk_specs(num_layers, pp, stage, v,
+                                                              placement))
                 for stage in range(pp)]
     return [len(r) for r in partition_layers(num_layers, pp)]
 
 
-def stage_params(config, tp: int, pp: int, v: int = 1) -> list[int]:
+def stage_params(config, tp: int, pp: int, v: int = 1, placement: str = "loop") -> list[int]:
     """Elements of parameters one tp rank of each pipeline stage holds (the embedding is on the
-    first virtual stage, rank 0, and the head on the last, rank pp - 1, with v chunks too)."""
+    first virtual stage, rank 0, and the head on the last, rank pp - 1, with v chunks too;
+    in the "v" placement both are on rank 0)."""
     pieces = piece_counts(config, tp)
     counts = []
-    for stage, layers in enumerate(stage_layer_counts(config.num_layers, pp, v)):
+    head_rank = 0 if placement == "v" else pp - 1
+    for stage, layers in enumerate(stage_layer_counts(config.num_layers, pp, v, placement)):
         n = layers * pieces.block
         if stage == 0:
             n += pieces.embedding
-        if stage == pp - 1:
+        if stage == head_rank:
             n += pieces.head + (pieces.tied_copy if pp > 1 else 0)
         counts.append(n)
     return counts

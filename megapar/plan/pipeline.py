@@ -55,11 +55,16 @@ def formula_bubble(name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0,
 
     GPipe and 1F1B: (p-1)/(m+p-1). Interleaved 1F1B (Narayanan et al. 2021): (p-1)/(v m+p-1).
     ZB-H1 (Qi et al. 2024): the idle time per stage is (p-1)(t_F + t_B - t_W) against
-    m (t_F + t_B + t_W) of work, t_B the input-gradient and t_W the weight-gradient half."""
+    m (t_F + t_B + t_W) of work, t_B the input-gradient and t_W the weight-gradient half.
+    ZB-V and DualPipeV (two chunks per rank, each half a stage): the pipeline fill, (p-1) t_F / 2,
+    against the same work; a lower bound, which ZB-V reaches at t_F = t_B = t_W."""
     if name in ("gpipe", "1f1b"):
         return (pp - 1) / (m + pp - 1)
     if name == "interleaved":
         return (pp - 1) / (v * m + pp - 1)
+    if name in ("zb-v", "dualpipev"):
+        idle = (pp - 1) * t_f / 2
+        return idle / (m * (t_f + t_b + t_w) + idle)
     if name == "zb-h1":
         idle = (pp - 1) * max(0.0, t_f + t_b - t_w)
         return idle / (m * (t_f + t_b + t_w) + idle)
@@ -143,12 +148,24 @@ def chunk_counts(name: str, pp: int, m: int, v: int, stage: int) -> list[float]:
     1F1B's warmup forwards (and the first steady one) run chunk by chunk in rounds of pp
     micro-batches, so the first chunk holds more; other schedules have one chunk."""
     total = in_flight(name, pp, m, v, simulate=False)[0][stage] * v
+    if name in V_COUNTS:  # the V's peak: chunk 0 holds the warmup, chunk 1 stage + 1
+        first, second = V_COUNTS[name](pp, m, stage)
+        return [float(first), float(second)]
     if name != "interleaved":
         return [total / v] * v
     counts = [0.0] * v
     for j in range(int(total)):
         counts[(j // pp) % v] += 1
     return counts
+
+
+V_COUNTS = {
+    "zb-v": lambda pp, m, s: (min(2 * pp - 1 - s, m), min(s + 1, m)),
+    "dualpipev": lambda pp, m, s: (min(2 * pp - s, m), min(s + 1, m)),
+}
+"""The V schedules' peak micro-batches in flight on (chunk 0, chunk 1) of stage s, read off
+their orders at m >= 2 pp (ZB-V: 2 pp chunk-micro-batches on every rank, pp whole stages, as
+1F1B's first stage; DualPipeV one more)."""
 
 
 @lru_cache(maxsize=4096)
@@ -167,6 +184,8 @@ def in_flight(name: str, pp: int, m: int, v: int = 1,
         counts = [min(pp - s, m) for s in range(pp)]
     elif name == "interleaved":       # Megatron's warmup: 2 (p - s - 1) + (v - 1) p chunks, + 1
         counts = [min(2 * (pp - s - 1) + (v - 1) * pp + 1, m * v) / v for s in range(pp)]
+    elif name in V_COUNTS:            # two half-stage chunks
+        counts = [sum(V_COUNTS[name](pp, m, s)) / 2 for s in range(pp)]
     else:
         raise ValueError(f"no in-flight formula for schedule {name!r}")
     return tuple(float(c) for c in counts), "formula"

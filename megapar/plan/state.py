@@ -39,10 +39,11 @@ class RankState:
 
 
 def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: int,
-               zero: int, bucket_mb: float = 25.0) -> RankState:
+               zero: int, bucket_mb: float = 25.0, placement: str = "loop") -> RankState:
     """The state of dp rank `dp_rank` of pipeline rank `stage` (any tp rank: they hold equal
-    shapes) under megapar-train with AdamW and gradient buckets of `bucket_mb` MB."""
-    tensors, buckets = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb)
+    shapes) under megapar-train with AdamW and gradient buckets of `bucket_mb` MB; `placement`
+    maps chunks to virtual stages (`megapar.pipeline.schedules.PLACEMENTS`)."""
+    tensors, buckets = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement)
     elements = sum(t.numel for t in tensors)
     if not buckets:  # no ZeRO-1: every parameter whole, its own state
         nbytes = sum(t.numel * t.dtype.itemsize for t in tensors)
@@ -61,14 +62,14 @@ def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: i
 
 @lru_cache(maxsize=4096)
 def most_loaded(config_json: str, tp: int, pp: int, v: int, stage: int, dp: int, zero: int,
-                bucket_mb: float = 25.0) -> RankState:
+                bucket_mb: float = 25.0, placement: str = "loop") -> RankState:
     """The largest `rank_state` over the dp ranks of a stage (ZeRO-1 slices differ: the last
     holds the padding, ranks whose slice starts inside a parameter hold one more piece)."""
 
     config = config_from_dict(json.loads(config_json))
-    tensors, buckets = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb)
+    tensors, buckets = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement)
     if not buckets:
-        return rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb)
+        return rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement)
     ranks = _candidate_ranks(tensors, buckets, dp)
     optimizer = np.zeros(len(ranks), dtype=np.int64)
     for idx, padded in buckets:
@@ -80,7 +81,7 @@ def most_loaded(config_json: str, tp: int, pp: int, v: int, stage: int, dp: int,
         last = np.searchsorted(ends, np.maximum(hi - 1, 0), side="right")
         optimizer += ADAM_MOMENTS * real * itemsize + STEP_BYTES * np.where(
             real > 0, last - first + 1, 0)
-    worst = rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb)
+    worst = rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement)
     return RankState(worst.params, worst.weights, worst.grads, int(optimizer.max()))
 
 
@@ -100,9 +101,9 @@ def _candidate_ranks(tensors, buckets, dp: int) -> np.ndarray:
                     dtype=np.int64)
 
 
-def _layout(config, tp, pp, v, stage, dp, zero, bucket_mb):
+def _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement="loop"):
     """(the stage's tensors, ZeRO-1's buckets as `bucket_layout` gives them, or [] without)."""
-    tensors = stage_tensors(config, tp, pp, v, stage)
+    tensors = stage_tensors(config, tp, pp, v, stage, placement)
     if not (zero and dp > 1):
         return tensors, []
     late = [i for i, t in enumerate(tensors) if t.shared] if pp > 1 else []

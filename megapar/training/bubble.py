@@ -24,6 +24,7 @@ from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import (
     Action,
     check_schedule,
+    chunks_per_rank,
     in_flight_peak,
     peer_of,
     placement_of,
@@ -108,7 +109,9 @@ class _Held:
 def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stages=1, cp=1):
     config = config_from_dict(config_dict)
     mesh = Mesh.from_env(tp, pp, 1, cp=cp)
-    model = build_stage(config, mesh, seed=0, virtual_stages=virtual_stages)
+    model = build_stage(config, mesh, seed=0,
+                        virtual_stages=chunks_per_rank(schedule, virtual_stages),
+                        placement=placement_of(schedule))
     gen = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, config.vocab_size, (mbs, seq_len + 1), generator=gen)
            for _ in range(m)]
@@ -152,7 +155,7 @@ def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = Non
     activation_mb is, per stage, the peak of the tensors autograd held for backward during
     the step (parameters included when saved): what the schedule's in-flight count bounds."""
     check_schedule(schedule, pp, m, virtual_stages)
-    config = bench_config(model, pp, virtual_stages)
+    config = bench_config(model, pp, chunks_per_rank(schedule, virtual_stages))
     results = run_local(_worker, pp * tp * cp, config.to_dict(), tp, pp, m, schedule, steps,
                         micro_batch_size, seq_len, virtual_stages, cp, timeout_s=600)
     timeline_json, in_flight, act = results[0]

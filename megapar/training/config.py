@@ -68,9 +68,9 @@ class TrainConfig:
     """With --load: continue on --data whose content differs from what the checkpoint trained on (its recorded fingerprint or its number of samples), on purpose: the same number of samples continues the data order, another number starts it anew; without it such a resume is refused."""
     # --- pipeline / memory ---
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved (needs --virtual-stages >= 2) or zb-h1 (zero bubble)."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved (needs --virtual-stages >= 2), zb-h1 (zero bubble), zb-v (zero bubble, two chunks per rank in a V) or dualpipev (DeepSeek's DualPipe in the V; m >= 2 x pp)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank for --schedule interleaved (Megatron's round-robin: rank r holds chunks r, r+pp, ...)."""
+    """Model chunks per pipeline rank for --schedule interleaved (Megatron's round-robin: rank r holds chunks r, r+pp, ...). zb-v and dualpipev always place two (rank r holds virtual stages r and 2 pp - 1 - r) and refuse any other value."""
     recompute: str = "none"
     """Activation recomputation: none, selective (attention core) or full (each block)."""
     precision: str = "fp32"

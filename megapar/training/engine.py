@@ -37,6 +37,7 @@ from megapar.optim import LRScheduler, Precision, build_optimizer
 from megapar.optim.precision import comm_dtypes
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
+from megapar.pipeline.schedules import chunks_per_rank, placement_of
 from megapar.pipeline.tied import shared_embedding_params
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
@@ -80,7 +81,8 @@ class Engine:
         if mesh.device.type == "cuda":  # process-wide in torch: fp32 products in TF32 or not
             torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
         self.model = build_stage(model_config, mesh, cfg.seed, cfg.recompute,
-                                 virtual_stages=cfg.virtual_stages)
+                                 virtual_stages=chunks_per_rank(cfg.schedule, cfg.virtual_stages),
+                                 placement=placement_of(cfg.schedule))
         self.precision = Precision(cfg.precision, mesh.device)
         self.wire_dtype, reduce_dtype = comm_dtypes(cfg.precision, cfg.p2p_dtype,
                                                     cfg.grad_reduce_dtype)

@@ -17,6 +17,7 @@ from megapar.launcher import check_local_workers
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.pipeline.partition import chunk_specs
+from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.bubble import bench_config
 from megapar.training.data import missing_files
 from megapar.training.validate import (
@@ -119,10 +120,11 @@ def check_bubble_args(args) -> None:
         return  # no model is built
 
     try:
-        config = bench_config(args.model, args.pp, args.virtual_stages)
+        chunks = chunks_per_rank(args.schedule, args.virtual_stages)  # 2 for the V schedules
+        config = bench_config(args.model, args.pp, chunks)
         config.validate(Layout(args.tp, args.pp, 1, cp=args.cp))
-        if args.virtual_stages > 1:
-            chunk_specs(config.num_layers, args.pp, 0, args.virtual_stages)  # enough layers?
+        if chunks > 1:
+            chunk_specs(config.num_layers, args.pp, 0, chunks)  # enough layers?
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
 
