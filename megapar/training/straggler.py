@@ -12,9 +12,10 @@ slow rank has the larger compute time; the others the larger wait.
 `StragglerDetector.add` keeps the sums of a rank's steps; `report` (collective: one all-gather
 of three numbers per rank over the whole world, with the run's timeout) compares them. A rank
 is *slow in an interval* when its compute time per step is more than `factor` times the median
-of the ranks doing the same work (the other ranks of its pipeline stage; when it is its stage's
-only rank, every other rank) and more than `MIN_EXCESS_S` above it; it is *named* once it has
-been slow in `INTERVALS` log intervals in a row. The reasoning behind the thresholds is in
+of the ranks doing the same work (the other ranks of its pipeline stage; a rank alone in its
+stage, whose work no other rank does, against its own earlier intervals: `references`) and more
+than `MIN_EXCESS_S` above it; it is *named* once it has been slow in `INTERVALS` log intervals
+in a row. The reasoning behind the thresholds is in
 docs/guides/faults.md.
 """
 
@@ -34,6 +35,8 @@ MIN_EXCESS_S = 0.05
 descheduled process on a busy host, a timer's jitter on tiny steps)."""
 INTERVALS = 2
 """Consecutive log intervals a rank must be slow in to be named."""
+HISTORY = 32
+"""Intervals of its own a rank alone in its pipeline stage is compared with (the latest)."""
 
 
 @dataclass(frozen=True)
@@ -50,15 +53,20 @@ class Straggler:
     wait_s: float
     """Its wait time per step."""
     median_compute_s: float
-    """The median compute time per step of the ranks it was compared with."""
+    """The median compute time per step it was compared with."""
+    compared_with: str = "stage"
+    """"stage": the median over the other ranks of its pipeline stage; "own history": its own
+    median over its earlier intervals, scaled by the other stages' change (a rank alone in its
+    stage: `references`)."""
 
     def describe(self) -> str:
+        """The log line's words for it."""
+        ratio = (f" ({self.compute_s / self.median_compute_s:.1f}x)"
+                 if self.median_compute_s > 0 else "")
+        whose = "its stage's median" if self.compared_with == "stage" else "its own median"
         return (f"straggler rank {self.rank} (tp {self.tp} cp {self.cp} pp {self.pp} dp "
-                f"{self.dp}): compute {self.compute_s:.3f} s/step vs median "
-                f"{self.median_compute_s:.3f} s ({self.compute_s / self.median_compute_s:.1f}x)"
-                if self.median_compute_s > 0 else
-                f"straggler rank {self.rank} (tp {self.tp} cp {self.cp} pp {self.pp} dp "
-                f"{self.dp}): compute {self.compute_s:.3f} s/step vs median 0 s")
+                f"{self.dp}): compute {self.compute_s:.3f} s/step vs {whose} "
+                f"{self.median_compute_s:.3f} s{ratio}")
 
 
 @dataclass
@@ -89,21 +97,53 @@ class StragglerReport:
         return "; ".join(s.describe() for s in self.stragglers)
 
 
-def slow_ranks(compute_s: list[float], layout: Layout, factor: float,
-               min_excess_s: float = MIN_EXCESS_S) -> dict[int, float]:
-    """{rank: the median it was compared with} of the ranks slow in one interval: compute time
-    per step above `factor` x the median of the ranks of its pipeline stage (every other rank
-    when it is alone there) and above it by more than `min_excess_s`."""
-    stage = [layout.coords4(r)[2] for r in range(len(compute_s))]
-    out = {}
-    for rank, mine in enumerate(compute_s):
-        peers = [c for r, c in enumerate(compute_s) if r != rank and stage[r] == stage[rank]]
-        peers = peers or [c for r, c in enumerate(compute_s) if r != rank]
-        if not peers:
+def _median_without(values: list[float], i: int) -> float:
+    """The median of sorted `values` without its i-th element (at least two values)."""
+    n = len(values) - 1
+
+    def at(j: int) -> float:
+        return values[j] if j < i else values[j + 1]
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
+def references(compute_s: list[float], layout: Layout,
+               history: list[list[float]] | None = None) -> list[tuple[float, str] | None]:
+    """Per rank, what its compute time per step is compared with, and how it was found: the
+    median of the other ranks of its pipeline stage ("stage": they do the same work), or, for
+    a rank alone in its stage (a pipeline without tp / cp / dp, whose stages do different
+    work), the median of its own earlier intervals in `history`, scaled by the median change
+    of the other stages' times against theirs (a larger batch slows every stage alike)
+    ("own history"; None before there is one)."""
+    stages: dict[int, list[int]] = {}
+    for rank in range(len(compute_s)):
+        stages.setdefault(layout.coords4(rank)[2], []).append(rank)
+    out: list[tuple[float, str] | None] = [None] * len(compute_s)
+    own = {ranks[0]: statistics.median(history[ranks[0]]) for ranks in stages.values()
+           if len(ranks) == 1 and history and history[ranks[0]]}
+    change = {r: compute_s[r] / before for r, before in own.items() if before > 0}
+    for rank, before in own.items():  # scaled by how the other stages' times changed
+        others = sorted(c for r, c in change.items() if r != rank)
+        out[rank] = (before * (statistics.median(others) if others else 1.0), "own history")
+    for ranks in stages.values():
+        if len(ranks) == 1:
             continue
-        reference = statistics.median(peers)
-        if mine > factor * reference and mine - reference > min_excess_s:
-            out[rank] = reference
+        order = sorted(ranks, key=compute_s.__getitem__)
+        values = [compute_s[r] for r in order]
+        for i, rank in enumerate(order):
+            out[rank] = (_median_without(values, i), "stage")
+    return out
+
+
+def slow_ranks(compute_s: list[float], layout: Layout, factor: float,
+               min_excess_s: float = MIN_EXCESS_S,
+               history: list[list[float]] | None = None) -> dict[int, tuple[float, str]]:
+    """{rank: (reference, how)} of the ranks slow in one interval: compute time per step above
+    `factor` x its reference (`references`) and above it by more than `min_excess_s`."""
+    out = {}
+    for rank, ref in enumerate(references(compute_s, layout, history)):
+        if ref is not None and compute_s[rank] > factor * ref[0] \
+                and compute_s[rank] - ref[0] > min_excess_s:
+            out[rank] = ref
     return out
 
 
@@ -116,6 +156,12 @@ class StragglerDetector:
         self.min_excess_s, self.intervals = min_excess_s, intervals
         self.streak = [0] * mesh.layout.world_size
         """Per rank: the log intervals in a row it has been slow in."""
+        self.history: list[list[float]] = [[] for _ in range(mesh.layout.world_size)]
+        """Per rank alone in its pipeline stage: its compute time per step in the intervals it
+        was not slow in, the first (warm-up) left out."""
+        self._intervals = 0
+        stage_size = mesh.layout.world_size // mesh.layout.pp
+        self._alone = stage_size == 1  # every rank alone in its stage: a pure pipeline
         self._steps, self._wall, self._compute = 0, 0.0, 0.0
 
     def add(self, wall_s: float, compute_s: float) -> None:
@@ -142,12 +188,16 @@ class StragglerDetector:
             return None
         compute = [c / steps for steps, _, c in rows]
         waits = [max(w - c, 0.0) / steps for steps, w, c in rows]
-        slow = slow_ranks(compute, mesh.layout, self.factor, self.min_excess_s)
+        slow = slow_ranks(compute, mesh.layout, self.factor, self.min_excess_s, self.history)
         self.streak = [self.streak[r] + 1 if r in slow else 0 for r in range(len(rows))]
+        self._intervals += 1
         named = []
-        for rank, reference in sorted(slow.items()):
-            if self.streak[rank] >= self.intervals:
+        for rank in range(len(rows)):
+            if rank in slow and self.streak[rank] >= self.intervals:
                 tp, cp, pp, dp = mesh.layout.coords4(rank)
+                reference, how = slow[rank]
                 named.append(Straggler(rank, tp, cp, pp, dp, compute[rank], waits[rank],
-                                       reference))
+                                       reference, how))
+            elif rank not in slow and self._intervals > 1 and self._alone:
+                self.history[rank] = [*self.history[rank][-HISTORY + 1:], compute[rank]]
         return StragglerReport(int(rows[0][0]), compute, waits, named)
