@@ -97,11 +97,11 @@ def test_a_rank_slowed_300_ms_is_named_by_megapar_train(text, tmp_path, capfd):
     logged = [r for r in map(json.loads, log.read_text().splitlines()) if "compute_s_max" in r]
     assert [r["step"] for r in logged] == [2, 4]
     first, second = logged
-    assert "stragglers" not in first  # one interval is not enough (INTERVALS = 2)
+    assert "stragglers" not in first and first["straggler_suspects"] == [1]  # INTERVALS = 2
     assert first["compute_s_max_rank"] == 1
     (named,) = second["stragglers"]
     assert (named["rank"], named["tp"], named["cp"], named["pp"], named["dp"]) == (1, 1, 0, 0, 0)
-    assert named["compute_s"] > 0.3 > 0.1 > named["median_compute_s"]  # its tp peer's time
+    assert named["compute_s"] > 0.3 and named["median_compute_s"] < 0.1  # its tp peer's time
     assert named["compared_with"] == "stage"
     line = next(x for x in capfd.readouterr().out.splitlines() if x.startswith("step      4"))
     assert "straggler rank 1 (tp 1 cp 0 pp 0 dp 0)" in line and "straggler rank 0" not in line

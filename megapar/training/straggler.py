@@ -9,18 +9,21 @@ minus the time they spent blocked in their own tp / cp collectives (`megapar.com
 gradient reduction, for the collectives inside compute, and the optimizer's short work). A
 slow rank has the larger compute time; the others the larger wait.
 
-`StragglerDetector.add` keeps the sums of a rank's steps; `report` (collective: one all-gather
-of three numbers per rank over the whole world, with the run's timeout) compares them. A rank
-is *slow in an interval* when its compute time per step is more than `factor` times the median
-of the ranks doing the same work (the other ranks of its pipeline stage; a rank alone in its
-stage, whose work no other rank does, against its own earlier intervals: `references`) and more
-than `MIN_EXCESS_S` above it; it is *named* once it has been slow in `INTERVALS` log intervals
-in a row. The reasoning behind the thresholds is in
-docs/guides/faults.md.
+`StragglerDetector.add` keeps the sums of a rank's steps and its least compute time in one;
+`report` (collective: one all-gather of four numbers per rank over the whole world, with the
+run's timeout) compares them. The compute time compared is the least of the interval's steps:
+a process descheduled on a busy host, a page fault, a collector pause only ever add time, and
+to some steps, while a slow device slows every step. A rank is *slow in an interval* when that
+compute time is more than `factor` times the median of the ranks doing the same work (the
+other ranks of its pipeline stage; a rank alone in its stage, whose work no other rank does,
+against its own earlier intervals: `references`) and more than `MIN_EXCESS_S` above it; it is
+*named* once it has been slow in `INTERVALS` log intervals in a row. The reasoning behind the
+thresholds is in docs/guides/faults.md.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -49,9 +52,9 @@ class Straggler:
     pp: int
     dp: int
     compute_s: float
-    """Its compute time per step (mean over the interval)."""
+    """Its compute time in a step: the least of the interval's steps."""
     wait_s: float
-    """Its wait time per step."""
+    """Its wait time per step (the interval's mean)."""
     median_compute_s: float
     """The median compute time per step it was compared with."""
     compared_with: str = "stage"
@@ -76,11 +79,14 @@ class StragglerReport:
     steps: int
     """Steps in the interval."""
     compute_s: list[float]
-    """Per global rank: compute seconds per step."""
+    """Per global rank: compute seconds in a step, the least of the interval's steps (noise
+    on a shared host only adds time; a slow device slows every step)."""
     wait_s: list[float]
-    """Per global rank: wait seconds per step."""
+    """Per global rank: wait seconds per step, the interval's mean."""
     stragglers: list[Straggler]
     """The ranks named slow (usually none)."""
+    suspects: list[int]
+    """The ranks slow in this interval but not (yet) in `INTERVALS` in a row."""
 
     def fields(self) -> dict:
         """The step log's fields (`--log-json`)."""
@@ -90,6 +96,8 @@ class StragglerReport:
                "wait_s_median": statistics.median(self.wait_s)}
         if self.stragglers:
             out["stragglers"] = [vars(s) for s in self.stragglers]
+        if self.suspects:
+            out["straggler_suspects"] = self.suspects
         return out
 
     def line(self) -> str:
@@ -162,42 +170,45 @@ class StragglerDetector:
         self._intervals = 0
         stage_size = mesh.layout.world_size // mesh.layout.pp
         self._alone = stage_size == 1  # every rank alone in its stage: a pure pipeline
-        self._steps, self._wall, self._compute = 0, 0.0, 0.0
+        self._steps, self._wall, self._compute, self._least = 0, 0.0, 0.0, math.inf
 
     def add(self, wall_s: float, compute_s: float) -> None:
         """One step of this rank: its wall time and compute time, in seconds."""
         self._steps += 1
         self._wall += wall_s
         self._compute += compute_s
+        self._least = min(self._least, compute_s)
 
     def report(self) -> StragglerReport | None:
         """Every rank's times since the last report, compared (collective over the world:
         every rank calls it at the same step). None when no step was added."""
         mesh = self.mesh
-        mine = torch.tensor([self._steps, self._wall, self._compute], dtype=torch.float64,
-                            device=mesh.device)
-        everyone = torch.zeros(mesh.layout.world_size * 3, dtype=torch.float64,
+        mine = torch.tensor([self._steps, self._wall, self._compute, self._least],
+                            dtype=torch.float64, device=mesh.device)
+        everyone = torch.zeros(mesh.layout.world_size * 4, dtype=torch.float64,
                                device=mesh.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         wait(gather(everyone, mine, async_op=True), mesh.device,
              mesh.timeout_s, f"rank {mesh.rank}: gathering every rank's step times (straggler "
              f"detection)")
-        self._steps, self._wall, self._compute = 0, 0.0, 0.0
-        rows = everyone.reshape(-1, 3).cpu().tolist()
-        if any(steps < 1 for steps, _, _ in rows):
+        self._steps, self._wall, self._compute, self._least = 0, 0.0, 0.0, math.inf
+        rows = everyone.reshape(-1, 4).cpu().tolist()
+        if any(steps < 1 for steps, *_ in rows):
             return None
-        compute = [c / steps for steps, _, c in rows]
-        waits = [max(w - c, 0.0) / steps for steps, w, c in rows]
+        compute = [least for *_, least in rows]
+        waits = [max(w - c, 0.0) / steps for steps, w, c, _ in rows]
         slow = slow_ranks(compute, mesh.layout, self.factor, self.min_excess_s, self.history)
         self.streak = [self.streak[r] + 1 if r in slow else 0 for r in range(len(rows))]
         self._intervals += 1
-        named = []
+        named, suspects = [], []
         for rank in range(len(rows)):
             if rank in slow and self.streak[rank] >= self.intervals:
                 tp, cp, pp, dp = mesh.layout.coords4(rank)
                 reference, how = slow[rank]
                 named.append(Straggler(rank, tp, cp, pp, dp, compute[rank], waits[rank],
                                        reference, how))
+            elif rank in slow:
+                suspects.append(rank)
             elif rank not in slow and self._intervals > 1 and self._alone:
                 self.history[rank] = [*self.history[rank][-HISTORY + 1:], compute[rank]]
-        return StragglerReport(int(rows[0][0]), compute, waits, named)
+        return StragglerReport(int(rows[0][0]), compute, waits, named, suspects)
