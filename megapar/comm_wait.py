@@ -36,38 +36,53 @@ class _Clock:
 _CLOCK = _Clock()
 
 
-@contextlib.contextmanager
-def counting(enabled: bool = True):
-    """Count the collectives run inside this block (the executor: around a compute action)."""
-    before = _CLOCK.on
-    _CLOCK.on = enabled
-    try:
-        yield
-    finally:
-        _CLOCK.on = before
+class counting:
+    """Count the collectives run inside this block (the executor: around a compute action);
+    `counting(False)` counts none (a plain class: the executor enters one per action)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def __enter__(self):
+        self.before, _CLOCK.on = _CLOCK.on, self.enabled
+
+    def __exit__(self, *exc) -> None:
+        _CLOCK.on = self.before
 
 
-@contextlib.contextmanager
-def blocked(device: torch.device):
-    """Around one collective of the parallel layers: its time is counted inside `counting()`."""
-    if not _CLOCK.on or _CLOCK.inside:
-        yield
-        return
-    _CLOCK.inside = True
-    try:
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
+_NOT_COUNTED = contextlib.nullcontext()
+
+
+class _Timed:
+    """A counted collective: its host time (CPU) or its CUDA event pair."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        _CLOCK.inside = True
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        _CLOCK.inside = False
+        if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            _CLOCK.events.append((start, end))
+            _CLOCK.events.append((self.start, end))
         else:
-            t0 = time.perf_counter()
-            yield
-            _CLOCK.seconds += time.perf_counter() - t0
-    finally:
-        _CLOCK.inside = False
+            _CLOCK.seconds += time.perf_counter() - self.start
+
+
+def blocked(device: torch.device):
+    """Around one collective of the parallel layers (`with blocked(t.device): ...`): its time is
+    counted inside `counting()`; elsewhere a shared no-op context."""
+    if not _CLOCK.on or _CLOCK.inside:
+        return _NOT_COUNTED
+    return _Timed(device)
 
 
 def take() -> float:

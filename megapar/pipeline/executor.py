@@ -52,7 +52,7 @@ from megapar.pipeline.schedules import (
     placement_of,
     virtual_stage,
 )
-from megapar.pipeline.timeline import Event, Timeline
+from megapar.pipeline.timeline import COMPUTE_KINDS, Event, Timeline
 from megapar.pipeline.trace import StepClock
 from megapar.tensor_parallel.weight_grad import WeightGradStore, store_of
 
@@ -289,6 +289,14 @@ class PipelineExecutor:
         that is when the step's events are waited for, not during the step."""
         rank, trace, at = self._last_trace
         return Timeline([Event(rank, k, mb, at(s), at(e), c) for k, mb, c, s, e in trace])
+
+    @property
+    def last_compute_s(self) -> float:
+        """Seconds the last step's compute actions took (0 when it was not traced); on CUDA
+        read as `last_timeline` is."""
+        _, trace, at = self._last_trace
+        return sum(at(end) - at(start) for kind, _, _, start, end in trace
+                   if kind in COMPUTE_KINDS)
 
     def _dispatch(self, action: Action) -> None:
         set_action(f"{action.kind} of micro-batch {action.mb} on pp stage {self.mesh.pp_rank}")

@@ -30,8 +30,8 @@ from megapar.checkpoint.distributed import (
 from megapar.context_parallel import check_length
 from megapar.data.blended import absolute_data
 from megapar.data_parallel import GradBuckets
-from megapar.device import keep_freed_host_memory
 from megapar.data_parallel.compression import make_compressor
+from megapar.device import keep_freed_host_memory
 from megapar.faults.slow import Slowdown, SlowRank
 from megapar.faults.status import set_action, set_step
 from megapar.faults.stop import NonFiniteGuard
@@ -184,8 +184,8 @@ class Engine:
         start = time.perf_counter()
         result = self.step_fn.step(micro_batches, self.step)
         if self.straggler is not None and self.executor.trace:
-            busy = self.executor.last_timeline.busy_time(self.mesh.pp_rank)
-            self.straggler.add(time.perf_counter() - start, max(busy - comm_wait.take(), 0.0))
+            compute = self.executor.last_compute_s - comm_wait.take()
+            self.straggler.add(time.perf_counter() - start, max(compute, 0.0))
         self.step += 1
         set_action(f"after step {self.step}")
         return result
