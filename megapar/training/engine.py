@@ -105,6 +105,9 @@ class Engine:
                                      cfg.grad_bucket_mb, compressor=compressor,
                                      reduce_dtype=None if compressor else reduce_dtype,
                                      average_over=mesh.dp, zero_layout=zero_layout)
+        if cfg.straggler_factor != 0 and not cfg.straggler_factor > 1:
+            raise ValueError(f"straggler_factor={cfg.straggler_factor} is invalid: give a factor "
+                             f"> 1 (the default is 1.5), or 0 to turn straggler detection off")
         self.straggler = StragglerDetector(mesh, cfg.straggler_factor) \
             if cfg.straggler_factor > 0 and mesh.layout.world_size > 1 else None
         """Every rank's compute and wait time per step, compared by `stragglers()`."""
