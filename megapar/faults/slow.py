@@ -4,9 +4,10 @@
 rank's stage spend that much longer in its forward computations from that step on, as a slow
 GPU would: the time is split over the step's forward calls of the stage's model chunks (a
 forward pre-hook), so the ranks that need its results (the other stages, its tp / cp group,
-the other dp ranks at the gradient reduction) wait for it. On the CPU the hook sleeps; on CUDA
-it queues a kernel that spins for that long (`torch.cuda._sleep`, its cycles per millisecond
-measured once), so the GPU, not the host, is what is slow. Evaluation forwards (the model in
+the other dp ranks at the gradient reduction) wait for it. On the CPU the hook keeps the CPU
+busy for that much of its own time (a slower CPU device; on a shared host the wall time is
+longer); on CUDA it queues a kernel that spins for that long (`torch.cuda._sleep`, its cycles
+per millisecond measured once), so the GPU, not the host, is what is slow. Evaluation forwards (the model in
 eval mode) are not slowed.
 """
 
@@ -101,8 +102,10 @@ class Slowdown:
 
     def delay(self, seconds: float) -> None:
         """Make this rank's device `seconds` slower (the host on the CPU, the GPU on CUDA)."""
-        if self.device.type != "cuda":
-            time.sleep(seconds)
+        if self.device.type != "cuda":  # the CPU is the device: keep it busy
+            end = time.thread_time() + seconds
+            while time.thread_time() < end:
+                pass
             return
         if self._cycles_per_ms is None:  # once: how many spin cycles make a millisecond
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))

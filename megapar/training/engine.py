@@ -172,7 +172,8 @@ class Engine:
             self._executors[seq_len] = PipelineExecutor(
                 self.model, self.mesh, self.cfg.schedule, shape, timeout_s=self.cfg.timeout_s,
                 virtual_stages=self.cfg.virtual_stages, wire_dtype=self.wire_dtype)
-            self._executors[seq_len].count_comm_wait = self.straggler is not None
+            self._executors[seq_len].count_comm_wait = \
+                self.straggler is not None and self.mesh.device.type == "cuda"
         return self._executors[seq_len]
 
     # steps ----------------------------------------------------------------------------------
@@ -184,14 +185,23 @@ class Engine:
         if self._slowdown is not None:
             self._slowdown.begin_step(self.step + 1, len(micro_batches) * self.cfg.virtual_stages)
         comm_wait.take()  # what evaluation forwards counted is not this step's
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         result = self.step_fn.step(micro_batches, self.step)
-        if self.straggler is not None and self.executor.trace:
-            compute = self.executor.last_compute_s - comm_wait.take()
-            self.straggler.add(time.perf_counter() - start, max(compute, 0.0))
+        if self.straggler is not None:
+            self.straggler.add(time.perf_counter() - start, self._compute_s(cpu))
         self.step += 1
         set_action(f"after step {self.step}")
         return result
+
+    def _compute_s(self, cpu_start: float) -> float:
+        """This rank's compute time in the step just run, in the device's own time: on CUDA
+        its compute actions' kernels less their tp / cp collectives' (which wait for the
+        slowest rank of the group); on the CPU the CPU time the process used in the step
+        (time blocked in a wait, or taken by other processes of a shared host, is not its
+        work)."""
+        if self.mesh.device.type != "cuda":
+            return time.process_time() - cpu_start
+        return max(self.executor.last_compute_s - comm_wait.take(), 0.0)
 
     def stragglers(self) -> StragglerReport | None:
         """Every rank's compute and wait time per step since the last call, and the ranks

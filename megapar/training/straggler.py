@@ -3,17 +3,18 @@ once per log interval.
 
 In a synchronous job every rank's step takes the same wall time: the ranks that need a slow
 rank's results wait for it. What differs is how the time is spent. A rank's *compute* time is
-the time of its forward and backward computations (the pipeline executor's compute actions)
-minus the time they spent blocked in their own tp / cp collectives (`megapar.comm_wait`); its
-*wait* time is the rest of the step (waiting for pipeline messages, for the data-parallel
-gradient reduction, for the collectives inside compute, and the optimizer's short work). A
-slow rank has the larger compute time; the others the larger wait.
+its own work in the step, in its device's time (`Engine._compute_s`): on CUDA the time of its
+forward and backward actions less the time they spent in their own tp / cp collectives
+(`megapar.comm_wait`), where the other ranks of the group wait for the slowest; on the CPU the
+CPU time its process used (time blocked in a wait, or taken by other processes of a shared
+host, is not its work). Its *wait* time is the rest of the step's wall time. A slow rank has
+the larger compute time; the others the larger wait.
 
 `StragglerDetector.add` keeps the sums of a rank's steps and its least compute time in one;
 `report` (collective: one all-gather of four numbers per rank over the whole world, with the
 run's timeout) compares them. The compute time compared is the least of the interval's steps:
-a process descheduled on a busy host, a page fault, a collector pause only ever add time, and
-to some steps, while a slow device slows every step. A rank is *slow in an interval* when that
+interference (a page fault, a collector pause, a cache cold after a neighbour's job) only ever
+adds time, and to some steps, while a slow device slows every step. A rank is *slow in an interval* when that
 compute time is more than `factor` times the median of the ranks doing the same work (the
 other ranks of its pipeline stage; a rank alone in its stage, whose work no other rank does,
 against its own earlier intervals: `references`) and more than `MIN_EXCESS_S` above it; it is
@@ -34,8 +35,8 @@ from megapar.device import wait
 from megapar.mesh import Layout, Mesh
 
 MIN_EXCESS_S = 0.05
-"""Seconds per step a rank's compute time must exceed its reference by, besides the factor (a
-descheduled process on a busy host, a timer's jitter on tiny steps)."""
+"""Seconds per step a rank's compute time must exceed its reference by, besides the factor (on
+tiny steps a ratio alone means little: 5 ms of jitter on a 10 ms step is 1.5x)."""
 INTERVALS = 2
 """Consecutive log intervals a rank must be slow in to be named."""
 HISTORY = 32
