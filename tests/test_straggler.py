@@ -1,12 +1,12 @@
 """The slow rank named (--straggler-factor) and the tool that makes one slow (--inject-slow).
 
 A rank slowed by 300 ms per step must be named within 2 log intervals, by its coordinates, and
-not the ranks that wait for it (its tp peer waits inside the tp all-reduces of its forward:
-on the CPU the compute measure is the process's CPU time, which a blocked wait does not use; on
-CUDA the collectives' time is left out, `megapar.comm_wait`, whose count is tested here on the
-CPU). That no healthy run is named is measured over 20 runs
-by benchmarks/straggler_false_alarms.py (docs/performance.md); here one fault run per entry
-point (megapar-train, megapar.prepare) and the decision rule on its own.
+not the ranks that wait for it (its tp peer waits inside the tp all-reduces of its forward: on
+the CPU the compute measure is the computing thread's CPU time, which a blocked wait does not
+use; on CUDA the collectives' time is left out, `megapar.comm_wait`, whose count is tested here
+on the CPU). That no healthy run is named is measured over 20 runs by
+benchmarks/straggler_false_alarms.py (docs/performance.md); here one fault run per entry point
+(megapar-train, megapar.prepare) and the decision rule on its own.
 """
 
 import json

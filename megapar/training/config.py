@@ -162,7 +162,7 @@ class TrainConfig:
     exit_interval: int = 0
     """Finish, save and exit 0 at the first step that is a multiple of N (0: never)."""
     straggler_factor: float = 1.5
-    """Name a rank whose compute time in a step (its own work in its device's time, without the time it waits on other ranks: on CUDA its forward / backward kernels less its tp / cp collectives, on the CPU its process's CPU time; the least of the log interval's steps) is more than this many times the median of the other ranks of its pipeline stage (a rank alone in its stage: its own earlier intervals) and 50 ms above it, in two log intervals in a row: in the log line and --log-json. 0 turns it off (no timing, no gather)."""
+    """Name a rank whose compute time in a step (its own work in its device's time, without the time it waits on other ranks: on CUDA its forward / backward kernels less its tp / cp collectives, on the CPU its computing thread's CPU time; the least of the log interval's steps) is more than this many times the median of the other ranks of its pipeline stage (a rank alone in its stage: its own earlier intervals) and 50 ms above it, in two log intervals in a row: in the log line and --log-json. 0 turns it off (no timing, no gather)."""
     inject_slow: str | None = None
     """Testing tool: slow one global rank's forward computations by T ms per step from step S on, as a slow device would (CUDA: a spinning kernel; CPU: busy CPU time): rank=R,ms=T[,from_step=S] (e.g. rank=1,ms=300)."""
     # --- rehearsal ---

@@ -6,8 +6,8 @@ rank's results wait for it. What differs is how the time is spent. A rank's *com
 its own work in the step, in its device's time (`Engine._compute_s`): on CUDA the time of its
 forward and backward actions less the time they spent in their own tp / cp collectives
 (`megapar.comm_wait`), where the other ranks of the group wait for the slowest; on the CPU the
-CPU time its process used (time blocked in a wait, or taken by other processes of a shared
-host, is not its work). Its *wait* time is the rest of the step's wall time. A slow rank has
+CPU time of its computing thread (time blocked in a wait, or taken by other processes of a
+shared host, is not its work). Its *wait* time is the rest of the step's wall time. A slow rank has
 the larger compute time; the others the larger wait.
 
 `StragglerDetector.add` keeps the sums of a rank's steps and its least compute time in one;
