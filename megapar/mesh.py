@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from megapar import device as _device
+from megapar.comm_wait import blocked
 
 
 class LayoutError(ValueError):
@@ -314,7 +315,8 @@ class Mesh:
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce over `group`; a no-op when the group is None (size 1)."""
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
+        with blocked(tensor.device):  # counted inside a compute action (comm_wait)
+            dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 

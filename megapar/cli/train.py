@@ -51,6 +51,7 @@ from megapar.training.validate import (
     UsageError,
     adapt_defaults,
     check_cp_seq_len,
+    check_inject_slow,
     check_load_path,
     check_newer_steps,
     check_outputs,
@@ -103,6 +104,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
             cp = f" x --cp {layout.cp}" if layout.cp > 1 else ""
             check_local_workers(layout.world_size, f"--tp {layout.tp}{cp} x --pp {layout.pp} x "
                                 f"--dp {layout.dp}")
+    check_inject_slow(cfg, layout.world_size)
     notes.extend(adapt_defaults(cfg, layout.dp))
     per_step = cfg.micro_batch_size * layout.dp
     if cfg.micro_batch_size < 1 or cfg.global_batch_size % per_step:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megapar import device as _device
+from megapar.comm_wait import blocked
 
 
 class CPTimeoutError(TimeoutError):
@@ -55,10 +56,14 @@ class Ring:
     def finish(self, handle) -> torch.Tensor:
         """Wait for an exchange; the received tensor."""
         works, _send, recv, label = handle
+        with blocked(recv.device):
+            self._wait(works, recv, label)
+        return recv
+
+    def _wait(self, works, recv, label) -> None:
         for work in works:
             _device.wait(work, recv.device, self.timeout_s,
                          f"rank {self.global_rank} (cp rank {self.rank}): {label} (sending to "
                          f"rank {self.next}, receiving from rank {self.prev})", CPTimeoutError,
                          ". Another rank of the context-parallel group probably failed (look for "
                          "its error) or runs another layer / micro-batch")
-        return recv

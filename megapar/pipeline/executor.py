@@ -28,7 +28,8 @@ Every action is traced unless `trace=False`: a compute as its own event, the wai
 message as a ``recv_act`` / ``recv_grad`` event before it, each sent message as a ``send_act`` /
 ``send_grad`` event spanning its group's issue. `last_timeline` turns the last step into a
 `Timeline` (empty when not traced), and `gather.gather_timeline` aligns and collects all stages'
-timelines on pp rank 0.
+timelines on pp rank 0. With `count_comm_wait` the compute actions also count the time they
+spend blocked in tp / cp collectives (`megapar.comm_wait`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapar.comm_wait import counting
 from megapar.device import polls_host
 from megapar.faults.status import set_action
 from megapar.mesh import Mesh
@@ -54,7 +56,7 @@ from megapar.pipeline.schedules import (
     stage_location,
     virtual_stage,
 )
-from megapar.pipeline.timeline import Event, Timeline
+from megapar.pipeline.timeline import COMPUTE_KINDS, Event, Timeline
 from megapar.pipeline.trace import StepClock
 from megapar.tensor_parallel.weight_grad import WeightGradStore, store_of
 
@@ -127,6 +129,9 @@ class PipelineExecutor:
         self._plans: dict[tuple, StepPlan] = {}  # (m, forward_only) -> see step_plan
         self.clock = StepClock(mesh.device)  # CUDA events on CUDA, perf_counter on the CPU
         self._last_trace = (mesh.pp_rank, [], float)
+        self.count_comm_wait = False
+        """Count the time the compute actions spend blocked in their tp / cp collectives
+        (`megapar.comm_wait`; the straggler measure turns it on)."""
         self._reset([], 1.0, False)
 
     def _reset(self, micro_batches, loss_scale, forward_only) -> None:
@@ -271,7 +276,8 @@ class PipelineExecutor:
                         elif i in plan.arm_at and hasattr(grad_sync, "arm"):
                             grad_sync.arm(plan.arm_at[i])  # a chunk's gradients final next
                     start = clock() if record else 0.0
-                    self._dispatch(step)
+                    with counting(self.count_comm_wait):
+                        self._dispatch(step)
                     if record:
                         trace.append((step.kind, step.mb, step.chunk, start, clock()))
             start = clock() if record else 0.0
@@ -301,6 +307,14 @@ class PipelineExecutor:
         that is when the step's events are waited for, not during the step."""
         rank, trace, at = self._last_trace
         return Timeline([Event(rank, k, mb, at(s), at(e), c) for k, mb, c, s, e in trace])
+
+    @property
+    def last_compute_s(self) -> float:
+        """Seconds the last step's compute actions took (0 when it was not traced); on CUDA
+        read as `last_timeline` is."""
+        _, trace, at = self._last_trace
+        return sum(at(end) - at(start) for kind, _, _, start, end in trace
+                   if kind in COMPUTE_KINDS)
 
     def _dispatch(self, action: Action) -> None:
         set_action(f"{action.kind} of micro-batch {action.mb} on pp stage {self.mesh.pp_rank}")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megapar.comm_wait import blocked
+
 
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -29,7 +31,8 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if _size(group) == 1:
         return x
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    with blocked(x.device):
+        dist.all_reduce(x, group=group)
     return x
 
 
@@ -45,7 +48,8 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    with blocked(x.device):
+        dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 
 

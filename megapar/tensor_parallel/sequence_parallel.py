@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megapar.comm_wait import blocked
 from megapar.mesh import LayoutError, group_size
 
 SEQ_DIM = 1
@@ -33,13 +34,15 @@ SEQ_DIM = 1
 def _all_gather_flat(out, x, group):
     """`out` (contiguous) = every rank's `x` (contiguous), one after the other."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out.view(-1), x.view(-1), group=group)
+    with blocked(x.device):
+        fn(out.view(-1), x.view(-1), group=group)
 
 
 def _reduce_scatter_flat(out, x, group):
     """`out` (contiguous) = the sum over ranks of this rank's equal part of `x` (contiguous)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out.view(-1), x.view(-1), group=group)
+    with blocked(x.device):
+        fn(out.view(-1), x.view(-1), group=group)
 
 
 def _check(x: torch.Tensor, size: int) -> None:

@@ -161,6 +161,10 @@ class TrainConfig:
     """Finish the step, save and exit 0 once the run has trained this many minutes (0: no limit)."""
     exit_interval: int = 0
     """Finish, save and exit 0 at the first step that is a multiple of N (0: never)."""
+    straggler_factor: float = 1.5
+    """Name a rank whose compute time in a step (its own work in its device's time, without the time it waits on other ranks: on CUDA its forward / backward kernels less its tp / cp collectives, on the CPU its computing thread's CPU time; the least of the log interval's steps) is more than this many times the median of the other ranks of its pipeline stage (a rank alone in its stage: its own earlier intervals) and 50 ms above it, in two log intervals in a row: in the log line and --log-json. 0 turns it off (no timing, no gather)."""
+    inject_slow: str | None = None
+    """Testing tool: slow one global rank's forward computations by T ms per step from step S on, as a slow device would (CUDA: a spinning kernel; CPU: busy CPU time): rank=R,ms=T[,from_step=S] (e.g. rank=1,ms=300)."""
     # --- rehearsal ---
     dry_run: bool = False
     """Rehearse the job on this CPU instead of training: the real start-up and one step's bookkeeping of each sampled rank of a --world-size job on a fake process group and fake tensors (no communication, no memory); prints each rank's weights, gradients, optimizer state, modelled activations, communication per step and checkpoint files, or fails with the error the job would give."""

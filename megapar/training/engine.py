@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 
 import torch
 
+from megapar import comm_wait
 from megapar.checkpoint.convert import export_hf
 from megapar.checkpoint.distributed import (
     _broadcast_text,
@@ -28,8 +30,9 @@ from megapar.checkpoint.distributed import (
 from megapar.context_parallel import check_length
 from megapar.data.blended import absolute_data
 from megapar.data_parallel import GradBuckets
-from megapar.device import keep_freed_host_memory
 from megapar.data_parallel.compression import make_compressor
+from megapar.device import keep_freed_host_memory
+from megapar.faults.slow import Slowdown, SlowRank
 from megapar.faults.status import set_action, set_step
 from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh, all_reduce
@@ -42,6 +45,7 @@ from megapar.pipeline.tied import shared_embedding_params
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
 from megapar.training.step import BatchPlan, StepResult, TrainStep
+from megapar.training.straggler import StragglerDetector, StragglerReport
 
 ON_NONFINITE = ("raise", "skip")
 """What `train_step` does with a step whose loss or gradients are not finite (the optimizer step
@@ -103,6 +107,13 @@ class Engine:
                                      cfg.grad_bucket_mb, compressor=compressor,
                                      reduce_dtype=None if compressor else reduce_dtype,
                                      average_over=mesh.dp, zero_layout=zero_layout)
+        if cfg.straggler_factor != 0 and not cfg.straggler_factor > 1:
+            raise ValueError(f"straggler_factor={cfg.straggler_factor} is invalid: give a factor "
+                             f"> 1 (the default is 1.5), or 0 to turn straggler detection off")
+        self.straggler = StragglerDetector(mesh, cfg.straggler_factor) \
+            if cfg.straggler_factor > 0 and mesh.layout.world_size > 1 else None
+        """Every rank's compute and wait time per step, compared by `stragglers()`."""
+        self._slowdown = self._inject_slow(cfg.inject_slow)
         self._executors: dict[int, object] = {}
         self.executor = self._executor(cfg.seq_len)
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, self.scheduler,
@@ -144,6 +155,16 @@ class Engine:
         base = getattr(cfg, "lr_scale_with_batch", 0) or 0
         return cfg.lr * cfg.global_batch_size / base if base > 0 else cfg.lr
 
+    def _inject_slow(self, spec: str | None) -> Slowdown | None:
+        """--inject-slow (a testing tool): the named rank's forwards slowed, else None."""
+        if not spec:
+            return None
+        slow = SlowRank.parse(spec)
+        slow.check_world(self.mesh.layout.world_size)
+        if slow.rank != self.mesh.rank:
+            return None
+        return Slowdown(slow, getattr(self.model, "chunks", [self.model]), self.mesh.device)
+
     def _executor(self, seq_len: int):
         if seq_len not in self._executors:
             seq_len_sent = seq_len // self.mesh.cp  # stages exchange this cp rank's tokens
@@ -153,6 +174,8 @@ class Engine:
             self._executors[seq_len] = PipelineExecutor(
                 self.model, self.mesh, self.cfg.schedule, shape, timeout_s=self.cfg.timeout_s,
                 virtual_stages=self.cfg.virtual_stages, wire_dtype=self.wire_dtype)
+            self._executors[seq_len].count_comm_wait = \
+                self.straggler is not None and self.mesh.device.type == "cuda"
         return self._executors[seq_len]
 
     # steps ----------------------------------------------------------------------------------
@@ -161,10 +184,33 @@ class Engine:
         self.executor = self.step_fn.executor = \
             self._executor(micro_batches[0]["input_ids"].shape[1])
         set_step(self.step + 1)
+        if self._slowdown is not None:
+            self._slowdown.begin_step(self.step + 1, len(micro_batches) * self.cfg.virtual_stages)
+        comm_wait.take()  # what evaluation forwards counted is not this step's
+        start, cpu = time.perf_counter(), time.thread_time()
         result = self.step_fn.step(micro_batches, self.step)
+        if self.straggler is not None:
+            self.straggler.add(time.perf_counter() - start, self._compute_s(cpu))
         self.step += 1
         set_action(f"after step {self.step}")
         return result
+
+    def _compute_s(self, cpu_start: float) -> float:
+        """This rank's compute time in the step just run, in the device's own time: on CUDA
+        its compute actions' kernels less their tp / cp collectives' (which wait for the
+        slowest rank of the group); on the CPU the CPU time of the thread that computes (time
+        blocked in a wait, or taken by other processes of a shared host, is not its work;
+        gloo's threads moving data are left out too)."""
+        if self.mesh.device.type != "cuda":
+            return time.thread_time() - cpu_start
+        return max(self.executor.last_compute_s - comm_wait.take(), 0.0)
+
+    def stragglers(self) -> StragglerReport | None:
+        """Every rank's compute and wait time per step since the last call, and the ranks
+        named slow (`megapar.training.straggler`); None when straggler detection is off
+        (`straggler_factor` 0, or one rank) or no step ran. Collective: one all-gather over the
+        world; megapar-train calls it once per log interval."""
+        return self.straggler.report() if self.straggler is not None else None
 
     def split(self, batch: dict) -> list[dict]:
         """This dp rank's micro-batches of a global batch, on the mesh device: its rows are

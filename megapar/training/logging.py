@@ -19,6 +19,8 @@ from urllib.parse import urlparse
 import torch
 from tqdm.auto import tqdm
 
+from megapar.training.straggler import Straggler
+
 
 def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), without recomputation."""
@@ -157,7 +159,7 @@ class MetricsLogger(NullLogger):
 def format_line(step: int, m: dict) -> str:
     """The console log line: `bubble` with a pipeline, `grad-reduce wait` (the idle share of a
     step without one: waiting for the data-parallel gradient reduction) at pp 1 with dp or cp,
-    neither at pp 1 alone."""
+    neither at pp 1 alone; each rank named slow (`stragglers`) at the end."""
     parts = [f"step {step:>6}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.3e}",
              f"grad_norm {m['grad_norm']:.3f}", f"tok/s {m['tokens_per_s']:,.0f}",
              f"TFLOP/s {m['tflops']:.3f}", f"MFU {100 * m['mfu']:.2f}%"]
@@ -170,4 +172,5 @@ def format_line(step: int, m: dict) -> str:
         parts.append("skipped (inf/nan)")
     if "loss_scale" in m and m["loss_scale"] != 1.0:
         parts.append(f"scale {m['loss_scale']:.0f}")
+    parts.extend(Straggler(**s).describe() for s in m.get("stragglers", ()))
     return " | ".join(parts)

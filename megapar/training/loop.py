@@ -251,6 +251,9 @@ class Trainer:
                     elif mesh.dp * mesh.cp > 1:  # no pipeline: the idle share is this wait
                         metrics["grad_reduce_wait"] = self.bubble()
                     metrics["peak_mem_mb"] = peak_memory_mb(mesh.device)
+                    times = self.engine.stragglers()  # collective: every rank's step times
+                    if times is not None:
+                        metrics.update(times.fields())
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0:
                     val = self.evaluate()
                     if val is not None:

@@ -34,6 +34,7 @@ from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.publish import has_checkpoint, steps_after
 from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
+from megapar.faults.slow import SlowRank
 from megapar.models.config import config_from_dict
 from megapar.training.config import _choices
 
@@ -65,6 +66,7 @@ _RULES = [
     ("max_nonfinite_steps", "int", 1, True, (0, "never stop")),
     ("exit_interval", "int", 1, True, (0, "never")),
     ("exit_duration_mins", "float", 0.0, False, (0, "no limit")),
+    ("straggler_factor", "float", 1.0, False, (0, "off")),
     ("world_size", "int", 1, True), ("gpus_per_node", "int", 1, True),
 ]
 
@@ -111,6 +113,11 @@ def check_settings(cfg) -> None:
                                                               default == off[0][0] else hint)
             raise UsageError(f"{_flag(name)} {value} is invalid: it must be {what} {bound}{hint}")
 
+    if cfg.inject_slow is not None:
+        try:
+            SlowRank.parse(cfg.inject_slow)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     for name in ("save", "log_json", "tensorboard"):  # "" would silently write nothing
         if getattr(cfg, name) == "":
             raise UsageError(f"{_flag(name)} '' is an empty path: give a path (e.g. "
@@ -152,6 +159,15 @@ def check_settings(cfg) -> None:
         raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} and --grad-compression "
                          f"{cfg.grad_compression} both choose how gradients travel; give one "
                          f"(--grad-compression bf16 / fp16 is a reduction in that dtype)")
+
+
+def check_inject_slow(cfg, world_size: int) -> None:
+    """--inject-slow names a rank of this run's `world_size` ranks."""
+    if cfg.inject_slow is not None:
+        try:
+            SlowRank.parse(cfg.inject_slow).check_world(world_size)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
 
 def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> None:
@@ -318,7 +334,8 @@ NOT_INHERITED = {
     "log_json", "tensorboard",
     "wandb_project", "progress", "debug", "timeout_s", "nccl_timeout_s", "peak_tflops",
     "profile_steps",
-    "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval",
+    "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval", "straggler_factor",
+    "inject_slow",
     # a rehearsal
     "dry_run", "world_size", "gpus_per_node", "dry_run_ranks", "json"}
 """Settings a --load run never takes from the checkpoint's saved train_config."""
