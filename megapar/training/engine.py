@@ -40,6 +40,7 @@ from megapar.pipeline.partition import build_stage
 from megapar.pipeline.tied import shared_embedding_params
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
+from megapar.training.nonfinite import KeptStep, locate
 from megapar.training.step import BatchPlan, StepResult, TrainStep
 
 ON_NONFINITE = ("raise", "skip")
@@ -105,6 +106,8 @@ class Engine:
         self.executor = self._executor(cfg.seq_len)
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, self.scheduler,
                                  self.precision, cfg.clip_grad, self.grad_sync)
+        self.kept: KeptStep | None = None
+        """What the last step needs to run again (`nonfinite.locate`)."""
         self.step = 0
         """Steps run (restored by `load`), those not applied included: a non-finite step
         (raised or skipped, see `train_step`) counts, and the learning-rate schedule moves past
@@ -159,10 +162,17 @@ class Engine:
         self.executor = self.step_fn.executor = \
             self._executor(micro_batches[0]["input_ids"].shape[1])
         set_step(self.step + 1)
+        self.kept = KeptStep(micro_batches, self.rng_state(), self.step + 1,
+                             self.precision.loss_scale)
         result = self.step_fn.step(micro_batches, self.step)
         self.step += 1
         set_action(f"after step {self.step}")
         return result
+
+    def locate_nonfinite(self) -> str:
+        """Where the first non-finite value of the last step appeared (`nonfinite.locate`: the
+        step re-run with per-module checks). Collective."""
+        return locate(self, self.kept)
 
     def split(self, batch: dict) -> list[dict]:
         """This dp rank's micro-batches of a global batch, on the mesh device: its rows are
@@ -201,7 +211,7 @@ class Engine:
         result = self.run_step(self.split(self._checked(batch, "train_step")))
         if self.on_nonfinite == "raise":
             self._guard.observe(self.step, result.loss, result.grad_norm, result.skipped,
-                                result.loss_scale)
+                                result.loss_scale, self.locate_nonfinite)
         _returned("train_step")
         return result.loss
 

@@ -263,7 +263,7 @@ class Trainer:
                         f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""))
                 history.append({"step": self.step, **metrics})
                 guard.observe(self.step, loss, metrics["grad_norm"], result.skipped,
-                              metrics["loss_scale"])
+                              metrics["loss_scale"], self.engine.locate_nonfinite)
                 if cfg.save and cfg.save_interval and self.step % cfg.save_interval == 0 \
                         and self.step < cfg.max_steps:
                     logger.message(f"saved {self.save()}")
