@@ -202,6 +202,17 @@ TRAIN = [
     (["--log-json", ""], "--log-json '' is an empty path"),
     (["--tensorboard", ""], "--tensorboard '' is an empty path"),
     (["--save", ""], "--save '' is an empty path"),
+    # the fault injector (a testing tool): a spec it cannot carry out, before any worker starts
+    (["--inject-corrupt", "step=2,module=transformer.h.1.atn"],
+     "--inject-corrupt: gpt2 has no module 'transformer.h.1.atn' (names as in the Hugging Face "
+     "export); did you mean transformer.h.1.attn"),
+    (["--inject-corrupt", "module=transformer.h.1.attn"], "step missing; e.g. step=3,module="),
+    (["--inject-corrupt", "step=2,module=transformer.h.1.attn,tp=1"],
+     "--inject-corrupt: tp=1 is outside the layout's tp 1; choose tp < 1"),
+    (["--inject-corrupt", "step=2,module=transformer.h.1.attn,value=big"],
+     "value=big is not a number (nan, inf, -inf, 1e4)"),
+    (["--inject-corrupt", "step=400,module=transformer.h.1.attn"],
+     "--inject-corrupt: step=400 is not run (this run trains steps 1-300)"),
 ]
 
 

@@ -36,6 +36,7 @@ from megapar.models.config import ConfigError
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import check_schedule
+from megapar.training import inject
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import (
     DataPlan,
@@ -134,6 +135,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     config.validate(layout)
     if cfg.virtual_stages > 1:
         chunk_specs(config.num_layers, layout.pp, 0, cfg.virtual_stages)  # enough layers?
+    _check_injection(cfg, config, layout, per_step, manifest)
     if not cfg.dry_run:
         most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
         if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
@@ -174,6 +176,21 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         check_resumable(cfg, manifest, len(train))
         check_same_data(cfg, manifest, plan.data_fingerprint)
     return layout, plan
+
+
+def _check_injection(cfg: TrainConfig, config, layout: Layout, per_step: int,
+                     manifest: dict | None) -> None:
+    """--inject-corrupt (or MEGAPAR_INJECT_CORRUPT): a spec the run can carry out."""
+    cfg.inject_corrupt = inject.from_settings(cfg.inject_corrupt) or None
+    if not cfg.inject_corrupt:
+        return
+    flag = "--inject-corrupt" if "inject_corrupt" in explicit(cfg) else inject.ENV
+    spec = inject.check(cfg.inject_corrupt, config, layout, cfg.global_batch_size // per_step,
+                        flag)
+    start = int(manifest.get("step", 0)) if manifest else 0
+    if not start < spec.step <= cfg.max_steps:
+        raise UsageError(f"{flag}: step={spec.step} is not run (this run trains steps "
+                         f"{start + 1}-{cfg.max_steps}); choose a step in that range")
 
 
 def _training_split(cfg: TrainConfig, plan: DataPlan, model_type: str, layout: Layout,

@@ -161,6 +161,8 @@ class TrainConfig:
     """Finish the step, save and exit 0 once the run has trained this many minutes (0: no limit)."""
     exit_interval: int = 0
     """Finish, save and exit 0 at the first step that is a multiple of N (0: never)."""
+    inject_corrupt: str | None = None
+    """A testing tool: corrupt one value of one module's output on one rank at one step, e.g. step=3,module=transformer.h.3.attn,tp=1 (also cp=, dp=, pp=, mb= the micro-batch, index= the flat index into that rank's output, value=nan|inf|-inf|NUMBER; default nan). The module is named as in the Hugging Face export. The environment's MEGAPAR_INJECT_CORRUPT is used when the flag is not given."""
     # --- rehearsal ---
     dry_run: bool = False
     """Rehearse the job on this CPU instead of training: the real start-up and one step's bookkeeping of each sampled rank of a --world-size job on a fake process group and fake tensors (no communication, no memory); prints each rank's weights, gradients, optimizer state, modelled activations, communication per step and checkpoint files, or fails with the error the job would give."""

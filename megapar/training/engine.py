@@ -12,6 +12,7 @@ Every rank calls every method together (they are collective).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
@@ -39,6 +40,7 @@ from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.tied import shared_embedding_params
 from megapar.training.batch_check import check_batch, same_on_every_rank
+from megapar.training import inject
 from megapar.training.config import TrainConfig
 from megapar.training.nonfinite import KeptStep, locate
 from megapar.training.step import BatchPlan, StepResult, TrainStep
@@ -106,6 +108,11 @@ class Engine:
         self.executor = self._executor(cfg.seq_len)
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, self.scheduler,
                                  self.precision, cfg.clip_grad, self.grad_sync)
+        spec = inject.from_settings(cfg.inject_corrupt)
+        self.injector = inject.CorruptInjector(
+            inject.check(spec, model_config, mesh.layout), self.model, model_config, mesh) \
+            if spec else None
+        """The `--inject-corrupt` testing tool's hooks (None without it)."""
         self.kept: KeptStep | None = None
         """What the last step needs to run again (`nonfinite.locate`)."""
         self.step = 0
@@ -164,10 +171,17 @@ class Engine:
         set_step(self.step + 1)
         self.kept = KeptStep(micro_batches, self.rng_state(), self.step + 1,
                              self.precision.loss_scale)
-        result = self.step_fn.step(micro_batches, self.step)
+        with self.injecting(self.executor, self.step + 1):
+            result = self.step_fn.step(micro_batches, self.step)
         self.step += 1
         set_action(f"after step {self.step}")
         return result
+
+    def injecting(self, executor, step: int):
+        """A context in which `executor` runs step `step` with `--inject-corrupt` armed."""
+        if self.injector is None:
+            return contextlib.nullcontext()
+        return self.injector.armed(executor, step)
 
     def locate_nonfinite(self) -> str:
         """Where the first non-finite value of the last step appeared (`nonfinite.locate`: the

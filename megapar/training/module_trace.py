@@ -62,12 +62,12 @@ def hf_modules(stage: nn.Module, config) -> list[tuple[int, nn.Module, str]]:
     out = []
     for c, chunk in enumerate(chunks):
         own: dict[int, str] = {}
-        for _, module in chunk.named_modules():
+        for path, module in chunk.named_modules():
             names = []
             for pname, p in module.named_parameters(recurse=False):
-                tied = hasattr(p, "tied_to")
+                canonical = f"{path}.{pname}" if path else pname
                 names += [n.rsplit(".", 1)[0] for n in hf_parameter_names(
-                    config, _canonical(chunk, module, pname), tied)]
+                    config, canonical, hasattr(p, "tied_to"))]
             if names:
                 own[id(module)] = _common(names)
         for _, module in chunk.named_modules():
@@ -79,13 +79,6 @@ def hf_modules(stage: nn.Module, config) -> list[tuple[int, nn.Module, str]]:
             if LAYER_NAME.search(name + ".") and name not in inner:
                 out.append((c, module, name))
     return out
-
-
-def _canonical(chunk: nn.Module, module: nn.Module, pname: str) -> str:
-    for name, m in chunk.named_modules():
-        if m is module:
-            return f"{name}.{pname}" if name else pname
-    raise KeyError(pname)
 
 
 def _first_tensor(value):

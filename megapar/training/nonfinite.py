@@ -56,7 +56,8 @@ def rerun(engine, kept: KeptStep, trace: ModuleTrace) -> ModuleTrace:
     engine.set_rng_state(kept.rng)
     engine.grad_sync.begin_step()  # zeroed gradients; never armed, so nothing is reduced
     try:
-        with trace.attached(executor), engine.precision.autocast():
+        with engine.injecting(executor, kept.step), trace.attached(executor), \
+                engine.precision.autocast():
             executor.run(kept.micro_batches, grad_sync=None, loss_scale=kept.loss_scale)
     finally:
         engine.grad_sync.in_step = False

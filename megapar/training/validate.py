@@ -318,7 +318,7 @@ NOT_INHERITED = {
     "log_json", "tensorboard",
     "wandb_project", "progress", "debug", "timeout_s", "nccl_timeout_s", "peak_tflops",
     "profile_steps",
-    "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval",
+    "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval", "inject_corrupt",
     # a rehearsal
     "dry_run", "world_size", "gpus_per_node", "dry_run_ranks", "json"}
 """Settings a --load run never takes from the checkpoint's saved train_config."""
