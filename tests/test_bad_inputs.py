@@ -213,6 +213,13 @@ TRAIN = [
      "value=big is not a number (nan, inf, -inf, 1e4)"),
     (["--inject-corrupt", "step=400,module=transformer.h.1.attn"],
      "--inject-corrupt: step=400 is not run (this run trains steps 1-300)"),
+    # --record-step / --replay
+    (["--record-step", "2"], "--record-step 2 writes SAVE/records/: give --save"),
+    (["--replay", "2"], "--replay 2 re-runs a step from a checkpoint: give --load CKPT"),
+    (["--load", "{ckpt}", "--replay", "2", "--tp", "2", "--max-steps", "3"],
+     "--replay compares each rank's values with the whole outputs: run it at --tp 1 --cp 1"),
+    (["--load", "{ckpt}", "--replay", "1", "--max-steps", "3"],
+     "--replay 1: the checkpoint is at step 1"),
 ]
 
 

@@ -161,6 +161,12 @@ class TrainConfig:
     """Finish the step, save and exit 0 once the run has trained this many minutes (0: no limit)."""
     exit_interval: int = 0
     """Finish, save and exit 0 at the first step that is a multiple of N (0: never)."""
+    record_step: int = 0
+    """Record step N's per-module values (each rank's output norms per micro-batch, weight-gradient norms) in SAVE/records/step_N.json + .safetensors, for --replay to compare with (needs --save; 0: none)."""
+    replay: int = 0
+    """With --load: run the steps after the checkpoint up to step N, print N's per-module output and weight-gradient norms, compare them with the run's record (--record-step) and name the first module and rank whose values differ; then exit without saving. Runs at --tp 1 --cp 1 (any --pp, --dp; one process is enough). 0: off."""
+    replay_against: str | None = None
+    """The record --replay compares with (default: records/step_N.json of the --load checkpoint's --save directory)."""
     inject_corrupt: str | None = None
     """A testing tool: corrupt one value of one module's output on one rank at one step, e.g. step=3,module=transformer.h.3.attn,tp=1 (also cp=, dp=, pp=, mb= the micro-batch, index= the flat index into that rank's output, value=nan|inf|-inf|NUMBER; default nan). The module is named as in the Hugging Face export. The environment's MEGAPAR_INJECT_CORRUPT is used when the flag is not given."""
     # --- rehearsal ---

@@ -101,6 +101,9 @@ class ModuleTrace:
         """The smallest key of a non-finite event (`NONE`: none), on the device."""
         self.events: dict[int, tuple] = {}
         """key -> (module name, "forward" / "backward", what, micro-batch) for every event."""
+        self.observers: list = []
+        """Called with (key, module name, micro-batch, module, output) at each forward
+        output event (`replay`)."""
         self.current = None  # (action kind, micro-batch, chunk) while an action runs
         self.executor = None
         self.calls = 0
@@ -136,7 +139,10 @@ class ModuleTrace:
         mb = ctx[1]
         out = _first_tensor(output)
         if out is not None and out.is_floating_point():
-            self._record(self.key(mb, False, chunk), (name, "forward", "output", mb), out)
+            key = self.key(mb, False, chunk)
+            self._record(key, (name, "forward", "output", mb), out)
+            for observe in self.observers:
+                observe(key, name, mb, module, out)
         if torch.is_grad_enabled():
             for a in args:
                 if isinstance(a, torch.Tensor) and a.requires_grad:

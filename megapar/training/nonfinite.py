@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megapar.checkpoint.distributed import _broadcast_text
 from megapar.faults.status import set_action
 from megapar.training.module_trace import NONE, ModuleTrace
+from megapar.training.replay import StepRecorder, record_paths
 
 
 @dataclass
@@ -43,8 +44,19 @@ def locate(engine, kept: KeptStep | None) -> str:
         return "no step kept to re-run"
     set_action(f"re-running step {kept.step} with per-module checks (the first non-finite "
                f"value)")
-    trace = rerun(engine, kept, ModuleTrace(engine.model, engine.config, engine.mesh))
-    return first_over_ranks(trace, engine.mesh, kept.step)
+    trace = ModuleTrace(engine.model, engine.config, engine.mesh)
+    save = getattr(engine.cfg, "save", None)
+    recorder = None
+    if save:  # the failed step leaves its record for --replay
+        first = kept.micro_batches[0]["input_ids"].shape[0]
+        recorder = StepRecorder(engine, len(kept.micro_batches) * first * engine.mesh.dp, trace,
+                                grads=False)
+    where = first_over_ranks(rerun(engine, kept, trace), engine.mesh, kept.step)
+    if recorder is not None:
+        set_action(f"writing the record of step {kept.step}")
+        recorder.write(save, kept.step)
+        where += f"; its record for --replay: {record_paths(save, kept.step)[0]}"
+    return where
 
 
 def rerun(engine, kept: KeptStep, trace: ModuleTrace) -> ModuleTrace:
