@@ -40,17 +40,18 @@ def _replay(common, tmp_path, capsys, fault):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "transformer.h.3.attn " in out and "transformer.h.3.mlp.c_fc " in out  # the norms
-    return err, [line for line in out.splitlines() if line.startswith("replay of step 3")]
+    return err, out.splitlines()
 
 
 def test_a_corrupted_value_is_named_by_a_one_process_replay(common, tmp_path, capsys):
     """nan in one value of block 3's attention output on tp rank 1 at step 3: the run stops
     there (naming it, item 1) and leaves the step's record; the replay in one process names
     that module and rank as the first whose values differ."""
-    err, lines = _replay(common, tmp_path, capsys, [
+    err, out = _replay(common, tmp_path, capsys, [
         "--inject-corrupt", "step=3,module=transformer.h.3.attn,tp=1", "--max-nonfinite-steps",
         "1"])
     assert "its record for --replay: " in err, err
+    lines = [line for line in out if line.startswith("replay of step 3")]
     assert len(lines) == 1 and ("first difference: forward output of transformer.h.3.attn, "
                                 "micro-batch 0 (samples 0-1), computed by rank 3 (tp=1 cp=0 "
                                 "pp=1 dp=0): norm nan recorded") in lines[0], lines
@@ -59,6 +60,14 @@ def test_a_corrupted_value_is_named_by_a_one_process_replay(common, tmp_path, ca
 def test_without_a_fault_the_replay_finds_no_difference(common, tmp_path, capsys):
     """--record-step 3 of a clean run: every recorded norm (each rank's output of each module
     per micro-batch, and the weight-gradient norms) agrees with the one-process replay."""
-    _, lines = _replay(common, tmp_path, capsys, ["--record-step", "3"])
+    _, out = _replay(common, tmp_path, capsys, ["--record-step", "3"])
+    lines = [line for line in out if line.startswith("replay of step 3")]
     assert len(lines) == 1 and "no difference" in lines[0] and "not compared" not in lines[0], \
         lines
+    # the record's parts combined (tp slices of c_fc's features, each tp rank's whole attn
+    # output once) are the one-process norms
+    for name in ("transformer.h.3.mlp.c_fc", "transformer.h.3.attn", "transformer.ln_f"):
+        row = next(line.split() for line in out if line.startswith(name + " "))
+        assert abs(float(row[1]) - float(row[2])) <= 1e-5 * float(row[1]), row
+        if name != "transformer.h.3.attn":  # a container has no weights of its own
+            assert abs(float(row[3]) - float(row[4])) <= 1e-5 * float(row[3]), row

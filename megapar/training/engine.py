@@ -39,8 +39,8 @@ from megapar.optim.precision import comm_dtypes
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.tied import shared_embedding_params
-from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training import inject
+from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
 from megapar.training.nonfinite import KeptStep, locate
 from megapar.training.step import BatchPlan, StepResult, TrainStep
@@ -186,7 +186,10 @@ class Engine:
     def locate_nonfinite(self) -> str:
         """Where the first non-finite value of the last step appeared (`nonfinite.locate`: the
         step re-run with per-module checks). Collective."""
-        return locate(self, self.kept)
+        try:
+            return locate(self, self.kept)
+        except Exception as exc:  # noqa: BLE001 - the non-finite step stays the error
+            return f"re-running it with per-module checks failed: {type(exc).__name__}: {exc}"
 
     def split(self, batch: dict) -> list[dict]:
         """This dp rank's micro-batches of a global batch, on the mesh device: its rows are

@@ -111,13 +111,13 @@ class ModuleTrace:
     # keys -----------------------------------------------------------------------------------
     def key(self, mb: int, backward: bool, chunk: int) -> int:
         """The order of an event now: (micro-batch, phase, pipeline position, call on this
-        rank)."""
+        rank), packed into an int64 (up to 4096 pipeline positions, 2^28 events a step)."""
         vs = chunk * self.mesh.pp + self.mesh.pp_rank if self.executor is None else \
             self._virtual_stage(chunk)
         n = self.mesh.pp * self.chunks
         position = n - 1 - vs if backward else vs
         self.calls += 1
-        return ((((mb * 2 + int(backward)) << 12) + position) << 24) + self.calls
+        return ((((mb * 2 + int(backward)) << 12) + position) << 28) + self.calls
 
     def _virtual_stage(self, chunk: int) -> int:
         return self.executor._vs(Action("forward", 0, chunk))

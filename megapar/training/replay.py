@@ -205,16 +205,35 @@ class StepReplay:
             full.update(data["full"])
             for n, v in data["grads"].items():
                 grads[n] = grads.get(n, 0.0) + v
-        lines = [f"{'module':48s} {'output norm':>14s} {'weight-grad norm':>17s}"]
+        recorded = combined(self.record) if self.record is not None else {}
+        header = (f"{'module':48s} {'output norm':>14s} {'recorded':>14s} "
+                  f"{'weight-grad norm':>17s} {'recorded':>14s}")
+        lines = [header]
+        old_grads = self.record.get("grad_sq_norms", {}) if self.record is not None else {}
         for name, (_, sq) in sorted(full.items(), key=lambda kv: kv[1][0]):
-            grad = f"{math.sqrt(grads[name]):17.6e}" if name in grads else f"{'-':>17s}"
-            lines.append(f"{name:48s} {math.sqrt(sq):14.6e} {grad}")
+            lines.append(f"{name:48s} {math.sqrt(sq):14.6e} {_norm(recorded.get(name), 14)} "
+                         f"{_norm(grads.get(name), 17)} {_norm(old_grads.get(name), 14)}")
         if self.record is not None:
             lines.append(compare(self.record, ours, grads))
         else:
             lines.append("no record of this step found next to the --load checkpoint (write "
                          "one with --record-step, or give --replay-against): nothing compared")
         return "\n".join(lines)
+
+
+def _norm(sq: float | None, width: int) -> str:
+    return f"{'-':>{width}s}" if sq is None else f"{math.sqrt(max(sq, 0.0)):{width}.6e}"
+
+
+def combined(record: dict) -> dict[str, float]:
+    """Each module's squared output norm over the whole step from a record: the parts of the
+    ranks summed (tp slices, cp tokens, sequence-parallel slices, dp ranks, micro-batches), a
+    whole output that every tp rank holds counted once (tp rank 0's)."""
+    out: dict[str, float] = {}
+    for e in record["entries"]:
+        if e["part"] != "whole" or e["tp"] == 0:
+            out[e["module"]] = out.get(e["module"], 0.0) + e["sq"]
+    return out
 
 
 def _relative(a: float, b: float) -> float:
