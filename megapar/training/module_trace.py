@@ -92,8 +92,11 @@ def _first_tensor(value):
 class ModuleTrace:
     """Finiteness of every named module's values during the steps it is attached to."""
 
-    def __init__(self, stage: nn.Module, config, mesh):
+    def __init__(self, stage: nn.Module, config, mesh, weight_grads: bool = True):
         self.stage, self.mesh = stage, mesh
+        self.weight_grads = weight_grads
+        """Check the weight gradients after each backward action (off where only the forward
+        outputs are wanted: a recorded step, whose gradients the dp reduction may be reading)."""
         self.modules = hf_modules(stage, config)
         self.loss_name = LOSS_NAME[config.model_type]
         self.chunks = len(list(getattr(stage, "chunks", [stage])))
@@ -179,7 +182,7 @@ class ModuleTrace:
                 handler(action)
             finally:
                 self.current = None
-            if kind in BACKWARD_KINDS:
+            if kind in BACKWARD_KINDS and self.weight_grads:
                 self._weight_grads(action.chunk, action.mb)
         return run
 

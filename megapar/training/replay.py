@@ -73,7 +73,8 @@ class StepRecorder:
     def __init__(self, engine, global_batch: int, trace: ModuleTrace | None = None,
                  grads: bool = True):
         self.engine, self.mesh = engine, engine.mesh
-        self.trace = trace or ModuleTrace(engine.model, engine.config, engine.mesh)
+        self.trace = trace or ModuleTrace(engine.model, engine.config, engine.mesh,
+                                          weight_grads=False)
         self.trace.observers.append(self._observe)
         self.global_batch = global_batch
         self.grads = grads
@@ -159,7 +160,7 @@ class StepReplay:
 
     def __init__(self, engine, global_batch: int, record: dict | None):
         self.engine, self.mesh = engine, engine.mesh
-        self.trace = ModuleTrace(engine.model, engine.config, engine.mesh)
+        self.trace = ModuleTrace(engine.model, engine.config, engine.mesh, weight_grads=False)
         self.trace.observers.append(self._observe)
         self.global_batch = global_batch
         self.record = record
