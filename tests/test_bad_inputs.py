@@ -202,6 +202,24 @@ TRAIN = [
     (["--log-json", ""], "--log-json '' is an empty path"),
     (["--tensorboard", ""], "--tensorboard '' is an empty path"),
     (["--save", ""], "--save '' is an empty path"),
+    # the fault injector (a testing tool): a spec it cannot carry out, before any worker starts
+    (["--inject-corrupt", "step=2,module=transformer.h.1.atn"],
+     "--inject-corrupt: gpt2 has no module 'transformer.h.1.atn' (names as in the Hugging Face "
+     "export); did you mean transformer.h.1.attn"),
+    (["--inject-corrupt", "module=transformer.h.1.attn"], "step missing; e.g. step=3,module="),
+    (["--inject-corrupt", "step=2,module=transformer.h.1.attn,tp=1"],
+     "--inject-corrupt: tp=1 is outside the layout's tp 1; choose tp < 1"),
+    (["--inject-corrupt", "step=2,module=transformer.h.1.attn,value=big"],
+     "value=big is not a number (nan, inf, -inf, 1e4)"),
+    (["--inject-corrupt", "step=400,module=transformer.h.1.attn"],
+     "--inject-corrupt: step=400 is not run (this run trains steps 1-300)"),
+    # --record-step / --replay
+    (["--record-step", "2"], "--record-step 2 writes SAVE/records/: give --save"),
+    (["--replay", "2"], "--replay 2 re-runs a step from a checkpoint: give --load CKPT"),
+    (["--load", "{ckpt}", "--replay", "2", "--tp", "2", "--max-steps", "3"],
+     "--replay compares each rank's values with the whole outputs: run it at --tp 1 --cp 1"),
+    (["--load", "{ckpt}", "--replay", "1", "--max-steps", "3"],
+     "--replay 1: the checkpoint is at step 1"),
 ]
 
 

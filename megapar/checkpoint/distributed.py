@@ -93,15 +93,15 @@ def _bytes_tensor(data: bytes, mesh: Mesh, pad_to: int = 0) -> torch.Tensor:
     return buf.to(mesh.device)
 
 
-def _broadcast_text(text: str | None, mesh: Mesh) -> str:
-    """Rank 0's text on every rank (a uint8 tensor broadcast)."""
+def _broadcast_text(text: str | None, mesh: Mesh, src: int = 0) -> str:
+    """Rank `src`'s text on every rank (a uint8 tensor broadcast)."""
     if not _world(mesh):
         return text
-    data = text.encode() if mesh.rank == 0 else b""
+    data = text.encode() if mesh.rank == src else b""
     length = torch.tensor([len(data)], dtype=torch.int64, device=mesh.device)
-    dist.broadcast(length, 0)
+    dist.broadcast(length, src)
     buf = _bytes_tensor(data, mesh, int(length))
-    dist.broadcast(buf, 0)
+    dist.broadcast(buf, src)
     return buf.cpu().numpy().tobytes().decode()
 
 

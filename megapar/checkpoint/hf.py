@@ -337,6 +337,46 @@ ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
 _HF_PREFIXES = ("transformer.", "bert.", "model.")
 
 
+_TIED_HEAD = {"gpt2": "lm_head", "llama": "lm_head", "bert": "cls.predictions.decoder"}
+"""The transformers module that uses a tied copy of the word embedding (the last stage's)."""
+
+
+def hf_parameter_names(config, name: str, tied: bool = False) -> list[str]:
+    """The transformers names (with the base model's prefix) of megapar parameter `name`
+    (canonical): one, or several where megapar fuses them (BERT's query, key and value).
+    `tied`: the parameter is a stage's tied copy of the word embedding (`tied_to`)."""
+    kind = config.model_type
+    if tied:
+        return [f"{_TIED_HEAD[kind]}.weight"]
+    layer = _LAYER.fullmatch(name)
+    if kind == "gpt2":
+        if name in _GPT2_TOP:
+            return ["transformer." + _GPT2_TOP[name]]
+        i, rest = layer.groups()
+        module, end = rest.rsplit(".", 1)
+        hf = "attn.c_attn" if module == "attn.qkv" else _GPT2_LAYER[module]
+        return [f"transformer.h.{i}.{hf}.{end}"]
+    if kind == "bert":
+        if name == "head.bias":
+            return ["cls.predictions.bias"]
+        module, end = name.rsplit(".", 1)
+        if module in _BERT_TOP:
+            return [f"bert.{_BERT_TOP[module]}.{end}"]
+        if module in _BERT_HEAD:
+            return [f"{_BERT_HEAD[module]}.{end}"]
+        i, rest = layer.groups()
+        sub, end = rest.rsplit(".", 1)
+        parts = _BERT_QKV if sub == "attn.qkv" else (_BERT_LAYER[sub],)
+        return [f"bert.encoder.layer.{i}.{hf}.{end}" for hf in parts]
+    if name == "head.weight":
+        return ["lm_head.weight"]
+    if name in _LLAMA_TOP:
+        return ["model." + _LLAMA_TOP[name]]
+    i, rest = layer.groups()
+    module, end = rest.rsplit(".", 1)
+    return [f"model.layers.{i}.{_LLAMA_LAYER[module]}.{end}"]
+
+
 def expected_hf_shapes(config) -> dict[str, tuple[int, ...]]:
     """The shape of every tensor of the transformers model `config` describes, by the name
     `HFReader.get` takes (without the base model's prefix): megapar's parameters, built on the

@@ -36,6 +36,7 @@ from megapar.models.config import ConfigError
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import check_schedule, chunks_per_rank, placement_of
+from megapar.training import inject
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import (
     DataPlan,
@@ -141,6 +142,8 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
                          f"{config.num_layers}; lower --pp or use --schedule zb-h1")
     if chunks > 1:
         chunk_specs(config.num_layers, layout.pp, 0, chunks)  # enough layers?
+    _check_injection(cfg, config, layout, per_step, manifest)
+    _check_replay(cfg, layout, manifest)
     if not cfg.dry_run:
         most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
         if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
@@ -181,6 +184,49 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         check_resumable(cfg, manifest, len(train))
         check_same_data(cfg, manifest, plan.data_fingerprint)
     return layout, plan
+
+
+def _check_injection(cfg: TrainConfig, config, layout: Layout, per_step: int,
+                     manifest: dict | None) -> None:
+    """--inject-corrupt (or MEGAPAR_INJECT_CORRUPT): a spec the run can carry out."""
+    cfg.inject_corrupt = inject.from_settings(cfg.inject_corrupt) or None
+    if not cfg.inject_corrupt:
+        return
+    flag = "--inject-corrupt" if "inject_corrupt" in explicit(cfg) else inject.ENV
+    spec = inject.check(cfg.inject_corrupt, config, layout, cfg.global_batch_size // per_step,
+                        flag)
+    start = int(manifest.get("step", 0)) if manifest else 0
+    if not start < spec.step <= cfg.max_steps:
+        raise UsageError(f"{flag}: step={spec.step} is not run (this run trains steps "
+                         f"{start + 1}-{cfg.max_steps}); choose a step in that range")
+
+
+def _check_replay(cfg: TrainConfig, layout: Layout, manifest: dict | None) -> None:
+    """--record-step, --replay, --replay-against: a step this run reaches, a place to write."""
+    start = int(manifest.get("step", 0)) if manifest else 0
+    if cfg.record_step and not cfg.save:
+        raise UsageError(f"--record-step {cfg.record_step} writes SAVE/records/: give --save")
+    if cfg.record_step and not start < cfg.record_step <= cfg.max_steps:
+        raise UsageError(f"--record-step {cfg.record_step} is not run (this run trains steps "
+                         f"{start + 1}-{cfg.max_steps}); choose a step in that range")
+    if cfg.replay_against and not cfg.replay:
+        raise UsageError("--replay-against is the record --replay compares with: give --replay")
+    if not cfg.replay:
+        return
+    if manifest is None:
+        raise UsageError(f"--replay {cfg.replay} re-runs a step from a checkpoint: give --load "
+                         f"CKPT (one saved at or before step {cfg.replay - 1})")
+    if layout.tp > 1 or layout.cp > 1:
+        raise UsageError(f"--replay compares each rank's values with the whole outputs: run it "
+                         f"at --tp 1 --cp 1 (it is --tp {layout.tp} --cp {layout.cp}; any --pp, "
+                         f"--dp)")
+    if not start < cfg.replay <= cfg.max_steps:
+        raise UsageError(f"--replay {cfg.replay}: the checkpoint is at step {start} and the run "
+                         f"ends at --max-steps {cfg.max_steps}; replay a step in "
+                         f"{start + 1}-{cfg.max_steps} (or --load an earlier checkpoint)")
+    if cfg.replay_against and not os.path.exists(os.path.expanduser(cfg.replay_against)):
+        raise UsageError(f"--replay-against {cfg.replay_against}: no such record; give the "
+                         f"records/step_{cfg.replay:08d}.json --record-step wrote")
 
 
 def _training_split(cfg: TrainConfig, plan: DataPlan, model_type: str, layout: Layout,

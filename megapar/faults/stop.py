@@ -63,7 +63,9 @@ class NonFiniteGuard:
         self.bad, self.first_bad = 0, None
 
     def observe(self, step: int, loss: float, grad_norm: float, skipped: bool,
-                loss_scale: float) -> None:
+                loss_scale: float, locate: Callable[[], str] | None = None) -> None:
+        """`locate` (collective, called on every rank before raising): where the first
+        non-finite value appeared, added to the error."""
         if self.precision == "fp16":
             bad = skipped or not math.isfinite(loss)
         else:
@@ -87,7 +89,8 @@ class NonFiniteGuard:
             else:
                 why = (f"{self.bad} consecutive steps ({self.first_bad}-{step}) had a non-finite "
                        f"loss or gradient norm (last: {what})")
-            raise NonFiniteError(f"training diverged at step {step}: {why}; {self.advice}")
+            where = f"; {locate()}" if locate is not None else ""
+            raise NonFiniteError(f"training diverged at step {step}: {why}{where}; {self.advice}")
 
 
 def nonfinite_parts(loss: float, grad_norm: float) -> str:

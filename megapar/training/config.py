@@ -165,6 +165,14 @@ class TrainConfig:
     """Name a rank whose compute time in a step (its own work in its device's time, without the time it waits on other ranks: on CUDA its forward / backward kernels less its tp / cp collectives, on the CPU its computing thread's CPU time; the least of the log interval's steps) is more than this many times the median of the other ranks of its pipeline stage (a rank alone in its stage: its own earlier intervals) and 50 ms above it, in two log intervals in a row: in the log line and --log-json. 0 turns it off (no timing, no gather)."""
     inject_slow: str | None = None
     """Testing tool: slow one global rank's forward computations by T ms per step from step S on, as a slow device would (CUDA: a spinning kernel; CPU: busy CPU time): rank=R,ms=T[,from_step=S] (e.g. rank=1,ms=300)."""
+    record_step: int = 0
+    """Record step N's per-module values (each rank's output norms per micro-batch, weight-gradient norms) in SAVE/records/step_N.json + .safetensors, for --replay to compare with (needs --save; 0: none)."""
+    replay: int = 0
+    """With --load: run the steps after the checkpoint up to step N, print N's per-module output and weight-gradient norms, compare them with the run's record (--record-step) and name the first module and rank whose values differ; then exit without saving. Runs at --tp 1 --cp 1 (any --pp, --dp; one process is enough). 0: off."""
+    replay_against: str | None = None
+    """The record --replay compares with (default: records/step_N.json of the --load checkpoint's --save directory)."""
+    inject_corrupt: str | None = None
+    """A testing tool: corrupt one value of one module's output on one rank at one step, e.g. step=3,module=transformer.h.3.attn,tp=1 (also cp=, dp=, pp=, mb= the micro-batch, index= the flat index into that rank's output, value=nan|inf|-inf|NUMBER; default nan). The module is named as in the Hugging Face export. The environment's MEGAPAR_INJECT_CORRUPT is used when the flag is not given."""
     # --- rehearsal ---
     dry_run: bool = False
     """Rehearse the job on this CPU instead of training: the real start-up and one step's bookkeeping of each sampled rank of a --world-size job on a fake process group and fake tensors (no communication, no memory); prints each rank's weights, gradients, optimizer state, modelled activations, communication per step and checkpoint files, or fails with the error the job would give."""

@@ -12,6 +12,7 @@ Every rank calls every method together (they are collective).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -42,8 +43,10 @@ from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import chunks_per_rank, placement_of
 from megapar.pipeline.tied import shared_embedding_params
+from megapar.training import inject
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
+from megapar.training.nonfinite import KeptStep, locate
 from megapar.training.step import BatchPlan, StepResult, TrainStep
 from megapar.training.straggler import StragglerDetector, StragglerReport
 
@@ -118,6 +121,13 @@ class Engine:
         self.executor = self._executor(cfg.seq_len)
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, self.scheduler,
                                  self.precision, cfg.clip_grad, self.grad_sync)
+        spec = inject.from_settings(cfg.inject_corrupt)
+        self.injector = inject.CorruptInjector(
+            inject.check(spec, model_config, mesh.layout), self.model, model_config, mesh) \
+            if spec else None
+        """The `--inject-corrupt` testing tool's hooks (None without it)."""
+        self.kept: KeptStep | None = None
+        """What the last step needs to run again (`nonfinite.locate`)."""
         self.step = 0
         """Steps run (restored by `load`), those not applied included: a non-finite step
         (raised or skipped, see `train_step`) counts, and the learning-rate schedule moves past
@@ -185,10 +195,14 @@ class Engine:
             self._executor(micro_batches[0]["input_ids"].shape[1])
         set_step(self.step + 1)
         if self._slowdown is not None:
-            self._slowdown.begin_step(self.step + 1, len(micro_batches) * self.cfg.virtual_stages)
+            self._slowdown.begin_step(self.step + 1, len(micro_batches)
+                                     * chunks_per_rank(self.cfg.schedule, self.cfg.virtual_stages))
         comm_wait.take()  # what evaluation forwards counted is not this step's
+        self.kept = KeptStep(micro_batches, self.rng_state(), self.step + 1,
+                             self.precision.loss_scale)
         start, cpu = time.perf_counter(), time.thread_time()
-        result = self.step_fn.step(micro_batches, self.step)
+        with self.injecting(self.executor, self.step + 1):
+            result = self.step_fn.step(micro_batches, self.step)
         if self.straggler is not None:
             self.straggler.add(time.perf_counter() - start, self._compute_s(cpu))
         self.step += 1
@@ -211,6 +225,20 @@ class Engine:
         (`straggler_factor` 0, or one rank) or no step ran. Collective: one all-gather over the
         world; megapar-train calls it once per log interval."""
         return self.straggler.report() if self.straggler is not None else None
+
+    def injecting(self, executor, step: int):
+        """A context in which `executor` runs step `step` with `--inject-corrupt` armed."""
+        if self.injector is None:
+            return contextlib.nullcontext()
+        return self.injector.armed(executor, step)
+
+    def locate_nonfinite(self) -> str:
+        """Where the first non-finite value of the last step appeared (`nonfinite.locate`: the
+        step re-run with per-module checks). Collective."""
+        try:
+            return locate(self, self.kept)
+        except Exception as exc:  # noqa: BLE001 - the non-finite step stays the error
+            return f"re-running it with per-module checks failed: {type(exc).__name__}: {exc}"
 
     def split(self, batch: dict) -> list[dict]:
         """This dp rank's micro-batches of a global batch, on the mesh device: its rows are
@@ -249,7 +277,7 @@ class Engine:
         result = self.run_step(self.split(self._checked(batch, "train_step")))
         if self.on_nonfinite == "raise":
             self._guard.observe(self.step, result.loss, result.grad_norm, result.skipped,
-                                result.loss_scale)
+                                result.loss_scale, self.locate_nonfinite)
         _returned("train_step")
         return result.loss
 

@@ -52,6 +52,7 @@ from megapar.training.logging import (
     peak_memory_mb,
 )
 from megapar.training.profiling import StepProfiler
+from megapar.training.replay import StepRecorder, StepReplay, find_record, load_record
 from megapar.training.validate import explicit
 
 
@@ -184,6 +185,11 @@ class Trainer:
         return sum(losses) / len(losses)
 
     # -- the loop ----------------------------------------------------------------------------
+    def record(self) -> dict | None:
+        """The record --replay compares with (None: none found)."""
+        path = self.cfg.replay_against or find_record(self.cfg.load, self.cfg.replay)
+        return load_record(path) if path else None
+
     def bubble(self) -> float:
         """The idle share of the last step's schedule, averaged over the stages (collective over
         pp): the time from the first forward to the loss in which a stage ran no forward /
@@ -231,7 +237,18 @@ class Trainer:
                 start = time.perf_counter()
                 micro_batches = next(data)
                 profiler.before_step(self.step + 1)
-                result = self.engine.run_step(micro_batches)
+                if at in (cfg.record_step, cfg.replay):
+                    watch = (StepReplay(self.engine, cfg.global_batch_size, self.record())
+                             if at == cfg.replay else
+                             StepRecorder(self.engine, cfg.global_batch_size))
+                    with watch.trace.attached(self.engine._executor(cfg.seq_len)):
+                        result = self.engine.run_step(micro_batches)
+                    if at == cfg.replay:
+                        logger.message(watch.report() or "")
+                        return history
+                    logger.message(f"recorded step {at}: {watch.write(cfg.save, at)}")
+                else:
+                    result = self.engine.run_step(micro_batches)
                 elapsed = time.perf_counter() - start
                 if profiler.after_step(self.step):
                     logger.message(f"profiler traces of steps {cfg.profile_steps}: "
@@ -266,7 +283,7 @@ class Trainer:
                         f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""))
                 history.append({"step": self.step, **metrics})
                 guard.observe(self.step, loss, metrics["grad_norm"], result.skipped,
-                              metrics["loss_scale"])
+                              metrics["loss_scale"], self.engine.locate_nonfinite)
                 if cfg.save and cfg.save_interval and self.step % cfg.save_interval == 0 \
                         and self.step < cfg.max_steps:
                     logger.message(f"saved {self.save()}")

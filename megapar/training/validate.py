@@ -65,6 +65,7 @@ _RULES = [
     ("lr_scale_with_batch", "int", 1, True, (0, "off")),
     ("max_nonfinite_steps", "int", 1, True, (0, "never stop")),
     ("exit_interval", "int", 1, True, (0, "never")),
+    ("record_step", "int", 1, True, (0, "none")), ("replay", "int", 1, True, (0, "off")),
     ("exit_duration_mins", "float", 0.0, False, (0, "no limit")),
     ("straggler_factor", "float", 1.0, False, (0, "off")),
     ("world_size", "int", 1, True), ("gpus_per_node", "int", 1, True),
@@ -335,7 +336,7 @@ NOT_INHERITED = {
     "wandb_project", "progress", "debug", "timeout_s", "nccl_timeout_s", "peak_tflops",
     "profile_steps",
     "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval", "straggler_factor",
-    "inject_slow",
+    "inject_slow", "inject_corrupt", "record_step", "replay", "replay_against",
     # a rehearsal
     "dry_run", "world_size", "gpus_per_node", "dry_run_ranks", "json"}
 """Settings a --load run never takes from the checkpoint's saved train_config."""

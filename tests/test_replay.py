@@ -1,0 +1,73 @@
+"""--record-step and --replay: a step of a tp 2 x pp 2 run replayed in one process, compared
+value by value with the run's record (megapar-train, real text)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megapar.cli.train import main
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "shakespeare"
+
+
+@pytest.fixture(scope="module")
+def common(tmp_path_factory):
+    d = tmp_path_factory.mktemp("replay")
+    text = SHAKESPEARE / "hamlet_gut.txt"
+    if not text.exists():
+        pytest.skip("../shared/data is not there")
+    model = d / "m.json"
+    model.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 4, "n_head": 4,
+                                 "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                                 "attn_pdrop": 0.0}))
+    return ["--model", str(model), "--data", str(text), "--data-cache", str(d / "cache"),
+            "--tokenizer", "sentencepiece", "--seq-len", "32", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--log-interval", "1", "--eval-interval", "0",
+            "--no-progress", "--max-steps", "3"]
+
+
+def _replay(common, tmp_path, capsys, fault):
+    """A tp 2 x pp 2 run of 3 steps saving step 2 (and recording step 3, or failing there),
+    then `--load step_00000002 --replay 3` in one process: its comparison line."""
+    save = tmp_path / "ckpt"
+    rc = main([*common, "--tp", "2", "--pp", "2", "--save", str(save), "--save-interval", "2",
+               *fault])
+    err = capsys.readouterr().err
+    assert rc == (1 if "--inject-corrupt" in fault else 0), err
+    assert (save / "records" / "step_00000003.json").exists()
+    rc = main(["--load", str(save / "step_00000002"), "--replay", "3", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "transformer.h.3.attn " in out and "transformer.h.3.mlp.c_fc " in out  # the norms
+    return err, out.splitlines()
+
+
+def test_a_corrupted_value_is_named_by_a_one_process_replay(common, tmp_path, capsys):
+    """nan in one value of block 3's attention output on tp rank 1 at step 3: the run stops
+    there (naming it, item 1) and leaves the step's record; the replay in one process names
+    that module and rank as the first whose values differ."""
+    err, out = _replay(common, tmp_path, capsys, [
+        "--inject-corrupt", "step=3,module=transformer.h.3.attn,tp=1", "--max-nonfinite-steps",
+        "1"])
+    assert "its record for --replay: " in err, err
+    lines = [line for line in out if line.startswith("replay of step 3")]
+    assert len(lines) == 1 and ("first difference: forward output of transformer.h.3.attn, "
+                                "micro-batch 0 (samples 0-1), computed by rank 3 (tp=1 cp=0 "
+                                "pp=1 dp=0): norm nan recorded") in lines[0], lines
+
+
+def test_without_a_fault_the_replay_finds_no_difference(common, tmp_path, capsys):
+    """--record-step 3 of a clean run: every recorded norm (each rank's output of each module
+    per micro-batch, and the weight-gradient norms) agrees with the one-process replay."""
+    _, out = _replay(common, tmp_path, capsys, ["--record-step", "3"])
+    lines = [line for line in out if line.startswith("replay of step 3")]
+    assert len(lines) == 1 and "no difference" in lines[0] and "not compared" not in lines[0], \
+        lines
+    # the record's parts combined (tp slices of c_fc's features, each tp rank's whole attn
+    # output once) are the one-process norms
+    for name in ("transformer.h.3.mlp.c_fc", "transformer.h.3.attn", "transformer.ln_f"):
+        row = next(line.split() for line in out if line.startswith(name + " "))
+        assert abs(float(row[1]) - float(row[2])) <= 1e-5 * float(row[1]), row
+        if name != "transformer.h.3.attn":  # a container has no weights of its own
+            assert abs(float(row[3]) - float(row[4])) <= 1e-5 * float(row[3]), row
