@@ -1,10 +1,11 @@
 """Asynchronous checkpoint saves: the state is copied to host memory, a background thread writes
 and publishes it while training goes on.
 
-`AsyncSaver.start` takes a rank's `SavedState` (see distributed.py) referring to live tensors
-and replaces them by host copies: on a GPU into page-locked buffers that are kept for the next
-save (`megapar.device.host_buffer`: the copies run on the current stream, ordered before the
-next step's updates, and the host does not wait for them); on the CPU a plain clone. A
+`AsyncSaver.host_copy` replaces the live tensors of a rank's `SavedState` (see distributed.py)
+by host copies, in buffers kept for the next save (allocating, and on a GPU pinning, 12 bytes a
+parameter at every save would cost more than the copy): page-locked on a GPU
+(`megapar.device.host_buffer`: the copies run on the current stream, ordered before the next
+step's updates, and the host does not wait for them), plain host memory on the CPU. A
 background thread then runs `write_checkpoint`, the same protocol as a synchronous save, over a
 gloo group of its own, created with the saver (collectively, at start-up): NCCL runs a
 communicator's operations in issue order, so collectives issued from a second thread on the
@@ -48,7 +49,7 @@ class AsyncSaver:
         if mesh.layout.world_size > 1 and dist.is_initialized():
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s),
                                         group_desc="async_save")
-        self._pinned: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._outcome: Path | BaseException | None = None
         self.pending: Path | None = None
@@ -58,25 +59,24 @@ class AsyncSaver:
 
     # -- the host copy ------------------------------------------------------------------------
     def host_copy(self, state: SavedState, private: frozenset[str] = frozenset()) -> SavedState:
-        """`state` with its shard's tensors replaced by host copies. Keys in `private` are host
-        tensors of the caller's that nothing else changes (the optimizer state a ZeRO-1 gather
-        or a CPU copy made): kept as they are. On a GPU the copies are asynchronous:
-        `state.ready` is the event the writer waits on."""
+        """`state` with its shard's tensors replaced by host copies, in buffers this saver
+        keeps for the next save (`megapar.device.host_buffer`: pinned for GPU tensors, whose
+        copies run asynchronously on the current stream; `state.ready` is then the event the
+        writer waits on). Keys in `private` are host tensors of the caller's that nothing else
+        changes (the optimizer state a ZeRO-1 gather made): kept as they are."""
         if state.shard is None:
             return state
         fname, tensors, entries = state.shard
         out, on_gpu = {}, False
         for key, t in tensors.items():
-            if t.device.type == "cuda":
-                buf = self._pinned.get(key)
-                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                    buf = self._pinned[key] = host_buffer(t)
-                buf.copy_(t, non_blocking=True)
-                out[key], on_gpu = buf, True
-            elif key in private:
+            if key in private and t.device.type == "cpu":
                 out[key] = t
-            else:
-                out[key] = t.clone()
+                continue
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = self._buffers[key] = host_buffer(t)
+            buf.copy_(t, non_blocking=t.device.type == "cuda")
+            out[key], on_gpu = buf, on_gpu or t.device.type == "cuda"
         ready = None
         if on_gpu:
             ready = torch.cuda.Event()
@@ -85,8 +85,8 @@ class AsyncSaver:
                           (fname, out, entries), ready)
 
     def host_bytes(self) -> int:
-        """Page-locked host memory this saver keeps for its copies (0 on the CPU)."""
-        return sum(t.numel() * t.element_size() for t in self._pinned.values())
+        """Host memory this saver keeps for its copies."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     # -- the writer ---------------------------------------------------------------------------
     def start(self, root, state: SavedState | CheckpointError, step: int) -> Path:

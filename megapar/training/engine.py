@@ -300,13 +300,12 @@ class Engine:
     def _save_in_background(self, path, meta: dict) -> Path:
         self.saver.wait()  # at most one write in flight
         set_action(f"copying the checkpoint of step {self.step} to host memory")
-        on_gpu = self.mesh.device.type == "cuda"  # the moments are copied into pinned buffers
-        optim = self.optimizer.state_tensors(copy=not on_gpu)
+        optim = self.optimizer.state_tensors(copy=False)  # copied into the saver's buffers
+        gathered = getattr(self.optimizer, "sharded", False)  # ZeRO-1: fresh host copies
         try:
             state = capture(self.step, self.model, self.mesh, optim, meta, self.rng_state())
             tensors = state.shard[1] if state.shard is not None else {}
-            private = frozenset(k for k, t in tensors.items()
-                                if k.startswith("optim/") and t.device.type == "cpu")
+            private = frozenset(k for k in tensors if gathered and k.startswith("optim/"))
             state = self.saver.host_copy(state, private)
         except CheckpointError as exc:
             state = exc  # raised on every rank when the write ends
