@@ -112,7 +112,10 @@ def test_sigkill_during_a_background_write_keeps_the_previous_latest_and_resume_
             "--save", str(ckpt), "--async-save"]
     monkeypatch.setenv(TEST_DELAY_ENV, "4:120")  # step 4's write is held open
     pid = _fork_main([*args, "--save-interval", "2", "--log-json", str(first)], tmp_path / "out")
-    out = lambda: (tmp_path / "out").read_text()  # noqa: E731
+
+    def out():
+        return (tmp_path / "out").read_text()
+
     # training went on to its last step while step 4's write was open; step 2 is published
     assert _wait_for(lambda: _steps(first) == list(range(1, 7))), out()
     assert _wait_for(lambda: bool(list(ckpt.glob(".tmp-step_4-*")))), out()

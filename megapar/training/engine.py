@@ -269,9 +269,9 @@ class Engine:
         With `async_save` (`prepare(..., async_save=True)`, `megapar-train --async-save`) the
         state is copied to host memory and written in the background: `save` returns the step
         directory it will publish once every rank's files are written (``latest`` moves then);
-        a save that finds the previous write still in flight waits for it; `train_step` checks at every
-        step whether the write is done (and raises on every rank if it failed); `wait_save`
-        waits for it: call it before the process exits."""
+        a save that finds the previous write still in flight waits for it; `train_step` checks
+        at every step whether the write is done (and raises on every rank if it failed);
+        `wait_save` waits for it: call it before the process exits."""
 
         clash = sorted(set(extra or {}) & RESERVED_META)
         if clash:
