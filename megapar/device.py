@@ -163,6 +163,15 @@ def polls_host(device: torch.device) -> bool:
     return torch.device(device).type != "cuda"
 
 
+def host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor of `like`'s shape and dtype to copy it into: page-locked (pinned)
+    when `like` is on a GPU, so that the copy runs asynchronously on its stream
+    (`copy_(..., non_blocking=True)`) and the host need not wait for it; plain host memory
+    otherwise (a CPU tensor is copied at once)."""
+    return torch.empty(like.shape, dtype=like.dtype,
+                       pin_memory=like.device.type == "cuda" and torch.cuda.is_available())
+
+
 def wait(work, device: torch.device, timeout_s: float, what: str, error: type = TimeoutError,
          hint: str = "") -> None:
     """Wait for the asynchronous collective or point-to-point `work` on tensors of `device`.

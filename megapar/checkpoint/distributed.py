@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,36 +86,40 @@ def _world(mesh: Mesh) -> bool:
     return mesh.layout.world_size > 1 and dist.is_initialized()
 
 
-def _bytes_tensor(data: bytes, mesh: Mesh, pad_to: int = 0) -> torch.Tensor:
+def _bytes_tensor(data: bytes, device, pad_to: int = 0) -> torch.Tensor:
     """`data` as a uint8 tensor on the device collectives use (zero-padded to `pad_to`)."""
     buf = torch.zeros(max(pad_to, len(data)), dtype=torch.uint8, device="cpu")  # staging
     if data:
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return buf.to(mesh.device)
+    return buf.to(device)
 
 
-def _broadcast_text(text: str | None, mesh: Mesh, src: int = 0) -> str:
-    """Rank `src`'s text on every rank (a uint8 tensor broadcast)."""
+def _broadcast_text(text: str | None, mesh: Mesh, src: int = 0, group=None) -> str:
+    """Rank `src`'s text on every rank (a uint8 tensor broadcast over the world, or over
+    `group`: a gloo group spanning the world, on host tensors)."""
     if not _world(mesh):
         return text
+    device = mesh.device if group is None else torch.device("cpu")
     data = text.encode() if mesh.rank == src else b""
-    length = torch.tensor([len(data)], dtype=torch.int64, device=mesh.device)
-    dist.broadcast(length, src)
-    buf = _bytes_tensor(data, mesh, int(length))
-    dist.broadcast(buf, src)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src, group=group)
+    buf = _bytes_tensor(data, device, int(length))
+    dist.broadcast(buf, src, group=group)
     return buf.cpu().numpy().tobytes().decode()
 
 
-def _gather_payloads(payload: bytes, mesh: Mesh) -> list[bytes] | None:
-    """Every rank's bytes on rank 0 (None elsewhere), via padded uint8 tensor gathers."""
+def _gather_payloads(payload: bytes, mesh: Mesh, group=None) -> list[bytes] | None:
+    """Every rank's bytes on rank 0 (None elsewhere), via padded uint8 tensor gathers over the
+    world (or `group`, as in `_broadcast_text`)."""
     if not _world(mesh):
         return [payload]
-    n = torch.tensor([len(payload)], dtype=torch.int64, device=mesh.device)
+    device = mesh.device if group is None else torch.device("cpu")
+    n = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(n) for _ in range(mesh.layout.world_size)]
-    dist.all_gather(sizes, n)
-    buf = _bytes_tensor(payload, mesh, max(int(s) for s in sizes))
+    dist.all_gather(sizes, n, group=group)
+    buf = _bytes_tensor(payload, device, max(int(s) for s in sizes))
     parts = [torch.empty_like(buf) for _ in sizes] if mesh.rank == 0 else None
-    dist.gather(buf, parts, dst=0)
+    dist.gather(buf, parts, dst=0, group=group)
     if mesh.rank != 0:
         return None
     return [p[:int(s)].cpu().numpy().tobytes() for p, s in zip(parts, sizes)]
@@ -132,12 +137,6 @@ def _unpack(payload: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
     return header, {k[2:]: v for k, v in data.items()}
 
 
-def _write_shard(tmp: Path, model, mesh: Mesh, optim_tensors) -> dict:
-    """Write this (tp, pp) shard file; returns its file record and tensor entries."""
-    fname, tensors, entries = shard_contents(model, mesh, optim_tensors)
-    return {"file": fname, "record": write_tensors(tmp / fname, tensors), "tensors": entries}
-
-
 def planned_shard(model, mesh: Mesh, optim_tensors) -> tuple[str, int]:
     """(file name, bytes) of the shard file `save_checkpoint` would write for this (tp, pp)
     coordinate, without writing it (the tensors may be fake: only shapes and dtypes are read)."""
@@ -152,19 +151,52 @@ def shard_contents(model, mesh: Mesh, optim_tensors) -> tuple[str, dict, dict]:
         if hasattr(param, "tied_to"):
             continue
         moments = (optim_tensors or {}).get(name, {})
-        tensors[f"model/{name}"] = param.detach().cpu()
+        tensors[f"model/{name}"] = param.detach()
         for key, value in moments.items():
             if tuple(value.shape) != tuple(param.shape):
                 raise CheckpointError(f"optimizer state {name}/{key} has shape "
                                       f"{tuple(value.shape)}, its parameter's shard is "
                                       f"{tuple(param.shape)}; pass local shards")
-            tensors[f"optim/{name}/{key}"] = value.detach().cpu()
+            tensors[f"optim/{name}/{key}"] = value.detach()
         dim = getattr(param, "tp_dim", None)
         entries[name] = {"full_shape": list(getattr(param, "full_shape", param.shape)),
                          "tp_dim": dim, "local_shape": list(param.shape),
                          "dtype": dtype_name(param.dtype), "stage": mesh.pp_rank,
                          "optim": {k: dtype_name(v.dtype) for k, v in moments.items()}}
     return shard_file_name(mesh.tp_rank, mesh.pp_rank), tensors, entries
+
+
+@dataclass
+class SavedState:
+    """One rank's part of a checkpoint, taken at one step: what `write_checkpoint` writes."""
+
+    step: int
+    model_config: dict
+    meta: dict
+    """The trainer's free dict (rank 0's is written), a JSON copy taken when captured."""
+    rng: dict[str, torch.Tensor]
+    """This rank's RNG state tensors."""
+    shard: tuple[str, dict[str, torch.Tensor], dict] | None = None
+    """(file name, {key: tensor}, manifest entries) of this rank's shard file on the ranks that
+    write one (dp rank 0 and cp rank 0 of every (tp, pp) coordinate); None elsewhere."""
+    ready: object = None
+    """Something with `synchronize()` (a CUDA event) to wait on before the tensors are read,
+    when they are still being copied to the host."""
+
+
+def capture(step: int, model, mesh: Mesh, optim_tensors, meta: dict,
+            rng: dict[str, torch.Tensor]) -> SavedState:
+    """This rank's part of a checkpoint of `step`, referring to the live tensors (see
+    `save_checkpoint` for the arguments). Raises CheckpointError when `meta` is not JSON."""
+    try:
+        meta = json.loads(json.dumps(meta))
+    except TypeError as exc:
+        raise CheckpointError(f"meta must be JSON-serialisable (tensors go elsewhere): {exc}")
+    shard = None
+    if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # cp holds no shards: replicas
+        shard = shard_contents(model, mesh, optim_tensors)
+    return SavedState(int(step), model.config.to_dict(), meta,
+                      {k: v.detach().cpu().clone() for k, v in (rng or {}).items()}, shard)
 
 
 def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dict,
@@ -176,6 +208,37 @@ def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dic
     rank's RNG state tensors. Returns the step directory once it and ``root/latest`` are
     published on every rank; raises CheckpointError on every rank if any rank failed.
     """
+    try:
+        state = capture(step, model, mesh, optim_tensors, meta, rng)
+    except CheckpointError as exc:
+        state = exc  # raised below on every rank together
+    return write_checkpoint(root, step, state, mesh)
+
+
+#: Tests set MEGAPAR_TEST_SAVE_DELAY="STEP:SECONDS" to hold the save of STEP that long in its
+#: staging directory before this rank's shard file is written (a write to kill mid-way, a
+#: host copy that must not change meanwhile).
+TEST_DELAY_ENV = "MEGAPAR_TEST_SAVE_DELAY"
+
+
+def _test_delay(step: int) -> None:
+    spec = os.environ.get(TEST_DELAY_ENV, "")
+    if spec.partition(":")[0] == str(step):
+        time.sleep(float(spec.partition(":")[2]))
+
+
+def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh: Mesh,
+                     group=None) -> Path:
+    """Write every rank's `SavedState` of `step` as ``root/step_N`` and publish it (collective
+    over the world, or over `group`: a gloo group spanning the world, used from a background
+    thread).
+
+    Rank 0 checks the ``--save`` lock and makes the staging directory; each writing rank writes
+    its shard file there; every rank sends its RNG state and its write outcome to rank 0
+    (tensor collectives only, nothing pickled), which checks that every shard file is there
+    with its recorded size, writes ``rng.safetensors`` and the manifest, publishes the
+    directory and tells every rank the outcome, so all ranks return (or raise) together.
+    `state` may be a CheckpointError of this rank (raised on every rank)."""
     root = Path(root)
     tmp_name, error = "", ""
     if mesh.rank == 0:
@@ -189,32 +252,41 @@ def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dic
             error = f"checkpoint of step {step} not saved: {exc}"
         except OSError as exc:
             error = f"cannot create a staging directory in {root}: {exc}"
-    tmp_name = _broadcast_text(tmp_name, mesh)
+    tmp_name = _broadcast_text(tmp_name, mesh, group)
     if not tmp_name:
-        raise CheckpointError(_broadcast_text(error, mesh))
+        raise CheckpointError(_broadcast_text(error, mesh, group))
     tmp = root / tmp_name
     header = {"rank": mesh.rank, "error": None}
+    rng = {}
     try:
-        if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # cp holds no shards: replicas
-            header.update(_write_shard(tmp, model, mesh, optim_tensors))
+        if isinstance(state, CheckpointError):
+            raise state
+        rng = state.rng
+        if state.ready is not None:  # the copy to the host still runs on the device
+            state.ready.synchronize()
+        _test_delay(step)
+        if state.shard is not None:
+            fname, tensors, entries = state.shard
+            header.update(file=fname, record=write_tensors(tmp / fname, tensors),
+                          tensors=entries)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0 and raised on every rank
         header["error"] = f"rank {mesh.rank}: {type(exc).__name__}: {exc}"
-    payloads = _gather_payloads(_pack(header, rng or {}), mesh)
+    payloads = _gather_payloads(_pack(header, rng), mesh, group)
     outcome = ""
     if mesh.rank == 0:
         try:
-            outcome = str(_finish(tmp, root, step, model, mesh, meta, payloads))
+            outcome = str(_finish(tmp, root, state, mesh, payloads))
         except Exception as exc:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = f"ERROR checkpoint of step {step} not saved: {exc}"
-    outcome = _broadcast_text(outcome, mesh)
+    outcome = _broadcast_text(outcome, mesh, group)
     if outcome.startswith("ERROR "):
         raise CheckpointError(outcome[6:])
     return Path(outcome)
 
 
-def _finish(tmp: Path, root: Path, step: int, model, mesh: Mesh, meta, payloads) -> Path:
-    """Rank 0: RNG file, manifest, publication."""
+def _finish(tmp: Path, root: Path, state: SavedState, mesh: Mesh, payloads) -> Path:
+    """Rank 0: check every rank's files, write the RNG file and the manifest, publish."""
     errors, files, tensors, rng = [], {}, {}, {}
     for payload in payloads:
         header, states = _unpack(payload)
@@ -226,19 +298,17 @@ def _finish(tmp: Path, root: Path, step: int, model, mesh: Mesh, meta, payloads)
         rng.update({f"rank{header['rank']}/{k}": v for k, v in states.items()})
     if errors:
         raise CheckpointError("; ".join(errors))
-    try:
-        json.dumps(meta)
-    except TypeError as exc:
-        raise CheckpointError(f"meta must be JSON-serialisable (tensors go elsewhere): {exc}")
+    for fname, record in files.items():  # every rank's file is there, complete
+        verify_file(tmp, fname, record, checksum=False)
     if rng:
-        files[RNG_FILE] = write_tensors(tmp / RNG_FILE, rng)
+        files[RNG_FILE] = write_tensors(tmp / RNG_FILE, dict(sorted(rng.items())))
     layout = mesh.layout
-    manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": int(step),
+    manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": state.step,
                 "layout": layout.to_dict(),
-                "model": model.config.to_dict(), "meta": meta, "tensors": tensors,
+                "model": state.model_config, "meta": state.meta, "tensors": tensors,
                 "files": dict(sorted(files.items()))}
     write_manifest(tmp, manifest)
-    return publish_step(tmp, root, step_dir_name(step))
+    return publish_step(tmp, root, step_dir_name(state.step))
 
 
 def check_model(manifest: dict, config, where) -> list[str]:

@@ -135,20 +135,24 @@ class AdamWOptimizer(torch.optim.Optimizer):
         """Hook for ZeRO: make every rank's parameters current."""
 
     # checkpoints ----------------------------------------------------------------------------
-    def _local_state(self, p: nn.Parameter, key: str) -> torch.Tensor:
-        """A host copy of one state tensor (a save never adds device memory)."""
+    def _local_state(self, p: nn.Parameter, key: str, copy: bool = True) -> torch.Tensor:
+        """A host copy of one state tensor (a save never adds device memory), or with
+        `copy=False` the state tensor itself."""
         state = self.inner.state.get(p, {}) if self.inner is not None else {}
         t = state.get(key)
-        return t.detach().to("cpu", copy=True) if t is not None else \
-            torch.zeros(p.shape, dtype=p.dtype)
+        if t is None:
+            return torch.zeros(p.shape, dtype=p.dtype)
+        return t.detach().to("cpu", copy=True) if copy else t.detach()
 
     def _checkpointed(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named if getattr(p, "tied_to", None) is None]
 
-    def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+    def state_tensors(self, copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:
         """name -> {"exp_avg", "exp_avg_sq"} (or {"momentum_buffer"}) for every non-tied
-        parameter of the stage, in host memory."""
-        return {n: {k: self._local_state(p, k) for k in self.state_keys}
+        parameter of the stage, in host memory; `copy=False`: the state tensors themselves
+        where this rank holds them (on its device; the caller copies them before the next
+        step), host copies where it does not."""
+        return {n: {k: self._local_state(p, k, copy) for k in self.state_keys}
                 for n, p in self._checkpointed()}
 
     @staticmethod

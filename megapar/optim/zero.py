@@ -212,16 +212,17 @@ class ZeroOptimizer(AdamWOptimizer):
 
     # checkpoints ----------------------------------------------------------------------------
     @torch.no_grad()
-    def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+    def state_tensors(self, copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:
         """Every non-tied parameter's full (local tp / pp shard) state on dp rank 0, in host
-        memory; {} on the other dp ranks (collective over dp).
+        memory; {} on the other dp ranks (collective over dp). Sharded, the state is always
+        gathered into host copies (`copy` matters only unsharded).
 
         One bucket and one state key at a time: each rank's slice of the bucket is gathered to
         dp rank 0 into one bucket-sized buffer on the device, copied to the host and freed, so
         a save needs one bucket of device memory on top of training, never the stage's whole
         state (3-4x the fp32 parameters)."""
         if not self.sharded:
-            return super().state_tensors()
+            return super().state_tensors(copy)
         gs, root = self.grad_sync, dist.get_global_rank(self.group, 0)
         piece = {id(p): (t, s, e) for t, (p, s, e) in zip(self.pieces, self._piece_of)}
         names = {id(p): n for n, p in self._checkpointed()}

@@ -22,17 +22,20 @@ from pathlib import Path
 import torch
 
 from megapar import comm_wait
+from megapar.checkpoint.async_save import AsyncSaver
 from megapar.checkpoint.convert import export_hf
 from megapar.checkpoint.distributed import (
     _broadcast_text,
+    capture,
     load_checkpoint,
     save_checkpoint,
 )
+from megapar.checkpoint.format import CheckpointError
 from megapar.context_parallel import check_length
 from megapar.data.blended import absolute_data
 from megapar.data_parallel import GradBuckets
 from megapar.data_parallel.compression import make_compressor
-from megapar.device import keep_freed_host_memory
+from megapar.device import keep_freed_host_memory, process_group_timeout_s
 from megapar.faults.slow import Slowdown, SlowRank
 from megapar.faults.status import set_action, set_step
 from megapar.faults.stop import NonFiniteGuard
@@ -150,6 +153,10 @@ class Engine:
                                                             None),
                                      advice=API_ADVICE.format(
                                          clip="" if cfg.clip_grad else " or set clip_grad"))
+        self.saver = None
+        """The background checkpoint writer with `cfg.async_save` (see `save`), else None."""
+        if cfg.async_save and not cfg.dry_run:  # its gloo group is made now, collectively
+            self.saver = AsyncSaver(mesh, process_group_timeout_s() or cfg.timeout_s)
         keep_freed_host_memory()  # from here on: the training state is built
 
     @classmethod
@@ -274,6 +281,8 @@ class Engine:
         one at the loss scale's floor, raise, as in megapar-train. With "skip" the non-finite
         loss is returned.
         """
+        if self.saver is not None:  # a background save's outcome, agreed by every rank
+            self.saver.poll()
         result = self.run_step(self.split(self._checked(batch, "train_step")))
         if self.on_nonfinite == "raise":
             self._guard.observe(self.step, result.loss, result.grad_norm, result.skipped,
@@ -331,7 +340,14 @@ class Engine:
     def save(self, path: str | Path, extra: dict | None = None) -> Path:
         """Checkpoint into `path/step_XXXXXXXX` (megapar's format: convertible between layouts
         with megapar-convert, exact resume with `load`). `extra`: JSON-able values of yours
-        (e.g. a torch LR scheduler's state_dict()), returned by `load`. Collective."""
+        (e.g. a torch LR scheduler's state_dict()), returned by `load`. Collective.
+
+        With `async_save` (`prepare(..., async_save=True)`, `megapar-train --async-save`) the
+        state is copied to host memory and written in the background: `save` returns the step
+        directory it will publish once every rank's files are written (``latest`` moves then);
+        a save that finds the previous write still in flight waits for it; `train_step` checks
+        at every step whether the write is done (and raises on every rank if it failed);
+        `wait_save` waits for it: call it before the process exits."""
 
         clash = sorted(set(extra or {}) & RESERVED_META)
         if clash:
@@ -349,10 +365,39 @@ class Engine:
             meta["hf_dtype"] = self.source_dtype
         if self.source_generation_config is not None:
             meta["hf_generation_config"] = self.source_generation_config
-        out = save_checkpoint(path, self.step, self.model, self.mesh,
-                              self.optimizer.state_tensors(), meta, self.rng_state())
+        if self.saver is not None:
+            out = self._save_in_background(path, meta)
+        else:
+            out = save_checkpoint(path, self.step, self.model, self.mesh,
+                                  self.optimizer.state_tensors(), meta, self.rng_state())
         _returned("engine.save")
         return out
+
+    def _save_in_background(self, path, meta: dict) -> Path:
+        self.saver.wait()  # at most one write in flight
+        set_action(f"copying the checkpoint of step {self.step} to host memory")
+        optim = self.optimizer.state_tensors(copy=False)  # copied into the saver's buffers
+        gathered = getattr(self.optimizer, "sharded", False)  # ZeRO-1: fresh host copies
+        try:
+            state = capture(self.step, self.model, self.mesh, optim, meta, self.rng_state())
+            tensors = state.shard[1] if state.shard is not None else {}
+            private = frozenset(k for k in tensors if gathered and k.startswith("optim/"))
+            state = self.saver.host_copy(state, private)
+        except CheckpointError as exc:
+            state = exc  # raised on every rank when the write ends
+        return self.saver.start(path, state, self.step)
+
+    def wait_save(self) -> Path | None:
+        """Wait for the background save in flight (with `async_save`) and return the step
+        directory it published (None: none was in flight); raises CheckpointError on every
+        rank when it failed. Collective."""
+        return self.saver.wait() if self.saver is not None else None
+
+    def poll_save(self) -> Path | None:
+        """The step directory a background save has published since the last call, once every
+        rank's writer is done (None: none, or still writing); raises CheckpointError on every
+        rank when it failed. Collective (one small all-reduce while a write is in flight)."""
+        return self.saver.poll() if self.saver is not None else None
 
     def load(self, path: str | Path):
         """Restore weights, optimizer, loss scale, LR schedule, RNG and step from a checkpoint

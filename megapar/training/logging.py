@@ -13,6 +13,7 @@ import os
 import resource
 import socket
 import sys
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -132,8 +133,10 @@ class MetricsLogger(NullLogger):
             self.bar.refresh()
 
     def log(self, step: int, metrics: dict) -> None:
-        """One JSON line per call; scalars to TensorBoard / W&B."""
-        record = {"step": step, **metrics}
+        """One JSON line per call (with ``time``: the Unix time it was written, so the gaps
+        between steps, a save's pause, can be read off the file); scalars to TensorBoard /
+        W&B."""
+        record = {"step": step, **metrics, "time": round(time.time(), 4)}
         if self.json is not None:  # strict JSON: a skipped fp16 step's inf norm becomes null
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                      for k, v in record.items()}

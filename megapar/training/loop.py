@@ -155,16 +155,28 @@ class Trainer:
         self.notes.extend(state.notes)
 
     # -- save / eval -------------------------------------------------------------------------
-    def save(self) -> str:
+    def save(self, logger) -> None:
+        """Save the current step into --save (with --async-save: start its background write,
+        after waiting for the one in flight) and log it."""
         if not launcher_alive():
             raise RunStopped(f"the launcher is gone: step {self.step} not saved")
         if not params_finite(self.model):
             raise NonFiniteError(f"weights are not finite at step {self.step}: checkpoint not "
                                  f"written (the last one, if any, is intact)")
-        return self.engine.save(self.cfg.save, {
+        if self.engine.saver is not None:  # at most one write in flight
+            self.log_saved(logger, self.engine.wait_save())
+        path = self.engine.save(self.cfg.save, {
             "consumed_samples": self.sampler.consumed_samples,
             "sampler": self.sampler.state_dict(),
             **({"data_fingerprint": self.data_fingerprint} if self.data_fingerprint else {})})
+        logger.message(f"saving {path} in the background" if self.engine.saver is not None
+                       else f"saved {path}")
+
+    @staticmethod
+    def log_saved(logger, published: Path | None) -> None:
+        """Log a checkpoint a background save has published."""
+        if published is not None:
+            logger.message(f"saved {published}")
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -231,6 +243,7 @@ class Trainer:
         save_root = Path(cfg.save).expanduser().resolve() if cfg.save else None
         loaded = Path(cfg.load).expanduser().resolve() if self.resumed else None
         saved = self.step if loaded and save_root in (loaded, *loaded.parents) else None
+        loaded_step = saved
         try:
             while self.step < cfg.max_steps:
                 at = self.step + 1
@@ -284,9 +297,10 @@ class Trainer:
                 history.append({"step": self.step, **metrics})
                 guard.observe(self.step, loss, metrics["grad_norm"], result.skipped,
                               metrics["loss_scale"], self.engine.locate_nonfinite)
+                self.log_saved(logger, self.engine.poll_save())  # a background save done?
                 if cfg.save and cfg.save_interval and self.step % cfg.save_interval == 0 \
                         and self.step < cfg.max_steps:
-                    logger.message(f"saved {self.save()}")
+                    self.save(logger)
                     saved = self.step
                 why = stop.reason(self.step) if self.step < cfg.max_steps else None
                 if why:
@@ -295,9 +309,15 @@ class Trainer:
                     break
             at = self.step
             if cfg.save and saved != self.step:
-                logger.message(f"saved {self.save()}")
+                self.save(logger)
+            self.log_saved(logger, self.engine.wait_save())  # before the process exits
         except Exception as exc:
             what = f"{type(exc).__name__}: {exc}"
+            saver = self.engine.saver
+            if saver is not None:  # a checkpoint from before the failure is still good
+                note = saver.wait_quietly(cfg.timeout_s)
+                what += f" ({note})" if note else ""
+                saved = saver.published if saver.published is not None else loaded_step
             # A timeout under torchrun: name a stopped rank of this node (and let it end too)
             cause = stopped_siblings(resume=True) if consequential(what) else ""
             err = TrainingError(f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "

@@ -156,6 +156,9 @@ def check_settings(cfg) -> None:
                "gpus_per_node": " (a run's nodes are the ones torchrun or Slurm starts)"}
         raise UsageError(f"{_flag(rehearsal[0])} only applies to a rehearsal: add --dry-run"
                          f"{why.get(rehearsal[0], '')}")
+    if cfg.async_save and not cfg.save and not cfg.dry_run:
+        raise UsageError("--async-save writes the checkpoints of --save in the background: give "
+                         "--save DIR too (or drop --async-save)")
     if cfg.grad_compression != "none" and cfg.grad_reduce_dtype != "auto":
         raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} and --grad-compression "
                          f"{cfg.grad_compression} both choose how gradients travel; give one "
@@ -330,8 +333,8 @@ NOT_INHERITED = {
     "tp", "cp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
     "sequence_parallel", "recompute", "zero", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
-    "model", "from_hf", "load", "load_strict", "allow_data_change", "save", "overwrite_newer",
-    "data_cache",
+    "model", "from_hf", "load", "load_strict", "allow_data_change", "save", "async_save",
+    "overwrite_newer", "data_cache",
     "log_json", "tensorboard",
     "wandb_project", "progress", "debug", "timeout_s", "nccl_timeout_s", "peak_tflops",
     "profile_steps",
