@@ -252,9 +252,9 @@ def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh:
             error = f"checkpoint of step {step} not saved: {exc}"
         except OSError as exc:
             error = f"cannot create a staging directory in {root}: {exc}"
-    tmp_name = _broadcast_text(tmp_name, mesh, group)
+    tmp_name = _broadcast_text(tmp_name, mesh, group=group)
     if not tmp_name:
-        raise CheckpointError(_broadcast_text(error, mesh, group))
+        raise CheckpointError(_broadcast_text(error, mesh, group=group))
     tmp = root / tmp_name
     header = {"rank": mesh.rank, "error": None}
     rng = {}
@@ -279,7 +279,7 @@ def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh:
         except Exception as exc:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = f"ERROR checkpoint of step {step} not saved: {exc}"
-    outcome = _broadcast_text(outcome, mesh, group)
+    outcome = _broadcast_text(outcome, mesh, group=group)
     if outcome.startswith("ERROR "):
         raise CheckpointError(outcome[6:])
     return Path(outcome)
