@@ -223,8 +223,9 @@ def _data_order(programs, peer) -> Check:
                     if key in issued:
                         return Check(False, f"rank {rank} issues {a} twice")
                     issued.add(key)
-                    if peer(rank, a) is None:
-                        return Check(False, f"rank {rank} issues {a}, which has no peer")
+                    if peer(rank, a) is None or peer(rank, a)[0] == rank:
+                        return Check(False, f"rank {rank} issues {a}, which has no peer on "
+                                            f"another rank")
                     if a.kind.startswith("send") and not any(
                             (kind, a.mb, a.chunk) in done for kind in _producer(a.kind)):
                         return Check(False, f"rank {rank} issues {a} before the compute that "
@@ -232,7 +233,9 @@ def _data_order(programs, peer) -> Check:
                 continue
             for recv in messages.CONSUMERS:
                 message = Action(recv, step.mb, step.chunk)
-                if (messages.consumes(step, message) and peer(rank, message) is not None
+                other = peer(rank, message)
+                if (messages.consumes(step, message) and other is not None
+                        and other[0] != rank  # a hand-off between chunks of one rank: no message
                         and (recv, step.mb, step.chunk) not in issued):
                     return Check(False, f"rank {rank} runs {step} before issuing {message}, the "
                                         f"receive it consumes")
