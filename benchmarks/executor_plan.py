@@ -1,11 +1,20 @@
-"""The pipeline executor's per-step planning work, before and after it was kept per step size.
+"""The pipeline executor's host work per step: its planning, and its walk of the program.
 
-Every step used to work out, from this rank's program, the acknowledgements (which received
-message proves which send complete: O(m^2) Python), the receives to post ahead on gloo and the
-indices of the last backward and W; `PipelineExecutor.step_plan` now does that once per
-(m, forward_only). This script builds each stage's executor on a process-free mesh (no
-messages move) and prints, per layout, the slowest stage's first step (the old per-step cost)
-and its later steps (a dictionary lookup), median of `--repeat` runs.
+Planning: every step used to work out, from this rank's program, the acknowledgements (which
+received message proves which send complete: O(m^2) Python), the receives to post ahead on
+gloo and the indices of the last backward and W; `PipelineExecutor.step_plan` does that once
+per (m, forward_only). The first table prints, per layout, the slowest stage's first step (the
+old per-step cost) and its later steps (a dictionary lookup), median of `--repeat` runs.
+
+The walk: everything else the executor does on the host in a step, excluding the compute and
+the waits. Each stage runs real steps (`PipelineExecutor.run`) of a stub stage model (one add
+per forward) with a message layer that completes at once (`InstantP2P`); the time inside the
+compute handlers is measured and subtracted, so what remains is the program walk, the message
+bookkeeping, the status line (`set_action`, published to shared memory as under the launcher)
+and the trace. Times are the thread's CPU time (`time.thread_time`), so other processes on a
+shared machine do not count. The second table prints the slowest stage's host work per step,
+traced and not, as on NCCL (receives where the program has them), minimum of `--steps`
+steps.
 
     python benchmarks/executor_plan.py
 """
@@ -13,15 +22,18 @@ and its later steps (a dictionary lookup), median of `--repeat` runs.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
 import torch
 from torch import nn
 
+from megapar.faults import status
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline import messages
 from megapar.pipeline.executor import PipelineExecutor
+from megapar.pipeline.schedules import placement_of, virtual_stage
 
 LAYOUTS = [("1f1b", 16, 256, 1), ("zb-h1", 16, 256, 1), ("interleaved", 8, 128, 4)]
 
@@ -63,9 +75,83 @@ def stage_times(schedule: str, pp: int, m: int, v: int, repeat: int) -> tuple[fl
     return max(first), max(later)
 
 
+class InstantP2P:
+    """A stage's messages that complete at once: nothing moves, a receive returns a buffer."""
+
+    failed, pending_recvs, pending_sends = False, 0, 0
+
+    def __init__(self, shape: tuple):
+        self.buffer = torch.zeros(shape)
+        self.issued: list = []
+
+    def begin_step(self) -> None:
+        pass
+
+    def issue(self, group: list) -> None:
+        pass
+
+    def wait_recv(self, kind: str, mb: int, chunk: int = 0) -> torch.Tensor:
+        return self.buffer
+
+    def release(self, kind: str, mb: int, chunk: int = 0) -> None:
+        pass
+
+    def wait_sends(self) -> None:
+        pass
+
+
+class StubChunk(nn.Module):
+    """One add per forward; the model's last chunk returns a scalar loss."""
+
+    def __init__(self, shape: tuple, last: bool):
+        super().__init__()
+        self.p, self.last = nn.Parameter(torch.zeros(shape)), last
+
+    def forward(self, hidden, batch):
+        out = self.p * 1.0 if hidden is None else hidden + self.p
+        return out.sum() if self.last else out
+
+
+def host_work(schedule: str, pp: int, m: int, v: int, stage: int, trace: bool,
+              repeat: int) -> float:
+    """Seconds of host work of one step of `stage` outside the compute handlers (minimum of
+    `repeat` steps, after one that builds the plan)."""
+    shape = (1, 4)
+    mesh = Mesh.virtual(Layout(1, pp, 1), rank=stage, device="cpu")
+    mesh.timeout_s = 60.0
+    placement = placement_of(schedule)
+    chunks = [StubChunk(shape, virtual_stage(stage, c, pp, placement) == pp * v - 1)
+              for c in range(v)]
+    model = Chunks(v) if v > 1 else chunks[0]
+    if v > 1:
+        model.chunks = nn.ModuleList(chunks)
+    executor = PipelineExecutor(model, mesh, schedule, shape, timeout_s=60, trace=trace,
+                                virtual_stages=v)
+    executor.p2p, executor.post_ahead = InstantP2P(shape), False  # NCCL's issue order
+    executor._mean_loss = lambda m: torch.zeros(())  # a collective: a wait, not host work
+    inside = [0.0]
+    for kind, handler in list(executor.handlers.items()):
+        def timed(action, handler=handler):
+            start = time.thread_time()
+            handler(action)
+            inside[0] += time.thread_time() - start
+        executor.handlers[kind] = timed
+    batches = [{} for _ in range(m)]
+    executor.run(batches)
+    best = float("inf")
+    for _ in range(repeat):
+        inside[0] = 0.0
+        start = time.thread_time()
+        executor.run(batches)
+        best = min(best, time.thread_time() - start - inside[0])
+    return best
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=3, help="planning runs per stage")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="host work: steps per stage (the minimum is kept)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'every step before':>18} | "
@@ -74,6 +160,15 @@ def main(argv=None) -> None:
         cold, warm = stage_times(schedule, pp, m, v, args.repeat)
         print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | {cold * 1e3:15.2f} ms | "
               f"{warm * 1e6:13.2f} us")
+    shared = ctypes.create_string_buffer(256)  # the launcher's status line, as in a worker
+    status._shared = shared
+    print(f"\n{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | host work per step, slowest stage: "
+          f"{'traced':>9} {'untraced':>9}")
+    for schedule, pp, m, v in LAYOUTS:
+        times = [max(host_work(schedule, pp, m, v, s, trace, args.steps)
+                     for s in range(pp)) for trace in (True, False)]
+        print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | {'':34} {times[0] * 1e3:6.2f} ms "
+              f"{times[1] * 1e3:6.2f} ms")
 
 
 if __name__ == "__main__":

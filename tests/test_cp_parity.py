@@ -34,26 +34,27 @@ CONFIGS = {
 }
 
 
-def global_batch(kind: str) -> dict:
+def global_batch(kind: str, g: int = G) -> dict:
     gen = torch.Generator().manual_seed(7)
-    ids = torch.randint(0, VOCAB, (G, SEQ), generator=gen)
+    ids = torch.randint(0, VOCAB, (g, SEQ), generator=gen)
     if kind != "bert":
         return {"input_ids": ids, "labels": (ids + 1) % VOCAB}
-    lengths = torch.tensor([SEQ, 11, 5, 14])  # padding: whole cp chunks of keys masked
+    lengths = torch.tensor([SEQ, 11, 5, 14])[torch.arange(g) % 4]  # padding: whole cp chunks
     mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
-    labels = torch.where(torch.rand(G, SEQ, generator=gen) < 0.4, ids, torch.full_like(ids, -100))
+    labels = torch.where(torch.rand(g, SEQ, generator=gen) < 0.4, ids, torch.full_like(ids, -100))
     labels = labels.masked_fill(mask == 0, -100)
-    types = (torch.arange(SEQ)[None, :] >= SEQ // 2).long().expand(G, SEQ)
+    types = (torch.arange(SEQ)[None, :] >= SEQ // 2).long().expand(g, SEQ)
     return {"input_ids": ids, "labels": labels, "attention_mask": mask,
             "token_type_ids": types.contiguous()}
 
 
-def serial(kind: str, precision: str = "fp32") -> dict:
-    """Loss and full gradients of one process (cp 1, tp 1, pp 1) on the global batch."""
+def serial(kind: str, precision: str = "fp32", g: int = G, layers: int | None = None) -> dict:
+    """Loss and full gradients of one process (cp 1, tp 1, pp 1) on the global batch (of `g`
+    samples; `layers` transformer blocks instead of the config's)."""
     from megapar.optim import Precision
 
-    model = build_stage(CONFIGS[kind](), Mesh(Layout()), SEED)
-    micro = BatchPlan(G, MBS, 1).split(global_batch(kind), 0)
+    model = build_stage(make_config(kind, layers), Mesh(Layout()), SEED)
+    micro = BatchPlan(g, MBS, 1).split(global_batch(kind, g), 0)
     total = 0.0
     with Precision(precision, torch.device("cpu")).autocast():
         for mb in micro:
@@ -64,8 +65,16 @@ def serial(kind: str, precision: str = "fp32") -> dict:
                                      for n, p in model.named_parameters()}}
 
 
+def make_config(kind: str, layers: int | None = None):
+    """The tiny config of `kind`, with `layers` blocks when given."""
+    config = CONFIGS[kind]()
+    if layers is not None:
+        setattr(config, "n_layer" if kind == "gpt2" else "num_hidden_layers", layers)
+    return config
+
+
 def one_step(kind, tp, cp, pp, dp, schedule="1f1b", sp=False, recompute="none", v=1, zero=0,
-             precision="fp32", method=None):
+             precision="fp32", method=None, g=G, layers=None):
     """This rank's loss and the full gradients of its stage after one step's reduction."""
     import torch.distributed as dist
 
@@ -77,7 +86,7 @@ def one_step(kind, tp, cp, pp, dp, schedule="1f1b", sp=False, recompute="none", 
 
     mesh = Mesh(Layout(tp, pp, dp, cp=cp), dist.get_rank())
     mesh.sequence_parallel = sp
-    model = build_stage(CONFIGS[kind](), mesh, SEED, recompute, virtual_stages=v,
+    model = build_stage(make_config(kind, layers), mesh, SEED, recompute, virtual_stages=v,
                         placement=placement_of(schedule))
     if method is not None:  # the other cp attention than the model's choice
         for module in model.modules():
@@ -99,7 +108,7 @@ def one_step(kind, tp, cp, pp, dp, schedule="1f1b", sp=False, recompute="none", 
             grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape, mesh.tp_group).clone()
 
     optimizer.step = record
-    micro = BatchPlan(G, MBS, dp).split(global_batch(kind), mesh.dp_rank)
+    micro = BatchPlan(g, MBS, dp).split(global_batch(kind, g), mesh.dp_rank)
     result = step.step(to_device(micro, mesh.device), 0)
     return {"loss": result.loss, "grads": grads if mesh.tp_rank == 0 else {},
             "where": (mesh.cp_rank, mesh.pp_rank, mesh.dp_rank)}
@@ -112,16 +121,17 @@ def _worker(runs):
 REFERENCES: dict = {}
 
 
-def reference(kind: str, precision: str = "fp32") -> dict:
-    if (kind, precision) not in REFERENCES:
-        REFERENCES[kind, precision] = serial(kind, precision)
-    return REFERENCES[kind, precision]
+def reference(kind: str, precision: str = "fp32", g: int = G, layers: int | None = None) -> dict:
+    if (kind, precision, g, layers) not in REFERENCES:
+        REFERENCES[kind, precision, g, layers] = serial(kind, precision, g, layers)
+    return REFERENCES[kind, precision, g, layers]
 
 
 def check(runs, outs, tol=1e-5):
     for i, run in enumerate(runs):
         kind, options = run[0], run[5]
-        ref = reference(kind, options.get("precision", "fp32"))
+        ref = reference(kind, options.get("precision", "fp32"), options.get("g", G),
+                        options.get("layers"))
         what = f"{run[:5]} {options}"
         stages = set()
         for out in (o[i] for o in outs):

@@ -255,12 +255,12 @@ def freed_outputs_worker():
     executor = PipelineExecutor(ToyStage(mesh), mesh, "1f1b", SHAPE, timeout_s=30)
     issue, seen = executor._issue, []
 
-    def checked_issue(group):
+    def checked_issue(group):  # a PlannedGroup
         issue(group)
-        for a in group.messages:
-            if a.kind == "send_act":  # sent: the stage keeps the graph, not the values
-                payload = executor.p2p._sends[a.kind, a.mb, a.chunk][1]
-                seen.append((executor._outputs[a.mb, a.chunk].numel(), payload.numel()))
+        for key, *_ in group.messages:
+            if key[0] == "send_act":  # sent: the stage keeps the graph, not the values
+                payload = executor.p2p._sends[key][1]
+                seen.append((executor._outputs[key[1:]].numel(), payload.numel()))
 
     executor._issue = checked_issue
     loss = executor.run(toy_batches(4))

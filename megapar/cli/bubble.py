@@ -8,12 +8,16 @@
     megapar-bubble --pp 4 -m 8 --schedule interleaved --virtual-stages 2 --simulate --fwd-ms 1
     megapar-bubble --pp 4 -m 8 --schedule zb-h1 --simulate --fwd-ms 1 --bwd-input-ms 1 \
                    --bwd-weight-ms 1
+    megapar-bubble --certify                    # every schedule's programs, certified
+    megapar-bubble --certify --pp 4 -m 8 --schedule interleaved --virtual-stages 2
 
 Prints a table (per stage busy, idle, bubble %, theory %) and a JSON line with
 measured_bubble, theoretical_bubble and step_time_s. --simulate without costs measures them
 once on real processes and then simulates; the cost flags (--fwd-ms, --bwd-ms, --bwd-input-ms,
 --bwd-weight-ms, --p2p-ms) are used only with --simulate and --fwd-ms. --trace and --plot are
-checked (writable, not a directory) before any work.
+checked (writable, not a directory) before any work. --certify prints the certificate of the
+programs the executor runs (`megapar.pipeline.certify`) over a grid of schedules, pp, m and V
+(narrowed by --schedule, --pp, -m, --virtual-stages when given) and exits 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import json
 import os
 import sys
 
-from megapar.pipeline import messages
+from megapar.pipeline import certify, messages
 from megapar.pipeline import simulate as nccl_rules
 from megapar.pipeline.schedules import SCHEDULES, check_schedule, format_schedule
 from megapar.pipeline.timeline import (
@@ -34,16 +38,18 @@ from megapar.pipeline.timeline import (
 from megapar.training import bubble
 from megapar.training.config import OneLineParser
 from megapar.training.validate import UsageError, _flag, check_writable
-from megapar.training.validate_tools import check_bubble_args
+from megapar.training.validate_tools import MAX_SIMULATED_ACTIONS, check_bubble_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="megapar-bubble", description=__doc__.split("\n")[0])
-    p.add_argument("--pp", type=int, required=True, help="pipeline stages")
-    p.add_argument("--microbatches", "-m", type=int, required=True, help="micro-batches per step")
-    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
-    p.add_argument("--virtual-stages", type=int, default=1,
-                   help="model chunks per rank (--schedule interleaved needs >= 2)")
+    p.add_argument("--pp", type=int, help="pipeline stages (required unless --certify)")
+    p.add_argument("--microbatches", "-m", type=int,
+                   help="micro-batches per step (required unless --certify)")
+    p.add_argument("--schedule", choices=list(SCHEDULES),
+                   help="pipeline schedule (default: 1f1b; with --certify: every schedule)")
+    p.add_argument("--virtual-stages", type=int,
+                   help="model chunks per rank (default 1; --schedule interleaved needs >= 2)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per stage")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size per stage: each sequence split over cp ranks, "
@@ -58,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "micro-batch 3, B = backward, BI / BW = its input / weight halves, @1 = "
                         "chunk 1) and, in brackets, the messages issued together as one "
                         "batch_isend_irecv ([SA1 RG0] = send activation 1, receive gradient 0)")
+    p.add_argument("--certify", action="store_true",
+                   help="check the programs the executor runs against NCCL's rules and the "
+                        "schedules' published bounds, over a grid of schedules x pp x m x V "
+                        "(narrowed by --schedule, --pp, -m, --virtual-stages), with real steps "
+                        "for pp <= 4, m <= 8; prints a table, exits 1 if a check fails "
+                        "(docs/guides/certificate.md)")
     p.add_argument("--simulate", action="store_true", help="compute the timeline from costs")
     p.add_argument("--fwd-ms", type=float,
                    help="forward cost of one micro-batch through one model chunk (a stage's "
@@ -143,9 +155,83 @@ def check_output_files(args) -> None:
         args.plot = real
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+CERTIFY_ALONE = ("show_schedule", "simulate", "trace", "plot", "model", "oversubscribe",
+                 *COST_FLAGS)
+"""Flags --certify does not use (it checks programs, it measures nothing)."""
 
+
+def check_certify_args(args) -> list[tuple]:
+    """--certify: the grid's points, narrowed by the flags given; flags it would ignore are
+    refused."""
+    for name in CERTIFY_ALONE:
+        if getattr(args, name) not in (None, False):
+            raise ValueError(f"{_flag(name)} is not used with --certify (which checks the "
+                             f"programs of every stage); drop one of them")
+    for name in ("tp", "cp"):
+        if getattr(args, name) != 1:
+            raise ValueError(f"{_flag(name)} is not used with --certify: the programs are the "
+                             f"same for any --{name} (each stage's ranks run its program); "
+                             f"drop it")
+    for name in ("pp", "microbatches", "virtual_stages"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
+    if args.pp == 1:
+        raise UsageError("--pp 1 has no pipeline messages to certify; give --pp >= 2")
+    pps = (args.pp,) if args.pp else certify.GRID_PP
+    ms = (args.microbatches,) if args.microbatches else certify.GRID_M
+    vs = (args.virtual_stages,) if args.virtual_stages else certify.GRID_V
+    actions = 2 * max(pps) * max(ms) * max(vs)
+    if actions > MAX_SIMULATED_ACTIONS:
+        raise UsageError(f"--pp {max(pps)} x --microbatches {max(ms)} x --virtual-stages "
+                         f"{max(vs)} is {actions:,} actions, more than megapar-bubble certifies "
+                         f"in seconds ({MAX_SIMULATED_ACTIONS:,})")
+    names = (args.schedule,) if args.schedule else None
+    points = certify.grid(names, pps, ms, vs)
+    if not points:  # the schedule refuses every point: say why, for the first one
+        check_schedule(args.schedule or "1f1b", pps[0], ms[0], vs[0])
+        raise ValueError("no schedule accepts these --pp, -m and --virtual-stages")
+    return points
+
+
+def run_certificate(points: list[tuple]) -> int:
+    """Certify `points` (training and evaluation steps; real steps where pp <= 4 and m <= 8),
+    print the table; 1 if a check failed."""
+    certs = certify.certify_grid(points)
+    real = [c for c in certs if c.pp <= certify.REAL_MAX_PP and c.m <= certify.REAL_MAX_M]
+    if real:
+        certify.check_real_steps(real)
+    print(certify.format_table(certs))
+    missing = certify.missing_schedules(points) if len(points) > 1 else []
+    for name in missing:
+        print(f"FAIL {name}: no (pp, m, V) of the grid is accepted by the schedule, so nothing "
+              f"of it is certified")
+    ok = all(c.ok for c in certs) and not missing
+    print(f"certificate: {'every check holds' if ok else 'FAILED'} ({len(certs)} steps, "
+          f"{len(real)} of them also run as real steps; what is proven: "
+          f"docs/guides/certificate.md)")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.certify:
+        try:
+            points = check_certify_args(args)
+        except (UsageError, ValueError) as exc:
+            print(f"megapar-bubble: error: {exc}", file=sys.stderr)
+            return 2
+        return run_certificate(points)
+    missing = [flag for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches))
+               if value is None]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)} (or use "
+                     f"--certify)")
+    if args.schedule is None:
+        args.schedule = "1f1b"
+    if args.virtual_stages is None:
+        args.virtual_stages = 1
     pp, m, v = args.pp, args.microbatches, args.virtual_stages
     try:  # every argument and output: one line, exit 2, before any work or worker starts
         check_cost_flags(args)

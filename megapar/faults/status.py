@@ -16,7 +16,6 @@ watch_sigterm`).
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import os
 import signal
@@ -25,6 +24,9 @@ import time
 
 _state = {"step": None, "action": "starting"}
 _shared = None  # a multiprocessing char array from the launcher, or None
+_prefix = b""  # "step S, " encoded (set_step)
+_encoded: dict[str, bytes] = {}  # action texts encoded: the pipeline's repeat every step
+_ENCODED_MAX = 65536
 _stack_file = None  # kept open for faulthandler
 
 DUMP_SIGNAL = getattr(signal, "SIGUSR2", None)
@@ -48,7 +50,9 @@ def install(rank: int, shared=None, stack_path: str | None = None) -> None:
 
 def set_step(step: int | None) -> None:
     """The 1-based optimizer step this rank is running (None: none yet, e.g. a new engine)."""
+    global _prefix
     _state["step"] = step
+    _prefix = b"" if step is None else f"step {step}, ".encode()
     _publish()
 
 
@@ -64,9 +68,16 @@ def status() -> str:
 
 
 def _publish() -> None:
-    if _shared is not None:  # a plain memory copy: this runs for every pipeline action
-        data = status().encode()[:len(_shared) - 1] + b"\0"
-        ctypes.memmove(_shared, data, len(data))
+    """`status()` into the shared buffer, NUL-terminated: this runs for every pipeline action,
+    so an action's encoding is kept and the array's own setter copies it (no ctypes call)."""
+    if _shared is not None:
+        action = _state["action"]
+        data = _encoded.get(action) if isinstance(action, str) else None
+        if data is None:
+            data = str(action).encode()
+            if isinstance(action, str) and len(_encoded) < _ENCODED_MAX:
+                _encoded[action] = data
+        _shared.value = (_prefix + data)[:len(_shared) - 1]  # NUL-terminated by ctypes
 
 
 def diagnose(procs, statuses, stacks: str, settle_s: float = 0.5) -> str:

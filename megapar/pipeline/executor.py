@@ -87,6 +87,36 @@ class StepPlan(NamedTuple):
     """Index of a model chunk's last backward (before the stage's last) -> the parameters whose
     gradients are final after it (those of no chunk with a later last backward): armed there
     (`grad_sync.arm`), so their buckets reduce while the other chunks' backwards run."""
+    steps: tuple
+    """Per program step, what the walk needs of it, worked out here so that a step does no
+    peer or label arithmetic: a `PlannedGroup` or a `PlannedCompute`."""
+
+
+class PlannedGroup(NamedTuple):
+    """A message group as `PipelineExecutor._issue` issues it."""
+
+    messages: tuple
+    """Per message: (key = (kind, mb, chunk), peer's global rank, what travels, label)."""
+    doing: str
+    """What the rank is doing while the group is issued (`set_action`)."""
+    sent_acts: tuple
+    """(mb, chunk) of every activation the group sends (its output's storage is freed)."""
+    sends: tuple
+    """(kind, mb, chunk) of every send, for the trace."""
+
+
+class PlannedCompute(NamedTuple):
+    """A compute action and the message it waits for."""
+
+    action: Action
+    recv: tuple | None
+    """(key = (kind, mb, chunk), peer's global rank, what the wait is, the sends its arrival
+    proves received), or None when the compute consumes no message."""
+    doing: str
+    """What the rank is doing while the compute runs (`set_action`)."""
+    hand_over: tuple | None = None
+    """(kind, source chunk) where the compute takes its input from another chunk of this rank
+    (the V's turn: no message), else None."""
 
 
 class PipelineExecutor:
@@ -144,7 +174,6 @@ class PipelineExecutor:
         self._in_grads: dict[tuple, torch.Tensor] = {}   # d(loss)/d(input) to send upstream
         self._pending_w: dict[tuple, object] = {}        # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
-        self._acks: dict[tuple, list[tuple]] = {}        # see messages.acknowledgements
         self._grad_sync, self._step_index, self._report_at = None, None, frozenset()
         self._ahead: dict[int, list[Action]] = {}        # per peer rank, receives in order
         self._recvs_issued: set[tuple] = set()           # (kind, mb, chunk) issued so far
@@ -183,7 +212,9 @@ class PipelineExecutor:
                 report_at=self._report_points(actions),
                 split_backward=any(a.kind == "backward_input" for _, a in actions),
                 acks=acks, posts={rank: tuple(recvs) for rank, recvs in posts.items()},
-                arm_at=self._chunk_arming(actions, last_backward))
+                arm_at=self._chunk_arming(actions, last_backward),
+                steps=tuple(self._plan_group(step) if isinstance(step, MessageGroup)
+                            else self._plan_compute(step, acks) for step in program))
         return self._plans[key]
 
     @staticmethod
@@ -197,6 +228,36 @@ class PipelineExecutor:
             if a.kind in ("backward", "backward_weight"):
                 last[a.chunk] = i
         return frozenset(last.values())
+
+    def _plan_group(self, group: MessageGroup) -> PlannedGroup:
+        planned = []
+        for a in group.messages:
+            peer, peer_chunk = self._peer(self.mesh.pp_rank, a)
+            message = (a.kind[5:], a.mb, peer_chunk if a.kind.startswith("send") else a.chunk)
+            planned.append(((a.kind, a.mb, a.chunk), self.mesh.stage_rank(peer), message, str(a)))
+        peers = sorted({rank for _, rank, _, _ in planned})
+        doing = (f"{group.name} {group} on pp stage {self.mesh.pp_rank} (with rank"
+                 f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))})")
+        return PlannedGroup(
+            tuple(planned), doing,
+            tuple((a.mb, a.chunk) for a in group.messages if a.kind == "send_act"),
+            tuple((a.kind, a.mb, a.chunk) for a in group.messages if a.kind.startswith("send")))
+
+    def _plan_compute(self, a: Action, acks: dict) -> PlannedCompute:
+        doing = f"{a.kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank}"
+        if a.kind == "forward" and not self._is_first(a):
+            kind = "recv_act"
+        elif a.kind in ("backward", "backward_input") and not self._is_last(a):
+            kind = "recv_grad"
+        else:
+            return PlannedCompute(a, None, doing)
+        key = (kind, a.mb, a.chunk)
+        peer_stage, peer_chunk = self._peer(self.mesh.pp_rank, Action(*key))
+        if peer_stage == self.mesh.pp_rank:  # the V's turn: in memory
+            return PlannedCompute(a, None, doing, (kind, peer_chunk))
+        peer = self.mesh.stage_rank(peer_stage)
+        waiting = f"{kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank} (from rank {peer})"
+        return PlannedCompute(a, (key, peer, waiting, tuple(acks.get(key, ()))), doing)
 
     def _chunk_arming(self, actions: list, last_backward: int | None) -> dict:
         """`StepPlan.arm_at`: with several model chunks, each chunk's last backward before the
@@ -244,12 +305,12 @@ class PipelineExecutor:
                 f"is out of step with its neighbours; restart the run (resume from the last "
                 f"checkpoint) instead of stepping again")
         plan = self.step_plan(m, forward_only)
-        program, last_backward = plan.program, plan.last_backward
+        last_backward = plan.last_backward
         if forward_only:
             grad_sync = None
         self._trace = []
         self._reset(micro_batches, loss_scale, forward_only)
-        self._report_at, self._acks = plan.report_at, plan.acks
+        self._report_at = plan.report_at
         self._grad_sync = grad_sync
         self.weight_grads.take()
         self.weight_grads.enabled = not forward_only and plan.split_backward
@@ -263,23 +324,28 @@ class PipelineExecutor:
                 self.p2p.begin_step()
                 if self.post_ahead:
                     self._post_ahead(plan.posts)
+            issue, receive, dispatch = self._issue, self._receive, self._dispatch
             with torch.set_grad_enabled(not forward_only):
-                for i, step in enumerate(program):
-                    if isinstance(step, MessageGroup):
-                        self._issue(step)
+                for i, step in enumerate(plan.steps):
+                    if step.__class__ is PlannedGroup:
+                        issue(step)
                         continue
-                    self._receive_for(step)
+                    if step.recv is not None:
+                        receive(step.recv)
+                    elif step.hand_over is not None:
+                        self._hand_over(*step.hand_over, step.action)
                     self._step_index = i
                     if grad_sync is not None:
                         if i == last_backward:
                             grad_sync.before_last_backward()
                         elif i in plan.arm_at and hasattr(grad_sync, "arm"):
                             grad_sync.arm(plan.arm_at[i])  # a chunk's gradients final next
+                    a = step.action
                     start = clock() if record else 0.0
                     with counting(self.count_comm_wait):
-                        self._dispatch(step)
+                        dispatch(a, step.doing)
                     if record:
-                        trace.append((step.kind, step.mb, step.chunk, start, clock()))
+                        trace.append((a.kind, a.mb, a.chunk, start, clock()))
             start = clock() if record else 0.0
             set_action(f"waiting for the sends of pp stage {self.mesh.pp_rank}")
             if self.p2p is not None:
@@ -316,8 +382,8 @@ class PipelineExecutor:
         return sum(at(end) - at(start) for kind, _, _, start, end in trace
                    if kind in COMPUTE_KINDS)
 
-    def _dispatch(self, action: Action) -> None:
-        set_action(f"{action.kind} of micro-batch {action.mb} on pp stage {self.mesh.pp_rank}")
+    def _dispatch(self, action: Action, doing: str) -> None:
+        set_action(doing)
         handler = self.handlers.get(action.kind)
         if handler is None:
             raise NotImplementedError(
@@ -388,64 +454,54 @@ class PipelineExecutor:
             self._recvs_issued.add((a.kind, a.mb, a.chunk))
             self.p2p.issue([self._message(a)])
 
-    def _issue(self, group: MessageGroup) -> None:
+    def _issue(self, group: PlannedGroup) -> None:
         """Issue one message group: its sends (tensors this stage produced) and its receives
         not posted ahead already."""
-        issue, peers = [], set()
-        for a in group.messages:
-            if (a.kind, a.mb, a.chunk) in self._recvs_issued:
-                continue
-            if a.kind.startswith("recv"):
-                self._recvs_issued.add((a.kind, a.mb, a.chunk))
-            issue.append(self._message(a))
-            peers.add(issue[-1][2])
+        issue, posted = [], self._recvs_issued
+        take = self._outputs.pop if self._forward_only else self._outputs.get
+        for key, rank, message, label in group.messages:
+            kind = key[0]
+            if kind == "send_act":
+                issue.append((key, take(key[1:]), rank, message, label))
+            elif kind == "send_grad":
+                issue.append((key, self._in_grads.pop(key[1:]), rank, message, label))
+            elif key not in posted:
+                posted.add(key)
+                issue.append((key, None, rank, message, label))
         if not issue:
             return
-        set_action(f"{group.name} {group} on pp stage {self.mesh.pp_rank} (with rank"
-                   f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, sorted(peers)))})")
+        set_action(group.doing)
         start = self.clock.stamp() if self.trace else 0.0
         self.p2p.issue(issue)
         if not self._forward_only:  # backward needs the graph, not the sent values
-            for a in group.messages:
-                if a.kind == "send_act":
-                    free_output(self._outputs[a.mb, a.chunk])
+            for key in group.sent_acts:
+                free_output(self._outputs[key])
         if self.trace:
             end = self.clock.stamp()
-            self._trace.extend((a.kind, a.mb, a.chunk, start, end) for a in group.messages
-                               if a.kind.startswith("send"))
+            self._trace += [(kind, mb, chunk, start, end) for kind, mb, chunk in group.sends]
 
-    def _receive_for(self, a: Action) -> None:
-        """Wait for the message compute `a` consumes, if any (traced as its receive); from a
-        chunk of this rank (the V's turn), take it from that chunk's output or input gradient."""
-        if a.kind == "forward" and not self._is_first(a):
-            kind = "recv_act"
-        elif a.kind in ("backward", "backward_input") and not self._is_last(a):
-            kind = "recv_grad"
-        else:
-            return
-        peer_stage, peer_chunk = self._peer(self.mesh.pp_rank, Action(kind, a.mb, a.chunk))
-        if peer_stage == self.mesh.pp_rank:
-            self._hand_over(kind, a.mb, a.chunk, peer_chunk)
-            return
-        peer = self.mesh.stage_rank(peer_stage)
-        set_action(f"{kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank} "
-                   f"(from rank {peer})")
+    def _receive(self, recv: tuple) -> None:
+        """Wait for the message a compute consumes (`PlannedCompute.recv`; traced as its
+        receive), release the sends its arrival proves received, keep its tensor."""
+        key, peer, doing, acks = recv
+        set_action(doing)
         start = self.clock.stamp() if self.trace else 0.0
-        tensor = self.p2p.wait_recv(kind, a.mb, a.chunk)
+        tensor = self.p2p.wait_recv(*key)
         if self.trace:
-            self._trace.append((kind, a.mb, a.chunk, start, self.clock.stamp()))
-        for send in self._acks.get((kind, a.mb, a.chunk), ()):
+            self._trace.append((*key, start, self.clock.stamp()))
+        for send in acks:
             self.p2p.release(*send)
         if self.post_ahead:
             self._post_next(peer)
-        if kind == "recv_act":
-            self._inputs[a.mb, a.chunk] = tensor.requires_grad_(not self._forward_only)
+        if key[0] == "recv_act":
+            self._inputs[key[1:]] = tensor.requires_grad_(not self._forward_only)
         else:
-            self._out_grads[a.mb, a.chunk] = tensor
+            self._out_grads[key[1:]] = tensor
 
-    def _hand_over(self, kind: str, mb: int, chunk: int, source: int) -> None:
+    def _hand_over(self, kind: str, source: int, a: Action) -> None:
         """In-memory handover between two chunks of this rank (no message): the forward of
-        `chunk` takes `source`'s output as its input leaf, the backward its input gradient."""
+        `a`'s chunk takes `source`'s output as its input leaf, the backward its input gradient."""
+        mb, chunk = a.mb, a.chunk
         if kind == "recv_act":
             take = self._outputs.pop if self._forward_only else self._outputs.get
             out = take((mb, source))
@@ -529,11 +585,19 @@ class PipelineExecutor:
 
 
 # --- a stage's backward: whole, or split into B and W -------------------------------------------
+_FREED: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the one-element stand-in
+
+
 def free_output(output: torch.Tensor) -> None:
     """Release the storage of a sent output, keeping its autograd graph (a no-op for views,
-    whose storage is another tensor's)."""
+    whose storage is another tensor's). Every freed output of a dtype and device shares one
+    one-element stand-in, which nothing reads or writes (the backward runs from the graph)."""
     if output._base is None and output.numel() > 1:
-        output.data = torch.empty((1,), dtype=output.dtype, device=output.device)
+        key = (output.dtype, output.device)
+        stand_in = _FREED.get(key)
+        if stand_in is None:
+            stand_in = _FREED[key] = torch.empty((1,), dtype=output.dtype, device=output.device)
+        output.data = stand_in
 
 
 def backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:

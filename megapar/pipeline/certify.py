@@ -1,0 +1,484 @@
+"""The certificate of the pipeline's message programs: for every schedule in `SCHEDULES` over
+a grid of (pp, m, V), what the executor runs (`messages.programs`) is checked against NCCL's
+rules and against the schedule's own published claims.
+
+`certify(schedule, pp, m, virtual_stages, forward_only)` checks the programs of all stages of
+one training (or evaluation) step and returns a `Certificate` with one `Check` per property:
+
+- ``computes``: each program runs its schedule's computes, in the schedule's order;
+- ``data order``: every message is sent once and received once; a send comes after the compute
+  that produces its tensor, a receive before the compute that consumes it;
+- ``paired``: for every ordered rank pair, the k-th send pairs with the peer's k-th receive and
+  both describe the same message (kind, micro-batch, chunk): NCCL pairs by issue order and
+  ignores tags (`simulate.check`);
+- ``progress``: every rank's group calls complete under zero buffering, a send finishing only
+  while its receive runs, one group at a time per rank (`simulate.check`): no deadlock;
+- ``pairs``: the messages a rank holds per peer (sends not yet proven received, receives not
+  yet consumed, as the executor holds them) stay within `PAIR_BOUND`;
+- ``activations``: the micro-batches in flight per rank (forward done, backward not), counted
+  on the program as the executor holds them (`messages.held`), equal `schedules.in_flight_peak`
+  of the schedule and stay within the schedule's published bound (`IN_FLIGHT_BOUNDS`).
+
+`check_real_steps(certificates)` adds ``real step``: it runs each certified (schedule, pp, m,
+V) for one step on real processes (gloo, a toy stage, receives issued where the program has
+them, as on NCCL), records every group the stage hands to ``batch_isend_irecv``, and compares
+them group by group with the certified programs (peers, directions, message sizes, labels),
+then holds them to NCCL's rules with their real sizes. `certify_grid` / `format_table` are what
+``megapar-bubble --certify`` prints; docs/guides/certificate.md says what this proves and what
+it does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapar.launcher import run_local
+from megapar.mesh import Layout, Mesh
+from megapar.pipeline import messages
+from megapar.pipeline import simulate as nccl_rules
+from megapar.pipeline.executor import PipelineExecutor
+from megapar.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    MessageGroup,
+    check_schedule,
+    in_flight_peak,
+    interleaved_rounds,
+    peer_of,
+    placement_of,
+    schedule_actions,
+    virtual_stage,
+)
+
+Bound = Callable[[int, int, int, int], int]
+
+IN_FLIGHT_BOUNDS: dict[str, tuple[str, Bound]] = {
+    "gpipe": ("m", lambda pp, m, s, v: m),
+    "1f1b": ("min(m, pp - s)", lambda pp, m, s, v: min(m, pp - s)),
+    "zb-h1": ("min(m, pp - s)", lambda pp, m, s, v: min(m, pp - s)),
+    "interleaved": ("min(V m, (V-1) r + 2 (pp-1-s) + 1), r micro-batches per round",
+                    lambda pp, m, s, v: min(v * m, (v - 1) * interleaved_rounds(pp, m)
+                                            + 2 * (pp - 1 - s) + 1)),
+    "zb-v": ("min(2m, 2 pp): 1F1B's pp whole-stage micro-batches in half-stage chunks",
+             lambda pp, m, s, v: min(2 * m, 2 * pp)),
+    "dualpipev": ("min(2m, 2 pp + 1): DualPipe's PP+1 per device, PP = 2 pp stages",
+                  lambda pp, m, s, v: min(2 * m, 2 * pp + 1)),
+}
+"""Each schedule's published bound on the micro-batches in flight on stage s, counted per
+model chunk (a micro-batch in flight on two chunks counts twice): (the formula, as text; the
+function of (pp, m, s, V)). GPipe, 1F1B and interleaved: Narayanan et al. 2021 (Megatron's
+warmup count plus one); ZB-H1: 1F1B's (Qi et al. 2024); ZB-V: 1F1B's memory (Qi et al. 2024);
+DualPipeV: DeepSeek's DualPipe table. A schedule without an entry fails the certificate."""
+
+PAIR_BOUND = "per peer: sends, receives <= A(s) + C (training), <= C m (evaluation)"
+"""The stated bound on the messages stage s holds for one peer, each way: A(s) is the
+schedule's activation bound (`IN_FLIGHT_BOUNDS`), C the model chunks per rank. A send is held
+until a later message proves it received (`messages.acknowledgements`) or until the step's
+end, a receive until its compute takes it. In an evaluation step no message comes back, so
+every send is held to the end: C m."""
+
+CHECKS = ("computes", "data order", "paired", "progress", "pairs", "activations")
+"""The checks `certify` makes, in order (`check_real_steps` adds "real step")."""
+
+GRID_PP = (2, 3, 4, 8)
+GRID_M = (1, 2, 3, 4, 5, 6, 8, 16)
+GRID_V = (1, 2, 3)
+"""The default grid: every schedule at every (pp, m, V) of these that it accepts."""
+REAL_MAX_PP, REAL_MAX_M = 4, 8
+"""`megapar-bubble --certify` runs real steps for the grid's points up to these sizes."""
+
+
+@dataclass
+class Check:
+    """One property of one certificate: whether it holds, and what was found."""
+
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class Certificate:
+    """What was checked about one (schedule, pp, m, V) step's programs, and the numbers."""
+
+    schedule: str
+    pp: int
+    m: int
+    virtual_stages: int
+    forward_only: bool
+    checks: dict[str, Check] = field(default_factory=dict)
+    """By name (`CHECKS`, and "real step" once `check_real_steps` ran)."""
+    in_flight: tuple[int, ...] = ()
+    """Per rank, the peak micro-batches in flight, per chunk (training steps)."""
+    in_flight_bound: tuple[int, ...] = ()
+    """Per rank, the published bound on them."""
+    pair_sends: int = 0
+    """Most sends any rank holds for one peer."""
+    pair_recvs: int = 0
+    """Most receives any rank holds from one peer."""
+    programs: tuple = ()
+    """The certified programs (`messages.programs`), one per stage."""
+
+    @property
+    def ok(self) -> bool:
+        """Every check made holds (and at least one was made)."""
+        return bool(self.checks) and all(c.ok for c in self.checks.values())
+
+    @property
+    def failures(self) -> list[str]:
+        """"name: detail" of every failed check."""
+        return [f"{name}: {c.detail}" for name, c in self.checks.items() if not c.ok]
+
+    @property
+    def name(self) -> str:
+        v = f" V={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"{self.schedule}{v} pp={self.pp} m={self.m}" + (" eval" if self.forward_only
+                                                                 else "")
+
+
+def certify(schedule: str, pp: int, m: int, virtual_stages: int = 1,
+            forward_only: bool = False) -> Certificate:
+    """The certificate of the programs the executor runs for this step (see the module
+    docstring); a ValueError if the schedule refuses (pp, m, V)."""
+    check_schedule(schedule, pp, m, virtual_stages)
+    programs = messages.programs(schedule, pp, m, virtual_stages, forward_only)
+    return certify_programs(programs, schedule, pp, m, virtual_stages, forward_only)
+
+
+def certify_programs(programs, schedule: str, pp: int, m: int, virtual_stages: int = 1,
+                     forward_only: bool = False) -> Certificate:
+    """The certificate of `programs` (one per stage) for that step: `certify` on programs given
+    rather than built, e.g. a deliberately broken one."""
+    cert = Certificate(schedule, pp, m, virtual_stages, forward_only, programs=tuple(programs))
+    placement = placement_of(schedule)
+    chunks = 1 + max((a.chunk for p in programs for a in _actions(p)), default=0)
+
+    def peer(rank, a):
+        return peer_of(rank, a, pp, chunks, placement)
+
+    schedules = [schedule_actions(schedule, pp, m, s, virtual_stages) for s in range(pp)]
+    if forward_only:
+        schedules = [[a for a in s if a.kind in messages.FORWARD_KINDS] for s in schedules]
+    cert.checks["computes"] = _computes(programs, schedules)
+    cert.checks["data order"] = _data_order(programs, peer)
+    try:
+        nccl_rules.check(nccl_rules.program_streams(programs, placement))
+        cert.checks["paired"] = Check(True, "k-th send = peer's k-th receive, every pair")
+        cert.checks["progress"] = Check(True, "every group completes with zero buffering")
+    except nccl_rules.CommMismatchError as exc:
+        cert.checks["paired"] = Check(False, str(exc))
+        cert.checks["progress"] = Check(False, "not checked: the messages do not pair")
+    except nccl_rules.DeadlockError as exc:
+        cert.checks["paired"] = Check(True, "k-th send = peer's k-th receive, every pair")
+        cert.checks["progress"] = Check(False, str(exc))
+    if not (cert.checks["data order"].ok and cert.checks["paired"].ok):
+        reason = "not checked: the programs' messages are inconsistent"
+        cert.checks["pairs"] = cert.checks["activations"] = Check(False, reason)
+        return cert
+    bound = IN_FLIGHT_BOUNDS.get(schedule)
+    if bound is None:
+        missing = (f"schedule {schedule!r} states no bound on its activations in flight; add "
+                   f"its published one to megapar.pipeline.certify.IN_FLIGHT_BOUNDS")
+        cert.checks["pairs"] = cert.checks["activations"] = Check(False, missing)
+        return cert
+    cert.in_flight_bound = tuple(bound[1](pp, m, s, virtual_stages) for s in range(pp))
+    cert.checks["pairs"] = _pairs(cert, programs, peer, chunks)
+    cert.checks["activations"] = (Check(True, "no backward: nothing is kept for one")
+                                  if forward_only else _activations(cert, programs, schedules,
+                                                                    placement, bound[0]))
+    return cert
+
+
+def _actions(step_or_program):
+    for step in step_or_program:
+        yield from step.messages if isinstance(step, MessageGroup) else (step,)
+
+
+def _computes(programs, schedules) -> Check:
+    for stage, (program, actions) in enumerate(zip(programs, schedules)):
+        want = [a for a in actions if a.kind not in nccl_rules.MESSAGE_KINDS]
+        if messages.computes_of(program) != want:
+            return Check(False, f"stage {stage}'s program runs its computes in another order "
+                                f"than its schedule")
+    return Check(True, "the schedule's computes, in its order")
+
+
+def _producer(kind: str) -> tuple[str, ...]:
+    """The compute kinds whose result a send of `kind` carries (those that consume the
+    matching receive on the other side)."""
+    return messages.CONSUMERS["recv" + kind[4:]]
+
+
+def _data_order(programs, peer) -> Check:
+    for rank, program in enumerate(programs):
+        done, issued = set(), set()
+        for step in program:
+            if isinstance(step, MessageGroup):
+                for a in step.messages:
+                    key = (a.kind, a.mb, a.chunk)
+                    if key in issued:
+                        return Check(False, f"rank {rank} issues {a} twice")
+                    issued.add(key)
+                    if peer(rank, a) is None or peer(rank, a)[0] == rank:
+                        return Check(False, f"rank {rank} issues {a}, which has no peer on "
+                                            f"another rank")
+                    if a.kind.startswith("send") and not any(
+                            (kind, a.mb, a.chunk) in done for kind in _producer(a.kind)):
+                        return Check(False, f"rank {rank} issues {a} before the compute that "
+                                            f"produces it")
+                continue
+            for recv in messages.CONSUMERS:
+                message = Action(recv, step.mb, step.chunk)
+                other = peer(rank, message)
+                if (messages.consumes(step, message) and other is not None
+                        and other[0] != rank  # a hand-off between chunks of one rank: no message
+                        and (recv, step.mb, step.chunk) not in issued):
+                    return Check(False, f"rank {rank} runs {step} before issuing {message}, the "
+                                        f"receive it consumes")
+            done.add((step.kind, step.mb, step.chunk))
+    return Check(True, "sent after produced, received before consumed, each once")
+
+
+def _pairs(cert: Certificate, programs, peer, chunks: int) -> Check:
+    """Messages held per (rank, peer), walked as the executor holds them (`PAIR_BOUND`)."""
+    for rank, program in enumerate(programs):
+        acks = messages.acknowledgements(programs, rank, peer)
+        sends: dict[int, set] = {}
+        recvs: dict[int, set] = {}
+        most = [0, 0]  # sends, receives held for one peer
+        for step in program:
+            if isinstance(step, MessageGroup):
+                for a in step.messages:
+                    held = sends if a.kind.startswith("send") else recvs
+                    held.setdefault(peer(rank, a)[0], set()).add((a.kind, a.mb, a.chunk))
+            else:
+                for held in recvs.values():
+                    for kind in messages.CONSUMERS:
+                        key = (kind, step.mb, step.chunk)
+                        if key in held and messages.consumes(step, Action(*key)):
+                            held.discard(key)
+                            for held_sends in sends.values():
+                                held_sends.difference_update(acks.get(key, ()))
+            most = [max(most[0], *map(len, sends.values()), 0),
+                    max(most[1], *map(len, recvs.values()), 0)]
+        cert.pair_sends, cert.pair_recvs = max(cert.pair_sends, most[0]), \
+            max(cert.pair_recvs, most[1])
+        limit = chunks * cert.m if cert.forward_only else cert.in_flight_bound[rank] + chunks
+        for what, n in zip(("sends", "receives"), most):
+            if n > limit:
+                return Check(False, f"rank {rank} holds {n} {what} for one peer, more than the "
+                                    f"stated {limit} ({PAIR_BOUND})")
+    return Check(True, f"at most {cert.pair_sends} sends and {cert.pair_recvs} receives held "
+                       f"per peer")
+
+
+def _activations(cert: Certificate, programs, schedules, placement: str, formula: str) -> Check:
+    peaks = []
+    for stage, actions in enumerate(schedules):
+        held = messages.held(tuple(programs), stage, placement)
+        peak = max((sum(counts) for counts, _ in held), default=0)
+        published = in_flight_peak(actions)
+        if peak != published:
+            return Check(False, f"stage {stage}: {peak} micro-batches in flight as the program "
+                                f"runs, {published} by the schedule (in_flight_peak)")
+        if peak > cert.in_flight_bound[stage]:
+            return Check(False, f"stage {stage}: {peak} micro-batches in flight, more than the "
+                                f"published {formula} = {cert.in_flight_bound[stage]}")
+        peaks.append(peak)
+    cert.in_flight = tuple(peaks)
+    return Check(True, f"per stage {list(peaks)} <= {formula}")
+
+
+# --- the grid -------------------------------------------------------------------------------
+def grid(schedules=None, pps=GRID_PP, ms=GRID_M, vs=GRID_V) -> list[tuple[str, int, int, int]]:
+    """Every (schedule, pp, m, V) of the grid the schedule accepts (`check_schedule`), for
+    every schedule in `SCHEDULES` unless `schedules` names some."""
+    points = []
+    for name in schedules or SCHEDULES:
+        for v in vs:
+            for pp in pps:
+                for m in ms:
+                    try:
+                        check_schedule(name, pp, m, v)
+                    except ValueError:
+                        continue
+                    points.append((name, pp, m, v))
+    return points
+
+
+def certify_grid(points, eval_steps: bool = True) -> list[Certificate]:
+    """`certify` at every point, for a training step and (with `eval_steps`) an evaluation
+    step."""
+    return [certify(name, pp, m, v, forward_only) for name, pp, m, v in points
+            for forward_only in ((False, True) if eval_steps else (False,))]
+
+
+def missing_schedules(points) -> list[str]:
+    """Schedules of `SCHEDULES` with no point in `points` (the grid certifies nothing of
+    them)."""
+    return [name for name in SCHEDULES if not any(p[0] == name for p in points)]
+
+
+def format_table(certs: list[Certificate]) -> str:
+    """One row per (schedule, V, pp): the m certified, each check's verdict over them, the
+    activation peaks and held messages."""
+    rows: dict[tuple, list[Certificate]] = {}
+    for c in certs:
+        rows.setdefault((c.schedule, c.virtual_stages, c.pp), []).append(c)
+    names = [*CHECKS, "real step"]
+    head = (f"{'schedule':12} {'V':>2} {'pp':>3} {'m':18} | "
+            + " ".join(f"{n:>11}" for n in names) + f" | {'in flight <= bound':22} | "
+            f"held per peer: training | eval")
+    lines = [head, "-" * len(head)]
+    for (name, v, pp), group in rows.items():
+        ms = sorted({c.m for c in group})
+        verdicts = []
+        for n in names:
+            made = [c.checks[n] for c in group if n in c.checks]
+            verdicts.append("-" if not made else "ok" if all(k.ok for k in made)
+                            else f"FAIL {sum(not k.ok for k in made)}")
+        train = [c for c in group if not c.forward_only and c.in_flight]
+        top = max(train, key=lambda c: c.m, default=None)
+        flight = "-"
+        if top:
+            s = max(range(pp), key=lambda s: top.in_flight[s])
+            flight = f"{top.in_flight[s]} <= {top.in_flight_bound[s]} (m={top.m}, s={s})"
+        pairs = " | ".join(
+            f"{max((c.pair_sends for c in part), default=0)}S "
+            f"{max((c.pair_recvs for c in part), default=0)}R"
+            for part in ([c for c in group if not c.forward_only],
+                         [c for c in group if c.forward_only]))
+        lines.append(f"{name:12} {v:2d} {pp:3d} {','.join(map(str, ms)):18} | "
+                     + " ".join(f"{x:>11}" for x in verdicts) + f" | {flight:22} | {pairs}")
+    failed = [c for c in certs if not c.ok]
+    lines.append(f"{len(certs) - len(failed)} of {len(certs)} steps certified (training and "
+                 f"evaluation); in flight: the stage with the most micro-batches in flight (per "
+                 f"chunk) at the largest m; held per peer: the most sends (S) / receives (R) a "
+                 f"rank holds for one peer")
+    for c in failed:
+        for failure in c.failures:
+            lines.append(f"FAIL {c.name}: {failure}")
+    return "\n".join(lines)
+
+
+# --- real steps -----------------------------------------------------------------------------
+HIDDEN = 4
+
+
+class _ToyChunk(nn.Module):
+    """tanh(linear(x)); virtual stage 0 reads batch["x"], the last returns the loss."""
+
+    def __init__(self, vs: int, last: int):
+        super().__init__()
+        torch.manual_seed(vs)
+        self.lin, self.vs, self.last = nn.Linear(HIDDEN, HIDDEN), vs, last
+
+    def forward(self, hidden, batch):
+        out = torch.tanh(self.lin(batch["x"] if self.vs == 0 else hidden))
+        return ((out - batch["y"]) ** 2).mean() if self.vs == self.last else out
+
+
+class _ToyStage(nn.Module):
+    """A rank's model chunks of the toy model, placed as `schedule` places them."""
+
+    def __init__(self, mesh: Mesh, schedule: str, chunks: int):
+        super().__init__()
+        vs = [virtual_stage(mesh.pp_rank, c, mesh.pp, placement_of(schedule))
+              for c in range(chunks)]
+        self.chunks = nn.ModuleList(_ToyChunk(v, mesh.pp * chunks - 1) for v in vs)
+
+
+def _real_worker(cases: list[tuple], timeout_s: float) -> list[tuple]:
+    """Run each (schedule, V, chunks, m, forward_only) for one step on this rank; per case,
+    the groups `StageP2P` recorded (labelled Ops) and those handed to batch_isend_irecv."""
+    pp = dist.get_world_size()
+    mesh = Mesh(Layout(1, pp, 1), dist.get_rank(), timeout_s)
+    out, executors = [], {}
+    for name, v, chunks, m, forward_only in cases:
+        if (name, v) not in executors:
+            executor = PipelineExecutor(_ToyStage(mesh, name, chunks), mesh, name, (2, HIDDEN),
+                                        timeout_s=timeout_s, virtual_stages=v)
+            executor.post_ahead = False  # receives where the program has them, as on NCCL
+            raw: list = []
+            real = executor.p2p.batch_isend_irecv
+
+            def record(ops, raw=raw, real=real):
+                raw.append([(op.op is dist.isend, op.peer, op.tensor.numel()
+                             * op.tensor.element_size()) for op in ops])
+                return real(ops)
+
+            executor.p2p.batch_isend_irecv = record
+            executors[name, v] = (executor, raw)
+        executor, raw = executors[name, v]
+        gen = torch.Generator().manual_seed(m)
+        batches = [{"x": torch.randn(2, HIDDEN, generator=gen),
+                    "y": torch.randn(2, HIDDEN, generator=gen)} for _ in range(m)]
+        raw.clear()
+        executor.run(batches, forward_only=forward_only)
+        labelled = [[(op.send, op.peer, op.message, op.label, op.nbytes) for op in group]
+                    for group in executor.p2p.issued]
+        out.append((labelled, list(raw)))
+    return out
+
+
+def compare_issued(cert: Certificate, issued: dict[int, tuple]) -> Check:
+    """Whether the groups a real step issued (`issued[rank]` = (labelled groups, raw groups),
+    as `_real_worker` records them; pipeline rank = global rank) are the certified programs'
+    groups, and pair and progress under NCCL's rules with their real sizes."""
+    placement = placement_of(cert.schedule)
+    expected = nccl_rules.program_streams(cert.programs, placement)
+    nbytes = 2 * HIDDEN * 4
+    streams = {}
+    for rank in range(cert.pp):
+        labelled, raw = issued[rank]
+        want = [[(op.send, op.peer, op.message, op.label) for op in g] for g in expected[rank]]
+        got = [[op[:4] for op in g] for g in labelled]
+        if got != want:
+            at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                      min(len(got), len(want)))
+
+            return Check(False, f"rank {rank} issued {len(got)} groups, the program has "
+                                f"{len(want)}; first difference at group {at}: issued "
+                                f"{_show(got, at)}, certified {_show(want, at)}")
+        if [[(s, p) for s, p, _ in g] for g in raw] != [[op[:2] for op in g] for g in want]:
+            return Check(False, f"rank {rank}: the operations handed to batch_isend_irecv are "
+                                f"not the groups StageP2P recorded")
+        if any(size != nbytes for g in raw for _, _, size in g):
+            return Check(False, f"rank {rank} issued a message of another size than "
+                                f"{nbytes} bytes")
+        streams[rank] = [[nccl_rules.Op(*op) for op in g] for g in labelled]
+    try:
+        nccl_rules.check(streams)
+    except nccl_rules.ScheduleError as exc:
+        return Check(False, f"the issued groups fail NCCL's rules: {exc}")
+    groups = sum(len(g) for g in streams.values())
+    return Check(True, f"{groups} issued groups = the certified ones")
+
+
+def _show(groups: list, at: int) -> str:
+    """Group `at` of `groups` as "[SA2->1 RG1<-1]" (label, direction, peer)."""
+    if at >= len(groups):
+        return "nothing"
+    return "[" + " ".join(f"{op[3]}->{op[1]}" if op[0] else f"{op[3]}<-{op[1]}"
+                          for op in groups[at]) + "]"
+
+
+def check_real_steps(certs: list[Certificate], timeout_s: float = 120.0) -> None:
+    """Run every certificate's step on real processes (one launch per pp) and record the
+    "real step" check in each (see `compare_issued`)."""
+    by_pp: dict[int, list[Certificate]] = {}
+    for c in certs:
+        by_pp.setdefault(c.pp, []).append(c)
+    for pp, group in sorted(by_pp.items()):
+        cases = []
+        for c in group:
+            chunks = 1 + max((a.chunk for p in c.programs for a in _actions(p)), default=0)
+            cases.append((c.schedule, c.virtual_stages, chunks, c.m, c.forward_only))
+        results = run_local(_real_worker, pp, cases, timeout_s, timeout_s=timeout_s + 30,
+                            env={"MEGAPAR_CPU": "1"})
+        for i, c in enumerate(group):
+            c.checks["real step"] = compare_issued(c, {r: results[r][i] for r in range(pp)})

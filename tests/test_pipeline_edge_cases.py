@@ -1,0 +1,199 @@
+"""The pipeline's edge cases as first-class parity tests: m = 1, m < pp, m not a multiple of pp,
+pp 2 and pp 4, for GPipe, 1F1B, interleaved 1F1B and ZB-H1, with tp 2, dp 2 (ZeRO-1), cp 2,
+recomputation and bf16; invalid combinations refused in one line; process groups created in
+the same order on every rank.
+
+Each run is one optimizer step's loss and reduced gradients against one process on the same
+global batch (the harness of test_cp_parity.py: m = global batch / (2 x dp)), fp32 within
+1e-5; bf16 against one process in bf16.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_cp_parity import _worker, check, reference
+from tp_utils import to_device
+
+from megapar.cli.train import main as train
+from megapar.launcher import run_local
+from megapar.mesh import Layout, Mesh
+from megapar.pipeline import certify
+from megapar.pipeline.executor import PipelineExecutor
+from megapar.pipeline.schedules import check_schedule
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+
+
+def run(kind, tp=1, cp=1, pp=2, dp=1, m=1, schedule="1f1b", v=1, **options):
+    """One parity run of the harness: m micro-batches of 2 samples per dp rank."""
+    if schedule == "interleaved" and pp * v > 4:
+        options["layers"] = pp * v  # a block per virtual stage
+    check_schedule(schedule, pp, m, v)  # only valid combinations here (refusals below)
+    return kind, tp, cp, pp, dp, dict(schedule=schedule, v=v, g=2 * m * dp, **options)
+
+
+def launch(runs, world):
+    check(runs, run_local(_worker, world, runs, timeout_s=600))
+
+
+def test_pp2_m1_and_m3_every_schedule_and_model():
+    """pp 2 (the V of interleaved turns on the same two ranks): m = 1 and m = 3 (not a
+    multiple of pp), GPT-2, grouped-query Llama and BERT; recomputation on two of them."""
+    runs = [run(kind, m=m, schedule=s, v=v) for kind in ("gpt2", "llama", "bert")
+            for s, v in SCHEDULES for m in (1, 3)]
+    runs += [run("gpt2", m=3, schedule="zb-h1", recompute="full"),
+             run("llama", m=1, schedule="interleaved", v=2, recompute="selective"),
+             run("bert", m=3, schedule="gpipe", recompute="full")]
+    launch(runs, 2)
+
+
+def test_pp4_fewer_micro_batches_than_stages():
+    """pp 4 with m = 1, 2, 3 (fewer than the stages) and 6 (not a multiple of 4)."""
+    runs = [run("gpt2", pp=4, m=m, schedule=s, v=v) for s, v in SCHEDULES
+            for m in (1, 2, 3, 6)]
+    runs += [run("bert", pp=4, m=2, schedule="zb-h1"), run("llama", pp=4, m=3)]
+    launch(runs, 4)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2-zero1", "cp2"])
+def test_pp2_with_tp_dp_zero1_cp_at_m1_and_m3(layout):
+    """pp 2 x (tp 2 | dp 2 with ZeRO-1 | cp 2), every schedule, m = 1 and 3; sequence
+    parallelism with full recomputation once under tp."""
+    size = {"tp2": {"tp": 2}, "dp2-zero1": {"dp": 2, "zero": 1}, "cp2": {"cp": 2}}[layout]
+    kind = "gpt2" if layout == "dp2-zero1" else "llama"
+    runs = [run(kind, m=m, schedule=s, v=v, **size) for s, v in SCHEDULES for m in (1, 3)]
+    if layout == "tp2":
+        runs.append(run("gpt2", m=3, schedule="zb-h1", sp=True, recompute="full", **size))
+    launch(runs, 4)
+
+
+def test_bf16_edge_cases_follow_one_process_in_bf16():
+    """bf16 autocast at m = 1 and 3 on pp 2: within bf16's rounding of one process in bf16
+    (a few bf16 ulps of the loss; the gradients are compared in fp32 above)."""
+    runs = [run("gpt2", m=m, schedule=s, v=v, precision="bf16") for s, v in SCHEDULES
+            for m in (1, 3)]
+    outs = run_local(_worker, 2, runs, timeout_s=600)
+    for i, (kind, *_, options) in enumerate(runs):
+        ref = reference(kind, "bf16", options["g"])
+        fp32 = reference(kind, "fp32", options["g"])["loss"]
+        for out in (o[i] for o in outs):
+            assert abs(out["loss"] - ref["loss"]) / ref["loss"] < 1e-2, (options, out["loss"])
+            assert out["loss"] != fp32  # bf16 really ran
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+      "--global-batch-size", "5", "--micro-batch-size", "1"],
+     ("interleaved 1F1B runs the 5 micro-batches in max(1, m // pp) = 2 rounds of equal size, "
+      "so m must be divisible by 2; the nearest valid m are 4 and 6")),
+    (["--pp", "2", "--schedule", "1f1b", "--virtual-stages", "2"],
+     ("--virtual-stages 2 needs --schedule interleaved; schedule '1f1b' runs one model chunk "
+      "per rank")),
+    (["--pp", "2", "--schedule", "interleaved"],
+     "interleaved 1F1B needs --virtual-stages >= 2 model chunks per rank"),
+])
+def test_invalid_combinations_are_refused_in_one_line(capsys, monkeypatch, args, message):
+    import megapar.cli.train as train_cli
+
+    def refuse(*a, **k):
+        raise AssertionError("a worker was started for a bad input")
+
+    monkeypatch.setattr(train_cli, "run_workers", refuse)
+    data = "../shared/data/corpus/shakespeare"
+    assert train(["--data", data, "--model", "gpt2-tiny", "--seq-len", "32", "--no-progress",
+                  *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
+
+
+def test_the_grid_certifies_these_edge_cases():
+    """Every (schedule, pp, m) run above is also in the certificate (order-matched pairs,
+    zero-buffer progress, bounded messages and activations), as training and evaluation."""
+    for pp, ms in ((2, (1, 3)), (4, (1, 2, 3, 6))):
+        for schedule, v in SCHEDULES:
+            for m in ms:
+                for forward_only in (False, True):
+                    cert = certify.certify(schedule, pp, m, v, forward_only)
+                    assert cert.ok, cert.failures
+
+
+# --- process groups and communicators ---------------------------------------------------------
+LAYOUTS = [Layout(1, 2, 2), Layout(2, 2, 1), Layout(1, 2, 1, cp=2),
+           Layout(1, 2, 2, "tp-dp-pp"), Layout(1, 1, 4), Layout(2, 1, 2)]
+
+
+def _groups_worker():
+    created = []
+    real = dist.new_group
+
+    def new_group(ranks=None, *args, **kwargs):
+        created.append(list(ranks) if ranks is not None else None)
+        return real(ranks, *args, **kwargs)
+
+    dist.new_group = new_group
+    try:
+        for layout in LAYOUTS:
+            Mesh(layout, dist.get_rank())
+    finally:
+        dist.new_group = real
+    return created
+
+
+def test_every_rank_creates_the_same_groups_in_the_same_order():
+    """NCCL creates a communicator for a group collectively (ncclCommInitRank blocks until
+    every member joins), and torch.distributed.new_group is collective over the whole world:
+    a rank that creates its groups in another order waits in one creation while its peer waits
+    in another, and both hang. Mesh creates every group on every rank (also those it is not
+    in), in one fixed order that does not depend on the rank."""
+    created = run_local(_groups_worker, 4)
+    assert created[0] and all(c == created[0] for c in created), created
+    # the pipeline's messages ride the pp group's communicator (batched p2p uses the group's,
+    # not a pair's), which the group creates in a collective of all its ranks first:
+    assert any(sorted(ranks) == [0, 2] for ranks in created[0])  # pp group of Layout(1, 2, 2)
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self, mesh):
+        super().__init__()
+        self.lin, self.last = torch.nn.Linear(4, 4), mesh.is_last_stage
+
+    def forward(self, hidden, batch):
+        out = self.lin(batch["x"] if hidden is None else hidden)
+        return out.pow(2).mean() if self.last else out
+
+
+def _first_call_worker():
+    """The pp group's first operation, on the NCCL path (`polls_host` false)."""
+    from megapar.pipeline import p2p
+
+    mesh = Mesh(Layout(1, 2, 1), dist.get_rank())
+    calls = []
+    real_all_reduce = dist.all_reduce
+
+    def all_reduce(tensor, *args, group=None, **kwargs):
+        calls.append("all_reduce over pp" if group is mesh.pp_group else "all_reduce")
+        return real_all_reduce(tensor, *args, group=group, **kwargs)
+
+    p2p.dist.all_reduce = all_reduce
+    p2p._device.polls_host = lambda device: False  # take NCCL's path on gloo
+    try:
+        executor = PipelineExecutor(_Toy(mesh), mesh, "1f1b", (2, 4), timeout_s=60)
+        executor.post_ahead = False
+        real_batch = executor.p2p.batch_isend_irecv
+        executor.p2p.batch_isend_irecv = lambda ops: (calls.append("batch_isend_irecv"),
+                                                       real_batch(ops))[1]
+        gen = torch.Generator().manual_seed(0)
+        executor.run(to_device([{"x": torch.randn(2, 4, generator=gen)} for _ in range(3)],
+                               mesh.device))
+    finally:
+        p2p.dist.all_reduce = real_all_reduce
+    return calls
+
+
+def test_the_pp_group_is_joined_by_a_collective_before_its_first_message(monkeypatch):
+    """torch: the first batch_isend_irecv of a group must involve every rank of the group (it
+    creates the NCCL communicator); StageP2P.begin_step runs an all-reduce over the pp group
+    before any message, on every rank."""
+    for calls in run_local(_first_call_worker, 2):
+        assert calls[0] == "all_reduce over pp" and calls.count("all_reduce over pp") == 1
+        assert calls[1:] and set(calls[1:]) == {"batch_isend_irecv"}
