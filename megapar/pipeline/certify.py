@@ -296,10 +296,13 @@ def _activations(cert: Certificate, programs, schedules, placement: str, formula
 # --- the grid -------------------------------------------------------------------------------
 def grid(schedules=None, pps=GRID_PP, ms=GRID_M, vs=GRID_V) -> list[tuple[str, int, int, int]]:
     """Every (schedule, pp, m, V) of the grid the schedule accepts (`check_schedule`), for
-    every schedule in `SCHEDULES` unless `schedules` names some."""
+    every schedule in `SCHEDULES` unless `schedules` names some; a V-placement schedule (always
+    two chunks) once, at V 1."""
     points = []
     for name in schedules or SCHEDULES:
         for v in vs:
+            if placement_of(name) == "v" and v != 1 and 1 in vs:
+                continue  # two chunks whatever V says: V 1 and 2 are the same programs
             for pp in pps:
                 for m in ms:
                     try:
