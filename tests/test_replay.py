@@ -1,5 +1,6 @@
-"""--record-step and --replay: a step of a tp 2 x pp 2 run replayed in one process, compared
-value by value with the run's record (megapar-train, real text)."""
+"""--record-step and --replay: a step of a run replayed in another layout (one process, or other
+tp / cp / sequence-parallel slices than the run's), compared value by value with the run's
+record (megapar-train, real text)."""
 
 import json
 from pathlib import Path
@@ -27,47 +28,75 @@ def common(tmp_path_factory):
             "--no-progress", "--max-steps", "3"]
 
 
-def _replay(common, tmp_path, capsys, fault):
-    """A tp 2 x pp 2 run of 3 steps saving step 2 (and recording step 3, or failing there),
-    then `--load step_00000002 --replay 3` in one process: its comparison line."""
+def _replay(common, tmp_path, capfd, fault, run=("--tp", "2", "--pp", "2"), replay=()):
+    """A run of 3 steps (tp 2 x pp 2 by default) saving step 2 (and recording step 3, or
+    failing there), then `--load step_00000002 --replay 3` (in one process by default): its
+    output lines."""
     save = tmp_path / "ckpt"
-    rc = main([*common, "--tp", "2", "--pp", "2", "--save", str(save), "--save-interval", "2",
-               *fault])
-    err = capsys.readouterr().err
+    rc = main([*common, *run, "--save", str(save), "--save-interval", "2", *fault])
+    err = capfd.readouterr().err
     assert rc == (1 if "--inject-corrupt" in fault else 0), err
     assert (save / "records" / "step_00000003.json").exists()
-    rc = main(["--load", str(save / "step_00000002"), "--replay", "3", "--no-progress"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
+    rc = main(["--load", str(save / "step_00000002"), "--replay", "3", "--no-progress", *replay])
+    captured = capfd.readouterr()
+    out = captured.out
+    assert rc == 0, captured.err
     assert "transformer.h.3.attn " in out and "transformer.h.3.mlp.c_fc " in out  # the norms
     return err, out.splitlines()
 
 
-def test_a_corrupted_value_is_named_by_a_one_process_replay(common, tmp_path, capsys):
-    """nan in one value of block 3's attention output on tp rank 1 at step 3: the run stops
-    there (naming it, item 1) and leaves the step's record; the replay in one process names
-    that module and rank as the first whose values differ."""
-    err, out = _replay(common, tmp_path, capsys, [
-        "--inject-corrupt", "step=3,module=transformer.h.3.attn,tp=1", "--max-nonfinite-steps",
-        "1"])
-    assert "its record for --replay: " in err, err
-    lines = [line for line in out if line.startswith("replay of step 3")]
-    assert len(lines) == 1 and ("first difference: forward output of transformer.h.3.attn, "
-                                "micro-batch 0 (samples 0-1), computed by rank 3 (tp=1 cp=0 "
-                                "pp=1 dp=0): norm nan recorded") in lines[0], lines
+CORRUPT = ["--inject-corrupt", "step=3,module=transformer.h.3.attn,tp=1",
+           "--max-nonfinite-steps", "1"]
+NAMED = ("first difference: forward output of transformer.h.3.attn, micro-batch 0 (samples 0-1), "
+         "computed by rank 3 (tp=1 cp=0 pp=1 dp=0): norm nan recorded")
 
 
-def test_without_a_fault_the_replay_finds_no_difference(common, tmp_path, capsys):
-    """--record-step 3 of a clean run: every recorded norm (each rank's output of each module
-    per micro-batch, and the weight-gradient norms) agrees with the one-process replay."""
-    _, out = _replay(common, tmp_path, capsys, ["--record-step", "3"])
+def _verdict(out: list[str]) -> str:
+    """The replay's one comparison line."""
     lines = [line for line in out if line.startswith("replay of step 3")]
-    assert len(lines) == 1 and "no difference" in lines[0] and "not compared" not in lines[0], \
-        lines
-    # the record's parts combined (tp slices of c_fc's features, each tp rank's whole attn
-    # output once) are the one-process norms
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def _agrees(out: list[str]) -> None:
+    """No difference, every recorded value compared, and the record's parts combined (tp slices
+    of c_fc's features, each tp rank's whole attn output once, cp tokens) are the replay's
+    combined norms, as are the weight-gradient norms."""
+    assert "no difference" in _verdict(out) and "not compared" not in _verdict(out), out
     for name in ("transformer.h.3.mlp.c_fc", "transformer.h.3.attn", "transformer.ln_f"):
         row = next(line.split() for line in out if line.startswith(name + " "))
         assert abs(float(row[1]) - float(row[2])) <= 1e-5 * float(row[1]), row
         if name != "transformer.h.3.attn":  # a container has no weights of its own
             assert abs(float(row[3]) - float(row[4])) <= 1e-5 * float(row[3]), row
+
+
+def test_a_corrupted_value_is_named_by_a_one_process_replay(common, tmp_path, capfd):
+    """nan in one value of block 3's attention output on tp rank 1 at step 3: the run stops
+    there (naming it, item 1) and leaves the step's record; the replay in one process names
+    that module and rank as the first whose values differ."""
+    err, out = _replay(common, tmp_path, capfd, CORRUPT)
+    assert "its record for --replay: " in err, err
+    assert NAMED in _verdict(out), out
+
+
+def test_without_a_fault_the_replay_finds_no_difference(common, tmp_path, capfd):
+    """--record-step 3 of a clean run: every recorded norm (each rank's output of each module
+    per micro-batch, and the weight-gradient norms) agrees with the one-process replay."""
+    _agrees(_replay(common, tmp_path, capfd, ["--record-step", "3"])[1])
+
+
+def test_a_cp_record_agrees_with_a_tp_sp_replay(common, tmp_path, capfd):
+    """A record made at tp 1 x cp 2 x pp 2 (each rank: whole features of its cp tokens, chunks
+    0 and 3 or 1 and 2 of the sequence) replayed at tp 2 x pp 2 with sequence parallelism (each
+    rank: a tp slice of the features, or the first or second half of the sequence): the replay
+    ranks' shares of every recorded value add up to it within the tolerance."""
+    _agrees(_replay(common, tmp_path, capfd, ["--record-step", "3"],
+                    run=("--cp", "2", "--pp", "2"),
+                    replay=("--tp", "2", "--pp", "2", "--sequence-parallel"))[1])
+
+
+def test_a_corrupted_value_is_named_by_a_tp_cp_replay(common, tmp_path, capfd):
+    """The corruption of the first test replayed at tp 2 x cp 2 (other slices than the run's
+    tp 2 x pp 2): still block 3's attention output on the run's tp rank 1 (rank 3)."""
+    _, out = _replay(common, tmp_path, capfd, CORRUPT, replay=("--tp", "2", "--cp", "2"))
+    assert NAMED in _verdict(out), out

@@ -18,11 +18,11 @@ import traceback
 from megapar.checkpoint.lock import SaveLock, SaveLockError, check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset
+from megapar.device import DeviceError, check_gpus
 from megapar.dryrun.command import rehearse
 from megapar.dryrun.sample import check_world
 from megapar.faults.report import log_dir_for, worker_failure
 from megapar.faults.stop import install_stop_handlers, parse_signals
-from megapar.device import DeviceError, check_gpus
 from megapar.launcher import (
     WorkerError,
     check_local_workers,
@@ -143,7 +143,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     if chunks > 1:
         chunk_specs(config.num_layers, layout.pp, 0, chunks)  # enough layers?
     _check_injection(cfg, config, layout, per_step, manifest)
-    _check_replay(cfg, layout, manifest)
+    _check_replay(cfg, manifest)
     if not cfg.dry_run:
         most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
         if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
@@ -201,7 +201,7 @@ def _check_injection(cfg: TrainConfig, config, layout: Layout, per_step: int,
                          f"{start + 1}-{cfg.max_steps}); choose a step in that range")
 
 
-def _check_replay(cfg: TrainConfig, layout: Layout, manifest: dict | None) -> None:
+def _check_replay(cfg: TrainConfig, manifest: dict | None) -> None:
     """--record-step, --replay, --replay-against: a step this run reaches, a place to write."""
     start = int(manifest.get("step", 0)) if manifest else 0
     if cfg.record_step and not cfg.save:
@@ -216,10 +216,6 @@ def _check_replay(cfg: TrainConfig, layout: Layout, manifest: dict | None) -> No
     if manifest is None:
         raise UsageError(f"--replay {cfg.replay} re-runs a step from a checkpoint: give --load "
                          f"CKPT (one saved at or before step {cfg.replay - 1})")
-    if layout.tp > 1 or layout.cp > 1:
-        raise UsageError(f"--replay compares each rank's values with the whole outputs: run it "
-                         f"at --tp 1 --cp 1 (it is --tp {layout.tp} --cp {layout.cp}; any --pp, "
-                         f"--dp)")
     if not start < cfg.replay <= cfg.max_steps:
         raise UsageError(f"--replay {cfg.replay}: the checkpoint is at step {start} and the run "
                          f"ends at --max-steps {cfg.max_steps}; replay a step in "

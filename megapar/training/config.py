@@ -170,7 +170,7 @@ class TrainConfig:
     record_step: int = 0
     """Record step N's per-module values (each rank's output norms per micro-batch, weight-gradient norms) in SAVE/records/step_N.json + .safetensors, for --replay to compare with (needs --save; 0: none)."""
     replay: int = 0
-    """With --load: run the steps after the checkpoint up to step N, print N's per-module output and weight-gradient norms, compare them with the run's record (--record-step) and name the first module and rank whose values differ; then exit without saving. Runs at --tp 1 --cp 1 (any --pp, --dp; one process is enough). 0: off."""
+    """With --load: run the steps after the checkpoint up to step N, print N's per-module output and weight-gradient norms, compare them with the run's record (--record-step) and name the first module and rank whose values differ; then exit without saving. Runs in any layout (--tp, --pp, --dp, --cp, --sequence-parallel; one process is enough), whatever the recorded run's was. 0: off."""
     replay_against: str | None = None
     """The record --replay compares with (default: records/step_N.json of the --load checkpoint's --save directory)."""
     inject_corrupt: str | None = None

@@ -9,11 +9,12 @@ the rank and its coordinates, and the order key of the event (`module_trace`). P
 module's weight-gradient norm after the step, combined over tp. Written by rank 0 as
 `records/step_XXXXXXXX.json` (entries) and `.safetensors` (the squared norms) under --save.
 
-The replay runs the step at tp 1 and cp 1 (any pp, dp; one process is enough), where every
-module's output is whole, and computes for each recorded entry the squared norm of the same
-part of the same samples. megapar's numbers are the same in every layout up to the order of
+The replay runs the step in any layout (one process is enough), records its own ranks' parts
+the same way, and computes for each recorded entry the squared norm of the same part of the
+same samples: each replay rank adds what its part has in common with the recorded one
+(`StepReplay`). megapar's numbers are the same in every layout up to the order of
 floating-point sums, so the norms agree to `RTOL`; the entry of smallest key that does not
-names the first module, micro-batch and rank whose values differ.
+names the first module, micro-batch and rank (of the recorded run) whose values differ.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megapar.checkpoint.distributed import _gather_payloads
-from megapar.context_parallel.split import split as cp_split
+from megapar.context_parallel.split import chunk_ids as cp_chunks
 from megapar.tensor_parallel.layers import ColumnParallelLinear
 from megapar.training.module_trace import ModuleTrace
 
@@ -155,64 +156,116 @@ def load_record(path: str | Path) -> dict:
     return record
 
 
+def _positions(part: str, seq: int, cp: int, cp_rank: int, tp: int, tp_rank: int) -> list[int]:
+    """Global sequence positions (of `seq`) of a part's tokens, in the order the rank holds
+    them: its cp tokens, and under sequence parallelism its tp slice of those."""
+    if cp > 1:
+        c = seq // (2 * cp)
+        first, second = cp_chunks(cp, cp_rank)
+        held = [*range(first * c, (first + 1) * c), *range(second * c, (second + 1) * c)]
+    else:
+        held = list(range(seq))
+    if part == "sequence":
+        n = len(held) // tp
+        held = held[tp_rank * n:(tp_rank + 1) * n]
+    return held
+
+
+def _features(part: str, width: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """[first, end) of the whole output's features (of `width`) that a part covers."""
+    if part != "features":
+        return 0, width
+    n = width // tp
+    return tp_rank * n, (tp_rank + 1) * n
+
+
 class StepReplay:
-    """Observes the replayed step (tp 1, cp 1) and compares it with a record."""
+    """Observes the replayed step, in any layout, and compares it with a record.
+
+    The replay records its own step as `--record-step` does (a `StepRecorder`: each rank's
+    part of each output), and for every recorded value computes its share of that value's part
+    of the whole output: the samples, sequence positions and features its own part has in
+    common with the recorded one (a whole output that every tp rank of the replay holds counted
+    once, tp rank 0's, as `combined` counts it). Summed over the replay's ranks, the shares are
+    the recorded part's squared norm in the replay, whatever the two layouts are."""
 
     def __init__(self, engine, global_batch: int, record: dict | None):
         self.engine, self.mesh = engine, engine.mesh
-        self.trace = ModuleTrace(engine.model, engine.config, engine.mesh, weight_grads=False)
+        self.recorder = StepRecorder(engine, global_batch)  # own parts; weight gradients
+        self.trace = self.recorder.trace
         self.trace.observers.append(self._observe)
         self.global_batch = global_batch
         self.record = record
         self.by_module: dict[str, list[int]] = {}
         for i, e in enumerate(record["entries"] if record else ()):
             self.by_module.setdefault(e["module"], []).append(i)
-        self.ours: dict[int, torch.Tensor] = {}  # entry index -> our squared norm
-        self.full: dict[str, list] = {}  # module -> [order key, squared norm of its outputs]
-        self.recorder = StepRecorder(engine, global_batch)  # for the weight gradients
+        self.ours: dict[int, torch.Tensor] = {}  # entry index -> our share of its squared norm
+        self._index: dict[tuple, torch.Tensor | None] = {}
+
+    def _common(self, mine: tuple, e: dict, seq: int, device) -> torch.Tensor | None:
+        """Indices into this rank's tokens of those the recorded entry's part also has."""
+        key = (mine, e["part"], seq, e["cp_size"], e["cp"], e["tp_size"], e["tp"])
+        if key not in self._index:
+            theirs = set(_positions(e["part"], seq, e["cp_size"], e["cp"], e["tp_size"],
+                                    e["tp"]))
+            idx = [i for i, pos in enumerate(_positions(*mine)) if pos in theirs]
+            self._index[key] = torch.tensor(idx, dtype=torch.long, device=device) \
+                if idx else None
+        return self._index[key]
 
     def _observe(self, key: int, name: str, mb: int, module, out: torch.Tensor) -> None:
-        if out.dim() < 3:
+        part = self.recorder.parts.get(id(module))
+        mesh = self.mesh
+        if part is None or out.dim() < 3 or (part == "whole" and mesh.tp_rank):
             return
-        sq = out.detach().double().square().sum()
-        slot = self.full.setdefault(name, [key, 0.0])
-        slot[1] = slot[1] + sq
-        first = _samples(self.mesh, mb, out.shape[0], self.global_batch)
+        first = _samples(mesh, mb, out.shape[0], self.global_batch)
+        shards = mesh.tp if part == "sequence" else 1
+        seq = out.shape[1] * shards * mesh.cp
+        mine = (part, seq, mesh.cp, mesh.cp_rank, mesh.tp, mesh.tp_rank)
+        width = out.shape[-1] * (mesh.tp if part == "features" else 1)
+        lo_f, hi_f = _features(part, width, mesh.tp, mesh.tp_rank)
         for i in self.by_module.get(name, ()):
             e = self.record["entries"][i]
-            lo, hi = e["samples"]
-            if not (first <= lo and hi <= first + out.shape[0]):
+            lo, hi = max(e["samples"][0], first), min(e["samples"][1], first + out.shape[0])
+            f0, f1 = _features(e["part"], width, e["tp_size"], e["tp"])
+            f0, f1 = max(f0, lo_f), min(f1, hi_f)
+            if lo >= hi or f0 >= f1:
                 continue
-            piece = cp_split(out.detach()[lo - first:hi - first], e["cp_size"], e["cp"])
-            if e["part"] == "features":
-                piece = piece.chunk(e["tp_size"], dim=-1)[e["tp"]]
-            elif e["part"] == "sequence":
-                piece = piece.chunk(e["tp_size"], dim=1)[e["tp"]]
-            self.ours[i] = piece.double().square().sum()
+            idx = self._common(mine, e, seq, out.device)
+            if idx is None:
+                continue
+            piece = out.detach()[lo - first:hi - first].index_select(1, idx)
+            sq = piece.narrow(-1, f0 - lo_f, f1 - f0).double().square().sum()
+            self.ours[i] = self.ours[i] + sq if i in self.ours else sq
 
     def report(self) -> str | None:
         """Rank 0: the per-module norms and the comparison, as text (collective)."""
         payload = json.dumps({
             "ours": {str(i): float(v) for i, v in self.ours.items()},
-            "full": {n: [k, float(v)] for n, (k, v) in self.full.items()},
-            "grads": self.recorder.grad_norms()}).encode()
+            "own": self.recorder.payload().decode()}).encode()
         parts = _gather_payloads(payload, self.mesh)
         if parts is None:
             return None
-        ours, full, grads = {}, {}, {}
+        ours: dict[int, float] = {}
         for raw in parts:
             data = json.loads(raw)
-            ours.update({int(i): v for i, v in data["ours"].items()})
-            full.update(data["full"])
-            for n, v in data["grads"].items():
-                grads[n] = grads.get(n, 0.0) + v
+            for i, v in data["ours"].items():
+                ours[int(i)] = ours.get(int(i), 0.0) + v
+        entries, sq, grads = _merge([json.loads(raw)["own"].encode() for raw in parts])
+        for entry, value in zip(entries, sq):
+            entry["sq"] = value
+        full = combined({"entries": entries})
+        first_key: dict[str, int] = {}
+        for entry in entries:
+            first_key[entry["module"]] = min(first_key.get(entry["module"], entry["key"]),
+                                             entry["key"])
         recorded = combined(self.record) if self.record is not None else {}
         header = (f"{'module':48s} {'output norm':>14s} {'recorded':>14s} "
                   f"{'weight-grad norm':>17s} {'recorded':>14s}")
         lines = [header]
         old_grads = self.record.get("grad_sq_norms", {}) if self.record is not None else {}
-        for name, (_, sq) in sorted(full.items(), key=lambda kv: kv[1][0]):
-            lines.append(f"{name:48s} {math.sqrt(sq):14.6e} {_norm(recorded.get(name), 14)} "
+        for name in sorted(full, key=lambda n: first_key[n]):
+            lines.append(f"{name:48s} {_norm(full[name], 14)} {_norm(recorded.get(name), 14)} "
                          f"{_norm(grads.get(name), 17)} {_norm(old_grads.get(name), 14)}")
         if self.record is not None:
             lines.append(compare(self.record, ours, grads))
