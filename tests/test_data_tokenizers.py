@@ -79,3 +79,21 @@ def test_appended_order_is_documented_and_errors_are_clear(tmp_path):
     (tmp_path / "vocab.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="lacks merges.txt"):
         load_tokenizer(str(tmp_path))
+
+
+def test_a_shipped_tokenizer_recorded_by_another_install_loads_from_this_one(tmp_path):
+    """A dataset index, data cache entry or checkpoint records the shipped SentencePiece model
+    by its absolute path; from a megapar since moved or reinstalled (another checkout, another
+    virtual environment) that path is gone, and the tokenizer is this install's copy."""
+    from megapar.data.assets import asset_path
+    from megapar.data.tokenizers import load_tokenizer
+
+    here = load_tokenizer("sentencepiece")
+    gone = str(tmp_path / "old-venv" / "megapar" / "assets" / "botchan_en_unigram_1000.model")
+    spec = {**here.spec(), "path": gone}
+    again = load_tokenizer(spec)
+    assert again.path == asset_path("botchan_en_unigram_1000.model")
+    assert again.encode("To be, or not to be") == here.encode("To be, or not to be")
+    # any other missing file is still refused, naming it
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        load_tokenizer(str(tmp_path / "old-venv" / "megapar" / "assets" / "no_such.model"))

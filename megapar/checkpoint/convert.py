@@ -40,6 +40,7 @@ from megapar.checkpoint.hf import GENERATION_FILE, HF_FILES, HFReader, save_hf
 from megapar.checkpoint.lock import SaveLockError, check_unlocked
 from megapar.checkpoint.manifest import verify, write_manifest
 from megapar.checkpoint.publish import resolve_checkpoint, set_latest
+from megapar.data.assets import moved_asset
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import load_tokenizer, tokenizer_files
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
@@ -344,7 +345,8 @@ def export_tokenizer(manifest: dict, config, given=None, allow_other: bool = Fal
         f"the checkpoint's tokenizer {spec.get('path') if isinstance(spec, dict) else spec}"
     path = spec.get("path") if isinstance(spec, dict) else spec
     try:
-        if path not in ("gpt2", "sentencepiece") and not os.path.exists(path):
+        if path not in ("gpt2", "sentencepiece") and not os.path.exists(path) \
+                and not moved_asset(path):
             raise FileNotFoundError("no such file or directory: moved or deleted?")
         tok = load_tokenizer(spec)
     except (OSError, ValueError) as exc:

@@ -26,7 +26,7 @@ import sentencepiece as spm
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from megapar.data.assets import asset_path
+from megapar.data.assets import asset_path, moved_asset
 from megapar.data.hf_tokenizer import load_hf_tokenizer
 from megapar.data.tokenizer import APPENDED_ORDER, PROBE_TEXT, SpecialTokens, Tokenizer
 
@@ -138,6 +138,7 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
             raise ValueError(f"tokenizer spec {spec!r} has no 'path'; pass a Tokenizer.spec() dict")
         spec = spec["path"]
     spec = os.fspath(spec)
+    spec = moved_asset(spec) or spec  # a shipped file recorded by another install of megapar
     if spec == "gpt2":
         return _load_gpt2_bpe(asset_path("gpt2_vocab.json"), asset_path("gpt2_merges.txt"), "gpt2")
     if spec == "sentencepiece":
