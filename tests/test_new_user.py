@@ -399,10 +399,10 @@ def test_a_worker_error_is_one_line_with_the_traceback_in_the_ranks_log(
 
     real_save = Trainer.save
 
-    def failing_save(self):
+    def failing_save(self, *args, **kwargs):
         if dist.get_rank() == 1:
             raise OSError("disk on fire")
-        return real_save(self)
+        return real_save(self, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "save", failing_save)
     argv = ["--data", texts["poem"], "--data-cache", cache, "--model", tiny_model, "--tokenizer",

@@ -112,8 +112,8 @@ def peak_held(executor, held: HeldStorages):
             live += [tensor for _, tensor, _ in executor.p2p.held()]
         peak[0] = max(peak[0], held.bytes_with(live))
 
-    def dispatched(action):
-        dispatch(action)
+    def dispatched(action, *rest):
+        dispatch(action, *rest)
         sample()
 
     def issued(group):

@@ -61,9 +61,10 @@ class StageP2P:
         self._joined = False
         self.failed = False
         """A send or receive failed: messages may still be in flight, the stage is out of step."""
-        self.batch_isend_irecv = dist.batch_isend_irecv
-        """What issues a group's `dist.P2POp`s (`megapar.pipeline.certify` wraps it to record
-        the operations a real step hands to torch)."""
+        self.batch_isend_irecv = None
+        """What issues a group's `dist.P2POp`s, when not torch's `dist.batch_isend_irecv` as it
+        is at the call (`megapar.pipeline.certify` sets it to record the operations a real step
+        hands to torch)."""
 
     def begin_step(self) -> None:
         """Start a step's record of issued groups. On NCCL the first step also runs one
@@ -97,7 +98,7 @@ class StageP2P:
                 kept.append((self._recvs, key, peer, payload))
             record.append(Op(tensor is not None, peer, message, label,
                              payload.numel() * payload.element_size()))
-        works = self.batch_isend_irecv(ops)
+        works = (self.batch_isend_irecv or dist.batch_isend_irecv)(ops)
         if len(works) != len(ops):  # a coalesced group (NCCL): one work for all its messages
             works = works[-1:] * len(ops)
         for (where, key, peer, tensor), work in zip(kept, works):
