@@ -9,9 +9,10 @@ old per-step cost) and its later steps (a dictionary lookup), median of `--repea
 The walk: everything else the executor does on the host in a step, excluding the compute and
 the waits. Each stage runs real steps (`PipelineExecutor.run`) of a stub stage model (one add
 per forward) with a message layer that completes at once (`InstantP2P`); the time inside the
-compute handlers is measured and subtracted, so what remains is the program walk, the message
-bookkeeping, the status line (`set_action`, published to shared memory as under the launcher)
-and the trace. Times are the thread's CPU time (`time.thread_time`), so other processes on a
+compute handlers is measured and subtracted, and so is what the timer around them costs outside
+its interval (`timer_cost`, printed: about one clock reading a compute), so what remains is the
+program walk, the message bookkeeping, the status line (`set_action`, published to shared
+memory as under the launcher) and the trace. Times are the thread's CPU time (`time.thread_time`), so other processes on a
 shared machine do not count. The second table prints the slowest stage's host work per step,
 traced and not, as on NCCL (receives where the program has them), minimum of `--steps`
 steps.
