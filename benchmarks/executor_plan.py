@@ -9,9 +9,10 @@ old per-step cost) and its later steps (a dictionary lookup), median of `--repea
 The walk: everything else the executor does on the host in a step, excluding the compute and
 the waits. Each stage runs real steps (`PipelineExecutor.run`) of a stub stage model (one add
 per forward) with a message layer that completes at once (`InstantP2P`); the time inside the
-compute handlers is measured and subtracted, so what remains is the program walk, the message
-bookkeeping, the status line (`set_action`, published to shared memory as under the launcher)
-and the trace. Times are the thread's CPU time (`time.thread_time`), so other processes on a
+compute handlers is measured and subtracted, and so is what the timer around them costs outside
+its interval (`timer_cost`, printed: about one clock reading a compute), so what remains is the
+program walk, the message bookkeeping, the status line (`set_action`, published to shared
+memory as under the launcher) and the trace. Times are the thread's CPU time (`time.thread_time`), so other processes on a
 shared machine do not count. The second table prints the slowest stage's host work per step,
 traced and not, as on NCCL (receives where the program has them), minimum of `--steps`
 steps.
@@ -129,22 +130,55 @@ def host_work(schedule: str, pp: int, m: int, v: int, stage: int, trace: bool,
                                 virtual_stages=v)
     executor.p2p, executor.post_ahead = InstantP2P(shape), False  # NCCL's issue order
     executor._mean_loss = lambda m: torch.zeros(())  # a collective: a wait, not host work
-    inside = [0.0]
+    inside = [0.0, 0]
     for kind, handler in list(executor.handlers.items()):
-        def timed(action, handler=handler):
-            start = time.thread_time()
-            handler(action)
-            inside[0] += time.thread_time() - start
-        executor.handlers[kind] = timed
+        executor.handlers[kind] = _timed(handler, inside)
     batches = [{} for _ in range(m)]
     executor.run(batches)
     best = float("inf")
     for _ in range(repeat):
-        inside[0] = 0.0
+        inside[:] = [0.0, 0]
         start = time.thread_time()
         executor.run(batches)
-        best = min(best, time.thread_time() - start - inside[0])
+        best = min(best, time.thread_time() - start - inside[0] - inside[1] * TIMER_COST)
     return best
+
+
+def _timed(handler, inside: list):
+    """`handler` with its thread CPU time added to inside[0] and its calls counted in inside[1]."""
+    def timed(action):
+        start = time.thread_time()
+        handler(action)
+        inside[0] += time.thread_time() - start
+        inside[1] += 1
+    return timed
+
+
+def timer_cost(calls: int = 5000, repeat: int = 7) -> float:
+    """Seconds a `_timed` handler adds outside its measured interval per call, over calling the
+    handler itself (the wrapper, and the part of each clock reading that falls outside): the
+    executor did not spend them, so `host_work` subtracts them per compute. Measured with a
+    handler that does nothing, minimum of `repeat` runs."""
+    def noop(action):
+        pass
+
+    inside, best = [0.0, 0], float("inf")
+    timed = _timed(noop, inside)
+    for _ in range(repeat):
+        inside[:] = [0.0, 0]
+        start = time.thread_time()
+        for _ in range(calls):
+            timed(None)
+        wrapped = time.thread_time() - start - inside[0]
+        start = time.thread_time()
+        for _ in range(calls):
+            noop(None)
+        best = min(best, (wrapped - (time.thread_time() - start)) / calls)
+    return max(best, 0.0)
+
+
+TIMER_COST = 0.0
+"""`timer_cost()`, measured by `main` before the host-work table."""
 
 
 def main(argv=None) -> None:
@@ -162,7 +196,11 @@ def main(argv=None) -> None:
               f"{warm * 1e6:13.2f} us")
     shared = ctypes.create_string_buffer(256)  # the launcher's status line, as in a worker
     status._shared = shared
-    print(f"\n{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | host work per step, slowest stage: "
+    global TIMER_COST
+    TIMER_COST = timer_cost()
+    print(f"\nthe compute handlers' timer: {TIMER_COST * 1e6:.2f} us a compute outside its "
+          f"measured time, subtracted")
+    print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | host work per step, slowest stage: "
           f"{'traced':>9} {'untraced':>9}")
     for schedule, pp, m, v in LAYOUTS:
         times = [max(host_work(schedule, pp, m, v, s, trace, args.steps)

@@ -37,8 +37,9 @@ _CLOCK = _Clock()
 
 
 class counting:
-    """Count the collectives run inside this block (the executor: around a compute action);
-    `counting(False)` counts none (a plain class: the executor enters one per action)."""
+    """Count the collectives run inside this block (the executor: around each compute action
+    while its `count_comm_wait` is on; it enters none otherwise); `counting(False)` counts none
+    inside the block."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled

@@ -4,6 +4,7 @@ Runs of `megapar-train` are forked from the test process (`os.fork` + `main(argv
 launcher is a real process the test can signal; its workers are forked from it.
 """
 
+import ctypes
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from megapar.cli.train import main
 from megapar.data import asset_path
+from megapar.faults import status as rank_status
 from megapar.faults.stop import NonFiniteError, NonFiniteGuard
 from megapar.launcher import WorkerError, run_local
 
@@ -225,6 +227,31 @@ def test_a_killed_rank_is_named_with_its_signal():
         run_local(_rank1_killed, 4, timeout_s=60, collective_timeout_s=30)
     first = str(info.value).splitlines()[0]   # where it died: its last step and action
     assert first == "rank 1 was killed by SIGKILL (9) at step 7, forward of micro-batch 2", first
+
+
+def test_the_shared_status_line_follows_every_step_and_action_and_fits_its_buffer():
+    """set_action writes a known action's bytes after the "step S, " prefix only: the line must
+    still be whole after the prefix changes length, after a longer action and when truncated."""
+    buffer = ctypes.create_string_buffer(40)
+    saved = rank_status._shared, dict(rank_status._state), rank_status._prefix
+    rank_status._shared = buffer
+    try:
+        rank_status.set_step(7)
+        for action in ["forward of micro-batch 3", "recv", "forward of micro-batch 3"]:
+            rank_status.set_action(action)
+            assert buffer.value == f"step 7, {action}".encode() == rank_status.status().encode()
+        rank_status.set_action("a" * 50)
+        assert buffer.value == b"step 7, " + b"a" * 31  # 39 bytes and the NUL
+        rank_status.set_step(10)
+        assert buffer.value == b"step 10, " + b"a" * 30
+        rank_status.set_action("recv")
+        assert buffer.value == b"step 10, recv"
+        rank_status.set_step(None)
+        rank_status.set_action("forward of micro-batch 3")
+        assert buffer.value == b"forward of micro-batch 3"
+    finally:
+        rank_status._shared, rank_status._prefix = saved[0], saved[2]
+        rank_status._state.update(saved[1])
 
 
 def test_a_stopped_rank_is_named_on_timeout():

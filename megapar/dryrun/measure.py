@@ -21,6 +21,7 @@ of the same layout; `benchmarks/plan_validate.py` with the planner.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
@@ -104,7 +105,7 @@ def peak_held(executor, held: HeldStorages):
     `held` holds with the executor's in-flight inputs and outputs and the pipeline's message
     buffers (a sent output's storage lives on in its send until the peer has it); yields [the
     peak so far] (reset it by assigning 0)."""
-    peak, dispatch, issue = [0], executor._dispatch, executor._issue
+    peak, handlers, issue = [0], dict(executor.handlers), executor._issue
 
     def sample():
         live = list(executor._inputs.values()) + list(executor._outputs.values())
@@ -112,19 +113,23 @@ def peak_held(executor, held: HeldStorages):
             live += [tensor for _, tensor, _ in executor.p2p.held()]
         peak[0] = max(peak[0], held.bytes_with(live))
 
-    def dispatched(action, *rest):
-        dispatch(action, *rest)
+    def dispatched(handler, action):
+        handler(action)
         sample()
 
     def issued(group):
         issue(group)
         sample()
 
-    executor._dispatch, executor._issue = dispatched, issued
+    executor.handlers.update({kind: functools.partial(dispatched, handler)
+                              for kind, handler in handlers.items()})
+    executor._issue = issued
     try:
         yield peak
     finally:
-        executor._dispatch, executor._issue = dispatch, issue
+        executor.handlers.clear()
+        executor.handlers.update(handlers)
+        executor._issue = issue
 
 
 def measure_step(engine, micro_batches: list[dict], step_index: int = 0) -> dict:

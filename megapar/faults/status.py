@@ -25,8 +25,12 @@ import time
 _state = {"step": None, "action": "starting"}
 _shared = None  # a multiprocessing char array from the launcher, or None
 _prefix = b""  # "step S, " encoded (set_step)
-_encoded: dict[str, bytes] = {}  # action texts encoded: the pipeline's repeat every step
+_encoded: dict[str, bytes] = {}  # action texts encoded, NUL-terminated: the pipeline's repeat
 _ENCODED_MAX = 65536
+_view_of = None  # the array `_view` is a byte view of (set_action checks it is `_shared`)
+_view = None  # memoryview of `_shared` as bytes, written from `_at` on by set_action
+_at = 0  # where the action starts: after the prefix
+_room = 0  # bytes from `_at` to the end of the array (the action's text and its NUL)
 _stack_file = None  # kept open for faulthandler
 
 DUMP_SIGNAL = getattr(signal, "SIGUSR2", None)
@@ -59,7 +63,12 @@ def set_step(step: int | None) -> None:
 def set_action(action: str) -> None:
     """What this rank is doing now, e.g. "recv_grad of micro-batch 3 from rank 5"."""
     _state["action"] = action
-    _publish()
+    if _shared is not None:
+        data = _encoded.get(action)
+        if data is not None and _view_of is _shared and len(data) <= _room:
+            _view[_at:_at + len(data)] = data  # the prefix stays: only the action is written
+        else:
+            _publish()
 
 
 def status() -> str:
@@ -68,16 +77,21 @@ def status() -> str:
 
 
 def _publish() -> None:
-    """`status()` into the shared buffer, NUL-terminated: this runs for every pipeline action,
-    so an action's encoding is kept and the array's own setter copies it (no ctypes call)."""
+    """`status()` into the shared buffer, NUL-terminated (truncated to fit). Every pipeline
+    action sets one, so an action's encoding is kept and `set_action` then writes only the
+    action's bytes after the prefix, through a byte view of the array (no ctypes call)."""
+    global _view_of, _view, _at, _room
     if _shared is not None:
         action = _state["action"]
         data = _encoded.get(action) if isinstance(action, str) else None
         if data is None:
-            data = str(action).encode()
+            data = str(action).encode() + b"\0"
             if isinstance(action, str) and len(_encoded) < _ENCODED_MAX:
                 _encoded[action] = data
-        _shared.value = (_prefix + data)[:len(_shared) - 1]  # NUL-terminated by ctypes
+        _shared.value = (_prefix + data[:-1])[:len(_shared) - 1]  # NUL-terminated by ctypes
+        if _view_of is not _shared:
+            _view, _view_of = memoryview(_shared).cast("B"), _shared
+        _at, _room = len(_prefix), len(_shared) - len(_prefix)
 
 
 def diagnose(procs, statuses, stacks: str, settle_s: float = 0.5) -> str:

@@ -103,6 +103,13 @@ class PlannedGroup(NamedTuple):
     """(mb, chunk) of every activation the group sends (its output's storage is freed)."""
     sends: tuple
     """(kind, mb, chunk) of every send, for the trace."""
+    ops: tuple
+    """Per message, what `_issue` does with it: (SEND_ACT / SEND_GRAD / RECV, (mb, chunk),
+    key, peer's global rank, what travels, label)."""
+
+
+SEND_ACT, SEND_GRAD, RECV = 0, 1, 2
+"""`PlannedGroup.ops` codes."""
 
 
 class PlannedCompute(NamedTuple):
@@ -111,12 +118,14 @@ class PlannedCompute(NamedTuple):
     action: Action
     recv: tuple | None
     """(key = (kind, mb, chunk), peer's global rank, what the wait is, the sends its arrival
-    proves received), or None when the compute consumes no message."""
+    proves received, (mb, chunk)), or None when the compute consumes no message."""
     doing: str
     """What the rank is doing while the compute runs (`set_action`)."""
     hand_over: tuple | None = None
     """(kind, source chunk) where the compute takes its input from another chunk of this rank
     (the V's turn: no message), else None."""
+    key: tuple = ()
+    """(kind, mb, chunk) of the action: its handler and its trace entry."""
 
 
 class PipelineExecutor:
@@ -147,6 +156,8 @@ class PipelineExecutor:
         self.p2p = (StageP2P(mesh, act_shape, act_dtype, timeout_s, wire_dtype)
                     if mesh.pp > 1 else None)
         self.weight_grads = store_of(stage)  # enabled in steps with a split backward
+        self._stand_in = (stand_in_for(act_dtype, mesh.device) if self.p2p is not None
+                          else None)  # what a sent output's storage is replaced by
         self.post_ahead = self.p2p is not None and polls_host(mesh.device)
         """Post each peer's next receive as soon as the previous one arrived (gloo: a message
         moves only once its receive is posted). NCCL runs a rank's operations in issue order,
@@ -170,6 +181,8 @@ class PipelineExecutor:
         # Per (mb, chunk):
         self._inputs: dict[tuple, torch.Tensor] = {}     # received activations (leaves)
         self._outputs: dict[tuple, torch.Tensor] = {}    # stage outputs (hidden or loss)
+        # what a sent activation is taken by: a forward-only step keeps no graph
+        self._take_output = self._outputs.pop if forward_only else self._outputs.get
         self._out_grads: dict[tuple, torch.Tensor] = {}  # received d(loss)/d(output)
         self._in_grads: dict[tuple, torch.Tensor] = {}   # d(loss)/d(input) to send upstream
         self._pending_w: dict[tuple, object] = {}        # B done, W not yet (zero bubble)
@@ -177,6 +190,7 @@ class PipelineExecutor:
         self._grad_sync, self._step_index, self._report_at = None, None, frozenset()
         self._ahead: dict[int, list[Action]] = {}        # per peer rank, receives in order
         self._recvs_issued: set[tuple] = set()           # (kind, mb, chunk) issued so far
+        self._stamp = None  # the clock's stamp in a traced step, else None
 
     def program(self, m: int, forward_only: bool = False, stage: int | None = None) -> tuple:
         """The program (computes and message groups) of `stage` (default: this rank's) for a
@@ -238,26 +252,32 @@ class PipelineExecutor:
         peers = sorted({rank for _, rank, _, _ in planned})
         doing = (f"{group.name} {group} on pp stage {self.mesh.pp_rank} (with rank"
                  f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))})")
+        codes = {"send_act": SEND_ACT, "send_grad": SEND_GRAD}
+        ops = tuple((codes.get(key[0], RECV), key[1:], key, rank, message, label)
+                    for key, rank, message, label in planned)
         return PlannedGroup(
             tuple(planned), doing,
             tuple((a.mb, a.chunk) for a in group.messages if a.kind == "send_act"),
-            tuple((a.kind, a.mb, a.chunk) for a in group.messages if a.kind.startswith("send")))
+            tuple((a.kind, a.mb, a.chunk) for a in group.messages if a.kind.startswith("send")),
+            ops)
 
     def _plan_compute(self, a: Action, acks: dict) -> PlannedCompute:
         doing = f"{a.kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank}"
+        own = (a.kind, a.mb, a.chunk)
         if a.kind == "forward" and not self._is_first(a):
             kind = "recv_act"
         elif a.kind in ("backward", "backward_input") and not self._is_last(a):
             kind = "recv_grad"
         else:
-            return PlannedCompute(a, None, doing)
+            return PlannedCompute(a, None, doing, key=own)
         key = (kind, a.mb, a.chunk)
         peer_stage, peer_chunk = self._peer(self.mesh.pp_rank, Action(*key))
         if peer_stage == self.mesh.pp_rank:  # the V's turn: in memory
-            return PlannedCompute(a, None, doing, (kind, peer_chunk))
+            return PlannedCompute(a, None, doing, (kind, peer_chunk), own)
         peer = self.mesh.stage_rank(peer_stage)
         waiting = f"{kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank} (from rank {peer})"
-        return PlannedCompute(a, (key, peer, waiting, tuple(acks.get(key, ()))), doing)
+        return PlannedCompute(a, (key, peer, waiting, tuple(acks.get(key, ())), key[1:]), doing,
+                              key=own)
 
     def _chunk_arming(self, actions: list, last_backward: int | None) -> dict:
         """`StepPlan.arm_at`: with several model chunks, each chunk's last backward before the
@@ -315,6 +335,7 @@ class PipelineExecutor:
         self.weight_grads.take()
         self.weight_grads.enabled = not forward_only and plan.split_backward
         trace, record, clock = self._trace, self.trace, self.clock.stamp
+        self._stamp = clock if record else None
         if record:
             self.clock.begin()
         try:
@@ -324,34 +345,64 @@ class PipelineExecutor:
                 self.p2p.begin_step()
                 if self.post_ahead:
                     self._post_ahead(plan.posts)
-            issue, receive, dispatch = self._issue, self._receive, self._dispatch
+            issue, handlers, p2p = self._issue, self.handlers, self.p2p
+            counted, arm_at, post_ahead = self.count_comm_wait, plan.arm_at, self.post_ahead
+            inputs, out_grads, needs_grad = self._inputs, self._out_grads, not forward_only
             with torch.set_grad_enabled(not forward_only):
                 for i, step in enumerate(plan.steps):
                     if step.__class__ is PlannedGroup:
                         issue(step)
                         continue
-                    if step.recv is not None:
-                        receive(step.recv)
+                    if step.recv is not None:  # wait for the message the compute consumes
+                        key, peer, doing, acks, at = step.recv
+                        set_action(doing)
+                        if record:
+                            start = clock()
+                            tensor = p2p.wait_recv(*key)
+                            trace.append((key, start, clock()))
+                        else:
+                            tensor = p2p.wait_recv(*key)
+                        for send in acks:  # sends its arrival proves received
+                            p2p.release(*send)
+                        if post_ahead:
+                            self._post_next(peer)
+                        if key[0] == "recv_act":
+                            inputs[at] = tensor.requires_grad_(needs_grad)
+                        else:
+                            out_grads[at] = tensor
                     elif step.hand_over is not None:
                         self._hand_over(*step.hand_over, step.action)
                     self._step_index = i
                     if grad_sync is not None:
                         if i == last_backward:
                             grad_sync.before_last_backward()
-                        elif i in plan.arm_at and hasattr(grad_sync, "arm"):
-                            grad_sync.arm(plan.arm_at[i])  # a chunk's gradients final next
-                    a = step.action
+                        elif i in arm_at and hasattr(grad_sync, "arm"):
+                            grad_sync.arm(arm_at[i])  # a chunk's gradients final next
+                    key = step.key
+                    set_action(step.doing)
+                    handler = handlers.get(key[0])
+                    if handler is None:
+                        self._no_handler(key[0])
                     start = clock() if record else 0.0
-                    with counting(self.count_comm_wait):
-                        dispatch(a, step.doing)
+                    try:
+                        if counted:  # the straggler measure: tp / cp waits inside the compute
+                            with counting():
+                                handler(step.action)
+                        else:
+                            handler(step.action)
+                    except P2PTimeoutError:
+                        raise
+                    except Exception as exc:
+                        exc.add_note(self._failed_in(step.action))
+                        raise
                     if record:
-                        trace.append((a.kind, a.mb, a.chunk, start, clock()))
+                        trace.append((key, start, clock()))
             start = clock() if record else 0.0
             set_action(f"waiting for the sends of pp stage {self.mesh.pp_rank}")
             if self.p2p is not None:
                 self.p2p.wait_sends()
             if record:
-                trace.append(("wait", None, 0, start, clock()))
+                trace.append((("wait", None, 0), start, clock()))
             if grad_sync is not None:
                 set_action("waiting for the data-parallel gradient all-reduce")
                 grad_sync.finish()
@@ -359,7 +410,7 @@ class PipelineExecutor:
             set_action("loss broadcast from the last pipeline stage")
             loss = self._mean_loss(m)
             if record:
-                trace.append(("loss_broadcast", None, 0, start, clock()))
+                trace.append((("loss_broadcast", None, 0), start, clock()))
             return loss
         finally:
             self._reset([], 1.0, False)
@@ -372,34 +423,27 @@ class PipelineExecutor:
         """The last step's events (empty when it was not traced), read when asked for: on CUDA
         that is when the step's events are waited for, not during the step."""
         rank, trace, at = self._last_trace
-        return Timeline([Event(rank, k, mb, at(s), at(e), c) for k, mb, c, s, e in trace])
+        return Timeline([Event(rank, k, mb, at(s), at(e), c) for (k, mb, c), s, e in trace])
 
     @property
     def last_compute_s(self) -> float:
         """Seconds the last step's compute actions took (0 when it was not traced); on CUDA
         read as `last_timeline` is."""
         _, trace, at = self._last_trace
-        return sum(at(end) - at(start) for kind, _, _, start, end in trace
+        return sum(at(end) - at(start) for (kind, _, _), start, end in trace
                    if kind in COMPUTE_KINDS)
 
-    def _dispatch(self, action: Action, doing: str) -> None:
-        set_action(doing)
-        handler = self.handlers.get(action.kind)
-        if handler is None:
-            raise NotImplementedError(
-                f"schedule {self.schedule_name!r} uses action {action.kind!r}, which "
-                f"PipelineExecutor has no handler for; register one in executor.handlers")
-        try:
-            handler(action)
-        except P2PTimeoutError:
-            raise
-        except Exception as exc:
-            chunk = f" (chunk {action.chunk})" if len(self.chunks) > 1 else ""
-            note = (f"[megapar] while running {action.kind} of micro-batch {action.mb} on pp "
-                    f"stage {self.mesh.pp_rank}{chunk} (rank {self.mesh.rank}), schedule "
-                    f"{self.schedule_name!r}")
-            exc.add_note(note)
-            raise
+    def _no_handler(self, kind: str) -> None:
+        raise NotImplementedError(
+            f"schedule {self.schedule_name!r} uses action {kind!r}, which PipelineExecutor has "
+            f"no handler for; register one in executor.handlers")
+
+    def _failed_in(self, action: Action) -> str:
+        """The note added to an exception of a compute handler (P2P timeouts name their own)."""
+        chunk = f" (chunk {action.chunk})" if len(self.chunks) > 1 else ""
+        return (f"[megapar] while running {action.kind} of micro-batch {action.mb} on pp "
+                f"stage {self.mesh.pp_rank}{chunk} (rank {self.mesh.rank}), schedule "
+                f"{self.schedule_name!r}")
 
     def _peer(self, rank: int, a: Action) -> tuple[int, int] | None:
         return peer_of(rank, a, self.mesh.pp, len(self.chunks), self.placement)
@@ -457,46 +501,29 @@ class PipelineExecutor:
     def _issue(self, group: PlannedGroup) -> None:
         """Issue one message group: its sends (tensors this stage produced) and its receives
         not posted ahead already."""
-        issue, posted = [], self._recvs_issued
-        take = self._outputs.pop if self._forward_only else self._outputs.get
-        for key, rank, message, label in group.messages:
-            kind = key[0]
-            if kind == "send_act":
-                issue.append((key, take(key[1:]), rank, message, label))
-            elif kind == "send_grad":
-                issue.append((key, self._in_grads.pop(key[1:]), rank, message, label))
+        issue, posted, take = [], self._recvs_issued, self._take_output
+        for op, at, key, rank, message, label in group.ops:
+            if op == SEND_ACT:
+                issue.append((key, take(at), rank, message, label))
+            elif op == SEND_GRAD:
+                issue.append((key, self._in_grads.pop(at), rank, message, label))
             elif key not in posted:
                 posted.add(key)
                 issue.append((key, None, rank, message, label))
         if not issue:
             return
         set_action(group.doing)
-        start = self.clock.stamp() if self.trace else 0.0
+        stamp = self._stamp
+        start = stamp() if stamp is not None else 0.0
         self.p2p.issue(issue)
         if not self._forward_only:  # backward needs the graph, not the sent values
+            outputs, stand_in = self._outputs, self._stand_in
             for key in group.sent_acts:
-                free_output(self._outputs[key])
-        if self.trace:
-            end = self.clock.stamp()
-            self._trace += [(kind, mb, chunk, start, end) for kind, mb, chunk in group.sends]
-
-    def _receive(self, recv: tuple) -> None:
-        """Wait for the message a compute consumes (`PlannedCompute.recv`; traced as its
-        receive), release the sends its arrival proves received, keep its tensor."""
-        key, peer, doing, acks = recv
-        set_action(doing)
-        start = self.clock.stamp() if self.trace else 0.0
-        tensor = self.p2p.wait_recv(*key)
-        if self.trace:
-            self._trace.append((*key, start, self.clock.stamp()))
-        for send in acks:
-            self.p2p.release(*send)
-        if self.post_ahead:
-            self._post_next(peer)
-        if key[0] == "recv_act":
-            self._inputs[key[1:]] = tensor.requires_grad_(not self._forward_only)
-        else:
-            self._out_grads[key[1:]] = tensor
+                free_output(outputs[key], stand_in)
+        if stamp is not None:
+            end = stamp()
+            for key in group.sends:
+                self._trace.append((key, start, end))
 
     def _hand_over(self, kind: str, source: int, a: Action) -> None:
         """In-memory handover between two chunks of this rank (no message): the forward of
@@ -588,16 +615,22 @@ class PipelineExecutor:
 _FREED: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the one-element stand-in
 
 
-def free_output(output: torch.Tensor) -> None:
+def free_output(output: torch.Tensor, stand_in: torch.Tensor | None = None) -> None:
     """Release the storage of a sent output, keeping its autograd graph (a no-op for views,
     whose storage is another tensor's). Every freed output of a dtype and device shares one
-    one-element stand-in, which nothing reads or writes (the backward runs from the graph)."""
+    one-element stand-in (`stand_in_for`; pass it when known), which nothing reads or writes
+    (the backward runs from the graph)."""
     if output._base is None and output.numel() > 1:
-        key = (output.dtype, output.device)
-        stand_in = _FREED.get(key)
-        if stand_in is None:
-            stand_in = _FREED[key] = torch.empty((1,), dtype=output.dtype, device=output.device)
-        output.data = stand_in
+        output.data = stand_in_for(output.dtype, output.device) if stand_in is None else stand_in
+
+
+def stand_in_for(dtype: torch.dtype, device) -> torch.Tensor:
+    """The one-element tensor every freed output of `dtype` on `device` shares."""
+    key = (dtype, torch.device(device))
+    stand_in = _FREED.get(key)
+    if stand_in is None:
+        stand_in = _FREED[key] = torch.empty((1,), dtype=dtype, device=device)
+    return stand_in
 
 
 def backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
