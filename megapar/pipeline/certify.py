@@ -407,7 +407,7 @@ def _real_worker(cases: list[tuple], timeout_s: float) -> list[tuple]:
                                         timeout_s=timeout_s, virtual_stages=v)
             executor.post_ahead = False  # receives where the program has them, as on NCCL
             raw: list = []
-            real = executor.p2p.batch_isend_irecv or dist.batch_isend_irecv
+            real = executor.p2p.batch_isend_irecv
 
             def record(ops, raw=raw, real=real):
                 raw.append([(op.op is dist.isend, op.peer, op.tensor.numel()

@@ -156,8 +156,8 @@ class PipelineExecutor:
         self.p2p = (StageP2P(mesh, act_shape, act_dtype, timeout_s, wire_dtype)
                     if mesh.pp > 1 else None)
         self.weight_grads = store_of(stage)  # enabled in steps with a split backward
-        self._stand_in = (stand_in_for(act_dtype, mesh.device) if self.p2p is not None
-                          else None)  # what a sent output's storage is replaced by
+        self._stand_in = None  # what a sent output's storage is replaced by (the first step
+        self._act_dtype = act_dtype  # makes it: a CUDA mesh may be built where no GPU is)
         self.post_ahead = self.p2p is not None and polls_host(mesh.device)
         """Post each peer's next receive as soon as the previous one arrived (gloo: a message
         moves only once its receive is posted). NCCL runs a rank's operations in issue order,
@@ -325,6 +325,8 @@ class PipelineExecutor:
                 f"is out of step with its neighbours; restart the run (resume from the last "
                 f"checkpoint) instead of stepping again")
         plan = self.step_plan(m, forward_only)
+        if self._stand_in is None and self.p2p is not None:
+            self._stand_in = stand_in_for(self._act_dtype, self.mesh.device)
         last_backward = plan.last_backward
         if forward_only:
             grad_sync = None

@@ -40,6 +40,11 @@ class P2PTimeoutError(TimeoutError):
     """A pipeline send or receive did not complete in time (the peer died, hangs or mismatched)."""
 
 
+def _torch_batch_isend_irecv(ops):
+    """torch's `dist.batch_isend_irecv` as it is when called (a test may wrap torch's)."""
+    return dist.batch_isend_irecv(ops)
+
+
 class StageP2P:
     """Activation / gradient messages of one pipeline stage with the other stages."""
 
@@ -61,9 +66,9 @@ class StageP2P:
         self._joined = False
         self.failed = False
         """A send or receive failed: messages may still be in flight, the stage is out of step."""
-        self.batch_isend_irecv = None
-        """What issues a group's `dist.P2POp`s, when not torch's `dist.batch_isend_irecv` as it
-        is at the call (`megapar.pipeline.certify` sets it to record the operations a real step
+        self.batch_isend_irecv = _torch_batch_isend_irecv
+        """What issues a group's `dist.P2POp`s: torch's `dist.batch_isend_irecv`, looked up at
+        the call (`megapar.pipeline.certify` replaces it to record the operations a real step
         hands to torch)."""
 
     def begin_step(self) -> None:
@@ -98,7 +103,7 @@ class StageP2P:
                 kept.append((self._recvs, key, peer, payload))
             record.append(Op(tensor is not None, peer, message, label,
                              payload.numel() * payload.element_size()))
-        works = (self.batch_isend_irecv or dist.batch_isend_irecv)(ops)
+        works = self.batch_isend_irecv(ops)
         if len(works) != len(ops):  # a coalesced group (NCCL): one work for all its messages
             works = works[-1:] * len(ops)
         for (where, key, peer, tensor), work in zip(kept, works):
