@@ -654,3 +654,27 @@ def test_under_torchrun_a_stopped_rank_is_named_and_every_rank_exits(tmp_path, c
     forget_stale_marks()
     assert not list(Path(tempfile.gettempdir()).glob(marks))
     assert not (ckpt / "megapar.lock").exists(), text
+
+
+def test_an_exited_process_not_yet_reaped_is_not_alive():
+    """A zombie (exited, its parent has not waited: a killed launcher's workers in a container
+    whose PID 1 reaps late) owns no lock and no staging directory any more."""
+    import time as _time
+
+    from megapar.faults.processes import pid_alive
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        deadline = _time.monotonic() + 10
+        while pid_alive(pid) and _time.monotonic() < deadline:
+            _time.sleep(0.01)  # until it has exited (a zombie until the waitpid below)
+        assert not pid_alive(pid)
+        assert os.waitpid(pid, os.WNOHANG)[0] == pid  # it was a zombie: reaped only now
+    finally:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    assert pid_alive(os.getpid())

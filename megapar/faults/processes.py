@@ -46,18 +46,24 @@ def pid_alive(pid: int, start: str | None = None) -> bool:
         pass  # another user's process: it exists
     except OSError:
         return True  # cannot tell: never treat a possibly live owner as gone
+    if _state(pid) in ("Z", "X"):  # exited, not yet reaped (a parent gone; PID 1 reaps late)
+        return False
     now = process_start(pid) if start is not None else None
     return start is None or now is None or now == start
 
 
-def stopped(pid: int) -> bool:
-    """Whether live process `pid` is stopped (SIGSTOP / SIGTSTP; Linux /proc)."""
+def _state(pid: int) -> str | None:
+    """Process `pid`'s state letter from Linux /proc (R, S, T, Z, ...); None where unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            code = f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
-    return code in ("T", "t")
+        return None
+
+
+def stopped(pid: int) -> bool:
+    """Whether live process `pid` is stopped (SIGSTOP / SIGTSTP; Linux /proc)."""
+    return _state(pid) in ("T", "t")
 
 
 def sibling_ranks() -> dict[int, int]:
