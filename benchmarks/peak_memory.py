@@ -17,6 +17,7 @@ not fit the heap's free room stays resident under the first, so its peak can be 
 
     python benchmarks/peak_memory.py                  # every group, about 6 minutes on 2 cores
     python benchmarks/peak_memory.py --groups zero1   # one group
+    python benchmarks/peak_memory.py --groups schedules  # 1F1B, ZB-H1, ZB-V, DualPipeV
 
 Each group compares configurations with one flag changed; `--repeats` runs each again (the
 peak of a run is deterministic to a few MB on an idle machine).
@@ -54,6 +55,10 @@ GROUPS = {  # name: (the claim, [(label, flags)])
     "cp": ("context parallelism keeps 1/cp of a sequence's activations per rank (seq 4096)", [
         (f"cp {cp}", [*SMALL, "--cp", str(cp), "--seq-len", "4096", "--micro-batch-size", "1",
                       "--global-batch-size", "1"]) for cp in (1, 2, 4)]),
+    "schedules": ("ZB-V and DualPipeV hold no more activations than 1F1B (pp 2, m 8, seq 1024)", [
+        (schedule, [*SMALL, "--pp", "2", "--seq-len", "1024", "--micro-batch-size", "1",
+                    "--global-batch-size", "8", "--schedule", schedule])
+        for schedule in ("1f1b", "zb-h1", "zb-v", "dualpipev")]),
 }
 COMMON = ["--max-steps", "2", "--warmup-steps", "0", "--eval-interval", "0", "--no-progress",
           "--log-interval", "1"]

@@ -365,7 +365,7 @@ def zb_v(pp: int, m: int, stage: int) -> list[Action]:
     chunks per rank placed in a V (rank r holds virtual stages r and 2 pp - 1 - r, so the
     first stage's input and the last stage's loss are both on rank 0, and the turn from
     virtual stage pp - 1 to pp is handed over in memory on rank pp - 1), each backward split
-    into B and W. With t_F = t_B = t_W the bubble is near zero at 1F1B's activation memory
+    into B and W. With t_F = t_B = t_W the bubble is near zero with 1F1B's count of activations
     (2 pp micro-batch-chunks, each half a stage, in flight on rank 0). Any m >= 1; needs
     pp >= 2 and a model of at least 2 pp layers."""
     _check_args(pp, m, stage)
