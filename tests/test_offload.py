@@ -116,9 +116,9 @@ def test_host_keyed_state_finds_masters_by_their_tensors():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (dict(offload_params=True), "--offload-params needs --zero 3"),
-    (dict(offload_params=True, zero=1), "--offload-params needs --zero 3"),
-    (dict(offload_optimizer=True, optimizer="lamb"), "--offload-optimizer steps AdamW or SGD"),
+    ({"offload_params": True}, "--offload-params needs --zero 3"),
+    ({"offload_params": True, "zero": 1}, "--offload-params needs --zero 3"),
+    ({"offload_optimizer": True, "optimizer": "lamb"}, "--offload-optimizer steps AdamW or SGD"),
 ])
 def test_offload_combinations_it_cannot_serve_are_one_line(flags, message):
     with pytest.raises(UsageError, match=message) as err:

@@ -193,7 +193,7 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
     if c.zero not in ZERO_STAGES:
         return f"zero {c.zero}: the planner models ZeRO stages {', '.join(map(str, ZERO_STAGES))}"
     if c.zero and c.dp * c.cp == 1:
-        return f"ZeRO-{c.zero} needs dp x cp > 1 (there is nothing to shard over)"
+        return f"ZeRO-{c.zero} needs dp > 1 (or cp > 1: there is nothing to shard over)"
     if c.offload_params and c.zero != 3:
         return "offload of the parameters needs zero 3 (it moves the parameter shards)"
     if c.keep_params and (c.zero != 3 or c.pp == 1):

@@ -185,3 +185,11 @@ def _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement="loop"):
                          for idx in stage_units(config, tp, pp, v, stage, placement)]
     late = [i for i, t in enumerate(tensors) if t.shared] if pp > 1 else []
     return tensors, bucket_layout([(t.numel, t.dtype) for t in tensors], bucket_mb, dp, late)
+
+
+def sharded_buffer(config, tp: int, pp: int, v: int, stage: int, dp: int, zero: int,
+                   bucket_mb: float = 25.0, placement: str = "loop") -> tuple[int, int]:
+    """(buckets or units, bytes of the padded buffer) ZeRO reduces and gathers on this stage
+    (ZeRO-1 / 2: `bucket_layout`'s buckets; ZeRO-3: its units); (0, 0) without ZeRO."""
+    tensors, units = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement)
+    return len(units), sum(padded * tensors[idx[0]].dtype.itemsize for idx, padded in units)
