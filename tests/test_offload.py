@@ -9,6 +9,7 @@ canonical: an offloaded optimizer's state loads into one without offload and the
 
 import pytest
 import torch
+from test_layout_change import common  # noqa: F401 - the fixture
 from test_parity_3d import _worker, check_against, serial_reference
 
 from megapar.launcher import run_local
@@ -124,3 +125,35 @@ def test_offload_combinations_it_cannot_serve_are_one_line(flags, message):
     with pytest.raises(UsageError, match=message) as err:
         check_settings(TrainConfig(**flags))
     assert "\n" not in str(err.value)
+
+
+def test_cli_offload_checkpoint_resumes_without_offload(tmp_path, common, host_copies):
+    """megapar-train --dp 2 --zero 1 --offload-optimizer (host copies, as on CUDA) saves at step
+    3 of 6; resumed without offload and without ZeRO it logs the losses of the run that went
+    on (fp32, 1e-5)."""
+    from test_layout_change import _assert_continues, _train_and_checkpoint
+
+    from megapar.cli.train import main as train
+
+    reference, step3 = _train_and_checkpoint(
+        tmp_path, common, ["--dp", "2", "--zero", "1", "--offload-optimizer"])
+    log = tmp_path / "resumed.jsonl"
+    assert train([*common, "--dp", "2", "--zero", "0", "--load", str(step3),
+                  "--log-json", str(log)]) == 0
+    _assert_continues(reference, log, "offload zero=1 dp=2 -> no offload zero=0 dp=2")
+
+
+def test_a_tensor_without_gradient_is_not_stepped_on_the_host(host_copies):
+    """As torch's optimizer skips a parameter whose .grad is None, so does the host step (a
+    stale host gradient from an earlier step must not move it)."""
+    mesh = Mesh(Layout())
+    model = build_stage(CONFIG, mesh, seed=3)
+    opt = build_optimizer(model, mesh, 1e-2, 0.0, offload=True)
+    _steps(model, opt, 7, 1)
+    frozen, moved = opt.params[0], opt.params[1]
+    before, other = frozen.detach().clone(), moved.detach().clone()
+    opt.zero_grad()
+    for p in opt.params[1:]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.equal(frozen, before) and not torch.equal(moved, other)

@@ -84,10 +84,11 @@ class HostStep:
         pin = self.pinned = device.type == "cuda"
         if self.copies:
             self.masters = [_host_like(t, pin, t.detach()) for t in self.stepped]
-            for m in self.masters:
-                m.grad = _host_like(m, pin)
+            self.grads = [_host_like(m, pin) for m in self.masters]
+            for m, g in zip(self.masters, self.grads):
+                m.grad = g
         else:
-            self.masters = self.stepped
+            self.masters, self.grads = self.stepped, []
         self.master_of = {id(t): m for t, m in zip(self.stepped, self.masters)}
         self._seen: list[tuple[int, int]] = []
         self.settled()
@@ -117,18 +118,19 @@ class HostStep:
         if not self.copies:
             inner_step()
             return
-        for t, m, seen in zip(self.stepped, self.masters, self._seen):
+        for t, m, g, seen in zip(self.stepped, self.masters, self.grads, self._seen):
             if _mark(t) != seen:  # the weights were set from outside since the last step
                 m.copy_(t)
+            m.grad = None if t.grad is None else g  # no gradient: not stepped, as on the device
             if t.grad is not None:
-                m.grad.copy_(t.grad)  # device to pinned host: waits for the gradients
+                g.copy_(t.grad)  # device to pinned host: waits for the gradients
         inner_step()
         for t, m in zip(self.stepped, self.masters):
             t.copy_(m, non_blocking=True)
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The host copies this offload made (masters and their gradients; [] without)."""
-        return [x for m in self.masters for x in (m, m.grad)] if self.copies else []
+        return [*self.masters, *self.grads] if self.copies else []
 
 
 def _mark(t: torch.Tensor) -> tuple[int, int]:
