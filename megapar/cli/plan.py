@@ -274,7 +274,7 @@ def _verify(estimates, problem) -> int:
     failed = False
     for i, e in enumerate(estimates, 1):
         result = verify_layout(problem, e.candidate)
-        label = f"{i:>3} {e.candidate.label():<56}"
+        label = f"{i:>3} {e.candidate.label():<64}"
         if result.error:
             print(f"{label} megapar-train refuses it: {result.error}")
         elif result.differences:
