@@ -391,3 +391,12 @@ def test_dry_run_of_zero_2_and_3_reports_the_planned_device_and_host_bytes(spec)
             assert dp["all_gather"]["count"] % gathers == 0
         if c.offload_params:
             assert r.host >= r.weights - 4 * 100_000 and r.host > r.optimizer
+
+
+def test_dry_run_reports_the_zero_stage_offload_and_host_bytes(capsys):
+    rc, out, err = _train(["--model", "gpt2-tiny", "--dp", "2", "--world-size", "2",
+                           "--dry-run", "--zero", "1", "--offload-optimizer"], capsys)
+    assert rc == 0, err
+    assert "ZeRO-1, offload: optimizer" in out and "host copies" in out
+    assert out.count("memory besides activations: device ") == 2
+    assert sample_ranks(Layout(8, 16, 8), zero=3) == sample_ranks(Layout(8, 16, 8), zero=1)
