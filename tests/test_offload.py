@@ -127,7 +127,7 @@ def test_offload_combinations_it_cannot_serve_are_one_line(flags, message):
     assert "\n" not in str(err.value)
 
 
-def test_cli_offload_checkpoint_resumes_without_offload(tmp_path, common, host_copies):
+def test_cli_offload_checkpoint_resumes_without_offload(tmp_path, common, host_copies):  # noqa: F811
     """megapar-train --dp 2 --zero 1 --offload-optimizer (host copies, as on CUDA) saves at step
     3 of 6; resumed without offload and without ZeRO it logs the losses of the run that went
     on (fp32, 1e-5)."""

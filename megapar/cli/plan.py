@@ -32,7 +32,13 @@ from megapar.mesh import Layout
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
 from megapar.plan import Problem, check, estimate, parse_candidate, plan
-from megapar.plan.layouts import OFFLOADS, PLAN_SCHEDULES, RECOMPUTE, ZERO_STAGES, model_refusal
+from megapar.plan.layouts import (
+    OFFLOADS,
+    PLAN_SCHEDULES,
+    RECOMPUTE,
+    ZERO_STAGES,
+    model_refusal,
+)
 from megapar.plan.params import model_params
 from megapar.plan.report import command, explain, row, runnable, table
 from megapar.training.config import OneLineParser
