@@ -53,16 +53,16 @@ def _offloaded(tp, dp, zero):
 def test_offload_parity_dp1_zero0_and_dp2_zero1(reference, host_copies):
     outs = run_local(_one_rank, 1, [_offloaded(1, 1, 0)])
     check_against(reference, [o[0] for o in outs])
-    assert outs[0][0]["host_copies"]
+    assert outs[0][0]["host_copies"] and outs[0][0]["refreshed"] == 0
     outs = run_local(_worker, 2, [_offloaded(1, 2, 1)])
     check_against(reference, [o[0] for o in outs])
-    assert all(o[0]["host_copies"] for o in outs)
+    assert all(o[0]["host_copies"] and o[0]["refreshed"] == 0 for o in outs)
 
 
 def test_offload_parity_tp2_dp2_zero1(reference, host_copies):
     outs = run_local(_worker, 4, [_offloaded(2, 2, 1)])
     check_against(reference, [o[0] for o in outs])
-    assert all(o[0]["host_copies"] for o in outs)
+    assert all(o[0]["host_copies"] and o[0]["refreshed"] == 0 for o in outs)
 
 
 CONFIG = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
@@ -102,6 +102,10 @@ def test_offload_checkpoint_is_canonical_both_ways(host_copies, first, second):
     for n in saved:
         for k in saved[n]:
             assert torch.equal(saved[n][k], resumed[n][k]), (n, k)
+    if first:  # its own steps never changed the weights behind the masters' back
+        assert through.host.refreshed == 0
+    if second:  # the loaded weights reached the masters, once each, at the first step
+        assert after.host.refreshed == len(after.params)
     if second:  # the loaded state lives with the host masters, not the parameters
         for p in after.params:
             master = after.host.master_of[id(p)]

@@ -132,6 +132,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     host = optimizer.host  # --offload-optimizer: were the masters host copies of the pieces?
     return {"layout": (tp, pp, dp, zero, schedule, order, cp), "results": results,
             "weights": weights if keep else {}, "grads": full_grads if keep else {}, "cut": cut,
+            "refreshed": host.refreshed if host is not None else 0,
             "host_copies": host is not None and host.copies and all(
                 m is not t and m.data_ptr() != t.data_ptr()
                 for m, t in zip(host.masters, host.stepped))}

@@ -91,6 +91,8 @@ class HostStep:
             self.masters, self.grads = self.stepped, []
         self.master_of = {id(t): m for t, m in zip(self.stepped, self.masters)}
         self._seen: list[tuple[int, int]] = []
+        self.refreshed = 0
+        """Masters copied from their stepped tensors, set from outside between steps."""
         self.settled()
 
     def settled(self) -> None:
@@ -121,6 +123,7 @@ class HostStep:
         for t, m, g, seen in zip(self.stepped, self.masters, self.grads, self._seen):
             if _mark(t) != seen:  # the weights were set from outside since the last step
                 m.copy_(t)
+                self.refreshed += 1
             m.grad = None if t.grad is None else g  # no gradient: not stepped, as on the device
             if t.grad is not None:
                 g.copy_(t.grad)  # device to pinned host: waits for the gradients
