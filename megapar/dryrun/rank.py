@@ -21,7 +21,11 @@
 
 Weights, gradients and optimizer state are the bytes of the distinct storages behind the real
 (fake) tensors: parameters (ZeRO-1: the flat parameter buffer, padding included), gradients
-(the gradient buffer) and every tensor of the optimizer's state.
+(the gradient buffer) and every tensor of the optimizer's state; with --offload-optimizer its
+host copies (made as on a GPU), and the state and copies counted as host memory. ZeRO-3's
+units gathered in flight are the planner's model, as the activations are. A ZeRO stage this
+megapar-train lacks (not among --zero's choices) is rehearsed at ZeRO-1, with the planner's
+state and dp traffic in place of ZeRO-1's, and a note saying so.
 """
 
 from __future__ import annotations
@@ -224,6 +228,8 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     held, gathered = held_bytes(engine.model, optimizer), 0
     if modelled:
         held, gathered = _modelled_state(cfg, config, mesh, comm, m, notes)
+    elif cfg.zero >= 3:  # units gathered in flight are transient: the planner's, as activations
+        gathered = _planned_state(cfg, config, mesh).gathered
     # the file of this (tp, pp) coordinate, as its dp rank 0 writes it: every parameter with
     # the optimizer's moments, each of its parameter's shape and dtype (what state_tensors()
     # gives the writer; tied copies are not stored)
@@ -246,6 +252,17 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         notes=notes)
 
 
+def _planned_state(cfg, config, mesh: Mesh):
+    """The planner's `RankState` of this rank (`megapar.plan.state.rank_state`)."""
+    layout = mesh.layout
+    return rank_state(config, layout.tp, layout.pp,
+                      chunks_per_rank(cfg.schedule, cfg.virtual_stages), mesh.pp_rank,
+                      layout.dp * layout.cp, mesh.dp_rank * layout.cp + mesh.cp_rank, cfg.zero,
+                      cfg.grad_bucket_mb, placement_of(cfg.schedule),
+                      Offload(cfg.offload_optimizer, cfg.offload_params,
+                              bool(getattr(cfg, "keep_params", False))))
+
+
 def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
                     notes: list[str]) -> tuple[dict, int]:
     """(`held_bytes`' figures, gathered bytes) of a ZeRO stage this megapar-train lacks, from
@@ -254,9 +271,7 @@ def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
     layout, r = mesh.layout, mesh.layout.dp * mesh.layout.cp
     v, placement = chunks_per_rank(cfg.schedule, cfg.virtual_stages), placement_of(cfg.schedule)
     keep = bool(getattr(cfg, "keep_params", False))
-    state = rank_state(config, layout.tp, layout.pp, v, mesh.pp_rank, r,
-                       mesh.dp_rank * layout.cp + mesh.cp_rank, cfg.zero, cfg.grad_bucket_mb,
-                       placement, Offload(cfg.offload_optimizer, cfg.offload_params, keep))
+    state = _planned_state(cfg, config, mesh)
     group = next((g for g in comm.values() if "reduce_scatter" in g), None)
     if group is not None:  # ZeRO-1's reduce-scatter and all-gather, in the reduce dtype
         scale = group["reduce_scatter"]["bytes"] / group["all_gather"]["bytes"]
