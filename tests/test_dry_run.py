@@ -400,3 +400,16 @@ def test_dry_run_reports_the_zero_stage_offload_and_host_bytes(capsys):
     assert "ZeRO-1, offload: optimizer" in out and "host copies" in out
     assert out.count("memory besides activations: device ") == 2
     assert sample_ranks(Layout(8, 16, 8), zero=3) == sample_ranks(Layout(8, 16, 8), zero=1)
+
+
+def test_plan_verify_lays_out_a_v_schedule_s_stages_in_the_v():
+    """ZB-V puts the embedding and the head both on pp rank 0: --verify compares with the
+    plan's state of that placement (it compared with the loop's, 3.2 M parameters apart)."""
+    from megapar.dryrun.verify import verify_layout
+    from megapar.plan import Problem, parse_candidate
+
+    problem = Problem(resolve_model("gpt2-tiny"), 8, global_batch=16, seq_len=32,
+                      precision="fp32")
+    result = verify_layout(problem, parse_candidate("tp=1,pp=2,mbs=1,schedule=zb-v,v=2,zero=1",
+                                                    8))
+    assert result.error == "" and result.ranks == 4 and result.differences == [], result
