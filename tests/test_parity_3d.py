@@ -80,7 +80,8 @@ def serial_reference() -> dict:
 
 def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            schedule: str = "1f1b", virtual_stages: int = 1, order: str = "tp-pp-dp",
-           sequence_parallel: bool = False, cp: int = 1, mbs: int = MBS) -> dict:
+           sequence_parallel: bool = False, cp: int = 1, mbs: int = MBS,
+           offload: bool = False) -> dict:
     """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage
     (of every cp rank: they must agree)."""
     import torch.distributed as dist
@@ -100,7 +101,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     seq = SEQ // cp // tp if sequence_parallel else SEQ // cp
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq, CONFIG["n_embd"]),
                                 virtual_stages=virtual_stages)
-    optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
+    optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, offload=offload)
     grad_sync = GradBuckets(list(model.parameters()), mesh.dp_cp_group, bucket_mb=0.02,
                             average_over=dp) if dp * cp > 1 else None
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision(precision, mesh.device),
@@ -128,8 +129,13 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     cut = [n for n, p in model.named_parameters()
            if 0 < sum(e - s for q, s, e in getattr(optimizer, "_piece_of", []) if q is p)
            < p.numel()]
+    host = optimizer.host  # --offload-optimizer: were the masters host copies of the pieces?
     return {"layout": (tp, pp, dp, zero, schedule, order, cp), "results": results,
-            "weights": weights if keep else {}, "grads": full_grads if keep else {}, "cut": cut}
+            "weights": weights if keep else {}, "grads": full_grads if keep else {}, "cut": cut,
+            "refreshed": host.refreshed if host is not None else 0,
+            "host_copies": host is not None and host.copies and all(
+                m is not t and m.data_ptr() != t.data_ptr()
+                for m, t in zip(host.masters, host.stepped))}
 
 
 def _worker(runs: list[tuple]) -> list[dict]:

@@ -396,3 +396,90 @@ def test_command_uses_only_flags_megapar_train_has():
     assert ("--virtual-stages 3" in cmd) == ("virtual_stages" in fields)
     assert ("--schedule interleaved" in cmd) == ("interleaved" in _choices()["schedule"])
     assert "--zero 1" in cmd
+
+
+# -- ZeRO-2 / 3 and offload ----------------------------------------------------------------------
+def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
+    """fp32 terms, r = dp: zero 0 16 B/param, zero 1 4 + 4 + 8/r, zero 2 4 + (4 + 8)/r, zero 3
+    16/r plus the gathered units (twice the largest: the root unit, the word embedding), up to
+    the padding to r, Adam's 4-byte step counters and ZeRO-3's persistent small parameters."""
+    from megapar.plan.params import stage_tensors, stage_units
+    from megapar.plan.state import PERSISTENCE_THRESHOLD, Offload, rank_state
+
+    config, r = resolve_model("gpt2-124m"), 8
+    n = stage_params(config, 1, 1)[0]
+    held = {z: rank_state(config, 1, 1, 1, 0, r, 0, z) for z in range(4)}
+    for z, (weights, grads, optim) in {0: (4, 4, 8), 1: (4, 4, 8 / r), 2: (4, 4 / r, 8 / r),
+                                       3: (4 / r, 4 / r, 8 / r)}.items():
+        h = held[z]
+        assert h.weights == pytest.approx(weights * n, rel=1e-2), z  # zero 3: + persistent
+        assert h.grads == pytest.approx(grads * n, rel=1e-4), z
+        assert h.optimizer == pytest.approx(optim * n, rel=1e-4), z
+    assert held[2].weights == held[1].weights and held[2].optimizer == held[1].optimizer
+    tensors = stage_tensors(config, 1, 1, 1, 0)
+    small = sum(t.numel * 4 for t in tensors if t.numel < PERSISTENCE_THRESHOLD)
+    assert held[3].weights == pytest.approx((4 * n - small) / r + small, rel=1e-5)
+    units = stage_units(config, 1, 1, 1, 0)
+    assert sorted(i for u in units for i in u) == list(range(len(tensors)))
+    assert len(units) == config.num_layers + 1
+    root = sum(tensors[i].numel * 4 for i in units[-1] if tensors[i].numel >= 100_000)
+    assert held[3].gathered == 2 * root  # the root unit (embeddings) is the largest
+    assert held[0].gathered == held[2].gathered == 0
+    # offload: the state and the stepped tensors' host copies move to the host
+    off = rank_state(config, 1, 1, 1, 0, r, 0, 3, offload=Offload(True, True))
+    steps = off.optimizer - off.master  # master and gradient copies: the moments' size
+    assert 0 < steps <= 4 * len(tensors) + 4 * len(units) and steps % 4 == 0
+    assert off.host == off.optimizer + off.master + off.weights - small
+    assert off.device == small + off.grads + off.gathered
+
+
+def test_zero_traffic_per_step():
+    """ZeRO-1 moves one all-reduce's bytes, ZeRO-2 a reduce-scatter per micro-batch, ZeRO-3
+    1.5 all-reduces without pp (m 1) and, kept across micro-batches with pp, one all-gather."""
+    from megapar.plan.sharding import dp_traffic
+
+    def wire(ops):  # ring bytes per rank, in units of (r - 1) / r x the tensor
+        return sum(2 * b if op == "all_reduce" else b for op, _, b in ops)
+
+    g = 100.0
+    assert wire(dp_traffic(1, 1, 1, False, g, g)) == wire(dp_traffic(0, 1, 1, False, g, g))
+    assert wire(dp_traffic(3, 1, 1, False, g, g)) == 1.5 * wire(dp_traffic(0, 1, 1, False, g, g))
+    assert dp_traffic(2, 4, 1, False, g, g, pieces=3) == [("reduce_scatter", 12, 4 * g),
+                                                          ("all_gather", 3, g)]
+    assert dp_traffic(3, 4, 2, False, g, g) == [("all_gather", 8, 8 * g),
+                                                ("reduce_scatter", 4, 4 * g)]
+    assert dp_traffic(3, 4, 2, True, g, g) == [("all_gather", 1, g), ("reduce_scatter", 4, 4 * g)]
+
+
+def test_zero_layout_strings_parse_and_are_checked():
+    c = parse_candidate("tp=1,pp=2,mbs=1,zero=3,offload=both,keep_params=1", 8)
+    assert (c.dp, c.zero, c.offload_optimizer, c.offload_params, c.keep_params) == \
+        (4, 3, True, True, True)
+    assert parse_candidate(c.spec(), 8) == c and "zero3 keep offload=both" in c.label()
+    config = resolve_model("gpt2-tiny")
+    assert check(c, config, 8, 8, 32, 64) is None
+    for spec, reason in (("zero=2,offload=params", "needs zero 3"),
+                         ("zero=3,keep_params=1", "keep_params needs zero 3 and pp > 1"),
+                         ("zero=4", "the planner models ZeRO stages 0, 1, 2, 3")):
+        assert reason in check(parse_candidate(spec, 8), config, 8, 8, 32, 64), spec
+    with pytest.raises(ValueError, match="offload='disk'"):
+        parse_candidate("zero=3,offload=disk", 8)
+
+
+def test_gpt2_1_5b_fits_8_gpus_of_16_gib_only_with_zero3(capsys):
+    """Issue 30: without tp or pp, gpt2-1.5b at dp 8 fits 16 GiB only with ZeRO-3 (ZeRO-2 too
+    with recomputation); the plan offers it, with its megapar-train command."""
+    base = ["--model", "gpt2-1.5b", "--gpus", "8", "--gpu-memory-gb", "16",
+            "--global-batch-size", "64", "--seq-len", "1024", "--micro-batch-sizes", "1",
+            "--recompute", "none", "--schedules", "1f1b"]
+    code, out = _cli(capsys, *base, "--json", "--top", "500")
+    assert code == 0, out.err
+    rows = {(r["spec"]): r for r in json.loads(out.out)["layouts"]}
+    flat = {z: rows[f"tp=1,pp=1,dp=8,mbs=1,schedule=1f1b,v=1,recompute=none,sp=0,zero={z}"]
+            for z in range(4)}
+    assert [flat[z]["fits"] for z in range(4)] == [False, False, False, True]
+    assert flat[3]["memory_gib"]["gathered"] > 0
+    assert [flat[z]["memory_gib"]["total"] for z in range(4)] == sorted(
+        (flat[z]["memory_gib"]["total"] for z in range(4)), reverse=True)
+    code, out = _cli(capsys, *base)
+    assert "chosen: tp1 pp1 dp8 mbs1 1f1b rc=none zero3" in out.out and "--zero 3" in out.out

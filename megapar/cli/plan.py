@@ -32,7 +32,13 @@ from megapar.mesh import Layout
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
 from megapar.plan import Problem, check, estimate, parse_candidate, plan
-from megapar.plan.layouts import PLAN_SCHEDULES, RECOMPUTE, model_refusal
+from megapar.plan.layouts import (
+    OFFLOADS,
+    PLAN_SCHEDULES,
+    RECOMPUTE,
+    ZERO_STAGES,
+    model_refusal,
+)
 from megapar.plan.params import model_params
 from megapar.plan.report import command, explain, row, runnable, table
 from megapar.training.config import OneLineParser
@@ -64,6 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--virtual-stages", type=int, nargs="+", default=[2, 4],
                    help="chunks per rank tried for the interleaved schedule")
     p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=list(RECOMPUTE))
+    p.add_argument("--zero-stages", type=int, nargs="+", choices=ZERO_STAGES,
+                   default=list(ZERO_STAGES),
+                   help="ZeRO stages tried where dp x cp > 1 (1: optimizer state sharded, 2: "
+                        "also gradients, 3: also parameters)")
+    p.add_argument("--offload", nargs="+", choices=OFFLOADS, default=["none"],
+                   help="host-memory offloads tried too: optimizer (--offload-optimizer), "
+                        "params (ZeRO-3's parameter shards), both")
+    p.add_argument("--pcie-gbps", type=float, default=200.0,
+                   help="host-device bandwidth per GPU, Gbit/s (offload's copies)")
     p.add_argument("--cp-sizes", type=int, nargs="+", default=None,
                    help="context-parallel sizes tried (default: 1, and 2 4 8 too when --seq-len "
                         "is 8192 or more)")
@@ -116,7 +131,8 @@ def _problem(args):
                          f"{args.gpus_per_node} but is not a multiple of it (torchrun starts "
                          f"the same number of processes on every node); use a multiple of "
                          f"{args.gpus_per_node}, or the --gpus-per-node each node really uses")
-    for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+    for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps",
+                 "pcie_gbps"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{name.replace('_', '-')} {value:g} is invalid: it must be a "
@@ -147,7 +163,8 @@ def _problem(args):
     return Problem(config, args.gpus, args.gpus_per_node, args.gpu_memory_gb,
                    args.global_batch_size, args.seq_len, args.precision, args.master_weights,
                    args.fused_attention, args.peak_tflops, args.efficiency,
-                   args.intra_node_gbps, args.inter_node_gbps, args.latency_us)
+                   args.intra_node_gbps, args.inter_node_gbps, args.latency_us,
+                   pcie_gbps=args.pcie_gbps)
 
 
 def _explain(args, problem) -> int:
@@ -187,7 +204,9 @@ def main(argv=None) -> int:
                                schedules=tuple(args.schedules),
                                virtual_stages=tuple(args.virtual_stages),
                                recompute=tuple(args.recompute),
-                               cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None)
+                               cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None,
+                               zero_stages=tuple(args.zero_stages),
+                               offloads=tuple(args.offload))
     if args.today:
         estimates = [e for e in estimates if not runnable(e, problem.master_weights)]
     best = estimates[0] if estimates and estimates[0].fits else None
@@ -261,7 +280,7 @@ def _verify(estimates, problem) -> int:
     failed = False
     for i, e in enumerate(estimates, 1):
         result = verify_layout(problem, e.candidate)
-        label = f"{i:>3} {e.candidate.label():<56}"
+        label = f"{i:>3} {e.candidate.label():<64}"
         if result.error:
             print(f"{label} megapar-train refuses it: {result.error}")
         elif result.differences:

@@ -21,7 +21,11 @@
 
 Weights, gradients and optimizer state are the bytes of the distinct storages behind the real
 (fake) tensors: parameters (ZeRO-1: the flat parameter buffer, padding included), gradients
-(the gradient buffer) and every tensor of the optimizer's state.
+(the gradient buffer) and every tensor of the optimizer's state; with --offload-optimizer its
+host copies (made as on a GPU), and the state and copies counted as host memory. ZeRO-3's
+units gathered in flight are the planner's model, as the activations are. A ZeRO stage this
+megapar-train lacks (not among --zero's choices) is rehearsed at ZeRO-1, with the planner's
+state and dp traffic in place of ZeRO-1's, and a note saying so.
 """
 
 from __future__ import annotations
@@ -44,7 +48,10 @@ from megapar.pipeline.schedules import (
     schedule_actions,
 )
 from megapar.plan import Candidate, Problem, stage_memory
+from megapar.plan.sharding import dp_traffic
+from megapar.plan.state import Offload, rank_state, sharded_buffer
 from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
+from megapar.training.config import _choices
 from megapar.training.data import make_sampler
 from megapar.training.engine import Engine
 
@@ -89,6 +96,19 @@ class RankReport:
     first_batch: list | None = None
     """Sample indices of this rank's micro-batches in the first global batch (with data)."""
     notes: list = field(default_factory=list)
+    master: int = 0
+    """--offload-optimizer: its host copies of the stepped tensors and their gradients."""
+    gathered: int = 0
+    """ZeRO-3: parameters all-gathered at the peak (modelled, `megapar.plan.state`)."""
+    host: int = 0
+    """Of weights, gradients, optimizer and host copies, the bytes in host memory."""
+    device: int = 0
+    """Weights, gradients, optimizer, host copies and gathered units in device memory (the
+    activations are apart)."""
+    zero: int = 0
+    """The ZeRO stage."""
+    modelled: bool = False
+    """The state and dp traffic are the planner's (this megapar-train lacks the ZeRO stage)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -165,10 +185,14 @@ REHEARSED_AS = {"dualpipev": "zb-v"}
 def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankReport:
     layout, notes = mesh.layout, []
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
+    # a ZeRO stage this megapar-train lacks is rehearsed at ZeRO-1 (the same model, messages
+    # and tp / cp collectives), its state and dp traffic taken from the planner's model
+    modelled = cfg.zero not in _choices()["zero"]
+    run_cfg = replace(cfg, zero=1, offload_params=False) if modelled else cfg
     # the rehearsal runs one micro-batch; DualPipeV takes no fewer than 2 pp, so its one is run
     # under ZB-V: the same V placement, so the same messages and collectives per micro-batch
-    engine = Engine(replace(cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule)), config,
-                    mesh)
+    engine = Engine(replace(run_cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule)),
+                    config, mesh)
     first_batch = None  # this rank's micro-batches of the first global batch (sample indices)
     if dataset is not None:
         first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
@@ -201,6 +225,11 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
                for i, c in enumerate(run_calls)] + [1] * len(step_calls)
     comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
     optimizer = engine.optimizer
+    held, gathered = held_bytes(engine.model, optimizer), 0
+    if modelled:
+        held, gathered = _modelled_state(cfg, config, mesh, comm, m, notes)
+    elif cfg.zero >= 3:  # units gathered in flight are transient: the planner's, as activations
+        gathered = _planned_state(cfg, config, mesh).gathered
     # the file of this (tp, pp) coordinate, as its dp rank 0 writes it: every parameter with
     # the optimizer's moments, each of its parameter's shape and dtype (what state_tensors()
     # gives the writer; tied copies are not stored)
@@ -213,12 +242,53 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     return RankReport(
         rank=mesh.rank, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, dp_rank=mesh.dp_rank,
         cp_rank=mesh.cp_rank,
-        node=mesh.rank // gpus_per_node, **held_bytes(engine.model, optimizer),
+        node=mesh.rank // gpus_per_node, **held, gathered=gathered,
+        device=held["weights"] + held["grads"] + held["optimizer"] + held["master"]
+        + gathered - held["host"], zero=cfg.zero, modelled=modelled,
         activations=activations, in_flight=in_flight, actions=len(actions),
         buckets=len(engine.grad_sync.buckets), comm=comm, checkpoint_file=file,
         checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0 and mesh.cp_rank == 0,
         first_batch=first_batch,
         notes=notes)
+
+
+def _planned_state(cfg, config, mesh: Mesh):
+    """The planner's `RankState` of this rank (`megapar.plan.state.rank_state`)."""
+    layout = mesh.layout
+    return rank_state(config, layout.tp, layout.pp,
+                      chunks_per_rank(cfg.schedule, cfg.virtual_stages), mesh.pp_rank,
+                      layout.dp * layout.cp, mesh.dp_rank * layout.cp + mesh.cp_rank, cfg.zero,
+                      cfg.grad_bucket_mb, placement_of(cfg.schedule),
+                      Offload(cfg.offload_optimizer, cfg.offload_params,
+                              bool(getattr(cfg, "keep_params", False))))
+
+
+def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
+                    notes: list[str]) -> tuple[dict, int]:
+    """(`held_bytes`' figures, gathered bytes) of a ZeRO stage this megapar-train lacks, from
+    the planner's model (`megapar.plan.state.rank_state`, this rank's slices), and its dp
+    traffic (`megapar.plan.sharding.dp_traffic`) put in `comm` in place of ZeRO-1's."""
+    layout, r = mesh.layout, mesh.layout.dp * mesh.layout.cp
+    v, placement = chunks_per_rank(cfg.schedule, cfg.virtual_stages), placement_of(cfg.schedule)
+    keep = bool(getattr(cfg, "keep_params", False))
+    state = _planned_state(cfg, config, mesh)
+    group = next((g for g in comm.values() if "reduce_scatter" in g), None)
+    if group is not None:  # ZeRO-1's reduce-scatter and all-gather, in the reduce dtype
+        scale = group["reduce_scatter"]["bytes"] / group["all_gather"]["bytes"]
+        pieces, nbytes = sharded_buffer(config, layout.tp, layout.pp, v, mesh.pp_rank, r,
+                                        cfg.zero, cfg.grad_bucket_mb, placement)
+        for op in ("reduce_scatter", "all_gather"):
+            del group[op]
+        for op, count, total in dp_traffic(cfg.zero, m, layout.pp, keep, nbytes * scale,
+                                           nbytes, pieces):
+            group[op] = {"count": count, "bytes": int(total)}
+    notes.append(f"--zero {cfg.zero} is not in this megapar-train (--zero "
+                 f"{', '.join(map(str, _choices()['zero']))}): its weights, gradients, optimizer"
+                 f" state, gathered units and dp traffic are the planner's model; the rest is "
+                 f"rehearsed at --zero 1")
+    return ({"params": state.params, "weights": state.weights, "grads": state.grads,
+             "optimizer": state.optimizer, "master": state.master, "host": state.host},
+            state.gathered)
 
 
 def _modelled_activations(cfg, config, layout: Layout, stage: int, actions) -> int:

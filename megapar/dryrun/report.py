@@ -32,8 +32,11 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
     mbs = f"{m} micro-batch{'' if m == 1 else 'es'}"
     nodes = -(-layout.world_size // gpus_per_node)
     v = f" V {cfg.virtual_stages}" if cfg.virtual_stages > 1 else ""
+    offloaded = [name for name, on in (("optimizer", cfg.offload_optimizer),
+                                       ("parameters", cfg.offload_params)) if on]
     extras = [f"{cfg.precision}", f"recompute {cfg.recompute}"] + \
-        (["ZeRO-1"] if cfg.zero and layout.dp > 1 else []) + \
+        ([f"ZeRO-{cfg.zero}"] if cfg.zero and layout.dp * layout.cp > 1 else []) + \
+        ([f"offload: {', '.join(offloaded)}"] if offloaded else []) + \
         (["sequence parallel"] if cfg.sequence_parallel and layout.tp > 1 else [])
     return (f"megapar-train --dry-run: {config.model_type} with {n_params:,} parameters on "
             f"{layout.world_size:,} rank{'s' if layout.world_size > 1 else ''} (tp {layout.tp} x "
@@ -66,9 +69,14 @@ def describe_rank(r: RankReport, step_dir: str) -> str:
     lines = [f"rank {r.rank} (tp {r.tp_rank}{cp}, pp {r.pp_rank}, dp {r.dp_rank}; node "
              f"{r.node}): "
              f"{r.params:,} parameters; weights {size(r.weights)}, gradients {size(r.grads)}, "
-             f"optimizer {size(r.optimizer)}, activations {size(r.activations)} (modelled, "
+             f"optimizer {size(r.optimizer)}"
+             + (f", host copies {size(r.master)}" if r.master else "")
+             + (f", gathered units {size(r.gathered)} (modelled)" if r.gathered else "")
+             + f", activations {size(r.activations)} (modelled, "
              f"{r.in_flight:g} micro-batch{'' if r.in_flight == 1 else 'es'} in flight at the "
              f"peak of its {r.actions} actions)",
+             f"  memory besides activations: device {size(r.device)}, host {size(r.host)}"
+             + (f" (ZeRO-{r.zero}{', modelled' if r.modelled else ''})" if r.zero else ""),
              f"  per step: {_traffic(r.comm)} ({r.buckets} gradient bucket"
              f"{'s' if r.buckets > 1 else ''})",
              f"  checkpoint: {step_dir}/{r.checkpoint_file} {size(r.checkpoint_bytes)} "

@@ -2,7 +2,8 @@
 
 For a planned layout, `verify_layout` dry-runs the job megapar-train would run (the plan's
 model, batch, sequence length, precision and layout) on the default sample of ranks, and
-compares each rank's weights, gradients and optimizer bytes and parameter count with what the
+compares each rank's weights, gradients, optimizer bytes (with offload, its host copies and
+host bytes; ZeRO-3's gathered units) and parameter count with what the
 planner counts for that rank (`megapar.plan.state.rank_state`), and its activations with the
 plan's for its stage (`megapar.plan.stage_memory`, with megapar's fused attention, as the dry
 run models it). They must be equal to the byte; a layout too large for the planner to read
@@ -18,11 +19,13 @@ from dataclasses import dataclass, field
 
 from megapar.dryrun import dry_run, sample_ranks
 from megapar.mesh import Layout
+from megapar.pipeline.schedules import placement_of
 from megapar.plan import pipeline, stage_memory
+from megapar.plan.estimate import offload_of
 from megapar.plan.state import rank_state
 from megapar.training.config import TrainConfig
 
-FIELDS = ("params", "weights", "grads", "optimizer")
+FIELDS = ("params", "weights", "grads", "optimizer", "master", "gathered", "host")
 
 
 @dataclass
@@ -37,18 +40,23 @@ class Verified:
     error: str = ""
     """The error the job gave instead (a layout the plan accepts but megapar-train refuses)."""
     note: str = ""
-    """What was not compared (activations the plan estimates at this size)."""
+    """What was not compared (activations the plan estimates at this size; a ZeRO stage this
+    megapar-train lacks, whose state the dry run takes from the plan)."""
 
 
 def train_config(problem, candidate):
     """The megapar-train settings of a planned layout."""
 
     c = candidate
-    return TrainConfig(tp=c.tp, pp=c.pp, dp=c.dp, micro_batch_size=c.mbs,
-                       global_batch_size=problem.global_batch, seq_len=problem.seq_len,
-                       schedule=c.schedule, virtual_stages=c.v, recompute=c.recompute,
-                       sequence_parallel=c.sp, zero=c.zero, precision=problem.precision,
-                       grad_bucket_mb=problem.grad_bucket_mb)
+    cfg = TrainConfig(tp=c.tp, pp=c.pp, dp=c.dp, micro_batch_size=c.mbs,
+                      global_batch_size=problem.global_batch, seq_len=problem.seq_len,
+                      schedule=c.schedule, virtual_stages=c.v, recompute=c.recompute,
+                      sequence_parallel=c.sp, zero=c.zero, precision=problem.precision,
+                      grad_bucket_mb=problem.grad_bucket_mb,
+                      offload_optimizer=c.offload_optimizer, offload_params=c.offload_params)
+    if c.keep_params:  # ZeRO-3's flag (a TrainConfig field where megapar-train has it)
+        cfg.keep_params = True
+    return cfg
 
 
 def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
@@ -71,10 +79,15 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
         out.note = (f"activations not compared: pp x m x V = {c.pp * m * c.v:,} forwards, more "
                     f"than the {pipeline.MAX_HELD_FORWARDS:,} the plan reads off the executor's "
                     f"programs (it estimates them)")
+    if any(r.modelled for r in reports):
+        out.note = "; ".join(filter(None, [out.note, (
+            f"--zero {c.zero} is not in this megapar-train: the dry run's state is the plan's "
+            f"model (equal by construction), its tp / cp / pp and checkpoint rehearsed")]))
     for r in reports:
         # gradients and ZeRO-1 slices are over cp x dp: dp rank d, cp rank c is d * cp + c
         planned = rank_state(problem.config, c.tp, c.pp, c.v, r.pp_rank, c.dp * c.cp,
-                             r.dp_rank * c.cp + r.cp_rank, c.zero, problem.grad_bucket_mb)
+                             r.dp_rank * c.cp + r.cp_rank, c.zero, problem.grad_bucket_mb,
+                             placement_of(c.schedule), offload_of(c))
         out.differences += [(r.rank, f, getattr(planned, f), getattr(r, f)) for f in FIELDS
                             if getattr(planned, f) != getattr(r, f)]
         if exact and int(stages[r.pp_rank].activations) != r.activations:

@@ -20,26 +20,30 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from megapar.optim.offload import HOST_COPIES_ENV
+
 
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int):
     """Run the block as `rank` of a `world_size`-rank job on the fake process group, with the
-    CPU as the device (as a real rank would see its own GPU)."""
+    CPU as the device (as a real rank would see its own GPU; --offload-optimizer makes its
+    host copies, as on a GPU: `HOST_COPIES_ENV`)."""
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without a torch.distributed process group "
                            "(it creates a fake one per rehearsed rank)")
-    cpu, hook = os.environ.get("MEGAPAR_CPU"), sys.excepthook
-    os.environ["MEGAPAR_CPU"] = "1"
+    saved, hook = {k: os.environ.get(k) for k in ("MEGAPAR_CPU", HOST_COPIES_ENV)}, sys.excepthook
+    os.environ.update({k: "1" for k in saved})
     dist.init_process_group("fake", rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook  # torch's hook would prefix later tracebacks with "[rank R]:"
-        if cpu is None:
-            os.environ.pop("MEGAPAR_CPU", None)
-        else:
-            os.environ["MEGAPAR_CPU"] = cpu
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @contextlib.contextmanager
@@ -68,10 +72,15 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def held_bytes(model, optimizer) -> dict[str, int]:
     """What a rank holds besides activations: {"params": parameter elements, "weights",
     "grads", "optimizer": bytes of the distinct storages behind the parameters, their gradients
-    and every tensor of the optimizer's state (Adam's step counters included)}."""
+    and every tensor of the optimizer's state (Adam's step counters included), "master": the
+    host copies of an offloaded optimizer (`offload.HostStep`) and "host": the bytes of all
+    these in host memory (an offloaded optimizer's state and copies)}."""
     params = list(model.parameters())
     state = [t for s in (optimizer.inner.state.values() if optimizer.inner else ())
              for t in s.values()]
-    return {"params": sum(p.numel() for p in params), "weights": storage_bytes(params),
+    host = getattr(optimizer, "host", None)
+    master = storage_bytes(host.host_tensors()) if host is not None else 0
+    held = {"params": sum(p.numel() for p in params), "weights": storage_bytes(params),
             "grads": storage_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": storage_bytes(state)}
+            "optimizer": storage_bytes(state), "master": master}
+    return {**held, "host": held["optimizer"] + master if host is not None else 0}

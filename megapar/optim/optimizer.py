@@ -27,6 +27,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from megapar.optim.offload import HostStep
 from megapar.optim.trust_ratio import LAMB, LARS
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -41,18 +42,25 @@ def decays(param: torch.Tensor) -> bool:
 
 class AdamWOptimizer(torch.optim.Optimizer):
     """AdamW (or `kind` lamb / lars / sgd) over a stage's parameters (every parameter stepped
-    on this rank). `tp_group` is needed by LAMB / LARS (their norms are of full parameters)."""
+    on this rank). `tp_group` is needed by LAMB / LARS (their norms are of full parameters).
+    `offload`: step in host memory (`offload.HostStep`; AdamW and SGD)."""
 
     zero = 0
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], lr: float,
                  weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, kind: str = "adamw", tp_group=None, momentum: float = 0.9):
+                 eps: float = 1e-8, kind: str = "adamw", tp_group=None, momentum: float = 0.9,
+                 offload: bool = False):
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         if not self.named:
             raise ValueError("the optimizer got no trainable parameters (is the stage empty?)")
         if kind not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {kind!r}; expected one of {OPTIMIZERS}")
+        if offload and kind in ("lamb", "lars"):
+            raise ValueError(f"--offload-optimizer steps AdamW or SGD on the host, not {kind} "
+                             f"(its trust ratios need whole-parameter norms over the devices)")
+        self.offload, self.host, self.tp_group = offload, None, tp_group
+        """`host`: the `HostStep` of an offloaded optimizer (None without offload)."""
         self.params = [p for _, p in self.named]
         self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
         self.kind, self.momentum = kind, momentum
@@ -72,9 +80,18 @@ class AdamWOptimizer(torch.optim.Optimizer):
         self._inner_group_of = [i for i, g in enumerate(groups) if g["params"]]
         groups = [g for g in groups if g["params"]]
         # A ZeRO rank may own nothing (more dp ranks than parameters): then it steps nothing.
-        self.inner = _inner(kind, groups, lr, self.betas, eps, momentum, tp_group) \
-            if groups else None
+        self.inner = self._make_inner(groups) if groups else None
         self.allocate_state()
+
+    def _make_inner(self, groups: list[dict]) -> torch.optim.Optimizer:
+        """The torch optimizer over `groups` (of the stepped tensors: parameters, or ZeRO's
+        pieces); with offload, over their host masters."""
+        if self.offload:
+            self.host = HostStep([p for g in groups for p in g["params"]])
+            groups = self.host.groups(groups)
+        inner = _inner(self.kind, groups, self.lr, self.betas, self.eps, self.momentum,
+                       self.tp_group)
+        return self.host.adopt(inner) if self.host is not None else inner
 
     @torch.no_grad()
     def allocate_state(self) -> None:
@@ -88,10 +105,13 @@ class AdamWOptimizer(torch.optim.Optimizer):
         for group in self.inner.param_groups:
             for p in group["params"]:
                 if not self.inner.state.get(p):
-                    self.inner.state[p] = {
-                        "step": step_state(self.inner, 0, p),
-                        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                    self.inner.state[p] = {"step": step_state(self.inner, 0, p),
+                                           "exp_avg": self._zeros(p), "exp_avg_sq": self._zeros(p)}
+
+    def _zeros(self, p: torch.Tensor) -> torch.Tensor:
+        """Zeros of `p`'s shape for a moment (pinned host memory for an offloaded CUDA run)."""
+        zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return zeros.pin_memory() if self.host is not None and self.host.pinned else zeros
 
     def owned_params(self) -> list[nn.Parameter]:
         """The parameters this rank updates (all of them without ZeRO)."""
@@ -127,9 +147,14 @@ class AdamWOptimizer(torch.optim.Optimizer):
             raise ValueError("megapar optimizers take no closure (the engine runs the step)")
         if self.inner is not None:
             self._sync_groups()
-            self.inner.step()
+            if self.host is not None:
+                self.host.step(self.inner.step)
+            else:
+                self.inner.step()
         self.num_steps += 1
         self._after_step()
+        if self.host is not None:
+            self.host.settled()
 
     def _after_step(self) -> None:
         """Hook for ZeRO: make every rank's parameters current."""

@@ -41,7 +41,7 @@ from torch import nn
 from megapar.data_parallel.buckets import slice_pieces
 from megapar.mesh import all_reduce, group_size
 from megapar.optim.clip import _counted
-from megapar.optim.optimizer import AdamWOptimizer, _inner, step_state
+from megapar.optim.optimizer import AdamWOptimizer, step_state
 
 
 class ZeroOptimizer(AdamWOptimizer):
@@ -52,7 +52,7 @@ class ZeroOptimizer(AdamWOptimizer):
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dp_group, lr: float,
                  weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, kind: str = "adamw", tp_group=None):
+                 eps: float = 1e-8, kind: str = "adamw", tp_group=None, offload: bool = False):
         self.group, self.tp_group = dp_group, tp_group
         self.dp = group_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
@@ -66,7 +66,8 @@ class ZeroOptimizer(AdamWOptimizer):
         self._pending: dict | None = None
         self.grad_sync = None
         self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
-        super().__init__(named_params, lr, weight_decay, betas, eps, kind, tp_group)
+        super().__init__(named_params, lr, weight_decay, betas, eps, kind, tp_group,
+                         offload=offload)
 
     def owned_params(self) -> list[nn.Parameter]:
         """Parameters this rank updates (a slice of): all with dp == 1, none before attach."""
@@ -119,8 +120,7 @@ class ZeroOptimizer(AdamWOptimizer):
                 groups.append({"params": pieces, "lr": g["lr"],
                                "weight_decay": g["weight_decay"]})
                 self._inner_group_of.append(i)
-        self.inner = _inner(self.kind, groups, self.lr, self.betas, self.eps, self.momentum,
-                            self.tp_group) if groups else None
+        self.inner = self._make_inner(groups) if groups else None
         if self.inner is not None and hasattr(self.inner, "norms"):
             self.inner.norms = self._full_norms
         self.allocate_state()  # into the room the parameters moved out of
@@ -305,14 +305,16 @@ class ZeroOptimizer(AdamWOptimizer):
 
 def build_optimizer(model: nn.Module, mesh, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    zero: int = 0, kind: str = "adamw") -> AdamWOptimizer:
+                    zero: int = 0, kind: str = "adamw", offload: bool = False) -> AdamWOptimizer:
     """The optimizer (`kind`: adamw, lamb, lars, sgd) for this rank's stage; zero=1 shards
-    its state over mesh.dp_cp_group (the ranks holding the same parameters: dp, and cp's)."""
+    its state over mesh.dp_cp_group (the ranks holding the same parameters: dp, and cp's);
+    `offload` steps it in host memory (`offload.py`)."""
     named = list(model.named_parameters())
     if zero == 0:
-        return AdamWOptimizer(named, lr, weight_decay, betas, eps, kind, mesh.tp_group)
+        return AdamWOptimizer(named, lr, weight_decay, betas, eps, kind, mesh.tp_group,
+                              offload=offload)
     if zero == 1:
         return ZeroOptimizer(named, mesh.dp_cp_group, lr, weight_decay, betas, eps, kind,
-                             mesh.tp_group)
+                             mesh.tp_group, offload=offload)
     raise ValueError(f"--zero {zero} is not supported; use 0 (no sharding) or 1 (optimizer "
                      f"state sharded over data-parallel ranks)")

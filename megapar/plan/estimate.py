@@ -27,7 +27,8 @@ Time model (all per optimizer step, on the slowest pipeline stage):
   the job spans nodes), overlapped with the last micro-batch's backward (as megapar's buckets
   do): only the part longer than that backward is exposed. ZeRO-1 (the distributed optimizer)
   reduce-scatters instead, (d-1)/d x gradient bytes, overlapped the same way, and all-gathers
-  the parameters after the step, (d-1)/d x parameter bytes, exposed. The tied embedding's gradient all-reduce
+  the parameters after the step, (d-1)/d x parameter bytes, exposed. ZeRO-2 / 3 and offload:
+  `plan/sharding.py`. The tied embedding's gradient all-reduce
   between first and last stage (pp > 1) is exposed.
 - the optimizer step, the loss and data loading are not modelled.
 
@@ -52,7 +53,8 @@ from megapar.plan.params import (
     stage_layer_counts,
     stage_params,
 )
-from megapar.plan.state import most_loaded
+from megapar.plan.sharding import dp_seconds, pcie_seconds
+from megapar.plan.state import Offload, RankState, most_loaded
 from megapar.tensor_parallel.partition import local_size
 
 
@@ -91,6 +93,8 @@ class Problem:
     """Latency of one message (a ring collective sends 2 (n-1) of them in sequence)."""
     grad_bucket_mb: float = 25.0
     """megapar-train's --grad-bucket-mb (ZeRO-1 pads each bucket to a multiple of dp)."""
+    pcie_gbps: float = 200.0
+    """Host-device bandwidth per GPU, Gbit/s (offload's copies; PCIe 4.0 x16: about 200)."""
 
     @property
     def act_bytes(self) -> int:
@@ -257,14 +261,27 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
             buffers += s * b * vocab_local * 4
         if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
             held = most_loaded(config_json, t, c.pp, c.v, stage, c.dp * c.cp, c.zero,
-                               p.grad_bucket_mb, placement)
-            params, grads, optim = held.weights, held.grads, held.optimizer
+                               p.grad_bucket_mb, placement, offload_of(c))
         else:
-            params, grads, optim = mem.state_bytes(n_params, c.dp * c.cp, c.zero,
-                                                   p.master_weights)
-        out.append(mem.MemoryBreakdown(stage, params, grads, optim, activations,
-                                       int(round(in_flight)), buffers))
+            held = _separate(n_params, c)
+        out.append(mem.MemoryBreakdown(stage, held.weights, held.grads, held.optimizer,
+                                       activations, int(round(in_flight)), buffers,
+                                       held.master, held.gathered, held.host))
     return out
+
+
+def offload_of(c: Candidate) -> Offload:
+    """The candidate's offload and ZeRO-3 settings, as `plan.state` takes them."""
+    return Offload(c.offload_optimizer, c.offload_params, c.keep_params)
+
+
+def _separate(n_params: int, c: Candidate):
+    """--master-weights separate: the state by formula (`mem.state_bytes`), offload moving the
+    optimizer (its fp32 master and moments) or ZeRO-3's 16-bit parameter shards to the host;
+    gathered units are not counted."""
+    params, grads, optim = mem.state_bytes(n_params, c.dp * c.cp, c.zero, "separate")
+    host = (optim if c.offload_optimizer else 0) + (params if c.offload_params else 0)
+    return RankState(n_params, int(params), int(grads), int(optim), host=int(host))
 
 
 def _ring(n: int, nbytes: float, gbps: float, latency_us: float = 0.0) -> float:
@@ -312,15 +329,19 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     n_params = max(stage_params(cfg, t, c.pp, c.v, placement_of(c.schedule)))
     # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
     grad_bytes = n_params * (2 if p.precision == "fp16" else 4)
-    # ZeRO-1 (distributed optimizer): the gradient reduce-scatter (half an all-reduce) hides
-    # behind the backward, the parameter all-gather (the other half) after the step does not
+    # ZeRO's reductions hide behind the backward, gathers behind the compute, except what is
+    # longer; ZeRO-1 / 2's parameter all-gather after the step does not (`plan/sharding.py`)
     replicas = c.dp * n  # gradients are reduced over cp x dp
-    reduce = _ring(replicas, grad_bytes, dp_gbps, p.latency_us) / (2 if c.zero else 1)
-    dp_exposed = max(0.0, reduce - t_b)
-    zero_s = _ring(replicas, n_params * 4, dp_gbps, p.latency_us) / 2 if c.zero else 0.0
+    shard_up = pcie_seconds(n_params * 4 / replicas, p.pcie_gbps) if c.offload_params else 0.0
+    dp_exposed = dp_seconds(c.zero, m, c.pp, c.keep_params, replicas, grad_bytes, n_params * 4,
+                            layers + 1, dp_gbps, p.latency_us, t_f, t_b, shard_up)
+    # --offload-optimizer: the stepped gradients to the host and the parameters back
+    zero_s = pcie_seconds(worst.master, p.pcie_gbps) if c.offload_optimizer else 0.0
     tied = _ring(2, piece_counts(cfg, t).tied_copy * 4, pp_gbps, p.latency_us) \
         if c.pp > 1 else 0.0
-    comm = {"tp": m * (tp_fwd + tp_bwd) / (1 - frac), "pp": p2p + tied, "dp": dp_exposed + zero_s}
+    comm = {"tp": m * (tp_fwd + tp_bwd) / (1 - frac), "pp": p2p + tied, "dp": dp_exposed}
+    if c.offload_optimizer:
+        comm["host"] = zero_s
     if n > 1:
         comm["cp"] = m * (cp_fwd + cp_bwd) / (1 - frac)
     step = pipe_s + p2p + dp_exposed + zero_s + tied

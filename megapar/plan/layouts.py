@@ -1,5 +1,5 @@
 """The layouts a plan considers: every (tp, cp, pp, dp, micro-batch size, schedule, V,
-recompute, SP, ZeRO-1) for N GPUs, each kept or rejected with the reason.
+recompute, SP, ZeRO stage, offload) for N GPUs, each kept or rejected with the reason.
 
 A `Candidate` is one such choice; `check(candidate, ...)` returns why it cannot run (or None),
 `enumerate_candidates` walks the whole space. `parse_candidate("tp=8,pp=16,mbs=1,...")` reads
@@ -19,6 +19,12 @@ PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev")
 """Schedules the planner models. Those registered in `megapar.pipeline.schedules.SCHEDULES` are
 simulated (and can be passed to megapar-train); the others use their published bubble formula."""
 RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+"""ZeRO stages the planner models: 1 the optimizer state sharded over dp x cp, 2 also the
+gradients, 3 also the parameters (FSDP)."""
+OFFLOADS = ("none", "optimizer", "params", "both")
+"""What a plan may keep in host memory: the optimizer (--offload-optimizer), ZeRO-3's parameter
+shards (--offload-params), or both."""
 
 
 @dataclass(frozen=True)
@@ -42,14 +48,23 @@ class Candidate:
     sp: bool = False
     """Sequence parallelism (splits LayerNorm / dropout activations over tp)."""
     zero: int = 0
-    """1 shards the optimizer state over dp (ZeRO-1 / distributed optimizer; over cp x dp)."""
+    """ZeRO stage over cp x dp: 1 the optimizer state, 2 also the gradients, 3 also the
+    parameters (`ZERO_STAGES`)."""
     cp: int = 1
     """Context-parallel size: ranks that split every sequence."""
+    offload_optimizer: bool = False
+    """The optimizer state and fp32 host copies of the stepped tensors in host memory."""
+    offload_params: bool = False
+    """ZeRO-3's parameter shards in host memory."""
+    keep_params: bool = False
+    """ZeRO-3 with pp: the stage's gathered parameters kept across its micro-batches."""
 
     def label(self) -> str:
         sched = self.schedule + (f" v{self.v}" if self.v > 1 else "")
         extras = [f"rc={self.recompute}"] + (["sp"] if self.sp else []) + \
-            (["zero1"] if self.zero else [])
+            ([f"zero{self.zero}"] if self.zero else []) + \
+            (["keep"] if self.keep_params else []) + \
+            ([f"offload={self.offloaded()}"] if self.offloaded() != "none" else [])
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         return (f"tp{self.tp}{cp} pp{self.pp} dp{self.dp} mbs{self.mbs} {sched} "
                 + " ".join(extras))
@@ -59,7 +74,14 @@ class Candidate:
         cp = f",cp={self.cp}" if self.cp > 1 else ""
         return (f"tp={self.tp}{cp},pp={self.pp},dp={self.dp},mbs={self.mbs},"
                 f"schedule={self.schedule},v={self.v},recompute={self.recompute},"
-                f"sp={int(self.sp)},zero={self.zero}")
+                f"sp={int(self.sp)},zero={self.zero}"
+                + (f",offload={self.offloaded()}" if self.offloaded() != "none" else "")
+                + (",keep_params=1" if self.keep_params else ""))
+
+    def offloaded(self) -> str:
+        """What is in host memory, as `OFFLOADS` names it."""
+        return {(False, False): "none", (True, False): "optimizer", (False, True): "params",
+                (True, True): "both"}[(self.offload_optimizer, self.offload_params)]
 
 
 _ALIASES = {"micro_batch_size": "mbs", "micro-batch-size": "mbs", "virtual_stages": "v",
@@ -67,8 +89,9 @@ _ALIASES = {"micro_batch_size": "mbs", "micro-batch-size": "mbs", "virtual_stage
 
 
 def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
-    """`tp=8,cp=2,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`; dp
-    defaults to gpus / (tp cp pp). ValueError naming the bad item otherwise."""
+    """`tp=8,cp=2,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`
+    (also `zero=3,offload=params,keep_params=1`; offload one of `OFFLOADS`); dp defaults to
+    gpus / (tp cp pp). ValueError naming the bad item otherwise."""
     fields = {f.name: f.type for f in dataclasses.fields(Candidate)}
     values: dict = {}
     for item in text.replace(" ", ",").split(","):
@@ -79,11 +102,17 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
                              f"(keys: {', '.join(fields)})")
         key, value = item.split("=", 1)
         key = _ALIASES.get(key.strip().lower(), key.strip().lower())
+        if key == "offload":
+            if value not in OFFLOADS:
+                raise ValueError(f"--explain: offload={value!r}: use one of {', '.join(OFFLOADS)}")
+            values["offload_optimizer"] = value in ("optimizer", "both")
+            values["offload_params"] = value in ("params", "both")
+            continue
         if key not in fields:
             raise ValueError(f"--explain: unknown key {key!r}; keys: {', '.join(fields)}")
         if key in ("schedule", "recompute"):
             values[key] = value
-        elif key == "sp":
+        elif key in ("sp", "keep_params", "offload_optimizer", "offload_params"):
             values[key] = value.lower() in ("1", "true", "yes", "on")
         else:
             try:
@@ -161,10 +190,15 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
             check_cp_seq_len(seq_len, Layout(c.tp, c.pp, c.dp, cp=c.cp), c.sp)
         except ValueError as exc:
             return str(exc)
-    if c.zero not in (0, 1):
-        return f"zero {c.zero}: only 0 and 1 are modelled"
+    if c.zero not in ZERO_STAGES:
+        return f"zero {c.zero}: the planner models ZeRO stages {', '.join(map(str, ZERO_STAGES))}"
     if c.zero and c.dp * c.cp == 1:
-        return "ZeRO-1 needs dp > 1 (there is nothing to shard over)"
+        return f"ZeRO-{c.zero} needs dp > 1 (or cp > 1: there is nothing to shard over)"
+    if c.offload_params and c.zero != 3:
+        return "offload of the parameters needs zero 3 (it moves the parameter shards)"
+    if c.keep_params and (c.zero != 3 or c.pp == 1):
+        return ("keep_params needs zero 3 and pp > 1 (it keeps a stage's gathered parameters "
+                "across its micro-batches)")
     return None
 
 
@@ -206,9 +240,10 @@ def enumerate_candidates(config, gpus: int, gpus_per_node: int, global_batch: in
                          micro_batch_sizes=(1, 2, 4, 8), schedules=PLAN_SCHEDULES,
                          virtual_stages=(2, 4), recompute=RECOMPUTE, allow_sp: bool = True,
                          allow_zero: bool = True, seq_len: int | None = None,
-                         cp_sizes=None):
+                         cp_sizes=None, zero_stages=ZERO_STAGES, offloads=("none",)):
     """(valid candidates, [(candidate, reason)] rejected) over the whole space (`cp_sizes`:
-    None for `default_cp_sizes`). A (tp, pp, dp) grid that no option can run (too many heads
+    None for `default_cp_sizes`; `zero_stages` tried where dp x cp > 1, each with the
+    `offloads` it can take and, for ZeRO-3 with pp, with and without kept parameters). A (tp, pp, dp) grid that no option can run (too many heads
     or stages, tp across nodes, a batch dp does not divide) is rejected once, as its plain
     candidate, so the search is quick even for huge GPU counts with many divisors."""
     valid, rejected = [], []
@@ -220,10 +255,11 @@ def enumerate_candidates(config, gpus: int, gpus_per_node: int, global_batch: in
                 if reason:
                     rejected.append((Candidate(tp, pp, dp, cp=cp), reason))
                     continue
-                for mbs, schedule, v, rc, sp, zero in _options(
-                        pp, dp * cp, tp > 1 and allow_sp, allow_zero, micro_batch_sizes,
-                        schedules, virtual_stages, recompute):
-                    c = Candidate(tp, pp, dp, mbs, schedule, v, rc, sp, zero, cp)
+                for mbs, schedule, v, rc, sp, zero, off, keep in _options(
+                        pp, dp * cp, tp > 1 and allow_sp, zero_stages if allow_zero else (0,),
+                        micro_batch_sizes, schedules, virtual_stages, recompute, offloads):
+                    c = Candidate(tp, pp, dp, mbs, schedule, v, rc, sp, zero, cp,
+                                  off in ("optimizer", "both"), off in ("params", "both"), keep)
                     reason = check(c, config, gpus, gpus_per_node, global_batch, seq_len)
                     if reason:
                         rejected.append((c, reason))
@@ -232,13 +268,19 @@ def enumerate_candidates(config, gpus: int, gpus_per_node: int, global_batch: in
     return valid, rejected
 
 
-def _options(pp, replicas, sp, zero, micro_batch_sizes, schedules, virtual_stages, recompute):
-    """(mbs, schedule, v, recompute, sp, zero) choices of a (tp, cp, pp, dp) layout."""
+def _options(pp, replicas, sp, zero_stages, micro_batch_sizes, schedules, virtual_stages,
+             recompute, offloads=("none",)):
+    """(mbs, schedule, v, recompute, sp, zero, offload, keep_params) choices of a (tp, cp, pp,
+    dp) layout."""
     for mbs in micro_batch_sizes:
         for schedule in schedules if pp > 1 else ("1f1b",):
             for v in virtual_stages if schedule == "interleaved" else \
                     (2,) if schedule in ("zb-v", "dualpipev") else (1,):
                 for rc in recompute:
                     for with_sp in ((False, True) if sp else (False,)):
-                        for with_zero in ((0, 1) if zero and replicas > 1 else (0,)):
-                            yield mbs, schedule, v, rc, with_sp, with_zero
+                        for zero in (z for z in zero_stages if z == 0 or replicas > 1):
+                            for off in (o for o in offloads
+                                        if o == "none" or (zero == 3 or o == "optimizer")):
+                                for keep in ((False, True) if zero == 3 and pp > 1
+                                             else (False,)):
+                                    yield mbs, schedule, v, rc, with_sp, zero, off, keep

@@ -155,10 +155,18 @@ class MemoryBreakdown:
     """Peak micro-batches in flight on this stage (from the schedule)."""
     buffers: float
     """Pipeline send / receive buffers and the stage output kept for backward."""
+    master: float = 0.0
+    """--offload-optimizer: host copies of the stepped tensors and their gradients."""
+    gathered: float = 0.0
+    """ZeRO-3: parameters all-gathered at the peak (units in flight)."""
+    host: float = 0.0
+    """Of params, grads, optimizer and master, the bytes in host memory (offload)."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+        """Device bytes at the peak (what has to fit the GPU)."""
+        return self.params + self.grads + self.optimizer + self.master + self.gathered + \
+            self.activations + self.buffers - self.host
 
     def as_gib(self) -> dict:
         d = {k: v / GIB for k, v in asdict(self).items() if k not in ("stage", "in_flight")}
@@ -166,7 +174,8 @@ class MemoryBreakdown:
 
 
 def state_bytes(params: int, dp: int, zero: int, master_weights: str) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes for `params` elements on one rank.
+    """(params, grads, optimizer) bytes for `params` elements on one rank (ZeRO-2 divides the
+    gradients by dp too, ZeRO-3 also the parameters).
 
     master_weights "fp32" is megapar today: fp32 parameters (autocast casts on the fly), fp32
     gradients, Adam's two fp32 moments: 4 + 4 + 8 bytes. "separate" is Megatron's mixed
@@ -179,4 +188,5 @@ def state_bytes(params: int, dp: int, zero: int, master_weights: str) -> tuple[f
         p, g, o = 2, 4, 12
     else:
         raise ValueError(f"unknown master-weights layout {master_weights!r}; use fp32 or separate")
-    return params * p, params * g, params * o / (dp if zero else 1)
+    return (params * p / (dp if zero >= 3 else 1), params * g / (dp if zero >= 2 else 1),
+            params * o / (dp if zero else 1))

@@ -109,6 +109,29 @@ def stage_tensors(config, tp: int, pp: int, v: int, stage: int,
     return out
 
 
+def stage_units(config, tp: int, pp: int, v: int, stage: int,
+                placement: str = "loop") -> list[list[int]]:
+    """ZeRO-3's units of the stage: indices into `stage_tensors` per unit, each transformer
+    block a unit and the rest of the stage (embedding, final norm, head, tied copy) the root
+    unit, last."""
+    block, embedding, head = _piece_tensors(json.dumps(config.to_dict(), sort_keys=True), tp)
+    specs = chunk_specs(config.num_layers, pp, stage, v, placement) if v > 1 else \
+        [stage_spec(config.num_layers, pp, stage)]
+    units, root, at = [], [], 0
+    for spec in specs:
+        if spec.pre_process:
+            root += range(at, at + len(embedding))
+            at += len(embedding)
+        for _ in spec.layers:
+            units.append(list(range(at, at + len(block))))
+            at += len(block)
+        if spec.post_process:
+            n = len([t for t in head if not (t.tied and spec.pre_process)])
+            root += range(at, at + n)
+            at += n
+    return units + ([root] if root else [])
+
+
 def stage_layer_counts(num_layers: int, pp: int, v: int = 1,
                        placement: str = "loop") -> list[int]:
     """Blocks per pipeline rank as megapar-train cuts them (the first num_layers % pp stages +1;

@@ -13,6 +13,9 @@ from megapar.training.config import TrainConfig, _choices
 _FEATURE_FIELDS = {
     "sp": ("sequence_parallel",),
     "v": ("virtual_stages", "virtual_pipeline_stages"),
+    "keep_params": ("keep_params", "zero3_keep_params"),
+    "offload_optimizer": ("offload_optimizer",),
+    "offload_params": ("offload_params",),
 }
 
 
@@ -49,6 +52,14 @@ def runnable(e: Estimate, master_weights: str = "fp32") -> list[str]:
         missing.append(f"{c.v} virtual stages per rank")
     if c.sp and not fields & set(_FEATURE_FIELDS["sp"]):
         missing.append("sequence parallelism")
+    if c.zero not in choices["zero"]:
+        missing.append(f"--zero {c.zero} (megapar-train --zero offers "
+                       f"{', '.join(map(str, choices['zero']))})")
+    for feature, what in (("offload_optimizer", "--offload-optimizer"),
+                          ("offload_params", "--offload-params"),
+                          ("keep_params", "ZeRO-3's gathered parameters kept across micro-batches")):
+        if getattr(c, feature) and not fields & set(_FEATURE_FIELDS[feature]):
+            missing.append(what)
     return missing
 
 
@@ -65,8 +76,10 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
     if c.pp > 1 and not any(c.schedule in m for m in missing):
         flags.append(f"--schedule {c.schedule}")
     if c.zero:
-        flags.append("--zero 1")
-    for feature, value in (("sp", c.sp), ("v", c.v > 1)):
+        flags.append(f"--zero {c.zero}")
+    for feature, value in (("sp", c.sp), ("v", c.v > 1), ("keep_params", c.keep_params),
+                           ("offload_optimizer", c.offload_optimizer),
+                           ("offload_params", c.offload_params)):
         name = next((n for n in _FEATURE_FIELDS[feature] if n in fields), None)
         if value and name:
             flags.append(f"--{name.replace('_', '-')}" + (f" {c.v}" if feature == "v" else ""))
@@ -90,13 +103,13 @@ def row(e: Estimate, master_weights: str = "fp32") -> dict:
 
 
 def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
-    head = (f"{'#':>3} {'layout':<56} {'mem/GPU':>9} {'fits':>4} {'bubble':>10} {'comm':>5} "
+    head = (f"{'#':>3} {'layout':<64} {'mem/GPU':>9} {'fits':>4} {'bubble':>10} {'comm':>5} "
             f"{'step s':>8} {'tokens/s':>10} {'MFU':>5} {'today':>5}")
     lines = [head, "-" * len(head)]
     for i, e in enumerate(estimates, 1):
         src = {"simulated": "s", "formula": "f"}.get(e.bubble_source, " ")
         lines.append(
-            f"{i:>3} {e.candidate.label():<56} {_size(e.memory.total)} "
+            f"{i:>3} {e.candidate.label():<64} {_size(e.memory.total)} "
             f"{'yes' if e.fits else 'no':>4} {100 * e.bubble:>8.1f}%{src} "
             f"{100 * e.comm_share:>4.0f}% {e.step_s:>8.3f} {e.tokens_per_s:>10.0f} "
             f"{100 * e.mfu:>4.1f}% {'yes' if not runnable(e, master_weights) else 'no':>5}")
@@ -113,7 +126,12 @@ def explain(e: Estimate) -> str:
              f"memory of the most loaded rank (stage {g['stage']}, {g['in_flight']} micro-batches "
              f"in flight): params {g['params']:.2f} GiB, grads {g['grads']:.2f}, optimizer "
              f"{g['optimizer']:.2f}, activations {g['activations']:.2f}, buffers "
-             f"{g['buffers']:.2f} = {g['total']:.2f} GiB -> {'fits' if e.fits else 'does NOT fit'}",
+             f"{g['buffers']:.2f}"
+             + (f", gathered units {g['gathered']:.2f}" if g["gathered"] else "")
+             + (f", host copies {g['master']:.2f}" if g["master"] else "")
+             + (f", less {g['host']:.2f} in host memory" if g["host"] else "")
+             + f" = {g['total']:.2f} GiB on the device -> "
+             + ("fits" if e.fits else "does NOT fit"),
              f"time per step {e.step_s:.4f} s: compute {e.compute_s:.4f} s, bubble "
              f"{100 * e.bubble:.1f} % ({e.bubble_source}), exposed comm " +
              ", ".join(f"{k} {v:.4f} s" for k, v in e.comm_s.items()),

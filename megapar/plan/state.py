@@ -8,6 +8,15 @@ cut inside parameters): laid out here by `bucket_layout` and `slice_pieces`, the
 real code lays them out with, over the parameter list of the stage (`params.stage_tensors`).
 The dry run (`megapar.dryrun`) reads the same figures off the real tensors and
 `megapar-plan --verify` compares the two.
+
+ZeRO-2 and ZeRO-3 are modelled in the same terms (fp32 parameters, gradients, AdamW; r = dp x
+cp): ZeRO-2 keeps whole parameters and this rank's shard of each padded bucket of gradients
+(4 + (4 + 8) / r bytes per parameter); ZeRO-3 shards parameters, gradients and state by unit (a
+transformer block each, the rest of the stage the root unit, each flattened and padded to a
+multiple of r: 16 / r), keeps parameters under `PERSISTENCE_THRESHOLD` elements whole, and
+holds gathered units at the peak. `Offload` moves the optimizer state with host copies of the
+stepped tensors and their gradients (--offload-optimizer), or ZeRO-3's parameter shards
+(--offload-params), to host memory.
 """
 
 from __future__ import annotations
@@ -20,12 +29,18 @@ import numpy as np
 
 from megapar.data_parallel.buckets import bucket_layout, slice_pieces
 from megapar.models.config import config_from_dict
-from megapar.plan.params import stage_tensors
+from megapar.plan.params import stage_tensors, stage_units
 
 ADAM_MOMENTS = 2
 """AdamW's exp_avg and exp_avg_sq, each of the parameter's (piece's) shape and dtype."""
 STEP_BYTES = 4
 """torch keeps Adam's step as a float32 scalar tensor per parameter (per ZeRO-1 piece)."""
+
+
+PERSISTENCE_THRESHOLD = 100_000
+"""ZeRO-3: a parameter of fewer elements stays whole on every rank (weights never sharded nor
+gathered; its gradient and optimizer state are sharded with its unit), DeepSpeed's
+stage3_param_persistence_threshold and its default."""
 
 
 @dataclass(frozen=True)
@@ -34,55 +49,113 @@ class RankState:
 
     params: int
     weights: int
+    """Parameters held between steps (ZeRO-3: the shards, and persistent parameters whole)."""
     grads: int
+    """Gradients held between steps (ZeRO-2 / 3: this rank's shard)."""
     optimizer: int
+    """AdamW's moments and step counts (ZeRO >= 1: of this rank's pieces)."""
+    master: int = 0
+    """--offload-optimizer: the host copies of the stepped tensors and of their gradients."""
+    gathered: int = 0
+    """ZeRO-3: parameters all-gathered at the peak (modelled: twice the largest unit, with
+    the next one prefetched; with pp and kept parameters, the whole stage's)."""
+    host: int = 0
+    """Of all these, the bytes in host memory (offload)."""
+
+    @property
+    def device(self) -> int:
+        """The bytes in device memory."""
+        return self.weights + self.grads + self.optimizer + self.master + self.gathered \
+            - self.host
+
+
+@dataclass(frozen=True)
+class Offload:
+    """What a layout keeps in host memory, and whether ZeRO-3 keeps gathered parameters."""
+
+    optimizer: bool = False
+    """--offload-optimizer."""
+    params: bool = False
+    """--offload-params (ZeRO-3)."""
+    keep_params: bool = False
+    """ZeRO-3 with pp: a stage's gathered parameters kept across its micro-batches."""
 
 
 def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: int,
-               zero: int, bucket_mb: float = 25.0, placement: str = "loop") -> RankState:
+               zero: int, bucket_mb: float = 25.0, placement: str = "loop",
+               offload: Offload = Offload()) -> RankState:
     """The state of dp rank `dp_rank` of pipeline rank `stage` (any tp rank: they hold equal
     shapes) under megapar-train with AdamW and gradient buckets of `bucket_mb` MB; `placement`
-    maps chunks to virtual stages (`megapar.pipeline.schedules.PLACEMENTS`)."""
-    tensors, buckets = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement)
-    elements = sum(t.numel for t in tensors)
-    if not buckets:  # no ZeRO-1: every parameter whole, its own state
+    maps chunks to virtual stages (`megapar.pipeline.schedules.PLACEMENTS`). ZeRO-1 is the
+    real code's layout; ZeRO-2 / 3 are modelled on it (see `docs/guides/precision-zero.md`)."""
+    tensors, units = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement)
+    if not units:  # no ZeRO: every parameter whole, its own state
         nbytes = sum(t.numel * t.dtype.itemsize for t in tensors)
-        return RankState(elements, nbytes, nbytes,
-                         ADAM_MOMENTS * nbytes + STEP_BYTES * len(tensors))
-    buffer = sum(padded * tensors[idx[0]].dtype.itemsize for idx, padded in buckets)
-    moments = steps = 0
-    for idx, padded in buckets:
+        return _finish(tensors, units, dp, zero, pp, nbytes, len(tensors), offload)
+    stepped = steps = 0
+    for idx, padded in units:
         size = padded // dp
         pieces = slice_pieces([tensors[i].numel for i in idx], dp_rank * size,
                               (dp_rank + 1) * size)
-        moments += sum(e - s for _, s, e in pieces) * tensors[idx[0]].dtype.itemsize
+        stepped += sum(e - s for _, s, e in pieces) * tensors[idx[0]].dtype.itemsize
         steps += len(pieces)
-    return RankState(elements, buffer, buffer, ADAM_MOMENTS * moments + STEP_BYTES * steps)
+    return _finish(tensors, units, dp, zero, pp, stepped, steps, offload)
+
+
+def _finish(tensors, units, dp: int, zero: int, pp: int, stepped: int, steps: int,
+            offload: Offload) -> RankState:
+    """A rank's state from its stepped bytes and pieces (`units`: ZeRO's buckets or units)."""
+    elements = sum(t.numel for t in tensors)
+    whole = sum(t.numel * t.dtype.itemsize for t in tensors)
+    buffer = sum(padded * tensors[idx[0]].dtype.itemsize for idx, padded in units) or whole
+    shard = sum(padded // dp * tensors[idx[0]].dtype.itemsize for idx, padded in units) or whole
+    weights, grads, gathered, offloaded = buffer, buffer if zero < 2 else shard, 0, 0
+    if zero >= 3 and units:
+        kept = [[i for i in idx if tensors[i].numel >= PERSISTENCE_THRESHOLD]
+                for idx, _ in units]
+        persistent = whole - sum(tensors[i].numel * tensors[i].dtype.itemsize
+                                 for idx in kept for i in idx)
+        offloaded = sum(-(-sum(tensors[i].numel for i in idx) // dp)
+                        * tensors[idx[0]].dtype.itemsize for idx in kept if idx)
+        weights = offloaded + persistent
+        full = [sum(tensors[i].numel * tensors[i].dtype.itemsize for i in idx) for idx in kept]
+        gathered = sum(full) if offload.keep_params and pp > 1 else \
+            max(full) * min(2, len(full))
+    optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
+    master = 2 * stepped if offload.optimizer else 0
+    host = (optimizer + master if offload.optimizer else 0) + \
+        (offloaded if offload.params and zero >= 3 else 0)
+    return RankState(elements, weights, grads, optimizer, master, gathered, host)
 
 
 @lru_cache(maxsize=4096)
 def most_loaded(config_json: str, tp: int, pp: int, v: int, stage: int, dp: int, zero: int,
-                bucket_mb: float = 25.0, placement: str = "loop") -> RankState:
-    """The largest `rank_state` over the dp ranks of a stage (ZeRO-1 slices differ: the last
-    holds the padding, ranks whose slice starts inside a parameter hold one more piece)."""
+                bucket_mb: float = 25.0, placement: str = "loop",
+                offload: Offload = Offload()) -> RankState:
+    """The most loaded `rank_state` over the dp ranks of a stage (ZeRO slices differ: the last
+    holds the padding, ranks whose slice starts inside a parameter hold one more piece): the
+    one with the most optimizer bytes (with --offload-optimizer, optimizer and host copies)."""
 
     config = config_from_dict(json.loads(config_json))
-    tensors, buckets = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement)
-    if not buckets:
-        return rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement)
-    ranks = _candidate_ranks(tensors, buckets, dp)
-    optimizer = np.zeros(len(ranks), dtype=np.int64)
-    for idx, padded in buckets:
+    tensors, units = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement)
+    if not units:
+        return rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement, offload)
+    ranks = _candidate_ranks(tensors, units, dp)
+    stepped = np.zeros(len(ranks), dtype=np.int64)
+    steps = np.zeros(len(ranks), dtype=np.int64)
+    for idx, padded in units:
         size, itemsize = padded // dp, tensors[idx[0]].dtype.itemsize
         ends = np.cumsum([tensors[i].numel for i in idx])
         lo, hi = ranks * size, np.minimum((ranks + 1) * size, ends[-1])
         real = np.maximum(hi - lo, 0)
         first = np.searchsorted(ends, lo, side="right")
         last = np.searchsorted(ends, np.maximum(hi - 1, 0), side="right")
-        optimizer += ADAM_MOMENTS * real * itemsize + STEP_BYTES * np.where(
-            real > 0, last - first + 1, 0)
-    worst = rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement)
-    return RankState(worst.params, worst.weights, worst.grads, int(optimizer.max()))
+        stepped += real * itemsize
+        steps += np.where(real > 0, last - first + 1, 0)
+    held = (ADAM_MOMENTS + (2 if offload.optimizer else 0)) * stepped + STEP_BYTES * steps
+    worst = int(np.argmax(held))
+    return _finish(tensors, units, dp, zero, pp, int(stepped[worst]), int(steps[worst]),
+                   offload)
 
 
 def _candidate_ranks(tensors, buckets, dp: int) -> np.ndarray:
@@ -102,9 +175,21 @@ def _candidate_ranks(tensors, buckets, dp: int) -> np.ndarray:
 
 
 def _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement="loop"):
-    """(the stage's tensors, ZeRO-1's buckets as `bucket_layout` gives them, or [] without)."""
+    """(the stage's tensors, ZeRO's buckets as `bucket_layout` gives them (ZeRO-1 / 2), its
+    units (ZeRO-3: each padded to a multiple of dp), or [] without)."""
     tensors = stage_tensors(config, tp, pp, v, stage, placement)
     if not (zero and dp > 1):
         return tensors, []
+    if zero >= 3:
+        return tensors, [(idx, -(-sum(tensors[i].numel for i in idx) // dp) * dp)
+                         for idx in stage_units(config, tp, pp, v, stage, placement)]
     late = [i for i, t in enumerate(tensors) if t.shared] if pp > 1 else []
     return tensors, bucket_layout([(t.numel, t.dtype) for t in tensors], bucket_mb, dp, late)
+
+
+def sharded_buffer(config, tp: int, pp: int, v: int, stage: int, dp: int, zero: int,
+                   bucket_mb: float = 25.0, placement: str = "loop") -> tuple[int, int]:
+    """(buckets or units, bytes of the padded buffer) ZeRO reduces and gathers on this stage
+    (ZeRO-1 / 2: `bucket_layout`'s buckets; ZeRO-3: its units); (0, 0) without ZeRO."""
+    tensors, units = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement)
+    return len(units), sum(padded * tensors[idx[0]].dtype.itemsize for idx, padded in units)

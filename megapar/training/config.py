@@ -79,6 +79,10 @@ class TrainConfig:
     """On CUDA: let fp32 matrix products use TensorFloat-32 (10-bit mantissa, several times faster on Ampere and newer GPUs). Off, fp32 runs keep full fp32 products and match one process to 1e-5."""
     zero: int = 0
     """1 shards the optimizer state over data-parallel ranks (ZeRO-1)."""
+    offload_optimizer: bool = False
+    """Keep the fp32 master copy of the stepped parameters (or ZeRO slices) and the optimizer's moments in host memory (pinned on CUDA) and step there: each step copies the reduced, clipped gradients to the host and the updated parameters back (DeepSpeed's offload_optimizer). AdamW and SGD. On the CPU the host is the device: nothing moves."""
+    offload_params: bool = False
+    """With --zero 3: keep the parameter shards in host memory and bring each unit to the device for its use (DeepSpeed's offload_param)."""
     p2p_dtype: str = "auto"
     """Dtype of pipeline messages on the wire: auto (the --precision compute dtype, Megatron's pipeline_dtype: bf16 / fp16 under mixed precision, fp32 otherwise), fp32, bf16 or fp16. Received activations and gradients are cast back, so only the bytes change."""
     grad_reduce_dtype: str = "auto"
@@ -183,7 +187,7 @@ class TrainConfig:
     gpus_per_node: int = 8
     """With --dry-run: ranks per node (which groups cross nodes)."""
     dry_run_ranks: str = "sample"
-    """With --dry-run: the ranks to rehearse: sample (every stage, every tp rank, and the dp ranks whose state differs: the first, the last and, with --zero 1, one in the middle), all, or a list of ranks and ranges like 0,7,1000-1023. A choice estimated to take over an hour (0.5 s per rank, plus 30 us per rank of the job) is refused: rehearse it in parts."""
+    """With --dry-run: the ranks to rehearse: sample (every stage, every tp rank, and the dp ranks whose state differs: the first, the last and, with --zero 1 or more, one in the middle), all, or a list of ranks and ranges like 0,7,1000-1023. A choice estimated to take over an hour (0.5 s per rank, plus 30 us per rank of the job) is refused: rehearse it in parts."""
     json: bool = False
     """With --dry-run: print one JSON object per rehearsed rank (figures in bytes) instead of text."""
     progress: bool = True

@@ -99,7 +99,8 @@ class Engine:
         lr = self.scaled_lr(cfg)
         self.optimizer = build_optimizer(self.model, mesh, lr, cfg.weight_decay,
                                          betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                         eps=cfg.adam_eps, zero=cfg.zero, kind=cfg.optimizer)
+                                         eps=cfg.adam_eps, zero=cfg.zero, kind=cfg.optimizer,
+                                         offload=cfg.offload_optimizer)
         """A `torch.optim.Optimizer` over this rank's parameters (under ZeRO-1, its slices of
         the optimizer state): torch's LR schedulers can drive it."""
         self.scheduler = self.flags_schedule(cfg) if scheduler == "from_cfg" else scheduler

@@ -149,6 +149,14 @@ def check_settings(cfg) -> None:
         raise UsageError(f"--grad-compression {cfg.grad_compression} cannot be combined with "
                          f"--zero 1: the distributed optimizer reduce-scatters the gradient "
                          f"buffer, the compressors compress an all-reduce; drop one of them")
+    if cfg.offload_params and cfg.zero != 3:
+        raise UsageError(f"--offload-params needs --zero 3 (it keeps the parameter shards in "
+                         f"host memory; --zero {cfg.zero} keeps whole parameters on the device): "
+                         f"add --zero 3, or use --offload-optimizer")
+    if cfg.offload_optimizer and cfg.optimizer in ("lamb", "lars"):
+        raise UsageError(f"--offload-optimizer steps AdamW or SGD on the host, not --optimizer "
+                         f"{cfg.optimizer} (its trust ratios need whole-parameter norms on the "
+                         f"devices): drop --offload-optimizer or use --optimizer adamw")
     rehearsal = [name for name in ("world_size", "gpus_per_node", "dry_run_ranks", "json")
                  if name in explicit(cfg)]
     if rehearsal and not cfg.dry_run:
@@ -331,7 +339,8 @@ def checkpoint_manifest(path: str) -> dict:
 NOT_INHERITED = {
     # the layout and how it runs (any layout resumes any checkpoint, with the same numbers)
     "tp", "cp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
-    "sequence_parallel", "recompute", "zero", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
+    "sequence_parallel", "recompute", "zero", "offload_optimizer", "offload_params",
+    "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
     "model", "from_hf", "load", "load_strict", "allow_data_change", "save", "async_save",
     "overwrite_newer", "data_cache",

@@ -1,0 +1,75 @@
+"""ZeRO's data-parallel traffic per step, and the part of it (and of offload's host copies) a
+step waits for.
+
+Per optimizer step of m micro-batches, over the r = dp x cp ranks that hold the same parameters
+(bytes are whole tensors: an all-gather's output, a reduce-scatter's input, as the dry run
+counts them; a ring moves (r - 1) / r of them per rank, an all-reduce twice that):
+
+    zero 0   one all-reduce of the gradients (last backward)
+    zero 1   one reduce-scatter of the gradients + one all-gather of the parameters (after
+             the step): the bytes of one all-reduce
+    zero 2   a reduce-scatter per micro-batch (m x, as DeepSpeed: the gradient is kept only as
+             this rank's shard between micro-batches) + one all-gather of the parameters
+    zero 3   an all-gather of each unit before its forward and again before its backward, per
+             micro-batch (2 m x; with pp and kept parameters once per step), and a
+             reduce-scatter per micro-batch: without pp and m = 1, 1.5 x an all-reduce
+
+Time exposed: a reduce-scatter hides behind its micro-batch's backward, an all-gather of the
+next unit behind the current unit's forward (or backward), except what is longer, and the first
+unit's gather of each pass is waited for; zero 1 / 2's parameter all-gather after the step is
+exposed. Offload adds host copies over PCIe: --offload-optimizer the stepped gradients down and
+the parameters back each step (exposed), --offload-params this rank's shard brought up before
+each gather. The optimizer step itself (on the device or the host) is not modelled.
+"""
+
+from __future__ import annotations
+
+
+def dp_traffic(zero: int, m: int, pp: int, keep_params: bool, grad_bytes: float,
+               param_bytes: float, pieces: int = 1) -> list[tuple[str, int, float]]:
+    """[(operation, calls, bytes in all)] one rank issues over dp x cp in a step: `grad_bytes`
+    / `param_bytes` are the stage's (padded) gradient and parameter buffers as reduced and
+    gathered, `pieces` its buckets (zero 0-2) or units (zero 3), each one call."""
+    if zero == 0:
+        return [("all_reduce", pieces, grad_bytes)]
+    if zero in (1, 2):
+        times = m if zero == 2 else 1
+        return [("reduce_scatter", times * pieces, times * grad_bytes),
+                ("all_gather", pieces, param_bytes)]
+    gathers = 1 if keep_params and pp > 1 else 2 * m
+    return [("all_gather", gathers * pieces, gathers * param_bytes),
+            ("reduce_scatter", m * pieces, m * grad_bytes)]
+
+
+def ring_seconds(op: str, n: int, nbytes: float, gbps: float, latency_us: float) -> float:
+    """A ring collective over n ranks of a tensor of `nbytes`: an all-reduce 2 (n - 1) steps
+    of nbytes / n, a reduce-scatter or all-gather half of that."""
+    if n == 1:
+        return 0.0
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    return steps * (nbytes / n * 8 / (gbps * 1e9) + latency_us * 1e-6)
+
+
+def dp_seconds(zero: int, m: int, pp: int, keep_params: bool, n: int, grad_bytes: float,
+               param_bytes: float, units: int, gbps: float, latency_us: float, t_f: float,
+               t_b: float, upload_s: float = 0.0) -> float:
+    """Seconds of a step's dp traffic that are not hidden (see the module docstring): `t_f` /
+    `t_b` one micro-batch's forward / backward, `units` ZeRO-3's units of the stage, and
+    `upload_s` the host-to-device copy of this rank's parameter shard before each ZeRO-3
+    gather (--offload-params)."""
+    rs = ring_seconds("reduce_scatter", n, grad_bytes, gbps, latency_us)
+    ag = ring_seconds("all_gather", n, param_bytes, gbps, latency_us)
+    if zero == 0:
+        return max(0.0, ring_seconds("all_reduce", n, grad_bytes, gbps, latency_us) - t_b)
+    if zero in (1, 2):
+        return (m if zero == 2 else 1) * max(0.0, rs - t_b) + ag
+    ag += upload_s
+    first = ag / max(units, 1)    # the first unit of a pass has nothing to hide behind
+    if keep_params and pp > 1:
+        return first + max(0.0, ag - first - t_f) + m * max(0.0, rs - t_b)
+    return m * (2 * first + max(0.0, ag - first - t_f) + max(0.0, ag - first + rs - t_b))
+
+
+def pcie_seconds(nbytes: float, gbps: float) -> float:
+    """Copying `nbytes` between host and device at `gbps` Gbit/s."""
+    return nbytes * 8 / (gbps * 1e9)

@@ -1,0 +1,163 @@
+"""--offload-optimizer: the optimizer steps host copies of its stepped tensors (issue 30).
+
+With `MEGAPAR_HOST_COPIES=1` the CPU ranks keep separate host masters, as a CUDA run does, so
+the copying path (gradients to the host, the step there, parameters back) is what runs. It must
+train as one process does (fp32, 1e-5, 5 steps with clipping): at dp 1 without ZeRO, at dp 2 and
+tp 2 x dp 2 with ZeRO-1 (where the stepped tensors are the pieces); and its checkpoints are
+canonical: an offloaded optimizer's state loads into one without offload and the reverse.
+"""
+
+import pytest
+import torch
+from test_layout_change import common  # noqa: F401 - the fixture
+from test_parity_3d import _worker, check_against, serial_reference
+
+from megapar.launcher import run_local
+from megapar.mesh import Layout, Mesh
+from megapar.models import GPT2Config
+from megapar.optim import build_optimizer
+from megapar.optim.offload import HOST_COPIES_ENV, HostKeyed
+from megapar.pipeline.partition import build_stage
+from megapar.training.config import TrainConfig
+from megapar.training.validate import UsageError, check_settings
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return serial_reference()
+
+
+@pytest.fixture
+def host_copies(monkeypatch):
+    monkeypatch.setenv(HOST_COPIES_ENV, "1")
+
+
+def _one_rank(runs):
+    """`_worker` as the one rank of a gloo group (the launcher makes none for one rank)."""
+    import torch.distributed as dist
+
+    from megapar.launcher import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        return _worker(runs)
+    finally:
+        dist.destroy_process_group()
+
+
+def _offloaded(tp, dp, zero):
+    return (tp, 1, dp, zero, "fp32", "1f1b", 1, "tp-pp-dp", False, 1, 2, True)
+
+
+def test_offload_parity_dp1_zero0_and_dp2_zero1(reference, host_copies):
+    outs = run_local(_one_rank, 1, [_offloaded(1, 1, 0)])
+    check_against(reference, [o[0] for o in outs])
+    assert outs[0][0]["host_copies"] and outs[0][0]["refreshed"] == 0
+    outs = run_local(_worker, 2, [_offloaded(1, 2, 1)])
+    check_against(reference, [o[0] for o in outs])
+    assert all(o[0]["host_copies"] and o[0]["refreshed"] == 0 for o in outs)
+
+
+def test_offload_parity_tp2_dp2_zero1(reference, host_copies):
+    outs = run_local(_worker, 4, [_offloaded(2, 2, 1)])
+    check_against(reference, [o[0] for o in outs])
+    assert all(o[0]["host_copies"] and o[0]["refreshed"] == 0 for o in outs)
+
+
+CONFIG = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _steps(model, opt, seed, n):
+    """n AdamW steps on gradients drawn from `seed` (the same for every optimizer)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        opt.zero_grad()
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+
+
+@pytest.mark.parametrize("first,second", [(True, False), (False, True)])
+def test_offload_checkpoint_is_canonical_both_ways(host_copies, first, second):
+    """3 steps with one setting, its state saved and loaded into the other, 2 more steps: the
+    weights and moments of a run that kept the first setting throughout, exactly."""
+    mesh = Mesh(Layout())
+    models = [build_stage(CONFIG, mesh, seed=3) for _ in range(3)]
+    through, before, after = (build_optimizer(m, mesh, 1e-2, 0.1, offload=o)
+                              for m, o in zip(models, (first, first, second)))
+    assert (through.host is not None) == first and (after.host is not None) == second
+    _steps(models[0], through, 7, 3)
+    _steps(models[1], before, 7, 3)
+    models[2].load_state_dict(models[1].state_dict())
+    after.load_state_tensors(before.state_tensors())
+    after.load_state_json(before.state_json())
+    for model, opt in ((models[0], through), (models[2], after)):
+        _steps(model, opt, 9, 2)
+    for (n, a), b in zip(models[0].named_parameters(), models[2].parameters()):
+        assert torch.equal(a, b), n
+    saved, resumed = through.state_tensors(), after.state_tensors()
+    assert saved.keys() == resumed.keys()
+    for n in saved:
+        for k in saved[n]:
+            assert torch.equal(saved[n][k], resumed[n][k]), (n, k)
+    if first:  # its own steps never changed the weights behind the masters' back
+        assert through.host.refreshed == 0
+    if second:  # the loaded weights reached the masters, once each, at the first step
+        assert after.host.refreshed == len(after.params)
+    if second:  # the loaded state lives with the host masters, not the parameters
+        for p in after.params:
+            master = after.host.master_of[id(p)]
+            assert after.inner.state[p] is after.inner.state[master]
+            assert master.data_ptr() != p.data_ptr()
+
+
+def test_host_keyed_state_finds_masters_by_their_tensors():
+    t, master = torch.zeros(3), torch.ones(3)
+    state = HostKeyed({id(t): master})
+    state[t] = {"exp_avg": torch.full((3,), 2.0)}
+    assert t in state and master in state and state.get(t) is state[master]
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"offload_params": True}, "--offload-params needs --zero 3"),
+    ({"offload_params": True, "zero": 1}, "--offload-params needs --zero 3"),
+    ({"offload_optimizer": True, "optimizer": "lamb"}, "--offload-optimizer steps AdamW or SGD"),
+])
+def test_offload_combinations_it_cannot_serve_are_one_line(flags, message):
+    with pytest.raises(UsageError, match=message) as err:
+        check_settings(TrainConfig(**flags))
+    assert "\n" not in str(err.value)
+
+
+def test_cli_offload_checkpoint_resumes_without_offload(tmp_path, common, host_copies):  # noqa: F811
+    """megapar-train --dp 2 --zero 1 --offload-optimizer (host copies, as on CUDA) saves at step
+    3 of 6; resumed without offload and without ZeRO it logs the losses of the run that went
+    on (fp32, 1e-5)."""
+    from test_layout_change import _assert_continues, _train_and_checkpoint
+
+    from megapar.cli.train import main as train
+
+    reference, step3 = _train_and_checkpoint(
+        tmp_path, common, ["--dp", "2", "--zero", "1", "--offload-optimizer"])
+    log = tmp_path / "resumed.jsonl"
+    assert train([*common, "--dp", "2", "--zero", "0", "--load", str(step3),
+                  "--log-json", str(log)]) == 0
+    _assert_continues(reference, log, "offload zero=1 dp=2 -> no offload zero=0 dp=2")
+
+
+def test_a_tensor_without_gradient_is_not_stepped_on_the_host(host_copies):
+    """As torch's optimizer skips a parameter whose .grad is None, so does the host step (a
+    stale host gradient from an earlier step must not move it)."""
+    mesh = Mesh(Layout())
+    model = build_stage(CONFIG, mesh, seed=3)
+    opt = build_optimizer(model, mesh, 1e-2, 0.0, offload=True)
+    _steps(model, opt, 7, 1)
+    frozen, moved = opt.params[0], opt.params[1]
+    before, other = frozen.detach().clone(), moved.detach().clone()
+    opt.zero_grad()
+    for p in opt.params[1:]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.equal(frozen, before) and not torch.equal(moved, other)
