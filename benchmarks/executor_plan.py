@@ -23,6 +23,7 @@ steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import statistics
 import time
@@ -32,6 +33,7 @@ from torch import nn
 
 from megapar.faults import status
 from megapar.mesh import Layout, Mesh
+from megapar.pipeline import executor as executor_module
 from megapar.pipeline import messages
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.schedules import placement_of, virtual_stage
@@ -77,12 +79,14 @@ def stage_times(schedule: str, pp: int, m: int, v: int, repeat: int) -> tuple[fl
 
 
 class InstantP2P:
-    """A stage's messages that complete at once: nothing moves, a receive returns a buffer."""
+    """A stage's messages that complete at once: nothing moves, a receive returns a buffer
+    (with a gradient, as a received activation has after the backward the stub skips)."""
 
     failed, pending_recvs, pending_sends = False, 0, 0
 
     def __init__(self, shape: tuple):
         self.buffer = torch.zeros(shape)
+        self.buffer.grad = torch.zeros(shape)
         self.issued: list = []
 
     def begin_step(self) -> None:
@@ -91,10 +95,10 @@ class InstantP2P:
     def issue(self, group: list) -> None:
         pass
 
-    def wait_recv(self, kind: str, mb: int, chunk: int = 0) -> torch.Tensor:
+    def wait_recv(self, *key) -> torch.Tensor:  # (key) now, (kind, mb, chunk) before
         return self.buffer
 
-    def release(self, kind: str, mb: int, chunk: int = 0) -> None:
+    def release(self, *key) -> None:
         pass
 
     def wait_sends(self) -> None:
@@ -113,16 +117,77 @@ class StubChunk(nn.Module):
         return out.sum() if self.last else out
 
 
-def host_work(schedule: str, pp: int, m: int, v: int, stage: int, trace: bool,
-              repeat: int) -> float:
-    """Seconds of host work of one step of `stage` outside the compute handlers (minimum of
-    `repeat` steps, after one that builds the plan)."""
+class NoModel:
+    """A model chunk that computes nothing: its forward returns a tensor made beforehand (the
+    scalar loss on the model's last chunk), with no autograd graph."""
+
+    def __init__(self, shape: tuple, last: bool):
+        self.out = torch.zeros(()) if last else torch.zeros(shape)
+
+    def __call__(self, hidden, batch):
+        return self.out
+
+    def parameters(self):
+        return iter(())
+
+
+@contextlib.contextmanager
+def no_autograd():
+    """The executor's autograd calls (`backward`, `backward_input`, `backward_weight`: the
+    compute of a backward) do nothing in the block; a B returns the input's `.grad`."""
+    saved = executor_module.backward, executor_module.backward_input, \
+        executor_module.backward_weight
+    pending = executor_module.PendingWeightGrad([])
+    executor_module.backward = lambda output, grad: None
+    executor_module.backward_input = lambda output, grad, inp, store: (
+        inp.grad if inp is not None else None, pending)
+    executor_module.backward_weight = lambda pending, ready=None: None
+    try:
+        yield
+    finally:
+        executor_module.backward, executor_module.backward_input, \
+            executor_module.backward_weight = saved
+
+
+def host_work(schedule: str, pp: int, m: int, v: int, trace: bool, steps: int,
+              subtract: bool = False) -> list[float]:
+    """Seconds of host work of one step, per stage: the minimum of `steps` steps of each, after
+    one that builds the plan. The stages take turns, one step each per round, so that a noisy
+    moment of a shared machine falls on every stage alike instead of on the few measured then.
+
+    Default: the model and autograd compute nothing (`NoModel`, `no_autograd`); the whole
+    step is timed, the compute handlers' own work included. `subtract` (the measure of the
+    earlier tables): a stub model that computes, the compute handlers timed one by one and
+    their time subtracted, with what the timer costs outside its interval (`TIMER_COST`)."""
+    executors = [_stage_executor(schedule, pp, m, v, stage, trace, subtract)
+                 for stage in range(pp)]
+    batches = [{} for _ in range(m)]
+    best = [float("inf")] * pp
+    with contextlib.nullcontext() if subtract else no_autograd():
+        for executor in executors:
+            executor.run(batches)
+        for _ in range(steps):
+            for stage, executor in enumerate(executors):
+                inside = executor.inside
+                inside[:] = [0.0, 0]
+                start = time.thread_time()
+                executor.run(batches)
+                spent = time.thread_time() - start - inside[0] - inside[1] * TIMER_COST
+                best[stage] = min(best[stage], spent)
+    return best
+
+
+def _stage_executor(schedule: str, pp: int, m: int, v: int, stage: int, trace: bool,
+                    subtract: bool) -> PipelineExecutor:
+    """`stage`'s executor, its messages completing at once; `subtract`: of a stub model, its
+    compute handlers timed into the list `executor.inside` ([seconds, calls] since it was
+    reset), else of `NoModel` chunks."""
     shape = (1, 4)
     mesh = Mesh.virtual(Layout(1, pp, 1), rank=stage, device="cpu")
     mesh.timeout_s = 60.0
     placement = placement_of(schedule)
-    chunks = [StubChunk(shape, virtual_stage(stage, c, pp, placement) == pp * v - 1)
-              for c in range(v)]
+    last = [virtual_stage(stage, c, pp, placement) == pp * v - 1 for c in range(v)]
+    chunks = [StubChunk(shape, last[c]) for c in range(v)]
     model = Chunks(v) if v > 1 else chunks[0]
     if v > 1:
         model.chunks = nn.ModuleList(chunks)
@@ -130,18 +195,13 @@ def host_work(schedule: str, pp: int, m: int, v: int, stage: int, trace: bool,
                                 virtual_stages=v)
     executor.p2p, executor.post_ahead = InstantP2P(shape), False  # NCCL's issue order
     executor._mean_loss = lambda m: torch.zeros(())  # a collective: a wait, not host work
-    inside = [0.0, 0]
-    for kind, handler in list(executor.handlers.items()):
-        executor.handlers[kind] = _timed(handler, inside)
-    batches = [{} for _ in range(m)]
-    executor.run(batches)
-    best = float("inf")
-    for _ in range(repeat):
-        inside[:] = [0.0, 0]
-        start = time.thread_time()
-        executor.run(batches)
-        best = min(best, time.thread_time() - start - inside[0] - inside[1] * TIMER_COST)
-    return best
+    executor.inside = [0.0, 0]
+    if subtract:
+        for kind, handler in list(executor.handlers.items()):
+            executor.handlers[kind] = _timed(handler, executor.inside)
+    else:
+        executor.chunks = [NoModel(shape, last[c]) for c in range(v)]
+    return executor
 
 
 def _timed(handler, inside: list):
@@ -184,27 +244,35 @@ TIMER_COST = 0.0
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=3, help="planning runs per stage")
-    parser.add_argument("--steps", type=int, default=10,
+    parser.add_argument("--steps", type=int, default=20,
                         help="host work: steps per stage (the minimum is kept)")
+    parser.add_argument("--subtract-handlers", action="store_true",
+                        help="host work as measured before: a stub model that computes, the "
+                             "compute handlers' time subtracted")
+    parser.add_argument("--host-only", action="store_true",
+                        help="only the host work (not the planning table)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'every step before':>18} | "
-          f"{'each later step':>16}")
-    for schedule, pp, m, v in LAYOUTS:
+    if not args.host_only:
+        print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'every step before':>18} | "
+              f"{'each later step':>16}")
+    for schedule, pp, m, v in [] if args.host_only else LAYOUTS:
         cold, warm = stage_times(schedule, pp, m, v, args.repeat)
         print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | {cold * 1e3:15.2f} ms | "
               f"{warm * 1e6:13.2f} us")
     shared = ctypes.create_string_buffer(256)  # the launcher's status line, as in a worker
     status._shared = shared
+    status.set_step(1000)
     global TIMER_COST
-    TIMER_COST = timer_cost()
-    print(f"\nthe compute handlers' timer: {TIMER_COST * 1e6:.2f} us a compute outside its "
-          f"measured time, subtracted")
-    print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | host work per step, slowest stage: "
+    if args.subtract_handlers:
+        TIMER_COST = timer_cost()
+        print(f"\nthe compute handlers' timer: {TIMER_COST * 1e6:.2f} us a compute outside its "
+              f"measured time, subtracted")
+    print(f"\n{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | host work per step, slowest stage: "
           f"{'traced':>9} {'untraced':>9}")
     for schedule, pp, m, v in LAYOUTS:
-        times = [max(host_work(schedule, pp, m, v, s, trace, args.steps)
-                     for s in range(pp)) for trace in (True, False)]
+        times = [max(host_work(schedule, pp, m, v, trace, args.steps, args.subtract_handlers))
+                 for trace in (True, False)]
         print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | {'':34} {times[0] * 1e3:6.2f} ms "
               f"{times[1] * 1e3:6.2f} ms")
 

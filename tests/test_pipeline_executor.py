@@ -332,3 +332,45 @@ def test_receives_posted_ahead_on_gloo_keep_each_peers_order_and_every_number(sc
         assert loss == loss2 and all(torch.equal(a, b) for a, b in zip(grads, grads2))
         assert receives == receives2 == program  # the one peer's receives in program order
         assert groups != groups2  # ahead: receives go out on their own, before their groups
+
+
+def status_line_worker():
+    import ctypes
+
+    from megapar.faults import status
+
+    mesh = make_mesh(pp=2)
+    status._shared = ctypes.create_string_buffer(256)  # the launcher's line, as in a worker
+    status.set_step(3)
+    executor = PipelineExecutor(ToyStage(mesh), mesh, "1f1b", SHAPE, timeout_s=30)
+    seen = []
+
+    def reading(call):
+        def read(*args):
+            seen.append((status._shared.value.decode(), status.status()))
+            return call(*args)
+        return read
+
+    executor.handlers = {kind: reading(h) for kind, h in executor.handlers.items()}
+    executor.p2p.wait_recv = reading(executor.p2p.wait_recv)
+    executor.run(toy_batches(2))
+    return seen, status._shared.value.decode()
+
+
+def test_the_status_line_names_every_wait_and_compute_of_a_step():
+    """The walk publishes each action's pre-encoded text into the shared line; what the
+    launcher reads (the line) and what the rank says (status()) name the step and action."""
+    stage0, stage1 = run_local(status_line_worker, 2)
+    for seen, _ in (stage0, stage1):
+        assert all(line == said for line, said in seen), seen
+    assert [line for line, _ in stage1[0]] == [
+        "step 3, recv_act of micro-batch 0 on pp stage 1 (from rank 0)",
+        "step 3, forward of micro-batch 0 on pp stage 1",
+        "step 3, backward of micro-batch 0 on pp stage 1",
+        "step 3, recv_act of micro-batch 1 on pp stage 1 (from rank 0)",
+        "step 3, forward of micro-batch 1 on pp stage 1",
+        "step 3, backward of micro-batch 1 on pp stage 1"]
+    assert [line for line, _ in stage0[0]][:2] == [
+        "step 3, forward of micro-batch 0 on pp stage 0",
+        "step 3, forward of micro-batch 1 on pp stage 0"]
+    assert stage0[1] == stage1[1] == "step 3, loss broadcast from the last pipeline stage"
