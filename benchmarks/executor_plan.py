@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import importlib.util
 import statistics
 import time
 
@@ -132,56 +133,61 @@ class NoModel:
 
 
 @contextlib.contextmanager
-def no_autograd():
-    """The executor's autograd calls (`backward`, `backward_input`, `backward_weight`: the
-    compute of a backward) do nothing in the block; a B returns the input's `.grad`."""
-    saved = executor_module.backward, executor_module.backward_input, \
-        executor_module.backward_weight
-    pending = executor_module.PendingWeightGrad([])
-    executor_module.backward = lambda output, grad: None
-    executor_module.backward_input = lambda output, grad, inp, store: (
-        inp.grad if inp is not None else None, pending)
-    executor_module.backward_weight = lambda pending, ready=None: None
+def no_autograd(modules):
+    """The autograd calls of each executor module in `modules` (`backward`, `backward_input`,
+    `backward_weight`: the compute of a backward) do nothing in the block; a B returns the
+    input's `.grad`."""
+    saved = [(mod, mod.backward, mod.backward_input, mod.backward_weight) for mod in modules]
+    for mod in modules:
+        pending = mod.PendingWeightGrad([])
+        mod.backward = lambda output, grad: None
+        mod.backward_input = lambda output, grad, inp, store, pending=pending: (
+            inp.grad if inp is not None else None, pending)
+        mod.backward_weight = lambda pending, ready=None: None
     try:
         yield
     finally:
-        executor_module.backward, executor_module.backward_input, \
-            executor_module.backward_weight = saved
+        for mod, *calls in saved:
+            mod.backward, mod.backward_input, mod.backward_weight = calls
 
 
 def host_work(schedule: str, pp: int, m: int, v: int, trace: bool, steps: int,
-              subtract: bool = False) -> list[float]:
-    """Seconds of host work of one step, per stage: the minimum of `steps` steps of each, after
-    one that builds the plan. The stages take turns, one step each per round, so that a noisy
-    moment of a shared machine falls on every stage alike instead of on the few measured then.
+              subtract: bool = False, modules: tuple = (executor_module,)) -> list[list[float]]:
+    """Seconds of host work of one step, per executor module in `modules` (this tree's, and
+    a `--baseline`), per stage: the minimum of `steps` steps of each, after one that builds
+    the plan. The stages (and modules) take turns, one step each per round, so that a noisy
+    moment of a shared machine falls on all alike instead of on the few measured then.
 
     Default: the model and autograd compute nothing (`NoModel`, `no_autograd`); the whole
     step is timed, the compute handlers' own work included. `subtract` (the measure of the
     earlier tables): a stub model that computes, the compute handlers timed one by one and
     their time subtracted, with what the timer costs outside its interval (`TIMER_COST`)."""
-    executors = [_stage_executor(schedule, pp, m, v, stage, trace, subtract)
-                 for stage in range(pp)]
+    executors = [[_stage_executor(mod, schedule, pp, m, v, stage, trace, subtract)
+                  for stage in range(pp)] for mod in modules]
     batches = [{} for _ in range(m)]
-    best = [float("inf")] * pp
-    with contextlib.nullcontext() if subtract else no_autograd():
-        for executor in executors:
-            executor.run(batches)
-        for _ in range(steps):
-            for stage, executor in enumerate(executors):
-                inside = executor.inside
-                inside[:] = [0.0, 0]
-                start = time.thread_time()
+    best = [[float("inf")] * pp for _ in modules]
+    with contextlib.nullcontext() if subtract else no_autograd(modules):
+        for stages in executors:
+            for executor in stages:
                 executor.run(batches)
-                spent = time.thread_time() - start - inside[0] - inside[1] * TIMER_COST
-                best[stage] = min(best[stage], spent)
+        for _ in range(steps):
+            for stage in range(pp):
+                for mod, stages in enumerate(executors):
+                    executor = stages[stage]
+                    inside = executor.inside
+                    inside[:] = [0.0, 0]
+                    start = time.thread_time()
+                    executor.run(batches)
+                    spent = time.thread_time() - start - inside[0] - inside[1] * TIMER_COST
+                    best[mod][stage] = min(best[mod][stage], spent)
     return best
 
 
-def _stage_executor(schedule: str, pp: int, m: int, v: int, stage: int, trace: bool,
-                    subtract: bool) -> PipelineExecutor:
-    """`stage`'s executor, its messages completing at once; `subtract`: of a stub model, its
-    compute handlers timed into the list `executor.inside` ([seconds, calls] since it was
-    reset), else of `NoModel` chunks."""
+def _stage_executor(module, schedule: str, pp: int, m: int, v: int, stage: int, trace: bool,
+                    subtract: bool):
+    """`stage`'s executor (`module.PipelineExecutor`), its messages completing at once;
+    `subtract`: of a stub model, its compute handlers timed into the list `executor.inside`
+    ([seconds, calls] since it was reset), else of `NoModel` chunks."""
     shape = (1, 4)
     mesh = Mesh.virtual(Layout(1, pp, 1), rank=stage, device="cpu")
     mesh.timeout_s = 60.0
@@ -191,8 +197,8 @@ def _stage_executor(schedule: str, pp: int, m: int, v: int, stage: int, trace: b
     model = Chunks(v) if v > 1 else chunks[0]
     if v > 1:
         model.chunks = nn.ModuleList(chunks)
-    executor = PipelineExecutor(model, mesh, schedule, shape, timeout_s=60, trace=trace,
-                                virtual_stages=v)
+    executor = module.PipelineExecutor(model, mesh, schedule, shape, timeout_s=60, trace=trace,
+                                       virtual_stages=v)
     executor.p2p, executor.post_ahead = InstantP2P(shape), False  # NCCL's issue order
     executor._mean_loss = lambda m: torch.zeros(())  # a collective: a wait, not host work
     executor.inside = [0.0, 0]
@@ -202,6 +208,15 @@ def _stage_executor(schedule: str, pp: int, m: int, v: int, stage: int, trace: b
     else:
         executor.chunks = [NoModel(shape, last[c]) for c in range(v)]
     return executor
+
+
+def load_baseline(path: str):
+    """The executor module in file `path` (an earlier `megapar/pipeline/executor.py`, e.g. from
+    `git show REV:megapar/pipeline/executor.py`), imported under its own name."""
+    spec = importlib.util.spec_from_file_location("baseline_executor", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _timed(handler, inside: list):
@@ -249,6 +264,9 @@ def main(argv=None) -> None:
     parser.add_argument("--subtract-handlers", action="store_true",
                         help="host work as measured before: a stub model that computes, the "
                              "compute handlers' time subtracted")
+    parser.add_argument("--baseline", metavar="FILE",
+                        help="an earlier executor.py (git show REV:megapar/pipeline/executor.py "
+                             "> FILE), measured taking turns with this tree's")
     parser.add_argument("--host-only", action="store_true",
                         help="only the host work (not the planning table)")
     args = parser.parse_args(argv)
@@ -268,13 +286,20 @@ def main(argv=None) -> None:
         TIMER_COST = timer_cost()
         print(f"\nthe compute handlers' timer: {TIMER_COST * 1e6:.2f} us a compute outside its "
               f"measured time, subtracted")
-    print(f"\n{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | host work per step, slowest stage: "
-          f"{'traced':>9} {'untraced':>9}")
+    modules = (executor_module,) + ((load_baseline(args.baseline),) if args.baseline else ())
+    print("\nhost work per step, slowest stage, traced / untraced (ms)"
+          + (f"; before = {args.baseline}, taking turns with this tree's" if args.baseline
+             else ""))
+    print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'now':>13}"
+          + (f" | {'before':>13} | now / before" if args.baseline else ""))
     for schedule, pp, m, v in LAYOUTS:
-        times = [max(host_work(schedule, pp, m, v, trace, args.steps, args.subtract_handlers))
-                 for trace in (True, False)]
-        print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | {'':34} {times[0] * 1e3:6.2f} ms "
-              f"{times[1] * 1e3:6.2f} ms")
+        runs = [host_work(schedule, pp, m, v, trace, args.steps, args.subtract_handlers, modules)
+                for trace in (True, False)]
+        cells = [f"{max(runs[0][i]) * 1e3:5.2f} / {max(runs[1][i]) * 1e3:5.2f}"
+                 for i in range(len(modules))]
+        ratio = (f" | {max(runs[0][0]) / max(runs[0][1]):.2f} / "
+                 f"{max(runs[1][0]) / max(runs[1][1]):.2f}" if args.baseline else "")
+        print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | " + " | ".join(cells) + ratio)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ handed over in memory; the loss is then on rank 0. Zero-bubble schedules split t
 
 Per in-flight micro-batch it keeps the input activation (a leaf that requires grad, so its `.grad`
 is what the previous stage needs) and the output (hidden states, or the loss on the last stage),
-and frees both at the micro-batch's backward. The last stage backpropagates
-``loss * loss_scale / m``, so `param.grad` accumulates the gradient of the mean loss over the m
-micro-batches (the caller zeroes gradients between steps). A received message also frees the
+and frees both at the micro-batch's backward. The last stage backpropagates each loss with
+the gradient ``loss_scale / m`` (what ``loss * loss_scale / m`` passes back), so `param.grad`
+accumulates the gradient of the mean loss over the m micro-batches (the caller zeroes gradients
+between steps). A received message also frees the
 sends it proves received (`messages.acknowledgements`). On gloo, which moves a message only once
 its receive is posted, each peer's next receive is posted as soon as the previous one has
 arrived (`post_ahead`: in the peer's program order, which is the order it sends in, so pairing
@@ -222,6 +223,7 @@ class PipelineExecutor:
         self._in_grads: dict[tuple, torch.Tensor] = {}   # d(loss)/d(input) to send upstream
         self._pending_w: dict[tuple, object] = {}        # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
+        self._loss_grad = None  # what the losses are backpropagated with (_first_loss_grad)
         self._grad_sync, self._step_index, self._report_at = None, None, frozenset()
         self._ahead: dict[int, list[Action]] = {}        # per peer rank, receives in order
         self._recvs_issued: set[tuple] = set()           # (kind, mb, chunk) issued so far
@@ -619,16 +621,15 @@ class PipelineExecutor:
             self._losses[mb] = out.detach().float()
             if self._forward_only:
                 return
-            if self._loss_scale == 1.0:  # what backward differentiates (x * 1.0 is x exactly)
-                out = out / len(self._batches)
-            else:
-                out = out * self._loss_scale / len(self._batches)
         self._outputs[key] = out
 
     def _backward(self, a: Action) -> None:
         key = (a.mb, a.chunk)
         out = self._outputs.pop(key)
-        grad = None if a.chunk == self._loss_chunk else self._out_grads.pop(key)
+        if a.chunk == self._loss_chunk:
+            grad = self._loss_grad if self._loss_grad is not None else self._first_loss_grad(out)
+        else:
+            grad = self._out_grads.pop(key)
         backward(out, grad)
         if len(self.weight_grads):  # a whole backward in a step with split ones (DualPipeV)
             WeightGradStore.apply(self.weight_grads.take(), self._ready())
@@ -639,6 +640,18 @@ class PipelineExecutor:
                 self._no_input_grad(a)
             self._in_grads[key] = grad
 
+    def _first_loss_grad(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient a micro-batch's loss is backpropagated with, made at the step's first:
+        what autograd would pass back through ``loss * loss_scale / m`` (ones / m, times the
+        scale: the same operations in the same order, so the same bits), so the forward needs
+        no scaling operation per micro-batch."""
+        grad = torch.ones_like(loss) / len(self._batches)
+        scale = self._loss_scale
+        if isinstance(scale, torch.Tensor) or scale != 1.0:  # x * 1.0 is x
+            grad = grad * scale
+        self._loss_grad = grad
+        return grad
+
     def _no_input_grad(self, a: Action) -> None:
         raise RuntimeError(f"pp stage {self.mesh.pp_rank}: the output of micro-batch {a.mb} "
                            f"(chunk {a.chunk}) does not depend on the received activation")
@@ -647,7 +660,10 @@ class PipelineExecutor:
         """B: the gradient w.r.t. the chunk's input only (sent upstream next); W comes later."""
         key = (a.mb, a.chunk)
         out = self._outputs.pop(key)
-        grad = None if a.chunk == self._loss_chunk else self._out_grads.pop(key)
+        if a.chunk == self._loss_chunk:
+            grad = self._loss_grad if self._loss_grad is not None else self._first_loss_grad(out)
+        else:
+            grad = self._out_grads.pop(key)
         x = self._inputs.pop(key, None)
         dx, self._pending_w[key] = backward_input(out, grad, x, self.weight_grads)
         if x is not None:
