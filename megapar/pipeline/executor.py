@@ -112,6 +112,9 @@ class PlannedGroup(NamedTuple):
     ops: tuple
     """Per message, what `_issue` does with it: (SEND_ACT / SEND_GRAD / RECV, (mb, chunk),
     key, peer's global rank, what travels, label)."""
+    received: tuple | None
+    """A group of receives only: what `p2p.issue` takes for it where no receive is posted
+    ahead (the same every step), else None."""
 
 
 SEND_ACT, SEND_GRAD, RECV = 0, 1, 2
@@ -303,7 +306,8 @@ class PipelineExecutor:
             tuple(planned), doing, encode_action(doing),
             tuple((a.mb, a.chunk) for a in group.messages if a.kind == "send_act"),
             tuple((a.kind, a.mb, a.chunk) for a in group.messages if a.kind.startswith("send")),
-            ops)
+            ops, None if any(op[0] != RECV for op in ops) else
+            tuple((key, None, rank, message, label) for _, _, key, rank, message, label in ops))
 
     def _plan_compute(self, i: int, a: Action, acks: dict) -> PlannedCompute:
         doing = f"{a.kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank}"
@@ -564,17 +568,20 @@ class PipelineExecutor:
         """Issue one message group: its sends (tensors this stage produced) and its receives
         not posted ahead already."""
         take, pop_grad, posted, line, stamp, send, outputs, stand_in, trace = self._issuing
-        issue = []
-        for op, at, key, rank, message, label in group.ops:
-            if op == SEND_ACT:
-                issue.append((key, take(at), rank, message, label))
-            elif op == SEND_GRAD:
-                issue.append((key, pop_grad(at), rank, message, label))
-            elif posted is None:  # NCCL: every receive where the program has it
-                issue.append((key, None, rank, message, label))
-            elif key not in posted:
-                posted.add(key)
-                issue.append((key, None, rank, message, label))
+        if posted is None and group.received is not None:  # receives only, none ahead
+            issue = group.received
+        else:
+            issue = []
+            for op, at, key, rank, message, label in group.ops:
+                if op == SEND_ACT:
+                    issue.append((key, take(at), rank, message, label))
+                elif op == SEND_GRAD:
+                    issue.append((key, pop_grad(at), rank, message, label))
+                elif posted is None:  # NCCL: every receive where the program has it
+                    issue.append((key, None, rank, message, label))
+                elif key not in posted:
+                    posted.add(key)
+                    issue.append((key, None, rank, message, label))
         if not issue:
             return
         if line is not None:
