@@ -6,18 +6,31 @@ gloo and the indices of the last backward and W; `PipelineExecutor.step_plan` do
 per (m, forward_only). The first table prints, per layout, the slowest stage's first step (the
 old per-step cost) and its later steps (a dictionary lookup), median of `--repeat` runs.
 
-The walk: everything else the executor does on the host in a step, excluding the compute and
-the waits. Each stage runs real steps (`PipelineExecutor.run`) of a stub stage model (one add
-per forward) with a message layer that completes at once (`InstantP2P`); the time inside the
-compute handlers is measured and subtracted, and so is what the timer around them costs outside
-its interval (`timer_cost`, printed: about one clock reading a compute), so what remains is the
-program walk, the message bookkeeping, the status line (`set_action`, published to shared
-memory as under the launcher) and the trace. Times are the thread's CPU time (`time.thread_time`), so other processes on a
-shared machine do not count. The second table prints the slowest stage's host work per step,
-traced and not, as on NCCL (receives where the program has them), minimum of `--steps`
-steps.
+The walk: everything else the executor does on the host in a step, but the model's compute,
+autograd's and the waits. Each stage runs real steps (`PipelineExecutor.run`, its real
+compute handlers) with a message layer that completes at once (`InstantP2P`: `StageP2P`'s own
+work and torch.distributed's calls are not included) and, by default, a model that computes
+nothing (`NoModel`: a forward returns a tensor made beforehand, so the call of a chunk is
+counted, not the model) and the executor's autograd calls made no-ops (`no_autograd`); the
+whole step is timed. So what is counted is the program walk, the compute handlers' own
+bookkeeping (and their tensor operations outside the model, e.g. the detached loss per
+micro-batch), the message bookkeeping and the freeing of sent outputs, the status line (as
+under the launcher: a shared array, the "step S, " prefix set) and, traced, the trace; the loss
+broadcast at the end is a collective and left out. `--subtract-handlers` is the earlier
+measure instead: a stub model that computes (one add per forward, autograd's
+backward), each compute handler timed and its time subtracted with what the timer costs
+outside its interval (`timer_cost`); the handlers' own bookkeeping is then left out too, and
+the result carries the error of that per-call correction, times the computes of a step.
+Times are the thread's CPU time (`time.thread_time`), so other processes on a shared machine
+do not count (they still slow it down through shared caches and cores: take the minimum of
+many steps). The stages take turns, one step each per round. The second table prints the
+slowest stage's host work per step, traced and not, as on NCCL (receives where the program has
+them), minimum of `--steps` steps. `--baseline FILE` measures an earlier executor module in
+the same rounds, taking turns with this tree's (the ratio is of the same run):
 
     python benchmarks/executor_plan.py
+    git show REV:megapar/pipeline/executor.py > /tmp/executor_before.py
+    python benchmarks/executor_plan.py --host-only --baseline /tmp/executor_before.py
 """
 
 from __future__ import annotations
