@@ -374,3 +374,20 @@ def test_the_status_line_names_every_wait_and_compute_of_a_step():
         "step 3, forward of micro-batch 0 on pp stage 0",
         "step 3, forward of micro-batch 1 on pp stage 0"]
     assert stage0[1] == stage1[1] == "step 3, loss broadcast from the last pipeline stage"
+
+
+@pytest.mark.parametrize("loss_scale,m", [(1.0, 3), (8.0, 3), (3.7, 7), (0.3, 3)])
+def test_the_losses_are_backpropagated_as_loss_times_scale_over_m_to_the_bit(loss_scale, m):
+    """The last stage backpropagates each loss with one gradient made a step (ones / m, times
+    the scale): the gradients equal, bit for bit, those of (loss * scale / m).backward() per
+    micro-batch in the schedule's order (at 3.7 / 7 and 0.3 / 3, ones * (scale / m) or
+    ones * scale / m would differ in the last bit)."""
+    mesh = Mesh(Layout())
+    stage = ToyStage(mesh)
+    batches = toy_batches(m)
+    PipelineExecutor(stage, mesh, "1f1b", SHAPE).run(batches, loss_scale=loss_scale)
+    got = [p.grad.clone() for p in stage.parameters()]
+    stage.zero_grad()
+    for batch in batches:  # 1F1B on one stage: F0 B0 F1 B1 ...
+        (stage(None, batch) * loss_scale / len(batches)).backward()
+    assert all(torch.equal(g, p.grad) for g, p in zip(got, stage.parameters()))
