@@ -6,24 +6,39 @@ gloo and the indices of the last backward and W; `PipelineExecutor.step_plan` do
 per (m, forward_only). The first table prints, per layout, the slowest stage's first step (the
 old per-step cost) and its later steps (a dictionary lookup), median of `--repeat` runs.
 
-The walk: everything else the executor does on the host in a step, excluding the compute and
-the waits. Each stage runs real steps (`PipelineExecutor.run`) of a stub stage model (one add
-per forward) with a message layer that completes at once (`InstantP2P`); the time inside the
-compute handlers is measured and subtracted, and so is what the timer around them costs outside
-its interval (`timer_cost`, printed: about one clock reading a compute), so what remains is the
-program walk, the message bookkeeping, the status line (`set_action`, published to shared
-memory as under the launcher) and the trace. Times are the thread's CPU time (`time.thread_time`), so other processes on a
-shared machine do not count. The second table prints the slowest stage's host work per step,
-traced and not, as on NCCL (receives where the program has them), minimum of `--steps`
-steps.
+The walk: everything else the executor does on the host in a step, but the model's compute,
+autograd's and the waits. Each stage runs real steps (`PipelineExecutor.run`, its real
+compute handlers) with a message layer that completes at once (`InstantP2P`: `StageP2P`'s own
+work and torch.distributed's calls are not included) and, by default, a model that computes
+nothing (`NoModel`: a forward returns a tensor made beforehand, so the call of a chunk is
+counted, not the model) and the executor's autograd calls made no-ops (`no_autograd`); the
+whole step is timed. So what is counted is the program walk, the compute handlers' own
+bookkeeping (and their tensor operations outside the model, e.g. the detached loss per
+micro-batch), the message bookkeeping and the freeing of sent outputs, the status line (as
+under the launcher: a shared array, the "step S, " prefix set) and, traced, the trace; the loss
+broadcast at the end is a collective and left out. `--subtract-handlers` is the earlier
+measure instead: a stub model that computes (one add per forward, autograd's
+backward), each compute handler timed and its time subtracted with what the timer costs
+outside its interval (`timer_cost`); the handlers' own bookkeeping is then left out too, and
+the result carries the error of that per-call correction, times the computes of a step.
+Times are the thread's CPU time (`time.thread_time`), so other processes on a shared machine
+do not count (they still slow it down through shared caches and cores: take the minimum of
+many steps). The stages take turns, one step each per round. The second table prints the
+slowest stage's host work per step, traced and not, as on NCCL (receives where the program has
+them), minimum of `--steps` steps. `--baseline FILE` measures an earlier executor module in
+the same rounds, taking turns with this tree's (the ratio is of the same run):
 
     python benchmarks/executor_plan.py
+    git show REV:megapar/pipeline/executor.py > /tmp/executor_before.py
+    python benchmarks/executor_plan.py --host-only --baseline /tmp/executor_before.py
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import importlib.util
 import statistics
 import time
 
@@ -32,6 +47,7 @@ from torch import nn
 
 from megapar.faults import status
 from megapar.mesh import Layout, Mesh
+from megapar.pipeline import executor as executor_module
 from megapar.pipeline import messages
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.schedules import placement_of, virtual_stage
@@ -77,12 +93,14 @@ def stage_times(schedule: str, pp: int, m: int, v: int, repeat: int) -> tuple[fl
 
 
 class InstantP2P:
-    """A stage's messages that complete at once: nothing moves, a receive returns a buffer."""
+    """A stage's messages that complete at once: nothing moves, a receive returns a buffer
+    (with a gradient, as a received activation has after the backward the stub skips)."""
 
     failed, pending_recvs, pending_sends = False, 0, 0
 
     def __init__(self, shape: tuple):
         self.buffer = torch.zeros(shape)
+        self.buffer.grad = torch.zeros(shape)
         self.issued: list = []
 
     def begin_step(self) -> None:
@@ -91,10 +109,10 @@ class InstantP2P:
     def issue(self, group: list) -> None:
         pass
 
-    def wait_recv(self, kind: str, mb: int, chunk: int = 0) -> torch.Tensor:
+    def wait_recv(self, *key) -> torch.Tensor:  # (key) now, (kind, mb, chunk) before
         return self.buffer
 
-    def release(self, kind: str, mb: int, chunk: int = 0) -> None:
+    def release(self, *key) -> None:
         pass
 
     def wait_sends(self) -> None:
@@ -113,35 +131,105 @@ class StubChunk(nn.Module):
         return out.sum() if self.last else out
 
 
-def host_work(schedule: str, pp: int, m: int, v: int, stage: int, trace: bool,
-              repeat: int) -> float:
-    """Seconds of host work of one step of `stage` outside the compute handlers (minimum of
-    `repeat` steps, after one that builds the plan)."""
+class NoModel:
+    """A model chunk that computes nothing: its forward returns a tensor made beforehand (the
+    scalar loss on the model's last chunk), with no autograd graph."""
+
+    def __init__(self, shape: tuple, last: bool):
+        self.out = torch.zeros(()) if last else torch.zeros(shape)
+
+    def __call__(self, hidden, batch):
+        return self.out
+
+    def parameters(self):
+        return iter(())
+
+
+@contextlib.contextmanager
+def no_autograd(modules):
+    """The autograd calls of each executor module in `modules` (`backward`, `backward_input`,
+    `backward_weight`: the compute of a backward) do nothing in the block; a B returns the
+    input's `.grad`."""
+    saved = [(mod, mod.backward, mod.backward_input, mod.backward_weight) for mod in modules]
+    for mod in modules:
+        pending = mod.PendingWeightGrad([])
+        mod.backward = lambda output, grad: None
+        mod.backward_input = lambda output, grad, inp, store, pending=pending: (
+            inp.grad if inp is not None else None, pending)
+        mod.backward_weight = lambda pending, ready=None: None
+    try:
+        yield
+    finally:
+        for mod, *calls in saved:
+            mod.backward, mod.backward_input, mod.backward_weight = calls
+
+
+def host_work(schedule: str, pp: int, m: int, v: int, trace: bool, steps: int,
+              subtract: bool = False, modules: tuple = (executor_module,)) -> list[list[float]]:
+    """Seconds of host work of one step, per executor module in `modules` (this tree's, and
+    a `--baseline`), per stage: the minimum of `steps` steps of each, after one that builds
+    the plan. The stages (and modules) take turns, one step each per round, so that a noisy
+    moment of a shared machine falls on all alike instead of on the few measured then.
+
+    Default: the model and autograd compute nothing (`NoModel`, `no_autograd`); the whole
+    step is timed, the compute handlers' own work included. `subtract` (the measure of the
+    earlier tables): a stub model that computes, the compute handlers timed one by one and
+    their time subtracted, with what the timer costs outside its interval (`TIMER_COST`)."""
+    executors = [[_stage_executor(mod, schedule, pp, m, v, stage, trace, subtract)
+                  for stage in range(pp)] for mod in modules]
+    batches = [{} for _ in range(m)]
+    best = [[float("inf")] * pp for _ in modules]
+    with contextlib.nullcontext() if subtract else no_autograd(modules):
+        for stages in executors:
+            for executor in stages:
+                executor.run(batches)
+        for _ in range(steps):
+            for stage in range(pp):
+                for mod, stages in enumerate(executors):
+                    executor = stages[stage]
+                    inside = executor.inside
+                    inside[:] = [0.0, 0]
+                    start = time.thread_time()
+                    executor.run(batches)
+                    spent = time.thread_time() - start - inside[0] - inside[1] * TIMER_COST
+                    best[mod][stage] = min(best[mod][stage], spent)
+    return best
+
+
+def _stage_executor(module, schedule: str, pp: int, m: int, v: int, stage: int, trace: bool,
+                    subtract: bool):
+    """`stage`'s executor (`module.PipelineExecutor`), its messages completing at once;
+    `subtract`: of a stub model, its compute handlers timed into the list `executor.inside`
+    ([seconds, calls] since it was reset), else of `NoModel` chunks."""
     shape = (1, 4)
     mesh = Mesh.virtual(Layout(1, pp, 1), rank=stage, device="cpu")
     mesh.timeout_s = 60.0
     placement = placement_of(schedule)
-    chunks = [StubChunk(shape, virtual_stage(stage, c, pp, placement) == pp * v - 1)
-              for c in range(v)]
+    last = [virtual_stage(stage, c, pp, placement) == pp * v - 1 for c in range(v)]
+    chunks = [StubChunk(shape, last[c]) for c in range(v)]
     model = Chunks(v) if v > 1 else chunks[0]
     if v > 1:
         model.chunks = nn.ModuleList(chunks)
-    executor = PipelineExecutor(model, mesh, schedule, shape, timeout_s=60, trace=trace,
-                                virtual_stages=v)
+    executor = module.PipelineExecutor(model, mesh, schedule, shape, timeout_s=60, trace=trace,
+                                       virtual_stages=v)
     executor.p2p, executor.post_ahead = InstantP2P(shape), False  # NCCL's issue order
     executor._mean_loss = lambda m: torch.zeros(())  # a collective: a wait, not host work
-    inside = [0.0, 0]
-    for kind, handler in list(executor.handlers.items()):
-        executor.handlers[kind] = _timed(handler, inside)
-    batches = [{} for _ in range(m)]
-    executor.run(batches)
-    best = float("inf")
-    for _ in range(repeat):
-        inside[:] = [0.0, 0]
-        start = time.thread_time()
-        executor.run(batches)
-        best = min(best, time.thread_time() - start - inside[0] - inside[1] * TIMER_COST)
-    return best
+    executor.inside = [0.0, 0]
+    if subtract:
+        for kind, handler in list(executor.handlers.items()):
+            executor.handlers[kind] = _timed(handler, executor.inside)
+    else:
+        executor.chunks = [NoModel(shape, last[c]) for c in range(v)]
+    return executor
+
+
+def load_baseline(path: str):
+    """The executor module in file `path` (an earlier `megapar/pipeline/executor.py`, e.g. from
+    `git show REV:megapar/pipeline/executor.py`), imported under its own name."""
+    spec = importlib.util.spec_from_file_location("baseline_executor", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _timed(handler, inside: list):
@@ -184,29 +272,47 @@ TIMER_COST = 0.0
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=3, help="planning runs per stage")
-    parser.add_argument("--steps", type=int, default=10,
+    parser.add_argument("--steps", type=int, default=20,
                         help="host work: steps per stage (the minimum is kept)")
+    parser.add_argument("--subtract-handlers", action="store_true",
+                        help="host work as measured before: a stub model that computes, the "
+                             "compute handlers' time subtracted")
+    parser.add_argument("--baseline", metavar="FILE",
+                        help="an earlier executor.py (git show REV:megapar/pipeline/executor.py "
+                             "> FILE), measured taking turns with this tree's")
+    parser.add_argument("--host-only", action="store_true",
+                        help="only the host work (not the planning table)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'every step before':>18} | "
-          f"{'each later step':>16}")
-    for schedule, pp, m, v in LAYOUTS:
+    if not args.host_only:
+        print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'every step before':>18} | "
+              f"{'each later step':>16}")
+    for schedule, pp, m, v in [] if args.host_only else LAYOUTS:
         cold, warm = stage_times(schedule, pp, m, v, args.repeat)
         print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | {cold * 1e3:15.2f} ms | "
               f"{warm * 1e6:13.2f} us")
     shared = ctypes.create_string_buffer(256)  # the launcher's status line, as in a worker
     status._shared = shared
+    status.set_step(1000)
     global TIMER_COST
-    TIMER_COST = timer_cost()
-    print(f"\nthe compute handlers' timer: {TIMER_COST * 1e6:.2f} us a compute outside its "
-          f"measured time, subtracted")
-    print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | host work per step, slowest stage: "
-          f"{'traced':>9} {'untraced':>9}")
+    if args.subtract_handlers:
+        TIMER_COST = timer_cost()
+        print(f"\nthe compute handlers' timer: {TIMER_COST * 1e6:.2f} us a compute outside its "
+              f"measured time, subtracted")
+    modules = (executor_module,) + ((load_baseline(args.baseline),) if args.baseline else ())
+    print("\nhost work per step, slowest stage, traced / untraced (ms)"
+          + (f"; before = {args.baseline}, taking turns with this tree's" if args.baseline
+             else ""))
+    print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'now':>13}"
+          + (f" | {'before':>13} | now / before" if args.baseline else ""))
     for schedule, pp, m, v in LAYOUTS:
-        times = [max(host_work(schedule, pp, m, v, s, trace, args.steps)
-                     for s in range(pp)) for trace in (True, False)]
-        print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | {'':34} {times[0] * 1e3:6.2f} ms "
-              f"{times[1] * 1e3:6.2f} ms")
+        runs = [host_work(schedule, pp, m, v, trace, args.steps, args.subtract_handlers, modules)
+                for trace in (True, False)]
+        cells = [f"{max(runs[0][i]) * 1e3:5.2f} / {max(runs[1][i]) * 1e3:5.2f}"
+                 for i in range(len(modules))]
+        ratio = (f" | {max(runs[0][0]) / max(runs[0][1]):.2f} / "
+                 f"{max(runs[1][0]) / max(runs[1][1]):.2f}" if args.baseline else "")
+        print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | " + " | ".join(cells) + ratio)
 
 
 if __name__ == "__main__":

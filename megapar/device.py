@@ -172,25 +172,31 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
                        pin_memory=like.device.type == "cuda" and torch.cuda.is_available())
 
 
-def wait(work, device: torch.device, timeout_s: float, what: str, error: type = TimeoutError,
+def wait(work, device: torch.device, timeout_s: float, what, error: type = TimeoutError,
          hint: str = "") -> None:
     """Wait for the asynchronous collective or point-to-point `work` on tensors of `device`.
 
     gloo: the host waits at most `timeout_s`, then raises `error` naming `what`. NCCL: the wait
     only orders the current CUDA stream after the work (no host blocking, no polling); a hang is
     ended by the process group's own timeout (NCCL's watchdog, set by `init_distributed` from
-    the same default), and the launcher names the rank and what it was doing. `hint` ends the
-    error message (what probably went wrong, what to do)."""
+    the same default), and the launcher names the rank and what it was doing. `what` is the
+    text, or a function that makes it (called only for the error: a wait that succeeds formats
+    nothing); `hint` ends the error message (what probably went wrong, what to do)."""
     if not polls_host(device):
         work.wait()
         return
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s))
     except Exception as exc:  # gloo raises on timeout or when the peer's connection closes
-        raise error(f"{what} did not complete within {timeout_s:g} s ({exc}){hint}") from exc
+        raise error(f"{_text(what)} did not complete within {timeout_s:g} s ({exc}){hint}") \
+            from exc
     if ok is False:
-        raise error(f"{what} did not complete within {timeout_s:g} s (wait() returned False)"
-                    f"{hint}")
+        raise error(f"{_text(what)} did not complete within {timeout_s:g} s (wait() returned "
+                    f"False){hint}")
+
+
+def _text(what) -> str:
+    return what() if callable(what) else what
 
 
 def adopt_slurm_environment() -> bool:

@@ -254,6 +254,32 @@ def test_the_shared_status_line_follows_every_step_and_action_and_fits_its_buffe
         rank_status._state.update(saved[1])
 
 
+def test_a_loop_publishes_encoded_actions_through_the_line_and_status_reads_them():
+    """The executor's walk writes pre-encoded actions into the shared line (no call per
+    action); the line, status() and a later set_step / set_action stay whole and agree."""
+    buffer = ctypes.create_string_buffer(40)
+    saved = rank_status._shared, dict(rank_status._state), rank_status._prefix
+    rank_status._shared = None
+    try:
+        assert rank_status.action_line(10) is None  # no launcher: set_action it is
+        rank_status._shared = buffer
+        rank_status.set_step(7)
+        assert rank_status.action_line(33) is None  # 8 bytes of prefix + 33 > 40
+        line = rank_status.action_line(32)
+        for action in ["forward of micro-batch 3", "recv", "backward of micro-batch 12"]:
+            data = rank_status.encode_action(action)
+            line[:len(data)] = data
+            assert buffer.value == f"step 7, {action}".encode() == rank_status.status().encode()
+        rank_status.set_step(10)  # a longer prefix: the action read back from the line
+        assert buffer.value == b"step 10, backward of micro-batch 12"
+        assert rank_status.status() == "step 10, backward of micro-batch 12"
+        rank_status.set_action("recv")
+        assert buffer.value == b"step 10, recv" == rank_status.status().encode()
+    finally:
+        rank_status._shared, rank_status._prefix = saved[0], saved[2]
+        rank_status._state.update(saved[1])
+
+
 def test_a_stopped_rank_is_named_on_timeout():
     with pytest.raises(WorkerError) as info:
         run_local(_rank2_stopped, 4, timeout_s=60, collective_timeout_s=3)

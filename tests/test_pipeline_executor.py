@@ -332,3 +332,62 @@ def test_receives_posted_ahead_on_gloo_keep_each_peers_order_and_every_number(sc
         assert loss == loss2 and all(torch.equal(a, b) for a, b in zip(grads, grads2))
         assert receives == receives2 == program  # the one peer's receives in program order
         assert groups != groups2  # ahead: receives go out on their own, before their groups
+
+
+def status_line_worker():
+    import ctypes
+
+    from megapar.faults import status
+
+    mesh = make_mesh(pp=2)
+    status._shared = ctypes.create_string_buffer(256)  # the launcher's line, as in a worker
+    status.set_step(3)
+    executor = PipelineExecutor(ToyStage(mesh), mesh, "1f1b", SHAPE, timeout_s=30)
+    seen = []
+
+    def reading(call):
+        def read(*args):
+            seen.append((status._shared.value.decode(), status.status()))
+            return call(*args)
+        return read
+
+    executor.handlers = {kind: reading(h) for kind, h in executor.handlers.items()}
+    executor.p2p.wait_recv = reading(executor.p2p.wait_recv)
+    executor.run(toy_batches(2))
+    return seen, status._shared.value.decode()
+
+
+def test_the_status_line_names_every_wait_and_compute_of_a_step():
+    """The walk publishes each action's pre-encoded text into the shared line; what the
+    launcher reads (the line) and what the rank says (status()) name the step and action."""
+    stage0, stage1 = run_local(status_line_worker, 2)
+    for seen, _ in (stage0, stage1):
+        assert all(line == said for line, said in seen), seen
+    assert [line for line, _ in stage1[0]] == [
+        "step 3, recv_act of micro-batch 0 on pp stage 1 (from rank 0)",
+        "step 3, forward of micro-batch 0 on pp stage 1",
+        "step 3, backward of micro-batch 0 on pp stage 1",
+        "step 3, recv_act of micro-batch 1 on pp stage 1 (from rank 0)",
+        "step 3, forward of micro-batch 1 on pp stage 1",
+        "step 3, backward of micro-batch 1 on pp stage 1"]
+    assert [line for line, _ in stage0[0]][:2] == [
+        "step 3, forward of micro-batch 0 on pp stage 0",
+        "step 3, forward of micro-batch 1 on pp stage 0"]
+    assert stage0[1] == stage1[1] == "step 3, loss broadcast from the last pipeline stage"
+
+
+@pytest.mark.parametrize("loss_scale,m", [(1.0, 3), (8.0, 3), (3.7, 7), (0.3, 3)])
+def test_the_losses_are_backpropagated_as_loss_times_scale_over_m_to_the_bit(loss_scale, m):
+    """The last stage backpropagates each loss with one gradient made a step (ones / m, times
+    the scale): the gradients equal, bit for bit, those of (loss * scale / m).backward() per
+    micro-batch in the schedule's order (at 3.7 / 7 and 0.3 / 3, ones * (scale / m) or
+    ones * scale / m would differ in the last bit)."""
+    mesh = Mesh(Layout())
+    stage = ToyStage(mesh)
+    batches = toy_batches(m)
+    PipelineExecutor(stage, mesh, "1f1b", SHAPE).run(batches, loss_scale=loss_scale)
+    got = [p.grad.clone() for p in stage.parameters()]
+    stage.zero_grad()
+    for batch in batches:  # 1F1B on one stage: F0 B0 F1 B1 ...
+        (stage(None, batch) * loss_scale / len(batches)).backward()
+    assert all(torch.equal(g, p.grad) for g, p in zip(got, stage.parameters()))

@@ -32,6 +32,7 @@ _view = None  # memoryview of `_shared` as bytes, written from `_at` on by set_a
 _at = 0  # where the action starts: after the prefix
 _room = 0  # bytes from `_at` to the end of the array (the action's text and its NUL)
 _stack_file = None  # kept open for faulthandler
+_LINE = object()  # the action: the one in the shared line after the prefix (`action_line`)
 
 DUMP_SIGNAL = getattr(signal, "SIGUSR2", None)
 """The signal that makes a rank write its Python stacks (faulthandler)."""
@@ -55,6 +56,7 @@ def install(rank: int, shared=None, stack_path: str | None = None) -> None:
 def set_step(step: int | None) -> None:
     """The 1-based optimizer step this rank is running (None: none yet, e.g. a new engine)."""
     global _prefix
+    _state["action"] = _action()
     _state["step"] = step
     _prefix = b"" if step is None else f"step {step}, ".encode()
     _publish()
@@ -71,9 +73,39 @@ def set_action(action: str) -> None:
             _publish()
 
 
+def encode_action(action: str) -> bytes:
+    """`action` as `action_line`'s view takes it (its bytes, NUL-terminated)."""
+    return action.encode() + b"\0"
+
+
+def action_line(longest: int) -> memoryview | None:
+    """For a loop that publishes many actions it encoded beforehand (`encode_action`; the
+    pipeline executor's walk): a byte view of the shared line where the action starts, so that
+    `view[:len(data)] = data` publishes one with no call; None when no launcher's line is
+    shared or an action of `longest` bytes would not fit after the prefix (call `set_action`
+    then). The view is good until the next `set_step` (which moves where the action starts);
+    until the next `set_action`, `status()` reads the action from the line."""
+    if _shared is None:
+        return None
+    if _view_of is not _shared:
+        _publish()
+    if longest > _room:
+        return None
+    _state["action"] = _LINE
+    return _view[_at:]
+
+
 def status() -> str:
     step = _state["step"]
-    return (f"step {step}, " if step is not None else "") + str(_state["action"])
+    return (f"step {step}, " if step is not None else "") + _action()
+
+
+def _action() -> str:
+    """The current action's text (read from the shared line while `action_line` writes it)."""
+    action = _state["action"]
+    if action is _LINE:
+        return bytes(_view[_at:]).split(b"\0", 1)[0].decode(errors="replace")
+    return str(action)
 
 
 def _publish() -> None:
@@ -82,7 +114,7 @@ def _publish() -> None:
     action's bytes after the prefix, through a byte view of the array (no ctypes call)."""
     global _view_of, _view, _at, _room
     if _shared is not None:
-        action = _state["action"]
+        action = _state["action"] = _action()
         data = _encoded.get(action) if isinstance(action, str) else None
         if data is None:
             data = str(action).encode() + b"\0"

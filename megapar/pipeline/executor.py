@@ -16,9 +16,10 @@ handed over in memory; the loss is then on rank 0. Zero-bubble schedules split t
 
 Per in-flight micro-batch it keeps the input activation (a leaf that requires grad, so its `.grad`
 is what the previous stage needs) and the output (hidden states, or the loss on the last stage),
-and frees both at the micro-batch's backward. The last stage backpropagates
-``loss * loss_scale / m``, so `param.grad` accumulates the gradient of the mean loss over the m
-micro-batches (the caller zeroes gradients between steps). A received message also frees the
+and frees both at the micro-batch's backward. The last stage backpropagates each loss with
+the gradient ``loss_scale / m`` (what ``loss * loss_scale / m`` passes back), so `param.grad`
+accumulates the gradient of the mean loss over the m micro-batches (the caller zeroes gradients
+between steps). A received message also frees the
 sends it proves received (`messages.acknowledgements`). On gloo, which moves a message only once
 its receive is posted, each peer's next receive is posted as soon as the previous one has
 arrived (`post_ahead`: in the peer's program order, which is the order it sends in, so pairing
@@ -42,7 +43,7 @@ from torch import nn
 
 from megapar.comm_wait import counting
 from megapar.device import polls_host
-from megapar.faults.status import set_action
+from megapar.faults.status import action_line, encode_action, set_action
 from megapar.mesh import Mesh
 from megapar.pipeline import messages
 from megapar.pipeline.p2p import P2PTimeoutError, StageP2P, wait_work
@@ -89,7 +90,10 @@ class StepPlan(NamedTuple):
     (`grad_sync.arm`), so their buckets reduce while the other chunks' backwards run."""
     steps: tuple
     """Per program step, what the walk needs of it, worked out here so that a step does no
-    peer or label arithmetic: a `PlannedGroup` or a `PlannedCompute`."""
+    peer or label arithmetic and no text formatting: a `PlannedGroup`, or a compute as the
+    plain tuple of its `PlannedCompute` (unpacked at once by the walk)."""
+    longest: int
+    """The longest encoded status text of the plan (`status.action_line`)."""
 
 
 class PlannedGroup(NamedTuple):
@@ -99,6 +103,8 @@ class PlannedGroup(NamedTuple):
     """Per message: (key = (kind, mb, chunk), peer's global rank, what travels, label)."""
     doing: str
     """What the rank is doing while the group is issued (`set_action`)."""
+    said: bytes
+    """`doing` encoded for the shared status line (`status.encode_action`)."""
     sent_acts: tuple
     """(mb, chunk) of every activation the group sends (its output's storage is freed)."""
     sends: tuple
@@ -106,26 +112,54 @@ class PlannedGroup(NamedTuple):
     ops: tuple
     """Per message, what `_issue` does with it: (SEND_ACT / SEND_GRAD / RECV, (mb, chunk),
     key, peer's global rank, what travels, label)."""
+    received: tuple | None
+    """A group of receives only: what `p2p.issue` takes for it where no receive is posted
+    ahead (the same every step), else None."""
 
 
 SEND_ACT, SEND_GRAD, RECV = 0, 1, 2
 """`PlannedGroup.ops` codes."""
 
 
-class PlannedCompute(NamedTuple):
-    """A compute action and the message it waits for."""
+class PlannedRecv(NamedTuple):
+    """The received message a compute waits for (the walk unpacks it as a plain tuple)."""
 
-    action: Action
-    recv: tuple | None
-    """(key = (kind, mb, chunk), peer's global rank, what the wait is, the sends its arrival
-    proves received, (mb, chunk)), or None when the compute consumes no message."""
+    key: tuple
+    """(kind, mb, chunk) of the receive."""
+    peer: int
+    """The sender's global rank."""
     doing: str
-    """What the rank is doing while the compute runs (`set_action`)."""
-    hand_over: tuple | None = None
+    """What the wait is (`set_action`)."""
+    said: bytes
+    """`doing` encoded (`status.encode_action`)."""
+    acks: tuple
+    """(kind, mb, chunk) of the sends its arrival proves received."""
+    at: tuple
+    """(mb, chunk): where the received tensor is kept."""
+    is_act: bool
+    """An activation (the compute's input leaf), else an output gradient."""
+
+
+class PlannedCompute(NamedTuple):
+    """A compute action and the message it waits for; the walk unpacks it as a plain tuple, in
+    this order."""
+
+    index: int
+    """Its position in the program."""
+    action: Action
+    kind: str
+    """The action's kind: its handler (`PipelineExecutor.handlers`)."""
+    key: tuple
+    """(kind, mb, chunk) of the action: its trace entry."""
+    recv: tuple | None
+    """The `PlannedRecv` (a plain tuple) it waits for, or None when it consumes no message."""
+    hand_over: tuple | None
     """(kind, source chunk) where the compute takes its input from another chunk of this rank
     (the V's turn: no message), else None."""
-    key: tuple = ()
-    """(kind, mb, chunk) of the action: its handler and its trace entry."""
+    doing: str
+    """What the rank is doing while the compute runs (`set_action`)."""
+    said: bytes
+    """`doing` encoded (`status.encode_action`)."""
 
 
 class PipelineExecutor:
@@ -152,12 +186,17 @@ class PipelineExecutor:
                              f"a stage of {virtual_stages} model chunks; this rank holds "
                              f"{len(self.chunks)} (build it with build_stage(virtual_stages=...))")
         self.placement = placement_of(schedule)
+        self._loss_chunk = next((c for c in range(virtual_stages) if virtual_stage(
+            mesh.pp_rank, c, mesh.pp, self.placement) == mesh.pp * virtual_stages - 1), None)
+        """The model chunk of this rank that computes the loss (the last virtual stage), or
+        None."""
         self.timeout_s = timeout_s = timeout_s or mesh.timeout_s
         self.p2p = (StageP2P(mesh, act_shape, act_dtype, timeout_s, wire_dtype)
                     if mesh.pp > 1 else None)
         self.weight_grads = store_of(stage)  # enabled in steps with a split backward
         self._stand_in = None  # what a sent output's storage is replaced by (the first step
         self._act_dtype = act_dtype  # makes it: a CUDA mesh may be built where no GPU is)
+        self._act_numel = torch.Size(act_shape).numel()
         self.post_ahead = self.p2p is not None and polls_host(mesh.device)
         """Post each peer's next receive as soon as the previous one arrived (gloo: a message
         moves only once its receive is posted). NCCL runs a rank's operations in issue order,
@@ -187,10 +226,13 @@ class PipelineExecutor:
         self._in_grads: dict[tuple, torch.Tensor] = {}   # d(loss)/d(input) to send upstream
         self._pending_w: dict[tuple, object] = {}        # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
+        self._loss_grad = None  # what the losses are backpropagated with (_first_loss_grad)
         self._grad_sync, self._step_index, self._report_at = None, None, frozenset()
         self._ahead: dict[int, list[Action]] = {}        # per peer rank, receives in order
         self._recvs_issued: set[tuple] = set()           # (kind, mb, chunk) issued so far
         self._stamp = None  # the clock's stamp in a traced step, else None
+        self._line = None  # the shared status line in a step (`status.action_line`), or None
+        self._issuing = None  # a step's state `_issue` reads (set by `run`)
 
     def program(self, m: int, forward_only: bool = False, stage: int | None = None) -> tuple:
         """The program (computes and message groups) of `stage` (default: this rank's) for a
@@ -220,6 +262,12 @@ class PipelineExecutor:
                             posts.setdefault(rank, []).append(a)
             last_backward = max((i for i, a in actions if a.kind in AUTOGRAD_KINDS),
                                 default=None)
+            steps = tuple(self._plan_group(step) if isinstance(step, MessageGroup)
+                          else tuple(self._plan_compute(i, step, acks))
+                          for i, step in enumerate(program))
+            saids = [step.said if isinstance(step, PlannedGroup) else step[-1] for step in steps]
+            saids += [step[4][3] for step in steps
+                      if not isinstance(step, PlannedGroup) and step[4] is not None]
             self._plans[key] = StepPlan(
                 program=program,
                 last_backward=last_backward,
@@ -227,8 +275,7 @@ class PipelineExecutor:
                 split_backward=any(a.kind == "backward_input" for _, a in actions),
                 acks=acks, posts={rank: tuple(recvs) for rank, recvs in posts.items()},
                 arm_at=self._chunk_arming(actions, last_backward),
-                steps=tuple(self._plan_group(step) if isinstance(step, MessageGroup)
-                            else self._plan_compute(step, acks) for step in program))
+                steps=steps, longest=max((len(said) for said in saids), default=0))
         return self._plans[key]
 
     @staticmethod
@@ -256,28 +303,31 @@ class PipelineExecutor:
         ops = tuple((codes.get(key[0], RECV), key[1:], key, rank, message, label)
                     for key, rank, message, label in planned)
         return PlannedGroup(
-            tuple(planned), doing,
+            tuple(planned), doing, encode_action(doing),
             tuple((a.mb, a.chunk) for a in group.messages if a.kind == "send_act"),
             tuple((a.kind, a.mb, a.chunk) for a in group.messages if a.kind.startswith("send")),
-            ops)
+            ops, None if any(op[0] != RECV for op in ops) else
+            tuple((key, None, rank, message, label) for _, _, key, rank, message, label in ops))
 
-    def _plan_compute(self, a: Action, acks: dict) -> PlannedCompute:
+    def _plan_compute(self, i: int, a: Action, acks: dict) -> PlannedCompute:
         doing = f"{a.kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank}"
-        own = (a.kind, a.mb, a.chunk)
+        planned = PlannedCompute(i, a, a.kind, (a.kind, a.mb, a.chunk), None, None, doing,
+                                 encode_action(doing))
         if a.kind == "forward" and not self._is_first(a):
             kind = "recv_act"
         elif a.kind in ("backward", "backward_input") and not self._is_last(a):
             kind = "recv_grad"
         else:
-            return PlannedCompute(a, None, doing, key=own)
+            return planned
         key = (kind, a.mb, a.chunk)
         peer_stage, peer_chunk = self._peer(self.mesh.pp_rank, Action(*key))
         if peer_stage == self.mesh.pp_rank:  # the V's turn: in memory
-            return PlannedCompute(a, None, doing, (kind, peer_chunk), own)
+            return planned._replace(hand_over=(kind, peer_chunk))
         peer = self.mesh.stage_rank(peer_stage)
         waiting = f"{kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank} (from rank {peer})"
-        return PlannedCompute(a, (key, peer, waiting, tuple(acks.get(key, ())), key[1:]), doing,
-                              key=own)
+        recv = PlannedRecv(key, peer, waiting, encode_action(waiting), tuple(acks.get(key, ())),
+                           key[1:], kind == "recv_act")
+        return planned._replace(recv=tuple(recv))
 
     def _chunk_arming(self, actions: list, last_backward: int | None) -> dict:
         """`StepPlan.arm_at`: with several model chunks, each chunk's last backward before the
@@ -347,55 +397,69 @@ class PipelineExecutor:
                 self.p2p.begin_step()
                 if self.post_ahead:
                     self._post_ahead(plan.posts)
-            issue, handlers, p2p = self._issue, self.handlers, self.p2p
+            issue, get_handler, p2p = self._issue, self.handlers.get, self.p2p
             counted, arm_at, post_ahead = self.count_comm_wait, plan.arm_at, self.post_ahead
             inputs, out_grads, needs_grad = self._inputs, self._out_grads, not forward_only
+            self._line = line = action_line(plan.longest)  # None: set_action
+            if p2p is not None:  # what `_issue` needs, in one attribute
+                self._issuing = (
+                    self._take_output, self._in_grads.pop,
+                    self._recvs_issued if post_ahead else None, line, self._stamp, p2p.issue,
+                    None if forward_only or self._act_numel < 2 else self._outputs,
+                    self._stand_in, trace)
             with torch.set_grad_enabled(not forward_only):
-                for i, step in enumerate(plan.steps):
+                for step in plan.steps:
                     if step.__class__ is PlannedGroup:
                         issue(step)
                         continue
-                    if step.recv is not None:  # wait for the message the compute consumes
-                        key, peer, doing, acks, at = step.recv
-                        set_action(doing)
+                    i, action, kind, key, recv, hand_over, doing, said = step
+                    if recv is not None:  # wait for the message the compute consumes
+                        rkey, peer, rdoing, rsaid, acks, at, is_act = recv
+                        if line is not None:
+                            line[:len(rsaid)] = rsaid
+                        else:
+                            set_action(rdoing)
                         if record:
                             start = clock()
-                            tensor = p2p.wait_recv(*key)
-                            trace.append((key, start, clock()))
+                            tensor = p2p.wait_recv(rkey)
+                            trace.append((rkey, start, clock()))
                         else:
-                            tensor = p2p.wait_recv(*key)
+                            tensor = p2p.wait_recv(rkey)
                         for send in acks:  # sends its arrival proves received
-                            p2p.release(*send)
+                            p2p.release(send)
                         if post_ahead:
                             self._post_next(peer)
-                        if key[0] == "recv_act":
+                        if is_act:
                             inputs[at] = tensor.requires_grad_(needs_grad)
                         else:
                             out_grads[at] = tensor
-                    elif step.hand_over is not None:
-                        self._hand_over(*step.hand_over, step.action)
+                    elif hand_over is not None:
+                        self._hand_over(*hand_over, action)
                     self._step_index = i
                     if grad_sync is not None:
                         if i == last_backward:
                             grad_sync.before_last_backward()
                         elif i in arm_at and hasattr(grad_sync, "arm"):
                             grad_sync.arm(arm_at[i])  # a chunk's gradients final next
-                    key = step.key
-                    set_action(step.doing)
-                    handler = handlers.get(key[0])
+                    if line is not None:
+                        line[:len(said)] = said
+                    else:
+                        set_action(doing)
+                    handler = get_handler(kind)
                     if handler is None:
-                        self._no_handler(key[0])
-                    start = clock() if record else 0.0
+                        self._no_handler(kind)
+                    if record:
+                        start = clock()
                     try:
                         if counted:  # the straggler measure: tp / cp waits inside the compute
                             with counting():
-                                handler(step.action)
+                                handler(action)
                         else:
-                            handler(step.action)
+                            handler(action)
                     except P2PTimeoutError:
                         raise
                     except Exception as exc:
-                        exc.add_note(self._failed_in(step.action))
+                        exc.add_note(self._failed_in(action))
                         raise
                     if record:
                         trace.append((key, start, clock()))
@@ -503,29 +567,39 @@ class PipelineExecutor:
     def _issue(self, group: PlannedGroup) -> None:
         """Issue one message group: its sends (tensors this stage produced) and its receives
         not posted ahead already."""
-        issue, posted, take = [], self._recvs_issued, self._take_output
-        for op, at, key, rank, message, label in group.ops:
-            if op == SEND_ACT:
-                issue.append((key, take(at), rank, message, label))
-            elif op == SEND_GRAD:
-                issue.append((key, self._in_grads.pop(at), rank, message, label))
-            elif key not in posted:
-                posted.add(key)
-                issue.append((key, None, rank, message, label))
+        take, pop_grad, posted, line, stamp, send, outputs, stand_in, trace = self._issuing
+        if posted is None and group.received is not None:  # receives only, none ahead
+            issue = group.received
+        else:
+            issue = []
+            for op, at, key, rank, message, label in group.ops:
+                if op == SEND_ACT:
+                    issue.append((key, take(at), rank, message, label))
+                elif op == SEND_GRAD:
+                    issue.append((key, pop_grad(at), rank, message, label))
+                elif posted is None:  # NCCL: every receive where the program has it
+                    issue.append((key, None, rank, message, label))
+                elif key not in posted:
+                    posted.add(key)
+                    issue.append((key, None, rank, message, label))
         if not issue:
             return
-        set_action(group.doing)
-        stamp = self._stamp
-        start = stamp() if stamp is not None else 0.0
-        self.p2p.issue(issue)
-        if not self._forward_only:  # backward needs the graph, not the sent values
-            outputs, stand_in = self._outputs, self._stand_in
+        if line is not None:
+            line[:len(group.said)] = group.said
+        else:
+            set_action(group.doing)
+        if stamp is not None:
+            start = stamp()
+        send(issue)
+        if outputs is not None:  # backward needs the graph, not the sent values
             for key in group.sent_acts:
-                free_output(outputs[key], stand_in)
+                output = outputs[key]
+                if output._base is None:  # free_output (a sent output has more than 1 element)
+                    output.data = stand_in
         if stamp is not None:
             end = stamp()
             for key in group.sends:
-                self._trace.append((key, start, end))
+                trace.append((key, start, end))
 
     def _hand_over(self, kind: str, source: int, a: Action) -> None:
         """In-memory handover between two chunks of this rank (no message): the forward of
@@ -540,49 +614,69 @@ class PipelineExecutor:
 
     # handlers ------------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
-        key = (a.mb, a.chunk)
+        mb, chunk = a.mb, a.chunk
+        key = (mb, chunk)
         x = self._inputs.get(key)
-        out = self.chunks[a.chunk](x, self._batches[a.mb])
+        out = self.chunks[chunk](x, self._batches[mb])
         if self._forward_only:  # no graph: the input is not needed any more
             self._inputs.pop(key, None)
-        if self._is_last(a):
+        if chunk == self._loss_chunk:
             if out.dim() != 0:
                 raise ValueError(
                     f"the last pipeline stage returned a tensor of shape {tuple(out.shape)} for "
-                    f"micro-batch {a.mb}, not a scalar loss; every micro-batch needs 'labels'")
-            self._losses[a.mb] = out.detach().float()
+                    f"micro-batch {mb}, not a scalar loss; every micro-batch needs 'labels'")
+            self._losses[mb] = out.detach().float()
             if self._forward_only:
                 return
-            out = out * self._loss_scale / len(self._batches)  # what backward differentiates
         self._outputs[key] = out
 
     def _backward(self, a: Action) -> None:
         key = (a.mb, a.chunk)
         out = self._outputs.pop(key)
-        grad = None if self._is_last(a) else self._out_grads.pop(key)
+        if a.chunk == self._loss_chunk:
+            grad = self._loss_grad if self._loss_grad is not None else self._first_loss_grad(out)
+        else:
+            grad = self._out_grads.pop(key)
         backward(out, grad)
         if len(self.weight_grads):  # a whole backward in a step with split ones (DualPipeV)
             WeightGradStore.apply(self.weight_grads.take(), self._ready())
         x = self._inputs.pop(key, None)
         if x is not None:
-            self._in_grads[key] = self._input_grad(a, x.grad)
+            grad = x.grad
+            if grad is None:
+                self._no_input_grad(a)
+            self._in_grads[key] = grad
 
-    def _input_grad(self, a: Action, grad) -> torch.Tensor:
-        if grad is None:
-            raise RuntimeError(f"pp stage {self.mesh.pp_rank}: the output of micro-batch {a.mb} "
-                               f"(chunk {a.chunk}) does not depend on the received activation")
+    def _first_loss_grad(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient a micro-batch's loss is backpropagated with, made at the step's first:
+        what autograd would pass back through ``loss * loss_scale / m`` (ones / m, times the
+        scale: the same operations in the same order, so the same bits), so the forward needs
+        no scaling operation per micro-batch."""
+        grad = torch.ones_like(loss) / len(self._batches)
+        scale = self._loss_scale
+        if isinstance(scale, torch.Tensor) or scale != 1.0:  # x * 1.0 is x
+            grad = grad * scale
+        self._loss_grad = grad
         return grad
+
+    def _no_input_grad(self, a: Action) -> None:
+        raise RuntimeError(f"pp stage {self.mesh.pp_rank}: the output of micro-batch {a.mb} "
+                           f"(chunk {a.chunk}) does not depend on the received activation")
 
     def _backward_input(self, a: Action) -> None:
         """B: the gradient w.r.t. the chunk's input only (sent upstream next); W comes later."""
         key = (a.mb, a.chunk)
         out = self._outputs.pop(key)
-        grad = None if self._is_last(a) else self._out_grads.pop(key)
+        if a.chunk == self._loss_chunk:
+            grad = self._loss_grad if self._loss_grad is not None else self._first_loss_grad(out)
+        else:
+            grad = self._out_grads.pop(key)
         x = self._inputs.pop(key, None)
-        dx, self._pending_w[key] = backward_input(out, grad, x,
-                                                                 self.weight_grads)
+        dx, self._pending_w[key] = backward_input(out, grad, x, self.weight_grads)
         if x is not None:
-            self._in_grads[key] = self._input_grad(a, dx)
+            if dx is None:
+                self._no_input_grad(a)
+            self._in_grads[key] = dx
 
     def _backward_weight(self, a: Action) -> None:
         """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; a

@@ -86,7 +86,7 @@ class StageP2P:
 
     # issuing -------------------------------------------------------------------------------
     def issue(self, group: list[tuple[tuple, torch.Tensor | None, int, tuple, str]]) -> None:
-        """Issue one group, in order. Each message is (key, tensor to send or None to receive,
+        """Issue one group (a list or tuple, only read), in order. Each message is (key, tensor to send or None to receive,
         peer rank, message, label): a key is (action kind, mb, chunk), a message says what
         travels, the same on both sides (`nccl_rules.Op.message`), a label names it ("SA1")."""
         ops, record, kept = [], [], []
@@ -111,34 +111,34 @@ class StageP2P:
         self.issued.append(record)
 
     # waiting -------------------------------------------------------------------------------
-    def wait_recv(self, kind: str, mb: int, chunk: int = 0) -> torch.Tensor:
-        """The received tensor of an issued receive (`kind` "recv_act" / "recv_grad"), once it
-        has arrived, in the stage's dtype."""
-        entry = self._recvs.pop((kind, mb, chunk), None)
+    def wait_recv(self, key: tuple) -> torch.Tensor:
+        """The received tensor of an issued receive (`key` = (kind, mb, chunk), kind
+        "recv_act" / "recv_grad"), once it has arrived, in the stage's dtype."""
+        entry = self._recvs.pop(key, None)
         if entry is None:
+            kind, mb, chunk = key
             raise RuntimeError(
                 f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}) needs the "
                 f"{CARRIES[kind]} of micro-batch {mb} (chunk {chunk}) before its receive was "
                 f"issued; the program is wrong")
         peer, buffer, work = entry
-        self._wait(work, f"receiving the {CARRIES[kind]} of micro-batch {mb} from rank {peer}")
+        self._wait(work, "receiving", key, peer)
         return buffer.to(self.dtype)
 
-    def release(self, kind: str, mb: int, chunk: int = 0) -> None:
-        """Wait for one send that is known to have been received, and free its buffer (`kind`
-        "send_act" / "send_grad"; sends already waited for are ignored). The executor calls it
-        only when a later message from the peer proves the receive has happened, so the wait
-        returns at once."""
-        entry = self._sends.pop((kind, mb, chunk), None)
+    def release(self, key: tuple) -> None:
+        """Wait for one send that is known to have been received, and free its buffer (`key` =
+        (kind, mb, chunk), kind "send_act" / "send_grad"; sends already waited for are
+        ignored). The executor calls it only when a later message from the peer proves the
+        receive has happened, so the wait returns at once."""
+        entry = self._sends.pop(key, None)
         if entry is not None:
-            self._wait(entry[2], f"sending the {CARRIES[kind]} of micro-batch {mb} to rank "
-                                 f"{entry[0]}")
+            self._wait(entry[2], "sending", key, entry[0])
 
     def wait_sends(self) -> None:
         """Wait for every send not waited for yet."""
         sends, self._sends = self._sends, {}
-        for (kind, mb, _chunk), (peer, _payload, work) in sends.items():
-            self._wait(work, f"sending the {CARRIES[kind]} of micro-batch {mb} to rank {peer}")
+        for key, (peer, _payload, work) in sends.items():
+            self._wait(work, "sending", key, peer)
 
     @property
     def pending_sends(self) -> int:
@@ -156,11 +156,16 @@ class StageP2P:
         return len(self._recvs)
 
     # helpers -------------------------------------------------------------------------------
-    def _wait(self, work, doing: str) -> None:
+    def _wait(self, work, doing: str, key: tuple, peer: int) -> None:
+        """Wait for the work of message `key` ("receiving" from / "sending" to `peer`); the
+        error's text is made only if it fails."""
+        def what() -> str:
+            kind, mb, _ = key
+            return (f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}): {doing} the "
+                    f"{CARRIES[kind]} of micro-batch {mb} {'from' if doing == 'receiving' else 'to'}"
+                    f" rank {peer}")
         try:
-            _device.wait(work, self.mesh.device, self.timeout_s,
-                         f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}): {doing}",
-                         P2PTimeoutError,
+            _device.wait(work, self.mesh.device, self.timeout_s, what, P2PTimeoutError,
                          ". The peer stage probably failed or is stuck (look for its error), or "
                          "the stages run mismatched schedules / micro-batch counts; raise the "
                          "pipeline timeout if a step is legitimately this slow")
