@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from megapar import device as _device
+from megapar.data_parallel import shard_comm
 from megapar.mesh import group_size
 
 
@@ -79,6 +80,9 @@ class Bucket:
     sharded)."""
     deferred: bool = False
     """Sharded mode: launched only in finish(), after `before_reduce`."""
+    shard: torch.Tensor | None = None
+    """Sharded gradients (ZeRO-2): this rank's reduced slice of the bucket, persistent (a view
+    into `GradBuckets.shards`)."""
 
     @property
     def numel(self) -> int:
@@ -167,6 +171,9 @@ class GradBuckets:
         self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
         self.sharded = False
         """Reduce-scatter the buckets (ZeRO-1) instead of all-reducing them."""
+        self.grads_sharded = False
+        """ZeRO-2: only this rank's slices of the reduced gradients persist (`shards`)."""
+        self.shards: dict[torch.dtype, torch.Tensor] = {}
         self.host_waits = bool(self.params) and _device.polls_host(self.params[0].device)
         """The buffer is on the CPU (gloo), where sharded reductions in flight are bounded
         (`_bound_copies`)."""
@@ -196,14 +203,17 @@ class GradBuckets:
             for p in self.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
-    def shard_over_dp(self, last: Iterable[torch.nn.Parameter] = (), before_reduce=None) -> None:
+    def shard_over_dp(self, last: Iterable[torch.nn.Parameter] = (), before_reduce=None,
+                      grads: bool = False) -> None:
         """Switch to reduce-scatter: buckets padded to a multiple of dp, rank r keeps slice r of
         each. `last` parameters are put in the last bucket(s), launched in finish() only after
-        `before_reduce()` (e.g. the tied-embedding sync). Call before the first step."""
+        `before_reduce()` (e.g. the tied-embedding sync). `grads` (ZeRO-2): keep only the
+        slices (`shards`); the full buffer is freed. Call before the first step."""
         if self.compressor is not None:
-            raise ValueError("--grad-compression cannot be combined with --zero 1: the "
-                             "distributed optimizer reduce-scatters the gradient buffer, the "
-                             "compressors compress an all-reduce; use --grad-compression none")
+            raise ValueError(f"--grad-compression cannot be combined with --zero "
+                             f"{2 if grads else 1}: the distributed optimizer reduce-scatters "
+                             f"the gradient buffer, the compressors compress an all-reduce; use "
+                             f"--grad-compression none")
         if self.in_step:
             raise RuntimeError("shard_over_dp() during a step")
         self.sharded, self.before_reduce = True, before_reduce
@@ -220,6 +230,37 @@ class GradBuckets:
             self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for b in self.buckets:
             b.deferred = before_reduce is not None and any(id(p) in late for p in b.params)
+        if grads:
+            self._shard_grads()
+
+    def _shard_grads(self) -> None:
+        """ZeRO-2: one persistent buffer per dtype of this rank's slices (bucket order); the
+        full gradient buffer and its views are dropped."""
+        self.grads_sharded = True
+        self._views, self.buffers = {}, {}
+        for p in self.params:
+            p.grad = None
+        sizes: dict[torch.dtype, int] = {}
+        for b in self.buckets:
+            dtype = b.params[0].dtype
+            sizes[dtype] = sizes.get(dtype, 0) + b.padded // self.dp
+        devices = {b.params[0].dtype: b.params[0].device for b in self.buckets}
+        self.shards = {dt: torch.zeros(n, dtype=dt, device=devices[dt])
+                       for dt, n in sizes.items()}
+        offsets = dict.fromkeys(sizes, 0)
+        for b in self.buckets:
+            dtype = b.params[0].dtype
+            b.flat, start = None, offsets[dtype]
+            b.shard = self.shards[dtype][start:start + b.padded // self.dp]
+            offsets[dtype] = start + b.padded // self.dp
+
+    def buffer_sizes(self) -> dict[torch.dtype, int]:
+        """Elements of the (full, padded) gradient buffer per dtype, allocated or not."""
+        sizes: dict[torch.dtype, int] = {}
+        for b in self.buckets:
+            sizes[b.params[0].dtype] = sizes.get(b.params[0].dtype, 0) + b.padded
+        return sizes
+
     def shard_range(self, b: Bucket) -> tuple[int, int]:
         """This rank's slice [lo, hi) of bucket `b` (relative to the bucket; whole when not
         sharded)."""
@@ -261,8 +302,10 @@ class GradBuckets:
             b.ready.clear()
         for buffer in self.buffers.values():
             buffer.zero_()
-        for p in self.params:
-            p.grad = self._views[id(p)]
+        for shard in self.shards.values():
+            shard.zero_()
+        for p in self.params:  # ZeRO-2: autograd's own tensors until the bucket is staged
+            p.grad = None if self.grads_sharded else self._views[id(p)]
         self.next_launch = 0
         self.active = self._deferred_ok = False
         self._armed.clear()
@@ -365,6 +408,8 @@ class GradBuckets:
             self.launched_in_finish += 1
         if self.host_waits and self.sharded:
             self._bound_copies()
+        if self.grads_sharded:
+            return self._launch_staged(b)
         self._adopt_replaced_grads(b)
         if self.average_over > 1:
             b.flat.div_(self.average_over)
@@ -377,25 +422,62 @@ class GradBuckets:
         self.bytes_sent += wire.numel() * wire.element_size()
         lo, hi = self.shard_range(b)
         if self.sharded:
-            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            work = fn(wire[lo:hi], wire, group=self.group, async_op=True)
+            work = shard_comm.reduce_scatter(wire, wire[lo:hi], self.dp, self.group,
+                                             self.host_waits)
         else:
             work = dist.all_reduce(wire, group=self.group, async_op=True)
         b.handle = _CastBack(work, wire[lo:hi], b.flat[lo:hi]) if cast else work
 
 
-class _CastBack:
-    """The handle of a reduction run on a cast copy: waiting copies the result back."""
+    def _stage(self, b: Bucket) -> torch.Tensor:
+        """ZeRO-2: the bucket's gradients copied into one padded bucket-sized tensor (zeros for
+        parameters without one), and each ``.grad`` released."""
+        staged = torch.empty(b.padded, dtype=b.shard.dtype, device=b.shard.device)
+        offset = 0
+        for p in b.params:
+            view = staged[offset:offset + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+            p.grad = None
+            offset += p.numel()
+        staged[offset:].zero_()
+        return staged
 
-    def __init__(self, work, result: torch.Tensor, into: torch.Tensor):
-        self.work, self.result, self.into = work, result, into
+    def _launch_staged(self, b: Bucket) -> None:
+        """ZeRO-2: stage the bucket, reduce-scatter it into this rank's shard; the staged copy
+        lives until the reduction is waited for."""
+        staged = self._stage(b)
+        if self.average_over > 1:
+            staged.div_(self.average_over)
+        cast = self.reduce_dtype is not None and self.reduce_dtype != staged.dtype
+        wire = staged.to(self.reduce_dtype) if cast else staged
+        del staged
+        self.bytes_sent += wire.numel() * wire.element_size()
+        lo, hi = self.shard_range(b)
+        out = wire[lo:hi] if cast else b.shard
+        work = shard_comm.reduce_scatter(wire, out, self.dp, self.group, self.host_waits)
+        b.handle = _CastBack(work, out, b.shard, keep=wire) if cast else \
+            _CastBack(work, None, None, keep=wire)
+
+
+class _CastBack:
+    """The handle of a reduction run on a cast copy: waiting copies the result back (when
+    `into` is given) and releases the copy (`keep`: a tensor to hold until then)."""
+
+    def __init__(self, work, result: torch.Tensor | None, into: torch.Tensor | None,
+                 keep: torch.Tensor | None = None):
+        self.work, self.result, self.into, self.keep = work, result, into, keep
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
 
     def wait(self) -> bool:
         ok = self.work.wait()
-        self.into.copy_(self.result)
+        if self.into is not None:
+            self.into.copy_(self.result)
+        self.result = self.into = self.keep = None
         return ok
 
 

@@ -78,7 +78,7 @@ class TrainConfig:
     tf32: bool = False
     """On CUDA: let fp32 matrix products use TensorFloat-32 (10-bit mantissa, several times faster on Ampere and newer GPUs). Off, fp32 runs keep full fp32 products and match one process to 1e-5."""
     zero: int = 0
-    """1 shards the optimizer state over data-parallel ranks (ZeRO-1)."""
+    """1 shards the optimizer state over data-parallel ranks (ZeRO-1); 2 also the reduced gradients (ZeRO-2: each rank keeps only its slice; gradients accumulate whole over a step's micro-batches and are reduce-scattered bucket by bucket during the last backward)."""
     p2p_dtype: str = "auto"
     """Dtype of pipeline messages on the wire: auto (the --precision compute dtype, Megatron's pipeline_dtype: bf16 / fp16 under mixed precision, fp32 otherwise), fp32, bf16 or fp16. Received activations and gradients are cast back, so only the bytes change."""
     grad_reduce_dtype: str = "auto"
@@ -213,7 +213,7 @@ def _choices() -> dict[str, list]:
     return {"rank_order": list(RANK_ORDERS),
             "schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
             "precision": list(PRECISIONS), "p2p_dtype": COMM_DTYPES,
-            "grad_reduce_dtype": COMM_DTYPES, "zero": [0, 1], "lr_decay": list(DECAY_STYLES),
+            "grad_reduce_dtype": COMM_DTYPES, "zero": [0, 1, 2], "lr_decay": list(DECAY_STYLES),
             "optimizer": list(OPTIMIZERS), "grad_compression": list(GRAD_COMPRESSIONS)}
 
 
