@@ -68,10 +68,12 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 def held_bytes(model, optimizer) -> dict[str, int]:
     """What a rank holds besides activations: {"params": parameter elements, "weights",
     "grads", "optimizer": bytes of the distinct storages behind the parameters, their gradients
-    and every tensor of the optimizer's state (Adam's step counters included)}."""
+    and every tensor of the optimizer's state (Adam's step counters included); under ZeRO-2
+    the gradients are the optimizer pieces' (this rank's shards)}."""
     params = list(model.parameters())
     state = [t for s in (optimizer.inner.state.values() if optimizer.inner else ())
              for t in s.values()]
     return {"params": sum(p.numel() for p in params), "weights": storage_bytes(params),
-            "grads": storage_bytes(p.grad for p in params if p.grad is not None),
+            "grads": storage_bytes([p.grad for p in params if p.grad is not None] +
+                                   [t.grad for t in getattr(optimizer, "pieces", ())]),
             "optimizer": storage_bytes(state)}

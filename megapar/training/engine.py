@@ -35,7 +35,11 @@ from megapar.context_parallel import check_length
 from megapar.data.blended import absolute_data
 from megapar.data_parallel import GradBuckets
 from megapar.data_parallel.compression import make_compressor
-from megapar.device import keep_freed_host_memory, process_group_timeout_s, share_host_arena
+from megapar.device import (
+    keep_freed_host_memory,
+    process_group_timeout_s,
+    share_host_arena,
+)
 from megapar.faults.slow import Slowdown, SlowRank
 from megapar.faults.status import set_action, set_step
 from megapar.faults.stop import NonFiniteGuard
