@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-HOST_PIECE_BYTES = 16 * 2**20
+HOST_PIECE_BYTES = 4 * 2**20
 """Largest collective payload (all ranks' pieces together) on the host: gloo's copies stay
 this small."""
 
