@@ -431,7 +431,16 @@ class GradBuckets:
 
     def _stage(self, b: Bucket) -> torch.Tensor:
         """ZeRO-2: the bucket's gradients copied into one padded bucket-sized tensor (zeros for
-        parameters without one), and each ``.grad`` released."""
+        parameters without one), and each ``.grad`` released. A bucket of one parameter whose
+        gradient fills it exactly and owns its whole storage (the embedding's) is staged as
+        that gradient itself: no copy."""
+        if len(b.params) == 1:
+            g = b.params[0].grad
+            if g is not None and g.numel() == b.padded and g.is_contiguous() and \
+                    g.dtype == b.shard.dtype and g.device == b.shard.device and \
+                    g.untyped_storage().nbytes() == g.numel() * g.element_size():
+                b.params[0].grad = None
+                return g.view(-1)
         staged = torch.empty(b.padded, dtype=b.shard.dtype, device=b.shard.device)
         offset = 0
         for p in b.params:
