@@ -174,6 +174,10 @@ class GradBuckets:
         self.grads_sharded = False
         """ZeRO-2: only this rank's slices of the reduced gradients persist (`shards`)."""
         self.shards: dict[torch.dtype, torch.Tensor] = {}
+        self._round: list[Bucket] = []
+        """ZeRO-2: the buckets reduced once per micro-batch, in this order (all but deferred)."""
+        self._flight: list[Bucket] = []
+        """ZeRO-2: buckets with a reduction in flight, oldest first."""
         self.host_waits = bool(self.params) and _device.polls_host(self.params[0].device)
         """The buffer is on the CPU (gloo), where sharded reductions in flight are bounded
         (`_bound_copies`)."""
@@ -248,6 +252,7 @@ class GradBuckets:
         self.shards = {dt: torch.zeros(n, dtype=dt, device=devices[dt])
                        for dt, n in sizes.items()}
         offsets = dict.fromkeys(sizes, 0)
+        self._round = [b for b in self.buckets if not b.deferred]
         for b in self.buckets:
             dtype = b.params[0].dtype
             b.flat, start = None, offsets[dtype]
@@ -307,6 +312,7 @@ class GradBuckets:
         for p in self.params:  # ZeRO-2: autograd's own tensors until the bucket is staged
             p.grad = None if self.grads_sharded else self._views[id(p)]
         self.next_launch = 0
+        self._flight = []
         self.active = self._deferred_ok = False
         self._armed.clear()
         self.launched_in_step = self.launched_in_finish = 0
@@ -325,7 +331,10 @@ class GradBuckets:
     def grads_ready(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Declare these parameters' gradients final for this step (for code that accumulates
         weight gradients itself instead of through autograd's AccumulateGrad)."""
-        ready = [p for p in params if self.active or id(p) in self._armed]
+        if self.grads_sharded:  # ZeRO-2: reduced every micro-batch, armed or not
+            ready = list(params) if self.in_step else []
+        else:
+            ready = [p for p in params if self.active or id(p) in self._armed]
         if not ready:
             return
         for p in ready:
@@ -343,6 +352,8 @@ class GradBuckets:
             for b in self.buckets:
                 self._adopt_replaced_grads(b)
             return
+        if self.grads_sharded:
+            return self._finish_sharded()
         for b in self.buckets:
             b.ready.update(id(p) for p in b.params)
         self._launch_ready()
@@ -362,12 +373,17 @@ class GradBuckets:
 
     # internals --------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not (self.active or id(param) in self._armed):
+        if self.grads_sharded:  # ZeRO-2: every micro-batch's backward reduces
+            if not self.in_step:
+                return
+        elif not (self.active or id(param) in self._armed):
             return
         self._bucket_of[id(param)].ready.add(id(param))
         self._launch_ready()
 
     def _launch_ready(self) -> None:
+        if self.grads_sharded:
+            return self._launch_round()
         while self.next_launch < len(self.buckets):
             b = self.buckets[self.next_launch]
             if len(b.ready) < len(b.params) or (b.deferred and not self._deferred_ok):
@@ -395,6 +411,13 @@ class GradBuckets:
         until finish(), the copies of every bucket were at the OS peak: 0.4 GiB of GPT-2
         124M's 17 buckets at dp 2, more than ZeRO-1 saved there. NCCL keeps its handles to
         finish()."""
+        if self.grads_sharded:  # rounds wrap: the launch order is kept instead
+            self._flight = [b for b in self._flight if b.handle is not None]
+            while len(self._flight) >= self.MAX_COPIES_IN_FLIGHT:
+                b = self._flight.pop(0)
+                b.handle.wait()  # the staged copy is freed here
+                b.handle = None
+            return
         flight = [b for b in self.buckets[:self.next_launch]
                   if b.handle is not None and not isinstance(b.handle, _Done)]
         for b in flight[:max(0, len(flight) - self.MAX_COPIES_IN_FLIGHT + 1)]:
@@ -429,6 +452,41 @@ class GradBuckets:
         b.handle = _CastBack(work, wire[lo:hi], b.flat[lo:hi]) if cast else work
 
 
+    def _launch_round(self) -> None:
+        """ZeRO-2: launch the buckets of the current round (micro-batch) in bucket order while
+        the next one's gradients are all there; after the last, a new round starts. A bucket
+        waiting for an earlier one keeps accumulating in ``.grad`` (reduced later, whole)."""
+        rnd = self._round
+        while rnd:
+            b = rnd[self.next_launch]
+            if len(b.ready) < len(b.params):
+                return
+            b.ready.clear()
+            self._launch(b)
+            self.next_launch = (self.next_launch + 1) % len(rnd)
+
+    def _finish_sharded(self) -> None:
+        """ZeRO-2's finish: reduce what accumulated since each bucket's last reduction (the
+        rest of the current round first, then the buckets before it, in bucket order; a bucket
+        without any gradient since is skipped: its share is already in the shard), then the
+        deferred buckets after `before_reduce()`, and wait for all. Which buckets hold a
+        gradient depends only on the model and schedule, the same on every dp rank."""
+        rnd, start = self._round, self.next_launch
+        for b in rnd[start:] + rnd[:start]:
+            if any(p.grad is not None for p in b.params):
+                self._launch(b)
+            b.ready.clear()
+        deferred = [b for b in self.buckets if b.deferred]
+        if deferred:
+            self.before_reduce()
+            for b in deferred:
+                self._launch(b)
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+        self._flight = []
+
     def _stage(self, b: Bucket) -> torch.Tensor:
         """ZeRO-2: the bucket's gradients copied into one padded bucket-sized tensor (zeros for
         parameters without one), and each ``.grad`` released. A bucket of one parameter whose
@@ -457,6 +515,8 @@ class GradBuckets:
     def _launch_staged(self, b: Bucket) -> None:
         """ZeRO-2: stage the bucket, reduce-scatter it into this rank's shard; the staged copy
         lives until the reduction is waited for."""
+        if b.handle is not None:  # its previous micro-batch's reduction adds to the shard first
+            b.handle.wait()
         staged = self._stage(b)
         if self.average_over > 1:
             staged.div_(self.average_over)
@@ -465,26 +525,30 @@ class GradBuckets:
         del staged
         self.bytes_sent += wire.numel() * wire.element_size()
         lo, hi = self.shard_range(b)
-        out = wire[lo:hi] if cast else b.shard
-        work = shard_comm.reduce_scatter(wire, out, self.dp, self.group, self.host_waits)
-        b.handle = _CastBack(work, out, b.shard, keep=wire) if cast else \
-            _CastBack(work, None, None, keep=wire)
+        work = shard_comm.reduce_scatter(wire, wire[lo:hi], self.dp, self.group,
+                                         self.host_waits)
+        b.handle = _CastBack(work, wire[lo:hi], b.shard, keep=wire, add=True)
+        self._flight.append(b)
 
 
 class _CastBack:
     """The handle of a reduction run on a cast copy: waiting copies the result back (when
-    `into` is given) and releases the copy (`keep`: a tensor to hold until then)."""
+    `into` is given; `add`: adds it, as ZeRO-2 accumulates micro-batches into its shard) and
+    releases the copy (`keep`: a tensor to hold until then)."""
 
     def __init__(self, work, result: torch.Tensor | None, into: torch.Tensor | None,
-                 keep: torch.Tensor | None = None):
+                 keep: torch.Tensor | None = None, add: bool = False):
         self.work, self.result, self.into, self.keep = work, result, into, keep
+        self.add = add
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
 
     def wait(self) -> bool:
         ok = self.work.wait()
-        if self.into is not None:
+        if self.into is not None and self.add:
+            self.into.add_(self.result)
+        elif self.into is not None:
             self.into.copy_(self.result)
         self.result = self.into = self.keep = None
         return ok
