@@ -135,10 +135,10 @@ def share_host_arena() -> bool:
     glibc gives threads their own arenas, whose freed blocks only that arena reuses: gloo's
     worker threads make bucket-sized copies for its reduce-scatters and all-gathers, which the
     main thread's freed room (the backward's transients) could not hold, and under
-    `keep_freed_host_memory` neither arena returns memory, so their high-water marks added up
-    at the OS peak (ZeRO-1, GPT-2 124M at dp 2: 2.84 vs 2.34 GiB, docs/performance.md). Call it
-    before the process group starts its threads (the launcher's worker, `Engine`); threads
-    that allocated already keep their arenas. Does nothing off glibc or with
+    `keep_freed_host_memory` neither arena returns memory, so their high-water marks add up at
+    the OS peak (docs/performance.md, "ZeRO stages at the peak the OS sees"). Call it before any
+    other thread allocates (megapar-train's main, the launcher's worker, `Engine`): glibc
+    settles its arena limit, and threads their arenas, at their first allocations. Does nothing off glibc or with
     MEGAPAR_HOST_MALLOC=system. Returns whether it applied."""
     if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
             "linux"):

@@ -45,6 +45,16 @@ not be read. Parameters given as ``last`` (the tied embedding) go into the last 
 which launch only in ``finish()`` after ``before_reduce()`` ran (the tied-embedding sum over the
 first and last pipeline stage must precede the dp reduction, as slices differ between stages).
 Gradient compression is refused in this mode.
+
+Sharded gradients (``shard_over_dp(grads=True)``, ZeRO-2): there is no full buffer, only
+``shards`` (per dtype, this rank's slices of the buckets back to back; ``Bucket.shard``).
+``.grad`` is autograd's own tensor. In every micro-batch's backward (hooks always armed within
+a step) a bucket whose gradients are all there is staged (copied into one padded bucket-sized
+tensor, each ``.grad`` released), averaged, reduce-scattered and added into its shard when
+waited for. Buckets launch in bucket order in rounds, one per micro-batch; a bucket not
+complete holds the ones after it, whose gradients keep accumulating whole until they launch or
+``finish()`` reduces what accumulated since each bucket's last launch. Deferred buckets (the
+tied embedding) are reduced once, in ``finish()``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""ZeRO stage 1 as Megatron's distributed optimizer: state and updates sharded by buffer slice.
+"""ZeRO stages 1 and 2 as Megatron's distributed optimizer: state and updates sharded by buffer
+slice (stage 1), and the reduced gradients too (stage 2, DeepSpeed's ZeRO-2).
 
 The gradients live in `GradBuckets`' flat buffer (one per dtype, cut into buckets). `attach`
 switches it to sharded mode: every bucket is zero-padded to a multiple of dp and
@@ -17,6 +18,11 @@ the same layout (each ``param.data`` becomes a view into it), so per step:
 
 Traffic per step: one reduce-scatter and one all-gather of the padded buffer, the same as one
 all-reduce.
+
+Stage 2 (`stage=2`): `GradBuckets` keeps only this rank's slices of the reduced gradients
+(`GradBuckets.shards`, reduce-scattered every micro-batch and accumulated there); the pieces'
+``.grad`` are views into them, and everything above runs on them unchanged. Traffic per step:
+m reduce-scatters of the buffer (the deferred tied-embedding bucket once) and one all-gather.
 Parameters are fp32 in every precision (autocast casts on the fly), so the parameter buffer is
 also the fp32 master.
 
