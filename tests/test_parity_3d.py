@@ -273,3 +273,17 @@ def test_zero2_parity(kind):
         for i in range(len(runs)):
             check_against(reference, [o[i] for o in outs])
     assert all(o[0]["cut"] for o in outs4), "dp=4: no parameter is cut between two dp ranks"
+
+
+def test_zero2_parity_v_schedules(reference):
+    """ZeRO-2 under the V placement (embedding and head on pp rank 0): ZB-V at 2x2x2, DualPipeV
+    over cp 2 at tp 2 x cp 2 x pp 2, and both at pp 2 x dp 2 with micro-batches of 1 (their
+    weight gradients reported through `grads_ready`)."""
+    outs = run_local(_worker, 8, [(2, 2, 2, 2, "fp32", "zb-v"),
+                                  (2, 2, 1, 2, "fp32", "dualpipev", 1, "tp-pp-dp", False, 2)])
+    for i in range(2):
+        check_against(reference, [o[i] for o in outs])
+    outs = run_local(_worker, 4, [(1, 2, 2, 2, "fp32", "dualpipev", 1, "tp-pp-dp", False, 1, 1),
+                                  (1, 2, 2, 2, "fp32", "zb-v", 1, "tp-pp-dp", False, 1, 1)])
+    for i in range(2):
+        check_against(reference, [o[i] for o in outs])
