@@ -41,8 +41,8 @@ SMALL = ["--model", "{model}", "--tokenizer", "sentencepiece"]
 ZERO_STAGES = (0, 1, 2)
 """The `zero` group's stages (a row per stage)."""
 GROUPS = {  # name: (the claim, [(label, flags)])
-    "zero": ("each ZeRO stage lowers the peak (GPT-2 124M, dp 2): zero 1 <= 0.85x zero 0, "
-             "zero 2 < zero 1", [
+    "zero": (("each ZeRO stage lowers the peak (GPT-2 124M, dp 2): zero 1 <= 0.85x zero 0, "
+              "zero 2 < zero 1"), [
                  (f"zero {z}", ["--model", "gpt2-124m", "--dp", "2", "--seq-len", "64",
                                 "--micro-batch-size", "1", "--global-batch-size", "2",
                                 "--zero", str(z)]) for z in ZERO_STAGES]),

@@ -34,12 +34,13 @@ CONFIG = dict(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=4, n_head=4,
 
 
 OTHER = {  # the --zero 2 parity runs: BERT (tied MLM head) and grouped-query Llama (untied)
-    "bert": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-                 intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                 attention_probs_dropout_prob=0.0, make_vocab_size_divisible_by=16),
-    "llama": dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                  make_vocab_size_divisible_by=16),
+    "bert": {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 16,
+             "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+             "make_vocab_size_divisible_by": 16},
+    "llama": {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 16, "make_vocab_size_divisible_by": 16},
 }
 
 
