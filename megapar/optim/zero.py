@@ -23,6 +23,7 @@ Stage 2 (`stage=2`): `GradBuckets` keeps only this rank's slices of the reduced 
 (`GradBuckets.shards`, reduce-scattered every micro-batch and accumulated there); the pieces'
 ``.grad`` are views into them, and everything above runs on them unchanged. Traffic per step:
 m reduce-scatters of the buffer (the deferred tied-embedding bucket once) and one all-gather.
+
 Parameters are fp32 in every precision (autocast casts on the fly), so the parameter buffer is
 also the fp32 master.
 
@@ -158,7 +159,7 @@ class ZeroOptimizer(AdamWOptimizer):
     def _gather(self, buffers: dict[torch.dtype, torch.Tensor]) -> None:
         """All-gather each bucket of `buffers` in place. On gloo, which holds a bucket-sized
         copy per all-gather until it is waited for, at most `GradBuckets.MAX_COPIES_IN_FLIGHT`
-        are in flight (all 17 of GPT-2 124M's at once were 0.14 GiB at the OS peak)."""
+        are in flight, and a large bucket goes in pieces (`shard_comm.all_gather`)."""
         host = self.grad_sync.host_waits
         bound = self.grad_sync.MAX_COPIES_IN_FLIGHT if host else None
         handles = []
