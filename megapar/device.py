@@ -129,6 +129,27 @@ def cuda_context_bytes(dev: torch.device) -> int:
     return max(0, total - free - torch.cuda.memory_reserved(dev))
 
 
+def share_host_arena() -> bool:
+    """Make every thread allocate host memory from glibc's one main arena.
+
+    glibc gives threads their own arenas, whose freed blocks only that arena reuses: gloo's
+    worker threads make bucket-sized copies for its reduce-scatters and all-gathers, which the
+    main thread's freed room (the backward's transients) could not hold, and under
+    `keep_freed_host_memory` neither arena returns memory, so their high-water marks add up at
+    the OS peak (docs/performance.md, "ZeRO stages at the peak the OS sees"). Call it before any
+    other thread allocates (megapar-train's main, the launcher's worker, `Engine`): glibc
+    settles its arena limit, and threads their arenas, at their first allocations. Does nothing off glibc or with
+    MEGAPAR_HOST_MALLOC=system. Returns whether it applied."""
+    if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
+            "linux"):
+        return False
+    try:
+        m_arena_max = -8  # <malloc.h>
+        return bool(ctypes.CDLL("libc.so.6").mallopt(m_arena_max, 1))
+    except (OSError, AttributeError):
+        return False
+
+
 def keep_freed_host_memory() -> bool:
     """Let glibc keep freed host memory for reuse instead of returning it to the kernel.
 

@@ -72,6 +72,7 @@ def loopback_store(rank: int, world_size: int, port: int, timeout_s: float | Non
 
 def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, parent,
             status, stacks, nccl_timeout_s=None):
+    _device.share_host_arena()  # before any thread of this worker allocates
     die_with_parent(parent)
     diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))
     stop.terminate_on_sigterm(replace=True)  # not the launcher's handler (its --save lock's)

@@ -503,8 +503,9 @@ def _nonfinite_step(tp, pp, zero, inf_before_prepare, on_nonfinite=None):
     return outcome, _same(before, _state(engine)), engine.step
 
 
-@pytest.mark.parametrize("layout", [(2, 2, 0, 4, True), (1, 1, 1, 2, False)],
-                         ids=["tp2xpp2-inf-in-the-hf-model", "dp2-zero1-inf-after-a-step"])
+@pytest.mark.parametrize("layout", [(2, 2, 0, 4, True), (1, 1, 1, 2, False), (1, 1, 2, 2, False)],
+                         ids=["tp2xpp2-inf-in-the-hf-model", "dp2-zero1-inf-after-a-step",
+                              "dp2-zero2-inf-after-a-step"])
 def test_a_non_finite_step_raises_naming_the_step_and_applies_nothing(run, layout):
     """The field's case: a transformers GPT-2 with an inf weight "trained" at tp 2 x pp 2 and
     returned nan. Now every rank raises (NonFiniteError) naming the step and what went

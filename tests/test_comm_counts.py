@@ -146,10 +146,15 @@ def _dp_worker(pp: int, dp: int, zero: int):
     step.step(micro_batches("gpt2"), 0)  # warm-up
     with count_collectives(mesh.device) as calls:
         step.step(micro_batches("gpt2"), 1)
-    numel = sum(b.numel() for b in grad_sync.buffers.values())
+    from megapar.dryrun.world import held_bytes
+
+    numel = sum(grad_sync.buffer_sizes().values())  # allocated or not (ZeRO-2: not)
     state = sum(t.numel() for st in step.optimizer.inner.state.values() for k, t in st.items()
                 if k != "step")
     return {"calls": calls, "buffer": numel, "buckets": len(grad_sync.buckets),
+            "held": held_bytes(step.model, step.optimizer),
+            "deferred": sum(b.padded for b in grad_sync.buckets if b.deferred),
+            "n_deferred": sum(b.deferred for b in grad_sync.buckets),
             "params": sum(p.numel() for p in step.model.parameters()), "state": state,
             "stage": mesh.pp_rank}
 
@@ -158,16 +163,19 @@ def _reduced(calls, dp: int) -> list:
     return [c for c in calls if c.group_size == dp and c.op not in ("isend", "irecv")]
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_zero1_reduce_scatters_and_all_gathers_the_buffer(pp):
+@pytest.mark.parametrize("pp,zero", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_zero_reduce_scatters_and_all_gathers_the_buffer(pp, zero):
     """dp=2: plain dp all-reduces the gradient buffer (2 units of traffic per element); the
     distributed optimizer reduce-scatters it and all-gathers the parameters (also 2 units), no
     broadcast, and all-reduces only scalars over dp (the squared gradient norm and the loss);
     each rank keeps 1/dp of the Adam state. With pp=2 the tied embedding's gradient is summed
-    over the first and last stage (before the reduce-scatter) in one all-reduce of its size."""
+    over the first and last stage (before the reduce-scatter) in one all-reduce of its size.
+    ZeRO-2 reduce-scatters every micro-batch (m x the buffer, but the tied embedding's deferred
+    bucket once, after its sum over the stages), all-gathers the parameters once and holds 1/dp
+    of the gradient buffer between steps."""
     dp = 2
     plain = run_local(_dp_worker, pp * dp, pp, dp, 0)
-    sharded = run_local(_dp_worker, pp * dp, pp, dp, 1)
+    sharded = run_local(_dp_worker, pp * dp, pp, dp, zero)
     embedding = 96 * H  # vocab padded to 96 (a multiple of 8), unsharded at tp=1
     for base, out in zip(plain, sharded):
         assert out["buckets"] > 1
@@ -176,9 +184,13 @@ def test_zero1_reduce_scatters_and_all_gathers_the_buffer(pp):
         calls = _reduced(out["calls"], dp)
         scatters = [c for c in calls if c.op == "reduce_scatter_tensor"]
         gathers = [c for c in calls if c.op == "all_gather_into_tensor"]
-        assert sum(c.bytes for c in scatters) == 4 * out["buffer"]        # input: whole bucket
+        m = M if zero == 2 else 1  # reductions per step of a bucket that is not deferred
+        rounds = m * (out["buffer"] - out["deferred"]) + out["deferred"]
+        assert sum(c.bytes for c in scatters) == 4 * rounds               # input: whole bucket
         assert sum(c.bytes for c in gathers) == 4 * out["buffer"] // dp   # input: own slice
-        assert len(scatters) == len(gathers) == out["buckets"]
+        assert len(gathers) == out["buckets"]
+        assert len(scatters) == m * (out["buckets"] - out["n_deferred"]) + out["n_deferred"]
+        assert (out["n_deferred"] > 0) == (pp > 1 and zero == 2 or pp > 1 and zero == 1)
         base_calls = _reduced(base["calls"], dp)
         # (with pp=2 the pipeline group has size 2 too: the executor's scalar broadcasts and the
         # norm's all-reduce over pp appear in both runs)
@@ -198,6 +210,8 @@ def test_zero1_reduce_scatters_and_all_gathers_the_buffer(pp):
         # optimizer memory: exp_avg + exp_avg_sq for 1/dp of the stage's elements (+ padding)
         assert base["state"] == 2 * base["params"]
         assert abs(out["state"] - base["state"] / dp) <= 2 * out["buckets"] * dp
+        assert base["held"]["grads"] == 4 * base["buffer"]
+        assert out["held"]["grads"] == 4 * out["buffer"] // (dp if zero == 2 else 1)
 
 
 # --- context parallelism -----------------------------------------------------------------------

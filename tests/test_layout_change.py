@@ -120,3 +120,26 @@ def test_zero1_dp2_checkpoint_continues_at_dp1_with_and_without_zero_and_at_dp4(
                   "--load", str(step3), "--log-json", str(log)]) == 0
     measured.append(_assert_continues(reference, log, "zero=1 dp=2 pp=2 -> zero=1 dp=4 pp=1"))
     print("\n".join(measured))  # shown with -s
+
+
+def test_zero2_checkpoint_continues_at_zero0_and_the_reverse(tmp_path, common):
+    """A --zero 2 checkpoint (pp 2 x dp 2: gradients and state sharded) resumes at --zero 0 and
+    --zero 1 with the losses of the run that did not stop, and a --zero 0 one resumes at
+    --zero 2 (dp 2, pp 1)."""
+    measured = []
+    (tmp_path / "a").mkdir()
+    reference, step3 = _train_and_checkpoint(
+        tmp_path / "a", common, ["--tp", "1", "--pp", "2", "--dp", "2", "--zero", "2"])
+    for zero in ("0", "1"):
+        log = tmp_path / f"zero2_to_zero{zero}.jsonl"
+        assert train([*common, "--tp", "1", "--pp", "2", "--dp", "2", "--zero", zero,
+                      "--load", str(step3), "--log-json", str(log)]) == 0
+        measured.append(_assert_continues(reference, log, f"zero=2 -> zero={zero}"))
+    (tmp_path / "b").mkdir()
+    reference, step3 = _train_and_checkpoint(
+        tmp_path / "b", common, ["--tp", "1", "--pp", "1", "--dp", "2", "--zero", "0"])
+    log = tmp_path / "zero0_to_zero2.jsonl"
+    assert train([*common, "--tp", "1", "--pp", "1", "--dp", "2", "--zero", "2",
+                  "--load", str(step3), "--log-json", str(log)]) == 0
+    measured.append(_assert_continues(reference, log, "zero=0 -> zero=2"))
+    print("\n".join(measured))  # shown with -s

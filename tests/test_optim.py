@@ -118,8 +118,8 @@ def test_adamw_is_torch_fused_kernel_and_a_loaded_state_steps_like_a_fresh_one()
 
 
 def test_unsupported_zero_stage():
-    with pytest.raises(ValueError, match="--zero 2 is not supported"):
-        build_optimizer(serial_model(), Mesh(Layout()), 1e-3, 0.0, zero=2)
+    with pytest.raises(ValueError, match="--zero 3 is not supported"):
+        build_optimizer(serial_model(), Mesh(Layout()), 1e-3, 0.0, zero=3)
 
 
 def test_tied_copy_is_stepped_but_not_checkpointed():

@@ -14,7 +14,7 @@ from tp_utils import assert_close, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
-from megapar.models import GPT2Config
+from megapar.models import BertConfig, GPT2Config, LlamaConfig
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import unpad
@@ -33,7 +33,22 @@ CONFIG = dict(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=4, n_head=4,
               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, make_vocab_size_divisible_by=16)
 
 
-def config() -> GPT2Config:
+OTHER = {  # the --zero 2 parity runs: BERT (tied MLM head) and grouped-query Llama (untied)
+    "bert": {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 16,
+             "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+             "make_vocab_size_divisible_by": 16},
+    "llama": {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 16, "make_vocab_size_divisible_by": 16},
+}
+
+
+def config(kind: str = "gpt2"):
+    if kind == "bert":
+        return BertConfig(**OTHER["bert"])
+    if kind == "llama":
+        return LlamaConfig(**OTHER["llama"])
     return GPT2Config(**CONFIG)
 
 
@@ -48,9 +63,9 @@ def global_batches() -> list[dict]:
     return [{"input_ids": x, "labels": (x + 1) % VOCAB} for x in ids]
 
 
-def serial_reference() -> dict:
+def serial_reference(kind: str = "gpt2") -> dict:
     """Plain torch: the model, AdamW, clip_grad_norm_; no megapar optimizer code."""
-    model = build_stage(config(), Mesh(Layout()), SEED)
+    model = build_stage(config(kind), Mesh(Layout()), SEED)
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
@@ -81,7 +96,8 @@ def serial_reference() -> dict:
 def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            schedule: str = "1f1b", virtual_stages: int = 1, order: str = "tp-pp-dp",
            sequence_parallel: bool = False, cp: int = 1, mbs: int = MBS,
-           offload: bool = False) -> dict:
+           offload: bool = False,
+           kind: str = "gpt2") -> dict:
     """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage
     (of every cp rank: they must agree)."""
     import torch.distributed as dist
@@ -95,7 +111,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
 
     mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank())
     mesh.sequence_parallel = sequence_parallel
-    model = build_stage(config(), mesh, SEED,
+    model = build_stage(config(kind), mesh, SEED,
                         virtual_stages=chunks_per_rank(schedule, virtual_stages),
                         placement=placement_of(schedule))
     seq = SEQ // cp // tp if sequence_parallel else SEQ // cp
@@ -111,7 +127,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
 
     def step_and_record_first_grads():  # clipped gradients as the optimizer sees them
         if not full_grads:
-            if getattr(optimizer, "sharded", False):  # ZeRO-1 reduced only this rank's slices
+            if getattr(optimizer, "sharded", False):  # ZeRO reduced only this rank's slices
                 optimizer.gather_grads()
             for name, p in model.named_parameters():
                 full_grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape,
@@ -160,6 +176,7 @@ def check_against(reference: dict, per_rank: list[dict]) -> None:
         assert not any(r.skipped for r in out["results"])
         assert all(n > MAX_NORM for n in norms), f"{layout}: clipping did not bite: {norms}"
     expected = set(reference["weights"]) | ({"head.weight"} if layout[1] > 1 else set())
+    tied = "head.weight" not in reference["weights"]
     for key in ("grads", "weights"):
         merged = {}
         for out in per_rank:
@@ -167,7 +184,7 @@ def check_against(reference: dict, per_rank: list[dict]) -> None:
         assert set(merged) == expected, f"{layout}: parameter names differ"
         for rank, out in enumerate(per_rank):
             for name, t in out[key].items():
-                source = "embed.word.weight" if name == "head.weight" else name
+                source = "embed.word.weight" if name == "head.weight" and tied else name
                 what = (f"{layout} rank {rank} "
                         f"{'first-step gradient' if key == 'grads' else 'final weight'} {name}")
                 assert_close(t, reference[key][source], what=what)
@@ -236,3 +253,44 @@ def test_3d_parity_4_ranks(reference):
     for i in range(4):
         check_against(reference, [o[i] for o in outs])
     assert all(o[3]["cut"] for o in outs), "dp=4: no parameter is cut between two dp ranks"
+
+
+ZERO2_8 = [(2, 2, 2, 2), (2, 2, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", True),
+           (2, 2, 2, 2, "fp32", "zb-h1"), (2, 2, 2, 2, "fp32", "interleaved", 2, "tp-dp-pp"),
+           (1, 2, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", False, 2)]
+"""--zero 2 on 8 ranks: 2 x 2 x 2 (1F1B, with SP, ZB-H1, interleaved) and cp 2 x pp 2 x dp 2."""
+ZERO2_4 = [(1, 1, 4, 2), (2, 1, 2, 2), (1, 2, 2, 2), (1, 2, 2, 2, "fp32", "zb-h1"),
+           (1, 2, 2, 2, "fp32", "interleaved", 2), (1, 1, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp",
+                                                     False, 2)]
+"""--zero 2 on 4 ranks: dp 4 (slices cut parameters), tp 2 x dp 2, pp 2 x dp 2 (1F1B, ZB-H1,
+interleaved), cp 2 x dp 2."""
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+def test_zero2_parity(kind):
+    """ZeRO-2 (each dp rank keeps only its slice of the reduced gradients) equals one process
+    for GPT-2, BERT and grouped-query Llama at every layout above: losses, grad norms (from the
+    slices), first-step gradients (gathered from the slices) and final weights."""
+    reference = serial_reference(kind)
+    outs8 = run_local(_worker, 8, [(*r, *(("fp32", "1f1b", 1, "tp-pp-dp", False, 1)[len(r) - 4:]),
+                                    MBS, kind) for r in ZERO2_8])
+    outs4 = run_local(_worker, 4, [(*r, *(("fp32", "1f1b", 1, "tp-pp-dp", False, 1)[len(r) - 4:]),
+                                    MBS, kind) for r in ZERO2_4])
+    for outs, runs in ((outs8, ZERO2_8), (outs4, ZERO2_4)):
+        for i in range(len(runs)):
+            check_against(reference, [o[i] for o in outs])
+    assert all(o[0]["cut"] for o in outs4), "dp=4: no parameter is cut between two dp ranks"
+
+
+def test_zero2_parity_v_schedules(reference):
+    """ZeRO-2 under the V placement (embedding and head on pp rank 0): ZB-V at 2x2x2, DualPipeV
+    over cp 2 at tp 2 x cp 2 x pp 2, and both at pp 2 x dp 2 with micro-batches of 1 (their
+    weight gradients reported through `grads_ready`)."""
+    outs = run_local(_worker, 8, [(2, 2, 2, 2, "fp32", "zb-v"),
+                                  (2, 2, 1, 2, "fp32", "dualpipev", 1, "tp-pp-dp", False, 2)])
+    for i in range(2):
+        check_against(reference, [o[i] for o in outs])
+    outs = run_local(_worker, 4, [(1, 2, 2, 2, "fp32", "dualpipev", 1, "tp-pp-dp", False, 1, 1),
+                                  (1, 2, 2, 2, "fp32", "zb-v", 1, "tp-pp-dp", False, 1, 1)])
+    for i in range(2):
+        check_against(reference, [o[i] for o in outs])

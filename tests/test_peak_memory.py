@@ -15,12 +15,14 @@ from megapar.launcher import run_local
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
-def _peak_rise(zero: int, steps: int = 3) -> tuple[int, int]:
-    """(how far this rank's peak resident set rose, its Adam state's bytes)."""
+def _peak_rise(zero: int, steps: int = 3) -> tuple[int, int, int]:
+    """(how far this rank's peak resident set rose, its Adam state's bytes, its gradients'
+    bytes held between steps)."""
     import torch
     from transformers import GPT2Config
 
     import megapar
+    from megapar.dryrun.world import held_bytes
 
     def status(key: str) -> int:
         with open("/proc/self/status") as f:
@@ -38,7 +40,7 @@ def _peak_rise(zero: int, steps: int = 3) -> tuple[int, int]:
         engine.train_step({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
     state = sum(t.numel() * t.element_size() for s in engine.optimizer.inner.state.values()
                 for k, t in s.items() if k != "step")
-    return status("VmHWM") - start, state
+    return status("VmHWM") - start, state, held_bytes(engine.model, engine.optimizer)["grads"]
 
 
 def test_zero1_lowers_the_peak_the_os_sees():
@@ -52,5 +54,17 @@ def test_zero1_lowers_the_peak_the_os_sees():
     sharded = run_local(_peak_rise, 2, 1, start_method="spawn")
     saved = plain[0][1] - sharded[0][1]  # counted: half of Adam's moments
     assert saved > 90 * 2**20, saved
-    rise = max(r for r, _ in sharded) - max(r for r, _ in plain)
+    rise = max(r for r, _, _ in sharded) - max(r for r, _, _ in plain)
+    assert rise < -saved / 2, (rise / 2**20, saved / 2**20)
+
+
+def test_zero2_lowers_the_peak_below_zero1():
+    """dp 2: ZeRO-2 holds half the gradients between steps (each bucket's full gradient exists
+    only from its backward to its reduce-scatter); the OS must see the peak fall below
+    ZeRO-1's by at least half of what that saves."""
+    one = run_local(_peak_rise, 2, 1, start_method="spawn")
+    two = run_local(_peak_rise, 2, 2, start_method="spawn")
+    saved = one[0][2] - two[0][2]  # counted: half of the gradient buffer
+    assert saved > 45 * 2**20, saved
+    rise = max(r for r, _, _ in two) - max(r for r, _, _ in one)
     assert rise < -saved / 2, (rise / 2**20, saved / 2**20)

@@ -64,7 +64,8 @@ class InjectInf:
     def __init__(self, executor, model, rank, optimizer=None):
         self.executor, self.model, self.rank, self.calls = executor, model, rank, 0
         self.optimizer = optimizer
-        """ZeRO-1: the inf goes into a gradient slice this rank reduced (the rest is unused)."""
+        """ZeRO-1 / 2: the inf goes into a gradient slice this rank reduced (the rest is unused
+        or gone)."""
 
     def run(self, *args, **kwargs):
         loss = self.executor.run(*args, **kwargs)
@@ -117,7 +118,7 @@ def _run(mode: str, inject: bool, zero: int = 0) -> dict:
 
 def _worker() -> dict:
     return {"fp32": _run("fp32", False), "bf16": _run("bf16", False), "fp16": _run("fp16", True),
-            "fp16_zero1": _run("fp16", True, zero=1)}
+            "fp16_zero1": _run("fp16", True, zero=1), "fp16_zero2": _run("fp16", True, zero=2)}
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,7 @@ def test_bf16_tracks_fp32(runs):
         assert not any(r.skipped for r in out["bf16"]["results"])
 
 
-@pytest.mark.parametrize("run_name", ["fp16", "fp16_zero1"])
+@pytest.mark.parametrize("run_name", ["fp16", "fp16_zero1", "fp16_zero2"])
 def test_fp16_inf_on_one_rank_skips_the_step_everywhere(runs, run_name):
     for rank, out in enumerate(runs):
         fp16 = out[run_name]
@@ -160,7 +161,8 @@ def test_fp16_inf_on_one_rank_skips_the_step_everywhere(runs, run_name):
             assert abs(r.loss - fp32[i]) / fp32[i] < 2e-2
 
 
-def test_fp16_zero1_equals_fp16_without_zero(runs):
+@pytest.mark.parametrize("sharded", ["fp16_zero1", "fp16_zero2"])
+def test_fp16_zero1_equals_fp16_without_zero(runs, sharded):
     """The distributed optimizer under fp16 (unscale and inf check on this rank's slices, norm
     from the slices) gives the plain fp16 run's losses and grad norms. The first step agrees to
     fp32 rounding (measured: loss bitwise, norm 3e-8); after it the weights differ by fp32
@@ -168,7 +170,7 @@ def test_fp16_zero1_equals_fp16_without_zero(runs):
     amplifies (measured by step 5: losses 2e-6, norms 5e-5 relative; fp32 runs stay ~1e-7
     apart), so later steps are held to fp16's unit roundoff (4.9e-4)."""
     for out in runs:
-        for i, (a, b) in enumerate(zip(out["fp16"]["results"], out["fp16_zero1"]["results"])):
+        for i, (a, b) in enumerate(zip(out["fp16"]["results"], out[sharded]["results"])):
             assert a.skipped == b.skipped and a.loss_scale == b.loss_scale
             tol = 1e-6 if i == 0 else 4.9e-4
             assert abs(a.loss - b.loss) <= tol * abs(a.loss), (i, a.loss, b.loss)

@@ -99,7 +99,8 @@ def parallel(kind, tp, pp, zero):
 
 
 @pytest.mark.parametrize("kind,tp,pp,zero", [("lamb", 2, 1, 1), ("lars", 2, 1, 1),
-                                             ("lamb", 2, 2, 0)])
+                                             ("lamb", 2, 2, 0), ("lamb", 2, 1, 2),
+                                             ("lars", 2, 1, 2)])
 def test_trust_ratio_optimizer_equals_single_process_reference(run, kind, tp, pp, zero):
     ref_losses, ref_weights = reference(kind)
     results = run(parallel, 4, kind, tp, pp, zero)

@@ -18,7 +18,7 @@ import traceback
 from megapar.checkpoint.lock import SaveLock, SaveLockError, check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset
-from megapar.device import DeviceError, check_gpus
+from megapar.device import DeviceError, check_gpus, share_host_arena
 from megapar.dryrun.command import rehearse
 from megapar.dryrun.sample import check_world
 from megapar.faults.report import log_dir_for, worker_failure
@@ -280,6 +280,7 @@ def _worker(cfg: TrainConfig, plan: DataPlan):
 
 
 def main(argv=None) -> int:
+    share_host_arena()  # before any thread (the tokenizer's) allocates: workers inherit it
     notes: list[str] = []
     lock = None
     try:

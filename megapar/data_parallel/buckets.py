@@ -45,6 +45,16 @@ not be read. Parameters given as ``last`` (the tied embedding) go into the last 
 which launch only in ``finish()`` after ``before_reduce()`` ran (the tied-embedding sum over the
 first and last pipeline stage must precede the dp reduction, as slices differ between stages).
 Gradient compression is refused in this mode.
+
+Sharded gradients (``shard_over_dp(grads=True)``, ZeRO-2): there is no full buffer, only
+``shards`` (per dtype, this rank's slices of the buckets back to back; ``Bucket.shard``).
+``.grad`` is autograd's own tensor. In every micro-batch's backward (hooks always armed within
+a step) a bucket whose gradients are all there is staged (copied into one padded bucket-sized
+tensor, each ``.grad`` released), averaged, reduce-scattered and added into its shard when
+waited for. Buckets launch in bucket order in rounds, one per micro-batch; a bucket not
+complete holds the ones after it, whose gradients keep accumulating whole until they launch or
+``finish()`` reduces what accumulated since each bucket's last launch. Deferred buckets (the
+tied embedding) are reduced once, in ``finish()``.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from megapar import device as _device
+from megapar.data_parallel import shard_comm
 from megapar.mesh import group_size
 
 
@@ -79,6 +90,9 @@ class Bucket:
     sharded)."""
     deferred: bool = False
     """Sharded mode: launched only in finish(), after `before_reduce`."""
+    shard: torch.Tensor | None = None
+    """Sharded gradients (ZeRO-2): this rank's reduced slice of the bucket, persistent (a view
+    into `GradBuckets.shards`)."""
 
     @property
     def numel(self) -> int:
@@ -167,6 +181,13 @@ class GradBuckets:
         self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
         self.sharded = False
         """Reduce-scatter the buckets (ZeRO-1) instead of all-reducing them."""
+        self.grads_sharded = False
+        """ZeRO-2: only this rank's slices of the reduced gradients persist (`shards`)."""
+        self.shards: dict[torch.dtype, torch.Tensor] = {}
+        self._round: list[Bucket] = []
+        """ZeRO-2: the buckets reduced once per micro-batch, in this order (all but deferred)."""
+        self._flight: list[Bucket] = []
+        """ZeRO-2: buckets with a reduction in flight, oldest first."""
         self.host_waits = bool(self.params) and _device.polls_host(self.params[0].device)
         """The buffer is on the CPU (gloo), where sharded reductions in flight are bounded
         (`_bound_copies`)."""
@@ -196,14 +217,17 @@ class GradBuckets:
             for p in self.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
-    def shard_over_dp(self, last: Iterable[torch.nn.Parameter] = (), before_reduce=None) -> None:
+    def shard_over_dp(self, last: Iterable[torch.nn.Parameter] = (), before_reduce=None,
+                      grads: bool = False) -> None:
         """Switch to reduce-scatter: buckets padded to a multiple of dp, rank r keeps slice r of
         each. `last` parameters are put in the last bucket(s), launched in finish() only after
-        `before_reduce()` (e.g. the tied-embedding sync). Call before the first step."""
+        `before_reduce()` (e.g. the tied-embedding sync). `grads` (ZeRO-2): keep only the
+        slices (`shards`); the full buffer is freed. Call before the first step."""
         if self.compressor is not None:
-            raise ValueError("--grad-compression cannot be combined with --zero 1: the "
-                             "distributed optimizer reduce-scatters the gradient buffer, the "
-                             "compressors compress an all-reduce; use --grad-compression none")
+            raise ValueError(f"--grad-compression cannot be combined with --zero "
+                             f"{2 if grads else 1}: the distributed optimizer reduce-scatters "
+                             f"the gradient buffer, the compressors compress an all-reduce; use "
+                             f"--grad-compression none")
         if self.in_step:
             raise RuntimeError("shard_over_dp() during a step")
         self.sharded, self.before_reduce = True, before_reduce
@@ -220,6 +244,38 @@ class GradBuckets:
             self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for b in self.buckets:
             b.deferred = before_reduce is not None and any(id(p) in late for p in b.params)
+        if grads:
+            self._shard_grads()
+
+    def _shard_grads(self) -> None:
+        """ZeRO-2: one persistent buffer per dtype of this rank's slices (bucket order); the
+        full gradient buffer and its views are dropped."""
+        self.grads_sharded = True
+        self._views, self.buffers = {}, {}
+        for p in self.params:
+            p.grad = None
+        sizes: dict[torch.dtype, int] = {}
+        for b in self.buckets:
+            dtype = b.params[0].dtype
+            sizes[dtype] = sizes.get(dtype, 0) + b.padded // self.dp
+        devices = {b.params[0].dtype: b.params[0].device for b in self.buckets}
+        self.shards = {dt: torch.zeros(n, dtype=dt, device=devices[dt])
+                       for dt, n in sizes.items()}
+        offsets = dict.fromkeys(sizes, 0)
+        self._round = [b for b in self.buckets if not b.deferred]
+        for b in self.buckets:
+            dtype = b.params[0].dtype
+            b.flat, start = None, offsets[dtype]
+            b.shard = self.shards[dtype][start:start + b.padded // self.dp]
+            offsets[dtype] = start + b.padded // self.dp
+
+    def buffer_sizes(self) -> dict[torch.dtype, int]:
+        """Elements of the (full, padded) gradient buffer per dtype, allocated or not."""
+        sizes: dict[torch.dtype, int] = {}
+        for b in self.buckets:
+            sizes[b.params[0].dtype] = sizes.get(b.params[0].dtype, 0) + b.padded
+        return sizes
+
     def shard_range(self, b: Bucket) -> tuple[int, int]:
         """This rank's slice [lo, hi) of bucket `b` (relative to the bucket; whole when not
         sharded)."""
@@ -261,9 +317,12 @@ class GradBuckets:
             b.ready.clear()
         for buffer in self.buffers.values():
             buffer.zero_()
-        for p in self.params:
-            p.grad = self._views[id(p)]
+        for shard in self.shards.values():
+            shard.zero_()
+        for p in self.params:  # ZeRO-2: autograd's own tensors until the bucket is staged
+            p.grad = None if self.grads_sharded else self._views[id(p)]
         self.next_launch = 0
+        self._flight = []
         self.active = self._deferred_ok = False
         self._armed.clear()
         self.launched_in_step = self.launched_in_finish = 0
@@ -282,7 +341,10 @@ class GradBuckets:
     def grads_ready(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Declare these parameters' gradients final for this step (for code that accumulates
         weight gradients itself instead of through autograd's AccumulateGrad)."""
-        ready = [p for p in params if self.active or id(p) in self._armed]
+        if self.grads_sharded:  # ZeRO-2: reduced every micro-batch, armed or not
+            ready = list(params) if self.in_step else []
+        else:
+            ready = [p for p in params if self.active or id(p) in self._armed]
         if not ready:
             return
         for p in ready:
@@ -300,6 +362,8 @@ class GradBuckets:
             for b in self.buckets:
                 self._adopt_replaced_grads(b)
             return
+        if self.grads_sharded:
+            return self._finish_sharded()
         for b in self.buckets:
             b.ready.update(id(p) for p in b.params)
         self._launch_ready()
@@ -319,12 +383,17 @@ class GradBuckets:
 
     # internals --------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not (self.active or id(param) in self._armed):
+        if self.grads_sharded:  # ZeRO-2: every micro-batch's backward reduces
+            if not self.in_step:
+                return
+        elif not (self.active or id(param) in self._armed):
             return
         self._bucket_of[id(param)].ready.add(id(param))
         self._launch_ready()
 
     def _launch_ready(self) -> None:
+        if self.grads_sharded:
+            return self._launch_round()
         while self.next_launch < len(self.buckets):
             b = self.buckets[self.next_launch]
             if len(b.ready) < len(b.params) or (b.deferred and not self._deferred_ok):
@@ -352,6 +421,13 @@ class GradBuckets:
         until finish(), the copies of every bucket were at the OS peak: 0.4 GiB of GPT-2
         124M's 17 buckets at dp 2, more than ZeRO-1 saved there. NCCL keeps its handles to
         finish()."""
+        if self.grads_sharded:  # rounds wrap: the launch order is kept instead
+            self._flight = [b for b in self._flight if b.handle is not None]
+            while len(self._flight) >= self.MAX_COPIES_IN_FLIGHT:
+                b = self._flight.pop(0)
+                b.handle.wait()  # the staged copy is freed here
+                b.handle = None
+            return
         flight = [b for b in self.buckets[:self.next_launch]
                   if b.handle is not None and not isinstance(b.handle, _Done)]
         for b in flight[:max(0, len(flight) - self.MAX_COPIES_IN_FLIGHT + 1)]:
@@ -365,6 +441,8 @@ class GradBuckets:
             self.launched_in_finish += 1
         if self.host_waits and self.sharded:
             self._bound_copies()
+        if self.grads_sharded:
+            return self._launch_staged(b)
         self._adopt_replaced_grads(b)
         if self.average_over > 1:
             b.flat.div_(self.average_over)
@@ -377,25 +455,112 @@ class GradBuckets:
         self.bytes_sent += wire.numel() * wire.element_size()
         lo, hi = self.shard_range(b)
         if self.sharded:
-            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            work = fn(wire[lo:hi], wire, group=self.group, async_op=True)
+            work = shard_comm.reduce_scatter(wire, wire[lo:hi], self.dp, self.group,
+                                             self.host_waits)
         else:
             work = dist.all_reduce(wire, group=self.group, async_op=True)
         b.handle = _CastBack(work, wire[lo:hi], b.flat[lo:hi]) if cast else work
 
 
-class _CastBack:
-    """The handle of a reduction run on a cast copy: waiting copies the result back."""
+    def _launch_round(self) -> None:
+        """ZeRO-2: launch the buckets of the current round (micro-batch) in bucket order while
+        the next one's gradients are all there; after the last, a new round starts. A bucket
+        waiting for an earlier one keeps accumulating in ``.grad`` (reduced later, whole)."""
+        rnd = self._round
+        while rnd:
+            b = rnd[self.next_launch]
+            if len(b.ready) < len(b.params):
+                return
+            b.ready.clear()
+            self._launch(b)
+            self.next_launch = (self.next_launch + 1) % len(rnd)
 
-    def __init__(self, work, result: torch.Tensor, into: torch.Tensor):
-        self.work, self.result, self.into = work, result, into
+    def _finish_sharded(self) -> None:
+        """ZeRO-2's finish: reduce what accumulated since each bucket's last reduction (the
+        rest of the current round first, then the buckets before it, in bucket order; a bucket
+        without any gradient since is skipped: its share is already in the shard), then the
+        deferred buckets after `before_reduce()`, and wait for all. Which buckets hold a
+        gradient depends only on the model and schedule, the same on every dp rank."""
+        rnd, start = self._round, self.next_launch
+        for b in rnd[start:] + rnd[:start]:
+            if any(p.grad is not None for p in b.params):
+                self._launch(b)
+            b.ready.clear()
+        deferred = [b for b in self.buckets if b.deferred]
+        if deferred:
+            self.before_reduce()
+            for b in deferred:
+                self._launch(b)
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+        self._flight = []
+
+    def _stage(self, b: Bucket) -> torch.Tensor:
+        """ZeRO-2: the bucket's gradients copied into one padded bucket-sized tensor (zeros for
+        parameters without one), and each ``.grad`` released. A bucket of one parameter whose
+        gradient fills it exactly and owns its whole storage (the embedding's) is staged as
+        that gradient itself: no copy."""
+        if len(b.params) == 1:
+            g = b.params[0].grad
+            if g is not None and g.numel() == b.padded and g.is_contiguous() and \
+                    g.dtype == b.shard.dtype and g.device == b.shard.device and \
+                    g.untyped_storage().nbytes() == g.numel() * g.element_size():
+                b.params[0].grad = None
+                return g.view(-1)
+        staged = torch.empty(b.padded, dtype=b.shard.dtype, device=b.shard.device)
+        offset = 0
+        for p in b.params:
+            view = staged[offset:offset + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+            p.grad = None
+            offset += p.numel()
+        staged[offset:].zero_()
+        return staged
+
+    def _launch_staged(self, b: Bucket) -> None:
+        """ZeRO-2: stage the bucket, reduce-scatter it into this rank's shard; the staged copy
+        lives until the reduction is waited for."""
+        if b.handle is not None:  # its previous micro-batch's reduction adds to the shard first
+            b.handle.wait()
+        staged = self._stage(b)
+        if self.average_over > 1:
+            staged.div_(self.average_over)
+        cast = self.reduce_dtype is not None and self.reduce_dtype != staged.dtype
+        wire = staged.to(self.reduce_dtype) if cast else staged
+        del staged
+        self.bytes_sent += wire.numel() * wire.element_size()
+        lo, hi = self.shard_range(b)
+        work = shard_comm.reduce_scatter(wire, wire[lo:hi], self.dp, self.group,
+                                         self.host_waits)
+        b.handle = _CastBack(work, wire[lo:hi], b.shard, keep=wire, add=True)
+        self._flight.append(b)
+
+
+class _CastBack:
+    """The handle of a reduction run on a cast copy: waiting copies the result back (when
+    `into` is given; `add`: adds it, as ZeRO-2 accumulates micro-batches into its shard) and
+    releases the copy (`keep`: a tensor to hold until then)."""
+
+    def __init__(self, work, result: torch.Tensor | None, into: torch.Tensor | None,
+                 keep: torch.Tensor | None = None, add: bool = False):
+        self.work, self.result, self.into, self.keep = work, result, into, keep
+        self.add = add
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
 
     def wait(self) -> bool:
         ok = self.work.wait()
-        self.into.copy_(self.result)
+        if self.into is not None and self.add:
+            self.into.add_(self.result)
+        elif self.into is not None:
+            self.into.copy_(self.result)
+        self.result = self.into = self.keep = None
         return ok
 
 

@@ -198,12 +198,14 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
         first_batch = [list(map(int, mb)) for mb in first]
     sync, per_step = engine.grad_sync, set()  # the bucket reductions: once a step, whatever m
+    per_micro_batch_buckets = set()  # ZeRO-2's: once a micro-batch (not the deferred ones)
     launch = sync._launch
 
     def launched(bucket):
         before = len(run_calls)
         launch(bucket)
-        per_step.update(range(before, len(run_calls)))
+        every = sync.grads_sharded and not bucket.deferred
+        (per_micro_batch_buckets if every else per_step).update(range(before, len(run_calls)))
 
     sync._launch = launched
     try:
@@ -220,8 +222,8 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     # bucket reductions, the loss broadcast and everything after the schedule to the step
     per_micro_batch = {tuple(dist.get_process_group_ranks(g))
                        for g in (mesh.tp_group, mesh.cp_group) if g is not None}
-    repeats = [m if i not in per_step and (c.op in ("isend", "irecv")
-                                           or c.ranks in per_micro_batch) else 1
+    repeats = [m if i in per_micro_batch_buckets or i not in per_step and (
+                   c.op in ("isend", "irecv") or c.ranks in per_micro_batch) else 1
                for i, c in enumerate(run_calls)] + [1] * len(step_calls)
     comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
     optimizer = engine.optimizer

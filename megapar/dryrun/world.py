@@ -74,13 +74,15 @@ def held_bytes(model, optimizer) -> dict[str, int]:
     "grads", "optimizer": bytes of the distinct storages behind the parameters, their gradients
     and every tensor of the optimizer's state (Adam's step counters included), "master": the
     host copies of an offloaded optimizer (`offload.HostStep`) and "host": the bytes of all
-    these in host memory (an offloaded optimizer's state and copies)}."""
+    these in host memory (an offloaded optimizer's state and copies); under ZeRO-2 the
+    gradients are the optimizer pieces' (this rank's shards)}."""
     params = list(model.parameters())
     state = [t for s in (optimizer.inner.state.values() if optimizer.inner else ())
              for t in s.values()]
     host = getattr(optimizer, "host", None)
     master = storage_bytes(host.host_tensors()) if host is not None else 0
     held = {"params": sum(p.numel() for p in params), "weights": storage_bytes(params),
-            "grads": storage_bytes(p.grad for p in params if p.grad is not None),
+            "grads": storage_bytes([p.grad for p in params if p.grad is not None] +
+                                   [t.grad for t in getattr(optimizer, "pieces", ())]),
             "optimizer": storage_bytes(state), "master": master}
     return {**held, "host": held["optimizer"] + master if host is not None else 0}

@@ -1,4 +1,5 @@
-"""ZeRO stage 1 as Megatron's distributed optimizer: state and updates sharded by buffer slice.
+"""ZeRO stages 1 and 2 as Megatron's distributed optimizer: state and updates sharded by buffer
+slice (stage 1), and the reduced gradients too (stage 2, DeepSpeed's ZeRO-2).
 
 The gradients live in `GradBuckets`' flat buffer (one per dtype, cut into buckets). `attach`
 switches it to sharded mode: every bucket is zero-padded to a multiple of dp and
@@ -17,6 +18,12 @@ the same layout (each ``param.data`` becomes a view into it), so per step:
 
 Traffic per step: one reduce-scatter and one all-gather of the padded buffer, the same as one
 all-reduce.
+
+Stage 2 (`stage=2`): `GradBuckets` keeps only this rank's slices of the reduced gradients
+(`GradBuckets.shards`, reduce-scattered every micro-batch and accumulated there); the pieces'
+``.grad`` are views into them, and everything above runs on them unchanged. Traffic per step:
+m reduce-scatters of the buffer (the deferred tied-embedding bucket once) and one all-gather.
+
 Parameters are fp32 in every precision (autocast casts on the fly), so the parameter buffer is
 also the fp32 master.
 
@@ -38,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapar.data_parallel import shard_comm
 from megapar.data_parallel.buckets import slice_pieces
 from megapar.mesh import all_reduce, group_size
 from megapar.optim.clip import _counted
@@ -52,7 +60,12 @@ class ZeroOptimizer(AdamWOptimizer):
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dp_group, lr: float,
                  weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, kind: str = "adamw", tp_group=None, offload: bool = False):
+                 eps: float = 1e-8, kind: str = "adamw", tp_group=None, stage: int = 1,
+                 offload: bool = False):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroOptimizer stage must be 1 or 2, got {stage}")
+        self.zero = stage
+        """1: optimizer state sharded over dp; 2: the reduced gradients too (`attach`)."""
         self.group, self.tp_group = dp_group, tp_group
         self.dp = group_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
@@ -86,9 +99,11 @@ class ZeroOptimizer(AdamWOptimizer):
             raise ValueError("the ZeRO-1 optimizer needs the GradBuckets of the dp group")
         if {id(p) for p in grad_sync.params} != {id(p) for p in self.params}:
             raise ValueError("GradBuckets and the optimizer hold different parameters")
-        grad_sync.shard_over_dp(last, before_reduce)
+        grad_sync.shard_over_dp(last, before_reduce, grads=self.zero == 2)
         self.grad_sync, self.sharded = grad_sync, True
-        self.param_buffers = {dt: torch.zeros_like(buf) for dt, buf in grad_sync.buffers.items()}
+        device = self.params[0].device
+        self.param_buffers = {dt: torch.zeros(n, dtype=dt, device=device)
+                              for dt, n in grad_sync.buffer_sizes().items()}
         for b in grad_sync.buckets:
             lo, hi = grad_sync.shard_range(b)
             pflat = self.param_buffers[b.params[0].dtype][b.start:b.start + b.padded]
@@ -103,7 +118,8 @@ class ZeroOptimizer(AdamWOptimizer):
                 p = b.params[i]
                 at = self._offset[id(p)]
                 piece = pflat[at + start:at + end]
-                piece.grad = b.flat[at + start:at + end]
+                piece.grad = b.flat[at + start:at + end] if b.shard is None else \
+                    b.shard[at + start - lo:at + end - lo]
                 self.pieces.append(piece)
                 self._piece_of.append((p, start, end))
         self._build_inner()
@@ -144,16 +160,15 @@ class ZeroOptimizer(AdamWOptimizer):
     def _gather(self, buffers: dict[torch.dtype, torch.Tensor]) -> None:
         """All-gather each bucket of `buffers` in place. On gloo, which holds a bucket-sized
         copy per all-gather until it is waited for, at most `GradBuckets.MAX_COPIES_IN_FLIGHT`
-        are in flight (all 17 of GPT-2 124M's at once were 0.14 GiB at the OS peak)."""
-        fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        bound = self.grad_sync.MAX_COPIES_IN_FLIGHT if self.grad_sync.host_waits else None
+        are in flight, and a large bucket goes in pieces (`shard_comm.all_gather`)."""
+        host = self.grad_sync.host_waits
+        bound = self.grad_sync.MAX_COPIES_IN_FLIGHT if host else None
         handles = []
         for b in self.grad_sync.buckets:
-            lo, hi = self.grad_sync.shard_range(b)
             flat = buffers[b.params[0].dtype][b.start:b.start + b.padded]
             if bound is not None and len(handles) >= bound:
                 handles.pop(0).wait()
-            handles.append(fn(flat, flat[lo:hi], group=self.group, async_op=True))
+            handles.append(shard_comm.all_gather(flat, self.dp, self.group, host))
         for h in handles:
             h.wait()
 
@@ -161,8 +176,38 @@ class ZeroOptimizer(AdamWOptimizer):
     def gather_grads(self) -> None:
         """Debugging / tests: all-gather the reduced gradient slices so every ``.grad`` is the
         full averaged gradient (collective over dp; the step does not need it)."""
-        if self.sharded:
+        if not self.sharded:
+            return
+        if not self.grad_sync.grads_sharded:
             self._gather(self.grad_sync.buffers)
+            return
+        full = {dt: torch.zeros(n, dtype=dt, device=buf.device)  # ZeRO-2: full ones made here
+                for (dt, n), buf in zip(self.grad_sync.buffer_sizes().items(),
+                                        self.param_buffers.values())}
+        for b in self.grad_sync.buckets:
+            lo, hi = self.grad_sync.shard_range(b)
+            flat = full[b.params[0].dtype][b.start:b.start + b.padded]
+            flat[lo:hi] = b.shard
+            for p in b.params:
+                p.grad = flat[self._offset[id(p)]:self._offset[id(p)] + p.numel()].view_as(p)
+        self._gather(full)
+
+    @torch.no_grad()
+    def sum_over_tp(self, params: Iterable[nn.Parameter], tp_group) -> None:
+        """ZeRO-2: sum this rank's gradient pieces of `params` (partial over tp: sequence
+        parallelism's replicated parameters) over `tp_group`, in one all-reduce. Every tp rank
+        has the same bucket layout, so the pieces match."""
+        if group_size(tp_group) == 1:
+            return
+        wanted = {id(p) for p in params}
+        grads = [t.grad for t, (p, _, _) in zip(self.pieces, self._piece_of) if id(p) in wanted]
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else \
+            torch.zeros(0, device=self.params[0].device)
+        dist.all_reduce(flat, group=tp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """Tensors whose ``.grad`` this rank's step reads (for the fp16 unscale / inf check)."""
@@ -308,13 +353,13 @@ def build_optimizer(model: nn.Module, mesh, lr: float, weight_decay: float,
                     zero: int = 0, kind: str = "adamw", offload: bool = False) -> AdamWOptimizer:
     """The optimizer (`kind`: adamw, lamb, lars, sgd) for this rank's stage; zero=1 shards
     its state over mesh.dp_cp_group (the ranks holding the same parameters: dp, and cp's);
-    `offload` steps it in host memory (`offload.py`)."""
+    zero=2 its reduced gradients as well; `offload` steps it in host memory (`offload.py`)."""
     named = list(model.named_parameters())
     if zero == 0:
         return AdamWOptimizer(named, lr, weight_decay, betas, eps, kind, mesh.tp_group,
                               offload=offload)
-    if zero == 1:
+    if zero in (1, 2):
         return ZeroOptimizer(named, mesh.dp_cp_group, lr, weight_decay, betas, eps, kind,
-                             mesh.tp_group, offload=offload)
-    raise ValueError(f"--zero {zero} is not supported; use 0 (no sharding) or 1 (optimizer "
-                     f"state sharded over data-parallel ranks)")
+                             mesh.tp_group, stage=zero, offload=offload)
+    raise ValueError(f"--zero {zero} is not supported; use 0 (no sharding), 1 (optimizer "
+                     f"state sharded over data-parallel ranks) or 2 (gradients too)")

@@ -78,7 +78,7 @@ class TrainConfig:
     tf32: bool = False
     """On CUDA: let fp32 matrix products use TensorFloat-32 (10-bit mantissa, several times faster on Ampere and newer GPUs). Off, fp32 runs keep full fp32 products and match one process to 1e-5."""
     zero: int = 0
-    """1 shards the optimizer state over data-parallel ranks (ZeRO-1)."""
+    """1 shards the optimizer state over data-parallel ranks (ZeRO-1); 2 also the reduced gradients (ZeRO-2: each rank keeps only its slice; every micro-batch's gradients are reduce-scattered bucket by bucket as its backward finishes them and added into the slice, as DeepSpeed does)."""
     offload_optimizer: bool = False
     """Keep the fp32 master copy of the stepped parameters (or ZeRO slices) and the optimizer's moments in host memory (pinned on CUDA) and step there: each step copies the reduced, clipped gradients to the host and the updated parameters back (DeepSpeed's offload_optimizer). AdamW and SGD. On the CPU the host is the device: nothing moves."""
     offload_params: bool = False
@@ -217,7 +217,7 @@ def _choices() -> dict[str, list]:
     return {"rank_order": list(RANK_ORDERS),
             "schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
             "precision": list(PRECISIONS), "p2p_dtype": COMM_DTYPES,
-            "grad_reduce_dtype": COMM_DTYPES, "zero": [0, 1], "lr_decay": list(DECAY_STYLES),
+            "grad_reduce_dtype": COMM_DTYPES, "zero": [0, 1, 2], "lr_decay": list(DECAY_STYLES),
             "optimizer": list(OPTIMIZERS), "grad_compression": list(GRAD_COMPRESSIONS)}
 
 

@@ -35,7 +35,11 @@ from megapar.context_parallel import check_length
 from megapar.data.blended import absolute_data
 from megapar.data_parallel import GradBuckets
 from megapar.data_parallel.compression import make_compressor
-from megapar.device import keep_freed_host_memory, process_group_timeout_s
+from megapar.device import (
+    keep_freed_host_memory,
+    process_group_timeout_s,
+    share_host_arena,
+)
 from megapar.faults.slow import Slowdown, SlowRank
 from megapar.faults.status import set_action, set_step
 from megapar.faults.stop import NonFiniteGuard
@@ -84,6 +88,7 @@ class Engine:
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of "
                              f"{', '.join(map(repr, ON_NONFINITE))}")
         self.cfg, self.config = cfg, model_config
+        share_host_arena()  # before the process group's threads allocate (torchrun)
         self.mesh = mesh = mesh or Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
                                                  order=cfg.rank_order, cp=cfg.cp)
         """This rank's `Mesh`: its layout, its tp / cp / pp / dp coordinates and process groups."""
@@ -108,7 +113,7 @@ class Engine:
         # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
         # (summed over cp, averaged over dp)
         zero_layout = None  # laid out for ZeRO-1 from the start: no second buffer at sharding
-        if cfg.zero == 1 and mesh.dp * mesh.cp > 1 and not compressor:
+        if cfg.zero in (1, 2) and mesh.dp * mesh.cp > 1 and not compressor:
             zero_layout = shared_embedding_params(self.model) if mesh.pp > 1 else ()
         self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_cp_group,
                                      cfg.grad_bucket_mb, compressor=compressor,

@@ -67,6 +67,7 @@ def rerun(engine, kept: KeptStep, trace: ModuleTrace) -> ModuleTrace:
     traced, executor.trace = executor.trace, False  # keep the failed step's timeline
     engine.set_rng_state(kept.rng)
     engine.grad_sync.begin_step()  # zeroed gradients; never armed, so nothing is reduced
+    engine.grad_sync.in_step = False  # nor by ZeRO-2, which reduces every micro-batch in a step
     try:
         with engine.injecting(executor, kept.step), trace.attached(executor), \
                 engine.precision.autocast():

@@ -15,8 +15,9 @@
    norm (every rank holds the same global loss) and read with it, so a non-finite loss skips
    the update on every rank alike, without another wait for the device.
 
-With the ZeRO-1 distributed optimizer (`optim/zero.py`, dp x cp > 1) the gradient buffer is
-reduce-scattered, not all-reduced: step 3 runs inside `grad_sync.finish()` before the buffer
+With the ZeRO-1 / ZeRO-2 distributed optimizer (`optim/zero.py`, dp x cp > 1) the gradient
+buffer is reduce-scattered, not all-reduced (ZeRO-2: every micro-batch, into this rank's shard;
+gradients partial over tp are then summed on the shard): step 3 runs inside `grad_sync.finish()` before the buffer
 slice holding the embedding is reduced (`attach` below), and steps 4-6 read only this rank's
 slices (the norm is all-reduced over dp as well); the optimizer all-gathers the weights.
 """
@@ -37,6 +38,7 @@ from megapar.pipeline.tied import (
     sync_tied_embeddings,
 )
 from megapar.tensor_parallel.sequence_parallel import (
+    sequence_parallel_params,
     sync_sequence_parallel_grads,
 )
 
@@ -111,7 +113,7 @@ class TrainStep:
             raise ValueError("context parallelism needs grad_sync (a GradBuckets over "
                              "mesh.dp_cp_group, average_over=mesh.dp): each cp rank's gradient "
                              "is only its tokens' share until they are summed")
-        self.sharded = getattr(optimizer, "zero", 0) == 1 and mesh.dp * mesh.cp > 1
+        self.sharded = getattr(optimizer, "zero", 0) in (1, 2) and mesh.dp * mesh.cp > 1
         if self.sharded:
             self._attach()
 
@@ -134,7 +136,10 @@ class TrainStep:
         """After the schedule: sum what is partial over tp (sequence parallelism's replicated
         parameters) and the tied embedding over the first and last stage (unless ZeRO-1's
         grad_sync.finish() did that already)."""
-        if self.partial_over_tp:  # under SP, LayerNorm etc. saw only this rank's positions
+        if self.partial_over_tp and self.sharded and self.optimizer.zero == 2:
+            # ZeRO-2: the gradients are this rank's pieces by now (the sum is linear)
+            self.optimizer.sum_over_tp(sequence_parallel_params(self.model), self.mesh.tp_group)
+        elif self.partial_over_tp:  # under SP, LayerNorm etc. saw only this rank's positions
 
             sync_sequence_parallel_grads(self.model, self.mesh.tp_group)
         if self.mesh.pp > 1 and not self.sharded:  # sharded: done in grad_sync.finish()

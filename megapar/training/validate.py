@@ -145,9 +145,9 @@ def check_settings(cfg) -> None:
     if cfg.min_lr > cfg.lr and "min_lr" in explicit(cfg):  # not given: it adapts to --lr
         raise UsageError(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr "
                          f"or raise --lr")
-    if cfg.zero == 1 and cfg.grad_compression != "none":
+    if cfg.zero in (1, 2) and cfg.grad_compression != "none":
         raise UsageError(f"--grad-compression {cfg.grad_compression} cannot be combined with "
-                         f"--zero 1: the distributed optimizer reduce-scatters the gradient "
+                         f"--zero {cfg.zero}: the distributed optimizer reduce-scatters the gradient "
                          f"buffer, the compressors compress an all-reduce; drop one of them")
     if cfg.offload_params and cfg.zero != 3:
         raise UsageError(f"--offload-params needs --zero 3 (it keeps the parameter shards in "
