@@ -111,3 +111,17 @@ def test_zero3_parity_dp2_and_tp2_dp2(reference):
         for i in range(len(runs)):
             check_against(reference, [o[i] for o in outs])
             assert all(o[i]["freed"] for o in outs)
+
+
+def test_zero3_sweep(reference):
+    for world, runs in ((4, [(1, 1, 2, "1f1b", False, False, 2), (2, 1, 2, "1f1b", False, True),
+                             (1, 2, 2, "zb-v")]),
+                        (2, [(1, 1, 2, "1f1b", False, False, 1, "full"),
+                             (1, 1, 2, "1f1b", False, False, 1, "selective")])):
+        outs = run_local(_worker, world, runs)
+        for i in range(len(runs)):
+            try:
+                check_against(reference, [o[i] for o in outs])
+                print("OK", runs[i])
+            except AssertionError as e:
+                print("FAIL", runs[i], str(e)[:200])

@@ -105,12 +105,39 @@ class Unit:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    def launch_gather(self, group) -> None:
-        """Start the all-gather of the unit into its full buffer (no-op when gathered)."""
+    def launch_gather(self, group, piece: int | None = None) -> None:
+        """Start the all-gather of the unit into its full buffer (no-op when gathered).
+        `piece`: gather synchronously, `piece` elements of each rank's slice at a time through
+        a staging buffer (gloo, which copies whole buffers in flight: see `ShardedParams`)."""
         if self.gathered or self.handle is not None:
             return
         self.full.untyped_storage().resize_(self.nbytes)
-        self.handle = _all_gather(self.full, self.shard, group)
+        size = self.hi - self.lo
+        if piece is None or size <= piece:
+            self.handle = _all_gather(self.full, self.shard, group)
+            return
+        ranks = self.padded // size
+        for j in range(0, size, piece):
+            n = min(piece, size - j)
+            stage = self.shard.new_empty(ranks * n)
+            _all_gather(stage, self.shard[j:j + n], group).wait()
+            self.full.view(ranks, size)[:, j:j + n].copy_(stage.view(ranks, n))
+        self.gathered = True
+
+    def reduce_scatter(self, group, piece: int | None = None):
+        """Reduce-scatter the full gradient into `grad_shard`: async (returns the work), or
+        with `piece` synchronously through a staging buffer, as `launch_gather` (None)."""
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        size = self.hi - self.lo
+        if piece is None or size <= piece:
+            return fn(self.grad_shard, self.grad_full, group=group, async_op=True)
+        ranks = self.padded // size
+        for j in range(0, size, piece):
+            n = min(piece, size - j)
+            stage = self.grad_full.view(ranks, size)[:, j:j + n].reshape(-1)
+            fn(self.grad_shard[j:j + n], stage, group=group, async_op=True).wait()
+        self.drop_grads()
+        return None
 
     def wait_gather(self) -> None:
         if self.handle is not None:
@@ -170,6 +197,11 @@ class ShardedParams:
     sharded = True
     MAX_COPIES_IN_FLIGHT = 1
     """gloo: reduce-scatters in flight before the oldest is waited for (see `GradBuckets`)."""
+    HOST_PIECE_MB = 16.0
+    """gloo: a unit whose slice is larger than this is gathered and reduce-scattered
+    synchronously, this many MB of each rank's slice at a time through a staging buffer (gloo
+    holds up to two copies of a collective's whole buffer until it is waited for: 2 x 0.6 GiB
+    for GPT-2 124M's root unit at dp 2). NCCL runs every collective in place, whole."""
 
     def __init__(self, stage: nn.Module, group, average_over: int | None = None,
                  keep: bool = False):
@@ -204,6 +236,9 @@ class ShardedParams:
         self.params = [p for u in self.units for p in u.params]
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self.host_waits = _device.polls_host(self.params[0].device)
+        self.piece = int(self.HOST_PIECE_MB * 2**20) // self.params[0].element_size() \
+            if self.host_waits else None
+        """Elements per synchronous piece of a large unit's collectives (gloo), else None."""
         self.bytes_gathered = self.bytes_reduced = 0
         """Bytes this rank received from all-gathers (full buffers) / put into reduce-scatters."""
         self.active = self.in_step = False
@@ -255,13 +290,13 @@ class ShardedParams:
             return
         if not u.gathered and u.handle is None:
             self.bytes_gathered += u.nbytes
-            u.launch_gather(self.group)
+            u.launch_gather(self.group, self.piece)
         u.wait_gather()
 
     def prefetch(self, u: Unit | None) -> None:
         if u is not None and not u.gathered and u.handle is None:
             self.bytes_gathered += u.nbytes
-            u.launch_gather(self.group)
+            u.launch_gather(self.group, self.piece)
 
     def release(self, u: Unit | None) -> None:
         if u is not None and not self.keep and u.handle is None:
@@ -412,8 +447,7 @@ class ShardedParams:
         if self.average_over > 1:
             flat.div_(self.average_over)
         self.bytes_reduced += flat.nbytes
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        u.reduce_handle = fn(u.grad_shard, flat, group=self.group, async_op=True)
+        u.reduce_handle = u.reduce_scatter(self.group, self.piece)
 
     def _wait_reduce(self, u: Unit) -> None:
         u.reduce_handle.wait()

@@ -36,7 +36,11 @@ from megapar.data.blended import absolute_data
 from megapar.data_parallel import GradBuckets
 from megapar.data_parallel.compression import make_compressor
 from megapar.data_parallel.sharded_params import HostStage, ShardedParams
-from megapar.device import keep_freed_host_memory, process_group_timeout_s
+from megapar.device import (
+    keep_freed_host_memory,
+    process_group_timeout_s,
+    return_freed_host_memory,
+)
 from megapar.faults.slow import Slowdown, SlowRank
 from megapar.faults.status import set_action, set_step
 from megapar.faults.stop import NonFiniteGuard
@@ -172,7 +176,10 @@ class Engine:
         """The background checkpoint writer with `cfg.async_save` (see `save`), else None."""
         if cfg.async_save and not cfg.dry_run:  # its gloo group is made now, collectively
             self.saver = AsyncSaver(mesh, process_group_timeout_s() or cfg.timeout_s)
-        keep_freed_host_memory()  # from here on: the training state is built
+        if self.sharded_params is None:
+            keep_freed_host_memory()  # from here on: the training state is built
+        elif mesh.device.type == "cpu":
+            return_freed_host_memory()  # ZeRO-3 frees and makes its units at every use
 
     @classmethod
     def flags_schedule(cls, cfg: TrainConfig) -> LRScheduler:
