@@ -24,7 +24,7 @@ from test_parity_3d import (
     scheduler,
     serial_reference,
 )
-from tp_utils import to_device
+from tp_utils import assert_close, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -113,15 +113,144 @@ def test_zero3_parity_dp2_and_tp2_dp2(reference):
             assert all(o[i]["freed"] for o in outs)
 
 
-def test_zero3_sweep(reference):
-    for world, runs in ((4, [(1, 1, 2, "1f1b", False, False, 2), (2, 1, 2, "1f1b", False, True),
-                             (1, 2, 2, "zb-v")]),
-                        (2, [(1, 1, 2, "1f1b", False, False, 1, "full"),
-                             (1, 1, 2, "1f1b", False, False, 1, "selective")])):
+def test_zero3_pipeline_cp_sp_recompute(reference):
+    """pp 2 x dp 2 under 1F1B (parameters freed per micro-batch, and kept over the step with
+    --zero3-keep-params), GPipe, ZB-H1 (weight gradients after the input gradients), interleaved
+    1F1B and ZB-V (two chunks per rank); cp 2 x dp 2 (sharded over cp x dp); tp 2 x dp 2 with
+    sequence parallelism (the replicated parameters' tp sum on the pieces); full and selective
+    recomputation (the recomputed forward inside backward)."""
+    four = [(1, 2, 2, "1f1b"), (1, 2, 2, "1f1b", True), (1, 2, 2, "gpipe"), (1, 2, 2, "zb-h1"),
+            (1, 2, 2, "interleaved", False, False, 1, "none", "tp-pp-dp", 2), (1, 2, 2, "zb-v"),
+            (1, 1, 2, "1f1b", False, False, 2), (2, 1, 2, "1f1b", False, True)]
+    two = [(1, 1, 2, "1f1b", False, False, 1, "full"),
+           (1, 1, 2, "1f1b", False, False, 1, "selective")]
+    for world, runs in ((4, four), (2, two)):
         outs = run_local(_worker, world, runs)
         for i in range(len(runs)):
-            try:
-                check_against(reference, [o[i] for o in outs])
-                print("OK", runs[i])
-            except AssertionError as e:
-                print("FAIL", runs[i], str(e)[:200])
+            check_against(reference, [o[i] for o in outs])
+            assert all(o[i]["freed"] for o in outs)
+
+
+# --- BERT and grouped-query Llama, LAMB, bf16 -------------------------------------------------
+def other_config(kind: str):
+    from megapar.models import BertConfig, LlamaConfig
+
+    if kind == "bert":
+        return BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4,
+                          num_attention_heads=4, intermediate_size=64,
+                          max_position_embeddings=16, make_vocab_size_divisible_by=16,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                       make_vocab_size_divisible_by=16, tie_word_embeddings=False)
+
+
+def other_batches(kind: str) -> list[dict]:
+    out = []
+    for b in global_batches():
+        if kind == "bert":
+            b = {**b, "attention_mask": torch.ones_like(b["input_ids"]),
+                 "token_type_ids": torch.zeros_like(b["input_ids"])}
+        out.append(b)
+    return out
+
+
+def serial_other(kind: str) -> dict:
+    """Plain torch (AdamW, clip_grad_norm_) on the whole model, 4 micro-batches of 2."""
+    model = build_stage(other_config(kind), Mesh(Layout()), SEED)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=EPS)
+    sched, plan, losses, norms = scheduler(), BatchPlan(G, 2, 1), [], []
+    for step, batch in enumerate(other_batches(kind)):
+        for g in opt.param_groups:
+            g["lr"] = sched.lr(step)
+        opt.zero_grad()
+        micro, total = plan.split(batch, 0), 0.0
+        for mb in micro:
+            loss = model(None, mb)
+            (loss / len(micro)).backward()
+            total += loss.item() / len(micro)
+        norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM).item())
+        opt.step()
+        losses.append(total)
+    return {"losses": losses, "norms": norms}
+
+
+def _other_worker(kind: str, layouts: list[tuple], optimizer: str = "adamw",
+                  precision: str = "fp32") -> list[dict]:
+    import torch.distributed as dist
+
+    out = []
+    for tp, pp, dp in layouts:
+        mesh = Mesh(Layout(tp, pp, dp), dist.get_rank())
+        _, step, _ = build(mesh, model_config=other_config(kind), kind=optimizer,
+                           precision=precision)
+        plan = BatchPlan(G, 2, dp)
+        out.append([step.step(to_device(plan.split(b, mesh.dp_rank), mesh.device), i)
+                    for i, b in enumerate(other_batches(kind))])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_zero3_parity_bert_and_grouped_query_llama(kind):
+    """dp 2, tp 2 x dp 2 and pp 2 x dp 2: the losses and grad norms of one process."""
+    ref = serial_other(kind)
+    runs = [run_local(_other_worker, 2, kind, [(1, 1, 2)]),
+            run_local(_other_worker, 4, kind, [(2, 1, 2), (1, 2, 2)])]
+    for per_rank in runs:
+        for results in per_rank:
+            for steps in results:
+                assert not any(r.skipped for r in steps)
+                for s, r in enumerate(steps):
+                    assert_close(torch.tensor(r.loss), torch.tensor(ref["losses"][s]),
+                                 what=f"{kind} loss at step {s}")
+                    assert_close(torch.tensor(r.grad_norm), torch.tensor(ref["norms"][s]),
+                                 what=f"{kind} grad norm at step {s}")
+
+
+def _zero0_worker(optimizer: str, precision: str) -> list:
+    """The same GPT-2 steps at dp 2 without sharding (the megapar optimizer and GradBuckets)."""
+    import torch.distributed as dist
+
+    from megapar.data_parallel import GradBuckets
+    from megapar.optim import Precision, build_optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.training.step import TrainStep
+
+    mesh = Mesh(Layout(1, 1, 2), dist.get_rank())
+    model = build_stage(config(), mesh, SEED)
+    step = TrainStep(model, mesh, PipelineExecutor(model, mesh, "1f1b", (2, SEQ, CONFIG["n_embd"])),
+                     build_optimizer(model, mesh, LR, WD, eps=EPS, kind=optimizer), scheduler(),
+                     Precision(precision, mesh.device), MAX_NORM,
+                     GradBuckets(list(model.parameters()), mesh.dp_group, 0.02))
+    plan = BatchPlan(G, 2, 2)
+    return [step.step(to_device(plan.split(b, mesh.dp_rank), mesh.device), i)
+            for i, b in enumerate(global_batches())]
+
+
+def _zero3_gpt2_worker(optimizer: str, precision: str) -> list:
+    import torch.distributed as dist
+
+    mesh = Mesh(Layout(1, 1, 2), dist.get_rank())
+    _, step, _ = build(mesh, kind=optimizer, precision=precision)
+    plan = BatchPlan(G, 2, 2)
+    return [step.step(to_device(plan.split(b, mesh.dp_rank), mesh.device), i)
+            for i, b in enumerate(global_batches())]
+
+
+@pytest.mark.parametrize("optimizer,precision", [("lamb", "fp32"), ("lars", "fp32"),
+                                                 ("adamw", "bf16")])
+def test_zero3_trust_ratio_and_bf16_match_unsharded(optimizer, precision):
+    """LAMB / LARS (whole-parameter norms over the pieces) and bf16 autocast at dp 2: the
+    steps of the unsharded optimizer (fp32: 1e-5; bf16: the same casts, so the same losses)."""
+    plain = run_local(_zero0_worker, 2, optimizer, precision)
+    sharded = run_local(_zero3_gpt2_worker, 2, optimizer, precision)
+    for a, b in zip(plain, sharded):
+        for s, (x, y) in enumerate(zip(a, b)):
+            assert_close(torch.tensor(y.loss), torch.tensor(x.loss),
+                         what=f"{optimizer} {precision} loss at step {s}")
+            assert_close(torch.tensor(y.grad_norm), torch.tensor(x.grad_norm),
+                         what=f"{optimizer} {precision} grad norm at step {s}")
+        assert not any(r.skipped for r in a + b)
