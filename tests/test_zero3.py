@@ -244,13 +244,17 @@ def _zero3_gpt2_worker(optimizer: str, precision: str) -> list:
                                                  ("adamw", "bf16")])
 def test_zero3_trust_ratio_and_bf16_match_unsharded(optimizer, precision):
     """LAMB / LARS (whole-parameter norms over the pieces) and bf16 autocast at dp 2: the
-    steps of the unsharded optimizer (fp32: 1e-5; bf16: the same casts, so the same losses)."""
+    steps of the unsharded optimizer, to 1e-5. In bf16 only the first step is held to 1e-5
+    (the same weights, so the same casts): the norm is summed over the pieces in another
+    order, a ~1e-7 change of the clipped update that flips bf16 roundings of the next steps'
+    cast weights, so later steps agree to bf16's precision (1e-3)."""
     plain = run_local(_zero0_worker, 2, optimizer, precision)
     sharded = run_local(_zero3_gpt2_worker, 2, optimizer, precision)
     for a, b in zip(plain, sharded):
         for s, (x, y) in enumerate(zip(a, b)):
-            assert_close(torch.tensor(y.loss), torch.tensor(x.loss),
+            tol = 1e-5 if precision == "fp32" or s == 0 else 1e-3
+            assert_close(torch.tensor(y.loss), torch.tensor(x.loss), tol,
                          what=f"{optimizer} {precision} loss at step {s}")
-            assert_close(torch.tensor(y.grad_norm), torch.tensor(x.grad_norm),
+            assert_close(torch.tensor(y.grad_norm), torch.tensor(x.grad_norm), tol,
                          what=f"{optimizer} {precision} grad norm at step {s}")
         assert not any(r.skipped for r in a + b)
