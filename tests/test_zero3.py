@@ -258,3 +258,65 @@ def test_zero3_trust_ratio_and_bf16_match_unsharded(optimizer, precision):
             assert_close(torch.tensor(y.grad_norm), torch.tensor(x.grad_norm), tol,
                          what=f"{optimizer} {precision} grad norm at step {s}")
         assert not any(r.skipped for r in a + b)
+
+
+# --- memory held, traffic, collective order -----------------------------------------------------
+def _count_worker(pp: int, keep: bool, global_batch: int) -> dict:
+    import torch.distributed as dist
+
+    from megapar.comm_count import count_collectives
+
+    mesh = Mesh(Layout(1, pp, 2), dist.get_rank())
+    model, step, sharded = build(mesh, keep=keep)
+    plan = BatchPlan(global_batch, 2, 2)
+    batches = [to_device(plan.split(b, mesh.dp_rank), mesh.device) for b in global_batches()]
+    step.step(batches[0], 0)  # warm-up
+    with count_collectives(mesh.device) as calls:
+        step.step(batches[1], 1)
+    dp_ranks = tuple(dist.get_process_group_ranks(mesh.dp_cp_group))
+    state = sum(t.numel() * t.element_size() for st in step.optimizer.inner.state.values()
+                for k, t in st.items() if k != "step")
+    return {"dp_calls": [(c.op, c.numel, c.bytes) for c in calls if c.ranks == dp_ranks],
+            "dp_ranks": dp_ranks, "m": plan.micro_batches,
+            "padded": sum(u.padded for u in sharded.units),
+            "numel": sum(p.numel() for p in model.parameters()),
+            "units": len(sharded.units), "held": sharded.held_bytes() + state,
+            "gathered_between_steps": [u.name for u in sharded.units
+                                       if u.full.untyped_storage().nbytes()],
+            "grads_between_steps": [n for n, p in model.named_parameters() if p.grad is not None]}
+
+
+@pytest.mark.parametrize("pp,keep,global_batch", [(1, False, 4), (1, False, 8), (1, True, 8),
+                                                  (2, False, 8), (2, True, 8)])
+def test_zero3_memory_and_traffic_counted(pp, keep, global_batch):
+    """Per rank between steps: fp32 parameter and gradient shards and Adam's two moments, 16
+    bytes per element of the padded units over dp (16 / dp per parameter up to < dp elements
+    of padding per unit); nothing gathered, no full gradient. Per step over dp: every unit
+    all-gathered twice per micro-batch (forward, backward; once per step when kept) and its
+    gradient reduce-scattered once; only scalars all-reduced (the loss and the squared norm).
+    Without pp at one micro-batch that is 2 P + P = 1.5x the 2 N of an all-reduce's ring. Every
+    rank of a dp group issues the same collectives in the same order (NCCL's rule: the
+    prefetches do not reorder them)."""
+    dp = 2
+    outs = run_local(_count_worker, pp * dp, pp, keep, global_batch)
+    by_group = {}
+    for out in outs:
+        by_group.setdefault(out["dp_ranks"], []).append(out["dp_calls"])
+        P, N, m = out["padded"], out["numel"], out["m"]
+        assert out["held"] == 16 * P // dp
+        assert 0 <= P - N < dp * out["units"]
+        assert out["gathered_between_steps"] == out["grads_between_steps"] == []
+        calls = out["dp_calls"]
+        gathers = [c for c in calls if c[0] == "all_gather_into_tensor"]
+        scatters = [c for c in calls if c[0] == "reduce_scatter_tensor"]
+        gathered = 1 if keep else 2 * m  # gathers per unit and step
+        assert sum(c[1] for c in gathers) == gathered * P // dp  # payload: this rank's slice
+        assert len(gathers) == gathered * out["units"]
+        assert sum(c[1] for c in scatters) == P and len(scatters) == out["units"]
+        others = [c for c in calls if c[0] not in ("all_gather_into_tensor",
+                                                    "reduce_scatter_tensor")]
+        assert sorted(others) == [("all_reduce", 1, 4)] * 2, others  # the loss, the norm
+        if pp == 1 and m == 1 and not keep:  # full buffers moved vs an all-reduce's 2 N
+            assert (dp * sum(c[1] for c in gathers) + P) / (2 * N) == pytest.approx(1.5, 1e-3)
+    for streams in by_group.values():
+        assert len(streams) == dp and all(s == streams[0] for s in streams)
