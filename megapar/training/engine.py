@@ -395,6 +395,14 @@ class Engine:
         _returned("engine.save")
         return out
 
+    def params_whole(self):
+        """A context in which the stage's parameters are whole on this rank, to read or write
+        them (loading weights): under ZeRO-3 every unit is gathered inside and each rank keeps
+        its shards of what they hold on exit (collective over dp x cp); otherwise nothing."""
+        if self.sharded_params is None:
+            return contextlib.nullcontext()
+        return self.sharded_params.whole()
+
     def _saved_model(self):
         """What a checkpoint reads the weights from: the stage, or under ZeRO-3 host copies
         of its parameters gathered a unit at a time (`HostStage`; collective over dp x cp)."""
@@ -435,9 +443,7 @@ class Engine:
         (any layout: resharded on load). Returns the checkpoint's `LoadedState` (its `.meta`
         holds what `save(extra=...)` stored)."""
 
-        whole = self.sharded_params.whole() if self.sharded_params is not None else \
-            contextlib.nullcontext()
-        with whole:  # ZeRO-3: loaded into the gathered units, each rank keeps its shards
+        with self.params_whole():  # ZeRO-3: loaded into the gathered units
             state = load_checkpoint(path, self.model, self.mesh)
         meta = state.meta
         if state.optim_tensors:

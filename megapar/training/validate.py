@@ -145,6 +145,7 @@ def check_settings(cfg) -> None:
     if cfg.min_lr > cfg.lr and "min_lr" in explicit(cfg):  # not given: it adapts to --lr
         raise UsageError(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr "
                          f"or raise --lr")
+    check_zero3(cfg)
     if cfg.zero == 1 and cfg.grad_compression != "none":
         raise UsageError(f"--grad-compression {cfg.grad_compression} cannot be combined with "
                          f"--zero 1: the distributed optimizer reduce-scatters the gradient "
@@ -163,6 +164,30 @@ def check_settings(cfg) -> None:
         raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} and --grad-compression "
                          f"{cfg.grad_compression} both choose how gradients travel; give one "
                          f"(--grad-compression bf16 / fp16 is a reduction in that dtype)")
+
+
+ZERO3_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v")
+"""Schedules --zero 3 is tested with (parity with one process)."""
+
+
+def check_zero3(cfg) -> None:
+    """What --zero 3 cannot serve yet: one line naming the combination and what to use."""
+    if cfg.zero3_keep_params and cfg.zero != 3:
+        raise UsageError(f"--zero3-keep-params only applies to --zero 3 (it keeps a unit's "
+                         f"gathered parameters over the step); add --zero 3 or drop it")
+    if cfg.zero != 3:
+        return
+    if cfg.grad_compression != "none":
+        raise UsageError(f"--grad-compression {cfg.grad_compression} cannot be combined with "
+                         f"--zero 3 (gradients are reduce-scattered per unit, the compressors "
+                         f"compress an all-reduce); use --zero 1, or --grad-compression none")
+    if cfg.grad_reduce_dtype not in ("auto", "fp32"):
+        raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} is not served with "
+                         f"--zero 3 (its reduce-scatters run in fp32); use --zero 1 for a "
+                         f"{cfg.grad_reduce_dtype} reduction, or drop --grad-reduce-dtype")
+    if cfg.schedule not in ZERO3_SCHEDULES:
+        raise UsageError(f"--schedule {cfg.schedule} is not served with --zero 3 yet; use "
+                         f"{', '.join(ZERO3_SCHEDULES)}, or --zero 1")
 
 
 def check_inject_slow(cfg, world_size: int) -> None:
@@ -331,7 +356,7 @@ def checkpoint_manifest(path: str) -> dict:
 NOT_INHERITED = {
     # the layout and how it runs (any layout resumes any checkpoint, with the same numbers)
     "tp", "cp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
-    "sequence_parallel", "recompute", "zero", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
+    "sequence_parallel", "recompute", "zero", "zero3_keep_params", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
     "model", "from_hf", "load", "load_strict", "allow_data_change", "save", "async_save",
     "overwrite_newer", "data_cache",
