@@ -185,6 +185,9 @@ def check_zero3(cfg) -> None:
         raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} is not served with "
                          f"--zero 3 (its reduce-scatters run in fp32); use --zero 1 for a "
                          f"{cfg.grad_reduce_dtype} reduction, or drop --grad-reduce-dtype")
+    if cfg.dry_run:
+        raise UsageError("--dry-run does not model --zero 3 yet (it would report whole weights "
+                         "and ZeRO-1's buckets); rehearse the layout with --zero 1, or run it")
     if cfg.schedule not in ZERO3_SCHEDULES:
         raise UsageError(f"--schedule {cfg.schedule} is not served with --zero 3 yet; use "
                          f"{', '.join(ZERO3_SCHEDULES)}, or --zero 1")
