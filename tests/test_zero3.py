@@ -12,12 +12,12 @@ import torch
 from test_parity_3d import (
     CONFIG,
     EPS,
-    G,
     LR,
     MAX_NORM,
     SEED,
     SEQ,
     WD,
+    G,
     check_against,
     config,
     global_batches,

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
+from itertools import pairwise
 
 import torch
 import torch.distributed as dist
@@ -223,7 +224,7 @@ class ShardedParams:
                 self.roots[ci] = Unit(f"chunk {ci} root", chunk, root, self.dp, self.dp_rank)
             made = [Unit(f"chunk {ci} layer {n}", b, ps, self.dp, self.dp_rank)
                     for n, b in blocks if (ps := [p for p in b.parameters() if p.requires_grad])]
-            for a, b in zip(made, made[1:]):
+            for a, b in pairwise(made):
                 a.next, b.prev = b, a
             if made:
                 self.first[ci] = made[0]

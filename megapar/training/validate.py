@@ -173,8 +173,8 @@ ZERO3_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zb-v")
 def check_zero3(cfg) -> None:
     """What --zero 3 cannot serve yet: one line naming the combination and what to use."""
     if cfg.zero3_keep_params and cfg.zero != 3:
-        raise UsageError(f"--zero3-keep-params only applies to --zero 3 (it keeps a unit's "
-                         f"gathered parameters over the step); add --zero 3 or drop it")
+        raise UsageError("--zero3-keep-params only applies to --zero 3 (it keeps a unit's "
+                         "gathered parameters over the step); add --zero 3 or drop it")
     if cfg.zero != 3:
         return
     if cfg.grad_compression != "none":
