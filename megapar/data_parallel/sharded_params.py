@@ -1,12 +1,12 @@
 """ZeRO-3 (FSDP-style): each unit's parameters sharded over the data-parallel group, gathered
 for each use and freed after it.
 
-A *unit* is a transformer block (`chunk.layers[i]`) or, per model chunk, the *root*: the rest of
-the chunk (embedding, final norm, head; a tied weight once). Its trainable parameters are laid
-out back to back in one flat fp32 buffer, zero-padded to a multiple of the group size g (dp, or
-cp x dp under context parallelism); rank r keeps slice r of it (`Unit.shard`, the fp32 master
-the optimizer steps) and the gradient of that slice (`Unit.grad_shard`). Each ``param.data`` is
-a view into the unit's full buffer (`Unit.full`), whose storage exists only while the unit is
+A *unit* is a transformer block (`chunk.layers[i]`) or, per model chunk, the *root*: the rest
+of the chunk (embedding, final norm, head; a tied weight once), split in two as below. Its
+trainable parameters are laid out back to back in one flat fp32 buffer, zero-padded to a
+multiple of the group size g (dp, or cp x dp under context parallelism); rank r keeps slice r
+of it (`Unit.shard`, the fp32 master the optimizer steps) and the gradient of that slice
+(`Unit.grad_shard`). Each ``param.data`` is a view into the unit's full buffer (`Unit.full`), whose storage exists only while the unit is
 gathered (``untyped_storage().resize_(0)`` frees it; autograd's saved references to the
 weights survive, and see the values again when the unit is re-gathered into the same storage).
 
@@ -18,8 +18,12 @@ Hooks attached from outside the model (the model knows nothing of this):
 - backward: a hook on the unit's output gradient (it fires before the unit's backward runs)
   gathers the unit again and prefetches the block before it; an identity autograd function on
   the block's input frees the block once its input gradient is computed (nothing after that
-  reads the weights: a weight gradient reads the activations only). The root stays gathered
-  for the whole backward of a micro-batch and is freed when it ends.
+  reads the weights: a weight gradient reads the activations only). The root is gathered
+  when the chunk's backward starts. Where the chunk has an `embed` module, the root is two
+  units: the *tail* (final norm, head, a tied word embedding), freed once the backward has
+  passed the last block, and the *embedding* (its own parameters), gathered when the backward
+  reaches the first block (a LayerNorm after the embedding reads its weight; an embedding's
+  backward reads none). Both are freed when the micro-batch's backward ends.
 - a recomputed forward (full recomputation) runs inside backward: the unit is gathered then,
   and its hooks neither free nor prefetch.
 
@@ -73,7 +77,8 @@ class Unit:
         self.start = 0
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
-            raise ValueError(f"--zero 3 unit {name} mixes parameter dtypes {sorted(map(str, dtypes))}")
+            raise ValueError(f"--zero 3 unit {name} mixes parameter dtypes "
+                             f"{sorted(map(str, dtypes))}")
         device = params[0].device
         size = self.padded // shards
         self.lo, self.hi = rank * size, (rank + 1) * size
@@ -100,6 +105,12 @@ class Unit:
         self.deferred = False
         self.prev: Unit | None = None
         self.next: Unit | None = None
+        self.tail: Unit | None = None
+        """The last block of a split root: the tail unit, freed after this block's output
+        gradient is complete."""
+        self.embedding: Unit | None = None
+        """The first block of a split root: the embedding unit, gathered when this block's
+        input gradient is complete."""
         self.free()
 
     def free(self) -> None:
@@ -212,23 +223,22 @@ class ShardedParams:
         self.average_over = average_over or self.dp
         self.keep = keep
         self.chunks = list(getattr(stage, "chunks", [stage]))
-        self.roots: dict[int, Unit] = {}
+        self.roots: dict[int, tuple[Unit | None, Unit | None]] = {}
+        """Per chunk, its (tail, embedding) root units (either may be None)."""
         self.first: dict[int, Unit] = {}
         per_chunk: list[list[Unit]] = []
         for ci, chunk in enumerate(self.chunks):
             layers = getattr(chunk, "layers", None)
             blocks = list(layers.items()) if layers is not None else []
-            inside = {id(p) for _, b in blocks for p in b.parameters()}
-            root = [p for p in chunk.parameters() if p.requires_grad and id(p) not in inside]
-            if root:
-                self.roots[ci] = Unit(f"chunk {ci} root", chunk, root, self.dp, self.dp_rank)
             made = [Unit(f"chunk {ci} layer {n}", b, ps, self.dp, self.dp_rank)
                     for n, b in blocks if (ps := [p for p in b.parameters() if p.requires_grad])]
+            tail, embed = self._roots(ci, chunk, blocks, bool(made))
+            self.roots[ci] = (tail, embed)
             for a, b in pairwise(made):
                 a.next, b.prev = b, a
             if made:
                 self.first[ci] = made[0]
-            per_chunk.append([*reversed(made)] + ([self.roots[ci]] if ci in self.roots else []))
+            per_chunk.append([*reversed(made)] + [u for u in (embed, tail) if u is not None])
         self.units: list[Unit] = [u for units in reversed(per_chunk) for u in units]
         """Every unit, in the order their gradients reduce (later chunks, later blocks first;
         each chunk's root after its blocks)."""
@@ -249,6 +259,30 @@ class ShardedParams:
         self.next_launch = 0
         self._handles = []
         self._attach_hooks()
+
+    def _roots(self, ci: int, chunk: nn.Module, blocks: list, split: bool):
+        """The chunk's parameters outside its blocks as (tail, embedding) units. With blocks
+        and an `embed` module, the embedding's own parameters (not a tied word embedding the
+        head reads) are a unit of their own, needed in backward only after the blocks' (a
+        LayerNorm's weight; an embedding's backward reads no weight): the tail unit (final
+        norm, head, tied weights) is freed once the backward has passed the last block, and
+        the embedding unit is gathered when it reaches the first. Else one root unit."""
+        inside = {id(p) for _, b in blocks for p in b.parameters()}
+        root = [p for p in chunk.parameters() if p.requires_grad and id(p) not in inside]
+        embed = getattr(chunk, "embed", None)
+        own: set[int] = set()
+        if split and isinstance(embed, nn.Module):
+            tail_ids = {id(p) for name, m in chunk.named_children() if name not in
+                        ("embed", "layers") for p in m.parameters()}
+            tail_ids |= {id(p) for p in chunk.parameters(recurse=False)}
+            own = {id(p) for p in embed.parameters() if id(p) not in tail_ids}
+            if any(id(p) not in own for p in root):  # a tail: tied weights are read there
+                own -= {id(p) for p in root if getattr(p, "shared_embedding", False)}
+        pre = [p for p in root if id(p) in own]
+        post = [p for p in root if id(p) not in own]
+        def make(name: str, ps: list) -> Unit | None:
+            return Unit(f"chunk {ci} {name}", chunk, ps, self.dp, self.dp_rank) if ps else None
+        return make("root", post), make("embedding", pre)
 
     # the optimizer's view (ZeroOptimizer.state_tensors reads these) ------------------------
     @property
@@ -271,11 +305,18 @@ class ShardedParams:
             return None if obj is None else getattr(obj, method)(*args)
 
         for ci, chunk in enumerate(self.chunks):
-            root, first = self.roots.get(ci), self.first.get(ci)
+            roots, first = self.roots[ci], self.first.get(ci)
             self._handles.append(chunk.register_forward_pre_hook(
-                lambda m, args, r=root, f=first: call("_chunk_pre", r, f)))
+                lambda m, args, r=roots, f=first: call("_chunk_pre", r, f)))
             self._handles.append(chunk.register_forward_hook(
-                lambda m, args, out, r=root: call("_chunk_post", r, out)))
+                lambda m, args, out, r=roots: call("_chunk_post", r, out)))
+            tail, embed = roots
+            if first is not None and embed is not None:
+                first.embedding = embed
+                last = first
+                while last.next is not None:
+                    last = last.next
+                last.tail = tail
         for u in self.units:
             if u.module not in self.chunks:
                 self._handles.append(u.module.register_forward_pre_hook(
@@ -303,21 +344,38 @@ class ShardedParams:
         if u is not None and not self.keep and u.handle is None:
             u.free()
 
-    def _chunk_pre(self, root: Unit | None, first: Unit | None) -> None:
-        self.gather(root)
+    def _chunk_pre(self, roots: tuple, first: Unit | None) -> None:
+        for u in roots:
+            self.gather(u)
         self.prefetch(first)
 
-    def _chunk_post(self, root: Unit | None, out) -> None:
-        if root is None:
-            return
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda g, r=root: self._root_backward(r))
-        self.release(root)
+    def _chunk_post(self, roots: tuple, out) -> None:
+        tail, embed = roots
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad \
+                and (tail or embed):
+            out.register_hook(lambda g: self._root_backward(tail, embed))
+        self.release(tail)
+        self.release(embed)
 
-    def _root_backward(self, root: Unit) -> None:
-        self.gather(root)
-        root.grads()
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self.release(root))
+    def _root_backward(self, tail: Unit | None, embed: Unit | None) -> None:
+        """The chunk's backward starts: the tail is gathered (the embedding unit is, at the
+        first block's input gradient); both are freed when the backward ends."""
+        if tail is not None:
+            self.gather(tail)
+            tail.grads()
+
+        def done() -> None:
+            self.release(tail)
+            self.release(embed)
+        torch.autograd.Variable._execution_engine.queue_callback(done)
+
+    def _block_input_ready(self, u: Unit) -> None:
+        """A block's input gradient is complete: free it; at the first block, gather the
+        chunk's embedding unit for the embedding's backward."""
+        self.release(u)
+        if u.embedding is not None:
+            self.gather(u.embedding)
+            u.embedding.grads()
 
     def _block_pre(self, u: Unit, args: tuple):
         if _in_backward():  # recomputation: gathered by the backward hook
@@ -327,15 +385,19 @@ class ShardedParams:
         self.prefetch(u.next)
         if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) \
                 and args[0].requires_grad:
-            return (_FreeAfterBackward.apply(args[0], lambda: self.release(u)), *args[1:])
+            return (_FreeAfterBackward.apply(args[0], lambda: self._block_input_ready(u)),
+                    *args[1:])
         return None
 
-    def _block_post(self, u: Unit, out) -> None:
+    def _block_post(self, u: Unit, out):
         if _in_backward():
-            return
+            return None
+        self.release(u)
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g: self._block_backward(u))
-        self.release(u)
+            if u.tail is not None:  # the tail's backward is done when this gradient is
+                return _FreeAfterBackward.apply(out, lambda: self.release(u.tail))
+        return None
 
     def _block_backward(self, u: Unit) -> None:
         self.gather(u)
