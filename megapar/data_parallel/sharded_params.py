@@ -7,8 +7,9 @@ trainable parameters are laid out back to back in one flat fp32 buffer, zero-pad
 multiple of the group size g (dp, or cp x dp under context parallelism); rank r keeps slice r
 of it (`Unit.shard`, the fp32 master the optimizer steps) and the gradient of that slice
 (`Unit.grad_shard`). Each ``param.data`` is a view into the unit's full buffer (`Unit.full`),
-whose storage exists only while the unit is gathered (``untyped_storage().resize_(0)`` frees it; autograd's saved references to the
-weights survive, and see the values again when the unit is re-gathered into the same storage).
+whose storage exists only while the unit is gathered (``untyped_storage().resize_(0)`` frees
+it; autograd's saved references to the weights survive, and see the values again when the unit
+is re-gathered into the same storage).
 
 Hooks attached from outside the model (the model knows nothing of this):
 
