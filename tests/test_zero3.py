@@ -60,7 +60,7 @@ def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
 
 def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False,
            sequence_parallel: bool = False, cp: int = 1, recompute: str = "none",
-           order: str = "tp-pp-dp", virtual_stages: int = 1) -> dict:
+           order: str = "tp-pp-dp", virtual_stages: int = 1, mbs: int = 2) -> dict:
     import torch.distributed as dist
 
     from megapar.tensor_parallel.partition import gather_full
@@ -68,7 +68,7 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
     mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank())
     mesh.sequence_parallel = sequence_parallel
     model, step, sharded = build(mesh, schedule, keep, recompute=recompute,
-                                 virtual_stages=virtual_stages)
+                                 virtual_stages=virtual_stages, mbs=mbs)
     optimizer, full_grads = step.optimizer, {}
     optimizer_step = optimizer.step
 
@@ -81,7 +81,7 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
         optimizer_step()
 
     optimizer.step = step_and_record_first_grads
-    plan = BatchPlan(G, 2, dp)
+    plan = BatchPlan(G, mbs, dp)
     results = [step.step(to_device(plan.split(batch, mesh.dp_rank), mesh.device), i)
                for i, batch in enumerate(global_batches())]
     with sharded.whole():
@@ -116,11 +116,12 @@ def test_zero3_parity_dp2_and_tp2_dp2(reference):
 def test_zero3_pipeline_cp_sp_recompute(reference):
     """pp 2 x dp 2 under 1F1B (parameters freed per micro-batch, and kept over the step with
     --zero3-keep-params), GPipe, ZB-H1 (weight gradients after the input gradients), interleaved
-    1F1B and ZB-V (two chunks per rank); cp 2 x dp 2 (sharded over cp x dp); tp 2 x dp 2 with
+    1F1B, ZB-V and DualPipeV (micro-batches of 1: m 4) with two chunks per rank; cp 2 x dp 2 (sharded over cp x dp); tp 2 x dp 2 with
     sequence parallelism (the replicated parameters' tp sum on the pieces); full and selective
     recomputation (the recomputed forward inside backward)."""
     four = [(1, 2, 2, "1f1b"), (1, 2, 2, "1f1b", True), (1, 2, 2, "gpipe"), (1, 2, 2, "zb-h1"),
             (1, 2, 2, "interleaved", False, False, 1, "none", "tp-pp-dp", 2), (1, 2, 2, "zb-v"),
+            (1, 2, 2, "dualpipev", False, False, 1, "none", "tp-pp-dp", 1, 1),
             (1, 1, 2, "1f1b", False, False, 2), (2, 1, 2, "1f1b", False, True)]
     two = [(1, 1, 2, "1f1b", False, False, 1, "full"),
            (1, 1, 2, "1f1b", False, False, 1, "selective")]
