@@ -34,7 +34,7 @@ from megapar.training.step import BatchPlan
 
 def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
           precision: str = "fp32", recompute: str = "none", virtual_stages: int = 1,
-          model_config=None, kind: str = "adamw"):
+          model_config=None, kind: str = "adamw", persist: int = 0):
     """(model, TrainStep, ShardedParams) for --zero 3 on `mesh`."""
     from megapar.data_parallel.sharded_params import ShardedParams
     from megapar.optim import Precision
@@ -52,7 +52,8 @@ def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
                                 virtual_stages=virtual_stages)
     optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
                                kind=kind, tp_group=mesh.tp_group)
-    sharded = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp, keep=keep)
+    sharded = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp, keep=keep,
+                            persist_below=persist)
     step = TrainStep(model, mesh, executor, optimizer, scheduler(),
                      Precision(precision, mesh.device), MAX_NORM, sharded)
     return model, step, sharded
@@ -60,7 +61,8 @@ def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
 
 def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False,
            sequence_parallel: bool = False, cp: int = 1, recompute: str = "none",
-           order: str = "tp-pp-dp", virtual_stages: int = 1, mbs: int = 2) -> dict:
+           order: str = "tp-pp-dp", virtual_stages: int = 1, mbs: int = 2,
+           persist: int = 0) -> dict:
     import torch.distributed as dist
 
     from megapar.tensor_parallel.partition import gather_full
@@ -68,7 +70,7 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
     mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank())
     mesh.sequence_parallel = sequence_parallel
     model, step, sharded = build(mesh, schedule, keep, recompute=recompute,
-                                 virtual_stages=virtual_stages, mbs=mbs)
+                                 virtual_stages=virtual_stages, mbs=mbs, persist=persist)
     optimizer, full_grads = step.optimizer, {}
     optimizer_step = optimizer.step
 
@@ -116,12 +118,15 @@ def test_zero3_parity_dp2_and_tp2_dp2(reference):
 def test_zero3_pipeline_cp_sp_recompute(reference):
     """pp 2 x dp 2 under 1F1B (parameters freed per micro-batch, and kept over the step with
     --zero3-keep-params), GPipe, ZB-H1 (weight gradients after the input gradients), interleaved
-    1F1B, ZB-V and DualPipeV (micro-batches of 1: m 4) with two chunks per rank; cp 2 x dp 2 (sharded over cp x dp); tp 2 x dp 2 with
+    1F1B, ZB-V and DualPipeV (micro-batches of 1: m 4) with two chunks per rank, interleaved
+    with a persistence threshold of 100 elements (biases and norms gathered once per step);
+    cp 2 x dp 2 (sharded over cp x dp); tp 2 x dp 2 with
     sequence parallelism (the replicated parameters' tp sum on the pieces); full and selective
     recomputation (the recomputed forward inside backward)."""
     four = [(1, 2, 2, "1f1b"), (1, 2, 2, "1f1b", True), (1, 2, 2, "gpipe"), (1, 2, 2, "zb-h1"),
             (1, 2, 2, "interleaved", False, False, 1, "none", "tp-pp-dp", 2), (1, 2, 2, "zb-v"),
             (1, 2, 2, "dualpipev", False, False, 1, "none", "tp-pp-dp", 1, 1),
+            (1, 2, 2, "interleaved", False, False, 1, "none", "tp-pp-dp", 2, 2, 100),
             (1, 1, 2, "1f1b", False, False, 2), (2, 1, 2, "1f1b", False, True)]
     two = [(1, 1, 2, "1f1b", False, False, 1, "full"),
            (1, 1, 2, "1f1b", False, False, 1, "selective")]
@@ -269,13 +274,13 @@ def _many(worker) -> list:
 
 
 # --- memory held, traffic, collective order -----------------------------------------------------
-def _count_worker(pp: int, keep: bool, global_batch: int) -> dict:
+def _count_worker(pp: int, keep: bool, global_batch: int, persist: int) -> dict:
     import torch.distributed as dist
 
     from megapar.comm_count import count_collectives
 
     mesh = Mesh(Layout(1, pp, 2), dist.get_rank())
-    model, step, sharded = build(mesh, keep=keep)
+    model, step, sharded = build(mesh, keep=keep, persist=persist)
     plan = BatchPlan(global_batch, 2, 2)
     batches = [to_device(plan.split(b, mesh.dp_rank), mesh.device) for b in global_batches()]
     step.step(batches[0], 0)  # warm-up
@@ -289,24 +294,26 @@ def _count_worker(pp: int, keep: bool, global_batch: int) -> dict:
             "padded": sum(u.padded for u in sharded.units),
             "numel": sum(p.numel() for p in model.parameters()),
             "units": len(sharded.units), "held": sharded.held_bytes() + state,
+            "persistent": sharded.persistent.padded if sharded.persistent else 0,
             "gathered_between_steps": [u.name for u in sharded.units
                                        if u.full.untyped_storage().nbytes()],
             "grads_between_steps": [n for n, p in model.named_parameters() if p.grad is not None]}
 
 
-@pytest.mark.parametrize("pp,keep,global_batch", [(1, False, 4), (1, False, 8), (1, True, 8),
-                                                  (2, False, 8), (2, True, 8)])
-def test_zero3_memory_and_traffic_counted(pp, keep, global_batch):
+@pytest.mark.parametrize("pp,keep,global_batch,persist", [
+    (1, False, 4, 0), (1, True, 8, 0), (2, False, 8, 0), (2, True, 8, 0), (2, False, 8, 100)])
+def test_zero3_memory_and_traffic_counted(pp, keep, global_batch, persist):
     """Per rank between steps: fp32 parameter and gradient shards and Adam's two moments, 16
     bytes per element of the padded units over dp (16 / dp per parameter up to < dp elements
     of padding per unit); nothing gathered, no full gradient. Per step over dp: every unit
     all-gathered twice per micro-batch (forward, backward; once per step when kept) and its
     gradient reduce-scattered once; only scalars all-reduced (the loss and the squared norm).
+    The persistent unit (parameters under the threshold) is gathered once per step.
     Without pp at one micro-batch that is 2 P + P = 1.5x the 2 N of an all-reduce's ring. Every
     rank of a dp group issues the same collectives in the same order (NCCL's rule: the
     prefetches do not reorder them)."""
     dp = 2
-    outs = run_local(_count_worker, pp * dp, pp, keep, global_batch)
+    outs = run_local(_count_worker, pp * dp, pp, keep, global_batch, persist)
     by_group = {}
     for out in outs:
         by_group.setdefault(out["dp_ranks"], []).append(out["dp_calls"])
@@ -318,8 +325,11 @@ def test_zero3_memory_and_traffic_counted(pp, keep, global_batch):
         gathers = [c for c in calls if c[0] == "all_gather_into_tensor"]
         scatters = [c for c in calls if c[0] == "reduce_scatter_tensor"]
         gathered = 1 if keep else 2 * m  # gathers per unit and step
-        assert sum(c[1] for c in gathers) == gathered * P // dp  # payload: this rank's slice
-        assert len(gathers) == gathered * out["units"]
+        Q, persistent = out["persistent"], int(out["persistent"] > 0)
+        assert persistent == int(persist > 0)
+        # payload: this rank's slice
+        assert sum(c[1] for c in gathers) == (gathered * (P - Q) + Q) // dp
+        assert len(gathers) == gathered * (out["units"] - persistent) + persistent
         assert sum(c[1] for c in scatters) == P and len(scatters) == out["units"]
         others = [c for c in calls if c[0] not in ("all_gather_into_tensor",
                                                     "reduce_scatter_tensor")]

@@ -159,12 +159,16 @@ class Unit:
             self.gathered = True
 
     def grads(self) -> torch.Tensor:
-        """The full gradient buffer (made zeroed on first use in a step; ``.grad`` views)."""
+        """The full gradient buffer (made on first use in a step, holding any gradient
+        autograd accumulated before; ``.grad`` views)."""
         if self.grad_full is None:
             self.grad_full = self.shard.new_zeros(self.padded)
             offset = 0
             for p in self.params:
-                p.grad = self.grad_full[offset:offset + p.numel()].view_as(p)
+                view = self.grad_full[offset:offset + p.numel()].view_as(p)
+                if p.grad is not None:  # accumulated before the buffer was made
+                    view.copy_(p.grad)
+                p.grad = view
                 offset += p.numel()
         return self.grad_full
 
@@ -217,12 +221,17 @@ class ShardedParams:
     for GPT-2 124M's root unit at dp 2). NCCL runs every collective in place, whole."""
 
     def __init__(self, stage: nn.Module, group, average_over: int | None = None,
-                 keep: bool = False):
+                 keep: bool = False, persist_below: int = 0):
+        """`persist_below`: parameters with fewer elements go into one *persistent* unit of
+        the stage, gathered at the stage's first forward of a step and kept until the step
+        ends (DeepSpeed's stage3_param_persistence_threshold: biases and norms are not
+        gathered per use)."""
         self.group = group
         self.dp = group_size(group)
         self.dp_rank = dist.get_rank(group) if self.dp > 1 else 0
         self.average_over = average_over or self.dp
         self.keep = keep
+        self.persist_below = persist_below
         self.chunks = list(getattr(stage, "chunks", [stage]))
         self.roots: dict[int, tuple[Unit | None, Unit | None]] = {}
         """Per chunk, its (tail, embedding) root units (either may be None)."""
@@ -232,7 +241,8 @@ class ShardedParams:
             layers = getattr(chunk, "layers", None)
             blocks = list(layers.items()) if layers is not None else []
             made = [Unit(f"chunk {ci} layer {n}", b, ps, self.dp, self.dp_rank)
-                    for n, b in blocks if (ps := [p for p in b.parameters() if p.requires_grad])]
+                    for n, b in blocks if (ps := [p for p in b.parameters() if p.requires_grad
+                                                  and p.numel() >= persist_below])]
             tail, embed = self._roots(ci, chunk, blocks, bool(made))
             self.roots[ci] = (tail, embed)
             for a, b in pairwise(made):
@@ -240,7 +250,12 @@ class ShardedParams:
             if made:
                 self.first[ci] = made[0]
             per_chunk.append([*reversed(made)] + [u for u in (embed, tail) if u is not None])
-        self.units: list[Unit] = [u for units in reversed(per_chunk) for u in units]
+        small = [p for p in stage.parameters() if p.requires_grad and p.numel() < persist_below]
+        self.persistent = Unit("persistent", stage, small, self.dp, self.dp_rank) if small \
+            else None
+        """The unit of the parameters under `persist_below` elements (None: none)."""
+        self.units: list[Unit] = [u for units in reversed(per_chunk) for u in units] + \
+            ([self.persistent] if small else [])
         """Every unit, in the order their gradients reduce (later chunks, later blocks first;
         each chunk's root after its blocks)."""
         if not self.units:
@@ -269,7 +284,8 @@ class ShardedParams:
         norm, head, tied weights) is freed once the backward has passed the last block, and
         the embedding unit is gathered when it reaches the first. Else one root unit."""
         inside = {id(p) for _, b in blocks for p in b.parameters()}
-        root = [p for p in chunk.parameters() if p.requires_grad and id(p) not in inside]
+        root = [p for p in chunk.parameters() if p.requires_grad and id(p) not in inside
+                and p.numel() >= self.persist_below]
         embed = getattr(chunk, "embed", None)
         own: set[int] = set()
         if split and isinstance(embed, nn.Module):
@@ -319,7 +335,7 @@ class ShardedParams:
                     last = last.next
                 last.tail = tail
         for u in self.units:
-            if u.module not in self.chunks:
+            if u.module not in self.chunks and u is not self.persistent:
                 self._handles.append(u.module.register_forward_pre_hook(
                     lambda m, args, u=u: call("_block_pre", u, args)))
                 self._handles.append(u.module.register_forward_hook(
@@ -342,11 +358,11 @@ class ShardedParams:
             u.launch_gather(self.group, self.piece)
 
     def release(self, u: Unit | None) -> None:
-        if u is not None and not self.keep and u.handle is None:
+        if u is not None and not self.keep and u.handle is None and u is not self.persistent:
             u.free()
 
     def _chunk_pre(self, roots: tuple, first: Unit | None) -> None:
-        for u in roots:
+        for u in (self.persistent, *roots):  # the persistent unit: once per step
             self.gather(u)
         self.prefetch(first)
 
@@ -364,6 +380,8 @@ class ShardedParams:
         if tail is not None:
             self.gather(tail)
             tail.grads()
+        if self.persistent is not None:
+            self.persistent.grads()
 
         def done() -> None:
             self.release(tail)

@@ -79,6 +79,8 @@ class TrainConfig:
     """On CUDA: let fp32 matrix products use TensorFloat-32 (10-bit mantissa, several times faster on Ampere and newer GPUs). Off, fp32 runs keep full fp32 products and match one process to 1e-5."""
     zero: int = 0
     """1 shards the optimizer state over data-parallel ranks (ZeRO-1); 3 shards the parameters, gradients and optimizer state (ZeRO-3, FSDP-style: each transformer block, and the rest of the stage, all-gathered before its forward and again before its backward, then freed; gradients reduce-scattered; 16/dp bytes per parameter between steps)."""
+    zero3_persistence_threshold: int = 0
+    """With --zero 3: parameters with fewer elements than this (biases, norms) are not gathered per use: they form one unit gathered at the stage's first forward of a step and kept until its end (DeepSpeed's stage3_param_persistence_threshold; 0: none). Still sharded between steps."""
     zero3_keep_params: bool = False
     """With --zero 3: keep a unit's gathered parameters until the end of the step instead of freeing them after each forward and backward (torchtitan's reshard_after_forward=False): one all-gather per unit and step instead of two per micro-batch, at the price of the stage's whole parameters during the step."""
     p2p_dtype: str = "auto"

@@ -126,7 +126,8 @@ class Engine:
         unit (also the gradient sync); None otherwise."""
         if cfg.zero == 3 and mesh.dp * mesh.cp > 1:
             self.grad_sync = self.sharded_params = ShardedParams(
-                self.model, mesh.dp_cp_group, average_over=mesh.dp, keep=cfg.zero3_keep_params)
+                self.model, mesh.dp_cp_group, average_over=mesh.dp, keep=cfg.zero3_keep_params,
+                persist_below=cfg.zero3_persistence_threshold)
         else:
             self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_cp_group,
                                          cfg.grad_bucket_mb, compressor=compressor,

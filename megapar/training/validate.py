@@ -171,6 +171,12 @@ def check_zero3(cfg) -> None:
     if cfg.zero3_keep_params and cfg.zero != 3:
         raise UsageError("--zero3-keep-params only applies to --zero 3 (it keeps a unit's "
                          "gathered parameters over the step); add --zero 3 or drop it")
+    if cfg.zero3_persistence_threshold and cfg.zero != 3:
+        raise UsageError("--zero3-persistence-threshold only applies to --zero 3; add --zero 3 "
+                         "or drop it")
+    if cfg.zero3_persistence_threshold < 0:
+        raise UsageError(f"--zero3-persistence-threshold {cfg.zero3_persistence_threshold} is "
+                         f"invalid: give a number of elements >= 0 (0: none persist)")
     if cfg.zero != 3:
         return
     if cfg.grad_compression != "none":
@@ -352,7 +358,7 @@ def checkpoint_manifest(path: str) -> dict:
 NOT_INHERITED = {
     # the layout and how it runs (any layout resumes any checkpoint, with the same numbers)
     "tp", "cp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
-    "sequence_parallel", "recompute", "zero", "zero3_keep_params", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
+    "sequence_parallel", "recompute", "zero", "zero3_keep_params", "zero3_persistence_threshold", "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
     "model", "from_hf", "load", "load_strict", "allow_data_change", "save", "async_save",
     "overwrite_newer", "data_cache",
