@@ -346,8 +346,8 @@ def _resume_run(ckpt: str, stop_at: int, load: bool, zero: int, hf_out: str | No
 
     import megapar
 
-    engine = megapar.prepare(_hf_model(dropout=0.1), micro_batch_size=2, lr=3e-3,
-                             weight_decay=0.1, clip_grad=0.5, zero=zero,
+    engine = megapar.prepare(_hf_model(), micro_batch_size=2, lr=3e-3, weight_decay=0.1,
+                             clip_grad=0.5, zero=zero,
                              lr_schedule={"warmup_steps": 2, "max_steps": 6})
     if load:
         engine.load(ckpt)
@@ -363,6 +363,17 @@ def _resume_run(ckpt: str, stop_at: int, load: bool, zero: int, hf_out: str | No
     return losses, engine.step
 
 
+def _resumes(root: str) -> dict:
+    """The uninterrupted --zero 3 run (exported), and runs stopped at step 3 and resumed at
+    the other --zero, in one launch."""
+    out = {"full": _resume_run(f"{root}/a3", 6, False, 3, f"{root}/hf3")[0]}
+    for saved, loaded in ((3, 0), (0, 3)):
+        first, _ = _resume_run(f"{root}/b{saved}", 3, False, saved)
+        rest, end = _resume_run(f"{root}/b{saved}", 6, True, loaded)
+        out[saved, loaded] = (first + rest, end)
+    return out
+
+
 def test_zero3_checkpoint_resumes_at_zero0_and_back(tmp_path):
     """dp 2 (transformers GPT-2 weights loaded into the shards): a --zero 3 checkpoint of step 3
     resumes at --zero 0 with the losses of the --zero 3 run that did not stop, and a --zero 0
@@ -373,13 +384,12 @@ def test_zero3_checkpoint_resumes_at_zero0_and_back(tmp_path):
     test_parity_3d.)"""
     from safetensors.torch import load_file
 
-    full, _ = run_local(_resume_run, 2, str(tmp_path / "a3"), 6, False, 3,
-                        str(tmp_path / "hf3"))[0]
+    out = run_local(_resumes, 2, str(tmp_path))[0]
+    full = out["full"]
     for saved, loaded in ((3, 0), (0, 3)):
-        first, _ = run_local(_resume_run, 2, str(tmp_path / f"b{saved}"), 3, False, saved)[0]
-        rest, end = run_local(_resume_run, 2, str(tmp_path / f"b{saved}"), 6, True, loaded)[0]
-        assert end == 6 and len(first + rest) == len(full)
-        for s, (a, b) in enumerate(zip(first + rest, full)):
+        losses, end = out[saved, loaded]
+        assert end == 6 and len(losses) == len(full)
+        for s, (a, b) in enumerate(zip(losses, full)):
             assert_close(torch.tensor(a), torch.tensor(b), what=f"--zero {saved} -> {loaded} "
                                                                 f"loss at step {s}")
     shard = "model_tp00_pp00.safetensors"
