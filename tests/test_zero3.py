@@ -402,3 +402,13 @@ def test_zero3_checkpoint_resumes_at_zero0_and_back(tmp_path):
     assert torch.equal(wte, saved[:wte.shape[0]].to(wte.dtype))  # the gathered weights
     assert not torch.equal(h3["transformer.h.0.attn.c_attn.bias"],
                            torch.zeros_like(h3["transformer.h.0.attn.c_attn.bias"]))
+
+
+def test_zero3_parity_2x2x2(reference):
+    """tp 2 x pp 2 x dp 2: ZB-H1 with sequence parallelism (the W actions and the replicated
+    parameters' tp sum on the pieces), and 1F1B with the parameters kept over the step."""
+    runs = [(2, 2, 2, "zb-h1", False, True), (2, 2, 2, "1f1b", True)]
+    outs = run_local(_worker, 8, runs)
+    for i in range(len(runs)):
+        check_against(reference, [o[i] for o in outs])
+        assert all(o[i]["freed"] for o in outs)
