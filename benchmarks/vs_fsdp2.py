@@ -1,128 +1,116 @@
-"""megapar `--zero 3` vs torch's FSDP2 (`fully_shard`) on the same work: s/step, ratio, losses.
+"""megapar --zero 3 side by side with torch's FSDP2 (`fully_shard`) on the same GPT-2 at dp 2.
 
-The model, data and optimizer are `vs_torch.py`'s (GPT-2, 8 layers, hidden 256, 4 heads, vocab
-1024, seq 128, global batch 16, fp32, AdamW lr 1e-3, no clipping, one seed). torch's side:
-the plain PyTorch GPT-2 of `vs_torch.py` with every block and then the whole model wrapped in
-`fully_shard` over the dp dimension of a DeviceMesh (torchtitan's recipe: reshard after
-forward, the root unit holding the embedding, final norm and the tied head); at `dp2-tp2` the
-blocks are first tensor-parallel with DTensor (`parallelize_module`, Colwise / Rowwise as in
-`vs_torch.py`) over the tp dimension, then sharded over dp (FSDP2 + TP, torchtitan's 2D).
-megapar's side: `megapar.prepare(..., zero=3)` on the same Hugging Face model.
+Both shard the same megapar GPT-2 model (one process per dp rank, forked gloo ranks on the CPU,
+or one GPU each with MEGAPAR_CPU unset on a GPU machine): FSDP2 with `fully_shard` on each block
+and on the model (its default `reshard_after_forward=True`: gathered before forward and
+backward, freed after), stepped by torch's AdamW with `clip_grad_norm_`; megapar with its
+ZeRO-3 units (`ShardedParams`), `Zero3Optimizer` and the pipeline executor's step. The runs
+alternate step by step in the same processes (so a busy machine slows both alike); the figure
+is the median step time of each and their ratio, and the losses of the first steps (the same
+model, data and initialisation: they agree).
 
-The systems alternate (megapar, torch, megapar, ...), `--repeats` runs each, one warm-up step
-and `--steps` timed steps per run, each rank on one torch thread (a rank stands for a device).
-Printed per configuration: median s/step of each, megapar / torch, and the largest relative
-loss difference (same model, same steps: it must be below 1e-5).
-
-    python benchmarks/vs_fsdp2.py                  # dp2 and dp2-tp2, ~3 minutes on 2 cores
-    python benchmarks/vs_fsdp2.py --configs dp2 --repeats 1 --steps 2
+    python benchmarks/vs_fsdp2.py                     # 10 steps each, about a minute on 2 cores
+    python benchmarks/vs_fsdp2.py --steps 20 --hidden 512 --layers 8
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-
-import torch
-import torch.distributed as dist
-
-from megapar.launcher import run_local
-
-try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.vs_fsdp2
-    import vs_torch as ref
-except ImportError:  # pragma: no cover
-    from benchmarks import vs_torch as ref
-
-CONFIGS = {"dp2": (1, 2), "dp2-tp2": (2, 2)}  # name: (tp, dp)
-SIZE = "small"
+import time
 
 
-def torch_run(name: str, steps: int) -> dict:
+def _worker(args) -> dict:
+    import torch
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
-    tp, dp = CONFIGS[name]
-    hf = ref.hf_model(SIZE)
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = ref.Part(hf, 0, hf.config.n_layer, True, True)
-    if tp > 1:
-        plan = {f"blocks.{i}.{k}": ColwiseParallel() for i in range(len(model.blocks))
-                for k in ("q", "k", "v", "fc")}
-        plan.update({f"blocks.{i}.{k}": RowwiseParallel() for i in range(len(model.blocks))
-                     for k in ("proj", "fc_proj")})
-        parallelize_module(model, mesh["tp"], plan)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ref.LR, betas=(0.9, 0.95),
-                                  weight_decay=0.0, eps=1e-8)
-    dp_rank, local = mesh["dp"].get_local_rank(), ref.BATCH // dp
-    group = mesh["dp"].get_group()
+    from megapar.data_parallel.sharded_params import ShardedParams
+    from megapar.mesh import Layout, Mesh
+    from megapar.models import GPT2Config
+    from megapar.optim import LRScheduler, Precision
+    from megapar.optim.zero3 import Zero3Optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.pipeline.partition import build_stage
+    from megapar.training.step import TrainStep
 
-    def step(batch) -> float:
-        ids = batch["input_ids"][dp_rank * local:(dp_rank + 1) * local]
-        labels = batch["labels"][dp_rank * local:(dp_rank + 1) * local]
-        optimizer.zero_grad()
-        loss = ref.loss_fn(model(ids), labels)
+    mesh = Mesh(Layout(1, 1, 2), dist.get_rank())
+    cfg = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,
+                     n_layer=args.layers, n_head=args.hidden // 64, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(args.steps):
+        ids = torch.randint(0, args.vocab, (args.mbs, args.seq), generator=gen)
+        batches.append({"input_ids": ids.to(mesh.device),
+                        "labels": ((ids + 1) % args.vocab).to(mesh.device)})
+    lr, clip = 1e-3, 1.0
+
+    fsdp_model = build_stage(cfg, mesh, seed=1)
+    device_mesh = init_device_mesh(mesh.device.type, (2,))
+    for block in fsdp_model.layers.values():
+        fully_shard(block, mesh=device_mesh)
+    fully_shard(fsdp_model, mesh=device_mesh)
+    fsdp_opt = torch.optim.AdamW(fsdp_model.parameters(), lr=lr, betas=(0.9, 0.95),
+                                 weight_decay=0.0)
+
+    ours = build_stage(cfg, mesh, seed=1)
+    executor = PipelineExecutor(ours, mesh, "1f1b", (args.mbs, args.seq, args.hidden),
+                                trace=False)
+    optimizer = Zero3Optimizer(ours.named_parameters(), mesh.dp_group, lr, 0.0)
+    sharded = ShardedParams(ours, mesh.dp_group)
+    step = TrainStep(ours, mesh, executor, optimizer, LRScheduler(lr, lr, 0, 10**6, "constant"),
+                     Precision("fp32", mesh.device), clip, sharded)
+
+    def sync():
+        if mesh.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    times = {"fsdp2": [], "megapar": []}
+    losses = {"fsdp2": [], "megapar": []}
+    for batch in batches:
+        sync()
+        start = time.perf_counter()
+        fsdp_opt.zero_grad()
+        loss = fsdp_model(None, batch)
         loss.backward()
-        optimizer.step()
-        loss = loss.detach().clone()
-        dist.all_reduce(loss, group=group)
-        return float(loss) / dp
-
-    return ref._timed(step, SIZE, steps)
-
-
-def megapar_run(name: str, steps: int) -> dict:
-    import megapar
-
-    tp, dp = CONFIGS[name]
-    engine = megapar.prepare(ref.hf_model(SIZE), tp=tp, micro_batch_size=ref.BATCH // dp,
-                             zero=3, lr=ref.LR, weight_decay=0.0, clip_grad=0.0,
-                             global_batch_size=ref.BATCH, seq_len=ref.SIZES[SIZE]["seq"])
-    return ref._timed(engine.train_step, SIZE, steps)
+        torch.nn.utils.clip_grad_norm_(fsdp_model.parameters(), clip)
+        fsdp_opt.step()
+        reduced = loss.detach().clone()
+        dist.all_reduce(reduced)
+        losses["fsdp2"].append(reduced.item() / 2)
+        sync()
+        times["fsdp2"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        losses["megapar"].append(step.step([batch], 0).loss)
+        sync()
+        times["megapar"].append(time.perf_counter() - start)
+    return {"times": times, "losses": losses}
 
 
-def _worker(system: str, name: str, steps: int) -> dict:
-    torch.set_num_threads(1)  # one core per rank, as one GPU per rank
-    return (megapar_run if system == "megapar" else torch_run)(name, steps)
-
-
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--repeats", type=int, default=3, help="A/B pairs per config")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
-    parser.add_argument("--systems", nargs="+", default=["megapar", "torch"],
-                        choices=["megapar", "torch"], help="run only one side (debugging)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
     args = parser.parse_args(argv)
-    results = {}
-    for name in args.configs:
-        tp, dp = CONFIGS[name]
-        runs = {s: [] for s in args.systems}
-        for _ in range(args.repeats):
-            for system in args.systems:
-                runs[system].append(run_local(_worker, tp * dp, system, name, args.steps,
-                                              timeout_s=1200)[0])
-        results[name] = runs
-    print(f"{'config':>8} " + " ".join(f"{s + ' s':>10}" for s in args.systems)
-          + f" {'ratio':>6} {'max loss diff':>13}  losses ({args.systems[0]})")
-    for name, runs in results.items():
-        med = {k: statistics.median(r["s_per_step"] for r in v) for k, v in runs.items()}
-        first = runs[args.systems[0]][0]["losses"]
-        ratio, diff = float("nan"), float("nan")
-        if len(runs) == 2:
-            ratio = med["megapar"] / med["torch"]
-            diff = max(abs(x - y) / abs(y) for x, y in
-                       zip(runs["megapar"][0]["losses"], runs["torch"][0]["losses"]))
-        print(f"{name:>8} " + " ".join(f"{med[s]:>10.3f}" for s in args.systems)
-              + f" {ratio:>6.2f} {diff:>13.1e}  {', '.join(f'{x:.5f}' for x in first)}")
+    from megapar.launcher import run_local
+
+    out = run_local(_worker, 2, args)[0]
+    fsdp = statistics.median(out["times"]["fsdp2"][1:])
+    ours = statistics.median(out["times"]["megapar"][1:])
+    print(f"GPT-2 h {args.hidden}, {args.layers} layers, vocab {args.vocab}, micro-batch "
+          f"{args.mbs} x {args.seq}, dp 2, {args.steps} steps each (median after the first)")
+    print(f"  FSDP2 fully_shard  {fsdp * 1e3:8.1f} ms/step")
+    print(f"  megapar --zero 3   {ours * 1e3:8.1f} ms/step   ({ours / fsdp:.2f}x FSDP2's)")
+    print(f"  first losses: FSDP2 {out['losses']['fsdp2'][:3]}, megapar "
+          f"{out['losses']['megapar'][:3]}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

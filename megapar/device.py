@@ -174,6 +174,24 @@ def keep_freed_host_memory() -> bool:
         return False
 
 
+def return_freed_host_memory(threshold_mb: float = 4.0) -> bool:
+    """Serve every host allocation above `threshold_mb` with its own mmap, returned to the
+    kernel when freed (a fixed threshold: glibc's own rises to 32 MB after the first large
+    free, after which freed blocks stay as holes in the heap). For ZeRO-3, whose gathered
+    units and gradients are made and freed at every use: kept in the heap
+    (`keep_freed_host_memory`), their holes added up to more than the sharding saved. Does
+    nothing off glibc or with MEGAPAR_HOST_MALLOC=system; returns whether it applied."""
+    if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
+            "linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_mmap_threshold = -3  # <malloc.h>
+        return bool(libc.mallopt(m_mmap_threshold, int(threshold_mb * 2**20)))
+    except (OSError, AttributeError):
+        return False
+
+
 def polls_host(device: torch.device) -> bool:
     """Whether waiting on communication of tensors on `device` blocks the host (gloo, CPU
     tensors) rather than ordering the stream (NCCL, CUDA tensors).

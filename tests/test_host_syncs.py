@@ -89,3 +89,24 @@ def test_the_counter_sees_what_a_micro_batch_path_would_do():
         t.sum().item()
     assert sorted(call for call, _ in syncs) == [
         "__bool__", "item", "mask index", "torch.tensor(host data, device=...)"]
+
+
+def zero3_syncs_worker(kind):
+    engine = megapar.prepare(config(kind), pp=2, micro_batch_size=1, zero=3)  # dp 2
+    counts = {}
+    for m in (4, 8):
+        engine.train_step(batch(kind, 2 * m))  # m micro-batches on each of the 2 dp ranks
+        with count_syncs() as syncs:
+            engine.train_step(batch(kind, 2 * m))
+        counts[m] = syncs
+    return counts
+
+
+def test_zero3_syncs_no_more_per_micro_batch():
+    """pp 2 x dp 2 with --zero 3: gathering, freeing and reduce-scattering the units per
+    micro-batch add no host sync."""
+    for rank, counts in enumerate(run_local(zero3_syncs_worker, 4, "gpt2")):
+        assert counts[4] == counts[8], (rank, counts)
+        assert 0 < sum(counts[8].values()) <= 8, (rank, counts[8])
+        inside = [where for _, where in counts[8] if where.startswith(PER_MICRO_BATCH)]
+        assert not inside, (rank, inside)

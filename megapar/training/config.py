@@ -78,11 +78,15 @@ class TrainConfig:
     tf32: bool = False
     """On CUDA: let fp32 matrix products use TensorFloat-32 (10-bit mantissa, several times faster on Ampere and newer GPUs). Off, fp32 runs keep full fp32 products and match one process to 1e-5."""
     zero: int = 0
-    """1 shards the optimizer state over data-parallel ranks (ZeRO-1); 2 also the reduced gradients (ZeRO-2: each rank keeps only its slice; every micro-batch's gradients are reduce-scattered bucket by bucket as its backward finishes them and added into the slice, as DeepSpeed does)."""
+    """1 shards the optimizer state over data-parallel ranks (ZeRO-1); 2 also the reduced gradients (ZeRO-2: each rank keeps only its slice; every micro-batch's gradients are reduce-scattered bucket by bucket as its backward finishes them and added into the slice, as DeepSpeed does); 3 also the parameters (ZeRO-3, FSDP-style: each transformer block, and the rest of the stage, all-gathered before its forward and again before its backward, then freed; gradients reduce-scattered; 16/dp bytes per parameter between steps)."""
     offload_optimizer: bool = False
     """Keep the fp32 master copy of the stepped parameters (or ZeRO slices) and the optimizer's moments in host memory (pinned on CUDA) and step there: each step copies the reduced, clipped gradients to the host and the updated parameters back (DeepSpeed's offload_optimizer). AdamW and SGD. On the CPU the host is the device: nothing moves."""
     offload_params: bool = False
     """With --zero 3: keep the parameter shards in host memory and bring each unit to the device for its use (DeepSpeed's offload_param)."""
+    zero3_persistence_threshold: int = 0
+    """With --zero 3: parameters with fewer elements than this (biases, norms) are not gathered per use: they form one unit gathered at the stage's first forward of a step and kept until its end (DeepSpeed's stage3_param_persistence_threshold; 0: none). Still sharded between steps."""
+    zero3_keep_params: bool = False
+    """With --zero 3: keep a unit's gathered parameters until the end of the step instead of freeing them after each forward and backward (torchtitan's reshard_after_forward=False): one all-gather per unit and step instead of two per micro-batch, at the price of the stage's whole parameters during the step."""
     p2p_dtype: str = "auto"
     """Dtype of pipeline messages on the wire: auto (the --precision compute dtype, Megatron's pipeline_dtype: bf16 / fp16 under mixed precision, fp32 otherwise), fp32, bf16 or fp16. Received activations and gradients are cast back, so only the bytes change."""
     grad_reduce_dtype: str = "auto"
@@ -217,7 +221,7 @@ def _choices() -> dict[str, list]:
     return {"rank_order": list(RANK_ORDERS),
             "schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
             "precision": list(PRECISIONS), "p2p_dtype": COMM_DTYPES,
-            "grad_reduce_dtype": COMM_DTYPES, "zero": [0, 1, 2], "lr_decay": list(DECAY_STYLES),
+            "grad_reduce_dtype": COMM_DTYPES, "zero": [0, 1, 2, 3], "lr_decay": list(DECAY_STYLES),
             "optimizer": list(OPTIMIZERS), "grad_compression": list(GRAD_COMPRESSIONS)}
 
 

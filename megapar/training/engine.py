@@ -35,9 +35,11 @@ from megapar.context_parallel import check_length
 from megapar.data.blended import absolute_data
 from megapar.data_parallel import GradBuckets
 from megapar.data_parallel.compression import make_compressor
+from megapar.data_parallel.sharded_params import HostStage, ShardedParams
 from megapar.device import (
     keep_freed_host_memory,
     process_group_timeout_s,
+    return_freed_host_memory,
     share_host_arena,
 )
 from megapar.faults.slow import Slowdown, SlowRank
@@ -46,6 +48,7 @@ from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh, all_reduce
 from megapar.optim import LRScheduler, Precision, build_optimizer
 from megapar.optim.precision import comm_dtypes
+from megapar.optim.zero3 import Zero3Optimizer
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import chunks_per_rank, placement_of
@@ -102,12 +105,18 @@ class Engine:
         self.wire_dtype, reduce_dtype = comm_dtypes(cfg.precision, cfg.p2p_dtype,
                                                     cfg.grad_reduce_dtype)
         lr = self.scaled_lr(cfg)
-        self.optimizer = build_optimizer(self.model, mesh, lr, cfg.weight_decay,
-                                         betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                         eps=cfg.adam_eps, zero=cfg.zero, kind=cfg.optimizer,
-                                         offload=cfg.offload_optimizer)
-        """A `torch.optim.Optimizer` over this rank's parameters (under ZeRO-1, its slices of
-        the optimizer state): torch's LR schedulers can drive it."""
+        if cfg.zero == 3:
+            self.optimizer = Zero3Optimizer(
+                self.model.named_parameters(), mesh.dp_cp_group, lr, cfg.weight_decay,
+                betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, kind=cfg.optimizer,
+                tp_group=mesh.tp_group)
+        else:
+            self.optimizer = build_optimizer(self.model, mesh, lr, cfg.weight_decay,
+                                             betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                             eps=cfg.adam_eps, zero=cfg.zero, kind=cfg.optimizer,
+                                             offload=cfg.offload_optimizer)
+        """A `torch.optim.Optimizer` over this rank's parameters (under ZeRO-1 / 2 / 3, its slices
+        of the optimizer state): torch's LR schedulers can drive it."""
         self.scheduler = self.flags_schedule(cfg) if scheduler == "from_cfg" else scheduler
         compressor = make_compressor(cfg.grad_compression, cfg.powersgd_rank, cfg.seed)
         # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
@@ -115,10 +124,18 @@ class Engine:
         zero_layout = None  # laid out for ZeRO-1 from the start: no second buffer at sharding
         if cfg.zero in (1, 2) and mesh.dp * mesh.cp > 1 and not compressor:
             zero_layout = shared_embedding_params(self.model) if mesh.pp > 1 else ()
-        self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_cp_group,
-                                     cfg.grad_bucket_mb, compressor=compressor,
-                                     reduce_dtype=None if compressor else reduce_dtype,
-                                     average_over=mesh.dp, zero_layout=zero_layout)
+        self.sharded_params: ShardedParams | None = None
+        """ZeRO-3 (dp x cp > 1): the stage's parameters sharded over dp x cp, gathered per
+        unit (also the gradient sync); None otherwise."""
+        if cfg.zero == 3 and mesh.dp * mesh.cp > 1:
+            self.grad_sync = self.sharded_params = ShardedParams(
+                self.model, mesh.dp_cp_group, average_over=mesh.dp, keep=cfg.zero3_keep_params,
+                persist_below=cfg.zero3_persistence_threshold)
+        else:
+            self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_cp_group,
+                                         cfg.grad_bucket_mb, compressor=compressor,
+                                         reduce_dtype=None if compressor else reduce_dtype,
+                                         average_over=mesh.dp, zero_layout=zero_layout)
         if cfg.straggler_factor != 0 and not cfg.straggler_factor > 1:
             raise ValueError(f"straggler_factor={cfg.straggler_factor} is invalid: give a factor "
                              f"> 1 (the default is 1.5), or 0 to turn straggler detection off")
@@ -163,7 +180,10 @@ class Engine:
         """The background checkpoint writer with `cfg.async_save` (see `save`), else None."""
         if cfg.async_save and not cfg.dry_run:  # its gloo group is made now, collectively
             self.saver = AsyncSaver(mesh, process_group_timeout_s() or cfg.timeout_s)
-        keep_freed_host_memory()  # from here on: the training state is built
+        if self.sharded_params is None:
+            keep_freed_host_memory()  # from here on: the training state is built
+        elif mesh.device.type == "cpu":
+            return_freed_host_memory()  # ZeRO-3 frees and makes its units at every use
 
     @classmethod
     def flags_schedule(cls, cfg: TrainConfig) -> LRScheduler:
@@ -374,10 +394,26 @@ class Engine:
         if self.saver is not None:
             out = self._save_in_background(path, meta)
         else:
-            out = save_checkpoint(path, self.step, self.model, self.mesh,
+            out = save_checkpoint(path, self.step, self._saved_model(), self.mesh,
                                   self.optimizer.state_tensors(), meta, self.rng_state())
         _returned("engine.save")
         return out
+
+    def params_whole(self):
+        """A context in which the stage's parameters are whole on this rank, to read or write
+        them (loading weights): under ZeRO-3 every unit is gathered inside and each rank keeps
+        its shards of what they hold on exit (collective over dp x cp); otherwise nothing."""
+        if self.sharded_params is None:
+            return contextlib.nullcontext()
+        return self.sharded_params.whole()
+
+    def _saved_model(self):
+        """What a checkpoint reads the weights from: the stage, or under ZeRO-3 host copies
+        of its parameters gathered a unit at a time (`HostStage`; collective over dp x cp)."""
+        if self.sharded_params is None:
+            return self.model
+        writer = self.mesh.dp_rank == 0 and self.mesh.cp_rank == 0
+        return HostStage(self.model, self.sharded_params.host_params(writer))
 
     def _save_in_background(self, path, meta: dict) -> Path:
         self.saver.wait()  # at most one write in flight
@@ -385,7 +421,8 @@ class Engine:
         optim = self.optimizer.state_tensors(copy=False)  # copied into the saver's buffers
         gathered = getattr(self.optimizer, "sharded", False)  # ZeRO-1: fresh host copies
         try:
-            state = capture(self.step, self.model, self.mesh, optim, meta, self.rng_state())
+            state = capture(self.step, self._saved_model(), self.mesh, optim, meta,
+                            self.rng_state())
             tensors = state.shard[1] if state.shard is not None else {}
             private = frozenset(k for k in tensors if gathered and k.startswith("optim/"))
             state = self.saver.host_copy(state, private)
@@ -410,7 +447,8 @@ class Engine:
         (any layout: resharded on load). Returns the checkpoint's `LoadedState` (its `.meta`
         holds what `save(extra=...)` stored)."""
 
-        state = load_checkpoint(path, self.model, self.mesh)
+        with self.params_whole():  # ZeRO-3: loaded into the gathered units
+            state = load_checkpoint(path, self.model, self.mesh)
         meta = state.meta
         if state.optim_tensors:
             self.optimizer.load_state_tensors(state.optim_tensors)
@@ -449,7 +487,7 @@ class Engine:
         meta = {"step": self.step, "hf_dtype": self.source_dtype,
                 "hf_generation_config": self.source_generation_config,
                 "tokenizer": self.tokenizer}
-        save_checkpoint(tmp, self.step, self.model, self.mesh, {}, meta, {})
+        save_checkpoint(tmp, self.step, self._saved_model(), self.mesh, {}, meta, {})
         outcome = ""
         if self.mesh.rank == 0:
             try:

@@ -121,7 +121,8 @@ class Trainer:
     # -- start ------------------------------------------------------------------------------
     def _load_hf(self, path: str) -> None:
         reader = HFReader(path)
-        missing = load_hf_weights(self.model, reader)
+        with self.engine.params_whole():
+            missing = load_hf_weights(self.model, reader)
         self.engine.source_dtype = reader.dtype  # exports write the model's own dtype back
         self.engine.source_generation_config = reader.generation_config  # and its generation
         note = f"loaded weights from {path}"

@@ -114,7 +114,8 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
         engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
 
         _check_same_weights(model, engine.mesh)
-        missing = load_hf_weights(engine.model, reader)
+        with engine.params_whole():
+            missing = load_hf_weights(engine.model, reader)
         if missing and engine.mesh.rank == 0:
             warnings.warn(f"megapar.prepare: the {type(model).__name__} has no {', '.join(missing)}"
                           f"; initialised from seed {seed} (pass the model with its head to keep "

@@ -20,6 +20,9 @@ buffer is reduce-scattered, not all-reduced (ZeRO-2: every micro-batch, into thi
 gradients partial over tp are then summed on the shard): step 3 runs inside `grad_sync.finish()` before the buffer
 slice holding the embedding is reduced (`attach` below), and steps 4-6 read only this rank's
 slices (the norm is all-reduced over dp as well); the optimizer all-gathers the weights.
+ZeRO-3 (`optim/zero3.py`, `grad_sync` a `ShardedParams`) is the same with units instead of
+buckets, except that nothing is gathered after the step (each unit is gathered at its next use)
+and the replicated parameters' tp sum runs on the reduced pieces.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ class TrainStep:
             raise ValueError("context parallelism needs grad_sync (a GradBuckets over "
                              "mesh.dp_cp_group, average_over=mesh.dp): each cp rank's gradient "
                              "is only its tokens' share until they are summed")
-        self.sharded = getattr(optimizer, "zero", 0) in (1, 2) and mesh.dp * mesh.cp > 1
+        self.sharded = getattr(optimizer, "zero", 0) >= 1 and mesh.dp * mesh.cp > 1
         if self.sharded:
             self._attach()
 
@@ -136,14 +139,14 @@ class TrainStep:
         """After the schedule: sum what is partial over tp (sequence parallelism's replicated
         parameters) and the tied embedding over the first and last stage (unless ZeRO-1's
         grad_sync.finish() did that already)."""
-        if self.partial_over_tp and self.sharded and self.optimizer.zero == 2:
+        if self.partial_over_tp and getattr(self.optimizer, "zero", 0) == 3 and self.sharded:
+            self.optimizer.sum_partial_over_tp(self.mesh.tp_group)  # ZeRO-3: on the pieces
+        elif self.partial_over_tp and self.sharded and self.optimizer.zero == 2:
             # ZeRO-2: the gradients are this rank's pieces by now (the sum is linear)
             self.optimizer.sum_over_tp(sequence_parallel_params(self.model), self.mesh.tp_group)
         elif self.partial_over_tp:  # under SP, LayerNorm etc. saw only this rank's positions
-
             sync_sequence_parallel_grads(self.model, self.mesh.tp_group)
         if self.mesh.pp > 1 and not self.sharded:  # sharded: done in grad_sync.finish()
-
             set_action("tied-embedding gradient all-reduce (first + last stage)")
             sync_tied_embeddings(self.model, self.mesh)
 

@@ -145,6 +145,7 @@ def check_settings(cfg) -> None:
     if cfg.min_lr > cfg.lr and "min_lr" in explicit(cfg):  # not given: it adapts to --lr
         raise UsageError(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr "
                          f"or raise --lr")
+    check_zero3(cfg)
     if cfg.zero in (1, 2) and cfg.grad_compression != "none":
         raise UsageError(f"--grad-compression {cfg.grad_compression} cannot be combined with "
                          f"--zero {cfg.zero}: the distributed optimizer reduce-scatters the gradient "
@@ -171,6 +172,39 @@ def check_settings(cfg) -> None:
         raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} and --grad-compression "
                          f"{cfg.grad_compression} both choose how gradients travel; give one "
                          f"(--grad-compression bf16 / fp16 is a reduction in that dtype)")
+
+
+def check_zero3(cfg) -> None:
+    """What --zero 3 cannot serve yet: one line naming the combination and what to use."""
+    if cfg.zero3_keep_params and cfg.zero != 3:
+        raise UsageError("--zero3-keep-params only applies to --zero 3 (it keeps a unit's "
+                         "gathered parameters over the step); add --zero 3 or drop it")
+    if cfg.zero3_persistence_threshold and cfg.zero != 3:
+        raise UsageError("--zero3-persistence-threshold only applies to --zero 3; add --zero 3 "
+                         "or drop it")
+    if cfg.zero3_persistence_threshold < 0:
+        raise UsageError(f"--zero3-persistence-threshold {cfg.zero3_persistence_threshold} is "
+                         f"invalid: give a number of elements >= 0 (0: none persist)")
+    if cfg.zero != 3:
+        return
+    if cfg.grad_compression != "none":
+        raise UsageError(f"--grad-compression {cfg.grad_compression} cannot be combined with "
+                         f"--zero 3 (gradients are reduce-scattered per unit, the compressors "
+                         f"compress an all-reduce); use --zero 1, or --grad-compression none")
+    if cfg.grad_reduce_dtype not in ("auto", "fp32"):
+        raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} is not served with "
+                         f"--zero 3 (its reduce-scatters run in fp32); use --zero 1 for a "
+                         f"{cfg.grad_reduce_dtype} reduction, or drop --grad-reduce-dtype")
+    if cfg.offload_params:
+        raise UsageError("--offload-params is not served yet (the parameter shards stay on the "
+                         "device); drop --offload-params, or add --offload-optimizer to move the "
+                         "optimizer state to the host")
+    if cfg.offload_optimizer:
+        raise UsageError("--offload-optimizer is not served with --zero 3 yet; use --zero 1 or "
+                         "--zero 2 with --offload-optimizer, or --zero 3 without it")
+    if cfg.dry_run:
+        raise UsageError("--dry-run does not model --zero 3 yet (it would report whole weights "
+                         "and ZeRO-1's buckets); rehearse the layout with --zero 1, or run it")
 
 
 def check_inject_slow(cfg, world_size: int) -> None:
@@ -340,6 +374,7 @@ NOT_INHERITED = {
     # the layout and how it runs (any layout resumes any checkpoint, with the same numbers)
     "tp", "cp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
     "sequence_parallel", "recompute", "zero", "offload_optimizer", "offload_params",
+    "zero3_keep_params", "zero3_persistence_threshold",
     "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
     "model", "from_hf", "load", "load_strict", "allow_data_change", "save", "async_save",

@@ -1,0 +1,90 @@
+"""ZeRO-3's optimizer: AdamW (or LAMB / LARS / SGD) stepping only this rank's parameter shards.
+
+The parameters are sharded by `ShardedParams` (`megapar.data_parallel.sharded_params`): per
+unit, rank r of the dp (x cp) group holds slice r of the unit's flat fp32 parameters and of its
+dp-averaged gradient. This optimizer's *pieces* are the parts of parameters inside those
+slices (views into `Unit.shard`, with views into `Unit.grad_shard` as ``.grad``), exactly as
+ZeRO-1's pieces are the parts inside its buffer slices, so clipping, the non-finite check,
+LAMB / LARS's whole-parameter norms and the canonical checkpoint (`state_tensors`, gathered to
+dp rank 0 a unit and a state key at a time) are ZeRO-1's (`ZeroOptimizer`). What differs:
+there is no all-gather after the step (each unit is gathered when it is next used), and under
+sequence parallelism the replicated parameters' partial gradients are summed over tp on the
+pieces (`sum_partial_over_tp`), after the reduce-scatter.
+
+Per rank between steps, in fp32 with Adam: 4 bytes of parameter shard + 4 of gradient shard +
+8 of moments per element of the stage's padded units, over g = dp (x cp): 16 / g bytes per
+parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megapar.data_parallel.buckets import slice_pieces
+from megapar.mesh import group_size
+from megapar.optim.zero import ZeroOptimizer
+
+
+class Zero3Optimizer(ZeroOptimizer):
+    """The optimizer over `ShardedParams`' shards; `attach(sharded_params, ...)` (done by
+    `TrainStep`) before the first step when dp x cp > 1. With a group of 1 it is the plain
+    optimizer."""
+
+    zero = 3
+
+    @torch.no_grad()
+    def attach(self, grad_sync, last=(), before_reduce=None) -> None:
+        """Take this rank's pieces of `grad_sync`'s units (a `ShardedParams` over the same
+        parameters); `last` / `before_reduce`: the tied-embedding sync (`ShardedParams.defer`)."""
+        if self.dp == 1 or self.sharded:
+            return
+        if not hasattr(grad_sync, "units") or grad_sync.dp != self.dp:
+            raise ValueError("the ZeRO-3 optimizer needs the ShardedParams of the dp group")
+        if {id(p) for p in grad_sync.params} != {id(p) for p in self.params}:
+            raise ValueError("ShardedParams and the optimizer hold different parameters")
+        grad_sync.defer(last, before_reduce)
+        self.grad_sync, self.sharded = grad_sync, True
+        first = grad_sync.units[0].shard
+        self.param_buffers = {first.dtype: first}  # where the state lives (its device)
+        for u in grad_sync.units:
+            offset = 0
+            for p in u.params:
+                self._offset[id(p)] = offset
+                offset += p.numel()
+            for i, start, end in slice_pieces([p.numel() for p in u.params], u.lo, u.hi):
+                p = u.params[i]
+                at = self._offset[id(p)] - u.lo
+                piece = u.shard[at + start:at + end]
+                piece.grad = u.grad_shard[at + start:at + end]
+                self.pieces.append(piece)
+                self._piece_of.append((p, start, end))
+        self._build_inner()
+        if self._pending is not None:
+            self.load_state_tensors(self._pending)
+            self._pending = None
+
+    def _after_step(self) -> None:
+        """Nothing to gather: each unit is gathered from the shards at its next use."""
+
+    def gather_grads(self) -> None:
+        raise NotImplementedError("under --zero 3 the full gradients are never held after the "
+                                  "step; use ShardedParams.full_grads() (collective)")
+
+    @torch.no_grad()
+    def sum_partial_over_tp(self, tp_group) -> int:
+        """Sum the gradient pieces of parameters whose gradients are partial over tp (sequence
+        parallelism's replicated parameters, replicated kv heads) over the tp group, in one
+        all-reduce. Every tp rank's units have the same layout, so its pieces line up."""
+        grads = [t.grad for t, (p, _, _) in zip(self.pieces, self._piece_of)
+                 if getattr(p, "sequence_parallel", False)]
+        if group_size(tp_group) == 1 or not self.sharded:
+            return 0
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else \
+            torch.zeros(0, device=self.param_buffers[next(iter(self.param_buffers))].device)
+        dist.all_reduce(flat, group=tp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return len(grads)
