@@ -4,6 +4,7 @@ Uses a toy stage (one linear layer + tanh, squared-error loss on the last stage)
 are about the executor, not the model; numerical parity is in test_pipeline_parity.py.
 """
 
+import itertools
 import os
 import time
 
@@ -64,22 +65,36 @@ class RecordingSync:
         self.calls.append(("finish", time.perf_counter()))
 
 
+def last_backward(events):
+    return max(i for i, e in enumerate(events) if e.kind == "backward")
+
+
 def traced_worker(pp, m, schedule):
     mesh = make_mesh(pp=pp)
     stage = ToyStage(mesh, sleep_s=0.01)
     executor = PipelineExecutor(stage, mesh, schedule, SHAPE, timeout_s=30)
     sync = RecordingSync()
+    clock, readings = executor.clock.stamp, []
+    executor.clock.stamp = lambda: readings.append(None) or clock()
     loss = executor.run(toy_batches(m), grad_sync=sync)
     local = executor.last_timeline
     expected = [(a.kind, a.mb) for a in get_schedule(schedule)(pp, m, mesh.pp_rank)]
     events = local.for_rank(mesh.pp_rank)
+    # One clock reading where an event ends and the next starts (not two per event): each
+    # event's end, each compute's start, the step's start, the loss broadcast's start and the
+    # reading before the grad_sync call of the last backward.
+    computes = sum(e.kind in ("forward", "backward") for e in events)
+    assert len(readings) <= len(events) + computes + 3, (len(readings), len(events))
+    for wait, compute in itertools.pairwise(events):  # a wait ends as its compute starts
+        if wait.kind.startswith("recv") and compute is not events[last_backward(events)]:
+            assert wait.end == compute.start, (wait, compute)
     assert [(e.kind, e.mb) for e in events] == expected + [("wait", None), ("loss_broadcast", None)]
-    assert all(a.end <= b.start for a, b in zip(events, events[1:])), "events overlap"
+    assert all(a.end <= b.start for a, b in itertools.pairwise(events)), "events overlap"
     # grad_sync hooks: begin before the first action, before_last_backward right before the last
     # backward, finish after the end-of-step wait for sends.
     calls = dict(sync.calls)
     assert [c for c, _ in sync.calls] == ["begin_step", "before_last_backward", "finish"]
-    last_b = max(i for i, e in enumerate(events) if e.kind == "backward")
+    last_b = last_backward(events)
     assert calls["begin_step"] <= events[0].start
     assert events[last_b - 1].end <= calls["before_last_backward"] <= events[last_b].start
     wait = next(e for e in events if e.kind == "wait")
