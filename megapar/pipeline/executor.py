@@ -27,11 +27,12 @@ by order is kept; at most one ahead per peer); NCCL issues receives where the pr
 
 Every action is traced unless `trace=False`: a compute as its own event, the wait for its
 message as a ``recv_act`` / ``recv_grad`` event before it, each sent message as a ``send_act`` /
-``send_grad`` event spanning its group's issue. A traced step only appends clock stamps to a
-list, one where an event ends and the next starts; which stamps bound which event is planned
-once (`trace_events`), and `last_timeline` builds the last step's `Timeline` from them when
-it is read (empty when not traced), and `gather.gather_timeline` aligns and collects all stages'
-timelines on pp rank 0. With `count_comm_wait` the compute actions also count the time they
+``send_grad`` event spanning its group's issue. A traced step only writes clock stamps into a
+list the plan sized, one where an event ends and the next starts, each at the index the plan
+gave its step; which stamps bound which event is planned once (`trace_events`), and
+`last_timeline` builds the last step's `Timeline` from them when it is read (empty when not
+traced), and `gather.gather_timeline` aligns and collects all stages' timelines on pp rank 0.
+With `count_comm_wait` the compute actions also count the time they
 spend blocked in tp / cp collectives (`megapar.comm_wait`).
 """
 
@@ -103,6 +104,8 @@ class StepPlan(NamedTuple):
     """The events of a traced step, in the order they end: ((kind, mb, chunk), index of its
     start stamp, index of its end stamp), the indices into the step's list of stamps
     (`trace_events`)."""
+    readings: int
+    """How many clock readings a traced step takes (the length of its list of stamps)."""
 
 
 class PlannedGroup(NamedTuple):
@@ -124,6 +127,9 @@ class PlannedGroup(NamedTuple):
     received: tuple | None
     """A group of receives only: what `p2p.issue` takes for it where no receive is posted
     ahead (the same every step), else None."""
+    stamp: int | None = None
+    """A group that sends: the index of the clock reading at its end in a traced step's
+    stamps (`trace_events`), else None."""
 
 
 SEND_ACT, SEND_GRAD, RECV = 0, 1, 2
@@ -169,6 +175,9 @@ class PlannedCompute(NamedTuple):
     """What the rank is doing while the compute runs (`set_action`)."""
     said: bytes
     """`doing` encoded (`status.encode_action`)."""
+    stamp: int = 0
+    """The index of the clock reading at its start in a traced step's stamps (its end is the
+    next; the reading before its `grad_sync` call, where it has one, the one before)."""
 
 
 class PipelineExecutor:
@@ -274,7 +283,10 @@ class PipelineExecutor:
                           for i, step in enumerate(program))
             arm_at = self._chunk_arming(actions, last_backward)
             hooks = frozenset(arm_at) | ({last_backward} if last_backward is not None else set())
-            saids = [step.said if isinstance(step, PlannedGroup) else step[-1] for step in steps]
+            events, at, readings = trace_events(steps, hooks)
+            steps = tuple(step._replace(stamp=at[k]) if isinstance(step, PlannedGroup)
+                          else step[:-1] + (at[k],) for k, step in enumerate(steps))
+            saids = [step.said if isinstance(step, PlannedGroup) else step[7] for step in steps]
             saids += [step[4][3] for step in steps
                       if not isinstance(step, PlannedGroup) and step[4] is not None]
             self._plans[key] = StepPlan(
@@ -285,7 +297,7 @@ class PipelineExecutor:
                 acks=acks, posts={rank: tuple(recvs) for rank, recvs in posts.items()},
                 arm_at=arm_at,
                 steps=steps, longest=max((len(said) for said in saids), default=0),
-                hooks=hooks, events=trace_events(steps, hooks))
+                hooks=hooks, events=events, readings=readings)
         return self._plans[key]
 
     @staticmethod
@@ -396,8 +408,8 @@ class PipelineExecutor:
         self.weight_grads.take()
         self.weight_grads.enabled = not forward_only and plan.split_backward
         record, clock = self.trace, self.clock.stamp
-        stamps: list = []  # a traced step's clock readings, in order (`StepPlan.events`)
-        mark = stamps.append if record else None
+        # a traced step's clock readings, each at its index (`StepPlan.events`)
+        stamps = [None] * plan.readings if record else None
         if record:
             self.clock.begin()
         try:
@@ -415,17 +427,17 @@ class PipelineExecutor:
             if p2p is not None:  # what `_issue` needs, in one attribute
                 self._issuing = (
                     self._take_output, self._in_grads.pop,
-                    self._recvs_issued if post_ahead else None, line, clock, mark, p2p.issue,
+                    self._recvs_issued if post_ahead else None, line, clock, stamps, p2p.issue,
                     None if forward_only or self._act_numel < 2 else self._outputs,
                     self._stand_in)
             if record:
-                mark(clock())  # stamp 0: where the first wait (or send) starts
+                stamps[0] = clock()  # where the first wait (or send) starts
             with torch.set_grad_enabled(not forward_only):
                 for step in plan.steps:
                     if step.__class__ is PlannedGroup:
                         issue(step)
                         continue
-                    i, action, kind, _, recv, hand_over, doing, said = step
+                    i, action, kind, _, recv, hand_over, doing, said, at_clock = step
                     if recv is not None:  # wait for the message the compute consumes
                         rkey, peer, rdoing, rsaid, acks, at, is_act = recv
                         if line is not None:
@@ -446,7 +458,7 @@ class PipelineExecutor:
                     self._step_index = i
                     if i in hooks:
                         if record:  # the wait ends before the call (`trace_events`)
-                            mark(clock())
+                            stamps[at_clock - 1] = clock()
                         if grad_sync is None:
                             pass
                         elif i == last_backward:
@@ -461,7 +473,7 @@ class PipelineExecutor:
                     if handler is None:
                         self._no_handler(kind)
                     if record:
-                        mark(clock())
+                        stamps[at_clock] = clock()
                     try:
                         if counted:  # the straggler measure: tp / cp waits inside the compute
                             with counting():
@@ -474,46 +486,46 @@ class PipelineExecutor:
                         exc.add_note(self._failed_in(action))
                         raise
                     if record:
-                        mark(clock())
+                        stamps[at_clock + 1] = clock()
             set_action(f"waiting for the sends of pp stage {self.mesh.pp_rank}")
             if self.p2p is not None:
                 self.p2p.wait_sends()
             if record:
-                mark(clock())
+                stamps[-3] = clock()
             if grad_sync is not None:
                 set_action("waiting for the data-parallel gradient all-reduce")
                 grad_sync.finish()
             if record:
-                mark(clock())
+                stamps[-2] = clock()
             set_action("loss broadcast from the last pipeline stage")
             loss = self._mean_loss(m)
             if record:
-                mark(clock())
+                stamps[-1] = clock()
             return loss
         finally:
             self._reset([], 1.0, False)
             self.weight_grads.enabled = False  # forwards outside a step compute dW as usual
             self.weight_grads.take()
-            self._last_trace = (self.mesh.pp_rank, stamps, plan.events, self.clock.reader())
+            self._last_trace = (self.mesh.pp_rank, stamps or [], plan.events if record else (),
+                                self.clock.reader())
 
     @property
     def last_timeline(self) -> Timeline:
         """The last step's events (empty when it was not traced), read when asked for: on CUDA
         that is when the step's events are waited for, not during the step."""
         rank, stamps, events, at = self._last_trace
-        seconds = [at(stamp) for stamp in stamps]
-        done = len(seconds)  # a step that failed part-way: the events that ended
+        seconds = [None if stamp is None else at(stamp) for stamp in stamps]
         return Timeline([Event(rank, k, mb, seconds[s], seconds[e], c)
-                         for (k, mb, c), s, e in events if e < done])
+                         for (k, mb, c), s, e in events  # a step that failed part-way:
+                         if seconds[e] is not None and seconds[s] is not None])  # those ended
 
     @property
     def last_compute_s(self) -> float:
         """Seconds the last step's compute actions took (0 when it was not traced); on CUDA
         read as `last_timeline` is."""
         _, stamps, events, at = self._last_trace
-        done = len(stamps)
         return sum(at(stamps[e]) - at(stamps[s]) for (kind, _, _), s, e in events
-                   if e < done and kind in COMPUTE_KINDS)
+                   if kind in COMPUTE_KINDS and stamps[e] is not None and stamps[s] is not None)
 
     def _no_handler(self, kind: str) -> None:
         raise NotImplementedError(
@@ -583,7 +595,7 @@ class PipelineExecutor:
     def _issue(self, group: PlannedGroup) -> None:
         """Issue one message group: its sends (tensors this stage produced) and its receives
         not posted ahead already."""
-        take, pop_grad, posted, line, clock, mark, send, outputs, stand_in = self._issuing
+        take, pop_grad, posted, line, clock, stamps, send, outputs, stand_in = self._issuing
         if posted is None and group.received is not None:  # receives only, none ahead
             issue = group.received
         else:
@@ -610,8 +622,8 @@ class PipelineExecutor:
                 output = outputs[key]
                 if output._base is None:  # free_output (a sent output has more than 1 element)
                     output.data = stand_in
-        if mark is not None and group.sends:  # traced: the sends end here (`trace_events`)
-            mark(clock())
+        if stamps is not None and group.stamp is not None:  # traced: the sends end here
+            stamps[group.stamp] = clock()
 
     def _hand_over(self, kind: str, source: int, a: Action) -> None:
         """In-memory handover between two chunks of this rank (no message): the forward of
@@ -729,14 +741,20 @@ def trace_events(steps: tuple, hooks: frozenset = frozenset()) -> tuple:
     interval of its handler; the wait for the message it consumes runs from the previous stamp
     to the compute's start, or to the stamp before its `grad_sync` call (so it holds the issue
     of receive-only groups and the step's bookkeeping in between: time that is no compute), and
-    each send of a group from the previous stamp to the group's end. Returns ((kind, mb, chunk), start, end) per event in
-    the order they end, the indices into the step's stamps."""
-    events, last, n = [], 0, 1
+    each send of a group from the previous stamp to the group's end. Returns ((kind, mb, chunk),
+    start, end) per event in the order they end, the indices into the step's stamps; per step,
+    the index of the reading it takes (a compute: at its start; a group that sends: at its end;
+    else None); and how many readings a step takes (the last three: the sends' wait's end, the
+    loss broadcast's start and end)."""
+    events, at, last, n = [], [], 0, 1
     for step in steps:
         if step.__class__ is PlannedGroup:
             if step.sends:
                 events += [(key, last, n) for key in step.sends]
+                at.append(n)
                 last, n = n, n + 1
+            else:
+                at.append(None)
             continue
         index, key, recv = step[0], step[3], step[4]
         if index in hooks:
@@ -744,9 +762,10 @@ def trace_events(steps: tuple, hooks: frozenset = frozenset()) -> tuple:
         if recv is not None:
             events.append((recv[0], last, n - 1 if index in hooks else n))
         events.append((key, n, n + 1))
+        at.append(n)
         last, n = n + 1, n + 2
     events += [(("wait", None, 0), last, n), (("loss_broadcast", None, 0), n + 1, n + 2)]
-    return tuple(events)
+    return tuple(events), tuple(at), n + 3
 
 
 # --- a stage's backward: whole, or split into B and W -------------------------------------------
