@@ -4,6 +4,7 @@ Uses a toy stage (one linear layer + tanh, squared-error loss on the last stage)
 are about the executor, not the model; numerical parity is in test_pipeline_parity.py.
 """
 
+import itertools
 import os
 import time
 
@@ -17,7 +18,7 @@ from megapar.mesh import Layout, Mesh
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.p2p import P2PTimeoutError
 from megapar.pipeline.schedules import Action, get_schedule
-from megapar.pipeline.trace import gather_timeline
+from megapar.pipeline.trace import StepClock, gather_timeline
 
 B, S, H = 2, 4, 8
 SHAPE = (B, S, H)
@@ -64,22 +65,36 @@ class RecordingSync:
         self.calls.append(("finish", time.perf_counter()))
 
 
+def last_backward(events):
+    return max(i for i, e in enumerate(events) if e.kind == "backward")
+
+
 def traced_worker(pp, m, schedule):
     mesh = make_mesh(pp=pp)
     stage = ToyStage(mesh, sleep_s=0.01)
     executor = PipelineExecutor(stage, mesh, schedule, SHAPE, timeout_s=30)
     sync = RecordingSync()
+    clock, readings = executor.clock.stamp, []
+    executor.clock.stamp = lambda: readings.append(None) or clock()
     loss = executor.run(toy_batches(m), grad_sync=sync)
     local = executor.last_timeline
     expected = [(a.kind, a.mb) for a in get_schedule(schedule)(pp, m, mesh.pp_rank)]
     events = local.for_rank(mesh.pp_rank)
+    # One clock reading where an event ends and the next starts (not two per event): each
+    # event's end, each compute's start, the step's start, the loss broadcast's start and the
+    # reading before the grad_sync call of the last backward.
+    computes = sum(e.kind in ("forward", "backward") for e in events)
+    assert len(readings) <= len(events) + computes + 3, (len(readings), len(events))
+    for wait, compute in itertools.pairwise(events):  # a wait ends as its compute starts
+        if wait.kind.startswith("recv") and compute is not events[last_backward(events)]:
+            assert wait.end == compute.start, (wait, compute)
     assert [(e.kind, e.mb) for e in events] == expected + [("wait", None), ("loss_broadcast", None)]
-    assert all(a.end <= b.start for a, b in zip(events, events[1:])), "events overlap"
+    assert all(a.end <= b.start for a, b in itertools.pairwise(events)), "events overlap"
     # grad_sync hooks: begin before the first action, before_last_backward right before the last
     # backward, finish after the end-of-step wait for sends.
     calls = dict(sync.calls)
     assert [c for c, _ in sync.calls] == ["begin_step", "before_last_backward", "finish"]
-    last_b = max(i for i, e in enumerate(events) if e.kind == "backward")
+    last_b = last_backward(events)
     assert calls["begin_step"] <= events[0].start
     assert events[last_b - 1].end <= calls["before_last_backward"] <= events[last_b].start
     wait = next(e for e in events if e.kind == "wait")
@@ -391,3 +406,46 @@ def test_the_losses_are_backpropagated_as_loss_times_scale_over_m_to_the_bit(los
     for batch in batches:  # 1F1B on one stage: F0 B0 F1 B1 ...
         (stage(None, batch) * loss_scale / len(batches)).backward()
     assert all(torch.equal(g, p.grad) for g, p in zip(got, stage.parameters()))
+
+
+class FakeCudaEvent:
+    """A CUDA event on a fake device clock that advances 1 ms at every record."""
+
+    now, waited = [0.0], []
+
+    def __init__(self, enable_timing=False):
+        self.ms = None
+
+    def record(self):
+        FakeCudaEvent.now[0] += 1.0
+        self.ms = FakeCudaEvent.now[0]
+
+    def synchronize(self):
+        FakeCudaEvent.waited.append(self)
+
+    def elapsed_time(self, other):
+        return other.ms - self.ms
+
+
+def test_a_traced_step_on_cuda_stamps_events_read_only_with_the_timeline(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
+    FakeCudaEvent.waited.clear()
+    mesh = Mesh(Layout())
+    executor = PipelineExecutor(ToyStage(mesh), mesh, "1f1b", SHAPE)
+    executor.clock = clock = StepClock("cpu")
+    clock.cuda, clock.stamp = True, clock._cuda_stamp  # the CUDA path, on fake events
+    executor.run(toy_batches(3))
+    assert FakeCudaEvent.waited == []  # no wait for the device during the step
+    events = executor.last_timeline.events
+    assert FakeCudaEvent.waited == [clock._last]  # one wait, for the step's last stamp
+    host = clock._origin[0]  # recorded at 1 ms on the device clock
+    starts = [round((e.start - host) * 1e3, 6) for e in events]
+    ends = [round((e.end - host) * 1e3, 6) for e in events]
+    assert [(e.kind, e.mb) for e in events] == [
+        ("forward", 0), ("backward", 0), ("forward", 1), ("backward", 1), ("forward", 2),
+        ("backward", 2), ("wait", None), ("loss_broadcast", None)]
+    # one record per stamp: the walk's start (1), each compute's start and end, one before the
+    # last backward's grad_sync call (12), the wait's end (the last compute's end is its start)
+    assert list(zip(starts, ends)) == [(2, 3), (4, 5), (6, 7), (8, 9), (10, 11), (13, 14),
+                                       (14, 15), (16, 17)]
+    assert executor.last_compute_s == pytest.approx(6e-3)

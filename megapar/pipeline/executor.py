@@ -27,9 +27,12 @@ by order is kept; at most one ahead per peer); NCCL issues receives where the pr
 
 Every action is traced unless `trace=False`: a compute as its own event, the wait for its
 message as a ``recv_act`` / ``recv_grad`` event before it, each sent message as a ``send_act`` /
-``send_grad`` event spanning its group's issue. `last_timeline` turns the last step into a
-`Timeline` (empty when not traced), and `gather.gather_timeline` aligns and collects all stages'
-timelines on pp rank 0. With `count_comm_wait` the compute actions also count the time they
+``send_grad`` event spanning its group's issue. A traced step only writes clock stamps into a
+list the plan sized, one where an event ends and the next starts, each at the index the plan
+gave its step; which stamps bound which event is planned once (`trace_events`), and
+`last_timeline` builds the last step's `Timeline` from them when it is read (empty when not
+traced), and `gather.gather_timeline` aligns and collects all stages' timelines on pp rank 0.
+With `count_comm_wait` the compute actions also count the time they
 spend blocked in tp / cp collectives (`megapar.comm_wait`).
 """
 
@@ -94,6 +97,15 @@ class StepPlan(NamedTuple):
     plain tuple of its `PlannedCompute` (unpacked at once by the walk)."""
     longest: int
     """The longest encoded status text of the plan (`status.action_line`)."""
+    hooks: frozenset
+    """Indices of the computes before which `grad_sync` may be called (`last_backward` and
+    `arm_at`'s): a traced step ends the wait for their message before the call."""
+    events: tuple
+    """The events of a traced step, in the order they end: ((kind, mb, chunk), index of its
+    start stamp, index of its end stamp), the indices into the step's list of stamps
+    (`trace_events`)."""
+    readings: int
+    """How many clock readings a traced step takes (the length of its list of stamps)."""
 
 
 class PlannedGroup(NamedTuple):
@@ -115,6 +127,9 @@ class PlannedGroup(NamedTuple):
     received: tuple | None
     """A group of receives only: what `p2p.issue` takes for it where no receive is posted
     ahead (the same every step), else None."""
+    stamp: int | None = None
+    """A group that sends: the index of the clock reading at its end in a traced step's
+    stamps (`trace_events`), else None."""
 
 
 SEND_ACT, SEND_GRAD, RECV = 0, 1, 2
@@ -160,6 +175,9 @@ class PlannedCompute(NamedTuple):
     """What the rank is doing while the compute runs (`set_action`)."""
     said: bytes
     """`doing` encoded (`status.encode_action`)."""
+    stamp: int = 0
+    """The index of the clock reading at its start in a traced step's stamps (its end is the
+    next; the reading before its `grad_sync` call, where it has one, the one before)."""
 
 
 class PipelineExecutor:
@@ -205,10 +223,9 @@ class PipelineExecutor:
             "forward": self._forward, "backward": self._backward,
             "backward_input": self._backward_input, "backward_weight": self._backward_weight,
         }
-        self._trace: list[tuple] = []
         self._plans: dict[tuple, StepPlan] = {}  # (m, forward_only) -> see step_plan
         self.clock = StepClock(mesh.device)  # CUDA events on CUDA, perf_counter on the CPU
-        self._last_trace = (mesh.pp_rank, [], float)
+        self._last_trace = (mesh.pp_rank, [], (), float)  # rank, stamps, events, reader
         self.count_comm_wait = False
         """Count the time the compute actions spend blocked in their tp / cp collectives
         (`megapar.comm_wait`; the straggler measure turns it on)."""
@@ -230,7 +247,6 @@ class PipelineExecutor:
         self._grad_sync, self._step_index, self._report_at = None, None, frozenset()
         self._ahead: dict[int, list[Action]] = {}        # per peer rank, receives in order
         self._recvs_issued: set[tuple] = set()           # (kind, mb, chunk) issued so far
-        self._stamp = None  # the clock's stamp in a traced step, else None
         self._line = None  # the shared status line in a step (`status.action_line`), or None
         self._issuing = None  # a step's state `_issue` reads (set by `run`)
 
@@ -265,7 +281,12 @@ class PipelineExecutor:
             steps = tuple(self._plan_group(step) if isinstance(step, MessageGroup)
                           else tuple(self._plan_compute(i, step, acks))
                           for i, step in enumerate(program))
-            saids = [step.said if isinstance(step, PlannedGroup) else step[-1] for step in steps]
+            arm_at = self._chunk_arming(actions, last_backward)
+            hooks = frozenset(arm_at) | ({last_backward} if last_backward is not None else set())
+            events, at, readings = trace_events(steps, hooks)
+            steps = tuple(step._replace(stamp=at[k]) if isinstance(step, PlannedGroup)
+                          else step[:-1] + (at[k],) for k, step in enumerate(steps))
+            saids = [step.said if isinstance(step, PlannedGroup) else step[7] for step in steps]
             saids += [step[4][3] for step in steps
                       if not isinstance(step, PlannedGroup) and step[4] is not None]
             self._plans[key] = StepPlan(
@@ -274,8 +295,9 @@ class PipelineExecutor:
                 report_at=self._report_points(actions),
                 split_backward=any(a.kind == "backward_input" for _, a in actions),
                 acks=acks, posts={rank: tuple(recvs) for rank, recvs in posts.items()},
-                arm_at=self._chunk_arming(actions, last_backward),
-                steps=steps, longest=max((len(said) for said in saids), default=0))
+                arm_at=arm_at,
+                steps=steps, longest=max((len(said) for said in saids), default=0),
+                hooks=hooks, events=events, readings=readings)
         return self._plans[key]
 
     @staticmethod
@@ -380,14 +402,14 @@ class PipelineExecutor:
         last_backward = plan.last_backward
         if forward_only:
             grad_sync = None
-        self._trace = []
         self._reset(micro_batches, loss_scale, forward_only)
         self._report_at = plan.report_at
         self._grad_sync = grad_sync
         self.weight_grads.take()
         self.weight_grads.enabled = not forward_only and plan.split_backward
-        trace, record, clock = self._trace, self.trace, self.clock.stamp
-        self._stamp = clock if record else None
+        record, clock = self.trace, self.clock.stamp
+        # a traced step's clock readings, each at its index (`StepPlan.events`)
+        stamps = [None] * plan.readings if record else None
         if record:
             self.clock.begin()
         try:
@@ -399,32 +421,30 @@ class PipelineExecutor:
                     self._post_ahead(plan.posts)
             issue, get_handler, p2p = self._issue, self.handlers.get, self.p2p
             counted, arm_at, post_ahead = self.count_comm_wait, plan.arm_at, self.post_ahead
+            hooks = plan.hooks
             inputs, out_grads, needs_grad = self._inputs, self._out_grads, not forward_only
             self._line = line = action_line(plan.longest)  # None: set_action
             if p2p is not None:  # what `_issue` needs, in one attribute
                 self._issuing = (
                     self._take_output, self._in_grads.pop,
-                    self._recvs_issued if post_ahead else None, line, self._stamp, p2p.issue,
+                    self._recvs_issued if post_ahead else None, line, clock, stamps, p2p.issue,
                     None if forward_only or self._act_numel < 2 else self._outputs,
-                    self._stand_in, trace)
+                    self._stand_in)
+            if record:
+                stamps[0] = clock()  # where the first wait (or send) starts
             with torch.set_grad_enabled(not forward_only):
                 for step in plan.steps:
                     if step.__class__ is PlannedGroup:
                         issue(step)
                         continue
-                    i, action, kind, key, recv, hand_over, doing, said = step
+                    i, action, kind, _, recv, hand_over, doing, said, at_clock = step
                     if recv is not None:  # wait for the message the compute consumes
                         rkey, peer, rdoing, rsaid, acks, at, is_act = recv
                         if line is not None:
                             line[:len(rsaid)] = rsaid
                         else:
                             set_action(rdoing)
-                        if record:
-                            start = clock()
-                            tensor = p2p.wait_recv(rkey)
-                            trace.append((rkey, start, clock()))
-                        else:
-                            tensor = p2p.wait_recv(rkey)
+                        tensor = p2p.wait_recv(rkey)  # traced: ends at the compute's start
                         for send in acks:  # sends its arrival proves received
                             p2p.release(send)
                         if post_ahead:
@@ -436,8 +456,12 @@ class PipelineExecutor:
                     elif hand_over is not None:
                         self._hand_over(*hand_over, action)
                     self._step_index = i
-                    if grad_sync is not None:
-                        if i == last_backward:
+                    if i in hooks:
+                        if record:  # the wait ends before the call (`trace_events`)
+                            stamps[at_clock - 1] = clock()
+                        if grad_sync is None:
+                            pass
+                        elif i == last_backward:
                             grad_sync.before_last_backward()
                         elif i in arm_at and hasattr(grad_sync, "arm"):
                             grad_sync.arm(arm_at[i])  # a chunk's gradients final next
@@ -449,7 +473,7 @@ class PipelineExecutor:
                     if handler is None:
                         self._no_handler(kind)
                     if record:
-                        start = clock()
+                        stamps[at_clock] = clock()
                     try:
                         if counted:  # the straggler measure: tp / cp waits inside the compute
                             with counting():
@@ -462,42 +486,46 @@ class PipelineExecutor:
                         exc.add_note(self._failed_in(action))
                         raise
                     if record:
-                        trace.append((key, start, clock()))
-            start = clock() if record else 0.0
+                        stamps[at_clock + 1] = clock()
             set_action(f"waiting for the sends of pp stage {self.mesh.pp_rank}")
             if self.p2p is not None:
                 self.p2p.wait_sends()
             if record:
-                trace.append((("wait", None, 0), start, clock()))
+                stamps[-3] = clock()
             if grad_sync is not None:
                 set_action("waiting for the data-parallel gradient all-reduce")
                 grad_sync.finish()
-            start = clock() if record else 0.0
+            if record:
+                stamps[-2] = clock()
             set_action("loss broadcast from the last pipeline stage")
             loss = self._mean_loss(m)
             if record:
-                trace.append((("loss_broadcast", None, 0), start, clock()))
+                stamps[-1] = clock()
             return loss
         finally:
             self._reset([], 1.0, False)
             self.weight_grads.enabled = False  # forwards outside a step compute dW as usual
             self.weight_grads.take()
-            self._last_trace = (self.mesh.pp_rank, trace, self.clock.reader())
+            self._last_trace = (self.mesh.pp_rank, stamps or [], plan.events if record else (),
+                                self.clock.reader())
 
     @property
     def last_timeline(self) -> Timeline:
         """The last step's events (empty when it was not traced), read when asked for: on CUDA
         that is when the step's events are waited for, not during the step."""
-        rank, trace, at = self._last_trace
-        return Timeline([Event(rank, k, mb, at(s), at(e), c) for (k, mb, c), s, e in trace])
+        rank, stamps, events, at = self._last_trace
+        seconds = [None if stamp is None else at(stamp) for stamp in stamps]
+        return Timeline([Event(rank, k, mb, seconds[s], seconds[e], c)
+                         for (k, mb, c), s, e in events  # a step that failed part-way:
+                         if seconds[e] is not None and seconds[s] is not None])  # those ended
 
     @property
     def last_compute_s(self) -> float:
         """Seconds the last step's compute actions took (0 when it was not traced); on CUDA
         read as `last_timeline` is."""
-        _, trace, at = self._last_trace
-        return sum(at(end) - at(start) for (kind, _, _), start, end in trace
-                   if kind in COMPUTE_KINDS)
+        _, stamps, events, at = self._last_trace
+        return sum(at(stamps[e]) - at(stamps[s]) for (kind, _, _), s, e in events
+                   if kind in COMPUTE_KINDS and stamps[e] is not None and stamps[s] is not None)
 
     def _no_handler(self, kind: str) -> None:
         raise NotImplementedError(
@@ -567,7 +595,7 @@ class PipelineExecutor:
     def _issue(self, group: PlannedGroup) -> None:
         """Issue one message group: its sends (tensors this stage produced) and its receives
         not posted ahead already."""
-        take, pop_grad, posted, line, stamp, send, outputs, stand_in, trace = self._issuing
+        take, pop_grad, posted, line, clock, stamps, send, outputs, stand_in = self._issuing
         if posted is None and group.received is not None:  # receives only, none ahead
             issue = group.received
         else:
@@ -588,18 +616,14 @@ class PipelineExecutor:
             line[:len(group.said)] = group.said
         else:
             set_action(group.doing)
-        if stamp is not None:
-            start = stamp()
         send(issue)
         if outputs is not None:  # backward needs the graph, not the sent values
             for key in group.sent_acts:
                 output = outputs[key]
                 if output._base is None:  # free_output (a sent output has more than 1 element)
                     output.data = stand_in
-        if stamp is not None:
-            end = stamp()
-            for key in group.sends:
-                trace.append((key, start, end))
+        if stamps is not None and group.stamp is not None:  # traced: the sends end here
+            stamps[group.stamp] = clock()
 
     def _hand_over(self, kind: str, source: int, a: Action) -> None:
         """In-memory handover between two chunks of this rank (no message): the forward of
@@ -705,6 +729,43 @@ class PipelineExecutor:
                       f"rank {self.mesh.rank}: broadcast of the loss from the last pipeline "
                       f"stage (rank {src})")
         return loss
+
+
+def trace_events(steps: tuple, hooks: frozenset = frozenset()) -> tuple:
+    """`StepPlan.events` of the planned `steps`: which stamps of a traced step bound which event.
+
+    A traced step reads the clock once at each point where one event ends and the next starts:
+    before the walk (stamp 0), right before and right after each compute's handler, after each
+    group that sends, after the wait for outstanding sends, and around the loss broadcast; and
+    before the `grad_sync` calls of the computes in `hooks` (`StepPlan.hooks`). A compute is the
+    interval of its handler; the wait for the message it consumes runs from the previous stamp
+    to the compute's start, or to the stamp before its `grad_sync` call (so it holds the issue
+    of receive-only groups and the step's bookkeeping in between: time that is no compute), and
+    each send of a group from the previous stamp to the group's end. Returns ((kind, mb, chunk),
+    start, end) per event in the order they end, the indices into the step's stamps; per step,
+    the index of the reading it takes (a compute: at its start; a group that sends: at its end;
+    else None); and how many readings a step takes (the last three: the sends' wait's end, the
+    loss broadcast's start and end)."""
+    events, at, last, n = [], [], 0, 1
+    for step in steps:
+        if step.__class__ is PlannedGroup:
+            if step.sends:
+                events += [(key, last, n) for key in step.sends]
+                at.append(n)
+                last, n = n, n + 1
+            else:
+                at.append(None)
+            continue
+        index, key, recv = step[0], step[3], step[4]
+        if index in hooks:
+            n += 1
+        if recv is not None:
+            events.append((recv[0], last, n - 1 if index in hooks else n))
+        events.append((key, n, n + 1))
+        at.append(n)
+        last, n = n + 1, n + 2
+    events += [(("wait", None, 0), last, n), (("loss_broadcast", None, 0), n + 1, n + 2)]
+    return tuple(events), tuple(at), n + 3
 
 
 # --- a stage's backward: whole, or split into B and W -------------------------------------------
