@@ -117,6 +117,8 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     seq = SEQ // cp // tp if sequence_parallel else SEQ // cp
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq, CONFIG["n_embd"]),
                                 virtual_stages=virtual_stages)
+    if not isinstance(offload, bool) or kind not in ("gpt2", "bert", "llama"):
+        raise TypeError(f"_train(offload={offload!r}, kind={kind!r}): arguments out of place")
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, offload=offload)
     grad_sync = GradBuckets(list(model.parameters()), mesh.dp_cp_group, bucket_mb=0.02,
                             average_over=dp) if dp * cp > 1 else None
@@ -273,9 +275,9 @@ def test_zero2_parity(kind):
     slices), first-step gradients (gathered from the slices) and final weights."""
     reference = serial_reference(kind)
     outs8 = run_local(_worker, 8, [(*r, *(("fp32", "1f1b", 1, "tp-pp-dp", False, 1)[len(r) - 4:]),
-                                    MBS, kind) for r in ZERO2_8])
+                                    MBS, False, kind) for r in ZERO2_8])
     outs4 = run_local(_worker, 4, [(*r, *(("fp32", "1f1b", 1, "tp-pp-dp", False, 1)[len(r) - 4:]),
-                                    MBS, kind) for r in ZERO2_4])
+                                    MBS, False, kind) for r in ZERO2_4])
     for outs, runs in ((outs8, ZERO2_8), (outs4, ZERO2_4)):
         for i in range(len(runs)):
             check_against(reference, [o[i] for o in outs])
