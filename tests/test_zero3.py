@@ -34,8 +34,9 @@ from megapar.training.step import BatchPlan
 
 def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
           precision: str = "fp32", recompute: str = "none", virtual_stages: int = 1,
-          model_config=None, kind: str = "adamw", persist: int = 0):
-    """(model, TrainStep, ShardedParams) for --zero 3 on `mesh`."""
+          model_config=None, kind: str = "adamw", persist: int = 0, offload: bool = False):
+    """(model, TrainStep, ShardedParams) for --zero 3 on `mesh`; `offload`: the optimizer
+    steps host copies of the shards (--offload-optimizer)."""
     from megapar.data_parallel.sharded_params import ShardedParams
     from megapar.optim import Precision
     from megapar.optim.zero3 import Zero3Optimizer
@@ -51,7 +52,7 @@ def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq, cfg.hidden_size),
                                 virtual_stages=virtual_stages)
     optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
-                               kind=kind, tp_group=mesh.tp_group)
+                               kind=kind, tp_group=mesh.tp_group, offload=offload)
     sharded = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp, keep=keep,
                             persist_below=persist)
     step = TrainStep(model, mesh, executor, optimizer, scheduler(),
@@ -62,7 +63,7 @@ def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
 def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False,
            sequence_parallel: bool = False, cp: int = 1, recompute: str = "none",
            order: str = "tp-pp-dp", virtual_stages: int = 1, mbs: int = 2,
-           persist: int = 0) -> dict:
+           persist: int = 0, offload: bool = False) -> dict:
     import torch.distributed as dist
 
     from megapar.tensor_parallel.partition import gather_full
@@ -70,7 +71,8 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
     mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank())
     mesh.sequence_parallel = sequence_parallel
     model, step, sharded = build(mesh, schedule, keep, recompute=recompute,
-                                 virtual_stages=virtual_stages, mbs=mbs, persist=persist)
+                                 virtual_stages=virtual_stages, mbs=mbs, persist=persist,
+                                 offload=offload)
     optimizer, full_grads = step.optimizer, {}
     optimizer_step = optimizer.step
 
@@ -91,7 +93,11 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
                    for n, p in model.named_parameters()}
     freed = all(u.full.untyped_storage().nbytes() == 0 for u in sharded.units)
     keep_rank = mesh.dp_rank == 0 and mesh.tp_rank == 0 and mesh.cp_rank == 0
+    host = optimizer.host
     return {"layout": (tp, pp, dp, 3, schedule, order, cp), "results": results,
+            "host_copies": host is not None and host.copies and all(
+                m.data_ptr() != t.data_ptr() for m, t in zip(host.masters, host.stepped)),
+            "refreshed": host.refreshed if host is not None else 0,
             "weights": weights if keep_rank else {}, "grads": full_grads if keep_rank else {},
             "freed": freed}
 

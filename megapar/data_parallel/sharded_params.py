@@ -424,6 +424,10 @@ class ShardedParams:
         self.prefetch(u.prev)
 
     # checkpoints ---------------------------------------------------------------------------
+    def held_weights(self) -> list[torch.Tensor]:
+        """This rank's parameter shards (what it holds of the weights between steps)."""
+        return [u.shard for u in self.units]
+
     @torch.no_grad()
     def host_params(self, keep_on: bool) -> dict[int, torch.Tensor]:
         """id(param) -> a host copy of the gathered parameter, one unit gathered at a time
