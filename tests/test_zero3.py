@@ -34,9 +34,11 @@ from megapar.training.step import BatchPlan
 
 def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
           precision: str = "fp32", recompute: str = "none", virtual_stages: int = 1,
-          model_config=None, kind: str = "adamw", persist: int = 0, offload: bool = False):
+          model_config=None, kind: str = "adamw", persist: int = 0, offload: bool = False,
+          offload_params: bool = False):
     """(model, TrainStep, ShardedParams) for --zero 3 on `mesh`; `offload`: the optimizer
-    steps host copies of the shards (--offload-optimizer)."""
+    steps host copies of the shards (--offload-optimizer); `offload_params`: the shards are
+    held on the host (--offload-params)."""
     from megapar.data_parallel.sharded_params import ShardedParams
     from megapar.optim import Precision
     from megapar.optim.zero3 import Zero3Optimizer
@@ -54,7 +56,7 @@ def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
     optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
                                kind=kind, tp_group=mesh.tp_group, offload=offload)
     sharded = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp, keep=keep,
-                            persist_below=persist)
+                            persist_below=persist, offload=offload_params)
     step = TrainStep(model, mesh, executor, optimizer, scheduler(),
                      Precision(precision, mesh.device), MAX_NORM, sharded)
     return model, step, sharded
@@ -63,7 +65,7 @@ def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
 def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False,
            sequence_parallel: bool = False, cp: int = 1, recompute: str = "none",
            order: str = "tp-pp-dp", virtual_stages: int = 1, mbs: int = 2,
-           persist: int = 0, offload: bool = False) -> dict:
+           persist: int = 0, offload: bool = False, offload_params: bool = False) -> dict:
     import torch.distributed as dist
 
     from megapar.tensor_parallel.partition import gather_full
@@ -72,7 +74,7 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
     mesh.sequence_parallel = sequence_parallel
     model, step, sharded = build(mesh, schedule, keep, recompute=recompute,
                                  virtual_stages=virtual_stages, mbs=mbs, persist=persist,
-                                 offload=offload)
+                                 offload=offload, offload_params=offload_params)
     optimizer, full_grads = step.optimizer, {}
     optimizer_step = optimizer.step
 
@@ -98,8 +100,22 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
             "host_copies": host is not None and host.copies and all(
                 m.data_ptr() != t.data_ptr() for m, t in zip(host.masters, host.stepped)),
             "refreshed": host.refreshed if host is not None else 0,
+            "held": _held(model, sharded, host),
             "weights": weights if keep_rank else {}, "grads": full_grads if keep_rank else {},
             "freed": freed}
+
+
+def _held(model, sharded, host) -> dict:
+    """Bytes of the distinct storages (as the dry run counts them) of what the rank holds of
+    the weights between steps: on the device (parameters, shards) and in host memory (the
+    host shards of --offload-params); the shards' bytes; and the host step's masters."""
+    from megapar.dryrun.world import storage_bytes
+
+    return {"device": storage_bytes([*model.parameters(), *(u.shard for u in sharded.units)]),
+            "host": storage_bytes([u.host_shard for u in sharded.units
+                                   if u.host_shard is not None]),
+            "shards": sum(u.shard_nbytes for u in sharded.units),
+            "masters": storage_bytes(host.masters) if host is not None else 0}
 
 
 def _worker(runs: list[tuple]) -> list[dict]:
