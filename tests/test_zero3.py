@@ -447,3 +447,14 @@ def test_zero3_parity_2x2x2(reference):
     for i in range(len(runs)):
         check_against(reference, [o[i] for o in outs])
         assert all(o[i]["freed"] for o in outs)
+
+
+def test_zero3_optimizer_says_it_is_stage_3():
+    """The step picks the tp sum of sequence parallelism's gradients by the stage, and the
+    checkpoint's JSON records it: ZeroOptimizer's constructor must not reset it to 1."""
+    from megapar.optim.zero3 import Zero3Optimizer
+
+    mesh = Mesh(Layout())
+    model = build_stage(config(), mesh, SEED)
+    opt = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD)
+    assert opt.zero == 3 and opt.state_json()["zero"] == 3

@@ -33,6 +33,10 @@ class Zero3Optimizer(ZeroOptimizer):
 
     zero = 3
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.zero = 3  # ZeroOptimizer's __init__ set its own stage (1)
+
     @torch.no_grad()
     def attach(self, grad_sync, last=(), before_reduce=None) -> None:
         """Take this rank's pieces of `grad_sync`'s units (a `ShardedParams` over the same
