@@ -42,6 +42,12 @@ order hooks fire in, and gathers are issued in program order, so every rank of t
 issues the same collectives in the same order (NCCL's rule). The root goes last and, with a
 tied embedding over pipeline stages (`defer`), only after `before_reduce`.
 
+`offload=True` (``--offload-params``, DeepSpeed's offload_param): each unit's shard is held in
+host memory (`Unit.host_shard`, pinned on CUDA; on the CPU only with `HOST_COPIES_ENV`, else
+nothing moves) and `Unit.shard` is a device staging buffer, filled from the host just before
+each gather and freed once the gather is done; the optimizer steps the host shards
+(`Zero3Optimizer` with offload).
+
 Traffic per step without pp (m micro-batches): 2 m all-gathers of every unit and one
 reduce-scatter (1.5x an all-reduce's bytes at m = 1); with `keep`, one all-gather per unit.
 """

@@ -11,6 +11,11 @@ there is no all-gather after the step (each unit is gathered when it is next use
 sequence parallelism the replicated parameters' partial gradients are summed over tp on the
 pieces (`sum_partial_over_tp`), after the reduce-scatter.
 
+With offload (``--offload-optimizer``) the pieces are stepped on the host (`HostStep`); when
+`ShardedParams` holds the shards on the host (``--offload-params``) the host step's masters are
+views into those host shards, and the pieces (views into the freed device staging shard) only
+carry the device gradients.
+
 Per rank between steps, in fp32 with Adam: 4 bytes of parameter shard + 4 of gradient shard +
 8 of moments per element of the stage's padded units, over g = dp (x cp): 16 / g bytes per
 parameter.
