@@ -202,6 +202,17 @@ def polls_host(device: torch.device) -> bool:
     return torch.device(device).type != "cuda"
 
 
+HOST_COPIES_ENV = "MEGAPAR_HOST_COPIES"
+"""Set to 1: offloading (--offload-optimizer, --offload-params) makes separate host copies
+even of tensors already on the CPU, as it does of a GPU's."""
+
+
+def host_copies_wanted(device: torch.device) -> bool:
+    """Whether offloading tensors of `device` makes separate host copies: off the CPU, or when
+    `HOST_COPIES_ENV` asks for them."""
+    return torch.device(device).type != "cpu" or os.environ.get(HOST_COPIES_ENV) == "1"
+
+
 def host_buffer(like: torch.Tensor) -> torch.Tensor:
     """An empty host tensor of `like`'s shape and dtype to copy it into: page-locked (pinned)
     when `like` is on a GPU, so that the copy runs asynchronously on its stream

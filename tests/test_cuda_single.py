@@ -348,6 +348,57 @@ def test_offload_optimizer_steps_on_the_host_and_frees_the_moments():
         assert saved == pytest.approx(8 * n, rel=0.05)
 
 
+# --offload-params ---------------------------------------------------------------------------------
+def test_offload_params_moves_the_parameter_shards_off_the_device(monkeypatch):
+    """--zero 3 --offload-optimizer, with and without --offload-params, as rank 0 of dp 2 on
+    the fake process group (one GPU: the collectives do nothing, so the values are not
+    checked; the CPU tier's parity tests check them): the parameter shards are pinned host
+    tensors, and the device holds their bytes less, measured with the allocator after
+    building and after a step (the staging shards of the step's gathers freed; reported)."""
+    import torch.distributed as dist
+
+    from megapar.device import HOST_COPIES_ENV
+
+    monkeypatch.setenv(HOST_COPIES_ENV, "1")  # the CPU rehearsal runs the copying path too
+    monkeypatch.setenv("WORLD_SIZE", "2")  # Mesh.from_env: the layout is dp 2
+    monkeypatch.setenv("RANK", "0")
+    allocated, shard_bytes = {}, {}
+    dist.init_process_group("fake", rank=0, world_size=2)
+    try:
+        for offload in (False, True):
+            gc.collect()
+            if on_cuda():
+                torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated() if on_cuda() else 0
+            engine = engine_on("gpu", "gpt2", zero=3, offload_optimizer=True,
+                               offload_params=offload, on_nonfinite="skip")
+            built = (torch.cuda.memory_allocated() if on_cuda() else 0) - before
+            units = engine.sharded_params.units
+            shard_bytes[offload] = sum(u.shard_nbytes for u in units)
+            if offload:
+                assert all(u.host_shard is not None and u.host_shard.device.type == "cpu"
+                           and u.shard.untyped_storage().nbytes() == 0 for u in units)
+                assert all(u.host_shard.is_pinned() for u in units) == on_cuda()
+                masters = {m.untyped_storage()._cdata for m in engine.optimizer.host.masters}
+                assert masters <= {u.host_shard.untyped_storage()._cdata for u in units}
+            else:
+                assert all(u.host_shard is None and u.shard.device == GPU for u in units)
+            engine.train_step(batch("gpt2", 0))
+            assert all(u.shard.untyped_storage().nbytes() == 0 for u in units) == offload
+            stepped = (torch.cuda.memory_allocated() if on_cuda() else 0) - before
+            allocated[offload] = (built, stepped)
+            del engine, units
+    finally:
+        dist.destroy_process_group()
+    assert shard_bytes[False] == shard_bytes[True] > 0
+    if on_cuda():
+        saved = [a - b for a, b in zip(allocated[False], allocated[True])]
+        record("offload_params_device_bytes", shard_bytes=shard_bytes[True],
+               without=allocated[False], with_offload=allocated[True], saved=saved)
+        for s in saved:  # each shard a block of its own (the allocator rounds to 512 bytes)
+            assert s == pytest.approx(shard_bytes[True], rel=0.05)
+
+
 # memory against the planner, the main job -------------------------------------------------------
 def test_gpt2_124m_peak_memory_against_the_planner():
     """One bf16 step of GPT-2 124M at micro-batch 4 x 1024 tokens (after a warm-up step, so

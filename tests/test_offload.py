@@ -124,6 +124,7 @@ def test_host_keyed_state_finds_masters_by_their_tensors():
     ({"offload_params": True}, "--offload-params needs --zero 3"),
     ({"offload_params": True, "zero": 1}, "--offload-params needs --zero 3"),
     ({"offload_optimizer": True, "optimizer": "lamb"}, "--offload-optimizer steps AdamW or SGD"),
+    ({"offload_params": True, "zero": 3}, "--offload-params needs --offload-optimizer"),
 ])
 def test_offload_combinations_it_cannot_serve_are_one_line(flags, message):
     with pytest.raises(UsageError, match=message) as err:
@@ -161,3 +162,71 @@ def test_a_tensor_without_gradient_is_not_stepped_on_the_host(host_copies):
         p.grad = torch.ones_like(p)
     opt.step()
     assert torch.equal(frozen, before) and not torch.equal(moved, other)
+
+
+def test_offload_parity_zero2_dp2_and_tp2_dp2(reference, host_copies):
+    """--zero 2 (the reduced gradients sharded too): the host step's gradients are the
+    shard's slices; dp 2, and tp 2 x dp 2, train as one process."""
+    for world, tp in ((2, 1), (4, 2)):
+        outs = run_local(_worker, world, [_offloaded(tp, 2, 2)])
+        check_against(reference, [o[0] for o in outs])
+        assert all(o[0]["host_copies"] and o[0]["refreshed"] == 0 for o in outs)
+
+
+def test_offload_parity_zero3_dp2_and_pp2_dp2(reference, host_copies):
+    """--zero 3: the optimizer steps host copies of this rank's parameter shards; dp 2 and
+    pp 2 x dp 2 (1F1B) train as one process."""
+    from test_zero3 import _worker as zero3_worker
+
+    for world, pp in ((2, 1), (4, 2)):
+        run = (1, pp, 2, "1f1b", False, False, 1, "none", "tp-pp-dp", 1, 2, 0, True)
+        outs = run_local(zero3_worker, world, [run])
+        check_against(reference, [o[0] for o in outs])
+        assert all(o[0]["host_copies"] and o[0]["refreshed"] == 0 and o[0]["freed"]
+                   for o in outs)
+
+
+@pytest.mark.parametrize("saved,resumed", [
+    (["--zero", "3", "--offload-optimizer"], ["--zero", "0"]),
+    (["--zero", "0"], ["--zero", "3", "--offload-optimizer"]),
+    (["--zero", "3", "--offload-optimizer", "--offload-params"], ["--zero", "0"]),
+    (["--zero", "0"], ["--zero", "3", "--offload-optimizer", "--offload-params"]),
+])
+def test_cli_zero3_offload_checkpoint_both_ways(tmp_path, common, host_copies,  # noqa: F811
+                                                saved, resumed):
+    """megapar-train --dp 2: a checkpoint of an offloaded --zero 3 run (optimizer, and
+    parameter shards too) resumes at --zero 0, and the reverse, with the losses of the run
+    that went on (fp32, 1e-5)."""
+    from test_layout_change import _assert_continues, _train_and_checkpoint
+
+    from megapar.cli.train import main as train
+
+    reference, step3 = _train_and_checkpoint(tmp_path, common, ["--dp", "2", *saved])
+    log = tmp_path / "resumed.jsonl"
+    assert train([*common, "--dp", "2", *resumed, "--load", str(step3),
+                  "--log-json", str(log)]) == 0
+    _assert_continues(reference, log, f"{saved} -> {resumed}")
+
+
+def test_offload_params_parity_and_bytes_dp2_tp2_pp2(reference, host_copies):
+    """--zero 3 --offload-params --offload-optimizer with separate host copies (as on CUDA):
+    the parameter shards live in host memory, each unit's shard is copied to a device staging
+    shard for its gather and freed after it, and the host step updates the host shards in
+    place. dp 2, tp 2 x dp 2 and pp 2 x dp 2 train as one process; between steps the device
+    holds the shards' bytes less than without --offload-params, and the host holds them, once
+    (the host step's masters are the host shards, not copies of them)."""
+    from test_zero3 import _worker as zero3_worker
+
+    for world, tp, pp in ((2, 1, 1), (4, 2, 1), (4, 1, 2)):
+        runs = [(tp, pp, 2, "1f1b", False, False, 1, "none", "tp-pp-dp", 1, 2, 0, True, p)
+                for p in (False, True)]
+        outs = run_local(zero3_worker, world, runs)
+        for i in range(2):
+            check_against(reference, [o[i] for o in outs])
+        for o in outs:
+            kept, offloaded = o[0]["held"], o[1]["held"]
+            assert kept["shards"] == offloaded["shards"] > 0
+            assert kept["host"] == 0 and kept["device"] == kept["shards"]
+            assert offloaded["device"] == kept["device"] - kept["shards"] == 0
+            assert offloaded["host"] == offloaded["masters"] == kept["shards"]
+            assert o[1]["refreshed"] == 0 and o[1]["freed"]

@@ -34,8 +34,11 @@ from megapar.training.step import BatchPlan
 
 def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
           precision: str = "fp32", recompute: str = "none", virtual_stages: int = 1,
-          model_config=None, kind: str = "adamw", persist: int = 0):
-    """(model, TrainStep, ShardedParams) for --zero 3 on `mesh`."""
+          model_config=None, kind: str = "adamw", persist: int = 0, offload: bool = False,
+          offload_params: bool = False):
+    """(model, TrainStep, ShardedParams) for --zero 3 on `mesh`; `offload`: the optimizer
+    steps host copies of the shards (--offload-optimizer); `offload_params`: the shards are
+    held on the host (--offload-params)."""
     from megapar.data_parallel.sharded_params import ShardedParams
     from megapar.optim import Precision
     from megapar.optim.zero3 import Zero3Optimizer
@@ -51,9 +54,9 @@ def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq, cfg.hidden_size),
                                 virtual_stages=virtual_stages)
     optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
-                               kind=kind, tp_group=mesh.tp_group)
+                               kind=kind, tp_group=mesh.tp_group, offload=offload)
     sharded = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp, keep=keep,
-                            persist_below=persist)
+                            persist_below=persist, offload=offload_params)
     step = TrainStep(model, mesh, executor, optimizer, scheduler(),
                      Precision(precision, mesh.device), MAX_NORM, sharded)
     return model, step, sharded
@@ -62,7 +65,7 @@ def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
 def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False,
            sequence_parallel: bool = False, cp: int = 1, recompute: str = "none",
            order: str = "tp-pp-dp", virtual_stages: int = 1, mbs: int = 2,
-           persist: int = 0) -> dict:
+           persist: int = 0, offload: bool = False, offload_params: bool = False) -> dict:
     import torch.distributed as dist
 
     from megapar.tensor_parallel.partition import gather_full
@@ -70,7 +73,8 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
     mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank())
     mesh.sequence_parallel = sequence_parallel
     model, step, sharded = build(mesh, schedule, keep, recompute=recompute,
-                                 virtual_stages=virtual_stages, mbs=mbs, persist=persist)
+                                 virtual_stages=virtual_stages, mbs=mbs, persist=persist,
+                                 offload=offload, offload_params=offload_params)
     optimizer, full_grads = step.optimizer, {}
     optimizer_step = optimizer.step
 
@@ -91,9 +95,27 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
                    for n, p in model.named_parameters()}
     freed = all(u.full.untyped_storage().nbytes() == 0 for u in sharded.units)
     keep_rank = mesh.dp_rank == 0 and mesh.tp_rank == 0 and mesh.cp_rank == 0
+    host = optimizer.host
     return {"layout": (tp, pp, dp, 3, schedule, order, cp), "results": results,
+            "host_copies": host is not None and host.copies and all(
+                m.data_ptr() != t.data_ptr() for m, t in zip(host.masters, host.stepped)),
+            "refreshed": host.refreshed if host is not None else 0,
+            "held": _held(model, sharded, host),
             "weights": weights if keep_rank else {}, "grads": full_grads if keep_rank else {},
             "freed": freed}
+
+
+def _held(model, sharded, host) -> dict:
+    """Bytes of the distinct storages (as the dry run counts them) of what the rank holds of
+    the weights between steps: on the device (parameters, shards) and in host memory (the
+    host shards of --offload-params); the shards' bytes; and the host step's masters."""
+    from megapar.dryrun.world import storage_bytes
+
+    return {"device": storage_bytes([*model.parameters(), *(u.shard for u in sharded.units)]),
+            "host": storage_bytes([u.host_shard for u in sharded.units
+                                   if u.host_shard is not None]),
+            "shards": sum(u.shard_nbytes for u in sharded.units),
+            "masters": storage_bytes(host.masters) if host is not None else 0}
 
 
 def _worker(runs: list[tuple]) -> list[dict]:
@@ -425,3 +447,14 @@ def test_zero3_parity_2x2x2(reference):
     for i in range(len(runs)):
         check_against(reference, [o[i] for o in outs])
         assert all(o[i]["freed"] for o in outs)
+
+
+def test_zero3_optimizer_says_it_is_stage_3():
+    """The step picks the tp sum of sequence parallelism's gradients by the stage, and the
+    checkpoint's JSON records it: ZeroOptimizer's constructor must not reset it to 1."""
+    from megapar.optim.zero3 import Zero3Optimizer
+
+    mesh = Mesh(Layout())
+    model = build_stage(config(), mesh, SEED)
+    opt = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD)
+    assert opt.zero == 3 and opt.state_json()["zero"] == 3

@@ -42,6 +42,12 @@ order hooks fire in, and gathers are issued in program order, so every rank of t
 issues the same collectives in the same order (NCCL's rule). The root goes last and, with a
 tied embedding over pipeline stages (`defer`), only after `before_reduce`.
 
+`offload=True` (``--offload-params``, DeepSpeed's offload_param): each unit's shard is held in
+host memory (`Unit.host_shard`, pinned on CUDA; on the CPU only with `HOST_COPIES_ENV`, else
+nothing moves) and `Unit.shard` is a device staging buffer, filled from the host just before
+each gather and freed once the gather is done; the optimizer steps the host shards
+(`Zero3Optimizer` with offload).
+
 Traffic per step without pp (m micro-batches): 2 m all-gathers of every unit and one
 reduce-scatter (1.5x an all-reduce's bytes at m = 1); with `keep`, one all-gather per unit.
 """
@@ -70,7 +76,7 @@ class Unit:
     """One gathered-together group of parameters (a block, or a chunk's root)."""
 
     def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], shards: int,
-                 rank: int):
+                 rank: int, offload: bool = False):
         self.name, self.module, self.params = name, module, params
         self.numel = sum(p.numel() for p in params)
         self.padded = -(-self.numel // shards) * shards
@@ -93,6 +99,15 @@ class Unit:
         """This rank's slice of the parameters (fp32 master, stepped by the optimizer)."""
         self.grad_shard = torch.zeros_like(self.shard)
         """This rank's slice of the dp-averaged gradient (written by the reduce-scatter)."""
+        self.shard_nbytes = self.shard.untyped_storage().nbytes()
+        self.host_shard: torch.Tensor | None = None
+        """--offload-params (with separate host copies: on CUDA, or `HOST_COPIES_ENV`): the
+        slice in host memory (pinned on CUDA), the weights the optimizer steps; `shard` is then
+        a device staging buffer, its storage only there while the unit's gather runs."""
+        if offload and _device.host_copies_wanted(device):
+            self.host_shard = _device.host_buffer(self.shard)
+            self.host_shard.copy_(self.shard)
+            self.shard.untyped_storage().resize_(0)
         self.full = full
         """The gathered parameters; storage of size 0 while freed."""
         self.nbytes = full.untyped_storage().nbytes()
@@ -125,6 +140,9 @@ class Unit:
         if self.gathered or self.handle is not None:
             return
         self.full.untyped_storage().resize_(self.nbytes)
+        if self.host_shard is not None:  # to the device staging shard first
+            self.shard.untyped_storage().resize_(self.shard_nbytes)
+            self.shard.copy_(self.host_shard, non_blocking=True)
         size = self.hi - self.lo
         if piece is None or size <= piece:
             self.handle = _all_gather(self.full, self.shard, group)
@@ -136,6 +154,7 @@ class Unit:
             _all_gather(stage, self.shard[j:j + n], group).wait()
             self.full.view(ranks, size)[:, j:j + n].copy_(stage.view(ranks, n))
         self.gathered = True
+        self._free_staging()
 
     def reduce_scatter(self, group, piece: int | None = None):
         """Reduce-scatter the full gradient into `grad_shard`: async (returns the work), or
@@ -157,6 +176,19 @@ class Unit:
             self.handle.wait()
             self.handle = None
             self.gathered = True
+            self._free_staging()
+
+    def _free_staging(self) -> None:
+        """--offload-params: free the device staging shard once its gather is done (the
+        current stream is ordered after the gather)."""
+        if self.host_shard is not None:
+            self.shard.untyped_storage().resize_(0)
+
+    def keep_shard(self) -> None:
+        """Take this rank's slice of the gathered (possibly rewritten) parameters as its
+        shard: the host shard under --offload-params."""
+        held = self.shard if self.host_shard is None else self.host_shard
+        held.copy_(self.full[self.lo:self.hi])
 
     def grads(self) -> torch.Tensor:
         """The full gradient buffer (made on first use in a step, holding any gradient
@@ -221,11 +253,13 @@ class ShardedParams:
     for GPT-2 124M's root unit at dp 2). NCCL runs every collective in place, whole."""
 
     def __init__(self, stage: nn.Module, group, average_over: int | None = None,
-                 keep: bool = False, persist_below: int = 0):
+                 keep: bool = False, persist_below: int = 0, offload: bool = False):
         """`persist_below`: parameters with fewer elements go into one *persistent* unit of
         the stage, gathered at the stage's first forward of a step and kept until the step
         ends (DeepSpeed's stage3_param_persistence_threshold: biases and norms are not
-        gathered per use)."""
+        gathered per use). `offload` (--offload-params): each unit's shard is held in host
+        memory and copied to a device staging shard for each gather (`Unit.host_shard`)."""
+        self.offload = offload
         self.group = group
         self.dp = group_size(group)
         self.dp_rank = dist.get_rank(group) if self.dp > 1 else 0
@@ -240,7 +274,7 @@ class ShardedParams:
         for ci, chunk in enumerate(self.chunks):
             layers = getattr(chunk, "layers", None)
             blocks = list(layers.items()) if layers is not None else []
-            made = [Unit(f"chunk {ci} layer {n}", b, ps, self.dp, self.dp_rank)
+            made = [Unit(f"chunk {ci} layer {n}", b, ps, self.dp, self.dp_rank, self.offload)
                     for n, b in blocks if (ps := [p for p in b.parameters() if p.requires_grad
                                                   and p.numel() >= persist_below])]
             tail, embed = self._roots(ci, chunk, blocks, bool(made))
@@ -251,7 +285,7 @@ class ShardedParams:
                 self.first[ci] = made[0]
             per_chunk.append([*reversed(made)] + [u for u in (embed, tail) if u is not None])
         small = [p for p in stage.parameters() if p.requires_grad and p.numel() < persist_below]
-        self.persistent = Unit("persistent", stage, small, self.dp, self.dp_rank) if small \
+        self.persistent = Unit("persistent", stage, small, self.dp, self.dp_rank, self.offload) if small \
             else None
         """The unit of the parameters under `persist_below` elements (None: none)."""
         self.units: list[Unit] = [u for units in reversed(per_chunk) for u in units] + \
@@ -298,7 +332,7 @@ class ShardedParams:
         pre = [p for p in root if id(p) in own]
         post = [p for p in root if id(p) not in own]
         def make(name: str, ps: list) -> Unit | None:
-            return Unit(f"chunk {ci} {name}", chunk, ps, self.dp, self.dp_rank) if ps else None
+            return Unit(f"chunk {ci} {name}", chunk, ps, self.dp, self.dp_rank, self.offload) if ps else None
         return make("root", post), make("embedding", pre)
 
     # the optimizer's view (ZeroOptimizer.state_tensors reads these) ------------------------
@@ -310,8 +344,13 @@ class ShardedParams:
         return u.lo, u.hi
 
     def held_bytes(self) -> int:
-        """Bytes of parameter and gradient shards this rank holds between steps."""
-        return sum(u.shard.nbytes + u.grad_shard.nbytes for u in self.units)
+        """Bytes of parameter and gradient shards this rank holds on its device between steps
+        (without the parameter shards under --offload-params: they are in `host_bytes`)."""
+        return sum(u.shard.untyped_storage().nbytes() + u.grad_shard.nbytes for u in self.units)
+
+    def host_bytes(self) -> int:
+        """Bytes of parameter shards this rank holds in host memory (--offload-params)."""
+        return sum(u.host_shard.nbytes for u in self.units if u.host_shard is not None)
 
     # hooks ---------------------------------------------------------------------------------
     def _attach_hooks(self) -> None:
@@ -424,6 +463,11 @@ class ShardedParams:
         self.prefetch(u.prev)
 
     # checkpoints ---------------------------------------------------------------------------
+    def held_weights(self) -> list[torch.Tensor]:
+        """This rank's parameter shards (what it holds of the weights between steps; on the
+        host under --offload-params)."""
+        return [u.shard if u.host_shard is None else u.host_shard for u in self.units]
+
     @torch.no_grad()
     def host_params(self, keep_on: bool) -> dict[int, torch.Tensor]:
         """id(param) -> a host copy of the gathered parameter, one unit gathered at a time
@@ -452,7 +496,7 @@ class ShardedParams:
         finally:
             with torch.no_grad():
                 for u in self.units:
-                    u.shard.copy_(u.full[u.lo:u.hi])
+                    u.keep_shard()
                     u.free()
 
     @torch.no_grad()

@@ -100,14 +100,16 @@ def nonfinite_parts(loss: float, grad_norm: float) -> str:
     return " and ".join(parts) or f"nothing (loss {loss}, gradient norm {grad_norm})"
 
 
-def params_finite(model, group=None) -> bool:
-    """True when every parameter of every rank is finite (collective over `group`, default world)."""
+def params_finite(weights, group=None) -> bool:
+    """True when every tensor of `weights` (the weights a rank holds) on every rank is finite
+    (collective over `group`, default world)."""
+    weights = list(weights)
     bad = torch.zeros((), dtype=torch.float32)
-    for p in model.parameters():
+    for p in weights:
         if not torch.isfinite(p.detach()).all():
             bad = torch.ones((), dtype=torch.float32)
             break
-    dev = next(model.parameters()).device
+    dev = weights[0].device
     bad = bad.to(dev)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)

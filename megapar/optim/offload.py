@@ -26,19 +26,15 @@ master, and state set for it (a checkpoint being loaded) moved to the master's m
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 
 import torch
 
-HOST_COPIES_ENV = "MEGAPAR_HOST_COPIES"
-"""Set to 1: separate host copies even when the stepped tensors are on the CPU."""
+from megapar.device import HOST_COPIES_ENV, host_copies_wanted
 
+__all__ = ["HOST_COPIES_ENV", "HostKeyed", "HostStep", "copies_wanted"]
 
-def copies_wanted(device: torch.device) -> bool:
-    """Whether offloading tensors of `device` makes separate host copies: off the CPU, or when
-    `HOST_COPIES_ENV` asks for them."""
-    return device.type != "cpu" or os.environ.get(HOST_COPIES_ENV) == "1"
+copies_wanted = host_copies_wanted
 
 
 class HostKeyed(defaultdict):
@@ -74,16 +70,24 @@ class HostKeyed(defaultdict):
 
 
 class HostStep:
-    """The host side of an offloaded optimizer over `stepped` (see the module docstring)."""
+    """The host side of an offloaded optimizer over `stepped` (see the module docstring).
 
-    def __init__(self, stepped: list[torch.Tensor]):
+    `masters` (--offload-params: views into the host-held parameter shards): the host tensors
+    that *are* the weights, one per stepped tensor. Then the stepped tensors only carry the
+    device gradients (their storage may be freed between steps): the step writes nothing back
+    to them, and weights set from outside are set in the masters."""
+
+    def __init__(self, stepped: list[torch.Tensor], masters: list[torch.Tensor] | None = None):
         self.stepped = list(stepped)
         device = self.stepped[0].device if self.stepped else torch.device("cpu")
-        self.copies = copies_wanted(device)
+        self.given = masters is not None
+        """The masters were given (they hold the weights; nothing is copied back)."""
+        self.copies = self.given or copies_wanted(device)
         """Separate host masters (CUDA, or asked for); otherwise the masters are `stepped`."""
         pin = self.pinned = device.type == "cuda"
         if self.copies:
-            self.masters = [_host_like(t, pin, t.detach()) for t in self.stepped]
+            self.masters = list(masters) if self.given else \
+                [_host_like(t, pin, t.detach()) for t in self.stepped]
             self.grads = [_host_like(m, pin) for m in self.masters]
             for m, g in zip(self.masters, self.grads):
                 m.grad = g
@@ -99,7 +103,8 @@ class HostStep:
         """Note the stepped tensors as the masters hold them (after a step and its all-gather):
         a later change from outside (weights loaded from a checkpoint) is copied to the masters
         at the next step."""
-        self._seen = [_mark(t) for t in self.stepped] if self.copies else []
+        self._seen = [_mark(t) for t in self.stepped] if self.copies and not self.given else \
+            [None] * len(self.stepped)
 
     def groups(self, groups: list[dict]) -> list[dict]:
         """The optimizer's param groups with each stepped tensor replaced by its master."""
@@ -121,15 +126,16 @@ class HostStep:
             inner_step()
             return
         for t, m, g, seen in zip(self.stepped, self.masters, self.grads, self._seen):
-            if _mark(t) != seen:  # the weights were set from outside since the last step
+            if seen is not None and _mark(t) != seen:  # weights set from outside since then
                 m.copy_(t)
                 self.refreshed += 1
             m.grad = None if t.grad is None else g  # no gradient: not stepped, as on the device
             if t.grad is not None:
                 g.copy_(t.grad)  # device to pinned host: waits for the gradients
         inner_step()
-        for t, m in zip(self.stepped, self.masters):
-            t.copy_(m, non_blocking=True)
+        if not self.given:
+            for t, m in zip(self.stepped, self.masters):
+                t.copy_(m, non_blocking=True)
 
     def host_tensors(self) -> list[torch.Tensor]:
         """The host copies this offload made (masters and their gradients; [] without)."""

@@ -46,6 +46,9 @@ class AdamWOptimizer(torch.optim.Optimizer):
     `offload`: step in host memory (`offload.HostStep`; AdamW and SGD)."""
 
     zero = 0
+    host_masters: dict[int, torch.Tensor] | None = None
+    """id(stepped tensor) -> the host tensor holding its weights, where they are held on the
+    host (ZeRO-3 with --offload-params); None: `HostStep` makes the masters."""
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], lr: float,
                  weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
@@ -87,7 +90,10 @@ class AdamWOptimizer(torch.optim.Optimizer):
         """The torch optimizer over `groups` (of the stepped tensors: parameters, or ZeRO's
         pieces); with offload, over their host masters."""
         if self.offload:
-            self.host = HostStep([p for g in groups for p in g["params"]])
+            stepped = [p for g in groups for p in g["params"]]
+            masters = self.host_masters
+            self.host = HostStep(stepped, None if masters is None else
+                                 [masters[id(p)] for p in stepped])
             groups = self.host.groups(groups)
         inner = _inner(self.kind, groups, self.lr, self.betas, self.eps, self.momentum,
                        self.tp_group)

@@ -11,6 +11,11 @@ there is no all-gather after the step (each unit is gathered when it is next use
 sequence parallelism the replicated parameters' partial gradients are summed over tp on the
 pieces (`sum_partial_over_tp`), after the reduce-scatter.
 
+With offload (``--offload-optimizer``) the pieces are stepped on the host (`HostStep`); when
+`ShardedParams` holds the shards on the host (``--offload-params``) the host step's masters are
+views into those host shards, and the pieces (views into the freed device staging shard) only
+carry the device gradients.
+
 Per rank between steps, in fp32 with Adam: 4 bytes of parameter shard + 4 of gradient shard +
 8 of moments per element of the stage's padded units, over g = dp (x cp): 16 / g bytes per
 parameter.
@@ -51,7 +56,14 @@ class Zero3Optimizer(ZeroOptimizer):
         self.grad_sync, self.sharded = grad_sync, True
         first = grad_sync.units[0].shard
         self.param_buffers = {first.dtype: first}  # where the state lives (its device)
+        offloaded = grad_sync.units[0].host_shard is not None
+        if offloaded and not self.offload:
+            raise ValueError("ShardedParams keeps the parameter shards on the host "
+                             "(offload): the optimizer must step there too (offload=True)")
+        self.host_masters = {} if offloaded else None
         for u in grad_sync.units:
+            if offloaded:  # views of the staging shard need its storage while they are made
+                u.shard.untyped_storage().resize_(u.shard_nbytes)
             offset = 0
             for p in u.params:
                 self._offset[id(p)] = offset
@@ -61,8 +73,12 @@ class Zero3Optimizer(ZeroOptimizer):
                 at = self._offset[id(p)] - u.lo
                 piece = u.shard[at + start:at + end]
                 piece.grad = u.grad_shard[at + start:at + end]
+                if offloaded:  # the weights live in the host shard: the host step's masters
+                    self.host_masters[id(piece)] = u.host_shard[at + start:at + end]
                 self.pieces.append(piece)
                 self._piece_of.append((p, start, end))
+            if offloaded:
+                u.shard.untyped_storage().resize_(0)
         self._build_inner()
         if self._pending is not None:
             self.load_state_tensors(self._pending)

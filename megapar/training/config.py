@@ -82,7 +82,7 @@ class TrainConfig:
     offload_optimizer: bool = False
     """Keep the fp32 master copy of the stepped parameters (or ZeRO slices) and the optimizer's moments in host memory (pinned on CUDA) and step there: each step copies the reduced, clipped gradients to the host and the updated parameters back (DeepSpeed's offload_optimizer). AdamW and SGD. On the CPU the host is the device: nothing moves."""
     offload_params: bool = False
-    """With --zero 3: keep the parameter shards in host memory and bring each unit to the device for its use (DeepSpeed's offload_param)."""
+    """With --zero 3 and --offload-optimizer: keep the parameter shards (the fp32 weights the optimizer steps) in host memory (pinned on CUDA) and copy each unit's shard to the device just for its gather (DeepSpeed's offload_param). On the CPU the host is the device: nothing moves."""
     zero3_persistence_threshold: int = 0
     """With --zero 3: parameters with fewer elements than this (biases, norms) are not gathered per use: they form one unit gathered at the stage's first forward of a step and kept until its end (DeepSpeed's stage3_param_persistence_threshold; 0: none). Still sharded between steps."""
     zero3_keep_params: bool = False

@@ -109,7 +109,7 @@ class Engine:
             self.optimizer = Zero3Optimizer(
                 self.model.named_parameters(), mesh.dp_cp_group, lr, cfg.weight_decay,
                 betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, kind=cfg.optimizer,
-                tp_group=mesh.tp_group)
+                tp_group=mesh.tp_group, offload=cfg.offload_optimizer)
         else:
             self.optimizer = build_optimizer(self.model, mesh, lr, cfg.weight_decay,
                                              betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -130,7 +130,7 @@ class Engine:
         if cfg.zero == 3 and mesh.dp * mesh.cp > 1:
             self.grad_sync = self.sharded_params = ShardedParams(
                 self.model, mesh.dp_cp_group, average_over=mesh.dp, keep=cfg.zero3_keep_params,
-                persist_below=cfg.zero3_persistence_threshold)
+                persist_below=cfg.zero3_persistence_threshold, offload=cfg.offload_params)
         else:
             self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_cp_group,
                                          cfg.grad_bucket_mb, compressor=compressor,
@@ -406,6 +406,14 @@ class Engine:
         if self.sharded_params is None:
             return contextlib.nullcontext()
         return self.sharded_params.whole()
+
+    def held_weights(self) -> list[torch.Tensor]:
+        """The weights this rank holds between steps: the parameters, or under ZeRO-3 its
+        shards of them (the gathered parameters' storage is freed then: reading them is
+        reading freed memory)."""
+        if self.sharded_params is None:
+            return list(self.model.parameters())
+        return self.sharded_params.held_weights()
 
     def _saved_model(self):
         """What a checkpoint reads the weights from: the stage, or under ZeRO-3 host copies

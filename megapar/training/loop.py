@@ -161,7 +161,7 @@ class Trainer:
         after waiting for the one in flight) and log it."""
         if not launcher_alive():
             raise RunStopped(f"the launcher is gone: step {self.step} not saved")
-        if not params_finite(self.model):
+        if not params_finite(self.engine.held_weights()):
             raise NonFiniteError(f"weights are not finite at step {self.step}: checkpoint not "
                                  f"written (the last one, if any, is intact)")
         if self.engine.saver is not None:  # at most one write in flight

@@ -195,13 +195,11 @@ def check_zero3(cfg) -> None:
         raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} is not served with "
                          f"--zero 3 (its reduce-scatters run in fp32); use --zero 1 for a "
                          f"{cfg.grad_reduce_dtype} reduction, or drop --grad-reduce-dtype")
-    if cfg.offload_params:
-        raise UsageError("--offload-params is not served yet (the parameter shards stay on the "
-                         "device); drop --offload-params, or add --offload-optimizer to move the "
-                         "optimizer state to the host")
-    if cfg.offload_optimizer:
-        raise UsageError("--offload-optimizer is not served with --zero 3 yet; use --zero 1 or "
-                         "--zero 2 with --offload-optimizer, or --zero 3 without it")
+    if cfg.offload_params and not cfg.offload_optimizer:
+        raise UsageError("--offload-params needs --offload-optimizer (the host-held parameter "
+                         "shards are the weights the optimizer steps, so it steps on the host "
+                         "too, as DeepSpeed's offload_param with offload_optimizer): add "
+                         "--offload-optimizer")
     if cfg.dry_run:
         raise UsageError("--dry-run does not model --zero 3 yet (it would report whole weights "
                          "and ZeRO-1's buckets); rehearse the layout with --zero 1, or run it")
