@@ -25,7 +25,8 @@ from megapar.training.config import TrainConfig
     ("gpt2-small-cpu", "zb-v", "none", 1, False, 1),
     ("llama-tiny", "dualpipev", "selective", 0, False, 1),
     ("gpt2-small-cpu", "1f1b", "none", 1, False, 2),
-    ("gpt2-small-cpu", "1f1b", "none", 2, False, 1)])
+    ("gpt2-small-cpu", "1f1b", "none", 2, False, 1),
+    ("gpt2-small-cpu", "1f1b", "none", 3, False, 1)])
 def test_small_layout_equals_the_real_run(run, tmp_path, recipe, schedule, recompute, zero, sp,
                                           cp):
     """2x2x2 (gpt2-small-cpu: 4 layers, hidden 128; llama-tiny), and tp 2 x cp 2 x pp 2: every

@@ -140,7 +140,8 @@ def measure_step(engine, micro_batches: list[dict], step_index: int = 0) -> dict
     with peak_held(engine.executor, held) as peak, count_collectives() as calls, \
             held.counting():
         engine.step_fn.step(micro_batches, step_index)
-    return {**held_bytes(engine.model, engine.optimizer), "activations": peak[0],
+    return {**held_bytes(engine.model, engine.optimizer, engine.sharded_params),
+            "activations": peak[0],
             "calls": list(calls)}
 
 

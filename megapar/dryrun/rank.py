@@ -204,10 +204,13 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     def launched(bucket):
         before = len(run_calls)
         launch(bucket)
-        every = sync.grads_sharded and not bucket.deferred
+        every = getattr(sync, "grads_sharded", False) and not bucket.deferred
         (per_micro_batch_buckets if every else per_step).update(range(before, len(run_calls)))
 
     sync._launch = launched
+    sharded, peak = engine.sharded_params, {"gathered": 0}
+    if sharded is not None:  # ZeRO-3: its gathers, and the gathered units' peak
+        _watch_gathers(sharded, lambda: run_calls, per_step, per_micro_batch_buckets, peak)
     try:
         with count_collectives() as run_calls:
             with engine.precision.autocast():
@@ -227,11 +230,9 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
                for i, c in enumerate(run_calls)] + [1] * len(step_calls)
     comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
     optimizer = engine.optimizer
-    held, gathered = held_bytes(engine.model, optimizer), 0
+    held, gathered = held_bytes(engine.model, optimizer, sharded), peak["gathered"]
     if modelled:
         held, gathered = _modelled_state(cfg, config, mesh, comm, m, notes)
-    elif cfg.zero >= 3:  # units gathered in flight are transient: the planner's, as activations
-        gathered = _planned_state(cfg, config, mesh).gathered
     # the file of this (tp, pp) coordinate, as its dp rank 0 writes it: every parameter with
     # the optimizer's moments, each of its parameter's shape and dtype (what state_tensors()
     # gives the writer; tied copies are not stored)
@@ -252,6 +253,31 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0 and mesh.cp_rank == 0,
         first_batch=first_batch,
         notes=notes)
+
+
+def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: dict) -> None:
+    """Rehearse ZeRO-3's `ShardedParams` as on a GPU (each collective whole and async, as NCCL
+    runs it, not gloo's synchronous pieces) and watch it: the calls of each unit's all-gather
+    go to `per_micro_batch` (twice a micro-batch: forward and backward) or, for the persistent
+    unit and with --zero3-keep-params (gathered once a step), to `per_step`; `peak["gathered"]`
+    is the most bytes of units gathered at once (their full buffers' storages)."""
+    sharded.host_waits, sharded.piece = False, None
+    gather, prefetch = sharded.gather, sharded.prefetch
+
+    def held() -> None:
+        peak["gathered"] = max(peak["gathered"], sum(
+            u.full.untyped_storage().nbytes() for u in sharded.units))
+
+    def watched(fn):
+        def call(u):
+            before = len(calls())
+            fn(u)
+            once = sharded.keep or u is sharded.persistent
+            (per_step if once else per_micro_batch).update(range(before, len(calls())))
+            held()
+        return call
+
+    sharded.gather, sharded.prefetch = watched(gather), watched(prefetch)
 
 
 def _planned_state(cfg, config, mesh: Mesh):
