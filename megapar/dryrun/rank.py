@@ -22,10 +22,13 @@
 Weights, gradients and optimizer state are the bytes of the distinct storages behind the real
 (fake) tensors: parameters (ZeRO-1: the flat parameter buffer, padding included), gradients
 (the gradient buffer) and every tensor of the optimizer's state; with --offload-optimizer its
-host copies (made as on a GPU), and the state and copies counted as host memory. ZeRO-3's
-units gathered in flight are the planner's model, as the activations are. A ZeRO stage this
-megapar-train lacks (not among --zero's choices) is rehearsed at ZeRO-1, with the planner's
-state and dp traffic in place of ZeRO-1's, and a note saying so.
+host copies (made as on a GPU), and the state and copies counted as host memory. ZeRO-3 runs
+the real `ShardedParams` and `Zero3Optimizer` (each collective whole and async, as NCCL runs
+it): weights and gradients are the units' shards, and the gathered units the most bytes of
+units' full buffers allocated at once in the rehearsed micro-batch (its hooks gather and free
+them as in a run). A ZeRO stage this megapar-train lacks (not among --zero's choices), or a
+ZeRO-3 option it refuses (`check_zero3`), is rehearsed at ZeRO-1, with the planner's state and
+dp traffic in place of ZeRO-1's, and a note saying so.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
 from megapar.training.config import _choices
 from megapar.training.data import make_sampler
 from megapar.training.engine import Engine
+from megapar.training.validate import UsageError, check_zero3
 
 NOT_RUN = ("the gradient-norm all-reduce (tp x pp, and dp x cp under ZeRO-1), the loss all-reduce "
            "over dp and fp16's overflow flag over all ranks: scalars whose values the step reads")
@@ -108,7 +112,8 @@ class RankReport:
     zero: int = 0
     """The ZeRO stage."""
     modelled: bool = False
-    """The state and dp traffic are the planner's (this megapar-train lacks the ZeRO stage)."""
+    """The state and dp traffic are the planner's (this megapar-train lacks the ZeRO stage or
+    refuses its ZeRO-3 options)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -185,10 +190,11 @@ REHEARSED_AS = {"dualpipev": "zb-v"}
 def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankReport:
     layout, notes = mesh.layout, []
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
-    # a ZeRO stage this megapar-train lacks is rehearsed at ZeRO-1 (the same model, messages
-    # and tp / cp collectives), its state and dp traffic taken from the planner's model
-    modelled = cfg.zero not in _choices()["zero"]
-    run_cfg = replace(cfg, zero=1, offload_params=False) if modelled else cfg
+    # a ZeRO stage (or ZeRO-3 option) this megapar-train lacks is rehearsed at ZeRO-1 (the same
+    # model, messages and tp / cp collectives), its state and dp traffic the planner's model
+    modelled = _unserved(cfg)
+    run_cfg = replace(cfg, zero=1, offload_params=False, zero3_keep_params=False,
+                      zero3_persistence_threshold=0) if modelled else cfg
     # the rehearsal runs one micro-batch; DualPipeV takes no fewer than 2 pp, so its one is run
     # under ZB-V: the same V placement, so the same messages and collectives per micro-batch
     engine = Engine(replace(run_cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule)),
@@ -255,6 +261,19 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         notes=notes)
 
 
+def _unserved(cfg) -> str:
+    """Why megapar-train cannot run `cfg`'s ZeRO stage as given ("" when it can): a stage not
+    among --zero's choices, or a ZeRO-3 option it refuses (`check_zero3`)."""
+    if cfg.zero not in _choices()["zero"]:
+        return f"--zero {cfg.zero} is not in this megapar-train"
+    if cfg.zero == 3:
+        try:
+            check_zero3(replace(cfg, dry_run=False))
+        except UsageError as exc:
+            return str(exc)
+    return ""
+
+
 def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: dict) -> None:
     """Rehearse ZeRO-3's `ShardedParams` as on a GPU (each collective whole and async, as NCCL
     runs it, not gloo's synchronous pieces) and watch it: the calls of each unit's all-gather
@@ -288,7 +307,7 @@ def _planned_state(cfg, config, mesh: Mesh):
                       layout.dp * layout.cp, mesh.dp_rank * layout.cp + mesh.cp_rank, cfg.zero,
                       cfg.grad_bucket_mb, placement_of(cfg.schedule),
                       Offload(cfg.offload_optimizer, cfg.offload_params,
-                              bool(getattr(cfg, "keep_params", False))))
+                              cfg.zero3_keep_params, cfg.zero3_persistence_threshold))
 
 
 def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
@@ -298,21 +317,21 @@ def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
     traffic (`megapar.plan.sharding.dp_traffic`) put in `comm` in place of ZeRO-1's."""
     layout, r = mesh.layout, mesh.layout.dp * mesh.layout.cp
     v, placement = chunks_per_rank(cfg.schedule, cfg.virtual_stages), placement_of(cfg.schedule)
-    keep = bool(getattr(cfg, "keep_params", False))
+    keep = cfg.zero3_keep_params
     state = _planned_state(cfg, config, mesh)
     group = next((g for g in comm.values() if "reduce_scatter" in g), None)
     if group is not None:  # ZeRO-1's reduce-scatter and all-gather, in the reduce dtype
         scale = group["reduce_scatter"]["bytes"] / group["all_gather"]["bytes"]
-        pieces, nbytes = sharded_buffer(config, layout.tp, layout.pp, v, mesh.pp_rank, r,
-                                        cfg.zero, cfg.grad_bucket_mb, placement)
+        pieces, nbytes, persistent = sharded_buffer(
+            config, layout.tp, layout.pp, v, mesh.pp_rank, r, cfg.zero, cfg.grad_bucket_mb,
+            placement, cfg.zero3_persistence_threshold)
         for op in ("reduce_scatter", "all_gather"):
             del group[op]
         for op, count, total in dp_traffic(cfg.zero, m, layout.pp, keep, nbytes * scale,
-                                           nbytes, pieces):
+                                           nbytes, pieces, persistent):
             group[op] = {"count": count, "bytes": int(total)}
-    notes.append(f"--zero {cfg.zero} is not in this megapar-train (--zero "
-                 f"{', '.join(map(str, _choices()['zero']))}): its weights, gradients, optimizer"
-                 f" state, gathered units and dp traffic are the planner's model; the rest is "
+    notes.append(f"{_unserved(cfg)}: --zero {cfg.zero}'s weights, gradients, optimizer state, "
+                 f"gathered units and dp traffic are the planner's model; the rest is "
                  f"rehearsed at --zero 1")
     return ({"params": state.params, "weights": state.weights, "grads": state.grads,
              "optimizer": state.optimizer, "master": state.master, "host": state.host},
