@@ -103,12 +103,17 @@ class RankReport:
     master: int = 0
     """--offload-optimizer: its host copies of the stepped tensors and their gradients."""
     gathered: int = 0
-    """ZeRO-3: parameters all-gathered at the peak (modelled, `megapar.plan.state`)."""
+    """ZeRO-3: the most bytes of units' gathered parameters held at once (measured on the
+    rehearsed micro-batch; with --zero3-keep-params every unit)."""
+    grad_buffers: int = 0
+    """ZeRO-3: the most bytes of units' full gradient buffers held at once (every unit's at
+    the end of the backward: each is freed when its reduce-scatter is waited for, in
+    finish())."""
     host: int = 0
     """Of weights, gradients, optimizer and host copies, the bytes in host memory."""
     device: int = 0
-    """Weights, gradients, optimizer, host copies and gathered units in device memory (the
-    activations are apart)."""
+    """Weights, gradients, optimizer, host copies, gathered units and full gradient buffers in
+    device memory (the activations are apart)."""
     zero: int = 0
     """The ZeRO stage."""
     modelled: bool = False
@@ -214,9 +219,11 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         (per_micro_batch_buckets if every else per_step).update(range(before, len(run_calls)))
 
     sync._launch = launched
-    sharded, peak = engine.sharded_params, {"gathered": 0}
+    sharded, peak = engine.sharded_params, {"gathered": 0, "grad_buffers": 0}
+    sample = None
     if sharded is not None:  # ZeRO-3: its gathers, and the gathered units' peak
-        _watch_gathers(sharded, lambda: run_calls, per_step, per_micro_batch_buckets, peak)
+        sample = _watch_gathers(sharded, lambda: run_calls, per_step, per_micro_batch_buckets,
+                                peak)
     try:
         with count_collectives() as run_calls:
             with engine.precision.autocast():
@@ -224,6 +231,8 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
                                     grad_sync=sync, loss_scale=engine.precision.loss_scale)
     finally:
         sync._launch = launch
+    if sample is not None:  # the backward's end: every full gradient buffer not yet freed
+        sample()
     with count_collectives() as step_calls:
         engine.step_fn.sync_gradients()
         _first_optimizer_step(engine.optimizer, notes)
@@ -237,8 +246,9 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
     optimizer = engine.optimizer
     held, gathered = held_bytes(engine.model, optimizer, sharded), peak["gathered"]
+    grad_buffers = peak["grad_buffers"]
     if modelled:
-        held, gathered = _modelled_state(cfg, config, mesh, comm, m, notes)
+        held, gathered, grad_buffers = _modelled_state(cfg, config, mesh, comm, m, notes)
     # the file of this (tp, pp) coordinate, as its dp rank 0 writes it: every parameter with
     # the optimizer's moments, each of its parameter's shape and dtype (what state_tensors()
     # gives the writer; tied copies are not stored)
@@ -251,9 +261,9 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     return RankReport(
         rank=mesh.rank, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, dp_rank=mesh.dp_rank,
         cp_rank=mesh.cp_rank,
-        node=mesh.rank // gpus_per_node, **held, gathered=gathered,
+        node=mesh.rank // gpus_per_node, **held, gathered=gathered, grad_buffers=grad_buffers,
         device=held["weights"] + held["grads"] + held["optimizer"] + held["master"]
-        + gathered - held["host"], zero=cfg.zero, modelled=modelled,
+        + gathered + grad_buffers - held["host"], zero=cfg.zero, modelled=modelled,
         activations=activations, in_flight=in_flight, actions=len(actions),
         buckets=len(engine.grad_sync.buckets), comm=comm, checkpoint_file=file,
         checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0 and mesh.cp_rank == 0,
@@ -274,18 +284,27 @@ def _unserved(cfg) -> str:
     return ""
 
 
-def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: dict) -> None:
+def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: dict):
     """Rehearse ZeRO-3's `ShardedParams` as on a GPU (each collective whole and async, as NCCL
     runs it, not gloo's synchronous pieces) and watch it: the calls of each unit's all-gather
     go to `per_micro_batch` (twice a micro-batch: forward and backward) or, for the persistent
     unit and with --zero3-keep-params (gathered once a step), to `per_step`; `peak["gathered"]`
-    is the most bytes of units gathered at once (their full buffers' storages)."""
+    is the most bytes of units gathered at once (their full buffers' storages) and
+    `peak["grad_buffers"]` of their full gradient buffers; returns the function that samples
+    them (the hooks call it)."""
     sharded.host_waits, sharded.piece = False, None
-    gather, prefetch = sharded.gather, sharded.prefetch
+    gather, prefetch, launch = sharded.gather, sharded.prefetch, sharded._launch
 
     def held() -> None:
         peak["gathered"] = max(peak["gathered"], sum(
             u.full.untyped_storage().nbytes() for u in sharded.units))
+        peak["grad_buffers"] = max(peak["grad_buffers"], sum(
+            u.grad_full.untyped_storage().nbytes() for u in sharded.units
+            if u.grad_full is not None))
+
+    def launched(u) -> None:  # the unit's full gradient is complete: held until waited for
+        held()
+        launch(u)
 
     def watched(fn):
         def call(u):
@@ -296,7 +315,9 @@ def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: di
             held()
         return call
 
-    sharded.gather, sharded.prefetch = watched(gather), watched(prefetch)
+    sharded.gather, sharded.prefetch, sharded._launch = \
+        watched(gather), watched(prefetch), launched
+    return held
 
 
 def _planned_state(cfg, config, mesh: Mesh):
@@ -311,8 +332,8 @@ def _planned_state(cfg, config, mesh: Mesh):
 
 
 def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
-                    notes: list[str]) -> tuple[dict, int]:
-    """(`held_bytes`' figures, gathered bytes) of a ZeRO stage this megapar-train lacks, from
+                    notes: list[str]) -> tuple[dict, int, int]:
+    """(`held_bytes`' figures, gathered bytes, full gradient buffers' bytes) of a ZeRO stage this megapar-train lacks, from
     the planner's model (`megapar.plan.state.rank_state`, this rank's slices), and its dp
     traffic (`megapar.plan.sharding.dp_traffic`) put in `comm` in place of ZeRO-1's."""
     layout, r = mesh.layout, mesh.layout.dp * mesh.layout.cp
@@ -335,7 +356,7 @@ def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
                  f"rehearsed at --zero 1")
     return ({"params": state.params, "weights": state.weights, "grads": state.grads,
              "optimizer": state.optimizer, "master": state.master, "host": state.host},
-            state.gathered)
+            state.gathered, state.grad_buffers)
 
 
 def _modelled_activations(cfg, config, layout: Layout, stage: int, actions) -> int:

@@ -73,6 +73,8 @@ def describe_rank(r: RankReport, step_dir: str) -> str:
              + (f", host copies {size(r.master)}" if r.master else "")
              + (f", gathered units {size(r.gathered)} at the peak"
                 + (" (modelled)" if r.modelled else "") if r.gathered else "")
+             + (f", full gradient buffers {size(r.grad_buffers)} at the peak"
+                if r.grad_buffers else "")
              + f", activations {size(r.activations)} (modelled, "
              f"{r.in_flight:g} micro-batch{'' if r.in_flight == 1 else 'es'} in flight at the "
              f"peak of its {r.actions} actions)",

@@ -25,7 +25,8 @@ from megapar.plan.estimate import offload_of
 from megapar.plan.state import rank_state
 from megapar.training.config import TrainConfig
 
-FIELDS = ("params", "weights", "grads", "optimizer", "master", "gathered", "host")
+FIELDS = ("params", "weights", "grads", "optimizer", "master", "gathered", "grad_buffers",
+          "host")
 
 
 @dataclass

@@ -266,7 +266,8 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
             held = _separate(n_params, c)
         out.append(mem.MemoryBreakdown(stage, held.weights, held.grads, held.optimizer,
                                        activations, int(round(in_flight)), buffers,
-                                       held.master, held.gathered, held.host))
+                                       held.master, held.gathered, held.host,
+                                       held.grad_buffers))
     return out
 
 

@@ -59,12 +59,16 @@ class RankState:
     """ZeRO-3: full buffers of the units gathered at the peak (`gathered_peak`)."""
     host: int = 0
     """Of all these, the bytes in host memory (offload)."""
+    grad_buffers: int = 0
+    """ZeRO-3: the units' full gradient buffers at the peak (`ShardedParams` accumulates the
+    micro-batches in them and frees each when its reduce-scatter is waited for, in finish()
+    where collectives do not block the host: every unit's at the end of the backward)."""
 
     @property
     def device(self) -> int:
         """The bytes in device memory."""
         return self.weights + self.grads + self.optimizer + self.master + self.gathered \
-            - self.host
+            + self.grad_buffers - self.host
 
 
 @dataclass(frozen=True)
@@ -133,15 +137,16 @@ def _finish(tensors, units, specs, dp: int, zero: int, stepped: int, steps: int,
     buffer = sum(padded * tensors[idx[0]].dtype.itemsize for idx, padded in units) or whole
     shard = sum(padded // dp * tensors[idx[0]].dtype.itemsize for idx, padded in units) or whole
     weights, grads, gathered, offloaded = buffer, buffer if zero < 2 else shard, 0, 0
+    grad_buffers = 0
     if zero >= 3 and units:
-        weights = offloaded = shard
+        weights, offloaded, grad_buffers = shard, shard, buffer
         gathered = gathered_peak(specs, [padded * tensors[idx[0]].dtype.itemsize
                                          for idx, padded in units], offload.keep_params)
     optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
     master = 2 * stepped if offload.optimizer else 0
     host = (optimizer + master if offload.optimizer else 0) + \
         (offloaded if offload.params and zero >= 3 else 0)
-    return RankState(elements, weights, grads, optimizer, master, gathered, host)
+    return RankState(elements, weights, grads, optimizer, master, gathered, host, grad_buffers)
 
 
 @lru_cache(maxsize=4096)
