@@ -437,6 +437,16 @@ def test_dry_run_reports_the_zero_stage_offload_and_host_bytes(capsys):
     assert sample_ranks(Layout(8, 16, 8), zero=3) == sample_ranks(Layout(8, 16, 8), zero=1)
 
 
+def test_dry_run_of_zero_3_reports_the_real_shards_and_gathered_units(capsys):
+    rc, out, err = _train(["--model", "gpt2-tiny", "--dp", "2", "--world-size", "2", "--seq-len",
+                           "16", "--global-batch-size", "4", "--dry-run", "--zero", "3"], capsys)
+    assert rc == 0, err
+    assert ", ZeRO-3\n" in out and out.count("(ZeRO-3)") == 2 and "modelled)" not in out.split(
+        "activations")[0]
+    assert out.count("gathered units ") == 2 and "full gradient buffers" in out
+    assert "ZeRO-3 units)" in out and "is not in this megapar-train" not in out
+
+
 def test_plan_verify_lays_out_a_v_schedule_s_stages_in_the_v():
     """ZB-V puts the embedding and the head both on pp rank 0: --verify compares with the
     plan's state of that placement (it compared with the loop's, 3.2 M parameters apart)."""
