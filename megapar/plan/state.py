@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import pairwise
 
 import numpy as np
 
@@ -123,7 +124,7 @@ def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
     for ci in {u.chunk for u in specs if u.kind != "persistent"}:
         roots = sum(n for u, n in zip(specs, nbytes) if u.chunk == ci and u.kind != "block")
         blocks = [n for u, n in zip(specs, nbytes) if u.chunk == ci and u.kind == "block"]
-        pairs = [a + b for a, b in zip(blocks, blocks[1:])] or blocks or [0]
+        pairs = [a + b for a, b in pairwise(blocks)] or blocks or [0]
         worst = max(worst, roots + max(pairs))
     return persistent + worst
 
