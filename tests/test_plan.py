@@ -499,3 +499,18 @@ def test_gpt2_1_5b_fits_8_gpus_of_16_gib_with_zero3(capsys):
     assert z3["gathered"] > 0 and z3["grad_buffers"] == pytest.approx(8 * z3["grads"], rel=1e-3)
     code, out = _cli(capsys, *base, "--recompute", "selective")
     assert "chosen: tp1 pp1 dp8 mbs1 1f1b rc=selective zero3" in out.out and "--zero 3" in out.out
+
+
+def test_plan_takes_the_zero3_persistence_threshold(capsys):
+    """--zero3-persistence-threshold: the ZeRO-3 layouts hold the persistent unit the real code
+    makes (--verify equal), and the command passes the threshold on."""
+    base = ["--model", "gpt2-tiny", "--gpus", "2", "--global-batch-size", "8", "--seq-len", "32",
+            "--zero-stages", "3", "--top", "1", "--micro-batch-sizes", "4", "--recompute", "full"]
+    code, out = _cli(capsys, *base, "--zero3-persistence-threshold", "1000", "--verify", "1")
+    assert code == 0, out.err
+    assert "--zero 3 --zero3-persistence-threshold 1000" in out.out
+    assert "equal, 0 bytes apart" in out.out
+    code, kept = _cli(capsys, *base, "--json")
+    code, persist = _cli(capsys, *base, "--json", "--zero3-persistence-threshold", "1000")
+    gathered = [json.loads(o.out)["layouts"][0]["memory_gib"]["gathered"] for o in (kept, persist)]
+    assert gathered[1] > gathered[0]  # the norms and biases held over the step

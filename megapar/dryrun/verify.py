@@ -55,7 +55,9 @@ def train_config(problem, candidate):
                       sequence_parallel=c.sp, zero=c.zero, precision=problem.precision,
                       grad_bucket_mb=problem.grad_bucket_mb,
                       offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
-                      zero3_keep_params=c.keep_params)
+                      zero3_keep_params=c.keep_params,
+                      zero3_persistence_threshold=problem.zero3_persistence_threshold
+                      if c.zero == 3 else 0)
     return cfg
 
 
@@ -88,7 +90,8 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
         # gradients and ZeRO-1 slices are over cp x dp: dp rank d, cp rank c is d * cp + c
         planned = rank_state(problem.config, c.tp, c.pp, c.v, r.pp_rank, c.dp * c.cp,
                              r.dp_rank * c.cp + r.cp_rank, c.zero, problem.grad_bucket_mb,
-                             placement_of(c.schedule), offload_of(c))
+                             placement_of(c.schedule),
+                             offload_of(c, problem.zero3_persistence_threshold))
         out.differences += [(r.rank, f, getattr(planned, f), getattr(r, f)) for f in FIELDS
                             if getattr(planned, f) != getattr(r, f)]
         if exact and int(stages[r.pp_rank].activations) != r.activations:
