@@ -46,8 +46,9 @@ def test_small_layout_equals_the_real_run(run, tmp_path, recipe, schedule, recom
     dry = {r.rank: r for r in dry_run(cfg, config, Layout(2, 2, dp, cp=cp), list(range(8)))}
     for meas in real:
         d = dry[meas["rank"]]
-        assert (d.params, d.weights, d.grads, d.optimizer) == (
-            meas["params"], meas["weights"], meas["grads"], meas["optimizer"])
+        assert (d.params, d.weights, d.grads, d.optimizer, d.gathered) == (
+            meas["params"], meas["weights"], meas["grads"], meas["optimizer"], meas["gathered"])
+        assert (d.gathered > 0) == (zero == 3)
         assert d.comm == meas["comm"]
         assert d.checkpoint_bytes == os.path.getsize(step_dir / d.checkpoint_file)
         assert d.activations == pytest.approx(meas["activations"], rel=0.02)
