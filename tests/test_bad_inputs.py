@@ -122,7 +122,6 @@ TRAIN = [
      "--grad-compression powersgd cannot be combined with --zero 3"),
     (["--zero", "3", "--grad-reduce-dtype", "bf16"],
      "--grad-reduce-dtype bf16 is not served with --zero 3"),
-    (["--zero", "3", "--dry-run"], "--dry-run does not model --zero 3 yet"),
     (["--grad-reduce-dtype", "bf16", "--grad-compression", "fp16"],
      "--grad-reduce-dtype bf16 and --grad-compression fp16 both choose how gradients travel"),
     (["--seed", "-1"], "--seed -1 is invalid"),

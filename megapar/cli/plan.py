@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "params (ZeRO-3's parameter shards), both")
     p.add_argument("--pcie-gbps", type=float, default=200.0,
                    help="host-device bandwidth per GPU, Gbit/s (offload's copies)")
+    p.add_argument("--zero3-persistence-threshold", type=int, default=0,
+                   help="megapar-train's --zero3-persistence-threshold for the ZeRO-3 layouts: "
+                        "parameters with fewer elements form one unit gathered once a step "
+                        "(0: none)")
     p.add_argument("--cp-sizes", type=int, nargs="+", default=None,
                    help="context-parallel sizes tried (default: 1, and 2 4 8 too when --seq-len "
                         "is 8192 or more)")
@@ -137,6 +141,9 @@ def _problem(args):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{name.replace('_', '-')} {value:g} is invalid: it must be a "
                              f"finite number > 0")
+    if args.zero3_persistence_threshold < 0:
+        raise ValueError(f"--zero3-persistence-threshold {args.zero3_persistence_threshold} is "
+                         f"invalid: give a number of elements >= 0 (0: none persist)")
     if not (math.isfinite(args.latency_us) and args.latency_us >= 0):
         raise ValueError(f"--latency-us {args.latency_us:g} is invalid: it must be >= 0")
     if not 0 < args.efficiency <= 1:
@@ -164,7 +171,8 @@ def _problem(args):
                    args.global_batch_size, args.seq_len, args.precision, args.master_weights,
                    args.fused_attention, args.peak_tflops, args.efficiency,
                    args.intra_node_gbps, args.inter_node_gbps, args.latency_us,
-                   pcie_gbps=args.pcie_gbps)
+                   pcie_gbps=args.pcie_gbps,
+                   zero3_persistence_threshold=args.zero3_persistence_threshold)
 
 
 def _explain(args, problem) -> int:

@@ -3,7 +3,7 @@
 For a sample of the job's ranks (or all of them), one after another in this process, the real
 start-up and one step's bookkeeping run on torch's fake process group and fake tensors
 (`world.py`): no communication, no tensor memory, the real mesh and rank order, model stage,
-partition, ZeRO-1 slices, gradient buckets, pipeline schedule and checkpoint files
+partition, ZeRO slices and ZeRO-3 units, gradient buckets, pipeline schedule and checkpoint files
 (`rank.py`). Which ranks: `sample.py`. What is printed: `report.py`. `megapar-plan --verify`
 compares the planner's bytes with these.
 

@@ -137,10 +137,27 @@ def measure_step(engine, micro_batches: list[dict], step_index: int = 0) -> dict
     weights, grads, optimizer, activations (bytes, as above) and `calls` (its collectives)."""
     held = HeldStorages(engine.model.parameters())
     engine.executor.post_ahead = False  # the program as NCCL runs it, which the model counts
-    with peak_held(engine.executor, held) as peak, count_collectives() as calls, \
-            held.counting():
-        engine.step_fn.step(micro_batches, step_index)
-    return {**held_bytes(engine.model, engine.optimizer), "activations": peak[0],
+    gathered = [0]
+    sharded = engine.sharded_params
+    if sharded is not None:  # ZeRO-3: the most bytes of units gathered at once
+        gather, prefetch = sharded.gather, sharded.prefetch
+
+        def watched(fn):
+            def call(u):
+                fn(u)
+                gathered[0] = max(gathered[0], sum(v.full.untyped_storage().nbytes()
+                                                   for v in sharded.units))
+            return call
+        sharded.gather, sharded.prefetch = watched(gather), watched(prefetch)
+    try:
+        with peak_held(engine.executor, held) as peak, count_collectives() as calls, \
+                held.counting():
+            engine.step_fn.step(micro_batches, step_index)
+    finally:
+        if sharded is not None:
+            del sharded.gather, sharded.prefetch
+    return {**held_bytes(engine.model, engine.optimizer, sharded), "gathered": gathered[0],
+            "activations": peak[0],
             "calls": list(calls)}
 
 

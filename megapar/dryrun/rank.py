@@ -22,10 +22,13 @@
 Weights, gradients and optimizer state are the bytes of the distinct storages behind the real
 (fake) tensors: parameters (ZeRO-1: the flat parameter buffer, padding included), gradients
 (the gradient buffer) and every tensor of the optimizer's state; with --offload-optimizer its
-host copies (made as on a GPU), and the state and copies counted as host memory. ZeRO-3's
-units gathered in flight are the planner's model, as the activations are. A ZeRO stage this
-megapar-train lacks (not among --zero's choices) is rehearsed at ZeRO-1, with the planner's
-state and dp traffic in place of ZeRO-1's, and a note saying so.
+host copies (made as on a GPU), and the state and copies counted as host memory. ZeRO-3 runs
+the real `ShardedParams` and `Zero3Optimizer` (each collective whole and async, as NCCL runs
+it): weights and gradients are the units' shards, and the gathered units the most bytes of
+units' full buffers allocated at once in the rehearsed micro-batch (its hooks gather and free
+them as in a run). A ZeRO stage this megapar-train lacks (not among --zero's choices), or a
+ZeRO-3 option it refuses (`check_zero3`), is rehearsed at ZeRO-1, with the planner's state and
+dp traffic in place of ZeRO-1's, and a note saying so.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
 from megapar.training.config import _choices
 from megapar.training.data import make_sampler
 from megapar.training.engine import Engine
+from megapar.training.validate import UsageError, check_zero3
 
 NOT_RUN = ("the gradient-norm all-reduce (tp x pp, and dp x cp under ZeRO-1), the loss all-reduce "
            "over dp and fp16's overflow flag over all ranks: scalars whose values the step reads")
@@ -99,16 +103,22 @@ class RankReport:
     master: int = 0
     """--offload-optimizer: its host copies of the stepped tensors and their gradients."""
     gathered: int = 0
-    """ZeRO-3: parameters all-gathered at the peak (modelled, `megapar.plan.state`)."""
+    """ZeRO-3: the most bytes of units' gathered parameters held at once (measured on the
+    rehearsed micro-batch; with --zero3-keep-params every unit)."""
+    grad_buffers: int = 0
+    """ZeRO-3: the most bytes of units' full gradient buffers held at once (every unit's at
+    the end of the backward: each is freed when its reduce-scatter is waited for, in
+    finish())."""
     host: int = 0
     """Of weights, gradients, optimizer and host copies, the bytes in host memory."""
     device: int = 0
-    """Weights, gradients, optimizer, host copies and gathered units in device memory (the
-    activations are apart)."""
+    """Weights, gradients, optimizer, host copies, gathered units and full gradient buffers in
+    device memory (the activations are apart)."""
     zero: int = 0
     """The ZeRO stage."""
     modelled: bool = False
-    """The state and dp traffic are the planner's (this megapar-train lacks the ZeRO stage)."""
+    """The state and dp traffic are the planner's (this megapar-train lacks the ZeRO stage or
+    refuses its ZeRO-3 options)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -185,10 +195,11 @@ REHEARSED_AS = {"dualpipev": "zb-v"}
 def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankReport:
     layout, notes = mesh.layout, []
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
-    # a ZeRO stage this megapar-train lacks is rehearsed at ZeRO-1 (the same model, messages
-    # and tp / cp collectives), its state and dp traffic taken from the planner's model
-    modelled = cfg.zero not in _choices()["zero"]
-    run_cfg = replace(cfg, zero=1, offload_params=False) if modelled else cfg
+    # a ZeRO stage (or ZeRO-3 option) this megapar-train lacks is rehearsed at ZeRO-1 (the same
+    # model, messages and tp / cp collectives), its state and dp traffic the planner's model
+    modelled = _unserved(cfg)
+    run_cfg = replace(cfg, zero=1, offload_params=False, zero3_keep_params=False,
+                      zero3_persistence_threshold=0) if modelled else cfg
     # the rehearsal runs one micro-batch; DualPipeV takes no fewer than 2 pp, so its one is run
     # under ZB-V: the same V placement, so the same messages and collectives per micro-batch
     engine = Engine(replace(run_cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule)),
@@ -204,10 +215,15 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     def launched(bucket):
         before = len(run_calls)
         launch(bucket)
-        every = sync.grads_sharded and not bucket.deferred
+        every = getattr(sync, "grads_sharded", False) and not bucket.deferred
         (per_micro_batch_buckets if every else per_step).update(range(before, len(run_calls)))
 
     sync._launch = launched
+    sharded, peak = engine.sharded_params, {"gathered": 0, "grad_buffers": 0}
+    sample = None
+    if sharded is not None:  # ZeRO-3: its gathers, and the gathered units' peak
+        sample = _watch_gathers(sharded, lambda: run_calls, per_step, per_micro_batch_buckets,
+                                peak)
     try:
         with count_collectives() as run_calls:
             with engine.precision.autocast():
@@ -215,6 +231,8 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
                                     grad_sync=sync, loss_scale=engine.precision.loss_scale)
     finally:
         sync._launch = launch
+    if sample is not None:  # the backward's end: every full gradient buffer not yet freed
+        sample()
     with count_collectives() as step_calls:
         engine.step_fn.sync_gradients()
         _first_optimizer_step(engine.optimizer, notes)
@@ -227,11 +245,10 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
                for i, c in enumerate(run_calls)] + [1] * len(step_calls)
     comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
     optimizer = engine.optimizer
-    held, gathered = held_bytes(engine.model, optimizer), 0
+    held, gathered = held_bytes(engine.model, optimizer, sharded), peak["gathered"]
+    grad_buffers = peak["grad_buffers"]
     if modelled:
-        held, gathered = _modelled_state(cfg, config, mesh, comm, m, notes)
-    elif cfg.zero >= 3:  # units gathered in flight are transient: the planner's, as activations
-        gathered = _planned_state(cfg, config, mesh).gathered
+        held, gathered, grad_buffers = _modelled_state(cfg, config, mesh, comm, m, notes)
     # the file of this (tp, pp) coordinate, as its dp rank 0 writes it: every parameter with
     # the optimizer's moments, each of its parameter's shape and dtype (what state_tensors()
     # gives the writer; tied copies are not stored)
@@ -244,14 +261,63 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     return RankReport(
         rank=mesh.rank, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, dp_rank=mesh.dp_rank,
         cp_rank=mesh.cp_rank,
-        node=mesh.rank // gpus_per_node, **held, gathered=gathered,
+        node=mesh.rank // gpus_per_node, **held, gathered=gathered, grad_buffers=grad_buffers,
         device=held["weights"] + held["grads"] + held["optimizer"] + held["master"]
-        + gathered - held["host"], zero=cfg.zero, modelled=modelled,
+        + gathered + grad_buffers - held["host"], zero=cfg.zero, modelled=modelled,
         activations=activations, in_flight=in_flight, actions=len(actions),
         buckets=len(engine.grad_sync.buckets), comm=comm, checkpoint_file=file,
         checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0 and mesh.cp_rank == 0,
         first_batch=first_batch,
         notes=notes)
+
+
+def _unserved(cfg) -> str:
+    """Why megapar-train cannot run `cfg`'s ZeRO stage as given ("" when it can): a stage not
+    among --zero's choices, or a ZeRO-3 option it refuses (`check_zero3`)."""
+    if cfg.zero not in _choices()["zero"]:
+        return f"--zero {cfg.zero} is not in this megapar-train"
+    if cfg.zero == 3:
+        try:
+            check_zero3(replace(cfg, dry_run=False))
+        except UsageError as exc:
+            return str(exc)
+    return ""
+
+
+def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: dict):
+    """Rehearse ZeRO-3's `ShardedParams` as on a GPU (each collective whole and async, as NCCL
+    runs it, not gloo's synchronous pieces) and watch it: the calls of each unit's all-gather
+    go to `per_micro_batch` (twice a micro-batch: forward and backward) or, for the persistent
+    unit and with --zero3-keep-params (gathered once a step), to `per_step`; `peak["gathered"]`
+    is the most bytes of units gathered at once (their full buffers' storages) and
+    `peak["grad_buffers"]` of their full gradient buffers; returns the function that samples
+    them (the hooks call it)."""
+    sharded.host_waits, sharded.piece = False, None
+    gather, prefetch, launch = sharded.gather, sharded.prefetch, sharded._launch
+
+    def held() -> None:
+        peak["gathered"] = max(peak["gathered"], sum(
+            u.full.untyped_storage().nbytes() for u in sharded.units))
+        peak["grad_buffers"] = max(peak["grad_buffers"], sum(
+            u.grad_full.untyped_storage().nbytes() for u in sharded.units
+            if u.grad_full is not None))
+
+    def launched(u) -> None:  # the unit's full gradient is complete: held until waited for
+        held()
+        launch(u)
+
+    def watched(fn):
+        def call(u):
+            before = len(calls())
+            fn(u)
+            once = sharded.keep or u is sharded.persistent
+            (per_step if once else per_micro_batch).update(range(before, len(calls())))
+            held()
+        return call
+
+    sharded.gather, sharded.prefetch, sharded._launch = \
+        watched(gather), watched(prefetch), launched
+    return held
 
 
 def _planned_state(cfg, config, mesh: Mesh):
@@ -262,35 +328,35 @@ def _planned_state(cfg, config, mesh: Mesh):
                       layout.dp * layout.cp, mesh.dp_rank * layout.cp + mesh.cp_rank, cfg.zero,
                       cfg.grad_bucket_mb, placement_of(cfg.schedule),
                       Offload(cfg.offload_optimizer, cfg.offload_params,
-                              bool(getattr(cfg, "keep_params", False))))
+                              cfg.zero3_keep_params, cfg.zero3_persistence_threshold))
 
 
 def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
-                    notes: list[str]) -> tuple[dict, int]:
-    """(`held_bytes`' figures, gathered bytes) of a ZeRO stage this megapar-train lacks, from
+                    notes: list[str]) -> tuple[dict, int, int]:
+    """(`held_bytes`' figures, gathered bytes, full gradient buffers' bytes) of a ZeRO stage this megapar-train lacks, from
     the planner's model (`megapar.plan.state.rank_state`, this rank's slices), and its dp
     traffic (`megapar.plan.sharding.dp_traffic`) put in `comm` in place of ZeRO-1's."""
     layout, r = mesh.layout, mesh.layout.dp * mesh.layout.cp
     v, placement = chunks_per_rank(cfg.schedule, cfg.virtual_stages), placement_of(cfg.schedule)
-    keep = bool(getattr(cfg, "keep_params", False))
+    keep = cfg.zero3_keep_params
     state = _planned_state(cfg, config, mesh)
     group = next((g for g in comm.values() if "reduce_scatter" in g), None)
     if group is not None:  # ZeRO-1's reduce-scatter and all-gather, in the reduce dtype
         scale = group["reduce_scatter"]["bytes"] / group["all_gather"]["bytes"]
-        pieces, nbytes = sharded_buffer(config, layout.tp, layout.pp, v, mesh.pp_rank, r,
-                                        cfg.zero, cfg.grad_bucket_mb, placement)
+        pieces, nbytes, persistent = sharded_buffer(
+            config, layout.tp, layout.pp, v, mesh.pp_rank, r, cfg.zero, cfg.grad_bucket_mb,
+            placement, cfg.zero3_persistence_threshold)
         for op in ("reduce_scatter", "all_gather"):
             del group[op]
         for op, count, total in dp_traffic(cfg.zero, m, layout.pp, keep, nbytes * scale,
-                                           nbytes, pieces):
+                                           nbytes, pieces, persistent):
             group[op] = {"count": count, "bytes": int(total)}
-    notes.append(f"--zero {cfg.zero} is not in this megapar-train (--zero "
-                 f"{', '.join(map(str, _choices()['zero']))}): its weights, gradients, optimizer"
-                 f" state, gathered units and dp traffic are the planner's model; the rest is "
+    notes.append(f"{_unserved(cfg)}: --zero {cfg.zero}'s weights, gradients, optimizer state, "
+                 f"gathered units and dp traffic are the planner's model; the rest is "
                  f"rehearsed at --zero 1")
     return ({"params": state.params, "weights": state.weights, "grads": state.grads,
              "optimizer": state.optimizer, "master": state.master, "host": state.host},
-            state.gathered)
+            state.gathered, state.grad_buffers)
 
 
 def _modelled_activations(cfg, config, layout: Layout, stage: int, actions) -> int:

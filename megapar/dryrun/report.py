@@ -71,13 +71,17 @@ def describe_rank(r: RankReport, step_dir: str) -> str:
              f"{r.params:,} parameters; weights {size(r.weights)}, gradients {size(r.grads)}, "
              f"optimizer {size(r.optimizer)}"
              + (f", host copies {size(r.master)}" if r.master else "")
-             + (f", gathered units {size(r.gathered)} (modelled)" if r.gathered else "")
+             + (f", gathered units {size(r.gathered)} at the peak"
+                + (" (modelled)" if r.modelled else "") if r.gathered else "")
+             + (f", full gradient buffers {size(r.grad_buffers)} at the peak"
+                if r.grad_buffers else "")
              + f", activations {size(r.activations)} (modelled, "
              f"{r.in_flight:g} micro-batch{'' if r.in_flight == 1 else 'es'} in flight at the "
              f"peak of its {r.actions} actions)",
              f"  memory besides activations: device {size(r.device)}, host {size(r.host)}"
              + (f" (ZeRO-{r.zero}{', modelled' if r.modelled else ''})" if r.zero else ""),
-             f"  per step: {_traffic(r.comm)} ({r.buckets} gradient bucket"
+             f"  per step: {_traffic(r.comm)} ({r.buckets} "
+             f"{'ZeRO-3 unit' if r.zero == 3 and not r.modelled else 'gradient bucket'}"
              f"{'s' if r.buckets > 1 else ''})",
              f"  checkpoint: {step_dir}/{r.checkpoint_file} {size(r.checkpoint_bytes)} "
              + ("(this rank writes it)" if r.writes_checkpoint else

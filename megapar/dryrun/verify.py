@@ -25,7 +25,8 @@ from megapar.plan.estimate import offload_of
 from megapar.plan.state import rank_state
 from megapar.training.config import TrainConfig
 
-FIELDS = ("params", "weights", "grads", "optimizer", "master", "gathered", "host")
+FIELDS = ("params", "weights", "grads", "optimizer", "master", "gathered", "grad_buffers",
+          "host")
 
 
 @dataclass
@@ -53,9 +54,10 @@ def train_config(problem, candidate):
                       schedule=c.schedule, virtual_stages=c.v, recompute=c.recompute,
                       sequence_parallel=c.sp, zero=c.zero, precision=problem.precision,
                       grad_bucket_mb=problem.grad_bucket_mb,
-                      offload_optimizer=c.offload_optimizer, offload_params=c.offload_params)
-    if c.keep_params:  # ZeRO-3's flag (a TrainConfig field where megapar-train has it)
-        cfg.keep_params = True
+                      offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
+                      zero3_keep_params=c.keep_params,
+                      zero3_persistence_threshold=problem.zero3_persistence_threshold
+                      if c.zero == 3 else 0)
     return cfg
 
 
@@ -81,13 +83,15 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
                     f"programs (it estimates them)")
     if any(r.modelled for r in reports):
         out.note = "; ".join(filter(None, [out.note, (
-            f"--zero {c.zero} is not in this megapar-train: the dry run's state is the plan's "
-            f"model (equal by construction), its tp / cp / pp and checkpoint rehearsed")]))
+            f"--zero {c.zero} as planned is not served by this megapar-train: the dry run's "
+            f"state is the plan's model (equal by construction), its tp / cp / pp and "
+            f"checkpoint rehearsed")]))
     for r in reports:
         # gradients and ZeRO-1 slices are over cp x dp: dp rank d, cp rank c is d * cp + c
         planned = rank_state(problem.config, c.tp, c.pp, c.v, r.pp_rank, c.dp * c.cp,
                              r.dp_rank * c.cp + r.cp_rank, c.zero, problem.grad_bucket_mb,
-                             placement_of(c.schedule), offload_of(c))
+                             placement_of(c.schedule),
+                             offload_of(c, problem.zero3_persistence_threshold))
         out.differences += [(r.rank, f, getattr(planned, f), getattr(r, f)) for f in FIELDS
                             if getattr(planned, f) != getattr(r, f)]
         if exact and int(stages[r.pp_rank].activations) != r.activations:

@@ -69,19 +69,22 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def held_bytes(model, optimizer) -> dict[str, int]:
+def held_bytes(model, optimizer, sharded=None) -> dict[str, int]:
     """What a rank holds besides activations: {"params": parameter elements, "weights",
     "grads", "optimizer": bytes of the distinct storages behind the parameters, their gradients
     and every tensor of the optimizer's state (Adam's step counters included), "master": the
     host copies of an offloaded optimizer (`offload.HostStep`) and "host": the bytes of all
     these in host memory (an offloaded optimizer's state and copies); under ZeRO-2 the
-    gradients are the optimizer pieces' (this rank's shards)}."""
+    gradients are the optimizer pieces' (this rank's shards); under ZeRO-3 (`sharded`, its
+    `ShardedParams`) the weights are the units' shards (the parameters are views into the
+    units' full buffers, freed between uses) and the gradients their gradient shards}."""
     params = list(model.parameters())
     state = [t for s in (optimizer.inner.state.values() if optimizer.inner else ())
              for t in s.values()]
     host = getattr(optimizer, "host", None)
     master = storage_bytes(host.host_tensors()) if host is not None else 0
-    held = {"params": sum(p.numel() for p in params), "weights": storage_bytes(params),
+    weights = storage_bytes([u.shard for u in sharded.units] if sharded is not None else params)
+    held = {"params": sum(p.numel() for p in params), "weights": weights,
             "grads": storage_bytes([p.grad for p in params if p.grad is not None] +
                                    [t.grad for t in getattr(optimizer, "pieces", ())]),
             "optimizer": storage_bytes(state), "master": master}

@@ -95,6 +95,8 @@ class Problem:
     """megapar-train's --grad-bucket-mb (ZeRO-1 pads each bucket to a multiple of dp)."""
     pcie_gbps: float = 200.0
     """Host-device bandwidth per GPU, Gbit/s (offload's copies; PCIe 4.0 x16: about 200)."""
+    zero3_persistence_threshold: int = 0
+    """megapar-train's --zero3-persistence-threshold for ZeRO-3 layouts (0: none persist)."""
 
     @property
     def act_bytes(self) -> int:
@@ -261,18 +263,22 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
             buffers += s * b * vocab_local * 4
         if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
             held = most_loaded(config_json, t, c.pp, c.v, stage, c.dp * c.cp, c.zero,
-                               p.grad_bucket_mb, placement, offload_of(c))
+                               p.grad_bucket_mb, placement,
+                               offload_of(c, p.zero3_persistence_threshold))
         else:
             held = _separate(n_params, c)
         out.append(mem.MemoryBreakdown(stage, held.weights, held.grads, held.optimizer,
                                        activations, int(round(in_flight)), buffers,
-                                       held.master, held.gathered, held.host))
+                                       held.master, held.gathered, held.host,
+                                       held.grad_buffers))
     return out
 
 
-def offload_of(c: Candidate) -> Offload:
-    """The candidate's offload and ZeRO-3 settings, as `plan.state` takes them."""
-    return Offload(c.offload_optimizer, c.offload_params, c.keep_params)
+def offload_of(c: Candidate, persist_below: int = 0) -> Offload:
+    """The candidate's offload and ZeRO-3 settings (`persist_below`: the persistence
+    threshold, for ZeRO-3), as `plan.state` takes them."""
+    return Offload(c.offload_optimizer, c.offload_params, c.keep_params,
+                   persist_below if c.zero == 3 else 0)
 
 
 def _separate(n_params: int, c: Candidate):

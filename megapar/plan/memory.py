@@ -161,12 +161,14 @@ class MemoryBreakdown:
     """ZeRO-3: parameters all-gathered at the peak (units in flight)."""
     host: float = 0.0
     """Of params, grads, optimizer and master, the bytes in host memory (offload)."""
+    grad_buffers: float = 0.0
+    """ZeRO-3: the units' full gradient buffers at the peak (`plan.state.RankState`)."""
 
     @property
     def total(self) -> float:
         """Device bytes at the peak (what has to fit the GPU)."""
         return self.params + self.grads + self.optimizer + self.master + self.gathered + \
-            self.activations + self.buffers - self.host
+            self.grad_buffers + self.activations + self.buffers - self.host
 
     def as_gib(self) -> dict:
         d = {k: v / GIB for k, v in asdict(self).items() if k not in ("stage", "in_flight")}

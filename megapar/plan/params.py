@@ -109,27 +109,54 @@ def stage_tensors(config, tp: int, pp: int, v: int, stage: int,
     return out
 
 
-def stage_units(config, tp: int, pp: int, v: int, stage: int,
-                placement: str = "loop") -> list[list[int]]:
-    """ZeRO-3's units of the stage: indices into `stage_tensors` per unit, each transformer
-    block a unit and the rest of the stage (embedding, final norm, head, tied copy) the root
-    unit, last."""
+@dataclass(frozen=True)
+class UnitSpec:
+    """One ZeRO-3 unit of a stage as `ShardedParams` makes it."""
+
+    kind: str
+    """"block", "root" (a chunk's final norm and head, with a tied word embedding it reads; or
+    the whole rest of a chunk that is not split), "embedding" (a split chunk's own embedding
+    parameters) or "persistent" (the stage's parameters under the persistence threshold)."""
+    chunk: int
+    """The model chunk (-1: the persistent unit, over the whole stage)."""
+    tensors: tuple[int, ...]
+    """Indices into `stage_tensors`, in the unit's (the model's) order."""
+
+
+def stage_units(config, tp: int, pp: int, v: int, stage: int, placement: str = "loop",
+                persist_below: int = 0) -> list[UnitSpec]:
+    """ZeRO-3's units of the stage, as `megapar.data_parallel.sharded_params.ShardedParams`
+    makes them with `persist_below` (--zero3-persistence-threshold): per chunk each block (its
+    parameters of at least `persist_below` elements), then the rest of the chunk: where the
+    chunk has blocks and the embedding, split in an embedding unit (the embedding's parameters
+    but, when there is a head, a tied word embedding the head reads) and a root unit (the rest),
+    else one root unit; then the parameters under `persist_below` in one persistent unit."""
     block, embedding, head = _piece_tensors(json.dumps(config.to_dict(), sort_keys=True), tp)
     specs = chunk_specs(config.num_layers, pp, stage, v, placement) if v > 1 else \
         [stage_spec(config.num_layers, pp, stage)]
-    units, root, at = [], [], 0
-    for spec in specs:
-        if spec.pre_process:
-            root += range(at, at + len(embedding))
-            at += len(embedding)
-        for _ in spec.layers:
-            units.append(list(range(at, at + len(block))))
-            at += len(block)
-        if spec.post_process:
-            n = len([t for t in head if not (t.tied and spec.pre_process)])
-            root += range(at, at + n)
-            at += n
-    return units + ([root] if root else [])
+    units, small, at = [], [], 0
+
+    def take(pieces) -> list[int]:
+        nonlocal at
+        idx = list(range(at, at + len(pieces)))
+        at += len(pieces)
+        small.extend(i for i, t in zip(idx, pieces) if t.numel < persist_below)
+        return [i for i, t in zip(idx, pieces) if t.numel >= persist_below]
+
+    tensors = stage_tensors(config, tp, pp, v, stage, placement)
+    for ci, spec in enumerate(specs):
+        emb = take(embedding) if spec.pre_process else []
+        blocks = [b for _ in spec.layers if (b := take(block))]
+        tail = take([t for t in head if not (t.tied and spec.pre_process)]) \
+            if spec.post_process else []
+        own = emb if blocks else []
+        if own and tail:  # a tied word embedding goes with the head that reads it
+            own = [i for i in own if not tensors[i].shared]
+        root = [i for i in emb + tail if i not in own]
+        units += [UnitSpec("block", ci, tuple(b)) for b in blocks]
+        units += [UnitSpec(kind, ci, tuple(idx)) for kind, idx in
+                  (("embedding", own), ("root", root)) if idx]
+    return units + ([UnitSpec("persistent", -1, tuple(small))] if small else [])
 
 
 def stage_layer_counts(num_layers: int, pp: int, v: int = 1,

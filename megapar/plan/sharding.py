@@ -11,8 +11,10 @@ counts them; a ring moves (r - 1) / r of them per rank, an all-reduce twice that
     zero 2   a reduce-scatter per micro-batch (m x, as DeepSpeed: the gradient is kept only as
              this rank's shard between micro-batches) + one all-gather of the parameters
     zero 3   an all-gather of each unit before its forward and again before its backward, per
-             micro-batch (2 m x; with pp and kept parameters once per step), and a
-             reduce-scatter per micro-batch: without pp and m = 1, 1.5 x an all-reduce
+             micro-batch (2 m x; with --zero3-keep-params, and for the persistent unit, once
+             per step), and one reduce-scatter of each unit per step (its full gradient
+             accumulates the micro-batches, as `ShardedParams` does): at m = 1, 1.5 x an
+             all-reduce
 
 Time exposed: a reduce-scatter hides behind its micro-batch's backward, an all-gather of the
 next unit behind the current unit's forward (or backward), except what is longer, and the first
@@ -26,19 +28,22 @@ from __future__ import annotations
 
 
 def dp_traffic(zero: int, m: int, pp: int, keep_params: bool, grad_bytes: float,
-               param_bytes: float, pieces: int = 1) -> list[tuple[str, int, float]]:
+               param_bytes: float, pieces: int = 1,
+               persistent: float = 0.0) -> list[tuple[str, int, float]]:
     """[(operation, calls, bytes in all)] one rank issues over dp x cp in a step: `grad_bytes`
     / `param_bytes` are the stage's (padded) gradient and parameter buffers as reduced and
-    gathered, `pieces` its buckets (zero 0-2) or units (zero 3), each one call."""
+    gathered, `pieces` its buckets (zero 0-2) or units (zero 3), each one call; `persistent`
+    the bytes of ZeRO-3's persistent unit among them (one of the `pieces`)."""
     if zero == 0:
         return [("all_reduce", pieces, grad_bytes)]
     if zero in (1, 2):
         times = m if zero == 2 else 1
         return [("reduce_scatter", times * pieces, times * grad_bytes),
                 ("all_gather", pieces, param_bytes)]
-    gathers = 1 if keep_params and pp > 1 else 2 * m
-    return [("all_gather", gathers * pieces, gathers * param_bytes),
-            ("reduce_scatter", m * pieces, m * grad_bytes)]
+    gathers, once = (1 if keep_params else 2 * m), (1 if persistent else 0)
+    return [("all_gather", gathers * (pieces - once) + once,
+             gathers * (param_bytes - persistent) + persistent),
+            ("reduce_scatter", pieces, grad_bytes)]
 
 
 def ring_seconds(op: str, n: int, nbytes: float, gbps: float, latency_us: float) -> float:
@@ -65,9 +70,11 @@ def dp_seconds(zero: int, m: int, pp: int, keep_params: bool, n: int, grad_bytes
         return (m if zero == 2 else 1) * max(0.0, rs - t_b) + ag
     ag += upload_s
     first = ag / max(units, 1)    # the first unit of a pass has nothing to hide behind
-    if keep_params and pp > 1:
-        return first + max(0.0, ag - first - t_f) + m * max(0.0, rs - t_b)
-    return m * (2 * first + max(0.0, ag - first - t_f) + max(0.0, ag - first + rs - t_b))
+    if keep_params:
+        return first + max(0.0, ag - first - t_f) + max(0.0, rs - t_b)
+    # the gradients reduce once, after the last micro-batch's backward
+    return m * (2 * first + max(0.0, ag - first - t_f)) + (m - 1) * max(
+        0.0, ag - first - t_b) + max(0.0, ag - first + rs - t_b)
 
 
 def pcie_seconds(nbytes: float, gbps: float) -> float:

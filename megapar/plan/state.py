@@ -9,12 +9,13 @@ real code lays them out with, over the parameter list of the stage (`params.stag
 The dry run (`megapar.dryrun`) reads the same figures off the real tensors and
 `megapar-plan --verify` compares the two.
 
-ZeRO-2 and ZeRO-3 are modelled in the same terms (fp32 parameters, gradients, AdamW; r = dp x
-cp): ZeRO-2 keeps whole parameters and this rank's shard of each padded bucket of gradients
-(4 + (4 + 8) / r bytes per parameter); ZeRO-3 shards parameters, gradients and state by unit (a
-transformer block each, the rest of the stage the root unit, each flattened and padded to a
-multiple of r: 16 / r), keeps parameters under `PERSISTENCE_THRESHOLD` elements whole, and
-holds gathered units at the peak. `Offload` moves the optimizer state with host copies of the
+ZeRO-2 and ZeRO-3 in the same terms (fp32 parameters, gradients, AdamW; r = dp x cp): ZeRO-2
+keeps whole parameters and this rank's shard of each padded bucket of gradients (4 + (4 + 8) / r
+bytes per parameter); ZeRO-3 shards parameters, gradients and state by unit as `ShardedParams`
+makes them (`params.stage_units`: each block; per chunk the root, split into an embedding and a
+root unit; the parameters under --zero3-persistence-threshold elements in one persistent unit;
+each flattened and padded to a multiple of r: 16 / r) and holds gathered units at the peak as
+its hooks do (`gathered_peak`). `Offload` moves the optimizer state with host copies of the
 stepped tensors and their gradients (--offload-optimizer), or ZeRO-3's parameter shards
 (--offload-params), to host memory.
 """
@@ -24,12 +25,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import pairwise
 
 import numpy as np
 
 from megapar.data_parallel.buckets import bucket_layout, slice_pieces
 from megapar.models.config import config_from_dict
-from megapar.plan.params import stage_tensors, stage_units
+from megapar.plan.params import UnitSpec, stage_tensors, stage_units
 
 ADAM_MOMENTS = 2
 """AdamW's exp_avg and exp_avg_sq, each of the parameter's (piece's) shape and dtype."""
@@ -37,10 +39,8 @@ STEP_BYTES = 4
 """torch keeps Adam's step as a float32 scalar tensor per parameter (per ZeRO-1 piece)."""
 
 
-PERSISTENCE_THRESHOLD = 100_000
-"""ZeRO-3: a parameter of fewer elements stays whole on every rank (weights never sharded nor
-gathered; its gradient and optimizer state are sharded with its unit), DeepSpeed's
-stage3_param_persistence_threshold and its default."""
+PERSISTENCE_THRESHOLD = 0
+"""ZeRO-3: megapar-train's default --zero3-persistence-threshold (no persistent unit)."""
 
 
 @dataclass(frozen=True)
@@ -57,16 +57,19 @@ class RankState:
     master: int = 0
     """--offload-optimizer: the host copies of the stepped tensors and of their gradients."""
     gathered: int = 0
-    """ZeRO-3: parameters all-gathered at the peak (modelled: twice the largest unit, with
-    the next one prefetched; with pp and kept parameters, the whole stage's)."""
+    """ZeRO-3: full buffers of the units gathered at the peak (`gathered_peak`)."""
     host: int = 0
     """Of all these, the bytes in host memory (offload)."""
+    grad_buffers: int = 0
+    """ZeRO-3: the units' full gradient buffers at the peak (`ShardedParams` accumulates the
+    micro-batches in them and frees each when its reduce-scatter is waited for, in finish()
+    where collectives do not block the host: every unit's at the end of the backward)."""
 
     @property
     def device(self) -> int:
         """The bytes in device memory."""
         return self.weights + self.grads + self.optimizer + self.master + self.gathered \
-            - self.host
+            + self.grad_buffers - self.host
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,10 @@ class Offload:
     params: bool = False
     """--offload-params (ZeRO-3)."""
     keep_params: bool = False
-    """ZeRO-3 with pp: a stage's gathered parameters kept across its micro-batches."""
+    """ZeRO-3 (--zero3-keep-params): a stage's gathered parameters kept over the step."""
+    persist_below: int = PERSISTENCE_THRESHOLD
+    """ZeRO-3 (--zero3-persistence-threshold): parameters of fewer elements form the stage's
+    persistent unit, gathered once a step."""
 
 
 def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: int,
@@ -88,10 +94,11 @@ def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: i
     shapes) under megapar-train with AdamW and gradient buckets of `bucket_mb` MB; `placement`
     maps chunks to virtual stages (`megapar.pipeline.schedules.PLACEMENTS`). ZeRO-1 is the
     real code's layout; ZeRO-2 / 3 are modelled on it (see `docs/guides/precision-zero.md`)."""
-    tensors, units = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement)
+    tensors, units, specs = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement,
+                                    offload.persist_below)
     if not units:  # no ZeRO: every parameter whole, its own state
         nbytes = sum(t.numel * t.dtype.itemsize for t in tensors)
-        return _finish(tensors, units, dp, zero, pp, nbytes, len(tensors), offload)
+        return _finish(tensors, units, specs, dp, zero, nbytes, len(tensors), offload)
     stepped = steps = 0
     for idx, padded in units:
         size = padded // dp
@@ -99,33 +106,48 @@ def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: i
                               (dp_rank + 1) * size)
         stepped += sum(e - s for _, s, e in pieces) * tensors[idx[0]].dtype.itemsize
         steps += len(pieces)
-    return _finish(tensors, units, dp, zero, pp, stepped, steps, offload)
+    return _finish(tensors, units, specs, dp, zero, stepped, steps, offload)
 
 
-def _finish(tensors, units, dp: int, zero: int, pp: int, stepped: int, steps: int,
+def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
+    """Bytes of ZeRO-3's units gathered at once at the peak, as `ShardedParams`' hooks hold
+    them (`nbytes`: each unit's full padded buffer): with `keep` every unit; else the
+    persistent unit (kept over the step) with, at the worst chunk, its root and embedding
+    units (gathered over the chunk's forward) and the two largest neighbouring blocks (a
+    block's forward with the next one prefetched). The backward holds no more: the root unit
+    is freed before the last block is gathered, the embedding unit gathered after the first
+    block is freed."""
+    if keep:
+        return sum(nbytes)
+    persistent = sum(n for u, n in zip(specs, nbytes) if u.kind == "persistent")
+    worst = 0
+    for ci in {u.chunk for u in specs if u.kind != "persistent"}:
+        roots = sum(n for u, n in zip(specs, nbytes) if u.chunk == ci and u.kind != "block")
+        blocks = [n for u, n in zip(specs, nbytes) if u.chunk == ci and u.kind == "block"]
+        pairs = [a + b for a, b in pairwise(blocks)] or blocks or [0]
+        worst = max(worst, roots + max(pairs))
+    return persistent + worst
+
+
+def _finish(tensors, units, specs, dp: int, zero: int, stepped: int, steps: int,
             offload: Offload) -> RankState:
-    """A rank's state from its stepped bytes and pieces (`units`: ZeRO's buckets or units)."""
+    """A rank's state from its stepped bytes and pieces (`units`: ZeRO's buckets or units;
+    `specs`: ZeRO-3's `UnitSpec` of each unit, else None)."""
     elements = sum(t.numel for t in tensors)
     whole = sum(t.numel * t.dtype.itemsize for t in tensors)
     buffer = sum(padded * tensors[idx[0]].dtype.itemsize for idx, padded in units) or whole
     shard = sum(padded // dp * tensors[idx[0]].dtype.itemsize for idx, padded in units) or whole
     weights, grads, gathered, offloaded = buffer, buffer if zero < 2 else shard, 0, 0
+    grad_buffers = 0
     if zero >= 3 and units:
-        kept = [[i for i in idx if tensors[i].numel >= PERSISTENCE_THRESHOLD]
-                for idx, _ in units]
-        persistent = whole - sum(tensors[i].numel * tensors[i].dtype.itemsize
-                                 for idx in kept for i in idx)
-        offloaded = sum(-(-sum(tensors[i].numel for i in idx) // dp)
-                        * tensors[idx[0]].dtype.itemsize for idx in kept if idx)
-        weights = offloaded + persistent
-        full = [sum(tensors[i].numel * tensors[i].dtype.itemsize for i in idx) for idx in kept]
-        gathered = sum(full) if offload.keep_params and pp > 1 else \
-            max(full) * min(2, len(full))
+        weights, offloaded, grad_buffers = shard, shard, buffer
+        gathered = gathered_peak(specs, [padded * tensors[idx[0]].dtype.itemsize
+                                         for idx, padded in units], offload.keep_params)
     optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
     master = 2 * stepped if offload.optimizer else 0
     host = (optimizer + master if offload.optimizer else 0) + \
         (offloaded if offload.params and zero >= 3 else 0)
-    return RankState(elements, weights, grads, optimizer, master, gathered, host)
+    return RankState(elements, weights, grads, optimizer, master, gathered, host, grad_buffers)
 
 
 @lru_cache(maxsize=4096)
@@ -137,7 +159,8 @@ def most_loaded(config_json: str, tp: int, pp: int, v: int, stage: int, dp: int,
     one with the most optimizer bytes (with --offload-optimizer, optimizer and host copies)."""
 
     config = config_from_dict(json.loads(config_json))
-    tensors, units = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement)
+    tensors, units, specs = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement,
+                                    offload.persist_below)
     if not units:
         return rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement, offload)
     ranks = _candidate_ranks(tensors, units, dp)
@@ -154,7 +177,7 @@ def most_loaded(config_json: str, tp: int, pp: int, v: int, stage: int, dp: int,
         steps += np.where(real > 0, last - first + 1, 0)
     held = (ADAM_MOMENTS + (2 if offload.optimizer else 0)) * stepped + STEP_BYTES * steps
     worst = int(np.argmax(held))
-    return _finish(tensors, units, dp, zero, pp, int(stepped[worst]), int(steps[worst]),
+    return _finish(tensors, units, specs, dp, zero, int(stepped[worst]), int(steps[worst]),
                    offload)
 
 
@@ -174,22 +197,31 @@ def _candidate_ranks(tensors, buckets, dp: int) -> np.ndarray:
                     dtype=np.int64)
 
 
-def _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement="loop"):
+def _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement="loop",
+            persist_below=PERSISTENCE_THRESHOLD):
     """(the stage's tensors, ZeRO's buckets as `bucket_layout` gives them (ZeRO-1 / 2), its
-    units (ZeRO-3: each padded to a multiple of dp), or [] without)."""
+    units (ZeRO-3: each padded to a multiple of dp), or [] without, and ZeRO-3's
+    `UnitSpec` per unit (else None))."""
     tensors = stage_tensors(config, tp, pp, v, stage, placement)
     if not (zero and dp > 1):
-        return tensors, []
+        return tensors, [], None
     if zero >= 3:
-        return tensors, [(idx, -(-sum(tensors[i].numel for i in idx) // dp) * dp)
-                         for idx in stage_units(config, tp, pp, v, stage, placement)]
+        specs = stage_units(config, tp, pp, v, stage, placement, persist_below)
+        return tensors, [(list(u.tensors), -(-sum(tensors[i].numel for i in u.tensors) // dp)
+                          * dp) for u in specs], specs
     late = [i for i, t in enumerate(tensors) if t.shared] if pp > 1 else []
-    return tensors, bucket_layout([(t.numel, t.dtype) for t in tensors], bucket_mb, dp, late)
+    return tensors, bucket_layout([(t.numel, t.dtype) for t in tensors], bucket_mb, dp,
+                                  late), None
 
 
 def sharded_buffer(config, tp: int, pp: int, v: int, stage: int, dp: int, zero: int,
-                   bucket_mb: float = 25.0, placement: str = "loop") -> tuple[int, int]:
-    """(buckets or units, bytes of the padded buffer) ZeRO reduces and gathers on this stage
-    (ZeRO-1 / 2: `bucket_layout`'s buckets; ZeRO-3: its units); (0, 0) without ZeRO."""
-    tensors, units = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement)
-    return len(units), sum(padded * tensors[idx[0]].dtype.itemsize for idx, padded in units)
+                   bucket_mb: float = 25.0, placement: str = "loop",
+                   persist_below: int = PERSISTENCE_THRESHOLD) -> tuple[int, int, int]:
+    """(buckets or units, bytes of the padded buffer, bytes of ZeRO-3's persistent unit) ZeRO
+    reduces and gathers on this stage (ZeRO-1 / 2: `bucket_layout`'s buckets; ZeRO-3: its
+    units); (0, 0, 0) without ZeRO."""
+    tensors, units, specs = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement,
+                                    persist_below)
+    sizes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
+    persistent = sum(n for u, n in zip(specs or (), sizes) if u.kind == "persistent")
+    return len(units), sum(sizes), persistent

@@ -200,9 +200,6 @@ def check_zero3(cfg) -> None:
                          "shards are the weights the optimizer steps, so it steps on the host "
                          "too, as DeepSpeed's offload_param with offload_optimizer): add "
                          "--offload-optimizer")
-    if cfg.dry_run:
-        raise UsageError("--dry-run does not model --zero 3 yet (it would report whole weights "
-                         "and ZeRO-1's buckets); rehearse the layout with --zero 1, or run it")
 
 
 def check_inject_slow(cfg, world_size: int) -> None:
