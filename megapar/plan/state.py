@@ -145,8 +145,10 @@ def _finish(tensors, units, specs, dp: int, zero: int, stepped: int, steps: int,
                                          for idx, padded in units], offload.keep_params)
     optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
     master = 2 * stepped if offload.optimizer else 0
-    host = (optimizer + master if offload.optimizer else 0) + \
-        (offloaded if offload.params and zero >= 3 else 0)
+    host = optimizer + master if offload.optimizer else 0
+    if offload.params and zero >= 3:  # the host-held shards are the optimizer's masters
+        weights = 0
+        host = max(host, offloaded)  # (--offload-params needs --offload-optimizer)
     return RankState(elements, weights, grads, optimizer, master, gathered, host, grad_buffers)
 
 
