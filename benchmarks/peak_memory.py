@@ -16,7 +16,8 @@ training state is built, glibc keeps freed blocks in its heap for reuse, which m
 not fit the heap's free room stays resident under the first, so its peak can be higher.
 
     python benchmarks/peak_memory.py                  # every group, about 6 minutes on 2 cores
-    python benchmarks/peak_memory.py --groups zero    # one group: --zero 0 / 1 / 2
+    python benchmarks/peak_memory.py --groups zero    # one group: --zero 0 / 1 / 2 / 3
+    python benchmarks/peak_memory.py --groups offload --policies keep  # offload, one heap policy
     python benchmarks/peak_memory.py --groups schedules  # 1F1B, ZB-H1, ZB-V, DualPipeV
 
 Each group compares configurations with one flag changed; `--repeats` runs each again (the
@@ -38,14 +39,24 @@ MODEL = {"model_type": "gpt2", "vocab_size": 1004, "n_positions": 4096, "n_embd"
 not the logits, dominate a long sequence's memory."""
 
 SMALL = ["--model", "{model}", "--tokenizer", "sentencepiece"]
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 """The `zero` group's stages (a row per stage)."""
 GROUPS = {  # name: (the claim, [(label, flags)])
     "zero": (("each ZeRO stage lowers the peak (GPT-2 124M, dp 2): zero 1 <= 0.85x zero 0, "
-              "zero 2 < zero 1"), [
+              "zero 2 < zero 1, zero 3 <= 0.7x zero 0"), [
                  (f"zero {z}", ["--model", "gpt2-124m", "--dp", "2", "--seq-len", "64",
                                 "--micro-batch-size", "1", "--global-batch-size", "2",
                                 "--zero", str(z)]) for z in ZERO_STAGES]),
+    "offload": (("offload moves state to the host: on the CPU the host is the device, so the "
+                 "OS sees the host copies added (MEGAPAR_HOST_COPIES=1: made as on a GPU), "
+                 "GPT-2 124M, dp 2"), [
+        (label, ["--model", "gpt2-124m", "--dp", "2", "--seq-len", "64", "--micro-batch-size",
+                 "1", "--global-batch-size", "2", *extra])
+        for label, extra in (("zero 1", ["--zero", "1"]),
+                             ("zero 1 + opt", ["--zero", "1", "--offload-optimizer"]),
+                             ("zero 3", ["--zero", "3"]),
+                             ("zero 3 + both", ["--zero", "3", "--offload-optimizer",
+                                                "--offload-params"]))]),
     "recompute": ("recomputation keeps fewer activations (seq 1024, micro-batch 4)", [
         (mode, [*SMALL, "--seq-len", "1024", "--micro-batch-size", "4",
                 "--global-batch-size", "4", "--recompute", mode])
@@ -86,7 +97,9 @@ def counted(argv: list[str], env: dict) -> int:
                           "--json", "--dry-run-ranks", "all"], capture_output=True, text=True,
                          env=env, check=True)
     ranks = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    return max(r["weights"] + r["grads"] + r["optimizer"] + r["activations"] for r in ranks)
+    return max(r["weights"] + r["grads"] + r["optimizer"] + r.get("master", 0)
+               + r.get("gathered", 0) + r.get("grad_buffers", 0) + r["activations"]
+               for r in ranks)
 
 
 def main(argv=None) -> int:
@@ -94,6 +107,8 @@ def main(argv=None) -> int:
     parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--policies", nargs="+", default=["keep", "system"],
+                        choices=["keep", "system"], help="heap policies to measure")
     args = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="megapar-peak-")
     model = os.path.join(work, "model.json")
@@ -110,9 +125,11 @@ def main(argv=None) -> int:
         for label, flags in configs:
             flags = [model if a == "{model}" else a for a in flags] + COMMON + \
                 ["--data-cache", os.path.join(work, "cache")]
-            count = counted(flags, env)
-            peaks = {policy: min(os_peak(flags, {**env, "MEGAPAR_HOST_MALLOC": policy})[0]
-                                 for _ in range(args.repeats)) for policy in ("keep", "system")}
+            run_env = {**env, "MEGAPAR_HOST_COPIES": "1"} if group == "offload" else env
+            count = counted(flags, run_env)
+            peaks = {policy: min(os_peak(flags, {**run_env, "MEGAPAR_HOST_MALLOC": policy})[0]
+                                 for _ in range(args.repeats)) if policy in args.policies
+                     else float("nan") for policy in ("keep", "system")}
             rows.append((label, count, peaks))
             first = rows[0]
             g = 2**30
