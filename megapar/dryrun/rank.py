@@ -209,6 +209,9 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
         first_batch = [list(map(int, mb)) for mb in first]
     sync, per_step = engine.grad_sync, set()  # the bucket reductions: once a step, whatever m
+    # the job runs on GPUs: NCCL reduces and gathers a sharded bucket whole (the fake tensors
+    # live on the CPU, where the real code would take gloo's bounded pieces, `shard_comm`)
+    sync.host_waits = False
     per_micro_batch_buckets = set()  # ZeRO-2's: once a micro-batch (not the deferred ones)
     launch = sync._launch
 
