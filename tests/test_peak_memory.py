@@ -43,28 +43,25 @@ def _peak_rise(zero: int, steps: int = 3) -> tuple[int, int, int]:
     return status("VmHWM") - start, state, held_bytes(engine.model, engine.optimizer)["grads"]
 
 
-def test_zero1_lowers_the_peak_the_os_sees():
-    """dp 2: ZeRO-1 holds half the Adam state; the OS must see the peak fall by at least half
-    of what that saves. It rose before: every reduce-scatter's copy of its bucket was held to
-    the end of the backward, and sharding made a second gradient buffer (GPT-2 124M: +0.18 GiB
-    for a counted -0.46). 4 MB buckets: gloo's reduce-scatter and all-gather take up to two
-    copies of a bucket each (megapar keeps one in flight), which at the default 25 MB would be
-    as large as this small model's saving; NCCL makes none."""
-    plain = run_local(_peak_rise, 2, 0, start_method="spawn")
-    sharded = run_local(_peak_rise, 2, 1, start_method="spawn")
-    saved = plain[0][1] - sharded[0][1]  # counted: half of Adam's moments
+def test_each_zero_stage_lowers_the_peak_the_os_sees():
+    """dp 2, zero 0 -> 1 -> 2 (one run each, compared in turn).
+
+    ZeRO-1 holds half the Adam state; the OS must see the peak fall by at least half of what
+    that saves. It rose before: every reduce-scatter's copy of its bucket was held to the end of
+    the backward, and sharding made a second gradient buffer (GPT-2 124M: +0.18 GiB for a
+    counted -0.46). 4 MB buckets: gloo's reduce-scatter and all-gather take up to two copies of
+    a bucket each (megapar keeps one in flight), which at the default 25 MB would be as large as
+    this small model's saving; NCCL makes none.
+
+    ZeRO-2 holds half the gradients between steps (each bucket's full gradient exists only from
+    its backward to its reduce-scatter); the OS must see the peak fall below ZeRO-1's by at
+    least half of what that saves."""
+    plain, one, two = (run_local(_peak_rise, 2, zero, start_method="spawn") for zero in (0, 1, 2))
+    saved = plain[0][1] - one[0][1]  # counted: half of Adam's moments
     assert saved > 90 * 2**20, saved
-    rise = max(r for r, _, _ in sharded) - max(r for r, _, _ in plain)
-    assert rise < -saved / 2, (rise / 2**20, saved / 2**20)
-
-
-def test_zero2_lowers_the_peak_below_zero1():
-    """dp 2: ZeRO-2 holds half the gradients between steps (each bucket's full gradient exists
-    only from its backward to its reduce-scatter); the OS must see the peak fall below
-    ZeRO-1's by at least half of what that saves."""
-    one = run_local(_peak_rise, 2, 1, start_method="spawn")
-    two = run_local(_peak_rise, 2, 2, start_method="spawn")
+    rise = max(r for r, _, _ in one) - max(r for r, _, _ in plain)
+    assert rise < -saved / 2, ("zero 1", rise / 2**20, saved / 2**20)
     saved = one[0][2] - two[0][2]  # counted: half of the gradient buffer
     assert saved > 45 * 2**20, saved
     rise = max(r for r, _, _ in two) - max(r for r, _, _ in one)
-    assert rise < -saved / 2, (rise / 2**20, saved / 2**20)
+    assert rise < -saved / 2, ("zero 2", rise / 2**20, saved / 2**20)
