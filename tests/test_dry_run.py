@@ -362,15 +362,19 @@ def train_config_of(problem, c):
     return train_config(problem, c)
 
 
-@pytest.mark.parametrize("spec", ["tp=1,pp=1,dp=2,mbs=2,zero=2",
-                                  "tp=1,pp=1,dp=2,mbs=2,zero=3",
-                                  "tp=1,pp=2,dp=2,mbs=2,zero=3",
-                                  "tp=1,pp=2,dp=2,mbs=2,zero=3,keep_params=1"])
-def test_plan_verify_equals_the_real_zero_2_and_3(spec):
+@pytest.mark.parametrize("spec,global_batch", [("tp=1,pp=1,dp=2,mbs=2,zero=2", 8),
+                                               ("tp=1,pp=1,dp=2,mbs=2,zero=3", 8),
+                                               ("tp=1,pp=1,dp=2,mbs=2,zero=3", 4),
+                                               ("tp=1,pp=2,dp=2,mbs=2,zero=3", 8),
+                                               ("tp=1,pp=2,dp=2,mbs=2,zero=3", 4),
+                                               ("tp=1,pp=2,dp=2,mbs=2,zero=3,keep_params=1", 8)])
+def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
     """--zero 2 / 3 run the real code in the dry run (ShardedParams, Zero3Optimizer): each
-    sampled rank's shards, state and gathered units at the peak equal the plan's to the byte,
-    and ZeRO-3's dp traffic is the plan's (`dp_traffic`: two gathers per micro-batch or one
-    kept, one reduce-scatter per step)."""
+    sampled rank's shards, state, gathered units and full gradient buffers at the peak equal
+    the plan's to the byte (at one micro-batch the buffers freed as their reduce-scatters
+    complete, fewer than the stage's whole gradient; at m > 1 all of them), and ZeRO-3's dp
+    traffic is the plan's (`dp_traffic`: two gathers per micro-batch or one kept, one
+    reduce-scatter per step)."""
     from megapar.dryrun.verify import verify_layout
     from megapar.pipeline.schedules import placement_of
     from megapar.plan import Problem, parse_candidate
@@ -379,10 +383,11 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec):
 
     config = resolve_model("gpt2-tiny")
     c = parse_candidate(spec, 2 * (1 + (c_pp := "pp=2" in spec)))
-    problem = Problem(config, 2 * (1 + c_pp), global_batch=8, seq_len=16, precision="fp32")
+    problem = Problem(config, 2 * (1 + c_pp), global_batch=global_batch, seq_len=16,
+                      precision="fp32")
     result = verify_layout(problem, c)
     assert result.error == "" and result.differences == [] and result.note == "", result
-    m = 8 // (c.mbs * c.dp)
+    m, fewer = global_batch // (c.mbs * c.dp), []
     for r in dry_run(train_config_of(problem, c), config, Layout(c.tp, c.pp, c.dp)):
         assert not r.modelled and r.zero == c.zero and r.buckets > 0
         pieces, nbytes, persistent = sharded_buffer(config, c.tp, c.pp, c.v, r.pp_rank, c.dp,
@@ -394,6 +399,10 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec):
         if c.zero == 3:  # (ZeRO-1 / 2's bucket collectives run in gloo's pieces on the CPU)
             assert dp == planned, r.rank
             assert 0 < r.gathered <= r.params * 4 and r.weights == r.grads < r.params * 4 / 1.9
+            whole = rank_state(config, 1, c.pp, 1, r.pp_rank, c.dp, r.dp_rank, 3).grad_buffers
+            assert r.grad_buffers == whole if m > 1 else r.grad_buffers <= whole, r.rank
+            fewer.append(r.grad_buffers < whole)
+    assert any(fewer) == (c.zero == 3 and m == 1)
 
 
 def test_zero_3_persistence_threshold_in_the_plan_equals_the_dry_run():

@@ -28,6 +28,7 @@ from tp_utils import assert_close, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
+from megapar.models import GPT2Config
 from megapar.pipeline.partition import build_stage
 from megapar.training.step import BatchPlan
 
@@ -360,6 +361,80 @@ def test_zero3_memory_and_traffic_counted(pp, keep, global_batch, persist):
             assert (dp * sum(c[1] for c in gathers) + P) / (2 * N) == pytest.approx(1.5, 1e-3)
     for streams in by_group.values():
         assert len(streams) == dp and all(s == streams[0] for s in streams)
+
+
+DEEP = GPT2Config(**{**CONFIG, "n_layer": 8})
+"""The parity model with 8 blocks (4 per stage at pp 2)."""
+
+
+def _grad_buffers_worker(pp: int, device_path: bool) -> dict:
+    """One step of m = 1 at dp 2 on gloo, `device_path`: as on NCCL (collectives whole and
+    async, `host_waits` off); the most bytes of full gradient buffers alive at once (weak
+    references to every buffer made: alive while anything, a work included, holds it),
+    sampled at each buffer made, before each reduce-scatter launched and before finish()."""
+    import weakref
+
+    import torch.distributed as dist
+
+    mesh = Mesh(Layout(1, pp, 2), dist.get_rank())
+    model, step, sharded = build(mesh, model_config=DEEP)
+    if device_path:
+        sharded.host_waits, sharded.piece = False, None
+    made, peak = [], [0]
+
+    def sample() -> None:
+        peak[0] = max(peak[0], sum(n for ref, n in made if ref() is not None))
+
+    for u in sharded.units:
+        def grads(u=u, fn=u.grads):
+            new = u.grad_full is None
+            out = fn()
+            if new:
+                made.append((weakref.ref(out), out.untyped_storage().nbytes()))
+                sample()
+            return out
+        u.grads = grads
+    launch, finish = sharded._launch, sharded.finish
+
+    def launched(u) -> None:
+        sample()
+        launch(u)
+
+    def finished() -> None:
+        sample()
+        finish()
+    sharded._launch, sharded.finish = launched, finished
+    plan = BatchPlan(4, 2, 2)
+    batch = to_device(plan.split(global_batches()[0], mesh.dp_rank), mesh.device)
+    step.step(batch, 0)
+    grads = sharded.full_grads()
+    return {"peak": peak[0], "all": sum(n for _, n in made), "m": plan.micro_batches,
+            "units": len(sharded.units), "stage": mesh.pp_rank, "dp_rank": mesh.dp_rank,
+            "grads": {n: grads[id(p)] for n, p in model.named_parameters()},
+            "alive_after": sum(ref() is not None for ref, _ in made)}
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_zero3_full_gradient_buffers_freed_as_the_backward_goes_on_the_device_path(pp):
+    """NCCL's path (forced on gloo): each unit's full gradient buffer is freed when the next
+    unit's reduce-scatter is launched (one reduction in flight), not held to finish(): at one
+    micro-batch the most bytes alive at once are the planner's `grad_buffers` (the root units,
+    two neighbouring blocks), under 0.7x the stage's whole gradient (8 layers), and the same
+    as on gloo's
+    path; the reduced gradients are the same on both paths."""
+    from megapar.plan.state import Offload, rank_state
+
+    outs = {path: run_local(_grad_buffers_worker, 2 * pp, pp, path) for path in (True, False)}
+    for device, host in zip(outs[True], outs[False]):
+        assert device["m"] == 1 and device["alive_after"] == 0
+        planned = rank_state(DEEP, 1, pp, 1, device["stage"], 2, device["dp_rank"], 3,
+                             offload=Offload(whole_grads=False))
+        whole = rank_state(DEEP, 1, pp, 1, device["stage"], 2, device["dp_rank"], 3)
+        assert device["all"] == whole.grad_buffers
+        assert device["peak"] == host["peak"] == planned.grad_buffers, (device, planned)
+        assert device["peak"] < 0.7 * device["all"], device
+        for name, g in device["grads"].items():
+            assert torch.equal(g, host["grads"][name]), name
 
 
 # --- checkpoints --------------------------------------------------------------------------------

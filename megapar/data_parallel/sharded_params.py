@@ -37,7 +37,8 @@ gathers it and accumulates all micro-batches of the step (as ZeRO-2's "keep full
 until the last one"); when every parameter of the unit is final (the executor's grad-sync
 protocol, as `GradBuckets`: `begin_step`, `arm`, `before_last_backward`, `grads_ready`,
 `finish`) it is divided by dp, reduce-scattered into `grad_shard` (async) and freed once that
-is done. Units launch in a fixed order (the blocks from the last, then the root) whatever
+is waited for: before the next unit's reduce-scatter is launched (`MAX_REDUCES_IN_FLIGHT`, on
+gloo and NCCL alike), so the backward does not hold the stage's whole gradient. Units launch in a fixed order (the blocks from the last, then the root) whatever
 order hooks fire in, and gathers are issued in program order, so every rank of the group
 issues the same collectives in the same order (NCCL's rule). The root goes last and, with a
 tied embedding over pipeline stages (`defer`), only after `before_reduce`.
@@ -244,8 +245,18 @@ class ShardedParams:
     their hooks; also the stage's gradient sync (the `GradBuckets` protocol, reduce-scatter)."""
 
     sharded = True
-    MAX_COPIES_IN_FLIGHT = 1
-    """gloo: reduce-scatters in flight before the oldest is waited for (see `GradBuckets`)."""
+    MAX_REDUCES_IN_FLIGHT = 1
+    """Reduce-scatters left in flight when the next unit's is launched: the older ones are
+    waited for first and their full gradient buffers dropped, on every backend (FSDP2's
+    default `reduce_scatter_max_input_buffers`: one reduce-scatter overlaps the backward of
+    the unit before it). At most two units' full gradients are then alive from the reductions
+    (the one in flight and the one being reduced next) besides those autograd is filling.
+    gloo: it also bounds the copies of whole buffers gloo holds until a collective is waited
+    for (see `GradBuckets`). NCCL: the wait only orders the current stream after the
+    collective (no host sync); ProcessGroupNCCL keeps its own reference to the input until
+    the work is waited for (its tensor stash, which replaced ``recordStream``), and the
+    buffer dropped after the wait returns to the caching allocator on the current stream,
+    so only work ordered after the reduce-scatter can reuse it."""
     HOST_PIECE_MB = 16.0
     """gloo: a unit whose slice is larger than this is gathered and reduce-scattered
     synchronously, this many MB of each rank's slice at a time through a staging buffer (gloo
@@ -564,10 +575,11 @@ class ShardedParams:
             self.next_launch += 1
 
     def _launch(self, u: Unit) -> None:
-        if self.host_waits:  # gloo holds copies of the buffers in flight: bound them
-            flight = [v for v in self.units[:self.next_launch] if v.reduce_handle is not None]
-            for v in flight[:max(0, len(flight) - self.MAX_COPIES_IN_FLIGHT + 1)]:
-                self._wait_reduce(v)
+        """Reduce-scatter `u`'s full gradient into its shard, once the reductions in flight
+        are fewer than `MAX_REDUCES_IN_FLIGHT` (the oldest waited for, their buffers freed)."""
+        flight = [v for v in self.units[:self.next_launch] if v.reduce_handle is not None]
+        for v in flight[:max(0, len(flight) - self.MAX_REDUCES_IN_FLIGHT + 1)]:
+            self._wait_reduce(v)
         u.adopt_replaced_grads()
         flat = u.grad_full
         if self.average_over > 1:

@@ -52,7 +52,7 @@ from megapar.pipeline.schedules import (
 )
 from megapar.plan import Candidate, Problem, stage_memory
 from megapar.plan.sharding import dp_traffic
-from megapar.plan.state import Offload, rank_state, sharded_buffer
+from megapar.plan.state import Offload, rank_state, sharded_buffer, whole_grads
 from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
 from megapar.training.config import _choices
 from megapar.training.data import make_sampler
@@ -233,6 +233,10 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         sync._launch = launch
     if sample is not None:  # the backward's end: every full gradient buffer not yet freed
         sample()
+        if whole_grads(cfg.schedule, layout.pp, m,
+                       chunks_per_rank(cfg.schedule, cfg.virtual_stages)):
+            # the step's m micro-batches accumulate in every buffer the rehearsed one made
+            peak["grad_buffers"] = max(peak["grad_buffers"], sum(peak["made"].values()))
     with count_collectives() as step_calls:
         engine.step_fn.sync_gradients()
         _first_optimizer_step(engine.optimizer, notes)
@@ -290,17 +294,19 @@ def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: di
     go to `per_micro_batch` (twice a micro-batch: forward and backward) or, for the persistent
     unit and with --zero3-keep-params (gathered once a step), to `per_step`; `peak["gathered"]`
     is the most bytes of units gathered at once (their full buffers' storages) and
-    `peak["grad_buffers"]` of their full gradient buffers; returns the function that samples
-    them (the hooks call it)."""
+    `peak["grad_buffers"]` of their full gradient buffers (`peak["made"]`: each unit's buffer
+    seen, by unit); returns the function that samples them (the hooks call it)."""
     sharded.host_waits, sharded.piece = False, None
     gather, prefetch, launch = sharded.gather, sharded.prefetch, sharded._launch
+    made = peak.setdefault("made", {})
 
     def held() -> None:
         peak["gathered"] = max(peak["gathered"], sum(
             u.full.untyped_storage().nbytes() for u in sharded.units))
-        peak["grad_buffers"] = max(peak["grad_buffers"], sum(
-            u.grad_full.untyped_storage().nbytes() for u in sharded.units
-            if u.grad_full is not None))
+        alive = {id(u): u.grad_full.untyped_storage().nbytes() for u in sharded.units
+                 if u.grad_full is not None}
+        made.update(alive)
+        peak["grad_buffers"] = max(peak["grad_buffers"], sum(alive.values()))
 
     def launched(u) -> None:  # the unit's full gradient is complete: held until waited for
         held()
@@ -328,7 +334,10 @@ def _planned_state(cfg, config, mesh: Mesh):
                       layout.dp * layout.cp, mesh.dp_rank * layout.cp + mesh.cp_rank, cfg.zero,
                       cfg.grad_bucket_mb, placement_of(cfg.schedule),
                       Offload(cfg.offload_optimizer, cfg.offload_params,
-                              cfg.zero3_keep_params, cfg.zero3_persistence_threshold))
+                              cfg.zero3_keep_params, cfg.zero3_persistence_threshold,
+                              whole_grads(cfg.schedule, layout.pp, cfg.global_batch_size // (
+                                  cfg.micro_batch_size * layout.dp),
+                                  chunks_per_rank(cfg.schedule, cfg.virtual_stages))))
 
 
 def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,

@@ -91,7 +91,7 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
         planned = rank_state(problem.config, c.tp, c.pp, c.v, r.pp_rank, c.dp * c.cp,
                              r.dp_rank * c.cp + r.cp_rank, c.zero, problem.grad_bucket_mb,
                              placement_of(c.schedule),
-                             offload_of(c, problem.zero3_persistence_threshold))
+                             offload_of(c, problem.zero3_persistence_threshold, m))
         out.differences += [(r.rank, f, getattr(planned, f), getattr(r, f)) for f in FIELDS
                             if getattr(planned, f) != getattr(r, f)]
         if exact and int(stages[r.pp_rank].activations) != r.activations:
