@@ -55,7 +55,7 @@ def train_config(problem, candidate):
                       sequence_parallel=c.sp, zero=c.zero, precision=problem.precision,
                       grad_bucket_mb=problem.grad_bucket_mb,
                       offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
-                      zero3_keep_params=c.keep_params,
+                      zero3_keep_params=c.keep_params, zero3_reduce=c.zero3_reduce,
                       zero3_persistence_threshold=problem.zero3_persistence_threshold
                       if c.zero == 3 else 0)
     return cfg

@@ -89,15 +89,20 @@ class Offload:
     whole_grads: bool = True
     """ZeRO-3: every unit's full gradient buffer alive at once in the step (`whole_grads`);
     False: as few as the reductions in flight leave (`grad_buffers_peak`)."""
+    micro_batches: int = 1
+    """Micro-batches per step (ZeRO-3: past the first, the units reduced once a step keep
+    their buffers from the backward's start)."""
 
 
-def whole_grads(schedule: str, pp: int, m: int, v: int) -> bool:
+def whole_grads(schedule: str, pp: int, m: int, v: int, reduce: str = "step") -> bool:
     """ZeRO-3: whether a step holds every unit's full gradient buffer at once: with more than
-    one micro-batch (each buffer accumulates until the last one's backward), more than one
-    model chunk per rank, or weight gradients computed apart from the backward (a zero-bubble
-    schedule's W: every buffer is made in B, reduced after W)."""
-    return m > 1 or v > 1 or any(a.kind == "backward_weight"
-                                 for a in schedule_actions(schedule, pp, m, 0, v))
+    one micro-batch reduced once per step (`reduce` "step": each buffer accumulates until the
+    last one's backward), more than one model chunk per rank, or weight gradients computed
+    apart from the backward (a zero-bubble schedule's W: every buffer is made in B, reduced
+    after W, reported once per step). Reduced per micro-batch, each micro-batch's backward
+    frees them as one alone does."""
+    return (m > 1 and reduce == "step") or v > 1 or any(
+        a.kind == "backward_weight" for a in schedule_actions(schedule, pp, m, 0, v))
 
 
 def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: int,
@@ -143,7 +148,7 @@ def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
 
 
 def grad_buffers_peak(specs: list[UnitSpec], nbytes: list[int], deferred: set[int],
-                      whole: bool) -> int:
+                      whole: bool, kept: bool = False) -> int:
     """Bytes of ZeRO-3's full gradient buffers alive at once at the peak, as `ShardedParams`
     holds them (`nbytes`: each unit's full padded buffer; `deferred`: the units holding the
     tied embedding over pipeline stages, reduced in finish()). With `whole` every unit's.
@@ -154,7 +159,9 @@ def grad_buffers_peak(specs: list[UnitSpec], nbytes: list[int], deferred: set[in
     `ShardedParams.units`' order (blocks from the last, the embedding, the root, the
     persistent unit; the deferred ones at the end), and each launch first waits for the
     reductions in flight beyond `ShardedParams.MAX_REDUCES_IN_FLIGHT - 1`, dropping their
-    buffers. The peak is taken at each launch (before that wait) and at the backward's end."""
+    buffers. The peak is taken at each launch (before that wait) and at the backward's end.
+    `kept` (a later micro-batch of the step): the deferred units' buffers alive from the
+    start."""
     if whole:
         return sum(nbytes)
     order = []
@@ -167,7 +174,7 @@ def grad_buffers_peak(specs: list[UnitSpec], nbytes: list[int], deferred: set[in
     roots = [i for i, u in enumerate(specs) if u.kind == "root"]
     persistent = [i for i, u in enumerate(specs) if u.kind == "persistent"]
     alive = set(roots) | (set(persistent) if roots or any(
-        u.kind == "embedding" for u in specs) else set())
+        u.kind == "embedding" for u in specs) else set()) | (deferred if kept else set())
     embeddings = {i for i, u in enumerate(specs) if u.kind == "embedding"}
     peak, flight = 0, []
     for i in order:
@@ -184,6 +191,13 @@ def grad_buffers_peak(specs: list[UnitSpec], nbytes: list[int], deferred: set[in
     return max(peak, sum(nbytes[j] for j in alive))
 
 
+def _deferred(tensors, units, pp: int) -> set[int]:
+    """ZeRO-3: the units holding the tied embedding over pipeline stages (reduced once, in
+    `ShardedParams.finish()`, after its sum over the first and last stage)."""
+    return {k for k, (idx, _) in enumerate(units) if pp > 1 and any(tensors[i].shared
+                                                                     for i in idx)}
+
+
 def _finish(tensors, units, specs, dp: int, zero: int, stepped: int, steps: int,
             offload: Offload, pp: int = 1) -> RankState:
     """A rank's state from its stepped bytes and pieces (`units`: ZeRO's buckets or units;
@@ -198,9 +212,8 @@ def _finish(tensors, units, specs, dp: int, zero: int, stepped: int, steps: int,
         weights, offloaded = shard, shard
         nbytes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
         gathered = gathered_peak(specs, nbytes, offload.keep_params)
-        deferred = {k for k, (idx, _) in enumerate(units)
-                    if pp > 1 and any(tensors[i].shared for i in idx)}
-        grad_buffers = grad_buffers_peak(specs, nbytes, deferred, offload.whole_grads)
+        grad_buffers = grad_buffers_peak(specs, nbytes, _deferred(tensors, units, pp),
+                                         offload.whole_grads, offload.micro_batches > 1)
     optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
     master = 2 * stepped if offload.optimizer else 0
     host = optimizer + master if offload.optimizer else 0
@@ -285,3 +298,14 @@ def sharded_buffer(config, tp: int, pp: int, v: int, stage: int, dp: int, zero: 
     sizes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
     persistent = sum(n for u, n in zip(specs or (), sizes) if u.kind == "persistent")
     return len(units), sum(sizes), persistent
+
+
+def deferred_units(config, tp: int, pp: int, v: int, stage: int, dp: int,
+                   bucket_mb: float = 25.0, placement: str = "loop",
+                   persist_below: int = PERSISTENCE_THRESHOLD) -> tuple[int, int]:
+    """ZeRO-3: (units, bytes of their padded buffers) of the stage that hold the tied embedding
+    over pipeline stages: reduced once a step even with --zero3-reduce micro-batch."""
+    tensors, units, _ = _layout(config, tp, pp, v, stage, dp, 3, bucket_mb, placement,
+                                persist_below)
+    late = _deferred(tensors, units, pp)
+    return len(late), sum(units[k][1] * tensors[units[k][0][0]].dtype.itemsize for k in late)
