@@ -74,7 +74,6 @@ from torch import nn
 from megapar import device as _device
 from megapar.mesh import group_size
 
-
 REDUCES = ("step", "micro-batch")
 """--zero3-reduce: when each unit's gradient is reduce-scattered (`ShardedParams`)."""
 
