@@ -114,6 +114,8 @@ TRAIN = [
     (["--eval-interval", "-1"], "--eval-interval -1 is invalid"),
     (["--tp", "0"], "--tp 0 is invalid"),
     (["--zero3-keep-params"], "--zero3-keep-params only applies to --zero 3"),
+    (["--zero", "2", "--zero3-reduce", "micro-batch"],
+     "--zero3-reduce micro-batch only applies to --zero 3"),
     (["--zero3-persistence-threshold", "100"],
      "--zero3-persistence-threshold only applies to --zero 3"),
     (["--zero", "3", "--zero3-persistence-threshold", "-1"],

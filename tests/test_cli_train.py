@@ -92,15 +92,17 @@ def test_cli_3d_parity_2x2x2_equals_1x1x1(tmp_path, text, cache):
         assert abs(x - y) / abs(x) < 1e-5, (a, b)
 
 
-def test_cli_zero3_pp2_dp2_equals_1x1x1(tmp_path, text, cache):
-    """--zero 3 at pp 2 x dp 2 on real text (parameters sharded over dp, gathered per unit and
-    micro-batch): the serial run's losses."""
+@pytest.mark.parametrize("flags", [["--pp", "2", "--dp", "2", "--zero", "3"],
+                                   ["--dp", "2", "--zero", "3", "--zero3-reduce", "micro-batch"]])
+def test_cli_zero3_equals_1x1x1(tmp_path, text, cache, flags):
+    """--zero 3 on real text: at pp 2 x dp 2 (parameters sharded over dp, gathered per unit
+    and micro-batch), and at dp 2 with --zero3-reduce micro-batch (m 2: a reduce-scatter per
+    micro-batch, added into the shard): the serial run's losses."""
     common = ["--model", _model(tmp_path), "--data", text, "--tokenizer", "sentencepiece",
               "--data-cache", cache, "--max-steps", "4", "--clip-grad", "0.5", *TINY]
     serial, sharded = tmp_path / "serial.jsonl", tmp_path / "zero3.jsonl"
     assert main([*common, "--log-json", str(serial)]) == 0
-    assert main([*common, "--pp", "2", "--dp", "2", "--zero", "3",
-                 "--log-json", str(sharded)]) == 0
+    assert main([*common, *flags, "--log-json", str(sharded)]) == 0
     a, b = _losses(serial), _losses(sharded)
     assert len(a) == len(b) == 4
     for x, y in zip(a, b):

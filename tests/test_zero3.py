@@ -28,6 +28,7 @@ from tp_utils import assert_close, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
+from megapar.models import GPT2Config
 from megapar.pipeline.partition import build_stage
 from megapar.training.step import BatchPlan
 
@@ -35,7 +36,7 @@ from megapar.training.step import BatchPlan
 def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
           precision: str = "fp32", recompute: str = "none", virtual_stages: int = 1,
           model_config=None, kind: str = "adamw", persist: int = 0, offload: bool = False,
-          offload_params: bool = False):
+          offload_params: bool = False, reduce: str = "step"):
     """(model, TrainStep, ShardedParams) for --zero 3 on `mesh`; `offload`: the optimizer
     steps host copies of the shards (--offload-optimizer); `offload_params`: the shards are
     held on the host (--offload-params)."""
@@ -56,7 +57,7 @@ def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
     optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
                                kind=kind, tp_group=mesh.tp_group, offload=offload)
     sharded = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp, keep=keep,
-                            persist_below=persist, offload=offload_params)
+                            persist_below=persist, offload=offload_params, reduce=reduce)
     step = TrainStep(model, mesh, executor, optimizer, scheduler(),
                      Precision(precision, mesh.device), MAX_NORM, sharded)
     return model, step, sharded
@@ -65,7 +66,8 @@ def build(mesh: Mesh, schedule: str = "1f1b", keep: bool = False, mbs: int = 2,
 def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False,
            sequence_parallel: bool = False, cp: int = 1, recompute: str = "none",
            order: str = "tp-pp-dp", virtual_stages: int = 1, mbs: int = 2,
-           persist: int = 0, offload: bool = False, offload_params: bool = False) -> dict:
+           persist: int = 0, offload: bool = False, offload_params: bool = False,
+           reduce: str = "step") -> dict:
     import torch.distributed as dist
 
     from megapar.tensor_parallel.partition import gather_full
@@ -74,7 +76,7 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
     mesh.sequence_parallel = sequence_parallel
     model, step, sharded = build(mesh, schedule, keep, recompute=recompute,
                                  virtual_stages=virtual_stages, mbs=mbs, persist=persist,
-                                 offload=offload, offload_params=offload_params)
+                                 offload=offload, offload_params=offload_params, reduce=reduce)
     optimizer, full_grads = step.optimizer, {}
     optimizer_step = optimizer.step
 
@@ -153,6 +155,21 @@ def test_zero3_pipeline_cp_sp_recompute(reference):
     two = [(1, 1, 2, "1f1b", False, False, 1, "full"),
            (1, 1, 2, "1f1b", False, False, 1, "selective")]
     for world, runs in ((4, four), (2, two)):
+        outs = run_local(_worker, world, runs)
+        for i in range(len(runs)):
+            check_against(reference, [o[i] for o in outs])
+            assert all(o[i]["freed"] for o in outs)
+
+
+def test_zero3_reduce_per_micro_batch_parity(reference):
+    """--zero3-reduce micro-batch (a reduce-scatter per micro-batch, added into the shard): the
+    same losses, norms, gradients and weights as one process at dp 2 (m 2), pp 2 x dp 2 with
+    1F1B, ZB-H1 (the W-reported units held to the step's last W) and 1F1B with micro-batches
+    of 1 (m 4, the tied embedding over stages reduced once, in finish())."""
+    mb = (False, False, 1, "none", "tp-pp-dp", 1, 2, 0, False, False, "micro-batch")
+    four = [(1, 2, 2, "1f1b", *mb), (1, 2, 2, "zb-h1", *mb),
+            (1, 2, 2, "1f1b", *mb[:6], 1, *mb[7:])]
+    for world, runs in ((2, [(1, 1, 2, "1f1b", *mb)]), (4, four)):
         outs = run_local(_worker, world, runs)
         for i in range(len(runs)):
             check_against(reference, [o[i] for o in outs])
@@ -296,13 +313,14 @@ def _many(worker) -> list:
 
 
 # --- memory held, traffic, collective order -----------------------------------------------------
-def _count_worker(pp: int, keep: bool, global_batch: int, persist: int) -> dict:
+def _count_worker(pp: int, keep: bool, global_batch: int, persist: int,
+                  reduce: str = "step", schedule: str = "1f1b") -> dict:
     import torch.distributed as dist
 
     from megapar.comm_count import count_collectives
 
     mesh = Mesh(Layout(1, pp, 2), dist.get_rank())
-    model, step, sharded = build(mesh, keep=keep, persist=persist)
+    model, step, sharded = build(mesh, schedule, keep=keep, persist=persist, reduce=reduce)
     plan = BatchPlan(global_batch, 2, 2)
     batches = [to_device(plan.split(b, mesh.dp_rank), mesh.device) for b in global_batches()]
     step.step(batches[0], 0)  # warm-up
@@ -317,25 +335,31 @@ def _count_worker(pp: int, keep: bool, global_batch: int, persist: int) -> dict:
             "numel": sum(p.numel() for p in model.parameters()),
             "units": len(sharded.units), "held": sharded.held_bytes() + state,
             "persistent": sharded.persistent.padded if sharded.persistent else 0,
+            "deferred": [u.padded for u in sharded.units if u.deferred],
             "gathered_between_steps": [u.name for u in sharded.units
                                        if u.full.untyped_storage().nbytes()],
             "grads_between_steps": [n for n, p in model.named_parameters() if p.grad is not None]}
 
 
-@pytest.mark.parametrize("pp,keep,global_batch,persist", [
-    (1, False, 4, 0), (1, True, 8, 0), (2, False, 8, 0), (2, True, 8, 0), (2, False, 8, 100)])
-def test_zero3_memory_and_traffic_counted(pp, keep, global_batch, persist):
+@pytest.mark.parametrize("pp,keep,global_batch,persist,reduce,schedule", [
+    (1, False, 4, 0, "step", "1f1b"), (1, True, 8, 0, "step", "1f1b"),
+    (2, False, 8, 0, "step", "1f1b"), (2, True, 8, 0, "step", "1f1b"),
+    (2, False, 8, 100, "step", "1f1b"), (1, False, 8, 0, "micro-batch", "1f1b"),
+    (2, False, 8, 100, "micro-batch", "1f1b"), (2, True, 8, 0, "micro-batch", "1f1b")])
+def test_zero3_memory_and_traffic_counted(pp, keep, global_batch, persist, reduce, schedule):
     """Per rank between steps: fp32 parameter and gradient shards and Adam's two moments, 16
     bytes per element of the padded units over dp (16 / dp per parameter up to < dp elements
     of padding per unit); nothing gathered, no full gradient. Per step over dp: every unit
     all-gathered twice per micro-batch (forward, backward; once per step when kept) and its
     gradient reduce-scattered once; only scalars all-reduced (the loss and the squared norm).
     The persistent unit (parameters under the threshold) is gathered once per step.
-    Without pp at one micro-batch that is 2 P + P = 1.5x the 2 N of an all-reduce's ring. Every
+    Without pp at one micro-batch that is 2 P + P = 1.5x the 2 N of an all-reduce's ring.
+    --zero3-reduce micro-batch: every unit reduce-scattered once per micro-batch (m x), but
+    those holding the tied embedding over stages (once, in finish()). Every
     rank of a dp group issues the same collectives in the same order (NCCL's rule: the
     prefetches do not reorder them)."""
     dp = 2
-    outs = run_local(_count_worker, pp * dp, pp, keep, global_batch, persist)
+    outs = run_local(_count_worker, pp * dp, pp, keep, global_batch, persist, reduce, schedule)
     by_group = {}
     for out in outs:
         by_group.setdefault(out["dp_ranks"], []).append(out["dp_calls"])
@@ -352,7 +376,11 @@ def test_zero3_memory_and_traffic_counted(pp, keep, global_batch, persist):
         # payload: this rank's slice
         assert sum(c[1] for c in gathers) == (gathered * (P - Q) + Q) // dp
         assert len(gathers) == gathered * (out["units"] - persistent) + persistent
-        assert sum(c[1] for c in scatters) == P and len(scatters) == out["units"]
+        times = m if reduce == "micro-batch" else 1  # reduce-scatters per unit and step
+        D, deferred = sum(out["deferred"]), len(out["deferred"])
+        assert deferred == (pp > 1)  # the tied embedding's unit, on both stages
+        assert sum(c[1] for c in scatters) == times * (P - D) + D
+        assert len(scatters) == times * (out["units"] - deferred) + deferred
         others = [c for c in calls if c[0] not in ("all_gather_into_tensor",
                                                     "reduce_scatter_tensor")]
         assert sorted(others) == [("all_reduce", 1, 4)] * 2, others  # the loss, the norm
@@ -360,6 +388,89 @@ def test_zero3_memory_and_traffic_counted(pp, keep, global_batch, persist):
             assert (dp * sum(c[1] for c in gathers) + P) / (2 * N) == pytest.approx(1.5, 1e-3)
     for streams in by_group.values():
         assert len(streams) == dp and all(s == streams[0] for s in streams)
+
+
+DEEP = GPT2Config(**{**CONFIG, "n_layer": 8})
+"""The parity model with 8 blocks (4 per stage at pp 2)."""
+
+
+def _grad_buffers_worker(pp: int, device_path: bool, reduce: str = "step",
+                         global_batch: int = 4) -> dict:
+    """One step of m = 1 at dp 2 on gloo, `device_path`: as on NCCL (collectives whole and
+    async, `host_waits` off); the most bytes of full gradient buffers alive at once (weak
+    references to every buffer made: alive while anything, a work included, holds it),
+    sampled at each buffer made, before each reduce-scatter launched and before finish()."""
+    import weakref
+
+    import torch.distributed as dist
+
+    mesh = Mesh(Layout(1, pp, 2), dist.get_rank())
+    model, step, sharded = build(mesh, model_config=DEEP, reduce=reduce)
+    if device_path:
+        sharded.host_waits, sharded.piece = False, None
+    made, peak = [], [0]
+
+    def sample() -> None:
+        peak[0] = max(peak[0], sum(n for ref, n in made if ref() is not None))
+
+    for u in sharded.units:
+        def grads(u=u, fn=u.grads):
+            new = u.grad_full is None
+            out = fn()
+            if new:
+                made.append((weakref.ref(out), out.untyped_storage().nbytes()))
+                sample()
+            return out
+        u.grads = grads
+    launch, finish = sharded._launch, sharded.finish
+
+    def launched(u) -> None:
+        sample()
+        launch(u)
+
+    def finished() -> None:
+        sample()
+        finish()
+    sharded._launch, sharded.finish = launched, finished
+    plan = BatchPlan(global_batch, 2, 2)
+    batch = to_device(plan.split(global_batches()[0], mesh.dp_rank), mesh.device)
+    step.step(batch, 0)
+    grads = sharded.full_grads()
+    return {"peak": peak[0], "all": sum(n for _, n in made), "m": plan.micro_batches,
+            "units": len(sharded.units), "stage": mesh.pp_rank, "dp_rank": mesh.dp_rank,
+            "deferred": [u.padded * 4 for u in sharded.units if u.deferred],
+            "grads": {n: grads[id(p)] for n, p in model.named_parameters()},
+            "alive_after": sum(ref() is not None for ref, _ in made)}
+
+
+@pytest.mark.parametrize("pp,reduce,global_batch", [(1, "step", 4), (2, "step", 4),
+                                                    (1, "micro-batch", 8),
+                                                    (2, "micro-batch", 8)])
+def test_zero3_full_gradient_buffers_freed_as_the_backward_goes_on_the_device_path(
+        pp, reduce, global_batch):
+    """NCCL's path (forced on gloo): each unit's full gradient buffer is freed when the next
+    unit's reduce-scatter is launched (one reduction in flight), not held to finish(): at one
+    micro-batch the most bytes alive at once are the planner's `grad_buffers` (the root units,
+    two neighbouring blocks), under 0.7x the stage's whole gradient (8 layers), and the same
+    as on gloo's
+    path; the reduced gradients are the same on both paths. Reduced per micro-batch (m 2), the
+    same peak: the previous micro-batch's reductions are waited for before the next one's
+    buffers are made."""
+    from megapar.plan.state import Offload, rank_state
+
+    outs = {path: run_local(_grad_buffers_worker, 2 * pp, pp, path, reduce, global_batch)
+            for path in (True, False)}
+    for device, host in zip(outs[True], outs[False]):
+        assert device["m"] == global_batch // 4 and device["alive_after"] == 0
+        planned = rank_state(DEEP, 1, pp, 1, device["stage"], 2, device["dp_rank"], 3,
+                             offload=Offload(whole_grads=False, micro_batches=device["m"]))
+        whole = rank_state(DEEP, 1, pp, 1, device["stage"], 2, device["dp_rank"], 3)
+        assert device["all"] == device["m"] * whole.grad_buffers - (device["m"] - 1) * sum(
+            device["deferred"])  # every buffer made: m per unit, the deferred ones once
+        assert device["peak"] == host["peak"] == planned.grad_buffers, (device, planned)
+        assert device["peak"] < 0.7 * whole.grad_buffers, device
+        for name, g in device["grads"].items():
+            assert torch.equal(g, host["grads"][name]), name
 
 
 # --- checkpoints --------------------------------------------------------------------------------

@@ -33,11 +33,18 @@ once gathered, stays gathered until the step's `finish()`: one gather per unit a
 instead of two per micro-batch, at the price of the stage's whole parameters during the step.
 
 Gradients: a unit's full gradient buffer (``.grad`` views) is made when its backward first
-gathers it and accumulates all micro-batches of the step (as ZeRO-2's "keep full gradients
-until the last one"); when every parameter of the unit is final (the executor's grad-sync
-protocol, as `GradBuckets`: `begin_step`, `arm`, `before_last_backward`, `grads_ready`,
-`finish`) it is divided by dp, reduce-scattered into `grad_shard` (async) and freed once that
-is done. Units launch in a fixed order (the blocks from the last, then the root) whatever
+gathers it. With ``reduce="step"`` (--zero3-reduce step) it accumulates all micro-batches of
+the step (ZeRO-2's "keep full gradients until the last one"); when every parameter of the unit
+is final (the executor's grad-sync protocol, as `GradBuckets`: `begin_step`, `arm`,
+`before_last_backward`, `grads_ready`, `finish`) it is divided by dp, reduce-scattered into
+`grad_shard` (async) and freed once that is waited for: before the next unit's reduce-scatter
+is launched (`MAX_REDUCES_IN_FLIGHT`, on gloo and NCCL alike), so the backward does not hold
+the stage's whole gradient. With ``reduce="micro-batch"`` (DeepSpeed's stage 3) every
+micro-batch's backward reduce-scatters each unit once its gradients are there, in rounds as
+ZeRO-2's buckets (`_launch_round`), into a staging slice added into `grad_shard`; the next
+micro-batch's backward makes a new buffer (after the previous round's reductions are waited
+for). Gradients reported once per step (ZB-H1's W, the tied embedding over stages) hold their
+units, and those after them in the round, until then. Units launch in a fixed order (the blocks from the last, then the root) whatever
 order hooks fire in, and gathers are issued in program order, so every rank of the group
 issues the same collectives in the same order (NCCL's rule). The root goes last and, with a
 tied embedding over pipeline stages (`defer`), only after `before_reduce`.
@@ -49,7 +56,8 @@ each gather and freed once the gather is done; the optimizer steps the host shar
 (`Zero3Optimizer` with offload).
 
 Traffic per step without pp (m micro-batches): 2 m all-gathers of every unit and one
-reduce-scatter (1.5x an all-reduce's bytes at m = 1); with `keep`, one all-gather per unit.
+reduce-scatter (1.5x an all-reduce's bytes at m = 1), m per micro-batch; with `keep`, one
+all-gather per unit.
 """
 
 from __future__ import annotations
@@ -65,6 +73,9 @@ from torch import nn
 
 from megapar import device as _device
 from megapar.mesh import group_size
+
+REDUCES = ("step", "micro-batch")
+"""--zero3-reduce: when each unit's gradient is reduce-scattered (`ShardedParams`)."""
 
 
 def _in_backward() -> bool:
@@ -117,6 +128,8 @@ class Unit:
             offset += p.numel()
         self.grad_full: torch.Tensor | None = None
         self.gathered, self.handle, self.reduce_handle = True, None, None
+        self.launched_round = 0
+        """The round (micro-batch) of the step its last reduce-scatter was launched in."""
         self.ready: set[int] = set()
         self.deferred = False
         self.prev: Unit | None = None
@@ -156,19 +169,20 @@ class Unit:
         self.gathered = True
         self._free_staging()
 
-    def reduce_scatter(self, group, piece: int | None = None):
-        """Reduce-scatter the full gradient into `grad_shard`: async (returns the work), or
-        with `piece` synchronously through a staging buffer, as `launch_gather` (None)."""
+    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, group,
+                       piece: int | None = None):
+        """Reduce-scatter the full gradient `flat` into `out` (this rank's slice): async
+        (returns the work), or with `piece` synchronously through a staging buffer, as
+        `launch_gather` (None)."""
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         size = self.hi - self.lo
         if piece is None or size <= piece:
-            return fn(self.grad_shard, self.grad_full, group=group, async_op=True)
+            return fn(out, flat, group=group, async_op=True)
         ranks = self.padded // size
         for j in range(0, size, piece):
             n = min(piece, size - j)
-            stage = self.grad_full.view(ranks, size)[:, j:j + n].reshape(-1)
-            fn(self.grad_shard[j:j + n], stage, group=group, async_op=True).wait()
-        self.drop_grads()
+            stage = flat.view(ranks, size)[:, j:j + n].reshape(-1)
+            fn(out[j:j + n], stage, group=group, async_op=True).wait()
         return None
 
     def wait_gather(self) -> None:
@@ -213,10 +227,31 @@ class Unit:
                 view.copy_(p.grad.reshape(-1))
             offset += p.numel()
 
-    def drop_grads(self) -> None:
+    def take_grads(self) -> torch.Tensor:
+        """The full gradient buffer (made if none, as `grads`), detached from the unit: the
+        ``.grad`` are dropped and the next gradient goes into a new buffer."""
+        flat = self.grads()
         self.grad_full = None
         for p in self.params:
             p.grad = None
+        return flat
+
+
+class _Reduction:
+    """A unit's reduce-scatter in flight: holds the full gradient buffer it reads until it is
+    waited for; `add_to`: the result lands in a staging slice, added into this tensor then
+    (a reduce-scatter per micro-batch), else it was written in place."""
+
+    def __init__(self, work, flat: torch.Tensor, staging: torch.Tensor | None = None,
+                 add_to: torch.Tensor | None = None):
+        self.work, self.flat, self.staging, self.add_to = work, flat, staging, add_to
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.add_to is not None:
+            self.add_to.add_(self.staging)
+        self.work = self.flat = self.staging = self.add_to = None
 
 
 def _all_gather(output: torch.Tensor, shard: torch.Tensor, group):
@@ -244,8 +279,18 @@ class ShardedParams:
     their hooks; also the stage's gradient sync (the `GradBuckets` protocol, reduce-scatter)."""
 
     sharded = True
-    MAX_COPIES_IN_FLIGHT = 1
-    """gloo: reduce-scatters in flight before the oldest is waited for (see `GradBuckets`)."""
+    MAX_REDUCES_IN_FLIGHT = 1
+    """Reduce-scatters left in flight when the next unit's is launched: the older ones are
+    waited for first and their full gradient buffers dropped, on every backend (FSDP2's
+    default `reduce_scatter_max_input_buffers`: one reduce-scatter overlaps the backward of
+    the unit before it). At most two units' full gradients are then alive from the reductions
+    (the one in flight and the one being reduced next) besides those autograd is filling.
+    gloo: it also bounds the copies of whole buffers gloo holds until a collective is waited
+    for (see `GradBuckets`). NCCL: the wait only orders the current stream after the
+    collective (no host sync); ProcessGroupNCCL keeps its own reference to the input until
+    the work is waited for (its tensor stash, which replaced ``recordStream``), and the
+    buffer dropped after the wait returns to the caching allocator on the current stream,
+    so only work ordered after the reduce-scatter can reuse it."""
     HOST_PIECE_MB = 16.0
     """gloo: a unit whose slice is larger than this is gathered and reduce-scattered
     synchronously, this many MB of each rank's slice at a time through a staging buffer (gloo
@@ -253,12 +298,19 @@ class ShardedParams:
     for GPT-2 124M's root unit at dp 2). NCCL runs every collective in place, whole."""
 
     def __init__(self, stage: nn.Module, group, average_over: int | None = None,
-                 keep: bool = False, persist_below: int = 0, offload: bool = False):
+                 keep: bool = False, persist_below: int = 0, offload: bool = False,
+                 reduce: str = "step"):
         """`persist_below`: parameters with fewer elements go into one *persistent* unit of
         the stage, gathered at the stage's first forward of a step and kept until the step
         ends (DeepSpeed's stage3_param_persistence_threshold: biases and norms are not
         gathered per use). `offload` (--offload-params): each unit's shard is held in host
-        memory and copied to a device staging shard for each gather (`Unit.host_shard`)."""
+        memory and copied to a device staging shard for each gather (`Unit.host_shard`).
+        `reduce` (--zero3-reduce, `REDUCES`): "step" reduces each unit's gradient once, after
+        the last micro-batch's backward; "micro-batch" in every micro-batch's backward."""
+        if reduce not in REDUCES:
+            raise ValueError(f"--zero3-reduce {reduce!r}: choose one of {', '.join(REDUCES)}")
+        self.per_micro_batch = reduce == "micro-batch"
+        """Reduce-scatter every micro-batch, into a staging slice added into `grad_shard`."""
         self.offload = offload
         self.group = group
         self.dp = group_size(group)
@@ -307,6 +359,10 @@ class ShardedParams:
         self._deferred_ok = False
         self.before_reduce = None
         self.next_launch = 0
+        self._flight: list[Unit] = []
+        """Units whose reduce-scatter is in flight, oldest first."""
+        self._round = 0
+        """Per micro-batch: the rounds (all non-deferred units reduced once) done this step."""
         self._handles = []
         self._attach_hooks()
 
@@ -418,9 +474,9 @@ class ShardedParams:
         first block's input gradient); both are freed when the backward ends."""
         if tail is not None:
             self.gather(tail)
-            tail.grads()
+            self._grads(tail)
         if self.persistent is not None:
-            self.persistent.grads()
+            self._grads(self.persistent)
 
         def done() -> None:
             self.release(tail)
@@ -433,7 +489,7 @@ class ShardedParams:
         self.release(u)
         if u.embedding is not None:
             self.gather(u.embedding)
-            u.embedding.grads()
+            self._grads(u.embedding)
 
     def _block_pre(self, u: Unit, args: tuple):
         if _in_backward():  # recomputation: gathered by the backward hook
@@ -459,8 +515,18 @@ class ShardedParams:
 
     def _block_backward(self, u: Unit) -> None:
         self.gather(u)
-        u.grads()
+        self._grads(u)
         self.prefetch(u.prev)
+
+    def _grads(self, u: Unit) -> None:
+        """Make `u`'s full gradient buffer for a backward (if it has none); reducing per
+        micro-batch, the reduce-scatters still in flight from an earlier round are waited for
+        first, so their buffers are gone before the next round's are made (a deferred unit's
+        buffer, made once and kept over the step, waits for none)."""
+        if u.grad_full is None and not u.deferred:
+            for v in [v for v in self._flight if v.launched_round < self._round]:
+                self._wait_reduce(v)
+        u.grads()
 
     # checkpoints ---------------------------------------------------------------------------
     def held_weights(self) -> list[torch.Tensor]:
@@ -532,7 +598,9 @@ class ShardedParams:
                 raise RuntimeError("ShardedParams.begin_step() while a reduce-scatter of the "
                                    "previous step is in flight; call finish() first")
             u.ready.clear()
-        self.next_launch = 0
+            if self.per_micro_batch:  # the step's reductions are added into the shards
+                u.grad_shard.zero_()
+        self.next_launch = self._round = 0
         self.active = self._deferred_ok = False
         self._armed.clear()
         self.in_step = True
@@ -544,18 +612,25 @@ class ShardedParams:
         self.active = True
 
     def grads_ready(self, params: Iterable[nn.Parameter]) -> None:
-        ready = [p for p in params if self.active or id(p) in self._armed]
+        ready = [p for p in params if self._counts(p)]
         for p in ready:
             self._unit_of[id(p)].ready.add(id(p))
         if ready:
             self._launch_ready()
 
+    def _counts(self, p: nn.Parameter) -> bool:
+        """Whether `p`'s gradient, reported now, is ready for a reduction: per micro-batch
+        any time in a step, else in the last backward (or its chunk's, once armed)."""
+        return self.in_step and (self.per_micro_batch or self.active or id(p) in self._armed)
+
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if self.in_step and (self.active or id(p) in self._armed):
+        if self._counts(p):
             self._unit_of[id(p)].ready.add(id(p))
             self._launch_ready()
 
     def _launch_ready(self) -> None:
+        if self.per_micro_batch:
+            return self._launch_round()
         while self.next_launch < len(self.units):
             u = self.units[self.next_launch]
             if len(u.ready) < len(u.params) or (u.deferred and not self._deferred_ok):
@@ -563,22 +638,46 @@ class ShardedParams:
             self._launch(u)
             self.next_launch += 1
 
+    def _launch_round(self) -> None:
+        """Per micro-batch: launch the non-deferred units in their order while the next one's
+        gradients are all there (its ready set cleared); after the last a new round starts.
+        A unit waiting for an earlier one keeps accumulating in its buffer (reduced later,
+        whole), as ZeRO-2's buckets do."""
+        rnd = [u for u in self.units if not u.deferred]
+        while rnd:
+            u = rnd[self.next_launch]
+            if len(u.ready) < len(u.params):
+                return
+            u.ready.clear()
+            self._launch(u)
+            self.next_launch = (self.next_launch + 1) % len(rnd)
+            self._round += self.next_launch == 0
+
     def _launch(self, u: Unit) -> None:
-        if self.host_waits:  # gloo holds copies of the buffers in flight: bound them
-            flight = [v for v in self.units[:self.next_launch] if v.reduce_handle is not None]
-            for v in flight[:max(0, len(flight) - self.MAX_COPIES_IN_FLIGHT + 1)]:
-                self._wait_reduce(v)
+        """Reduce-scatter `u`'s full gradient into its shard (per micro-batch: into a staging
+        slice added into it), once the reductions in flight are fewer than
+        `MAX_REDUCES_IN_FLIGHT` (the oldest waited for, their buffers freed). The buffer is
+        detached from the unit at once: a later backward makes a new one."""
+        while self._flight and (len(self._flight) >= self.MAX_REDUCES_IN_FLIGHT
+                                or u.reduce_handle is not None):
+            self._wait_reduce(self._flight[0])
         u.adopt_replaced_grads()
-        flat = u.grad_full
+        flat = u.take_grads()
         if self.average_over > 1:
             flat.div_(self.average_over)
         self.bytes_reduced += flat.nbytes
-        u.reduce_handle = u.reduce_scatter(self.group, self.piece)
+        staging = torch.empty_like(u.grad_shard) if self.per_micro_batch else None
+        work = u.reduce_scatter(flat, u.grad_shard if staging is None else staging,
+                                self.group, self.piece)
+        u.reduce_handle = _Reduction(work, flat, staging,
+                                     u.grad_shard if staging is not None else None)
+        u.launched_round = self._round
+        self._flight.append(u)
 
     def _wait_reduce(self, u: Unit) -> None:
         u.reduce_handle.wait()
         u.reduce_handle = None
-        u.drop_grads()
+        self._flight.remove(u)
 
     def finish(self) -> None:
         """Launch the units not launched yet (a unit without a backward this step reduces a
@@ -587,20 +686,41 @@ class ShardedParams:
             raise RuntimeError("ShardedParams.finish() without begin_step()")
         self.active = self.in_step = False
         self._armed.clear()
-        for u in self.units:
-            u.ready.update(id(p) for p in u.params)
-        self._launch_ready()
-        if self.next_launch < len(self.units):
-            self.before_reduce()
-            self._deferred_ok = True
+        if self.per_micro_batch:
+            self._finish_rounds()
+        else:
+            for u in self.units:
+                u.ready.update(id(p) for p in u.params)
             self._launch_ready()
+            if self.next_launch < len(self.units):
+                self.before_reduce()
+                self._deferred_ok = True
+                self._launch_ready()
+        while self._flight:
+            self._wait_reduce(self._flight[0])
         for u in self.units:
-            if u.reduce_handle is not None:
-                self._wait_reduce(u)
             if u.handle is not None:  # a prefetch nothing used (cannot happen in a schedule)
                 u.wait_gather()
             if u.gathered:
                 u.free()
+
+    def _finish_rounds(self) -> None:
+        """Per micro-batch: reduce what accumulated since each unit's last reduction (the
+        rest of the current round first, then the units before it; a unit without any
+        gradient since is skipped: its share is in the shard already), then the deferred
+        units after `before_reduce()`. Which units hold a gradient depends only on the model
+        and the schedule, the same on every dp rank."""
+        rnd = [u for u in self.units if not u.deferred]
+        start = self.next_launch
+        for u in rnd[start:] + rnd[:start]:
+            if u.grad_full is not None or any(p.grad is not None for p in u.params):
+                self._launch(u)
+            u.ready.clear()
+        deferred = [u for u in self.units if u.deferred]
+        if deferred:
+            self.before_reduce()
+            for u in deferred:
+                self._launch(u)
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -52,7 +52,13 @@ from megapar.pipeline.schedules import (
 )
 from megapar.plan import Candidate, Problem, stage_memory
 from megapar.plan.sharding import dp_traffic
-from megapar.plan.state import Offload, rank_state, sharded_buffer
+from megapar.plan.state import (
+    Offload,
+    deferred_units,
+    rank_state,
+    sharded_buffer,
+    whole_grads,
+)
 from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
 from megapar.training.config import _choices
 from megapar.training.data import make_sampler
@@ -199,7 +205,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     # model, messages and tp / cp collectives), its state and dp traffic the planner's model
     modelled = _unserved(cfg)
     run_cfg = replace(cfg, zero=1, offload_params=False, zero3_keep_params=False,
-                      zero3_persistence_threshold=0) if modelled else cfg
+                      zero3_persistence_threshold=0, zero3_reduce="step") if modelled else cfg
     # the rehearsal runs one micro-batch; DualPipeV takes no fewer than 2 pp, so its one is run
     # under ZB-V: the same V placement, so the same messages and collectives per micro-batch
     engine = Engine(replace(run_cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule)),
@@ -212,13 +218,15 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     # the job runs on GPUs: NCCL reduces and gathers a sharded bucket whole (the fake tensors
     # live on the CPU, where the real code would take gloo's bounded pieces, `shard_comm`)
     sync.host_waits = False
-    per_micro_batch_buckets = set()  # ZeRO-2's: once a micro-batch (not the deferred ones)
+    per_micro_batch_buckets = set()  # ZeRO-2's (and ZeRO-3's per micro-batch): once a
+    # micro-batch (not the deferred ones)
     launch = sync._launch
 
     def launched(bucket):
         before = len(run_calls)
         launch(bucket)
-        every = getattr(sync, "grads_sharded", False) and not bucket.deferred
+        every = (getattr(sync, "grads_sharded", False) or getattr(sync, "per_micro_batch", False)) \
+            and not bucket.deferred
         (per_micro_batch_buckets if every else per_step).update(range(before, len(run_calls)))
 
     sync._launch = launched
@@ -226,7 +234,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     sample = None
     if sharded is not None:  # ZeRO-3: its gathers, and the gathered units' peak
         sample = _watch_gathers(sharded, lambda: run_calls, per_step, per_micro_batch_buckets,
-                                peak)
+                                peak, m)
     try:
         with count_collectives() as run_calls:
             with engine.precision.autocast():
@@ -236,6 +244,10 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         sync._launch = launch
     if sample is not None:  # the backward's end: every full gradient buffer not yet freed
         sample()
+        if whole_grads(cfg.schedule, layout.pp, m,
+                       chunks_per_rank(cfg.schedule, cfg.virtual_stages), cfg.zero3_reduce):
+            # the step's m micro-batches accumulate in every buffer the rehearsed one made
+            peak["grad_buffers"] = max(peak["grad_buffers"], sum(peak["made"].values()))
     with count_collectives() as step_calls:
         engine.step_fn.sync_gradients()
         _first_optimizer_step(engine.optimizer, notes)
@@ -287,23 +299,33 @@ def _unserved(cfg) -> str:
     return ""
 
 
-def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: dict):
+def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: dict,
+                   m: int = 1):
     """Rehearse ZeRO-3's `ShardedParams` as on a GPU (each collective whole and async, as NCCL
     runs it, not gloo's synchronous pieces) and watch it: the calls of each unit's all-gather
     go to `per_micro_batch` (twice a micro-batch: forward and backward) or, for the persistent
     unit and with --zero3-keep-params (gathered once a step), to `per_step`; `peak["gathered"]`
     is the most bytes of units gathered at once (their full buffers' storages) and
-    `peak["grad_buffers"]` of their full gradient buffers; returns the function that samples
+    `peak["grad_buffers"]` of their full gradient buffers, held by the unit or by its
+    reduce-scatter in flight (`peak["made"]`: each unit's buffer
+    seen, by unit; with `m` > 1 micro-batches, the deferred units' buffers, made in the step's
+    first micro-batch and kept, count as alive throughout); returns the function that samples
     them (the hooks call it)."""
     sharded.host_waits, sharded.piece = False, None
     gather, prefetch, launch = sharded.gather, sharded.prefetch, sharded._launch
+    made = peak.setdefault("made", {})
 
     def held() -> None:
         peak["gathered"] = max(peak["gathered"], sum(
             u.full.untyped_storage().nbytes() for u in sharded.units))
-        peak["grad_buffers"] = max(peak["grad_buffers"], sum(
-            u.grad_full.untyped_storage().nbytes() for u in sharded.units
-            if u.grad_full is not None))
+        alive = {id(u): u.grad_full.untyped_storage().nbytes() for u in sharded.units
+                 if u.grad_full is not None}
+        made.update(alive)
+        flight = [u.reduce_handle.flat for u in sharded.units if u.reduce_handle is not None]
+        kept = sum(u.padded * u.shard.element_size() for u in sharded.units
+                   if m > 1 and u.deferred and u.grad_full is None and u.reduce_handle is None)
+        peak["grad_buffers"] = max(peak["grad_buffers"], sum(alive.values()) + kept + sum(
+            t.untyped_storage().nbytes() for t in flight if t is not None))
 
     def launched(u) -> None:  # the unit's full gradient is complete: held until waited for
         held()
@@ -326,12 +348,16 @@ def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: di
 def _planned_state(cfg, config, mesh: Mesh):
     """The planner's `RankState` of this rank (`megapar.plan.state.rank_state`)."""
     layout = mesh.layout
+    m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
     return rank_state(config, layout.tp, layout.pp,
                       chunks_per_rank(cfg.schedule, cfg.virtual_stages), mesh.pp_rank,
                       layout.dp * layout.cp, mesh.dp_rank * layout.cp + mesh.cp_rank, cfg.zero,
                       cfg.grad_bucket_mb, placement_of(cfg.schedule),
                       Offload(cfg.offload_optimizer, cfg.offload_params,
-                              cfg.zero3_keep_params, cfg.zero3_persistence_threshold))
+                              cfg.zero3_keep_params, cfg.zero3_persistence_threshold,
+                              whole_grads(cfg.schedule, layout.pp, m,
+                                          chunks_per_rank(cfg.schedule, cfg.virtual_stages),
+                                          cfg.zero3_reduce), m))
 
 
 def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
@@ -351,8 +377,13 @@ def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
             placement, cfg.zero3_persistence_threshold)
         for op in ("reduce_scatter", "all_gather"):
             del group[op]
+        late = deferred_units(config, layout.tp, layout.pp, v, mesh.pp_rank, r,
+                              cfg.grad_bucket_mb, placement, cfg.zero3_persistence_threshold) \
+            if cfg.zero == 3 else (0, 0)
         for op, count, total in dp_traffic(cfg.zero, m, layout.pp, keep, nbytes * scale,
-                                           nbytes, pieces, persistent):
+                                           nbytes, pieces, persistent,
+                                           cfg.zero3_reduce == "micro-batch",
+                                           (late[0], late[1] * scale)):
             group[op] = {"count": count, "bytes": int(total)}
     notes.append(f"{_unserved(cfg)}: --zero {cfg.zero}'s weights, gradients, optimizer state, "
                  f"gathered units and dp traffic are the planner's model; the rest is "

@@ -55,7 +55,7 @@ def train_config(problem, candidate):
                       sequence_parallel=c.sp, zero=c.zero, precision=problem.precision,
                       grad_bucket_mb=problem.grad_bucket_mb,
                       offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
-                      zero3_keep_params=c.keep_params,
+                      zero3_keep_params=c.keep_params, zero3_reduce=c.zero3_reduce,
                       zero3_persistence_threshold=problem.zero3_persistence_threshold
                       if c.zero == 3 else 0)
     return cfg
@@ -91,7 +91,7 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
         planned = rank_state(problem.config, c.tp, c.pp, c.v, r.pp_rank, c.dp * c.cp,
                              r.dp_rank * c.cp + r.cp_rank, c.zero, problem.grad_bucket_mb,
                              placement_of(c.schedule),
-                             offload_of(c, problem.zero3_persistence_threshold))
+                             offload_of(c, problem.zero3_persistence_threshold, m))
         out.differences += [(r.rank, f, getattr(planned, f), getattr(r, f)) for f in FIELDS
                             if getattr(planned, f) != getattr(r, f)]
         if exact and int(stages[r.pp_rank].activations) != r.activations:

@@ -54,7 +54,7 @@ from megapar.plan.params import (
     stage_params,
 )
 from megapar.plan.sharding import dp_seconds, pcie_seconds
-from megapar.plan.state import Offload, RankState, most_loaded
+from megapar.plan.state import Offload, RankState, most_loaded, whole_grads
 from megapar.tensor_parallel.partition import local_size
 
 
@@ -264,7 +264,7 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
         if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
             held = most_loaded(config_json, t, c.pp, c.v, stage, c.dp * c.cp, c.zero,
                                p.grad_bucket_mb, placement,
-                               offload_of(c, p.zero3_persistence_threshold))
+                               offload_of(c, p.zero3_persistence_threshold, m))
         else:
             held = _separate(n_params, c)
         out.append(mem.MemoryBreakdown(stage, held.weights, held.grads, held.optimizer,
@@ -274,11 +274,12 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
     return out
 
 
-def offload_of(c: Candidate, persist_below: int = 0) -> Offload:
+def offload_of(c: Candidate, persist_below: int = 0, m: int = 1) -> Offload:
     """The candidate's offload and ZeRO-3 settings (`persist_below`: the persistence
-    threshold, for ZeRO-3), as `plan.state` takes them."""
+    threshold, for ZeRO-3; `m`: micro-batches per step), as `plan.state` takes them."""
     return Offload(c.offload_optimizer, c.offload_params, c.keep_params,
-                   persist_below if c.zero == 3 else 0)
+                   persist_below if c.zero == 3 else 0,
+                   whole_grads(c.schedule, c.pp, m, c.v, c.zero3_reduce), m)
 
 
 def _separate(n_params: int, c: Candidate):
@@ -340,7 +341,8 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     replicas = c.dp * n  # gradients are reduced over cp x dp
     shard_up = pcie_seconds(n_params * 4 / replicas, p.pcie_gbps) if c.offload_params else 0.0
     dp_exposed = dp_seconds(c.zero, m, c.pp, c.keep_params, replicas, grad_bytes, n_params * 4,
-                            layers + 1, dp_gbps, p.latency_us, t_f, t_b, shard_up)
+                            layers + 1, dp_gbps, p.latency_us, t_f, t_b, shard_up,
+                            c.zero3_reduce == "micro-batch")
     # --offload-optimizer: the stepped gradients to the host and the parameters back
     zero_s = pcie_seconds(worst.master, p.pcie_gbps) if c.offload_optimizer else 0.0
     tied = _ring(2, piece_counts(cfg, t).tied_copy * 4, pp_gbps, p.latency_us) \

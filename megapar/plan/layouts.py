@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megapar.data_parallel.sharded_params import REDUCES
 from megapar.mesh import Layout, LayoutError
 from megapar.pipeline.schedules import interleaved_rounds
 from megapar.training.validate import check_cp_seq_len
@@ -58,12 +59,15 @@ class Candidate:
     """ZeRO-3's parameter shards in host memory."""
     keep_params: bool = False
     """ZeRO-3 with pp: the stage's gathered parameters kept across its micro-batches."""
+    zero3_reduce: str = "step"
+    """ZeRO-3: when gradients are reduce-scattered (--zero3-reduce: step or micro-batch)."""
 
     def label(self) -> str:
         sched = self.schedule + (f" v{self.v}" if self.v > 1 else "")
         extras = [f"rc={self.recompute}"] + (["sp"] if self.sp else []) + \
             ([f"zero{self.zero}"] if self.zero else []) + \
             (["keep"] if self.keep_params else []) + \
+            (["rs/micro-batch"] if self.zero3_reduce != "step" else []) + \
             ([f"offload={self.offloaded()}"] if self.offloaded() != "none" else [])
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         return (f"tp{self.tp}{cp} pp{self.pp} dp{self.dp} mbs{self.mbs} {sched} "
@@ -76,7 +80,8 @@ class Candidate:
                 f"schedule={self.schedule},v={self.v},recompute={self.recompute},"
                 f"sp={int(self.sp)},zero={self.zero}"
                 + (f",offload={self.offloaded()}" if self.offloaded() != "none" else "")
-                + (",keep_params=1" if self.keep_params else ""))
+                + (",keep_params=1" if self.keep_params else "")
+                + (f",zero3_reduce={self.zero3_reduce}" if self.zero3_reduce != "step" else ""))
 
     def offloaded(self) -> str:
         """What is in host memory, as `OFFLOADS` names it."""
@@ -90,7 +95,8 @@ _ALIASES = {"micro_batch_size": "mbs", "micro-batch-size": "mbs", "virtual_stage
 
 def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     """`tp=8,cp=2,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`
-    (also `zero=3,offload=params,keep_params=1`; offload one of `OFFLOADS`); dp defaults to
+    (also `zero=3,offload=params,keep_params=1,zero3_reduce=micro-batch`; offload one of
+    `OFFLOADS`); dp defaults to
     gpus / (tp cp pp). ValueError naming the bad item otherwise."""
     fields = {f.name: f.type for f in dataclasses.fields(Candidate)}
     values: dict = {}
@@ -110,7 +116,7 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
             continue
         if key not in fields:
             raise ValueError(f"--explain: unknown key {key!r}; keys: {', '.join(fields)}")
-        if key in ("schedule", "recompute"):
+        if key in ("schedule", "recompute", "zero3_reduce"):
             values[key] = value
         elif key in ("sp", "keep_params", "offload_optimizer", "offload_params"):
             values[key] = value.lower() in ("1", "true", "yes", "on")
@@ -196,6 +202,10 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
         return f"ZeRO-{c.zero} needs dp > 1 (or cp > 1: there is nothing to shard over)"
     if c.offload_params and c.zero != 3:
         return "offload of the parameters needs zero 3 (it moves the parameter shards)"
+    if c.zero3_reduce not in REDUCES:
+        return f"zero3_reduce={c.zero3_reduce}: use one of {', '.join(REDUCES)}"
+    if c.zero3_reduce != "step" and c.zero != 3:
+        return "zero3_reduce needs zero 3 (ZeRO-2 reduces every micro-batch already)"
     if c.keep_params and (c.zero != 3 or c.pp == 1):
         return ("keep_params needs zero 3 and pp > 1 (it keeps a stage's gathered parameters "
                 "across its micro-batches)")

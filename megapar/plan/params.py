@@ -121,6 +121,9 @@ class UnitSpec:
     """The model chunk (-1: the persistent unit, over the whole stage)."""
     tensors: tuple[int, ...]
     """Indices into `stage_tensors`, in the unit's (the model's) order."""
+    embedding_grads: bool = False
+    """The persistent unit holds some of an embedding module's parameters (their gradients
+    are complete only after the embedding's backward, past the first block's)."""
 
 
 def stage_units(config, tp: int, pp: int, v: int, stage: int, placement: str = "loop",
@@ -134,18 +137,20 @@ def stage_units(config, tp: int, pp: int, v: int, stage: int, placement: str = "
     block, embedding, head = _piece_tensors(json.dumps(config.to_dict(), sort_keys=True), tp)
     specs = chunk_specs(config.num_layers, pp, stage, v, placement) if v > 1 else \
         [stage_spec(config.num_layers, pp, stage)]
-    units, small, at = [], [], 0
+    units, small, at, small_embedding = [], [], 0, False
 
-    def take(pieces) -> list[int]:
-        nonlocal at
+    def take(pieces, embedding: bool = False) -> list[int]:
+        nonlocal at, small_embedding
         idx = list(range(at, at + len(pieces)))
         at += len(pieces)
-        small.extend(i for i, t in zip(idx, pieces) if t.numel < persist_below)
+        below = [i for i, t in zip(idx, pieces) if t.numel < persist_below]
+        small.extend(below)
+        small_embedding |= embedding and bool(below)
         return [i for i, t in zip(idx, pieces) if t.numel >= persist_below]
 
     tensors = stage_tensors(config, tp, pp, v, stage, placement)
     for ci, spec in enumerate(specs):
-        emb = take(embedding) if spec.pre_process else []
+        emb = take(embedding, True) if spec.pre_process else []
         blocks = [b for _ in spec.layers if (b := take(block))]
         tail = take([t for t in head if not (t.tied and spec.pre_process)]) \
             if spec.post_process else []
@@ -156,7 +161,7 @@ def stage_units(config, tp: int, pp: int, v: int, stage: int, placement: str = "
         units += [UnitSpec("block", ci, tuple(b)) for b in blocks]
         units += [UnitSpec(kind, ci, tuple(idx)) for kind, idx in
                   (("embedding", own), ("root", root)) if idx]
-    return units + ([UnitSpec("persistent", -1, tuple(small))] if small else [])
+    return units + ([UnitSpec("persistent", -1, tuple(small), small_embedding)] if small else [])
 
 
 def stage_layer_counts(num_layers: int, pp: int, v: int = 1,

@@ -77,6 +77,8 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         flags.append(f"--schedule {c.schedule}")
     if c.zero:
         flags.append(f"--zero {c.zero}")
+    if c.zero == 3 and c.zero3_reduce != "step":
+        flags.append(f"--zero3-reduce {c.zero3_reduce}")
     if c.zero == 3 and p.zero3_persistence_threshold:
         flags.append(f"--zero3-persistence-threshold {p.zero3_persistence_threshold}")
     for feature, value in (("sp", c.sp), ("v", c.v > 1), ("keep_params", c.keep_params),

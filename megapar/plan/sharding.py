@@ -28,12 +28,15 @@ from __future__ import annotations
 
 
 def dp_traffic(zero: int, m: int, pp: int, keep_params: bool, grad_bytes: float,
-               param_bytes: float, pieces: int = 1,
-               persistent: float = 0.0) -> list[tuple[str, int, float]]:
+               param_bytes: float, pieces: int = 1, persistent: float = 0.0,
+               per_micro_batch: bool = False,
+               deferred: tuple[int, float] = (0, 0.0)) -> list[tuple[str, int, float]]:
     """[(operation, calls, bytes in all)] one rank issues over dp x cp in a step: `grad_bytes`
     / `param_bytes` are the stage's (padded) gradient and parameter buffers as reduced and
     gathered, `pieces` its buckets (zero 0-2) or units (zero 3), each one call; `persistent`
-    the bytes of ZeRO-3's persistent unit among them (one of the `pieces`)."""
+    the bytes of ZeRO-3's persistent unit among them (one of the `pieces`). ZeRO-3
+    `per_micro_batch` (--zero3-reduce micro-batch): every unit reduce-scattered m times but
+    the `deferred` (units, bytes) holding the tied embedding over stages, once."""
     if zero == 0:
         return [("all_reduce", pieces, grad_bytes)]
     if zero in (1, 2):
@@ -41,9 +44,11 @@ def dp_traffic(zero: int, m: int, pp: int, keep_params: bool, grad_bytes: float,
         return [("reduce_scatter", times * pieces, times * grad_bytes),
                 ("all_gather", pieces, param_bytes)]
     gathers, once = (1 if keep_params else 2 * m), (1 if persistent else 0)
+    times = m if per_micro_batch else 1
     return [("all_gather", gathers * (pieces - once) + once,
              gathers * (param_bytes - persistent) + persistent),
-            ("reduce_scatter", pieces, grad_bytes)]
+            ("reduce_scatter", times * (pieces - deferred[0]) + deferred[0],
+             times * (grad_bytes - deferred[1]) + deferred[1])]
 
 
 def ring_seconds(op: str, n: int, nbytes: float, gbps: float, latency_us: float) -> float:
@@ -57,11 +62,12 @@ def ring_seconds(op: str, n: int, nbytes: float, gbps: float, latency_us: float)
 
 def dp_seconds(zero: int, m: int, pp: int, keep_params: bool, n: int, grad_bytes: float,
                param_bytes: float, units: int, gbps: float, latency_us: float, t_f: float,
-               t_b: float, upload_s: float = 0.0) -> float:
+               t_b: float, upload_s: float = 0.0, per_micro_batch: bool = False) -> float:
     """Seconds of a step's dp traffic that are not hidden (see the module docstring): `t_f` /
     `t_b` one micro-batch's forward / backward, `units` ZeRO-3's units of the stage, and
     `upload_s` the host-to-device copy of this rank's parameter shard before each ZeRO-3
-    gather (--offload-params)."""
+    gather (--offload-params); `per_micro_batch`: ZeRO-3's reduce-scatter in every
+    micro-batch's backward, each behind its own."""
     rs = ring_seconds("reduce_scatter", n, grad_bytes, gbps, latency_us)
     ag = ring_seconds("all_gather", n, param_bytes, gbps, latency_us)
     if zero == 0:
@@ -71,10 +77,18 @@ def dp_seconds(zero: int, m: int, pp: int, keep_params: bool, n: int, grad_bytes
     ag += upload_s
     first = ag / max(units, 1)    # the first unit of a pass has nothing to hide behind
     if keep_params:
-        return first + max(0.0, ag - first - t_f) + max(0.0, rs - t_b)
+        return first + max(0.0, ag - first - t_f) + m_rs(rs, t_b, m, per_micro_batch)
+    if per_micro_batch:
+        return m * (2 * first + max(0.0, ag - first - t_f) + max(0.0, ag - first + rs - t_b))
     # the gradients reduce once, after the last micro-batch's backward
     return m * (2 * first + max(0.0, ag - first - t_f)) + (m - 1) * max(
         0.0, ag - first - t_b) + max(0.0, ag - first + rs - t_b)
+
+
+def m_rs(rs: float, t_b: float, m: int, per_micro_batch: bool) -> float:
+    """ZeRO-3's exposed reduce-scatter time with kept parameters: once after the last
+    backward, or per micro-batch behind each backward."""
+    return (m if per_micro_batch else 1) * max(0.0, rs - t_b)
 
 
 def pcie_seconds(nbytes: float, gbps: float) -> float:

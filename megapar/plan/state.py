@@ -15,7 +15,8 @@ bytes per parameter); ZeRO-3 shards parameters, gradients and state by unit as `
 makes them (`params.stage_units`: each block; per chunk the root, split into an embedding and a
 root unit; the parameters under --zero3-persistence-threshold elements in one persistent unit;
 each flattened and padded to a multiple of r: 16 / r) and holds gathered units at the peak as
-its hooks do (`gathered_peak`). `Offload` moves the optimizer state with host copies of the
+its hooks do (`gathered_peak`), and its full gradient buffers as its reductions free them
+(`grad_buffers_peak`). `Offload` moves the optimizer state with host copies of the
 stepped tensors and their gradients (--offload-optimizer), or ZeRO-3's parameter shards
 (--offload-params), to host memory.
 """
@@ -30,7 +31,9 @@ from itertools import pairwise
 import numpy as np
 
 from megapar.data_parallel.buckets import bucket_layout, slice_pieces
+from megapar.data_parallel.sharded_params import ShardedParams
 from megapar.models.config import config_from_dict
+from megapar.pipeline.schedules import schedule_actions
 from megapar.plan.params import UnitSpec, stage_tensors, stage_units
 
 ADAM_MOMENTS = 2
@@ -61,9 +64,7 @@ class RankState:
     host: int = 0
     """Of all these, the bytes in host memory (offload)."""
     grad_buffers: int = 0
-    """ZeRO-3: the units' full gradient buffers at the peak (`ShardedParams` accumulates the
-    micro-batches in them and frees each when its reduce-scatter is waited for, in finish()
-    where collectives do not block the host: every unit's at the end of the backward)."""
+    """ZeRO-3: the units' full gradient buffers at the peak (`grad_buffers_peak`)."""
 
     @property
     def device(self) -> int:
@@ -85,6 +86,23 @@ class Offload:
     persist_below: int = PERSISTENCE_THRESHOLD
     """ZeRO-3 (--zero3-persistence-threshold): parameters of fewer elements form the stage's
     persistent unit, gathered once a step."""
+    whole_grads: bool = True
+    """ZeRO-3: every unit's full gradient buffer alive at once in the step (`whole_grads`);
+    False: as few as the reductions in flight leave (`grad_buffers_peak`)."""
+    micro_batches: int = 1
+    """Micro-batches per step (ZeRO-3: past the first, the units reduced once a step keep
+    their buffers from the backward's start)."""
+
+
+def whole_grads(schedule: str, pp: int, m: int, v: int, reduce: str = "step") -> bool:
+    """ZeRO-3: whether a step holds every unit's full gradient buffer at once: with more than
+    one micro-batch reduced once per step (`reduce` "step": each buffer accumulates until the
+    last one's backward), more than one model chunk per rank, or weight gradients computed
+    apart from the backward (a zero-bubble schedule's W: every buffer is made in B, reduced
+    after W, reported once per step). Reduced per micro-batch, each micro-batch's backward
+    frees them as one alone does."""
+    return (m > 1 and reduce == "step") or v > 1 or any(
+        a.kind == "backward_weight" for a in schedule_actions(schedule, pp, m, 0, v))
 
 
 def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: int,
@@ -98,7 +116,7 @@ def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: i
                                     offload.persist_below)
     if not units:  # no ZeRO: every parameter whole, its own state
         nbytes = sum(t.numel * t.dtype.itemsize for t in tensors)
-        return _finish(tensors, units, specs, dp, zero, nbytes, len(tensors), offload)
+        return _finish(tensors, units, specs, dp, zero, nbytes, len(tensors), offload, pp)
     stepped = steps = 0
     for idx, padded in units:
         size = padded // dp
@@ -106,7 +124,7 @@ def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: i
                               (dp_rank + 1) * size)
         stepped += sum(e - s for _, s, e in pieces) * tensors[idx[0]].dtype.itemsize
         steps += len(pieces)
-    return _finish(tensors, units, specs, dp, zero, stepped, steps, offload)
+    return _finish(tensors, units, specs, dp, zero, stepped, steps, offload, pp)
 
 
 def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
@@ -129,8 +147,59 @@ def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
     return persistent + worst
 
 
+def grad_buffers_peak(specs: list[UnitSpec], nbytes: list[int], deferred: set[int],
+                      whole: bool, kept: bool = False) -> int:
+    """Bytes of ZeRO-3's full gradient buffers alive at once at the peak, as `ShardedParams`
+    holds them (`nbytes`: each unit's full padded buffer; `deferred`: the units holding the
+    tied embedding over pipeline stages, reduced in finish()). With `whole` every unit's.
+    Else (one micro-batch of one chunk): the root units' (and then the persistent unit's)
+    buffers are made when the chunk's backward starts, each block's when its backward
+    gathers it and the embedding unit's after the first block (before the launch of the
+    embedding unit, or of a persistent unit holding embedding parameters); the units launch in
+    `ShardedParams.units`' order (blocks from the last, the embedding, the root, the
+    persistent unit; the deferred ones at the end), and each launch first waits for the
+    reductions in flight beyond `ShardedParams.MAX_REDUCES_IN_FLIGHT - 1`, dropping their
+    buffers. The peak is taken at each launch (before that wait) and at the backward's end.
+    `kept` (a later micro-batch of the step): the deferred units' buffers alive from the
+    start."""
+    if whole:
+        return sum(nbytes)
+    order = []
+    for ci in sorted({u.chunk for u in specs if u.chunk >= 0}, reverse=True):
+        idx = [i for i, u in enumerate(specs) if u.chunk == ci]
+        order += [i for i in reversed(idx) if specs[i].kind == "block"] + \
+            [i for kind in ("embedding", "root") for i in idx if specs[i].kind == kind]
+    order += [i for i, u in enumerate(specs) if u.kind == "persistent"]
+    order = [i for i in order if i not in deferred] + [i for i in order if i in deferred]
+    roots = [i for i, u in enumerate(specs) if u.kind == "root"]
+    persistent = [i for i, u in enumerate(specs) if u.kind == "persistent"]
+    alive = set(roots) | (set(persistent) if roots or any(
+        u.kind == "embedding" for u in specs) else set()) | (deferred if kept else set())
+    embeddings = {i for i, u in enumerate(specs) if u.kind == "embedding"}
+    peak, flight = 0, []
+    for i in order:
+        if i in deferred:
+            break
+        if specs[i].kind == "embedding" or specs[i].embedding_grads:
+            alive |= embeddings  # made once the backward is past the first block
+        alive.add(i)
+        peak = max(peak, sum(nbytes[j] for j in alive))
+        while len(flight) >= ShardedParams.MAX_REDUCES_IN_FLIGHT:
+            alive.discard(flight.pop(0))
+        flight.append(i)
+    alive |= deferred | embeddings
+    return max(peak, sum(nbytes[j] for j in alive))
+
+
+def _deferred(tensors, units, pp: int) -> set[int]:
+    """ZeRO-3: the units holding the tied embedding over pipeline stages (reduced once, in
+    `ShardedParams.finish()`, after its sum over the first and last stage)."""
+    return {k for k, (idx, _) in enumerate(units) if pp > 1 and any(tensors[i].shared
+                                                                     for i in idx)}
+
+
 def _finish(tensors, units, specs, dp: int, zero: int, stepped: int, steps: int,
-            offload: Offload) -> RankState:
+            offload: Offload, pp: int = 1) -> RankState:
     """A rank's state from its stepped bytes and pieces (`units`: ZeRO's buckets or units;
     `specs`: ZeRO-3's `UnitSpec` of each unit, else None)."""
     elements = sum(t.numel for t in tensors)
@@ -140,9 +209,11 @@ def _finish(tensors, units, specs, dp: int, zero: int, stepped: int, steps: int,
     weights, grads, gathered, offloaded = buffer, buffer if zero < 2 else shard, 0, 0
     grad_buffers = 0
     if zero >= 3 and units:
-        weights, offloaded, grad_buffers = shard, shard, buffer
-        gathered = gathered_peak(specs, [padded * tensors[idx[0]].dtype.itemsize
-                                         for idx, padded in units], offload.keep_params)
+        weights, offloaded = shard, shard
+        nbytes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
+        gathered = gathered_peak(specs, nbytes, offload.keep_params)
+        grad_buffers = grad_buffers_peak(specs, nbytes, _deferred(tensors, units, pp),
+                                         offload.whole_grads, offload.micro_batches > 1)
     optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
     master = 2 * stepped if offload.optimizer else 0
     host = optimizer + master if offload.optimizer else 0
@@ -180,7 +251,7 @@ def most_loaded(config_json: str, tp: int, pp: int, v: int, stage: int, dp: int,
     held = (ADAM_MOMENTS + (2 if offload.optimizer else 0)) * stepped + STEP_BYTES * steps
     worst = int(np.argmax(held))
     return _finish(tensors, units, specs, dp, zero, int(stepped[worst]), int(steps[worst]),
-                   offload)
+                   offload, pp)
 
 
 def _candidate_ranks(tensors, buckets, dp: int) -> np.ndarray:
@@ -227,3 +298,14 @@ def sharded_buffer(config, tp: int, pp: int, v: int, stage: int, dp: int, zero: 
     sizes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
     persistent = sum(n for u, n in zip(specs or (), sizes) if u.kind == "persistent")
     return len(units), sum(sizes), persistent
+
+
+def deferred_units(config, tp: int, pp: int, v: int, stage: int, dp: int,
+                   bucket_mb: float = 25.0, placement: str = "loop",
+                   persist_below: int = PERSISTENCE_THRESHOLD) -> tuple[int, int]:
+    """ZeRO-3: (units, bytes of their padded buffers) of the stage that hold the tied embedding
+    over pipeline stages: reduced once a step even with --zero3-reduce micro-batch."""
+    tensors, units, _ = _layout(config, tp, pp, v, stage, dp, 3, bucket_mb, placement,
+                                persist_below)
+    late = _deferred(tensors, units, pp)
+    return len(late), sum(units[k][1] * tensors[units[k][0][0]].dtype.itemsize for k in late)

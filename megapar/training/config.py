@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from megapar.data_parallel.compression import GRAD_COMPRESSIONS
+from megapar.data_parallel.sharded_params import REDUCES as ZERO3_REDUCES
 from megapar.mesh import RANK_ORDERS
 from megapar.models.blocks import RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file
@@ -87,6 +88,8 @@ class TrainConfig:
     """With --zero 3: parameters with fewer elements than this (biases, norms) are not gathered per use: they form one unit gathered at the stage's first forward of a step and kept until its end (DeepSpeed's stage3_param_persistence_threshold; 0: none). Still sharded between steps."""
     zero3_keep_params: bool = False
     """With --zero 3: keep a unit's gathered parameters until the end of the step instead of freeing them after each forward and backward (torchtitan's reshard_after_forward=False): one all-gather per unit and step instead of two per micro-batch, at the price of the stage's whole parameters during the step."""
+    zero3_reduce: str = "step"
+    """With --zero 3: when each unit's gradient is reduce-scattered: step (once, after the last micro-batch's backward; each unit's full gradient is kept over the step's micro-batches, as FSDP2 under pipelining) or micro-batch (in every micro-batch's backward, added into the rank's slice, as DeepSpeed's stage 3: m x the reduce-scatter bytes, and no unit's full gradient kept from one micro-batch to the next). The same with one micro-batch per step."""
     p2p_dtype: str = "auto"
     """Dtype of pipeline messages on the wire: auto (the --precision compute dtype, Megatron's pipeline_dtype: bf16 / fp16 under mixed precision, fp32 otherwise), fp32, bf16 or fp16. Received activations and gradients are cast back, so only the bytes change."""
     grad_reduce_dtype: str = "auto"
@@ -222,7 +225,8 @@ def _choices() -> dict[str, list]:
             "schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
             "precision": list(PRECISIONS), "p2p_dtype": COMM_DTYPES,
             "grad_reduce_dtype": COMM_DTYPES, "zero": [0, 1, 2, 3], "lr_decay": list(DECAY_STYLES),
-            "optimizer": list(OPTIMIZERS), "grad_compression": list(GRAD_COMPRESSIONS)}
+            "optimizer": list(OPTIMIZERS), "grad_compression": list(GRAD_COMPRESSIONS),
+            "zero3_reduce": list(ZERO3_REDUCES)}
 
 
 MULTI_VALUE = {"data"}  # flags that take several values (a blend: --data 0.7 A 0.3 B)

@@ -130,7 +130,8 @@ class Engine:
         if cfg.zero == 3 and mesh.dp * mesh.cp > 1:
             self.grad_sync = self.sharded_params = ShardedParams(
                 self.model, mesh.dp_cp_group, average_over=mesh.dp, keep=cfg.zero3_keep_params,
-                persist_below=cfg.zero3_persistence_threshold, offload=cfg.offload_params)
+                persist_below=cfg.zero3_persistence_threshold, offload=cfg.offload_params,
+                reduce=cfg.zero3_reduce)
         else:
             self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_cp_group,
                                          cfg.grad_bucket_mb, compressor=compressor,

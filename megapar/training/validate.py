@@ -179,6 +179,9 @@ def check_zero3(cfg) -> None:
     if cfg.zero3_keep_params and cfg.zero != 3:
         raise UsageError("--zero3-keep-params only applies to --zero 3 (it keeps a unit's "
                          "gathered parameters over the step); add --zero 3 or drop it")
+    if cfg.zero3_reduce != "step" and cfg.zero != 3:
+        raise UsageError(f"--zero3-reduce {cfg.zero3_reduce} only applies to --zero 3 (--zero 2 "
+                         f"reduces every micro-batch already); add --zero 3 or drop it")
     if cfg.zero3_persistence_threshold and cfg.zero != 3:
         raise UsageError("--zero3-persistence-threshold only applies to --zero 3; add --zero 3 "
                          "or drop it")
@@ -369,7 +372,7 @@ NOT_INHERITED = {
     # the layout and how it runs (any layout resumes any checkpoint, with the same numbers)
     "tp", "cp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
     "sequence_parallel", "recompute", "zero", "offload_optimizer", "offload_params",
-    "zero3_keep_params", "zero3_persistence_threshold",
+    "zero3_keep_params", "zero3_persistence_threshold", "zero3_reduce",
     "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
     "model", "from_hf", "load", "load_strict", "allow_data_change", "save", "async_save",
