@@ -18,7 +18,7 @@ from megapar.training.config import TrainConfig
 @pytest.mark.parametrize("recipe,schedule,recompute,zero,sp,cp", [
     ("gpt2-small-cpu", "1f1b", "none", 1, False, 1),
     ("gpt2-small-cpu", "interleaved", "selective", 0, False, 1),
-    ("gpt2-small-cpu", "zb-h1", "full", 1, False, 1),
+    ("gpt2-small-cpu", "zb-h1", "full", 2, False, 1),
     ("gpt2-small-cpu", "gpipe", "none", 0, False, 1),
     ("gpt2-small-cpu", "1f1b", "selective", 1, True, 1),
     ("llama-tiny", "interleaved", "none", 1, False, 1),
@@ -376,7 +376,10 @@ MB = "zero3_reduce=micro-batch"
                                                ("tp=1,pp=2,dp=2,mbs=2,zero=3", 4),
                                                ("tp=1,pp=2,dp=2,mbs=2,zero=3,keep_params=1", 8),
                                                (f"tp=1,pp=1,dp=2,mbs=2,zero=3,{MB}", 8),
-                                               (f"tp=1,pp=2,dp=2,mbs=1,zero=3,{MB}", 8)])
+                                               (f"tp=1,pp=2,dp=2,mbs=1,zero=3,{MB}", 8),
+                                               ("tp=1,pp=2,dp=2,mbs=1,zero=2,schedule=zb-h1", 8),
+                                               (f"tp=1,pp=2,dp=2,mbs=1,zero=3,{MB},"
+                                                "schedule=zb-h1", 8)])
 def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
     """--zero 2 / 3 run the real code in the dry run (ShardedParams, Zero3Optimizer): each
     sampled rank's shards, state, gathered units and full gradient buffers at the peak equal
@@ -389,7 +392,7 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
     from megapar.pipeline.schedules import placement_of
     from megapar.plan import Problem, parse_candidate
     from megapar.plan.sharding import dp_traffic
-    from megapar.plan.state import deferred_units, sharded_buffer
+    from megapar.plan.state import deferred_units, sharded_buffer, w_reported
 
     config = resolve_model("gpt2-tiny")
     c = parse_candidate(spec, 2 * (1 + (c_pp := "pp=2" in spec)))
@@ -407,10 +410,10 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
                               placement_of(c.schedule))
         planned = {op: {"count": n, "bytes": int(b)} for op, n, b in dp_traffic(
             c.zero, m, c.pp, c.keep_params, nbytes, nbytes, pieces, persistent,
-            c.zero3_reduce == "micro-batch", late)}
+            c.zero3_reduce == "micro-batch", late, w_reported(c.schedule, c.pp, m, c.v))}
         dp = {op: v for op, v in r.comm["dp"].items() if op in planned}
-        if c.zero == 3:  # (ZeRO-1 / 2's bucket collectives run in gloo's pieces on the CPU)
-            assert dp == planned, r.rank
+        assert dp == planned, r.rank
+        if c.zero == 3:
             assert 0 < r.gathered <= r.params * 4 and r.weights == r.grads < r.params * 4 / 1.9
             whole = rank_state(config, 1, c.pp, 1, r.pp_rank, c.dp, r.dp_rank, 3).grad_buffers
             held_whole = m > 1 and c.zero3_reduce == "step"

@@ -57,6 +57,7 @@ from megapar.plan.state import (
     deferred_units,
     rank_state,
     sharded_buffer,
+    w_reported,
     whole_grads,
 )
 from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
@@ -220,16 +221,24 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     sync.host_waits = False
     per_micro_batch_buckets = set()  # ZeRO-2's (and ZeRO-3's per micro-batch): once a
     # micro-batch (not the deferred ones)
-    launch = sync._launch
+    launch, report = sync._launch, sync.grads_ready
+    reporting = []  # inside a W pass's report: what it launches waits for the step's last W
 
     def launched(bucket):
         before = len(run_calls)
         launch(bucket)
         every = (getattr(sync, "grads_sharded", False) or getattr(sync, "per_micro_batch", False)) \
-            and not bucket.deferred
+            and not bucket.deferred and not reporting
         (per_micro_batch_buckets if every else per_step).update(range(before, len(run_calls)))
 
-    sync._launch = launched
+    def reported(params):
+        reporting.append(True)
+        try:
+            report(params)
+        finally:
+            reporting.pop()
+
+    sync._launch, sync.grads_ready = launched, reported
     sharded, peak = engine.sharded_params, {"gathered": 0, "grad_buffers": 0}
     sample = None
     if sharded is not None:  # ZeRO-3: its gathers, and the gathered units' peak
@@ -241,7 +250,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
                 engine.executor.run([_micro_batch(cfg, config, dataset, first_batch)],
                                     grad_sync=sync, loss_scale=engine.precision.loss_scale)
     finally:
-        sync._launch = launch
+        sync._launch, sync.grads_ready = launch, report
     if sample is not None:  # the backward's end: every full gradient buffer not yet freed
         sample()
         if whole_grads(cfg.schedule, layout.pp, m,
@@ -383,7 +392,8 @@ def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
         for op, count, total in dp_traffic(cfg.zero, m, layout.pp, keep, nbytes * scale,
                                            nbytes, pieces, persistent,
                                            cfg.zero3_reduce == "micro-batch",
-                                           (late[0], late[1] * scale)):
+                                           (late[0], late[1] * scale),
+                                           w_reported(cfg.schedule, layout.pp, m, v)):
             group[op] = {"count": count, "bytes": int(total)}
     notes.append(f"{_unserved(cfg)}: --zero {cfg.zero}'s weights, gradients, optimizer state, "
                  f"gathered units and dp traffic are the planner's model; the rest is "

@@ -54,7 +54,7 @@ from megapar.plan.params import (
     stage_params,
 )
 from megapar.plan.sharding import dp_seconds, pcie_seconds
-from megapar.plan.state import Offload, RankState, most_loaded, whole_grads
+from megapar.plan.state import Offload, RankState, most_loaded, w_reported, whole_grads
 from megapar.tensor_parallel.partition import local_size
 
 
@@ -342,7 +342,7 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     shard_up = pcie_seconds(n_params * 4 / replicas, p.pcie_gbps) if c.offload_params else 0.0
     dp_exposed = dp_seconds(c.zero, m, c.pp, c.keep_params, replicas, grad_bytes, n_params * 4,
                             layers + 1, dp_gbps, p.latency_us, t_f, t_b, shard_up,
-                            c.zero3_reduce == "micro-batch")
+                            c.zero3_reduce == "micro-batch", w_reported(c.schedule, c.pp, m, c.v))
     # --offload-optimizer: the stepped gradients to the host and the parameters back
     zero_s = pcie_seconds(worst.master, p.pcie_gbps) if c.offload_optimizer else 0.0
     tied = _ring(2, piece_counts(cfg, t).tied_copy * 4, pp_gbps, p.latency_us) \

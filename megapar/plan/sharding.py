@@ -30,21 +30,24 @@ from __future__ import annotations
 def dp_traffic(zero: int, m: int, pp: int, keep_params: bool, grad_bytes: float,
                param_bytes: float, pieces: int = 1, persistent: float = 0.0,
                per_micro_batch: bool = False,
-               deferred: tuple[int, float] = (0, 0.0)) -> list[tuple[str, int, float]]:
+               deferred: tuple[int, float] = (0, 0.0),
+               once_a_step: bool = False) -> list[tuple[str, int, float]]:
     """[(operation, calls, bytes in all)] one rank issues over dp x cp in a step: `grad_bytes`
     / `param_bytes` are the stage's (padded) gradient and parameter buffers as reduced and
     gathered, `pieces` its buckets (zero 0-2) or units (zero 3), each one call; `persistent`
     the bytes of ZeRO-3's persistent unit among them (one of the `pieces`). ZeRO-3
     `per_micro_batch` (--zero3-reduce micro-batch): every unit reduce-scattered m times but
-    the `deferred` (units, bytes) holding the tied embedding over stages, once."""
+    the `deferred` (units, bytes) holding the tied embedding over stages, once.
+    `once_a_step`: the schedule reports weight gradients once a step (`state.w_reported`), so
+    ZeRO-2's and ZeRO-3's per-micro-batch reductions run once."""
     if zero == 0:
         return [("all_reduce", pieces, grad_bytes)]
     if zero in (1, 2):
-        times = m if zero == 2 else 1
+        times = m if zero == 2 and not once_a_step else 1
         return [("reduce_scatter", times * pieces, times * grad_bytes),
                 ("all_gather", pieces, param_bytes)]
     gathers, once = (1 if keep_params else 2 * m), (1 if persistent else 0)
-    times = m if per_micro_batch else 1
+    times = m if per_micro_batch and not once_a_step else 1
     return [("all_gather", gathers * (pieces - once) + once,
              gathers * (param_bytes - persistent) + persistent),
             ("reduce_scatter", times * (pieces - deferred[0]) + deferred[0],
@@ -62,18 +65,20 @@ def ring_seconds(op: str, n: int, nbytes: float, gbps: float, latency_us: float)
 
 def dp_seconds(zero: int, m: int, pp: int, keep_params: bool, n: int, grad_bytes: float,
                param_bytes: float, units: int, gbps: float, latency_us: float, t_f: float,
-               t_b: float, upload_s: float = 0.0, per_micro_batch: bool = False) -> float:
+               t_b: float, upload_s: float = 0.0, per_micro_batch: bool = False,
+               once_a_step: bool = False) -> float:
     """Seconds of a step's dp traffic that are not hidden (see the module docstring): `t_f` /
     `t_b` one micro-batch's forward / backward, `units` ZeRO-3's units of the stage, and
     `upload_s` the host-to-device copy of this rank's parameter shard before each ZeRO-3
     gather (--offload-params); `per_micro_batch`: ZeRO-3's reduce-scatter in every
-    micro-batch's backward, each behind its own."""
+    micro-batch's backward, each behind its own; `once_a_step`: as in `dp_traffic`."""
+    per_micro_batch = per_micro_batch and not once_a_step
     rs = ring_seconds("reduce_scatter", n, grad_bytes, gbps, latency_us)
     ag = ring_seconds("all_gather", n, param_bytes, gbps, latency_us)
     if zero == 0:
         return max(0.0, ring_seconds("all_reduce", n, grad_bytes, gbps, latency_us) - t_b)
     if zero in (1, 2):
-        return (m if zero == 2 else 1) * max(0.0, rs - t_b) + ag
+        return (m if zero == 2 and not once_a_step else 1) * max(0.0, rs - t_b) + ag
     ag += upload_s
     first = ag / max(units, 1)    # the first unit of a pass has nothing to hide behind
     if keep_params:

@@ -101,8 +101,16 @@ def whole_grads(schedule: str, pp: int, m: int, v: int, reduce: str = "step") ->
     apart from the backward (a zero-bubble schedule's W: every buffer is made in B, reduced
     after W, reported once per step). Reduced per micro-batch, each micro-batch's backward
     frees them as one alone does."""
-    return (m > 1 and reduce == "step") or v > 1 or any(
-        a.kind == "backward_weight" for a in schedule_actions(schedule, pp, m, 0, v))
+    return (m > 1 and reduce == "step") or v > 1 or w_reported(schedule, pp, m, v)
+
+
+@lru_cache(maxsize=256)
+def w_reported(schedule: str, pp: int, m: int, v: int) -> bool:
+    """Whether `schedule` computes weight gradients in W actions apart from B (ZB-H1, ZB-V,
+    DualPipeV): each chunk's last W reports them once a step, so a reduction per micro-batch
+    (ZeRO-2, ZeRO-3's --zero3-reduce micro-batch) of what holds them runs once a step, and
+    every bucket or unit after it in the launch order waits for it."""
+    return any(a.kind == "backward_weight" for a in schedule_actions(schedule, pp, m, 0, v))
 
 
 def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: int,
