@@ -52,7 +52,11 @@ from megapar.pipeline import messages
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.schedules import placement_of, virtual_stage
 
-LAYOUTS = [("1f1b", 16, 256, 1), ("zb-h1", 16, 256, 1), ("interleaved", 8, 128, 4)]
+LAYOUTS = [("1f1b", 16, 256, 1), ("zb-h1", 16, 256, 1), ("zb-v", 16, 256, 2),
+           ("dualpipev", 16, 256, 2), ("interleaved", 16, 256, 2), ("interleaved", 8, 128, 4)]
+"""(schedule, pp, m, V): every schedule at pp 16, m 256 (interleaved with the fewest chunks it
+takes, 2; the V schedules hold 2 by definition), and interleaved at pp 8, m 128, V 4 as the
+earlier tables had it."""
 
 
 class Chunk(nn.Module):
@@ -149,13 +153,15 @@ class NoModel:
 def no_autograd(modules):
     """The autograd calls of each executor module in `modules` (`backward`, `backward_input`,
     `backward_weight`: the compute of a backward) do nothing in the block; a B returns the
-    input's `.grad`."""
+    input's `.grad` (a stand-in where the input was handed over from the other chunk of a V
+    and has none: no backward ran)."""
     saved = [(mod, mod.backward, mod.backward_input, mod.backward_weight) for mod in modules]
+    filler = torch.zeros(())  # the input gradient of an input handed over in memory (a V)
     for mod in modules:
         pending = mod.PendingWeightGrad([])
         mod.backward = lambda output, grad: None
         mod.backward_input = lambda output, grad, inp, store, pending=pending: (
-            inp.grad if inp is not None else None, pending)
+            None if inp is None else filler if inp.grad is None else inp.grad, pending)
         mod.backward_weight = lambda pending, ready=None: None
     try:
         yield
@@ -220,6 +226,9 @@ def _stage_executor(module, schedule: str, pp: int, m: int, v: int, stage: int, 
             executor.handlers[kind] = _timed(handler, executor.inside)
     else:
         executor.chunks = [NoModel(shape, last[c]) for c in range(v)]
+        # a whole backward (DualPipeV's) leaves no gradient on an input handed over in memory,
+        # as no backward ran: not the error it is in a real step
+        executor._no_input_grad = lambda action: None
     return executor
 
 
@@ -282,12 +291,16 @@ def main(argv=None) -> None:
                              "> FILE), measured taking turns with this tree's")
     parser.add_argument("--host-only", action="store_true",
                         help="only the host work (not the planning table)")
+    parser.add_argument("--schedules", nargs="+", metavar="NAME",
+                        help="only the layouts of these schedules (default: all of LAYOUTS)")
     args = parser.parse_args(argv)
+    layouts = [layout for layout in LAYOUTS
+               if args.schedules is None or layout[0] in args.schedules]
     torch.set_num_threads(1)
     if not args.host_only:
         print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'every step before':>18} | "
               f"{'each later step':>16}")
-    for schedule, pp, m, v in [] if args.host_only else LAYOUTS:
+    for schedule, pp, m, v in [] if args.host_only else layouts:
         cold, warm = stage_times(schedule, pp, m, v, args.repeat)
         print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | {cold * 1e3:15.2f} ms | "
               f"{warm * 1e6:13.2f} us")
@@ -305,7 +318,7 @@ def main(argv=None) -> None:
              else ""))
     print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'now':>13}"
           + (f" | {'before':>13} | now / before" if args.baseline else ""))
-    for schedule, pp, m, v in LAYOUTS:
+    for schedule, pp, m, v in layouts:
         runs = [host_work(schedule, pp, m, v, trace, args.steps, args.subtract_handlers, modules)
                 for trace in (True, False)]
         cells = [f"{max(runs[0][i]) * 1e3:5.2f} / {max(runs[1][i]) * 1e3:5.2f}"
