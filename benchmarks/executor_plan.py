@@ -234,11 +234,23 @@ def _stage_executor(module, schedule: str, pp: int, m: int, v: int, stage: int, 
 
 def load_baseline(path: str):
     """The executor module in file `path` (an earlier `megapar/pipeline/executor.py`, e.g. from
-    `git show REV:megapar/pipeline/executor.py`), imported under its own name."""
+    `git show REV:megapar/pipeline/executor.py`), imported under its own name. An executor that
+    writes the status line by slice assignment (``line[:len(said)] = said``, before
+    `status.action_line` gave a ctypes char array) gets the line as the memoryview it was
+    written for."""
     spec = importlib.util.spec_from_file_location("baseline_executor", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    with open(path) as f:
+        if "line[:len(" in f.read():
+            module.action_line = _view_line
     return module
+
+
+def _view_line(longest: int):
+    """`status.action_line` as a byte memoryview of the shared line (what it returned before)."""
+    line = status.action_line(longest)
+    return None if line is None else memoryview(line).cast("B")
 
 
 def _timed(handler, inside: list):

@@ -458,7 +458,7 @@ class PipelineExecutor:
                                     issue.append((key, None, rank, message, label))
                         if issue:
                             if line is not None:
-                                line[:len(gsaid)] = gsaid
+                                line.value = gsaid
                             else:
                                 set_action(gdoing)
                             send(issue)
@@ -476,7 +476,7 @@ class PipelineExecutor:
                     if recv is not None:  # wait for the message the compute consumes
                         rkey, peer, rdoing, rsaid, acks, at, is_act = recv
                         if line is not None:
-                            line[:len(rsaid)] = rsaid
+                            line.value = rsaid
                         else:
                             set_action(rdoing)
                         tensor = p2p.wait_recv(rkey)  # traced: ends at the compute's start
@@ -501,7 +501,7 @@ class PipelineExecutor:
                         elif i in arm_at and hasattr(grad_sync, "arm"):
                             grad_sync.arm(arm_at[i])  # a chunk's gradients final next
                     if line is not None:
-                        line[:len(said)] = said
+                        line.value = said
                     else:
                         set_action(doing)
                     handler = get_handler(kind)
@@ -707,7 +707,9 @@ class PipelineExecutor:
     def _backward_weight(self, a: Action) -> None:
         """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; a
         chunk's last W reports each finished weight to the data-parallel reduction."""
-        backward_weight(self._pending_w.pop((a.mb, a.chunk)), self._ready())
+        backward_weight(self._pending_w.pop((a.mb, a.chunk)),
+                        getattr(self._grad_sync, "grads_ready", None)
+                        if self._step_index in self._report_at else None)  # `_ready`
 
     def _ready(self):
         """`grad_sync.grads_ready` at a chunk's last weight-gradient action, else None."""
@@ -772,9 +774,9 @@ def trace_events(steps: tuple, hooks: frozenset = frozenset()) -> tuple:
 
 def walk_of(steps: tuple, hooks: frozenset = frozenset()) -> tuple:
     """`StepPlan.walk` of the planned `steps` (their stamps set): per compute, (the group before
-    it as the walk issues it, or None; the compute's `PlannedCompute` fields but its key; whether
-    `grad_sync` may be called before it (`hooks`)); a group no compute follows gets an entry of
-    its own with no compute (kind None). A group as the walk issues it: (its ops, what
+    it as the walk issues it, or None; the compute's `PlannedCompute` fields but its key;
+    whether `grad_sync` may be called before it (`hooks`)); a group no compute follows gets an
+    entry of its own with no compute (kind None). A group as the walk issues it: (its ops, what
     `p2p.issue` takes for it where that is the same every step (receives only, none posted
     ahead) or None, its status text and that encoded, the (mb, chunk) of the activations it
     sends, the index of the clock reading at its end or None, the `PlannedGroup`)."""
