@@ -484,8 +484,9 @@ class PipelineExecutor:
                             p2p.release(sent)
                         if post_ahead:
                             self._post_next(peer)
-                        if is_act:
-                            inputs[at] = tensor.requires_grad_(needs_grad)
+                        if is_act:  # a leaf: the setter is `requires_grad_` without its
+                            tensor.requires_grad = needs_grad  # argument parsing
+                            inputs[at] = tensor
                         else:
                             out_grads[at] = tensor
                     elif hand_over is not None:
