@@ -665,8 +665,9 @@ class PipelineExecutor:
         else:
             grad = self._out_grads.pop(key)
         backward(out, grad)
-        if len(self.weight_grads):  # a whole backward in a step with split ones (DualPipeV)
-            WeightGradStore.apply(self.weight_grads.take(), self._ready())
+        store = self.weight_grads  # deferring only in a step with split backwards (DualPipeV):
+        if store.enabled and len(store):  # a whole backward there applies what it deferred
+            WeightGradStore.apply(store.take(), self._ready())
         x = self._inputs.pop(key, None)
         if x is not None:
             grad = x.grad
