@@ -234,23 +234,33 @@ def _stage_executor(module, schedule: str, pp: int, m: int, v: int, stage: int, 
 
 def load_baseline(path: str):
     """The executor module in file `path` (an earlier `megapar/pipeline/executor.py`, e.g. from
-    `git show REV:megapar/pipeline/executor.py`), imported under its own name. An executor that
-    writes the status line by slice assignment (``line[:len(said)] = said``, before
-    `status.action_line` gave a ctypes char array) gets the line as the memoryview it was
-    written for."""
+    `git show REV:megapar/pipeline/executor.py`), imported under its own name. It gets the
+    status line in the form it was written for, whichever this tree's `status.action_line`
+    gives: a byte memoryview where it writes ``line[:len(said)] = said`` (before
+    `status.action_line` gave a ctypes char array), a char array where ``line.value = said``."""
     spec = importlib.util.spec_from_file_location("baseline_executor", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with open(path) as f:
-        if "line[:len(" in f.read():
-            module.action_line = _view_line
+        source = f.read()
+    if "line[:len(" in source:
+        module.action_line = _view_line
+    elif "line.value =" in source:
+        module.action_line = _char_line
     return module
 
 
 def _view_line(longest: int):
-    """`status.action_line` as a byte memoryview of the shared line (what it returned before)."""
+    """`status.action_line` as a byte memoryview of the shared line."""
     line = status.action_line(longest)
-    return None if line is None else memoryview(line).cast("B")
+    return line if line is None or isinstance(line, memoryview) else memoryview(line).cast("B")
+
+
+def _char_line(longest: int):
+    """`status.action_line` as a ctypes char array over the shared line."""
+    line = status.action_line(longest)
+    return (line if line is None or isinstance(line, ctypes.Array)
+            else (ctypes.c_char * len(line)).from_buffer(line))
 
 
 def _timed(handler, inside: list):
