@@ -28,6 +28,9 @@ slowest stage's host work per step, traced and not, as on NCCL (receives where t
 them), minimum of `--steps` steps. `--baseline FILE` measures an earlier executor module in
 the same rounds, taking turns with this tree's (the ratio is of the same run):
 
+`--stage S` measures stage S alone (its data then stay in the caches between its steps);
+`--schedules` picks layouts. `executor_instructions.py` counts the same steps in instructions.
+
     python benchmarks/executor_plan.py
     git show REV:megapar/pipeline/executor.py > /tmp/executor_before.py
     python benchmarks/executor_plan.py --host-only --baseline /tmp/executor_before.py
@@ -171,7 +174,8 @@ def no_autograd(modules):
 
 
 def host_work(schedule: str, pp: int, m: int, v: int, trace: bool, steps: int,
-              subtract: bool = False, modules: tuple = (executor_module,)) -> list[list[float]]:
+              subtract: bool = False, modules: tuple = (executor_module,),
+              stages: list | None = None) -> list[list[float]]:
     """Seconds of host work of one step, per executor module in `modules` (this tree's, and
     a `--baseline`), per stage: the minimum of `steps` steps of each, after one that builds
     the plan. The stages (and modules) take turns, one step each per round, so that a noisy
@@ -180,19 +184,21 @@ def host_work(schedule: str, pp: int, m: int, v: int, trace: bool, steps: int,
     Default: the model and autograd compute nothing (`NoModel`, `no_autograd`); the whole
     step is timed, the compute handlers' own work included. `subtract` (the measure of the
     earlier tables): a stub model that computes, the compute handlers timed one by one and
-    their time subtracted, with what the timer costs outside its interval (`TIMER_COST`)."""
-    executors = [[_stage_executor(mod, schedule, pp, m, v, stage, trace, subtract)
-                  for stage in range(pp)] for mod in modules]
+    their time subtracted, with what the timer costs outside its interval (`TIMER_COST`).
+    `stages`: only these (default: all), the others' entries left infinite."""
+    stages = list(range(pp)) if stages is None else stages
+    executors = [{stage: _stage_executor(mod, schedule, pp, m, v, stage, trace, subtract)
+                  for stage in stages} for mod in modules]
     batches = [{} for _ in range(m)]
     best = [[float("inf")] * pp for _ in modules]
     with contextlib.nullcontext() if subtract else no_autograd(modules):
-        for stages in executors:
-            for executor in stages:
+        for of_module in executors:
+            for executor in of_module.values():
                 executor.run(batches)
         for _ in range(steps):
-            for stage in range(pp):
-                for mod, stages in enumerate(executors):
-                    executor = stages[stage]
+            for stage in stages:
+                for mod, of_module in enumerate(executors):
+                    executor = of_module[stage]
                     inside = executor.inside
                     inside[:] = [0.0, 0]
                     start = time.thread_time()
@@ -313,6 +319,10 @@ def main(argv=None) -> None:
                              "> FILE), measured taking turns with this tree's")
     parser.add_argument("--host-only", action="store_true",
                         help="only the host work (not the planning table)")
+    parser.add_argument("--stage", type=int, metavar="S",
+                        help="host work: only stage S (e.g. 8, a middle stage), alone: its data "
+                             "stay in the caches between its steps, as they do not when the "
+                             "other stages run in between")
     parser.add_argument("--schedules", nargs="+", metavar="NAME",
                         help="only the layouts of these schedules (default: all of LAYOUTS)")
     args = parser.parse_args(argv)
@@ -335,18 +345,22 @@ def main(argv=None) -> None:
         print(f"\nthe compute handlers' timer: {TIMER_COST * 1e6:.2f} us a compute outside its "
               f"measured time, subtracted")
     modules = (executor_module,) + ((load_baseline(args.baseline),) if args.baseline else ())
-    print("\nhost work per step, slowest stage, traced / untraced (ms)"
+    print("\nhost work per step, " + ("slowest stage" if args.stage is None else
+                                       f"stage {args.stage} alone") + ", traced / untraced (ms)"
           + (f"; before = {args.baseline}, taking turns with this tree's" if args.baseline
              else ""))
     print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'now':>13}"
           + (f" | {'before':>13} | now / before" if args.baseline else ""))
     for schedule, pp, m, v in layouts:
-        runs = [host_work(schedule, pp, m, v, trace, args.steps, args.subtract_handlers, modules)
+        stages = None if args.stage is None else [args.stage % pp]
+        runs = [[max(t for t in per_stage if t != float("inf")) for per_stage in
+                 host_work(schedule, pp, m, v, trace, args.steps, args.subtract_handlers,
+                           modules, stages)]
                 for trace in (True, False)]
-        cells = [f"{max(runs[0][i]) * 1e3:5.2f} / {max(runs[1][i]) * 1e3:5.2f}"
+        cells = [f"{runs[0][i] * 1e3:5.2f} / {runs[1][i] * 1e3:5.2f}"
                  for i in range(len(modules))]
-        ratio = (f" | {max(runs[0][0]) / max(runs[0][1]):.2f} / "
-                 f"{max(runs[1][0]) / max(runs[1][1]):.2f}" if args.baseline else "")
+        ratio = (f" | {runs[0][0] / runs[0][1]:.2f} / {runs[1][0] / runs[1][1]:.2f}"
+                 if args.baseline else "")
         print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | " + " | ".join(cells) + ratio)
 
 
