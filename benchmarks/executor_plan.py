@@ -28,6 +28,9 @@ slowest stage's host work per step, traced and not, as on NCCL (receives where t
 them), minimum of `--steps` steps. `--baseline FILE` measures an earlier executor module in
 the same rounds, taking turns with this tree's (the ratio is of the same run):
 
+`--stage S` measures stage S alone (its data then stay in the caches between its steps);
+`--schedules` picks layouts. `executor_instructions.py` counts the same steps in instructions.
+
     python benchmarks/executor_plan.py
     git show REV:megapar/pipeline/executor.py > /tmp/executor_before.py
     python benchmarks/executor_plan.py --host-only --baseline /tmp/executor_before.py
@@ -52,7 +55,11 @@ from megapar.pipeline import messages
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.schedules import placement_of, virtual_stage
 
-LAYOUTS = [("1f1b", 16, 256, 1), ("zb-h1", 16, 256, 1), ("interleaved", 8, 128, 4)]
+LAYOUTS = [("1f1b", 16, 256, 1), ("zb-h1", 16, 256, 1), ("zb-v", 16, 256, 2),
+           ("dualpipev", 16, 256, 2), ("interleaved", 16, 256, 2), ("interleaved", 8, 128, 4)]
+"""(schedule, pp, m, V): every schedule at pp 16, m 256 (interleaved with the fewest chunks it
+takes, 2; the V schedules hold 2 by definition), and interleaved at pp 8, m 128, V 4 as the
+earlier tables had it."""
 
 
 class Chunk(nn.Module):
@@ -149,13 +156,15 @@ class NoModel:
 def no_autograd(modules):
     """The autograd calls of each executor module in `modules` (`backward`, `backward_input`,
     `backward_weight`: the compute of a backward) do nothing in the block; a B returns the
-    input's `.grad`."""
+    input's `.grad` (a stand-in where the input was handed over from the other chunk of a V
+    and has none: no backward ran)."""
     saved = [(mod, mod.backward, mod.backward_input, mod.backward_weight) for mod in modules]
+    filler = torch.zeros(())  # the input gradient of an input handed over in memory (a V)
     for mod in modules:
         pending = mod.PendingWeightGrad([])
         mod.backward = lambda output, grad: None
         mod.backward_input = lambda output, grad, inp, store, pending=pending: (
-            inp.grad if inp is not None else None, pending)
+            None if inp is None else filler if inp.grad is None else inp.grad, pending)
         mod.backward_weight = lambda pending, ready=None: None
     try:
         yield
@@ -165,7 +174,8 @@ def no_autograd(modules):
 
 
 def host_work(schedule: str, pp: int, m: int, v: int, trace: bool, steps: int,
-              subtract: bool = False, modules: tuple = (executor_module,)) -> list[list[float]]:
+              subtract: bool = False, modules: tuple = (executor_module,),
+              stages: list | None = None) -> list[list[float]]:
     """Seconds of host work of one step, per executor module in `modules` (this tree's, and
     a `--baseline`), per stage: the minimum of `steps` steps of each, after one that builds
     the plan. The stages (and modules) take turns, one step each per round, so that a noisy
@@ -174,19 +184,21 @@ def host_work(schedule: str, pp: int, m: int, v: int, trace: bool, steps: int,
     Default: the model and autograd compute nothing (`NoModel`, `no_autograd`); the whole
     step is timed, the compute handlers' own work included. `subtract` (the measure of the
     earlier tables): a stub model that computes, the compute handlers timed one by one and
-    their time subtracted, with what the timer costs outside its interval (`TIMER_COST`)."""
-    executors = [[_stage_executor(mod, schedule, pp, m, v, stage, trace, subtract)
-                  for stage in range(pp)] for mod in modules]
+    their time subtracted, with what the timer costs outside its interval (`TIMER_COST`).
+    `stages`: only these (default: all), the others' entries left infinite."""
+    stages = list(range(pp)) if stages is None else stages
+    executors = [{stage: _stage_executor(mod, schedule, pp, m, v, stage, trace, subtract)
+                  for stage in stages} for mod in modules]
     batches = [{} for _ in range(m)]
     best = [[float("inf")] * pp for _ in modules]
     with contextlib.nullcontext() if subtract else no_autograd(modules):
-        for stages in executors:
-            for executor in stages:
+        for of_module in executors:
+            for executor in of_module.values():
                 executor.run(batches)
         for _ in range(steps):
-            for stage in range(pp):
-                for mod, stages in enumerate(executors):
-                    executor = stages[stage]
+            for stage in stages:
+                for mod, of_module in enumerate(executors):
+                    executor = of_module[stage]
                     inside = executor.inside
                     inside[:] = [0.0, 0]
                     start = time.thread_time()
@@ -220,16 +232,41 @@ def _stage_executor(module, schedule: str, pp: int, m: int, v: int, stage: int, 
             executor.handlers[kind] = _timed(handler, executor.inside)
     else:
         executor.chunks = [NoModel(shape, last[c]) for c in range(v)]
+        # a whole backward (DualPipeV's) leaves no gradient on an input handed over in memory,
+        # as no backward ran: not the error it is in a real step
+        executor._no_input_grad = lambda action: None
     return executor
 
 
 def load_baseline(path: str):
     """The executor module in file `path` (an earlier `megapar/pipeline/executor.py`, e.g. from
-    `git show REV:megapar/pipeline/executor.py`), imported under its own name."""
+    `git show REV:megapar/pipeline/executor.py`), imported under its own name. It gets the
+    status line in the form it was written for, whichever this tree's `status.action_line`
+    gives: a byte memoryview where it writes ``line[:len(said)] = said`` (before
+    `status.action_line` gave a ctypes char array), a char array where ``line.value = said``."""
     spec = importlib.util.spec_from_file_location("baseline_executor", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    with open(path) as f:
+        source = f.read()
+    if "line[:len(" in source:
+        module.action_line = _view_line
+    elif "line.value =" in source:
+        module.action_line = _char_line
     return module
+
+
+def _view_line(longest: int):
+    """`status.action_line` as a byte memoryview of the shared line."""
+    line = status.action_line(longest)
+    return line if line is None or isinstance(line, memoryview) else memoryview(line).cast("B")
+
+
+def _char_line(longest: int):
+    """`status.action_line` as a ctypes char array over the shared line."""
+    line = status.action_line(longest)
+    return (line if line is None or isinstance(line, ctypes.Array)
+            else (ctypes.c_char * len(line)).from_buffer(line))
 
 
 def _timed(handler, inside: list):
@@ -282,12 +319,20 @@ def main(argv=None) -> None:
                              "> FILE), measured taking turns with this tree's")
     parser.add_argument("--host-only", action="store_true",
                         help="only the host work (not the planning table)")
+    parser.add_argument("--stage", type=int, metavar="S",
+                        help="host work: only stage S (e.g. 8, a middle stage), alone: its data "
+                             "stay in the caches between its steps, as they do not when the "
+                             "other stages run in between")
+    parser.add_argument("--schedules", nargs="+", metavar="NAME",
+                        help="only the layouts of these schedules (default: all of LAYOUTS)")
     args = parser.parse_args(argv)
+    layouts = [layout for layout in LAYOUTS
+               if args.schedules is None or layout[0] in args.schedules]
     torch.set_num_threads(1)
     if not args.host_only:
         print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'every step before':>18} | "
               f"{'each later step':>16}")
-    for schedule, pp, m, v in [] if args.host_only else LAYOUTS:
+    for schedule, pp, m, v in [] if args.host_only else layouts:
         cold, warm = stage_times(schedule, pp, m, v, args.repeat)
         print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | {cold * 1e3:15.2f} ms | "
               f"{warm * 1e6:13.2f} us")
@@ -300,18 +345,22 @@ def main(argv=None) -> None:
         print(f"\nthe compute handlers' timer: {TIMER_COST * 1e6:.2f} us a compute outside its "
               f"measured time, subtracted")
     modules = (executor_module,) + ((load_baseline(args.baseline),) if args.baseline else ())
-    print("\nhost work per step, slowest stage, traced / untraced (ms)"
+    print("\nhost work per step, " + ("slowest stage" if args.stage is None else
+                                       f"stage {args.stage} alone") + ", traced / untraced (ms)"
           + (f"; before = {args.baseline}, taking turns with this tree's" if args.baseline
              else ""))
     print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'now':>13}"
           + (f" | {'before':>13} | now / before" if args.baseline else ""))
-    for schedule, pp, m, v in LAYOUTS:
-        runs = [host_work(schedule, pp, m, v, trace, args.steps, args.subtract_handlers, modules)
+    for schedule, pp, m, v in layouts:
+        stages = None if args.stage is None else [args.stage % pp]
+        runs = [[max(t for t in per_stage if t != float("inf")) for per_stage in
+                 host_work(schedule, pp, m, v, trace, args.steps, args.subtract_handlers,
+                           modules, stages)]
                 for trace in (True, False)]
-        cells = [f"{max(runs[0][i]) * 1e3:5.2f} / {max(runs[1][i]) * 1e3:5.2f}"
+        cells = [f"{runs[0][i] * 1e3:5.2f} / {runs[1][i] * 1e3:5.2f}"
                  for i in range(len(modules))]
-        ratio = (f" | {max(runs[0][0]) / max(runs[0][1]):.2f} / "
-                 f"{max(runs[1][0]) / max(runs[1][1]):.2f}" if args.baseline else "")
+        ratio = (f" | {runs[0][0] / runs[0][1]:.2f} / {runs[1][0] / runs[1][1]:.2f}"
+                 if args.baseline else "")
         print(f"{schedule:12} {pp:3d} {m:4d} {v:2d} | " + " | ".join(cells) + ratio)
 
 

@@ -268,7 +268,7 @@ def test_a_loop_publishes_encoded_actions_through_the_line_and_status_reads_them
         line = rank_status.action_line(32)
         for action in ["forward of micro-batch 3", "recv", "backward of micro-batch 12"]:
             data = rank_status.encode_action(action)
-            line[:len(data)] = data
+            line.value = data
             assert buffer.value == f"step 7, {action}".encode() == rank_status.status().encode()
         rank_status.set_step(10)  # a longer prefix: the action read back from the line
         assert buffer.value == b"step 10, backward of micro-batch 12"

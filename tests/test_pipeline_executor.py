@@ -268,16 +268,15 @@ def test_unknown_action_kind_names_the_missing_handler():
 def freed_outputs_worker():
     mesh = make_mesh(pp=3)
     executor = PipelineExecutor(ToyStage(mesh), mesh, "1f1b", SHAPE, timeout_s=30)
-    issue, seen = executor._issue, []
+    seen = []
 
-    def checked_issue(group):  # a PlannedGroup
-        issue(group)
+    def checked_issue(group):  # a PlannedGroup, just issued
         for key, *_ in group.messages:
             if key[0] == "send_act":  # sent: the stage keeps the graph, not the values
                 payload = executor.p2p._sends[key][1]
                 seen.append((executor._outputs[key[1:]].numel(), payload.numel()))
 
-    executor._issue = checked_issue
+    executor.after_group = checked_issue
     loss = executor.run(toy_batches(4))
     return seen, float(loss)
 

@@ -105,7 +105,7 @@ def peak_held(executor, held: HeldStorages):
     `held` holds with the executor's in-flight inputs and outputs and the pipeline's message
     buffers (a sent output's storage lives on in its send until the peer has it); yields [the
     peak so far] (reset it by assigning 0)."""
-    peak, handlers, issue = [0], dict(executor.handlers), executor._issue
+    peak, handlers = [0], dict(executor.handlers)
 
     def sample():
         live = list(executor._inputs.values()) + list(executor._outputs.values())
@@ -117,19 +117,15 @@ def peak_held(executor, held: HeldStorages):
         handler(action)
         sample()
 
-    def issued(group):
-        issue(group)
-        sample()
-
     executor.handlers.update({kind: functools.partial(dispatched, handler)
                               for kind, handler in handlers.items()})
-    executor._issue = issued
+    executor.after_group = lambda group: sample()
     try:
         yield peak
     finally:
         executor.handlers.clear()
         executor.handlers.update(handlers)
-        executor._issue = issue
+        executor.after_group = None
 
 
 def measure_step(engine, micro_batches: list[dict], step_index: int = 0) -> dict:

@@ -106,10 +106,14 @@ class StepPlan(NamedTuple):
     (`trace_events`)."""
     readings: int
     """How many clock readings a traced step takes (the length of its list of stamps)."""
+    walk: tuple = ()
+    """`steps` as the walk runs them: one plain tuple per compute, the message group before it
+    folded in (one loop turn for both), and one with no compute for a group that no compute
+    follows (`walk_of`)."""
 
 
 class PlannedGroup(NamedTuple):
-    """A message group as `PipelineExecutor._issue` issues it."""
+    """A message group as the walk of `PipelineExecutor.run` issues it."""
 
     messages: tuple
     """Per message: (key = (kind, mb, chunk), peer's global rank, what travels, label)."""
@@ -122,7 +126,7 @@ class PlannedGroup(NamedTuple):
     sends: tuple
     """(kind, mb, chunk) of every send, for the trace."""
     ops: tuple
-    """Per message, what `_issue` does with it: (SEND_ACT / SEND_GRAD / RECV, (mb, chunk),
+    """Per message, what the walk does with it: (SEND_ACT / SEND_GRAD / RECV, (mb, chunk),
     key, peer's global rank, what travels, label)."""
     received: tuple | None
     """A group of receives only: what `p2p.issue` takes for it where no receive is posted
@@ -229,6 +233,10 @@ class PipelineExecutor:
         self.count_comm_wait = False
         """Count the time the compute actions spend blocked in their tp / cp collectives
         (`megapar.comm_wait`; the straggler measure turns it on)."""
+        self.after_group = None
+        """Called with each `PlannedGroup` of a step right after the walk issued it (or found
+        all of its receives posted ahead already), or None: a probe for tests and the dry
+        run's memory measure."""
         self._reset([], 1.0, False)
 
     def _reset(self, micro_batches, loss_scale, forward_only) -> None:
@@ -248,7 +256,6 @@ class PipelineExecutor:
         self._ahead: dict[int, list[Action]] = {}        # per peer rank, receives in order
         self._recvs_issued: set[tuple] = set()           # (kind, mb, chunk) issued so far
         self._line = None  # the shared status line in a step (`status.action_line`), or None
-        self._issuing = None  # a step's state `_issue` reads (set by `run`)
 
     def program(self, m: int, forward_only: bool = False, stage: int | None = None) -> tuple:
         """The program (computes and message groups) of `stage` (default: this rank's) for a
@@ -297,7 +304,7 @@ class PipelineExecutor:
                 acks=acks, posts={rank: tuple(recvs) for rank, recvs in posts.items()},
                 arm_at=arm_at,
                 steps=steps, longest=max((len(said) for said in saids), default=0),
-                hooks=hooks, events=events, readings=readings)
+                hooks=hooks, events=events, readings=readings, walk=walk_of(steps, hooks))
         return self._plans[key]
 
     @staticmethod
@@ -419,44 +426,73 @@ class PipelineExecutor:
                 self.p2p.begin_step()
                 if self.post_ahead:
                     self._post_ahead(plan.posts)
-            issue, get_handler, p2p = self._issue, self.handlers.get, self.p2p
+            get_handler, p2p, after_group = self.handlers.get, self.p2p, self.after_group
             counted, arm_at, post_ahead = self.count_comm_wait, plan.arm_at, self.post_ahead
-            hooks = plan.hooks
             inputs, out_grads, needs_grad = self._inputs, self._out_grads, not forward_only
             self._line = line = action_line(plan.longest)  # None: set_action
-            if p2p is not None:  # what `_issue` needs, in one attribute
-                self._issuing = (
-                    self._take_output, self._in_grads.pop,
-                    self._recvs_issued if post_ahead else None, line, clock, stamps, p2p.issue,
-                    None if forward_only or self._act_numel < 2 else self._outputs,
-                    self._stand_in)
+            take = pop_grad = send = posted = outputs = stand_in = None
+            if p2p is not None:  # what the message groups need
+                take, pop_grad, send = self._take_output, self._in_grads.pop, p2p.issue
+                posted = self._recvs_issued if post_ahead else None
+                # backward needs the graph, not the sent values: a sent output's storage goes
+                outputs = None if forward_only or self._act_numel < 2 else self._outputs
+                stand_in = self._stand_in
             if record:
                 stamps[0] = clock()  # where the first wait (or send) starts
             with torch.set_grad_enabled(not forward_only):
-                for step in plan.steps:
-                    if step.__class__ is PlannedGroup:
-                        issue(step)
-                        continue
-                    i, action, kind, _, recv, hand_over, doing, said, at_clock = step
+                for group, i, action, kind, recv, hand_over, doing, said, at_clock, hook \
+                        in plan.walk:
+                    if group is not None:  # the message group before the compute
+                        ops, issue, gdoing, gsaid, sent_acts, sent_at, planned = group
+                        if issue is None or posted is not None:  # sends, or gloo's receives
+                            issue = []
+                            for op, at, key, rank, message, label in ops:
+                                if op == SEND_ACT:
+                                    issue.append((key, take(at), rank, message, label))
+                                elif op == SEND_GRAD:
+                                    issue.append((key, pop_grad(at), rank, message, label))
+                                elif posted is None:  # NCCL: every receive where it is
+                                    issue.append((key, None, rank, message, label))
+                                elif key not in posted:  # gloo: not posted ahead already
+                                    posted.add(key)
+                                    issue.append((key, None, rank, message, label))
+                        if issue:
+                            if line is not None:
+                                line.value = gsaid
+                            else:
+                                set_action(gdoing)
+                            send(issue)
+                            if outputs is not None:
+                                for at in sent_acts:
+                                    output = outputs[at]
+                                    if output._base is None:  # as `free_output`
+                                        output.data = stand_in
+                            if sent_at is not None and record:  # traced: the sends end here
+                                stamps[sent_at] = clock()
+                        if after_group is not None:
+                            after_group(planned)
+                        if kind is None:  # no compute follows the group
+                            continue
                     if recv is not None:  # wait for the message the compute consumes
                         rkey, peer, rdoing, rsaid, acks, at, is_act = recv
                         if line is not None:
-                            line[:len(rsaid)] = rsaid
+                            line.value = rsaid
                         else:
                             set_action(rdoing)
                         tensor = p2p.wait_recv(rkey)  # traced: ends at the compute's start
-                        for send in acks:  # sends its arrival proves received
-                            p2p.release(send)
+                        for sent in acks:  # sends its arrival proves received
+                            p2p.release(sent)
                         if post_ahead:
                             self._post_next(peer)
-                        if is_act:
-                            inputs[at] = tensor.requires_grad_(needs_grad)
+                        if is_act:  # a leaf: the setter is `requires_grad_` without its
+                            tensor.requires_grad = needs_grad  # argument parsing
+                            inputs[at] = tensor
                         else:
                             out_grads[at] = tensor
                     elif hand_over is not None:
                         self._hand_over(*hand_over, action)
                     self._step_index = i
-                    if i in hooks:
+                    if hook:
                         if record:  # the wait ends before the call (`trace_events`)
                             stamps[at_clock - 1] = clock()
                         if grad_sync is None:
@@ -466,7 +502,7 @@ class PipelineExecutor:
                         elif i in arm_at and hasattr(grad_sync, "arm"):
                             grad_sync.arm(arm_at[i])  # a chunk's gradients final next
                     if line is not None:
-                        line[:len(said)] = said
+                        line.value = said
                     else:
                         set_action(doing)
                     handler = get_handler(kind)
@@ -592,39 +628,6 @@ class PipelineExecutor:
             self._recvs_issued.add((a.kind, a.mb, a.chunk))
             self.p2p.issue([self._message(a)])
 
-    def _issue(self, group: PlannedGroup) -> None:
-        """Issue one message group: its sends (tensors this stage produced) and its receives
-        not posted ahead already."""
-        take, pop_grad, posted, line, clock, stamps, send, outputs, stand_in = self._issuing
-        if posted is None and group.received is not None:  # receives only, none ahead
-            issue = group.received
-        else:
-            issue = []
-            for op, at, key, rank, message, label in group.ops:
-                if op == SEND_ACT:
-                    issue.append((key, take(at), rank, message, label))
-                elif op == SEND_GRAD:
-                    issue.append((key, pop_grad(at), rank, message, label))
-                elif posted is None:  # NCCL: every receive where the program has it
-                    issue.append((key, None, rank, message, label))
-                elif key not in posted:
-                    posted.add(key)
-                    issue.append((key, None, rank, message, label))
-        if not issue:
-            return
-        if line is not None:
-            line[:len(group.said)] = group.said
-        else:
-            set_action(group.doing)
-        send(issue)
-        if outputs is not None:  # backward needs the graph, not the sent values
-            for key in group.sent_acts:
-                output = outputs[key]
-                if output._base is None:  # free_output (a sent output has more than 1 element)
-                    output.data = stand_in
-        if stamps is not None and group.stamp is not None:  # traced: the sends end here
-            stamps[group.stamp] = clock()
-
     def _hand_over(self, kind: str, source: int, a: Action) -> None:
         """In-memory handover between two chunks of this rank (no message): the forward of
         `a`'s chunk takes `source`'s output as its input leaf, the backward its input gradient."""
@@ -662,8 +665,9 @@ class PipelineExecutor:
         else:
             grad = self._out_grads.pop(key)
         backward(out, grad)
-        if len(self.weight_grads):  # a whole backward in a step with split ones (DualPipeV)
-            WeightGradStore.apply(self.weight_grads.take(), self._ready())
+        store = self.weight_grads  # deferring only in a step with split backwards (DualPipeV):
+        if store.enabled and len(store):  # a whole backward there applies what it deferred
+            WeightGradStore.apply(store.take(), self._ready())
         x = self._inputs.pop(key, None)
         if x is not None:
             grad = x.grad
@@ -705,7 +709,9 @@ class PipelineExecutor:
     def _backward_weight(self, a: Action) -> None:
         """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; a
         chunk's last W reports each finished weight to the data-parallel reduction."""
-        backward_weight(self._pending_w.pop((a.mb, a.chunk)), self._ready())
+        backward_weight(self._pending_w.pop((a.mb, a.chunk)),
+                        getattr(self._grad_sync, "grads_ready", None)
+                        if self._step_index in self._report_at else None)  # `_ready`
 
     def _ready(self):
         """`grad_sync.grads_ready` at a chunk's last weight-gradient action, else None."""
@@ -766,6 +772,31 @@ def trace_events(steps: tuple, hooks: frozenset = frozenset()) -> tuple:
         last, n = n + 1, n + 2
     events += [(("wait", None, 0), last, n), (("loss_broadcast", None, 0), n + 1, n + 2)]
     return tuple(events), tuple(at), n + 3
+
+
+def walk_of(steps: tuple, hooks: frozenset = frozenset()) -> tuple:
+    """`StepPlan.walk` of the planned `steps` (their stamps set): per compute, (the group before
+    it as the walk issues it, or None; the compute's `PlannedCompute` fields but its key;
+    whether `grad_sync` may be called before it (`hooks`)); a group no compute follows gets an
+    entry of its own with no compute (kind None). A group as the walk issues it: (its ops, what
+    `p2p.issue` takes for it where that is the same every step (receives only, none posted
+    ahead) or None, its status text and that encoded, the (mb, chunk) of the activations it
+    sends, the index of the clock reading at its end or None, the `PlannedGroup`)."""
+    walk, group = [], None
+    for step in steps:
+        if step.__class__ is PlannedGroup:
+            if group is not None:
+                walk.append((group,) + (None,) * 9)
+            group = (step.ops, step.received, step.doing, step.said, step.sent_acts, step.stamp,
+                     step)
+            continue
+        index, action, kind, _, recv, hand_over, doing, said, stamp = step
+        walk.append((group, index, action, kind, recv, hand_over, doing, said, stamp,
+                     index in hooks))
+        group = None
+    if group is not None:
+        walk.append((group,) + (None,) * 9)
+    return tuple(walk)
 
 
 # --- a stage's backward: whole, or split into B and W -------------------------------------------
