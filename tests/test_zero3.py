@@ -228,10 +228,11 @@ def _other_worker(kind: str, layouts: list[tuple], optimizer: str = "adamw",
     import torch.distributed as dist
 
     out = []
-    for tp, pp, dp in layouts:
-        mesh = Mesh(Layout(tp, pp, dp), dist.get_rank())
-        _, step, _ = build(mesh, model_config=other_config(kind), kind=optimizer,
-                           precision=precision)
+    for tp, pp, dp, *rest in layouts:
+        cp, schedule, v = (*rest, *(1, "1f1b", 1)[len(rest):])  # (tp, pp, dp[, cp, schedule, v])
+        mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp), dist.get_rank())
+        _, step, _ = build(mesh, schedule, model_config=other_config(kind), kind=optimizer,
+                           precision=precision, virtual_stages=v)
         plan = BatchPlan(G, 2, dp)
         out.append([step.step(to_device(plan.split(b, mesh.dp_rank), mesh.device), i)
                     for i, b in enumerate(other_batches(kind))])
@@ -240,10 +241,13 @@ def _other_worker(kind: str, layouts: list[tuple], optimizer: str = "adamw",
 
 @pytest.mark.parametrize("kind", ["bert", "llama"])
 def test_zero3_parity_bert_and_grouped_query_llama(kind):
-    """dp 2, tp 2 x dp 2 and pp 2 x dp 2: the losses and grad norms of one process."""
+    """dp 2, tp 2 x dp 2, pp 2 x dp 2 (1F1B, ZB-H1, interleaved), cp 2 x dp 2 and the full
+    2 x 2 x 2: the losses and grad norms of one process."""
     ref = serial_other(kind)
     runs = [run_local(_other_worker, 2, kind, [(1, 1, 2)]),
-            run_local(_other_worker, 4, kind, [(2, 1, 2), (1, 2, 2)])]
+            run_local(_other_worker, 4, kind, [(2, 1, 2), (1, 2, 2), (1, 2, 2, 1, "zb-h1"),
+                                               (1, 2, 2, 1, "interleaved", 2), (1, 1, 2, 2)]),
+            run_local(_other_worker, 8, kind, [(2, 2, 2)])]
     for per_rank in runs:
         for results in per_rank:
             for steps in results:
