@@ -18,6 +18,8 @@ ran. What runs here:
 - the collective counts of a tensor-parallel step on NCCL;
 - no host-device synchronisation inside a pipeline step (`torch.cuda.set_sync_debug_mode`);
 - the ZeRO-1 save's device memory: at most one bucket above training;
+- ZeRO-3 with `--offload-params`: the same losses, and the parameter shards off the GPUs
+  (device memory measured between steps);
 - a short `megapar-train` on the GPUs.
 
 `MEGAPAR_CUDA_TIER_ON_CPU=1` runs the tier's own logic on gloo on a machine without GPUs (the
@@ -284,6 +286,41 @@ def test_a_zero1_save_needs_one_bucket_of_device_memory():
     for rank, (peak, bucket, saved) in enumerate(run_gpus(_zero1_save_memory, 2)):
         assert peak <= bucket + 4096, (rank, peak, bucket)  # allocator rounding: 512 B blocks
         assert (saved > 0) == (rank == 0)
+
+
+def _zero3_offload_memory(offload_params: bool):
+    """dp 2, --zero 3 --offload-optimizer (and `offload_params`): the losses of 3 steps and the
+    device memory held between steps (parameters, shards, gradient shards: what the model and
+    the optimizer keep allocated), with this rank's parameter shard bytes."""
+    import torch.distributed as dist
+    from test_parity_3d import G, global_batches
+    from test_zero3 import build
+    from tp_utils import to_device
+
+    from megapar.mesh import Layout, Mesh
+    from megapar.training.step import BatchPlan
+
+    mesh = Mesh(Layout(1, 1, 2), dist.get_rank())
+    before = torch.cuda.memory_allocated() if on_cuda() else 0
+    _, step, sharded = build(mesh, offload=True, offload_params=offload_params)
+    plan = BatchPlan(G, 2, 2)
+    losses = [step.step(to_device(plan.split(b, mesh.dp_rank), mesh.device), i).loss
+              for i, b in enumerate(global_batches()[:3])]
+    held = torch.cuda.memory_allocated() - before if on_cuda() else 0
+    return losses, held, sum(u.shard_nbytes for u in sharded.units)
+
+
+@pytest.mark.cuda(gpus=2)
+def test_offload_params_moves_the_shards_off_the_gpus():
+    """--zero 3 --offload-optimizer with and without --offload-params on NCCL: the same
+    losses, and with it the device holds at least this rank's parameter shards less between
+    steps (they live in pinned host memory, copied to a staging shard per gather)."""
+    kept = run_gpus(_zero3_offload_memory, 2, False)
+    offloaded = run_gpus(_zero3_offload_memory, 2, True)
+    for (losses_k, held_k, shards), (losses_o, held_o, _) in zip(kept, offloaded):
+        assert torch.allclose(torch.tensor(losses_o), torch.tensor(losses_k), rtol=1e-5)
+        if on_cuda():
+            assert held_k - held_o >= shards > 0, (held_k, held_o, shards)
 
 
 @pytest.mark.cuda(gpus=2)
