@@ -474,12 +474,14 @@ def test_zero_layout_strings_parse_and_are_checked():
     assert parse_candidate(c.spec(), 8) == c and "zero3 keep offload=both" in c.label()
     config = resolve_model("gpt2-tiny")
     assert check(c, config, 8, 8, 32, 64) is None
-    for spec, reason in (("zero=2,offload=params", "needs zero 3"),
+    for spec, reason in (("zero=2,offload=both", "needs zero 3"),
+                         ("zero=3,offload_params=1", "needs the optimizer's too (offload=both"),
                          ("zero=3,keep_params=1", "keep_params needs zero 3 and pp > 1"),
                          ("zero=4", "the planner models ZeRO stages 0, 1, 2, 3")):
         assert reason in check(parse_candidate(spec, 8), config, 8, 8, 32, 64), spec
-    with pytest.raises(ValueError, match="offload='disk'"):
-        parse_candidate("zero=3,offload=disk", 8)
+    for bad in ("disk", "params"):  # parameters alone: megapar-train refuses it
+        with pytest.raises(ValueError, match=f"offload='{bad}'"):
+            parse_candidate(f"zero=3,offload={bad}", 8)
 
 
 def test_gpt2_1_5b_fits_8_gpus_of_16_gib_with_zero3(capsys):

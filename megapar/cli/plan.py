@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "also gradients, 3: also parameters)")
     p.add_argument("--offload", nargs="+", choices=OFFLOADS, default=["none"],
                    help="host-memory offloads tried too: optimizer (--offload-optimizer), "
-                        "params (ZeRO-3's parameter shards), both")
+                        "both (ZeRO-3: also --offload-params, the parameter shards)")
     p.add_argument("--pcie-gbps", type=float, default=200.0,
                    help="host-device bandwidth per GPU, Gbit/s (offload's copies)")
     p.add_argument("--zero3-persistence-threshold", type=int, default=0,

@@ -23,7 +23,7 @@ RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages the planner models: 1 the optimizer state sharded over dp x cp, 2 also the
 gradients, 3 also the parameters (FSDP)."""
-OFFLOADS = ("none", "optimizer", "params", "both")
+OFFLOADS = ("none", "optimizer", "both")
 """What a plan may keep in host memory: the optimizer (--offload-optimizer), ZeRO-3's parameter
 shards (--offload-params), or both."""
 
@@ -95,7 +95,7 @@ _ALIASES = {"micro_batch_size": "mbs", "micro-batch-size": "mbs", "virtual_stage
 
 def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     """`tp=8,cp=2,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`
-    (also `zero=3,offload=params,keep_params=1,zero3_reduce=micro-batch`; offload one of
+    (also `zero=3,offload=both,keep_params=1,zero3_reduce=micro-batch`; offload one of
     `OFFLOADS`); dp defaults to
     gpus / (tp cp pp). ValueError naming the bad item otherwise."""
     fields = {f.name: f.type for f in dataclasses.fields(Candidate)}
@@ -202,6 +202,9 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
         return f"ZeRO-{c.zero} needs dp > 1 (or cp > 1: there is nothing to shard over)"
     if c.offload_params and c.zero != 3:
         return "offload of the parameters needs zero 3 (it moves the parameter shards)"
+    if c.offload_params and not c.offload_optimizer:
+        return ("offload of the parameters needs the optimizer's too (offload=both: "
+                "megapar-train's --offload-params steps the host shards with --offload-optimizer)")
     if c.zero3_reduce not in REDUCES:
         return f"zero3_reduce={c.zero3_reduce}: use one of {', '.join(REDUCES)}"
     if c.zero3_reduce != "step" and c.zero != 3:

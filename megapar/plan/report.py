@@ -132,6 +132,8 @@ def explain(e: Estimate) -> str:
              f"{g['optimizer']:.2f}, activations {g['activations']:.2f}, buffers "
              f"{g['buffers']:.2f}"
              + (f", gathered units {g['gathered']:.2f}" if g["gathered"] else "")
+             + (f", full gradient buffers {g['grad_buffers']:.2f}" if g.get("grad_buffers")
+                else "")
              + (f", host copies {g['master']:.2f}" if g["master"] else "")
              + (f", less {g['host']:.2f} in host memory" if g["host"] else "")
              + f" = {g['total']:.2f} GiB on the device -> "

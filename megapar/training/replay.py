@@ -326,6 +326,10 @@ def compare(record: dict, ours: dict[int, float], grads: dict[str, float]) -> st
     worst = max([_relative(entries[i]["sq"], v) for i, v in ours.items()] +
                 [_relative(v, grads[n]) for n, v in record.get("grad_sq_norms", {}).items()
                  if n in grads], default=0.0)
+    compared = sum(n in grads for n in record.get("grad_sq_norms", {}))
+    weights = f" and {compared} weight-gradient norms" if compared else ""
+    if not compared:  # the recording run sharded its gradients over dp (ZeRO)
+        note += "; no weight-gradient norms were recorded to compare"
     return (f"replay of step {record['step']}: no difference: all {len(ours)} recorded output "
-            f"norms and {len(grads)} weight-gradient norms agree within {RTOL:g} relative "
+            f"norms{weights} agree within {RTOL:g} relative "
             f"(largest difference {worst:.1e}){note}")

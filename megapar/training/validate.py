@@ -151,9 +151,10 @@ def check_settings(cfg) -> None:
                          f"--zero {cfg.zero}: the distributed optimizer reduce-scatters the gradient "
                          f"buffer, the compressors compress an all-reduce; drop one of them")
     if cfg.offload_params and cfg.zero != 3:
+        alone = "" if cfg.offload_optimizer else ", or use --offload-optimizer"
         raise UsageError(f"--offload-params needs --zero 3 (it keeps the parameter shards in "
                          f"host memory; --zero {cfg.zero} keeps whole parameters on the device): "
-                         f"add --zero 3, or use --offload-optimizer")
+                         f"add --zero 3{alone}")
     if cfg.offload_optimizer and cfg.optimizer in ("lamb", "lars"):
         raise UsageError(f"--offload-optimizer steps AdamW or SGD on the host, not --optimizer "
                          f"{cfg.optimizer} (its trust ratios need whole-parameter norms on the "
@@ -180,8 +181,9 @@ def check_zero3(cfg) -> None:
         raise UsageError("--zero3-keep-params only applies to --zero 3 (it keeps a unit's "
                          "gathered parameters over the step); add --zero 3 or drop it")
     if cfg.zero3_reduce != "step" and cfg.zero != 3:
-        raise UsageError(f"--zero3-reduce {cfg.zero3_reduce} only applies to --zero 3 (--zero 2 "
-                         f"reduces every micro-batch already); add --zero 3 or drop it")
+        already = " (--zero 2 reduces every micro-batch already)" if cfg.zero == 2 else ""
+        raise UsageError(f"--zero3-reduce {cfg.zero3_reduce} only applies to --zero 3{already}; "
+                         f"add --zero 3 or drop it")
     if cfg.zero3_persistence_threshold and cfg.zero != 3:
         raise UsageError("--zero3-persistence-threshold only applies to --zero 3; add --zero 3 "
                          "or drop it")
@@ -193,7 +195,7 @@ def check_zero3(cfg) -> None:
     if cfg.grad_compression != "none":
         raise UsageError(f"--grad-compression {cfg.grad_compression} cannot be combined with "
                          f"--zero 3 (gradients are reduce-scattered per unit, the compressors "
-                         f"compress an all-reduce); use --zero 1, or --grad-compression none")
+                         f"compress an all-reduce); use --zero 0, or --grad-compression none")
     if cfg.grad_reduce_dtype not in ("auto", "fp32"):
         raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} is not served with "
                          f"--zero 3 (its reduce-scatters run in fp32); use --zero 1 for a "
