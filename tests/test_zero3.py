@@ -573,3 +573,25 @@ def test_zero3_optimizer_says_it_is_stage_3():
     model = build_stage(config(), mesh, SEED)
     opt = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD)
     assert opt.zero == 3 and opt.state_json()["zero"] == 3
+
+
+def test_zero_settings_that_change_nothing_are_said():
+    """Accepted, with one note each: ZeRO with nothing to shard over, and --zero3-reduce
+    micro-batch where the units reduce once a step anyway (one micro-batch; a W schedule)."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.validate import adapt_defaults
+
+    def notes(**kw):
+        return " | ".join(adapt_defaults(TrainConfig(max_steps=10, warmup_steps=1, **kw),
+                                         kw.get("dp", 1)))
+
+    assert "--zero 3 with dp x cp = 1: there is no rank to shard over" in notes(zero=3)
+    assert "shard over" not in notes(zero=3, dp=2, global_batch_size=8, micro_batch_size=4)
+    one = notes(zero=3, dp=2, zero3_reduce="micro-batch", global_batch_size=4,
+                micro_batch_size=2)
+    assert "with one micro-batch per step: the same as step" in one
+    w = notes(zero=3, dp=2, pp=2, schedule="zb-h1", zero3_reduce="micro-batch",
+              global_batch_size=8, micro_batch_size=1)
+    assert "under --schedule zb-h1: its W passes report the weight gradients once a step" in w
+    assert "--zero3-reduce" not in notes(zero=3, dp=2, pp=2, zero3_reduce="micro-batch",
+                                         global_batch_size=8, micro_batch_size=1)

@@ -36,6 +36,7 @@ from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
 from megapar.faults.slow import SlowRank
 from megapar.models.config import config_from_dict
+from megapar.pipeline.schedules import chunks_per_rank, schedule_actions
 from megapar.training.config import _choices
 
 
@@ -270,7 +271,35 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
                          f"size {cfg.global_batch_size} / dp {dp}) instead of the default "
                          f"{cfg.micro_batch_size}")
             cfg.micro_batch_size = mbs
+    notes.extend(_inert_zero_settings(cfg, dp))
     return notes
+
+
+def _inert_zero_settings(cfg, dp: int) -> list[str]:
+    """Notes for ZeRO settings that change nothing in this run (accepted, said once)."""
+    notes = []
+    if cfg.zero and dp * cfg.cp == 1:
+        notes.append(f"--zero {cfg.zero} with dp x cp = 1: there is no rank to shard over, so "
+                     f"every rank keeps whole state (offloads still apply)")
+    m = cfg.global_batch_size // max(1, cfg.micro_batch_size * dp)
+    if cfg.zero == 3 and cfg.zero3_reduce == "micro-batch":
+        if m == 1:
+            notes.append("--zero3-reduce micro-batch with one micro-batch per step: the same "
+                         "as step")
+        elif _has_w_passes(cfg, m):
+            notes.append(f"--zero3-reduce micro-batch under --schedule {cfg.schedule}: its W "
+                         f"passes report the weight gradients once a step, so the units reduce "
+                         f"once a step, as with step")
+    return notes
+
+
+def _has_w_passes(cfg, m: int) -> bool:
+    try:
+        actions = schedule_actions(cfg.schedule, cfg.pp, m, 0,
+                                   chunks_per_rank(cfg.schedule, cfg.virtual_stages))
+    except ValueError:  # an m the schedule refuses: the caller's checks say so
+        return False
+    return any(a.kind == "backward_weight" for a in actions)
 
 
 def fit_batch_to_data(cfg, samples: int, dp: int, fits=lambda gbs, mbs: True) -> str | None:
