@@ -27,6 +27,20 @@ TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8"
         "--tokenizer", "sentencepiece"]
 
 
+@pytest.fixture
+def private_tmpdir(tmp_path, monkeypatch):
+    """A TMPDIR of this test's own: launchers and ranks started by other tests at the same
+    time (pytest -n 2) remove the stale stack and stopped-rank directories they find in
+    theirs, which would take the ones a test here checks are left behind."""
+    import tempfile
+
+    path = tmp_path / "tmpdir"
+    path.mkdir()
+    monkeypatch.setenv("TMPDIR", str(path))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    return path
+
+
 @pytest.fixture(scope="module")
 def common(tmp_path_factory):
     d = tmp_path_factory.mktemp("faults")
@@ -90,7 +104,8 @@ def _losses(log: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in log.read_text().splitlines()]
 
 
-def test_sigkill_of_the_launcher_kills_its_workers_and_nothing_is_saved_after(tmp_path, common):
+def test_sigkill_of_the_launcher_kills_its_workers_and_nothing_is_saved_after(tmp_path, common,
+                                                                             private_tmpdir):
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     pid = _fork_main([*common, "--tp", "2", "--max-steps", "400", "--save", str(ckpt),
                       "--save-interval", "1", "--log-json", str(log)], tmp_path / "out")
@@ -618,7 +633,8 @@ def test_a_sigterm_ends_a_rank_blocked_in_a_wait_after_the_grace(monkeypatch):
 
 
 @pytest.mark.slow
-def test_under_torchrun_a_stopped_rank_is_named_and_every_rank_exits(tmp_path, common):
+def test_under_torchrun_a_stopped_rank_is_named_and_every_rank_exits(tmp_path, common,
+                                                                    private_tmpdir):
     """torchrun, tp 2 x pp 2, --timeout-s 10, rank 1 SIGSTOPped mid-run: rank 0 used to sit in
     the grad-norm all-reduce of a subgroup (torch's 30 minutes), rank 3 in the tied embedding's
     (300 s), until torchrun's SIGKILL, with rank 0's --save lock left behind. Now every rank
