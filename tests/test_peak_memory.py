@@ -65,3 +65,45 @@ def test_each_zero_stage_lowers_the_peak_the_os_sees():
     assert saved > 45 * 2**20, saved
     rise = max(r for r, _, _ in two) - max(r for r, _, _ in one)
     assert rise < -saved / 2, ("zero 2", rise / 2**20, saved / 2**20)
+
+
+def _zero3_device_path_rise(bounded: bool) -> tuple[int, int]:
+    """ZeRO-3 at dp 2 on NCCL's path (collectives whole and async): (how far this rank's peak
+    resident set rose, its most full-gradient-buffer bytes alive at once)."""
+    import torch
+    from transformers import GPT2Config
+
+    import megapar
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = status("VmRSS")
+    config = GPT2Config(n_embd=512, n_layer=8, n_head=8, n_positions=64, vocab_size=1024,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    engine = megapar.prepare(config, micro_batch_size=1, zero=3, seq_len=32)
+    sharded = engine.sharded_params
+    sharded.host_waits, sharded.piece = False, None
+    if not bounded:  # what the code did before: every reduction waited for in finish()
+        sharded.MAX_REDUCES_IN_FLIGHT = 10**9
+    ids = torch.randint(0, 1024, (2, 33), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        engine.train_step({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+    whole = sum(u.padded * u.shard.element_size() for u in sharded.units)
+    return status("VmHWM") - start, whole
+
+
+def test_zero3_bounded_reductions_lower_the_peak_the_os_sees():
+    """On NCCL's path ZeRO-3 frees a unit's full gradient as the next unit's reduction starts
+    (one in flight), instead of holding the stage's whole gradient to finish(): the OS must see
+    the peak fall by at least half of the stage's gradient (gloo's in-flight copies make the
+    CPU's difference larger than a GPU's)."""
+    unbounded = run_local(_zero3_device_path_rise, 2, False, start_method="spawn")
+    bounded = run_local(_zero3_device_path_rise, 2, True, start_method="spawn")
+    whole = bounded[0][1]
+    assert whole > 60 * 2**20, whole
+    fall = max(r for r, _ in unbounded) - max(r for r, _ in bounded)
+    assert fall > whole / 2, (fall / 2**20, whole / 2**20)
