@@ -29,7 +29,8 @@ them), minimum of `--steps` steps. `--baseline FILE` measures an earlier executo
 the same rounds, taking turns with this tree's (the ratio is of the same run):
 
 `--stage S` measures stage S alone (its data then stay in the caches between its steps);
-`--schedules` picks layouts. `executor_instructions.py` counts the same steps in instructions.
+`--each-stage-alone` measures every stage so, one after the other, and prints the slowest (a
+rank runs one stage in a process of its own, as in a real run); `--schedules` picks layouts. `executor_instructions.py` counts the same steps in instructions.
 
     python benchmarks/executor_plan.py
     git show REV:megapar/pipeline/executor.py > /tmp/executor_before.py
@@ -323,9 +324,15 @@ def main(argv=None) -> None:
                         help="host work: only stage S (e.g. 8, a middle stage), alone: its data "
                              "stay in the caches between its steps, as they do not when the "
                              "other stages run in between")
+    parser.add_argument("--each-stage-alone", action="store_true",
+                        help="host work: every stage measured alone in turn (as `--stage`, "
+                             "one after the other), the slowest printed: each rank runs one "
+                             "stage in a process of its own, its data warm between its steps")
     parser.add_argument("--schedules", nargs="+", metavar="NAME",
                         help="only the layouts of these schedules (default: all of LAYOUTS)")
     args = parser.parse_args(argv)
+    if args.stage is not None and args.each_stage_alone:
+        parser.error("--stage and --each-stage-alone exclude each other: pick one")
     layouts = [layout for layout in LAYOUTS
                if args.schedules is None or layout[0] in args.schedules]
     torch.set_num_threads(1)
@@ -345,18 +352,26 @@ def main(argv=None) -> None:
         print(f"\nthe compute handlers' timer: {TIMER_COST * 1e6:.2f} us a compute outside its "
               f"measured time, subtracted")
     modules = (executor_module,) + ((load_baseline(args.baseline),) if args.baseline else ())
-    print("\nhost work per step, " + ("slowest stage" if args.stage is None else
-                                       f"stage {args.stage} alone") + ", traced / untraced (ms)"
+    print("\nhost work per step, " + (f"stage {args.stage} alone" if args.stage is not None
+                                       else "slowest stage, each measured alone"
+                                       if args.each_stage_alone else "slowest stage")
+          + ", traced / untraced (ms)"
           + (f"; before = {args.baseline}, taking turns with this tree's" if args.baseline
              else ""))
     print(f"{'schedule':12} {'pp':>3} {'m':>4} {'V':>2} | {'now':>13}"
           + (f" | {'before':>13} | now / before" if args.baseline else ""))
     for schedule, pp, m, v in layouts:
-        stages = None if args.stage is None else [args.stage % pp]
-        runs = [[max(t for t in per_stage if t != float("inf")) for per_stage in
-                 host_work(schedule, pp, m, v, trace, args.steps, args.subtract_handlers,
-                           modules, stages)]
-                for trace in (True, False)]
+        groups = ([[args.stage % pp]] if args.stage is not None
+                  else [[stage] for stage in range(pp)] if args.each_stage_alone else [None])
+        runs = []
+        for trace in (True, False):
+            best = [[float("inf")] * pp for _ in modules]  # per module, per stage
+            for stages in groups:  # alone: one stage's steps, then the next stage's
+                measured = host_work(schedule, pp, m, v, trace, args.steps,
+                                     args.subtract_handlers, modules, stages)
+                best = [[min(a, b) for a, b in zip(old, new)]
+                        for old, new in zip(best, measured)]
+            runs.append([max(t for t in per_stage if t != float("inf")) for per_stage in best])
         cells = [f"{runs[0][i] * 1e3:5.2f} / {runs[1][i] * 1e3:5.2f}"
                  for i in range(len(modules))]
         ratio = (f" | {runs[0][0] / runs[0][1]:.2f} / {runs[1][0] / runs[1][1]:.2f}"

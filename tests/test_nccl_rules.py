@@ -164,6 +164,7 @@ def issued_worker(tp, pp, dp):
                                     (2, H), virtual_stages=v,
                                     timeout_s=60)
         executor.post_ahead = False  # what NCCL issues: the program's order
+        executor.p2p.issued = []  # record the groups issued
         for m in range(1, 9):
             if not valid(name, pp, m, v):
                 continue

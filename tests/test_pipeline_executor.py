@@ -285,7 +285,7 @@ def freed_outputs_worker():
         for key, *_ in group.messages:
             if key[0] == "send_act":  # sent: the stage keeps the graph, not the values
                 payload = executor.p2p._sends[key][1]
-                seen.append((executor._outputs[key[1:]].numel(), payload.numel()))
+                seen.append((executor._outputs[executor.slot(*key[1:])].numel(), payload.numel()))
 
     executor.after_group = checked_issue
     loss = executor.run(toy_batches(4))
@@ -336,6 +336,7 @@ def posted_ahead_worker(schedule, v, ahead):
                                 timeout_s=30)
     assert executor.post_ahead  # the tests run on gloo
     executor.post_ahead = ahead
+    executor.p2p.issued = []  # record the groups issued
     gen = torch.Generator().manual_seed(0)
     batches = [{"x": torch.randn(2, 4, generator=gen), "y": torch.randn(2, 4, generator=gen)}
                for _ in range(4)]

@@ -69,6 +69,7 @@ def parity_worker(tp, pp):
             what = f"{kind} tp={tp} pp={pp} {schedule} m={m} stage {mesh.pp_rank}"
             model.zero_grad(set_to_none=True)
             executor = PipelineExecutor(model, mesh, schedule, (MB, SEQ, HIDDEN))
+            executor.p2p.issued = []  # record the groups issued
             assert executor.virtual_stages == 2, what
             loss = executor.run(batches)
             assert loss.dtype == torch.float32 and loss.dim() == 0, what

@@ -406,6 +406,7 @@ def _real_worker(cases: list[tuple], timeout_s: float) -> list[tuple]:
             executor = PipelineExecutor(_ToyStage(mesh, name, chunks), mesh, name, (2, HIDDEN),
                                         timeout_s=timeout_s, virtual_stages=v)
             executor.post_ahead = False  # receives where the program has them, as on NCCL
+            executor.p2p.issued = []  # record the groups issued
             raw: list = []
             real = executor.p2p.batch_isend_irecv
 

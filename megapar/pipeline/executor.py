@@ -7,8 +7,8 @@ received tensor it consumes (if any), then runs through a dict of handlers (`sel
 a new compute kind is a new entry there, not a new loop.
 
 Model chunks (interleaved schedules): `stage` may be a `ModelChunks` (`stage.chunks`), and every
-action names its chunk; per-micro-batch state is keyed by (mb, chunk), and the peer of each
-message comes from the chunk's virtual stage (`schedules.peer_of`), so activations wrap around
+action names its chunk; per-micro-batch state is kept per (mb, chunk) (`slot`), and the peer
+of each message comes from the chunk's virtual stage (`schedules.peer_of`), so activations wrap around
 from the last rank to rank 0 for the next chunk. In the V placement (ZB-V, DualPipeV) the turn
 from one chunk to the other is on one rank: no message, the output (or input gradient) is
 handed over in memory; the loss is then on rank 0. Zero-bubble schedules split the backward into
@@ -122,11 +122,12 @@ class PlannedGroup(NamedTuple):
     said: bytes
     """`doing` encoded for the shared status line (`status.encode_action`)."""
     sent_acts: tuple
-    """(mb, chunk) of every activation the group sends (its output's storage is freed)."""
+    """The slot (`PipelineExecutor.slot`) of every activation the group sends (its output's
+    storage is freed)."""
     sends: tuple
     """(kind, mb, chunk) of every send, for the trace."""
     ops: tuple
-    """Per message, what the walk does with it: (SEND_ACT / SEND_GRAD / RECV, (mb, chunk),
+    """Per message, what the walk does with it: (SEND_ACT / SEND_GRAD / RECV, slot of (mb, chunk),
     key, peer's global rank, what travels, label)."""
     received: tuple | None
     """A group of receives only: what `p2p.issue` takes for it where no receive is posted
@@ -154,7 +155,7 @@ class PlannedRecv(NamedTuple):
     acks: tuple
     """(kind, mb, chunk) of the sends its arrival proves received."""
     at: tuple
-    """(mb, chunk): where the received tensor is kept."""
+    """The slot of (mb, chunk) (`PipelineExecutor.slot`): where the received tensor is kept."""
     is_act: bool
     """An activation (the compute's input leaf), else an output gradient."""
 
@@ -173,8 +174,8 @@ class PlannedCompute(NamedTuple):
     recv: tuple | None
     """The `PlannedRecv` (a plain tuple) it waits for, or None when it consumes no message."""
     hand_over: tuple | None
-    """(kind, source chunk) where the compute takes its input from another chunk of this rank
-    (the V's turn: no message), else None."""
+    """(kind, slot of the same micro-batch in the source chunk) where the compute takes its
+    input from another chunk of this rank (the V's turn: no message), else None."""
     doing: str
     """What the rank is doing while the compute runs (`set_action`)."""
     said: bytes
@@ -208,6 +209,7 @@ class PipelineExecutor:
                              f"a stage of {virtual_stages} model chunks; this rank holds "
                              f"{len(self.chunks)} (build it with build_stage(virtual_stages=...))")
         self.placement = placement_of(schedule)
+        self._chunk_count = virtual_stages  # `slot`
         self._loss_chunk = next((c for c in range(virtual_stages) if virtual_stage(
             mesh.pp_rank, c, mesh.pp, self.placement) == mesh.pp * virtual_stages - 1), None)
         """The model chunk of this rank that computes the loss (the last virtual stage), or
@@ -242,20 +244,26 @@ class PipelineExecutor:
     def _reset(self, micro_batches, loss_scale, forward_only) -> None:
         self._batches, self._loss_scale = micro_batches, loss_scale
         self._forward_only = forward_only
-        # Per (mb, chunk):
-        self._inputs: dict[tuple, torch.Tensor] = {}     # received activations (leaves)
-        self._outputs: dict[tuple, torch.Tensor] = {}    # stage outputs (hidden or loss)
+        # Per (mb, chunk), keyed by its slot (`slot`):
+        self._inputs: dict[int, torch.Tensor] = {}     # received activations (leaves)
+        self._outputs: dict[int, torch.Tensor] = {}    # stage outputs (hidden or loss)
         # what a sent activation is taken by: a forward-only step keeps no graph
         self._take_output = self._outputs.pop if forward_only else self._outputs.get
-        self._out_grads: dict[tuple, torch.Tensor] = {}  # received d(loss)/d(output)
-        self._in_grads: dict[tuple, torch.Tensor] = {}   # d(loss)/d(input) to send upstream
-        self._pending_w: dict[tuple, object] = {}        # B done, W not yet (zero bubble)
+        self._out_grads: dict[int, torch.Tensor] = {}  # received d(loss)/d(output)
+        self._in_grads: dict[int, torch.Tensor] = {}   # d(loss)/d(input) to send upstream
+        self._pending_w: dict[int, object] = {}        # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
         self._loss_grad = None  # what the losses are backpropagated with (_first_loss_grad)
         self._grad_sync, self._step_index, self._report_at = None, None, frozenset()
         self._ahead: dict[int, list[Action]] = {}        # per peer rank, receives in order
         self._recvs_issued: set[tuple] = set()           # (kind, mb, chunk) issued so far
         self._line = None  # the shared status line in a step (`status.action_line`), or None
+
+    def slot(self, mb: int, chunk: int) -> int:
+        """The key of micro-batch `mb`'s state in model chunk `chunk` (its input, output and
+        gradients): one int, ``mb * chunks + chunk``, which a dictionary hashes for nothing
+        where an (mb, chunk) tuple is built and hashed at every lookup."""
+        return mb * self._chunk_count + chunk
 
     def program(self, m: int, forward_only: bool = False, stage: int | None = None) -> tuple:
         """The program (computes and message groups) of `stage` (default: this rank's) for a
@@ -289,6 +297,7 @@ class PipelineExecutor:
                           else tuple(self._plan_compute(i, step, acks))
                           for i, step in enumerate(program))
             arm_at = self._chunk_arming(actions, last_backward)
+            report_at = self._report_points(actions)
             hooks = frozenset(arm_at) | ({last_backward} if last_backward is not None else set())
             events, at, readings = trace_events(steps, hooks)
             steps = tuple(step._replace(stamp=at[k]) if isinstance(step, PlannedGroup)
@@ -299,12 +308,13 @@ class PipelineExecutor:
             self._plans[key] = StepPlan(
                 program=program,
                 last_backward=last_backward,
-                report_at=self._report_points(actions),
+                report_at=report_at,
                 split_backward=any(a.kind == "backward_input" for _, a in actions),
                 acks=acks, posts={rank: tuple(recvs) for rank, recvs in posts.items()},
                 arm_at=arm_at,
                 steps=steps, longest=max((len(said) for said in saids), default=0),
-                hooks=hooks, events=events, readings=readings, walk=walk_of(steps, hooks))
+                hooks=hooks, events=events, readings=readings,
+                walk=walk_of(steps, hooks, report_at))
         return self._plans[key]
 
     @staticmethod
@@ -329,11 +339,11 @@ class PipelineExecutor:
         doing = (f"{group.name} {group} on pp stage {self.mesh.pp_rank} (with rank"
                  f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))})")
         codes = {"send_act": SEND_ACT, "send_grad": SEND_GRAD}
-        ops = tuple((codes.get(key[0], RECV), key[1:], key, rank, message, label)
+        ops = tuple((codes.get(key[0], RECV), self.slot(*key[1:]), key, rank, message, label)
                     for key, rank, message, label in planned)
         return PlannedGroup(
             tuple(planned), doing, encode_action(doing),
-            tuple((a.mb, a.chunk) for a in group.messages if a.kind == "send_act"),
+            tuple(self.slot(a.mb, a.chunk) for a in group.messages if a.kind == "send_act"),
             tuple((a.kind, a.mb, a.chunk) for a in group.messages if a.kind.startswith("send")),
             ops, None if any(op[0] != RECV for op in ops) else
             tuple((key, None, rank, message, label) for _, _, key, rank, message, label in ops))
@@ -351,11 +361,11 @@ class PipelineExecutor:
         key = (kind, a.mb, a.chunk)
         peer_stage, peer_chunk = self._peer(self.mesh.pp_rank, Action(*key))
         if peer_stage == self.mesh.pp_rank:  # the V's turn: in memory
-            return planned._replace(hand_over=(kind, peer_chunk))
+            return planned._replace(hand_over=(kind, self.slot(a.mb, peer_chunk)))
         peer = self.mesh.stage_rank(peer_stage)
         waiting = f"{kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank} (from rank {peer})"
         recv = PlannedRecv(key, peer, waiting, encode_action(waiting), tuple(acks.get(key, ())),
-                           key[1:], kind == "recv_act")
+                           self.slot(a.mb, a.chunk), kind == "recv_act")
         return planned._replace(recv=tuple(recv))
 
     def _chunk_arming(self, actions: list, last_backward: int | None) -> dict:
@@ -426,13 +436,14 @@ class PipelineExecutor:
                 self.p2p.begin_step()
                 if self.post_ahead:
                     self._post_ahead(plan.posts)
-            get_handler, p2p, after_group = self.handlers.get, self.p2p, self.after_group
+            handlers, p2p, after_group = self.handlers, self.p2p, self.after_group
             counted, arm_at, post_ahead = self.count_comm_wait, plan.arm_at, self.post_ahead
             inputs, out_grads, needs_grad = self._inputs, self._out_grads, not forward_only
             self._line = line = action_line(plan.longest)  # None: set_action
-            take = pop_grad = send = posted = outputs = stand_in = None
+            take = pop_grad = send = release = posted = outputs = stand_in = None
             if p2p is not None:  # what the message groups need
                 take, pop_grad, send = self._take_output, self._in_grads.pop, p2p.issue
+                release = p2p.release
                 posted = self._recvs_issued if post_ahead else None
                 # backward needs the graph, not the sent values: a sent output's storage goes
                 outputs = None if forward_only or self._act_numel < 2 else self._outputs
@@ -440,8 +451,8 @@ class PipelineExecutor:
             if record:
                 stamps[0] = clock()  # where the first wait (or send) starts
             with torch.set_grad_enabled(not forward_only):
-                for group, i, action, kind, recv, hand_over, doing, said, at_clock, hook \
-                        in plan.walk:
+                for group, i, action, kind, recv, hand_over, doing, said, at_clock, hook, \
+                        reports in plan.walk:
                     if group is not None:  # the message group before the compute
                         ops, issue, gdoing, gsaid, sent_acts, sent_at, planned = group
                         if issue is None or posted is not None:  # sends, or gloo's receives
@@ -481,7 +492,7 @@ class PipelineExecutor:
                             set_action(rdoing)
                         tensor = p2p.wait_recv(rkey)  # traced: ends at the compute's start
                         for sent in acks:  # sends its arrival proves received
-                            p2p.release(sent)
+                            release(sent)
                         if post_ahead:
                             self._post_next(peer)
                         if is_act:  # a leaf: the setter is `requires_grad_` without its
@@ -491,7 +502,8 @@ class PipelineExecutor:
                             out_grads[at] = tensor
                     elif hand_over is not None:
                         self._hand_over(*hand_over, action)
-                    self._step_index = i
+                    if reports:  # a chunk's last weight-gradient action (`_ready`)
+                        self._step_index = i
                     if hook:
                         if record:  # the wait ends before the call (`trace_events`)
                             stamps[at_clock - 1] = clock()
@@ -505,9 +517,10 @@ class PipelineExecutor:
                         line.value = said
                     else:
                         set_action(doing)
-                    handler = get_handler(kind)
-                    if handler is None:
-                        self._no_handler(kind)
+                    try:
+                        handler = handlers[kind]
+                    except KeyError:
+                        raise self._no_handler(kind) from None
                     if record:
                         stamps[at_clock] = clock()
                     try:
@@ -523,6 +536,8 @@ class PipelineExecutor:
                         raise
                     if record:
                         stamps[at_clock + 1] = clock()
+                    if reports:
+                        self._step_index = None
             set_action(f"waiting for the sends of pp stage {self.mesh.pp_rank}")
             if self.p2p is not None:
                 self.p2p.wait_sends()
@@ -563,8 +578,8 @@ class PipelineExecutor:
         return sum(at(stamps[e]) - at(stamps[s]) for (kind, _, _), s, e in events
                    if kind in COMPUTE_KINDS and stamps[e] is not None and stamps[s] is not None)
 
-    def _no_handler(self, kind: str) -> None:
-        raise NotImplementedError(
+    def _no_handler(self, kind: str) -> NotImplementedError:
+        return NotImplementedError(
             f"schedule {self.schedule_name!r} uses action {kind!r}, which PipelineExecutor has "
             f"no handler for; register one in executor.handlers")
 
@@ -604,9 +619,10 @@ class PipelineExecutor:
         rank = self.mesh.stage_rank(peer)
         if a.kind == "send_act":
             take = self._outputs.pop if self._forward_only else self._outputs.get
-            tensor, message = take((a.mb, a.chunk)), ("act", a.mb, peer_chunk)
+            tensor, message = take(self.slot(a.mb, a.chunk)), ("act", a.mb, peer_chunk)
         elif a.kind == "send_grad":
-            tensor, message = self._in_grads.pop((a.mb, a.chunk)), ("grad", a.mb, peer_chunk)
+            tensor = self._in_grads.pop(self.slot(a.mb, a.chunk))
+            message = ("grad", a.mb, peer_chunk)
         else:
             tensor, message = None, (a.kind[5:], a.mb, a.chunk)
         return (a.kind, a.mb, a.chunk), tensor, rank, message, str(a)
@@ -630,19 +646,20 @@ class PipelineExecutor:
 
     def _hand_over(self, kind: str, source: int, a: Action) -> None:
         """In-memory handover between two chunks of this rank (no message): the forward of
-        `a`'s chunk takes `source`'s output as its input leaf, the backward its input gradient."""
-        mb, chunk = a.mb, a.chunk
+        `a`'s chunk takes the output of slot `source` (the same micro-batch's, of the other
+        chunk) as its input leaf, the backward its input gradient."""
+        slot = self.slot(a.mb, a.chunk)
         if kind == "recv_act":
             take = self._outputs.pop if self._forward_only else self._outputs.get
-            out = take((mb, source))
-            self._inputs[mb, chunk] = out.detach().requires_grad_(not self._forward_only)
+            out = take(source)
+            self._inputs[slot] = out.detach().requires_grad_(not self._forward_only)
         else:
-            self._out_grads[mb, chunk] = self._in_grads.pop((mb, source))
+            self._out_grads[slot] = self._in_grads.pop(source)
 
     # handlers ------------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
         mb, chunk = a.mb, a.chunk
-        key = (mb, chunk)
+        key = mb * self._chunk_count + chunk
         x = self._inputs.get(key)
         out = self.chunks[chunk](x, self._batches[mb])
         if self._forward_only:  # no graph: the input is not needed any more
@@ -658,7 +675,7 @@ class PipelineExecutor:
         self._outputs[key] = out
 
     def _backward(self, a: Action) -> None:
-        key = (a.mb, a.chunk)
+        key = a.mb * self._chunk_count + a.chunk
         out = self._outputs.pop(key)
         if a.chunk == self._loss_chunk:
             grad = self._loss_grad if self._loss_grad is not None else self._first_loss_grad(out)
@@ -693,7 +710,7 @@ class PipelineExecutor:
 
     def _backward_input(self, a: Action) -> None:
         """B: the gradient w.r.t. the chunk's input only (sent upstream next); W comes later."""
-        key = (a.mb, a.chunk)
+        key = a.mb * self._chunk_count + a.chunk
         out = self._outputs.pop(key)
         if a.chunk == self._loss_chunk:
             grad = self._loss_grad if self._loss_grad is not None else self._first_loss_grad(out)
@@ -709,7 +726,7 @@ class PipelineExecutor:
     def _backward_weight(self, a: Action) -> None:
         """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; a
         chunk's last W reports each finished weight to the data-parallel reduction."""
-        backward_weight(self._pending_w.pop((a.mb, a.chunk)),
+        backward_weight(self._pending_w.pop(a.mb * self._chunk_count + a.chunk),
                         getattr(self._grad_sync, "grads_ready", None)
                         if self._step_index in self._report_at else None)  # `_ready`
 
@@ -774,28 +791,30 @@ def trace_events(steps: tuple, hooks: frozenset = frozenset()) -> tuple:
     return tuple(events), tuple(at), n + 3
 
 
-def walk_of(steps: tuple, hooks: frozenset = frozenset()) -> tuple:
+def walk_of(steps: tuple, hooks: frozenset = frozenset(),
+            reports: frozenset = frozenset()) -> tuple:
     """`StepPlan.walk` of the planned `steps` (their stamps set): per compute, (the group before
     it as the walk issues it, or None; the compute's `PlannedCompute` fields but its key;
-    whether `grad_sync` may be called before it (`hooks`)); a group no compute follows gets an
+    whether `grad_sync` may be called before it (`hooks`); whether it reports finished weights
+    (`reports`: `StepPlan.report_at`)); a group no compute follows gets an
     entry of its own with no compute (kind None). A group as the walk issues it: (its ops, what
     `p2p.issue` takes for it where that is the same every step (receives only, none posted
-    ahead) or None, its status text and that encoded, the (mb, chunk) of the activations it
+    ahead) or None, its status text and that encoded, the slots of the activations it
     sends, the index of the clock reading at its end or None, the `PlannedGroup`)."""
     walk, group = [], None
     for step in steps:
         if step.__class__ is PlannedGroup:
             if group is not None:
-                walk.append((group,) + (None,) * 9)
+                walk.append((group,) + (None,) * 10)
             group = (step.ops, step.received, step.doing, step.said, step.sent_acts, step.stamp,
                      step)
             continue
         index, action, kind, _, recv, hand_over, doing, said, stamp = step
         walk.append((group, index, action, kind, recv, hand_over, doing, said, stamp,
-                     index in hooks))
+                     index in hooks, index in reports))
         group = None
     if group is not None:
-        walk.append((group,) + (None,) * 9)
+        walk.append((group,) + (None,) * 10)
     return tuple(walk)
 
 

@@ -10,8 +10,9 @@ Messages go out in groups (`issue`), one ``dist.batch_isend_irecv`` each: an NCC
 GPUs, single isend / irecv calls on gloo. Which messages share a group and in what order is
 decided by `megapar.pipeline.messages` so that NCCL's rules hold; tags are not used (every
 message has tag 0), so gloo pairs a rank pair's messages in issue order exactly as NCCL does,
-and the CPU tests exercise the pairing the GPUs will see. Every group issued in a step is
-recorded in `issued` (as `nccl_rules.Op`s) for checking against NCCL's rules.
+and the CPU tests exercise the pairing the GPUs will see. Where `issued` is a list (a checker
+sets it: `certify`, the tests), every group issued in a step is recorded there (as
+`nccl_rules.Op`s) for checking against NCCL's rules; a training run records nothing.
 
 - a send's tensor and work are kept until the send is waited for: by `release()` as soon as the
   executor knows the peer has received it, or by `wait_sends()` at the end of the step (a buffer
@@ -55,12 +56,17 @@ class StageP2P:
         self.dtype = dtype
         self.wire_dtype = wire_dtype or dtype
         """The dtype messages travel in (`dtype` unless narrowed)."""
+        self.narrowed = self.wire_dtype != dtype
+        """Messages travel in a narrower dtype than the stage's (cast on send and receipt)."""
         self.bytes_sent = 0
         """Payload bytes this rank has sent (all steps)."""
         self.timeout_s = timeout_s or mesh.timeout_s
         """How long a message may take (default: the run's, `mesh.timeout_s`)."""
-        self.issued: list[list[Op]] = []
-        """The groups issued since the last `begin_step`, in order (global ranks as peers)."""
+        self.issued: list[list[Op]] | None = None
+        """When a list (set it to record): the groups issued since the last `begin_step`, in
+        order (global ranks as peers). None by default: a step's record holds an `Op` per
+        message and a list per group to the next step, objects the garbage collector then
+        finds alive and traverses again (at pp 16, m 256: 1,000-3,500 a step)."""
         self._sends: dict[tuple, tuple[int, torch.Tensor, object]] = {}
         self._recvs: dict[tuple, tuple[int, torch.Tensor, object]] = {}
         self._joined = False
@@ -75,7 +81,8 @@ class StageP2P:
         """Start a step's record of issued groups. On NCCL the first step also runs one
         collective over the pipeline group: NCCL needs every rank of a group in the group's
         first call of `batch_isend_irecv` (torch.distributed's documentation of it)."""
-        self.issued = []
+        if self.issued is not None:
+            self.issued = []
         if not self._joined and not _device.polls_host(self.mesh.device):
             flag = torch.zeros(1, device=self.mesh.device)
             _device.wait(dist.all_reduce(flag, group=self.mesh.pp_group, async_op=True),
@@ -89,11 +96,15 @@ class StageP2P:
         """Issue one group (a list or tuple, only read), in order. Each message is (key, tensor to send or None to receive,
         peer rank, message, label): a key is (action kind, mb, chunk), a message says what
         travels, the same on both sides (`nccl_rules.Op.message`), a label names it ("SA1")."""
-        ops, record, kept = [], [], []
+        ops, kept = [], []
+        record = [] if self.issued is not None else None
         for key, tensor, peer, message, label in group:
             if tensor is not None:
                 self._check(tensor, CARRIES[key[0]], key[1])
-                payload = tensor.detach().to(self.wire_dtype).contiguous()
+                payload = tensor.detach()  # `_check`: in the stage's dtype
+                if self.narrowed:
+                    payload = payload.to(self.wire_dtype)
+                payload = payload.contiguous()
                 self.bytes_sent += payload.numel() * payload.element_size()
                 ops.append(dist.P2POp(dist.isend, payload, peer, self.mesh.pp_group))
                 kept.append((self._sends, key, peer, payload))
@@ -101,14 +112,16 @@ class StageP2P:
                 payload = torch.empty(self.shape, dtype=self.wire_dtype, device=self.mesh.device)
                 ops.append(dist.P2POp(dist.irecv, payload, peer, self.mesh.pp_group))
                 kept.append((self._recvs, key, peer, payload))
-            record.append(Op(tensor is not None, peer, message, label,
-                             payload.numel() * payload.element_size()))
+            if record is not None:
+                record.append(Op(tensor is not None, peer, message, label,
+                                 payload.numel() * payload.element_size()))
         works = self.batch_isend_irecv(ops)
         if len(works) != len(ops):  # a coalesced group (NCCL): one work for all its messages
             works = works[-1:] * len(ops)
         for (where, key, peer, tensor), work in zip(kept, works):
             where[key] = (peer, tensor, work)
-        self.issued.append(record)
+        if record is not None:
+            self.issued.append(record)
 
     # waiting -------------------------------------------------------------------------------
     def wait_recv(self, key: tuple) -> torch.Tensor:
@@ -123,7 +136,7 @@ class StageP2P:
                 f"issued; the program is wrong")
         peer, buffer, work = entry
         self._wait(work, "receiving", key, peer)
-        return buffer.to(self.dtype)
+        return buffer.to(self.dtype) if self.narrowed else buffer
 
     def release(self, key: tuple) -> None:
         """Wait for one send that is known to have been received, and free its buffer (`key` =
