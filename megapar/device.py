@@ -7,6 +7,7 @@ backend is NCCL and each rank uses the GPU of its local rank; otherwise gloo on 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from datetime import timedelta
@@ -199,7 +200,20 @@ def polls_host(device: torch.device) -> bool:
     Decided by the device, not by the process group's backend name: a group the user made
     reads "undefined" or "cpu:gloo,cuda:nccl", and taking the gloo path on NCCL (host waits,
     receives posted ahead) breaks NCCL's issue order."""
+    return _polls_host(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _polls_host(device) -> bool:
+    """`polls_host`, worked out once per device (a `torch.device` or its name): a pipeline
+    step asks it for every message it waits for."""
     return torch.device(device).type != "cuda"
+
+
+@functools.lru_cache(maxsize=64)
+def _seconds(timeout_s: float) -> timedelta:
+    """`timeout_s` as the timedelta a gloo `work.wait` takes, made once per value."""
+    return timedelta(seconds=timeout_s)
 
 
 HOST_COPIES_ENV = "MEGAPAR_HOST_COPIES"
@@ -236,7 +250,7 @@ def wait(work, device: torch.device, timeout_s: float, what, error: type = Timeo
         work.wait()
         return
     try:
-        ok = work.wait(timeout=timedelta(seconds=timeout_s))
+        ok = work.wait(timeout=_seconds(timeout_s))
     except Exception as exc:  # gloo raises on timeout or when the peer's connection closes
         raise error(f"{_text(what)} did not complete within {timeout_s:g} s ({exc}){hint}") \
             from exc

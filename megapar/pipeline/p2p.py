@@ -58,6 +58,9 @@ class StageP2P:
         """The dtype messages travel in (`dtype` unless narrowed)."""
         self.narrowed = self.wire_dtype != dtype
         """Messages travel in a narrower dtype than the stage's (cast on send and receipt)."""
+        self.message_bytes = (torch.Size(self.shape).numel()
+                              * torch.empty((), dtype=self.wire_dtype).element_size())
+        """Bytes of one message's payload (every message has the same shape and dtype)."""
         self.bytes_sent = 0
         """Payload bytes this rank has sent (all steps)."""
         self.timeout_s = timeout_s or mesh.timeout_s
@@ -105,7 +108,7 @@ class StageP2P:
                 if self.narrowed:
                     payload = payload.to(self.wire_dtype)
                 payload = payload.contiguous()
-                self.bytes_sent += payload.numel() * payload.element_size()
+                self.bytes_sent += self.message_bytes
                 ops.append(dist.P2POp(dist.isend, payload, peer, self.mesh.pp_group))
                 kept.append((self._sends, key, peer, payload))
             else:
@@ -113,8 +116,7 @@ class StageP2P:
                 ops.append(dist.P2POp(dist.irecv, payload, peer, self.mesh.pp_group))
                 kept.append((self._recvs, key, peer, payload))
             if record is not None:
-                record.append(Op(tensor is not None, peer, message, label,
-                                 payload.numel() * payload.element_size()))
+                record.append(Op(tensor is not None, peer, message, label, self.message_bytes))
         works = self.batch_isend_irecv(ops)
         if len(works) != len(ops):  # a coalesced group (NCCL): one work for all its messages
             works = works[-1:] * len(ops)
@@ -187,7 +189,7 @@ class StageP2P:
             raise
 
     def _check(self, tensor: torch.Tensor, what: str, mb: int) -> None:
-        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
+        if tensor.shape != self.shape or tensor.dtype != self.dtype:  # a Size is a tuple
             raise ValueError(
                 f"rank {self.mesh.rank}: the {what} of micro-batch {mb} has shape "
                 f"{tuple(tensor.shape)} {tensor.dtype}, but the pipeline was set up for "
