@@ -289,7 +289,14 @@ def freed_outputs_worker():
 
     executor.after_group = checked_issue
     loss = executor.run(toy_batches(4))
-    return seen, float(loss)
+    return seen, float(loss), executor.p2p.issued
+
+
+def test_a_training_step_keeps_no_record_of_its_groups():
+    """Only a checker that asks (`StageP2P.issued = []`) gets the step's groups recorded; a
+    training step keeps no `Op` per message alive to the next step."""
+    for stage, (_, _, issued) in enumerate(run_local(freed_outputs_worker, 3)):
+        assert issued is None, stage
 
 
 def test_a_sent_output_is_freed_and_backward_still_runs():
@@ -297,9 +304,9 @@ def test_a_sent_output_is_freed_and_backward_still_runs():
     storage goes (the send holds its own reference until it completes); backward runs from the
     graph alone, with the same numbers (parity tests)."""
     results = run_local(freed_outputs_worker, 3)
-    for stage, (seen, _) in enumerate(results):
+    for stage, (seen, _, _) in enumerate(results):
         assert seen == ([(1, B * S * H)] * 4 if stage < 2 else []), (stage, seen)
-    assert len({loss for _, loss in results}) == 1
+    assert len({loss for _, loss, _ in results}) == 1
 
 
 def test_every_executor_of_a_stage_defers_weight_gradients():
