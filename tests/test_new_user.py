@@ -342,6 +342,18 @@ def test_model_config_typos_are_errors(content, message, texts, cache, tmp_path,
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_flag_typo_names_the_closest_flag(capsys):
+    from megapar.cli.bubble import main as bubble
+    with pytest.raises(SystemExit) as exit_:
+        train(["--max-step", "3", "--sed=1", "--tp", "2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert ("--max-step: did you mean --max-steps?; --sed: did you mean --seed?" in err), err
+    with pytest.raises(SystemExit):
+        bubble(["--pp", "2", "-m", "4", "--simulate", "--shedule", "zb-v"])
+    assert "--shedule: did you mean --schedule?" in capsys.readouterr().err
+
+
 def test_run_config_typo_is_an_error(texts, cache, tmp_path, capsys):
     run = tmp_path / "run.yaml"
     run.write_text("max_step: 3\nseq_len: 32\n")

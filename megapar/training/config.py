@@ -258,7 +258,22 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}{self._did_you_mean(message)} "
+                     f"(see {self.prog} --help)\n")
+
+    def _did_you_mean(self, message: str) -> str:
+        """For unknown flags, the closest known one of each (`--max-step`: `--max-steps`)."""
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return ""
+        known = sorted(o for o in self._option_string_actions if o.startswith("--"))
+        hints = []
+        for token in message[len(prefix):].split():
+            flag = token.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
+            if close:
+                hints.append(f"{flag}: did you mean {close[0]}?")
+        return "; " + "; ".join(hints) if hints else ""
 
 
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:

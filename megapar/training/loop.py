@@ -229,7 +229,8 @@ class Trainer:
         logger.message(f"megapar: {self.config.model_type} with {self.n_params:,} parameters"
                        f"{padding}, "
                        f"{mesh.layout}, global batch {cfg.global_batch_size} x {cfg.seq_len} "
-                       f"tokens, {self.sampler.micro_batches_per_rank} micro-batches per step")
+                       f"tokens, {self.sampler.micro_batches_per_rank} micro-batch"
+                       f"{'es' if self.sampler.micro_batches_per_rank != 1 else ''} per step")
         for note in self.notes:
             logger.message(note)
         history: list[dict] = []
