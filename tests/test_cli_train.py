@@ -92,6 +92,25 @@ def test_cli_3d_parity_2x2x2_equals_1x1x1(tmp_path, text, cache):
         assert abs(x - y) / abs(x) < 1e-5, (a, b)
 
 
+def test_cli_grad_norms_at_tp2_dp2_zero1_equal_1x1x1(tmp_path, text, cache):
+    """gpt2-tiny (the real GPT-2 vocabulary: a 3.2 M-element embedding) at the CLI's AdamW,
+    eps and clipping: tp 2 x dp 2 at ZeRO-1 logs one process's losses and gradient norms, within
+    1e-5 over 4 steps (a norm summed in one fp32 running sum drifts ~1e-4 apart by step 3)."""
+    common = ["--model", "gpt2-tiny", "--data", text, "--data-cache", cache, "--max-steps", "4",
+              *TINY]
+    serial, parallel = tmp_path / "serial.jsonl", tmp_path / "parallel.jsonl"
+    assert main([*common, "--log-json", str(serial)]) == 0
+    assert main([*common, "--tp", "2", "--dp", "2", "--zero", "1",
+                 "--log-json", str(parallel)]) == 0
+    a, b = ([json.loads(line) for line in log.read_text().splitlines()] for log in (serial,
+                                                                                   parallel))
+    assert len(a) == len(b) == 4
+    assert all(r["grad_norm"] > 1.0 for r in a[:2]), a  # clipping is active
+    for key in ("loss", "grad_norm"):
+        x, y = [r[key] for r in a], [r[key] for r in b]
+        assert all(abs(u - v) / abs(u) < 1e-5 for u, v in zip(x, y)), (key, x, y)
+
+
 @pytest.mark.parametrize("flags", [["--pp", "2", "--dp", "2", "--zero", "3"],
                                    ["--dp", "2", "--zero", "3", "--zero3-reduce", "micro-batch"]])
 def test_cli_zero3_equals_1x1x1(tmp_path, text, cache, flags):

@@ -9,6 +9,11 @@ The norm is the L2 norm of the whole model's gradient, each parameter counted on
   its gradient equals the embedding's, which the first stage counts;
 - the sum of squares is reduced over the model-parallel group (tp x pp). Gradients are already
   averaged over dp, so every dp replica computes the same norm and nothing crosses dp.
+
+Each rank's sum of squares (`sum_of_squares`) is accurate to fp32 rounding whatever the tensors'
+sizes, so a gradient has the same norm however a layout shards it: torch's CPU norm kernel adds a
+tensor's squares into one running fp32 sum (pytorch/pytorch#169237), whose error grows with the
+tensor's size, so a CPU tensor is normed in pieces of `CPU_NORM_PIECE` elements.
 """
 
 from __future__ import annotations
@@ -19,6 +24,25 @@ import torch
 from torch import nn
 
 from megapar.mesh import Mesh, all_reduce
+
+CPU_NORM_PIECE = 1 << 14
+"""Elements per piece of a CPU tensor whose norm `sum_of_squares` takes on its own (short
+enough for torch's CPU kernel to sum its squares to fp32 rounding)."""
+
+
+def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of every element of `tensors` (fp32, 0-d), from one foreach
+    norm over the tensors, each CPU tensor cut into pieces of at most `CPU_NORM_PIECE` elements
+    (views, no copy; CUDA reduces a whole tensor in a tree, to fp32 rounding, so its tensors go
+    whole). `tensors` must not be empty."""
+    pieces = []
+    for t in tensors:
+        t = t if t.dtype == torch.float32 else t.float()
+        if t.device.type == "cpu" and t.numel() > CPU_NORM_PIECE:
+            pieces.extend(t.reshape(-1).split(CPU_NORM_PIECE))
+        else:
+            pieces.append(t)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(pieces))).pow(2)
 
 
 def _counted(param: nn.Parameter, mesh: Mesh) -> bool:
@@ -32,9 +56,8 @@ def grad_norm(model: nn.Module, mesh: Mesh) -> float:
     """Global L2 norm of the gradient (collective over mesh.mp_group)."""
     grads = [p.grad.detach() for p in model.parameters()
              if p.grad is not None and _counted(p, mesh)]
-    if grads:  # foreach kernels: one norm per tensor, then the norm of the norms
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-        total = torch.linalg.vector_norm(torch.stack(norms)).pow(2)
+    if grads:
+        total = sum_of_squares(grads)
     else:
         total = torch.zeros((), dtype=torch.float32, device=mesh.device)
     all_reduce(total, mesh.mp_group)
@@ -45,7 +68,8 @@ def grad_norm(model: nn.Module, mesh: Mesh) -> float:
 def clip_grad_norm(model: nn.Module, mesh: Mesh, max_norm: float) -> float:
     """Scale every gradient so the global norm is at most max_norm; return the norm before.
 
-    Matches torch.nn.utils.clip_grad_norm_ on the serial model. max_norm <= 0 only reports.
+    Matches torch.nn.utils.clip_grad_norm_ on the serial model (closer to the exact norm where
+    torch's CPU norm of a long tensor is not). max_norm <= 0 only reports.
     """
     total = grad_norm(model, mesh)
     if max_norm > 0 and math.isfinite(total):

@@ -48,7 +48,7 @@ from torch import nn
 from megapar.data_parallel import shard_comm
 from megapar.data_parallel.buckets import slice_pieces
 from megapar.mesh import all_reduce, group_size
-from megapar.optim.clip import _counted
+from megapar.optim.clip import _counted, sum_of_squares
 from megapar.optim.optimizer import AdamWOptimizer, step_state
 
 
@@ -222,8 +222,7 @@ class ZeroOptimizer(AdamWOptimizer):
                    if _counted(p, mesh)]
         total = torch.zeros((), dtype=torch.float32, device=mesh.device)
         if counted:
-            norms = torch._foreach_norm([g.float() for g in counted])
-            total = torch.linalg.vector_norm(torch.stack(norms)).pow(2)
+            total = sum_of_squares(counted)
         all_reduce(total, mesh.mp_group)
         all_reduce(total, self.group)
         norm = math.sqrt(total.item())
