@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from megapar.context_parallel import method_for
 from megapar.pipeline.partition import chunk_specs
@@ -97,6 +98,11 @@ class Problem:
     """Host-device bandwidth per GPU, Gbit/s (offload's copies; PCIe 4.0 x16: about 200)."""
     zero3_persistence_threshold: int = 0
     """megapar-train's --zero3-persistence-threshold for ZeRO-3 layouts (0: none persist)."""
+
+    @cached_property
+    def config_json(self) -> str:
+        """The model config as canonical JSON (what `plan.state`'s cached functions take)."""
+        return json.dumps(self.config.to_dict(), sort_keys=True)
 
     @property
     def act_bytes(self) -> int:
@@ -237,7 +243,7 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
     head = mem.head_bytes(s, b, h, vocab_local, p.act_bytes,
                           whole_vocab=cfg.vocab_size if t == 1 else None, terms=terms)
     message = s * b * h * p.act_bytes / sp_t            # an activation or its gradient in flight
-    out, config_json = [], json.dumps(cfg.to_dict(), sort_keys=True)
+    out, config_json = [], p.config_json
     placement = placement_of(c.schedule)
     for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v, placement)):
         specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v, placement)
