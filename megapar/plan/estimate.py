@@ -80,8 +80,13 @@ class Problem:
     master_weights: str = "fp32"
     """fp32: megapar today (fp32 params + grads + Adam, 16 B/param); separate: 16-bit params +
     fp32 grads + fp32 master and moments (Megatron, 18 B/param)."""
-    fused_attention: bool = False
-    """Count a fused attention kernel's log-sum-exp instead of the a s^2 scores (the paper)."""
+    fused_attention: bool = True
+    """Count what torch's fused attention kernels keep, a log-sum-exp per head and token, not
+    the a s^2 scores: what megapar-train's `scaled_dot_product_attention` runs on GPUs (flash
+    or memory-efficient, attention dropout included) and on CPUs without attention dropout.
+    False: the scores, their softmax and dropout mask, as the unfused kernel keeps them (the
+    paper's count; megapar-train on a CPU with attention dropout). Context parallelism keeps a
+    log-sum-exp either way."""
     peak_tflops: float = 312.0
     """Peak dense TFLOP/s of one GPU in `precision` (A100: 312 bf16, 19.5 fp32)."""
     efficiency: float = 0.6
