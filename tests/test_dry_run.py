@@ -489,3 +489,30 @@ def test_plan_verify_lays_out_a_v_schedule_s_stages_in_the_v():
     result = verify_layout(problem, parse_candidate("tp=1,pp=2,mbs=1,schedule=zb-v,v=2,zero=1",
                                                     8))
     assert result.error == "" and result.ranks == 4 and result.differences == [], result
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "bert-tiny"])
+def test_plan_and_dry_run_report_the_same_activations_at_their_defaults(model, capsys):
+    """A user comparing `megapar-plan --explain` with `megapar-train --dry-run` of the same
+    layout, each with its default flags, reads the same activation bytes: both count a fused
+    attention kernel (no a*s^2 scores), what megapar-train runs on GPUs. The planner counted
+    the scores by default (gpt2-124m at pp 2: 221.96 MiB against the dry run's 177.10)."""
+    from megapar.cli.plan import main as plan_main
+
+    common = ["--model", model, "--seq-len", "64", "--global-batch-size", "8",
+              "--precision", "bf16"]
+    assert plan_main(common + ["--gpus", "2", "--explain", "tp=1,pp=2,mbs=2", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["fused_attention"] is True
+    rc, out, err = _train(common + ["--pp", "2", "--world-size", "2", "--micro-batch-size", "2",
+                                    "--dry-run", "--json"], capsys)
+    assert rc == 0, err
+    dry = {r["pp_rank"]: r["activations"] for r in map(json.loads, out.splitlines())}
+    gib = planned["memory_gib"]
+    assert round(gib["activations"] * 2 ** 30) == dry[gib["stage"]] > 0, (gib, dry)
+    # counting the scores is still there, and differs by them
+    assert plan_main(common + ["--gpus", "2", "--explain", "tp=1,pp=2,mbs=2", "--json",
+                               "--no-fused-attention"]) == 0
+    scores = json.loads(capsys.readouterr().out)
+    assert scores["fused_attention"] is False
+    assert scores["memory_gib"]["activations"] > gib["activations"]

@@ -278,7 +278,9 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
 
 
 def test_gpt3_175b_on_1024_a100s_at_tp8_pp16():
-    problem = Problem(GPT3, 1024, 8, 80, 1536, 2048, master_weights="separate")
+    # the paper's count: the a s^2 attention scores kept (an unfused kernel)
+    problem = Problem(GPT3, 1024, 8, 80, 1536, 2048, master_weights="separate",
+                      fused_attention=False)
     full = estimate(problem, Candidate(8, 16, 8, 1, "1f1b", 1, "full"))
     none = estimate(problem, Candidate(8, 16, 8, 1, "1f1b", 1, "none"))
     # stage 0 holds 16 micro-batches x (6 layers of the paper's per-layer activations, the
@@ -485,13 +487,21 @@ def test_zero_layout_strings_parse_and_are_checked():
 
 
 def test_gpt2_1_5b_fits_8_gpus_of_16_gib_with_zero3(capsys):
-    """Issue 30: without tp or pp, gpt2-1.5b at dp 8 fits 16 GiB with ZeRO-3 (and ZeRO-2) and
-    selective recomputation, not at ZeRO 0 / 1; the plan offers ZeRO-3, with its megapar-train
-    command. Without recomputation ZeRO-3 does not fit: ShardedParams holds the stage's full
-    fp32 gradient buffers (5.8 GiB) at the end of the backward."""
+    """Issue 30, counting the attention scores (`--no-fused-attention`): without tp or pp,
+    gpt2-1.5b at dp 8 fits 16 GiB with ZeRO-3 (and ZeRO-2) and selective recomputation, not at
+    ZeRO 0 / 1; the plan offers ZeRO-3, with its megapar-train command. Without recomputation
+    ZeRO-3 does not fit: ShardedParams holds the stage's full fp32 gradient buffers (5.8 GiB)
+    at the end of the backward. With a fused attention kernel (the default: no scores, what
+    megapar-train keeps on GPUs) no recomputation is needed from ZeRO-1 on."""
     base = ["--model", "gpt2-1.5b", "--gpus", "8", "--gpu-memory-gb", "16",
             "--global-batch-size", "64", "--seq-len", "1024", "--micro-batch-sizes", "1",
             "--schedules", "1f1b"]
+    code, out = _cli(capsys, *base, "--json", "--top", "500")
+    assert code == 0, out.err
+    fused = {r["spec"]: r["fits"] for r in json.loads(out.out)["layouts"]}
+    assert [fused[f"tp=1,pp=1,dp=8,mbs=1,schedule=1f1b,v=1,recompute=none,sp=0,zero={z}"]
+            for z in range(4)] == [False, True, True, True]
+    base.append("--no-fused-attention")
     code, out = _cli(capsys, *base, "--json", "--top", "500")
     assert code == 0, out.err
     rows = {(r["spec"]): r for r in json.loads(out.out)["layouts"]}

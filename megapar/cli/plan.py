@@ -40,7 +40,7 @@ from megapar.plan.layouts import (
     model_refusal,
 )
 from megapar.plan.params import model_params
-from megapar.plan.report import command, explain, row, runnable, table
+from megapar.plan.report import attention_note, command, explain, row, runnable, table
 from megapar.training.config import OneLineParser
 
 
@@ -58,8 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-weights", choices=["fp32", "separate"], default="fp32",
                    help="fp32: megapar today (fp32 params, grads, Adam: 16 B/param); separate: "
                         "16-bit params + fp32 grads, master and moments (Megatron: 18 B/param)")
-    p.add_argument("--fused-attention", action="store_true",
-                   help="a fused attention kernel keeps no a*s^2 scores (the paper counts them)")
+    p.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=True,
+                   help="count what a fused attention kernel keeps (a log-sum-exp, no a*s^2 "
+                        "scores): what megapar-train runs on GPUs and its --dry-run counts; "
+                        "--no-fused-attention counts the scores, softmax and dropout mask (the "
+                        "paper; megapar-train on a CPU with attention dropout)")
     p.add_argument("--peak-tflops", type=float, default=312.0, help="per GPU (A100 bf16: 312)")
     p.add_argument("--efficiency", type=float, default=0.6, help="share of peak matmuls reach")
     p.add_argument("--intra-node-gbps", type=float, default=2400.0, help="per GPU, Gbit/s")
@@ -188,10 +191,11 @@ def _explain(args, problem) -> int:
     e = estimate(problem, c)
     cmd, missing = command(e, problem, args.model)
     if args.json:
-        print(json.dumps({**row(e, problem.master_weights), "valid": True, "command": cmd},
-                         indent=1))
+        print(json.dumps({**row(e, problem.master_weights), "valid": True, "command": cmd,
+                          "fused_attention": problem.fused_attention}, indent=1))
         return 0
     print(explain(e))
+    print(attention_note(problem.fused_attention))
     print(f"command: {cmd}")
     for m in missing:
         print(f"  note: megapar-train cannot do this yet: {m}")
@@ -229,6 +233,7 @@ def main(argv=None) -> int:
                                       for e in estimates[:args.top]],
                           "valid": len(estimates), "rejected": len(rejected),
                           "rejected_reasons": reasons,
+                          "fused_attention": problem.fused_attention,
                           "command": cmd[0] if cmd else None,
                           "missing_in_megapar_train": cmd[1] if cmd else None}, indent=1))
         return 0 if best else 1
@@ -237,6 +242,7 @@ def main(argv=None) -> int:
           f"{problem.global_batch} x {problem.seq_len} tokens; {len(estimates)} valid layouts, "
           f"{len(rejected)} rejected")
     print(table(estimates[:args.top], problem.master_weights))
+    print(attention_note(problem.fused_attention))
     if not estimates:
         # what stops the layouts the model itself allows (tp dividing its heads, ...) is what
         # the user can change; the same reason for other sizes counts as one kind

@@ -120,5 +120,6 @@ def footer(seconds: float, ranks: int) -> str:
     return (f"communication: per step and group, the calls and the size of the tensors they "
             f"reduce, gather or send (an all-gather's output, a reduce-scatter's input)\n"
             f"not run: {NOT_RUN}\nactivations are modelled (megapar-plan's activation model at "
-            f"the schedule's in-flight peak); every other figure is the real code's tensors and "
+            f"the schedule's in-flight peak, with a fused attention kernel's log-sum-exp and no "
+            f"a*s^2 scores, as on GPUs and in megapar-plan by default); every other figure is the real code's tensors and "
             f"collectives\nrehearsed {ranks} rank{'s' if ranks > 1 else ''} in {seconds:.1f} s")

@@ -39,10 +39,10 @@ from megapar.pipeline.schedules import (
     Step,
     peer_of,
     placement_of,
-    schedule_actions,
+    stage_actions,
     virtual_stage,
 )
-from megapar.pipeline.simulate import Costs, simulate
+from megapar.pipeline.simulate import Costs, action_times
 
 FORWARD_KINDS = frozenset({"recv_act", "forward", "send_act"})
 """The actions an evaluation (forward-only) step keeps from the schedule."""
@@ -50,6 +50,8 @@ NOMINAL_COSTS = Costs(fwd_ms=1.0, bwd_ms=2.0)
 """The costs of the clock that orders messages (B and W take half a backward each)."""
 CONSUMERS = {"recv_act": ("forward",), "recv_grad": ("backward", "backward_input")}
 """The compute kinds that consume a received message of each kind."""
+CONSUMED = {compute: recv for recv, computes in CONSUMERS.items() for compute in computes}
+"""The receive kind each consuming compute kind consumes (`CONSUMERS` inverted)."""
 
 
 def consumes(compute: Action, recv: Action) -> bool:
@@ -71,25 +73,25 @@ def group_messages(schedules: list[list[Action]], placement: str = "loop") -> li
     """Every stage's program: its computes in `schedules` order, its messages in groups issued
     on the nominal clock (see the module docstring)."""
     pp = len(schedules)
-    timeline = simulate(schedules, NOMINAL_COSTS, placement)
-    times = [[] for _ in range(pp)]  # per stage, (start, end) of each action in program order
-    for event in timeline.events:
-        times[event.rank].append((event.start, event.end))
+    times = action_times(schedules, NOMINAL_COSTS, placement)  # per stage, (start, end) of each
+    ids = [[_message_id(stage, a, pp, placement) if a.kind in MESSAGE_KINDS else None
+            for a in actions] for stage, actions in enumerate(schedules)]
     sent_at = {}
     for stage, actions in enumerate(schedules):
-        for a, (_, end) in zip(actions, times[stage]):
+        for a, (_, end), message in zip(actions, times[stage], ids[stage]):
             if a.kind.startswith("send"):
-                sent_at[_message_id(stage, a, pp, placement)] = end
+                sent_at[message] = end
     programs = []
     for stage, actions in enumerate(schedules):
         keyed = []  # (time, 0 = message / 1 = compute, program index, action)
-        for i, (a, (start, _)) in enumerate(zip(actions, times[stage])):
-            if a.kind in MESSAGE_KINDS:
-                keyed.append((sent_at[_message_id(stage, a, pp, placement)], 0, i, a))
+        for i, (a, (start, _), message) in enumerate(zip(actions, times[stage], ids[stage])):
+            if message is not None:
+                keyed.append((sent_at[message], 0, i, a))
             else:
                 keyed.append((start, 1, i, a))
         program, group = [], []
-        for _, is_compute, _, a in sorted(keyed, key=lambda k: k[:3]):
+        keyed.sort()  # by (time, message before compute, program index): indices are unique
+        for _, is_compute, _, a in keyed:
             if not is_compute:
                 group.append(a)
                 continue
@@ -108,7 +110,7 @@ def programs(name: str, pp: int, m: int, virtual_stages: int = 1,
              forward_only: bool = False) -> tuple[tuple[Step, ...], ...]:
     """The program of every stage for schedule `name` (cached: every rank computes all stages').
     `forward_only`: an evaluation step (the schedule's forwards and their messages)."""
-    schedules = [schedule_actions(name, pp, m, stage, virtual_stages) for stage in range(pp)]
+    schedules = stage_actions(name, pp, m, virtual_stages)
     if forward_only:
         schedules = [[a for a in s if a.kind in FORWARD_KINDS] for s in schedules]
     return tuple(tuple(p) for p in group_messages(schedules, placement_of(name)))
@@ -179,25 +181,41 @@ def held(programs_: tuple, stage: int, placement: str = "loop") -> frozenset:
     received (`acknowledgements`). A sent output's storage is the send's (the executor frees
     the output itself), so the peak of activations is max(counts . chunk bytes + buffers x
     message bytes) over these."""
+    return held_stages(programs_, placement, (stage,))[0]
+
+
+def held_stages(programs_: tuple, placement: str = "loop", stages=None) -> list[frozenset]:
+    """`held` of each of `stages` (default: every stage), sharing the work they have in
+    common."""
     pp = len(programs_)
     chunks = 1 + max((a.chunk for p in programs_ for step in p
                       for a in (step.messages if isinstance(step, MessageGroup) else (step,))),
                      default=0)
+    known = {}
 
-    def peer(rank, a):
-        return peer_of(rank, a, pp, chunks, placement)
+    def peer(rank, a):  # `peer_of`, which depends on the rank, the kind and the chunk only
+        key = (rank, a.kind, a.chunk)
+        if key not in known:
+            known[key] = peer_of(rank, a, pp, chunks, placement)
+        return known[key]
 
-    acks = acknowledgements(programs_, stage, peer) if pp > 1 else {}
+    return [_held(programs_, stage, chunks, peer)
+            for stage in (range(pp) if stages is None else stages)]
+
+
+def _held(programs_: tuple, stage: int, chunks: int, peer) -> frozenset:
+    """`held` of one stage, `chunks` per rank, `peer(rank, action)` as `peer_of`."""
+    acks = acknowledgements(programs_, stage, peer) if len(programs_) > 1 else {}
     counts, buffers, seen = [0] * chunks, set(), set()
     for step in programs_[stage]:
         if isinstance(step, MessageGroup):
             buffers |= {(a.kind, a.mb, a.chunk) for a in step.messages}
         else:
-            for kind in ("recv_act", "recv_grad"):
-                key = (kind, step.mb, step.chunk)
-                if key in buffers and consumes(step, Action(kind, step.mb, step.chunk)):
-                    buffers.discard(key)
-                    buffers -= set(acks.get(key, ()))
+            consumed = CONSUMED.get(step.kind)  # the receive this compute consumes, if any
+            key = (consumed, step.mb, step.chunk)
+            if key in buffers:
+                buffers.discard(key)
+                buffers.difference_update(acks.get(key, ()))
             if step.kind == "forward":
                 counts[step.chunk] += 1
             elif step.kind in ("backward", "backward_input"):

@@ -10,6 +10,7 @@ layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from megapar.mesh import LayoutError, Mesh
@@ -56,6 +57,13 @@ def partition_layers(num_layers: int, pp: int,
     return ranges
 
 
+@lru_cache(maxsize=1024)
+def _even_cut(num_layers: int, pp: int) -> tuple[range, ...]:
+    """`partition_layers` without explicit counts, cached (the planner asks for each stage's
+    chunks of thousands of layouts)."""
+    return tuple(partition_layers(num_layers, pp))
+
+
 def stage_spec(num_layers: int, pp: int, stage: int,
                layers_per_stage: Sequence[int] | None = None) -> StageSpec:
     """The StageSpec of pipeline rank `stage`."""
@@ -76,7 +84,7 @@ def chunk_specs(num_layers: int, pp: int, stage: int, virtual_stages: int,
         raise LayoutError(f"{num_layers} layers cannot be cut into --pp {pp} x --virtual-stages "
                           f"{virtual_stages} = {total} model chunks (each needs at least one "
                           f"layer); lower --virtual-stages or --pp")
-    ranges = partition_layers(num_layers, total)
+    ranges = _even_cut(num_layers, total)
     specs = []
     for chunk in range(virtual_stages):
         vs = virtual_stage(stage, chunk, pp, placement)

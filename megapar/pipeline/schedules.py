@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from megapar.pipeline.timeline import short_label
 
@@ -225,21 +226,23 @@ def _with_comms(compute: list[Action], pp: int, stage: int, num_chunks: int,
     def remote(vs):  # a neighbour on another rank (the V's turn is on this one: in memory)
         return 0 <= vs <= last and stage_location(vs, pp, placement)[0] != stage
 
+    around = {}  # (kind, chunk) -> (receive before, send after), each None when in memory
+    for chunk in {a.chunk for a in compute}:
+        vs = virtual_stage(stage, chunk, pp, placement)
+        for kind, before, after in (("forward", "recv_act", "send_act"),
+                                    ("backward", "recv_grad", "send_grad"),
+                                    ("backward_input", "recv_grad", "send_grad")):
+            step = 1 if kind == "forward" else -1
+            around[kind, chunk] = (before if remote(vs - step) else None,
+                                   after if remote(vs + step) else None)
     out = []
     for a in compute:
-        vs = virtual_stage(stage, a.chunk, pp, placement)
-        if a.kind == "forward":
-            before, after = ("recv_act", remote(vs - 1)), ("send_act", remote(vs + 1))
-        elif a.kind in ("backward", "backward_input"):
-            before, after = ("recv_grad", remote(vs + 1)), ("send_grad", remote(vs - 1))
-        else:
-            out.append(a)
-            continue
-        if before[1]:
-            out.append(Action(before[0], a.mb, a.chunk))
+        before, after = around.get((a.kind, a.chunk), (None, None))
+        if before:
+            out.append(Action(before, a.mb, a.chunk))
         out.append(a)
-        if after[1]:
-            out.append(Action(after[0], a.mb, a.chunk))
+        if after:
+            out.append(Action(after, a.mb, a.chunk))
     return out
 
 
@@ -498,6 +501,10 @@ SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
 }
 """Schedule functions by name (what `--schedule` accepts)."""
 
+SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v", "dualpipev"})
+"""Schedules that split every backward into B (``backward_input``) and W
+(``backward_weight``): every stage has a W for each micro-batch, whatever the size."""
+
 CHUNKED_SCHEDULES = {"interleaved": "loop", "zb-v": "v", "dualpipev": "v"}
 """Schedules running several model chunks per rank, with their chunk placement: "loop" ones
 take `virtual_stages` chunks, "v" ones exactly two (`chunks_per_rank`)."""
@@ -530,6 +537,15 @@ def schedule_actions(name: str, pp: int, m: int, stage: int,
     if placement_of(name) == "loop" and name in CHUNKED_SCHEDULES:
         return fn(pp, m, stage, chunks)
     return fn(pp, m, stage)
+
+
+@lru_cache(maxsize=8)
+def stage_actions(name: str, pp: int, m: int,
+                  virtual_stages: int = 1) -> tuple[tuple[Action, ...], ...]:
+    """`schedule_actions` of every stage, as tuples, cached: the planner and the message
+    programs ask for the same lists several times per (schedule, pp, m, V)."""
+    return tuple(tuple(schedule_actions(name, pp, m, stage, virtual_stages))
+                 for stage in range(pp))
 
 
 def placement_of(name: str) -> str:

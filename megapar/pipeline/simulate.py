@@ -96,7 +96,7 @@ class _Simulator:
     """State of one simulation: program counters, clocks and in-flight messages."""
 
     def __init__(self, schedules: list[list[Action]], costs: Costs | list[Costs],
-                 placement: str = "loop"):
+                 placement: str = "loop", events: bool = True):
         self.schedules = schedules
         self.pp = len(schedules)
         self.costs = list(costs) if isinstance(costs, (list, tuple)) else [costs] * self.pp
@@ -104,17 +104,27 @@ class _Simulator:
             raise ValueError(f"{len(self.costs)} per-stage costs for {self.pp} stages")
         self.chunks = 1 + max((a.chunk for acts in schedules for a in acts), default=0)
         self.placement = placement
+        # Each action's channel and duration, worked out once per (stage, kind, chunk): they
+        # depend on nothing else.
+        self.channels, self.durations = [], []
+        for stage, (actions, cost) in enumerate(zip(schedules, self.costs)):
+            known = {}
+            for a in actions:
+                if (a.kind, a.chunk) not in known:
+                    known[a.kind, a.chunk] = (self.channel(stage, a), cost.duration_ms(a.kind))
+            self.channels.append([known[a.kind, a.chunk][0] for a in actions])
+            self.durations.append([known[a.kind, a.chunk][1] for a in actions])
         self.pc = [0] * self.pp
         self.clock_ms = [0.0] * self.pp
         self.sent: dict[Channel, list[tuple[Action, float]]] = {}
         self.received: dict[Channel, int] = {}
-        self.events: list[Event] = []
+        self.times: list[list[tuple[float, float]]] = [[] for _ in range(self.pp)]
+        self.events: list[Event] | None = [] if events else None
 
     def check_peers(self) -> None:
         """Every send and receive must name a stage that exists."""
         for stage, actions in enumerate(self.schedules):
-            for action in actions:
-                channel = self.channel(stage, action)
+            for action, channel in zip(actions, self.channels[stage]):
                 if channel is None:
                     continue
                 peer = channel[0] if channel[1] == stage else channel[1]
@@ -131,32 +141,39 @@ class _Simulator:
     def next_action(self, stage: int) -> Action:
         return self.schedules[stage][self.pc[stage]]
 
-    def try_step(self, stage: int) -> bool:
-        """Execute the stage's next action if it can complete; False if blocked in a receive."""
-        action = self.next_action(stage)
-        start = self.clock_ms[stage]
-        channel = self.channel(stage, action)
-        if action.kind.startswith("recv"):
-            queue, index = self.sent.get(channel, []), self.received.get(channel, 0)
-            if index >= len(queue):
-                return False
-            sent_action, arrival = queue[index]
-            if sent_action.mb != action.mb:
-                raise CommMismatchError(
-                    f"order mismatch on channel stage {channel[0]} -> stage {channel[1]} "
-                    f"({channel[2]}): message #{index} is {sent_action} but stage {stage} "
-                    f"receives {action}")
-            self.received[channel] = index + 1
-            end = max(start, arrival)
-        else:
-            cost = self.costs[stage]
-            end = start + cost.duration_ms(action.kind)
-            if channel is not None:
-                self.sent.setdefault(channel, []).append((action, end + cost.p2p_ms))
-        self.events.append(Event(stage, action.kind, action.mb, start / 1e3, end / 1e3, action.chunk))
-        self.clock_ms[stage] = end
-        self.pc[stage] += 1
-        return True
+    def advance(self, stage: int) -> bool:
+        """Execute the stage's actions in order until one blocks in a receive whose message has
+        not been sent yet, or the program ends; whether any action ran."""
+        actions, channels, durations = (self.schedules[stage], self.channels[stage],
+                                        self.durations[stage])
+        times, events = self.times[stage], self.events
+        first = pc = self.pc[stage]
+        clock, p2p_ms = self.clock_ms[stage], self.costs[stage].p2p_ms
+        while pc < len(actions):
+            action, channel, start = actions[pc], channels[pc], clock
+            if action.kind.startswith("recv"):
+                queue, index = self.sent.get(channel, ()), self.received.get(channel, 0)
+                if index >= len(queue):
+                    break
+                sent_action, arrival = queue[index]
+                if sent_action.mb != action.mb:
+                    raise CommMismatchError(
+                        f"order mismatch on channel stage {channel[0]} -> stage {channel[1]} "
+                        f"({channel[2]}): message #{index} is {sent_action} but stage {stage} "
+                        f"receives {action}")
+                self.received[channel] = index + 1
+                clock = max(start, arrival)
+            else:
+                clock = start + durations[pc]
+                if channel is not None:
+                    self.sent.setdefault(channel, []).append((action, clock + p2p_ms))
+            times.append((start / 1e3, clock / 1e3))
+            if events is not None:
+                events.append(Event(stage, action.kind, action.mb, start / 1e3, clock / 1e3,
+                                    action.chunk))
+            pc += 1
+        self.pc[stage], self.clock_ms[stage] = pc, clock
+        return pc > first
 
     def stuck_error(self) -> ScheduleError:
         """The error to raise when no stage can advance."""
@@ -183,17 +200,17 @@ class _Simulator:
                     f"stage {src} sent {len(queue)} {what} messages to stage {dst}, which "
                     f"received only {received}; never received: {extra}")
 
-    def run(self) -> Timeline:
+    def run(self) -> Timeline | None:
+        """The step's `Timeline` (None when built without events: see `times`)."""
         self.check_peers()
         while not all(self.done(s) for s in range(self.pp)):
             progressed = False
             for stage in range(self.pp):
-                while not self.done(stage) and self.try_step(stage):
-                    progressed = True
+                progressed = self.advance(stage) or progressed
             if not progressed:
                 raise self.stuck_error()
         self.check_all_received()
-        return Timeline(self.events)
+        return None if self.events is None else Timeline(self.events)
 
 
 def simulate(schedules: list[list[Action]], costs: Costs | list[Costs] | None = None,
@@ -206,6 +223,17 @@ def simulate(schedules: list[list[Action]], costs: Costs | list[Costs] | None = 
     if not schedules:
         raise ValueError("simulate needs at least one stage's schedule")
     return _Simulator(schedules, costs or Costs(), placement).run()
+
+
+def action_times(schedules: list[list[Action]], costs: Costs | list[Costs] | None = None,
+                 placement: str = "loop") -> list[list[tuple[float, float]]]:
+    """`simulate` without the `Timeline`: each stage's (start, end) of every action, in
+    program order (seconds)."""
+    if not schedules:
+        raise ValueError("action_times needs at least one stage's schedule")
+    simulator = _Simulator(schedules, costs or Costs(), placement, events=False)
+    simulator.run()
+    return simulator.times
 
 
 def simulate_schedule(name: str, pp: int, m: int, costs: Costs | list[Costs] | None = None,

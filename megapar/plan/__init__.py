@@ -7,6 +7,9 @@ published formula) for bubbles and in-flight micro-batches, `estimate.py` combin
 `report.py` ranks and prints. `megapar-plan` (megapar/cli/plan.py) is the command.
 """
 
+import gc
+from contextlib import contextmanager
+
 from megapar.plan.estimate import Estimate, Problem, estimate, stage_memory
 from megapar.plan.layouts import Candidate, check, enumerate_candidates, parse_candidate
 from megapar.plan.report import rank
@@ -24,9 +27,24 @@ def plan(problem: Problem, **space) -> tuple[list[Estimate], list]:
     """(every valid candidate's estimate, ranked; [(candidate, reason)] rejected). The leading
     `SIMULATED_LEADERS` have simulated bubbles, the rest their formula's."""
 
-    valid, rejected = enumerate_candidates(problem.config, problem.gpus, problem.gpus_per_node,
-                                           problem.global_batch, seq_len=problem.seq_len,
-                                           **space)
-    first = rank([estimate(problem, c, simulate=False) for c in valid])
-    leaders = [estimate(problem, e.candidate) for e in first[:SIMULATED_LEADERS]]
-    return rank(leaders + first[SIMULATED_LEADERS:]), rejected
+    with cycle_collection_paused():
+        valid, rejected = enumerate_candidates(problem.config, problem.gpus,
+                                               problem.gpus_per_node, problem.global_batch,
+                                               seq_len=problem.seq_len, **space)
+        first = rank([estimate(problem, c, simulate=False) for c in valid])
+        leaders = [estimate(problem, e.candidate) for e in first[:SIMULATED_LEADERS]]
+        return rank(leaders + first[SIMULATED_LEADERS:]), rejected
+
+
+@contextmanager
+def cycle_collection_paused():
+    """Python's cycle collector off inside: a plan makes millions of small objects without
+    cycles (actions, events, message programs; reference counting frees them), and the
+    collector's full passes over the ones the caches keep would cost as much as the planning."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

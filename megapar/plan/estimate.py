@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from megapar.context_parallel import method_for
 from megapar.pipeline.partition import chunk_specs
@@ -79,8 +80,13 @@ class Problem:
     master_weights: str = "fp32"
     """fp32: megapar today (fp32 params + grads + Adam, 16 B/param); separate: 16-bit params +
     fp32 grads + fp32 master and moments (Megatron, 18 B/param)."""
-    fused_attention: bool = False
-    """Count a fused attention kernel's log-sum-exp instead of the a s^2 scores (the paper)."""
+    fused_attention: bool = True
+    """Count what torch's fused attention kernels keep, a log-sum-exp per head and token, not
+    the a s^2 scores: what megapar-train's `scaled_dot_product_attention` runs on GPUs (flash
+    or memory-efficient, attention dropout included) and on CPUs without attention dropout.
+    False: the scores, their softmax and dropout mask, as the unfused kernel keeps them (the
+    paper's count; megapar-train on a CPU with attention dropout). Context parallelism keeps a
+    log-sum-exp either way."""
     peak_tflops: float = 312.0
     """Peak dense TFLOP/s of one GPU in `precision` (A100: 312 bf16, 19.5 fp32)."""
     efficiency: float = 0.6
@@ -97,6 +103,11 @@ class Problem:
     """Host-device bandwidth per GPU, Gbit/s (offload's copies; PCIe 4.0 x16: about 200)."""
     zero3_persistence_threshold: int = 0
     """megapar-train's --zero3-persistence-threshold for ZeRO-3 layouts (0: none persist)."""
+
+    @cached_property
+    def config_json(self) -> str:
+        """The model config as canonical JSON (what `plan.state`'s cached functions take)."""
+        return json.dumps(self.config.to_dict(), sort_keys=True)
 
     @property
     def act_bytes(self) -> int:
@@ -237,7 +248,7 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
     head = mem.head_bytes(s, b, h, vocab_local, p.act_bytes,
                           whole_vocab=cfg.vocab_size if t == 1 else None, terms=terms)
     message = s * b * h * p.act_bytes / sp_t            # an activation or its gradient in flight
-    out, config_json = [], json.dumps(cfg.to_dict(), sort_keys=True)
+    out, config_json = [], p.config_json
     placement = placement_of(c.schedule)
     for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v, placement)):
         specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v, placement)

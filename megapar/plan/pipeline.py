@@ -6,9 +6,12 @@ count is read off the actions (`in_flight_peak`). A schedule the planner models 
 not implement yet falls back to its published formula. Every result says which was used
 ("simulated" or "formula"), so a plan never passes a formula off as a simulation.
 
-Chunked schedules (interleaved 1F1B) are called through `schedule_actions(name, pp, m, stage, v)`
-when the schedules module provides it; zero-bubble schedules split the backward into B and W,
-timed with the simulator's `bwd_input_ms` / `bwd_weight_ms` when its `Costs` has them.
+Every stage's action list comes from `schedules.stage_actions(name, pp, m, v)` (cached: the
+bubble, the in-flight counts and the message programs of one candidate share it); zero-bubble
+schedules split the backward into B and W, timed with the simulator's `bwd_input_ms` /
+`bwd_weight_ms` when its `Costs` has them. What a stage holds is computed for all stages of a
+(schedule, pp, m, v) at once and cached, so candidates that differ only in their memory options
+(recompute, sp, ZeRO, offload, micro-batch size at the same m) share it.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ MAX_SIMULATED_ACTIONS = 4096
 Python)."""
 MAX_HELD_FORWARDS = 16384
 """Up to pp x m x v this many forwards, what a stage holds is read off the programs the
-executor runs (`messages.held`, what the dry run counts): 1.5-2.5 s per (schedule, pp, m, v),
-all stages, at the bound here (16 x 256 x 4, 8 x 1024 x 2; 1 s at 16 x 96 x 4); above, off each
-stage's own action list (`order_held`), an estimate."""
+executor runs (`messages.held`, what the dry run counts; its cost at the bound:
+docs/performance.md, "The planner's speed"); above, off each stage's own action list
+(`order_held`), an estimate."""
 
 
 def _registered(name: str) -> bool:
@@ -42,11 +45,7 @@ def _actions(name: str, pp: int, m: int, stage: int, v: int):
 
     if not _registered(name):
         return None
-    if hasattr(schedules, "schedule_actions"):
-        return schedules.schedule_actions(name, pp, m, stage, v)
-    if v != 1:
-        return None
-    return schedules.SCHEDULES[name](pp, m, stage)
+    return schedules.stage_actions(name, pp, m, v)[stage]
 
 
 def formula_bubble(name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0,
@@ -111,7 +110,13 @@ def stage_held(name: str, pp: int, m: int, v: int, stage: int):
         return None
     if not held_is_exact(pp, m, v):
         return order_held(name, pp, m, v, stage)
-    return messages.held(messages.programs(name, pp, m, v), stage, placement_of(name))
+    return _held_exact(name, pp, m, v)[stage]
+
+
+@lru_cache(maxsize=64)
+def _held_exact(name: str, pp: int, m: int, v: int) -> tuple[frozenset, ...]:
+    """`messages.held` of every stage's program (computed together: they share work)."""
+    return tuple(messages.held_stages(messages.programs(name, pp, m, v), placement_of(name)))
 
 
 def held_is_exact(pp: int, m: int, v: int) -> bool:
@@ -128,7 +133,7 @@ def order_held(name: str, pp: int, m: int, v: int, stage: int) -> frozenset:
     and also holds the receives it posts ahead). On 108 GPT-3 175B layouts small enough to
     compare, the most loaded stage's activations came out 1 % below to 8 % above the executor's
     count."""
-    actions = schedules.schedule_actions(name, pp, m, stage, v)
+    actions = schedules.stage_actions(name, pp, m, v)[stage]
     placement = placement_of(name)
     sends = [sched.virtual_stage(stage, c, pp, placement) < pp * v - 1 for c in range(v)]
     counts, seen = [0] * v, set()

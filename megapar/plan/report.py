@@ -123,6 +123,17 @@ def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
     return "\n".join(lines)
 
 
+def attention_note(fused: bool) -> str:
+    """The line that says how a plan counts attention's activations (`Problem.fused_attention`)."""
+    if fused:
+        return ("attention: a fused kernel's log-sum-exp counted, no a*s^2 scores (what "
+                "megapar-train's scaled_dot_product_attention keeps on GPUs; megapar-train "
+                "--dry-run counts the same); --no-fused-attention counts the scores")
+    return ("attention: the a*s^2 scores counted with their softmax and dropout mask (the "
+            "unfused kernel: megapar-train on a CPU with attention dropout; on GPUs it runs a "
+            "fused kernel, which keeps none), except under context parallelism")
+
+
 def explain(e: Estimate) -> str:
     """Memory and time breakdown of one estimate."""
     g = e.memory.as_gib()

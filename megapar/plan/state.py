@@ -33,7 +33,7 @@ import numpy as np
 from megapar.data_parallel.buckets import bucket_layout, slice_pieces
 from megapar.data_parallel.sharded_params import ShardedParams
 from megapar.models.config import config_from_dict
-from megapar.pipeline.schedules import schedule_actions
+from megapar.pipeline.schedules import SPLIT_BACKWARD
 from megapar.plan.params import UnitSpec, stage_tensors, stage_units
 
 ADAM_MOMENTS = 2
@@ -104,13 +104,13 @@ def whole_grads(schedule: str, pp: int, m: int, v: int, reduce: str = "step") ->
     return (m > 1 and reduce == "step") or v > 1 or w_reported(schedule, pp, m, v)
 
 
-@lru_cache(maxsize=256)
 def w_reported(schedule: str, pp: int, m: int, v: int) -> bool:
     """Whether `schedule` computes weight gradients in W actions apart from B (ZB-H1, ZB-V,
-    DualPipeV): each chunk's last W reports them once a step, so a reduction per micro-batch
-    (ZeRO-2, ZeRO-3's --zero3-reduce micro-batch) of what holds them runs once a step, and
-    every bucket or unit after it in the launch order waits for it."""
-    return any(a.kind == "backward_weight" for a in schedule_actions(schedule, pp, m, 0, v))
+    DualPipeV: `SPLIT_BACKWARD`, at any pp, m and v): each chunk's last W reports them once a
+    step, so a reduction per micro-batch (ZeRO-2, ZeRO-3's --zero3-reduce micro-batch) of what
+    holds them runs once a step, and every bucket or unit after it in the launch order waits
+    for it."""
+    return schedule in SPLIT_BACKWARD
 
 
 def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: int,
@@ -239,27 +239,49 @@ def most_loaded(config_json: str, tp: int, pp: int, v: int, stage: int, dp: int,
     holds the padding, ranks whose slice starts inside a parameter hold one more piece): the
     one with the most optimizer bytes (with --offload-optimizer, optimizer and host copies)."""
 
-    config = config_from_dict(json.loads(config_json))
-    tensors, units, specs = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement,
-                                    offload.persist_below)
+    tensors, units, specs, stepped, steps = _slice_loads(config_json, tp, pp, v, stage, dp,
+                                                         zero, bucket_mb, placement,
+                                                         offload.persist_below)
     if not units:
+        config = config_from_dict(json.loads(config_json))
         return rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement, offload)
-    ranks = _candidate_ranks(tensors, units, dp)
-    stepped = np.zeros(len(ranks), dtype=np.int64)
-    steps = np.zeros(len(ranks), dtype=np.int64)
-    for idx, padded in units:
-        size, itemsize = padded // dp, tensors[idx[0]].dtype.itemsize
-        ends = np.cumsum([tensors[i].numel for i in idx])
-        lo, hi = ranks * size, np.minimum((ranks + 1) * size, ends[-1])
-        real = np.maximum(hi - lo, 0)
-        first = np.searchsorted(ends, lo, side="right")
-        last = np.searchsorted(ends, np.maximum(hi - 1, 0), side="right")
-        stepped += real * itemsize
-        steps += np.where(real > 0, last - first + 1, 0)
     held = (ADAM_MOMENTS + (2 if offload.optimizer else 0)) * stepped + STEP_BYTES * steps
     worst = int(np.argmax(held))
     return _finish(tensors, units, specs, dp, zero, int(stepped[worst]), int(steps[worst]),
                    offload, pp)
+
+
+@lru_cache(maxsize=1024)
+def _slice_loads(config_json: str, tp: int, pp: int, v: int, stage: int, dp: int, zero: int,
+                 bucket_mb: float, placement: str, persist_below: int):
+    """`_layout`'s (tensors, units, specs) and, for each of `_candidate_ranks`, the bytes it
+    steps and its pieces (numpy arrays, read-only), over every unit at once: a rank's slice of
+    unit u is [rank x size_u, (rank + 1) x size_u) clipped to the unit's real elements, its
+    pieces the parameters that slice meets (found in the stage's running sum of sizes)."""
+    config = config_from_dict(json.loads(config_json))
+    tensors, units, specs = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement,
+                                    persist_below)
+    if not units:
+        return tensors, units, specs, None, None
+    ranks = _candidate_ranks(tensors, units, dp)
+    numels = [tensors[i].numel for idx, _ in units for i in idx]
+    ends = np.cumsum(numels, dtype=np.int64)          # every unit's parameters, one after another
+    last = np.cumsum([len(idx) for idx, _ in units]) - 1   # each unit's last index into `ends`
+    base = (ends[last] - np.array([sum(tensors[i].numel for i in idx) for idx, _ in units],
+                                  dtype=np.int64))[:, None]  # where each unit starts
+    size = np.array([padded // dp for _, padded in units], dtype=np.int64)[:, None]
+    itemsize = np.array([tensors[idx[0]].dtype.itemsize for idx, _ in units],
+                        dtype=np.int64)[:, None]
+    lo = base + ranks[None, :] * size                 # unit x rank, in the running sum
+    hi = np.minimum(lo + size, ends[last][:, None])
+    real = np.maximum(hi - lo, 0)
+    pieces = np.searchsorted(ends, np.maximum(hi - 1, lo), side="right") \
+        - np.searchsorted(ends, lo, side="right") + 1
+    stepped = (real * itemsize).sum(axis=0)
+    steps = np.where(real > 0, pieces, 0).sum(axis=0)
+    stepped.setflags(write=False)
+    steps.setflags(write=False)
+    return tensors, units, specs, stepped, steps
 
 
 def _candidate_ranks(tensors, buckets, dp: int) -> np.ndarray:

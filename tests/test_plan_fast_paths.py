@@ -1,0 +1,102 @@
+"""The planner's fast paths against the slow definitions they replace: each must give the same
+result exactly, over a grid (megapar-plan's output is byte-identical with and without them)."""
+
+import json
+
+import pytest
+
+from megapar.models.recipes import resolve_model
+from megapar.pipeline import messages
+from megapar.pipeline.schedules import (
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    placement_of,
+    schedule_actions,
+    stage_actions,
+)
+from megapar.pipeline.simulate import Costs, action_times, simulate
+from megapar.plan import pipeline
+from megapar.plan.state import Offload, most_loaded, rank_state, w_reported
+
+
+def _sizes(name):
+    """(pp, m, v) of a grid over every schedule, small and uneven sizes included."""
+    vs = (2, 3) if name == "interleaved" else (2,) if placement_of(name) == "v" else (1,)
+    for pp in (1, 2, 3, 4):
+        for m in (1, 2, 3, 5, 8, 9, 12):
+            for v in vs:
+                try:
+                    schedule_actions(name, pp, m, 0, v)
+                except ValueError:
+                    continue
+                yield pp, m, v
+
+
+GRID = [(name, *size) for name in SCHEDULES for size in _sizes(name)]
+
+
+def test_the_grid_covers_every_schedule():
+    assert {name for name, *_ in GRID} == set(SCHEDULES) and len(GRID) > 150
+
+
+def test_split_backward_is_exactly_the_schedules_with_w_actions():
+    """`w_reported` answers from `SPLIT_BACKWARD` without building the schedule: the same
+    answer as reading every stage's actions."""
+    for name, pp, m, v in GRID:
+        for stage in range(pp):
+            has_w = any(a.kind == "backward_weight"
+                        for a in schedule_actions(name, pp, m, stage, v))
+            assert has_w == (name in SPLIT_BACKWARD) == w_reported(name, pp, m, v), \
+                (name, pp, m, v, stage)
+
+
+def test_stage_actions_are_every_stage_s_schedule():
+    for name, pp, m, v in GRID:
+        assert stage_actions(name, pp, m, v) == tuple(
+            tuple(schedule_actions(name, pp, m, s, v)) for s in range(pp))
+
+
+def test_action_times_are_the_timeline_s_times():
+    """`action_times` (no `Event`s) gives each stage's event times in program order, for equal
+    and per-stage costs with latency."""
+    for name, pp, m, v in GRID:
+        schedules = [schedule_actions(name, pp, m, s, v) for s in range(pp)]
+        for costs in (Costs(), [Costs(fwd_ms=1 + 0.1 * s, bwd_ms=2.3, p2p_ms=0.07 * s,
+                                      send_ms=0.01, bwd_input_ms=1.1) for s in range(pp)]):
+            timeline = simulate(schedules, costs, placement_of(name))
+            times = action_times(schedules, costs, placement_of(name))
+            for stage in range(pp):
+                events = [(e.start, e.end) for e in timeline.events if e.rank == stage]
+                assert times[stage] == events and len(events) == len(schedules[stage])
+
+
+def test_held_stages_is_held_of_each_stage():
+    for name, pp, m, v in GRID:
+        programs = messages.programs(name, pp, m, v)
+        together = messages.held_stages(programs, placement_of(name))
+        assert together == [messages.held(programs, s, placement_of(name)) for s in range(pp)]
+        assert [pipeline.stage_held(name, pp, m, v, s) for s in range(pp)] == together
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
+def test_most_loaded_is_the_worst_of_every_dp_rank(model):
+    """The vectorised `most_loaded` (candidate ranks, all units at once) against every dp
+    rank's `rank_state` one by one: the most optimizer bytes (with offload, plus the host
+    copies), equal in every field."""
+    config = resolve_model(model)
+    config_json = json.dumps(config.to_dict(), sort_keys=True)
+    for tp, pp, v in ((1, 1, 1), (1, 2, 1), (2, 2, 2)):
+        for dp in (2, 3, 7, 16):
+            for zero in (1, 2, 3):
+                for offload in (Offload(), Offload(optimizer=True),
+                                Offload(True, True, persist_below=300, whole_grads=False,
+                                        micro_batches=4)):
+                    if offload.params and zero < 3:
+                        continue
+                    for stage in range(pp):
+                        states = [rank_state(config, tp, pp, v, stage, dp, r, zero, 0.01,
+                                             "loop", offload) for r in range(dp)]
+                        worst = max(states, key=lambda x: x.optimizer + x.master)
+                        got = most_loaded(config_json, tp, pp, v, stage, dp, zero, 0.01,
+                                          "loop", offload)
+                        assert got == worst, (model, tp, pp, v, dp, zero, offload, stage)
