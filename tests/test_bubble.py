@@ -171,7 +171,8 @@ def test_show_schedule_prints_each_stage_program_with_its_message_groups(capsys)
     out = capsys.readouterr().out.splitlines()
     assert out[:2] == ["stage 0: F0 [SA0] F1 [SA1 RG0] B0 F2 [SA2 RG1] B1 [RG2] B2",
                        "stage 1: [RA0] F0 [RA1] B0 [SG0] F1 B1 [SG1 RA2] F2 B2 [SG2]"]
-    assert "checked against NCCL's rules" in out[2]
+    assert out[2].startswith("key: F3 = forward of micro-batch 3") and "SA / RA" in out[2]
+    assert "checked against NCCL's rules" in out[3]
 
 
 # new schedules ---------------------------------------------------------------------------------

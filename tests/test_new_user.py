@@ -354,6 +354,16 @@ def test_a_flag_typo_names_the_closest_flag(capsys):
     assert "--shedule: did you mean --schedule?" in capsys.readouterr().err
 
 
+def test_every_config_file_typo_is_named_at_once(tmp_path):
+    from megapar.training.config import ConfigError, read_run_config
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"seqlen": 32, "max_step": 4, "tp": 1}))
+    with pytest.raises(ConfigError) as err:
+        read_run_config(str(run))
+    assert ("unknown setting 'max_step'; did you mean 'max_steps'?; unknown setting 'seqlen'; "
+            "did you mean 'seq_len'?") in str(err.value)
+
+
 def test_run_config_typo_is_an_error(texts, cache, tmp_path, capsys):
     run = tmp_path / "run.yaml"
     run.write_text("max_step: 3\nseq_len: 32\n")

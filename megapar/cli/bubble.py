@@ -29,7 +29,12 @@ import sys
 
 from megapar.pipeline import certify, messages
 from megapar.pipeline import simulate as nccl_rules
-from megapar.pipeline.schedules import SCHEDULES, check_schedule, format_schedule
+from megapar.pipeline.schedules import (
+    SCHEDULES,
+    check_schedule,
+    chunks_per_rank,
+    format_schedule,
+)
 from megapar.pipeline.timeline import (
     format_bubble_table,
     plot_gantt,
@@ -252,6 +257,9 @@ def main(argv=None) -> int:
         for stage, program in enumerate(programs):
             print(f"stage {stage}: {format_schedule(program)}")
         nccl_rules.check_programs(programs, args.schedule)
+        print("key: F3 = forward of micro-batch 3, B = backward, BI / BW = its input / weight "
+              "halves, @1 = model chunk 1; SA / RA = send / receive an activation, SG / RG = a "
+              "gradient")
         print("each [...] is one batch_isend_irecv group (an NCCL group call); a compute waits "
               "only for the message it consumes; checked against NCCL's rules: no deadlock, "
               "every rank pair's messages pair in issue order")
@@ -268,6 +276,9 @@ def main(argv=None) -> int:
         fwd, bwd, p2p = args.fwd_ms, args.bwd_ms, args.p2p_ms or 0.0
         b_in, b_w = args.bwd_input_ms, args.bwd_weight_ms
         if fwd is None:  # measure the costs once on the real engine
+            print(f"measuring the forward and backward costs on this machine first (one step of "
+                  f"the real model at pp {pp}; --fwd-ms / --bwd-ms give them and skip this)",
+                  flush=True)
             costs = bubble.measure(pp, m, args.schedule, args.tp, args.model, 1,
                                    args.micro_batch_size, args.seq_len, v, args.cp).costs
             fwd, bwd, p2p = costs["fwd_ms"], costs["bwd_ms"], costs["p2p_ms"]
@@ -282,8 +293,10 @@ def main(argv=None) -> int:
         title = f"measured {name}, pp={pp}, m={m}" + (f", cp={args.cp}" if args.cp > 1 else "")
     print(title)
     print(format_bubble_table(run.stats, run.theoretical))
-    print(f"in-flight micro-batches per stage (peak{', counted per chunk' if v > 1 else ''}): "
-          f"{run.in_flight}")
+    chunks = chunks_per_rank(args.schedule, v)
+    unit = (f", counted per chunk: a rank holds {chunks}, each with 1 / {chunks} of its layers"
+            if chunks > 1 else "")
+    print(f"in-flight micro-batches per stage (peak{unit}): {run.in_flight}")
     if run.activation_mb is not None:
         print("activation memory per stage (peak MB held for backward): "
               + ", ".join(f"{x:.1f}" for x in run.activation_mb))

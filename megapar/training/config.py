@@ -338,10 +338,13 @@ def read_run_config(path: str) -> dict[str, Any]:
 
     by_name = {f.name: f for f in fields(TrainConfig)}
     data = {str(k).replace("-", "_"): v for k, v in load_config_file(path).items()}
+    unknown = []  # every unknown key at once, not one per run
     for key in sorted(set(data) - set(by_name)):
         close = difflib.get_close_matches(key, sorted(by_name), n=1)
         hint = f"did you mean {close[0]!r}?" if close else "valid keys are the megapar-train flags"
-        raise ConfigError(f"{path}: unknown setting {key!r}; {hint}")
+        unknown.append(f"unknown setting {key!r}; {hint}")
+    if unknown:
+        raise ConfigError(f"{path}: " + "; ".join(unknown))
     return {key: _config_value(by_name[key], value, path) for key, value in data.items()}
 
 
