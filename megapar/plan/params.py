@@ -186,17 +186,24 @@ def stage_params(config, tp: int, pp: int, v: int = 1, placement: str = "loop",
     """Elements of parameters one tp rank of each pipeline stage holds (the embedding is on the
     first virtual stage, rank 0, and the head on the last, rank pp - 1, with v chunks too;
     in the "v" placement both are on rank 0). `config_json` as for `piece_counts`."""
-    pieces = piece_counts(config, tp, config_json)
+    return list(_stage_params(config_json or _config_json(config), tp, pp, v, placement))
+
+
+@lru_cache(maxsize=4096)
+def _stage_params(config_json: str, tp: int, pp: int, v: int, placement: str) -> tuple[int, ...]:
+    """`stage_params`, cached (the planner asks twice for each of thousands of layouts)."""
+    pieces = _pieces(config_json, tp)
+    num_layers = config_from_dict(json.loads(config_json)).num_layers
     counts = []
     head_rank = 0 if placement == "v" else pp - 1
-    for stage, layers in enumerate(stage_layer_counts(config.num_layers, pp, v, placement)):
+    for stage, layers in enumerate(stage_layer_counts(num_layers, pp, v, placement)):
         n = layers * pieces.block
         if stage == 0:
             n += pieces.embedding
         if stage == head_rank:
             n += pieces.head + (pieces.tied_copy if pp > 1 else 0)
         counts.append(n)
-    return counts
+    return tuple(counts)
 
 
 def model_params(config, config_json: str | None = None) -> int:
