@@ -31,7 +31,14 @@ from megapar.dryrun.verify import verify_layout
 from megapar.mesh import Layout
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
-from megapar.plan import Problem, check, estimate, parse_candidate, plan
+from megapar.plan import (
+    Problem,
+    check,
+    cycle_collection_paused,
+    estimate,
+    parse_candidate,
+    plan,
+)
 from megapar.plan.layouts import (
     OFFLOADS,
     PLAN_SCHEDULES,
@@ -188,7 +195,8 @@ def _explain(args, problem) -> int:
         else:
             print(f"{c.label()}: invalid: {reason}")
         return 1
-    e = estimate(problem, c)
+    with cycle_collection_paused():
+        e = estimate(problem, c)
     cmd, missing = command(e, problem, args.model)
     if args.json:
         print(json.dumps({**row(e, problem.master_weights), "valid": True, "command": cmd,

@@ -34,6 +34,7 @@ from functools import lru_cache
 
 from megapar.pipeline.schedules import (
     MESSAGE_KINDS,
+    SEND_KINDS,
     Action,
     MessageGroup,
     Step,
@@ -52,6 +53,9 @@ CONSUMERS = {"recv_act": ("forward",), "recv_grad": ("backward", "backward_input
 """The compute kinds that consume a received message of each kind."""
 CONSUMED = {compute: recv for recv, computes in CONSUMERS.items() for compute in computes}
 """The receive kind each consuming compute kind consumes (`CONSUMERS` inverted)."""
+IN_FLIGHT_CHANGE = {"forward": 1, "backward": -1, "backward_input": -1}
+"""How each compute kind changes its chunk's count of micro-batches in flight (a forward starts
+one, a backward or B of a split backward ends it)."""
 
 
 def consumes(compute: Action, recv: Action) -> bool:
@@ -74,13 +78,23 @@ def group_messages(schedules: list[list[Action]], placement: str = "loop") -> li
     on the nominal clock (see the module docstring)."""
     pp = len(schedules)
     times = action_times(schedules, NOMINAL_COSTS, placement)  # per stage, (start, end) of each
-    ids = [[_message_id(stage, a, pp, placement) if a.kind in MESSAGE_KINDS else None
-            for a in actions] for stage, actions in enumerate(schedules)]
-    sent_at = {}
+    ids, sent_at = [], {}
     for stage, actions in enumerate(schedules):
-        for a, (_, end), message in zip(actions, times[stage], ids[stage]):
-            if a.kind.startswith("send"):
+        known = {}  # (kind, chunk) -> the message id's what and sender, which depend on nothing else
+        stage_ids = []
+        for a, (_, end) in zip(actions, times[stage]):
+            if a.kind not in MESSAGE_KINDS:
+                stage_ids.append(None)
+                continue
+            what_vs = known.get((a.kind, a.chunk))
+            if what_vs is None:
+                what, _, vs = _message_id(stage, a, pp, placement)
+                what_vs = known[a.kind, a.chunk] = (what, vs)
+            message = (what_vs[0], a.mb, what_vs[1])
+            stage_ids.append(message)
+            if a.kind in SEND_KINDS:
                 sent_at[message] = end
+        ids.append(stage_ids)
     programs = []
     for stage, actions in enumerate(schedules):
         keyed = []  # (time, 0 = message / 1 = compute, program index, action)
@@ -138,15 +152,20 @@ def acknowledgements(programs_: tuple, me: int, peer_of) -> dict[tuple, list[tup
     """
     acks, index = {}, {}
     for send in messages_of(programs_[me]):
-        if not send.kind.startswith("send"):
+        if send.kind not in SEND_KINDS:
             continue
         peer, peer_chunk = peer_of(me, send)
         if peer not in index:
             index[peer] = _reply_index(programs_[peer], peer, me, peer_of)
         first, reply_after = index[peer]
         recv_kind = "recv" + send.kind[4:]
-        consumer = min(first[(kind, send.mb, peer_chunk)] for kind in CONSUMERS[recv_kind]
-                       if (kind, send.mb, peer_chunk) in first)
+        consumer = None  # the first compute of the peer's that consumes this message
+        for kind in CONSUMERS[recv_kind]:
+            i = first.get((kind, send.mb, peer_chunk))
+            if i is not None and (consumer is None or i < consumer):
+                consumer = i
+        if consumer is None:
+            raise ValueError(f"no compute of stage {peer} consumes {send} of stage {me}")
         reply = reply_after[consumer + 1]
         if reply is not None:
             key = ("recv" + reply.kind[4:], reply.mb, peer_of(peer, reply)[1])
@@ -167,8 +186,10 @@ def _reply_index(program, peer: int, me: int, peer_of) -> tuple[dict, list]:
     for i in range(len(program) - 1, -1, -1):
         step, found = program[i], reply_after[i + 1]
         if isinstance(step, MessageGroup):
-            found = next((a for a in step.messages if a.kind.startswith("send")
-                          and peer_of(peer, a)[0] == me), found)
+            for a in step.messages:
+                if a.kind in SEND_KINDS and peer_of(peer, a)[0] == me:
+                    found = a
+                    break
         reply_after[i] = found
     return first, reply_after
 
@@ -195,9 +216,10 @@ def held_stages(programs_: tuple, placement: str = "loop", stages=None) -> list[
 
     def peer(rank, a):  # `peer_of`, which depends on the rank, the kind and the chunk only
         key = (rank, a.kind, a.chunk)
-        if key not in known:
-            known[key] = peer_of(rank, a, pp, chunks, placement)
-        return known[key]
+        found = known.get(key)
+        if found is None:
+            found = known[key] = peer_of(rank, a, pp, chunks, placement)
+        return found
 
     return [_held(programs_, stage, chunks, peer)
             for stage in (range(pp) if stages is None else stages)]
@@ -212,13 +234,13 @@ def _held(programs_: tuple, stage: int, chunks: int, peer) -> frozenset:
             buffers |= {(a.kind, a.mb, a.chunk) for a in step.messages}
         else:
             consumed = CONSUMED.get(step.kind)  # the receive this compute consumes, if any
-            key = (consumed, step.mb, step.chunk)
-            if key in buffers:
-                buffers.discard(key)
-                buffers.difference_update(acks.get(key, ()))
-            if step.kind == "forward":
-                counts[step.chunk] += 1
-            elif step.kind in ("backward", "backward_input"):
-                counts[step.chunk] -= 1
+            if consumed is not None:
+                key = (consumed, step.mb, step.chunk)
+                if key in buffers:
+                    buffers.discard(key)
+                    buffers.difference_update(acks.get(key, ()))
+            change = IN_FLIGHT_CHANGE.get(step.kind)
+            if change is not None:
+                counts[step.chunk] += change
         seen.add((tuple(counts), len(buffers)))
     return frozenset(seen)

@@ -107,6 +107,10 @@ class Action:
 
 MESSAGE_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})
 """Action kinds that are point-to-point messages (the others are compute)."""
+SEND_KINDS = frozenset({"send_act", "send_grad"})
+"""The message kinds that send (their names start with "send")."""
+RECEIVE_KINDS = frozenset({"recv_act", "recv_grad"})
+"""The message kinds that receive (their names start with "recv")."""
 
 @dataclass(frozen=True)
 class MessageGroup:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from megapar.pipeline.schedules import (
     MESSAGE_KINDS,
+    RECEIVE_KINDS,
     Action,
     MessageGroup,
     peer_of,
@@ -106,7 +107,7 @@ class _Simulator:
         self.placement = placement
         # Each action's channel and duration, worked out once per (stage, kind, chunk): they
         # depend on nothing else.
-        self.channels, self.durations = [], []
+        self.channels, self.durations, self.receives = [], [], []
         for stage, (actions, cost) in enumerate(zip(schedules, self.costs)):
             known = {}
             for a in actions:
@@ -114,6 +115,7 @@ class _Simulator:
                     known[a.kind, a.chunk] = (self.channel(stage, a), cost.duration_ms(a.kind))
             self.channels.append([known[a.kind, a.chunk][0] for a in actions])
             self.durations.append([known[a.kind, a.chunk][1] for a in actions])
+            self.receives.append([a.kind in RECEIVE_KINDS for a in actions])
         self.pc = [0] * self.pp
         self.clock_ms = [0.0] * self.pp
         self.sent: dict[Channel, list[tuple[Action, float]]] = {}
@@ -144,14 +146,15 @@ class _Simulator:
     def advance(self, stage: int) -> bool:
         """Execute the stage's actions in order until one blocks in a receive whose message has
         not been sent yet, or the program ends; whether any action ran."""
-        actions, channels, durations = (self.schedules[stage], self.channels[stage],
-                                        self.durations[stage])
+        actions, channels, durations, receives = (
+            self.schedules[stage], self.channels[stage], self.durations[stage],
+            self.receives[stage])
         times, events = self.times[stage], self.events
         first = pc = self.pc[stage]
         clock, p2p_ms = self.clock_ms[stage], self.costs[stage].p2p_ms
         while pc < len(actions):
             action, channel, start = actions[pc], channels[pc], clock
-            if action.kind.startswith("recv"):
+            if receives[pc]:
                 queue, index = self.sent.get(channel, ()), self.received.get(channel, 0)
                 if index >= len(queue):
                     break

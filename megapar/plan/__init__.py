@@ -14,8 +14,8 @@ from megapar.plan.estimate import Estimate, Problem, estimate, stage_memory
 from megapar.plan.layouts import Candidate, check, enumerate_candidates, parse_candidate
 from megapar.plan.report import rank
 
-__all__ = ["Candidate", "Estimate", "Problem", "check", "enumerate_candidates", "estimate",
-           "parse_candidate", "stage_memory", "plan"]
+__all__ = ["Candidate", "Estimate", "Problem", "check", "cycle_collection_paused",
+           "enumerate_candidates", "estimate", "parse_candidate", "plan", "stage_memory"]
 
 
 SIMULATED_LEADERS = 64

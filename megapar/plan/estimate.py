@@ -250,7 +250,8 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
     message = s * b * h * p.act_bytes / sp_t            # an activation or its gradient in flight
     out, config_json = [], p.config_json
     placement = placement_of(c.schedule)
-    for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v, placement)):
+    for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v, placement,
+                                                            config_json)):
         specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v, placement)
         chunks = [len(spec.layers) * per_layer + (embedding if spec.pre_process else 0)
                   + (head if spec.post_process else 0) for spec in specs]
@@ -344,7 +345,7 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     dp_gbps = p.intra_gbps if one_node else p.inter_gbps
     p2p = 2 * (c.pp - 1) * ((act / (c.tp if c.sp else 1)) * 8 / (pp_gbps * 1e9)
                             + p.latency_us * 1e-6)
-    n_params = max(stage_params(cfg, t, c.pp, c.v, placement_of(c.schedule)))
+    n_params = max(stage_params(cfg, t, c.pp, c.v, placement_of(c.schedule), p.config_json))
     # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
     grad_bytes = n_params * (2 if p.precision == "fp16" else 4)
     # ZeRO's reductions hide behind the backward, gathers behind the compute, except what is
@@ -356,7 +357,7 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
                             c.zero3_reduce == "micro-batch", w_reported(c.schedule, c.pp, m, c.v))
     # --offload-optimizer: the stepped gradients to the host and the parameters back
     zero_s = pcie_seconds(worst.master, p.pcie_gbps) if c.offload_optimizer else 0.0
-    tied = _ring(2, piece_counts(cfg, t).tied_copy * 4, pp_gbps, p.latency_us) \
+    tied = _ring(2, piece_counts(cfg, t, p.config_json).tied_copy * 4, pp_gbps, p.latency_us) \
         if c.pp > 1 else 0.0
     comm = {"tp": m * (tp_fwd + tp_bwd) / (1 - frac), "pp": p2p + tied, "dp": dp_exposed}
     if c.offload_optimizer:
@@ -366,7 +367,7 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     step = pipe_s + p2p + dp_exposed + zero_s + tied
     tokens = p.global_batch * s
 
-    model_flops = tokens * (6 * model_params(cfg) + 12 * cfg.num_layers * h * s)
+    model_flops = tokens * (6 * model_params(cfg, p.config_json) + 12 * cfg.num_layers * h * s)
     recompute_flops = tokens * cfg.num_layers * {"none": 0.0, "selective": 4 * s * h,
                                                  "full": _layer_flops(cfg, s, 1) / s}[c.recompute]
     return Estimate(c, worst, fits, step, m * (fwd + bwd) / rate, frac, source, comm,

@@ -54,10 +54,16 @@ def _pieces(config_json: str, tp: int) -> PieceCounts:
     return PieceCounts(block, first, head, tied)
 
 
-def piece_counts(config, tp: int) -> PieceCounts:
-    """Per-tp-rank element counts of a block, the embedding and the head of `config`."""
+def piece_counts(config, tp: int, config_json: str | None = None) -> PieceCounts:
+    """Per-tp-rank element counts of a block, the embedding and the head of `config`;
+    `config_json`: its canonical JSON (`Problem.config_json`) when the caller has it."""
 
-    return _pieces(json.dumps(config.to_dict(), sort_keys=True), tp)
+    return _pieces(config_json or _config_json(config), tp)
+
+
+def _config_json(config) -> str:
+    """`config` as canonical JSON: the key of the cached functions here."""
+    return json.dumps(config.to_dict(), sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ def stage_tensors(config, tp: int, pp: int, v: int, stage: int,
     tied copy only on a last chunk without the embedding). `tests/test_plan.py` checks it
     against stages built on the meta device."""
 
-    block, embedding, head = _piece_tensors(json.dumps(config.to_dict(), sort_keys=True), tp)
+    block, embedding, head = _piece_tensors(_config_json(config), tp)
     specs = chunk_specs(config.num_layers, pp, stage, v, placement) if v > 1 else \
         [stage_spec(config.num_layers, pp, stage)]
     out: list[TensorSpec] = []
@@ -134,7 +140,7 @@ def stage_units(config, tp: int, pp: int, v: int, stage: int, placement: str = "
     chunk has blocks and the embedding, split in an embedding unit (the embedding's parameters
     but, when there is a head, a tied word embedding the head reads) and a root unit (the rest),
     else one root unit; then the parameters under `persist_below` in one persistent unit."""
-    block, embedding, head = _piece_tensors(json.dumps(config.to_dict(), sort_keys=True), tp)
+    block, embedding, head = _piece_tensors(_config_json(config), tp)
     specs = chunk_specs(config.num_layers, pp, stage, v, placement) if v > 1 else \
         [stage_spec(config.num_layers, pp, stage)]
     units, small, at, small_embedding = [], [], 0, False
@@ -175,28 +181,37 @@ def stage_layer_counts(num_layers: int, pp: int, v: int = 1,
     return [len(r) for r in partition_layers(num_layers, pp)]
 
 
-def stage_params(config, tp: int, pp: int, v: int = 1, placement: str = "loop") -> list[int]:
+def stage_params(config, tp: int, pp: int, v: int = 1, placement: str = "loop",
+                 config_json: str | None = None) -> list[int]:
     """Elements of parameters one tp rank of each pipeline stage holds (the embedding is on the
     first virtual stage, rank 0, and the head on the last, rank pp - 1, with v chunks too;
-    in the "v" placement both are on rank 0)."""
-    pieces = piece_counts(config, tp)
+    in the "v" placement both are on rank 0). `config_json` as for `piece_counts`."""
+    return list(_stage_params(config_json or _config_json(config), tp, pp, v, placement))
+
+
+@lru_cache(maxsize=4096)
+def _stage_params(config_json: str, tp: int, pp: int, v: int, placement: str) -> tuple[int, ...]:
+    """`stage_params`, cached (the planner asks twice for each of thousands of layouts)."""
+    pieces = _pieces(config_json, tp)
+    num_layers = config_from_dict(json.loads(config_json)).num_layers
     counts = []
     head_rank = 0 if placement == "v" else pp - 1
-    for stage, layers in enumerate(stage_layer_counts(config.num_layers, pp, v, placement)):
+    for stage, layers in enumerate(stage_layer_counts(num_layers, pp, v, placement)):
         n = layers * pieces.block
         if stage == 0:
             n += pieces.embedding
         if stage == head_rank:
             n += pieces.head + (pieces.tied_copy if pp > 1 else 0)
         counts.append(n)
-    return counts
+    return tuple(counts)
 
 
-def model_params(config) -> int:
+def model_params(config, config_json: str | None = None) -> int:
     """Parameters of the whole model, unpadded, the tied embedding counted once (what Hugging
-    Face's `num_parameters()` reports: 124,439,808 for GPT-2 small)."""
+    Face's `num_parameters()` reports: 124,439,808 for GPT-2 small). `config_json` as for
+    `piece_counts`."""
 
-    return _model_params(json.dumps(config.to_dict(), sort_keys=True))
+    return _model_params(config_json or _config_json(config))
 
 
 @lru_cache(maxsize=16)
