@@ -74,12 +74,14 @@ def make_config(kind: str, layers: int | None = None):
 
 
 def one_step(kind, tp, cp, pp, dp, schedule="1f1b", sp=False, recompute="none", v=1, zero=0,
-             precision="fp32", method=None, g=G, layers=None):
-    """This rank's loss and the full gradients of its stage after one step's reduction."""
+             precision="fp32", method=None, g=G, layers=None, wire=None):
+    """This rank's loss and the full gradients of its stage after one step's reduction
+    (pipeline messages in `wire` precision, e.g. "bf16", if given; else in fp32)."""
     import torch.distributed as dist
 
     from megapar.data_parallel import GradBuckets
     from megapar.optim import Precision, build_optimizer
+    from megapar.optim.precision import PRECISIONS
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.pipeline.schedules import placement_of
     from megapar.training.step import TrainStep
@@ -93,7 +95,8 @@ def one_step(kind, tp, cp, pp, dp, schedule="1f1b", sp=False, recompute="none", 
             if getattr(module, "context_parallel", None) is not None:
                 module.context_parallel.method = method
     seq = SEQ // cp // (tp if sp else 1)
-    executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, H), virtual_stages=v)
+    executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, H), virtual_stages=v,
+                                wire_dtype=None if wire is None else PRECISIONS[wire])
     optimizer = build_optimizer(model, mesh, 0.0, 0.0, zero=zero)
     grad_sync = GradBuckets(list(model.parameters()), mesh.dp_cp_group, bucket_mb=0.01,
                             average_over=mesh.dp)
