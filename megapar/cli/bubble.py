@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=list(SCHEDULES),
                    help="pipeline schedule (default: 1f1b; with --certify: every schedule)")
     p.add_argument("--virtual-stages", type=int,
-                   help="model chunks per rank (default 1; --schedule interleaved needs >= 2)")
+                   help="model chunks per rank (default 1; --schedule interleaved needs >= 2; "
+                        "zb-v and dualpipev hold 2 whatever it says, and accept 1 or 2)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per stage")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size per stage: each sequence split over cp ranks, "
