@@ -195,6 +195,17 @@ def test_rehearsal_flags_are_checked(capsys, argv, message):
     assert rc == 2 and message in err and len(err.strip().splitlines()) <= 3
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--pp", "1", "--schedule", "zb-v", "--world-size", "1"], "ZB-V needs --pp >= 2"),
+    (["--pp", "1", "--schedule", "interleaved", "--virtual-stages", "2", "--world-size", "1"],
+     "needs --pp >= 2"),
+])
+def test_a_schedule_error_not_about_m_does_not_explain_m(capsys, argv, message):
+    rc, _, err = _train(["--model", "gpt2-tiny", "--dry-run"] + argv, capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert "m is --global-batch-size" not in err
+
+
 def test_with_data_the_first_batch_is_the_samplers(capsys, tmp_path):
     """--data readable here: the sampled ranks show the sample indices the real sampler gives
     them; --data not here: skipped, the rehearsal goes on."""
