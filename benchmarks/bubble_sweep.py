@@ -7,7 +7,8 @@ and W for zero-bubble schedules; the last stage also computes the LM head, and u
 first stage's B is empty and its W the whole backward; p2p latency from the receives), and the
 theory is the schedule's published formula
 ((pp-1)/(m+pp-1) for GPipe and 1F1B, (pp-1)/(V m+pp-1) interleaved, Qi et al.'s for ZB-H1 with
-the measured F, B, W). m values a schedule cannot take (interleaved: m % max(1, m // pp)) are
+the measured F, B, W; n/a in the table and null in --json where it does not apply: ZB-H1 when
+the measured W > F + B). m values a schedule cannot take (interleaved: m % max(1, m // pp)) are
 skipped. Prints one table row per point (bubble %, step
 times, simulated / measured step time ratio, in-flight micro-batches, activation MB of stage 0)
 and writes a plot of bubble vs m: one line per source (measured solid, simulated dashed) per
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
@@ -64,7 +66,8 @@ def _sweep_once(args) -> list[dict]:
                                       stage_costs=run.stage_costs)
                 row = {"pp": pp, "schedule": schedule, "m": m,
                        "measured": run.stats["measured_bubble"],
-                       "simulated": sim.stats["measured_bubble"], "theory": run.theoretical,
+                       "simulated": sim.stats["measured_bubble"],
+                       "theory": finite_or_none(run.theoretical),
                        "step_ms": 1e3 * run.stats["step_time_s"],
                        "sim_step_ms": 1e3 * sim.stats["step_time_s"],
                        "in_flight": run.in_flight, "act_mb0": run.activation_mb[0],
@@ -80,9 +83,15 @@ HEADER = (f"{'pp':>3} {'schedule':>11} {'m':>3} {'measured%':>9} {'simulated%':>
           f"{'act MB s0':>9}")
 
 
+def finite_or_none(x: float | None) -> float | None:
+    """`x`, or None where it is NaN (a formula outside its assumptions): JSON has no NaN."""
+    return None if x is None or math.isnan(x) else x
+
+
 def format_row(r: dict) -> str:
+    theory = "n/a" if r["theory"] is None else f"{100 * r['theory']:.1f}"
     return (f"{r['pp']:>3} {r['schedule']:>11} {r['m']:>3} {100 * r['measured']:>9.1f} "
-            f"{100 * r['simulated']:>10.1f} {100 * r['theory']:>7.1f} {r['step_ms']:>8.1f} "
+            f"{100 * r['simulated']:>10.1f} {theory:>7} {r['step_ms']:>8.1f} "
             f"{r['sim_step_ms']:>8.1f} {r['sim_over_measured']:>8.3f} "
             f"{str(r['in_flight']):>10} {r['act_mb0']:>9.1f}")
 
@@ -110,9 +119,9 @@ def plot(rows: list[dict], path: str) -> None:
     for pp in sorted({r["pp"] for r in rows}):
         mine = [r for r in rows if r["pp"] == pp]
         ms = sorted({r["m"] for r in mine})
-        theory = {r["m"]: r["theory"] for r in mine}
-        ax.plot(ms, [100 * theory[m] for m in ms], ":", color="black", marker=".",
-                label=f"theory pp={pp}")
+        theory = {r["m"]: r["theory"] for r in mine if r["theory"] is not None}
+        ax.plot([m for m in ms if m in theory], [100 * theory[m] for m in ms if m in theory],
+                ":", color="black", marker=".", label=f"theory pp={pp}")
         for schedule in sorted({r["schedule"] for r in mine}):
             pts = sorted((r for r in mine if r["schedule"] == schedule), key=lambda r: r["m"])
             colour = next(colours)
@@ -163,7 +172,7 @@ def main(argv=None) -> int:
         print(f"wrote {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(rows, f, indent=1, allow_nan=False)  # strict JSON: no NaN
         print(f"wrote {args.json}")
     return 0
 

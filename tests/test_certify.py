@@ -150,3 +150,34 @@ def test_cli_certify_refuses_in_one_line(capsys, argv, message):
     assert bubble(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--certify", "--schedule", "zb-v"],
+    ["--certify", "--schedule", "dualpipev", "--pp", "2"],
+    ["--certify", "--schedule", "1f1b", "-m", "4", "--pp", "2"],
+])
+def test_cli_certify_narrowed_by_schedule_names_no_other(capsys, argv):
+    # --schedule narrows the grid: the schedules not asked for are neither failed nor named
+    assert bubble(argv) == 0
+    out = capsys.readouterr().out
+    named = argv[argv.index("--schedule") + 1]
+    assert "certificate: every check holds" in out
+    assert "FAIL" not in out and "not certified" not in out
+    rows = [line.split()[0] for line in out.splitlines()[2:] if line.count("|") >= 2]
+    assert rows and set(rows) == {named}
+
+
+def test_cli_certify_shows_the_chunks_a_v_schedule_holds(capsys):
+    # zb-v and dualpipev hold 2 chunks per rank whether --virtual-stages is left out or is 2
+    tables = []
+    for extra in ([], ["--virtual-stages", "2"]):
+        assert bubble(["--certify", "--pp", "2", "-m", "4", "--schedule", "zb-v", *extra]) == 0
+        tables.append([line.split()[:3] for line in capsys.readouterr().out.splitlines()
+                       if line.startswith("zb-v")])
+    assert tables[0] == tables[1] == [["zb-v", "2", "2"]]
+    assert bubble(["--certify", "--pp", "2", "-m", "4"]) == 0
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()
+            if line.split() and line.split()[0] in ("1f1b", "zb-v", "dualpipev")}
+    assert rows == {"1f1b": "1", "zb-v": "2", "dualpipev": "2"}
+    assert certify.certify("dualpipev", 2, 4).name == "dualpipev V=2 pp=2 m=4"

@@ -195,6 +195,39 @@ def test_rehearsal_flags_are_checked(capsys, argv, message):
     assert rc == 2 and message in err and len(err.strip().splitlines()) <= 3
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--pp", "1", "--schedule", "zb-v", "--world-size", "1"], "ZB-V needs --pp >= 2"),
+    (["--pp", "1", "--schedule", "interleaved", "--virtual-stages", "2", "--world-size", "1"],
+     "needs --pp >= 2"),
+])
+def test_a_schedule_error_not_about_m_does_not_explain_m(capsys, argv, message):
+    rc, _, err = _train(["--model", "gpt2-tiny", "--dry-run"] + argv, capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert "m is --global-batch-size" not in err
+
+
+@pytest.mark.parametrize("schedule, gbs, stages, chunks", [
+    ("zb-v", 16, "2", "4"), ("dualpipev", 32, "2.5", "5"), ("1f1b", 16, "2", None)])
+def test_the_in_flight_count_states_its_unit(capsys, schedule, gbs, stages, chunks):
+    """A chunked schedule's in-flight count is in stages' worth (a chunk counts 1 / 2), and the
+    line gives megapar-bubble's per-chunk count too, so the two do not read as disagreeing."""
+    from megapar.pipeline.schedules import in_flight_peak, schedule_actions
+
+    rc, out, err = _train(["--model", "gpt2-tiny", "--dry-run", "--pp", "2", "--schedule",
+                           schedule, "--world-size", "2", "--global-batch-size", str(gbs)],
+                          capsys)
+    assert rc == 0, err
+    rank0 = next(line for line in out.splitlines() if line.startswith("rank 0 "))
+    if chunks is None:
+        assert f"(modelled, {stages} micro-batches in flight at the peak of its" in rank0
+        assert "per chunk" not in rank0
+        return
+    assert f"(modelled, {stages} stages' worth of micro-batches in flight at the peak" in rank0
+    assert (f": {chunks} counted per chunk, as megapar-bubble and --certify count them, each "
+            f"chunk 1 / 2 of the stage's layers)") in rank0
+    assert str(in_flight_peak(schedule_actions(schedule, 2, gbs // 4, 0))) == chunks
+
+
 def test_with_data_the_first_batch_is_the_samplers(capsys, tmp_path):
     """--data readable here: the sampled ranks show the sample indices the real sampler gives
     them; --data not here: skipped, the rehearsal goes on."""

@@ -331,6 +331,23 @@ def test_cli_json_and_explain(capsys):
     assert code == 2 and "1024 positions" in out.err
 
 
+def test_explain_defaults_v_to_2_for_the_v_schedules(capsys):
+    """megapar-train places two chunks per rank for zb-v / dualpipev when --virtual-stages is
+    left out; --explain does the same when v is left out, and names the fix for another v."""
+    base = ["--model", "gpt2-124m", "--gpus", "8", "--global-batch-size", "64", "--seq-len",
+            "1024", "--gpu-memory-gb", "40"]
+    for schedule in ("zb-v", "dualpipev"):
+        code, out = _cli(capsys, *base, "--explain", f"tp=2,pp=2,mbs=1,schedule={schedule}")
+        assert code == 0, out.out
+        assert f"schedule={schedule},v=2" in out.out and "invalid" not in out.out
+        assert f"--schedule {schedule} --virtual-stages 2" in out.out
+    code, out = _cli(capsys, *base, "--explain", "tp=2,pp=2,mbs=1,schedule=zb-v,v=3")
+    assert code == 1 and "places exactly v = 2 model chunks per rank (a V); leave v out or " \
+                         "give v=2" in out.out
+    code, out = _cli(capsys, *base, "--explain", "tp=2,pp=2,mbs=1")
+    assert code == 0 and "schedule=1f1b,v=1" in out.out
+
+
 def test_the_interleaved_formula_spreads_the_warmup_over_chunks_as_the_schedule_does():
     """Above the simulated size the planner counts interleaved 1F1B's in-flight micro-batches
     per chunk from Megatron's warmup (rounds of pp through each chunk in turn): the first chunk

@@ -123,6 +123,13 @@ def test_refusals_name_the_fix():
                                          "dualpipev"):
         chunks_per_rank("dualpipev", 4)
     assert chunks_per_rank("zb-v") == chunks_per_rank("zb-v", 2) == 2
+    # the same line serves megapar.prepare(..., schedule="zb-v", virtual_stages=3): both spellings
+    with pytest.raises(ValueError, match=r"\(in Python: virtual_stages=3, schedule='zb-v'\).*"
+                                         r"leave --virtual-stages / virtual_stages out, or give 2"):
+        chunks_per_rank("zb-v", 3)
+    with pytest.raises(ValueError, match=r"needs --schedule interleaved \(in Python: "
+                                         r"virtual_stages=2, schedule='interleaved'\)"):
+        chunks_per_rank("1f1b", 2)
     with pytest.raises(ValueError, match="at least 2 x pp = 8 micro-batches.*--schedule zb-v"):
         check_schedule("dualpipev", 4, 7)
     with pytest.raises(ValueError, match="ZB-V needs --pp >= 2"):

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=list(SCHEDULES),
                    help="pipeline schedule (default: 1f1b; with --certify: every schedule)")
     p.add_argument("--virtual-stages", type=int,
-                   help="model chunks per rank (default 1; --schedule interleaved needs >= 2)")
+                   help="model chunks per rank (default 1; --schedule interleaved needs >= 2; "
+                        "zb-v and dualpipev hold 2 whatever it says, and accept 1 or 2)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per stage")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size per stage: each sequence split over cp ranks, "
@@ -199,16 +200,17 @@ def check_certify_args(args) -> list[tuple]:
     return points
 
 
-def run_certificate(points: list[tuple], whole_grid: bool = True) -> int:
+def run_certificate(points: list[tuple], whole_grid: bool = True, schedules=None) -> int:
     """Certify `points` (training and evaluation steps; real steps where pp <= 4 and m <= 8),
-    print the table; 1 if a check failed. On the `whole_grid` a schedule with no point fails
-    (nothing of it would be certified); on a grid narrowed by flags it is only named."""
+    print the table; 1 if a check failed. Of the `schedules` asked for (default: every one),
+    on the `whole_grid` a schedule with no point fails (nothing of it would be certified); on a
+    grid narrowed by flags it is only named."""
     certs = certify.certify_grid(points)
     real = [c for c in certs if c.pp <= certify.REAL_MAX_PP and c.m <= certify.REAL_MAX_M]
     if real:
         certify.check_real_steps(real)
     print(certify.format_table(certs))
-    missing = certify.missing_schedules(points) if len(points) > 1 else []
+    missing = certify.missing_schedules(points, schedules)
     for name in missing:
         if whole_grid:
             print(f"FAIL {name}: no (pp, m, V) of the grid is accepted by the schedule, so "
@@ -233,7 +235,8 @@ def main(argv=None) -> int:
             print(f"megapar-bubble: error: {exc}", file=sys.stderr)
             return 2
         narrowed = args.pp or args.microbatches or args.virtual_stages
-        return run_certificate(points, whole_grid=not narrowed)
+        return run_certificate(points, whole_grid=not narrowed,
+                               schedules=(args.schedule,) if args.schedule else None)
     missing = [flag for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches))
                if value is None]
     if missing:

@@ -156,6 +156,10 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         check_schedule(cfg.schedule, layout.pp, cfg.global_batch_size // per_step,
                        cfg.virtual_stages)
     except ValueError as exc:
+        try:  # 2 pp micro-batches suit every schedule: if they pass, the error is about m
+            check_schedule(cfg.schedule, layout.pp, 2 * layout.pp, cfg.virtual_stages)
+        except ValueError:
+            raise exc from None  # about --pp or --virtual-stages: m is not the problem
         raise ValueError(f"{exc}; m is --global-batch-size / (--micro-batch-size x dp) = "
                          f"{cfg.global_batch_size} / {per_step}") from None
     if not cfg.dry_run:  # a rehearsal writes nothing (its --save is the cluster's path)

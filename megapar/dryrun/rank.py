@@ -90,7 +90,8 @@ class RankReport:
     """Modelled: the planner's bytes per micro-batch of each chunk, weighted by the
     micro-batches in flight on it at the worst point of this stage's action list."""
     in_flight: float
-    """Most micro-batches in flight on this stage, from its action list (a chunk counts 1/V)."""
+    """Most micro-batches in flight on this stage, from its action list, in stages' worth of
+    activations (a chunk counts 1/V: megapar-bubble's per-chunk count divided by `chunks`)."""
     actions: int
     """Actions in this stage's schedule for one step."""
     buckets: int
@@ -126,6 +127,8 @@ class RankReport:
     modelled: bool = False
     """The state and dp traffic are the planner's (this megapar-train lacks the ZeRO stage or
     refuses its ZeRO-3 options)."""
+    chunks: int = 1
+    """Model chunks per rank (`schedules.chunks_per_rank`): 2 for zb-v and dualpipev."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -281,14 +284,15 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     file, size = planned_shard(engine.model, mesh, moments)
     actions = schedule_actions(cfg.schedule, layout.pp, m, mesh.pp_rank, cfg.virtual_stages)
     activations = _modelled_activations(cfg, config, layout, mesh.pp_rank, actions)
-    in_flight = in_flight_peak(actions) / chunks_per_rank(cfg.schedule, cfg.virtual_stages)
+    chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
+    in_flight = in_flight_peak(actions) / chunks
     return RankReport(
         rank=mesh.rank, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, dp_rank=mesh.dp_rank,
         cp_rank=mesh.cp_rank,
         node=mesh.rank // gpus_per_node, **held, gathered=gathered, grad_buffers=grad_buffers,
         device=held["weights"] + held["grads"] + held["optimizer"] + held["master"]
         + gathered + grad_buffers - held["host"], zero=cfg.zero, modelled=modelled,
-        activations=activations, in_flight=in_flight, actions=len(actions),
+        activations=activations, in_flight=in_flight, chunks=chunks, actions=len(actions),
         buckets=len(engine.grad_sync.buckets), comm=comm, checkpoint_file=file,
         checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0 and mesh.cp_rank == 0,
         first_batch=first_batch,

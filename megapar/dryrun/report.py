@@ -65,6 +65,7 @@ def _traffic(comm: dict) -> str:
 
 
 def describe_rank(r: RankReport, step_dir: str) -> str:
+    worth = "stages' worth of " if r.chunks > 1 else ""  # a chunk counts 1 / chunks
     cp = f", cp {r.cp_rank}" if r.cp_rank or any(k.startswith("cp") for k in r.comm) else ""
     lines = [f"rank {r.rank} (tp {r.tp_rank}{cp}, pp {r.pp_rank}, dp {r.dp_rank}; node "
              f"{r.node}): "
@@ -76,8 +77,12 @@ def describe_rank(r: RankReport, step_dir: str) -> str:
              + (f", full gradient buffers {size(r.grad_buffers)} at the peak"
                 if r.grad_buffers else "")
              + f", activations {size(r.activations)} (modelled, "
-             f"{r.in_flight:g} micro-batch{'' if r.in_flight == 1 else 'es'} in flight at the "
-             f"peak of its {r.actions} actions)",
+             f"{r.in_flight:g} {worth}"
+             f"micro-batch{'' if r.in_flight == 1 else 'es'} in flight at the "
+             f"peak of its {r.actions} actions"
+             + (f": {r.in_flight * r.chunks:g} counted per chunk, as megapar-bubble and "
+                f"--certify count them, each chunk 1 / {r.chunks} of the stage's layers"
+                if r.chunks > 1 else "") + ")",
              f"  memory besides activations: device {size(r.device)}, host {size(r.host)}"
              + (f" (ZeRO-{r.zero}{', modelled' if r.modelled else ''})" if r.zero else ""),
              f"  per step: {_traffic(r.comm)} ({r.buckets} "

@@ -47,6 +47,7 @@ from megapar.pipeline.schedules import (
     Action,
     MessageGroup,
     check_schedule,
+    chunks_per_rank,
     in_flight_peak,
     interleaved_rounds,
     peer_of,
@@ -134,8 +135,14 @@ class Certificate:
         return [f"{name}: {c.detail}" for name, c in self.checks.items() if not c.ok]
 
     @property
+    def chunks(self) -> int:
+        """Model chunks per rank (`schedules.chunks_per_rank`: 2 for the V schedules whatever
+        `virtual_stages` says)."""
+        return chunks_per_rank(self.schedule, self.virtual_stages)
+
+    @property
     def name(self) -> str:
-        v = f" V={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        v = f" V={self.chunks}" if self.chunks > 1 else ""
         return f"{self.schedule}{v} pp={self.pp} m={self.m}" + (" eval" if self.forward_only
                                                                  else "")
 
@@ -320,18 +327,19 @@ def certify_grid(points, eval_steps: bool = True) -> list[Certificate]:
             for forward_only in ((False, True) if eval_steps else (False,))]
 
 
-def missing_schedules(points) -> list[str]:
-    """Schedules of `SCHEDULES` with no point in `points` (the grid certifies nothing of
-    them)."""
-    return [name for name in SCHEDULES if not any(p[0] == name for p in points)]
+def missing_schedules(points, schedules=None) -> list[str]:
+    """Schedules of `SCHEDULES` (or of `schedules`, where it names some) with no point in
+    `points` (the grid certifies nothing of them)."""
+    return [name for name in schedules or SCHEDULES if not any(p[0] == name for p in points)]
 
 
 def format_table(certs: list[Certificate]) -> str:
     """One row per (schedule, V, pp): the m certified, each check's verdict over them, the
-    activation peaks and held messages."""
+    activation peaks and held messages. V is the model chunks per rank
+    (`schedules.chunks_per_rank`: 2 for the V schedules)."""
     rows: dict[tuple, list[Certificate]] = {}
     for c in certs:
-        rows.setdefault((c.schedule, c.virtual_stages, c.pp), []).append(c)
+        rows.setdefault((c.schedule, c.chunks, c.pp), []).append(c)
     names = [*CHECKS, "real step"]
     head = (f"{'schedule':12} {'V':>2} {'pp':>3} {'m':18} | "
             + " ".join(f"{n:>11}" for n in names) + f" | {'in flight <= bound':22} | "

@@ -522,14 +522,16 @@ def chunks_per_rank(name: str, virtual_stages: int = 1) -> int:
     if CHUNKED_SCHEDULES.get(name) == "v":
         if virtual_stages not in (1, 2):
             raise ValueError(f"--virtual-stages {virtual_stages} does not apply to --schedule "
-                             f"{name}: it places exactly two model chunks per rank in a V "
-                             f"(rank r holds virtual stages r and 2 pp - 1 - r); drop "
-                             f"--virtual-stages")
+                             f"{name} (in Python: virtual_stages={virtual_stages}, "
+                             f"schedule={name!r}): it places exactly two model chunks per rank "
+                             f"in a V (rank r holds virtual stages r and 2 pp - 1 - r); leave "
+                             f"--virtual-stages / virtual_stages out, or give 2")
         return 2
     if name in CHUNKED_SCHEDULES:
         return virtual_stages
     if virtual_stages != 1:
-        raise ValueError(f"--virtual-stages {virtual_stages} needs --schedule interleaved; "
+        raise ValueError(f"--virtual-stages {virtual_stages} needs --schedule interleaved (in "
+                         f"Python: virtual_stages={virtual_stages}, schedule='interleaved'); "
                          f"schedule {name!r} runs one model chunk per rank")
     return 1
 

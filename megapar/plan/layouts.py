@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from megapar.data_parallel.sharded_params import REDUCES
 from megapar.mesh import Layout, LayoutError
-from megapar.pipeline.schedules import interleaved_rounds
+from megapar.pipeline.schedules import interleaved_rounds, placement_of
 from megapar.training.validate import check_cp_seq_len
 
 PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -96,8 +96,9 @@ _ALIASES = {"micro_batch_size": "mbs", "micro-batch-size": "mbs", "virtual_stage
 def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     """`tp=8,cp=2,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`
     (also `zero=3,offload=both,keep_params=1,zero3_reduce=micro-batch`; offload one of
-    `OFFLOADS`); dp defaults to
-    gpus / (tp cp pp). ValueError naming the bad item otherwise."""
+    `OFFLOADS`); dp defaults to gpus / (tp cp pp), v to 2 for the V schedules (zb-v,
+    dualpipev: two chunks per rank, as megapar-train places them). ValueError naming the bad
+    item otherwise."""
     fields = {f.name: f.type for f in dataclasses.fields(Candidate)}
     values: dict = {}
     for item in text.replace(" ", ",").split(","):
@@ -128,6 +129,8 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     if "dp" not in values and gpus:
         split = values.get("tp", 1) * values.get("cp", 1) * values.get("pp", 1)
         values["dp"] = max(1, gpus // split) if split > 0 else 1  # `check` names a remainder
+    if "v" not in values and placement_of(values.get("schedule", "1f1b")) == "v":
+        values["v"] = 2
     return Candidate(**values)
 
 
@@ -179,7 +182,8 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
             return str(exc)
     elif c.schedule in ("zb-v", "dualpipev"):
         if c.v != 2:
-            return f"schedule {c.schedule} places exactly v = 2 model chunks per rank (a V)"
+            return (f"schedule {c.schedule} places exactly v = 2 model chunks per rank (a V); "
+                    f"leave v out or give v=2")
         if config.num_layers < 2 * c.pp:
             return (f"{config.num_layers} layers cannot be cut into 2*pp = {2 * c.pp} model "
                     f"chunks (each needs at least one layer)")

@@ -71,7 +71,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved (needs --virtual-stages >= 2), zb-h1 (zero bubble), zb-v (zero bubble, two chunks per rank in a V) or dualpipev (DeepSeek's DualPipe in the V; m >= 2 x pp)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank for --schedule interleaved (Megatron's round-robin: rank r holds chunks r, r+pp, ...). zb-v and dualpipev always place two (rank r holds virtual stages r and 2 pp - 1 - r) and refuse any other value."""
+    """Model chunks per pipeline rank for --schedule interleaved (Megatron's round-robin: rank r holds chunks r, r+pp, ...). zb-v and dualpipev always place two (rank r holds virtual stages r and 2 pp - 1 - r) whatever it says: they accept 1 (the default) or 2 and refuse any other value."""
     recompute: str = "none"
     """Activation recomputation: none, selective (attention core) or full (each block)."""
     precision: str = "fp32"

@@ -1,0 +1,48 @@
+"""benchmarks/bubble_sweep.py writes strict JSON: a theory that does not apply (ZB-H1's formula
+when the measured W > F + B) is null in --json and n/a in the table, never NaN."""
+
+import importlib.util
+import json
+import os
+
+from conftest import ROOT
+
+from megapar.training import bubble
+
+
+def _sweep_module():
+    spec = importlib.util.spec_from_file_location(
+        "bubble_sweep", os.path.join(ROOT, "benchmarks", "bubble_sweep.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_theory_outside_its_assumptions_is_null_not_nan(tmp_path, monkeypatch, capsys):
+    costs = {"fwd_ms": 1.0, "bwd_ms": 4.0, "p2p_ms": 0.0, "bwd_input_ms": 0.5,
+             "bwd_weight_ms": 3.5}  # W 3.5 > F + B = 1.5: ZB-H1's formula does not say
+
+    def measured(pp, m, schedule, steps, micro_batch_size, seq_len, virtual_stages):
+        # no processes: the simulator stands in for the real run, with the costs above
+        run = bubble.simulate(pp, m, schedule, costs["fwd_ms"], costs["bwd_ms"], 0.0,
+                              virtual_stages, costs["bwd_input_ms"], costs["bwd_weight_ms"])
+        run.activation_mb, run.costs = [1.0] * pp, costs
+        return run
+
+    monkeypatch.setattr(bubble, "measure", measured)
+    out_json = tmp_path / "rows.json"
+    sweep = _sweep_module()
+    assert sweep.main(["--pp", "2", "--m", "4", "--schedules", "1f1b", "zb-h1", "--plot", "",
+                       "--json", str(out_json)]) == 0
+    table = capsys.readouterr().out.splitlines()
+
+    def refuse(name):
+        raise AssertionError(f"{name} in the --json output")
+
+    rows = json.loads(out_json.read_text(), parse_constant=refuse)
+    theory = {r["schedule"]: r["theory"] for r in rows}
+    assert theory["zb-h1"] is None and theory["1f1b"] == 1 / 5
+    zb = next(line for line in table if line.split()[1:3] == ["zb-h1", "4"])
+    assert zb.split()[5] == "n/a" and "nan" not in zb.lower()
+    one = next(line for line in table if line.split()[1:3] == ["1f1b", "4"])
+    assert one.split()[5] == "20.0"
