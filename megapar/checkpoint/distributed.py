@@ -315,8 +315,12 @@ def check_model(manifest: dict, config, where) -> list[str]:
     """Raise if the checkpoint holds another model; returns notes on harmless differences."""
 
     ours, theirs = config.to_dict(), dict(manifest["model"])
-    if theirs.get("model_type") == ours.get("model_type"):  # fields added since it was saved
-        theirs = {**config_from_dict(theirs).to_dict(), **theirs}  # take their defaults
+    if theirs.get("model_type") != ours.get("model_type"):  # not a field list: another kind
+        raise CheckpointError(f"{where} holds a {theirs.get('model_type')} model, not a "
+                              f"{ours.get('model_type')}; build the model from the "
+                              f"checkpoint's config (manifest.json \"model\")")
+    theirs = {**config_from_dict(theirs).to_dict(), **theirs}  # fields added since it was
+    # saved take their defaults
     diff = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
     structural = sorted(diff - NON_STRUCTURAL)
     if structural:
