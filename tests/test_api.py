@@ -626,3 +626,14 @@ def test_a_failed_api_ranks_status_says_what_it_was_doing(run, where, status):
         rank_status._state.update(saved)
     assert f"--- rank 1: {status}\n" in str(info.value) + "\n" or \
         f"--- rank 1: {status} [exited]" in str(info.value), str(info.value)
+
+
+def test_prepare_outside_a_launch_names_the_processes_it_needs(monkeypatch):
+    """One process asking for tp 2 x pp 2: the error is in the API's terms (megapar.launch's
+    nprocs), before any process group or model is built."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    with pytest.raises(megapar.mesh.LayoutError,
+                       match=r"megapar.prepare: tp=2 x cp=1 x pp=2 = 4 ranks per model replica, "
+                             r"but this job runs 1 process; .*megapar.launch\(fn, nprocs=4\)"):
+        megapar.prepare("gpt2-tiny", tp=2, pp=2)

@@ -11,7 +11,8 @@ import torch
 from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
 from megapar.device import DEFAULT_TIMEOUT_S
 from megapar.faults.status import set_action, set_step
-from megapar.mesh import Mesh, same_on_all_ranks
+from megapar.launcher import launched_world_size
+from megapar.mesh import LayoutError, Mesh, same_on_all_ranks
 from megapar.models.config import ConfigError, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
@@ -100,6 +101,13 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
                       recompute=recompute, precision=precision, zero=zero, optimizer=optimizer,
                       lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, seed=seed,
                       timeout_s=timeout_s or DEFAULT_TIMEOUT_S, progress=False, **options)
+    split, world = cfg.tp * cfg.cp * cfg.pp, launched_world_size()
+    if cfg.dp is None and world % split:  # what Mesh would refuse, in the API's terms
+        raise LayoutError(f"megapar.prepare: tp={cfg.tp} x cp={cfg.cp} x pp={cfg.pp} = {split} "
+                          f"ranks per model replica, but this job runs {world} process"
+                          f"{'es' if world > 1 else ''}; call prepare on every rank inside the "
+                          f"function megapar.launch(fn, nprocs={split}) runs (or a multiple of "
+                          f"{split}), or under torchrun")
     if isinstance(lr_schedule, dict):
         fields = {"min_lr": 0.0, "warmup_steps": 0, "decay": "cosine", **lr_schedule}
         lr_schedule = LRScheduler(Engine.scaled_lr(cfg), **fields)
