@@ -637,3 +637,19 @@ def test_prepare_outside_a_launch_names_the_processes_it_needs(monkeypatch):
                        match=r"megapar.prepare: tp=2 x cp=1 x pp=2 = 4 ranks per model replica, "
                              r"but this job runs 1 process; .*megapar.launch\(fn, nprocs=4\)"):
         megapar.prepare("gpt2-tiny", tp=2, pp=2)
+
+
+def test_prepare_names_an_architecture_it_does_not_build():
+    """An OPT model is not 'a head megapar does not train': the error says megapar does not
+    build OPT, and which models it trains."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from megapar.models.config import ConfigError
+
+    opt = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                                   ffn_dim=32, num_attention_heads=2, word_embed_proj_dim=16,
+                                   max_position_embeddings=16))
+    with pytest.raises(ConfigError,
+                       match=r"prepare: OPTForCausalLM \(model_type 'opt'\) is not a model megapar "
+                             r"builds; it trains GPT2LMHeadModel / BertForMaskedLM"):
+        megapar.prepare(opt)

@@ -27,6 +27,10 @@ def _resolve_model(model):
         return resolve_model(model), None
     if hasattr(model, "state_dict") and hasattr(model, "config"):
         name = type(model).__name__
+        kind = getattr(model.config, "model_type", None)
+        if kind not in ARCHITECTURES:
+            raise ConfigError(f"megapar.prepare: {name} (model_type {kind!r}) is not a model "
+                              f"megapar builds; it trains {' / '.join(LM_CLASSES)}")
         if name not in LM_CLASSES + BASE_CLASSES:
             raise ConfigError(f"megapar.prepare: a {name} has a head megapar does not train (it "
                               f"would be dropped); pass {' / '.join(LM_CLASSES)}, the model "
