@@ -218,6 +218,10 @@ def test_resuming_a_converted_checkpoint_says_why_rng_states_are_missing(tmp_pat
     assert state.notes == ["RNG states not restored: megapar-convert dropped them (they belong "
                            "to the ranks of the old layout); dropout masks differ from an "
                            "uninterrupted run"]
+    # in another layout too: the states were dropped, the layout is not why (pp 4 -> 1)
+    state = load_checkpoint(tmp_path / "pp4", build_stage(tiny_config("gpt2"), mesh, seed=1), mesh)
+    assert state.rng is None and state.notes[0].startswith(
+        "RNG states not restored: megapar-convert dropped them"), state.notes
     # an HF import, and a checkpoint saved without RNG states: one sentence each too
     assert missing_rng_note({"imported_from_hf": "/x", "rng_note": "imported from Hugging "
                              "Face: no RNG states, no optimizer state"}) == (

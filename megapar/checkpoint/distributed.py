@@ -378,12 +378,12 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
         if moments:
             optim[source] = moments
     rng = None
-    if same_layout and rng_record:
-        rng = _read_rng(step_dir / RNG_FILE, mesh.rank)
-    elif not same_layout:
-        notes.append(f"RNG states not restored: checkpoint layout {src} != {mesh.layout}")
-    else:
+    if not rng_record:  # none to restore, in any layout: say why there are none
         notes.append(missing_rng_note(manifest["meta"]))
+    elif same_layout:
+        rng = _read_rng(step_dir / RNG_FILE, mesh.rank)
+    else:
+        notes.append(f"RNG states not restored: checkpoint layout {src} != {mesh.layout}")
     reader.release()
     return LoadedState(optim, manifest["meta"], rng, resharded, manifest["step"], src, step_dir,
                        notes)
