@@ -1,6 +1,6 @@
 """megapar-eval: loss / perplexity of a checkpoint on a dataset, or its logits for given ids.
 
-    megapar-eval --load CKPT --data PREFIX --seq-len 128 --max-batches 8 [--tp 2 --pp 2]
+    megapar-eval --load CKPT --data PREFIX [--seq-len 128] --max-batches 8 [--tp 2 --pp 2]
     megapar-eval --load CKPT --input-ids ids.npy --save-logits logits.npy
 
 Windows are taken in order, unshuffled: window i is tokens [i*seq_len, i*seq_len + seq_len + 1)
@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--data", help="dataset prefix (PREFIX.bin/.idx/.json from megapar-data, or "
                                   "a Megatron-LM MMIDIDX PREFIX.bin/.idx with --tokenizer)")
-    p.add_argument("--seq-len", type=int, help="sequence length of the windows")
+    p.add_argument("--seq-len", type=int, help="sequence length of the windows (default: the "
+                                               "one the checkpoint trained with)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="windows per batch")
     p.add_argument("--max-batches", type=int, default=8, help="number of batches K")
     p.add_argument("--input-ids", help="a [batch, seq] integer .npy file")
@@ -180,13 +181,10 @@ def main(argv=None) -> int:
         print("megapar-eval: error: --save-logits is used only with --input-ids IDS.npy (--data "
               "reports the loss); drop it or give --input-ids", file=sys.stderr)
         return 2
-    elif args.data:
-        if args.seq_len is None:
-            print("megapar-eval: error: --data needs --seq-len", file=sys.stderr)
-            return 2
+    elif args.data:  # --seq-len not given: the checkpoint's (check_eval_args)
         worker = _loss_worker
     else:
-        print("megapar-eval: error: give --data PREFIX --seq-len N, or --input-ids IDS.npy "
+        print("megapar-eval: error: give --data PREFIX [--seq-len N], or --input-ids IDS.npy "
               "--save-logits OUT.npy", file=sys.stderr)
         return 2
 
