@@ -123,18 +123,18 @@ def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
     (tmp_path / "file.txt").write_text("text")
     (tmp_path / "empty").mkdir()
     step = resolve_checkpoint(tmp_path / "ckpt")
-    for path, message in [
-            (tmp_path / "nothere", f"{tmp_path / 'nothere'}: no such directory; pass a "
-                                   f"transformers directory written by save_pretrained"),
-            (tmp_path / "file.txt", f"{tmp_path / 'file.txt'} is a file, not a directory; pass "
-                                    f"the transformers directory written by save_pretrained "
-                                    f"that holds it"),
-            (tmp_path / "empty", f"{tmp_path / 'empty'}: no config.json; expected a transformers "
-                                 f"directory written by save_pretrained"),
-            *[(ck, f"{ck} is a megapar checkpoint, not a transformers directory: pass it to "
-                   f"--load (megapar-train, megapar-eval), reshard it with megapar-convert {ck} "
-                   f"DST --tp N --pp M, or export it with megapar-convert {ck} --to-hf HF_DIR")
-              for ck in (tmp_path / "ckpt", step)]]:
+    nothere, file, empty = tmp_path / "nothere", tmp_path / "file.txt", tmp_path / "empty"
+    cases = [(nothere, (f"{nothere}: no such directory; pass a transformers directory "
+                        f"written by save_pretrained")),
+             (file, (f"{file} is a file, not a directory; pass the transformers directory "
+                     f"written by save_pretrained that holds it")),
+             (empty, (f"{empty}: no config.json; expected a transformers directory written "
+                      f"by save_pretrained"))]
+    cases += [(ck, (f"{ck} is a megapar checkpoint, not a transformers directory: pass it to "
+                    f"--load (megapar-train, megapar-eval), reshard it with megapar-convert {ck} "
+                    f"DST --tp N --pp M, or export it with megapar-convert {ck} --to-hf HF_DIR"))
+              for ck in (tmp_path / "ckpt", step)]
+    for path, message in cases:
         assert main(["--from-hf", str(path), str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err.strip()
         assert err == f"megapar-convert: error: {message}", err
