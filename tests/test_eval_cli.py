@@ -12,6 +12,7 @@ The CLIs are called in-process (`main(argv)`); their workers are forked from thi
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -359,3 +360,17 @@ def test_data_of_another_tokenizer_is_refused_and_seq_len_defaults_to_the_checkp
                      "--max-batches", "1"]) == 0, capsys.readouterr().err
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["tokens"] == 2 * 16 and report["batches"] == 1  # windows of the trained 16
+    # exported and imported back, it records the export's tokenizer.json: another format of
+    # GPT-2's BPE that encodes alike, so the GPT-2 data is its own; once the export is gone,
+    # the recorded sizes still tell the SentencePiece data apart
+    hf, again = tmp_path / "hf", str(tmp_path / "again")
+    assert convert([ckpt, "--to-hf", str(hf)]) == 0
+    assert convert(["--from-hf", str(hf), again, "--no-progress"]) == 0
+    args = ["--load", again, "--seq-len", "16", "--micro-batch-size", "2", "--max-batches", "1"]
+    for _ in ("the export there", "the export gone"):
+        capsys.readouterr()
+        assert evaluate([*args, "--data", gpt2]) == 0, capsys.readouterr().err
+        assert evaluate([*args, "--data", sp]) == 2
+        assert f"--load {again} trained with the tokenizer {hf} (sha256 " in \
+            capsys.readouterr().err
+        shutil.rmtree(hf, ignore_errors=True)  # then: kind, vocabulary size and eod compared

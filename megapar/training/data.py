@@ -34,7 +34,7 @@ from megapar.data.indexed import check_index_magic
 from megapar.data.inputs import expand_inputs, is_raw_text
 from megapar.data.megatron import is_megatron_index
 from megapar.data.preprocess import file_sha256
-from megapar.data.tokenizers import same_tokenizer, tokenizer_files
+from megapar.data.tokenizers import encodes_alike, same_tokenizer, tokenizer_files
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
@@ -199,18 +199,34 @@ def data_tokenizer(cfg: TrainConfig):
 def check_checkpoint_tokenizer(load: str, manifest: dict, tokenizer, data: str,
                                text_tokenizer: str | None = None) -> None:
     """The tokenizer of `data` is the one the --load checkpoint trained with: the same kind and
-    the same files (their sha256, wherever they lie now) as the checkpoint records in meta
-    ``tokenizer``; UsageError naming both and the fix otherwise (the same ids would be other
-    tokens to the model). `text_tokenizer` names the --tokenizer that tokenizes `data` when it
-    is raw text. A checkpoint that records no tokenizer (imported without one, or older) is not
-    checked. megapar-train --load and megapar-eval both call this."""
+    files (their sha256, wherever they lie now) as the checkpoint records in meta
+    ``tokenizer``, or the recorded tokenizer, still as recorded, encodes alike
+    (`encodes_alike`: the same tokenizer in another format, e.g. the tokenizer.json of an
+    export re-imported with --from-hf). A recorded tokenizer that no longer loads as recorded
+    is compared by kind, vocabulary size and end-of-document id only. UsageError naming both
+    and the fix otherwise (the same ids would be other tokens to the model). `text_tokenizer`
+    names the --tokenizer that tokenizes `data` when it is raw text. A checkpoint that records
+    no tokenizer (imported without one, or older) is not checked. megapar-train --load and
+    megapar-eval both call this."""
 
     recorded = (manifest.get("meta") or {}).get("tokenizer")
     if not isinstance(recorded, dict) or not recorded.get("sha256"):
         return
     digests = [file_sha256(p) for p in tokenizer_files(tokenizer)]
-    if tokenizer.kind == recorded.get("kind") and digests == recorded["sha256"]:
+    same_kind = tokenizer.kind == recorded.get("kind")
+    if same_kind and digests == recorded["sha256"]:
         return
+    try:  # the recorded tokenizer as it trained: loadable, its files unchanged
+        trained = load_tokenizer(recorded)
+        if [file_sha256(p) for p in tokenizer_files(trained)] != recorded["sha256"]:
+            trained = None
+    except (OSError, ValueError):
+        trained = None
+    if trained is not None and encodes_alike(trained, tokenizer):
+        return
+    sizes = (recorded.get("vocab_size"), recorded.get("eod_id"))
+    if trained is None and not same_kind and sizes == (tokenizer.vocab_size, tokenizer.eod_id):
+        return  # another format of the same sizes, the recorded files gone: cannot tell apart
     theirs = recorded.get("path")
     if text_tokenizer:
         ours, fix = f"--data {data} is tokenized with {text_tokenizer}", \
