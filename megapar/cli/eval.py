@@ -26,7 +26,6 @@ from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
-from megapar.data.tokenizers import same_tokenizer
 from megapar.device import keep_freed_host_memory
 from megapar.faults.report import log_dir_for, worker_failure
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
@@ -36,6 +35,7 @@ from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
 from megapar.training.config import OneLineParser
+from megapar.training.data import check_given_tokenizer
 from megapar.training.validate import UsageError, check_writable
 from megapar.training.validate_tools import check_eval_args
 
@@ -146,12 +146,9 @@ def _check_ids(args, vocab_size: int) -> None:
     elif args.data:
         indexed = IndexedDataset(args.data, args.tokenizer)
         indexed.check_vocab(vocab_size)
-        if args.tokenizer and os.path.isfile(args.data + ".json") and not same_tokenizer(
-                load_tokenizer(args.tokenizer), load_tokenizer(indexed.tokenizer_spec)):
-            raise ValueError(f"--tokenizer {args.tokenizer} is not the tokenizer --data "
-                             f"{args.data} was made with ({indexed.tokenizer_spec.get('path')}): "
-                             f"a prepared dataset keeps its own; leave --tokenizer out (it is "
-                             f"for a Megatron-LM dataset without megapar's .json)")
+        if args.tokenizer and os.path.isfile(args.data + ".json"):
+            check_given_tokenizer(args.tokenizer, args.data,
+                                  load_tokenizer(indexed.tokenizer_spec))
 
 
 def logits_file(path: str) -> str:

@@ -188,12 +188,21 @@ def data_tokenizer(cfg: TrainConfig):
     given = explicit(cfg) - getattr(cfg, "from_checkpoint", frozenset())
     # a --tokenizer the checkpoint recorded is not compared: `check_checkpoint_tokenizer`
     # compares the data's with the tokenizer the checkpoint trained with (its files' sha256)
-    if "tokenizer" in given and not same_tokenizer(load_tokenizer(cfg.tokenizer), tokenizer):
-        raise ValueError(f"--tokenizer {cfg.tokenizer} is not the tokenizer --data {data} was "
-                         f"made with ({tokenizer.path}): a prepared dataset keeps its own; leave "
-                         f"--tokenizer out, or prepare the data again with megapar-data "
-                         f"--tokenizer {cfg.tokenizer}")
+    if "tokenizer" in given:
+        check_given_tokenizer(cfg.tokenizer, data, tokenizer)
     return indexed.vocab_size, tokenizer
+
+
+def check_given_tokenizer(given: str, data: str, tokenizer) -> None:
+    """A --tokenizer given with a prepared dataset `data` (whose own is `tokenizer`) names the
+    same files (wherever they lie): ValueError naming both otherwise, since the dataset keeps
+    its own. megapar-train and megapar-eval both call this."""
+    if not same_tokenizer(load_tokenizer(given), tokenizer):
+        raise ValueError(f"--tokenizer {given} is not the tokenizer --data {data} was made with "
+                         f"({tokenizer.path}): a prepared dataset keeps its own; leave "
+                         f"--tokenizer out (it is for raw text and a Megatron-LM dataset without "
+                         f"megapar's .json), or prepare the data again with megapar-data "
+                         f"--tokenizer {given}")
 
 
 def check_checkpoint_tokenizer(load: str, manifest: dict, tokenizer, data: str,
