@@ -367,7 +367,7 @@ EARLY = [
     (["--model", "{broken}"], "not valid JSON"),
     (["--model", "{heads}"], "hidden size 32 is not divisible by 5 attention heads"),
     (["--model", "{layers}"], "n_layer=0 must be a whole number >= 1"),
-    (["--from-hf", "{missing}"], "no config.json"),
+    (["--from-hf", "{missing}"], "no such directory"),
 ]
 
 

@@ -116,6 +116,50 @@ def test_cli_usage_errors(tmp_path, capsys):
     assert "--tp 0: a parallel size is at least 1" in capsys.readouterr().err
 
 
+def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
+    """--from-hf of a path that is not a transformers directory: a missing one, a file and a
+    megapar checkpoint (root or step) are each named as such, with what to do instead."""
+    save_serial(tmp_path / "ckpt")
+    (tmp_path / "file.txt").write_text("text")
+    (tmp_path / "empty").mkdir()
+    step = resolve_checkpoint(tmp_path / "ckpt")
+    nothere, file, empty = tmp_path / "nothere", tmp_path / "file.txt", tmp_path / "empty"
+    cases = [(nothere, (f"{nothere}: no such directory; pass a transformers directory "
+                        f"written by save_pretrained")),
+             (file, (f"{file} is a file, not a directory; pass the transformers directory "
+                     f"written by save_pretrained that holds it")),
+             (empty, (f"{empty}: no config.json; expected a transformers directory written "
+                      f"by save_pretrained"))]
+    cases += [(ck, (f"{ck} is a megapar checkpoint, not a transformers directory: pass it to "
+                    f"--load (megapar-train, megapar-eval), reshard it with megapar-convert {ck} "
+                    f"DST --tp N --pp M, or export it with megapar-convert {ck} --to-hf HF_DIR"))
+              for ck in (tmp_path / "ckpt", step)]
+    for path, message in cases:
+        assert main(["--from-hf", str(path), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"megapar-convert: error: {message}", err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("short, full", [("bf16", torch.bfloat16), ("fp16", torch.float16),
+                                         ("fp32", torch.float32)])
+def test_to_hf_dtype_takes_the_short_names(tmp_path, capsys, short, full):
+    """--dtype bf16 / fp16 / fp32 (the names --precision takes) are bfloat16 / float16 /
+    float32."""
+    from safetensors.torch import load_file
+
+    save_serial(tmp_path / "src")
+    assert main([str(tmp_path / "src"), "--to-hf", str(tmp_path / "hf"), "--dtype", short]) == 0
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {full}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == \
+        str(full).removeprefix("torch.")
+    with pytest.raises(SystemExit) as refused:  # argparse's usage error
+        main([str(tmp_path / "src"), "--to-hf", str(tmp_path / "no"), "--dtype", "bf17"])
+    assert refused.value.code == 2
+    assert "invalid choice: 'bf17'" in capsys.readouterr().err
+
+
 def test_a_size_not_given_keeps_the_sources(tmp_path, capsys):
     save_serial(tmp_path / "src")
     assert main([str(tmp_path / "src"), str(tmp_path / "tp2"), "--tp", "2", "--pp", "2",

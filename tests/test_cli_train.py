@@ -289,3 +289,36 @@ def test_the_log_counts_parameters_as_convert_info_and_says_what_padding_adds(tm
     # 1,004 ids padded to 1,024: 20 rows of the tied 32-wide embedding
     assert allocated - real == 20 * 32, line
     assert "the vocabulary of 1,004 padded to 1,024, a multiple of 128 x tp" in line
+
+
+def test_load_checks_the_recorded_tokenizer_and_names_recorded_values(tmp_path, text, capsys):
+    """--load compares the data's tokenizer with the one the checkpoint records (its files'
+    sha256), not with the --tokenizer its train_config records (the default gpt2 when it
+    trained on a prepared dataset, which keeps its own): --load alone resumes on that dataset,
+    other data of the same tokenizer continues with --allow-data-change, data of another
+    tokenizer is refused naming both, and a recorded --data that moved is named as recorded."""
+    from megapar.cli.data import main as data
+
+    sp, sp2, gpt2 = (str(tmp_path / n) for n in ("sp", "sp2", "bpe"))
+    for prefix, tokenizer, chars in ((sp, "sentencepiece", 20_000),
+                                     (sp2, "sentencepiece", 30_000), (gpt2, "gpt2", 20_000)):
+        (tmp_path / "part.txt").write_text(Path(text).read_text()[:chars])
+        assert data(["--input", str(tmp_path / "part.txt"), "--output-prefix", prefix,
+                     "--tokenizer", tokenizer, "--no-progress"]) == 0
+    ck = str(tmp_path / "ck")
+    assert main(["--model", _model(tmp_path), "--data", sp, *TINY, "--max-steps", "1",
+                 "--warmup-steps", "0", "--save", ck]) == 0
+    assert main(["--load", ck, "--max-steps", "2", "--save", ck]) == 0  # was: --tokenizer gpt2
+    assert main(["--load", ck, "--data", sp2, "--allow-data-change", "--max-steps", "3"]) == 0
+    capsys.readouterr()
+    assert main(["--load", ck, "--data", gpt2, "--allow-data-change", "--max-steps", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--tokenizer gpt2" not in err, err
+    assert (f"--load {ck} trained with the tokenizer "
+            f"{asset_path('botchan_en_unigram_1000.model')} (sha256 ") in err, err
+    assert f"--data {gpt2} was made with gpt2: " in err, err
+    os.rename(sp + ".bin", str(tmp_path / "elsewhere.bin"))  # the data moved (in part)
+    assert main(["--load", ck, "--max-steps", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"megapar-train: error: --data {sp} (not given: the value --load {ck} "
+                   f"recorded): sp.bin not found; pass --data with where that data is now"), err

@@ -12,6 +12,7 @@ The CLIs are called in-process (`main(argv)`); their workers are forked from thi
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -184,7 +185,7 @@ def test_eval_loss_on_a_dataset_equals_transformers(tmp_path, corpus, capsys):
 def test_eval_without_data_or_input_ids_exits_2(tmp_path, capsys):
     assert evaluate(["--load", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "give --data PREFIX --seq-len N, or --input-ids IDS.npy" in err
+    assert "give --data PREFIX [--seq-len N], or --input-ids IDS.npy" in err
 
 
 def test_eval_of_a_missing_checkpoint_names_the_path(tmp_path, capsys):
@@ -333,3 +334,43 @@ def test_a_torchrun_world_other_than_tp_x_pp_is_a_usage_error(tiny_ckpt, capsys,
     assert rc == 2
     assert ("torchrun / Slurm started 4 processes but megapar-eval runs on tp x pp = 2 x 1 = 2 "
             "(it has no data parallelism); start 2 or change --tp / --pp") in line
+
+
+def test_data_of_another_tokenizer_is_refused_and_seq_len_defaults_to_the_checkpoints(
+        tmp_path, corpus, capsys):
+    """A checkpoint trained on GPT-2 tokens scores SentencePiece data (ids 0-1003, inside its
+    vocabulary) only to refuse it, as megapar-train --load does (one line naming both
+    tokenizers); on its own data, --seq-len left out is the one it trained with."""
+    sp, _, root = corpus
+    gpt2 = str(tmp_path / "gpt2")
+    assert data_main(["--input", str(root / "sample.txt"), "--output-prefix", gpt2,
+                      "--tokenizer", "gpt2", "--split-lines", "--no-progress"]) == 0
+    ckpt = str(tmp_path / "ckpt")
+    assert train(["--model", "gpt2-tiny", "--data", gpt2, "--seq-len", "16",
+                  "--micro-batch-size", "2", "--global-batch-size", "2", "--max-steps", "1",
+                  "--eval-interval", "0", "--save", ckpt, "--no-progress"]) == 0
+    capsys.readouterr()
+    rc = evaluate(["--load", ckpt, "--data", sp, "--seq-len", "16", "--max-batches", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"--load {ckpt} trained with the tokenizer gpt2 (sha256 " in err, err
+    assert f"--data {sp} was made with {asset_path('botchan_en_unigram_1000.model')}" in err, err
+    assert err.endswith("use data made with megapar-data --tokenizer gpt2"), err
+    assert evaluate(["--load", ckpt, "--data", gpt2, "--micro-batch-size", "2",
+                     "--max-batches", "1"]) == 0, capsys.readouterr().err
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["tokens"] == 2 * 16 and report["batches"] == 1  # windows of the trained 16
+    # exported and imported back, it records the export's tokenizer.json: another format of
+    # GPT-2's BPE that encodes alike, so the GPT-2 data is its own; once the export is gone,
+    # the recorded sizes still tell the SentencePiece data apart
+    hf, again = tmp_path / "hf", str(tmp_path / "again")
+    assert convert([ckpt, "--to-hf", str(hf)]) == 0
+    assert convert(["--from-hf", str(hf), again, "--no-progress"]) == 0
+    args = ["--load", again, "--seq-len", "16", "--micro-batch-size", "2", "--max-batches", "1"]
+    for _ in ("the export there", "the export gone"):
+        capsys.readouterr()
+        assert evaluate([*args, "--data", gpt2]) == 0, capsys.readouterr().err
+        assert evaluate([*args, "--data", sp]) == 2
+        assert f"--load {again} trained with the tokenizer {hf} (sha256 " in \
+            capsys.readouterr().err
+        shutil.rmtree(hf, ignore_errors=True)  # then: kind, vocabulary size and eod compared

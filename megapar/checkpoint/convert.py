@@ -287,6 +287,13 @@ def import_hf(hf_dir, dst, tp: int, pp: int, dp: int = 1, seed: int = 0,
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes an export can write its weights in."""
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""The short names (--precision's) an export's dtype may also be given by."""
+
+
+def export_dtype(name: str) -> str:
+    """An export dtype's full name: a short name (bf16, fp16, fp32) is its alias."""
+    return DTYPE_ALIASES.get(name, name)
 
 
 def export_hf(src, hf_dir, overwrite: bool = False, tokenizer=None,
@@ -305,8 +312,10 @@ def export_hf(src, hf_dir, overwrite: bool = False, tokenizer=None,
         raise CheckpointError(f"{hf_dir} already holds an exported model ({', '.join(existing)})"
                               f"; pass --overwrite to replace those files (other files there "
                               f"are kept)")
-    if dtype is not None and dtype not in EXPORT_DTYPES:
-        raise CheckpointError(f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)}")
+    if dtype is not None and export_dtype(dtype) not in EXPORT_DTYPES:
+        raise CheckpointError(f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)} "
+                              f"(or {', '.join(DTYPE_ALIASES)})")
+    dtype = None if dtype is None else export_dtype(dtype)
     check_output(hf_dir, into=True)
     manifest = verify(step_dir)
     config = config_from_dict(manifest["model"])

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from megapar.checkpoint.format import CheckpointError, open_safetensors
+from megapar.checkpoint.publish import has_checkpoint
 from megapar.data.hf_tokenizer import SPECIAL_ROLES, save_for_transformers
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import (
@@ -71,6 +72,21 @@ def _load_pickled_weights(path: Path) -> dict:
     return state
 
 
+def _not_transformers(path: Path) -> str:
+    """Why `path`, which has no config.json, is not a transformers directory, and the fix."""
+    if not path.exists():
+        return (f"{path}: no such directory; pass a transformers directory written by "
+                f"save_pretrained")
+    if not path.is_dir():
+        return (f"{path} is a file, not a directory; pass the transformers directory written "
+                f"by save_pretrained that holds it")
+    if has_checkpoint(path):
+        return (f"{path} is a megapar checkpoint, not a transformers directory: pass it to "
+                f"--load (megapar-train, megapar-eval), reshard it with megapar-convert {path} "
+                f"DST --tp N --pp M, or export it with megapar-convert {path} --to-hf HF_DIR")
+    return f"{path}: no config.json; expected a transformers directory written by save_pretrained"
+
+
 class HFReader:
     """Lazy access to the tensors of a local transformers directory (no network)."""
 
@@ -78,8 +94,7 @@ class HFReader:
         self.path = Path(path)
         cfg = self.path / "config.json"
         if not cfg.exists():
-            raise FileNotFoundError(f"{self.path}: no config.json; expected a transformers "
-                                    f"directory written by save_pretrained")
+            raise FileNotFoundError(_not_transformers(self.path))
         raw = json.loads(cfg.read_text())
         self.config = config_from_dict(raw)
         self._saved_dtype = raw.get("dtype") or raw.get("torch_dtype")

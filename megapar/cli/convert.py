@@ -54,9 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-other-tokenizer", action="store_true",
                    help="--to-hf: export --tokenizer even though it is not the tokenizer the "
                         "checkpoint trained with")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="--to-hf: the dtype of the exported weights (default: the dtype of the "
-                        "Hugging Face model the checkpoint came from, else float32)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], type=_dtype,
+                   help="--to-hf: the dtype of the exported weights, or its short name bf16, "
+                        "fp16, fp32 (default: the dtype of the Hugging Face model the "
+                        "checkpoint came from, else float32)")
     p.add_argument("--info", metavar="CKPT", help="print a summary of a checkpoint")
     p.add_argument("--tensors", action="store_true", help="with --info: list every tensor")
     p.add_argument("--fast", action="store_true", help="with --info: check file sizes only, "
@@ -66,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
+
+
+def _dtype(name: str) -> str:
+    """--dtype's value: a short name (bf16, fp16, fp32, as --precision takes) is its alias."""
+    from megapar.checkpoint.convert import export_dtype
+
+    return export_dtype(name)
 
 
 def _need(args, n: int, usage: str) -> list[str]:

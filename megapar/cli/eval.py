@@ -1,6 +1,6 @@
 """megapar-eval: loss / perplexity of a checkpoint on a dataset, or its logits for given ids.
 
-    megapar-eval --load CKPT --data PREFIX --seq-len 128 --max-batches 8 [--tp 2 --pp 2]
+    megapar-eval --load CKPT --data PREFIX [--seq-len 128] --max-batches 8 [--tp 2 --pp 2]
     megapar-eval --load CKPT --input-ids ids.npy --save-logits logits.npy
 
 Windows are taken in order, unshuffled: window i is tokens [i*seq_len, i*seq_len + seq_len + 1)
@@ -26,7 +26,6 @@ from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
-from megapar.data.tokenizers import same_tokenizer
 from megapar.device import keep_freed_host_memory
 from megapar.faults.report import log_dir_for, worker_failure
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
@@ -36,6 +35,7 @@ from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
 from megapar.training.config import OneLineParser
+from megapar.training.data import check_given_tokenizer
 from megapar.training.validate import UsageError, check_writable
 from megapar.training.validate_tools import check_eval_args
 
@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--data", help="dataset prefix (PREFIX.bin/.idx/.json from megapar-data, or "
                                   "a Megatron-LM MMIDIDX PREFIX.bin/.idx with --tokenizer)")
-    p.add_argument("--seq-len", type=int, help="sequence length of the windows")
+    p.add_argument("--seq-len", type=int, help="sequence length of the windows (default: the "
+                                               "one the checkpoint trained with)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="windows per batch")
     p.add_argument("--max-batches", type=int, default=8, help="number of batches K")
     p.add_argument("--input-ids", help="a [batch, seq] integer .npy file")
@@ -145,12 +146,9 @@ def _check_ids(args, vocab_size: int) -> None:
     elif args.data:
         indexed = IndexedDataset(args.data, args.tokenizer)
         indexed.check_vocab(vocab_size)
-        if args.tokenizer and os.path.isfile(args.data + ".json") and not same_tokenizer(
-                load_tokenizer(args.tokenizer), load_tokenizer(indexed.tokenizer_spec)):
-            raise ValueError(f"--tokenizer {args.tokenizer} is not the tokenizer --data "
-                             f"{args.data} was made with ({indexed.tokenizer_spec.get('path')}): "
-                             f"a prepared dataset keeps its own; leave --tokenizer out (it is "
-                             f"for a Megatron-LM dataset without megapar's .json)")
+        if args.tokenizer and os.path.isfile(args.data + ".json"):
+            check_given_tokenizer(args.tokenizer, args.data,
+                                  load_tokenizer(indexed.tokenizer_spec))
 
 
 def logits_file(path: str) -> str:
@@ -180,13 +178,10 @@ def main(argv=None) -> int:
         print("megapar-eval: error: --save-logits is used only with --input-ids IDS.npy (--data "
               "reports the loss); drop it or give --input-ids", file=sys.stderr)
         return 2
-    elif args.data:
-        if args.seq_len is None:
-            print("megapar-eval: error: --data needs --seq-len", file=sys.stderr)
-            return 2
+    elif args.data:  # --seq-len not given: the checkpoint's (check_eval_args)
         worker = _loss_worker
     else:
-        print("megapar-eval: error: give --data PREFIX --seq-len N, or --input-ids IDS.npy "
+        print("megapar-eval: error: give --data PREFIX [--seq-len N], or --input-ids IDS.npy "
               "--save-logits OUT.npy", file=sys.stderr)
         return 2
 

@@ -27,11 +27,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from megapar.data.assets import asset_path, moved_asset
-from megapar.data.hf_tokenizer import load_hf_tokenizer
+from megapar.data.hf_tokenizer import SAMPLE_TEXTS, load_hf_tokenizer
 from megapar.data.tokenizer import APPENDED_ORDER, PROBE_TEXT, SpecialTokens, Tokenizer
 
 __all__ = ["APPENDED_ORDER", "PROBE_TEXT", "SpecialTokens", "Tokenizer", "asset_path",
-           "load_tokenizer", "same_tokenizer", "tokenizer_files"]
+           "load_tokenizer", "same_tokenizer", "tokenizer_files", "encodes_alike"]
 
 
 def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
@@ -119,6 +119,18 @@ def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
     if a.kind != b.kind or len(files_a) != len(files_b):
         return False
     return all(_digest(x) == _digest(y) for x, y in zip(files_a, files_b))
+
+
+def encodes_alike(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers give the same ids, whatever their files' format (e.g. GPT-2's BPE
+    and the tokenizer.json an export made of it): the same vocabulary size and end-of-document
+    id, and the same ids for `SAMPLE_TEXTS` and 4,000 characters of the shipped Shakespeare
+    sample."""
+    if (a.vocab_size, a.eod_id) != (b.vocab_size, b.eod_id):
+        return False
+    with open(asset_path("shakespeare_sample.txt"), encoding="utf-8") as f:
+        texts = [*SAMPLE_TEXTS, f.read(4000)]
+    return all(a.encode(text) == b.encode(text) for text in texts)
 
 
 def _digest(path: str) -> bytes:

@@ -33,7 +33,8 @@ from megapar.data.blended import BlendedDataset, data_paths, parse_blend
 from megapar.data.indexed import check_index_magic
 from megapar.data.inputs import expand_inputs, is_raw_text
 from megapar.data.megatron import is_megatron_index
-from megapar.data.tokenizers import same_tokenizer
+from megapar.data.preprocess import file_sha256
+from megapar.data.tokenizers import encodes_alike, same_tokenizer, tokenizer_files
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
@@ -42,6 +43,7 @@ from megapar.training.validate import (
     checkpoint_manifest,
     explicit,
     model_from_checkpoint,
+    named,
 )
 
 DEFAULT_TEXT = "shakespeare_sample.txt"
@@ -120,9 +122,13 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
         return data
     missing = missing_files(data)
     if missing:
+        names = ", ".join(os.path.basename(m) for m in missing)
+        if "data" in getattr(cfg, "from_checkpoint", ()):  # moved since: the user gave no --data
+            raise FileNotFoundError(f"{named(cfg, 'data', data)}: {names} not found; pass "
+                                    f"--data with where that data is now")
         raise FileNotFoundError(
-            f"--data {data}: {', '.join(os.path.basename(m) for m in missing)} not found; pass "
-            f"the prefix written by `megapar-data --output-prefix`, or a raw .txt file")
+            f"--data {data}: {names} not found; pass the prefix written by `megapar-data "
+            f"--output-prefix`, or a raw .txt file")
     return data
 
 
@@ -179,13 +185,70 @@ def data_tokenizer(cfg: TrainConfig):
                          f"{indexed.tokenizer_spec.get('path')}, which does not load now: {exc} "
                          f"(a prepared dataset keeps the tokenizer it was made with; --tokenizer "
                          f"does not replace it)") from None
-    if "tokenizer" in explicit(cfg) and not same_tokenizer(load_tokenizer(cfg.tokenizer),
-                                                           tokenizer):
-        raise ValueError(f"--tokenizer {cfg.tokenizer} is not the tokenizer --data {data} was "
-                         f"made with ({tokenizer.path}): a prepared dataset keeps its own; leave "
-                         f"--tokenizer out, or prepare the data again with megapar-data "
-                         f"--tokenizer {cfg.tokenizer}")
+    given = explicit(cfg) - getattr(cfg, "from_checkpoint", frozenset())
+    # a --tokenizer the checkpoint recorded is not compared: `check_checkpoint_tokenizer`
+    # compares the data's with the tokenizer the checkpoint trained with (its files' sha256)
+    if "tokenizer" in given:
+        check_given_tokenizer(cfg.tokenizer, data, tokenizer)
     return indexed.vocab_size, tokenizer
+
+
+def check_given_tokenizer(given: str, data: str, tokenizer) -> None:
+    """A --tokenizer given with a prepared dataset `data` (whose own is `tokenizer`) names the
+    same files (wherever they lie): ValueError naming both otherwise, since the dataset keeps
+    its own. megapar-train and megapar-eval both call this."""
+    if not same_tokenizer(load_tokenizer(given), tokenizer):
+        raise ValueError(f"--tokenizer {given} is not the tokenizer --data {data} was made with "
+                         f"({tokenizer.path}): a prepared dataset keeps its own; leave "
+                         f"--tokenizer out (it is for raw text and a Megatron-LM dataset without "
+                         f"megapar's .json), or prepare the data again with megapar-data "
+                         f"--tokenizer {given}")
+
+
+def check_checkpoint_tokenizer(load: str, manifest: dict, tokenizer, data: str,
+                               text_tokenizer: str | None = None) -> None:
+    """The tokenizer of `data` is the one the --load checkpoint trained with: the same kind and
+    files (their sha256, wherever they lie now) as the checkpoint records in meta
+    ``tokenizer``, or the recorded tokenizer, still as recorded, encodes alike
+    (`encodes_alike`: the same tokenizer in another format, e.g. the tokenizer.json of an
+    export re-imported with --from-hf). A recorded tokenizer that no longer loads as recorded
+    is compared by kind, vocabulary size and end-of-document id only. UsageError naming both
+    and the fix otherwise (the same ids would be other tokens to the model). `text_tokenizer`
+    names the --tokenizer that tokenizes `data` when it is raw text. A checkpoint that records
+    no tokenizer (imported without one, or older) is not checked. megapar-train --load and
+    megapar-eval both call this."""
+
+    recorded = (manifest.get("meta") or {}).get("tokenizer")
+    if not isinstance(recorded, dict) or not recorded.get("sha256"):
+        return
+    digests = [file_sha256(p) for p in tokenizer_files(tokenizer)]
+    same_kind = tokenizer.kind == recorded.get("kind")
+    if same_kind and digests == recorded["sha256"]:
+        return
+    try:  # the recorded tokenizer as it trained: loadable, its files unchanged
+        trained = load_tokenizer(recorded)
+        if [file_sha256(p) for p in tokenizer_files(trained)] != recorded["sha256"]:
+            trained = None
+    except (OSError, ValueError):
+        trained = None
+    if trained is not None and encodes_alike(trained, tokenizer):
+        return
+    sizes = (recorded.get("vocab_size"), recorded.get("eod_id"))
+    if trained is None and not same_kind and sizes == (tokenizer.vocab_size, tokenizer.eod_id):
+        return  # another format of the same sizes, the recorded files gone: cannot tell apart
+    theirs = recorded.get("path")
+    if text_tokenizer:
+        ours, fix = f"--data {data} is tokenized with {text_tokenizer}", \
+            f"pass --tokenizer {theirs}"
+    else:
+        ours, fix = f"--data {data} was made with {tokenizer.path}", \
+            f"use data made with megapar-data --tokenizer {theirs}"
+    same_path = str(tokenizer.path) == str(theirs)
+    raise UsageError(
+        f"--load {load} trained with the tokenizer {theirs} (sha256 "
+        f"{','.join(d[:12] for d in recorded['sha256'])}) but {ours}"
+        f"{' (sha256 ' + ','.join(d[:12] for d in digests) + ', changed since)' if same_path else ''}"
+        f": its token ids would be other tokens to the model; {fix}")
 
 
 def max_samples(cfg: TrainConfig, model_type: str) -> int:
@@ -318,6 +381,10 @@ def resolve_model(cfg: TrainConfig, notes: list[str] | None = None,
         return resolve_model_config(cfg, _own_vocab(cfg, manifest), cfg.tokenizer,
                                     manifest=manifest, notes=notes)
     vocab_size, tokenizer = data_tokenizer(cfg)
+    if manifest is not None:
+        data = _text_or_prefix(cfg, data_paths(cfg.data)[0])
+        check_checkpoint_tokenizer(cfg.load, manifest, tokenizer, data,
+                                   named(cfg, "tokenizer") if is_raw_text(data) else None)
     gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
     return resolve_model_config(cfg, vocab_size, str(tokenizer.path), gpt_vocab, manifest,
                                 notes, {"bos_token_id": tokenizer.bos_id,

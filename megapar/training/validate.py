@@ -423,11 +423,12 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
     schedule of the learning rate, --max-steps, ...), so `--load CKPT` alone resumes the run it
     came from; layout and output flags are never taken. Returns a note listing what was taken."""
     saved = (manifest.get("meta") or {}).get("train_config") or {}
-    given, taken = explicit(cfg), []
+    given, taken, inherited = explicit(cfg), [], set()
     for f in dataclasses.fields(cfg):
         name = f.name
         if name in NOT_INHERITED or name in given or name not in saved:
             continue
+        inherited.add(name)
         value = saved[name]
         if name == "data" and value is not None and not _data_exists(value):
             shown = value if isinstance(value, str) else " ".join(map(str, value))
@@ -438,7 +439,19 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
             taken.append(f"{_flag(name)} {value}")
         given.add(name)
     cfg.explicit = frozenset(given)
+    cfg.from_checkpoint = frozenset(inherited)  # named as such in error messages (`named`)
     return [f"from the checkpoint (not given): {', '.join(taken)}"] if taken else []
+
+
+def named(cfg, name: str, value=None) -> str:
+    """A setting as an error message names it: ``--data X``, and for a value the --load
+    checkpoint recorded (the user gave none) ``--data X (not given: the value --load CK
+    recorded)``, so the message does not blame a flag the user never typed."""
+    value = getattr(cfg, name) if value is None else value
+    shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+    if name in getattr(cfg, "from_checkpoint", ()):
+        return f"{_flag(name)} {shown} (not given: the value --load {cfg.load} recorded)"
+    return f"{_flag(name)} {shown}"
 
 def _data_exists(data) -> bool:
     """Whether every path of a saved --data (one path, or a blend's WEIGHT PATH list) exists."""

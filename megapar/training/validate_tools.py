@@ -12,14 +12,14 @@ import math
 
 import numpy as np
 
-from megapar.data import IndexedDataset
+from megapar.data import IndexedDataset, load_tokenizer
 from megapar.launcher import check_local_workers
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.bubble import bench_config
-from megapar.training.data import missing_files
+from megapar.training.data import check_checkpoint_tokenizer, missing_files
 from megapar.training.validate import (
     UsageError,
     _flag,
@@ -43,6 +43,11 @@ def check_eval_args(args) -> dict:
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
     positions = config.max_positions
+    if args.data and args.seq_len is None:  # the checkpoint's, as megapar-train --load takes it
+        args.seq_len = ((manifest.get("meta") or {}).get("train_config") or {}).get("seq_len")
+        if args.seq_len is None:
+            raise UsageError(f"--data needs --seq-len: --load {args.load} records no sequence "
+                             f"length (it was not trained by megapar-train); give --seq-len N")
     if args.seq_len and args.seq_len > positions:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
                          f"lower --seq-len")
@@ -52,7 +57,10 @@ def check_eval_args(args) -> dict:
             raise UsageError(f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
                              f"written by megapar-data --output-prefix (or a Megatron-LM "
                              f"dataset's, with --tokenizer)")
-        windows = (IndexedDataset(args.data, args.tokenizer).num_tokens - 1) // args.seq_len
+        indexed = IndexedDataset(args.data, args.tokenizer)
+        check_checkpoint_tokenizer(args.load, manifest, load_tokenizer(indexed.tokenizer_spec),
+                                   args.data)
+        windows = (indexed.num_tokens - 1) // args.seq_len
         if config.model_type in CAUSAL_LM_TYPES and windows < args.micro_batch_size:
             raise UsageError(f"--data {args.data} has {windows} windows of {args.seq_len + 1} "
                              f"tokens, fewer than one batch of --micro-batch-size "
