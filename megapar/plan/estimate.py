@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from megapar.context_parallel import method_for
 from megapar.models.flops import (
@@ -356,23 +356,29 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     cp_f, cp_b = cp_layer_seconds(p, c, tokens * fl.attention / rate)
     cp_b += cp_f if c.recompute != "none" else 0.0
     extra = {"none": 0.0, "selective": fl.attention, "full": fl.layer()}[c.recompute]
-    out = []
-    for stage in range(c.pp):
-        row = []
-        for spec in chunk_specs(cfg.num_layers, c.pp, stage, c.v, placement_of(c.schedule)):
-            k, head = len(spec.layers), fl.head if spec.post_process else 0.0
-            f = tokens * (k * fl.layer() + head)
-            w = tokens * (k * fl.block + head)
-            bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head)
-            emb_comm = ring * half if spec.pre_process else 0.0   # the vocab-parallel lookup
-            head_f = ring * 0.5 if spec.post_process and c.sp else 0.0  # SP: gather for it
-            head_b = ring * half if spec.post_process else 0.0    # its input's gradient
-            row.append(ChunkTime(f / rate + k * (tp_fwd + cp_f) + emb_comm + head_f,
-                                 bi / rate + k * (tp_bwd + cp_b) + head_b, w / rate,
-                                 f + bi + w, k * (tp_fwd + tp_bwd) + emb_comm + head_f + head_b,
-                                 k * (cp_f + cp_b)))
-        out.append(row)
-    return out
+    def cost(k: int, first: bool, last: bool) -> ChunkTime:
+        head = fl.head if last else 0.0
+        f = tokens * (k * fl.layer() + head)
+        w = tokens * (k * fl.block + head)
+        bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head)
+        emb_comm = ring * half if first else 0.0        # the vocab-parallel lookup's reduction
+        head_f = ring * 0.5 if last and c.sp else 0.0   # SP: its input gathered
+        head_b = ring * half if last else 0.0           # its input's gradient
+        return ChunkTime(f / rate + k * (tp_fwd + cp_f) + emb_comm + head_f,
+                         bi / rate + k * (tp_bwd + cp_b) + head_b, w / rate, f + bi + w,
+                         k * (tp_fwd + tp_bwd) + emb_comm + head_f + head_b, k * (cp_f + cp_b))
+
+    shapes = _chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule))
+    costs = {shape: cost(*shape) for shape in {x for row in shapes for x in row}}
+    return [[costs[x] for x in row] for row in shapes]
+
+
+@lru_cache(maxsize=4096)
+def _chunk_shapes(num_layers: int, pp: int, v: int, placement: str) -> tuple:
+    """Per rank, per model chunk: (blocks, holds the embedding, holds the head)."""
+    return tuple(tuple((len(spec.layers), spec.pre_process, spec.post_process)
+                       for spec in chunk_specs(num_layers, pp, stage, v, placement))
+                 for stage in range(pp))
 
 
 def _bubble(c: Candidate, m: int, times: list[list[ChunkTime]],
@@ -383,13 +389,13 @@ def _bubble(c: Candidate, m: int, times: list[list[ChunkTime]],
     busy = [m * sum(x.total for x in row) for row in times]
     if c.pp == 1:
         return busy[0], 0.0, "no pipeline"
-    costs = tuple(tuple((x.forward, x.backward_input, x.backward_weight) for x in row)
-                  for row in times)
-    step = pipeline.simulated_step(c.schedule, c.pp, m, c.v, costs) if simulate else None
+    step = pipeline.simulated_step(c.schedule, c.pp, m, c.v, tuple(
+        tuple((x.forward, x.backward_input, x.backward_weight) for x in row)
+        for row in times)) if simulate else None
     if step is not None:
         source = "simulated"
     else:
-        worst = max(times, key=lambda row: sum(x.total for x in row))
+        worst = times[busy.index(max(busy))]
         f, bi, w = (sum(getattr(x, a) for x in worst)
                     for a in ("forward", "backward_input", "backward_weight"))
         step = max(busy) / (1 - pipeline.formula_bubble(c.schedule, c.pp, m, c.v, f, bi, w))
