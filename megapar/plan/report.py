@@ -117,7 +117,8 @@ def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
             f"{'yes' if e.fits else 'no':>4} {100 * e.bubble:>8.1f}%{src} "
             f"{100 * e.comm_share:>4.0f}% {e.step_s:>8.3f} {e.tokens_per_s:>10.0f} "
             f"{100 * e.mfu:>4.1f}% {'yes' if not runnable(e, master_weights) else 'no':>5}")
-    lines.append("bubble: s = simulated on megapar's schedule simulator, f = published formula "
+    lines.append("bubble: the ranks' idle share of the step, averaged (uneven stages included); "
+                 "s = simulated on megapar's schedule simulator, f = published formula "
                  "(schedule not in megapar, or too many actions to simulate); mem = most loaded "
                  "rank: state + activations + transient buffers (--explain); today = "
                  "megapar-train can run it now")
