@@ -322,3 +322,28 @@ def test_load_checks_the_recorded_tokenizer_and_names_recorded_values(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert err == (f"megapar-train: error: --data {sp} (not given: the value --load {ck} "
                    f"recorded): sp.bin not found; pass --data with where that data is now"), err
+
+
+def test_the_logged_mfu_counts_the_model_s_matmuls(tmp_path, text, cache):
+    """TFLOP/s and MFU in the log are tokens/s x `training_flops_per_token` (SwiGLU's three
+    products, grouped-query k / v, no FLOPs for the untied input embedding's lookup), the count
+    megapar-plan's MFU uses; it was 6 x allocated parameters + 12 L h s, which counted the
+    lookup as a product."""
+    from megapar.models import config_from_dict
+    from megapar.models.flops import training_flops_per_token
+
+    cfg = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 64}
+    model, log = tmp_path / "llama.json", tmp_path / "log.jsonl"
+    model.write_text(json.dumps(cfg))
+    assert main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",
+                 "--model", str(model), "--max-steps", "2", "--log-json", str(log),
+                 "--peak-tflops", "2", *TINY]) == 0
+    config = config_from_dict({**cfg, "vocab_size": 1004})  # the tokenizer's vocabulary
+    steps = [m for m in map(json.loads, log.read_text().splitlines()) if "tflops" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["tflops"] * 1e12 / m["tokens_per_s"] == pytest.approx(
+            training_flops_per_token(config, 32), rel=1e-9)
+        assert m["mfu"] == pytest.approx(m["tflops"] / 2)

@@ -549,3 +549,28 @@ def test_plan_and_dry_run_report_the_same_activations_at_their_defaults(model, c
     scores = json.loads(capsys.readouterr().out)
     assert scores["fused_attention"] is False
     assert scores["memory_gib"]["activations"] > gib["activations"]
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_plan_s_total_is_the_dry_run_s_bytes_plus_the_transient_buffers(recompute):
+    """What a plan shows beyond a dry run's figures is its transient buffers: on the LM head's
+    stage the logits' fp32 gradient (s b x this rank's padded vocabulary x 4 bytes), under
+    recomputation one layer rebuilt. Device bytes besides activations + activations of every
+    rank are the plan's total less those (llama-8b tp 4 sp mbs 2 at 8192 tokens: 64.24 GiB =
+    29.93 + 32.35 + the logits' 1.96)."""
+    from megapar.plan import Candidate, Problem, stage_memory
+    from megapar.tensor_parallel.partition import local_size
+
+    config = resolve_model("gpt2-tiny")
+    cfg = TrainConfig(tp=2, pp=2, dp=1, seq_len=64, micro_batch_size=2, global_batch_size=8,
+                      precision="fp32", recompute=recompute)
+    problem = Problem(config, 4, global_batch=8, seq_len=64, precision="fp32")
+    planned = stage_memory(problem, Candidate(2, 2, 1, 2, recompute=recompute))
+    logits = 64 * 2 * local_size(config.vocab_size, 2, 128) * 4
+    assert planned[1].buffers - planned[0].buffers == logits
+    assert (planned[0].buffers > 0) == (recompute == "full")  # a layer rebuilt in backward
+    reports = dry_run(cfg, config, Layout(2, 2, 1), list(range(4)))
+    assert len(reports) == 4
+    for r in reports:
+        stage = planned[r.pp_rank]
+        assert r.device + r.activations + stage.buffers == pytest.approx(stage.total, abs=1)

@@ -288,7 +288,11 @@ def test_gpt3_175b_on_1024_a100s_at_tp8_pp16():
     layer, sbh = mem.paper_layer_bytes(2048, 1, 12288, 96, 8), 2048 * 12288
     assert none.memory.activations == pytest.approx(16 * (6 * layer + 3 * sbh), rel=1e-3)
     assert full.fits and none.memory.total > 70 * mem.GIB > 2 * full.memory.total
-    assert full.bubble == pytest.approx(15 / (192 + 15)) and full.bubble_source == "simulated"
+    # equal stages idle (p-1)/(m+p-1); here the last stage also runs the LM head (and the first
+    # the embedding's tp reduction), so the others wait on it: more idle, on average
+    equal = pipeline.simulated_step("1f1b", 16, 192, 1, (((1.0, 1.0, 1.0),),) * 16)
+    assert 1 - 192 * 3 / equal == pytest.approx(15 / (192 + 15))
+    assert full.bubble > 15 / (192 + 15) and full.bubble_source == "simulated"
     assert 0.3 < full.mfu < 0.6          # Narayanan et al. report 44-49 % of peak with recompute
     zero = estimate(problem, Candidate(8, 16, 8, 1, "1f1b", 1, "full", False, 1))
     assert zero.memory.optimizer == pytest.approx(full.memory.optimizer / 8)

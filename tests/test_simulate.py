@@ -2,11 +2,12 @@
 
 import pytest
 
-from megapar.pipeline.schedules import Action, gpipe
+from megapar.pipeline.schedules import Action, gpipe, schedule_actions
 from megapar.pipeline.simulate import (
     CommMismatchError,
     Costs,
     DeadlockError,
+    action_times,
     simulate,
     simulate_schedule,
     theoretical_bubble,
@@ -175,3 +176,22 @@ def test_measured_stage_costs_are_each_stages_own():
                                    "bwd_weight_ms": 5})
     assert last == pytest.approx({"fwd_ms": 3, "bwd_ms": 5, "p2p_ms": 0.25, "bwd_input_ms": 2,
                                   "bwd_weight_ms": 3})
+
+
+def test_costs_per_chunk():
+    """A stage's costs may be one per model chunk (the LM head on the last virtual stage makes
+    that chunk dearer): equal chunk costs give the stage's timeline, and a dearer chunk adds
+    its extra work m times to its rank's busy time and lengthens the step."""
+    pp, m, v = 2, 4, 2
+    plain = Costs(1.0, 2.0)
+    same = [[plain, plain] for _ in range(pp)]
+    assert action_times([schedule_actions("interleaved", pp, m, s, v) for s in range(pp)],
+                        same) == action_times(
+        [schedule_actions("interleaved", pp, m, s, v) for s in range(pp)], plain)
+    dear = [[plain, plain], [plain, Costs(2.0, 4.0)]]  # rank 1's chunk 1: the last stage
+    base = bubble_stats(simulate_schedule("interleaved", pp, m, plain, v))
+    head = bubble_stats(simulate_schedule("interleaved", pp, m, dear, v))
+    extra = m * (1.0 + 2.0) / 1e3  # seconds
+    assert head["per_rank"][1]["busy_s"] == pytest.approx(base["per_rank"][1]["busy_s"] + extra)
+    assert head["per_rank"][0]["busy_s"] == pytest.approx(base["per_rank"][0]["busy_s"])
+    assert head["step_time_s"] >= base["step_time_s"] + extra

@@ -297,8 +297,10 @@ def _verify(estimates, problem) -> int:
               file=sys.stderr)
         return 2
 
-    print(f"\nverifying the {len(estimates)} best layouts against dry runs (weights, gradients, "
-          f"optimizer bytes, parameters and modelled activations of every sampled rank):")
+    print(f"\nverifying the {len(estimates)} best layouts against dry runs (parameters, "
+          f"weights, gradients, optimizer bytes, host copies, gathered units, full gradient "
+          f"buffers and modelled activations of every sampled rank; the plan's transient "
+          f"buffers are not in a dry run's report and not compared):")
     failed = False
     for i, e in enumerate(estimates, 1):
         result = verify_layout(problem, e.candidate)

@@ -108,11 +108,14 @@ class _Simulator:
         # Each action's channel and duration, worked out once per (stage, kind, chunk): they
         # depend on nothing else.
         self.channels, self.durations, self.receives = [], [], []
+        self.p2p_ms = [(c[0] if isinstance(c, (list, tuple)) else c).p2p_ms for c in self.costs]
         for stage, (actions, cost) in enumerate(zip(schedules, self.costs)):
             known = {}
             for a in actions:
                 if (a.kind, a.chunk) not in known:
-                    known[a.kind, a.chunk] = (self.channel(stage, a), cost.duration_ms(a.kind))
+                    chunk_cost = cost[a.chunk] if isinstance(cost, (list, tuple)) else cost
+                    known[a.kind, a.chunk] = (self.channel(stage, a),
+                                              chunk_cost.duration_ms(a.kind))
             self.channels.append([known[a.kind, a.chunk][0] for a in actions])
             self.durations.append([known[a.kind, a.chunk][1] for a in actions])
             self.receives.append([a.kind in RECEIVE_KINDS for a in actions])
@@ -151,7 +154,7 @@ class _Simulator:
             self.receives[stage])
         times, events = self.times[stage], self.events
         first = pc = self.pc[stage]
-        clock, p2p_ms = self.clock_ms[stage], self.costs[stage].p2p_ms
+        clock, p2p_ms = self.clock_ms[stage], self.p2p_ms[stage]
         while pc < len(actions):
             action, channel, start = actions[pc], channels[pc], clock
             if receives[pc]:
@@ -220,7 +223,9 @@ def simulate(schedules: list[list[Action]], costs: Costs | list[Costs] | None = 
              placement: str = "loop") -> Timeline:
     """Run `schedules[s]` on stage s for every s; the timeline of the step (times in seconds).
     `costs`: one cost model for every stage, or a list with one per stage (stages that differ,
-    e.g. the last one with the LM head, measured each on its own). The number of chunks per rank
+    e.g. the last one with the LM head, measured each on its own), where a stage's may be a
+    list with one per model chunk (an interleaved rank's chunks differ: the head is on the last
+    virtual stage only; messages take the first chunk's `p2p_ms`). The number of chunks per rank
     is read off the actions; `placement` maps them to virtual stages (see
     `megapar.pipeline.schedules.PLACEMENTS`)."""
     if not schedules:

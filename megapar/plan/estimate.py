@@ -1,19 +1,27 @@
 """Predict one candidate layout: memory of the most loaded rank and the time of one step.
 
-Time model (all per optimizer step, on the slowest pipeline stage):
+Time model (all per optimizer step):
 
-- compute: matmul FLOPs / (peak TFLOP/s x efficiency). Per layer and micro-batch the forward is
-  2 s b (4 h^2 + 2 h f) + 4 s^2 b h FLOPs (QKV, projection, MLP; scores and attention over V),
-  split over tp; the LM head adds 2 s b h V / tp on the last stage. Backward = 2 x forward; full
-  recompute adds a forward of the blocks, selective the attention core (4 s^2 b h / tp).
+- compute: matmul FLOPs / (peak TFLOP/s x efficiency), counted per model chunk of every
+  pipeline rank for what it holds (`chunk_times`): its blocks, the LM head on the chunk with the
+  last virtual stage (rank pp - 1; rank 0 in the V placement of zb-v / dualpipev), the
+  embedding (a lookup: its tp reduction, no matmul) on the first. FLOPs are the models' own
+  (`megapar.models.flops`: SwiGLU and grouped-query attention for Llama, the padded vocabulary
+  shard), this tp rank's share. Backward = 2 x forward, split into B (input gradients, the
+  attention core's whole backward) and W (weight gradients) for zero-bubble schedules; full
+  recompute adds a forward of the blocks to B, selective the attention core.
+- pipeline: the schedule run on megapar's simulator with every chunk's own F / B / W (the step's
+  pipeline part is its makespan: the slowest stage sets it), or, for a schedule megapar does
+  not run or one too large to simulate, the formula's bubble around the busiest rank; the
+  reported bubble is the ranks' idle share of that, averaged (uneven stages included). Plus
+  2 (p-1) activation transfers on the fill / drain critical path (steady-state transfers
+  overlap compute); a stage boundary uses the inter-node link once tp x pp exceeds a node.
 - tensor parallelism: per layer 2 all-reduces of s b h activations in the forward and 2 in the
   backward (with SP: all-gather + reduce-scatter, the same bytes), ring cost 2 (t-1)/t x bytes /
   intra-node bandwidth + 2 (t-1) message latencies, not overlapped (they sit between the
-  matmuls); full recompute repeats
-  the forward's.
-- pipeline: the schedule's bubble from `plan.pipeline` (simulated or formula), plus 2 (p-1)
-  activation transfers on the fill / drain critical path (steady-state transfers overlap
-  compute); a stage boundary uses the inter-node link once tp x pp exceeds a node.
+  matmuls); full recompute repeats the forward's. The embedding adds one forward reduction
+  (SP: a reduce-scatter, half the bytes), the head its input gradient's all-reduce backward
+  (SP: an all-gather forward and a reduce-scatter backward).
 - context parallelism (cp > 1): every per-token cost (FLOPs, activations, tp and pp bytes) is of
   s / cp tokens, and attention's s^2 term is split by cp too (load-balanced chunks). Per layer
   and micro-batch the ring (GPT-2, BERT, multi-head Llama) exchanges cp - 1 K/V blocks forward
@@ -32,24 +40,32 @@ Time model (all per optimizer step, on the slowest pipeline stage):
   between first and last stage (pp > 1) is exposed.
 - the optimizer step, the loss and data loading are not modelled.
 
-MFU counts model FLOPs only (6 N + 12 L h s per token, what megapar-train logs) against
-GPUs x peak; `hw_tflops` adds recomputation (what Narayanan et al. report).
+MFU counts the model's FLOPs (`megapar.models.flops.training_flops_per_token`, what
+megapar-train logs its MFU with) against GPUs x peak; every rank computes at least its share of
+them at peak x efficiency, so MFU <= efficiency. `hw_tflops` adds recomputation (what Narayanan
+et al. report).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from megapar.context_parallel import method_for
+from megapar.models.flops import (
+    head_size,
+    heads,
+    kv_heads_per_rank,
+    matmul_flops,
+    training_flops_per_token,
+)
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import placement_of
 from megapar.plan import memory as mem
 from megapar.plan import pipeline
 from megapar.plan.layouts import Candidate
 from megapar.plan.params import (
-    model_params,
     piece_counts,
     stage_layer_counts,
     stage_params,
@@ -141,25 +157,15 @@ class Estimate:
         return sum(self.comm_s.values()) / self.step_s if self.step_s else 0.0
 
 
-def _layer_flops(c, s: int, b: int) -> float:
-    h, f = c.hidden_size, c.ffn_size
-    return 2 * s * b * (4 * h * h + 2 * h * f) + 4 * s * s * b * h
-
-
 def _heads(cfg) -> int:
-    return cfg.n_head if hasattr(cfg, "n_head") else cfg.num_attention_heads
+    return heads(cfg)
 
 
 def kv_width(cfg, t: int) -> int:
     """Elements per token of this tp rank's keys (as many for values): its kv heads x head size
     (a grouped-query model keeping its kv heads whole when tp does not divide them uses those
-    its query heads need)."""
-    heads = _heads(cfg)
-    kv, head = getattr(cfg, "kv_heads", heads), cfg.hidden_size // heads
-    head = getattr(cfg, "head_size", head)
-    if kv % t == 0:
-        return kv // t * head
-    return ((heads // t - 1) // (heads // kv) + 1) * head
+    its query heads need; the busiest rank's)."""
+    return kv_heads_per_rank(cfg, t) * head_size(cfg)
 
 
 def cp_method(cfg) -> str:
@@ -310,6 +316,93 @@ def _ring(n: int, nbytes: float, gbps: float, latency_us: float = 0.0) -> float:
     return 2 * (n - 1) * (nbytes / n * 8 / (gbps * 1e9) + latency_us * 1e-6)
 
 
+@dataclass(frozen=True)
+class ChunkTime:
+    """Seconds of one micro-batch on one model chunk of one rank."""
+
+    forward: float
+    """F: the forward, its tp and cp communication included."""
+    backward_input: float
+    """B: the input gradient (the attention core's whole backward, recomputation, the
+    backward's communication)."""
+    backward_weight: float
+    """W: the weight gradients (a zero-bubble schedule runs them apart; the others in B)."""
+    flops: float
+    """Matmul FLOPs of F + B + W."""
+    tp: float = 0.0
+    """Of F + B + W, the seconds of tp collectives."""
+    cp: float = 0.0
+    """Of F + B + W, the seconds of cp exchanges not hidden."""
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward_input + self.backward_weight
+
+
+def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
+    """Per pipeline rank, per model chunk, what one micro-batch costs (`ChunkTime`): the
+    chunk's blocks, plus the LM head on the chunk that holds it (the last virtual stage: rank
+    pp - 1, or rank 0 in the V placement) and the embedding's tp reduction on the first; matmul
+    FLOPs (`megapar.models.flops`, this tp rank's share, s / cp tokens) at peak x efficiency."""
+    cfg, b, t, n = p.config, c.mbs, c.tp, c.cp
+    tokens = p.seq_len // n * b                       # this cp rank's tokens
+    fl = matmul_flops(cfg, p.seq_len, t)
+    rate = p.peak_tflops * 1e12 * p.efficiency
+    act = tokens * cfg.hidden_size * p.act_bytes
+    ring = _ring(t, act, p.intra_gbps, p.latency_us)  # one all-reduce of the activations
+    half = 0.5 if c.sp else 1.0                       # SP: an all-gather or reduce-scatter
+    tp_fwd = 2 * ring                                 # per layer (SP: 2 AG + 2 RS, same bytes)
+    tp_bwd = tp_fwd * (2 if c.recompute == "full" else 1)
+    cp_f, cp_b = cp_layer_seconds(p, c, tokens * fl.attention / rate)
+    cp_b += cp_f if c.recompute != "none" else 0.0
+    extra = {"none": 0.0, "selective": fl.attention, "full": fl.layer()}[c.recompute]
+    def cost(k: int, first: bool, last: bool) -> ChunkTime:
+        head = fl.head if last else 0.0
+        f = tokens * (k * fl.layer() + head)
+        w = tokens * (k * fl.block + head)
+        bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head)
+        emb_comm = ring * half if first else 0.0        # the vocab-parallel lookup's reduction
+        head_f = ring * 0.5 if last and c.sp else 0.0   # SP: its input gathered
+        head_b = ring * half if last else 0.0           # its input's gradient
+        return ChunkTime(f / rate + k * (tp_fwd + cp_f) + emb_comm + head_f,
+                         bi / rate + k * (tp_bwd + cp_b) + head_b, w / rate, f + bi + w,
+                         k * (tp_fwd + tp_bwd) + emb_comm + head_f + head_b, k * (cp_f + cp_b))
+
+    shapes = _chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule))
+    costs = {shape: cost(*shape) for shape in {x for row in shapes for x in row}}
+    return [[costs[x] for x in row] for row in shapes]
+
+
+@lru_cache(maxsize=4096)
+def _chunk_shapes(num_layers: int, pp: int, v: int, placement: str) -> tuple:
+    """Per rank, per model chunk: (blocks, holds the embedding, holds the head)."""
+    return tuple(tuple((len(spec.layers), spec.pre_process, spec.post_process)
+                       for spec in chunk_specs(num_layers, pp, stage, v, placement))
+                 for stage in range(pp))
+
+
+def _bubble(c: Candidate, m: int, times: list[list[ChunkTime]],
+            simulate: bool) -> tuple[float, float, str]:
+    """(seconds of the pipeline's micro-batches, idle share of them averaged over ranks,
+    source): the schedule simulated with every chunk's own costs, or, above the simulated size
+    or for a schedule megapar does not run, the formula's bubble around the busiest rank."""
+    busy = [m * sum(x.total for x in row) for row in times]
+    if c.pp == 1:
+        return busy[0], 0.0, "no pipeline"
+    step = pipeline.simulated_step(c.schedule, c.pp, m, c.v, tuple(
+        tuple((x.forward, x.backward_input, x.backward_weight) for x in row)
+        for row in times)) if simulate else None
+    if step is not None:
+        source = "simulated"
+    else:
+        worst = times[busy.index(max(busy))]
+        f, bi, w = (sum(getattr(x, a) for x in worst)
+                    for a in ("forward", "backward_input", "backward_weight"))
+        step = max(busy) / (1 - pipeline.formula_bubble(c.schedule, c.pp, m, c.v, f, bi, w))
+        source = "formula"
+    return step, 1 - sum(busy) / (len(busy) * step), source
+
+
 def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     """The predicted step of candidate `c`; `simulate=False` takes the pipeline bubble and the
     in-flight micro-batches from their formulas, not the schedule (`plan` ranks so first)."""
@@ -320,26 +413,14 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     fits = worst.total <= p.gpu_memory_gb * mem.GIB
     m = p.global_batch // (c.mbs * c.dp)
     rate = p.peak_tflops * 1e12 * p.efficiency
-    per_rank = stage_layer_counts(cfg.num_layers, c.pp, c.v, placement_of(c.schedule))
-    layers = max(per_rank)
-    vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
-    fwd_layer = _layer_flops(cfg, s, b) / (t * n)
-    head = 2 * s * b * h * vocab_local / n
-    attention = 4 * s * s * b * h / (t * n)
-    extra = {"none": 0.0, "selective": attention, "full": fwd_layer}[c.recompute]
-    # slowest stage: the most layers, plus the head if the last stage is among the slowest
-    head_rank = 0 if placement_of(c.schedule) == "v" else -1  # the LM head's stage
-    fwd = layers * fwd_layer + (head if per_rank[head_rank] == layers else 0)
-    bwd = 2 * fwd + layers * extra
+    layers = max(stage_layer_counts(cfg.num_layers, c.pp, c.v, placement_of(c.schedule)))
+    times = chunk_times(p, c)
+    pipe_s, frac, source = _bubble(c, m, times, simulate)
+    busiest = max(times, key=lambda row: sum(x.total for x in row))
+    t_f = sum(x.forward for x in busiest)
+    t_b = sum(x.backward_input + x.backward_weight for x in busiest)
+    compute = m * sum(x.flops for x in busiest) / rate
     act = s // n * b * h * p.act_bytes
-    tp_fwd = layers * 2 * _ring(t, act, p.intra_gbps, p.latency_us)
-    tp_bwd = tp_fwd * (2 if c.recompute == "full" else 1)
-    cp_f, cp_b = cp_layer_seconds(p, c, attention / rate)
-    cp_fwd = layers * cp_f
-    cp_bwd = layers * (cp_b + (cp_f if c.recompute != "none" else 0.0))
-    t_f, t_b = fwd / rate + tp_fwd + cp_fwd, bwd / rate + tp_bwd + cp_bwd
-    frac, source = pipeline.bubble(c.schedule, c.pp, m, c.v, round(t_b / t_f, 1), simulate)
-    pipe_s = m * (t_f + t_b) / (1 - frac)
     one_node = p.gpus <= p.gpus_per_node
     pp_gbps = p.intra_gbps if c.tp * c.pp <= p.gpus_per_node else p.inter_gbps
     dp_gbps = p.intra_gbps if one_node else p.inter_gbps
@@ -359,17 +440,19 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     zero_s = pcie_seconds(worst.master, p.pcie_gbps) if c.offload_optimizer else 0.0
     tied = _ring(2, piece_counts(cfg, t, p.config_json).tied_copy * 4, pp_gbps, p.latency_us) \
         if c.pp > 1 else 0.0
-    comm = {"tp": m * (tp_fwd + tp_bwd) / (1 - frac), "pp": p2p + tied, "dp": dp_exposed}
+    stretch = m / (1 - frac)  # the busiest rank's share of the pipeline, bubble included
+    comm = {"tp": stretch * sum(x.tp for x in busiest), "pp": p2p + tied, "dp": dp_exposed}
     if c.offload_optimizer:
         comm["host"] = zero_s
     if n > 1:
-        comm["cp"] = m * (cp_fwd + cp_bwd) / (1 - frac)
+        comm["cp"] = stretch * sum(x.cp for x in busiest)
     step = pipe_s + p2p + dp_exposed + zero_s + tied
     tokens = p.global_batch * s
 
-    model_flops = tokens * (6 * model_params(cfg, p.config_json) + 12 * cfg.num_layers * h * s)
-    recompute_flops = tokens * cfg.num_layers * {"none": 0.0, "selective": 4 * s * h,
-                                                 "full": _layer_flops(cfg, s, 1) / s}[c.recompute]
-    return Estimate(c, worst, fits, step, m * (fwd + bwd) / rate, frac, source, comm,
-                    tokens / step, model_flops / (step * p.gpus * p.peak_tflops * 1e12),
-                    (model_flops + recompute_flops) / (step * p.gpus) / 1e12)
+    model = training_flops_per_token(cfg, s)
+    whole = matmul_flops(cfg, s, 1, padded=False)
+    recompute_flops = tokens * cfg.num_layers * {"none": 0.0, "selective": whole.attention,
+                                                 "full": whole.layer()}[c.recompute]
+    return Estimate(c, worst, fits, step, compute, frac, source, comm,
+                    tokens / step, tokens * model / (step * p.gpus * p.peak_tflops * 1e12),
+                    (tokens * model + recompute_flops) / (step * p.gpus) / 1e12)

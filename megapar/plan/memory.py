@@ -154,7 +154,10 @@ class MemoryBreakdown:
     in_flight: int
     """Peak micro-batches in flight on this stage (from the schedule)."""
     buffers: float
-    """Pipeline send / receive buffers and the stage output kept for backward."""
+    """Transient bytes at the peak that are not kept for the backward: the fp32 gradient of the
+    logits on the stage with the LM head, one layer's activations rebuilt under recomputation,
+    context parallelism's K/V blocks in flight (`estimate.stage_memory`). A dry run does not
+    list them; pipeline messages are in `activations`."""
     master: float = 0.0
     """--offload-optimizer: host copies of the stepped tensors and their gradients."""
     gathered: float = 0.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from functools import lru_cache
 
 from megapar.pipeline import messages, schedules
@@ -97,6 +98,35 @@ def _simulated(schedules, bwd_ratio: float, v: int, name: str) -> float:
         kwargs["placement"] = getattr(sched, "placement_of", lambda n: "loop")(name)
     timeline = sim.simulate(schedules, sim.Costs(**costs), **kwargs)
     return float(bubble_stats(timeline)["measured_bubble"])
+
+
+RESOLUTION = 1e-3
+"""`simulated_step` rounds every cost up to this share of the longest chunk's forward (so that
+layouts whose costs differ by less share one simulation; never down: the step is not
+underestimated)."""
+
+
+def simulated_step(name: str, pp: int, m: int, v: int, costs) -> float | None:
+    """Seconds of the schedule's micro-batches on megapar's simulator, each model chunk of each
+    rank at its own cost: `costs[stage][chunk]` = (F, B, W) seconds of one micro-batch (a
+    schedule that does not split the backward runs B + W in one); None for a schedule megapar
+    does not run, or above `MAX_SIMULATED_ACTIONS` forwards."""
+    if not (_registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS):
+        return None
+    unit = max(f for row in costs for f, _, _ in row) * RESOLUTION
+    steps = tuple(tuple(tuple(math.ceil(x / unit) for x in chunk) for chunk in row)
+                  for row in costs)
+    return _simulated_steps(name, pp, m, v, steps) * unit
+
+
+@lru_cache(maxsize=4096)
+def _simulated_steps(name: str, pp: int, m: int, v: int, steps) -> float:
+    """`simulated_step` in whole units of cost (cached)."""
+    per_stage = [[sim.Costs(float(f), float(b + w), bwd_input_ms=float(b),
+                            bwd_weight_ms=float(w)) for f, b, w in row] for row in steps]
+    times = sim.action_times([_actions(name, pp, m, s, v) for s in range(pp)], per_stage,
+                             placement_of(name))
+    return 1e3 * max(end for stage in times for _, end in stage[-1:])
 
 
 @lru_cache(maxsize=4096)

@@ -117,9 +117,11 @@ def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
             f"{'yes' if e.fits else 'no':>4} {100 * e.bubble:>8.1f}%{src} "
             f"{100 * e.comm_share:>4.0f}% {e.step_s:>8.3f} {e.tokens_per_s:>10.0f} "
             f"{100 * e.mfu:>4.1f}% {'yes' if not runnable(e, master_weights) else 'no':>5}")
-    lines.append("bubble: s = simulated on megapar's schedule simulator, f = published formula "
+    lines.append("bubble: the ranks' idle share of the step, averaged (uneven stages included); "
+                 "s = simulated on megapar's schedule simulator, f = published formula "
                  "(schedule not in megapar, or too many actions to simulate); mem = most loaded "
-                 "rank; today = megapar-train can run it now")
+                 "rank: state + activations + transient buffers (--explain); today = "
+                 "megapar-train can run it now")
     return "\n".join(lines)
 
 
@@ -132,6 +134,14 @@ def attention_note(fused: bool) -> str:
     return ("attention: the a*s^2 scores counted with their softmax and dropout mask (the "
             "unfused kernel: megapar-train on a CPU with attention dropout; on GPUs it runs a "
             "fused kernel, which keeps none), except under context parallelism")
+
+
+BUFFERS_NOTE = ("buffers: transient, not kept for the backward: the fp32 gradient of the logits "
+                "on the LM head's stage, one layer rebuilt under recomputation, context "
+                "parallelism's K/V blocks in flight; megapar-train --dry-run does not list "
+                "them (its device bytes besides activations plus its activations are this "
+                "total less the buffers)")
+"""The line `explain` prints under the memory breakdown."""
 
 
 def explain(e: Estimate) -> str:
@@ -149,6 +159,7 @@ def explain(e: Estimate) -> str:
              + (f", less {g['host']:.2f} in host memory" if g["host"] else "")
              + f" = {g['total']:.2f} GiB on the device -> "
              + ("fits" if e.fits else "does NOT fit"),
+             BUFFERS_NOTE,
              f"time per step {e.step_s:.4f} s: compute {e.compute_s:.4f} s, bubble "
              f"{100 * e.bubble:.1f} % ({e.bubble_source}), exposed comm " +
              ", ".join(f"{k} {v:.4f} s" for k, v in e.comm_s.items()),

@@ -1,8 +1,8 @@
 """Metrics of a training run: the progress bar, log lines, JSON lines, TensorBoard and W&B.
 
 Only the rank that logs (global rank 0) creates a `MetricsLogger`; the others get a
-`NullLogger`. FLOPs per token follow the usual dense-transformer estimate
-6N + 12 L h s (forward + backward, N parameters, L layers, hidden h, sequence s).
+`NullLogger`. FLOPs per token, for TFLOP/s and MFU, are the model's matmul FLOPs forward and
+backward (`megapar.models.flops.training_flops_per_token`, shared with megapar-plan).
 """
 
 from __future__ import annotations
@@ -21,11 +21,6 @@ import torch
 from tqdm.auto import tqdm
 
 from megapar.training.straggler import Straggler
-
-
-def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), without recomputation."""
-    return 6.0 * num_params + 12.0 * num_layers * hidden * seq_len
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -17,9 +17,9 @@ from megapar.checkpoint.convert import recorded_tokenizer
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.hf import HFReader, load_hf_weights
 from megapar.checkpoint.publish import has_checkpoint
-from megapar.device import peak_tflops
 from megapar.data import IndexedDataset
 from megapar.data.blended import BlendedDataset
+from megapar.device import peak_tflops
 from megapar.faults.blame import consequential, stopped_siblings
 from megapar.faults.processes import launcher_alive
 from megapar.faults.stop import (
@@ -31,6 +31,7 @@ from megapar.faults.stop import (
 )
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.config import config_from_dict
+from megapar.models.flops import training_flops_per_token
 from megapar.pipeline.timeline import bubble_stats
 from megapar.pipeline.trace import gather_timeline
 from megapar.tensor_parallel.partition import local_size
@@ -47,7 +48,6 @@ from megapar.training.engine import dp_mean as _dp_mean
 from megapar.training.logging import (
     MetricsLogger,
     NullLogger,
-    flops_per_token,
     format_line,
     peak_memory_mb,
 )
@@ -106,8 +106,9 @@ class Trainer:
         if resume:
             self._resume(cfg.load)
         self.n_params, allocated = _num_params(self.model, mesh)
-        self.flops_per_token = flops_per_token(allocated, self.config.num_layers,
-                                               self.config.hidden_size, cfg.seq_len)
+        self.flops_per_token = training_flops_per_token(self.config, cfg.seq_len)
+        """MFU's numerator per token: the model's matmul FLOPs (`megapar.models.flops`, what
+        megapar-plan's MFU counts too)."""
         self.allocated_params = allocated
         known = peak_tflops(mesh.device, cfg.precision, cfg.tf32)
         self.peak_tflops = cfg.peak_tflops if "peak_tflops" in explicit(cfg) or known is None \
