@@ -5,7 +5,7 @@ three ways: GradBuckets (async, launched during the last backward), one blocking
 parameter after the backward, and one flat blocking all-reduce after the backward. Also counts
 the all-reduces of each. Usage:
 
-    python benchmarks/dp_overlap.py [--dp 2] [--hidden 256] [--layers 4] [--bucket-mb 1] [--steps 5]
+    python benchmarks/data_parallel/dp_overlap.py [--dp 2] [--hidden 256] [--layers 4] [--bucket-mb 1] [--steps 5]
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ with training, so the script also reports the *slowdown*: how much longer than t
 the steps that ran while a write was in flight took, summed per save. And the OS peak of each
 run (`ru_maxrss` of the largest process, from `wait4`): the host copy's memory.
 
-    python benchmarks/async_save.py                 # about 4 minutes on 2 cores
-    python benchmarks/async_save.py --repeats 2     # each configuration twice, interleaved
+    python benchmarks/faults/async_save.py                 # about 4 minutes on 2 cores
+    python benchmarks/faults/async_save.py --repeats 2     # each configuration twice, interleaved
 
 The final save (after the last step) is not counted: nothing trains after it.
 """
@@ -74,8 +74,8 @@ def main() -> None:
     parser.add_argument("--save-interval", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__))) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     flags = ["--max-steps", str(args.max_steps), "--save-interval", str(args.save_interval)]
     configs = [("synchronous", []), ("--async-save", ["--async-save"])]
     results: dict[str, list] = {name: [] for name, _ in configs}

@@ -13,7 +13,7 @@ backward:
 Parameters are excluded (they are not activations). Also reports the forward+backward time, the
 price of recomputation.
 
-    python benchmarks/recompute_memory.py [--layers 4 --hidden 256 --seq 256 --mb 4 --m 4]
+    python benchmarks/memory/recompute_memory.py [--layers 4 --hidden 256 --seq 256 --mb 4 --m 4]
 """
 
 from __future__ import annotations

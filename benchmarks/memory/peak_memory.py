@@ -15,10 +15,10 @@ training state is built, glibc keeps freed blocks in its heap for reuse, which m
 (`MEGAPAR_HOST_MALLOC=system`: a freed large block goes back to the OS). A transient that does
 not fit the heap's free room stays resident under the first, so its peak can be higher.
 
-    python benchmarks/peak_memory.py                  # every group, about 6 minutes on 2 cores
-    python benchmarks/peak_memory.py --groups zero    # one group: --zero 0 / 1 / 2 / 3
-    python benchmarks/peak_memory.py --groups offload --policies keep  # offload, one heap policy
-    python benchmarks/peak_memory.py --groups schedules  # 1F1B, ZB-H1, ZB-V, DualPipeV
+    python benchmarks/memory/peak_memory.py                  # every group, about 6 minutes on 2 cores
+    python benchmarks/memory/peak_memory.py --groups zero    # one group: --zero 0 / 1 / 2 / 3
+    python benchmarks/memory/peak_memory.py --groups offload --policies keep  # offload, one heap policy
+    python benchmarks/memory/peak_memory.py --groups schedules  # 1F1B, ZB-H1, ZB-V, DualPipeV
 
 Each group compares configurations with one flag changed; `--repeats` runs each again (the
 peak of a run is deterministic to a few MB on an idle machine).

@@ -9,8 +9,8 @@ alternate step by step in the same processes (so a busy machine slows both alike
 is the median step time of each and their ratio, and the losses of the first steps (the same
 model, data and initialisation: they agree).
 
-    python benchmarks/vs_fsdp2.py                     # 10 steps each, about a minute on 2 cores
-    python benchmarks/vs_fsdp2.py --steps 20 --hidden 512 --layers 8
+    python benchmarks/vs/vs_fsdp2.py                     # 10 steps each, about a minute on 2 cores
+    python benchmarks/vs/vs_fsdp2.py --steps 20 --hidden 512 --layers 8
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """megapar-plan's CPU time against another checkout's, command by command, and whether their
 outputs are byte-identical.
 
-    python benchmarks/plan_speed.py --baseline /path/to/other/checkout [--repeats 3]
+    python benchmarks/plan/plan_speed.py --baseline /path/to/other/checkout [--repeats 3]
 
 Each command runs as `python -m megapar.cli.plan ARGS` in a fresh process of each tree in turn
 (baseline, this tree, baseline, ...), its CPU seconds (user + sys, the OS's accounting of the
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parents[2]
 GPT3 = "--model gpt3-175b --global-batch-size 1536 --seq-len 2048"
 COMMANDS = [
     f"{GPT3} --gpus 8 --gpu-memory-gb 80",                          # m up to 1536

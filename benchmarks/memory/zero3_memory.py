@@ -8,8 +8,8 @@ the bytes of parameters, gradients and Adam state a rank holds between steps, co
 at --zero 0, (4 + 4 + 8 / dp) P at --zero 1, 16 P / dp at --zero 3 (P the rank's parameters),
 and the median step time of steps 2-3 from the run's --log-json.
 
-    python benchmarks/zero3_memory.py               # dp 2 (the issue's command), ~3 minutes
-    python benchmarks/zero3_memory.py --groups pp   # pp 2 x dp 2, m 4: freed per micro-batch vs
+    python benchmarks/memory/zero3_memory.py               # dp 2 (the issue's command), ~3 minutes
+    python benchmarks/memory/zero3_memory.py --groups pp   # pp 2 x dp 2, m 4: freed per micro-batch vs
                                                     # --zero3-keep-params
 """
 

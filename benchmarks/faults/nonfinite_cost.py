@@ -5,7 +5,7 @@ chosen: hooks on every step), and one localization (the failed step re-run with 
 One process, a tiny GPT-2 through `megapar.prepare`; the variants alternate step by step and the
 median of each is printed with its ratio to the plain step, all from the same run.
 
-    python benchmarks/nonfinite_cost.py [--layers 4] [--hidden 128] [--seq 64] [--mbs 4]
+    python benchmarks/faults/nonfinite_cost.py [--layers 4] [--hidden 128] [--seq 64] [--mbs 4]
                                         [--m 4] [--steps 30]
 """
 

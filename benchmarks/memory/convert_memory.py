@@ -11,7 +11,7 @@ Python process that measures, above its own baseline after imports:
 
 Usage::
 
-    python benchmarks/convert_memory.py [--layers 24] [--hidden 256] [--vocab 8192]
+    python benchmarks/memory/convert_memory.py [--layers 24] [--hidden 256] [--vocab 8192]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ times without a fault and counts the runs in which any rank was named slow (`str
 all healthy intervals, the largest ratio and excess of the slowest rank's compute time per step
 to the world's median (the margin below the thresholds). Usage:
 
-    python benchmarks/straggler_false_alarms.py [--runs 20] [--tp 2 --pp 2 --dp 1]
+    python benchmarks/faults/straggler_false_alarms.py [--runs 20] [--tp 2 --pp 2 --dp 1]
         [--steps 12] [--log-interval 2] [--fault-runs 2] [--slow-ms 300] [--slow-rank 1]
 """
 
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(args, log: Path, cache: Path, text: Path, extra: list[str]) -> list[dict]:

@@ -18,7 +18,7 @@ pp=4 needs 4 processes: on a 2-core machine they oversubscribe the cores, stages
 core and "idle" waits partly hide other stages' compute, so only pp=2 (one core per stage) is
 meaningful there; run pp=4 on a machine with at least 4 free cores.
 
-    python benchmarks/bubble_sweep.py [--pp 2 4] [--m 1 2 4 8 16]
+    python benchmarks/pipeline/bubble_sweep.py [--pp 2 4] [--m 1 2 4 8 16]
                                       [--schedules gpipe 1f1b interleaved zb-h1 zb-v dualpipev]
                                       [--virtual-stages 2] [--steps 2] [--plot bubble_sweep.png]
                                       [--repeats 1]

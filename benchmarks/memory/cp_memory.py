@@ -15,7 +15,7 @@ The saved bytes are linear in s (no s x s term is kept: the kernels recompute th
 backward), so a least-squares line through the measured lengths gives the longest s (a multiple
 of 2 x cp) whose activations fit `--budget-gib` per rank; the fit's largest residual is printed.
 
-    python benchmarks/cp_memory.py [--layers 4 --hidden 512 --heads 8 --seqs 1024,2048,4096]
+    python benchmarks/memory/cp_memory.py [--layers 4 --hidden 512 --heads 8 --seqs 1024,2048,4096]
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ and `--steps` timed steps per run, each rank on one torch thread (a rank stands 
 Printed per configuration: median s/step of each, megapar / torch, and the largest relative
 loss difference (same model, same steps: it must be below 1e-5).
 
-    python benchmarks/vs_fsdp2_tp.py               # dp2 and dp2-tp2, ~3 minutes on 2 cores
-    python benchmarks/vs_fsdp2_tp.py --configs dp2-tp2 --repeats 1 --steps 2
+    python benchmarks/vs/vs_fsdp2_tp.py               # dp2 and dp2-tp2, ~3 minutes on 2 cores
+    python benchmarks/vs/vs_fsdp2_tp.py --configs dp2-tp2 --repeats 1 --steps 2
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from megapar.launcher import run_local
 
-try:  # run as a script (benchmarks/ on sys.path) or imported as benchmarks.vs_fsdp2_tp
+try:  # run as a script (benchmarks/vs/ on sys.path) or imported as benchmarks.vs.vs_fsdp2_tp
     import vs_torch as ref
 except ImportError:  # pragma: no cover
-    from benchmarks import vs_torch as ref
+    from benchmarks.vs import vs_torch as ref
 
 CONFIGS = {"dp2": (1, 2), "dp2-tp2": (2, 2)}  # name: (tp, dp)
 SIZE = "small"

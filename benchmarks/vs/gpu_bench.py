@@ -20,9 +20,9 @@ parameters without position embeddings) against the GPU's dense bf16 peak
 reaches. Printed: a table, the ratios megapar / eager and compile / eager, and published MFU
 figures beside them. `--json FILE` writes every figure.
 
-    python benchmarks/gpu_bench.py                          # both models, eager and compiled
-    python benchmarks/gpu_bench.py --models gpt2-124m --no-compile
-    python benchmarks/gpu_bench.py --device cpu --tiny      # a rehearsal of the script itself
+    python benchmarks/vs/gpu_bench.py                          # both models, eager and compiled
+    python benchmarks/vs/gpu_bench.py --models gpt2-124m --no-compile
+    python benchmarks/vs/gpu_bench.py --device cpu --tiny      # a rehearsal of the script itself
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ gloo copies a collective's buffer while it is in flight (NCCL does not), so on t
 unbounded run also holds those copies: the OS-peak difference here is an upper bound of a
 GPU's, whose device saving is the counted one.
 
-    python benchmarks/zero3_grad_buffers.py [--repeats 2]
+    python benchmarks/memory/zero3_grad_buffers.py [--repeats 2]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ and GPT-2 124M (the real GPT-2 vocabulary padded to 50,304), and of tp rank 0's 
 (the vocabulary and the column-parallel matrices halved), so that the difference between the
 two layouts' errors shows too.
 
-    python benchmarks/grad_norm_accuracy.py              # about 10 seconds on 2 cores
+    python benchmarks/data_parallel/grad_norm_accuracy.py              # about 10 seconds on 2 cores
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ every run). The stage is `executor_plan`'s: a model that computes nothing, autog
 no-ops, messages that complete at once, the status line shared as under the launcher; python's
 string hashing fixed (PYTHONHASHSEED=0: dictionary probes depend on it). Needs valgrind.
 
-    python benchmarks/executor_instructions.py
+    python benchmarks/pipeline/executor_instructions.py
     git show main:megapar/pipeline/executor.py > /tmp/executor_main.py
-    python benchmarks/executor_instructions.py --baseline /tmp/executor_main.py --schedules zb-v
+    python benchmarks/pipeline/executor_instructions.py --baseline /tmp/executor_main.py --schedules zb-v
 
 Seconds follow from instructions only roughly (about 7-8 instructions a nanosecond for this
 interpreter-bound code on the machine of docs/performance.md); compare counts, not clocks.

@@ -13,7 +13,7 @@ activations and 1-byte dropout masks: tp alone sbh(10 + 24/t + 5as/(ht)), tp + S
 sbh(34/t + 5as/(ht)). This run is fp32 with torch's SDPA, so the absolute bytes differ; the
 ratio is what to compare.
 
-    python benchmarks/sequence_parallel_memory.py [--layers 4 --hidden 256 --heads 8 --seq 256]
+    python benchmarks/memory/sequence_parallel_memory.py [--layers 4 --hidden 256 --heads 8 --seq 256]
 """
 
 from __future__ import annotations

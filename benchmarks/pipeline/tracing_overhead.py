@@ -1,6 +1,6 @@
 """What always-on tracing costs: the same pipeline step with the executor's tracing on and off.
 
-    python benchmarks/tracing_overhead.py [--pp 2] [--m 8] [--schedule 1f1b] [--reps 40]
+    python benchmarks/pipeline/tracing_overhead.py [--pp 2] [--m 8] [--schedule 1f1b] [--reps 40]
                                           [--hidden 512] [--seq-len 64] [--micro-batch-size 4]
 
 Runs the bubble benchmark model (`bubble.bench_config`, --hidden overrides its width; a small

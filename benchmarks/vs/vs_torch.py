@@ -25,9 +25,9 @@ rank of both systems uses one torch thread: a rank stands for one device, so "sp
 serial" is what a second core (GPU) buys, the measure the issue and Megatron's scaling tables use.
 On 2 cores, configs with more than 2 ranks oversubscribe the machine.
 
-    python benchmarks/vs_torch.py                       # all configs, ~10 minutes on 2 cores
-    python benchmarks/vs_torch.py --configs serial pp2-1f1b --repeats 3 --steps 3
-    python benchmarks/vs_torch.py --quick               # smoke run
+    python benchmarks/vs/vs_torch.py                       # all configs, ~10 minutes on 2 cores
+    python benchmarks/vs/vs_torch.py --configs serial pp2-1f1b --repeats 3 --steps 3
+    python benchmarks/vs/vs_torch.py --quick               # smoke run
 """
 
 from __future__ import annotations

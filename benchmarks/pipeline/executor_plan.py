@@ -32,9 +32,9 @@ the same rounds, taking turns with this tree's (the ratio is of the same run):
 `--each-stage-alone` measures every stage so, one after the other, and prints the slowest (a
 rank runs one stage in a process of its own, as in a real run); `--schedules` picks layouts. `executor_instructions.py` counts the same steps in instructions.
 
-    python benchmarks/executor_plan.py
+    python benchmarks/pipeline/executor_plan.py
     git show REV:megapar/pipeline/executor.py > /tmp/executor_before.py
-    python benchmarks/executor_plan.py --host-only --baseline /tmp/executor_before.py
+    python benchmarks/pipeline/executor_plan.py --host-only --baseline /tmp/executor_before.py
 """
 
 from __future__ import annotations

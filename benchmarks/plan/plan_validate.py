@@ -16,7 +16,7 @@ CPU scaled_dot_product_attention keeps no a*s^2 scores; no dropout). Printed per
 (the max over its tp / dp ranks), with the error, and the step-time ratio of each layout to
 1x1x1 measured vs predicted.
 
-    python benchmarks/plan_validate.py [--steps 3] [--hidden 128 --layers 4 --seq 64]
+    python benchmarks/plan/plan_validate.py [--steps 3] [--hidden 128 --layers 4 --seq 64]
 """
 
 from __future__ import annotations

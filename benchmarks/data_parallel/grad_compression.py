@@ -7,7 +7,7 @@ GradBuckets: the payloads of its collectives), their ratio to uncompressed fp32,
 gap to the uncompressed run (mean |loss - loss_none| over all steps and over the last quarter,
 relative). Usage:
 
-    python benchmarks/grad_compression.py [--dp 2] [--steps 60] [--powersgd-rank 4]
+    python benchmarks/data_parallel/grad_compression.py [--dp 2] [--steps 60] [--powersgd-rank 4]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ is read from the kernel (VmHWM after resetting it through /proc/self/clear_refs;
 are mmapped, mallopt(M_MMAP_THRESHOLD), so freed tensors leave the resident set). The packed
 variant keeps a second copy of each in-flight bucket, and allocates fresh gradients every step.
 
-    python benchmarks/grad_buffer_memory.py [--hidden 512 --layers 6 --vocab 8192 --bucket-mb 25]
+    python benchmarks/memory/grad_buffer_memory.py [--hidden 512 --layers 6 --vocab 8192 --bucket-mb 25]
 """
 
 from __future__ import annotations

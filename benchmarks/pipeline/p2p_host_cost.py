@@ -21,7 +21,7 @@ of each schedule times the per-group cost (gloo on this CPU; NCCL's own per-call
 and are not measured here), beside nothing else: compare it with the executor's own host work
 (`executor_plan.py`, about 1.3-3.5 ms a step at these layouts).
 
-    python benchmarks/p2p_host_cost.py [--groups 500] [--rounds 7] [--hidden 64]
+    python benchmarks/pipeline/p2p_host_cost.py [--groups 500] [--rounds 7] [--hidden 64]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Printed per job: the command's flags, the ranks rehearsed, the seconds, the most
 rehearsed rank's weights / gradients / optimizer / modelled activations in GiB, its
 communication per step, and whether the planner's bytes equal the dry run's on every rank.
 
-    python benchmarks/dry_run_scale.py [--only gpt3]
+    python benchmarks/plan/dry_run_scale.py [--only gpt3]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def run_job(world: int, flags: str) -> tuple[float, float, list[dict]]:
     """(wall seconds, CPU seconds, the JSON rows) of one dry run in a fresh process."""
     import resource
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cmd = [sys.executable, "-m", "megapar.cli.train", *flags.split(), "--world-size",
            str(world), "--dry-run", "--json"]
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -10,7 +10,7 @@ error, and whether each group's communication per step equals the real step's (t
 all-reduces the dry run does not run left out of both). Also: the shard files of a real save
 against the dry run's planned sizes.
 
-    python benchmarks/dry_run_validate.py [--model gpt2-small-cpu] [--tp 2 --pp 2 --dp 2]
+    python benchmarks/plan/dry_run_validate.py [--model gpt2-small-cpu] [--tp 2 --pp 2 --dp 2]
         [--seq 64 --mbs 2 --global-batch 16] [--schedules 1f1b ...] [--recompute none ...]
         [--zero 0 1] [--sequence-parallel]
 """
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
