@@ -20,13 +20,15 @@ The final save (after the last step) is not counted: nothing trains after it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import interleave, read_jsonl, run_peak, train_argv  # noqa: E402
 
 COMMON = ["--model", "gpt2-124m", "--seq-len", "32", "--micro-batch-size", "1",
           "--global-batch-size", "1", "--warmup-steps", "0", "--eval-interval", "0",
@@ -37,17 +39,10 @@ def run(flags: list[str], workdir: str, env: dict) -> tuple[list[dict], int, str
     """(the --log-json records, the largest process's peak resident bytes, stdout) of one run."""
     log = os.path.join(workdir, "log.jsonl")
     save = os.path.join(workdir, "ckpt")
-    argv = [*COMMON, *flags, "--save", save, "--log-json", log]
-    proc = subprocess.Popen([sys.executable, "-m", "megapar.cli.train", *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"megapar-train {' '.join(argv)} failed:\n{out[-3000:]}")
-    with open(log) as f:
-        records = [json.loads(line) for line in f]
+    done = run_peak(train_argv(*COMMON, *flags, "--save", save, "--log-json", log), env=env)
+    records = read_jsonl(log)
     shutil.rmtree(save, ignore_errors=True)
-    return records, usage.ru_maxrss * 1024, out
+    return records, done.peak_bytes, done.output
 
 
 def blocked(records: list[dict], interval: int) -> dict:
@@ -77,15 +72,16 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     flags = ["--max-steps", str(args.max_steps), "--save-interval", str(args.save_interval)]
-    configs = [("synchronous", []), ("--async-save", ["--async-save"])]
-    results: dict[str, list] = {name: [] for name, _ in configs}
-    for _ in range(args.repeats):
-        for name, extra in configs:
-            with tempfile.TemporaryDirectory(prefix="megapar-async-save-") as workdir:
-                records, peak, _ = run([*flags, *extra], workdir, env)
-            stats = blocked(records, args.save_interval)
-            stats["peak_gib"] = peak / 2**30
-            results[name].append(stats)
+
+    def measure(extra: list[str]) -> dict:
+        with tempfile.TemporaryDirectory(prefix="megapar-async-save-") as workdir:
+            records, peak, _ = run([*flags, *extra], workdir, env)
+        stats = blocked(records, args.save_interval)
+        stats["peak_gib"] = peak / 2**30
+        return stats
+
+    results = interleave({"synchronous": lambda: measure([]),
+                          "--async-save": lambda: measure(["--async-save"])}, args.repeats)
     print(f"GPT-2 124M, seq 32, 1 sample per step, a save every {args.save_interval} steps "
           f"({args.max_steps} steps; the final save not counted)")
     print(f"{'save':<13} {'step s':>7} {'blocked s per save':>28} {'mean':>6} "

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import interleave, pair_ratios, ratio_summary, timed  # noqa: E402
 
 
 def main() -> None:
@@ -69,18 +73,15 @@ def main() -> None:
     for _ in range(2):  # warm-up
         for fn in variants.values():
             fn()
-    times = {name: [] for name in variants}
-    for _ in range(args.steps):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    times = interleave({name: timed(fn) for name, fn in variants.items()}, args.steps)
     base = statistics.median(times["plain step"])
     print(f"GPT-2 {args.layers} layers x {args.hidden}, seq {args.seq}, {args.m} micro-batches "
-          f"of {args.mbs}, one process, median of {args.steps}:")
+          f"of {args.mbs}, one process, median of {args.steps} (x: of the medians; pair by "
+          f"pair: each step against the plain step of its round, median [min, max]):")
     for name, t in times.items():
         med = statistics.median(t)
-        print(f"  {name:26s} {med * 1e3:8.2f} ms   x{med / base:.3f}")
+        pairs = ratio_summary(pair_ratios(t, times["plain step"]))
+        print(f"  {name:26s} {med * 1e3:8.2f} ms   x{med / base:.3f}   pair by pair {pairs}")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,10 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import json_number, run_peak, train_argv, write_json  # noqa: E402
 
 MODEL = {"model_type": "gpt2", "vocab_size": 1004, "n_positions": 4096, "n_embd": 256,
          "n_layer": 8, "n_head": 8, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -79,15 +83,8 @@ COMMON = ["--max-steps", "2", "--warmup-steps", "0", "--eval-interval", "0", "--
 
 def os_peak(argv: list[str], env: dict) -> tuple[int, str]:
     """(the largest process's peak resident bytes, stderr) of one megapar-train run."""
-    proc = subprocess.Popen([sys.executable, "-m", "megapar.cli.train", *argv],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=env)
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise RuntimeError(f"megapar-train {' '.join(argv)} failed:\n{err[-2000:]}")
-    return usage.ru_maxrss * 1024, err
+    run = run_peak(train_argv(*argv), env=env, capture="stderr")
+    return run.peak_bytes, run.output
 
 
 def counted(argv: list[str], env: dict) -> int:
@@ -112,8 +109,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="megapar-peak-")
     model = os.path.join(work, "model.json")
-    with open(model, "w") as f:
-        json.dump(MODEL, f)
+    write_json(model, MODEL)
     env = {**os.environ, "MEGAPAR_CPU": "1"}
     results = {}
     for group in args.groups:
@@ -138,11 +134,11 @@ def main(argv=None) -> int:
                   f"{(peaks['keep'] - first[2]['keep']) / g:+8.3f} "
                   f"{(peaks['system'] - first[2]['system']) / g:+8.3f}", flush=True)
         results[group] = {"claim": claim, "rows": [
-            {"config": label, "counted_bytes": count, "os_peak_bytes": peaks["keep"],
-             "os_peak_glibc_bytes": peaks["system"]} for label, count, peaks in rows]}
+            {"config": label, "counted_bytes": count, "os_peak_bytes": json_number(peaks["keep"]),
+             "os_peak_glibc_bytes": json_number(peaks["system"])}
+            for label, count, peaks in rows]}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
     return 0
 
 

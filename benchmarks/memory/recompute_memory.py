@@ -108,16 +108,23 @@ def measure_once(config: GPT2Config, args, whole: bool, mode: str) -> tuple[int,
     return saved, elapsed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_stage_arguments(parser: argparse.ArgumentParser, m: int) -> None:
+    """The flags of the GPT-2 stage whose saved activations these scripts count (also
+    sequence_parallel_memory.py's): its size, the micro-batches in flight (`m` by default) and
+    the dropout."""
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--mb", type=int, default=4, help="micro-batch size")
-    parser.add_argument("--m", type=int, default=4, help="micro-batches in flight")
+    parser.add_argument("--m", type=int, default=m, help="micro-batches in flight")
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--dropout", type=float, default=0.1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_stage_arguments(parser, m=4)
     parser.add_argument("--repeats", type=int, default=3, help="timing: best of this many runs")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -22,7 +22,7 @@ import argparse
 
 import torch
 
-from recompute_memory import SavedBytes
+from recompute_memory import SavedBytes, add_stage_arguments
 
 
 def _worker(args, sequence_parallel: bool) -> int:
@@ -60,14 +60,7 @@ def main() -> None:
     from megapar.launcher import run_local
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--mb", type=int, default=4, help="micro-batch size")
-    parser.add_argument("--m", type=int, default=2, help="micro-batches in flight")
-    parser.add_argument("--vocab", type=int, default=1000)
-    parser.add_argument("--dropout", type=float, default=0.1)
+    add_stage_arguments(parser, m=2)
     args = parser.parse_args()
     t, s, h, a = 2, args.seq, args.hidden, args.heads
     print(f"GPT-2 middle stage: {args.layers} layers, hidden {h}, {a} heads, seq {s}, "

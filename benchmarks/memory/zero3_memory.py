@@ -16,12 +16,14 @@ and the median step time of steps 2-3 from the run's --log-json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import read_jsonl, run_peak, train_argv  # noqa: E402
 
 PARAMS = 124_475_904  # GPT-2 124M as megapar allocates it (vocabulary padded to 50,304)
 BASE = ["--model", "gpt2-124m", "--seq-len", "64", "--micro-batch-size", "1", "--max-steps", "3",
@@ -45,17 +47,10 @@ def held(zero: int, dp: int, pp: int) -> float:
 
 def run(flags: list[str], env: dict, log: str) -> tuple[int, float]:
     """(the largest process's peak resident bytes, median step seconds after the first)."""
-    proc = subprocess.Popen([sys.executable, "-m", "megapar.cli.train", *BASE, *flags,
-                             "--log-json", log], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"megapar-train {' '.join(flags)} failed:\n{err[-2000:]}")
-    with open(log) as f:
-        records = [json.loads(line) for line in f]
+    done = run_peak(train_argv(*BASE, *flags, "--log-json", log), env=env, capture="stderr")
+    records = read_jsonl(log)
     times = [r["step_time_s"] for r in records[1:] if "step_time_s" in r]
-    return usage.ru_maxrss * 1024, statistics.median(times) if times else float("nan")
+    return done.peak_bytes, statistics.median(times) if times else float("nan")
 
 
 def main(argv=None) -> int:

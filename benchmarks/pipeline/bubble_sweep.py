@@ -31,9 +31,11 @@ min and max over the repeats: the run-to-run spread.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import json_number, write_json  # noqa: E402
 
 
 def sweep(args) -> list[dict]:
@@ -67,7 +69,7 @@ def _sweep_once(args) -> list[dict]:
                 row = {"pp": pp, "schedule": schedule, "m": m,
                        "measured": run.stats["measured_bubble"],
                        "simulated": sim.stats["measured_bubble"],
-                       "theory": finite_or_none(run.theoretical),
+                       "theory": json_number(run.theoretical),
                        "step_ms": 1e3 * run.stats["step_time_s"],
                        "sim_step_ms": 1e3 * sim.stats["step_time_s"],
                        "in_flight": run.in_flight, "act_mb0": run.activation_mb[0],
@@ -81,11 +83,6 @@ def _sweep_once(args) -> list[dict]:
 HEADER = (f"{'pp':>3} {'schedule':>11} {'m':>3} {'measured%':>9} {'simulated%':>10} "
           f"{'theory%':>7} {'step ms':>8} {'sim ms':>8} {'sim/meas':>8} {'in-flight':>10} "
           f"{'act MB s0':>9}")
-
-
-def finite_or_none(x: float | None) -> float | None:
-    """`x`, or None where it is NaN (a formula outside its assumptions): JSON has no NaN."""
-    return None if x is None or math.isnan(x) else x
 
 
 def format_row(r: dict) -> str:
@@ -171,8 +168,7 @@ def main(argv=None) -> int:
         plot(rows, args.plot)
         print(f"wrote {args.plot}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, allow_nan=False)  # strict JSON: no NaN
+        write_json(args.json, rows)
         print(f"wrote {args.json}")
     return 0
 

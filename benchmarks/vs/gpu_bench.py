@@ -29,14 +29,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import megapar
 from megapar.device import PEAK_TFLOPS, cuda_context_bytes, peak_tflops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import write_json  # noqa: E402
 
 MODELS = {  # recipe: (transformers config kwargs, micro-batch size, sequence length)
     "gpt2-124m": (dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768,
@@ -245,8 +249,7 @@ def main(argv=None) -> int:
                   f"({entry['parameters'] / 1e6:,.0f} M parameters, micro-batch {mbs} x {seq}, "
                   f"{entry['flops_per_token'] / 1e6:,.0f} MFLOP per token)", flush=True)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+            write_json(args.json, results)
     print("\npublished MFU, for scale (other GPUs, models and batch sizes):")
     for who, mfu, source in PUBLISHED:
         print(f"  {who}: {mfu} ({source})")

@@ -26,16 +26,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from megapar.launcher import run_local
 
 try:  # run as a script (benchmarks/vs/ on sys.path) or imported as benchmarks.vs.vs_fsdp2_tp
     import vs_torch as ref
 except ImportError:  # pragma: no cover
     from benchmarks.vs import vs_torch as ref
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import add_ab_arguments, pair_ratios, ratio_summary  # noqa: E402
 
 CONFIGS = {"dp2": (1, 2), "dp2-tp2": (2, 2)}  # name: (tp, dp)
 SIZE = "small"
@@ -44,22 +47,13 @@ SIZE = "small"
 def torch_run(name: str, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     tp, dp = CONFIGS[name]
     hf = ref.hf_model(SIZE)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = ref.Part(hf, 0, hf.config.n_layer, True, True)
     if tp > 1:
-        plan = {f"blocks.{i}.{k}": ColwiseParallel() for i in range(len(model.blocks))
-                for k in ("q", "k", "v", "fc")}
-        plan.update({f"blocks.{i}.{k}": RowwiseParallel() for i in range(len(model.blocks))
-                     for k in ("proj", "fc_proj")})
-        parallelize_module(model, mesh["tp"], plan)
+        ref.parallelize_tp(model, mesh["tp"])
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -99,33 +93,29 @@ def _worker(system: str, name: str, steps: int) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--repeats", type=int, default=3, help="A/B pairs per config")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    add_ab_arguments(parser, CONFIGS)
     parser.add_argument("--systems", nargs="+", default=["megapar", "torch"],
                         choices=["megapar", "torch"], help="run only one side (debugging)")
     args = parser.parse_args(argv)
-    results = {}
-    for name in args.configs:
-        tp, dp = CONFIGS[name]
-        runs = {s: [] for s in args.systems}
-        for _ in range(args.repeats):
-            for system in args.systems:
-                runs[system].append(run_local(_worker, tp * dp, system, name, args.steps,
-                                              timeout_s=1200)[0])
-        results[name] = runs
+    results = {name: ref.ab_runs(_worker, name, CONFIGS[name][0] * CONFIGS[name][1],
+                                 args.systems, args.repeats, args.steps)
+               for name in args.configs}
     print(f"{'config':>8} " + " ".join(f"{s + ' s':>10}" for s in args.systems)
-          + f" {'ratio':>6} {'max loss diff':>13}  losses ({args.systems[0]})")
+          + f" {'ratio':>6} {'max loss diff':>13} {'pair by pair':>18}  "
+          f"losses ({args.systems[0]})")
     for name, runs in results.items():
         med = {k: statistics.median(r["s_per_step"] for r in v) for k, v in runs.items()}
         first = runs[args.systems[0]][0]["losses"]
-        ratio, diff = float("nan"), float("nan")
+        ratio, diff, pairs = float("nan"), float("nan"), "nan"
         if len(runs) == 2:
             ratio = med["megapar"] / med["torch"]
             diff = max(abs(x - y) / abs(y) for x, y in
                        zip(runs["megapar"][0]["losses"], runs["torch"][0]["losses"]))
+            pairs = ratio_summary(pair_ratios(*([r["s_per_step"] for r in runs[k]]
+                                                for k in ("megapar", "torch"))))
         print(f"{name:>8} " + " ".join(f"{med[s]:>10.3f}" for s in args.systems)
-              + f" {ratio:>6.2f} {diff:>13.1e}  {', '.join(f'{x:.5f}' for x in first)}")
+              + f" {ratio:>6.2f} {diff:>13.1e} {pairs:>18}  "
+              f"{', '.join(f'{x:.5f}' for x in first)}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapar.launcher import run_local
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import add_ab_arguments, interleave, pair_ratios, ratio_summary  # noqa: E402
 
 CONFIGS = {  # name: (tp, pp, dp, schedule, micro-batches, model size)
     "serial": (1, 1, 1, "1f1b", 1, "small"),
@@ -145,6 +150,20 @@ def loss_fn(logits, labels):
     return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
+def parallelize_tp(model: nn.Module, tp_mesh) -> None:
+    """DTensor tensor parallelism over `tp_mesh` as torchtitan applies it to a `Part`'s blocks:
+    the Q, K, V and MLP-up linears split by columns, the two output projections by rows."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, parallelize_module,
+    )
+
+    plan = {f"blocks.{i}.{k}": ColwiseParallel() for i in range(len(model.blocks))
+            for k in ("q", "k", "v", "fc")}
+    plan.update({f"blocks.{i}.{k}": RowwiseParallel() for i in range(len(model.blocks))
+                 for k in ("proj", "fc_proj")})
+    parallelize_module(model, tp_mesh, plan)
+
+
 def torch_run(name: str, steps: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import (
@@ -152,9 +171,6 @@ def torch_run(name: str, steps: int) -> dict:
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleZBVZeroBubble,
-    )
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, RowwiseParallel, parallelize_module,
     )
 
     tp, pp, dp, schedule, m, size = CONFIGS[name]
@@ -169,11 +185,7 @@ def torch_run(name: str, steps: int) -> dict:
                       size, steps)
     model = Part(hf, stage * n // pp, (stage + 1) * n // pp, stage == 0, stage == pp - 1)
     if tp > 1:
-        plan = {f"blocks.{i}.{k}": ColwiseParallel() for i in range(len(model.blocks))
-                for k in ("q", "k", "v", "fc")}
-        plan.update({f"blocks.{i}.{k}": RowwiseParallel() for i in range(len(model.blocks))
-                     for k in ("proj", "fc_proj")})
-        parallelize_module(model, mesh["tp"], plan)
+        parallelize_tp(model, mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0,
                                   eps=1e-8)  # megapar's (and Megatron's) betas
     if pp > 1:
@@ -275,26 +287,25 @@ def _worker(system: str, name: str, steps: int) -> dict:
     return (megapar_run if system == "megapar" else torch_run)(name, steps)
 
 
+def ab_runs(worker, name: str, world: int, systems, repeats: int, steps: int) -> dict:
+    """{system: [rank 0's result of each round]}: `worker(system, name, steps)` on `world` forked
+    ranks, the systems taking turns round by round."""
+    return interleave({s: (lambda s=s: run_local(worker, world, s, name, steps,
+                                                 timeout_s=1200)[0]) for s in systems}, repeats)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--repeats", type=int, default=3, help="A/B pairs per config")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    add_ab_arguments(parser, CONFIGS)
     parser.add_argument("--quick", action="store_true", help="1 repeat of 2 steps")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.steps = 1, 2
-    results: dict[str, dict[str, list]] = {}
-    for name in args.configs:
-        tp, pp, dp, *_ = CONFIGS[name]
-        runs = {"megapar": [], "torch": []}
-        for _ in range(args.repeats):
-            for system in ("megapar", "torch"):
-                runs[system].append(run_local(_worker, tp * pp * dp, system, name, args.steps,
-                                              timeout_s=1200)[0])
-        results[name] = runs
+    results = {name: ab_runs(_worker, name, math.prod(CONFIGS[name][:3]), ("megapar", "torch"),
+                             args.repeats, args.steps)
+               for name in args.configs}
     print(f"{'config':>15} {'megapar s':>10} {'torch s':>9} {'ratio':>6} {'mp x ser':>8} "
-          f"{'tc x ser':>8} {'max loss diff':>13}  losses (megapar)")
+          f"{'tc x ser':>8} {'max loss diff':>13}  {'pair by pair':>18}  losses (megapar)")
     for name, runs in results.items():
         med = {k: statistics.median(r["s_per_step"] for r in v) for k, v in runs.items()}
         size = CONFIGS[name][5]
@@ -303,9 +314,12 @@ def main(argv=None) -> None:
                      if serial in results else math.nan) for k in med}
         a, b = runs["megapar"][0]["losses"], runs["torch"][0]["losses"]
         diff = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+        pairs = ratio_summary(pair_ratios(*([r["s_per_step"] for r in runs[k]]
+                                            for k in ("megapar", "torch"))))
         print(f"{name:>15} {med['megapar']:>10.3f} {med['torch']:>9.3f} "
               f"{med['megapar'] / med['torch']:>6.2f} {speed['megapar']:>8.2f} "
-              f"{speed['torch']:>8.2f} {diff:>13.1e}  {', '.join(f'{x:.5f}' for x in a)}")
+              f"{speed['torch']:>8.2f} {diff:>13.1e}  {pairs:>18}  "
+              f"{', '.join(f'{x:.5f}' for x in a)}")
 
 
 if __name__ == "__main__":
