@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED_DATA, skip_unless_transformers_converts, transformers_converts
+from conftest import (SHARED_DATA, shared_data, skip_unless_transformers_converts,
+                      transformers_converts)
 
 from megapar.cli.convert import main as convert
 from megapar.cli.data import main as data_main
@@ -41,11 +42,7 @@ MODELS = {"gpt2": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4
 SAMPLE = Path(asset_path("shakespeare_sample.txt")).read_text()
 
 
-def _shared(*parts) -> str:
-    path = os.path.join(SHARED_DATA, *parts)
-    if not os.path.exists(path):
-        pytest.skip(f"{path} not here (shared data)")
-    return path
+_shared = shared_data
 
 
 def _llama3_style(root: Path) -> str:
