@@ -8,6 +8,9 @@ Examples:
                                                              # (weights, config, tokenizer)
     megapar-convert --info ckpt/                             # layout, step, model, sizes
                                                              # (files verified; --fast: sizes)
+    megapar-convert --from-dcp titan/checkpoint/step-1000 ckpt/ --job-config llama3_8b.toml
+                                                             # torchtitan (DCP) -> megapar
+    megapar-convert ckpt/ --to-dcp titan_step/               # megapar -> torchtitan (DCP)
 
 SRC may be a checkpoint root (its ``latest`` is followed) or a step directory; DST is a new
 checkpoint root. Sources are verified (sizes and sha256) first. Outputs are built in a hidden
@@ -21,6 +24,10 @@ save_pretrained does, the config's special token ids the tokenizer's, in the dty
 Hugging Face model it came from (else float32; --dtype to choose); a GPT-2 or Llama gets a
 generation_config.json too (the one of the model it was imported from, else one made from its
 config); other files there are kept, an earlier export is replaced only with --overwrite.
+--from-dcp / --to-dcp move a Llama's weights between megapar and torchtitan's DCP checkpoints
+(torchtitan's names; wq and wk in its rotary layout); the model is the one --job-config's
+[model] flavor names (torchtitan's job config TOML) or --model SPEC; optimizer state does not
+move (docs/guides/checkpoints.md says why).
 """
 
 from __future__ import annotations
@@ -46,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "files never depend on dp)")
     p.add_argument("--from-hf", metavar="HF_DIR", help="import a transformers directory")
     p.add_argument("--to-hf", metavar="HF_DIR", help="export SRC as a transformers directory")
+    p.add_argument("--from-dcp", metavar="DCP_DIR",
+                   help="import a torchtitan Llama checkpoint (a DCP step directory: "
+                        ".metadata + *.distcp); needs --job-config or --model")
+    p.add_argument("--to-dcp", metavar="DCP_DIR",
+                   help="export SRC's Llama weights as a DCP checkpoint in torchtitan's names")
+    p.add_argument("--job-config", metavar="TOML",
+                   help="--from-dcp: torchtitan's job config; its [model] flavor (debugmodel, "
+                        "8B, 70B, 405B) and [training] seq_len give the model")
+    p.add_argument("--model", metavar="SPEC",
+                   help="--from-dcp: the model as a megapar recipe name or config file "
+                        "(instead of --job-config)")
     p.add_argument("--tokenizer", metavar="SPEC",
                    help="--to-hf: the tokenizer to export ('gpt2', 'sentencepiece', a .model "
                         "file, a vocab.json + merges.txt or tokenizer.json directory); default: "
@@ -97,11 +115,17 @@ def run(args) -> str:
     from megapar.checkpoint.manifest import read_manifest
 
     progress = not args.no_progress
-    for flag in ("from_hf", "to_hf", "info"):
+    for flag in ("from_hf", "to_hf", "info", "from_dcp", "to_dcp"):
         if getattr(args, flag) == "":
             raise ValueError(f"--{flag.replace('_', '-')} '' is an empty path: give a directory")
-    if sum(x is not None for x in (args.from_hf, args.to_hf, args.info)) > 1:
-        raise ValueError("--from-hf, --to-hf and --info are separate modes; give one")
+    if sum(x is not None for x in (args.from_hf, args.to_hf, args.info, args.from_dcp,
+                                   args.to_dcp)) > 1:
+        raise ValueError("--from-hf, --to-hf, --from-dcp, --to-dcp and --info are separate "
+                         "modes; give one")
+    if (args.job_config or args.model) and not args.from_dcp:
+        raise ValueError("--job-config and --model are used only with --from-dcp")
+    if args.from_dcp or args.to_dcp:
+        return _dcp(args, progress)
     if args.info:
         _need(args, 0, "no positional path with --info CKPT")
         return cv.checkpoint_info(args.info, tensors=args.tensors, checksums=not args.fast)
@@ -138,6 +162,37 @@ def run(args) -> str:
     path = cv.convert_checkpoint(src, dst, args.tp, args.pp, args.dp, overwrite=args.overwrite,
                                  progress=progress)
     return f"wrote {path} (tp={args.tp} pp={args.pp} dp={args.dp})"
+
+
+def _dcp(args, progress: bool) -> str:
+    """--from-dcp / --to-dcp."""
+    from megapar.checkpoint import dcp
+
+    if args.tokenizer or args.dtype or args.allow_other_tokenizer:
+        raise ValueError("--tokenizer, --allow-other-tokenizer and --dtype are used only with "
+                         "--to-hf")
+    if args.to_dcp:
+        (src,) = _need(args, 1, "SRC --to-dcp DCP_DIR")
+        if args.tp is not None or args.pp is not None:
+            raise ValueError("--tp and --pp are not used with --to-dcp: the export is one "
+                             "unsharded model; drop them")
+        out, titan = dcp.export_dcp(src, args.to_dcp, overwrite=args.overwrite)
+        shown = ", ".join(f"{k}={v}" for k, v in titan.items())
+        return (f"wrote DCP checkpoint {out} (torchtitan's Llama names; weights only, no "
+                f"optimizer state)\ntorchtitan model args: {shown}")
+    (dst,) = _need(args, 1, "--from-dcp DCP_DIR DST (--job-config TOML | --model SPEC) "
+                            "[--tp N] [--pp M]")
+    if args.job_config and args.model:
+        raise ValueError("--job-config and --model both name the model; give one")
+    _fill_layout(args, {})
+    path, reader = dcp.import_dcp(args.from_dcp, dst, args.tp, args.pp, args.dp,
+                                  config=args.model, job_config=args.job_config,
+                                  overwrite=args.overwrite, progress=progress)
+    report = f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, weights only)"
+    if reader.optimizer:
+        report += (f"\nnote: {args.from_dcp} holds optimizer state too; it is not imported "
+                   f"(the run starts its optimizer afresh, as after --from-hf)")
+    return report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
