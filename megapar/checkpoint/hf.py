@@ -440,6 +440,32 @@ def to_hf_state(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.T
     return {k: v.contiguous() for k, v in fn(canonical, config).items()}
 
 
+def causal_rows(tokenizer) -> int:
+    """The token ids a causal LM trained with megapar's `tokenizer` can see: its base
+    vocabulary and its end of document (the [PAD] [CLS] [SEP] [MASK] megapar appends after them
+    are BERT's, never in a causal LM's data)."""
+    return max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
+
+
+def tokenizer_rows(canonical: dict[str, torch.Tensor], config, tokenizer):
+    """(canonical, config) of a causal LM cut to the rows of its tokenizer (`causal_rows`): a
+    GPT-2 trained on the GPT-2 BPE exports 50,257 rows, as Hugging Face's GPT-2 has, not the
+    50,261 of megapar's vocabulary, whose 4 appended rows such a model never sees (an import
+    of the export trains on that tokenizer's data as Hugging Face's GPT-2 does: the data holds
+    no such id). Unchanged for BERT, for no tokenizer, or when the model has no rows to
+    spare."""
+    if tokenizer is None or config.model_type not in CAUSAL_LM_TYPES:
+        return canonical, config
+    rows = causal_rows(tokenizer)
+    if rows >= config.vocab_size:
+        return canonical, config
+    cut = dict(canonical)
+    for name in ("embed.word.weight", "head.weight"):
+        if name in cut:
+            cut[name] = cut[name][:rows]
+    return cut, config_from_dict({**config.to_dict(), "vocab_size": rows})
+
+
 HF_FILES = ("model.safetensors", "config.json")
 """The files an export writes (and replaces); anything else in the directory is left alone."""
 GENERATION_FILE = "generation_config.json"
@@ -467,6 +493,7 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    canonical, config = tokenizer_rows(canonical, config, tokenizer)
     special_ids: dict[str, int | None] = {}
     if tokenizer is not None:
         save_for_transformers(tokenizer, str(out_dir), config.vocab_size,

@@ -142,6 +142,11 @@ def run(args) -> str:
         out = cv.export_hf(src, args.to_hf, overwrite=args.overwrite, tokenizer=args.tokenizer,
                            dtype=args.dtype, allow_other_tokenizer=args.allow_other_tokenizer)
         report = f"wrote transformers directory {out}"
+        rows = _exported_rows(src, out)
+        if rows is not None:
+            report += (f"\nnote: the embedding has the tokenizer's {rows[0]:,} rows, not the "
+                       f"model's {rows[1]:,}: the ids megapar appends after the tokenizer's "
+                       f"([PAD] [CLS] [SEP] [MASK]), which a causal LM never sees, are left out")
         if not (out / "tokenizer_config.json").exists():
             report += ("\nnote: the checkpoint records no tokenizer, so the export has none "
                        "(AutoTokenizer cannot load it); pass --tokenizer SPEC")
@@ -162,6 +167,17 @@ def run(args) -> str:
     path = cv.convert_checkpoint(src, dst, args.tp, args.pp, args.dp, overwrite=args.overwrite,
                                  progress=progress)
     return f"wrote {path} (tp={args.tp} pp={args.pp} dp={args.dp})"
+
+
+def _exported_rows(src: str, out) -> tuple[int, int] | None:
+    """(rows exported, the checkpoint's vocabulary) when an export left rows out."""
+    import json
+
+    from megapar.checkpoint.manifest import read_manifest
+
+    exported = json.loads((out / "config.json").read_text()).get("vocab_size")
+    model = read_manifest(src)["model"].get("vocab_size")
+    return (exported, model) if exported and model and exported < model else None
 
 
 def _dcp(args, progress: bool) -> str:
