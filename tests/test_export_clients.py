@@ -23,7 +23,6 @@ import torch
 from conftest import (SHARED_DATA, shared_data, skip_unless_transformers_converts,
                       transformers_converts)
 
-from megapar.checkpoint.hf import causal_rows
 from megapar.cli.convert import main as convert
 from megapar.cli.data import main as data_main
 from megapar.cli.train import main as train
@@ -137,11 +136,9 @@ def test_an_export_carries_the_tokenizer_it_trained_with(tmp_path, text, name, c
     # when it has its own (Llama 3 style), else they are the text's ids alone
     bos = [] if ours.bos_id is None else [ours.bos_id]
     assert hf(sample)["input_ids"] == bos + ids
-    # a causal LM exports the tokenizer's rows: without the [PAD] [CLS] [SEP] [MASK] megapar
-    # appends (BERT's), as the model has them
-    assert len(hf) == causal_rows(ours) == model.config.vocab_size
+    assert len(hf) == ours.vocab_size <= model.config.vocab_size
     assert hf.eos_token_id == ours.eod_id
-    assert hf.convert_tokens_to_ids("[MASK]") in (None, hf.unk_token_id)
+    assert hf.convert_tokens_to_ids("[MASK]") == ours.mask_id
     prompt = hf("To be, or not to be", return_tensors="pt")
     generated = model.generate(**prompt, max_new_tokens=4, do_sample=False)
     with torch.no_grad():
@@ -252,21 +249,33 @@ def exports(tmp_path_factory, text):
     return root
 
 
-def test_a_gpt2_trained_on_the_gpt2_bpe_exports_hugging_faces_50257_rows(exports, tmp_path):
-    """megapar's GPT-2 BPE appends [PAD] [CLS] [SEP] [MASK] after 50,257 ids, and the trained
-    model has 50,261 rows; the export has the tokenizer's 50,257 (Hugging Face's GPT-2's), and
-    its logits on those tokens are megapar's own (megapar-eval of the checkpoint)."""
+def test_a_gpt2_on_the_gpt2_bpe_exports_hugging_faces_50257_rows_with_tokenizer_rows(
+        exports, tmp_path, capsys):
+    """megapar's GPT-2 BPE appends [PAD] [CLS] [SEP] [MASK] after 50,257 ids and the trained
+    model has 50,261 rows, over which its softmax trained: the export keeps them, saying why
+    and naming --tokenizer-rows, which exports the tokenizer's 50,257 (Hugging Face's GPT-2's)
+    with logits on those ids equal to megapar's own (megapar-eval of the checkpoint)."""
     from megapar.cli.eval import main as evaluate
 
-    manifest = json.loads(next((exports / "ckpt-gpt2").glob("step_*/manifest.json")).read_text())
+    ckpt = exports / "ckpt-gpt2"
+    manifest = json.loads(next(ckpt.glob("step_*/manifest.json")).read_text())
     assert manifest["model"]["vocab_size"] == 50261
-    model = transformers.GPT2LMHeadModel.from_pretrained(exports / "hf-gpt2").eval()
-    assert model.config.vocab_size == 50257 and model.config.pad_token_id is None
+    capsys.readouterr()
+    assert convert([str(ckpt), "--to-hf", str(tmp_path / "all")]) == 0
+    out = capsys.readouterr().out
+    assert "vocab_size 50,261: the tokenizer's 50,257 ids" in out and "--tokenizer-rows" in out
+    assert convert([str(ckpt), "--to-hf", str(tmp_path / "hf"), "--tokenizer-rows"]) == 0
+    assert "the tokenizer's 50,257 rows of the model's 50,261" in capsys.readouterr().out
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert model.config.vocab_size == len(tok) == 50257 and model.config.pad_token_id is None
     assert model.transformer.wte.weight.shape[0] == 50257
+    assert all(i < 50257 for i in tok.all_special_ids), tok.all_special_ids
     ids = torch.tensor([load_tokenizer("gpt2").encode("To be, or not to be: that is the")])
+    assert tok("To be, or not to be: that is the")["input_ids"] == ids[0].tolist()
     np.save(tmp_path / "ids.npy", ids.numpy())
-    assert evaluate(["--load", str(exports / "ckpt-gpt2"), "--input-ids",
-                     str(tmp_path / "ids.npy"), "--save-logits", str(tmp_path / "l.npy")]) == 0
+    assert evaluate(["--load", str(ckpt), "--input-ids", str(tmp_path / "ids.npy"),
+                     "--save-logits", str(tmp_path / "l.npy")]) == 0
     ours = torch.from_numpy(np.load(tmp_path / "l.npy"))
     assert ours.shape[-1] == 50261
     with torch.no_grad():

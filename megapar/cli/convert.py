@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-other-tokenizer", action="store_true",
                    help="--to-hf: export --tokenizer even though it is not the tokenizer the "
                         "checkpoint trained with")
+    p.add_argument("--tokenizer-rows", action="store_true",
+                   help="--to-hf of a GPT-2 or Llama: export only the rows of the tokenizer's ids "
+                        "(the GPT-2 BPE's 50,257, as Hugging Face's GPT-2), not the [PAD] [CLS] "
+                        "[SEP] [MASK] megapar appends; logits on those ids are unchanged, "
+                        "probabilities shift slightly (the model's softmax spanned every row)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], type=_dtype,
                    help="--to-hf: the dtype of the exported weights, or its short name bf16, "
                         "fp16, fp32 (default: the dtype of the Hugging Face model the "
@@ -129,9 +134,10 @@ def run(args) -> str:
     if args.info:
         _need(args, 0, "no positional path with --info CKPT")
         return cv.checkpoint_info(args.info, tensors=args.tensors, checksums=not args.fast)
-    if (args.tokenizer or args.dtype or args.allow_other_tokenizer) and not args.to_hf:
-        raise ValueError("--tokenizer, --allow-other-tokenizer and --dtype are used only with "
-                         "--to-hf")
+    if (args.tokenizer or args.dtype or args.allow_other_tokenizer or args.tokenizer_rows) \
+            and not args.to_hf:
+        raise ValueError("--tokenizer, --allow-other-tokenizer, --tokenizer-rows and --dtype are "
+                         "used only with --to-hf")
     if args.allow_other_tokenizer and not args.tokenizer:
         raise ValueError("--allow-other-tokenizer needs --tokenizer SPEC, the tokenizer to export")
     if args.to_hf:
@@ -140,13 +146,21 @@ def run(args) -> str:
             raise ValueError("--tp and --pp are not used with --to-hf: an export is one "
                              "unsharded model; drop them")
         out = cv.export_hf(src, args.to_hf, overwrite=args.overwrite, tokenizer=args.tokenizer,
-                           dtype=args.dtype, allow_other_tokenizer=args.allow_other_tokenizer)
+                           dtype=args.dtype, allow_other_tokenizer=args.allow_other_tokenizer,
+                           tokenizer_rows=args.tokenizer_rows)
         report = f"wrote transformers directory {out}"
-        rows = _exported_rows(src, out)
-        if rows is not None:
-            report += (f"\nnote: the embedding has the tokenizer's {rows[0]:,} rows, not the "
-                       f"model's {rows[1]:,}: the ids megapar appends after the tokenizer's "
-                       f"([PAD] [CLS] [SEP] [MASK]), which a causal LM never sees, are left out")
+        rows = _exported_rows(args, src, out)
+        if rows is not None and rows[0] < rows[1]:
+            report += (f"\nnote: --tokenizer-rows: the embedding has the tokenizer's {rows[0]:,} "
+                       f"rows of the model's {rows[1]:,}; logits on those ids are the model's, "
+                       f"probabilities differ slightly (it trained its softmax over all)")
+        elif rows is not None:
+            report += (f"\nnote: vocab_size {rows[1]:,}: the tokenizer's {rows[2]:,} ids and the "
+                       f"{rows[1] - rows[2]} megapar appends for BERT ([PAD] [CLS] [SEP] [MASK] "
+                       f"where missing), which this model trained its softmax over, so they "
+                       f"stay (cutting them would "
+                       f"change every probability); --tokenizer-rows exports {rows[2]:,} rows, "
+                       f"shaped as Hugging Face's model")
         if not (out / "tokenizer_config.json").exists():
             report += ("\nnote: the checkpoint records no tokenizer, so the export has none "
                        "(AutoTokenizer cannot load it); pass --tokenizer SPEC")
@@ -169,15 +183,25 @@ def run(args) -> str:
     return f"wrote {path} (tp={args.tp} pp={args.pp} dp={args.dp})"
 
 
-def _exported_rows(src: str, out) -> tuple[int, int] | None:
-    """(rows exported, the checkpoint's vocabulary) when an export left rows out."""
+def _exported_rows(args, src: str, out) -> tuple[int, int, int] | None:
+    """(rows exported, the checkpoint's vocabulary, its tokenizer's ids) of a causal LM's
+    export whose vocabulary holds more rows than its tokenizer has ids (None otherwise)."""
     import json
 
+    from megapar.checkpoint.hf import causal_rows
     from megapar.checkpoint.manifest import read_manifest
+    from megapar.data.tokenizers import load_tokenizer
+    from megapar.models.config import CAUSAL_LM_TYPES
 
-    exported = json.loads((out / "config.json").read_text()).get("vocab_size")
-    model = read_manifest(src)["model"].get("vocab_size")
-    return (exported, model) if exported and model and exported < model else None
+    manifest = read_manifest(src)
+    model, spec = manifest["model"], args.tokenizer or manifest["meta"].get("tokenizer")
+    if model.get("model_type") not in CAUSAL_LM_TYPES or not spec or \
+            not (out / "tokenizer_config.json").exists():
+        return None
+    rows = causal_rows(load_tokenizer(spec))
+    if rows >= model["vocab_size"]:
+        return None
+    return json.loads((out / "config.json").read_text())["vocab_size"], model["vocab_size"], rows
 
 
 def _dcp(args, progress: bool) -> str:
