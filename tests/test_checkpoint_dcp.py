@@ -7,6 +7,7 @@ DCP's HuggingFaceStorageReader."""
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +15,15 @@ import torch.distributed.checkpoint as dist_cp
 import torch.nn.functional as F
 import transformers
 
-from megapar.checkpoint.dcp import FLAVORS, intermediate_size, to_interleaved, to_rotate_half
+from megapar.checkpoint.dcp import (
+    FLAVORS,
+    intermediate_size,
+    to_interleaved,
+    to_rotate_half,
+)
 from megapar.cli.convert import main as convert
 from megapar.cli.train import main as train
+from megapar.data.assets import asset_path
 
 SMALL = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 80,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -219,11 +226,12 @@ def test_load_of_another_format_is_refused_naming_the_import(tmp_path, small, ca
         raise AssertionError("a worker was started for a bad input")
 
     monkeypatch.setattr(train_cli, "run_workers", refuse)
-    state, step, model = small
+    step = small[1]
     hf_dir = tmp_path / "hf_weights"
     hf_dir.mkdir()
     from safetensors.torch import save_file
     save_file({"model.norm.weight": torch.ones(4)}, hf_dir / "model.safetensors")
+    (hf_dir / "t.txt").write_text(Path(asset_path("shakespeare_sample.txt")).read_text()[:20_000])
     base = ["--model", "llama-tiny", "--seq-len", "32", "--no-progress", "--max-steps", "1"]
     for path, words in ((step, ["DCP", "megapar-convert --from-dcp", str(step)]),
                         (tmp_path, ["torchtitan's DCP checkpoints", "step-10"]),
@@ -231,6 +239,12 @@ def test_load_of_another_format_is_refused_naming_the_import(tmp_path, small, ca
         assert train([*base, "--load", str(path)]) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and all(w in err for w in words), err
+    empty = tmp_path / "empty"
+    empty.mkdir()  # nothing there yet: a requeued job's first start, which starts fresh
+    from megapar.cli.train import parse_args, plan_run
+
+    plan_run(parse_args([*base, "--tokenizer", "gpt2", "--data", str(hf_dir / "t.txt"),
+                         "--data-cache", str(tmp_path / "cache"), "--load", str(empty)]), [])
     assert convert(["--info", str(step)]) == 2
     err = capsys.readouterr().err.strip()
     assert "DCP" in err and "--from-dcp" in err and "interrupted" not in err, err
@@ -240,7 +254,7 @@ def test_megapar_shards_are_refused_by_dcps_huggingface_reader(tmp_path, small):
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.api import CheckpointException
 
-    state, step, model = small
+    step, model = small[1:]
     assert convert(["--from-dcp", str(step), str(tmp_path / "ck"), "--model", model,
                     "--tp", "2", "--pp", "2", "--no-progress"]) == 0
     step_dir = tmp_path / "ck" / "step_00000000"

@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-
 from conftest import shared_data
 
 from megapar.data.tokenizers import APPENDED_ORDER, asset_path, load_tokenizer

@@ -20,8 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (SHARED_DATA, shared_data, skip_unless_transformers_converts,
-                      transformers_converts)
+from conftest import (
+    SHARED_DATA,
+    shared_data,
+    skip_unless_transformers_converts,
+    transformers_converts,
+)
 
 from megapar.cli.convert import main as convert
 from megapar.cli.data import main as data_main

@@ -207,7 +207,8 @@ def test_invalid_combinations_are_refused_in_one_line(capsys, monkeypatch, tmp_p
 
     monkeypatch.setattr(train_cli, "run_workers", refuse)
     data = tmp_path / "sample.txt"  # the package's text: a clone without ../shared runs this
-    data.write_text(open(asset_path("shakespeare_sample.txt")).read()[:20_000])
+    with open(asset_path("shakespeare_sample.txt")) as f:
+        data.write_text(f.read()[:20_000])
     assert train(["--data", str(data), "--data-cache", str(tmp_path / "cache"), "--model",
                   "gpt2-tiny", "--seq-len", "32", "--no-progress", *args]) == 2
     err = capsys.readouterr().err.strip()

@@ -34,6 +34,7 @@ import shutil
 import tomllib
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed.checkpoint as dist_cp
@@ -41,7 +42,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megapar.checkpoint.convert import _refuse_existing, _swap_into, check_output, plan
 from megapar.checkpoint.convert import write_checkpoint as _write_checkpoint
-from megapar.checkpoint.format import CheckpointError, ShardReader, dtype_from_name, staging_dir
+from megapar.checkpoint.format import (
+    CheckpointError,
+    ShardReader,
+    dtype_from_name,
+    staging_dir,
+)
 from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.mesh import Layout
@@ -63,14 +69,14 @@ _NEWER = {"attention.wq": "attention.qkv_linear.wq", "attention.wk": "attention.
 _MEGAPAR_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight")
 
 FLAVORS = {
-    "debugmodel": dict(dim=256, n_layers=6, n_heads=16, rope_theta=500000),
-    "debugmodel_flex_attn": dict(dim=256, n_layers=6, n_heads=16, rope_theta=500000),
-    "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3,
-               multiple_of=1024, rope_theta=500000),
-    "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
-                multiple_of=4096, rope_theta=500000),
-    "405B": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
-                 multiple_of=4096, rope_theta=500000),
+    "debugmodel": {"dim": 256, "n_layers": 6, "n_heads": 16, "rope_theta": 500000},
+    "debugmodel_flex_attn": {"dim": 256, "n_layers": 6, "n_heads": 16, "rope_theta": 500000},
+    "8B": {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8,
+           "ffn_dim_multiplier": 1.3, "multiple_of": 1024, "rope_theta": 500000},
+    "70B": {"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8,
+            "ffn_dim_multiplier": 1.3, "multiple_of": 4096, "rope_theta": 500000},
+    "405B": {"dim": 16384, "n_layers": 126, "n_heads": 128, "n_kv_heads": 8,
+             "ffn_dim_multiplier": 1.2, "multiple_of": 4096, "rope_theta": 500000},
 }
 """torchtitan's Llama 3 flavors (``llama3_configs``, torchtitan/models/llama3/__init__.py),
 the fields a job config's ``[model] flavor`` stands for (defaults: multiple_of 256, norm_eps
@@ -116,11 +122,11 @@ def intermediate_size(dim: int, multiple_of: int = 256, ffn_dim_multiplier=None)
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds DCP's metadata classes, torch sizes, dtypes and layouts, paths; nothing else."""
 
-    _ALLOWED = {"torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-                "torch.serialization": {"_get_layout"}, "torch": {"Size"},
-                "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath",
-                            "Path"},
-                "collections": {"OrderedDict"}, "builtins": {"set", "frozenset", "slice"}}
+    _ALLOWED: ClassVar[dict[str, set[str]]] = {
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"}, "torch": {"Size"},
+        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+        "collections": {"OrderedDict"}, "builtins": {"set", "frozenset", "slice"}}
 
     def find_class(self, module, name):
         allowed = module == "torch.distributed.checkpoint.metadata" or \
@@ -192,7 +198,7 @@ class DCPReader:
     def _config(self, config, job_config):
         """The Llama of the weights: `config` (a megapar model spec), else the job config's
         flavor; its vocabulary, layers, sizes checked against the weights' shapes."""
-        vocab, dim = self.shape("tok_embeddings.weight")
+        vocab = self.shape("tok_embeddings.weight")[0]
         if config is None and job_config is None:
             raise ConfigError(f"--from-dcp {self.path}: say which Llama this is: --job-config "
                               f"TOML (torchtitan's job config, whose [model] flavor names it) "
