@@ -6,18 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import shared_data
 
 from megapar.cli.train import main
-
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "shakespeare"
 
 
 @pytest.fixture(scope="module")
 def common(tmp_path_factory):
     d = tmp_path_factory.mktemp("replay")
-    text = SHAKESPEARE / "hamlet_gut.txt"
-    if not text.exists():
-        pytest.skip("../shared/data is not there")
+    text = Path(shared_data("corpus", "shakespeare", "hamlet_gut.txt"))
     model = d / "m.json"
     model.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 4, "n_head": 4,
                                  "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
