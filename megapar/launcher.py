@@ -40,7 +40,8 @@ from megapar import device as _device
 from megapar.faults import status as diagnostics
 from megapar.faults import stop
 from megapar.faults.blame import blame, forget_stale_marks, state
-from megapar.faults.processes import die_with_parent, launcher_alive, pid_alive  # noqa: F401
+from megapar.faults.processes import (  # noqa: F401
+    die_with_parent, finish_before_exit, launcher_alive, pid_alive)
 from megapar.faults.status import diagnose
 
 
@@ -92,6 +93,7 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
             _device.init_distributed(rank, world_size, timeout_s=timeout_s, store=store,
                                      nccl_timeout_s=nccl_timeout_s)
         out = fn(*args, **kwargs)
+        finish_before_exit()  # a background checkpoint write still in flight (no atexit here)
         # By value: torch's queue reducers would share tensors through file descriptors that
         # vanish when this process exits.
         results.put((rank, "ok", pickle.dumps(out)))
@@ -306,6 +308,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
         ours = not dist.is_initialized()
         _device.init_distributed(timeout_s=collective_timeout_s, nccl_timeout_s=nccl_timeout_s)
         out = fn(*args)
+        finish_before_exit()  # a background write in flight, before its group goes
         if ours and dist.is_initialized():  # after a failure the others may be in a collective
             release_process_groups()
         return [out]
