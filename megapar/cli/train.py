@@ -48,6 +48,7 @@ from megapar.training.data import (
 )
 from megapar.training.loop import train
 from megapar.training.profiling import parse_steps
+from megapar.training.replay import check_record, find_record
 from megapar.training.validate import (
     UsageError,
     adapt_defaults,
@@ -143,7 +144,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     if chunks > 1:
         chunk_specs(config.num_layers, layout.pp, 0, chunks)  # enough layers?
     _check_injection(cfg, config, layout, per_step, manifest)
-    _check_replay(cfg, manifest)
+    _check_replay(cfg, manifest, config, notes)
     if not cfg.dry_run:
         most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
         if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
@@ -205,7 +206,7 @@ def _check_injection(cfg: TrainConfig, config, layout: Layout, per_step: int,
                          f"{start + 1}-{cfg.max_steps}); choose a step in that range")
 
 
-def _check_replay(cfg: TrainConfig, manifest: dict | None) -> None:
+def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[str]) -> None:
     """--record-step, --replay, --replay-against: a step this run reaches, a place to write."""
     start = int(manifest.get("step", 0)) if manifest else 0
     if cfg.record_step and not cfg.save:
@@ -227,6 +228,10 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None) -> None:
     if cfg.replay_against and not os.path.exists(os.path.expanduser(cfg.replay_against)):
         raise UsageError(f"--replay-against {cfg.replay_against}: no such record; give the "
                          f"records/step_{cfg.replay:08d}.json --record-step wrote")
+    record = cfg.replay_against or find_record(cfg.load, cfg.replay)
+    if record is not None:
+        flag = "--replay-against" if cfg.replay_against else "the record"
+        notes.extend(check_record(record, cfg.replay, config.to_dict(), flag))
 
 
 def _training_split(cfg: TrainConfig, plan: DataPlan, model_type: str, layout: Layout,
