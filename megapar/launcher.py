@@ -11,7 +11,8 @@ on a timeout the rank that did not answer.
 
 Workers die with the launcher (`die_with_parent`), run in their own process group (a terminal's
 Ctrl-C reaches the launcher only, which forwards it once), and receive the launcher's SIGTERM /
-SIGUSR1 / SIGINT. Rank 0 serves the rendezvous store on 127.0.0.1 only.
+SIGUSR1 / SIGINT. Rank 0 serves the rendezvous store on 127.0.0.1 only, and gloo's sockets
+listen on the loopback interface only (GLOO_SOCKET_IFNAME=lo, whatever the environment says).
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets: loopback too
+    if sys.platform.startswith("linux"):  # gloo's own sockets: loopback too, whatever the
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # environment said (a cluster's interface)
     try:
         torch.set_num_threads(1)
         if world_size > 1:
