@@ -16,7 +16,8 @@ import sys
 import traceback
 
 from megapar.checkpoint.lock import SaveLock, SaveLockError, check_unlocked
-from megapar.checkpoint.publish import has_checkpoint
+from megapar.checkpoint.manifest import read_manifest
+from megapar.checkpoint.publish import has_checkpoint, remove_steps_after
 from megapar.data import IndexedDataset
 from megapar.device import DeviceError, check_gpus, share_host_arena
 from megapar.dryrun.command import rehearse
@@ -280,6 +281,18 @@ def _takes_save_lock() -> bool:
         int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
 
 
+def _remove_newer_steps(cfg: TrainConfig) -> list[str]:
+    """--overwrite-newer: remove the steps of --save newer than the one this run starts from
+    (and their records), so none of an earlier run is left mixed with this run's; a note."""
+    start = int(read_manifest(cfg.load).get("step", 0)) \
+        if cfg.load and has_checkpoint(cfg.load) else 0
+    removed = remove_steps_after(cfg.save, start)
+    if not removed:
+        return []
+    return [f"--overwrite-newer: removed {', '.join(removed)} of --save {cfg.save} (newer than "
+            f"step {start}, where this run starts)"]
+
+
 def _worker(cfg: TrainConfig, plan: DataPlan):
     restore = install_stop_handlers(cfg.exit_signals)
     try:
@@ -299,6 +312,8 @@ def main(argv=None) -> int:
             command = shlex.join(["megapar-train", *(sys.argv[1:] if argv is None else argv)])
             lock = SaveLock(cfg.save, command).acquire()
             notes.extend(filter(None, [lock.taken_over]))
+            if cfg.overwrite_newer:  # under the lock: nobody else writes --save now
+                notes.extend(_remove_newer_steps(cfg))
     except (UsageError, LayoutError, ConfigError, ValueError, FileNotFoundError,
             SaveLockError, DeviceError) as exc:
         print(f"megapar-train: error: {exc}", file=sys.stderr)
