@@ -255,7 +255,9 @@ def check_local_workers(n: int, what: str, flag: str = "--oversubscribe") -> Non
 def under_launcher() -> bool:
     """True under torchrun, or under `srun` with several tasks (one process per rank, started
     by them; `megapar.device.adopt_slurm_environment` gives torch.distributed torchrun's
-    variables then)."""
+    variables then). Raises ValueError (one line naming the variable) when Slurm's variables
+    are malformed (`megapar.device.check_slurm_environment`)."""
+    _device.check_slurm_environment()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
