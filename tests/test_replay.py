@@ -211,3 +211,32 @@ def test_a_replay_that_compared_nothing_never_says_no_difference():
              "cp_size": 1, "sq": 1.0}
     line = compare({"step": 3, "entries": [entry] * 200}, {}, {})
     assert "nothing compared" in line and "no difference" not in line, line
+
+
+def test_a_replay_with_no_record_is_refused_before_any_worker_starts(recorded, capfd):
+    """--replay 4 where no record of step 4 exists: it would train and compare nothing."""
+    _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "4", "--max-steps",
+                     "4", "--no-progress"],
+             "--replay 4: no record of step 4", "--record-step 4")
+
+
+@pytest.mark.parametrize("flag", ["--save", "--record-step"])
+def test_save_or_record_step_under_replay_is_refused(recorded, tmp_path, capfd, flag):
+    """--save / --record-step under --replay were ignored silently (and --save's directory
+    made): refused in one line, nothing made."""
+    extra = [flag, str(tmp_path / "out")] if flag == "--save" else [flag, "3"]
+    _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "3",
+                     "--no-progress", *extra], f"{flag} with --replay 3", f"drop {flag}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_zero_sharded_replay_says_why_the_gradient_norms_are_not_compared(recorded, capfd):
+    """A replay at --zero 3 --dp 2 has no weight-gradient norms of its own: it says so rather
+    than 'no weight-gradient norms were recorded' (the record holds them)."""
+    rc = main(["--load", str(recorded / "step_00000002"), "--replay", "3", "--zero", "3",
+               "--dp", "2", "--no-progress"])
+    captured = capfd.readouterr()
+    assert rc == 0, captured.err
+    line = _verdict(captured.out.splitlines())
+    assert "no weight-gradient norms were recorded" not in line, line
+    assert "weight-gradient norms are not compared: the replay's gradients are sharded" in line

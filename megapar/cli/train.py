@@ -208,8 +208,14 @@ def _check_injection(cfg: TrainConfig, config, layout: Layout, per_step: int,
 
 
 def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[str]) -> None:
-    """--record-step, --replay, --replay-against: a step this run reaches, a place to write."""
+    """--record-step, --replay, --replay-against: a step this run reaches, a place to write, a
+    readable record of the replayed step and model to compare with."""
     start = int(manifest.get("step", 0)) if manifest else 0
+    given = [f for f in ("save", "record_step") if f in explicit(cfg) and getattr(cfg, f)]
+    if cfg.replay and given:
+        flag = "--" + given[0].replace("_", "-")
+        raise UsageError(f"{flag} with --replay {cfg.replay}: a replay runs step {cfg.replay} "
+                         f"once, compares it and exits without saving or recording; drop {flag}")
     if cfg.record_step and not cfg.save:
         raise UsageError(f"--record-step {cfg.record_step} writes SAVE/records/: give --save")
     if cfg.record_step and not start < cfg.record_step <= cfg.max_steps:
@@ -230,9 +236,13 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[s
         raise UsageError(f"--replay-against {cfg.replay_against}: no such record; give the "
                          f"records/step_{cfg.replay:08d}.json --record-step wrote")
     record = cfg.replay_against or find_record(cfg.load, cfg.replay)
-    if record is not None:
-        flag = "--replay-against" if cfg.replay_against else "the record"
-        notes.extend(check_record(record, cfg.replay, config.to_dict(), flag))
+    if record is None:
+        raise UsageError(f"--replay {cfg.replay}: no record of step {cfg.replay} next to the "
+                         f"--load checkpoint (records/step_{cfg.replay:08d}.json of its --save "
+                         f"directory), so nothing would be compared; record it with --record-step "
+                         f"{cfg.replay} in the original run, or give --replay-against FILE")
+    flag = "--replay-against" if cfg.replay_against else "the record"
+    notes.extend(check_record(record, cfg.replay, config.to_dict(), flag))
 
 
 def _training_split(cfg: TrainConfig, plan: DataPlan, model_type: str, layout: Layout,

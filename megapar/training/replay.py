@@ -334,7 +334,8 @@ class StepReplay:
             lines.append(f"{name:48s} {_norm(full[name], 14)} {_norm(recorded.get(name), 14)} "
                          f"{_norm(grads.get(name), 17)} {_norm(old_grads.get(name), 14)}")
         if self.record is not None:
-            lines.append(compare(self.record, ours, grads))
+            lines.append(compare(self.record, ours, grads,
+                                 getattr(self.engine.step_fn, "sharded", False)))
         else:
             lines.append("no record of this step found next to the --load checkpoint (write "
                          "one with --record-step, or give --replay-against): nothing compared")
@@ -368,9 +369,11 @@ def _differs(a: float, b: float) -> bool:
     return _relative(a, b) > RTOL
 
 
-def compare(record: dict, ours: dict[int, float], grads: dict[str, float]) -> str:
+def compare(record: dict, ours: dict[int, float], grads: dict[str, float],
+            sharded: bool = False) -> str:
     """One line: the first recorded value (smallest key) that differs from the replay's, and
-    whose rank computed it; or that every value agrees."""
+    whose rank computed it; or that every value agrees. `sharded`: the replay's gradients were
+    sharded over dp (ZeRO at dp > 1), so it has no weight-gradient norms of its own."""
     entries = record["entries"]
     missing = [i for i in range(len(entries)) if i not in ours]
     if not ours:
@@ -398,7 +401,11 @@ def compare(record: dict, ours: dict[int, float], grads: dict[str, float]) -> st
                  if n in grads], default=0.0)
     compared = sum(n in grads for n in record.get("grad_sq_norms", {}))
     weights = f" and {compared} weight-gradient norms" if compared else ""
-    if not compared:  # the recording run sharded its gradients over dp (ZeRO)
+    recorded = len(record.get("grad_sq_norms", {}))
+    if not compared and recorded and sharded:
+        note += (f"; the record's {recorded} weight-gradient norms are not compared: the "
+                 f"replay's gradients are sharded over dp (ZeRO); replay at dp 1 to compare them")
+    elif not compared:  # the recording run sharded its gradients over dp (ZeRO)
         note += "; no weight-gradient norms were recorded to compare"
     return (f"replay of step {record['step']}: no difference: all {len(ours)} recorded output "
             f"norms{weights} agree within {RTOL:g} relative "
