@@ -169,6 +169,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         if cfg.save and _takes_save_lock():
             check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
         check_newer_steps(cfg, manifest)  # steps a resumed or fresh run would overwrite
+        notes.extend(_earlier_log(cfg, manifest))
     plan = prepare_data(cfg, notes, manifest, config)
     if plan.prefix is None:  # a rehearsal without the data
         return layout, plan
@@ -192,6 +193,28 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     return layout, plan
 
 
+def _what_is_saved(cfg: TrainConfig) -> str:
+    """After an abort: what --save holds to resume from (a write in flight is lost)."""
+    root = os.path.expanduser(cfg.save) if cfg.save else ""
+    latest = os.path.join(root, "latest")
+    if not root or not os.path.isfile(latest):
+        return "nothing saved"
+    name = open(latest).read().strip()
+    return (f"any save in flight is lost; {cfg.save}/latest is {name}, the checkpoint to "
+            f"resume from (--load {cfg.save})")
+
+
+def _earlier_log(cfg: TrainConfig, manifest: dict | None) -> list[str]:
+    """A note when a fresh run will start an existing, non-empty --log-json anew."""
+    path = os.path.expanduser(cfg.log_json) if cfg.log_json else ""
+    if manifest is not None or not path or not os.path.isfile(path) or not os.path.getsize(path):
+        return []
+    with open(path, "rb") as f:
+        records = sum(1 for line in f if line.strip())
+    return [f"--log-json {cfg.log_json} holds {records} records of an earlier run: this fresh "
+            f"run starts the file anew (give another --log-json to keep them)"]
+
+
 def _check_injection(cfg: TrainConfig, config, layout: Layout, per_step: int,
                      manifest: dict | None) -> None:
     """--inject-corrupt (or MEGAPAR_INJECT_CORRUPT): a spec the run can carry out."""
@@ -200,7 +223,7 @@ def _check_injection(cfg: TrainConfig, config, layout: Layout, per_step: int,
         return
     flag = "--inject-corrupt" if "inject_corrupt" in explicit(cfg) else inject.ENV
     spec = inject.check(cfg.inject_corrupt, config, layout, cfg.global_batch_size // per_step,
-                        flag)
+                        flag, tokens=cfg.micro_batch_size * cfg.seq_len)
     start = int(manifest.get("step", 0)) if manifest else 0
     if not start < spec.step <= cfg.max_steps:
         raise UsageError(f"{flag}: step={spec.step} is not run (this run trains steps "
@@ -368,7 +391,7 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
                   file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("megapar-train: aborted (second SIGINT): nothing saved", file=sys.stderr)
+        print(f"megapar-train: aborted (second SIGINT): {_what_is_saved(cfg)}", file=sys.stderr)
         return 130
     return 0
 
