@@ -42,7 +42,11 @@ from megapar.faults import status as diagnostics
 from megapar.faults import stop
 from megapar.faults.blame import blame, forget_stale_marks, state
 from megapar.faults.processes import (  # noqa: F401
-    die_with_parent, finish_before_exit, launcher_alive, pid_alive)
+    die_with_parent,
+    finish_before_exit,
+    launcher_alive,
+    pid_alive,
+)
 from megapar.faults.status import diagnose
 
 

@@ -244,9 +244,10 @@ def test_a_local_run_listens_on_loopback_only_whatever_gloo_socket_ifname_says(m
     gloo sockets and store still listen on 127.0.0.1 only."""
     import os
 
-    external = [n for n in sorted(os.listdir("/sys/class/net")) if n != "lo" and
-                os.path.exists(f"/sys/class/net/{n}/operstate") and
-                open(f"/sys/class/net/{n}/operstate").read().strip() == "up"]
+    from pathlib import Path
+
+    external = [p.name for p in sorted(Path("/sys/class/net").iterdir()) if p.name != "lo" and
+                (p / "operstate").exists() and (p / "operstate").read_text().strip() == "up"]
     if not external:
         pytest.skip("no external network interface up")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", external[0])

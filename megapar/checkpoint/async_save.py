@@ -27,6 +27,7 @@ single process finish the write (or raise its failure) rather than lose it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -172,11 +173,13 @@ class AsyncSaver:
 
 
 def _finisher(ref):
-    """Waits for the write in flight of the saver `ref` refers to, if it is still alive."""
+    """Waits for the write in flight of the saver `ref` refers to, if it is still alive and
+    this process made it (a forked child inherits the list, not the writer thread)."""
+    pid = os.getpid()
 
     def finish():
         saver = ref()
-        if saver is not None and saver.in_flight():
+        if saver is not None and os.getpid() == pid and saver.in_flight():
             saver.wait()
 
     return finish

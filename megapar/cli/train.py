@@ -199,7 +199,8 @@ def _what_is_saved(cfg: TrainConfig) -> str:
     latest = os.path.join(root, "latest")
     if not root or not os.path.isfile(latest):
         return "nothing saved"
-    name = open(latest).read().strip()
+    with open(latest) as f:
+        name = f.read().strip()
     return (f"any save in flight is lost; {cfg.save}/latest is {name}, the checkpoint to "
             f"resume from (--load {cfg.save})")
 
