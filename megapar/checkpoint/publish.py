@@ -127,6 +127,32 @@ def steps_after(root: str | Path, step: int) -> list[str]:
     return [name for n, name in sorted(found) if n > step]
 
 
+def remove_steps_after(root: str | Path, step: int) -> list[str]:
+    """Remove the complete ``step_N`` directories of `root` with N > `step`, and the records
+    (``records/step_N.*``) of those steps (a run started from `step` with --overwrite-newer
+    replaces them): ``latest`` is first pointed at the newest step left (removed when none is
+    left), so a crash in between leaves a root that loads. Returns the removed steps' names."""
+    root = Path(root).expanduser()
+    newer = steps_after(root, step)
+    latest = root / LATEST
+    if newer and latest.exists() and latest.read_text().strip() in newer:
+        left = [name for name in steps_after(root, -1) if name not in newer]
+        if left:
+            set_latest(root, left[-1])
+        else:
+            latest.unlink()
+    for name in newer:
+        shutil.rmtree(root / name)
+    for record in sorted((root / "records").glob("step_*.*")) if (root / "records").is_dir() \
+            else []:
+        n = record.name[5:].split(".")[0]
+        if n.isdigit() and int(n) > step:
+            record.unlink()
+    if newer:
+        fsync_dir(root)
+    return newer
+
+
 def has_checkpoint(path: str | Path) -> bool:
     """Whether `path` holds something to resume from (else a requeued run starts fresh)."""
     p = Path(path).expanduser()

@@ -16,7 +16,8 @@ import sys
 import traceback
 
 from megapar.checkpoint.lock import SaveLock, SaveLockError, check_unlocked
-from megapar.checkpoint.publish import has_checkpoint
+from megapar.checkpoint.manifest import read_manifest
+from megapar.checkpoint.publish import has_checkpoint, remove_steps_after
 from megapar.data import IndexedDataset
 from megapar.device import DeviceError, check_gpus, share_host_arena
 from megapar.dryrun.command import rehearse
@@ -48,6 +49,7 @@ from megapar.training.data import (
 )
 from megapar.training.loop import train
 from megapar.training.profiling import parse_steps
+from megapar.training.replay import check_record, find_record
 from megapar.training.validate import (
     UsageError,
     adapt_defaults,
@@ -143,7 +145,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     if chunks > 1:
         chunk_specs(config.num_layers, layout.pp, 0, chunks)  # enough layers?
     _check_injection(cfg, config, layout, per_step, manifest)
-    _check_replay(cfg, manifest)
+    _check_replay(cfg, manifest, config, notes)
     if not cfg.dry_run:
         most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
         if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
@@ -167,6 +169,7 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
         if cfg.save and _takes_save_lock():
             check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
         check_newer_steps(cfg, manifest)  # steps a resumed or fresh run would overwrite
+        notes.extend(_earlier_log(cfg, manifest))
     plan = prepare_data(cfg, notes, manifest, config)
     if plan.prefix is None:  # a rehearsal without the data
         return layout, plan
@@ -190,6 +193,29 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     return layout, plan
 
 
+def _what_is_saved(cfg: TrainConfig) -> str:
+    """After an abort: what --save holds to resume from (a write in flight is lost)."""
+    root = os.path.expanduser(cfg.save) if cfg.save else ""
+    latest = os.path.join(root, "latest")
+    if not root or not os.path.isfile(latest):
+        return "nothing saved"
+    with open(latest) as f:
+        name = f.read().strip()
+    return (f"any save in flight is lost; {cfg.save}/latest is {name}, the checkpoint to "
+            f"resume from (--load {cfg.save})")
+
+
+def _earlier_log(cfg: TrainConfig, manifest: dict | None) -> list[str]:
+    """A note when a fresh run will start an existing, non-empty --log-json anew."""
+    path = os.path.expanduser(cfg.log_json) if cfg.log_json else ""
+    if manifest is not None or not path or not os.path.isfile(path) or not os.path.getsize(path):
+        return []
+    with open(path, "rb") as f:
+        records = sum(1 for line in f if line.strip())
+    return [f"--log-json {cfg.log_json} holds {records} records of an earlier run: this fresh "
+            f"run starts the file anew (give another --log-json to keep them)"]
+
+
 def _check_injection(cfg: TrainConfig, config, layout: Layout, per_step: int,
                      manifest: dict | None) -> None:
     """--inject-corrupt (or MEGAPAR_INJECT_CORRUPT): a spec the run can carry out."""
@@ -198,16 +224,22 @@ def _check_injection(cfg: TrainConfig, config, layout: Layout, per_step: int,
         return
     flag = "--inject-corrupt" if "inject_corrupt" in explicit(cfg) else inject.ENV
     spec = inject.check(cfg.inject_corrupt, config, layout, cfg.global_batch_size // per_step,
-                        flag)
+                        flag, tokens=cfg.micro_batch_size * cfg.seq_len)
     start = int(manifest.get("step", 0)) if manifest else 0
     if not start < spec.step <= cfg.max_steps:
         raise UsageError(f"{flag}: step={spec.step} is not run (this run trains steps "
                          f"{start + 1}-{cfg.max_steps}); choose a step in that range")
 
 
-def _check_replay(cfg: TrainConfig, manifest: dict | None) -> None:
-    """--record-step, --replay, --replay-against: a step this run reaches, a place to write."""
+def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[str]) -> None:
+    """--record-step, --replay, --replay-against: a step this run reaches, a place to write, a
+    readable record of the replayed step and model to compare with."""
     start = int(manifest.get("step", 0)) if manifest else 0
+    given = [f for f in ("save", "record_step") if f in explicit(cfg) and getattr(cfg, f)]
+    if cfg.replay and given:
+        flag = "--" + given[0].replace("_", "-")
+        raise UsageError(f"{flag} with --replay {cfg.replay}: a replay runs step {cfg.replay} "
+                         f"once, compares it and exits without saving or recording; drop {flag}")
     if cfg.record_step and not cfg.save:
         raise UsageError(f"--record-step {cfg.record_step} writes SAVE/records/: give --save")
     if cfg.record_step and not start < cfg.record_step <= cfg.max_steps:
@@ -227,6 +259,14 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None) -> None:
     if cfg.replay_against and not os.path.exists(os.path.expanduser(cfg.replay_against)):
         raise UsageError(f"--replay-against {cfg.replay_against}: no such record; give the "
                          f"records/step_{cfg.replay:08d}.json --record-step wrote")
+    record = cfg.replay_against or find_record(cfg.load, cfg.replay)
+    if record is None:
+        raise UsageError(f"--replay {cfg.replay}: no record of step {cfg.replay} next to the "
+                         f"--load checkpoint (records/step_{cfg.replay:08d}.json of its --save "
+                         f"directory), so nothing would be compared; record it with --record-step "
+                         f"{cfg.replay} in the original run, or give --replay-against FILE")
+    flag = "--replay-against" if cfg.replay_against else "the record"
+    notes.extend(check_record(record, cfg.replay, config.to_dict(), flag))
 
 
 def _training_split(cfg: TrainConfig, plan: DataPlan, model_type: str, layout: Layout,
@@ -275,6 +315,18 @@ def _takes_save_lock() -> bool:
         int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
 
 
+def _remove_newer_steps(cfg: TrainConfig) -> list[str]:
+    """--overwrite-newer: remove the steps of --save newer than the one this run starts from
+    (and their records), so none of an earlier run is left mixed with this run's; a note."""
+    start = int(read_manifest(cfg.load).get("step", 0)) \
+        if cfg.load and has_checkpoint(cfg.load) else 0
+    removed = remove_steps_after(cfg.save, start)
+    if not removed:
+        return []
+    return [f"--overwrite-newer: removed {', '.join(removed)} of --save {cfg.save} (newer than "
+            f"step {start}, where this run starts)"]
+
+
 def _worker(cfg: TrainConfig, plan: DataPlan):
     restore = install_stop_handlers(cfg.exit_signals)
     try:
@@ -294,6 +346,8 @@ def main(argv=None) -> int:
             command = shlex.join(["megapar-train", *(sys.argv[1:] if argv is None else argv)])
             lock = SaveLock(cfg.save, command).acquire()
             notes.extend(filter(None, [lock.taken_over]))
+            if cfg.overwrite_newer:  # under the lock: nobody else writes --save now
+                notes.extend(_remove_newer_steps(cfg))
     except (UsageError, LayoutError, ConfigError, ValueError, FileNotFoundError,
             SaveLockError, DeviceError) as exc:
         print(f"megapar-train: error: {exc}", file=sys.stderr)
@@ -338,7 +392,7 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
                   file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("megapar-train: aborted (second SIGINT): nothing saved", file=sys.stderr)
+        print(f"megapar-train: aborted (second SIGINT): {_what_is_saved(cfg)}", file=sys.stderr)
         return 130
     return 0
 

@@ -374,7 +374,8 @@ class Engine:
         directory it will publish once every rank's files are written (``latest`` moves then);
         a save that finds the previous write still in flight waits for it; `train_step` checks
         at every step whether the write is done (and raises on every rank if it failed);
-        `wait_save` waits for it: call it before the process exits."""
+        `wait_save` waits for it (and a write still in flight when the process's work ends is
+        waited for before it exits: `megapar.launch`'s workers, torchrun's ranks)."""
 
         clash = sorted(set(extra or {}) & RESERVED_META)
         if clash:
