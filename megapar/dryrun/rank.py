@@ -230,8 +230,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     def launched(bucket):
         before = len(run_calls)
         launch(bucket)
-        every = (getattr(sync, "grads_sharded", False) or getattr(sync, "per_micro_batch", False)) \
-            and not bucket.deferred and not reporting
+        every = sync.reduces_every_micro_batch and not bucket.deferred and not reporting
         (per_micro_batch_buckets if every else per_step).update(range(before, len(run_calls)))
 
     def reported(params):
