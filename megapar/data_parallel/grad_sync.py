@@ -6,12 +6,12 @@ The pipeline executor drives a `GradSync` through each training step (`begin_ste
 that accumulates weight gradients itself, `finish` after the schedule); autograd's hooks report
 the other gradients. One class per kind implements it:
 
-| kind | class | what a rank holds after `finish` |
-| --- | --- | --- |
-| all-reduce (``--zero 0``, or dp x cp = 1) | `buckets.GradBuckets` | every averaged gradient in ``.grad`` |
-| ZeRO-1 | `zero_buckets.Zero1Buckets` | its slice of each bucket averaged (the rest unreduced) |
-| ZeRO-2 | `zero_buckets.Zero2Buckets` | only its slices, in persistent shards |
-| ZeRO-3 | `sharded_params.ShardedParams` | only its slices of each unit's gradient |
+- all-reduce (``--zero 0``, or dp x cp = 1): `buckets.GradBuckets`; after `finish` every
+  averaged gradient is in ``.grad``;
+- ZeRO-1: `zero_buckets.Zero1Buckets`; this rank's slice of each bucket is averaged (the rest
+  of the buffer unreduced);
+- ZeRO-2: `zero_buckets.Zero2Buckets`; only this rank's slices exist, in persistent shards;
+- ZeRO-3: `sharded_params.ShardedParams`; only this rank's slices of each unit's gradient.
 
 The sharded kinds also take `defer(last, before_reduce)` from the distributed optimizer's
 `attach`: the tied embedding's gradient is reduced last, after its sum over the first and last
@@ -35,17 +35,25 @@ class GradSync(Protocol):
     """A stage's gradient synchronisation over the data-parallel group, driven by the
     executor once per training step."""
 
-    stage: int
-    """The ZeRO stage served: 0 (all-reduce), 1, 2 or 3."""
-    sharded: bool
-    """The optimizer state is this rank's slices: the distributed optimizer attaches to it
-    (`ZeroOptimizer.attach`) and steps, clips and checks only those slices."""
-    sharded_grads: bool
-    """After `finish` the reduced gradients exist only as this rank's slices (ZeRO-2, ZeRO-3):
-    what is partial over tp is summed on the optimizer's pieces."""
-    reduces_every_micro_batch: bool
-    """Every micro-batch's backward reduces (ZeRO-2, ZeRO-3 with --zero3-reduce micro-batch),
-    not only the last one's."""
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage served: 0 (all-reduce), 1, 2 or 3."""
+
+    @property
+    def sharded(self) -> bool:
+        """The optimizer state is this rank's slices: the distributed optimizer attaches to it
+        (`ZeroOptimizer.attach`) and steps, clips and checks only those slices."""
+
+    @property
+    def sharded_grads(self) -> bool:
+        """After `finish` the reduced gradients exist only as this rank's slices (ZeRO-2,
+        ZeRO-3): what is partial over tp is summed on the optimizer's pieces."""
+
+    @property
+    def reduces_every_micro_batch(self) -> bool:
+        """Every micro-batch's backward reduces (ZeRO-2, ZeRO-3 with --zero3-reduce
+        micro-batch), not only the last one's."""
+
     in_step: bool
     """Between `begin_step` and `finish`."""
 
