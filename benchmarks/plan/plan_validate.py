@@ -42,7 +42,7 @@ LAYOUTS = [  # (tp, pp, dp, schedule, zero)
 
 
 def _worker(config_dict, layout, schedule, zero, mbs, seq, global_batch, steps):
-    from megapar.data_parallel import GradBuckets
+    from megapar.data_parallel import build_grad_sync
     from megapar.mesh import Mesh
     from megapar.models.config import config_from_dict
     from megapar.optim import LRScheduler, Precision, build_optimizer
@@ -58,7 +58,7 @@ def _worker(config_dict, layout, schedule, zero, mbs, seq, global_batch, steps):
                                 trace=False)
     executor.post_ahead = False  # the program as NCCL runs it: what the planner models
     optimizer = build_optimizer(model, mesh, 1e-3, 0.1, zero=zero)
-    grad_sync = GradBuckets(list(model.parameters()), mesh.dp_group) if dp > 1 else None
+    grad_sync = build_grad_sync(model, mesh, zero) if dp > 1 else None
     step = TrainStep(model, mesh, executor, optimizer, LRScheduler(1e-3, 1e-4, 0, 100, "constant"),
                      Precision("fp32", mesh.device), 1.0, grad_sync)
     plan = BatchPlan(global_batch, mbs, dp)

@@ -33,8 +33,8 @@ from megapar.checkpoint.distributed import (
 from megapar.checkpoint.format import CheckpointError
 from megapar.context_parallel import check_length
 from megapar.data.blended import absolute_data
-from megapar.data_parallel import GradBuckets
 from megapar.data_parallel.compression import make_compressor
+from megapar.data_parallel.grad_sync import build_grad_sync
 from megapar.data_parallel.sharded_params import HostStage, ShardedParams
 from megapar.device import (
     keep_freed_host_memory,
@@ -52,7 +52,6 @@ from megapar.optim.zero3 import Zero3Optimizer
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import chunks_per_rank, placement_of
-from megapar.pipeline.tied import shared_embedding_params
 from megapar.training import inject
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
@@ -120,23 +119,17 @@ class Engine:
         self.scheduler = self.flags_schedule(cfg) if scheduler == "from_cfg" else scheduler
         compressor = make_compressor(cfg.grad_compression, cfg.powersgd_rank, cfg.seed)
         # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
-        # (summed over cp, averaged over dp)
-        zero_layout = None  # laid out for ZeRO-1 from the start: no second buffer at sharding
-        if cfg.zero in (1, 2) and mesh.dp * mesh.cp > 1 and not compressor:
-            zero_layout = shared_embedding_params(self.model) if mesh.pp > 1 else ()
-        self.sharded_params: ShardedParams | None = None
+        # (summed over cp, averaged over dp); the kind (all-reduce, ZeRO-1 / 2 / 3) chosen once
+        self.grad_sync = build_grad_sync(
+            self.model, mesh, cfg.zero, cfg.grad_bucket_mb, compressor, reduce_dtype,
+            zero3_keep_params=cfg.zero3_keep_params,
+            zero3_persistence_threshold=cfg.zero3_persistence_threshold,
+            offload_params=cfg.offload_params, zero3_reduce=cfg.zero3_reduce)
+        """The stage's `GradSync` (`megapar.data_parallel.grad_sync`)."""
+        self.sharded_params: ShardedParams | None = \
+            self.grad_sync if isinstance(self.grad_sync, ShardedParams) else None
         """ZeRO-3 (dp x cp > 1): the stage's parameters sharded over dp x cp, gathered per
         unit (also the gradient sync); None otherwise."""
-        if cfg.zero == 3 and mesh.dp * mesh.cp > 1:
-            self.grad_sync = self.sharded_params = ShardedParams(
-                self.model, mesh.dp_cp_group, average_over=mesh.dp, keep=cfg.zero3_keep_params,
-                persist_below=cfg.zero3_persistence_threshold, offload=cfg.offload_params,
-                reduce=cfg.zero3_reduce)
-        else:
-            self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_cp_group,
-                                         cfg.grad_bucket_mb, compressor=compressor,
-                                         reduce_dtype=None if compressor else reduce_dtype,
-                                         average_over=mesh.dp, zero_layout=zero_layout)
         if cfg.straggler_factor != 0 and not cfg.straggler_factor > 1:
             raise ValueError(f"straggler_factor={cfg.straggler_factor} is invalid: give a factor "
                              f"> 1 (the default is 1.5), or 0 to turn straggler detection off")
