@@ -324,6 +324,9 @@ class LlamaConfig(_Base):
                               f"implements default, linear and llama3")
 
 
+ModelConfig = GPT2Config | BertConfig | LlamaConfig
+"""Any megapar model config."""
+
 CAUSAL_LM_TYPES = ("gpt2", "llama")
 """Model types trained on next-token windows (GPT data); the others are masked LMs."""
 

@@ -39,7 +39,7 @@ schedule lists no message: the executor hands the tensor over in memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -148,7 +148,7 @@ Step = Action | MessageGroup
 """One item of a stage's program: a compute `Action` or a `MessageGroup`."""
 
 
-def format_schedule(steps: list[Step]) -> str:
+def format_schedule(steps: Sequence[Step]) -> str:
     """One line, e.g. "F0 SA0 F1 SA1 RG0 B0" (a schedule) or "F0 [SA0] F1 [SA1 RG0] B0" (a
     program, one bracket per message group)."""
     return " ".join(str(a) for a in steps)
