@@ -330,7 +330,8 @@ ModelConfig = GPT2Config | BertConfig | LlamaConfig
 CAUSAL_LM_TYPES = ("gpt2", "llama")
 """Model types trained on next-token windows (GPT data); the others are masked LMs."""
 
-CONFIG_CLASSES: dict[str, type[_Base]] = {"gpt2": GPT2Config, "bert": BertConfig, "llama": LlamaConfig}
+CONFIG_CLASSES: dict[str, type[_Base]] = {
+    "gpt2": GPT2Config, "bert": BertConfig, "llama": LlamaConfig}
 
 HF_SUPPORTED_DEFAULTS = {
     "gpt2": {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,

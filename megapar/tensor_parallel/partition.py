@@ -20,7 +20,6 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-
 T = TypeVar("T", bound=torch.Tensor)
 
 
