@@ -20,7 +20,8 @@ pipeline stage.
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -56,6 +57,11 @@ class GradSync(Protocol):
 
     in_step: bool
     """Between `begin_step` and `finish`."""
+
+    @property
+    def buckets(self) -> Sequence[Any]:
+        """The units of reduction, in launch order: buckets of `.grad` views (all-reduce,
+        ZeRO-1/2) or ZeRO-3's units; the optimizer and the dry run read them."""
 
     def begin_step(self) -> None:
         """Before the step's first backward: zero the gradients this sync owns, disarm the
