@@ -99,7 +99,7 @@ class Layout:
     def to_dict(self) -> dict:
         """{"tp", "pp", "dp"} (plus "cp" and "order" when they are not the defaults), as
         manifests store it."""
-        out = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        out: dict[str, int | str] = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
         if self.cp != 1:
             out["cp"] = self.cp
         if self.order != RANK_ORDERS[0]:
@@ -199,10 +199,11 @@ class Mesh:
         # there, when its timeout is the same (no second NCCL communicator):
         names, sizes = layout.mesh_dims
         grid = torch.arange(layout.world_size).reshape(sizes)
-        dims = {}
+        dims: dict[str, dist.ProcessGroup] = {}
         for i, name in enumerate(names):
             along = grid.movedim(i, -1).reshape(-1, sizes[i]).tolist()
             if sizes[i] == world and world_timeout == self.group_timeout.total_seconds():
+                assert dist.group.WORLD is not None  # the default group is initialised
                 dims[name] = dist.group.WORLD
             else:
                 dims[name] = self._new_groups(along, f"mesh_{name}")

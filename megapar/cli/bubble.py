@@ -284,6 +284,7 @@ def main(argv=None) -> int:
                   flush=True)
             costs = bubble.measure(pp, m, args.schedule, args.tp, args.model, 1,
                                    args.micro_batch_size, args.seq_len, v, args.cp).costs
+            assert costs is not None  # a measurement records them
             fwd, bwd, p2p = costs["fwd_ms"], costs["bwd_ms"], costs["p2p_ms"]
             b_in, b_w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")
         if bwd is None:

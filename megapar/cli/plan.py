@@ -277,6 +277,7 @@ def main(argv=None) -> int:
             fixes.append("try context parallelism (--cp-sizes 1 2 4 8)")
         print(f"no layout fits: {', '.join(fixes)}, or shorten --seq-len")
         return 1
+    assert cmd is not None  # made for the best layout
     print(f"\nchosen: {best.candidate.label()}\ncommand: {cmd[0]}")
     for m in cmd[1]:
         print(f"  note: megapar-train cannot do this yet: {m} (plan with --today for a layout "

@@ -39,6 +39,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from megapar.context_parallel.kernels import (
     DropoutMasks,
@@ -98,7 +99,7 @@ class Spec:
     rank: int
     """This rank's index in the cp group."""
     causal: bool
-    comm: object
+    comm: Ring | dist.ProcessGroup | None
     """A `ring.Ring` (ring) or the cp process group (all-gather)."""
     dropout_p: float = 0.0
     kernel: str | None = None
@@ -154,7 +155,8 @@ class _Pass:
                                      call.causal, None if bias is None else bias[..., call.kv],
                                      self.kernel, self.spec.masks)
             key = (call.q.start, call.q.stop)
-            acc[key] = merge(*acc.get(key, (None, None)), out, lse)
+            merged_out, merged_lse = acc.get(key, (None, None))
+            acc[key] = merge(merged_out, merged_lse, out, lse)
 
     def backward(self, source: int, k, v, dout, out, lse, dq):
         """Add the queries' gradient share of source's block into dq (fp32); returns the
@@ -188,6 +190,7 @@ def _result(acc: dict, q) -> tuple[torch.Tensor, torch.Tensor]:
         if lse is None:
             lse = part_lse.new_empty((b, heads, s))
         lse[:, :, start:stop] = part_lse
+    assert lse is not None  # every query row attends to at least its own block
     return out, lse
 
 
@@ -212,7 +215,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_mask, kv_index, spec: Spec):
         work, ring, cp = _Pass(spec, q, key_mask, kv_index), spec.comm, spec.cp
-        kv, acc = torch.stack([k, v]), {}
+        assert isinstance(ring, Ring)  # `attention` passes the ring method a Ring
+        kv = torch.stack([k, v])
+        acc: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for i in range(cp):
             source = (spec.rank - i) % cp
             handle = ring.start(kv, f"{spec.label}: K/V step {i + 1}") if i + 1 < cp else None
@@ -247,7 +252,8 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, kv_index, spec: Spec):
-        work, acc = _Pass(spec, q, key_mask, kv_index), {}
+        work = _Pass(spec, q, key_mask, kv_index)
+        acc: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         every = _gather(torch.stack([k, v]), spec)
         for source in range(spec.cp):
             work.forward(source, every[source, 0], every[source, 1], acc)
@@ -302,7 +308,7 @@ class LayerAttention:
             raise ValueError(f"unknown context-parallel attention {method!r}; expected one of "
                              f"{METHODS}")
         self.mesh, self.causal, self.method, self.label = mesh, causal, method, label
-        self.ring = None
+        self.ring: Ring | None = None
 
     def __call__(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0):
         mesh = self.mesh

@@ -58,8 +58,8 @@ def unsplit(parts: list[torch.Tensor], dim: int = SEQ_DIM) -> torch.Tensor:
     cp = len(parts)
     if cp == 1:
         return parts[0]
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    chunks: dict[int, torch.Tensor] = {}  # by position in the sequence
     for rank, part in enumerate(parts):
         first, second = chunk_ids(cp, rank)
         chunks[first], chunks[second] = part.chunk(2, dim=dim)
-    return torch.cat(chunks, dim=dim)
+    return torch.cat([chunks[i] for i in range(2 * cp)], dim=dim)

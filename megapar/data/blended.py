@@ -93,16 +93,16 @@ def data_paths(spec) -> list[str | None]:
     return [spec[0] if isinstance(spec, list) else spec]
 
 
-def blend_indices(weights: Sequence[float], lengths: Sequence[int], size: int,
+def blend_indices(weights: Sequence[float] | np.ndarray, lengths: Sequence[int], size: int,
                   seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(dataset_index, sample_index) of each of `size` blended samples."""
     w = np.asarray(weights, dtype=np.float64)
-    due, which = [], []
+    due_parts, which_parts = [], []
     for d, wd in enumerate(w):
         k = np.arange(int(np.ceil(wd * size)) + 1, dtype=np.float64)
-        due.append((k + 0.5) / wd)
-        which.append(np.full(len(k), d, dtype=np.int64))
-    due, which = np.concatenate(due), np.concatenate(which)
+        due_parts.append((k + 0.5) / wd)
+        which_parts.append(np.full(len(k), d, dtype=np.int64))
+    due, which = np.concatenate(due_parts), np.concatenate(which_parts)
     order = np.lexsort((which, due))[:size]  # by due time, then dataset index
     dataset_index = which[order]
     sample_index = np.empty(size, dtype=np.int64)

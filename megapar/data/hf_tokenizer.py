@@ -58,8 +58,9 @@ def _special_names(directory: str) -> dict[str, str]:
                                  f"tokenizer again")
             for key in ("bos_token", "eos_token", "pad_token", "cls_token", "sep_token",
                         "mask_token"):
-                if _token(data.get(key)):
-                    names[key] = _token(data[key])
+                token = _token(data.get(key))
+                if token:
+                    names[key] = token
     return names
 
 
@@ -207,7 +208,8 @@ def to_transformers(tok: Tokenizer, vocab_size: int | None = None, sentence_pair
         hf = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(
             tok._backend.to_str()))
     limit = vocab_size if vocab_size is not None else tok.vocab_size
-    appended = [name for i, name in enumerate(tok.appended) if tok.base_vocab_size + i < limit]
+    appended: list[str | AddedToken] = [name for i, name in enumerate(tok.appended)
+                                        if tok.base_vocab_size + i < limit]
     if "[MASK]" in appended and _trailing_space_is_a_token(tok):
         appended[appended.index("[MASK]")] = AddedToken("[MASK]", lstrip=True, special=True,
                                                         normalized=False)
@@ -229,8 +231,10 @@ def to_transformers(tok: Tokenizer, vocab_size: int | None = None, sentence_pair
         template = processors.TemplateProcessing(
             single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
             special_tokens=[(cls, tok.cls_id), (sep, tok.sep_id)])
-        before = hf._tokenizer.post_processor  # byte-level BPE's offset trimming is kept
-        hf._tokenizer.post_processor = processors.Sequence([before, template]) \
+        backend = hf._tokenizer  # a fast tokenizer's, always there
+        assert backend is not None
+        before = backend.post_processor  # byte-level BPE's offset trimming is kept
+        backend.post_processor = processors.Sequence([before, template]) \
             if isinstance(before, processors.ByteLevel) else template
         hf.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
         hf.init_kwargs["model_input_names"] = hf.model_input_names  # saved in its config

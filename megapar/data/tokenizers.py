@@ -148,8 +148,10 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
     if isinstance(spec, dict):
         if "path" not in spec:
             raise ValueError(f"tokenizer spec {spec!r} has no 'path'; pass a Tokenizer.spec() dict")
-        spec = spec["path"]
-    spec = os.fspath(spec)
+        location: str | os.PathLike = spec["path"]
+    else:
+        location = spec
+    spec = os.fspath(location)
     spec = moved_asset(spec) or spec  # a shipped file recorded by another install of megapar
     if spec == "gpt2":
         return _load_gpt2_bpe(asset_path("gpt2_vocab.json"), asset_path("gpt2_merges.txt"), "gpt2")

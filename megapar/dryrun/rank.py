@@ -34,12 +34,13 @@ dp traffic in place of ZeRO-1's, and a note saying so.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megapar.checkpoint.distributed import planned_shard
-from megapar.comm_count import count_collectives
+from megapar.comm_count import Call, count_collectives
 from megapar.data import collate
 from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
@@ -168,7 +169,7 @@ def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) 
     gathers, scatters or sends (an all-gather's output, a reduce-scatter's input), so an
     all-gather and the reduce-scatter it undoes weigh the same."""
 
-    names = {}
+    names: dict[tuple[int, ...], str] = {}
     for name in ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding"):
         group = getattr(mesh, f"{name}_group")
         if group is not None:
@@ -203,7 +204,8 @@ REHEARSED_AS = {"dualpipev": "zb-v"}
 
 
 def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankReport:
-    layout, notes = mesh.layout, []
+    layout = mesh.layout
+    notes: list[str] = []
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
     # a ZeRO stage (or ZeRO-3 option) this megapar-train lacks is rehearsed at ZeRO-1 (the same
     # model, messages and tp / cp collectives), its state and dp traffic the planner's model
@@ -218,14 +220,17 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     if dataset is not None:
         first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
         first_batch = [list(map(int, mb)) for mb in first]
-    sync, per_step = engine.grad_sync, set()  # the bucket reductions: once a step, whatever m
+    sync = engine.grad_sync
+    per_step: set[int] = set()  # the bucket reductions: once a step, whatever m
     # the job runs on GPUs: NCCL reduces and gathers a sharded bucket whole (the fake tensors
     # live on the CPU, where the real code would take gloo's bounded pieces, `shard_comm`)
     sync.host_waits = False
-    per_micro_batch_buckets = set()  # ZeRO-2's (and ZeRO-3's per micro-batch): once a
+    per_micro_batch_buckets: set[int] = set()  # ZeRO-2's (and ZeRO-3's per micro-batch): once a
     # micro-batch (not the deferred ones)
     launch, report = sync._launch, sync.grads_ready
-    reporting = []  # inside a W pass's report: what it launches waits for the step's last W
+    reporting: list[bool] = []  # inside a W pass's report: what it launches waits for the
+    # step's last W
+    run_calls: list[Call]  # the schedule's calls, recorded below
 
     def launched(bucket):
         before = len(run_calls)
@@ -241,8 +246,10 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         finally:
             reporting.pop()
 
-    sync._launch, sync.grads_ready = launched, reported
-    sharded, peak = engine.sharded_params, {"gathered": 0, "grad_buffers": 0}
+    # wrapped for the rehearsal, restored after it
+    sync._launch, sync.grads_ready = launched, reported  # type: ignore[method-assign]
+    sharded = engine.sharded_params
+    peak: dict[str, Any] = {"gathered": 0, "grad_buffers": 0}
     sample = None
     if sharded is not None:  # ZeRO-3: its gathers, and the gathered units' peak
         sample = _watch_gathers(sharded, lambda: run_calls, per_step, per_micro_batch_buckets,
@@ -253,7 +260,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
                 engine.executor.run([_micro_batch(cfg, config, dataset, first_batch)],
                                     grad_sync=sync, loss_scale=engine.precision.loss_scale)
     finally:
-        sync._launch, sync.grads_ready = launch, report
+        sync._launch, sync.grads_ready = launch, report  # type: ignore[method-assign]
     if sample is not None:  # the backward's end: every full gradient buffer not yet freed
         sample()
         if whole_grads(cfg.schedule, layout.pp, m,
@@ -291,7 +298,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         cp_rank=mesh.cp_rank,
         node=mesh.rank // gpus_per_node, **held, gathered=gathered, grad_buffers=grad_buffers,
         device=held["weights"] + held["grads"] + held["optimizer"] + held["master"]
-        + gathered + grad_buffers - held["host"], zero=cfg.zero, modelled=modelled,
+        + gathered + grad_buffers - held["host"], zero=cfg.zero, modelled=bool(modelled),
         activations=activations, in_flight=in_flight, chunks=chunks, actions=len(actions),
         buckets=len(engine.grad_sync.buckets), comm=comm, checkpoint_file=file,
         checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0 and mesh.cp_rank == 0,

@@ -21,6 +21,8 @@ in parts.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from megapar.mesh import Layout
 
 MAX_DRY_RUN_WORLD = 1 << 20
@@ -67,6 +69,7 @@ def parse_ranks(text: str, layout: Layout, zero: int = 0) -> list[int]:
     naming the problem, also when they would take longer than `MAX_REHEARSAL_S`."""
     text = (text or "sample").strip()
     world = layout.world_size
+    ranks: Collection[int]
     if text == "sample":
         ranks = sample_ranks(layout, zero)
     elif text == "all":

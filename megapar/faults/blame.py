@@ -115,9 +115,9 @@ def stopped_siblings(resume: bool = True) -> str:
                     pass
     try:
         for mark in marks.iterdir():
-            rank, _, pid = mark.name.partition("-")
-            if rank.isdigit() and pid.isdigit():
-                found.setdefault(int(rank), int(pid))
+            rank_text, _, pid_text = mark.name.partition("-")
+            if rank_text.isdigit() and pid_text.isdigit():
+                found.setdefault(int(rank_text), int(pid_text))
     except OSError:
         pass
     names = [f"rank {rank} (pid {pid}) is stopped (SIGSTOP / SIGTSTP?)"

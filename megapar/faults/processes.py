@@ -71,7 +71,7 @@ def sibling_ranks() -> dict[int, int]:
     their environment (RANK, or SLURM_PROCID): torchrun's workers on this node, an srun step's
     tasks. From /proc (Linux; {} elsewhere, and under megapar's own launcher, whose forked
     workers were started without one)."""
-    found = {}
+    found: dict[int, int] = {}
     try:
         tasks = os.listdir(f"/proc/{os.getppid()}/task")
     except OSError:

@@ -32,10 +32,11 @@ def worker_failure(text: str, log_dir: Path, rank: int | None = None) -> tuple[s
     rank run in this process, "Type: message\\nTraceback ..." with `rank` given."""
     first, _, _ = text.partition("\n")
     m = _RANK.match(first)
+    died = _DIED.match(first)
     if m:
         rank, first = int(m.group(1)), first[m.end():]
-    elif _DIED.match(first):  # "rank R died with exit code C": no traceback to show
-        rank = int(_DIED.match(first).group(1))
+    elif died:  # "rank R died with exit code C": no traceback to show
+        rank = int(died.group(1))
     rank = 0 if rank is None else rank
     s = _STEP.match(first)
     if s:

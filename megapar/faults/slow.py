@@ -108,12 +108,12 @@ class Slowdown:
                 pass
             return
         if self._cycles_per_ms is None:  # once: how many spin cycles make a millisecond
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
+            began, ended = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            began.record()
             torch.cuda._sleep(10_000_000)
-            end.record()
-            end.synchronize()
-            self._cycles_per_ms = 10_000_000 / max(start.elapsed_time(end), 1e-3)
+            ended.record()
+            ended.synchronize()
+            self._cycles_per_ms = 10_000_000 / max(began.elapsed_time(ended), 1e-3)
         torch.cuda._sleep(int(seconds * 1e3 * self._cycles_per_ms))
 
     def remove(self) -> None:

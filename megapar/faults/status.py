@@ -23,13 +23,13 @@ import signal
 import sys
 import time
 
-_state = {"step": None, "action": "starting"}
-_shared = None  # a multiprocessing char array from the launcher, or None
+_state: dict[str, object] = {"step": None, "action": "starting"}
+_shared: ctypes.Array[ctypes.c_char] | None = None  # the launcher's multiprocessing char array
 _prefix = b""  # "step S, " encoded (set_step)
 _encoded: dict[str, bytes] = {}  # action texts encoded, NUL-terminated: the pipeline's repeat
 _ENCODED_MAX = 65536
 _view_of = None  # the array `_view` is a byte view of (set_action checks it is `_shared`)
-_view = None  # memoryview of `_shared` as bytes, written from `_at` on by set_action
+_view = memoryview(b"")  # `_shared` as bytes once published, written from `_at` on by set_action
 _at = 0  # where the action starts: after the prefix
 _room = 0  # bytes from `_at` to the end of the array (the action's text and its NUL)
 _stack_file = None  # kept open for faulthandler
@@ -48,7 +48,8 @@ def install(rank: int, shared=None, stack_path: str | None = None) -> None:
     if stack_path:
         _stack_file = out = open(stack_path, "w")  # noqa: SIM115 - must outlive this call
     try:
-        faulthandler.register(DUMP_SIGNAL, file=out, all_threads=True)
+        if DUMP_SIGNAL is not None:
+            faulthandler.register(DUMP_SIGNAL, file=out, all_threads=True)
     except (AttributeError, ValueError, OSError):  # no SIGUSR2 (Windows) or no real fd
         pass
     _publish()
@@ -133,7 +134,8 @@ def diagnose(procs, statuses, stacks: str, settle_s: float = 0.5) -> str:
     alive = [r for r, p in enumerate(procs) if p.is_alive()]
     for r in alive:
         try:
-            os.kill(procs[r].pid, DUMP_SIGNAL)
+            if DUMP_SIGNAL is not None:
+                os.kill(procs[r].pid, DUMP_SIGNAL)
         except (OSError, AttributeError, TypeError):
             pass
     time.sleep(settle_s if alive else 0.0)  # faulthandler writes at once; let the files settle

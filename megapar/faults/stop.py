@@ -60,7 +60,8 @@ class NonFiniteGuard:
         self.max_steps, self.precision, self.min_scale = max_steps, precision, min_scale
         self.advice = advice
         """What the error says after the reason (what was kept, how to go on)."""
-        self.bad, self.first_bad = 0, None
+        self.bad = 0
+        self.first_bad: int | None = None
 
     def observe(self, step: int, loss: float, grad_norm: float, skipped: bool,
                 loss_scale: float, locate: Callable[[], str] | None = None) -> None:

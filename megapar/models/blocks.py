@@ -144,7 +144,8 @@ def set_recompute(model: nn.Module, mode: str) -> None:
     """Choose activation recomputation for a model (or stage): none, selective or full."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"unknown recompute mode {mode!r}; expected one of {RECOMPUTE_MODES}")
-    model.recompute = mode
+    # plain attributes, which nn.Module's stubs type as tensors or modules
+    model.recompute = mode  # type: ignore[assignment]
     for module in model.modules():
         if hasattr(module, "recompute_core"):  # ParallelAttention, LlamaAttention
-            module.recompute_core = mode == "selective"
+            module.recompute_core = mode == "selective"  # type: ignore[assignment]

@@ -12,6 +12,7 @@ import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import yaml
 
@@ -24,6 +25,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class _Base:
+    model_type: ClassVar[str]  # "gpt2", "bert" or "llama", set by each subclass
     hf_config_class = ""  # the transformers config class this one maps onto
 
     def to_dict(self) -> dict:
@@ -322,10 +324,13 @@ class LlamaConfig(_Base):
                               f"implements default, linear and llama3")
 
 
+ModelConfig = GPT2Config | BertConfig | LlamaConfig
+"""Any megapar model config."""
+
 CAUSAL_LM_TYPES = ("gpt2", "llama")
 """Model types trained on next-token windows (GPT data); the others are masked LMs."""
 
-CONFIG_CLASSES = {"gpt2": GPT2Config, "bert": BertConfig, "llama": LlamaConfig}
+CONFIG_CLASSES: dict[str, type[_Base]] = {"gpt2": GPT2Config, "bert": BertConfig, "llama": LlamaConfig}
 
 HF_SUPPORTED_DEFAULTS = {
     "gpt2": {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,

@@ -132,7 +132,7 @@ class ReplicatedHeads(nn.Module):
             (out_features, in_features))
         # this rank's gradient covers only its rows' share: summed over tp once per step,
         # with the sequence-parallel ones (`sync_sequence_parallel_grads`), not per micro-batch
-        self.weight.sequence_parallel = True
+        self.weight.sequence_parallel = True  # type: ignore[attr-defined]  # a tag on the tensor
 
     def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
         """`entered`: x is already the tp region's input (`ColumnParallelLinear.enter` of the
@@ -163,10 +163,10 @@ class LlamaAttention(nn.Module):
                                       name="attention heads x head size")
         if n_kv % mesh.tp == 0:
             first_kv = mesh.tp_rank * (n_kv // mesh.tp)
-            self.k = ColumnParallelLinear(hidden, n_kv * hd, mesh, bias=False,
-                                          name="kv heads x head size")
-            self.v = ColumnParallelLinear(hidden, n_kv * hd, mesh, bias=False,
-                                          name="kv heads x head size")
+            self.k: ColumnParallelLinear | ReplicatedHeads = ColumnParallelLinear(
+                hidden, n_kv * hd, mesh, bias=False, name="kv heads x head size")
+            self.v: ColumnParallelLinear | ReplicatedHeads = ColumnParallelLinear(
+                hidden, n_kv * hd, mesh, bias=False, name="kv heads x head size")
         else:
             first_kv = first_q // group
             last_kv = (first_q + self.local_heads - 1) // group
@@ -225,9 +225,9 @@ class LlamaAttention(nn.Module):
         if self.kv_index != list(range(k.shape[1])):
             index = self._kv_index_on.get(str(k.device))
             if index is None:  # once per device, from arange: no host data copied to it
-                heads = torch.arange(self.local_heads, device=k.device)
+                head_ids = torch.arange(self.local_heads, device=k.device)
                 index = self._kv_index_on[str(k.device)] = \
-                    torch.div(self._first_q + heads, self._group, rounding_mode="floor") \
+                    torch.div(self._first_q + head_ids, self._group, rounding_mode="floor") \
                     - self._first_kv
         if self.recompute_core and torch.is_grad_enabled():
             out = self.tracker.checkpoint(self._core, q, k, v, index)

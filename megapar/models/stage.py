@@ -14,7 +14,7 @@ the trainer sums with the first stage's (`shared_embedding = True` on both).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 from torch import nn
@@ -57,12 +57,17 @@ class StageModel(nn.Module):
         param = set_partition(
             nn.Parameter(torch.empty(local, c.hidden_size, device=self.mesh.device)),
             0, (c.vocab_size, c.hidden_size))
-        param.tied_to = WORD_EMBEDDING
+        param.tied_to = WORD_EMBEDDING  # type: ignore[attr-defined]  # a tag torch does not declare
         return param
+
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from `seed`; each model defines it."""
+        raise NotImplementedError
 
     def _end(self) -> None:
         if self.pre_process or self.post_process:
-            self.word_embeddings.shared_embedding = True
+            # a tag torch does not declare
+            self.word_embeddings.shared_embedding = True  # type: ignore[attr-defined]
         mark_replicated(self)
         self._mark_sequence_parallel()
 
@@ -94,7 +99,8 @@ class StageModel(nn.Module):
 
     @property
     def word_embeddings(self) -> nn.Parameter:
-        return self.embed.word.weight if self.pre_process else self.head.weight
+        owner = self.get_submodule("embed.word" if self.pre_process else "head")
+        return cast(nn.Parameter, owner.weight)
 
     @property
     def vocab_start(self) -> int:
@@ -140,7 +146,7 @@ class ModelChunks(nn.Module):
 
     @property
     def recompute(self) -> str:
-        return self.chunks[0].recompute
+        return cast(str, self.chunks[0].recompute)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):
@@ -149,7 +155,7 @@ class ModelChunks(nn.Module):
 
     def init_weights(self, seed: int) -> None:
         for chunk in self.chunks:
-            chunk.init_weights(seed)
+            cast(StageModel, chunk).init_weights(seed)
 
     def forward(self, hidden, batch: dict, chunk: int = 0):
         return self.chunks[chunk](hidden, batch)

@@ -263,11 +263,11 @@ def _pairs(cert: Certificate, programs, peer, chunks: int) -> Check:
                     held = sends if a.kind.startswith("send") else recvs
                     held.setdefault(peer(rank, a)[0], set()).add((a.kind, a.mb, a.chunk))
             else:
-                for held in recvs.values():
+                for held_recvs in recvs.values():
                     for kind in messages.CONSUMERS:
                         key = (kind, step.mb, step.chunk)
-                        if key in held and messages.consumes(step, Action(*key)):
-                            held.discard(key)
+                        if key in held_recvs and messages.consumes(step, Action(*key)):
+                            held_recvs.discard(key)
                             for held_sends in sends.values():
                                 held_sends.difference_update(acks.get(key, ()))
             most = [max(most[0], *map(len, sends.values()), 0),
@@ -414,25 +414,28 @@ def _real_worker(cases: list[tuple], timeout_s: float) -> list[tuple]:
             executor = PipelineExecutor(_ToyStage(mesh, name, chunks), mesh, name, (2, HIDDEN),
                                         timeout_s=timeout_s, virtual_stages=v)
             executor.post_ahead = False  # receives where the program has them, as on NCCL
-            executor.p2p.issued = []  # record the groups issued
+            p2p = executor.p2p
+            assert p2p is not None  # pp > 1
+            p2p.issued = []  # record the groups issued
             raw: list = []
-            real = executor.p2p.batch_isend_irecv
+            real = p2p.batch_isend_irecv
 
             def record(ops, raw=raw, real=real):
                 raw.append([(op.op is dist.isend, op.peer, op.tensor.numel()
                              * op.tensor.element_size()) for op in ops])
                 return real(ops)
 
-            executor.p2p.batch_isend_irecv = record
-            executors[name, v] = (executor, raw)
-        executor, raw = executors[name, v]
+            p2p.batch_isend_irecv = record
+            executors[name, v] = (executor, p2p, raw)
+        executor, p2p, raw = executors[name, v]
         gen = torch.Generator().manual_seed(m)
         batches = [{"x": torch.randn(2, HIDDEN, generator=gen),
                     "y": torch.randn(2, HIDDEN, generator=gen)} for _ in range(m)]
         raw.clear()
         executor.run(batches, forward_only=forward_only)
+        assert p2p.issued is not None  # recording since the executor was made
         labelled = [[(op.send, op.peer, op.message, op.label, op.nbytes) for op in group]
-                    for group in executor.p2p.issued]
+                    for group in p2p.issued]
         out.append((labelled, list(raw)))
     return out
 

@@ -30,6 +30,7 @@ from the schedule, and it is unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 from megapar.pipeline.schedules import (
@@ -64,7 +65,11 @@ def consumes(compute: Action, recv: Action) -> bool:
             and (compute.mb, compute.chunk) == (recv.mb, recv.chunk))
 
 
-def _message_id(stage: int, a: Action, pp: int, placement: str) -> tuple[str, int, int]:
+MessageId = tuple[str, int, int]
+"""(what, mb, virtual stage of the sender): names one message on both of its sides."""
+
+
+def _message_id(stage: int, a: Action, pp: int, placement: str) -> MessageId:
     """(what, mb, virtual stage of the sender): the same for a send and its receive."""
     vs = virtual_stage(stage, a.chunk, pp, placement)
     what = "act" if a.kind.endswith("act") else "grad"
@@ -73,15 +78,18 @@ def _message_id(stage: int, a: Action, pp: int, placement: str) -> tuple[str, in
     return what, a.mb, vs
 
 
-def group_messages(schedules: list[list[Action]], placement: str = "loop") -> list[list[Step]]:
+def group_messages(schedules: Sequence[Sequence[Action]],
+                   placement: str = "loop") -> list[list[Step]]:
     """Every stage's program: its computes in `schedules` order, its messages in groups issued
     on the nominal clock (see the module docstring)."""
     pp = len(schedules)
     times = action_times(schedules, NOMINAL_COSTS, placement)  # per stage, (start, end) of each
-    ids, sent_at = [], {}
+    ids: list[list[MessageId | None]] = []
+    sent_at: dict[MessageId, float] = {}
     for stage, actions in enumerate(schedules):
-        known = {}  # (kind, chunk) -> the message id's what and sender, which depend on nothing else
-        stage_ids = []
+        # (kind, chunk) -> the message id's what and sender, which depend on nothing else
+        known: dict[tuple[str, int], tuple[str, int]] = {}
+        stage_ids: list[MessageId | None] = []
         for a, (_, end) in zip(actions, times[stage]):
             if a.kind not in MESSAGE_KINDS:
                 stage_ids.append(None)
@@ -95,15 +103,16 @@ def group_messages(schedules: list[list[Action]], placement: str = "loop") -> li
             if a.kind in SEND_KINDS:
                 sent_at[message] = end
         ids.append(stage_ids)
-    programs = []
+    programs: list[list[Step]] = []
     for stage, actions in enumerate(schedules):
         keyed = []  # (time, 0 = message / 1 = compute, program index, action)
-        for i, (a, (start, _), message) in enumerate(zip(actions, times[stage], ids[stage])):
-            if message is not None:
-                keyed.append((sent_at[message], 0, i, a))
+        for i, (a, (start, _), sent) in enumerate(zip(actions, times[stage], ids[stage])):
+            if sent is not None:  # a message, issued when it is sent
+                keyed.append((sent_at[sent], 0, i, a))
             else:
                 keyed.append((start, 1, i, a))
-        program, group = [], []
+        program: list[Step] = []
+        group: list[Action] = []
         keyed.sort()  # by (time, message before compute, program index): indices are unique
         for _, is_compute, _, a in keyed:
             if not is_compute:
@@ -124,7 +133,7 @@ def programs(name: str, pp: int, m: int, virtual_stages: int = 1,
              forward_only: bool = False) -> tuple[tuple[Step, ...], ...]:
     """The program of every stage for schedule `name` (cached: every rank computes all stages').
     `forward_only`: an evaluation step (the schedule's forwards and their messages)."""
-    schedules = stage_actions(name, pp, m, virtual_stages)
+    schedules: Sequence[Sequence[Action]] = stage_actions(name, pp, m, virtual_stages)
     if forward_only:
         schedules = [[a for a in s if a.kind in FORWARD_KINDS] for s in schedules]
     return tuple(tuple(p) for p in group_messages(schedules, placement_of(name)))
@@ -150,7 +159,8 @@ def acknowledgements(programs_: tuple, me: int, peer_of) -> dict[tuple, list[tup
     issued after that wait, so once I hold that message, my send has completed and waiting for
     it costs nothing. `peer_of(rank, action)` is the (pp rank, chunk) at the other end.
     """
-    acks, index = {}, {}
+    acks: dict[tuple, list[tuple]] = {}
+    index: dict[int, tuple[dict, list]] = {}
     for send in messages_of(programs_[me]):
         if send.kind not in SEND_KINDS:
             continue
@@ -212,7 +222,7 @@ def held_stages(programs_: tuple, placement: str = "loop", stages=None) -> list[
     chunks = 1 + max((a.chunk for p in programs_ for step in p
                       for a in (step.messages if isinstance(step, MessageGroup) else (step,))),
                      default=0)
-    known = {}
+    known: dict[tuple[int, str, int], tuple[int, int] | None] = {}
 
     def peer(rank, a):  # `peer_of`, which depends on the rank, the kind and the chunk only
         key = (rank, a.kind, a.chunk)

@@ -100,7 +100,8 @@ class StageP2P:
         peer rank, message, label): a key is (action kind, mb, chunk), a message says what
         travels, the same on both sides (`nccl_rules.Op.message`), a label names it ("SA1")."""
         ops, kept = [], []
-        record = [] if self.issued is not None else None
+        issued = self.issued
+        record: list[Op] | None = [] if issued is not None else None
         for key, tensor, peer, message, label in group:
             if tensor is not None:
                 self._check(tensor, CARRIES[key[0]], key[1])
@@ -122,8 +123,8 @@ class StageP2P:
             works = works[-1:] * len(ops)
         for (where, key, peer, tensor), work in zip(kept, works):
             where[key] = (peer, tensor, work)
-        if record is not None:
-            self.issued.append(record)
+        if issued is not None and record is not None:
+            issued.append(record)
 
     # waiting -------------------------------------------------------------------------------
     def wait_recv(self, key: tuple) -> torch.Tensor:

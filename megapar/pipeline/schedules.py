@@ -39,7 +39,7 @@ schedule lists no message: the executor hands the tensor over in memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -148,7 +148,7 @@ Step = Action | MessageGroup
 """One item of a stage's program: a compute `Action` or a `MessageGroup`."""
 
 
-def format_schedule(steps: list[Step]) -> str:
+def format_schedule(steps: Sequence[Step]) -> str:
     """One line, e.g. "F0 SA0 F1 SA1 RG0 B0" (a schedule) or "F0 [SA0] F1 [SA1 RG0] B0" (a
     program, one bracket per message group)."""
     return " ".join(str(a) for a in steps)
@@ -233,12 +233,12 @@ def _with_comms(compute: list[Action], pp: int, stage: int, num_chunks: int,
     around = {}  # (kind, chunk) -> (receive before, send after), each None when in memory
     for chunk in {a.chunk for a in compute}:
         vs = virtual_stage(stage, chunk, pp, placement)
-        for kind, before, after in (("forward", "recv_act", "send_act"),
-                                    ("backward", "recv_grad", "send_grad"),
-                                    ("backward_input", "recv_grad", "send_grad")):
+        for kind, recv, send in (("forward", "recv_act", "send_act"),
+                                 ("backward", "recv_grad", "send_grad"),
+                                 ("backward_input", "recv_grad", "send_grad")):
             step = 1 if kind == "forward" else -1
-            around[kind, chunk] = (before if remote(vs - step) else None,
-                                   after if remote(vs + step) else None)
+            around[kind, chunk] = (recv if remote(vs - step) else None,
+                                   send if remote(vs + step) else None)
     out = []
     for a in compute:
         before, after = around.get((a.kind, a.chunk), (None, None))
@@ -496,7 +496,7 @@ def zb_h1(pp: int, m: int, stage: int) -> list[Action]:
     return _with_comms(_looped(pp, m, stage, 1, True), pp, stage, 1)
 
 
-SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
+SCHEDULES: dict[str, Callable[..., list[Action]]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
@@ -504,7 +504,8 @@ SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {
     "zb-v": zb_v,
     "dualpipev": dualpipev,
 }
-"""Schedule functions by name (what `--schedule` accepts)."""
+"""Schedule functions by name (what `--schedule` accepts), called (pp, m, stage), with the
+number of chunks per rank after those for the "loop" `CHUNKED_SCHEDULES`."""
 
 SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v", "dualpipev"})
 """Schedules that split every backward into B (``backward_input``) and W
@@ -565,7 +566,7 @@ def check_schedule(name: str, pp: int, m: int, virtual_stages: int = 1) -> None:
     schedule_actions(name, pp, m, 0, virtual_stages)
 
 
-def get_schedule(name: str) -> Callable[[int, int, int], list[Action]]:
+def get_schedule(name: str) -> Callable[..., list[Action]]:
     """The schedule function called `name`; ValueError listing the valid names otherwise."""
     try:
         return SCHEDULES[name]

@@ -16,6 +16,7 @@ micro-batch order on one directed channel) the schedules are inconsistent (`Comm
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megapar.pipeline.schedules import (
@@ -30,6 +31,8 @@ from megapar.pipeline.schedules import (
 from megapar.pipeline.timeline import Event, Timeline
 
 Channel = tuple[int, int, str, int]
+Schedules = Sequence[Sequence[Action]]
+"""Every stage's actions, in order (lists or tuples)."""
 
 
 class ScheduleError(RuntimeError):
@@ -77,6 +80,10 @@ class Costs:
         return 0.0
 
 
+StageCosts = Costs | Sequence[Costs]
+"""One stage's costs: the same for all its chunks, or one per model chunk."""
+
+
 def _channel(stage: int, action: Action, pp: int, chunks: int = 1,
              placement: str = "loop") -> Channel | None:
     """The directed channel an action sends on or receives from (None for compute). With one
@@ -96,24 +103,27 @@ def _channel(stage: int, action: Action, pp: int, chunks: int = 1,
 class _Simulator:
     """State of one simulation: program counters, clocks and in-flight messages."""
 
-    def __init__(self, schedules: list[list[Action]], costs: Costs | list[Costs],
-                 placement: str = "loop", events: bool = True):
+    def __init__(self, schedules: Schedules, costs: Costs | Sequence[StageCosts],
+                 placement: str = "loop", events: bool = True) -> None:
         self.schedules = schedules
         self.pp = len(schedules)
-        self.costs = list(costs) if isinstance(costs, (list, tuple)) else [costs] * self.pp
+        self.costs: list[StageCosts] = \
+            [costs] * self.pp if isinstance(costs, Costs) else list(costs)
         if len(self.costs) != self.pp:
             raise ValueError(f"{len(self.costs)} per-stage costs for {self.pp} stages")
         self.chunks = 1 + max((a.chunk for acts in schedules for a in acts), default=0)
         self.placement = placement
         # Each action's channel and duration, worked out once per (stage, kind, chunk): they
         # depend on nothing else.
-        self.channels, self.durations, self.receives = [], [], []
-        self.p2p_ms = [(c[0] if isinstance(c, (list, tuple)) else c).p2p_ms for c in self.costs]
+        self.channels: list[list[Channel | None]] = []
+        self.durations: list[list[float]] = []
+        self.receives: list[list[bool]] = []
+        self.p2p_ms = [(c if isinstance(c, Costs) else c[0]).p2p_ms for c in self.costs]
         for stage, (actions, cost) in enumerate(zip(schedules, self.costs)):
-            known = {}
+            known: dict[tuple[str, int], tuple[Channel | None, float]] = {}
             for a in actions:
                 if (a.kind, a.chunk) not in known:
-                    chunk_cost = cost[a.chunk] if isinstance(cost, (list, tuple)) else cost
+                    chunk_cost = cost if isinstance(cost, Costs) else cost[a.chunk]
                     known[a.kind, a.chunk] = (self.channel(stage, a),
                                               chunk_cost.duration_ms(a.kind))
             self.channels.append([known[a.kind, a.chunk][0] for a in actions])
@@ -158,6 +168,7 @@ class _Simulator:
         while pc < len(actions):
             action, channel, start = actions[pc], channels[pc], clock
             if receives[pc]:
+                assert channel is not None  # every receive kind has one (`_channel`)
                 queue, index = self.sent.get(channel, ()), self.received.get(channel, 0)
                 if index >= len(queue):
                     break
@@ -188,7 +199,9 @@ class _Simulator:
             if self.done(stage):
                 continue
             action = self.next_action(stage)
-            sender = self.channel(stage, action)[0]
+            channel = self.channel(stage, action)  # a stage only blocks in a receive
+            assert channel is not None
+            sender = channel[0]
             if self.done(sender):
                 return CommMismatchError(
                     f"stage {stage} waits for {action} ({action.kind}) but stage {sender} "
@@ -219,7 +232,7 @@ class _Simulator:
         return None if self.events is None else Timeline(self.events)
 
 
-def simulate(schedules: list[list[Action]], costs: Costs | list[Costs] | None = None,
+def simulate(schedules: Schedules, costs: Costs | Sequence[StageCosts] | None = None,
              placement: str = "loop") -> Timeline:
     """Run `schedules[s]` on stage s for every s; the timeline of the step (times in seconds).
     `costs`: one cost model for every stage, or a list with one per stage (stages that differ,
@@ -230,10 +243,12 @@ def simulate(schedules: list[list[Action]], costs: Costs | list[Costs] | None = 
     `megapar.pipeline.schedules.PLACEMENTS`)."""
     if not schedules:
         raise ValueError("simulate needs at least one stage's schedule")
-    return _Simulator(schedules, costs or Costs(), placement).run()
+    timeline = _Simulator(schedules, costs or Costs(), placement).run()
+    assert timeline is not None  # built with events
+    return timeline
 
 
-def action_times(schedules: list[list[Action]], costs: Costs | list[Costs] | None = None,
+def action_times(schedules: Schedules, costs: Costs | Sequence[StageCosts] | None = None,
                  placement: str = "loop") -> list[list[tuple[float, float]]]:
     """`simulate` without the `Timeline`: each stage's (start, end) of every action, in
     program order (seconds)."""
@@ -244,7 +259,8 @@ def action_times(schedules: list[list[Action]], costs: Costs | list[Costs] | Non
     return simulator.times
 
 
-def simulate_schedule(name: str, pp: int, m: int, costs: Costs | list[Costs] | None = None,
+def simulate_schedule(name: str, pp: int, m: int,
+                      costs: Costs | Sequence[StageCosts] | None = None,
                       virtual_stages: int = 1) -> Timeline:
     """Simulate the named schedule (see `SCHEDULES`) with pp stages and m micro-batches."""
     return simulate([schedule_actions(name, pp, m, stage, virtual_stages) for stage in range(pp)],
@@ -322,7 +338,7 @@ def check(streams: dict[int, list[list[Op]]]) -> None:
     mismatched messages under NCCL's rules; return None if every group finishes."""
     where = {}  # (src, dst, k, is_send) -> (rank, group, op)
     for rank, groups in streams.items():
-        counts = {}
+        counts: dict[tuple[tuple[int, int], bool], int] = {}
         for g, group in enumerate(groups):
             for o, op in enumerate(group):
                 pair = (rank, op.peer) if op.send else (op.peer, rank)
@@ -407,7 +423,11 @@ def program_streams(programs, placement: str = "loop") -> dict[int, list[list[Op
             if isinstance(step, MessageGroup):
                 group = []
                 for a in step.messages:
-                    peer, peer_chunk = peer_of(rank, a, pp, chunks, placement)
+                    located = peer_of(rank, a, pp, chunks, placement)
+                    if located is None:
+                        raise CommMismatchError(f"rank {rank}'s {a} has no peer: it is beyond "
+                                                f"an end of the model")
+                    peer, peer_chunk = located
                     send = a.kind.startswith("send")
                     group.append(Op(send, peer, (a.kind[5:], a.mb, peer_chunk if send else a.chunk),
                                     str(a)))

@@ -44,6 +44,7 @@ def sync_tied_embeddings(model: nn.Module, mesh: Mesh, timeout_s: float | None =
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        assert embedding.grad is not None and copy.grad is not None  # set just above
         total = embedding.grad + copy.grad
         embedding.grad.copy_(total)
         copy.grad.copy_(total)

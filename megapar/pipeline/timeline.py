@@ -101,7 +101,8 @@ class Timeline:
         """Seconds during which at least one compute event runs on `rank` (union of intervals)."""
         intervals = sorted((e.start, e.end) for e in self.events
                            if e.rank == rank and e.kind in COMPUTE_KINDS)
-        busy, cur_start, cur_end = 0.0, None, None
+        busy, cur_start = 0.0, 0.0  # cur_start is read only once cur_end is set
+        cur_end: float | None = None
         for s, e in intervals:
             if cur_end is None or s > cur_end:
                 if cur_end is not None:

@@ -17,7 +17,7 @@ share one clock and `gather_timeline` aligns them the same way.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,9 @@ class StepClock:
 
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
-        self._origin = None  # (host seconds, CUDA event) recorded at begin()
-        self._last = None  # the latest CUDA event of the step
+        # (host seconds, CUDA event) recorded at begin()
+        self._origin: tuple[float, torch.cuda.Event] | None = None
+        self._last: torch.cuda.Event | None = None  # the latest CUDA event of the step
         self.stamp = self._cuda_stamp if self.cuda else time.perf_counter
 
     def begin(self) -> None:
@@ -53,8 +54,10 @@ class StepClock:
         """Seconds on the perf_counter axis of this step's stamps. On CUDA the first call waits
         for the step's last event (so every stamp has a time)."""
         if not self.cuda or self._origin is None:
-            return lambda stamp: stamp
-        (host, origin), last, done = self._origin, self._last, []
+            return lambda stamp: cast(float, stamp)  # perf_counter seconds already
+        (host, origin), last = self._origin, self._last
+        assert last is not None  # begin() recorded one
+        done: list[bool] = []
 
         def seconds(stamp) -> float:
             if isinstance(stamp, float):
@@ -112,6 +115,7 @@ def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float | None = No
               f"rank {mesh.rank}: gathering timelines on pp rank 0")
     if not mesh.is_first_stage:
         return None
+    assert parts is not None  # gathered into on the first stage
     events = []
     for stage, (part, count) in enumerate(zip(parts, counts)):
         for kind, mb, chunk, start, end in part[:int(count)].cpu().tolist():

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 from megapar.context_parallel import method_for
+from megapar.models.config import ModelConfig
 from megapar.models.flops import (
     head_size,
     heads,
@@ -79,8 +80,8 @@ from megapar.tensor_parallel.partition import local_size
 class Problem:
     """The model, the cluster and the batch a plan is for."""
 
-    config: object
-    """Model config (GPT2Config / BertConfig)."""
+    config: ModelConfig
+    """Model config (GPT2Config / BertConfig / LlamaConfig)."""
     gpus: int
     """Total GPUs (N)."""
     gpus_per_node: int = 8
@@ -223,9 +224,10 @@ def cp_layer_seconds(p: Problem, c: Candidate, attention_s: float) -> tuple[floa
         return max(0.0, wire - hide) if op == "send" else wire
 
     traffic = cp_traffic(p, c)
-    return tuple(sum(calls * seconds(op, nbytes, hide * attention_s / n)
-                     for op, calls, nbytes in traffic[way])
-                 for way, hide in (("forward", 1), ("backward", 2)))
+    forward, backward = (sum(calls * seconds(op, nbytes, hide * attention_s / n)
+                             for op, calls, nbytes in traffic[way])
+                         for way, hide in (("forward", 1), ("backward", 2)))
+    return forward, backward
 
 
 def stage_memory(p: Problem, c: Candidate, counts=None,
@@ -264,11 +266,11 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
         seen = (counts or {}).get(stage) or (
             pipeline.stage_held(c.schedule, c.pp, m, c.v, stage) if simulate else None)
         if seen:
-            def held(point):
+            def held_bytes(point):
                 flight, buffers = point
                 return sum(k * w for k, w in zip(flight, chunks)) + buffers * message
-            peak = max(seen, key=held)
-            activations, in_flight = held(peak), sum(peak[0]) / c.v
+            peak = max(seen, key=held_bytes)
+            activations, in_flight = held_bytes(peak), sum(peak[0]) / c.v
         else:   # the formula's count over the chunks, each output held
             in_flight = totals[stage]
             per_chunk = pipeline.chunk_counts(c.schedule, c.pp, m, c.v, stage)

@@ -213,6 +213,7 @@ def in_flight(name: str, pp: int, m: int, v: int = 1,
         per_stage = [_actions(name, pp, m, s, v) for s in range(pp)]
         if all(a is not None for a in per_stage):
             return tuple(in_flight_peak(a) / v for a in per_stage), "simulated"
+    counts: list[float]
     if name == "gpipe":
         counts = [m] * pp
     elif name in ("1f1b", "zb-h1"):   # ZB-H1 keeps 1F1B's warmup, hence its memory

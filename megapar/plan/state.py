@@ -184,7 +184,8 @@ def grad_buffers_peak(specs: list[UnitSpec], nbytes: list[int], deferred: set[in
     alive = set(roots) | (set(persistent) if roots or any(
         u.kind == "embedding" for u in specs) else set()) | (deferred if kept else set())
     embeddings = {i for i, u in enumerate(specs) if u.kind == "embedding"}
-    peak, flight = 0, []
+    peak = 0
+    flight: list[int] = []  # the units whose gradients are being reduced
     for i in order:
         if i in deferred:
             break

@@ -43,5 +43,5 @@ def initialize(module: nn.Module, seed: int, init_fn: InitFn, tp_rank: int = 0) 
         gen = torch.Generator().manual_seed(param_seed(seed, source))
         full = init_fn(source, full_shape(param), gen)
         dim = tp_dim(param)
-        local = param.shape[dim] if dim is not None else None
+        local = param.shape[dim] if dim is not None else 0  # unused when nothing is split
         param.copy_(shard_of(full, dim, local, tp_rank).to(param.device))

@@ -15,14 +15,20 @@ import/export all use this one rule.
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 
-def set_partition(param: torch.Tensor, tp_dim: int | None, full_shape) -> torch.Tensor:
-    param.tp_dim = tp_dim
-    param.full_shape = tuple(int(x) for x in full_shape)
+T = TypeVar("T", bound=torch.Tensor)
+
+
+def set_partition(param: T, tp_dim: int | None, full_shape) -> T:
+    """Tag `param` with its split (``tp_dim``, ``full_shape``) and return it."""
+    # plain attributes on the tensor, which torch's stubs do not declare
+    param.tp_dim = tp_dim  # type: ignore[attr-defined]
+    param.full_shape = tuple(int(x) for x in full_shape)  # type: ignore[attr-defined]
     return param
 
 

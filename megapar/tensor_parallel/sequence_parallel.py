@@ -144,13 +144,13 @@ def sequence_parallel_params(model: torch.nn.Module) -> list[torch.nn.Parameter]
 def sync_sequence_parallel_grads(model: torch.nn.Module, group) -> int:
     """Sum the gradients of `mark_sequence_parallel` parameters over the tp group, in one
     all-reduce of a flat buffer; returns the number of parameters synchronised."""
-    params = [p for p in sequence_parallel_params(model) if p.grad is not None]
-    if group_size(group) == 1 or not params:
+    grads = [p.grad for p in sequence_parallel_params(model) if p.grad is not None]
+    if group_size(group) == 1 or not grads:
         return 0
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-        offset += p.numel()
-    return len(params)
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return len(grads)

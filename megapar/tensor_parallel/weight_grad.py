@@ -24,7 +24,7 @@ import torch.nn.functional as F
 class WeightGradStore:
     """Weight-gradient products deferred by the linear layers of one pipeline stage."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.enabled = False
         """Defer while True (the pipeline enables it for steps whose backward is split)."""
         self._entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -98,7 +98,8 @@ def attach(module: torch.nn.Module, store: WeightGradStore | None) -> int:
     count = 0
     for m in module.modules():
         if hasattr(m, "weight_grad_store"):
-            m.weight_grad_store = store
+            # a plain attribute; nn.Module's stubs only type tensors and modules
+            m.weight_grad_store = store  # type: ignore[assignment]
             count += 1
     return count
 
@@ -108,8 +109,9 @@ def store_of(module: torch.nn.Module) -> WeightGradStore:
     pipeline executor of one stage (one per sequence length) gets the same store this way, so
     a second executor does not detach the first one's."""
     for m in module.modules():
-        if getattr(m, "weight_grad_store", None) is not None:
-            return m.weight_grad_store
+        found = getattr(m, "weight_grad_store", None)
+        if found is not None:
+            return found
     store = WeightGradStore()
     attach(module, store)
     return store
