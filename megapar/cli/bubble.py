@@ -29,12 +29,9 @@ import sys
 
 from megapar.pipeline import certify, messages
 from megapar.pipeline import simulate as nccl_rules
-from megapar.pipeline.schedules import (
-    SCHEDULES,
-    check_schedule,
-    chunks_per_rank,
-    format_schedule,
-)
+from megapar.pipeline.actions import format_schedule
+from megapar.pipeline.placement import chunks_per_rank
+from megapar.pipeline.schedules import SCHEDULES, check_schedule
 from megapar.pipeline.timeline import (
     format_bubble_table,
     plot_gantt,

@@ -41,19 +41,15 @@ from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline import messages
 from megapar.pipeline import simulate as nccl_rules
+from megapar.pipeline.actions import Action, MessageGroup
 from megapar.pipeline.executor import PipelineExecutor
+from megapar.pipeline.placement import chunks_per_rank, peer_of, placement_of, virtual_stage
 from megapar.pipeline.schedules import (
     SCHEDULES,
-    Action,
-    MessageGroup,
     check_schedule,
-    chunks_per_rank,
     in_flight_peak,
     interleaved_rounds,
-    peer_of,
-    placement_of,
     schedule_actions,
-    virtual_stage,
 )
 
 Bound = Callable[[int, int, int, int], int]

@@ -19,15 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megapar.pipeline.schedules import (
-    MESSAGE_KINDS,
-    RECEIVE_KINDS,
-    Action,
-    MessageGroup,
-    peer_of,
-    placement_of,
-    schedule_actions,
-)
+from megapar.pipeline.actions import MESSAGE_KINDS, RECEIVE_KINDS, Action, MessageGroup
+from megapar.pipeline.placement import peer_of, placement_of
+from megapar.pipeline.schedules import schedule_actions
 from megapar.pipeline.timeline import Event, Timeline
 
 Channel = tuple[int, int, str, int]
