@@ -234,7 +234,7 @@ def simulate(schedules: Schedules, costs: Costs | Sequence[StageCosts] | None = 
     list with one per model chunk (an interleaved rank's chunks differ: the head is on the last
     virtual stage only; messages take the first chunk's `p2p_ms`). The number of chunks per rank
     is read off the actions; `placement` maps them to virtual stages (see
-    `megapar.pipeline.schedules.PLACEMENTS`)."""
+    `megapar.pipeline.placement.PLACEMENTS`)."""
     if not schedules:
         raise ValueError("simulate needs at least one stage's schedule")
     timeline = _Simulator(schedules, costs or Costs(), placement).run()
