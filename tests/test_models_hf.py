@@ -44,8 +44,8 @@ def _hf_grads(hf_model, reader):
     """HF gradients, keyed and shaped like megapar's canonical tensors."""
     grads = {k: p.grad for k, p in hf_model.named_parameters() if p.grad is not None}
     getter = lambda key: grads[reader.prefix + key] if reader.prefix + key in grads else grads[key]
-    from megapar.checkpoint import hf as hf_mod
-    fn = hf_mod._gpt2_canonical if reader.config.model_type == "gpt2" else hf_mod._bert_canonical
+    from megapar.checkpoint import hf_names
+    fn = hf_names.gpt2_canonical if reader.config.model_type == "gpt2" else hf_names.bert_canonical
     return lambda name: fn(name, getter, reader.config)
 
 

@@ -14,11 +14,11 @@ from tp_utils import assert_close, make_mesh
 
 from megapar.checkpoint.hf import (
     HFReader,
-    _llama_canonical,
     gather_canonical,
     load_hf_weights,
     save_hf,
 )
+from megapar.checkpoint.hf_names import llama_canonical
 from megapar.launcher import run_local
 from megapar.models import Llama, LlamaConfig
 from megapar.pipeline.executor import PipelineExecutor
@@ -74,7 +74,7 @@ def _hf_reference(path):
     def get(key):
         return grads["model." + key] if "model." + key in grads else grads[key]
 
-    return out.logits.detach(), out.loss.detach(), lambda name: _llama_canonical(name, get,
+    return out.logits.detach(), out.loss.detach(), lambda name: llama_canonical(name, get,
                                                                                 reader.config)
 
 

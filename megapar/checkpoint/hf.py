@@ -3,24 +3,26 @@ LlamaForCausalLM).
 
 megapar's *canonical* state is the full (unsharded, unpadded) tensor of every parameter under its
 megapar name (`layers.3.attn.qkv.weight`, ...), the same in every layout. This module maps between
-canonical tensors and transformers' names and layouts (GPT-2's Conv1D stores weights
-transposed and fuses q, k, v into `c_attn` as [q | k | v]; megapar's fused `attn.qkv` is
-head-major, `partition.fuse_heads`, so each tp rank holds whole heads). Reading is lazy: a rank materialises only the
-tensors it asks for, one at a time, and keeps its shard.
+canonical tensors and transformers' checkpoints (the names and layouts per model kind are
+`megapar.checkpoint.hf_names`). Reading is lazy: a rank materialises only the tensors it asks
+for, one at a time, and keeps its shard.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import save_file
 
 from megapar.checkpoint.format import CheckpointError, open_safetensors
+
+# ARCHITECTURES and hf_parameter_names are imported from here too (`X as X`: a re-export).
+from megapar.checkpoint.hf_names import ARCHITECTURES as ARCHITECTURES
+from megapar.checkpoint.hf_names import CANONICAL, HF_PREFIXES, TO_HF
+from megapar.checkpoint.hf_names import hf_parameter_names as hf_parameter_names
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data.hf_tokenizer import SPECIAL_ROLES, save_for_transformers
 from megapar.mesh import Layout, Mesh
@@ -31,15 +33,7 @@ from megapar.models.config import (
     config_from_hf,
 )
 from megapar.pipeline.partition import build_stage
-from megapar.tensor_parallel.partition import (
-    fuse_heads,
-    gather_full,
-    shard_of,
-    unfuse_heads,
-)
-
-Getter = Callable[[str], torch.Tensor]
-_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+from megapar.tensor_parallel.partition import gather_full, shard_of
 
 
 def _open(path: Path):
@@ -226,170 +220,8 @@ class HFReader:
 
     def canonical(self, name: str) -> torch.Tensor:
         """The full canonical tensor `name`, converted from the HF tensors."""
-        fn = _CANONICAL[self.config.model_type]
+        fn = CANONICAL[self.config.model_type]
         return fn(name, self.get, self.config).contiguous()
-
-
-# --- GPT-2 ---------------------------------------------------------------------------------
-_GPT2_TOP = {"embed.word.weight": "wte.weight", "embed.position.weight": "wpe.weight",
-             "final_norm.weight": "ln_f.weight", "final_norm.bias": "ln_f.bias"}
-_GPT2_LAYER = {"ln_1": "ln_1", "ln_2": "ln_2", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc",
-               "mlp.proj": "mlp.c_proj"}
-
-
-def _gpt2_canonical(name: str, get: Getter, config) -> torch.Tensor:
-    if name in _GPT2_TOP:
-        return get(_GPT2_TOP[name])
-    i, rest = _LAYER.fullmatch(name).groups()
-    module, kind = rest.rsplit(".", 1)
-    if module == "attn.qkv":
-        fused = get(f"h.{i}.attn.c_attn.{kind}")
-        return fuse_heads((fused.T if kind == "weight" else fused).chunk(3), config.n_head)
-    tensor = get(f"h.{i}.{_GPT2_LAYER[module]}.{kind}")
-    conv1d = module != "ln_1" and module != "ln_2"
-    return tensor.T if conv1d and kind == "weight" else tensor
-
-
-def _gpt2_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    out = {"transformer." + hf: canonical[ours] for ours, hf in _GPT2_TOP.items()}
-    for i in range(config.n_layer):
-        p, hp = f"layers.{i}.", f"transformer.h.{i}."
-        for kind in ("weight", "bias"):
-            qkv = torch.cat(unfuse_heads(canonical[p + f"attn.qkv.{kind}"], config.n_head))
-            out[hp + f"attn.c_attn.{kind}"] = qkv.T if kind == "weight" else qkv
-        for ours, hf in _GPT2_LAYER.items():
-            conv1d = ours not in ("ln_1", "ln_2")
-            w = canonical[p + ours + ".weight"]
-            out[hp + hf + ".weight"] = w.T if conv1d else w
-            out[hp + hf + ".bias"] = canonical[p + ours + ".bias"]
-    return out
-
-
-# --- BERT ----------------------------------------------------------------------------------
-_BERT_TOP = {"embed.word": "embeddings.word_embeddings",
-             "embed.position": "embeddings.position_embeddings",
-             "embed.token_type": "embeddings.token_type_embeddings",
-             "embed.norm": "embeddings.LayerNorm"}
-_BERT_QKV = ("attention.self.query", "attention.self.key", "attention.self.value")
-_BERT_LAYER = {"attn.proj": "attention.output.dense",
-               "attn_norm": "attention.output.LayerNorm", "mlp.fc": "intermediate.dense",
-               "mlp.proj": "output.dense", "mlp_norm": "output.LayerNorm"}
-_BERT_HEAD = {"head.transform": "cls.predictions.transform.dense",
-              "head.norm": "cls.predictions.transform.LayerNorm"}
-
-
-def _bert_canonical(name: str, get: Getter, config) -> torch.Tensor:
-    if name == "head.bias":
-        return get("cls.predictions.bias")
-    module, kind = name.rsplit(".", 1)
-    if module in _BERT_TOP:
-        return get(f"{_BERT_TOP[module]}.{kind}")
-    if module in _BERT_HEAD:
-        return get(f"{_BERT_HEAD[module]}.{kind}")
-    i, rest = _LAYER.fullmatch(module + "." + kind).groups()
-    sub, kind = rest.rsplit(".", 1)
-    if sub == "attn.qkv":
-        return fuse_heads([get(f"encoder.layer.{i}.{hf}.{kind}") for hf in _BERT_QKV],
-                          config.num_attention_heads)
-    return get(f"encoder.layer.{i}.{_BERT_LAYER[sub]}.{kind}")
-
-
-def _bert_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    out = {}
-    for ours, hf in _BERT_TOP.items():
-        for kind in ("weight", "bias") if ours == "embed.norm" else ("weight",):
-            out[f"bert.{hf}.{kind}"] = canonical[f"{ours}.{kind}"]
-    for i in range(config.num_hidden_layers):
-        for ours, hf in _BERT_LAYER.items():
-            for kind in ("weight", "bias"):
-                out[f"bert.encoder.layer.{i}.{hf}.{kind}"] = canonical[f"layers.{i}.{ours}.{kind}"]
-        for kind in ("weight", "bias"):
-            parts = unfuse_heads(canonical[f"layers.{i}.attn.qkv.{kind}"],
-                                 config.num_attention_heads)
-            for hf, t in zip(_BERT_QKV, parts):
-                out[f"bert.encoder.layer.{i}.{hf}.{kind}"] = t
-    for ours, hf in _BERT_HEAD.items():
-        for kind in ("weight", "bias"):
-            out[f"{hf}.{kind}"] = canonical[f"{ours}.{kind}"]
-    out["cls.predictions.bias"] = canonical["head.bias"]
-    return out
-
-
-# --- Llama ---------------------------------------------------------------------------------
-_LLAMA_TOP = {"embed.word.weight": "embed_tokens.weight", "final_norm.weight": "norm.weight"}
-_LLAMA_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-                "attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj",
-                "attn.v": "self_attn.v_proj", "attn.proj": "self_attn.o_proj",
-                "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
-
-
-def _llama_canonical(name: str, get: Getter, config) -> torch.Tensor:
-    """Same layout as transformers (nn.Linear weights, no fusing): only the names differ."""
-    if name == "head.weight":  # untied head; a tied model has no lm_head to read
-        return get("lm_head.weight")
-    if name in _LLAMA_TOP:
-        return get(_LLAMA_TOP[name])
-    i, rest = _LAYER.fullmatch(name).groups()
-    module, kind = rest.rsplit(".", 1)
-    return get(f"layers.{i}.{_LLAMA_LAYER[module]}.{kind}")
-
-
-def _llama_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    out = {"model." + hf: canonical[ours] for ours, hf in _LLAMA_TOP.items()}
-    for i in range(config.num_hidden_layers):
-        for ours, hf in _LLAMA_LAYER.items():
-            out[f"model.layers.{i}.{hf}.weight"] = canonical[f"layers.{i}.{ours}.weight"]
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = canonical["head.weight"]
-    return out
-
-
-_CANONICAL = {"gpt2": _gpt2_canonical, "bert": _bert_canonical, "llama": _llama_canonical}
-_TO_HF = {"gpt2": _gpt2_to_hf, "bert": _bert_to_hf, "llama": _llama_to_hf}
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
-                 "llama": "LlamaForCausalLM"}
-"""The transformers class megapar trains and exports, per model type."""
-_HF_PREFIXES = ("transformer.", "bert.", "model.")
-
-
-_TIED_HEAD = {"gpt2": "lm_head", "llama": "lm_head", "bert": "cls.predictions.decoder"}
-"""The transformers module that uses a tied copy of the word embedding (the last stage's)."""
-
-
-def hf_parameter_names(config, name: str, tied: bool = False) -> list[str]:
-    """The transformers names (with the base model's prefix) of megapar parameter `name`
-    (canonical): one, or several where megapar fuses them (BERT's query, key and value).
-    `tied`: the parameter is a stage's tied copy of the word embedding (`tied_to`)."""
-    kind = config.model_type
-    if tied:
-        return [f"{_TIED_HEAD[kind]}.weight"]
-    layer = _LAYER.fullmatch(name)
-    if kind == "gpt2":
-        if name in _GPT2_TOP:
-            return ["transformer." + _GPT2_TOP[name]]
-        i, rest = layer.groups()
-        module, end = rest.rsplit(".", 1)
-        hf = "attn.c_attn" if module == "attn.qkv" else _GPT2_LAYER[module]
-        return [f"transformer.h.{i}.{hf}.{end}"]
-    if kind == "bert":
-        if name == "head.bias":
-            return ["cls.predictions.bias"]
-        module, end = name.rsplit(".", 1)
-        if module in _BERT_TOP:
-            return [f"bert.{_BERT_TOP[module]}.{end}"]
-        if module in _BERT_HEAD:
-            return [f"{_BERT_HEAD[module]}.{end}"]
-        i, rest = layer.groups()
-        sub, end = rest.rsplit(".", 1)
-        parts = _BERT_QKV if sub == "attn.qkv" else (_BERT_LAYER[sub],)
-        return [f"bert.encoder.layer.{i}.{hf}.{end}" for hf in parts]
-    if name == "head.weight":
-        return ["lm_head.weight"]
-    if name in _LLAMA_TOP:
-        return ["model." + _LLAMA_TOP[name]]
-    i, rest = layer.groups()
-    module, end = rest.rsplit(".", 1)
-    return [f"model.layers.{i}.{_LLAMA_LAYER[module]}.{end}"]
 
 
 def expected_hf_shapes(config) -> dict[str, tuple[int, ...]]:
@@ -400,8 +232,8 @@ def expected_hf_shapes(config) -> dict[str, tuple[int, ...]]:
     canonical = {name: torch.empty(p.full_shape, device="meta")
                  for name, p in stage.named_parameters() if not hasattr(p, "tied_to")}
     shapes = {}
-    for name, tensor in _TO_HF[config.model_type](canonical, config).items():
-        for prefix in _HF_PREFIXES:
+    for name, tensor in TO_HF[config.model_type](canonical, config).items():
+        for prefix in HF_PREFIXES:
             name = name.removeprefix(prefix)
         shapes[name] = tuple(tensor.shape)
     return shapes
@@ -436,7 +268,7 @@ def load_hf_weights(model: torch.nn.Module, reader: HFReader) -> list[str]:
 def to_hf_state(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """transformers' state dict (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM names)
     from canonical tensors."""
-    fn = _TO_HF[config.model_type]
+    fn = TO_HF[config.model_type]
     return {k: v.contiguous() for k, v in fn(canonical, config).items()}
 
 

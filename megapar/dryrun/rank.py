@@ -45,12 +45,8 @@ from megapar.data import collate
 from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline import messages
-from megapar.pipeline.schedules import (
-    chunks_per_rank,
-    in_flight_peak,
-    placement_of,
-    schedule_actions,
-)
+from megapar.pipeline.placement import chunks_per_rank, placement_of
+from megapar.pipeline.schedules import in_flight_peak, schedule_actions
 from megapar.plan import Candidate, Problem, stage_memory
 from megapar.plan.sharding import dp_traffic
 from megapar.plan.state import (
@@ -129,7 +125,7 @@ class RankReport:
     """The state and dp traffic are the planner's (this megapar-train lacks the ZeRO stage or
     refuses its ZeRO-3 options)."""
     chunks: int = 1
-    """Model chunks per rank (`schedules.chunks_per_rank`): 2 for zb-v and dualpipev."""
+    """Model chunks per rank (`placement.chunks_per_rank`): 2 for zb-v and dualpipev."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -204,6 +200,9 @@ REHEARSED_AS = {"dualpipev": "zb-v"}
 
 
 def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankReport:
+    """Rank `mesh.rank`'s first step, rehearsed on fake tensors: one micro-batch of the
+    schedule, then the gradient syncs and the optimizer's first step, and what they hold and
+    send (see the module docstring)."""
     layout = mesh.layout
     notes: list[str] = []
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
@@ -220,6 +219,53 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     if dataset is not None:
         first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
         first_batch = [list(map(int, mb)) for mb in first]
+    run_calls, per_step, per_micro_batch_buckets, peak = _run_micro_batch(
+        cfg, config, engine, layout, m, dataset, first_batch)
+    with count_collectives() as step_calls:
+        engine.step_fn.sync_gradients()
+        _first_optimizer_step(engine.optimizer, notes)
+    # inside the schedule, messages and tp / cp collectives belong to the micro-batch; the
+    # bucket reductions, the loss broadcast and everything after the schedule to the step
+    per_micro_batch = {tuple(dist.get_process_group_ranks(g))
+                       for g in (mesh.tp_group, mesh.cp_group) if g is not None}
+    repeats = [m if i in per_micro_batch_buckets or i not in per_step and (
+                   c.op in ("isend", "irecv") or c.ranks in per_micro_batch) else 1
+               for i, c in enumerate(run_calls)] + [1] * len(step_calls)
+    comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
+    optimizer = engine.optimizer
+    held, gathered = held_bytes(engine.model, optimizer, engine.sharded_params), peak["gathered"]
+    grad_buffers = peak["grad_buffers"]
+    if modelled:
+        held, gathered, grad_buffers = _modelled_state(cfg, config, mesh, comm, m, notes)
+    # the file of this (tp, pp) coordinate, as its dp rank 0 writes it: every parameter with
+    # the optimizer's moments, each of its parameter's shape and dtype (what state_tensors()
+    # gives the writer; tied copies are not stored)
+    moments = {n: {k: p for k in optimizer.state_keys}
+               for n, p in engine.model.named_parameters()}
+    file, size = planned_shard(engine.model, mesh, moments)
+    actions = schedule_actions(cfg.schedule, layout.pp, m, mesh.pp_rank, cfg.virtual_stages)
+    activations = _modelled_activations(cfg, config, layout, mesh.pp_rank, actions)
+    chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
+    in_flight = in_flight_peak(actions) / chunks
+    return RankReport(
+        rank=mesh.rank, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, dp_rank=mesh.dp_rank,
+        cp_rank=mesh.cp_rank,
+        node=mesh.rank // gpus_per_node, **held, gathered=gathered, grad_buffers=grad_buffers,
+        device=held["weights"] + held["grads"] + held["optimizer"] + held["master"]
+        + gathered + grad_buffers - held["host"], zero=cfg.zero, modelled=bool(modelled),
+        activations=activations, in_flight=in_flight, chunks=chunks, actions=len(actions),
+        buckets=len(engine.grad_sync.buckets), comm=comm, checkpoint_file=file,
+        checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0 and mesh.cp_rank == 0,
+        first_batch=first_batch,
+        notes=notes)
+
+
+def _run_micro_batch(cfg, config, engine: Engine, layout: Layout, m: int, dataset,
+                     first_batch) -> tuple[list[Call], set[int], set[int], dict[str, Any]]:
+    """Run the schedule on this rank's first micro-batch with every collective counted, the
+    grad sync's launches watched: (the calls, the indices of those made once a step, the
+    indices of the bucket reductions made once a micro-batch, ZeRO-3's peaks: `gathered`,
+    `grad_buffers`)."""
     sync = engine.grad_sync
     per_step: set[int] = set()  # the bucket reductions: once a step, whatever m
     per_micro_batch_buckets: set[int] = set()  # ZeRO-2's (and ZeRO-3's per micro-batch): once a
@@ -245,43 +291,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
                        chunks_per_rank(cfg.schedule, cfg.virtual_stages), cfg.zero3_reduce):
             # the step's m micro-batches accumulate in every buffer the rehearsed one made
             peak["grad_buffers"] = max(peak["grad_buffers"], sum(peak["made"].values()))
-    with count_collectives() as step_calls:
-        engine.step_fn.sync_gradients()
-        _first_optimizer_step(engine.optimizer, notes)
-    # inside the schedule, messages and tp / cp collectives belong to the micro-batch; the
-    # bucket reductions, the loss broadcast and everything after the schedule to the step
-    per_micro_batch = {tuple(dist.get_process_group_ranks(g))
-                       for g in (mesh.tp_group, mesh.cp_group) if g is not None}
-    repeats = [m if i in per_micro_batch_buckets or i not in per_step and (
-                   c.op in ("isend", "irecv") or c.ranks in per_micro_batch) else 1
-               for i, c in enumerate(run_calls)] + [1] * len(step_calls)
-    comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
-    optimizer = engine.optimizer
-    held, gathered = held_bytes(engine.model, optimizer, sharded), peak["gathered"]
-    grad_buffers = peak["grad_buffers"]
-    if modelled:
-        held, gathered, grad_buffers = _modelled_state(cfg, config, mesh, comm, m, notes)
-    # the file of this (tp, pp) coordinate, as its dp rank 0 writes it: every parameter with
-    # the optimizer's moments, each of its parameter's shape and dtype (what state_tensors()
-    # gives the writer; tied copies are not stored)
-    moments = {n: {k: p for k in optimizer.state_keys}
-               for n, p in engine.model.named_parameters()}
-    file, size = planned_shard(engine.model, mesh, moments)
-    actions = schedule_actions(cfg.schedule, layout.pp, m, mesh.pp_rank, cfg.virtual_stages)
-    activations = _modelled_activations(cfg, config, layout, mesh.pp_rank, actions)
-    chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
-    in_flight = in_flight_peak(actions) / chunks
-    return RankReport(
-        rank=mesh.rank, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, dp_rank=mesh.dp_rank,
-        cp_rank=mesh.cp_rank,
-        node=mesh.rank // gpus_per_node, **held, gathered=gathered, grad_buffers=grad_buffers,
-        device=held["weights"] + held["grads"] + held["optimizer"] + held["master"]
-        + gathered + grad_buffers - held["host"], zero=cfg.zero, modelled=bool(modelled),
-        activations=activations, in_flight=in_flight, chunks=chunks, actions=len(actions),
-        buckets=len(engine.grad_sync.buckets), comm=comm, checkpoint_file=file,
-        checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0 and mesh.cp_rank == 0,
-        first_batch=first_batch,
-        notes=notes)
+    return run_calls, per_step, per_micro_batch_buckets, peak
 
 
 def _unserved(cfg) -> str:

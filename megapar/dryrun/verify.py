@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from megapar.dryrun import dry_run, sample_ranks
 from megapar.mesh import Layout
-from megapar.pipeline.schedules import placement_of
+from megapar.pipeline.placement import placement_of
 from megapar.plan import pipeline, stage_memory
 from megapar.plan.estimate import offload_of
 from megapar.plan.state import rank_state

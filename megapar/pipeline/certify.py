@@ -41,19 +41,15 @@ from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline import messages
 from megapar.pipeline import simulate as nccl_rules
+from megapar.pipeline.actions import Action, MessageGroup
 from megapar.pipeline.executor import PipelineExecutor
+from megapar.pipeline.placement import chunks_per_rank, peer_of, placement_of, virtual_stage
 from megapar.pipeline.schedules import (
     SCHEDULES,
-    Action,
-    MessageGroup,
     check_schedule,
-    chunks_per_rank,
     in_flight_peak,
     interleaved_rounds,
-    peer_of,
-    placement_of,
     schedule_actions,
-    virtual_stage,
 )
 
 Bound = Callable[[int, int, int, int], int]
@@ -136,7 +132,7 @@ class Certificate:
 
     @property
     def chunks(self) -> int:
-        """Model chunks per rank (`schedules.chunks_per_rank`: 2 for the V schedules whatever
+        """Model chunks per rank (`placement.chunks_per_rank`: 2 for the V schedules whatever
         `virtual_stages` says)."""
         return chunks_per_rank(self.schedule, self.virtual_stages)
 
@@ -336,7 +332,7 @@ def missing_schedules(points, schedules=None) -> list[str]:
 def format_table(certs: list[Certificate]) -> str:
     """One row per (schedule, V, pp): the m certified, each check's verdict over them, the
     activation peaks and held messages. V is the model chunks per rank
-    (`schedules.chunks_per_rank`: 2 for the V schedules)."""
+    (`placement.chunks_per_rank`: 2 for the V schedules)."""
     rows: dict[tuple, list[Certificate]] = {}
     for c in certs:
         rows.setdefault((c.schedule, c.chunks, c.pp), []).append(c)

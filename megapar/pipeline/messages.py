@@ -33,17 +33,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from megapar.pipeline.schedules import (
-    MESSAGE_KINDS,
-    SEND_KINDS,
-    Action,
-    MessageGroup,
-    Step,
-    peer_of,
-    placement_of,
-    stage_actions,
-    virtual_stage,
-)
+from megapar.pipeline.actions import MESSAGE_KINDS, SEND_KINDS, Action, MessageGroup, Step
+from megapar.pipeline.placement import peer_of, placement_of, virtual_stage
+from megapar.pipeline.schedules import stage_actions
 from megapar.pipeline.simulate import Costs, action_times
 
 FORWARD_KINDS = frozenset({"recv_act", "forward", "send_act"})

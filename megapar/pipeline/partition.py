@@ -16,7 +16,7 @@ from typing import Sequence
 from megapar.mesh import LayoutError, Mesh
 from megapar.models import build_model, set_recompute
 from megapar.models.stage import ModelChunks
-from megapar.pipeline.schedules import virtual_stage
+from megapar.pipeline.placement import virtual_stage
 from megapar.tensor_parallel import RNGTracker
 
 

@@ -4,15 +4,9 @@ A schedule function is pure: `schedule(pp, m, stage) -> list[Action]` returns th
 of one pipeline stage for one step of `m` micro-batches (like DeepSpeed's instruction lists). The
 executor walks the list and dispatches on `Action.kind`; it knows nothing about GPipe or 1F1B.
 
-Vocabulary (`ACTION_KINDS`), for micro-batch `mb` of model chunk `chunk`:
-
-- ``recv_act`` / ``send_act``: receive the input activation from stage s-1 / send the output
-  activation to stage s+1. The first stage never receives activations; the last never sends them.
-- ``forward``: run the stage's layers (the last stage also computes the loss).
-- ``recv_grad`` / ``send_grad``: receive d(loss)/d(output) from stage s+1 / send d(loss)/d(input)
-  to stage s-1. The last stage never receives gradients; the first never sends them.
-- ``backward``: backward through the stage's layers.
-- ``backward_input`` / ``backward_weight``: reserved for zero-bubble schedules (below).
+The actions (`megapar.pipeline.actions`): ``recv_act`` / ``forward`` / ``send_act`` for the
+forward of micro-batch `mb` on model chunk `chunk`, ``recv_grad`` / ``backward`` / ``send_grad``
+for its backward, and ``backward_input`` / ``backward_weight`` for zero-bubble schedules (below).
 
 A schedule function lists each message next to the compute it belongs to: a receive right
 before the compute that consumes it, a send right after the compute that produces it.
@@ -27,7 +21,7 @@ order, one ordered stream per rank, a large send finishes only while its receive
 ``F0 [SA0] F1 [SA1 RG0] B0 ...`` (`format_schedule`).
 
 Model chunks and the split backward: interleaved 1F1B (each rank holds several model chunks;
-`chunk` selects one, `placement.py` maps it to its virtual stage and neighbours) and zero-bubble
+`chunk` selects one, `megapar.pipeline.placement` maps it to its virtual stage and neighbours) and zero-bubble
 schedules (``backward`` split into ``backward_input``, which produces the gradient to send
 upstream, and ``backward_weight``, deferred to fill bubbles) are schedule functions in `SCHEDULES`
 like the others; the executor's dispatch loop is the same for all. Their compute orders equal
@@ -39,119 +33,26 @@ schedule lists no message: the executor hands the tensor over in memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import lru_cache
 
-from megapar.pipeline.timeline import short_label
-
-# --- where model chunks live: virtual stages <-> (pipeline rank, chunk) ----------------------
-PLACEMENTS = ("loop", "v")
-"""How a rank's chunks map to virtual stages. "loop" (Megatron's interleaving): chunk c of rank r
-is virtual stage c * pp + r, so activations go 0 -> 1 -> ... -> pp-1 -> 0 for the next chunk.
-"v" (ZB-V, two chunks): chunk 0 of rank r is virtual stage r, chunk 1 is 2 * pp - 1 - r."""
-
-
-def virtual_stage(rank: int, chunk: int, pp: int, placement: str = "loop") -> int:
-    """The virtual stage (index into the model's layer slices) of `chunk` on pp rank `rank`."""
-    if placement == "v":
-        return rank if chunk == 0 else 2 * pp - 1 - rank
-    return chunk * pp + rank
-
-
-def stage_location(vs: int, pp: int, placement: str = "loop") -> tuple[int, int]:
-    """(pp rank, chunk) holding virtual stage `vs`; inverse of `virtual_stage`."""
-    if placement == "v":
-        return (vs, 0) if vs < pp else (2 * pp - 1 - vs, 1)
-    return vs % pp, vs // pp
-
-
-def peer_of(rank: int, action, pp: int, num_chunks: int,
-            placement: str = "loop") -> tuple[int, int] | None:
-    """(pp rank, chunk) a send goes to or a receive comes from; None for compute actions or
-    beyond the ends of the model."""
-    vs = virtual_stage(rank, action.chunk, pp, placement)
-    step = {"send_act": 1, "recv_grad": 1, "recv_act": -1, "send_grad": -1}.get(action.kind)
-    if step is None or not 0 <= vs + step < pp * num_chunks:
-        return None
-    return stage_location(vs + step, pp, placement)
-
-
-# --- the actions of a schedule ----------------------------------------------------------------
-ACTION_KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad",
-                "backward_input", "backward_weight")
-"""Every action kind a schedule may use; the last two are reserved for zero-bubble schedules."""
-
-
-@dataclass(frozen=True)
-class Action:
-    """One instruction of a stage's schedule."""
-
-    kind: str
-    """One of `ACTION_KINDS`."""
-    mb: int
-    """Micro-batch index in [0, m)."""
-    chunk: int = 0
-    """Model chunk (virtual stage) on this rank; always 0 for non-interleaved schedules."""
-
-    def __post_init__(self):
-        if self.kind not in ACTION_KINDS:
-            raise ValueError(f"unknown action kind {self.kind!r}; valid kinds: {', '.join(ACTION_KINDS)}")
-        if self.mb < 0 or self.chunk < 0:
-            raise ValueError(f"action {self.kind} needs mb >= 0 and chunk >= 0, "
-                             f"got mb={self.mb} chunk={self.chunk}")
-
-    def __str__(self) -> str:
-        return short_label(self.kind, self.mb, self.chunk)
-
-
-MESSAGE_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})
-"""Action kinds that are point-to-point messages (the others are compute)."""
-SEND_KINDS = frozenset({"send_act", "send_grad"})
-"""The message kinds that send (their names start with "send")."""
-RECEIVE_KINDS = frozenset({"recv_act", "recv_grad"})
-"""The message kinds that receive (their names start with "recv")."""
-
-@dataclass(frozen=True)
-class MessageGroup:
-    """Messages a stage issues together as one ``batch_isend_irecv`` (an NCCL group call).
-
-    The sends and receives of a group progress concurrently, so two neighbours that exchange
-    messages in one group each never wait for each other, and the group's receives are waited
-    for only by the computes that consume them."""
-
-    messages: tuple[Action, ...]
-    """The group's messages in issue order (`MESSAGE_KINDS` only)."""
-
-    def __post_init__(self):
-        if not self.messages or any(a.kind not in MESSAGE_KINDS for a in self.messages):
-            raise ValueError(f"a MessageGroup holds one or more of {sorted(MESSAGE_KINDS)}, "
-                             f"got {[a.kind for a in self.messages]}")
-
-    @property
-    def name(self) -> str:
-        """Megatron's name for what the group does, e.g. "send_forward_recv_backward"."""
-        kinds = {a.kind for a in self.messages}
-        parts = []
-        for verb in ("send", "recv"):
-            ways = [way for way, what in (("forward", "act"), ("backward", "grad"))
-                    if f"{verb}_{what}" in kinds]
-            if ways:
-                parts.append("_".join([verb, *ways]))
-        return "_".join(parts)
-
-    def __str__(self) -> str:
-        return "[" + " ".join(str(a) for a in self.messages) + "]"
-
-
-Step = Action | MessageGroup
-"""One item of a stage's program: a compute `Action` or a `MessageGroup`."""
-
-
-def format_schedule(steps: Sequence[Step]) -> str:
-    """One line, e.g. "F0 SA0 F1 SA1 RG0 B0" (a schedule) or "F0 [SA0] F1 [SA1 RG0] B0" (a
-    program, one bracket per message group)."""
-    return " ".join(str(a) for a in steps)
+# The action types and chunk placement live in their own modules; the names imported elsewhere
+# from here stay importable from here (the `X as X` form marks a re-export).
+from megapar.pipeline.actions import ACTION_KINDS as ACTION_KINDS
+from megapar.pipeline.actions import MESSAGE_KINDS as MESSAGE_KINDS
+from megapar.pipeline.actions import RECEIVE_KINDS as RECEIVE_KINDS
+from megapar.pipeline.actions import SEND_KINDS as SEND_KINDS
+from megapar.pipeline.actions import Action as Action
+from megapar.pipeline.actions import MessageGroup as MessageGroup
+from megapar.pipeline.actions import Step as Step
+from megapar.pipeline.actions import format_schedule as format_schedule
+from megapar.pipeline.placement import CHUNKED_SCHEDULES as CHUNKED_SCHEDULES
+from megapar.pipeline.placement import PLACEMENTS as PLACEMENTS
+from megapar.pipeline.placement import chunks_per_rank as chunks_per_rank
+from megapar.pipeline.placement import peer_of as peer_of
+from megapar.pipeline.placement import placement_of as placement_of
+from megapar.pipeline.placement import stage_location as stage_location
+from megapar.pipeline.placement import virtual_stage as virtual_stage
 
 
 def _check_args(pp: int, m: int, stage: int) -> None:
@@ -220,7 +121,6 @@ def one_f_one_b(pp: int, m: int, stage: int) -> list[Action]:
     return actions
 
 
-# Model chunks (virtual stages): placement helpers live in `placement.py` ----------------------
 def _with_comms(compute: list[Action], pp: int, stage: int, num_chunks: int,
                 placement: str = "loop") -> list[Action]:
     """Surround each compute action with its communication: receive right before, send right
@@ -511,31 +411,6 @@ SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v", "dualpipev"})
 """Schedules that split every backward into B (``backward_input``) and W
 (``backward_weight``): every stage has a W for each micro-batch, whatever the size."""
 
-CHUNKED_SCHEDULES = {"interleaved": "loop", "zb-v": "v", "dualpipev": "v"}
-"""Schedules running several model chunks per rank, with their chunk placement: "loop" ones
-take `virtual_stages` chunks, "v" ones exactly two (`chunks_per_rank`)."""
-
-
-def chunks_per_rank(name: str, virtual_stages: int = 1) -> int:
-    """Model chunks each rank holds for schedule `name`: `virtual_stages` for interleaved, 2 for
-    the V schedules (where `virtual_stages` may be left at 1, or given as 2), 1 otherwise.
-    ValueError with one line naming the fix where `virtual_stages` does not apply."""
-    if CHUNKED_SCHEDULES.get(name) == "v":
-        if virtual_stages not in (1, 2):
-            raise ValueError(f"--virtual-stages {virtual_stages} does not apply to --schedule "
-                             f"{name} (in Python: virtual_stages={virtual_stages}, "
-                             f"schedule={name!r}): it places exactly two model chunks per rank "
-                             f"in a V (rank r holds virtual stages r and 2 pp - 1 - r); leave "
-                             f"--virtual-stages / virtual_stages out, or give 2")
-        return 2
-    if name in CHUNKED_SCHEDULES:
-        return virtual_stages
-    if virtual_stages != 1:
-        raise ValueError(f"--virtual-stages {virtual_stages} needs --schedule interleaved (in "
-                         f"Python: virtual_stages={virtual_stages}, schedule='interleaved'); "
-                         f"schedule {name!r} runs one model chunk per rank")
-    return 1
-
 
 def schedule_actions(name: str, pp: int, m: int, stage: int,
                      virtual_stages: int = 1) -> list[Action]:
@@ -554,11 +429,6 @@ def stage_actions(name: str, pp: int, m: int,
     programs ask for the same lists several times per (schedule, pp, m, V)."""
     return tuple(tuple(schedule_actions(name, pp, m, stage, virtual_stages))
                  for stage in range(pp))
-
-
-def placement_of(name: str) -> str:
-    """The chunk placement of schedule `name` ("loop" unless it places chunks in a V)."""
-    return CHUNKED_SCHEDULES.get(name, "loop")
 
 
 def check_schedule(name: str, pp: int, m: int, virtual_stages: int = 1) -> None:

@@ -19,15 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megapar.pipeline.schedules import (
-    MESSAGE_KINDS,
-    RECEIVE_KINDS,
-    Action,
-    MessageGroup,
-    peer_of,
-    placement_of,
-    schedule_actions,
-)
+from megapar.pipeline.actions import MESSAGE_KINDS, RECEIVE_KINDS, Action, MessageGroup
+from megapar.pipeline.placement import peer_of, placement_of
+from megapar.pipeline.schedules import schedule_actions
 from megapar.pipeline.timeline import Event, Timeline
 
 Channel = tuple[int, int, str, int]
@@ -240,7 +234,7 @@ def simulate(schedules: Schedules, costs: Costs | Sequence[StageCosts] | None = 
     list with one per model chunk (an interleaved rank's chunks differ: the head is on the last
     virtual stage only; messages take the first chunk's `p2p_ms`). The number of chunks per rank
     is read off the actions; `placement` maps them to virtual stages (see
-    `megapar.pipeline.schedules.PLACEMENTS`)."""
+    `megapar.pipeline.placement.PLACEMENTS`)."""
     if not schedules:
         raise ValueError("simulate needs at least one stage's schedule")
     timeline = _Simulator(schedules, costs or Costs(), placement).run()

@@ -62,7 +62,7 @@ from megapar.models.flops import (
     training_flops_per_token,
 )
 from megapar.pipeline.partition import chunk_specs
-from megapar.pipeline.schedules import placement_of
+from megapar.pipeline.placement import placement_of
 from megapar.plan import memory as mem
 from megapar.plan import pipeline
 from megapar.plan.layouts import Candidate

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from megapar.data_parallel.sharded_params import REDUCES
 from megapar.mesh import Layout, LayoutError
-from megapar.pipeline.schedules import interleaved_rounds, placement_of
+from megapar.pipeline.placement import placement_of
+from megapar.pipeline.schedules import interleaved_rounds
 from megapar.training.validate import check_cp_seq_len
 
 PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev")

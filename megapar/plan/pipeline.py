@@ -24,7 +24,8 @@ from functools import lru_cache
 from megapar.pipeline import messages, schedules
 from megapar.pipeline import schedules as sched
 from megapar.pipeline import simulate as sim
-from megapar.pipeline.schedules import in_flight_peak, placement_of
+from megapar.pipeline.placement import placement_of
+from megapar.pipeline.schedules import in_flight_peak
 from megapar.pipeline.timeline import bubble_stats
 
 MAX_SIMULATED_ACTIONS = 4096

@@ -118,7 +118,7 @@ def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: i
                offload: Offload = Offload()) -> RankState:
     """The state of dp rank `dp_rank` of pipeline rank `stage` (any tp rank: they hold equal
     shapes) under megapar-train with AdamW and gradient buckets of `bucket_mb` MB; `placement`
-    maps chunks to virtual stages (`megapar.pipeline.schedules.PLACEMENTS`). ZeRO-1 is the
+    maps chunks to virtual stages (`megapar.pipeline.placement.PLACEMENTS`). ZeRO-1 is the
     real code's layout; ZeRO-2 / 3 are modelled on it (see `docs/guides/precision-zero.md`)."""
     tensors, units, specs = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement,
                                     offload.persist_below)

@@ -1,0 +1,67 @@
+"""Where model chunks live: how many chunks each rank holds for a schedule, virtual stages <->
+(pipeline rank, chunk) round-robin ("loop") or in a V, and the neighbour a chunk's message goes to
+or comes from."""
+
+from __future__ import annotations
+
+from megapar.pipeline.actions import Action
+
+PLACEMENTS = ("loop", "v")
+"""How a rank's chunks map to virtual stages. "loop" (Megatron's interleaving): chunk c of rank r
+is virtual stage c * pp + r, so activations go 0 -> 1 -> ... -> pp-1 -> 0 for the next chunk.
+"v" (ZB-V, two chunks): chunk 0 of rank r is virtual stage r, chunk 1 is 2 * pp - 1 - r."""
+
+
+def virtual_stage(rank: int, chunk: int, pp: int, placement: str = "loop") -> int:
+    """The virtual stage (index into the model's layer slices) of `chunk` on pp rank `rank`."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def stage_location(vs: int, pp: int, placement: str = "loop") -> tuple[int, int]:
+    """(pp rank, chunk) holding virtual stage `vs`; inverse of `virtual_stage`."""
+    if placement == "v":
+        return (vs, 0) if vs < pp else (2 * pp - 1 - vs, 1)
+    return vs % pp, vs // pp
+
+
+def peer_of(rank: int, action: Action, pp: int, num_chunks: int,
+            placement: str = "loop") -> tuple[int, int] | None:
+    """(pp rank, chunk) a send goes to or a receive comes from; None for compute actions or
+    beyond the ends of the model."""
+    vs = virtual_stage(rank, action.chunk, pp, placement)
+    step = {"send_act": 1, "recv_grad": 1, "recv_act": -1, "send_grad": -1}.get(action.kind)
+    if step is None or not 0 <= vs + step < pp * num_chunks:
+        return None
+    return stage_location(vs + step, pp, placement)
+
+
+CHUNKED_SCHEDULES = {"interleaved": "loop", "zb-v": "v", "dualpipev": "v"}
+"""Schedules running several model chunks per rank, with their chunk placement: "loop" ones
+take `virtual_stages` chunks, "v" ones exactly two (`chunks_per_rank`)."""
+
+
+def chunks_per_rank(name: str, virtual_stages: int = 1) -> int:
+    """Model chunks each rank holds for schedule `name`: `virtual_stages` for interleaved, 2 for
+    the V schedules (where `virtual_stages` may be left at 1, or given as 2), 1 otherwise.
+    ValueError with one line naming the fix where `virtual_stages` does not apply."""
+    if CHUNKED_SCHEDULES.get(name) == "v":
+        if virtual_stages not in (1, 2):
+            raise ValueError(f"--virtual-stages {virtual_stages} does not apply to --schedule "
+                             f"{name} (in Python: virtual_stages={virtual_stages}, "
+                             f"schedule={name!r}): it places exactly two model chunks per rank "
+                             f"in a V (rank r holds virtual stages r and 2 pp - 1 - r); leave "
+                             f"--virtual-stages / virtual_stages out, or give 2")
+        return 2
+    if name in CHUNKED_SCHEDULES:
+        return virtual_stages
+    if virtual_stages != 1:
+        raise ValueError(f"--virtual-stages {virtual_stages} needs --schedule interleaved (in "
+                         f"Python: virtual_stages={virtual_stages}, schedule='interleaved'); "
+                         f"schedule {name!r} runs one model chunk per rank")
+    return 1
+
+def placement_of(name: str) -> str:
+    """The chunk placement of schedule `name` ("loop" unless it places chunks in a V)."""
+    return CHUNKED_SCHEDULES.get(name, "loop")
