@@ -1,0 +1,134 @@
+"""The LM head and its cross-entropy fused and run a chunk of tokens at a time, so the logits of
+a whole micro-batch never exist (torchtitan's chunked loss, Liger's fused linear cross-entropy).
+
+The forward computes each chunk's logits (x W^T + b, in the autocast dtype when autocast is on,
+as ``F.linear`` would), reduces them to three fp32 numbers per token (the max and the sum of
+exponentials of this rank's vocabulary slice, and the target's logit) and drops them; with a
+vocabulary split over the tp group those three vectors are all-reduced once for all chunks
+(the same three all-reduces as `vocab_parallel_cross_entropy`), giving each token's log-sum-exp.
+It keeps the head's input, the weights, the targets and the log-sum-exp (4 bytes a token). The
+backward recomputes each chunk's logits, turns them into the gradient (softmax minus the one-hot
+target, times the incoming gradient) and multiplies it out at once into the input's gradient
+and the fp32 weight (and bias) gradients, so one chunk's logits are the most that ever lives.
+The price is one more head matmul (the logits recomputed in the backward).
+
+The weight gradient is computed in the backward itself, never deferred (a zero-bubble W pass
+has nothing of the head's to run later), and accumulates over the chunks in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megapar.mesh import all_reduce as _all_reduce
+
+LOSS_CHUNK_TOKENS = 1024
+"""Tokens per chunk of the fused head and loss by default (`TrainConfig.loss_chunk_tokens`)."""
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of ``x @ weight.T + bias`` against `target`, chunked as above.
+
+    x: [tokens, h]; weight: [local_vocab, h], this rank's rows [vocab_start, vocab_start +
+    local_vocab) of the padded vocabulary (columns past `vocab_size` are padding); target:
+    [tokens]. Returns the fp32 loss per token (0 where target == ignore_index)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, group, vocab_start, vocab_size, ignore_index,
+                chunk, dtype):
+        local_vocab = weight.shape[0]
+        real = max(0, min(local_vocab, vocab_size - vocab_start))  # columns before the padding
+        ignored = target == ignore_index
+        local_target = target - vocab_start
+        outside = (local_target < 0) | (local_target >= real) | ignored
+        local_target = local_target.masked_fill(outside, 0)
+        tokens = x.shape[0]
+        logits_max = x.new_full((tokens,), float("-inf"), dtype=torch.float32)
+        sum_exp = x.new_zeros((tokens,), dtype=torch.float32)
+        target_logit = x.new_zeros((tokens,), dtype=torch.float32)
+        if real:
+            w = weight[:real].to(dtype)
+            b = bias[:real].to(dtype) if bias is not None else None
+            with torch.autocast(x.device.type, enabled=False):
+                for i in range(0, tokens, chunk):
+                    j = min(tokens, i + chunk)
+                    logits = F.linear(x[i:j].to(dtype), w, b).float()
+                    m = logits.max(dim=-1).values
+                    logits_max[i:j] = m
+                    target_logit[i:j] = logits.gather(-1, local_target[i:j, None]).squeeze(-1)
+                    sum_exp[i:j] = logits.sub_(m[:, None]).exp_().sum(dim=-1)
+                    del logits
+        target_logit.masked_fill_(outside, 0.0)
+        if group is not None and dist.get_world_size(group) > 1:
+            local_max = logits_max.clone()
+            _all_reduce(logits_max, group, dist.ReduceOp.MAX)
+            _all_reduce(target_logit, group)
+            sum_exp.mul_((local_max - logits_max).exp_().nan_to_num_(0.0))  # -inf - m: exp = 0
+            _all_reduce(sum_exp, group)
+        lse = sum_exp.log_().add_(logits_max)
+        loss = (lse - target_logit).masked_fill_(ignored, 0.0)
+        ctx.save_for_backward(x, weight, bias, local_target, outside, ignored, lse)
+        ctx.real, ctx.chunk, ctx.dtype = real, chunk, dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        x, weight, bias, local_target, outside, ignored, lse = ctx.saved_tensors
+        real, chunk, dtype = ctx.real, ctx.chunk, ctx.dtype
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        scale = (grad_loss.float() * (~ignored)).reshape(-1)
+        hit = (~outside).float()
+        grad_x = torch.zeros_like(x) if need_x else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
+            if need_b else None
+        if real:
+            w = weight[:real].to(dtype)
+            b = bias[:real].to(dtype) if bias is not None else None
+            with torch.autocast(x.device.type, enabled=False):
+                for i in range(0, x.shape[0], chunk):
+                    j = min(x.shape[0], i + chunk)
+                    xc = x[i:j].to(dtype)
+                    grad = F.linear(xc, w, b).float()
+                    grad.sub_(lse[i:j, None]).exp_()  # the softmax
+                    grad.scatter_add_(-1, local_target[i:j, None], -hit[i:j, None])
+                    grad.mul_(scale[i:j, None])
+                    g = grad.to(dtype)
+                    del grad
+                    if need_x:
+                        grad_x[i:j] = g @ w
+                    if need_w:
+                        grad_w[:real].add_(g.t() @ xc)
+                    if need_b:
+                        grad_b[:real].add_(g.float().sum(dim=0))
+                    del g
+        return (grad_x, grad_w.to(weight.dtype) if need_w else None,
+                grad_b.to(bias.dtype) if need_b else None) + (None,) * 7
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         bias: torch.Tensor | None = None, group=None, vocab_start: int = 0,
+                         vocab_size: int | None = None, ignore_index: int = -100,
+                         chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+    """Per-token loss (fp32, the shape of `target`) of the logits ``x @ weight.T + bias``,
+    never holding more than `chunk_tokens` tokens' logits; equal to
+    ``vocab_parallel_cross_entropy(F.linear(x, weight, bias), target, ...)``.
+
+    x: [..., h], the head's input as every rank of `group` sees it (the tp region's copy or the
+    gathered sequence); weight: this rank's vocabulary rows [vocab_start, vocab_start +
+    local_vocab); vocab_size: the true vocabulary (rows beyond it are padding); chunk_tokens:
+    tokens per chunk (> 0). Under autocast the logits are computed in its dtype, as
+    ``F.linear`` would, and the loss in fp32."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if vocab_size is None:
+        vocab_size = vocab_start + weight.shape[0]
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    loss = _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, bias,
+                                     target.reshape(-1), group, vocab_start, vocab_size,
+                                     ignore_index, chunk_tokens, dtype)
+    return loss.view(target.shape)
