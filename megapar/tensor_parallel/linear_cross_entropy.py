@@ -20,12 +20,36 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megapar.mesh import all_reduce as _all_reduce
 
 LOSS_CHUNK_TOKENS = 1024
 """Tokens per chunk of the fused head and loss by default (`TrainConfig.loss_chunk_tokens`)."""
+
+
+class _Buffers:
+    """One chunk's logits, made in place chunk after chunk: a [chunk x vocab] buffer in the
+    compute dtype and, when that is not fp32, an fp32 one (so a pass over the chunks holds the
+    same two tensors whatever the number of tokens, not one new tensor per chunk)."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device):
+        self.out = torch.empty(rows, cols, dtype=dtype, device=device)
+        self.fp32 = self.out if dtype == torch.float32 else \
+            torch.empty(rows, cols, dtype=torch.float32, device=device)
+
+    def logits(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """fp32 logits of the rows `x` (x w^T + b computed in w's dtype), in the buffer."""
+        n, out = x.shape[0], self.out[:x.shape[0]]
+        x = x.to(w.dtype)
+        if b is None:
+            torch.mm(x, w.t(), out=out)
+        else:
+            torch.addmm(b, x, w.t(), out=out)
+        return out if self.fp32 is self.out else self.fp32[:n].copy_(out)
+
+    def to_compute(self, t: torch.Tensor) -> torch.Tensor:
+        """The fp32 chunk `t` in the compute dtype (itself in fp32), in the buffer."""
+        return t if self.fp32 is self.out else self.out[:t.shape[0]].copy_(t)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -51,15 +75,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if real:
             w = weight[:real].to(dtype)
             b = bias[:real].to(dtype) if bias is not None else None
-            with torch.autocast(x.device.type, enabled=False):
-                for i in range(0, tokens, chunk):
-                    j = min(tokens, i + chunk)
-                    logits = F.linear(x[i:j].to(dtype), w, b).float()
-                    m = logits.max(dim=-1).values
-                    logits_max[i:j] = m
-                    target_logit[i:j] = logits.gather(-1, local_target[i:j, None]).squeeze(-1)
-                    sum_exp[i:j] = logits.sub_(m[:, None]).exp_().sum(dim=-1)
-                    del logits
+            buffers = _Buffers(min(chunk, tokens), real, dtype, x.device)
+            for i in range(0, tokens, chunk):
+                j = min(tokens, i + chunk)
+                logits = buffers.logits(x[i:j], w, b)
+                m = logits.max(dim=-1).values
+                logits_max[i:j] = m
+                target_logit[i:j] = logits.gather(-1, local_target[i:j, None]).squeeze(-1)
+                sum_exp[i:j] = logits.sub_(m[:, None]).exp_().sum(dim=-1)
+            del buffers
         target_logit.masked_fill_(outside, 0.0)
         if group is not None and dist.get_world_size(group) > 1:
             local_max = logits_max.clone()
@@ -75,6 +99,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        with torch.autocast(grad_loss.device.type, enabled=False):  # casts as the forward's
+            return _LinearCrossEntropy._backward(ctx, grad_loss)
+
+    @staticmethod
+    def _backward(ctx, grad_loss):
         x, weight, bias, local_target, outside, ignored, lse = ctx.saved_tensors
         real, chunk, dtype = ctx.real, ctx.chunk, ctx.dtype
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -88,23 +117,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if real:
             w = weight[:real].to(dtype)
             b = bias[:real].to(dtype) if bias is not None else None
-            with torch.autocast(x.device.type, enabled=False):
-                for i in range(0, x.shape[0], chunk):
-                    j = min(x.shape[0], i + chunk)
-                    xc = x[i:j].to(dtype)
-                    grad = F.linear(xc, w, b).float()
-                    grad.sub_(lse[i:j, None]).exp_()  # the softmax
-                    grad.scatter_add_(-1, local_target[i:j, None], -hit[i:j, None])
-                    grad.mul_(scale[i:j, None])
-                    g = grad.to(dtype)
-                    del grad
-                    if need_x:
-                        grad_x[i:j] = g @ w
-                    if need_w:
-                        grad_w[:real].add_(g.t() @ xc)
-                    if need_b:
-                        grad_b[:real].add_(g.float().sum(dim=0))
-                    del g
+            buffers = _Buffers(min(chunk, x.shape[0]), real, dtype, x.device)
+            for i in range(0, x.shape[0], chunk):
+                j = min(x.shape[0], i + chunk)
+                grad = buffers.logits(x[i:j], w, b)
+                grad.sub_(lse[i:j, None]).exp_()  # the softmax
+                grad.scatter_add_(-1, local_target[i:j, None], -hit[i:j, None])
+                grad.mul_(scale[i:j, None])
+                g = buffers.to_compute(grad)
+                xc = x[i:j].to(dtype)
+                if need_x:
+                    grad_x[i:j] = g @ w
+                if need_w:
+                    grad_w[:real].add_(g.t() @ xc)
+                if need_b:
+                    grad_b[:real].add_(grad.sum(dim=0))
+            del buffers
         return (grad_x, grad_w.to(weight.dtype) if need_w else None,
                 grad_b.to(bias.dtype) if need_b else None) + (None,) * 7
 
@@ -128,7 +156,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
         vocab_size = vocab_start + weight.shape[0]
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    loss = _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, bias,
-                                     target.reshape(-1), group, vocab_start, vocab_size,
-                                     ignore_index, chunk_tokens, dtype)
+    with torch.autocast(device, enabled=False):  # the function casts as autocast would
+        loss = _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, bias,
+                                         target.reshape(-1), group, vocab_start, vocab_size,
+                                         ignore_index, chunk_tokens, dtype)
     return loss.view(target.shape)
