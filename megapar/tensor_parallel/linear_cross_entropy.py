@@ -18,6 +18,8 @@ has nothing of the head's to run later), and accumulates over the chunks in fp32
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -25,6 +27,13 @@ from megapar.mesh import all_reduce as _all_reduce
 
 LOSS_CHUNK_TOKENS = 1024
 """Tokens per chunk of the fused head and loss by default (`TrainConfig.loss_chunk_tokens`)."""
+
+
+def _no_autocast(device: str):
+    """Autocast off on `device` (nothing to do where it has none, e.g. meta)."""
+    if torch.amp.is_autocast_available(device):
+        return torch.autocast(device, enabled=False)
+    return contextlib.nullcontext()
 
 
 class _Buffers:
@@ -99,7 +108,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        with torch.autocast(grad_loss.device.type, enabled=False):  # casts as the forward's
+        with _no_autocast(grad_loss.device.type):  # casts as the forward did
             return _LinearCrossEntropy._backward(ctx, grad_loss)
 
     @staticmethod
@@ -155,8 +164,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     if vocab_size is None:
         vocab_size = vocab_start + weight.shape[0]
     device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    with torch.autocast(device, enabled=False):  # the function casts as autocast would
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+    with _no_autocast(device):  # the function casts as autocast would
         loss = _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, bias,
                                          target.reshape(-1), group, vocab_start, vocab_size,
                                          ignore_index, chunk_tokens, dtype)
