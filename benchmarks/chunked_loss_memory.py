@@ -1,9 +1,8 @@
 """The chunked LM head + loss at the peak the OS sees: a large vocabulary at two sequence lengths.
 
 A Llama body (hidden 64, 2 layers) with Llama 3's 128,256-token vocabulary, micro-batch 2,
-trained for 2 steps (`--steps`) by `megapar-train` in a fresh process per configuration (its data tokenized
-beforehand); the figure is the process's peak resident set (`ru_maxrss` from `wait4`). At
-sequence 512 and 1024, with the chunked loss (`--loss-chunk-tokens`, default 1024) and with
+trained for 2 steps (`--steps`) by `megapar-train` in a fresh process per configuration;
+the figure is the process's peak resident set (`ru_maxrss` from `wait4`). At sequence 512 and 1024, with the chunked loss (`--loss-chunk-tokens`, default 1024) and with
 the whole logits (`--loss-chunk-tokens 0`). The claim (issue 46): with the chunked loss the
 peak grows from 512 to 1024 by at most half of one fp32 logits tensor of the extra 1,024
 tokens (1,024 x 128,256 x 4 bytes / 2 = 250.5 MiB); with the whole logits it grows by several

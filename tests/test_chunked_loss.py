@@ -110,6 +110,31 @@ def test_no_grad_forward_holds_no_graph():
         linear_cross_entropy(x, w, target, b, chunk_tokens=0)
 
 
+@pytest.mark.parametrize("recipe", ["gpt2-small-cpu", "llama-tiny"])
+@pytest.mark.parametrize("chunk", [1024, 0])
+def test_planner_counts_what_the_head_keeps_to_the_byte(recipe, chunk):
+    """The planner's head bytes (`plan.memory.head_bytes`, what the dry run counts) equal the
+    storages autograd keeps for a last stage without blocks (its input included), chunked
+    (targets, masks, a log-sum-exp per token) and whole (the logits' log-softmax), at tp 1."""
+    from tp_utils import saved_bytes
+
+    from megapar.models import build_model
+    from megapar.models.recipes import resolve_model
+    from megapar.plan import memory as mem
+
+    config = resolve_model(recipe)
+    model = build_model(config, make_mesh(1), [], False, True)
+    model.init_weights(0)
+    model.loss_chunk_tokens = chunk
+    s, b, h = 32, 2, config.hidden_size
+    hidden = torch.randn(b, s, h, requires_grad=True)
+    ids = torch.randint(0, config.vocab_size, (b, s))
+    held, _ = saved_bytes(model, lambda: model(hidden, {"input_ids": ids, "labels": ids}))
+    counted = mem.head_bytes(s, b, h, config.vocab_size, 4, whole_vocab=config.vocab_size,
+                             terms=mem.block_terms(config), chunk_tokens=chunk)
+    assert held == counted
+
+
 # --- the real training path -----------------------------------------------------------------
 
 SEQ, G = 16, 4
@@ -158,8 +183,8 @@ HEAD_PARAMS = ("head.weight", "embed.word.weight")
 
 
 @pytest.mark.parametrize("kind,world,layout", [
-    ("llama", 2, dict(tp=2, sequence_parallel=True)),
-    ("gpt2", 4, dict(tp=2, pp=2, schedule="zb-h1")),
+    ("llama", 2, {"tp": 2, "sequence_parallel": True}),
+    ("gpt2", 4, {"tp": 2, "pp": 2, "schedule": "zb-h1"}),
 ])
 def test_training_path_chunked_equals_whole(run, kind, world, layout):
     chunked = run(_steps, world, kind, 5, layout)
