@@ -512,7 +512,9 @@ def test_zero_layout_strings_parse_and_are_checked():
 def test_gpt2_1_5b_fits_8_gpus_of_16_gib_with_zero3(capsys):
     """Issue 30, counting the attention scores (`--no-fused-attention`): without tp or pp,
     gpt2-1.5b at dp 8 fits 16 GiB with ZeRO-3 (and ZeRO-2) and selective recomputation, not at
-    ZeRO 0 / 1; the plan offers ZeRO-3, with its megapar-train command. Without recomputation
+    ZeRO 0; at ZeRO-1 it fits since the chunked loss keeps no logits (15.97 GiB; 16.06 with
+    the whole logits' fp32 softmax kept, as before issue 46); the plan offers ZeRO-3, with its
+    megapar-train command. Without recomputation
     ZeRO-3 does not fit: ShardedParams holds the stage's full fp32 gradient buffers (5.8 GiB)
     at the end of the backward. With a fused attention kernel (the default: no scores, what
     megapar-train keeps on GPUs) no recomputation is needed from ZeRO-1 on."""
@@ -531,7 +533,7 @@ def test_gpt2_1_5b_fits_8_gpus_of_16_gib_with_zero3(capsys):
 
     def flat(z, rc):
         return rows[f"tp=1,pp=1,dp=8,mbs=1,schedule=1f1b,v=1,recompute={rc},sp=0,zero={z}"]
-    assert [flat(z, "selective")["fits"] for z in range(4)] == [False, False, True, True]
+    assert [flat(z, "selective")["fits"] for z in range(4)] == [False, True, True, True]
     assert [flat(z, "none")["fits"] for z in range(4)] == [False] * 4
     z3 = flat(3, "selective")["memory_gib"]
     assert z3["gathered"] > 0 and z3["grad_buffers"] == pytest.approx(8 * z3["grads"], rel=1e-3)

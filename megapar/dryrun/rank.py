@@ -438,7 +438,7 @@ def _modelled_activations(cfg, config, layout: Layout, stage: int, actions) -> i
 
     problem = Problem(config, layout.world_size, global_batch=cfg.global_batch_size,
                       seq_len=cfg.seq_len, precision=cfg.precision, master_weights="fp32",
-                      fused_attention=True)
+                      fused_attention=True, loss_chunk_tokens=cfg.loss_chunk_tokens)
     candidate = Candidate(layout.tp, layout.pp, layout.dp, cfg.micro_batch_size, cfg.schedule,
                           chunks_per_rank(cfg.schedule, cfg.virtual_stages), cfg.recompute,
                           bool(cfg.sequence_parallel and layout.tp > 1), cfg.zero, layout.cp)

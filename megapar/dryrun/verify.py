@@ -57,7 +57,7 @@ def train_config(problem, candidate):
                       offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
                       zero3_keep_params=c.keep_params, zero3_reduce=c.zero3_reduce,
                       zero3_persistence_threshold=problem.zero3_persistence_threshold
-                      if c.zero == 3 else 0)
+                      if c.zero == 3 else 0, loss_chunk_tokens=problem.loss_chunk_tokens)
     return cfg
 
 

@@ -16,6 +16,7 @@ from megapar.models.config import (
 )
 from megapar.models.gpt2 import GPT2
 from megapar.models.llama import Llama
+from megapar.models.stage import set_loss_chunk_tokens
 
 MODEL_CLASSES = {"gpt2": GPT2, "bert": Bert, "llama": Llama}
 
@@ -28,4 +29,4 @@ def build_model(config, mesh, layers=None, pre_process=True, post_process=True, 
 
 __all__ = ["GPT2", "Bert", "GPT2Config", "BertConfig", "ConfigError", "config_from_dict",
            "config_from_hf", "config_from_file", "load_config_file", "build_model", "set_recompute",
-           "MODEL_CLASSES", "Llama", "LlamaConfig"]
+           "MODEL_CLASSES", "Llama", "LlamaConfig", "set_loss_chunk_tokens"]

@@ -84,9 +84,12 @@ class BertMLMHead(nn.Module):
         self.bias = set_partition(nn.Parameter(torch.empty(local, device=d)), 0,
                                   (config.vocab_size,))
 
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The transformed hidden states the logits are computed from."""
+        return self.norm(self.act(self.transform(x)))
+
     def forward(self, x: torch.Tensor, word_embeddings: torch.Tensor, mesh: Mesh):
-        x = self.norm(self.act(self.transform(x)))
-        return parallel_lm_logits(x, word_embeddings, mesh, self.bias)
+        return parallel_lm_logits(self.features(x), word_embeddings, mesh, self.bias)
 
 
 class Bert(StageModel):
@@ -133,4 +136,4 @@ class Bert(StageModel):
         hidden = run_layers(self.layers, hidden, mask, self.recompute, self.tracker)
         if not self.post_process:
             return hidden
-        return self._output(self.head(hidden, self.word_embeddings, self.mesh), batch)
+        return self._head(self.head.features(hidden), self.word_embeddings, batch, self.head.bias)

@@ -27,7 +27,6 @@ from megapar.models.stage import StageModel
 from megapar.tensor_parallel import (
     VocabParallelEmbedding,
     initialize,
-    parallel_lm_logits,
 )
 
 
@@ -107,5 +106,4 @@ class GPT2(StageModel):
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
         if not self.post_process:
             return hidden
-        logits = parallel_lm_logits(self.final_norm(hidden), self.word_embeddings, self.mesh)
-        return self._output(logits, batch)
+        return self._head(self.final_norm(hidden), self.word_embeddings, batch)

@@ -34,7 +34,6 @@ from megapar.tensor_parallel import (
     copy_to_tp_region,
     divide,
     initialize,
-    parallel_lm_logits,
 )
 from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
 from megapar.tensor_parallel.sequence_parallel import (
@@ -329,5 +328,4 @@ class Llama(StageModel):
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
         if not self.post_process:
             return hidden
-        logits = parallel_lm_logits(self.final_norm(hidden), self.output_weights, self.mesh)
-        return self._output(logits, batch)
+        return self._head(self.final_norm(hidden), self.output_weights, batch)

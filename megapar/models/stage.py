@@ -22,10 +22,14 @@ from torch import nn
 from megapar import context_parallel as cp
 from megapar.mesh import Mesh
 from megapar.tensor_parallel import (
+    LOSS_CHUNK_TOKENS,
     NullTracker,
+    linear_cross_entropy,
     masked_mean,
+    parallel_lm_logits,
     vocab_parallel_cross_entropy,
 )
+from megapar.tensor_parallel.layers import lm_head_input
 from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
 from megapar.tensor_parallel.sequence_parallel import (
     mark_sequence_parallel,
@@ -46,6 +50,7 @@ class StageModel(nn.Module):
         self.tracker = tracker or NullTracker()
         self.pre_process, self.post_process = pre_process, post_process
         self.recompute = "none"
+        self.loss_chunk_tokens = LOSS_CHUNK_TOKENS
         return range(config.num_layers) if layers is None else layers
 
     def _build_layers(self, layers, make_block: Callable[[], nn.Module]) -> nn.ModuleDict:
@@ -106,6 +111,21 @@ class StageModel(nn.Module):
     def vocab_start(self) -> int:
         return self.mesh.tp_rank * self.word_embeddings.shape[0]
 
+    def _head(self, x: torch.Tensor, weight: torch.Tensor, batch: dict,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The LM head on the final hidden states `x`: the mean loss over labelled tokens,
+        computed `loss_chunk_tokens` tokens at a time (`linear_cross_entropy`: the whole
+        logits never exist; 0: at once, through the logits), or the logits slice when the
+        batch has no labels."""
+        if "labels" not in batch or not self.loss_chunk_tokens:
+            return self._output(parallel_lm_logits(x, weight, self.mesh, bias), batch)
+        labels = self._cp_tokens(batch["labels"])
+        per_token = linear_cross_entropy(lm_head_input(x, self.mesh), weight, labels, bias,
+                                         self.mesh.tp_group, self.vocab_start,
+                                         self.config.vocab_size,
+                                         chunk_tokens=self.loss_chunk_tokens)
+        return masked_mean(per_token, labels, group=self.mesh.cp_group)
+
     def _output(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
         """The mean loss over labelled tokens, or the logits slice when there are no labels."""
         if "labels" not in batch:
@@ -114,6 +134,16 @@ class StageModel(nn.Module):
         per_token = vocab_parallel_cross_entropy(logits, labels, self.mesh.tp_group,
                                                  self.vocab_start, self.config.vocab_size)
         return masked_mean(per_token, labels, group=self.mesh.cp_group)
+
+
+def set_loss_chunk_tokens(model: nn.Module, tokens: int) -> None:
+    """Tokens per chunk of the fused head and loss of every stage model in `model` (0: the
+    whole logits at once; `StageModel._head`)."""
+    if tokens < 0:
+        raise ValueError(f"loss chunk tokens must be >= 0 (0: whole), got {tokens}")
+    for module in model.modules():
+        if isinstance(module, StageModel):
+            module.loss_chunk_tokens = tokens
 
 
 class ModelChunks(nn.Module):

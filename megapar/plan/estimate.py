@@ -73,6 +73,7 @@ from megapar.plan.params import (
 )
 from megapar.plan.sharding import dp_seconds, pcie_seconds
 from megapar.plan.state import Offload, RankState, most_loaded, w_reported, whole_grads
+from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.tensor_parallel.partition import local_size
 
 
@@ -120,6 +121,9 @@ class Problem:
     """Host-device bandwidth per GPU, Gbit/s (offload's copies; PCIe 4.0 x16: about 200)."""
     zero3_persistence_threshold: int = 0
     """megapar-train's --zero3-persistence-threshold for ZeRO-3 layouts (0: none persist)."""
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
+    """megapar-train's --loss-chunk-tokens: the head and loss run this many tokens at a time,
+    so one chunk's logits are the most held (0: the whole micro-batch's, kept for backward)."""
 
     @cached_property
     def config_json(self) -> str:
@@ -254,7 +258,8 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
     vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
     embedding = mem.embedding_bytes(s, b, h, p.dropout, sp_t, terms)
     head = mem.head_bytes(s, b, h, vocab_local, p.act_bytes,
-                          whole_vocab=cfg.vocab_size if t == 1 else None, terms=terms)
+                          whole_vocab=cfg.vocab_size if t == 1 else None, terms=terms,
+                          chunk_tokens=p.loss_chunk_tokens)
     message = s * b * h * p.act_bytes / sp_t            # an activation or its gradient in flight
     out, config_json = [], p.config_json
     placement = placement_of(c.schedule)
@@ -280,7 +285,8 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
         if c.recompute != "none":                       # one layer rebuilt during backward
             buffers += full - per_layer
         if any(spec.post_process for spec in specs):    # the logits' gradient in backward
-            buffers += s * b * vocab_local * 4
+            buffers += mem.logits_buffer_bytes(s, b, vocab_local, p.act_bytes,
+                                               p.loss_chunk_tokens)
         if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
             held = most_loaded(config_json, t, c.pp, c.v, stage, c.dp * c.cp, c.zero,
                                p.grad_bucket_mb, placement,
@@ -358,11 +364,13 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     cp_f, cp_b = cp_layer_seconds(p, c, tokens * fl.attention / rate)
     cp_b += cp_f if c.recompute != "none" else 0.0
     extra = {"none": 0.0, "selective": fl.attention, "full": fl.layer()}[c.recompute]
+    logits = 2 * cfg.hidden_size * local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
     def cost(k: int, first: bool, last: bool) -> ChunkTime:
         head = fl.head if last else 0.0
         f = tokens * (k * fl.layer() + head)
         w = tokens * (k * fl.block + head)
-        bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head)
+        recomputed = logits if last and p.loss_chunk_tokens else 0.0  # the chunked loss's
+        bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head + recomputed)
         emb_comm = ring * half if first else 0.0        # the vocab-parallel lookup's reduction
         head_f = ring * 0.5 if last and c.sp else 0.0   # SP: its input gathered
         head_b = ring * half if last else 0.0           # its input's gradient

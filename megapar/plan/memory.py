@@ -112,19 +112,34 @@ def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
 
 def head_bytes(s: int, b: int, h: int, vocab_local: int, act_bytes: int,
                logits_bytes: int = 4, whole_vocab: int | None = None,
-               terms: BlockTerms = BlockTerms()) -> float:
+               terms: BlockTerms = BlockTerms(), chunk_tokens: int = 0) -> float:
     """What the last stage keeps beyond its blocks, per micro-batch: the final norm's input and
-    output, the softmax of this rank's vocabulary slice (fp32, as the paper's 4 s b v / t) and
-    the int64 targets with two boolean masks of the vocab-parallel cross-entropy (and the count
-    of labelled tokens); the norm's statistics are fp32.
+    output and the norm's fp32 statistics, and the loss's.
 
-    At t = 1 (`whole_vocab` = the true vocabulary) torch's fused cross-entropy runs instead: it
-    keeps the log-softmax of the true (unpadded) vocabulary, the targets and a 4-byte weight sum,
-    no masks."""
+    With the chunked head and loss (`chunk_tokens` > 0, megapar-train's default) no logits are
+    kept: the int64 targets, two boolean masks and the fp32 log-sum-exp per token (and the
+    count of labelled tokens). Unchunked (0): the softmax of this rank's vocabulary slice (fp32,
+    as the paper's 4 s b v / t) and the int64 targets with two boolean masks of the
+    vocab-parallel cross-entropy (and the count); at t = 1 (`whole_vocab` = the true
+    vocabulary) torch's fused cross-entropy runs instead: it keeps the log-softmax of the true
+    (unpadded) vocabulary, the targets and a 4-byte weight sum, no masks."""
     norm = s * b * terms.final_norm * h * act_bytes + terms.final_stats * s * b * 4
+    if chunk_tokens:
+        return norm + s * b * (8 + 2 + 4) + 8
     if whole_vocab is not None:
         return norm + s * b * (whole_vocab * logits_bytes + 8) + 4 + 8
     return norm + s * b * (vocab_local * logits_bytes + 8 + 2) + 8
+
+
+def logits_buffer_bytes(s: int, b: int, vocab_local: int, act_bytes: int,
+                        chunk_tokens: int = 0) -> float:
+    """The transient logits of the LM head's stage in its backward: the fp32 gradient of the
+    whole micro-batch's logits (this rank's padded vocabulary), or with the chunked loss
+    (`chunk_tokens` > 0) one chunk's, fp32 and, under 16-bit autocast, their 16-bit copy too
+    (counted over the padded vocabulary, as the whole's)."""
+    if not chunk_tokens:
+        return s * b * vocab_local * 4
+    return min(chunk_tokens, s * b) * vocab_local * (4 + (act_bytes if act_bytes < 4 else 0))
 
 
 def embedding_bytes(s: int, b: int, h: int, dropout: bool, sp_t: int = 1,
@@ -154,9 +169,9 @@ class MemoryBreakdown:
     in_flight: int
     """Peak micro-batches in flight on this stage (from the schedule)."""
     buffers: float
-    """Transient bytes at the peak that are not kept for the backward: the fp32 gradient of the
-    logits on the stage with the LM head, one layer's activations rebuilt under recomputation,
-    context parallelism's K/V blocks in flight (`estimate.stage_memory`). A dry run does not
+    """Transient bytes at the peak that are not kept for the backward: one chunk's logits on the
+    stage with the LM head (the whole logits' fp32 gradient with --loss-chunk-tokens 0), one
+    layer's activations rebuilt under recomputation, context parallelism's K/V blocks in flight (`estimate.stage_memory`). A dry run does not
     list them; pipeline messages are in `activations`."""
     master: float = 0.0
     """--offload-optimizer: host copies of the stepped tensors and their gradients."""

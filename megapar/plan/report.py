@@ -136,8 +136,9 @@ def attention_note(fused: bool) -> str:
             "fused kernel, which keeps none), except under context parallelism")
 
 
-BUFFERS_NOTE = ("buffers: transient, not kept for the backward: the fp32 gradient of the logits "
-                "on the LM head's stage, one layer rebuilt under recomputation, context "
+BUFFERS_NOTE = ("buffers: transient, not kept for the backward: one chunk's logits on the LM "
+                "head's stage (the whole logits' fp32 gradient with --loss-chunk-tokens 0), "
+                "one layer rebuilt under recomputation, context "
                 "parallelism's K/V blocks in flight; megapar-train --dry-run does not list "
                 "them (its device bytes besides activations plus its activations are this "
                 "total less the buffers)")

@@ -12,6 +12,10 @@ from megapar.tensor_parallel.layers import (
     divide,
     parallel_lm_logits,
 )
+from megapar.tensor_parallel.linear_cross_entropy import (
+    LOSS_CHUNK_TOKENS,
+    linear_cross_entropy,
+)
 from megapar.tensor_parallel.mappings import (
     copy_to_tp_region,
     gather_from_tp_region,
@@ -22,7 +26,8 @@ from megapar.tensor_parallel.random import NullTracker, RNGTracker
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "divide",
-    "parallel_lm_logits", "vocab_parallel_cross_entropy", "masked_mean", "initialize",
+    "parallel_lm_logits", "vocab_parallel_cross_entropy", "linear_cross_entropy",
+    "LOSS_CHUNK_TOKENS", "masked_mean", "initialize",
     "normal_init", "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
     "gather_from_tp_region", "RNGTracker", "NullTracker",
 ]

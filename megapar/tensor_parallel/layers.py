@@ -142,7 +142,13 @@ def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor, mesh
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's vocab slice of the logits, from (tied) vocab-parallel word embeddings
     (under sequence parallelism `hidden` is this rank's sequence slice, gathered first)."""
+    return F.linear(lm_head_input(hidden, mesh), word_embeddings, bias)
+
+
+def lm_head_input(hidden: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """The LM head's input as every tp rank multiplies it by its vocabulary rows: the tp
+    region's copy (its gradient summed over tp), or under sequence parallelism the gathered
+    sequence (its gradient reduce-scattered)."""
     if _sequence_parallel(mesh):
-        return F.linear(gather_from_sequence_parallel_region(hidden, mesh.tp_group),
-                        word_embeddings, bias)
-    return F.linear(copy_to_tp_region(hidden, mesh.tp_group), word_embeddings, bias)
+        return gather_from_sequence_parallel_region(hidden, mesh.tp_group)
+    return copy_to_tp_region(hidden, mesh.tp_group)

@@ -74,6 +74,8 @@ class TrainConfig:
     """Model chunks per pipeline rank for --schedule interleaved (Megatron's round-robin: rank r holds chunks r, r+pp, ...). zb-v and dualpipev always place two (rank r holds virtual stages r and 2 pp - 1 - r) whatever it says: they accept 1 (the default) or 2 and refuse any other value."""
     recompute: str = "none"
     """Activation recomputation: none, selective (attention core) or full (each block)."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the fused LM head and cross-entropy: each chunk's logits are computed, reduced to its loss and dropped, and recomputed in the backward (one more head matmul), so the whole [tokens x vocabulary] logits never exist (with Llama 3's 128,256-token vocabulary a 1,024-token chunk is 0.5 GB in fp32). The loss accumulates in fp32 and equals the unchunked one. 0: the whole micro-batch's logits at once."""
     precision: str = "fp32"
     """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
     tf32: bool = False

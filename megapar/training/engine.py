@@ -46,6 +46,7 @@ from megapar.faults.slow import Slowdown, SlowRank
 from megapar.faults.status import set_action, set_step
 from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh, all_reduce
+from megapar.models import set_loss_chunk_tokens
 from megapar.optim import LRScheduler, Precision, build_optimizer
 from megapar.optim.precision import comm_dtypes
 from megapar.optim.zero3 import Zero3Optimizer
@@ -100,6 +101,7 @@ class Engine:
         self.model = build_stage(model_config, mesh, cfg.seed, cfg.recompute,
                                  virtual_stages=chunks_per_rank(cfg.schedule, cfg.virtual_stages),
                                  placement=placement_of(cfg.schedule))
+        set_loss_chunk_tokens(self.model, cfg.loss_chunk_tokens)
         self.precision = Precision(cfg.precision, mesh.device)
         self.wire_dtype, reduce_dtype = comm_dtypes(cfg.precision, cfg.p2p_dtype,
                                                     cfg.grad_reduce_dtype)

@@ -63,6 +63,7 @@ _RULES = [
     ("adam_eps", "float", 0.0, False), ("grad_bucket_mb", "float", 0.0, False),
     ("adam_beta1", "float", 0.0, True), ("adam_beta2", "float", 0.0, True),
     ("powersgd_rank", "int", 1, True),
+    ("loss_chunk_tokens", "int", 1, True, (0, "the whole logits at once")),
     ("lr_scale_with_batch", "int", 1, True, (0, "off")),
     ("max_nonfinite_steps", "int", 1, True, (0, "never stop")),
     ("exit_interval", "int", 1, True, (0, "never")),

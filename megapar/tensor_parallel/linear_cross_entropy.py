@@ -1,0 +1,173 @@
+"""The LM head and its cross-entropy fused and run a chunk of tokens at a time, so the logits of
+a whole micro-batch never exist (torchtitan's chunked loss, Liger's fused linear cross-entropy).
+
+The forward computes each chunk's logits (x W^T + b, in the autocast dtype when autocast is on,
+as ``F.linear`` would), reduces them to three fp32 numbers per token (the max and the sum of
+exponentials of this rank's vocabulary slice, and the target's logit) and drops them; with a
+vocabulary split over the tp group those three vectors are all-reduced once for all chunks
+(the same three all-reduces as `vocab_parallel_cross_entropy`), giving each token's log-sum-exp.
+It keeps the head's input, the weights, the targets and the log-sum-exp (4 bytes a token). The
+backward recomputes each chunk's logits, turns them into the gradient (softmax minus the one-hot
+target, times the incoming gradient) and multiplies it out at once into the input's gradient
+and the fp32 weight (and bias) gradients, so one chunk's logits are the most that ever lives.
+The price is one more head matmul (the logits recomputed in the backward).
+
+The weight gradient is computed in the backward itself, never deferred (a zero-bubble W pass
+has nothing of the head's to run later), and accumulates over the chunks in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from megapar.mesh import all_reduce as _all_reduce
+
+LOSS_CHUNK_TOKENS = 1024
+"""Tokens per chunk of the fused head and loss by default (`TrainConfig.loss_chunk_tokens`)."""
+
+
+def _no_autocast(device: str):
+    """Autocast off on `device` (nothing to do where it has none, e.g. meta)."""
+    if torch.amp.is_autocast_available(device):
+        return torch.autocast(device, enabled=False)
+    return contextlib.nullcontext()
+
+
+class _Buffers:
+    """One chunk's logits, made in place chunk after chunk: a [chunk x vocab] buffer in the
+    compute dtype and, when that is not fp32, an fp32 one (so a pass over the chunks holds the
+    same two tensors whatever the number of tokens, not one new tensor per chunk)."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device):
+        self.out = torch.empty(rows, cols, dtype=dtype, device=device)
+        self.fp32 = self.out if dtype == torch.float32 else \
+            torch.empty(rows, cols, dtype=torch.float32, device=device)
+
+    def logits(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """fp32 logits of the rows `x` (x w^T + b computed in w's dtype), in the buffer."""
+        n, out = x.shape[0], self.out[:x.shape[0]]
+        x = x.to(w.dtype)
+        if b is None:
+            torch.mm(x, w.t(), out=out)
+        else:
+            torch.addmm(b, x, w.t(), out=out)
+        return out if self.fp32 is self.out else self.fp32[:n].copy_(out)
+
+    def to_compute(self, t: torch.Tensor) -> torch.Tensor:
+        """The fp32 chunk `t` in the compute dtype (itself in fp32), in the buffer."""
+        return t if self.fp32 is self.out else self.out[:t.shape[0]].copy_(t)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of ``x @ weight.T + bias`` against `target`, chunked as above.
+
+    x: [tokens, h]; weight: [local_vocab, h], this rank's rows [vocab_start, vocab_start +
+    local_vocab) of the padded vocabulary (columns past `vocab_size` are padding); target:
+    [tokens]. Returns the fp32 loss per token (0 where target == ignore_index)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, group, vocab_start, vocab_size, ignore_index,
+                chunk, dtype):
+        local_vocab = weight.shape[0]
+        real = max(0, min(local_vocab, vocab_size - vocab_start))  # columns before the padding
+        ignored = target == ignore_index
+        local_target = target - vocab_start
+        outside = (local_target < 0) | (local_target >= real) | ignored
+        local_target = local_target.masked_fill(outside, 0)
+        tokens = x.shape[0]
+        logits_max = x.new_full((tokens,), float("-inf"), dtype=torch.float32)
+        sum_exp = x.new_zeros((tokens,), dtype=torch.float32)
+        target_logit = x.new_zeros((tokens,), dtype=torch.float32)
+        if real:
+            w = weight[:real].to(dtype)
+            b = bias[:real].to(dtype) if bias is not None else None
+            buffers = _Buffers(min(chunk, tokens), real, dtype, x.device)
+            for i in range(0, tokens, chunk):
+                j = min(tokens, i + chunk)
+                logits = buffers.logits(x[i:j], w, b)
+                m = logits.max(dim=-1).values
+                logits_max[i:j] = m
+                target_logit[i:j] = logits.gather(-1, local_target[i:j, None]).squeeze(-1)
+                sum_exp[i:j] = logits.sub_(m[:, None]).exp_().sum(dim=-1)
+            del buffers
+        target_logit.masked_fill_(outside, 0.0)
+        if group is not None and dist.get_world_size(group) > 1:
+            local_max = logits_max.clone()
+            _all_reduce(logits_max, group, dist.ReduceOp.MAX)
+            _all_reduce(target_logit, group)
+            sum_exp.mul_((local_max - logits_max).exp_().nan_to_num_(0.0))  # -inf - m: exp = 0
+            _all_reduce(sum_exp, group)
+        lse = sum_exp.log_().add_(logits_max)
+        loss = (lse - target_logit).masked_fill_(ignored, 0.0)
+        ctx.save_for_backward(x, weight, bias, local_target, outside, ignored, lse)
+        ctx.real, ctx.chunk, ctx.dtype = real, chunk, dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        with _no_autocast(grad_loss.device.type):  # casts as the forward did
+            return _LinearCrossEntropy._backward(ctx, grad_loss)
+
+    @staticmethod
+    def _backward(ctx, grad_loss):
+        x, weight, bias, local_target, outside, ignored, lse = ctx.saved_tensors
+        real, chunk, dtype = ctx.real, ctx.chunk, ctx.dtype
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        scale = (grad_loss.float() * (~ignored)).reshape(-1)
+        hit = (~outside).float()
+        grad_x = torch.zeros_like(x) if need_x else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
+            if need_b else None
+        if real:
+            w = weight[:real].to(dtype)
+            b = bias[:real].to(dtype) if bias is not None else None
+            buffers = _Buffers(min(chunk, x.shape[0]), real, dtype, x.device)
+            for i in range(0, x.shape[0], chunk):
+                j = min(x.shape[0], i + chunk)
+                grad = buffers.logits(x[i:j], w, b)
+                grad.sub_(lse[i:j, None]).exp_()  # the softmax
+                grad.scatter_add_(-1, local_target[i:j, None], -hit[i:j, None])
+                grad.mul_(scale[i:j, None])
+                g = buffers.to_compute(grad)
+                xc = x[i:j].to(dtype)
+                if need_x:
+                    grad_x[i:j] = g @ w
+                if need_w:
+                    grad_w[:real].add_(g.t() @ xc)
+                if need_b:
+                    grad_b[:real].add_(grad.sum(dim=0))
+            del buffers
+        return (grad_x, grad_w.to(weight.dtype) if need_w else None,
+                grad_b.to(bias.dtype) if need_b else None) + (None,) * 7
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         bias: torch.Tensor | None = None, group=None, vocab_start: int = 0,
+                         vocab_size: int | None = None, ignore_index: int = -100,
+                         chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+    """Per-token loss (fp32, the shape of `target`) of the logits ``x @ weight.T + bias``,
+    never holding more than `chunk_tokens` tokens' logits; equal to
+    ``vocab_parallel_cross_entropy(F.linear(x, weight, bias), target, ...)``.
+
+    x: [..., h], the head's input as every rank of `group` sees it (the tp region's copy or the
+    gathered sequence); weight: this rank's vocabulary rows [vocab_start, vocab_start +
+    local_vocab); vocab_size: the true vocabulary (rows beyond it are padding); chunk_tokens:
+    tokens per chunk (> 0). Under autocast the logits are computed in its dtype, as
+    ``F.linear`` would, and the loss in fp32."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if vocab_size is None:
+        vocab_size = vocab_start + weight.shape[0]
+    device = x.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+    with _no_autocast(device):  # the function casts as autocast would
+        loss = _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, bias,
+                                         target.reshape(-1), group, vocab_start, vocab_size,
+                                         ignore_index, chunk_tokens, dtype)
+    return loss.view(target.shape)
