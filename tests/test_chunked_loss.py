@@ -4,7 +4,7 @@ and tp 2 (vocabulary padding, ignored targets, chunks that do not divide the tok
 non-uniform incoming gradient), fp32 to 1e-6; under bf16 autocast within bf16's rounding; and
 through the real training path at tp 2 (sequence parallel, an untied Llama head; GPT-2's
 embedding tied over two pipeline stages under ZB-H1), with the same collectives per step.
-The OS-peak bound of the issue runs `benchmarks/chunked_loss_memory.py` in fresh processes.
+The OS-peak bound of the issue runs `benchmarks/memory/chunked_loss_memory.py` in fresh processes.
 """
 
 import json
@@ -207,7 +207,7 @@ def test_os_peak_grows_by_at_most_half_a_logits_tensor():
     a fresh process grows from sequence 512 to 1024 by at most half an fp32 logits tensor of the
     extra 1,024 tokens (250 MiB) with the chunked loss."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chunked_loss_memory.py"),
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory" / "chunked_loss_memory.py"),
                           "--json", "--only", "chunked", "--steps", "1"], capture_output=True, text=True,
                          env=env, timeout=300, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])["chunked"]

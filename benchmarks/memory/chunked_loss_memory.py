@@ -8,8 +8,8 @@ peak grows from 512 to 1024 by at most half of one fp32 logits tensor of the ext
 tokens (1,024 x 128,256 x 4 bytes / 2 = 250.5 MiB); with the whole logits it grows by several
 such tensors (the logits, their softmax and their gradient).
 
-    python benchmarks/chunked_loss_memory.py               # both, about a minute on 2 cores
-    python benchmarks/chunked_loss_memory.py --only chunked --json   # one JSON line at the end
+    python benchmarks/memory/chunked_loss_memory.py               # both, about a minute on 2 cores
+    python benchmarks/memory/chunked_loss_memory.py --only chunked --json   # one JSON line at the end
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import run_peak  # noqa: E402
 
 VOCAB = 128256
 MODEL = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64,
@@ -37,14 +40,8 @@ BOUND = (SEQS[1] - SEQS[0]) * MICRO_BATCH * VOCAB * 4 / 2
 
 def os_peak(argv: list[str], env: dict) -> int:
     """The peak resident bytes of one fresh megapar-train run."""
-    proc = subprocess.Popen([sys.executable, "-m", "megapar.cli.train", *argv],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=env)
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"megapar-train {' '.join(argv)} failed:\n{err[-2000:]}")
-    return usage.ru_maxrss * 1024
+    return run_peak([sys.executable, "-m", "megapar.cli.train", *argv], env=env,
+                    capture="stderr").peak_bytes
 
 
 def main(argv=None) -> int:
