@@ -19,6 +19,7 @@ from megapar.checkpoint.lock import SaveLock, SaveLockError, check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset
 from megapar.device import DeviceError, check_gpus, share_host_arena
+from megapar.diagnostics import inject
 from megapar.dryrun.command import rehearse
 from megapar.dryrun.sample import check_world
 from megapar.faults.report import log_dir_for, worker_failure
@@ -36,7 +37,6 @@ from megapar.models.config import ConfigError
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import check_schedule, chunks_per_rank, placement_of
-from megapar.training import inject
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import (
     DataPlan,

@@ -42,6 +42,9 @@ from megapar.device import (
     return_freed_host_memory,
     share_host_arena,
 )
+from megapar.diagnostics import inject
+from megapar.diagnostics.nonfinite import KeptStep, locate
+from megapar.diagnostics.straggler import StragglerDetector, StragglerReport
 from megapar.faults.slow import Slowdown, SlowRank
 from megapar.faults.status import set_action, set_step
 from megapar.faults.stop import NonFiniteGuard
@@ -53,12 +56,9 @@ from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import chunks_per_rank, placement_of
 from megapar.pipeline.tied import shared_embedding_params
-from megapar.training import inject
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
-from megapar.training.nonfinite import KeptStep, locate
 from megapar.training.step import BatchPlan, StepResult, TrainStep
-from megapar.training.straggler import StragglerDetector, StragglerReport
 
 ON_NONFINITE = ("raise", "skip")
 """What `train_step` does with a step whose loss or gradients are not finite (the optimizer step
@@ -255,7 +255,7 @@ class Engine:
 
     def stragglers(self) -> StragglerReport | None:
         """Every rank's compute and wait time per step since the last call, and the ranks
-        named slow (`megapar.training.straggler`); None when straggler detection is off
+        named slow (`megapar.diagnostics.straggler`); None when straggler detection is off
         (`straggler_factor` 0, or one rank) or no step ran. Collective: one all-gather over the
         world; megapar-train calls it once per log interval."""
         return self.straggler.report() if self.straggler is not None else None

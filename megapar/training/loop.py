@@ -20,6 +20,7 @@ from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset
 from megapar.data.blended import BlendedDataset
 from megapar.device import peak_tflops
+from megapar.diagnostics.replay import StepRecorder, StepReplay, find_record, load_record
 from megapar.faults.blame import consequential, stopped_siblings
 from megapar.faults.processes import launcher_alive
 from megapar.faults.stop import (
@@ -52,7 +53,6 @@ from megapar.training.logging import (
     peak_memory_mb,
 )
 from megapar.training.profiling import StepProfiler
-from megapar.training.replay import StepRecorder, StepReplay, find_record, load_record
 from megapar.training.validate import explicit
 
 

@@ -28,8 +28,8 @@ from safetensors.torch import load_file, save_file
 
 from megapar.checkpoint.distributed import _gather_payloads
 from megapar.context_parallel.split import chunk_ids as cp_chunks
+from megapar.diagnostics.module_trace import ModuleTrace
 from megapar.tensor_parallel.layers import ColumnParallelLinear
-from megapar.training.module_trace import ModuleTrace
 
 RTOL = 1e-5
 """How far a norm may differ between layouts (relative): the parity tests' tolerance."""

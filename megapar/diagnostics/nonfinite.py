@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megapar.checkpoint.distributed import _broadcast_text
+from megapar.diagnostics.module_trace import NONE, ModuleTrace
+from megapar.diagnostics.replay import StepRecorder, record_paths
 from megapar.faults.status import set_action
-from megapar.training.module_trace import NONE, ModuleTrace
-from megapar.training.replay import StepRecorder, record_paths
 
 
 @dataclass
