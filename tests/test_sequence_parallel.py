@@ -34,8 +34,7 @@ DROPOUT = {"gpt2": dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.2),
 def _train(kind, sequence_parallel, recompute, dropout=False):
     import torch.distributed as dist
 
-    mesh = Mesh(Layout(2, 2, 1), dist.get_rank())
-    mesh.sequence_parallel = sequence_parallel
+    mesh = Mesh(Layout(2, 2, 1), dist.get_rank(), sequence_parallel=sequence_parallel)
     step = make_step(kind, mesh, recompute, DROPOUT[kind] if dropout else None)
     grads, optimizer_step = {}, step.optimizer.step
 
@@ -169,8 +168,7 @@ def _llama_worker(tied: bool, kv_heads: int):
     overrides = {"tie_word_embeddings": tied, "num_key_value_heads": kv_heads}
     out = []
     for sp, mode in [(False, "none"), (True, "none"), (True, "full")]:
-        mesh = Mesh(Layout(2, 2, 1), dist.get_rank())
-        mesh.sequence_parallel = sp
+        mesh = Mesh(Layout(2, 2, 1), dist.get_rank(), sequence_parallel=sp)
         step = make_step("llama", mesh, mode, overrides)
         grads, optimizer_step = {}, step.optimizer.step
 

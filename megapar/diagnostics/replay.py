@@ -60,7 +60,7 @@ def _part(module, mesh) -> str | None:
         return None
     if isinstance(module, ColumnParallelLinear) and not module.gather_output:
         return "features"
-    return "sequence" if getattr(mesh, "sequence_parallel", False) and mesh.tp > 1 else "whole"
+    return "sequence" if mesh.sequence_parallel and mesh.tp > 1 else "whole"
 
 
 def _samples(mesh, mb: int, micro_batch_size: int, global_batch: int) -> int:

@@ -193,7 +193,7 @@ def rehearse_rank(cfg, config, layout: Layout, rank: int, gpus_per_node: int = 8
     """Rank `rank` of a job of `layout` running `cfg` on model `config` (see the module
     docstring); `dataset`: the training split, for the first batch (None: no data)."""
     with fake_process_group(layout.world_size, rank):
-        mesh = Mesh(layout, rank)
+        mesh = Mesh(layout, rank, sequence_parallel=cfg.sequence_parallel)
         with fake_tensors():
             return _rehearse(cfg, config, mesh, gpus_per_node, dataset)
 

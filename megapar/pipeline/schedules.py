@@ -27,7 +27,7 @@ order, one ordered stream per rank, a large send finishes only while its receive
 ``F0 [SA0] F1 [SA1 RG0] B0 ...`` (`format_schedule`).
 
 Model chunks and the split backward: interleaved 1F1B (each rank holds several model chunks;
-`chunk` selects one, `placement.py` maps it to its virtual stage and neighbours) and zero-bubble
+`chunk` selects one, `virtual_stage` / `peer_of` give its stage and neighbours) and zero-bubble
 schedules (``backward`` split into ``backward_input``, which produces the gradient to send
 upstream, and ``backward_weight``, deferred to fill bubbles) are schedule functions in `SCHEDULES`
 like the others; the executor's dispatch loop is the same for all. Their compute orders equal
@@ -220,7 +220,7 @@ def one_f_one_b(pp: int, m: int, stage: int) -> list[Action]:
     return actions
 
 
-# Model chunks (virtual stages): placement helpers live in `placement.py` ----------------------
+# Model chunks (virtual stages): placement helpers are `virtual_stage` and `peer_of` above -----
 def _with_comms(compute: list[Action], pp: int, stage: int, num_chunks: int,
                 placement: str = "loop") -> list[Action]:
     """Surround each compute action with its communication: receive right before, send right

@@ -93,9 +93,13 @@ class Engine:
         self.cfg, self.config = cfg, model_config
         share_host_arena()  # before the process group's threads allocate (torchrun)
         self.mesh = mesh = mesh or Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
-                                                 order=cfg.rank_order, cp=cfg.cp)
+                                                 order=cfg.rank_order, cp=cfg.cp,
+                                                 sequence_parallel=cfg.sequence_parallel)
         """This rank's `Mesh`: its layout, its tp / cp / pp / dp coordinates and process groups."""
-        mesh.sequence_parallel = cfg.sequence_parallel and mesh.tp > 1
+        if mesh.sequence_parallel != (cfg.sequence_parallel and mesh.tp > 1):
+            raise ValueError(f"the mesh's sequence_parallel={mesh.sequence_parallel} differs from "
+                             f"the config's {cfg.sequence_parallel}; build the mesh with "
+                             f"Mesh(..., sequence_parallel={cfg.sequence_parallel})")
         if mesh.device.type == "cuda":  # process-wide in torch: fp32 products in TF32 or not
             torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
         self.model = build_stage(model_config, mesh, cfg.seed, cfg.recompute,
