@@ -237,7 +237,8 @@ class Mesh:
         return mine
 
     @classmethod
-    def virtual(cls, layout: Layout, rank: int = 0, device: str = "meta") -> "Mesh":
+    def virtual(cls, layout: Layout, rank: int = 0, device: str = "meta",
+                sequence_parallel: bool = False) -> "Mesh":
         """A mesh with coordinates but no process groups, for planning without processes.
 
         Building a model on it with device "meta" lists each rank's parameters (names, shard
@@ -245,6 +246,7 @@ class Mesh:
         """
         mesh = cls.__new__(cls)
         mesh.layout, mesh.rank = layout, rank
+        mesh.sequence_parallel = bool(sequence_parallel) and layout.tp > 1
         mesh.tp_rank, mesh.cp_rank, mesh.pp_rank, mesh.dp_rank = layout.coords4(rank)
         mesh.device = torch.device(device)
         mesh.device_mesh = None
