@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -215,18 +214,6 @@ def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dic
     return write_checkpoint(root, step, state, mesh)
 
 
-#: Tests set MEGAPAR_TEST_SAVE_DELAY="STEP:SECONDS" to hold the save of STEP that long in its
-#: staging directory before this rank's shard file is written (a write to kill mid-way, a
-#: host copy that must not change meanwhile).
-TEST_DELAY_ENV = "MEGAPAR_TEST_SAVE_DELAY"
-
-
-def _test_delay(step: int) -> None:
-    spec = os.environ.get(TEST_DELAY_ENV, "")
-    if spec.partition(":")[0] == str(step):
-        time.sleep(float(spec.partition(":")[2]))
-
-
 def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh: Mesh,
                      group=None) -> Path:
     """Write every rank's `SavedState` of `step` as ``root/step_N`` and publish it (collective
@@ -264,7 +251,6 @@ def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh:
         rng = state.rng
         if state.ready is not None:  # the copy to the host still runs on the device
             state.ready.synchronize()
-        _test_delay(step)
         if state.shard is not None:
             fname, tensors, entries = state.shard
             header.update(file=fname, record=write_tensors(tmp / fname, tensors),
