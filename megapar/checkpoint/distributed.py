@@ -76,10 +76,6 @@ class LoadedState:
     notes: list[str] = field(default_factory=list)
     """Human-readable remarks (RNG not restored, non-structural config differences)."""
 
-    @property
-    def has_optimizer_state(self) -> bool:
-        return bool(self.optim_tensors)
-
 
 def _world(mesh: Mesh) -> bool:
     return mesh.layout.world_size > 1 and dist.is_initialized()

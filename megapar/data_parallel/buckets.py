@@ -375,12 +375,6 @@ class GradBuckets:
             b.handle.wait()
             b.handle = None
 
-    def remove_hooks(self) -> None:
-        """Detach from the parameters (the object is unusable afterwards)."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
     # internals --------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if self.grads_sharded:  # ZeRO-2: every micro-batch's backward reduces

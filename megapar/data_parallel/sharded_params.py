@@ -722,11 +722,6 @@ class ShardedParams:
             for u in deferred:
                 self._launch(u)
 
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
 
 class HostStage:
     """A stand-in for a ZeRO-3 stage when it is saved: the stage's config and its parameters'
