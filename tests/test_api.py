@@ -526,7 +526,7 @@ def _nan_loss_on_dp_rank_1():
     engine = megapar.prepare(_hf_model(), micro_batch_size=2, lr=1e-2)
     batches = _batches(2)
     engine.train_step(batches[0])
-    executor = engine._executor(SEQ)
+    executor = engine.executor_for(SEQ)
     if dist.get_rank() == 1:
         run_pipeline = executor.run
         executor.run = lambda *args, **kwargs: run_pipeline(*args, **kwargs) * float("nan")

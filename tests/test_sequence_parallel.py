@@ -128,9 +128,9 @@ def _no_copy_worker():
     from megapar.tensor_parallel import sequence_parallel as sp
 
     group, rank = dist.group.WORLD, dist.get_rank()
-    seen, gather, scatter = [], sp._all_gather_flat, sp._reduce_scatter_flat
-    sp._all_gather_flat = lambda out, x, g: (seen.append((out, x)), gather(out, x, g))[1]
-    sp._reduce_scatter_flat = lambda out, x, g: (seen.append((out, x)), scatter(out, x, g))[1]
+    seen, gather, scatter = [], sp.all_gather_flat, sp.reduce_scatter_flat
+    sp.all_gather_flat = lambda out, x, g: (seen.append((out, x)), gather(out, x, g))[1]
+    sp.reduce_scatter_flat = lambda out, x, g: (seen.append((out, x)), scatter(out, x, g))[1]
     try:
         copies = []
         for b in (1, 3):
@@ -151,7 +151,7 @@ def _no_copy_worker():
             copies.append(in_place)
         return copies
     finally:
-        sp._all_gather_flat, sp._reduce_scatter_flat = gather, scatter
+        sp.all_gather_flat, sp.reduce_scatter_flat = gather, scatter
 
 
 def test_sequence_parallel_collectives_copy_nothing_at_one_sequence_per_micro_batch():

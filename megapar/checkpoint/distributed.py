@@ -89,7 +89,7 @@ def _bytes_tensor(data: bytes, device, pad_to: int = 0) -> torch.Tensor:
     return buf.to(device)
 
 
-def _broadcast_text(text: str | None, mesh: Mesh, src: int = 0, group=None) -> str:
+def broadcast_text(text: str | None, mesh: Mesh, src: int = 0, group=None) -> str:
     """Rank `src`'s text on every rank (a uint8 tensor broadcast over the world, or over
     `group`: a gloo group spanning the world, on host tensors)."""
     if not _world(mesh):
@@ -103,9 +103,9 @@ def _broadcast_text(text: str | None, mesh: Mesh, src: int = 0, group=None) -> s
     return buf.cpu().numpy().tobytes().decode()
 
 
-def _gather_payloads(payload: bytes, mesh: Mesh, group=None) -> list[bytes] | None:
+def gather_payloads(payload: bytes, mesh: Mesh, group=None) -> list[bytes] | None:
     """Every rank's bytes on rank 0 (None elsewhere), via padded uint8 tensor gathers over the
-    world (or `group`, as in `_broadcast_text`)."""
+    world (or `group`, as in `broadcast_text`)."""
     if not _world(mesh):
         return [payload]
     device = mesh.device if group is None else torch.device("cpu")
@@ -235,9 +235,9 @@ def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh:
             error = f"checkpoint of step {step} not saved: {exc}"
         except OSError as exc:
             error = f"cannot create a staging directory in {root}: {exc}"
-    tmp_name = _broadcast_text(tmp_name, mesh, group=group)
+    tmp_name = broadcast_text(tmp_name, mesh, group=group)
     if not tmp_name:
-        raise CheckpointError(_broadcast_text(error, mesh, group=group))
+        raise CheckpointError(broadcast_text(error, mesh, group=group))
     tmp = root / tmp_name
     header = {"rank": mesh.rank, "error": None}
     rng = {}
@@ -253,7 +253,7 @@ def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh:
                           tensors=entries)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0 and raised on every rank
         header["error"] = f"rank {mesh.rank}: {type(exc).__name__}: {exc}"
-    payloads = _gather_payloads(_pack(header, rng), mesh, group)
+    payloads = gather_payloads(_pack(header, rng), mesh, group)
     outcome = ""
     if mesh.rank == 0:
         try:
@@ -261,7 +261,7 @@ def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh:
         except Exception as exc:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = f"ERROR checkpoint of step {step} not saved: {exc}"
-    outcome = _broadcast_text(outcome, mesh, group=group)
+    outcome = broadcast_text(outcome, mesh, group=group)
     if outcome.startswith("ERROR "):
         raise CheckpointError(outcome[6:])
     return Path(outcome)

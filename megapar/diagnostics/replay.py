@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from megapar.checkpoint.distributed import _gather_payloads
+from megapar.checkpoint.distributed import gather_payloads
 from megapar.context_parallel.split import chunk_ids as cp_chunks
 from megapar.diagnostics.module_trace import ModuleTrace
 from megapar.tensor_parallel.layers import ColumnParallelLinear
@@ -121,7 +121,7 @@ class StepRecorder:
 
     def write(self, root: str, step: int) -> Path | None:
         """Gather every rank's entries on rank 0 and write the record (collective)."""
-        parts = _gather_payloads(self.payload(), self.mesh)
+        parts = gather_payloads(self.payload(), self.mesh)
         if parts is None:
             return None
         entries, sq, grads = _merge(parts)
@@ -243,7 +243,7 @@ class StepReplay:
         payload = json.dumps({
             "ours": {str(i): float(v) for i, v in self.ours.items()},
             "own": self.recorder.payload().decode()}).encode()
-        parts = _gather_payloads(payload, self.mesh)
+        parts = gather_payloads(payload, self.mesh)
         if parts is None:
             return None
         ours: dict[int, float] = {}

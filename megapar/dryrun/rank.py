@@ -61,7 +61,7 @@ from megapar.plan.state import (
     whole_grads,
 )
 from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
-from megapar.training.config import _choices
+from megapar.training.config import flag_choices
 from megapar.training.data import make_sampler
 from megapar.training.engine import Engine
 from megapar.training.validate import UsageError, check_zero3
@@ -302,7 +302,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
 def _unserved(cfg) -> str:
     """Why megapar-train cannot run `cfg`'s ZeRO stage as given ("" when it can): a stage not
     among --zero's choices, or a ZeRO-3 option it refuses (`check_zero3`)."""
-    if cfg.zero not in _choices()["zero"]:
+    if cfg.zero not in flag_choices()["zero"]:
         return f"--zero {cfg.zero} is not in this megapar-train"
     if cfg.zero == 3:
         try:

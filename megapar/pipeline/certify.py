@@ -43,6 +43,7 @@ from megapar.pipeline import messages
 from megapar.pipeline import simulate as nccl_rules
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.schedules import (
+    MESSAGE_KINDS,
     SCHEDULES,
     Action,
     MessageGroup,
@@ -207,7 +208,7 @@ def _actions(step_or_program):
 
 def _computes(programs, schedules) -> Check:
     for stage, (program, actions) in enumerate(zip(programs, schedules)):
-        want = [a for a in actions if a.kind not in nccl_rules.MESSAGE_KINDS]
+        want = [a for a in actions if a.kind not in MESSAGE_KINDS]
         if messages.computes_of(program) != want:
             return Check(False, f"stage {stage}'s program runs its computes in another order "
                                 f"than its schedule")

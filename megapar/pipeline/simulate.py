@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megapar.pipeline.schedules import (
-    MESSAGE_KINDS,
     RECEIVE_KINDS,
     Action,
     MessageGroup,

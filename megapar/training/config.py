@@ -218,7 +218,7 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
-def _choices() -> dict[str, list]:
+def flag_choices() -> dict[str, list]:
     """Allowed values, taken from the modules that implement them."""
 
     return {"rank_order": list(RANK_ORDERS),
@@ -281,7 +281,7 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
         prog=prog, description="Train a GPT-2, BERT or Llama with tensor, pipeline and data parallelism.")
     parser.add_argument("--config", help="JSON or YAML file whose keys are these flags' names "
                         "(command-line flags override it)")
-    docs, choices = _escaped(field_docs()), _choices()
+    docs, choices = _escaped(field_docs()), flag_choices()
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = _type_of(f)

@@ -25,7 +25,7 @@ from megapar import comm_wait
 from megapar.checkpoint.async_save import AsyncSaver
 from megapar.checkpoint.convert import export_hf
 from megapar.checkpoint.distributed import (
-    _broadcast_text,
+    broadcast_text,
     capture,
     load_checkpoint,
     save_checkpoint,
@@ -149,7 +149,7 @@ class Engine:
         """Every rank's compute and wait time per step, compared by `stragglers()`."""
         self._slowdown = self._inject_slow(cfg.inject_slow)
         self._executors: dict[int, object] = {}
-        self.executor = self._executor(cfg.seq_len)
+        self.executor = self.executor_for(cfg.seq_len)
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, self.scheduler,
                                  self.precision, cfg.clip_grad, self.grad_sync)
         spec = inject.from_settings(cfg.inject_corrupt)
@@ -213,7 +213,9 @@ class Engine:
             return None
         return Slowdown(slow, getattr(self.model, "chunks", [self.model]), self.mesh.device)
 
-    def _executor(self, seq_len: int):
+    def executor_for(self, seq_len: int):
+        """The pipeline executor of micro-batches of `seq_len` tokens (one per length, built
+        on first use)."""
         if seq_len not in self._executors:
             seq_len_sent = seq_len // self.mesh.cp  # stages exchange this cp rank's tokens
             if self.mesh.sequence_parallel:  # ... and of them this tp rank's slice
@@ -230,7 +232,7 @@ class Engine:
     def run_step(self, micro_batches: list[dict]) -> StepResult:
         """One optimizer step on this rank's micro-batches (its share of the global batch)."""
         self.executor = self.step_fn.executor = \
-            self._executor(micro_batches[0]["input_ids"].shape[1])
+            self.executor_for(micro_batches[0]["input_ids"].shape[1])
         set_step(self.step + 1)
         if self._slowdown is not None:
             self._slowdown.begin_step(self.step + 1, len(micro_batches)
@@ -335,7 +337,7 @@ class Engine:
     def eval_step(self, batch: dict[str, torch.Tensor]) -> float:
         """Mean loss of a global batch (same format as `train_step`), without training."""
         micro = self.split(self._checked(batch, "eval_step"))
-        executor = self._executor(micro[0]["input_ids"].shape[1])
+        executor = self.executor_for(micro[0]["input_ids"].shape[1])
         self.model.eval()
         try:
             with self.precision.autocast():
@@ -514,7 +516,7 @@ class Engine:
                               f"export has none (AutoTokenizer cannot load it); pass "
                               f"tokenizer='gpt2' (or the .model file / directory you "
                               f"tokenize with)", stacklevel=2)
-        outcome = _broadcast_text(outcome, self.mesh)
+        outcome = broadcast_text(outcome, self.mesh)
         if outcome:
             raise RuntimeError(f"export to {path} failed: {outcome}")
         _returned("engine.export_hf")

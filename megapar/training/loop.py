@@ -257,7 +257,7 @@ class Trainer:
                     watch = (StepReplay(self.engine, cfg.global_batch_size, self.record())
                              if at == cfg.replay else
                              StepRecorder(self.engine, cfg.global_batch_size))
-                    with watch.trace.attached(self.engine._executor(cfg.seq_len)):
+                    with watch.trace.attached(self.engine.executor_for(cfg.seq_len)):
                         result = self.engine.run_step(micro_batches)
                     if at == cfg.replay:
                         logger.message(watch.report() or "")

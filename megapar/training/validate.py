@@ -37,7 +37,7 @@ from megapar.data.inputs import is_raw_text
 from megapar.faults.slow import SlowRank
 from megapar.models.config import config_from_dict
 from megapar.pipeline.schedules import chunks_per_rank, schedule_actions
-from megapar.training.config import _choices
+from megapar.training.config import flag_choices
 
 
 class UsageError(ValueError):
@@ -81,7 +81,8 @@ MAX_TIMEOUT_S = 1e9
 (measured with torch 2.13)."""
 
 
-def _flag(name: str) -> str:
+def flag_of(name: str) -> str:
+    """The command-line flag of config field `name` (``--name-with-dashes``)."""
     return "--" + name.replace("_", "-")
 
 
@@ -113,7 +114,7 @@ def check_settings(cfg) -> None:
             if off:
                 hint = f", or {off[0][0]} for {off[0][1]}" + (" (the default)" if
                                                               default == off[0][0] else hint)
-            raise UsageError(f"{_flag(name)} {value} is invalid: it must be {what} {bound}{hint}")
+            raise UsageError(f"{flag_of(name)} {value} is invalid: it must be {what} {bound}{hint}")
 
     if cfg.inject_slow is not None:
         try:
@@ -122,23 +123,23 @@ def check_settings(cfg) -> None:
             raise UsageError(str(exc)) from None
     for name in ("save", "log_json", "tensorboard"):  # "" would silently write nothing
         if getattr(cfg, name) == "":
-            raise UsageError(f"{_flag(name)} '' is an empty path: give a path (e.g. "
-                             f"{_flag(name)} {_EXAMPLE_PATHS[name]}), or leave the flag out")
+            raise UsageError(f"{flag_of(name)} '' is an empty path: give a path (e.g. "
+                             f"{flag_of(name)} {_EXAMPLE_PATHS[name]}), or leave the flag out")
 
     for name in ("timeout_s", "nccl_timeout_s"):
         if getattr(cfg, name) > MAX_TIMEOUT_S:
-            raise UsageError(f"{_flag(name)} {getattr(cfg, name):g} is invalid: at most "
+            raise UsageError(f"{flag_of(name)} {getattr(cfg, name):g} is invalid: at most "
                              f"{MAX_TIMEOUT_S:g} s (about 31 years; torch's rendezvous store "
                              f"counts its wait in nanoseconds and fails at once from about 1e10 "
                              f"s); give a finite wait in seconds (the default is "
                              f"{_default(cfg, name):g})")
-    for name, allowed in _choices().items():
+    for name, allowed in flag_choices().items():
         if getattr(cfg, name) not in allowed:
-            raise UsageError(f"{_flag(name)} {getattr(cfg, name)!r} is invalid: choose one of "
+            raise UsageError(f"{flag_of(name)} {getattr(cfg, name)!r} is invalid: choose one of "
                              f"{', '.join(map(str, allowed))}")
     for name in ("adam_beta1", "adam_beta2"):
         if getattr(cfg, name) >= 1:
-            raise UsageError(f"{_flag(name)} {getattr(cfg, name)} is invalid: it must be in "
+            raise UsageError(f"{flag_of(name)} {getattr(cfg, name)} is invalid: it must be in "
                              f"[0, 1) (the default is {_default(cfg, name)})")
     if cfg.val_fraction >= 1:
         raise UsageError(f"--val-fraction {cfg.val_fraction} is invalid: it is the share of "
@@ -165,7 +166,7 @@ def check_settings(cfg) -> None:
     if rehearsal and not cfg.dry_run:
         why = {"world_size": " (a run's world size is the number of processes started)",
                "gpus_per_node": " (a run's nodes are the ones torchrun or Slurm starts)"}
-        raise UsageError(f"{_flag(rehearsal[0])} only applies to a rehearsal: add --dry-run"
+        raise UsageError(f"{flag_of(rehearsal[0])} only applies to a rehearsal: add --dry-run"
                          f"{why.get(rehearsal[0], '')}")
     if cfg.async_save and not cfg.save and not cfg.dry_run:
         raise UsageError("--async-save writes the checkpoints of --save in the background: give "
@@ -436,7 +437,7 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
                              f"found from here; pass --data with where that data is now")
         if value != getattr(cfg, name):
             setattr(cfg, name, value)
-            taken.append(f"{_flag(name)} {value}")
+            taken.append(f"{flag_of(name)} {value}")
         given.add(name)
     cfg.explicit = frozenset(given)
     cfg.from_checkpoint = frozenset(inherited)  # named as such in error messages (`named`)
@@ -450,8 +451,8 @@ def named(cfg, name: str, value=None) -> str:
     value = getattr(cfg, name) if value is None else value
     shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
     if name in getattr(cfg, "from_checkpoint", ()):
-        return f"{_flag(name)} {shown} (not given: the value --load {cfg.load} recorded)"
-    return f"{_flag(name)} {shown}"
+        return f"{flag_of(name)} {shown} (not given: the value --load {cfg.load} recorded)"
+    return f"{flag_of(name)} {shown}"
 
 def _data_exists(data) -> bool:
     """Whether every path of a saved --data (one path, or a blend's WEIGHT PATH list) exists."""
