@@ -166,7 +166,7 @@ def test_megapar_train_load_takes_an_engine_checkpoints_settings(run, tmp_path):
     clipping (not megapar-train's defaults); without a megapar schedule the rate is constant."""
     from megapar.checkpoint.manifest import read_manifest
     from megapar.training.config import parse_args
-    from megapar.training.validate import settings_from_checkpoint
+    from megapar.training.validate_resume import settings_from_checkpoint
 
     run(_resume_run, 4, str(tmp_path / "scheduled"), 3, False, (2, 2, 0))
     cfg = parse_args(["--load", str(tmp_path / "scheduled")])

@@ -38,13 +38,8 @@ from megapar.data.tokenizers import encodes_alike, same_tokenizer, tokenizer_fil
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
-from megapar.training.validate import (
-    UsageError,
-    checkpoint_manifest,
-    explicit,
-    model_from_checkpoint,
-    named,
-)
+from megapar.training.validate import UsageError, explicit
+from megapar.training.validate_resume import checkpoint_manifest, model_from_checkpoint, named
 
 DEFAULT_TEXT = "shakespeare_sample.txt"
 DEFAULT_MODEL = "gpt2-tiny"

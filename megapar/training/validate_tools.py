@@ -20,12 +20,8 @@ from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.bubble import bench_config
 from megapar.training.data import check_checkpoint_tokenizer, missing_files
-from megapar.training.validate import (
-    UsageError,
-    check_cp_seq_len,
-    checkpoint_manifest,
-    flag_of,
-)
+from megapar.training.validate import UsageError, check_cp_seq_len, flag_of
+from megapar.training.validate_resume import checkpoint_manifest
 
 
 # --- megapar-eval ----------------------------------------------------------------------------
