@@ -225,6 +225,58 @@ def run_certificate(points: list[tuple], whole_grid: bool = True, schedules=None
     return 0 if ok else 1
 
 
+def show_schedule(args) -> int:
+    """--show-schedule: every stage's program, checked against NCCL's rules, and its key."""
+    programs = messages.programs(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+    for stage, program in enumerate(programs):
+        print(f"stage {stage}: {format_schedule(program)}")
+    nccl_rules.check_programs(programs, args.schedule)
+    print("key: F3 = forward of micro-batch 3, B = backward, BI / BW = its input / weight "
+          "halves, @1 = model chunk 1; SA / RA = send / receive an activation, SG / RG = a "
+          "gradient")
+    print("each [...] is one batch_isend_irecv group (an NCCL group call); a compute waits "
+          "only for the message it consumes; checked against NCCL's rules: no deadlock, "
+          "every rank pair's messages pair in issue order")
+    if args.cp > 1:
+        c = args.cp
+        print(f"cp {c}: every stage runs on {c} ranks with this program; inside each F (per "
+              f"layer) {c - 1} ring exchanges [send K/V to the next cp rank, receive the "
+              f"previous one's], inside each B {c - 1} of K/V and {c} of dK/dV "
+              f"(grouped-query Llama: an all-gather of K/V per F, an all-gather and a "
+              f"reduce-scatter per B)")
+    return 0
+
+
+def _simulated(args):
+    """--simulate: the run on the cost model (costs given, or measured once here) and its
+    title."""
+    pp, m, v = args.pp, args.microbatches, args.virtual_stages
+    name = args.schedule + (f" V={v}" if v > 1 else "")
+    fwd, bwd, p2p = args.fwd_ms, args.bwd_ms, args.p2p_ms or 0.0
+    b_in, b_w = args.bwd_input_ms, args.bwd_weight_ms
+    if fwd is None:  # measure the costs once on the real engine
+        print(f"measuring the forward and backward costs on this machine first (one step of "
+              f"the real model at pp {pp}; --fwd-ms / --bwd-ms give them and skip this)",
+              flush=True)
+        costs = bubble.measure(pp, m, args.schedule, args.tp, args.model, 1,
+                               args.micro_batch_size, args.seq_len, v, args.cp).costs
+        fwd, bwd, p2p = costs["fwd_ms"], costs["bwd_ms"], costs["p2p_ms"]
+        b_in, b_w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")
+    if bwd is None:
+        bwd = b_in + b_w if b_in is not None and b_w is not None else 2 * fwd
+    run = bubble.simulate(pp, m, args.schedule, fwd, bwd, p2p, v, b_in, b_w)
+    return run, f"simulated {name}, pp={pp}, m={m}"
+
+
+def _measured(args):
+    """The run measured on real worker processes, and its title."""
+    pp, m, v = args.pp, args.microbatches, args.virtual_stages
+    name = args.schedule + (f" V={v}" if v > 1 else "")
+    run = bubble.measure(pp, m, args.schedule, args.tp, args.model, args.steps,
+                         args.micro_batch_size, args.seq_len, v, args.cp)
+    return run, f"measured {name}, pp={pp}, m={m}" + (f", cp={args.cp}" if args.cp > 1 else "")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -256,44 +308,8 @@ def main(argv=None) -> int:
         print(f"megapar-bubble: error: {exc}", file=sys.stderr)
         return 2
     if args.show_schedule:
-        programs = messages.programs(args.schedule, pp, m, v)
-        for stage, program in enumerate(programs):
-            print(f"stage {stage}: {format_schedule(program)}")
-        nccl_rules.check_programs(programs, args.schedule)
-        print("key: F3 = forward of micro-batch 3, B = backward, BI / BW = its input / weight "
-              "halves, @1 = model chunk 1; SA / RA = send / receive an activation, SG / RG = a "
-              "gradient")
-        print("each [...] is one batch_isend_irecv group (an NCCL group call); a compute waits "
-              "only for the message it consumes; checked against NCCL's rules: no deadlock, "
-              "every rank pair's messages pair in issue order")
-        if args.cp > 1:
-            c = args.cp
-            print(f"cp {c}: every stage runs on {c} ranks with this program; inside each F (per "
-                  f"layer) {c - 1} ring exchanges [send K/V to the next cp rank, receive the "
-                  f"previous one's], inside each B {c - 1} of K/V and {c} of dK/dV "
-                  f"(grouped-query Llama: an all-gather of K/V per F, an all-gather and a "
-                  f"reduce-scatter per B)")
-        return 0
-    name = args.schedule + (f" V={v}" if v > 1 else "")
-    if args.simulate:
-        fwd, bwd, p2p = args.fwd_ms, args.bwd_ms, args.p2p_ms or 0.0
-        b_in, b_w = args.bwd_input_ms, args.bwd_weight_ms
-        if fwd is None:  # measure the costs once on the real engine
-            print(f"measuring the forward and backward costs on this machine first (one step of "
-                  f"the real model at pp {pp}; --fwd-ms / --bwd-ms give them and skip this)",
-                  flush=True)
-            costs = bubble.measure(pp, m, args.schedule, args.tp, args.model, 1,
-                                   args.micro_batch_size, args.seq_len, v, args.cp).costs
-            fwd, bwd, p2p = costs["fwd_ms"], costs["bwd_ms"], costs["p2p_ms"]
-            b_in, b_w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")
-        if bwd is None:
-            bwd = b_in + b_w if b_in is not None and b_w is not None else 2 * fwd
-        run = bubble.simulate(pp, m, args.schedule, fwd, bwd, p2p, v, b_in, b_w)
-        title = f"simulated {name}, pp={pp}, m={m}"
-    else:
-        run = bubble.measure(pp, m, args.schedule, args.tp, args.model, args.steps,
-                             args.micro_batch_size, args.seq_len, v, args.cp)
-        title = f"measured {name}, pp={pp}, m={m}" + (f", cp={args.cp}" if args.cp > 1 else "")
+        return show_schedule(args)
+    run, title = _simulated(args) if args.simulate else _measured(args)
     print(title)
     print(format_bubble_table(run.stats, run.theoretical))
     chunks = chunks_per_rank(args.schedule, v)

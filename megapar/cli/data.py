@@ -137,17 +137,59 @@ def _remove_trained(trained: list[str], replaced: bool, prefix: str) -> str:
             f"removed too)") if gone else ""
 
 
+def _tokenizer(args, trained: list[str]) -> str:
+    """The tokenizer to tokenize with: --tokenizer (default gpt2), or the one
+    --train-tokenizer / --train-sentencepiece trains here (its path added to `trained`)."""
+    from megapar.data.preprocess import expand_inputs, train_sentencepiece
+
+    tokenizer = args.tokenizer or "gpt2"
+    if args.train_tokenizer == "sentencepiece":
+        args.train_sentencepiece = True
+    if args.train_tokenizer == "bpe":
+        if args.vocab_size is None:
+            raise ValueError("--train-tokenizer bpe needs --vocab-size N "
+                             "(e.g. --vocab-size 8000)")
+        if args.tokenizer is not None or args.train_sentencepiece:
+            raise ValueError("--train-tokenizer trains its own tokenizer; drop --tokenizer")
+        from megapar.data.hf_tokenizer import train_bpe
+        from megapar.data.preprocess import iter_documents
+
+        docs = iter_documents(expand_inputs(args.input), args.split_lines, args.jsonl_key)
+        info: dict = {}
+        tokenizer = train_bpe((text for text, _ in docs), args.output_prefix + "-tokenizer",
+                              args.vocab_size, info=info)
+        trained.append(tokenizer)
+        print(f"trained byte-level BPE {tokenizer}/tokenizer.json", file=sys.stderr)
+        got = info.get("vocab_size", args.vocab_size)
+        if got < args.vocab_size:
+            print(f"megapar-data: note: --vocab-size {args.vocab_size}: the corpus supported "
+                  f"only {got:,} tokens (every pair of tokens in it is merged), so the "
+                  f"tokenizer has {got:,}; train on more text for a larger vocabulary",
+                  file=sys.stderr)
+    elif args.train_sentencepiece:
+        if args.vocab_size is None:
+            raise ValueError("--train-sentencepiece needs --vocab-size N (e.g. --vocab-size 8000)")
+        if args.tokenizer is not None:
+            raise ValueError("--train-sentencepiece trains its own tokenizer; drop --tokenizer")
+        tokenizer = train_sentencepiece(
+            args.input, args.output_prefix, args.vocab_size, model_type=args.sp_model_type,
+            split_paragraphs=args.split_lines, jsonl_key=args.jsonl_key,
+        )
+        trained.append(tokenizer)
+        print(f"trained SentencePiece model {tokenizer}", file=sys.stderr)
+    elif args.vocab_size is not None:
+        raise ValueError("--vocab-size only applies with --train-tokenizer / "
+                         "--train-sentencepiece")
+    return tokenizer
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code. A run that fails after training a tokenizer
     removes it (and nothing else of the destination is touched: the dataset is renamed into
     place at the end)."""
     args = build_parser().parse_args(argv)
     from megapar.data.indexed import IndexedDataset
-    from megapar.data.preprocess import (
-        expand_inputs,
-        preprocess_files,
-        train_sentencepiece,
-    )
+    from megapar.data.preprocess import expand_inputs, preprocess_files
 
     trained: list[str] = []  # the tokenizer this run trains, removed again if the run fails
     replaced = False
@@ -159,44 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_writable(args.output_prefix, "--output-prefix", kind="file")
         check_overwrite(args)
         replaced = any(os.path.lexists(p) for p in outputs(args)[3:])
-        tokenizer = args.tokenizer or "gpt2"
-        if args.train_tokenizer == "sentencepiece":
-            args.train_sentencepiece = True
-        if args.train_tokenizer == "bpe":
-            if args.vocab_size is None:
-                raise ValueError("--train-tokenizer bpe needs --vocab-size N "
-                                 "(e.g. --vocab-size 8000)")
-            if args.tokenizer is not None or args.train_sentencepiece:
-                raise ValueError("--train-tokenizer trains its own tokenizer; drop --tokenizer")
-            from megapar.data.hf_tokenizer import train_bpe
-            from megapar.data.preprocess import iter_documents
-
-            docs = iter_documents(expand_inputs(args.input), args.split_lines, args.jsonl_key)
-            info: dict = {}
-            tokenizer = train_bpe((text for text, _ in docs), args.output_prefix + "-tokenizer",
-                                  args.vocab_size, info=info)
-            trained.append(tokenizer)
-            print(f"trained byte-level BPE {tokenizer}/tokenizer.json", file=sys.stderr)
-            got = info.get("vocab_size", args.vocab_size)
-            if got < args.vocab_size:
-                print(f"megapar-data: note: --vocab-size {args.vocab_size}: the corpus supported "
-                      f"only {got:,} tokens (every pair of tokens in it is merged), so the "
-                      f"tokenizer has {got:,}; train on more text for a larger vocabulary",
-                      file=sys.stderr)
-        elif args.train_sentencepiece:
-            if args.vocab_size is None:
-                raise ValueError("--train-sentencepiece needs --vocab-size N (e.g. --vocab-size 8000)")
-            if args.tokenizer is not None:
-                raise ValueError("--train-sentencepiece trains its own tokenizer; drop --tokenizer")
-            tokenizer = train_sentencepiece(
-                args.input, args.output_prefix, args.vocab_size, model_type=args.sp_model_type,
-                split_paragraphs=args.split_lines, jsonl_key=args.jsonl_key,
-            )
-            trained.append(tokenizer)
-            print(f"trained SentencePiece model {tokenizer}", file=sys.stderr)
-        elif args.vocab_size is not None:
-            raise ValueError("--vocab-size only applies with --train-tokenizer / "
-                             "--train-sentencepiece")
+        tokenizer = _tokenizer(args, trained)
         report: dict = {}
         stats: dict = {}
         prefix = preprocess_files(

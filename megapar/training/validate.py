@@ -86,31 +86,9 @@ def _default(cfg, name: str):
 
 
 def check_settings(cfg) -> None:
-    """Raise UsageError for the first setting out of range (NaN and inf included)."""
-    for name, kind, low, inclusive, *off in _RULES:
-        value = getattr(cfg, name)
-        if value is None or (off and value == off[0][0] and not isinstance(value, bool)):
-            continue
-        bound = f">= {low}" if inclusive else f"> {low}"
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if kind == "int":
-            ok = ok and math.isfinite(value) and float(value).is_integer()
-            if ok:
-                value = int(value)  # 32.0 from a --config file is 32
-                setattr(cfg, name, value)
-        else:
-            ok = ok and math.isfinite(value)
-        if ok:
-            ok = value >= low if inclusive else value > low
-        if not ok:
-            what = "a whole number" if kind == "int" else "a finite number"
-            default = _default(cfg, name)
-            hint = f" (the default is {default})" if default is not None else ""
-            if off:
-                hint = f", or {off[0][0]} for {off[0][1]}" + (" (the default)" if
-                                                              default == off[0][0] else hint)
-            raise UsageError(f"{flag_of(name)} {value} is invalid: it must be {what} {bound}{hint}")
-
+    """Raise UsageError for the first setting out of range (NaN and inf included), then for
+    the first combination of settings that cannot run."""
+    _check_ranges(cfg)
     if cfg.inject_slow is not None:
         try:
             SlowRank.parse(cfg.inject_slow)
@@ -139,6 +117,39 @@ def check_settings(cfg) -> None:
     if cfg.val_fraction >= 1:
         raise UsageError(f"--val-fraction {cfg.val_fraction} is invalid: it is the share of "
                          f"documents held out, in [0, 1) (e.g. 0.05; 0 disables validation)")
+    _check_combinations(cfg)
+
+
+def _check_ranges(cfg) -> None:
+    """UsageError for the first numeric setting outside its `_RULES` range; whole numbers
+    from a --config file (32.0) become ints."""
+    for name, kind, low, inclusive, *off in _RULES:
+        value = getattr(cfg, name)
+        if value is None or (off and value == off[0][0] and not isinstance(value, bool)):
+            continue
+        bound = f">= {low}" if inclusive else f"> {low}"
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind == "int":
+            ok = ok and math.isfinite(value) and float(value).is_integer()
+            if ok:
+                value = int(value)  # 32.0 from a --config file is 32
+                setattr(cfg, name, value)
+        else:
+            ok = ok and math.isfinite(value)
+        if ok:
+            ok = value >= low if inclusive else value > low
+        if not ok:
+            what = "a whole number" if kind == "int" else "a finite number"
+            default = _default(cfg, name)
+            hint = f" (the default is {default})" if default is not None else ""
+            if off:
+                hint = f", or {off[0][0]} for {off[0][1]}" + (" (the default)" if
+                                                              default == off[0][0] else hint)
+            raise UsageError(f"{flag_of(name)} {value} is invalid: it must be {what} {bound}{hint}")
+
+
+def _check_combinations(cfg) -> None:
+    """UsageError for the first combination of settings that cannot run, naming the fix."""
     if cfg.min_lr > cfg.lr and "min_lr" in explicit(cfg):  # not given: it adapts to --lr
         raise UsageError(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr "
                          f"or raise --lr")
