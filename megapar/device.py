@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 import sys
 from datetime import timedelta
 
@@ -261,6 +262,46 @@ def wait(work, device: torch.device, timeout_s: float, what, error: type = Timeo
 
 def _text(what) -> str:
     return what() if callable(what) else what
+
+
+_SLURM_RANGES = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+
+
+def check_slurm_environment() -> None:
+    """Raise ValueError (one line naming the variable and the fix) when a Slurm variable that
+    megapar reads is malformed: SLURM_PROCID / SLURM_LOCALID not a rank below SLURM_NTASKS,
+    SLURM_NTASKS not a count, a node list with unbalanced or bad brackets. Torchrun's
+    variables (RANK set) take precedence and leave SLURM_PROCID / SLURM_NTASKS unread."""
+    env = os.environ
+    fix = "run under srun (which sets it), or unset it"
+    counts = {}
+    names = ["SLURM_LOCALID"] if "LOCAL_RANK" not in env else []
+    if "RANK" not in env:
+        names = ["SLURM_NTASKS", "SLURM_PROCID", *names]
+    for name in names:
+        if name not in env:
+            continue
+        value = env[name].strip()
+        if not value.isdigit() or (name == "SLURM_NTASKS" and int(value) < 1):
+            what = "task count (>= 1)" if name == "SLURM_NTASKS" else "rank (0, 1, ...)"
+            raise ValueError(f"{name}={env[name]!r} is not a {what}; {fix}")
+        counts[name] = int(value)
+    tasks = counts.get("SLURM_NTASKS")
+    for name in ("SLURM_PROCID", "SLURM_LOCALID"):
+        if tasks is not None and counts.get(name, 0) >= tasks:
+            raise ValueError(f"{name}={counts[name]} is not below SLURM_NTASKS={tasks} (the "
+                             f"ranks are 0-{tasks - 1}); {fix}")
+    if "RANK" in env or tasks is None or tasks < 2 or "MASTER_ADDR" in env:
+        return
+    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        if name in env:  # the one adopt_slurm_environment reads
+            nodes = env[name].strip()
+            brackets = re.findall(r"\[([^\[\]]*)\]", nodes)
+            if nodes and nodes.count("[") == nodes.count("]") == len(brackets) and \
+                    all(_SLURM_RANGES.fullmatch(b) for b in brackets):
+                return
+            raise ValueError(f"{name}={env[name]!r} is not a Slurm host list (e.g. "
+                             f"'gpu[003-004,9],cpu1'); {fix}, or set MASTER_ADDR")
 
 
 def adopt_slurm_environment() -> bool:

@@ -11,7 +11,8 @@ on a timeout the rank that did not answer.
 
 Workers die with the launcher (`die_with_parent`), run in their own process group (a terminal's
 Ctrl-C reaches the launcher only, which forwards it once), and receive the launcher's SIGTERM /
-SIGUSR1 / SIGINT. Rank 0 serves the rendezvous store on 127.0.0.1 only.
+SIGUSR1 / SIGINT. Rank 0 serves the rendezvous store on 127.0.0.1 only, and gloo's sockets
+listen on the loopback interface only (GLOO_SOCKET_IFNAME=lo, whatever the environment says).
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ from megapar import device as _device
 from megapar.faults import status as diagnostics
 from megapar.faults import stop
 from megapar.faults.blame import blame, forget_stale_marks, state
-from megapar.faults.processes import die_with_parent, launcher_alive, pid_alive  # noqa: F401
+from megapar.faults.processes import (  # noqa: F401
+    die_with_parent,
+    finish_before_exit,
+    launcher_alive,
+    pid_alive,
+)
 from megapar.faults.status import diagnose
 
 
@@ -83,8 +89,8 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets: loopback too
+    if sys.platform.startswith("linux"):  # gloo's own sockets: loopback too, whatever the
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # environment said (a cluster's interface)
     try:
         torch.set_num_threads(1)
         if world_size > 1:
@@ -92,6 +98,7 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
             _device.init_distributed(rank, world_size, timeout_s=timeout_s, store=store,
                                      nccl_timeout_s=nccl_timeout_s)
         out = fn(*args, **kwargs)
+        finish_before_exit()  # a background checkpoint write still in flight (no atexit here)
         # By value: torch's queue reducers would share tensors through file descriptors that
         # vanish when this process exits.
         results.put((rank, "ok", pickle.dumps(out)))
@@ -252,7 +259,9 @@ def check_local_workers(n: int, what: str, flag: str = "--oversubscribe") -> Non
 def under_launcher() -> bool:
     """True under torchrun, or under `srun` with several tasks (one process per rank, started
     by them; `megapar.device.adopt_slurm_environment` gives torch.distributed torchrun's
-    variables then)."""
+    variables then). Raises ValueError (one line naming the variable) when Slurm's variables
+    are malformed (`megapar.device.check_slurm_environment`)."""
+    _device.check_slurm_environment()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
@@ -306,6 +315,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
         ours = not dist.is_initialized()
         _device.init_distributed(timeout_s=collective_timeout_s, nccl_timeout_s=nccl_timeout_s)
         out = fn(*args)
+        finish_before_exit()  # a background write in flight, before its group goes
         if ours and dist.is_initialized():  # after a failure the others may be in a collective
             release_process_groups()
         return [out]

@@ -4,7 +4,22 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
+# Real data beside the checkout (../shared/data: the Shakespeare corpus, the GPT-2 tokenizer's
+# files), or where MEGAPAR_SHARED_DATA points. A user's clone has none: every test reaches it
+# through `shared_data`, which skips with the reason, or uses the package's assets
+# (tests/test_clone_alone.py holds the tests to that).
+SHARED_DATA = os.environ.get("MEGAPAR_SHARED_DATA") or \
+    os.path.join(os.path.dirname(ROOT), "shared", "data")
+
+
+def shared_data(*parts: str) -> str:
+    """The path of `parts` under the shared data; the calling test is skipped, naming the path
+    and MEGAPAR_SHARED_DATA, when it is not there."""
+    path = os.path.join(SHARED_DATA, *parts)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is not here (the shared data beside the checkout; set "
+                    f"MEGAPAR_SHARED_DATA to a copy to run this test)")
+    return path
 
 torch.set_num_threads(1)
 # The suite runs on the CPU with gloo on any machine (many ranks on one device); the tests marked

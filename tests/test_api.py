@@ -653,3 +653,23 @@ def test_prepare_names_an_architecture_it_does_not_build():
                        match=r"prepare: OPTForCausalLM \(model_type 'opt'\) is not a model megapar "
                              r"builds; it trains GPT2LMHeadModel / BertForMaskedLM"):
         megapar.prepare(opt)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"zero": 3, "offload_params": True},
+     ["megapar.prepare: offload_params=True needs offload_optimizer=True"]),
+    ({"zero": 1, "offload_params": True, "offload_optimizer": True},
+     ["megapar.prepare: offload_params=True needs zero=3"]),
+    ({"zero": 9}, ["megapar.prepare: zero=9 is not a ZeRO stage", "or 3 (parameters too)"]),
+])
+def test_prepare_refuses_what_megapar_train_refuses_in_the_apis_terms(kwargs, words):
+    """zero=3 with offload_params=True but no offload_optimizer trained as plain ZeRO-3 (the CLI
+    refuses it); zero=9 said 'use 0, 1 or 2' naming --zero. One line, the keyword arguments."""
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    with pytest.raises(ValueError) as info:
+        megapar.prepare(cfg, **kwargs)
+    message = str(info.value)
+    assert all(w in message for w in words) and "--" not in message, message
+    assert len(message.splitlines()) == 1, message

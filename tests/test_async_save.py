@@ -109,6 +109,25 @@ def test_a_background_save_is_the_synchronous_one_and_fails_on_every_rank_togeth
     assert not [p.name for p in bg.iterdir() if p.name.startswith(".tmp-")]
 
 
+def _save_and_return(root):
+    cd.write_tensors = _held(1, 1.0)  # the write is still in flight at the return (this rank)
+    engine = megapar.prepare(_model(), tp=2, pp=2, micro_batch_size=2, lr=1e-2,
+                             async_save=True)
+    engine.train_step(_batch(0))
+    return str(engine.save(Path(root) / "ck"))  # no wait_save: the worker waits before exit
+
+
+def test_a_write_in_flight_when_the_function_returns_is_finished_before_the_worker_exits(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGAPAR_CPU", "1")
+    out = megapar.launch(_save_and_return, 4, str(tmp_path), timeout_s=120)
+    ck = tmp_path / "ck"
+    assert out == str(ck / "step_00000001")
+    assert (ck / "latest").read_text().strip() == "step_00000001"
+    verify(ck / "step_00000001")
+    assert not [p.name for p in ck.iterdir() if p.name.startswith(".tmp-")]
+
+
 def _steps(log: Path) -> list[int]:
     if not log.exists():
         return []

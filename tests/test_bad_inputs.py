@@ -224,6 +224,14 @@ TRAIN = [
      "value=big is not a number (nan, inf, -inf, 1e4)"),
     (["--inject-corrupt", "step=400,module=transformer.h.1.attn"],
      "--inject-corrupt: step=400 is not run (this run trains steps 1-300)"),
+    # issue 44, drill round 3: caught before any worker starts, not in one
+    (["--inject-corrupt", "step=2,module=transformer.h.1.attn,index=99999999999"],
+     "--inject-corrupt: index=99999999999 is past any module's output on a rank"),
+    (["--inject-corrupt", "step=2,module=transformer.h.1.attn,step=3"],
+     "step is given twice; give it once"),
+    (["--inject-slow", "rank=0,ms=5,from_step=500"],
+     "from_step=500 is after the run's last step (--max-steps 300)"),
+    (["--allow-data-change"], "--allow-data-change only applies to a resume"),
     # --record-step / --replay
     (["--record-step", "2"], "--record-step 2 writes SAVE/records/: give --save"),
     (["--replay", "2"], "--replay 2 re-runs a step from a checkpoint: give --load CKPT"),
@@ -531,3 +539,31 @@ def test_convert_names_an_empty_path_and_a_file_in_the_way(env, tmp_path, capsys
     assert convert([env["ckpt"], "--to-hf", str(tmp_path / "afile" / "sub")]) == 2
     line = _one_line(capsys, "megapar-convert")
     assert f"{tmp_path / 'afile'} is a file, not a directory" in line and "probe" not in line
+
+
+def test_a_fresh_run_says_it_starts_an_earlier_runs_log_json_anew(env, tmp_path, monkeypatch,
+                                                                  capsys):
+    """Issue 44 (drill round 3): a fresh run truncated another run's --log-json silently."""
+    log = tmp_path / "run.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}\n')
+    monkeypatch.setattr(train_cli, "run_workers", lambda *a, **k: [None])
+    assert train([*env["common"], "--log-json", str(log)]) == 0
+    err = capsys.readouterr().err
+    assert (f"--log-json {log} holds 2 records of an earlier run: this fresh run starts the "
+            f"file anew") in err, err
+
+
+def test_a_second_ctrl_c_names_the_checkpoint_left_to_resume_from(env, tmp_path, monkeypatch,
+                                                                  capsys):
+    """Issue 44 (drill round 3): 'nothing saved' although --save's latest was there."""
+    save = tmp_path / "ck"
+    save.mkdir()
+    (save / "latest").write_text("step_00000004\n")
+
+    def abort(*args, **kwargs):
+        raise KeyboardInterrupt("second SIGINT")
+
+    monkeypatch.setattr(train_cli, "run_workers", abort)
+    assert train([*env["common"], "--save", str(save), "--save-interval", "0"]) == 130
+    err = capsys.readouterr().err
+    assert "nothing saved" not in err and f"{save}/latest is step_00000004" in err, err

@@ -1,4 +1,4 @@
-"""benchmarks/bubble_sweep.py writes strict JSON: a theory that does not apply (ZB-H1's formula
+"""benchmarks/pipeline/bubble_sweep.py writes strict JSON: a theory that does not apply (ZB-H1's formula
 when the measured W > F + B) is null in --json and n/a in the table, never NaN."""
 
 import importlib.util
@@ -12,7 +12,7 @@ from megapar.training import bubble
 
 def _sweep_module():
     spec = importlib.util.spec_from_file_location(
-        "bubble_sweep", os.path.join(ROOT, "benchmarks", "bubble_sweep.py"))
+        "bubble_sweep", os.path.join(ROOT, "benchmarks", "pipeline", "bubble_sweep.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -141,3 +141,27 @@ def test_train_refuses_a_save_holding_steps_its_saves_would_replace(tmp_path, ca
     assert train_cli.main([*common, "--max-steps", "8", "--load", str(root), "--save",
                            str(root)]) == 0
     assert train_cli.main([*branch, "--overwrite-newer"]) == 0 and len(started) == 2
+
+
+def test_overwrite_newer_removes_every_step_newer_than_the_start(tmp_path, capsys, monkeypatch):
+    """--load ROOT/step_3 --save ROOT --max-steps 6 --overwrite-newer over steps 3, 6, 9: not
+    only 6 (which the run replaces) but 9 goes too, named in a note, `latest` left on step 3
+    until the run saves; no step of the earlier run is left mixed with this run's."""
+    import megapar.cli.train as train_cli
+
+    root = tmp_path / "ckpt"
+    common = ["--model", "gpt2-tiny", "--seq-len", "16", "--global-batch-size", "2",
+              "--micro-batch-size", "2", "--eval-interval", "0", "--no-progress"]
+    assert train_cli.main([*common, "--max-steps", "9", "--save-interval", "3", "--save",
+                           str(root)]) == 0
+    capsys.readouterr()
+    started = []
+    monkeypatch.setattr(train_cli, "run_workers", lambda *a, **k: started.append(a))
+    assert train_cli.main([*common, "--max-steps", "6", "--load", str(root / "step_00000003"),
+                           "--save", str(root), "--overwrite-newer"]) == 0 and started
+    err = capsys.readouterr().err
+    assert (f"--overwrite-newer: removed step_00000006, step_00000009 of --save {root} (newer "
+            f"than step 3, where this run starts)") in err, err
+    assert publish.steps_after(root, 0) == ["step_00000003"]
+    assert (root / "latest").read_text().strip() == "step_00000003"
+    verify(resolve_checkpoint(root))

@@ -63,10 +63,9 @@ def make_step(kind: str, mesh: Mesh, recompute: str = "none", overrides: dict | 
     executor = PipelineExecutor(model, mesh, "1f1b", (MBS, seq, H))
     optimizer = build_optimizer(model, mesh, 1e-3, 0.1, zero=zero)
     if bucket_mb is not None:
-        from megapar.data_parallel import GradBuckets
+        from megapar.data_parallel import build_grad_sync
 
-        step_kwargs["grad_sync"] = GradBuckets(list(model.parameters()), mesh.dp_cp_group,
-                                               bucket_mb, average_over=mesh.dp)
+        step_kwargs["grad_sync"] = build_grad_sync(model, mesh, zero, bucket_mb)
     return TrainStep(model, mesh, executor, optimizer, LRScheduler(1e-3, 1e-4, 0, 10, "constant"),
                      Precision("fp32", mesh.device), 1.0, **step_kwargs)
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import megapar
 from megapar.data_parallel import GradBuckets
+from megapar.data_parallel.zero_buckets import Zero1Buckets
 from megapar.launcher import run_local
 from megapar.optim.precision import comm_dtypes
 
@@ -121,9 +122,8 @@ def test_narrow_wire_stays_within_its_rounding(runs):
 def _reduce_in(dtype, sharded):
     torch.manual_seed(10 + dist.get_rank())
     params = [torch.nn.Parameter(torch.zeros(5, 3)), torch.nn.Parameter(torch.zeros(7))]
-    sync = GradBuckets(params, dist.group.WORLD, reduce_dtype=dtype)
-    if sharded:
-        sync.shard_over_dp()
+    kind = Zero1Buckets if sharded else GradBuckets
+    sync = kind(params, dist.group.WORLD, reduce_dtype=dtype)
     sync.begin_step()
     grads = [torch.randn_like(p) for p in params]
     for p, g in zip(params, grads):

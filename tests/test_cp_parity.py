@@ -9,7 +9,7 @@ test_parity_3d.py). A bf16 run at cp 2 is compared with bf16 at cp 1.
 
 import pytest
 import torch
-from tp_utils import assert_close, rel_err, to_device
+from tp_utils import assert_close, gather_grads, rel_err, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -79,7 +79,7 @@ def one_step(kind, tp, cp, pp, dp, schedule="1f1b", sp=False, recompute="none", 
     (pipeline messages in `wire` precision, e.g. "bf16", if given; else in fp32)."""
     import torch.distributed as dist
 
-    from megapar.data_parallel import GradBuckets
+    from megapar.data_parallel import build_grad_sync
     from megapar.optim import Precision, build_optimizer
     from megapar.optim.precision import PRECISIONS
     from megapar.pipeline.executor import PipelineExecutor
@@ -97,15 +97,14 @@ def one_step(kind, tp, cp, pp, dp, schedule="1f1b", sp=False, recompute="none", 
     executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, H), virtual_stages=v,
                                 wire_dtype=None if wire is None else PRECISIONS[wire])
     optimizer = build_optimizer(model, mesh, 0.0, 0.0, zero=zero)
-    grad_sync = GradBuckets(list(model.parameters()), mesh.dp_cp_group, bucket_mb=0.01,
-                            average_over=mesh.dp)
+    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.01)
     step = TrainStep(model, mesh, executor, optimizer, None, Precision(precision, mesh.device),
                      0.0, grad_sync)
     grads = {}
 
     def record():  # the reduced gradients, as the optimizer sees them
         if getattr(optimizer, "sharded", False):
-            optimizer.gather_grads()
+            gather_grads(optimizer)
         for name, p in model.named_parameters():
             grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape, mesh.tp_group).clone()
 

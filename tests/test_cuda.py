@@ -255,7 +255,7 @@ def _zero1_save_memory():
     import torch.distributed as dist
     from test_optim import CONFIG
 
-    from megapar.data_parallel import GradBuckets
+    from megapar.data_parallel import build_grad_sync
     from megapar.mesh import Layout, Mesh
     from megapar.optim import build_optimizer
     from megapar.pipeline.partition import build_stage
@@ -263,7 +263,7 @@ def _zero1_save_memory():
     mesh = Mesh(Layout(1, 1, 2), dist.get_rank())
     model = build_stage(CONFIG, mesh, seed=3)
     optimizer = build_optimizer(model, mesh, 1e-2, 0.1, zero=1)
-    grads = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb=0.01)
+    grads = build_grad_sync(model, mesh, 1, bucket_mb=0.01)
     optimizer.attach(grads)
     grads.begin_step()
     for p in model.parameters():

@@ -5,15 +5,13 @@ import os
 
 import numpy as np
 import pytest
+from conftest import shared_data
 
 import megapar.data.preprocess as pp
 from megapar.cli.data import main as data_main
 from megapar.data.indexed import IDX_MAGIC, IndexedDataset, IndexedDatasetBuilder
 from megapar.data.preprocess import ensure_dataset, preprocess_files
 from megapar.data.tokenizers import asset_path, load_tokenizer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
 
 
 def test_builder_file_layout(tmp_path):
@@ -133,9 +131,7 @@ def test_ensure_dataset_caches_by_content_and_tokenizer(tmp_path):
 
 
 def test_shared_corpus_directory(tmp_path):
-    corpus = os.path.join(SHARED_DATA, "corpus", "shakespeare")
-    if not os.path.isdir(corpus):
-        pytest.skip("shared corpus not available")
+    corpus = shared_data("corpus", "shakespeare")
     sub = tmp_path / "plays"
     sub.mkdir()
     for name in ("sonnets_gut.txt", "phoenix_and_the_turtle_gut.txt"):

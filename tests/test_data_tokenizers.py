@@ -4,11 +4,9 @@ import json
 import os
 
 import pytest
+from conftest import shared_data
 
 from megapar.data.tokenizers import APPENDED_ORDER, asset_path, load_tokenizer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
 
 
 def test_gpt2_hello_world_and_specials():
@@ -30,9 +28,7 @@ def test_gpt2_roundtrip_is_lossless():
 
 
 def test_gpt2_directory_spec_matches_transformers():
-    src = os.path.join(SHARED_DATA, "gpt2-tokenizer")
-    if not os.path.isdir(src):
-        pytest.skip("shared GPT-2 tokenizer not available")
+    src = shared_data("gpt2-tokenizer")
     from transformers import GPT2TokenizerFast
 
     ours = load_tokenizer(src)
@@ -62,9 +58,7 @@ def test_sentencepiece_shipped_model():
 
 
 def test_sentencepiece_path_spec_and_spec_dict_reload():
-    path = os.path.join(SHARED_DATA, "sentencepiece", "botchan_en_bpe_1000.model")
-    if not os.path.isfile(path):
-        pytest.skip("shared SentencePiece models not available")
+    path = shared_data("sentencepiece", "botchan_en_bpe_1000.model")
     tok = load_tokenizer(path)
     spec = json.loads(json.dumps(tok.spec()))
     assert spec["kind"] == "sentencepiece" and spec["vocab_size"] == tok.vocab_size

@@ -179,3 +179,32 @@ def test_a_script_under_srun_without_torchrun_trains_as_one_job():
     assert w0 == w1 == 2, "each task trained alone"
     serial = megapar.prepare(_gpt2(), micro_batch_size=2).train_step(batch("gpt2", 4))
     assert l0 == l1 and math.isclose(l0, serial, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("env, name", [
+    ({"SLURM_PROCID": "abc", "SLURM_NTASKS": "2"}, "SLURM_PROCID='abc' is not a rank"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "abc"}, "SLURM_NTASKS='abc' is not a task count"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "abc"},
+     "SLURM_LOCALID='abc' is not a rank"),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "2"}, "SLURM_PROCID=5 is not below SLURM_NTASKS=2"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node[1-"},
+     "SLURM_JOB_NODELIST='node[1-' is not a Slurm host list"),
+])
+def test_malformed_slurm_variables_are_one_line_naming_the_variable(env, name, monkeypatch,
+                                                                    capsys):
+    """Each malformed Slurm variable: megapar-train exits 2 with one line naming it (no
+    traceback, no 'invalid literal'), before any worker starts or any rendezvous is tried."""
+    import megapar.cli.train as train_cli
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_LOCALID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    started = []
+    monkeypatch.setattr(train_cli, "run_workers", lambda *a, **k: started.append(a))
+    rc = train_cli.main(["--model", "gpt2-tiny", "--seq-len", "16", "--global-batch-size", "2",
+                         "--micro-batch-size", "2", "--max-steps", "1", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not started, err
+    assert len(err.strip().splitlines()) == 1 and name in err, err

@@ -20,7 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import SHARED_DATA, skip_unless_transformers_converts, transformers_converts
+from conftest import (
+    SHARED_DATA,
+    shared_data,
+    skip_unless_transformers_converts,
+    transformers_converts,
+)
 
 from megapar.cli.convert import main as convert
 from megapar.cli.data import main as data_main
@@ -41,11 +46,7 @@ MODELS = {"gpt2": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4
 SAMPLE = Path(asset_path("shakespeare_sample.txt")).read_text()
 
 
-def _shared(*parts) -> str:
-    path = os.path.join(SHARED_DATA, *parts)
-    if not os.path.exists(path):
-        pytest.skip(f"{path} not here (shared data)")
-    return path
+_shared = shared_data
 
 
 def _llama3_style(root: Path) -> str:
@@ -250,6 +251,40 @@ def exports(tmp_path_factory, text):
                       *TINY]) == 0
         assert convert([str(root / f"ckpt-{kind}"), "--to-hf", str(root / f"hf-{kind}")]) == 0
     return root
+
+
+def test_a_gpt2_on_the_gpt2_bpe_exports_hugging_faces_50257_rows_with_tokenizer_rows(
+        exports, tmp_path, capsys):
+    """megapar's GPT-2 BPE appends [PAD] [CLS] [SEP] [MASK] after 50,257 ids and the trained
+    model has 50,261 rows, over which its softmax trained: the export keeps them, saying why
+    and naming --tokenizer-rows, which exports the tokenizer's 50,257 (Hugging Face's GPT-2's)
+    with logits on those ids equal to megapar's own (megapar-eval of the checkpoint)."""
+    from megapar.cli.eval import main as evaluate
+
+    ckpt = exports / "ckpt-gpt2"
+    manifest = json.loads(next(ckpt.glob("step_*/manifest.json")).read_text())
+    assert manifest["model"]["vocab_size"] == 50261
+    capsys.readouterr()
+    assert convert([str(ckpt), "--to-hf", str(tmp_path / "all")]) == 0
+    out = capsys.readouterr().out
+    assert "vocab_size 50,261: the tokenizer's 50,257 ids" in out and "--tokenizer-rows" in out
+    assert convert([str(ckpt), "--to-hf", str(tmp_path / "hf"), "--tokenizer-rows"]) == 0
+    assert "the tokenizer's 50,257 rows of the model's 50,261" in capsys.readouterr().out
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert model.config.vocab_size == len(tok) == 50257 and model.config.pad_token_id is None
+    assert model.transformer.wte.weight.shape[0] == 50257
+    assert all(i < 50257 for i in tok.all_special_ids), tok.all_special_ids
+    ids = torch.tensor([load_tokenizer("gpt2").encode("To be, or not to be: that is the")])
+    assert tok("To be, or not to be: that is the")["input_ids"] == ids[0].tolist()
+    np.save(tmp_path / "ids.npy", ids.numpy())
+    assert evaluate(["--load", str(ckpt), "--input-ids", str(tmp_path / "ids.npy"),
+                     "--save-logits", str(tmp_path / "l.npy")]) == 0
+    ours = torch.from_numpy(np.load(tmp_path / "l.npy"))
+    assert ours.shape[-1] == 50261
+    with torch.no_grad():
+        theirs = model(ids).logits
+    assert (theirs - ours[..., :50257]).abs().max() <= 1e-5
 
 
 def test_exporting_a_tokenizer_for_a_short_model_logs_no_warning(tmp_path):

@@ -212,3 +212,48 @@ def test_a_rank_that_never_joins_is_named_in_words_not_store_keys(rendezvous):
     assert message.startswith("TimeoutError: rank 0 waited 1 s for all 2 ranks to join the "
                               "process group; some never did"), message
     assert "give every node the same command" in message and "--timeout-s" in message
+
+
+def _listening() -> list[str]:
+    """The addresses this process's TCP sockets listen on (after a collective: gloo's pairs)."""
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    import os
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    out.append(fields[1].split(":")[0][:width])
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/net/tcp: Linux")
+def test_a_local_run_listens_on_loopback_only_whatever_gloo_socket_ifname_says(monkeypatch):
+    """GLOO_SOCKET_IFNAME preset to an external interface (a cluster's profile): a local run's
+    gloo sockets and store still listen on 127.0.0.1 only."""
+    import os
+
+    from pathlib import Path
+
+    external = [p.name for p in sorted(Path("/sys/class/net").iterdir()) if p.name != "lo" and
+                (p / "operstate").exists() and (p / "operstate").read_text().strip() == "up"]
+    if not external:
+        pytest.skip("no external network interface up")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", external[0])
+    for rank, addresses in enumerate(run_local(_listening, 2, timeout_s=60)):
+        assert addresses, rank
+        # 0100007F: 127.0.0.1 in /proc/net/tcp's byte order (IPv6: ::ffff:127.0.0.1 / ::1)
+        assert all(a in ("0100007F", "0000000000000000FFFF00000100007F",
+                         "00000000000000000000000001000000") for a in addresses), \
+            (external[0], rank, addresses)

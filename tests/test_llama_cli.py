@@ -76,3 +76,17 @@ def test_llama_recipe_exports_the_tokenizers_special_ids(tmp_path, common):
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert (exported["bos_token_id"], exported["eos_token_id"]) == \
         (hf.bos_token_id, hf.eos_token_id) == (tok.eod_id, tok.eod_id) == (50256, 50256)
+
+
+def test_the_recipes_vocabulary_gives_way_to_the_tokenizers_and_the_log_says_so(common):
+    """llama-tiny's recipe says 32,000 ids; trained on GPT-2 BPE data it has the tokenizer's
+    50,261, and the run's notes say which wins. GPT-2's 50,257 on that tokenizer is no news."""
+    from megapar.cli.train import parse_args, plan_run
+
+    notes = []
+    plan_run(parse_args(["--model", "llama-tiny", *common, "--tokenizer", "gpt2"]), notes)
+    said = [n for n in notes if "gives way" in n]
+    assert len(said) == 1 and "vocab_size 32,000 gives way to the tokenizer's 50,261" in said[0]
+    notes = []
+    plan_run(parse_args(["--model", "gpt2-tiny", *common, "--tokenizer", "gpt2"]), notes)
+    assert not [n for n in notes if "gives way" in n], notes

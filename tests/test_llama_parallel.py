@@ -10,7 +10,7 @@
 import pytest
 import torch
 from test_checkpoint_helpers import KEYS, moment, optim_for
-from tp_utils import assert_close, make_mesh
+from tp_utils import assert_close, gather_grads, make_mesh
 
 from megapar.checkpoint.distributed import load_checkpoint, save_checkpoint
 from megapar.launcher import run_local
@@ -74,7 +74,7 @@ def serial_reference(tied: bool) -> dict:
 def _train(tp, pp, dp, zero, tied, recompute):
     import torch.distributed as dist
 
-    from megapar.data_parallel import GradBuckets
+    from megapar.data_parallel import build_grad_sync
     from megapar.optim import Precision, build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.training.step import TrainStep
@@ -83,7 +83,7 @@ def _train(tp, pp, dp, zero, tied, recompute):
     model = build_stage(config(tied), mesh, SEED, recompute)
     executor = PipelineExecutor(model, mesh, "1f1b", (MBS, SEQ, BASE["hidden_size"]))
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
-    grad_sync = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb=0.02)
+    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02)
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
                      MAX_NORM, grad_sync)
     grads, optimizer_step = {}, optimizer.step
@@ -91,7 +91,7 @@ def _train(tp, pp, dp, zero, tied, recompute):
     def record_first_grads_then_step():
         if not grads:
             if getattr(optimizer, "sharded", False):  # ZeRO-1 reduced only this rank's slices
-                optimizer.gather_grads()
+                gather_grads(optimizer)
             for name, p in model.named_parameters():
                 grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape, mesh.tp_group).clone()
         optimizer_step()

@@ -139,7 +139,7 @@ def test_tied_copy_is_stepped_but_not_checkpointed():
 
 
 def _zero_worker(dp: int) -> dict:
-    from megapar.data_parallel import GradBuckets
+    from megapar.data_parallel import build_grad_sync
 
     mesh = make_mesh(dp=dp)
     plain_model, zero_model, resumed_model = (build_stage(CONFIG, mesh, seed=3) for _ in range(3))
@@ -147,7 +147,7 @@ def _zero_worker(dp: int) -> dict:
 
     def sharded(model):
         opt = build_optimizer(model, mesh, 1e-2, 0.1, zero=1)
-        grads = GradBuckets(list(model.parameters()), mesh.dp_group, bucket_mb=100)
+        grads = build_grad_sync(model, mesh, 1, bucket_mb=100)
         opt.attach(grads)
         return opt, grads
 
@@ -202,13 +202,13 @@ def _zero_worker(dp: int) -> dict:
 
 def _zero_save_worker(dp: int) -> dict:
     """A ZeRO-1 save with several buckets: every gather to dp rank 0 is one bucket."""
-    from megapar.data_parallel import GradBuckets
+    from megapar.data_parallel import build_grad_sync
 
     mesh = make_mesh(dp=dp)
     plain_model, zero_model = build_stage(CONFIG, mesh, seed=3), build_stage(CONFIG, mesh, seed=3)
     plain = build_optimizer(plain_model, mesh, 1e-2, 0.1)
     zero = build_optimizer(zero_model, mesh, 1e-2, 0.1, zero=1)
-    grads = GradBuckets(list(zero_model.parameters()), mesh.dp_group, bucket_mb=0.01)
+    grads = build_grad_sync(zero_model, mesh, 1, bucket_mb=0.01)
     zero.attach(grads)
     for seed in range(2):
         gen = torch.Generator().manual_seed(seed)

@@ -10,7 +10,7 @@ final weights (fp32, relative error < 1e-5), with clipping active on every step.
 
 import pytest
 import torch
-from tp_utils import assert_close, to_device
+from tp_utils import assert_close, gather_grads, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -102,7 +102,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     (of every cp rank: they must agree)."""
     import torch.distributed as dist
 
-    from megapar.data_parallel import GradBuckets
+    from megapar.data_parallel import build_grad_sync
     from megapar.optim import Precision, build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.pipeline.schedules import chunks_per_rank, placement_of
@@ -119,8 +119,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     if not isinstance(offload, bool) or kind not in ("gpt2", "bert", "llama"):
         raise TypeError(f"_train(offload={offload!r}, kind={kind!r}): arguments out of place")
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, offload=offload)
-    grad_sync = GradBuckets(list(model.parameters()), mesh.dp_cp_group, bucket_mb=0.02,
-                            average_over=dp) if dp * cp > 1 else None
+    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp * cp > 1 else None
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision(precision, mesh.device),
                      MAX_NORM, grad_sync)
     full_grads = {}
@@ -129,7 +128,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     def step_and_record_first_grads():  # clipped gradients as the optimizer sees them
         if not full_grads:
             if getattr(optimizer, "sharded", False):  # ZeRO reduced only this rank's slices
-                optimizer.gather_grads()
+                gather_grads(optimizer)
             for name, p in model.named_parameters():
                 full_grads[name] = gather_full(p.grad, p.tp_dim, p.full_shape,
                                               mesh.tp_group).clone()

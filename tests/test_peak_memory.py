@@ -3,7 +3,7 @@
 Each worker resets its peak resident set (`/proc/self/clear_refs`), builds its engine, trains a
 few steps and reports how far its peak rose (VmHWM): the memory the OS saw it take, transient
 copies, allocator holes and all. Workers are spawned, so no allocator setting of this process
-leaks into them. `benchmarks/peak_memory.py` measures every claim this way, at larger sizes.
+leaks into them. `benchmarks/memory/peak_memory.py` measures every claim this way, at larger sizes.
 """
 
 import sys

@@ -197,16 +197,20 @@ def test_bf16_wire_v_schedules():
      ("DualPipeV needs at least 2 x pp = 4 micro-batches (one per virtual stage), got m = 3; "
       "use more micro-batches")),
 ])
-def test_invalid_combinations_are_refused_in_one_line(capsys, monkeypatch, args, message):
+def test_invalid_combinations_are_refused_in_one_line(capsys, monkeypatch, tmp_path, args,
+                                                     message):
     import megapar.cli.train as train_cli
+    from megapar.data.assets import asset_path
 
     def refuse(*a, **k):
         raise AssertionError("a worker was started for a bad input")
 
     monkeypatch.setattr(train_cli, "run_workers", refuse)
-    data = "../shared/data/corpus/shakespeare"
-    assert train(["--data", data, "--model", "gpt2-tiny", "--seq-len", "32", "--no-progress",
-                  *args]) == 2
+    data = tmp_path / "sample.txt"  # the package's text: a clone without ../shared runs this
+    with open(asset_path("shakespeare_sample.txt")) as f:
+        data.write_text(f.read()[:20_000])
+    assert train(["--data", str(data), "--data-cache", str(tmp_path / "cache"), "--model",
+                  "gpt2-tiny", "--seq-len", "32", "--no-progress", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
 

@@ -499,9 +499,11 @@ def test_zero_layout_strings_parse_and_are_checked():
     assert check(c, config, 8, 8, 32, 64) is None
     for spec, reason in (("zero=2,offload=both", "needs zero 3"),
                          ("zero=3,offload_params=1", "needs the optimizer's too (offload=both"),
-                         ("zero=3,keep_params=1", "keep_params needs zero 3 and pp > 1"),
+                         ("zero=2,keep_params=1", "keep_params needs zero 3"),
                          ("zero=4", "the planner models ZeRO stages 0, 1, 2, 3")):
         assert reason in check(parse_candidate(spec, 8), config, 8, 8, 32, 64), spec
+    # at pp 1 too, as megapar-train's --zero3-keep-params runs it (tests/test_zero3.py counts it)
+    assert check(parse_candidate("zero=3,keep_params=1", 8), config, 8, 8, 32, 64) is None
     for bad in ("disk", "params"):  # parameters alone: megapar-train refuses it
         with pytest.raises(ValueError, match=f"offload='{bad}'"):
             parse_candidate(f"zero=3,offload={bad}", 8)
@@ -550,3 +552,19 @@ def test_plan_takes_the_zero3_persistence_threshold(capsys):
     code, persist = _cli(capsys, *base, "--json", "--zero3-persistence-threshold", "1000")
     gathered = [json.loads(o.out)["layouts"][0]["memory_gib"]["gathered"] for o in (kept, persist)]
     assert gathered[1] > gathered[0]  # the norms and biases held over the step
+
+
+@pytest.mark.parametrize("layout, words", [
+    ("tp=2,pp=2,tp=4", "tp is given twice"),
+    ("tp=2,pp=2,zero=3,keep_params=7", "keep_params='7' is not a boolean"),
+    ("tp=2,pp=2,schedule=1f2b", "schedule='1f2b': use one of"),
+    ("tp=2,pp=2,recompute=most", "recompute='most': use one of"),
+    ("tp=2,pp=2,zero=9", "zero=9: use one of 0, 1, 2, 3"),
+])
+def test_bad_explain_values_are_one_line_exit_2(capsys, layout, words):
+    """Issue 44 (drill round 3): duplicate keys were accepted (the last won), keep_params=7 read
+    as off, and bad values answered 'invalid' with exit 1 like a layout that cannot run."""
+    base = ["--model", "gpt2-124m", "--gpus", "8", "--global-batch-size", "64", "--seq-len",
+            "1024", "--gpu-memory-gb", "40"]
+    code, out = _cli(capsys, *base, "--explain", layout)
+    assert code == 2 and words in out.err and len(out.err.strip().splitlines()) == 1, out

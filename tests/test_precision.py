@@ -103,10 +103,10 @@ def _run(mode: str, inject: bool, zero: int = 0) -> dict:
     if inject:
         executor = InjectInf(executor, model, mesh.rank, optimizer if zero else None)
     precision = Precision(mode, mesh.device, DynamicLossScaler(init_scale=SCALE))
-    from megapar.data_parallel import GradBuckets
+    from megapar.data_parallel import build_grad_sync
 
     step = TrainStep(model, mesh, executor, optimizer, scheduler(),
-                     precision, 1.0, GradBuckets(list(model.parameters()), mesh.dp_group))
+                     precision, 1.0, build_grad_sync(model, mesh, zero))
     plan = BatchPlan(G, MBS, mesh.dp)
     results, unchanged = [], []
     for i, batch in enumerate(global_batches()):

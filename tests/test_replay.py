@@ -6,18 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import shared_data
 
 from megapar.cli.train import main
-
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "corpus" / "shakespeare"
 
 
 @pytest.fixture(scope="module")
 def common(tmp_path_factory):
     d = tmp_path_factory.mktemp("replay")
-    text = SHAKESPEARE / "hamlet_gut.txt"
-    if not text.exists():
-        pytest.skip("../shared/data is not there")
+    text = Path(shared_data("corpus", "shakespeare", "hamlet_gut.txt"))
     model = d / "m.json"
     model.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 4, "n_head": 4,
                                  "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
@@ -100,3 +97,143 @@ def test_a_corrupted_value_is_named_by_a_tp_cp_replay(common, tmp_path, capfd):
     tp 2 x pp 2): still block 3's attention output on the run's tp rank 1 (rank 3)."""
     _, out = _replay(common, tmp_path, capfd, CORRUPT, replay=("--tp", "2", "--cp", "2"))
     assert NAMED in _verdict(out), out
+
+
+# --- the record is checked before any worker starts (issue 44, drill round 3) ----------------
+
+
+@pytest.fixture(scope="module")
+def recorded(common, tmp_path_factory):
+    """A one-process run of 4 steps saving step 2 and recording step 3: its --save directory."""
+    save = tmp_path_factory.mktemp("recorded") / "ckpt"
+    rc = main([*common, "--max-steps", "4", "--save", str(save), "--save-interval", "2",
+               "--record-step", "3"])
+    assert rc == 0
+    return save
+
+
+def _refused(capfd, argv: list[str], *words: str) -> str:
+    """`argv` exits 2 with one line holding `words`, before any worker started (no step ran)."""
+    rc = main(argv)
+    captured = capfd.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("megapar-train:")]
+    assert rc == 2, captured.err
+    assert len(lines) == 1 and all(w in lines[0] for w in words), captured.err
+    assert "step 3 " not in captured.out and "loss" not in captured.out, captured.out
+    return lines[0]
+
+
+def _copy_record(save: Path, into: Path, step: int = 3) -> Path:
+    """The record of `step` copied into `into`: its JSON's path."""
+    into.mkdir(parents=True, exist_ok=True)
+    for suffix in (".json", ".safetensors"):
+        src = save / "records" / f"step_{step:08d}{suffix}"
+        (into / src.name).write_bytes(src.read_bytes())
+    return into / f"step_{step:08d}.json"
+
+
+def test_a_damaged_record_is_refused_before_any_worker_starts(recorded, tmp_path, capfd):
+    """Flipped bytes in the values file: its sha256 no longer matches; the replay does not
+    run (it would blame a rank for a difference the damage made)."""
+    record = _copy_record(recorded, tmp_path / "r")
+    values = record.with_suffix(".safetensors")
+    raw = bytearray(values.read_bytes())
+    for i in range(len(raw) - 64, len(raw)):
+        raw[i] ^= 0xFF
+    values.write_bytes(bytes(raw))
+    _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "3",
+                     "--replay-against", str(record), "--no-progress"],
+             str(record), "checksum does not match")
+
+
+def test_a_record_of_another_step_is_refused(recorded, capfd):
+    _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "4", "--max-steps",
+                     "4", "--replay-against", str(recorded / "records" / "step_00000003.json"),
+                     "--no-progress"],
+             "records step 3, not step 4")
+
+
+def test_a_record_of_another_model_is_refused(recorded, tmp_path, capfd):
+    """A record whose model (its config, under a valid checksum) is not the checkpoint's."""
+    from megapar.diagnostics.replay import _digest
+
+    record = _copy_record(recorded, tmp_path / "r")
+    data = json.loads(record.read_text())
+    data["model"]["n_layer"] = 2
+    data["sha256"] = _digest(data, record.with_suffix(".safetensors").read_bytes())
+    record.write_text(json.dumps(data))
+    _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "3",
+                     "--replay-against", str(record), "--no-progress"],
+             "record of another model", "n_layer 2 recorded, 4 here")
+
+
+@pytest.mark.parametrize("damage", ["json", "safetensors", "directory", "values-file"])
+def test_an_unreadable_record_is_one_line_naming_the_file(recorded, tmp_path, capfd, damage):
+    """A truncated .json or .safetensors, a directory, or the .safetensors given for the
+    record: one line naming the file, exit 2, before any worker starts."""
+    record = _copy_record(recorded, tmp_path / "r")
+    given = record
+    if damage == "json":
+        record.write_text(record.read_text()[:100])
+    elif damage == "safetensors":
+        values = record.with_suffix(".safetensors")
+        values.write_bytes(values.read_bytes()[:50])
+        given = record
+    elif damage == "directory":
+        given = record.parent
+    else:
+        given = record.with_suffix(".safetensors")
+    _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "3",
+                     "--replay-against", str(given), "--no-progress"], str(given))
+
+
+def test_an_old_record_without_a_checksum_is_read_with_a_note(recorded, tmp_path, capfd):
+    record = _copy_record(recorded, tmp_path / "r")
+    data = json.loads(record.read_text())
+    del data["sha256"], data["model"]
+    record.write_text(json.dumps(data))
+    rc = main(["--load", str(recorded / "step_00000002"), "--replay", "3",
+               "--replay-against", str(record), "--no-progress"])
+    captured = capfd.readouterr()
+    assert rc == 0, captured.err
+    assert "before records carried a checksum: not verified" in captured.err, captured.err
+    assert "no difference" in _verdict(captured.out.splitlines()), captured.out
+
+
+def test_a_replay_that_compared_nothing_never_says_no_difference():
+    from megapar.diagnostics.replay import compare
+
+    entry = {"module": "model.layers.0.mlp", "mb": 0, "key": 1, "samples": [0, 2],
+             "part": "whole", "rank": 0, "tp": 0, "cp": 0, "pp": 0, "dp": 0, "tp_size": 1,
+             "cp_size": 1, "sq": 1.0}
+    line = compare({"step": 3, "entries": [entry] * 200}, {}, {})
+    assert "nothing compared" in line and "no difference" not in line, line
+
+
+def test_a_replay_with_no_record_is_refused_before_any_worker_starts(recorded, capfd):
+    """--replay 4 where no record of step 4 exists: it would train and compare nothing."""
+    _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "4", "--max-steps",
+                     "4", "--no-progress"],
+             "--replay 4: no record of step 4", "--record-step 4")
+
+
+@pytest.mark.parametrize("flag", ["--save", "--record-step"])
+def test_save_or_record_step_under_replay_is_refused(recorded, tmp_path, capfd, flag):
+    """--save / --record-step under --replay were ignored silently (and --save's directory
+    made): refused in one line, nothing made."""
+    extra = [flag, str(tmp_path / "out")] if flag == "--save" else [flag, "3"]
+    _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "3",
+                     "--no-progress", *extra], f"{flag} with --replay 3", f"drop {flag}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_zero_sharded_replay_says_why_the_gradient_norms_are_not_compared(recorded, capfd):
+    """A replay at --zero 3 --dp 2 has no weight-gradient norms of its own: it says so rather
+    than 'no weight-gradient norms were recorded' (the record holds them)."""
+    rc = main(["--load", str(recorded / "step_00000002"), "--replay", "3", "--zero", "3",
+               "--dp", "2", "--no-progress"])
+    captured = capfd.readouterr()
+    assert rc == 0, captured.err
+    line = _verdict(captured.out.splitlines())
+    assert "no weight-gradient norms were recorded" not in line, line
+    assert "weight-gradient norms are not compared: the replay's gradients are sharded" in line

@@ -5,7 +5,7 @@ not the ranks that wait for it (its tp peer waits inside the tp all-reduces of i
 the CPU the compute measure is the computing thread's CPU time, which a blocked wait does not
 use; on CUDA the collectives' time is left out, `megapar.comm_wait`, whose count is tested here
 on the CPU). That no healthy run is named is measured over 20 runs by
-benchmarks/straggler_false_alarms.py (docs/performance.md); here one fault run per entry point
+benchmarks/faults/straggler_false_alarms.py (docs/performance.md); here one fault run per entry point
 (megapar-train, megapar.prepare) and the decision rule on its own.
 """
 

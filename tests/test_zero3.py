@@ -24,7 +24,7 @@ from test_parity_3d import (
     scheduler,
     serial_reference,
 )
-from tp_utils import assert_close, to_device
+from tp_utils import assert_close, full_grads as gathered_grads, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -81,7 +81,7 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
 
     def step_and_record_first_grads():
         if not full_grads:
-            grads = sharded.full_grads()
+            grads = gathered_grads(sharded)
             for name, p in model.named_parameters():
                 full_grads[name] = gather_full(grads[id(p)], p.tp_dim, p.full_shape,
                                                mesh.tp_group).clone()
@@ -438,7 +438,7 @@ def _grad_buffers_worker(pp: int, device_path: bool, reduce: str = "step",
     plan = BatchPlan(global_batch, 2, 2)
     batch = to_device(plan.split(global_batches()[0], mesh.dp_rank), mesh.device)
     step.step(batch, 0)
-    grads = sharded.full_grads()
+    grads = gathered_grads(sharded)
     return {"peak": peak[0], "all": sum(n for _, n in made), "m": plan.micro_batches,
             "units": len(sharded.units), "stage": mesh.pp_rank, "dp_rank": mesh.dp_rank,
             "deferred": [u.padded * 4 for u in sharded.units if u.deferred],

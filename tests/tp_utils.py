@@ -5,6 +5,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from megapar.data_parallel import shard_comm
+from megapar.data_parallel.zero3_units import all_gather
 from megapar.mesh import Layout, Mesh
 
 
@@ -72,3 +74,44 @@ def refusal(engine, batch) -> str:
     except ValueError as exc:
         return str(exc)
     return "accepted"
+
+
+@torch.no_grad()
+def gather_grads(optimizer) -> None:
+    """ZeRO-1 / ZeRO-2: all-gather the reduced gradient slices so every ``.grad`` is the full
+    dp-averaged gradient (collective over dp; the step does not need it). Nothing when the
+    optimizer is not sharded."""
+    if not optimizer.sharded:
+        return
+    sync = optimizer.grad_sync
+    buffers = sync.buffers
+    if sync.sharded_grads:  # ZeRO-2: full buffers made here, this rank's slices filled in
+        devices = {b.params[0].dtype: b.shard.device for b in sync.buckets}
+        buffers = {dt: torch.zeros(n, dtype=dt, device=devices[dt])
+                   for dt, n in sync.buffer_sizes().items()}
+        for b in sync.buckets:
+            lo, hi = sync.shard_range(b)
+            flat = buffers[b.params[0].dtype][b.start:b.start + b.padded]
+            flat[lo:hi] = b.shard
+            offset = 0
+            for p in b.params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+    for b in sync.buckets:
+        flat = buffers[b.params[0].dtype][b.start:b.start + b.padded]
+        shard_comm.all_gather(flat, sync.dp, sync.group, sync.host_waits).wait()
+
+
+@torch.no_grad()
+def full_grads(sharded) -> dict[int, torch.Tensor]:
+    """ZeRO-3: id(param) -> the dp-averaged full gradient of a `ShardedParams` (all-gathers
+    the gradient shards; collective)."""
+    out = {}
+    for u in sharded.units:
+        flat = torch.empty(u.padded, dtype=u.shard.dtype, device=u.shard.device)
+        all_gather(flat, u.grad_shard, sharded.group).wait()
+        offset = 0
+        for p in u.params:
+            out[id(p)] = flat[offset:offset + p.numel()].view(p.shape).clone()
+            offset += p.numel()
+    return out

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session, start to finish, on a bare machine that holds torch, transformers and the
 # other dependencies but reaches no package registry: install megapar without dependencies,
-# run the one-GPU tier (tools/gpu_check.sh) and the GPU benchmarks (benchmarks/gpu_bench.py),
+# run the one-GPU tier (tools/gpu_check.sh) and the GPU benchmarks (benchmarks/vs/gpu_bench.py),
 # and write one report: the machine, the versions, pass / fail per test, what the tests
 # measured and the benchmark table. About 6 minutes on an H100.
 #
@@ -75,7 +75,7 @@ for row in open(os.path.join(out, "measurements.jsonl")).read().splitlines():
     test = entry.pop("test")
     lines.append(f"- {test}: " + ", ".join(
         f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in entry.items()))
-lines += ["", "## Benchmarks (benchmarks/gpu_bench.py)", "", "```"]
+lines += ["", "## Benchmarks (benchmarks/vs/gpu_bench.py)", "", "```"]
 try:
     bench = [line for line in open(os.path.join(out, "bench.log")).read().splitlines()
              if not line.startswith("[transformers]")]
@@ -164,7 +164,7 @@ if [[ "$skip" != *bench* ]]; then
         bench_args="--device cpu --tiny --steps 2 --warmup 1 $bench_args"
     fi
     # shellcheck disable=SC2086 # a list of arguments
-    timeout "${GPU_SESSION_BENCH_TIMEOUT:-420}" python3 benchmarks/gpu_bench.py $bench_args \
+    timeout "${GPU_SESSION_BENCH_TIMEOUT:-420}" python3 benchmarks/vs/gpu_bench.py $bench_args \
         --json "$out/bench.json" \
         >"$out/bench.log" 2>&1
     rc_bench=$?

@@ -19,12 +19,18 @@ outcome of a write at the same step: `poll` (called at every step boundary) all-
 "my writer is done" flag over the world while a write is pending, and `wait` joins the writer
 (which cannot finish before every rank's has: the outcome is broadcast), so all ranks return or
 raise together.
+
+A write still in flight when the process's work ends is waited for before it exits
+(`megapar.faults.processes.before_exit`): `megapar.launch`'s workers, torchrun's ranks and a
+single process finish the write (or raise its failure) rather than lose it.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +40,7 @@ import torch.distributed as dist
 from megapar.checkpoint.distributed import SavedState, write_checkpoint
 from megapar.checkpoint.format import CheckpointError, step_dir_name
 from megapar.device import host_buffer
+from megapar.faults.processes import before_exit
 from megapar.faults.status import set_action
 from megapar.mesh import Mesh
 
@@ -56,6 +63,7 @@ class AsyncSaver:
         """The step directory the write in flight will publish (None: none in flight)."""
         self.published: int | None = None
         """The step of the last checkpoint this saver published."""
+        before_exit(_finisher(weakref.ref(self)))
 
     # -- the host copy ------------------------------------------------------------------------
     def host_copy(self, state: SavedState, private: frozenset[str] = frozenset()) -> SavedState:
@@ -162,3 +170,16 @@ class AsyncSaver:
             return f"saved {self.wait()}"
         except CheckpointError as exc:
             return str(exc)
+
+
+def _finisher(ref):
+    """Waits for the write in flight of the saver `ref` refers to, if it is still alive and
+    this process made it (a forked child inherits the list, not the writer thread)."""
+    pid = os.getpid()
+
+    def finish():
+        saver = ref()
+        if saver is not None and os.getpid() == pid and saver.in_flight():
+            saver.wait()
+
+    return finish

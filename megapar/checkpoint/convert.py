@@ -297,13 +297,15 @@ def export_dtype(name: str) -> str:
 
 
 def export_hf(src, hf_dir, overwrite: bool = False, tokenizer=None,
-              dtype: str | None = None, allow_other_tokenizer: bool = False) -> Path:
+              dtype: str | None = None, allow_other_tokenizer: bool = False,
+              tokenizer_rows: bool = False) -> Path:
     """A transformers directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM) from a
     checkpoint, with the tokenizer it trained with (`export_tokenizer`: `tokenizer`, a
     `load_tokenizer` spec, names where it is now; another tokenizer than the recorded one only
     with `allow_other_tokenizer`), in `dtype` (default: the dtype of the Hugging Face model it
     came from, recorded on import, else float32); a causal LM with the generation config of
-    the model it was imported from, else one made from its config (`save_hf`)."""
+    the model it was imported from, else one made from its config (`save_hf`); with
+    `tokenizer_rows`, a causal LM's vocabulary cut to its tokenizer's ids (`cut_to_tokenizer`)."""
 
     step_dir = resolve_checkpoint(src)
     hf_dir = Path(hf_dir)
@@ -329,7 +331,8 @@ def export_hf(src, hf_dir, overwrite: bool = False, tokenizer=None,
     reader.release()
     dtype = dtype or manifest["meta"].get("hf_dtype") or "float32"
     return save_hf(canonical, config, hf_dir, tok, getattr(torch, dtype),
-                   generation_config=manifest["meta"].get("hf_generation_config"))
+                   generation_config=manifest["meta"].get("hf_generation_config"),
+                   tokenizer_rows=tokenizer_rows)
 
 
 def _described(spec: dict) -> str:

@@ -36,6 +36,18 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 RNG_FILE = "rng.safetensors"
 
+SHARD_METADATA = {
+    "format": "megapar",
+    "megapar": "a file of a megapar checkpoint (tp / pp shards, padded): not a whole model; "
+               "read it with megapar, or export one with megapar-convert CKPT --to-hf DIR",
+    "DCP_SHARDING_INFO": "{}",
+}
+"""The safetensors metadata of every file megapar's checkpoints write. Readers of whole
+models refuse such a file instead of taking one shard for the whole tensor: transformers
+loads only ``format`` "pt" (and friends), and torch.distributed.checkpoint's
+HuggingFaceStorageReader finds no sharding entry for the tensors it asks for (KeyError).
+megapar reads files with or without it (checkpoints written before it carry {"format": "pt"})."""
+
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
               torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
@@ -76,7 +88,7 @@ def safetensors_layout(specs: dict[str, tuple[torch.dtype, tuple]]) -> tuple[byt
                        "data_offsets": [offset, offset + size]}
         slots[key] = (offset, size, dtype, tuple(shape))
         offset += size
-    header["__metadata__"] = {"format": "pt"}
+    header["__metadata__"] = SHARD_METADATA
     raw = json.dumps(header, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8), slots, offset
 

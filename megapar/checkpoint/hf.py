@@ -439,6 +439,32 @@ def to_hf_state(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.T
     return {k: v.contiguous() for k, v in fn(canonical, config).items()}
 
 
+def causal_rows(tokenizer) -> int:
+    """The token ids a causal LM trained with megapar's `tokenizer` can see: its base
+    vocabulary and its end of document (the [PAD] [CLS] [SEP] [MASK] megapar appends after them
+    are BERT's, never in a causal LM's data)."""
+    return max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
+
+
+def cut_to_tokenizer(canonical: dict[str, torch.Tensor], config, tokenizer):
+    """(canonical, config) of a causal LM cut to the rows of its tokenizer (`causal_rows`): a
+    GPT-2 trained on the GPT-2 BPE to 50,257 rows, as Hugging Face's GPT-2 has, not the 50,261
+    of megapar's vocabulary, whose 4 appended rows its data never holds. Its logits on the
+    tokenizer's ids are unchanged, its probabilities are not quite: the softmax it trained
+    with spans every row. Unchanged for BERT, for no tokenizer, or when the model has no rows
+    to spare."""
+    if tokenizer is None or config.model_type not in CAUSAL_LM_TYPES:
+        return canonical, config
+    rows = causal_rows(tokenizer)
+    if rows >= config.vocab_size:
+        return canonical, config
+    cut = dict(canonical)
+    for name in ("embed.word.weight", "head.weight"):
+        if name in cut:
+            cut[name] = cut[name][:rows]
+    return cut, config_from_dict({**config.to_dict(), "vocab_size": rows})
+
+
 HF_FILES = ("model.safetensors", "config.json")
 """The files an export writes (and replaces); anything else in the directory is left alone."""
 GENERATION_FILE = "generation_config.json"
@@ -447,7 +473,7 @@ GENERATION_FILE = "generation_config.json"
 
 def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
             tokenizer=None, dtype: torch.dtype | None = None,
-            generation_config: dict | None = None) -> Path:
+            generation_config: dict | None = None, tokenizer_rows: bool = False) -> Path:
     """Write config.json + model.safetensors into `out_dir` (created if missing), which
     transformers' `from_pretrained` loads, and, given a megapar `tokenizer`, that tokenizer in
     transformers' format (`save_for_transformers`: checked to encode as megapar does; its
@@ -457,7 +483,9 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
     causal LM (GPT-2, Llama) gets a ``generation_config.json`` too: `generation_config` (the
     one of the transformers model it was imported from), else transformers'
     ``GenerationConfig.from_model_config`` of the config written. `dtype`: the weights' dtype
-    in the files (default: as given), recorded as the config's ``dtype``. As `save_pretrained`,
+    in the files (default: as given), recorded as the config's ``dtype``. `tokenizer_rows`: a
+    causal LM's embedding (and head) cut to its tokenizer's ids (`cut_to_tokenizer`). As
+    `save_pretrained`,
     other files there (notes) are left alone; each file is written under a temporary name and
     renamed when complete (the tokenizer, then the rest), so an interrupted export never leaves
     a half-written file."""
@@ -466,6 +494,8 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if tokenizer_rows:
+        canonical, config = cut_to_tokenizer(canonical, config, tokenizer)
     special_ids: dict[str, int | None] = {}
     if tokenizer is not None:
         save_for_transformers(tokenizer, str(out_dir), config.vocab_size,

@@ -127,11 +127,69 @@ def steps_after(root: str | Path, step: int) -> list[str]:
     return [name for n, name in sorted(found) if n > step]
 
 
+def remove_steps_after(root: str | Path, step: int) -> list[str]:
+    """Remove the complete ``step_N`` directories of `root` with N > `step`, and the records
+    (``records/step_N.*``) of those steps (a run started from `step` with --overwrite-newer
+    replaces them): ``latest`` is first pointed at the newest step left (removed when none is
+    left), so a crash in between leaves a root that loads. Returns the removed steps' names."""
+    root = Path(root).expanduser()
+    newer = steps_after(root, step)
+    latest = root / LATEST
+    if newer and latest.exists() and latest.read_text().strip() in newer:
+        left = [name for name in steps_after(root, -1) if name not in newer]
+        if left:
+            set_latest(root, left[-1])
+        else:
+            latest.unlink()
+    for name in newer:
+        shutil.rmtree(root / name)
+    for record in sorted((root / "records").glob("step_*.*")) if (root / "records").is_dir() \
+            else []:
+        n = record.name[5:].split(".")[0]
+        if n.isdigit() and int(n) > step:
+            record.unlink()
+    if newer:
+        fsync_dir(root)
+    return newer
+
+
 def has_checkpoint(path: str | Path) -> bool:
     """Whether `path` holds something to resume from (else a requeued run starts fresh)."""
     p = Path(path).expanduser()
     return p.is_dir() and ((p / MANIFEST).exists() or (p / "latest").exists()
                            or newest_step(p) is not None)
+
+
+def foreign_checkpoint(path: str | Path) -> str | None:
+    """What another framework's checkpoint in directory `path` is, and the command that imports
+    it, in one phrase; None when `path` holds none (or is a megapar checkpoint). Seen: a DCP
+    checkpoint (torchtitan's step-N: ``.metadata``, ``*.distcp``), a torchtitan checkpoint
+    folder of such steps, a Hugging Face model (config.json), safetensors weights without a
+    config.json (torchtitan's ``--checkpoint.last-save-in-hf`` output)."""
+    p = Path(path).expanduser()
+    if not p.is_dir() or has_checkpoint(p):
+        return None
+    if (p / ".metadata").is_file() or any(p.glob("*.distcp")):
+        what = ("a torch.distributed.checkpoint (DCP) checkpoint (.metadata, *.distcp), as "
+                "torchtitan saves" if (p / ".metadata").is_file() else
+                "*.distcp files of a DCP checkpoint without its .metadata (an interrupted save?)")
+        return (f"holds {what}, not a megapar checkpoint; import a torchtitan Llama with "
+                f"megapar-convert --from-dcp {path} CKPT_DIR --job-config JOB.toml (or --model "
+                f"SPEC), then --load CKPT_DIR")
+    steps = sorted(d.name for d in p.glob("step-*") if (d / ".metadata").is_file())
+    if steps:
+        return (f"holds torchtitan's DCP checkpoints ({', '.join(steps[-3:])}), not a megapar "
+                f"checkpoint; import one with megapar-convert --from-dcp {p / steps[-1]} "
+                f"CKPT_DIR --job-config JOB.toml, then --load CKPT_DIR")
+    if (p / "config.json").is_file():
+        return (f"holds a Hugging Face model (config.json), not a megapar checkpoint; start from "
+                f"it with --from-hf {path} (or import it: megapar-convert --from-hf {path} "
+                f"CKPT_DIR)")
+    if (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file():
+        return (f"holds Hugging Face-style safetensors weights without a config.json, not a "
+                f"megapar checkpoint; add the model's config.json there, then start from it "
+                f"with --from-hf {path} (or megapar-convert --from-hf {path} CKPT_DIR)")
+    return None
 
 
 def _owner_gone(path: Path) -> bool:
@@ -209,5 +267,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise CheckpointError(f"{path} holds a Hugging Face model (config.json), not a megapar "
                               f"checkpoint; import it with megapar-convert --from-hf {path} "
                               f"CKPT_DIR (or train from it: megapar-train --from-hf {path})")
+    foreign = foreign_checkpoint(path)
+    if foreign is not None:
+        raise CheckpointError(f"{path} {foreign}")
     raise CheckpointError(f"{path}: neither a checkpoint step directory (no {MANIFEST}) nor a "
                           f"checkpoint root (no {LATEST} file); was the save interrupted?")

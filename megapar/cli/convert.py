@@ -8,6 +8,9 @@ Examples:
                                                              # (weights, config, tokenizer)
     megapar-convert --info ckpt/                             # layout, step, model, sizes
                                                              # (files verified; --fast: sizes)
+    megapar-convert --from-dcp titan/checkpoint/step-1000 ckpt/ --job-config llama3_8b.toml
+                                                             # torchtitan (DCP) -> megapar
+    megapar-convert ckpt/ --to-dcp titan_step/               # megapar -> torchtitan (DCP)
 
 SRC may be a checkpoint root (its ``latest`` is followed) or a step directory; DST is a new
 checkpoint root. Sources are verified (sizes and sha256) first. Outputs are built in a hidden
@@ -21,6 +24,10 @@ save_pretrained does, the config's special token ids the tokenizer's, in the dty
 Hugging Face model it came from (else float32; --dtype to choose); a GPT-2 or Llama gets a
 generation_config.json too (the one of the model it was imported from, else one made from its
 config); other files there are kept, an earlier export is replaced only with --overwrite.
+--from-dcp / --to-dcp move a Llama's weights between megapar and torchtitan's DCP checkpoints
+(torchtitan's names; wq and wk in its rotary layout); the model is the one --job-config's
+[model] flavor names (torchtitan's job config TOML) or --model SPEC; optimizer state does not
+move (docs/guides/checkpoints.md says why).
 """
 
 from __future__ import annotations
@@ -46,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "files never depend on dp)")
     p.add_argument("--from-hf", metavar="HF_DIR", help="import a transformers directory")
     p.add_argument("--to-hf", metavar="HF_DIR", help="export SRC as a transformers directory")
+    p.add_argument("--from-dcp", metavar="DCP_DIR",
+                   help="import a torchtitan Llama checkpoint (a DCP step directory: "
+                        ".metadata + *.distcp); needs --job-config or --model")
+    p.add_argument("--to-dcp", metavar="DCP_DIR",
+                   help="export SRC's Llama weights as a DCP checkpoint in torchtitan's names")
+    p.add_argument("--job-config", metavar="TOML",
+                   help="--from-dcp: torchtitan's job config; its [model] flavor (debugmodel, "
+                        "8B, 70B, 405B) and [training] seq_len give the model")
+    p.add_argument("--model", metavar="SPEC",
+                   help="--from-dcp: the model as a megapar recipe name or config file "
+                        "(instead of --job-config)")
     p.add_argument("--tokenizer", metavar="SPEC",
                    help="--to-hf: the tokenizer to export ('gpt2', 'sentencepiece', a .model "
                         "file, a vocab.json + merges.txt or tokenizer.json directory); default: "
@@ -54,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-other-tokenizer", action="store_true",
                    help="--to-hf: export --tokenizer even though it is not the tokenizer the "
                         "checkpoint trained with")
+    p.add_argument("--tokenizer-rows", action="store_true",
+                   help="--to-hf of a GPT-2 or Llama: export only the rows of the tokenizer's ids "
+                        "(the GPT-2 BPE's 50,257, as Hugging Face's GPT-2), not the [PAD] [CLS] "
+                        "[SEP] [MASK] megapar appends; logits on those ids are unchanged, "
+                        "probabilities shift slightly (the model's softmax spanned every row)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], type=_dtype,
                    help="--to-hf: the dtype of the exported weights, or its short name bf16, "
                         "fp16, fp32 (default: the dtype of the Hugging Face model the "
@@ -97,17 +120,24 @@ def run(args) -> str:
     from megapar.checkpoint.manifest import read_manifest
 
     progress = not args.no_progress
-    for flag in ("from_hf", "to_hf", "info"):
+    for flag in ("from_hf", "to_hf", "info", "from_dcp", "to_dcp"):
         if getattr(args, flag) == "":
             raise ValueError(f"--{flag.replace('_', '-')} '' is an empty path: give a directory")
-    if sum(x is not None for x in (args.from_hf, args.to_hf, args.info)) > 1:
-        raise ValueError("--from-hf, --to-hf and --info are separate modes; give one")
+    if sum(x is not None for x in (args.from_hf, args.to_hf, args.info, args.from_dcp,
+                                   args.to_dcp)) > 1:
+        raise ValueError("--from-hf, --to-hf, --from-dcp, --to-dcp and --info are separate "
+                         "modes; give one")
+    if (args.job_config or args.model) and not args.from_dcp:
+        raise ValueError("--job-config and --model are used only with --from-dcp")
+    if args.from_dcp or args.to_dcp:
+        return _dcp(args, progress)
     if args.info:
         _need(args, 0, "no positional path with --info CKPT")
         return cv.checkpoint_info(args.info, tensors=args.tensors, checksums=not args.fast)
-    if (args.tokenizer or args.dtype or args.allow_other_tokenizer) and not args.to_hf:
-        raise ValueError("--tokenizer, --allow-other-tokenizer and --dtype are used only with "
-                         "--to-hf")
+    if (args.tokenizer or args.dtype or args.allow_other_tokenizer or args.tokenizer_rows) \
+            and not args.to_hf:
+        raise ValueError("--tokenizer, --allow-other-tokenizer, --tokenizer-rows and --dtype are "
+                         "used only with --to-hf")
     if args.allow_other_tokenizer and not args.tokenizer:
         raise ValueError("--allow-other-tokenizer needs --tokenizer SPEC, the tokenizer to export")
     if args.to_hf:
@@ -116,8 +146,21 @@ def run(args) -> str:
             raise ValueError("--tp and --pp are not used with --to-hf: an export is one "
                              "unsharded model; drop them")
         out = cv.export_hf(src, args.to_hf, overwrite=args.overwrite, tokenizer=args.tokenizer,
-                           dtype=args.dtype, allow_other_tokenizer=args.allow_other_tokenizer)
+                           dtype=args.dtype, allow_other_tokenizer=args.allow_other_tokenizer,
+                           tokenizer_rows=args.tokenizer_rows)
         report = f"wrote transformers directory {out}"
+        rows = _exported_rows(args, src, out)
+        if rows is not None and rows[0] < rows[1]:
+            report += (f"\nnote: --tokenizer-rows: the embedding has the tokenizer's {rows[0]:,} "
+                       f"rows of the model's {rows[1]:,}; logits on those ids are the model's, "
+                       f"probabilities differ slightly (it trained its softmax over all)")
+        elif rows is not None:
+            report += (f"\nnote: vocab_size {rows[1]:,}: the tokenizer's {rows[2]:,} ids and the "
+                       f"{rows[1] - rows[2]} megapar appends for BERT ([PAD] [CLS] [SEP] [MASK] "
+                       f"where missing), which this model trained its softmax over, so they "
+                       f"stay (cutting them would "
+                       f"change every probability); --tokenizer-rows exports {rows[2]:,} rows, "
+                       f"shaped as Hugging Face's model")
         if not (out / "tokenizer_config.json").exists():
             report += ("\nnote: the checkpoint records no tokenizer, so the export has none "
                        "(AutoTokenizer cannot load it); pass --tokenizer SPEC")
@@ -138,6 +181,58 @@ def run(args) -> str:
     path = cv.convert_checkpoint(src, dst, args.tp, args.pp, args.dp, overwrite=args.overwrite,
                                  progress=progress)
     return f"wrote {path} (tp={args.tp} pp={args.pp} dp={args.dp})"
+
+
+def _exported_rows(args, src: str, out) -> tuple[int, int, int] | None:
+    """(rows exported, the checkpoint's vocabulary, its tokenizer's ids) of a causal LM's
+    export whose vocabulary holds more rows than its tokenizer has ids (None otherwise)."""
+    import json
+
+    from megapar.checkpoint.hf import causal_rows
+    from megapar.checkpoint.manifest import read_manifest
+    from megapar.data.tokenizers import load_tokenizer
+    from megapar.models.config import CAUSAL_LM_TYPES
+
+    manifest = read_manifest(src)
+    model, spec = manifest["model"], args.tokenizer or manifest["meta"].get("tokenizer")
+    if model.get("model_type") not in CAUSAL_LM_TYPES or not spec or \
+            not (out / "tokenizer_config.json").exists():
+        return None
+    rows = causal_rows(load_tokenizer(spec))
+    if rows >= model["vocab_size"]:
+        return None
+    return json.loads((out / "config.json").read_text())["vocab_size"], model["vocab_size"], rows
+
+
+def _dcp(args, progress: bool) -> str:
+    """--from-dcp / --to-dcp."""
+    from megapar.checkpoint import dcp
+
+    if args.tokenizer or args.dtype or args.allow_other_tokenizer:
+        raise ValueError("--tokenizer, --allow-other-tokenizer and --dtype are used only with "
+                         "--to-hf")
+    if args.to_dcp:
+        (src,) = _need(args, 1, "SRC --to-dcp DCP_DIR")
+        if args.tp is not None or args.pp is not None:
+            raise ValueError("--tp and --pp are not used with --to-dcp: the export is one "
+                             "unsharded model; drop them")
+        out, titan = dcp.export_dcp(src, args.to_dcp, overwrite=args.overwrite)
+        shown = ", ".join(f"{k}={v}" for k, v in titan.items())
+        return (f"wrote DCP checkpoint {out} (torchtitan's Llama names; weights only, no "
+                f"optimizer state)\ntorchtitan model args: {shown}")
+    (dst,) = _need(args, 1, "--from-dcp DCP_DIR DST (--job-config TOML | --model SPEC) "
+                            "[--tp N] [--pp M]")
+    if args.job_config and args.model:
+        raise ValueError("--job-config and --model both name the model; give one")
+    _fill_layout(args, {})
+    path, reader = dcp.import_dcp(args.from_dcp, dst, args.tp, args.pp, args.dp,
+                                  config=args.model, job_config=args.job_config,
+                                  overwrite=args.overwrite, progress=progress)
+    report = f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, weights only)"
+    if reader.optimizer:
+        report += (f"\nnote: {args.from_dcp} holds optimizer state too; it is not imported "
+                   f"(the run starts its optimizer afresh, as after --from-hf)")
+    return report
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -187,6 +187,9 @@ def _problem(args):
 
 def _explain(args, problem) -> int:
     c = parse_candidate(args.explain, problem.gpus)
+    if c.zero not in ZERO_STAGES:  # a bad value (exit 2), not a layout that cannot run
+        raise ValueError(f"--explain: zero={c.zero}: use one of "
+                         f"{', '.join(map(str, ZERO_STAGES))}")
     reason = check(c, problem.config, problem.gpus, problem.gpus_per_node, problem.global_batch,
                    problem.seq_len)
     if reason:

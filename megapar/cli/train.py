@@ -16,6 +16,8 @@ import sys
 import traceback
 
 from megapar.checkpoint.lock import SaveLock, SaveLockError
+from megapar.checkpoint.manifest import read_manifest
+from megapar.checkpoint.publish import has_checkpoint, remove_steps_after
 from megapar.device import DeviceError, check_gpus, share_host_arena
 from megapar.dryrun.command import rehearse
 from megapar.dryrun.sample import check_world
@@ -76,6 +78,30 @@ def _layout(cfg: TrainConfig) -> Layout:
     return layout
 
 
+def _what_is_saved(cfg: TrainConfig) -> str:
+    """After an abort: what --save holds to resume from (a write in flight is lost)."""
+    root = os.path.expanduser(cfg.save) if cfg.save else ""
+    latest = os.path.join(root, "latest")
+    if not root or not os.path.isfile(latest):
+        return "nothing saved"
+    with open(latest) as f:
+        name = f.read().strip()
+    return (f"any save in flight is lost; {cfg.save}/latest is {name}, the checkpoint to "
+            f"resume from (--load {cfg.save})")
+
+
+def _remove_newer_steps(cfg: TrainConfig) -> list[str]:
+    """--overwrite-newer: remove the steps of --save newer than the one this run starts from
+    (and their records), so none of an earlier run is left mixed with this run's; a note."""
+    start = int(read_manifest(cfg.load).get("step", 0)) \
+        if cfg.load and has_checkpoint(cfg.load) else 0
+    removed = remove_steps_after(cfg.save, start)
+    if not removed:
+        return []
+    return [f"--overwrite-newer: removed {', '.join(removed)} of --save {cfg.save} (newer than "
+            f"step {start}, where this run starts)"]
+
+
 def _worker(cfg: TrainConfig, plan: DataPlan):
     restore = install_stop_handlers(cfg.exit_signals)
     try:
@@ -95,6 +121,8 @@ def main(argv=None) -> int:
             command = shlex.join(["megapar-train", *(sys.argv[1:] if argv is None else argv)])
             lock = SaveLock(cfg.save, command).acquire()
             notes.extend(filter(None, [lock.taken_over]))
+            if cfg.overwrite_newer:  # under the lock: nobody else writes --save now
+                notes.extend(_remove_newer_steps(cfg))
     except (UsageError, LayoutError, ConfigError, ValueError, FileNotFoundError,
             SaveLockError, DeviceError) as exc:
         print(f"megapar-train: error: {exc}", file=sys.stderr)
@@ -139,7 +167,7 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
                   file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("megapar-train: aborted (second SIGINT): nothing saved", file=sys.stderr)
+        print(f"megapar-train: aborted (second SIGINT): {_what_is_saved(cfg)}", file=sys.stderr)
         return 130
     return 0
 

@@ -1,15 +1,5 @@
-"""ZeRO-3 (FSDP-style): each unit's parameters sharded over the data-parallel group, gathered
-for each use and freed after it.
-
-A *unit* is a transformer block (`chunk.layers[i]`) or, per model chunk, the *root*: the rest
-of the chunk (embedding, final norm, head; a tied weight once), split in two as below. Its
-trainable parameters are laid out back to back in one flat fp32 buffer, zero-padded to a
-multiple of the group size g (dp, or cp x dp under context parallelism); rank r keeps slice r
-of it (`Unit.shard`, the fp32 master the optimizer steps) and the gradient of that slice
-(`Unit.grad_shard`). Each ``param.data`` is a view into the unit's full buffer (`Unit.full`),
-whose storage exists only while the unit is gathered (``untyped_storage().resize_(0)`` frees
-it; autograd's saved references to the weights survive, and see the values again when the unit
-is re-gathered into the same storage).
+"""ZeRO-3 (FSDP-style): each unit's parameters (`zero3_units.py`) sharded over the
+data-parallel group, gathered for each use and freed after it; also the stage's grad sync.
 
 Hooks attached from outside the model (the model knows nothing of this):
 
@@ -20,11 +10,10 @@ Hooks attached from outside the model (the model knows nothing of this):
   gathers the unit again and prefetches the block before it; an identity autograd function on
   the block's input frees the block once its input gradient is computed (nothing after that
   reads the weights: a weight gradient reads the activations only). The root is gathered
-  when the chunk's backward starts. Where the chunk has an `embed` module, the root is two
-  units: the *tail* (final norm, head, a tied word embedding), freed once the backward has
-  passed the last block, and the *embedding* (its own parameters), gathered when the backward
-  reaches the first block (a LayerNorm after the embedding reads its weight; an embedding's
-  backward reads none). Both are freed when the micro-batch's backward ends.
+  when the chunk's backward starts. Where the root is split, the *tail* is freed once the
+  backward has passed the last block, and the *embedding* gathered when the backward reaches
+  the first block (a LayerNorm after the embedding reads its weight; an embedding's backward
+  reads none). Both are freed when the micro-batch's backward ends.
 - a recomputed forward (full recomputation) runs inside backward: the unit is gathered then,
   and its hooks neither free nor prefetch.
 
@@ -35,25 +24,20 @@ instead of two per micro-batch, at the price of the stage's whole parameters dur
 Gradients: a unit's full gradient buffer (``.grad`` views) is made when its backward first
 gathers it. With ``reduce="step"`` (--zero3-reduce step) it accumulates all micro-batches of
 the step (ZeRO-2's "keep full gradients until the last one"); when every parameter of the unit
-is final (the executor's grad-sync protocol, as `GradBuckets`: `begin_step`, `arm`,
-`before_last_backward`, `grads_ready`, `finish`) it is divided by dp, reduce-scattered into
-`grad_shard` (async) and freed once that is waited for: before the next unit's reduce-scatter
-is launched (`MAX_REDUCES_IN_FLIGHT`, on gloo and NCCL alike), so the backward does not hold
-the stage's whole gradient. With ``reduce="micro-batch"`` (DeepSpeed's stage 3) every
-micro-batch's backward reduce-scatters each unit once its gradients are there, in rounds as
-ZeRO-2's buckets (`_launch_round`), into a staging slice added into `grad_shard`; the next
+is final (the executor's `GradSync` protocol: `begin_step`, `arm`, `before_last_backward`,
+`grads_ready`, `finish`) it is divided by dp, reduce-scattered into `grad_shard` (async) and
+freed once that is waited for: before the next unit's reduce-scatter is launched
+(`MAX_REDUCES_IN_FLIGHT`, on gloo and NCCL alike), so the backward does not hold the stage's
+whole gradient. With ``reduce="micro-batch"`` (DeepSpeed's stage 3) every micro-batch's
+backward reduce-scatters each unit once its gradients are there, in rounds as ZeRO-2's buckets
+(`LaunchOrder.launch_round`), into a staging slice added into `grad_shard`; the next
 micro-batch's backward makes a new buffer (after the previous round's reductions are waited
 for). Gradients reported once per step (ZB-H1's W, the tied embedding over stages) hold their
-units, and those after them in the round, until then. Units launch in a fixed order (the blocks from the last, then the root) whatever
-order hooks fire in, and gathers are issued in program order, so every rank of the group
-issues the same collectives in the same order (NCCL's rule). The root goes last and, with a
-tied embedding over pipeline stages (`defer`), only after `before_reduce`.
-
-`offload=True` (``--offload-params``, DeepSpeed's offload_param): each unit's shard is held in
-host memory (`Unit.host_shard`, pinned on CUDA; on the CPU only with `HOST_COPIES_ENV`, else
-nothing moves) and `Unit.shard` is a device staging buffer, filled from the host just before
-each gather and freed once the gather is done; the optimizer steps the host shards
-(`Zero3Optimizer` with offload).
+units, and those after them in the round, until then. Units launch in a fixed order (the
+blocks from the last, then the root; `LaunchOrder`) whatever order hooks fire in, and gathers
+are issued in program order, so every rank of the group issues the same collectives in the
+same order (NCCL's rule). The root goes last and, with a tied embedding over pipeline stages
+(`defer`), only after `before_reduce`.
 
 Traffic per step without pp (m micro-batches): 2 m all-gathers of every unit and one
 reduce-scatter (1.5x an all-reduce's bytes at m = 1), m per micro-batch; with `keep`, one
@@ -65,220 +49,37 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable
-from itertools import pairwise
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megapar import device as _device
+from megapar.data_parallel.launch_order import LaunchOrder
+from megapar.data_parallel.zero3_units import (
+    FreeAfterBackward,
+    Reduction,
+    Unit,
+    in_backward,
+    stage_units,
+)
 from megapar.mesh import group_size
 
 REDUCES = ("step", "micro-batch")
 """--zero3-reduce: when each unit's gradient is reduce-scattered (`ShardedParams`)."""
 
 
-def _in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (a recomputed forward)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class Unit:
-    """One gathered-together group of parameters (a block, or a chunk's root)."""
-
-    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], shards: int,
-                 rank: int, offload: bool = False):
-        self.name, self.module, self.params = name, module, params
-        self.numel = sum(p.numel() for p in params)
-        self.padded = -(-self.numel // shards) * shards
-        """Elements of the flat buffer: numel rounded up to a multiple of the group size."""
-        self.start = 0
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise ValueError(f"--zero 3 unit {name} mixes parameter dtypes "
-                             f"{sorted(map(str, dtypes))}")
-        device = params[0].device
-        size = self.padded // shards
-        self.lo, self.hi = rank * size, (rank + 1) * size
-        full = torch.zeros(self.padded, dtype=params[0].dtype, device=device)
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-                offset += p.numel()
-        self.shard = full[self.lo:self.hi].clone()
-        """This rank's slice of the parameters (fp32 master, stepped by the optimizer)."""
-        self.grad_shard = torch.zeros_like(self.shard)
-        """This rank's slice of the dp-averaged gradient (written by the reduce-scatter)."""
-        self.shard_nbytes = self.shard.untyped_storage().nbytes()
-        self.host_shard: torch.Tensor | None = None
-        """--offload-params (with separate host copies: on CUDA, or `HOST_COPIES_ENV`): the
-        slice in host memory (pinned on CUDA), the weights the optimizer steps; `shard` is then
-        a device staging buffer, its storage only there while the unit's gather runs."""
-        if offload and _device.host_copies_wanted(device):
-            self.host_shard = _device.host_buffer(self.shard)
-            self.host_shard.copy_(self.shard)
-            self.shard.untyped_storage().resize_(0)
-        self.full = full
-        """The gathered parameters; storage of size 0 while freed."""
-        self.nbytes = full.untyped_storage().nbytes()
-        offset = 0
-        for p in params:
-            p.data = full[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-        self.grad_full: torch.Tensor | None = None
-        self.gathered, self.handle, self.reduce_handle = True, None, None
-        self.launched_round = 0
-        """The round (micro-batch) of the step its last reduce-scatter was launched in."""
-        self.ready: set[int] = set()
-        self.deferred = False
-        self.prev: Unit | None = None
-        self.next: Unit | None = None
-        self.tail: Unit | None = None
-        """The last block of a split root: the tail unit, freed after this block's output
-        gradient is complete."""
-        self.embedding: Unit | None = None
-        """The first block of a split root: the embedding unit, gathered when this block's
-        input gradient is complete."""
-        self.free()
-
-    def free(self) -> None:
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
-
-    def launch_gather(self, group, piece: int | None = None) -> None:
-        """Start the all-gather of the unit into its full buffer (no-op when gathered).
-        `piece`: gather synchronously, `piece` elements of each rank's slice at a time through
-        a staging buffer (gloo, which copies whole buffers in flight: see `ShardedParams`)."""
-        if self.gathered or self.handle is not None:
-            return
-        self.full.untyped_storage().resize_(self.nbytes)
-        if self.host_shard is not None:  # to the device staging shard first
-            self.shard.untyped_storage().resize_(self.shard_nbytes)
-            self.shard.copy_(self.host_shard, non_blocking=True)
-        size = self.hi - self.lo
-        if piece is None or size <= piece:
-            self.handle = _all_gather(self.full, self.shard, group)
-            return
-        ranks = self.padded // size
-        for j in range(0, size, piece):
-            n = min(piece, size - j)
-            stage = self.shard.new_empty(ranks * n)
-            _all_gather(stage, self.shard[j:j + n], group).wait()
-            self.full.view(ranks, size)[:, j:j + n].copy_(stage.view(ranks, n))
-        self.gathered = True
-        self._free_staging()
-
-    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, group,
-                       piece: int | None = None):
-        """Reduce-scatter the full gradient `flat` into `out` (this rank's slice): async
-        (returns the work), or with `piece` synchronously through a staging buffer, as
-        `launch_gather` (None)."""
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        size = self.hi - self.lo
-        if piece is None or size <= piece:
-            return fn(out, flat, group=group, async_op=True)
-        ranks = self.padded // size
-        for j in range(0, size, piece):
-            n = min(piece, size - j)
-            stage = flat.view(ranks, size)[:, j:j + n].reshape(-1)
-            fn(out[j:j + n], stage, group=group, async_op=True).wait()
-        return None
-
-    def wait_gather(self) -> None:
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
-            self.gathered = True
-            self._free_staging()
-
-    def _free_staging(self) -> None:
-        """--offload-params: free the device staging shard once its gather is done (the
-        current stream is ordered after the gather)."""
-        if self.host_shard is not None:
-            self.shard.untyped_storage().resize_(0)
-
-    def keep_shard(self) -> None:
-        """Take this rank's slice of the gathered (possibly rewritten) parameters as its
-        shard: the host shard under --offload-params."""
-        held = self.shard if self.host_shard is None else self.host_shard
-        held.copy_(self.full[self.lo:self.hi])
-
-    def grads(self) -> torch.Tensor:
-        """The full gradient buffer (made on first use in a step, holding any gradient
-        autograd accumulated before; ``.grad`` views)."""
-        if self.grad_full is None:
-            self.grad_full = self.shard.new_zeros(self.padded)
-            offset = 0
-            for p in self.params:
-                view = self.grad_full[offset:offset + p.numel()].view_as(p)
-                if p.grad is not None:  # accumulated before the buffer was made
-                    view.copy_(p.grad)
-                p.grad = view
-                offset += p.numel()
-        return self.grad_full
-
-    def adopt_replaced_grads(self) -> None:
-        """A ``.grad`` autograd replaced instead of accumulating in place is copied in."""
-        flat, offset = self.grads(), 0
-        for p in self.params:
-            view = flat[offset:offset + p.numel()]
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad.reshape(-1))
-            offset += p.numel()
-
-    def take_grads(self) -> torch.Tensor:
-        """The full gradient buffer (made if none, as `grads`), detached from the unit: the
-        ``.grad`` are dropped and the next gradient goes into a new buffer."""
-        flat = self.grads()
-        self.grad_full = None
-        for p in self.params:
-            p.grad = None
-        return flat
-
-
-class _Reduction:
-    """A unit's reduce-scatter in flight: holds the full gradient buffer it reads until it is
-    waited for; `add_to`: the result lands in a staging slice, added into this tensor then
-    (a reduce-scatter per micro-batch), else it was written in place."""
-
-    def __init__(self, work, flat: torch.Tensor, staging: torch.Tensor | None = None,
-                 add_to: torch.Tensor | None = None):
-        self.work, self.flat, self.staging, self.add_to = work, flat, staging, add_to
-
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-        if self.add_to is not None:
-            self.add_to.add_(self.staging)
-        self.work = self.flat = self.staging = self.add_to = None
-
-
-def _all_gather(output: torch.Tensor, shard: torch.Tensor, group):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, shard, group=group, async_op=True)
-
-
-class _FreeAfterBackward(torch.autograd.Function):
-    """Identity on a block's input; its backward (the block's input gradient is complete)
-    frees the block."""
-
-    @staticmethod
-    def forward(ctx, x, release):
-        ctx.release = release
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.release()
-        return grad, None
-
-
 class ShardedParams:
     """The units of a stage (`stage.chunks` or the stage itself), sharded over `group`, with
-    their hooks; also the stage's gradient sync (the `GradBuckets` protocol, reduce-scatter)."""
+    their hooks; also the stage's grad sync (ZeRO-3's kind of the `GradSync` protocol)."""
 
+    stage = 3
+    """The ZeRO stage this grad sync serves (`GradSync.stage`)."""
     sharded = True
+    """The parameters, gradients and optimizer state are this rank's slices (`GradSync`)."""
+    sharded_grads = True
+    """The reduced gradients exist only as this rank's slices (`GradSync`)."""
+
     MAX_REDUCES_IN_FLIGHT = 1
     """Reduce-scatters left in flight when the next unit's is launched: the older ones are
     waited for first and their full gradient buffers dropped, on every backend (FSDP2's
@@ -286,7 +87,7 @@ class ShardedParams:
     the unit before it). At most two units' full gradients are then alive from the reductions
     (the one in flight and the one being reduced next) besides those autograd is filling.
     gloo: it also bounds the copies of whole buffers gloo holds until a collective is waited
-    for (see `GradBuckets`). NCCL: the wait only orders the current stream after the
+    for (see `Zero1Buckets`). NCCL: the wait only orders the current stream after the
     collective (no host sync); ProcessGroupNCCL keeps its own reference to the input until
     the work is waited for (its tensor stash, which replaced ``recordStream``), and the
     buffer dropped after the wait returns to the caching allocator on the current stream,
@@ -294,8 +95,8 @@ class ShardedParams:
     HOST_PIECE_MB = 16.0
     """gloo: a unit whose slice is larger than this is gathered and reduce-scattered
     synchronously, this many MB of each rank's slice at a time through a staging buffer (gloo
-    holds up to two copies of a collective's whole buffer until it is waited for: 2 x 0.6 GiB
-    for GPT-2 124M's root unit at dp 2). NCCL runs every collective in place, whole."""
+    holds up to two copies of a collective's whole buffer until it is waited for). NCCL runs
+    every collective in place, whole."""
 
     def __init__(self, stage: nn.Module, group, average_over: int | None = None,
                  keep: bool = False, persist_below: int = 0, offload: bool = False,
@@ -318,32 +119,12 @@ class ShardedParams:
         self.average_over = average_over or self.dp
         self.keep = keep
         self.persist_below = persist_below
-        self.chunks = list(getattr(stage, "chunks", [stage]))
-        self.roots: dict[int, tuple[Unit | None, Unit | None]] = {}
-        """Per chunk, its (tail, embedding) root units (either may be None)."""
-        self.first: dict[int, Unit] = {}
-        per_chunk: list[list[Unit]] = []
-        for ci, chunk in enumerate(self.chunks):
-            layers = getattr(chunk, "layers", None)
-            blocks = list(layers.items()) if layers is not None else []
-            made = [Unit(f"chunk {ci} layer {n}", b, ps, self.dp, self.dp_rank, self.offload)
-                    for n, b in blocks if (ps := [p for p in b.parameters() if p.requires_grad
-                                                  and p.numel() >= persist_below])]
-            tail, embed = self._roots(ci, chunk, blocks, bool(made))
-            self.roots[ci] = (tail, embed)
-            for a, b in pairwise(made):
-                a.next, b.prev = b, a
-            if made:
-                self.first[ci] = made[0]
-            per_chunk.append([*reversed(made)] + [u for u in (embed, tail) if u is not None])
-        small = [p for p in stage.parameters() if p.requires_grad and p.numel() < persist_below]
-        self.persistent = Unit("persistent", stage, small, self.dp, self.dp_rank, self.offload) if small \
-            else None
+        made = stage_units(stage, self.dp, self.dp_rank, persist_below, offload)
+        self.chunks, self.roots, self.first = made.chunks, made.roots, made.first
+        self.persistent = made.persistent
         """The unit of the parameters under `persist_below` elements (None: none)."""
-        self.units: list[Unit] = [u for units in reversed(per_chunk) for u in units] + \
-            ([self.persistent] if small else [])
-        """Every unit, in the order their gradients reduce (later chunks, later blocks first;
-        each chunk's root after its blocks)."""
+        self.units: list[Unit] = made.units
+        """Every unit, in the order their gradients reduce (`StageUnits.units`)."""
         if not self.units:
             raise ValueError("--zero 3: the stage has no trainable parameters to shard")
         self.params = [p for u in self.units for p in u.params]
@@ -356,47 +137,31 @@ class ShardedParams:
         """Bytes this rank received from all-gathers (full buffers) / put into reduce-scatters."""
         self.active = self.in_step = False
         self._armed: set[int] = set()
-        self._deferred_ok = False
         self.before_reduce = None
-        self.next_launch = 0
+        self.order = LaunchOrder(self.units)
+        """The fixed order the units' reductions launch in."""
         self._flight: list[Unit] = []
         """Units whose reduce-scatter is in flight, oldest first."""
-        self._round = 0
-        """Per micro-batch: the rounds (all non-deferred units reduced once) done this step."""
-        self._handles = []
         self._attach_hooks()
 
-    def _roots(self, ci: int, chunk: nn.Module, blocks: list, split: bool):
-        """The chunk's parameters outside its blocks as (tail, embedding) units. With blocks
-        and an `embed` module, the embedding's own parameters (not a tied word embedding the
-        head reads) are a unit of their own, needed in backward only after the blocks' (a
-        LayerNorm's weight; an embedding's backward reads no weight): the tail unit (final
-        norm, head, tied weights) is freed once the backward has passed the last block, and
-        the embedding unit is gathered when it reaches the first. Else one root unit."""
-        inside = {id(p) for _, b in blocks for p in b.parameters()}
-        root = [p for p in chunk.parameters() if p.requires_grad and id(p) not in inside
-                and p.numel() >= self.persist_below]
-        embed = getattr(chunk, "embed", None)
-        own: set[int] = set()
-        if split and isinstance(embed, nn.Module):
-            tail_ids = {id(p) for name, m in chunk.named_children() if name not in
-                        ("embed", "layers") for p in m.parameters()}
-            tail_ids |= {id(p) for p in chunk.parameters(recurse=False)}
-            own = {id(p) for p in embed.parameters() if id(p) not in tail_ids}
-            if any(id(p) not in own for p in root):  # a tail: tied weights are read there
-                own -= {id(p) for p in root if getattr(p, "shared_embedding", False)}
-        pre = [p for p in root if id(p) in own]
-        post = [p for p in root if id(p) not in own]
-        def make(name: str, ps: list) -> Unit | None:
-            return Unit(f"chunk {ci} {name}", chunk, ps, self.dp, self.dp_rank, self.offload) if ps else None
-        return make("root", post), make("embedding", pre)
+    @property
+    def reduces_every_micro_batch(self) -> bool:
+        """Whether every micro-batch's backward reduces (--zero3-reduce micro-batch)."""
+        return self.per_micro_batch
+
+    @property
+    def next_launch(self) -> int:
+        """Index of the next unit to launch (in its round, reducing per micro-batch)."""
+        return self.order.next
 
     # the optimizer's view (ZeroOptimizer.state_tensors reads these) ------------------------
     @property
     def buckets(self) -> list[Unit]:
+        """The units, as the optimizer reads `GradBuckets.buckets`."""
         return self.units
 
     def shard_range(self, u: Unit) -> tuple[int, int]:
+        """This rank's slice [lo, hi) of unit `u`'s flat buffer."""
         return u.lo, u.hi
 
     def held_bytes(self) -> int:
@@ -418,10 +183,10 @@ class ShardedParams:
 
         for ci, chunk in enumerate(self.chunks):
             roots, first = self.roots[ci], self.first.get(ci)
-            self._handles.append(chunk.register_forward_pre_hook(
-                lambda m, args, r=roots, f=first: call("_chunk_pre", r, f)))
-            self._handles.append(chunk.register_forward_hook(
-                lambda m, args, out, r=roots: call("_chunk_post", r, out)))
+            chunk.register_forward_pre_hook(
+                lambda m, args, r=roots, f=first: call("_chunk_pre", r, f))
+            chunk.register_forward_hook(
+                lambda m, args, out, r=roots: call("_chunk_post", r, out))
             tail, embed = roots
             if first is not None and embed is not None:
                 first.embedding = embed
@@ -431,13 +196,13 @@ class ShardedParams:
                 last.tail = tail
         for u in self.units:
             if u.module not in self.chunks and u is not self.persistent:
-                self._handles.append(u.module.register_forward_pre_hook(
-                    lambda m, args, u=u: call("_block_pre", u, args)))
-                self._handles.append(u.module.register_forward_hook(
-                    lambda m, args, out, u=u: call("_block_post", u, out)))
+                u.module.register_forward_pre_hook(
+                    lambda m, args, u=u: call("_block_pre", u, args))
+                u.module.register_forward_hook(
+                    lambda m, args, out, u=u: call("_block_post", u, out))
             for p in u.params:
-                self._handles.append(p.register_post_accumulate_grad_hook(
-                    lambda p: call("_on_grad_ready", p)))
+                p.register_post_accumulate_grad_hook(
+                    lambda p: call("_on_grad_ready", p))
 
     def gather(self, u: Unit | None) -> None:
         if u is None:
@@ -492,25 +257,25 @@ class ShardedParams:
             self._grads(u.embedding)
 
     def _block_pre(self, u: Unit, args: tuple):
-        if _in_backward():  # recomputation: gathered by the backward hook
+        if in_backward():  # recomputation: gathered by the backward hook
             self.gather(u)
             return None
         self.gather(u)
         self.prefetch(u.next)
         if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) \
                 and args[0].requires_grad:
-            return (_FreeAfterBackward.apply(args[0], lambda: self._block_input_ready(u)),
+            return (FreeAfterBackward.apply(args[0], lambda: self._block_input_ready(u)),
                     *args[1:])
         return None
 
     def _block_post(self, u: Unit, out):
-        if _in_backward():
+        if in_backward():
             return None
         self.release(u)
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda g: self._block_backward(u))
             if u.tail is not None:  # the tail's backward is done when this gradient is
-                return _FreeAfterBackward.apply(out, lambda: self.release(u.tail))
+                return FreeAfterBackward.apply(out, lambda: self.release(u.tail))
         return None
 
     def _block_backward(self, u: Unit) -> None:
@@ -524,7 +289,7 @@ class ShardedParams:
         first, so their buffers are gone before the next round's are made (a deferred unit's
         buffer, made once and kept over the step, waits for none)."""
         if u.grad_full is None and not u.deferred:
-            for v in [v for v in self._flight if v.launched_round < self._round]:
+            for v in [v for v in self._flight if v.launched_round < self.order.rounds]:
                 self._wait_reduce(v)
         u.grads()
 
@@ -565,21 +330,7 @@ class ShardedParams:
                     u.keep_shard()
                     u.free()
 
-    @torch.no_grad()
-    def full_grads(self) -> dict[int, torch.Tensor]:
-        """Tests: id(param) -> the dp-averaged full gradient (all-gathers the gradient
-        shards; collective)."""
-        out = {}
-        for u in self.units:
-            flat = torch.empty(u.padded, dtype=u.shard.dtype, device=u.shard.device)
-            _all_gather(flat, u.grad_shard, self.group).wait()
-            offset = 0
-            for p in u.params:
-                out[id(p)] = flat[offset:offset + p.numel()].view(p.shape).clone()
-                offset += p.numel()
-        return out
-
-    # the gradient-sync protocol (as GradBuckets) -------------------------------------------
+    # the GradSync protocol -------------------------------------------------------------------
     def defer(self, last: Iterable[nn.Parameter], before_reduce) -> None:
         """Units holding `last` (the tied embedding) reduce only in finish(), after
         `before_reduce()`; they are moved to the end of the launch order."""
@@ -591,32 +342,60 @@ class ShardedParams:
             u.deferred = any(id(p) in late for p in u.params)
         self.units = [u for u in self.units if not u.deferred] + \
             [u for u in self.units if u.deferred]
+        self.order = LaunchOrder(self.units)
 
     def begin_step(self) -> None:
+        """Start a step: no unit ready, the hooks disarmed (reducing per micro-batch, the
+        gradient shards zeroed: the step's reductions are added into them)."""
         for u in self.units:
             if u.reduce_handle is not None:
                 raise RuntimeError("ShardedParams.begin_step() while a reduce-scatter of the "
                                    "previous step is in flight; call finish() first")
-            u.ready.clear()
-            if self.per_micro_batch:  # the step's reductions are added into the shards
+            if self.per_micro_batch:
                 u.grad_shard.zero_()
-        self.next_launch = self._round = 0
-        self.active = self._deferred_ok = False
+        self.order.reset()
+        self.active = False
         self._armed.clear()
         self.in_step = True
 
     def arm(self, params: Iterable[nn.Parameter]) -> None:
+        """Arm these parameters' hooks: their gradients become final during the next backward
+        (one model chunk's last)."""
         self._armed.update(id(p) for p in params)
 
     def before_last_backward(self) -> None:
+        """Arm every hook: gradients become final during the next backward."""
         self.active = True
 
     def grads_ready(self, params: Iterable[nn.Parameter]) -> None:
+        """Declare these parameters' gradients final (code that accumulates weight gradients
+        itself, as zero-bubble schedules' W)."""
         ready = [p for p in params if self._counts(p)]
         for p in ready:
             self._unit_of[id(p)].ready.add(id(p))
         if ready:
             self._launch_ready()
+
+    def finish(self) -> None:
+        """Launch the units not launched yet (a unit without a backward this step reduces a
+        zero gradient), wait for every reduce-scatter; with `keep`, free every unit."""
+        if not self.in_step:
+            raise RuntimeError("ShardedParams.finish() without begin_step()")
+        self.active = self.in_step = False
+        self._armed.clear()
+        if self.per_micro_batch:
+            self.order.finish_rounds(
+                self._launch, lambda u: u.grad_full is not None or any(
+                    p.grad is not None for p in u.params), self.before_reduce)
+        else:
+            self.order.finish_step(self._launch, self.before_reduce)
+        while self._flight:
+            self._wait_reduce(self._flight[0])
+        for u in self.units:
+            if u.handle is not None:  # a prefetch nothing used (cannot happen in a schedule)
+                u.wait_gather()
+            if u.gathered:
+                u.free()
 
     def _counts(self, p: nn.Parameter) -> bool:
         """Whether `p`'s gradient, reported now, is ready for a reduction: per micro-batch
@@ -629,29 +408,12 @@ class ShardedParams:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
+        """Launch the units whose turn it is and whose gradients are all there (in rounds
+        when reducing per micro-batch)."""
         if self.per_micro_batch:
-            return self._launch_round()
-        while self.next_launch < len(self.units):
-            u = self.units[self.next_launch]
-            if len(u.ready) < len(u.params) or (u.deferred and not self._deferred_ok):
-                return
-            self._launch(u)
-            self.next_launch += 1
-
-    def _launch_round(self) -> None:
-        """Per micro-batch: launch the non-deferred units in their order while the next one's
-        gradients are all there (its ready set cleared); after the last a new round starts.
-        A unit waiting for an earlier one keeps accumulating in its buffer (reduced later,
-        whole), as ZeRO-2's buckets do."""
-        rnd = [u for u in self.units if not u.deferred]
-        while rnd:
-            u = rnd[self.next_launch]
-            if len(u.ready) < len(u.params):
-                return
-            u.ready.clear()
-            self._launch(u)
-            self.next_launch = (self.next_launch + 1) % len(rnd)
-            self._round += self.next_launch == 0
+            self.order.launch_round(self._launch)
+        else:
+            self.order.launch_ready(self._launch)
 
     def _launch(self, u: Unit) -> None:
         """Reduce-scatter `u`'s full gradient into its shard (per micro-batch: into a staging
@@ -669,58 +431,15 @@ class ShardedParams:
         staging = torch.empty_like(u.grad_shard) if self.per_micro_batch else None
         work = u.reduce_scatter(flat, u.grad_shard if staging is None else staging,
                                 self.group, self.piece)
-        u.reduce_handle = _Reduction(work, flat, staging,
-                                     u.grad_shard if staging is not None else None)
-        u.launched_round = self._round
+        u.reduce_handle = Reduction(work, flat, staging,
+                                    u.grad_shard if staging is not None else None)
+        u.launched_round = self.order.rounds
         self._flight.append(u)
 
     def _wait_reduce(self, u: Unit) -> None:
         u.reduce_handle.wait()
         u.reduce_handle = None
         self._flight.remove(u)
-
-    def finish(self) -> None:
-        """Launch the units not launched yet (a unit without a backward this step reduces a
-        zero gradient), wait for every reduce-scatter; with `keep`, free every unit."""
-        if not self.in_step:
-            raise RuntimeError("ShardedParams.finish() without begin_step()")
-        self.active = self.in_step = False
-        self._armed.clear()
-        if self.per_micro_batch:
-            self._finish_rounds()
-        else:
-            for u in self.units:
-                u.ready.update(id(p) for p in u.params)
-            self._launch_ready()
-            if self.next_launch < len(self.units):
-                self.before_reduce()
-                self._deferred_ok = True
-                self._launch_ready()
-        while self._flight:
-            self._wait_reduce(self._flight[0])
-        for u in self.units:
-            if u.handle is not None:  # a prefetch nothing used (cannot happen in a schedule)
-                u.wait_gather()
-            if u.gathered:
-                u.free()
-
-    def _finish_rounds(self) -> None:
-        """Per micro-batch: reduce what accumulated since each unit's last reduction (the
-        rest of the current round first, then the units before it; a unit without any
-        gradient since is skipped: its share is in the shard already), then the deferred
-        units after `before_reduce()`. Which units hold a gradient depends only on the model
-        and the schedule, the same on every dp rank."""
-        rnd = [u for u in self.units if not u.deferred]
-        start = self.next_launch
-        for u in rnd[start:] + rnd[:start]:
-            if u.grad_full is not None or any(p.grad is not None for p in u.params):
-                self._launch(u)
-            u.ready.clear()
-        deferred = [u for u in self.units if u.deferred]
-        if deferred:
-            self.before_reduce()
-            for u in deferred:
-                self._launch(u)
 
 
 class HostStage:

@@ -64,6 +64,8 @@ def parse(spec: str, flag: str = "--inject-corrupt") -> CorruptSpec:
         if not eq or key not in CorruptSpec.__dataclass_fields__:
             raise ValueError(f"{flag} {spec!r}: {part!r} is not KEY=VALUE with KEY one of step, "
                              f"module, tp, cp, dp, pp, mb, index, value; e.g. {EXAMPLE}")
+        if key in fields:
+            raise ValueError(f"{flag} {spec!r}: {key} is given twice; give it once")
         try:
             if key == "module":
                 fields[key] = value.strip()
@@ -87,9 +89,11 @@ def parse(spec: str, flag: str = "--inject-corrupt") -> CorruptSpec:
 
 
 def check(spec: str, config, layout: Layout, micro_batches: int | None = None,
-          flag: str = "--inject-corrupt") -> CorruptSpec:
+          flag: str = "--inject-corrupt", tokens: int | None = None) -> CorruptSpec:
     """Parse `spec` and check it against the model and the layout (before any worker starts):
-    a module name the export does not have is refused with the names closest to it."""
+    a module name the export does not have is refused with the names closest to it, and with
+    `tokens` (a micro-batch's: micro-batch size x seq-len) an index past any module's output
+    (at most `tokens` x the widest output: the worker checks the module's own)."""
     out = parse(spec, flag)
     names = sorted({name for _, _, name in hf_modules(
         build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False), config)})
@@ -107,6 +111,13 @@ def check(spec: str, config, layout: Layout, micro_batches: int | None = None,
     if micro_batches is not None and out.mb >= micro_batches:
         raise ValueError(f"{flag}: mb={out.mb} but each rank runs {micro_batches} micro-batches "
                          f"per step; choose mb < {micro_batches}")
+    if tokens is not None:
+        widest = max(4 * config.hidden_size, 2 * config.ffn_size, config.vocab_size +
+                     getattr(config, "make_vocab_size_divisible_by", 128) * layout.tp)
+        if out.index >= tokens * widest:
+            raise ValueError(f"{flag}: index={out.index} is past any module's output on a rank "
+                             f"(at most {tokens * widest:,} values: {tokens} tokens of a "
+                             f"micro-batch x {widest:,} features); choose a smaller index")
     return out
 
 

@@ -7,7 +7,9 @@ samples, and which part of the full output: all of it, its tp slice of the featu
 (column-parallel layers), its tp slice of the sequence (sequence parallelism), its cp tokens),
 the rank and its coordinates, and the order key of the event (`module_trace`). Plus each
 module's weight-gradient norm after the step, combined over tp. Written by rank 0 as
-`records/step_XXXXXXXX.json` (entries) and `.safetensors` (the squared norms) under --save.
+`records/step_XXXXXXXX.json` (entries) and `.safetensors` (the squared norms) under --save,
+with the model's config and a sha256 of both (`check_record` verifies them, and the step, before
+any worker starts; a record written before the checksum is read with a note).
 
 The replay runs the step in any layout (one process is enough), records its own ranks' parts
 the same way, and computes for each recorded entry the squared norm of the same part of the
@@ -19,11 +21,13 @@ names the first module, micro-batch and rank (of the recorded run) whose values 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megapar.checkpoint.distributed import gather_payloads
@@ -128,11 +132,73 @@ class StepRecorder:
         json_path, st_path = record_paths(root, step)
         json_path.parent.mkdir(parents=True, exist_ok=True)
         save_file({"sq_norms": torch.tensor(sq, dtype=torch.float64)}, str(st_path))
-        json_path.write_text(json.dumps({
-            "step": step, "layout": self.mesh.layout.to_dict(), "rtol": RTOL,
-            "entries": entries, "grad_sq_norms": grads,
-            "values": st_path.name}, indent=1))
+        record = {"step": step, "model": self.engine.config.to_dict(),
+                  "layout": self.mesh.layout.to_dict(), "rtol": RTOL,
+                  "entries": entries, "grad_sq_norms": grads, "values": st_path.name}
+        record["sha256"] = _digest(record, st_path.read_bytes())
+        json_path.write_text(json.dumps(record, indent=1))
         return json_path
+
+
+def _digest(record: dict, values: bytes) -> str:
+    """The sha256 of a record: its values file's bytes, then its JSON's content (step, model,
+    layout, entries, weight-gradient norms) written canonically."""
+    digest = hashlib.sha256(values)
+    digest.update(json.dumps({k: record.get(k) for k in
+                              ("step", "model", "layout", "entries", "grad_sq_norms")},
+                             sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def check_record(path: str | Path, step: int, model: dict, flag: str) -> list[str]:
+    """Raise ValueError (one line naming `path` and the fix) unless `path` is a readable
+    record of step `step` of the model whose config (`to_dict`) is `model`, whose sha256
+    matches; `flag` is how the user gave it. Returns notes (a record from before checksums)."""
+    path = Path(path).expanduser()
+    fix = (f"give the records/step_{step:08d}.json that --record-step {step} wrote (or record "
+           f"the step again)")
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory, not a record; {fix}")
+    if path.suffix == ".safetensors":
+        raise ValueError(f"{flag} {path} is a record's values file; give its "
+                         f"{path.with_suffix('.json').name} instead")
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{flag} {path} is not a readable record ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else 'empty'}); {fix}") from None
+    if not isinstance(record, dict) or not {"step", "entries", "values"} <= set(record):
+        raise ValueError(f"{flag} {path} is JSON but not a record (no step / entries / values); "
+                         f"{fix}")
+    if record["step"] != step:
+        raise ValueError(f"{flag} {path} records step {record['step']}, not step {step} that "
+                         f"--replay {step} runs; {fix}")
+    values = path.parent / str(record["values"])
+    try:
+        raw = values.read_bytes()
+        sq = load_file(str(values))["sq_norms"]
+    except (OSError, SafetensorError, KeyError, ValueError) as exc:
+        raise ValueError(f"{flag} {path}: its values file {values} is unreadable "
+                         f"({type(exc).__name__}: {exc}); {fix}") from None
+    if sq.numel() != len(record["entries"]):
+        raise ValueError(f"{flag} {path}: its values file {values} holds {sq.numel()} values "
+                         f"for {len(record['entries'])} entries (damaged); {fix}")
+    notes = []
+    if "sha256" not in record:
+        notes.append(f"the record {path} was written before records carried a checksum: "
+                     f"not verified")
+    elif _digest(record, raw) != record["sha256"]:
+        raise ValueError(f"{flag} {path}: its checksum does not match (the record or {values} "
+                         f"changed after it was written); {fix}")
+    recorded = record.get("model")
+    if recorded is not None and recorded != model:
+        keys = sorted(k for k in set(recorded) | set(model) if recorded.get(k) != model.get(k))
+        what = ", ".join(f"{k} {recorded.get(k)!r} recorded, {model.get(k)!r} here"
+                         for k in keys[:3])
+        raise ValueError(f"{flag} {path} is the record of another model ({what}); replay from "
+                         f"a checkpoint of the run that recorded it, or record this model's step "
+                         f"{step} with --record-step {step}")
+    return notes
 
 
 def _merge(parts: list[bytes]) -> tuple[list[dict], list[float], dict[str, float]]:
@@ -268,7 +334,8 @@ class StepReplay:
             lines.append(f"{name:48s} {_norm(full[name], 14)} {_norm(recorded.get(name), 14)} "
                          f"{_norm(grads.get(name), 17)} {_norm(old_grads.get(name), 14)}")
         if self.record is not None:
-            lines.append(compare(self.record, ours, grads))
+            lines.append(compare(self.record, ours, grads,
+                                 getattr(self.engine.step_fn, "sharded", False)))
         else:
             lines.append("no record of this step found next to the --load checkpoint (write "
                          "one with --record-step, or give --replay-against): nothing compared")
@@ -302,11 +369,17 @@ def _differs(a: float, b: float) -> bool:
     return _relative(a, b) > RTOL
 
 
-def compare(record: dict, ours: dict[int, float], grads: dict[str, float]) -> str:
+def compare(record: dict, ours: dict[int, float], grads: dict[str, float],
+            sharded: bool = False) -> str:
     """One line: the first recorded value (smallest key) that differs from the replay's, and
-    whose rank computed it; or that every value agrees."""
+    whose rank computed it; or that every value agrees. `sharded`: the replay's gradients were
+    sharded over dp (ZeRO at dp > 1), so it has no weight-gradient norms of its own."""
     entries = record["entries"]
     missing = [i for i in range(len(entries)) if i not in ours]
+    if not ours:
+        return (f"replay of step {record['step']}: nothing compared: none of the record's "
+                f"{len(entries)} output values is of a module this replay ran (a record of "
+                f"another model?); replay with the model and checkpoint the record was made from")
     bad = [i for i in ours if _differs(entries[i]["sq"], ours[i])]
     if bad:
         i = min(bad, key=lambda j: entries[j]["key"])
@@ -328,7 +401,11 @@ def compare(record: dict, ours: dict[int, float], grads: dict[str, float]) -> st
                  if n in grads], default=0.0)
     compared = sum(n in grads for n in record.get("grad_sq_norms", {}))
     weights = f" and {compared} weight-gradient norms" if compared else ""
-    if not compared:  # the recording run sharded its gradients over dp (ZeRO)
+    recorded = len(record.get("grad_sq_norms", {}))
+    if not compared and recorded and sharded:
+        note += (f"; the record's {recorded} weight-gradient norms are not compared: the "
+                 f"replay's gradients are sharded over dp (ZeRO); replay at dp 1 to compare them")
+    elif not compared:  # the recording run sharded its gradients over dp (ZeRO)
         note += "; no weight-gradient norms were recorded to compare"
     return (f"replay of step {record['step']}: no difference: all {len(ours)} recorded output "
             f"norms{weights} agree within {RTOL:g} relative "

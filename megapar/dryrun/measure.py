@@ -14,8 +14,8 @@ the same figures a `RankReport` has, measured on the real tensors:
   and the executor's in-flight inputs and outputs. Parameters are not activations;
 - communication: every collective of the step (`comm_count`).
 
-`benchmarks/dry_run_validate.py` and `tests/test_dry_run.py` compare these with the dry run
-of the same layout; `benchmarks/plan_validate.py` with the planner.
+`benchmarks/plan/dry_run_validate.py` and `tests/test_dry_run.py` compare these with the dry run
+of the same layout; `benchmarks/plan/plan_validate.py` with the planner.
 """
 
 from __future__ import annotations

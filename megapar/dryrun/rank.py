@@ -219,29 +219,9 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
         first_batch = [list(map(int, mb)) for mb in first]
     sync, per_step = engine.grad_sync, set()  # the bucket reductions: once a step, whatever m
-    # the job runs on GPUs: NCCL reduces and gathers a sharded bucket whole (the fake tensors
-    # live on the CPU, where the real code would take gloo's bounded pieces, `shard_comm`)
-    sync.host_waits = False
     per_micro_batch_buckets = set()  # ZeRO-2's (and ZeRO-3's per micro-batch): once a
     # micro-batch (not the deferred ones)
-    launch, report = sync._launch, sync.grads_ready
-    reporting = []  # inside a W pass's report: what it launches waits for the step's last W
-
-    def launched(bucket):
-        before = len(run_calls)
-        launch(bucket)
-        every = (getattr(sync, "grads_sharded", False) or getattr(sync, "per_micro_batch", False)) \
-            and not bucket.deferred and not reporting
-        (per_micro_batch_buckets if every else per_step).update(range(before, len(run_calls)))
-
-    def reported(params):
-        reporting.append(True)
-        try:
-            report(params)
-        finally:
-            reporting.pop()
-
-    sync._launch, sync.grads_ready = launched, reported
+    restore = _watch_launches(sync, lambda: run_calls, per_step, per_micro_batch_buckets)
     sharded, peak = engine.sharded_params, {"gathered": 0, "grad_buffers": 0}
     sample = None
     if sharded is not None:  # ZeRO-3: its gathers, and the gathered units' peak
@@ -253,7 +233,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
                 engine.executor.run([_micro_batch(cfg, config, dataset, first_batch)],
                                     grad_sync=sync, loss_scale=engine.precision.loss_scale)
     finally:
-        sync._launch, sync.grads_ready = launch, report
+        restore()
     if sample is not None:  # the backward's end: every full gradient buffer not yet freed
         sample()
         if whole_grads(cfg.schedule, layout.pp, m,
@@ -310,6 +290,37 @@ def _unserved(cfg) -> str:
         except UsageError as exc:
             return str(exc)
     return ""
+
+
+def _watch_launches(sync, calls, per_step: set, per_micro_batch: set):
+    """Rehearse the grad sync's reductions as on a GPU (NCCL reduces and gathers a sharded
+    bucket whole; the fake tensors live on the CPU, where the real code would take gloo's
+    bounded pieces, `shard_comm`) and watch its launches: the calls of each reduction go to
+    `per_micro_batch` where the sync reduces every micro-batch (not the deferred buckets, nor
+    what a W pass's report launches: that waits for the step's last W), else to `per_step`;
+    returns the function that puts the sync's own launch and report back."""
+    sync.host_waits = False
+    launch, report = sync._launch, sync.grads_ready
+    reporting = []  # inside a W pass's report
+
+    def launched(bucket):
+        before = len(calls())
+        launch(bucket)
+        every = sync.reduces_every_micro_batch and not bucket.deferred and not reporting
+        (per_micro_batch if every else per_step).update(range(before, len(calls())))
+
+    def reported(params):
+        reporting.append(True)
+        try:
+            report(params)
+        finally:
+            reporting.pop()
+
+    def restore() -> None:
+        sync._launch, sync.grads_ready = launch, report
+
+    sync._launch, sync.grads_ready = launched, reported
+    return restore
 
 
 def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: dict,

@@ -4,11 +4,13 @@ writers that died.
 One answer to "is that process still there?" for everything that must tell a live owner from a
 dead one: the save-directory lock, the leftovers of a crashed save, the stack directories of a
 launcher killed with -9, a stopped worker, the temporary files and staging directories of a
-writer killed with -9 (`owner_tag`, `remove_stale_temporaries`).
+writer killed with -9 (`owner_tag`, `remove_stale_temporaries`); and the work a process must
+finish before it exits (`before_exit`, `finish_before_exit`: a background checkpoint write).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import re
@@ -21,6 +23,7 @@ import time
 
 PR_SET_PDEATHSIG = 1
 _launcher_pid: int | None = None
+_before_exit: list = []
 
 
 def process_start(pid: int) -> str | None:
@@ -116,6 +119,30 @@ def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watchdog, name="megapar-parent-watchdog", daemon=True).start()
+
+
+def before_exit(finish) -> None:
+    """Have `finish()` run before this process exits: by `finish_before_exit`, which a local
+    worker calls once its function returned (a forked worker skips `atexit`) and torchrun's and
+    a single process's interpreter calls at exit. `finish` should hold only a weak reference
+    to what it finishes."""
+    _before_exit.append(finish)
+
+
+def finish_before_exit() -> None:
+    """Run (once each) what `before_exit` registered, in order; the first exception is raised
+    after the others ran."""
+    error = None
+    while _before_exit:
+        try:
+            _before_exit.pop(0)()
+        except BaseException as exc:  # noqa: BLE001 - raised once the rest ran
+            error = error or exc
+    if error is not None:
+        raise error
+
+
+atexit.register(finish_before_exit)
 
 
 def launcher_alive() -> bool:

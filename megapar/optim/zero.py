@@ -1,14 +1,14 @@
 """ZeRO stages 1 and 2 as Megatron's distributed optimizer: state and updates sharded by buffer
 slice (stage 1), and the reduced gradients too (stage 2, DeepSpeed's ZeRO-2).
 
-The gradients live in `GradBuckets`' flat buffer (one per dtype, cut into buckets). `attach`
-switches it to sharded mode: every bucket is zero-padded to a multiple of dp and
+The gradients live in `Zero1Buckets`' flat buffer (one per dtype, cut into buckets; its grad
+sync, `data_parallel/zero_buckets.py`): every bucket is zero-padded to a multiple of dp and
 reduce-scattered, so dp rank r gets the dp-averaged gradient of the r-th equal slice of each
 bucket (one contiguous slice of the buffer when there is one bucket). Slices are element ranges,
 cut inside parameters. The parameters themselves are moved into a flat parameter buffer with
 the same layout (each ``param.data`` becomes a view into it), so per step:
 
-1. reduce-scatter each gradient bucket (overlapped with the last backward, in `GradBuckets`);
+1. reduce-scatter each gradient bucket (overlapped with the last backward, in `Zero1Buckets`);
 2. the global gradient norm (clipping, non-finite check) from the local slices: a squared sum
    all-reduced over tp x pp and over dp, each parameter counted once (`clip.py`'s rule);
 3. AdamW (or LAMB / LARS / SGD) on this rank's *pieces* (the parts of parameters inside its
@@ -19,8 +19,8 @@ the same layout (each ``param.data`` becomes a view into it), so per step:
 Traffic per step: one reduce-scatter and one all-gather of the padded buffer, the same as one
 all-reduce.
 
-Stage 2 (`stage=2`): `GradBuckets` keeps only this rank's slices of the reduced gradients
-(`GradBuckets.shards`, reduce-scattered every micro-batch and accumulated there); the pieces'
+Stage 2 (`stage=2`): `Zero2Buckets` keeps only this rank's slices of the reduced gradients
+(`Zero2Buckets.shards`, reduce-scattered every micro-batch and accumulated there); the pieces'
 ``.grad`` are views into them, and everything above runs on them unchanged. Traffic per step:
 m reduce-scatters of the buffer (the deferred tied-embedding bucket once) and one all-gather.
 
@@ -90,16 +90,14 @@ class ZeroOptimizer(AdamWOptimizer):
     # setup ----------------------------------------------------------------------------------
     @torch.no_grad()
     def attach(self, grad_sync, last: Iterable[nn.Parameter] = (), before_reduce=None) -> None:
-        """Shard `grad_sync` (a GradBuckets over the same parameters) and this optimizer over
-        dp: parameters move into a flat buffer laid out like the gradient buffer. `last` /
-        `before_reduce`: see `GradBuckets.shard_over_dp` (the tied-embedding sync)."""
+        """Shard this optimizer over dp as `grad_sync` (the `Zero1Buckets` / `Zero2Buckets` of
+        this stage's parameters, `build_grad_sync`) shards the gradients: parameters move into
+        a flat buffer laid out like the gradient buffer. `last` / `before_reduce`: the
+        tied-embedding sync, deferred by `grad_sync.defer`."""
         if self.dp == 1 or self.sharded:
             return
-        if grad_sync is None or grad_sync.dp != self.dp:
-            raise ValueError("the ZeRO-1 optimizer needs the GradBuckets of the dp group")
-        if {id(p) for p in grad_sync.params} != {id(p) for p in self.params}:
-            raise ValueError("GradBuckets and the optimizer hold different parameters")
-        grad_sync.shard_over_dp(last, before_reduce, grads=self.zero == 2)
+        self._check_sync(grad_sync)
+        grad_sync.defer(last, before_reduce)
         self.grad_sync, self.sharded = grad_sync, True
         device = self.params[0].device
         self.param_buffers = {dt: torch.zeros(n, dtype=dt, device=device)
@@ -126,6 +124,17 @@ class ZeroOptimizer(AdamWOptimizer):
         if self._pending is not None:
             self.load_state_tensors(self._pending)
             self._pending = None
+
+    def _check_sync(self, grad_sync) -> None:
+        """`grad_sync` must be the sharded grad sync of this stage's parameters over the same
+        group, for this optimizer's stage."""
+        if grad_sync is None or not grad_sync.sharded or grad_sync.stage != self.zero \
+                or grad_sync.dp != self.dp:
+            raise ValueError(f"the ZeRO-{self.zero} optimizer needs the ZeRO-{self.zero} grad "
+                             f"sync of its dp group (build_grad_sync(..., zero={self.zero}))")
+        if {id(p) for p in grad_sync.params} != {id(p) for p in self.params}:
+            raise ValueError(f"{type(grad_sync).__name__} and the optimizer hold different "
+                             f"parameters")
 
     def _build_inner(self) -> None:
         groups, self._inner_group_of = [], []
@@ -159,7 +168,7 @@ class ZeroOptimizer(AdamWOptimizer):
 
     def _gather(self, buffers: dict[torch.dtype, torch.Tensor]) -> None:
         """All-gather each bucket of `buffers` in place. On gloo, which holds a bucket-sized
-        copy per all-gather until it is waited for, at most `GradBuckets.MAX_COPIES_IN_FLIGHT`
+        copy per all-gather until it is waited for, at most `Zero1Buckets.MAX_COPIES_IN_FLIGHT`
         are in flight, and a large bucket goes in pieces (`shard_comm.all_gather`)."""
         host = self.grad_sync.host_waits
         bound = self.grad_sync.MAX_COPIES_IN_FLIGHT if host else None
@@ -173,41 +182,24 @@ class ZeroOptimizer(AdamWOptimizer):
             h.wait()
 
     @torch.no_grad()
-    def gather_grads(self) -> None:
-        """Debugging / tests: all-gather the reduced gradient slices so every ``.grad`` is the
-        full averaged gradient (collective over dp; the step does not need it)."""
-        if not self.sharded:
-            return
-        if not self.grad_sync.grads_sharded:
-            self._gather(self.grad_sync.buffers)
-            return
-        full = {dt: torch.zeros(n, dtype=dt, device=buf.device)  # ZeRO-2: full ones made here
-                for (dt, n), buf in zip(self.grad_sync.buffer_sizes().items(),
-                                        self.param_buffers.values())}
-        for b in self.grad_sync.buckets:
-            lo, hi = self.grad_sync.shard_range(b)
-            flat = full[b.params[0].dtype][b.start:b.start + b.padded]
-            flat[lo:hi] = b.shard
-            for p in b.params:
-                p.grad = flat[self._offset[id(p)]:self._offset[id(p)] + p.numel()].view_as(p)
-        self._gather(full)
-
-    @torch.no_grad()
-    def sum_over_tp(self, params: Iterable[nn.Parameter], tp_group) -> None:
-        """ZeRO-2: sum this rank's gradient pieces of `params` (partial over tp: sequence
-        parallelism's replicated parameters) over `tp_group`, in one all-reduce. Every tp rank
-        has the same bucket layout, so the pieces match."""
-        if group_size(tp_group) == 1:
-            return
-        wanted = {id(p) for p in params}
-        grads = [t.grad for t, (p, _, _) in zip(self.pieces, self._piece_of) if id(p) in wanted]
+    def sum_partial_over_tp(self, tp_group) -> int:
+        """Sum the gradient pieces of parameters whose gradients are partial over tp (sequence
+        parallelism's replicated parameters, replicated kv heads) over the tp group, in one
+        all-reduce, after the dp reduction (the sum is linear): for the grad syncs whose
+        reduced gradients are only this rank's slices (ZeRO-2, ZeRO-3). Every tp rank has the
+        same bucket (unit) layout, so its pieces line up. Returns the pieces summed."""
+        grads = [t.grad for t, (p, _, _) in zip(self.pieces, self._piece_of)
+                 if getattr(p, "sequence_parallel", False)]
+        if group_size(tp_group) == 1 or not self.sharded:
+            return 0
         flat = torch.cat([g.reshape(-1) for g in grads]) if grads else \
-            torch.zeros(0, device=self.params[0].device)
+            torch.zeros(0, device=self.param_buffers[next(iter(self.param_buffers))].device)
         dist.all_reduce(flat, group=tp_group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+        return len(grads)
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """Tensors whose ``.grad`` this rank's step reads (for the fp16 unscale / inf check)."""

@@ -9,7 +9,7 @@ LAMB / LARS's whole-parameter norms and the canonical checkpoint (`state_tensors
 dp rank 0 a unit and a state key at a time) are ZeRO-1's (`ZeroOptimizer`). What differs:
 there is no all-gather after the step (each unit is gathered when it is next used), and under
 sequence parallelism the replicated parameters' partial gradients are summed over tp on the
-pieces (`sum_partial_over_tp`), after the reduce-scatter.
+pieces (`ZeroOptimizer.sum_partial_over_tp`), after the reduce-scatter.
 
 With offload (``--offload-optimizer``) the pieces are stepped on the host (`HostStep`); when
 `ShardedParams` holds the shards on the host (``--offload-params``) the host step's masters are
@@ -24,10 +24,8 @@ parameter.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megapar.data_parallel.buckets import slice_pieces
-from megapar.mesh import group_size
 from megapar.optim.zero import ZeroOptimizer
 
 
@@ -48,10 +46,7 @@ class Zero3Optimizer(ZeroOptimizer):
         parameters); `last` / `before_reduce`: the tied-embedding sync (`ShardedParams.defer`)."""
         if self.dp == 1 or self.sharded:
             return
-        if not hasattr(grad_sync, "units") or grad_sync.dp != self.dp:
-            raise ValueError("the ZeRO-3 optimizer needs the ShardedParams of the dp group")
-        if {id(p) for p in grad_sync.params} != {id(p) for p in self.params}:
-            raise ValueError("ShardedParams and the optimizer hold different parameters")
+        self._check_sync(grad_sync)
         grad_sync.defer(last, before_reduce)
         self.grad_sync, self.sharded = grad_sync, True
         first = grad_sync.units[0].shard
@@ -86,25 +81,3 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _after_step(self) -> None:
         """Nothing to gather: each unit is gathered from the shards at its next use."""
-
-    def gather_grads(self) -> None:
-        raise NotImplementedError("under --zero 3 the full gradients are never held after the "
-                                  "step; use ShardedParams.full_grads() (collective)")
-
-    @torch.no_grad()
-    def sum_partial_over_tp(self, tp_group) -> int:
-        """Sum the gradient pieces of parameters whose gradients are partial over tp (sequence
-        parallelism's replicated parameters, replicated kv heads) over the tp group, in one
-        all-reduce. Every tp rank's units have the same layout, so its pieces line up."""
-        grads = [t.grad for t, (p, _, _) in zip(self.pieces, self._piece_of)
-                 if getattr(p, "sequence_parallel", False)]
-        if group_size(tp_group) == 1 or not self.sharded:
-            return 0
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else \
-            torch.zeros(0, device=self.param_buffers[next(iter(self.param_buffers))].device)
-        dist.all_reduce(flat, group=tp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-        return len(grads)

@@ -511,7 +511,7 @@ class PipelineExecutor:
                             pass
                         elif i == last_backward:
                             grad_sync.before_last_backward()
-                        elif i in arm_at and hasattr(grad_sync, "arm"):
+                        elif i in arm_at:
                             grad_sync.arm(arm_at[i])  # a chunk's gradients final next
                     if line is not None:
                         line.value = said
@@ -727,13 +727,13 @@ class PipelineExecutor:
         """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; a
         chunk's last W reports each finished weight to the data-parallel reduction."""
         backward_weight(self._pending_w.pop(a.mb * self._chunk_count + a.chunk),
-                        getattr(self._grad_sync, "grads_ready", None)
-                        if self._step_index in self._report_at else None)  # `_ready`
+                        self._grad_sync.grads_ready if self._grad_sync is not None
+                        and self._step_index in self._report_at else None)  # `_ready`
 
     def _ready(self):
         """`grad_sync.grads_ready` at a chunk's last weight-gradient action, else None."""
-        if self._step_index in self._report_at:
-            return getattr(self._grad_sync, "grads_ready", None)
+        if self._grad_sync is not None and self._step_index in self._report_at:
+            return self._grad_sync.grads_ready
         return None
 
     # loss ----------------------------------------------------------------------------------

@@ -93,6 +93,9 @@ _ALIASES = {"micro_batch_size": "mbs", "micro-batch-size": "mbs", "virtual_stage
             "virtual-stages": "v", "vpp": "v"}
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     """`tp=8,cp=2,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`
     (also `zero=3,offload=both,keep_params=1,zero3_reduce=micro-batch`; offload one of
@@ -101,6 +104,7 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     item otherwise."""
     fields = {f.name: f.type for f in dataclasses.fields(Candidate)}
     values: dict = {}
+    seen: set[str] = set()
     for item in text.replace(" ", ",").split(","):
         if not item:
             continue
@@ -109,6 +113,9 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
                              f"(keys: {', '.join(fields)})")
         key, value = item.split("=", 1)
         key = _ALIASES.get(key.strip().lower(), key.strip().lower())
+        if key in seen:
+            raise ValueError(f"--explain: {key} is given twice; give it once")
+        seen.add(key)
         if key == "offload":
             if value not in OFFLOADS:
                 raise ValueError(f"--explain: offload={value!r}: use one of {', '.join(OFFLOADS)}")
@@ -118,9 +125,16 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
         if key not in fields:
             raise ValueError(f"--explain: unknown key {key!r}; keys: {', '.join(fields)}")
         if key in ("schedule", "recompute", "zero3_reduce"):
+            allowed = {"schedule": PLAN_SCHEDULES, "recompute": RECOMPUTE,
+                       "zero3_reduce": REDUCES}[key]
+            if value not in allowed:
+                raise ValueError(f"--explain: {key}={value!r}: use one of {', '.join(allowed)}")
             values[key] = value
         elif key in ("sp", "keep_params", "offload_optimizer", "offload_params"):
-            values[key] = value.lower() in ("1", "true", "yes", "on")
+            if value.lower() not in _TRUE + _FALSE:
+                raise ValueError(f"--explain: {key}={value!r} is not a boolean; give {key}=1 or "
+                                 f"{key}=0")
+            values[key] = value.lower() in _TRUE
         else:
             try:
                 values[key] = int(value)
@@ -213,9 +227,9 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
         return f"zero3_reduce={c.zero3_reduce}: use one of {', '.join(REDUCES)}"
     if c.zero3_reduce != "step" and c.zero != 3:
         return "zero3_reduce needs zero 3 (ZeRO-2 reduces every micro-batch already)"
-    if c.keep_params and (c.zero != 3 or c.pp == 1):
-        return ("keep_params needs zero 3 and pp > 1 (it keeps a stage's gathered parameters "
-                "across its micro-batches)")
+    if c.keep_params and c.zero != 3:
+        return ("keep_params needs zero 3 (it keeps a stage's gathered parameters over the "
+                "step, as megapar-train's --zero3-keep-params)")
     return None
 
 

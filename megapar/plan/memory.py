@@ -14,7 +14,7 @@ also describe what megapar's implementation keeps: element size 4 in fp32, no dr
 when dropout is 0, and a fused attention kernel (PyTorch's scaled_dot_product_attention keeps
 q, k, v and a log-sum-exp per row, its output being the projection's input, instead of the
 a s^2 softmax): with those knobs it reproduces the bytes counted on CPU
-(benchmarks/plan_validate.py, tests/test_plan.py).
+(benchmarks/plan/plan_validate.py, tests/test_plan.py).
 
 Term by term (elements unless noted; "rep" = replicated over tp unless SP):
   rep: LN1 input, LN1 output (QKV input), LN2 input, LN2 output (FC1 input)  4 s b h

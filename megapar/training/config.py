@@ -164,7 +164,7 @@ class TrainConfig:
     load_strict: bool = False
     """Fail instead of starting fresh when --load holds no checkpoint."""
     overwrite_newer: bool = False
-    """Let this run replace the steps in --save newer than the one it starts from (--load's, or 0 when it starts fresh); without it such a --save is refused, since its steps and `latest` would be replaced or left mixed with this run's."""
+    """Let this run replace the steps in --save newer than the one it starts from (--load's, or 0 when it starts fresh): they are removed when it starts (named in a note); without it such a --save is refused, since its steps and `latest` would be replaced or left mixed with this run's."""
     # --- logging ---
     eval_interval: int = 100
     """Evaluate on the validation split every N steps (0 disables)."""

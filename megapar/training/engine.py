@@ -27,8 +27,8 @@ from megapar.checkpoint.distributed import (
 )
 from megapar.checkpoint.format import CheckpointError
 from megapar.context_parallel import check_length
-from megapar.data_parallel import GradBuckets
 from megapar.data_parallel.compression import make_compressor
+from megapar.data_parallel.grad_sync import build_grad_sync
 from megapar.data_parallel.sharded_params import HostStage, ShardedParams
 from megapar.device import (
     keep_freed_host_memory,
@@ -48,7 +48,6 @@ from megapar.optim.zero3 import Zero3Optimizer
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import chunks_per_rank, placement_of
-from megapar.pipeline.tied import shared_embedding_params
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
 from megapar.training.export import export_engine
@@ -96,23 +95,17 @@ class Engine:
         self.scheduler = self.flags_schedule(cfg) if scheduler == "from_cfg" else scheduler
         compressor = make_compressor(cfg.grad_compression, cfg.powersgd_rank, cfg.seed)
         # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
-        # (summed over cp, averaged over dp)
-        zero_layout = None  # laid out for ZeRO-1 from the start: no second buffer at sharding
-        if cfg.zero in (1, 2) and mesh.dp * mesh.cp > 1 and not compressor:
-            zero_layout = shared_embedding_params(self.model) if mesh.pp > 1 else ()
-        self.sharded_params: ShardedParams | None = None
+        # (summed over cp, averaged over dp); the kind (all-reduce, ZeRO-1 / 2 / 3) chosen once
+        self.grad_sync = build_grad_sync(
+            self.model, mesh, cfg.zero, cfg.grad_bucket_mb, compressor, reduce_dtype,
+            zero3_keep_params=cfg.zero3_keep_params,
+            zero3_persistence_threshold=cfg.zero3_persistence_threshold,
+            offload_params=cfg.offload_params, zero3_reduce=cfg.zero3_reduce)
+        """The stage's `GradSync` (`megapar.data_parallel.grad_sync`)."""
+        self.sharded_params: ShardedParams | None = \
+            self.grad_sync if isinstance(self.grad_sync, ShardedParams) else None
         """ZeRO-3 (dp x cp > 1): the stage's parameters sharded over dp x cp, gathered per
         unit (also the gradient sync); None otherwise."""
-        if cfg.zero == 3 and mesh.dp * mesh.cp > 1:
-            self.grad_sync = self.sharded_params = ShardedParams(
-                self.model, mesh.dp_cp_group, average_over=mesh.dp, keep=cfg.zero3_keep_params,
-                persist_below=cfg.zero3_persistence_threshold, offload=cfg.offload_params,
-                reduce=cfg.zero3_reduce)
-        else:
-            self.grad_sync = GradBuckets(list(self.model.parameters()), mesh.dp_cp_group,
-                                         cfg.grad_bucket_mb, compressor=compressor,
-                                         reduce_dtype=None if compressor else reduce_dtype,
-                                         average_over=mesh.dp, zero_layout=zero_layout)
         self.straggler, self._slowdown, self.injector = build_probes(
             self.model, model_config, mesh, cfg.straggler_factor, cfg.inject_slow,
             cfg.inject_corrupt)
@@ -315,7 +308,8 @@ class Engine:
         directory it will publish once every rank's files are written (``latest`` moves then);
         a save that finds the previous write still in flight waits for it; `train_step` checks
         at every step whether the write is done (and raises on every rank if it failed);
-        `wait_save` waits for it: call it before the process exits."""
+        `wait_save` waits for it (and a write still in flight when the process's work ends is
+        waited for before it exits: `megapar.launch`'s workers, torchrun's ranks)."""
         meta = checkpoint_meta(self, extra)
         set_action(f"saving the checkpoint of step {self.step} to {path}")
         if self.saver is not None:

@@ -62,6 +62,12 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
                 f"(or leave vocab_size out of the config to take the tokenizer's)")
     else:
         config = recipe(cfg.model or DEFAULT_MODEL)
+        if config.vocab_size not in (vocab_size, needed(config)) and notes is not None \
+                and manifest is None:  # (GPT-2's 50,257 on the GPT-2 BPE is no news)
+            notes.append(f"model {cfg.model or DEFAULT_MODEL}: the recipe's vocab_size "
+                         f"{config.vocab_size:,} gives way to the tokenizer's {vocab_size:,} "
+                         f"(a recipe follows the data's tokenizer; a --model config file with "
+                         f"vocab_size fixes it instead)")
         config.vocab_size = vocab_size  # recipes take the tokenizer's vocabulary
         _take_special_ids(config, special_ids)
         given_from = "recipe"

@@ -63,6 +63,25 @@ def _check_same_weights(model, mesh: Mesh) -> None:
                          "from_pretrained)")
 
 
+def _check_sharding(cfg: TrainConfig) -> None:
+    """zero / offload_params / offload_optimizer: what megapar-train refuses, in the API's
+    terms (ValueError naming the keyword arguments)."""
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ValueError(f"megapar.prepare: zero={cfg.zero!r} is not a ZeRO stage; use 0 (no "
+                         f"sharding), 1 (optimizer state sharded over data-parallel ranks), 2 "
+                         f"(gradients too) or 3 (parameters too)")
+    if cfg.offload_params and cfg.zero != 3:
+        raise ValueError(f"megapar.prepare: offload_params=True needs zero=3 (it keeps the "
+                         f"parameter shards in host memory; zero={cfg.zero} keeps whole "
+                         f"parameters on the device): pass zero=3 and offload_optimizer=True, "
+                         f"or use offload_optimizer=True alone")
+    if cfg.offload_params and not cfg.offload_optimizer:
+        raise ValueError("megapar.prepare: offload_params=True needs offload_optimizer=True (the "
+                         "host-held parameter shards are the weights the optimizer steps, so it "
+                         "steps on the host too, as DeepSpeed's offload_param with "
+                         "offload_optimizer): pass offload_optimizer=True")
+
+
 def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule: str = "1f1b",
             recompute: str = "none", precision: str = "fp32", zero: int = 0,
             optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
@@ -105,6 +124,7 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
                       recompute=recompute, precision=precision, zero=zero, optimizer=optimizer,
                       lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, seed=seed,
                       timeout_s=timeout_s or DEFAULT_TIMEOUT_S, progress=False, **options)
+    _check_sharding(cfg)
     split, world = cfg.tp * cfg.cp * cfg.pp, launched_world_size()
     if cfg.dp is None and world % split:  # what Mesh would refuse, in the API's terms
         raise LayoutError(f"megapar.prepare: tp={cfg.tp} x cp={cfg.cp} x pp={cfg.pp} = {split} "

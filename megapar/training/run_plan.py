@@ -14,6 +14,7 @@ from megapar.checkpoint.lock import check_unlocked
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset
 from megapar.diagnostics import inject
+from megapar.diagnostics.replay import check_record, find_record
 from megapar.faults.stop import parse_signals
 from megapar.launcher import under_launcher
 from megapar.mesh import Layout
@@ -81,6 +82,7 @@ def plan_data(cfg: TrainConfig, layout: Layout, notes: list[str],
         if cfg.save and takes_save_lock():
             check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
         check_newer_steps(cfg, manifest)  # steps a resumed or fresh run would overwrite
+        notes.extend(_earlier_log(cfg, manifest))
     plan = prepare_data(cfg, notes, manifest, config)
     if plan.prefix is None:  # a rehearsal without the data
         return plan
@@ -136,7 +138,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     if chunks > 1:
         chunk_specs(config.num_layers, layout.pp, 0, chunks)  # enough layers?
     _check_injection(cfg, config, layout, per_step, manifest)
-    _check_replay(cfg, manifest)
+    _check_replay(cfg, manifest, config, notes)
     if not cfg.dry_run:
         most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
         if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
@@ -179,6 +181,17 @@ def _check_micro_batches(cfg: TrainConfig, layout: Layout, per_step: int) -> Non
                          f"{cfg.global_batch_size} / {per_step}") from None
 
 
+def _earlier_log(cfg: TrainConfig, manifest: dict | None) -> list[str]:
+    """A note when a fresh run will start an existing, non-empty --log-json anew."""
+    path = os.path.expanduser(cfg.log_json) if cfg.log_json else ""
+    if manifest is not None or not path or not os.path.isfile(path) or not os.path.getsize(path):
+        return []
+    with open(path, "rb") as f:
+        records = sum(1 for line in f if line.strip())
+    return [f"--log-json {cfg.log_json} holds {records} records of an earlier run: this fresh "
+            f"run starts the file anew (give another --log-json to keep them)"]
+
+
 def _check_injection(cfg: TrainConfig, config, layout: Layout, per_step: int,
                      manifest: dict | None) -> None:
     """--inject-corrupt (or MEGAPAR_INJECT_CORRUPT): a spec the run can carry out."""
@@ -187,16 +200,22 @@ def _check_injection(cfg: TrainConfig, config, layout: Layout, per_step: int,
         return
     flag = "--inject-corrupt" if "inject_corrupt" in explicit(cfg) else inject.ENV
     spec = inject.check(cfg.inject_corrupt, config, layout, cfg.global_batch_size // per_step,
-                        flag)
+                        flag, tokens=cfg.micro_batch_size * cfg.seq_len)
     start = int(manifest.get("step", 0)) if manifest else 0
     if not start < spec.step <= cfg.max_steps:
         raise UsageError(f"{flag}: step={spec.step} is not run (this run trains steps "
                          f"{start + 1}-{cfg.max_steps}); choose a step in that range")
 
 
-def _check_replay(cfg: TrainConfig, manifest: dict | None) -> None:
-    """--record-step, --replay, --replay-against: a step this run reaches, a place to write."""
+def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[str]) -> None:
+    """--record-step, --replay, --replay-against: a step this run reaches, a place to write, a
+    readable record of the replayed step and model to compare with."""
     start = int(manifest.get("step", 0)) if manifest else 0
+    given = [f for f in ("save", "record_step") if f in explicit(cfg) and getattr(cfg, f)]
+    if cfg.replay and given:
+        flag = "--" + given[0].replace("_", "-")
+        raise UsageError(f"{flag} with --replay {cfg.replay}: a replay runs step {cfg.replay} "
+                         f"once, compares it and exits without saving or recording; drop {flag}")
     if cfg.record_step and not cfg.save:
         raise UsageError(f"--record-step {cfg.record_step} writes SAVE/records/: give --save")
     if cfg.record_step and not start < cfg.record_step <= cfg.max_steps:
@@ -216,6 +235,14 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None) -> None:
     if cfg.replay_against and not os.path.exists(os.path.expanduser(cfg.replay_against)):
         raise UsageError(f"--replay-against {cfg.replay_against}: no such record; give the "
                          f"records/step_{cfg.replay:08d}.json --record-step wrote")
+    record = cfg.replay_against or find_record(cfg.load, cfg.replay)
+    if record is None:
+        raise UsageError(f"--replay {cfg.replay}: no record of step {cfg.replay} next to the "
+                         f"--load checkpoint (records/step_{cfg.replay:08d}.json of its --save "
+                         f"directory), so nothing would be compared; record it with --record-step "
+                         f"{cfg.replay} in the original run, or give --replay-against FILE")
+    flag = "--replay-against" if cfg.replay_against else "the record"
+    notes.extend(check_record(record, cfg.replay, config.to_dict(), flag))
 
 
 def _training_split(cfg: TrainConfig, plan: DataPlan, model_type: str, layout: Layout,

@@ -15,11 +15,12 @@
    norm (every rank holds the same global loss) and read with it, so a non-finite loss skips
    the update on every rank alike, without another wait for the device.
 
-With the ZeRO-1 / ZeRO-2 distributed optimizer (`optim/zero.py`, dp x cp > 1) the gradient
-buffer is reduce-scattered, not all-reduced (ZeRO-2: every micro-batch, into this rank's shard;
-gradients partial over tp are then summed on the shard): step 3 runs inside `grad_sync.finish()` before the buffer
-slice holding the embedding is reduced (`attach` below), and steps 4-6 read only this rank's
-slices (the norm is all-reduced over dp as well); the optimizer all-gathers the weights.
+With a sharded grad sync (`build_grad_sync`: ZeRO-1 / ZeRO-2 with the distributed optimizer,
+`optim/zero.py`, dp x cp > 1) the gradient buffer is reduce-scattered, not all-reduced (ZeRO-2:
+every micro-batch, into this rank's shard; gradients partial over tp are then summed on the
+shard): step 3 runs inside `grad_sync.finish()` before the buffer slice holding the embedding
+is reduced (`attach` below), and steps 4-6 read only this rank's slices (the norm is
+all-reduced over dp as well); the optimizer all-gathers the weights.
 ZeRO-3 (`optim/zero3.py`, `grad_sync` a `ShardedParams`) is the same with units instead of
 buckets, except that nothing is gathered after the step (each unit is gathered at its next use)
 and the replicated parameters' tp sum runs on the reduced pieces.
@@ -40,10 +41,7 @@ from megapar.pipeline.tied import (
     shared_embedding_params,
     sync_tied_embeddings,
 )
-from megapar.tensor_parallel.sequence_parallel import (
-    sequence_parallel_params,
-    sync_sequence_parallel_grads,
-)
+from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
 
 
 @dataclass(frozen=True)
@@ -113,19 +111,22 @@ class TrainStep:
         """Some gradients are partial over tp and summed once per step: sequence parallelism's
         replicated parameters, Llama's replicated k / v heads."""
         if mesh.cp > 1 and grad_sync is None:
-            raise ValueError("context parallelism needs grad_sync (a GradBuckets over "
-                             "mesh.dp_cp_group, average_over=mesh.dp): each cp rank's gradient "
-                             "is only its tokens' share until they are summed")
-        self.sharded = getattr(optimizer, "zero", 0) >= 1 and mesh.dp * mesh.cp > 1
+            raise ValueError("context parallelism needs grad_sync (build_grad_sync: its "
+                             "reduction is over mesh.dp_cp_group, averaged over dp): each cp "
+                             "rank's gradient is only its tokens' share until they are summed")
+        self.sharded = grad_sync is not None and grad_sync.sharded and mesh.dp * mesh.cp > 1
+        """The grad sync shards the gradients, so the optimizer steps only this rank's
+        slices (ZeRO-1 / 2 / 3 with dp x cp > 1)."""
         if self.sharded:
             self._attach()
+        elif optimizer.zero and mesh.dp * mesh.cp > 1:
+            raise ValueError(f"the ZeRO-{optimizer.zero} optimizer with dp x cp > 1 needs its "
+                             f"grad sync: pass grad_sync=build_grad_sync(..., "
+                             f"zero={optimizer.zero}) to TrainStep")
 
     def _attach(self) -> None:
-        """Shard the gradient buffer for the distributed optimizer; with pp > 1 the tied
+        """Attach the distributed optimizer to the sharded grad sync; with pp > 1 the tied
         embedding is synchronised inside finish(), before its bucket's reduce-scatter."""
-        if self.grad_sync is None:
-            raise ValueError("--zero 1 with dp > 1 needs the GradBuckets gradient buffer "
-                             "(pass grad_sync to TrainStep)")
         last, before = (), None
         if self.mesh.pp > 1:
             last = shared_embedding_params(self.model)
@@ -137,13 +138,11 @@ class TrainStep:
 
     def sync_gradients(self) -> None:
         """After the schedule: sum what is partial over tp (sequence parallelism's replicated
-        parameters) and the tied embedding over the first and last stage (unless ZeRO-1's
-        grad_sync.finish() did that already)."""
-        if self.partial_over_tp and getattr(self.optimizer, "zero", 0) == 3 and self.sharded:
-            self.optimizer.sum_partial_over_tp(self.mesh.tp_group)  # ZeRO-3: on the pieces
-        elif self.partial_over_tp and self.sharded and self.optimizer.zero == 2:
-            # ZeRO-2: the gradients are this rank's pieces by now (the sum is linear)
-            self.optimizer.sum_over_tp(sequence_parallel_params(self.model), self.mesh.tp_group)
+        parameters) and the tied embedding over the first and last stage (unless a sharded
+        grad_sync's finish() did that already)."""
+        if self.partial_over_tp and self.sharded and self.grad_sync.sharded_grads:
+            # ZeRO-2 / 3: the gradients are this rank's pieces by now (the sum is linear)
+            self.optimizer.sum_partial_over_tp(self.mesh.tp_group)
         elif self.partial_over_tp:  # under SP, LayerNorm etc. saw only this rank's positions
             sync_sequence_parallel_grads(self.model, self.mesh.tp_group)
         if self.mesh.pp > 1 and not self.sharded:  # sharded: done in grad_sync.finish()

@@ -174,6 +174,9 @@ def _check_combinations(cfg) -> None:
                "gpus_per_node": " (a run's nodes are the ones torchrun or Slurm starts)"}
         raise UsageError(f"{flag_of(rehearsal[0])} only applies to a rehearsal: add --dry-run"
                          f"{why.get(rehearsal[0], '')}")
+    if cfg.allow_data_change and not cfg.load:
+        raise UsageError("--allow-data-change only applies to a resume (it lets --load continue "
+                         "on changed --data): add --load CKPT or drop it")
     if cfg.async_save and not cfg.save and not cfg.dry_run:
         raise UsageError("--async-save writes the checkpoints of --save in the background: give "
                          "--save DIR too (or drop --async-save)")
@@ -216,12 +219,17 @@ def check_zero3(cfg) -> None:
 
 
 def check_inject_slow(cfg, world_size: int) -> None:
-    """--inject-slow names a rank of this run's `world_size` ranks."""
+    """--inject-slow names a rank of this run's `world_size` ranks, from a step it runs."""
     if cfg.inject_slow is not None:
         try:
-            SlowRank.parse(cfg.inject_slow).check_world(world_size)
+            slow = SlowRank.parse(cfg.inject_slow)
+            slow.check_world(world_size)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        if slow.from_step > cfg.max_steps:
+            raise UsageError(f"--inject-slow {cfg.inject_slow!r}: from_step={slow.from_step} is "
+                             f"after the run's last step (--max-steps {cfg.max_steps}), so no "
+                             f"step would be slowed; choose from_step <= {cfg.max_steps}")
 
 
 def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> None:

@@ -11,7 +11,7 @@ import re
 from megapar.checkpoint.distributed import NON_STRUCTURAL
 from megapar.checkpoint.format import MANIFEST, CheckpointError
 from megapar.checkpoint.manifest import verify
-from megapar.checkpoint.publish import has_checkpoint, steps_after
+from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, steps_after
 from megapar.data.blended import data_paths
 from megapar.models.config import config_from_dict
 from megapar.training.validate import UsageError, explicit, flag_of
@@ -32,6 +32,9 @@ def check_load_path(cfg) -> None:
         if os.path.isfile(os.path.join(path, "config.json")) and not has_checkpoint(path):
             raise UsageError(f"--load {cfg.load} holds a Hugging Face model (config.json), not a "
                              f"megapar checkpoint; start from it with --from-hf {cfg.load}")
+        foreign = foreign_checkpoint(path)
+        if foreign is not None:  # another format: never a fresh start beside it
+            raise UsageError(f"--load {cfg.load} {foreign}")
         return
     root = os.path.dirname(os.path.abspath(path))
     blocker = root

@@ -1,0 +1,146 @@
+"""Memory claims at the peak the OS sees, next to what they count.
+
+megapar's memory claims (ZeRO-1 shards the optimizer state, ZeRO-2 the gradients too, recomputation drops activations,
+sequence and context parallelism split them) are counted: the dry run and the planner add up
+the tensors a rank holds. This script measures each at the peak the operating system sees:
+every configuration is a fresh `megapar-train` run (2 steps, its data tokenized beforehand), and
+the figure is the largest process's peak resident set, `ru_maxrss` from `wait4` (every worker is
+a child of the launcher, so it is the largest rank's, whatever rank that is). Beside it, the
+dry run's count for the most loaded rank (weights + gradients + optimizer state + modelled
+activations). A claim holds at the OS peak when the peaks differ as the counts do.
+
+Each run is measured twice: with megapar's host allocator policy (the default: once the
+training state is built, glibc keeps freed blocks in its heap for reuse, which makes CPU steps
+2.3x faster; `megapar.device.keep_freed_host_memory`), and with glibc's own
+(`MEGAPAR_HOST_MALLOC=system`: a freed large block goes back to the OS). A transient that does
+not fit the heap's free room stays resident under the first, so its peak can be higher.
+
+    python benchmarks/memory/peak_memory.py                  # every group, about 6 minutes on 2 cores
+    python benchmarks/memory/peak_memory.py --groups zero    # one group: --zero 0 / 1 / 2 / 3
+    python benchmarks/memory/peak_memory.py --groups offload --policies keep  # offload, one heap policy
+    python benchmarks/memory/peak_memory.py --groups schedules  # 1F1B, ZB-H1, ZB-V, DualPipeV
+
+Each group compares configurations with one flag changed; `--repeats` runs each again (the
+peak of a run is deterministic to a few MB on an idle machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
+from common import json_number, run_peak, train_argv, write_json  # noqa: E402
+
+MODEL = {"model_type": "gpt2", "vocab_size": 1004, "n_positions": 4096, "n_embd": 256,
+         "n_layer": 8, "n_head": 8, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+"""8 blocks of hidden 256 with a SentencePiece vocabulary (1,000 + megapar's 4): activations,
+not the logits, dominate a long sequence's memory."""
+
+SMALL = ["--model", "{model}", "--tokenizer", "sentencepiece"]
+ZERO_STAGES = (0, 1, 2, 3)
+"""The `zero` group's stages (a row per stage)."""
+GROUPS = {  # name: (the claim, [(label, flags)])
+    "zero": (("each ZeRO stage lowers the peak (GPT-2 124M, dp 2): zero 1 <= 0.85x zero 0, "
+              "zero 2 < zero 1, zero 3 <= 0.7x zero 0"), [
+                 (f"zero {z}", ["--model", "gpt2-124m", "--dp", "2", "--seq-len", "64",
+                                "--micro-batch-size", "1", "--global-batch-size", "2",
+                                "--zero", str(z)]) for z in ZERO_STAGES]),
+    "offload": (("offload moves state to the host: on the CPU the host is the device, so the "
+                 "OS sees the host copies added (MEGAPAR_HOST_COPIES=1: made as on a GPU), "
+                 "GPT-2 124M, dp 2"), [
+        (label, ["--model", "gpt2-124m", "--dp", "2", "--seq-len", "64", "--micro-batch-size",
+                 "1", "--global-batch-size", "2", *extra])
+        for label, extra in (("zero 1", ["--zero", "1"]),
+                             ("zero 1 + opt", ["--zero", "1", "--offload-optimizer"]),
+                             ("zero 3", ["--zero", "3"]),
+                             ("zero 3 + both", ["--zero", "3", "--offload-optimizer",
+                                                "--offload-params"]))]),
+    "recompute": ("recomputation keeps fewer activations (seq 1024, micro-batch 4)", [
+        (mode, [*SMALL, "--seq-len", "1024", "--micro-batch-size", "4",
+                "--global-batch-size", "4", "--recompute", mode])
+        for mode in ("none", "selective", "full")]),
+    "sp": ("sequence parallelism splits the activations outside the tp regions (tp 2)", [
+        (label, [*SMALL, "--tp", "2", "--seq-len", "1024", "--micro-batch-size", "4",
+                 "--global-batch-size", "4", *extra])
+        for label, extra in (("tp 2", []), ("tp 2 + SP", ["--sequence-parallel"]))]),
+    "cp": ("context parallelism keeps 1/cp of a sequence's activations per rank (seq 4096)", [
+        (f"cp {cp}", [*SMALL, "--cp", str(cp), "--seq-len", "4096", "--micro-batch-size", "1",
+                      "--global-batch-size", "1"]) for cp in (1, 2, 4)]),
+    "schedules": ("ZB-V and DualPipeV hold no more activations than 1F1B (pp 2, m 8, seq 1024)", [
+        (schedule, [*SMALL, "--pp", "2", "--seq-len", "1024", "--micro-batch-size", "1",
+                    "--global-batch-size", "8", "--schedule", schedule])
+        for schedule in ("1f1b", "zb-h1", "zb-v", "dualpipev")]),
+}
+COMMON = ["--max-steps", "2", "--warmup-steps", "0", "--eval-interval", "0", "--no-progress",
+          "--log-interval", "1"]
+
+
+def os_peak(argv: list[str], env: dict) -> tuple[int, str]:
+    """(the largest process's peak resident bytes, stderr) of one megapar-train run."""
+    run = run_peak(train_argv(*argv), env=env, capture="stderr")
+    return run.peak_bytes, run.output
+
+
+def counted(argv: list[str], env: dict) -> int:
+    """The dry run's bytes for the most loaded rank: weights, gradients, optimizer state and
+    modelled activations."""
+    run = subprocess.run([sys.executable, "-m", "megapar.cli.train", *argv, "--dry-run",
+                          "--json", "--dry-run-ranks", "all"], capture_output=True, text=True,
+                         env=env, check=True)
+    ranks = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return max(r["weights"] + r["grads"] + r["optimizer"] + r.get("master", 0)
+               + r.get("gathered", 0) + r.get("grad_buffers", 0) + r["activations"]
+               for r in ranks)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--policies", nargs="+", default=["keep", "system"],
+                        choices=["keep", "system"], help="heap policies to measure")
+    args = parser.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="megapar-peak-")
+    model = os.path.join(work, "model.json")
+    write_json(model, MODEL)
+    env = {**os.environ, "MEGAPAR_CPU": "1"}
+    results = {}
+    for group in args.groups:
+        claim, configs = GROUPS[group]
+        print(f"\n{group}: {claim}")
+        print(f"  {'configuration':14} {'counted':>9} {'OS peak':>9} {'glibc':>9}   "
+              f"change from the first: {'counted':>8} {'OS peak':>8} {'glibc':>8}  (GiB)")
+        rows = []
+        for label, flags in configs:
+            flags = [model if a == "{model}" else a for a in flags] + COMMON + \
+                ["--data-cache", os.path.join(work, "cache")]
+            run_env = {**env, "MEGAPAR_HOST_COPIES": "1"} if group == "offload" else env
+            count = counted(flags, run_env)
+            peaks = {policy: min(os_peak(flags, {**run_env, "MEGAPAR_HOST_MALLOC": policy})[0]
+                                 for _ in range(args.repeats)) if policy in args.policies
+                     else float("nan") for policy in ("keep", "system")}
+            rows.append((label, count, peaks))
+            first = rows[0]
+            g = 2**30
+            print(f"  {label:14} {count / g:9.3f} {peaks['keep'] / g:9.3f} "
+                  f"{peaks['system'] / g:9.3f}   {'':22} {(count - first[1]) / g:+8.3f} "
+                  f"{(peaks['keep'] - first[2]['keep']) / g:+8.3f} "
+                  f"{(peaks['system'] - first[2]['system']) / g:+8.3f}", flush=True)
+        results[group] = {"claim": claim, "rows": [
+            {"config": label, "counted_bytes": count, "os_peak_bytes": json_number(peaks["keep"]),
+             "os_peak_glibc_bytes": json_number(peaks["system"])}
+            for label, count, peaks in rows]}
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

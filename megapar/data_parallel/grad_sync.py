@@ -1,0 +1,104 @@
+"""The grad-sync protocol: how a stage's gradients are reduced over the data-parallel group
+during a step, and the one place its kind is chosen (`build_grad_sync`).
+
+The pipeline executor drives a `GradSync` through each training step (`begin_step`, `arm` /
+`before_last_backward` before the backwards that make gradients final, `grads_ready` from code
+that accumulates weight gradients itself, `finish` after the schedule); autograd's hooks report
+the other gradients. One class per kind implements it:
+
+- all-reduce (``--zero 0``, or dp x cp = 1): `buckets.GradBuckets`; after `finish` every
+  averaged gradient is in ``.grad``;
+- ZeRO-1: `zero_buckets.Zero1Buckets`; this rank's slice of each bucket is averaged (the rest
+  of the buffer unreduced);
+- ZeRO-2: `zero_buckets.Zero2Buckets`; only this rank's slices exist, in persistent shards;
+- ZeRO-3: `sharded_params.ShardedParams`; only this rank's slices of each unit's gradient.
+
+The sharded kinds also take `defer(last, before_reduce)` from the distributed optimizer's
+`attach`: the tied embedding's gradient is reduced last, after its sum over the first and last
+pipeline stage.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import torch
+from torch import nn
+
+from megapar.data_parallel.buckets import GradBuckets
+from megapar.data_parallel.sharded_params import ShardedParams
+from megapar.data_parallel.zero_buckets import Zero1Buckets, Zero2Buckets
+from megapar.pipeline.tied import shared_embedding_params
+
+
+class GradSync(Protocol):
+    """A stage's gradient synchronisation over the data-parallel group, driven by the
+    executor once per training step."""
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage served: 0 (all-reduce), 1, 2 or 3."""
+
+    @property
+    def sharded(self) -> bool:
+        """The optimizer state is this rank's slices: the distributed optimizer attaches to it
+        (`ZeroOptimizer.attach`) and steps, clips and checks only those slices."""
+
+    @property
+    def sharded_grads(self) -> bool:
+        """After `finish` the reduced gradients exist only as this rank's slices (ZeRO-2,
+        ZeRO-3): what is partial over tp is summed on the optimizer's pieces."""
+
+    @property
+    def reduces_every_micro_batch(self) -> bool:
+        """Every micro-batch's backward reduces (ZeRO-2, ZeRO-3 with --zero3-reduce
+        micro-batch), not only the last one's."""
+
+    in_step: bool
+    """Between `begin_step` and `finish`."""
+
+    def begin_step(self) -> None:
+        """Before the step's first backward: zero the gradients this sync owns, disarm the
+        hooks (nothing is reduced while the first micro-batches accumulate, except by the
+        kinds that reduce every micro-batch)."""
+
+    def arm(self, params: Iterable[nn.Parameter]) -> None:
+        """Right before a model chunk's last backward (several chunks per stage): these
+        parameters' gradients become final in it, so their reductions may start then."""
+
+    def before_last_backward(self) -> None:
+        """Right before the stage's last backward: every gradient becomes final in it."""
+
+    def grads_ready(self, params: Iterable[nn.Parameter]) -> None:
+        """These parameters' gradients are final (from code that accumulates weight gradients
+        itself, e.g. zero-bubble schedules' W, instead of through autograd's hooks)."""
+
+    def finish(self) -> None:
+        """After the schedule: launch every reduction not launched yet and wait for all."""
+
+
+def build_grad_sync(model: nn.Module, mesh, zero: int = 0, bucket_mb: float = 25.0,
+                    compressor=None, reduce_dtype: torch.dtype | None = None,
+                    zero3_keep_params: bool = False, zero3_persistence_threshold: int = 0,
+                    offload_params: bool = False, zero3_reduce: str = "step") -> GradSync:
+    """The grad sync of `model` (this rank's stage) over `mesh.dp_cp_group`, summed over cp
+    and averaged over dp: the all-reduce kind when `zero` is 0 or there is no rank to shard
+    over (dp x cp = 1), else the ZeRO-`zero` kind (the tied embedding laid out last, to be
+    deferred by the optimizer's `attach`). `compressor` (a `compression.py` compressor)
+    replaces `reduce_dtype`; the zero3 options are `ShardedParams`'."""
+    group, dp = mesh.dp_cp_group, mesh.dp
+    if compressor is not None:
+        reduce_dtype = None
+    params = list(model.parameters())
+    if zero == 0 or mesh.dp * mesh.cp == 1:
+        return GradBuckets(params, group, bucket_mb, compressor, reduce_dtype, average_over=dp)
+    if zero == 3:
+        return ShardedParams(model, group, average_over=dp, keep=zero3_keep_params,
+                             persist_below=zero3_persistence_threshold, offload=offload_params,
+                             reduce=zero3_reduce)
+    kinds = {1: Zero1Buckets, 2: Zero2Buckets}
+    if zero not in kinds:
+        raise ValueError(f"--zero {zero} is not supported; use 0, 1, 2 or 3")
+    last = shared_embedding_params(model) if mesh.pp > 1 else ()
+    return kinds[zero](params, group, bucket_mb, compressor, reduce_dtype, average_over=dp,
+                       last=last)

@@ -1,0 +1,304 @@
+"""ZeRO-3's units: a stage's parameters grouped into units, each laid out flat and sharded
+over the data-parallel group (`ShardedParams` gathers and reduces them).
+
+A *unit* is a transformer block (`chunk.layers[i]`) or, per model chunk, the *root*: the rest
+of the chunk (embedding, final norm, head; a tied weight once), split in two where the chunk
+has an `embed` module (`stage_units`): the *tail* (final norm, head, a tied word embedding)
+and the *embedding* (its own parameters). Parameters under a size threshold may go into one
+*persistent* unit of the stage instead. A unit's trainable parameters are laid out back to
+back in one flat fp32 buffer, zero-padded to a multiple of the group size g (dp, or cp x dp
+under context parallelism); rank r keeps slice r of it (`Unit.shard`, the fp32 master the
+optimizer steps) and the gradient of that slice (`Unit.grad_shard`). Each ``param.data`` is a
+view into the unit's full buffer (`Unit.full`), whose storage exists only while the unit is
+gathered (``untyped_storage().resize_(0)`` frees it; autograd's saved references to the
+weights survive, and see the values again when the unit is re-gathered into the same
+storage).
+
+`offload=True` (``--offload-params``, DeepSpeed's offload_param): each unit's shard is held in
+host memory (`Unit.host_shard`, pinned on CUDA; on the CPU only with `HOST_COPIES_ENV`, else
+nothing moves) and `Unit.shard` is a device staging buffer, filled from the host just before
+each gather and freed once the gather is done; the optimizer steps the host shards
+(`Zero3Optimizer` with offload).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megapar import device as _device
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a recomputed forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Unit:
+    """One gathered-together group of parameters (a block, or a chunk's root)."""
+
+    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], shards: int,
+                 rank: int, offload: bool = False):
+        self.name, self.module, self.params = name, module, params
+        self.numel = sum(p.numel() for p in params)
+        self.padded = -(-self.numel // shards) * shards
+        """Elements of the flat buffer: numel rounded up to a multiple of the group size."""
+        self.start = 0
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"--zero 3 unit {name} mixes parameter dtypes "
+                             f"{sorted(map(str, dtypes))}")
+        device = params[0].device
+        size = self.padded // shards
+        self.lo, self.hi = rank * size, (rank + 1) * size
+        full = torch.zeros(self.padded, dtype=params[0].dtype, device=device)
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+                offset += p.numel()
+        self.shard = full[self.lo:self.hi].clone()
+        """This rank's slice of the parameters (fp32 master, stepped by the optimizer)."""
+        self.grad_shard = torch.zeros_like(self.shard)
+        """This rank's slice of the dp-averaged gradient (written by the reduce-scatter)."""
+        self.shard_nbytes = self.shard.untyped_storage().nbytes()
+        self.host_shard: torch.Tensor | None = None
+        """--offload-params (with separate host copies: on CUDA, or `HOST_COPIES_ENV`): the
+        slice in host memory (pinned on CUDA), the weights the optimizer steps; `shard` is then
+        a device staging buffer, its storage only there while the unit's gather runs."""
+        if offload and _device.host_copies_wanted(device):
+            self.host_shard = _device.host_buffer(self.shard)
+            self.host_shard.copy_(self.shard)
+            self.shard.untyped_storage().resize_(0)
+        self.full = full
+        """The gathered parameters; storage of size 0 while freed."""
+        self.nbytes = full.untyped_storage().nbytes()
+        offset = 0
+        for p in params:
+            p.data = full[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.grad_full: torch.Tensor | None = None
+        self.gathered, self.handle, self.reduce_handle = True, None, None
+        self.launched_round = 0
+        """The round (micro-batch) of the step its last reduce-scatter was launched in."""
+        self.ready: set[int] = set()
+        self.deferred = False
+        self.prev: Unit | None = None
+        self.next: Unit | None = None
+        self.tail: Unit | None = None
+        """The last block of a split root: the tail unit, freed after this block's output
+        gradient is complete."""
+        self.embedding: Unit | None = None
+        """The first block of a split root: the embedding unit, gathered when this block's
+        input gradient is complete."""
+        self.free()
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def launch_gather(self, group, piece: int | None = None) -> None:
+        """Start the all-gather of the unit into its full buffer (no-op when gathered).
+        `piece`: gather synchronously, `piece` elements of each rank's slice at a time through
+        a staging buffer (gloo, which copies whole buffers in flight: see `ShardedParams`)."""
+        if self.gathered or self.handle is not None:
+            return
+        self.full.untyped_storage().resize_(self.nbytes)
+        if self.host_shard is not None:  # to the device staging shard first
+            self.shard.untyped_storage().resize_(self.shard_nbytes)
+            self.shard.copy_(self.host_shard, non_blocking=True)
+        size = self.hi - self.lo
+        if piece is None or size <= piece:
+            self.handle = all_gather(self.full, self.shard, group)
+            return
+        ranks = self.padded // size
+        for j in range(0, size, piece):
+            n = min(piece, size - j)
+            stage = self.shard.new_empty(ranks * n)
+            all_gather(stage, self.shard[j:j + n], group).wait()
+            self.full.view(ranks, size)[:, j:j + n].copy_(stage.view(ranks, n))
+        self.gathered = True
+        self._free_staging()
+
+    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, group,
+                       piece: int | None = None):
+        """Reduce-scatter the full gradient `flat` into `out` (this rank's slice): async
+        (returns the work), or with `piece` synchronously through a staging buffer, as
+        `launch_gather` (None)."""
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        size = self.hi - self.lo
+        if piece is None or size <= piece:
+            return fn(out, flat, group=group, async_op=True)
+        ranks = self.padded // size
+        for j in range(0, size, piece):
+            n = min(piece, size - j)
+            stage = flat.view(ranks, size)[:, j:j + n].reshape(-1)
+            fn(out[j:j + n], stage, group=group, async_op=True).wait()
+        return None
+
+    def wait_gather(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+            self.gathered = True
+            self._free_staging()
+
+    def _free_staging(self) -> None:
+        """--offload-params: free the device staging shard once its gather is done (the
+        current stream is ordered after the gather)."""
+        if self.host_shard is not None:
+            self.shard.untyped_storage().resize_(0)
+
+    def keep_shard(self) -> None:
+        """Take this rank's slice of the gathered (possibly rewritten) parameters as its
+        shard: the host shard under --offload-params."""
+        held = self.shard if self.host_shard is None else self.host_shard
+        held.copy_(self.full[self.lo:self.hi])
+
+    def grads(self) -> torch.Tensor:
+        """The full gradient buffer (made on first use in a step, holding any gradient
+        autograd accumulated before; ``.grad`` views)."""
+        if self.grad_full is None:
+            self.grad_full = self.shard.new_zeros(self.padded)
+            offset = 0
+            for p in self.params:
+                view = self.grad_full[offset:offset + p.numel()].view_as(p)
+                if p.grad is not None:  # accumulated before the buffer was made
+                    view.copy_(p.grad)
+                p.grad = view
+                offset += p.numel()
+        return self.grad_full
+
+    def adopt_replaced_grads(self) -> None:
+        """A ``.grad`` autograd replaced instead of accumulating in place is copied in."""
+        flat, offset = self.grads(), 0
+        for p in self.params:
+            view = flat[offset:offset + p.numel()]
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad.reshape(-1))
+            offset += p.numel()
+
+    def take_grads(self) -> torch.Tensor:
+        """The full gradient buffer (made if none, as `grads`), detached from the unit: the
+        ``.grad`` are dropped and the next gradient goes into a new buffer."""
+        flat = self.grads()
+        self.grad_full = None
+        for p in self.params:
+            p.grad = None
+        return flat
+
+
+class Reduction:
+    """A unit's reduce-scatter in flight: holds the full gradient buffer it reads until it is
+    waited for; `add_to`: the result lands in a staging slice, added into this tensor then
+    (a reduce-scatter per micro-batch), else it was written in place."""
+
+    def __init__(self, work, flat: torch.Tensor, staging: torch.Tensor | None = None,
+                 add_to: torch.Tensor | None = None):
+        self.work, self.flat, self.staging, self.add_to = work, flat, staging, add_to
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.add_to is not None:
+            self.add_to.add_(self.staging)
+        self.work = self.flat = self.staging = self.add_to = None
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, shard, group=group, async_op=True)
+
+
+class FreeAfterBackward(torch.autograd.Function):
+    """Identity on a block's input; its backward (the block's input gradient is complete)
+    frees the block."""
+
+    @staticmethod
+    def forward(ctx, x, release):
+        ctx.release = release
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.release()
+        return grad, None
+
+
+@dataclass
+class StageUnits:
+    """A stage's units, as `stage_units` makes them."""
+
+    chunks: list[nn.Module]
+    """The stage's model chunks (`stage.chunks`, or the stage itself)."""
+    roots: dict[int, tuple[Unit | None, Unit | None]]
+    """Per chunk, its (tail, embedding) root units (either may be None)."""
+    first: dict[int, Unit]
+    """Per chunk with blocks, its first block's unit."""
+    persistent: Unit | None
+    """The unit of the parameters under `persist_below` elements (None: none)."""
+    units: list[Unit]
+    """Every unit, in the order their gradients reduce (later chunks, later blocks first;
+    each chunk's root after its blocks; the persistent unit last)."""
+
+
+def stage_units(stage: nn.Module, shards: int, rank: int, persist_below: int = 0,
+                offload: bool = False) -> StageUnits:
+    """The units of `stage` sharded `shards` ways, this being rank `rank`: one per block with
+    parameters of at least `persist_below` elements, each chunk's roots (`chunk_roots`), and
+    one persistent unit of the smaller ones; blocks linked to their neighbours."""
+    chunks = list(getattr(stage, "chunks", [stage]))
+    roots: dict[int, tuple[Unit | None, Unit | None]] = {}
+    first: dict[int, Unit] = {}
+    per_chunk: list[list[Unit]] = []
+    for ci, chunk in enumerate(chunks):
+        layers = getattr(chunk, "layers", None)
+        blocks = list(layers.items()) if layers is not None else []
+        made = [Unit(f"chunk {ci} layer {n}", b, ps, shards, rank, offload)
+                for n, b in blocks if (ps := [p for p in b.parameters() if p.requires_grad
+                                              and p.numel() >= persist_below])]
+        tail, embed = chunk_roots(ci, chunk, blocks, bool(made), shards, rank, persist_below,
+                                  offload)
+        roots[ci] = (tail, embed)
+        for a, b in pairwise(made):
+            a.next, b.prev = b, a
+        if made:
+            first[ci] = made[0]
+        per_chunk.append([*reversed(made)] + [u for u in (embed, tail) if u is not None])
+    small = [p for p in stage.parameters() if p.requires_grad and p.numel() < persist_below]
+    persistent = Unit("persistent", stage, small, shards, rank, offload) if small else None
+    units = [u for units in reversed(per_chunk) for u in units] + \
+        ([persistent] if persistent is not None else [])
+    return StageUnits(chunks, roots, first, persistent, units)
+
+
+def chunk_roots(ci: int, chunk: nn.Module, blocks: list, split: bool, shards: int, rank: int,
+                persist_below: int, offload: bool) -> tuple[Unit | None, Unit | None]:
+    """The chunk's parameters outside its blocks as (tail, embedding) units. With blocks
+    and an `embed` module, the embedding's own parameters (not a tied word embedding the
+    head reads) are a unit of their own, needed in backward only after the blocks' (a
+    LayerNorm's weight; an embedding's backward reads no weight): the tail unit (final
+    norm, head, tied weights) is freed once the backward has passed the last block, and
+    the embedding unit is gathered when it reaches the first. Else one root unit."""
+    inside = {id(p) for _, b in blocks for p in b.parameters()}
+    root = [p for p in chunk.parameters() if p.requires_grad and id(p) not in inside
+            and p.numel() >= persist_below]
+    embed = getattr(chunk, "embed", None)
+    own: set[int] = set()
+    if split and isinstance(embed, nn.Module):
+        tail_ids = {id(p) for name, m in chunk.named_children() if name not in
+                    ("embed", "layers") for p in m.parameters()}
+        tail_ids |= {id(p) for p in chunk.parameters(recurse=False)}
+        own = {id(p) for p in embed.parameters() if id(p) not in tail_ids}
+        if any(id(p) not in own for p in root):  # a tail: tied weights are read there
+            own -= {id(p) for p in root if getattr(p, "shared_embedding", False)}
+    pre = [p for p in root if id(p) in own]
+    post = [p for p in root if id(p) not in own]
+
+    def make(name: str, ps: list) -> Unit | None:
+        return Unit(f"chunk {ci} {name}", chunk, ps, shards, rank, offload) if ps else None
+    return make("root", post), make("embedding", pre)

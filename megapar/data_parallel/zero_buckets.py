@@ -1,0 +1,227 @@
+"""The ZeRO-1 and ZeRO-2 grad syncs: `GradBuckets`' buckets reduce-scattered over the
+data-parallel group instead of all-reduced, for the distributed optimizer (`optim/zero.py`).
+
+ZeRO-1 (`Zero1Buckets`): every bucket is zero-padded to a multiple of dp and
+*reduce-scattered*, so dp rank r ends up with the dp-averaged gradient of the r-th of the dp
+equal slices of each bucket (``shard_range``); the rest of the buffer keeps this rank's
+unreduced gradient and must not be read. Parameters given as ``last`` (the tied embedding) go
+into the last bucket(s), which, once `defer` named a ``before_reduce``, launch only in
+``finish()`` after it ran (the tied-embedding sum over the first and last pipeline stage must
+precede the dp reduction, as slices differ between stages). Gradient compression is refused.
+
+ZeRO-2 (`Zero2Buckets`): there is no full buffer, only ``shards`` (per dtype, this rank's
+slices of the buckets back to back; ``Bucket.shard``). ``.grad`` is autograd's own tensor. In
+every micro-batch's backward (hooks always armed within a step) a bucket whose gradients are
+all there is staged (copied into one padded bucket-sized tensor, each ``.grad`` released),
+averaged, reduce-scattered and added into its shard when waited for. Buckets launch in bucket
+order in rounds, one per micro-batch (`LaunchOrder.launch_round`); a bucket not complete holds
+the ones after it, whose gradients keep accumulating whole until they launch or ``finish()``
+reduces what accumulated since each bucket's last launch. Deferred buckets (the tied
+embedding) are reduced once, in ``finish()``.
+
+On gloo, which copies a collective's whole buffer and holds the copies until it is waited for,
+at most `MAX_COPIES_IN_FLIGHT` reduce-scatters are left in flight (`_bound_copies`), so their
+copies are freed during the backward; NCCL runs them in place and keeps its handles to
+``finish()``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from megapar.data_parallel import shard_comm
+from megapar.data_parallel.buckets import Bucket, CastBack, Done, GradBuckets, make_buckets
+
+
+class Zero1Buckets(GradBuckets):
+    """ZeRO-1's grad sync: the gradient buffer's buckets, padded to a multiple of dp, each
+    reduce-scattered so this rank keeps the average of its slice."""
+
+    stage = 1
+    sharded = True
+    """The optimizer state is sharded over dp: this rank's slices of each bucket."""
+
+    MAX_COPIES_IN_FLIGHT = 1
+    """Gloo's reduce-scatter and all-gather take up to two bucket-sized copies each, held until
+    the collective is waited for: at most this many are in flight (`_bound_copies`; the
+    optimizer's all-gathers too). NCCL runs them in place."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group, bucket_mb: float = 25.0,
+                 compressor=None, reduce_dtype: torch.dtype | None = None,
+                 average_over: int | None = None, last: Iterable[torch.nn.Parameter] = ()):
+        """`last`: the parameters laid out in the last bucket(s), deferred by `defer`."""
+        if compressor is not None:
+            raise ValueError(f"--grad-compression cannot be combined with --zero "
+                             f"{self.stage}: the distributed optimizer reduce-scatters the "
+                             f"gradient buffer, the compressors compress an all-reduce; use "
+                             f"--grad-compression none")
+        super().__init__(params, dp_group, bucket_mb, None, reduce_dtype, average_over, last)
+
+    def _layout(self, last: Iterable[torch.nn.Parameter]) -> list[Bucket]:
+        """`bucket_layout`'s buckets padded to a multiple of dp, `last` in the last ones."""
+        return make_buckets(self.params, self.bucket_mb, self.dp, last)
+
+    def defer(self, last: Iterable[torch.nn.Parameter], before_reduce) -> None:
+        """The buckets holding `last` (as laid out) launch only in finish(), after
+        `before_reduce()` (the tied-embedding sync). Call before the first step."""
+        if self.in_step:
+            raise RuntimeError("defer() during a step")
+        last = list(last)
+        laid = make_buckets(self.params, self.bucket_mb, self.dp, last)
+        if [[id(p) for p in b.params] for b in laid] != \
+                [[id(p) for p in b.params] for b in self.buckets]:
+            raise ValueError(f"{type(self).__name__} was laid out with other `last` parameters "
+                             f"than it is deferred with: build it with the same `last` "
+                             f"(build_grad_sync does)")
+        late = {id(p) for p in last}
+        self.before_reduce = before_reduce
+        for b in self.buckets:
+            b.deferred = before_reduce is not None and any(id(p) in late for p in b.params)
+
+    def shard_range(self, b: Bucket) -> tuple[int, int]:
+        """This rank's slice [lo, hi) of bucket `b` (relative to the bucket)."""
+        size = b.padded // self.dp
+        return self.dp_rank * size, (self.dp_rank + 1) * size
+
+    def _bound_copies(self) -> None:
+        """Gloo: wait for the oldest reduce-scatters in flight until fewer than
+        MAX_COPIES_IN_FLIGHT are, so their bucket copies are freed during the backward."""
+        flight = [b for b in self.buckets[:self.order.next]
+                  if b.handle is not None and not isinstance(b.handle, Done)]
+        for b in flight[:max(0, len(flight) - self.MAX_COPIES_IN_FLIGHT + 1)]:
+            b.handle.wait()  # a cast copy is copied back here
+            b.handle = Done()
+
+    def _reduce(self, b: Bucket) -> None:
+        """Average the bucket over the group into this rank's slice of it: an async
+        reduce-scatter in place (on a cast copy under `reduce_dtype`)."""
+        if self.host_waits:
+            self._bound_copies()
+        self._adopt_replaced_grads(b)
+        if self.average_over > 1:
+            b.flat.div_(self.average_over)
+        wire, cast = self._on_wire(b.flat)
+        lo, hi = self.shard_range(b)
+        work = shard_comm.reduce_scatter(wire, wire[lo:hi], self.dp, self.group,
+                                         self.host_waits)
+        b.handle = CastBack(work, wire[lo:hi], b.flat[lo:hi]) if cast else work
+
+
+class Zero2Buckets(Zero1Buckets):
+    """ZeRO-2's grad sync: ZeRO-1's bucket layout without the full buffer; every micro-batch
+    stages each complete bucket and reduce-scatters it into this rank's persistent shard."""
+
+    stage = 2
+    sharded_grads = True
+    """The reduced gradients exist only as this rank's slices (`shards`)."""
+    reduces_every_micro_batch = True
+    """Every micro-batch's backward reduce-scatters the buckets complete in it."""
+
+    def __init__(self, *args, **kwargs):
+        self.shards: dict[torch.dtype, torch.Tensor] = {}
+        """Per dtype, this rank's slices of the reduced gradients, bucket after bucket."""
+        self._flight: list[Bucket] = []
+        """Buckets with a reduction in flight, oldest first."""
+        super().__init__(*args, **kwargs)
+
+    def _allocate(self) -> None:
+        """One persistent zeroed buffer per dtype of this rank's slices (bucket order), each
+        bucket's `shard` a view into it; no full buffer, no ``.grad`` views."""
+        sizes: dict[torch.dtype, int] = {}
+        for b in self.buckets:
+            dtype = b.params[0].dtype
+            sizes[dtype] = sizes.get(dtype, 0) + b.padded // self.dp
+        devices = {b.params[0].dtype: b.params[0].device for b in self.buckets}
+        self.shards = {dt: torch.zeros(n, dtype=dt, device=devices[dt])
+                       for dt, n in sizes.items()}
+        offsets = dict.fromkeys(sizes, 0)
+        for b in self.buckets:
+            dtype, start = b.params[0].dtype, offsets[b.params[0].dtype]
+            b.flat, b.shard = None, self.shards[dtype][start:start + b.padded // self.dp]
+            offsets[dtype] = start + b.padded // self.dp
+        for p in self.params:
+            p.grad = None
+
+    def begin_step(self) -> None:
+        """Start a step: zero the shards; ``.grad`` is autograd's own until a bucket is
+        staged."""
+        super().begin_step()
+        for shard in self.shards.values():
+            shard.zero_()
+        self._flight = []
+
+    def _point_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _counts(self, param: torch.nn.Parameter) -> bool:
+        """Any micro-batch's gradient counts within a step, armed or not."""
+        return self.in_step
+
+    def _launch_ready(self) -> None:
+        self.order.launch_round(self._launch)
+
+    def _finish_launches(self) -> None:
+        self.order.finish_rounds(self._launch,
+                                 lambda b: any(p.grad is not None for p in b.params),
+                                 self.before_reduce)
+
+    def finish(self) -> None:
+        """Reduce what accumulated since each bucket's last reduction (`finish_rounds`), the
+        deferred buckets after `before_reduce()`, and wait for all; the averages of this
+        rank's slices are in `shards`."""
+        super().finish()
+        self._flight = []
+
+    def _bound_copies(self) -> None:
+        """Gloo: as ZeRO-1's, but rounds wrap, so the launch order is kept instead."""
+        self._flight = [b for b in self._flight if b.handle is not None]
+        while len(self._flight) >= self.MAX_COPIES_IN_FLIGHT:
+            b = self._flight.pop(0)
+            b.handle.wait()  # the staged copy is freed here
+            b.handle = None
+
+    def _stage(self, b: Bucket) -> torch.Tensor:
+        """The bucket's gradients copied into one padded bucket-sized tensor (zeros for
+        parameters without one), and each ``.grad`` released. A bucket of one parameter whose
+        gradient fills it exactly and owns its whole storage (the embedding's) is staged as
+        that gradient itself: no copy."""
+        if len(b.params) == 1:
+            g = b.params[0].grad
+            if g is not None and g.numel() == b.padded and g.is_contiguous() and \
+                    g.dtype == b.shard.dtype and g.device == b.shard.device and \
+                    g.untyped_storage().nbytes() == g.numel() * g.element_size():
+                b.params[0].grad = None
+                return g.view(-1)
+        staged = torch.empty(b.padded, dtype=b.shard.dtype, device=b.shard.device)
+        offset = 0
+        for p in b.params:
+            view = staged[offset:offset + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+            p.grad = None
+            offset += p.numel()
+        staged[offset:].zero_()
+        return staged
+
+    def _reduce(self, b: Bucket) -> None:
+        """Stage the bucket, reduce-scatter it into this rank's shard (added when waited for);
+        the staged copy lives until then."""
+        if self.host_waits:
+            self._bound_copies()
+        if b.handle is not None:  # its previous micro-batch's reduction adds to the shard first
+            b.handle.wait()
+        staged = self._stage(b)
+        if self.average_over > 1:
+            staged.div_(self.average_over)
+        wire, _ = self._on_wire(staged)
+        del staged
+        lo, hi = self.shard_range(b)
+        work = shard_comm.reduce_scatter(wire, wire[lo:hi], self.dp, self.group,
+                                         self.host_waits)
+        b.handle = CastBack(work, wire[lo:hi], b.shard, keep=wire, add=True)
+        self._flight.append(b)
