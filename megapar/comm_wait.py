@@ -3,7 +3,7 @@
 A forward or backward of a tensor- (or context-) parallel stage all-reduces or gathers over its
 tp / cp group in the middle of its work; when one rank of the group is slow, the others wait
 there, inside their compute. To tell the slow rank from the ranks that wait for it
-(`megapar.training.straggler`), the pipeline executor marks its compute actions with
+(`megapar.diagnostics.straggler`), the pipeline executor marks its compute actions with
 `counting()`, and the collectives of the parallel layers run inside `blocked(device)`: the time
 spent in them while counting is added up, and `take()` returns and resets the sum.
 

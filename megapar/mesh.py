@@ -156,14 +156,14 @@ class Mesh:
     group's watchdog timeout, see `group_timeout`). `timeout_s` of the constructor or
     `from_env` sets it; by default the world group's own."""
 
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism: outside the tp regions activations are split along the
-    sequence over the tp group (`tensor_parallel/sequence_parallel.py`). Set it on the mesh
-    before building a model; layers read it when they are built."""
-
-    def __init__(self, layout: Layout, rank: int = 0, timeout_s: float | None = None):
+    def __init__(self, layout: Layout, rank: int = 0, timeout_s: float | None = None,
+                 sequence_parallel: bool = False):
         self.layout = layout
         self.rank = rank
+        self.sequence_parallel = bool(sequence_parallel) and layout.tp > 1
+        """Megatron sequence parallelism: outside the tp regions activations are split along the
+        sequence over the tp group (`tensor_parallel/sequence_parallel.py`); never with tp 1.
+        A constructor argument; layers read it when they are built."""
         self.tp_rank, self.cp_rank, self.pp_rank, self.dp_rank = layout.coords4(rank)
         self.device = _device.device()
         if timeout_s:
@@ -238,7 +238,8 @@ class Mesh:
         return mine
 
     @classmethod
-    def virtual(cls, layout: Layout, rank: int = 0, device: str = "meta") -> "Mesh":
+    def virtual(cls, layout: Layout, rank: int = 0, device: str = "meta",
+                sequence_parallel: bool = False) -> "Mesh":
         """A mesh with coordinates but no process groups, for planning without processes.
 
         Building a model on it with device "meta" lists each rank's parameters (names, shard
@@ -246,6 +247,7 @@ class Mesh:
         """
         mesh = cls.__new__(cls)
         mesh.layout, mesh.rank = layout, rank
+        mesh.sequence_parallel = bool(sequence_parallel) and layout.tp > 1
         mesh.tp_rank, mesh.cp_rank, mesh.pp_rank, mesh.dp_rank = layout.coords4(rank)
         mesh.device = torch.device(device)
         mesh.device_mesh = None
@@ -256,7 +258,7 @@ class Mesh:
     @classmethod
     def from_env(cls, tp: int = 1, pp: int = 1, dp: int | None = None,
                  timeout_s: float | None = None, order: str = "tp-pp-dp",
-                 cp: int = 1) -> "Mesh":
+                 cp: int = 1, sequence_parallel: bool = False) -> "Mesh":
         """Initialise torch.distributed from the environment (if needed) and build the mesh:
         torchrun's, our launcher's, or an `srun` step's (`device.adopt_slurm_environment`)."""
 
@@ -265,9 +267,9 @@ class Mesh:
         layout = Layout.infer(world, tp, pp, dp, order, cp)
         if world > 1:
             _device.init_distributed(timeout_s=timeout_s)
-            mesh = cls(layout, dist.get_rank(), timeout_s)
+            mesh = cls(layout, dist.get_rank(), timeout_s, sequence_parallel)
         else:
-            mesh = cls(layout, 0, timeout_s)
+            mesh = cls(layout, 0, timeout_s, sequence_parallel)
         return mesh
 
     # sizes --------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def test_megapar_train_load_takes_an_engine_checkpoints_settings(run, tmp_path):
     clipping (not megapar-train's defaults); without a megapar schedule the rate is constant."""
     from megapar.checkpoint.manifest import read_manifest
     from megapar.training.config import parse_args
-    from megapar.training.validate import settings_from_checkpoint
+    from megapar.training.validate_resume import settings_from_checkpoint
 
     run(_resume_run, 4, str(tmp_path / "scheduled"), 3, False, (2, 2, 0))
     cfg = parse_args(["--load", str(tmp_path / "scheduled")])
@@ -526,7 +526,7 @@ def _nan_loss_on_dp_rank_1():
     engine = megapar.prepare(_hf_model(), micro_batch_size=2, lr=1e-2)
     batches = _batches(2)
     engine.train_step(batches[0])
-    executor = engine._executor(SEQ)
+    executor = engine.executor_for(SEQ)
     if dist.get_rank() == 1:
         run_pipeline = executor.run
         executor.run = lambda *args, **kwargs: run_pipeline(*args, **kwargs) * float("nan")

@@ -17,7 +17,8 @@ import torch
 from test_faults import _children, _fork_main, _wait_for, common  # noqa: F401 - a fixture
 
 import megapar
-from megapar.checkpoint.distributed import TEST_DELAY_ENV, save_checkpoint
+import megapar.checkpoint.distributed as cd
+from megapar.checkpoint.distributed import save_checkpoint
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest, verify
 from megapar.cli.train import main
@@ -39,9 +40,22 @@ def _batch(i):
     return {"input_ids": x, "labels": (x * 3 + 1) % VOCAB}
 
 
-def _async_then_sync(root):
-    import megapar.checkpoint.distributed as cd
+def _held(step: int, seconds: float):
+    """`cd.write_tensors` that holds the write of a rank's shard file of `step` `seconds` long
+    in its staging directory before it starts (a write to kill mid-way, a host copy that must
+    not change meanwhile); put on in a rank (or before the ranks are forked)."""
+    real = cd.write_tensors
 
+    def write_tensors(path, tensors):
+        path = Path(path)
+        if path.parent.name.startswith(f".tmp-step_{step}-") and path.name != cd.RNG_FILE:
+            time.sleep(seconds)
+        return real(path, tensors)
+    return write_tensors
+
+
+def _async_then_sync(root):
+    cd.write_tensors = _held(2, 1.0)  # step 2's writes are held open 1 s (this forked rank)
     root = Path(root)
     engine = megapar.prepare(_model(), tp=2, micro_batch_size=2, lr=1e-2, async_save=True)
     for i in range(2):
@@ -49,7 +63,7 @@ def _async_then_sync(root):
     # the synchronous save of step 2, for comparison
     save_checkpoint(root / "sync", engine.step, engine.model, engine.mesh,
                     engine.optimizer.state_tensors(), {}, engine.rng_state())
-    pending = engine.save(root / "bg")  # its write is held open 1 s (TEST_DELAY_ENV)
+    pending = engine.save(root / "bg")  # its write is held open 1 s (`_held`)
     early = (root / "bg" / "latest").exists()
     engine.train_step(_batch(2))  # changes every weight and moment while step 2 is written
     engine.save(root / "bg")  # step 3: waits for step 2's write first
@@ -75,7 +89,7 @@ def _async_then_sync(root):
 
 def test_a_background_save_is_the_synchronous_one_and_fails_on_every_rank_together(run,
                                                                                     tmp_path):
-    out = run(_async_then_sync, 2, str(tmp_path), env={TEST_DELAY_ENV: "2:1"})
+    out = run(_async_then_sync, 2, str(tmp_path))
     bg, sync = tmp_path / "bg", tmp_path / "sync"
     for pending, early, waited, published, _, _ in out:
         assert pending == str(bg / "step_00000002")
@@ -96,6 +110,7 @@ def test_a_background_save_is_the_synchronous_one_and_fails_on_every_rank_togeth
 
 
 def _save_and_return(root):
+    cd.write_tensors = _held(1, 1.0)  # the write is still in flight at the return (this rank)
     engine = megapar.prepare(_model(), tp=2, pp=2, micro_batch_size=2, lr=1e-2,
                              async_save=True)
     engine.train_step(_batch(0))
@@ -105,7 +120,6 @@ def _save_and_return(root):
 def test_a_write_in_flight_when_the_function_returns_is_finished_before_the_worker_exits(
         tmp_path, monkeypatch):
     monkeypatch.setenv("MEGAPAR_CPU", "1")
-    monkeypatch.setenv(TEST_DELAY_ENV, "1:1")  # the write is still in flight at the return
     out = megapar.launch(_save_and_return, 4, str(tmp_path), timeout_s=120)
     ck = tmp_path / "ck"
     assert out == str(ck / "step_00000001")
@@ -129,8 +143,10 @@ def test_sigkill_during_a_background_write_keeps_the_previous_latest_and_resume_
     ckpt, first, second = tmp_path / "ckpt", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     args = [*common, "--tp", "2", "--lr-decay", "constant", "--max-steps", "6",
             "--save", str(ckpt), "--async-save"]
-    monkeypatch.setenv(TEST_DELAY_ENV, "4:120")  # step 4's write is held open
-    pid = _fork_main([*args, "--save-interval", "2", "--log-json", str(first)], tmp_path / "out")
+    with monkeypatch.context() as held:  # step 4's write is held open in the forked run
+        held.setattr(cd, "write_tensors", _held(4, 120.0))
+        pid = _fork_main([*args, "--save-interval", "2", "--log-json", str(first)],
+                         tmp_path / "out")
 
     def out():
         return (tmp_path / "out").read_text()
@@ -148,7 +164,6 @@ def test_sigkill_during_a_background_write_keeps_the_previous_latest_and_resume_
             pass
     os.waitpid(pid, 0)
     time.sleep(0.5)
-    monkeypatch.delenv(TEST_DELAY_ENV)
     assert (ckpt / "latest").read_text().strip() == "step_00000002"
     assert not (ckpt / "step_00000004").exists() and not (ckpt / "step_00000006").exists()
     verify(ckpt)  # every file of the checkpoint latest names, against its manifest

@@ -3,10 +3,10 @@
 certified groups, and each check fails on a program broken the way it guards against."""
 
 import pytest
+from test_nccl_rules import one_by_one
 
 from megapar.cli.bubble import main as bubble
 from megapar.pipeline import certify, messages
-from megapar.pipeline import simulate as nccl_rules
 from megapar.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -67,7 +67,7 @@ def test_two_swapped_sends_fail_the_certificate():
 
 def test_each_check_can_fail():
     # progress: every message issued on its own where the schedule lists it deadlocks 1F1B
-    old = nccl_rules.one_by_one([schedule_actions("1f1b", 2, 4, s) for s in range(2)])
+    old = one_by_one([schedule_actions("1f1b", 2, 4, s) for s in range(2)])
     cert = certify.certify_programs(old, "1f1b", 2, 4)
     assert cert.checks["paired"].ok and not cert.checks["progress"].ok
     assert "deadlock under NCCL's rules" in cert.checks["progress"].detail

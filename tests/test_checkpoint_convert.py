@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from canonical import gather_canonical
 from test_checkpoint_helpers import (
     KEYS,
     assert_same,
@@ -16,7 +17,6 @@ from test_checkpoint_helpers import (
 
 from megapar.checkpoint.convert import checkpoint_info, convert_checkpoint
 from megapar.checkpoint.format import LATEST, RNG_FILE
-from megapar.checkpoint.hf import gather_canonical
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.convert import main

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from canonical import gather_canonical
 from test_checkpoint_helpers import KEYS, file_tensors, moment, optim_for, tiny_config
 from tp_utils import make_mesh
 
 from megapar.checkpoint.distributed import load_checkpoint, save_checkpoint
 from megapar.checkpoint.format import LATEST, RNG_FILE, CheckpointError, ShardReader
-from megapar.checkpoint.hf import gather_canonical
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.launcher import run_local

@@ -347,3 +347,22 @@ def test_the_logged_mfu_counts_the_model_s_matmuls(tmp_path, text, cache):
         assert m["tflops"] * 1e12 / m["tokens_per_s"] == pytest.approx(
             training_flops_per_token(config, 32), rel=1e-9)
         assert m["mfu"] == pytest.approx(m["tflops"] / 2)
+
+
+def test_every_flag_has_a_group_and_the_groups_follow_in_order():
+    """TrainConfig's fields are grouped by concern: each field in one group of `GROUPS`, each
+    group's fields together and in `GROUPS`' order, and `--help` lists them under the groups."""
+    import dataclasses
+
+    from megapar.training.config import GROUPS, TrainConfig, build_parser, field_groups
+
+    groups = field_groups()
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    assert list(groups) == names
+    order = list(groups.values())
+    seen = [g for i, g in enumerate(order) if i == 0 or g != order[i - 1]]
+    assert seen == list(GROUPS), seen
+    parser = build_parser()
+    titled = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
+    for key, title in GROUPS.items():
+        assert titled[title] == [n for n in names if groups[n] == key]

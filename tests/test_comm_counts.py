@@ -73,8 +73,7 @@ def make_step(kind: str, mesh: Mesh, recompute: str = "none", overrides: dict | 
 def _worker(kind: str, tp: int, sequence_parallel: bool = False):
     import torch.distributed as dist
 
-    mesh = Mesh(Layout(tp, 1, 1), dist.get_rank())
-    mesh.sequence_parallel = sequence_parallel
+    mesh = Mesh(Layout(tp, 1, 1), dist.get_rank(), sequence_parallel=sequence_parallel)
     step = make_step(kind, mesh)
     step.step(to_device(micro_batches(kind), mesh.device), 0)  # warm-up
     with count_collectives() as calls:
@@ -219,8 +218,7 @@ def _cp_worker(tp: int, cp: int, sequence_parallel: bool, runs: list[tuple[str, 
     size."""
     import torch.distributed as dist
 
-    mesh = Mesh(Layout(tp, 1, 1, cp=cp), dist.get_rank())
-    mesh.sequence_parallel = sequence_parallel
+    mesh = Mesh(Layout(tp, 1, 1, cp=cp), dist.get_rank(), sequence_parallel=sequence_parallel)
     out = []
     for kind, recompute in runs:
         step = make_step(kind, mesh, recompute, bucket_mb=1000.0)  # one bucket

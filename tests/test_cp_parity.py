@@ -86,8 +86,7 @@ def one_step(kind, tp, cp, pp, dp, schedule="1f1b", sp=False, recompute="none", 
     from megapar.pipeline.schedules import placement_of
     from megapar.training.step import TrainStep
 
-    mesh = Mesh(Layout(tp, pp, dp, cp=cp), dist.get_rank())
-    mesh.sequence_parallel = sp
+    mesh = Mesh(Layout(tp, pp, dp, cp=cp), dist.get_rank(), sequence_parallel=sp)
     model = build_stage(make_config(kind, layers), mesh, SEED, recompute, virtual_stages=v,
                         placement=placement_of(schedule))
     if method is not None:  # the other cp attention than the model's choice

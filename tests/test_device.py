@@ -83,6 +83,7 @@ def test_more_ranks_than_gpus_is_one_line_naming_the_fix(monkeypatch):
 
 def test_megapar_train_refuses_more_ranks_than_gpus_before_any_worker(monkeypatch, capsys):
     import megapar.cli.train as cli
+    import megapar.training.run_plan as run_plan
 
     monkeypatch.setenv("MEGAPAR_CPU", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -93,7 +94,7 @@ def test_megapar_train_refuses_more_ranks_than_gpus_before_any_worker(monkeypatc
         raise AssertionError("a worker was started")
 
     monkeypatch.setattr(cli, "run_workers", no_workers)
-    monkeypatch.setattr(cli, "prepare_data", no_workers)  # refused before the data, too
+    monkeypatch.setattr(run_plan, "prepare_data", no_workers)  # refused before the data, too
     assert cli.main(["--model", "gpt2-tiny", "--tp", "2", "--max-steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0, err

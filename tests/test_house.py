@@ -18,6 +18,7 @@ LAYERS = [  # lowest first: a module may import its own layer and the ones below
     ("megapar.tensor_parallel", "megapar.context_parallel"),
     ("megapar.models", "megapar.pipeline", "megapar.data_parallel", "megapar.optim",
      "megapar.checkpoint", "megapar.data"),
+    ("megapar.diagnostics",),
     ("megapar.training",),
     ("megapar.plan", "megapar.dryrun"),
     ("megapar.cli", "megapar"),

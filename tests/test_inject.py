@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import megapar
+from megapar.diagnostics import inject
 from megapar.mesh import Layout
 from megapar.models.config import GPT2Config
-from megapar.training import inject
 
 VOCAB, SEQ, G = 96, 16, 8
 SPEC = "step=3,module=transformer.h.3.attn,tp=1"

@@ -3,9 +3,10 @@
 import pytest
 import torch
 import transformers
+from canonical import gather_canonical
 from tp_utils import assert_close, make_mesh
 
-from megapar.checkpoint.hf import HFReader, gather_canonical, load_hf_weights, save_hf
+from megapar.checkpoint.hf import HFReader, load_hf_weights, save_hf
 from megapar.launcher import run_local
 from megapar.models import GPT2, Bert
 from megapar.tensor_parallel.partition import gather_full

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
+from canonical import gather_canonical
 from tp_utils import assert_close, make_mesh
 
 from megapar.checkpoint.hf import (
     HFReader,
-    gather_canonical,
     load_hf_weights,
     save_hf,
 )

@@ -109,8 +109,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     from megapar.tensor_parallel.partition import gather_full
     from megapar.training.step import TrainStep
 
-    mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank())
-    mesh.sequence_parallel = sequence_parallel
+    mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank(), sequence_parallel=sequence_parallel)
     model = build_stage(config(kind), mesh, SEED,
                         virtual_stages=chunks_per_rank(schedule, virtual_stages),
                         placement=placement_of(schedule))

@@ -410,7 +410,7 @@ def test_command_uses_only_flags_megapar_train_has():
     import dataclasses
 
     from megapar.plan.report import command
-    from megapar.training.config import TrainConfig, _choices
+    from megapar.training.config import TrainConfig, flag_choices
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     problem = Problem(resolve_model("gpt2-124m"), 16, 8, 80, 64, 1024)
@@ -420,7 +420,7 @@ def test_command_uses_only_flags_megapar_train_has():
     assert ("--sequence-parallel" in cmd) == ("sequence_parallel" in fields)
     assert ("sequence parallelism" in " ".join(missing)) == ("sequence_parallel" not in fields)
     assert ("--virtual-stages 3" in cmd) == ("virtual_stages" in fields)
-    assert ("--schedule interleaved" in cmd) == ("interleaved" in _choices()["schedule"])
+    assert ("--schedule interleaved" in cmd) == ("interleaved" in flag_choices()["schedule"])
     assert "--zero 1" in cmd
 
 

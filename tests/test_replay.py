@@ -155,7 +155,7 @@ def test_a_record_of_another_step_is_refused(recorded, capfd):
 
 def test_a_record_of_another_model_is_refused(recorded, tmp_path, capfd):
     """A record whose model (its config, under a valid checksum) is not the checkpoint's."""
-    from megapar.training.replay import _digest
+    from megapar.diagnostics.replay import _digest
 
     record = _copy_record(recorded, tmp_path / "r")
     data = json.loads(record.read_text())
@@ -201,7 +201,7 @@ def test_an_old_record_without_a_checksum_is_read_with_a_note(recorded, tmp_path
 
 
 def test_a_replay_that_compared_nothing_never_says_no_difference():
-    from megapar.training.replay import compare
+    from megapar.diagnostics.replay import compare
 
     entry = {"module": "model.layers.0.mlp", "mb": 0, "key": 1, "samples": [0, 2],
              "part": "whole", "rank": 0, "tp": 0, "cp": 0, "pp": 0, "dp": 0, "tp_size": 1,

@@ -34,8 +34,7 @@ DROPOUT = {"gpt2": dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.2),
 def _train(kind, sequence_parallel, recompute, dropout=False):
     import torch.distributed as dist
 
-    mesh = Mesh(Layout(2, 2, 1), dist.get_rank())
-    mesh.sequence_parallel = sequence_parallel
+    mesh = Mesh(Layout(2, 2, 1), dist.get_rank(), sequence_parallel=sequence_parallel)
     step = make_step(kind, mesh, recompute, DROPOUT[kind] if dropout else None)
     grads, optimizer_step = {}, step.optimizer.step
 
@@ -129,9 +128,9 @@ def _no_copy_worker():
     from megapar.tensor_parallel import sequence_parallel as sp
 
     group, rank = dist.group.WORLD, dist.get_rank()
-    seen, gather, scatter = [], sp._all_gather_flat, sp._reduce_scatter_flat
-    sp._all_gather_flat = lambda out, x, g: (seen.append((out, x)), gather(out, x, g))[1]
-    sp._reduce_scatter_flat = lambda out, x, g: (seen.append((out, x)), scatter(out, x, g))[1]
+    seen, gather, scatter = [], sp.all_gather_flat, sp.reduce_scatter_flat
+    sp.all_gather_flat = lambda out, x, g: (seen.append((out, x)), gather(out, x, g))[1]
+    sp.reduce_scatter_flat = lambda out, x, g: (seen.append((out, x)), scatter(out, x, g))[1]
     try:
         copies = []
         for b in (1, 3):
@@ -152,7 +151,7 @@ def _no_copy_worker():
             copies.append(in_place)
         return copies
     finally:
-        sp._all_gather_flat, sp._reduce_scatter_flat = gather, scatter
+        sp.all_gather_flat, sp.reduce_scatter_flat = gather, scatter
 
 
 def test_sequence_parallel_collectives_copy_nothing_at_one_sequence_per_micro_batch():
@@ -169,8 +168,7 @@ def _llama_worker(tied: bool, kv_heads: int):
     overrides = {"tie_word_embeddings": tied, "num_key_value_heads": kv_heads}
     out = []
     for sp, mode in [(False, "none"), (True, "none"), (True, "full")]:
-        mesh = Mesh(Layout(2, 2, 1), dist.get_rank())
-        mesh.sequence_parallel = sp
+        mesh = Mesh(Layout(2, 2, 1), dist.get_rank(), sequence_parallel=sp)
         step = make_step("llama", mesh, mode, overrides)
         grads, optimizer_step = {}, step.optimizer.step
 

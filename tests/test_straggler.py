@@ -18,10 +18,10 @@ import torch
 import megapar
 from megapar.cli.train import main
 from megapar.data import asset_path
+from megapar.diagnostics.straggler import MIN_EXCESS_S, references, slow_ranks
 from megapar.faults.slow import SlowRank
 from megapar.mesh import Layout
 from megapar.training.logging import format_line
-from megapar.training.straggler import MIN_EXCESS_S, references, slow_ranks
 
 TINY = ["--model", "gpt2-tiny", "--tokenizer", "sentencepiece", "--seq-len", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "0",

@@ -88,7 +88,7 @@ def reference(kind):
 
 
 def parallel(kind, tp, pp, zero):
-    from megapar.checkpoint.hf import gather_canonical
+    from canonical import gather_canonical
 
     engine = megapar.prepare(hf_config(), tp=tp, pp=pp, micro_batch_size=MBS, zero=zero,
                              optimizer=kind, lr=LR[kind], weight_decay=WD, clip_grad=CLIP,

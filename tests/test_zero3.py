@@ -72,8 +72,7 @@ def _train(tp: int, pp: int, dp: int, schedule: str = "1f1b", keep: bool = False
 
     from megapar.tensor_parallel.partition import gather_full
 
-    mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank())
-    mesh.sequence_parallel = sequence_parallel
+    mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank(), sequence_parallel=sequence_parallel)
     model, step, sharded = build(mesh, schedule, keep, recompute=recompute,
                                  virtual_stages=virtual_stages, mbs=mbs, persist=persist,
                                  offload=offload, offload_params=offload_params, reduce=reduce)

@@ -83,16 +83,25 @@ def render() -> str:
     for name, module in commands().items():
         parser = parser_of(module)
         out += [f"## {name}", "", "```text", (parser.description or "").strip(), "```", ""]
-        out += ["| flag | default | what |", "| --- | --- | --- |"]
-        for action in parser._actions:
-            if isinstance(action, argparse._HelpAction):
-                continue
-            text, default = _help_and_default(action)
-            if action.choices and action.nargs != 0:
-                text += f" (one of: {', '.join(map(str, action.choices))})"
-            out.append(f"| {_flags(action)} | {_cell(default)} | {_cell(text)} |")
-        out.append("")
+        default_groups = parser._action_groups[:2]  # positional arguments, options
+        out += _table([a for g in default_groups for a in g._group_actions])
+        for group in parser._action_groups[2:]:  # a parser's argument groups (by concern)
+            if group._group_actions:
+                out += [f"### {group.title}", ""] + _table(group._group_actions)
     return "\n".join(out)
+
+
+def _table(actions: list[argparse.Action]) -> list[str]:
+    """One Markdown table of `actions` (the --help action left out), and a blank line."""
+    out = ["| flag | default | what |", "| --- | --- | --- |"]
+    for action in actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        text, default = _help_and_default(action)
+        if action.choices and action.nargs != 0:
+            text += f" (one of: {', '.join(map(str, action.choices))})"
+        out.append(f"| {_flags(action)} | {_cell(default)} | {_cell(text)} |")
+    return out + [""]
 
 
 def main(argv=None) -> int:

@@ -25,8 +25,8 @@ def main() -> None:
     from transformers import GPT2Config
 
     import megapar
-    from megapar.training.module_trace import ModuleTrace
-    from megapar.training.nonfinite import locate
+    from megapar.diagnostics.module_trace import ModuleTrace
+    from megapar.diagnostics.nonfinite import locate
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)

@@ -37,8 +37,7 @@ def _worker(args, sequence_parallel: bool) -> int:
     config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,
                         n_layer=args.layers, n_head=args.heads, resid_pdrop=p, embd_pdrop=p,
                         attn_pdrop=p)
-    mesh = Mesh(Layout(2, 1, 1), dist.get_rank())
-    mesh.sequence_parallel = sequence_parallel
+    mesh = Mesh(Layout(2, 1, 1), dist.get_rank(), sequence_parallel=sequence_parallel)
     model = build_model(config, mesh, range(args.layers), pre_process=False, post_process=False,
                         tracker=RNGTracker(0, mesh))
     model.init_weights(0)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,10 +76,6 @@ class LoadedState:
     notes: list[str] = field(default_factory=list)
     """Human-readable remarks (RNG not restored, non-structural config differences)."""
 
-    @property
-    def has_optimizer_state(self) -> bool:
-        return bool(self.optim_tensors)
-
 
 def _world(mesh: Mesh) -> bool:
     return mesh.layout.world_size > 1 and dist.is_initialized()
@@ -94,7 +89,7 @@ def _bytes_tensor(data: bytes, device, pad_to: int = 0) -> torch.Tensor:
     return buf.to(device)
 
 
-def _broadcast_text(text: str | None, mesh: Mesh, src: int = 0, group=None) -> str:
+def broadcast_text(text: str | None, mesh: Mesh, src: int = 0, group=None) -> str:
     """Rank `src`'s text on every rank (a uint8 tensor broadcast over the world, or over
     `group`: a gloo group spanning the world, on host tensors)."""
     if not _world(mesh):
@@ -108,9 +103,9 @@ def _broadcast_text(text: str | None, mesh: Mesh, src: int = 0, group=None) -> s
     return buf.cpu().numpy().tobytes().decode()
 
 
-def _gather_payloads(payload: bytes, mesh: Mesh, group=None) -> list[bytes] | None:
+def gather_payloads(payload: bytes, mesh: Mesh, group=None) -> list[bytes] | None:
     """Every rank's bytes on rank 0 (None elsewhere), via padded uint8 tensor gathers over the
-    world (or `group`, as in `_broadcast_text`)."""
+    world (or `group`, as in `broadcast_text`)."""
     if not _world(mesh):
         return [payload]
     device = mesh.device if group is None else torch.device("cpu")
@@ -215,18 +210,6 @@ def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dic
     return write_checkpoint(root, step, state, mesh)
 
 
-#: Tests set MEGAPAR_TEST_SAVE_DELAY="STEP:SECONDS" to hold the save of STEP that long in its
-#: staging directory before this rank's shard file is written (a write to kill mid-way, a
-#: host copy that must not change meanwhile).
-TEST_DELAY_ENV = "MEGAPAR_TEST_SAVE_DELAY"
-
-
-def _test_delay(step: int) -> None:
-    spec = os.environ.get(TEST_DELAY_ENV, "")
-    if spec.partition(":")[0] == str(step):
-        time.sleep(float(spec.partition(":")[2]))
-
-
 def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh: Mesh,
                      group=None) -> Path:
     """Write every rank's `SavedState` of `step` as ``root/step_N`` and publish it (collective
@@ -252,9 +235,9 @@ def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh:
             error = f"checkpoint of step {step} not saved: {exc}"
         except OSError as exc:
             error = f"cannot create a staging directory in {root}: {exc}"
-    tmp_name = _broadcast_text(tmp_name, mesh, group=group)
+    tmp_name = broadcast_text(tmp_name, mesh, group=group)
     if not tmp_name:
-        raise CheckpointError(_broadcast_text(error, mesh, group=group))
+        raise CheckpointError(broadcast_text(error, mesh, group=group))
     tmp = root / tmp_name
     header = {"rank": mesh.rank, "error": None}
     rng = {}
@@ -264,14 +247,13 @@ def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh:
         rng = state.rng
         if state.ready is not None:  # the copy to the host still runs on the device
             state.ready.synchronize()
-        _test_delay(step)
         if state.shard is not None:
             fname, tensors, entries = state.shard
             header.update(file=fname, record=write_tensors(tmp / fname, tensors),
                           tensors=entries)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0 and raised on every rank
         header["error"] = f"rank {mesh.rank}: {type(exc).__name__}: {exc}"
-    payloads = _gather_payloads(_pack(header, rng), mesh, group)
+    payloads = gather_payloads(_pack(header, rng), mesh, group)
     outcome = ""
     if mesh.rank == 0:
         try:
@@ -279,7 +261,7 @@ def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh:
         except Exception as exc:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = f"ERROR checkpoint of step {step} not saved: {exc}"
-    outcome = _broadcast_text(outcome, mesh, group=group)
+    outcome = broadcast_text(outcome, mesh, group=group)
     if outcome.startswith("ERROR "):
         raise CheckpointError(outcome[6:])
     return Path(outcome)

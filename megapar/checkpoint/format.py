@@ -200,13 +200,6 @@ def open_safetensors(path: str | Path, what: str = "checkpoint file"):
                               f"checkpoint") from None
 
 
-def write_json(path: str | Path, data) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def staging_dir(parent: str | Path, prefix: str) -> Path:
     """A fresh hidden directory ``parent/{prefix}<random>`` to build a checkpoint in."""
     parent = Path(parent)

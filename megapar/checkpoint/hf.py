@@ -33,7 +33,7 @@ from megapar.models.config import (
     config_from_hf,
 )
 from megapar.pipeline.partition import build_stage
-from megapar.tensor_parallel.partition import gather_full, shard_of
+from megapar.tensor_parallel.partition import shard_of
 
 
 def _open(path: Path):
@@ -370,17 +370,3 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
             path.unlink(missing_ok=True)
         raise
     return out_dir
-
-
-@torch.no_grad()
-def gather_canonical(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full tensors of this stage's parameters, gathered over the tp group (collective)."""
-
-    out = {}
-    for name, param in model.named_parameters():
-        if hasattr(param, "tied_to"):
-            continue
-        out[name] = gather_full(param.detach(), getattr(param, "tp_dim", None),
-                                getattr(param, "full_shape", tuple(param.shape)),
-                                model.mesh.tp_group).cpu()
-    return out

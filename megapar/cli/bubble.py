@@ -39,7 +39,7 @@ from megapar.pipeline.timeline import (
 )
 from megapar.training import bubble
 from megapar.training.config import OneLineParser
-from megapar.training.validate import UsageError, _flag, check_writable
+from megapar.training.validate import UsageError, check_writable, flag_of
 from megapar.training.validate_tools import MAX_SIMULATED_ACTIONS, check_bubble_args
 
 
@@ -103,7 +103,7 @@ def check_cost_flags(args) -> None:
             if getattr(args, name):
                 raise ValueError(f"--{name} is not used with --show-schedule (which prints the "
                                  f"actions only); drop one of them")
-    given = [_flag(n) for n in COST_FLAGS if getattr(args, n) is not None]
+    given = [flag_of(n) for n in COST_FLAGS if getattr(args, n) is not None]
     if not given:
         return
     if args.show_schedule:
@@ -168,17 +168,17 @@ def check_certify_args(args) -> list[tuple]:
     refused."""
     for name in CERTIFY_ALONE:
         if getattr(args, name) not in (None, False):
-            raise ValueError(f"{_flag(name)} is not used with --certify (which checks the "
+            raise ValueError(f"{flag_of(name)} is not used with --certify (which checks the "
                              f"programs of every stage); drop one of them")
     for name in ("tp", "cp"):
         if getattr(args, name) != 1:
-            raise ValueError(f"{_flag(name)} is not used with --certify: the programs are the "
+            raise ValueError(f"{flag_of(name)} is not used with --certify: the programs are the "
                              f"same for any --{name} (each stage's ranks run its program); "
                              f"drop it")
     for name in ("pp", "microbatches", "virtual_stages"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
+            raise UsageError(f"{flag_of(name)} {value} is invalid: it must be >= 1")
     if args.pp == 1:
         raise UsageError("--pp 1 has no pipeline messages to certify; give --pp >= 2")
     pps = (args.pp,) if args.pp else certify.GRID_PP

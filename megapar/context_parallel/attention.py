@@ -52,8 +52,8 @@ from megapar.context_parallel.kernels import (
 from megapar.context_parallel.ring import Ring
 from megapar.context_parallel.split import chunk_ids, split
 from megapar.tensor_parallel.sequence_parallel import (
-    _all_gather_flat,
-    _reduce_scatter_flat,
+    all_gather_flat,
+    reduce_scatter_flat,
 )
 
 METHODS = ("ring", "all-gather")
@@ -268,14 +268,14 @@ class AllGatherAttention(torch.autograd.Function):
                                                          every[source, 1], dout, out, lse, dq))
                                for source in range(spec.cp)])
         mine = torch.empty(dkv.shape[1:], dtype=dkv.dtype, device=dkv.device)
-        _reduce_scatter_flat(mine, dkv, spec.comm)
+        reduce_scatter_flat(mine, dkv, spec.comm)
         return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None
 
 
 def _gather(kv: torch.Tensor, spec: Spec) -> torch.Tensor:
     """[cp, 2, b, kv heads, 2c, d]: every cp rank's stacked K/V block, in cp rank order."""
     out = torch.empty((spec.cp,) + kv.shape, dtype=kv.dtype, device=kv.device)
-    _all_gather_flat(out, kv.contiguous(), spec.comm)
+    all_gather_flat(out, kv.contiguous(), spec.comm)
     return out
 
 

@@ -44,7 +44,7 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 65536 else np.dtype("<u4")
 
 
-def _tmp_name(path: str) -> str:
+def tmp_name(path: str) -> str:
     """A temporary name beside `path`, ``path.tmp-PID-HOST-<random>`` (`owner_tag`)."""
     return f"{path}.tmp-{owner_tag()}-{uuid.uuid4().hex[:8]}"
 
@@ -98,7 +98,7 @@ class IndexedDatasetBuilder:
         os.makedirs(parent, exist_ok=True)
         for ext in (".bin", ".idx", ".json"):  # the leftovers of a writer killed before us
             remove_stale_tmps(self.prefix + ext)
-        self._bin_tmp = _tmp_name(self.prefix + ".bin")
+        self._bin_tmp = tmp_name(self.prefix + ".bin")
         self._bin = open(self._bin_tmp, "wb")
         self._offsets = array.array("q", [0])  # 8 bytes per document, not a Python int
         self.max_id = -1
@@ -126,7 +126,7 @@ class IndexedDatasetBuilder:
         """Write the index and metadata, rename everything into place, return the prefix."""
         self._bin.close()
         offsets = np.frombuffer(self._offsets, dtype=np.int64).astype("<i8")
-        idx_tmp = _tmp_name(self.prefix + ".idx")
+        idx_tmp = tmp_name(self.prefix + ".idx")
         if self.format == "megatron":
             megatron.write_index(idx_tmp, self.dtype, np.diff(offsets))
         else:
@@ -146,7 +146,7 @@ class IndexedDatasetBuilder:
             "index_format": self.format,
             "max_id": self.max_id,
         }
-        json_tmp = _tmp_name(self.prefix + ".json")
+        json_tmp = tmp_name(self.prefix + ".json")
         with open(json_tmp, "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
         os.replace(self._bin_tmp, self.prefix + ".bin")

@@ -44,7 +44,7 @@ from typing import Iterator, Sequence
 
 from tqdm import tqdm
 
-from megapar.data.indexed import IndexedDatasetBuilder, _tmp_name, remove_stale_tmps
+from megapar.data.indexed import IndexedDatasetBuilder, remove_stale_tmps, tmp_name
 from megapar.data.tokenizers import (
     APPENDED_ORDER,
     Tokenizer,
@@ -212,7 +212,7 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
     path = os.fspath(model_prefix) + ".model"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     remove_stale_tmps(path)
-    tmp = _tmp_name(path)
+    tmp = tmp_name(path)
     with open(tmp, "wb") as f:
         f.write(buf.getvalue())
     os.replace(tmp, path)

@@ -58,7 +58,7 @@ from megapar.plan.state import (
     whole_grads,
 )
 from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
-from megapar.training.config import _choices
+from megapar.training.config import flag_choices
 from megapar.training.data import make_sampler
 from megapar.training.engine import Engine
 from megapar.training.validate import UsageError, check_zero3
@@ -190,7 +190,7 @@ def rehearse_rank(cfg, config, layout: Layout, rank: int, gpus_per_node: int = 8
     """Rank `rank` of a job of `layout` running `cfg` on model `config` (see the module
     docstring); `dataset`: the training split, for the first batch (None: no data)."""
     with fake_process_group(layout.world_size, rank):
-        mesh = Mesh(layout, rank)
+        mesh = Mesh(layout, rank, sequence_parallel=cfg.sequence_parallel)
         with fake_tensors():
             return _rehearse(cfg, config, mesh, gpus_per_node, dataset)
 
@@ -297,7 +297,7 @@ def _run_micro_batch(cfg, config, engine: Engine, layout: Layout, m: int, datase
 def _unserved(cfg) -> str:
     """Why megapar-train cannot run `cfg`'s ZeRO stage as given ("" when it can): a stage not
     among --zero's choices, or a ZeRO-3 option it refuses (`check_zero3`)."""
-    if cfg.zero not in _choices()["zero"]:
+    if cfg.zero not in flag_choices()["zero"]:
         return f"--zero {cfg.zero} is not in this megapar-train"
     if cfg.zero == 3:
         try:

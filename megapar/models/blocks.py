@@ -117,7 +117,7 @@ class ResidualDropout(nn.Dropout):
     def __init__(self, p: float, mesh: Mesh, tracker):
         super().__init__(p)
         self.tracker = tracker
-        self.split = bool(getattr(mesh, "sequence_parallel", False)) and mesh.tp > 1
+        self.split = mesh.sequence_parallel and mesh.tp > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split and self.training and self.p > 0:

@@ -125,7 +125,7 @@ class ReplicatedHeads(nn.Module):
         super().__init__()
         self.group = mesh.tp_group
         self.rows = rows
-        self.sequence_parallel = bool(getattr(mesh, "sequence_parallel", False)) and mesh.tp > 1
+        self.sequence_parallel = mesh.sequence_parallel and mesh.tp > 1
         self.weight = set_partition(
             nn.Parameter(torch.empty(out_features, in_features, device=mesh.device)), None,
             (out_features, in_features))

@@ -40,7 +40,7 @@ WORD_EMBEDDING = "embed.word.weight"
 
 
 class StageModel(nn.Module):
-    """Base of GPT2 and Bert. Subclasses build `embed`, `layers` and their head in between
+    """Base of GPT2, Bert and Llama. Subclasses build `embed`, `layers` and their head in between
     `_begin` and `_end`, and finish `forward` with `_output`."""
 
     def _begin(self, config, mesh: Mesh, layers: Sequence[int] | None, pre_process: bool,

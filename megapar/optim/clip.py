@@ -45,7 +45,8 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(pieces))).pow(2)
 
 
-def _counted(param: nn.Parameter, mesh: Mesh) -> bool:
+def is_counted(param: nn.Parameter, mesh: Mesh) -> bool:
+    """Whether this rank adds `param`'s gradient to the global norm (each parameter once)."""
     if getattr(param, "tied_to", None) is not None:
         return False
     return getattr(param, "tp_dim", None) is not None or mesh.tp_rank == 0
@@ -55,7 +56,7 @@ def _counted(param: nn.Parameter, mesh: Mesh) -> bool:
 def grad_norm(model: nn.Module, mesh: Mesh) -> float:
     """Global L2 norm of the gradient (collective over mesh.mp_group)."""
     grads = [p.grad.detach() for p in model.parameters()
-             if p.grad is not None and _counted(p, mesh)]
+             if p.grad is not None and is_counted(p, mesh)]
     if grads:
         total = sum_of_squares(grads)
     else:

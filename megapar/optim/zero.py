@@ -48,7 +48,7 @@ from torch import nn
 from megapar.data_parallel import shard_comm
 from megapar.data_parallel.buckets import slice_pieces
 from megapar.mesh import all_reduce, group_size
-from megapar.optim.clip import _counted, sum_of_squares
+from megapar.optim.clip import is_counted, sum_of_squares
 from megapar.optim.optimizer import AdamWOptimizer, step_state
 
 
@@ -211,7 +211,7 @@ class ZeroOptimizer(AdamWOptimizer):
         parameter counted once as in `clip.py`; clip the local slices to max_norm."""
 
         counted = [t.grad for t, (p, _, _) in zip(self.pieces, self._piece_of)
-                   if _counted(p, mesh)]
+                   if is_counted(p, mesh)]
         total = torch.zeros((), dtype=torch.float32, device=mesh.device)
         if counted:
             total = sum_of_squares(counted)

@@ -45,6 +45,7 @@ from megapar.pipeline.actions import Action, MessageGroup
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.placement import chunks_per_rank, peer_of, placement_of, virtual_stage
 from megapar.pipeline.schedules import (
+    MESSAGE_KINDS,
     SCHEDULES,
     check_schedule,
     in_flight_peak,
@@ -203,7 +204,7 @@ def _actions(step_or_program):
 
 def _computes(programs, schedules) -> Check:
     for stage, (program, actions) in enumerate(zip(programs, schedules)):
-        want = [a for a in actions if a.kind not in nccl_rules.MESSAGE_KINDS]
+        want = [a for a in actions if a.kind not in MESSAGE_KINDS]
         if messages.computes_of(program) != want:
             return Check(False, f"stage {stage}'s program runs its computes in another order "
                                 f"than its schedule")

@@ -199,7 +199,7 @@ def state_bytes(params: int, dp: int, zero: int, master_weights: str) -> tuple[f
 
     master_weights "fp32" is megapar today: fp32 parameters (autocast casts on the fly), fp32
     gradients, Adam's two fp32 moments: 4 + 4 + 8 bytes. "separate" is Megatron's mixed
-    precision (and issue 12's distributed optimizer): 16-bit parameters, fp32 main gradients,
+    precision (and its distributed optimizer): 16-bit parameters, fp32 main gradients,
     fp32 master copy + two moments in the optimizer: 2 + 4 + 12 bytes. ZeRO-1 / the distributed
     optimizer divides the optimizer column by dp."""
     if master_weights == "fp32":

@@ -6,7 +6,7 @@ import dataclasses
 
 from megapar.plan.estimate import Estimate, Problem
 from megapar.plan.memory import GIB
-from megapar.training.config import TrainConfig, _choices
+from megapar.training.config import TrainConfig, flag_choices
 
 # Candidate option -> TrainConfig fields that would carry it, in order of preference. A flag is
 # only emitted when megapar-train has the field; otherwise the command says what is missing.
@@ -30,7 +30,7 @@ def _size(nbytes: float) -> str:
 
 
 def _train_fields() -> tuple[set[str], dict]:
-    return {f.name for f in dataclasses.fields(TrainConfig)}, _choices()
+    return {f.name for f in dataclasses.fields(TrainConfig)}, flag_choices()
 
 
 SEPARATE_MASTER_WEIGHTS = ("16-bit parameters with separate fp32 master weights (megapar-train "

@@ -28,7 +28,7 @@ from megapar.tensor_parallel.weight_grad import linear
 
 
 def _sequence_parallel(mesh: Mesh) -> bool:
-    return bool(getattr(mesh, "sequence_parallel", False)) and mesh.tp > 1
+    return mesh.sequence_parallel and mesh.tp > 1
 
 
 def divide(numerator: int, tp: int, what: str) -> int:

@@ -31,14 +31,14 @@ from megapar.mesh import LayoutError, group_size
 SEQ_DIM = 1
 
 
-def _all_gather_flat(out, x, group):
+def all_gather_flat(out, x, group):
     """`out` (contiguous) = every rank's `x` (contiguous), one after the other."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     with blocked(x.device):
         fn(out.view(-1), x.view(-1), group=group)
 
 
-def _reduce_scatter_flat(out, x, group):
+def reduce_scatter_flat(out, x, group):
     """`out` (contiguous) = the sum over ranks of this rank's equal part of `x` (contiguous)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     with blocked(x.device):
@@ -72,7 +72,7 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
         return x
     b = x.shape[0]
     out = torch.empty((size * b,) + x.shape[1:], dtype=x.dtype, device=x.device)
-    _all_gather_flat(out, x.contiguous(), group)
+    all_gather_flat(out, x.contiguous(), group)
     if b == 1:
         return out.view(1, -1, *x.shape[2:])
     return out.view(size, b, *x.shape[1:]).transpose(0, 1).reshape(
@@ -91,7 +91,7 @@ def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     grouped = x.contiguous() if b == 1 else \
         x.reshape(b, size, s // size, *x.shape[2:]).transpose(0, 1).contiguous()
     out = torch.empty((b, s // size) + x.shape[2:], dtype=x.dtype, device=x.device)
-    _reduce_scatter_flat(out, grouped, group)
+    reduce_scatter_flat(out, grouped, group)
     return out
 
 

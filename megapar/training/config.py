@@ -3,6 +3,10 @@
 The command-line parser is generated from these fields (the flag is the field name with dashes,
 the help is the field's docstring), and a `--config FILE` (JSON or YAML) uses the same names,
 so there is one list of settings and nothing to keep in step by hand.
+
+The fields are grouped by concern (`GROUPS`): a ``# --- group ---`` line in the class body opens
+each group, and `--help` and docs/reference/cli.md list the flags group by group. The groups
+only order and label the flags: a `TrainConfig` stays flat (`cfg.zero`, `TrainConfig(lr=...)`).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -25,6 +30,22 @@ from megapar.optim.precision import COMM_DTYPES, PRECISIONS
 from megapar.optim.scheduler import DECAY_STYLES
 from megapar.pipeline.schedules import SCHEDULES
 
+GROUPS = {
+    "layout": "layout (how the ranks split the model and the data)",
+    "model": "model (what is trained, in which precision, with which recomputation)",
+    "data": "data (the corpus, its tokenization and the batch)",
+    "schedule": "pipeline schedule (the order of micro-batches, the messages between stages)",
+    "zero": "ZeRO and the data-parallel gradient reduction",
+    "optimizer": "optimizer (the update, the learning-rate schedule, the run's length)",
+    "checkpoint": "checkpoints (saving and resuming)",
+    "logging": "evaluation, logging and profiling",
+    "faults": "faults and clean stops (timeouts, non-finite steps, stop signals, slow ranks)",
+    "debug": "debugging (step record and replay, testing tools, the dry run)",
+}
+"""The groups of `TrainConfig`'s fields, in order, each with its `--help` title."""
+GROUP_LINE = re.compile(r"^    # --- (\w+) ---$")
+FIELD_LINE = re.compile(r"^    (\w+): ")
+
 
 @dataclass
 class TrainConfig:
@@ -37,15 +58,25 @@ class TrainConfig:
     """Pipeline-parallel size (stages)."""
     dp: int | None = None
     """Data-parallel size; default world size / (tp * cp * pp) (1 when megapar-train starts the workers)."""
-    oversubscribe: bool = False
-    """Start more local workers than 4 per CPU core (at least 8) when megapar-train starts them itself; refused otherwise."""
     rank_order: str = "tp-pp-dp"
     """Rank order, fastest first: tp-pp-dp (dp outermost: gradient all-reduce crosses nodes) or tp-dp-pp (Megatron's: pp outermost, point-to-point crosses nodes)."""
+    sequence_parallel: bool = False
+    """Split LayerNorm, dropout and the residual stream along the sequence over the tp group (Megatron sequence parallelism; --seq-len must be divisible by --tp)."""
+    oversubscribe: bool = False
+    """Start more local workers than 4 per CPU core (at least 8) when megapar-train starts them itself; refused otherwise."""
     # --- model ---
     model: str | None = None
     """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny) or a JSON/YAML config file."""
     from_hf: str | None = None
     """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM): the model is its config.json's (a --model describing another is refused)."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
+    tf32: bool = False
+    """On CUDA: let fp32 matrix products use TensorFloat-32 (10-bit mantissa, several times faster on Ampere and newer GPUs). Off, fp32 runs keep full fp32 products and match one process to 1e-5."""
+    recompute: str = "none"
+    """Activation recomputation: none, selective (attention core) or full (each block)."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the fused LM head and cross-entropy: each chunk's logits are computed, reduced to its loss and dropped, and recomputed in the backward (one more head matmul), so the whole [tokens x vocabulary] logits never exist (with Llama 3's 128,256-token vocabulary a 1,024-token chunk is 0.5 GB in fp32). The loss accumulates in fp32 and equals the unchunked one. 0: the whole micro-batch's logits at once."""
     # --- data ---
     data: str | list[str] | None = None
     """Dataset prefix (PREFIX.bin/.idx from megapar-data, or a Megatron-LM MMIDIDX dataset) or raw text: a .txt / .jsonl file or a directory of them (tokenized into --data-cache); or a blend "W1 PREFIX1 W2 PREFIX2 ..." (Megatron's syntax). Default: the shipped Shakespeare sample."""
@@ -67,19 +98,14 @@ class TrainConfig:
     """Sequences per optimizer step (micro-batch size x micro-batches x dp). Not given, it shrinks to what a small dataset holds (with a note)."""
     allow_data_change: bool = False
     """With --load: continue on --data whose content differs from what the checkpoint trained on (its recorded fingerprint or its number of samples), on purpose: the same number of samples continues the data order, another number starts it anew; without it such a resume is refused."""
-    # --- pipeline / memory ---
+    # --- schedule ---
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved (needs --virtual-stages >= 2), zb-h1 (zero bubble), zb-v (zero bubble, two chunks per rank in a V) or dualpipev (DeepSeek's DualPipe in the V; m >= 2 x pp)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank for --schedule interleaved (Megatron's round-robin: rank r holds chunks r, r+pp, ...). zb-v and dualpipev always place two (rank r holds virtual stages r and 2 pp - 1 - r) whatever it says: they accept 1 (the default) or 2 and refuse any other value."""
-    recompute: str = "none"
-    """Activation recomputation: none, selective (attention core) or full (each block)."""
-    loss_chunk_tokens: int = 1024
-    """Tokens per chunk of the fused LM head and cross-entropy: each chunk's logits are computed, reduced to its loss and dropped, and recomputed in the backward (one more head matmul), so the whole [tokens x vocabulary] logits never exist (with Llama 3's 128,256-token vocabulary a 1,024-token chunk is 0.5 GB in fp32). The loss accumulates in fp32 and equals the unchunked one. 0: the whole micro-batch's logits at once."""
-    precision: str = "fp32"
-    """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
-    tf32: bool = False
-    """On CUDA: let fp32 matrix products use TensorFloat-32 (10-bit mantissa, several times faster on Ampere and newer GPUs). Off, fp32 runs keep full fp32 products and match one process to 1e-5."""
+    p2p_dtype: str = "auto"
+    """Dtype of pipeline messages on the wire: auto (the --precision compute dtype, Megatron's pipeline_dtype: bf16 / fp16 under mixed precision, fp32 otherwise), fp32, bf16 or fp16. Received activations and gradients are cast back, so only the bytes change."""
+    # --- zero ---
     zero: int = 0
     """1 shards the optimizer state over data-parallel ranks (ZeRO-1); 2 also the reduced gradients (ZeRO-2: each rank keeps only its slice; every micro-batch's gradients are reduce-scattered bucket by bucket as its backward finishes them and added into the slice, as DeepSpeed does); 3 also the parameters (ZeRO-3, FSDP-style: each transformer block, and the rest of the stage, all-gathered before its forward and again before its backward, then freed; gradients reduce-scattered; 16/dp bytes per parameter between steps)."""
     offload_optimizer: bool = False
@@ -92,19 +118,15 @@ class TrainConfig:
     """With --zero 3: keep a unit's gathered parameters until the end of the step instead of freeing them after each forward and backward (torchtitan's reshard_after_forward=False): one all-gather per unit and step instead of two per micro-batch, at the price of the stage's whole parameters during the step."""
     zero3_reduce: str = "step"
     """With --zero 3: when each unit's gradient is reduce-scattered: step (once, after the last micro-batch's backward; each unit's full gradient is kept over the step's micro-batches, as FSDP2 under pipelining) or micro-batch (in every micro-batch's backward, added into the rank's slice, as DeepSpeed's stage 3: m x the reduce-scatter bytes, and no unit's full gradient kept from one micro-batch to the next). The same with one micro-batch per step."""
-    p2p_dtype: str = "auto"
-    """Dtype of pipeline messages on the wire: auto (the --precision compute dtype, Megatron's pipeline_dtype: bf16 / fp16 under mixed precision, fp32 otherwise), fp32, bf16 or fp16. Received activations and gradients are cast back, so only the bytes change."""
     grad_reduce_dtype: str = "auto"
     """Dtype of the data-parallel gradient reduction: auto (Megatron's: fp32 under fp32 and bf16, fp16 under fp16), fp32, bf16 or fp16. Gradients are still accumulated and stepped in fp32."""
     grad_bucket_mb: float = 25.0
     """Data-parallel gradient bucket size in MB (gradients live in one buffer cut into buckets; each bucket is all-reduced in place as soon as its gradients are final)."""
-    sequence_parallel: bool = False
-    """Split LayerNorm, dropout and the residual stream along the sequence over the tp group (Megatron sequence parallelism; --seq-len must be divisible by --tp)."""
     grad_compression: str = "none"
     """Data-parallel gradient reduction: none, fp16 / bf16 (cast, fp16 scaled) or powersgd."""
     powersgd_rank: int = 4
     """Rank of PowerSGD's low-rank factors (--grad-compression powersgd)."""
-    # --- optimisation ---
+    # --- optimizer ---
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
@@ -132,11 +154,7 @@ class TrainConfig:
     """Optimizer steps to train for."""
     seed: int = 1234
     """Seed for weights, data order and dropout (results do not depend on the layout)."""
-    # --- evaluation, checkpoints, logging ---
-    eval_interval: int = 100
-    """Evaluate on the validation split every N steps (0 disables)."""
-    eval_steps: int = 4
-    """Validation batches per evaluation."""
+    # --- checkpoint ---
     save: str | None = None
     """Checkpoint directory to save into."""
     save_interval: int = 0
@@ -149,6 +167,11 @@ class TrainConfig:
     """Fail instead of starting fresh when --load holds no checkpoint."""
     overwrite_newer: bool = False
     """Let this run replace the steps in --save newer than the one it starts from (--load's, or 0 when it starts fresh): they are removed when it starts (named in a note); without it such a --save is refused, since its steps and `latest` would be replaced or left mixed with this run's."""
+    # --- logging ---
+    eval_interval: int = 100
+    """Evaluate on the validation split every N steps (0 disables)."""
+    eval_steps: int = 4
+    """Validation batches per evaluation."""
     log_interval: int = 10
     """Print a log line every N steps."""
     log_json: str | None = None
@@ -163,11 +186,13 @@ class TrainConfig:
     """Record a torch.profiler Chrome trace of steps A:B (e.g. 5:7) on every rank."""
     profile_dir: str = "profile"
     """Where --profile-steps writes trace_rank<R>.json."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    # --- faults ---
     timeout_s: float = 300.0
     """Timeout of every collective / point-to-point wait, in seconds (on GPUs: of the wait for all ranks to join; NCCL's own is --nccl-timeout-s)."""
     nccl_timeout_s: float = 1800.0
     """On GPUs: timeout of the NCCL process groups, in seconds (NCCL's watchdog aborts a collective that has not finished by then). It also runs while ranks wait in a collective for a checkpoint save or a resharding load, so it is longer than --timeout-s."""
-    # --- faults and clean stops ---
     max_nonfinite_steps: int = 5
     """Stop (rc 1, nothing saved) after this many consecutive steps with a non-finite loss or gradient norm (fp16: skipped steps; also when the loss scale overflows at its floor). 0 never stops."""
     exit_signals: str = "SIGTERM,SIGUSR1"
@@ -178,8 +203,7 @@ class TrainConfig:
     """Finish, save and exit 0 at the first step that is a multiple of N (0: never)."""
     straggler_factor: float = 1.5
     """Name a rank whose compute time in a step (its own work in its device's time, without the time it waits on other ranks: on CUDA its forward / backward kernels less its tp / cp collectives, on the CPU its computing thread's CPU time; the least of the log interval's steps) is more than this many times the median of the other ranks of its pipeline stage (a rank alone in its stage: its own earlier intervals) and 50 ms above it, in two log intervals in a row: in the log line and --log-json. 0 turns it off (no timing, no gather)."""
-    inject_slow: str | None = None
-    """Testing tool: slow one global rank's forward computations by T ms per step from step S on, as a slow device would (CUDA: a spinning kernel; CPU: busy CPU time): rank=R,ms=T[,from_step=S] (e.g. rank=1,ms=300)."""
+    # --- debug ---
     record_step: int = 0
     """Record step N's per-module values (each rank's output norms per micro-batch, weight-gradient norms) in SAVE/records/step_N.json + .safetensors, for --replay to compare with (needs --save; 0: none)."""
     replay: int = 0
@@ -188,7 +212,8 @@ class TrainConfig:
     """The record --replay compares with (default: records/step_N.json of the --load checkpoint's --save directory)."""
     inject_corrupt: str | None = None
     """A testing tool: corrupt one value of one module's output on one rank at one step, e.g. step=3,module=transformer.h.3.attn,tp=1 (also cp=, dp=, pp=, mb= the micro-batch, index= the flat index into that rank's output, value=nan|inf|-inf|NUMBER; default nan). The module is named as in the Hugging Face export. The environment's MEGAPAR_INJECT_CORRUPT is used when the flag is not given."""
-    # --- rehearsal ---
+    inject_slow: str | None = None
+    """Testing tool: slow one global rank's forward computations by T ms per step from step S on, as a slow device would (CUDA: a spinning kernel; CPU: busy CPU time): rank=R,ms=T[,from_step=S] (e.g. rank=1,ms=300)."""
     dry_run: bool = False
     """Rehearse the job on this CPU instead of training: the real start-up and one step's bookkeeping of each sampled rank of a --world-size job on a fake process group and fake tensors (no communication, no memory); prints each rank's weights, gradients, optimizer state, modelled activations, communication per step and checkpoint files, or fails with the error the job would give."""
     world_size: int | None = None
@@ -199,8 +224,6 @@ class TrainConfig:
     """With --dry-run: the ranks to rehearse: sample (every stage, every tp rank, and the dp ranks whose state differs: the first, the last and, with --zero 1 or more, one in the middle), all, or a list of ranks and ranges like 0,7,1000-1023. A choice estimated to take over an hour (0.5 s per rank, plus 30 us per rank of the job) is refused: rehearse it in parts."""
     json: bool = False
     """With --dry-run: print one JSON object per rehearsed rank (figures in bytes) instead of text."""
-    progress: bool = True
-    """Show a progress bar on rank 0."""
     debug: bool = False
     """Print a failing worker's full traceback on the terminal (it is always in the per-rank log)."""
 
@@ -220,7 +243,19 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
-def _choices() -> dict[str, list]:
+def field_groups() -> dict[str, str]:
+    """Each field's group (a key of `GROUPS`): the ``# --- group ---`` line above it in the
+    class body."""
+    names, group, out = {f.name for f in fields(TrainConfig)}, None, {}
+    for line in inspect.getsource(TrainConfig).splitlines():
+        if opened := GROUP_LINE.match(line):
+            group = opened.group(1)
+        elif (field := FIELD_LINE.match(line)) and field.group(1) in names:
+            out[field.group(1)] = group
+    return out
+
+
+def flag_choices() -> dict[str, list]:
     """Allowed values, taken from the modules that implement them."""
 
     return {"rank_order": list(RANK_ORDERS),
@@ -283,16 +318,18 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
         prog=prog, description="Train a GPT-2, BERT or Llama with tensor, pipeline and data parallelism.")
     parser.add_argument("--config", help="JSON or YAML file whose keys are these flags' names "
                         "(command-line flags override it)")
-    docs, choices = _escaped(field_docs()), _choices()
+    docs, choices, group_of = _escaped(field_docs()), flag_choices(), field_groups()
+    groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = _type_of(f)
         default = "" if f.default is None else f" (default: {f.default})"
+        group = groups[group_of[f.name]]
         if kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=docs.get(f.name, "") + default)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=docs.get(f.name, "") + default)
         else:
-            parser.add_argument(flag, type=kind, default=None, choices=choices.get(f.name),
+            group.add_argument(flag, type=kind, default=None, choices=choices.get(f.name),
                                help=docs.get(f.name, "") + default,
                                **({"nargs": "+"} if f.name in MULTI_VALUE else {}))
     return parser

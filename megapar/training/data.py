@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from megapar.checkpoint.distributed import NON_STRUCTURAL
 from megapar.checkpoint.format import MANIFEST
 from megapar.checkpoint.hf import HFReader
 from megapar.checkpoint.publish import has_checkpoint
@@ -35,19 +34,14 @@ from megapar.data.inputs import expand_inputs, is_raw_text
 from megapar.data.megatron import is_megatron_index
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import encodes_alike, same_tokenizer, tokenizer_files
-from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
+from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
-from megapar.training.validate import (
-    UsageError,
-    checkpoint_manifest,
-    explicit,
-    model_from_checkpoint,
-    named,
-)
+from megapar.training.model_config import DEFAULT_MODEL, resolve_model_config
+from megapar.training.validate import UsageError, explicit
+from megapar.training.validate_resume import checkpoint_manifest, named
 
 DEFAULT_TEXT = "shakespeare_sample.txt"
-DEFAULT_MODEL = "gpt2-tiny"
 
 
 @dataclass
@@ -264,111 +258,6 @@ def max_samples(cfg: TrainConfig, model_type: str) -> int:
         else:
             tokens += os.path.getsize(data + ".bin")
     return tokens // cfg.seq_len + 1 if model_type in CAUSAL_LM_TYPES else tokens
-
-
-def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
-                         gpt_vocab_size: int | None = None, manifest: dict | None = None,
-                         notes: list[str] | None = None, special_ids: dict | None = None):
-    """The model config for --load / --model / --from-hf, checked against the tokenizer and
-    seq-len.
-
-    vocab_size is the tokenizer's, special tokens appended for BERT included; gpt_vocab_size
-    the ids GPT data can contain (base vocabulary and end-of-document), so the real GPT-2
-    (50257) trains on GPT-2-tokenized data although the tokenizer appends [MASK] and friends.
-    With --load (`manifest` given) the model is the checkpoint's; a --model or --from-hf given
-    as well must describe the same model. `special_ids` (bos_token_id / eos_token_id of the
-    tokenizer) replace a recipe's own, so an exported model generates with the data's ids.
-    """
-    def needed(config) -> int:
-        causal = config.model_type in CAUSAL_LM_TYPES
-        return gpt_vocab_size if causal and gpt_vocab_size else vocab_size
-
-    given_from = ""
-    if cfg.from_hf:
-        reader = HFReader(cfg.from_hf)
-        config, given_from = reader.config, f"--from-hf {cfg.from_hf}"
-        if cfg.model:
-            _check_same_model(cfg, config)
-        reader.check_files()  # a damaged file is named here, before any worker reads it
-        if config.vocab_size < needed(config) and manifest is None:
-            raise ConfigError(
-                f"tokenizer {tokenizer_name} needs {needed(config)} token ids but the model from "
-                f"{cfg.from_hf} has a vocabulary of {config.vocab_size}; use the model's own "
-                f"tokenizer (--tokenizer) or data tokenized with it")
-    elif cfg.model and os.path.exists(os.path.expanduser(cfg.model)):
-        path = os.path.expanduser(cfg.model)
-        config, given_from = recipe(path), f"--model {cfg.model}"
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if "vocab_size" not in load_config_file(path):
-            config.vocab_size = vocab_size  # a config without a vocabulary takes the tokenizer's
-            _take_special_ids(config, special_ids)
-            given_from = "recipe"
-        elif config.vocab_size < needed(config) and manifest is None:
-            raise ConfigError(
-                f"the model config {cfg.model} has vocab_size {config.vocab_size} but the data's "
-                f"tokenizer {tokenizer_name} needs {needed(config)} token ids; make them match "
-                f"(or leave vocab_size out of the config to take the tokenizer's)")
-    else:
-        config = recipe(cfg.model or DEFAULT_MODEL)
-        if config.vocab_size not in (vocab_size, needed(config)) and notes is not None \
-                and manifest is None:  # (GPT-2's 50,257 on the GPT-2 BPE is no news)
-            notes.append(f"model {cfg.model or DEFAULT_MODEL}: the recipe's vocab_size "
-                         f"{config.vocab_size:,} gives way to the tokenizer's {vocab_size:,} "
-                         f"(a recipe follows the data's tokenizer; a --model config file with "
-                         f"vocab_size fixes it instead)")
-        config.vocab_size = vocab_size  # recipes take the tokenizer's vocabulary
-        _take_special_ids(config, special_ids)
-        given_from = "recipe"
-    if manifest is not None:
-        given = config if (cfg.model or cfg.from_hf) else None
-        config = model_from_checkpoint(cfg, manifest, given, given_from)
-        if config.vocab_size < needed(config):
-            raise ConfigError(
-                f"--load {cfg.load} holds a model with a vocabulary of {config.vocab_size} but the "
-                f"data's tokenizer {tokenizer_name} needs {needed(config)} token ids; use data "
-                f"tokenized with the checkpoint's tokenizer")
-    max_len = config.max_positions
-    if cfg.seq_len > max_len:
-        if "seq_len" in explicit(cfg):
-            raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of "
-                              f"{max_len} positions; lower --seq-len")
-        if notes is not None:
-            notes.append(f"--seq-len not given: using the model's {max_len} positions instead "
-                         f"of the default {cfg.seq_len}")
-        cfg.seq_len = max_len
-    return config
-
-
-def _check_same_model(cfg: TrainConfig, config) -> None:
-    """A --model given with --from-hf must describe the model the directory holds (which is the
-    run's model): UsageError naming what differs otherwise. A recipe, or a config file without
-    vocab_size, takes the tokenizer's vocabulary: vocab_size is not compared then; neither are
-    dropouts, initialisation and token ids."""
-    path = os.path.expanduser(cfg.model)
-    given = recipe(path)
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    own_vocab = os.path.isfile(file) and "vocab_size" in load_config_file(file)
-    ours, theirs = given.to_dict(), config.to_dict()
-    where = f"--from-hf {cfg.from_hf}"
-    if ours["model_type"] != theirs["model_type"]:
-        raise UsageError(f"{where} holds a {theirs['model_type']} model and --model {cfg.model} "
-                         f"is a {ours['model_type']}; the model comes from {where} (its "
-                         f"config.json): drop --model")
-    skip = set(NON_STRUCTURAL) | {"pad_token_id"} | (set() if own_vocab else {"vocab_size"})
-    diff = sorted(k for k in set(ours) | set(theirs) if k not in skip
-                  and ours.get(k) != theirs.get(k))
-    if diff:
-        shown = ", ".join(f"{k}={theirs.get(k)!r} (--from-hf) vs {ours.get(k)!r}" for k in diff)
-        raise UsageError(f"--model {cfg.model} describes another model than {where}: {shown}; "
-                         f"the model comes from {where} (its config.json): drop --model")
-
-
-def _take_special_ids(config, special_ids: dict | None) -> None:
-    """A recipe's bos / eos ids (Llama's 1 / 2) become the tokenizer's (None where it has none)."""
-    for key, value in (special_ids or {}).items():
-        if hasattr(config, key):
-            setattr(config, key, value)
 
 
 def resolve_model(cfg: TrainConfig, notes: list[str] | None = None,

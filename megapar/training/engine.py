@@ -13,26 +13,20 @@ Every rank calls every method together (they are collective).
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
 from megapar import comm_wait
 from megapar.checkpoint.async_save import AsyncSaver
-from megapar.checkpoint.convert import export_hf
 from megapar.checkpoint.distributed import (
-    _broadcast_text,
     capture,
     load_checkpoint,
     save_checkpoint,
 )
 from megapar.checkpoint.format import CheckpointError
 from megapar.context_parallel import check_length
-from megapar.data.blended import absolute_data
 from megapar.data_parallel.compression import make_compressor
 from megapar.data_parallel.grad_sync import build_grad_sync
 from megapar.data_parallel.sharded_params import HostStage, ShardedParams
@@ -42,7 +36,9 @@ from megapar.device import (
     return_freed_host_memory,
     share_host_arena,
 )
-from megapar.faults.slow import Slowdown, SlowRank
+from megapar.diagnostics.nonfinite import KeptStep, locate
+from megapar.diagnostics.probes import build_probes
+from megapar.diagnostics.straggler import StragglerReport
 from megapar.faults.status import set_action, set_step
 from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh, all_reduce
@@ -53,12 +49,12 @@ from megapar.optim.zero3 import Zero3Optimizer
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import chunks_per_rank, placement_of
-from megapar.training import inject
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
-from megapar.training.nonfinite import KeptStep, locate
+from megapar.training.export import export_engine
+from megapar.training.resume import checkpoint_meta, recorded_settings, restore_meta
+from megapar.training.rng import rng_state, set_rng_state
 from megapar.training.step import BatchPlan, StepResult, TrainStep
-from megapar.training.straggler import StragglerDetector, StragglerReport
 
 ON_NONFINITE = ("raise", "skip")
 """What `train_step` does with a step whose loss or gradients are not finite (the optimizer step
@@ -69,11 +65,6 @@ API_ADVICE = ("the optimizer step was skipped: the weights and the optimizer sta
               "prepare(..., on_nonfinite='skip') skips such steps and returns their loss "
               "instead")
 """What `train_step`'s NonFiniteError adds after the reason."""
-
-RESERVED_META = frozenset({"step", "scaler", "optimizer", "scheduler", "rng_note", "model",
-                           "layout", "tokenizer", "hf_dtype", "hf_generation_config",
-                           "train_config"})
-"""Checkpoint metadata keys megapar writes itself (`save(extra=...)` may not use them)."""
 
 
 class Engine:
@@ -91,13 +82,8 @@ class Engine:
             raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of "
                              f"{', '.join(map(repr, ON_NONFINITE))}")
         self.cfg, self.config = cfg, model_config
-        share_host_arena()  # before the process group's threads allocate (torchrun)
-        self.mesh = mesh = mesh or Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
-                                                 order=cfg.rank_order, cp=cfg.cp)
+        self.mesh = mesh = _mesh_for(cfg, mesh)
         """This rank's `Mesh`: its layout, its tp / cp / pp / dp coordinates and process groups."""
-        mesh.sequence_parallel = cfg.sequence_parallel and mesh.tp > 1
-        if mesh.device.type == "cuda":  # process-wide in torch: fp32 products in TF32 or not
-            torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
         self.model = build_stage(model_config, mesh, cfg.seed, cfg.recompute,
                                  virtual_stages=chunks_per_rank(cfg.schedule, cfg.virtual_stages),
                                  placement=placement_of(cfg.schedule))
@@ -105,17 +91,7 @@ class Engine:
         self.precision = Precision(cfg.precision, mesh.device)
         self.wire_dtype, reduce_dtype = comm_dtypes(cfg.precision, cfg.p2p_dtype,
                                                     cfg.grad_reduce_dtype)
-        lr = self.scaled_lr(cfg)
-        if cfg.zero == 3:
-            self.optimizer = Zero3Optimizer(
-                self.model.named_parameters(), mesh.dp_cp_group, lr, cfg.weight_decay,
-                betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, kind=cfg.optimizer,
-                tp_group=mesh.tp_group, offload=cfg.offload_optimizer)
-        else:
-            self.optimizer = build_optimizer(self.model, mesh, lr, cfg.weight_decay,
-                                             betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                             eps=cfg.adam_eps, zero=cfg.zero, kind=cfg.optimizer,
-                                             offload=cfg.offload_optimizer)
+        self.optimizer = _optimizer_for(cfg, self.model, mesh, self.scaled_lr(cfg))
         """A `torch.optim.Optimizer` over this rank's parameters (under ZeRO-1 / 2 / 3, its slices
         of the optimizer state): torch's LR schedulers can drive it."""
         self.scheduler = self.flags_schedule(cfg) if scheduler == "from_cfg" else scheduler
@@ -132,22 +108,15 @@ class Engine:
             self.grad_sync if isinstance(self.grad_sync, ShardedParams) else None
         """ZeRO-3 (dp x cp > 1): the stage's parameters sharded over dp x cp, gathered per
         unit (also the gradient sync); None otherwise."""
-        if cfg.straggler_factor != 0 and not cfg.straggler_factor > 1:
-            raise ValueError(f"straggler_factor={cfg.straggler_factor} is invalid: give a factor "
-                             f"> 1 (the default is 1.5), or 0 to turn straggler detection off")
-        self.straggler = StragglerDetector(mesh, cfg.straggler_factor) \
-            if cfg.straggler_factor > 0 and mesh.layout.world_size > 1 else None
-        """Every rank's compute and wait time per step, compared by `stragglers()`."""
-        self._slowdown = self._inject_slow(cfg.inject_slow)
+        self.straggler, self._slowdown, self.injector = build_probes(
+            self.model, model_config, mesh, cfg.straggler_factor, cfg.inject_slow,
+            cfg.inject_corrupt)
+        """Straggler detection (compared by `stragglers()`), `--inject-slow`'s slowdown and the
+        `--inject-corrupt` testing tool's hooks; each None when off (`diagnostics.probes`)."""
         self._executors: dict[int, object] = {}
-        self.executor = self._executor(cfg.seq_len)
+        self.executor = self.executor_for(cfg.seq_len)
         self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, self.scheduler,
                                  self.precision, cfg.clip_grad, self.grad_sync)
-        spec = inject.from_settings(cfg.inject_corrupt)
-        self.injector = inject.CorruptInjector(
-            inject.check(spec, model_config, mesh.layout), self.model, model_config, mesh) \
-            if spec else None
-        """The `--inject-corrupt` testing tool's hooks (None without it)."""
         self.kept: KeptStep | None = None
         """What the last step needs to run again (`nonfinite.locate`)."""
         self.step = 0
@@ -164,14 +133,7 @@ class Engine:
         none), saved in checkpoints; `export_hf` writes it back."""
         self.on_nonfinite = on_nonfinite
         """"raise" or "skip": see `train_step`."""
-        # megapar-train's guard: the first non-finite step raises; in fp16 an overflow is the
-        # loss scaler's business, so as in megapar-train only max_nonfinite_steps in a row (or
-        # one at the scale's floor) do
-        self._guard = NonFiniteGuard(cfg.max_nonfinite_steps if cfg.precision == "fp16" else 1,
-                                     cfg.precision, getattr(self.precision.scaler, "min_scale",
-                                                            None),
-                                     advice=API_ADVICE.format(
-                                         clip="" if cfg.clip_grad else " or set clip_grad"))
+        self._guard = _api_guard(cfg, self.precision)
         self.saver = None
         """The background checkpoint writer with `cfg.async_save` (see `save`), else None."""
         if cfg.async_save and not cfg.dry_run:  # its gloo group is made now, collectively
@@ -194,17 +156,9 @@ class Engine:
         base = getattr(cfg, "lr_scale_with_batch", 0) or 0
         return cfg.lr * cfg.global_batch_size / base if base > 0 else cfg.lr
 
-    def _inject_slow(self, spec: str | None) -> Slowdown | None:
-        """--inject-slow (a testing tool): the named rank's forwards slowed, else None."""
-        if not spec:
-            return None
-        slow = SlowRank.parse(spec)
-        slow.check_world(self.mesh.layout.world_size)
-        if slow.rank != self.mesh.rank:
-            return None
-        return Slowdown(slow, getattr(self.model, "chunks", [self.model]), self.mesh.device)
-
-    def _executor(self, seq_len: int):
+    def executor_for(self, seq_len: int):
+        """The pipeline executor of micro-batches of `seq_len` tokens (one per length, built
+        on first use)."""
         if seq_len not in self._executors:
             seq_len_sent = seq_len // self.mesh.cp  # stages exchange this cp rank's tokens
             if self.mesh.sequence_parallel:  # ... and of them this tp rank's slice
@@ -221,7 +175,7 @@ class Engine:
     def run_step(self, micro_batches: list[dict]) -> StepResult:
         """One optimizer step on this rank's micro-batches (its share of the global batch)."""
         self.executor = self.step_fn.executor = \
-            self._executor(micro_batches[0]["input_ids"].shape[1])
+            self.executor_for(micro_batches[0]["input_ids"].shape[1])
         set_step(self.step + 1)
         if self._slowdown is not None:
             self._slowdown.begin_step(self.step + 1, len(micro_batches)
@@ -250,7 +204,7 @@ class Engine:
 
     def stragglers(self) -> StragglerReport | None:
         """Every rank's compute and wait time per step since the last call, and the ranks
-        named slow (`megapar.training.straggler`); None when straggler detection is off
+        named slow (`megapar.diagnostics.straggler`); None when straggler detection is off
         (`straggler_factor` 0, or one rank) or no step ran. Collective: one all-gather over the
         world; megapar-train calls it once per log interval."""
         return self.straggler.report() if self.straggler is not None else None
@@ -326,7 +280,7 @@ class Engine:
     def eval_step(self, batch: dict[str, torch.Tensor]) -> float:
         """Mean loss of a global batch (same format as `train_step`), without training."""
         micro = self.split(self._checked(batch, "eval_step"))
-        executor = self._executor(micro[0]["input_ids"].shape[1])
+        executor = self.executor_for(micro[0]["input_ids"].shape[1])
         self.model.eval()
         try:
             with self.precision.autocast():
@@ -344,20 +298,7 @@ class Engine:
         and the learning-rate schedule it runs where that is not the flags' own (constant
         without a megapar `LRScheduler`: a torch scheduler on `engine.optimizer` is the
         user's)."""
-        cfg, schedule = self.cfg, self.scheduler
-        settings = cfg.to_dict()
-        settings["data"] = absolute_data(cfg.data)
-        if cfg.tokenizer not in ("gpt2", "sentencepiece") and \
-                os.path.exists(os.path.expanduser(cfg.tokenizer)):
-            settings["tokenizer"] = os.path.abspath(os.path.expanduser(cfg.tokenizer))
-        if schedule is None:
-            settings.update(lr_decay="constant", warmup_steps=0, min_lr=cfg.lr)
-        elif isinstance(schedule, LRScheduler) and schedule != self.flags_schedule(cfg):
-            unscale = cfg.lr / self.scaled_lr(cfg)  # --lr-scale-with-batch reapplies
-            settings.update(lr=schedule.max_lr * unscale, min_lr=schedule.min_lr * unscale,
-                            warmup_steps=schedule.warmup_steps, max_steps=schedule.max_steps,
-                            lr_decay=schedule.decay)
-        return settings
+        return recorded_settings(self)
 
     def save(self, path: str | Path, extra: dict | None = None) -> Path:
         """Checkpoint into `path/step_XXXXXXXX` (megapar's format: convertible between layouts
@@ -371,27 +312,12 @@ class Engine:
         at every step whether the write is done (and raises on every rank if it failed);
         `wait_save` waits for it (and a write still in flight when the process's work ends is
         waited for before it exits: `megapar.launch`'s workers, torchrun's ranks)."""
-
-        clash = sorted(set(extra or {}) & RESERVED_META)
-        if clash:
-            raise ValueError(f"engine.save(extra=...): {clash} are megapar's own checkpoint "
-                             f"keys; rename yours (e.g. 'my_{clash[0]}')")
-        meta = {"step": self.step, "scaler": self.precision.state_dict(),
-                "optimizer": self.optimizer.state_json(),
-                "train_config": self.recorded_settings(), **(extra or {})}
+        meta = checkpoint_meta(self, extra)
         set_action(f"saving the checkpoint of step {self.step} to {path}")
-        if self.scheduler is not None:
-            meta["scheduler"] = self.scheduler.state_dict()
-        if self.tokenizer is not None:
-            meta["tokenizer"] = self.tokenizer
-        if self.source_dtype is not None:
-            meta["hf_dtype"] = self.source_dtype
-        if self.source_generation_config is not None:
-            meta["hf_generation_config"] = self.source_generation_config
         if self.saver is not None:
             out = self._save_in_background(path, meta)
         else:
-            out = save_checkpoint(path, self.step, self._saved_model(), self.mesh,
+            out = save_checkpoint(path, self.step, self.saved_model(), self.mesh,
                                   self.optimizer.state_tensors(), meta, self.rng_state())
         _returned("engine.save")
         return out
@@ -412,7 +338,7 @@ class Engine:
             return list(self.model.parameters())
         return self.sharded_params.held_weights()
 
-    def _saved_model(self):
+    def saved_model(self):
         """What a checkpoint reads the weights from: the stage, or under ZeRO-3 host copies
         of its parameters gathered a unit at a time (`HostStage`; collective over dp x cp)."""
         if self.sharded_params is None:
@@ -426,7 +352,7 @@ class Engine:
         optim = self.optimizer.state_tensors(copy=False)  # copied into the saver's buffers
         gathered = getattr(self.optimizer, "sharded", False)  # ZeRO-1: fresh host copies
         try:
-            state = capture(self.step, self._saved_model(), self.mesh, optim, meta,
+            state = capture(self.step, self.saved_model(), self.mesh, optim, meta,
                             self.rng_state())
             tensors = state.shard[1] if state.shard is not None else {}
             private = frozenset(k for k in tensors if gathered and k.startswith("optim/"))
@@ -454,22 +380,11 @@ class Engine:
 
         with self.params_whole():  # ZeRO-3: loaded into the gathered units
             state = load_checkpoint(path, self.model, self.mesh)
-        meta = state.meta
         if state.optim_tensors:
             self.optimizer.load_state_tensors(state.optim_tensors)
-        if meta.get("optimizer"):
-            self.optimizer.load_state_json(meta["optimizer"])
-        if meta.get("scheduler") and self.scheduler is not None:
-            self.scheduler.load_state_dict(meta["scheduler"])
-        if meta.get("scaler"):
-            self.precision.load_state_dict(meta["scaler"])
+        restore_meta(self, state.meta)
         if state.rng:
             self.set_rng_state(state.rng)
-        self.step = int(meta.get("step", 0))
-        self.tokenizer = meta.get("tokenizer", self.tokenizer)
-        self.source_dtype = meta.get("hf_dtype", self.source_dtype)
-        self.source_generation_config = meta.get("hf_generation_config",
-                                                 self.source_generation_config)
         set_step(self.step)
         _returned("engine.load")
         return state
@@ -485,49 +400,57 @@ class Engine:
         `allow_other_tokenizer`.
         `dtype`: float32, bfloat16 or float16 (default: the dtype of the transformers model
         given to `prepare`, else float32). Replaces those files, leaves anything else there
-        alone. Collective; rank 0 writes."""
-
-        path = Path(path).absolute()
-        tmp = path.parent / f".{path.name or 'export'}.megapar-export-{self.step}"
-        meta = {"step": self.step, "hf_dtype": self.source_dtype,
-                "hf_generation_config": self.source_generation_config,
-                "tokenizer": self.tokenizer}
-        save_checkpoint(tmp, self.step, self._saved_model(), self.mesh, {}, meta, {})
-        outcome = ""
-        if self.mesh.rank == 0:
-            try:
-                export_hf(tmp, path, overwrite=True, tokenizer=tokenizer, dtype=dtype,
-                          allow_other_tokenizer=allow_other_tokenizer)
-            except Exception as exc:  # noqa: BLE001 - raised on every rank below
-                outcome = f"{type(exc).__name__}: {exc}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not outcome and tokenizer is None and self.tokenizer is None:
-                warnings.warn(f"engine.export_hf({path}): no tokenizer given or known, the "
-                              f"export has none (AutoTokenizer cannot load it); pass "
-                              f"tokenizer='gpt2' (or the .model file / directory you "
-                              f"tokenize with)", stacklevel=2)
-        outcome = _broadcast_text(outcome, self.mesh)
-        if outcome:
-            raise RuntimeError(f"export to {path} failed: {outcome}")
+        alone. Collective; rank 0 writes (`training.export`)."""
+        path = export_engine(self, path, tokenizer, dtype, allow_other_tokenizer)
         _returned("engine.export_hf")
         return path
 
     # RNG ------------------------------------------------------------------------------------
     def rng_state(self) -> dict[str, torch.Tensor]:
-        out = {"cpu": torch.get_rng_state()}
-        if self.mesh.device.type == "cuda":
-            out["cuda"] = torch.cuda.get_rng_state(self.mesh.device)
-        tracker = getattr(self.model, "tracker", None)
-        if getattr(tracker, "tp_state", None) is not None:
-            out["tp"] = tracker.tp_state
-        return out
+        """This rank's RNG state as checkpoints keep it (`training.rng`)."""
+        return rng_state(self.model, self.mesh.device)
 
     def set_rng_state(self, rng: dict[str, torch.Tensor]) -> None:
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and self.mesh.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.mesh.device)
-        if "tp" in rng and getattr(self.model, "tracker", None) is not None:
-            self.model.tracker.tp_state = rng["tp"]
+        """Restore an `rng_state`."""
+        set_rng_state(self.model, self.mesh.device, rng)
+
+
+def _mesh_for(cfg: TrainConfig, mesh: Mesh | None) -> Mesh:
+    """`mesh` (checked against cfg's sequence parallelism), else the mesh cfg's layout makes
+    from the environment; TF32 set on a GPU as cfg says (process-wide in torch)."""
+    share_host_arena()  # before the process group's threads allocate (torchrun)
+    mesh = mesh or Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
+                                 order=cfg.rank_order, cp=cfg.cp,
+                                 sequence_parallel=cfg.sequence_parallel)
+    if mesh.sequence_parallel != (cfg.sequence_parallel and mesh.tp > 1):
+        raise ValueError(f"the mesh's sequence_parallel={mesh.sequence_parallel} differs from "
+                         f"the config's {cfg.sequence_parallel}; build the mesh with "
+                         f"Mesh(..., sequence_parallel={cfg.sequence_parallel})")
+    if mesh.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
+    return mesh
+
+
+def _optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):
+    """The optimizer of `model`'s parameters under cfg (ZeRO-3's over the shards)."""
+    if cfg.zero == 3:
+        return Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, lr, cfg.weight_decay,
+                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                              kind=cfg.optimizer, tp_group=mesh.tp_group,
+                              offload=cfg.offload_optimizer)
+    return build_optimizer(model, mesh, lr, cfg.weight_decay,
+                           betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                           zero=cfg.zero, kind=cfg.optimizer, offload=cfg.offload_optimizer)
+
+
+def _api_guard(cfg: TrainConfig, precision: Precision) -> NonFiniteGuard:
+    """megapar-train's guard for `train_step`: the first non-finite step raises; in fp16 an
+    overflow is the loss scaler's business, so as in megapar-train only max_nonfinite_steps
+    in a row (or one at the scale's floor) do."""
+    return NonFiniteGuard(cfg.max_nonfinite_steps if cfg.precision == "fp16" else 1,
+                          cfg.precision, getattr(precision.scaler, "min_scale", None),
+                          advice=API_ADVICE.format(
+                              clip="" if cfg.clip_grad else " or set clip_grad"))
 
 
 def _returned(call: str) -> None:

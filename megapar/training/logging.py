@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import torch
 from tqdm.auto import tqdm
 
-from megapar.training.straggler import Straggler
+from megapar.diagnostics.straggler import Straggler
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -20,6 +20,7 @@ from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset
 from megapar.data.blended import BlendedDataset
 from megapar.device import peak_tflops
+from megapar.diagnostics.replay import StepRecorder, StepReplay, find_record, load_record
 from megapar.faults.blame import consequential, stopped_siblings
 from megapar.faults.processes import launcher_alive
 from megapar.faults.stop import (
@@ -52,7 +53,6 @@ from megapar.training.logging import (
     peak_memory_mb,
 )
 from megapar.training.profiling import StepProfiler
-from megapar.training.replay import StepRecorder, StepReplay, find_record, load_record
 from megapar.training.validate import explicit
 
 
@@ -217,10 +217,10 @@ class Trainer:
             return float("nan")
         return bubble_stats(timeline)["measured_bubble"]
 
-    def run(self) -> list[dict]:
+    def announce(self, logger) -> None:
+        """The run's first lines: the model, its parameters, the layout and the batch; then
+        the notes of the launching process."""
         cfg, mesh = self.cfg, self.mesh
-        logger = MetricsLogger(cfg, self.step, cfg.to_dict()) if mesh.rank == 0 else NullLogger()
-
         vocab = self.config.vocab_size
         padded = mesh.tp * local_size(vocab, mesh.tp, self.config.make_vocab_size_divisible_by)
         multiple = self.config.make_vocab_size_divisible_by
@@ -234,9 +234,78 @@ class Trainer:
                        f"{'es' if self.sampler.micro_batches_per_rank != 1 else ''} per step")
         for note in self.notes:
             logger.message(note)
+
+    def watched_step(self, at: int, micro_batches, logger):
+        """Step `at` run under `--record-step` (recorded) or `--replay` (compared with the
+        record and reported); returns its result, or None after a replay (the run ends)."""
+        cfg = self.cfg
+        watch = (StepReplay(self.engine, cfg.global_batch_size, self.record())
+                 if at == cfg.replay else StepRecorder(self.engine, cfg.global_batch_size))
+        with watch.trace.attached(self.engine.executor_for(cfg.seq_len)):
+            result = self.engine.run_step(micro_batches)
+        if at == cfg.replay:
+            logger.message(watch.report() or "")
+            return None
+        logger.message(f"recorded step {at}: {watch.write(cfg.save, at)}")
+        return result
+
+    def metrics(self, result, elapsed: float, logging_step: bool) -> dict:
+        """A step's metrics; on a logging step also the bubble (or the dp wait), the peak
+        memory and the straggler fields (collective), on an evaluation step the validation
+        loss (collective)."""
+        cfg, mesh = self.cfg, self.mesh
+        tokens_per_s = cfg.global_batch_size * cfg.seq_len / elapsed
+        tflops = self.flops_per_token * tokens_per_s / 1e12
+        metrics = {"loss": float(result.loss), "lr": result.lr,
+                   "grad_norm": float(result.grad_norm),
+                   "tokens_per_s": tokens_per_s, "step_time_s": elapsed,
+                   "tflops": tflops,
+                   "mfu": tflops / (self.peak_tflops * mesh.layout.world_size),
+                   "skipped": bool(result.skipped), "loss_scale": float(result.loss_scale)}
+        if logging_step:
+            if mesh.pp > 1:
+                metrics["bubble"] = self.bubble()
+            elif mesh.dp * mesh.cp > 1:  # no pipeline: the idle share is this wait
+                metrics["grad_reduce_wait"] = self.bubble()
+            metrics["peak_mem_mb"] = peak_memory_mb(mesh.device)
+            times = self.engine.stragglers()  # collective: every rank's step times
+            if times is not None:
+                metrics.update(times.fields())
+        if cfg.eval_interval and self.step % cfg.eval_interval == 0:
+            val = self.evaluate()
+            if val is not None:
+                metrics["val_loss"] = val
+                metrics["val_ppl"] = math.exp(min(val, 50.0))
+        return metrics
+
+    def failure(self, exc: Exception, at: int, saved: int | None,
+                loaded_step: int | None) -> TrainingError:
+        """The error a rank's failure at step `at` raises: where it failed, a stopped rank of
+        this node it follows from, and the steps not saved (`saved`: the last saved step)."""
+        cfg, mesh = self.cfg, self.mesh
+        what = f"{type(exc).__name__}: {exc}"
+        saver = self.engine.saver
+        if saver is not None:  # a checkpoint from before the failure is still good
+            note = saver.wait_quietly(cfg.timeout_s)
+            what += f" ({note})" if note else ""
+            saved = saver.published if saver.published is not None else loaded_step
+        # A timeout under torchrun: name a stopped rank of this node (and let it end too)
+        cause = stopped_siblings(resume=True) if consequential(what) else ""
+        err = TrainingError(f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
+                            f"pp={mesh.pp_rank} dp={mesh.dp_rank}) failed at step "
+                            f"{at}: " + (f"{cause}; here: " if cause else "") + what)
+        err.no_traceback = getattr(exc, "no_traceback", False)
+        if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
+            err.args = (f"{err} -- not saved: steps {(saved or 0) + 1}-{self.step} (last "
+                        f"checkpoint: {'step %d' % saved if saved else 'none'})",)
+        return err
+
+    def run(self) -> list[dict]:
+        cfg, mesh = self.cfg, self.mesh
+        logger = MetricsLogger(cfg, self.step, cfg.to_dict()) if mesh.rank == 0 else NullLogger()
+        self.announce(logger)
         history: list[dict] = []
         data = batches(self.train_ds, self.sampler, mesh.device)
-        tokens_per_step = cfg.global_batch_size * cfg.seq_len
         profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, mesh.rank, mesh.device)
         at = self.step + 1  # the step being run (or saved), for the failure message
         guard = NonFiniteGuard(cfg.max_nonfinite_steps, cfg.precision,
@@ -254,15 +323,9 @@ class Trainer:
                 micro_batches = next(data)
                 profiler.before_step(self.step + 1)
                 if at in (cfg.record_step, cfg.replay):
-                    watch = (StepReplay(self.engine, cfg.global_batch_size, self.record())
-                             if at == cfg.replay else
-                             StepRecorder(self.engine, cfg.global_batch_size))
-                    with watch.trace.attached(self.engine._executor(cfg.seq_len)):
-                        result = self.engine.run_step(micro_batches)
-                    if at == cfg.replay:
-                        logger.message(watch.report() or "")
+                    result = self.watched_step(at, micro_batches, logger)
+                    if result is None:  # a replay: reported, the run ends
                         return history
-                    logger.message(f"recorded step {at}: {watch.write(cfg.save, at)}")
                 else:
                     result = self.engine.run_step(micro_batches)
                 elapsed = time.perf_counter() - start
@@ -270,28 +333,8 @@ class Trainer:
                     logger.message(f"profiler traces of steps {cfg.profile_steps}: "
                                    f"{profiler.path.replace('rank0', 'rank<R>')} (one per rank)")
                 loss = float(result.loss)  # already averaged over the global batch
-                tokens_per_s = tokens_per_step / elapsed
-                tflops = self.flops_per_token * tokens_per_s / 1e12
-                metrics = {"loss": loss, "lr": result.lr, "grad_norm": float(result.grad_norm),
-                           "tokens_per_s": tokens_per_s, "step_time_s": elapsed,
-                           "tflops": tflops,
-                           "mfu": tflops / (self.peak_tflops * mesh.layout.world_size),
-                           "skipped": bool(result.skipped), "loss_scale": float(result.loss_scale)}
                 logging_step = self.step % cfg.log_interval == 0 or self.step == cfg.max_steps
-                if logging_step:
-                    if mesh.pp > 1:
-                        metrics["bubble"] = self.bubble()
-                    elif mesh.dp * mesh.cp > 1:  # no pipeline: the idle share is this wait
-                        metrics["grad_reduce_wait"] = self.bubble()
-                    metrics["peak_mem_mb"] = peak_memory_mb(mesh.device)
-                    times = self.engine.stragglers()  # collective: every rank's step times
-                    if times is not None:
-                        metrics.update(times.fields())
-                if cfg.eval_interval and self.step % cfg.eval_interval == 0:
-                    val = self.evaluate()
-                    if val is not None:
-                        metrics["val_loss"] = val
-                        metrics["val_ppl"] = math.exp(min(val, 50.0))
+                metrics = self.metrics(result, elapsed, logging_step)
                 logger.log(self.step, metrics)
                 logger.advance(self.step, loss)
                 if logging_step:
@@ -315,22 +358,7 @@ class Trainer:
                 self.save(logger)
             self.log_saved(logger, self.engine.wait_save())  # before the process exits
         except Exception as exc:
-            what = f"{type(exc).__name__}: {exc}"
-            saver = self.engine.saver
-            if saver is not None:  # a checkpoint from before the failure is still good
-                note = saver.wait_quietly(cfg.timeout_s)
-                what += f" ({note})" if note else ""
-                saved = saver.published if saver.published is not None else loaded_step
-            # A timeout under torchrun: name a stopped rank of this node (and let it end too)
-            cause = stopped_siblings(resume=True) if consequential(what) else ""
-            err = TrainingError(f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
-                                f"pp={mesh.pp_rank} dp={mesh.dp_rank}) failed at step "
-                                f"{at}: " + (f"{cause}; here: " if cause else "") + what)
-            err.no_traceback = getattr(exc, "no_traceback", False)
-            if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
-                err.args = (f"{err} -- not saved: steps {(saved or 0) + 1}-{self.step} (last "
-                            f"checkpoint: {'step %d' % saved if saved else 'none'})",)
-            raise err from exc
+            raise self.failure(exc, at, saved, loaded_step) from exc
         finally:
             logger.close()
         return history

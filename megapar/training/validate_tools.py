@@ -20,12 +20,8 @@ from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.bubble import bench_config
 from megapar.training.data import check_checkpoint_tokenizer, missing_files
-from megapar.training.validate import (
-    UsageError,
-    _flag,
-    check_cp_seq_len,
-    checkpoint_manifest,
-)
+from megapar.training.validate import UsageError, check_cp_seq_len, flag_of
+from megapar.training.validate_resume import checkpoint_manifest
 
 
 # --- megapar-eval ----------------------------------------------------------------------------
@@ -35,7 +31,7 @@ def check_eval_args(args) -> dict:
     for name in ("tp", "pp", "micro_batch_size", "max_batches", "seq_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
+            raise UsageError(f"{flag_of(name)} {value} is invalid: it must be >= 1")
     manifest = checkpoint_manifest(args.load)
     config = config_from_dict(manifest["model"])
     try:
@@ -101,14 +97,14 @@ def check_bubble_args(args) -> None:
                  "virtual_stages"):
         value = getattr(args, name)
         if value < 1:
-            raise UsageError(f"{_flag(name)} {value} is invalid: it must be >= 1")
+            raise UsageError(f"{flag_of(name)} {value} is invalid: it must be >= 1")
     for name in ("fwd_ms", "bwd_ms", "p2p_ms", "bwd_input_ms", "bwd_weight_ms"):
         value = getattr(args, name)
         positive = name in ("fwd_ms", "bwd_ms")   # a split backward part may cost nothing
         if value is not None and not (math.isfinite(value) and value >= (1e-300 if positive
                                                                           else 0.0)):
             need = "> 0" if positive else ">= 0"
-            raise UsageError(f"{_flag(name)} {value} is invalid: a cost must be a finite "
+            raise UsageError(f"{flag_of(name)} {value} is invalid: a cost must be a finite "
                              f"number of milliseconds {need}")
     actions = 2 * args.pp * args.microbatches * max(1, args.virtual_stages)
     if actions > MAX_SIMULATED_ACTIONS or args.simulate and args.pp > MAX_SIMULATED_STAGES:

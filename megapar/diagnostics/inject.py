@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megapar.diagnostics.module_trace import hf_modules
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline.partition import build_stage
-from megapar.training.module_trace import hf_modules
 
 ENV = "MEGAPAR_INJECT_CORRUPT"
 """The environment variable that may hold the spec instead of the flag."""

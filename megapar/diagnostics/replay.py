@@ -30,10 +30,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from megapar.checkpoint.distributed import _gather_payloads
+from megapar.checkpoint.distributed import gather_payloads
 from megapar.context_parallel.split import chunk_ids as cp_chunks
+from megapar.diagnostics.module_trace import ModuleTrace
 from megapar.tensor_parallel.layers import ColumnParallelLinear
-from megapar.training.module_trace import ModuleTrace
 
 RTOL = 1e-5
 """How far a norm may differ between layouts (relative): the parity tests' tolerance."""
@@ -64,7 +64,7 @@ def _part(module, mesh) -> str | None:
         return None
     if isinstance(module, ColumnParallelLinear) and not module.gather_output:
         return "features"
-    return "sequence" if getattr(mesh, "sequence_parallel", False) and mesh.tp > 1 else "whole"
+    return "sequence" if mesh.sequence_parallel and mesh.tp > 1 else "whole"
 
 
 def _samples(mesh, mb: int, micro_batch_size: int, global_batch: int) -> int:
@@ -125,7 +125,7 @@ class StepRecorder:
 
     def write(self, root: str, step: int) -> Path | None:
         """Gather every rank's entries on rank 0 and write the record (collective)."""
-        parts = _gather_payloads(self.payload(), self.mesh)
+        parts = gather_payloads(self.payload(), self.mesh)
         if parts is None:
             return None
         entries, sq, grads = _merge(parts)
@@ -309,7 +309,7 @@ class StepReplay:
         payload = json.dumps({
             "ours": {str(i): float(v) for i, v in self.ours.items()},
             "own": self.recorder.payload().decode()}).encode()
-        parts = _gather_payloads(payload, self.mesh)
+        parts = gather_payloads(payload, self.mesh)
         if parts is None:
             return None
         ours: dict[int, float] = {}

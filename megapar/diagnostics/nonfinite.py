@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megapar.checkpoint.distributed import _broadcast_text
+from megapar.checkpoint.distributed import broadcast_text
+from megapar.diagnostics.module_trace import NONE, ModuleTrace
+from megapar.diagnostics.replay import StepRecorder, record_paths
 from megapar.faults.status import set_action
-from megapar.training.module_trace import NONE, ModuleTrace
-from megapar.training.replay import StepRecorder, record_paths
 
 
 @dataclass
@@ -62,7 +62,7 @@ def locate(engine, kept: KeptStep | None) -> str:
 def rerun(engine, kept: KeptStep, trace: ModuleTrace) -> ModuleTrace:
     """Run the kept step's forward and backward again with `trace` attached, without the
     data-parallel reduction and without an optimizer step; the RNG state is put back after."""
-    executor = engine._executor(kept.micro_batches[0]["input_ids"].shape[1])
+    executor = engine.executor_for(kept.micro_batches[0]["input_ids"].shape[1])
     after = engine.rng_state()
     traced, executor.trace = executor.trace, False  # keep the failed step's timeline
     engine.set_rng_state(kept.rng)
@@ -95,7 +95,7 @@ def first_over_ranks(trace: ModuleTrace, mesh, step: int) -> str:
     if world:
         dist.all_reduce(mine, op=dist.ReduceOp.MIN)
     src = int(mine.item())
-    text = _broadcast_text(trace.describe(first) if mesh.rank == src else "", mesh, src)
+    text = broadcast_text(trace.describe(first) if mesh.rank == src else "", mesh, src)
     tp, cp, pp, dp = mesh.layout.coords4(src)
     return (f"first non-finite value (step {step} re-run with per-module checks): {text}, "
             f"rank {src} (tp={tp} cp={cp} pp={pp} dp={dp})")

@@ -1,0 +1,70 @@
+"""What an engine's checkpoint records beside its tensors, and reads back: the step, the loss
+scale, the optimizer's and LR schedule's state, the run's settings and the model's provenance
+(tokenizer, Hugging Face dtype and generation config)."""
+
+from __future__ import annotations
+
+import os
+
+from megapar.data.blended import absolute_data
+from megapar.optim import LRScheduler
+
+RESERVED_META = frozenset({"step", "scaler", "optimizer", "scheduler", "rng_note", "model",
+                           "layout", "tokenizer", "hf_dtype", "hf_generation_config",
+                           "train_config"})
+"""Checkpoint metadata keys megapar writes itself (`save(extra=...)` may not use them)."""
+
+
+def recorded_settings(engine) -> dict:
+    """What `Engine.recorded_settings` documents."""
+    cfg, schedule = engine.cfg, engine.scheduler
+    settings = cfg.to_dict()
+    settings["data"] = absolute_data(cfg.data)
+    if cfg.tokenizer not in ("gpt2", "sentencepiece") and \
+            os.path.exists(os.path.expanduser(cfg.tokenizer)):
+        settings["tokenizer"] = os.path.abspath(os.path.expanduser(cfg.tokenizer))
+    if schedule is None:
+        settings.update(lr_decay="constant", warmup_steps=0, min_lr=cfg.lr)
+    elif isinstance(schedule, LRScheduler) and schedule != engine.flags_schedule(cfg):
+        unscale = cfg.lr / engine.scaled_lr(cfg)  # --lr-scale-with-batch reapplies
+        settings.update(lr=schedule.max_lr * unscale, min_lr=schedule.min_lr * unscale,
+                        warmup_steps=schedule.warmup_steps, max_steps=schedule.max_steps,
+                        lr_decay=schedule.decay)
+    return settings
+
+
+def checkpoint_meta(engine, extra: dict | None) -> dict:
+    """The metadata `Engine.save` writes: megapar's keys and the caller's `extra` (which may
+    not use megapar's own, ValueError)."""
+    clash = sorted(set(extra or {}) & RESERVED_META)
+    if clash:
+        raise ValueError(f"engine.save(extra=...): {clash} are megapar's own checkpoint "
+                         f"keys; rename yours (e.g. 'my_{clash[0]}')")
+    meta = {"step": engine.step, "scaler": engine.precision.state_dict(),
+            "optimizer": engine.optimizer.state_json(),
+            "train_config": recorded_settings(engine), **(extra or {})}
+    if engine.scheduler is not None:
+        meta["scheduler"] = engine.scheduler.state_dict()
+    if engine.tokenizer is not None:
+        meta["tokenizer"] = engine.tokenizer
+    if engine.source_dtype is not None:
+        meta["hf_dtype"] = engine.source_dtype
+    if engine.source_generation_config is not None:
+        meta["hf_generation_config"] = engine.source_generation_config
+    return meta
+
+
+def restore_meta(engine, meta: dict) -> None:
+    """Set what `checkpoint_meta` recorded back on `engine` (the optimizer's JSON state, the
+    LR schedule, the loss scale, the step and the provenance)."""
+    if meta.get("optimizer"):
+        engine.optimizer.load_state_json(meta["optimizer"])
+    if meta.get("scheduler") and engine.scheduler is not None:
+        engine.scheduler.load_state_dict(meta["scheduler"])
+    if meta.get("scaler"):
+        engine.precision.load_state_dict(meta["scaler"])
+    engine.step = int(meta.get("step", 0))
+    engine.tokenizer = meta.get("tokenizer", engine.tokenizer)
+    engine.source_dtype = meta.get("hf_dtype", engine.source_dtype)
+    engine.source_generation_config = meta.get("hf_generation_config",
+                                               engine.source_generation_config)

@@ -1,0 +1,27 @@
+"""A rank's RNG state as a checkpoint keeps it: torch's CPU and CUDA generators and the stage's
+tensor-parallel stream (`tensor_parallel.random`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rng_state(model: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's RNG state: "cpu", "cuda" (on a GPU) and "tp" (the model's tp stream)."""
+    out = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    tracker = getattr(model, "tracker", None)
+    if getattr(tracker, "tp_state", None) is not None:
+        out["tp"] = tracker.tp_state
+    return out
+
+
+def set_rng_state(model: torch.nn.Module, device: torch.device,
+                  rng: dict[str, torch.Tensor]) -> None:
+    """Restore what `rng_state` returned (a part the checkpoint lacks is left as it is)."""
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
+    if "tp" in rng and getattr(model, "tracker", None) is not None:
+        model.tracker.tp_state = rng["tp"]

@@ -1,0 +1,224 @@
+"""The checks of a run that resumes a checkpoint (`--load`), made before a worker starts: the
+path, the checkpoint's integrity, the settings it records, whether the run can continue its data
+order on its data, and which steps a run would replace in `--save`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+from megapar.checkpoint.distributed import NON_STRUCTURAL
+from megapar.checkpoint.format import MANIFEST, CheckpointError
+from megapar.checkpoint.manifest import verify
+from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, steps_after
+from megapar.data.blended import data_paths
+from megapar.models.config import config_from_dict
+from megapar.training.validate import UsageError, explicit, flag_of
+
+_STEP_DIR = re.compile(r"step_\d+")
+
+
+def check_load_path(cfg) -> None:
+    """A --load that cannot be what the user meant: a file, or a step directory that is not
+    there. Only a missing directory, or one without a checkpoint, starts fresh (a requeue)."""
+
+    path = os.path.expanduser(cfg.load)
+    if os.path.isfile(path):
+        parent = os.path.dirname(cfg.load.rstrip("/")) or "."
+        raise UsageError(f"--load {cfg.load} is a file; give the checkpoint directory (e.g. its "
+                         f"parent {parent})")
+    if os.path.exists(path):
+        if os.path.isfile(os.path.join(path, "config.json")) and not has_checkpoint(path):
+            raise UsageError(f"--load {cfg.load} holds a Hugging Face model (config.json), not a "
+                             f"megapar checkpoint; start from it with --from-hf {cfg.load}")
+        foreign = foreign_checkpoint(path)
+        if foreign is not None:  # another format: never a fresh start beside it
+            raise UsageError(f"--load {cfg.load} {foreign}")
+        return
+    root = os.path.dirname(os.path.abspath(path))
+    blocker = root
+    while blocker and not os.path.exists(blocker):
+        blocker = os.path.dirname(blocker)
+    if blocker and not os.path.isdir(blocker):   # a missing dir under a file: never a checkpoint
+        raise UsageError(f"--load {cfg.load}: {blocker} is a file, so no checkpoint can be "
+                         f"there; give the directory --save writes to")
+    try:
+        names = os.listdir(root)
+    except OSError:  # no such parent (or unreadable): nothing to name
+        names = []
+    steps = sorted(n for n in names
+                   if _STEP_DIR.fullmatch(n) and os.path.exists(os.path.join(root, n, MANIFEST)))
+    if not steps and _STEP_DIR.fullmatch(os.path.basename(os.path.abspath(path))):
+        raise UsageError(f"--load {cfg.load}: no such checkpoint step, and {root} holds no "
+                         f"step_* checkpoints; pass a directory written by --save (or one of "
+                         f"its step_* directories)")
+    if steps:
+        shown = ", ".join(steps) if len(steps) <= 6 else \
+            f"{len(steps)} steps, {steps[0]} ... {', '.join(steps[-3:])}"
+        raise UsageError(f"--load {cfg.load}: no such checkpoint; {root} holds {shown}; "
+                         f"pass one of them, or {root} for the latest")
+
+
+def check_newer_steps(cfg, manifest: dict | None) -> None:
+    """--save holding complete steps newer than the step this run starts from (--load's, or 0
+    for a fresh start): its saves would replace them, and `latest` would go back, leaving two
+    runs' steps mixed. Refused unless --overwrite-newer. A requeue (--load naming the --save
+    root itself) resumes that root's `latest`, and redoes any step past it the same way."""
+    if not cfg.save or cfg.overwrite_newer:
+        return
+    save = os.path.realpath(os.path.expanduser(cfg.save))
+    if manifest is not None and os.path.realpath(os.path.expanduser(cfg.load)) == save:
+        return
+    start = int(manifest.get("step", 0)) if manifest is not None else 0
+    newer = steps_after(save, start)
+    if not newer:
+        return
+    shown = ", ".join(newer) if len(newer) <= 4 else f"{newer[0]} ... {newer[-1]} ({len(newer)})"
+    where = (f"newer than step {start}, where --load {cfg.load} resumes" if manifest is not None
+             else "of an earlier run, and this run starts from scratch")
+    resume = "" if manifest is not None else f"resume it with --load {cfg.save}, "
+    raise UsageError(f"--save {cfg.save} holds {shown}, {where}: this run's saves would replace "
+                     f"or mix with them; {resume}give another --save, or pass --overwrite-newer "
+                     f"to replace them")
+
+
+def checkpoint_manifest(path: str) -> dict:
+    """The manifest of a --load checkpoint after checking every file it lists (size, sha256)."""
+
+    if not os.path.exists(os.path.expanduser(path)):
+        raise UsageError(f"--load {path}: no such checkpoint directory; pass a directory written by --save "
+                         f"(or one of its step_* directories)")
+    try:
+        return verify(os.path.expanduser(path))
+    except (CheckpointError, KeyError, OSError) as exc:
+        raise UsageError(f"--load {path}: {exc}") from None
+
+
+NOT_INHERITED = {
+    # the layout and how it runs (any layout resumes any checkpoint, with the same numbers)
+    "tp", "cp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
+    "sequence_parallel", "recompute", "zero", "offload_optimizer", "offload_params",
+    "zero3_keep_params", "zero3_persistence_threshold", "zero3_reduce",
+    "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
+    # where things go and how the run is watched or stopped
+    "model", "from_hf", "load", "load_strict", "allow_data_change", "save", "async_save",
+    "overwrite_newer", "data_cache",
+    "log_json", "tensorboard",
+    "wandb_project", "progress", "debug", "timeout_s", "nccl_timeout_s", "peak_tflops",
+    "profile_steps",
+    "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval", "straggler_factor",
+    "inject_slow", "inject_corrupt", "record_step", "replay", "replay_against",
+    # a rehearsal
+    "dry_run", "world_size", "gpus_per_node", "dry_run_ranks", "json"}
+"""Settings a --load run never takes from the checkpoint's saved train_config."""
+
+
+def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
+    """With --load, settings the user did not give are the checkpoint's (data, batch, seq-len,
+    schedule of the learning rate, --max-steps, ...), so `--load CKPT` alone resumes the run it
+    came from; layout and output flags are never taken. Returns a note listing what was taken."""
+    saved = (manifest.get("meta") or {}).get("train_config") or {}
+    given, taken, inherited = explicit(cfg), [], set()
+    for f in dataclasses.fields(cfg):
+        name = f.name
+        if name in NOT_INHERITED or name in given or name not in saved:
+            continue
+        inherited.add(name)
+        value = saved[name]
+        if name == "data" and value is not None and not _data_exists(value):
+            shown = value if isinstance(value, str) else " ".join(map(str, value))
+            raise UsageError(f"--load {cfg.load} was trained on --data {shown}, which is not "
+                             f"found from here; pass --data with where that data is now")
+        if value != getattr(cfg, name):
+            setattr(cfg, name, value)
+            taken.append(f"{flag_of(name)} {value}")
+        given.add(name)
+    cfg.explicit = frozenset(given)
+    cfg.from_checkpoint = frozenset(inherited)  # named as such in error messages (`named`)
+    return [f"from the checkpoint (not given): {', '.join(taken)}"] if taken else []
+
+
+def named(cfg, name: str, value=None) -> str:
+    """A setting as an error message names it: ``--data X``, and for a value the --load
+    checkpoint recorded (the user gave none) ``--data X (not given: the value --load CK
+    recorded)``, so the message does not blame a flag the user never typed."""
+    value = getattr(cfg, name) if value is None else value
+    shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+    if name in getattr(cfg, "from_checkpoint", ()):
+        return f"{flag_of(name)} {shown} (not given: the value --load {cfg.load} recorded)"
+    return f"{flag_of(name)} {shown}"
+
+def _data_exists(data) -> bool:
+    """Whether every path of a saved --data (one path, or a blend's WEIGHT PATH list) exists."""
+
+    try:
+        paths = data_paths(data)
+    except ValueError:
+        return False
+    return all(p is not None and (os.path.exists(os.path.expanduser(str(p))) or
+                                  os.path.exists(os.path.expanduser(str(p)) + ".idx"))
+               for p in paths)
+
+
+def check_resumable(cfg, manifest: dict, train_len: int) -> None:
+    """The checkpoint's data order can continue: same number of training samples (unless
+    --allow-data-change: the order then starts anew), global batch and seed as when it was
+    saved."""
+    state = (manifest.get("meta") or {}).get("sampler") or {}
+    ours = {"dataset_len": train_len, "global_batch_size": cfg.global_batch_size,
+            "seed": cfg.seed}
+    diff = [k for k in ours if k in state and state[k] != ours[k]
+            and not (k == "dataset_len" and cfg.allow_data_change)]
+    if diff:
+        shown = ", ".join(f"{k} {state[k]} (checkpoint) vs {ours[k]}" for k in diff)
+        other = (", or pass --allow-data-change to continue on this data on purpose (its data "
+                 "order starts anew)" if "dataset_len" in diff else "")
+        raise UsageError(f"--load {cfg.load} cannot continue its data order: {shown}; resume "
+                         f"with the --data, --seq-len, --val-fraction, --global-batch-size and "
+                         f"--seed it was saved with (left out, they are the checkpoint's)"
+                         f"{other}")
+
+
+def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None:
+    """The checkpoint trained on the content --data holds now: each part's fingerprint (see
+    `IndexedDataset.fingerprint`) is the one the checkpoint recorded, unless
+    --allow-data-change. A checkpoint that recorded none (older, or from the Python API) is not
+    checked."""
+    saved = (manifest.get("meta") or {}).get("data_fingerprint")
+    if not saved or fingerprints is None or saved == fingerprints or cfg.allow_data_change:
+        return
+    paths = [p if p is not None else "(the shipped sample)" for p in data_paths(cfg.data)]
+    changed = [str(p) for p, a, b in zip(paths, saved, fingerprints) if a != b] or \
+        [str(p) for p in paths]
+    shown = " ".join(str(p) for p in paths)
+    raise UsageError(f"--load {cfg.load} trained on other tokens than --data {shown} holds now: "
+                     f"the content of {', '.join(changed)} changed since the checkpoint was "
+                     f"saved (its fingerprint differs); resume with the data it trained on, or "
+                     f"pass --allow-data-change to continue on this data on purpose")
+
+
+def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: str = ""):
+    """The model config of a --load run: the checkpoint's. A --model / --from-hf given too
+    must describe the same model (vocabulary aside for a recipe, which takes the tokenizer's)."""
+
+    config = config_from_dict(manifest["model"])
+    if given_config is not None:
+        ours, theirs = given_config.to_dict(), config.to_dict()
+        named = f"--model {cfg.model}" if given_from == "recipe" else given_from or "given"
+        if ours.get("model_type") != theirs.get("model_type"):
+            raise UsageError(f"--load {cfg.load} holds a {theirs.get('model_type')} model and "
+                             f"{named} is a {ours.get('model_type')}; with --load the model "
+                             f"comes from the checkpoint, drop {named.split()[0]}")
+        skip = set(NON_STRUCTURAL) | ({"vocab_size"} if given_from == "recipe" else set())
+        diff = sorted(k for k in set(ours) | set(theirs)
+                      if k not in skip and ours.get(k) != theirs.get(k))
+        if diff:
+            shown = ", ".join(f"{k}={theirs.get(k)!r} (checkpoint) vs {ours.get(k)!r}" for k in diff)
+            raise UsageError(f"--load {cfg.load} holds another model than {named}: "
+                             f"{shown}; with --load the model comes from the checkpoint, drop "
+                             f"--model / --from-hf")
+    if cfg.max_steps <= int(manifest.get("step", 0)):
+        raise UsageError(f"--load {cfg.load} is at step {manifest.get('step')} and --max-steps "
+                         f"is {cfg.max_steps}: nothing left to train; raise --max-steps")
+    return config
