@@ -101,11 +101,12 @@ class _Ref:
 
 @contextlib.contextmanager
 def peak_held(executor, held: HeldStorages):
-    """While in the block, before and after every compute of the executor: the bytes `held`
-    holds with the executor's in-flight inputs and outputs and the pipeline's message buffers
-    (a sent output's storage lives on in its send until the peer has it); yields [the peak so
-    far] (reset it by assigning 0). Before a compute is after the message groups issued since
-    the last one (a group that no compute follows only sends, which adds nothing held)."""
+    """While in the block, after every compute and message group of the executor: the bytes
+    `held` holds with the executor's in-flight inputs and outputs and the pipeline's message
+    buffers (a sent output's storage lives on in its send until the peer has it); yields [the
+    peak so far] (reset it by assigning 0). After a group is sampled where the walk goes on:
+    at the wait for the next received message, or at the next compute (a group that no
+    compute follows only sends, which adds nothing held)."""
     peak, handlers = [0], dict(executor.handlers)
 
     def sample():
@@ -119,13 +120,22 @@ def peak_held(executor, held: HeldStorages):
         handler(action)
         sample()
 
+    def waited(key):
+        sample()
+        return wait_recv(key)
+
     executor.handlers.update({kind: functools.partial(dispatched, handler)
                               for kind, handler in handlers.items()})
+    if executor.p2p is not None:
+        wait_recv = executor.p2p.wait_recv
+        executor.p2p.wait_recv = waited
     try:
         yield peak
     finally:
         executor.handlers.clear()
         executor.handlers.update(handlers)
+        if executor.p2p is not None:
+            del executor.p2p.wait_recv  # the class's again
 
 
 def measure_step(engine, micro_batches: list[dict], step_index: int = 0) -> dict:
