@@ -25,10 +25,11 @@ One message path serves gloo and NCCL, the difference being data: on gloo, which
 message only once its receive is posted, the step queues each peer's receives in program order
 (the order it sends in) and posts the next as soon as the previous one has arrived
 (`post_ahead`: at most one ahead per peer); on NCCL the queues are empty and every receive is
-issued where the program has it. One way to stamp time: every step writes clock readings at the
-indices the plan gave its steps; an untraced step's clock reads nothing (`trace=False`).
-`last_timeline` builds the step's events from them when read, and `trace.gather_timeline`
-collects all stages' on pp rank 0. With `count_comm_wait` the computes also count the time
+issued where the program has it. One way to stamp time: a traced step writes a clock reading at
+each index the plan gave its steps (`StepPlan.events` says which readings bound which event),
+an untraced one (`trace=False`) skips the readings and keeps no events. `last_timeline` builds
+the step's events from them when read, and `trace.gather_timeline` collects all stages' on
+pp rank 0. With `count_comm_wait` the computes also count the time
 they spend blocked in tp / cp collectives (`megapar.comm_wait`).
 """
 
@@ -394,7 +395,7 @@ class PipelineExecutor(StageBackward):
             self._grad_sync.begin_step()
 
     def _sync_before(self, index: int, plan: StepPlan) -> None:
-        """Before compute `index` (`PlannedCompute.syncs`): the stage's last backward, or a
+        """Before compute `index` (`WalkStep.sync_at`): the stage's last backward, or a
         chunk's last backward whose parameters are final after it."""
         grad_sync = self._grad_sync
         if grad_sync is None:

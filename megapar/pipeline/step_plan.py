@@ -2,16 +2,18 @@
 size (`plan_step`) so that a step does no peer or label arithmetic and no text formatting.
 
 A stage's program (`messages.programs`) is the schedule's compute `Action`s with `MessageGroup`s
-between them. The plan turns it into `steps`, one planned object per program step, in order: a
+between them. The plan turns each program step into a planned one, every field named: a
 `PlannedGroup` (its `PlannedMessage`s with their peers' ranks and the slots they read) or a
 `PlannedCompute` (its handler's kind, the `PlannedRecv` it waits for or the V's in-memory
-hand-over, whether `grad_sync` is called before it). The planned types are slotted dataclasses:
-the walk reads their fields by name at the cost of a local variable.
+hand-over). The walk (`StepPlan.walk`, `walk_of`) is one `WalkStep` per compute, the group
+before it folded in; it holds them as plain tuples in their types' field order and unpacks each
+by the field names, which costs a tenth of reading the fields as attributes (the executor's
+host work per step is what `benchmarks/executor_instructions.py` counts).
 
 The plan also holds the step's trace: a traced step writes clock stamps into a list the plan
 sized, one where an event ends and the next starts, each at the index the plan gave its step
-(`PlannedGroup.stamp`, `PlannedCompute.stamp`); which stamps bound which event is worked out
-here once (`trace_events`).
+(`PlannedGroup.stamp`, `WalkStep.stamp`); which stamps bound which event is worked out here
+once (`trace_events`).
 """
 
 from __future__ import annotations
