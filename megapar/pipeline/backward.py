@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from megapar.pipeline.schedules import Action
 from megapar.tensor_parallel.weight_grad import WeightGradStore
 
 _FREED: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the one-element stand-in

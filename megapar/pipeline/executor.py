@@ -5,8 +5,8 @@ stage's *program* (the schedule's compute `Action`s with `MessageGroup`s between
 once per step size (`step_plan`, in `megapar.pipeline.step_plan`) and walks the plan in order
 (`_walk`). A message group is issued as one ``batch_isend_irecv``; a compute first waits for the
 received tensor it consumes (if any), then runs through a dict of handlers (`handlers`, the
-executor's extension point), so a new compute kind is a new entry there, not a new loop. The backward handlers
-and their helpers (freed outputs, B and W) are in `megapar.pipeline.backward`.
+executor's extension point), so a new compute kind is a new entry there, not a new loop. The
+backward handlers and their helpers (freed outputs, B and W) are `megapar.pipeline.backward`.
 
 Model chunks: `stage` may be a `ModelChunks` (`stage.chunks`); every action names its chunk,
 per-micro-batch state is kept per (mb, chunk) (`slot`), and each message's peer comes from the
