@@ -223,28 +223,23 @@ class PipelineExecutor(StageBackward):
         plan = self.step_plan(m, forward_only)
         self._begin(plan, micro_batches, None if forward_only else grad_sync, loss_scale,
                     forward_only)
-        stamps, stamp, traced = self._stamps, self.clock.stamp, self.trace
         try:
             self._sync_begin()
             if self.p2p is not None:
                 self.p2p.begin_step()
                 self._post_ahead(plan.posts)
-            if traced:  # where the first wait (or send) starts
-                stamps[0] = stamp()
+            self._stamp_at(0)  # where the first wait (or send) starts
             with torch.set_grad_enabled(not forward_only):
                 self._walk(plan)
             set_action(f"waiting for the sends of pp stage {self.mesh.pp_rank}")
             if self.p2p is not None:
                 self.p2p.wait_sends()
-            if traced:
-                stamps[-3] = stamp()
+            self._stamp_at(-3)
             self._sync_finish()
-            if traced:
-                stamps[-2] = stamp()
+            self._stamp_at(-2)
             set_action("loss broadcast from the last pipeline stage")
             loss = self._mean_loss(m)
-            if traced:
-                stamps[-1] = stamp()
+            self._stamp_at(-1)
             return loss
         finally:
             self._end(plan)
@@ -283,6 +278,12 @@ class PipelineExecutor(StageBackward):
         self.weight_grads.take()
         self._last_trace = (self.mesh.pp_rank, stamps, plan.events if stamps else (),
                             self.clock.reader())
+
+    def _stamp_at(self, index: int) -> None:
+        """A traced step's clock reading at `index` of its stamps; the walk does the same
+        inline (``if traced: stamps[at] = clock()``) at its several readings per compute."""
+        if self.trace:
+            self._stamps[index] = self.clock.stamp()
 
     def _walk(self, plan: StepPlan) -> None:
         """The planned steps in order: each message group issued (its sent activations' storage
