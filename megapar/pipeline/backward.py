@@ -1,11 +1,13 @@
 """A pipeline stage's backward: whole, or split into B and W, from outputs whose storage was freed.
 
 Once a stage's output activation is sent its values are not needed any more, only its autograd
-graph (Megatron's deallocate_output_tensor): `free_output` swaps its storage for a one-element
-stand-in, and `backward` runs from the graph with the gradient the output had. Zero-bubble
-schedules split the backward into B (`backward_input`: the gradient w.r.t. the chunk's input,
-sent upstream next; the linear layers store their (X, dY) products in a `WeightGradStore`) and
-W (`backward_weight`: those products added to the weight gradients, in place).
+graph (Megatron's deallocate_output_tensor): the executor's walk swaps its storage (unless it is
+a view's, another tensor's) for a one-element stand-in that every freed output of a dtype and
+device shares (`stand_in_for`), and `backward` runs from the graph with the gradient the
+output had. Zero-bubble schedules split the backward into B (`backward_input`: the gradient
+w.r.t. the chunk's input, sent upstream next; the linear layers store their (X, dY) products in
+a `WeightGradStore`) and W (`backward_weight`: those products added to the weight gradients,
+in place).
 """
 
 from __future__ import annotations
@@ -18,15 +20,6 @@ from megapar.tensor_parallel.weight_grad import WeightGradStore
 _FREED: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the one-element stand-in
 
 
-def free_output(output: torch.Tensor, stand_in: torch.Tensor | None = None) -> None:
-    """Release the storage of a sent output, keeping its autograd graph (a no-op for views,
-    whose storage is another tensor's). Every freed output of a dtype and device shares one
-    one-element stand-in (`stand_in_for`; pass it when known), which nothing reads or writes
-    (the backward runs from the graph)."""
-    if output._base is None and output.numel() > 1:
-        output.data = stand_in_for(output.dtype, output.device) if stand_in is None else stand_in
-
-
 def stand_in_for(dtype: torch.dtype, device) -> torch.Tensor:
     """The one-element tensor every freed output of `dtype` on `device` shares."""
     key = (dtype, torch.device(device))
@@ -37,7 +30,7 @@ def stand_in_for(dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """`torch.autograd.backward(output, grad)`, also for an output freed by `free_output`
+    """`torch.autograd.backward(output, grad)`, also for an output whose storage was freed
     (autograd checks `grad` against the shape the output had when it was made)."""
     if grad is None:
         torch.autograd.backward(output)
@@ -129,7 +122,9 @@ class StageBackward:
     def _backward_weight(self, a: Action) -> None:
         """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; a
         chunk's last W reports each finished weight to the data-parallel reduction."""
-        backward_weight(self._pending_w.pop(a.mb * self._chunk_count + a.chunk), self._ready())
+        backward_weight(self._pending_w.pop(a.mb * self._chunk_count + a.chunk),
+                        getattr(self._grad_sync, "grads_ready", None)
+                        if self._step_index in self._report_at else None)  # `_ready`, inline
 
     def _no_input_grad(self, a: Action) -> None:
         raise RuntimeError(f"pp stage {self.mesh.pp_rank}: the output of micro-batch {a.mb} "

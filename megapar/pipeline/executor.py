@@ -16,10 +16,10 @@ over in memory; the loss is then on rank 0.
 
 Per in-flight micro-batch it keeps the input activation (a leaf that requires grad) and the
 output (hidden states, or the loss on the last stage) until the micro-batch's backward; a sent
-output's storage goes at once (`backward.free_output`). Each loss is backpropagated with the
-gradient ``loss_scale / m``, so `param.grad` accumulates the gradient of the mean loss (the
-caller zeroes gradients between steps). A received message also frees the sends it proves
-received (`messages.acknowledgements`).
+output's storage goes at once (its stand-in: `backward.stand_in_for`). Each loss is
+backpropagated with the gradient ``loss_scale / m``, so `param.grad` accumulates the gradient of
+the mean loss (the caller zeroes gradients between steps). A received message also frees the
+sends it proves received (`messages.acknowledgements`).
 
 One message path serves gloo and NCCL, the difference being data: on gloo, which moves a
 message only once its receive is posted, the step queues each peer's receives in program order
@@ -52,7 +52,6 @@ from megapar.pipeline.backward import (
     backward,
     backward_input,
     backward_weight,
-    free_output,
     stand_in_for,
 )
 from megapar.pipeline.p2p import P2PTimeoutError, StageP2P, wait_work
@@ -135,6 +134,7 @@ class PipelineExecutor(StageBackward):
         self.weight_grads = store_of(stage)  # enabled in steps with a split backward
         self._stand_in = None  # what a sent output's storage is replaced by (the first step
         self._act_dtype = act_dtype  # makes it: a CUDA mesh may be built where no GPU is)
+        self._act_numel = torch.Size(act_shape).numel()
         self.post_ahead = self.p2p is not None and polls_host(mesh.device)
         """Post each peer's next receive as soon as the previous one arrived (gloo: a message
         moves only once its receive is posted). NCCL runs a rank's operations in issue order,
@@ -292,28 +292,33 @@ class PipelineExecutor(StageBackward):
         handlers, p2p, line, traced = self.handlers, self.p2p, self._line, self.trace
         stamps, clock, counted = self._stamps, self.clock.stamp, self.count_comm_wait
         inputs, out_grads, outputs, ahead = self.inputs, self._out_grads, self.outputs, self._ahead
-        needs_grad, stand_in, posted = not self._forward_only, self._stand_in, self._recvs_issued
+        needs_grad, posted = not self._forward_only, self._recvs_issued
+        # what a sent output's storage is swapped for (outputs of one element are kept)
+        stand_in = self._stand_in if self._act_numel > 1 else None
         take, pop_grad = self._take_output, self._in_grads.pop
         for group, action, kind, recv, hand_over, said, at, sync_at, report_at in plan.walk:
             if group is not None:  # the message group before the compute
-                messages_, group_said, sent_acts, _, sent_at = group  # PlannedGroup
-                issue = []
-                for uid, code, slot, key, peer, carries, label in messages_:  # PlannedMessage
-                    if code == SEND_ACT:
-                        tensor = take(slot)
-                    elif code == SEND_GRAD:
-                        tensor = pop_grad(slot)
-                    elif uid in posted:  # gloo: posted ahead already
-                        continue
-                    else:
-                        tensor = None
-                        posted.add(uid)
-                    issue.append((key, tensor, peer, carries, label))
+                messages_, group_said, sent_acts, _, sent_at, issue = group  # PlannedGroup
+                if issue is None or ahead:  # sends, or receives some of which may be posted
+                    issue = []
+                    for uid, code, slot, key, peer, carries, label in messages_:  # PlannedMessage
+                        if code == SEND_ACT:
+                            tensor = take(slot)
+                        elif code == SEND_GRAD:
+                            tensor = pop_grad(slot)
+                        elif uid in posted:  # gloo: posted ahead already
+                            continue
+                        else:
+                            tensor = None
+                            posted.add(uid)
+                        issue.append((key, tensor, peer, carries, label))
                 if issue:
                     line.value = group_said
                     p2p.issue(issue)
-                    for slot in sent_acts if needs_grad else ():  # backward needs the graph
-                        free_output(outputs[slot], stand_in)
+                    for slot in sent_acts if needs_grad and stand_in is not None else ():
+                        output = outputs[slot]  # its storage goes, its graph stays
+                        if output._base is None:  # a view's storage is another tensor's
+                            output.data = stand_in
                     if traced and sent_at is not None:  # the sends end here
                         stamps[sent_at] = clock()
                 if kind is None:  # no compute follows the group

@@ -96,6 +96,9 @@ class PlannedGroup(NamedTuple):
     """(kind, mb, chunk) of every send, for the trace."""
     stamp: int | None = None
     """A group that sends: the index of the clock reading at its end in the step's stamps."""
+    received: tuple | None = None
+    """A group of receives only: what `p2p.issue` takes for it where no receive is posted
+    ahead (NCCL: the same every step, so the walk builds nothing for it), else None."""
 
 
 class PlannedRecv(NamedTuple):
@@ -241,10 +244,13 @@ def plan_group(group: MessageGroup, place: StagePlace) -> PlannedGroup:
     peers = sorted({message.peer for message in planned})
     doing = (f"{group.name} {group} on pp stage {place.pp_rank} (with rank"
              f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))})")
+    receives_only = all(message.code == RECV for message in planned)
     return PlannedGroup(
         tuple(tuple(message) for message in planned), encode_action(doing),
         tuple(message.slot for message in planned if message.code == SEND_ACT),
-        tuple(message.key for message in planned if message.code != RECV))
+        tuple(message.key for message in planned if message.code != RECV),
+        received=tuple((m.key, None, m.peer, m.carries, m.label) for m in planned)
+        if receives_only else None)
 
 
 def plan_compute(i: int, a: Action, acks: dict, place: StagePlace) -> PlannedCompute:
