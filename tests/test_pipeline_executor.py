@@ -279,15 +279,23 @@ def test_unknown_action_kind_names_the_missing_handler():
 def freed_outputs_worker():
     mesh = make_mesh(pp=3)
     executor = PipelineExecutor(ToyStage(mesh), mesh, "1f1b", SHAPE, timeout_s=30)
-    seen = []
+    seen, sent, issue = [], [], executor.p2p.issue
 
-    def checked_issue(group):  # a PlannedGroup, just issued
-        for key, *_ in group.messages:
-            if key[0] == "send_act":  # sent: the stage keeps the graph, not the values
-                payload = executor.p2p._sends[key][1]
-                seen.append((executor._outputs[executor.slot(*key[1:])].numel(), payload.numel()))
+    def recorded_issue(group):
+        issue(group)
+        sent.extend((key, executor.p2p._sends[key][1].numel()) for key, *_ in group
+                    if key[0] == "send_act")
 
-    executor.after_group = checked_issue
+    def checked(handler):  # at the next compute, the groups before it are issued
+        def run(action):
+            while sent:  # sent: the stage keeps the graph, not the values
+                key, payload = sent.pop(0)
+                seen.append((executor.outputs[executor.slot(*key[1:])].numel(), payload))
+            handler(action)
+        return run
+
+    executor.p2p.issue = recorded_issue
+    executor.handlers = {kind: checked(h) for kind, h in executor.handlers.items()}
     loss = executor.run(toy_batches(4))
     return seen, float(loss), executor.p2p.issued
 

@@ -44,6 +44,7 @@ import contextlib
 import ctypes
 import importlib.util
 import statistics
+import sys
 import time
 
 import torch
@@ -159,6 +160,8 @@ def no_autograd(modules):
     `backward_weight`: the compute of a backward) do nothing in the block; a B returns the
     input's `.grad` (a stand-in where the input was handed over from the other chunk of a V
     and has none: no backward ran)."""
+    # the module whose functions the backward handlers call (this tree's: pipeline/backward.py)
+    modules = [sys.modules.get(mod.PipelineExecutor._backward.__module__, mod) for mod in modules]
     saved = [(mod, mod.backward, mod.backward_input, mod.backward_weight) for mod in modules]
     filler = torch.zeros(())  # the input gradient of an input handed over in memory (a V)
     for mod in modules:

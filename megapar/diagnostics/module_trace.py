@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from megapar.checkpoint.hf import hf_parameter_names
-from megapar.pipeline.schedules import Action
 
 LAYER_NAME = re.compile(r"\.(h|layer|layers)\.\d+(\.|$)")
 """A transformers name inside one layer (`transformer.h.2`, `bert.encoder.layer.0.attention`)."""
@@ -123,7 +122,7 @@ class ModuleTrace:
         return ((((mb * 2 + int(backward)) << 12) + position) << 28) + self.calls
 
     def _virtual_stage(self, chunk: int) -> int:
-        return self.executor._vs(Action("forward", 0, chunk))
+        return self.executor.virtual_stage(chunk)
 
     def describe(self, key: int) -> str:
         name, phase, what, mb = self.events[key]

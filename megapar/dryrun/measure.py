@@ -104,28 +104,38 @@ def peak_held(executor, held: HeldStorages):
     """While in the block, after every compute and message group of the executor: the bytes
     `held` holds with the executor's in-flight inputs and outputs and the pipeline's message
     buffers (a sent output's storage lives on in its send until the peer has it); yields [the
-    peak so far] (reset it by assigning 0)."""
+    peak so far] (reset it by assigning 0). After a group is sampled where the walk goes on:
+    at the wait for the next received message, or at the next compute (a group that no
+    compute follows only sends, which adds nothing held)."""
     peak, handlers = [0], dict(executor.handlers)
 
     def sample():
-        live = list(executor._inputs.values()) + list(executor._outputs.values())
+        live = list(executor.inputs.values()) + list(executor.outputs.values())
         if executor.p2p is not None:
             live += [tensor for _, tensor, _ in executor.p2p.held()]
         peak[0] = max(peak[0], held.bytes_with(live))
 
     def dispatched(handler, action):
+        sample()
         handler(action)
         sample()
 
+    def waited(key):
+        sample()
+        return wait_recv(key)
+
     executor.handlers.update({kind: functools.partial(dispatched, handler)
                               for kind, handler in handlers.items()})
-    executor.after_group = lambda group: sample()
+    if executor.p2p is not None:
+        wait_recv = executor.p2p.wait_recv
+        executor.p2p.wait_recv = waited
     try:
         yield peak
     finally:
         executor.handlers.clear()
         executor.handlers.update(handlers)
-        executor.after_group = None
+        if executor.p2p is not None:
+            del executor.p2p.wait_recv  # the class's again
 
 
 def measure_step(engine, micro_batches: list[dict], step_index: int = 0) -> dict:

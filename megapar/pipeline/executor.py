@@ -1,44 +1,41 @@
-"""Run one pipeline stage's program for a training (or evaluation) step.
+"""Run one pipeline stage's program for a training (or evaluation) step: the runner.
 
 The executor knows nothing about GPipe or 1F1B: it asks `messages.programs(name, pp, m)` for this
-stage's *program* (the schedule's compute `Action`s with `MessageGroup`s between them) and runs it
-in order. A message group is issued as one ``batch_isend_irecv``; a compute first waits for the
-received tensor it consumes (if any), then runs through a dict of handlers (`self.handlers`), so
-a new compute kind is a new entry there, not a new loop.
+stage's *program* (the schedule's compute `Action`s with `MessageGroup`s between them), plans it
+once per step size (`step_plan`, in `megapar.pipeline.step_plan`) and walks the plan in order
+(`_walk`). A message group is issued as one ``batch_isend_irecv``; a compute first waits for the
+received tensor it consumes (if any), then runs through a dict of handlers (`handlers`, the
+executor's extension point), so a new compute kind is a new entry there, not a new loop. The
+backward handlers and their helpers (freed outputs, B and W) are `megapar.pipeline.backward`.
 
-Model chunks (interleaved schedules): `stage` may be a `ModelChunks` (`stage.chunks`), and every
-action names its chunk; per-micro-batch state is kept per (mb, chunk) (`slot`), and the peer
-of each message comes from the chunk's virtual stage (`schedules.peer_of`), so activations wrap around
-from the last rank to rank 0 for the next chunk. In the V placement (ZB-V, DualPipeV) the turn
-from one chunk to the other is on one rank: no message, the output (or input gradient) is
-handed over in memory; the loss is then on rank 0. Zero-bubble schedules split the backward into
-``backward_input`` / ``backward_weight`` (the functions at the end of this module).
+Model chunks: `stage` may be a `ModelChunks` (`stage.chunks`); every action names its chunk,
+per-micro-batch state is kept per (mb, chunk) (`slot`), and each message's peer comes from the
+chunk's virtual stage (`schedules.peer_of`). In the V placement (ZB-V, DualPipeV) the turn from
+one chunk to the other is on one rank: no message, the output (or input gradient) is handed
+over in memory; the loss is then on rank 0.
 
-Per in-flight micro-batch it keeps the input activation (a leaf that requires grad, so its `.grad`
-is what the previous stage needs) and the output (hidden states, or the loss on the last stage),
-and frees both at the micro-batch's backward. The last stage backpropagates each loss with
-the gradient ``loss_scale / m`` (what ``loss * loss_scale / m`` passes back), so `param.grad`
-accumulates the gradient of the mean loss over the m micro-batches (the caller zeroes gradients
-between steps). A received message also frees the
-sends it proves received (`messages.acknowledgements`). On gloo, which moves a message only once
-its receive is posted, each peer's next receive is posted as soon as the previous one has
-arrived (`post_ahead`: in the peer's program order, which is the order it sends in, so pairing
-by order is kept; at most one ahead per peer); NCCL issues receives where the program has them.
+Per in-flight micro-batch it keeps the input activation (a leaf that requires grad) and the
+output (hidden states, or the loss on the last stage) until the micro-batch's backward; a sent
+output's storage goes at once (its stand-in: `backward.stand_in_for`). Each loss is
+backpropagated with the gradient ``loss_scale / m``, so `param.grad` accumulates the gradient of
+the mean loss (the caller zeroes gradients between steps). A received message also frees the
+sends it proves received (`messages.acknowledgements`).
 
-Every action is traced unless `trace=False`: a compute as its own event, the wait for its
-message as a ``recv_act`` / ``recv_grad`` event before it, each sent message as a ``send_act`` /
-``send_grad`` event spanning its group's issue. A traced step only writes clock stamps into a
-list the plan sized, one where an event ends and the next starts, each at the index the plan
-gave its step; which stamps bound which event is planned once (`trace_events`), and
-`last_timeline` builds the last step's `Timeline` from them when it is read (empty when not
-traced), and `gather.gather_timeline` aligns and collects all stages' timelines on pp rank 0.
-With `count_comm_wait` the compute actions also count the time they
-spend blocked in tp / cp collectives (`megapar.comm_wait`).
+One message path serves gloo and NCCL, the difference being data: on gloo, which moves a
+message only once its receive is posted, the step queues each peer's receives in program order
+(the order it sends in) and posts the next as soon as the previous one has arrived
+(`post_ahead`: at most one ahead per peer); on NCCL the queues are empty and every receive is
+issued where the program has it. One way to stamp time: a traced step writes a clock reading at
+each index the plan gave its steps (`StepPlan.events` says which readings bound which event),
+an untraced one (`trace=False`) skips the readings and keeps no events. `last_timeline` builds
+the step's events from them when read, and `trace.gather_timeline` collects all stages' on
+pp rank 0. With `count_comm_wait` the computes also count the time
+they spend blocked in tp / cp collectives (`megapar.comm_wait`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -46,146 +43,56 @@ from torch import nn
 
 from megapar.comm_wait import counting
 from megapar.device import polls_host
-from megapar.faults.status import action_line, encode_action, set_action
+from megapar.faults.status import action_line, set_action
 from megapar.mesh import Mesh
 from megapar.pipeline import messages
+from megapar.pipeline.backward import (
+    PendingWeightGrad,
+    StageBackward,
+    backward,
+    backward_input,
+    backward_weight,
+    stand_in_for,
+)
 from megapar.pipeline.p2p import P2PTimeoutError, StageP2P, wait_work
 from megapar.pipeline.schedules import (
     Action,
-    MessageGroup,
     chunks_per_rank,
     get_schedule,
-    peer_of,
     placement_of,
     stage_location,
     virtual_stage,
 )
+from megapar.pipeline.step_plan import (
+    SEND_ACT,
+    SEND_GRAD,
+    StagePlace,
+    StepPlan,
+    check_chunks,
+    plan_step,
+)
 from megapar.pipeline.timeline import COMPUTE_KINDS, Event, Timeline
 from megapar.pipeline.trace import StepClock
-from megapar.tensor_parallel.weight_grad import WeightGradStore, store_of
+from megapar.tensor_parallel.weight_grad import store_of
 
-AUTOGRAD_KINDS = frozenset({"backward", "backward_input"})
-"""Actions whose autograd backward accumulates parameter gradients; `before_last_backward`
-precedes the last one, so the data-parallel buckets launch as gradients become final."""
-
-
-class StepPlan(NamedTuple):
-    """What a step needs from this rank's program, worked out once per step size
-    (`PipelineExecutor.step_plan`)."""
-
-    program: tuple
-    """The computes and message groups, in order (`messages.programs`)."""
-    last_backward: int | None
-    """Index of the last action whose backward accumulates parameter gradients."""
-    report_at: frozenset
-    """Indices of each model chunk's last action that adds to its weight gradients, where it
-    is a `backward_weight` (zero bubble) or a whole backward applying deferred products
-    (DualPipeV): it reports the weights it finishes to `grad_sync.grads_ready`."""
-    split_backward: bool
-    """Whether the backward is split into B and W (the linear layers store (X, dY))."""
-    acks: dict
-    """(recv kind, mb, chunk) -> the sends it proves received (`messages.acknowledgements`)."""
-    posts: dict
-    """gloo: per peer rank, this rank's receives from it in program order."""
-    arm_at: dict
-    """Index of a model chunk's last backward (before the stage's last) -> the parameters whose
-    gradients are final after it (those of no chunk with a later last backward): armed there
-    (`grad_sync.arm`), so their buckets reduce while the other chunks' backwards run."""
-    steps: tuple
-    """Per program step, what the walk needs of it, worked out here so that a step does no
-    peer or label arithmetic and no text formatting: a `PlannedGroup`, or a compute as the
-    plain tuple of its `PlannedCompute` (unpacked at once by the walk)."""
-    longest: int
-    """The longest encoded status text of the plan (`status.action_line`)."""
-    hooks: frozenset
-    """Indices of the computes before which `grad_sync` may be called (`last_backward` and
-    `arm_at`'s): a traced step ends the wait for their message before the call."""
-    events: tuple
-    """The events of a traced step, in the order they end: ((kind, mb, chunk), index of its
-    start stamp, index of its end stamp), the indices into the step's list of stamps
-    (`trace_events`)."""
-    readings: int
-    """How many clock readings a traced step takes (the length of its list of stamps)."""
-    walk: tuple = ()
-    """`steps` as the walk runs them: one plain tuple per compute, the message group before it
-    folded in (one loop turn for both), and one with no compute for a group that no compute
-    follows (`walk_of`)."""
+__all__ = ["PipelineExecutor", "PendingWeightGrad", "backward", "backward_input",
+           "backward_weight"]
 
 
-class PlannedGroup(NamedTuple):
-    """A message group as the walk of `PipelineExecutor.run` issues it."""
+class _SetAction:
+    """Where no launcher shares a status line (or an action would not fit it): the line's
+    interface over `status.set_action`, so the walk publishes every action one way
+    (``line.value = said``, the text encoded by `status.encode_action`)."""
 
-    messages: tuple
-    """Per message: (key = (kind, mb, chunk), peer's global rank, what travels, label)."""
-    doing: str
-    """What the rank is doing while the group is issued (`set_action`)."""
-    said: bytes
-    """`doing` encoded for the shared status line (`status.encode_action`)."""
-    sent_acts: tuple
-    """The slot (`PipelineExecutor.slot`) of every activation the group sends (its output's
-    storage is freed)."""
-    sends: tuple
-    """(kind, mb, chunk) of every send, for the trace."""
-    ops: tuple
-    """Per message, what the walk does with it: (SEND_ACT / SEND_GRAD / RECV, slot of (mb, chunk),
-    key, peer's global rank, what travels, label)."""
-    received: tuple | None
-    """A group of receives only: what `p2p.issue` takes for it where no receive is posted
-    ahead (the same every step), else None."""
-    stamp: int | None = None
-    """A group that sends: the index of the clock reading at its end in a traced step's
-    stamps (`trace_events`), else None."""
+    __slots__ = ()
+
+    def _say(self, said: bytes) -> None:
+        set_action(said[:-1].decode())
+
+    value = property(None, _say)
 
 
-SEND_ACT, SEND_GRAD, RECV = 0, 1, 2
-"""`PlannedGroup.ops` codes."""
-
-
-class PlannedRecv(NamedTuple):
-    """The received message a compute waits for (the walk unpacks it as a plain tuple)."""
-
-    key: tuple
-    """(kind, mb, chunk) of the receive."""
-    peer: int
-    """The sender's global rank."""
-    doing: str
-    """What the wait is (`set_action`)."""
-    said: bytes
-    """`doing` encoded (`status.encode_action`)."""
-    acks: tuple
-    """(kind, mb, chunk) of the sends its arrival proves received."""
-    at: tuple
-    """The slot of (mb, chunk) (`PipelineExecutor.slot`): where the received tensor is kept."""
-    is_act: bool
-    """An activation (the compute's input leaf), else an output gradient."""
-
-
-class PlannedCompute(NamedTuple):
-    """A compute action and the message it waits for; the walk unpacks it as a plain tuple, in
-    this order."""
-
-    index: int
-    """Its position in the program."""
-    action: Action
-    kind: str
-    """The action's kind: its handler (`PipelineExecutor.handlers`)."""
-    key: tuple
-    """(kind, mb, chunk) of the action: its trace entry."""
-    recv: tuple | None
-    """The `PlannedRecv` (a plain tuple) it waits for, or None when it consumes no message."""
-    hand_over: tuple | None
-    """(kind, slot of the same micro-batch in the source chunk) where the compute takes its
-    input from another chunk of this rank (the V's turn: no message), else None."""
-    doing: str
-    """What the rank is doing while the compute runs (`set_action`)."""
-    said: bytes
-    """`doing` encoded (`status.encode_action`)."""
-    stamp: int = 0
-    """The index of the clock reading at its start in a traced step's stamps (its end is the
-    next; the reading before its `grad_sync` call, where it has one, the one before)."""
-
-
-class PipelineExecutor:
+class PipelineExecutor(StageBackward):
     """Executes a named schedule on this rank's stage.
 
     `stage(hidden_or_None, batch)` returns hidden states of shape `act_shape`, or on the last stage
@@ -193,6 +100,10 @@ class PipelineExecutor:
     (cast back on receipt). `timeout_s` bounds every blocking wait (default: the run's,
     `mesh.timeout_s`; gloo; NCCL uses its process group's timeout). `trace` (an attribute, may
     be changed between steps) records the step's events for `last_timeline`.
+
+    `handlers` (action kind -> the function that runs a compute) is the extension point: a
+    wrapper may replace an entry for as long as it needs (fault injection, module tracing and
+    the dry run's memory measure do).
     """
 
     def __init__(self, stage: nn.Module, mesh: Mesh, schedule: str, act_shape: tuple,
@@ -209,6 +120,9 @@ class PipelineExecutor:
                              f"a stage of {virtual_stages} model chunks; this rank holds "
                              f"{len(self.chunks)} (build it with build_stage(virtual_stages=...))")
         self.placement = placement_of(schedule)
+        self.place = StagePlace(mesh.pp_rank, mesh.pp, virtual_stages, self.placement,
+                                mesh.stage_rank)
+        """Where this rank's stage sits in the pipeline (what planning a step asks)."""
         self._chunk_count = virtual_stages  # `slot`
         self._loss_chunk = next((c for c in range(virtual_stages) if virtual_stage(
             mesh.pp_rank, c, mesh.pp, self.placement) == mesh.pp * virtual_stages - 1), None)
@@ -235,35 +149,41 @@ class PipelineExecutor:
         self.count_comm_wait = False
         """Count the time the compute actions spend blocked in their tp / cp collectives
         (`megapar.comm_wait`; the straggler measure turns it on)."""
-        self.after_group = None
-        """Called with each `PlannedGroup` of a step right after the walk issued it (or found
-        all of its receives posted ahead already), or None: a probe for tests and the dry
-        run's memory measure."""
         self._reset([], 1.0, False)
 
     def _reset(self, micro_batches, loss_scale, forward_only) -> None:
+        """The per-step state, empty (between steps) or for a step over `micro_batches`."""
         self._batches, self._loss_scale = micro_batches, loss_scale
         self._forward_only = forward_only
         # Per (mb, chunk), keyed by its slot (`slot`):
-        self._inputs: dict[int, torch.Tensor] = {}     # received activations (leaves)
-        self._outputs: dict[int, torch.Tensor] = {}    # stage outputs (hidden or loss)
+        self.inputs: dict[int, torch.Tensor] = {}
+        """In a step, per slot (`slot`): the received activations (leaves) not yet consumed
+        by their backward."""
+        self.outputs: dict[int, torch.Tensor] = {}
+        """In a step, per slot: the stage outputs (hidden states or the loss) not yet
+        consumed by their backward (or, forward-only, by their send)."""
         # what a sent activation is taken by: a forward-only step keeps no graph
-        self._take_output = self._outputs.pop if forward_only else self._outputs.get
+        self._take_output = self.outputs.pop if forward_only else self.outputs.get
         self._out_grads: dict[int, torch.Tensor] = {}  # received d(loss)/d(output)
         self._in_grads: dict[int, torch.Tensor] = {}   # d(loss)/d(input) to send upstream
         self._pending_w: dict[int, object] = {}        # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
         self._loss_grad = None  # what the losses are backpropagated with (_first_loss_grad)
         self._grad_sync, self._step_index, self._report_at = None, None, frozenset()
-        self._ahead: dict[int, list[Action]] = {}        # per peer rank, receives in order
-        self._recvs_issued: set[tuple] = set()           # (kind, mb, chunk) issued so far
-        self._line = None  # the shared status line in a step (`status.action_line`), or None
+        self._ahead: dict[int, deque] = {}  # gloo: per peer rank, receives in program order
+        self._recvs_issued: set[int] = set()  # receives issued so far (`PlannedMessage.uid`)
+        self._line = _SetAction()  # the status line (`status.action_line`)
+        self._stamps: list = []  # the step's clock readings (`StepPlan.events`)
 
     def slot(self, mb: int, chunk: int) -> int:
         """The key of micro-batch `mb`'s state in model chunk `chunk` (its input, output and
         gradients): one int, ``mb * chunks + chunk``, which a dictionary hashes for nothing
         where an (mb, chunk) tuple is built and hashed at every lookup."""
         return mb * self._chunk_count + chunk
+
+    def virtual_stage(self, chunk: int) -> int:
+        """The virtual stage of this rank's model chunk `chunk`."""
+        return self.place.virtual_stage(chunk)
 
     def program(self, m: int, forward_only: bool = False, stage: int | None = None) -> tuple:
         """The program (computes and message groups) of `stage` (default: this rank's) for a
@@ -273,121 +193,17 @@ class PipelineExecutor:
 
     def step_plan(self, m: int, forward_only: bool = False) -> StepPlan:
         """What a step of `m` micro-batches needs from this rank's program, worked out once per
-        (m, forward_only) and kept: a step's host work is then the program's actions alone
-        (the acknowledgements alone cost O(m^2) Python per step: 14 ms at pp 16, m 256)."""
+        (m, forward_only) and kept (`step_plan.plan_step`): a step's host work is then the
+        program's actions alone."""
         key = (m, forward_only)
-        if key not in self._plans:
+        plan = self._plans.get(key)
+        if plan is None:
             program = self.program(m, forward_only)
-            self._check_chunks(program)
-            actions = [(i, a) for i, a in enumerate(program) if isinstance(a, Action)]
-            posts: dict[int, list] = {}
-            acks: dict[tuple, list[tuple]] = {}
-            if self.p2p is not None:
-                acks = messages.acknowledgements(
-                    messages.programs(self.schedule_name, self.mesh.pp, m, self.virtual_stages,
-                                      forward_only), self.mesh.pp_rank, self._peer)
-                for step in program:
-                    for a in step.messages if isinstance(step, MessageGroup) else ():
-                        if a.kind.startswith("recv"):
-                            rank = self.mesh.stage_rank(self._peer(self.mesh.pp_rank, a)[0])
-                            posts.setdefault(rank, []).append(a)
-            last_backward = max((i for i, a in actions if a.kind in AUTOGRAD_KINDS),
-                                default=None)
-            steps = tuple(self._plan_group(step) if isinstance(step, MessageGroup)
-                          else tuple(self._plan_compute(i, step, acks))
-                          for i, step in enumerate(program))
-            arm_at = self._chunk_arming(actions, last_backward)
-            report_at = self._report_points(actions)
-            hooks = frozenset(arm_at) | ({last_backward} if last_backward is not None else set())
-            events, at, readings = trace_events(steps, hooks)
-            steps = tuple(step._replace(stamp=at[k]) if isinstance(step, PlannedGroup)
-                          else step[:-1] + (at[k],) for k, step in enumerate(steps))
-            saids = [step.said if isinstance(step, PlannedGroup) else step[7] for step in steps]
-            saids += [step[4][3] for step in steps
-                      if not isinstance(step, PlannedGroup) and step[4] is not None]
-            self._plans[key] = StepPlan(
-                program=program,
-                last_backward=last_backward,
-                report_at=report_at,
-                split_backward=any(a.kind == "backward_input" for _, a in actions),
-                acks=acks, posts={rank: tuple(recvs) for rank, recvs in posts.items()},
-                arm_at=arm_at,
-                steps=steps, longest=max((len(said) for said in saids), default=0),
-                hooks=hooks, events=events, readings=readings,
-                walk=walk_of(steps, hooks, report_at))
-        return self._plans[key]
-
-    @staticmethod
-    def _report_points(actions: list) -> frozenset:
-        """`StepPlan.report_at`: per chunk, its last backward or W, where the step splits the
-        backward (only then are weight products deferred)."""
-        if not any(a.kind == "backward_input" for _, a in actions):
-            return frozenset()
-        last = {}
-        for i, a in actions:
-            if a.kind in ("backward", "backward_weight"):
-                last[a.chunk] = i
-        return frozenset(last.values())
-
-    def _plan_group(self, group: MessageGroup) -> PlannedGroup:
-        planned = []
-        for a in group.messages:
-            peer, peer_chunk = self._peer(self.mesh.pp_rank, a)
-            message = (a.kind[5:], a.mb, peer_chunk if a.kind.startswith("send") else a.chunk)
-            planned.append(((a.kind, a.mb, a.chunk), self.mesh.stage_rank(peer), message, str(a)))
-        peers = sorted({rank for _, rank, _, _ in planned})
-        doing = (f"{group.name} {group} on pp stage {self.mesh.pp_rank} (with rank"
-                 f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))})")
-        codes = {"send_act": SEND_ACT, "send_grad": SEND_GRAD}
-        ops = tuple((codes.get(key[0], RECV), self.slot(*key[1:]), key, rank, message, label)
-                    for key, rank, message, label in planned)
-        return PlannedGroup(
-            tuple(planned), doing, encode_action(doing),
-            tuple(self.slot(a.mb, a.chunk) for a in group.messages if a.kind == "send_act"),
-            tuple((a.kind, a.mb, a.chunk) for a in group.messages if a.kind.startswith("send")),
-            ops, None if any(op[0] != RECV for op in ops) else
-            tuple((key, None, rank, message, label) for _, _, key, rank, message, label in ops))
-
-    def _plan_compute(self, i: int, a: Action, acks: dict) -> PlannedCompute:
-        doing = f"{a.kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank}"
-        planned = PlannedCompute(i, a, a.kind, (a.kind, a.mb, a.chunk), None, None, doing,
-                                 encode_action(doing))
-        if a.kind == "forward" and not self._is_first(a):
-            kind = "recv_act"
-        elif a.kind in ("backward", "backward_input") and not self._is_last(a):
-            kind = "recv_grad"
-        else:
-            return planned
-        key = (kind, a.mb, a.chunk)
-        peer_stage, peer_chunk = self._peer(self.mesh.pp_rank, Action(*key))
-        if peer_stage == self.mesh.pp_rank:  # the V's turn: in memory
-            return planned._replace(hand_over=(kind, self.slot(a.mb, peer_chunk)))
-        peer = self.mesh.stage_rank(peer_stage)
-        waiting = f"{kind} of micro-batch {a.mb} on pp stage {self.mesh.pp_rank} (from rank {peer})"
-        recv = PlannedRecv(key, peer, waiting, encode_action(waiting), tuple(acks.get(key, ())),
-                           self.slot(a.mb, a.chunk), kind == "recv_act")
-        return planned._replace(recv=tuple(recv))
-
-    def _chunk_arming(self, actions: list, last_backward: int | None) -> dict:
-        """`StepPlan.arm_at`: with several model chunks, each chunk's last backward before the
-        stage's last, and the parameters it leaves final (a parameter two chunks share is
-        final only after the later one)."""
-        last_of = {}
-        for i, a in actions:
-            if a.kind in AUTOGRAD_KINDS:
-                last_of[a.chunk] = i
-        if len(last_of) < 2:
-            return {}
-        owner = {}  # id(param) -> (index of its last backward, param)
-        for chunk, index in last_of.items():
-            for p in self.chunks[chunk].parameters():
-                if p.requires_grad and index > owner.get(id(p), (-1, None))[0]:
-                    owner[id(p)] = (index, p)
-        arm_at: dict[int, list] = {}
-        for index, p in owner.values():
-            if index != last_backward:
-                arm_at.setdefault(index, []).append(p)
-        return {index: tuple(params) for index, params in arm_at.items()}
+            check_chunks(program, len(self.chunks), self.schedule_name)
+            programs = None if self.p2p is None else messages.programs(
+                self.schedule_name, self.mesh.pp, m, self.virtual_stages, forward_only)
+            plan = self._plans[key] = plan_step(program, programs, self.place, self.chunks)
+        return plan
 
     # the step ------------------------------------------------------------------------------
     def run(self, micro_batches: list[dict], grad_sync=None, loss_scale: float = 1.0,
@@ -400,10 +216,35 @@ class PipelineExecutor:
         `before_last_backward()` right before this stage's last backward (of a split
         backward: its last B; each chunk's last W then reports each weight gradient it
         finishes to `grad_sync.grads_ready`, so the reduction overlaps the W passes), and
-        `finish()` after
-        the program and the wait for outstanding sends.
+        `finish()` after the program and the wait for outstanding sends (see "grad sync").
         """
         m = len(micro_batches)
+        self._check_can_step(m)
+        plan = self.step_plan(m, forward_only)
+        self._begin(plan, micro_batches, None if forward_only else grad_sync, loss_scale,
+                    forward_only)
+        try:
+            self._sync_begin()
+            if self.p2p is not None:
+                self.p2p.begin_step()
+                self._post_ahead(plan.posts)
+            self._stamp_at(0)  # where the first wait (or send) starts
+            with torch.set_grad_enabled(not forward_only):
+                self._walk(plan)
+            set_action(f"waiting for the sends of pp stage {self.mesh.pp_rank}")
+            if self.p2p is not None:
+                self.p2p.wait_sends()
+            self._stamp_at(-3)
+            self._sync_finish()
+            self._stamp_at(-2)
+            set_action("loss broadcast from the last pipeline stage")
+            loss = self._mean_loss(m)
+            self._stamp_at(-1)
+            return loss
+        finally:
+            self._end(plan)
+
+    def _check_can_step(self, m: int) -> None:
         if m == 0:
             raise ValueError("PipelineExecutor.run needs at least one micro-batch")
         if self.p2p is not None and (self.p2p.failed or self.p2p.pending_recvs
@@ -413,153 +254,175 @@ class PipelineExecutor:
                 f"step failed part-way, so messages of it are still in flight and this stage "
                 f"is out of step with its neighbours; restart the run (resume from the last "
                 f"checkpoint) instead of stepping again")
-        plan = self.step_plan(m, forward_only)
+
+    def _begin(self, plan: StepPlan, micro_batches, grad_sync, loss_scale, forward_only) -> None:
+        """The step's state: empty slots, the status line, the clock and its stamps."""
         if self._stand_in is None and self.p2p is not None:
             self._stand_in = stand_in_for(self._act_dtype, self.mesh.device)
-        last_backward = plan.last_backward
-        if forward_only:
-            grad_sync = None
         self._reset(micro_batches, loss_scale, forward_only)
-        self._report_at = plan.report_at
-        self._grad_sync = grad_sync
+        self._report_at, self._grad_sync = plan.report_at, grad_sync
         self.weight_grads.take()
         self.weight_grads.enabled = not forward_only and plan.split_backward
-        record, clock = self.trace, self.clock.stamp
-        # a traced step's clock readings, each at its index (`StepPlan.events`)
-        stamps = [None] * plan.readings if record else None
-        if record:
+        line = action_line(plan.longest)  # None: no launcher's line, or too short
+        if line is not None:
+            self._line = line
+        if self.trace:  # the clock readings at the plan's indices (`StepPlan.events`)
+            self._stamps = [None] * plan.readings
             self.clock.begin()
-        try:
-            if grad_sync is not None:
-                grad_sync.begin_step()
-            if self.p2p is not None:
-                self.p2p.begin_step()
-                if self.post_ahead:
-                    self._post_ahead(plan.posts)
-            handlers, p2p, after_group = self.handlers, self.p2p, self.after_group
-            counted, arm_at, post_ahead = self.count_comm_wait, plan.arm_at, self.post_ahead
-            inputs, out_grads, needs_grad = self._inputs, self._out_grads, not forward_only
-            self._line = line = action_line(plan.longest)  # None: set_action
-            take = pop_grad = send = release = posted = outputs = stand_in = None
-            if p2p is not None:  # what the message groups need
-                take, pop_grad, send = self._take_output, self._in_grads.pop, p2p.issue
-                release = p2p.release
-                posted = self._recvs_issued if post_ahead else None
-                # backward needs the graph, not the sent values: a sent output's storage goes
-                outputs = None if forward_only or self._act_numel < 2 else self._outputs
-                stand_in = self._stand_in
-            if record:
-                stamps[0] = clock()  # where the first wait (or send) starts
-            with torch.set_grad_enabled(not forward_only):
-                for group, i, action, kind, recv, hand_over, doing, said, at_clock, hook, \
-                        reports in plan.walk:
-                    if group is not None:  # the message group before the compute
-                        ops, issue, gdoing, gsaid, sent_acts, sent_at, planned = group
-                        if issue is None or posted is not None:  # sends, or gloo's receives
-                            issue = []
-                            for op, at, key, rank, message, label in ops:
-                                if op == SEND_ACT:
-                                    issue.append((key, take(at), rank, message, label))
-                                elif op == SEND_GRAD:
-                                    issue.append((key, pop_grad(at), rank, message, label))
-                                elif posted is None:  # NCCL: every receive where it is
-                                    issue.append((key, None, rank, message, label))
-                                elif key not in posted:  # gloo: not posted ahead already
-                                    posted.add(key)
-                                    issue.append((key, None, rank, message, label))
-                        if issue:
-                            if line is not None:
-                                line.value = gsaid
-                            else:
-                                set_action(gdoing)
-                            send(issue)
-                            if outputs is not None:
-                                for at in sent_acts:
-                                    output = outputs[at]
-                                    if output._base is None:  # as `free_output`
-                                        output.data = stand_in
-                            if sent_at is not None and record:  # traced: the sends end here
-                                stamps[sent_at] = clock()
-                        if after_group is not None:
-                            after_group(planned)
-                        if kind is None:  # no compute follows the group
-                            continue
-                    if recv is not None:  # wait for the message the compute consumes
-                        rkey, peer, rdoing, rsaid, acks, at, is_act = recv
-                        if line is not None:
-                            line.value = rsaid
-                        else:
-                            set_action(rdoing)
-                        tensor = p2p.wait_recv(rkey)  # traced: ends at the compute's start
-                        for sent in acks:  # sends its arrival proves received
-                            release(sent)
-                        if post_ahead:
-                            self._post_next(peer)
-                        if is_act:  # a leaf: the setter is `requires_grad_` without its
-                            tensor.requires_grad = needs_grad  # argument parsing
-                            inputs[at] = tensor
-                        else:
-                            out_grads[at] = tensor
-                    elif hand_over is not None:
-                        self._hand_over(*hand_over, action)
-                    if reports:  # a chunk's last weight-gradient action (`_ready`)
-                        self._step_index = i
-                    if hook:
-                        if record:  # the wait ends before the call (`trace_events`)
-                            stamps[at_clock - 1] = clock()
-                        if grad_sync is None:
-                            pass
-                        elif i == last_backward:
-                            grad_sync.before_last_backward()
-                        elif i in arm_at:
-                            grad_sync.arm(arm_at[i])  # a chunk's gradients final next
-                    if line is not None:
-                        line.value = said
-                    else:
-                        set_action(doing)
-                    try:
-                        handler = handlers[kind]
-                    except KeyError:
-                        raise self._no_handler(kind) from None
-                    if record:
-                        stamps[at_clock] = clock()
-                    try:
-                        if counted:  # the straggler measure: tp / cp waits inside the compute
-                            with counting():
-                                handler(action)
-                        else:
-                            handler(action)
-                    except P2PTimeoutError:
-                        raise
-                    except Exception as exc:
-                        exc.add_note(self._failed_in(action))
-                        raise
-                    if record:
-                        stamps[at_clock + 1] = clock()
-                    if reports:
-                        self._step_index = None
-            set_action(f"waiting for the sends of pp stage {self.mesh.pp_rank}")
-            if self.p2p is not None:
-                self.p2p.wait_sends()
-            if record:
-                stamps[-3] = clock()
-            if grad_sync is not None:
-                set_action("waiting for the data-parallel gradient all-reduce")
-                grad_sync.finish()
-            if record:
-                stamps[-2] = clock()
-            set_action("loss broadcast from the last pipeline stage")
-            loss = self._mean_loss(m)
-            if record:
-                stamps[-1] = clock()
-            return loss
-        finally:
-            self._reset([], 1.0, False)
-            self.weight_grads.enabled = False  # forwards outside a step compute dW as usual
-            self.weight_grads.take()
-            self._last_trace = (self.mesh.pp_rank, stamps or [], plan.events if record else (),
-                                self.clock.reader())
 
+    def _end(self, plan: StepPlan) -> None:
+        """After a step (also one that failed part-way): its trace kept, its state dropped."""
+        stamps = self._stamps
+        self._reset([], 1.0, False)
+        self.weight_grads.enabled = False  # forwards outside a step compute dW as usual
+        self.weight_grads.take()
+        self._last_trace = (self.mesh.pp_rank, stamps, plan.events if stamps else (),
+                            self.clock.reader())
+
+    def _stamp_at(self, index: int) -> None:
+        """A traced step's clock reading at `index` of its stamps; the walk does the same
+        inline (``if traced: stamps[at] = clock()``) at its several readings per compute."""
+        if self.trace:
+            self._stamps[index] = self.clock.stamp()
+
+    def _walk(self, plan: StepPlan) -> None:
+        """The planned steps in order: each message group issued (its sent activations' storage
+        freed); each compute after the wait for the message it consumes (or the V's hand-over)
+        and, where planned, a `grad_sync` call, its handler run between two clock stamps."""
+        handlers, p2p, line, traced = self.handlers, self.p2p, self._line, self.trace
+        stamps, clock, counted = self._stamps, self.clock.stamp, self.count_comm_wait
+        inputs, out_grads, outputs, ahead = self.inputs, self._out_grads, self.outputs, self._ahead
+        needs_grad, posted = not self._forward_only, self._recvs_issued
+        # what a sent output's storage is swapped for (outputs of one element are kept)
+        stand_in = self._stand_in if self._act_numel > 1 else None
+        take, pop_grad = self._take_output, self._in_grads.pop
+        for group, action, kind, recv, hand_over, said, at, sync_at, report_at in plan.walk:
+            if group is not None:  # the message group before the compute
+                messages_, group_said, sent_acts, _, sent_at, issue = group  # PlannedGroup
+                if issue is None or ahead:  # sends, or receives some of which may be posted
+                    issue = []
+                    for uid, code, slot, key, peer, carries, label in messages_:  # PlannedMessage
+                        if code == SEND_ACT:
+                            tensor = take(slot)
+                        elif code == SEND_GRAD:
+                            tensor = pop_grad(slot)
+                        elif uid in posted:  # gloo: posted ahead already
+                            continue
+                        else:
+                            tensor = None
+                            posted.add(uid)
+                        issue.append((key, tensor, peer, carries, label))
+                if issue:
+                    line.value = group_said
+                    p2p.issue(issue)
+                    for slot in sent_acts if needs_grad and stand_in is not None else ():
+                        output = outputs[slot]  # its storage goes, its graph stays
+                        if output._base is None:  # a view's storage is another tensor's
+                            output.data = stand_in
+                    if traced and sent_at is not None:  # the sends end here
+                        stamps[sent_at] = clock()
+                if kind is None:  # no compute follows the group
+                    continue
+            if recv is not None:  # wait for the message the compute consumes
+                key, peer, recv_said, acks, slot, is_act = recv  # PlannedRecv
+                line.value = recv_said
+                tensor = p2p.wait_recv(key)  # traced: the wait ends at the compute's start
+                for sent in acks:  # sends its arrival proves received
+                    p2p.release(sent)
+                if ahead and ahead[peer]:  # gloo: its next receive now (NCCL queues none)
+                    self._post_next(peer)
+                if is_act:  # a leaf: the setter is `requires_grad_` without its arg parsing
+                    tensor.requires_grad = needs_grad
+                    inputs[slot] = tensor
+                else:
+                    out_grads[slot] = tensor
+            elif hand_over is not None:
+                self._hand_over(*hand_over, action)
+            if sync_at is not None:
+                if traced:  # the wait ends before the call (`trace_events`)
+                    stamps[at - 1] = clock()
+                self._sync_before(sync_at, plan)
+            self._step_index = report_at  # a chunk's last weight-gradient action (`_ready`)
+            line.value = said
+            try:
+                handler = handlers[kind]
+            except KeyError:
+                raise self._no_handler(kind) from None
+            if traced:
+                stamps[at] = clock()
+            try:
+                if counted:  # the straggler measure: tp / cp waits inside the compute
+                    with counting():
+                        handler(action)
+                else:
+                    handler(action)
+            except P2PTimeoutError:
+                raise
+            except Exception as exc:
+                exc.add_note(self._failed_in(action))
+                raise
+            if traced:
+                stamps[at + 1] = clock()
+
+    # messages ------------------------------------------------------------------------------
+    def _post_ahead(self, posts: dict[int, tuple]) -> None:
+        """gloo (`post_ahead`): every peer's receives in program order, and the first of each
+        posted now; NCCL queues none."""
+        self._ahead = {rank: deque(recvs) for rank, recvs in posts.items()} \
+            if self.post_ahead else {}
+        for rank in self._ahead:
+            self._post_next(rank)
+
+    def _post_next(self, rank: int) -> None:
+        """Post the next receive from peer `rank` unless its group has issued it: a peer's
+        receives are posted in program order (the order it sends in), at most one ahead."""
+        queue, issued = self._ahead[rank], self._recvs_issued
+        while queue and queue[0].uid in issued:
+            queue.popleft()
+        if queue:
+            message = queue.popleft()
+            issued.add(message.uid)
+            self.p2p.issue([(message.key, None, message.peer, message.carries, message.label)])
+
+    def _hand_over(self, kind: str, source: int, a: Action) -> None:
+        """In-memory handover between two chunks of this rank (no message): the forward of
+        `a`'s chunk takes the output of slot `source` (the same micro-batch's, of the other
+        chunk) as its input leaf, the backward its input gradient."""
+        slot = self.slot(a.mb, a.chunk)
+        if kind == "recv_act":
+            out = self._take_output(source)
+            self.inputs[slot] = out.detach().requires_grad_(not self._forward_only)
+        else:
+            self._out_grads[slot] = self._in_grads.pop(source)
+
+    # grad sync: every call a step makes to `grad_sync` -------------------------------------
+    def _sync_begin(self) -> None:
+        if self._grad_sync is not None:
+            self._grad_sync.begin_step()
+
+    def _sync_before(self, index: int, plan: StepPlan) -> None:
+        """Before compute `index` (`WalkStep.sync_at`): the stage's last backward, or a
+        chunk's last backward whose parameters are final after it."""
+        grad_sync = self._grad_sync
+        if grad_sync is None:
+            return
+        if index == plan.last_backward:
+            grad_sync.before_last_backward()
+        elif index in plan.arm_at:
+            grad_sync.arm(plan.arm_at[index])  # a chunk's gradients final next
+
+    def _ready(self):
+        """`grad_sync.grads_ready` at a chunk's last weight-gradient action, else None."""
+        if self._grad_sync is not None and self._step_index in self._report_at:
+            return self._grad_sync.grads_ready
+        return None
+
+    def _sync_finish(self) -> None:
+        if self._grad_sync is not None:
+            set_action("waiting for the data-parallel gradient all-reduce")
+            self._grad_sync.finish()
+
+    # the trace ------------------------------------------------------------------------------
     @property
     def last_timeline(self) -> Timeline:
         """The last step's events (empty when it was not traced), read when asked for: on CUDA
@@ -578,6 +441,7 @@ class PipelineExecutor:
         return sum(at(stamps[e]) - at(stamps[s]) for (kind, _, _), s, e in events
                    if kind in COMPUTE_KINDS and stamps[e] is not None and stamps[s] is not None)
 
+    # errors ---------------------------------------------------------------------------------
     def _no_handler(self, kind: str) -> NotImplementedError:
         return NotImplementedError(
             f"schedule {self.schedule_name!r} uses action {kind!r}, which PipelineExecutor has "
@@ -590,80 +454,14 @@ class PipelineExecutor:
                 f"stage {self.mesh.pp_rank}{chunk} (rank {self.mesh.rank}), schedule "
                 f"{self.schedule_name!r}")
 
-    def _peer(self, rank: int, a: Action) -> tuple[int, int] | None:
-        return peer_of(rank, a, self.mesh.pp, len(self.chunks), self.placement)
-
-    def _check_chunks(self, program) -> None:
-        chunks = {a.chunk for step in program
-                  for a in (step.messages if isinstance(step, MessageGroup) else (step,))}
-        if max(chunks, default=0) >= len(self.chunks):
-            raise NotImplementedError(
-                f"schedule {self.schedule_name!r} uses model chunks {sorted(chunks)}, but this "
-                f"rank holds {len(self.chunks)} chunk(s); build the stage with as many "
-                f"virtual stages as the schedule uses")
-
-    def _vs(self, a: Action) -> int:
-        return virtual_stage(self.mesh.pp_rank, a.chunk, self.mesh.pp, self.placement)
-
-    def _is_first(self, a: Action) -> bool:
-        return self._vs(a) == 0
-
-    def _is_last(self, a: Action) -> bool:
-        return self._vs(a) == self.mesh.pp * len(self.chunks) - 1
-
-    # messages ------------------------------------------------------------------------------
-    def _message(self, a: Action) -> tuple:
-        """What `p2p.issue` takes for message action `a`: (key, tensor to send or None, peer
-        rank, what travels, label)."""
-        peer, peer_chunk = self._peer(self.mesh.pp_rank, a)
-        rank = self.mesh.stage_rank(peer)
-        if a.kind == "send_act":
-            take = self._outputs.pop if self._forward_only else self._outputs.get
-            tensor, message = take(self.slot(a.mb, a.chunk)), ("act", a.mb, peer_chunk)
-        elif a.kind == "send_grad":
-            tensor = self._in_grads.pop(self.slot(a.mb, a.chunk))
-            message = ("grad", a.mb, peer_chunk)
-        else:
-            tensor, message = None, (a.kind[5:], a.mb, a.chunk)
-        return (a.kind, a.mb, a.chunk), tensor, rank, message, str(a)
-
-    def _post_ahead(self, posts: dict[int, tuple]) -> None:
-        """gloo: every peer's receives in program order, and the first of each posted now."""
-        self._ahead = {rank: list(recvs) for rank, recvs in posts.items()}
-        for rank in self._ahead:
-            self._post_next(rank)
-
-    def _post_next(self, rank: int) -> None:
-        """Post the next receive from peer `rank` unless its group has issued it: a peer's
-        receives are posted in program order (the order it sends in), at most one ahead."""
-        queue = self._ahead.get(rank)
-        while queue and (queue[0].kind, queue[0].mb, queue[0].chunk) in self._recvs_issued:
-            queue.pop(0)
-        if queue:
-            a = queue.pop(0)
-            self._recvs_issued.add((a.kind, a.mb, a.chunk))
-            self.p2p.issue([self._message(a)])
-
-    def _hand_over(self, kind: str, source: int, a: Action) -> None:
-        """In-memory handover between two chunks of this rank (no message): the forward of
-        `a`'s chunk takes the output of slot `source` (the same micro-batch's, of the other
-        chunk) as its input leaf, the backward its input gradient."""
-        slot = self.slot(a.mb, a.chunk)
-        if kind == "recv_act":
-            take = self._outputs.pop if self._forward_only else self._outputs.get
-            out = take(source)
-            self._inputs[slot] = out.detach().requires_grad_(not self._forward_only)
-        else:
-            self._out_grads[slot] = self._in_grads.pop(source)
-
     # handlers ------------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
         mb, chunk = a.mb, a.chunk
         key = mb * self._chunk_count + chunk
-        x = self._inputs.get(key)
+        x = self.inputs.get(key)
         out = self.chunks[chunk](x, self._batches[mb])
         if self._forward_only:  # no graph: the input is not needed any more
-            self._inputs.pop(key, None)
+            self.inputs.pop(key, None)
         if chunk == self._loss_chunk:
             if out.dim() != 0:
                 raise ValueError(
@@ -672,69 +470,7 @@ class PipelineExecutor:
             self._losses[mb] = out.detach().float()
             if self._forward_only:
                 return
-        self._outputs[key] = out
-
-    def _backward(self, a: Action) -> None:
-        key = a.mb * self._chunk_count + a.chunk
-        out = self._outputs.pop(key)
-        if a.chunk == self._loss_chunk:
-            grad = self._loss_grad if self._loss_grad is not None else self._first_loss_grad(out)
-        else:
-            grad = self._out_grads.pop(key)
-        backward(out, grad)
-        store = self.weight_grads  # deferring only in a step with split backwards (DualPipeV):
-        if store.enabled and len(store):  # a whole backward there applies what it deferred
-            WeightGradStore.apply(store.take(), self._ready())
-        x = self._inputs.pop(key, None)
-        if x is not None:
-            grad = x.grad
-            if grad is None:
-                self._no_input_grad(a)
-            self._in_grads[key] = grad
-
-    def _first_loss_grad(self, loss: torch.Tensor) -> torch.Tensor:
-        """The gradient a micro-batch's loss is backpropagated with, made at the step's first:
-        what autograd would pass back through ``loss * loss_scale / m`` (ones / m, times the
-        scale: the same operations in the same order, so the same bits), so the forward needs
-        no scaling operation per micro-batch."""
-        grad = torch.ones_like(loss) / len(self._batches)
-        scale = self._loss_scale
-        if isinstance(scale, torch.Tensor) or scale != 1.0:  # x * 1.0 is x
-            grad = grad * scale
-        self._loss_grad = grad
-        return grad
-
-    def _no_input_grad(self, a: Action) -> None:
-        raise RuntimeError(f"pp stage {self.mesh.pp_rank}: the output of micro-batch {a.mb} "
-                           f"(chunk {a.chunk}) does not depend on the received activation")
-
-    def _backward_input(self, a: Action) -> None:
-        """B: the gradient w.r.t. the chunk's input only (sent upstream next); W comes later."""
-        key = a.mb * self._chunk_count + a.chunk
-        out = self._outputs.pop(key)
-        if a.chunk == self._loss_chunk:
-            grad = self._loss_grad if self._loss_grad is not None else self._first_loss_grad(out)
-        else:
-            grad = self._out_grads.pop(key)
-        x = self._inputs.pop(key, None)
-        dx, self._pending_w[key] = backward_input(out, grad, x, self.weight_grads)
-        if x is not None:
-            if dx is None:
-                self._no_input_grad(a)
-            self._in_grads[key] = dx
-
-    def _backward_weight(self, a: Action) -> None:
-        """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; a
-        chunk's last W reports each finished weight to the data-parallel reduction."""
-        backward_weight(self._pending_w.pop(a.mb * self._chunk_count + a.chunk),
-                        self._grad_sync.grads_ready if self._grad_sync is not None
-                        and self._step_index in self._report_at else None)  # `_ready`
-
-    def _ready(self):
-        """`grad_sync.grads_ready` at a chunk's last weight-gradient action, else None."""
-        if self._grad_sync is not None and self._step_index in self._report_at:
-            return self._grad_sync.grads_ready
-        return None
+        self.outputs[key] = out
 
     # loss ----------------------------------------------------------------------------------
     def _mean_loss(self, m: int) -> torch.Tensor:
@@ -752,127 +488,3 @@ class PipelineExecutor:
                       f"rank {self.mesh.rank}: broadcast of the loss from the last pipeline "
                       f"stage (rank {src})")
         return loss
-
-
-def trace_events(steps: tuple, hooks: frozenset = frozenset()) -> tuple:
-    """`StepPlan.events` of the planned `steps`: which stamps of a traced step bound which event.
-
-    A traced step reads the clock once at each point where one event ends and the next starts:
-    before the walk (stamp 0), right before and right after each compute's handler, after each
-    group that sends, after the wait for outstanding sends, and around the loss broadcast; and
-    before the `grad_sync` calls of the computes in `hooks` (`StepPlan.hooks`). A compute is the
-    interval of its handler; the wait for the message it consumes runs from the previous stamp
-    to the compute's start, or to the stamp before its `grad_sync` call (so it holds the issue
-    of receive-only groups and the step's bookkeeping in between: time that is no compute), and
-    each send of a group from the previous stamp to the group's end. Returns ((kind, mb, chunk),
-    start, end) per event in the order they end, the indices into the step's stamps; per step,
-    the index of the reading it takes (a compute: at its start; a group that sends: at its end;
-    else None); and how many readings a step takes (the last three: the sends' wait's end, the
-    loss broadcast's start and end)."""
-    events, at, last, n = [], [], 0, 1
-    for step in steps:
-        if step.__class__ is PlannedGroup:
-            if step.sends:
-                events += [(key, last, n) for key in step.sends]
-                at.append(n)
-                last, n = n, n + 1
-            else:
-                at.append(None)
-            continue
-        index, key, recv = step[0], step[3], step[4]
-        if index in hooks:
-            n += 1
-        if recv is not None:
-            events.append((recv[0], last, n - 1 if index in hooks else n))
-        events.append((key, n, n + 1))
-        at.append(n)
-        last, n = n + 1, n + 2
-    events += [(("wait", None, 0), last, n), (("loss_broadcast", None, 0), n + 1, n + 2)]
-    return tuple(events), tuple(at), n + 3
-
-
-def walk_of(steps: tuple, hooks: frozenset = frozenset(),
-            reports: frozenset = frozenset()) -> tuple:
-    """`StepPlan.walk` of the planned `steps` (their stamps set): per compute, (the group before
-    it as the walk issues it, or None; the compute's `PlannedCompute` fields but its key;
-    whether `grad_sync` may be called before it (`hooks`); whether it reports finished weights
-    (`reports`: `StepPlan.report_at`)); a group no compute follows gets an
-    entry of its own with no compute (kind None). A group as the walk issues it: (its ops, what
-    `p2p.issue` takes for it where that is the same every step (receives only, none posted
-    ahead) or None, its status text and that encoded, the slots of the activations it
-    sends, the index of the clock reading at its end or None, the `PlannedGroup`)."""
-    walk, group = [], None
-    for step in steps:
-        if step.__class__ is PlannedGroup:
-            if group is not None:
-                walk.append((group,) + (None,) * 10)
-            group = (step.ops, step.received, step.doing, step.said, step.sent_acts, step.stamp,
-                     step)
-            continue
-        index, action, kind, _, recv, hand_over, doing, said, stamp = step
-        walk.append((group, index, action, kind, recv, hand_over, doing, said, stamp,
-                     index in hooks, index in reports))
-        group = None
-    if group is not None:
-        walk.append((group,) + (None,) * 10)
-    return tuple(walk)
-
-
-# --- a stage's backward: whole, or split into B and W -------------------------------------------
-_FREED: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the one-element stand-in
-
-
-def free_output(output: torch.Tensor, stand_in: torch.Tensor | None = None) -> None:
-    """Release the storage of a sent output, keeping its autograd graph (a no-op for views,
-    whose storage is another tensor's). Every freed output of a dtype and device shares one
-    one-element stand-in (`stand_in_for`; pass it when known), which nothing reads or writes
-    (the backward runs from the graph)."""
-    if output._base is None and output.numel() > 1:
-        output.data = stand_in_for(output.dtype, output.device) if stand_in is None else stand_in
-
-
-def stand_in_for(dtype: torch.dtype, device) -> torch.Tensor:
-    """The one-element tensor every freed output of `dtype` on `device` shares."""
-    key = (dtype, torch.device(device))
-    stand_in = _FREED.get(key)
-    if stand_in is None:
-        stand_in = _FREED[key] = torch.empty((1,), dtype=dtype, device=device)
-    return stand_in
-
-
-def backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """`torch.autograd.backward(output, grad)`, also for an output freed by `free_output`
-    (autograd checks `grad` against the shape the output had when it was made)."""
-    if grad is None:
-        torch.autograd.backward(output)
-        return
-    torch.autograd.Variable._execution_engine.run_backward(
-        (output,), (grad,), False, False, (), True, True)  # keep_graph, create_graph, inputs,
-    # allow_unreachable, accumulate_grad: what torch.autograd.backward passes
-
-
-class PendingWeightGrad:
-    """What W of one micro-batch of one chunk needs from its B: the deferred products."""
-
-    def __init__(self, entries: list):
-        self.entries = entries
-
-
-def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None,
-                   store: WeightGradStore):
-    """B: returns (d loss / d inp or None, the PendingWeightGrad for W). `grad` is None when
-    `output` is the (scaled) loss; `store` must be enabled and attached to the stage's linear
-    layers before their forward."""
-    if len(store):
-        raise RuntimeError("the weight-gradient store holds products of another backward; "
-                           "every B must be followed by taking its products")
-    backward(output, grad)
-    return (inp.grad if inp is not None else None), PendingWeightGrad(store.take())
-
-
-def backward_weight(pending: PendingWeightGrad, ready=None) -> None:
-    """W: accumulate the weight gradients of one B into `param.grad`, in place. `ready`
-    (optional) is called with [weight] as soon as a weight's gradient has been added (the last
-    W of a step: its gradient is then final)."""
-    WeightGradStore.apply(pending.entries, ready)
-    pending.entries = []
