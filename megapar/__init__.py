@@ -12,10 +12,12 @@ The public API (imported lazily, so `import megapar` stays cheap):
 
 __version__ = "0.1.0"
 
-_LAZY = {"launch": ("megapar.launcher", "launch"),
-         "WorkerError": ("megapar.launcher", "WorkerError"),
-         "prepare": ("megapar.training.prepare", "prepare"),
-         "Engine": ("megapar.training.engine", "Engine")}
+_LAZY = {
+    "launch": ("megapar.launcher", "launch"),
+    "WorkerError": ("megapar.launcher", "WorkerError"),
+    "prepare": ("megapar.training.prepare", "prepare"),
+    "Engine": ("megapar.training.engine", "Engine"),
+}
 
 __all__ = ["launch", "prepare", "Engine", "WorkerError", "__version__"]
 

@@ -19,16 +19,28 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 # op -> (positional index, keyword) of the tensor whose size is the payload
-_PAYLOAD = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "isend": (0, "tensor"),
-            "irecv": (0, "tensor"), "send": (0, "tensor"), "recv": (0, "tensor"),
-            "all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
-            "reduce_scatter_tensor": (1, "input"), "gather": (0, "tensor"),
-            "all_gather_single": (1, "input_tensor"), "reduce_scatter_single": (1, "input"),
-            "reduce_scatter": (0, "output"), "all_to_all_single": (1, "input")}
+_PAYLOAD = {
+    "all_reduce": (0, "tensor"),
+    "broadcast": (0, "tensor"),
+    "isend": (0, "tensor"),
+    "irecv": (0, "tensor"),
+    "send": (0, "tensor"),
+    "recv": (0, "tensor"),
+    "all_gather": (1, "tensor"),
+    "all_gather_into_tensor": (1, "input_tensor"),
+    "reduce_scatter_tensor": (1, "input"),
+    "gather": (0, "tensor"),
+    "all_gather_single": (1, "input_tensor"),
+    "reduce_scatter_single": (1, "input"),
+    "reduce_scatter": (0, "output"),
+    "all_to_all_single": (1, "input"),
+}
 
 
-CANONICAL = {"all_gather_single": "all_gather_into_tensor",
-             "reduce_scatter_single": "reduce_scatter_tensor"}
+CANONICAL = {
+    "all_gather_single": "all_gather_into_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+}
 """Ops recorded under one name whichever form torch has: megapar calls torch 2.13's
 `*_single` where they exist and the `*_tensor` forms of older versions otherwise."""
 
@@ -54,16 +66,24 @@ def count_collectives(device: torch.device | None = None):
     """Record every call; with `device`, a payload on another device raises at once."""
     calls: list[Call] = []
     originals = {op: getattr(dist, op) for op in _PAYLOAD if hasattr(dist, op)}
-    batching = [False]   # inside batch_isend_irecv: its messages are recorded there
+    batching = [False]  # inside batch_isend_irecv: its messages are recorded there
 
     def record(op: str, t: torch.Tensor, group) -> None:
         if device is not None and t.device != device:
-            raise AssertionError(f"dist.{op} called with a tensor on {t.device}; the mesh "
-                                 f"device is {device}")
-        calls.append(Call(CANONICAL.get(op, op), t.numel(), t.numel() * t.element_size(),
-                          t.dtype, t.device,
-                          _group_size(group),
-                          None if group is None else tuple(dist.get_process_group_ranks(group))))
+            raise AssertionError(
+                f"dist.{op} called with a tensor on {t.device}; the mesh device is {device}"
+            )
+        calls.append(
+            Call(
+                CANONICAL.get(op, op),
+                t.numel(),
+                t.numel() * t.element_size(),
+                t.dtype,
+                t.device,
+                _group_size(group),
+                None if group is None else tuple(dist.get_process_group_ranks(group)),
+            )
+        )
 
     def wrap(op, fn):
         index, key = _PAYLOAD[op]
@@ -72,6 +92,7 @@ def count_collectives(device: torch.device | None = None):
             if not batching[0]:
                 record(op, kwargs[key] if key in kwargs else args[index], kwargs.get("group"))
             return fn(*args, **kwargs)
+
         wrapper.__name__ = op
         return wrapper
 

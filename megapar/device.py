@@ -76,8 +76,12 @@ def device(local_rank: int | None = None) -> torch.device:
     count = torch.cuda.device_count()
     if rank < count:
         return torch.device("cuda", rank)
-    if count == 1 and "SLURM_LOCALID" in os.environ and "LOCAL_RANK" not in os.environ \
-            and os.environ.get("CUDA_VISIBLE_DEVICES"):
+    if (
+        count == 1
+        and "SLURM_LOCALID" in os.environ
+        and "LOCAL_RANK" not in os.environ
+        and os.environ.get("CUDA_VISIBLE_DEVICES")
+    ):
         return torch.device("cuda", 0)  # Slurm bound this task to one GPU
     raise DeviceError(gpu_shortage(rank + 1, count))
 
@@ -86,11 +90,13 @@ def gpu_shortage(ranks: int, gpus: int) -> str:
     """The one-line error for `ranks` processes on a node with `gpus` GPUs."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
-    return (f"{ranks} ranks on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible"
-            f"{where}: NCCL needs a GPU per rank; start at most {gpus} process"
-            f"{'es' if gpus != 1 else ''} per node (torchrun --nproc-per-node {gpus}, or a "
-            f"layout of tp x cp x pp x dp <= {gpus}), or set MEGAPAR_CPU=1 to run on the CPU "
-            f"with gloo")
+    return (
+        f"{ranks} ranks on this node but {gpus} GPU{'s' if gpus != 1 else ''} visible"
+        f"{where}: NCCL needs a GPU per rank; start at most {gpus} process"
+        f"{'es' if gpus != 1 else ''} per node (torchrun --nproc-per-node {gpus}, or a "
+        f"layout of tp x cp x pp x dp <= {gpus}), or set MEGAPAR_CPU=1 to run on the CPU "
+        f"with gloo"
+    )
 
 
 def check_gpus(ranks: int) -> None:
@@ -103,7 +109,7 @@ def check_gpus(ranks: int) -> None:
 
 PEAK_TFLOPS = {  # dense TFLOP/s of one GPU by product name: (16-bit, TF32, fp32), datasheets
     "H100 PCIe": (756.0, 378.0, 51.2),
-    "H100": (989.4, 494.7, 66.9),   # SXM (HBM3); NVIDIA's sparse figures are twice these
+    "H100": (989.4, 494.7, 66.9),  # SXM (HBM3); NVIDIA's sparse figures are twice these
     "H200": (989.4, 494.7, 66.9),
     "A100": (312.0, 156.0, 19.5),
 }
@@ -143,7 +149,8 @@ def share_host_arena() -> bool:
     settles its arena limit, and threads their arenas, at their first allocations. Does nothing off glibc or with
     MEGAPAR_HOST_MALLOC=system. Returns whether it applied."""
     if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
-            "linux"):
+        "linux"
+    ):
         return False
     try:
         m_arena_max = -8  # <malloc.h>
@@ -165,13 +172,13 @@ def keep_freed_host_memory() -> bool:
     off glibc or with MEGAPAR_HOST_MALLOC=system; settings are inherited by forked workers.
     Returns whether it applied."""
     if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
-            "linux"):
+        "linux"
+    ):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
-        return bool(libc.mallopt(m_mmap_max, 0)) and bool(
-            libc.mallopt(m_trim_threshold, 2**31 - 1))
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
     except (OSError, AttributeError):  # not glibc (musl, ...): its allocator stays as it is
         return False
 
@@ -184,7 +191,8 @@ def return_freed_host_memory(threshold_mb: float = 4.0) -> bool:
     (`keep_freed_host_memory`), their holes added up to more than the sharding saved. Does
     nothing off glibc or with MEGAPAR_HOST_MALLOC=system; returns whether it applied."""
     if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
-            "linux"):
+        "linux"
+    ):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -233,12 +241,16 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
     when `like` is on a GPU, so that the copy runs asynchronously on its stream
     (`copy_(..., non_blocking=True)`) and the host need not wait for it; plain host memory
     otherwise (a CPU tensor is copied at once)."""
-    return torch.empty(like.shape, dtype=like.dtype,
-                       pin_memory=like.device.type == "cuda" and torch.cuda.is_available())
+    return torch.empty(
+        like.shape,
+        dtype=like.dtype,
+        pin_memory=like.device.type == "cuda" and torch.cuda.is_available(),
+    )
 
 
-def wait(work, device: torch.device, timeout_s: float, what, error: type = TimeoutError,
-         hint: str = "") -> None:
+def wait(
+    work, device: torch.device, timeout_s: float, what, error: type = TimeoutError, hint: str = ""
+) -> None:
     """Wait for the asynchronous collective or point-to-point `work` on tensors of `device`.
 
     gloo: the host waits at most `timeout_s`, then raises `error` naming `what`. NCCL: the wait
@@ -253,11 +265,11 @@ def wait(work, device: torch.device, timeout_s: float, what, error: type = Timeo
     try:
         ok = work.wait(timeout=_seconds(timeout_s))
     except Exception as exc:  # gloo raises on timeout or when the peer's connection closes
-        raise error(f"{_text(what)} did not complete within {timeout_s:g} s ({exc}){hint}") \
-            from exc
+        raise error(f"{_text(what)} did not complete within {timeout_s:g} s ({exc}){hint}") from exc
     if ok is False:
-        raise error(f"{_text(what)} did not complete within {timeout_s:g} s (wait() returned "
-                    f"False){hint}")
+        raise error(
+            f"{_text(what)} did not complete within {timeout_s:g} s (wait() returned False){hint}"
+        )
 
 
 def _text(what) -> str:
@@ -289,19 +301,26 @@ def check_slurm_environment() -> None:
     tasks = counts.get("SLURM_NTASKS")
     for name in ("SLURM_PROCID", "SLURM_LOCALID"):
         if tasks is not None and counts.get(name, 0) >= tasks:
-            raise ValueError(f"{name}={counts[name]} is not below SLURM_NTASKS={tasks} (the "
-                             f"ranks are 0-{tasks - 1}); {fix}")
+            raise ValueError(
+                f"{name}={counts[name]} is not below SLURM_NTASKS={tasks} (the "
+                f"ranks are 0-{tasks - 1}); {fix}"
+            )
     if "RANK" in env or tasks is None or tasks < 2 or "MASTER_ADDR" in env:
         return
     for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
         if name in env:  # the one adopt_slurm_environment reads
             nodes = env[name].strip()
             brackets = re.findall(r"\[([^\[\]]*)\]", nodes)
-            if nodes and nodes.count("[") == nodes.count("]") == len(brackets) and \
-                    all(_SLURM_RANGES.fullmatch(b) for b in brackets):
+            if (
+                nodes
+                and nodes.count("[") == nodes.count("]") == len(brackets)
+                and all(_SLURM_RANGES.fullmatch(b) for b in brackets)
+            ):
                 return
-            raise ValueError(f"{name}={env[name]!r} is not a Slurm host list (e.g. "
-                             f"'gpu[003-004,9],cpu1'); {fix}, or set MASTER_ADDR")
+            raise ValueError(
+                f"{name}={env[name]!r} is not a Slurm host list (e.g. "
+                f"'gpu[003-004,9],cpu1'); {fix}, or set MASTER_ADDR"
+            )
 
 
 def adopt_slurm_environment() -> bool:
@@ -313,13 +332,17 @@ def adopt_slurm_environment() -> bool:
     env = os.environ
     if "RANK" in env or "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) < 2:
         return False
-    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
-               LOCAL_RANK=env.get("SLURM_LOCALID", "0"))
+    env.update(
+        RANK=env["SLURM_PROCID"],
+        WORLD_SIZE=env["SLURM_NTASKS"],
+        LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+    )
     per_node = env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", ""))
     if per_node.split("(")[0].split(",")[0].isdigit():  # "4(x2)" or "4,4": 4 on this node's kind
         env.setdefault("LOCAL_WORLD_SIZE", per_node.split("(")[0].split(",")[0])
-    nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST",
-                                                   env.get("SLURM_NODELIST", "")))
+    nodes = env.get(
+        "SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", ""))
+    )
     if nodes:
         env.setdefault("MASTER_ADDR", first_host(nodes))
     job = env.get("SLURM_JOB_ID", "")
@@ -366,9 +389,13 @@ def process_group_timeout_s(group=None) -> float | None:
         return None
 
 
-def init_distributed(rank: int | None = None, world_size: int | None = None,
-                     timeout_s: float | None = None, store=None,
-                     nccl_timeout_s: float | None = None) -> None:
+def init_distributed(
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout_s: float | None = None,
+    store=None,
+    nccl_timeout_s: float | None = None,
+) -> None:
     """Initialise the default process group from the environment (torchrun / Slurm / our launcher).
 
     `store`: a rendezvous store to use instead of MASTER_ADDR / MASTER_PORT (the launcher's
@@ -393,19 +420,25 @@ def init_distributed(rank: int | None = None, world_size: int | None = None,
         torch.cuda.set_device(dev)
     wait = timeout_s or DEFAULT_TIMEOUT_S
     groups = group_timeout_s(backend(), wait, nccl_timeout_s)
-    set_action(f"joining the process group (waiting up to {wait:g} s for all {world_size} "
-               f"ranks)")
+    set_action(f"joining the process group (waiting up to {wait:g} s for all {world_size} ranks)")
     try:
         if store is None:  # torch's env:// rendezvous, waiting `wait`, not the groups' timeout
-            store, _, _ = next(dist.rendezvous("env://", rank, world_size,
-                                               timeout=timedelta(seconds=wait)))
+            store, _, _ = next(
+                dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=wait))
+            )
             store = dist.PrefixStore("default_pg", store)
-        dist.init_process_group(backend=backend(), rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=groups), store=store)
+        dist.init_process_group(
+            backend=backend(),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=groups),
+            store=store,
+        )
     except dist.DistStoreError as exc:  # the store's own words name only keys
         raise TimeoutError(
             f"rank {rank} waited {wait:.0f} s for all {world_size} ranks to join the process "
             f"group; some never did (a process that was refused, crashed or never started). "
             f"Under torchrun / Slurm give every node the same command and let each reach "
-            f"MASTER_ADDR:MASTER_PORT; --timeout-s sets the wait ({exc})") from None
+            f"MASTER_ADDR:MASTER_PORT; --timeout-s sets the wait ({exc})"
+        ) from None
     set_action("joined the process group")

@@ -31,8 +31,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,13 +72,27 @@ def loopback_store(rank: int, world_size: int, port: int, timeout_s: float | Non
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     sock.listen(128)
-    store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout,
-                          master_listen_fd=sock.detach())
+    store = dist.TCPStore(
+        "127.0.0.1", port, world_size, True, timeout, master_listen_fd=sock.detach()
+    )
     return store
 
 
-def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, parent,
-            status, stacks, nccl_timeout_s=None):
+def _worker(
+    fn,
+    rank,
+    world_size,
+    port,
+    args,
+    kwargs,
+    results,
+    timeout_s,
+    env,
+    parent,
+    status,
+    stacks,
+    nccl_timeout_s=None,
+):
     _device.share_host_arena()  # before any thread of this worker allocates
     die_with_parent(parent)
     diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))
@@ -85,18 +100,25 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
     stop.watch_sigterm()  # a forwarded SIGTERM is obeyed while waiting
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher, which forwards it once
     os.environ.update(env)
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     if sys.platform.startswith("linux"):  # gloo's own sockets: loopback too, whatever the
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # environment said (a cluster's interface)
     try:
         torch.set_num_threads(1)
         if world_size > 1:
             store = loopback_store(rank, world_size, port, timeout_s)
-            _device.init_distributed(rank, world_size, timeout_s=timeout_s, store=store,
-                                     nccl_timeout_s=nccl_timeout_s)
+            _device.init_distributed(
+                rank, world_size, timeout_s=timeout_s, store=store, nccl_timeout_s=nccl_timeout_s
+            )
         out = fn(*args, **kwargs)
         finish_before_exit()  # a background checkpoint write still in flight (no atexit here)
         # By value: torch's queue reducers would share tensors through file descriptors that
@@ -113,11 +135,18 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, timeout_s, env, p
             pass
 
 
-def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float | None = 240.0,
-              collective_timeout_s: float | None = None, start_method: str | None = None,
-              env: dict[str, str] | None = None,
-              forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
-              nccl_timeout_s: float | None = None, **kwargs) -> list[Any]:
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args,
+    timeout_s: float | None = 240.0,
+    collective_timeout_s: float | None = None,
+    start_method: str | None = None,
+    env: dict[str, str] | None = None,
+    forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
+    nccl_timeout_s: float | None = None,
+    **kwargs,
+) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` local ranks and return each rank's result.
 
     timeout_s=None waits as long as the workers run (training); collectives still time out
@@ -143,10 +172,28 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
     _remove_dead_stacks()
     stacks = tempfile.mkdtemp(prefix=f"{STACKS_PREFIX}{os.getpid()}-")
     statuses = [ctx.RawArray("c", 256) for _ in range(world_size)]
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, r, world_size, port, args, kwargs, results, coll_timeout,
-                               env or {}, os.getpid(), statuses[r], stacks, nccl_timeout_s))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            daemon=True,
+            args=(
+                fn,
+                r,
+                world_size,
+                port,
+                args,
+                kwargs,
+                results,
+                coll_timeout,
+                env or {},
+                os.getpid(),
+                statuses[r],
+                stacks,
+                nccl_timeout_s,
+            ),
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
@@ -157,21 +204,26 @@ def run_local(fn: Callable[..., Any], world_size: int, *args, timeout_s: float |
         failed_at = None
         while len(outputs) < world_size:
             _drain(results, outputs, errors, block=0.05)
-            dead = [r for r, p in enumerate(procs)
-                    if r not in outputs and r not in errors and p.exitcode not in (None, 0)]
+            dead = [
+                r
+                for r, p in enumerate(procs)
+                if r not in outputs and r not in errors and p.exitcode not in (None, 0)
+            ]
             if (errors or dead) and failed_at is None:
                 failed_at = time.monotonic()  # give the others' reports a moment to arrive
             if failed_at is not None and time.monotonic() - failed_at > 0.5:
                 _drain(results, outputs, errors, block=0.0)
                 last = [s.value.decode(errors="replace") for s in statuses]
-                raise WorkerError(f"{blame(procs, outputs, errors, last)}\n"
-                                  f"{diagnose(procs, statuses, stacks)}")
+                raise WorkerError(
+                    f"{blame(procs, outputs, errors, last)}\n{diagnose(procs, statuses, stacks)}"
+                )
             if time.monotonic() > deadline:
                 missing = [r for r in range(world_size) if r not in outputs]
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout_s:.0f} s"
-                                   + "".join(f"; rank {r} {state(procs[r])}" for r in missing
-                                             if state(procs[r]))
-                                   + f"\n{diagnose(procs, statuses, stacks)}")
+                raise TimeoutError(
+                    f"ranks {missing} did not finish within {timeout_s:.0f} s"
+                    + "".join(f"; rank {r} {state(procs[r])}" for r in missing if state(procs[r]))
+                    + f"\n{diagnose(procs, statuses, stacks)}"
+                )
     finally:
         restore()
         for p in procs:
@@ -191,7 +243,7 @@ def _remove_dead_stacks() -> None:
     """Delete the stack directories of launchers that are gone (a kill -9 leaves its own)."""
 
     for path in glob.glob(os.path.join(tempfile.gettempdir(), STACKS_PREFIX + "*-*")):
-        pid = os.path.basename(path)[len(STACKS_PREFIX):].split("-", 1)[0]
+        pid = os.path.basename(path)[len(STACKS_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit():
             continue
         if not pid_alive(int(pid)):
@@ -230,8 +282,10 @@ def _forward_signals(procs, names) -> Callable[[], None]:
                 except ProcessLookupError:
                     pass
 
-    old = {sig: signal.signal(sig, forward) for sig in (getattr(signal, n) for n in names
-                                                        if hasattr(signal, n))}
+    old = {
+        sig: signal.signal(sig, forward)
+        for sig in (getattr(signal, n) for n in names if hasattr(signal, n))
+    }
 
     def restore():
         for sig, handler in old.items():
@@ -251,9 +305,11 @@ def check_local_workers(n: int, what: str, flag: str = "--oversubscribe") -> Non
     `local_worker_limit`; dozens of processes on a few cores only thrash."""
     limit = local_worker_limit()
     if n > limit:
-        raise ValueError(f"{what} starts {n} local worker processes, more than this machine "
-                         f"runs well ({limit}: 4 per CPU core, at least 8); use fewer, run under "
-                         f"torchrun / Slurm across machines, or pass {flag} to start them anyway")
+        raise ValueError(
+            f"{what} starts {n} local worker processes, more than this machine "
+            f"runs well ({limit}: 4 per CPU core, at least 8); use fewer, run under "
+            f"torchrun / Slurm across machines, or pass {flag} to start them anyway"
+        )
 
 
 def under_launcher() -> bool:
@@ -274,9 +330,12 @@ def launched_world_size() -> int:
 def launched_local_size() -> int:
     """Processes torchrun / srun started on this node (LOCAL_WORLD_SIZE, Slurm's tasks per
     node), at least this one's local rank + 1."""
-    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get(
-        "SLURM_NTASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", "")).split("(")[0] \
+    per_node = (
+        os.environ.get("LOCAL_WORLD_SIZE")
+        or os.environ.get("SLURM_NTASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", ""))
+        .split("(")[0]
         .split(",")[0]
+    )
     return max(int(per_node) if per_node.isdigit() else 1, _device.env_local_rank() + 1)
 
 
@@ -294,10 +353,14 @@ def release_process_groups() -> None:
     gc.collect()
 
 
-def run_workers(fn: Callable[..., Any], world_size: int, *args,
-                collective_timeout_s: float | None = None,
-                forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
-                nccl_timeout_s: float | None = None) -> list[Any]:
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args,
+    collective_timeout_s: float | None = None,
+    forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
+    nccl_timeout_s: float | None = None,
+) -> list[Any]:
     """Run `fn(*args)` as this process's rank under torchrun / Slurm, or else start
     `world_size` local workers (in this process when world_size is 1). Returns the results of
     the ranks this process ran. Under torchrun / Slurm the default process group is set up
@@ -321,9 +384,15 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args,
         return [out]
     if world_size == 1:
         return [fn(*args)]
-    return run_local(fn, world_size, *args, timeout_s=None,
-                     collective_timeout_s=collective_timeout_s, forward=forward,
-                     nccl_timeout_s=nccl_timeout_s)
+    return run_local(
+        fn,
+        world_size,
+        *args,
+        timeout_s=None,
+        collective_timeout_s=collective_timeout_s,
+        forward=forward,
+        nccl_timeout_s=nccl_timeout_s,
+    )
 
 
 def _in_notebook() -> bool:
@@ -334,8 +403,13 @@ def _in_notebook() -> bool:
     return get_ipython() is not None
 
 
-def launch(fn: Callable[..., Any], nprocs: int, *args, timeout_s: float | None = None,
-           oversubscribe: bool = False) -> Any:
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args,
+    timeout_s: float | None = None,
+    oversubscribe: bool = False,
+) -> Any:
     """Run `fn(*args)` on `nprocs` local ranks and return rank 0's return value.
 
     The notebook launcher: works in a script and in Jupyter / IPython (workers are forked, so

@@ -63,8 +63,9 @@ class Layout:
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"--{name} must be an integer >= 1, got {value!r}")
         if self.order not in RANK_ORDERS:
-            raise LayoutError(f"--rank-order must be one of {', '.join(RANK_ORDERS)}, "
-                              f"got {self.order!r}")
+            raise LayoutError(
+                f"--rank-order must be one of {', '.join(RANK_ORDERS)}, got {self.order!r}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -112,8 +113,14 @@ class Layout:
         return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{order}"
 
     @staticmethod
-    def infer(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-              order: str = "tp-pp-dp", cp: int = 1) -> "Layout":
+    def infer(
+        world_size: int,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int | None = None,
+        order: str = "tp-pp-dp",
+        cp: int = 1,
+    ) -> Layout:
         """Layout for a world size; dp defaults to world_size / (tp * cp * pp)."""
         if tp < 1 or pp < 1:
             raise LayoutError(f"--tp and --pp must be >= 1, got tp={tp} pp={pp}")
@@ -127,14 +134,16 @@ class Layout:
                 raise LayoutError(
                     f"world size {world_size} is not divisible by {names} = {sizes}; "
                     f"launch a multiple of {split} processes or change --tp/--pp"
-                    + ("/--cp" if cp > 1 else ""))
+                    + ("/--cp" if cp > 1 else "")
+                )
             dp = world_size // split
         layout = Layout(tp, pp, dp, order, cp)
         if layout.world_size != world_size:
             raise LayoutError(
                 f"world size {world_size} != {names}*dp = {sizes}*{dp} = {layout.world_size}; "
                 f"launch {layout.world_size} processes or change --tp/--pp/--dp"
-                + ("/--cp" if cp > 1 else ""))
+                + ("/--cp" if cp > 1 else "")
+            )
         return layout
 
 
@@ -156,8 +165,13 @@ class Mesh:
     group's watchdog timeout, see `group_timeout`). `timeout_s` of the constructor or
     `from_env` sets it; by default the world group's own."""
 
-    def __init__(self, layout: Layout, rank: int = 0, timeout_s: float | None = None,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self,
+        layout: Layout,
+        rank: int = 0,
+        timeout_s: float | None = None,
+        sequence_parallel: bool = False,
+    ):
         self.layout = layout
         self.rank = rank
         self.sequence_parallel = bool(sequence_parallel) and layout.tp > 1
@@ -176,20 +190,23 @@ class Mesh:
         if not dist.is_initialized():
             raise LayoutError(
                 f"a {layout} mesh needs {layout.world_size} processes; torch.distributed is not "
-                f"initialised (run under megapar-train / torchrun)")
+                f"initialised (run under megapar-train / torchrun)"
+            )
         world = dist.get_world_size()
         if world != layout.world_size:
             split = "tp*cp*pp*dp" if layout.cp > 1 else "tp*pp*dp"
             raise LayoutError(
                 f"world size {world} != {split} = "
                 f"{'*'.join(str(getattr(layout, n)) for n in split.split('*'))} = "
-                f"{layout.world_size}; launch {layout.world_size} processes or change the layout")
+                f"{layout.world_size}; launch {layout.world_size} processes or change the layout"
+            )
 
         world_timeout = _device.process_group_timeout_s()
         if not timeout_s and world_timeout and _device.backend() != "nccl":
             self.timeout_s = world_timeout
-        self.group_timeout = timedelta(seconds=_device.group_timeout_s(
-            _device.backend(), self.timeout_s, world_timeout))
+        self.group_timeout = timedelta(
+            seconds=_device.group_timeout_s(_device.backend(), self.timeout_s, world_timeout)
+        )
         """The timeout every group of this mesh is created with: gloo's is `timeout_s`;
         NCCL's is its watchdog's, the world group's (`init_distributed`), never shorter."""
 
@@ -207,8 +224,9 @@ class Mesh:
                 dims[name] = dist.group.WORLD
             else:
                 dims[name] = self._new_groups(along, f"mesh_{name}")
-        self.device_mesh = DeviceMesh.from_group([dims[n] for n in names], self.device.type,
-                                                 mesh=grid, mesh_dim_names=names)
+        self.device_mesh = DeviceMesh.from_group(
+            [dims[n] for n in names], self.device.type, mesh=grid, mesh_dim_names=names
+        )
         self.tp_group, self.cp_group = dims["tp"], dims["cp"]
         self.pp_group, self.dp_group = dims["pp"], dims["dp"]
         self.dp_cp_group = self.dp_group
@@ -217,14 +235,27 @@ class Mesh:
         L = layout
         if L.cp > 1:
             self.dp_cp_group = self._new_groups(
-                [[L.rank(t, p, d, c) for d in range(L.dp) for c in range(L.cp)]
-                 for p in range(L.pp) for t in range(L.tp)])
+                [
+                    [L.rank(t, p, d, c) for d in range(L.dp) for c in range(L.cp)]
+                    for p in range(L.pp)
+                    for t in range(L.tp)
+                ]
+            )
         self.mp_group = self._new_groups(
-            [[L.rank(t, p, d, c) for p in range(L.pp) for t in range(L.tp)]
-             for d in range(L.dp) for c in range(L.cp)])
+            [
+                [L.rank(t, p, d, c) for p in range(L.pp) for t in range(L.tp)]
+                for d in range(L.dp)
+                for c in range(L.cp)
+            ]
+        )
         self.embedding_group = self._new_groups(
-            [sorted({L.rank(t, 0, d, c), L.rank(t, L.pp - 1, d, c)})
-             for d in range(L.dp) for c in range(L.cp) for t in range(L.tp)])
+            [
+                sorted({L.rank(t, 0, d, c), L.rank(t, L.pp - 1, d, c)})
+                for d in range(L.dp)
+                for c in range(L.cp)
+                for t in range(L.tp)
+            ]
+        )
 
     def _new_groups(self, all_ranks: list[list[int]], desc: str | None = None):
         """Create one process group per rank list, each with `group_timeout` (collective:
@@ -238,8 +269,9 @@ class Mesh:
         return mine
 
     @classmethod
-    def virtual(cls, layout: Layout, rank: int = 0, device: str = "meta",
-                sequence_parallel: bool = False) -> "Mesh":
+    def virtual(
+        cls, layout: Layout, rank: int = 0, device: str = "meta", sequence_parallel: bool = False
+    ) -> Mesh:
         """A mesh with coordinates but no process groups, for planning without processes.
 
         Building a model on it with device "meta" lists each rank's parameters (names, shard
@@ -256,9 +288,16 @@ class Mesh:
         return mesh
 
     @classmethod
-    def from_env(cls, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 timeout_s: float | None = None, order: str = "tp-pp-dp",
-                 cp: int = 1, sequence_parallel: bool = False) -> "Mesh":
+    def from_env(
+        cls,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int | None = None,
+        timeout_s: float | None = None,
+        order: str = "tp-pp-dp",
+        cp: int = 1,
+        sequence_parallel: bool = False,
+    ) -> Mesh:
         """Initialise torch.distributed from the environment (if needed) and build the mesh:
         torchrun's, our launcher's, or an `srun` step's (`device.adopt_slurm_environment`)."""
 
@@ -311,8 +350,10 @@ class Mesh:
 
     def __repr__(self) -> str:
         cp = f" cp_rank={self.cp_rank}" if self.layout.cp > 1 else ""
-        return (f"Mesh({self.layout}, rank={self.rank}: tp_rank={self.tp_rank}{cp} "
-                f"pp_rank={self.pp_rank} dp_rank={self.dp_rank})")
+        return (
+            f"Mesh({self.layout}, rank={self.rank}: tp_rank={self.tp_rank}{cp} "
+            f"pp_rank={self.pp_rank} dp_rank={self.dp_rank})"
+        )
 
 
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -323,8 +364,7 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     return tensor
 
 
-def same_on_all_ranks(value: float, device: torch.device, dtype=torch.float64,
-                      group=None) -> bool:
+def same_on_all_ranks(value: float, device: torch.device, dtype=torch.float64, group=None) -> bool:
     """Whether every rank of `group` (default: the world) holds the same `value`: one
     all-reduce of [v, -v] with MAX (max == min). Every rank gets the same answer, so all can
     raise together instead of some hanging."""

@@ -54,8 +54,9 @@ class AsyncSaver:
         self.mesh = mesh
         self.group = None
         if mesh.layout.world_size > 1 and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s),
-                                        group_desc="async_save")
+            self.group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=timeout_s), group_desc="async_save"
+            )
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._outcome: Path | BaseException | None = None
@@ -89,8 +90,9 @@ class AsyncSaver:
         if on_gpu:
             ready = torch.cuda.Event()
             ready.record()
-        return SavedState(state.step, state.model_config, state.meta, state.rng,
-                          (fname, out, entries), ready)
+        return SavedState(
+            state.step, state.model_config, state.meta, state.rng, (fname, out, entries), ready
+        )
 
     def host_bytes(self) -> int:
         """Host memory this saver keeps for its copies."""
@@ -104,8 +106,9 @@ class AsyncSaver:
         self.wait()
         self.pending = Path(root) / step_dir_name(step)
         self._outcome = None
-        self._thread = threading.Thread(target=self._write, args=(root, step, state),
-                                        name=f"megapar-save-{step}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._write, args=(root, step, state), name=f"megapar-save-{step}", daemon=True
+        )
         self._thread.start()
         return self.pending
 
@@ -147,8 +150,9 @@ class AsyncSaver:
         if isinstance(outcome, CheckpointError):
             raise outcome
         if isinstance(outcome, BaseException):
-            raise CheckpointError(f"background save of {pending} failed: "
-                                  f"{type(outcome).__name__}: {outcome}") from outcome
+            raise CheckpointError(
+                f"background save of {pending} failed: {type(outcome).__name__}: {outcome}"
+            ) from outcome
         self.published = int(outcome.name.split("_")[1])
         return outcome
 

@@ -14,8 +14,8 @@ import math
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -66,9 +66,14 @@ def plan(config, layout: Layout) -> dict[str, dict]:
         for name, param in stage.named_parameters():
             if hasattr(param, "tied_to"):
                 continue
-            entries[name] = {"full_shape": list(param.full_shape), "tp_dim": param.tp_dim,
-                             "local_shape": list(param.shape), "dtype": dtype_name(param.dtype),
-                             "stage": p, "optim": {}}
+            entries[name] = {
+                "full_shape": list(param.full_shape),
+                "tp_dim": param.tp_dim,
+                "local_shape": list(param.shape),
+                "dtype": dtype_name(param.dtype),
+                "stage": p,
+                "optim": {},
+            }
     return entries
 
 
@@ -85,8 +90,10 @@ def _refuse_existing(dst: Path, overwrite: bool) -> None:
     except SaveLockError as exc:
         raise CheckpointError(f"cannot replace {dst}: {exc}") from None
     if dst.exists() and not overwrite:
-        raise CheckpointError(f"{dst} already exists; pass --overwrite to replace it (it is "
-                              f"replaced only once the new output is complete)")
+        raise CheckpointError(
+            f"{dst} already exists; pass --overwrite to replace it (it is "
+            f"replaced only once the new output is complete)"
+        )
 
 
 def check_output(path, into: bool = False) -> None:
@@ -96,18 +103,24 @@ def check_output(path, into: bool = False) -> None:
     files is created as the conversion would, and a probe file is written and removed there."""
     target = Path(path).expanduser()
     if into and target.exists() and not target.is_dir():
-        raise CheckpointError(f"cannot create {path}: it is a file, and the export is a "
-                              f"directory; choose another path")
+        raise CheckpointError(
+            f"cannot create {path}: it is a file, and the export is a "
+            f"directory; choose another path"
+        )
     directory = target if into else target.parent
     try:
         probe_writable(directory)
     except OSError as exc:
         where = exc.filename or directory  # the part that failed, e.g. /proc/x of /proc/x/y
-        why = ("is a file, not a directory" if isinstance(exc, FileExistsError) else
-               f"{exc.strerror or exc}")
+        why = (
+            "is a file, not a directory"
+            if isinstance(exc, FileExistsError)
+            else f"{exc.strerror or exc}"
+        )
         sep = " " if isinstance(exc, FileExistsError) else ": "
-        raise CheckpointError(f"cannot create {path}: {where}{sep}{why}; choose a writable "
-                              f"directory") from None
+        raise CheckpointError(
+            f"cannot create {path}: {where}{sep}{why}; choose a writable directory"
+        ) from None
 
 
 def _swap_into(tmp: Path, dst: Path) -> None:
@@ -122,9 +135,18 @@ def _swap_into(tmp: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_checkpoint(dst, step: int, layout: Layout, config, meta: dict,
-                     entries: dict[str, dict], fill: Fill, overwrite: bool = False,
-                     progress: bool = True, after_tensor: Callable[[], None] | None = None) -> Path:
+def write_checkpoint(
+    dst,
+    step: int,
+    layout: Layout,
+    config,
+    meta: dict,
+    entries: dict[str, dict],
+    fill: Fill,
+    overwrite: bool = False,
+    progress: bool = True,
+    after_tensor: Callable[[], None] | None = None,
+) -> Path:
     """Write checkpoint root `dst` (step dir + latest) tensor by tensor; returns the step dir.
 
     `fill(name, key, tp_rank, local)` gives one target shard (key None = weights). `meta` is
@@ -162,10 +184,16 @@ def write_checkpoint(dst, step: int, layout: Layout, config, meta: dict,
         for writer in writers.values():
             writer.close()
         files = {w.path.name: file_record(w.path) for w in writers.values()}
-        manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": int(step),
-                    "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
-                    "model": config.to_dict(), "meta": meta, "tensors": entries,
-                    "files": dict(sorted(files.items()))}
+        manifest = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "step": int(step),
+            "layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+            "model": config.to_dict(),
+            "meta": meta,
+            "tensors": entries,
+            "files": dict(sorted(files.items())),
+        }
         write_manifest(step_dir, manifest)
         fsync_dir(step_dir)
         set_latest(tmp, step_dir.name)
@@ -179,16 +207,19 @@ def write_checkpoint(dst, step: int, layout: Layout, config, meta: dict,
     return dst / step_dir_name(step)
 
 
-def convert_checkpoint(src, dst, tp: int, pp: int, dp: int = 1, overwrite: bool = False,
-                       progress: bool = True) -> Path:
+def convert_checkpoint(
+    src, dst, tp: int, pp: int, dp: int = 1, overwrite: bool = False, progress: bool = True
+) -> Path:
     """Rewrite checkpoint `src` (ROOT or step dir) for layout tp x pp (x dp) as root `dst`.
 
     Weights and optimizer moments are resharded exactly; the manifest is carried over with the
     new layout; RNG states (which belong to ranks) are dropped and the fact noted in meta."""
     step_dir = resolve_checkpoint(src)
     if Path(dst).resolve() in (step_dir.resolve(), *step_dir.resolve().parents):
-        raise CheckpointError(f"DST {dst} holds the source {step_dir}: converting a checkpoint "
-                              f"onto itself would delete it; give a new DST")
+        raise CheckpointError(
+            f"DST {dst} holds the source {step_dir}: converting a checkpoint "
+            f"onto itself would delete it; give a new DST"
+        )
     _refuse_existing(Path(dst), overwrite)
     check_output(dst)  # before the source is verified (sha256 of every file)
     manifest = verify(step_dir)
@@ -196,26 +227,41 @@ def convert_checkpoint(src, dst, tp: int, pp: int, dp: int = 1, overwrite: bool 
     layout = Layout(tp, pp, dp)
     target = plan(config, layout)
     source = manifest["tensors"]
-    if set(source) != set(target) or any(source[n]["full_shape"] != e["full_shape"]
-                                         for n, e in target.items()):
+    if set(source) != set(target) or any(
+        source[n]["full_shape"] != e["full_shape"] for n, e in target.items()
+    ):
         odd = sorted(set(source) ^ set(target))[:5]
-        raise CheckpointError(f"{step_dir}: its tensors do not match its own model config "
-                              f"(e.g. {odd}); the manifest is inconsistent")
+        raise CheckpointError(
+            f"{step_dir}: its tensors do not match its own model config "
+            f"(e.g. {odd}); the manifest is inconsistent"
+        )
     for name, e in target.items():
         e["dtype"], e["optim"] = source[name]["dtype"], dict(source[name]["optim"])
     meta = dict(manifest["meta"])
     meta["converted_from"] = {"path": str(step_dir), "layout": manifest["layout"]}
     if RNG_FILE in manifest["files"]:
-        meta["rng_note"] = (f"megapar-convert dropped the RNG states of the "
-                            f"{Layout(**manifest['layout'])} ranks (they belong to the ranks of "
-                            f"that layout)")
+        meta["rng_note"] = (
+            f"megapar-convert dropped the RNG states of the "
+            f"{Layout(**manifest['layout'])} ranks (they belong to the ranks of "
+            f"that layout)"
+        )
     reader = ShardReader(step_dir, manifest)
 
     def fill(name, key, t, local):
         return reader.shard(name, key, tp, t, local, target[name]["tp_dim"])
 
-    return write_checkpoint(dst, manifest["step"], layout, config, meta, target, fill,
-                            overwrite, progress, after_tensor=reader.release)
+    return write_checkpoint(
+        dst,
+        manifest["step"],
+        layout,
+        config,
+        meta,
+        target,
+        fill,
+        overwrite,
+        progress,
+        after_tensor=reader.release,
+    )
 
 
 def recorded_tokenizer(spec) -> dict | None:
@@ -241,8 +287,16 @@ def _seeded(config, name: str, seed: int, stages: dict) -> torch.Tensor:
     return unpad(param.detach(), param.tp_dim, param.full_shape).clone()
 
 
-def import_hf(hf_dir, dst, tp: int, pp: int, dp: int = 1, seed: int = 0,
-              overwrite: bool = False, progress: bool = True) -> tuple[Path, list[str]]:
+def import_hf(
+    hf_dir,
+    dst,
+    tp: int,
+    pp: int,
+    dp: int = 1,
+    seed: int = 0,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> tuple[Path, list[str]]:
     """A megapar checkpoint (step 0, no optimizer state) from a transformers directory.
 
     Tensors the HF model lacks (the MLM head of a plain BertModel) are initialised from `seed`
@@ -255,9 +309,13 @@ def import_hf(hf_dir, dst, tp: int, pp: int, dp: int = 1, seed: int = 0,
     target = plan(config, layout)
     reader.check_files()
     initialised: list[str] = []
-    meta = {"imported_from_hf": str(Path(hf_dir).resolve()), "seed": seed,
-            "initialised_from_seed": initialised, "hf_dtype": reader.dtype,
-            "rng_note": "imported from Hugging Face: no RNG states, no optimizer state"}
+    meta = {
+        "imported_from_hf": str(Path(hf_dir).resolve()),
+        "seed": seed,
+        "initialised_from_seed": initialised,
+        "hf_dtype": reader.dtype,
+        "rng_note": "imported from Hugging Face: no RNG states, no optimizer state",
+    }
     if reader.generation_config is not None:
         meta["hf_generation_config"] = reader.generation_config
     tokenizer = recorded_tokenizer(hf_dir)
@@ -277,8 +335,10 @@ def import_hf(hf_dir, dst, tp: int, pp: int, dp: int = 1, seed: int = 0,
             current[name] = full.to(dtype_from_name(target[name]["dtype"]))
         full = current[name]
         if list(full.shape) != target[name]["full_shape"]:
-            raise CheckpointError(f"{hf_dir}: {name} has shape {list(full.shape)}, the config "
-                                  f"implies {target[name]['full_shape']}")
+            raise CheckpointError(
+                f"{hf_dir}: {name} has shape {list(full.shape)}, the config "
+                f"implies {target[name]['full_shape']}"
+            )
         return shard_of(full, target[name]["tp_dim"], local, t)
 
     path = write_checkpoint(dst, 0, layout, config, meta, target, fill, overwrite, progress)
@@ -296,9 +356,15 @@ def export_dtype(name: str) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
-def export_hf(src, hf_dir, overwrite: bool = False, tokenizer=None,
-              dtype: str | None = None, allow_other_tokenizer: bool = False,
-              tokenizer_rows: bool = False) -> Path:
+def export_hf(
+    src,
+    hf_dir,
+    overwrite: bool = False,
+    tokenizer=None,
+    dtype: str | None = None,
+    allow_other_tokenizer: bool = False,
+    tokenizer_rows: bool = False,
+) -> Path:
     """A transformers directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM) from a
     checkpoint, with the tokenizer it trained with (`export_tokenizer`: `tokenizer`, a
     `load_tokenizer` spec, names where it is now; another tokenizer than the recorded one only
@@ -311,12 +377,16 @@ def export_hf(src, hf_dir, overwrite: bool = False, tokenizer=None,
     hf_dir = Path(hf_dir)
     existing = [n for n in (*HF_FILES, GENERATION_FILE) if (hf_dir / n).exists()]
     if not overwrite and existing:
-        raise CheckpointError(f"{hf_dir} already holds an exported model ({', '.join(existing)})"
-                              f"; pass --overwrite to replace those files (other files there "
-                              f"are kept)")
+        raise CheckpointError(
+            f"{hf_dir} already holds an exported model ({', '.join(existing)})"
+            f"; pass --overwrite to replace those files (other files there "
+            f"are kept)"
+        )
     if dtype is not None and export_dtype(dtype) not in EXPORT_DTYPES:
-        raise CheckpointError(f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)} "
-                              f"(or {', '.join(DTYPE_ALIASES)})")
+        raise CheckpointError(
+            f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)} "
+            f"(or {', '.join(DTYPE_ALIASES)})"
+        )
     dtype = None if dtype is None else export_dtype(dtype)
     check_output(hf_dir, into=True)
     manifest = verify(step_dir)
@@ -326,13 +396,20 @@ def export_hf(src, hf_dir, overwrite: bool = False, tokenizer=None,
     canonical = {}
     for name, e in manifest["tensors"].items():
         dim = e["tp_dim"]
-        canonical[name] = reader.shard(name, None, 1, 0, None if dim is None
-                                       else e["full_shape"][dim])
+        canonical[name] = reader.shard(
+            name, None, 1, 0, None if dim is None else e["full_shape"][dim]
+        )
     reader.release()
     dtype = dtype or manifest["meta"].get("hf_dtype") or "float32"
-    return save_hf(canonical, config, hf_dir, tok, getattr(torch, dtype),
-                   generation_config=manifest["meta"].get("hf_generation_config"),
-                   tokenizer_rows=tokenizer_rows)
+    return save_hf(
+        canonical,
+        config,
+        hf_dir,
+        tok,
+        getattr(torch, dtype),
+        generation_config=manifest["meta"].get("hf_generation_config"),
+        tokenizer_rows=tokenizer_rows,
+    )
 
 
 def _described(spec: dict) -> str:
@@ -353,22 +430,32 @@ def export_tokenizer(manifest: dict, config, given=None, allow_other: bool = Fal
     spec = given or manifest["meta"].get("tokenizer")
     if not spec:
         return None
-    what = f"--tokenizer {given}" if given else \
-        f"the checkpoint's tokenizer {spec.get('path') if isinstance(spec, dict) else spec}"
+    what = (
+        f"--tokenizer {given}"
+        if given
+        else f"the checkpoint's tokenizer {spec.get('path') if isinstance(spec, dict) else spec}"
+    )
     path = spec.get("path") if isinstance(spec, dict) else spec
     try:
-        if path not in ("gpt2", "sentencepiece") and not os.path.exists(path) \
-                and not moved_asset(path):
+        if (
+            path not in ("gpt2", "sentencepiece")
+            and not os.path.exists(path)
+            and not moved_asset(path)
+        ):
             raise FileNotFoundError("no such file or directory: moved or deleted?")
         tok = load_tokenizer(spec)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{what} cannot be loaded ({exc}); pass --tokenizer SPEC (the "
-                              f"tokenizer it trained with, wherever it is now)") from None
+        raise CheckpointError(
+            f"{what} cannot be loaded ({exc}); pass --tokenizer SPEC (the "
+            f"tokenizer it trained with, wherever it is now)"
+        ) from None
     if not given and isinstance(spec, dict) and spec.get("sha256"):
         if [file_sha256(p) for p in tokenizer_files(tok)] != spec["sha256"]:
-            raise CheckpointError(f"{what} has changed since the checkpoint was trained (its "
-                                  f"files' sha256 differ); pass --tokenizer SPEC naming the "
-                                  f"tokenizer it trained with")
+            raise CheckpointError(
+                f"{what} has changed since the checkpoint was trained (its "
+                f"files' sha256 differ); pass --tokenizer SPEC naming the "
+                f"tokenizer it trained with"
+            )
     recorded = manifest["meta"].get("tokenizer")
     if given and not allow_other and isinstance(recorded, dict) and recorded.get("sha256"):
         digests = [file_sha256(p) for p in tokenizer_files(tok)]
@@ -377,15 +464,21 @@ def export_tokenizer(manifest: dict, config, given=None, allow_other: bool = Fal
                 f"{what} is not the tokenizer the checkpoint records, "
                 f"{_described(recorded)}: its files differ (sha256 "
                 f"{','.join(d[:12] for d in digests)}); pass that tokenizer (wherever it is "
-                f"now), or add --allow-other-tokenizer to export another one on purpose")
+                f"now), or add --allow-other-tokenizer to export another one on purpose"
+            )
     # a causal LM sees only the base vocabulary and the end of document (the appended
     # [PAD] [CLS] [SEP] [MASK] are BERT's), as megapar-train counts it
-    needed = max(tok.base_vocab_size, tok.eod_id + 1) \
-        if config.model_type in CAUSAL_LM_TYPES else tok.vocab_size
+    needed = (
+        max(tok.base_vocab_size, tok.eod_id + 1)
+        if config.model_type in CAUSAL_LM_TYPES
+        else tok.vocab_size
+    )
     if needed > config.vocab_size:
-        raise CheckpointError(f"{what} has {needed:,} token ids, more than the model's "
-                              f"vocabulary of {config.vocab_size:,}; pass the tokenizer it "
-                              f"trained with (--tokenizer)")
+        raise CheckpointError(
+            f"{what} has {needed:,} token ids, more than the model's "
+            f"vocabulary of {config.vocab_size:,}; pass the tokenizer it "
+            f"trained with (--tokenizer)"
+        )
     return tok
 
 
@@ -397,15 +490,17 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
     model, entries = m["model"], m["tensors"]
     params = sum(math.prod(e["full_shape"]) for e in entries.values())
     optim = sorted({k for e in entries.values() for k in e["optim"]})
-    lines = [f"checkpoint  {step_dir}",
-             f"step        {m['step']}",
-             f"layout      tp={m['layout']['tp']} pp={m['layout']['pp']} dp={m['layout']['dp']}",
-             f"model       {model['model_type']} ({_size(model)}), {params:,} parameters "
-             f"(unpadded, as transformers counts them)",
-             f"optimizer   {', '.join(optim) if optim else 'none'}",
-             f"meta keys   {', '.join(sorted(m['meta'])) or 'none'}",
-             f"verified    {'sha256 of every file' if checksums else 'sizes only (--fast)'}",
-             "files:"]
+    lines = [
+        f"checkpoint  {step_dir}",
+        f"step        {m['step']}",
+        f"layout      tp={m['layout']['tp']} pp={m['layout']['pp']} dp={m['layout']['dp']}",
+        f"model       {model['model_type']} ({_size(model)}), {params:,} parameters "
+        f"(unpadded, as transformers counts them)",
+        f"optimizer   {', '.join(optim) if optim else 'none'}",
+        f"meta keys   {', '.join(sorted(m['meta'])) or 'none'}",
+        f"verified    {'sha256 of every file' if checksums else 'sizes only (--fast)'}",
+        "files:",
+    ]
     total = sum(r["bytes"] for r in m["files"].values())
     lines += [f"  {name:32s} {r['bytes']:>14,} bytes" for name, r in m["files"].items()]
     lines.append(f"  {'total':32s} {total:>14,} bytes")
@@ -413,12 +508,13 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
         lines.append(f"{'tensor':44s} {'full shape':>16s} {'tp_dim':>6s} {'stage':>5s}  optim")
         for name, e in entries.items():
             shape = "x".join(map(str, e["full_shape"]))
-            lines.append(f"{name:44s} {shape:>16s} {str(e['tp_dim']):>6s} {e['stage']:>5d}  "
-                         f"{','.join(e['optim']) or '-'}")
+            lines.append(
+                f"{name:44s} {shape:>16s} {str(e['tp_dim']):>6s} {e['stage']:>5d}  "
+                f"{','.join(e['optim']) or '-'}"
+            )
     return "\n".join(lines)
 
 
 def _size(model: dict) -> str:
     config = config_from_dict(model)
-    return (f"{config.num_layers} layers, hidden {config.hidden_size}, "
-            f"vocab {config.vocab_size}")
+    return f"{config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}"

@@ -58,25 +58,60 @@ from megapar.tensor_parallel.partition import shard_of
 METADATA = ".metadata"
 """The index file of a DCP checkpoint."""
 
-_TOP = {"embed.word.weight": "tok_embeddings.weight", "final_norm.weight": "norm.weight",
-        "head.weight": "output.weight"}
-_LAYER = {"attn_norm": "attention_norm", "mlp_norm": "ffn_norm", "attn.q": "attention.wq",
-          "attn.k": "attention.wk", "attn.v": "attention.wv", "attn.proj": "attention.wo",
-          "mlp.gate": "feed_forward.w1", "mlp.up": "feed_forward.w3",
-          "mlp.down": "feed_forward.w2"}
-_NEWER = {"attention.wq": "attention.qkv_linear.wq", "attention.wk": "attention.qkv_linear.wk",
-          "attention.wv": "attention.qkv_linear.wv", "output.weight": "lm_head.weight"}
+_TOP = {
+    "embed.word.weight": "tok_embeddings.weight",
+    "final_norm.weight": "norm.weight",
+    "head.weight": "output.weight",
+}
+_LAYER = {
+    "attn_norm": "attention_norm",
+    "mlp_norm": "ffn_norm",
+    "attn.q": "attention.wq",
+    "attn.k": "attention.wk",
+    "attn.v": "attention.wv",
+    "attn.proj": "attention.wo",
+    "mlp.gate": "feed_forward.w1",
+    "mlp.up": "feed_forward.w3",
+    "mlp.down": "feed_forward.w2",
+}
+_NEWER = {
+    "attention.wq": "attention.qkv_linear.wq",
+    "attention.wk": "attention.qkv_linear.wk",
+    "attention.wv": "attention.qkv_linear.wv",
+    "output.weight": "lm_head.weight",
+}
 _MEGAPAR_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight")
 
 FLAVORS = {
     "debugmodel": {"dim": 256, "n_layers": 6, "n_heads": 16, "rope_theta": 500000},
     "debugmodel_flex_attn": {"dim": 256, "n_layers": 6, "n_heads": 16, "rope_theta": 500000},
-    "8B": {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8,
-           "ffn_dim_multiplier": 1.3, "multiple_of": 1024, "rope_theta": 500000},
-    "70B": {"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8,
-            "ffn_dim_multiplier": 1.3, "multiple_of": 4096, "rope_theta": 500000},
-    "405B": {"dim": 16384, "n_layers": 126, "n_heads": 128, "n_kv_heads": 8,
-             "ffn_dim_multiplier": 1.2, "multiple_of": 4096, "rope_theta": 500000},
+    "8B": {
+        "dim": 4096,
+        "n_layers": 32,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "ffn_dim_multiplier": 1.3,
+        "multiple_of": 1024,
+        "rope_theta": 500000,
+    },
+    "70B": {
+        "dim": 8192,
+        "n_layers": 80,
+        "n_heads": 64,
+        "n_kv_heads": 8,
+        "ffn_dim_multiplier": 1.3,
+        "multiple_of": 4096,
+        "rope_theta": 500000,
+    },
+    "405B": {
+        "dim": 16384,
+        "n_layers": 126,
+        "n_heads": 128,
+        "n_kv_heads": 8,
+        "ffn_dim_multiplier": 1.2,
+        "multiple_of": 4096,
+        "rope_theta": 500000,
+    },
 }
 """torchtitan's Llama 3 flavors (``llama3_configs``, torchtitan/models/llama3/__init__.py),
 the fields a job config's ``[model] flavor`` stands for (defaults: multiple_of 256, norm_eps
@@ -124,14 +159,19 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     _ALLOWED: ClassVar[dict[str, set[str]]] = {
         "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch.serialization": {"_get_layout"}, "torch": {"Size"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
         "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
-        "collections": {"OrderedDict"}, "builtins": {"set", "frozenset", "slice"}}
+        "collections": {"OrderedDict"},
+        "builtins": {"set", "frozenset", "slice"},
+    }
 
     def find_class(self, module, name):
-        allowed = module == "torch.distributed.checkpoint.metadata" or \
-            name in self._ALLOWED.get(module, ()) or \
-            (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        allowed = (
+            module == "torch.distributed.checkpoint.metadata"
+            or name in self._ALLOWED.get(module, ())
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
         if not allowed:
             raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
         return super().find_class(module, name)
@@ -146,8 +186,9 @@ class _Reader(dist_cp.FileSystemReader):
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
-            raise CheckpointError(f"{path}: not a DCP index megapar reads ({exc}); refused "
-                                  f"without running it") from None
+            raise CheckpointError(
+                f"{path}: not a DCP index megapar reads ({exc}); refused without running it"
+            ) from None
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -166,20 +207,30 @@ class DCPReader:
     def __init__(self, path: str | Path, config=None, job_config: str | None = None):
         self.path = Path(path).expanduser()
         if not (self.path / METADATA).is_file():
-            what = "has *.distcp files but no .metadata (an interrupted save?)" \
-                if is_dcp(self.path) else "is not a DCP checkpoint (no .metadata)"
-            raise CheckpointError(f"{path} {what}; give a torchtitan step directory "
-                                  f"(checkpoint/step-N)")
+            what = (
+                "has *.distcp files but no .metadata (an interrupted save?)"
+                if is_dcp(self.path)
+                else "is not a DCP checkpoint (no .metadata)"
+            )
+            raise CheckpointError(
+                f"{path} {what}; give a torchtitan step directory (checkpoint/step-N)"
+            )
         metadata = _Reader(self.path).read_metadata()
-        self.tensors = {k: v for k, v in metadata.state_dict_metadata.items()
-                        if isinstance(v, TensorStorageMetadata)}
-        self.prefix = next((p for p in ("", "model.") if p + "tok_embeddings.weight"
-                            in self.tensors), None)
+        self.tensors = {
+            k: v
+            for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)
+        }
+        self.prefix = next(
+            (p for p in ("", "model.") if p + "tok_embeddings.weight" in self.tensors), None
+        )
         if self.prefix is None:
             shown = ", ".join(sorted(self.tensors)[:4]) or "none"
-            raise CheckpointError(f"{path}: a DCP checkpoint without torchtitan's Llama "
-                                  f"weights (no tok_embeddings.weight; tensors: {shown}); "
-                                  f"megapar-convert --from-dcp reads torchtitan's Llama 3")
+            raise CheckpointError(
+                f"{path}: a DCP checkpoint without torchtitan's Llama "
+                f"weights (no tok_embeddings.weight; tensors: {shown}); "
+                f"megapar-convert --from-dcp reads torchtitan's Llama 3"
+            )
         self.newer = self.prefix + "layers.0.attention.qkv_linear.wq.weight" in self.tensors
         self.optimizer = any(k.startswith("optimizer.") for k in self.tensors)
         self.config = self._config(config, job_config)
@@ -200,25 +251,31 @@ class DCPReader:
         flavor; its vocabulary, layers, sizes checked against the weights' shapes."""
         vocab = self.shape("tok_embeddings.weight")[0]
         if config is None and job_config is None:
-            raise ConfigError(f"--from-dcp {self.path}: say which Llama this is: --job-config "
-                              f"TOML (torchtitan's job config, whose [model] flavor names it) "
-                              f"or --model SPEC (a megapar recipe or config.json)")
+            raise ConfigError(
+                f"--from-dcp {self.path}: say which Llama this is: --job-config "
+                f"TOML (torchtitan's job config, whose [model] flavor names it) "
+                f"or --model SPEC (a megapar recipe or config.json)"
+            )
         if config is None:
             config = config_from_job(job_config, vocab)
         elif isinstance(config, str):
             config = resolve_model(config)
         if config.model_type != "llama":
-            raise ConfigError(f"--model is a {config.model_type} model; torchtitan's "
-                              f"checkpoints hold Llama weights: give a llama config")
+            raise ConfigError(
+                f"--model is a {config.model_type} model; torchtitan's "
+                f"checkpoints hold Llama weights: give a llama config"
+            )
         tied = self.shape("output.weight") is None
         if tied != bool(config.tie_word_embeddings):
             config = config_from_dict({**config.to_dict(), "tie_word_embeddings": tied})
         for name, entry in plan(config, Layout(1, 1, 1)).items():
             got, want = self.shape(titan_name(name)), entry["full_shape"]
             if got != want:
-                raise ConfigError(f"{self.path}: {self._key(titan_name(name))} is "
-                                  f"{'missing' if got is None else got}, the config implies "
-                                  f"{want}; give the --job-config / --model it was trained with")
+                raise ConfigError(
+                    f"{self.path}: {self._key(titan_name(name))} is "
+                    f"{'missing' if got is None else got}, the config implies "
+                    f"{want}; give the --job-config / --model it was trained with"
+                )
         return config
 
     @property
@@ -260,34 +317,53 @@ def config_from_job(path: str, vocab_size: int):
     model = job.get("model", {})
     name, flavor = model.get("name"), model.get("flavor")
     if name not in ("llama3", None) or flavor not in FLAVORS:
-        raise ConfigError(f"--job-config {path}: [model] name {name!r} flavor {flavor!r} is not "
-                          f"one of torchtitan's Llama 3 flavors ({', '.join(FLAVORS)}); give "
-                          f"--model SPEC (a megapar config.json with its sizes) instead")
-    args = {"multiple_of": 256, "ffn_dim_multiplier": None, "norm_eps": 1e-5,
-            **FLAVORS[flavor]}
+        raise ConfigError(
+            f"--job-config {path}: [model] name {name!r} flavor {flavor!r} is not "
+            f"one of torchtitan's Llama 3 flavors ({', '.join(FLAVORS)}); give "
+            f"--model SPEC (a megapar config.json with its sizes) instead"
+        )
+    args = {"multiple_of": 256, "ffn_dim_multiplier": None, "norm_eps": 1e-5, **FLAVORS[flavor]}
     seq_len = job.get("training", {}).get("seq_len", 2048)
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=args["dim"],
-                       intermediate_size=intermediate_size(args["dim"], args["multiple_of"],
-                                                           args["ffn_dim_multiplier"]),
-                       num_hidden_layers=args["n_layers"], num_attention_heads=args["n_heads"],
-                       num_key_value_heads=args.get("n_kv_heads") or args["n_heads"],
-                       max_position_embeddings=seq_len, rms_norm_eps=args["norm_eps"],
-                       rope_theta=float(args["rope_theta"]), tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=args["dim"],
+        intermediate_size=intermediate_size(
+            args["dim"], args["multiple_of"], args["ffn_dim_multiplier"]
+        ),
+        num_hidden_layers=args["n_layers"],
+        num_attention_heads=args["n_heads"],
+        num_key_value_heads=args.get("n_kv_heads") or args["n_heads"],
+        max_position_embeddings=seq_len,
+        rms_norm_eps=args["norm_eps"],
+        rope_theta=float(args["rope_theta"]),
+        tie_word_embeddings=False,
+    )
 
 
 # --- import and export ---------------------------------------------------------------------
-def import_dcp(dcp_dir, dst, tp: int, pp: int, dp: int = 1, config=None,
-               job_config: str | None = None, overwrite: bool = False,
-               progress: bool = True) -> tuple[Path, DCPReader]:
+def import_dcp(
+    dcp_dir,
+    dst,
+    tp: int,
+    pp: int,
+    dp: int = 1,
+    config=None,
+    job_config: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> tuple[Path, DCPReader]:
     """A megapar checkpoint (step 0, no optimizer state) from a torchtitan Llama DCP step
     directory, its config from `config` (a megapar model spec or config) or `job_config`
     (torchtitan's TOML)."""
     reader = DCPReader(dcp_dir, config, job_config)
     layout = Layout(tp, pp, dp)
     target = plan(reader.config, layout)
-    meta = {"imported_from_dcp": str(reader.path.resolve()), "hf_dtype": reader.dtype,
-            "rng_note": "imported from a torchtitan DCP checkpoint: weights only (no RNG "
-                        "states, no optimizer state)"}
+    meta = {
+        "imported_from_dcp": str(reader.path.resolve()),
+        "hf_dtype": reader.dtype,
+        "rng_note": "imported from a torchtitan DCP checkpoint: weights only (no RNG "
+        "states, no optimizer state)",
+    }
     current: dict[str, torch.Tensor] = {}
 
     def fill(name, key, t, local):
@@ -296,8 +372,7 @@ def import_dcp(dcp_dir, dst, tp: int, pp: int, dp: int = 1, config=None,
             current[name] = reader.canonical(name).to(dtype_from_name(target[name]["dtype"]))
         return shard_of(current[name], target[name]["tp_dim"], local, t)
 
-    path = _write_checkpoint(dst, 0, layout, reader.config, meta, target, fill, overwrite,
-                             progress)
+    path = _write_checkpoint(dst, 0, layout, reader.config, meta, target, fill, overwrite, progress)
     return path, reader
 
 
@@ -309,8 +384,10 @@ def export_dcp(src, dcp_dir, overwrite: bool = False) -> tuple[Path, dict]:
     manifest = verify(step_dir)
     config = config_from_dict(manifest["model"])
     if config.model_type != "llama":
-        raise CheckpointError(f"{src} holds a {config.model_type} model; --to-dcp writes "
-                              f"torchtitan's Llama checkpoints (a llama model)")
+        raise CheckpointError(
+            f"{src} holds a {config.model_type} model; --to-dcp writes "
+            f"torchtitan's Llama checkpoints (a llama model)"
+        )
     dst = Path(dcp_dir).expanduser()
     _refuse_existing(dst, overwrite)
     check_output(dst)
@@ -335,8 +412,14 @@ def export_dcp(src, dcp_dir, overwrite: bool = False) -> tuple[Path, dict]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    args = {"dim": config.hidden_size, "n_layers": config.num_hidden_layers,
-            "n_heads": q_heads, "n_kv_heads": kv_heads, "vocab_size": config.vocab_size,
-            "norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-            "hidden_dim": config.intermediate_size}
+    args = {
+        "dim": config.hidden_size,
+        "n_layers": config.num_hidden_layers,
+        "n_heads": q_heads,
+        "n_kv_heads": kv_heads,
+        "vocab_size": config.vocab_size,
+        "norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "hidden_dim": config.intermediate_size,
+    }
     return dst, args

@@ -50,10 +50,18 @@ from megapar.models.config import config_from_dict
 
 # Config fields that do not change any parameter (dropouts, init std, vocab padding multiple):
 # a checkpoint loads into a model that differs only in these.
-NON_STRUCTURAL = {"resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob",
-                  "attention_probs_dropout_prob", "initializer_range",
-                  "make_vocab_size_divisible_by", "attention_dropout", "bos_token_id",
-                  "eos_token_id"}
+NON_STRUCTURAL = {
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "initializer_range",
+    "make_vocab_size_divisible_by",
+    "attention_dropout",
+    "bos_token_id",
+    "eos_token_id",
+}
 
 
 @dataclass
@@ -85,7 +93,7 @@ def _bytes_tensor(data: bytes, device, pad_to: int = 0) -> torch.Tensor:
     """`data` as a uint8 tensor on the device collectives use (zero-padded to `pad_to`)."""
     buf = torch.zeros(max(pad_to, len(data)), dtype=torch.uint8, device="cpu")  # staging
     if data:
-        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return buf.to(device)
 
 
@@ -117,13 +125,14 @@ def gather_payloads(payload: bytes, mesh: Mesh, group=None) -> list[bytes] | Non
     dist.gather(buf, parts, dst=0, group=group)
     if mesh.rank != 0:
         return None
-    return [p[:int(s)].cpu().numpy().tobytes() for p, s in zip(parts, sizes)]
+    return [p[: int(s)].cpu().numpy().tobytes() for p, s in zip(parts, sizes)]
 
 
 def _pack(header: dict, tensors: dict[str, torch.Tensor]) -> bytes:
     raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-    return save({"__json__": raw, **{f"t/{k}": v.detach().cpu().contiguous()
-                                     for k, v in tensors.items()}})
+    return save(
+        {"__json__": raw, **{f"t/{k}": v.detach().cpu().contiguous() for k, v in tensors.items()}}
+    )
 
 
 def _unpack(payload: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -149,15 +158,21 @@ def shard_contents(model, mesh: Mesh, optim_tensors) -> tuple[str, dict, dict]:
         tensors[f"model/{name}"] = param.detach()
         for key, value in moments.items():
             if tuple(value.shape) != tuple(param.shape):
-                raise CheckpointError(f"optimizer state {name}/{key} has shape "
-                                      f"{tuple(value.shape)}, its parameter's shard is "
-                                      f"{tuple(param.shape)}; pass local shards")
+                raise CheckpointError(
+                    f"optimizer state {name}/{key} has shape "
+                    f"{tuple(value.shape)}, its parameter's shard is "
+                    f"{tuple(param.shape)}; pass local shards"
+                )
             tensors[f"optim/{name}/{key}"] = value.detach()
         dim = getattr(param, "tp_dim", None)
-        entries[name] = {"full_shape": list(getattr(param, "full_shape", param.shape)),
-                         "tp_dim": dim, "local_shape": list(param.shape),
-                         "dtype": dtype_name(param.dtype), "stage": mesh.pp_rank,
-                         "optim": {k: dtype_name(v.dtype) for k, v in moments.items()}}
+        entries[name] = {
+            "full_shape": list(getattr(param, "full_shape", param.shape)),
+            "tp_dim": dim,
+            "local_shape": list(param.shape),
+            "dtype": dtype_name(param.dtype),
+            "stage": mesh.pp_rank,
+            "optim": {k: dtype_name(v.dtype) for k, v in moments.items()},
+        }
     return shard_file_name(mesh.tp_rank, mesh.pp_rank), tensors, entries
 
 
@@ -179,8 +194,9 @@ class SavedState:
     when they are still being copied to the host."""
 
 
-def capture(step: int, model, mesh: Mesh, optim_tensors, meta: dict,
-            rng: dict[str, torch.Tensor]) -> SavedState:
+def capture(
+    step: int, model, mesh: Mesh, optim_tensors, meta: dict, rng: dict[str, torch.Tensor]
+) -> SavedState:
     """This rank's part of a checkpoint of `step`, referring to the live tensors (see
     `save_checkpoint` for the arguments). Raises CheckpointError when `meta` is not JSON."""
     try:
@@ -190,12 +206,18 @@ def capture(step: int, model, mesh: Mesh, optim_tensors, meta: dict,
     shard = None
     if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # cp holds no shards: replicas
         shard = shard_contents(model, mesh, optim_tensors)
-    return SavedState(int(step), model.config.to_dict(), meta,
-                      {k: v.detach().cpu().clone() for k, v in (rng or {}).items()}, shard)
+    return SavedState(
+        int(step),
+        model.config.to_dict(),
+        meta,
+        {k: v.detach().cpu().clone() for k, v in (rng or {}).items()},
+        shard,
+    )
 
 
-def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dict,
-                    rng: dict[str, torch.Tensor]) -> Path:
+def save_checkpoint(
+    root, step: int, model, mesh: Mesh, optim_tensors, meta: dict, rng: dict[str, torch.Tensor]
+) -> Path:
     """Save a checkpoint of every rank's stage to ``root/step_{step:08d}`` (collective).
 
     `optim_tensors`: {canonical name: {key: local shard}} as `optimizer.state_tensors()` gives
@@ -210,8 +232,9 @@ def save_checkpoint(root, step: int, model, mesh: Mesh, optim_tensors, meta: dic
     return write_checkpoint(root, step, state, mesh)
 
 
-def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh: Mesh,
-                     group=None) -> Path:
+def write_checkpoint(
+    root, step: int, state: SavedState | CheckpointError, mesh: Mesh, group=None
+) -> Path:
     """Write every rank's `SavedState` of `step` as ``root/step_N`` and publish it (collective
     over the world, or over `group`: a gloo group spanning the world, used from a background
     thread).
@@ -249,8 +272,7 @@ def write_checkpoint(root, step: int, state: SavedState | CheckpointError, mesh:
             state.ready.synchronize()
         if state.shard is not None:
             fname, tensors, entries = state.shard
-            header.update(file=fname, record=write_tensors(tmp / fname, tensors),
-                          tensors=entries)
+            header.update(file=fname, record=write_tensors(tmp / fname, tensors), tensors=entries)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0 and raised on every rank
         header["error"] = f"rank {mesh.rank}: {type(exc).__name__}: {exc}"
     payloads = gather_payloads(_pack(header, rng), mesh, group)
@@ -285,10 +307,16 @@ def _finish(tmp: Path, root: Path, state: SavedState, mesh: Mesh, payloads) -> P
     if rng:
         files[RNG_FILE] = write_tensors(tmp / RNG_FILE, dict(sorted(rng.items())))
     layout = mesh.layout
-    manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": state.step,
-                "layout": layout.to_dict(),
-                "model": state.model_config, "meta": state.meta, "tensors": tensors,
-                "files": dict(sorted(files.items()))}
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "step": state.step,
+        "layout": layout.to_dict(),
+        "model": state.model_config,
+        "meta": state.meta,
+        "tensors": tensors,
+        "files": dict(sorted(files.items())),
+    }
     write_manifest(tmp, manifest)
     return publish_step(tmp, root, step_dir_name(state.step))
 
@@ -298,18 +326,23 @@ def check_model(manifest: dict, config, where) -> list[str]:
 
     ours, theirs = config.to_dict(), dict(manifest["model"])
     if theirs.get("model_type") != ours.get("model_type"):  # not a field list: another kind
-        raise CheckpointError(f"{where} holds a {theirs.get('model_type')} model, not a "
-                              f"{ours.get('model_type')}; build the model from the "
-                              f"checkpoint's config (manifest.json \"model\")")
+        raise CheckpointError(
+            f"{where} holds a {theirs.get('model_type')} model, not a "
+            f"{ours.get('model_type')}; build the model from the "
+            f'checkpoint\'s config (manifest.json "model")'
+        )
     theirs = {**config_from_dict(theirs).to_dict(), **theirs}  # fields added since it was
     # saved take their defaults
     diff = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
     structural = sorted(diff - NON_STRUCTURAL)
     if structural:
-        shown = ", ".join(f"{k}={theirs.get(k)!r} (checkpoint) vs {ours.get(k)!r} (model)"
-                          for k in structural)
-        raise CheckpointError(f"{where} holds a different model: {shown}; build the model from "
-                              f"the checkpoint's config (manifest.json \"model\")")
+        shown = ", ".join(
+            f"{k}={theirs.get(k)!r} (checkpoint) vs {ours.get(k)!r} (model)" for k in structural
+        )
+        raise CheckpointError(
+            f"{where} holds a different model: {shown}; build the model from "
+            f'the checkpoint\'s config (manifest.json "model")'
+        )
     return [f"config differs in non-structural fields: {sorted(diff)}"] if diff else []
 
 
@@ -332,16 +365,21 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
         entry = reader.entry(source)
         dim = entry["tp_dim"]
         if list(getattr(param, "full_shape", param.shape)) != entry["full_shape"]:
-            raise CheckpointError(f"{step_dir}: {source} has shape {entry['full_shape']}, the "
-                                  f"model expects {list(param.full_shape)}")
+            raise CheckpointError(
+                f"{step_dir}: {source} has shape {entry['full_shape']}, the "
+                f"model expects {list(param.full_shape)}"
+            )
         resharded |= dim is not None and entry["local_shape"] != list(param.shape)
         pdim = getattr(param, "tp_dim", None)
         resharded |= dim != pdim  # split in one layout, whole in another (Llama's kv heads)
         wanted.append((name, source, param, None if pdim is None else param.shape[pdim]))
     same_layout = src == mesh.layout and not resharded
     rng_record = manifest["files"].get(RNG_FILE)
-    needed = {f for _, source, _, local in wanted
-              for f, *_ in reader.pieces(source, mesh.tp, mesh.tp_rank, local)}
+    needed = {
+        f
+        for _, source, _, local in wanted
+        for f, *_ in reader.pieces(source, mesh.tp, mesh.tp_rank, local)
+    }
     if same_layout and rng_record:
         needed.add(RNG_FILE)
     if verify != "none":
@@ -367,24 +405,31 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
     else:
         notes.append(f"RNG states not restored: checkpoint layout {src} != {mesh.layout}")
     reader.release()
-    return LoadedState(optim, manifest["meta"], rng, resharded, manifest["step"], src, step_dir,
-                       notes)
+    return LoadedState(
+        optim, manifest["meta"], rng, resharded, manifest["step"], src, step_dir, notes
+    )
 
 
 def missing_rng_note(meta: dict) -> str:
     """One sentence on why a checkpoint loaded in its own layout has no RNG states (built from
     meta's keys, not from the free-text rng_note, whose wording older versions garbled)."""
     if meta.get("converted_from"):
-        return ("RNG states not restored: megapar-convert dropped them (they belong to the "
-                "ranks of the old layout); dropout masks differ from an uninterrupted run")
+        return (
+            "RNG states not restored: megapar-convert dropped them (they belong to the "
+            "ranks of the old layout); dropout masks differ from an uninterrupted run"
+        )
     if meta.get("imported_from_hf"):
-        return ("RNG states not restored: the checkpoint was imported from Hugging Face, which "
-                "saves none; dropout is seeded from --seed")
-    return ("RNG states not restored: the checkpoint has none; dropout masks differ from an "
-            "uninterrupted run")
+        return (
+            "RNG states not restored: the checkpoint was imported from Hugging Face, which "
+            "saves none; dropout is seeded from --seed"
+        )
+    return (
+        "RNG states not restored: the checkpoint has none; dropout masks differ from an "
+        "uninterrupted run"
+    )
 
 
 def _read_rng(path: Path, rank: int) -> dict[str, torch.Tensor]:
     prefix = f"rank{rank}/"
     with open_safetensors(path, "RNG file") as f:
-        return {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+        return {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}

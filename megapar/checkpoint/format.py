@@ -39,7 +39,7 @@ RNG_FILE = "rng.safetensors"
 SHARD_METADATA = {
     "format": "megapar",
     "megapar": "a file of a megapar checkpoint (tp / pp shards, padded): not a whole model; "
-               "read it with megapar, or export one with megapar-convert CKPT --to-hf DIR",
+    "read it with megapar, or export one with megapar-convert CKPT --to-hf DIR",
     "DCP_SHARDING_INFO": "{}",
 }
 """The safetensors metadata of every file megapar's checkpoints write. Readers of whole
@@ -48,9 +48,18 @@ loads only ``format`` "pt" (and friends), and torch.distributed.checkpoint's
 HuggingFaceStorageReader finds no sharding entry for the tensors it asks for (KeyError).
 megapar reads files with or without it (checkpoints written before it carry {"format": "pt"})."""
 
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 class CheckpointError(RuntimeError):
@@ -59,6 +68,7 @@ class CheckpointError(RuntimeError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{int(step):08d}"
+
 
 def shard_file_name(tp_rank: int, pp_rank: int) -> str:
     return f"model_tp{tp_rank:02d}_pp{pp_rank:02d}.safetensors"
@@ -84,8 +94,11 @@ def safetensors_layout(specs: dict[str, tuple[torch.dtype, tuple]]) -> tuple[byt
     header, offset, slots = {}, 0, {}
     for key, (dtype, shape) in specs.items():
         size = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
-                       "data_offsets": [offset, offset + size]}
+        header[key] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         slots[key] = (offset, size, dtype, tuple(shape))
         offset += size
     header["__metadata__"] = SHARD_METADATA
@@ -116,8 +129,10 @@ class ShardWriter:
     def write(self, key: str, tensor: torch.Tensor) -> None:
         offset, size, dtype, shape = self._slots[key]
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise CheckpointError(f"{self.path.name}: {key} is {dtype_name(tensor.dtype)} "
-                                  f"{tuple(tensor.shape)}, expected {dtype_name(dtype)} {shape}")
+            raise CheckpointError(
+                f"{self.path.name}: {key} is {dtype_name(tensor.dtype)} "
+                f"{tuple(tensor.shape)}, expected {dtype_name(dtype)} {shape}"
+            )
         self._file.seek(self._base + offset)
         if size:
             self._file.write(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
@@ -130,8 +145,9 @@ class ShardWriter:
     def close(self) -> None:
         if self._pending:
             self._file.close()
-            raise CheckpointError(f"{self.path.name}: tensors never written: "
-                                  f"{sorted(self._pending)[:5]}")
+            raise CheckpointError(
+                f"{self.path.name}: tensors never written: {sorted(self._pending)[:5]}"
+            )
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
@@ -195,9 +211,11 @@ def open_safetensors(path: str | Path, what: str = "checkpoint file"):
     try:
         return safe_open(str(path), framework="pt")
     except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError, ...: one line
-        raise CheckpointError(f"{path}: not a readable safetensors {what} ({type(exc).__name__}: "
-                              f"{' '.join(str(exc).split())[:120]}); restore it or use another "
-                              f"checkpoint") from None
+        raise CheckpointError(
+            f"{path}: not a readable safetensors {what} ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:120]}); restore it or use another "
+            f"checkpoint"
+        ) from None
 
 
 def staging_dir(parent: str | Path, prefix: str) -> Path:
@@ -223,9 +241,11 @@ def check_file_shapes(handle, fname: str, manifest: dict, step_dir) -> None:
             continue
         shape = list(handle.get_slice(key).get_shape())
         if shape != tensors[name]["local_shape"]:
-            raise CheckpointError(f"{step_dir}/{fname}: {key} has shape {shape}, the manifest "
-                                  f"records {tensors[name]['local_shape']}; the manifest does "
-                                  f"not match its shards")
+            raise CheckpointError(
+                f"{step_dir}/{fname}: {key} has shape {shape}, the manifest "
+                f"records {tensors[name]['local_shape']}; the manifest does "
+                f"not match its shards"
+            )
 
 
 class ShardReader:
@@ -265,10 +285,13 @@ class ShardReader:
         """[(file, source local range, target local offset)] that make up the target shard."""
         entry = entry or self.entry(name)
         if "fused_from" in entry:  # an old checkpoint's separate q, k, v: read whole
-            return [piece for src, e in entry["fused_from"].items()
-                    for piece in self.pieces(src, 1, 0, e["full_shape"][0], e)]
+            return [
+                piece
+                for src, e in entry["fused_from"].items()
+                for piece in self.pieces(src, 1, 0, e["full_shape"][0], e)
+            ]
         dim, stage = entry["tp_dim"], entry["stage"]
-        if dim is None:   # replicated: the same tp rank's file if the source has one
+        if dim is None:  # replicated: the same tp rank's file if the source has one
             return [(shard_file_name(tp_rank if tp_rank < self.src_tp else 0, stage), None, 0)]
         full, src_local = entry["full_shape"][dim], entry["local_shape"][dim]
         if local is None:  # split in the source, whole in the target (Llama's k / v at tp 4)
@@ -279,19 +302,37 @@ class ShardReader:
             s0, s1 = shard_range(full, src_local, t)
             lo, hi = max(start, s0), min(stop, s1)
             if lo < hi:
-                out.append((shard_file_name(t, stage), (lo - t * src_local, hi - t * src_local),
-                            lo - start))
+                out.append(
+                    (
+                        shard_file_name(t, stage),
+                        (lo - t * src_local, hi - t * src_local),
+                        lo - start,
+                    )
+                )
         return out
 
-    def shard(self, name: str, key: str | None, tp: int, tp_rank: int,
-              local: int | None, target_dim: int | None = None, entry=None) -> torch.Tensor:
+    def shard(
+        self,
+        name: str,
+        key: str | None,
+        tp: int,
+        tp_rank: int,
+        local: int | None,
+        target_dim: int | None = None,
+        entry=None,
+    ) -> torch.Tensor:
         """`local` None: the target holds the tensor whole. `target_dim`: the target's tp_dim
         when the source keeps the tensor whole but the target splits it (a partition that
         depends on the layout, like Llama's kv heads: split when tp divides them)."""
         entry = entry or self.entry(name)
         if "fused_from" in entry:
-            full = fuse_heads([self.shard(src, key, 1, 0, e["full_shape"][0], entry=e)
-                               for src, e in entry["fused_from"].items()], entry["heads"])
+            full = fuse_heads(
+                [
+                    self.shard(src, key, 1, 0, e["full_shape"][0], entry=e)
+                    for src, e in entry["fused_from"].items()
+                ],
+                entry["heads"],
+            )
             return full if local is None else shard_of(full, 0, local, tp_rank)
         dim = entry["tp_dim"]
         tkey = f"model/{name}" if key is None else f"optim/{name}/{key}"

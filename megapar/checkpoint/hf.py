@@ -42,8 +42,9 @@ def _open(path: Path):
     try:
         return open_safetensors(path, "weights file")
     except CheckpointError as exc:
-        raise ConfigError(str(exc).replace("use another checkpoint", "save the model again "
-                                           "with save_pretrained")) from None
+        raise ConfigError(
+            str(exc).replace("use another checkpoint", "save the model again with save_pretrained")
+        ) from None
 
 
 def _load_pickled_weights(path: Path) -> dict:
@@ -53,31 +54,40 @@ def _load_pickled_weights(path: Path) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError ...
         lines = [x.strip() for x in str(exc).splitlines() if x.strip()] or [""]
-        first = next((x for x in lines if "GLOBAL" in x or "WeightsUnpickler" in x),
-                     lines[-1] if len(lines) > 1 else lines[0])[:160]
-        raise ConfigError(f"{path}: refused: not a plain pickle of weights ({type(exc).__name__}"
-                          f": {first}); megapar reads tensors only, never code; convert it with "
-                          f"transformers (from_pretrained, then save_pretrained, which writes "
-                          f"model.safetensors) on a machine you trust") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
-                                              for v in state.values()):
-        raise ConfigError(f"{path}: not a state dict of tensors; save the model with "
-                          f"save_pretrained")
+        first = next(
+            (x for x in lines if "GLOBAL" in x or "WeightsUnpickler" in x),
+            lines[-1] if len(lines) > 1 else lines[0],
+        )[:160]
+        raise ConfigError(
+            f"{path}: refused: not a plain pickle of weights ({type(exc).__name__}"
+            f": {first}); megapar reads tensors only, never code; convert it with "
+            f"transformers (from_pretrained, then save_pretrained, which writes "
+            f"model.safetensors) on a machine you trust"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(
+            f"{path}: not a state dict of tensors; save the model with save_pretrained"
+        )
     return state
 
 
 def _not_transformers(path: Path) -> str:
     """Why `path`, which has no config.json, is not a transformers directory, and the fix."""
     if not path.exists():
-        return (f"{path}: no such directory; pass a transformers directory written by "
-                f"save_pretrained")
+        return (
+            f"{path}: no such directory; pass a transformers directory written by save_pretrained"
+        )
     if not path.is_dir():
-        return (f"{path} is a file, not a directory; pass the transformers directory written "
-                f"by save_pretrained that holds it")
+        return (
+            f"{path} is a file, not a directory; pass the transformers directory written "
+            f"by save_pretrained that holds it"
+        )
     if has_checkpoint(path):
-        return (f"{path} is a megapar checkpoint, not a transformers directory: pass it to "
-                f"--load (megapar-train, megapar-eval), reshard it with megapar-convert {path} "
-                f"DST --tp N --pp M, or export it with megapar-convert {path} --to-hf HF_DIR")
+        return (
+            f"{path} is a megapar checkpoint, not a transformers directory: pass it to "
+            f"--load (megapar-train, megapar-eval), reshard it with megapar-convert {path} "
+            f"DST --tp N --pp M, or export it with megapar-convert {path} --to-hf HF_DIR"
+        )
     return f"{path}: no config.json; expected a transformers directory written by save_pretrained"
 
 
@@ -118,14 +128,16 @@ class HFReader:
             self._get = state.__getitem__
             self._shape = lambda key: state[key].shape
         else:
-            raise FileNotFoundError(f"{self.path}: neither model.safetensors (or its sharded "
-                                    f"index) nor pytorch_model.bin found")
+            raise FileNotFoundError(
+                f"{self.path}: neither model.safetensors (or its sharded "
+                f"index) nor pytorch_model.bin found"
+            )
         self.prefix = self._detect_prefix()
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._generation_file: Path | None = self.path / "generation_config.json"
 
     @classmethod
-    def from_model(cls, hf_model) -> "HFReader":
+    def from_model(cls, hf_model) -> HFReader:
         """Read an in-memory transformers model (GPT2LMHeadModel, BertForMaskedLM, ...)."""
 
         self = cls.__new__(cls)
@@ -154,8 +166,10 @@ class HFReader:
         try:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: not a readable JSON file ({exc}); fix or remove it (an "
-                              f"export then writes one from the model's config)") from None
+            raise ConfigError(
+                f"{path}: not a readable JSON file ({exc}); fix or remove it (an "
+                f"export then writes one from the model's config)"
+            ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: not a JSON object; fix or remove it")
         return data
@@ -167,17 +181,20 @@ class HFReader:
         if isinstance(self._saved_dtype, str) and self._saved_dtype != "auto":
             return self._saved_dtype.removeprefix("torch.")
         probe = {"gpt2": "wte.weight", "llama": "embed_tokens.weight"}.get(
-            self.config.model_type, "embeddings.word_embeddings.weight")
+            self.config.model_type, "embeddings.word_embeddings.weight"
+        )
         return str(self.get(probe).dtype).removeprefix("torch.")
 
     def _detect_prefix(self) -> str:
         probe = {"gpt2": "wte.weight", "llama": "embed_tokens.weight"}.get(
-            self.config.model_type, "embeddings.word_embeddings.weight")
+            self.config.model_type, "embeddings.word_embeddings.weight"
+        )
         for prefix in ("transformer.", "bert.", "model.", ""):
             if prefix + probe in self.keys:
                 return prefix
-        raise ConfigError(f"{self.path}: not a {self.config.model_type} checkpoint "
-                          f"(no {probe} found)")
+        raise ConfigError(
+            f"{self.path}: not a {self.config.model_type} checkpoint (no {probe} found)"
+        )
 
     def _key(self, key: str) -> str:
         for k in (self.prefix + key, key):
@@ -192,10 +209,12 @@ class HFReader:
             self._expected = expected_hf_shapes(self.config)
         want = self._expected.get(key)
         if want is not None and tuple(shape) != want:
-            raise ConfigError(f"{self.path}: {self._key(key)} has shape {list(shape)}, its "
-                              f"config.json implies {list(want)}; the weights do not belong to "
-                              f"this config (a damaged or forged file?): restore it, or save "
-                              f"the model again with save_pretrained")
+            raise ConfigError(
+                f"{self.path}: {self._key(key)} has shape {list(shape)}, its "
+                f"config.json implies {list(want)}; the weights do not belong to "
+                f"this config (a damaged or forged file?): restore it, or save "
+                f"the model again with save_pretrained"
+            )
 
     def check_files(self) -> None:
         """Check what a conversion reads before it reads it (ConfigError naming the first
@@ -229,8 +248,11 @@ def expected_hf_shapes(config) -> dict[str, tuple[int, ...]]:
     `HFReader.get` takes (without the base model's prefix): megapar's parameters, built on the
     meta device, mapped as an export maps them."""
     stage = build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False)
-    canonical = {name: torch.empty(p.full_shape, device="meta")
-                 for name, p in stage.named_parameters() if not hasattr(p, "tied_to")}
+    canonical = {
+        name: torch.empty(p.full_shape, device="meta")
+        for name, p in stage.named_parameters()
+        if not hasattr(p, "tied_to")
+    }
     shapes = {}
     for name, tensor in TO_HF[config.model_type](canonical, config).items():
         for prefix in HF_PREFIXES:
@@ -258,8 +280,10 @@ def load_hf_weights(model: torch.nn.Module, reader: HFReader) -> list[str]:
             continue
         dim = getattr(param, "tp_dim", None)
         if tuple(full.shape) != tuple(getattr(param, "full_shape", param.shape)):
-            raise ConfigError(f"{reader.path}: {source} has shape {tuple(full.shape)}, the model "
-                              f"expects {param.full_shape}")
+            raise ConfigError(
+                f"{reader.path}: {source} has shape {tuple(full.shape)}, the model "
+                f"expects {param.full_shape}"
+            )
         local = param.shape[dim] if dim is not None else None
         param.copy_(shard_of(full.to(param.dtype), dim, local, tp_rank))
     return missing
@@ -304,9 +328,15 @@ GENERATION_FILE = "generation_config.json"
 """What a causal LM's export writes besides `HF_FILES` (and replaces)."""
 
 
-def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
-            tokenizer=None, dtype: torch.dtype | None = None,
-            generation_config: dict | None = None, tokenizer_rows: bool = False) -> Path:
+def save_hf(
+    canonical: dict[str, torch.Tensor],
+    config,
+    out_dir: str | Path,
+    tokenizer=None,
+    dtype: torch.dtype | None = None,
+    generation_config: dict | None = None,
+    tokenizer_rows: bool = False,
+) -> Path:
     """Write config.json + model.safetensors into `out_dir` (created if missing), which
     transformers' `from_pretrained` loads, and, given a megapar `tokenizer`, that tokenizer in
     transformers' format (`save_for_transformers`: checked to encode as megapar does; its
@@ -331,9 +361,14 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
         canonical, config = cut_to_tokenizer(canonical, config, tokenizer)
     special_ids: dict[str, int | None] = {}
     if tokenizer is not None:
-        save_for_transformers(tokenizer, str(out_dir), config.vocab_size,
-                              sentence_pairs=config.model_type == "bert",
-                              model_max_length=config.max_positions, info=special_ids)
+        save_for_transformers(
+            tokenizer,
+            str(out_dir),
+            config.vocab_size,
+            sentence_pairs=config.model_type == "bert",
+            model_max_length=config.max_positions,
+            info=special_ids,
+        )
     if dtype is not None:
         canonical = {k: v.to(dtype) for k, v in canonical.items()}
     causal = config.model_type in CAUSAL_LM_TYPES
@@ -347,19 +382,23 @@ def save_hf(canonical: dict[str, torch.Tensor], config, out_dir: str | Path,
         for special in (f"{role}_token_id" for role in SPECIAL_ROLES):
             if not hasattr(hf_config, special):
                 continue
-            value = special_ids[special] if special in special_ids else \
-                getattr(hf_config, special)  # the tokenizer's ids, when it is exported
+            value = (
+                special_ids[special] if special in special_ids else getattr(hf_config, special)
+            )  # the tokenizer's ids, when it is exported
             if isinstance(value, int) and value >= config.vocab_size:
                 value = None  # GPT-2's 50256 means nothing in another vocabulary
             setattr(hf_config, special, value)
         if causal:
-            text = json.dumps(generation_config, indent=2, sort_keys=True) + "\n" \
-                if generation_config is not None else \
-                GenerationConfig.from_model_config(hf_config).to_json_string()
+            text = (
+                json.dumps(generation_config, indent=2, sort_keys=True) + "\n"
+                if generation_config is not None
+                else GenerationConfig.from_model_config(hf_config).to_json_string()
+            )
             tmp[GENERATION_FILE].write_text(text)
-        save_file(to_hf_state(canonical, config), str(tmp["model.safetensors"]),
-                  metadata={"format": "pt"})
-        umask = os.umask(0)   # safetensors creates its file 0600: give it the usual mode
+        save_file(
+            to_hf_state(canonical, config), str(tmp["model.safetensors"]), metadata={"format": "pt"}
+        )
+        umask = os.umask(0)  # safetensors creates its file 0600: give it the usual mode
         os.umask(umask)
         os.chmod(tmp["model.safetensors"], 0o666 & ~umask)
         tmp["config.json"].write_text(hf_config.to_json_string())

@@ -22,10 +22,19 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 # --- GPT-2 ---------------------------------------------------------------------------------
-_GPT2_TOP = {"embed.word.weight": "wte.weight", "embed.position.weight": "wpe.weight",
-             "final_norm.weight": "ln_f.weight", "final_norm.bias": "ln_f.bias"}
-_GPT2_LAYER = {"ln_1": "ln_1", "ln_2": "ln_2", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc",
-               "mlp.proj": "mlp.c_proj"}
+_GPT2_TOP = {
+    "embed.word.weight": "wte.weight",
+    "embed.position.weight": "wpe.weight",
+    "final_norm.weight": "ln_f.weight",
+    "final_norm.bias": "ln_f.bias",
+}
+_GPT2_LAYER = {
+    "ln_1": "ln_1",
+    "ln_2": "ln_2",
+    "attn.proj": "attn.c_proj",
+    "mlp.fc": "mlp.c_fc",
+    "mlp.proj": "mlp.c_proj",
+}
 
 
 def gpt2_canonical(name: str, get: Getter, config) -> torch.Tensor:
@@ -59,16 +68,24 @@ def gpt2_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Te
 
 
 # --- BERT ----------------------------------------------------------------------------------
-_BERT_TOP = {"embed.word": "embeddings.word_embeddings",
-             "embed.position": "embeddings.position_embeddings",
-             "embed.token_type": "embeddings.token_type_embeddings",
-             "embed.norm": "embeddings.LayerNorm"}
+_BERT_TOP = {
+    "embed.word": "embeddings.word_embeddings",
+    "embed.position": "embeddings.position_embeddings",
+    "embed.token_type": "embeddings.token_type_embeddings",
+    "embed.norm": "embeddings.LayerNorm",
+}
 _BERT_QKV = ("attention.self.query", "attention.self.key", "attention.self.value")
-_BERT_LAYER = {"attn.proj": "attention.output.dense",
-               "attn_norm": "attention.output.LayerNorm", "mlp.fc": "intermediate.dense",
-               "mlp.proj": "output.dense", "mlp_norm": "output.LayerNorm"}
-_BERT_HEAD = {"head.transform": "cls.predictions.transform.dense",
-              "head.norm": "cls.predictions.transform.LayerNorm"}
+_BERT_LAYER = {
+    "attn.proj": "attention.output.dense",
+    "attn_norm": "attention.output.LayerNorm",
+    "mlp.fc": "intermediate.dense",
+    "mlp.proj": "output.dense",
+    "mlp_norm": "output.LayerNorm",
+}
+_BERT_HEAD = {
+    "head.transform": "cls.predictions.transform.dense",
+    "head.norm": "cls.predictions.transform.LayerNorm",
+}
 
 
 def bert_canonical(name: str, get: Getter, config) -> torch.Tensor:
@@ -83,8 +100,9 @@ def bert_canonical(name: str, get: Getter, config) -> torch.Tensor:
     i, rest = _LAYER.fullmatch(module + "." + kind).groups()
     sub, kind = rest.rsplit(".", 1)
     if sub == "attn.qkv":
-        return fuse_heads([get(f"encoder.layer.{i}.{hf}.{kind}") for hf in _BERT_QKV],
-                          config.num_attention_heads)
+        return fuse_heads(
+            [get(f"encoder.layer.{i}.{hf}.{kind}") for hf in _BERT_QKV], config.num_attention_heads
+        )
     return get(f"encoder.layer.{i}.{_BERT_LAYER[sub]}.{kind}")
 
 
@@ -99,8 +117,9 @@ def bert_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Te
             for kind in ("weight", "bias"):
                 out[f"bert.encoder.layer.{i}.{hf}.{kind}"] = canonical[f"layers.{i}.{ours}.{kind}"]
         for kind in ("weight", "bias"):
-            parts = unfuse_heads(canonical[f"layers.{i}.attn.qkv.{kind}"],
-                                 config.num_attention_heads)
+            parts = unfuse_heads(
+                canonical[f"layers.{i}.attn.qkv.{kind}"], config.num_attention_heads
+            )
             for hf, t in zip(_BERT_QKV, parts):
                 out[f"bert.encoder.layer.{i}.{hf}.{kind}"] = t
     for ours, hf in _BERT_HEAD.items():
@@ -112,10 +131,17 @@ def bert_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Te
 
 # --- Llama ---------------------------------------------------------------------------------
 _LLAMA_TOP = {"embed.word.weight": "embed_tokens.weight", "final_norm.weight": "norm.weight"}
-_LLAMA_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
-                "attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj",
-                "attn.v": "self_attn.v_proj", "attn.proj": "self_attn.o_proj",
-                "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
+_LLAMA_LAYER = {
+    "attn_norm": "input_layernorm",
+    "mlp_norm": "post_attention_layernorm",
+    "attn.q": "self_attn.q_proj",
+    "attn.k": "self_attn.k_proj",
+    "attn.v": "self_attn.v_proj",
+    "attn.proj": "self_attn.o_proj",
+    "mlp.gate": "mlp.gate_proj",
+    "mlp.up": "mlp.up_proj",
+    "mlp.down": "mlp.down_proj",
+}
 
 
 def llama_canonical(name: str, get: Getter, config) -> torch.Tensor:
@@ -145,8 +171,7 @@ CANONICAL = {"gpt2": gpt2_canonical, "bert": bert_canonical, "llama": llama_cano
 """The canonical-tensor reader per model type."""
 TO_HF = {"gpt2": gpt2_to_hf, "bert": bert_to_hf, "llama": llama_to_hf}
 """The canonical -> HF state mapping per model type (uncontiguous views; `hf.to_hf_state`)."""
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
-                 "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM", "llama": "LlamaForCausalLM"}
 """The transformers class megapar trains and exports, per model type."""
 HF_PREFIXES = ("transformer.", "bert.", "model.")
 """The base models' name prefixes in the full HF names."""

@@ -75,8 +75,10 @@ def describe(owner: dict, root: Path, age_s: float | None = None) -> str:
     command = owner.get("command") or "?"
     if len(command) > 120:
         command = command[:117] + "..."
-    return (f"--save {root} is in use by another run (pid {owner.get('pid')} on "
-            f"{owner.get('host')}, started {owner.get('started')}{alive}: {command})")
+    return (
+        f"--save {root} is in use by another run (pid {owner.get('pid')} on "
+        f"{owner.get('host')}, started {owner.get('started')}{alive}: {command})"
+    )
 
 
 def owner_state(path: Path) -> tuple[str, dict | None, float | None]:
@@ -101,12 +103,17 @@ def owner_state(path: Path) -> tuple[str, dict | None, float | None]:
 def refusal(root: Path, owner: dict, age: float | None) -> str:
     """The message of a refused second writer: who holds the lock, and what to do."""
     other_host = owner.get("host") != socket.gethostname()
-    when = (f"; a lock of another host counts as abandoned {STALE_AFTER_S / 60:g} minutes "
-            f"after its last heartbeat, or delete {root / LOCK_NAME} if that run is gone"
-            if other_host else "")
-    return (f"{describe(owner, root, age if other_host else None)}: two runs saving into one "
-            f"directory overwrite each other's checkpoints; wait for it to end, stop it, or give "
-            f"this run another --save{when}")
+    when = (
+        f"; a lock of another host counts as abandoned {STALE_AFTER_S / 60:g} minutes "
+        f"after its last heartbeat, or delete {root / LOCK_NAME} if that run is gone"
+        if other_host
+        else ""
+    )
+    return (
+        f"{describe(owner, root, age if other_host else None)}: two runs saving into one "
+        f"directory overwrite each other's checkpoints; wait for it to end, stop it, or give "
+        f"this run another --save{when}"
+    )
 
 
 def check_unlocked(root: str | Path, allowed_pids: tuple[int, ...] = ()) -> None:
@@ -143,7 +150,7 @@ class SaveLock:
         self._stop = threading.Event()
         self._old_sigterm = None
 
-    def acquire(self) -> "SaveLock":
+    def acquire(self) -> SaveLock:
         self.root.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -152,8 +159,9 @@ class SaveLock:
             except BlockingIOError:  # a live process holds it (here, or over NFS)
                 os.close(fd)
                 state, owner, age = owner_state(self.path)
-                raise SaveLockError(refusal(self.root, owner or {"host": "?", "pid": "?"},
-                                            age)) from None
+                raise SaveLockError(
+                    refusal(self.root, owner or {"host": "?", "pid": "?"}, age)
+                ) from None
             except OSError as exc:  # a file system without flock: the record decides
                 if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     os.close(fd)
@@ -170,13 +178,18 @@ class SaveLock:
             os.close(fd)
             raise SaveLockError(refusal(self.root, owner, age))
         if owner is not None:
-            self.taken_over = (f"took over the stale lock {self.path} of pid {owner.get('pid')} "
-                               f"on {owner.get('host')} (started {owner.get('started')}), "
-                               f"whose run is gone")
-        record = {"host": socket.gethostname(), "pid": os.getpid(),
-                  "proc_start": process_start(os.getpid()),
-                  "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                  "command": self.command}
+            self.taken_over = (
+                f"took over the stale lock {self.path} of pid {owner.get('pid')} "
+                f"on {owner.get('host')} (started {owner.get('started')}), "
+                f"whose run is gone"
+            )
+        record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "proc_start": process_start(os.getpid()),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": self.command,
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         os.fsync(fd)
@@ -199,6 +212,7 @@ class SaveLock:
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+
             @stop.exits_at_once
             def on_sigterm(signum, frame):
                 self.release()
@@ -225,9 +239,8 @@ class SaveLock:
             os.close(self._fd)  # drops the flock
             self._fd = None
 
-    def __enter__(self) -> "SaveLock":
+    def __enter__(self) -> SaveLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
-

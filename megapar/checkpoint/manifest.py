@@ -49,9 +49,11 @@ def check_digest(step_dir: Path, raw: bytes) -> None:
         return
     recorded = path.read_text().strip()
     if hashlib.sha256(raw).hexdigest() != recorded:
-        raise CheckpointError(f"{step_dir / MANIFEST} was changed after it was saved (its sha256 "
-                              f"does not match {DIGEST}); restore the original manifest or use "
-                              f"another checkpoint")
+        raise CheckpointError(
+            f"{step_dir / MANIFEST} was changed after it was saved (its sha256 "
+            f"does not match {DIGEST}); restore the original manifest or use "
+            f"another checkpoint"
+        )
 
 
 _TOP = {"step": int, "layout": dict, "model": dict, "meta": dict, "tensors": dict, "files": dict}
@@ -63,34 +65,49 @@ def check_manifest(manifest: dict, where) -> None:
     for key, kind in _TOP.items():
         if not isinstance(manifest.get(key), kind):
             what = "is missing" if key not in manifest else f"is not a {kind.__name__}"
-            raise CheckpointError(f"{where}: the manifest's {key!r} {what}; the manifest is "
-                                  f"damaged, restore it or use another checkpoint")
+            raise CheckpointError(
+                f"{where}: the manifest's {key!r} {what}; the manifest is "
+                f"damaged, restore it or use another checkpoint"
+            )
     layout = manifest["layout"]
     if not all(isinstance(layout.get(k), int) and layout[k] >= 1 for k in ("tp", "pp", "dp")):
-        raise CheckpointError(f"{where}: the manifest's layout {layout} needs positive integers "
-                              f"tp, pp and dp")
+        raise CheckpointError(
+            f"{where}: the manifest's layout {layout} needs positive integers tp, pp and dp"
+        )
     tp, pp = layout["tp"], layout["pp"]
     for name, e in manifest["tensors"].items():
         for key, kind in _ENTRY.items():
             if not isinstance(e.get(key) if isinstance(e, dict) else None, kind):
-                raise CheckpointError(f"{where}: tensor {name!r} lacks a valid {key!r} in the "
-                                      f"manifest")
+                raise CheckpointError(
+                    f"{where}: tensor {name!r} lacks a valid {key!r} in the manifest"
+                )
         full, local, dim = e["full_shape"], e["local_shape"], e.get("tp_dim")
-        bad = len(full) != len(local) or not 0 <= e["stage"] < pp or (
-            dim is not None and not (isinstance(dim, int) and 0 <= dim < len(full)))
+        bad = (
+            len(full) != len(local)
+            or not 0 <= e["stage"] < pp
+            or (dim is not None and not (isinstance(dim, int) and 0 <= dim < len(full)))
+        )
         if not bad:
             bad = any(loc != f for d, (loc, f) in enumerate(zip(local, full)) if d != dim) or (
-                dim is not None and local[dim] * tp < full[dim])
+                dim is not None and local[dim] * tp < full[dim]
+            )
         if bad:
             raise CheckpointError(
                 f"{where}: tensor {name!r} (full shape {full}, shard {local}, tp_dim {dim}, "
                 f"stage {e['stage']}) does not fit the manifest's layout tp={tp} pp={pp}; the "
-                f"manifest does not describe its shards (edited?)")
-    missing = [shard_file_name(t, p) for t in range(tp) for p in range(pp)
-               if shard_file_name(t, p) not in manifest["files"]]
+                f"manifest does not describe its shards (edited?)"
+            )
+    missing = [
+        shard_file_name(t, p)
+        for t in range(tp)
+        for p in range(pp)
+        if shard_file_name(t, p) not in manifest["files"]
+    ]
     if missing:
-        raise CheckpointError(f"{where}: the layout tp={tp} pp={pp} needs shard files "
-                              f"{missing[:4]} that the manifest does not list")
+        raise CheckpointError(
+            f"{where}: the layout tp={tp} pp={pp} needs shard files "
+            f"{missing[:4]} that the manifest does not list"
+        )
 
 
 def read_manifest(path: str | Path) -> dict:
@@ -100,12 +117,15 @@ def read_manifest(path: str | Path) -> dict:
     try:
         manifest = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{step_dir / MANIFEST}: not valid JSON ({exc}); the file is "
-                              f"corrupted") from exc
+        raise CheckpointError(
+            f"{step_dir / MANIFEST}: not valid JSON ({exc}); the file is corrupted"
+        ) from exc
     if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{step_dir / MANIFEST}: format {manifest.get('format')!r} version "
-                              f"{manifest.get('version')!r}, this megapar reads {FORMAT_NAME!r} "
-                              f"version {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{step_dir / MANIFEST}: format {manifest.get('format')!r} version "
+            f"{manifest.get('version')!r}, this megapar reads {FORMAT_NAME!r} "
+            f"version {FORMAT_VERSION}"
+        )
     check_digest(step_dir, raw)
     check_manifest(manifest, step_dir)
     _upgrade_separate_qkv(manifest)
@@ -129,8 +149,12 @@ def _upgrade_separate_qkv(manifest: dict) -> None:
         first = tensors[sources[0]]
         grow = lambda shape: [3 * shape[0], *shape[1:]]  # noqa: E731
         tensors[f"{prefix}.attn.qkv.{kind}"] = dict(
-            first, full_shape=grow(first["full_shape"]), local_shape=grow(first["local_shape"]),
-            fused_from={src: tensors.pop(src) for src in sources}, heads=heads)
+            first,
+            full_shape=grow(first["full_shape"]),
+            local_shape=grow(first["local_shape"]),
+            fused_from={src: tensors.pop(src) for src in sources},
+            heads=heads,
+        )
 
 
 def verify_file(step_dir: Path, name: str, record: dict, checksum: bool = True) -> None:
@@ -138,15 +162,21 @@ def verify_file(step_dir: Path, name: str, record: dict, checksum: bool = True) 
     path = step_dir / name
     if not path.exists():
         kind = "shard" if name.startswith("model_") else "file"
-        raise CheckpointError(f"missing {kind} {name} in {step_dir} (checkpoint incomplete or "
-                              f"files deleted); restore it or use another checkpoint")
+        raise CheckpointError(
+            f"missing {kind} {name} in {step_dir} (checkpoint incomplete or "
+            f"files deleted); restore it or use another checkpoint"
+        )
     size = path.stat().st_size
     if size != record["bytes"]:
-        raise CheckpointError(f"{name}: {size} bytes, the manifest records {record['bytes']} "
-                              f"(file truncated or altered); restore it or use another checkpoint")
+        raise CheckpointError(
+            f"{name}: {size} bytes, the manifest records {record['bytes']} "
+            f"(file truncated or altered); restore it or use another checkpoint"
+        )
     if checksum and file_record(path)["sha256"] != record["sha256"]:
-        raise CheckpointError(f"{name}: checksum mismatch (file altered or truncated); restore "
-                              f"it or use another checkpoint")
+        raise CheckpointError(
+            f"{name}: checksum mismatch (file altered or truncated); restore "
+            f"it or use another checkpoint"
+        )
 
 
 def verify(path: str | Path, checksums: bool = True) -> dict:

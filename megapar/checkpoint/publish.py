@@ -105,8 +105,10 @@ def recover(root: Path, step_name: str) -> str | None:
     except OSError as exc:
         if (final / MANIFEST).exists():  # another rank repaired it first
             return None
-        return (f"a complete copy is in {copies[0]} but could not be moved into place ({exc}); "
-                f"rename it to {final}")
+        return (
+            f"a complete copy is in {copies[0]} but could not be moved into place ({exc}); "
+            f"rename it to {final}"
+        )
     return None
 
 
@@ -122,8 +124,11 @@ def steps_after(root: str | Path, step: int) -> list[str]:
     root = Path(root).expanduser()
     if not root.is_dir():
         return []
-    found = [(int(p.name[5:]), p.name) for p in root.glob("step_*")
-             if re.fullmatch(r"step_\d+", p.name) and (p / MANIFEST).exists()]
+    found = [
+        (int(p.name[5:]), p.name)
+        for p in root.glob("step_*")
+        if re.fullmatch(r"step_\d+", p.name) and (p / MANIFEST).exists()
+    ]
     return [name for n, name in sorted(found) if n > step]
 
 
@@ -143,8 +148,9 @@ def remove_steps_after(root: str | Path, step: int) -> list[str]:
             latest.unlink()
     for name in newer:
         shutil.rmtree(root / name)
-    for record in sorted((root / "records").glob("step_*.*")) if (root / "records").is_dir() \
-            else []:
+    for record in (
+        sorted((root / "records").glob("step_*.*")) if (root / "records").is_dir() else []
+    ):
         n = record.name[5:].split(".")[0]
         if n.isdigit() and int(n) > step:
             record.unlink()
@@ -156,8 +162,9 @@ def remove_steps_after(root: str | Path, step: int) -> list[str]:
 def has_checkpoint(path: str | Path) -> bool:
     """Whether `path` holds something to resume from (else a requeued run starts fresh)."""
     p = Path(path).expanduser()
-    return p.is_dir() and ((p / MANIFEST).exists() or (p / "latest").exists()
-                           or newest_step(p) is not None)
+    return p.is_dir() and (
+        (p / MANIFEST).exists() or (p / "latest").exists() or newest_step(p) is not None
+    )
 
 
 def foreign_checkpoint(path: str | Path) -> str | None:
@@ -170,25 +177,36 @@ def foreign_checkpoint(path: str | Path) -> str | None:
     if not p.is_dir() or has_checkpoint(p):
         return None
     if (p / ".metadata").is_file() or any(p.glob("*.distcp")):
-        what = ("a torch.distributed.checkpoint (DCP) checkpoint (.metadata, *.distcp), as "
-                "torchtitan saves" if (p / ".metadata").is_file() else
-                "*.distcp files of a DCP checkpoint without its .metadata (an interrupted save?)")
-        return (f"holds {what}, not a megapar checkpoint; import a torchtitan Llama with "
-                f"megapar-convert --from-dcp {path} CKPT_DIR --job-config JOB.toml (or --model "
-                f"SPEC), then --load CKPT_DIR")
+        what = (
+            "a torch.distributed.checkpoint (DCP) checkpoint (.metadata, *.distcp), as "
+            "torchtitan saves"
+            if (p / ".metadata").is_file()
+            else "*.distcp files of a DCP checkpoint without its .metadata (an interrupted save?)"
+        )
+        return (
+            f"holds {what}, not a megapar checkpoint; import a torchtitan Llama with "
+            f"megapar-convert --from-dcp {path} CKPT_DIR --job-config JOB.toml (or --model "
+            f"SPEC), then --load CKPT_DIR"
+        )
     steps = sorted(d.name for d in p.glob("step-*") if (d / ".metadata").is_file())
     if steps:
-        return (f"holds torchtitan's DCP checkpoints ({', '.join(steps[-3:])}), not a megapar "
-                f"checkpoint; import one with megapar-convert --from-dcp {p / steps[-1]} "
-                f"CKPT_DIR --job-config JOB.toml, then --load CKPT_DIR")
+        return (
+            f"holds torchtitan's DCP checkpoints ({', '.join(steps[-3:])}), not a megapar "
+            f"checkpoint; import one with megapar-convert --from-dcp {p / steps[-1]} "
+            f"CKPT_DIR --job-config JOB.toml, then --load CKPT_DIR"
+        )
     if (p / "config.json").is_file():
-        return (f"holds a Hugging Face model (config.json), not a megapar checkpoint; start from "
-                f"it with --from-hf {path} (or import it: megapar-convert --from-hf {path} "
-                f"CKPT_DIR)")
+        return (
+            f"holds a Hugging Face model (config.json), not a megapar checkpoint; start from "
+            f"it with --from-hf {path} (or import it: megapar-convert --from-hf {path} "
+            f"CKPT_DIR)"
+        )
     if (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file():
-        return (f"holds Hugging Face-style safetensors weights without a config.json, not a "
-                f"megapar checkpoint; add the model's config.json there, then start from it "
-                f"with --from-hf {path} (or megapar-convert --from-hf {path} CKPT_DIR)")
+        return (
+            f"holds Hugging Face-style safetensors weights without a config.json, not a "
+            f"megapar checkpoint; add the model's config.json there, then start from it "
+            f"with --from-hf {path} (or megapar-convert --from-hf {path} CKPT_DIR)"
+        )
     return None
 
 
@@ -220,13 +238,14 @@ def clean_stale(root: str | Path) -> list[str]:
         return removed
     for p in root.iterdir():
         if p.name.startswith(".old-step_"):
-            step_name = p.name[len(".old-"):].rsplit("-", 1)[0]
+            step_name = p.name[len(".old-") :].rsplit("-", 1)[0]
             stale = (root / step_name / MANIFEST).exists()
         elif p.name.startswith(".tmp-step_"):
-            n = p.name[len(".tmp-step_"):].split("-", 1)[0]
+            n = p.name[len(".tmp-step_") :].split("-", 1)[0]
             step_name = f"step_{int(n):08d}" if n.isdigit() else ""
-            stale = _owner_gone(p) and (not (p / MANIFEST).exists()
-                                        or (root / step_name / MANIFEST).exists())
+            stale = _owner_gone(p) and (
+                not (p / MANIFEST).exists() or (root / step_name / MANIFEST).exists()
+            )
         elif p.name.startswith(".latest.tmp-"):
             stale = _owner_gone(p)
         else:
@@ -247,16 +266,20 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (path / LATEST).exists():
         name = (path / LATEST).read_text().strip()
         if not re.fullmatch(r"step_\d+", name):  # never a path out of the root
-            raise CheckpointError(f"{path}/latest holds {name[:80]!r}, not the name of a step "
-                                  f"directory in {path} (step_N); write the step to resume "
-                                  f"there, or pass a step directory explicitly")
+            raise CheckpointError(
+                f"{path}/latest holds {name[:80]!r}, not the name of a step "
+                f"directory in {path} (step_N); write the step to resume "
+                f"there, or pass a step directory explicitly"
+            )
         step = path / name
         if not (step / MANIFEST).exists():
             problem = recover(path, step.name)
             if problem is not None:
-                raise CheckpointError(f"{path}/latest points to {step.name}, which has no "
-                                      f"{MANIFEST} (deleted or moved?); {problem}; pass a step "
-                                      f"directory explicitly")
+                raise CheckpointError(
+                    f"{path}/latest points to {step.name}, which has no "
+                    f"{MANIFEST} (deleted or moved?); {problem}; pass a step "
+                    f"directory explicitly"
+                )
         return step
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
@@ -264,11 +287,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if newest is not None:  # a crash before the first `latest` was written
         return newest
     if (path / "config.json").exists():
-        raise CheckpointError(f"{path} holds a Hugging Face model (config.json), not a megapar "
-                              f"checkpoint; import it with megapar-convert --from-hf {path} "
-                              f"CKPT_DIR (or train from it: megapar-train --from-hf {path})")
+        raise CheckpointError(
+            f"{path} holds a Hugging Face model (config.json), not a megapar "
+            f"checkpoint; import it with megapar-convert --from-hf {path} "
+            f"CKPT_DIR (or train from it: megapar-train --from-hf {path})"
+        )
     foreign = foreign_checkpoint(path)
     if foreign is not None:
         raise CheckpointError(f"{path} {foreign}")
-    raise CheckpointError(f"{path}: neither a checkpoint step directory (no {MANIFEST}) nor a "
-                          f"checkpoint root (no {LATEST} file); was the save interrupted?")
+    raise CheckpointError(
+        f"{path}: neither a checkpoint step directory (no {MANIFEST}) nor a "
+        f"checkpoint root (no {LATEST} file); was the save interrupted?"
+    )

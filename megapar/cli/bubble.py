@@ -46,49 +46,80 @@ from megapar.training.validate_tools import MAX_SIMULATED_ACTIONS, check_bubble_
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="megapar-bubble", description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, help="pipeline stages (required unless --certify)")
-    p.add_argument("--microbatches", "-m", type=int,
-                   help="micro-batches per step (required unless --certify)")
-    p.add_argument("--schedule", choices=list(SCHEDULES),
-                   help="pipeline schedule (default: 1f1b; with --certify: every schedule)")
-    p.add_argument("--virtual-stages", type=int,
-                   help="model chunks per rank (default 1; --schedule interleaved needs >= 2; "
-                        "zb-v and dualpipev hold 2 whatever it says, and accept 1 or 2)")
+    p.add_argument(
+        "--microbatches", "-m", type=int, help="micro-batches per step (required unless --certify)"
+    )
+    p.add_argument(
+        "--schedule",
+        choices=list(SCHEDULES),
+        help="pipeline schedule (default: 1f1b; with --certify: every schedule)",
+    )
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        help="model chunks per rank (default 1; --schedule interleaved needs >= 2; "
+        "zb-v and dualpipev hold 2 whatever it says, and accept 1 or 2)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per stage")
-    p.add_argument("--cp", type=int, default=1,
-                   help="context-parallel size per stage: each sequence split over cp ranks, "
-                        "whose attention exchanges keys / values inside every F and B (their "
-                        "time is in the measured costs; --seq-len a multiple of 2 x cp)")
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel size per stage: each sequence split over cp ranks, "
+        "whose attention exchanges keys / values inside every F and B (their "
+        "time is in the measured costs; --seq-len a multiple of 2 x cp)",
+    )
     p.add_argument("--model", help="model recipe (default: a compute-bound GPT-2, 2 blocks/stage)")
     p.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up)")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--show-schedule", action="store_true",
-                   help="print each stage's program and exit: its computes (F3 = forward of "
-                        "micro-batch 3, B = backward, BI / BW = its input / weight halves, @1 = "
-                        "chunk 1) and, in brackets, the messages issued together as one "
-                        "batch_isend_irecv ([SA1 RG0] = send activation 1, receive gradient 0)")
-    p.add_argument("--certify", action="store_true",
-                   help="check the programs the executor runs against NCCL's rules and the "
-                        "schedules' published bounds, over a grid of schedules x pp x m x V "
-                        "(narrowed by --schedule, --pp, -m, --virtual-stages), with real steps "
-                        "for pp <= 4, m <= 8; prints a table, exits 1 if a check fails "
-                        "(docs/guides/certificate.md)")
+    p.add_argument(
+        "--show-schedule",
+        action="store_true",
+        help="print each stage's program and exit: its computes (F3 = forward of "
+        "micro-batch 3, B = backward, BI / BW = its input / weight halves, @1 = "
+        "chunk 1) and, in brackets, the messages issued together as one "
+        "batch_isend_irecv ([SA1 RG0] = send activation 1, receive gradient 0)",
+    )
+    p.add_argument(
+        "--certify",
+        action="store_true",
+        help="check the programs the executor runs against NCCL's rules and the "
+        "schedules' published bounds, over a grid of schedules x pp x m x V "
+        "(narrowed by --schedule, --pp, -m, --virtual-stages), with real steps "
+        "for pp <= 4, m <= 8; prints a table, exits 1 if a check fails "
+        "(docs/guides/certificate.md)",
+    )
     p.add_argument("--simulate", action="store_true", help="compute the timeline from costs")
-    p.add_argument("--fwd-ms", type=float,
-                   help="forward cost of one micro-batch through one model chunk (a stage's "
-                        "whole forward, or 1/V of it with --virtual-stages V: give the chunk's)")
+    p.add_argument(
+        "--fwd-ms",
+        type=float,
+        help="forward cost of one micro-batch through one model chunk (a stage's "
+        "whole forward, or 1/V of it with --virtual-stages V: give the chunk's)",
+    )
     p.add_argument("--bwd-ms", type=float, help="backward cost (default 2 x forward)")
-    p.add_argument("--bwd-input-ms", type=float,
-                   help="zero-bubble B (input-gradient) cost (default half the backward)")
-    p.add_argument("--bwd-weight-ms", type=float,
-                   help="zero-bubble W (weight-gradient) cost (default half the backward)")
+    p.add_argument(
+        "--bwd-input-ms",
+        type=float,
+        help="zero-bubble B (input-gradient) cost (default half the backward)",
+    )
+    p.add_argument(
+        "--bwd-weight-ms",
+        type=float,
+        help="zero-bubble W (weight-gradient) cost (default half the backward)",
+    )
     p.add_argument("--p2p-ms", type=float, help="point-to-point latency (default 0)")
-    p.add_argument("--oversubscribe", action="store_true",
-                   help="measure with more local processes (pp x tp x cp) than 4 per CPU core "
-                        "(at least 8); refused otherwise")
+    p.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="measure with more local processes (pp x tp x cp) than 4 per CPU core "
+        "(at least 8); refused otherwise",
+    )
     p.add_argument("--trace", help="write a Chrome trace-event JSON (Perfetto, chrome://tracing)")
-    p.add_argument("--plot", help="write the timeline as a Gantt chart (.png added when the name "
-                                  "has no suffix)")
+    p.add_argument(
+        "--plot",
+        help="write the timeline as a Gantt chart (.png added when the name has no suffix)",
+    )
     return p
 
 
@@ -101,20 +132,27 @@ def check_cost_flags(args) -> None:
     if args.show_schedule:
         for name in ("trace", "plot"):
             if getattr(args, name):
-                raise ValueError(f"--{name} is not used with --show-schedule (which prints the "
-                                 f"actions only); drop one of them")
+                raise ValueError(
+                    f"--{name} is not used with --show-schedule (which prints the "
+                    f"actions only); drop one of them"
+                )
     given = [flag_of(n) for n in COST_FLAGS if getattr(args, n) is not None]
     if not given:
         return
     if args.show_schedule:
-        raise ValueError(f"{given[0]} is not used with --show-schedule (which prints the "
-                         f"actions only); drop it")
+        raise ValueError(
+            f"{given[0]} is not used with --show-schedule (which prints the actions only); drop it"
+        )
     if not args.simulate:
-        raise ValueError(f"{given[0]} is used only with --simulate; add --simulate to compute "
-                         f"the timeline from costs, or drop {given[0]} to measure it")
+        raise ValueError(
+            f"{given[0]} is used only with --simulate; add --simulate to compute "
+            f"the timeline from costs, or drop {given[0]} to measure it"
+        )
     if args.fwd_ms is None:
-        raise ValueError(f"{given[0]} needs --fwd-ms: without --fwd-ms, --simulate measures "
-                         f"every cost on real processes; give --fwd-ms too, or drop {given[0]}")
+        raise ValueError(
+            f"{given[0]} needs --fwd-ms: without --fwd-ms, --simulate measures "
+            f"every cost on real processes; give --fwd-ms too, or drop {given[0]}"
+        )
 
 
 def plot_file(path: str) -> str:
@@ -127,8 +165,10 @@ def plot_file(path: str) -> str:
 
     formats = FigureCanvasAgg.get_supported_filetypes()
     if ext[1:].lower() not in formats:
-        raise ValueError(f"--plot {path}: matplotlib cannot write {ext} files; end the name "
-                         f"with .png (or one of {', '.join('.' + f for f in sorted(formats))})")
+        raise ValueError(
+            f"--plot {path}: matplotlib cannot write {ext} files; end the name "
+            f"with .png (or one of {', '.join('.' + f for f in sorted(formats))})"
+        )
     return path
 
 
@@ -138,28 +178,43 @@ def check_output_files(args) -> None:
 
     if args.trace:
         if os.path.isdir(os.path.expanduser(args.trace)):
-            raise ValueError(f"--trace {args.trace} is a directory; give a file name, e.g. "
-                             f"--trace {os.path.join(args.trace, 'trace.json')}")
+            raise ValueError(
+                f"--trace {args.trace} is a directory; give a file name, e.g. "
+                f"--trace {os.path.join(args.trace, 'trace.json')}"
+            )
         check_writable(args.trace, "--trace", kind="file")
     if args.plot:
         if os.path.isdir(os.path.expanduser(args.plot)):
-            raise ValueError(f"--plot {args.plot} is a directory; give a file name, e.g. "
-                             f"--plot {os.path.join(args.plot, 'gantt.png')}")
+            raise ValueError(
+                f"--plot {args.plot} is a directory; give a file name, e.g. "
+                f"--plot {os.path.join(args.plot, 'gantt.png')}"
+            )
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ValueError("--plot needs matplotlib (pip install matplotlib); or drop --plot "
-                             "and plot a --trace file later") from None
+            raise ValueError(
+                "--plot needs matplotlib (pip install matplotlib); or drop --plot "
+                "and plot a --trace file later"
+            ) from None
         real = plot_file(args.plot)
         if os.path.isdir(os.path.expanduser(real)):
-            raise ValueError(f"--plot {args.plot} would write {real}, which is a directory; "
-                             f"give another file name")
+            raise ValueError(
+                f"--plot {args.plot} would write {real}, which is a directory; "
+                f"give another file name"
+            )
         check_writable(real, "--plot", kind="file")
         args.plot = real
 
 
-CERTIFY_ALONE = ("show_schedule", "simulate", "trace", "plot", "model", "oversubscribe",
-                 *COST_FLAGS)
+CERTIFY_ALONE = (
+    "show_schedule",
+    "simulate",
+    "trace",
+    "plot",
+    "model",
+    "oversubscribe",
+    *COST_FLAGS,
+)
 """Flags --certify does not use (it checks programs, it measures nothing)."""
 
 
@@ -168,13 +223,17 @@ def check_certify_args(args) -> list[tuple]:
     refused."""
     for name in CERTIFY_ALONE:
         if getattr(args, name) not in (None, False):
-            raise ValueError(f"{flag_of(name)} is not used with --certify (which checks the "
-                             f"programs of every stage); drop one of them")
+            raise ValueError(
+                f"{flag_of(name)} is not used with --certify (which checks the "
+                f"programs of every stage); drop one of them"
+            )
     for name in ("tp", "cp"):
         if getattr(args, name) != 1:
-            raise ValueError(f"{flag_of(name)} is not used with --certify: the programs are the "
-                             f"same for any --{name} (each stage's ranks run its program); "
-                             f"drop it")
+            raise ValueError(
+                f"{flag_of(name)} is not used with --certify: the programs are the "
+                f"same for any --{name} (each stage's ranks run its program); "
+                f"drop it"
+            )
     for name in ("pp", "microbatches", "virtual_stages"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -186,9 +245,11 @@ def check_certify_args(args) -> list[tuple]:
     vs = (args.virtual_stages,) if args.virtual_stages else certify.GRID_V
     actions = 2 * max(pps) * max(ms) * max(vs)
     if actions > MAX_SIMULATED_ACTIONS:
-        raise UsageError(f"--pp {max(pps)} x --microbatches {max(ms)} x --virtual-stages "
-                         f"{max(vs)} is {actions:,} actions, more than megapar-bubble certifies "
-                         f"in seconds ({MAX_SIMULATED_ACTIONS:,})")
+        raise UsageError(
+            f"--pp {max(pps)} x --microbatches {max(ms)} x --virtual-stages "
+            f"{max(vs)} is {actions:,} actions, more than megapar-bubble certifies "
+            f"in seconds ({MAX_SIMULATED_ACTIONS:,})"
+        )
     names = (args.schedule,) if args.schedule else None
     points = certify.grid(names, pps, ms, vs)
     if not points:  # the schedule refuses every point: say why, for the first one
@@ -210,38 +271,49 @@ def run_certificate(points: list[tuple], whole_grid: bool = True, schedules=None
     missing = certify.missing_schedules(points, schedules)
     for name in missing:
         if whole_grid:
-            print(f"FAIL {name}: no (pp, m, V) of the grid is accepted by the schedule, so "
-                  f"nothing of it is certified")
+            print(
+                f"FAIL {name}: no (pp, m, V) of the grid is accepted by the schedule, so "
+                f"nothing of it is certified"
+            )
         else:
-            print(f"not certified: {name} (it accepts none of the --pp, -m and "
-                  f"--virtual-stages given)")
+            print(
+                f"not certified: {name} (it accepts none of the --pp, -m and "
+                f"--virtual-stages given)"
+            )
     ok = all(c.ok for c in certs) and not (missing and whole_grid)
-    print(f"certificate: {'every check holds' if ok else 'FAILED'} ({len(certs)} steps, "
-          f"{len(real)} of them also run as real steps; what is proven: "
-          f"docs/guides/certificate.md)")
+    print(
+        f"certificate: {'every check holds' if ok else 'FAILED'} ({len(certs)} steps, "
+        f"{len(real)} of them also run as real steps; what is proven: "
+        f"docs/guides/certificate.md)"
+    )
     return 0 if ok else 1
 
 
 def print_programs(args) -> None:
     """--show-schedule: every stage's program, checked against NCCL's rules, and its key."""
-    programs = messages.programs(args.schedule, args.pp, args.microbatches,
-                                 args.virtual_stages)
+    programs = messages.programs(args.schedule, args.pp, args.microbatches, args.virtual_stages)
     for stage, program in enumerate(programs):
         print(f"stage {stage}: {format_schedule(program)}")
     nccl_rules.check_programs(programs, args.schedule)
-    print("key: F3 = forward of micro-batch 3, B = backward, BI / BW = its input / weight "
-          "halves, @1 = model chunk 1; SA / RA = send / receive an activation, SG / RG = a "
-          "gradient")
-    print("each [...] is one batch_isend_irecv group (an NCCL group call); a compute waits "
-          "only for the message it consumes; checked against NCCL's rules: no deadlock, "
-          "every rank pair's messages pair in issue order")
+    print(
+        "key: F3 = forward of micro-batch 3, B = backward, BI / BW = its input / weight "
+        "halves, @1 = model chunk 1; SA / RA = send / receive an activation, SG / RG = a "
+        "gradient"
+    )
+    print(
+        "each [...] is one batch_isend_irecv group (an NCCL group call); a compute waits "
+        "only for the message it consumes; checked against NCCL's rules: no deadlock, "
+        "every rank pair's messages pair in issue order"
+    )
     if args.cp > 1:
         c = args.cp
-        print(f"cp {c}: every stage runs on {c} ranks with this program; inside each F (per "
-              f"layer) {c - 1} ring exchanges [send K/V to the next cp rank, receive the "
-              f"previous one's], inside each B {c - 1} of K/V and {c} of dK/dV "
-              f"(grouped-query Llama: an all-gather of K/V per F, an all-gather and a "
-              f"reduce-scatter per B)")
+        print(
+            f"cp {c}: every stage runs on {c} ranks with this program; inside each F (per "
+            f"layer) {c - 1} ring exchanges [send K/V to the next cp rank, receive the "
+            f"previous one's], inside each B {c - 1} of K/V and {c} of dK/dV "
+            f"(grouped-query Llama: an all-gather of K/V per F, an all-gather and a "
+            f"reduce-scatter per B)"
+        )
 
 
 def simulated_run(args) -> bubble.BubbleRun:
@@ -251,11 +323,23 @@ def simulated_run(args) -> bubble.BubbleRun:
     fwd, bwd, p2p = args.fwd_ms, args.bwd_ms, args.p2p_ms or 0.0
     b_in, b_w = args.bwd_input_ms, args.bwd_weight_ms
     if fwd is None:  # measure the costs once on the real engine
-        print(f"measuring the forward and backward costs on this machine first (one step of "
-              f"the real model at pp {pp}; --fwd-ms / --bwd-ms give them and skip this)",
-              flush=True)
-        costs = bubble.measure(pp, m, args.schedule, args.tp, args.model, 1,
-                               args.micro_batch_size, args.seq_len, v, args.cp).costs
+        print(
+            f"measuring the forward and backward costs on this machine first (one step of "
+            f"the real model at pp {pp}; --fwd-ms / --bwd-ms give them and skip this)",
+            flush=True,
+        )
+        costs = bubble.measure(
+            pp,
+            m,
+            args.schedule,
+            args.tp,
+            args.model,
+            1,
+            args.micro_batch_size,
+            args.seq_len,
+            v,
+            args.cp,
+        ).costs
         assert costs is not None  # a measurement records them
         fwd, bwd, p2p = costs["fwd_ms"], costs["bwd_ms"], costs["p2p_ms"]
         b_in, b_w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")
@@ -274,13 +358,18 @@ def main(argv=None) -> int:
             print(f"megapar-bubble: error: {exc}", file=sys.stderr)
             return 2
         narrowed = args.pp or args.microbatches or args.virtual_stages
-        return run_certificate(points, whole_grid=not narrowed,
-                               schedules=(args.schedule,) if args.schedule else None)
-    missing = [flag for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches))
-               if value is None]
+        return run_certificate(
+            points, whole_grid=not narrowed, schedules=(args.schedule,) if args.schedule else None
+        )
+    missing = [
+        flag
+        for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches))
+        if value is None
+    ]
     if missing:
-        parser.error(f"the following arguments are required: {', '.join(missing)} (or use "
-                     f"--certify)")
+        parser.error(
+            f"the following arguments are required: {', '.join(missing)} (or use --certify)"
+        )
     if args.schedule is None:
         args.schedule = "1f1b"
     if args.virtual_stages is None:
@@ -302,18 +391,33 @@ def main(argv=None) -> int:
         run = simulated_run(args)
         title = f"simulated {name}, pp={pp}, m={m}"
     else:
-        run = bubble.measure(pp, m, args.schedule, args.tp, args.model, args.steps,
-                             args.micro_batch_size, args.seq_len, v, args.cp)
+        run = bubble.measure(
+            pp,
+            m,
+            args.schedule,
+            args.tp,
+            args.model,
+            args.steps,
+            args.micro_batch_size,
+            args.seq_len,
+            v,
+            args.cp,
+        )
         title = f"measured {name}, pp={pp}, m={m}" + (f", cp={args.cp}" if args.cp > 1 else "")
     print(title)
     print(format_bubble_table(run.stats, run.theoretical))
     chunks = chunks_per_rank(args.schedule, v)
-    unit = (f", counted per chunk: a rank holds {chunks}, each with 1 / {chunks} of its layers"
-            if chunks > 1 else "")
+    unit = (
+        f", counted per chunk: a rank holds {chunks}, each with 1 / {chunks} of its layers"
+        if chunks > 1
+        else ""
+    )
     print(f"in-flight micro-batches per stage (peak{unit}): {run.in_flight}")
     if run.activation_mb is not None:
-        print("activation memory per stage (peak MB held for backward): "
-              + ", ".join(f"{x:.1f}" for x in run.activation_mb))
+        print(
+            "activation memory per stage (peak MB held for backward): "
+            + ", ".join(f"{x:.1f}" for x in run.activation_mb)
+        )
     for out in filter(None, (args.trace, args.plot)):  # checked writable; created when written
         os.makedirs(os.path.dirname(os.path.abspath(os.path.expanduser(out))), exist_ok=True)
     if args.trace:

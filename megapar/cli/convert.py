@@ -34,59 +34,103 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from megapar.training.config import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``megapar-convert`` argument parser."""
-    p = OneLineParser(prog="megapar-convert", description=__doc__.replace("``", ""),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("paths", nargs="*", metavar="PATH", help="SRC DST, DST (--from-hf) or SRC "
-                                                            "(--to-hf)")
-    p.add_argument("--tp", type=int, help="target tensor-parallel size (default: the source's; "
-                                          "1 with --from-hf)")
-    p.add_argument("--pp", type=int, help="target pipeline-parallel size (default: the source's; "
-                                          "1 with --from-hf)")
-    p.add_argument("--dp", type=int, default=1, help="target data-parallel size (recorded only; "
-                                                     "files never depend on dp)")
+    p = OneLineParser(
+        prog="megapar-convert",
+        description=__doc__.replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "paths", nargs="*", metavar="PATH", help="SRC DST, DST (--from-hf) or SRC (--to-hf)"
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="target tensor-parallel size (default: the source's; 1 with --from-hf)",
+    )
+    p.add_argument(
+        "--pp",
+        type=int,
+        help="target pipeline-parallel size (default: the source's; 1 with --from-hf)",
+    )
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="target data-parallel size (recorded only; files never depend on dp)",
+    )
     p.add_argument("--from-hf", metavar="HF_DIR", help="import a transformers directory")
     p.add_argument("--to-hf", metavar="HF_DIR", help="export SRC as a transformers directory")
-    p.add_argument("--from-dcp", metavar="DCP_DIR",
-                   help="import a torchtitan Llama checkpoint (a DCP step directory: "
-                        ".metadata + *.distcp); needs --job-config or --model")
-    p.add_argument("--to-dcp", metavar="DCP_DIR",
-                   help="export SRC's Llama weights as a DCP checkpoint in torchtitan's names")
-    p.add_argument("--job-config", metavar="TOML",
-                   help="--from-dcp: torchtitan's job config; its [model] flavor (debugmodel, "
-                        "8B, 70B, 405B) and [training] seq_len give the model")
-    p.add_argument("--model", metavar="SPEC",
-                   help="--from-dcp: the model as a megapar recipe name or config file "
-                        "(instead of --job-config)")
-    p.add_argument("--tokenizer", metavar="SPEC",
-                   help="--to-hf: the tokenizer to export ('gpt2', 'sentencepiece', a .model "
-                        "file, a vocab.json + merges.txt or tokenizer.json directory); default: "
-                        "the one the checkpoint records (files that differ from those it records "
-                        "are refused unless --allow-other-tokenizer)")
-    p.add_argument("--allow-other-tokenizer", action="store_true",
-                   help="--to-hf: export --tokenizer even though it is not the tokenizer the "
-                        "checkpoint trained with")
-    p.add_argument("--tokenizer-rows", action="store_true",
-                   help="--to-hf of a GPT-2 or Llama: export only the rows of the tokenizer's ids "
-                        "(the GPT-2 BPE's 50,257, as Hugging Face's GPT-2), not the [PAD] [CLS] "
-                        "[SEP] [MASK] megapar appends; logits on those ids are unchanged, "
-                        "probabilities shift slightly (the model's softmax spanned every row)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], type=_dtype,
-                   help="--to-hf: the dtype of the exported weights, or its short name bf16, "
-                        "fp16, fp32 (default: the dtype of the Hugging Face model the "
-                        "checkpoint came from, else float32)")
+    p.add_argument(
+        "--from-dcp",
+        metavar="DCP_DIR",
+        help="import a torchtitan Llama checkpoint (a DCP step directory: "
+        ".metadata + *.distcp); needs --job-config or --model",
+    )
+    p.add_argument(
+        "--to-dcp",
+        metavar="DCP_DIR",
+        help="export SRC's Llama weights as a DCP checkpoint in torchtitan's names",
+    )
+    p.add_argument(
+        "--job-config",
+        metavar="TOML",
+        help="--from-dcp: torchtitan's job config; its [model] flavor (debugmodel, "
+        "8B, 70B, 405B) and [training] seq_len give the model",
+    )
+    p.add_argument(
+        "--model",
+        metavar="SPEC",
+        help="--from-dcp: the model as a megapar recipe name or config file "
+        "(instead of --job-config)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="SPEC",
+        help="--to-hf: the tokenizer to export ('gpt2', 'sentencepiece', a .model "
+        "file, a vocab.json + merges.txt or tokenizer.json directory); default: "
+        "the one the checkpoint records (files that differ from those it records "
+        "are refused unless --allow-other-tokenizer)",
+    )
+    p.add_argument(
+        "--allow-other-tokenizer",
+        action="store_true",
+        help="--to-hf: export --tokenizer even though it is not the tokenizer the "
+        "checkpoint trained with",
+    )
+    p.add_argument(
+        "--tokenizer-rows",
+        action="store_true",
+        help="--to-hf of a GPT-2 or Llama: export only the rows of the tokenizer's ids "
+        "(the GPT-2 BPE's 50,257, as Hugging Face's GPT-2), not the [PAD] [CLS] "
+        "[SEP] [MASK] megapar appends; logits on those ids are unchanged, "
+        "probabilities shift slightly (the model's softmax spanned every row)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        type=_dtype,
+        help="--to-hf: the dtype of the exported weights, or its short name bf16, "
+        "fp16, fp32 (default: the dtype of the Hugging Face model the "
+        "checkpoint came from, else float32)",
+    )
     p.add_argument("--info", metavar="CKPT", help="print a summary of a checkpoint")
     p.add_argument("--tensors", action="store_true", help="with --info: list every tensor")
-    p.add_argument("--fast", action="store_true", help="with --info: check file sizes only, "
-                                                       "not their sha256")
-    p.add_argument("--seed", type=int, default=0,
-                   help="--from-hf: seed for tensors the HF model lacks (plain BertModel's head)")
+    p.add_argument(
+        "--fast", action="store_true", help="with --info: check file sizes only, not their sha256"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="--from-hf: seed for tensors the HF model lacks (plain BertModel's head)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
@@ -123,10 +167,15 @@ def run(args) -> str:
     for flag in ("from_hf", "to_hf", "info", "from_dcp", "to_dcp"):
         if getattr(args, flag) == "":
             raise ValueError(f"--{flag.replace('_', '-')} '' is an empty path: give a directory")
-    if sum(x is not None for x in (args.from_hf, args.to_hf, args.info, args.from_dcp,
-                                   args.to_dcp)) > 1:
-        raise ValueError("--from-hf, --to-hf, --from-dcp, --to-dcp and --info are separate "
-                         "modes; give one")
+    if (
+        sum(
+            x is not None for x in (args.from_hf, args.to_hf, args.info, args.from_dcp, args.to_dcp)
+        )
+        > 1
+    ):
+        raise ValueError(
+            "--from-hf, --to-hf, --from-dcp, --to-dcp and --info are separate modes; give one"
+        )
     if (args.job_config or args.model) and not args.from_dcp:
         raise ValueError("--job-config and --model are used only with --from-dcp")
     if args.from_dcp or args.to_dcp:
@@ -134,52 +183,79 @@ def run(args) -> str:
     if args.info:
         _need(args, 0, "no positional path with --info CKPT")
         return cv.checkpoint_info(args.info, tensors=args.tensors, checksums=not args.fast)
-    if (args.tokenizer or args.dtype or args.allow_other_tokenizer or args.tokenizer_rows) \
-            and not args.to_hf:
-        raise ValueError("--tokenizer, --allow-other-tokenizer, --tokenizer-rows and --dtype are "
-                         "used only with --to-hf")
+    if (
+        args.tokenizer or args.dtype or args.allow_other_tokenizer or args.tokenizer_rows
+    ) and not args.to_hf:
+        raise ValueError(
+            "--tokenizer, --allow-other-tokenizer, --tokenizer-rows and --dtype are "
+            "used only with --to-hf"
+        )
     if args.allow_other_tokenizer and not args.tokenizer:
         raise ValueError("--allow-other-tokenizer needs --tokenizer SPEC, the tokenizer to export")
     if args.to_hf:
         (src,) = _need(args, 1, "SRC --to-hf HF_DIR")
         if args.tp is not None or args.pp is not None:
-            raise ValueError("--tp and --pp are not used with --to-hf: an export is one "
-                             "unsharded model; drop them")
-        out = cv.export_hf(src, args.to_hf, overwrite=args.overwrite, tokenizer=args.tokenizer,
-                           dtype=args.dtype, allow_other_tokenizer=args.allow_other_tokenizer,
-                           tokenizer_rows=args.tokenizer_rows)
+            raise ValueError(
+                "--tp and --pp are not used with --to-hf: an export is one "
+                "unsharded model; drop them"
+            )
+        out = cv.export_hf(
+            src,
+            args.to_hf,
+            overwrite=args.overwrite,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+            allow_other_tokenizer=args.allow_other_tokenizer,
+            tokenizer_rows=args.tokenizer_rows,
+        )
         report = f"wrote transformers directory {out}"
         rows = _exported_rows(args, src, out)
         if rows is not None and rows[0] < rows[1]:
-            report += (f"\nnote: --tokenizer-rows: the embedding has the tokenizer's {rows[0]:,} "
-                       f"rows of the model's {rows[1]:,}; logits on those ids are the model's, "
-                       f"probabilities differ slightly (it trained its softmax over all)")
+            report += (
+                f"\nnote: --tokenizer-rows: the embedding has the tokenizer's {rows[0]:,} "
+                f"rows of the model's {rows[1]:,}; logits on those ids are the model's, "
+                f"probabilities differ slightly (it trained its softmax over all)"
+            )
         elif rows is not None:
-            report += (f"\nnote: vocab_size {rows[1]:,}: the tokenizer's {rows[2]:,} ids and the "
-                       f"{rows[1] - rows[2]} megapar appends for BERT ([PAD] [CLS] [SEP] [MASK] "
-                       f"where missing), which this model trained its softmax over, so they "
-                       f"stay (cutting them would "
-                       f"change every probability); --tokenizer-rows exports {rows[2]:,} rows, "
-                       f"shaped as Hugging Face's model")
+            report += (
+                f"\nnote: vocab_size {rows[1]:,}: the tokenizer's {rows[2]:,} ids and the "
+                f"{rows[1] - rows[2]} megapar appends for BERT ([PAD] [CLS] [SEP] [MASK] "
+                f"where missing), which this model trained its softmax over, so they "
+                f"stay (cutting them would "
+                f"change every probability); --tokenizer-rows exports {rows[2]:,} rows, "
+                f"shaped as Hugging Face's model"
+            )
         if not (out / "tokenizer_config.json").exists():
-            report += ("\nnote: the checkpoint records no tokenizer, so the export has none "
-                       "(AutoTokenizer cannot load it); pass --tokenizer SPEC")
+            report += (
+                "\nnote: the checkpoint records no tokenizer, so the export has none "
+                "(AutoTokenizer cannot load it); pass --tokenizer SPEC"
+            )
         return report
     if args.from_hf:
         (dst,) = _need(args, 1, "--from-hf HF_DIR DST [--tp N] [--pp M]")
         _fill_layout(args, {})
-        path, initialised = cv.import_hf(args.from_hf, dst, args.tp, args.pp, args.dp,
-                                         seed=args.seed, overwrite=args.overwrite,
-                                         progress=progress)
+        path, initialised = cv.import_hf(
+            args.from_hf,
+            dst,
+            args.tp,
+            args.pp,
+            args.dp,
+            seed=args.seed,
+            overwrite=args.overwrite,
+            progress=progress,
+        )
         report = f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, no optimizer state)"
         if initialised:
-            report += (f"\nnot in {args.from_hf}, initialised from --seed {args.seed}: "
-                       f"{', '.join(initialised)}")
+            report += (
+                f"\nnot in {args.from_hf}, initialised from --seed {args.seed}: "
+                f"{', '.join(initialised)}"
+            )
         return report
     src, dst = _need(args, 2, "SRC DST [--tp N] [--pp M]")
     _fill_layout(args, read_manifest(src)["layout"] if args.tp is None or args.pp is None else {})
-    path = cv.convert_checkpoint(src, dst, args.tp, args.pp, args.dp, overwrite=args.overwrite,
-                                 progress=progress)
+    path = cv.convert_checkpoint(
+        src, dst, args.tp, args.pp, args.dp, overwrite=args.overwrite, progress=progress
+    )
     return f"wrote {path} (tp={args.tp} pp={args.pp} dp={args.dp})"
 
 
@@ -195,8 +271,11 @@ def _exported_rows(args, src: str, out) -> tuple[int, int, int] | None:
 
     manifest = read_manifest(src)
     model, spec = manifest["model"], args.tokenizer or manifest["meta"].get("tokenizer")
-    if model.get("model_type") not in CAUSAL_LM_TYPES or not spec or \
-            not (out / "tokenizer_config.json").exists():
+    if (
+        model.get("model_type") not in CAUSAL_LM_TYPES
+        or not spec
+        or not (out / "tokenizer_config.json").exists()
+    ):
         return None
     rows = causal_rows(load_tokenizer(spec))
     if rows >= model["vocab_size"]:
@@ -209,29 +288,45 @@ def _dcp(args, progress: bool) -> str:
     from megapar.checkpoint import dcp
 
     if args.tokenizer or args.dtype or args.allow_other_tokenizer:
-        raise ValueError("--tokenizer, --allow-other-tokenizer and --dtype are used only with "
-                         "--to-hf")
+        raise ValueError(
+            "--tokenizer, --allow-other-tokenizer and --dtype are used only with --to-hf"
+        )
     if args.to_dcp:
         (src,) = _need(args, 1, "SRC --to-dcp DCP_DIR")
         if args.tp is not None or args.pp is not None:
-            raise ValueError("--tp and --pp are not used with --to-dcp: the export is one "
-                             "unsharded model; drop them")
+            raise ValueError(
+                "--tp and --pp are not used with --to-dcp: the export is one "
+                "unsharded model; drop them"
+            )
         out, titan = dcp.export_dcp(src, args.to_dcp, overwrite=args.overwrite)
         shown = ", ".join(f"{k}={v}" for k, v in titan.items())
-        return (f"wrote DCP checkpoint {out} (torchtitan's Llama names; weights only, no "
-                f"optimizer state)\ntorchtitan model args: {shown}")
-    (dst,) = _need(args, 1, "--from-dcp DCP_DIR DST (--job-config TOML | --model SPEC) "
-                            "[--tp N] [--pp M]")
+        return (
+            f"wrote DCP checkpoint {out} (torchtitan's Llama names; weights only, no "
+            f"optimizer state)\ntorchtitan model args: {shown}"
+        )
+    (dst,) = _need(
+        args, 1, "--from-dcp DCP_DIR DST (--job-config TOML | --model SPEC) [--tp N] [--pp M]"
+    )
     if args.job_config and args.model:
         raise ValueError("--job-config and --model both name the model; give one")
     _fill_layout(args, {})
-    path, reader = dcp.import_dcp(args.from_dcp, dst, args.tp, args.pp, args.dp,
-                                  config=args.model, job_config=args.job_config,
-                                  overwrite=args.overwrite, progress=progress)
+    path, reader = dcp.import_dcp(
+        args.from_dcp,
+        dst,
+        args.tp,
+        args.pp,
+        args.dp,
+        config=args.model,
+        job_config=args.job_config,
+        overwrite=args.overwrite,
+        progress=progress,
+    )
     report = f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, weights only)"
     if reader.optimizer:
-        report += (f"\nnote: {args.from_dcp} holds optimizer state too; it is not imported "
-                   f"(the run starts its optimizer afresh, as after --from-hf)")
+        report += (
+            f"\nnote: {args.from_dcp} holds optimizer state too; it is not imported "
+            f"(the run starts its optimizer afresh, as after --from-hf)"
+        )
     return report
 
 

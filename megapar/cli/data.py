@@ -22,7 +22,7 @@ import argparse
 import os
 import shutil
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from megapar.training.config import OneLineParser
 
@@ -30,46 +30,90 @@ from megapar.training.config import OneLineParser
 def build_parser() -> argparse.ArgumentParser:
     """The ``megapar-data`` argument parser."""
     p = OneLineParser(
-        prog="megapar-data", description=__doc__.replace("``", ""),
+        prog="megapar-data",
+        description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help=".txt / .jsonl / .json / .parquet files or directories of them "
-                        "(recursive, sorted)")
-    p.add_argument("--output-prefix", required=True, metavar="PREFIX",
-                   help="writes PREFIX.bin, PREFIX.idx, PREFIX.json (and PREFIX.model when training)")
-    p.add_argument("--tokenizer", default=None, metavar="SPEC",
-                   help="'gpt2', 'sentencepiece', a transformers dir with tokenizer.json, a dir "
-                        "with vocab.json+merges.txt, or a .model file (default: gpt2, or the "
-                        "trained one with --train-tokenizer / --train-sentencepiece)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="tokenizer processes (default: 1 for inputs under 8 MB, else up to 8); "
-                        "the output is identical for any value")
-    p.add_argument("--jsonl-key", default="text",
-                   help="field (or parquet column) holding the text in .jsonl / .json / "
-                        ".parquet inputs")
-    p.add_argument("--split-lines", action="store_true",
-                   help="treat each blank-line-separated paragraph of a .txt file as a document "
-                        "(default: one document per file)")
-    p.add_argument("--train-sentencepiece", action="store_true",
-                   help="first train a SentencePiece model on the inputs (saved as PREFIX.model)")
-    p.add_argument("--train-tokenizer", choices=["bpe", "sentencepiece"], default=None,
-                   help="first train a tokenizer on the inputs: bpe = a byte-level BPE with the "
-                        "tokenizers library (saved as the transformers directory "
-                        "PREFIX-tokenizer/), sentencepiece = --train-sentencepiece")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary size of the trained tokenizer")
-    p.add_argument("--sp-model-type", default="unigram", choices=["unigram", "bpe"],
-                   help="SentencePiece model type when training")
-    p.add_argument("--format", default="megapar", choices=["megapar", "megatron"],
-                   help="index format: megapar's, or Megatron-LM's MMIDIDX (readable by "
-                        "Megatron-LM / NeMo; megapar reads both)")
-    p.add_argument("--allow-invalid-utf8", action="store_true",
-                   help="replace bytes that are not valid UTF-8 with U+FFFD even when they are "
-                        "more than 0.1%% of a file (default: such a file is refused as not text)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing PREFIX.bin/.idx/.json (and the tokenizer a "
-                        "--train-tokenizer run writes); without it they are refused")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help=".txt / .jsonl / .json / .parquet files or directories of them (recursive, sorted)",
+    )
+    p.add_argument(
+        "--output-prefix",
+        required=True,
+        metavar="PREFIX",
+        help="writes PREFIX.bin, PREFIX.idx, PREFIX.json (and PREFIX.model when training)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="SPEC",
+        help="'gpt2', 'sentencepiece', a transformers dir with tokenizer.json, a dir "
+        "with vocab.json+merges.txt, or a .model file (default: gpt2, or the "
+        "trained one with --train-tokenizer / --train-sentencepiece)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenizer processes (default: 1 for inputs under 8 MB, else up to 8); "
+        "the output is identical for any value",
+    )
+    p.add_argument(
+        "--jsonl-key",
+        default="text",
+        help="field (or parquet column) holding the text in .jsonl / .json / .parquet inputs",
+    )
+    p.add_argument(
+        "--split-lines",
+        action="store_true",
+        help="treat each blank-line-separated paragraph of a .txt file as a document "
+        "(default: one document per file)",
+    )
+    p.add_argument(
+        "--train-sentencepiece",
+        action="store_true",
+        help="first train a SentencePiece model on the inputs (saved as PREFIX.model)",
+    )
+    p.add_argument(
+        "--train-tokenizer",
+        choices=["bpe", "sentencepiece"],
+        default=None,
+        help="first train a tokenizer on the inputs: bpe = a byte-level BPE with the "
+        "tokenizers library (saved as the transformers directory "
+        "PREFIX-tokenizer/), sentencepiece = --train-sentencepiece",
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=None, help="vocabulary size of the trained tokenizer"
+    )
+    p.add_argument(
+        "--sp-model-type",
+        default="unigram",
+        choices=["unigram", "bpe"],
+        help="SentencePiece model type when training",
+    )
+    p.add_argument(
+        "--format",
+        default="megapar",
+        choices=["megapar", "megatron"],
+        help="index format: megapar's, or Megatron-LM's MMIDIDX (readable by "
+        "Megatron-LM / NeMo; megapar reads both)",
+    )
+    p.add_argument(
+        "--allow-invalid-utf8",
+        action="store_true",
+        help="replace bytes that are not valid UTF-8 with U+FFFD even when they are "
+        "more than 0.1%% of a file (default: such a file is refused as not text)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing PREFIX.bin/.idx/.json (and the tokenizer a "
+        "--train-tokenizer run writes); without it they are refused",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -78,24 +122,31 @@ def check_flags(args: argparse.Namespace) -> None:
     """Raise ValueError naming the flag for a numeric flag out of range (before any work);
     --workers above the CPU cores is capped there (with a note)."""
     if args.workers is not None and args.workers < 1:
-        raise ValueError(f"--workers {args.workers} is invalid: it must be >= 1 (or leave it "
-                         f"out: 1 for inputs under 8 MB, else up to 8)")
+        raise ValueError(
+            f"--workers {args.workers} is invalid: it must be >= 1 (or leave it "
+            f"out: 1 for inputs under 8 MB, else up to 8)"
+        )
     from megapar.device import cpu_cores
 
     name = os.path.basename(args.output_prefix)
     if not name or name in (".", ".."):
-        raise ValueError(f"--output-prefix {args.output_prefix!r} names no file (it would write "
-                         f"hidden {os.path.join(args.output_prefix, '.bin')} and friends); give "
-                         f"a prefix such as data/corpus (writes data/corpus.bin, .idx, .json)")
+        raise ValueError(
+            f"--output-prefix {args.output_prefix!r} names no file (it would write "
+            f"hidden {os.path.join(args.output_prefix, '.bin')} and friends); give "
+            f"a prefix such as data/corpus (writes data/corpus.bin, .idx, .json)"
+        )
 
     if args.workers is not None and args.workers > cpu_cores():
-        print(f"megapar-data: note: --workers {args.workers}: using {cpu_cores()}, the CPU cores "
-              f"this process may use (more only thrash; the output is the same)",
-              file=sys.stderr)
+        print(
+            f"megapar-data: note: --workers {args.workers}: using {cpu_cores()}, the CPU cores "
+            f"this process may use (more only thrash; the output is the same)",
+            file=sys.stderr,
+        )
         args.workers = cpu_cores()
     if args.vocab_size is not None and args.vocab_size < 1:
-        raise ValueError(f"--vocab-size {args.vocab_size} is invalid: it must be >= 1 "
-                         f"(e.g. --vocab-size 8000)")
+        raise ValueError(
+            f"--vocab-size {args.vocab_size} is invalid: it must be >= 1 (e.g. --vocab-size 8000)"
+        )
 
 
 def outputs(args: argparse.Namespace) -> list[str]:
@@ -115,9 +166,11 @@ def check_overwrite(args: argparse.Namespace) -> None:
     given (as megapar-convert refuses an existing destination)."""
     existing = [p for p in outputs(args) if os.path.lexists(p)]
     if existing and not args.overwrite:
-        raise ValueError(f"--output-prefix {args.output_prefix}: {', '.join(existing)} already "
-                         f"exist{'s' if len(existing) == 1 else ''}; pass --overwrite to replace "
-                         f"{'it' if len(existing) == 1 else 'them'}, or choose another prefix")
+        raise ValueError(
+            f"--output-prefix {args.output_prefix}: {', '.join(existing)} already "
+            f"exist{'s' if len(existing) == 1 else ''}; pass --overwrite to replace "
+            f"{'it' if len(existing) == 1 else 'them'}, or choose another prefix"
+        )
 
 
 def _remove_trained(trained: list[str], replaced: bool, prefix: str) -> str:
@@ -133,8 +186,14 @@ def _remove_trained(trained: list[str], replaced: bool, prefix: str) -> str:
     gone = [prefix + ext for ext in (".bin", ".idx", ".json") if os.path.exists(prefix + ext)]
     for path in gone:
         os.remove(path)
-    return (f" (the earlier {', '.join(gone)}, made with the tokenizer this run replaced, were "
-            f"removed too)") if gone else ""
+    return (
+        (
+            f" (the earlier {', '.join(gone)}, made with the tokenizer this run replaced, were "
+            f"removed too)"
+        )
+        if gone
+        else ""
+    )
 
 
 def train_tokenizer(args: argparse.Namespace, trained: list[str]) -> str:
@@ -148,8 +207,7 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str]) -> str:
         args.train_sentencepiece = True
     if args.train_tokenizer == "bpe":
         if args.vocab_size is None:
-            raise ValueError("--train-tokenizer bpe needs --vocab-size N "
-                             "(e.g. --vocab-size 8000)")
+            raise ValueError("--train-tokenizer bpe needs --vocab-size N (e.g. --vocab-size 8000)")
         if args.tokenizer is not None or args.train_sentencepiece:
             raise ValueError("--train-tokenizer trains its own tokenizer; drop --tokenizer")
         from megapar.data.hf_tokenizer import train_bpe
@@ -157,30 +215,39 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str]) -> str:
 
         docs = iter_documents(expand_inputs(args.input), args.split_lines, args.jsonl_key)
         info: dict = {}
-        tokenizer = train_bpe((text for text, _ in docs), args.output_prefix + "-tokenizer",
-                              args.vocab_size, info=info)
+        tokenizer = train_bpe(
+            (text for text, _ in docs),
+            args.output_prefix + "-tokenizer",
+            args.vocab_size,
+            info=info,
+        )
         trained.append(tokenizer)
         print(f"trained byte-level BPE {tokenizer}/tokenizer.json", file=sys.stderr)
         got = info.get("vocab_size", args.vocab_size)
         if got < args.vocab_size:
-            print(f"megapar-data: note: --vocab-size {args.vocab_size}: the corpus supported "
-                  f"only {got:,} tokens (every pair of tokens in it is merged), so the "
-                  f"tokenizer has {got:,}; train on more text for a larger vocabulary",
-                  file=sys.stderr)
+            print(
+                f"megapar-data: note: --vocab-size {args.vocab_size}: the corpus supported "
+                f"only {got:,} tokens (every pair of tokens in it is merged), so the "
+                f"tokenizer has {got:,}; train on more text for a larger vocabulary",
+                file=sys.stderr,
+            )
     elif args.train_sentencepiece:
         if args.vocab_size is None:
             raise ValueError("--train-sentencepiece needs --vocab-size N (e.g. --vocab-size 8000)")
         if args.tokenizer is not None:
             raise ValueError("--train-sentencepiece trains its own tokenizer; drop --tokenizer")
         tokenizer = train_sentencepiece(
-            args.input, args.output_prefix, args.vocab_size, model_type=args.sp_model_type,
-            split_paragraphs=args.split_lines, jsonl_key=args.jsonl_key,
+            args.input,
+            args.output_prefix,
+            args.vocab_size,
+            model_type=args.sp_model_type,
+            split_paragraphs=args.split_lines,
+            jsonl_key=args.jsonl_key,
         )
         trained.append(tokenizer)
         print(f"trained SentencePiece model {tokenizer}", file=sys.stderr)
     elif args.vocab_size is not None:
-        raise ValueError("--vocab-size only applies with --train-tokenizer / "
-                         "--train-sentencepiece")
+        raise ValueError("--vocab-size only applies with --train-tokenizer / --train-sentencepiece")
     return tokenizer
 
 
@@ -206,18 +273,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         report: dict = {}
         stats: dict = {}
         prefix = preprocess_files(
-            args.input, args.output_prefix, tokenizer, workers=args.workers,
-            split_paragraphs=args.split_lines, jsonl_key=args.jsonl_key,
-            progress=not args.no_progress, format=args.format, allow_invalid_utf8=args.allow_invalid_utf8,
-            report=report, stats=stats,
+            args.input,
+            args.output_prefix,
+            tokenizer,
+            workers=args.workers,
+            split_paragraphs=args.split_lines,
+            jsonl_key=args.jsonl_key,
+            progress=not args.no_progress,
+            format=args.format,
+            allow_invalid_utf8=args.allow_invalid_utf8,
+            report=report,
+            stats=stats,
         )
         for path, count in report.items():
-            print(f"megapar-data: warning: {path}: {count:,} bytes of invalid UTF-8 replaced "
-                  f"with U+FFFD", file=sys.stderr)
+            print(
+                f"megapar-data: warning: {path}: {count:,} bytes of invalid UTF-8 replaced "
+                f"with U+FFFD",
+                file=sys.stderr,
+            )
         if stats.get("empty_docs"):
-            print(f"megapar-data: warning: {stats['empty_docs']:,} of {stats['docs']:,} documents "
-                  f"tokenized to no ids (only their end-of-document token was written); "
-                  f"tokenizer {tokenizer} may not cover their text", file=sys.stderr)
+            print(
+                f"megapar-data: warning: {stats['empty_docs']:,} of {stats['docs']:,} documents "
+                f"tokenized to no ids (only their end-of-document token was written); "
+                f"tokenizer {tokenizer} may not cover their text",
+                file=sys.stderr,
+            )
     except (ValueError, FileNotFoundError) as e:
         note = _remove_trained(trained, replaced, args.output_prefix)
         print(f"megapar-data: error: {e}{note}", file=sys.stderr)
@@ -226,9 +306,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _remove_trained(trained, replaced, args.output_prefix)
         raise
     ds = IndexedDataset(prefix)
-    print(f"wrote {prefix}.bin/.idx/.json ({args.format} index): {ds.num_docs} documents, "
-          f"{ds.num_tokens} tokens "
-          f"({ds.dtype.name}), vocab size {ds.vocab_size}")
+    print(
+        f"wrote {prefix}.bin/.idx/.json ({args.format} index): {ds.num_docs} documents, "
+        f"{ds.num_tokens} tokens "
+        f"({ds.dtype.name}), vocab size {ds.vocab_size}"
+    )
     return 0
 
 

@@ -45,18 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--data", help="dataset prefix (PREFIX.bin/.idx/.json from megapar-data, or "
-                                  "a Megatron-LM MMIDIDX PREFIX.bin/.idx with --tokenizer)")
-    p.add_argument("--seq-len", type=int, help="sequence length of the windows (default: the "
-                                               "one the checkpoint trained with)")
+    p.add_argument(
+        "--data",
+        help="dataset prefix (PREFIX.bin/.idx/.json from megapar-data, or "
+        "a Megatron-LM MMIDIDX PREFIX.bin/.idx with --tokenizer)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="sequence length of the windows (default: the one the checkpoint trained with)",
+    )
     p.add_argument("--micro-batch-size", type=int, default=4, help="windows per batch")
     p.add_argument("--max-batches", type=int, default=8, help="number of batches K")
     p.add_argument("--input-ids", help="a [batch, seq] integer .npy file")
-    p.add_argument("--save-logits", help="where rank 0 writes the float32 logits (.npy; the "
-                                          "suffix is added when missing, as numpy does)")
+    p.add_argument(
+        "--save-logits",
+        help="where rank 0 writes the float32 logits (.npy; the "
+        "suffix is added when missing, as numpy does)",
+    )
     p.add_argument("--seed", type=int, default=1234, help="seed for BERT masking")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer of a Megatron-LM dataset that has no megapar .json")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer of a Megatron-LM dataset that has no megapar .json",
+    )
     return p
 
 
@@ -78,14 +90,17 @@ def _loss_worker(args):
     if config.model_type in CAUSAL_LM_TYPES:
         dataset = GPTDataset(indexed, args.seq_len)
     else:
-        dataset = MLMDataset(indexed, args.seq_len, load_tokenizer(indexed.tokenizer_spec),
-                             args.seed)
+        dataset = MLMDataset(
+            indexed, args.seq_len, load_tokenizer(indexed.tokenizer_spec), args.seed
+        )
     b, k = args.micro_batch_size, args.max_batches
     if len(dataset) < b * k:
         k = len(dataset) // b
         if k == 0:
-            raise ValueError(f"{args.data} has {len(dataset)} windows of {args.seq_len + 1} "
-                             f"tokens, fewer than one batch of {b}")
+            raise ValueError(
+                f"{args.data} has {len(dataset)} windows of {args.seq_len + 1} "
+                f"tokens, fewer than one batch of {b}"
+            )
     executor = PipelineExecutor(model, mesh, "1f1b", (b, args.seq_len, config.hidden_size))
     losses, tokens = [], 0
     for i in range(k):
@@ -96,8 +111,7 @@ def _loss_worker(args):
     if mesh.rank != 0:  # every rank has the loss; rank 0 reports it (once under torchrun)
         return None
     loss = sum(losses) / len(losses)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens,
-            "batches": k}
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "batches": k}
 
 
 @torch.no_grad()
@@ -138,17 +152,19 @@ def _check_ids(args, vocab_size: int) -> None:
     embedding would silently turn them into zero vectors)."""
     if args.input_ids:
         ids = np.load(args.input_ids, allow_pickle=False)
-        if ids.size and (not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0
-                         or ids.max() >= vocab_size):
+        if ids.size and (
+            not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab_size
+        ):
             bad = ids.max() if ids.max() >= vocab_size else ids.min()
-            raise ValueError(f"--input-ids {args.input_ids} holds id {bad} ({ids.dtype}), outside "
-                             f"the model's vocabulary of {vocab_size} ids (0-{vocab_size - 1})")
+            raise ValueError(
+                f"--input-ids {args.input_ids} holds id {bad} ({ids.dtype}), outside "
+                f"the model's vocabulary of {vocab_size} ids (0-{vocab_size - 1})"
+            )
     elif args.data:
         indexed = IndexedDataset(args.data, args.tokenizer)
         indexed.check_vocab(vocab_size)
         if args.tokenizer and os.path.isfile(args.data + ".json"):
-            check_given_tokenizer(args.tokenizer, args.data,
-                                  load_tokenizer(indexed.tokenizer_spec))
+            check_given_tokenizer(args.tokenizer, args.data, load_tokenizer(indexed.tokenizer_spec))
 
 
 def logits_file(path: str) -> str:
@@ -157,12 +173,15 @@ def logits_file(path: str) -> str:
 
     target = os.path.expanduser(path)
     if os.path.isdir(target):
-        raise ValueError(f"--save-logits {path} is a directory; give a file name, e.g. "
-                         f"--save-logits {os.path.join(path, 'logits.npy')}")
+        raise ValueError(
+            f"--save-logits {path} is a directory; give a file name, e.g. "
+            f"--save-logits {os.path.join(path, 'logits.npy')}"
+        )
     real = target if target.endswith(".npy") else target + ".npy"
     if os.path.isdir(real):
-        raise ValueError(f"--save-logits {path} would write {real}, which is a directory; "
-                         f"give another file name")
+        raise ValueError(
+            f"--save-logits {path} would write {real}, which is a directory; give another file name"
+        )
     check_writable(real, "--save-logits", kind="file")
     return real
 
@@ -175,22 +194,30 @@ def main(argv=None) -> int:
             return 2
         worker = _logits_worker
     elif args.save_logits:
-        print("megapar-eval: error: --save-logits is used only with --input-ids IDS.npy (--data "
-              "reports the loss); drop it or give --input-ids", file=sys.stderr)
+        print(
+            "megapar-eval: error: --save-logits is used only with --input-ids IDS.npy (--data "
+            "reports the loss); drop it or give --input-ids",
+            file=sys.stderr,
+        )
         return 2
     elif args.data:  # --seq-len not given: the checkpoint's (check_eval_args)
         worker = _loss_worker
     else:
-        print("megapar-eval: error: give --data PREFIX [--seq-len N], or --input-ids IDS.npy "
-              "--save-logits OUT.npy", file=sys.stderr)
+        print(
+            "megapar-eval: error: give --data PREFIX [--seq-len N], or --input-ids IDS.npy "
+            "--save-logits OUT.npy",
+            file=sys.stderr,
+        )
         return 2
 
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
         if under_launcher() and launched_world_size() != args.tp * args.pp:
-            raise UsageError(f"torchrun / Slurm started {launched_world_size()} processes but "
-                             f"megapar-eval runs on tp x pp = {args.tp} x {args.pp} = "
-                             f"{args.tp * args.pp} (it has no data parallelism); start "
-                             f"{args.tp * args.pp} or change --tp / --pp")
+            raise UsageError(
+                f"torchrun / Slurm started {launched_world_size()} processes but "
+                f"megapar-eval runs on tp x pp = {args.tp} x {args.pp} = "
+                f"{args.tp * args.pp} (it has no data parallelism); start "
+                f"{args.tp * args.pp} or change --tp / --pp"
+            )
         manifest = check_eval_args(args)
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
@@ -201,12 +228,17 @@ def main(argv=None) -> int:
     try:
         results = run_workers(worker, args.tp * args.pp, args)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
-
-        text = str(exc) if isinstance(exc, WorkerError) else \
-            f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        text = (
+            str(exc)
+            if isinstance(exc, WorkerError)
+            else f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        )
         line, log = worker_failure(text, log_dir_for(None, "~/.cache/megapar"), None)
-        print(f"megapar-eval: error: {line.replace('before training started', 'in evaluation')}"
-              + (f" (full traceback in {log})" if log else ""), file=sys.stderr)
+        print(
+            f"megapar-eval: error: {line.replace('before training started', 'in evaluation')}"
+            + (f" (full traceback in {log})" if log else ""),
+            file=sys.stderr,
+        )
         return 1
     if results and results[0] is not None:
         print(json.dumps(results[0]))

@@ -52,24 +52,39 @@ from megapar.training.config import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="megapar-plan", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(
+        prog="megapar-plan",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--model", required=True, help="model recipe (models/) or JSON/YAML config")
     p.add_argument("--gpus", type=int, required=True, help="total GPUs N")
     p.add_argument("--gpus-per-node", type=int, default=8, help="tp stays within a node")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GiB")
     p.add_argument("--global-batch-size", type=int, required=True, help="sequences per step")
     p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16",
-                   help="activations in 4 (fp32) or 2 bytes")
-    p.add_argument("--master-weights", choices=["fp32", "separate"], default="fp32",
-                   help="fp32: megapar today (fp32 params, grads, Adam: 16 B/param); separate: "
-                        "16-bit params + fp32 grads, master and moments (Megatron: 18 B/param)")
-    p.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=True,
-                   help="count what a fused attention kernel keeps (a log-sum-exp, no a*s^2 "
-                        "scores): what megapar-train runs on GPUs and its --dry-run counts; "
-                        "--no-fused-attention counts the scores, softmax and dropout mask (the "
-                        "paper; megapar-train on a CPU with attention dropout)")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default="bf16",
+        help="activations in 4 (fp32) or 2 bytes",
+    )
+    p.add_argument(
+        "--master-weights",
+        choices=["fp32", "separate"],
+        default="fp32",
+        help="fp32: megapar today (fp32 params, grads, Adam: 16 B/param); separate: "
+        "16-bit params + fp32 grads, master and moments (Megatron: 18 B/param)",
+    )
+    p.add_argument(
+        "--fused-attention",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count what a fused attention kernel keeps (a log-sum-exp, no a*s^2 "
+        "scores): what megapar-train runs on GPUs and its --dry-run counts; "
+        "--no-fused-attention counts the scores, softmax and dropout mask (the "
+        "paper; megapar-train on a CPU with attention dropout)",
+    )
     p.add_argument("--peak-tflops", type=float, default=312.0, help="per GPU (A100 bf16: 312)")
     p.add_argument("--efficiency", type=float, default=0.6, help="share of peak matmuls reach")
     p.add_argument("--intra-node-gbps", type=float, default=2400.0, help="per GPU, Gbit/s")
@@ -77,37 +92,76 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-us", type=float, default=10.0, help="per message of a collective")
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--schedules", nargs="+", choices=PLAN_SCHEDULES, default=list(PLAN_SCHEDULES))
-    p.add_argument("--virtual-stages", type=int, nargs="+", default=[2, 4],
-                   help="chunks per rank tried for the interleaved schedule")
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        nargs="+",
+        default=[2, 4],
+        help="chunks per rank tried for the interleaved schedule",
+    )
     p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=list(RECOMPUTE))
-    p.add_argument("--zero-stages", type=int, nargs="+", choices=ZERO_STAGES,
-                   default=list(ZERO_STAGES),
-                   help="ZeRO stages tried where dp x cp > 1 (1: optimizer state sharded, 2: "
-                        "also gradients, 3: also parameters)")
-    p.add_argument("--offload", nargs="+", choices=OFFLOADS, default=["none"],
-                   help="host-memory offloads tried too: optimizer (--offload-optimizer), "
-                        "both (ZeRO-3: also --offload-params, the parameter shards)")
-    p.add_argument("--pcie-gbps", type=float, default=200.0,
-                   help="host-device bandwidth per GPU, Gbit/s (offload's copies)")
-    p.add_argument("--zero3-persistence-threshold", type=int, default=0,
-                   help="megapar-train's --zero3-persistence-threshold for the ZeRO-3 layouts: "
-                        "parameters with fewer elements form one unit gathered once a step "
-                        "(0: none)")
-    p.add_argument("--cp-sizes", type=int, nargs="+", default=None,
-                   help="context-parallel sizes tried (default: 1, and 2 4 8 too when --seq-len "
-                        "is 8192 or more)")
-    p.add_argument("--today", action="store_true",
-                   help="only layouts megapar-train runs as planned now (fp32 master weights; "
-                        "no schedule or feature it lacks)")
+    p.add_argument(
+        "--zero-stages",
+        type=int,
+        nargs="+",
+        choices=ZERO_STAGES,
+        default=list(ZERO_STAGES),
+        help="ZeRO stages tried where dp x cp > 1 (1: optimizer state sharded, 2: "
+        "also gradients, 3: also parameters)",
+    )
+    p.add_argument(
+        "--offload",
+        nargs="+",
+        choices=OFFLOADS,
+        default=["none"],
+        help="host-memory offloads tried too: optimizer (--offload-optimizer), "
+        "both (ZeRO-3: also --offload-params, the parameter shards)",
+    )
+    p.add_argument(
+        "--pcie-gbps",
+        type=float,
+        default=200.0,
+        help="host-device bandwidth per GPU, Gbit/s (offload's copies)",
+    )
+    p.add_argument(
+        "--zero3-persistence-threshold",
+        type=int,
+        default=0,
+        help="megapar-train's --zero3-persistence-threshold for the ZeRO-3 layouts: "
+        "parameters with fewer elements form one unit gathered once a step "
+        "(0: none)",
+    )
+    p.add_argument(
+        "--cp-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="context-parallel sizes tried (default: 1, and 2 4 8 too when --seq-len "
+        "is 8192 or more)",
+    )
+    p.add_argument(
+        "--today",
+        action="store_true",
+        help="only layouts megapar-train runs as planned now (fp32 master weights; "
+        "no schedule or feature it lacks)",
+    )
     p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
-    p.add_argument("--explain", metavar="LAYOUT",
-                   help="check and break down one layout, e.g. tp=2,pp=4,mbs=2,schedule=1f1b,"
-                        "recompute=selective,sp=1,zero=1,cp=2 (dp defaults to gpus/(tp*cp*pp))")
+    p.add_argument(
+        "--explain",
+        metavar="LAYOUT",
+        help="check and break down one layout, e.g. tp=2,pp=4,mbs=2,schedule=1f1b,"
+        "recompute=selective,sp=1,zero=1,cp=2 (dp defaults to gpus/(tp*cp*pp))",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--verify", type=int, default=0, metavar="K",
-                   help="dry-run the K best layouts (megapar-train --dry-run, on this CPU) and "
-                        "report every rank whose planned weights, gradients or optimizer bytes "
-                        "differ from the real tensors' (exit code 1 if any do)")
+    p.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        metavar="K",
+        help="dry-run the K best layouts (megapar-train --dry-run, on this CPU) and "
+        "report every rank whose planned weights, gradients or optimizer bytes "
+        "differ from the real tensors' (exit code 1 if any do)",
+    )
     return p
 
 
@@ -127,71 +181,110 @@ def _problem(args):
         raise ValueError(f"--cp-sizes {min(args.cp_sizes)} is invalid: sizes are >= 1")
     for cp in args.cp_sizes or ():
         if args.gpus % cp:
-            raise ValueError(f"--cp-sizes {cp} does not divide --gpus {args.gpus}: every layout "
-                             f"is tp x cp x pp x dp = --gpus; give divisors of {args.gpus}")
+            raise ValueError(
+                f"--cp-sizes {cp} does not divide --gpus {args.gpus}: every layout "
+                f"is tp x cp x pp x dp = --gpus; give divisors of {args.gpus}"
+            )
         if cp > 1 and args.seq_len % (2 * cp):
-            raise ValueError(f"--cp-sizes {cp} cannot split --seq-len {args.seq_len}: cp cuts "
-                             f"each sequence into 2 x cp = {2 * cp} chunks; give sizes whose "
-                             f"2 x cp divides {args.seq_len}, or another --seq-len")
+            raise ValueError(
+                f"--cp-sizes {cp} cannot split --seq-len {args.seq_len}: cp cuts "
+                f"each sequence into 2 x cp = {2 * cp} chunks; give sizes whose "
+                f"2 x cp divides {args.seq_len}, or another --seq-len"
+            )
     if min(args.micro_batch_sizes) < 1:
-        raise ValueError(f"--micro-batch-sizes {min(args.micro_batch_sizes)} is invalid: sizes "
-                         f"are sequences per micro-batch, >= 1")
+        raise ValueError(
+            f"--micro-batch-sizes {min(args.micro_batch_sizes)} is invalid: sizes "
+            f"are sequences per micro-batch, >= 1"
+        )
     if min(args.virtual_stages) < 2:
-        raise ValueError(f"--virtual-stages {min(args.virtual_stages)} is invalid: they are the "
-                         f"model chunks per rank tried for the interleaved schedule, >= 2 (one "
-                         f"chunk per rank is the 1f1b schedule)")
+        raise ValueError(
+            f"--virtual-stages {min(args.virtual_stages)} is invalid: they are the "
+            f"model chunks per rank tried for the interleaved schedule, >= 2 (one "
+            f"chunk per rank is the 1f1b schedule)"
+        )
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
-        raise ValueError(f"--gpus {args.gpus} spans several nodes of --gpus-per-node "
-                         f"{args.gpus_per_node} but is not a multiple of it (torchrun starts "
-                         f"the same number of processes on every node); use a multiple of "
-                         f"{args.gpus_per_node}, or the --gpus-per-node each node really uses")
-    for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps",
-                 "pcie_gbps"):
+        raise ValueError(
+            f"--gpus {args.gpus} spans several nodes of --gpus-per-node "
+            f"{args.gpus_per_node} but is not a multiple of it (torchrun starts "
+            f"the same number of processes on every node); use a multiple of "
+            f"{args.gpus_per_node}, or the --gpus-per-node each node really uses"
+        )
+    for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"--{name.replace('_', '-')} {value:g} is invalid: it must be a "
-                             f"finite number > 0")
+            raise ValueError(
+                f"--{name.replace('_', '-')} {value:g} is invalid: it must be a finite number > 0"
+            )
     if args.zero3_persistence_threshold < 0:
-        raise ValueError(f"--zero3-persistence-threshold {args.zero3_persistence_threshold} is "
-                         f"invalid: give a number of elements >= 0 (0: none persist)")
+        raise ValueError(
+            f"--zero3-persistence-threshold {args.zero3_persistence_threshold} is "
+            f"invalid: give a number of elements >= 0 (0: none persist)"
+        )
     if not (math.isfinite(args.latency_us) and args.latency_us >= 0):
         raise ValueError(f"--latency-us {args.latency_us:g} is invalid: it must be >= 0")
     if not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency:g} is invalid: it must be in (0, 1]")
     if args.verify < 0:
-        raise ValueError(f"--verify {args.verify} is invalid: it is how many of the best "
-                         f"layouts to dry-run (0: none)")
+        raise ValueError(
+            f"--verify {args.verify} is invalid: it is how many of the best "
+            f"layouts to dry-run (0: none)"
+        )
     if args.verify and args.gpus > MAX_DRY_RUN_WORLD:
-        raise ValueError(f"--verify: jobs of {args.gpus:,} ranks are more than a dry run "
-                         f"rehearses ({MAX_DRY_RUN_WORLD:,} ranks); rehearse a layout's "
-                         f"megapar-train command with --dry-run at a smaller dp (keep "
-                         f"--global-batch-size / dp)")
+        raise ValueError(
+            f"--verify: jobs of {args.gpus:,} ranks are more than a dry run "
+            f"rehearses ({MAX_DRY_RUN_WORLD:,} ranks); rehearse a layout's "
+            f"megapar-train command with --dry-run at a smaller dp (keep "
+            f"--global-batch-size / dp)"
+        )
     if args.verify > MAX_VERIFY:
-        raise ValueError(f"--verify {args.verify:,} is more layouts than one run dry-runs (at "
-                         f"most {MAX_VERIFY}: each takes seconds to minutes here, GPT-3 175B's "
-                         f"on 1024 GPUs 5-10 s); verify the best few, and another layout with "
-                         f"--explain LAYOUT and its megapar-train command with --dry-run")
+        raise ValueError(
+            f"--verify {args.verify:,} is more layouts than one run dry-runs (at "
+            f"most {MAX_VERIFY}: each takes seconds to minutes here, GPT-3 175B's "
+            f"on 1024 GPUs 5-10 s); verify the best few, and another layout with "
+            f"--explain LAYOUT and its megapar-train command with --dry-run"
+        )
     if args.verify and args.master_weights != "fp32":
-        raise ValueError("--verify compares the plan with what megapar-train holds, fp32 "
-                         "parameters: drop --master-weights separate")
+        raise ValueError(
+            "--verify compares the plan with what megapar-train holds, fp32 "
+            "parameters: drop --master-weights separate"
+        )
     if args.today and args.master_weights != "fp32":
-        raise ValueError("--today plans what megapar-train runs now, and it keeps fp32 "
-                         "parameters: drop --master-weights separate (or drop --today)")
-    return Problem(config, args.gpus, args.gpus_per_node, args.gpu_memory_gb,
-                   args.global_batch_size, args.seq_len, args.precision, args.master_weights,
-                   args.fused_attention, args.peak_tflops, args.efficiency,
-                   args.intra_node_gbps, args.inter_node_gbps, args.latency_us,
-                   pcie_gbps=args.pcie_gbps,
-                   zero3_persistence_threshold=args.zero3_persistence_threshold)
+        raise ValueError(
+            "--today plans what megapar-train runs now, and it keeps fp32 "
+            "parameters: drop --master-weights separate (or drop --today)"
+        )
+    return Problem(
+        config,
+        args.gpus,
+        args.gpus_per_node,
+        args.gpu_memory_gb,
+        args.global_batch_size,
+        args.seq_len,
+        args.precision,
+        args.master_weights,
+        args.fused_attention,
+        args.peak_tflops,
+        args.efficiency,
+        args.intra_node_gbps,
+        args.inter_node_gbps,
+        args.latency_us,
+        pcie_gbps=args.pcie_gbps,
+        zero3_persistence_threshold=args.zero3_persistence_threshold,
+    )
 
 
 def _explain(args, problem) -> int:
     c = parse_candidate(args.explain, problem.gpus)
     if c.zero not in ZERO_STAGES:  # a bad value (exit 2), not a layout that cannot run
-        raise ValueError(f"--explain: zero={c.zero}: use one of "
-                         f"{', '.join(map(str, ZERO_STAGES))}")
-    reason = check(c, problem.config, problem.gpus, problem.gpus_per_node, problem.global_batch,
-                   problem.seq_len)
+        raise ValueError(f"--explain: zero={c.zero}: use one of {', '.join(map(str, ZERO_STAGES))}")
+    reason = check(
+        c,
+        problem.config,
+        problem.gpus,
+        problem.gpus_per_node,
+        problem.global_batch,
+        problem.seq_len,
+    )
     if reason:
         if args.json:
             print(json.dumps({"layout": c.label(), "valid": False, "reason": reason}))
@@ -202,8 +295,17 @@ def _explain(args, problem) -> int:
         e = estimate(problem, c)
     cmd, missing = command(e, problem, args.model)
     if args.json:
-        print(json.dumps({**row(e, problem.master_weights), "valid": True, "command": cmd,
-                          "fused_attention": problem.fused_attention}, indent=1))
+        print(
+            json.dumps(
+                {
+                    **row(e, problem.master_weights),
+                    "valid": True,
+                    "command": cmd,
+                    "fused_attention": problem.fused_attention,
+                },
+                indent=1,
+            )
+        )
         return 0
     print(explain(e))
     print(attention_note(problem.fused_attention))
@@ -223,13 +325,16 @@ def main(argv=None) -> int:
         print(f"megapar-plan: error: {exc}", file=sys.stderr)
         return 2
 
-    estimates, rejected = plan(problem, micro_batch_sizes=tuple(args.micro_batch_sizes),
-                               schedules=tuple(args.schedules),
-                               virtual_stages=tuple(args.virtual_stages),
-                               recompute=tuple(args.recompute),
-                               cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None,
-                               zero_stages=tuple(args.zero_stages),
-                               offloads=tuple(args.offload))
+    estimates, rejected = plan(
+        problem,
+        micro_batch_sizes=tuple(args.micro_batch_sizes),
+        schedules=tuple(args.schedules),
+        virtual_stages=tuple(args.virtual_stages),
+        recompute=tuple(args.recompute),
+        cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None,
+        zero_stages=tuple(args.zero_stages),
+        offloads=tuple(args.offload),
+    )
     if args.today:
         estimates = [e for e in estimates if not runnable(e, problem.master_weights)]
     best = estimates[0] if estimates and estimates[0].fits else None
@@ -239,20 +344,29 @@ def main(argv=None) -> int:
         key = reason.split(";")[0]
         reasons[key] = reasons.get(key, 0) + 1
     if args.json:
-        print(json.dumps({"model_params": model_params(problem.config),
-                          "layouts": [row(e, problem.master_weights)
-                                      for e in estimates[:args.top]],
-                          "valid": len(estimates), "rejected": len(rejected),
-                          "rejected_reasons": reasons,
-                          "fused_attention": problem.fused_attention,
-                          "command": cmd[0] if cmd else None,
-                          "missing_in_megapar_train": cmd[1] if cmd else None}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "model_params": model_params(problem.config),
+                    "layouts": [row(e, problem.master_weights) for e in estimates[: args.top]],
+                    "valid": len(estimates),
+                    "rejected": len(rejected),
+                    "rejected_reasons": reasons,
+                    "fused_attention": problem.fused_attention,
+                    "command": cmd[0] if cmd else None,
+                    "missing_in_megapar_train": cmd[1] if cmd else None,
+                },
+                indent=1,
+            )
+        )
         return 0 if best else 1
-    print(f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters; {problem.gpus} "
-          f"GPUs ({problem.gpus_per_node} per node, {problem.gpu_memory_gb:g} GiB); global batch "
-          f"{problem.global_batch} x {problem.seq_len} tokens; {len(estimates)} valid layouts, "
-          f"{len(rejected)} rejected")
-    print(table(estimates[:args.top], problem.master_weights))
+    print(
+        f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters; {problem.gpus} "
+        f"GPUs ({problem.gpus_per_node} per node, {problem.gpu_memory_gb:g} GiB); global batch "
+        f"{problem.global_batch} x {problem.seq_len} tokens; {len(estimates)} valid layouts, "
+        f"{len(rejected)} rejected"
+    )
+    print(table(estimates[: args.top], problem.master_weights))
     print(attention_note(problem.fused_attention))
     if not estimates:
         # what stops the layouts the model itself allows (tp dividing its heads, ...) is what
@@ -260,17 +374,24 @@ def main(argv=None) -> int:
         allowed = [r for c, r in rejected if model_refusal(c, problem.config) is None]
         kinds: dict[str, list] = {}
         for reason in allowed or [r for _, r in rejected]:
-            kind = kinds.setdefault(re.sub(r"\d+", "N", reason.split(";")[0]),
-                                    [0, reason.split(";")[0]])
+            kind = kinds.setdefault(
+                re.sub(r"\d+", "N", reason.split(";")[0]), [0, reason.split(";")[0]]
+            )
             kind[0] += 1
         common = sorted(kinds.values(), key=lambda kv: -kv[0])[:3]
         if not common:  # nothing was even tried: say which inputs left nothing
-            print(f"no valid layout: no split of --gpus {problem.gpus} into tp x cp x pp x dp "
-                  f"was left to try with --cp-sizes {' '.join(map(str, args.cp_sizes or [1]))}; "
-                  f"give sizes that divide --gpus")
+            print(
+                f"no valid layout: no split of --gpus {problem.gpus} into tp x cp x pp x dp "
+                f"was left to try with --cp-sizes {' '.join(map(str, args.cp_sizes or [1]))}; "
+                f"give sizes that divide --gpus"
+            )
             return 1
-        print("no valid layout; most common reasons: " + "; ".join(
-            f"{example} ({n:,} layout{'s' if n > 1 else ''} like it)" for n, example in common))
+        print(
+            "no valid layout; most common reasons: "
+            + "; ".join(
+                f"{example} ({n:,} layout{'s' if n > 1 else ''} like it)" for n, example in common
+            )
+        )
         return 1
     if best is None:
         fixes = ["raise --gpus or --gpu-memory-gb"]
@@ -283,28 +404,38 @@ def main(argv=None) -> int:
     assert cmd is not None  # made for the best layout
     print(f"\nchosen: {best.candidate.label()}\ncommand: {cmd[0]}")
     for m in cmd[1]:
-        print(f"  note: megapar-train cannot do this yet: {m} (plan with --today for a layout "
-              f"it runs now)")
-    return _verify(estimates[:args.verify], problem) if args.verify else 0
+        print(
+            f"  note: megapar-train cannot do this yet: {m} (plan with --today for a layout "
+            f"it runs now)"
+        )
+    return _verify(estimates[: args.verify], problem) if args.verify else 0
 
 
 def _verify(estimates, problem) -> int:
     """Dry-run each layout and print where the plan's bytes differ (exit code 1 if anywhere);
     refused (exit code 2) when they would take longer than one dry run may."""
 
-    seconds = sum(rehearsal_seconds(len(sample_ranks(Layout(c.tp, c.pp, c.dp, cp=c.cp), c.zero)),
-                                    problem.gpus) for c in (e.candidate for e in estimates))
+    seconds = sum(
+        rehearsal_seconds(
+            len(sample_ranks(Layout(c.tp, c.pp, c.dp, cp=c.cp), c.zero)), problem.gpus
+        )
+        for c in (e.candidate for e in estimates)
+    )
     if seconds > MAX_REHEARSAL_S:
-        print(f"megapar-plan: error: --verify {len(estimates)} would dry-run for about "
-              f"{seconds / 60:,.0f} min here ({problem.gpus:,}-rank jobs), more than the "
-              f"{MAX_REHEARSAL_S / 60:.0f} min a dry run may take; verify fewer layouts",
-              file=sys.stderr)
+        print(
+            f"megapar-plan: error: --verify {len(estimates)} would dry-run for about "
+            f"{seconds / 60:,.0f} min here ({problem.gpus:,}-rank jobs), more than the "
+            f"{MAX_REHEARSAL_S / 60:.0f} min a dry run may take; verify fewer layouts",
+            file=sys.stderr,
+        )
         return 2
 
-    print(f"\nverifying the {len(estimates)} best layouts against dry runs (parameters, "
-          f"weights, gradients, optimizer bytes, host copies, gathered units, full gradient "
-          f"buffers and modelled activations of every sampled rank; the plan's transient "
-          f"buffers are not in a dry run's report and not compared):")
+    print(
+        f"\nverifying the {len(estimates)} best layouts against dry runs (parameters, "
+        f"weights, gradients, optimizer bytes, host copies, gathered units, full gradient "
+        f"buffers and modelled activations of every sampled rank; the plan's transient "
+        f"buffers are not in a dry run's report and not compared):"
+    )
     failed = False
     for i, e in enumerate(estimates, 1):
         result = verify_layout(problem, e.candidate)
@@ -312,14 +443,20 @@ def _verify(estimates, problem) -> int:
         if result.error:
             print(f"{label} megapar-train refuses it: {result.error}")
         elif result.differences:
-            print(f"{label} {len({d[0] for d in result.differences})} of {result.ranks} ranks "
-                  f"differ ({result.seconds:.1f} s):")
+            print(
+                f"{label} {len({d[0] for d in result.differences})} of {result.ranks} ranks "
+                f"differ ({result.seconds:.1f} s):"
+            )
             for rank, field, planned, dry in result.differences:
-                print(f"      rank {rank} {field}: plan {planned:,}, dry run {dry:,} "
-                      f"({planned - dry:+,})")
+                print(
+                    f"      rank {rank} {field}: plan {planned:,}, dry run {dry:,} "
+                    f"({planned - dry:+,})"
+                )
         else:
-            print(f"{label} {result.ranks} ranks: equal, 0 bytes apart ({result.seconds:.1f} s)"
-                  + (f"; {result.note}" if result.note else ""))
+            print(
+                f"{label} {result.ranks} ranks: equal, 0 bytes apart ({result.seconds:.1f} s)"
+                + (f"; {result.note}" if result.note else "")
+            )
         failed |= bool(result.error or result.differences)
     return 1 if failed else 0
 

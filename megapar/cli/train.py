@@ -58,23 +58,25 @@ def _layout(cfg: TrainConfig) -> Layout:
         world = cfg.world_size or cfg.tp * cfg.cp * cfg.pp * (cfg.dp or 1)
         check_world(world)
         if world > cfg.gpus_per_node and world % cfg.gpus_per_node:
-            raise UsageError(f"--world-size {world} spans several nodes of --gpus-per-node "
-                             f"{cfg.gpus_per_node} but is not a multiple of it (torchrun starts "
-                             f"the same number of processes on every node); give a multiple "
-                             f"of {cfg.gpus_per_node}, or the --gpus-per-node each node really "
-                             f"uses")
+            raise UsageError(
+                f"--world-size {world} spans several nodes of --gpus-per-node "
+                f"{cfg.gpus_per_node} but is not a multiple of it (torchrun starts "
+                f"the same number of processes on every node); give a multiple "
+                f"of {cfg.gpus_per_node}, or the --gpus-per-node each node really "
+                f"uses"
+            )
         return Layout.infer(world, cfg.tp, cfg.pp, cfg.dp, cfg.rank_order, cfg.cp)
     if under_launcher():
-        layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order,
-                              cfg.cp)
+        layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order, cfg.cp)
         check_gpus(launched_local_size())  # every process of this node: a GPU each
         return layout
     layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order, cfg.cp)
     check_gpus(layout.world_size)
     if not cfg.oversubscribe:
         cp = f" x --cp {layout.cp}" if layout.cp > 1 else ""
-        check_local_workers(layout.world_size, f"--tp {layout.tp}{cp} x --pp {layout.pp} x "
-                            f"--dp {layout.dp}")
+        check_local_workers(
+            layout.world_size, f"--tp {layout.tp}{cp} x --pp {layout.pp} x --dp {layout.dp}"
+        )
     return layout
 
 
@@ -86,20 +88,25 @@ def _what_is_saved(cfg: TrainConfig) -> str:
         return "nothing saved"
     with open(latest) as f:
         name = f.read().strip()
-    return (f"any save in flight is lost; {cfg.save}/latest is {name}, the checkpoint to "
-            f"resume from (--load {cfg.save})")
+    return (
+        f"any save in flight is lost; {cfg.save}/latest is {name}, the checkpoint to "
+        f"resume from (--load {cfg.save})"
+    )
 
 
 def _remove_newer_steps(cfg: TrainConfig) -> list[str]:
     """--overwrite-newer: remove the steps of --save newer than the one this run starts from
     (and their records), so none of an earlier run is left mixed with this run's; a note."""
-    start = int(read_manifest(cfg.load).get("step", 0)) \
-        if cfg.load and has_checkpoint(cfg.load) else 0
+    start = (
+        int(read_manifest(cfg.load).get("step", 0)) if cfg.load and has_checkpoint(cfg.load) else 0
+    )
     removed = remove_steps_after(cfg.save, start)
     if not removed:
         return []
-    return [f"--overwrite-newer: removed {', '.join(removed)} of --save {cfg.save} (newer than "
-            f"step {start}, where this run starts)"]
+    return [
+        f"--overwrite-newer: removed {', '.join(removed)} of --save {cfg.save} (newer than "
+        f"step {start}, where this run starts)"
+    ]
 
 
 def _worker(cfg: TrainConfig, plan: DataPlan):
@@ -123,8 +130,15 @@ def main(argv=None) -> int:
             notes.extend(filter(None, [lock.taken_over]))
             if cfg.overwrite_newer:  # under the lock: nobody else writes --save now
                 notes.extend(_remove_newer_steps(cfg))
-    except (UsageError, LayoutError, ConfigError, ValueError, FileNotFoundError,
-            SaveLockError, DeviceError) as exc:
+    except (
+        UsageError,
+        LayoutError,
+        ConfigError,
+        ValueError,
+        FileNotFoundError,
+        SaveLockError,
+        DeviceError,
+    ) as exc:
         print(f"megapar-train: error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -146,8 +160,15 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
         print(f"megapar-train: {note}", file=sys.stderr)
     forward = tuple(s.name for s in parse_signals(cfg.exit_signals)) + ("SIGINT",)
     try:
-        run_workers(_worker, layout.world_size, cfg, plan, collective_timeout_s=cfg.timeout_s,
-                    forward=forward, nccl_timeout_s=cfg.nccl_timeout_s)
+        run_workers(
+            _worker,
+            layout.world_size,
+            cfg,
+            plan,
+            collective_timeout_s=cfg.timeout_s,
+            forward=forward,
+            nccl_timeout_s=cfg.nccl_timeout_s,
+        )
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in the rank's log
         if isinstance(exc, WorkerError):
             text, failed = str(exc), None
@@ -159,17 +180,20 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
         print(f"megapar-train: error: {line}", file=sys.stderr)
         if cfg.debug:
             print(text, file=sys.stderr)
-        elif log and " was killed by " in line:   # no traceback: its log and every rank's stack
-            print(f"megapar-train: its output in {log}; every rank's stack: --debug",
-                  file=sys.stderr)
+        elif log and " was killed by " in line:  # no traceback: its log and every rank's stack
+            print(
+                f"megapar-train: its output in {log}; every rank's stack: --debug", file=sys.stderr
+            )
         elif log:
-            print(f"megapar-train: full traceback in {log} (or rerun with --debug)",
-                  file=sys.stderr)
+            print(
+                f"megapar-train: full traceback in {log} (or rerun with --debug)", file=sys.stderr
+            )
         return 1
     except KeyboardInterrupt:
         print(f"megapar-train: aborted (second SIGINT): {_what_is_saved(cfg)}", file=sys.stderr)
         return 130
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

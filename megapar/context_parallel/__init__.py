@@ -27,5 +27,17 @@ from megapar.context_parallel.split import (
     unsplit,
 )
 
-__all__ = ["METHODS", "LayerAttention", "Spec", "attention", "method_for", "CPTimeoutError", "Ring",
-           "check_length", "chunk_ids", "positions", "split", "unsplit"]
+__all__ = [
+    "METHODS",
+    "LayerAttention",
+    "Spec",
+    "attention",
+    "method_for",
+    "CPTimeoutError",
+    "Ring",
+    "check_length",
+    "chunk_ids",
+    "positions",
+    "split",
+    "unsplit",
+]

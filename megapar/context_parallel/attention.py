@@ -86,8 +86,11 @@ def plan(cp: int, rank: int, source: int, c: int, causal: bool) -> list[Call]:
         earlier = [ki for ki, kc in enumerate(kv_chunks) if kc < qc]
         if earlier:  # [0] or [0, 1]: a source's first chunk is always its earlier one
             calls.append(Call(rows, slice(earlier[0] * c, (earlier[-1] + 1) * c), False))
-        calls += [Call(rows, slice(ki * c, (ki + 1) * c), True)
-                  for ki, kc in enumerate(kv_chunks) if kc == qc]
+        calls += [
+            Call(rows, slice(ki * c, (ki + 1) * c), True)
+            for ki, kc in enumerate(kv_chunks)
+            if kc == qc
+        ]
     return calls
 
 
@@ -119,7 +122,8 @@ def _source_bias(key_mask, cp: int, source: int, dtype):
         return None
     keep = split(key_mask, cp, source, dim=-1)[:, None, None, :]
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(
-        ~keep, _lowest(dtype))
+        ~keep, _lowest(dtype)
+    )
 
 
 def _expand(t, kv_index):
@@ -140,8 +144,9 @@ class _Pass:
     def __init__(self, spec: Spec, q, key_mask, kv_index):
         self.spec, self.q, self.key_mask, self.kv_index = spec, q, key_mask, kv_index
         self.c = q.shape[2] // 2
-        self.kernel = spec.kernel or choose_kernel(q.device, spec.dropout_p, q.dtype,
-                                                   key_mask is not None, q.shape[-1])
+        self.kernel = spec.kernel or choose_kernel(
+            q.device, spec.dropout_p, q.dtype, key_mask is not None, q.shape[-1]
+        )
 
     def calls(self, source: int) -> list[Call]:
         return plan(self.spec.cp, self.spec.rank, source, self.c, self.spec.causal)
@@ -151,9 +156,15 @@ class _Pass:
         k, v = _expand(k, self.kv_index), _expand(v, self.kv_index)
         bias = _source_bias(self.key_mask, self.spec.cp, source, self.q.dtype)
         for call in self.calls(source):
-            out, lse = block_forward(self.q[:, :, call.q], k[:, :, call.kv], v[:, :, call.kv],
-                                     call.causal, None if bias is None else bias[..., call.kv],
-                                     self.kernel, self.spec.masks)
+            out, lse = block_forward(
+                self.q[:, :, call.q],
+                k[:, :, call.kv],
+                v[:, :, call.kv],
+                call.causal,
+                None if bias is None else bias[..., call.kv],
+                self.kernel,
+                self.spec.masks,
+            )
             key = (call.q.start, call.q.stop)
             merged_out, merged_lse = acc.get(key, (None, None))
             acc[key] = merge(merged_out, merged_lse, out, lse)
@@ -168,10 +179,18 @@ class _Pass:
         dv = torch.zeros_like(dk)
         for call in self.calls(source):
             r, kv = call.q, call.kv
-            g = block_backward(dout[:, :, r], self.q[:, :, r], k[:, :, kv], v[:, :, kv],
-                               out[:, :, r], lse[:, :, r], call.causal,
-                               None if bias is None else bias[..., kv], self.kernel,
-                               self.spec.masks)
+            g = block_backward(
+                dout[:, :, r],
+                self.q[:, :, r],
+                k[:, :, kv],
+                v[:, :, kv],
+                out[:, :, r],
+                lse[:, :, r],
+                call.causal,
+                None if bias is None else bias[..., kv],
+                self.kernel,
+                self.spec.masks,
+            )
             dq[:, :, r] += g[0]
             dk[:, :, kv] += g[1]
             dv[:, :, kv] += g[2]
@@ -234,8 +253,11 @@ class RingAttention(torch.autograd.Function):
         with _replaying(spec):
             for i in range(cp):
                 source = (spec.rank - i) % cp
-                handle = ring.start(kv, f"{spec.label} backward: K/V step {i + 1}") \
-                    if i + 1 < cp else None
+                handle = (
+                    ring.start(kv, f"{spec.label} backward: K/V step {i + 1}")
+                    if i + 1 < cp
+                    else None
+                )
                 dkv = torch.stack(work.backward(source, kv[0], kv[1], dout, out, lse, dq))
                 if grads is not None:  # the gradient of this block's K/V so far, from upstream
                     dkv += ring.finish(grads)
@@ -264,9 +286,16 @@ class AllGatherAttention(torch.autograd.Function):
         (q, k, v, out, lse, _, _), spec, work, dq = _backward_start(ctx)
         every = _gather(torch.stack([k, v]), spec)
         with _replaying(spec):
-            dkv = torch.stack([torch.stack(work.backward(source, every[source, 0],
-                                                         every[source, 1], dout, out, lse, dq))
-                               for source in range(spec.cp)])
+            dkv = torch.stack(
+                [
+                    torch.stack(
+                        work.backward(
+                            source, every[source, 0], every[source, 1], dout, out, lse, dq
+                        )
+                    )
+                    for source in range(spec.cp)
+                ]
+            )
         mine = torch.empty(dkv.shape[1:], dtype=dkv.dtype, device=dkv.device)
         reduce_scatter_flat(mine, dkv, spec.comm)
         return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None
@@ -290,8 +319,9 @@ def attention(q, k, v, spec: Spec, key_mask=None, kv_index=None, method: str = "
     `kv_index` [heads] naming each query head's kv head (None: one each); key_mask: [b, s] bool
     (True = a real token) of the *whole* sequence, or None. Returns [b, heads, 2c, d]."""
     if method not in METHODS:
-        raise ValueError(f"unknown context-parallel attention {method!r}; expected one of "
-                         f"{METHODS}")
+        raise ValueError(
+            f"unknown context-parallel attention {method!r}; expected one of {METHODS}"
+        )
     if spec.dropout_p > 0:  # this call's masks (a spec may be reused)
         spec = dataclasses.replace(spec, masks=DropoutMasks(spec.dropout_p, q.device))
     fn = RingAttention if method == "ring" else AllGatherAttention
@@ -305,8 +335,9 @@ class LayerAttention:
 
     def __init__(self, mesh, causal: bool, method: str, label: str = "self-attention"):
         if method not in METHODS:
-            raise ValueError(f"unknown context-parallel attention {method!r}; expected one of "
-                             f"{METHODS}")
+            raise ValueError(
+                f"unknown context-parallel attention {method!r}; expected one of {METHODS}"
+            )
         self.mesh, self.causal, self.method, self.label = mesh, causal, method, label
         self.ring: Ring | None = None
 

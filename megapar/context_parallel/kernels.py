@@ -39,8 +39,13 @@ import torch
 KERNELS = ("flash", "cuda-flash", "cuda-efficient", "math")
 
 
-def choose_kernel(device: torch.device, dropout_p: float, dtype: torch.dtype = torch.float32,
-                  masked: bool = False, head_dim: int = 64) -> str:
+def choose_kernel(
+    device: torch.device,
+    dropout_p: float,
+    dtype: torch.dtype = torch.float32,
+    masked: bool = False,
+    head_dim: int = 64,
+) -> str:
     """The kernel for a device: a fused one unless attention dropout is on (on CUDA: flash for
     16-bit blocks without a mask, memory-efficient otherwise, for head sizes that are a
     multiple of 8 up to 128, which both support on every GPU they run on), else "math"."""
@@ -137,6 +142,7 @@ class DropoutMasks:
             finally:
                 self._replay = None
                 self._set_state(saved)
+
         return ctx()
 
 
@@ -151,30 +157,40 @@ def _scores(q, k, causal, bias):
     if bias is not None:
         s = s + wide(bias)
     if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
-                          float("-inf"))
+        s = s.masked_fill(
+            torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf")
+        )
     return s, scale
 
 
-def block_forward(q, k, v, causal: bool, bias=None, kernel: str = "flash",
-                  dropout: DropoutMasks | None = None):
+def block_forward(
+    q, k, v, causal: bool, bias=None, kernel: str = "flash", dropout: DropoutMasks | None = None
+):
     """(out in q's dtype, lse fp32 [b, heads, s_q]) of q against k / v."""
     if kernel == "flash":
         if bias is not None:
             bias = bias.to(q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=bias)
+            q, k, v, 0.0, causal, attn_mask=bias
+        )
     if kernel == "cuda-flash":
         res = torch.ops.aten._scaled_dot_product_flash_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal)
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal
+        )
         _keep_rng(kernel, q.device, res[6], res[7])
         return res[0], res[1]
     if kernel == "cuda-efficient":
         out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), _efficient_bias(bias, q, k), True,
-            0.0, causal)
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            _efficient_bias(bias, q, k),
+            True,
+            0.0,
+            causal,
+        )
         _keep_rng(kernel, q.device, seed, offset)
-        return out, lse[..., :q.shape[2]]  # its rows are padded to a multiple of 32
+        return out, lse[..., : q.shape[2]]  # its rows are padded to a multiple of 32
     s, _ = _scores(q, k, causal, bias)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -183,15 +199,33 @@ def block_forward(q, k, v, causal: bool, bias=None, kernel: str = "flash",
     return torch.matmul(p, wide(v)).to(q.dtype), lse
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, bias=None, kernel: str = "flash",
-                   dropout: DropoutMasks | None = None):
+def block_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    causal: bool,
+    bias=None,
+    kernel: str = "flash",
+    dropout: DropoutMasks | None = None,
+):
     """(dq, dk, dv) of this block's share, from the *merged* out and lse of the query rows."""
     if kernel == "flash":
         if bias is not None:
             bias = bias.to(q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), 0.0, causal,
-            attn_mask=bias)
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            out.contiguous(),
+            lse.contiguous(),
+            0.0,
+            causal,
+            attn_mask=bias,
+        )
     if kernel in ("cuda-flash", "cuda-efficient"):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
@@ -199,17 +233,41 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, bias=None, kernel: str
         if kernel == "cuda-flash":
             s_q, s_k = q.shape[2], k.shape[2]
             return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, k, v, out, lse.float().contiguous(), None, None, s_q, s_k, 0.0, causal,
-                seed, offset)
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse.float().contiguous(),
+                None,
+                None,
+                s_q,
+                s_k,
+                0.0,
+                causal,
+                seed,
+                offset,
+            )
         padded = -(-q.shape[2] // 32) * 32  # the log-sum-exp rows as its forward returns them
         lse_rows = lse.new_zeros(*lse.shape[:-1], padded)
-        lse_rows[..., :q.shape[2]] = lse
+        lse_rows[..., : q.shape[2]] = lse
         # out and dout laid out as its forward returns out, [b, s, heads, d] in memory: in
         # 16-bit it computes wrong dq / dk from [b, heads, s, d] ones (measured on an H200)
         dout, out = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (dout, out))
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, _efficient_bias(bias, q, k), out, lse_rows, seed, offset, 0.0,
-            [True, True, True, False], causal)
+            dout,
+            q,
+            k,
+            v,
+            _efficient_bias(bias, q, k),
+            out,
+            lse_rows,
+            seed,
+            offset,
+            0.0,
+            [True, True, True, False],
+            causal,
+        )
         return dq, dk, dv
     s, scale = _scores(q, k, causal, bias)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -234,5 +292,7 @@ def merge(out, lse, block_out, block_lse):
     if out is None:
         return wide(block_out), block_lse
     new = torch.logaddexp(lse, block_lse)
-    return (out * torch.exp(lse - new).unsqueeze(-1)
-            + wide(block_out) * torch.exp(block_lse - new).unsqueeze(-1)), new
+    return (
+        out * torch.exp(lse - new).unsqueeze(-1)
+        + wide(block_out) * torch.exp(block_lse - new).unsqueeze(-1)
+    ), new

@@ -47,8 +47,12 @@ class Ring:
         shape and dtype; returns a handle for `finish`."""
         send = send.contiguous()
         recv = torch.empty_like(send)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group),
-                                        dist.P2POp(dist.irecv, recv, self.prev, self.group)])
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, send, self.next, self.group),
+                dist.P2POp(dist.irecv, recv, self.prev, self.group),
+            ]
+        )
         if self.issued is not None:
             self.issued.append((self.next, self.prev, send.numel(), label))
         return works, send, recv, label
@@ -62,8 +66,13 @@ class Ring:
 
     def _wait(self, works, recv, label) -> None:
         for work in works:
-            _device.wait(work, recv.device, self.timeout_s,
-                         f"rank {self.global_rank} (cp rank {self.rank}): {label} (sending to "
-                         f"rank {self.next}, receiving from rank {self.prev})", CPTimeoutError,
-                         ". Another rank of the context-parallel group probably failed (look for "
-                         "its error) or runs another layer / micro-batch")
+            _device.wait(
+                work,
+                recv.device,
+                self.timeout_s,
+                f"rank {self.global_rank} (cp rank {self.rank}): {label} (sending to "
+                f"rank {self.next}, receiving from rank {self.prev})",
+                CPTimeoutError,
+                ". Another rank of the context-parallel group probably failed (look for "
+                "its error) or runs another layer / micro-batch",
+            )

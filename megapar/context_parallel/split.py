@@ -26,9 +26,11 @@ def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
 def check_length(seq_len: int, cp: int) -> None:
     """A sequence length the split can cut (2 x cp equal chunks), or a LayoutError."""
     if cp > 1 and seq_len % (2 * cp):
-        raise LayoutError(f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp} "
-                          f"(context parallelism cuts each sequence into 2 x cp chunks); "
-                          f"choose a --seq-len that is a multiple of {2 * cp}")
+        raise LayoutError(
+            f"sequence length {seq_len} is not divisible by 2 x cp = {2 * cp} "
+            f"(context parallelism cuts each sequence into 2 x cp chunks); "
+            f"choose a --seq-len that is a multiple of {2 * cp}"
+        )
 
 
 def split(x: torch.Tensor, cp: int, rank: int, dim: int = SEQ_DIM) -> torch.Tensor:
@@ -48,8 +50,12 @@ def positions(seq_len: int, cp: int, rank: int, device) -> torch.Tensor:
     check_length(seq_len, cp)
     c = seq_len // (2 * cp)
     first, second = chunk_ids(cp, rank)
-    return torch.cat([torch.arange(first * c, (first + 1) * c, device=device),
-                      torch.arange(second * c, (second + 1) * c, device=device)])
+    return torch.cat(
+        [
+            torch.arange(first * c, (first + 1) * c, device=device),
+            torch.arange(second * c, (second + 1) * c, device=device),
+        ]
+    )
 
 
 def unsplit(parts: list[torch.Tensor], dim: int = SEQ_DIM) -> torch.Tensor:

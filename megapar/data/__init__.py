@@ -21,7 +21,20 @@ from megapar.data.sampler import GlobalBatchSampler, collate
 from megapar.data.tokenizers import SpecialTokens, Tokenizer, asset_path, load_tokenizer
 
 __all__ = [
-    "GPTDataset", "TokenStream", "split_documents", "IndexedDataset", "IndexedDatasetBuilder",
-    "IGNORE_INDEX", "MLMDataset", "ensure_dataset", "preprocess_files", "train_sentencepiece",
-    "GlobalBatchSampler", "collate", "SpecialTokens", "Tokenizer", "asset_path", "load_tokenizer",
+    "GPTDataset",
+    "TokenStream",
+    "split_documents",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "IGNORE_INDEX",
+    "MLMDataset",
+    "ensure_dataset",
+    "preprocess_files",
+    "train_sentencepiece",
+    "GlobalBatchSampler",
+    "collate",
+    "SpecialTokens",
+    "Tokenizer",
+    "asset_path",
+    "load_tokenizer",
 ]

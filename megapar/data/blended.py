@@ -15,7 +15,7 @@ is a fixed sequence, resuming from ``consumed_samples`` is exact.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -49,16 +49,23 @@ def parse_blend(spec) -> list[tuple[float, str]] | None:
         items = [str(x) for x in spec]
         if len(items) == 1:
             return None
-    quote = (f" (a path with spaces is one argument: quote it, --data '{' '.join(items)}')"
-             if not isinstance(spec, str) and _names_data(" ".join(items)) else "")
+    quote = (
+        f" (a path with spaces is one argument: quote it, --data '{' '.join(items)}')"
+        if not isinstance(spec, str) and _names_data(" ".join(items))
+        else ""
+    )
     if len(items) % 2:
-        raise ValueError(f"--data {' '.join(items)}: a blend is pairs of WEIGHT PREFIX "
-                         f"(e.g. --data 0.7 data/a 0.3 data/b){quote}")
+        raise ValueError(
+            f"--data {' '.join(items)}: a blend is pairs of WEIGHT PREFIX "
+            f"(e.g. --data 0.7 data/a 0.3 data/b){quote}"
+        )
     pairs = []
     for w, prefix in zip(items[::2], items[1::2]):
         if not _is_weight(w):
-            raise ValueError(f"--data: {w!r} is not a weight; a blend is pairs of WEIGHT PREFIX "
-                             f"(e.g. --data 0.7 data/a 0.3 data/b){quote}")
+            raise ValueError(
+                f"--data: {w!r} is not a weight; a blend is pairs of WEIGHT PREFIX "
+                f"(e.g. --data 0.7 data/a 0.3 data/b){quote}"
+            )
         weight = float(w)
         if not weight > 0:
             raise ValueError(f"--data: weight {w} of {prefix} must be positive")
@@ -71,6 +78,7 @@ def absolute_data(spec):
     """`spec` (a --data value) with every path that names data here made absolute, so that a
     checkpoint's record of it still finds the data from another directory. A single path stays
     a string; a blend becomes a WEIGHT PATH list (its paths may hold spaces)."""
+
     def absolute(path: str) -> str:
         return os.path.abspath(os.path.expanduser(path)) if _names_data(path) else path
 
@@ -93,8 +101,9 @@ def data_paths(spec) -> list[str | None]:
     return [spec[0] if isinstance(spec, list) else spec]
 
 
-def blend_indices(weights: Sequence[float] | np.ndarray, lengths: Sequence[int], size: int,
-                  seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def blend_indices(
+    weights: Sequence[float] | np.ndarray, lengths: Sequence[int], size: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """(dataset_index, sample_index) of each of `size` blended samples."""
     w = np.asarray(weights, dtype=np.float64)
     due_parts, which_parts = [], []
@@ -109,8 +118,7 @@ def blend_indices(weights: Sequence[float] | np.ndarray, lengths: Sequence[int],
     for d, n in enumerate(lengths):
         mask = dataset_index == d
         draws = int(mask.sum())
-        passes = [np.random.default_rng([seed, d, e]).permutation(n)
-                  for e in range(-(-draws // n))]
+        passes = [np.random.default_rng([seed, d, e]).permutation(n) for e in range(-(-draws // n))]
         sample_index[mask] = np.concatenate(passes)[:draws] if passes else []
     return dataset_index, sample_index
 
@@ -121,8 +129,14 @@ class BlendedDataset:
     #: The order is already shuffled (by `seed`): samplers take it as it is.
     shuffled = True
 
-    def __init__(self, datasets: Sequence, weights: Sequence[float], names: Sequence[str],
-                 seed: int = 0, size: int | None = None):
+    def __init__(
+        self,
+        datasets: Sequence,
+        weights: Sequence[float],
+        names: Sequence[str],
+        seed: int = 0,
+        size: int | None = None,
+    ):
         if len(datasets) != len(weights) or not datasets:
             raise ValueError("a blend needs one weight per dataset")
         empty = [n for n, d in zip(names, datasets) if len(d) == 0]
@@ -132,7 +146,8 @@ class BlendedDataset:
         self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
         self.size = int(size if size is not None else sum(len(d) for d in datasets))
         self.dataset_index, self.sample_index = blend_indices(
-            self.weights, [len(d) for d in datasets], self.size, seed)
+            self.weights, [len(d) for d in datasets], self.size, seed
+        )
 
     def __len__(self) -> int:
         return self.size
@@ -149,6 +164,8 @@ class BlendedDataset:
     def describe(self, indices: np.ndarray | None = None) -> str:
         achieved = self.proportions(indices)
         n = self.size if indices is None else len(indices)
-        parts = [f"{name} {a:.4f} (weight {w:.4f}, {len(d)} samples)"
-                 for name, a, w, d in zip(self.names, achieved, self.weights, self.datasets)]
+        parts = [
+            f"{name} {a:.4f} (weight {w:.4f}, {len(d)} samples)"
+            for name, a, w, d in zip(self.names, achieved, self.weights, self.datasets)
+        ]
         return f"blend over {n} samples: " + ", ".join(parts)

@@ -10,7 +10,8 @@ samples is ``(len(stream) - 1) // seq_len``; the incomplete tail is dropped.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
+from typing import Union
 
 import numpy as np
 import torch
@@ -86,7 +87,9 @@ class TokenStream:
     def slice(self, start: int, length: int) -> np.ndarray:
         """``stream[start:start+length]`` as ``int64``."""
         if start < 0 or start + length > len(self):
-            raise IndexError(f"stream range [{start}, {start + length}) outside its {len(self)} tokens")
+            raise IndexError(
+                f"stream range [{start}, {start + length}) outside its {len(self)} tokens"
+            )
         out = []
         p = int(np.searchsorted(self.cum, start, side="right")) - 1
         while length > 0:

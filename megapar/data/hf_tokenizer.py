@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Iterable
+from collections.abc import Iterable
 
 from tokenizers import (
     AddedToken,
@@ -50,14 +50,23 @@ def _special_names(directory: str) -> dict[str, str]:
                 with open(path, encoding="utf-8") as f:
                     data = json.load(f)
             except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-                raise ValueError(f"tokenizer file {path} is not valid JSON ({exc}); save the "
-                                 f"tokenizer again") from None
+                raise ValueError(
+                    f"tokenizer file {path} is not valid JSON ({exc}); save the tokenizer again"
+                ) from None
             if not isinstance(data, dict):
-                raise ValueError(f"tokenizer file {path} holds a JSON "
-                                 f"{type(data).__name__}, not an object of settings; save the "
-                                 f"tokenizer again")
-            for key in ("bos_token", "eos_token", "pad_token", "cls_token", "sep_token",
-                        "mask_token"):
+                raise ValueError(
+                    f"tokenizer file {path} holds a JSON "
+                    f"{type(data).__name__}, not an object of settings; save the "
+                    f"tokenizer again"
+                )
+            for key in (
+                "bos_token",
+                "eos_token",
+                "pad_token",
+                "cls_token",
+                "sep_token",
+                "mask_token",
+            ):
                 token = _token(data.get(key))
                 if token:
                     names[key] = token
@@ -71,9 +80,11 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
     try:
         backend = HFTokenizer.from_file(path)
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception
-        raise ValueError(f"tokenizer file {path} is damaged or not a tokenizers file "
-                         f"(tokenizers: {' '.join(str(exc).split())[:200]}); save the tokenizer "
-                         f"again (AutoTokenizer.from_pretrained(...).save_pretrained(DIR))") from None
+        raise ValueError(
+            f"tokenizer file {path} is damaged or not a tokenizers file "
+            f"(tokenizers: {' '.join(str(exc).split())[:200]}); save the tokenizer "
+            f"again (AutoTokenizer.from_pretrained(...).save_pretrained(DIR))"
+        ) from None
     size = backend.get_vocab_size(with_added_tokens=True)
     names = _special_names(directory)
 
@@ -86,16 +97,25 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
 
     eos = find("eos_token", COMMON_EOS)
     if eos is None:
-        raise ValueError(f"tokenizer {directory}: no end-of-sequence token found (set eos_token "
-                         f"in tokenizer_config.json); it ends every document")
+        raise ValueError(
+            f"tokenizer {directory}: no end-of-sequence token found (set eos_token "
+            f"in tokenizer_config.json); it ends every document"
+        )
     present = {"[EOD]": eos}
-    for role, key in (("[PAD]", "pad_token"), ("[CLS]", "cls_token"), ("[SEP]", "sep_token"),
-                      ("[MASK]", "mask_token")):
+    for role, key in (
+        ("[PAD]", "pad_token"),
+        ("[CLS]", "cls_token"),
+        ("[SEP]", "sep_token"),
+        ("[MASK]", "mask_token"),
+    ):
         tid = find(key)
         if tid is not None:
             present[role] = tid
-    special = [t.id if hasattr(t, "id") else i for i, t in
-               backend.get_added_tokens_decoder().items() if t.special]
+    special = [
+        t.id if hasattr(t, "id") else i
+        for i, t in backend.get_added_tokens_decoder().items()
+        if t.special
+    ]
     tok = Tokenizer("hf", directory, backend, size, present, special + list(present.values()))
     bos = find("bos_token", COMMON_BOS)
     tok.bos_id = bos if bos is not None and bos != eos else None
@@ -113,17 +133,26 @@ def _check_encodes_text(directory: str, backend, special: set[int]) -> None:
         return
     total = backend.get_vocab_size(with_added_tokens=True)
     ordinary = total - len(special)
-    what = (f"its tokenizer.json has {total:,} tokens, only special ones" if ordinary <= 0 else
-            f"{PROBE_TEXT!r} gives {list(ids) if ids else 'no ids'}, though its tokenizer.json "
-            f"has {total:,} tokens")
+    what = (
+        f"its tokenizer.json has {total:,} tokens, only special ones"
+        if ordinary <= 0
+        else f"{PROBE_TEXT!r} gives {list(ids) if ids else 'no ids'}, though its tokenizer.json "
+        f"has {total:,} tokens"
+    )
     raise ValueError(
         f"tokenizer {directory} encodes text to nothing: {what}; save it with "
         f"AutoTokenizer.from_pretrained(<original name or directory>).save_pretrained(...) "
-        f"(or pass the vocab.json + merges.txt directory it came from, if any)")
+        f"(or pass the vocab.json + merges.txt directory it came from, if any)"
+    )
 
 
-def train_bpe(texts: Iterable[str], out_dir: str, vocab_size: int,
-              eos_token: str = "<|endoftext|>", info: dict | None = None) -> str:
+def train_bpe(
+    texts: Iterable[str],
+    out_dir: str,
+    vocab_size: int,
+    eos_token: str = "<|endoftext|>",
+    info: dict | None = None,
+) -> str:
     """Train a byte-level BPE (GPT-2 style) on `texts` with the tokenizers library; write a
     transformers directory (tokenizer.json + tokenizer_config.json) to `out_dir` (atomic).
 
@@ -132,13 +161,19 @@ def train_bpe(texts: Iterable[str], out_dir: str, vocab_size: int,
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
-        raise ValueError(f"--vocab-size {vocab_size} is too small for a byte-level BPE: it "
-                         f"needs at least {len(alphabet) + 1} (256 bytes + end of text)")
+        raise ValueError(
+            f"--vocab-size {vocab_size} is too small for a byte-level BPE: it "
+            f"needs at least {len(alphabet) + 1} (256 bytes + end of text)"
+        )
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token],
-                                  initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eos_token],
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     if info is not None:
         info["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
@@ -150,8 +185,13 @@ def train_bpe(texts: Iterable[str], out_dir: str, vocab_size: int,
     tmp = tempfile.mkdtemp(prefix=f"{staging}{owner_tag()}-", dir=parent)
     try:
         tok.save(os.path.join(tmp, "tokenizer.json"))
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token,
-                  "bos_token": eos_token, "unk_token": eos_token, "model_max_length": 1 << 30}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": eos_token,
+            "bos_token": eos_token,
+            "unk_token": eos_token,
+            "model_max_length": 1 << 30,
+        }
         with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
             json.dump(config, f, indent=2)
         if os.path.isdir(out_dir):
@@ -163,8 +203,11 @@ def train_bpe(texts: Iterable[str], out_dir: str, vocab_size: int,
     return out_dir
 
 
-SAMPLE_TEXTS = ("Hello world", "  two  spaces,\ta tab\nand a new line ",
-                "Héllo wörld: ünïcödé, — ✓ 你好")
+SAMPLE_TEXTS = (
+    "Hello world",
+    "  two  spaces,\ta tab\nand a new line ",
+    "Héllo wörld: ünïcödé, — ✓ 你好",
+)
 """Texts an exported tokenizer must encode as megapar does, besides a piece of the shipped
 Shakespeare sample (literal special tokens are left out: transformers gives their ids, megapar
 the pieces of their text)."""
@@ -177,8 +220,12 @@ def _trailing_space_is_a_token(tok: Tokenizer) -> bool:
     return tok.encode("a ") != tok.encode("a")
 
 
-def to_transformers(tok: Tokenizer, vocab_size: int | None = None, sentence_pairs: bool = False,
-                    model_max_length: int | None = None):
+def to_transformers(
+    tok: Tokenizer,
+    vocab_size: int | None = None,
+    sentence_pairs: bool = False,
+    model_max_length: int | None = None,
+):
     """A transformers fast tokenizer that encodes text to `tok`'s ids, carrying `tok`'s special
     tokens as megapar trains with them: its end of document as ``eos_token``, a beginning of
     sequence only when megapar-data starts documents with it (GPT-2's is its end of text, as
@@ -205,20 +252,30 @@ def to_transformers(tok: Tokenizer, vocab_size: int | None = None, sentence_pair
         # lm-eval put the end of document before a text, as in training
         hf.bos_token = None
     else:  # GPT-2 style vocab.json + merges.txt: megapar's own tokenizers pipeline
-        hf = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(
-            tok._backend.to_str()))
+        hf = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(tok._backend.to_str()))
     limit = vocab_size if vocab_size is not None else tok.vocab_size
-    appended: list[str | AddedToken] = [name for i, name in enumerate(tok.appended)
-                                        if tok.base_vocab_size + i < limit]
+    appended: list[str | AddedToken] = [
+        name for i, name in enumerate(tok.appended) if tok.base_vocab_size + i < limit
+    ]
     if "[MASK]" in appended and _trailing_space_is_a_token(tok):
-        appended[appended.index("[MASK]")] = AddedToken("[MASK]", lstrip=True, special=True,
-                                                        normalized=False)
+        appended[appended.index("[MASK]")] = AddedToken(
+            "[MASK]", lstrip=True, special=True, normalized=False
+        )
     if appended:
-        hf.add_special_tokens({"additional_special_tokens": appended},
-                              replace_extra_special_tokens=False)
-    roles = {role: tid for role, tid in (("eos_token", tok.eod_id), ("pad_token", tok.pad_id),
-                                         ("cls_token", tok.cls_id), ("sep_token", tok.sep_id),
-                                         ("mask_token", tok.mask_id)) if tid < limit}
+        hf.add_special_tokens(
+            {"additional_special_tokens": appended}, replace_extra_special_tokens=False
+        )
+    roles = {
+        role: tid
+        for role, tid in (
+            ("eos_token", tok.eod_id),
+            ("pad_token", tok.pad_id),
+            ("cls_token", tok.cls_id),
+            ("sep_token", tok.sep_id),
+            ("mask_token", tok.mask_id),
+        )
+        if tid < limit
+    }
     if tok.bos_id is not None:
         roles["bos_token"] = tok.bos_id
     elif tok.kind == "gpt2-bpe":  # GPT-2's own: <|endoftext|> begins, ends and is unknown
@@ -229,13 +286,18 @@ def to_transformers(tok: Tokenizer, vocab_size: int | None = None, sentence_pair
     if sentence_pairs and tok.kind != "hf" and {"cls_token", "sep_token"} <= set(roles):
         cls, sep = hf.convert_ids_to_tokens(tok.cls_id), hf.convert_ids_to_tokens(tok.sep_id)
         template = processors.TemplateProcessing(
-            single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
-            special_tokens=[(cls, tok.cls_id), (sep, tok.sep_id)])
+            single=f"{cls} $A {sep}",
+            pair=f"{cls} $A {sep} $B:1 {sep}:1",
+            special_tokens=[(cls, tok.cls_id), (sep, tok.sep_id)],
+        )
         backend = hf._tokenizer  # a fast tokenizer's, always there
         assert backend is not None
         before = backend.post_processor  # byte-level BPE's offset trimming is kept
-        backend.post_processor = processors.Sequence([before, template]) \
-            if isinstance(before, processors.ByteLevel) else template
+        backend.post_processor = (
+            processors.Sequence([before, template])
+            if isinstance(before, processors.ByteLevel)
+            else template
+        )
         hf.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
         hf.init_kwargs["model_input_names"] = hf.model_input_names  # saved in its config
     if model_max_length is not None:
@@ -247,9 +309,14 @@ SPECIAL_ROLES = ("pad", "bos", "eos", "cls", "sep", "mask")
 """The special tokens whose ids a model config may name too (``pad_token_id`` ...)."""
 
 
-def save_for_transformers(tok: Tokenizer, out_dir: str, vocab_size: int | None = None,
-                          sentence_pairs: bool = False, model_max_length: int | None = None,
-                          info: dict | None = None) -> list[str]:
+def save_for_transformers(
+    tok: Tokenizer,
+    out_dir: str,
+    vocab_size: int | None = None,
+    sentence_pairs: bool = False,
+    model_max_length: int | None = None,
+    info: dict | None = None,
+) -> list[str]:
     """Write `tok` into `out_dir` as transformers' ``save_pretrained`` does (tokenizer.json,
     tokenizer_config.json, and a SentencePiece model's ``tokenizer.model``), so that
     ``AutoTokenizer.from_pretrained(out_dir)`` is the training tokenizer (`to_transformers`;
@@ -284,14 +351,19 @@ def save_for_transformers(tok: Tokenizer, out_dir: str, vocab_size: int | None =
         for text in texts:
             ours, theirs = tok.encode(text), back(text, add_special_tokens=False)["input_ids"]
             if ours != theirs:
-                at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
-                          min(len(ours), len(theirs)))
-                raise ValueError(f"tokenizer {tok.path}: transformers' version of it encodes "
-                                 f"{text[:40]!r} differently (ids {ours[at:at + 3]} vs "
-                                 f"{theirs[at:at + 3]} at token {at}); not exported")
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                    min(len(ours), len(theirs)),
+                )
+                raise ValueError(
+                    f"tokenizer {tok.path}: transformers' version of it encodes "
+                    f"{text[:40]!r} differently (ids {ours[at : at + 3]} vs "
+                    f"{theirs[at : at + 3]} at token {at}); not exported"
+                )
         if info is not None:
-            info.update({f"{role}_token_id": getattr(back, f"{role}_token_id")
-                         for role in SPECIAL_ROLES})
+            info.update(
+                {f"{role}_token_id": getattr(back, f"{role}_token_id") for role in SPECIAL_ROLES}
+            )
         names = sorted(os.listdir(tmp))
         for name in names:
             os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))

@@ -25,7 +25,8 @@ import hashlib
 import json
 import os
 import uuid
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,8 +53,9 @@ def tmp_name(path: str) -> str:
 def remove_stale_tmps(path: str) -> list[str]:
     """Remove the ``path.tmp-*`` files of writers of this host that are gone (killed with -9
     while writing `path`); a live writer's are kept. Returns the names removed."""
-    return remove_stale_temporaries(os.path.dirname(os.path.abspath(path)),
-                                    os.path.basename(path) + ".tmp-")
+    return remove_stale_temporaries(
+        os.path.dirname(os.path.abspath(path)), os.path.basename(path) + ".tmp-"
+    )
 
 
 def _missing_error(prefix: str, what: str) -> FileNotFoundError:
@@ -73,8 +75,10 @@ def check_index_magic(path: str) -> None:
         return
     size = os.path.getsize(path)
     what = "is empty (0 bytes)" if size == 0 else f"is truncated or another file ({size:,} bytes)"
-    raise ValueError(f"{path} {what}: not a megapar or Megatron-LM index; re-create the dataset "
-                     f"with megapar-data (or copy its .idx again)")
+    raise ValueError(
+        f"{path} {what}: not a megapar or Megatron-LM index; re-create the dataset "
+        f"with megapar-data (or copy its .idx again)"
+    )
 
 
 class IndexedDatasetBuilder:
@@ -83,8 +87,14 @@ class IndexedDatasetBuilder:
     Use it as a context manager: on an exception the temporary files are removed.
     """
 
-    def __init__(self, prefix: str, vocab_size: int, eod_id: int, tokenizer_spec: dict[str, Any],
-                 format: str = "megapar"):
+    def __init__(
+        self,
+        prefix: str,
+        vocab_size: int,
+        eod_id: int,
+        tokenizer_spec: dict[str, Any],
+        format: str = "megapar",
+    ):
         if format not in INDEX_FORMATS:
             raise ValueError(f"unknown dataset format {format!r}; expected one of {INDEX_FORMATS}")
         self.prefix = os.fspath(prefix)
@@ -92,8 +102,11 @@ class IndexedDatasetBuilder:
         self.eod_id = int(eod_id)
         self.tokenizer_spec = dict(tokenizer_spec)
         self.format = format
-        self.dtype = dtype_for_vocab(self.vocab_size) if format == "megapar" else \
-            megatron.dtype_for_vocab(self.vocab_size)
+        self.dtype = (
+            dtype_for_vocab(self.vocab_size)
+            if format == "megapar"
+            else megatron.dtype_for_vocab(self.vocab_size)
+        )
         parent = os.path.dirname(os.path.abspath(self.prefix))
         os.makedirs(parent, exist_ok=True)
         for ext in (".bin", ".idx", ".json"):  # the leftovers of a writer killed before us
@@ -165,7 +178,7 @@ class IndexedDatasetBuilder:
         if os.path.exists(self._bin_tmp):
             os.remove(self._bin_tmp)
 
-    def __enter__(self) -> "IndexedDatasetBuilder":
+    def __enter__(self) -> IndexedDatasetBuilder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -182,21 +195,28 @@ def read_doc_offsets(path: str) -> np.ndarray:
     with open(path, "rb") as f:
         data = f.read()
     if len(data) >= 8 and data[:8] != IDX_MAGIC:
-        raise ValueError(f"{path} is not a megapar index (bad magic {data[:8]!r}, "
-                         f"{len(data):,} bytes): re-create the dataset with megapar-data")
+        raise ValueError(
+            f"{path} is not a megapar index (bad magic {data[:8]!r}, "
+            f"{len(data):,} bytes): re-create the dataset with megapar-data"
+        )
     if len(data) < 16 + 8:  # magic, document count, at least the first offset
-        raise ValueError(f"{path} is truncated or not an index file ({len(data):,} bytes): "
-                         f"re-create the dataset with megapar-data")
+        raise ValueError(
+            f"{path} is truncated or not an index file ({len(data):,} bytes): "
+            f"re-create the dataset with megapar-data"
+        )
     count = int(np.frombuffer(data, "<u8", 1, 8)[0])
     if (len(data) - 16) % 8 or (len(data) - 16) // 8 != count + 1:
         raise ValueError(
             f"{path} is truncated or corrupt ({len(data):,} bytes): its header says {count:,} "
             f"documents, which needs {16 + 8 * (count + 1):,} bytes; re-create the dataset "
-            f"with megapar-data")
+            f"with megapar-data"
+        )
     offsets = np.frombuffer(data, "<i8", count + 1, 16).astype(np.int64)
     if offsets[0] != 0 or np.any(np.diff(offsets) < 0):
-        raise ValueError(f"{path} is corrupt: its document offsets do not rise from 0; "
-                         f"re-create the dataset with megapar-data")
+        raise ValueError(
+            f"{path} is corrupt: its document offsets do not rise from 0; "
+            f"re-create the dataset with megapar-data"
+        )
     return offsets
 
 
@@ -211,19 +231,24 @@ def _read_meta(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column "
-                         f"{e.colno}): the dataset's metadata is damaged; {fix}") from None
+        raise ValueError(
+            f"{path} is not valid JSON ({e.msg} at line {e.lineno} column "
+            f"{e.colno}): the dataset's metadata is damaged; {fix}"
+        ) from None
     except UnicodeDecodeError:
-        raise ValueError(f"{path} is not a text file: the dataset's metadata is damaged; "
-                         f"{fix}") from None
+        raise ValueError(
+            f"{path} is not a text file: the dataset's metadata is damaged; {fix}"
+        ) from None
     if not isinstance(meta, dict):
-        raise ValueError(f"{path} holds a JSON {type(meta).__name__}, not the dataset's "
-                         f"metadata object; {fix}")
+        raise ValueError(
+            f"{path} holds a JSON {type(meta).__name__}, not the dataset's metadata object; {fix}"
+        )
     if meta.get("format") == FORMAT_NAME and meta.get("version") == FORMAT_VERSION:
         missing = [k for k in _META_KEYS if k not in meta]
         if missing:
-            raise ValueError(f"{path} lacks {', '.join(missing)}: the dataset's metadata is "
-                             f"incomplete; {fix}")
+            raise ValueError(
+                f"{path} lacks {', '.join(missing)}: the dataset's metadata is incomplete; {fix}"
+            )
     return meta
 
 
@@ -238,8 +263,9 @@ class IndexedDataset:
         prefix = os.fspath(prefix)
         if os.path.isfile(prefix + ".idx") and not os.path.isfile(prefix + ".json"):
             check_index_magic(prefix + ".idx")
-        megatron_index = os.path.isfile(prefix + ".idx") and \
-            megatron.is_megatron_index(prefix + ".idx")
+        megatron_index = os.path.isfile(prefix + ".idx") and megatron.is_megatron_index(
+            prefix + ".idx"
+        )
         for ext in (".bin", ".idx") if megatron_index else (".json", ".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
                 raise _missing_error(prefix, ext)
@@ -267,7 +293,8 @@ class IndexedDataset:
                 f"{prefix}.json has an invalid dtype, vocab_size, eod_id or num_tokens "
                 f"({meta.get('dtype')!r}, {meta.get('vocab_size')!r}, {meta.get('eod_id')!r}, "
                 f"{meta.get('num_tokens')!r}): the dataset's metadata is damaged; re-create the "
-                f"dataset with megapar-data") from None
+                f"dataset with megapar-data"
+            ) from None
         self.tokenizer_spec: dict[str, Any] = meta["tokenizer"]
         self.doc_offsets: np.ndarray = read_doc_offsets(prefix + ".idx")
         self.num_docs: int = len(self.doc_offsets) - 1
@@ -280,7 +307,9 @@ class IndexedDataset:
         if num_tokens == 0:
             self.tokens: np.ndarray = np.zeros(0, dtype=self.dtype)
         else:
-            self.tokens = np.memmap(prefix + ".bin", dtype=self.dtype, mode="r", shape=(num_tokens,))
+            self.tokens = np.memmap(
+                prefix + ".bin", dtype=self.dtype, mode="r", shape=(num_tokens,)
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -296,7 +325,7 @@ class IndexedDataset:
             raise IndexError(
                 f"token range [{start}, {start + length}) is outside the dataset's {self.num_tokens} tokens"
             )
-        return np.asarray(self.tokens[start:start + length], dtype=np.int64)
+        return np.asarray(self.tokens[start : start + length], dtype=np.int64)
 
     def doc(self, i: int, include_eod: bool = True) -> np.ndarray:
         """Document ``i``'s tokens as ``int64``; ``include_eod=False`` drops its last token when
@@ -330,7 +359,7 @@ class IndexedDataset:
                 h.update(np.asarray(values, dtype="<i8").tobytes())
                 continue
             for start in np.linspace(0, n - block, self.FINGERPRINT_BLOCKS).astype(np.int64):
-                h.update(np.asarray(values[start:start + block], dtype="<i8").tobytes())
+                h.update(np.asarray(values[start : start + block], dtype="<i8").tobytes())
         return h.hexdigest()
 
     def max_id(self) -> int:
@@ -346,9 +375,11 @@ class IndexedDataset:
         tp > 1 such ids would silently embed to zero vectors instead of failing)."""
         top = self.max_id()
         if top >= vocab_size:
-            raise ValueError(f"dataset {self.prefix} holds token id {top}, outside the model's "
-                             f"vocabulary of {vocab_size} ids (0-{vocab_size - 1}); tokenize it "
-                             f"with the model's tokenizer or use a model with a larger vocabulary")
+            raise ValueError(
+                f"dataset {self.prefix} holds token id {top}, outside the model's "
+                f"vocabulary of {vocab_size} ids (0-{vocab_size - 1}); tokenize it "
+                f"with the model's tokenizer or use a model with a larger vocabulary"
+            )
 
     def __repr__(self) -> str:
         return f"IndexedDataset({self.prefix!r}, docs={self.num_docs}, tokens={self.num_tokens})"
@@ -358,12 +389,21 @@ def _megatron_meta(prefix: str, tokenizer: Any) -> dict[str, Any]:
     """Metadata of a Megatron dataset made elsewhere: from its index and the given tokenizer."""
 
     if tokenizer is None:
-        raise ValueError(f"{prefix}.idx is a Megatron-LM index without megapar's {prefix}.json; "
-                         f"name the tokenizer it was made with (--tokenizer gpt2, a "
-                         f"tokenizer.json directory, ...)")
+        raise ValueError(
+            f"{prefix}.idx is a Megatron-LM index without megapar's {prefix}.json; "
+            f"name the tokenizer it was made with (--tokenizer gpt2, a "
+            f"tokenizer.json directory, ...)"
+        )
     tok = load_tokenizer(tokenizer)
     dtype, offsets = megatron.read_index(prefix + ".idx")
-    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "dtype": dtype.name,
-            "vocab_size": tok.vocab_size, "eod_id": tok.eod_id, "tokenizer": tok.spec(),
-            "num_docs": int(len(offsets) - 1), "num_tokens": int(offsets[-1]),
-            "index_format": "megatron"}
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "dtype": dtype.name,
+        "vocab_size": tok.vocab_size,
+        "eod_id": tok.eod_id,
+        "tokenizer": tok.spec(),
+        "num_docs": int(len(offsets) - 1),
+        "num_tokens": int(offsets[-1]),
+        "index_format": "megatron",
+    }

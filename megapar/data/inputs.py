@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 _PARAGRAPH_SPLIT = re.compile(r"\n[ \t\r\f\v]*\n")
 #: File types taken from input directories.
@@ -26,8 +26,11 @@ _CR = re.compile("\r\n?")
 def is_raw_text(path: str) -> bool:
     """Whether a --data path is text to tokenize (a file or directory) rather than the prefix of
     a prepared dataset (its .bin / .idx)."""
-    return path.endswith((".txt", ".text", ".md")) or os.path.isdir(path) or (
-        os.path.isfile(path) and not os.path.exists(path + ".bin"))
+    return (
+        path.endswith((".txt", ".text", ".md"))
+        or os.path.isdir(path)
+        or (os.path.isfile(path) and not os.path.exists(path + ".bin"))
+    )
 
 
 def normalize_newlines(text: str) -> str:
@@ -49,7 +52,8 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
         raise ValueError(
             f"{path}: {bad:,} of {len(raw):,} bytes ({100 * bad / len(raw):.1f} %) are not valid "
             f"UTF-8 (binary data or another encoding?); convert it to UTF-8 (e.g. iconv -f "
-            f"latin1 -t utf-8) or pass --allow-invalid-utf8 to replace them with U+FFFD")
+            f"latin1 -t utf-8) or pass --allow-invalid-utf8 to replace them with U+FFFD"
+        )
     if report is not None:
         report[path] = bad
     return _ESCAPED.sub("\ufffd", text)
@@ -65,19 +69,26 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
             for root, _dirs, names in os.walk(path):
                 found += [os.path.join(root, n) for n in names if n.endswith(INPUT_SUFFIXES)]
             if not found:
-                raise FileNotFoundError(f"input directory {path} holds no "
-                                        f"{' / '.join(INPUT_SUFFIXES)} files")
+                raise FileNotFoundError(
+                    f"input directory {path} holds no {' / '.join(INPUT_SUFFIXES)} files"
+                )
             files += sorted(found)
         elif os.path.isfile(path):
             files.append(path)
         else:
-            raise FileNotFoundError(f"input {path} does not exist; pass text files, .jsonl files or directories")
+            raise FileNotFoundError(
+                f"input {path} does not exist; pass text files, .jsonl files or directories"
+            )
     return files
 
 
-def iter_documents(files: Sequence[str], split_paragraphs: bool = False,
-                   jsonl_key: str = "text", allow_invalid_utf8: bool = False,
-                   report: dict | None = None) -> Iterator[tuple[str, int]]:
+def iter_documents(
+    files: Sequence[str],
+    split_paragraphs: bool = False,
+    jsonl_key: str = "text",
+    allow_invalid_utf8: bool = False,
+    report: dict | None = None,
+) -> Iterator[tuple[str, int]]:
     """Yield ``(document_text, source_bytes)`` for every non-blank document of ``files``, its
     line endings LF whatever its source (invalid UTF-8: see `read_text`)."""
     for text, size in _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
@@ -104,13 +115,17 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
                             f"{path}:{lineno}: expected a JSON object with a string field "
                             f"{jsonl_key!r} ({e!r}); fix the line or pass --jsonl-key"
                         ) from None
-                    if not isinstance(text, str):   # never dropped silently
+                    if not isinstance(text, str):  # never dropped silently
                         kind = type(text).__name__
-                        kind = "null" if text is None else (
-                            ("an " if kind[0] in "aeiou" else "a ") + kind)
+                        kind = (
+                            "null"
+                            if text is None
+                            else (("an " if kind[0] in "aeiou" else "a ") + kind)
+                        )
                         raise ValueError(
                             f"{path}:{lineno}: field {jsonl_key!r} is {kind}, not a string; fix "
-                            f"the line or pass --jsonl-key naming the text field")
+                            f"the line or pass --jsonl-key naming the text field"
+                        )
                     if text.strip():
                         yield text, len(line)
             continue
@@ -136,8 +151,10 @@ def _json_array_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
     size = os.path.getsize(path) / max(1, len(records))
     for i, record in enumerate(records):
         if not isinstance(record, dict) or not isinstance(record.get(key), str):
-            raise ValueError(f"{path}: item {i} is not an object with a string field {key!r}; "
-                             f"fix it or pass --jsonl-key")
+            raise ValueError(
+                f"{path}: item {i} is not an object with a string field {key!r}; "
+                f"fix it or pass --jsonl-key"
+            )
         if record[key].strip():
             yield record[key], int(size)
 
@@ -149,25 +166,33 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
     try:
         file = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
-        raise ValueError(f"{path} is not a readable parquet file ({' '.join(str(exc).split())}"
-                         f"); check the file (truncated or another format?), or leave it "
-                         f"out") from None
+        raise ValueError(
+            f"{path} is not a readable parquet file ({' '.join(str(exc).split())}"
+            f"); check the file (truncated or another format?), or leave it "
+            f"out"
+        ) from None
     if key not in file.schema_arrow.names:
-        raise ValueError(f"{path}: no column {key!r} (columns: {file.schema_arrow.names}); "
-                         f"pass --jsonl-key COLUMN")
+        raise ValueError(
+            f"{path}: no column {key!r} (columns: {file.schema_arrow.names}); "
+            f"pass --jsonl-key COLUMN"
+        )
     kind = file.schema_arrow.field(key).type
     if str(kind) not in ("string", "large_string"):
-        raise ValueError(f"{path}: column {key!r} holds {kind}, not text; pass --jsonl-key "
-                         f"naming the text column")
+        raise ValueError(
+            f"{path}: column {key!r} holds {kind}, not text; pass --jsonl-key "
+            f"naming the text column"
+        )
     size = os.path.getsize(path) / max(1, file.metadata.num_rows)
     batches = file.iter_batches(columns=[key], batch_size=1024)
     while True:
         try:
             batch = next(batches, None)
         except (pa.ArrowException, OSError) as exc:  # a damaged page further in
-            raise ValueError(f"{path} is not a readable parquet file "
-                             f"({' '.join(str(exc).split())}); check the file (truncated?), "
-                             f"or leave it out") from None
+            raise ValueError(
+                f"{path} is not a readable parquet file "
+                f"({' '.join(str(exc).split())}); check the file (truncated?), "
+                f"or leave it out"
+            ) from None
         if batch is None:
             return
         for text in batch.column(0).to_pylist():

@@ -28,8 +28,16 @@ import numpy as np
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-               7: np.float32, 8: np.uint16}
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -71,16 +79,17 @@ def read_index(path: str) -> tuple[np.dtype, np.ndarray]:
     with open(path, "rb") as f:
         data = f.read()
     fix = "re-create the dataset with megapar-data (or Megatron-LM's preprocess_data.py)"
-    if data[:len(MAGIC)] != MAGIC:
+    if data[: len(MAGIC)] != MAGIC:
         raise ValueError(f"{path} is not a Megatron index (no MMIDIDX magic); {fix}")
     pos = len(MAGIC)
     if len(data) < pos + 9 + 16:
-        raise ValueError(f"{path} is truncated or not an index file ({len(data):,} bytes): "
-                         f"{fix}")
+        raise ValueError(f"{path} is truncated or not an index file ({len(data):,} bytes): {fix}")
     version = int(np.frombuffer(data, "<u8", 1, pos)[0])
     if version != VERSION:
-        raise ValueError(f"{path}: Megatron index version {version}; megapar reads version 1 "
-                         f"(a corrupt index?); {fix}")
+        raise ValueError(
+            f"{path}: Megatron index version {version}; megapar reads version 1 "
+            f"(a corrupt index?); {fix}"
+        )
     code = int(data[pos + 8])
     if code not in DTYPE_CODES:
         raise ValueError(f"{path}: unknown Megatron dtype code {code} (a corrupt index?); {fix}")
@@ -91,21 +100,29 @@ def read_index(path: str) -> tuple[np.dtype, np.ndarray]:
     if len(data) == need + seqs:  # a multimodal index: one int8 mode per sequence follows
         modes = np.frombuffer(data, "<i1", seqs, need)
         if np.any(modes != 0):
-            raise ValueError(f"{path} is a multimodal Megatron index: {int(np.sum(modes != 0)):,} "
-                             f"of its {seqs:,} sequences are not text (sequence mode != 0); "
-                             f"megapar trains language models on text only")
+            raise ValueError(
+                f"{path} is a multimodal Megatron index: {int(np.sum(modes != 0)):,} "
+                f"of its {seqs:,} sequences are not text (sequence mode != 0); "
+                f"megapar trains language models on text only"
+            )
     elif len(data) != need:
-        raise ValueError(f"{path} is truncated or corrupt ({len(data):,} bytes): its header "
-                         f"({seqs:,} sequences, {docs:,} document indices) needs {need:,} bytes; "
-                         f"{fix}")
+        raise ValueError(
+            f"{path} is truncated or corrupt ({len(data):,} bytes): its header "
+            f"({seqs:,} sequences, {docs:,} document indices) needs {need:,} bytes; "
+            f"{fix}"
+        )
     lengths = np.frombuffer(data, "<i4", seqs, pos).astype(np.int64)
     pointers = np.frombuffer(data, "<i8", seqs, pos + seqs * 4)
     doc_idx = np.frombuffer(data, "<i8", docs, pos + seqs * 12)
     starts = np.concatenate([[0], np.cumsum(lengths)])
     if not np.array_equal(pointers, starts[:-1] * dtype.itemsize):
-        raise ValueError(f"{path}: sequences are not stored back to back in the .bin; megapar "
-                         f"reads contiguous Megatron datasets only")
+        raise ValueError(
+            f"{path}: sequences are not stored back to back in the .bin; megapar "
+            f"reads contiguous Megatron datasets only"
+        )
     if docs < 1 or doc_idx[0] != 0 or doc_idx[-1] != seqs or np.any(np.diff(doc_idx) < 0):
-        raise ValueError(f"{path}: document indices must rise from 0 to the {seqs} sequences "
-                         f"(a corrupt index); {fix}")
+        raise ValueError(
+            f"{path}: document indices must rise from 0 to the {seqs} sequences "
+            f"(a corrupt index); {fix}"
+        )
     return dtype, starts[doc_idx]

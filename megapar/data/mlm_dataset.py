@@ -19,7 +19,8 @@ sample depends only on ``(seed, i)`` -- never on worker, rank or the order of ac
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,21 +46,38 @@ def _as_special_tokens(special: Any, indexed: IndexedDataset) -> SpecialTokens:
                 f"tokenizer_special_ids lacks {missing}; pass tokenizer.special_tokens() or a dict "
                 f"with keys {list(needed)}"
             )
-        base = int(special.get("base_vocab_size", indexed.tokenizer_spec.get("base_vocab_size", indexed.vocab_size)))
+        base = int(
+            special.get(
+                "base_vocab_size", indexed.tokenizer_spec.get("base_vocab_size", indexed.vocab_size)
+            )
+        )
         ids = {k: int(special[k]) for k in needed}
         eod = int(special.get("eod_id", indexed.eod_id))
         reserved = tuple(sorted(set(special.get("reserved_ids", ())) | set(ids.values()) | {eod}))
-        return SpecialTokens(eod_id=eod, base_vocab_size=base,
-                             vocab_size=int(special.get("vocab_size", indexed.vocab_size)),
-                             reserved_ids=reserved, **ids)
-    raise TypeError(f"tokenizer_special_ids must be SpecialTokens, Tokenizer or a dict, not {type(special).__name__}")
+        return SpecialTokens(
+            eod_id=eod,
+            base_vocab_size=base,
+            vocab_size=int(special.get("vocab_size", indexed.vocab_size)),
+            reserved_ids=reserved,
+            **ids,
+        )
+    raise TypeError(
+        f"tokenizer_special_ids must be SpecialTokens, Tokenizer or a dict, not {type(special).__name__}"
+    )
 
 
 class MLMDataset(torch.utils.data.Dataset):
     """Samples ``dict(input_ids, token_type_ids, attention_mask, labels)``, each ``LongTensor[seq_len]``."""
 
-    def __init__(self, indexed: IndexedDataset, seq_len: int, tokenizer_special_ids: Any, seed: int,
-                 mask_prob: float = 0.15, doc_range: DocRange = None):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        seq_len: int,
+        tokenizer_special_ids: Any,
+        seed: int,
+        mask_prob: float = 0.15,
+        doc_range: DocRange = None,
+    ):
         if seq_len < 5:
             raise ValueError(f"seq_len must be >= 5 for [CLS] A [SEP] B [SEP], got {seq_len}")
         if not 0.0 < mask_prob < 1.0:
@@ -108,14 +126,14 @@ class MLMDataset(torch.utils.data.Dataset):
 
         input_ids = np.full(self.seq_len, sp.pad_id, dtype=np.int64)
         input_ids[0] = sp.cls_id
-        input_ids[1:a + 1] = chunk[:a]
+        input_ids[1 : a + 1] = chunk[:a]
         input_ids[a + 1] = sp.sep_id
-        input_ids[a + 2:length + 2] = chunk[a:]
+        input_ids[a + 2 : length + 2] = chunk[a:]
         input_ids[length + 2] = sp.sep_id
         token_type_ids = np.zeros(self.seq_len, dtype=np.int64)
-        token_type_ids[a + 2:length + 3] = 1
+        token_type_ids[a + 2 : length + 3] = 1
         attention_mask = np.zeros(self.seq_len, dtype=np.int64)
-        attention_mask[:length + 3] = 1
+        attention_mask[: length + 3] = 1
 
         real = np.concatenate([np.arange(1, a + 1), np.arange(a + 2, length + 2)])
         candidates = real[~np.isin(input_ids[real], self._reserved)]
@@ -141,5 +159,10 @@ class MLMDataset(torch.utils.data.Dataset):
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (for logs)."""
-        return {"samples": len(self), "seq_len": self.seq_len, "seed": self.seed,
-                "mask_prob": self.mask_prob, "special": dataclasses.asdict(self.special)}
+        return {
+            "samples": len(self),
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "mask_prob": self.mask_prob,
+            "special": dataclasses.asdict(self.special),
+        }

@@ -40,7 +40,7 @@ import json
 import multiprocessing as mp
 import os
 import re
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -97,11 +97,19 @@ def _worker_encode(item: tuple[list[str], int]) -> tuple[list[list[int]], int]:
 _WORKER_TOKENIZER: Tokenizer
 
 
-def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, workers: int | None = None,
-               split_paragraphs: bool = False, jsonl_key: str = "text", progress: bool = True,
-               format: str = "megapar",
-               allow_invalid_utf8: bool = False, report: dict | None = None,
-               stats: dict | None = None) -> str:
+def preprocess_files(
+    inputs: Sequence[str],
+    output_prefix: str,
+    tokenizer: str,
+    workers: int | None = None,
+    split_paragraphs: bool = False,
+    jsonl_key: str = "text",
+    progress: bool = True,
+    format: str = "megapar",
+    allow_invalid_utf8: bool = False,
+    report: dict | None = None,
+    stats: dict | None = None,
+) -> str:
     """Tokenize ``inputs`` into ``output_prefix.{bin,idx,json}``; return the prefix.
 
     ``format="megatron"`` writes Megatron-LM's ``MMIDIDX`` index instead of megapar's.
@@ -112,8 +120,9 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
     small inputs and up to 8 processes (bounded by the CPU count) above 8 MB; more workers than
     CPU cores are capped at the core count.
     """
-    if workers is not None and (isinstance(workers, bool) or int(workers) != workers
-                                or workers < 1):
+    if workers is not None and (
+        isinstance(workers, bool) or int(workers) != workers or workers < 1
+    ):
         raise ValueError(f"--workers {workers} is invalid: it must be >= 1")
 
     files = expand_inputs(inputs)
@@ -124,26 +133,35 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
     stats = {} if stats is None else stats
     workers = min(workers, cpu_cores())  # more only thrash (and the output is the same)
     report = {} if report is None else report  # path -> invalid UTF-8 bytes replaced
-    batches = _batched(iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8,
-                                      report), BATCH_DOCS)
+    batches = _batched(
+        iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report), BATCH_DOCS
+    )
     first = next(batches, None)  # a bad or empty first input fails before a bar is drawn
     if first is None:
-        raise ValueError(f"no text in {', '.join(files)}: every input is empty or "
-                         f"whitespace; nothing written")
+        raise ValueError(
+            f"no text in {', '.join(files)}: every input is empty or whitespace; nothing written"
+        )
     batches = itertools.chain([first], batches)
     stats["empty_docs"] = 0
-    with IndexedDatasetBuilder(output_prefix, tok.vocab_size, tok.eod_id, tok.spec(),
-                               format) as builder, \
-            tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing",
-                 disable=not progress) as bar:  # closed (its line ended) before any error
+    with (
+        IndexedDatasetBuilder(
+            output_prefix, tok.vocab_size, tok.eod_id, tok.spec(), format
+        ) as builder,
+        tqdm(
+            total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress
+        ) as bar,
+    ):  # closed (its line ended) before any error
         if workers == 1:
             results = ((tok.encode_batch(texts), n) for texts, n in batches)
             _consume(results, builder, bar, tok.bos_id, stats)
         else:
-            ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+            ctx = (
+                mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+            )
             with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.path,)) as pool:
-                _consume(_ordered_bounded(pool, batches, 4 * workers), builder, bar,
-                         tok.bos_id, stats)
+                _consume(
+                    _ordered_bounded(pool, batches, 4 * workers), builder, bar, tok.bos_id, stats
+                )
         bar.n = total
         bar.close()
         stats["docs"] = builder.num_docs
@@ -152,7 +170,8 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer: str, 
                 f"tokenizer {tok.path} encodes the text of {', '.join(files)} to nothing: all "
                 f"{builder.num_docs:,} documents gave no token ids (only end-of-document tokens "
                 f"would be written); use a tokenizer whose vocabulary covers this text "
-                f"(e.g. --tokenizer gpt2); nothing written")
+                f"(e.g. --tokenizer gpt2); nothing written"
+            )
         return builder.finalize()
 
 
@@ -169,8 +188,13 @@ def _ordered_bounded(pool, batches, window: int):
         yield pending.popleft().get()
 
 
-def _consume(results, builder: IndexedDatasetBuilder, bar, bos_id: int | None = None,
-             stats: dict | None = None) -> None:
+def _consume(
+    results,
+    builder: IndexedDatasetBuilder,
+    bar,
+    bos_id: int | None = None,
+    stats: dict | None = None,
+) -> None:
     """Add each document (after the tokenizer's own BOS, when it has one; the eod follows);
     count into ``stats["empty_docs"]`` those that tokenized to no ids."""
     for encoded, nbytes in results:
@@ -180,9 +204,15 @@ def _consume(results, builder: IndexedDatasetBuilder, bar, bos_id: int | None = 
         bar.update(nbytes)
 
 
-def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: int,
-                        model_type: str = "unigram", split_paragraphs: bool = False,
-                        jsonl_key: str = "text", num_threads: int = 1) -> str:
+def train_sentencepiece(
+    inputs: Sequence[str],
+    model_prefix: str,
+    vocab_size: int,
+    model_type: str = "unigram",
+    split_paragraphs: bool = False,
+    jsonl_key: str = "text",
+    num_threads: int = 1,
+) -> str:
     """Train a SentencePiece model on ``inputs`` in-process; write ``model_prefix.model``.
 
     ``[PAD] [CLS] [SEP] [MASK]`` are reserved as user-defined symbols (ids 3-6 after
@@ -202,9 +232,14 @@ def train_sentencepiece(inputs: Sequence[str], model_prefix: str, vocab_size: in
     buf = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=sentences(), model_writer=buf, vocab_size=vocab_size,
-            model_type=model_type, user_defined_symbols=[t for t in APPENDED_ORDER if t != "[EOD]"],
-            character_coverage=1.0, num_threads=num_threads, minloglevel=2,
+            sentence_iterator=sentences(),
+            model_writer=buf,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            user_defined_symbols=[t for t in APPENDED_ORDER if t != "[EOD]"],
+            character_coverage=1.0,
+            num_threads=num_threads,
+            minloglevel=2,
             hard_vocab_limit=True,
         )
     except RuntimeError as e:
@@ -225,17 +260,23 @@ def _sentencepiece_error(message: str, vocab_size: int) -> str:
     low = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
     if low:
         need = int(low.group(1))
-        return (f"--vocab-size {vocab_size} is too small for this corpus: SentencePiece needs at "
-                f"least {need:,} tokens (one per distinct character, plus its control tokens); "
-                f"pass --vocab-size {need} or more")
+        return (
+            f"--vocab-size {vocab_size} is too small for this corpus: SentencePiece needs at "
+            f"least {need:,} tokens (one per distinct character, plus its control tokens); "
+            f"pass --vocab-size {need} or more"
+        )
     high = re.search(r"value <= (\d+)", message)
     if high:
         most = int(high.group(1))
-        return (f"--vocab-size {vocab_size} is too large for this corpus: SentencePiece can make "
-                f"at most {most:,} tokens from it; pass --vocab-size {most} or less, or train on "
-                f"more text")
-    return (f"SentencePiece training failed ({message}); a smaller --vocab-size or more input "
-            f"text usually fixes it")
+        return (
+            f"--vocab-size {vocab_size} is too large for this corpus: SentencePiece can make "
+            f"at most {most:,} tokens from it; pass --vocab-size {most} or less, or train on "
+            f"more text"
+        )
+    return (
+        f"SentencePiece training failed ({message}); a smaller --vocab-size or more input "
+        f"text usually fixes it"
+    )
 
 
 def file_sha256(path: str) -> str:
@@ -254,10 +295,17 @@ def _digest_and_cr(path: str) -> tuple[str, bool]:
     return h.hexdigest(), cr
 
 
-def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
-                   split_paragraphs: bool = True, progress: bool = False,
-                   allow_invalid_utf8: bool = False, report: dict | None = None,
-                   stats: dict | None = None, jsonl_key: str = "text") -> str:
+def ensure_dataset(
+    text_path: str,
+    tokenizer_spec: str,
+    cache_dir: str,
+    split_paragraphs: bool = True,
+    progress: bool = False,
+    allow_invalid_utf8: bool = False,
+    report: dict | None = None,
+    stats: dict | None = None,
+    jsonl_key: str = "text",
+) -> str:
     """Preprocess a raw text file into ``cache_dir`` once; return the dataset prefix.
 
     The cache key is the SHA-256 of the file's content, the tokenizer (kind, vocab size
@@ -269,27 +317,41 @@ def ensure_dataset(text_path: str, tokenizer_spec: str, cache_dir: str,
     ``report`` and ``stats``: as for `preprocess_files` (filled only when the text is tokenized).
     """
     if not os.path.exists(text_path):
-        raise FileNotFoundError(f"training text {text_path} does not exist; pass an existing .txt file")
+        raise FileNotFoundError(
+            f"training text {text_path} does not exist; pass an existing .txt file"
+        )
     files = expand_inputs([text_path])  # a directory: its .txt / .jsonl files
     tok = load_tokenizer(tokenizer_spec)
     digests = [_digest_and_cr(p) for p in (files if os.path.isdir(text_path) else [text_path])]
     tok_files = tokenizer_files(tok)
-    key = json.dumps({
-        "text": [d for d, _ in digests] if os.path.isdir(text_path) else digests[0][0],
-        "tokenizer": [tok.kind, tok.vocab_size] + [file_sha256(p) for p in tok_files],
-        "split_paragraphs": split_paragraphs,
-        "format": 1,
-        # text with CR line endings: cached before they were normalised to LF, so a new key
-        **({"newlines": "lf"} if any(cr for _, cr in digests) else {}),
-        # only when set, so the datasets cached with the defaults keep their key
-        **({"jsonl_key": jsonl_key} if jsonl_key != "text" else {}),
-        **({"allow_invalid_utf8": True} if allow_invalid_utf8 else {}),
-    }, sort_keys=True)
+    key = json.dumps(
+        {
+            "text": [d for d, _ in digests] if os.path.isdir(text_path) else digests[0][0],
+            "tokenizer": [tok.kind, tok.vocab_size] + [file_sha256(p) for p in tok_files],
+            "split_paragraphs": split_paragraphs,
+            "format": 1,
+            # text with CR line endings: cached before they were normalised to LF, so a new key
+            **({"newlines": "lf"} if any(cr for _, cr in digests) else {}),
+            # only when set, so the datasets cached with the defaults keep their key
+            **({"jsonl_key": jsonl_key} if jsonl_key != "text" else {}),
+            **({"allow_invalid_utf8": True} if allow_invalid_utf8 else {}),
+        },
+        sort_keys=True,
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(text_path))[0]
     prefix = os.path.join(os.fspath(cache_dir), f"{stem}-{digest}")
     if all(os.path.isfile(prefix + ext) for ext in (".bin", ".idx", ".json")):
         return prefix
-    return preprocess_files([text_path], prefix, tokenizer_spec, workers=1,
-                      split_paragraphs=split_paragraphs, jsonl_key=jsonl_key, progress=progress,
-                      allow_invalid_utf8=allow_invalid_utf8, report=report, stats=stats)
+    return preprocess_files(
+        [text_path],
+        prefix,
+        tokenizer_spec,
+        workers=1,
+        split_paragraphs=split_paragraphs,
+        jsonl_key=jsonl_key,
+        progress=progress,
+        allow_invalid_utf8=allow_invalid_utf8,
+        report=report,
+        stats=stats,
+    )

@@ -10,7 +10,8 @@ micro-batches of ``micro_batch_size``.  The content of global batch ``k`` depend
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,9 +26,17 @@ class GlobalBatchSampler:
     resumes with the next one.
     """
 
-    def __init__(self, dataset_len: int, global_batch_size: int, micro_batch_size: int,
-                 dp_size: int, dp_rank: int, seed: int, shuffle: bool = True,
-                 consumed_samples: int = 0):
+    def __init__(
+        self,
+        dataset_len: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_size: int,
+        dp_rank: int,
+        seed: int,
+        shuffle: bool = True,
+        consumed_samples: int = 0,
+    ):
         if micro_batch_size < 1 or dp_size < 1 or global_batch_size < 1:
             raise ValueError(
                 f"batch sizes and dp size must be >= 1 (global {global_batch_size}, "
@@ -83,21 +92,23 @@ class GlobalBatchSampler:
         """The sample stream of ``epoch`` (a permutation of ``range(dataset_len)``)."""
         if not self.shuffle:
             return np.arange(self.dataset_len, dtype=np.int64)
-        return np.random.default_rng(self.seed + epoch).permutation(self.dataset_len).astype(np.int64)
+        return (
+            np.random.default_rng(self.seed + epoch).permutation(self.dataset_len).astype(np.int64)
+        )
 
     def global_batch(self, epoch: int, k: int) -> list[int]:
         """All ``global_batch_size`` sample indices of global batch ``k`` of ``epoch`` (all ranks)."""
         if not 0 <= k < self.batches_per_epoch:
             raise IndexError(f"global batch {k} outside the epoch's {self.batches_per_epoch}")
         g = self.global_batch_size
-        return self.epoch_order(epoch)[k * g:(k + 1) * g].tolist()
+        return self.epoch_order(epoch)[k * g : (k + 1) * g].tolist()
 
     def rank_micro_batches(self, batch: Sequence[int]) -> list[list[int]]:
         """This rank's slice of a global batch, cut into micro-batches."""
         per_rank = self.global_batch_size // self.dp_size
-        mine = list(batch[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank])
+        mine = list(batch[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank])
         m = self.micro_batch_size
-        return [mine[j:j + m] for j in range(0, per_rank, m)]
+        return [mine[j : j + m] for j in range(0, per_rank, m)]
 
     def __iter__(self) -> Iterator[list[list[int]]]:
         epoch = self.epoch
@@ -105,7 +116,7 @@ class GlobalBatchSampler:
         g = self.global_batch_size
         k = (self.consumed_samples - epoch * self.samples_per_epoch) // g
         while k < self.batches_per_epoch and self.epoch == epoch:
-            batch = order[k * g:(k + 1) * g].tolist()
+            batch = order[k * g : (k + 1) * g].tolist()
             self.consumed_samples += g
             k += 1
             yield self.rank_micro_batches(batch)
@@ -119,9 +130,14 @@ class GlobalBatchSampler:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able resume state."""
-        return {"consumed_samples": self.consumed_samples, "epoch": self.epoch,
-                "global_batch_size": self.global_batch_size, "seed": self.seed,
-                "dataset_len": self.dataset_len, "shuffle": self.shuffle}
+        return {
+            "consumed_samples": self.consumed_samples,
+            "epoch": self.epoch,
+            "global_batch_size": self.global_batch_size,
+            "seed": self.seed,
+            "dataset_len": self.dataset_len,
+            "shuffle": self.shuffle,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`; the next global batch is the one after the saved position."""

@@ -9,15 +9,20 @@ deterministically; ``encode`` never produces appended ids.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 #: Names of the special tokens, in the order they are appended when missing.
 APPENDED_ORDER: tuple[str, ...] = ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[EOD]")
 
 #: The attribute each special token name fills.
 _ROLE_OF: dict[str, str] = {
-    "[PAD]": "pad_id", "[CLS]": "cls_id", "[SEP]": "sep_id", "[MASK]": "mask_id", "[EOD]": "eod_id",
+    "[PAD]": "pad_id",
+    "[CLS]": "cls_id",
+    "[SEP]": "sep_id",
+    "[MASK]": "mask_id",
+    "[EOD]": "eod_id",
 }
 
 
@@ -49,8 +54,15 @@ class Tokenizer:
     Build it with :func:`load_tokenizer`; the constructor is internal.
     """
 
-    def __init__(self, kind: str, path: str, backend: Any, base_vocab_size: int,
-                 present: dict[str, int], base_reserved: Sequence[int]) -> None:
+    def __init__(
+        self,
+        kind: str,
+        path: str,
+        backend: Any,
+        base_vocab_size: int,
+        present: dict[str, int],
+        base_reserved: Sequence[int],
+    ) -> None:
         self.kind = kind
         self.path = path
         self._backend = backend
@@ -92,8 +104,10 @@ class Tokenizer:
         if self.kind == "gpt2-bpe":
             return [list(e.ids) for e in self._backend.encode_batch(list(texts))]
         if self.kind == "hf":
-            return [list(e.ids) for e in
-                    self._backend.encode_batch(list(texts), add_special_tokens=False)]
+            return [
+                list(e.ids)
+                for e in self._backend.encode_batch(list(texts), add_special_tokens=False)
+            ]
         return [list(x) for x in self._backend.encode(list(texts))]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -120,9 +134,14 @@ class Tokenizer:
     def special_tokens(self) -> SpecialTokens:
         """The special-token ids as a :class:`SpecialTokens` record."""
         return SpecialTokens(
-            pad_id=self.pad_id, cls_id=self.cls_id, sep_id=self.sep_id, mask_id=self.mask_id,
-            eod_id=self.eod_id, base_vocab_size=self.base_vocab_size,
-            vocab_size=self.vocab_size, reserved_ids=self._reserved,
+            pad_id=self.pad_id,
+            cls_id=self.cls_id,
+            sep_id=self.sep_id,
+            mask_id=self.mask_id,
+            eod_id=self.eod_id,
+            base_vocab_size=self.base_vocab_size,
+            vocab_size=self.vocab_size,
+            reserved_ids=self._reserved,
         )
 
     def spec(self) -> dict[str, Any]:

@@ -30,8 +30,17 @@ from megapar.data.assets import asset_path, moved_asset
 from megapar.data.hf_tokenizer import SAMPLE_TEXTS, load_hf_tokenizer
 from megapar.data.tokenizer import APPENDED_ORDER, PROBE_TEXT, SpecialTokens, Tokenizer
 
-__all__ = ["APPENDED_ORDER", "PROBE_TEXT", "SpecialTokens", "Tokenizer", "asset_path",
-           "load_tokenizer", "same_tokenizer", "tokenizer_files", "encodes_alike"]
+__all__ = [
+    "APPENDED_ORDER",
+    "PROBE_TEXT",
+    "SpecialTokens",
+    "Tokenizer",
+    "asset_path",
+    "load_tokenizer",
+    "same_tokenizer",
+    "tokenizer_files",
+    "encodes_alike",
+]
 
 
 def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
@@ -40,9 +49,11 @@ def _load_gpt2_bpe(vocab: str, merges: str, path: str) -> Tokenizer:
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception
         message = " ".join(str(exc).split())
         culprit = merges if "Merges" in message or "out of vocabulary" in message else vocab
-        raise ValueError(f"tokenizer file {culprit} is damaged or not a GPT-2 "
-                         f"{os.path.basename(culprit)} (tokenizers: {message[:200]}); copy the "
-                         f"complete vocab.json and merges.txt there") from None
+        raise ValueError(
+            f"tokenizer file {culprit} is damaged or not a GPT-2 "
+            f"{os.path.basename(culprit)} (tokenizers: {message[:200]}); copy the "
+            f"complete vocab.json and merges.txt there"
+        ) from None
     backend = HFTokenizer(model)
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -62,10 +73,11 @@ def _load_sentencepiece(model_path: str) -> Tokenizer:
     try:
         proc = spm.SentencePieceProcessor(model_file=model_path)
     except (RuntimeError, OSError) as exc:  # not a ModelProto: garbage, truncated, another file
-        raise ValueError(f"tokenizer {model_path} is not a SentencePiece model (sentencepiece: "
-                         f"{' '.join(str(exc).split())[:160]}); pass a .model file written by "
-                         f"SentencePiece (or megapar-data --train-tokenizer sentencepiece)"
-                         ) from None
+        raise ValueError(
+            f"tokenizer {model_path} is not a SentencePiece model (sentencepiece: "
+            f"{' '.join(str(exc).split())[:160]}); pass a .model file written by "
+            f"SentencePiece (or megapar-data --train-tokenizer sentencepiece)"
+        ) from None
     size = proc.vocab_size()
     present: dict[str, int] = {}
     for name in ("[PAD]", "[CLS]", "[SEP]", "[MASK]", "[EOD]"):
@@ -77,10 +89,12 @@ def _load_sentencepiece(model_path: str) -> Tokenizer:
     if "[PAD]" not in present and proc.pad_id() >= 0:
         present["[PAD]"] = proc.pad_id()
     reserved = [i for i in range(size) if proc.is_control(i) or proc.is_unknown(i)]
-    return Tokenizer("sentencepiece", model_path, proc, size, present, reserved + list(present.values()))
+    return Tokenizer(
+        "sentencepiece", model_path, proc, size, present, reserved + list(present.values())
+    )
 
 
-def tokenizer_files(tok: "Tokenizer") -> list[str]:
+def tokenizer_files(tok: Tokenizer) -> list[str]:
     """The files that define `tok` (its vocabulary, merges, model or tokenizer.json and its
     special-token configs), for fingerprints and exports."""
     if tok.kind == "sentencepiece":
@@ -88,9 +102,11 @@ def tokenizer_files(tok: "Tokenizer") -> list[str]:
     if tok.path == "gpt2":
         return [asset_path("gpt2_vocab.json"), asset_path("gpt2_merges.txt")]
     if tok.kind == "hf":
-        return [os.path.join(tok.path, n) for n in
-                ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-                if os.path.isfile(os.path.join(tok.path, n))]
+        return [
+            os.path.join(tok.path, n)
+            for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+            if os.path.isfile(os.path.join(tok.path, n))
+        ]
     return [os.path.join(tok.path, "vocab.json"), os.path.join(tok.path, "merges.txt")]
 
 
@@ -106,10 +122,12 @@ def _check_merges_complete(vocab_file: str, merges: str) -> None:
     specials = sum(1 for token in vocab if _SPECIAL_LIKE.match(token))
     needed, have = len(vocab) - 256 - specials, _count_merges(merges)
     if have < needed:
-        raise ValueError(f"tokenizer file {merges} is cut short: it has {have:,} merges, but its "
-                         f"vocab.json's {len(vocab):,} tokens need at least {needed:,} (every "
-                         f"token beyond the 256 bytes and {specials} special tokens is made by a "
-                         f"merge); copy the complete merges.txt there")
+        raise ValueError(
+            f"tokenizer file {merges} is cut short: it has {have:,} merges, but its "
+            f"vocab.json's {len(vocab):,} tokens need at least {needed:,} (every "
+            f"token beyond the 256 bytes and {specials} special tokens is made by a "
+            f"merge); copy the complete merges.txt there"
+        )
 
 
 def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
@@ -175,7 +193,8 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
             raise ValueError(
                 f"tokenizer {spec} encodes text to nothing: its vocab.json has "
                 f"{tok.base_vocab_size:,} tokens and merges.txt {_count_merges(merges):,} merges; "
-                f"point --tokenizer at a complete GPT-2 style vocab.json + merges.txt")
+                f"point --tokenizer at a complete GPT-2 style vocab.json + merges.txt"
+            )
         return tok
     if os.path.isfile(spec) and spec.endswith(".model"):
         return _load_sentencepiece(os.path.abspath(spec))

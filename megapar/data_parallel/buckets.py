@@ -43,8 +43,8 @@ cp and averages over dp (one collective either way).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,8 +82,12 @@ class Bucket:
         return sum(p.numel() for p in self.params)
 
 
-def bucket_layout(sizes: Sequence[tuple[int, torch.dtype]], bucket_mb: float, shards: int = 1,
-                  late: Iterable[int] = ()) -> list[tuple[list[int], int]]:
+def bucket_layout(
+    sizes: Sequence[tuple[int, torch.dtype]],
+    bucket_mb: float,
+    shards: int = 1,
+    late: Iterable[int] = (),
+) -> list[tuple[list[int], int]]:
     """How `GradBuckets` lays out parameters of these (numel, dtype), given in registration
     order: per bucket, (the parameters' indices in buffer order, the elements the bucket
     occupies). Parameters go in reverse order, cut into buckets of at most bucket_mb MB (a
@@ -91,8 +95,9 @@ def bucket_layout(sizes: Sequence[tuple[int, torch.dtype]], bucket_mb: float, sh
     zero-padded to a multiple of `shards` (dp when sharded for ZeRO-1) and the `late` indices
     go into the last bucket(s). The ZeRO-1 planner (`megapar.plan`) counts bytes with it."""
     late = set(late)
-    order = [i for i in range(len(sizes)) if i in late] + \
-        [i for i in range(len(sizes)) if i not in late]  # reversed below: late ones go last
+    order = [i for i in range(len(sizes)) if i in late] + [
+        i for i in range(len(sizes)) if i not in late
+    ]  # reversed below: late ones go last
     limit = bucket_mb * 2**20
     buckets, current, size = [], [], 0
     for i in reversed(order):
@@ -108,12 +113,20 @@ def bucket_layout(sizes: Sequence[tuple[int, torch.dtype]], bucket_mb: float, sh
     return [(idx, -(-sum(sizes[i][0] for i in idx) // shards) * shards) for idx in buckets]
 
 
-def make_buckets(params: list[torch.nn.Parameter], bucket_mb: float, shards: int = 1,
-                 late: Iterable[torch.nn.Parameter] = ()) -> list[Bucket]:
+def make_buckets(
+    params: list[torch.nn.Parameter],
+    bucket_mb: float,
+    shards: int = 1,
+    late: Iterable[torch.nn.Parameter] = (),
+) -> list[Bucket]:
     """`params` cut into buckets as `bucket_layout` lays them out."""
     late_ids = {id(p) for p in late}
-    layout = bucket_layout([(p.numel(), p.dtype) for p in params], bucket_mb, shards,
-                           [i for i, p in enumerate(params) if id(p) in late_ids])
+    layout = bucket_layout(
+        [(p.numel(), p.dtype) for p in params],
+        bucket_mb,
+        shards,
+        [i for i, p in enumerate(params) if id(p) in late_ids],
+    )
     return [Bucket([params[i] for i in idx], padded=padded) for idx, padded in layout]
 
 
@@ -143,16 +156,25 @@ class GradBuckets:
     reduces_every_micro_batch = False
     """Whether every micro-batch's backward reduces (`GradSync`)."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group, bucket_mb: float = 25.0,
-                 compressor=None, reduce_dtype: torch.dtype | None = None,
-                 average_over: int | None = None, last: Iterable[torch.nn.Parameter] = ()):
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        dp_group,
+        bucket_mb: float = 25.0,
+        compressor=None,
+        reduce_dtype: torch.dtype | None = None,
+        average_over: int | None = None,
+        last: Iterable[torch.nn.Parameter] = (),
+    ):
         """`last`: parameters laid out in the last bucket(s) (the ZeRO kinds' deferred tied
         embedding; ignored here)."""
         if bucket_mb <= 0:
             raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb}")
         if compressor is not None and reduce_dtype is not None:
-            raise ValueError("give a gradient compressor or a reduce dtype, not both (the "
-                             "fp16 / bf16 compressors are a reduction in that dtype)")
+            raise ValueError(
+                "give a gradient compressor or a reduce dtype, not both (the "
+                "fp16 / bf16 compressors are a reduction in that dtype)"
+            )
         self.reduce_dtype = reduce_dtype
         """Reduce in this dtype (a cast copy of the bucket, cast back when done); None: the
         buffer's own dtype."""
@@ -234,13 +256,15 @@ class GradBuckets:
     def _allocate(self) -> None:
         """One zeroed buffer per dtype; bucket ranges and per-parameter views into it."""
         devices = {b.params[0].dtype: b.params[0].device for b in self.buckets}
-        self.buffers = {dt: torch.zeros(n, dtype=dt, device=devices[dt])
-                        for dt, n in self.buffer_sizes().items()}
+        self.buffers = {
+            dt: torch.zeros(n, dtype=dt, device=devices[dt])
+            for dt, n in self.buffer_sizes().items()
+        }
         for b in self.buckets:
-            b.flat = self.buffers[b.params[0].dtype][b.start:b.start + b.padded]
+            b.flat = self.buffers[b.params[0].dtype][b.start : b.start + b.padded]
             offset = 0
             for p in b.params:
-                self._views[id(p)] = b.flat[offset:offset + p.numel()].view_as(p)
+                self._views[id(p)] = b.flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
 
     # the GradSync protocol --------------------------------------------------------------
@@ -248,8 +272,10 @@ class GradBuckets:
         """Start a step: zero the buffer, point every .grad at its view, disarm the hooks."""
         for b in self.buckets:
             if b.handle is not None:
-                raise RuntimeError(f"{type(self).__name__}.begin_step() called while a previous "
-                                   f"step's reduction is still in flight; call finish() first")
+                raise RuntimeError(
+                    f"{type(self).__name__}.begin_step() called while a previous "
+                    f"step's reduction is still in flight; call finish() first"
+                )
         self.order.reset()
         for buffer in self.buffers.values():
             buffer.zero_()
@@ -287,9 +313,11 @@ class GradBuckets:
     def finish(self) -> None:
         """Launch any bucket not launched yet and wait for all; the averages are in .grad."""
         if not self.in_step:
-            raise RuntimeError(f"{type(self).__name__}.finish() without begin_step(): call "
-                               f"begin_step() before each step's first backward (the executor "
-                               f"does)")
+            raise RuntimeError(
+                f"{type(self).__name__}.finish() without begin_step(): call "
+                f"begin_step() before each step's first backward (the executor "
+                f"does)"
+            )
         self.active = self.in_step = False
         self._armed.clear()
         if self.dp == 1:
@@ -366,8 +394,14 @@ class CastBack:
     `into` is given; `add`: adds it, as ZeRO-2 accumulates micro-batches into its shard) and
     releases the copy (`keep`: a tensor to hold until then)."""
 
-    def __init__(self, work, result: torch.Tensor | None, into: torch.Tensor | None,
-                 keep: torch.Tensor | None = None, add: bool = False):
+    def __init__(
+        self,
+        work,
+        result: torch.Tensor | None,
+        into: torch.Tensor | None,
+        keep: torch.Tensor | None = None,
+        add: bool = False,
+    ):
         self.work, self.result, self.into, self.keep = work, result, into, keep
         self.add = add
 

@@ -79,7 +79,7 @@ class PowerSGDCompressor:
     def reduce(self, flat: torch.Tensor, params, group) -> int:
         views, plain, offset = [], [], 0
         for i, p in enumerate(params):
-            piece = flat[offset:offset + p.numel()]
+            piece = flat[offset : offset + p.numel()]
             shape = self._matrix_shape(p)
             (views if shape else plain).append((id(p), piece, shape, i))
             offset += p.numel()
@@ -90,7 +90,7 @@ class PowerSGDCompressor:
             sent += rest.numel() * rest.element_size()
             start = 0
             for _, piece, _, _ in plain:
-                piece.copy_(rest[start:start + piece.numel()])
+                piece.copy_(rest[start : start + piece.numel()])
                 start += piece.numel()
         if not views:
             return sent
@@ -109,7 +109,7 @@ class PowerSGDCompressor:
         sent += p_flat.numel() * p_flat.element_size()
         start, orth, qs = 0, [], []
         for (key, _, (n, m), _), mat in zip(views, ms):
-            p = torch.linalg.qr(p_flat[start:start + n * self.rank].view(n, self.rank)).Q
+            p = torch.linalg.qr(p_flat[start : start + n * self.rank].view(n, self.rank)).Q
             start += n * self.rank
             orth.append(p)
             qs.append(mat.t() @ p)
@@ -119,7 +119,7 @@ class PowerSGDCompressor:
         sent += q_flat.numel() * q_flat.element_size()
         start = 0
         for (key, _, (n, m), _), mat, p in zip(views, ms, orth):
-            q = q_flat[start:start + m * self.rank].view(m, self.rank)
+            q = q_flat[start : start + m * self.rank].view(m, self.rank)
             start += m * self.rank
             mat.copy_(p @ q.t())
             self.qs[key] = q.clone()

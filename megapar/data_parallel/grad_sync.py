@@ -83,10 +83,18 @@ class GradSync(Protocol):
         """After the schedule: launch every reduction not launched yet and wait for all."""
 
 
-def build_grad_sync(model: nn.Module, mesh, zero: int = 0, bucket_mb: float = 25.0,
-                    compressor=None, reduce_dtype: torch.dtype | None = None,
-                    zero3_keep_params: bool = False, zero3_persistence_threshold: int = 0,
-                    offload_params: bool = False, zero3_reduce: str = "step") -> GradSync:
+def build_grad_sync(
+    model: nn.Module,
+    mesh,
+    zero: int = 0,
+    bucket_mb: float = 25.0,
+    compressor=None,
+    reduce_dtype: torch.dtype | None = None,
+    zero3_keep_params: bool = False,
+    zero3_persistence_threshold: int = 0,
+    offload_params: bool = False,
+    zero3_reduce: str = "step",
+) -> GradSync:
     """The grad sync of `model` (this rank's stage) over `mesh.dp_cp_group`, summed over cp
     and averaged over dp: the all-reduce kind when `zero` is 0 or there is no rank to shard
     over (dp x cp = 1), else the ZeRO-`zero` kind (the tied embedding laid out last, to be
@@ -99,12 +107,19 @@ def build_grad_sync(model: nn.Module, mesh, zero: int = 0, bucket_mb: float = 25
     if zero == 0 or mesh.dp * mesh.cp == 1:
         return GradBuckets(params, group, bucket_mb, compressor, reduce_dtype, average_over=dp)
     if zero == 3:
-        return ShardedParams(model, group, average_over=dp, keep=zero3_keep_params,
-                             persist_below=zero3_persistence_threshold, offload=offload_params,
-                             reduce=zero3_reduce)
+        return ShardedParams(
+            model,
+            group,
+            average_over=dp,
+            keep=zero3_keep_params,
+            persist_below=zero3_persistence_threshold,
+            offload=offload_params,
+            reduce=zero3_reduce,
+        )
     kinds = {1: Zero1Buckets, 2: Zero2Buckets}
     if zero not in kinds:
         raise ValueError(f"--zero {zero} is not supported; use 0, 1, 2 or 3")
     last = shared_embedding_params(model) if mesh.pp > 1 else ()
-    return kinds[zero](params, group, bucket_mb, compressor, reduce_dtype, average_over=dp,
-                       last=last)
+    return kinds[zero](
+        params, group, bucket_mb, compressor, reduce_dtype, average_over=dp, last=last
+    )

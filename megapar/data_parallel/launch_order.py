@@ -21,7 +21,8 @@ tests and the dry run do, is the one called).
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 
 class Item(Protocol):
@@ -94,8 +95,9 @@ class LaunchOrder:
             self.next = (self.next + 1) % len(rnd)
             self.rounds += self.next == 0
 
-    def finish_rounds(self, launch: Callable[[Item], None], has_grad: Callable[[Item], bool],
-                      before_reduce) -> None:
+    def finish_rounds(
+        self, launch: Callable[[Item], None], has_grad: Callable[[Item], bool], before_reduce
+    ) -> None:
         """In rounds, at the step's end: reduce what accumulated since each item's last launch
         (the rest of the current round first, then the items before it; an item without any
         gradient since, `has_grad`, is skipped: its share is reduced already), then the

@@ -46,8 +46,8 @@ def reduce_scatter(flat: torch.Tensor, out: torch.Tensor, dp: int, group, host: 
     grid = flat.view(dp, size)
     flight = None
     for off, n in parts:
-        staged = grid[:, off:off + n].contiguous()
-        work = _rs_fn()(out[off:off + n], staged.view(-1), group=group, async_op=True)
+        staged = grid[:, off : off + n].contiguous()
+        work = _rs_fn()(out[off : off + n], staged.view(-1), group=group, async_op=True)
         if flight is not None:
             flight.wait()
         flight = _Keep(work, staged)
@@ -61,12 +61,12 @@ def all_gather(flat: torch.Tensor, dp: int, group, host: bool):
     rank = dist.get_rank(group)
     parts = pieces(size, dp, flat.element_size(), host)
     if len(parts) == 1:
-        return _ag_fn()(flat, flat[rank * size:(rank + 1) * size], group=group, async_op=True)
+        return _ag_fn()(flat, flat[rank * size : (rank + 1) * size], group=group, async_op=True)
     grid = flat.view(dp, size)
     for off, n in parts:
         staged = torch.empty(dp * n, dtype=flat.dtype, device=flat.device)
-        _ag_fn()(staged, grid[rank, off:off + n], group=group, async_op=True).wait()
-        grid[:, off:off + n].copy_(staged.view(dp, n))
+        _ag_fn()(staged, grid[rank, off : off + n], group=group, async_op=True).wait()
+        grid[:, off : off + n].copy_(staged.view(dp, n))
     return _Keep(None, None)
 
 

@@ -98,9 +98,16 @@ class ShardedParams:
     holds up to two copies of a collective's whole buffer until it is waited for). NCCL runs
     every collective in place, whole."""
 
-    def __init__(self, stage: nn.Module, group, average_over: int | None = None,
-                 keep: bool = False, persist_below: int = 0, offload: bool = False,
-                 reduce: str = "step"):
+    def __init__(
+        self,
+        stage: nn.Module,
+        group,
+        average_over: int | None = None,
+        keep: bool = False,
+        persist_below: int = 0,
+        offload: bool = False,
+        reduce: str = "step",
+    ):
         """`persist_below`: parameters with fewer elements go into one *persistent* unit of
         the stage, gathered at the stage's first forward of a step and kept until the step
         ends (DeepSpeed's stage3_param_persistence_threshold: biases and norms are not
@@ -130,8 +137,11 @@ class ShardedParams:
         self.params = [p for u in self.units for p in u.params]
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self.host_waits = _device.polls_host(self.params[0].device)
-        self.piece = int(self.HOST_PIECE_MB * 2**20) // self.params[0].element_size() \
-            if self.host_waits else None
+        self.piece = (
+            int(self.HOST_PIECE_MB * 2**20) // self.params[0].element_size()
+            if self.host_waits
+            else None
+        )
         """Elements per synchronous piece of a large unit's collectives (gloo), else None."""
         self.bytes_gathered = self.bytes_reduced = 0
         """Bytes this rank received from all-gathers (full buffers) / put into reduce-scatters."""
@@ -184,9 +194,9 @@ class ShardedParams:
         for ci, chunk in enumerate(self.chunks):
             roots, first = self.roots[ci], self.first.get(ci)
             chunk.register_forward_pre_hook(
-                lambda m, args, r=roots, f=first: call("_chunk_pre", r, f))
-            chunk.register_forward_hook(
-                lambda m, args, out, r=roots: call("_chunk_post", r, out))
+                lambda m, args, r=roots, f=first: call("_chunk_pre", r, f)
+            )
+            chunk.register_forward_hook(lambda m, args, out, r=roots: call("_chunk_post", r, out))
             tail, embed = roots
             if first is not None and embed is not None:
                 first.embedding = embed
@@ -196,13 +206,12 @@ class ShardedParams:
                 last.tail = tail
         for u in self.units:
             if u.module not in self.chunks and u is not self.persistent:
-                u.module.register_forward_pre_hook(
-                    lambda m, args, u=u: call("_block_pre", u, args))
+                u.module.register_forward_pre_hook(lambda m, args, u=u: call("_block_pre", u, args))
                 u.module.register_forward_hook(
-                    lambda m, args, out, u=u: call("_block_post", u, out))
+                    lambda m, args, out, u=u: call("_block_post", u, out)
+                )
             for p in u.params:
-                p.register_post_accumulate_grad_hook(
-                    lambda p: call("_on_grad_ready", p))
+                p.register_post_accumulate_grad_hook(lambda p: call("_on_grad_ready", p))
 
     def gather(self, u: Unit | None) -> None:
         if u is None:
@@ -228,8 +237,12 @@ class ShardedParams:
 
     def _chunk_post(self, roots: tuple, out) -> None:
         tail, embed = roots
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad \
-                and (tail or embed):
+        if (
+            torch.is_grad_enabled()
+            and isinstance(out, torch.Tensor)
+            and out.requires_grad
+            and (tail or embed)
+        ):
             out.register_hook(lambda g: self._root_backward(tail, embed))
         self.release(tail)
         self.release(embed)
@@ -246,6 +259,7 @@ class ShardedParams:
         def done() -> None:
             self.release(tail)
             self.release(embed)
+
         torch.autograd.Variable._execution_engine.queue_callback(done)
 
     def _block_input_ready(self, u: Unit) -> None:
@@ -262,10 +276,13 @@ class ShardedParams:
             return None
         self.gather(u)
         self.prefetch(u.next)
-        if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor) \
-                and args[0].requires_grad:
-            return (FreeAfterBackward.apply(args[0], lambda: self._block_input_ready(u)),
-                    *args[1:])
+        if (
+            torch.is_grad_enabled()
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].requires_grad
+        ):
+            return (FreeAfterBackward.apply(args[0], lambda: self._block_input_ready(u)), *args[1:])
         return None
 
     def _block_post(self, u: Unit, out):
@@ -340,8 +357,9 @@ class ShardedParams:
         self.before_reduce = before_reduce
         for u in self.units:
             u.deferred = any(id(p) in late for p in u.params)
-        self.units = [u for u in self.units if not u.deferred] + \
-            [u for u in self.units if u.deferred]
+        self.units = [u for u in self.units if not u.deferred] + [
+            u for u in self.units if u.deferred
+        ]
         self.order = LaunchOrder(self.units)
 
     def begin_step(self) -> None:
@@ -349,8 +367,10 @@ class ShardedParams:
         gradient shards zeroed: the step's reductions are added into them)."""
         for u in self.units:
             if u.reduce_handle is not None:
-                raise RuntimeError("ShardedParams.begin_step() while a reduce-scatter of the "
-                                   "previous step is in flight; call finish() first")
+                raise RuntimeError(
+                    "ShardedParams.begin_step() while a reduce-scatter of the "
+                    "previous step is in flight; call finish() first"
+                )
             if self.per_micro_batch:
                 u.grad_shard.zero_()
         self.order.reset()
@@ -385,8 +405,10 @@ class ShardedParams:
         self._armed.clear()
         if self.per_micro_batch:
             self.order.finish_rounds(
-                self._launch, lambda u: u.grad_full is not None or any(
-                    p.grad is not None for p in u.params), self.before_reduce)
+                self._launch,
+                lambda u: u.grad_full is not None or any(p.grad is not None for p in u.params),
+                self.before_reduce,
+            )
         else:
             self.order.finish_step(self._launch, self.before_reduce)
         while self._flight:
@@ -420,8 +442,9 @@ class ShardedParams:
         slice added into it), once the reductions in flight are fewer than
         `MAX_REDUCES_IN_FLIGHT` (the oldest waited for, their buffers freed). The buffer is
         detached from the unit at once: a later backward makes a new one."""
-        while self._flight and (len(self._flight) >= self.MAX_REDUCES_IN_FLIGHT
-                                or u.reduce_handle is not None):
+        while self._flight and (
+            len(self._flight) >= self.MAX_REDUCES_IN_FLIGHT or u.reduce_handle is not None
+        ):
             self._wait_reduce(self._flight[0])
         u.adopt_replaced_grads()
         flat = u.take_grads()
@@ -429,10 +452,12 @@ class ShardedParams:
             flat.div_(self.average_over)
         self.bytes_reduced += flat.nbytes
         staging = torch.empty_like(u.grad_shard) if self.per_micro_batch else None
-        work = u.reduce_scatter(flat, u.grad_shard if staging is None else staging,
-                                self.group, self.piece)
-        u.reduce_handle = Reduction(work, flat, staging,
-                                    u.grad_shard if staging is not None else None)
+        work = u.reduce_scatter(
+            flat, u.grad_shard if staging is None else staging, self.group, self.piece
+        )
+        u.reduce_handle = Reduction(
+            work, flat, staging, u.grad_shard if staging is not None else None
+        )
         u.launched_round = self.order.rounds
         self._flight.append(u)
 

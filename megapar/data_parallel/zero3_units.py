@@ -41,8 +41,15 @@ def in_backward() -> bool:
 class Unit:
     """One gathered-together group of parameters (a block, or a chunk's root)."""
 
-    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter], shards: int,
-                 rank: int, offload: bool = False):
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        params: list[nn.Parameter],
+        shards: int,
+        rank: int,
+        offload: bool = False,
+    ):
         self.name, self.module, self.params = name, module, params
         self.numel = sum(p.numel() for p in params)
         self.padded = -(-self.numel // shards) * shards
@@ -50,8 +57,9 @@ class Unit:
         self.start = 0
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
-            raise ValueError(f"--zero 3 unit {name} mixes parameter dtypes "
-                             f"{sorted(map(str, dtypes))}")
+            raise ValueError(
+                f"--zero 3 unit {name} mixes parameter dtypes {sorted(map(str, dtypes))}"
+            )
         device = params[0].device
         size = self.padded // shards
         self.lo, self.hi = rank * size, (rank + 1) * size
@@ -59,9 +67,9 @@ class Unit:
         offset = 0
         with torch.no_grad():
             for p in params:
-                full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+                full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
                 offset += p.numel()
-        self.shard = full[self.lo:self.hi].clone()
+        self.shard = full[self.lo : self.hi].clone()
         """This rank's slice of the parameters (fp32 master, stepped by the optimizer)."""
         self.grad_shard = torch.zeros_like(self.shard)
         """This rank's slice of the dp-averaged gradient (written by the reduce-scatter)."""
@@ -79,7 +87,7 @@ class Unit:
         self.nbytes = full.untyped_storage().nbytes()
         offset = 0
         for p in params:
-            p.data = full[offset:offset + p.numel()].view_as(p)
+            p.data = full[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         self.grad_full: torch.Tensor | None = None
         self.gathered, self.handle, self.reduce_handle = True, None, None
@@ -119,13 +127,14 @@ class Unit:
         for j in range(0, size, piece):
             n = min(piece, size - j)
             stage = self.shard.new_empty(ranks * n)
-            all_gather(stage, self.shard[j:j + n], group).wait()
-            self.full.view(ranks, size)[:, j:j + n].copy_(stage.view(ranks, n))
+            all_gather(stage, self.shard[j : j + n], group).wait()
+            self.full.view(ranks, size)[:, j : j + n].copy_(stage.view(ranks, n))
         self.gathered = True
         self._free_staging()
 
-    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, group,
-                       piece: int | None = None):
+    def reduce_scatter(
+        self, flat: torch.Tensor, out: torch.Tensor, group, piece: int | None = None
+    ):
         """Reduce-scatter the full gradient `flat` into `out` (this rank's slice): async
         (returns the work), or with `piece` synchronously through a staging buffer, as
         `launch_gather` (None)."""
@@ -136,8 +145,8 @@ class Unit:
         ranks = self.padded // size
         for j in range(0, size, piece):
             n = min(piece, size - j)
-            stage = flat.view(ranks, size)[:, j:j + n].reshape(-1)
-            fn(out[j:j + n], stage, group=group, async_op=True).wait()
+            stage = flat.view(ranks, size)[:, j : j + n].reshape(-1)
+            fn(out[j : j + n], stage, group=group, async_op=True).wait()
         return None
 
     def wait_gather(self) -> None:
@@ -157,7 +166,7 @@ class Unit:
         """Take this rank's slice of the gathered (possibly rewritten) parameters as its
         shard: the host shard under --offload-params."""
         held = self.shard if self.host_shard is None else self.host_shard
-        held.copy_(self.full[self.lo:self.hi])
+        held.copy_(self.full[self.lo : self.hi])
 
     def grads(self) -> torch.Tensor:
         """The full gradient buffer (made on first use in a step, holding any gradient
@@ -166,7 +175,7 @@ class Unit:
             self.grad_full = self.shard.new_zeros(self.padded)
             offset = 0
             for p in self.params:
-                view = self.grad_full[offset:offset + p.numel()].view_as(p)
+                view = self.grad_full[offset : offset + p.numel()].view_as(p)
                 if p.grad is not None:  # accumulated before the buffer was made
                     view.copy_(p.grad)
                 p.grad = view
@@ -177,7 +186,7 @@ class Unit:
         """A ``.grad`` autograd replaced instead of accumulating in place is copied in."""
         flat, offset = self.grads(), 0
         for p in self.params:
-            view = flat[offset:offset + p.numel()]
+            view = flat[offset : offset + p.numel()]
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad.reshape(-1))
             offset += p.numel()
@@ -197,8 +206,13 @@ class Reduction:
     waited for; `add_to`: the result lands in a staging slice, added into this tensor then
     (a reduce-scatter per micro-batch), else it was written in place."""
 
-    def __init__(self, work, flat: torch.Tensor, staging: torch.Tensor | None = None,
-                 add_to: torch.Tensor | None = None):
+    def __init__(
+        self,
+        work,
+        flat: torch.Tensor,
+        staging: torch.Tensor | None = None,
+        add_to: torch.Tensor | None = None,
+    ):
         self.work, self.flat, self.staging, self.add_to = work, flat, staging, add_to
 
     def wait(self) -> None:
@@ -246,8 +260,9 @@ class StageUnits:
     each chunk's root after its blocks; the persistent unit last)."""
 
 
-def stage_units(stage: nn.Module, shards: int, rank: int, persist_below: int = 0,
-                offload: bool = False) -> StageUnits:
+def stage_units(
+    stage: nn.Module, shards: int, rank: int, persist_below: int = 0, offload: bool = False
+) -> StageUnits:
     """The units of `stage` sharded `shards` ways, this being rank `rank`: one per block with
     parameters of at least `persist_below` elements, each chunk's roots (`chunk_roots`), and
     one persistent unit of the smaller ones; blocks linked to their neighbours."""
@@ -258,11 +273,14 @@ def stage_units(stage: nn.Module, shards: int, rank: int, persist_below: int = 0
     for ci, chunk in enumerate(chunks):
         layers = getattr(chunk, "layers", None)
         blocks = list(layers.items()) if layers is not None else []
-        made = [Unit(f"chunk {ci} layer {n}", b, ps, shards, rank, offload)
-                for n, b in blocks if (ps := [p for p in b.parameters() if p.requires_grad
-                                              and p.numel() >= persist_below])]
-        tail, embed = chunk_roots(ci, chunk, blocks, bool(made), shards, rank, persist_below,
-                                  offload)
+        made = [
+            Unit(f"chunk {ci} layer {n}", b, ps, shards, rank, offload)
+            for n, b in blocks
+            if (ps := [p for p in b.parameters() if p.requires_grad and p.numel() >= persist_below])
+        ]
+        tail, embed = chunk_roots(
+            ci, chunk, blocks, bool(made), shards, rank, persist_below, offload
+        )
         roots[ci] = (tail, embed)
         for a, b in pairwise(made):
             a.next, b.prev = b, a
@@ -271,13 +289,22 @@ def stage_units(stage: nn.Module, shards: int, rank: int, persist_below: int = 0
         per_chunk.append([*reversed(made)] + [u for u in (embed, tail) if u is not None])
     small = [p for p in stage.parameters() if p.requires_grad and p.numel() < persist_below]
     persistent = Unit("persistent", stage, small, shards, rank, offload) if small else None
-    units = [u for units in reversed(per_chunk) for u in units] + \
-        ([persistent] if persistent is not None else [])
+    units = [u for units in reversed(per_chunk) for u in units] + (
+        [persistent] if persistent is not None else []
+    )
     return StageUnits(chunks, roots, first, persistent, units)
 
 
-def chunk_roots(ci: int, chunk: nn.Module, blocks: list, split: bool, shards: int, rank: int,
-                persist_below: int, offload: bool) -> tuple[Unit | None, Unit | None]:
+def chunk_roots(
+    ci: int,
+    chunk: nn.Module,
+    blocks: list,
+    split: bool,
+    shards: int,
+    rank: int,
+    persist_below: int,
+    offload: bool,
+) -> tuple[Unit | None, Unit | None]:
     """The chunk's parameters outside its blocks as (tail, embedding) units. With blocks
     and an `embed` module, the embedding's own parameters (not a tied word embedding the
     head reads) are a unit of their own, needed in backward only after the blocks' (a
@@ -285,13 +312,20 @@ def chunk_roots(ci: int, chunk: nn.Module, blocks: list, split: bool, shards: in
     norm, head, tied weights) is freed once the backward has passed the last block, and
     the embedding unit is gathered when it reaches the first. Else one root unit."""
     inside = {id(p) for _, b in blocks for p in b.parameters()}
-    root = [p for p in chunk.parameters() if p.requires_grad and id(p) not in inside
-            and p.numel() >= persist_below]
+    root = [
+        p
+        for p in chunk.parameters()
+        if p.requires_grad and id(p) not in inside and p.numel() >= persist_below
+    ]
     embed = getattr(chunk, "embed", None)
     own: set[int] = set()
     if split and isinstance(embed, nn.Module):
-        tail_ids = {id(p) for name, m in chunk.named_children() if name not in
-                    ("embed", "layers") for p in m.parameters()}
+        tail_ids = {
+            id(p)
+            for name, m in chunk.named_children()
+            if name not in ("embed", "layers")
+            for p in m.parameters()
+        }
         tail_ids |= {id(p) for p in chunk.parameters(recurse=False)}
         own = {id(p) for p in embed.parameters() if id(p) not in tail_ids}
         if any(id(p) not in own for p in root):  # a tail: tied weights are read there
@@ -301,4 +335,5 @@ def chunk_roots(ci: int, chunk: nn.Module, blocks: list, split: bool, shards: in
 
     def make(name: str, ps: list) -> Unit | None:
         return Unit(f"chunk {ci} {name}", chunk, ps, shards, rank, offload) if ps else None
+
     return make("root", post), make("embedding", pre)

@@ -27,7 +27,7 @@ copies are freed during the backward; NCCL runs them in place and keeps its hand
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -48,15 +48,24 @@ class Zero1Buckets(GradBuckets):
     the collective is waited for: at most this many are in flight (`_bound_copies`; the
     optimizer's all-gathers too). NCCL runs them in place."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], dp_group, bucket_mb: float = 25.0,
-                 compressor=None, reduce_dtype: torch.dtype | None = None,
-                 average_over: int | None = None, last: Iterable[torch.nn.Parameter] = ()):
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        dp_group,
+        bucket_mb: float = 25.0,
+        compressor=None,
+        reduce_dtype: torch.dtype | None = None,
+        average_over: int | None = None,
+        last: Iterable[torch.nn.Parameter] = (),
+    ):
         """`last`: the parameters laid out in the last bucket(s), deferred by `defer`."""
         if compressor is not None:
-            raise ValueError(f"--grad-compression cannot be combined with --zero "
-                             f"{self.stage}: the distributed optimizer reduce-scatters the "
-                             f"gradient buffer, the compressors compress an all-reduce; use "
-                             f"--grad-compression none")
+            raise ValueError(
+                f"--grad-compression cannot be combined with --zero "
+                f"{self.stage}: the distributed optimizer reduce-scatters the "
+                f"gradient buffer, the compressors compress an all-reduce; use "
+                f"--grad-compression none"
+            )
         super().__init__(params, dp_group, bucket_mb, None, reduce_dtype, average_over, last)
 
     def _layout(self, last: Iterable[torch.nn.Parameter]) -> list[Bucket]:
@@ -70,11 +79,14 @@ class Zero1Buckets(GradBuckets):
             raise RuntimeError("defer() during a step")
         last = list(last)
         laid = make_buckets(self.params, self.bucket_mb, self.dp, last)
-        if [[id(p) for p in b.params] for b in laid] != \
-                [[id(p) for p in b.params] for b in self.buckets]:
-            raise ValueError(f"{type(self).__name__} was laid out with other `last` parameters "
-                             f"than it is deferred with: build it with the same `last` "
-                             f"(build_grad_sync does)")
+        if [[id(p) for p in b.params] for b in laid] != [
+            [id(p) for p in b.params] for b in self.buckets
+        ]:
+            raise ValueError(
+                f"{type(self).__name__} was laid out with other `last` parameters "
+                f"than it is deferred with: build it with the same `last` "
+                f"(build_grad_sync does)"
+            )
         late = {id(p) for p in last}
         self.before_reduce = before_reduce
         for b in self.buckets:
@@ -88,9 +100,12 @@ class Zero1Buckets(GradBuckets):
     def _bound_copies(self) -> None:
         """Gloo: wait for the oldest reduce-scatters in flight until fewer than
         MAX_COPIES_IN_FLIGHT are, so their bucket copies are freed during the backward."""
-        flight = [b for b in self.buckets[:self.order.next]
-                  if b.handle is not None and not isinstance(b.handle, Done)]
-        for b in flight[:max(0, len(flight) - self.MAX_COPIES_IN_FLIGHT + 1)]:
+        flight = [
+            b
+            for b in self.buckets[: self.order.next]
+            if b.handle is not None and not isinstance(b.handle, Done)
+        ]
+        for b in flight[: max(0, len(flight) - self.MAX_COPIES_IN_FLIGHT + 1)]:
             b.handle.wait()  # a cast copy is copied back here
             b.handle = Done()
 
@@ -104,8 +119,7 @@ class Zero1Buckets(GradBuckets):
             b.flat.div_(self.average_over)
         wire, cast = self._on_wire(b.flat)
         lo, hi = self.shard_range(b)
-        work = shard_comm.reduce_scatter(wire, wire[lo:hi], self.dp, self.group,
-                                         self.host_waits)
+        work = shard_comm.reduce_scatter(wire, wire[lo:hi], self.dp, self.group, self.host_waits)
         b.handle = CastBack(work, wire[lo:hi], b.flat[lo:hi]) if cast else work
 
 
@@ -134,12 +148,11 @@ class Zero2Buckets(Zero1Buckets):
             dtype = b.params[0].dtype
             sizes[dtype] = sizes.get(dtype, 0) + b.padded // self.dp
         devices = {b.params[0].dtype: b.params[0].device for b in self.buckets}
-        self.shards = {dt: torch.zeros(n, dtype=dt, device=devices[dt])
-                       for dt, n in sizes.items()}
+        self.shards = {dt: torch.zeros(n, dtype=dt, device=devices[dt]) for dt, n in sizes.items()}
         offsets = dict.fromkeys(sizes, 0)
         for b in self.buckets:
             dtype, start = b.params[0].dtype, offsets[b.params[0].dtype]
-            b.flat, b.shard = None, self.shards[dtype][start:start + b.padded // self.dp]
+            b.flat, b.shard = None, self.shards[dtype][start : start + b.padded // self.dp]
             offsets[dtype] = start + b.padded // self.dp
         for p in self.params:
             p.grad = None
@@ -164,9 +177,9 @@ class Zero2Buckets(Zero1Buckets):
         self.order.launch_round(self._launch)
 
     def _finish_launches(self) -> None:
-        self.order.finish_rounds(self._launch,
-                                 lambda b: any(p.grad is not None for p in b.params),
-                                 self.before_reduce)
+        self.order.finish_rounds(
+            self._launch, lambda b: any(p.grad is not None for p in b.params), self.before_reduce
+        )
 
     def finish(self) -> None:
         """Reduce what accumulated since each bucket's last reduction (`finish_rounds`), the
@@ -190,15 +203,20 @@ class Zero2Buckets(Zero1Buckets):
         that gradient itself: no copy."""
         if len(b.params) == 1:
             g = b.params[0].grad
-            if g is not None and g.numel() == b.padded and g.is_contiguous() and \
-                    g.dtype == b.shard.dtype and g.device == b.shard.device and \
-                    g.untyped_storage().nbytes() == g.numel() * g.element_size():
+            if (
+                g is not None
+                and g.numel() == b.padded
+                and g.is_contiguous()
+                and g.dtype == b.shard.dtype
+                and g.device == b.shard.device
+                and g.untyped_storage().nbytes() == g.numel() * g.element_size()
+            ):
                 b.params[0].grad = None
                 return g.view(-1)
         staged = torch.empty(b.padded, dtype=b.shard.dtype, device=b.shard.device)
         offset = 0
         for p in b.params:
-            view = staged[offset:offset + p.numel()]
+            view = staged[offset : offset + p.numel()]
             if p.grad is None:
                 view.zero_()
             else:
@@ -221,7 +239,6 @@ class Zero2Buckets(Zero1Buckets):
         wire, _ = self._on_wire(staged)
         del staged
         lo, hi = self.shard_range(b)
-        work = shard_comm.reduce_scatter(wire, wire[lo:hi], self.dp, self.group,
-                                         self.host_waits)
+        work = shard_comm.reduce_scatter(wire, wire[lo:hi], self.dp, self.group, self.host_waits)
         b.handle = CastBack(work, wire[lo:hi], b.shard, keep=wire, add=True)
         self._flight.append(b)

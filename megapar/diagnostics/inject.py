@@ -62,8 +62,10 @@ def parse(spec: str, flag: str = "--inject-corrupt") -> CorruptSpec:
         key, eq, value = part.partition("=")
         key = key.strip()
         if not eq or key not in CorruptSpec.__dataclass_fields__:
-            raise ValueError(f"{flag} {spec!r}: {part!r} is not KEY=VALUE with KEY one of step, "
-                             f"module, tp, cp, dp, pp, mb, index, value; e.g. {EXAMPLE}")
+            raise ValueError(
+                f"{flag} {spec!r}: {part!r} is not KEY=VALUE with KEY one of step, "
+                f"module, tp, cp, dp, pp, mb, index, value; e.g. {EXAMPLE}"
+            )
         if key in fields:
             raise ValueError(f"{flag} {spec!r}: {key} is given twice; give it once")
         try:
@@ -74,50 +76,79 @@ def parse(spec: str, flag: str = "--inject-corrupt") -> CorruptSpec:
             else:
                 fields[key] = int(value)
         except ValueError:
-            raise ValueError(f"{flag} {spec!r}: {key}={value} is not a "
-                             f"{'number (nan, inf, -inf, 1e4)' if key == 'value' else 'whole number'}"
-                             f"; e.g. {EXAMPLE}") from None
+            raise ValueError(
+                f"{flag} {spec!r}: {key}={value} is not a "
+                f"{'number (nan, inf, -inf, 1e4)' if key == 'value' else 'whole number'}"
+                f"; e.g. {EXAMPLE}"
+            ) from None
     missing = [k for k in ("step", "module") if k not in fields]
     if missing:
         raise ValueError(f"{flag} {spec!r}: {' and '.join(missing)} missing; e.g. {EXAMPLE}")
     out = CorruptSpec(**fields)
     negative = [k for k in ("tp", "cp", "dp", "mb", "index") if getattr(out, k) < 0]
     if out.step < 1 or negative or (out.pp is not None and out.pp < 0):
-        raise ValueError(f"{flag} {spec!r}: step must be >= 1 and coordinates, mb and index "
-                         f">= 0; e.g. {EXAMPLE}")
+        raise ValueError(
+            f"{flag} {spec!r}: step must be >= 1 and coordinates, mb and index >= 0; e.g. {EXAMPLE}"
+        )
     return out
 
 
-def check(spec: str, config, layout: Layout, micro_batches: int | None = None,
-          flag: str = "--inject-corrupt", tokens: int | None = None) -> CorruptSpec:
+def check(
+    spec: str,
+    config,
+    layout: Layout,
+    micro_batches: int | None = None,
+    flag: str = "--inject-corrupt",
+    tokens: int | None = None,
+) -> CorruptSpec:
     """Parse `spec` and check it against the model and the layout (before any worker starts):
     a module name the export does not have is refused with the names closest to it, and with
     `tokens` (a micro-batch's: micro-batch size x seq-len) an index past any module's output
     (at most `tokens` x the widest output: the worker checks the module's own)."""
     out = parse(spec, flag)
-    names = sorted({name for _, _, name in hf_modules(
-        build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False), config)})
+    names = sorted(
+        {
+            name
+            for _, _, name in hf_modules(
+                build_stage(config, Mesh.virtual(Layout(1, 1, 1)), seed=0, init=False), config
+            )
+        }
+    )
     if out.module not in names:
         close = difflib.get_close_matches(out.module, names, n=5, cutoff=0.5)
-        hint = (f"did you mean {', '.join(close)}?" if close else
-                f"the model's modules are e.g. {', '.join(names[:4])}")
-        raise ValueError(f"{flag}: {config.model_type} has no module {out.module!r} (names as in "
-                         f"the Hugging Face export); {hint}")
+        hint = (
+            f"did you mean {', '.join(close)}?"
+            if close
+            else f"the model's modules are e.g. {', '.join(names[:4])}"
+        )
+        raise ValueError(
+            f"{flag}: {config.model_type} has no module {out.module!r} (names as in "
+            f"the Hugging Face export); {hint}"
+        )
     for axis in ("tp", "cp", "dp", "pp"):
         value, size = getattr(out, axis), getattr(layout, axis)
         if value is not None and value >= size:
-            raise ValueError(f"{flag}: {axis}={value} is outside the layout's {axis} {size}; "
-                             f"choose {axis} < {size}")
+            raise ValueError(
+                f"{flag}: {axis}={value} is outside the layout's {axis} {size}; "
+                f"choose {axis} < {size}"
+            )
     if micro_batches is not None and out.mb >= micro_batches:
-        raise ValueError(f"{flag}: mb={out.mb} but each rank runs {micro_batches} micro-batches "
-                         f"per step; choose mb < {micro_batches}")
+        raise ValueError(
+            f"{flag}: mb={out.mb} but each rank runs {micro_batches} micro-batches "
+            f"per step; choose mb < {micro_batches}"
+        )
     if tokens is not None:
-        widest = max(4 * config.hidden_size, 2 * config.ffn_size, config.vocab_size +
-                     getattr(config, "make_vocab_size_divisible_by", 128) * layout.tp)
+        widest = max(
+            4 * config.hidden_size,
+            2 * config.ffn_size,
+            config.vocab_size + getattr(config, "make_vocab_size_divisible_by", 128) * layout.tp,
+        )
         if out.index >= tokens * widest:
-            raise ValueError(f"{flag}: index={out.index} is past any module's output on a rank "
-                             f"(at most {tokens * widest:,} values: {tokens} tokens of a "
-                             f"micro-batch x {widest:,} features); choose a smaller index")
+            raise ValueError(
+                f"{flag}: index={out.index} is past any module's output on a rank "
+                f"(at most {tokens * widest:,} values: {tokens} tokens of a "
+                f"micro-batch x {widest:,} features); choose a smaller index"
+            )
     return out
 
 
@@ -136,8 +167,9 @@ class CorruptInjector:
         """How often the value was corrupted (forwards, recomputations and re-runs)."""
         coords = (mesh.tp_rank, mesh.cp_rank, mesh.dp_rank)
         here = coords == (spec.tp, spec.cp, spec.dp) and spec.pp in (None, mesh.pp_rank)
-        self.modules = [m for _, m, name in hf_modules(stage, config)
-                        if here and name == spec.module]
+        self.modules = [
+            m for _, m, name in hf_modules(stage, config) if here and name == spec.module
+        ]
         for module in self.modules:
             module.register_forward_hook(self._hook)
 
@@ -147,9 +179,11 @@ class CorruptInjector:
         out = output if isinstance(output, torch.Tensor) else output[0]
         flat = out.detach().reshape(-1)
         if self.spec.index >= flat.numel():
-            raise ValueError(f"--inject-corrupt: index={self.spec.index} is outside "
-                             f"{self.spec.module}'s output of {flat.numel()} values on this "
-                             f"rank; choose index < {flat.numel()}")
+            raise ValueError(
+                f"--inject-corrupt: index={self.spec.index} is outside "
+                f"{self.spec.module}'s output of {flat.numel()} values on this "
+                f"rank; choose index < {flat.numel()}"
+            )
         corrupted = out.clone()
         corrupted.view(-1)[self.spec.index] = self.spec.value
         self.fired += 1

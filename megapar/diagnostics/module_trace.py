@@ -65,8 +65,10 @@ def hf_modules(stage: nn.Module, config) -> list[tuple[int, nn.Module, str]]:
             names = []
             for pname, p in module.named_parameters(recurse=False):
                 canonical = f"{path}.{pname}" if path else pname
-                names += [n.rsplit(".", 1)[0] for n in hf_parameter_names(
-                    config, canonical, hasattr(p, "tied_to"))]
+                names += [
+                    n.rsplit(".", 1)[0]
+                    for n in hf_parameter_names(config, canonical, hasattr(p, "tied_to"))
+                ]
             if names:
                 own[id(module)] = _common(names)
         for _, module in chunk.named_modules():
@@ -114,8 +116,11 @@ class ModuleTrace:
     def key(self, mb: int, backward: bool, chunk: int) -> int:
         """The order of an event now: (micro-batch, phase, pipeline position, call on this
         rank), packed into an int64 (up to 4096 pipeline positions, 2^28 events a step)."""
-        vs = chunk * self.mesh.pp + self.mesh.pp_rank if self.executor is None else \
-            self._virtual_stage(chunk)
+        vs = (
+            chunk * self.mesh.pp + self.mesh.pp_rank
+            if self.executor is None
+            else self._virtual_stage(chunk)
+        )
         n = self.mesh.pp * self.chunks
         position = n - 1 - vs if backward else vs
         self.calls += 1
@@ -152,16 +157,20 @@ class ModuleTrace:
 
     def _grad_hook(self, chunk: int, name: str, mb: int, grad):
         if grad is not None:
-            self._record(self.key(mb, True, chunk), (name, "backward", "input gradient", mb),
-                         grad)
+            self._record(self.key(mb, True, chunk), (name, "backward", "input gradient", mb), grad)
 
     def _loss_hook(self, chunk: int, module, args, output):
         ctx = self.current
-        if ctx is None or ctx[0] != "forward" or not isinstance(output, torch.Tensor) \
-                or output.dim() != 0:
+        if (
+            ctx is None
+            or ctx[0] != "forward"
+            or not isinstance(output, torch.Tensor)
+            or output.dim() != 0
+        ):
             return
-        self._record(self.key(ctx[1], False, chunk), (self.loss_name, "forward", "loss", ctx[1]),
-                     output)
+        self._record(
+            self.key(ctx[1], False, chunk), (self.loss_name, "forward", "loss", ctx[1]), output
+        )
 
     def _weight_grads(self, chunk: int, mb: int) -> None:
         """After a backward action: each module's weight gradients, in backward order."""
@@ -183,6 +192,7 @@ class ModuleTrace:
                 self.current = None
             if kind in BACKWARD_KINDS and self.weight_grads:
                 self._weight_grads(action.chunk, action.mb)
+
         return run
 
     @contextlib.contextmanager
@@ -195,11 +205,13 @@ class ModuleTrace:
             for kind, handler in saved.items():
                 executor.handlers[kind] = self._wrap(kind, handler)
             for chunk, module, name in self.modules:
-                handles.append(module.register_forward_hook(
-                    functools.partial(self._forward_hook, chunk, name)))
+                handles.append(
+                    module.register_forward_hook(functools.partial(self._forward_hook, chunk, name))
+                )
             for chunk, root in enumerate(getattr(self.stage, "chunks", [self.stage])):
-                handles.append(root.register_forward_hook(
-                    functools.partial(self._loss_hook, chunk)))
+                handles.append(
+                    root.register_forward_hook(functools.partial(self._loss_hook, chunk))
+                )
             yield self
         finally:
             for h in handles:

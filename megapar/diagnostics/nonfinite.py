@@ -42,15 +42,15 @@ def locate(engine, kept: KeptStep | None) -> str:
     first non-finite value over all ranks. Collective: every rank calls it."""
     if kept is None:
         return "no step kept to re-run"
-    set_action(f"re-running step {kept.step} with per-module checks (the first non-finite "
-               f"value)")
+    set_action(f"re-running step {kept.step} with per-module checks (the first non-finite value)")
     trace = ModuleTrace(engine.model, engine.config, engine.mesh)
     save = getattr(engine.cfg, "save", None)
     recorder = None
     if save:  # the failed step leaves its record for --replay
         first = kept.micro_batches[0]["input_ids"].shape[0]
-        recorder = StepRecorder(engine, len(kept.micro_batches) * first * engine.mesh.dp, trace,
-                                grads=False)
+        recorder = StepRecorder(
+            engine, len(kept.micro_batches) * first * engine.mesh.dp, trace, grads=False
+        )
     where = first_over_ranks(rerun(engine, kept, trace), engine.mesh, kept.step)
     if recorder is not None:
         set_action(f"writing the record of step {kept.step}")
@@ -69,8 +69,11 @@ def rerun(engine, kept: KeptStep, trace: ModuleTrace) -> ModuleTrace:
     engine.grad_sync.begin_step()  # zeroed gradients; never armed, so nothing is reduced
     engine.grad_sync.in_step = False  # nor by ZeRO-2, which reduces every micro-batch in a step
     try:
-        with engine.injecting(executor, kept.step), trace.attached(executor), \
-                engine.precision.autocast():
+        with (
+            engine.injecting(executor, kept.step),
+            trace.attached(executor),
+            engine.precision.autocast(),
+        ):
             executor.run(kept.micro_batches, grad_sync=None, loss_scale=kept.loss_scale)
     finally:
         engine.grad_sync.in_step = False
@@ -88,14 +91,18 @@ def first_over_ranks(trace: ModuleTrace, mesh, step: int) -> str:
         dist.all_reduce(key, op=dist.ReduceOp.MIN)
     first = int(key.item())
     if first == NONE:
-        return (f"step {step} re-run with per-module checks found every module's values "
-                f"finite (a fault outside the modules, one that did not repeat: a transient "
-                f"hardware error, or a kernel that is not deterministic)")
+        return (
+            f"step {step} re-run with per-module checks found every module's values "
+            f"finite (a fault outside the modules, one that did not repeat: a transient "
+            f"hardware error, or a kernel that is not deterministic)"
+        )
     mine = torch.where(trace.first == first, mesh.rank, mesh.layout.world_size)
     if world:
         dist.all_reduce(mine, op=dist.ReduceOp.MIN)
     src = int(mine.item())
     text = broadcast_text(trace.describe(first) if mesh.rank == src else "", mesh, src)
     tp, cp, pp, dp = mesh.layout.coords4(src)
-    return (f"first non-finite value (step {step} re-run with per-module checks): {text}, "
-            f"rank {src} (tp={tp} cp={cp} pp={pp} dp={dp})")
+    return (
+        f"first non-finite value (step {step} re-run with per-module checks): {text}, "
+        f"rank {src} (tp={tp} cp={cp} pp={pp} dp={dp})"
+    )

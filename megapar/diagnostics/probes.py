@@ -22,18 +22,33 @@ class Probes(NamedTuple):
     """`--inject-corrupt` (a testing tool): the hooks that corrupt one module output."""
 
 
-def build_probes(model, model_config, mesh: Mesh, straggler_factor: float,
-                 inject_slow: str | None, inject_corrupt: str | None) -> Probes:
+def build_probes(
+    model,
+    model_config,
+    mesh: Mesh,
+    straggler_factor: float,
+    inject_slow: str | None,
+    inject_corrupt: str | None,
+) -> Probes:
     """The `Probes` of stage `model` on `mesh` for these settings (bad ones raise ValueError)."""
     if straggler_factor != 0 and not straggler_factor > 1:
-        raise ValueError(f"straggler_factor={straggler_factor} is invalid: give a factor "
-                         f"> 1 (the default is 1.5), or 0 to turn straggler detection off")
-    straggler = StragglerDetector(mesh, straggler_factor) \
-        if straggler_factor > 0 and mesh.layout.world_size > 1 else None
+        raise ValueError(
+            f"straggler_factor={straggler_factor} is invalid: give a factor "
+            f"> 1 (the default is 1.5), or 0 to turn straggler detection off"
+        )
+    straggler = (
+        StragglerDetector(mesh, straggler_factor)
+        if straggler_factor > 0 and mesh.layout.world_size > 1
+        else None
+    )
     spec = inject.from_settings(inject_corrupt)
-    injector = inject.CorruptInjector(
-        inject.check(spec, model_config, mesh.layout), model, model_config, mesh) \
-        if spec else None
+    injector = (
+        inject.CorruptInjector(
+            inject.check(spec, model_config, mesh.layout), model, model_config, mesh
+        )
+        if spec
+        else None
+    )
     return Probes(straggler, _slowdown(model, mesh, inject_slow), injector)
 
 

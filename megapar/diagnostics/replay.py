@@ -75,11 +75,13 @@ def _samples(mesh, mb: int, micro_batch_size: int, global_batch: int) -> int:
 class StepRecorder:
     """Observes one step through a `ModuleTrace` and writes the record (`--record-step`)."""
 
-    def __init__(self, engine, global_batch: int, trace: ModuleTrace | None = None,
-                 grads: bool = True):
+    def __init__(
+        self, engine, global_batch: int, trace: ModuleTrace | None = None, grads: bool = True
+    ):
         self.engine, self.mesh = engine, engine.mesh
-        self.trace = trace or ModuleTrace(engine.model, engine.config, engine.mesh,
-                                          weight_grads=False)
+        self.trace = trace or ModuleTrace(
+            engine.model, engine.config, engine.mesh, weight_grads=False
+        )
         self.trace.observers.append(self._observe)
         self.global_batch = global_batch
         self.grads = grads
@@ -94,10 +96,22 @@ class StepRecorder:
             return
         mesh, mbs = self.mesh, out.shape[0]
         first = _samples(mesh, mb, mbs, self.global_batch)
-        self.entries.append({
-            "module": name, "mb": mb, "key": key, "samples": [first, first + mbs],
-            "part": part, "rank": mesh.rank, "tp": mesh.tp_rank, "cp": mesh.cp_rank,
-            "pp": mesh.pp_rank, "dp": mesh.dp_rank, "tp_size": mesh.tp, "cp_size": mesh.cp})
+        self.entries.append(
+            {
+                "module": name,
+                "mb": mb,
+                "key": key,
+                "samples": [first, first + mbs],
+                "part": part,
+                "rank": mesh.rank,
+                "tp": mesh.tp_rank,
+                "cp": mesh.cp_rank,
+                "pp": mesh.pp_rank,
+                "dp": mesh.dp_rank,
+                "tp_size": mesh.tp,
+                "cp_size": mesh.cp,
+            }
+        )
         self.sq.append(out.detach().double().square().sum())
 
     def grad_norms(self) -> dict[str, float]:
@@ -105,8 +119,12 @@ class StepRecorder:
         adds it to the combined one (tp slices summed; replicated ones from tp rank 0 only;
         dp and cp replicas from their rank 0 only)."""
         mesh, out = self.mesh, {}
-        if not self.grads or mesh.dp_rank or mesh.cp_rank or \
-                getattr(self.engine.step_fn, "sharded", False):
+        if (
+            not self.grads
+            or mesh.dp_rank
+            or mesh.cp_rank
+            or getattr(self.engine.step_fn, "sharded", False)
+        ):
             return out
         for _, module, name in self.trace.modules:
             total = 0.0
@@ -120,8 +138,7 @@ class StepRecorder:
 
     def payload(self) -> bytes:
         sq = torch.stack(self.sq).tolist() if self.sq else []
-        return json.dumps({"entries": self.entries, "sq": sq,
-                           "grads": self.grad_norms()}).encode()
+        return json.dumps({"entries": self.entries, "sq": sq, "grads": self.grad_norms()}).encode()
 
     def write(self, root: str, step: int) -> Path | None:
         """Gather every rank's entries on rank 0 and write the record (collective)."""
@@ -132,9 +149,15 @@ class StepRecorder:
         json_path, st_path = record_paths(root, step)
         json_path.parent.mkdir(parents=True, exist_ok=True)
         save_file({"sq_norms": torch.tensor(sq, dtype=torch.float64)}, str(st_path))
-        record = {"step": step, "model": self.engine.config.to_dict(),
-                  "layout": self.mesh.layout.to_dict(), "rtol": RTOL,
-                  "entries": entries, "grad_sq_norms": grads, "values": st_path.name}
+        record = {
+            "step": step,
+            "model": self.engine.config.to_dict(),
+            "layout": self.mesh.layout.to_dict(),
+            "rtol": RTOL,
+            "entries": entries,
+            "grad_sq_norms": grads,
+            "values": st_path.name,
+        }
         record["sha256"] = _digest(record, st_path.read_bytes())
         json_path.write_text(json.dumps(record, indent=1))
         return json_path
@@ -144,9 +167,12 @@ def _digest(record: dict, values: bytes) -> str:
     """The sha256 of a record: its values file's bytes, then its JSON's content (step, model,
     layout, entries, weight-gradient norms) written canonically."""
     digest = hashlib.sha256(values)
-    digest.update(json.dumps({k: record.get(k) for k in
-                              ("step", "model", "layout", "entries", "grad_sq_norms")},
-                             sort_keys=True).encode())
+    digest.update(
+        json.dumps(
+            {k: record.get(k) for k in ("step", "model", "layout", "entries", "grad_sq_norms")},
+            sort_keys=True,
+        ).encode()
+    )
     return digest.hexdigest()
 
 
@@ -155,49 +181,68 @@ def check_record(path: str | Path, step: int, model: dict, flag: str) -> list[st
     record of step `step` of the model whose config (`to_dict`) is `model`, whose sha256
     matches; `flag` is how the user gave it. Returns notes (a record from before checksums)."""
     path = Path(path).expanduser()
-    fix = (f"give the records/step_{step:08d}.json that --record-step {step} wrote (or record "
-           f"the step again)")
+    fix = (
+        f"give the records/step_{step:08d}.json that --record-step {step} wrote (or record "
+        f"the step again)"
+    )
     if path.is_dir():
         raise ValueError(f"{flag} {path} is a directory, not a record; {fix}")
     if path.suffix == ".safetensors":
-        raise ValueError(f"{flag} {path} is a record's values file; give its "
-                         f"{path.with_suffix('.json').name} instead")
+        raise ValueError(
+            f"{flag} {path} is a record's values file; give its "
+            f"{path.with_suffix('.json').name} instead"
+        )
     try:
         record = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"{flag} {path} is not a readable record ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else 'empty'}); {fix}") from None
+        raise ValueError(
+            f"{flag} {path} is not a readable record ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'empty'}); {fix}"
+        ) from None
     if not isinstance(record, dict) or not {"step", "entries", "values"} <= set(record):
-        raise ValueError(f"{flag} {path} is JSON but not a record (no step / entries / values); "
-                         f"{fix}")
+        raise ValueError(
+            f"{flag} {path} is JSON but not a record (no step / entries / values); {fix}"
+        )
     if record["step"] != step:
-        raise ValueError(f"{flag} {path} records step {record['step']}, not step {step} that "
-                         f"--replay {step} runs; {fix}")
+        raise ValueError(
+            f"{flag} {path} records step {record['step']}, not step {step} that "
+            f"--replay {step} runs; {fix}"
+        )
     values = path.parent / str(record["values"])
     try:
         raw = values.read_bytes()
         sq = load_file(str(values))["sq_norms"]
     except (OSError, SafetensorError, KeyError, ValueError) as exc:
-        raise ValueError(f"{flag} {path}: its values file {values} is unreadable "
-                         f"({type(exc).__name__}: {exc}); {fix}") from None
+        raise ValueError(
+            f"{flag} {path}: its values file {values} is unreadable "
+            f"({type(exc).__name__}: {exc}); {fix}"
+        ) from None
     if sq.numel() != len(record["entries"]):
-        raise ValueError(f"{flag} {path}: its values file {values} holds {sq.numel()} values "
-                         f"for {len(record['entries'])} entries (damaged); {fix}")
+        raise ValueError(
+            f"{flag} {path}: its values file {values} holds {sq.numel()} values "
+            f"for {len(record['entries'])} entries (damaged); {fix}"
+        )
     notes = []
     if "sha256" not in record:
-        notes.append(f"the record {path} was written before records carried a checksum: "
-                     f"not verified")
+        notes.append(
+            f"the record {path} was written before records carried a checksum: not verified"
+        )
     elif _digest(record, raw) != record["sha256"]:
-        raise ValueError(f"{flag} {path}: its checksum does not match (the record or {values} "
-                         f"changed after it was written); {fix}")
+        raise ValueError(
+            f"{flag} {path}: its checksum does not match (the record or {values} "
+            f"changed after it was written); {fix}"
+        )
     recorded = record.get("model")
     if recorded is not None and recorded != model:
         keys = sorted(k for k in set(recorded) | set(model) if recorded.get(k) != model.get(k))
-        what = ", ".join(f"{k} {recorded.get(k)!r} recorded, {model.get(k)!r} here"
-                         for k in keys[:3])
-        raise ValueError(f"{flag} {path} is the record of another model ({what}); replay from "
-                         f"a checkpoint of the run that recorded it, or record this model's step "
-                         f"{step} with --record-step {step}")
+        what = ", ".join(
+            f"{k} {recorded.get(k)!r} recorded, {model.get(k)!r} here" for k in keys[:3]
+        )
+        raise ValueError(
+            f"{flag} {path} is the record of another model ({what}); replay from "
+            f"a checkpoint of the run that recorded it, or record this model's step "
+            f"{step} with --record-step {step}"
+        )
     return notes
 
 
@@ -233,7 +278,7 @@ def _positions(part: str, seq: int, cp: int, cp_rank: int, tp: int, tp_rank: int
         held = list(range(seq))
     if part == "sequence":
         n = len(held) // tp
-        held = held[tp_rank * n:(tp_rank + 1) * n]
+        held = held[tp_rank * n : (tp_rank + 1) * n]
     return held
 
 
@@ -272,11 +317,9 @@ class StepReplay:
         """Indices into this rank's tokens of those the recorded entry's part also has."""
         key = (mine, e["part"], seq, e["cp_size"], e["cp"], e["tp_size"], e["tp"])
         if key not in self._index:
-            theirs = set(_positions(e["part"], seq, e["cp_size"], e["cp"], e["tp_size"],
-                                    e["tp"]))
+            theirs = set(_positions(e["part"], seq, e["cp_size"], e["cp"], e["tp_size"], e["tp"]))
             idx = [i for i, pos in enumerate(_positions(*mine)) if pos in theirs]
-            self._index[key] = torch.tensor(idx, dtype=torch.long, device=device) \
-                if idx else None
+            self._index[key] = torch.tensor(idx, dtype=torch.long, device=device) if idx else None
         return self._index[key]
 
     def _observe(self, key: int, name: str, mb: int, module, out: torch.Tensor) -> None:
@@ -300,15 +343,18 @@ class StepReplay:
             idx = self._common(mine, e, seq, out.device)
             if idx is None:
                 continue
-            piece = out.detach()[lo - first:hi - first].index_select(1, idx)
+            piece = out.detach()[lo - first : hi - first].index_select(1, idx)
             sq = piece.narrow(-1, f0 - lo_f, f1 - f0).double().square().sum()
             self.ours[i] = self.ours[i] + sq if i in self.ours else sq
 
     def report(self) -> str | None:
         """Rank 0: the per-module norms and the comparison, as text (collective)."""
-        payload = json.dumps({
-            "ours": {str(i): float(v) for i, v in self.ours.items()},
-            "own": self.recorder.payload().decode()}).encode()
+        payload = json.dumps(
+            {
+                "ours": {str(i): float(v) for i, v in self.ours.items()},
+                "own": self.recorder.payload().decode(),
+            }
+        ).encode()
         parts = gather_payloads(payload, self.mesh)
         if parts is None:
             return None
@@ -323,22 +369,30 @@ class StepReplay:
         full = combined({"entries": entries})
         first_key: dict[str, int] = {}
         for entry in entries:
-            first_key[entry["module"]] = min(first_key.get(entry["module"], entry["key"]),
-                                             entry["key"])
+            first_key[entry["module"]] = min(
+                first_key.get(entry["module"], entry["key"]), entry["key"]
+            )
         recorded = combined(self.record) if self.record is not None else {}
-        header = (f"{'module':48s} {'output norm':>14s} {'recorded':>14s} "
-                  f"{'weight-grad norm':>17s} {'recorded':>14s}")
+        header = (
+            f"{'module':48s} {'output norm':>14s} {'recorded':>14s} "
+            f"{'weight-grad norm':>17s} {'recorded':>14s}"
+        )
         lines = [header]
         old_grads = self.record.get("grad_sq_norms", {}) if self.record is not None else {}
         for name in sorted(full, key=lambda n: first_key[n]):
-            lines.append(f"{name:48s} {_norm(full[name], 14)} {_norm(recorded.get(name), 14)} "
-                         f"{_norm(grads.get(name), 17)} {_norm(old_grads.get(name), 14)}")
+            lines.append(
+                f"{name:48s} {_norm(full[name], 14)} {_norm(recorded.get(name), 14)} "
+                f"{_norm(grads.get(name), 17)} {_norm(old_grads.get(name), 14)}"
+            )
         if self.record is not None:
-            lines.append(compare(self.record, ours, grads,
-                                 getattr(self.engine.step_fn, "sharded", False)))
+            lines.append(
+                compare(self.record, ours, grads, getattr(self.engine.step_fn, "sharded", False))
+            )
         else:
-            lines.append("no record of this step found next to the --load checkpoint (write "
-                         "one with --record-step, or give --replay-against): nothing compared")
+            lines.append(
+                "no record of this step found next to the --load checkpoint (write "
+                "one with --record-step, or give --replay-against): nothing compared"
+            )
         return "\n".join(lines)
 
 
@@ -369,44 +423,62 @@ def _differs(a: float, b: float) -> bool:
     return _relative(a, b) > RTOL
 
 
-def compare(record: dict, ours: dict[int, float], grads: dict[str, float],
-            sharded: bool = False) -> str:
+def compare(
+    record: dict, ours: dict[int, float], grads: dict[str, float], sharded: bool = False
+) -> str:
     """One line: the first recorded value (smallest key) that differs from the replay's, and
     whose rank computed it; or that every value agrees. `sharded`: the replay's gradients were
     sharded over dp (ZeRO at dp > 1), so it has no weight-gradient norms of its own."""
     entries = record["entries"]
     missing = [i for i in range(len(entries)) if i not in ours]
     if not ours:
-        return (f"replay of step {record['step']}: nothing compared: none of the record's "
-                f"{len(entries)} output values is of a module this replay ran (a record of "
-                f"another model?); replay with the model and checkpoint the record was made from")
+        return (
+            f"replay of step {record['step']}: nothing compared: none of the record's "
+            f"{len(entries)} output values is of a module this replay ran (a record of "
+            f"another model?); replay with the model and checkpoint the record was made from"
+        )
     bad = [i for i in ours if _differs(entries[i]["sq"], ours[i])]
     if bad:
         i = min(bad, key=lambda j: entries[j]["key"])
         e = entries[i]
         was, now = math.sqrt(max(e["sq"], 0.0)), math.sqrt(max(ours[i], 0.0))
-        return (f"replay of step {record['step']}: first difference: forward output of "
-                f"{e['module']}, micro-batch {e['mb']} (samples {e['samples'][0]}-"
-                f"{e['samples'][1] - 1}), computed by rank {e['rank']} (tp={e['tp']} "
-                f"cp={e['cp']} pp={e['pp']} dp={e['dp']}): norm {was:.9g} recorded, {now:.9g} "
-                f"replayed (tolerance {RTOL:g} relative)")
-    wrong = sorted(n for n, v in record.get("grad_sq_norms", {}).items()
-                   if n in grads and _differs(v, grads[n]))
+        return (
+            f"replay of step {record['step']}: first difference: forward output of "
+            f"{e['module']}, micro-batch {e['mb']} (samples {e['samples'][0]}-"
+            f"{e['samples'][1] - 1}), computed by rank {e['rank']} (tp={e['tp']} "
+            f"cp={e['cp']} pp={e['pp']} dp={e['dp']}): norm {was:.9g} recorded, {now:.9g} "
+            f"replayed (tolerance {RTOL:g} relative)"
+        )
+    wrong = sorted(
+        n
+        for n, v in record.get("grad_sq_norms", {}).items()
+        if n in grads and _differs(v, grads[n])
+    )
     if wrong:
-        return (f"replay of step {record['step']}: every forward value agrees; the weight "
-                f"gradients of {', '.join(wrong)} differ (beyond {RTOL:g} relative)")
+        return (
+            f"replay of step {record['step']}: every forward value agrees; the weight "
+            f"gradients of {', '.join(wrong)} differ (beyond {RTOL:g} relative)"
+        )
     note = f" ({len(missing)} recorded values not compared)" if missing else ""
-    worst = max([_relative(entries[i]["sq"], v) for i, v in ours.items()] +
-                [_relative(v, grads[n]) for n, v in record.get("grad_sq_norms", {}).items()
-                 if n in grads], default=0.0)
+    worst = max(
+        [_relative(entries[i]["sq"], v) for i, v in ours.items()]
+        + [
+            _relative(v, grads[n]) for n, v in record.get("grad_sq_norms", {}).items() if n in grads
+        ],
+        default=0.0,
+    )
     compared = sum(n in grads for n in record.get("grad_sq_norms", {}))
     weights = f" and {compared} weight-gradient norms" if compared else ""
     recorded = len(record.get("grad_sq_norms", {}))
     if not compared and recorded and sharded:
-        note += (f"; the record's {recorded} weight-gradient norms are not compared: the "
-                 f"replay's gradients are sharded over dp (ZeRO); replay at dp 1 to compare them")
+        note += (
+            f"; the record's {recorded} weight-gradient norms are not compared: the "
+            f"replay's gradients are sharded over dp (ZeRO); replay at dp 1 to compare them"
+        )
     elif not compared:  # the recording run sharded its gradients over dp (ZeRO)
         note += "; no weight-gradient norms were recorded to compare"
-    return (f"replay of step {record['step']}: no difference: all {len(ours)} recorded output "
-            f"norms{weights} agree within {RTOL:g} relative "
-            f"(largest difference {worst:.1e}){note}")
+    return (
+        f"replay of step {record['step']}: no difference: all {len(ours)} recorded output "
+        f"norms{weights} agree within {RTOL:g} relative "
+        f"(largest difference {worst:.1e}){note}"
+    )

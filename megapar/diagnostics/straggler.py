@@ -65,12 +65,15 @@ class Straggler:
 
     def describe(self) -> str:
         """The log line's words for it."""
-        ratio = (f" ({self.compute_s / self.median_compute_s:.1f}x)"
-                 if self.median_compute_s > 0 else "")
+        ratio = (
+            f" ({self.compute_s / self.median_compute_s:.1f}x)" if self.median_compute_s > 0 else ""
+        )
         whose = "its stage's median" if self.compared_with == "stage" else "its own median"
-        return (f"straggler rank {self.rank} (tp {self.tp} cp {self.cp} pp {self.pp} dp "
-                f"{self.dp}): compute {self.compute_s:.3f} s/step vs {whose} "
-                f"{self.median_compute_s:.3f} s{ratio}")
+        return (
+            f"straggler rank {self.rank} (tp {self.tp} cp {self.cp} pp {self.pp} dp "
+            f"{self.dp}): compute {self.compute_s:.3f} s/step vs {whose} "
+            f"{self.median_compute_s:.3f} s{ratio}"
+        )
 
 
 @dataclass
@@ -92,9 +95,12 @@ class StragglerReport:
     def fields(self) -> dict:
         """The step log's fields (`--log-json`)."""
         slowest = max(range(len(self.compute_s)), key=self.compute_s.__getitem__)
-        out = {"compute_s_median": statistics.median(self.compute_s),
-               "compute_s_max": self.compute_s[slowest], "compute_s_max_rank": slowest,
-               "wait_s_median": statistics.median(self.wait_s)}
+        out = {
+            "compute_s_median": statistics.median(self.compute_s),
+            "compute_s_max": self.compute_s[slowest],
+            "compute_s_max_rank": slowest,
+            "wait_s_median": statistics.median(self.wait_s),
+        }
         if self.stragglers:
             out["stragglers"] = [vars(s) for s in self.stragglers]
         if self.suspects:
@@ -112,11 +118,13 @@ def _median_without(values: list[float], i: int) -> float:
 
     def at(j: int) -> float:
         return values[j] if j < i else values[j + 1]
+
     return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
-def references(compute_s: list[float], layout: Layout,
-               history: list[list[float]] | None = None) -> list[tuple[float, str] | None]:
+def references(
+    compute_s: list[float], layout: Layout, history: list[list[float]] | None = None
+) -> list[tuple[float, str] | None]:
     """Per rank, what its compute time per step is compared with, and how it was found: the
     median of the other ranks of its pipeline stage ("stage": they do the same work), or, for
     a rank alone in its stage (a pipeline without tp / cp / dp, whose stages do different
@@ -127,8 +135,11 @@ def references(compute_s: list[float], layout: Layout,
     for rank in range(len(compute_s)):
         stages.setdefault(layout.coords4(rank)[2], []).append(rank)
     out: list[tuple[float, str] | None] = [None] * len(compute_s)
-    own = {ranks[0]: statistics.median(history[ranks[0]]) for ranks in stages.values()
-           if len(ranks) == 1 and history and history[ranks[0]]}
+    own = {
+        ranks[0]: statistics.median(history[ranks[0]])
+        for ranks in stages.values()
+        if len(ranks) == 1 and history and history[ranks[0]]
+    }
     change = {r: compute_s[r] / before for r, before in own.items() if before > 0}
     for rank, before in own.items():  # scaled by how the other stages' times changed
         others = sorted(c for r, c in change.items() if r != rank)
@@ -143,15 +154,22 @@ def references(compute_s: list[float], layout: Layout,
     return out
 
 
-def slow_ranks(compute_s: list[float], layout: Layout, factor: float,
-               min_excess_s: float = MIN_EXCESS_S,
-               history: list[list[float]] | None = None) -> dict[int, tuple[float, str]]:
+def slow_ranks(
+    compute_s: list[float],
+    layout: Layout,
+    factor: float,
+    min_excess_s: float = MIN_EXCESS_S,
+    history: list[list[float]] | None = None,
+) -> dict[int, tuple[float, str]]:
     """{rank: (reference, how)} of the ranks slow in one interval: compute time per step above
     `factor` x its reference (`references`) and above it by more than `min_excess_s`."""
     out = {}
     for rank, ref in enumerate(references(compute_s, layout, history)):
-        if ref is not None and compute_s[rank] > factor * ref[0] \
-                and compute_s[rank] - ref[0] > min_excess_s:
+        if (
+            ref is not None
+            and compute_s[rank] > factor * ref[0]
+            and compute_s[rank] - ref[0] > min_excess_s
+        ):
             out[rank] = ref
     return out
 
@@ -159,8 +177,13 @@ def slow_ranks(compute_s: list[float], layout: Layout, factor: float,
 class StragglerDetector:
     """One rank's step times, and the collective comparison over the world (see the module)."""
 
-    def __init__(self, mesh: Mesh, factor: float, min_excess_s: float = MIN_EXCESS_S,
-                 intervals: int = INTERVALS):
+    def __init__(
+        self,
+        mesh: Mesh,
+        factor: float,
+        min_excess_s: float = MIN_EXCESS_S,
+        intervals: int = INTERVALS,
+    ):
         self.mesh, self.factor = mesh, factor
         self.min_excess_s, self.intervals = min_excess_s, intervals
         self.streak = [0] * mesh.layout.world_size
@@ -184,14 +207,19 @@ class StragglerDetector:
         """Every rank's times since the last report, compared (collective over the world:
         every rank calls it at the same step). None when no step was added."""
         mesh = self.mesh
-        mine = torch.tensor([self._steps, self._wall, self._compute, self._least],
-                            dtype=torch.float64, device=mesh.device)
-        everyone = torch.zeros(mesh.layout.world_size * 4, dtype=torch.float64,
-                               device=mesh.device)
+        mine = torch.tensor(
+            [self._steps, self._wall, self._compute, self._least],
+            dtype=torch.float64,
+            device=mesh.device,
+        )
+        everyone = torch.zeros(mesh.layout.world_size * 4, dtype=torch.float64, device=mesh.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        wait(gather(everyone, mine, async_op=True), mesh.device,
-             mesh.timeout_s, f"rank {mesh.rank}: gathering every rank's step times (straggler "
-             f"detection)")
+        wait(
+            gather(everyone, mine, async_op=True),
+            mesh.device,
+            mesh.timeout_s,
+            f"rank {mesh.rank}: gathering every rank's step times (straggler detection)",
+        )
         self._steps, self._wall, self._compute, self._least = 0, 0.0, 0.0, math.inf
         rows = everyone.reshape(-1, 4).cpu().tolist()
         if any(steps < 1 for steps, *_ in rows):
@@ -206,10 +234,11 @@ class StragglerDetector:
             if rank in slow and self.streak[rank] >= self.intervals:
                 tp, cp, pp, dp = mesh.layout.coords4(rank)
                 reference, how = slow[rank]
-                named.append(Straggler(rank, tp, cp, pp, dp, compute[rank], waits[rank],
-                                       reference, how))
+                named.append(
+                    Straggler(rank, tp, cp, pp, dp, compute[rank], waits[rank], reference, how)
+                )
             elif rank in slow:
                 suspects.append(rank)
             elif rank not in slow and self._intervals > 1 and self._alone:
-                self.history[rank] = [*self.history[rank][-HISTORY + 1:], compute[rank]]
+                self.history[rank] = [*self.history[rank][-HISTORY + 1 :], compute[rank]]
         return StragglerReport(int(rows[0][0]), compute, waits, named, suspects)

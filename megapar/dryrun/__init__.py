@@ -17,8 +17,9 @@ from megapar.dryrun.sample import parse_ranks, sample_ranks
 __all__ = ["NOT_RUN", "RankReport", "dry_run", "parse_ranks", "rehearse_rank", "sample_ranks"]
 
 
-def dry_run(cfg, config, layout, ranks=None, gpus_per_node: int = 8, dataset=None,
-            progress=None) -> list[RankReport]:
+def dry_run(
+    cfg, config, layout, ranks=None, gpus_per_node: int = 8, dataset=None, progress=None
+) -> list[RankReport]:
     """Rehearse `ranks` (default: `sample_ranks`) of a job of `layout` running `cfg`
     on model `config`; `progress(report)` is called after each rank."""
     reports = []

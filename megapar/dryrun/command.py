@@ -37,22 +37,33 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
     step_dir = f"{cfg.save or '<--save>'}/step_{first_save:08d}"
     out = sys.stdout
     if not cfg.json:
-        print(report.describe_job(cfg, config, layout, cfg.gpus_per_node, model_params(config),
-                                  len(ranks)), file=out, flush=True)
+        print(
+            report.describe_job(
+                cfg, config, layout, cfg.gpus_per_node, model_params(config), len(ranks)
+            ),
+            file=out,
+            flush=True,
+        )
     start, reports = time.perf_counter(), []
     for rank in ranks:
         try:
             r = rehearse_rank(cfg, config, layout, rank, cfg.gpus_per_node, dataset)
         except Exception as exc:  # noqa: BLE001 - what the job's worker would die of, one line
             tp, pp, dp = layout.coords(rank)
-            print(f"megapar-train: error: rank {rank} ({layout} coords tp={tp} pp={pp} dp={dp})"
-                  f" failed in the rehearsal: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(
+                f"megapar-train: error: rank {rank} ({layout} coords tp={tp} pp={pp} dp={dp})"
+                f" failed in the rehearsal: {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
             if cfg.debug:
                 traceback.print_exc()
             return 1
         reports.append(r)
-        print(json.dumps(r.to_json()) if cfg.json else report.describe_rank(r, step_dir),
-              file=out, flush=True)
+        print(
+            json.dumps(r.to_json()) if cfg.json else report.describe_rank(r, step_dir),
+            file=out,
+            flush=True,
+        )
     if not cfg.json:
         print(report.describe_checkpoint(reports, layout, step_dir), file=out)
         print(report.footer(time.perf_counter() - start, len(reports)), file=out)

@@ -42,7 +42,7 @@ class HeldStorages:
 
     def __init__(self, params):
         self.params = {p.untyped_storage()._cdata for p in params}
-        self.live: dict[int, list[int]] = {}   # storage -> [references, nbytes]
+        self.live: dict[int, list[int]] = {}  # storage -> [references, nbytes]
         self.region_inputs: list[weakref.ref] = []
 
     def pack(self, t: torch.Tensor):
@@ -124,8 +124,9 @@ def peak_held(executor, held: HeldStorages):
         sample()
         return wait_recv(key)
 
-    executor.handlers.update({kind: functools.partial(dispatched, handler)
-                              for kind, handler in handlers.items()})
+    executor.handlers.update(
+        {kind: functools.partial(dispatched, handler) for kind, handler in handlers.items()}
+    )
     if executor.p2p is not None:
         wait_recv = executor.p2p.wait_recv
         executor.p2p.wait_recv = waited
@@ -151,24 +152,34 @@ def measure_step(engine, micro_batches: list[dict], step_index: int = 0) -> dict
         def watched(fn):
             def call(u):
                 fn(u)
-                gathered[0] = max(gathered[0], sum(v.full.untyped_storage().nbytes()
-                                                   for v in sharded.units))
+                gathered[0] = max(
+                    gathered[0], sum(v.full.untyped_storage().nbytes() for v in sharded.units)
+                )
+
             return call
+
         sharded.gather, sharded.prefetch = watched(gather), watched(prefetch)
     try:
-        with peak_held(engine.executor, held) as peak, count_collectives() as calls, \
-                held.counting():
+        with (
+            peak_held(engine.executor, held) as peak,
+            count_collectives() as calls,
+            held.counting(),
+        ):
             engine.step_fn.step(micro_batches, step_index)
     finally:
         if sharded is not None:
             del sharded.gather, sharded.prefetch
-    return {**held_bytes(engine.model, engine.optimizer, sharded), "gathered": gathered[0],
-            "activations": peak[0],
-            "calls": list(calls)}
+    return {
+        **held_bytes(engine.model, engine.optimizer, sharded),
+        "gathered": gathered[0],
+        "activations": peak[0],
+        "calls": list(calls),
+    }
 
 
-def measured_rank(cfg_dict: dict, config_dict: dict, steps: int = 2, save: str | None = None,
-                  per_node: int = 8) -> dict:
+def measured_rank(
+    cfg_dict: dict, config_dict: dict, steps: int = 2, save: str | None = None, per_node: int = 8
+) -> dict:
     """A worker (for `megapar.launcher.run_local`): this rank of a real run of `cfg` on the
     model, `steps` optimizer steps of megapar-train's `Engine` on seeded random batches, the
     last one measured (`measure_step`); its communication as the dry run reports it (groups
@@ -179,8 +190,9 @@ def measured_rank(cfg_dict: dict, config_dict: dict, steps: int = 2, save: str |
     engine = Engine(cfg, config)
     gen = torch.Generator().manual_seed(0)
     for i in range(steps):
-        ids = torch.randint(0, config.vocab_size, (cfg.global_batch_size, cfg.seq_len + 1),
-                            generator=gen)
+        ids = torch.randint(
+            0, config.vocab_size, (cfg.global_batch_size, cfg.seq_len + 1), generator=gen
+        )
         batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
         if config.model_type == "bert":
             batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
@@ -190,8 +202,13 @@ def measured_rank(cfg_dict: dict, config_dict: dict, steps: int = 2, save: str |
     result["comm"] = traffic(without_scalars(result.pop("calls"), mesh), mesh, per_node)
     if save:
         engine.save(save)
-    return {"rank": mesh.rank, "tp_rank": mesh.tp_rank, "pp_rank": mesh.pp_rank,
-            "dp_rank": mesh.dp_rank, **result}
+    return {
+        "rank": mesh.rank,
+        "tp_rank": mesh.tp_rank,
+        "pp_rank": mesh.pp_rank,
+        "dp_rank": mesh.dp_rank,
+        **result,
+    }
 
 
 def without_scalars(calls, mesh) -> list:
@@ -199,7 +216,13 @@ def without_scalars(calls, mesh) -> list:
     gradient norm's over tp x pp (and dp x cp under ZeRO-1), the loss's over dp and fp16's overflow
     flag's over every rank."""
 
-    groups = {tuple(dist.get_process_group_ranks(g))
-              for g in (mesh.mp_group, mesh.dp_group, mesh.dp_cp_group) if g is not None}
-    return [c for c in calls if not (c.op == "all_reduce" and c.numel == 1
-                                     and (c.ranks is None or c.ranks in groups))]
+    groups = {
+        tuple(dist.get_process_group_ranks(g))
+        for g in (mesh.mp_group, mesh.dp_group, mesh.dp_cp_group)
+        if g is not None
+    }
+    return [
+        c
+        for c in calls
+        if not (c.op == "all_reduce" and c.numel == 1 and (c.ranks is None or c.ranks in groups))
+    ]

@@ -63,8 +63,10 @@ from megapar.training.data import make_sampler
 from megapar.training.engine import Engine
 from megapar.training.validate import UsageError, check_zero3
 
-NOT_RUN = ("the gradient-norm all-reduce (tp x pp, and dp x cp under ZeRO-1), the loss all-reduce "
-           "over dp and fp16's overflow flag over all ranks: scalars whose values the step reads")
+NOT_RUN = (
+    "the gradient-norm all-reduce (tp x pp, and dp x cp under ZeRO-1), the loss all-reduce "
+    "over dp and fp16's overflow flag over all ranks: scalars whose values the step reads"
+)
 """Per-step collectives the rehearsal does not run (it has no values to read)."""
 
 
@@ -143,17 +145,25 @@ def _micro_batch(cfg, config, dataset, first_batch):
 def _first_optimizer_step(optimizer, notes: list[str]) -> None:
     """The optimizer step that creates its state (and, under ZeRO-1, all-gathers weights)."""
     if optimizer.kind in ("lamb", "lars"):  # trust ratios read norms: resume-path state instead
-        optimizer.load_state_tensors({n: {k: torch.zeros_like(p) for k in optimizer.state_keys}
-                                      for n, p in optimizer.named})
-        notes.append(f"{optimizer.kind}: its step reads norms, so the optimizer state is the one "
-                     f"a resumed run loads, and its norm all-reduces are not counted")
+        optimizer.load_state_tensors(
+            {n: {k: torch.zeros_like(p) for k in optimizer.state_keys} for n, p in optimizer.named}
+        )
+        notes.append(
+            f"{optimizer.kind}: its step reads norms, so the optimizer state is the one "
+            f"a resumed run loads, and its norm all-reduces are not counted"
+        )
         return
     optimizer.step()
 
 
-OP_NAMES = {"isend": "send", "irecv": "receive", "reduce_scatter_single": "reduce_scatter",
-            "reduce_scatter_tensor": "reduce_scatter", "all_gather_single": "all_gather",
-            "all_gather_into_tensor": "all_gather"}
+OP_NAMES = {
+    "isend": "send",
+    "irecv": "receive",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+}
 """torch.distributed's functions by what they do."""
 
 
@@ -169,24 +179,25 @@ def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) 
     for name in ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding"):
         group = getattr(mesh, f"{name}_group")
         if group is not None:
-            names.setdefault(tuple(dist.get_process_group_ranks(group)),
-                             name.replace("_", " x "))
+            names.setdefault(tuple(dist.get_process_group_ranks(group)), name.replace("_", " x "))
     world = mesh.layout.world_size
     out: dict = {}
     for c, times in zip(calls, repeats or [1] * len(calls)):
         ranks = c.ranks or tuple(range(world))
         name = names.get(ranks, "world" if len(ranks) == world else f"group of {len(ranks)}")
         op = OP_NAMES.get(c.op, c.op)
-        entry = out.setdefault(name, {"ranks": len(ranks),
-                                      "crosses_nodes": len({r // per_node for r in ranks}) > 1})
+        entry = out.setdefault(
+            name, {"ranks": len(ranks), "crosses_nodes": len({r // per_node for r in ranks}) > 1}
+        )
         totals = entry.setdefault(op, {"count": 0, "bytes": 0})
         totals["count"] += times
         totals["bytes"] += times * c.bytes * (len(ranks) if op == "all_gather" else 1)
     return out
 
 
-def rehearse_rank(cfg, config, layout: Layout, rank: int, gpus_per_node: int = 8,
-                  dataset=None) -> RankReport:
+def rehearse_rank(
+    cfg, config, layout: Layout, rank: int, gpus_per_node: int = 8, dataset=None
+) -> RankReport:
     """Rank `rank` of a job of `layout` running `cfg` on model `config` (see the module
     docstring); `dataset`: the training split, for the first batch (None: no data)."""
     with fake_process_group(layout.world_size, rank):
@@ -209,28 +220,48 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     # a ZeRO stage (or ZeRO-3 option) this megapar-train lacks is rehearsed at ZeRO-1 (the same
     # model, messages and tp / cp collectives), its state and dp traffic the planner's model
     modelled = _unserved(cfg)
-    run_cfg = replace(cfg, zero=1, offload_params=False, zero3_keep_params=False,
-                      zero3_persistence_threshold=0, zero3_reduce="step") if modelled else cfg
+    run_cfg = (
+        replace(
+            cfg,
+            zero=1,
+            offload_params=False,
+            zero3_keep_params=False,
+            zero3_persistence_threshold=0,
+            zero3_reduce="step",
+        )
+        if modelled
+        else cfg
+    )
     # the rehearsal runs one micro-batch; DualPipeV takes no fewer than 2 pp, so its one is run
     # under ZB-V: the same V placement, so the same messages and collectives per micro-batch
-    engine = Engine(replace(run_cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule)),
-                    config, mesh)
+    engine = Engine(
+        replace(run_cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule)), config, mesh
+    )
     first_batch = None  # this rank's micro-batches of the first global batch (sample indices)
     if dataset is not None:
         first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
         first_batch = [list(map(int, mb)) for mb in first]
     run_calls, per_step, per_micro_batch_buckets, peak = _run_micro_batch(
-        cfg, config, engine, layout, m, dataset, first_batch)
+        cfg, config, engine, layout, m, dataset, first_batch
+    )
     with count_collectives() as step_calls:
         engine.step_fn.sync_gradients()
         _first_optimizer_step(engine.optimizer, notes)
     # inside the schedule, messages and tp / cp collectives belong to the micro-batch; the
     # bucket reductions, the loss broadcast and everything after the schedule to the step
-    per_micro_batch = {tuple(dist.get_process_group_ranks(g))
-                       for g in (mesh.tp_group, mesh.cp_group) if g is not None}
-    repeats = [m if i in per_micro_batch_buckets or i not in per_step and (
-                   c.op in ("isend", "irecv") or c.ranks in per_micro_batch) else 1
-               for i, c in enumerate(run_calls)] + [1] * len(step_calls)
+    per_micro_batch = {
+        tuple(dist.get_process_group_ranks(g))
+        for g in (mesh.tp_group, mesh.cp_group)
+        if g is not None
+    }
+    repeats = [
+        m
+        if i in per_micro_batch_buckets
+        or i not in per_step
+        and (c.op in ("isend", "irecv") or c.ranks in per_micro_batch)
+        else 1
+        for i, c in enumerate(run_calls)
+    ] + [1] * len(step_calls)
     comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
     optimizer = engine.optimizer
     held, gathered = held_bytes(engine.model, optimizer, engine.sharded_params), peak["gathered"]
@@ -240,28 +271,48 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     # the file of this (tp, pp) coordinate, as its dp rank 0 writes it: every parameter with
     # the optimizer's moments, each of its parameter's shape and dtype (what state_tensors()
     # gives the writer; tied copies are not stored)
-    moments = {n: {k: p for k in optimizer.state_keys}
-               for n, p in engine.model.named_parameters()}
+    moments = {n: {k: p for k in optimizer.state_keys} for n, p in engine.model.named_parameters()}
     file, size = planned_shard(engine.model, mesh, moments)
     actions = schedule_actions(cfg.schedule, layout.pp, m, mesh.pp_rank, cfg.virtual_stages)
     activations = _modelled_activations(cfg, config, layout, mesh.pp_rank, actions)
     chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
     in_flight = in_flight_peak(actions) / chunks
     return RankReport(
-        rank=mesh.rank, tp_rank=mesh.tp_rank, pp_rank=mesh.pp_rank, dp_rank=mesh.dp_rank,
+        rank=mesh.rank,
+        tp_rank=mesh.tp_rank,
+        pp_rank=mesh.pp_rank,
+        dp_rank=mesh.dp_rank,
         cp_rank=mesh.cp_rank,
-        node=mesh.rank // gpus_per_node, **held, gathered=gathered, grad_buffers=grad_buffers,
-        device=held["weights"] + held["grads"] + held["optimizer"] + held["master"]
-        + gathered + grad_buffers - held["host"], zero=cfg.zero, modelled=bool(modelled),
-        activations=activations, in_flight=in_flight, chunks=chunks, actions=len(actions),
-        buckets=len(engine.grad_sync.buckets), comm=comm, checkpoint_file=file,
-        checkpoint_bytes=size, writes_checkpoint=mesh.dp_rank == 0 and mesh.cp_rank == 0,
+        node=mesh.rank // gpus_per_node,
+        **held,
+        gathered=gathered,
+        grad_buffers=grad_buffers,
+        device=held["weights"]
+        + held["grads"]
+        + held["optimizer"]
+        + held["master"]
+        + gathered
+        + grad_buffers
+        - held["host"],
+        zero=cfg.zero,
+        modelled=bool(modelled),
+        activations=activations,
+        in_flight=in_flight,
+        chunks=chunks,
+        actions=len(actions),
+        buckets=len(engine.grad_sync.buckets),
+        comm=comm,
+        checkpoint_file=file,
+        checkpoint_bytes=size,
+        writes_checkpoint=mesh.dp_rank == 0 and mesh.cp_rank == 0,
         first_batch=first_batch,
-        notes=notes)
+        notes=notes,
+    )
 
 
-def _run_micro_batch(cfg, config, engine: Engine, layout: Layout, m: int, dataset,
-                     first_batch) -> tuple[list[Call], set[int], set[int], dict[str, Any]]:
+def _run_micro_batch(
+    cfg, config, engine: Engine, layout: Layout, m: int, dataset, first_batch
+) -> tuple[list[Call], set[int], set[int], dict[str, Any]]:
     """Run the schedule on this rank's first micro-batch with every collective counted, the
     grad sync's launches watched: (the calls, the indices of those made once a step, the
     indices of the bucket reductions made once a micro-batch, ZeRO-3's peaks: `gathered`,
@@ -276,19 +327,28 @@ def _run_micro_batch(cfg, config, engine: Engine, layout: Layout, m: int, datase
     peak: dict[str, Any] = {"gathered": 0, "grad_buffers": 0}
     sample = None
     if sharded is not None:  # ZeRO-3: its gathers, and the gathered units' peak
-        sample = _watch_gathers(sharded, lambda: run_calls, per_step, per_micro_batch_buckets,
-                                peak, m)
+        sample = _watch_gathers(
+            sharded, lambda: run_calls, per_step, per_micro_batch_buckets, peak, m
+        )
     try:
         with count_collectives() as run_calls:
             with engine.precision.autocast():
-                engine.executor.run([_micro_batch(cfg, config, dataset, first_batch)],
-                                    grad_sync=sync, loss_scale=engine.precision.loss_scale)
+                engine.executor.run(
+                    [_micro_batch(cfg, config, dataset, first_batch)],
+                    grad_sync=sync,
+                    loss_scale=engine.precision.loss_scale,
+                )
     finally:
         restore()
     if sample is not None:  # the backward's end: every full gradient buffer not yet freed
         sample()
-        if whole_grads(cfg.schedule, layout.pp, m,
-                       chunks_per_rank(cfg.schedule, cfg.virtual_stages), cfg.zero3_reduce):
+        if whole_grads(
+            cfg.schedule,
+            layout.pp,
+            m,
+            chunks_per_rank(cfg.schedule, cfg.virtual_stages),
+            cfg.zero3_reduce,
+        ):
             # the step's m micro-batches accumulate in every buffer the rehearsed one made
             peak["grad_buffers"] = max(peak["grad_buffers"], sum(peak["made"].values()))
     return run_calls, per_step, per_micro_batch_buckets, peak
@@ -338,8 +398,7 @@ def _watch_launches(sync, calls, per_step: set, per_micro_batch: set):
     return restore
 
 
-def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: dict,
-                   m: int = 1):
+def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: dict, m: int = 1):
     """Rehearse ZeRO-3's `ShardedParams` as on a GPU (each collective whole and async, as NCCL
     runs it, not gloo's synchronous pieces) and watch it: the calls of each unit's all-gather
     go to `per_micro_batch` (twice a micro-batch: forward and backward) or, for the persistent
@@ -355,16 +414,27 @@ def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: di
     made = peak.setdefault("made", {})
 
     def held() -> None:
-        peak["gathered"] = max(peak["gathered"], sum(
-            u.full.untyped_storage().nbytes() for u in sharded.units))
-        alive = {id(u): u.grad_full.untyped_storage().nbytes() for u in sharded.units
-                 if u.grad_full is not None}
+        peak["gathered"] = max(
+            peak["gathered"], sum(u.full.untyped_storage().nbytes() for u in sharded.units)
+        )
+        alive = {
+            id(u): u.grad_full.untyped_storage().nbytes()
+            for u in sharded.units
+            if u.grad_full is not None
+        }
         made.update(alive)
         flight = [u.reduce_handle.flat for u in sharded.units if u.reduce_handle is not None]
-        kept = sum(u.padded * u.shard.element_size() for u in sharded.units
-                   if m > 1 and u.deferred and u.grad_full is None and u.reduce_handle is None)
-        peak["grad_buffers"] = max(peak["grad_buffers"], sum(alive.values()) + kept + sum(
-            t.untyped_storage().nbytes() for t in flight if t is not None))
+        kept = sum(
+            u.padded * u.shard.element_size()
+            for u in sharded.units
+            if m > 1 and u.deferred and u.grad_full is None and u.reduce_handle is None
+        )
+        peak["grad_buffers"] = max(
+            peak["grad_buffers"],
+            sum(alive.values())
+            + kept
+            + sum(t.untyped_storage().nbytes() for t in flight if t is not None),
+        )
 
     def launched(u) -> None:  # the unit's full gradient is complete: held until waited for
         held()
@@ -377,10 +447,10 @@ def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: di
             once = sharded.keep or u is sharded.persistent
             (per_step if once else per_micro_batch).update(range(before, len(calls())))
             held()
+
         return call
 
-    sharded.gather, sharded.prefetch, sharded._launch = \
-        watched(gather), watched(prefetch), launched
+    sharded.gather, sharded.prefetch, sharded._launch = watched(gather), watched(prefetch), launched
     return held
 
 
@@ -388,19 +458,37 @@ def _planned_state(cfg, config, mesh: Mesh):
     """The planner's `RankState` of this rank (`megapar.plan.state.rank_state`)."""
     layout = mesh.layout
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
-    return rank_state(config, layout.tp, layout.pp,
-                      chunks_per_rank(cfg.schedule, cfg.virtual_stages), mesh.pp_rank,
-                      layout.dp * layout.cp, mesh.dp_rank * layout.cp + mesh.cp_rank, cfg.zero,
-                      cfg.grad_bucket_mb, placement_of(cfg.schedule),
-                      Offload(cfg.offload_optimizer, cfg.offload_params,
-                              cfg.zero3_keep_params, cfg.zero3_persistence_threshold,
-                              whole_grads(cfg.schedule, layout.pp, m,
-                                          chunks_per_rank(cfg.schedule, cfg.virtual_stages),
-                                          cfg.zero3_reduce), m))
+    return rank_state(
+        config,
+        layout.tp,
+        layout.pp,
+        chunks_per_rank(cfg.schedule, cfg.virtual_stages),
+        mesh.pp_rank,
+        layout.dp * layout.cp,
+        mesh.dp_rank * layout.cp + mesh.cp_rank,
+        cfg.zero,
+        cfg.grad_bucket_mb,
+        placement_of(cfg.schedule),
+        Offload(
+            cfg.offload_optimizer,
+            cfg.offload_params,
+            cfg.zero3_keep_params,
+            cfg.zero3_persistence_threshold,
+            whole_grads(
+                cfg.schedule,
+                layout.pp,
+                m,
+                chunks_per_rank(cfg.schedule, cfg.virtual_stages),
+                cfg.zero3_reduce,
+            ),
+            m,
+        ),
+    )
 
 
-def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
-                    notes: list[str]) -> tuple[dict, int, int]:
+def _modelled_state(
+    cfg, config, mesh: Mesh, comm: dict, m: int, notes: list[str]
+) -> tuple[dict, int, int]:
     """(`held_bytes`' figures, gathered bytes, full gradient buffers' bytes) of a ZeRO stage this megapar-train lacks, from
     the planner's model (`megapar.plan.state.rank_state`, this rank's slices), and its dp
     traffic (`megapar.plan.sharding.dp_traffic`) put in `comm` in place of ZeRO-1's."""
@@ -412,37 +500,96 @@ def _modelled_state(cfg, config, mesh: Mesh, comm: dict, m: int,
     if group is not None:  # ZeRO-1's reduce-scatter and all-gather, in the reduce dtype
         scale = group["reduce_scatter"]["bytes"] / group["all_gather"]["bytes"]
         pieces, nbytes, persistent = sharded_buffer(
-            config, layout.tp, layout.pp, v, mesh.pp_rank, r, cfg.zero, cfg.grad_bucket_mb,
-            placement, cfg.zero3_persistence_threshold)
+            config,
+            layout.tp,
+            layout.pp,
+            v,
+            mesh.pp_rank,
+            r,
+            cfg.zero,
+            cfg.grad_bucket_mb,
+            placement,
+            cfg.zero3_persistence_threshold,
+        )
         for op in ("reduce_scatter", "all_gather"):
             del group[op]
-        late = deferred_units(config, layout.tp, layout.pp, v, mesh.pp_rank, r,
-                              cfg.grad_bucket_mb, placement, cfg.zero3_persistence_threshold) \
-            if cfg.zero == 3 else (0, 0)
-        for op, count, total in dp_traffic(cfg.zero, m, layout.pp, keep, nbytes * scale,
-                                           nbytes, pieces, persistent,
-                                           cfg.zero3_reduce == "micro-batch",
-                                           (late[0], late[1] * scale),
-                                           w_reported(cfg.schedule, layout.pp, m, v)):
+        late = (
+            deferred_units(
+                config,
+                layout.tp,
+                layout.pp,
+                v,
+                mesh.pp_rank,
+                r,
+                cfg.grad_bucket_mb,
+                placement,
+                cfg.zero3_persistence_threshold,
+            )
+            if cfg.zero == 3
+            else (0, 0)
+        )
+        for op, count, total in dp_traffic(
+            cfg.zero,
+            m,
+            layout.pp,
+            keep,
+            nbytes * scale,
+            nbytes,
+            pieces,
+            persistent,
+            cfg.zero3_reduce == "micro-batch",
+            (late[0], late[1] * scale),
+            w_reported(cfg.schedule, layout.pp, m, v),
+        ):
             group[op] = {"count": count, "bytes": int(total)}
-    notes.append(f"{_unserved(cfg)}: --zero {cfg.zero}'s weights, gradients, optimizer state, "
-                 f"gathered units and dp traffic are the planner's model; the rest is "
-                 f"rehearsed at --zero 1")
-    return ({"params": state.params, "weights": state.weights, "grads": state.grads,
-             "optimizer": state.optimizer, "master": state.master, "host": state.host},
-            state.gathered, state.grad_buffers)
+    notes.append(
+        f"{_unserved(cfg)}: --zero {cfg.zero}'s weights, gradients, optimizer state, "
+        f"gathered units and dp traffic are the planner's model; the rest is "
+        f"rehearsed at --zero 1"
+    )
+    return (
+        {
+            "params": state.params,
+            "weights": state.weights,
+            "grads": state.grads,
+            "optimizer": state.optimizer,
+            "master": state.master,
+            "host": state.host,
+        },
+        state.gathered,
+        state.grad_buffers,
+    )
 
 
 def _modelled_activations(cfg, config, layout: Layout, stage: int, actions) -> int:
     """The planner's activation bytes of `stage` at the worst point of its action list."""
 
-    problem = Problem(config, layout.world_size, global_batch=cfg.global_batch_size,
-                      seq_len=cfg.seq_len, precision=cfg.precision, master_weights="fp32",
-                      fused_attention=True, loss_chunk_tokens=cfg.loss_chunk_tokens)
-    candidate = Candidate(layout.tp, layout.pp, layout.dp, cfg.micro_batch_size, cfg.schedule,
-                          chunks_per_rank(cfg.schedule, cfg.virtual_stages), cfg.recompute,
-                          bool(cfg.sequence_parallel and layout.tp > 1), cfg.zero, layout.cp)
+    problem = Problem(
+        config,
+        layout.world_size,
+        global_batch=cfg.global_batch_size,
+        seq_len=cfg.seq_len,
+        precision=cfg.precision,
+        master_weights="fp32",
+        fused_attention=True,
+        loss_chunk_tokens=cfg.loss_chunk_tokens,
+    )
+    candidate = Candidate(
+        layout.tp,
+        layout.pp,
+        layout.dp,
+        cfg.micro_batch_size,
+        cfg.schedule,
+        chunks_per_rank(cfg.schedule, cfg.virtual_stages),
+        cfg.recompute,
+        bool(cfg.sequence_parallel and layout.tp > 1),
+        cfg.zero,
+        layout.cp,
+    )
     m = len([a for a in actions if a.kind == "forward"]) // candidate.v
-    held = messages.held(messages.programs(cfg.schedule, layout.pp, m, cfg.virtual_stages),
-                         stage, placement_of(cfg.schedule))
+    held = messages.held(
+        messages.programs(cfg.schedule, layout.pp, m, cfg.virtual_stages),
+        stage,
+        placement_of(cfg.schedule),
+    )
     return int(stage_memory(problem, candidate, {stage: held})[stage].activations)

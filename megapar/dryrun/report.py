@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from megapar.dryrun.rank import NOT_RUN, RankReport
 
-_OPS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter",
-        "all_gather": "all-gather"}
+_OPS = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
 
 
 def size(nbytes: float) -> str:
@@ -32,20 +31,28 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
     mbs = f"{m} micro-batch{'' if m == 1 else 'es'}"
     nodes = -(-layout.world_size // gpus_per_node)
     v = f" V {cfg.virtual_stages}" if cfg.virtual_stages > 1 else ""
-    offloaded = [name for name, on in (("optimizer", cfg.offload_optimizer),
-                                       ("parameters", cfg.offload_params)) if on]
-    extras = [f"{cfg.precision}", f"recompute {cfg.recompute}"] + \
-        ([f"ZeRO-{cfg.zero}"] if cfg.zero and layout.dp * layout.cp > 1 else []) + \
-        ([f"offload: {', '.join(offloaded)}"] if offloaded else []) + \
-        (["sequence parallel"] if cfg.sequence_parallel and layout.tp > 1 else [])
-    return (f"megapar-train --dry-run: {config.model_type} with {n_params:,} parameters on "
-            f"{layout.world_size:,} rank{'s' if layout.world_size > 1 else ''} (tp {layout.tp} x "
-            + (f"cp {layout.cp} x " if layout.cp > 1 else "") + f"pp {layout.pp} x dp {layout.dp}, "
-            f"rank order {_order(layout)}; {nodes:,} node{'s' if nodes > 1 else ''} of "
-            f"{gpus_per_node}); schedule {cfg.schedule}{v}, {mbs} of "
-            f"{cfg.micro_batch_size} x {cfg.seq_len} tokens per step on each dp rank; "
-            f"{', '.join(extras)}\nrehearsing {ranks} rank{'s' if ranks > 1 else ''} on this "
-            f"CPU (fake process group, fake tensors: nothing is communicated or allocated)")
+    offloaded = [
+        name
+        for name, on in (("optimizer", cfg.offload_optimizer), ("parameters", cfg.offload_params))
+        if on
+    ]
+    extras = (
+        [f"{cfg.precision}", f"recompute {cfg.recompute}"]
+        + ([f"ZeRO-{cfg.zero}"] if cfg.zero and layout.dp * layout.cp > 1 else [])
+        + ([f"offload: {', '.join(offloaded)}"] if offloaded else [])
+        + (["sequence parallel"] if cfg.sequence_parallel and layout.tp > 1 else [])
+    )
+    return (
+        f"megapar-train --dry-run: {config.model_type} with {n_params:,} parameters on "
+        f"{layout.world_size:,} rank{'s' if layout.world_size > 1 else ''} (tp {layout.tp} x "
+        + (f"cp {layout.cp} x " if layout.cp > 1 else "")
+        + f"pp {layout.pp} x dp {layout.dp}, "
+        f"rank order {_order(layout)}; {nodes:,} node{'s' if nodes > 1 else ''} of "
+        f"{gpus_per_node}); schedule {cfg.schedule}{v}, {mbs} of "
+        f"{cfg.micro_batch_size} x {cfg.seq_len} tokens per step on each dp rank; "
+        f"{', '.join(extras)}\nrehearsing {ranks} rank{'s' if ranks > 1 else ''} on this "
+        f"CPU (fake process group, fake tensors: nothing is communicated or allocated)"
+    )
 
 
 GROUPS = ("tp", "cp", "pp", "dp", "dp x cp", "embedding", "mp", "world")
@@ -54,11 +61,15 @@ GROUPS = ("tp", "cp", "pp", "dp", "dp x cp", "embedding", "mp", "world")
 
 def _traffic(comm: dict) -> str:
     parts = []
-    for group, entry in sorted(comm.items(), key=lambda kv: (
-            GROUPS.index(kv[0]) if kv[0] in GROUPS else len(GROUPS), kv[0])):
-        ops = ", ".join(f"{v['count']:,} {_OPS.get(op, op)}{'s' if v['count'] > 1 else ''} "
-                        f"{size(v['bytes'])}" for op, v in entry.items()
-                        if isinstance(v, dict))
+    for group, entry in sorted(
+        comm.items(),
+        key=lambda kv: (GROUPS.index(kv[0]) if kv[0] in GROUPS else len(GROUPS), kv[0]),
+    ):
+        ops = ", ".join(
+            f"{v['count']:,} {_OPS.get(op, op)}{'s' if v['count'] > 1 else ''} {size(v['bytes'])}"
+            for op, v in entry.items()
+            if isinstance(v, dict)
+        )
         where = "across nodes" if entry["crosses_nodes"] else "in a node"
         parts.append(f"{group} ({entry['ranks']} ranks, {where}): {ops}")
     return "; ".join(parts) or "nothing"
@@ -67,35 +78,49 @@ def _traffic(comm: dict) -> str:
 def describe_rank(r: RankReport, step_dir: str) -> str:
     worth = "stages' worth of " if r.chunks > 1 else ""  # a chunk counts 1 / chunks
     cp = f", cp {r.cp_rank}" if r.cp_rank or any(k.startswith("cp") for k in r.comm) else ""
-    lines = [f"rank {r.rank} (tp {r.tp_rank}{cp}, pp {r.pp_rank}, dp {r.dp_rank}; node "
-             f"{r.node}): "
-             f"{r.params:,} parameters; weights {size(r.weights)}, gradients {size(r.grads)}, "
-             f"optimizer {size(r.optimizer)}"
-             + (f", host copies {size(r.master)}" if r.master else "")
-             + (f", gathered units {size(r.gathered)} at the peak"
-                + (" (modelled)" if r.modelled else "") if r.gathered else "")
-             + (f", full gradient buffers {size(r.grad_buffers)} at the peak"
-                if r.grad_buffers else "")
-             + f", activations {size(r.activations)} (modelled, "
-             f"{r.in_flight:g} {worth}"
-             f"micro-batch{'' if r.in_flight == 1 else 'es'} in flight at the "
-             f"peak of its {r.actions} actions"
-             + (f": {r.in_flight * r.chunks:g} counted per chunk, as megapar-bubble and "
-                f"--certify count them, each chunk 1 / {r.chunks} of the stage's layers"
-                if r.chunks > 1 else "") + ")",
-             f"  memory besides activations: device {size(r.device)}, host {size(r.host)}"
-             + (f" (ZeRO-{r.zero}{', modelled' if r.modelled else ''})" if r.zero else ""),
-             f"  per step: {_traffic(r.comm)} ({r.buckets} "
-             f"{'ZeRO-3 unit' if r.zero == 3 and not r.modelled else 'gradient bucket'}"
-             f"{'s' if r.buckets > 1 else ''})",
-             f"  checkpoint: {step_dir}/{r.checkpoint_file} {size(r.checkpoint_bytes)} "
-             + ("(this rank writes it)" if r.writes_checkpoint else
-                "(written by its dp rank 0" + (", cp rank 0)" if cp else ")"))]
+    lines = [
+        f"rank {r.rank} (tp {r.tp_rank}{cp}, pp {r.pp_rank}, dp {r.dp_rank}; node "
+        f"{r.node}): "
+        f"{r.params:,} parameters; weights {size(r.weights)}, gradients {size(r.grads)}, "
+        f"optimizer {size(r.optimizer)}"
+        + (f", host copies {size(r.master)}" if r.master else "")
+        + (
+            f", gathered units {size(r.gathered)} at the peak"
+            + (" (modelled)" if r.modelled else "")
+            if r.gathered
+            else ""
+        )
+        + (f", full gradient buffers {size(r.grad_buffers)} at the peak" if r.grad_buffers else "")
+        + f", activations {size(r.activations)} (modelled, "
+        f"{r.in_flight:g} {worth}"
+        f"micro-batch{'' if r.in_flight == 1 else 'es'} in flight at the "
+        f"peak of its {r.actions} actions"
+        + (
+            f": {r.in_flight * r.chunks:g} counted per chunk, as megapar-bubble and "
+            f"--certify count them, each chunk 1 / {r.chunks} of the stage's layers"
+            if r.chunks > 1
+            else ""
+        )
+        + ")",
+        f"  memory besides activations: device {size(r.device)}, host {size(r.host)}"
+        + (f" (ZeRO-{r.zero}{', modelled' if r.modelled else ''})" if r.zero else ""),
+        f"  per step: {_traffic(r.comm)} ({r.buckets} "
+        f"{'ZeRO-3 unit' if r.zero == 3 and not r.modelled else 'gradient bucket'}"
+        f"{'s' if r.buckets > 1 else ''})",
+        f"  checkpoint: {step_dir}/{r.checkpoint_file} {size(r.checkpoint_bytes)} "
+        + (
+            "(this rank writes it)"
+            if r.writes_checkpoint
+            else "(written by its dp rank 0" + (", cp rank 0)" if cp else ")")
+        ),
+    ]
     if r.first_batch is not None:
         flat = [i for mb in r.first_batch for i in mb]
         shown = ", ".join(map(str, flat[:8])) + (", ..." if len(flat) > 8 else "")
-        lines.append(f"  first batch: samples {shown} ({len(r.first_batch)} micro-batch"
-                     f"{'es' if len(r.first_batch) > 1 else ''})")
+        lines.append(
+            f"  first batch: samples {shown} ({len(r.first_batch)} micro-batch"
+            f"{'es' if len(r.first_batch) > 1 else ''})"
+        )
     lines += [f"  note: {n}" for n in r.notes]
     return "\n".join(lines)
 
@@ -116,15 +141,19 @@ def describe_checkpoint(reports: list[RankReport], layout, step_dir: str) -> str
         return f"{head}, {size(sum(seen.values()))} in all{tail}"
     if len(sizes) == layout.pp and all(len(s) == 1 for s in sizes.values()):
         total = sum(next(iter(s)) for s in sizes.values()) * layout.tp
-        return (f"{head}, {size(total)} in all (each stage's file size seen on its sampled "
-                f"writer; a stage's tp ranks hold equal shapes){tail}")
+        return (
+            f"{head}, {size(total)} in all (each stage's file size seen on its sampled "
+            f"writer; a stage's tp ranks hold equal shapes){tail}"
+        )
     return f"{head}; {len(seen)} of them sized above{tail}"
 
 
 def footer(seconds: float, ranks: int) -> str:
-    return (f"communication: per step and group, the calls and the size of the tensors they "
-            f"reduce, gather or send (an all-gather's output, a reduce-scatter's input)\n"
-            f"not run: {NOT_RUN}\nactivations are modelled (megapar-plan's activation model at "
-            f"the schedule's in-flight peak, with a fused attention kernel's log-sum-exp and no "
-            f"a*s^2 scores, as on GPUs and in megapar-plan by default); every other figure is the real code's tensors and "
-            f"collectives\nrehearsed {ranks} rank{'s' if ranks > 1 else ''} in {seconds:.1f} s")
+    return (
+        f"communication: per step and group, the calls and the size of the tensors they "
+        f"reduce, gather or send (an all-gather's output, a reduce-scatter's input)\n"
+        f"not run: {NOT_RUN}\nactivations are modelled (megapar-plan's activation model at "
+        f"the schedule's in-flight peak, with a fused attention kernel's log-sum-exp and no "
+        f"a*s^2 scores, as on GPUs and in megapar-plan by default); every other figure is the real code's tensors and "
+        f"collectives\nrehearsed {ranks} rank{'s' if ranks > 1 else ''} in {seconds:.1f} s"
+    )

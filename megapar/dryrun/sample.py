@@ -46,7 +46,8 @@ def check_world(world_size: int) -> None:
             f" ranks): each rehearsed rank builds all of the job's process groups (30 s and 1 GB"
             f" per rank at {MAX_DRY_RUN_WORLD:,} ranks here, growing with the size); rehearse "
             f"the same --tp / --cp / --pp with fewer dp ranks (keep --global-batch-size / dp: "
-            f"every figure but the dp groups' size and ZeRO-1's slices stays the same)")
+            f"every figure but the dp groups' size and ZeRO-1's slices stays the same)"
+        )
 
 
 def _estimate(seconds: float) -> str:
@@ -82,30 +83,39 @@ def parse_ranks(text: str, layout: Layout, zero: int = 0) -> list[int]:
                 low = int(first)
                 high = int(last) if sep else low
             except ValueError:
-                raise ValueError(f"--dry-run-ranks {text!r}: {item!r} is not a rank; give sample, "
-                                 f"all or ranks and ranges like 0,7,1023 or 0-127") from None
+                raise ValueError(
+                    f"--dry-run-ranks {text!r}: {item!r} is not a rank; give sample, "
+                    f"all or ranks and ranges like 0,7,1023 or 0-127"
+                ) from None
             for rank in (low, high):
                 if not 0 <= rank < world:
-                    raise ValueError(f"--dry-run-ranks: rank {rank} is not in a job of "
-                                     f"{world} ranks (0-{world - 1})")
+                    raise ValueError(
+                        f"--dry-run-ranks: rank {rank} is not in a job of "
+                        f"{world} ranks (0-{world - 1})"
+                    )
             if high < low:
                 raise ValueError(f"--dry-run-ranks: range {item!r} is empty; write it low-high")
             spans.append(range(low, high + 1))
         listed = sum(map(len, spans))  # overlaps counted twice: a bound, before making any set
-        ranks = {r for span in spans for r in span} \
-            if rehearsal_seconds(listed, world) <= MAX_REHEARSAL_S else range(listed)
+        ranks = (
+            {r for span in spans for r in span}
+            if rehearsal_seconds(listed, world) <= MAX_REHEARSAL_S
+            else range(listed)
+        )
     n = len(ranks)
     if rehearsal_seconds(n, world) > MAX_REHEARSAL_S:
         most = max(1, int(MAX_REHEARSAL_S // rehearsal_seconds(1, world)))
         shown = text if len(text) <= 40 else text[:37] + "..."
         what = "the default sample" if text == "sample" else f"--dry-run-ranks {shown}"
-        fix = ("" if text == "sample" else "the default sample (every stage, tp rank and dp role),"
-               " or ")
+        fix = (
+            "" if text == "sample" else "the default sample (every stage, tp rank and dp role), or "
+        )
         raise ValueError(
             f"{what} is {n:,} ranks of a {world:,}-rank job, rehearsed one after another: about "
             f"{_estimate(rehearsal_seconds(n, world))} here ({S_PER_RANK:g} s per rank, plus "
             f"{S_PER_RANK_OF_JOB * 1e6:g} us per rank of the job for its process groups); one "
             f"dry run rehearses ranks for at most {_estimate(MAX_REHEARSAL_S)}, {most:,} of this "
             f"job; give {fix}fewer ranks per run, e.g. --dry-run-ranks 0-{most - 1}, then "
-            f"{most}-{min(2 * most, world) - 1}, ...")
+            f"{most}-{min(2 * most, world) - 1}, ..."
+        )
     return sorted(ranks)

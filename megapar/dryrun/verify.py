@@ -25,8 +25,7 @@ from megapar.plan.estimate import offload_of
 from megapar.plan.state import rank_state
 from megapar.training.config import TrainConfig
 
-FIELDS = ("params", "weights", "grads", "optimizer", "master", "gathered", "grad_buffers",
-          "host")
+FIELDS = ("params", "weights", "grads", "optimizer", "master", "gathered", "grad_buffers", "host")
 
 
 @dataclass
@@ -49,15 +48,27 @@ def train_config(problem, candidate):
     """The megapar-train settings of a planned layout."""
 
     c = candidate
-    cfg = TrainConfig(tp=c.tp, pp=c.pp, dp=c.dp, micro_batch_size=c.mbs,
-                      global_batch_size=problem.global_batch, seq_len=problem.seq_len,
-                      schedule=c.schedule, virtual_stages=c.v, recompute=c.recompute,
-                      sequence_parallel=c.sp, zero=c.zero, precision=problem.precision,
-                      grad_bucket_mb=problem.grad_bucket_mb,
-                      offload_optimizer=c.offload_optimizer, offload_params=c.offload_params,
-                      zero3_keep_params=c.keep_params, zero3_reduce=c.zero3_reduce,
-                      zero3_persistence_threshold=problem.zero3_persistence_threshold
-                      if c.zero == 3 else 0, loss_chunk_tokens=problem.loss_chunk_tokens)
+    cfg = TrainConfig(
+        tp=c.tp,
+        pp=c.pp,
+        dp=c.dp,
+        micro_batch_size=c.mbs,
+        global_batch_size=problem.global_batch,
+        seq_len=problem.seq_len,
+        schedule=c.schedule,
+        virtual_stages=c.v,
+        recompute=c.recompute,
+        sequence_parallel=c.sp,
+        zero=c.zero,
+        precision=problem.precision,
+        grad_bucket_mb=problem.grad_bucket_mb,
+        offload_optimizer=c.offload_optimizer,
+        offload_params=c.offload_params,
+        zero3_keep_params=c.keep_params,
+        zero3_reduce=c.zero3_reduce,
+        zero3_persistence_threshold=problem.zero3_persistence_threshold if c.zero == 3 else 0,
+        loss_chunk_tokens=problem.loss_chunk_tokens,
+    )
     return cfg
 
 
@@ -68,8 +79,14 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
     layout = Layout(c.tp, c.pp, c.dp, cp=c.cp)
     ranks = sample_ranks(layout, c.zero) if ranks is None else ranks
     try:
-        reports = dry_run(train_config(problem, c), problem.config, layout, ranks,
-                          problem.gpus_per_node, progress=progress)
+        reports = dry_run(
+            train_config(problem, c),
+            problem.config,
+            layout,
+            ranks,
+            problem.gpus_per_node,
+            progress=progress,
+        )
     except Exception as exc:  # noqa: BLE001 - reported: the plan accepted what the job refuses
         return Verified(0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
     out = Verified(len(reports), time.perf_counter() - start)
@@ -78,23 +95,47 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
     if exact:  # the dry run models megapar's fused attention (no a x s^2 scores kept)
         stages = stage_memory(dataclasses.replace(problem, fused_attention=True), c)
     else:
-        out.note = (f"activations not compared: pp x m x V = {c.pp * m * c.v:,} forwards, more "
-                    f"than the {pipeline.MAX_HELD_FORWARDS:,} the plan reads off the executor's "
-                    f"programs (it estimates them)")
+        out.note = (
+            f"activations not compared: pp x m x V = {c.pp * m * c.v:,} forwards, more "
+            f"than the {pipeline.MAX_HELD_FORWARDS:,} the plan reads off the executor's "
+            f"programs (it estimates them)"
+        )
     if any(r.modelled for r in reports):
-        out.note = "; ".join(filter(None, [out.note, (
-            f"--zero {c.zero} as planned is not served by this megapar-train: the dry run's "
-            f"state is the plan's model (equal by construction), its tp / cp / pp and "
-            f"checkpoint rehearsed")]))
+        out.note = "; ".join(
+            filter(
+                None,
+                [
+                    out.note,
+                    (
+                        f"--zero {c.zero} as planned is not served by this megapar-train: the dry run's "
+                        f"state is the plan's model (equal by construction), its tp / cp / pp and "
+                        f"checkpoint rehearsed"
+                    ),
+                ],
+            )
+        )
     for r in reports:
         # gradients and ZeRO-1 slices are over cp x dp: dp rank d, cp rank c is d * cp + c
-        planned = rank_state(problem.config, c.tp, c.pp, c.v, r.pp_rank, c.dp * c.cp,
-                             r.dp_rank * c.cp + r.cp_rank, c.zero, problem.grad_bucket_mb,
-                             placement_of(c.schedule),
-                             offload_of(c, problem.zero3_persistence_threshold, m))
-        out.differences += [(r.rank, f, getattr(planned, f), getattr(r, f)) for f in FIELDS
-                            if getattr(planned, f) != getattr(r, f)]
+        planned = rank_state(
+            problem.config,
+            c.tp,
+            c.pp,
+            c.v,
+            r.pp_rank,
+            c.dp * c.cp,
+            r.dp_rank * c.cp + r.cp_rank,
+            c.zero,
+            problem.grad_bucket_mb,
+            placement_of(c.schedule),
+            offload_of(c, problem.zero3_persistence_threshold, m),
+        )
+        out.differences += [
+            (r.rank, f, getattr(planned, f), getattr(r, f))
+            for f in FIELDS
+            if getattr(planned, f) != getattr(r, f)
+        ]
         if exact and int(stages[r.pp_rank].activations) != r.activations:
-            out.differences.append((r.rank, "activations", int(stages[r.pp_rank].activations),
-                                    r.activations))
+            out.differences.append(
+                (r.rank, "activations", int(stages[r.pp_rank].activations), r.activations)
+            )
     return out

@@ -14,7 +14,7 @@ import contextlib
 import os
 import sys
 import warnings
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,10 @@ def fake_process_group(world_size: int, rank: int):
     CPU as the device (as a real rank would see its own GPU; --offload-optimizer makes its
     host copies, as on a GPU: `HOST_COPIES_ENV`)."""
     if dist.is_initialized():
-        raise RuntimeError("a dry run needs a process without a torch.distributed process group "
-                           "(it creates a fake one per rehearsed rank)")
+        raise RuntimeError(
+            "a dry run needs a process without a torch.distributed process group "
+            "(it creates a fake one per rehearsed rank)"
+        )
     saved, hook = {k: os.environ.get(k) for k in ("MEGAPAR_CPU", HOST_COPIES_ENV)}, sys.excepthook
     os.environ.update({k: "1" for k in saved})
     dist.init_process_group("fake", rank=rank, world_size=world_size)
@@ -79,13 +81,20 @@ def held_bytes(model, optimizer, sharded=None) -> dict[str, int]:
     `ShardedParams`) the weights are the units' shards (the parameters are views into the
     units' full buffers, freed between uses) and the gradients their gradient shards}."""
     params = list(model.parameters())
-    state = [t for s in (optimizer.inner.state.values() if optimizer.inner else ())
-             for t in s.values()]
+    state = [
+        t for s in (optimizer.inner.state.values() if optimizer.inner else ()) for t in s.values()
+    ]
     host = getattr(optimizer, "host", None)
     master = storage_bytes(host.host_tensors()) if host is not None else 0
     weights = storage_bytes([u.shard for u in sharded.units] if sharded is not None else params)
-    held = {"params": sum(p.numel() for p in params), "weights": weights,
-            "grads": storage_bytes([p.grad for p in params if p.grad is not None] +
-                                   [t.grad for t in getattr(optimizer, "pieces", ())]),
-            "optimizer": storage_bytes(state), "master": master}
+    held = {
+        "params": sum(p.numel() for p in params),
+        "weights": weights,
+        "grads": storage_bytes(
+            [p.grad for p in params if p.grad is not None]
+            + [t.grad for t in getattr(optimizer, "pieces", ())]
+        ),
+        "optimizer": storage_bytes(state),
+        "master": master,
+    }
     return {**held, "host": held["optimizer"] + master if host is not None else 0}

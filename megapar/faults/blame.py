@@ -30,12 +30,20 @@ def _how(exitcode: int) -> str:
 
 
 def state(proc) -> str:
-    """"is stopped (SIGSTOP?)" when a live worker is stopped (Linux /proc), else ""."""
+    """ "is stopped (SIGSTOP?)" when a live worker is stopped (Linux /proc), else ""."""
     return "is stopped (SIGSTOP / SIGTSTP?)" if stopped(proc.pid) else ""
 
 
-_CONSEQUENTIAL = ("timed out", "timeout", "connection closed", "connection reset",
-                  "broken pipe", "connection refused", "did not complete", "peer")
+_CONSEQUENTIAL = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "connection refused",
+    "did not complete",
+    "peer",
+)
 
 
 def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None) -> str:
@@ -46,15 +54,20 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
     communication timeout or lost connection; live ranks that never answered while the others
     timed out waiting for them (only the stopped ones, with where they stopped, when some
     are)."""
+
     def where(r: int) -> str:
         last = statuses[r] if statuses and r < len(statuses) else ""
         return f" at {last}" if last else ""
 
-    dead = {r: _how(p.exitcode) + where(r) for r, p in enumerate(procs)
-            if r not in outputs and r not in errors and p.exitcode not in (None, 0)}
+    dead = {
+        r: _how(p.exitcode) + where(r)
+        for r, p in enumerate(procs)
+        if r not in outputs and r not in errors and p.exitcode not in (None, 0)
+    }
     own = {r: e for r, e in errors.items() if not consequential(e)}
-    silent = [r for r, p in enumerate(procs)
-              if r not in outputs and r not in errors and r not in dead]
+    silent = [
+        r for r, p in enumerate(procs) if r not in outputs and r not in errors and r not in dead
+    ]
     if dead:
         lines = [f"rank {r} {how}" for r, how in sorted(dead.items())]
         rest = errors
@@ -64,8 +77,11 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
         rest = {r: e for r, e in errors.items() if r != first}
     elif silent and errors:
         stuck = [r for r in silent if state(procs[r])]
-        lines = [f"rank {r} did not answer" + (f" (it {state(procs[r])}){where(r)}"
-                                               if r in stuck else "") for r in stuck or silent]
+        lines = [
+            f"rank {r} did not answer"
+            + (f" (it {state(procs[r])}){where(r)}" if r in stuck else "")
+            for r in stuck or silent
+        ]
         if stuck and len(stuck) < len(silent):  # waiting for it, their timeout not yet up
             lines.append(f"(ranks {[r for r in silent if r not in stuck]} were still waiting)")
         rest = errors
@@ -78,8 +94,10 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
         lines.append(f"(ranks {sorted(same)} stopped for the same reason)")
     rest = {r: e for r, e in rest.items() if r not in same}
     if rest:
-        lines.append("then: " + "; ".join(f"rank {r}: {e.splitlines()[0][:300]}"
-                                          for r, e in sorted(rest.items())))
+        lines.append(
+            "then: "
+            + "; ".join(f"rank {r}: {e.splitlines()[0][:300]}" for r, e in sorted(rest.items()))
+        )
     return "\n".join(lines)
 
 
@@ -120,8 +138,10 @@ def stopped_siblings(resume: bool = True) -> str:
                 found.setdefault(int(rank_text), int(pid_text))
     except OSError:
         pass
-    names = [f"rank {rank} (pid {pid}) is stopped (SIGSTOP / SIGTSTP?)"
-             for rank, pid in sorted(found.items())]
+    names = [
+        f"rank {rank} (pid {pid}) is stopped (SIGSTOP / SIGTSTP?)"
+        for rank, pid in sorted(found.items())
+    ]
     return f"on this node {', '.join(names)}" if names else ""
 
 
@@ -143,7 +163,7 @@ def forget_stale_marks() -> None:
     except OSError:
         return
     for entry in entries:
-        parent = entry.name[len(_MARKS_PREFIX):].split("-")[0]
+        parent = entry.name[len(_MARKS_PREFIX) :].split("-")[0]
         if parent.isdigit() and not pid_alive(int(parent)):
             shutil.rmtree(entry, ignore_errors=True)
 

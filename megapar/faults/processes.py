@@ -174,9 +174,8 @@ def remove_stale_temporaries(directory: str | os.PathLike, prefix: str) -> list[
         return []
     mine, removed = f"-{_host()}-", []
     for name in names:
-        match = re.match(r"(\d+)(-.*)", name[len(prefix):]) if name.startswith(prefix) else None
-        if match is None or not match.group(2).startswith(mine) or \
-                pid_alive(int(match.group(1))):
+        match = re.match(r"(\d+)(-.*)", name[len(prefix) :]) if name.startswith(prefix) else None
+        if match is None or not match.group(2).startswith(mine) or pid_alive(int(match.group(1))):
             continue
         path = os.path.join(directory, name)
         if os.path.isdir(path) and not os.path.islink(path):

@@ -34,13 +34,13 @@ def worker_failure(text: str, log_dir: Path, rank: int | None = None) -> tuple[s
     m = _RANK.match(first)
     died = _DIED.match(first)
     if m:
-        rank, first = int(m.group(1)), first[m.end():]
+        rank, first = int(m.group(1)), first[m.end() :]
     elif died:  # "rank R died with exit code C": no traceback to show
         rank = int(died.group(1))
     rank = 0 if rank is None else rank
     s = _STEP.match(first)
     if s:
-        where, first = f"at step {s.group(1)}", first[s.end():]
+        where, first = f"at step {s.group(1)}", first[s.end() :]
     else:
         where = "before training started"
     line = f"rank {rank} failed {where}: {first}" if not _DIED.match(first) else first

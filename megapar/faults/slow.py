@@ -43,42 +43,59 @@ class SlowRank:
         for item in spec.split(","):
             key, sep, value = (part.strip() for part in item.partition("="))
             if not sep or not key or not value:
-                raise ValueError(f"{flag}: {item.strip()!r} is not KEY=VALUE; give "
-                                 f"rank=R,ms=T[,from_step=S] ({_EXAMPLE})")
+                raise ValueError(
+                    f"{flag}: {item.strip()!r} is not KEY=VALUE; give "
+                    f"rank=R,ms=T[,from_step=S] ({_EXAMPLE})"
+                )
             if key not in _KEYS:
-                raise ValueError(f"{flag}: unknown key {key!r}; the keys are "
-                                 f"{', '.join(_KEYS)} ({_EXAMPLE})")
+                raise ValueError(
+                    f"{flag}: unknown key {key!r}; the keys are {', '.join(_KEYS)} ({_EXAMPLE})"
+                )
             if key in values:
                 raise ValueError(f"{flag}: {key} is given twice; give it once ({_EXAMPLE})")
             values[key] = value
         missing = [k for k in ("rank", "ms") if k not in values]
         if missing:
-            raise ValueError(f"{flag}: {' and '.join(missing)} missing; give the rank to slow "
-                             f"and the milliseconds per step ({_EXAMPLE})")
+            raise ValueError(
+                f"{flag}: {' and '.join(missing)} missing; give the rank to slow "
+                f"and the milliseconds per step ({_EXAMPLE})"
+            )
 
         def number(key: str, whole: bool, low: float) -> float:
             try:
                 value = float(values[key])
             except ValueError:
                 value = math.nan
-            if not math.isfinite(value) or (whole and not value.is_integer()) or value < low \
-                    or (key == "ms" and value == 0):
-                what = {"rank": "a global rank (a whole number >= 0)",
-                        "ms": "milliseconds per step (a finite number > 0)",
-                        "from_step": "the first step slowed (a whole number >= 1)"}[key]
-                raise ValueError(f"{flag}: {key}={values[key]} is invalid: give {what} "
-                                 f"({_EXAMPLE})")
+            if (
+                not math.isfinite(value)
+                or (whole and not value.is_integer())
+                or value < low
+                or (key == "ms" and value == 0)
+            ):
+                what = {
+                    "rank": "a global rank (a whole number >= 0)",
+                    "ms": "milliseconds per step (a finite number > 0)",
+                    "from_step": "the first step slowed (a whole number >= 1)",
+                }[key]
+                raise ValueError(
+                    f"{flag}: {key}={values[key]} is invalid: give {what} ({_EXAMPLE})"
+                )
             return value
 
-        return cls(int(number("rank", True, 0)), number("ms", False, 0),
-                   int(number("from_step", True, 1)) if "from_step" in values else 1)
+        return cls(
+            int(number("rank", True, 0)),
+            number("ms", False, 0),
+            int(number("from_step", True, 1)) if "from_step" in values else 1,
+        )
 
     def check_world(self, world_size: int) -> None:
         """ValueError when the rank is not one of the run's `world_size` ranks."""
         if self.rank >= world_size:
-            raise ValueError(f"--inject-slow rank={self.rank} is not a rank of this run of "
-                             f"{world_size} rank{'s' if world_size > 1 else ''} (0-"
-                             f"{world_size - 1}); give a global rank below {world_size}")
+            raise ValueError(
+                f"--inject-slow rank={self.rank} is not a rank of this run of "
+                f"{world_size} rank{'s' if world_size > 1 else ''} (0-"
+                f"{world_size - 1}); give a global rank below {world_size}"
+            )
 
 
 class Slowdown:

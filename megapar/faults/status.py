@@ -70,7 +70,7 @@ def set_action(action: str) -> None:
     if _shared is not None:
         data = _encoded.get(action)
         if data is not None and _view_of is _shared and len(data) <= _room:
-            _view[_at:_at + len(data)] = data  # the prefix stays: only the action is written
+            _view[_at : _at + len(data)] = data  # the prefix stays: only the action is written
         else:
             _publish()
 
@@ -123,7 +123,7 @@ def _publish() -> None:
             data = str(action).encode() + b"\0"
             if isinstance(action, str) and len(_encoded) < _ENCODED_MAX:
                 _encoded[action] = data
-        _shared.value = (_prefix + data[:-1])[:len(_shared) - 1]  # NUL-terminated by ctypes
+        _shared.value = (_prefix + data[:-1])[: len(_shared) - 1]  # NUL-terminated by ctypes
         if _view_of is not _shared:
             _view, _view_of = memoryview(_shared).cast("B"), _shared
         _at, _room = len(_prefix), len(_shared) - len(_prefix)

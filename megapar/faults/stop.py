@@ -50,21 +50,35 @@ class NonFiniteGuard:
     Every rank sees the same loss, gradient norm and skip flag, so every rank raises together.
     """
 
-    CLI_ADVICE = ("stopped without saving (the last checkpoint, if any, is intact). Lower --lr, "
-                  "raise --warmup-steps or use --clip-grad; --max-nonfinite-steps sets the "
-                  "patience (0 = never stop)")
+    CLI_ADVICE = (
+        "stopped without saving (the last checkpoint, if any, is intact). Lower --lr, "
+        "raise --warmup-steps or use --clip-grad; --max-nonfinite-steps sets the "
+        "patience (0 = never stop)"
+    )
     """What megapar-train's error adds after the reason."""
 
-    def __init__(self, max_steps: int, precision: str, min_scale: float | None = None,
-                 advice: str = CLI_ADVICE):
+    def __init__(
+        self,
+        max_steps: int,
+        precision: str,
+        min_scale: float | None = None,
+        advice: str = CLI_ADVICE,
+    ):
         self.max_steps, self.precision, self.min_scale = max_steps, precision, min_scale
         self.advice = advice
         """What the error says after the reason (what was kept, how to go on)."""
         self.bad = 0
         self.first_bad: int | None = None
 
-    def observe(self, step: int, loss: float, grad_norm: float, skipped: bool,
-                loss_scale: float, locate: Callable[[], str] | None = None) -> None:
+    def observe(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        skipped: bool,
+        loss_scale: float,
+        locate: Callable[[], str] | None = None,
+    ) -> None:
         """`locate` (collective, called on every rank before raising): where the first
         non-finite value appeared, added to the error."""
         if self.precision == "fp16":
@@ -76,28 +90,37 @@ class NonFiniteGuard:
             return
         self.bad += 1
         self.first_bad = self.first_bad or step
-        at_floor = (self.precision == "fp16" and self.min_scale is not None
-                    and skipped and loss_scale <= self.min_scale)
+        at_floor = (
+            self.precision == "fp16"
+            and self.min_scale is not None
+            and skipped
+            and loss_scale <= self.min_scale
+        )
         if self.max_steps and (self.bad >= self.max_steps or at_floor):
             what = nonfinite_parts(loss, grad_norm)
             if at_floor and self.bad < self.max_steps:
                 why = f"the fp16 loss scale reached its floor {loss_scale:g} and still overflowed"
             elif self.precision == "fp16":
-                why = (f"{self.bad} consecutive steps ({self.first_bad}-{step}) had a non-finite "
-                       f"gradient (skipped in fp16)")
+                why = (
+                    f"{self.bad} consecutive steps ({self.first_bad}-{step}) had a non-finite "
+                    f"gradient (skipped in fp16)"
+                )
             elif self.bad == 1:
                 why = f"non-finite {what}"
             else:
-                why = (f"{self.bad} consecutive steps ({self.first_bad}-{step}) had a non-finite "
-                       f"loss or gradient norm (last: {what})")
+                why = (
+                    f"{self.bad} consecutive steps ({self.first_bad}-{step}) had a non-finite "
+                    f"loss or gradient norm (last: {what})"
+                )
             where = f"; {locate()}" if locate is not None else ""
             raise NonFiniteError(f"training diverged at step {step}: {why}{where}; {self.advice}")
 
 
 def nonfinite_parts(loss: float, grad_norm: float) -> str:
     """What of a step is not finite: "loss (nan) and gradients (norm inf)", "loss (nan)", ..."""
-    parts = ([f"loss ({loss})"] if not math.isfinite(loss) else []) + \
-        ([f"gradients (norm {grad_norm})"] if not math.isfinite(grad_norm) else [])
+    parts = ([f"loss ({loss})"] if not math.isfinite(loss) else []) + (
+        [f"gradients (norm {grad_norm})"] if not math.isfinite(grad_norm) else []
+    )
     return " and ".join(parts) or f"nothing (loss {loss}, gradient norm {grad_norm})"
 
 
@@ -133,13 +156,15 @@ def _on_sigint(signum, frame):
 
 
 def parse_signals(spec: str) -> list[signal.Signals]:
-    """"SIGTERM,SIGUSR1" (or "TERM,USR1", or "" for none) -> signals; raises ValueError."""
+    """ "SIGTERM,SIGUSR1" (or "TERM,USR1", or "" for none) -> signals; raises ValueError."""
     out = []
     for name in filter(None, (s.strip().upper() for s in spec.split(","))):
         name = name if name.startswith("SIG") else "SIG" + name
         if name in ("SIGKILL", "SIGSTOP") or not hasattr(signal, name):
-            raise ValueError(f"--exit-signals: {name} is not a signal that can be caught; "
-                             f"use e.g. SIGTERM,SIGUSR1")
+            raise ValueError(
+                f"--exit-signals: {name} is not a signal that can be caught; "
+                f"use e.g. SIGTERM,SIGUSR1"
+            )
         out.append(getattr(signal, name))
     return out
 
@@ -194,7 +219,8 @@ def terminate_on_sigterm(replace: bool = False) -> None:
     `watch_sigterm` sees the signal, where it would have its default action (or always, with
     `replace`: a forked worker must not run its launcher's handler)."""
     if threading.current_thread() is threading.main_thread() and (
-            replace or signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        replace or signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
         signal.signal(signal.SIGTERM, _terminate)
 
 
@@ -242,8 +268,9 @@ def watch_sigterm(dump: bool = False) -> bool:
         os.close(w)
         return False
     _watch.update(pid=os.getpid(), since=None)
-    threading.Thread(target=_read_signals, args=(r,), name="megapar-sigterm-watch",
-                     daemon=True).start()
+    threading.Thread(
+        target=_read_signals, args=(r,), name="megapar-sigterm-watch", daemon=True
+    ).start()
     return True
 
 
@@ -270,10 +297,13 @@ def _read_signals(fd: int) -> None:
         if int(signal.SIGTERM) in data and _watch["since"] is None:
             _watch["since"] = time.monotonic()
             if _watch["dump"]:
-                _write_block(f"megapar: rank {_rank()} received SIGTERM at {_status.status()}; "
-                             f"its Python stacks:\n{_stacks()}")
-            threading.Thread(target=_end_if_blocked, name="megapar-sigterm-grace",
-                             daemon=True).start()
+                _write_block(
+                    f"megapar: rank {_rank()} received SIGTERM at {_status.status()}; "
+                    f"its Python stacks:\n{_stacks()}"
+                )
+            threading.Thread(
+                target=_end_if_blocked, name="megapar-sigterm-grace", daemon=True
+            ).start()
 
 
 def _end_if_blocked() -> None:
@@ -291,10 +321,13 @@ def _end_if_blocked() -> None:
             pass
     stuck = stopped_siblings(resume=True)  # torchrun's: what it may have waited for
     waited = time.monotonic() - _watch["since"]
-    _write_block(f"megapar: rank {_rank()}: SIGTERM {waited:.0f} s ago and still blocked at "
-                 f"{_status.status()} (a wait that cannot see the signal): exiting with code "
-                 f"{SIGTERM_EXIT_CODE}" + "".join(f"; {d}" for d in [*done, stuck] if d)
-                 + ("" if _watch["dump"] else f"; its Python stacks:\n{_stacks()}"))
+    _write_block(
+        f"megapar: rank {_rank()}: SIGTERM {waited:.0f} s ago and still blocked at "
+        f"{_status.status()} (a wait that cannot see the signal): exiting with code "
+        f"{SIGTERM_EXIT_CODE}"
+        + "".join(f"; {d}" for d in [*done, stuck] if d)
+        + ("" if _watch["dump"] else f"; its Python stacks:\n{_stacks()}")
+    )
     os._exit(SIGTERM_EXIT_CODE)
 
 
@@ -345,7 +378,7 @@ def _write_block(text: str) -> None:
         pass
     while data:
         try:
-            data = data[os.write(2, data):]
+            data = data[os.write(2, data) :]
         except OSError:
             return
 
@@ -353,8 +386,12 @@ def _write_block(text: str) -> None:
 class StopRequests:
     """Decides, the same way on every rank, whether to stop after the current step."""
 
-    def __init__(self, exit_duration_mins: float = 0.0, exit_interval: int = 0,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        exit_duration_mins: float = 0.0,
+        exit_interval: int = 0,
+        device: torch.device | str = "cpu",
+    ):
         self.exit_duration_s = exit_duration_mins * 60.0
         self.exit_interval, self.device = exit_interval, torch.device(device)
         self.start = time.monotonic()

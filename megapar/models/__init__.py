@@ -23,10 +23,25 @@ MODEL_CLASSES = {"gpt2": GPT2, "bert": Bert, "llama": Llama}
 
 def build_model(config, mesh, layers=None, pre_process=True, post_process=True, tracker=None):
     """The model (or pipeline stage) for a config; weights are left uninitialised."""
-    return MODEL_CLASSES[config.model_type](config, mesh, layers, pre_process, post_process,
-                                            tracker)
+    return MODEL_CLASSES[config.model_type](
+        config, mesh, layers, pre_process, post_process, tracker
+    )
 
 
-__all__ = ["GPT2", "Bert", "GPT2Config", "BertConfig", "ConfigError", "config_from_dict",
-           "config_from_hf", "config_from_file", "load_config_file", "build_model", "set_recompute",
-           "MODEL_CLASSES", "Llama", "LlamaConfig", "set_loss_chunk_tokens"]
+__all__ = [
+    "GPT2",
+    "Bert",
+    "GPT2Config",
+    "BertConfig",
+    "ConfigError",
+    "config_from_dict",
+    "config_from_hf",
+    "config_from_file",
+    "load_config_file",
+    "build_model",
+    "set_recompute",
+    "MODEL_CLASSES",
+    "Llama",
+    "LlamaConfig",
+    "set_loss_chunk_tokens",
+]

@@ -7,7 +7,7 @@ vocab-parallel bias). Like GPT2, one class is the whole model or any pipeline st
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -38,11 +38,18 @@ class BertLayer(nn.Module):
     def __init__(self, config: BertConfig, mesh: Mesh, tracker):
         super().__init__()
         eps, d = config.layer_norm_eps, mesh.device
-        self.attn = ParallelAttention(config.hidden_size, config.num_attention_heads, mesh,
-                                      tracker, config.attention_probs_dropout_prob, causal=False)
+        self.attn = ParallelAttention(
+            config.hidden_size,
+            config.num_attention_heads,
+            mesh,
+            tracker,
+            config.attention_probs_dropout_prob,
+            causal=False,
+        )
         self.attn_norm = layer_norm(config.hidden_size, eps, d)
-        self.mlp = ParallelMLP(config.hidden_size, config.intermediate_size, mesh,
-                               config.hidden_act)
+        self.mlp = ParallelMLP(
+            config.hidden_size, config.intermediate_size, mesh, config.hidden_act
+        )
         self.mlp_norm = layer_norm(config.hidden_size, eps, d)
         self.dropout = ResidualDropout(config.hidden_dropout_prob, mesh, tracker)
 
@@ -58,15 +65,17 @@ class BertEmbedding(nn.Module):
     def __init__(self, config: BertConfig, mesh: Mesh, tracker):
         super().__init__()
         d = mesh.device
-        self.word = VocabParallelEmbedding(config.vocab_size, config.hidden_size, mesh,
-                                           config.make_vocab_size_divisible_by)
+        self.word = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, mesh, config.make_vocab_size_divisible_by
+        )
         self.position = embedding(config.max_position_embeddings, config.hidden_size, d)
         self.token_type = embedding(config.type_vocab_size, config.hidden_size, d)
         self.norm = layer_norm(config.hidden_size, config.layer_norm_eps, d)
         self.dropout = ResidualDropout(config.hidden_dropout_prob, mesh, tracker)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                token_types: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor
+    ) -> torch.Tensor:
         x = self.word(ids) + self.position(positions) + self.token_type(token_types)
         return self.dropout(self.norm(x))
 
@@ -81,8 +90,9 @@ class BertMLMHead(nn.Module):
         self.transform = nn.Linear(h, h, device=d)
         self.act = activation(config.hidden_act)
         self.norm = layer_norm(h, config.layer_norm_eps, d)
-        self.bias = set_partition(nn.Parameter(torch.empty(local, device=d)), 0,
-                                  (config.vocab_size,))
+        self.bias = set_partition(
+            nn.Parameter(torch.empty(local, device=d)), 0, (config.vocab_size,)
+        )
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """The transformed hidden states the logits are computed from."""
@@ -101,8 +111,15 @@ class Bert(StageModel):
     vocab slice of the logits when the batch has no labels).
     """
 
-    def __init__(self, config: BertConfig, mesh: Mesh, layers: Sequence[int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, tracker=None):
+    def __init__(
+        self,
+        config: BertConfig,
+        mesh: Mesh,
+        layers: Sequence[int] | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        tracker=None,
+    ):
         super().__init__()
         layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
         self.embed = BertEmbedding(config, mesh, self.tracker) if pre_process else None

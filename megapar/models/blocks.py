@@ -56,8 +56,7 @@ class ParallelAttention(nn.Module):
     activations.
     """
 
-    def __init__(self, hidden: int, heads: int, mesh: Mesh, tracker, dropout: float,
-                 causal: bool):
+    def __init__(self, hidden: int, heads: int, mesh: Mesh, tracker, dropout: float, causal: bool):
         super().__init__()
         self.local_heads = divide(heads, mesh.tp, "attention heads")
         self.head_dim = divide(hidden, heads, f"hidden size (for {heads} heads)")
@@ -75,8 +74,13 @@ class ParallelAttention(nn.Module):
             if self.context_parallel is not None:
                 return self.context_parallel(q, k, v, mask, dropout_p=dropout)
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None if mask is None else mask[:, None, None, :],
-                dropout_p=dropout, is_causal=self.causal and mask is None)
+                q,
+                k,
+                v,
+                attn_mask=None if mask is None else mask[:, None, None, :],
+                dropout_p=dropout,
+                is_causal=self.causal and mask is None,
+            )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # the whole sequence, also when x is a sequence-parallel slice
@@ -86,8 +90,9 @@ class ParallelAttention(nn.Module):
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)
         if self.recompute_core and torch.is_grad_enabled():
             if mask is None:
-                out = self.tracker.checkpoint(lambda q_, k_, v_: self._core(q_, k_, v_, None),
-                                              q, k, v)
+                out = self.tracker.checkpoint(
+                    lambda q_, k_, v_: self._core(q_, k_, v_, None), q, k, v
+                )
             else:
                 out = self.tracker.checkpoint(self._core, q, k, v, mask)
         else:
@@ -130,8 +135,11 @@ def run_layers(layers: nn.ModuleDict, hidden: torch.Tensor, mask, recompute: str
     """Run blocks in order; with recompute == "full" keep only each block's input for backward."""
     for layer in layers.values():
         if recompute == "full" and torch.is_grad_enabled():
-            hidden = tracker.checkpoint(layer, hidden, mask) if mask is not None else \
-                tracker.checkpoint(layer, hidden)
+            hidden = (
+                tracker.checkpoint(layer, hidden, mask)
+                if mask is not None
+                else tracker.checkpoint(layer, hidden)
+            )
         else:
             hidden = layer(hidden, mask)
     return hidden

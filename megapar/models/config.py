@@ -36,8 +36,12 @@ class _Base:
         import transformers
 
         return getattr(transformers, self.hf_config_class)(
-            **{k: v for k, v in dataclasses.asdict(self).items()
-               if k != "make_vocab_size_divisible_by"})
+            **{
+                k: v
+                for k, v in dataclasses.asdict(self).items()
+                if k != "make_vocab_size_divisible_by"
+            }
+        )
 
     @classmethod
     def from_dict(cls, d: dict):
@@ -46,19 +50,27 @@ class _Base:
         names = {f.name for f in dataclasses.fields(cls)}
         supported = HF_SUPPORTED_DEFAULTS[cls.model_type]
         for key, value in d.items():
-            if key in names or key == "model_type" or key in HF_METADATA_KEYS or \
-                    key.startswith("summary_"):
+            if (
+                key in names
+                or key == "model_type"
+                or key in HF_METADATA_KEYS
+                or key.startswith("summary_")
+            ):
                 continue
             if key in supported:
                 if value != supported[key]:
                     raise ConfigError(
                         f"model config: {key}={value!r} is a transformers {cls.hf_config_class} "
                         f"setting megapar does not implement (only {key}={supported[key]!r}); "
-                        f"remove it or use a model without it")
+                        f"remove it or use a model without it"
+                    )
                 continue
             close = difflib.get_close_matches(key, sorted(names | set(supported)), n=1)
-            hint = f"did you mean {close[0]!r}?" if close else \
-                f"valid keys: {', '.join(sorted(names))}"
+            hint = (
+                f"did you mean {close[0]!r}?"
+                if close
+                else f"valid keys: {', '.join(sorted(names))}"
+            )
             raise ConfigError(f"model config: unknown key {key!r} for {cls.model_type}; {hint}")
         config = cls(**{k: v for k, v in d.items() if k in names})
         config.check_sizes()
@@ -70,13 +82,16 @@ class _Base:
             value = getattr(self, f.name)
             if value is None and f.type == "int | None":
                 continue
-            low = 0 if f.name.endswith("token_id") else 1   # token ids may be 0
+            low = 0 if f.name.endswith("token_id") else 1  # token ids may be 0
             if f.type in ("int", "int | None") and (
-                    not isinstance(value, int) or isinstance(value, bool) or value < low):
-                raise ConfigError(f"model config: {f.name}={value!r} must be a whole number "
-                                  f">= {low}")
+                not isinstance(value, int) or isinstance(value, bool) or value < low
+            ):
+                raise ConfigError(
+                    f"model config: {f.name}={value!r} must be a whole number >= {low}"
+                )
             if f.name.endswith(("pdrop", "dropout_prob")) and not (
-                    isinstance(value, (int, float)) and 0 <= value < 1):
+                isinstance(value, (int, float)) and 0 <= value < 1
+            ):
                 raise ConfigError(f"model config: {f.name}={value!r} must be in [0, 1)")
 
     def _check(self, layout: Layout, hidden: int, heads: int, ffn: int, layers: int) -> None:
@@ -89,8 +104,10 @@ class _Base:
         if ffn % layout.tp:
             raise LayoutError(f"FFN size {ffn} is not divisible by --tp {layout.tp}")
         if layers < layout.pp:
-            raise LayoutError(f"{layers} layers cannot be cut into --pp {layout.pp} stages "
-                              f"(each stage needs at least one layer); lower --pp")
+            raise LayoutError(
+                f"{layers} layers cannot be cut into --pp {layout.pp} stages "
+                f"(each stage needs at least one layer); lower --pp"
+            )
 
 
 @dataclass
@@ -196,8 +213,13 @@ class BertConfig(_Base):
         return self.intermediate_size
 
     def validate(self, layout: Layout) -> None:
-        self._check(layout, self.hidden_size, self.num_attention_heads, self.intermediate_size,
-                    self.num_hidden_layers)
+        self._check(
+            layout,
+            self.hidden_size,
+            self.num_attention_heads,
+            self.intermediate_size,
+            self.num_hidden_layers,
+        )
 
 
 @dataclass
@@ -298,30 +320,41 @@ class LlamaConfig(_Base):
     def validate(self, layout: Layout) -> None:
         q, kv = self.num_attention_heads, self.kv_heads
         if q % kv:
-            raise ConfigError(f"num_attention_heads {q} is not a multiple of "
-                              f"num_key_value_heads {kv}")
+            raise ConfigError(
+                f"num_attention_heads {q} is not a multiple of num_key_value_heads {kv}"
+            )
         if self.head_dim is None and self.hidden_size % q:
-            raise LayoutError(f"hidden size {self.hidden_size} is not divisible by {q} "
-                              f"attention heads (or set head_dim)")
+            raise LayoutError(
+                f"hidden size {self.hidden_size} is not divisible by {q} "
+                f"attention heads (or set head_dim)"
+            )
         if self.head_size % 2:
             raise ConfigError(f"head size {self.head_size} must be even for rotary embeddings")
         if q % layout.tp:
             raise LayoutError(f"{q} attention heads are not divisible by --tp {layout.tp}")
         if self.intermediate_size % layout.tp:
-            raise LayoutError(f"FFN size {self.intermediate_size} is not divisible by "
-                              f"--tp {layout.tp}")
+            raise LayoutError(
+                f"FFN size {self.intermediate_size} is not divisible by --tp {layout.tp}"
+            )
         if self.num_hidden_layers < layout.pp:
-            raise LayoutError(f"{self.num_hidden_layers} layers cannot be cut into --pp "
-                              f"{layout.pp} stages (each stage needs at least one layer); "
-                              f"lower --pp")
+            raise LayoutError(
+                f"{self.num_hidden_layers} layers cannot be cut into --pp "
+                f"{layout.pp} stages (each stage needs at least one layer); "
+                f"lower --pp"
+            )
         if self.attention_bias or self.mlp_bias:
-            raise ConfigError("attention_bias / mlp_bias are not supported: megapar's Llama has "
-                              "no biases (as every published Llama)")
-        rope_type = (self.rope_scaling or {}).get("rope_type",
-                                                  (self.rope_scaling or {}).get("type"))
+            raise ConfigError(
+                "attention_bias / mlp_bias are not supported: megapar's Llama has "
+                "no biases (as every published Llama)"
+            )
+        rope_type = (self.rope_scaling or {}).get(
+            "rope_type", (self.rope_scaling or {}).get("type")
+        )
         if self.rope_scaling is not None and rope_type not in ("default", "linear", "llama3"):
-            raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; megapar "
-                              f"implements default, linear and llama3")
+            raise ConfigError(
+                f"rope_scaling type {rope_type!r} is not supported; megapar "
+                f"implements default, linear and llama3"
+            )
 
 
 ModelConfig = GPT2Config | BertConfig | LlamaConfig
@@ -331,29 +364,72 @@ CAUSAL_LM_TYPES = ("gpt2", "llama")
 """Model types trained on next-token windows (GPT data); the others are masked LMs."""
 
 CONFIG_CLASSES: dict[str, type[_Base]] = {
-    "gpt2": GPT2Config, "bert": BertConfig, "llama": LlamaConfig}
+    "gpt2": GPT2Config,
+    "bert": BertConfig,
+    "llama": LlamaConfig,
+}
 
 HF_SUPPORTED_DEFAULTS = {
-    "gpt2": {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-             "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
-             "add_cross_attention": False, "is_encoder_decoder": False, "is_decoder": False,
-             "chunk_size_feed_forward": 0, "pruned_heads": {}},
-    "bert": {"position_embedding_type": "absolute", "tie_word_embeddings": True,
-             "add_cross_attention": False, "is_encoder_decoder": False, "is_decoder": False,
-             "chunk_size_feed_forward": 0, "pruned_heads": {}},
-    "llama": {"pretraining_tp": 1, "add_cross_attention": False, "is_encoder_decoder": False,
-              "is_decoder": False, "chunk_size_feed_forward": 0, "pruned_heads": {}},
+    "gpt2": {
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "add_cross_attention": False,
+        "is_encoder_decoder": False,
+        "is_decoder": False,
+        "chunk_size_feed_forward": 0,
+        "pruned_heads": {},
+    },
+    "bert": {
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": True,
+        "add_cross_attention": False,
+        "is_encoder_decoder": False,
+        "is_decoder": False,
+        "chunk_size_feed_forward": 0,
+        "pruned_heads": {},
+    },
+    "llama": {
+        "pretraining_tp": 1,
+        "add_cross_attention": False,
+        "is_encoder_decoder": False,
+        "is_decoder": False,
+        "chunk_size_feed_forward": 0,
+        "pruned_heads": {},
+    },
 }
 """transformers settings megapar does not implement, with the one value it does (their
 transformers default): a config.json may carry them at that value, never another."""
 
 HF_METADATA_KEYS = {
-    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype",
-    "task_specific_params", "n_ctx", "id2label", "label2id", "num_labels", "problem_type",
-    "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id", "use_cache",
-    "return_dict", "output_attentions", "output_hidden_states", "torchscript",
-    "gradient_checkpointing", "classifier_dropout", "tokenizer_class", "finetuning_task",
-    "prefix", "tie_encoder_decoder", "cross_attention_hidden_size",
+    "_name_or_path",
+    "architectures",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "task_specific_params",
+    "n_ctx",
+    "id2label",
+    "label2id",
+    "num_labels",
+    "problem_type",
+    "bos_token_id",
+    "eos_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "use_cache",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+    "torchscript",
+    "gradient_checkpointing",
+    "classifier_dropout",
+    "tokenizer_class",
+    "finetuning_task",
+    "prefix",
+    "tie_encoder_decoder",
+    "cross_attention_hidden_size",
 } | {"pad_token_id"}
 """transformers config keys that do not change the network megapar builds (metadata, token ids
 for generation, heads other than the LM / MLM one); ignored when read. BERT's pad_token_id is
@@ -390,19 +466,22 @@ def load_config_file(path: str | Path) -> dict:
         except yaml.YAMLError as exc:
             where = getattr(exc, "problem_mark", None)
             at = f" at line {where.line + 1}" if where is not None else ""
-            raise ConfigError(f"{path}: not valid YAML{at}: "
-                              f"{getattr(exc, 'problem', None) or exc}") from None
+            raise ConfigError(
+                f"{path}: not valid YAML{at}: {getattr(exc, 'problem', None) or exc}"
+            ) from None
     else:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: "
-                              f"{exc.msg}") from None
+            raise ConfigError(
+                f"{path}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+            ) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of names to values, got a "
-                          f"{type(data).__name__}")
+        raise ConfigError(
+            f"{path}: expected a mapping of names to values, got a {type(data).__name__}"
+        )
     return data
 
 

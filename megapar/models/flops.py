@@ -72,8 +72,11 @@ def matmul_flops(config, seq_len: int, tp: int = 1, padded: bool = True) -> Matm
         block = 2 * (2 * h * a * d / tp + 2 * h * kv + 3 * h * f / tp)
     else:
         block = 2 * (4 * h * h + 2 * h * f) / tp
-    vocab = local_size(config.vocab_size, tp, config.make_vocab_size_divisible_by) if padded \
+    vocab = (
+        local_size(config.vocab_size, tp, config.make_vocab_size_divisible_by)
+        if padded
         else config.vocab_size / tp
+    )
     head = 2 * h * vocab + (2 * h * h if config.model_type == "bert" else 0)
     return MatmulFlops(block, 4 * seq_len * a * d / tp, head)
 

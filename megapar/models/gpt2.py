@@ -8,7 +8,7 @@ embedding; `head.weight` is the last stage's tied copy) on the last.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -37,8 +37,9 @@ class GPT2Block(nn.Module):
         super().__init__()
         d = mesh.device
         self.ln_1 = layer_norm(config.n_embd, config.layer_norm_epsilon, d)
-        self.attn = ParallelAttention(config.n_embd, config.n_head, mesh, tracker,
-                                      config.attn_pdrop, causal=True)
+        self.attn = ParallelAttention(
+            config.n_embd, config.n_head, mesh, tracker, config.attn_pdrop, causal=True
+        )
         self.ln_2 = layer_norm(config.n_embd, config.layer_norm_epsilon, d)
         self.mlp = ParallelMLP(config.n_embd, config.ffn_size, mesh, config.activation_function)
         self.dropout = ResidualDropout(config.resid_pdrop, mesh, tracker)
@@ -53,8 +54,9 @@ class GPT2Embedding(nn.Module):
 
     def __init__(self, config: GPT2Config, mesh: Mesh, tracker):
         super().__init__()
-        self.word = VocabParallelEmbedding(config.vocab_size, config.n_embd, mesh,
-                                           config.make_vocab_size_divisible_by)
+        self.word = VocabParallelEmbedding(
+            config.vocab_size, config.n_embd, mesh, config.make_vocab_size_divisible_by
+        )
         self.position = embedding(config.n_positions, config.n_embd, mesh.device)
         self.dropout = ResidualDropout(config.embd_pdrop, mesh, tracker)
 
@@ -71,8 +73,15 @@ class GPT2(StageModel):
     (or this rank's vocab slice of the logits when the batch has no labels).
     """
 
-    def __init__(self, config: GPT2Config, mesh: Mesh, layers: Sequence[int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, tracker=None):
+    def __init__(
+        self,
+        config: GPT2Config,
+        mesh: Mesh,
+        layers: Sequence[int] | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        tracker=None,
+    ):
         super().__init__()
         layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
         self.embed = GPT2Embedding(config, mesh, self.tracker) if pre_process else None

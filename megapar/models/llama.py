@@ -15,7 +15,7 @@ sequence-parallel ones: `sync_sequence_parallel_grads`).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +59,9 @@ class RMSNorm(nn.Module):
 def rope_frequencies(config: LlamaConfig) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, with the config's scaling applied."""
     dim = config.head_size
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float()
-                                            / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
@@ -86,8 +87,9 @@ class Rotary:
     when the model is built; the tables are computed where they are used, so a step never
     copies host data to the device (a copy that would make a GPU's host wait)."""
 
-    def __init__(self, config: LlamaConfig, cp: int = 1, cp_rank: int = 0,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self, config: LlamaConfig, cp: int = 1, cp_rank: int = 0, device: torch.device | str = "cpu"
+    ):
         self.inv_freq = rope_frequencies(config).to(device)
         self.cp, self.cp_rank = cp, cp_rank
         self._cache: dict = {}
@@ -127,8 +129,10 @@ class ReplicatedHeads(nn.Module):
         self.rows = rows
         self.sequence_parallel = mesh.sequence_parallel and mesh.tp > 1
         self.weight = set_partition(
-            nn.Parameter(torch.empty(out_features, in_features, device=mesh.device)), None,
-            (out_features, in_features))
+            nn.Parameter(torch.empty(out_features, in_features, device=mesh.device)),
+            None,
+            (out_features, in_features),
+        )
         # this rank's gradient covers only its rows' share: summed over tp once per step,
         # with the sequence-parallel ones (`sync_sequence_parallel_grads`), not per micro-batch
         self.weight.sequence_parallel = True  # type: ignore[attr-defined]  # a tag on the tensor
@@ -136,10 +140,13 @@ class ReplicatedHeads(nn.Module):
     def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
         """`entered`: x is already the tp region's input (`ColumnParallelLinear.enter` of the
         attention's q projection); this layer only reads its rows of the whole weight."""
-        weight = self.weight[self.rows[0]:self.rows[1]]
+        weight = self.weight[self.rows[0] : self.rows[1]]
         if not entered:
-            x = gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel \
+            x = (
+                gather_from_sequence_parallel_region(x, self.group)
+                if self.sequence_parallel
                 else copy_to_tp_region(x, self.group)
+            )
         return F.linear(x, weight)
 
 
@@ -158,14 +165,17 @@ class LlamaAttention(nn.Module):
         self.head_dim, self.local_heads = hd, divide(n_q, mesh.tp, "attention heads")
         group = n_q // n_kv  # query heads per kv head
         first_q = mesh.tp_rank * self.local_heads
-        self.q = ColumnParallelLinear(hidden, n_q * hd, mesh, bias=False,
-                                      name="attention heads x head size")
+        self.q = ColumnParallelLinear(
+            hidden, n_q * hd, mesh, bias=False, name="attention heads x head size"
+        )
         if n_kv % mesh.tp == 0:
             first_kv = mesh.tp_rank * (n_kv // mesh.tp)
             self.k: ColumnParallelLinear | ReplicatedHeads = ColumnParallelLinear(
-                hidden, n_kv * hd, mesh, bias=False, name="kv heads x head size")
+                hidden, n_kv * hd, mesh, bias=False, name="kv heads x head size"
+            )
             self.v: ColumnParallelLinear | ReplicatedHeads = ColumnParallelLinear(
-                hidden, n_kv * hd, mesh, bias=False, name="kv heads x head size")
+                hidden, n_kv * hd, mesh, bias=False, name="kv heads x head size"
+            )
         else:
             first_kv = first_q // group
             last_kv = (first_q + self.local_heads - 1) // group
@@ -176,22 +186,25 @@ class LlamaAttention(nn.Module):
         self.kv_index = [(first_q + j) // group - first_kv for j in range(self.local_heads)]
         local_kv = max(self.kv_index) + 1
         per_kv = self.local_heads // local_kv
-        self.grouped = local_kv < self.local_heads and \
-            self.kv_index == [j // per_kv for j in range(self.local_heads)]
+        self.grouped = local_kv < self.local_heads and self.kv_index == [
+            j // per_kv for j in range(self.local_heads)
+        ]
         """Each local kv head serves the same number of consecutive query heads: FlashAttention
         (SDPA's enable_gqa, bf16 / fp16 on CUDA) reads k / v unexpanded. Otherwise (other
         devices and dtypes, or a replicated kv head split unevenly across tp ranks) k / v are
         expanded per query head."""
         self._first_q, self._group, self._first_kv = first_q, group, first_kv
         self._kv_index_on: dict[str, torch.Tensor] = {}  # kv_index as a tensor per device
-        self.proj = RowParallelLinear(n_q * hd, hidden, mesh, bias=False,
-                                      name="attention heads x head size")
+        self.proj = RowParallelLinear(
+            n_q * hd, hidden, mesh, bias=False, name="attention heads x head size"
+        )
         self.rotary, self.tracker = rotary, tracker
         self.dropout = config.attention_dropout
         self.recompute_core = False
         self.cp = mesh.cp
-        self.context_parallel = LayerAttention(mesh, True, method_for(n_q, n_kv)) \
-            if mesh.cp > 1 else None
+        self.context_parallel = (
+            LayerAttention(mesh, True, method_for(n_q, n_kv)) if mesh.cp > 1 else None
+        )
 
     def _core(self, q, k, v, index=None):
         dropout = self.dropout if self.training else 0.0
@@ -202,8 +215,9 @@ class LlamaAttention(nn.Module):
                 # FlashAttention reads grouped k / v as they are; SDPA's other kernels do not
                 # take enable_gqa (fp32 would fall back to the unfused one), so elsewhere k / v
                 # are expanded below
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                      enable_gqa=True)
+                return F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True
+                )
             if index is not None:
                 k, v = k.index_select(1, index), v.index_select(1, index)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
@@ -225,9 +239,10 @@ class LlamaAttention(nn.Module):
             index = self._kv_index_on.get(str(k.device))
             if index is None:  # once per device, from arange: no host data copied to it
                 head_ids = torch.arange(self.local_heads, device=k.device)
-                index = self._kv_index_on[str(k.device)] = \
-                    torch.div(self._first_q + head_ids, self._group, rounding_mode="floor") \
+                index = self._kv_index_on[str(k.device)] = (
+                    torch.div(self._first_q + head_ids, self._group, rounding_mode="floor")
                     - self._first_kv
+                )
         if self.recompute_core and torch.is_grad_enabled():
             out = self.tracker.checkpoint(self._core, q, k, v, index)
         else:
@@ -237,6 +252,7 @@ class LlamaAttention(nn.Module):
 
 class SwiGLU(nn.Module):
     """down(act(gate(x)) * up(x)): gate / up column-parallel, down row-parallel."""
+
     def __init__(self, config: LlamaConfig, mesh: Mesh):
         super().__init__()
         h, f = config.hidden_size, config.intermediate_size
@@ -274,29 +290,39 @@ class Llama(StageModel):
     tied copy, exactly as GPT-2 does.
     """
 
-    def __init__(self, config: LlamaConfig, mesh: Mesh, layers: Sequence[int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, tracker=None):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        mesh: Mesh,
+        layers: Sequence[int] | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        tracker=None,
+    ):
         super().__init__()
         layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
         rotary = Rotary(config, mesh.cp, mesh.cp_rank, mesh.device)
         if pre_process:
             self.embed = nn.Module()
-            self.embed.word = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                     mesh, config.make_vocab_size_divisible_by)
+            self.embed.word = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, mesh, config.make_vocab_size_divisible_by
+            )
         else:
             self.embed = None
         self.layers = self._build_layers(
-            layers, lambda: LlamaBlock(config, mesh, rotary, self.tracker))
+            layers, lambda: LlamaBlock(config, mesh, rotary, self.tracker)
+        )
         self.tied = config.tie_word_embeddings
         if post_process:
             self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, mesh.device)
             if not self.tied:
-                local = local_size(config.vocab_size, mesh.tp,
-                                   config.make_vocab_size_divisible_by)
+                local = local_size(config.vocab_size, mesh.tp, config.make_vocab_size_divisible_by)
                 self.head = nn.Module()
                 self.head.weight = set_partition(
                     nn.Parameter(torch.empty(local, config.hidden_size, device=mesh.device)),
-                    0, (config.vocab_size, config.hidden_size))
+                    0,
+                    (config.vocab_size, config.hidden_size),
+                )
             elif not pre_process:
                 self.head = nn.Module()
                 self.head.weight = self.tied_copy()

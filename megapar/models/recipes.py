@@ -36,5 +36,7 @@ def resolve_model(name_or_path: str):
         candidate = d / f"{name_or_path}.json"
         if candidate.exists():
             return config_from_file(candidate)
-    raise ConfigError(f"unknown model {name_or_path!r}; known recipes: "
-                      f"{', '.join(list_recipes())} (or pass a JSON/YAML config file)")
+    raise ConfigError(
+        f"unknown model {name_or_path!r}; known recipes: "
+        f"{', '.join(list_recipes())} (or pass a JSON/YAML config file)"
+    )

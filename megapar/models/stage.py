@@ -14,7 +14,8 @@ the trainer sums with the first stage's (`shared_embedding = True` on both).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, cast
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -43,8 +44,15 @@ class StageModel(nn.Module):
     """Base of GPT2, Bert and Llama. Subclasses build `embed`, `layers` and their head in between
     `_begin` and `_end`, and finish `forward` with `_output`."""
 
-    def _begin(self, config, mesh: Mesh, layers: Sequence[int] | None, pre_process: bool,
-               post_process: bool, tracker) -> range | Sequence[int]:
+    def _begin(
+        self,
+        config,
+        mesh: Mesh,
+        layers: Sequence[int] | None,
+        pre_process: bool,
+        post_process: bool,
+        tracker,
+    ) -> range | Sequence[int]:
         config.validate(mesh.layout)
         self.config, self.mesh = config, mesh
         self.tracker = tracker or NullTracker()
@@ -55,13 +63,16 @@ class StageModel(nn.Module):
 
     def _build_layers(self, layers, make_block: Callable[[], nn.Module]) -> nn.ModuleDict:
         return nn.ModuleDict({str(i): make_block() for i in layers})
+
     def tied_copy(self) -> nn.Parameter:
         """The last stage's copy of the word embedding (when it does not hold the embedding)."""
         c = self.config
         local = local_size(c.vocab_size, self.mesh.tp, c.make_vocab_size_divisible_by)
         param = set_partition(
             nn.Parameter(torch.empty(local, c.hidden_size, device=self.mesh.device)),
-            0, (c.vocab_size, c.hidden_size))
+            0,
+            (c.vocab_size, c.hidden_size),
+        )
         param.tied_to = WORD_EMBEDDING  # type: ignore[attr-defined]  # a tag torch does not declare
         return param
 
@@ -111,8 +122,9 @@ class StageModel(nn.Module):
     def vocab_start(self) -> int:
         return self.mesh.tp_rank * self.word_embeddings.shape[0]
 
-    def _head(self, x: torch.Tensor, weight: torch.Tensor, batch: dict,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _head(
+        self, x: torch.Tensor, weight: torch.Tensor, batch: dict, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The LM head on the final hidden states `x`: the mean loss over labelled tokens,
         computed `loss_chunk_tokens` tokens at a time (`linear_cross_entropy`: the whole
         logits never exist; 0: at once, through the logits), or the logits slice when the
@@ -120,10 +132,16 @@ class StageModel(nn.Module):
         if "labels" not in batch or not self.loss_chunk_tokens:
             return self._output(parallel_lm_logits(x, weight, self.mesh, bias), batch)
         labels = self._cp_tokens(batch["labels"])
-        per_token = linear_cross_entropy(lm_head_input(x, self.mesh), weight, labels, bias,
-                                         self.mesh.tp_group, self.vocab_start,
-                                         self.config.vocab_size,
-                                         chunk_tokens=self.loss_chunk_tokens)
+        per_token = linear_cross_entropy(
+            lm_head_input(x, self.mesh),
+            weight,
+            labels,
+            bias,
+            self.mesh.tp_group,
+            self.vocab_start,
+            self.config.vocab_size,
+            chunk_tokens=self.loss_chunk_tokens,
+        )
         return masked_mean(per_token, labels, group=self.mesh.cp_group)
 
     def _output(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -131,8 +149,9 @@ class StageModel(nn.Module):
         if "labels" not in batch:
             return logits
         labels = self._cp_tokens(batch["labels"])
-        per_token = vocab_parallel_cross_entropy(logits, labels, self.mesh.tp_group,
-                                                 self.vocab_start, self.config.vocab_size)
+        per_token = vocab_parallel_cross_entropy(
+            logits, labels, self.mesh.tp_group, self.vocab_start, self.config.vocab_size
+        )
         return masked_mean(per_token, labels, group=self.mesh.cp_group)
 
 
@@ -163,8 +182,9 @@ class ModelChunks(nn.Module):
         self.config, self.mesh, self.tracker = first.config, first.mesh, first.tracker
         names = [n for c in self.chunks for n, _ in c.named_parameters()]
         if len(names) != len(set(names)):
-            raise ValueError("model chunks share parameter names; each chunk must hold "
-                             "different blocks")
+            raise ValueError(
+                "model chunks share parameter names; each chunk must hold different blocks"
+            )
 
     @property
     def pre_process(self) -> bool:
@@ -178,8 +198,9 @@ class ModelChunks(nn.Module):
     def recompute(self) -> str:
         return cast(str, self.chunks[0].recompute)
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True):
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ):
         for chunk in self.chunks:
             yield from chunk.named_parameters(prefix, recurse, remove_duplicate)
 

@@ -6,5 +6,13 @@ from megapar.optim.precision import DynamicLossScaler, Precision
 from megapar.optim.scheduler import LRScheduler
 from megapar.optim.zero import ZeroOptimizer, build_optimizer
 
-__all__ = ["AdamWOptimizer", "ZeroOptimizer", "build_optimizer", "LRScheduler",
-           "clip_grad_norm", "grad_norm", "Precision", "DynamicLossScaler"]
+__all__ = [
+    "AdamWOptimizer",
+    "ZeroOptimizer",
+    "build_optimizer",
+    "LRScheduler",
+    "clip_grad_norm",
+    "grad_norm",
+    "Precision",
+    "DynamicLossScaler",
+]

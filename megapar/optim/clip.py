@@ -55,8 +55,9 @@ def is_counted(param: nn.Parameter, mesh: Mesh) -> bool:
 @torch.no_grad()
 def grad_norm(model: nn.Module, mesh: Mesh) -> float:
     """Global L2 norm of the gradient (collective over mesh.mp_group)."""
-    grads = [p.grad.detach() for p in model.parameters()
-             if p.grad is not None and is_counted(p, mesh)]
+    grads = [
+        p.grad.detach() for p in model.parameters() if p.grad is not None and is_counted(p, mesh)
+    ]
     if grads:
         total = sum_of_squares(grads)
     else:
@@ -76,6 +77,5 @@ def clip_grad_norm(model: nn.Module, mesh: Mesh, max_norm: float) -> float:
     if max_norm > 0 and math.isfinite(total):
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None],
-                                coef)
+            torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], coef)
     return total

@@ -55,8 +55,9 @@ class HostKeyed(defaultdict):
     def __setitem__(self, t, state):
         key = self._key(t)
         if isinstance(state, dict) and isinstance(key, torch.Tensor):
-            state = {k: v.to(key.device) if isinstance(v, torch.Tensor) else v
-                     for k, v in state.items()}
+            state = {
+                k: v.to(key.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()
+            }
         super().__setitem__(key, state)
 
     def __contains__(self, t):
@@ -86,8 +87,11 @@ class HostStep:
         """Separate host masters (CUDA, or asked for); otherwise the masters are `stepped`."""
         pin = self.pinned = device.type == "cuda"
         if self.copies:
-            self.masters = list(masters) if self.given else \
-                [_host_like(t, pin, t.detach()) for t in self.stepped]
+            self.masters = (
+                list(masters)
+                if self.given
+                else [_host_like(t, pin, t.detach()) for t in self.stepped]
+            )
             self.grads = [_host_like(m, pin) for m in self.masters]
             for m, g in zip(self.masters, self.grads):
                 m.grad = g
@@ -103,13 +107,17 @@ class HostStep:
         """Note the stepped tensors as the masters hold them (after a step and its all-gather):
         a later change from outside (weights loaded from a checkpoint) is copied to the masters
         at the next step."""
-        self._seen = [_mark(t) for t in self.stepped] if self.copies and not self.given else \
-            [None] * len(self.stepped)
+        self._seen = (
+            [_mark(t) for t in self.stepped]
+            if self.copies and not self.given
+            else [None] * len(self.stepped)
+        )
 
     def groups(self, groups: list[dict]) -> list[dict]:
         """The optimizer's param groups with each stepped tensor replaced by its master."""
-        return [{**g, "params": [self.master_of.get(id(p), p) for p in g["params"]]}
-                for g in groups]
+        return [
+            {**g, "params": [self.master_of.get(id(p), p) for p in g["params"]]} for g in groups
+        ]
 
     def adopt(self, inner: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Key `inner`'s state by the stepped tensors too (`HostKeyed`)."""

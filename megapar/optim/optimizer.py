@@ -22,7 +22,7 @@ Checkpoint format (the same with or without ZeRO, so a run can be resumed with e
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -50,18 +50,28 @@ class AdamWOptimizer(torch.optim.Optimizer):
     """id(stepped tensor) -> the host tensor holding its weights, where they are held on the
     host (ZeRO-3 with --offload-params); None: `HostStep` makes the masters."""
 
-    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], lr: float,
-                 weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, kind: str = "adamw", tp_group=None, momentum: float = 0.9,
-                 offload: bool = False):
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, nn.Parameter]],
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        kind: str = "adamw",
+        tp_group=None,
+        momentum: float = 0.9,
+        offload: bool = False,
+    ):
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         if not self.named:
             raise ValueError("the optimizer got no trainable parameters (is the stage empty?)")
         if kind not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {kind!r}; expected one of {OPTIMIZERS}")
         if offload and kind in ("lamb", "lars"):
-            raise ValueError(f"--offload-optimizer steps AdamW or SGD on the host, not {kind} "
-                             f"(its trust ratios need whole-parameter norms over the devices)")
+            raise ValueError(
+                f"--offload-optimizer steps AdamW or SGD on the host, not {kind} "
+                f"(its trust ratios need whole-parameter norms over the devices)"
+            )
         self.offload, self.host, self.tp_group = offload, None, tp_group
         """`host`: the `HostStep` of an offloaded optimizer (None without offload)."""
         self.params = [p for _, p in self.named]
@@ -73,13 +83,26 @@ class AdamWOptimizer(torch.optim.Optimizer):
         no_decay = [p for p in self.params if not decays(p)]
         # Hyperparameters a torch LR scheduler may change live in these groups (OneCycleLR /
         # CyclicLR cycle "betas" or "momentum" too); _sync_groups copies them inward.
-        defaults = {"lr": lr, **({"betas": self.betas} if kind in ("adamw", "lamb")
-                                 else {"momentum": momentum})}
-        super().__init__([{"params": decay, "weight_decay": weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}], defaults)
+        defaults = {
+            "lr": lr,
+            **({"betas": self.betas} if kind in ("adamw", "lamb") else {"momentum": momentum}),
+        }
+        super().__init__(
+            [
+                {"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            defaults,
+        )
         owned = set(id(p) for p in self.owned_params())
-        groups = [{"params": [p for p in g["params"] if id(p) in owned], "lr": lr,
-                   "weight_decay": g["weight_decay"]} for g in self.param_groups]
+        groups = [
+            {
+                "params": [p for p in g["params"] if id(p) in owned],
+                "lr": lr,
+                "weight_decay": g["weight_decay"],
+            }
+            for g in self.param_groups
+        ]
         self._inner_group_of = [i for i, g in enumerate(groups) if g["params"]]
         groups = [g for g in groups if g["params"]]
         # A ZeRO rank may own nothing (more dp ranks than parameters): then it steps nothing.
@@ -92,11 +115,13 @@ class AdamWOptimizer(torch.optim.Optimizer):
         if self.offload:
             stepped = [p for g in groups for p in g["params"]]
             masters = self.host_masters
-            self.host = HostStep(stepped, None if masters is None else
-                                 [masters[id(p)] for p in stepped])
+            self.host = HostStep(
+                stepped, None if masters is None else [masters[id(p)] for p in stepped]
+            )
             groups = self.host.groups(groups)
-        inner = _inner(self.kind, groups, self.lr, self.betas, self.eps, self.momentum,
-                       self.tp_group)
+        inner = _inner(
+            self.kind, groups, self.lr, self.betas, self.eps, self.momentum, self.tp_group
+        )
         return self.host.adopt(inner) if self.host is not None else inner
 
     @torch.no_grad()
@@ -111,8 +136,11 @@ class AdamWOptimizer(torch.optim.Optimizer):
         for group in self.inner.param_groups:
             for p in group["params"]:
                 if not self.inner.state.get(p):
-                    self.inner.state[p] = {"step": step_state(self.inner, 0, p),
-                                           "exp_avg": self._zeros(p), "exp_avg_sq": self._zeros(p)}
+                    self.inner.state[p] = {
+                        "step": step_state(self.inner, 0, p),
+                        "exp_avg": self._zeros(p),
+                        "exp_avg_sq": self._zeros(p),
+                    }
 
     def _zeros(self, p: torch.Tensor) -> torch.Tensor:
         """Zeros of `p`'s shape for a moment (pinned host memory for an offloaded CUDA run)."""
@@ -183,8 +211,10 @@ class AdamWOptimizer(torch.optim.Optimizer):
         parameter of the stage, in host memory; `copy=False`: the state tensors themselves
         where this rank holds them (on its device; the caller copies them before the next
         step), host copies where it does not."""
-        return {n: {k: self._local_state(p, k, copy) for k in self.state_keys}
-                for n, p in self._checkpointed()}
+        return {
+            n: {k: self._local_state(p, k, copy) for k in self.state_keys}
+            for n, p in self._checkpointed()
+        }
 
     @staticmethod
     def _entry(d: dict, name: str, p: nn.Parameter) -> dict[str, torch.Tensor]:
@@ -192,9 +222,11 @@ class AdamWOptimizer(torch.optim.Optimizer):
         for key in (name, tied):
             if key is not None and key in d:
                 return d[key]
-        raise KeyError(f"optimizer state has no entry for parameter {name!r}"
-                       + (f" (nor for {tied!r}, which it is tied to)" if tied else "")
-                       + "; was the checkpoint written for a different model?")
+        raise KeyError(
+            f"optimizer state has no entry for parameter {name!r}"
+            + (f" (nor for {tied!r}, which it is tied to)" if tied else "")
+            + "; was the checkpoint written for a different model?"
+        )
 
     @torch.no_grad()
     def load_state_tensors(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -206,18 +238,23 @@ class AdamWOptimizer(torch.optim.Optimizer):
             if id(p) not in owned:
                 continue
             entry = self._entry(d, n, p)
-            state = {"step": step_state(self.inner, self.num_steps, p)} \
-                if self.kind != "sgd" else {}
+            state = (
+                {"step": step_state(self.inner, self.num_steps, p)} if self.kind != "sgd" else {}
+            )
             for k in self.state_keys:
                 if k not in entry:
-                    raise KeyError(f"optimizer state of {n!r} has {sorted(entry)}, not "
-                                   f"{list(self.state_keys)}: the checkpoint was written with "
-                                   f"another --optimizer than {self.kind}")
+                    raise KeyError(
+                        f"optimizer state of {n!r} has {sorted(entry)}, not "
+                        f"{list(self.state_keys)}: the checkpoint was written with "
+                        f"another --optimizer than {self.kind}"
+                    )
                 t = entry[k]
                 if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"optimizer state {k} of {n!r} has shape {tuple(t.shape)}, "
-                                     f"the parameter has {tuple(p.shape)}: the checkpoint is for "
-                                     f"another layout; convert it first")
+                    raise ValueError(
+                        f"optimizer state {k} of {n!r} has shape {tuple(t.shape)}, "
+                        f"the parameter has {tuple(p.shape)}: the checkpoint is for "
+                        f"another layout; convert it first"
+                    )
                 state[k] = t.to(device=p.device, dtype=p.dtype).clone()
             self.inner.state[p] = state
 
@@ -225,8 +262,9 @@ class AdamWOptimizer(torch.optim.Optimizer):
         """(parameter, the state this rank holds for it) for every parameter it updates."""
         if self.inner is None:
             return []
-        return [(p, dict(self.inner.state[p])) for p in self.owned_params()
-                if p in self.inner.state]
+        return [
+            (p, dict(self.inner.state[p])) for p in self.owned_params() if p in self.inner.state
+        ]
 
     def _hold_state(self, p: nn.Parameter, state: dict) -> None:
         self.inner.state[p] = {k: v.to(p.device) if k != "step" else v for k, v in state.items()}
@@ -240,18 +278,26 @@ class AdamWOptimizer(torch.optim.Optimizer):
         layouts are megapar's own (`engine.save`, `state_tensors`)."""
         order = [p for g in self.param_groups for p in g["params"]]
         index = {id(p): i for i, p in enumerate(order)}
-        return {"state": {index[id(p)]: state for p, state in self._held_state()},
-                "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
-                                  "params": [index[id(p)] for p in g["params"]]}
-                                 for g in self.param_groups]}
+        return {
+            "state": {index[id(p)]: state for p, state in self._held_state()},
+            "param_groups": [
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": [index[id(p)] for p in g["params"]],
+                }
+                for g in self.param_groups
+            ],
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load `state_dict()` output of the same layout (hyper-parameters and moments)."""
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("the optimizer state_dict has other parameter groups than this "
-                             "stage's; load megapar checkpoints with engine.load instead")
+            raise ValueError(
+                "the optimizer state_dict has other parameter groups than this "
+                "stage's; load megapar checkpoints with engine.load instead"
+            )
         for mine, saved in zip(self.param_groups, groups):
             mine.update({k: v for k, v in saved.items() if k != "params"})
         order = [p for g in self.param_groups for p in g["params"]]
@@ -261,12 +307,25 @@ class AdamWOptimizer(torch.optim.Optimizer):
         self._sync_groups()
 
     def state_json(self) -> dict:
-        return {"step": self.num_steps, "zero": self.zero, "lr": self.lr, "kind": self.kind,
-                "betas": list(self.betas), "eps": self.eps, "weight_decay": self.weight_decay,
-                "momentum": self.momentum,
-                # what a torch scheduler may have moved (OneCycleLR cycles betas / momentum)
-                "groups": [{k: list(g[k]) if k == "betas" else g[k] for k in ("lr", "betas",
-                            "momentum") if k in g} for g in self.param_groups]}
+        return {
+            "step": self.num_steps,
+            "zero": self.zero,
+            "lr": self.lr,
+            "kind": self.kind,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "momentum": self.momentum,
+            # what a torch scheduler may have moved (OneCycleLR cycles betas / momentum)
+            "groups": [
+                {
+                    k: list(g[k]) if k == "betas" else g[k]
+                    for k in ("lr", "betas", "momentum")
+                    if k in g
+                }
+                for g in self.param_groups
+            ],
+        }
 
     def load_state_json(self, d: dict) -> None:
         self.num_steps = int(d["step"])

@@ -10,8 +10,8 @@ rank (every tp, pp and dp coordinate) skips the same step and changes its scale 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,9 @@ COMM_DTYPES = ["auto", "fp32", "bf16", "fp16"]
 """Choices of --p2p-dtype and --grad-reduce-dtype ("auto": Megatron's default for the mode)."""
 
 
-def comm_dtypes(mode: str, p2p: str = "auto", grad_reduce: str = "auto"
-                ) -> tuple[torch.dtype, torch.dtype]:
+def comm_dtypes(
+    mode: str, p2p: str = "auto", grad_reduce: str = "auto"
+) -> tuple[torch.dtype, torch.dtype]:
     """(pipeline message dtype, data-parallel gradient reduction dtype) for precision `mode`.
 
     "auto" follows Megatron-LM: pipeline messages travel in the compute dtype (its
@@ -66,8 +67,10 @@ class DynamicLossScaler:
         if self.scale is None:
             self.scale = float(self.init_scale)
         if not (self.growth_factor > 1 and 0 < self.backoff_factor < 1):
-            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
-                             f"{self.growth_factor} and {self.backoff_factor}")
+            raise ValueError(
+                f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
+                f"{self.growth_factor} and {self.backoff_factor}"
+            )
 
     def update(self, found_inf: bool) -> None:
         if found_inf:
@@ -90,7 +93,9 @@ class DynamicLossScaler:
 class Precision:
     """The numeric mode of training: "fp32", "bf16" or "fp16"."""
 
-    def __init__(self, mode: str, device: torch.device | str, scaler: DynamicLossScaler | None = None):
+    def __init__(
+        self, mode: str, device: torch.device | str, scaler: DynamicLossScaler | None = None
+    ):
         if mode not in PRECISIONS:
             raise ValueError(f"unknown precision {mode!r}; expected one of {sorted(PRECISIONS)}")
         self.mode = mode
@@ -131,8 +136,10 @@ class Precision:
             self.scaler.update(found_inf)
 
     def state_dict(self) -> dict:
-        return {"mode": self.mode,
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        return {
+            "mode": self.mode,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
 
     def load_state_dict(self, d: dict) -> None:
         """Restore the loss scale; a checkpoint of another mode (a switch on resume) has none."""

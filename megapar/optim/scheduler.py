@@ -28,17 +28,24 @@ class LRScheduler:
         if self.decay not in DECAY_STYLES:
             raise ValueError(f"unknown lr decay {self.decay!r}; expected one of {DECAY_STYLES}")
         if self.max_lr < 0 or self.min_lr < 0:
-            raise ValueError(f"learning rates must be >= 0, got max_lr={self.max_lr} "
-                             f"min_lr={self.min_lr}")
+            raise ValueError(
+                f"learning rates must be >= 0, got max_lr={self.max_lr} min_lr={self.min_lr}"
+            )
         if self.min_lr > self.max_lr:
-            raise ValueError(f"min_lr {self.min_lr} is larger than max_lr {self.max_lr}; "
-                             f"lower --min-lr or raise --lr")
+            raise ValueError(
+                f"min_lr {self.min_lr} is larger than max_lr {self.max_lr}; "
+                f"lower --min-lr or raise --lr"
+            )
         if self.warmup_steps < 0 or self.max_steps < 1:
-            raise ValueError(f"need warmup_steps >= 0 and max_steps >= 1, got "
-                             f"warmup_steps={self.warmup_steps} max_steps={self.max_steps}")
+            raise ValueError(
+                f"need warmup_steps >= 0 and max_steps >= 1, got "
+                f"warmup_steps={self.warmup_steps} max_steps={self.max_steps}"
+            )
         if self.warmup_steps > self.max_steps:
-            raise ValueError(f"warmup of {self.warmup_steps} steps is longer than the "
-                             f"{self.max_steps} training steps; lower --warmup-steps")
+            raise ValueError(
+                f"warmup of {self.warmup_steps} steps is longer than the "
+                f"{self.max_steps} training steps; lower --warmup-steps"
+            )
 
     def lr(self, step: int) -> float:
         if step < self.warmup_steps:

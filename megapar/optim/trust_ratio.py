@@ -28,16 +28,19 @@ import torch.distributed as dist
 from megapar.mesh import group_size
 
 
-def full_norms(pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list, tp_group
-               ) -> list[tuple[float, float]]:
+def full_norms(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list, tp_group
+) -> list[tuple[float, float]]:
     """(||a||, ||b||) of the full tensors for each (a, b) shard pair (collective over tp_group:
     every tp rank must pass the same parameters in the same order)."""
     if not pairs:
         return []
-    sq = torch.stack([torch.stack([a.float().pow(2).sum(), b.float().pow(2).sum()])
-                      for a, b in pairs])
-    sharded = torch.tensor([getattr(p, "tp_dim", None) is not None for p in params],
-                           device=sq.device).unsqueeze(1)
+    sq = torch.stack(
+        [torch.stack([a.float().pow(2).sum(), b.float().pow(2).sum()]) for a, b in pairs]
+    )
+    sharded = torch.tensor(
+        [getattr(p, "tp_dim", None) is not None for p in params], device=sq.device
+    ).unsqueeze(1)
     if group_size(tp_group) > 1:
         summed = torch.where(sharded, sq, torch.zeros_like(sq))
         dist.all_reduce(summed, group=tp_group)
@@ -52,10 +55,18 @@ def _ratio(num: float, den: float) -> float:
 class LAMB(torch.optim.Optimizer):
     """LAMB over (shards of) parameters; `tp_group` reduces the norms of tp-sharded ones."""
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0, tp_group=None):
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
-                                  "weight_decay": weight_decay})
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        tp_group=None,
+    ):
+        super().__init__(
+            params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        )
         self.tp_group = tp_group
         self.norms = None
         """Optional (pairs, params) -> full norms, replacing `full_norms` (ZeRO-1 pieces)."""
@@ -83,7 +94,7 @@ class LAMB(torch.optim.Optimizer):
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(b1).add_(p.grad, alpha=1 - b1)
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                u = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
+                u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + group["eps"])
                 if group["weight_decay"]:
                     u.add_(p, alpha=group["weight_decay"])
                 updates.append((p, u, group["lr"]))
@@ -96,10 +107,24 @@ class LAMB(torch.optim.Optimizer):
 class LARS(torch.optim.Optimizer):
     """LARS (momentum SGD with a layer-wise learning rate); `trust_coefficient` is eta."""
 
-    def __init__(self, params, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
-                 trust_coefficient: float = 1e-3, tp_group=None):
-        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
-                                  "trust_coefficient": trust_coefficient})
+    def __init__(
+        self,
+        params,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 1e-3,
+        tp_group=None,
+    ):
+        super().__init__(
+            params,
+            {
+                "lr": lr,
+                "momentum": momentum,
+                "weight_decay": weight_decay,
+                "trust_coefficient": trust_coefficient,
+            },
+        )
         self.tp_group = tp_group
         self.norms = None
         """Optional (pairs, params) -> full norms, replacing `full_norms` (ZeRO-1 pieces)."""
@@ -117,8 +142,11 @@ class LARS(torch.optim.Optimizer):
                     pairs.append((p, p.grad))
         for (p, group), (w_norm, g_norm) in zip(entries, self._norms(pairs, params)):
             wd = group["weight_decay"]
-            local_lr = (group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm)
-                        if w_norm > 0 and g_norm > 0 else 1.0)
+            local_lr = (
+                group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm)
+                if w_norm > 0 and g_norm > 0
+                else 1.0
+            )
             d = p.grad.add(p, alpha=wd) if wd else p.grad.clone()
             state = self.state[p]
             buf = state.get("momentum_buffer")

@@ -39,7 +39,7 @@ on the other dp ranks;
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -58,10 +58,19 @@ class ZeroOptimizer(AdamWOptimizer):
 
     zero = 1
 
-    def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], dp_group, lr: float,
-                 weight_decay: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, kind: str = "adamw", tp_group=None, stage: int = 1,
-                 offload: bool = False):
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, nn.Parameter]],
+        dp_group,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        kind: str = "adamw",
+        tp_group=None,
+        stage: int = 1,
+        offload: bool = False,
+    ):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer stage must be 1 or 2, got {stage}")
         self.zero = stage
@@ -79,14 +88,16 @@ class ZeroOptimizer(AdamWOptimizer):
         self._pending: dict | None = None
         self.grad_sync = None
         self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
-        super().__init__(named_params, lr, weight_decay, betas, eps, kind, tp_group,
-                         offload=offload)
+        super().__init__(
+            named_params, lr, weight_decay, betas, eps, kind, tp_group, offload=offload
+        )
 
     def owned_params(self) -> list[nn.Parameter]:
         """Parameters this rank updates (a slice of): all with dp == 1, none before attach."""
         if self.dp == 1:
             return self.params
         return list({id(p): p for p, _, _ in self._piece_of}.values())
+
     # setup ----------------------------------------------------------------------------------
     @torch.no_grad()
     def attach(self, grad_sync, last: Iterable[nn.Parameter] = (), before_reduce=None) -> None:
@@ -100,24 +111,29 @@ class ZeroOptimizer(AdamWOptimizer):
         grad_sync.defer(last, before_reduce)
         self.grad_sync, self.sharded = grad_sync, True
         device = self.params[0].device
-        self.param_buffers = {dt: torch.zeros(n, dtype=dt, device=device)
-                              for dt, n in grad_sync.buffer_sizes().items()}
+        self.param_buffers = {
+            dt: torch.zeros(n, dtype=dt, device=device)
+            for dt, n in grad_sync.buffer_sizes().items()
+        }
         for b in grad_sync.buckets:
             lo, hi = grad_sync.shard_range(b)
-            pflat = self.param_buffers[b.params[0].dtype][b.start:b.start + b.padded]
+            pflat = self.param_buffers[b.params[0].dtype][b.start : b.start + b.padded]
             offset = 0
             for p in b.params:
                 self._offset[id(p)] = offset
-                view = pflat[offset:offset + p.numel()].view_as(p)
+                view = pflat[offset : offset + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
                 offset += p.numel()
             for i, start, end in slice_pieces([p.numel() for p in b.params], lo, hi):
                 p = b.params[i]
                 at = self._offset[id(p)]
-                piece = pflat[at + start:at + end]
-                piece.grad = b.flat[at + start:at + end] if b.shard is None else \
-                    b.shard[at + start - lo:at + end - lo]
+                piece = pflat[at + start : at + end]
+                piece.grad = (
+                    b.flat[at + start : at + end]
+                    if b.shard is None
+                    else b.shard[at + start - lo : at + end - lo]
+                )
                 self.pieces.append(piece)
                 self._piece_of.append((p, start, end))
         self._build_inner()
@@ -128,13 +144,20 @@ class ZeroOptimizer(AdamWOptimizer):
     def _check_sync(self, grad_sync) -> None:
         """`grad_sync` must be the sharded grad sync of this stage's parameters over the same
         group, for this optimizer's stage."""
-        if grad_sync is None or not grad_sync.sharded or grad_sync.stage != self.zero \
-                or grad_sync.dp != self.dp:
-            raise ValueError(f"the ZeRO-{self.zero} optimizer needs the ZeRO-{self.zero} grad "
-                             f"sync of its dp group (build_grad_sync(..., zero={self.zero}))")
+        if (
+            grad_sync is None
+            or not grad_sync.sharded
+            or grad_sync.stage != self.zero
+            or grad_sync.dp != self.dp
+        ):
+            raise ValueError(
+                f"the ZeRO-{self.zero} optimizer needs the ZeRO-{self.zero} grad "
+                f"sync of its dp group (build_grad_sync(..., zero={self.zero}))"
+            )
         if {id(p) for p in grad_sync.params} != {id(p) for p in self.params}:
-            raise ValueError(f"{type(grad_sync).__name__} and the optimizer hold different "
-                             f"parameters")
+            raise ValueError(
+                f"{type(grad_sync).__name__} and the optimizer hold different parameters"
+            )
 
     def _build_inner(self) -> None:
         groups, self._inner_group_of = [], []
@@ -142,8 +165,7 @@ class ZeroOptimizer(AdamWOptimizer):
             members = {id(p) for p in g["params"]}
             pieces = [t for t, (p, _, _) in zip(self.pieces, self._piece_of) if id(p) in members]
             if pieces:
-                groups.append({"params": pieces, "lr": g["lr"],
-                               "weight_decay": g["weight_decay"]})
+                groups.append({"params": pieces, "lr": g["lr"], "weight_decay": g["weight_decay"]})
                 self._inner_group_of.append(i)
         self.inner = self._make_inner(groups) if groups else None
         if self.inner is not None and hasattr(self.inner, "norms"):
@@ -154,8 +176,10 @@ class ZeroOptimizer(AdamWOptimizer):
     @torch.no_grad()
     def step(self, closure=None) -> None:
         if self.dp > 1 and not self.sharded:
-            raise RuntimeError("ZeroOptimizer.step() before attach(grad_sync): the distributed "
-                               "optimizer needs the dp gradient buffer (TrainStep attaches it)")
+            raise RuntimeError(
+                "ZeroOptimizer.step() before attach(grad_sync): the distributed "
+                "optimizer needs the dp gradient buffer (TrainStep attaches it)"
+            )
         if self.sharded and self.inner is None and self.kind in ("lamb", "lars"):
             self._full_norms([], [])  # own nothing, but the norm all-reduces are collective
         super().step(closure)
@@ -174,7 +198,7 @@ class ZeroOptimizer(AdamWOptimizer):
         bound = self.grad_sync.MAX_COPIES_IN_FLIGHT if host else None
         handles = []
         for b in self.grad_sync.buckets:
-            flat = buffers[b.params[0].dtype][b.start:b.start + b.padded]
+            flat = buffers[b.params[0].dtype][b.start : b.start + b.padded]
             if bound is not None and len(handles) >= bound:
                 handles.pop(0).wait()
             handles.append(shard_comm.all_gather(flat, self.dp, self.group, host))
@@ -188,16 +212,22 @@ class ZeroOptimizer(AdamWOptimizer):
         all-reduce, after the dp reduction (the sum is linear): for the grad syncs whose
         reduced gradients are only this rank's slices (ZeRO-2, ZeRO-3). Every tp rank has the
         same bucket (unit) layout, so its pieces line up. Returns the pieces summed."""
-        grads = [t.grad for t, (p, _, _) in zip(self.pieces, self._piece_of)
-                 if getattr(p, "sequence_parallel", False)]
+        grads = [
+            t.grad
+            for t, (p, _, _) in zip(self.pieces, self._piece_of)
+            if getattr(p, "sequence_parallel", False)
+        ]
         if group_size(tp_group) == 1 or not self.sharded:
             return 0
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else \
-            torch.zeros(0, device=self.param_buffers[next(iter(self.param_buffers))].device)
+        flat = (
+            torch.cat([g.reshape(-1) for g in grads])
+            if grads
+            else torch.zeros(0, device=self.param_buffers[next(iter(self.param_buffers))].device)
+        )
         dist.all_reduce(flat, group=tp_group)
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
         return len(grads)
 
@@ -210,8 +240,9 @@ class ZeroOptimizer(AdamWOptimizer):
         """Global gradient norm from the local slices (all-reduce over tp x pp, then dp), each
         parameter counted once as in `clip.py`; clip the local slices to max_norm."""
 
-        counted = [t.grad for t, (p, _, _) in zip(self.pieces, self._piece_of)
-                   if is_counted(p, mesh)]
+        counted = [
+            t.grad for t, (p, _, _) in zip(self.pieces, self._piece_of) if is_counted(p, mesh)
+        ]
         total = torch.zeros((), dtype=torch.float32, device=mesh.device)
         if counted:
             total = sum_of_squares(counted)
@@ -224,8 +255,9 @@ class ZeroOptimizer(AdamWOptimizer):
                 torch._foreach_mul_([t.grad for t in self.pieces], coef)
         return norm
 
-    def _full_norms(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                    pieces: list[torch.Tensor]) -> list[tuple[float, float]]:
+    def _full_norms(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], pieces: list[torch.Tensor]
+    ) -> list[tuple[float, float]]:
         """LAMB / LARS: (||a||, ||b||) over whole parameters for each piece pair (collective
         over dp and tp: one row per parameter of the stage)."""
         row = {id(p): i for i, p in enumerate(self.params)}
@@ -238,8 +270,9 @@ class ZeroOptimizer(AdamWOptimizer):
             sq[i, 1] += b.float().pow(2).sum()
         dist.all_reduce(sq, group=self.group)
         if group_size(self.tp_group) > 1:
-            sharded = torch.tensor([getattr(p, "tp_dim", None) is not None for p in self.params],
-                                   device=device).unsqueeze(1)
+            sharded = torch.tensor(
+                [getattr(p, "tp_dim", None) is not None for p in self.params], device=device
+            ).unsqueeze(1)
             summed = torch.where(sharded, sq, torch.zeros_like(sq))
             dist.all_reduce(summed, group=self.tp_group)
             sq = torch.where(sharded, summed, sq)
@@ -268,8 +301,10 @@ class ZeroOptimizer(AdamWOptimizer):
             dtype = b.params[0].dtype
             device = self.param_buffers[dtype].device
             for key in self.state_keys:
-                parts = [torch.zeros(hi - lo, dtype=dtype, device=device)
-                         for _ in range(self.dp if self.dp_rank == 0 else 1)]
+                parts = [
+                    torch.zeros(hi - lo, dtype=dtype, device=device)
+                    for _ in range(self.dp if self.dp_rank == 0 else 1)
+                ]
                 mine = parts[0]  # dp rank 0's own slice is gathered in place
                 for p in b.params:
                     if id(p) in piece:
@@ -277,23 +312,25 @@ class ZeroOptimizer(AdamWOptimizer):
                         state = self.inner.state.get(t, {}).get(key)
                         if state is not None:
                             at = self._offset[id(p)] + s - lo
-                            mine[at:at + e - s] = state.reshape(-1)
-                dist.gather(mine, parts if self.dp_rank == 0 else None, dst=root,
-                            group=self.group)
+                            mine[at : at + e - s] = state.reshape(-1)
+                dist.gather(mine, parts if self.dp_rank == 0 else None, dst=root, group=self.group)
                 if self.dp_rank == 0:
                     host = torch.cat([part.cpu() for part in parts])  # the bucket, padded
                     for p in b.params:
                         if id(p) in names:
                             at = self._offset[id(p)]
-                            out[names[id(p)]][key] = host[at:at + p.numel()].view_as(p).clone()
+                            out[names[id(p)]][key] = host[at : at + p.numel()].view_as(p).clone()
                 del parts, mine
         return out if self.dp_rank == 0 else {}
 
     def _held_state(self) -> list[tuple[nn.Parameter, dict]]:
         if not self.sharded:
             return super()._held_state()
-        return [(p, {**self.inner.state[t], "elements": (s, e)})
-                for t, (p, s, e) in zip(self.pieces, self._piece_of) if t in self.inner.state]
+        return [
+            (p, {**self.inner.state[t], "elements": (s, e)})
+            for t, (p, s, e) in zip(self.pieces, self._piece_of)
+            if t in self.inner.state
+        ]
 
     def _hold_state(self, p: nn.Parameter, state: dict) -> None:
         if not self.sharded:
@@ -302,12 +339,15 @@ class ZeroOptimizer(AdamWOptimizer):
         elements = tuple(state.pop("elements", ()))
         for t, (q, s, e) in zip(self.pieces, self._piece_of):
             if q is p and elements == (s, e):
-                self.inner.state[t] = {k: v.to(t.device) if k != "step" else v
-                                       for k, v in state.items()}
+                self.inner.state[t] = {
+                    k: v.to(t.device) if k != "step" else v for k, v in state.items()
+                }
                 return
-        raise ValueError("the optimizer state_dict holds another slice of a parameter than "
-                         "this rank's (another dp size or ZeRO layout); load megapar "
-                         "checkpoints with engine.load instead")
+        raise ValueError(
+            "the optimizer state_dict holds another slice of a parameter than "
+            "this rank's (another dp size or ZeRO layout); load megapar "
+            "checkpoints with engine.load instead"
+        )
 
     @torch.no_grad()
     def load_state_tensors(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -323,34 +363,60 @@ class ZeroOptimizer(AdamWOptimizer):
         for t, (p, s, e) in zip(self.pieces, self._piece_of):
             name = names[id(p)]
             entry = self._entry(d, name, p)
-            state = {"step": step_state(self.inner, self.num_steps, p)} \
-                if self.kind != "sgd" else {}
+            state = (
+                {"step": step_state(self.inner, self.num_steps, p)} if self.kind != "sgd" else {}
+            )
             for k in self.state_keys:
                 if k not in entry:
-                    raise KeyError(f"optimizer state of {name!r} has {sorted(entry)}, not "
-                                   f"{list(self.state_keys)}: the checkpoint was written with "
-                                   f"another --optimizer than {self.kind}")
+                    raise KeyError(
+                        f"optimizer state of {name!r} has {sorted(entry)}, not "
+                        f"{list(self.state_keys)}: the checkpoint was written with "
+                        f"another --optimizer than {self.kind}"
+                    )
                 full = entry[k]
                 if tuple(full.shape) != tuple(p.shape):
-                    raise ValueError(f"optimizer state {k} of {name!r} has shape "
-                                     f"{tuple(full.shape)}, the parameter has {tuple(p.shape)}: "
-                                     f"the checkpoint is for another layout; convert it first")
+                    raise ValueError(
+                        f"optimizer state {k} of {name!r} has shape "
+                        f"{tuple(full.shape)}, the parameter has {tuple(p.shape)}: "
+                        f"the checkpoint is for another layout; convert it first"
+                    )
                 state[k] = full.reshape(-1)[s:e].to(device=t.device, dtype=t.dtype).clone()
             self.inner.state[t] = state
 
 
-def build_optimizer(model: nn.Module, mesh, lr: float, weight_decay: float,
-                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                    zero: int = 0, kind: str = "adamw", offload: bool = False) -> AdamWOptimizer:
+def build_optimizer(
+    model: nn.Module,
+    mesh,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    zero: int = 0,
+    kind: str = "adamw",
+    offload: bool = False,
+) -> AdamWOptimizer:
     """The optimizer (`kind`: adamw, lamb, lars, sgd) for this rank's stage; zero=1 shards
     its state over mesh.dp_cp_group (the ranks holding the same parameters: dp, and cp's);
     zero=2 its reduced gradients as well; `offload` steps it in host memory (`offload.py`)."""
     named = list(model.named_parameters())
     if zero == 0:
-        return AdamWOptimizer(named, lr, weight_decay, betas, eps, kind, mesh.tp_group,
-                              offload=offload)
+        return AdamWOptimizer(
+            named, lr, weight_decay, betas, eps, kind, mesh.tp_group, offload=offload
+        )
     if zero in (1, 2):
-        return ZeroOptimizer(named, mesh.dp_cp_group, lr, weight_decay, betas, eps, kind,
-                             mesh.tp_group, stage=zero, offload=offload)
-    raise ValueError(f"--zero {zero} is not supported; use 0 (no sharding), 1 (optimizer "
-                     f"state sharded over data-parallel ranks) or 2 (gradients too)")
+        return ZeroOptimizer(
+            named,
+            mesh.dp_cp_group,
+            lr,
+            weight_decay,
+            betas,
+            eps,
+            kind,
+            mesh.tp_group,
+            stage=zero,
+            offload=offload,
+        )
+    raise ValueError(
+        f"--zero {zero} is not supported; use 0 (no sharding), 1 (optimizer "
+        f"state sharded over data-parallel ranks) or 2 (gradients too)"
+    )

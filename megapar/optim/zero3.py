@@ -53,8 +53,10 @@ class Zero3Optimizer(ZeroOptimizer):
         self.param_buffers = {first.dtype: first}  # where the state lives (its device)
         offloaded = grad_sync.units[0].host_shard is not None
         if offloaded and not self.offload:
-            raise ValueError("ShardedParams keeps the parameter shards on the host "
-                             "(offload): the optimizer must step there too (offload=True)")
+            raise ValueError(
+                "ShardedParams keeps the parameter shards on the host "
+                "(offload): the optimizer must step there too (offload=True)"
+            )
         self.host_masters = {} if offloaded else None
         for u in grad_sync.units:
             if offloaded:  # views of the staging shard need its storage while they are made
@@ -66,10 +68,10 @@ class Zero3Optimizer(ZeroOptimizer):
             for i, start, end in slice_pieces([p.numel() for p in u.params], u.lo, u.hi):
                 p = u.params[i]
                 at = self._offset[id(p)] - u.lo
-                piece = u.shard[at + start:at + end]
-                piece.grad = u.grad_shard[at + start:at + end]
+                piece = u.shard[at + start : at + end]
+                piece.grad = u.grad_shard[at + start : at + end]
                 if offloaded:  # the weights live in the host shard: the host step's masters
-                    self.host_masters[id(piece)] = u.host_shard[at + start:at + end]
+                    self.host_masters[id(piece)] = u.host_shard[at + start : at + end]
                 self.pieces.append(piece)
                 self._piece_of.append((p, start, end))
             if offloaded:

@@ -20,8 +20,16 @@ from dataclasses import dataclass
 
 from megapar.pipeline.timeline import short_label
 
-ACTION_KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad",
-                "backward_input", "backward_weight")
+ACTION_KINDS = (
+    "recv_act",
+    "forward",
+    "send_act",
+    "recv_grad",
+    "backward",
+    "send_grad",
+    "backward_input",
+    "backward_weight",
+)
 """Every action kind a schedule may use; the last two are reserved for zero-bubble schedules."""
 
 
@@ -38,11 +46,14 @@ class Action:
 
     def __post_init__(self):
         if self.kind not in ACTION_KINDS:
-            raise ValueError(f"unknown action kind {self.kind!r}; "
-                             f"valid kinds: {', '.join(ACTION_KINDS)}")
+            raise ValueError(
+                f"unknown action kind {self.kind!r}; valid kinds: {', '.join(ACTION_KINDS)}"
+            )
         if self.mb < 0 or self.chunk < 0:
-            raise ValueError(f"action {self.kind} needs mb >= 0 and chunk >= 0, "
-                             f"got mb={self.mb} chunk={self.chunk}")
+            raise ValueError(
+                f"action {self.kind} needs mb >= 0 and chunk >= 0, "
+                f"got mb={self.mb} chunk={self.chunk}"
+            )
 
     def __str__(self) -> str:
         return short_label(self.kind, self.mb, self.chunk)
@@ -54,6 +65,7 @@ SEND_KINDS = frozenset({"send_act", "send_grad"})
 """The message kinds that send (their names start with "send")."""
 RECEIVE_KINDS = frozenset({"recv_act", "recv_grad"})
 """The message kinds that receive (their names start with "recv")."""
+
 
 @dataclass(frozen=True)
 class MessageGroup:
@@ -68,8 +80,10 @@ class MessageGroup:
 
     def __post_init__(self):
         if not self.messages or any(a.kind not in MESSAGE_KINDS for a in self.messages):
-            raise ValueError(f"a MessageGroup holds one or more of {sorted(MESSAGE_KINDS)}, "
-                             f"got {[a.kind for a in self.messages]}")
+            raise ValueError(
+                f"a MessageGroup holds one or more of {sorted(MESSAGE_KINDS)}, "
+                f"got {[a.kind for a in self.messages]}"
+            )
 
     @property
     def name(self) -> str:
@@ -77,8 +91,11 @@ class MessageGroup:
         kinds = {a.kind for a in self.messages}
         parts = []
         for verb in ("send", "recv"):
-            ways = [way for way, what in (("forward", "act"), ("backward", "grad"))
-                    if f"{verb}_{what}" in kinds]
+            ways = [
+                way
+                for way, what in (("forward", "act"), ("backward", "grad"))
+                if f"{verb}_{what}" in kinds
+            ]
             if ways:
                 parts.append("_".join([verb, *ways]))
         return "_".join(parts)
@@ -95,4 +112,3 @@ def format_schedule(steps: Sequence[Step]) -> str:
     """One line, e.g. "F0 SA0 F1 SA1 RG0 B0" (a schedule) or "F0 [SA0] F1 [SA1 RG0] B0" (a
     program, one bracket per message group)."""
     return " ".join(str(a) for a in steps)
-

@@ -36,7 +36,8 @@ def backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
         torch.autograd.backward(output)
         return
     torch.autograd.Variable._execution_engine.run_backward(
-        (output,), (grad,), False, False, (), True, True)  # keep_graph, create_graph, inputs,
+        (output,), (grad,), False, False, (), True, True
+    )  # keep_graph, create_graph, inputs,
     # allow_unreachable, accumulate_grad: what torch.autograd.backward passes
 
 
@@ -47,14 +48,20 @@ class PendingWeightGrad:
         self.entries = entries
 
 
-def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None,
-                   store: WeightGradStore):
+def backward_input(
+    output: torch.Tensor,
+    grad: torch.Tensor | None,
+    inp: torch.Tensor | None,
+    store: WeightGradStore,
+):
     """B: returns (d loss / d inp or None, the PendingWeightGrad for W). `grad` is None when
     `output` is the (scaled) loss; `store` must be enabled and attached to the stage's linear
     layers before their forward."""
     if len(store):
-        raise RuntimeError("the weight-gradient store holds products of another backward; "
-                           "every B must be followed by taking its products")
+        raise RuntimeError(
+            "the weight-gradient store holds products of another backward; "
+            "every B must be followed by taking its products"
+        )
     backward(output, grad)
     return (inp.grad if inp is not None else None), PendingWeightGrad(store.take())
 
@@ -122,10 +129,15 @@ class StageBackward:
     def _backward_weight(self, a: Action) -> None:
         """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; a
         chunk's last W reports each finished weight to the data-parallel reduction."""
-        backward_weight(self._pending_w.pop(a.mb * self._chunk_count + a.chunk),
-                        self._grad_sync.grads_ready if self._grad_sync is not None
-                        and self._step_index in self._report_at else None)  # `_ready`, inline
+        backward_weight(
+            self._pending_w.pop(a.mb * self._chunk_count + a.chunk),
+            self._grad_sync.grads_ready
+            if self._grad_sync is not None and self._step_index in self._report_at
+            else None,
+        )  # `_ready`, inline
 
     def _no_input_grad(self, a: Action) -> None:
-        raise RuntimeError(f"pp stage {self.mesh.pp_rank}: the output of micro-batch {a.mb} "
-                           f"(chunk {a.chunk}) does not depend on the received activation")
+        raise RuntimeError(
+            f"pp stage {self.mesh.pp_rank}: the output of micro-batch {a.mb} "
+            f"(chunk {a.chunk}) does not depend on the received activation"
+        )

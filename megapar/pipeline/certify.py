@@ -59,13 +59,18 @@ IN_FLIGHT_BOUNDS: dict[str, tuple[str, Bound]] = {
     "gpipe": ("m", lambda pp, m, s, v: m),
     "1f1b": ("min(m, pp - s)", lambda pp, m, s, v: min(m, pp - s)),
     "zb-h1": ("min(m, pp - s)", lambda pp, m, s, v: min(m, pp - s)),
-    "interleaved": ("min(V m, (V-1) r + 2 (pp-1-s) + 1), r micro-batches per round",
-                    lambda pp, m, s, v: min(v * m, (v - 1) * interleaved_rounds(pp, m)
-                                            + 2 * (pp - 1 - s) + 1)),
-    "zb-v": ("min(2m, 2 pp): 1F1B's pp whole-stage micro-batches in half-stage chunks",
-             lambda pp, m, s, v: min(2 * m, 2 * pp)),
-    "dualpipev": ("min(2m, 2 pp + 1): DualPipe's PP+1 per device, PP = 2 pp stages",
-                  lambda pp, m, s, v: min(2 * m, 2 * pp + 1)),
+    "interleaved": (
+        "min(V m, (V-1) r + 2 (pp-1-s) + 1), r micro-batches per round",
+        lambda pp, m, s, v: min(v * m, (v - 1) * interleaved_rounds(pp, m) + 2 * (pp - 1 - s) + 1),
+    ),
+    "zb-v": (
+        "min(2m, 2 pp): 1F1B's pp whole-stage micro-batches in half-stage chunks",
+        lambda pp, m, s, v: min(2 * m, 2 * pp),
+    ),
+    "dualpipev": (
+        "min(2m, 2 pp + 1): DualPipe's PP+1 per device, PP = 2 pp stages",
+        lambda pp, m, s, v: min(2 * m, 2 * pp + 1),
+    ),
 }
 """Each schedule's published bound on the micro-batches in flight on stage s, counted per
 model chunk (a micro-batch in flight on two chunks counts twice): (the formula, as text; the
@@ -128,7 +133,7 @@ class Certificate:
 
     @property
     def failures(self) -> list[str]:
-        """"name: detail" of every failed check."""
+        """ "name: detail" of every failed check."""
         return [f"{name}: {c.detail}" for name, c in self.checks.items() if not c.ok]
 
     @property
@@ -140,12 +145,14 @@ class Certificate:
     @property
     def name(self) -> str:
         v = f" V={self.chunks}" if self.chunks > 1 else ""
-        return f"{self.schedule}{v} pp={self.pp} m={self.m}" + (" eval" if self.forward_only
-                                                                 else "")
+        return f"{self.schedule}{v} pp={self.pp} m={self.m}" + (
+            " eval" if self.forward_only else ""
+        )
 
 
-def certify(schedule: str, pp: int, m: int, virtual_stages: int = 1,
-            forward_only: bool = False) -> Certificate:
+def certify(
+    schedule: str, pp: int, m: int, virtual_stages: int = 1, forward_only: bool = False
+) -> Certificate:
     """The certificate of the programs the executor runs for this step (see the module
     docstring); a ValueError if the schedule refuses (pp, m, V)."""
     check_schedule(schedule, pp, m, virtual_stages)
@@ -153,8 +160,9 @@ def certify(schedule: str, pp: int, m: int, virtual_stages: int = 1,
     return certify_programs(programs, schedule, pp, m, virtual_stages, forward_only)
 
 
-def certify_programs(programs, schedule: str, pp: int, m: int, virtual_stages: int = 1,
-                     forward_only: bool = False) -> Certificate:
+def certify_programs(
+    programs, schedule: str, pp: int, m: int, virtual_stages: int = 1, forward_only: bool = False
+) -> Certificate:
     """The certificate of `programs` (one per stage) for that step: `certify` on programs given
     rather than built, e.g. a deliberately broken one."""
     cert = Certificate(schedule, pp, m, virtual_stages, forward_only, programs=tuple(programs))
@@ -185,15 +193,19 @@ def certify_programs(programs, schedule: str, pp: int, m: int, virtual_stages: i
         return cert
     bound = IN_FLIGHT_BOUNDS.get(schedule)
     if bound is None:
-        missing = (f"schedule {schedule!r} states no bound on its activations in flight; add "
-                   f"its published one to megapar.pipeline.certify.IN_FLIGHT_BOUNDS")
+        missing = (
+            f"schedule {schedule!r} states no bound on its activations in flight; add "
+            f"its published one to megapar.pipeline.certify.IN_FLIGHT_BOUNDS"
+        )
         cert.checks["pairs"] = cert.checks["activations"] = Check(False, missing)
         return cert
     cert.in_flight_bound = tuple(bound[1](pp, m, s, virtual_stages) for s in range(pp))
     cert.checks["pairs"] = _pairs(cert, programs, peer, chunks)
-    cert.checks["activations"] = (Check(True, "no backward: nothing is kept for one")
-                                  if forward_only else _activations(cert, programs, schedules,
-                                                                    placement, bound[0]))
+    cert.checks["activations"] = (
+        Check(True, "no backward: nothing is kept for one")
+        if forward_only
+        else _activations(cert, programs, schedules, placement, bound[0])
+    )
     return cert
 
 
@@ -206,8 +218,10 @@ def _computes(programs, schedules) -> Check:
     for stage, (program, actions) in enumerate(zip(programs, schedules)):
         want = [a for a in actions if a.kind not in MESSAGE_KINDS]
         if messages.computes_of(program) != want:
-            return Check(False, f"stage {stage}'s program runs its computes in another order "
-                                f"than its schedule")
+            return Check(
+                False,
+                f"stage {stage}'s program runs its computes in another order than its schedule",
+            )
     return Check(True, "the schedule's computes, in its order")
 
 
@@ -228,21 +242,30 @@ def _data_order(programs, peer) -> Check:
                         return Check(False, f"rank {rank} issues {a} twice")
                     issued.add(key)
                     if peer(rank, a) is None or peer(rank, a)[0] == rank:
-                        return Check(False, f"rank {rank} issues {a}, which has no peer on "
-                                            f"another rank")
+                        return Check(
+                            False, f"rank {rank} issues {a}, which has no peer on another rank"
+                        )
                     if a.kind.startswith("send") and not any(
-                            (kind, a.mb, a.chunk) in done for kind in _producer(a.kind)):
-                        return Check(False, f"rank {rank} issues {a} before the compute that "
-                                            f"produces it")
+                        (kind, a.mb, a.chunk) in done for kind in _producer(a.kind)
+                    ):
+                        return Check(
+                            False, f"rank {rank} issues {a} before the compute that produces it"
+                        )
                 continue
             for recv in messages.CONSUMERS:
                 message = Action(recv, step.mb, step.chunk)
                 other = peer(rank, message)
-                if (messages.consumes(step, message) and other is not None
-                        and other[0] != rank  # a hand-off between chunks of one rank: no message
-                        and (recv, step.mb, step.chunk) not in issued):
-                    return Check(False, f"rank {rank} runs {step} before issuing {message}, the "
-                                        f"receive it consumes")
+                if (
+                    messages.consumes(step, message)
+                    and other is not None
+                    and other[0] != rank  # a hand-off between chunks of one rank: no message
+                    and (recv, step.mb, step.chunk) not in issued
+                ):
+                    return Check(
+                        False,
+                        f"rank {rank} runs {step} before issuing {message}, the "
+                        f"receive it consumes",
+                    )
             done.add((step.kind, step.mb, step.chunk))
     return Check(True, "sent after produced, received before consumed, each once")
 
@@ -267,17 +290,25 @@ def _pairs(cert: Certificate, programs, peer, chunks: int) -> Check:
                             held_recvs.discard(key)
                             for held_sends in sends.values():
                                 held_sends.difference_update(acks.get(key, ()))
-            most = [max(most[0], *map(len, sends.values()), 0),
-                    max(most[1], *map(len, recvs.values()), 0)]
-        cert.pair_sends, cert.pair_recvs = max(cert.pair_sends, most[0]), \
-            max(cert.pair_recvs, most[1])
+            most = [
+                max(most[0], *map(len, sends.values()), 0),
+                max(most[1], *map(len, recvs.values()), 0),
+            ]
+        cert.pair_sends, cert.pair_recvs = (
+            max(cert.pair_sends, most[0]),
+            max(cert.pair_recvs, most[1]),
+        )
         limit = chunks * cert.m if cert.forward_only else cert.in_flight_bound[rank] + chunks
         for what, n in zip(("sends", "receives"), most):
             if n > limit:
-                return Check(False, f"rank {rank} holds {n} {what} for one peer, more than the "
-                                    f"stated {limit} ({PAIR_BOUND})")
-    return Check(True, f"at most {cert.pair_sends} sends and {cert.pair_recvs} receives held "
-                       f"per peer")
+                return Check(
+                    False,
+                    f"rank {rank} holds {n} {what} for one peer, more than the "
+                    f"stated {limit} ({PAIR_BOUND})",
+                )
+    return Check(
+        True, f"at most {cert.pair_sends} sends and {cert.pair_recvs} receives held per peer"
+    )
 
 
 def _activations(cert: Certificate, programs, schedules, placement: str, formula: str) -> Check:
@@ -287,11 +318,17 @@ def _activations(cert: Certificate, programs, schedules, placement: str, formula
         peak = max((sum(counts) for counts, _ in held), default=0)
         published = in_flight_peak(actions)
         if peak != published:
-            return Check(False, f"stage {stage}: {peak} micro-batches in flight as the program "
-                                f"runs, {published} by the schedule (in_flight_peak)")
+            return Check(
+                False,
+                f"stage {stage}: {peak} micro-batches in flight as the program "
+                f"runs, {published} by the schedule (in_flight_peak)",
+            )
         if peak > cert.in_flight_bound[stage]:
-            return Check(False, f"stage {stage}: {peak} micro-batches in flight, more than the "
-                                f"published {formula} = {cert.in_flight_bound[stage]}")
+            return Check(
+                False,
+                f"stage {stage}: {peak} micro-batches in flight, more than the "
+                f"published {formula} = {cert.in_flight_bound[stage]}",
+            )
         peaks.append(peak)
     cert.in_flight = tuple(peaks)
     return Check(True, f"per stage {list(peaks)} <= {formula}")
@@ -320,8 +357,11 @@ def grid(schedules=None, pps=GRID_PP, ms=GRID_M, vs=GRID_V) -> list[tuple[str, i
 def certify_grid(points, eval_steps: bool = True) -> list[Certificate]:
     """`certify` at every point, for a training step and (with `eval_steps`) an evaluation
     step."""
-    return [certify(name, pp, m, v, forward_only) for name, pp, m, v in points
-            for forward_only in ((False, True) if eval_steps else (False,))]
+    return [
+        certify(name, pp, m, v, forward_only)
+        for name, pp, m, v in points
+        for forward_only in ((False, True) if eval_steps else (False,))
+    ]
 
 
 def missing_schedules(points, schedules=None) -> list[str]:
@@ -338,17 +378,25 @@ def format_table(certs: list[Certificate]) -> str:
     for c in certs:
         rows.setdefault((c.schedule, c.chunks, c.pp), []).append(c)
     names = [*CHECKS, "real step"]
-    head = (f"{'schedule':12} {'V':>2} {'pp':>3} {'m':18} | "
-            + " ".join(f"{n:>11}" for n in names) + f" | {'in flight <= bound':22} | "
-            f"held per peer: training | eval")
+    head = (
+        f"{'schedule':12} {'V':>2} {'pp':>3} {'m':18} | "
+        + " ".join(f"{n:>11}" for n in names)
+        + f" | {'in flight <= bound':22} | "
+        f"held per peer: training | eval"
+    )
     lines = [head, "-" * len(head)]
     for (name, v, pp), group in rows.items():
         ms = sorted({c.m for c in group})
         verdicts = []
         for n in names:
             made = [c.checks[n] for c in group if n in c.checks]
-            verdicts.append("-" if not made else "ok" if all(k.ok for k in made)
-                            else f"FAIL {sum(not k.ok for k in made)}")
+            verdicts.append(
+                "-"
+                if not made
+                else "ok"
+                if all(k.ok for k in made)
+                else f"FAIL {sum(not k.ok for k in made)}"
+            )
         train = [c for c in group if not c.forward_only and c.in_flight]
         top = max(train, key=lambda c: c.m, default=None)
         flight = "-"
@@ -358,15 +406,23 @@ def format_table(certs: list[Certificate]) -> str:
         pairs = " | ".join(
             f"{max((c.pair_sends for c in part), default=0)}S "
             f"{max((c.pair_recvs for c in part), default=0)}R"
-            for part in ([c for c in group if not c.forward_only],
-                         [c for c in group if c.forward_only]))
-        lines.append(f"{name:12} {v:2d} {pp:3d} {','.join(map(str, ms)):18} | "
-                     + " ".join(f"{x:>11}" for x in verdicts) + f" | {flight:22} | {pairs}")
+            for part in (
+                [c for c in group if not c.forward_only],
+                [c for c in group if c.forward_only],
+            )
+        )
+        lines.append(
+            f"{name:12} {v:2d} {pp:3d} {','.join(map(str, ms)):18} | "
+            + " ".join(f"{x:>11}" for x in verdicts)
+            + f" | {flight:22} | {pairs}"
+        )
     failed = [c for c in certs if not c.ok]
-    lines.append(f"{len(certs) - len(failed)} of {len(certs)} steps certified (training and "
-                 f"evaluation); in flight: the stage with the most micro-batches in flight (per "
-                 f"chunk) at the largest m; held per peer: the most sends (S) / receives (R) a "
-                 f"rank holds for one peer")
+    lines.append(
+        f"{len(certs) - len(failed)} of {len(certs)} steps certified (training and "
+        f"evaluation); in flight: the stage with the most micro-batches in flight (per "
+        f"chunk) at the largest m; held per peer: the most sends (S) / receives (R) a "
+        f"rank holds for one peer"
+    )
     for c in failed:
         for failure in c.failures:
             lines.append(f"FAIL {c.name}: {failure}")
@@ -395,8 +451,9 @@ class _ToyStage(nn.Module):
 
     def __init__(self, mesh: Mesh, schedule: str, chunks: int):
         super().__init__()
-        vs = [virtual_stage(mesh.pp_rank, c, mesh.pp, placement_of(schedule))
-              for c in range(chunks)]
+        vs = [
+            virtual_stage(mesh.pp_rank, c, mesh.pp, placement_of(schedule)) for c in range(chunks)
+        ]
         self.chunks = nn.ModuleList(_ToyChunk(v, mesh.pp * chunks - 1) for v in vs)
 
 
@@ -408,8 +465,14 @@ def _real_worker(cases: list[tuple], timeout_s: float) -> list[tuple]:
     out, executors = [], {}
     for name, v, chunks, m, forward_only in cases:
         if (name, v) not in executors:
-            executor = PipelineExecutor(_ToyStage(mesh, name, chunks), mesh, name, (2, HIDDEN),
-                                        timeout_s=timeout_s, virtual_stages=v)
+            executor = PipelineExecutor(
+                _ToyStage(mesh, name, chunks),
+                mesh,
+                name,
+                (2, HIDDEN),
+                timeout_s=timeout_s,
+                virtual_stages=v,
+            )
             executor.post_ahead = False  # receives where the program has them, as on NCCL
             p2p = executor.p2p
             assert p2p is not None  # pp > 1
@@ -418,21 +481,29 @@ def _real_worker(cases: list[tuple], timeout_s: float) -> list[tuple]:
             real = p2p.batch_isend_irecv
 
             def record(ops, raw=raw, real=real):
-                raw.append([(op.op is dist.isend, op.peer, op.tensor.numel()
-                             * op.tensor.element_size()) for op in ops])
+                raw.append(
+                    [
+                        (op.op is dist.isend, op.peer, op.tensor.numel() * op.tensor.element_size())
+                        for op in ops
+                    ]
+                )
                 return real(ops)
 
             p2p.batch_isend_irecv = record
             executors[name, v] = (executor, p2p, raw)
         executor, p2p, raw = executors[name, v]
         gen = torch.Generator().manual_seed(m)
-        batches = [{"x": torch.randn(2, HIDDEN, generator=gen),
-                    "y": torch.randn(2, HIDDEN, generator=gen)} for _ in range(m)]
+        batches = [
+            {"x": torch.randn(2, HIDDEN, generator=gen), "y": torch.randn(2, HIDDEN, generator=gen)}
+            for _ in range(m)
+        ]
         raw.clear()
         executor.run(batches, forward_only=forward_only)
         assert p2p.issued is not None  # recording since the executor was made
-        labelled = [[(op.send, op.peer, op.message, op.label, op.nbytes) for op in group]
-                    for group in p2p.issued]
+        labelled = [
+            [(op.send, op.peer, op.message, op.label, op.nbytes) for op in group]
+            for group in p2p.issued
+        ]
         out.append((labelled, list(raw)))
     return out
 
@@ -450,18 +521,24 @@ def compare_issued(cert: Certificate, issued: dict[int, tuple]) -> Check:
         want = [[(op.send, op.peer, op.message, op.label) for op in g] for g in expected[rank]]
         got = [[op[:4] for op in g] for g in labelled]
         if got != want:
-            at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
-                      min(len(got), len(want)))
+            at = next(
+                (i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want))
+            )
 
-            return Check(False, f"rank {rank} issued {len(got)} groups, the program has "
-                                f"{len(want)}; first difference at group {at}: issued "
-                                f"{_show(got, at)}, certified {_show(want, at)}")
+            return Check(
+                False,
+                f"rank {rank} issued {len(got)} groups, the program has "
+                f"{len(want)}; first difference at group {at}: issued "
+                f"{_show(got, at)}, certified {_show(want, at)}",
+            )
         if [[(s, p) for s, p, _ in g] for g in raw] != [[op[:2] for op in g] for g in want]:
-            return Check(False, f"rank {rank}: the operations handed to batch_isend_irecv are "
-                                f"not the groups StageP2P recorded")
+            return Check(
+                False,
+                f"rank {rank}: the operations handed to batch_isend_irecv are "
+                f"not the groups StageP2P recorded",
+            )
         if any(size != nbytes for g in raw for _, _, size in g):
-            return Check(False, f"rank {rank} issued a message of another size than "
-                                f"{nbytes} bytes")
+            return Check(False, f"rank {rank} issued a message of another size than {nbytes} bytes")
         streams[rank] = [[nccl_rules.Op(*op) for op in g] for g in labelled]
     try:
         nccl_rules.check(streams)
@@ -475,8 +552,11 @@ def _show(groups: list, at: int) -> str:
     """Group `at` of `groups` as "[SA2->1 RG1<-1]" (label, direction, peer)."""
     if at >= len(groups):
         return "nothing"
-    return "[" + " ".join(f"{op[3]}->{op[1]}" if op[0] else f"{op[3]}<-{op[1]}"
-                          for op in groups[at]) + "]"
+    return (
+        "["
+        + " ".join(f"{op[3]}->{op[1]}" if op[0] else f"{op[3]}<-{op[1]}" for op in groups[at])
+        + "]"
+    )
 
 
 def check_real_steps(certs: list[Certificate], timeout_s: float = 120.0) -> None:
@@ -490,7 +570,8 @@ def check_real_steps(certs: list[Certificate], timeout_s: float = 120.0) -> None
         for c in group:
             chunks = 1 + max((a.chunk for p in c.programs for a in _actions(p)), default=0)
             cases.append((c.schedule, c.virtual_stages, chunks, c.m, c.forward_only))
-        results = run_local(_real_worker, pp, cases, timeout_s, timeout_s=timeout_s + 30,
-                            env={"MEGAPAR_CPU": "1"})
+        results = run_local(
+            _real_worker, pp, cases, timeout_s, timeout_s=timeout_s + 30, env={"MEGAPAR_CPU": "1"}
+        )
         for i, c in enumerate(group):
             c.checks["real step"] = compare_issued(c, {r: results[r][i] for r in range(pp)})

@@ -75,8 +75,7 @@ from megapar.pipeline.timeline import COMPUTE_KINDS, Event, Timeline
 from megapar.pipeline.trace import StepClock
 from megapar.tensor_parallel.weight_grad import store_of
 
-__all__ = ["PipelineExecutor", "PendingWeightGrad", "backward", "backward_input",
-           "backward_weight"]
+__all__ = ["PipelineExecutor", "PendingWeightGrad", "backward", "backward_input", "backward_weight"]
 
 
 class _SetAction:
@@ -106,31 +105,50 @@ class PipelineExecutor(StageBackward):
     the dry run's memory measure do).
     """
 
-    def __init__(self, stage: nn.Module, mesh: Mesh, schedule: str, act_shape: tuple,
-                 act_dtype: torch.dtype = torch.float32, timeout_s: float | None = None,
-                 trace: bool = True, virtual_stages: int = 1,
-                 wire_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        stage: nn.Module,
+        mesh: Mesh,
+        schedule: str,
+        act_shape: tuple,
+        act_dtype: torch.dtype = torch.float32,
+        timeout_s: float | None = None,
+        trace: bool = True,
+        virtual_stages: int = 1,
+        wire_dtype: torch.dtype | None = None,
+    ):
         self.stage, self.mesh, self.trace = stage, mesh, trace
         self.schedule_name = schedule
         get_schedule(schedule)  # unknown names fail here
         self.virtual_stages = virtual_stages = chunks_per_rank(schedule, virtual_stages)
         self.chunks = list(getattr(stage, "chunks", [stage]))
         if len(self.chunks) != virtual_stages:
-            raise ValueError(f"schedule {schedule!r} with --virtual-stages {virtual_stages} needs "
-                             f"a stage of {virtual_stages} model chunks; this rank holds "
-                             f"{len(self.chunks)} (build it with build_stage(virtual_stages=...))")
+            raise ValueError(
+                f"schedule {schedule!r} with --virtual-stages {virtual_stages} needs "
+                f"a stage of {virtual_stages} model chunks; this rank holds "
+                f"{len(self.chunks)} (build it with build_stage(virtual_stages=...))"
+            )
         self.placement = placement_of(schedule)
-        self.place = StagePlace(mesh.pp_rank, mesh.pp, virtual_stages, self.placement,
-                                mesh.stage_rank)
+        self.place = StagePlace(
+            mesh.pp_rank, mesh.pp, virtual_stages, self.placement, mesh.stage_rank
+        )
         """Where this rank's stage sits in the pipeline (what planning a step asks)."""
         self._chunk_count = virtual_stages  # `slot`
-        self._loss_chunk = next((c for c in range(virtual_stages) if virtual_stage(
-            mesh.pp_rank, c, mesh.pp, self.placement) == mesh.pp * virtual_stages - 1), None)
+        self._loss_chunk = next(
+            (
+                c
+                for c in range(virtual_stages)
+                if virtual_stage(mesh.pp_rank, c, mesh.pp, self.placement)
+                == mesh.pp * virtual_stages - 1
+            ),
+            None,
+        )
         """The model chunk of this rank that computes the loss (the last virtual stage), or
         None."""
         self.timeout_s = timeout_s = timeout_s or mesh.timeout_s
-        self.p2p = (StageP2P(mesh, act_shape, act_dtype, timeout_s, wire_dtype)
-                    if mesh.pp > 1 else None)
+        self.p2p = (
+            StageP2P(mesh, act_shape, act_dtype, timeout_s, wire_dtype) if mesh.pp > 1 else None
+        )
         self.weight_grads = store_of(stage)  # enabled in steps with a split backward
         self._stand_in = None  # what a sent output's storage is replaced by (the first step
         self._act_dtype = act_dtype  # makes it: a CUDA mesh may be built where no GPU is)
@@ -140,8 +158,10 @@ class PipelineExecutor(StageBackward):
         moves only once its receive is posted). NCCL runs a rank's operations in issue order,
         so there receives are issued where the program has them."""
         self.handlers = {
-            "forward": self._forward, "backward": self._backward,
-            "backward_input": self._backward_input, "backward_weight": self._backward_weight,
+            "forward": self._forward,
+            "backward": self._backward,
+            "backward_input": self._backward_input,
+            "backward_weight": self._backward_weight,
         }
         self._plans: dict[tuple, StepPlan] = {}  # (m, forward_only) -> see step_plan
         self.clock = StepClock(mesh.device)  # CUDA events on CUDA, perf_counter on the CPU
@@ -165,9 +185,9 @@ class PipelineExecutor(StageBackward):
         # what a sent activation is taken by: a forward-only step keeps no graph
         self._take_output = self.outputs.pop if forward_only else self.outputs.get
         self._out_grads: dict[int, torch.Tensor] = {}  # received d(loss)/d(output)
-        self._in_grads: dict[int, torch.Tensor] = {}   # d(loss)/d(input) to send upstream
-        self._pending_w: dict[int, object] = {}        # B done, W not yet (zero bubble)
-        self._losses: dict[int, torch.Tensor] = {}       # last stage: detached loss per mb
+        self._in_grads: dict[int, torch.Tensor] = {}  # d(loss)/d(input) to send upstream
+        self._pending_w: dict[int, object] = {}  # B done, W not yet (zero bubble)
+        self._losses: dict[int, torch.Tensor] = {}  # last stage: detached loss per mb
         self._loss_grad = None  # what the losses are backpropagated with (_first_loss_grad)
         self._grad_sync, self._step_index, self._report_at = None, None, frozenset()
         self._ahead: dict[int, deque] = {}  # gloo: per peer rank, receives in program order
@@ -188,8 +208,9 @@ class PipelineExecutor(StageBackward):
     def program(self, m: int, forward_only: bool = False, stage: int | None = None) -> tuple:
         """The program (computes and message groups) of `stage` (default: this rank's) for a
         step of `m` micro-batches."""
-        return messages.programs(self.schedule_name, self.mesh.pp, m, self.virtual_stages,
-                                 forward_only)[self.mesh.pp_rank if stage is None else stage]
+        return messages.programs(
+            self.schedule_name, self.mesh.pp, m, self.virtual_stages, forward_only
+        )[self.mesh.pp_rank if stage is None else stage]
 
     def step_plan(self, m: int, forward_only: bool = False) -> StepPlan:
         """What a step of `m` micro-batches needs from this rank's program, worked out once per
@@ -200,14 +221,24 @@ class PipelineExecutor(StageBackward):
         if plan is None:
             program = self.program(m, forward_only)
             check_chunks(program, len(self.chunks), self.schedule_name)
-            programs = None if self.p2p is None else messages.programs(
-                self.schedule_name, self.mesh.pp, m, self.virtual_stages, forward_only)
+            programs = (
+                None
+                if self.p2p is None
+                else messages.programs(
+                    self.schedule_name, self.mesh.pp, m, self.virtual_stages, forward_only
+                )
+            )
             plan = self._plans[key] = plan_step(program, programs, self.place, self.chunks)
         return plan
 
     # the step ------------------------------------------------------------------------------
-    def run(self, micro_batches: list[dict], grad_sync=None, loss_scale: float = 1.0,
-            forward_only: bool = False) -> torch.Tensor:
+    def run(
+        self,
+        micro_batches: list[dict],
+        grad_sync=None,
+        loss_scale: float = 1.0,
+        forward_only: bool = False,
+    ) -> torch.Tensor:
         """One step over `micro_batches`; returns the mean loss (fp32 scalar) on every pp rank.
 
         `grad_sync` (optional, ignored when `forward_only`) gets `begin_step()` before the
@@ -221,8 +252,9 @@ class PipelineExecutor(StageBackward):
         m = len(micro_batches)
         self._check_can_step(m)
         plan = self.step_plan(m, forward_only)
-        self._begin(plan, micro_batches, None if forward_only else grad_sync, loss_scale,
-                    forward_only)
+        self._begin(
+            plan, micro_batches, None if forward_only else grad_sync, loss_scale, forward_only
+        )
         try:
             self._sync_begin()
             if self.p2p is not None:
@@ -247,13 +279,15 @@ class PipelineExecutor(StageBackward):
     def _check_can_step(self, m: int) -> None:
         if m == 0:
             raise ValueError("PipelineExecutor.run needs at least one micro-batch")
-        if self.p2p is not None and (self.p2p.failed or self.p2p.pending_recvs
-                                     or self.p2p.pending_sends):
+        if self.p2p is not None and (
+            self.p2p.failed or self.p2p.pending_recvs or self.p2p.pending_sends
+        ):
             raise RuntimeError(
                 f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}): the previous pipeline "
                 f"step failed part-way, so messages of it are still in flight and this stage "
                 f"is out of step with its neighbours; restart the run (resume from the last "
-                f"checkpoint) instead of stepping again")
+                f"checkpoint) instead of stepping again"
+            )
 
     def _begin(self, plan: StepPlan, micro_batches, grad_sync, loss_scale, forward_only) -> None:
         """The step's state: empty slots, the status line, the clock and its stamps."""
@@ -276,8 +310,12 @@ class PipelineExecutor(StageBackward):
         self._reset([], 1.0, False)
         self.weight_grads.enabled = False  # forwards outside a step compute dW as usual
         self.weight_grads.take()
-        self._last_trace = (self.mesh.pp_rank, stamps, plan.events if stamps else (),
-                            self.clock.reader())
+        self._last_trace = (
+            self.mesh.pp_rank,
+            stamps,
+            plan.events if stamps else (),
+            self.clock.reader(),
+        )
 
     def _stamp_at(self, index: int) -> None:
         """A traced step's clock reading at `index` of its stamps; the walk does the same
@@ -368,8 +406,9 @@ class PipelineExecutor(StageBackward):
     def _post_ahead(self, posts: dict[int, tuple]) -> None:
         """gloo (`post_ahead`): every peer's receives in program order, and the first of each
         posted now; NCCL queues none."""
-        self._ahead = {rank: deque(recvs) for rank, recvs in posts.items()} \
-            if self.post_ahead else {}
+        self._ahead = (
+            {rank: deque(recvs) for rank, recvs in posts.items()} if self.post_ahead else {}
+        )
         for rank in self._ahead:
             self._post_next(rank)
 
@@ -429,30 +468,40 @@ class PipelineExecutor(StageBackward):
         that is when the step's events are waited for, not during the step."""
         rank, stamps, events, at = self._last_trace
         seconds = [None if stamp is None else at(stamp) for stamp in stamps]
-        return Timeline([Event(rank, k, mb, seconds[s], seconds[e], c)
-                         for (k, mb, c), s, e in events  # a step that failed part-way:
-                         if seconds[e] is not None and seconds[s] is not None])  # those ended
+        return Timeline(
+            [
+                Event(rank, k, mb, seconds[s], seconds[e], c)
+                for (k, mb, c), s, e in events  # a step that failed part-way:
+                if seconds[e] is not None and seconds[s] is not None
+            ]
+        )  # those ended
 
     @property
     def last_compute_s(self) -> float:
         """Seconds the last step's compute actions took (0 when it was not traced); on CUDA
         read as `last_timeline` is."""
         _, stamps, events, at = self._last_trace
-        return sum(at(stamps[e]) - at(stamps[s]) for (kind, _, _), s, e in events
-                   if kind in COMPUTE_KINDS and stamps[e] is not None and stamps[s] is not None)
+        return sum(
+            at(stamps[e]) - at(stamps[s])
+            for (kind, _, _), s, e in events
+            if kind in COMPUTE_KINDS and stamps[e] is not None and stamps[s] is not None
+        )
 
     # errors ---------------------------------------------------------------------------------
     def _no_handler(self, kind: str) -> NotImplementedError:
         return NotImplementedError(
             f"schedule {self.schedule_name!r} uses action {kind!r}, which PipelineExecutor has "
-            f"no handler for; register one in executor.handlers")
+            f"no handler for; register one in executor.handlers"
+        )
 
     def _failed_in(self, action: Action) -> str:
         """The note added to an exception of a compute handler (P2P timeouts name their own)."""
         chunk = f" (chunk {action.chunk})" if len(self.chunks) > 1 else ""
-        return (f"[megapar] while running {action.kind} of micro-batch {action.mb} on pp "
-                f"stage {self.mesh.pp_rank}{chunk} (rank {self.mesh.rank}), schedule "
-                f"{self.schedule_name!r}")
+        return (
+            f"[megapar] while running {action.kind} of micro-batch {action.mb} on pp "
+            f"stage {self.mesh.pp_rank}{chunk} (rank {self.mesh.rank}), schedule "
+            f"{self.schedule_name!r}"
+        )
 
     # handlers ------------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
@@ -466,7 +515,8 @@ class PipelineExecutor(StageBackward):
             if out.dim() != 0:
                 raise ValueError(
                     f"the last pipeline stage returned a tensor of shape {tuple(out.shape)} for "
-                    f"micro-batch {mb}, not a scalar loss; every micro-batch needs 'labels'")
+                    f"micro-batch {mb}, not a scalar loss; every micro-batch needs 'labels'"
+                )
             self._losses[mb] = out.detach().float()
             if self._forward_only:
                 return
@@ -475,8 +525,9 @@ class PipelineExecutor(StageBackward):
     # loss ----------------------------------------------------------------------------------
     def _mean_loss(self, m: int) -> torch.Tensor:
         """Mean of the m micro-batch losses, broadcast from the last stage over the pp group."""
-        last = stage_location(self.mesh.pp * len(self.chunks) - 1, self.mesh.pp,
-                              self.placement)[0]  # rank 0 in a V
+        last = stage_location(self.mesh.pp * len(self.chunks) - 1, self.mesh.pp, self.placement)[
+            0
+        ]  # rank 0 in a V
         if self.mesh.pp_rank == last:
             loss = torch.stack([self._losses[i] for i in range(m)]).sum() / m
         else:
@@ -484,7 +535,11 @@ class PipelineExecutor(StageBackward):
         if self.mesh.pp > 1:
             src = self.mesh.stage_rank(last)
             work = dist.broadcast(loss, src=src, group=self.mesh.pp_group, async_op=True)
-            wait_work(work, self.mesh.device, self.timeout_s,
-                      f"rank {self.mesh.rank}: broadcast of the loss from the last pipeline "
-                      f"stage (rank {src})")
+            wait_work(
+                work,
+                self.mesh.device,
+                self.timeout_s,
+                f"rank {self.mesh.rank}: broadcast of the loss from the last pipeline "
+                f"stage (rank {src})",
+            )
         return loss

@@ -53,8 +53,10 @@ one, a backward or B of a split backward ends it)."""
 
 def consumes(compute: Action, recv: Action) -> bool:
     """Whether `compute` is the action that needs the message `recv` receives."""
-    return (compute.kind in CONSUMERS.get(recv.kind, ())
-            and (compute.mb, compute.chunk) == (recv.mb, recv.chunk))
+    return compute.kind in CONSUMERS.get(recv.kind, ()) and (compute.mb, compute.chunk) == (
+        recv.mb,
+        recv.chunk,
+    )
 
 
 MessageId = tuple[str, int, int]
@@ -70,8 +72,9 @@ def _message_id(stage: int, a: Action, pp: int, placement: str) -> MessageId:
     return what, a.mb, vs
 
 
-def group_messages(schedules: Sequence[Sequence[Action]],
-                   placement: str = "loop") -> list[list[Step]]:
+def group_messages(
+    schedules: Sequence[Sequence[Action]], placement: str = "loop"
+) -> list[list[Step]]:
     """Every stage's program: its computes in `schedules` order, its messages in groups issued
     on the nominal clock (see the module docstring)."""
     pp = len(schedules)
@@ -121,8 +124,9 @@ def group_messages(schedules: Sequence[Sequence[Action]],
 
 
 @lru_cache(maxsize=64)
-def programs(name: str, pp: int, m: int, virtual_stages: int = 1,
-             forward_only: bool = False) -> tuple[tuple[Step, ...], ...]:
+def programs(
+    name: str, pp: int, m: int, virtual_stages: int = 1, forward_only: bool = False
+) -> tuple[tuple[Step, ...], ...]:
     """The program of every stage for schedule `name` (cached: every rank computes all stages').
     `forward_only`: an evaluation step (the schedule's forwards and their messages)."""
     schedules: Sequence[Sequence[Action]] = stage_actions(name, pp, m, virtual_stages)
@@ -211,9 +215,15 @@ def held_stages(programs_: tuple, placement: str = "loop", stages=None) -> list[
     """`held` of each of `stages` (default: every stage), sharing the work they have in
     common."""
     pp = len(programs_)
-    chunks = 1 + max((a.chunk for p in programs_ for step in p
-                      for a in (step.messages if isinstance(step, MessageGroup) else (step,))),
-                     default=0)
+    chunks = 1 + max(
+        (
+            a.chunk
+            for p in programs_
+            for step in p
+            for a in (step.messages if isinstance(step, MessageGroup) else (step,))
+        ),
+        default=0,
+    )
     known: dict[tuple[int, str, int], tuple[int, int] | None] = {}
 
     def peer(rank, a):  # `peer_of`, which depends on the rank, the kind and the chunk only
@@ -223,8 +233,9 @@ def held_stages(programs_: tuple, placement: str = "loop", stages=None) -> list[
             found = known[key] = peer_of(rank, a, pp, chunks, placement)
         return found
 
-    return [_held(programs_, stage, chunks, peer)
-            for stage in (range(pp) if stages is None else stages)]
+    return [
+        _held(programs_, stage, chunks, peer) for stage in (range(pp) if stages is None else stages)
+    ]
 
 
 def _held(programs_: tuple, stage: int, chunks: int, peer) -> frozenset:

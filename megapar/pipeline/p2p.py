@@ -32,8 +32,12 @@ from megapar import device as _device
 from megapar.mesh import Mesh
 from megapar.pipeline.simulate import Op
 
-CARRIES = {"send_act": "activation", "recv_act": "activation",
-           "send_grad": "gradient", "recv_grad": "gradient"}
+CARRIES = {
+    "send_act": "activation",
+    "recv_act": "activation",
+    "send_grad": "gradient",
+    "recv_grad": "gradient",
+}
 """What a message of each action kind carries (the word used in error messages)."""
 
 
@@ -49,8 +53,14 @@ def _torch_batch_isend_irecv(ops):
 class StageP2P:
     """Activation / gradient messages of one pipeline stage with the other stages."""
 
-    def __init__(self, mesh: Mesh, shape: tuple, dtype: torch.dtype = torch.float32,
-                 timeout_s: float | None = None, wire_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        mesh: Mesh,
+        shape: tuple,
+        dtype: torch.dtype = torch.float32,
+        timeout_s: float | None = None,
+        wire_dtype: torch.dtype | None = None,
+    ):
         self.mesh = mesh
         self.shape = tuple(shape)
         self.dtype = dtype
@@ -58,8 +68,9 @@ class StageP2P:
         """The dtype messages travel in (`dtype` unless narrowed)."""
         self.narrowed = self.wire_dtype != dtype
         """Messages travel in a narrower dtype than the stage's (cast on send and receipt)."""
-        self.message_bytes = (torch.Size(self.shape).numel()
-                              * torch.empty((), dtype=self.wire_dtype).element_size())
+        self.message_bytes = (
+            torch.Size(self.shape).numel() * torch.empty((), dtype=self.wire_dtype).element_size()
+        )
         """Bytes of one message's payload (every message has the same shape and dtype)."""
         self.bytes_sent = 0
         """Payload bytes this rank has sent (all steps)."""
@@ -88,10 +99,13 @@ class StageP2P:
             self.issued = []
         if not self._joined and not _device.polls_host(self.mesh.device):
             flag = torch.zeros(1, device=self.mesh.device)
-            _device.wait(dist.all_reduce(flag, group=self.mesh.pp_group, async_op=True),
-                         self.mesh.device, self.timeout_s,
-                         f"rank {self.mesh.rank}: the pipeline group's first collective",
-                         P2PTimeoutError)
+            _device.wait(
+                dist.all_reduce(flag, group=self.mesh.pp_group, async_op=True),
+                self.mesh.device,
+                self.timeout_s,
+                f"rank {self.mesh.rank}: the pipeline group's first collective",
+                P2PTimeoutError,
+            )
             self._joined = True
 
     # issuing -------------------------------------------------------------------------------
@@ -136,7 +150,8 @@ class StageP2P:
             raise RuntimeError(
                 f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}) needs the "
                 f"{CARRIES[kind]} of micro-batch {mb} (chunk {chunk}) before its receive was "
-                f"issued; the program is wrong")
+                f"issued; the program is wrong"
+            )
         peer, buffer, work = entry
         self._wait(work, "receiving", key, peer)
         return buffer.to(self.dtype) if self.narrowed else buffer
@@ -175,16 +190,26 @@ class StageP2P:
     def _wait(self, work, doing: str, key: tuple, peer: int) -> None:
         """Wait for the work of message `key` ("receiving" from / "sending" to `peer`); the
         error's text is made only if it fails."""
+
         def what() -> str:
             kind, mb, _ = key
-            return (f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}): {doing} the "
-                    f"{CARRIES[kind]} of micro-batch {mb} {'from' if doing == 'receiving' else 'to'}"
-                    f" rank {peer}")
+            return (
+                f"rank {self.mesh.rank} (pp stage {self.mesh.pp_rank}): {doing} the "
+                f"{CARRIES[kind]} of micro-batch {mb} {'from' if doing == 'receiving' else 'to'}"
+                f" rank {peer}"
+            )
+
         try:
-            _device.wait(work, self.mesh.device, self.timeout_s, what, P2PTimeoutError,
-                         ". The peer stage probably failed or is stuck (look for its error), or "
-                         "the stages run mismatched schedules / micro-batch counts; raise the "
-                         "pipeline timeout if a step is legitimately this slow")
+            _device.wait(
+                work,
+                self.mesh.device,
+                self.timeout_s,
+                what,
+                P2PTimeoutError,
+                ". The peer stage probably failed or is stuck (look for its error), or "
+                "the stages run mismatched schedules / micro-batch counts; raise the "
+                "pipeline timeout if a step is legitimately this slow",
+            )
         except P2PTimeoutError:
             self.failed = True
             raise
@@ -195,11 +220,18 @@ class StageP2P:
                 f"rank {self.mesh.rank}: the {what} of micro-batch {mb} has shape "
                 f"{tuple(tensor.shape)} {tensor.dtype}, but the pipeline was set up for "
                 f"{self.shape} {self.dtype}; every micro-batch must have the same "
-                f"(micro-batch size, seq, hidden) and act_shape must match it")
+                f"(micro-batch size, seq, hidden) and act_shape must match it"
+            )
 
 
 def wait_work(work, device, timeout_s: float, what: str) -> None:
     """Wait for an asynchronous collective of the pipeline (loss broadcast, timeline gathering)
     on tensors of `device`, raising P2PTimeoutError naming `what` (see `megapar.device.wait`)."""
-    _device.wait(work, device, timeout_s, what, P2PTimeoutError,
-                 "; another rank of the pipeline group probably failed (look for its error)")
+    _device.wait(
+        work,
+        device,
+        timeout_s,
+        what,
+        P2PTimeoutError,
+        "; another rank of the pipeline group probably failed (look for its error)",
+    )

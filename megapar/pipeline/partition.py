@@ -9,9 +9,9 @@ layout.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
 from megapar.mesh import LayoutError, Mesh
 from megapar.models import build_model, set_recompute
@@ -34,22 +34,27 @@ class StageSpec:
     """Holds the final norm and the head (last stage)."""
 
 
-def partition_layers(num_layers: int, pp: int,
-                     layers_per_stage: Sequence[int] | None = None) -> list[range]:
+def partition_layers(
+    num_layers: int, pp: int, layers_per_stage: Sequence[int] | None = None
+) -> list[range]:
     """The block indices of each of `pp` stages."""
     if pp < 1:
         raise LayoutError(f"--pp must be >= 1, got {pp}")
     if num_layers < pp:
-        raise LayoutError(f"{num_layers} layers cannot be cut into --pp {pp} stages "
-                          f"(each stage needs at least one layer); lower --pp")
+        raise LayoutError(
+            f"{num_layers} layers cannot be cut into --pp {pp} stages "
+            f"(each stage needs at least one layer); lower --pp"
+        )
     if layers_per_stage is None:
         base, extra = divmod(num_layers, pp)
         counts = [base + (1 if s < extra else 0) for s in range(pp)]
     else:
         counts = list(layers_per_stage)
         if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
-            raise LayoutError(f"layers per stage {counts} must be {pp} counts >= 1 that add up "
-                              f"to the model's {num_layers} layers")
+            raise LayoutError(
+                f"layers per stage {counts} must be {pp} counts >= 1 that add up "
+                f"to the model's {num_layers} layers"
+            )
     ranges, start = [], 0
     for count in counts:
         ranges.append(range(start, start + count))
@@ -64,15 +69,17 @@ def _even_cut(num_layers: int, pp: int) -> tuple[range, ...]:
     return tuple(partition_layers(num_layers, pp))
 
 
-def stage_spec(num_layers: int, pp: int, stage: int,
-               layers_per_stage: Sequence[int] | None = None) -> StageSpec:
+def stage_spec(
+    num_layers: int, pp: int, stage: int, layers_per_stage: Sequence[int] | None = None
+) -> StageSpec:
     """The StageSpec of pipeline rank `stage`."""
     ranges = partition_layers(num_layers, pp, layers_per_stage)
     return StageSpec(stage, ranges[stage], stage == 0, stage == pp - 1)
 
 
-def chunk_specs(num_layers: int, pp: int, stage: int, virtual_stages: int,
-                placement: str = "loop") -> list[StageSpec]:
+def chunk_specs(
+    num_layers: int, pp: int, stage: int, virtual_stages: int, placement: str = "loop"
+) -> list[StageSpec]:
     """The StageSpecs of the `virtual_stages` model chunks pipeline rank `stage` holds: the
     blocks are cut into pp * V slices as evenly as `partition_layers` cuts them into stages,
     and chunk c of rank r holds slice `virtual_stage(r, c, pp, placement)` (c * pp + r for
@@ -81,9 +88,11 @@ def chunk_specs(num_layers: int, pp: int, stage: int, virtual_stages: int,
 
     total = pp * virtual_stages
     if num_layers < total:
-        raise LayoutError(f"{num_layers} layers cannot be cut into --pp {pp} x --virtual-stages "
-                          f"{virtual_stages} = {total} model chunks (each needs at least one "
-                          f"layer); lower --virtual-stages or --pp")
+        raise LayoutError(
+            f"{num_layers} layers cannot be cut into --pp {pp} x --virtual-stages "
+            f"{virtual_stages} = {total} model chunks (each needs at least one "
+            f"layer); lower --virtual-stages or --pp"
+        )
     ranges = _even_cut(num_layers, total)
     specs = []
     for chunk in range(virtual_stages):
@@ -92,9 +101,16 @@ def chunk_specs(num_layers: int, pp: int, stage: int, virtual_stages: int,
     return specs
 
 
-def build_stage(config, mesh: Mesh, seed: int, recompute: str = "none",
-                layers_per_stage: Sequence[int] | None = None, init: bool = True,
-                virtual_stages: int = 1, placement: str = "loop"):
+def build_stage(
+    config,
+    mesh: Mesh,
+    seed: int,
+    recompute: str = "none",
+    layers_per_stage: Sequence[int] | None = None,
+    init: bool = True,
+    virtual_stages: int = 1,
+    placement: str = "loop",
+):
     """This rank's stage of `config` (validated against the mesh first), seeded the same in
     every layout: the full model's weights do not depend on tp or pp.
 
@@ -118,8 +134,7 @@ def _build_chunks(config, mesh, seed, recompute, init, virtual_stages, placement
     tracker = RNGTracker(seed, mesh) if mesh.device.type != "meta" else None
     chunks = []
     for spec in chunk_specs(config.num_layers, mesh.pp, mesh.pp_rank, virtual_stages, placement):
-        chunk = build_model(config, mesh, spec.layers, spec.pre_process, spec.post_process,
-                            tracker)
+        chunk = build_model(config, mesh, spec.layers, spec.pre_process, spec.post_process, tracker)
         set_recompute(chunk, recompute)
         if init:
             chunk.init_weights(seed)

@@ -26,8 +26,9 @@ def stage_location(vs: int, pp: int, placement: str = "loop") -> tuple[int, int]
     return vs % pp, vs // pp
 
 
-def peer_of(rank: int, action: Action, pp: int, num_chunks: int,
-            placement: str = "loop") -> tuple[int, int] | None:
+def peer_of(
+    rank: int, action: Action, pp: int, num_chunks: int, placement: str = "loop"
+) -> tuple[int, int] | None:
     """(pp rank, chunk) a send goes to or a receive comes from; None for compute actions or
     beyond the ends of the model."""
     vs = virtual_stage(rank, action.chunk, pp, placement)
@@ -48,19 +49,24 @@ def chunks_per_rank(name: str, virtual_stages: int = 1) -> int:
     ValueError with one line naming the fix where `virtual_stages` does not apply."""
     if CHUNKED_SCHEDULES.get(name) == "v":
         if virtual_stages not in (1, 2):
-            raise ValueError(f"--virtual-stages {virtual_stages} does not apply to --schedule "
-                             f"{name} (in Python: virtual_stages={virtual_stages}, "
-                             f"schedule={name!r}): it places exactly two model chunks per rank "
-                             f"in a V (rank r holds virtual stages r and 2 pp - 1 - r); leave "
-                             f"--virtual-stages / virtual_stages out, or give 2")
+            raise ValueError(
+                f"--virtual-stages {virtual_stages} does not apply to --schedule "
+                f"{name} (in Python: virtual_stages={virtual_stages}, "
+                f"schedule={name!r}): it places exactly two model chunks per rank "
+                f"in a V (rank r holds virtual stages r and 2 pp - 1 - r); leave "
+                f"--virtual-stages / virtual_stages out, or give 2"
+            )
         return 2
     if name in CHUNKED_SCHEDULES:
         return virtual_stages
     if virtual_stages != 1:
-        raise ValueError(f"--virtual-stages {virtual_stages} needs --schedule interleaved (in "
-                         f"Python: virtual_stages={virtual_stages}, schedule='interleaved'); "
-                         f"schedule {name!r} runs one model chunk per rank")
+        raise ValueError(
+            f"--virtual-stages {virtual_stages} needs --schedule interleaved (in "
+            f"Python: virtual_stages={virtual_stages}, schedule='interleaved'); "
+            f"schedule {name!r} runs one model chunk per rank"
+        )
     return 1
+
 
 def placement_of(name: str) -> str:
     """The chunk placement of schedule `name` ("loop" unless it places chunks in a V)."""

@@ -121,8 +121,9 @@ def one_f_one_b(pp: int, m: int, stage: int) -> list[Action]:
     return actions
 
 
-def _with_comms(compute: list[Action], pp: int, stage: int, num_chunks: int,
-                placement: str = "loop") -> list[Action]:
+def _with_comms(
+    compute: list[Action], pp: int, stage: int, num_chunks: int, placement: str = "loop"
+) -> list[Action]:
     """Surround each compute action with its communication: receive right before, send right
     after (as `_forward` / `_backward` do for one chunk). ``backward_weight`` communicates nothing."""
     last = pp * num_chunks - 1
@@ -133,12 +134,16 @@ def _with_comms(compute: list[Action], pp: int, stage: int, num_chunks: int,
     around = {}  # (kind, chunk) -> (receive before, send after), each None when in memory
     for chunk in {a.chunk for a in compute}:
         vs = virtual_stage(stage, chunk, pp, placement)
-        for kind, recv, send in (("forward", "recv_act", "send_act"),
-                                 ("backward", "recv_grad", "send_grad"),
-                                 ("backward_input", "recv_grad", "send_grad")):
+        for kind, recv, send in (
+            ("forward", "recv_act", "send_act"),
+            ("backward", "recv_grad", "send_grad"),
+            ("backward_input", "recv_grad", "send_grad"),
+        ):
             step = 1 if kind == "forward" else -1
-            around[kind, chunk] = (recv if remote(vs - step) else None,
-                                   send if remote(vs + step) else None)
+            around[kind, chunk] = (
+                recv if remote(vs - step) else None,
+                send if remote(vs + step) else None,
+            )
     out = []
     for a in compute:
         before, after = around.get((a.kind, a.chunk), (None, None))
@@ -289,10 +294,12 @@ def dualpipev(pp: int, m: int, stage: int) -> list[Action]:
     _check_args(pp, m, stage)
     _check_v(pp, "DualPipeV")
     if m < 2 * pp:
-        raise ValueError(f"DualPipeV needs at least 2 x pp = {2 * pp} micro-batches (one per "
-                         f"virtual stage), got m = {m}; use more micro-batches (megapar-train: "
-                         f"a larger --global-batch-size; megapar-bubble: -m) or --schedule "
-                         f"zb-v, which takes any m")
+        raise ValueError(
+            f"DualPipeV needs at least 2 x pp = {2 * pp} micro-batches (one per "
+            f"virtual stage), got m = {m}; use more micro-batches (megapar-train: "
+            f"a larger --global-batch-size; megapar-bubble: -m) or --schedule "
+            f"zb-v, which takes any m"
+        )
     return _with_comms(_dualpipev_order(pp, m, stage), pp, stage, 2, "v")
 
 
@@ -301,6 +308,7 @@ def interleaved_rounds(pp: int, m: int, what: str = "interleaved 1F1B") -> int:
     naming the valid m otherwise. Cheap: the planner checks every candidate with it."""
     rounds = max(1, m // pp)
     if m % rounds:
+
         def valid(k: int) -> bool:
             return k % max(1, k // pp) == 0
 
@@ -309,7 +317,8 @@ def interleaved_rounds(pp: int, m: int, what: str = "interleaved 1F1B") -> int:
         raise ValueError(
             f"{what} runs the {m} micro-batches in max(1, m // pp) = {rounds} rounds of equal "
             f"size, so m must be divisible by {rounds}; the nearest valid m are {below} and "
-            f"{above} (every m <= pp and every multiple of pp is valid, and some others)")
+            f"{above} (every m <= pp and every multiple of pp is valid, and some others)"
+        )
     return m // rounds
 
 
@@ -370,8 +379,10 @@ def _check_chunks(pp: int, virtual_stages: int, what: str) -> None:
     if pp < 2:
         raise ValueError(f"{what} needs --pp >= 2 (with one stage use --schedule 1f1b)")
     if not isinstance(virtual_stages, int) or virtual_stages < 2:
-        raise ValueError(f"{what} needs --virtual-stages >= 2 model chunks per rank, got "
-                         f"{virtual_stages!r} (with one chunk per rank use --schedule 1f1b)")
+        raise ValueError(
+            f"{what} needs --virtual-stages >= 2 model chunks per rank, got "
+            f"{virtual_stages!r} (with one chunk per rank use --schedule 1f1b)"
+        )
 
 
 def interleaved_1f1b(pp: int, m: int, stage: int, virtual_stages: int = 2) -> list[Action]:
@@ -412,8 +423,9 @@ SPLIT_BACKWARD = frozenset({"zb-h1", "zb-v", "dualpipev"})
 (``backward_weight``): every stage has a W for each micro-batch, whatever the size."""
 
 
-def schedule_actions(name: str, pp: int, m: int, stage: int,
-                     virtual_stages: int = 1) -> list[Action]:
+def schedule_actions(
+    name: str, pp: int, m: int, stage: int, virtual_stages: int = 1
+) -> list[Action]:
     """The action list of `stage` for schedule `name` with `virtual_stages` chunks per rank."""
     fn = get_schedule(name)
     chunks = chunks_per_rank(name, virtual_stages)
@@ -423,12 +435,12 @@ def schedule_actions(name: str, pp: int, m: int, stage: int,
 
 
 @lru_cache(maxsize=8)
-def stage_actions(name: str, pp: int, m: int,
-                  virtual_stages: int = 1) -> tuple[tuple[Action, ...], ...]:
+def stage_actions(
+    name: str, pp: int, m: int, virtual_stages: int = 1
+) -> tuple[tuple[Action, ...], ...]:
     """`schedule_actions` of every stage, as tuples, cached: the planner and the message
     programs ask for the same lists several times per (schedule, pp, m, V)."""
-    return tuple(tuple(schedule_actions(name, pp, m, stage, virtual_stages))
-                 for stage in range(pp))
+    return tuple(tuple(schedule_actions(name, pp, m, stage, virtual_stages)) for stage in range(pp))
 
 
 def check_schedule(name: str, pp: int, m: int, virtual_stages: int = 1) -> None:
@@ -441,8 +453,9 @@ def get_schedule(name: str) -> Callable[..., list[Action]]:
     try:
         return SCHEDULES[name]
     except KeyError:
-        raise ValueError(f"unknown pipeline schedule {name!r}; valid schedules: "
-                         f"{', '.join(sorted(SCHEDULES))}") from None
+        raise ValueError(
+            f"unknown pipeline schedule {name!r}; valid schedules: {', '.join(sorted(SCHEDULES))}"
+        ) from None
 
 
 def in_flight_peak(actions: list[Action]) -> int:

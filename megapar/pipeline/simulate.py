@@ -78,8 +78,9 @@ StageCosts = Costs | Sequence[Costs]
 """One stage's costs: the same for all its chunks, or one per model chunk."""
 
 
-def _channel(stage: int, action: Action, pp: int, chunks: int = 1,
-             placement: str = "loop") -> Channel | None:
+def _channel(
+    stage: int, action: Action, pp: int, chunks: int = 1, placement: str = "loop"
+) -> Channel | None:
     """The directed channel an action sends on or receives from (None for compute). With one
     chunk per rank a missing neighbour is reported as stage -1 or pp."""
     if action.kind not in ("send_act", "recv_act", "send_grad", "recv_grad"):
@@ -97,12 +98,18 @@ def _channel(stage: int, action: Action, pp: int, chunks: int = 1,
 class _Simulator:
     """State of one simulation: program counters, clocks and in-flight messages."""
 
-    def __init__(self, schedules: Schedules, costs: Costs | Sequence[StageCosts],
-                 placement: str = "loop", events: bool = True) -> None:
+    def __init__(
+        self,
+        schedules: Schedules,
+        costs: Costs | Sequence[StageCosts],
+        placement: str = "loop",
+        events: bool = True,
+    ) -> None:
         self.schedules = schedules
         self.pp = len(schedules)
-        self.costs: list[StageCosts] = \
+        self.costs: list[StageCosts] = (
             [costs] * self.pp if isinstance(costs, Costs) else list(costs)
+        )
         if len(self.costs) != self.pp:
             raise ValueError(f"{len(self.costs)} per-stage costs for {self.pp} stages")
         self.chunks = 1 + max((a.chunk for acts in schedules for a in acts), default=0)
@@ -118,8 +125,10 @@ class _Simulator:
             for a in actions:
                 if (a.kind, a.chunk) not in known:
                     chunk_cost = cost if isinstance(cost, Costs) else cost[a.chunk]
-                    known[a.kind, a.chunk] = (self.channel(stage, a),
-                                              chunk_cost.duration_ms(a.kind))
+                    known[a.kind, a.chunk] = (
+                        self.channel(stage, a),
+                        chunk_cost.duration_ms(a.kind),
+                    )
             self.channels.append([known[a.kind, a.chunk][0] for a in actions])
             self.durations.append([known[a.kind, a.chunk][1] for a in actions])
             self.receives.append([a.kind in RECEIVE_KINDS for a in actions])
@@ -138,8 +147,10 @@ class _Simulator:
                     continue
                 peer = channel[0] if channel[1] == stage else channel[1]
                 if not 0 <= peer < self.pp:
-                    raise CommMismatchError(f"stage {stage} has {action} ({action.kind}) but there "
-                                            f"is no stage {peer} (pp={self.pp})")
+                    raise CommMismatchError(
+                        f"stage {stage} has {action} ({action.kind}) but there "
+                        f"is no stage {peer} (pp={self.pp})"
+                    )
 
     def channel(self, stage: int, action: Action) -> Channel | None:
         return _channel(stage, action, self.pp, self.chunks, self.placement)
@@ -154,8 +165,11 @@ class _Simulator:
         """Execute the stage's actions in order until one blocks in a receive whose message has
         not been sent yet, or the program ends; whether any action ran."""
         actions, channels, durations, receives = (
-            self.schedules[stage], self.channels[stage], self.durations[stage],
-            self.receives[stage])
+            self.schedules[stage],
+            self.channels[stage],
+            self.durations[stage],
+            self.receives[stage],
+        )
         times, events = self.times[stage], self.events
         first = pc = self.pc[stage]
         clock, p2p_ms = self.clock_ms[stage], self.p2p_ms[stage]
@@ -171,7 +185,8 @@ class _Simulator:
                     raise CommMismatchError(
                         f"order mismatch on channel stage {channel[0]} -> stage {channel[1]} "
                         f"({channel[2]}): message #{index} is {sent_action} but stage {stage} "
-                        f"receives {action}")
+                        f"receives {action}"
+                    )
                 self.received[channel] = index + 1
                 clock = max(start, arrival)
             else:
@@ -180,8 +195,9 @@ class _Simulator:
                     self.sent.setdefault(channel, []).append((action, clock + p2p_ms))
             times.append((start / 1e3, clock / 1e3))
             if events is not None:
-                events.append(Event(stage, action.kind, action.mb, start / 1e3, clock / 1e3,
-                                    action.chunk))
+                events.append(
+                    Event(stage, action.kind, action.mb, start / 1e3, clock / 1e3, action.chunk)
+                )
             pc += 1
         self.pc[stage], self.clock_ms[stage] = pc, clock
         return pc > first
@@ -199,9 +215,12 @@ class _Simulator:
             if self.done(sender):
                 return CommMismatchError(
                     f"stage {stage} waits for {action} ({action.kind}) but stage {sender} "
-                    f"finished its schedule without sending it")
-            waiting.append(f"stage {stage} blocked at {action} (waiting for stage {sender}, "
-                           f"which is blocked at {self.next_action(sender)})")
+                    f"finished its schedule without sending it"
+                )
+            waiting.append(
+                f"stage {stage} blocked at {action} (waiting for stage {sender}, "
+                f"which is blocked at {self.next_action(sender)})"
+            )
         return DeadlockError("pipeline schedule deadlocks: " + "; ".join(waiting))
 
     def check_all_received(self) -> None:
@@ -211,7 +230,8 @@ class _Simulator:
                 extra = " ".join(str(a) for a, _ in queue[received:])
                 raise CommMismatchError(
                     f"stage {src} sent {len(queue)} {what} messages to stage {dst}, which "
-                    f"received only {received}; never received: {extra}")
+                    f"received only {received}; never received: {extra}"
+                )
 
     def run(self) -> Timeline | None:
         """The step's `Timeline` (None when built without events: see `times`)."""
@@ -226,8 +246,9 @@ class _Simulator:
         return None if self.events is None else Timeline(self.events)
 
 
-def simulate(schedules: Schedules, costs: Costs | Sequence[StageCosts] | None = None,
-             placement: str = "loop") -> Timeline:
+def simulate(
+    schedules: Schedules, costs: Costs | Sequence[StageCosts] | None = None, placement: str = "loop"
+) -> Timeline:
     """Run `schedules[s]` on stage s for every s; the timeline of the step (times in seconds).
     `costs`: one cost model for every stage, or a list with one per stage (stages that differ,
     e.g. the last one with the LM head, measured each on its own), where a stage's may be a
@@ -242,8 +263,9 @@ def simulate(schedules: Schedules, costs: Costs | Sequence[StageCosts] | None = 
     return timeline
 
 
-def action_times(schedules: Schedules, costs: Costs | Sequence[StageCosts] | None = None,
-                 placement: str = "loop") -> list[list[tuple[float, float]]]:
+def action_times(
+    schedules: Schedules, costs: Costs | Sequence[StageCosts] | None = None, placement: str = "loop"
+) -> list[list[tuple[float, float]]]:
     """`simulate` without the `Timeline`: each stage's (start, end) of every action, in
     program order (seconds)."""
     if not schedules:
@@ -253,17 +275,30 @@ def action_times(schedules: Schedules, costs: Costs | Sequence[StageCosts] | Non
     return simulator.times
 
 
-def simulate_schedule(name: str, pp: int, m: int,
-                      costs: Costs | Sequence[StageCosts] | None = None,
-                      virtual_stages: int = 1) -> Timeline:
+def simulate_schedule(
+    name: str,
+    pp: int,
+    m: int,
+    costs: Costs | Sequence[StageCosts] | None = None,
+    virtual_stages: int = 1,
+) -> Timeline:
     """Simulate the named schedule (see `SCHEDULES`) with pp stages and m micro-batches."""
-    return simulate([schedule_actions(name, pp, m, stage, virtual_stages) for stage in range(pp)],
-                    costs, placement_of(name))
+    return simulate(
+        [schedule_actions(name, pp, m, stage, virtual_stages) for stage in range(pp)],
+        costs,
+        placement_of(name),
+    )
 
 
-def theoretical_bubble(pp: int, m: int, schedule: str = "1f1b", virtual_stages: int = 1,
-                       fwd_ms: float = 1.0, bwd_input_ms: float = 1.0,
-                       bwd_weight_ms: float = 1.0) -> float:
+def theoretical_bubble(
+    pp: int,
+    m: int,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    fwd_ms: float = 1.0,
+    bwd_input_ms: float = 1.0,
+    bwd_weight_ms: float = 1.0,
+) -> float:
     """Idle fraction with equal stages and free communication (published formulas):
     - GPipe / 1F1B (Huang et al. 2019; Narayanan et al. 2021): (pp-1) / (m + pp-1);
     - interleaved 1F1B with V chunks per rank (Narayanan et al. 2021): (pp-1) / (V m + pp-1);
@@ -311,6 +346,7 @@ def theoretical_bubble(pp: int, m: int, schedule: str = "1f1b", virtual_stages: 
 # works on any issued operations: programs built from schedules (`check_programs`) or what the
 # executor really issued in a step (`megapar.pipeline.p2p.StageP2P.issued`).
 
+
 @dataclass(frozen=True)
 class Op:
     """One issued point-to-point operation."""
@@ -345,22 +381,27 @@ def check(streams: dict[int, list[list[Op]]]) -> None:
         if other is None:
             rank, g, o = loc
             op = streams[rank][g][o]
-            missing = f"rank {dst} issues no matching receive" if is_send else \
-                f"rank {src} issues no matching send"
+            missing = (
+                f"rank {dst} issues no matching receive"
+                if is_send
+                else f"rank {src} issues no matching send"
+            )
             raise CommMismatchError(
                 f"rank {rank}'s {op.label or op.message} (message {k} from rank {src} to rank "
-                f"{dst}, group {g} {_show(streams[rank][g])}) is never paired: {missing}")
+                f"{dst}, group {g} {_show(streams[rank][g])}) is never paired: {missing}"
+            )
         partner[loc] = other
         if is_send:
-            sent, got = (streams[loc[0]][loc[1]][loc[2]],
-                         streams[other[0]][other[1]][other[2]])
-            if sent.message != got.message or (sent.nbytes and got.nbytes
-                                                and sent.nbytes != got.nbytes):
+            sent, got = (streams[loc[0]][loc[1]][loc[2]], streams[other[0]][other[1]][other[2]])
+            if sent.message != got.message or (
+                sent.nbytes and got.nbytes and sent.nbytes != got.nbytes
+            ):
                 raise CommMismatchError(
                     f"message {k} from rank {src} to rank {dst} pairs rank {src}'s "
                     f"{sent.label or sent.message} ({sent.nbytes} bytes, group {loc[1]}) with rank "
                     f"{dst}'s {got.label or got.message} ({got.nbytes} bytes, group {other[1]}): "
-                    f"NCCL pairs by issue order, so the receiver would get the wrong tensor")
+                    f"NCCL pairs by issue order, so the receiver would get the wrong tensor"
+                )
     pc = {rank: 0 for rank in streams}  # each rank's current group
     pending = {}  # rank -> ops of its current group not finished yet
     work = list(streams)
@@ -383,9 +424,13 @@ def check(streams: dict[int, list[list[Op]]]) -> None:
             pc[rank] += 1
     stuck = {rank: g for rank, g in pc.items() if g < len(streams[rank])}
     if stuck:
-        raise DeadlockError("the issued messages deadlock under NCCL's rules: " + "; ".join(
-            _blocked(streams, rank, g, pending.get(rank, ()), partner, pc)
-            for rank, g in sorted(stuck.items())))
+        raise DeadlockError(
+            "the issued messages deadlock under NCCL's rules: "
+            + "; ".join(
+                _blocked(streams, rank, g, pending.get(rank, ()), partner, pc)
+                for rank, g in sorted(stuck.items())
+            )
+        )
 
 
 def _show(group: list[Op]) -> str:
@@ -396,10 +441,15 @@ def _blocked(streams, rank, g, pending, partner, pc) -> str:
     waits = []
     for o in sorted(pending):
         peer, pg, _ = partner[rank, g, o]
-        waits.append(f"{streams[rank][g][o].label} needs rank {peer}'s group {pg} "
-                     f"{_show(streams[peer][pg])}, but rank {peer} is at group {pc[peer]}"
-                     + (f" {_show(streams[peer][pc[peer]])}" if pc[peer] < len(streams[peer])
-                        else " (finished)"))
+        waits.append(
+            f"{streams[rank][g][o].label} needs rank {peer}'s group {pg} "
+            f"{_show(streams[peer][pg])}, but rank {peer} is at group {pc[peer]}"
+            + (
+                f" {_show(streams[peer][pc[peer]])}"
+                if pc[peer] < len(streams[peer])
+                else " (finished)"
+            )
+        )
     return f"rank {rank} blocked in group {g} {_show(streams[rank][g])}: " + ", ".join(waits)
 
 
@@ -407,9 +457,15 @@ def program_streams(programs, placement: str = "loop") -> dict[int, list[list[Op
     """The group calls of each stage's program (`megapar.pipeline.messages.programs`), with
     pipeline ranks as ranks. A message is (what it carries, micro-batch, receiving chunk)."""
     pp = len(programs)
-    chunks = 1 + max((a.chunk for p in programs for step in p
-                      for a in (step.messages if isinstance(step, MessageGroup) else (step,))),
-                     default=0)
+    chunks = 1 + max(
+        (
+            a.chunk
+            for p in programs
+            for step in p
+            for a in (step.messages if isinstance(step, MessageGroup) else (step,))
+        ),
+        default=0,
+    )
     streams = {}
     for rank, program in enumerate(programs):
         groups = []
@@ -419,12 +475,14 @@ def program_streams(programs, placement: str = "loop") -> dict[int, list[list[Op
                 for a in step.messages:
                     located = peer_of(rank, a, pp, chunks, placement)
                     if located is None:
-                        raise CommMismatchError(f"rank {rank}'s {a} has no peer: it is beyond "
-                                                f"an end of the model")
+                        raise CommMismatchError(
+                            f"rank {rank}'s {a} has no peer: it is beyond an end of the model"
+                        )
                     peer, peer_chunk = located
                     send = a.kind.startswith("send")
-                    group.append(Op(send, peer, (a.kind[5:], a.mb, peer_chunk if send else a.chunk),
-                                    str(a)))
+                    group.append(
+                        Op(send, peer, (a.kind[5:], a.mb, peer_chunk if send else a.chunk), str(a))
+                    )
                 groups.append(group)
         streams[rank] = groups
     return streams
@@ -438,7 +496,11 @@ def check_programs(programs, schedule: str = "1f1b") -> None:
 def one_by_one(schedules) -> list[list]:
     """Each message in a group of its own, where the schedule (or program) lists it: what
     issuing every message with a single ``isend`` / ``irecv`` call does."""
-    return [[MessageGroup((a,)) if a.kind in MESSAGE_KINDS else a
-             for step in steps
-             for a in (step.messages if isinstance(step, MessageGroup) else (step,))]
-            for steps in schedules]
+    return [
+        [
+            MessageGroup((a,)) if a.kind in MESSAGE_KINDS else a
+            for step in steps
+            for a in (step.messages if isinstance(step, MessageGroup) else (step,))
+        ]
+        for steps in schedules
+    ]

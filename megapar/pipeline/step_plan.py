@@ -18,8 +18,9 @@ once (`trace_events`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from megapar.faults.status import encode_action
 from megapar.pipeline import messages
@@ -201,14 +202,20 @@ def plan_step(program: tuple, programs: tuple | None, place: StagePlace, chunks)
     """The plan of `program` (this rank's), on `place`; `programs` (every stage's, for the
     acknowledgements) is None when there is no peer; `chunks` are this rank's model chunks."""
     actions = [(i, a) for i, a in enumerate(program) if isinstance(a, Action)]
-    acks = ({} if programs is None else
-            messages.acknowledgements(programs, place.pp_rank, place.peer))
-    steps = tuple(plan_group(step, place) if isinstance(step, MessageGroup)
-                  else plan_compute(i, step, acks, place) for i, step in enumerate(program))
+    acks = (
+        {} if programs is None else messages.acknowledgements(programs, place.pp_rank, place.peer)
+    )
+    steps = tuple(
+        plan_group(step, place)
+        if isinstance(step, MessageGroup)
+        else plan_compute(i, step, acks, place)
+        for i, step in enumerate(program)
+    )
     posts: dict[int, list] = {}
     for step in steps:
-        for message in map(PlannedMessage._make, step.messages) if isinstance(
-                step, PlannedGroup) else ():
+        for message in (
+            map(PlannedMessage._make, step.messages) if isinstance(step, PlannedGroup) else ()
+        ):
             if message.code == RECV:
                 posts.setdefault(message.peer, []).append(message)
     last_backward = max((i for i, a in actions if a.kind in AUTOGRAD_KINDS), default=None)
@@ -218,14 +225,23 @@ def plan_step(program: tuple, programs: tuple | None, place: StagePlace, chunks)
     events, at, readings = trace_events(steps, syncs_at)
     walk = walk_of(steps, at, syncs_at, report_at)
     saids = [step.said for step in steps]
-    saids += [step.recv.said for step in steps
-              if isinstance(step, PlannedCompute) and step.recv is not None]
+    saids += [
+        step.recv.said
+        for step in steps
+        if isinstance(step, PlannedCompute) and step.recv is not None
+    ]
     return StepPlan(
-        program=program, walk=walk, last_backward=last_backward, arm_at=arm_at,
-        report_at=report_at, split_backward=any(a.kind == "backward_input" for _, a in actions),
+        program=program,
+        walk=walk,
+        last_backward=last_backward,
+        arm_at=arm_at,
+        report_at=report_at,
+        split_backward=any(a.kind == "backward_input" for _, a in actions),
         posts={rank: tuple(recvs) for rank, recvs in posts.items()},
-        longest=max((len(said) for said in saids), default=0), events=events,
-        readings=readings)
+        longest=max((len(said) for said in saids), default=0),
+        events=events,
+        readings=readings,
+    )
 
 
 def plan_group(group: MessageGroup, place: StagePlace) -> PlannedGroup:
@@ -236,28 +252,40 @@ def plan_group(group: MessageGroup, place: StagePlace) -> PlannedGroup:
         peer, peer_chunk = place.peer(place.pp_rank, a)
         send = a.kind.startswith("send")
         slot = place.slot(a.mb, a.chunk)
-        planned.append(PlannedMessage(
-            slot * 4 + MESSAGE_KINDS.index(a.kind), codes.get(a.kind, RECV), slot,
-            (a.kind, a.mb, a.chunk),
-            place.stage_rank(peer), (a.kind[5:], a.mb, peer_chunk if send else a.chunk),
-            str(a)))
+        planned.append(
+            PlannedMessage(
+                slot * 4 + MESSAGE_KINDS.index(a.kind),
+                codes.get(a.kind, RECV),
+                slot,
+                (a.kind, a.mb, a.chunk),
+                place.stage_rank(peer),
+                (a.kind[5:], a.mb, peer_chunk if send else a.chunk),
+                str(a),
+            )
+        )
     peers = sorted({message.peer for message in planned})
-    doing = (f"{group.name} {group} on pp stage {place.pp_rank} (with rank"
-             f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))})")
+    doing = (
+        f"{group.name} {group} on pp stage {place.pp_rank} (with rank"
+        f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))})"
+    )
     receives_only = all(message.code == RECV for message in planned)
     return PlannedGroup(
-        tuple(tuple(message) for message in planned), encode_action(doing),
+        tuple(tuple(message) for message in planned),
+        encode_action(doing),
         tuple(message.slot for message in planned if message.code == SEND_ACT),
         tuple(message.key for message in planned if message.code != RECV),
         received=tuple((m.key, None, m.peer, m.carries, m.label) for m in planned)
-        if receives_only else None)
+        if receives_only
+        else None,
+    )
 
 
 def plan_compute(i: int, a: Action, acks: dict, place: StagePlace) -> PlannedCompute:
     """Compute `a` (at index `i`) with the message it waits for, or the V's hand-over."""
     doing = f"{a.kind} of micro-batch {a.mb} on pp stage {place.pp_rank}"
-    planned = PlannedCompute(i, a, a.kind, (a.kind, a.mb, a.chunk), None, None,
-                             encode_action(doing))
+    planned = PlannedCompute(
+        i, a, a.kind, (a.kind, a.mb, a.chunk), None, None, encode_action(doing)
+    )
     last = place.pp * place.chunks - 1
     if a.kind == "forward" and place.virtual_stage(a.chunk) != 0:
         kind = "recv_act"
@@ -271,9 +299,16 @@ def plan_compute(i: int, a: Action, acks: dict, place: StagePlace) -> PlannedCom
         return planned._replace(hand_over=(kind, place.slot(a.mb, peer_chunk)))
     peer = place.stage_rank(peer_stage)
     waiting = f"{kind} of micro-batch {a.mb} on pp stage {place.pp_rank} (from rank {peer})"
-    return planned._replace(recv=PlannedRecv(
-        key, peer, encode_action(waiting), tuple(acks.get(key, ())), place.slot(a.mb, a.chunk),
-        kind == "recv_act"))
+    return planned._replace(
+        recv=PlannedRecv(
+            key,
+            peer,
+            encode_action(waiting),
+            tuple(acks.get(key, ())),
+            place.slot(a.mb, a.chunk),
+            kind == "recv_act",
+        )
+    )
 
 
 def walk_of(steps: tuple, at: tuple, syncs_at: frozenset, report_at: frozenset) -> tuple:
@@ -285,10 +320,21 @@ def walk_of(steps: tuple, at: tuple, syncs_at: frozenset, report_at: frozenset) 
                 walk.append(tuple(WalkStep(group, *(None,) * 8)))
             group = tuple(step._replace(stamp=stamp))
             continue
-        walk.append(tuple(WalkStep(
-            group, step.action, step.kind, step.recv and tuple(step.recv), step.hand_over,
-            step.said, stamp, step.index if step.index in syncs_at else None,
-            step.index if step.index in report_at else None)))
+        walk.append(
+            tuple(
+                WalkStep(
+                    group,
+                    step.action,
+                    step.kind,
+                    step.recv and tuple(step.recv),
+                    step.hand_over,
+                    step.said,
+                    stamp,
+                    step.index if step.index in syncs_at else None,
+                    step.index if step.index in report_at else None,
+                )
+            )
+        )
         group = None
     if group is not None:
         walk.append(tuple(WalkStep(group, *(None,) * 8)))
@@ -331,13 +377,17 @@ def chunk_arming(actions: list, last_backward: int | None, chunks) -> dict:
 
 def check_chunks(program, chunks: int, schedule: str) -> None:
     """Raise where `program` uses more model chunks than the rank holds."""
-    used = {a.chunk for step in program
-            for a in (step.messages if isinstance(step, MessageGroup) else (step,))}
+    used = {
+        a.chunk
+        for step in program
+        for a in (step.messages if isinstance(step, MessageGroup) else (step,))
+    }
     if max(used, default=0) >= chunks:
         raise NotImplementedError(
             f"schedule {schedule!r} uses model chunks {sorted(used)}, but this rank holds "
             f"{chunks} chunk(s); build the stage with as many virtual stages as the schedule "
-            f"uses")
+            f"uses"
+        )
 
 
 def trace_events(steps: tuple, syncs_at: frozenset = frozenset()) -> tuple:

@@ -52,13 +52,19 @@ def sync_tied_embeddings(model: nn.Module, mesh: Mesh, timeout_s: float | None =
     if mesh.embedding_group is None:
         raise RuntimeError(
             f"rank {mesh.rank} (pp stage {mesh.pp_rank}) holds a shared embedding but is in no "
-            f"embedding group; only the first and last pipeline stage may hold one")
+            f"embedding group; only the first and last pipeline stage may hold one"
+        )
     for p in params:
         if p.grad is None:  # e.g. nothing ran backward: take part anyway, the peer is waiting
             p.grad = torch.zeros_like(p)
         work = dist.all_reduce(p.grad, group=mesh.embedding_group, async_op=True)
-        wait(work, mesh.device, timeout_s or mesh.timeout_s,
-             f"rank {mesh.rank}: all-reduce of the tied embedding gradient with the other end "
-             f"of the pipeline", hint="; the first or last stage probably failed, or only one "
-                                      "of them called sync_tied_embeddings")
+        wait(
+            work,
+            mesh.device,
+            timeout_s or mesh.timeout_s,
+            f"rank {mesh.rank}: all-reduce of the tied embedding gradient with the other end "
+            f"of the pipeline",
+            hint="; the first or last stage probably failed, or only one "
+            "of them called sync_tied_embeddings",
+        )
     return len(params)

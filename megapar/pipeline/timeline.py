@@ -21,8 +21,14 @@ COMM_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})
 """Pipeline point-to-point communication kinds."""
 
 SHORT_NAMES = {
-    "forward": "F", "backward": "B", "recompute": "R", "backward_input": "BI",
-    "backward_weight": "BW", "recv_act": "RA", "send_act": "SA", "recv_grad": "RG",
+    "forward": "F",
+    "backward": "B",
+    "recompute": "R",
+    "backward_input": "BI",
+    "backward_weight": "BW",
+    "recv_act": "RA",
+    "send_act": "SA",
+    "recv_grad": "RG",
     "send_grad": "SG",
 }
 """Short labels of known kinds; other kinds are labelled by their full name."""
@@ -57,8 +63,10 @@ class Event:
 
     def __post_init__(self):
         if self.end < self.start:
-            raise ValueError(f"event {self.label} on rank {self.rank} ends before it starts "
-                             f"({self.end} < {self.start})")
+            raise ValueError(
+                f"event {self.label} on rank {self.rank} ends before it starts "
+                f"({self.end} < {self.start})"
+            )
 
     @property
     def duration(self) -> float:
@@ -99,8 +107,9 @@ class Timeline:
 
     def busy_time(self, rank: int) -> float:
         """Seconds during which at least one compute event runs on `rank` (union of intervals)."""
-        intervals = sorted((e.start, e.end) for e in self.events
-                           if e.rank == rank and e.kind in COMPUTE_KINDS)
+        intervals = sorted(
+            (e.start, e.end) for e in self.events if e.rank == rank and e.kind in COMPUTE_KINDS
+        )
         busy, cur_start = 0.0, 0.0  # cur_start is read only once cur_end is set
         cur_end: float | None = None
         for s, e in intervals:
@@ -119,7 +128,7 @@ class Timeline:
         return {"events": [asdict(e) for e in self.events]}
 
     @classmethod
-    def from_json(cls, data: dict | list) -> "Timeline":
+    def from_json(cls, data: dict | list) -> Timeline:
         """Inverse of `to_json`; also accepts the bare list of event dicts."""
         rows = data["events"] if isinstance(data, dict) else data
         return cls([Event(**row) for row in rows])
@@ -129,7 +138,7 @@ class Timeline:
             json.dump(self.to_json(), f)
 
     @classmethod
-    def load(cls, path: str) -> "Timeline":
+    def load(cls, path: str) -> Timeline:
         with open(path) as f:
             return cls.from_json(json.load(f))
 
@@ -147,20 +156,32 @@ def bubble_stats(timeline: Timeline) -> dict:
     for rank in timeline.ranks():
         busy = timeline.busy_time(rank)
         idle = step - busy
-        per_rank.append({"rank": rank, "busy_s": busy, "idle_s": idle,
-                         "bubble": idle / step if step > 0 else 0.0})
+        per_rank.append(
+            {
+                "rank": rank,
+                "busy_s": busy,
+                "idle_s": idle,
+                "bubble": idle / step if step > 0 else 0.0,
+            }
+        )
     measured = sum(r["bubble"] for r in per_rank) / len(per_rank)
     return {"step_time_s": step, "measured_bubble": measured, "per_rank": per_rank}
 
 
-def format_bubble_table(stats: dict, theoretical: float | None = None, row_name: str = "stage") -> str:
+def format_bubble_table(
+    stats: dict, theoretical: float | None = None, row_name: str = "stage"
+) -> str:
     """A fixed-width table of `bubble_stats` output, one line per rank plus a mean line."""
     theory = "-" if theoretical is None else f"{100 * theoretical:.1f}"
     lines = [f"{row_name:>6} {'busy ms':>10} {'idle ms':>10} {'bubble %':>9} {'theory %':>9}"]
     for r in stats["per_rank"]:
-        lines.append(f"{r['rank']:>6} {1e3 * r['busy_s']:>10.3f} {1e3 * r['idle_s']:>10.3f} "
-                     f"{100 * r['bubble']:>9.1f} {theory:>9}")
-    lines.append(f"{'mean':>6} {'':>10} {'':>10} {100 * stats['measured_bubble']:>9.1f} {theory:>9}")
+        lines.append(
+            f"{r['rank']:>6} {1e3 * r['busy_s']:>10.3f} {1e3 * r['idle_s']:>10.3f} "
+            f"{100 * r['bubble']:>9.1f} {theory:>9}"
+        )
+    lines.append(
+        f"{'mean':>6} {'':>10} {'':>10} {100 * stats['measured_bubble']:>9.1f} {theory:>9}"
+    )
     lines.append(f"step time {1e3 * stats['step_time_s']:.3f} ms")
     return "\n".join(lines)
 
@@ -170,14 +191,37 @@ def to_chrome_trace(timeline: Timeline, row_name: str = "stage") -> dict:
     t0 = timeline.start
     trace = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "megapar"}}]
     for rank in timeline.ranks():
-        trace.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": rank,
-                      "args": {"name": f"{row_name} {rank}"}})
-        trace.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": rank,
-                      "args": {"sort_index": rank}})
+        trace.append(
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": 0,
+                "tid": rank,
+                "args": {"name": f"{row_name} {rank}"},
+            }
+        )
+        trace.append(
+            {
+                "ph": "M",
+                "name": "thread_sort_index",
+                "pid": 0,
+                "tid": rank,
+                "args": {"sort_index": rank},
+            }
+        )
     for e in sorted(timeline.events, key=lambda e: (e.rank, e.start)):
-        trace.append({"ph": "X", "name": e.label, "cat": e.kind, "pid": 0, "tid": e.rank,
-                      "ts": 1e6 * (e.start - t0), "dur": 1e6 * e.duration,
-                      "args": {"mb": e.mb, "chunk": e.chunk}})
+        trace.append(
+            {
+                "ph": "X",
+                "name": e.label,
+                "cat": e.kind,
+                "pid": 0,
+                "tid": e.rank,
+                "ts": 1e6 * (e.start - t0),
+                "dur": 1e6 * e.duration,
+                "args": {"mb": e.mb, "chunk": e.chunk},
+            }
+        )
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
@@ -187,9 +231,14 @@ def write_chrome_trace(timeline: Timeline, path: str, row_name: str = "stage") -
 
 
 _COLOURS = {
-    "forward": "#4c72b0", "backward": "#55a868", "recompute": "#dd8452",
-    "backward_input": "#8fd18f", "backward_weight": "#2e7d32",
-    "comm": "#8c8c8c", "other": "#8172b2", "idle": "#f2f2f2",
+    "forward": "#4c72b0",
+    "backward": "#55a868",
+    "recompute": "#dd8452",
+    "backward_input": "#8fd18f",
+    "backward_weight": "#2e7d32",
+    "comm": "#8c8c8c",
+    "other": "#8172b2",
+    "idle": "#f2f2f2",
 }
 
 
@@ -199,7 +248,9 @@ def _colour_key(kind: str) -> str:
     return "comm" if kind in COMM_KINDS or kind == "wait" else "other"
 
 
-def plot_gantt(timeline: Timeline, path: str, title: str | None = None, row_name: str = "stage") -> None:
+def plot_gantt(
+    timeline: Timeline, path: str, title: str | None = None, row_name: str = "stage"
+) -> None:
     """Save a Gantt chart PNG: one row per rank, compute as full boxes, communication as thin bars."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -207,8 +258,12 @@ def plot_gantt(timeline: Timeline, path: str, title: str | None = None, row_name
 
     ranks = timeline.ranks()
     t0, span_ms = timeline.start, 1e3 * timeline.step_time
-    fig = Figure(figsize=(max(8.0, min(24.0, 0.25 * len(timeline.events) / max(1, len(ranks)))),
-                          1.0 + 0.6 * max(1, len(ranks))))
+    fig = Figure(
+        figsize=(
+            max(8.0, min(24.0, 0.25 * len(timeline.events) / max(1, len(ranks)))),
+            1.0 + 0.6 * max(1, len(ranks)),
+        )
+    )
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     used = {"idle"}
@@ -219,11 +274,23 @@ def plot_gantt(timeline: Timeline, path: str, title: str | None = None, row_name
             used.add(key)
             x, w = 1e3 * (e.start - t0), 1e3 * e.duration
             if e.kind in COMPUTE_KINDS or key == "other":
-                ax.broken_barh([(x, w)], (row - 0.4, 0.8), facecolors=_COLOURS[key],
-                               edgecolors="white", linewidth=0.5)
+                ax.broken_barh(
+                    [(x, w)],
+                    (row - 0.4, 0.8),
+                    facecolors=_COLOURS[key],
+                    edgecolors="white",
+                    linewidth=0.5,
+                )
                 if e.mb is not None and span_ms > 0 and w > 0.02 * span_ms:
-                    ax.text(x + w / 2, row, str(e.mb), ha="center", va="center",
-                            fontsize=7, color="white")
+                    ax.text(
+                        x + w / 2,
+                        row,
+                        str(e.mb),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white",
+                    )
             else:
                 ax.broken_barh([(x, w)], (row - 0.4, 0.15), facecolors=_COLOURS[key])
     ax.set_yticks(range(len(ranks)), [f"{row_name} {r}" for r in ranks])
@@ -232,10 +299,23 @@ def plot_gantt(timeline: Timeline, path: str, title: str | None = None, row_name
     ax.set_xlabel("time (ms)")
     if title:
         ax.set_title(title)
-    order = ["forward", "backward", "backward_input", "backward_weight", "recompute", "comm",
-             "other", "idle"]
-    ax.legend(handles=[Patch(facecolor=_COLOURS[k], edgecolor="#999999", label=k)
-                       for k in order if k in used],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    order = [
+        "forward",
+        "backward",
+        "backward_input",
+        "backward_weight",
+        "recompute",
+        "comm",
+        "other",
+        "idle",
+    ]
+    ax.legend(
+        handles=[
+            Patch(facecolor=_COLOURS[k], edgecolor="#999999", label=k) for k in order if k in used
+        ],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)

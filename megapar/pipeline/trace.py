@@ -17,7 +17,8 @@ share one clock and `gather_timeline` aligns them the same way.
 from __future__ import annotations
 
 import time
-from typing import Callable, cast
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -66,17 +67,29 @@ class StepClock:
                 last.synchronize()
                 done.append(True)
             return host + origin.elapsed_time(stamp) / 1e3
+
         return seconds
 
 
 # --- every stage's trace on pp rank 0 -----------------------------------------------------------
-TRACE_KINDS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad",
-               "backward_input", "backward_weight", "wait", "loss_broadcast")
+TRACE_KINDS = (
+    "recv_act",
+    "forward",
+    "send_act",
+    "recv_grad",
+    "backward",
+    "send_grad",
+    "backward_input",
+    "backward_weight",
+    "wait",
+    "loss_broadcast",
+)
 """Event kinds `gather_timeline` can encode (as their index in this tuple)."""
 
 
-def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float | None = None,
-                    sync_rounds: int = 8):
+def gather_timeline(
+    timeline: Timeline, mesh: Mesh, timeout_s: float | None = None, sync_rounds: int = 8
+):
     """Every pp stage's events on pp rank 0 (a `Timeline`), None on the other ranks.
 
     Collective over `mesh.pp_group`; each wait lasts at most `timeout_s` (default: the run's,
@@ -95,30 +108,60 @@ def gather_timeline(timeline: Timeline, mesh: Mesh, timeout_s: float | None = No
     offset = float("inf")
     for _ in range(sync_rounds):
         stamp = torch.tensor([time.perf_counter()], dtype=torch.float64, device=dev)
-        wait_work(dist.broadcast(stamp, src=root, group=group, async_op=True), dev, timeout_s,
-                  f"rank {mesh.rank}: clock alignment of gather_timeline")
+        wait_work(
+            dist.broadcast(stamp, src=root, group=group, async_op=True),
+            dev,
+            timeout_s,
+            f"rank {mesh.rank}: clock alignment of gather_timeline",
+        )
         offset = min(offset, time.perf_counter() - stamp.item())
     if mesh.is_first_stage:
         offset = 0.0
-    rows = torch.tensor([[TRACE_KINDS.index(e.kind), -1 if e.mb is None else e.mb, e.chunk,
-                          e.start - offset, e.end - offset] for e in timeline.events],
-                        dtype=torch.float64, device=dev).reshape(-1, 5)
+    rows = torch.tensor(
+        [
+            [
+                TRACE_KINDS.index(e.kind),
+                -1 if e.mb is None else e.mb,
+                e.chunk,
+                e.start - offset,
+                e.end - offset,
+            ]
+            for e in timeline.events
+        ],
+        dtype=torch.float64,
+        device=dev,
+    ).reshape(-1, 5)
     counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(mesh.pp)]
-    wait_work(dist.all_gather(counts, torch.tensor([len(rows)], device=dev), group=group,
-                              async_op=True),
-              dev, timeout_s, f"rank {mesh.rank}: gathering timeline sizes")
+    wait_work(
+        dist.all_gather(counts, torch.tensor([len(rows)], device=dev), group=group, async_op=True),
+        dev,
+        timeout_s,
+        f"rank {mesh.rank}: gathering timeline sizes",
+    )
     longest = max(int(c) for c in counts)
     padded = torch.zeros(longest, 5, dtype=torch.float64, device=dev)
-    padded[:len(rows)] = rows
+    padded[: len(rows)] = rows
     parts = [torch.zeros_like(padded) for _ in range(mesh.pp)] if mesh.is_first_stage else None
-    wait_work(dist.gather(padded, parts, dst=root, group=group, async_op=True), dev, timeout_s,
-              f"rank {mesh.rank}: gathering timelines on pp rank 0")
+    wait_work(
+        dist.gather(padded, parts, dst=root, group=group, async_op=True),
+        dev,
+        timeout_s,
+        f"rank {mesh.rank}: gathering timelines on pp rank 0",
+    )
     if not mesh.is_first_stage:
         return None
     assert parts is not None  # gathered into on the first stage
     events = []
     for stage, (part, count) in enumerate(zip(parts, counts)):
-        for kind, mb, chunk, start, end in part[:int(count)].cpu().tolist():
-            events.append(Event(stage, TRACE_KINDS[int(kind)], None if mb < 0 else int(mb),
-                                start, end, int(chunk)))
+        for kind, mb, chunk, start, end in part[: int(count)].cpu().tolist():
+            events.append(
+                Event(
+                    stage,
+                    TRACE_KINDS[int(kind)],
+                    None if mb < 0 else int(mb),
+                    start,
+                    end,
+                    int(chunk),
+                )
+            )
     return Timeline(events)

@@ -14,8 +14,18 @@ from megapar.plan.estimate import Estimate, Problem, estimate, stage_memory
 from megapar.plan.layouts import Candidate, check, enumerate_candidates, parse_candidate
 from megapar.plan.report import rank
 
-__all__ = ["Candidate", "Estimate", "Problem", "check", "cycle_collection_paused",
-           "enumerate_candidates", "estimate", "parse_candidate", "plan", "stage_memory"]
+__all__ = [
+    "Candidate",
+    "Estimate",
+    "Problem",
+    "check",
+    "cycle_collection_paused",
+    "enumerate_candidates",
+    "estimate",
+    "parse_candidate",
+    "plan",
+    "stage_memory",
+]
 
 
 SIMULATED_LEADERS = 64
@@ -28,9 +38,14 @@ def plan(problem: Problem, **space) -> tuple[list[Estimate], list]:
     `SIMULATED_LEADERS` have simulated bubbles, the rest their formula's."""
 
     with cycle_collection_paused():
-        valid, rejected = enumerate_candidates(problem.config, problem.gpus,
-                                               problem.gpus_per_node, problem.global_batch,
-                                               seq_len=problem.seq_len, **space)
+        valid, rejected = enumerate_candidates(
+            problem.config,
+            problem.gpus,
+            problem.gpus_per_node,
+            problem.global_batch,
+            seq_len=problem.seq_len,
+            **space,
+        )
         first = rank([estimate(problem, c, simulate=False) for c in valid])
         leaders = [estimate(problem, e.candidate) for e in first[:SIMULATED_LEADERS]]
         return rank(leaders + first[SIMULATED_LEADERS:]), rejected

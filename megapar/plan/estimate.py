@@ -137,8 +137,9 @@ class Problem:
     @property
     def dropout(self) -> bool:
         c = self.config
-        return any(getattr(c, k, 0) > 0 for k in ("resid_pdrop", "attn_pdrop",
-                                                  "hidden_dropout_prob"))
+        return any(
+            getattr(c, k, 0) > 0 for k in ("resid_pdrop", "attn_pdrop", "hidden_dropout_prob")
+        )
 
 
 @dataclass
@@ -193,11 +194,14 @@ def cp_traffic(p: Problem, c: Candidate) -> dict[str, list[tuple[str, int, int]]
         return {"forward": [], "backward": []}
     n, block = c.cp, cp_block(p, c)
     if cp_method(p.config) == "ring":
-        return {"forward": [("send", n - 1, block * p.act_bytes)],
-                "backward": [("send", n - 1, block * p.act_bytes), ("send", n, block * 4)]}
-    return {"forward": [("all-gather", 1, block * p.act_bytes)],
-            "backward": [("all-gather", 1, block * p.act_bytes),
-                         ("reduce-scatter", 1, n * block * 4)]}
+        return {
+            "forward": [("send", n - 1, block * p.act_bytes)],
+            "backward": [("send", n - 1, block * p.act_bytes), ("send", n, block * 4)],
+        }
+    return {
+        "forward": [("all-gather", 1, block * p.act_bytes)],
+        "backward": [("all-gather", 1, block * p.act_bytes), ("reduce-scatter", 1, n * block * 4)],
+    }
 
 
 def cp_buffers(p: Problem, c: Candidate) -> float:
@@ -222,20 +226,26 @@ def cp_layer_seconds(p: Problem, c: Candidate, attention_s: float) -> tuple[floa
     gbps = p.intra_gbps if c.tp * n <= p.gpus_per_node else p.inter_gbps
 
     def seconds(op: str, nbytes: int, hide: float) -> float:
-        steps, size = (1, nbytes) if op == "send" else \
-            (n - 1, nbytes / (n if op == "reduce-scatter" else 1))
+        steps, size = (
+            (1, nbytes) if op == "send" else (n - 1, nbytes / (n if op == "reduce-scatter" else 1))
+        )
         wire = steps * (size * 8 / (gbps * 1e9) + p.latency_us * 1e-6)
         return max(0.0, wire - hide) if op == "send" else wire
 
     traffic = cp_traffic(p, c)
-    forward, backward = (sum(calls * seconds(op, nbytes, hide * attention_s / n)
-                             for op, calls, nbytes in traffic[way])
-                         for way, hide in (("forward", 1), ("backward", 2)))
+    forward, backward = (
+        sum(
+            calls * seconds(op, nbytes, hide * attention_s / n)
+            for op, calls, nbytes in traffic[way]
+        )
+        for way, hide in (("forward", 1), ("backward", 2))
+    )
     return forward, backward
 
 
-def stage_memory(p: Problem, c: Candidate, counts=None,
-                 simulate: bool = True) -> list[mem.MemoryBreakdown]:
+def stage_memory(
+    p: Problem, c: Candidate, counts=None, simulate: bool = True
+) -> list[mem.MemoryBreakdown]:
     """Memory of one rank of every pipeline stage. Activations: each model chunk's bytes per
     micro-batch (its blocks, plus the embedding on the first chunk, the head on the last)
     weighted by the micro-batches in flight on it, plus the pipeline's message buffers (a sent
@@ -251,61 +261,113 @@ def stage_memory(p: Problem, c: Candidate, counts=None,
     sp_t = t if c.sp else 1
     terms = mem.block_terms(cfg)
     fused = p.fused_attention or c.cp > 1  # cp attention keeps a log-sum-exp, never scores
-    per_layer = mem.layer_bytes(s, b, h, a, t, c.sp, c.recompute, p.act_bytes, p.dropout,
-                                fused, norm_stats=True, terms=terms)
-    full = mem.layer_bytes(s, b, h, a, t, c.sp, "none", p.act_bytes, p.dropout, fused,
-                           norm_stats=True, terms=terms)
+    per_layer = mem.layer_bytes(
+        s,
+        b,
+        h,
+        a,
+        t,
+        c.sp,
+        c.recompute,
+        p.act_bytes,
+        p.dropout,
+        fused,
+        norm_stats=True,
+        terms=terms,
+    )
+    full = mem.layer_bytes(
+        s, b, h, a, t, c.sp, "none", p.act_bytes, p.dropout, fused, norm_stats=True, terms=terms
+    )
     vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
     embedding = mem.embedding_bytes(s, b, h, p.dropout, sp_t, terms)
-    head = mem.head_bytes(s, b, h, vocab_local, p.act_bytes,
-                          whole_vocab=cfg.vocab_size if t == 1 else None, terms=terms,
-                          chunk_tokens=p.loss_chunk_tokens)
-    message = s * b * h * p.act_bytes / sp_t            # an activation or its gradient in flight
+    head = mem.head_bytes(
+        s,
+        b,
+        h,
+        vocab_local,
+        p.act_bytes,
+        whole_vocab=cfg.vocab_size if t == 1 else None,
+        terms=terms,
+        chunk_tokens=p.loss_chunk_tokens,
+    )
+    message = s * b * h * p.act_bytes / sp_t  # an activation or its gradient in flight
     out, config_json = [], p.config_json
     placement = placement_of(c.schedule)
-    for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v, placement,
-                                                            config_json)):
+    for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v, placement, config_json)):
         specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v, placement)
-        chunks = [len(spec.layers) * per_layer + (embedding if spec.pre_process else 0)
-                  + (head if spec.post_process else 0) for spec in specs]
+        chunks = [
+            len(spec.layers) * per_layer
+            + (embedding if spec.pre_process else 0)
+            + (head if spec.post_process else 0)
+            for spec in specs
+        ]
         seen = (counts or {}).get(stage) or (
-            pipeline.stage_held(c.schedule, c.pp, m, c.v, stage) if simulate else None)
+            pipeline.stage_held(c.schedule, c.pp, m, c.v, stage) if simulate else None
+        )
         if seen:
+
             def held_bytes(point):
                 flight, buffers = point
                 return sum(k * w for k, w in zip(flight, chunks)) + buffers * message
+
             peak = max(seen, key=held_bytes)
             activations, in_flight = held_bytes(peak), sum(peak[0]) / c.v
-        else:   # the formula's count over the chunks, each output held
+        else:  # the formula's count over the chunks, each output held
             in_flight = totals[stage]
             per_chunk = pipeline.chunk_counts(c.schedule, c.pp, m, c.v, stage)
-            activations = sum(k * (w + (0 if spec.post_process else message))
-                              for k, w, spec in zip(per_chunk, chunks, specs))
-        buffers = cp_buffers(p, c)                      # cp attention's K/V in flight
-        if c.recompute != "none":                       # one layer rebuilt during backward
+            activations = sum(
+                k * (w + (0 if spec.post_process else message))
+                for k, w, spec in zip(per_chunk, chunks, specs)
+            )
+        buffers = cp_buffers(p, c)  # cp attention's K/V in flight
+        if c.recompute != "none":  # one layer rebuilt during backward
             buffers += full - per_layer
-        if any(spec.post_process for spec in specs):    # the logits' gradient in backward
-            buffers += mem.logits_buffer_bytes(s, b, vocab_local, p.act_bytes,
-                                               p.loss_chunk_tokens)
+        if any(spec.post_process for spec in specs):  # the logits' gradient in backward
+            buffers += mem.logits_buffer_bytes(s, b, vocab_local, p.act_bytes, p.loss_chunk_tokens)
         if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
-            held = most_loaded(config_json, t, c.pp, c.v, stage, c.dp * c.cp, c.zero,
-                               p.grad_bucket_mb, placement,
-                               offload_of(c, p.zero3_persistence_threshold, m))
+            held = most_loaded(
+                config_json,
+                t,
+                c.pp,
+                c.v,
+                stage,
+                c.dp * c.cp,
+                c.zero,
+                p.grad_bucket_mb,
+                placement,
+                offload_of(c, p.zero3_persistence_threshold, m),
+            )
         else:
             held = _separate(n_params, c)
-        out.append(mem.MemoryBreakdown(stage, held.weights, held.grads, held.optimizer,
-                                       activations, int(round(in_flight)), buffers,
-                                       held.master, held.gathered, held.host,
-                                       held.grad_buffers))
+        out.append(
+            mem.MemoryBreakdown(
+                stage,
+                held.weights,
+                held.grads,
+                held.optimizer,
+                activations,
+                int(round(in_flight)),
+                buffers,
+                held.master,
+                held.gathered,
+                held.host,
+                held.grad_buffers,
+            )
+        )
     return out
 
 
 def offload_of(c: Candidate, persist_below: int = 0, m: int = 1) -> Offload:
     """The candidate's offload and ZeRO-3 settings (`persist_below`: the persistence
     threshold, for ZeRO-3; `m`: micro-batches per step), as `plan.state` takes them."""
-    return Offload(c.offload_optimizer, c.offload_params, c.keep_params,
-                   persist_below if c.zero == 3 else 0,
-                   whole_grads(c.schedule, c.pp, m, c.v, c.zero3_reduce), m)
+    return Offload(
+        c.offload_optimizer,
+        c.offload_params,
+        c.keep_params,
+        persist_below if c.zero == 3 else 0,
+        whole_grads(c.schedule, c.pp, m, c.v, c.zero3_reduce),
+        m,
+    )
 
 
 def _separate(n_params: int, c: Candidate):
@@ -353,30 +415,36 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     pp - 1, or rank 0 in the V placement) and the embedding's tp reduction on the first; matmul
     FLOPs (`megapar.models.flops`, this tp rank's share, s / cp tokens) at peak x efficiency."""
     cfg, b, t, n = p.config, c.mbs, c.tp, c.cp
-    tokens = p.seq_len // n * b                       # this cp rank's tokens
+    tokens = p.seq_len // n * b  # this cp rank's tokens
     fl = matmul_flops(cfg, p.seq_len, t)
     rate = p.peak_tflops * 1e12 * p.efficiency
     act = tokens * cfg.hidden_size * p.act_bytes
     ring = _ring(t, act, p.intra_gbps, p.latency_us)  # one all-reduce of the activations
-    half = 0.5 if c.sp else 1.0                       # SP: an all-gather or reduce-scatter
-    tp_fwd = 2 * ring                                 # per layer (SP: 2 AG + 2 RS, same bytes)
+    half = 0.5 if c.sp else 1.0  # SP: an all-gather or reduce-scatter
+    tp_fwd = 2 * ring  # per layer (SP: 2 AG + 2 RS, same bytes)
     tp_bwd = tp_fwd * (2 if c.recompute == "full" else 1)
     cp_f, cp_b = cp_layer_seconds(p, c, tokens * fl.attention / rate)
     cp_b += cp_f if c.recompute != "none" else 0.0
     extra = {"none": 0.0, "selective": fl.attention, "full": fl.layer()}[c.recompute]
     logits = 2 * cfg.hidden_size * local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
+
     def cost(k: int, first: bool, last: bool) -> ChunkTime:
         head = fl.head if last else 0.0
         f = tokens * (k * fl.layer() + head)
         w = tokens * (k * fl.block + head)
         recomputed = logits if last and p.loss_chunk_tokens else 0.0  # the chunked loss's
         bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head + recomputed)
-        emb_comm = ring * half if first else 0.0        # the vocab-parallel lookup's reduction
-        head_f = ring * 0.5 if last and c.sp else 0.0   # SP: its input gathered
-        head_b = ring * half if last else 0.0           # its input's gradient
-        return ChunkTime(f / rate + k * (tp_fwd + cp_f) + emb_comm + head_f,
-                         bi / rate + k * (tp_bwd + cp_b) + head_b, w / rate, f + bi + w,
-                         k * (tp_fwd + tp_bwd) + emb_comm + head_f + head_b, k * (cp_f + cp_b))
+        emb_comm = ring * half if first else 0.0  # the vocab-parallel lookup's reduction
+        head_f = ring * 0.5 if last and c.sp else 0.0  # SP: its input gathered
+        head_b = ring * half if last else 0.0  # its input's gradient
+        return ChunkTime(
+            f / rate + k * (tp_fwd + cp_f) + emb_comm + head_f,
+            bi / rate + k * (tp_bwd + cp_b) + head_b,
+            w / rate,
+            f + bi + w,
+            k * (tp_fwd + tp_bwd) + emb_comm + head_f + head_b,
+            k * (cp_f + cp_b),
+        )
 
     shapes = _chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule))
     costs = {shape: cost(*shape) for shape in {x for row in shapes for x in row}}
@@ -386,28 +454,46 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
 @lru_cache(maxsize=4096)
 def _chunk_shapes(num_layers: int, pp: int, v: int, placement: str) -> tuple:
     """Per rank, per model chunk: (blocks, holds the embedding, holds the head)."""
-    return tuple(tuple((len(spec.layers), spec.pre_process, spec.post_process)
-                       for spec in chunk_specs(num_layers, pp, stage, v, placement))
-                 for stage in range(pp))
+    return tuple(
+        tuple(
+            (len(spec.layers), spec.pre_process, spec.post_process)
+            for spec in chunk_specs(num_layers, pp, stage, v, placement)
+        )
+        for stage in range(pp)
+    )
 
 
-def _bubble(c: Candidate, m: int, times: list[list[ChunkTime]],
-            simulate: bool) -> tuple[float, float, str]:
+def _bubble(
+    c: Candidate, m: int, times: list[list[ChunkTime]], simulate: bool
+) -> tuple[float, float, str]:
     """(seconds of the pipeline's micro-batches, idle share of them averaged over ranks,
     source): the schedule simulated with every chunk's own costs, or, above the simulated size
     or for a schedule megapar does not run, the formula's bubble around the busiest rank."""
     busy = [m * sum(x.total for x in row) for row in times]
     if c.pp == 1:
         return busy[0], 0.0, "no pipeline"
-    step = pipeline.simulated_step(c.schedule, c.pp, m, c.v, tuple(
-        tuple((x.forward, x.backward_input, x.backward_weight) for x in row)
-        for row in times)) if simulate else None
+    step = (
+        pipeline.simulated_step(
+            c.schedule,
+            c.pp,
+            m,
+            c.v,
+            tuple(
+                tuple((x.forward, x.backward_input, x.backward_weight) for x in row)
+                for row in times
+            ),
+        )
+        if simulate
+        else None
+    )
     if step is not None:
         source = "simulated"
     else:
         worst = times[busy.index(max(busy))]
-        f, bi, w = (sum(getattr(x, a) for x in worst)
-                    for a in ("forward", "backward_input", "backward_weight"))
+        f, bi, w = (
+            sum(getattr(x, a) for x in worst)
+            for a in ("forward", "backward_input", "backward_weight")
+        )
         step = max(busy) / (1 - pipeline.formula_bubble(c.schedule, c.pp, m, c.v, f, bi, w))
         source = "formula"
     return step, 1 - sum(busy) / (len(busy) * step), source
@@ -434,8 +520,9 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     one_node = p.gpus <= p.gpus_per_node
     pp_gbps = p.intra_gbps if c.tp * c.pp <= p.gpus_per_node else p.inter_gbps
     dp_gbps = p.intra_gbps if one_node else p.inter_gbps
-    p2p = 2 * (c.pp - 1) * ((act / (c.tp if c.sp else 1)) * 8 / (pp_gbps * 1e9)
-                            + p.latency_us * 1e-6)
+    p2p = (
+        2 * (c.pp - 1) * ((act / (c.tp if c.sp else 1)) * 8 / (pp_gbps * 1e9) + p.latency_us * 1e-6)
+    )
     n_params = max(stage_params(cfg, t, c.pp, c.v, placement_of(c.schedule), p.config_json))
     # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
     grad_bytes = n_params * (2 if p.precision == "fp16" else 4)
@@ -443,13 +530,30 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     # longer; ZeRO-1 / 2's parameter all-gather after the step does not (`plan/sharding.py`)
     replicas = c.dp * n  # gradients are reduced over cp x dp
     shard_up = pcie_seconds(n_params * 4 / replicas, p.pcie_gbps) if c.offload_params else 0.0
-    dp_exposed = dp_seconds(c.zero, m, c.pp, c.keep_params, replicas, grad_bytes, n_params * 4,
-                            layers + 1, dp_gbps, p.latency_us, t_f, t_b, shard_up,
-                            c.zero3_reduce == "micro-batch", w_reported(c.schedule, c.pp, m, c.v))
+    dp_exposed = dp_seconds(
+        c.zero,
+        m,
+        c.pp,
+        c.keep_params,
+        replicas,
+        grad_bytes,
+        n_params * 4,
+        layers + 1,
+        dp_gbps,
+        p.latency_us,
+        t_f,
+        t_b,
+        shard_up,
+        c.zero3_reduce == "micro-batch",
+        w_reported(c.schedule, c.pp, m, c.v),
+    )
     # --offload-optimizer: the stepped gradients to the host and the parameters back
     zero_s = pcie_seconds(worst.master, p.pcie_gbps) if c.offload_optimizer else 0.0
-    tied = _ring(2, piece_counts(cfg, t, p.config_json).tied_copy * 4, pp_gbps, p.latency_us) \
-        if c.pp > 1 else 0.0
+    tied = (
+        _ring(2, piece_counts(cfg, t, p.config_json).tied_copy * 4, pp_gbps, p.latency_us)
+        if c.pp > 1
+        else 0.0
+    )
     stretch = m / (1 - frac)  # the busiest rank's share of the pipeline, bubble included
     comm = {"tp": stretch * sum(x.tp for x in busiest), "pp": p2p + tied, "dp": dp_exposed}
     if c.offload_optimizer:
@@ -461,8 +565,21 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
 
     model = training_flops_per_token(cfg, s)
     whole = matmul_flops(cfg, s, 1, padded=False)
-    recompute_flops = tokens * cfg.num_layers * {"none": 0.0, "selective": whole.attention,
-                                                 "full": whole.layer()}[c.recompute]
-    return Estimate(c, worst, fits, step, compute, frac, source, comm,
-                    tokens / step, tokens * model / (step * p.gpus * p.peak_tflops * 1e12),
-                    (tokens * model + recompute_flops) / (step * p.gpus) / 1e12)
+    recompute_flops = (
+        tokens
+        * cfg.num_layers
+        * {"none": 0.0, "selective": whole.attention, "full": whole.layer()}[c.recompute]
+    )
+    return Estimate(
+        c,
+        worst,
+        fits,
+        step,
+        compute,
+        frac,
+        source,
+        comm,
+        tokens / step,
+        tokens * model / (step * p.gpus * p.peak_tflops * 1e12),
+        (tokens * model + recompute_flops) / (step * p.gpus) / 1e12,
+    )

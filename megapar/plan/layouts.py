@@ -65,33 +65,46 @@ class Candidate:
 
     def label(self) -> str:
         sched = self.schedule + (f" v{self.v}" if self.v > 1 else "")
-        extras = [f"rc={self.recompute}"] + (["sp"] if self.sp else []) + \
-            ([f"zero{self.zero}"] if self.zero else []) + \
-            (["keep"] if self.keep_params else []) + \
-            (["rs/micro-batch"] if self.zero3_reduce != "step" else []) + \
-            ([f"offload={self.offloaded()}"] if self.offloaded() != "none" else [])
+        extras = (
+            [f"rc={self.recompute}"]
+            + (["sp"] if self.sp else [])
+            + ([f"zero{self.zero}"] if self.zero else [])
+            + (["keep"] if self.keep_params else [])
+            + (["rs/micro-batch"] if self.zero3_reduce != "step" else [])
+            + ([f"offload={self.offloaded()}"] if self.offloaded() != "none" else [])
+        )
         cp = f" cp{self.cp}" if self.cp > 1 else ""
-        return (f"tp{self.tp}{cp} pp{self.pp} dp{self.dp} mbs{self.mbs} {sched} "
-                + " ".join(extras))
+        return f"tp{self.tp}{cp} pp{self.pp} dp{self.dp} mbs{self.mbs} {sched} " + " ".join(extras)
 
     def spec(self) -> str:
         """The --explain syntax for this candidate."""
         cp = f",cp={self.cp}" if self.cp > 1 else ""
-        return (f"tp={self.tp}{cp},pp={self.pp},dp={self.dp},mbs={self.mbs},"
-                f"schedule={self.schedule},v={self.v},recompute={self.recompute},"
-                f"sp={int(self.sp)},zero={self.zero}"
-                + (f",offload={self.offloaded()}" if self.offloaded() != "none" else "")
-                + (",keep_params=1" if self.keep_params else "")
-                + (f",zero3_reduce={self.zero3_reduce}" if self.zero3_reduce != "step" else ""))
+        return (
+            f"tp={self.tp}{cp},pp={self.pp},dp={self.dp},mbs={self.mbs},"
+            f"schedule={self.schedule},v={self.v},recompute={self.recompute},"
+            f"sp={int(self.sp)},zero={self.zero}"
+            + (f",offload={self.offloaded()}" if self.offloaded() != "none" else "")
+            + (",keep_params=1" if self.keep_params else "")
+            + (f",zero3_reduce={self.zero3_reduce}" if self.zero3_reduce != "step" else "")
+        )
 
     def offloaded(self) -> str:
         """What is in host memory, as `OFFLOADS` names it."""
-        return {(False, False): "none", (True, False): "optimizer", (False, True): "params",
-                (True, True): "both"}[(self.offload_optimizer, self.offload_params)]
+        return {
+            (False, False): "none",
+            (True, False): "optimizer",
+            (False, True): "params",
+            (True, True): "both",
+        }[(self.offload_optimizer, self.offload_params)]
 
 
-_ALIASES = {"micro_batch_size": "mbs", "micro-batch-size": "mbs", "virtual_stages": "v",
-            "virtual-stages": "v", "vpp": "v"}
+_ALIASES = {
+    "micro_batch_size": "mbs",
+    "micro-batch-size": "mbs",
+    "virtual_stages": "v",
+    "virtual-stages": "v",
+    "vpp": "v",
+}
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -110,8 +123,9 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
         if not item:
             continue
         if "=" not in item:
-            raise ValueError(f"--explain item {item!r} is not KEY=VALUE "
-                             f"(keys: {', '.join(fields)})")
+            raise ValueError(
+                f"--explain item {item!r} is not KEY=VALUE (keys: {', '.join(fields)})"
+            )
         key, value = item.split("=", 1)
         key = _ALIASES.get(key.strip().lower(), key.strip().lower())
         if key in seen:
@@ -126,15 +140,17 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
         if key not in fields:
             raise ValueError(f"--explain: unknown key {key!r}; keys: {', '.join(fields)}")
         if key in ("schedule", "recompute", "zero3_reduce"):
-            allowed = {"schedule": PLAN_SCHEDULES, "recompute": RECOMPUTE,
-                       "zero3_reduce": REDUCES}[key]
+            allowed = {"schedule": PLAN_SCHEDULES, "recompute": RECOMPUTE, "zero3_reduce": REDUCES}[
+                key
+            ]
             if value not in allowed:
                 raise ValueError(f"--explain: {key}={value!r}: use one of {', '.join(allowed)}")
             values[key] = value
         elif key in ("sp", "keep_params", "offload_optimizer", "offload_params"):
             if value.lower() not in _TRUE + _FALSE:
-                raise ValueError(f"--explain: {key}={value!r} is not a boolean; give {key}=1 or "
-                                 f"{key}=0")
+                raise ValueError(
+                    f"--explain: {key}={value!r} is not a boolean; give {key}=1 or {key}=0"
+                )
             values[key] = value.lower() in _TRUE
         else:
             try:
@@ -159,29 +175,40 @@ def model_refusal(c: Candidate, config) -> str | None:
     return None
 
 
-def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int,
-          seq_len: int | None = None) -> str | None:
+def check(
+    c: Candidate,
+    config,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    seq_len: int | None = None,
+) -> str | None:
     """Why candidate `c` cannot run (one sentence naming the fix), or None if it can."""
     reason = model_refusal(c, config)
     if reason:
         return reason
     if c.tp * c.cp * c.pp * c.dp != gpus:
-        names, sizes = ("tp*cp*pp", f"{c.tp}*{c.cp}*{c.pp}") if c.cp > 1 else \
-            ("tp*pp", f"{c.tp}*{c.pp}")
+        names, sizes = (
+            ("tp*cp*pp", f"{c.tp}*{c.cp}*{c.pp}") if c.cp > 1 else ("tp*pp", f"{c.tp}*{c.pp}")
+        )
         split = c.tp * c.cp * c.pp
-        why = (f": {names} = {split} does not divide {gpus}, so no dp fills it"
-               if gpus % split else "")
+        why = (
+            f": {names} = {split} does not divide {gpus}, so no dp fills it" if gpus % split else ""
+        )
         return f"{names}*dp = {sizes}*{c.dp} = {split * c.dp} is not --gpus {gpus}{why}"
     if c.tp > gpus_per_node:
-        return (f"tp {c.tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
-                f"parallelism needs the intra-node link")
+        return (
+            f"tp {c.tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
+            f"parallelism needs the intra-node link"
+        )
     if c.schedule not in PLAN_SCHEDULES:
         return f"unknown schedule {c.schedule!r}; the planner models {', '.join(PLAN_SCHEDULES)}"
     if c.recompute not in RECOMPUTE:
         return f"unknown recompute {c.recompute!r}; use {', '.join(RECOMPUTE)}"
     if c.mbs < 1 or global_batch % (c.mbs * c.dp):
-        return (f"global batch {global_batch} is not divisible by micro-batch size {c.mbs} x "
-                f"dp {c.dp}")
+        return (
+            f"global batch {global_batch} is not divisible by micro-batch size {c.mbs} x dp {c.dp}"
+        )
     m = global_batch // (c.mbs * c.dp)
     if c.pp == 1 and c.schedule != "1f1b":
         return f"schedule {c.schedule} needs pp > 1 (with one stage there is no pipeline)"
@@ -189,21 +216,27 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
         if c.v < 2:
             return "interleaved 1F1B needs v >= 2 model chunks per rank"
         if config.num_layers < c.pp * c.v:
-            return (f"{config.num_layers} layers cannot be cut into pp*v = {c.pp}*{c.v} model "
-                    f"chunks (each needs at least one layer)")
+            return (
+                f"{config.num_layers} layers cannot be cut into pp*v = {c.pp}*{c.v} model "
+                f"chunks (each needs at least one layer)"
+            )
         try:  # megapar-train's own rule (m divisible by max(1, m // pp))
             interleaved_rounds(c.pp, m)
         except ValueError as exc:
             return str(exc)
     elif c.schedule in ("zb-v", "dualpipev"):
         if c.v != 2:
-            return (f"schedule {c.schedule} places exactly v = 2 model chunks per rank (a V); "
-                    f"leave v out or give v=2")
+            return (
+                f"schedule {c.schedule} places exactly v = 2 model chunks per rank (a V); "
+                f"leave v out or give v=2"
+            )
         if config.num_layers < 2 * c.pp:
-            return (f"{config.num_layers} layers cannot be cut into 2*pp = {2 * c.pp} model "
-                    f"chunks (each needs at least one layer)")
+            return (
+                f"{config.num_layers} layers cannot be cut into 2*pp = {2 * c.pp} model "
+                f"chunks (each needs at least one layer)"
+            )
         if c.schedule == "dualpipev" and m < 2 * c.pp:
-            return (f"DualPipeV needs at least 2*pp = {2 * c.pp} micro-batches, got m = {m}")
+            return f"DualPipeV needs at least 2*pp = {2 * c.pp} micro-batches, got m = {m}"
     elif c.v != 1:
         return f"v {c.v} needs schedule interleaved"
     if c.sp and c.tp == 1:
@@ -222,15 +255,19 @@ def check(c: Candidate, config, gpus: int, gpus_per_node: int, global_batch: int
     if c.offload_params and c.zero != 3:
         return "offload of the parameters needs zero 3 (it moves the parameter shards)"
     if c.offload_params and not c.offload_optimizer:
-        return ("offload of the parameters needs the optimizer's too (offload=both: "
-                "megapar-train's --offload-params steps the host shards with --offload-optimizer)")
+        return (
+            "offload of the parameters needs the optimizer's too (offload=both: "
+            "megapar-train's --offload-params steps the host shards with --offload-optimizer)"
+        )
     if c.zero3_reduce not in REDUCES:
         return f"zero3_reduce={c.zero3_reduce}: use one of {', '.join(REDUCES)}"
     if c.zero3_reduce != "step" and c.zero != 3:
         return "zero3_reduce needs zero 3 (ZeRO-2 reduces every micro-batch already)"
     if c.keep_params and c.zero != 3:
-        return ("keep_params needs zero 3 (it keeps a stage's gathered parameters over the "
-                "step, as megapar-train's --zero3-keep-params)")
+        return (
+            "keep_params needs zero 3 (it keeps a stage's gathered parameters over the "
+            "step, as megapar-train's --zero3-keep-params)"
+        )
     return None
 
 
@@ -247,16 +284,19 @@ def divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
-def _grid_reason(config, tp: int, pp: int, dp: int, gpus_per_node: int,
-                 global_batch: int) -> str | None:
+def _grid_reason(
+    config, tp: int, pp: int, dp: int, gpus_per_node: int, global_batch: int
+) -> str | None:
     """Why no option (micro-batch size, schedule, recompute, SP, ZeRO) can run tp x pp x dp."""
     try:
         config.validate(Layout(tp, pp, dp))
     except LayoutError as exc:
         return str(exc)
     if tp > gpus_per_node:
-        return (f"tp {tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
-                f"parallelism needs the intra-node link")
+        return (
+            f"tp {tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
+            f"parallelism needs the intra-node link"
+        )
     if global_batch % dp:
         return f"global batch {global_batch} is not divisible by dp {dp}"
     return None
@@ -268,11 +308,22 @@ def default_cp_sizes(seq_len: int | None) -> tuple[int, ...]:
     return (1, 2, 4, 8) if seq_len and seq_len >= 8192 else (1,)
 
 
-def enumerate_candidates(config, gpus: int, gpus_per_node: int, global_batch: int,
-                         micro_batch_sizes=(1, 2, 4, 8), schedules=PLAN_SCHEDULES,
-                         virtual_stages=(2, 4), recompute=RECOMPUTE, allow_sp: bool = True,
-                         allow_zero: bool = True, seq_len: int | None = None,
-                         cp_sizes=None, zero_stages=ZERO_STAGES, offloads=("none",)):
+def enumerate_candidates(
+    config,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    micro_batch_sizes=(1, 2, 4, 8),
+    schedules=PLAN_SCHEDULES,
+    virtual_stages=(2, 4),
+    recompute=RECOMPUTE,
+    allow_sp: bool = True,
+    allow_zero: bool = True,
+    seq_len: int | None = None,
+    cp_sizes=None,
+    zero_stages=ZERO_STAGES,
+    offloads=("none",),
+):
     """(valid candidates, [(candidate, reason)] rejected) over the whole space (`cp_sizes`:
     None for `default_cp_sizes`; `zero_stages` tried where dp x cp > 1, each with the
     `offloads` it can take and, for ZeRO-3 with pp, with and without kept parameters). A (tp, pp, dp) grid that no option can run (too many heads
@@ -288,10 +339,31 @@ def enumerate_candidates(config, gpus: int, gpus_per_node: int, global_batch: in
                     rejected.append((Candidate(tp, pp, dp, cp=cp), reason))
                     continue
                 for mbs, schedule, v, rc, sp, zero, off, keep in _options(
-                        pp, dp * cp, tp > 1 and allow_sp, zero_stages if allow_zero else (0,),
-                        micro_batch_sizes, schedules, virtual_stages, recompute, offloads):
-                    c = Candidate(tp, pp, dp, mbs, schedule, v, rc, sp, zero, cp,
-                                  off in ("optimizer", "both"), off in ("params", "both"), keep)
+                    pp,
+                    dp * cp,
+                    tp > 1 and allow_sp,
+                    zero_stages if allow_zero else (0,),
+                    micro_batch_sizes,
+                    schedules,
+                    virtual_stages,
+                    recompute,
+                    offloads,
+                ):
+                    c = Candidate(
+                        tp,
+                        pp,
+                        dp,
+                        mbs,
+                        schedule,
+                        v,
+                        rc,
+                        sp,
+                        zero,
+                        cp,
+                        off in ("optimizer", "both"),
+                        off in ("params", "both"),
+                        keep,
+                    )
                     reason = check(c, config, gpus, gpus_per_node, global_batch, seq_len)
                     if reason:
                         rejected.append((c, reason))
@@ -300,19 +372,35 @@ def enumerate_candidates(config, gpus: int, gpus_per_node: int, global_batch: in
     return valid, rejected
 
 
-def _options(pp, replicas, sp, zero_stages, micro_batch_sizes, schedules, virtual_stages,
-             recompute, offloads=("none",)):
+def _options(
+    pp,
+    replicas,
+    sp,
+    zero_stages,
+    micro_batch_sizes,
+    schedules,
+    virtual_stages,
+    recompute,
+    offloads=("none",),
+):
     """(mbs, schedule, v, recompute, sp, zero, offload, keep_params) choices of a (tp, cp, pp,
     dp) layout."""
     for mbs in micro_batch_sizes:
         for schedule in schedules if pp > 1 else ("1f1b",):
-            for v in virtual_stages if schedule == "interleaved" else \
-                    (2,) if schedule in ("zb-v", "dualpipev") else (1,):
+            for v in (
+                virtual_stages
+                if schedule == "interleaved"
+                else (2,)
+                if schedule in ("zb-v", "dualpipev")
+                else (1,)
+            ):
                 for rc in recompute:
-                    for with_sp in ((False, True) if sp else (False,)):
+                    for with_sp in (False, True) if sp else (False,):
                         for zero in (z for z in zero_stages if z == 0 or replicas > 1):
-                            for off in (o for o in offloads
-                                        if o == "none" or (zero == 3 or o == "optimizer")):
-                                for keep in ((False, True) if zero == 3 and pp > 1
-                                             else (False,)):
+                            for off in (
+                                o
+                                for o in offloads
+                                if o == "none" or (zero == 3 or o == "optimizer")
+                            ):
+                                for keep in (False, True) if zero == 3 and pp > 1 else (False,):
                                     yield mbs, schedule, v, rc, with_sp, zero, off, keep

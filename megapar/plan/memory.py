@@ -40,8 +40,9 @@ from dataclasses import asdict, dataclass
 GIB = 2**30
 
 
-def paper_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                      recompute: str = "none") -> float:
+def paper_layer_bytes(
+    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none"
+) -> float:
     """Activation bytes of one layer and micro-batch, Korthikanti et al. 2022 (16-bit)."""
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
@@ -78,41 +79,67 @@ def block_terms(config) -> BlockTerms:
     SwiGLU), with its FFN width."""
     f = config.ffn_size / config.hidden_size
     if config.model_type == "llama":
-        return BlockTerms(replicated=6.0, gathered=2.0, split=4.0 + 4.0 * f, norm_stats=2.0,
-                          final_norm=3.0, final_stats=1.0, position_ids=False)
+        return BlockTerms(
+            replicated=6.0,
+            gathered=2.0,
+            split=4.0 + 4.0 * f,
+            norm_stats=2.0,
+            final_norm=3.0,
+            final_stats=1.0,
+            position_ids=False,
+        )
     return BlockTerms(replicated=4.0, gathered=2.0, split=4.0 + 2.0 * f)
 
 
-def layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                recompute: str = "none", act_bytes: int = 2, dropout: bool = True,
-                fused_attention: bool = False, norm_stats: bool = False,
-                terms: BlockTerms = BlockTerms()) -> float:
+def layer_bytes(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    act_bytes: int = 2,
+    dropout: bool = True,
+    fused_attention: bool = False,
+    norm_stats: bool = False,
+    terms: BlockTerms = BlockTerms(),
+) -> float:
     """Activation bytes of one layer and micro-batch, term by term (see the module docstring).
 
     With the defaults this equals `paper_layer_bytes`. `norm_stats` adds the norms' saved
     statistics (fp32), which the paper leaves out; `terms` describes another block
     (`block_terms`)."""
     sbh = s * b * h
-    rep = sp and t or 1                     # replicated terms are split only under SP
+    rep = sp and t or 1  # replicated terms are split only under SP
     if recompute == "full":
         return sbh * act_bytes / rep
     whole = terms.gathered if sp and t > 1 else 0.0
-    replicated = ((terms.replicated - whole) * sbh * act_bytes + (2 * sbh if dropout else 0)) \
-        + rep * whole * sbh * act_bytes
+    replicated = (
+        (terms.replicated - whole) * sbh * act_bytes + (2 * sbh if dropout else 0)
+    ) + rep * whole * sbh * act_bytes
     split = terms.split * sbh * act_bytes
     if recompute == "selective":
         scores = 0.0
     elif fused_attention:
-        scores = a * s * b * 4   # log-sum-exp (fp32); the kernel output is the proj input
+        scores = a * s * b * 4  # log-sum-exp (fp32); the kernel output is the proj input
     else:
         scores = a * s * s * b * (2 * act_bytes + 1) if dropout else a * s * s * b * act_bytes
     stats = terms.norm_stats * s * b * 4 / rep if norm_stats else 0.0
     return replicated / rep + (split + scores) / t + stats
 
 
-def head_bytes(s: int, b: int, h: int, vocab_local: int, act_bytes: int,
-               logits_bytes: int = 4, whole_vocab: int | None = None,
-               terms: BlockTerms = BlockTerms(), chunk_tokens: int = 0) -> float:
+def head_bytes(
+    s: int,
+    b: int,
+    h: int,
+    vocab_local: int,
+    act_bytes: int,
+    logits_bytes: int = 4,
+    whole_vocab: int | None = None,
+    terms: BlockTerms = BlockTerms(),
+    chunk_tokens: int = 0,
+) -> float:
     """What the last stage keeps beyond its blocks, per micro-batch: the final norm's input and
     output and the norm's fp32 statistics, and the loss's.
 
@@ -131,8 +158,9 @@ def head_bytes(s: int, b: int, h: int, vocab_local: int, act_bytes: int,
     return norm + s * b * (vocab_local * logits_bytes + 8 + 2) + 8
 
 
-def logits_buffer_bytes(s: int, b: int, vocab_local: int, act_bytes: int,
-                        chunk_tokens: int = 0) -> float:
+def logits_buffer_bytes(
+    s: int, b: int, vocab_local: int, act_bytes: int, chunk_tokens: int = 0
+) -> float:
     """The transient logits of the LM head's stage in its backward: the fp32 gradient of the
     whole micro-batch's logits (this rank's padded vocabulary), or with the chunked loss
     (`chunk_tokens` > 0) one chunk's, fp32 and, under 16-bit autocast, their 16-bit copy too
@@ -142,14 +170,18 @@ def logits_buffer_bytes(s: int, b: int, vocab_local: int, act_bytes: int,
     return min(chunk_tokens, s * b) * vocab_local * (4 + (act_bytes if act_bytes < 4 else 0))
 
 
-def embedding_bytes(s: int, b: int, h: int, dropout: bool, sp_t: int = 1,
-                    terms: BlockTerms = BlockTerms()) -> float:
+def embedding_bytes(
+    s: int, b: int, h: int, dropout: bool, sp_t: int = 1, terms: BlockTerms = BlockTerms()
+) -> float:
     """What the first stage keeps beyond its blocks, per micro-batch: the int64 token ids (s + 1
     per sequence: inputs and labels are views of one tensor), the position ids (a learned
     position embedding) and, with dropout, the embedding dropout mask (1 byte per element;
     split by t under SP)."""
-    return (s + 1) * b * 8 + (s * 8 if terms.position_ids else 0) + \
-        (s * b * h / sp_t if dropout else 0)
+    return (
+        (s + 1) * b * 8
+        + (s * 8 if terms.position_ids else 0)
+        + (s * b * h / sp_t if dropout else 0)
+    )
 
 
 @dataclass
@@ -185,8 +217,17 @@ class MemoryBreakdown:
     @property
     def total(self) -> float:
         """Device bytes at the peak (what has to fit the GPU)."""
-        return self.params + self.grads + self.optimizer + self.master + self.gathered + \
-            self.grad_buffers + self.activations + self.buffers - self.host
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.master
+            + self.gathered
+            + self.grad_buffers
+            + self.activations
+            + self.buffers
+            - self.host
+        )
 
     def as_gib(self) -> dict:
         d = {k: v / GIB for k, v in asdict(self).items() if k not in ("stage", "in_flight")}
@@ -208,5 +249,8 @@ def state_bytes(params: int, dp: int, zero: int, master_weights: str) -> tuple[f
         p, g, o = 2, 4, 12
     else:
         raise ValueError(f"unknown master-weights layout {master_weights!r}; use fp32 or separate")
-    return (params * p / (dp if zero >= 3 else 1), params * g / (dp if zero >= 2 else 1),
-            params * o / (dp if zero else 1))
+    return (
+        params * p / (dp if zero >= 3 else 1),
+        params * g / (dp if zero >= 2 else 1),
+        params * o / (dp if zero else 1),
+    )

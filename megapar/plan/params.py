@@ -80,9 +80,15 @@ class TensorSpec:
 
 
 def _specs(module) -> tuple[TensorSpec, ...]:
-    return tuple(TensorSpec(p.numel(), p.dtype, bool(getattr(p, "shared_embedding", False)),
-                            getattr(p, "tied_to", None) is not None)
-                 for p in module.parameters())
+    return tuple(
+        TensorSpec(
+            p.numel(),
+            p.dtype,
+            bool(getattr(p, "shared_embedding", False)),
+            getattr(p, "tied_to", None) is not None,
+        )
+        for p in module.parameters()
+    )
 
 
 @lru_cache(maxsize=64)
@@ -90,21 +96,27 @@ def _piece_tensors(config_json: str, tp: int) -> tuple[tuple[TensorSpec, ...], .
     """(block, embedding, head) parameters of one tp rank, in registration order."""
 
     config = config_from_dict(json.loads(config_json))
-    return (_specs(_build(config, tp, range(1), False, False)),
-            _specs(_build(config, tp, range(0), True, False)),
-            _specs(_build(config, tp, range(0), False, True)))
+    return (
+        _specs(_build(config, tp, range(1), False, False)),
+        _specs(_build(config, tp, range(0), True, False)),
+        _specs(_build(config, tp, range(0), False, True)),
+    )
 
 
-def stage_tensors(config, tp: int, pp: int, v: int, stage: int,
-                  placement: str = "loop") -> list[TensorSpec]:
+def stage_tensors(
+    config, tp: int, pp: int, v: int, stage: int, placement: str = "loop"
+) -> list[TensorSpec]:
     """The parameters one tp rank of pipeline rank `stage` holds, in the order
     `model.parameters()` gives them (each chunk's embedding, blocks, then norm and head; the
     tied copy only on a last chunk without the embedding). `tests/test_plan.py` checks it
     against stages built on the meta device."""
 
     block, embedding, head = _piece_tensors(_config_json(config), tp)
-    specs = chunk_specs(config.num_layers, pp, stage, v, placement) if v > 1 else \
-        [stage_spec(config.num_layers, pp, stage)]
+    specs = (
+        chunk_specs(config.num_layers, pp, stage, v, placement)
+        if v > 1
+        else [stage_spec(config.num_layers, pp, stage)]
+    )
     out: list[TensorSpec] = []
     for spec in specs:
         if spec.pre_process:
@@ -132,8 +144,9 @@ class UnitSpec:
     are complete only after the embedding's backward, past the first block's)."""
 
 
-def stage_units(config, tp: int, pp: int, v: int, stage: int, placement: str = "loop",
-                persist_below: int = 0) -> list[UnitSpec]:
+def stage_units(
+    config, tp: int, pp: int, v: int, stage: int, placement: str = "loop", persist_below: int = 0
+) -> list[UnitSpec]:
     """ZeRO-3's units of the stage, as `megapar.data_parallel.sharded_params.ShardedParams`
     makes them with `persist_below` (--zero3-persistence-threshold): per chunk each block (its
     parameters of at least `persist_below` elements), then the rest of the chunk: where the
@@ -141,8 +154,11 @@ def stage_units(config, tp: int, pp: int, v: int, stage: int, placement: str = "
     but, when there is a head, a tied word embedding the head reads) and a root unit (the rest),
     else one root unit; then the parameters under `persist_below` in one persistent unit."""
     block, embedding, head = _piece_tensors(_config_json(config), tp)
-    specs = chunk_specs(config.num_layers, pp, stage, v, placement) if v > 1 else \
-        [stage_spec(config.num_layers, pp, stage)]
+    specs = (
+        chunk_specs(config.num_layers, pp, stage, v, placement)
+        if v > 1
+        else [stage_spec(config.num_layers, pp, stage)]
+    )
     units, small, at, small_embedding = [], [], 0, False
 
     def take(pieces, embedding: bool = False) -> list[int]:
@@ -158,31 +174,38 @@ def stage_units(config, tp: int, pp: int, v: int, stage: int, placement: str = "
     for ci, spec in enumerate(specs):
         emb = take(embedding, True) if spec.pre_process else []
         blocks = [b for _ in spec.layers if (b := take(block))]
-        tail = take([t for t in head if not (t.tied and spec.pre_process)]) \
-            if spec.post_process else []
+        tail = (
+            take([t for t in head if not (t.tied and spec.pre_process)])
+            if spec.post_process
+            else []
+        )
         own = emb if blocks else []
         if own and tail:  # a tied word embedding goes with the head that reads it
             own = [i for i in own if not tensors[i].shared]
         root = [i for i in emb + tail if i not in own]
         units += [UnitSpec("block", ci, tuple(b)) for b in blocks]
-        units += [UnitSpec(kind, ci, tuple(idx)) for kind, idx in
-                  (("embedding", own), ("root", root)) if idx]
+        units += [
+            UnitSpec(kind, ci, tuple(idx))
+            for kind, idx in (("embedding", own), ("root", root))
+            if idx
+        ]
     return units + ([UnitSpec("persistent", -1, tuple(small), small_embedding)] if small else [])
 
 
-def stage_layer_counts(num_layers: int, pp: int, v: int = 1,
-                       placement: str = "loop") -> list[int]:
+def stage_layer_counts(num_layers: int, pp: int, v: int = 1, placement: str = "loop") -> list[int]:
     """Blocks per pipeline rank as megapar-train cuts them (the first num_layers % pp stages +1;
     with v > 1 model chunks per rank, the blocks of its chunks, cut into pp * v slices)."""
     if v > 1:
-        return [sum(len(spec.layers) for spec in chunk_specs(num_layers, pp, stage, v,
-                                                              placement))
-                for stage in range(pp)]
+        return [
+            sum(len(spec.layers) for spec in chunk_specs(num_layers, pp, stage, v, placement))
+            for stage in range(pp)
+        ]
     return [len(r) for r in partition_layers(num_layers, pp)]
 
 
-def stage_params(config, tp: int, pp: int, v: int = 1, placement: str = "loop",
-                 config_json: str | None = None) -> list[int]:
+def stage_params(
+    config, tp: int, pp: int, v: int = 1, placement: str = "loop", config_json: str | None = None
+) -> list[int]:
     """Elements of parameters one tp rank of each pipeline stage holds (the embedding is on the
     first virtual stage, rank 0, and the head on the last, rank pp - 1, with v chunks too;
     in the "v" placement both are on rank 0). `config_json` as for `piece_counts`."""
@@ -218,5 +241,8 @@ def model_params(config, config_json: str | None = None) -> int:
 def _model_params(config_json: str) -> int:
     config = config_from_dict(json.loads(config_json))
     model = _build(config, 1, range(config.num_layers), True, True)
-    return sum(math.prod(getattr(p, "full_shape", p.shape)) for p in model.parameters()
-               if not getattr(p, "tied_to", None))
+    return sum(
+        math.prod(getattr(p, "full_shape", p.shape))
+        for p in model.parameters()
+        if not getattr(p, "tied_to", None)
+    )

@@ -50,8 +50,9 @@ def _actions(name: str, pp: int, m: int, stage: int, v: int):
     return schedules.stage_actions(name, pp, m, v)[stage]
 
 
-def formula_bubble(name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0,
-                   t_b: float = 1.0, t_w: float = 1.0) -> float:
+def formula_bubble(
+    name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0
+) -> float:
     """Idle share of the step with equal stages and free communication.
 
     GPipe and 1F1B: (p-1)/(m+p-1). Interleaved 1F1B (Narayanan et al. 2021): (p-1)/(v m+p-1).
@@ -73,8 +74,9 @@ def formula_bubble(name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0,
 
 
 @lru_cache(maxsize=4096)
-def bubble(name: str, pp: int, m: int, v: int = 1, bwd_ratio: float = 2.0,
-           simulate: bool = True) -> tuple[float, str]:
+def bubble(
+    name: str, pp: int, m: int, v: int = 1, bwd_ratio: float = 2.0, simulate: bool = True
+) -> tuple[float, str]:
     """(idle share of the step, "simulated" | "formula" | "no pipeline") with
     t_B = bwd_ratio x t_F per micro-batch (the B and W halves of a split backward equal);
     `simulate=False`: the formula whatever the size."""
@@ -115,18 +117,25 @@ def simulated_step(name: str, pp: int, m: int, v: int, costs) -> float | None:
     if not (_registered(name) and pp * m * v <= MAX_SIMULATED_ACTIONS):
         return None
     unit = max(f for row in costs for f, _, _ in row) * RESOLUTION
-    steps = tuple(tuple(tuple(math.ceil(x / unit) for x in chunk) for chunk in row)
-                  for row in costs)
+    steps = tuple(
+        tuple(tuple(math.ceil(x / unit) for x in chunk) for chunk in row) for row in costs
+    )
     return _simulated_steps(name, pp, m, v, steps) * unit
 
 
 @lru_cache(maxsize=4096)
 def _simulated_steps(name: str, pp: int, m: int, v: int, steps) -> float:
     """`simulated_step` in whole units of cost (cached)."""
-    per_stage = [[sim.Costs(float(f), float(b + w), bwd_input_ms=float(b),
-                            bwd_weight_ms=float(w)) for f, b, w in row] for row in steps]
-    times = sim.action_times([_actions(name, pp, m, s, v) for s in range(pp)], per_stage,
-                             placement_of(name))
+    per_stage = [
+        [
+            sim.Costs(float(f), float(b + w), bwd_input_ms=float(b), bwd_weight_ms=float(w))
+            for f, b, w in row
+        ]
+        for row in steps
+    ]
+    times = sim.action_times(
+        [_actions(name, pp, m, s, v) for s in range(pp)], per_stage, placement_of(name)
+    )
     return 1e3 * max(end for stage in times for _, end in stage[-1:])
 
 
@@ -205,8 +214,9 @@ their orders at m >= 2 pp (ZB-V: 2 pp chunk-micro-batches on every rank, pp whol
 
 
 @lru_cache(maxsize=4096)
-def in_flight(name: str, pp: int, m: int, v: int = 1,
-              simulate: bool = True) -> tuple[tuple[float, ...], str]:
+def in_flight(
+    name: str, pp: int, m: int, v: int = 1, simulate: bool = True
+) -> tuple[tuple[float, ...], str]:
     """Per stage, the peak of stored activations in units of *whole-stage* micro-batches (an
     interleaved chunk counts 1/v), and "simulated" (read off the actions) or "formula"
     (`simulate=False`: the formula whatever the size)."""
@@ -217,11 +227,11 @@ def in_flight(name: str, pp: int, m: int, v: int = 1,
     counts: list[float]
     if name == "gpipe":
         counts = [m] * pp
-    elif name in ("1f1b", "zb-h1"):   # ZB-H1 keeps 1F1B's warmup, hence its memory
+    elif name in ("1f1b", "zb-h1"):  # ZB-H1 keeps 1F1B's warmup, hence its memory
         counts = [min(pp - s, m) for s in range(pp)]
-    elif name == "interleaved":       # Megatron's warmup: 2 (p - s - 1) + (v - 1) p chunks, + 1
+    elif name == "interleaved":  # Megatron's warmup: 2 (p - s - 1) + (v - 1) p chunks, + 1
         counts = [min(2 * (pp - s - 1) + (v - 1) * pp + 1, m * v) / v for s in range(pp)]
-    elif name in V_COUNTS:            # two half-stage chunks
+    elif name in V_COUNTS:  # two half-stage chunks
         counts = [sum(V_COUNTS[name](pp, m, s)) / 2 for s in range(pp)]
     else:
         raise ValueError(f"no in-flight formula for schedule {name!r}")

@@ -21,8 +21,10 @@ _FEATURE_FIELDS = {
 
 def rank(estimates: list[Estimate]) -> list[Estimate]:
     """Layouts that fit, fastest first (then by memory); then the others, smallest first."""
-    return sorted(estimates, key=lambda e: (0, e.step_s, e.memory.total) if e.fits
-                  else (1, e.memory.total, e.step_s))
+    return sorted(
+        estimates,
+        key=lambda e: (0, e.step_s, e.memory.total) if e.fits else (1, e.memory.total, e.step_s),
+    )
 
 
 def _size(nbytes: float) -> str:
@@ -33,8 +35,10 @@ def _train_fields() -> tuple[set[str], dict]:
     return {f.name for f in dataclasses.fields(TrainConfig)}, flag_choices()
 
 
-SEPARATE_MASTER_WEIGHTS = ("16-bit parameters with separate fp32 master weights (megapar-train "
-                           "keeps fp32 parameters, 16 B/param: plan with --master-weights fp32)")
+SEPARATE_MASTER_WEIGHTS = (
+    "16-bit parameters with separate fp32 master weights (megapar-train "
+    "keeps fp32 parameters, 16 B/param: plan with --master-weights fp32)"
+)
 """What a --master-weights separate plan needs that megapar-train does not do yet."""
 
 
@@ -46,18 +50,23 @@ def runnable(e: Estimate, master_weights: str = "fp32") -> list[str]:
     if master_weights != "fp32":
         missing.append(SEPARATE_MASTER_WEIGHTS)
     if c.pp > 1 and c.schedule not in choices["schedule"]:
-        missing.append(f"schedule {c.schedule} (megapar-train --schedule offers "
-                       f"{', '.join(choices['schedule'])})")
+        missing.append(
+            f"schedule {c.schedule} (megapar-train --schedule offers "
+            f"{', '.join(choices['schedule'])})"
+        )
     if c.v > 1 and not fields & set(_FEATURE_FIELDS["v"]):
         missing.append(f"{c.v} virtual stages per rank")
     if c.sp and not fields & set(_FEATURE_FIELDS["sp"]):
         missing.append("sequence parallelism")
     if c.zero not in choices["zero"]:
-        missing.append(f"--zero {c.zero} (megapar-train --zero offers "
-                       f"{', '.join(map(str, choices['zero']))})")
-    for feature, what in (("offload_optimizer", "--offload-optimizer"),
-                          ("offload_params", "--offload-params"),
-                          ("keep_params", "ZeRO-3's gathered parameters kept across micro-batches")):
+        missing.append(
+            f"--zero {c.zero} (megapar-train --zero offers {', '.join(map(str, choices['zero']))})"
+        )
+    for feature, what in (
+        ("offload_optimizer", "--offload-optimizer"),
+        ("offload_params", "--offload-params"),
+        ("keep_params", "ZeRO-3's gathered parameters kept across micro-batches"),
+    ):
         if getattr(c, feature) and not fields & set(_FEATURE_FIELDS[feature]):
             missing.append(what)
     return missing
@@ -67,11 +76,18 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
     """(the megapar-train command line for the estimate's layout, notes on what it lacks)."""
     fields, _ = _train_fields()
     c = e.candidate
-    flags = [f"--model {model}", f"--tp {c.tp}", *([f"--cp {c.cp}"] if c.cp > 1 else []),
-             f"--pp {c.pp}",
-             f"--seq-len {p.seq_len}", f"--micro-batch-size {c.mbs}",
-             f"--global-batch-size {p.global_batch}", f"--recompute {c.recompute}",
-             f"--precision {p.precision}", f"--peak-tflops {p.peak_tflops:g}"]
+    flags = [
+        f"--model {model}",
+        f"--tp {c.tp}",
+        *([f"--cp {c.cp}"] if c.cp > 1 else []),
+        f"--pp {c.pp}",
+        f"--seq-len {p.seq_len}",
+        f"--micro-batch-size {c.mbs}",
+        f"--global-batch-size {p.global_batch}",
+        f"--recompute {c.recompute}",
+        f"--precision {p.precision}",
+        f"--peak-tflops {p.peak_tflops:g}",
+    ]
     missing = runnable(e, p.master_weights)
     if c.pp > 1 and not any(c.schedule in m for m in missing):
         flags.append(f"--schedule {c.schedule}")
@@ -81,34 +97,53 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         flags.append(f"--zero3-reduce {c.zero3_reduce}")
     if c.zero == 3 and p.zero3_persistence_threshold:
         flags.append(f"--zero3-persistence-threshold {p.zero3_persistence_threshold}")
-    for feature, value in (("sp", c.sp), ("v", c.v > 1), ("keep_params", c.keep_params),
-                           ("offload_optimizer", c.offload_optimizer),
-                           ("offload_params", c.offload_params)):
+    for feature, value in (
+        ("sp", c.sp),
+        ("v", c.v > 1),
+        ("keep_params", c.keep_params),
+        ("offload_optimizer", c.offload_optimizer),
+        ("offload_params", c.offload_params),
+    ):
         name = next((n for n in _FEATURE_FIELDS[feature] if n in fields), None)
         if value and name:
             flags.append(f"--{name.replace('_', '-')}" + (f" {c.v}" if feature == "v" else ""))
     if p.gpus <= p.gpus_per_node:
         head = f"megapar-train --dp {c.dp}"
     else:
-        head = (f"torchrun --nnodes {-(-p.gpus // p.gpus_per_node)} --nproc-per-node "
-                f"{p.gpus_per_node} -m megapar.cli.train")
+        head = (
+            f"torchrun --nnodes {-(-p.gpus // p.gpus_per_node)} --nproc-per-node "
+            f"{p.gpus_per_node} -m megapar.cli.train"
+        )
     return " ".join([head] + flags), missing
 
 
 def row(e: Estimate, master_weights: str = "fp32") -> dict:
     """One estimate as plain JSON-able values."""
     missing = runnable(e, master_weights)
-    return {"layout": e.candidate.label(), "spec": e.candidate.spec(),
-            "memory_gib": e.memory.as_gib(), "fits": e.fits, "bubble": e.bubble,
-            "bubble_source": e.bubble_source, "comm_s": e.comm_s, "comm_share": e.comm_share,
-            "compute_s": e.compute_s, "step_s": e.step_s, "tokens_per_s": e.tokens_per_s,
-            "mfu": e.mfu, "hw_tflops_per_gpu": e.hw_tflops, "runs_today": not missing,
-            "missing_in_megapar_train": missing}
+    return {
+        "layout": e.candidate.label(),
+        "spec": e.candidate.spec(),
+        "memory_gib": e.memory.as_gib(),
+        "fits": e.fits,
+        "bubble": e.bubble,
+        "bubble_source": e.bubble_source,
+        "comm_s": e.comm_s,
+        "comm_share": e.comm_share,
+        "compute_s": e.compute_s,
+        "step_s": e.step_s,
+        "tokens_per_s": e.tokens_per_s,
+        "mfu": e.mfu,
+        "hw_tflops_per_gpu": e.hw_tflops,
+        "runs_today": not missing,
+        "missing_in_megapar_train": missing,
+    }
 
 
 def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
-    head = (f"{'#':>3} {'layout':<64} {'mem/GPU':>9} {'fits':>4} {'bubble':>10} {'comm':>5} "
-            f"{'step s':>8} {'tokens/s':>10} {'MFU':>5} {'today':>5}")
+    head = (
+        f"{'#':>3} {'layout':<64} {'mem/GPU':>9} {'fits':>4} {'bubble':>10} {'comm':>5} "
+        f"{'step s':>8} {'tokens/s':>10} {'MFU':>5} {'today':>5}"
+    )
     lines = [head, "-" * len(head)]
     for i, e in enumerate(estimates, 1):
         src = {"simulated": "s", "formula": "f"}.get(e.bubble_source, " ")
@@ -116,54 +151,64 @@ def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
             f"{i:>3} {e.candidate.label():<64} {_size(e.memory.total)} "
             f"{'yes' if e.fits else 'no':>4} {100 * e.bubble:>8.1f}%{src} "
             f"{100 * e.comm_share:>4.0f}% {e.step_s:>8.3f} {e.tokens_per_s:>10.0f} "
-            f"{100 * e.mfu:>4.1f}% {'yes' if not runnable(e, master_weights) else 'no':>5}")
-    lines.append("bubble: the ranks' idle share of the step, averaged (uneven stages included); "
-                 "s = simulated on megapar's schedule simulator, f = published formula "
-                 "(schedule not in megapar, or too many actions to simulate); mem = most loaded "
-                 "rank: state + activations + transient buffers (--explain); today = "
-                 "megapar-train can run it now")
+            f"{100 * e.mfu:>4.1f}% {'yes' if not runnable(e, master_weights) else 'no':>5}"
+        )
+    lines.append(
+        "bubble: the ranks' idle share of the step, averaged (uneven stages included); "
+        "s = simulated on megapar's schedule simulator, f = published formula "
+        "(schedule not in megapar, or too many actions to simulate); mem = most loaded "
+        "rank: state + activations + transient buffers (--explain); today = "
+        "megapar-train can run it now"
+    )
     return "\n".join(lines)
 
 
 def attention_note(fused: bool) -> str:
     """The line that says how a plan counts attention's activations (`Problem.fused_attention`)."""
     if fused:
-        return ("attention: a fused kernel's log-sum-exp counted, no a*s^2 scores (what "
-                "megapar-train's scaled_dot_product_attention keeps on GPUs; megapar-train "
-                "--dry-run counts the same); --no-fused-attention counts the scores")
-    return ("attention: the a*s^2 scores counted with their softmax and dropout mask (the "
-            "unfused kernel: megapar-train on a CPU with attention dropout; on GPUs it runs a "
-            "fused kernel, which keeps none), except under context parallelism")
+        return (
+            "attention: a fused kernel's log-sum-exp counted, no a*s^2 scores (what "
+            "megapar-train's scaled_dot_product_attention keeps on GPUs; megapar-train "
+            "--dry-run counts the same); --no-fused-attention counts the scores"
+        )
+    return (
+        "attention: the a*s^2 scores counted with their softmax and dropout mask (the "
+        "unfused kernel: megapar-train on a CPU with attention dropout; on GPUs it runs a "
+        "fused kernel, which keeps none), except under context parallelism"
+    )
 
 
-BUFFERS_NOTE = ("buffers: transient, not kept for the backward: one chunk's logits on the LM "
-                "head's stage (the whole logits' fp32 gradient with --loss-chunk-tokens 0), "
-                "one layer rebuilt under recomputation, context "
-                "parallelism's K/V blocks in flight; megapar-train --dry-run does not list "
-                "them (its device bytes besides activations plus its activations are this "
-                "total less the buffers)")
+BUFFERS_NOTE = (
+    "buffers: transient, not kept for the backward: one chunk's logits on the LM "
+    "head's stage (the whole logits' fp32 gradient with --loss-chunk-tokens 0), "
+    "one layer rebuilt under recomputation, context "
+    "parallelism's K/V blocks in flight; megapar-train --dry-run does not list "
+    "them (its device bytes besides activations plus its activations are this "
+    "total less the buffers)"
+)
 """The line `explain` prints under the memory breakdown."""
 
 
 def explain(e: Estimate) -> str:
     """Memory and time breakdown of one estimate."""
     g = e.memory.as_gib()
-    lines = [f"layout {e.candidate.label()}  ({e.candidate.spec()})",
-             f"memory of the most loaded rank (stage {g['stage']}, {g['in_flight']} micro-batches "
-             f"in flight): params {g['params']:.2f} GiB, grads {g['grads']:.2f}, optimizer "
-             f"{g['optimizer']:.2f}, activations {g['activations']:.2f}, buffers "
-             f"{g['buffers']:.2f}"
-             + (f", gathered units {g['gathered']:.2f}" if g["gathered"] else "")
-             + (f", full gradient buffers {g['grad_buffers']:.2f}" if g.get("grad_buffers")
-                else "")
-             + (f", host copies {g['master']:.2f}" if g["master"] else "")
-             + (f", less {g['host']:.2f} in host memory" if g["host"] else "")
-             + f" = {g['total']:.2f} GiB on the device -> "
-             + ("fits" if e.fits else "does NOT fit"),
-             BUFFERS_NOTE,
-             f"time per step {e.step_s:.4f} s: compute {e.compute_s:.4f} s, bubble "
-             f"{100 * e.bubble:.1f} % ({e.bubble_source}), exposed comm " +
-             ", ".join(f"{k} {v:.4f} s" for k, v in e.comm_s.items()),
-             f"tokens/s {e.tokens_per_s:.0f}, MFU {100 * e.mfu:.1f} %, "
-             f"{e.hw_tflops:.1f} TFLOP/s per GPU incl. recomputation"]
+    lines = [
+        f"layout {e.candidate.label()}  ({e.candidate.spec()})",
+        f"memory of the most loaded rank (stage {g['stage']}, {g['in_flight']} micro-batches "
+        f"in flight): params {g['params']:.2f} GiB, grads {g['grads']:.2f}, optimizer "
+        f"{g['optimizer']:.2f}, activations {g['activations']:.2f}, buffers "
+        f"{g['buffers']:.2f}"
+        + (f", gathered units {g['gathered']:.2f}" if g["gathered"] else "")
+        + (f", full gradient buffers {g['grad_buffers']:.2f}" if g.get("grad_buffers") else "")
+        + (f", host copies {g['master']:.2f}" if g["master"] else "")
+        + (f", less {g['host']:.2f} in host memory" if g["host"] else "")
+        + f" = {g['total']:.2f} GiB on the device -> "
+        + ("fits" if e.fits else "does NOT fit"),
+        BUFFERS_NOTE,
+        f"time per step {e.step_s:.4f} s: compute {e.compute_s:.4f} s, bubble "
+        f"{100 * e.bubble:.1f} % ({e.bubble_source}), exposed comm "
+        + ", ".join(f"{k} {v:.4f} s" for k, v in e.comm_s.items()),
+        f"tokens/s {e.tokens_per_s:.0f}, MFU {100 * e.mfu:.1f} %, "
+        f"{e.hw_tflops:.1f} TFLOP/s per GPU incl. recomputation",
+    ]
     return "\n".join(lines)

@@ -27,11 +27,19 @@ each gather. The optimizer step itself (on the device or the host) is not modell
 from __future__ import annotations
 
 
-def dp_traffic(zero: int, m: int, pp: int, keep_params: bool, grad_bytes: float,
-               param_bytes: float, pieces: int = 1, persistent: float = 0.0,
-               per_micro_batch: bool = False,
-               deferred: tuple[int, float] = (0, 0.0),
-               once_a_step: bool = False) -> list[tuple[str, int, float]]:
+def dp_traffic(
+    zero: int,
+    m: int,
+    pp: int,
+    keep_params: bool,
+    grad_bytes: float,
+    param_bytes: float,
+    pieces: int = 1,
+    persistent: float = 0.0,
+    per_micro_batch: bool = False,
+    deferred: tuple[int, float] = (0, 0.0),
+    once_a_step: bool = False,
+) -> list[tuple[str, int, float]]:
     """[(operation, calls, bytes in all)] one rank issues over dp x cp in a step: `grad_bytes`
     / `param_bytes` are the stage's (padded) gradient and parameter buffers as reduced and
     gathered, `pieces` its buckets (zero 0-2) or units (zero 3), each one call; `persistent`
@@ -44,14 +52,24 @@ def dp_traffic(zero: int, m: int, pp: int, keep_params: bool, grad_bytes: float,
         return [("all_reduce", pieces, grad_bytes)]
     if zero in (1, 2):
         times = m if zero == 2 and not once_a_step else 1
-        return [("reduce_scatter", times * pieces, times * grad_bytes),
-                ("all_gather", pieces, param_bytes)]
+        return [
+            ("reduce_scatter", times * pieces, times * grad_bytes),
+            ("all_gather", pieces, param_bytes),
+        ]
     gathers, once = (1 if keep_params else 2 * m), (1 if persistent else 0)
     times = m if per_micro_batch and not once_a_step else 1
-    return [("all_gather", gathers * (pieces - once) + once,
-             gathers * (param_bytes - persistent) + persistent),
-            ("reduce_scatter", times * (pieces - deferred[0]) + deferred[0],
-             times * (grad_bytes - deferred[1]) + deferred[1])]
+    return [
+        (
+            "all_gather",
+            gathers * (pieces - once) + once,
+            gathers * (param_bytes - persistent) + persistent,
+        ),
+        (
+            "reduce_scatter",
+            times * (pieces - deferred[0]) + deferred[0],
+            times * (grad_bytes - deferred[1]) + deferred[1],
+        ),
+    ]
 
 
 def ring_seconds(op: str, n: int, nbytes: float, gbps: float, latency_us: float) -> float:
@@ -63,10 +81,23 @@ def ring_seconds(op: str, n: int, nbytes: float, gbps: float, latency_us: float)
     return steps * (nbytes / n * 8 / (gbps * 1e9) + latency_us * 1e-6)
 
 
-def dp_seconds(zero: int, m: int, pp: int, keep_params: bool, n: int, grad_bytes: float,
-               param_bytes: float, units: int, gbps: float, latency_us: float, t_f: float,
-               t_b: float, upload_s: float = 0.0, per_micro_batch: bool = False,
-               once_a_step: bool = False) -> float:
+def dp_seconds(
+    zero: int,
+    m: int,
+    pp: int,
+    keep_params: bool,
+    n: int,
+    grad_bytes: float,
+    param_bytes: float,
+    units: int,
+    gbps: float,
+    latency_us: float,
+    t_f: float,
+    t_b: float,
+    upload_s: float = 0.0,
+    per_micro_batch: bool = False,
+    once_a_step: bool = False,
+) -> float:
     """Seconds of a step's dp traffic that are not hidden (see the module docstring): `t_f` /
     `t_b` one micro-batch's forward / backward, `units` ZeRO-3's units of the stage, and
     `upload_s` the host-to-device copy of this rank's parameter shard before each ZeRO-3
@@ -80,14 +111,17 @@ def dp_seconds(zero: int, m: int, pp: int, keep_params: bool, n: int, grad_bytes
     if zero in (1, 2):
         return (m if zero == 2 and not once_a_step else 1) * max(0.0, rs - t_b) + ag
     ag += upload_s
-    first = ag / max(units, 1)    # the first unit of a pass has nothing to hide behind
+    first = ag / max(units, 1)  # the first unit of a pass has nothing to hide behind
     if keep_params:
         return first + max(0.0, ag - first - t_f) + m_rs(rs, t_b, m, per_micro_batch)
     if per_micro_batch:
         return m * (2 * first + max(0.0, ag - first - t_f) + max(0.0, ag - first + rs - t_b))
     # the gradients reduce once, after the last micro-batch's backward
-    return m * (2 * first + max(0.0, ag - first - t_f)) + (m - 1) * max(
-        0.0, ag - first - t_b) + max(0.0, ag - first + rs - t_b)
+    return (
+        m * (2 * first + max(0.0, ag - first - t_f))
+        + (m - 1) * max(0.0, ag - first - t_b)
+        + max(0.0, ag - first + rs - t_b)
+    )
 
 
 def m_rs(rs: float, t_b: float, m: int, per_micro_batch: bool) -> float:

@@ -69,8 +69,15 @@ class RankState:
     @property
     def device(self) -> int:
         """The bytes in device memory."""
-        return self.weights + self.grads + self.optimizer + self.master + self.gathered \
-            + self.grad_buffers - self.host
+        return (
+            self.weights
+            + self.grads
+            + self.optimizer
+            + self.master
+            + self.gathered
+            + self.grad_buffers
+            - self.host
+        )
 
 
 @dataclass(frozen=True)
@@ -113,23 +120,33 @@ def w_reported(schedule: str, pp: int, m: int, v: int) -> bool:
     return schedule in SPLIT_BACKWARD
 
 
-def rank_state(config, tp: int, pp: int, v: int, stage: int, dp: int, dp_rank: int,
-               zero: int, bucket_mb: float = 25.0, placement: str = "loop",
-               offload: Offload = Offload()) -> RankState:
+def rank_state(
+    config,
+    tp: int,
+    pp: int,
+    v: int,
+    stage: int,
+    dp: int,
+    dp_rank: int,
+    zero: int,
+    bucket_mb: float = 25.0,
+    placement: str = "loop",
+    offload: Offload = Offload(),
+) -> RankState:
     """The state of dp rank `dp_rank` of pipeline rank `stage` (any tp rank: they hold equal
     shapes) under megapar-train with AdamW and gradient buckets of `bucket_mb` MB; `placement`
     maps chunks to virtual stages (`megapar.pipeline.placement.PLACEMENTS`). ZeRO-1 is the
     real code's layout; ZeRO-2 / 3 are modelled on it (see `docs/guides/precision-zero.md`)."""
-    tensors, units, specs = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement,
-                                    offload.persist_below)
+    tensors, units, specs = _layout(
+        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, offload.persist_below
+    )
     if not units:  # no ZeRO: every parameter whole, its own state
         nbytes = sum(t.numel * t.dtype.itemsize for t in tensors)
         return _finish(tensors, units, specs, dp, zero, nbytes, len(tensors), offload, pp)
     stepped = steps = 0
     for idx, padded in units:
         size = padded // dp
-        pieces = slice_pieces([tensors[i].numel for i in idx], dp_rank * size,
-                              (dp_rank + 1) * size)
+        pieces = slice_pieces([tensors[i].numel for i in idx], dp_rank * size, (dp_rank + 1) * size)
         stepped += sum(e - s for _, s, e in pieces) * tensors[idx[0]].dtype.itemsize
         steps += len(pieces)
     return _finish(tensors, units, specs, dp, zero, stepped, steps, offload, pp)
@@ -155,8 +172,9 @@ def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
     return persistent + worst
 
 
-def grad_buffers_peak(specs: list[UnitSpec], nbytes: list[int], deferred: set[int],
-                      whole: bool, kept: bool = False) -> int:
+def grad_buffers_peak(
+    specs: list[UnitSpec], nbytes: list[int], deferred: set[int], whole: bool, kept: bool = False
+) -> int:
     """Bytes of ZeRO-3's full gradient buffers alive at once at the peak, as `ShardedParams`
     holds them (`nbytes`: each unit's full padded buffer; `deferred`: the units holding the
     tied embedding over pipeline stages, reduced in finish()). With `whole` every unit's.
@@ -175,14 +193,18 @@ def grad_buffers_peak(specs: list[UnitSpec], nbytes: list[int], deferred: set[in
     order = []
     for ci in sorted({u.chunk for u in specs if u.chunk >= 0}, reverse=True):
         idx = [i for i, u in enumerate(specs) if u.chunk == ci]
-        order += [i for i in reversed(idx) if specs[i].kind == "block"] + \
-            [i for kind in ("embedding", "root") for i in idx if specs[i].kind == kind]
+        order += [i for i in reversed(idx) if specs[i].kind == "block"] + [
+            i for kind in ("embedding", "root") for i in idx if specs[i].kind == kind
+        ]
     order += [i for i, u in enumerate(specs) if u.kind == "persistent"]
     order = [i for i in order if i not in deferred] + [i for i in order if i in deferred]
     roots = [i for i, u in enumerate(specs) if u.kind == "root"]
     persistent = [i for i, u in enumerate(specs) if u.kind == "persistent"]
-    alive = set(roots) | (set(persistent) if roots or any(
-        u.kind == "embedding" for u in specs) else set()) | (deferred if kept else set())
+    alive = (
+        set(roots)
+        | (set(persistent) if roots or any(u.kind == "embedding" for u in specs) else set())
+        | (deferred if kept else set())
+    )
     embeddings = {i for i, u in enumerate(specs) if u.kind == "embedding"}
     peak = 0
     flight: list[int] = []  # the units whose gradients are being reduced
@@ -203,12 +225,20 @@ def grad_buffers_peak(specs: list[UnitSpec], nbytes: list[int], deferred: set[in
 def _deferred(tensors, units, pp: int) -> set[int]:
     """ZeRO-3: the units holding the tied embedding over pipeline stages (reduced once, in
     `ShardedParams.finish()`, after its sum over the first and last stage)."""
-    return {k for k, (idx, _) in enumerate(units) if pp > 1 and any(tensors[i].shared
-                                                                     for i in idx)}
+    return {k for k, (idx, _) in enumerate(units) if pp > 1 and any(tensors[i].shared for i in idx)}
 
 
-def _finish(tensors, units, specs, dp: int, zero: int, stepped: int, steps: int,
-            offload: Offload, pp: int = 1) -> RankState:
+def _finish(
+    tensors,
+    units,
+    specs,
+    dp: int,
+    zero: int,
+    stepped: int,
+    steps: int,
+    offload: Offload,
+    pp: int = 1,
+) -> RankState:
     """A rank's state from its stepped bytes and pieces (`units`: ZeRO's buckets or units;
     `specs`: ZeRO-3's `UnitSpec` of each unit, else None)."""
     elements = sum(t.numel for t in tensors)
@@ -221,8 +251,13 @@ def _finish(tensors, units, specs, dp: int, zero: int, stepped: int, steps: int,
         weights, offloaded = shard, shard
         nbytes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
         gathered = gathered_peak(specs, nbytes, offload.keep_params)
-        grad_buffers = grad_buffers_peak(specs, nbytes, _deferred(tensors, units, pp),
-                                         offload.whole_grads, offload.micro_batches > 1)
+        grad_buffers = grad_buffers_peak(
+            specs,
+            nbytes,
+            _deferred(tensors, units, pp),
+            offload.whole_grads,
+            offload.micro_batches > 1,
+        )
     optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
     master = 2 * stepped if offload.optimizer else 0
     host = optimizer + master if offload.optimizer else 0
@@ -233,51 +268,78 @@ def _finish(tensors, units, specs, dp: int, zero: int, stepped: int, steps: int,
 
 
 @lru_cache(maxsize=4096)
-def most_loaded(config_json: str, tp: int, pp: int, v: int, stage: int, dp: int, zero: int,
-                bucket_mb: float = 25.0, placement: str = "loop",
-                offload: Offload = Offload()) -> RankState:
+def most_loaded(
+    config_json: str,
+    tp: int,
+    pp: int,
+    v: int,
+    stage: int,
+    dp: int,
+    zero: int,
+    bucket_mb: float = 25.0,
+    placement: str = "loop",
+    offload: Offload = Offload(),
+) -> RankState:
     """The most loaded `rank_state` over the dp ranks of a stage (ZeRO slices differ: the last
     holds the padding, ranks whose slice starts inside a parameter hold one more piece): the
     one with the most optimizer bytes (with --offload-optimizer, optimizer and host copies)."""
 
-    tensors, units, specs, stepped, steps = _slice_loads(config_json, tp, pp, v, stage, dp,
-                                                         zero, bucket_mb, placement,
-                                                         offload.persist_below)
+    tensors, units, specs, stepped, steps = _slice_loads(
+        config_json, tp, pp, v, stage, dp, zero, bucket_mb, placement, offload.persist_below
+    )
     if not units:
         config = config_from_dict(json.loads(config_json))
         return rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement, offload)
     held = (ADAM_MOMENTS + (2 if offload.optimizer else 0)) * stepped + STEP_BYTES * steps
     worst = int(np.argmax(held))
-    return _finish(tensors, units, specs, dp, zero, int(stepped[worst]), int(steps[worst]),
-                   offload, pp)
+    return _finish(
+        tensors, units, specs, dp, zero, int(stepped[worst]), int(steps[worst]), offload, pp
+    )
 
 
 @lru_cache(maxsize=1024)
-def _slice_loads(config_json: str, tp: int, pp: int, v: int, stage: int, dp: int, zero: int,
-                 bucket_mb: float, placement: str, persist_below: int):
+def _slice_loads(
+    config_json: str,
+    tp: int,
+    pp: int,
+    v: int,
+    stage: int,
+    dp: int,
+    zero: int,
+    bucket_mb: float,
+    placement: str,
+    persist_below: int,
+):
     """`_layout`'s (tensors, units, specs) and, for each of `_candidate_ranks`, the bytes it
     steps and its pieces (numpy arrays, read-only), over every unit at once: a rank's slice of
     unit u is [rank x size_u, (rank + 1) x size_u) clipped to the unit's real elements, its
     pieces the parameters that slice meets (found in the stage's running sum of sizes)."""
     config = config_from_dict(json.loads(config_json))
-    tensors, units, specs = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement,
-                                    persist_below)
+    tensors, units, specs = _layout(
+        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below
+    )
     if not units:
         return tensors, units, specs, None, None
     ranks = _candidate_ranks(tensors, units, dp)
     numels = [tensors[i].numel for idx, _ in units for i in idx]
-    ends = np.cumsum(numels, dtype=np.int64)          # every unit's parameters, one after another
-    last = np.cumsum([len(idx) for idx, _ in units]) - 1   # each unit's last index into `ends`
-    base = (ends[last] - np.array([sum(tensors[i].numel for i in idx) for idx, _ in units],
-                                  dtype=np.int64))[:, None]  # where each unit starts
+    ends = np.cumsum(numels, dtype=np.int64)  # every unit's parameters, one after another
+    last = np.cumsum([len(idx) for idx, _ in units]) - 1  # each unit's last index into `ends`
+    base = (
+        ends[last]
+        - np.array([sum(tensors[i].numel for i in idx) for idx, _ in units], dtype=np.int64)
+    )[:, None]  # where each unit starts
     size = np.array([padded // dp for _, padded in units], dtype=np.int64)[:, None]
-    itemsize = np.array([tensors[idx[0]].dtype.itemsize for idx, _ in units],
-                        dtype=np.int64)[:, None]
-    lo = base + ranks[None, :] * size                 # unit x rank, in the running sum
+    itemsize = np.array([tensors[idx[0]].dtype.itemsize for idx, _ in units], dtype=np.int64)[
+        :, None
+    ]
+    lo = base + ranks[None, :] * size  # unit x rank, in the running sum
     hi = np.minimum(lo + size, ends[last][:, None])
     real = np.maximum(hi - lo, 0)
-    pieces = np.searchsorted(ends, np.maximum(hi - 1, lo), side="right") \
-        - np.searchsorted(ends, lo, side="right") + 1
+    pieces = (
+        np.searchsorted(ends, np.maximum(hi - 1, lo), side="right")
+        - np.searchsorted(ends, lo, side="right")
+        + 1
+    )
     stepped = (real * itemsize).sum(axis=0)
     steps = np.where(real > 0, pieces, 0).sum(axis=0)
     stepped.setflags(write=False)
@@ -297,12 +359,21 @@ def _candidate_ranks(tensors, buckets, dp: int) -> np.ndarray:
         for end in np.cumsum([tensors[i].numel for i in idx]).tolist():
             special.update(r for r in (max(end - 1, 0) // size, end // size) if r < dp)
     generic = next((r for r in range(dp) if r not in special), None)
-    return np.array(sorted(special | ({generic} if generic is not None else set())),
-                    dtype=np.int64)
+    return np.array(sorted(special | ({generic} if generic is not None else set())), dtype=np.int64)
 
 
-def _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement="loop",
-            persist_below=PERSISTENCE_THRESHOLD):
+def _layout(
+    config,
+    tp,
+    pp,
+    v,
+    stage,
+    dp,
+    zero,
+    bucket_mb,
+    placement="loop",
+    persist_below=PERSISTENCE_THRESHOLD,
+):
     """(the stage's tensors, ZeRO's buckets as `bucket_layout` gives them (ZeRO-1 / 2), its
     units (ZeRO-3: each padded to a multiple of dp), or [] without, and ZeRO-3's
     `UnitSpec` per unit (else None))."""
@@ -311,32 +382,56 @@ def _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement="loop",
         return tensors, [], None
     if zero >= 3:
         specs = stage_units(config, tp, pp, v, stage, placement, persist_below)
-        return tensors, [(list(u.tensors), -(-sum(tensors[i].numel for i in u.tensors) // dp)
-                          * dp) for u in specs], specs
+        return (
+            tensors,
+            [
+                (list(u.tensors), -(-sum(tensors[i].numel for i in u.tensors) // dp) * dp)
+                for u in specs
+            ],
+            specs,
+        )
     late = [i for i, t in enumerate(tensors) if t.shared] if pp > 1 else []
-    return tensors, bucket_layout([(t.numel, t.dtype) for t in tensors], bucket_mb, dp,
-                                  late), None
+    return tensors, bucket_layout([(t.numel, t.dtype) for t in tensors], bucket_mb, dp, late), None
 
 
-def sharded_buffer(config, tp: int, pp: int, v: int, stage: int, dp: int, zero: int,
-                   bucket_mb: float = 25.0, placement: str = "loop",
-                   persist_below: int = PERSISTENCE_THRESHOLD) -> tuple[int, int, int]:
+def sharded_buffer(
+    config,
+    tp: int,
+    pp: int,
+    v: int,
+    stage: int,
+    dp: int,
+    zero: int,
+    bucket_mb: float = 25.0,
+    placement: str = "loop",
+    persist_below: int = PERSISTENCE_THRESHOLD,
+) -> tuple[int, int, int]:
     """(buckets or units, bytes of the padded buffer, bytes of ZeRO-3's persistent unit) ZeRO
     reduces and gathers on this stage (ZeRO-1 / 2: `bucket_layout`'s buckets; ZeRO-3: its
     units); (0, 0, 0) without ZeRO."""
-    tensors, units, specs = _layout(config, tp, pp, v, stage, dp, zero, bucket_mb, placement,
-                                    persist_below)
+    tensors, units, specs = _layout(
+        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below
+    )
     sizes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
     persistent = sum(n for u, n in zip(specs or (), sizes) if u.kind == "persistent")
     return len(units), sum(sizes), persistent
 
 
-def deferred_units(config, tp: int, pp: int, v: int, stage: int, dp: int,
-                   bucket_mb: float = 25.0, placement: str = "loop",
-                   persist_below: int = PERSISTENCE_THRESHOLD) -> tuple[int, int]:
+def deferred_units(
+    config,
+    tp: int,
+    pp: int,
+    v: int,
+    stage: int,
+    dp: int,
+    bucket_mb: float = 25.0,
+    placement: str = "loop",
+    persist_below: int = PERSISTENCE_THRESHOLD,
+) -> tuple[int, int]:
     """ZeRO-3: (units, bytes of their padded buffers) of the stage that hold the tied embedding
     over pipeline stages: reduced once a step even with --zero3-reduce micro-batch."""
-    tensors, units, _ = _layout(config, tp, pp, v, stage, dp, 3, bucket_mb, placement,
-                                persist_below)
+    tensors, units, _ = _layout(
+        config, tp, pp, v, stage, dp, 3, bucket_mb, placement, persist_below
+    )
     late = _deferred(tensors, units, pp)
     return len(late), sum(units[k][1] * tensors[units[k][0][0]].dtype.itemsize for k in late)

@@ -25,9 +25,21 @@ from megapar.tensor_parallel.mappings import (
 from megapar.tensor_parallel.random import NullTracker, RNGTracker
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "divide",
-    "parallel_lm_logits", "vocab_parallel_cross_entropy", "linear_cross_entropy",
-    "LOSS_CHUNK_TOKENS", "masked_mean", "initialize",
-    "normal_init", "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
-    "gather_from_tp_region", "RNGTracker", "NullTracker",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "divide",
+    "parallel_lm_logits",
+    "vocab_parallel_cross_entropy",
+    "linear_cross_entropy",
+    "LOSS_CHUNK_TOKENS",
+    "masked_mean",
+    "initialize",
+    "normal_init",
+    "copy_to_tp_region",
+    "reduce_from_tp_region",
+    "scatter_to_tp_region",
+    "gather_from_tp_region",
+    "RNGTracker",
+    "NullTracker",
 ]

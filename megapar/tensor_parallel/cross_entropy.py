@@ -28,8 +28,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_start, vocab_size, ignore_index):
         local_vocab = logits.shape[-1]
         real = max(0, min(local_vocab, vocab_size - vocab_start))  # columns before the padding
-        logits_max = logits[..., :real].max(dim=-1).values.float() if real else \
-            logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
+        logits_max = (
+            logits[..., :real].max(dim=-1).values.float()
+            if real
+            else logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
+        )
         _all_reduce(logits_max, group, dist.ReduceOp.MAX)
         if logits.dtype == torch.float32:
             shifted = logits - logits_max.unsqueeze(-1)
@@ -63,9 +66,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
-                                 vocab_start: int = 0, vocab_size: int | None = None,
-                                 ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group=None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """Per-token loss (fp32, same shape as `target`; 0 where target == ignore_index).
 
     logits: [..., local_vocab], this rank's columns [vocab_start, vocab_start + local_vocab) of
@@ -77,14 +85,17 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
         # the whole vocabulary is here: torch's fused kernel, which keeps one [tokens x vocab]
         # tensor for backward instead of the several the parallel version materialises
         whole = logits[..., :vocab_size].reshape(-1, vocab_size).float()
-        return F.cross_entropy(whole, target.reshape(-1), ignore_index=ignore_index,
-                               reduction="none").view(target.shape)
-    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_start, vocab_size,
-                                            ignore_index)
+        return F.cross_entropy(
+            whole, target.reshape(-1), ignore_index=ignore_index, reduction="none"
+        ).view(target.shape)
+    return _VocabParallelCrossEntropy.apply(
+        logits, target, group, vocab_start, vocab_size, ignore_index
+    )
 
 
-def masked_mean(per_token: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                group=None):
+def masked_mean(
+    per_token: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, group=None
+):
     """Mean of per-token losses over the tokens that are not ignored (0 if all are).
 
     With `group` (context parallelism: each rank holds other tokens of the same sequences) the

@@ -10,7 +10,7 @@ parameter it is tied to.
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -26,12 +26,14 @@ def param_seed(seed: int, name: str) -> int:
 
 def normal_init(std: float = 0.02) -> InitFn:
     """Biases zero, norm weights one, everything else N(0, std)."""
+
     def init(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
         if name.endswith("bias"):
             return torch.zeros(shape)
         if ".ln" in name or "norm" in name or "LayerNorm" in name:
             return torch.ones(shape)
         return torch.empty(shape).normal_(0.0, std, generator=gen)
+
     return init
 
 

@@ -51,8 +51,15 @@ class ColumnParallelLinear(nn.Module):
     first (its gradient reduce-scattered) instead of entering through `copy_to_tp_region`.
     """
 
-    def __init__(self, in_features: int, out_features: int, mesh: Mesh, bias: bool = True,
-                 gather_output: bool = False, name: str = "output features"):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        mesh: Mesh,
+        bias: bool = True,
+        gather_output: bool = False,
+        name: str = "output features",
+    ):
         super().__init__()
         self.group = mesh.tp_group
         self.gather_output = gather_output
@@ -67,13 +74,15 @@ class ColumnParallelLinear(nn.Module):
         """X as this layer needs it: all-gathered along the sequence (SP) or copied into the tp
         region. Several projections of one X (q, k, v; gate, up) enter once and share it, so
         the backward reduces their summed input gradient in one collective."""
-        return gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel \
+        return (
+            gather_from_sequence_parallel_region(x, self.group)
+            if self.sequence_parallel
             else copy_to_tp_region(x, self.group)
+        )
 
     def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
         """`entered`: X already went through `enter` (of this or a sibling projection)."""
-        y = linear(x if entered else self.enter(x), self.weight, self.bias,
-                   self.weight_grad_store)
+        y = linear(x if entered else self.enter(x), self.weight, self.bias, self.weight_grad_store)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
@@ -86,8 +95,15 @@ class RowParallelLinear(nn.Module):
     reduce-scattered along the sequence instead of all-reduced.
     """
 
-    def __init__(self, in_features: int, out_features: int, mesh: Mesh, bias: bool = True,
-                 input_is_parallel: bool = True, name: str = "input features"):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        mesh: Mesh,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        name: str = "input features",
+    ):
         super().__init__()
         self.group = mesh.tp_group
         self.input_is_parallel = input_is_parallel
@@ -102,8 +118,11 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
         y = linear(x, self.weight, None, self.weight_grad_store)
-        y = reduce_scatter_to_sequence_parallel_region(y, self.group) if self.sequence_parallel \
+        y = (
+            reduce_scatter_to_sequence_parallel_region(y, self.group)
+            if self.sequence_parallel
             else reduce_from_tp_region(y, self.group)
+        )
         return y + self.bias if self.bias is not None else y
 
 
@@ -138,8 +157,12 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp_region(out, self.group)
 
 
-def parallel_lm_logits(hidden: torch.Tensor, word_embeddings: torch.Tensor, mesh: Mesh,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+def parallel_lm_logits(
+    hidden: torch.Tensor,
+    word_embeddings: torch.Tensor,
+    mesh: Mesh,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """This rank's vocab slice of the logits, from (tied) vocab-parallel word embeddings
     (under sequence parallelism `hidden` is this rank's sequence slice, gathered first)."""
     return F.linear(lm_head_input(hidden, mesh), word_embeddings, bias)

@@ -43,12 +43,15 @@ class _Buffers:
 
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device):
         self.out = torch.empty(rows, cols, dtype=dtype, device=device)
-        self.fp32 = self.out if dtype == torch.float32 else \
-            torch.empty(rows, cols, dtype=torch.float32, device=device)
+        self.fp32 = (
+            self.out
+            if dtype == torch.float32
+            else torch.empty(rows, cols, dtype=torch.float32, device=device)
+        )
 
     def logits(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """fp32 logits of the rows `x` (x w^T + b computed in w's dtype), in the buffer."""
-        n, out = x.shape[0], self.out[:x.shape[0]]
+        n, out = x.shape[0], self.out[: x.shape[0]]
         x = x.to(w.dtype)
         if b is None:
             torch.mm(x, w.t(), out=out)
@@ -58,7 +61,7 @@ class _Buffers:
 
     def to_compute(self, t: torch.Tensor) -> torch.Tensor:
         """The fp32 chunk `t` in the compute dtype (itself in fp32), in the buffer."""
-        return t if self.fp32 is self.out else self.out[:t.shape[0]].copy_(t)
+        return t if self.fp32 is self.out else self.out[: t.shape[0]].copy_(t)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -69,8 +72,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     [tokens]. Returns the fp32 loss per token (0 where target == ignore_index)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, group, vocab_start, vocab_size, ignore_index,
-                chunk, dtype):
+    def forward(
+        ctx, x, weight, bias, target, group, vocab_start, vocab_size, ignore_index, chunk, dtype
+    ):
         local_vocab = weight.shape[0]
         real = max(0, min(local_vocab, vocab_size - vocab_start))  # columns before the padding
         ignored = target == ignore_index
@@ -119,10 +123,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = (grad_loss.float() * (~ignored)).reshape(-1)
         hit = (~outside).float()
         grad_x = torch.zeros_like(x) if need_x else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
-            if need_b else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        )
+        grad_b = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        )
         if real:
             w = weight[:real].to(dtype)
             b = bias[:real].to(dtype) if bias is not None else None
@@ -142,14 +148,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if need_b:
                     grad_b[:real].add_(grad.sum(dim=0))
             del buffers
-        return (grad_x, grad_w.to(weight.dtype) if need_w else None,
-                grad_b.to(bias.dtype) if need_b else None) + (None,) * 7
+        return (
+            grad_x,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+        ) + (None,) * 7
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         bias: torch.Tensor | None = None, group=None, vocab_start: int = 0,
-                         vocab_size: int | None = None, ignore_index: int = -100,
-                         chunk_tokens: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    group=None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+    chunk_tokens: int = LOSS_CHUNK_TOKENS,
+) -> torch.Tensor:
     """Per-token loss (fp32, the shape of `target`) of the logits ``x @ weight.T + bias``,
     never holding more than `chunk_tokens` tokens' logits; equal to
     ``vocab_parallel_cross_entropy(F.linear(x, weight, bias), target, ...)``.
@@ -167,7 +183,16 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
     with _no_autocast(device):  # the function casts as autocast would
-        loss = _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, bias,
-                                         target.reshape(-1), group, vocab_start, vocab_size,
-                                         ignore_index, chunk_tokens, dtype)
+        loss = _LinearCrossEntropy.apply(
+            x.reshape(-1, x.shape[-1]),
+            weight,
+            bias,
+            target.reshape(-1),
+            group,
+            vocab_start,
+            vocab_size,
+            ignore_index,
+            chunk_tokens,
+            dtype,
+        )
     return loss.view(target.shape)

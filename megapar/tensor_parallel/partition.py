@@ -88,11 +88,10 @@ def fuse_heads(parts, heads: int) -> torch.Tensor:
     contiguous shard along dim 0 holds whole heads and all three projections of each: the one
     shard rule above applies unchanged, in every tp that divides the heads.
     """
-    stacked = torch.stack(list(parts))                      # [n, heads * head_dim, ...]
+    stacked = torch.stack(list(parts))  # [n, heads * head_dim, ...]
     n, rows = stacked.shape[:2]
     rest = stacked.shape[2:]
-    return stacked.reshape(n, heads, rows // heads, *rest).transpose(0, 1).reshape(
-        n * rows, *rest)
+    return stacked.reshape(n, heads, rows // heads, *rest).transpose(0, 1).reshape(n * rows, *rest)
 
 
 def unfuse_heads(fused: torch.Tensor, heads: int, n: int = 3) -> list[torch.Tensor]:

@@ -77,6 +77,7 @@ class RNGTracker:
 
 class NullTracker:
     """A tracker for modules built without one (e.g. reference models): no stream switching."""
+
     device = torch.device("cpu")
 
     @contextlib.contextmanager

@@ -47,8 +47,10 @@ def reduce_scatter_flat(out, x, group):
 
 def _check(x: torch.Tensor, size: int) -> None:
     if x.shape[SEQ_DIM] % size:
-        raise LayoutError(f"sequence length {x.shape[SEQ_DIM]} is not divisible by --tp {size} "
-                          f"(needed by --sequence-parallel); change --seq-len or --tp")
+        raise LayoutError(
+            f"sequence length {x.shape[SEQ_DIM]} is not divisible by --tp {size} "
+            f"(needed by --sequence-parallel); change --seq-len or --tp"
+        )
 
 
 def split_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -75,8 +77,9 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     all_gather_flat(out, x.contiguous(), group)
     if b == 1:
         return out.view(1, -1, *x.shape[2:])
-    return out.view(size, b, *x.shape[1:]).transpose(0, 1).reshape(
-        b, size * x.shape[1], *x.shape[2:])
+    return (
+        out.view(size, b, *x.shape[1:]).transpose(0, 1).reshape(b, size * x.shape[1], *x.shape[2:])
+    )
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -88,8 +91,11 @@ def reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
         return x
     _check(x, size)
     b, s = x.shape[:2]
-    grouped = x.contiguous() if b == 1 else \
-        x.reshape(b, size, s // size, *x.shape[2:]).transpose(0, 1).contiguous()
+    grouped = (
+        x.contiguous()
+        if b == 1
+        else x.reshape(b, size, s // size, *x.shape[2:]).transpose(0, 1).contiguous()
+    )
     out = torch.empty((b, s // size) + x.shape[2:], dtype=x.dtype, device=x.device)
     reduce_scatter_flat(out, grouped, group)
     return out
@@ -105,8 +111,11 @@ def _region(name: str, forward, backward) -> type[torch.autograd.Function]:
     def bwd(ctx, grad):
         return backward(grad, ctx.group), None
 
-    return type(name, (torch.autograd.Function,),
-                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {"forward": staticmethod(fwd), "backward": staticmethod(bwd)},
+    )
 
 
 _GatherFromSP = _region("_GatherFromSP", gather_sequence, reduce_scatter_sequence)
@@ -151,6 +160,6 @@ def sync_sequence_parallel_grads(model: torch.nn.Module, group) -> int:
     dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
     return len(grads)

@@ -83,11 +83,16 @@ class _DeferredWeightGradLinear(torch.autograd.Function):
         return grad_x, None, grad_b, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           store: WeightGradStore | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None
+) -> torch.Tensor:
     """F.linear, with the weight gradient deferred into `store` when it is enabled."""
-    if store is None or not store.enabled or not torch.is_grad_enabled() \
-            or not weight.requires_grad:
+    if (
+        store is None
+        or not store.enabled
+        or not torch.is_grad_enabled()
+        or not weight.requires_grad
+    ):
         return F.linear(x, weight, bias)
     return _DeferredWeightGradLinear.apply(x, weight.detach(), bias, store, (weight,))
 

@@ -33,50 +33,71 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
     (what a tokenizer returns) is accepted and dropped. Everything here is local: a bad batch
     fails on every rank that holds it before any communication."""
     if not isinstance(batch, dict) or "input_ids" not in batch:
-        raise TypeError(f"{what} takes a dict of tensors with at least 'input_ids' (and 'labels' "
-                        f"to train), got {type(batch).__name__}")
+        raise TypeError(
+            f"{what} takes a dict of tensors with at least 'input_ids' (and 'labels' "
+            f"to train), got {type(batch).__name__}"
+        )
     if what == "train_step" and "labels" not in batch:
-        raise ValueError("train_step needs 'labels' (the next-token ids aligned with input_ids, "
-                         "-100 where there is none; BERT: the masked tokens' ids)")
+        raise ValueError(
+            "train_step needs 'labels' (the next-token ids aligned with input_ids, "
+            "-100 where there is none; BERT: the masked tokens' ids)"
+        )
     bert = config.model_type == "bert"
     allowed = BERT_KEYS if bert else DECODER_KEYS
     out = {}
     shape = None
     for key, value in batch.items():
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{what}: batch[{key!r}] is a {type(value).__name__}; pass torch "
-                            f"tensors (torch.as_tensor(...))")
+            raise TypeError(
+                f"{what}: batch[{key!r}] is a {type(value).__name__}; pass torch "
+                f"tensors (torch.as_tensor(...))"
+            )
         if key == "attention_mask" and value.shape != batch["input_ids"].shape:
-            raise ValueError(f"{what}: attention_mask has shape {tuple(value.shape)}, input_ids "
-                             f"{tuple(batch['input_ids'].shape)}; they must match")
+            raise ValueError(
+                f"{what}: attention_mask has shape {tuple(value.shape)}, input_ids "
+                f"{tuple(batch['input_ids'].shape)}; they must match"
+            )
         if key == "attention_mask" and not bert:
             if not bool((value == 1).all()):
-                raise ValueError(f"{what}: {config.model_type} in megapar has no padding mask; "
-                                 f"pack sequences without padding, or set the labels of padded "
-                                 f"positions to -100 and drop attention_mask")
+                raise ValueError(
+                    f"{what}: {config.model_type} in megapar has no padding mask; "
+                    f"pack sequences without padding, or set the labels of padded "
+                    f"positions to -100 and drop attention_mask"
+                )
             continue
         if key not in allowed:
-            raise ValueError(f"{what}: batch key {key!r} is not used by {config.model_type} "
-                             f"(it reads {', '.join(allowed)}); drop it")
-        if value.is_floating_point() or value.is_complex() or (
-                value.dtype == torch.bool and key != "attention_mask"):
-            raise TypeError(f"{what}: batch[{key!r}] holds {value.dtype}; token ids, labels and "
-                            f"masks must be integer tensors (e.g. .long())")
+            raise ValueError(
+                f"{what}: batch key {key!r} is not used by {config.model_type} "
+                f"(it reads {', '.join(allowed)}); drop it"
+            )
+        if (
+            value.is_floating_point()
+            or value.is_complex()
+            or (value.dtype == torch.bool and key != "attention_mask")
+        ):
+            raise TypeError(
+                f"{what}: batch[{key!r}] holds {value.dtype}; token ids, labels and "
+                f"masks must be integer tensors (e.g. .long())"
+            )
         if key == "attention_mask" and not bool(((value == 0) | (value == 1)).all()):
             raise ValueError(f"{what}: attention_mask holds values other than 0 and 1")
-        value = value.long()   # int32 / uint8 ids work at every layout, and compare correctly
+        value = value.long()  # int32 / uint8 ids work at every layout, and compare correctly
         if value.dim() != 2 or (shape is not None and tuple(value.shape) != shape):
-            raise ValueError(f"{what}: batch[{key!r}] has shape {tuple(value.shape)}; every "
-                             f"entry must be [global batch, seq]"
-                             + (f" like the others, {shape}" if shape else ""))
+            raise ValueError(
+                f"{what}: batch[{key!r}] has shape {tuple(value.shape)}; every "
+                f"entry must be [global batch, seq]"
+                + (f" like the others, {shape}" if shape else "")
+            )
         shape = tuple(value.shape)
         out[key] = value
     if value_range := _out_of_range(out, config):
         raise ValueError(f"{what}: {value_range}")
     limit = config.max_positions
     if shape[1] > limit:
-        raise ValueError(f"{what}: sequences of {shape[1]} tokens are longer than the model's "
-                         f"{limit} positions; cut them to at most {limit}")
+        raise ValueError(
+            f"{what}: sequences of {shape[1]} tokens are longer than the model's "
+            f"{limit} positions; cut them to at most {limit}"
+        )
     return out
 
 
@@ -92,14 +113,18 @@ def _out_of_range(batch: dict[str, torch.Tensor], config) -> str:
     low, high = _min_max(ids) if ids.numel() else (0, 0)
     if low < 0 or high >= vocab:
         bad = high if high >= vocab else low
-        return (f"input id {bad} is outside the model's vocabulary of {vocab} tokens (0 to "
-                f"{vocab - 1}); is the data tokenized for another vocabulary?")
+        return (
+            f"input id {bad} is outside the model's vocabulary of {vocab} tokens (0 to "
+            f"{vocab - 1}); is the data tokenized for another vocabulary?"
+        )
     labels = batch.get("labels")
     if labels is not None and labels.numel():
         bad = labels[(labels != -100) & ((labels < 0) | (labels >= vocab))]
         if bad.numel():
-            return (f"label {int(bad[0])} is outside the vocabulary of {vocab} tokens (0 to "
-                    f"{vocab - 1}; -100 marks a position without a label)")
+            return (
+                f"label {int(bad[0])} is outside the vocabulary of {vocab} tokens (0 to "
+                f"{vocab - 1}; -100 marks a position without a label)"
+            )
     types = batch.get("token_type_ids")
     n_types = getattr(config, "type_vocab_size", None)
     low, high = _min_max(types) if types is not None and types.numel() else (0, 0)
@@ -137,15 +162,17 @@ def fingerprint(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         weights = _position_weights(flat.numel(), flat.device)
         dot = torch.dot(flat, weights) if flat.device.type == "cpu" else (flat * weights).sum()
         part = dot % _PRIME  # (torch.dot has no integer kernel on CUDA)
-        salt = (zlib.crc32(key.encode()) * 1_000_003 + value.shape[0] * 7919
-                + value.shape[-1]) % _PRIME
+        salt = (
+            zlib.crc32(key.encode()) * 1_000_003 + value.shape[0] * 7919 + value.shape[-1]
+        ) % _PRIME
         part = (part * 65_599 + salt) % _PRIME
         total = part if total is None else (total * 1_000_003 + part) % _PRIME
     return total
 
 
-def same_on_every_rank(batch: dict[str, torch.Tensor], device: torch.device,
-                       what: str = "train_step") -> None:
+def same_on_every_rank(
+    batch: dict[str, torch.Tensor], device: torch.device, what: str = "train_step"
+) -> None:
     """Raise on every rank (no hang) unless all ranks hold the same batch: one all-reduce (MAX)
     of [h, -h] over the world, read once (max == min)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -159,4 +186,5 @@ def same_on_every_rank(batch: dict[str, torch.Tensor], device: torch.device,
             f"{what}: rank {dist.get_rank()} got another global batch than other ranks; every "
             f"rank must pass the same global batch (each takes its own share). Draw it from a "
             f"torch.Generator with a fixed seed, not torch's global RNG, which megapar.prepare "
-            f"seeds per pipeline stage (for dropout)")
+            f"seeds per pipeline stage (for dropout)"
+        )

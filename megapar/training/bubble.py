@@ -56,12 +56,16 @@ class BubbleRun:
     LM head and the loss)."""
 
     def summary(self) -> dict:
-        return {"measured_bubble": self.stats["measured_bubble"],
-                "theoretical_bubble": self.theoretical,
-                "step_time_s": self.stats["step_time_s"],
-                "per_stage_bubble": [r["bubble"] for r in self.stats["per_rank"]],
-                "in_flight_peak": self.in_flight, "activation_mb": self.activation_mb,
-                "costs_ms": self.costs, "stage_costs_ms": self.stage_costs}
+        return {
+            "measured_bubble": self.stats["measured_bubble"],
+            "theoretical_bubble": self.theoretical,
+            "step_time_s": self.stats["step_time_s"],
+            "per_stage_bubble": [r["bubble"] for r in self.stats["per_rank"]],
+            "in_flight_peak": self.in_flight,
+            "activation_mb": self.activation_mb,
+            "costs_ms": self.costs,
+            "stage_costs_ms": self.stage_costs,
+        }
 
 
 def bench_config(model: str | None, pp: int, virtual_stages: int = 1):
@@ -71,9 +75,16 @@ def bench_config(model: str | None, pp: int, virtual_stages: int = 1):
 
     if model:
         return resolve_model(model)
-    return GPT2Config(vocab_size=256, n_positions=256, n_embd=512,
-                      n_layer=max(2, virtual_stages) * pp, n_head=8,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2Config(
+        vocab_size=256,
+        n_positions=256,
+        n_embd=512,
+        n_layer=max(2, virtual_stages) * pp,
+        n_head=8,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
 
 
 class _HeldBytes:
@@ -109,16 +120,25 @@ class _Held:
 def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stages=1, cp=1):
     config = config_from_dict(config_dict)
     mesh = Mesh.from_env(tp, pp, 1, cp=cp)
-    model = build_stage(config, mesh, seed=0,
-                        virtual_stages=chunks_per_rank(schedule, virtual_stages),
-                        placement=placement_of(schedule))
+    model = build_stage(
+        config,
+        mesh,
+        seed=0,
+        virtual_stages=chunks_per_rank(schedule, virtual_stages),
+        placement=placement_of(schedule),
+    )
     gen = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, config.vocab_size, (mbs, seq_len + 1), generator=gen)
-           for _ in range(m)]
-    micro = [{"input_ids": t[:, :-1].to(mesh.device), "labels": t[:, 1:].to(mesh.device)}
-             for t in ids]
-    executor = PipelineExecutor(model, mesh, schedule, (mbs, seq_len // cp, config.hidden_size),
-                                virtual_stages=virtual_stages)
+    ids = [torch.randint(0, config.vocab_size, (mbs, seq_len + 1), generator=gen) for _ in range(m)]
+    micro = [
+        {"input_ids": t[:, :-1].to(mesh.device), "labels": t[:, 1:].to(mesh.device)} for t in ids
+    ]
+    executor = PipelineExecutor(
+        model,
+        mesh,
+        schedule,
+        (mbs, seq_len // cp, config.hidden_size),
+        virtual_stages=virtual_stages,
+    )
     keep_freed_host_memory()  # the model is built: the steps' tensors are kept
     held = _HeldBytes(model.parameters())
     timeline = None
@@ -146,9 +166,18 @@ def gather_stage_info(mesh, values: list[float]) -> list[list[float]]:
     return [p.tolist() for p in parts]
 
 
-def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = None,
-            steps: int = 3, micro_batch_size: int = 4, seq_len: int = 64,
-            virtual_stages: int = 1, cp: int = 1) -> BubbleRun:
+def measure(
+    pp: int,
+    m: int,
+    schedule: str,
+    tp: int = 1,
+    model: str | None = None,
+    steps: int = 3,
+    micro_batch_size: int = 4,
+    seq_len: int = 64,
+    virtual_stages: int = 1,
+    cp: int = 1,
+) -> BubbleRun:
     """Run the real engine on pp*tp*cp local processes; the last of `steps` steps' timeline
     (cp rank 0's pipeline; the cp ranks' costs include their attention exchanges).
 
@@ -156,22 +185,49 @@ def measure(pp: int, m: int, schedule: str, tp: int = 1, model: str | None = Non
     the step (parameters included when saved): what the schedule's in-flight count bounds."""
     check_schedule(schedule, pp, m, virtual_stages)
     config = bench_config(model, pp, chunks_per_rank(schedule, virtual_stages))
-    results = run_local(_worker, pp * tp * cp, config.to_dict(), tp, pp, m, schedule, steps,
-                        micro_batch_size, seq_len, virtual_stages, cp, timeout_s=600)
+    results = run_local(
+        _worker,
+        pp * tp * cp,
+        config.to_dict(),
+        tp,
+        pp,
+        m,
+        schedule,
+        steps,
+        micro_batch_size,
+        seq_len,
+        virtual_stages,
+        cp,
+        timeout_s=600,
+    )
     timeline_json, in_flight, act = results[0]
     timeline = Timeline.from_json(timeline_json)
     stats = bubble_stats(timeline)
     costs = mean_costs(timeline, schedule)
-    return BubbleRun(timeline, stats, theory(pp, m, schedule, virtual_stages, costs), in_flight,
-                     act, costs=costs, stage_costs=stage_costs(timeline, costs["p2p_ms"]))
+    return BubbleRun(
+        timeline,
+        stats,
+        theory(pp, m, schedule, virtual_stages, costs),
+        in_flight,
+        act,
+        costs=costs,
+        stage_costs=stage_costs(timeline, costs["p2p_ms"]),
+    )
 
 
 def theory(pp: int, m: int, schedule: str, virtual_stages: int, costs: dict) -> float:
     """The schedule's bubble formula; ZB-H1's uses the F, B and W costs."""
 
     b, w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")  # W may cost nothing
-    return theoretical_bubble(pp, m, schedule, virtual_stages, costs["fwd_ms"],
-                              1.0 if b is None else b, 1.0 if w is None else w)
+    return theoretical_bubble(
+        pp,
+        m,
+        schedule,
+        virtual_stages,
+        costs["fwd_ms"],
+        1.0 if b is None else b,
+        1.0 if w is None else w,
+    )
 
 
 def mean_costs(timeline, schedule: str = "1f1b") -> dict:
@@ -189,8 +245,11 @@ def mean_costs(timeline, schedule: str = "1f1b") -> dict:
     pp = len(timeline.ranks())
     chunks = 1 + max((e.chunk for e in timeline.events), default=0)
     placement = placement_of(schedule)
-    sends = {(e.kind, e.rank, e.mb, e.chunk): e for e in timeline.events
-             if e.kind in ("send_act", "send_grad")}
+    sends = {
+        (e.kind, e.rank, e.mb, e.chunk): e
+        for e in timeline.events
+        if e.kind in ("send_act", "send_grad")
+    }
     latencies = []
     for e in timeline.events:
         if e.kind in ("recv_act", "recv_grad"):
@@ -198,12 +257,17 @@ def mean_costs(timeline, schedule: str = "1f1b") -> dict:
             send = sends.get(("send_" + e.kind[5:], *peer[:1], e.mb, peer[1])) if peer else None
             if send is not None:
                 latencies.append(1e3 * max(0.0, e.end - max(e.start, send.start)))
-    costs = {"fwd_ms": mean("forward"), "bwd_ms": mean("backward"),
-             "p2p_ms": statistics.median(latencies) if latencies else 0.0}
+    costs = {
+        "fwd_ms": mean("forward"),
+        "bwd_ms": mean("backward"),
+        "p2p_ms": statistics.median(latencies) if latencies else 0.0,
+    }
     if any(e.kind == "backward_input" for e in timeline.events):
         # B: the backward with the linear layers' weight products deferred; W: those products
-        costs["bwd_input_ms"], costs["bwd_weight_ms"] = mean("backward_input"), \
-            mean("backward_weight")
+        costs["bwd_input_ms"], costs["bwd_weight_ms"] = (
+            mean("backward_input"),
+            mean("backward_weight"),
+        )
         costs["bwd_ms"] = costs["bwd_input_ms"] + costs["bwd_weight_ms"]
     return costs
 
@@ -213,23 +277,37 @@ def stage_costs(timeline, p2p_ms: float) -> list[dict]:
     splits it) milliseconds of that stage's own actions; `p2p_ms` for every stage."""
     out = []
     for rank in timeline.ranks():
+
         def mean(kind):
             d = [e.end - e.start for e in timeline.events if e.kind == kind and e.rank == rank]
             return 1e3 * sum(d) / len(d) if d else None
-        costs = {"fwd_ms": mean("forward") or 0.0, "bwd_ms": mean("backward") or 0.0,
-                 "p2p_ms": p2p_ms}
+
+        costs = {
+            "fwd_ms": mean("forward") or 0.0,
+            "bwd_ms": mean("backward") or 0.0,
+            "p2p_ms": p2p_ms,
+        }
         b, w = mean("backward_input"), mean("backward_weight")
         if b is not None or w is not None:
-            costs.update(bwd_input_ms=b or 0.0, bwd_weight_ms=w or 0.0,
-                         bwd_ms=(b or 0.0) + (w or 0.0))
+            costs.update(
+                bwd_input_ms=b or 0.0, bwd_weight_ms=w or 0.0, bwd_ms=(b or 0.0) + (w or 0.0)
+            )
         out.append(costs)
     return out
 
 
-def simulate(pp: int, m: int, schedule: str, fwd_ms: float, bwd_ms: float,
-             p2p_ms: float = 0.0, virtual_stages: int = 1, bwd_input_ms: float | None = None,
-             bwd_weight_ms: float | None = None,
-             stage_costs: list[dict] | None = None) -> BubbleRun:
+def simulate(
+    pp: int,
+    m: int,
+    schedule: str,
+    fwd_ms: float,
+    bwd_ms: float,
+    p2p_ms: float = 0.0,
+    virtual_stages: int = 1,
+    bwd_input_ms: float | None = None,
+    bwd_weight_ms: float | None = None,
+    stage_costs: list[dict] | None = None,
+) -> BubbleRun:
     """The same timeline and table computed from per-action costs, without processes.
     B and W default to half the backward each. `stage_costs` (one dict of the same keys per
     stage, e.g. `BubbleRun.stage_costs` of a measurement) simulates stages that differ; the
@@ -237,11 +315,22 @@ def simulate(pp: int, m: int, schedule: str, fwd_ms: float, bwd_ms: float,
 
     bwd_input_ms = bwd_ms / 2 if bwd_input_ms is None else bwd_input_ms
     bwd_weight_ms = bwd_ms / 2 if bwd_weight_ms is None else bwd_weight_ms
-    costs = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "p2p_ms": p2p_ms,
-             "bwd_input_ms": bwd_input_ms, "bwd_weight_ms": bwd_weight_ms}
+    costs = {
+        "fwd_ms": fwd_ms,
+        "bwd_ms": bwd_ms,
+        "p2p_ms": p2p_ms,
+        "bwd_input_ms": bwd_input_ms,
+        "bwd_weight_ms": bwd_weight_ms,
+    }
     per_stage = [Costs(**c) for c in stage_costs] if stage_costs else Costs(**costs)
     timeline = simulate_schedule(schedule, pp, m, per_stage, virtual_stages)
-    in_flight = [in_flight_peak(schedule_actions(schedule, pp, m, s, virtual_stages))
-                 for s in range(pp)]
-    return BubbleRun(timeline, bubble_stats(timeline),
-                     theory(pp, m, schedule, virtual_stages, costs), in_flight, costs=costs)
+    in_flight = [
+        in_flight_peak(schedule_actions(schedule, pp, m, s, virtual_stages)) for s in range(pp)
+    ]
+    return BubbleRun(
+        timeline,
+        bubble_stats(timeline),
+        theory(pp, m, schedule, virtual_stages, costs),
+        in_flight,
+        costs=costs,
+    )

@@ -237,8 +237,11 @@ def field_docs() -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and \
-                isinstance(getattr(nxt, "value", None), ast.Constant):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(getattr(nxt, "value", None), ast.Constant)
+        ):
             docs[node.target.id] = str(nxt.value.value)
     return docs
 
@@ -258,12 +261,19 @@ def field_groups() -> dict[str, str]:
 def flag_choices() -> dict[str, list]:
     """Allowed values, taken from the modules that implement them."""
 
-    return {"rank_order": list(RANK_ORDERS),
-            "schedule": list(SCHEDULES), "recompute": list(RECOMPUTE_MODES),
-            "precision": list(PRECISIONS), "p2p_dtype": COMM_DTYPES,
-            "grad_reduce_dtype": COMM_DTYPES, "zero": [0, 1, 2, 3], "lr_decay": list(DECAY_STYLES),
-            "optimizer": list(OPTIMIZERS), "grad_compression": list(GRAD_COMPRESSIONS),
-            "zero3_reduce": list(ZERO3_REDUCES)}
+    return {
+        "rank_order": list(RANK_ORDERS),
+        "schedule": list(SCHEDULES),
+        "recompute": list(RECOMPUTE_MODES),
+        "precision": list(PRECISIONS),
+        "p2p_dtype": COMM_DTYPES,
+        "grad_reduce_dtype": COMM_DTYPES,
+        "zero": [0, 1, 2, 3],
+        "lr_decay": list(DECAY_STYLES),
+        "optimizer": list(OPTIMIZERS),
+        "grad_compression": list(GRAD_COMPRESSIONS),
+        "zero3_reduce": list(ZERO3_REDUCES),
+    }
 
 
 MULTI_VALUE = {"data"}  # flags that take several values (a blend: --data 0.7 A 0.3 B)
@@ -295,8 +305,11 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}{self._did_you_mean(message)} "
-                     f"(see {self.prog} --help)\n")
+        self.exit(
+            2,
+            f"{self.prog}: error: {message}{self._did_you_mean(message)} "
+            f"(see {self.prog} --help)\n",
+        )
 
     def _did_you_mean(self, message: str) -> str:
         """For unknown flags, the closest known one of each (`--max-step`: `--max-steps`)."""
@@ -305,7 +318,7 @@ class OneLineParser(argparse.ArgumentParser):
             return ""
         known = sorted(o for o in self._option_string_actions if o.startswith("--"))
         hints = []
-        for token in message[len(prefix):].split():
+        for token in message[len(prefix) :].split():
             flag = token.split("=", 1)[0]
             close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
             if close:
@@ -315,9 +328,13 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
-        prog=prog, description="Train a GPT-2, BERT or Llama with tensor, pipeline and data parallelism.")
-    parser.add_argument("--config", help="JSON or YAML file whose keys are these flags' names "
-                        "(command-line flags override it)")
+        prog=prog,
+        description="Train a GPT-2, BERT or Llama with tensor, pipeline and data parallelism.",
+    )
+    parser.add_argument(
+        "--config",
+        help="JSON or YAML file whose keys are these flags' names (command-line flags override it)",
+    )
     docs, choices, group_of = _escaped(field_docs()), flag_choices(), field_groups()
     groups = {name: parser.add_argument_group(title) for name, title in GROUPS.items()}
     for f in fields(TrainConfig):
@@ -326,12 +343,21 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
         default = "" if f.default is None else f" (default: {f.default})"
         group = groups[group_of[f.name]]
         if kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                               help=docs.get(f.name, "") + default)
+            group.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=docs.get(f.name, "") + default,
+            )
         else:
-            group.add_argument(flag, type=kind, default=None, choices=choices.get(f.name),
-                               help=docs.get(f.name, "") + default,
-                               **({"nargs": "+"} if f.name in MULTI_VALUE else {}))
+            group.add_argument(
+                flag,
+                type=kind,
+                default=None,
+                choices=choices.get(f.name),
+                help=docs.get(f.name, "") + default,
+                **({"nargs": "+"} if f.name in MULTI_VALUE else {}),
+            )
     return parser
 
 
@@ -354,8 +380,9 @@ def _config_value(f, value: Any, path: str) -> Any:
         text = str(value).strip().lower() if isinstance(value, str) else None
         if text in TRUE or text in FALSE:
             return text in TRUE
-        raise ConfigError(f"{path}: {flag} {value!r} is invalid: a switch is true or false "
-                          f"(also yes / no, 1 / 0)")
+        raise ConfigError(
+            f"{path}: {flag} {value!r} is invalid: a switch is true or false (also yes / no, 1 / 0)"
+        )
     if kind is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{path}: {flag} {value!r} is invalid: expected one value")

@@ -60,9 +60,12 @@ class DataPlan:
     other content is refused (`check_same_data`). None for a dry run without data."""
 
 
-def resolve_data_prefix(cfg: TrainConfig, notes: list[str] | None = None,
-                        tokenized: list[str] | None = None,
-                        fingerprints: list[str] | None = None) -> str:
+def resolve_data_prefix(
+    cfg: TrainConfig,
+    notes: list[str] | None = None,
+    tokenized: list[str] | None = None,
+    fingerprints: list[str] | None = None,
+) -> str:
     """The dataset prefix for --data: tokenizing raw text (or the shipped sample) if needed
     (the prefixes tokenized now are appended to `tokenized`, every part's fingerprint to
     `fingerprints`).
@@ -79,28 +82,43 @@ def resolve_data_prefix(cfg: TrainConfig, notes: list[str] | None = None,
         if fingerprints is not None:
             fingerprints.append(other.fingerprint())
         if (other.vocab_size, other.eod_id) != (first.vocab_size, first.eod_id):
-            raise ValueError(f"--data blend: {prefix} (vocab {other.vocab_size}, eod "
-                             f"{other.eod_id}) and {prefixes[0]} (vocab {first.vocab_size}, eod "
-                             f"{first.eod_id}) were made with different tokenizers; "
-                             f"tokenize every part with the same one")
+            raise ValueError(
+                f"--data blend: {prefix} (vocab {other.vocab_size}, eod "
+                f"{other.eod_id}) and {prefixes[0]} (vocab {first.vocab_size}, eod "
+                f"{first.eod_id}) were made with different tokenizers; "
+                f"tokenize every part with the same one"
+            )
     return prefixes[0]
 
 
-def _resolve_one(cfg: TrainConfig, data: str | None, notes: list[str] | None = None,
-                 tokenized: list[str] | None = None) -> str:
+def _resolve_one(
+    cfg: TrainConfig,
+    data: str | None,
+    notes: list[str] | None = None,
+    tokenized: list[str] | None = None,
+) -> str:
     data = _text_or_prefix(cfg, data)
     if is_raw_text(data):
         report: dict = {}  # invalid UTF-8 bytes replaced, per file (above 0.1 %: an error)
         stats: dict = {}  # filled only when the text is tokenized now
-        prefix = ensure_dataset(data, cfg.tokenizer, os.path.expanduser(cfg.data_cache),
-                                split_paragraphs=True, progress=cfg.progress, report=report,
-                                jsonl_key=cfg.jsonl_key,
-                                allow_invalid_utf8=cfg.allow_invalid_utf8, stats=stats)
+        prefix = ensure_dataset(
+            data,
+            cfg.tokenizer,
+            os.path.expanduser(cfg.data_cache),
+            split_paragraphs=True,
+            progress=cfg.progress,
+            report=report,
+            jsonl_key=cfg.jsonl_key,
+            allow_invalid_utf8=cfg.allow_invalid_utf8,
+            stats=stats,
+        )
         if stats and tokenized is not None:
             tokenized.append(prefix)
         if notes is not None:
-            notes.extend(f"warning: {path}: {n:,} bytes of invalid UTF-8 replaced with U+FFFD"
-                         for path, n in report.items())
+            notes.extend(
+                f"warning: {path}: {n:,} bytes of invalid UTF-8 replaced with U+FFFD"
+                for path, n in report.items()
+            )
         return prefix
     return data
 
@@ -118,11 +136,14 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
     if missing:
         names = ", ".join(os.path.basename(m) for m in missing)
         if "data" in getattr(cfg, "from_checkpoint", ()):  # moved since: the user gave no --data
-            raise FileNotFoundError(f"{named(cfg, 'data', data)}: {names} not found; pass "
-                                    f"--data with where that data is now")
+            raise FileNotFoundError(
+                f"{named(cfg, 'data', data)}: {names} not found; pass "
+                f"--data with where that data is now"
+            )
         raise FileNotFoundError(
             f"--data {data}: {names} not found; pass the prefix written by `megapar-data "
-            f"--output-prefix`, or a raw .txt file")
+            f"--output-prefix`, or a raw .txt file"
+        )
     return data
 
 
@@ -131,19 +152,25 @@ def _refuse_what_is_not_text(path: str) -> None:
     prepared dataset's file, a directory of datasets, or a checkpoint."""
     stem, ext = os.path.splitext(path)
     if ext in (".bin", ".idx") and os.path.exists(stem + (".idx" if ext == ".bin" else ".bin")):
-        raise ValueError(f"--data {path} is a file of the dataset {stem}; pass the prefix "
-                         f"without {ext}: --data {stem}")
+        raise ValueError(
+            f"--data {path} is a file of the dataset {stem}; pass the prefix "
+            f"without {ext}: --data {stem}"
+        )
     if not os.path.isdir(path):
         return
     names = os.listdir(path)
     if MANIFEST in names or "latest" in names or any(n.startswith("step_") for n in names):
-        raise ValueError(f"--data {path} is a megapar checkpoint, not data; pass it to --load, "
-                         f"and the text or dataset it trained on to --data")
+        raise ValueError(
+            f"--data {path} is a megapar checkpoint, not data; pass it to --load, "
+            f"and the text or dataset it trained on to --data"
+        )
     prefixes = sorted(n[:-4] for n in names if n.endswith(".idx") and n[:-4] + ".bin" in names)
     if prefixes:
         shown = ", ".join(os.path.join(path, p) for p in prefixes[:3])
-        raise ValueError(f"--data {path} is a directory of tokenized datasets; pass a dataset's "
-                         f"prefix (e.g. --data {shown}), or a blend of them")
+        raise ValueError(
+            f"--data {path} is a directory of tokenized datasets; pass a dataset's "
+            f"prefix (e.g. --data {shown}), or a blend of them"
+        )
 
 
 def missing_files(prefix: str) -> list[str]:
@@ -175,10 +202,12 @@ def data_tokenizer(cfg: TrainConfig):
     try:
         tokenizer = load_tokenizer(indexed.tokenizer_spec)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--data {data} was made with the tokenizer at "
-                         f"{indexed.tokenizer_spec.get('path')}, which does not load now: {exc} "
-                         f"(a prepared dataset keeps the tokenizer it was made with; --tokenizer "
-                         f"does not replace it)") from None
+        raise ValueError(
+            f"--data {data} was made with the tokenizer at "
+            f"{indexed.tokenizer_spec.get('path')}, which does not load now: {exc} "
+            f"(a prepared dataset keeps the tokenizer it was made with; --tokenizer "
+            f"does not replace it)"
+        ) from None
     given = explicit(cfg) - getattr(cfg, "from_checkpoint", frozenset())
     # a --tokenizer the checkpoint recorded is not compared: `check_checkpoint_tokenizer`
     # compares the data's with the tokenizer the checkpoint trained with (its files' sha256)
@@ -192,15 +221,18 @@ def check_given_tokenizer(given: str, data: str, tokenizer) -> None:
     same files (wherever they lie): ValueError naming both otherwise, since the dataset keeps
     its own. megapar-train and megapar-eval both call this."""
     if not same_tokenizer(load_tokenizer(given), tokenizer):
-        raise ValueError(f"--tokenizer {given} is not the tokenizer --data {data} was made with "
-                         f"({tokenizer.path}): a prepared dataset keeps its own; leave "
-                         f"--tokenizer out (it is for raw text and a Megatron-LM dataset without "
-                         f"megapar's .json), or prepare the data again with megapar-data "
-                         f"--tokenizer {given}")
+        raise ValueError(
+            f"--tokenizer {given} is not the tokenizer --data {data} was made with "
+            f"({tokenizer.path}): a prepared dataset keeps its own; leave "
+            f"--tokenizer out (it is for raw text and a Megatron-LM dataset without "
+            f"megapar's .json), or prepare the data again with megapar-data "
+            f"--tokenizer {given}"
+        )
 
 
-def check_checkpoint_tokenizer(load: str, manifest: dict, tokenizer, data: str,
-                               text_tokenizer: str | None = None) -> None:
+def check_checkpoint_tokenizer(
+    load: str, manifest: dict, tokenizer, data: str, text_tokenizer: str | None = None
+) -> None:
     """The tokenizer of `data` is the one the --load checkpoint trained with: the same kind and
     files (their sha256, wherever they lie now) as the checkpoint records in meta
     ``tokenizer``, or the recorded tokenizer, still as recorded, encodes alike
@@ -232,17 +264,22 @@ def check_checkpoint_tokenizer(load: str, manifest: dict, tokenizer, data: str,
         return  # another format of the same sizes, the recorded files gone: cannot tell apart
     theirs = recorded.get("path")
     if text_tokenizer:
-        ours, fix = f"--data {data} is tokenized with {text_tokenizer}", \
-            f"pass --tokenizer {theirs}"
+        ours, fix = (
+            f"--data {data} is tokenized with {text_tokenizer}",
+            f"pass --tokenizer {theirs}",
+        )
     else:
-        ours, fix = f"--data {data} was made with {tokenizer.path}", \
-            f"use data made with megapar-data --tokenizer {theirs}"
+        ours, fix = (
+            f"--data {data} was made with {tokenizer.path}",
+            f"use data made with megapar-data --tokenizer {theirs}",
+        )
     same_path = str(tokenizer.path) == str(theirs)
     raise UsageError(
         f"--load {load} trained with the tokenizer {theirs} (sha256 "
         f"{','.join(d[:12] for d in recorded['sha256'])}) but {ours}"
         f"{' (sha256 ' + ','.join(d[:12] for d in digests) + ', changed since)' if same_path else ''}"
-        f": its token ids would be other tokens to the model; {fix}")
+        f": its token ids would be other tokens to the model; {fix}"
+    )
 
 
 def max_samples(cfg: TrainConfig, model_type: str) -> int:
@@ -260,8 +297,7 @@ def max_samples(cfg: TrainConfig, model_type: str) -> int:
     return tokens // cfg.seq_len + 1 if model_type in CAUSAL_LM_TYPES else tokens
 
 
-def resolve_model(cfg: TrainConfig, notes: list[str] | None = None,
-                  manifest: dict | None = None):
+def resolve_model(cfg: TrainConfig, notes: list[str] | None = None, manifest: dict | None = None):
     """The run's model config from --load / --model / --from-hf and the data's tokenizer (its
     metadata only: nothing is tokenized), checked against --seq-len. A dry run without its data
     here keeps the model's own vocabulary."""
@@ -271,33 +307,55 @@ def resolve_model(cfg: TrainConfig, notes: list[str] | None = None,
     skipped = _dry_run_without_data(cfg)
     if skipped is not None:
         if notes is not None:
-            notes.append(f"dry run: data skipped ({skipped}); the model keeps its own "
-                         f"vocabulary and no batch indices are shown")
-        return resolve_model_config(cfg, _own_vocab(cfg, manifest), cfg.tokenizer,
-                                    manifest=manifest, notes=notes)
+            notes.append(
+                f"dry run: data skipped ({skipped}); the model keeps its own "
+                f"vocabulary and no batch indices are shown"
+            )
+        return resolve_model_config(
+            cfg, _own_vocab(cfg, manifest), cfg.tokenizer, manifest=manifest, notes=notes
+        )
     vocab_size, tokenizer = data_tokenizer(cfg)
     if manifest is not None:
         data = _text_or_prefix(cfg, data_paths(cfg.data)[0])
-        check_checkpoint_tokenizer(cfg.load, manifest, tokenizer, data,
-                                   named(cfg, "tokenizer") if is_raw_text(data) else None)
+        check_checkpoint_tokenizer(
+            cfg.load,
+            manifest,
+            tokenizer,
+            data,
+            named(cfg, "tokenizer") if is_raw_text(data) else None,
+        )
     gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
-    return resolve_model_config(cfg, vocab_size, str(tokenizer.path), gpt_vocab, manifest,
-                                notes, {"bos_token_id": tokenizer.bos_id,
-                                        "eos_token_id": tokenizer.eod_id})
+    return resolve_model_config(
+        cfg,
+        vocab_size,
+        str(tokenizer.path),
+        gpt_vocab,
+        manifest,
+        notes,
+        {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eod_id},
+    )
 
 
-def prepare_data(cfg: TrainConfig, notes: list[str] | None = None,
-                 manifest: dict | None = None, config=None) -> DataPlan:
+def prepare_data(
+    cfg: TrainConfig, notes: list[str] | None = None, manifest: dict | None = None, config=None
+) -> DataPlan:
     """Tokenize --data (when it is text) and pair it with the model config (`config`, or
     `resolve_model`'s). A dry run without its data here has no prefix."""
     if config is None:
         config = resolve_model(cfg, notes, manifest)
     tokenized: list[str] = []
     fingerprints: list[str] = []
-    prefix = None if _dry_run_without_data(cfg) else \
-        resolve_data_prefix(cfg, notes, tokenized, fingerprints)
-    return DataPlan(prefix=prefix, model_config=config.to_dict(), tokenized=tokenized,
-                    data_fingerprint=fingerprints if prefix is not None else None)
+    prefix = (
+        None
+        if _dry_run_without_data(cfg)
+        else resolve_data_prefix(cfg, notes, tokenized, fingerprints)
+    )
+    return DataPlan(
+        prefix=prefix,
+        model_config=config.to_dict(),
+        tokenized=tokenized,
+        data_fingerprint=fingerprints if prefix is not None else None,
+    )
 
 
 def discard_tokenized(plan: DataPlan) -> None:
@@ -321,10 +379,12 @@ def _dry_run_without_data(cfg: TrainConfig) -> str | None:
     try:
         for path in data_paths(cfg.data):
             if is_raw_text(_text_or_prefix(cfg, path)):
-                return (f"--data {path} is raw text, which a rehearsal does not tokenize: it "
-                        f"writes nothing, and a corpus can take hours; tokenize it once with "
-                        f"megapar-data and rehearse with its --output-prefix to see batch "
-                        f"indices")
+                return (
+                    f"--data {path} is raw text, which a rehearsal does not tokenize: it "
+                    f"writes nothing, and a corpus can take hours; tokenize it once with "
+                    f"megapar-data and rehearse with its --output-prefix to see batch "
+                    f"indices"
+                )
     except FileNotFoundError as exc:
         return str(exc)
     return None
@@ -364,9 +424,15 @@ def split_for_training(cfg: TrainConfig, indexed, model_type: str):
         return None, None, None
     n = indexed.num_docs
     if n < 2:
-        return None, None, ("no validation split: the data is one document; train on several "
-                            "(paragraphs separated by blank lines, or megapar-data --split-lines)"
-                            " or pass --val-fraction 0")
+        return (
+            None,
+            None,
+            (
+                "no validation split: the data is one document; train on several "
+                "(paragraphs separated by blank lines, or megapar-data --split-lines)"
+                " or pass --val-fraction 0"
+            ),
+        )
     perm = np.random.default_rng(cfg.seed).permutation(n)
     lengths = np.diff(indexed.doc_offsets)[perm].astype(np.int64)
     counts = _samples(lengths, cfg.seq_len, model_type)
@@ -374,19 +440,26 @@ def split_for_training(cfg: TrainConfig, indexed, model_type: str):
     want = max(1, int(round(n * cfg.val_fraction)))
     k = max(want, int(np.searchsorted(counts, cfg.global_batch_size)) + 1)
     if k >= n or k > max(want, n // 2) or rest[k] < cfg.global_batch_size:
-        return None, None, (f"no validation split: the data is too small for a validation "
-                            f"batch of {cfg.global_batch_size} x {cfg.seq_len} tokens besides "
-                            f"training; training without validation (use more data, a shorter "
-                            f"--seq-len or a smaller --global-batch-size to get one)")
+        return (
+            None,
+            None,
+            (
+                f"no validation split: the data is too small for a validation "
+                f"batch of {cfg.global_batch_size} x {cfg.seq_len} tokens besides "
+                f"training; training without validation (use more data, a shorter "
+                f"--seq-len or a smaller --global-batch-size to get one)"
+            ),
+        )
     note = None
     if k > want:
-        note = (f"validation split: {k} documents ({int(lengths[:k].sum())} tokens) instead of "
-                f"{want}, so it holds one global batch")
+        note = (
+            f"validation split: {k} documents ({int(lengths[:k].sum())} tokens) instead of "
+            f"{want}, so it holds one global batch"
+        )
     return np.sort(perm[k:]).astype(np.int64), np.sort(perm[:k]).astype(np.int64), note
 
 
-def build_datasets(cfg: TrainConfig, prefix: str, model_type: str,
-                   notes: list[str] | None = None):
+def build_datasets(cfg: TrainConfig, prefix: str, model_type: str, notes: list[str] | None = None):
     """(train, val) datasets: GPT windows or BERT MLM samples, split by documents; for a
     blended --data, each part is split and the parts are blended by weight."""
 
@@ -411,8 +484,13 @@ def _build_one(cfg: TrainConfig, prefix: str, model_type: str, notes: list[str] 
         make = lambda docs: GPTDataset(indexed, cfg.seq_len, doc_range=docs)  # noqa: E731
     else:
         special = load_tokenizer(indexed.tokenizer_spec)
-        make = lambda docs: MLMDataset(indexed, cfg.seq_len, special, cfg.seed,  # noqa: E731
-                                       doc_range=docs)
+        make = lambda docs: MLMDataset(
+            indexed,
+            cfg.seq_len,
+            special,
+            cfg.seed,  # noqa: E731
+            doc_range=docs,
+        )
     train = make(train_docs)
     val = make(val_docs) if val_docs is not None else None
     return train, val
@@ -424,9 +502,9 @@ def planned_samples(sampler: GlobalBatchSampler, steps: int):
     want, out = steps * sampler.global_batch_size, []
     start, epoch = sampler.consumed_samples, 0
     while want > 0:
-        order = sampler.epoch_order(epoch)[:sampler.samples_per_epoch]
+        order = sampler.epoch_order(epoch)[: sampler.samples_per_epoch]
         skip = min(start, len(order))
-        take = order[skip:skip + want]
+        take = order[skip : skip + want]
         out.append(take)
         start -= skip
         want -= len(take)
@@ -436,8 +514,15 @@ def planned_samples(sampler: GlobalBatchSampler, steps: int):
 
 def make_sampler(cfg: TrainConfig, dataset, dp: int, dp_rank: int, shuffle=True, seed=None):
     shuffle = shuffle and not getattr(dataset, "shuffled", False)  # a blend comes shuffled
-    return GlobalBatchSampler(len(dataset), cfg.global_batch_size, cfg.micro_batch_size, dp,
-                              dp_rank, cfg.seed if seed is None else seed, shuffle=shuffle)
+    return GlobalBatchSampler(
+        len(dataset),
+        cfg.global_batch_size,
+        cfg.micro_batch_size,
+        dp,
+        dp_rank,
+        cfg.seed if seed is None else seed,
+        shuffle=shuffle,
+    )
 
 
 def batches(dataset, sampler, device: torch.device):
@@ -449,6 +534,10 @@ def batches(dataset, sampler, device: torch.device):
     cuda = device.type == "cuda"
     while True:
         for micro_batches in sampler:
-            yield [{k: (v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device))
-                    for k, v in collate([dataset[i] for i in mb]).items()}
-                   for mb in micro_batches]
+            yield [
+                {
+                    k: (v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device))
+                    for k, v in collate([dataset[i] for i in mb]).items()
+                }
+                for mb in micro_batches
+            ]

@@ -60,10 +60,12 @@ ON_NONFINITE = ("raise", "skip")
 """What `train_step` does with a step whose loss or gradients are not finite (the optimizer step
 is skipped either way): raise `NonFiniteError`, or return the non-finite loss."""
 
-API_ADVICE = ("the optimizer step was skipped: the weights and the optimizer state are those "
-              "before this step. Check the model's weights and the batch, or lower lr{clip}; "
-              "prepare(..., on_nonfinite='skip') skips such steps and returns their loss "
-              "instead")
+API_ADVICE = (
+    "the optimizer step was skipped: the weights and the optimizer state are those "
+    "before this step. Check the model's weights and the batch, or lower lr{clip}; "
+    "prepare(..., on_nonfinite='skip') skips such steps and returns their loss "
+    "instead"
+)
 """What `train_step`'s NonFiniteError adds after the reason."""
 
 
@@ -76,21 +78,34 @@ class Engine:
     `on_nonfinite`: what `train_step` does with a non-finite step (`ON_NONFINITE`).
     """
 
-    def __init__(self, cfg: TrainConfig, model_config, mesh: Mesh | None = None,
-                 scheduler="from_cfg", on_nonfinite: str = "raise"):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model_config,
+        mesh: Mesh | None = None,
+        scheduler="from_cfg",
+        on_nonfinite: str = "raise",
+    ):
         if on_nonfinite not in ON_NONFINITE:
-            raise ValueError(f"on_nonfinite={on_nonfinite!r} is not one of "
-                             f"{', '.join(map(repr, ON_NONFINITE))}")
+            raise ValueError(
+                f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(map(repr, ON_NONFINITE))}"
+            )
         self.cfg, self.config = cfg, model_config
         self.mesh = mesh = _mesh_for(cfg, mesh)
         """This rank's `Mesh`: its layout, its tp / cp / pp / dp coordinates and process groups."""
-        self.model = build_stage(model_config, mesh, cfg.seed, cfg.recompute,
-                                 virtual_stages=chunks_per_rank(cfg.schedule, cfg.virtual_stages),
-                                 placement=placement_of(cfg.schedule))
+        self.model = build_stage(
+            model_config,
+            mesh,
+            cfg.seed,
+            cfg.recompute,
+            virtual_stages=chunks_per_rank(cfg.schedule, cfg.virtual_stages),
+            placement=placement_of(cfg.schedule),
+        )
         set_loss_chunk_tokens(self.model, cfg.loss_chunk_tokens)
         self.precision = Precision(cfg.precision, mesh.device)
-        self.wire_dtype, reduce_dtype = comm_dtypes(cfg.precision, cfg.p2p_dtype,
-                                                    cfg.grad_reduce_dtype)
+        self.wire_dtype, reduce_dtype = comm_dtypes(
+            cfg.precision, cfg.p2p_dtype, cfg.grad_reduce_dtype
+        )
         self.optimizer = _optimizer_for(cfg, self.model, mesh, self.scaled_lr(cfg))
         """A `torch.optim.Optimizer` over this rank's parameters (under ZeRO-1 / 2 / 3, its slices
         of the optimizer state): torch's LR schedulers can drive it."""
@@ -99,24 +114,45 @@ class Engine:
         # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
         # (summed over cp, averaged over dp); the kind (all-reduce, ZeRO-1 / 2 / 3) chosen once
         self.grad_sync = build_grad_sync(
-            self.model, mesh, cfg.zero, cfg.grad_bucket_mb, compressor, reduce_dtype,
+            self.model,
+            mesh,
+            cfg.zero,
+            cfg.grad_bucket_mb,
+            compressor,
+            reduce_dtype,
             zero3_keep_params=cfg.zero3_keep_params,
             zero3_persistence_threshold=cfg.zero3_persistence_threshold,
-            offload_params=cfg.offload_params, zero3_reduce=cfg.zero3_reduce)
+            offload_params=cfg.offload_params,
+            zero3_reduce=cfg.zero3_reduce,
+        )
         """The stage's `GradSync` (`megapar.data_parallel.grad_sync`)."""
-        self.sharded_params: ShardedParams | None = \
+        self.sharded_params: ShardedParams | None = (
             self.grad_sync if isinstance(self.grad_sync, ShardedParams) else None
+        )
         """ZeRO-3 (dp x cp > 1): the stage's parameters sharded over dp x cp, gathered per
         unit (also the gradient sync); None otherwise."""
         self.straggler, self._slowdown, self.injector = build_probes(
-            self.model, model_config, mesh, cfg.straggler_factor, cfg.inject_slow,
-            cfg.inject_corrupt)
+            self.model,
+            model_config,
+            mesh,
+            cfg.straggler_factor,
+            cfg.inject_slow,
+            cfg.inject_corrupt,
+        )
         """Straggler detection (compared by `stragglers()`), `--inject-slow`'s slowdown and the
         `--inject-corrupt` testing tool's hooks; each None when off (`diagnostics.probes`)."""
         self._executors: dict[int, object] = {}
         self.executor = self.executor_for(cfg.seq_len)
-        self.step_fn = TrainStep(self.model, mesh, self.executor, self.optimizer, self.scheduler,
-                                 self.precision, cfg.clip_grad, self.grad_sync)
+        self.step_fn = TrainStep(
+            self.model,
+            mesh,
+            self.executor,
+            self.optimizer,
+            self.scheduler,
+            self.precision,
+            cfg.clip_grad,
+            self.grad_sync,
+        )
         self.kept: KeptStep | None = None
         """What the last step needs to run again (`nonfinite.locate`)."""
         self.step = 0
@@ -165,24 +201,35 @@ class Engine:
                 seq_len_sent //= self.mesh.tp
             shape = (self.cfg.micro_batch_size, seq_len_sent, self.config.hidden_size)
             self._executors[seq_len] = PipelineExecutor(
-                self.model, self.mesh, self.cfg.schedule, shape, timeout_s=self.cfg.timeout_s,
-                virtual_stages=self.cfg.virtual_stages, wire_dtype=self.wire_dtype)
-            self._executors[seq_len].count_comm_wait = \
+                self.model,
+                self.mesh,
+                self.cfg.schedule,
+                shape,
+                timeout_s=self.cfg.timeout_s,
+                virtual_stages=self.cfg.virtual_stages,
+                wire_dtype=self.wire_dtype,
+            )
+            self._executors[seq_len].count_comm_wait = (
                 self.straggler is not None and self.mesh.device.type == "cuda"
+            )
         return self._executors[seq_len]
 
     # steps ----------------------------------------------------------------------------------
     def run_step(self, micro_batches: list[dict]) -> StepResult:
         """One optimizer step on this rank's micro-batches (its share of the global batch)."""
-        self.executor = self.step_fn.executor = \
-            self.executor_for(micro_batches[0]["input_ids"].shape[1])
+        self.executor = self.step_fn.executor = self.executor_for(
+            micro_batches[0]["input_ids"].shape[1]
+        )
         set_step(self.step + 1)
         if self._slowdown is not None:
-            self._slowdown.begin_step(self.step + 1, len(micro_batches)
-                                     * chunks_per_rank(self.cfg.schedule, self.cfg.virtual_stages))
+            self._slowdown.begin_step(
+                self.step + 1,
+                len(micro_batches) * chunks_per_rank(self.cfg.schedule, self.cfg.virtual_stages),
+            )
         comm_wait.take()  # what evaluation forwards counted is not this step's
-        self.kept = KeptStep(micro_batches, self.rng_state(), self.step + 1,
-                             self.precision.loss_scale)
+        self.kept = KeptStep(
+            micro_batches, self.rng_state(), self.step + 1, self.precision.loss_scale
+        )
         start, cpu = time.perf_counter(), time.thread_time()
         with self.injecting(self.executor, self.step + 1):
             result = self.step_fn.step(micro_batches, self.step)
@@ -231,7 +278,7 @@ class Engine:
         plan = BatchPlan(size, self.cfg.micro_batch_size, self.mesh.dp)
         rows = size // self.mesh.dp
         first = self.mesh.dp_rank * rows
-        mine = {k: v[first:first + rows].to(self.mesh.device) for k, v in batch.items()}
+        mine = {k: v[first : first + rows].to(self.mesh.device) for k, v in batch.items()}
         return BatchPlan(rows, plan.micro_batch_size, 1).split(mine, 0)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> float:
@@ -261,8 +308,14 @@ class Engine:
             self.saver.poll()
         result = self.run_step(self.split(self._checked(batch, "train_step")))
         if self.on_nonfinite == "raise":
-            self._guard.observe(self.step, result.loss, result.grad_norm, result.skipped,
-                                result.loss_scale, self.locate_nonfinite)
+            self._guard.observe(
+                self.step,
+                result.loss,
+                result.grad_norm,
+                result.skipped,
+                result.loss_scale,
+                self.locate_nonfinite,
+            )
         _returned("train_step")
         return result.loss
 
@@ -317,8 +370,15 @@ class Engine:
         if self.saver is not None:
             out = self._save_in_background(path, meta)
         else:
-            out = save_checkpoint(path, self.step, self.saved_model(), self.mesh,
-                                  self.optimizer.state_tensors(), meta, self.rng_state())
+            out = save_checkpoint(
+                path,
+                self.step,
+                self.saved_model(),
+                self.mesh,
+                self.optimizer.state_tensors(),
+                meta,
+                self.rng_state(),
+            )
         _returned("engine.save")
         return out
 
@@ -352,8 +412,7 @@ class Engine:
         optim = self.optimizer.state_tensors(copy=False)  # copied into the saver's buffers
         gathered = getattr(self.optimizer, "sharded", False)  # ZeRO-1: fresh host copies
         try:
-            state = capture(self.step, self.saved_model(), self.mesh, optim, meta,
-                            self.rng_state())
+            state = capture(self.step, self.saved_model(), self.mesh, optim, meta, self.rng_state())
             tensors = state.shard[1] if state.shard is not None else {}
             private = frozenset(k for k in tensors if gathered and k.startswith("optim/"))
             state = self.saver.host_copy(state, private)
@@ -389,8 +448,13 @@ class Engine:
         _returned("engine.load")
         return state
 
-    def export_hf(self, path: str | Path, tokenizer=None, dtype: str | None = None,
-                  allow_other_tokenizer: bool = False) -> Path:
+    def export_hf(
+        self,
+        path: str | Path,
+        tokenizer=None,
+        dtype: str | None = None,
+        allow_other_tokenizer: bool = False,
+    ) -> Path:
         """Write config.json + model.safetensors into `path` (GPT2LMHeadModel /
         BertForMaskedLM / LlamaForCausalLM `from_pretrained` loads it) and the tokenizer in
         transformers' format, so `AutoTokenizer.from_pretrained(path)` loads it: `tokenizer`
@@ -419,13 +483,21 @@ def _mesh_for(cfg: TrainConfig, mesh: Mesh | None) -> Mesh:
     """`mesh` (checked against cfg's sequence parallelism), else the mesh cfg's layout makes
     from the environment; TF32 set on a GPU as cfg says (process-wide in torch)."""
     share_host_arena()  # before the process group's threads allocate (torchrun)
-    mesh = mesh or Mesh.from_env(cfg.tp, cfg.pp, cfg.dp, timeout_s=cfg.timeout_s,
-                                 order=cfg.rank_order, cp=cfg.cp,
-                                 sequence_parallel=cfg.sequence_parallel)
+    mesh = mesh or Mesh.from_env(
+        cfg.tp,
+        cfg.pp,
+        cfg.dp,
+        timeout_s=cfg.timeout_s,
+        order=cfg.rank_order,
+        cp=cfg.cp,
+        sequence_parallel=cfg.sequence_parallel,
+    )
     if mesh.sequence_parallel != (cfg.sequence_parallel and mesh.tp > 1):
-        raise ValueError(f"the mesh's sequence_parallel={mesh.sequence_parallel} differs from "
-                         f"the config's {cfg.sequence_parallel}; build the mesh with "
-                         f"Mesh(..., sequence_parallel={cfg.sequence_parallel})")
+        raise ValueError(
+            f"the mesh's sequence_parallel={mesh.sequence_parallel} differs from "
+            f"the config's {cfg.sequence_parallel}; build the mesh with "
+            f"Mesh(..., sequence_parallel={cfg.sequence_parallel})"
+        )
     if mesh.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
     return mesh
@@ -434,23 +506,40 @@ def _mesh_for(cfg: TrainConfig, mesh: Mesh | None) -> Mesh:
 def _optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):
     """The optimizer of `model`'s parameters under cfg (ZeRO-3's over the shards)."""
     if cfg.zero == 3:
-        return Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, lr, cfg.weight_decay,
-                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                              kind=cfg.optimizer, tp_group=mesh.tp_group,
-                              offload=cfg.offload_optimizer)
-    return build_optimizer(model, mesh, lr, cfg.weight_decay,
-                           betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                           zero=cfg.zero, kind=cfg.optimizer, offload=cfg.offload_optimizer)
+        return Zero3Optimizer(
+            model.named_parameters(),
+            mesh.dp_cp_group,
+            lr,
+            cfg.weight_decay,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            kind=cfg.optimizer,
+            tp_group=mesh.tp_group,
+            offload=cfg.offload_optimizer,
+        )
+    return build_optimizer(
+        model,
+        mesh,
+        lr,
+        cfg.weight_decay,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        zero=cfg.zero,
+        kind=cfg.optimizer,
+        offload=cfg.offload_optimizer,
+    )
 
 
 def _api_guard(cfg: TrainConfig, precision: Precision) -> NonFiniteGuard:
     """megapar-train's guard for `train_step`: the first non-finite step raises; in fp16 an
     overflow is the loss scaler's business, so as in megapar-train only max_nonfinite_steps
     in a row (or one at the scale's floor) do."""
-    return NonFiniteGuard(cfg.max_nonfinite_steps if cfg.precision == "fp16" else 1,
-                          cfg.precision, getattr(precision.scaler, "min_scale", None),
-                          advice=API_ADVICE.format(
-                              clip="" if cfg.clip_grad else " or set clip_grad"))
+    return NonFiniteGuard(
+        cfg.max_nonfinite_steps if cfg.precision == "fp16" else 1,
+        cfg.precision,
+        getattr(precision.scaler, "min_scale", None),
+        advice=API_ADVICE.format(clip="" if cfg.clip_grad else " or set clip_grad"),
+    )
 
 
 def _returned(call: str) -> None:

@@ -68,8 +68,11 @@ def keep_records_up_to(path: str, step: int) -> None:
             record = json.loads(line)
         except ValueError:
             return not line.endswith("\n")  # only the last line can lack one: cut short
-        return isinstance(record, dict) and isinstance(record.get("step"), int) \
+        return (
+            isinstance(record, dict)
+            and isinstance(record.get("step"), int)
             and record["step"] > step
+        )
 
     kept = [line for line in lines if not later(line)]
     if len(kept) == len(lines):
@@ -93,8 +96,13 @@ class MetricsLogger(NullLogger):
     def __init__(self, cfg, start_step: int, run_config: dict):
         self.bar = None
         if cfg.progress:
-            self.bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train",
-                            dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(
+                total=cfg.max_steps,
+                initial=start_step,
+                desc="train",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
         self.json = None
         if cfg.log_json:  # a fresh run starts the file, a resumed one continues it
             Path(cfg.log_json).parent.mkdir(parents=True, exist_ok=True)
@@ -133,8 +141,10 @@ class MetricsLogger(NullLogger):
         W&B."""
         record = {"step": step, **metrics, "time": round(time.time(), 4)}
         if self.json is not None:  # strict JSON: a skipped fp16 step's inf norm becomes null
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                     for k, v in record.items()}
+            clean = {
+                k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in record.items()
+            }
             self.json.write(json.dumps(clean, allow_nan=False) + "\n")
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if self.tb is not None:
@@ -158,9 +168,15 @@ def format_line(step: int, m: dict) -> str:
     """The console log line: `bubble` with a pipeline, `grad-reduce wait` (the idle share of a
     step without one: waiting for the data-parallel gradient reduction) at pp 1 with dp or cp,
     neither at pp 1 alone; each rank named slow (`stragglers`) at the end."""
-    parts = [f"step {step:>6}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.3e}",
-             f"grad_norm {m['grad_norm']:.3f}", f"tok/s {m['tokens_per_s']:,.0f}",
-             f"TFLOP/s {m['tflops']:.3f}", f"MFU {100 * m['mfu']:.2f}%"]
+    parts = [
+        f"step {step:>6}",
+        f"loss {m['loss']:.4f}",
+        f"lr {m['lr']:.3e}",
+        f"grad_norm {m['grad_norm']:.3f}",
+        f"tok/s {m['tokens_per_s']:,.0f}",
+        f"TFLOP/s {m['tflops']:.3f}",
+        f"MFU {100 * m['mfu']:.2f}%",
+    ]
     if "bubble" in m:
         parts.append(f"bubble {100 * m['bubble']:.1f}%")
     if "grad_reduce_wait" in m:

@@ -67,8 +67,9 @@ def _num_params(model, mesh: Mesh) -> tuple[int, int]:
 
     own = [p for p in model.parameters() if not hasattr(p, "tied_to")]
     allocated = sum(p.numel() for p in own if p.tp_dim is not None or mesh.tp_rank == 0)
-    real = sum(math.prod(getattr(p, "full_shape", p.shape)) for p in own) \
-        if mesh.tp_rank == 0 else 0
+    real = (
+        sum(math.prod(getattr(p, "full_shape", p.shape)) for p in own) if mesh.tp_rank == 0 else 0
+    )
     t = torch.tensor([real, allocated], dtype=torch.float64, device=mesh.device)
     real, allocated = (int(x) for x in all_reduce(t, mesh.mp_group).tolist())
     return real, allocated
@@ -88,18 +89,20 @@ class Trainer:
         self.data_fingerprint = plan.data_fingerprint  # recorded in checkpoints
 
         # checkpoints record the data's tokenizer, so megapar-convert --to-hf exports it
-        engine.tokenizer = recorded_tokenizer(IndexedDataset(plan.prefix,
-                                                             cfg.tokenizer).tokenizer_spec)
+        engine.tokenizer = recorded_tokenizer(
+            IndexedDataset(plan.prefix, cfg.tokenizer).tokenizer_spec
+        )
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
         self.notes: list[str] = []
         if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see
-            self.notes.append(self.train_ds.describe(planned_samples(self.sampler,
-                                                                     cfg.max_steps)))
+            self.notes.append(self.train_ds.describe(planned_samples(self.sampler, cfg.max_steps)))
 
         resume = bool(cfg.load) and (cfg.load_strict or has_checkpoint(cfg.load))
         if cfg.load and not resume:
-            self.notes.append(f"--load {cfg.load}: no checkpoint there yet, starting from scratch "
-                              f"(--load-strict makes this an error)")
+            self.notes.append(
+                f"--load {cfg.load}: no checkpoint there yet, starting from scratch "
+                f"(--load-strict makes this an error)"
+            )
         if cfg.from_hf and not resume:
             self._load_hf(cfg.from_hf)
         self.resumed = resume
@@ -111,8 +114,9 @@ class Trainer:
         megapar-plan's MFU counts too)."""
         self.allocated_params = allocated
         known = peak_tflops(mesh.device, cfg.precision, cfg.tf32)
-        self.peak_tflops = cfg.peak_tflops if "peak_tflops" in explicit(cfg) or known is None \
-            else known
+        self.peak_tflops = (
+            cfg.peak_tflops if "peak_tflops" in explicit(cfg) or known is None else known
+        )
         """MFU's denominator per device: --peak-tflops, else the GPU's datasheet figure."""
 
     @property
@@ -139,20 +143,30 @@ class Trainer:
             # e.g. a raised --max-steps stretches the decay instead of staying at --min-lr
             saved = self.scheduler.state_dict()
             self.scheduler.load_state_dict(planned)
-            changed = ", ".join(f"{k} {saved[k]} -> {v}" for k, v in planned.items()
-                                if saved.get(k) != v)
-            self.notes.append(f"learning-rate schedule follows the flags, not the checkpoint: "
-                              f"{changed}")
+            changed = ", ".join(
+                f"{k} {saved[k]} -> {v}" for k, v in planned.items() if saved.get(k) != v
+            )
+            self.notes.append(
+                f"learning-rate schedule follows the flags, not the checkpoint: {changed}"
+            )
         saved_order = state.meta.get("sampler")
-        if saved_order and self.cfg.allow_data_change and \
-                saved_order.get("dataset_len") != self.sampler.dataset_len:
-            self.notes.append(f"--allow-data-change: the data order starts anew on --data's "
-                              f"{self.sampler.dataset_len} samples (the checkpoint's data had "
-                              f"{saved_order.get('dataset_len')})")
+        if (
+            saved_order
+            and self.cfg.allow_data_change
+            and saved_order.get("dataset_len") != self.sampler.dataset_len
+        ):
+            self.notes.append(
+                f"--allow-data-change: the data order starts anew on --data's "
+                f"{self.sampler.dataset_len} samples (the checkpoint's data had "
+                f"{saved_order.get('dataset_len')})"
+            )
         elif saved_order:
             self.sampler.load_state_dict(saved_order)
-        how = f"resharded from {state.layout}" if state.resharded else (
-            "same layout" if state.layout == self.mesh.layout else f"from {state.layout}")
+        how = (
+            f"resharded from {state.layout}"
+            if state.resharded
+            else ("same layout" if state.layout == self.mesh.layout else f"from {state.layout}")
+        )
         self.notes.append(f"resumed from {path} at step {self.step} ({how})")
         self.notes.extend(state.notes)
 
@@ -163,16 +177,23 @@ class Trainer:
         if not launcher_alive():
             raise RunStopped(f"the launcher is gone: step {self.step} not saved")
         if not params_finite(self.engine.held_weights()):
-            raise NonFiniteError(f"weights are not finite at step {self.step}: checkpoint not "
-                                 f"written (the last one, if any, is intact)")
+            raise NonFiniteError(
+                f"weights are not finite at step {self.step}: checkpoint not "
+                f"written (the last one, if any, is intact)"
+            )
         if self.engine.saver is not None:  # at most one write in flight
             self.log_saved(logger, self.engine.wait_save())
-        path = self.engine.save(self.cfg.save, {
-            "consumed_samples": self.sampler.consumed_samples,
-            "sampler": self.sampler.state_dict(),
-            **({"data_fingerprint": self.data_fingerprint} if self.data_fingerprint else {})})
-        logger.message(f"saving {path} in the background" if self.engine.saver is not None
-                       else f"saved {path}")
+        path = self.engine.save(
+            self.cfg.save,
+            {
+                "consumed_samples": self.sampler.consumed_samples,
+                "sampler": self.sampler.state_dict(),
+                **({"data_fingerprint": self.data_fingerprint} if self.data_fingerprint else {}),
+            },
+        )
+        logger.message(
+            f"saving {path} in the background" if self.engine.saver is not None else f"saved {path}"
+        )
 
     @staticmethod
     def log_saved(logger, published: Path | None) -> None:
@@ -185,8 +206,9 @@ class Trainer:
         """Mean loss over the first --eval-steps global batches of the validation split."""
         if self.val_ds is None or len(self.val_ds) < self.cfg.global_batch_size:
             return None
-        sampler = make_sampler(self.cfg, self.val_ds, self.mesh.dp, self.mesh.dp_rank,
-                               shuffle=False)
+        sampler = make_sampler(
+            self.cfg, self.val_ds, self.mesh.dp, self.mesh.dp_rank, shuffle=False
+        )
         losses = []
         self.model.eval()
         for i, micro_batches in enumerate(batches(self.val_ds, sampler, self.mesh.device)):
@@ -224,14 +246,19 @@ class Trainer:
         vocab = self.config.vocab_size
         padded = mesh.tp * local_size(vocab, mesh.tp, self.config.make_vocab_size_divisible_by)
         multiple = self.config.make_vocab_size_divisible_by
-        padding = (f" ({self.allocated_params:,} allocated: the vocabulary of {vocab:,} padded "
-                   f"to {padded:,}, a multiple of {multiple} x tp)"
-                   if self.allocated_params != self.n_params else "")
-        logger.message(f"megapar: {self.config.model_type} with {self.n_params:,} parameters"
-                       f"{padding}, "
-                       f"{mesh.layout}, global batch {cfg.global_batch_size} x {cfg.seq_len} "
-                       f"tokens, {self.sampler.micro_batches_per_rank} micro-batch"
-                       f"{'es' if self.sampler.micro_batches_per_rank != 1 else ''} per step")
+        padding = (
+            f" ({self.allocated_params:,} allocated: the vocabulary of {vocab:,} padded "
+            f"to {padded:,}, a multiple of {multiple} x tp)"
+            if self.allocated_params != self.n_params
+            else ""
+        )
+        logger.message(
+            f"megapar: {self.config.model_type} with {self.n_params:,} parameters"
+            f"{padding}, "
+            f"{mesh.layout}, global batch {cfg.global_batch_size} x {cfg.seq_len} "
+            f"tokens, {self.sampler.micro_batches_per_rank} micro-batch"
+            f"{'es' if self.sampler.micro_batches_per_rank != 1 else ''} per step"
+        )
         for note in self.notes:
             logger.message(note)
 
@@ -239,8 +266,11 @@ class Trainer:
         """Step `at` run under `--record-step` (recorded) or `--replay` (compared with the
         record and reported); returns its result, or None after a replay (the run ends)."""
         cfg = self.cfg
-        watch = (StepReplay(self.engine, cfg.global_batch_size, self.record())
-                 if at == cfg.replay else StepRecorder(self.engine, cfg.global_batch_size))
+        watch = (
+            StepReplay(self.engine, cfg.global_batch_size, self.record())
+            if at == cfg.replay
+            else StepRecorder(self.engine, cfg.global_batch_size)
+        )
         with watch.trace.attached(self.engine.executor_for(cfg.seq_len)):
             result = self.engine.run_step(micro_batches)
         if at == cfg.replay:
@@ -256,12 +286,17 @@ class Trainer:
         cfg, mesh = self.cfg, self.mesh
         tokens_per_s = cfg.global_batch_size * cfg.seq_len / elapsed
         tflops = self.flops_per_token * tokens_per_s / 1e12
-        metrics = {"loss": float(result.loss), "lr": result.lr,
-                   "grad_norm": float(result.grad_norm),
-                   "tokens_per_s": tokens_per_s, "step_time_s": elapsed,
-                   "tflops": tflops,
-                   "mfu": tflops / (self.peak_tflops * mesh.layout.world_size),
-                   "skipped": bool(result.skipped), "loss_scale": float(result.loss_scale)}
+        metrics = {
+            "loss": float(result.loss),
+            "lr": result.lr,
+            "grad_norm": float(result.grad_norm),
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": elapsed,
+            "tflops": tflops,
+            "mfu": tflops / (self.peak_tflops * mesh.layout.world_size),
+            "skipped": bool(result.skipped),
+            "loss_scale": float(result.loss_scale),
+        }
         if logging_step:
             if mesh.pp > 1:
                 metrics["bubble"] = self.bubble()
@@ -278,8 +313,9 @@ class Trainer:
                 metrics["val_ppl"] = math.exp(min(val, 50.0))
         return metrics
 
-    def failure(self, exc: Exception, at: int, saved: int | None,
-                loaded_step: int | None) -> TrainingError:
+    def failure(
+        self, exc: Exception, at: int, saved: int | None, loaded_step: int | None
+    ) -> TrainingError:
         """The error a rank's failure at step `at` raises: where it failed, a stopped rank of
         this node it follows from, and the steps not saved (`saved`: the last saved step)."""
         cfg, mesh = self.cfg, self.mesh
@@ -291,13 +327,17 @@ class Trainer:
             saved = saver.published if saver.published is not None else loaded_step
         # A timeout under torchrun: name a stopped rank of this node (and let it end too)
         cause = stopped_siblings(resume=True) if consequential(what) else ""
-        err = TrainingError(f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
-                            f"pp={mesh.pp_rank} dp={mesh.dp_rank}) failed at step "
-                            f"{at}: " + (f"{cause}; here: " if cause else "") + what)
+        err = TrainingError(
+            f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
+            f"pp={mesh.pp_rank} dp={mesh.dp_rank}) failed at step "
+            f"{at}: " + (f"{cause}; here: " if cause else "") + what
+        )
         err.no_traceback = getattr(exc, "no_traceback", False)
         if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
-            err.args = (f"{err} -- not saved: steps {(saved or 0) + 1}-{self.step} (last "
-                        f"checkpoint: {'step %d' % saved if saved else 'none'})",)
+            err.args = (
+                f"{err} -- not saved: steps {(saved or 0) + 1}-{self.step} (last "
+                f"checkpoint: {'step %d' % saved if saved else 'none'})",
+            )
         return err
 
     def run(self) -> list[dict]:
@@ -308,8 +348,11 @@ class Trainer:
         data = batches(self.train_ds, self.sampler, mesh.device)
         profiler = StepProfiler(cfg.profile_steps, cfg.profile_dir, mesh.rank, mesh.device)
         at = self.step + 1  # the step being run (or saved), for the failure message
-        guard = NonFiniteGuard(cfg.max_nonfinite_steps, cfg.precision,
-                               getattr(self.precision.scaler, "min_scale", None))
+        guard = NonFiniteGuard(
+            cfg.max_nonfinite_steps,
+            cfg.precision,
+            getattr(self.precision.scaler, "min_scale", None),
+        )
         stop = StopRequests(cfg.exit_duration_mins, cfg.exit_interval, mesh.device)
         # The step resumed from is already saved when it came from --save itself (a requeue).
         save_root = Path(cfg.save).expanduser().resolve() if cfg.save else None
@@ -330,28 +373,49 @@ class Trainer:
                     result = self.engine.run_step(micro_batches)
                 elapsed = time.perf_counter() - start
                 if profiler.after_step(self.step):
-                    logger.message(f"profiler traces of steps {cfg.profile_steps}: "
-                                   f"{profiler.path.replace('rank0', 'rank<R>')} (one per rank)")
+                    logger.message(
+                        f"profiler traces of steps {cfg.profile_steps}: "
+                        f"{profiler.path.replace('rank0', 'rank<R>')} (one per rank)"
+                    )
                 loss = float(result.loss)  # already averaged over the global batch
                 logging_step = self.step % cfg.log_interval == 0 or self.step == cfg.max_steps
                 metrics = self.metrics(result, elapsed, logging_step)
                 logger.log(self.step, metrics)
                 logger.advance(self.step, loss)
                 if logging_step:
-                    logger.message(format_line(self.step, metrics) + (
-                        f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""))
+                    logger.message(
+                        format_line(self.step, metrics)
+                        + (
+                            f" | val_loss {metrics['val_loss']:.4f}"
+                            if "val_loss" in metrics
+                            else ""
+                        )
+                    )
                 history.append({"step": self.step, **metrics})
-                guard.observe(self.step, loss, metrics["grad_norm"], result.skipped,
-                              metrics["loss_scale"], self.engine.locate_nonfinite)
+                guard.observe(
+                    self.step,
+                    loss,
+                    metrics["grad_norm"],
+                    result.skipped,
+                    metrics["loss_scale"],
+                    self.engine.locate_nonfinite,
+                )
                 self.log_saved(logger, self.engine.poll_save())  # a background save done?
-                if cfg.save and cfg.save_interval and self.step % cfg.save_interval == 0 \
-                        and self.step < cfg.max_steps:
+                if (
+                    cfg.save
+                    and cfg.save_interval
+                    and self.step % cfg.save_interval == 0
+                    and self.step < cfg.max_steps
+                ):
                     self.save(logger)
                     saved = self.step
                 why = stop.reason(self.step) if self.step < cfg.max_steps else None
                 if why:
-                    logger.message(why if cfg.save else why.replace(", saving", "")
-                                   + " (no --save given: nothing saved)")
+                    logger.message(
+                        why
+                        if cfg.save
+                        else why.replace(", saving", "") + " (no --save given: nothing saved)"
+                    )
                     break
             at = self.step
             if cfg.save and saved != self.step:

@@ -17,9 +17,15 @@ DEFAULT_MODEL = "gpt2-tiny"
 """The recipe of a run that names no model."""
 
 
-def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
-                         gpt_vocab_size: int | None = None, manifest: dict | None = None,
-                         notes: list[str] | None = None, special_ids: dict | None = None):
+def resolve_model_config(
+    cfg: TrainConfig,
+    vocab_size: int,
+    tokenizer_name: str,
+    gpt_vocab_size: int | None = None,
+    manifest: dict | None = None,
+    notes: list[str] | None = None,
+    special_ids: dict | None = None,
+):
     """The model config for --load / --model / --from-hf, checked against the tokenizer and
     seq-len.
 
@@ -30,6 +36,7 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
     as well must describe the same model. `special_ids` (bos_token_id / eos_token_id of the
     tokenizer) replace a recipe's own, so an exported model generates with the data's ids.
     """
+
     def needed(config) -> int:
         causal = config.model_type in CAUSAL_LM_TYPES
         return gpt_vocab_size if causal and gpt_vocab_size else vocab_size
@@ -45,7 +52,8 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
             raise ConfigError(
                 f"tokenizer {tokenizer_name} needs {needed(config)} token ids but the model from "
                 f"{cfg.from_hf} has a vocabulary of {config.vocab_size}; use the model's own "
-                f"tokenizer (--tokenizer) or data tokenized with it")
+                f"tokenizer (--tokenizer) or data tokenized with it"
+            )
     elif cfg.model and os.path.exists(os.path.expanduser(cfg.model)):
         path = os.path.expanduser(cfg.model)
         config, given_from = recipe(path), f"--model {cfg.model}"
@@ -59,15 +67,21 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
             raise ConfigError(
                 f"the model config {cfg.model} has vocab_size {config.vocab_size} but the data's "
                 f"tokenizer {tokenizer_name} needs {needed(config)} token ids; make them match "
-                f"(or leave vocab_size out of the config to take the tokenizer's)")
+                f"(or leave vocab_size out of the config to take the tokenizer's)"
+            )
     else:
         config = recipe(cfg.model or DEFAULT_MODEL)
-        if config.vocab_size not in (vocab_size, needed(config)) and notes is not None \
-                and manifest is None:  # (GPT-2's 50,257 on the GPT-2 BPE is no news)
-            notes.append(f"model {cfg.model or DEFAULT_MODEL}: the recipe's vocab_size "
-                         f"{config.vocab_size:,} gives way to the tokenizer's {vocab_size:,} "
-                         f"(a recipe follows the data's tokenizer; a --model config file with "
-                         f"vocab_size fixes it instead)")
+        if (
+            config.vocab_size not in (vocab_size, needed(config))
+            and notes is not None
+            and manifest is None
+        ):  # (GPT-2's 50,257 on the GPT-2 BPE is no news)
+            notes.append(
+                f"model {cfg.model or DEFAULT_MODEL}: the recipe's vocab_size "
+                f"{config.vocab_size:,} gives way to the tokenizer's {vocab_size:,} "
+                f"(a recipe follows the data's tokenizer; a --model config file with "
+                f"vocab_size fixes it instead)"
+            )
         config.vocab_size = vocab_size  # recipes take the tokenizer's vocabulary
         _take_special_ids(config, special_ids)
         given_from = "recipe"
@@ -78,15 +92,20 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int, tokenizer_name: str,
             raise ConfigError(
                 f"--load {cfg.load} holds a model with a vocabulary of {config.vocab_size} but the "
                 f"data's tokenizer {tokenizer_name} needs {needed(config)} token ids; use data "
-                f"tokenized with the checkpoint's tokenizer")
+                f"tokenized with the checkpoint's tokenizer"
+            )
     max_len = config.max_positions
     if cfg.seq_len > max_len:
         if "seq_len" in explicit(cfg):
-            raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's maximum of "
-                              f"{max_len} positions; lower --seq-len")
+            raise ConfigError(
+                f"--seq-len {cfg.seq_len} exceeds the model's maximum of "
+                f"{max_len} positions; lower --seq-len"
+            )
         if notes is not None:
-            notes.append(f"--seq-len not given: using the model's {max_len} positions instead "
-                         f"of the default {cfg.seq_len}")
+            notes.append(
+                f"--seq-len not given: using the model's {max_len} positions instead "
+                f"of the default {cfg.seq_len}"
+            )
         cfg.seq_len = max_len
     return config
 
@@ -103,16 +122,21 @@ def _check_same_model(cfg: TrainConfig, config) -> None:
     ours, theirs = given.to_dict(), config.to_dict()
     where = f"--from-hf {cfg.from_hf}"
     if ours["model_type"] != theirs["model_type"]:
-        raise UsageError(f"{where} holds a {theirs['model_type']} model and --model {cfg.model} "
-                         f"is a {ours['model_type']}; the model comes from {where} (its "
-                         f"config.json): drop --model")
+        raise UsageError(
+            f"{where} holds a {theirs['model_type']} model and --model {cfg.model} "
+            f"is a {ours['model_type']}; the model comes from {where} (its "
+            f"config.json): drop --model"
+        )
     skip = set(NON_STRUCTURAL) | {"pad_token_id"} | (set() if own_vocab else {"vocab_size"})
-    diff = sorted(k for k in set(ours) | set(theirs) if k not in skip
-                  and ours.get(k) != theirs.get(k))
+    diff = sorted(
+        k for k in set(ours) | set(theirs) if k not in skip and ours.get(k) != theirs.get(k)
+    )
     if diff:
         shown = ", ".join(f"{k}={theirs.get(k)!r} (--from-hf) vs {ours.get(k)!r}" for k in diff)
-        raise UsageError(f"--model {cfg.model} describes another model than {where}: {shown}; "
-                         f"the model comes from {where} (its config.json): drop --model")
+        raise UsageError(
+            f"--model {cfg.model} describes another model than {where}: {shown}; "
+            f"the model comes from {where} (its config.json): drop --model"
+        )
 
 
 def _take_special_ids(config, special_ids: dict | None) -> None:

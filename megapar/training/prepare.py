@@ -29,19 +29,25 @@ def _resolve_model(model):
         name = type(model).__name__
         kind = getattr(model.config, "model_type", None)
         if kind not in ARCHITECTURES:
-            raise ConfigError(f"megapar.prepare: {name} (model_type {kind!r}) is not a model "
-                              f"megapar builds; it trains {' / '.join(LM_CLASSES)}")
+            raise ConfigError(
+                f"megapar.prepare: {name} (model_type {kind!r}) is not a model "
+                f"megapar builds; it trains {' / '.join(LM_CLASSES)}"
+            )
         if name not in LM_CLASSES + BASE_CLASSES:
-            raise ConfigError(f"megapar.prepare: a {name} has a head megapar does not train (it "
-                              f"would be dropped); pass {' / '.join(LM_CLASSES)}, the model "
-                              f"megapar trains, with the same weights")
+            raise ConfigError(
+                f"megapar.prepare: a {name} has a head megapar does not train (it "
+                f"would be dropped); pass {' / '.join(LM_CLASSES)}, the model "
+                f"megapar trains, with the same weights"
+            )
         reader = HFReader.from_model(model)
         return reader.config, reader
     if hasattr(model, "to_dict") and hasattr(model, "model_type"):
         return config_from_hf(model), None
-    raise ConfigError(f"megapar.prepare: cannot use a {type(model).__name__}; pass a transformers "
-                      f"{' / '.join(LM_CLASSES)} (or its config) or a recipe name such as "
-                      f"'gpt2-tiny'")
+    raise ConfigError(
+        f"megapar.prepare: cannot use a {type(model).__name__}; pass a transformers "
+        f"{' / '.join(LM_CLASSES)} (or its config) or a recipe name such as "
+        f"'gpt2-tiny'"
+    )
 
 
 LM_CLASSES = tuple(ARCHITECTURES.values())
@@ -58,35 +64,57 @@ def _check_same_weights(model, mesh: Mesh) -> None:
     with torch.no_grad():
         total = sum(p.detach().double().abs().sum() for p in model.parameters())
     if not same_on_all_ranks(float(total), mesh.device):
-        raise ValueError("megapar.prepare: the model's weights differ between ranks; build it the "
-                         "same way on every rank (torch.manual_seed before constructing it, or "
-                         "from_pretrained)")
+        raise ValueError(
+            "megapar.prepare: the model's weights differ between ranks; build it the "
+            "same way on every rank (torch.manual_seed before constructing it, or "
+            "from_pretrained)"
+        )
 
 
 def _check_sharding(cfg: TrainConfig) -> None:
     """zero / offload_params / offload_optimizer: what megapar-train refuses, in the API's
     terms (ValueError naming the keyword arguments)."""
     if cfg.zero not in (0, 1, 2, 3):
-        raise ValueError(f"megapar.prepare: zero={cfg.zero!r} is not a ZeRO stage; use 0 (no "
-                         f"sharding), 1 (optimizer state sharded over data-parallel ranks), 2 "
-                         f"(gradients too) or 3 (parameters too)")
+        raise ValueError(
+            f"megapar.prepare: zero={cfg.zero!r} is not a ZeRO stage; use 0 (no "
+            f"sharding), 1 (optimizer state sharded over data-parallel ranks), 2 "
+            f"(gradients too) or 3 (parameters too)"
+        )
     if cfg.offload_params and cfg.zero != 3:
-        raise ValueError(f"megapar.prepare: offload_params=True needs zero=3 (it keeps the "
-                         f"parameter shards in host memory; zero={cfg.zero} keeps whole "
-                         f"parameters on the device): pass zero=3 and offload_optimizer=True, "
-                         f"or use offload_optimizer=True alone")
+        raise ValueError(
+            f"megapar.prepare: offload_params=True needs zero=3 (it keeps the "
+            f"parameter shards in host memory; zero={cfg.zero} keeps whole "
+            f"parameters on the device): pass zero=3 and offload_optimizer=True, "
+            f"or use offload_optimizer=True alone"
+        )
     if cfg.offload_params and not cfg.offload_optimizer:
-        raise ValueError("megapar.prepare: offload_params=True needs offload_optimizer=True (the "
-                         "host-held parameter shards are the weights the optimizer steps, so it "
-                         "steps on the host too, as DeepSpeed's offload_param with "
-                         "offload_optimizer): pass offload_optimizer=True")
+        raise ValueError(
+            "megapar.prepare: offload_params=True needs offload_optimizer=True (the "
+            "host-held parameter shards are the weights the optimizer steps, so it "
+            "steps on the host too, as DeepSpeed's offload_param with "
+            "offload_optimizer): pass offload_optimizer=True"
+        )
 
 
-def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule: str = "1f1b",
-            recompute: str = "none", precision: str = "fp32", zero: int = 0,
-            optimizer: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.0,
-            clip_grad: float = 0.0, lr_schedule=None, seed: int = 1234,
-            timeout_s: float | None = None, on_nonfinite: str = "raise", **options) -> Engine:
+def prepare(
+    model,
+    tp: int = 1,
+    pp: int = 1,
+    micro_batch_size: int = 1,
+    schedule: str = "1f1b",
+    recompute: str = "none",
+    precision: str = "fp32",
+    zero: int = 0,
+    optimizer: str = "adamw",
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    clip_grad: float = 0.0,
+    lr_schedule=None,
+    seed: int = 1234,
+    timeout_s: float | None = None,
+    on_nonfinite: str = "raise",
+    **options,
+) -> Engine:
     """Shard `model` over this process's ranks and return its `Engine` (collective: call it on
     every rank, inside the function `megapar.launch` runs, or under torchrun / Slurm).
 
@@ -114,31 +142,50 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
     set_step(None)  # a new engine: no step yet (a forked rank inherits its parent's status)
     set_action("megapar.prepare: checking its arguments")
     if on_nonfinite not in ON_NONFINITE:
-        raise ValueError(f"megapar.prepare: on_nonfinite={on_nonfinite!r} is not one of "
-                         f"{', '.join(map(repr, ON_NONFINITE))}")
+        raise ValueError(
+            f"megapar.prepare: on_nonfinite={on_nonfinite!r} is not one of "
+            f"{', '.join(map(repr, ON_NONFINITE))}"
+        )
     config, reader = _resolve_model(model)
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrainConfig)})
     if unknown:
         raise TypeError(f"megapar.prepare got unknown options {unknown}; see TrainConfig")
-    cfg = TrainConfig(tp=tp, pp=pp, micro_batch_size=micro_batch_size, schedule=schedule,
-                      recompute=recompute, precision=precision, zero=zero, optimizer=optimizer,
-                      lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, seed=seed,
-                      timeout_s=timeout_s or DEFAULT_TIMEOUT_S, progress=False, **options)
+    cfg = TrainConfig(
+        tp=tp,
+        pp=pp,
+        micro_batch_size=micro_batch_size,
+        schedule=schedule,
+        recompute=recompute,
+        precision=precision,
+        zero=zero,
+        optimizer=optimizer,
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        seed=seed,
+        timeout_s=timeout_s or DEFAULT_TIMEOUT_S,
+        progress=False,
+        **options,
+    )
     _check_sharding(cfg)
     split, world = cfg.tp * cfg.cp * cfg.pp, launched_world_size()
     if cfg.dp is None and world % split:  # what Mesh would refuse, in the API's terms
-        raise LayoutError(f"megapar.prepare: tp={cfg.tp} x cp={cfg.cp} x pp={cfg.pp} = {split} "
-                          f"ranks per model replica, but this job runs {world} process"
-                          f"{'es' if world > 1 else ''}; call prepare on every rank inside the "
-                          f"function megapar.launch(fn, nprocs={split}) runs (or a multiple of "
-                          f"{split}), or under torchrun")
+        raise LayoutError(
+            f"megapar.prepare: tp={cfg.tp} x cp={cfg.cp} x pp={cfg.pp} = {split} "
+            f"ranks per model replica, but this job runs {world} process"
+            f"{'es' if world > 1 else ''}; call prepare on every rank inside the "
+            f"function megapar.launch(fn, nprocs={split}) runs (or a multiple of "
+            f"{split}), or under torchrun"
+        )
     if isinstance(lr_schedule, dict):
         fields = {"min_lr": 0.0, "warmup_steps": 0, "decay": "cosine", **lr_schedule}
         lr_schedule = LRScheduler(Engine.scaled_lr(cfg), **fields)
     elif lr_schedule is not None and not isinstance(lr_schedule, LRScheduler):
-        raise TypeError("lr_schedule must be None, a dict of LRScheduler fields or an "
-                        "LRScheduler; for any other schedule use a torch LR scheduler on "
-                        "engine.optimizer")
+        raise TypeError(
+            "lr_schedule must be None, a dict of LRScheduler fields or an "
+            "LRScheduler; for any other schedule use a torch LR scheduler on "
+            "engine.optimizer"
+        )
     set_action("megapar.prepare: building the engine (mesh, model stage, optimizer)")
     engine = Engine(cfg, config, scheduler=lr_schedule, on_nonfinite=on_nonfinite)
     if reader is not None:
@@ -149,8 +196,11 @@ def prepare(model, tp: int = 1, pp: int = 1, micro_batch_size: int = 1, schedule
         with engine.params_whole():
             missing = load_hf_weights(engine.model, reader)
         if missing and engine.mesh.rank == 0:
-            warnings.warn(f"megapar.prepare: the {type(model).__name__} has no {', '.join(missing)}"
-                          f"; initialised from seed {seed} (pass the model with its head to keep "
-                          f"trained ones)", stacklevel=2)
+            warnings.warn(
+                f"megapar.prepare: the {type(model).__name__} has no {', '.join(missing)}"
+                f"; initialised from seed {seed} (pass the model with its head to keep "
+                f"trained ones)",
+                stacklevel=2,
+            )
     set_action("megapar.prepare returned; in the caller's code")
     return engine

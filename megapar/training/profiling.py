@@ -12,13 +12,14 @@ from torch.profiler import ProfilerActivity, profile
 
 
 def parse_steps(spec: str) -> tuple[int, int]:
-    """"A:B" -> (A, B); "A" -> (A, A)."""
+    """ "A:B" -> (A, B); "A" -> (A, A)."""
     try:
         first, _, last = spec.partition(":")
         a, b = int(first), int(last or first)
     except ValueError:
-        raise ValueError(f"--profile-steps {spec!r}: expected A:B, e.g. 5:7 (steps 5 to 7)") \
-            from None
+        raise ValueError(
+            f"--profile-steps {spec!r}: expected A:B, e.g. 5:7 (steps 5 to 7)"
+        ) from None
     if not 1 <= a <= b:
         raise ValueError(f"--profile-steps {spec!r}: need 1 <= A <= B")
     return a, b

@@ -9,9 +9,21 @@ import os
 from megapar.data.blended import absolute_data
 from megapar.optim import LRScheduler
 
-RESERVED_META = frozenset({"step", "scaler", "optimizer", "scheduler", "rng_note", "model",
-                           "layout", "tokenizer", "hf_dtype", "hf_generation_config",
-                           "train_config"})
+RESERVED_META = frozenset(
+    {
+        "step",
+        "scaler",
+        "optimizer",
+        "scheduler",
+        "rng_note",
+        "model",
+        "layout",
+        "tokenizer",
+        "hf_dtype",
+        "hf_generation_config",
+        "train_config",
+    }
+)
 """Checkpoint metadata keys megapar writes itself (`save(extra=...)` may not use them)."""
 
 
@@ -20,16 +32,21 @@ def recorded_settings(engine) -> dict:
     cfg, schedule = engine.cfg, engine.scheduler
     settings = cfg.to_dict()
     settings["data"] = absolute_data(cfg.data)
-    if cfg.tokenizer not in ("gpt2", "sentencepiece") and \
-            os.path.exists(os.path.expanduser(cfg.tokenizer)):
+    if cfg.tokenizer not in ("gpt2", "sentencepiece") and os.path.exists(
+        os.path.expanduser(cfg.tokenizer)
+    ):
         settings["tokenizer"] = os.path.abspath(os.path.expanduser(cfg.tokenizer))
     if schedule is None:
         settings.update(lr_decay="constant", warmup_steps=0, min_lr=cfg.lr)
     elif isinstance(schedule, LRScheduler) and schedule != engine.flags_schedule(cfg):
         unscale = cfg.lr / engine.scaled_lr(cfg)  # --lr-scale-with-batch reapplies
-        settings.update(lr=schedule.max_lr * unscale, min_lr=schedule.min_lr * unscale,
-                        warmup_steps=schedule.warmup_steps, max_steps=schedule.max_steps,
-                        lr_decay=schedule.decay)
+        settings.update(
+            lr=schedule.max_lr * unscale,
+            min_lr=schedule.min_lr * unscale,
+            warmup_steps=schedule.warmup_steps,
+            max_steps=schedule.max_steps,
+            lr_decay=schedule.decay,
+        )
     return settings
 
 
@@ -38,11 +55,17 @@ def checkpoint_meta(engine, extra: dict | None) -> dict:
     not use megapar's own, ValueError)."""
     clash = sorted(set(extra or {}) & RESERVED_META)
     if clash:
-        raise ValueError(f"engine.save(extra=...): {clash} are megapar's own checkpoint "
-                         f"keys; rename yours (e.g. 'my_{clash[0]}')")
-    meta = {"step": engine.step, "scaler": engine.precision.state_dict(),
-            "optimizer": engine.optimizer.state_json(),
-            "train_config": recorded_settings(engine), **(extra or {})}
+        raise ValueError(
+            f"engine.save(extra=...): {clash} are megapar's own checkpoint "
+            f"keys; rename yours (e.g. 'my_{clash[0]}')"
+        )
+    meta = {
+        "step": engine.step,
+        "scaler": engine.precision.state_dict(),
+        "optimizer": engine.optimizer.state_json(),
+        "train_config": recorded_settings(engine),
+        **(extra or {}),
+    }
     if engine.scheduler is not None:
         meta["scheduler"] = engine.scheduler.state_dict()
     if engine.tokenizer is not None:
@@ -66,5 +89,6 @@ def restore_meta(engine, meta: dict) -> None:
     engine.step = int(meta.get("step", 0))
     engine.tokenizer = meta.get("tokenizer", engine.tokenizer)
     engine.source_dtype = meta.get("hf_dtype", engine.source_dtype)
-    engine.source_generation_config = meta.get("hf_generation_config",
-                                               engine.source_generation_config)
+    engine.source_generation_config = meta.get(
+        "hf_generation_config", engine.source_generation_config
+    )

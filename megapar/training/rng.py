@@ -17,8 +17,9 @@ def rng_state(model: torch.nn.Module, device: torch.device) -> dict[str, torch.T
     return out
 
 
-def set_rng_state(model: torch.nn.Module, device: torch.device,
-                  rng: dict[str, torch.Tensor]) -> None:
+def set_rng_state(
+    model: torch.nn.Module, device: torch.device, rng: dict[str, torch.Tensor]
+) -> None:
     """Restore what `rng_state` returned (a part the checkpoint lacks is left as it is)."""
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and device.type == "cuda":

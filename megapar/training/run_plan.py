@@ -58,11 +58,16 @@ def read_resumed_settings(cfg: TrainConfig, notes: list[str]) -> dict | None:
     if cfg.load:
         check_load_path(cfg)  # a file, or a step that is not there: never a fresh start
     if cfg.load and cfg.load_strict and not has_checkpoint(cfg.load):
-        what = ("no checkpoint there" if os.path.isdir(os.path.expanduser(cfg.load))
-                else "no such checkpoint directory")
-        raise UsageError(f"--load {cfg.load}: {what} (--load-strict); pass a directory written "
-                         f"by --save (or one of its step_* directories), or drop --load-strict "
-                         f"to start fresh when there is none")
+        what = (
+            "no checkpoint there"
+            if os.path.isdir(os.path.expanduser(cfg.load))
+            else "no such checkpoint directory"
+        )
+        raise UsageError(
+            f"--load {cfg.load}: {what} (--load-strict); pass a directory written "
+            f"by --save (or one of its step_* directories), or drop --load-strict "
+            f"to start fresh when there is none"
+        )
     if cfg.load and has_checkpoint(cfg.load):
         # the checkpoint, checked once; settings not given are the checkpoint's
         manifest = checkpoint_manifest(cfg.load)
@@ -71,8 +76,9 @@ def read_resumed_settings(cfg: TrainConfig, notes: list[str]) -> dict | None:
     return manifest
 
 
-def plan_data(cfg: TrainConfig, layout: Layout, notes: list[str],
-              manifest: dict | None) -> DataPlan:
+def plan_data(
+    cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict | None
+) -> DataPlan:
     """Check the run on `layout`, resolve its model and prepare its data (tokenized, split,
     checked against the checkpoint it resumes); raises with a clear message. Settings the user
     did not give may adapt to the ones they gave (said in `notes`)."""
@@ -91,11 +97,16 @@ def plan_data(cfg: TrainConfig, layout: Layout, notes: list[str],
     try:
         train, split_notes = _training_split(cfg, plan, config.model_type, layout, notes)
         if len(train) < cfg.global_batch_size:
-            fix = (f"fewer data-parallel ranks (dp {layout.dp} needs {layout.dp} samples)"
-                   if len(train) < layout.dp else "a smaller --global-batch-size")
-            raise ValueError(f"the training split has {len(train)} samples of {cfg.seq_len} "
-                             f"tokens, fewer than one global batch of {cfg.global_batch_size}; "
-                             f"use more data, a shorter --seq-len or {fix}")
+            fix = (
+                f"fewer data-parallel ranks (dp {layout.dp} needs {layout.dp} samples)"
+                if len(train) < layout.dp
+                else "a smaller --global-batch-size"
+            )
+            raise ValueError(
+                f"the training split has {len(train)} samples of {cfg.seq_len} "
+                f"tokens, fewer than one global batch of {cfg.global_batch_size}; "
+                f"use more data, a shorter --seq-len or {fix}"
+            )
     except ValueError:
         discard_tokenized(plan)  # too little text to train on: its fresh copy in the cache goes
         raise
@@ -114,16 +125,20 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     notes.extend(adapt_defaults(cfg, layout.dp))
     per_step = cfg.micro_batch_size * layout.dp
     if cfg.micro_batch_size < 1 or cfg.global_batch_size % per_step:
-        raise ValueError(f"global batch size {cfg.global_batch_size} is not divisible by "
-                         f"micro-batch size {cfg.micro_batch_size} x dp {layout.dp} = {per_step}; "
-                         f"choose a multiple of {per_step}")
+        raise ValueError(
+            f"global batch size {cfg.global_batch_size} is not divisible by "
+            f"micro-batch size {cfg.micro_batch_size} x dp {layout.dp} = {per_step}; "
+            f"choose a multiple of {per_step}"
+        )
     _check_profile(cfg, manifest)
     parse_signals(cfg.exit_signals)  # a typo is an error now, not when the signal comes
     if cfg.save_interval < 0 or cfg.max_steps < 1:
         raise ValueError("--max-steps must be >= 1 and --save-interval >= 0")
     if cfg.sequence_parallel and cfg.seq_len % layout.tp:
-        raise ValueError(f"--seq-len {cfg.seq_len} is not divisible by --tp {layout.tp}, which "
-                         f"--sequence-parallel needs; choose a multiple of {layout.tp}")
+        raise ValueError(
+            f"--seq-len {cfg.seq_len} is not divisible by --tp {layout.tp}, which "
+            f"--sequence-parallel needs; choose a multiple of {layout.tp}"
+        )
     check_cp_seq_len(cfg.seq_len, layout, cfg.sequence_parallel)
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks
@@ -132,9 +147,11 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     config.validate(layout)
     chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)  # one line if V does not apply
     if placement_of(cfg.schedule) == "v" and config.num_layers < 2 * layout.pp:
-        raise ValueError(f"--schedule {cfg.schedule} cuts the model into 2 x --pp {layout.pp} = "
-                         f"{2 * layout.pp} virtual stages of at least one layer each, but it has "
-                         f"{config.num_layers}; lower --pp or use --schedule zb-h1")
+        raise ValueError(
+            f"--schedule {cfg.schedule} cuts the model into 2 x --pp {layout.pp} = "
+            f"{2 * layout.pp} virtual stages of at least one layer each, but it has "
+            f"{config.num_layers}; lower --pp or use --schedule zb-h1"
+        )
     if chunks > 1:
         chunk_specs(config.num_layers, layout.pp, 0, chunks)  # enough layers?
     _check_injection(cfg, config, layout, per_step, manifest)
@@ -142,10 +159,12 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     if not cfg.dry_run:
         most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
         if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
-            raise ValueError(f"--data holds fewer than one global batch of "
-                             f"{cfg.global_batch_size}: at most {most:,} samples of "
-                             f"{cfg.seq_len} tokens by its size; use more data, a shorter "
-                             f"--seq-len or a smaller --global-batch-size")
+            raise ValueError(
+                f"--data holds fewer than one global batch of "
+                f"{cfg.global_batch_size}: at most {most:,} samples of "
+                f"{cfg.seq_len} tokens by its size; use more data, a shorter "
+                f"--seq-len or a smaller --global-batch-size"
+            )
     _check_micro_batches(cfg, layout, per_step)
     return config, per_step
 
@@ -157,28 +176,35 @@ def _check_profile(cfg: TrainConfig, manifest: dict | None) -> None:
     first, last = parse_steps(cfg.profile_steps)
     start = int(manifest.get("step", 0)) if manifest else 0
     if last > cfg.max_steps:
-        raise UsageError(f"--profile-steps {cfg.profile_steps} goes beyond --max-steps "
-                         f"{cfg.max_steps}: the trace would never be written; profile steps "
-                         f"within {start + 1}:{cfg.max_steps} or raise --max-steps")
+        raise UsageError(
+            f"--profile-steps {cfg.profile_steps} goes beyond --max-steps "
+            f"{cfg.max_steps}: the trace would never be written; profile steps "
+            f"within {start + 1}:{cfg.max_steps} or raise --max-steps"
+        )
     if first <= start:
-        raise UsageError(f"--profile-steps {cfg.profile_steps} starts at or before step "
-                         f"{start}, where --load resumes; profile steps within "
-                         f"{start + 1}:{cfg.max_steps}")
+        raise UsageError(
+            f"--profile-steps {cfg.profile_steps} starts at or before step "
+            f"{start}, where --load resumes; profile steps within "
+            f"{start + 1}:{cfg.max_steps}"
+        )
 
 
 def _check_micro_batches(cfg: TrainConfig, layout: Layout, per_step: int) -> None:
     """The schedule takes m = global batch / (micro-batch size x dp) micro-batches; an error
     says whether m or the layout is the problem."""
     try:
-        check_schedule(cfg.schedule, layout.pp, cfg.global_batch_size // per_step,
-                       cfg.virtual_stages)
+        check_schedule(
+            cfg.schedule, layout.pp, cfg.global_batch_size // per_step, cfg.virtual_stages
+        )
     except ValueError as exc:
         try:  # 2 pp micro-batches suit every schedule: if they pass, the error is about m
             check_schedule(cfg.schedule, layout.pp, 2 * layout.pp, cfg.virtual_stages)
         except ValueError:
             raise exc from None  # about --pp or --virtual-stages: m is not the problem
-        raise ValueError(f"{exc}; m is --global-batch-size / (--micro-batch-size x dp) = "
-                         f"{cfg.global_batch_size} / {per_step}") from None
+        raise ValueError(
+            f"{exc}; m is --global-batch-size / (--micro-batch-size x dp) = "
+            f"{cfg.global_batch_size} / {per_step}"
+        ) from None
 
 
 def _earlier_log(cfg: TrainConfig, manifest: dict | None) -> list[str]:
@@ -188,23 +214,34 @@ def _earlier_log(cfg: TrainConfig, manifest: dict | None) -> list[str]:
         return []
     with open(path, "rb") as f:
         records = sum(1 for line in f if line.strip())
-    return [f"--log-json {cfg.log_json} holds {records} records of an earlier run: this fresh "
-            f"run starts the file anew (give another --log-json to keep them)"]
+    return [
+        f"--log-json {cfg.log_json} holds {records} records of an earlier run: this fresh "
+        f"run starts the file anew (give another --log-json to keep them)"
+    ]
 
 
-def _check_injection(cfg: TrainConfig, config, layout: Layout, per_step: int,
-                     manifest: dict | None) -> None:
+def _check_injection(
+    cfg: TrainConfig, config, layout: Layout, per_step: int, manifest: dict | None
+) -> None:
     """--inject-corrupt (or MEGAPAR_INJECT_CORRUPT): a spec the run can carry out."""
     cfg.inject_corrupt = inject.from_settings(cfg.inject_corrupt) or None
     if not cfg.inject_corrupt:
         return
     flag = "--inject-corrupt" if "inject_corrupt" in explicit(cfg) else inject.ENV
-    spec = inject.check(cfg.inject_corrupt, config, layout, cfg.global_batch_size // per_step,
-                        flag, tokens=cfg.micro_batch_size * cfg.seq_len)
+    spec = inject.check(
+        cfg.inject_corrupt,
+        config,
+        layout,
+        cfg.global_batch_size // per_step,
+        flag,
+        tokens=cfg.micro_batch_size * cfg.seq_len,
+    )
     start = int(manifest.get("step", 0)) if manifest else 0
     if not start < spec.step <= cfg.max_steps:
-        raise UsageError(f"{flag}: step={spec.step} is not run (this run trains steps "
-                         f"{start + 1}-{cfg.max_steps}); choose a step in that range")
+        raise UsageError(
+            f"{flag}: step={spec.step} is not run (this run trains steps "
+            f"{start + 1}-{cfg.max_steps}); choose a step in that range"
+        )
 
 
 def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[str]) -> None:
@@ -214,39 +251,52 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[s
     given = [f for f in ("save", "record_step") if f in explicit(cfg) and getattr(cfg, f)]
     if cfg.replay and given:
         flag = "--" + given[0].replace("_", "-")
-        raise UsageError(f"{flag} with --replay {cfg.replay}: a replay runs step {cfg.replay} "
-                         f"once, compares it and exits without saving or recording; drop {flag}")
+        raise UsageError(
+            f"{flag} with --replay {cfg.replay}: a replay runs step {cfg.replay} "
+            f"once, compares it and exits without saving or recording; drop {flag}"
+        )
     if cfg.record_step and not cfg.save:
         raise UsageError(f"--record-step {cfg.record_step} writes SAVE/records/: give --save")
     if cfg.record_step and not start < cfg.record_step <= cfg.max_steps:
-        raise UsageError(f"--record-step {cfg.record_step} is not run (this run trains steps "
-                         f"{start + 1}-{cfg.max_steps}); choose a step in that range")
+        raise UsageError(
+            f"--record-step {cfg.record_step} is not run (this run trains steps "
+            f"{start + 1}-{cfg.max_steps}); choose a step in that range"
+        )
     if cfg.replay_against and not cfg.replay:
         raise UsageError("--replay-against is the record --replay compares with: give --replay")
     if not cfg.replay:
         return
     if manifest is None:
-        raise UsageError(f"--replay {cfg.replay} re-runs a step from a checkpoint: give --load "
-                         f"CKPT (one saved at or before step {cfg.replay - 1})")
+        raise UsageError(
+            f"--replay {cfg.replay} re-runs a step from a checkpoint: give --load "
+            f"CKPT (one saved at or before step {cfg.replay - 1})"
+        )
     if not start < cfg.replay <= cfg.max_steps:
-        raise UsageError(f"--replay {cfg.replay}: the checkpoint is at step {start} and the run "
-                         f"ends at --max-steps {cfg.max_steps}; replay a step in "
-                         f"{start + 1}-{cfg.max_steps} (or --load an earlier checkpoint)")
+        raise UsageError(
+            f"--replay {cfg.replay}: the checkpoint is at step {start} and the run "
+            f"ends at --max-steps {cfg.max_steps}; replay a step in "
+            f"{start + 1}-{cfg.max_steps} (or --load an earlier checkpoint)"
+        )
     if cfg.replay_against and not os.path.exists(os.path.expanduser(cfg.replay_against)):
-        raise UsageError(f"--replay-against {cfg.replay_against}: no such record; give the "
-                         f"records/step_{cfg.replay:08d}.json --record-step wrote")
+        raise UsageError(
+            f"--replay-against {cfg.replay_against}: no such record; give the "
+            f"records/step_{cfg.replay:08d}.json --record-step wrote"
+        )
     record = cfg.replay_against or find_record(cfg.load, cfg.replay)
     if record is None:
-        raise UsageError(f"--replay {cfg.replay}: no record of step {cfg.replay} next to the "
-                         f"--load checkpoint (records/step_{cfg.replay:08d}.json of its --save "
-                         f"directory), so nothing would be compared; record it with --record-step "
-                         f"{cfg.replay} in the original run, or give --replay-against FILE")
+        raise UsageError(
+            f"--replay {cfg.replay}: no record of step {cfg.replay} next to the "
+            f"--load checkpoint (records/step_{cfg.replay:08d}.json of its --save "
+            f"directory), so nothing would be compared; record it with --record-step "
+            f"{cfg.replay} in the original run, or give --replay-against FILE"
+        )
     flag = "--replay-against" if cfg.replay_against else "the record"
     notes.extend(check_record(record, cfg.replay, config.to_dict(), flag))
 
 
-def _training_split(cfg: TrainConfig, plan: DataPlan, model_type: str, layout: Layout,
-                    notes: list[str]):
+def _training_split(
+    cfg: TrainConfig, plan: DataPlan, model_type: str, layout: Layout, notes: list[str]
+):
     """(training split, notes on the split): a global batch the user did not give shrinks to
     what the data holds (said in `notes`); errors name the user's --data, not its cache."""
 
@@ -278,8 +328,12 @@ def _name_user_data(message: str, cfg: TrainConfig) -> str:
         return message
     items = cfg.data if isinstance(cfg.data, list) else [cfg.data]
     stem = os.path.basename(first).rsplit("-", 1)[0]
-    users = [p for p in items if p and os.path.splitext(os.path.basename(
-        os.path.expanduser(str(p)).rstrip("/")))[0] == stem]
+    users = [
+        p
+        for p in items
+        if p
+        and os.path.splitext(os.path.basename(os.path.expanduser(str(p)).rstrip("/")))[0] == stem
+    ]
     data = users[0] if users else (cfg.data or "the shipped sample")
     return f"--data {data} (tokenized with --tokenizer {cfg.tokenizer}): {rest}"
 
@@ -287,5 +341,7 @@ def _name_user_data(message: str, cfg: TrainConfig) -> str:
 def takes_save_lock() -> bool:
     """The process that locks --save: the launching one, or global rank 0 under torchrun /
     Slurm (if it is refused, it exits 2 and torchrun stops the other ranks)."""
-    return not under_launcher() or \
-        int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+    return (
+        not under_launcher()
+        or int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+    )

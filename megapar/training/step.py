@@ -57,14 +57,17 @@ class BatchPlan:
 
     def __post_init__(self):
         if min(self.global_batch_size, self.micro_batch_size, self.dp) < 1:
-            raise ValueError(f"batch sizes and dp must be >= 1, got global {self.global_batch_size}"
-                             f", micro {self.micro_batch_size}, dp {self.dp}")
+            raise ValueError(
+                f"batch sizes and dp must be >= 1, got global {self.global_batch_size}"
+                f", micro {self.micro_batch_size}, dp {self.dp}"
+            )
         per_step = self.micro_batch_size * self.dp
         if self.global_batch_size % per_step:
             raise ValueError(
                 f"global batch size {self.global_batch_size} is not divisible by micro-batch size "
                 f"{self.micro_batch_size} x dp {self.dp} = {per_step}; choose a global batch size "
-                f"that is a multiple of {per_step}")
+                f"that is a multiple of {per_step}"
+            )
 
     @property
     def micro_batches(self) -> int:
@@ -77,7 +80,9 @@ class BatchPlan:
         out = []
         for i in range(self.micro_batches):
             start = dp_rank * per_rank + i * self.micro_batch_size
-            out.append({k: v[start:start + self.micro_batch_size] for k, v in global_batch.items()})
+            out.append(
+                {k: v[start : start + self.micro_batch_size] for k, v in global_batch.items()}
+            )
         return out
 
 
@@ -100,29 +105,43 @@ class StepResult:
 class TrainStep:
     """Runs optimizer steps for one rank's stage; every rank calls `step` together."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, executor, optimizer, scheduler, precision,
-                 clip_grad: float, grad_sync=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        executor,
+        optimizer,
+        scheduler,
+        precision,
+        clip_grad: float,
+        grad_sync=None,
+    ):
         self.model, self.mesh = model, mesh
         self.executor, self.optimizer, self.scheduler = executor, optimizer, scheduler
         self.precision, self.clip_grad, self.grad_sync = precision, clip_grad, grad_sync
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.partial_over_tp = mesh.tp > 1 and any(
-            getattr(p, "sequence_parallel", False) for p in self.params)
+            getattr(p, "sequence_parallel", False) for p in self.params
+        )
         """Some gradients are partial over tp and summed once per step: sequence parallelism's
         replicated parameters, Llama's replicated k / v heads."""
         if mesh.cp > 1 and grad_sync is None:
-            raise ValueError("context parallelism needs grad_sync (build_grad_sync: its "
-                             "reduction is over mesh.dp_cp_group, averaged over dp): each cp "
-                             "rank's gradient is only its tokens' share until they are summed")
+            raise ValueError(
+                "context parallelism needs grad_sync (build_grad_sync: its "
+                "reduction is over mesh.dp_cp_group, averaged over dp): each cp "
+                "rank's gradient is only its tokens' share until they are summed"
+            )
         self.sharded = grad_sync is not None and grad_sync.sharded and mesh.dp * mesh.cp > 1
         """The grad sync shards the gradients, so the optimizer steps only this rank's
         slices (ZeRO-1 / 2 / 3 with dp x cp > 1)."""
         if self.sharded:
             self._attach()
         elif optimizer.zero and mesh.dp * mesh.cp > 1:
-            raise ValueError(f"the ZeRO-{optimizer.zero} optimizer with dp x cp > 1 needs its "
-                             f"grad sync: pass grad_sync=build_grad_sync(..., "
-                             f"zero={optimizer.zero}) to TrainStep")
+            raise ValueError(
+                f"the ZeRO-{optimizer.zero} optimizer with dp x cp > 1 needs its "
+                f"grad sync: pass grad_sync=build_grad_sync(..., "
+                f"zero={optimizer.zero}) to TrainStep"
+            )
 
     def _attach(self) -> None:
         """Attach the distributed optimizer to the sharded grad sync; with pp > 1 the tied
@@ -131,9 +150,11 @@ class TrainStep:
         if self.mesh.pp > 1:
             last = shared_embedding_params(self.model)
             if last:
+
                 def before() -> None:
                     set_action("tied-embedding gradient all-reduce (first + last stage)")
                     sync_tied_embeddings(self.model, self.mesh)
+
         self.optimizer.attach(self.grad_sync, last, before)
 
     def sync_gradients(self) -> None:
@@ -163,7 +184,8 @@ class TrainStep:
         all_reduce(loss, self.mesh.dp_group)
         set_action("gradient inf/NaN check (all-reduce over all ranks)")
         skipped = self.precision.unscale_and_check(
-            self.optimizer.grad_tensors() if self.sharded else self.params)
+            self.optimizer.grad_tensors() if self.sharded else self.params
+        )
         set_action("gradient-norm all-reduce over tp x pp (clipping)")
         if skipped:
             norm = math.inf

@@ -43,29 +43,44 @@ class UsageError(ValueError):
 # (field, kind, lowest allowed, lowest is allowed itself[, (value that turns it off, meaning)]):
 # kind "int" or "float" (finite).
 _RULES = [
-    ("tp", "int", 1, True), ("cp", "int", 1, True), ("pp", "int", 1, True),
+    ("tp", "int", 1, True),
+    ("cp", "int", 1, True),
+    ("pp", "int", 1, True),
     ("dp", "int", 1, True),
-    ("seq_len", "int", 1, True), ("micro_batch_size", "int", 1, True),
-    ("global_batch_size", "int", 1, True), ("max_steps", "int", 1, True),
-    ("warmup_steps", "int", 0, True), ("eval_interval", "int", 0, True),
-    ("eval_steps", "int", 1, True), ("save_interval", "int", 0, True),
-    ("log_interval", "int", 1, True), ("seed", "int", 0, True),
-    ("lr", "float", 0.0, False), ("min_lr", "float", 0.0, True),
-    ("weight_decay", "float", 0.0, True), ("clip_grad", "float", 0.0, True),
-    ("peak_tflops", "float", 0.0, False), ("timeout_s", "float", 0.0, False),
+    ("seq_len", "int", 1, True),
+    ("micro_batch_size", "int", 1, True),
+    ("global_batch_size", "int", 1, True),
+    ("max_steps", "int", 1, True),
+    ("warmup_steps", "int", 0, True),
+    ("eval_interval", "int", 0, True),
+    ("eval_steps", "int", 1, True),
+    ("save_interval", "int", 0, True),
+    ("log_interval", "int", 1, True),
+    ("seed", "int", 0, True),
+    ("lr", "float", 0.0, False),
+    ("min_lr", "float", 0.0, True),
+    ("weight_decay", "float", 0.0, True),
+    ("clip_grad", "float", 0.0, True),
+    ("peak_tflops", "float", 0.0, False),
+    ("timeout_s", "float", 0.0, False),
     ("nccl_timeout_s", "float", 0.0, False),
-    ("val_fraction", "float", 0.0, True), ("virtual_stages", "int", 1, True),
-    ("adam_eps", "float", 0.0, False), ("grad_bucket_mb", "float", 0.0, False),
-    ("adam_beta1", "float", 0.0, True), ("adam_beta2", "float", 0.0, True),
+    ("val_fraction", "float", 0.0, True),
+    ("virtual_stages", "int", 1, True),
+    ("adam_eps", "float", 0.0, False),
+    ("grad_bucket_mb", "float", 0.0, False),
+    ("adam_beta1", "float", 0.0, True),
+    ("adam_beta2", "float", 0.0, True),
     ("powersgd_rank", "int", 1, True),
     ("loss_chunk_tokens", "int", 1, True, (0, "the whole logits at once")),
     ("lr_scale_with_batch", "int", 1, True, (0, "off")),
     ("max_nonfinite_steps", "int", 1, True, (0, "never stop")),
     ("exit_interval", "int", 1, True, (0, "never")),
-    ("record_step", "int", 1, True, (0, "none")), ("replay", "int", 1, True, (0, "off")),
+    ("record_step", "int", 1, True, (0, "none")),
+    ("replay", "int", 1, True, (0, "off")),
     ("exit_duration_mins", "float", 0.0, False, (0, "no limit")),
     ("straggler_factor", "float", 1.0, False, (0, "off")),
-    ("world_size", "int", 1, True), ("gpus_per_node", "int", 1, True),
+    ("world_size", "int", 1, True),
+    ("gpus_per_node", "int", 1, True),
 ]
 
 
@@ -97,27 +112,37 @@ def check_settings(cfg) -> None:
             raise UsageError(str(exc)) from None
     for name in ("save", "log_json", "tensorboard"):  # "" would silently write nothing
         if getattr(cfg, name) == "":
-            raise UsageError(f"{flag_of(name)} '' is an empty path: give a path (e.g. "
-                             f"{flag_of(name)} {_EXAMPLE_PATHS[name]}), or leave the flag out")
+            raise UsageError(
+                f"{flag_of(name)} '' is an empty path: give a path (e.g. "
+                f"{flag_of(name)} {_EXAMPLE_PATHS[name]}), or leave the flag out"
+            )
 
     for name in ("timeout_s", "nccl_timeout_s"):
         if getattr(cfg, name) > MAX_TIMEOUT_S:
-            raise UsageError(f"{flag_of(name)} {getattr(cfg, name):g} is invalid: at most "
-                             f"{MAX_TIMEOUT_S:g} s (about 31 years; torch's rendezvous store "
-                             f"counts its wait in nanoseconds and fails at once from about 1e10 "
-                             f"s); give a finite wait in seconds (the default is "
-                             f"{_default(cfg, name):g})")
+            raise UsageError(
+                f"{flag_of(name)} {getattr(cfg, name):g} is invalid: at most "
+                f"{MAX_TIMEOUT_S:g} s (about 31 years; torch's rendezvous store "
+                f"counts its wait in nanoseconds and fails at once from about 1e10 "
+                f"s); give a finite wait in seconds (the default is "
+                f"{_default(cfg, name):g})"
+            )
     for name, allowed in flag_choices().items():
         if getattr(cfg, name) not in allowed:
-            raise UsageError(f"{flag_of(name)} {getattr(cfg, name)!r} is invalid: choose one of "
-                             f"{', '.join(map(str, allowed))}")
+            raise UsageError(
+                f"{flag_of(name)} {getattr(cfg, name)!r} is invalid: choose one of "
+                f"{', '.join(map(str, allowed))}"
+            )
     for name in ("adam_beta1", "adam_beta2"):
         if getattr(cfg, name) >= 1:
-            raise UsageError(f"{flag_of(name)} {getattr(cfg, name)} is invalid: it must be in "
-                             f"[0, 1) (the default is {_default(cfg, name)})")
+            raise UsageError(
+                f"{flag_of(name)} {getattr(cfg, name)} is invalid: it must be in "
+                f"[0, 1) (the default is {_default(cfg, name)})"
+            )
     if cfg.val_fraction >= 1:
-        raise UsageError(f"--val-fraction {cfg.val_fraction} is invalid: it is the share of "
-                         f"documents held out, in [0, 1) (e.g. 0.05; 0 disables validation)")
+        raise UsageError(
+            f"--val-fraction {cfg.val_fraction} is invalid: it is the share of "
+            f"documents held out, in [0, 1) (e.g. 0.05; 0 disables validation)"
+        )
     _check_combinations(cfg)
 
 
@@ -144,79 +169,113 @@ def _check_ranges(cfg) -> None:
             default = _default(cfg, name)
             hint = f" (the default is {default})" if default is not None else ""
             if off:
-                hint = f", or {off[0][0]} for {off[0][1]}" + (" (the default)" if
-                                                              default == off[0][0] else hint)
+                hint = f", or {off[0][0]} for {off[0][1]}" + (
+                    " (the default)" if default == off[0][0] else hint
+                )
             raise UsageError(f"{flag_of(name)} {value} is invalid: it must be {what} {bound}{hint}")
 
 
 def _check_combinations(cfg) -> None:
     """UsageError for the first combination of settings that cannot run, naming the fix."""
     if cfg.min_lr > cfg.lr and "min_lr" in explicit(cfg):  # not given: it adapts to --lr
-        raise UsageError(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr "
-                         f"or raise --lr")
+        raise UsageError(
+            f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr or raise --lr"
+        )
     check_zero3(cfg)
     if cfg.zero in (1, 2) and cfg.grad_compression != "none":
-        raise UsageError(f"--grad-compression {cfg.grad_compression} cannot be combined with "
-                         f"--zero {cfg.zero}: the distributed optimizer reduce-scatters the gradient "
-                         f"buffer, the compressors compress an all-reduce; drop one of them")
+        raise UsageError(
+            f"--grad-compression {cfg.grad_compression} cannot be combined with "
+            f"--zero {cfg.zero}: the distributed optimizer reduce-scatters the gradient "
+            f"buffer, the compressors compress an all-reduce; drop one of them"
+        )
     if cfg.offload_params and cfg.zero != 3:
         alone = "" if cfg.offload_optimizer else ", or use --offload-optimizer"
-        raise UsageError(f"--offload-params needs --zero 3 (it keeps the parameter shards in "
-                         f"host memory; --zero {cfg.zero} keeps whole parameters on the device): "
-                         f"add --zero 3{alone}")
+        raise UsageError(
+            f"--offload-params needs --zero 3 (it keeps the parameter shards in "
+            f"host memory; --zero {cfg.zero} keeps whole parameters on the device): "
+            f"add --zero 3{alone}"
+        )
     if cfg.offload_optimizer and cfg.optimizer in ("lamb", "lars"):
-        raise UsageError(f"--offload-optimizer steps AdamW or SGD on the host, not --optimizer "
-                         f"{cfg.optimizer} (its trust ratios need whole-parameter norms on the "
-                         f"devices): drop --offload-optimizer or use --optimizer adamw")
-    rehearsal = [name for name in ("world_size", "gpus_per_node", "dry_run_ranks", "json")
-                 if name in explicit(cfg)]
+        raise UsageError(
+            f"--offload-optimizer steps AdamW or SGD on the host, not --optimizer "
+            f"{cfg.optimizer} (its trust ratios need whole-parameter norms on the "
+            f"devices): drop --offload-optimizer or use --optimizer adamw"
+        )
+    rehearsal = [
+        name
+        for name in ("world_size", "gpus_per_node", "dry_run_ranks", "json")
+        if name in explicit(cfg)
+    ]
     if rehearsal and not cfg.dry_run:
-        why = {"world_size": " (a run's world size is the number of processes started)",
-               "gpus_per_node": " (a run's nodes are the ones torchrun or Slurm starts)"}
-        raise UsageError(f"{flag_of(rehearsal[0])} only applies to a rehearsal: add --dry-run"
-                         f"{why.get(rehearsal[0], '')}")
+        why = {
+            "world_size": " (a run's world size is the number of processes started)",
+            "gpus_per_node": " (a run's nodes are the ones torchrun or Slurm starts)",
+        }
+        raise UsageError(
+            f"{flag_of(rehearsal[0])} only applies to a rehearsal: add --dry-run"
+            f"{why.get(rehearsal[0], '')}"
+        )
     if cfg.allow_data_change and not cfg.load:
-        raise UsageError("--allow-data-change only applies to a resume (it lets --load continue "
-                         "on changed --data): add --load CKPT or drop it")
+        raise UsageError(
+            "--allow-data-change only applies to a resume (it lets --load continue "
+            "on changed --data): add --load CKPT or drop it"
+        )
     if cfg.async_save and not cfg.save and not cfg.dry_run:
-        raise UsageError("--async-save writes the checkpoints of --save in the background: give "
-                         "--save DIR too (or drop --async-save)")
+        raise UsageError(
+            "--async-save writes the checkpoints of --save in the background: give "
+            "--save DIR too (or drop --async-save)"
+        )
     if cfg.grad_compression != "none" and cfg.grad_reduce_dtype != "auto":
-        raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} and --grad-compression "
-                         f"{cfg.grad_compression} both choose how gradients travel; give one "
-                         f"(--grad-compression bf16 / fp16 is a reduction in that dtype)")
+        raise UsageError(
+            f"--grad-reduce-dtype {cfg.grad_reduce_dtype} and --grad-compression "
+            f"{cfg.grad_compression} both choose how gradients travel; give one "
+            f"(--grad-compression bf16 / fp16 is a reduction in that dtype)"
+        )
 
 
 def check_zero3(cfg) -> None:
     """What --zero 3 cannot serve yet: one line naming the combination and what to use."""
     if cfg.zero3_keep_params and cfg.zero != 3:
-        raise UsageError("--zero3-keep-params only applies to --zero 3 (it keeps a unit's "
-                         "gathered parameters over the step); add --zero 3 or drop it")
+        raise UsageError(
+            "--zero3-keep-params only applies to --zero 3 (it keeps a unit's "
+            "gathered parameters over the step); add --zero 3 or drop it"
+        )
     if cfg.zero3_reduce != "step" and cfg.zero != 3:
         already = " (--zero 2 reduces every micro-batch already)" if cfg.zero == 2 else ""
-        raise UsageError(f"--zero3-reduce {cfg.zero3_reduce} only applies to --zero 3{already}; "
-                         f"add --zero 3 or drop it")
+        raise UsageError(
+            f"--zero3-reduce {cfg.zero3_reduce} only applies to --zero 3{already}; "
+            f"add --zero 3 or drop it"
+        )
     if cfg.zero3_persistence_threshold and cfg.zero != 3:
-        raise UsageError("--zero3-persistence-threshold only applies to --zero 3; add --zero 3 "
-                         "or drop it")
+        raise UsageError(
+            "--zero3-persistence-threshold only applies to --zero 3; add --zero 3 or drop it"
+        )
     if cfg.zero3_persistence_threshold < 0:
-        raise UsageError(f"--zero3-persistence-threshold {cfg.zero3_persistence_threshold} is "
-                         f"invalid: give a number of elements >= 0 (0: none persist)")
+        raise UsageError(
+            f"--zero3-persistence-threshold {cfg.zero3_persistence_threshold} is "
+            f"invalid: give a number of elements >= 0 (0: none persist)"
+        )
     if cfg.zero != 3:
         return
     if cfg.grad_compression != "none":
-        raise UsageError(f"--grad-compression {cfg.grad_compression} cannot be combined with "
-                         f"--zero 3 (gradients are reduce-scattered per unit, the compressors "
-                         f"compress an all-reduce); use --zero 0, or --grad-compression none")
+        raise UsageError(
+            f"--grad-compression {cfg.grad_compression} cannot be combined with "
+            f"--zero 3 (gradients are reduce-scattered per unit, the compressors "
+            f"compress an all-reduce); use --zero 0, or --grad-compression none"
+        )
     if cfg.grad_reduce_dtype not in ("auto", "fp32"):
-        raise UsageError(f"--grad-reduce-dtype {cfg.grad_reduce_dtype} is not served with "
-                         f"--zero 3 (its reduce-scatters run in fp32); use --zero 1 for a "
-                         f"{cfg.grad_reduce_dtype} reduction, or drop --grad-reduce-dtype")
+        raise UsageError(
+            f"--grad-reduce-dtype {cfg.grad_reduce_dtype} is not served with "
+            f"--zero 3 (its reduce-scatters run in fp32); use --zero 1 for a "
+            f"{cfg.grad_reduce_dtype} reduction, or drop --grad-reduce-dtype"
+        )
     if cfg.offload_params and not cfg.offload_optimizer:
-        raise UsageError("--offload-params needs --offload-optimizer (the host-held parameter "
-                         "shards are the weights the optimizer steps, so it steps on the host "
-                         "too, as DeepSpeed's offload_param with offload_optimizer): add "
-                         "--offload-optimizer")
+        raise UsageError(
+            "--offload-params needs --offload-optimizer (the host-held parameter "
+            "shards are the weights the optimizer steps, so it steps on the host "
+            "too, as DeepSpeed's offload_param with offload_optimizer): add "
+            "--offload-optimizer"
+        )
 
 
 def check_inject_slow(cfg, world_size: int) -> None:
@@ -228,9 +287,11 @@ def check_inject_slow(cfg, world_size: int) -> None:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         if slow.from_step > cfg.max_steps:
-            raise UsageError(f"--inject-slow {cfg.inject_slow!r}: from_step={slow.from_step} is "
-                             f"after the run's last step (--max-steps {cfg.max_steps}), so no "
-                             f"step would be slowed; choose from_step <= {cfg.max_steps}")
+            raise UsageError(
+                f"--inject-slow {cfg.inject_slow!r}: from_step={slow.from_step} is "
+                f"after the run's last step (--max-steps {cfg.max_steps}), so no "
+                f"step would be slowed; choose from_step <= {cfg.max_steps}"
+            )
 
 
 def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> None:
@@ -240,9 +301,11 @@ def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> N
     need = math.lcm(2 * cp, cp * tp) if sequence_parallel and tp > 1 else 2 * cp
     if cp > 1 and seq_len % need:
         why = " and each cp rank's tokens into --tp slices" if need != 2 * cp else ""
-        raise UsageError(f"--seq-len {seq_len} is not divisible by {need}: --cp {cp} cuts "
-                         f"each sequence into 2 x cp = {2 * cp} chunks{why}; choose a multiple "
-                         f"of {need}")
+        raise UsageError(
+            f"--seq-len {seq_len} is not divisible by {need}: --cp {cp} cuts "
+            f"each sequence into 2 x cp = {2 * cp} chunks{why}; choose a multiple "
+            f"of {need}"
+        )
 
 
 def explicit(cfg) -> set[str]:
@@ -262,30 +325,38 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
     if "warmup_steps" not in given:
         warmup = min(cfg.warmup_steps, cfg.max_steps // 10)
         if warmup != cfg.warmup_steps:
-            notes.append(f"--warmup-steps not given: using {warmup} (10 % of --max-steps "
-                         f"{cfg.max_steps}) instead of the default {cfg.warmup_steps}")
+            notes.append(
+                f"--warmup-steps not given: using {warmup} (10 % of --max-steps "
+                f"{cfg.max_steps}) instead of the default {cfg.warmup_steps}"
+            )
             cfg.warmup_steps = warmup
     if "min_lr" not in given:
         low, peak = _default(cfg, "min_lr"), _default(cfg, "lr")
         min_lr = min(low, float(f"{cfg.lr * low / peak:.12g}"))  # the defaults' ratio, at most
         if min_lr != cfg.min_lr:
-            notes.append(f"--min-lr not given: using {min_lr:g} (--lr {cfg.lr:g} x {low / peak:g}"
-                         f", the defaults' ratio) instead of the default {cfg.min_lr:g}")
+            notes.append(
+                f"--min-lr not given: using {min_lr:g} (--lr {cfg.lr:g} x {low / peak:g}"
+                f", the defaults' ratio) instead of the default {cfg.min_lr:g}"
+            )
             cfg.min_lr = min_lr
     per_step = cfg.micro_batch_size * dp
     if cfg.global_batch_size % per_step:
         if "global_batch_size" not in given:
             gbs = max(1, round(cfg.global_batch_size / per_step)) * per_step
-            notes.append(f"--global-batch-size not given: using {gbs} (a multiple of "
-                         f"micro-batch size {cfg.micro_batch_size} x dp {dp}) instead of the "
-                         f"default {cfg.global_batch_size}")
+            notes.append(
+                f"--global-batch-size not given: using {gbs} (a multiple of "
+                f"micro-batch size {cfg.micro_batch_size} x dp {dp}) instead of the "
+                f"default {cfg.global_batch_size}"
+            )
             cfg.global_batch_size = gbs
         elif "micro_batch_size" not in given and cfg.global_batch_size % dp == 0:
             per_rank = cfg.global_batch_size // dp
             mbs = max(d for d in range(1, cfg.micro_batch_size + 1) if per_rank % d == 0)
-            notes.append(f"--micro-batch-size not given: using {mbs} (divides --global-batch-"
-                         f"size {cfg.global_batch_size} / dp {dp}) instead of the default "
-                         f"{cfg.micro_batch_size}")
+            notes.append(
+                f"--micro-batch-size not given: using {mbs} (divides --global-batch-"
+                f"size {cfg.global_batch_size} / dp {dp}) instead of the default "
+                f"{cfg.micro_batch_size}"
+            )
             cfg.micro_batch_size = mbs
     notes.extend(_inert_zero_settings(cfg, dp))
     return notes
@@ -295,24 +366,30 @@ def _inert_zero_settings(cfg, dp: int) -> list[str]:
     """Notes for ZeRO settings that change nothing in this run (accepted, said once)."""
     notes = []
     if cfg.zero and dp * cfg.cp == 1:
-        notes.append(f"--zero {cfg.zero} with dp x cp = 1: there is no rank to shard over, so "
-                     f"every rank keeps whole state (offloads still apply)")
+        notes.append(
+            f"--zero {cfg.zero} with dp x cp = 1: there is no rank to shard over, so "
+            f"every rank keeps whole state (offloads still apply)"
+        )
     m = cfg.global_batch_size // max(1, cfg.micro_batch_size * dp)
     if cfg.zero == 3 and cfg.zero3_reduce == "micro-batch":
         if m == 1:
-            notes.append("--zero3-reduce micro-batch with one micro-batch per step: the same "
-                         "as step")
+            notes.append(
+                "--zero3-reduce micro-batch with one micro-batch per step: the same as step"
+            )
         elif _has_w_passes(cfg, m):
-            notes.append(f"--zero3-reduce micro-batch under --schedule {cfg.schedule}: its W "
-                         f"passes report the weight gradients once a step, so the units reduce "
-                         f"once a step, as with step")
+            notes.append(
+                f"--zero3-reduce micro-batch under --schedule {cfg.schedule}: its W "
+                f"passes report the weight gradients once a step, so the units reduce "
+                f"once a step, as with step"
+            )
     return notes
 
 
 def _has_w_passes(cfg, m: int) -> bool:
     try:
-        actions = schedule_actions(cfg.schedule, cfg.pp, m, 0,
-                                   chunks_per_rank(cfg.schedule, cfg.virtual_stages))
+        actions = schedule_actions(
+            cfg.schedule, cfg.pp, m, 0, chunks_per_rank(cfg.schedule, cfg.virtual_stages)
+        )
     except ValueError:  # an m the schedule refuses: the caller's checks say so
         return False
     return any(a.kind == "backward_weight" for a in actions)
@@ -326,17 +403,28 @@ def fit_batch_to_data(cfg, samples: int, dp: int, fits=lambda gbs, mbs: True) ->
     given = explicit(cfg)
     if samples >= cfg.global_batch_size or "global_batch_size" in given:
         return None
-    sizes = [cfg.micro_batch_size] if "micro_batch_size" in given else \
-        range(cfg.micro_batch_size, 0, -1)
-    best = max(((samples // (m * dp) * m * dp, m) for m in sizes
-                if samples >= m * dp and fits(samples // (m * dp) * m * dp, m)), default=None)
+    sizes = (
+        [cfg.micro_batch_size]
+        if "micro_batch_size" in given
+        else range(cfg.micro_batch_size, 0, -1)
+    )
+    best = max(
+        (
+            (samples // (m * dp) * m * dp, m)
+            for m in sizes
+            if samples >= m * dp and fits(samples // (m * dp) * m * dp, m)
+        ),
+        default=None,
+    )
     if best is None:
         return None
     (gbs, mbs), was = best, (cfg.global_batch_size, cfg.micro_batch_size)
     cfg.global_batch_size, cfg.micro_batch_size = gbs, mbs
     also = f" and micro-batch size {mbs}" if mbs != was[1] else ""
-    return (f"--global-batch-size not given: using {gbs}{also} (the training split holds "
-            f"{samples} samples of {cfg.seq_len} tokens) instead of {was[0]}")
+    return (
+        f"--global-batch-size not given: using {gbs}{also} (the training split holds "
+        f"{samples} samples of {cfg.seq_len} tokens) instead of {was[0]}"
+    )
 
 
 # --- output locations -------------------------------------------------------------------------
@@ -349,8 +437,9 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
     target = os.path.expanduser(path)
     directory = target if kind == "dir" else (os.path.dirname(os.path.abspath(target)) or ".")
     if kind == "dir" and os.path.exists(target) and not os.path.isdir(target):
-        raise ValueError(f"{flag} {path} is a file, not a directory; choose a directory (or "
-                         f"remove the file)")
+        raise ValueError(
+            f"{flag} {path} is a file, not a directory; choose a directory (or remove the file)"
+        )
     if kind == "file" and os.path.isdir(target):
         raise ValueError(f"{flag} {path} is a directory; give a file name")
     try:
@@ -360,9 +449,11 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
                 pass
     except OSError as exc:
         reason = errno.errorcode.get(exc.errno, "") if exc.errno else ""
-        raise ValueError(f"{flag} {path} is not writable ({exc.strerror or exc}"
-                         f"{' ' + reason if reason else ''}); choose a location you can write "
-                         f"to") from None
+        raise ValueError(
+            f"{flag} {path} is not writable ({exc.strerror or exc}"
+            f"{' ' + reason if reason else ''}); choose a location you can write "
+            f"to"
+        ) from None
 
 
 def check_outputs(cfg) -> None:
@@ -376,8 +467,10 @@ def check_outputs(cfg) -> None:
     if cfg.profile_steps:  # without --profile-steps nothing is written there
         check_writable(cfg.profile_dir, "--profile-dir")
     if cfg.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise UsageError("--wandb-project needs wandb, which is not installed: pip install "
-                         "'megapar[wandb]' (or wandb), or log with --tensorboard / --log-json")
+        raise UsageError(
+            "--wandb-project needs wandb, which is not installed: pip install "
+            "'megapar[wandb]' (or wandb), or log with --tensorboard / --log-json"
+        )
 
     if any(p is None or is_raw_text(os.path.expanduser(p)) for p in data_paths(cfg.data)):
         check_writable(cfg.data_cache, "--data-cache")  # raw text is tokenized into it

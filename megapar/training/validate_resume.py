@@ -26,12 +26,15 @@ def check_load_path(cfg) -> None:
     path = os.path.expanduser(cfg.load)
     if os.path.isfile(path):
         parent = os.path.dirname(cfg.load.rstrip("/")) or "."
-        raise UsageError(f"--load {cfg.load} is a file; give the checkpoint directory (e.g. its "
-                         f"parent {parent})")
+        raise UsageError(
+            f"--load {cfg.load} is a file; give the checkpoint directory (e.g. its parent {parent})"
+        )
     if os.path.exists(path):
         if os.path.isfile(os.path.join(path, "config.json")) and not has_checkpoint(path):
-            raise UsageError(f"--load {cfg.load} holds a Hugging Face model (config.json), not a "
-                             f"megapar checkpoint; start from it with --from-hf {cfg.load}")
+            raise UsageError(
+                f"--load {cfg.load} holds a Hugging Face model (config.json), not a "
+                f"megapar checkpoint; start from it with --from-hf {cfg.load}"
+            )
         foreign = foreign_checkpoint(path)
         if foreign is not None:  # another format: never a fresh start beside it
             raise UsageError(f"--load {cfg.load} {foreign}")
@@ -40,24 +43,36 @@ def check_load_path(cfg) -> None:
     blocker = root
     while blocker and not os.path.exists(blocker):
         blocker = os.path.dirname(blocker)
-    if blocker and not os.path.isdir(blocker):   # a missing dir under a file: never a checkpoint
-        raise UsageError(f"--load {cfg.load}: {blocker} is a file, so no checkpoint can be "
-                         f"there; give the directory --save writes to")
+    if blocker and not os.path.isdir(blocker):  # a missing dir under a file: never a checkpoint
+        raise UsageError(
+            f"--load {cfg.load}: {blocker} is a file, so no checkpoint can be "
+            f"there; give the directory --save writes to"
+        )
     try:
         names = os.listdir(root)
     except OSError:  # no such parent (or unreadable): nothing to name
         names = []
-    steps = sorted(n for n in names
-                   if _STEP_DIR.fullmatch(n) and os.path.exists(os.path.join(root, n, MANIFEST)))
+    steps = sorted(
+        n
+        for n in names
+        if _STEP_DIR.fullmatch(n) and os.path.exists(os.path.join(root, n, MANIFEST))
+    )
     if not steps and _STEP_DIR.fullmatch(os.path.basename(os.path.abspath(path))):
-        raise UsageError(f"--load {cfg.load}: no such checkpoint step, and {root} holds no "
-                         f"step_* checkpoints; pass a directory written by --save (or one of "
-                         f"its step_* directories)")
+        raise UsageError(
+            f"--load {cfg.load}: no such checkpoint step, and {root} holds no "
+            f"step_* checkpoints; pass a directory written by --save (or one of "
+            f"its step_* directories)"
+        )
     if steps:
-        shown = ", ".join(steps) if len(steps) <= 6 else \
-            f"{len(steps)} steps, {steps[0]} ... {', '.join(steps[-3:])}"
-        raise UsageError(f"--load {cfg.load}: no such checkpoint; {root} holds {shown}; "
-                         f"pass one of them, or {root} for the latest")
+        shown = (
+            ", ".join(steps)
+            if len(steps) <= 6
+            else f"{len(steps)} steps, {steps[0]} ... {', '.join(steps[-3:])}"
+        )
+        raise UsageError(
+            f"--load {cfg.load}: no such checkpoint; {root} holds {shown}; "
+            f"pass one of them, or {root} for the latest"
+        )
 
 
 def check_newer_steps(cfg, manifest: dict | None) -> None:
@@ -75,20 +90,27 @@ def check_newer_steps(cfg, manifest: dict | None) -> None:
     if not newer:
         return
     shown = ", ".join(newer) if len(newer) <= 4 else f"{newer[0]} ... {newer[-1]} ({len(newer)})"
-    where = (f"newer than step {start}, where --load {cfg.load} resumes" if manifest is not None
-             else "of an earlier run, and this run starts from scratch")
+    where = (
+        f"newer than step {start}, where --load {cfg.load} resumes"
+        if manifest is not None
+        else "of an earlier run, and this run starts from scratch"
+    )
     resume = "" if manifest is not None else f"resume it with --load {cfg.save}, "
-    raise UsageError(f"--save {cfg.save} holds {shown}, {where}: this run's saves would replace "
-                     f"or mix with them; {resume}give another --save, or pass --overwrite-newer "
-                     f"to replace them")
+    raise UsageError(
+        f"--save {cfg.save} holds {shown}, {where}: this run's saves would replace "
+        f"or mix with them; {resume}give another --save, or pass --overwrite-newer "
+        f"to replace them"
+    )
 
 
 def checkpoint_manifest(path: str) -> dict:
     """The manifest of a --load checkpoint after checking every file it lists (size, sha256)."""
 
     if not os.path.exists(os.path.expanduser(path)):
-        raise UsageError(f"--load {path}: no such checkpoint directory; pass a directory written by --save "
-                         f"(or one of its step_* directories)")
+        raise UsageError(
+            f"--load {path}: no such checkpoint directory; pass a directory written by --save "
+            f"(or one of its step_* directories)"
+        )
     try:
         return verify(os.path.expanduser(path))
     except (CheckpointError, KeyError, OSError) as exc:
@@ -97,20 +119,61 @@ def checkpoint_manifest(path: str) -> dict:
 
 NOT_INHERITED = {
     # the layout and how it runs (any layout resumes any checkpoint, with the same numbers)
-    "tp", "cp", "pp", "dp", "oversubscribe", "rank_order", "schedule", "virtual_stages",
-    "sequence_parallel", "recompute", "zero", "offload_optimizer", "offload_params",
-    "zero3_keep_params", "zero3_persistence_threshold", "zero3_reduce",
-    "grad_bucket_mb", "p2p_dtype", "grad_reduce_dtype",
+    "tp",
+    "cp",
+    "pp",
+    "dp",
+    "oversubscribe",
+    "rank_order",
+    "schedule",
+    "virtual_stages",
+    "sequence_parallel",
+    "recompute",
+    "zero",
+    "offload_optimizer",
+    "offload_params",
+    "zero3_keep_params",
+    "zero3_persistence_threshold",
+    "zero3_reduce",
+    "grad_bucket_mb",
+    "p2p_dtype",
+    "grad_reduce_dtype",
     # where things go and how the run is watched or stopped
-    "model", "from_hf", "load", "load_strict", "allow_data_change", "save", "async_save",
-    "overwrite_newer", "data_cache",
-    "log_json", "tensorboard",
-    "wandb_project", "progress", "debug", "timeout_s", "nccl_timeout_s", "peak_tflops",
+    "model",
+    "from_hf",
+    "load",
+    "load_strict",
+    "allow_data_change",
+    "save",
+    "async_save",
+    "overwrite_newer",
+    "data_cache",
+    "log_json",
+    "tensorboard",
+    "wandb_project",
+    "progress",
+    "debug",
+    "timeout_s",
+    "nccl_timeout_s",
+    "peak_tflops",
     "profile_steps",
-    "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval", "straggler_factor",
-    "inject_slow", "inject_corrupt", "record_step", "replay", "replay_against",
+    "profile_dir",
+    "exit_signals",
+    "exit_duration_mins",
+    "exit_interval",
+    "straggler_factor",
+    "inject_slow",
+    "inject_corrupt",
+    "record_step",
+    "replay",
+    "replay_against",
     # a rehearsal
-    "dry_run", "world_size", "gpus_per_node", "dry_run_ranks", "json"}
+    "dry_run",
+    "world_size",
+    "gpus_per_node",
+    "dry_run_ranks",
+    "json",
+}
 """Settings a --load run never takes from the checkpoint's saved train_config."""
 
 
@@ -128,8 +191,10 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
         value = saved[name]
         if name == "data" and value is not None and not _data_exists(value):
             shown = value if isinstance(value, str) else " ".join(map(str, value))
-            raise UsageError(f"--load {cfg.load} was trained on --data {shown}, which is not "
-                             f"found from here; pass --data with where that data is now")
+            raise UsageError(
+                f"--load {cfg.load} was trained on --data {shown}, which is not "
+                f"found from here; pass --data with where that data is now"
+            )
         if value != getattr(cfg, name):
             setattr(cfg, name, value)
             taken.append(f"{flag_of(name)} {value}")
@@ -149,6 +214,7 @@ def named(cfg, name: str, value=None) -> str:
         return f"{flag_of(name)} {shown} (not given: the value --load {cfg.load} recorded)"
     return f"{flag_of(name)} {shown}"
 
+
 def _data_exists(data) -> bool:
     """Whether every path of a saved --data (one path, or a blend's WEIGHT PATH list) exists."""
 
@@ -156,9 +222,14 @@ def _data_exists(data) -> bool:
         paths = data_paths(data)
     except ValueError:
         return False
-    return all(p is not None and (os.path.exists(os.path.expanduser(str(p))) or
-                                  os.path.exists(os.path.expanduser(str(p)) + ".idx"))
-               for p in paths)
+    return all(
+        p is not None
+        and (
+            os.path.exists(os.path.expanduser(str(p)))
+            or os.path.exists(os.path.expanduser(str(p)) + ".idx")
+        )
+        for p in paths
+    )
 
 
 def check_resumable(cfg, manifest: dict, train_len: int) -> None:
@@ -166,18 +237,26 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
     --allow-data-change: the order then starts anew), global batch and seed as when it was
     saved."""
     state = (manifest.get("meta") or {}).get("sampler") or {}
-    ours = {"dataset_len": train_len, "global_batch_size": cfg.global_batch_size,
-            "seed": cfg.seed}
-    diff = [k for k in ours if k in state and state[k] != ours[k]
-            and not (k == "dataset_len" and cfg.allow_data_change)]
+    ours = {"dataset_len": train_len, "global_batch_size": cfg.global_batch_size, "seed": cfg.seed}
+    diff = [
+        k
+        for k in ours
+        if k in state and state[k] != ours[k] and not (k == "dataset_len" and cfg.allow_data_change)
+    ]
     if diff:
         shown = ", ".join(f"{k} {state[k]} (checkpoint) vs {ours[k]}" for k in diff)
-        other = (", or pass --allow-data-change to continue on this data on purpose (its data "
-                 "order starts anew)" if "dataset_len" in diff else "")
-        raise UsageError(f"--load {cfg.load} cannot continue its data order: {shown}; resume "
-                         f"with the --data, --seq-len, --val-fraction, --global-batch-size and "
-                         f"--seed it was saved with (left out, they are the checkpoint's)"
-                         f"{other}")
+        other = (
+            ", or pass --allow-data-change to continue on this data on purpose (its data "
+            "order starts anew)"
+            if "dataset_len" in diff
+            else ""
+        )
+        raise UsageError(
+            f"--load {cfg.load} cannot continue its data order: {shown}; resume "
+            f"with the --data, --seq-len, --val-fraction, --global-batch-size and "
+            f"--seed it was saved with (left out, they are the checkpoint's)"
+            f"{other}"
+        )
 
 
 def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None:
@@ -189,13 +268,16 @@ def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None
     if not saved or fingerprints is None or saved == fingerprints or cfg.allow_data_change:
         return
     paths = [p if p is not None else "(the shipped sample)" for p in data_paths(cfg.data)]
-    changed = [str(p) for p, a, b in zip(paths, saved, fingerprints) if a != b] or \
-        [str(p) for p in paths]
+    changed = [str(p) for p, a, b in zip(paths, saved, fingerprints) if a != b] or [
+        str(p) for p in paths
+    ]
     shown = " ".join(str(p) for p in paths)
-    raise UsageError(f"--load {cfg.load} trained on other tokens than --data {shown} holds now: "
-                     f"the content of {', '.join(changed)} changed since the checkpoint was "
-                     f"saved (its fingerprint differs); resume with the data it trained on, or "
-                     f"pass --allow-data-change to continue on this data on purpose")
+    raise UsageError(
+        f"--load {cfg.load} trained on other tokens than --data {shown} holds now: "
+        f"the content of {', '.join(changed)} changed since the checkpoint was "
+        f"saved (its fingerprint differs); resume with the data it trained on, or "
+        f"pass --allow-data-change to continue on this data on purpose"
+    )
 
 
 def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: str = ""):
@@ -207,18 +289,27 @@ def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: st
         ours, theirs = given_config.to_dict(), config.to_dict()
         named = f"--model {cfg.model}" if given_from == "recipe" else given_from or "given"
         if ours.get("model_type") != theirs.get("model_type"):
-            raise UsageError(f"--load {cfg.load} holds a {theirs.get('model_type')} model and "
-                             f"{named} is a {ours.get('model_type')}; with --load the model "
-                             f"comes from the checkpoint, drop {named.split()[0]}")
+            raise UsageError(
+                f"--load {cfg.load} holds a {theirs.get('model_type')} model and "
+                f"{named} is a {ours.get('model_type')}; with --load the model "
+                f"comes from the checkpoint, drop {named.split()[0]}"
+            )
         skip = set(NON_STRUCTURAL) | ({"vocab_size"} if given_from == "recipe" else set())
-        diff = sorted(k for k in set(ours) | set(theirs)
-                      if k not in skip and ours.get(k) != theirs.get(k))
+        diff = sorted(
+            k for k in set(ours) | set(theirs) if k not in skip and ours.get(k) != theirs.get(k)
+        )
         if diff:
-            shown = ", ".join(f"{k}={theirs.get(k)!r} (checkpoint) vs {ours.get(k)!r}" for k in diff)
-            raise UsageError(f"--load {cfg.load} holds another model than {named}: "
-                             f"{shown}; with --load the model comes from the checkpoint, drop "
-                             f"--model / --from-hf")
+            shown = ", ".join(
+                f"{k}={theirs.get(k)!r} (checkpoint) vs {ours.get(k)!r}" for k in diff
+            )
+            raise UsageError(
+                f"--load {cfg.load} holds another model than {named}: "
+                f"{shown}; with --load the model comes from the checkpoint, drop "
+                f"--model / --from-hf"
+            )
     if cfg.max_steps <= int(manifest.get("step", 0)):
-        raise UsageError(f"--load {cfg.load} is at step {manifest.get('step')} and --max-steps "
-                         f"is {cfg.max_steps}: nothing left to train; raise --max-steps")
+        raise UsageError(
+            f"--load {cfg.load} is at step {manifest.get('step')} and --max-steps "
+            f"is {cfg.max_steps}: nothing left to train; raise --max-steps"
+        )
     return config

@@ -42,25 +42,33 @@ def check_eval_args(args) -> dict:
     if args.data and args.seq_len is None:  # the checkpoint's, as megapar-train --load takes it
         args.seq_len = ((manifest.get("meta") or {}).get("train_config") or {}).get("seq_len")
         if args.seq_len is None:
-            raise UsageError(f"--data needs --seq-len: --load {args.load} records no sequence "
-                             f"length (it was not trained by megapar-train); give --seq-len N")
+            raise UsageError(
+                f"--data needs --seq-len: --load {args.load} records no sequence "
+                f"length (it was not trained by megapar-train); give --seq-len N"
+            )
     if args.seq_len and args.seq_len > positions:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
-                         f"lower --seq-len")
+        raise UsageError(
+            f"--seq-len {args.seq_len} exceeds the model's {positions} positions; lower --seq-len"
+        )
     if args.data:
-        missing = [f[len(args.data):] for f in missing_files(args.data)]
+        missing = [f[len(args.data) :] for f in missing_files(args.data)]
         if missing:
-            raise UsageError(f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
-                             f"written by megapar-data --output-prefix (or a Megatron-LM "
-                             f"dataset's, with --tokenizer)")
+            raise UsageError(
+                f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
+                f"written by megapar-data --output-prefix (or a Megatron-LM "
+                f"dataset's, with --tokenizer)"
+            )
         indexed = IndexedDataset(args.data, args.tokenizer)
-        check_checkpoint_tokenizer(args.load, manifest, load_tokenizer(indexed.tokenizer_spec),
-                                   args.data)
+        check_checkpoint_tokenizer(
+            args.load, manifest, load_tokenizer(indexed.tokenizer_spec), args.data
+        )
         windows = (indexed.num_tokens - 1) // args.seq_len
         if config.model_type in CAUSAL_LM_TYPES and windows < args.micro_batch_size:
-            raise UsageError(f"--data {args.data} has {windows} windows of {args.seq_len + 1} "
-                             f"tokens, fewer than one batch of --micro-batch-size "
-                             f"{args.micro_batch_size}; lower --seq-len or --micro-batch-size")
+            raise UsageError(
+                f"--data {args.data} has {windows} windows of {args.seq_len + 1} "
+                f"tokens, fewer than one batch of --micro-batch-size "
+                f"{args.micro_batch_size}; lower --seq-len or --micro-batch-size"
+            )
     if args.input_ids:
         _check_ids_file(args.input_ids, positions)
     return manifest
@@ -74,14 +82,19 @@ def _check_ids_file(path: str, positions: int) -> None:
     except (ValueError, OSError) as exc:
         raise UsageError(f"--input-ids {path}: not a .npy array of token ids ({exc})") from None
     if not np.issubdtype(ids.dtype, np.integer):
-        raise UsageError(f"--input-ids {path} holds {ids.dtype} values; token ids must be "
-                         f"integers (e.g. np.save(path, ids.astype(np.int64)))")
+        raise UsageError(
+            f"--input-ids {path} holds {ids.dtype} values; token ids must be "
+            f"integers (e.g. np.save(path, ids.astype(np.int64)))"
+        )
     if ids.ndim != 2 or 0 in ids.shape:
-        raise UsageError(f"--input-ids must be a non-empty [batch, seq] array, got shape "
-                         f"{tuple(ids.shape)}")
+        raise UsageError(
+            f"--input-ids must be a non-empty [batch, seq] array, got shape {tuple(ids.shape)}"
+        )
     if ids.shape[1] > positions:
-        raise UsageError(f"--input-ids has sequences of {ids.shape[1]} tokens, more than the "
-                         f"model's {positions} positions; shorten them")
+        raise UsageError(
+            f"--input-ids has sequences of {ids.shape[1]} tokens, more than the "
+            f"model's {positions} positions; shorten them"
+        )
 
 
 # --- megapar-bubble --------------------------------------------------------------------------
@@ -93,31 +106,46 @@ MAX_SIMULATED_STAGES = 256
 
 
 def check_bubble_args(args) -> None:
-    for name in ("pp", "microbatches", "tp", "cp", "steps", "micro_batch_size", "seq_len",
-                 "virtual_stages"):
+    for name in (
+        "pp",
+        "microbatches",
+        "tp",
+        "cp",
+        "steps",
+        "micro_batch_size",
+        "seq_len",
+        "virtual_stages",
+    ):
         value = getattr(args, name)
         if value < 1:
             raise UsageError(f"{flag_of(name)} {value} is invalid: it must be >= 1")
     for name in ("fwd_ms", "bwd_ms", "p2p_ms", "bwd_input_ms", "bwd_weight_ms"):
         value = getattr(args, name)
-        positive = name in ("fwd_ms", "bwd_ms")   # a split backward part may cost nothing
-        if value is not None and not (math.isfinite(value) and value >= (1e-300 if positive
-                                                                          else 0.0)):
+        positive = name in ("fwd_ms", "bwd_ms")  # a split backward part may cost nothing
+        if value is not None and not (
+            math.isfinite(value) and value >= (1e-300 if positive else 0.0)
+        ):
             need = "> 0" if positive else ">= 0"
-            raise UsageError(f"{flag_of(name)} {value} is invalid: a cost must be a finite "
-                             f"number of milliseconds {need}")
+            raise UsageError(
+                f"{flag_of(name)} {value} is invalid: a cost must be a finite "
+                f"number of milliseconds {need}"
+            )
     actions = 2 * args.pp * args.microbatches * max(1, args.virtual_stages)
     if actions > MAX_SIMULATED_ACTIONS or args.simulate and args.pp > MAX_SIMULATED_STAGES:
-        bubble = (args.pp - 1) / (args.microbatches * max(1, args.virtual_stages)
-                                  + args.pp - 1)
+        bubble = (args.pp - 1) / (args.microbatches * max(1, args.virtual_stages) + args.pp - 1)
         v = f" x --virtual-stages {args.virtual_stages}" if args.virtual_stages > 1 else ""
-        raise UsageError(f"--pp {args.pp} x --microbatches {args.microbatches}{v} is "
-                         f"{actions:,} actions on {args.pp} stages, more than megapar-bubble "
-                         f"measures or simulates in seconds ({MAX_SIMULATED_ACTIONS:,} actions, "
-                         f"{MAX_SIMULATED_STAGES} stages); the bubble (p-1)/(vm+p-1) = "
-                         f"{bubble:.4f} needs no run at this size")
-    if not (args.simulate and args.fwd_ms is not None) and not args.show_schedule \
-            and not args.oversubscribe:  # real processes: one per stage, tp and cp rank
+        raise UsageError(
+            f"--pp {args.pp} x --microbatches {args.microbatches}{v} is "
+            f"{actions:,} actions on {args.pp} stages, more than megapar-bubble "
+            f"measures or simulates in seconds ({MAX_SIMULATED_ACTIONS:,} actions, "
+            f"{MAX_SIMULATED_STAGES} stages); the bubble (p-1)/(vm+p-1) = "
+            f"{bubble:.4f} needs no run at this size"
+        )
+    if (
+        not (args.simulate and args.fwd_ms is not None)
+        and not args.show_schedule
+        and not args.oversubscribe
+    ):  # real processes: one per stage, tp and cp rank
         cp = f" x --cp {args.cp}" if args.cp > 1 else ""
         check_local_workers(args.pp * args.tp * args.cp, f"--pp {args.pp} x --tp {args.tp}{cp}")
     if args.simulate and args.fwd_ms is not None:
@@ -135,5 +163,6 @@ def check_bubble_args(args) -> None:
     check_cp_seq_len(args.seq_len, Layout(args.tp, args.pp, 1, cp=args.cp))
     positions = config.max_positions
     if args.seq_len > positions:
-        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {positions} positions; "
-                         f"lower --seq-len")
+        raise UsageError(
+            f"--seq-len {args.seq_len} exceeds the model's {positions} positions; lower --seq-len"
+        )
