@@ -1,4 +1,5 @@
-"""megapar: 3D-parallel (tensor / pipeline / data) transformer training that gives the same numbers in any layout.
+"""megapar: 3D-parallel (tensor / pipeline / data) transformer training that gives the same numbers
+in any layout.
 
 The public API (imported lazily, so `import megapar` stays cheap):
 

@@ -146,8 +146,8 @@ def share_host_arena() -> bool:
     `keep_freed_host_memory` neither arena returns memory, so their high-water marks add up at
     the OS peak (docs/performance.md, "ZeRO stages at the peak the OS sees"). Call it before any
     other thread allocates (megapar-train's main, the launcher's worker, `Engine`): glibc
-    settles its arena limit, and threads their arenas, at their first allocations. Does nothing off glibc or with
-    MEGAPAR_HOST_MALLOC=system. Returns whether it applied."""
+    settles its arena limit, and threads their arenas, at their first allocations. Does nothing off
+    glibc or with MEGAPAR_HOST_MALLOC=system. Returns whether it applied."""
     if os.environ.get("MEGAPAR_HOST_MALLOC", "") == "system" or not sys.platform.startswith(
         "linux"
     ):

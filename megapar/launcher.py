@@ -156,9 +156,10 @@ def run_local(
     is a `megapar.device.DeviceError` before any worker starts.
 
     The process group is initialised before `fn` runs (RANK / WORLD_SIZE are in the
-    environment). Raises `WorkerError` naming the rank that caused the failure (`megapar.faults.blame`), or a
-    `TimeoutError` naming the ranks that had not finished after `timeout_s`. The signals named
-    in `forward` are passed on to the workers; a second SIGINT aborts.
+    environment). Raises `WorkerError` naming the rank that caused the failure
+    (`megapar.faults.blame`), or a `TimeoutError` naming the ranks that had not finished after
+    `timeout_s`. The signals named in `forward` are passed on to the workers; a second SIGINT
+    aborts.
     """
     on_cpu = (env or {}).get("MEGAPAR_CPU", os.environ.get("MEGAPAR_CPU", "0")) == "1"
     if not on_cpu:
@@ -173,7 +174,7 @@ def run_local(
     stacks = tempfile.mkdtemp(prefix=f"{STACKS_PREFIX}{os.getpid()}-")
     statuses = [ctx.RawArray("c", 256) for _ in range(world_size)]
     procs = [
-        ctx.Process(
+        ctx.Process(  # type: ignore[attr-defined]  # typeshed's BaseContext lacks Process
             target=_worker,
             daemon=True,
             args=(

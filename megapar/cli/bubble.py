@@ -33,6 +33,7 @@ from megapar.pipeline.actions import format_schedule
 from megapar.pipeline.placement import chunks_per_rank
 from megapar.pipeline.schedules import SCHEDULES, check_schedule
 from megapar.pipeline.timeline import (
+    Timeline,
     format_bubble_table,
     plot_gantt,
     write_chrome_trace,
@@ -420,6 +421,7 @@ def main(argv=None) -> int:
         )
     for out in filter(None, (args.trace, args.plot)):  # checked writable; created when written
         os.makedirs(os.path.dirname(os.path.abspath(os.path.expanduser(out))), exist_ok=True)
+    assert isinstance(run.timeline, Timeline)  # a measured or simulated step's
     if args.trace:
         write_chrome_trace(run.timeline, args.trace)
         print(f"wrote {args.trace}")

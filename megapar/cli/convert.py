@@ -16,12 +16,12 @@ SRC may be a checkpoint root (its ``latest`` is followed) or a step directory; D
 checkpoint root. Sources are verified (sizes and sha256) first. Outputs are built in a hidden
 temporary directory and renamed at the end: on any error DST is left as it was. An existing
 DST is refused unless --overwrite, and the --save root of a live run always. A target --tp or
---pp not given keeps the source's (1 with --from-hf). --to-hf DIR writes config.json + model.safetensors and the
-tokenizer the checkpoint trained with (tokenizer.json + tokenizer_config.json, checked to
-encode as megapar does, truncating at the model's positions; --tokenizer to say where it is
-now, --allow-other-tokenizer to export another on purpose) into DIR as transformers'
-save_pretrained does, the config's special token ids the tokenizer's, in the dtype of the
-Hugging Face model it came from (else float32; --dtype to choose); a GPT-2 or Llama gets a
+--pp not given keeps the source's (1 with --from-hf). --to-hf DIR writes config.json +
+model.safetensors and the tokenizer the checkpoint trained with (tokenizer.json +
+tokenizer_config.json, checked to encode as megapar does, truncating at the model's positions;
+--tokenizer to say where it is now, --allow-other-tokenizer to export another on purpose) into DIR
+as transformers' save_pretrained does, the config's special token ids the tokenizer's, in the dtype
+of the Hugging Face model it came from (else float32; --dtype to choose); a GPT-2 or Llama gets a
 generation_config.json too (the one of the model it was imported from, else one made from its
 config); other files there are kept, an earlier export is replaced only with --overwrite.
 --from-dcp / --to-dcp move a Llama's weights between megapar and torchtitan's DCP checkpoints

@@ -100,6 +100,7 @@ def _remove_newer_steps(cfg: TrainConfig) -> list[str]:
     start = (
         int(read_manifest(cfg.load).get("step", 0)) if cfg.load and has_checkpoint(cfg.load) else 0
     )
+    assert cfg.save is not None  # the caller runs this under the lock of --save
     removed = remove_steps_after(cfg.save, start)
     if not removed:
         return []

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ class HeldStorages:
     """Distinct storages held for backward: refcounted by the saved-tensor references, plus the
     live inputs of checkpointed regions."""
 
-    def __init__(self, params):
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self.params = {p.untyped_storage()._cdata for p in params}
         self.live: dict[int, list[int]] = {}  # storage -> [references, nbytes]
         self.region_inputs: list[weakref.ref] = []

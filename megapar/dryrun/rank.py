@@ -489,9 +489,10 @@ def _planned_state(cfg, config, mesh: Mesh):
 def _modelled_state(
     cfg, config, mesh: Mesh, comm: dict, m: int, notes: list[str]
 ) -> tuple[dict, int, int]:
-    """(`held_bytes`' figures, gathered bytes, full gradient buffers' bytes) of a ZeRO stage this megapar-train lacks, from
-    the planner's model (`megapar.plan.state.rank_state`, this rank's slices), and its dp
-    traffic (`megapar.plan.sharding.dp_traffic`) put in `comm` in place of ZeRO-1's."""
+    """(`held_bytes`' figures, gathered bytes, full gradient buffers' bytes) of a ZeRO stage this
+    megapar-train lacks, from the planner's model (`megapar.plan.state.rank_state`, this rank's
+    slices), and its dp traffic (`megapar.plan.sharding.dp_traffic`) put in `comm` in place of
+    ZeRO-1's."""
     layout, r = mesh.layout, mesh.layout.dp * mesh.layout.cp
     v, placement = chunks_per_rank(cfg.schedule, cfg.virtual_stages), placement_of(cfg.schedule)
     keep = cfg.zero3_keep_params

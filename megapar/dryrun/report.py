@@ -154,6 +154,7 @@ def footer(seconds: float, ranks: int) -> str:
         f"reduce, gather or send (an all-gather's output, a reduce-scatter's input)\n"
         f"not run: {NOT_RUN}\nactivations are modelled (megapar-plan's activation model at "
         f"the schedule's in-flight peak, with a fused attention kernel's log-sum-exp and no "
-        f"a*s^2 scores, as on GPUs and in megapar-plan by default); every other figure is the real code's tensors and "
-        f"collectives\nrehearsed {ranks} rank{'s' if ranks > 1 else ''} in {seconds:.1f} s"
+        f"a*s^2 scores, as on GPUs and in megapar-plan by default); every other figure is the "
+        f"real code's tensors and collectives\n"
+        f"rehearsed {ranks} rank{'s' if ranks > 1 else ''} in {seconds:.1f} s"
     )

@@ -4,8 +4,8 @@ By default a sample that covers every role a rank can have: every pipeline stage
 other layers, the first the embedding, the last the head), every tp rank (its vocabulary slice,
 its kv heads), and the dp ranks whose state differs: dp rank 0 (it writes the checkpoint files;
 its ZeRO slices start where the buckets start), the last (its slices hold the buckets'
-padding) and, under ZeRO (any stage), one in the middle (slices that start inside parameters). Each stage
-is rehearsed with dp rank 0, the rank that writes the stage's file (tp ranks cycling over the
+padding) and, under ZeRO (any stage), one in the middle (slices that start inside parameters). Each
+stage is rehearsed with dp rank 0, the rank that writes the stage's file (tp ranks cycling over the
 stages, and any left over on further dp-rank-0 ranks); the other dp roles follow on the stages
 and tp ranks in turn. With context parallelism all of it is at cp rank 0 (the one that writes
 checkpoints), plus one rank at the last cp rank (its other half of every sequence).

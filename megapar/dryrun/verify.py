@@ -107,9 +107,9 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
                 [
                     out.note,
                     (
-                        f"--zero {c.zero} as planned is not served by this megapar-train: the dry run's "
-                        f"state is the plan's model (equal by construction), its tp / cp / pp and "
-                        f"checkpoint rehearsed"
+                        f"--zero {c.zero} as planned is not served by this megapar-train: "
+                        f"the dry run's state is the plan's model (equal by construction), its "
+                        f"tp / cp / pp and checkpoint rehearsed"
                     ),
                 ],
             )

@@ -4,8 +4,8 @@
 of `world_size` (the real group construction runs: `Mesh` builds its DeviceMesh and every
 subgroup, but no collective communicates: each completes at once and leaves its tensors alone)
 and tears it down after; `fake_tensors()` is a `FakeTensorMode` (every tensor made inside has a
-shape, a dtype and a CPU device but no memory, and every operator runs its shape rule only). Nothing lives in a
-module global: each rank of a dry run gets its own group, one after the other.
+shape, a dtype and a CPU device but no memory, and every operator runs its shape rule only). Nothing
+lives in a module global: each rank of a dry run gets its own group, one after the other.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ forward pre-hook), so the ranks that need its results (the other stages, its tp 
 the other dp ranks at the gradient reduction) wait for it. On the CPU the hook keeps the CPU
 busy for that much of its own time (a slower CPU device; on a shared host the wall time is
 longer); on CUDA it queues a kernel that spins for that long (`torch.cuda._sleep`, its cycles
-per millisecond measured once), so the GPU, not the host, is what is slow. Evaluation forwards (the model in
-eval mode) are not slowed.
+per millisecond measured once), so the GPU, not the host, is what is slow. Evaluation forwards (the
+model in eval mode) are not slowed.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Each rank records its current step and action (`set_step`, `set_action`: the pip
 with its micro-batch and peer, or the collective it is in) in a small buffer shared with the
 launcher. When one rank fails (typically a collective / point-to-point timeout, whose message
 names the rank it waited for), the launcher (`megapar.launcher.run_local`) sends every other
-rank SIGUSR2 (SIGUSR1 and SIGTERM are clean-stop signals of megapar-train), which makes Python's `faulthandler` write that rank's stack of every thread to
-its stack file *immediately*, even while it is blocked in C++ (a gloo wait); the launcher then
-appends "rank R: step S, <action>" and the stack of every rank to the error it raises.
+rank SIGUSR2 (SIGUSR1 and SIGTERM are clean-stop signals of megapar-train), which makes Python's
+`faulthandler` write that rank's stack of every thread to its stack file *immediately*, even while
+it is blocked in C++ (a gloo wait); the launcher then appends "rank R: step S, <action>" and the
+stack of every rank to the error it raises.
 
 Under torchrun / Slurm (no launcher of ours) each rank writes its stacks when SIGTERM comes,
 which torchrun sends to the surviving ranks when one fails: as one block on stderr (or torchrun
@@ -140,7 +141,7 @@ def diagnose(procs, statuses, stacks: str, settle_s: float = 0.5) -> str:
             pass
     time.sleep(settle_s if alive else 0.0)  # faulthandler writes at once; let the files settle
     lines = ["what every rank was doing when the run failed (status; stack of running ranks):"]
-    for r, p in enumerate(procs):
+    for r, _p in enumerate(procs):
         state = statuses[r].value.decode(errors="replace") or "not started"
         lines.append(f"--- rank {r}: {state}" + ("" if r in alive else " [exited]"))
         path = os.path.join(stacks, f"rank{r}.txt")

@@ -126,6 +126,7 @@ class Bert(StageModel):
         self.layers = self._build_layers(layers, lambda: BertLayer(config, mesh, self.tracker))
         self.head = BertMLMHead(config, mesh) if post_process else None
         if post_process and not pre_process:
+            assert self.head is not None  # built where post_process
             self.head.weight = self.tied_copy()
         self._end()
 
@@ -146,11 +147,14 @@ class Bert(StageModel):
         if self.pre_process:
             ids, types = batch["input_ids"], batch.get("token_type_ids")
             types = self._local_tokens(torch.zeros_like(ids) if types is None else types)
+            assert self.embed is not None  # built where pre_process
             hidden = self.embed(self._cp_tokens(ids), self._positions(ids), types)
+        assert hidden is not None  # later stages: the previous stage's output
         mask = batch.get("attention_mask")  # of the whole sequence (cp: every rank's keys)
         if mask is not None:
             mask = mask.bool()
         hidden = run_layers(self.layers, hidden, mask, self.recompute, self.tracker)
         if not self.post_process:
             return hidden
+        assert self.head is not None  # built where post_process
         return self._head(self.head.features(hidden), self.word_embeddings, batch, self.head.bias)

@@ -84,7 +84,9 @@ class GPT2(StageModel):
     ):
         super().__init__()
         layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
-        self.embed = GPT2Embedding(config, mesh, self.tracker) if pre_process else None
+        self.embed: GPT2Embedding | None = (
+            GPT2Embedding(config, mesh, self.tracker) if pre_process else None
+        )
         self.layers = self._build_layers(layers, lambda: GPT2Block(config, mesh, self.tracker))
         if post_process:
             self.final_norm = layer_norm(config.n_embd, config.layer_norm_epsilon, mesh.device)
@@ -110,8 +112,10 @@ class GPT2(StageModel):
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.pre_process:
+            assert self.embed is not None  # built where pre_process
             ids = batch["input_ids"]
             hidden = self.embed(self._cp_tokens(ids), self._positions(ids))
+        assert hidden is not None  # later stages: the previous stage's output
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
         if not self.post_process:
             return hidden

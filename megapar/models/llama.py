@@ -302,6 +302,7 @@ class Llama(StageModel):
         super().__init__()
         layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
         rotary = Rotary(config, mesh.cp, mesh.cp_rank, mesh.device)
+        self.embed: nn.Module | None
         if pre_process:
             self.embed = nn.Module()
             self.embed.word = VocabParallelEmbedding(
@@ -335,7 +336,8 @@ class Llama(StageModel):
     @property
     def output_weights(self) -> nn.Parameter:
         """The LM head's weight (this rank's vocab rows)."""
-        return self.word_embeddings if self.tied else self.head.weight
+        # `head` is a plain nn.Module, whose __getattr__ torch types Tensor | Module
+        return self.word_embeddings if self.tied else self.head.weight  # type: ignore[return-value]
 
     def init_weights(self, seed: int) -> None:
         """Layout-independent init, as transformers initialises LlamaForCausalLM."""
@@ -350,7 +352,11 @@ class Llama(StageModel):
 
     def forward(self, hidden: torch.Tensor | None, batch: dict) -> torch.Tensor:
         if self.pre_process:
-            hidden = self.embed.word(self._cp_tokens(batch["input_ids"]))  # SP: its slice
+            assert self.embed is not None  # built where pre_process
+            # SP: its slice (`embed` is a plain nn.Module, whose __getattr__ torch types Tensor |
+            # Module)
+            hidden = self.embed.word(self._cp_tokens(batch["input_ids"]))  # type: ignore[operator]
+        assert hidden is not None  # later stages: the previous stage's output
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
         if not self.post_process:
             return hidden

@@ -14,7 +14,8 @@ from megapar.models.config import ConfigError, config_from_file
 
 
 def recipe_dirs() -> list[Path]:
-    """Where recipes live: the source tree's models/ (editable installs), then the installed copy."""
+    """Where recipes live: the source tree's models/ (editable installs), then the installed
+    copy."""
     here = Path(__file__).resolve().parents[2] / "models"
     return [d for d in (here, Path(sys.prefix) / "share" / "megapar" / "models") if d.is_dir()]
 

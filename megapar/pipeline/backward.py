@@ -12,10 +12,18 @@ in place).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, NoReturn
+
 import torch
+from torch import nn
 
 from megapar.pipeline.schedules import Action
 from megapar.tensor_parallel.weight_grad import WeightGradStore
+
+if TYPE_CHECKING:
+    from megapar.data_parallel.grad_sync import GradSync
+    from megapar.mesh import Mesh
 
 _FREED: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the one-element stand-in
 
@@ -53,7 +61,7 @@ def backward_input(
     grad: torch.Tensor | None,
     inp: torch.Tensor | None,
     store: WeightGradStore,
-):
+) -> tuple[torch.Tensor | None, PendingWeightGrad]:
     """B: returns (d loss / d inp or None, the PendingWeightGrad for W). `grad` is None when
     `output` is the (scaled) loss; `store` must be enabled and attached to the stage's linear
     layers before their forward."""
@@ -81,6 +89,25 @@ class StageBackward:
     `weight_grads` (the stage's `WeightGradStore`), `_loss_chunk`, `_batches`, `_loss_scale`
     and `_ready` (`grad_sync.grads_ready` where a chunk's weight gradients become final)."""
 
+    # What the executor sets (`PipelineExecutor.__init__` and `_reset`), declared for the
+    # handlers here:
+    mesh: Mesh
+    weight_grads: WeightGradStore
+    _chunk_count: int
+    _loss_chunk: int | None
+    inputs: dict[int, torch.Tensor]
+    outputs: dict[int, torch.Tensor]
+    _out_grads: dict[int, torch.Tensor]
+    _in_grads: dict[int, torch.Tensor]
+    _pending_w: dict[int, PendingWeightGrad]
+    _batches: list[dict]
+    _loss_scale: float | torch.Tensor
+    _loss_grad: torch.Tensor | None
+    _grad_sync: GradSync | None
+    _step_index: int | None
+    _report_at: frozenset[int]
+    _ready: Callable[[], Callable[[Iterable[nn.Parameter]], None] | None]
+
     def _backward(self, a: Action) -> None:
         key = a.mb * self._chunk_count + a.chunk
         out = self.outputs.pop(key)
@@ -94,10 +121,10 @@ class StageBackward:
             WeightGradStore.apply(store.take(), self._ready())
         x = self.inputs.pop(key, None)
         if x is not None:
-            grad = x.grad
-            if grad is None:
+            dx = x.grad
+            if dx is None:
                 self._no_input_grad(a)
-            self._in_grads[key] = grad
+            self._in_grads[key] = dx
 
     def _first_loss_grad(self, loss: torch.Tensor) -> torch.Tensor:
         """The gradient a micro-batch's loss is backpropagated with, made at the step's first:
@@ -136,7 +163,7 @@ class StageBackward:
             else None,
         )  # `_ready`, inline
 
-    def _no_input_grad(self, a: Action) -> None:
+    def _no_input_grad(self, a: Action) -> NoReturn:
         raise RuntimeError(
             f"pp stage {self.mesh.pp_rank}: the output of micro-batch {a.mb} "
             f"(chunk {a.chunk}) does not depend on the received activation"

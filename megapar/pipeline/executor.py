@@ -36,6 +36,8 @@ they spend blocked in tp / cp collectives (`megapar.comm_wait`).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -150,8 +152,10 @@ class PipelineExecutor(StageBackward):
             StageP2P(mesh, act_shape, act_dtype, timeout_s, wire_dtype) if mesh.pp > 1 else None
         )
         self.weight_grads = store_of(stage)  # enabled in steps with a split backward
-        self._stand_in = None  # what a sent output's storage is replaced by (the first step
-        self._act_dtype = act_dtype  # makes it: a CUDA mesh may be built where no GPU is)
+        # what a sent output's storage is replaced by (the first step makes it: a CUDA mesh may
+        # be built where no GPU is)
+        self._stand_in: torch.Tensor | None = None
+        self._act_dtype = act_dtype
         self._act_numel = torch.Size(act_shape).numel()
         self.post_ahead = self.p2p is not None and polls_host(mesh.device)
         """Post each peer's next receive as soon as the previous one arrived (gloo: a message
@@ -165,7 +169,9 @@ class PipelineExecutor(StageBackward):
         }
         self._plans: dict[tuple, StepPlan] = {}  # (m, forward_only) -> see step_plan
         self.clock = StepClock(mesh.device)  # CUDA events on CUDA, perf_counter on the CPU
-        self._last_trace = (mesh.pp_rank, [], (), float)  # rank, stamps, events, reader
+        # rank, stamps, events (`StepPlan.events`), reader
+        self._last_trace: tuple[int, list, tuple, Callable[[Any], float]]
+        self._last_trace = (mesh.pp_rank, [], (), float)
         self.count_comm_wait = False
         """Count the time the compute actions spend blocked in their tp / cp collectives
         (`megapar.comm_wait`; the straggler measure turns it on)."""
@@ -186,7 +192,7 @@ class PipelineExecutor(StageBackward):
         self._take_output = self.outputs.pop if forward_only else self.outputs.get
         self._out_grads: dict[int, torch.Tensor] = {}  # received d(loss)/d(output)
         self._in_grads: dict[int, torch.Tensor] = {}  # d(loss)/d(input) to send upstream
-        self._pending_w: dict[int, object] = {}  # B done, W not yet (zero bubble)
+        self._pending_w: dict[int, PendingWeightGrad] = {}  # B done, W not yet (zero bubble)
         self._losses: dict[int, torch.Tensor] = {}  # last stage: detached loss per mb
         self._loss_grad = None  # what the losses are backpropagated with (_first_loss_grad)
         self._grad_sync, self._step_index, self._report_at = None, None, frozenset()
@@ -327,13 +333,17 @@ class PipelineExecutor(StageBackward):
         """The planned steps in order: each message group issued (its sent activations' storage
         freed); each compute after the wait for the message it consumes (or the V's hand-over)
         and, where planned, a `grad_sync` call, its handler run between two clock stamps."""
-        handlers, p2p, line, traced = self.handlers, self.p2p, self._line, self.trace
+        # messages are planned only where there is a peer, so wherever the walk uses p2p it is
+        # not None
+        handlers, p2p = self.handlers, cast("StageP2P", self.p2p)
+        line, traced = self._line, self.trace
         stamps, clock, counted = self._stamps, self.clock.stamp, self.count_comm_wait
         inputs, out_grads, outputs, ahead = self.inputs, self._out_grads, self.outputs, self._ahead
         needs_grad, posted = not self._forward_only, self._recvs_issued
         # what a sent output's storage is swapped for (outputs of one element are kept)
         stand_in = self._stand_in if self._act_numel > 1 else None
         take, pop_grad = self._take_output, self._in_grads.pop
+        tensor: torch.Tensor | None  # a message's: None for a receive the group issues
         for group, action, kind, recv, hand_over, said, at, sync_at, report_at in plan.walk:
             if group is not None:  # the message group before the compute
                 messages_, group_said, sent_acts, _, sent_at, issue = group  # PlannedGroup
@@ -353,10 +363,11 @@ class PipelineExecutor(StageBackward):
                 if issue:
                     line.value = group_said
                     p2p.issue(issue)
-                    for slot in sent_acts if needs_grad and stand_in is not None else ():
-                        output = outputs[slot]  # its storage goes, its graph stays
-                        if output._base is None:  # a view's storage is another tensor's
-                            output.data = stand_in
+                    if needs_grad and stand_in is not None:
+                        for slot in sent_acts:
+                            output = outputs[slot]  # its storage goes, its graph stays
+                            if output._base is None:  # a view's storage is another tensor's
+                                output.data = stand_in
                     if traced and sent_at is not None:  # the sends end here
                         stamps[sent_at] = clock()
                 if kind is None:  # no compute follows the group
@@ -375,7 +386,7 @@ class PipelineExecutor(StageBackward):
                 else:
                     out_grads[slot] = tensor
             elif hand_over is not None:
-                self._hand_over(*hand_over, action)
+                self._hand_over(hand_over, action)
             if sync_at is not None:
                 if traced:  # the wait ends before the call (`trace_events`)
                     stamps[at - 1] = clock()
@@ -421,15 +432,19 @@ class PipelineExecutor(StageBackward):
         if queue:
             message = queue.popleft()
             issued.add(message.uid)
+            assert self.p2p is not None  # posting ahead needs a peer (`post_ahead`)
             self.p2p.issue([(message.key, None, message.peer, message.carries, message.label)])
 
-    def _hand_over(self, kind: str, source: int, a: Action) -> None:
-        """In-memory handover between two chunks of this rank (no message): the forward of
-        `a`'s chunk takes the output of slot `source` (the same micro-batch's, of the other
-        chunk) as its input leaf, the backward its input gradient."""
+    def _hand_over(self, hand_over: tuple[str, int], a: Action) -> None:
+        """In-memory handover between two chunks of this rank (no message), `hand_over` being
+        (kind, source) (`WalkStep.hand_over`): the forward of `a`'s chunk takes the output of
+        slot `source` (the same micro-batch's, of the other chunk) as its input leaf, the
+        backward its input gradient."""
+        kind, source = hand_over
         slot = self.slot(a.mb, a.chunk)
         if kind == "recv_act":
             out = self._take_output(source)
+            assert out is not None  # the forward of `source` ran before this one (the V's turn)
             self.inputs[slot] = out.detach().requires_grad_(not self._forward_only)
         else:
             self._out_grads[slot] = self._in_grads.pop(source)

@@ -110,9 +110,10 @@ class StageP2P:
 
     # issuing -------------------------------------------------------------------------------
     def issue(self, group: list[tuple[tuple, torch.Tensor | None, int, tuple, str]]) -> None:
-        """Issue one group (a list or tuple, only read), in order. Each message is (key, tensor to send or None to receive,
-        peer rank, message, label): a key is (action kind, mb, chunk), a message says what
-        travels, the same on both sides (`nccl_rules.Op.message`), a label names it ("SA1")."""
+        """Issue one group (a list or tuple, only read), in order. Each message is (key, tensor to
+        send or None to receive, peer rank, message, label): a key is (action kind, mb, chunk), a
+        message says what travels, the same on both sides (`nccl_rules.Op.message`), a label names
+        it ("SA1")."""
         ops, kept = [], []
         issued = self.issued
         record: list[Op] | None = [] if issued is not None else None

@@ -21,12 +21,12 @@ order, one ordered stream per rank, a large send finishes only while its receive
 ``F0 [SA0] F1 [SA1 RG0] B0 ...`` (`format_schedule`).
 
 Model chunks and the split backward: interleaved 1F1B (each rank holds several model chunks;
-`chunk` selects one, `megapar.pipeline.placement` maps it to its virtual stage and neighbours) and zero-bubble
-schedules (``backward`` split into ``backward_input``, which produces the gradient to send
-upstream, and ``backward_weight``, deferred to fill bubbles) are schedule functions in `SCHEDULES`
-like the others; the executor's dispatch loop is the same for all. Their compute orders equal
-torch.distributed.pipelining's `ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble`, and
-those of ZB-V and DualPipeV (two chunks per rank in the "v" placement) its
+`chunk` selects one, `megapar.pipeline.placement` maps it to its virtual stage and neighbours) and
+zero-bubble schedules (``backward`` split into ``backward_input``, which produces the gradient to
+send upstream, and ``backward_weight``, deferred to fill bubbles) are schedule functions in
+`SCHEDULES` like the others; the executor's dispatch loop is the same for all. Their compute orders
+equal torch.distributed.pipelining's `ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble`,
+and those of ZB-V and DualPipeV (two chunks per rank in the "v" placement) its
 `ScheduleZBVZeroBubble` / `ScheduleDualPipeV`. Between two chunks of one rank (the V's turn) a
 schedule lists no message: the executor hands the tensor over in memory.
 """
@@ -125,7 +125,8 @@ def _with_comms(
     compute: list[Action], pp: int, stage: int, num_chunks: int, placement: str = "loop"
 ) -> list[Action]:
     """Surround each compute action with its communication: receive right before, send right
-    after (as `_forward` / `_backward` do for one chunk). ``backward_weight`` communicates nothing."""
+    after (as `_forward` / `_backward` do for one chunk). ``backward_weight`` communicates
+    nothing."""
     last = pp * num_chunks - 1
 
     def remote(vs):  # a neighbour on another rank (the V's turn is on this one: in memory)

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from megapar.faults.status import encode_action
 from megapar.pipeline import messages
 from megapar.pipeline.schedules import Action, MessageGroup, peer_of, virtual_stage
+
+if TYPE_CHECKING:
+    from torch import nn
 
 AUTOGRAD_KINDS = frozenset({"backward", "backward_input"})
 """Actions whose autograd backward accumulates parameter gradients; `before_last_backward`
@@ -54,9 +57,11 @@ class StagePlace:
         """The key of micro-batch `mb`'s state in model chunk `chunk`: ``mb * chunks + chunk``."""
         return mb * self.chunks + chunk
 
-    def peer(self, rank: int, a: Action) -> tuple[int, int] | None:
+    def peer(self, rank: int, a: Action) -> tuple[int, int]:
         """(pp stage, chunk) that message action `a` of pp stage `rank` pairs with."""
-        return peer_of(rank, a, self.pp, self.chunks, self.placement)
+        peer = peer_of(rank, a, self.pp, self.chunks, self.placement)
+        assert peer is not None, f"{a} of pp stage {rank} has no peer"  # programs pair them
+        return peer
 
     def virtual_stage(self, chunk: int) -> int:
         """The virtual stage of this rank's model chunk `chunk`."""
@@ -122,8 +127,8 @@ class PlannedRecv(NamedTuple):
 class PlannedCompute(NamedTuple):
     """A compute action and the message it waits for, as planned."""
 
-    index: int
-    """Its position in the program."""
+    position: int
+    """Its index in the program (a field named ``index`` would shadow `tuple.index`)."""
     action: Action
     kind: str
     """The action's kind: its handler (`PipelineExecutor.handlers`)."""
@@ -330,8 +335,8 @@ def walk_of(steps: tuple, at: tuple, syncs_at: frozenset, report_at: frozenset) 
                     step.hand_over,
                     step.said,
                     stamp,
-                    step.index if step.index in syncs_at else None,
-                    step.index if step.index in report_at else None,
+                    step.position if step.position in syncs_at else None,
+                    step.position if step.position in report_at else None,
                 )
             )
         )
@@ -363,7 +368,8 @@ def chunk_arming(actions: list, last_backward: int | None, chunks) -> dict:
             last_of[a.chunk] = i
     if len(last_of) < 2:
         return {}
-    owner = {}  # id(param) -> (index of its last backward, param)
+    # id(param) -> (index of its last backward, param)
+    owner: dict[int, tuple[int, nn.Parameter]] = {}
     for chunk, index in last_of.items():
         for p in chunks[chunk].parameters():
             if p.requires_grad and index > owner.get(id(p), (-1, None))[0]:
@@ -405,7 +411,8 @@ def trace_events(steps: tuple, syncs_at: frozenset = frozenset()) -> tuple:
     step's stamps; per step, the index of the reading it takes (a compute: at its start; a group
     that sends: at its end; else None); and how many readings a step takes (the last three: the
     sends' wait's end, the loss broadcast's start and end)."""
-    events, at, last, n = [], [], 0, 1
+    at: list[int | None] = []
+    events, last, n = [], 0, 1
     for step in steps:
         if isinstance(step, PlannedGroup):
             if step.sends:
@@ -415,7 +422,7 @@ def trace_events(steps: tuple, syncs_at: frozenset = frozenset()) -> tuple:
             else:
                 at.append(None)
             continue
-        syncs = step.index in syncs_at
+        syncs = step.position in syncs_at
         if syncs:
             n += 1
         if step.recv is not None:

@@ -2,7 +2,8 @@
 
 Used by both the pipeline simulator (`megapar.pipeline.simulate`) and the real executor's tracer,
 so everything here works on plain `Event` records and knows nothing about how they were produced.
-Times are in seconds on any monotonic clock (any origin); outputs are shifted so the step starts at 0.
+Times are in seconds on any monotonic clock (any origin); outputs are shifted so the step starts
+at 0.
 
 Bubble accounting: the step runs from the earliest event start to the latest event end over *all*
 ranks. A rank is busy while at least one compute event (`COMPUTE_KINDS`) runs on it; everything
@@ -251,7 +252,8 @@ def _colour_key(kind: str) -> str:
 def plot_gantt(
     timeline: Timeline, path: str, title: str | None = None, row_name: str = "stage"
 ) -> None:
-    """Save a Gantt chart PNG: one row per rank, compute as full boxes, communication as thin bars."""
+    """Save a Gantt chart PNG: one row per rank, compute as full boxes, communication as thin
+    bars."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch

@@ -306,7 +306,7 @@ def stage_memory(
         )
         if seen:
 
-            def held_bytes(point):
+            def held_bytes(point, chunks=chunks):  # called in this iteration only
                 flight, buffers = point
                 return sum(k * w for k, w in zip(flight, chunks)) + buffers * message
 

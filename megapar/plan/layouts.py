@@ -326,9 +326,10 @@ def enumerate_candidates(
 ):
     """(valid candidates, [(candidate, reason)] rejected) over the whole space (`cp_sizes`:
     None for `default_cp_sizes`; `zero_stages` tried where dp x cp > 1, each with the
-    `offloads` it can take and, for ZeRO-3 with pp, with and without kept parameters). A (tp, pp, dp) grid that no option can run (too many heads
-    or stages, tp across nodes, a batch dp does not divide) is rejected once, as its plain
-    candidate, so the search is quick even for huge GPU counts with many divisors."""
+    `offloads` it can take and, for ZeRO-3 with pp, with and without kept parameters). A
+    (tp, pp, dp) grid that no option can run (too many heads or stages, tp across nodes, a batch dp
+    does not divide) is rejected once, as its plain candidate, so the search is quick even for huge
+    GPU counts with many divisors."""
     valid, rejected = [], []
     for tp in divisors(gpus):
         for cp in (c for c in cp_sizes or default_cp_sizes(seq_len) if (gpus // tp) % c == 0):
