@@ -135,7 +135,7 @@ class Zero2Buckets(Zero1Buckets):
     reduces_every_micro_batch = True
     """Every micro-batch's backward reduce-scatters the buckets complete in it."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         self.shards: dict[torch.dtype, torch.Tensor] = {}
         """Per dtype, this rank's slices of the reduced gradients, bucket after bucket."""
         self._flight: list[Bucket] = []
