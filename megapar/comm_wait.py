@@ -26,7 +26,7 @@ import torch
 
 
 class _Clock:
-    def __init__(self):
+    def __init__(self) -> None:
         self.on = False
         self.inside = False  # in a blocked() already: a nested collective is not counted twice
         self.seconds = 0.0

@@ -153,6 +153,7 @@ class AsyncSaver:
             raise CheckpointError(
                 f"background save of {pending} failed: {type(outcome).__name__}: {outcome}"
             ) from outcome
+        assert outcome is not None  # the thread set it before it ended
         self.published = int(outcome.name.split("_")[1])
         return outcome
 

@@ -418,7 +418,9 @@ def _described(spec: dict) -> str:
     return f"{spec.get('path')} (sha256 {digests})" if digests else str(spec.get("path"))
 
 
-def export_tokenizer(manifest: dict, config, given=None, allow_other: bool = False):
+def export_tokenizer(
+    manifest: dict, config, given: str | dict | None = None, allow_other: bool = False
+):
     """The megapar Tokenizer an export carries: `given` (a spec), else the one the checkpoint
     records (meta ``tokenizer``: what megapar-train's data was tokenized with, or the
     transformers directory it was imported from); None when it records none. A recorded
@@ -436,6 +438,7 @@ def export_tokenizer(manifest: dict, config, given=None, allow_other: bool = Fal
         else f"the checkpoint's tokenizer {spec.get('path') if isinstance(spec, dict) else spec}"
     )
     path = spec.get("path") if isinstance(spec, dict) else spec
+    assert path is not None  # a recorded tokenizer names its path
     try:
         if (
             path not in ("gpt2", "sentencepiece")

@@ -34,7 +34,7 @@ import shutil
 import tomllib
 import warnings
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed.checkpoint as dist_cp
@@ -82,7 +82,7 @@ _NEWER = {
 }
 _MEGAPAR_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight")
 
-FLAVORS = {
+FLAVORS: dict[str, dict[str, Any]] = {
     "debugmodel": {"dim": 256, "n_layers": 6, "n_heads": 16, "rope_theta": 500000},
     "debugmodel_flex_attn": {"dim": 256, "n_layers": 6, "n_heads": 16, "rope_theta": 500000},
     "8B": {
@@ -123,7 +123,9 @@ def titan_name(name: str) -> str:
     """torchtitan's name of megapar's canonical Llama parameter `name`."""
     if name in _TOP:
         return _TOP[name]
-    i, module = _MEGAPAR_LAYER.fullmatch(name).groups()
+    m = _MEGAPAR_LAYER.fullmatch(name)
+    assert m is not None  # every other name is a layer's
+    i, module = m.groups()
     return f"layers.{i}.{_LAYER[module]}.weight"
 
 
@@ -221,16 +223,17 @@ class DCPReader:
             for k, v in metadata.state_dict_metadata.items()
             if isinstance(v, TensorStorageMetadata)
         }
-        self.prefix = next(
+        prefix = next(
             (p for p in ("", "model.") if p + "tok_embeddings.weight" in self.tensors), None
         )
-        if self.prefix is None:
+        if prefix is None:
             shown = ", ".join(sorted(self.tensors)[:4]) or "none"
             raise CheckpointError(
                 f"{path}: a DCP checkpoint without torchtitan's Llama "
                 f"weights (no tok_embeddings.weight; tensors: {shown}); "
                 f"megapar-convert --from-dcp reads torchtitan's Llama 3"
             )
+        self.prefix = prefix
         self.newer = self.prefix + "layers.0.attention.qkv_linear.wq.weight" in self.tensors
         self.optimizer = any(k.startswith("optimizer.") for k in self.tensors)
         self.config = self._config(config, job_config)
@@ -322,7 +325,12 @@ def config_from_job(path: str, vocab_size: int):
             f"one of torchtitan's Llama 3 flavors ({', '.join(FLAVORS)}); give "
             f"--model SPEC (a megapar config.json with its sizes) instead"
         )
-    args = {"multiple_of": 256, "ffn_dim_multiplier": None, "norm_eps": 1e-5, **FLAVORS[flavor]}
+    args: dict[str, Any] = {
+        "multiple_of": 256,
+        "ffn_dim_multiplier": None,
+        "norm_eps": 1e-5,
+        **FLAVORS[flavor],
+    }
     seq_len = job.get("training", {}).get("seq_len", 2048)
     return LlamaConfig(
         vocab_size=vocab_size,

@@ -18,6 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -101,9 +102,14 @@ def broadcast_text(text: str | None, mesh: Mesh, src: int = 0, group=None) -> st
     """Rank `src`'s text on every rank (a uint8 tensor broadcast over the world, or over
     `group`: a gloo group spanning the world, on host tensors)."""
     if not _world(mesh):
+        assert text is not None  # the only rank is `src`
         return text
     device = mesh.device if group is None else torch.device("cpu")
-    data = text.encode() if mesh.rank == src else b""
+    if mesh.rank == src:
+        assert text is not None  # `src` gives its text
+        data = text.encode()
+    else:
+        data = b""
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(length, src, group=group)
     buf = _bytes_tensor(data, device, int(length))
@@ -125,6 +131,7 @@ def gather_payloads(payload: bytes, mesh: Mesh, group=None) -> list[bytes] | Non
     dist.gather(buf, parts, dst=0, group=group)
     if mesh.rank != 0:
         return None
+    assert parts is not None  # rank 0's
     return [p[: int(s)].cpu().numpy().tobytes() for p, s in zip(parts, sizes)]
 
 
@@ -189,7 +196,7 @@ class SavedState:
     shard: tuple[str, dict[str, torch.Tensor], dict] | None = None
     """(file name, {key: tensor}, manifest entries) of this rank's shard file on the ranks that
     write one (dp rank 0 and cp rank 0 of every (tp, pp) coordinate); None elsewhere."""
-    ready: object = None
+    ready: torch.cuda.Event | None = None
     """Something with `synchronize()` (a CUDA event) to wait on before the tensors are read,
     when they are still being copied to the host."""
 
@@ -202,7 +209,9 @@ def capture(
     try:
         meta = json.loads(json.dumps(meta))
     except TypeError as exc:
-        raise CheckpointError(f"meta must be JSON-serialisable (tensors go elsewhere): {exc}")
+        raise CheckpointError(
+            f"meta must be JSON-serialisable (tensors go elsewhere): {exc}"
+        ) from exc
     shard = None
     if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # cp holds no shards: replicas
         shard = shard_contents(model, mesh, optim_tensors)
@@ -225,6 +234,7 @@ def save_checkpoint(
     rank's RNG state tensors. Returns the step directory once it and ``root/latest`` are
     published on every rank; raises CheckpointError on every rank if any rank failed.
     """
+    state: SavedState | CheckpointError
     try:
         state = capture(step, model, mesh, optim_tensors, meta, rng)
     except CheckpointError as exc:
@@ -262,7 +272,7 @@ def write_checkpoint(
     if not tmp_name:
         raise CheckpointError(broadcast_text(error, mesh, group=group))
     tmp = root / tmp_name
-    header = {"rank": mesh.rank, "error": None}
+    header: dict[str, Any] = {"rank": mesh.rank, "error": None}
     rng = {}
     try:
         if isinstance(state, CheckpointError):
@@ -289,7 +299,9 @@ def write_checkpoint(
     return Path(outcome)
 
 
-def _finish(tmp: Path, root: Path, state: SavedState, mesh: Mesh, payloads) -> Path:
+def _finish(
+    tmp: Path, root: Path, state: SavedState | CheckpointError, mesh: Mesh, payloads
+) -> Path:
     """Rank 0: check every rank's files, write the RNG file and the manifest, publish."""
     errors, files, tensors, rng = [], {}, {}, {}
     for payload in payloads:
@@ -302,6 +314,7 @@ def _finish(tmp: Path, root: Path, state: SavedState, mesh: Mesh, payloads) -> P
         rng.update({f"rank{header['rank']}/{k}": v for k, v in states.items()})
     if errors:
         raise CheckpointError("; ".join(errors))
+    assert isinstance(state, SavedState)  # else this rank's header has the error
     for fname, record in files.items():  # every rank's file is there, complete
         verify_file(tmp, fname, record, checksum=False)
     if rng:
@@ -388,7 +401,7 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
                 raise CheckpointError(f"{step_dir}: {fname} is not in the manifest")
             verify_file(step_dir, fname, manifest["files"][fname], verify == "sha256")
     optim = {}
-    for name, source, param, local in wanted:
+    for _name, source, param, local in wanted:
         pdim = getattr(param, "tp_dim", None)
         param.copy_(reader.shard(source, None, mesh.tp, mesh.tp_rank, local, pdim))
         # A tied copy (the last stage's head.weight) gets the moments of the tensor it is tied

@@ -24,6 +24,7 @@ import os
 import secrets
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -91,7 +92,8 @@ def safetensors_layout(specs: dict[str, tuple[torch.dtype, tuple]]) -> tuple[byt
     {key: (offset, bytes, dtype, shape)} of each tensor's data, the data's total bytes). The
     file is 8 + len(header) + data bytes long: what `ShardWriter` writes, and what the dry run
     (`megapar.dryrun`) reports a checkpoint's files will take without writing them."""
-    header, offset, slots = {}, 0, {}
+    header: dict[str, Any] = {}
+    offset, slots = 0, {}
     for key, (dtype, shape) in specs.items():
         size = math.prod(shape) * dtype.itemsize
         header[key] = {

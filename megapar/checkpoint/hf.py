@@ -270,7 +270,8 @@ def load_hf_weights(model: torch.nn.Module, reader: HFReader) -> list[str]:
     those parameters keep the values they had (call `model.init_weights(seed)` first).
     """
     missing = []
-    tp_rank = model.mesh.tp_rank
+    mesh: Mesh = model.mesh  # type: ignore[assignment]  # set on megapar's stages
+    tp_rank = mesh.tp_rank
     for name, param in model.named_parameters():
         source = getattr(param, "tied_to", name)
         try:
@@ -282,7 +283,7 @@ def load_hf_weights(model: torch.nn.Module, reader: HFReader) -> list[str]:
         if tuple(full.shape) != tuple(getattr(param, "full_shape", param.shape)):
             raise ConfigError(
                 f"{reader.path}: {source} has shape {tuple(full.shape)}, the model "
-                f"expects {param.full_shape}"
+                f"expects {param.full_shape}"  # type: ignore[attr-defined]  # tp-sharded ones'
             )
         local = param.shape[dim] if dim is not None else None
         param.copy_(shard_of(full.to(param.dtype), dim, local, tp_rank))

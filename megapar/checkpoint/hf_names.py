@@ -41,7 +41,9 @@ def gpt2_canonical(name: str, get: Getter, config) -> torch.Tensor:
     """Canonical tensor `name` of a GPT-2 model from its HF tensors (`get`)."""
     if name in _GPT2_TOP:
         return get(_GPT2_TOP[name])
-    i, rest = _LAYER.fullmatch(name).groups()
+    m = _LAYER.fullmatch(name)
+    assert m is not None  # every other name is a layer's
+    i, rest = m.groups()
     module, kind = rest.rsplit(".", 1)
     if module == "attn.qkv":
         fused = get(f"h.{i}.attn.c_attn.{kind}")
@@ -97,7 +99,9 @@ def bert_canonical(name: str, get: Getter, config) -> torch.Tensor:
         return get(f"{_BERT_TOP[module]}.{kind}")
     if module in _BERT_HEAD:
         return get(f"{_BERT_HEAD[module]}.{kind}")
-    i, rest = _LAYER.fullmatch(module + "." + kind).groups()
+    m = _LAYER.fullmatch(module + "." + kind)
+    assert m is not None  # every other name is a layer's
+    i, rest = m.groups()
     sub, kind = rest.rsplit(".", 1)
     if sub == "attn.qkv":
         return fuse_heads(
@@ -151,7 +155,9 @@ def llama_canonical(name: str, get: Getter, config) -> torch.Tensor:
         return get("lm_head.weight")
     if name in _LLAMA_TOP:
         return get(_LLAMA_TOP[name])
-    i, rest = _LAYER.fullmatch(name).groups()
+    m = _LAYER.fullmatch(name)
+    assert m is not None  # every other name is a layer's
+    i, rest = m.groups()
     module, kind = rest.rsplit(".", 1)
     return get(f"layers.{i}.{_LLAMA_LAYER[module]}.{kind}")
 
@@ -192,6 +198,7 @@ def hf_parameter_names(config, name: str, tied: bool = False) -> list[str]:
     if kind == "gpt2":
         if name in _GPT2_TOP:
             return ["transformer." + _GPT2_TOP[name]]
+        assert layer is not None  # every other name is a layer's
         i, rest = layer.groups()
         module, end = rest.rsplit(".", 1)
         hf = "attn.c_attn" if module == "attn.qkv" else _GPT2_LAYER[module]
@@ -204,6 +211,7 @@ def hf_parameter_names(config, name: str, tied: bool = False) -> list[str]:
             return [f"bert.{_BERT_TOP[module]}.{end}"]
         if module in _BERT_HEAD:
             return [f"{_BERT_HEAD[module]}.{end}"]
+        assert layer is not None  # every other name is a layer's
         i, rest = layer.groups()
         sub, end = rest.rsplit(".", 1)
         parts = _BERT_QKV if sub == "attn.qkv" else (_BERT_LAYER[sub],)
@@ -212,6 +220,7 @@ def hf_parameter_names(config, name: str, tied: bool = False) -> list[str]:
         return ["lm_head.weight"]
     if name in _LLAMA_TOP:
         return ["model." + _LLAMA_TOP[name]]
+    assert layer is not None  # every other name is a layer's
     i, rest = layer.groups()
     module, end = rest.rsplit(".", 1)
     return [f"model.layers.{i}.{_LLAMA_LAYER[module]}.{end}"]

@@ -35,7 +35,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from megapar.faults import stop
 from megapar.faults.processes import pid_alive, process_start
@@ -148,7 +151,7 @@ class SaveLock:
         self._fd: int | None = None
         self._owner: int | None = None  # the pid that took it (a forked child does not own it)
         self._stop = threading.Event()
-        self._old_sigterm = None
+        self._old_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
 
     def acquire(self) -> SaveLock:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -233,7 +233,7 @@ def clean_stale(root: str | Path) -> list[str]:
     is in place again, ``.latest.tmp-{pid}-*`` of dead processes; never the only complete copy of
     a step that ``latest`` is missing."""
     root = Path(root)
-    removed = []
+    removed: list[str] = []
     if not root.is_dir():
         return removed
     for p in root.iterdir():

@@ -45,6 +45,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,12 @@ import torch.distributed as dist
 from megapar import device as _device
 from megapar.data_parallel.launch_order import LaunchOrder
 from megapar.mesh import group_size
+
+
+class Handle(Protocol):
+    """A reduction in flight: a torch work handle, `CastBack`, `Done`, ..."""
+
+    def wait(self) -> Any: ...
 
 
 @dataclass
@@ -64,7 +71,7 @@ class Bucket:
     """ids of the parameters whose gradient is final in the current step."""
     flat: torch.Tensor | None = None
     """The bucket's range of the gradient buffer (a view)."""
-    handle: object | None = None
+    handle: Handle | None = None
     """The async work handle of the in-flight all-reduce."""
     start: int = 0
     """Offset of the bucket in its dtype's buffer."""
@@ -99,7 +106,9 @@ def bucket_layout(
         i for i in range(len(sizes)) if i not in late
     ]  # reversed below: late ones go last
     limit = bucket_mb * 2**20
-    buckets, current, size = [], [], 0
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
     for i in reversed(order):
         numel, dtype = sizes[i]
         nbytes = numel * dtype.itemsize
@@ -378,6 +387,7 @@ class GradBuckets:
         """Average the bucket's range of the buffer over the group: an async all-reduce in
         place (on a cast copy under `reduce_dtype`), or the compressor's reduction."""
         self._adopt_replaced_grads(b)
+        assert b.flat is not None  # a view of the full buffer (all-reduce)
         if self.average_over > 1:
             b.flat.div_(self.average_over)
         if self.compressor is not None:
@@ -410,10 +420,12 @@ class CastBack:
 
     def wait(self) -> bool:
         ok = self.work.wait()
-        if self.into is not None and self.add:
-            self.into.add_(self.result)
-        elif self.into is not None:
-            self.into.copy_(self.result)
+        if self.into is not None:
+            assert self.result is not None  # given with `into`, dropped with it
+            if self.add:
+                self.into.add_(self.result)
+            else:
+                self.into.copy_(self.result)
         self.result = self.into = self.keep = None
         return ok
 

@@ -77,11 +77,16 @@ class PowerSGDCompressor:
 
     @torch.no_grad()
     def reduce(self, flat: torch.Tensor, params, group) -> int:
-        views, plain, offset = [], [], 0
+        views: list[tuple[int, torch.Tensor, tuple[int, int], int]] = []
+        plain: list[tuple[int, torch.Tensor, None, int]] = []
+        offset = 0
         for i, p in enumerate(params):
             piece = flat[offset : offset + p.numel()]
             shape = self._matrix_shape(p)
-            (views if shape else plain).append((id(p), piece, shape, i))
+            if shape:
+                views.append((id(p), piece, shape, i))
+            else:
+                plain.append((id(p), piece, shape, i))
             offset += p.numel()
         sent = 0
         if plain:
@@ -108,7 +113,7 @@ class PowerSGDCompressor:
         dist.all_reduce(p_flat, group=group)
         sent += p_flat.numel() * p_flat.element_size()
         start, orth, qs = 0, [], []
-        for (key, _, (n, m), _), mat in zip(views, ms):
+        for (key, _, (n, _m), _), mat in zip(views, ms):
             p = torch.linalg.qr(p_flat[start : start + n * self.rank].view(n, self.rank)).Q
             start += n * self.rank
             orth.append(p)
@@ -118,7 +123,7 @@ class PowerSGDCompressor:
         dist.all_reduce(q_flat, group=group)
         sent += q_flat.numel() * q_flat.element_size()
         start = 0
-        for (key, _, (n, m), _), mat, p in zip(views, ms, orth):
+        for (key, _, (_n, m), _), mat, p in zip(views, ms, orth):
             q = q_flat[start : start + m * self.rank].view(m, self.rank)
             start += m * self.rank
             mat.copy_(p @ q.t())

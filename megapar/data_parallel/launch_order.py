@@ -22,7 +22,7 @@ tests and the dry run do, is the one called).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 
 class Item(Protocol):
@@ -33,10 +33,14 @@ class Item(Protocol):
     deferred: bool
 
 
-class LaunchOrder:
+T = TypeVar("T", bound=Item)
+"""The kind of item a `LaunchOrder` orders (`Bucket` or `Unit`)."""
+
+
+class LaunchOrder(Generic[T]):
     """A fixed launch order over `items` and the position reached in the current step."""
 
-    def __init__(self, items: Sequence[Item]):
+    def __init__(self, items: Sequence[T]):
         self.items = list(items)
         self.next = 0
         """Index (into `items`, or into `round_items` in rounds) of the next item to launch."""
@@ -46,7 +50,7 @@ class LaunchOrder:
         """The step's `before_reduce` ran: deferred items may launch."""
 
     @property
-    def round_items(self) -> list[Item]:
+    def round_items(self) -> list[T]:
         """The items reduced in each round (all but the deferred ones), in order."""
         return [i for i in self.items if not i.deferred]
 
@@ -61,7 +65,7 @@ class LaunchOrder:
         """Whether every item was launched once this step (once-a-step mode)."""
         return self.next >= len(self.items)
 
-    def launch_ready(self, launch: Callable[[Item], None]) -> None:
+    def launch_ready(self, launch: Callable[[T], None]) -> None:
         """Once a step: launch the items, in order, while the next one is complete (and, if
         deferred, allowed)."""
         while self.next < len(self.items):
@@ -71,7 +75,7 @@ class LaunchOrder:
             launch(item)
             self.next += 1
 
-    def finish_step(self, launch: Callable[[Item], None], before_reduce) -> None:
+    def finish_step(self, launch: Callable[[T], None], before_reduce) -> None:
         """Once a step, at its end: every item counts as complete; launch what is left, the
         deferred items after `before_reduce()`."""
         for item in self.items:
@@ -82,7 +86,7 @@ class LaunchOrder:
             self.deferred_ok = True
             self.launch_ready(launch)
 
-    def launch_round(self, launch: Callable[[Item], None]) -> None:
+    def launch_round(self, launch: Callable[[T], None]) -> None:
         """In rounds: launch the current round's items in order while the next one is complete
         (its ready set cleared); after the last a new round starts."""
         rnd = self.round_items
@@ -96,7 +100,7 @@ class LaunchOrder:
             self.rounds += self.next == 0
 
     def finish_rounds(
-        self, launch: Callable[[Item], None], has_grad: Callable[[Item], bool], before_reduce
+        self, launch: Callable[[T], None], has_grad: Callable[[T], bool], before_reduce
     ) -> None:
         """In rounds, at the step's end: reduce what accumulated since each item's last launch
         (the rest of the current round first, then the items before it; an item without any

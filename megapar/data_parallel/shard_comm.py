@@ -73,7 +73,7 @@ def all_gather(flat: torch.Tensor, dp: int, group, host: bool):
 class _Keep:
     """A collective's handle that keeps its staged input alive until waited for."""
 
-    def __init__(self, work, staged: torch.Tensor):
+    def __init__(self, work, staged: torch.Tensor | None):
         self.work, self.staged = work, staged
 
     def is_completed(self) -> bool:

@@ -462,6 +462,7 @@ class ShardedParams:
         self._flight.append(u)
 
     def _wait_reduce(self, u: Unit) -> None:
+        assert u.reduce_handle is not None  # in flight
         u.reduce_handle.wait()
         u.reduce_handle = None
         self._flight.remove(u)

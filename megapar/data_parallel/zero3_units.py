@@ -90,7 +90,8 @@ class Unit:
             p.data = full[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         self.grad_full: torch.Tensor | None = None
-        self.gathered, self.handle, self.reduce_handle = True, None, None
+        self.gathered, self.handle = True, None
+        self.reduce_handle: Reduction | None = None
         self.launched_round = 0
         """The round (micro-batch) of the step its last reduce-scatter was launched in."""
         self.ready: set[int] = set()
@@ -213,12 +214,15 @@ class Reduction:
         staging: torch.Tensor | None = None,
         add_to: torch.Tensor | None = None,
     ):
-        self.work, self.flat, self.staging, self.add_to = work, flat, staging, add_to
+        self.work = work
+        self.flat: torch.Tensor | None = flat
+        self.staging, self.add_to = staging, add_to
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
         if self.add_to is not None:
+            assert self.staging is not None  # given with `add_to`
             self.add_to.add_(self.staging)
         self.work = self.flat = self.staging = self.add_to = None
 

@@ -106,6 +106,7 @@ class Zero1Buckets(GradBuckets):
             if b.handle is not None and not isinstance(b.handle, Done)
         ]
         for b in flight[: max(0, len(flight) - self.MAX_COPIES_IN_FLIGHT + 1)]:
+            assert b.handle is not None  # in flight
             b.handle.wait()  # a cast copy is copied back here
             b.handle = Done()
 
@@ -115,6 +116,7 @@ class Zero1Buckets(GradBuckets):
         if self.host_waits:
             self._bound_copies()
         self._adopt_replaced_grads(b)
+        assert b.flat is not None  # a view of the full buffer (ZeRO-1)
         if self.average_over > 1:
             b.flat.div_(self.average_over)
         wire, cast = self._on_wire(b.flat)
@@ -133,7 +135,7 @@ class Zero2Buckets(Zero1Buckets):
     reduces_every_micro_batch = True
     """Every micro-batch's backward reduce-scatters the buckets complete in it."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         self.shards: dict[torch.dtype, torch.Tensor] = {}
         """Per dtype, this rank's slices of the reduced gradients, bucket after bucket."""
         self._flight: list[Bucket] = []
@@ -193,6 +195,7 @@ class Zero2Buckets(Zero1Buckets):
         self._flight = [b for b in self._flight if b.handle is not None]
         while len(self._flight) >= self.MAX_COPIES_IN_FLIGHT:
             b = self._flight.pop(0)
+            assert b.handle is not None  # in flight
             b.handle.wait()  # the staged copy is freed here
             b.handle = None
 
@@ -201,6 +204,7 @@ class Zero2Buckets(Zero1Buckets):
         parameters without one), and each ``.grad`` released. A bucket of one parameter whose
         gradient fills it exactly and owns its whole storage (the embedding's) is staged as
         that gradient itself: no copy."""
+        assert b.shard is not None  # set by _allocate
         if len(b.params) == 1:
             g = b.params[0].grad
             if (

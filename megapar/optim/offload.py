@@ -89,7 +89,7 @@ class HostStep:
         if self.copies:
             self.masters = (
                 list(masters)
-                if self.given
+                if masters is not None
                 else [_host_like(t, pin, t.detach()) for t in self.stepped]
             )
             self.grads = [_host_like(m, pin) for m in self.masters]
@@ -98,7 +98,7 @@ class HostStep:
         else:
             self.masters, self.grads = self.stepped, []
         self.master_of = {id(t): m for t, m in zip(self.stepped, self.masters)}
-        self._seen: list[tuple[int, int]] = []
+        self._seen: list[tuple[int, int] | None] = []
         self.refreshed = 0
         """Masters copied from their stepped tensors, set from outside between steps."""
         self.settled()

@@ -13,16 +13,18 @@ the two) shards the state over the data-parallel ranks.
 Checkpoint format (the same with or without ZeRO, so a run can be resumed with either):
 
 - `state_tensors()`: canonical parameter name -> {"exp_avg": t, "exp_avg_sq": t} (for SGD /
-  LARS {"momentum_buffer": t}), each of the parameter's local (tp / pp shard) shape, for every parameter of the stage except tied copies
-  (`param.tied_to`), whose state equals the parameter they are tied to. Under ZeRO-1 the
-  state is sharded by buffer slice and gathered to dp rank 0 only (the checkpoint writer; {}
-  elsewhere); `load_state_tensors` takes full per-parameter tensors on every rank.
+  LARS {"momentum_buffer": t}), each of the parameter's local (tp / pp shard) shape, for
+  every parameter of the stage except tied copies (`param.tied_to`), whose state equals the
+  parameter they are tied to. Under ZeRO-1 the state is sharded by buffer slice and gathered
+  to dp rank 0 only (the checkpoint writer; {} elsewhere); `load_state_tensors` takes full
+  per-parameter tensors on every rank.
 - `state_json()`: step count and hyper-parameters, JSON-able.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NoReturn, overload
 
 import torch
 from torch import nn
@@ -72,7 +74,8 @@ class AdamWOptimizer(torch.optim.Optimizer):
                 f"--offload-optimizer steps AdamW or SGD on the host, not {kind} "
                 f"(its trust ratios need whole-parameter norms over the devices)"
             )
-        self.offload, self.host, self.tp_group = offload, None, tp_group
+        self.offload, self.tp_group = offload, tp_group
+        self.host: HostStep | None = None
         """`host`: the `HostStep` of an offloaded optimizer (None without offload)."""
         self.params = [p for _, p in self.named]
         self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
@@ -175,8 +178,13 @@ class AdamWOptimizer(torch.optim.Optimizer):
         for p in self.params:
             p.grad = None
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> NoReturn: ...
+
     @torch.no_grad()
-    def step(self, closure=None) -> None:
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         if closure is not None:
             raise ValueError("megapar optimizers take no closure (the engine runs the step)")
         if self.inner is not None:
@@ -267,6 +275,7 @@ class AdamWOptimizer(torch.optim.Optimizer):
         ]
 
     def _hold_state(self, p: nn.Parameter, state: dict) -> None:
+        assert self.inner is not None  # called only when it is
         self.inner.state[p] = {k: v.to(p.device) if k != "step" else v for k, v in state.items()}
 
     def state_dict(self) -> dict:

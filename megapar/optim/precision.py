@@ -73,6 +73,7 @@ class DynamicLossScaler:
             )
 
     def update(self, found_inf: bool) -> None:
+        assert self.scale is not None  # set by __post_init__
         if found_inf:
             self.scale = max(self.min_scale, self.scale * self.backoff_factor)
             self.clean_steps = 0
@@ -111,10 +112,13 @@ class Precision:
 
     @property
     def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler is not None else 1.0
+        if self.scaler is None:
+            return 1.0
+        assert self.scaler.scale is not None  # set by DynamicLossScaler.__post_init__
+        return self.scaler.scale
 
     @torch.no_grad()
-    def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
+    def unscale_and_check(self, params: Iterable[torch.Tensor]) -> bool:
         """Divide gradients by the loss scale; True if any rank anywhere has an inf / NaN.
 
         Collective over the whole world in fp16 (every rank must call it); free otherwise.
@@ -123,7 +127,7 @@ class Precision:
             return False
         grads = [p.grad for p in params if p.grad is not None]
         flag = torch.zeros(1, dtype=torch.float32, device=self.device)
-        inv = torch.full((1,), 1.0 / self.scaler.scale, dtype=torch.float32, device=self.device)
+        inv = torch.full((1,), 1.0 / self.loss_scale, dtype=torch.float32, device=self.device)
         if grads:  # one fused kernel: multiply by 1/scale and flag any inf / NaN
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
         if dist.is_initialized() and dist.get_world_size() > 1:

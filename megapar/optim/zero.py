@@ -39,7 +39,8 @@ on the other dp ranks;
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NoReturn, overload
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,9 @@ class ZeroOptimizer(AdamWOptimizer):
         self._offset: dict[int, int] = {}
         """id(parameter) -> its offset inside its bucket."""
         self._pending: dict | None = None
-        self.grad_sync = None
+        self.grad_sync: Any = None
+        """The sharded grad sync attached (`Zero1Buckets` / `Zero2Buckets`, ZeRO-3's
+        `ShardedParams`); None before `attach`."""
         self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
         super().__init__(
             named_params, lr, weight_decay, betas, eps, kind, tp_group, offload=offload
@@ -173,8 +176,13 @@ class ZeroOptimizer(AdamWOptimizer):
         self.allocate_state()  # into the room the parameters moved out of
 
     # step -----------------------------------------------------------------------------------
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> NoReturn: ...
+
     @torch.no_grad()
-    def step(self, closure=None) -> None:
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         if self.dp > 1 and not self.sharded:
             raise RuntimeError(
                 "ZeroOptimizer.step() before attach(grad_sync): the distributed "
@@ -196,7 +204,7 @@ class ZeroOptimizer(AdamWOptimizer):
         are in flight, and a large bucket goes in pieces (`shard_comm.all_gather`)."""
         host = self.grad_sync.host_waits
         bound = self.grad_sync.MAX_COPIES_IN_FLIGHT if host else None
-        handles = []
+        handles: list[Any] = []
         for b in self.grad_sync.buckets:
             flat = buffers[b.params[0].dtype][b.start : b.start + b.padded]
             if bound is not None and len(handles) >= bound:
@@ -213,7 +221,7 @@ class ZeroOptimizer(AdamWOptimizer):
         reduced gradients are only this rank's slices (ZeRO-2, ZeRO-3). Every tp rank has the
         same bucket (unit) layout, so its pieces line up. Returns the pieces summed."""
         grads = [
-            t.grad
+            _grad(t)
             for t, (p, _, _) in zip(self.pieces, self._piece_of)
             if getattr(p, "sequence_parallel", False)
         ]
@@ -231,7 +239,7 @@ class ZeroOptimizer(AdamWOptimizer):
             offset += g.numel()
         return len(grads)
 
-    def grad_tensors(self) -> list[torch.Tensor]:
+    def grad_tensors(self) -> Sequence[torch.Tensor]:
         """Tensors whose ``.grad`` this rank's step reads (for the fp16 unscale / inf check)."""
         return self.pieces if self.sharded else self.params
 
@@ -241,7 +249,7 @@ class ZeroOptimizer(AdamWOptimizer):
         parameter counted once as in `clip.py`; clip the local slices to max_norm."""
 
         counted = [
-            t.grad for t, (p, _, _) in zip(self.pieces, self._piece_of) if is_counted(p, mesh)
+            _grad(t) for t, (p, _, _) in zip(self.pieces, self._piece_of) if is_counted(p, mesh)
         ]
         total = torch.zeros((), dtype=torch.float32, device=mesh.device)
         if counted:
@@ -252,7 +260,7 @@ class ZeroOptimizer(AdamWOptimizer):
         if max_norm > 0 and math.isfinite(norm) and self.pieces:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
-                torch._foreach_mul_([t.grad for t in self.pieces], coef)
+                torch._foreach_mul_([_grad(t) for t in self.pieces], coef)
         return norm
 
     def _full_norms(
@@ -308,6 +316,7 @@ class ZeroOptimizer(AdamWOptimizer):
                 mine = parts[0]  # dp rank 0's own slice is gathered in place
                 for p in b.params:
                     if id(p) in piece:
+                        assert self.inner is not None  # it steps this piece
                         t, s, e = piece[id(p)]
                         state = self.inner.state.get(t, {}).get(key)
                         if state is not None:
@@ -326,6 +335,8 @@ class ZeroOptimizer(AdamWOptimizer):
     def _held_state(self) -> list[tuple[nn.Parameter, dict]]:
         if not self.sharded:
             return super()._held_state()
+        if self.inner is None:  # no piece: it owns nothing
+            return []
         return [
             (p, {**self.inner.state[t], "elements": (s, e)})
             for t, (p, s, e) in zip(self.pieces, self._piece_of)
@@ -339,6 +350,7 @@ class ZeroOptimizer(AdamWOptimizer):
         elements = tuple(state.pop("elements", ()))
         for t, (q, s, e) in zip(self.pieces, self._piece_of):
             if q is p and elements == (s, e):
+                assert self.inner is not None  # it steps this piece
                 self.inner.state[t] = {
                     k: v.to(t.device) if k != "step" else v for k, v in state.items()
                 }
@@ -420,3 +432,9 @@ def build_optimizer(
         f"--zero {zero} is not supported; use 0 (no sharding), 1 (optimizer "
         f"state sharded over data-parallel ranks) or 2 (gradients too)"
     )
+
+
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    """A piece's gradient (`attach` gives every piece one)."""
+    assert t.grad is not None
+    return t.grad

@@ -57,7 +57,8 @@ class Zero3Optimizer(ZeroOptimizer):
                 "ShardedParams keeps the parameter shards on the host "
                 "(offload): the optimizer must step there too (offload=True)"
             )
-        self.host_masters = {} if offloaded else None
+        host_masters: dict[int, torch.Tensor] = {}
+        self.host_masters = host_masters if offloaded else None
         for u in grad_sync.units:
             if offloaded:  # views of the staging shard need its storage while they are made
                 u.shard.untyped_storage().resize_(u.shard_nbytes)
@@ -71,7 +72,7 @@ class Zero3Optimizer(ZeroOptimizer):
                 piece = u.shard[at + start : at + end]
                 piece.grad = u.grad_shard[at + start : at + end]
                 if offloaded:  # the weights live in the host shard: the host step's masters
-                    self.host_masters[id(piece)] = u.host_shard[at + start : at + end]
+                    host_masters[id(piece)] = u.host_shard[at + start : at + end]
                 self.pieces.append(piece)
                 self._piece_of.append((p, start, end))
             if offloaded:

@@ -50,10 +50,14 @@ def shard_range(full: int, local: int, tp_rank: int) -> tuple[int, int]:
     return start, min(full, start + local)
 
 
-def shard_of(full_tensor: torch.Tensor, dim: int | None, local: int, tp_rank: int) -> torch.Tensor:
-    """The shard of `full_tensor` that tp rank holds, zero-padded to `local` along `dim`."""
+def shard_of(
+    full_tensor: torch.Tensor, dim: int | None, local: int | None, tp_rank: int
+) -> torch.Tensor:
+    """The shard of `full_tensor` that tp rank holds, zero-padded to `local` along `dim`
+    (`local`: None when `dim` is, nothing being sharded)."""
     if dim is None:
         return full_tensor.clone()
+    assert local is not None  # a sharded dim has a local size
     start, stop = shard_range(full_tensor.shape[dim], local, tp_rank)
     piece = full_tensor.narrow(dim, start, stop - start)
     if stop - start == local:
