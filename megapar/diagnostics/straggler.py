@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,7 +96,7 @@ class StragglerReport:
     def fields(self) -> dict:
         """The step log's fields (`--log-json`)."""
         slowest = max(range(len(self.compute_s)), key=self.compute_s.__getitem__)
-        out = {
+        out: dict[str, Any] = {
             "compute_s_median": statistics.median(self.compute_s),
             "compute_s_max": self.compute_s[slowest],
             "compute_s_max_rank": slowest,
