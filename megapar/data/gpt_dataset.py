@@ -11,7 +11,6 @@ samples is ``(len(stream) - 1) // seq_len``; the incomplete tail is dropped.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import numpy as np
 import torch
@@ -19,7 +18,7 @@ import torch
 from megapar.data.indexed import IndexedDataset
 
 #: A set of documents: ``None`` (all), a ``(start, end)`` range, or an array of doc indices.
-DocRange = Union[None, tuple[int, int], Sequence[int], np.ndarray]
+DocRange = None | tuple[int, int] | Sequence[int] | np.ndarray
 
 
 def split_documents(num_docs: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -101,7 +100,8 @@ class TokenStream:
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """Samples ``dict(input_ids, labels)`` (``LongTensor[seq_len]`` each); see the module docstring."""
+    """Samples ``dict(input_ids, labels)`` (``LongTensor[seq_len]`` each); see the module
+    docstring."""
 
     def __init__(self, indexed: IndexedDataset, seq_len: int, doc_range: DocRange = None):
         if seq_len < 1:
@@ -112,7 +112,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.num_samples = max(0, (len(self.stream) - 1) // self.seq_len)
         if self.num_samples == 0:
             raise ValueError(
-                f"{indexed.prefix}: the selected documents hold {len(self.stream)} tokens, fewer than "
+                f"{indexed.prefix}: the selected documents hold {len(self.stream)} tokens, "
+                f"fewer than "
                 f"one window of --seq-len + 1 = {self.seq_len + 1}; use more data or a shorter "
                 f"--seq-len"
             )

@@ -124,7 +124,8 @@ class IndexedDatasetBuilder:
         if arr.size > 1 and (arr.min() < 0 or arr.max() >= self.vocab_size):
             raise ValueError(
                 f"token id {int(arr.max())} or {int(arr.min())} is outside the vocabulary "
-                f"[0, {self.vocab_size}); the tokenizer and vocab_size passed to the builder disagree"
+                f"[0, {self.vocab_size}); the tokenizer and vocab_size passed to the builder "
+                f"disagree"
             )
         self.max_id = max(self.max_id, int(arr.max()))
         self._bin.write(arr.astype(self.dtype).tobytes())
@@ -277,7 +278,8 @@ class IndexedDataset:
         if meta.get("format") != FORMAT_NAME or meta.get("version") != FORMAT_VERSION:
             raise ValueError(
                 f"{prefix}.json is format {meta.get('format')!r} version {meta.get('version')!r}, "
-                f"expected {FORMAT_NAME!r} version {FORMAT_VERSION}; regenerate it with megapar-data"
+                f"expected {FORMAT_NAME!r} version {FORMAT_VERSION}; regenerate it with "
+                f"megapar-data"
             )
         self.prefix = prefix
         self.meta: dict[str, Any] = meta
@@ -323,7 +325,8 @@ class IndexedDataset:
         """A copy of ``tokens[start:start+length]`` as ``int64``."""
         if start < 0 or length < 0 or start + length > self.num_tokens:
             raise IndexError(
-                f"token range [{start}, {start + length}) is outside the dataset's {self.num_tokens} tokens"
+                f"token range [{start}, {start + length}) is outside the dataset's "
+                f"{self.num_tokens} tokens"
             )
         return np.asarray(self.tokens[start : start + length], dtype=np.int64)
 

@@ -60,7 +60,8 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
-    """Input paths with directories replaced by their ``.txt``/``.jsonl`` files (recursive, sorted)."""
+    """Input paths with directories replaced by their ``.txt``/``.jsonl`` files (recursive,
+    sorted)."""
     files: list[str] = []
     for path in inputs:
         path = os.fspath(path)

@@ -62,12 +62,14 @@ def _as_special_tokens(special: Any, indexed: IndexedDataset) -> SpecialTokens:
             **ids,
         )
     raise TypeError(
-        f"tokenizer_special_ids must be SpecialTokens, Tokenizer or a dict, not {type(special).__name__}"
+        f"tokenizer_special_ids must be SpecialTokens, Tokenizer or a dict, not "
+        f"{type(special).__name__}"
     )
 
 
 class MLMDataset(torch.utils.data.Dataset):
-    """Samples ``dict(input_ids, token_type_ids, attention_mask, labels)``, each ``LongTensor[seq_len]``."""
+    """Samples ``dict(input_ids, token_type_ids, attention_mask, labels)``, each
+    ``LongTensor[seq_len]``."""
 
     def __init__(
         self,
@@ -92,7 +94,8 @@ class MLMDataset(torch.utils.data.Dataset):
         self.chunk_start, self.chunk_len = self._build_chunks(doc_range)
         if len(self.chunk_start) == 0:
             raise ValueError(
-                f"{indexed.prefix}: no document in the selection has the 2 tokens an MLM sample needs"
+                f"{indexed.prefix}: no document in the selection has the 2 tokens an MLM "
+                f"sample needs"
             )
 
     def _build_chunks(self, doc_range: DocRange) -> tuple[np.ndarray, np.ndarray]:

@@ -26,9 +26,9 @@ is counted into ``stats["empty_docs"]`` (megapar-data warns); when every documen
 tokenizer cannot encode the text and nothing is written (an error).
 Bytes that are not valid UTF-8 become U+FFFD and are counted: more than
 ``MAX_INVALID_UTF8`` of a file's bytes (binary data, another encoding) is an error unless
-``allow_invalid_utf8`` (CLI ``--allow-invalid-utf8``); fewer are reported as a warning.  Tokenization runs in a ``multiprocessing`` pool
-when ``workers > 1``; documents are processed in order (``imap``), so the output is
-byte-identical whatever the number of workers.
+``allow_invalid_utf8`` (CLI ``--allow-invalid-utf8``); fewer are reported as a warning.
+Tokenization runs in a ``multiprocessing`` pool when ``workers > 1``; documents are processed
+in order (``imap``), so the output is byte-identical whatever the number of workers.
 """
 
 from __future__ import annotations
@@ -40,26 +40,13 @@ import json
 import multiprocessing as mp
 import os
 import re
+from collections import deque
 from collections.abc import Iterator, Sequence
 
+import sentencepiece as spm
 from tqdm import tqdm
 
 from megapar.data.indexed import IndexedDatasetBuilder, remove_stale_tmps, tmp_name
-from megapar.data.tokenizers import (
-    APPENDED_ORDER,
-    Tokenizer,
-    load_tokenizer,
-    tokenizer_files,
-)
-
-#: Documents handed to a worker at a time.
-BATCH_DOCS = 16
-#: Above this many input bytes, ``workers=None`` uses a pool of several workers.
-POOL_THRESHOLD_BYTES = 8 << 20
-from collections import deque
-
-import sentencepiece as spm
-
 from megapar.data.inputs import (  # noqa: F401 - re-exported
     INPUT_SUFFIXES,
     MAX_INVALID_UTF8,
@@ -68,7 +55,18 @@ from megapar.data.inputs import (  # noqa: F401 - re-exported
     normalize_newlines,
     read_text,
 )
+from megapar.data.tokenizers import (
+    APPENDED_ORDER,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_files,
+)
 from megapar.device import cpu_cores
+
+#: Documents handed to a worker at a time.
+BATCH_DOCS = 16
+#: Above this many input bytes, ``workers=None`` uses a pool of several workers.
+POOL_THRESHOLD_BYTES = 8 << 20
 
 
 def _batched(docs: Iterator[tuple[str, int]], n: int) -> Iterator[tuple[list[str], int]]:

@@ -45,7 +45,8 @@ class GlobalBatchSampler:
         if global_batch_size % (micro_batch_size * dp_size) != 0:
             raise ValueError(
                 f"global batch size {global_batch_size} is not divisible by micro-batch size "
-                f"{micro_batch_size} x dp {dp_size} = {micro_batch_size * dp_size}; choose a global "
+                f"{micro_batch_size} x dp {dp_size} = {micro_batch_size * dp_size}; "
+                f"choose a global "
                 f"batch size that is a multiple of {micro_batch_size * dp_size}"
             )
         if not 0 <= dp_rank < dp_size:
@@ -97,7 +98,8 @@ class GlobalBatchSampler:
         )
 
     def global_batch(self, epoch: int, k: int) -> list[int]:
-        """All ``global_batch_size`` sample indices of global batch ``k`` of ``epoch`` (all ranks)."""
+        """All ``global_batch_size`` sample indices of global batch ``k`` of ``epoch``
+        (all ranks)."""
         if not 0 <= k < self.batches_per_epoch:
             raise IndexError(f"global batch {k} outside the epoch's {self.batches_per_epoch}")
         g = self.global_batch_size
@@ -125,7 +127,8 @@ class GlobalBatchSampler:
         if consumed < 0 or consumed % self.global_batch_size != 0:
             raise ValueError(
                 f"consumed_samples {consumed} is not a non-negative multiple of the global batch "
-                f"size {self.global_batch_size}; resume with the global batch size of the checkpoint"
+                f"size {self.global_batch_size}; resume with the global batch size of the "
+                f"checkpoint"
             )
 
     def state_dict(self) -> dict[str, Any]:
@@ -140,7 +143,8 @@ class GlobalBatchSampler:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict`; the next global batch is the one after the saved position."""
+        """Resume from :meth:`state_dict`; the next global batch is the one after the saved
+        position."""
         for key in ("global_batch_size", "seed", "dataset_len", "shuffle"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(

@@ -145,7 +145,8 @@ class Tokenizer:
         )
 
     def spec(self) -> dict[str, Any]:
-        """JSON-able description recorded in a dataset index; ``load_tokenizer(spec()["path"])`` reloads it."""
+        """JSON-able description recorded in a dataset index;
+        ``load_tokenizer(spec()["path"])`` reloads it."""
         return {
             "kind": self.kind,
             "path": self.path,

@@ -162,7 +162,8 @@ def _count_merges(path: str) -> int:
 
 
 def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
-    """Load a tokenizer from ``spec`` (see the module docstring), or from a ``Tokenizer.spec()`` dict."""
+    """Load a tokenizer from ``spec`` (see the module docstring), or from a
+    ``Tokenizer.spec()`` dict."""
     if isinstance(spec, dict):
         if "path" not in spec:
             raise ValueError(f"tokenizer spec {spec!r} has no 'path'; pass a Tokenizer.spec() dict")
@@ -184,7 +185,8 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
         missing = [p for p in (vocab, merges) if not os.path.isfile(p)]
         if missing:
             raise FileNotFoundError(
-                f"tokenizer directory {spec!r} lacks {', '.join(os.path.basename(m) for m in missing)}; "
+                f"tokenizer directory {spec!r} lacks "
+                f"{', '.join(os.path.basename(m) for m in missing)}; "
                 "a GPT-2 BPE directory needs vocab.json and merges.txt"
             )
         tok = _load_gpt2_bpe(vocab, merges, os.path.abspath(spec))

@@ -26,11 +26,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from megapar.checkpoint.hf import hf_parameter_names
+
+if TYPE_CHECKING:
+    from megapar.pipeline.executor import PipelineExecutor
 
 LAYER_NAME = re.compile(r"\.(h|layer|layers)\.\d+(\.|$)")
 """A transformers name inside one layer (`transformer.h.2`, `bert.encoder.layer.0.attention`)."""
@@ -109,7 +113,7 @@ class ModuleTrace:
         """Called with (key, module name, micro-batch, module, output) at each forward
         output event (`replay`)."""
         self.current = None  # (action kind, micro-batch, chunk) while an action runs
-        self.executor = None
+        self.executor: PipelineExecutor | None = None
         self.calls = 0
 
     # keys -----------------------------------------------------------------------------------
@@ -127,6 +131,7 @@ class ModuleTrace:
         return ((((mb * 2 + int(backward)) << 12) + position) << 28) + self.calls
 
     def _virtual_stage(self, chunk: int) -> int:
+        assert self.executor is not None  # called only while attached (`key`)
         return self.executor.virtual_stage(chunk)
 
     def describe(self, key: int) -> str:

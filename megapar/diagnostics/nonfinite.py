@@ -53,6 +53,7 @@ def locate(engine, kept: KeptStep | None) -> str:
         )
     where = first_over_ranks(rerun(engine, kept, trace), engine.mesh, kept.step)
     if recorder is not None:
+        assert save is not None  # a recorder is made only with --save
         set_action(f"writing the record of step {kept.step}")
         recorder.write(save, kept.step)
         where += f"; its record for --replay: {record_paths(save, kept.step)[0]}"

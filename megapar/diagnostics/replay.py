@@ -118,7 +118,8 @@ class StepRecorder:
         """Each module's weight-gradient squared norm over this rank's parameters, as this rank
         adds it to the combined one (tp slices summed; replicated ones from tp rank 0 only;
         dp and cp replicas from their rank 0 only)."""
-        mesh, out = self.mesh, {}
+        mesh = self.mesh
+        out: dict[str, float] = {}
         if (
             not self.grads
             or mesh.dp_rank
@@ -247,7 +248,9 @@ def check_record(path: str | Path, step: int, model: dict, flag: str) -> list[st
 
 
 def _merge(parts: list[bytes]) -> tuple[list[dict], list[float], dict[str, float]]:
-    entries, sq, grads = [], [], {}
+    entries: list[dict] = []
+    sq: list[float] = []
+    grads: dict[str, float] = {}
     for raw in parts:
         data = json.loads(raw)
         entries += data["entries"]
@@ -334,6 +337,7 @@ class StepReplay:
         width = out.shape[-1] * (mesh.tp if part == "features" else 1)
         lo_f, hi_f = _features(part, width, mesh.tp, mesh.tp_rank)
         for i in self.by_module.get(name, ()):
+            assert self.record is not None  # by_module indexes its entries
             e = self.record["entries"][i]
             lo, hi = max(e["samples"][0], first), min(e["samples"][1], first + out.shape[0])
             f0, f1 = _features(e["part"], width, e["tp_size"], e["tp"])

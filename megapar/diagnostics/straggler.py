@@ -7,19 +7,19 @@ its own work in the step, in its device's time (`Engine._compute_s`): on CUDA th
 forward and backward actions less the time they spent in their own tp / cp collectives
 (`megapar.comm_wait`), where the other ranks of the group wait for the slowest; on the CPU the
 CPU time of its computing thread (time blocked in a wait, or taken by other processes of a
-shared host, is not its work). Its *wait* time is the rest of the step's wall time. A slow rank has
-the larger compute time; the others the larger wait.
+shared host, is not its work). Its *wait* time is the rest of the step's wall time. A slow rank
+has the larger compute time; the others the larger wait.
 
 `StragglerDetector.add` keeps the sums of a rank's steps and its least compute time in one;
 `report` (collective: one all-gather of four numbers per rank over the whole world, with the
 run's timeout) compares them. The compute time compared is the least of the interval's steps:
 interference (a page fault, a collector pause, a cache cold after a neighbour's job) only ever
-adds time, and to some steps, while a slow device slows every step. A rank is *slow in an interval* when that
-compute time is more than `factor` times the median of the ranks doing the same work (the
-other ranks of its pipeline stage; a rank alone in its stage, whose work no other rank does,
-against its own earlier intervals: `references`) and more than `MIN_EXCESS_S` above it; it is
-*named* once it has been slow in `INTERVALS` log intervals in a row. The reasoning behind the
-thresholds is in docs/guides/faults.md.
+adds time, and to some steps, while a slow device slows every step. A rank is *slow in an
+interval* when that compute time is more than `factor` times the median of the ranks doing the
+same work (the other ranks of its pipeline stage; a rank alone in its stage, whose work no other
+rank does, against its own earlier intervals: `references`) and more than `MIN_EXCESS_S` above
+it; it is *named* once it has been slow in `INTERVALS` log intervals in a row. The reasoning
+behind the thresholds is in docs/guides/faults.md.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,7 +96,7 @@ class StragglerReport:
     def fields(self) -> dict:
         """The step log's fields (`--log-json`)."""
         slowest = max(range(len(self.compute_s)), key=self.compute_s.__getitem__)
-        out = {
+        out: dict[str, Any] = {
             "compute_s_median": statistics.median(self.compute_s),
             "compute_s_max": self.compute_s[slowest],
             "compute_s_max_rank": slowest,

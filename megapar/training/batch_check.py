@@ -45,7 +45,7 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
     bert = config.model_type == "bert"
     allowed = BERT_KEYS if bert else DECODER_KEYS
     out = {}
-    shape = None
+    shape: tuple[int, ...] | None = None
     for key, value in batch.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(
@@ -93,6 +93,7 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
     if value_range := _out_of_range(out, config):
         raise ValueError(f"{what}: {value_range}")
     limit = config.max_positions
+    assert shape is not None  # input_ids is in the batch (checked above)
     if shape[1] > limit:
         raise ValueError(
             f"{what}: sequences of {shape[1]} tokens are longer than the model's "
@@ -119,10 +120,10 @@ def _out_of_range(batch: dict[str, torch.Tensor], config) -> str:
         )
     labels = batch.get("labels")
     if labels is not None and labels.numel():
-        bad = labels[(labels != -100) & ((labels < 0) | (labels >= vocab))]
-        if bad.numel():
+        bad_labels = labels[(labels != -100) & ((labels < 0) | (labels >= vocab))]
+        if bad_labels.numel():
             return (
-                f"label {int(bad[0])} is outside the vocabulary of {vocab} tokens (0 to "
+                f"label {int(bad_labels[0])} is outside the vocabulary of {vocab} tokens (0 to "
                 f"{vocab - 1}; -100 marks a position without a label)"
             )
     types = batch.get("token_type_ids")
@@ -167,6 +168,7 @@ def fingerprint(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ) % _PRIME
         part = (part * 65_599 + salt) % _PRIME
         total = part if total is None else (total * 1_000_003 + part) % _PRIME
+    assert total is not None  # a checked batch holds input_ids
     return total
 
 

@@ -142,7 +142,7 @@ def _worker(config_dict, tp, pp, m, schedule, steps, mbs, seq_len, virtual_stage
     keep_freed_host_memory()  # the model is built: the steps' tensors are kept
     held = _HeldBytes(model.parameters())
     timeline = None
-    for step in range(steps + 1):  # step 0 warms up
+    for _step in range(steps + 1):  # step 0 warms up
         model.zero_grad(set_to_none=True)
         held.peak = held.now
         with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
@@ -278,7 +278,7 @@ def stage_costs(timeline, p2p_ms: float) -> list[dict]:
     out = []
     for rank in timeline.ranks():
 
-        def mean(kind):
+        def mean(kind, rank=rank):
             d = [e.end - e.start for e in timeline.events if e.kind == kind and e.rank == rank]
             return 1e3 * sum(d) / len(d) if d else None
 

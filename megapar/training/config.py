@@ -227,6 +227,10 @@ class TrainConfig:
     debug: bool = False
     """Print a failing worker's full traceback on the terminal (it is always in the per-rank log)."""
 
+    # Not a field (no annotation, so no flag): the settings the user gave, set by `parse_args`
+    # and `settings_from_checkpoint`; None for a config built in code (`validate.explicit`).
+    explicit = None  # type: frozenset[str] | None
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -234,14 +238,17 @@ class TrainConfig:
 def field_docs() -> dict[str, str]:
     """Each field's docstring (the string literal right after it in the class body)."""
     tree = ast.parse(inspect.getsource(TrainConfig))
-    body = tree.body[0].body
-    docs = {}
+    cls = tree.body[0]
+    assert isinstance(cls, ast.ClassDef)
+    body = cls.body
+    docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:]):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(nxt, ast.Expr)
-            and isinstance(getattr(nxt, "value", None), ast.Constant)
+            and isinstance(nxt.value, ast.Constant)
         ):
+            assert isinstance(node.target, ast.Name)  # a class body annotates names
             docs[node.target.id] = str(nxt.value.value)
     return docs
 
@@ -249,11 +256,14 @@ def field_docs() -> dict[str, str]:
 def field_groups() -> dict[str, str]:
     """Each field's group (a key of `GROUPS`): the ``# --- group ---`` line above it in the
     class body."""
-    names, group, out = {f.name for f in fields(TrainConfig)}, None, {}
+    names = {f.name for f in fields(TrainConfig)}
+    group: str | None = None
+    out: dict[str, str] = {}
     for line in inspect.getsource(TrainConfig).splitlines():
         if opened := GROUP_LINE.match(line):
             group = opened.group(1)
         elif (field := FIELD_LINE.match(line)) and field.group(1) in names:
+            assert group is not None  # the class body opens with a group line
             out[field.group(1)] = group
     return out
 
@@ -350,13 +360,14 @@ def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
                 help=docs.get(f.name, "") + default,
             )
         else:
+            nargs: dict[str, Any] = {"nargs": "+"} if f.name in MULTI_VALUE else {}
             group.add_argument(
                 flag,
                 type=kind,
                 default=None,
                 choices=choices.get(f.name),
                 help=docs.get(f.name, "") + default,
-                **({"nargs": "+"} if f.name in MULTI_VALUE else {}),
+                **nargs,
             )
     return parser
 

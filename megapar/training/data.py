@@ -29,11 +29,12 @@ from megapar.data import (
     load_tokenizer,
 )
 from megapar.data.blended import BlendedDataset, data_paths, parse_blend
+from megapar.data.gpt_dataset import DocRange
 from megapar.data.indexed import check_index_magic
 from megapar.data.inputs import expand_inputs, is_raw_text
 from megapar.data.megatron import is_megatron_index
 from megapar.data.preprocess import file_sha256
-from megapar.data.tokenizers import encodes_alike, same_tokenizer, tokenizer_files
+from megapar.data.tokenizers import Tokenizer, encodes_alike, same_tokenizer, tokenizer_files
 from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
@@ -231,7 +232,7 @@ def check_given_tokenizer(given: str, data: str, tokenizer) -> None:
 
 
 def check_checkpoint_tokenizer(
-    load: str, manifest: dict, tokenizer, data: str, text_tokenizer: str | None = None
+    load: str | None, manifest: dict, tokenizer, data: str, text_tokenizer: str | None = None
 ) -> None:
     """The tokenizer of `data` is the one the --load checkpoint trained with: the same kind and
     files (their sha256, wherever they lie now) as the checkpoint records in meta
@@ -251,6 +252,7 @@ def check_checkpoint_tokenizer(
     same_kind = tokenizer.kind == recorded.get("kind")
     if same_kind and digests == recorded["sha256"]:
         return
+    trained: Tokenizer | None
     try:  # the recorded tokenizer as it trained: loadable, its files unchanged
         trained = load_tokenizer(recorded)
         if [file_sha256(p) for p in tokenizer_files(trained)] != recorded["sha256"]:
@@ -274,10 +276,11 @@ def check_checkpoint_tokenizer(
             f"use data made with megapar-data --tokenizer {theirs}",
         )
     same_path = str(tokenizer.path) == str(theirs)
+    changed = " (sha256 " + ",".join(d[:12] for d in digests) + ", changed since)"
     raise UsageError(
         f"--load {load} trained with the tokenizer {theirs} (sha256 "
         f"{','.join(d[:12] for d in recorded['sha256'])}) but {ours}"
-        f"{' (sha256 ' + ','.join(d[:12] for d in digests) + ', changed since)' if same_path else ''}"
+        f"{changed if same_path else ''}"
         f": its token ids would be other tokens to the model; {fix}"
     )
 
@@ -481,16 +484,16 @@ def _build_one(cfg: TrainConfig, prefix: str, model_type: str, notes: list[str] 
     if note and notes is not None:
         notes.append(note)
     if model_type in CAUSAL_LM_TYPES:
-        make = lambda docs: GPTDataset(indexed, cfg.seq_len, doc_range=docs)  # noqa: E731
+
+        def make(docs: DocRange) -> GPTDataset | MLMDataset:
+            return GPTDataset(indexed, cfg.seq_len, doc_range=docs)
+
     else:
         special = load_tokenizer(indexed.tokenizer_spec)
-        make = lambda docs: MLMDataset(
-            indexed,
-            cfg.seq_len,
-            special,
-            cfg.seed,  # noqa: E731
-            doc_range=docs,
-        )
+
+        def make(docs: DocRange) -> GPTDataset | MLMDataset:
+            return MLMDataset(indexed, cfg.seq_len, special, cfg.seed, doc_range=docs)
+
     train = make(train_docs)
     val = make(val_docs) if val_docs is not None else None
     return train, val

@@ -21,6 +21,7 @@ import torch
 from megapar import comm_wait
 from megapar.checkpoint.async_save import AsyncSaver
 from megapar.checkpoint.distributed import (
+    SavedState,
     capture,
     load_checkpoint,
     save_checkpoint,
@@ -141,7 +142,7 @@ class Engine:
         )
         """Straggler detection (compared by `stragglers()`), `--inject-slow`'s slowdown and the
         `--inject-corrupt` testing tool's hooks; each None when off (`diagnostics.probes`)."""
-        self._executors: dict[int, object] = {}
+        self._executors: dict[int, PipelineExecutor] = {}
         self.executor = self.executor_for(cfg.seq_len)
         self.step_fn = TrainStep(
             self.model,
@@ -407,18 +408,20 @@ class Engine:
         return HostStage(self.model, self.sharded_params.host_params(writer))
 
     def _save_in_background(self, path, meta: dict) -> Path:
+        assert self.saver is not None  # called with async_save only
         self.saver.wait()  # at most one write in flight
         set_action(f"copying the checkpoint of step {self.step} to host memory")
         optim = self.optimizer.state_tensors(copy=False)  # copied into the saver's buffers
         gathered = getattr(self.optimizer, "sharded", False)  # ZeRO-1: fresh host copies
+        host: SavedState | CheckpointError
         try:
             state = capture(self.step, self.saved_model(), self.mesh, optim, meta, self.rng_state())
             tensors = state.shard[1] if state.shard is not None else {}
             private = frozenset(k for k in tensors if gathered and k.startswith("optim/"))
-            state = self.saver.host_copy(state, private)
+            host = self.saver.host_copy(state, private)
         except CheckpointError as exc:
-            state = exc  # raised on every rank when the write ends
-        return self.saver.start(path, state, self.step)
+            host = exc  # raised on every rank when the write ends
+        return self.saver.start(path, host, self.step)
 
     def wait_save(self) -> Path | None:
         """Wait for the background save in flight (with `async_save`) and return the step

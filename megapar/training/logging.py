@@ -120,7 +120,11 @@ class MetricsLogger(NullLogger):
 
             mode, why = wandb_mode()
             self.message(f"W&B: {mode} ({why})")
-            self.wandb = wandb.init(project=cfg.wandb_project, config=run_config, mode=mode)
+            self.wandb = wandb.init(
+                project=cfg.wandb_project,
+                config=run_config,
+                mode=mode,  # type: ignore[arg-type]  # WANDB_MODE as given: wandb checks it
+            )
 
     def message(self, text: str) -> None:
         if self.bar is not None:

@@ -59,6 +59,9 @@ from megapar.training.validate import explicit
 class TrainingError(RuntimeError):
     """A failure on one rank, naming the rank and the step."""
 
+    no_traceback: bool = False
+    """Set from the exception it wraps: a clean stop is reported in one line."""
+
 
 def _num_params(model, mesh: Mesh) -> tuple[int, int]:
     """(parameters of the model, as transformers and megapar-convert --info count them;
@@ -85,6 +88,7 @@ class Trainer:
         self.mesh = mesh = engine.mesh
         self.model, self.executor, self.precision = engine.model, engine.executor, engine.precision
         self.optimizer, self.scheduler = engine.optimizer, engine.scheduler
+        assert plan.prefix is not None  # only a dry run (which trains nothing) has no data
         self.train_ds, self.val_ds = build_datasets(cfg, plan.prefix, self.config.model_type)
         self.data_fingerprint = plan.data_fingerprint  # recorded in checkpoints
 
@@ -97,7 +101,7 @@ class Trainer:
         if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see
             self.notes.append(self.train_ds.describe(planned_samples(self.sampler, cfg.max_steps)))
 
-        resume = bool(cfg.load) and (cfg.load_strict or has_checkpoint(cfg.load))
+        resume = bool(cfg.load and (cfg.load_strict or has_checkpoint(cfg.load)))
         if cfg.load and not resume:
             self.notes.append(
                 f"--load {cfg.load}: no checkpoint there yet, starting from scratch "
@@ -107,6 +111,7 @@ class Trainer:
             self._load_hf(cfg.from_hf)
         self.resumed = resume
         if resume:
+            assert cfg.load is not None  # resume: --load names a checkpoint
             self._resume(cfg.load)
         self.n_params, allocated = _num_params(self.model, mesh)
         self.flops_per_token = training_flops_per_token(self.config, cfg.seq_len)
@@ -183,6 +188,7 @@ class Trainer:
             )
         if self.engine.saver is not None:  # at most one write in flight
             self.log_saved(logger, self.engine.wait_save())
+        assert self.cfg.save is not None  # called only with --save
         path = self.engine.save(
             self.cfg.save,
             {
@@ -223,6 +229,7 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
     def record(self) -> dict | None:
         """The record --replay compares with (None: none found)."""
+        assert self.cfg.load is not None  # --replay re-runs a step from --load's checkpoint
         path = self.cfg.replay_against or find_record(self.cfg.load, self.cfg.replay)
         return load_record(path) if path else None
 
@@ -266,7 +273,7 @@ class Trainer:
         """Step `at` run under `--record-step` (recorded) or `--replay` (compared with the
         record and reported); returns its result, or None after a replay (the run ends)."""
         cfg = self.cfg
-        watch = (
+        watch: StepReplay | StepRecorder = (
             StepReplay(self.engine, cfg.global_batch_size, self.record())
             if at == cfg.replay
             else StepRecorder(self.engine, cfg.global_batch_size)
@@ -274,8 +281,11 @@ class Trainer:
         with watch.trace.attached(self.engine.executor_for(cfg.seq_len)):
             result = self.engine.run_step(micro_batches)
         if at == cfg.replay:
+            assert isinstance(watch, StepReplay)
             logger.message(watch.report() or "")
             return None
+        assert isinstance(watch, StepRecorder)
+        assert cfg.save is not None  # --record-step needs --save (check_settings)
         logger.message(f"recorded step {at}: {watch.write(cfg.save, at)}")
         return result
 
@@ -336,7 +346,7 @@ class Trainer:
         if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
             err.args = (
                 f"{err} -- not saved: steps {(saved or 0) + 1}-{self.step} (last "
-                f"checkpoint: {'step %d' % saved if saved else 'none'})",
+                f"checkpoint: {f'step {saved:d}' if saved else 'none'})",
             )
         return err
 
@@ -356,7 +366,10 @@ class Trainer:
         stop = StopRequests(cfg.exit_duration_mins, cfg.exit_interval, mesh.device)
         # The step resumed from is already saved when it came from --save itself (a requeue).
         save_root = Path(cfg.save).expanduser().resolve() if cfg.save else None
-        loaded = Path(cfg.load).expanduser().resolve() if self.resumed else None
+        loaded = None
+        if self.resumed:
+            assert cfg.load is not None  # resumed from --load
+            loaded = Path(cfg.load).expanduser().resolve()
         saved = self.step if loaded and save_root in (loaded, *loaded.parents) else None
         loaded_step = saved
         try:

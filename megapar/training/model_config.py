@@ -115,6 +115,7 @@ def _check_same_model(cfg: TrainConfig, config) -> None:
     run's model): UsageError naming what differs otherwise. A recipe, or a config file without
     vocab_size, takes the tokenizer's vocabulary: vocab_size is not compared then; neither are
     dropouts, initialisation and token ids."""
+    assert cfg.model is not None  # called with --model given
     path = os.path.expanduser(cfg.model)
     given = recipe(path)
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path

@@ -32,7 +32,7 @@ class StepProfiler:
         self.steps = parse_steps(spec) if spec else None
         self.path = os.path.join(os.path.expanduser(out_dir), f"trace_rank{rank}.json")
         self.device = device
-        self.prof = None
+        self.prof: profile | None = None
 
     def before_step(self, step: int) -> None:
         """Call with the 1-based number of the step about to run."""
@@ -45,7 +45,10 @@ class StepProfiler:
 
     def after_step(self, step: int) -> str | None:
         """Call with the number of the step just run; returns the trace path once written."""
-        if self.prof is None or step < self.steps[1]:
+        if self.prof is None:
+            return None
+        assert self.steps is not None  # a profile is started only on one of `steps`
+        if step < self.steps[1]:
             return None
         self.prof.__exit__(None, None, None)
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)

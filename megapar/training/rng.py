@@ -11,9 +11,9 @@ def rng_state(model: torch.nn.Module, device: torch.device) -> dict[str, torch.T
     out = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         out["cuda"] = torch.cuda.get_rng_state(device)
-    tracker = getattr(model, "tracker", None)
-    if getattr(tracker, "tp_state", None) is not None:
-        out["tp"] = tracker.tp_state
+    tp_state = getattr(getattr(model, "tracker", None), "tp_state", None)
+    if tp_state is not None:
+        out["tp"] = tp_state
     return out
 
 
@@ -24,5 +24,6 @@ def set_rng_state(
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"], device)
-    if "tp" in rng and getattr(model, "tracker", None) is not None:
-        model.tracker.tp_state = rng["tp"]
+    tracker = getattr(model, "tracker", None)
+    if "tp" in rng and tracker is not None:
+        tracker.tp_state = rng["tp"]

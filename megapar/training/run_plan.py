@@ -282,6 +282,7 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[s
             f"--replay-against {cfg.replay_against}: no such record; give the "
             f"records/step_{cfg.replay:08d}.json --record-step wrote"
         )
+    assert cfg.load is not None  # a manifest is --load's checkpoint's
     record = cfg.replay_against or find_record(cfg.load, cfg.replay)
     if record is None:
         raise UsageError(
@@ -307,6 +308,7 @@ def _training_split(
             return False
         return True
 
+    assert plan.prefix is not None  # plan_data returns a plan without data before this
     for _ in range(4):  # a smaller batch can change the validation split: until it settles
         split_notes: list[str] = []
         try:

@@ -29,6 +29,7 @@ and the replicated parameters' tp sum runs on the reduced pieces.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -146,7 +147,8 @@ class TrainStep:
     def _attach(self) -> None:
         """Attach the distributed optimizer to the sharded grad sync; with pp > 1 the tied
         embedding is synchronised inside finish(), before its bucket's reduce-scatter."""
-        last, before = (), None
+        last: Sequence[nn.Parameter] = ()
+        before = None
         if self.mesh.pp > 1:
             last = shared_embedding_params(self.model)
             if last:

@@ -42,7 +42,8 @@ class UsageError(ValueError):
 # --- megapar-train ---------------------------------------------------------------------------
 # (field, kind, lowest allowed, lowest is allowed itself[, (value that turns it off, meaning)]):
 # kind "int" or "float" (finite).
-_RULES = [
+_Rule = tuple[str, str, float, bool] | tuple[str, str, float, bool, tuple[int, str]]
+_RULES: list[_Rule] = [
     ("tp", "int", 1, True),
     ("cp", "int", 1, True),
     ("pp", "int", 1, True),
