@@ -27,8 +27,7 @@ import json
 import os
 import sys
 
-from megapar.pipeline import certify, certify_real, messages
-from megapar.pipeline import simulate as nccl_rules
+from megapar.pipeline import certify, certify_real, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
 from megapar.pipeline.placement import chunks_per_rank
 from megapar.pipeline.schedules import SCHEDULES, check_schedule

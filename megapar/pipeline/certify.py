@@ -10,9 +10,9 @@ one training (or evaluation) step and returns a `Certificate` with one `Check` p
   that produces its tensor, a receive before the compute that consumes it;
 - ``paired``: for every ordered rank pair, the k-th send pairs with the peer's k-th receive and
   both describe the same message (kind, micro-batch, chunk): NCCL pairs by issue order and
-  ignores tags (`simulate.check`);
+  ignores tags (`nccl_rules.check`);
 - ``progress``: every rank's group calls complete under zero buffering, a send finishing only
-  while its receive runs, one group at a time per rank (`simulate.check`): no deadlock;
+  while its receive runs, one group at a time per rank (`nccl_rules.check`): no deadlock;
 - ``pairs``: the messages a rank holds per peer (sends not yet proven received, receives not
   yet consumed, as the executor holds them) stay within `PAIR_BOUND`;
 - ``activations``: the micro-batches in flight per rank (forward done, backward not), counted
@@ -30,8 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from megapar.pipeline import messages
-from megapar.pipeline import simulate as nccl_rules
+from megapar.pipeline import messages, nccl_rules
 from megapar.pipeline.actions import Action, MessageGroup
 from megapar.pipeline.placement import chunks_per_rank, peer_of, placement_of
 from megapar.pipeline.schedules import (

@@ -12,7 +12,7 @@ from torch import nn
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
-from megapar.pipeline import simulate as nccl_rules
+from megapar.pipeline import nccl_rules
 from megapar.pipeline.certify import Certificate, Check, program_actions
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.placement import placement_of, virtual_stage
