@@ -6,7 +6,7 @@ import pytest
 from test_nccl_rules import one_by_one
 
 from megapar.cli.bubble import main as bubble
-from megapar.pipeline import certify, messages
+from megapar.pipeline import certify, certify_real, messages
 from megapar.pipeline.schedules import (
     SCHEDULES,
     Action,
@@ -109,7 +109,7 @@ def test_real_steps_issue_the_certified_groups():
     first, last = (list(p) for p in messages.programs("1f1b", 2, 4))
     broken = certify.certify_programs(
         [swap_sends(first, Action("send_act", 2), Action("send_act", 3)), last], "1f1b", 2, 4)
-    certify.check_real_steps(certs + [broken])
+    certify_real.check_real_steps(certs + [broken])
     assert [c.name for c in certs if not c.checks["real step"].ok] == []
     assert "issued groups = the certified ones" in certs[0].checks["real step"].detail
     detail = broken.checks["real step"].detail

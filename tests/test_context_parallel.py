@@ -23,7 +23,7 @@ from megapar.context_parallel import (
 )
 from megapar.context_parallel.attention import plan
 from megapar.launcher import run_local
-from megapar.pipeline import simulate as nccl_rules
+from megapar.pipeline import nccl_rules
 
 
 def test_split_positions_and_unsplit():

@@ -14,15 +14,23 @@ from megapar.mesh import Layout, Mesh
 from megapar.models import GPT2Config, build_model
 from megapar.plan import Candidate, Problem, check, parse_candidate, stage_memory
 from megapar.plan import memory as mem
-from megapar.plan.estimate import cp_traffic
+from megapar.plan.context_parallel import cp_traffic
 
 S, B, H, HEADS = 32, 3, 32, 4
 
 
 def _saved_at_cp2():
     """Bytes a middle stage (2 GPT-2 layers) keeps for backward on this cp rank."""
-    config = GPT2Config(vocab_size=300, n_positions=S, n_embd=H, n_layer=2, n_head=HEADS,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=300,
+        n_positions=S,
+        n_embd=H,
+        n_layer=2,
+        n_head=HEADS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     model = build_model(config, Mesh(Layout(cp=2), dist.get_rank()), range(2), False, False)
     model.init_weights(0)
     hidden = torch.randn(B, S // 2, H, requires_grad=True)
@@ -33,16 +41,30 @@ def _saved_at_cp2():
 def test_cp_activation_prediction_equals_bytes_a_cp_rank_saves():
     """The planner's per-layer count of s / cp tokens, with the log-sum-exp of cp attention in
     place of the scores, is what each cp rank's forward keeps (fp32, no dropout)."""
-    predicted = 2 * mem.layer_bytes(S // 2, B, H, HEADS, act_bytes=4, dropout=False,
-                                    fused_attention=True, norm_stats=True) + S // 2 * B * H * 4
+    predicted = (
+        2
+        * mem.layer_bytes(
+            S // 2, B, H, HEADS, act_bytes=4, dropout=False, fused_attention=True, norm_stats=True
+        )
+        + S // 2 * B * H * 4
+    )
     for held in run_local(_saved_at_cp2, 2):
         assert held == predicted
-    config = GPT2Config(vocab_size=300, n_positions=S, n_embd=H, n_layer=2, n_head=HEADS,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=300,
+        n_positions=S,
+        n_embd=H,
+        n_layer=2,
+        n_head=HEADS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     problem = Problem(config, 2, 8, 80, B, S, "fp32", "fp32")  # not fused: cp implies it
     at_cp2 = stage_memory(problem, Candidate(mbs=B, cp=2))[0].activations
-    at_cp1 = stage_memory(Problem(config, 1, 8, 80, B, S // 2, "fp32", "fp32",
-                                  fused_attention=True), Candidate(mbs=B))[0].activations
+    at_cp1 = stage_memory(
+        Problem(config, 1, 8, 80, B, S // 2, "fp32", "fp32", fused_attention=True), Candidate(mbs=B)
+    )[0].activations
     assert at_cp2 == at_cp1  # a cp 2 rank's stage holds what cp 1 holds for half the tokens
 
 
@@ -56,14 +78,19 @@ def test_cp_traffic_is_what_cp_attention_sends():
 
     runs = [(kind, "none") for kind in ("gpt2", "bert", "llama")]
     results = run_local(counts._cp_worker, 2, 1, 2, False, runs)[0]
-    names = {"send": "isend", "all-gather": "all_gather_into_tensor",
-             "reduce-scatter": "reduce_scatter_tensor"}
+    names = {
+        "send": "isend",
+        "all-gather": "all_gather_into_tensor",
+        "reduce-scatter": "reduce_scatter_tensor",
+    }
     for (kind, _), (calls, _) in zip(runs, results):
         config = counts.CONFIG_CLASSES[kind](**counts.CONFIGS[kind])
         problem = Problem(config, 2, 8, 80, counts.MBS * counts.M, counts.SEQ, "fp32")
         planned = {}
-        for op, n, nbytes in cp_traffic(problem, Candidate(mbs=counts.MBS, cp=2))["forward"] + \
-                cp_traffic(problem, Candidate(mbs=counts.MBS, cp=2))["backward"]:
+        for op, n, nbytes in (
+            cp_traffic(problem, Candidate(mbs=counts.MBS, cp=2))["forward"]
+            + cp_traffic(problem, Candidate(mbs=counts.MBS, cp=2))["backward"]
+        ):
             key = (names[op], nbytes // 4, 2)
             planned[key] = planned.get(key, 0) + n * counts.L * counts.M
         counted = {k: v for k, v in summary(calls).items() if k[0] in names.values()}
@@ -71,8 +98,19 @@ def test_cp_traffic_is_what_cp_attention_sends():
 
 
 def test_plan_offers_cp_for_long_sequences_and_checks_the_split(capsys):
-    args = ["--model", "llama-8b", "--gpus", "64", "--global-batch-size", "64",
-            "--schedules", "1f1b", "--micro-batch-sizes", "1", "--json"]
+    args = [
+        "--model",
+        "llama-8b",
+        "--gpus",
+        "64",
+        "--global-batch-size",
+        "64",
+        "--schedules",
+        "1f1b",
+        "--micro-batch-sizes",
+        "1",
+        "--json",
+    ]
 
     assert plan_main(args + ["--seq-len", "131072"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -94,8 +132,20 @@ def test_bubble_measures_a_pipeline_of_cp_ranks(capsys):
     stage holds are half of cp 1's, and a bad --seq-len is refused before any worker starts."""
     from megapar.cli.bubble import main as bubble_main
 
-    base = ["--pp", "2", "-m", "2", "--model", "gpt2-tiny", "--seq-len", "64", "--steps", "1",
-            "--micro-batch-size", "2"]
+    base = [
+        "--pp",
+        "2",
+        "-m",
+        "2",
+        "--model",
+        "gpt2-tiny",
+        "--seq-len",
+        "64",
+        "--steps",
+        "1",
+        "--micro-batch-size",
+        "2",
+    ]
     runs = {}
     for cp in (1, 2):
         assert bubble_main(base + ["--cp", str(cp)]) == 0

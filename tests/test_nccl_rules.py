@@ -14,7 +14,7 @@ from tp_utils import make_mesh
 
 from megapar.launcher import run_local
 from megapar.pipeline import messages
-from megapar.pipeline import simulate as nccl_rules
+from megapar.pipeline import nccl_rules
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.schedules import (
     MESSAGE_KINDS,

@@ -20,17 +20,26 @@ from megapar.models.recipes import resolve_model
 from megapar.pipeline.schedules import placement_of, schedule_actions
 from megapar.pipeline.simulate import Costs, action_times
 from megapar.plan import Candidate, Problem, estimate
-from megapar.plan.estimate import chunk_times
+from megapar.plan.timing import chunk_times
 
 # grouped-query attention with a head size of its own (not hidden / heads)
-GQA = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=64)
+GQA = LlamaConfig(
+    vocab_size=300,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 
 
-@pytest.mark.parametrize("config", [resolve_model("gpt2-tiny"), resolve_model("llama-tiny"),
-                                    resolve_model("bert-tiny"), GQA],
-                         ids=["gpt2", "llama", "bert", "llama-gqa-head-dim"])
+@pytest.mark.parametrize(
+    "config",
+    [resolve_model("gpt2-tiny"), resolve_model("llama-tiny"), resolve_model("bert-tiny"), GQA],
+    ids=["gpt2", "llama", "bert", "llama-gqa-head-dim"],
+)
 def test_matmul_flops_equal_torch_s_count_of_a_real_step(config):
     """Forward: torch's FlopCounterMode over the whole model (every matmul, the attention
     kernel's included) equals tokens x (layers x (block + attention) + head); backward twice
@@ -53,8 +62,9 @@ def test_matmul_flops_equal_torch_s_count_of_a_real_step(config):
     assert backward.get_total_flops() == 2 * forward.get_total_flops() + b * s * logits
     # MFU's count: the same at tp 1, with the vocabulary unpadded
     padded = (f.head - matmul_flops(config, s, padded=False).head) * 3
-    assert training_flops_per_token(config, s) == 3 * (config.num_layers * f.layer()
-                                                       + f.head) - padded
+    assert (
+        training_flops_per_token(config, s) == 3 * (config.num_layers * f.layer() + f.head) - padded
+    )
 
 
 def test_llama_counts_swiglu_and_grouped_query_heads():
@@ -63,8 +73,9 @@ def test_llama_counts_swiglu_and_grouped_query_heads():
     c = resolve_model("llama-8b")
     h, f, kv = c.hidden_size, c.intermediate_size, c.kv_heads * c.head_size
     assert matmul_flops(c, 8192).block == 2 * (2 * h * h + 2 * h * kv + 3 * h * f)
-    assert matmul_flops(c, 8192).block / (2 * (4 * h * h + 2 * h * f)) == pytest.approx(1.18,
-                                                                                        abs=0.01)
+    assert matmul_flops(c, 8192).block / (2 * (4 * h * h + 2 * h * f)) == pytest.approx(
+        1.18, abs=0.01
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 6])
@@ -103,8 +114,9 @@ def test_the_last_stage_counts_the_head_though_it_has_fewer_blocks():
     assert whole.mfu == pytest.approx(0.225, abs=0.005)
 
 
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
-                                        ("zb-v", 2), ("dualpipev", 2)])
+@pytest.mark.parametrize(
+    "schedule,v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2), ("dualpipev", 2)]
+)
 def test_the_simulator_gets_each_chunk_s_own_costs(schedule, v):
     """The step's pipeline part is megapar's simulator run with every chunk's own F / B / W
     (the head on the last virtual stage: rank 0's second chunk in the V placement, the last
@@ -115,11 +127,21 @@ def test_the_simulator_gets_each_chunk_s_own_costs(schedule, v):
     head_rank = 0 if placement_of(schedule) == "v" else 3
     assert max(range(4), key=lambda r: times[r][-1].total) == head_rank
     m = 32
-    costs = [[Costs(1e3 * x.forward, 1e3 * (x.backward_input + x.backward_weight),
-                    bwd_input_ms=1e3 * x.backward_input, bwd_weight_ms=1e3 * x.backward_weight)
-              for x in row] for row in times]
-    ends = action_times([schedule_actions(schedule, 4, m, s, v) for s in range(4)], costs,
-                        placement_of(schedule))
+    costs = [
+        [
+            Costs(
+                1e3 * x.forward,
+                1e3 * (x.backward_input + x.backward_weight),
+                bwd_input_ms=1e3 * x.backward_input,
+                bwd_weight_ms=1e3 * x.backward_weight,
+            )
+            for x in row
+        ]
+        for row in times
+    ]
+    ends = action_times(
+        [schedule_actions(schedule, 4, m, s, v) for s in range(4)], costs, placement_of(schedule)
+    )
     pipe = max(stage[-1][1] for stage in ends)  # seconds (the costs in ms)
     e = estimate(p, c)
     exposed = e.comm_s["pp"] + e.comm_s["dp"]
@@ -129,8 +151,14 @@ def test_the_simulator_gets_each_chunk_s_own_costs(schedule, v):
     assert e.bubble == pytest.approx(1 - busy / (e.step_s - exposed), abs=2e-3)
 
 
-GRID = [("gpt2-124m", 8, 256, 1024), ("gpt2-1.5b", 16, 64, 1024), ("llama-1b", 16, 256, 4096),
-        ("llama-8b", 8, 64, 8192), ("bert-large", 8, 256, 512), ("gpt3-175b", 64, 128, 2048)]
+GRID = [
+    ("gpt2-124m", 8, 256, 1024),
+    ("gpt2-1.5b", 16, 64, 1024),
+    ("llama-1b", 16, 256, 4096),
+    ("llama-8b", 8, 64, 8192),
+    ("bert-large", 8, 256, 512),
+    ("gpt3-175b", 64, 128, 2048),
+]
 
 
 @pytest.mark.parametrize("model,gpus,batch,seq", GRID, ids=[g[0] for g in GRID])
@@ -147,7 +175,8 @@ def test_mfu_never_exceeds_the_efficiency(model, gpus, batch, seq):
     assert worst.mfu <= p.efficiency, worst.candidate.label()
     e = estimates[0]
     assert e.mfu * e.step_s * gpus * p.peak_tflops * 1e12 / (batch * seq) == pytest.approx(
-        training_flops_per_token(p.config, seq))
+        training_flops_per_token(p.config, seq)
+    )
 
 
 def test_recomputation_and_efficiency_scale_the_step():
@@ -159,6 +188,7 @@ def test_recomputation_and_efficiency_scale_the_step():
     fl = matmul_flops(p.config, 1024)
     layers = 12 * fl.layer()
     assert full.compute_s / none.compute_s == pytest.approx(
-        (4 * layers + 4 * fl.head) / (3 * layers + 4 * fl.head))
+        (4 * layers + 4 * fl.head) / (3 * layers + 4 * fl.head)
+    )
     slow = estimate(dataclasses.replace(p, efficiency=0.3), Candidate(1, 1, 8, 1))
     assert slow.compute_s == pytest.approx(2 * none.compute_s)

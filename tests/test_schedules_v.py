@@ -10,7 +10,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from megapar.pipeline import messages
-from megapar.pipeline import simulate as nccl_rules
+from megapar.pipeline import nccl_rules
 from megapar.pipeline.schedules import (
     check_schedule,
     chunks_per_rank,

@@ -27,8 +27,7 @@ import json
 import os
 import sys
 
-from megapar.pipeline import certify, messages
-from megapar.pipeline import simulate as nccl_rules
+from megapar.pipeline import certify, certify_real, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
 from megapar.pipeline.placement import chunks_per_rank
 from megapar.pipeline.schedules import SCHEDULES, check_schedule
@@ -265,9 +264,9 @@ def run_certificate(points: list[tuple], whole_grid: bool = True, schedules=None
     on the `whole_grid` a schedule with no point fails (nothing of it would be certified); on a
     grid narrowed by flags it is only named."""
     certs = certify.certify_grid(points)
-    real = [c for c in certs if c.pp <= certify.REAL_MAX_PP and c.m <= certify.REAL_MAX_M]
+    real = [c for c in certs if c.pp <= certify_real.REAL_MAX_PP and c.m <= certify_real.REAL_MAX_M]
     if real:
-        certify.check_real_steps(real)
+        certify_real.check_real_steps(real)
     print(certify.format_table(certs))
     missing = certify.missing_schedules(points, schedules)
     for name in missing:

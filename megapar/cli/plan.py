@@ -21,14 +21,8 @@ import math
 import re
 import sys
 
-from megapar.dryrun.sample import (
-    MAX_DRY_RUN_WORLD,
-    MAX_REHEARSAL_S,
-    rehearsal_seconds,
-    sample_ranks,
-)
-from megapar.dryrun.verify import verify_layout
-from megapar.mesh import Layout
+from megapar.cli.plan_verify import verify_estimates
+from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
 from megapar.plan import (
@@ -52,17 +46,32 @@ from megapar.training.config import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """megapar-plan's argument parser, its flags grouped by concern."""
     p = OneLineParser(
         prog="megapar-plan",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    add_job_arguments(p)
+    add_precision_arguments(p)
+    add_hardware_arguments(p)
+    add_search_arguments(p)
+    add_output_arguments(p)
+    return p
+
+
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """The job planned for: the model, the GPUs and the batch."""
     p.add_argument("--model", required=True, help="model recipe (models/) or JSON/YAML config")
     p.add_argument("--gpus", type=int, required=True, help="total GPUs N")
     p.add_argument("--gpus-per-node", type=int, default=8, help="tp stays within a node")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GiB")
     p.add_argument("--global-batch-size", type=int, required=True, help="sequences per step")
     p.add_argument("--seq-len", type=int, required=True)
+
+
+def add_precision_arguments(p: argparse.ArgumentParser) -> None:
+    """How the bytes are counted: activation precision, master weights, fused attention."""
     p.add_argument(
         "--precision",
         choices=["fp32", "bf16", "fp16"],
@@ -85,11 +94,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-fused-attention counts the scores, softmax and dropout mask (the "
         "paper; megapar-train on a CPU with attention dropout)",
     )
+
+
+def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
+    """The GPUs' speed and the links' bandwidths and latency."""
     p.add_argument("--peak-tflops", type=float, default=312.0, help="per GPU (A100 bf16: 312)")
     p.add_argument("--efficiency", type=float, default=0.6, help="share of peak matmuls reach")
     p.add_argument("--intra-node-gbps", type=float, default=2400.0, help="per GPU, Gbit/s")
     p.add_argument("--inter-node-gbps", type=float, default=200.0, help="per GPU, Gbit/s")
     p.add_argument("--latency-us", type=float, default=10.0, help="per message of a collective")
+
+
+def add_search_arguments(p: argparse.ArgumentParser) -> None:
+    """The layouts tried: micro-batch sizes, schedules, recompute, ZeRO, offload, cp sizes."""
     p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--schedules", nargs="+", choices=PLAN_SCHEDULES, default=list(PLAN_SCHEDULES))
     p.add_argument(
@@ -145,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="only layouts megapar-train runs as planned now (fp32 master weights; "
         "no schedule or feature it lacks)",
     )
+
+
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """What is printed: the table's rows, one layout explained, JSON, dry-run verification."""
     p.add_argument("--top", type=int, default=15, help="rows of the ranked table")
     p.add_argument(
         "--explain",
@@ -162,7 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
         "report every rank whose planned weights, gradients or optimizer bytes "
         "differ from the real tensors' (exit code 1 if any do)",
     )
-    return p
 
 
 MAX_VERIFY = 32
@@ -170,10 +190,37 @@ MAX_VERIFY = 32
 
 
 def _problem(args):
+    """The `Problem` the arguments describe; ValueError naming the flag if one is invalid."""
     config = resolve_model(args.model)
     limit = config.max_positions
     if args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {limit} positions")
+    _check_layout_arguments(args)
+    _check_number_arguments(args)
+    _check_mode_arguments(args)
+    return Problem(
+        config,
+        args.gpus,
+        args.gpus_per_node,
+        args.gpu_memory_gb,
+        args.global_batch_size,
+        args.seq_len,
+        args.precision,
+        args.master_weights,
+        args.fused_attention,
+        args.peak_tflops,
+        args.efficiency,
+        args.intra_node_gbps,
+        args.inter_node_gbps,
+        args.latency_us,
+        pcie_gbps=args.pcie_gbps,
+        zero3_persistence_threshold=args.zero3_persistence_threshold,
+    )
+
+
+def _check_layout_arguments(args) -> None:
+    """ValueError if the sizes the layouts are made of (GPUs, nodes, batch, cp sizes, micro-batch
+    sizes, virtual stages) are invalid."""
     for name in ("gpus", "gpus_per_node", "global_batch_size", "seq_len", "top"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -209,6 +256,11 @@ def _problem(args):
             f"the same number of processes on every node); use a multiple of "
             f"{args.gpus_per_node}, or the --gpus-per-node each node really uses"
         )
+
+
+def _check_number_arguments(args) -> None:
+    """ValueError if a hardware figure (memory, speed, bandwidth, latency, efficiency) or the
+    ZeRO-3 persistence threshold is invalid."""
     for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
@@ -224,6 +276,10 @@ def _problem(args):
         raise ValueError(f"--latency-us {args.latency_us:g} is invalid: it must be >= 0")
     if not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency:g} is invalid: it must be in (0, 1]")
+
+
+def _check_mode_arguments(args) -> None:
+    """ValueError if --verify or --today cannot run with the other flags."""
     if args.verify < 0:
         raise ValueError(
             f"--verify {args.verify} is invalid: it is how many of the best "
@@ -253,24 +309,6 @@ def _problem(args):
             "--today plans what megapar-train runs now, and it keeps fp32 "
             "parameters: drop --master-weights separate (or drop --today)"
         )
-    return Problem(
-        config,
-        args.gpus,
-        args.gpus_per_node,
-        args.gpu_memory_gb,
-        args.global_batch_size,
-        args.seq_len,
-        args.precision,
-        args.master_weights,
-        args.fused_attention,
-        args.peak_tflops,
-        args.efficiency,
-        args.intra_node_gbps,
-        args.inter_node_gbps,
-        args.latency_us,
-        pcie_gbps=args.pcie_gbps,
-        zero3_persistence_threshold=args.zero3_persistence_threshold,
-    )
 
 
 def _explain(args, problem) -> int:
@@ -339,26 +377,8 @@ def main(argv=None) -> int:
         estimates = [e for e in estimates if not runnable(e, problem.master_weights)]
     best = estimates[0] if estimates and estimates[0].fits else None
     cmd = command(best, problem, args.model) if best else None
-    reasons: dict[str, int] = {}
-    for _, reason in rejected:
-        key = reason.split(";")[0]
-        reasons[key] = reasons.get(key, 0) + 1
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "model_params": model_params(problem.config),
-                    "layouts": [row(e, problem.master_weights) for e in estimates[: args.top]],
-                    "valid": len(estimates),
-                    "rejected": len(rejected),
-                    "rejected_reasons": reasons,
-                    "fused_attention": problem.fused_attention,
-                    "command": cmd[0] if cmd else None,
-                    "missing_in_megapar_train": cmd[1] if cmd else None,
-                },
-                indent=1,
-            )
-        )
+        _print_json(args, problem, estimates, rejected, cmd)
         return 0 if best else 1
     print(
         f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters; {problem.gpus} "
@@ -369,38 +389,9 @@ def main(argv=None) -> int:
     print(table(estimates[: args.top], problem.master_weights))
     print(attention_note(problem.fused_attention))
     if not estimates:
-        # what stops the layouts the model itself allows (tp dividing its heads, ...) is what
-        # the user can change; the same reason for other sizes counts as one kind
-        allowed = [r for c, r in rejected if model_refusal(c, problem.config) is None]
-        kinds: dict[str, list] = {}
-        for reason in allowed or [r for _, r in rejected]:
-            kind = kinds.setdefault(
-                re.sub(r"\d+", "N", reason.split(";")[0]), [0, reason.split(";")[0]]
-            )
-            kind[0] += 1
-        common = sorted(kinds.values(), key=lambda kv: -kv[0])[:3]
-        if not common:  # nothing was even tried: say which inputs left nothing
-            print(
-                f"no valid layout: no split of --gpus {problem.gpus} into tp x cp x pp x dp "
-                f"was left to try with --cp-sizes {' '.join(map(str, args.cp_sizes or [1]))}; "
-                f"give sizes that divide --gpus"
-            )
-            return 1
-        print(
-            "no valid layout; most common reasons: "
-            + "; ".join(
-                f"{example} ({n:,} layout{'s' if n > 1 else ''} like it)" for n, example in common
-            )
-        )
-        return 1
+        return _no_valid_layout(args, problem, rejected)
     if best is None:
-        fixes = ["raise --gpus or --gpu-memory-gb"]
-        if "full" not in args.recompute:
-            fixes.append("add --recompute full")
-        if not args.cp_sizes:
-            fixes.append("try context parallelism (--cp-sizes 1 2 4 8)")
-        print(f"no layout fits: {', '.join(fixes)}, or shorten --seq-len")
-        return 1
+        return _no_fit(args)
     assert cmd is not None  # made for the best layout
     print(f"\nchosen: {best.candidate.label()}\ncommand: {cmd[0]}")
     for m in cmd[1]:
@@ -408,57 +399,71 @@ def main(argv=None) -> int:
             f"  note: megapar-train cannot do this yet: {m} (plan with --today for a layout "
             f"it runs now)"
         )
-    return _verify(estimates[: args.verify], problem) if args.verify else 0
+    return verify_estimates(estimates[: args.verify], problem) if args.verify else 0
 
 
-def _verify(estimates, problem) -> int:
-    """Dry-run each layout and print where the plan's bytes differ (exit code 1 if anywhere);
-    refused (exit code 2) when they would take longer than one dry run may."""
-
-    seconds = sum(
-        rehearsal_seconds(
-            len(sample_ranks(Layout(c.tp, c.pp, c.dp, cp=c.cp), c.zero)), problem.gpus
-        )
-        for c in (e.candidate for e in estimates)
-    )
-    if seconds > MAX_REHEARSAL_S:
-        print(
-            f"megapar-plan: error: --verify {len(estimates)} would dry-run for about "
-            f"{seconds / 60:,.0f} min here ({problem.gpus:,}-rank jobs), more than the "
-            f"{MAX_REHEARSAL_S / 60:.0f} min a dry run may take; verify fewer layouts",
-            file=sys.stderr,
-        )
-        return 2
-
+def _print_json(args, problem, estimates, rejected, cmd) -> None:
+    """The ranked layouts as JSON: the top rows, the counts, the rejections by reason and the
+    chosen layout's megapar-train command."""
+    reasons: dict[str, int] = {}
+    for _, reason in rejected:
+        key = reason.split(";")[0]
+        reasons[key] = reasons.get(key, 0) + 1
     print(
-        f"\nverifying the {len(estimates)} best layouts against dry runs (parameters, "
-        f"weights, gradients, optimizer bytes, host copies, gathered units, full gradient "
-        f"buffers and modelled activations of every sampled rank; the plan's transient "
-        f"buffers are not in a dry run's report and not compared):"
+        json.dumps(
+            {
+                "model_params": model_params(problem.config),
+                "layouts": [row(e, problem.master_weights) for e in estimates[: args.top]],
+                "valid": len(estimates),
+                "rejected": len(rejected),
+                "rejected_reasons": reasons,
+                "fused_attention": problem.fused_attention,
+                "command": cmd[0] if cmd else None,
+                "missing_in_megapar_train": cmd[1] if cmd else None,
+            },
+            indent=1,
+        )
     )
-    failed = False
-    for i, e in enumerate(estimates, 1):
-        result = verify_layout(problem, e.candidate)
-        label = f"{i:>3} {e.candidate.label():<64}"
-        if result.error:
-            print(f"{label} megapar-train refuses it: {result.error}")
-        elif result.differences:
-            print(
-                f"{label} {len({d[0] for d in result.differences})} of {result.ranks} ranks "
-                f"differ ({result.seconds:.1f} s):"
-            )
-            for rank, field, planned, dry in result.differences:
-                print(
-                    f"      rank {rank} {field}: plan {planned:,}, dry run {dry:,} "
-                    f"({planned - dry:+,})"
-                )
-        else:
-            print(
-                f"{label} {result.ranks} ranks: equal, 0 bytes apart ({result.seconds:.1f} s)"
-                + (f"; {result.note}" if result.note else "")
-            )
-        failed |= bool(result.error or result.differences)
-    return 1 if failed else 0
+
+
+def _no_valid_layout(args, problem, rejected) -> int:
+    """Say why no layout is valid (the commonest reasons, or the inputs that left nothing to
+    try); exit code 1."""
+    # what stops the layouts the model itself allows (tp dividing its heads, ...) is what
+    # the user can change; the same reason for other sizes counts as one kind
+    allowed = [r for c, r in rejected if model_refusal(c, problem.config) is None]
+    kinds: dict[str, list] = {}
+    for reason in allowed or [r for _, r in rejected]:
+        kind = kinds.setdefault(
+            re.sub(r"\d+", "N", reason.split(";")[0]), [0, reason.split(";")[0]]
+        )
+        kind[0] += 1
+    common = sorted(kinds.values(), key=lambda kv: -kv[0])[:3]
+    if not common:  # nothing was even tried: say which inputs left nothing
+        print(
+            f"no valid layout: no split of --gpus {problem.gpus} into tp x cp x pp x dp "
+            f"was left to try with --cp-sizes {' '.join(map(str, args.cp_sizes or [1]))}; "
+            f"give sizes that divide --gpus"
+        )
+        return 1
+    print(
+        "no valid layout; most common reasons: "
+        + "; ".join(
+            f"{example} ({n:,} layout{'s' if n > 1 else ''} like it)" for n, example in common
+        )
+    )
+    return 1
+
+
+def _no_fit(args) -> int:
+    """Say what would make a layout fit the memory; exit code 1."""
+    fixes = ["raise --gpus or --gpu-memory-gb"]
+    if "full" not in args.recompute:
+        fixes.append("add --recompute full")
+    if not args.cp_sizes:
+        fixes.append("try context parallelism (--cp-sizes 1 2 4 8)")
+    print(f"no layout fits: {', '.join(fixes)}, or shorten --seq-len")
+    return 1
 
 
 if __name__ == "__main__":

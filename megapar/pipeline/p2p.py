@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megapar import device as _device
 from megapar.mesh import Mesh
-from megapar.pipeline.simulate import Op
+from megapar.pipeline.nccl_rules import Op
 
 CARRIES = {
     "send_act": "activation",

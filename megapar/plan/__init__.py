@@ -3,15 +3,17 @@ time for every (tp, pp, dp, micro-batch size, schedule, recompute, SP, ZeRO-1), 
 
 `layouts.py` enumerates and rejects with reasons, `params.py` counts parameters on meta-device
 models, `memory.py` holds the activation formulas, `pipeline.py` asks megapar's simulator (or a
-published formula) for bubbles and in-flight micro-batches, `estimate.py` combines them,
-`report.py` ranks and prints. `megapar-plan` (megapar/cli/plan.py) is the command.
+published formula) for bubbles and in-flight micro-batches, `timing.py` prices each model chunk
+(`context_parallel.py` its cp attention), `estimate.py` combines them for a `problem.py`
+`Problem`, `report.py` ranks and prints. `megapar-plan` (megapar/cli/plan.py) is the command.
 """
 
 import gc
 from contextlib import contextmanager
 
-from megapar.plan.estimate import Estimate, Problem, estimate, stage_memory
+from megapar.plan.estimate import Estimate, estimate, stage_memory
 from megapar.plan.layouts import Candidate, check, enumerate_candidates, parse_candidate
+from megapar.plan.problem import Problem
 from megapar.plan.report import rank
 
 __all__ = [

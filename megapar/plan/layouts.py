@@ -184,9 +184,17 @@ def check(
     seq_len: int | None = None,
 ) -> str | None:
     """Why candidate `c` cannot run (one sentence naming the fix), or None if it can."""
-    reason = model_refusal(c, config)
-    if reason:
-        return reason
+    return (
+        model_refusal(c, config)
+        or _grid_refusal(c, gpus, gpus_per_node)
+        or _schedule_refusal(c, config, global_batch)
+        or _sequence_refusal(c, seq_len)
+        or _zero_refusal(c)
+    )
+
+
+def _grid_refusal(c: Candidate, gpus: int, gpus_per_node: int) -> str | None:
+    """Why the candidate's tp x cp x pp x dp grid does not fit the cluster, or None."""
     if c.tp * c.cp * c.pp * c.dp != gpus:
         names, sizes = (
             ("tp*cp*pp", f"{c.tp}*{c.cp}*{c.pp}") if c.cp > 1 else ("tp*pp", f"{c.tp}*{c.pp}")
@@ -201,6 +209,12 @@ def check(
             f"tp {c.tp} would span nodes (--gpus-per-node {gpus_per_node}); tensor "
             f"parallelism needs the intra-node link"
         )
+    return None
+
+
+def _schedule_refusal(c: Candidate, config, global_batch: int) -> str | None:
+    """Why the candidate's schedule, recompute, micro-batch size or model chunks cannot run, or
+    None."""
     if c.schedule not in PLAN_SCHEDULES:
         return f"unknown schedule {c.schedule!r}; the planner models {', '.join(PLAN_SCHEDULES)}"
     if c.recompute not in RECOMPUTE:
@@ -239,6 +253,11 @@ def check(
             return f"DualPipeV needs at least 2*pp = {2 * c.pp} micro-batches, got m = {m}"
     elif c.v != 1:
         return f"v {c.v} needs schedule interleaved"
+    return None
+
+
+def _sequence_refusal(c: Candidate, seq_len: int | None) -> str | None:
+    """Why sequence or context parallelism cannot split the candidate's sequence, or None."""
     if c.sp and c.tp == 1:
         return "sequence parallelism needs tp > 1"
     if c.sp and seq_len and seq_len % c.tp:
@@ -248,6 +267,11 @@ def check(
             check_cp_seq_len(seq_len, Layout(c.tp, c.pp, c.dp, cp=c.cp), c.sp)
         except ValueError as exc:
             return str(exc)
+    return None
+
+
+def _zero_refusal(c: Candidate) -> str | None:
+    """Why the candidate's ZeRO stage or offload settings cannot run, or None."""
     if c.zero not in ZERO_STAGES:
         return f"zero {c.zero}: the planner models ZeRO stages {', '.join(map(str, ZERO_STAGES))}"
     if c.zero and c.dp * c.cp == 1:

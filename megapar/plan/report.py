@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from megapar.plan.estimate import Estimate, Problem
+from megapar.plan.estimate import Estimate
 from megapar.plan.memory import GIB
+from megapar.plan.problem import Problem
 from megapar.training.config import TrainConfig, flag_choices
 
 # Candidate option -> TrainConfig fields that would carry it, in order of preference. A flag is

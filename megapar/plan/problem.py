@@ -1,0 +1,75 @@
+"""What a plan is for: the model, the cluster and the batch (`Problem`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+from megapar.models.config import ModelConfig
+from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
+
+
+@dataclass
+class Problem:
+    """The model, the cluster and the batch a plan is for."""
+
+    config: ModelConfig
+    """Model config (GPT2Config / BertConfig / LlamaConfig)."""
+    gpus: int
+    """Total GPUs (N)."""
+    gpus_per_node: int = 8
+    """GPUs per node: tp stays within a node."""
+    gpu_memory_gb: float = 80.0
+    """Memory per GPU in GiB (an "80 GB" A100 has 80 GiB)."""
+    global_batch: int = 512
+    """Sequences per optimizer step."""
+    seq_len: int = 1024
+    """Tokens per sequence."""
+    precision: str = "bf16"
+    """fp32 (4-byte activations) or bf16 / fp16 (2-byte)."""
+    master_weights: str = "fp32"
+    """fp32: megapar today (fp32 params + grads + Adam, 16 B/param); separate: 16-bit params +
+    fp32 grads + fp32 master and moments (Megatron, 18 B/param)."""
+    fused_attention: bool = True
+    """Count what torch's fused attention kernels keep, a log-sum-exp per head and token, not
+    the a s^2 scores: what megapar-train's `scaled_dot_product_attention` runs on GPUs (flash
+    or memory-efficient, attention dropout included) and on CPUs without attention dropout.
+    False: the scores, their softmax and dropout mask, as the unfused kernel keeps them (the
+    paper's count; megapar-train on a CPU with attention dropout). Context parallelism keeps a
+    log-sum-exp either way."""
+    peak_tflops: float = 312.0
+    """Peak dense TFLOP/s of one GPU in `precision` (A100: 312 bf16, 19.5 fp32)."""
+    efficiency: float = 0.6
+    """Share of peak the matmuls achieve."""
+    intra_gbps: float = 2400.0
+    """Intra-node bandwidth per GPU, Gbit/s (A100 NVLink: 2400)."""
+    inter_gbps: float = 200.0
+    """Inter-node bandwidth per GPU, Gbit/s (one 200 Gb/s HDR InfiniBand NIC per GPU)."""
+    latency_us: float = 10.0
+    """Latency of one message (a ring collective sends 2 (n-1) of them in sequence)."""
+    grad_bucket_mb: float = 25.0
+    """megapar-train's --grad-bucket-mb (ZeRO-1 pads each bucket to a multiple of dp)."""
+    pcie_gbps: float = 200.0
+    """Host-device bandwidth per GPU, Gbit/s (offload's copies; PCIe 4.0 x16: about 200)."""
+    zero3_persistence_threshold: int = 0
+    """megapar-train's --zero3-persistence-threshold for ZeRO-3 layouts (0: none persist)."""
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
+    """megapar-train's --loss-chunk-tokens: the head and loss run this many tokens at a time,
+    so one chunk's logits are the most held (0: the whole micro-batch's, kept for backward)."""
+
+    @cached_property
+    def config_json(self) -> str:
+        """The model config as canonical JSON (what `plan.state`'s cached functions take)."""
+        return json.dumps(self.config.to_dict(), sort_keys=True)
+
+    @property
+    def act_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def dropout(self) -> bool:
+        c = self.config
+        return any(
+            getattr(c, k, 0) > 0 for k in ("resid_pdrop", "attn_pdrop", "hidden_dropout_prob")
+        )

@@ -1,0 +1,137 @@
+"""The planner's time model of one step's compute: what one micro-batch costs on every model
+chunk of every pipeline rank (`chunk_times`, tp and cp communication included) and the seconds
+of the pipeline they make (`pipeline_time`: simulated or the formula's bubble)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from megapar.models.flops import matmul_flops
+from megapar.pipeline.partition import chunk_specs
+from megapar.pipeline.placement import placement_of
+from megapar.plan import pipeline
+from megapar.plan.context_parallel import cp_layer_seconds
+from megapar.plan.layouts import Candidate
+from megapar.plan.problem import Problem
+from megapar.tensor_parallel.partition import local_size
+
+
+def ring_seconds(n: int, nbytes: float, gbps: float, latency_us: float = 0.0) -> float:
+    """Ring all-reduce: 2 (n-1) steps, each moving 1/n of the bytes."""
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * (nbytes / n * 8 / (gbps * 1e9) + latency_us * 1e-6)
+
+
+@dataclass(frozen=True)
+class ChunkTime:
+    """Seconds of one micro-batch on one model chunk of one rank."""
+
+    forward: float
+    """F: the forward, its tp and cp communication included."""
+    backward_input: float
+    """B: the input gradient (the attention core's whole backward, recomputation, the
+    backward's communication)."""
+    backward_weight: float
+    """W: the weight gradients (a zero-bubble schedule runs them apart; the others in B)."""
+    flops: float
+    """Matmul FLOPs of F + B + W."""
+    tp: float = 0.0
+    """Of F + B + W, the seconds of tp collectives."""
+    cp: float = 0.0
+    """Of F + B + W, the seconds of cp exchanges not hidden."""
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward_input + self.backward_weight
+
+
+def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
+    """Per pipeline rank, per model chunk, what one micro-batch costs (`ChunkTime`): the
+    chunk's blocks, plus the LM head on the chunk that holds it (the last virtual stage: rank
+    pp - 1, or rank 0 in the V placement) and the embedding's tp reduction on the first; matmul
+    FLOPs (`megapar.models.flops`, this tp rank's share, s / cp tokens) at peak x efficiency."""
+    cfg, b, t, n = p.config, c.mbs, c.tp, c.cp
+    tokens = p.seq_len // n * b  # this cp rank's tokens
+    fl = matmul_flops(cfg, p.seq_len, t)
+    rate = p.peak_tflops * 1e12 * p.efficiency
+    act = tokens * cfg.hidden_size * p.act_bytes
+    ring = ring_seconds(t, act, p.intra_gbps, p.latency_us)  # one all-reduce of the activations
+    half = 0.5 if c.sp else 1.0  # SP: an all-gather or reduce-scatter
+    tp_fwd = 2 * ring  # per layer (SP: 2 AG + 2 RS, same bytes)
+    tp_bwd = tp_fwd * (2 if c.recompute == "full" else 1)
+    cp_f, cp_b = cp_layer_seconds(p, c, tokens * fl.attention / rate)
+    cp_b += cp_f if c.recompute != "none" else 0.0
+    extra = {"none": 0.0, "selective": fl.attention, "full": fl.layer()}[c.recompute]
+    logits = 2 * cfg.hidden_size * local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
+
+    def cost(k: int, first: bool, last: bool) -> ChunkTime:
+        head = fl.head if last else 0.0
+        f = tokens * (k * fl.layer() + head)
+        w = tokens * (k * fl.block + head)
+        recomputed = logits if last and p.loss_chunk_tokens else 0.0  # the chunked loss's
+        bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head + recomputed)
+        emb_comm = ring * half if first else 0.0  # the vocab-parallel lookup's reduction
+        head_f = ring * 0.5 if last and c.sp else 0.0  # SP: its input gathered
+        head_b = ring * half if last else 0.0  # its input's gradient
+        return ChunkTime(
+            f / rate + k * (tp_fwd + cp_f) + emb_comm + head_f,
+            bi / rate + k * (tp_bwd + cp_b) + head_b,
+            w / rate,
+            f + bi + w,
+            k * (tp_fwd + tp_bwd) + emb_comm + head_f + head_b,
+            k * (cp_f + cp_b),
+        )
+
+    shapes = _chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule))
+    costs = {shape: cost(*shape) for shape in {x for row in shapes for x in row}}
+    return [[costs[x] for x in row] for row in shapes]
+
+
+@lru_cache(maxsize=4096)
+def _chunk_shapes(num_layers: int, pp: int, v: int, placement: str) -> tuple:
+    """Per rank, per model chunk: (blocks, holds the embedding, holds the head)."""
+    return tuple(
+        tuple(
+            (len(spec.layers), spec.pre_process, spec.post_process)
+            for spec in chunk_specs(num_layers, pp, stage, v, placement)
+        )
+        for stage in range(pp)
+    )
+
+
+def pipeline_time(
+    c: Candidate, m: int, times: list[list[ChunkTime]], simulate: bool
+) -> tuple[float, float, str]:
+    """(seconds of the pipeline's micro-batches, idle share of them averaged over ranks,
+    source): the schedule simulated with every chunk's own costs, or, above the simulated size
+    or for a schedule megapar does not run, the formula's bubble around the busiest rank."""
+    busy = [m * sum(x.total for x in row) for row in times]
+    if c.pp == 1:
+        return busy[0], 0.0, "no pipeline"
+    step = (
+        pipeline.simulated_step(
+            c.schedule,
+            c.pp,
+            m,
+            c.v,
+            tuple(
+                tuple((x.forward, x.backward_input, x.backward_weight) for x in row)
+                for row in times
+            ),
+        )
+        if simulate
+        else None
+    )
+    if step is not None:
+        source = "simulated"
+    else:
+        worst = times[busy.index(max(busy))]
+        f, bi, w = (
+            sum(getattr(x, a) for x in worst)
+            for a in ("forward", "backward_input", "backward_weight")
+        )
+        step = max(busy) / (1 - pipeline.formula_bubble(c.schedule, c.pp, m, c.v, f, bi, w))
+        source = "formula"
+    return step, 1 - sum(busy) / (len(busy) * step), source
