@@ -163,7 +163,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def _dtype(name: str) -> str:
     """--dtype's value: a short name (bf16, fp16, fp32, as --precision takes) is its alias."""
-    from megapar.checkpoint.convert import export_dtype
+    from megapar.checkpoint.export import export_dtype
 
     return export_dtype(name)
 
@@ -241,14 +241,14 @@ def _check_export_flags(args) -> None:
 
 def _to_hf(args) -> str:
     """--to-hf: export SRC as a transformers directory; returns the report with its notes."""
-    from megapar.checkpoint import convert as cv
+    from megapar.checkpoint.export import export_hf
 
     (src,) = _need(args, 1, "SRC --to-hf HF_DIR")
     if args.tp is not None or args.pp is not None:
         raise ValueError(
             "--tp and --pp are not used with --to-hf: an export is one unsharded model; drop them"
         )
-    out = cv.export_hf(
+    out = export_hf(
         src,
         args.to_hf,
         overwrite=args.overwrite,
