@@ -197,34 +197,10 @@ def run_local(
     ]
     for p in procs:
         p.start()
-    outputs: dict[int, Any] = {}
-    errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
     restore = _forward_signals(procs, forward)
     try:
-        failed_at = None
-        while len(outputs) < world_size:
-            _drain(results, outputs, errors, block=0.05)
-            dead = [
-                r
-                for r, p in enumerate(procs)
-                if r not in outputs and r not in errors and p.exitcode not in (None, 0)
-            ]
-            if (errors or dead) and failed_at is None:
-                failed_at = time.monotonic()  # give the others' reports a moment to arrive
-            if failed_at is not None and time.monotonic() - failed_at > 0.5:
-                _drain(results, outputs, errors, block=0.0)
-                last = [s.value.decode(errors="replace") for s in statuses]
-                raise WorkerError(
-                    f"{blame(procs, outputs, errors, last)}\n{diagnose(procs, statuses, stacks)}"
-                )
-            if time.monotonic() > deadline:
-                missing = [r for r in range(world_size) if r not in outputs]
-                raise TimeoutError(
-                    f"ranks {missing} did not finish within {timeout_s:.0f} s"
-                    + "".join(f"; rank {r} {state(procs[r])}" for r in missing if state(procs[r]))
-                    + f"\n{diagnose(procs, statuses, stacks)}"
-                )
+        outputs = _await_results(procs, results, statuses, stacks, deadline, timeout_s)
     finally:
         restore()
         for p in procs:
@@ -234,6 +210,41 @@ def run_local(
             p.join(timeout=5)
         shutil.rmtree(stacks, ignore_errors=True)
     return [outputs[r] for r in range(world_size)]
+
+
+def _await_results(
+    procs, results, statuses, stacks: str, deadline: float, timeout_s: float | None
+) -> dict[int, Any]:
+    """Every rank's result from the `results` queue, by rank; `WorkerError` naming the rank
+    that caused a failure (a moment after the first error or death, for the others' reports),
+    `TimeoutError` naming the unfinished ranks past `deadline`."""
+    world_size = len(procs)
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    failed_at = None
+    while len(outputs) < world_size:
+        _drain(results, outputs, errors, block=0.05)
+        dead = [
+            r
+            for r, p in enumerate(procs)
+            if r not in outputs and r not in errors and p.exitcode not in (None, 0)
+        ]
+        if (errors or dead) and failed_at is None:
+            failed_at = time.monotonic()  # give the others' reports a moment to arrive
+        if failed_at is not None and time.monotonic() - failed_at > 0.5:
+            _drain(results, outputs, errors, block=0.0)
+            last = [s.value.decode(errors="replace") for s in statuses]
+            raise WorkerError(
+                f"{blame(procs, outputs, errors, last)}\n{diagnose(procs, statuses, stacks)}"
+            )
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if r not in outputs]
+            raise TimeoutError(
+                f"ranks {missing} did not finish within {timeout_s:.0f} s"
+                + "".join(f"; rank {r} {state(procs[r])}" for r in missing if state(procs[r]))
+                + f"\n{diagnose(procs, statuses, stacks)}"
+            )
+    return outputs
 
 
 STACKS_PREFIX = "megapar-stacks-"

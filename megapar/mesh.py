@@ -230,9 +230,15 @@ class Mesh:
         self.tp_group, self.cp_group = dims["tp"], dims["cp"]
         self.pp_group, self.dp_group = dims["pp"], dims["dp"]
         self.dp_cp_group = self.dp_group
+        self._new_reduction_groups()
+
+    def _new_reduction_groups(self) -> None:
+        """Create the groups beyond the mesh dimensions (collective, as `_new_groups`): the
+        gradient reduction group (cp x dp; the dp group when cp is 1), the model-parallel group
+        (tp x pp) and the embedding group (first + last stage)."""
         # Gradient reduction (cp x dp), model-parallel (tp x pp) and embedding groups (first +
         # last stage):
-        L = layout
+        L = self.layout
         if L.cp > 1:
             self.dp_cp_group = self._new_groups(
                 [

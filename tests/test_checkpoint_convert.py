@@ -220,8 +220,8 @@ def _to_separate_qkv(step_dir, heads):
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_checkpoint_with_separate_qkv_still_loads_converts_and_exports(tmp_path, kind):
     """Checkpoints written before the fused QKV projection read as the fused tensors."""
-    from megapar.checkpoint.convert import export_hf
     from megapar.checkpoint.distributed import load_checkpoint
+    from megapar.checkpoint.export import export_hf
 
     src = save_serial(tmp_path / "src", kind)
     weights, moments = canonical_state(src)

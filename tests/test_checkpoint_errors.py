@@ -7,6 +7,7 @@ from test_checkpoint_helpers import save_serial, tiny_config
 
 from megapar.checkpoint import convert as cv
 from megapar.checkpoint.distributed import load_checkpoint
+from megapar.checkpoint.export import export_hf
 from megapar.checkpoint.format import CheckpointError, ShardReader
 from megapar.checkpoint.manifest import read_manifest, verify
 from megapar.checkpoint.publish import resolve_checkpoint
@@ -115,14 +116,14 @@ def test_existing_dst_is_refused_without_overwrite(src, tmp_path, capsys):
 
 def test_hf_export_keeps_other_files_and_replaces_an_export_only_when_asked(src, tmp_path):
     dst = _dst_with_marker(tmp_path)   # e.g. a tokenizer directory: exported into, as
-    cv.export_hf(src, dst)             # transformers' save_pretrained does, the marker kept
+    export_hf(src, dst)             # transformers' save_pretrained does, the marker kept
     assert sorted(p.name for p in dst.iterdir()) == ["config.json", "generation_config.json",
                                                      "marker", "model.safetensors"]
     assert (dst / "marker").read_text() == "keep me"
     weights = (dst / "model.safetensors").read_bytes()
     with pytest.raises(CheckpointError, match="already holds an exported model"):
-        cv.export_hf(src, dst)
-    cv.export_hf(src, dst, overwrite=True)
+        export_hf(src, dst)
+    export_hf(src, dst, overwrite=True)
     assert sorted(p.name for p in dst.iterdir()) == ["config.json", "generation_config.json",
                                                      "marker", "model.safetensors"]
     modes = {p.name: p.stat().st_mode & 0o777 for p in dst.iterdir()}
@@ -195,7 +196,7 @@ def test_output_that_is_a_file_is_refused(src, tmp_path):
     target = tmp_path / "a_file"
     target.write_text("x")
     with pytest.raises(CheckpointError, match=f"cannot create {target}: it is a file"):
-        cv.export_hf(src, target)
+        export_hf(src, target)
     assert target.read_text() == "x"
 
 

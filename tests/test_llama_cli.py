@@ -65,7 +65,7 @@ def test_llama_recipe_exports_the_tokenizers_special_ids(tmp_path, common):
     the exported tokenizer's (GPT-2's <|endoftext|> begins and ends, as in transformers)."""
     import transformers
 
-    from megapar.checkpoint.convert import export_hf
+    from megapar.checkpoint.export import export_hf
     from megapar.data import load_tokenizer
 
     assert main(["--model", "llama-tiny", "--max-steps", "2", "--save", str(tmp_path / "ck"),

@@ -376,19 +376,7 @@ def save_hf(
     names = HF_FILES + ((GENERATION_FILE,) if causal else ())
     tmp = {name: out_dir / f".{name}.tmp-{os.getpid()}" for name in names}
     try:
-        hf_config = config.to_hf()
-        hf_config.dtype = str(next(iter(canonical.values())).dtype).removeprefix("torch.")
-        hf_config.architectures = [ARCHITECTURES[config.model_type]]
-        hf_config.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
-        for special in (f"{role}_token_id" for role in SPECIAL_ROLES):
-            if not hasattr(hf_config, special):
-                continue
-            value = (
-                special_ids[special] if special in special_ids else getattr(hf_config, special)
-            )  # the tokenizer's ids, when it is exported
-            if isinstance(value, int) and value >= config.vocab_size:
-                value = None  # GPT-2's 50256 means nothing in another vocabulary
-            setattr(hf_config, special, value)
+        hf_config = _export_config(config, canonical, special_ids)
         if causal:
             text = (
                 json.dumps(generation_config, indent=2, sort_keys=True) + "\n"
@@ -410,3 +398,23 @@ def save_hf(
             path.unlink(missing_ok=True)
         raise
     return out_dir
+
+
+def _export_config(config, canonical: dict[str, torch.Tensor], special_ids: dict):
+    """The transformers config an export writes: `config`'s, with the weights' dtype, the
+    architecture, the tying, and the special token ids `special_ids` (the exported tokenizer's;
+    an id outside the vocabulary is None)."""
+    hf_config = config.to_hf()
+    hf_config.dtype = str(next(iter(canonical.values())).dtype).removeprefix("torch.")
+    hf_config.architectures = [ARCHITECTURES[config.model_type]]
+    hf_config.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
+    for special in (f"{role}_token_id" for role in SPECIAL_ROLES):
+        if not hasattr(hf_config, special):
+            continue
+        value = (
+            special_ids[special] if special in special_ids else getattr(hf_config, special)
+        )  # the tokenizer's ids, when it is exported
+        if isinstance(value, int) and value >= config.vocab_size:
+            value = None  # GPT-2's 50256 means nothing in another vocabulary
+        setattr(hf_config, special, value)
+    return hf_config

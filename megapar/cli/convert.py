@@ -46,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_layout_arguments(p)
+    add_mode_arguments(p)
+    add_export_arguments(p)
+    add_info_arguments(p)
+    add_run_arguments(p)
+    return p
+
+
+def add_layout_arguments(p: argparse.ArgumentParser) -> None:
+    """The paths and the target layout: PATH..., --tp, --pp, --dp."""
     p.add_argument(
         "paths", nargs="*", metavar="PATH", help="SRC DST, DST (--from-hf) or SRC (--to-hf)"
     )
@@ -65,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="target data-parallel size (recorded only; files never depend on dp)",
     )
+
+
+def add_mode_arguments(p: argparse.ArgumentParser) -> None:
+    """The conversion modes: --from-hf, --to-hf, --from-dcp, --to-dcp and the DCP model."""
     p.add_argument("--from-hf", metavar="HF_DIR", help="import a transformers directory")
     p.add_argument("--to-hf", metavar="HF_DIR", help="export SRC as a transformers directory")
     p.add_argument(
@@ -90,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="--from-dcp: the model as a megapar recipe name or config file "
         "(instead of --job-config)",
     )
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    """--to-hf's options: the tokenizer to export, its rows, the weights' dtype."""
     p.add_argument(
         "--tokenizer",
         metavar="SPEC",
@@ -120,11 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
         "fp16, fp32 (default: the dtype of the Hugging Face model the "
         "checkpoint came from, else float32)",
     )
+
+
+def add_info_arguments(p: argparse.ArgumentParser) -> None:
+    """--info and what it lists and checks: --tensors, --fast."""
     p.add_argument("--info", metavar="CKPT", help="print a summary of a checkpoint")
     p.add_argument("--tensors", action="store_true", help="with --info: list every tensor")
     p.add_argument(
         "--fast", action="store_true", help="with --info: check file sizes only, not their sha256"
     )
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of every write: --seed (--from-hf), --overwrite, --no-progress."""
     p.add_argument(
         "--seed",
         type=int,
@@ -133,12 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return p
 
 
 def _dtype(name: str) -> str:
     """--dtype's value: a short name (bf16, fp16, fp32, as --precision takes) is its alias."""
-    from megapar.checkpoint.convert import export_dtype
+    from megapar.checkpoint.export import export_dtype
 
     return export_dtype(name)
 
@@ -164,6 +189,27 @@ def run(args) -> str:
     from megapar.checkpoint.manifest import read_manifest
 
     progress = not args.no_progress
+    _check_modes(args)
+    if args.from_dcp or args.to_dcp:
+        return _dcp(args, progress)
+    if args.info:
+        _need(args, 0, "no positional path with --info CKPT")
+        return cv.checkpoint_info(args.info, tensors=args.tensors, checksums=not args.fast)
+    _check_export_flags(args)
+    if args.to_hf:
+        return _to_hf(args)
+    if args.from_hf:
+        return _from_hf(args, progress)
+    src, dst = _need(args, 2, "SRC DST [--tp N] [--pp M]")
+    _fill_layout(args, read_manifest(src)["layout"] if args.tp is None or args.pp is None else {})
+    path = cv.convert_checkpoint(
+        src, dst, args.tp, args.pp, args.dp, overwrite=args.overwrite, progress=progress
+    )
+    return f"wrote {path} (tp={args.tp} pp={args.pp} dp={args.dp})"
+
+
+def _check_modes(args) -> None:
+    """Refuse an empty mode path, two modes at once, and the DCP model without --from-dcp."""
     for flag in ("from_hf", "to_hf", "info", "from_dcp", "to_dcp"):
         if getattr(args, flag) == "":
             raise ValueError(f"--{flag.replace('_', '-')} '' is an empty path: give a directory")
@@ -178,11 +224,10 @@ def run(args) -> str:
         )
     if (args.job_config or args.model) and not args.from_dcp:
         raise ValueError("--job-config and --model are used only with --from-dcp")
-    if args.from_dcp or args.to_dcp:
-        return _dcp(args, progress)
-    if args.info:
-        _need(args, 0, "no positional path with --info CKPT")
-        return cv.checkpoint_info(args.info, tensors=args.tensors, checksums=not args.fast)
+
+
+def _check_export_flags(args) -> None:
+    """Refuse --to-hf's options without --to-hf, and --allow-other-tokenizer without one."""
     if (
         args.tokenizer or args.dtype or args.allow_other_tokenizer or args.tokenizer_rows
     ) and not args.to_hf:
@@ -192,71 +237,74 @@ def run(args) -> str:
         )
     if args.allow_other_tokenizer and not args.tokenizer:
         raise ValueError("--allow-other-tokenizer needs --tokenizer SPEC, the tokenizer to export")
-    if args.to_hf:
-        (src,) = _need(args, 1, "SRC --to-hf HF_DIR")
-        if args.tp is not None or args.pp is not None:
-            raise ValueError(
-                "--tp and --pp are not used with --to-hf: an export is one "
-                "unsharded model; drop them"
-            )
-        out = cv.export_hf(
-            src,
-            args.to_hf,
-            overwrite=args.overwrite,
-            tokenizer=args.tokenizer,
-            dtype=args.dtype,
-            allow_other_tokenizer=args.allow_other_tokenizer,
-            tokenizer_rows=args.tokenizer_rows,
+
+
+def _to_hf(args) -> str:
+    """--to-hf: export SRC as a transformers directory; returns the report with its notes."""
+    from megapar.checkpoint.export import export_hf
+
+    (src,) = _need(args, 1, "SRC --to-hf HF_DIR")
+    if args.tp is not None or args.pp is not None:
+        raise ValueError(
+            "--tp and --pp are not used with --to-hf: an export is one unsharded model; drop them"
         )
-        report = f"wrote transformers directory {out}"
-        rows = _exported_rows(args, src, out)
-        if rows is not None and rows[0] < rows[1]:
-            report += (
-                f"\nnote: --tokenizer-rows: the embedding has the tokenizer's {rows[0]:,} "
-                f"rows of the model's {rows[1]:,}; logits on those ids are the model's, "
-                f"probabilities differ slightly (it trained its softmax over all)"
-            )
-        elif rows is not None:
-            report += (
-                f"\nnote: vocab_size {rows[1]:,}: the tokenizer's {rows[2]:,} ids and the "
-                f"{rows[1] - rows[2]} megapar appends for BERT ([PAD] [CLS] [SEP] [MASK] "
-                f"where missing), which this model trained its softmax over, so they "
-                f"stay (cutting them would "
-                f"change every probability); --tokenizer-rows exports {rows[2]:,} rows, "
-                f"shaped as Hugging Face's model"
-            )
-        if not (out / "tokenizer_config.json").exists():
-            report += (
-                "\nnote: the checkpoint records no tokenizer, so the export has none "
-                "(AutoTokenizer cannot load it); pass --tokenizer SPEC"
-            )
-        return report
-    if args.from_hf:
-        (dst,) = _need(args, 1, "--from-hf HF_DIR DST [--tp N] [--pp M]")
-        _fill_layout(args, {})
-        path, initialised = cv.import_hf(
-            args.from_hf,
-            dst,
-            args.tp,
-            args.pp,
-            args.dp,
-            seed=args.seed,
-            overwrite=args.overwrite,
-            progress=progress,
-        )
-        report = f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, no optimizer state)"
-        if initialised:
-            report += (
-                f"\nnot in {args.from_hf}, initialised from --seed {args.seed}: "
-                f"{', '.join(initialised)}"
-            )
-        return report
-    src, dst = _need(args, 2, "SRC DST [--tp N] [--pp M]")
-    _fill_layout(args, read_manifest(src)["layout"] if args.tp is None or args.pp is None else {})
-    path = cv.convert_checkpoint(
-        src, dst, args.tp, args.pp, args.dp, overwrite=args.overwrite, progress=progress
+    out = export_hf(
+        src,
+        args.to_hf,
+        overwrite=args.overwrite,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        allow_other_tokenizer=args.allow_other_tokenizer,
+        tokenizer_rows=args.tokenizer_rows,
     )
-    return f"wrote {path} (tp={args.tp} pp={args.pp} dp={args.dp})"
+    report = f"wrote transformers directory {out}"
+    rows = _exported_rows(args, src, out)
+    if rows is not None and rows[0] < rows[1]:
+        report += (
+            f"\nnote: --tokenizer-rows: the embedding has the tokenizer's {rows[0]:,} "
+            f"rows of the model's {rows[1]:,}; logits on those ids are the model's, "
+            f"probabilities differ slightly (it trained its softmax over all)"
+        )
+    elif rows is not None:
+        report += (
+            f"\nnote: vocab_size {rows[1]:,}: the tokenizer's {rows[2]:,} ids and the "
+            f"{rows[1] - rows[2]} megapar appends for BERT ([PAD] [CLS] [SEP] [MASK] "
+            f"where missing), which this model trained its softmax over, so they "
+            f"stay (cutting them would "
+            f"change every probability); --tokenizer-rows exports {rows[2]:,} rows, "
+            f"shaped as Hugging Face's model"
+        )
+    if not (out / "tokenizer_config.json").exists():
+        report += (
+            "\nnote: the checkpoint records no tokenizer, so the export has none "
+            "(AutoTokenizer cannot load it); pass --tokenizer SPEC"
+        )
+    return report
+
+
+def _from_hf(args, progress: bool) -> str:
+    """--from-hf: import a transformers directory as a step-0 checkpoint; returns the report."""
+    from megapar.checkpoint import convert as cv
+
+    (dst,) = _need(args, 1, "--from-hf HF_DIR DST [--tp N] [--pp M]")
+    _fill_layout(args, {})
+    path, initialised = cv.import_hf(
+        args.from_hf,
+        dst,
+        args.tp,
+        args.pp,
+        args.dp,
+        seed=args.seed,
+        overwrite=args.overwrite,
+        progress=progress,
+    )
+    report = f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, no optimizer state)"
+    if initialised:
+        report += (
+            f"\nnot in {args.from_hf}, initialised from --seed {args.seed}: "
+            f"{', '.join(initialised)}"
+        )
+    return report
 
 
 def _exported_rows(args, src: str, out) -> tuple[int, int, int] | None:

@@ -34,6 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_io_arguments(p)
+    add_document_arguments(p)
+    add_tokenizer_training_arguments(p)
+    add_output_arguments(p)
+    return p
+
+
+def add_io_arguments(p: argparse.ArgumentParser) -> None:
+    """What is read, written and tokenized with: --input, --output-prefix, --tokenizer,
+    --workers."""
     p.add_argument(
         "--input",
         nargs="+",
@@ -62,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenizer processes (default: 1 for inputs under 8 MB, else up to 8); "
         "the output is identical for any value",
     )
+
+
+def add_document_arguments(p: argparse.ArgumentParser) -> None:
+    """Where an input's documents are: --jsonl-key, --split-lines."""
     p.add_argument(
         "--jsonl-key",
         default="text",
@@ -73,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="treat each blank-line-separated paragraph of a .txt file as a document "
         "(default: one document per file)",
     )
+
+
+def add_tokenizer_training_arguments(p: argparse.ArgumentParser) -> None:
+    """Training a tokenizer first: --train-sentencepiece, --train-tokenizer, --vocab-size,
+    --sp-model-type."""
     p.add_argument(
         "--train-sentencepiece",
         action="store_true",
@@ -95,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["unigram", "bpe"],
         help="SentencePiece model type when training",
     )
+
+
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """How the dataset is written: --format, --allow-invalid-utf8, --overwrite, --no-progress."""
     p.add_argument(
         "--format",
         default="megapar",
@@ -115,7 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--train-tokenizer run writes); without it they are refused",
     )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return p
 
 
 def check_flags(args: argparse.Namespace) -> None:

@@ -227,48 +227,7 @@ def block_backward(
             attn_mask=bias,
         )
     if kernel in ("cuda-flash", "cuda-efficient"):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
-        seed, offset = _forward_rng(kernel, q)
-        if kernel == "cuda-flash":
-            s_q, s_k = q.shape[2], k.shape[2]
-            return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout,
-                q,
-                k,
-                v,
-                out,
-                lse.float().contiguous(),
-                None,
-                None,
-                s_q,
-                s_k,
-                0.0,
-                causal,
-                seed,
-                offset,
-            )
-        padded = -(-q.shape[2] // 32) * 32  # the log-sum-exp rows as its forward returns them
-        lse_rows = lse.new_zeros(*lse.shape[:-1], padded)
-        lse_rows[..., : q.shape[2]] = lse
-        # out and dout laid out as its forward returns out, [b, s, heads, d] in memory: in
-        # 16-bit it computes wrong dq / dk from [b, heads, s, d] ones (measured on an H200)
-        dout, out = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (dout, out))
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout,
-            q,
-            k,
-            v,
-            _efficient_bias(bias, q, k),
-            out,
-            lse_rows,
-            seed,
-            offset,
-            0.0,
-            [True, True, True, False],
-            causal,
-        )
-        return dq, dk, dv
+        return _cuda_backward(dout, q, k, v, out, lse, causal, bias, kernel)
     s, scale = _scores(q, k, causal, bias)
     p = torch.exp(s - lse.unsqueeze(-1))
     do, vf = wide(dout), wide(v)
@@ -284,6 +243,53 @@ def block_backward(
     dq = torch.matmul(ds, wide(k)).mul_(scale)
     dk = torch.matmul(ds.transpose(-1, -2), wide(q)).mul_(scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal: bool, bias, kernel: str):
+    """(dq, dk, dv) of a block by PyTorch's CUDA flash or memory-efficient backward (`kernel`),
+    given the seed and offset a forward of that kernel made (`_forward_rng`)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+    seed, offset = _forward_rng(kernel, q)
+    if kernel == "cuda-flash":
+        s_q, s_k = q.shape[2], k.shape[2]
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.float().contiguous(),
+            None,
+            None,
+            s_q,
+            s_k,
+            0.0,
+            causal,
+            seed,
+            offset,
+        )
+    padded = -(-q.shape[2] // 32) * 32  # the log-sum-exp rows as its forward returns them
+    lse_rows = lse.new_zeros(*lse.shape[:-1], padded)
+    lse_rows[..., : q.shape[2]] = lse
+    # out and dout laid out as its forward returns out, [b, s, heads, d] in memory: in
+    # 16-bit it computes wrong dq / dk from [b, heads, s, d] ones (measured on an H200)
+    dout, out = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (dout, out))
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout,
+        q,
+        k,
+        v,
+        _efficient_bias(bias, q, k),
+        out,
+        lse_rows,
+        seed,
+        offset,
+        0.0,
+        [True, True, True, False],
+        causal,
+    )
+    return dq, dk, dv
 
 
 def merge(out, lse, block_out, block_lse):

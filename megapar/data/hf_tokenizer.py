@@ -240,19 +240,7 @@ def to_transformers(
     B [SEP], token type 1) as megapar's masked-LM samples have them. `model_max_length`: the
     model's positions, where ``truncation=True`` cuts (transformers' default is unbounded)."""
 
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    if tok.kind == "hf":
-        hf = AutoTokenizer.from_pretrained(tok.path)
-    elif tok.kind == "sentencepiece":
-        with tempfile.TemporaryDirectory() as d:
-            shutil.copy(tok.path, os.path.join(d, "tokenizer.model"))
-            hf = PreTrainedTokenizerFast.from_pretrained(d)
-        # megapar's documents never begin with the model's <s>: no BOS, so clients such as
-        # lm-eval put the end of document before a text, as in training
-        hf.bos_token = None
-    else:  # GPT-2 style vocab.json + merges.txt: megapar's own tokenizers pipeline
-        hf = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(tok._backend.to_str()))
+    hf = _base_tokenizer(tok)
     limit = vocab_size if vocab_size is not None else tok.vocab_size
     appended: list[str | AddedToken] = [
         name for i, name in enumerate(tok.appended) if tok.base_vocab_size + i < limit
@@ -284,25 +272,51 @@ def to_transformers(
         if getattr(hf, role, None) is None:
             setattr(hf, role, hf.convert_ids_to_tokens(tid))
     if sentence_pairs and tok.kind != "hf" and {"cls_token", "sep_token"} <= set(roles):
-        cls, sep = hf.convert_ids_to_tokens(tok.cls_id), hf.convert_ids_to_tokens(tok.sep_id)
-        template = processors.TemplateProcessing(
-            single=f"{cls} $A {sep}",
-            pair=f"{cls} $A {sep} $B:1 {sep}:1",
-            special_tokens=[(cls, tok.cls_id), (sep, tok.sep_id)],
-        )
-        backend = hf._tokenizer  # a fast tokenizer's, always there
-        assert backend is not None
-        before = backend.post_processor  # byte-level BPE's offset trimming is kept
-        backend.post_processor = (
-            processors.Sequence([before, template])
-            if isinstance(before, processors.ByteLevel)
-            else template
-        )
-        hf.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
-        hf.init_kwargs["model_input_names"] = hf.model_input_names  # saved in its config
+        _add_pair_template(hf, tok)
     if model_max_length is not None:
         hf.model_max_length = model_max_length
     return hf
+
+
+def _base_tokenizer(tok: Tokenizer):
+    """`tok` as a transformers fast tokenizer before megapar's special tokens are added: a
+    transformers directory loaded as it is, a SentencePiece model converted by transformers
+    (without a BOS), a GPT-2 style BPE from megapar's own tokenizers pipeline."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if tok.kind == "hf":
+        hf = AutoTokenizer.from_pretrained(tok.path)
+    elif tok.kind == "sentencepiece":
+        with tempfile.TemporaryDirectory() as d:
+            shutil.copy(tok.path, os.path.join(d, "tokenizer.model"))
+            hf = PreTrainedTokenizerFast.from_pretrained(d)
+        # megapar's documents never begin with the model's <s>: no BOS, so clients such as
+        # lm-eval put the end of document before a text, as in training
+        hf.bos_token = None
+    else:  # GPT-2 style vocab.json + merges.txt: megapar's own tokenizers pipeline
+        hf = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(tok._backend.to_str()))
+    return hf
+
+
+def _add_pair_template(hf, tok: Tokenizer) -> None:
+    """Make `hf` encode [CLS] A [SEP] (and B [SEP], token type 1) as megapar's masked-LM
+    samples have them, keeping a byte-level BPE's post-processor before it."""
+    cls, sep = hf.convert_ids_to_tokens(tok.cls_id), hf.convert_ids_to_tokens(tok.sep_id)
+    template = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, tok.cls_id), (sep, tok.sep_id)],
+    )
+    backend = hf._tokenizer  # a fast tokenizer's, always there
+    assert backend is not None
+    before = backend.post_processor  # byte-level BPE's offset trimming is kept
+    backend.post_processor = (
+        processors.Sequence([before, template])
+        if isinstance(before, processors.ByteLevel)
+        else template
+    )
+    hf.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
+    hf.init_kwargs["model_input_names"] = hf.model_input_names  # saved in its config
 
 
 SPECIAL_ROLES = ("pad", "bos", "eos", "cls", "sep", "mask")

@@ -6,8 +6,8 @@ import shutil
 import warnings
 from pathlib import Path
 
-from megapar.checkpoint.convert import export_hf as export_checkpoint
 from megapar.checkpoint.distributed import broadcast_text, save_checkpoint
+from megapar.checkpoint.export import export_hf as export_checkpoint
 
 
 def export_engine(

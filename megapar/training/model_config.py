@@ -86,14 +86,31 @@ def resolve_model_config(
         _take_special_ids(config, special_ids)
         given_from = "recipe"
     if manifest is not None:
-        given = config if (cfg.model or cfg.from_hf) else None
-        config = model_from_checkpoint(cfg, manifest, given, given_from)
-        if config.vocab_size < needed(config):
-            raise ConfigError(
-                f"--load {cfg.load} holds a model with a vocabulary of {config.vocab_size} but the "
-                f"data's tokenizer {tokenizer_name} needs {needed(config)} token ids; use data "
-                f"tokenized with the checkpoint's tokenizer"
-            )
+        config = _checkpoint_model(cfg, manifest, config, given_from, needed, tokenizer_name)
+    _fit_seq_len(cfg, config, notes)
+    return config
+
+
+def _checkpoint_model(
+    cfg: TrainConfig, manifest: dict, config, given_from: str, needed, tokenizer_name: str
+):
+    """--load's model (`model_from_checkpoint`: a --model or --from-hf `config` given as well
+    must be the same), refused when its vocabulary holds fewer ids than the data's tokenizer
+    needs (`needed(config)`)."""
+    given = config if (cfg.model or cfg.from_hf) else None
+    config = model_from_checkpoint(cfg, manifest, given, given_from)
+    if config.vocab_size < needed(config):
+        raise ConfigError(
+            f"--load {cfg.load} holds a model with a vocabulary of {config.vocab_size} but the "
+            f"data's tokenizer {tokenizer_name} needs {needed(config)} token ids; use data "
+            f"tokenized with the checkpoint's tokenizer"
+        )
+    return config
+
+
+def _fit_seq_len(cfg: TrainConfig, config, notes: list[str] | None) -> None:
+    """A --seq-len beyond the model's positions is refused when given, else lowered to them
+    (with a note)."""
     max_len = config.max_positions
     if cfg.seq_len > max_len:
         if "seq_len" in explicit(cfg):
@@ -107,7 +124,6 @@ def resolve_model_config(
                 f"of the default {cfg.seq_len}"
             )
         cfg.seq_len = max_len
-    return config
 
 
 def _check_same_model(cfg: TrainConfig, config) -> None:

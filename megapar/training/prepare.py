@@ -168,6 +168,19 @@ def prepare(
         **options,
     )
     _check_sharding(cfg)
+    _check_world(cfg)
+    lr_schedule = _lr_scheduler(lr_schedule, cfg)
+    set_action("megapar.prepare: building the engine (mesh, model stage, optimizer)")
+    engine = Engine(cfg, config, scheduler=lr_schedule, on_nonfinite=on_nonfinite)
+    if reader is not None:
+        _load_model_weights(engine, model, reader, seed)
+    set_action("megapar.prepare returned; in the caller's code")
+    return engine
+
+
+def _check_world(cfg: TrainConfig) -> None:
+    """Refuse a world size that is not a multiple of tp x cp x pp (when dp is not given), as
+    Mesh would, in the API's terms."""
     split, world = cfg.tp * cfg.cp * cfg.pp, launched_world_size()
     if cfg.dp is None and world % split:  # what Mesh would refuse, in the API's terms
         raise LayoutError(
@@ -177,6 +190,11 @@ def prepare(
             f"function megapar.launch(fn, nprocs={split}) runs (or a multiple of "
             f"{split}), or under torchrun"
         )
+
+
+def _lr_scheduler(lr_schedule, cfg: TrainConfig):
+    """prepare's `lr_schedule` as the engine takes it: None, or a megapar `LRScheduler` (a dict
+    of its fields is built into one, from the scaled lr); anything else is refused."""
     if isinstance(lr_schedule, dict):
         fields = {"min_lr": 0.0, "warmup_steps": 0, "decay": "cosine", **lr_schedule}
         lr_schedule = LRScheduler(Engine.scaled_lr(cfg), **fields)
@@ -186,21 +204,23 @@ def prepare(
             "LRScheduler; for any other schedule use a torch LR scheduler on "
             "engine.optimizer"
         )
-    set_action("megapar.prepare: building the engine (mesh, model stage, optimizer)")
-    engine = Engine(cfg, config, scheduler=lr_schedule, on_nonfinite=on_nonfinite)
-    if reader is not None:
-        set_action(f"megapar.prepare: loading the {type(model).__name__}'s weights")
-        engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
+    return lr_schedule
 
-        _check_same_weights(model, engine.mesh)
-        with engine.params_whole():
-            missing = load_hf_weights(engine.model, reader)
-        if missing and engine.mesh.rank == 0:
-            warnings.warn(
-                f"megapar.prepare: the {type(model).__name__} has no {', '.join(missing)}"
-                f"; initialised from seed {seed} (pass the model with its head to keep "
-                f"trained ones)",
-                stacklevel=2,
-            )
-    set_action("megapar.prepare returned; in the caller's code")
-    return engine
+
+def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
+    """Load the transformers model's weights (`reader`) into the engine's stage, after checking
+    every rank holds the same; warn (rank 0, at prepare's caller) of a head initialised from
+    `seed` because the model lacks it."""
+    set_action(f"megapar.prepare: loading the {type(model).__name__}'s weights")
+    engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
+
+    _check_same_weights(model, engine.mesh)
+    with engine.params_whole():
+        missing = load_hf_weights(engine.model, reader)
+    if missing and engine.mesh.rank == 0:
+        warnings.warn(
+            f"megapar.prepare: the {type(model).__name__} has no {', '.join(missing)}"
+            f"; initialised from seed {seed} (pass the model with its head to keep "
+            f"trained ones)",
+            stacklevel=3,
+        )

@@ -1,0 +1,159 @@
+"""Export of a checkpoint as a transformers directory: the weights in the dtype asked for,
+the tokenizer it trained with (checked to be that one), the generation config (`save_hf`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from megapar.checkpoint.convert import check_output
+from megapar.checkpoint.format import CheckpointError, ShardReader
+from megapar.checkpoint.hf import GENERATION_FILE, HF_FILES, save_hf
+from megapar.checkpoint.manifest import verify
+from megapar.checkpoint.publish import resolve_checkpoint
+from megapar.data.assets import moved_asset
+from megapar.data.preprocess import file_sha256
+from megapar.data.tokenizers import load_tokenizer, tokenizer_files
+from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes an export can write its weights in."""
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""The short names (--precision's) an export's dtype may also be given by."""
+
+
+def export_dtype(name: str) -> str:
+    """An export dtype's full name: a short name (bf16, fp16, fp32) is its alias."""
+    return DTYPE_ALIASES.get(name, name)
+
+
+def export_hf(
+    src,
+    hf_dir,
+    overwrite: bool = False,
+    tokenizer=None,
+    dtype: str | None = None,
+    allow_other_tokenizer: bool = False,
+    tokenizer_rows: bool = False,
+) -> Path:
+    """A transformers directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM) from a
+    checkpoint, with the tokenizer it trained with (`export_tokenizer`: `tokenizer`, a
+    `load_tokenizer` spec, names where it is now; another tokenizer than the recorded one only
+    with `allow_other_tokenizer`), in `dtype` (default: the dtype of the Hugging Face model it
+    came from, recorded on import, else float32); a causal LM with the generation config of
+    the model it was imported from, else one made from its config (`save_hf`); with
+    `tokenizer_rows`, a causal LM's vocabulary cut to its tokenizer's ids (`cut_to_tokenizer`)."""
+
+    step_dir = resolve_checkpoint(src)
+    hf_dir = Path(hf_dir)
+    existing = [n for n in (*HF_FILES, GENERATION_FILE) if (hf_dir / n).exists()]
+    if not overwrite and existing:
+        raise CheckpointError(
+            f"{hf_dir} already holds an exported model ({', '.join(existing)})"
+            f"; pass --overwrite to replace those files (other files there "
+            f"are kept)"
+        )
+    if dtype is not None and export_dtype(dtype) not in EXPORT_DTYPES:
+        raise CheckpointError(
+            f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)} "
+            f"(or {', '.join(DTYPE_ALIASES)})"
+        )
+    dtype = None if dtype is None else export_dtype(dtype)
+    check_output(hf_dir, into=True)
+    manifest = verify(step_dir)
+    config = config_from_dict(manifest["model"])
+    tok = export_tokenizer(manifest, config, tokenizer, allow_other_tokenizer)
+    reader = ShardReader(step_dir, manifest)
+    canonical = {}
+    for name, e in manifest["tensors"].items():
+        dim = e["tp_dim"]
+        canonical[name] = reader.shard(
+            name, None, 1, 0, None if dim is None else e["full_shape"][dim]
+        )
+    reader.release()
+    dtype = dtype or manifest["meta"].get("hf_dtype") or "float32"
+    return save_hf(
+        canonical,
+        config,
+        hf_dir,
+        tok,
+        getattr(torch, dtype),
+        generation_config=manifest["meta"].get("hf_generation_config"),
+        tokenizer_rows=tokenizer_rows,
+    )
+
+
+def _described(spec: dict) -> str:
+    """A recorded tokenizer in a few words: its path and the start of its files' sha256."""
+    digests = ",".join(d[:12] for d in spec.get("sha256", []))
+    return f"{spec.get('path')} (sha256 {digests})" if digests else str(spec.get("path"))
+
+
+def export_tokenizer(
+    manifest: dict, config, given: str | dict | None = None, allow_other: bool = False
+):
+    """The megapar Tokenizer an export carries: `given` (a spec), else the one the checkpoint
+    records (meta ``tokenizer``: what megapar-train's data was tokenized with, or the
+    transformers directory it was imported from); None when it records none. A recorded
+    tokenizer that cannot be loaded, or whose files changed since, is an error naming the fix
+    (the export must not carry a tokenizer the model did not train with); so is a `given` one
+    whose files are not the recorded ones (the same files elsewhere are fine), unless
+    `allow_other`."""
+
+    spec = given or manifest["meta"].get("tokenizer")
+    if not spec:
+        return None
+    what = (
+        f"--tokenizer {given}"
+        if given
+        else f"the checkpoint's tokenizer {spec.get('path') if isinstance(spec, dict) else spec}"
+    )
+    path = spec.get("path") if isinstance(spec, dict) else spec
+    assert path is not None  # a recorded tokenizer names its path
+    try:
+        if (
+            path not in ("gpt2", "sentencepiece")
+            and not os.path.exists(path)
+            and not moved_asset(path)
+        ):
+            raise FileNotFoundError("no such file or directory: moved or deleted?")
+        tok = load_tokenizer(spec)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{what} cannot be loaded ({exc}); pass --tokenizer SPEC (the "
+            f"tokenizer it trained with, wherever it is now)"
+        ) from None
+    if not given and isinstance(spec, dict) and spec.get("sha256"):
+        if [file_sha256(p) for p in tokenizer_files(tok)] != spec["sha256"]:
+            raise CheckpointError(
+                f"{what} has changed since the checkpoint was trained (its "
+                f"files' sha256 differ); pass --tokenizer SPEC naming the "
+                f"tokenizer it trained with"
+            )
+    recorded = manifest["meta"].get("tokenizer")
+    if given and not allow_other and isinstance(recorded, dict) and recorded.get("sha256"):
+        digests = [file_sha256(p) for p in tokenizer_files(tok)]
+        if digests != recorded["sha256"]:
+            raise CheckpointError(
+                f"{what} is not the tokenizer the checkpoint records, "
+                f"{_described(recorded)}: its files differ (sha256 "
+                f"{','.join(d[:12] for d in digests)}); pass that tokenizer (wherever it is "
+                f"now), or add --allow-other-tokenizer to export another one on purpose"
+            )
+    # a causal LM sees only the base vocabulary and the end of document (the appended
+    # [PAD] [CLS] [SEP] [MASK] are BERT's), as megapar-train counts it
+    needed = (
+        max(tok.base_vocab_size, tok.eod_id + 1)
+        if config.model_type in CAUSAL_LM_TYPES
+        else tok.vocab_size
+    )
+    if needed > config.vocab_size:
+        raise CheckpointError(
+            f"{what} has {needed:,} token ids, more than the model's "
+            f"vocabulary of {config.vocab_size:,}; pass the tokenizer it "
+            f"trained with (--tokenizer)"
+        )
+    return tok
