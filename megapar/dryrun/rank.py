@@ -34,14 +34,13 @@ dp traffic in place of ZeRO-1's, and a note saying so.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megapar.checkpoint.distributed import planned_shard
-from megapar.comm_count import Call, count_collectives
-from megapar.data import collate
+from megapar.comm_count import count_collectives
+from megapar.dryrun.watch import run_micro_batch
 from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline import messages
@@ -57,7 +56,6 @@ from megapar.plan.state import (
     w_reported,
     whole_grads,
 )
-from megapar.training.batch_check import BERT_KEYS, DECODER_KEYS
 from megapar.training.config import flag_choices
 from megapar.training.data import make_sampler
 from megapar.training.engine import Engine
@@ -131,15 +129,6 @@ class RankReport:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def _micro_batch(cfg, config, dataset, first_batch):
-    """The first micro-batch this rank trains on (real data), or zeros of its shapes."""
-
-    if dataset is not None:
-        return collate([dataset[i] for i in first_batch[0]])
-    keys = BERT_KEYS if config.model_type == "bert" else DECODER_KEYS
-    return {k: torch.zeros(cfg.micro_batch_size, cfg.seq_len, dtype=torch.long) for k in keys}
 
 
 def _first_optimizer_step(optimizer, notes: list[str]) -> None:
@@ -241,7 +230,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     if dataset is not None:
         first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
         first_batch = [list(map(int, mb)) for mb in first]
-    run_calls, per_step, per_micro_batch_buckets, peak = _run_micro_batch(
+    run_calls, per_step, per_micro_batch_buckets, peak = run_micro_batch(
         cfg, config, engine, layout, m, dataset, first_batch
     )
     with count_collectives() as step_calls:
@@ -310,50 +299,6 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     )
 
 
-def _run_micro_batch(
-    cfg, config, engine: Engine, layout: Layout, m: int, dataset, first_batch
-) -> tuple[list[Call], set[int], set[int], dict[str, Any]]:
-    """Run the schedule on this rank's first micro-batch with every collective counted, the
-    grad sync's launches watched: (the calls, the indices of those made once a step, the
-    indices of the bucket reductions made once a micro-batch, ZeRO-3's peaks: `gathered`,
-    `grad_buffers`)."""
-    sync = engine.grad_sync
-    per_step: set[int] = set()  # the bucket reductions: once a step, whatever m
-    per_micro_batch_buckets: set[int] = set()  # ZeRO-2's (and ZeRO-3's per micro-batch): once a
-    # micro-batch (not the deferred ones)
-    run_calls: list[Call]  # the schedule's calls, recorded below
-    restore = _watch_launches(sync, lambda: run_calls, per_step, per_micro_batch_buckets)
-    sharded = engine.sharded_params
-    peak: dict[str, Any] = {"gathered": 0, "grad_buffers": 0}
-    sample = None
-    if sharded is not None:  # ZeRO-3: its gathers, and the gathered units' peak
-        sample = _watch_gathers(
-            sharded, lambda: run_calls, per_step, per_micro_batch_buckets, peak, m
-        )
-    try:
-        with count_collectives() as run_calls:
-            with engine.precision.autocast():
-                engine.executor.run(
-                    [_micro_batch(cfg, config, dataset, first_batch)],
-                    grad_sync=sync,
-                    loss_scale=engine.precision.loss_scale,
-                )
-    finally:
-        restore()
-    if sample is not None:  # the backward's end: every full gradient buffer not yet freed
-        sample()
-        if whole_grads(
-            cfg.schedule,
-            layout.pp,
-            m,
-            chunks_per_rank(cfg.schedule, cfg.virtual_stages),
-            cfg.zero3_reduce,
-        ):
-            # the step's m micro-batches accumulate in every buffer the rehearsed one made
-            peak["grad_buffers"] = max(peak["grad_buffers"], sum(peak["made"].values()))
-    return run_calls, per_step, per_micro_batch_buckets, peak
-
-
 def _unserved(cfg) -> str:
     """Why megapar-train cannot run `cfg`'s ZeRO stage as given ("" when it can): a stage not
     among --zero's choices, or a ZeRO-3 option it refuses (`check_zero3`)."""
@@ -365,93 +310,6 @@ def _unserved(cfg) -> str:
         except UsageError as exc:
             return str(exc)
     return ""
-
-
-def _watch_launches(sync, calls, per_step: set, per_micro_batch: set):
-    """Rehearse the grad sync's reductions as on a GPU (NCCL reduces and gathers a sharded
-    bucket whole; the fake tensors live on the CPU, where the real code would take gloo's
-    bounded pieces, `shard_comm`) and watch its launches: the calls of each reduction go to
-    `per_micro_batch` where the sync reduces every micro-batch (not the deferred buckets, nor
-    what a W pass's report launches: that waits for the step's last W), else to `per_step`;
-    returns the function that puts the sync's own launch and report back."""
-    sync.host_waits = False
-    launch, report = sync._launch, sync.grads_ready
-    reporting: list[bool] = []  # inside a W pass's report
-
-    def launched(bucket):
-        before = len(calls())
-        launch(bucket)
-        every = sync.reduces_every_micro_batch and not bucket.deferred and not reporting
-        (per_micro_batch if every else per_step).update(range(before, len(calls())))
-
-    def reported(params):
-        reporting.append(True)
-        try:
-            report(params)
-        finally:
-            reporting.pop()
-
-    def restore() -> None:
-        sync._launch, sync.grads_ready = launch, report
-
-    sync._launch, sync.grads_ready = launched, reported
-    return restore
-
-
-def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: dict, m: int = 1):
-    """Rehearse ZeRO-3's `ShardedParams` as on a GPU (each collective whole and async, as NCCL
-    runs it, not gloo's synchronous pieces) and watch it: the calls of each unit's all-gather
-    go to `per_micro_batch` (twice a micro-batch: forward and backward) or, for the persistent
-    unit and with --zero3-keep-params (gathered once a step), to `per_step`; `peak["gathered"]`
-    is the most bytes of units gathered at once (their full buffers' storages) and
-    `peak["grad_buffers"]` of their full gradient buffers, held by the unit or by its
-    reduce-scatter in flight (`peak["made"]`: each unit's buffer
-    seen, by unit; with `m` > 1 micro-batches, the deferred units' buffers, made in the step's
-    first micro-batch and kept, count as alive throughout); returns the function that samples
-    them (the hooks call it)."""
-    sharded.host_waits, sharded.piece = False, None
-    gather, prefetch, launch = sharded.gather, sharded.prefetch, sharded._launch
-    made = peak.setdefault("made", {})
-
-    def held() -> None:
-        peak["gathered"] = max(
-            peak["gathered"], sum(u.full.untyped_storage().nbytes() for u in sharded.units)
-        )
-        alive = {
-            id(u): u.grad_full.untyped_storage().nbytes()
-            for u in sharded.units
-            if u.grad_full is not None
-        }
-        made.update(alive)
-        flight = [u.reduce_handle.flat for u in sharded.units if u.reduce_handle is not None]
-        kept = sum(
-            u.padded * u.shard.element_size()
-            for u in sharded.units
-            if m > 1 and u.deferred and u.grad_full is None and u.reduce_handle is None
-        )
-        peak["grad_buffers"] = max(
-            peak["grad_buffers"],
-            sum(alive.values())
-            + kept
-            + sum(t.untyped_storage().nbytes() for t in flight if t is not None),
-        )
-
-    def launched(u) -> None:  # the unit's full gradient is complete: held until waited for
-        held()
-        launch(u)
-
-    def watched(fn):
-        def call(u):
-            before = len(calls())
-            fn(u)
-            once = sharded.keep or u is sharded.persistent
-            (per_step if once else per_micro_batch).update(range(before, len(calls())))
-            held()
-
-        return call
-
-    sharded.gather, sharded.prefetch, sharded._launch = watched(gather), watched(prefetch), launched
-    return held
 
 
 def _planned_state(cfg, config, mesh: Mesh):
