@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megapar.checkpoint.distributed import planned_shard
-from megapar.comm_count import count_collectives
+from megapar.comm_count import Call, count_collectives
 from megapar.dryrun.watch import run_micro_batch
 from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
@@ -56,7 +56,7 @@ from megapar.plan.state import (
     w_reported,
     whole_grads,
 )
-from megapar.training.config import flag_choices
+from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.data import make_sampler
 from megapar.training.engine import Engine
 from megapar.training.validate import UsageError, check_zero3
@@ -209,49 +209,22 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     # a ZeRO stage (or ZeRO-3 option) this megapar-train lacks is rehearsed at ZeRO-1 (the same
     # model, messages and tp / cp collectives), its state and dp traffic the planner's model
     modelled = _unserved(cfg)
-    run_cfg = (
-        replace(
-            cfg,
-            zero=1,
-            offload_params=False,
-            zero3_keep_params=False,
-            zero3_persistence_threshold=0,
-            zero3_reduce="step",
-        )
-        if modelled
-        else cfg
-    )
+    run_cfg = _run_config(cfg, modelled)
     # the rehearsal runs one micro-batch; DualPipeV takes no fewer than 2 pp, so its one is run
     # under ZB-V: the same V placement, so the same messages and collectives per micro-batch
     engine = Engine(
         replace(run_cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule)), config, mesh
     )
-    first_batch = None  # this rank's micro-batches of the first global batch (sample indices)
-    if dataset is not None:
-        first = next(iter(make_sampler(cfg, dataset, layout.dp, mesh.dp_rank)))
-        first_batch = [list(map(int, mb)) for mb in first]
+    first_batch = _first_batch(cfg, mesh, dataset)
     run_calls, per_step, per_micro_batch_buckets, peak = run_micro_batch(
         cfg, config, engine, layout, m, dataset, first_batch
     )
     with count_collectives() as step_calls:
         engine.step_fn.sync_gradients()
         _first_optimizer_step(engine.optimizer, notes)
-    # inside the schedule, messages and tp / cp collectives belong to the micro-batch; the
-    # bucket reductions, the loss broadcast and everything after the schedule to the step
-    per_micro_batch = {
-        tuple(dist.get_process_group_ranks(g))
-        for g in (mesh.tp_group, mesh.cp_group)
-        if g is not None
-    }
-    repeats = [
-        m
-        if i in per_micro_batch_buckets
-        or i not in per_step
-        and (c.op in ("isend", "irecv") or c.ranks in per_micro_batch)
-        else 1
-        for i, c in enumerate(run_calls)
-    ] + [1] * len(step_calls)
-    comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
+    comm = _step_traffic(
+        mesh, m, gpus_per_node, run_calls, step_calls, per_step, per_micro_batch_buckets
+    )
     optimizer = engine.optimizer
     held, gathered = held_bytes(engine.model, optimizer, engine.sharded_params), peak["gathered"]
     grad_buffers = peak["grad_buffers"]
@@ -297,6 +270,63 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         first_batch=first_batch,
         notes=notes,
     )
+
+
+def _run_config(cfg: TrainConfig, modelled: str) -> TrainConfig:
+    """The configuration the rehearsal runs: `cfg`, or, when megapar-train lacks its ZeRO stage
+    or refuses its ZeRO-3 options (`modelled`: why), `cfg` at ZeRO-1 without those options."""
+    return (
+        replace(
+            cfg,
+            zero=1,
+            offload_params=False,
+            zero3_keep_params=False,
+            zero3_persistence_threshold=0,
+            zero3_reduce="step",
+        )
+        if modelled
+        else cfg
+    )
+
+
+def _first_batch(cfg, mesh: Mesh, dataset) -> list | None:
+    """This rank's micro-batches of the first global batch, as sample indices (None: no data)."""
+    first_batch = None
+    if dataset is not None:
+        first = next(iter(make_sampler(cfg, dataset, mesh.layout.dp, mesh.dp_rank)))
+        first_batch = [list(map(int, mb)) for mb in first]
+    return first_batch
+
+
+def _step_traffic(
+    mesh: Mesh,
+    m: int,
+    gpus_per_node: int,
+    run_calls: list[Call],
+    step_calls: list[Call],
+    per_step: set[int],
+    per_micro_batch_buckets: set[int],
+) -> dict:
+    """One step's `traffic` of m micro-batches: the schedule's calls (`run_calls`, one
+    micro-batch's) repeated m times where they are made every micro-batch, the rest and the
+    calls after the schedule (`step_calls`) once."""
+    # inside the schedule, messages and tp / cp collectives belong to the micro-batch; the
+    # bucket reductions, the loss broadcast and everything after the schedule to the step
+    per_micro_batch = {
+        tuple(dist.get_process_group_ranks(g))
+        for g in (mesh.tp_group, mesh.cp_group)
+        if g is not None
+    }
+    repeats = [
+        m
+        if i in per_micro_batch_buckets
+        or i not in per_step
+        and (c.op in ("isend", "irecv") or c.ranks in per_micro_batch)
+        else 1
+        for i, c in enumerate(run_calls)
+    ] + [1] * len(step_calls)
+    comm = traffic(list(run_calls) + list(step_calls), mesh, gpus_per_node, repeats)
+    return comm
 
 
 def _unserved(cfg) -> str:
