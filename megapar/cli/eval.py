@@ -35,7 +35,7 @@ from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
 from megapar.training.config import OneLineParser
-from megapar.training.data import check_given_tokenizer
+from megapar.training.tokenizer_checks import check_given_tokenizer
 from megapar.training.validate import UsageError, check_writable
 from megapar.training.validate_tools import check_eval_args
 

@@ -35,23 +35,21 @@ from megapar.device import (
     keep_freed_host_memory,
     process_group_timeout_s,
     return_freed_host_memory,
-    share_host_arena,
 )
 from megapar.diagnostics.nonfinite import KeptStep, locate
 from megapar.diagnostics.probes import build_probes
 from megapar.diagnostics.straggler import StragglerReport
 from megapar.faults.status import set_action, set_step
-from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh, all_reduce
 from megapar.models import set_loss_chunk_tokens
-from megapar.optim import LRScheduler, Precision, build_optimizer
+from megapar.optim import LRScheduler, Precision
 from megapar.optim.precision import comm_dtypes
-from megapar.optim.zero3 import Zero3Optimizer
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.pipeline.schedules import chunks_per_rank, placement_of
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
+from megapar.training.engine_parts import api_guard, mesh_for, optimizer_for
 from megapar.training.export import export_engine
 from megapar.training.resume import checkpoint_meta, recorded_settings, restore_meta
 from megapar.training.rng import rng_state, set_rng_state
@@ -60,14 +58,6 @@ from megapar.training.step import BatchPlan, StepResult, TrainStep
 ON_NONFINITE = ("raise", "skip")
 """What `train_step` does with a step whose loss or gradients are not finite (the optimizer step
 is skipped either way): raise `NonFiniteError`, or return the non-finite loss."""
-
-API_ADVICE = (
-    "the optimizer step was skipped: the weights and the optimizer state are those "
-    "before this step. Check the model's weights and the batch, or lower lr{clip}; "
-    "prepare(..., on_nonfinite='skip') skips such steps and returns their loss "
-    "instead"
-)
-"""What `train_step`'s NonFiniteError adds after the reason."""
 
 
 class Engine:
@@ -92,7 +82,7 @@ class Engine:
                 f"on_nonfinite={on_nonfinite!r} is not one of {', '.join(map(repr, ON_NONFINITE))}"
             )
         self.cfg, self.config = cfg, model_config
-        self.mesh = mesh = _mesh_for(cfg, mesh)
+        self.mesh = mesh = mesh_for(cfg, mesh)
         """This rank's `Mesh`: its layout, its tp / cp / pp / dp coordinates and process groups."""
         self.model = build_stage(
             model_config,
@@ -107,31 +97,11 @@ class Engine:
         self.wire_dtype, reduce_dtype = comm_dtypes(
             cfg.precision, cfg.p2p_dtype, cfg.grad_reduce_dtype
         )
-        self.optimizer = _optimizer_for(cfg, self.model, mesh, self.scaled_lr(cfg))
+        self.optimizer = optimizer_for(cfg, self.model, mesh, self.scaled_lr(cfg))
         """A `torch.optim.Optimizer` over this rank's parameters (under ZeRO-1 / 2 / 3, its slices
         of the optimizer state): torch's LR schedulers can drive it."""
         self.scheduler = self.flags_schedule(cfg) if scheduler == "from_cfg" else scheduler
-        compressor = make_compressor(cfg.grad_compression, cfg.powersgd_rank, cfg.seed)
-        # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
-        # (summed over cp, averaged over dp); the kind (all-reduce, ZeRO-1 / 2 / 3) chosen once
-        self.grad_sync = build_grad_sync(
-            self.model,
-            mesh,
-            cfg.zero,
-            cfg.grad_bucket_mb,
-            compressor,
-            reduce_dtype,
-            zero3_keep_params=cfg.zero3_keep_params,
-            zero3_persistence_threshold=cfg.zero3_persistence_threshold,
-            offload_params=cfg.offload_params,
-            zero3_reduce=cfg.zero3_reduce,
-        )
-        """The stage's `GradSync` (`megapar.data_parallel.grad_sync`)."""
-        self.sharded_params: ShardedParams | None = (
-            self.grad_sync if isinstance(self.grad_sync, ShardedParams) else None
-        )
-        """ZeRO-3 (dp x cp > 1): the stage's parameters sharded over dp x cp, gathered per
-        unit (also the gradient sync); None otherwise."""
+        self._build_grad_sync(cfg, mesh, reduce_dtype)
         self.straggler, self._slowdown, self.injector = build_probes(
             self.model,
             model_config,
@@ -154,6 +124,36 @@ class Engine:
             cfg.clip_grad,
             self.grad_sync,
         )
+        self._init_run_state(cfg, on_nonfinite)
+        self._start_saver(cfg, mesh)
+
+    def _build_grad_sync(self, cfg: TrainConfig, mesh: Mesh, reduce_dtype) -> None:
+        """The stage's gradient sync (and under ZeRO-3 its sharded parameters)."""
+        compressor = make_compressor(cfg.grad_compression, cfg.powersgd_rank, cfg.seed)
+        # gradients live in one buffer even at dp=1 (no per-step allocation); dp > 1 reduces it
+        # (summed over cp, averaged over dp); the kind (all-reduce, ZeRO-1 / 2 / 3) chosen once
+        self.grad_sync = build_grad_sync(
+            self.model,
+            mesh,
+            cfg.zero,
+            cfg.grad_bucket_mb,
+            compressor,
+            reduce_dtype,
+            zero3_keep_params=cfg.zero3_keep_params,
+            zero3_persistence_threshold=cfg.zero3_persistence_threshold,
+            offload_params=cfg.offload_params,
+            zero3_reduce=cfg.zero3_reduce,
+        )
+        """The stage's `GradSync` (`megapar.data_parallel.grad_sync`)."""
+        self.sharded_params: ShardedParams | None = (
+            self.grad_sync if isinstance(self.grad_sync, ShardedParams) else None
+        )
+        """ZeRO-3 (dp x cp > 1): the stage's parameters sharded over dp x cp, gathered per
+        unit (also the gradient sync); None otherwise."""
+
+    def _init_run_state(self, cfg: TrainConfig, on_nonfinite: str) -> None:
+        """What the run keeps beside the model: the last step, the step count, the tokenizer
+        and Hugging Face source, and the non-finite policy and guard."""
         self.kept: KeptStep | None = None
         """What the last step needs to run again (`nonfinite.locate`)."""
         self.step = 0
@@ -170,7 +170,11 @@ class Engine:
         none), saved in checkpoints; `export_hf` writes it back."""
         self.on_nonfinite = on_nonfinite
         """"raise" or "skip": see `train_step`."""
-        self._guard = _api_guard(cfg, self.precision)
+        self._guard = api_guard(cfg, self.precision)
+
+    def _start_saver(self, cfg: TrainConfig, mesh: Mesh) -> None:
+        """The background checkpoint writer (with `cfg.async_save`), then the host allocator
+        set for the training state just built."""
         self.saver = None
         """The background checkpoint writer with `cfg.async_save` (see `save`), else None."""
         if cfg.async_save and not cfg.dry_run:  # its gloo group is made now, collectively
@@ -480,69 +484,6 @@ class Engine:
     def set_rng_state(self, rng: dict[str, torch.Tensor]) -> None:
         """Restore an `rng_state`."""
         set_rng_state(self.model, self.mesh.device, rng)
-
-
-def _mesh_for(cfg: TrainConfig, mesh: Mesh | None) -> Mesh:
-    """`mesh` (checked against cfg's sequence parallelism), else the mesh cfg's layout makes
-    from the environment; TF32 set on a GPU as cfg says (process-wide in torch)."""
-    share_host_arena()  # before the process group's threads allocate (torchrun)
-    mesh = mesh or Mesh.from_env(
-        cfg.tp,
-        cfg.pp,
-        cfg.dp,
-        timeout_s=cfg.timeout_s,
-        order=cfg.rank_order,
-        cp=cfg.cp,
-        sequence_parallel=cfg.sequence_parallel,
-    )
-    if mesh.sequence_parallel != (cfg.sequence_parallel and mesh.tp > 1):
-        raise ValueError(
-            f"the mesh's sequence_parallel={mesh.sequence_parallel} differs from "
-            f"the config's {cfg.sequence_parallel}; build the mesh with "
-            f"Mesh(..., sequence_parallel={cfg.sequence_parallel})"
-        )
-    if mesh.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
-    return mesh
-
-
-def _optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):
-    """The optimizer of `model`'s parameters under cfg (ZeRO-3's over the shards)."""
-    if cfg.zero == 3:
-        return Zero3Optimizer(
-            model.named_parameters(),
-            mesh.dp_cp_group,
-            lr,
-            cfg.weight_decay,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            kind=cfg.optimizer,
-            tp_group=mesh.tp_group,
-            offload=cfg.offload_optimizer,
-        )
-    return build_optimizer(
-        model,
-        mesh,
-        lr,
-        cfg.weight_decay,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        eps=cfg.adam_eps,
-        zero=cfg.zero,
-        kind=cfg.optimizer,
-        offload=cfg.offload_optimizer,
-    )
-
-
-def _api_guard(cfg: TrainConfig, precision: Precision) -> NonFiniteGuard:
-    """megapar-train's guard for `train_step`: the first non-finite step raises; in fp16 an
-    overflow is the loss scaler's business, so as in megapar-train only max_nonfinite_steps
-    in a row (or one at the scale's floor) do."""
-    return NonFiniteGuard(
-        cfg.max_nonfinite_steps if cfg.precision == "fp16" else 1,
-        cfg.precision,
-        getattr(precision.scaler, "min_scale", None),
-        advice=API_ADVICE.format(clip="" if cfg.clip_grad else " or set clip_grad"),
-    )
 
 
 def _returned(call: str) -> None:

@@ -350,7 +350,30 @@ class Trainer:
             )
         return err
 
+    def saved_at_start(self) -> int | None:
+        """The step resumed from when it is already saved: it came from --save itself (a
+        requeue); else None."""
+        cfg = self.cfg
+        save_root = Path(cfg.save).expanduser().resolve() if cfg.save else None
+        loaded = None
+        if self.resumed:
+            assert cfg.load is not None  # resumed from --load
+            loaded = Path(cfg.load).expanduser().resolve()
+        return self.step if loaded and save_root in (loaded, *loaded.parents) else None
+
+    def log_step(self, logger, metrics: dict, loss: float, logging_step: bool) -> None:
+        """Record a step's metrics and loss; on a logging step also print its line."""
+        logger.log(self.step, metrics)
+        logger.advance(self.step, loss)
+        if logging_step:
+            logger.message(
+                format_line(self.step, metrics)
+                + (f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
+            )
+
     def run(self) -> list[dict]:
+        """Run the steps from the one resumed to --max-steps (or a stop request), evaluating,
+        logging and saving on the way; returns the per-step metrics history."""
         cfg, mesh = self.cfg, self.mesh
         logger = MetricsLogger(cfg, self.step, cfg.to_dict()) if mesh.rank == 0 else NullLogger()
         self.announce(logger)
@@ -364,13 +387,7 @@ class Trainer:
             getattr(self.precision.scaler, "min_scale", None),
         )
         stop = StopRequests(cfg.exit_duration_mins, cfg.exit_interval, mesh.device)
-        # The step resumed from is already saved when it came from --save itself (a requeue).
-        save_root = Path(cfg.save).expanduser().resolve() if cfg.save else None
-        loaded = None
-        if self.resumed:
-            assert cfg.load is not None  # resumed from --load
-            loaded = Path(cfg.load).expanduser().resolve()
-        saved = self.step if loaded and save_root in (loaded, *loaded.parents) else None
+        saved = self.saved_at_start()
         loaded_step = saved
         try:
             while self.step < cfg.max_steps:
@@ -393,17 +410,7 @@ class Trainer:
                 loss = float(result.loss)  # already averaged over the global batch
                 logging_step = self.step % cfg.log_interval == 0 or self.step == cfg.max_steps
                 metrics = self.metrics(result, elapsed, logging_step)
-                logger.log(self.step, metrics)
-                logger.advance(self.step, loss)
-                if logging_step:
-                    logger.message(
-                        format_line(self.step, metrics)
-                        + (
-                            f" | val_loss {metrics['val_loss']:.4f}"
-                            if "val_loss" in metrics
-                            else ""
-                        )
-                    )
+                self.log_step(logger, metrics, loss, logging_step)
                 history.append({"step": self.step, **metrics})
                 guard.observe(
                     self.step,

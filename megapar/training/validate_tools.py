@@ -19,7 +19,8 @@ from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.bubble import bench_config
-from megapar.training.data import check_checkpoint_tokenizer, missing_files
+from megapar.training.data import missing_files
+from megapar.training.tokenizer_checks import check_checkpoint_tokenizer
 from megapar.training.validate import UsageError, check_cp_seq_len, flag_of
 from megapar.training.validate_resume import checkpoint_manifest
 

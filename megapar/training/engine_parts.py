@@ -1,0 +1,85 @@
+"""The parts of an `Engine` its `TrainConfig` describes: the mesh (from the environment, or
+checked against the config), the optimizer (ZeRO-3's over the shards) and `train_step`'s
+non-finite guard (megapar-train's rules)."""
+
+from __future__ import annotations
+
+import torch
+
+from megapar.device import share_host_arena
+from megapar.faults.stop import NonFiniteGuard
+from megapar.mesh import Mesh
+from megapar.optim import Precision, build_optimizer
+from megapar.optim.zero3 import Zero3Optimizer
+from megapar.training.config import TrainConfig
+
+API_ADVICE = (
+    "the optimizer step was skipped: the weights and the optimizer state are those "
+    "before this step. Check the model's weights and the batch, or lower lr{clip}; "
+    "prepare(..., on_nonfinite='skip') skips such steps and returns their loss "
+    "instead"
+)
+"""What `train_step`'s NonFiniteError adds after the reason."""
+
+
+def mesh_for(cfg: TrainConfig, mesh: Mesh | None) -> Mesh:
+    """`mesh` (checked against cfg's sequence parallelism), else the mesh cfg's layout makes
+    from the environment; TF32 set on a GPU as cfg says (process-wide in torch)."""
+    share_host_arena()  # before the process group's threads allocate (torchrun)
+    mesh = mesh or Mesh.from_env(
+        cfg.tp,
+        cfg.pp,
+        cfg.dp,
+        timeout_s=cfg.timeout_s,
+        order=cfg.rank_order,
+        cp=cfg.cp,
+        sequence_parallel=cfg.sequence_parallel,
+    )
+    if mesh.sequence_parallel != (cfg.sequence_parallel and mesh.tp > 1):
+        raise ValueError(
+            f"the mesh's sequence_parallel={mesh.sequence_parallel} differs from "
+            f"the config's {cfg.sequence_parallel}; build the mesh with "
+            f"Mesh(..., sequence_parallel={cfg.sequence_parallel})"
+        )
+    if mesh.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
+    return mesh
+
+
+def optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):
+    """The optimizer of `model`'s parameters under cfg (ZeRO-3's over the shards)."""
+    if cfg.zero == 3:
+        return Zero3Optimizer(
+            model.named_parameters(),
+            mesh.dp_cp_group,
+            lr,
+            cfg.weight_decay,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            kind=cfg.optimizer,
+            tp_group=mesh.tp_group,
+            offload=cfg.offload_optimizer,
+        )
+    return build_optimizer(
+        model,
+        mesh,
+        lr,
+        cfg.weight_decay,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        zero=cfg.zero,
+        kind=cfg.optimizer,
+        offload=cfg.offload_optimizer,
+    )
+
+
+def api_guard(cfg: TrainConfig, precision: Precision) -> NonFiniteGuard:
+    """megapar-train's guard for `train_step`: the first non-finite step raises; in fp16 an
+    overflow is the loss scaler's business, so as in megapar-train only max_nonfinite_steps
+    in a row (or one at the scale's floor) do."""
+    return NonFiniteGuard(
+        cfg.max_nonfinite_steps if cfg.precision == "fp16" else 1,
+        cfg.precision,
+        getattr(precision.scaler, "min_scale", None),
+        advice=API_ADVICE.format(clip="" if cfg.clip_grad else " or set clip_grad"),
+    )
