@@ -106,7 +106,6 @@ class StepTrace:
             self._stamps[index] = self.clock.stamp()
 
     @property
-    @property
     def last_timeline(self) -> Timeline:
         """The last step's events (empty when it was not traced), read when asked for: on CUDA
         that is when the step's events are waited for, not during the step."""
