@@ -348,6 +348,36 @@ def simulated_run(args) -> bubble.BubbleRun:
     return bubble.simulate(pp, m, args.schedule, fwd, bwd, p2p, v, b_in, b_w)
 
 
+def print_report(args, run: bubble.BubbleRun, title: str) -> None:
+    """A measured or simulated run's report: its title, bubble table, in-flight micro-batches
+    and activation memory per stage, the Chrome trace and Gantt plot where asked for, and the
+    JSON summary line."""
+    print(title)
+    print(format_bubble_table(run.stats, run.theoretical))
+    chunks = chunks_per_rank(args.schedule, args.virtual_stages)
+    unit = (
+        f", counted per chunk: a rank holds {chunks}, each with 1 / {chunks} of its layers"
+        if chunks > 1
+        else ""
+    )
+    print(f"in-flight micro-batches per stage (peak{unit}): {run.in_flight}")
+    if run.activation_mb is not None:
+        print(
+            "activation memory per stage (peak MB held for backward): "
+            + ", ".join(f"{x:.1f}" for x in run.activation_mb)
+        )
+    for out in filter(None, (args.trace, args.plot)):  # checked writable; created when written
+        os.makedirs(os.path.dirname(os.path.abspath(os.path.expanduser(out))), exist_ok=True)
+    assert isinstance(run.timeline, Timeline)  # a measured or simulated step's
+    if args.trace:
+        write_chrome_trace(run.timeline, args.trace)
+        print(f"wrote {args.trace}")
+    if args.plot:
+        plot_gantt(run.timeline, args.plot, title=title)
+        print(f"wrote {args.plot}")
+    print(json.dumps(run.summary()))
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -404,30 +434,7 @@ def main(argv=None) -> int:
             args.cp,
         )
         title = f"measured {name}, pp={pp}, m={m}" + (f", cp={args.cp}" if args.cp > 1 else "")
-    print(title)
-    print(format_bubble_table(run.stats, run.theoretical))
-    chunks = chunks_per_rank(args.schedule, v)
-    unit = (
-        f", counted per chunk: a rank holds {chunks}, each with 1 / {chunks} of its layers"
-        if chunks > 1
-        else ""
-    )
-    print(f"in-flight micro-batches per stage (peak{unit}): {run.in_flight}")
-    if run.activation_mb is not None:
-        print(
-            "activation memory per stage (peak MB held for backward): "
-            + ", ".join(f"{x:.1f}" for x in run.activation_mb)
-        )
-    for out in filter(None, (args.trace, args.plot)):  # checked writable; created when written
-        os.makedirs(os.path.dirname(os.path.abspath(os.path.expanduser(out))), exist_ok=True)
-    assert isinstance(run.timeline, Timeline)  # a measured or simulated step's
-    if args.trace:
-        write_chrome_trace(run.timeline, args.trace)
-        print(f"wrote {args.trace}")
-    if args.plot:
-        plot_gantt(run.timeline, args.plot, title=title)
-        print(f"wrote {args.plot}")
-    print(json.dumps(run.summary()))
+    print_report(args, run, title)
     return 0
 
 

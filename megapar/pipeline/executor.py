@@ -6,7 +6,9 @@ once per step size (`step_plan`, in `megapar.pipeline.step_plan`) and walks the 
 (`_walk`). A message group is issued as one ``batch_isend_irecv``; a compute first waits for the
 received tensor it consumes (if any), then runs through a dict of handlers (`handlers`, the
 executor's extension point), so a new compute kind is a new entry there, not a new loop. The
-backward handlers and their helpers (freed outputs, B and W) are `megapar.pipeline.backward`.
+backward handlers and their helpers (freed outputs, B and W) are `megapar.pipeline.backward`,
+the receives posted ahead and the V's hand-over `megapar.pipeline.step_inputs`, the trace's
+readings and readers `trace.StepTrace`.
 
 Model chunks: `stage` may be a `ModelChunks` (`stage.chunks`); every action names its chunk,
 per-micro-batch state is kept per (mb, chunk) (`slot`), and each message's peer comes from the
@@ -65,6 +67,7 @@ from megapar.pipeline.schedules import (
     stage_location,
     virtual_stage,
 )
+from megapar.pipeline.step_inputs import StepInputs
 from megapar.pipeline.step_plan import (
     SEND_ACT,
     SEND_GRAD,
@@ -73,8 +76,7 @@ from megapar.pipeline.step_plan import (
     check_chunks,
     plan_step,
 )
-from megapar.pipeline.timeline import COMPUTE_KINDS, Event, Timeline
-from megapar.pipeline.trace import StepClock
+from megapar.pipeline.trace import StepClock, StepTrace
 from megapar.tensor_parallel.weight_grad import store_of
 
 __all__ = ["PipelineExecutor", "PendingWeightGrad", "backward", "backward_input", "backward_weight"]
@@ -93,7 +95,7 @@ class _SetAction:
     value = property(None, _say)
 
 
-class PipelineExecutor(StageBackward):
+class PipelineExecutor(StageBackward, StepInputs, StepTrace):
     """Executes a named schedule on this rank's stage.
 
     `stage(hidden_or_None, batch)` returns hidden states of shape `act_shape`, or on the last stage
@@ -323,25 +325,16 @@ class PipelineExecutor(StageBackward):
             self.clock.reader(),
         )
 
-    def _stamp_at(self, index: int) -> None:
-        """A traced step's clock reading at `index` of its stamps; the walk does the same
-        inline (``if traced: stamps[at] = clock()``) at its several readings per compute."""
-        if self.trace:
-            self._stamps[index] = self.clock.stamp()
-
     def _walk(self, plan: StepPlan) -> None:
         """The planned steps in order: each message group issued (its sent activations' storage
-        freed); each compute after the wait for the message it consumes (or the V's hand-over)
-        and, where planned, a `grad_sync` call, its handler run between two clock stamps."""
-        # messages are planned only where there is a peer, so wherever the walk uses p2p it is
-        # not None
-        handlers, p2p = self.handlers, cast("StageP2P", self.p2p)
-        line, traced = self._line, self.trace
+        freed); each compute after the wait for its message (or the V's hand-over) and any
+        planned `grad_sync` call, its handler run between two clock stamps (p2p: set wherever a
+        message is planned, as messages are planned only where there is a peer)."""
+        handlers, p2p, line = self.handlers, cast("StageP2P", self.p2p), self._line
         stamps, clock, counted = self._stamps, self.clock.stamp, self.count_comm_wait
         inputs, out_grads, outputs, ahead = self.inputs, self._out_grads, self.outputs, self._ahead
-        needs_grad, posted = not self._forward_only, self._recvs_issued
-        # what a sent output's storage is swapped for (outputs of one element are kept)
-        stand_in = self._stand_in if self._act_numel > 1 else None
+        needs_grad, posted, traced = not self._forward_only, self._recvs_issued, self.trace
+        stand_in = self._stand_in if self._act_numel > 1 else None  # one-element outputs kept
         take, pop_grad = self._take_output, self._in_grads.pop
         tensor: torch.Tensor | None  # a message's: None for a receive the group issues
         for group, action, kind, recv, hand_over, said, at, sync_at, report_at in plan.walk:
@@ -413,42 +406,6 @@ class PipelineExecutor(StageBackward):
             if traced:
                 stamps[at + 1] = clock()
 
-    # messages ------------------------------------------------------------------------------
-    def _post_ahead(self, posts: dict[int, tuple]) -> None:
-        """gloo (`post_ahead`): every peer's receives in program order, and the first of each
-        posted now; NCCL queues none."""
-        self._ahead = (
-            {rank: deque(recvs) for rank, recvs in posts.items()} if self.post_ahead else {}
-        )
-        for rank in self._ahead:
-            self._post_next(rank)
-
-    def _post_next(self, rank: int) -> None:
-        """Post the next receive from peer `rank` unless its group has issued it: a peer's
-        receives are posted in program order (the order it sends in), at most one ahead."""
-        queue, issued = self._ahead[rank], self._recvs_issued
-        while queue and queue[0].uid in issued:
-            queue.popleft()
-        if queue:
-            message = queue.popleft()
-            issued.add(message.uid)
-            assert self.p2p is not None  # posting ahead needs a peer (`post_ahead`)
-            self.p2p.issue([(message.key, None, message.peer, message.carries, message.label)])
-
-    def _hand_over(self, hand_over: tuple[str, int], a: Action) -> None:
-        """In-memory handover between two chunks of this rank (no message), `hand_over` being
-        (kind, source) (`WalkStep.hand_over`): the forward of `a`'s chunk takes the output of
-        slot `source` (the same micro-batch's, of the other chunk) as its input leaf, the
-        backward its input gradient."""
-        kind, source = hand_over
-        slot = self.slot(a.mb, a.chunk)
-        if kind == "recv_act":
-            out = self._take_output(source)
-            assert out is not None  # the forward of `source` ran before this one (the V's turn)
-            self.inputs[slot] = out.detach().requires_grad_(not self._forward_only)
-        else:
-            self._out_grads[slot] = self._in_grads.pop(source)
-
     # grad sync: every call a step makes to `grad_sync` -------------------------------------
     def _sync_begin(self) -> None:
         if self._grad_sync is not None:
@@ -475,32 +432,6 @@ class PipelineExecutor(StageBackward):
         if self._grad_sync is not None:
             set_action("waiting for the data-parallel gradient all-reduce")
             self._grad_sync.finish()
-
-    # the trace ------------------------------------------------------------------------------
-    @property
-    def last_timeline(self) -> Timeline:
-        """The last step's events (empty when it was not traced), read when asked for: on CUDA
-        that is when the step's events are waited for, not during the step."""
-        rank, stamps, events, at = self._last_trace
-        seconds = [None if stamp is None else at(stamp) for stamp in stamps]
-        return Timeline(
-            [
-                Event(rank, k, mb, seconds[s], seconds[e], c)
-                for (k, mb, c), s, e in events  # a step that failed part-way:
-                if seconds[e] is not None and seconds[s] is not None
-            ]
-        )  # those ended
-
-    @property
-    def last_compute_s(self) -> float:
-        """Seconds the last step's compute actions took (0 when it was not traced); on CUDA
-        read as `last_timeline` is."""
-        _, stamps, events, at = self._last_trace
-        return sum(
-            at(stamps[e]) - at(stamps[s])
-            for (kind, _, _), s, e in events
-            if kind in COMPUTE_KINDS and stamps[e] is not None and stamps[s] is not None
-        )
 
     # errors ---------------------------------------------------------------------------------
     def _no_handler(self, kind: str) -> NotImplementedError:

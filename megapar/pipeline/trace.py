@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from megapar.mesh import Mesh
 from megapar.pipeline.p2p import wait_work
-from megapar.pipeline.timeline import Event, Timeline
+from megapar.pipeline.timeline import COMPUTE_KINDS, Event, Timeline
 
 
 class StepClock:
@@ -85,6 +85,50 @@ TRACE_KINDS = (
     "loss_broadcast",
 )
 """Event kinds `gather_timeline` can encode (as their index in this tuple)."""
+
+
+class StepTrace:
+    """The trace side of `PipelineExecutor`: a traced step's clock readings (`_stamp_at`) and
+    the last step's events and compute seconds built from them when read (`last_timeline`,
+    `last_compute_s`)."""
+
+    # What the executor sets (`PipelineExecutor.__init__`, `_reset` and `_end`), declared
+    # for the methods here:
+    trace: bool
+    clock: StepClock
+    _stamps: list
+    _last_trace: tuple[int, list, tuple, Callable[[Any], float]]
+
+    def _stamp_at(self, index: int) -> None:
+        """A traced step's clock reading at `index` of its stamps; the walk does the same
+        inline (``if traced: stamps[at] = clock()``) at its several readings per compute."""
+        if self.trace:
+            self._stamps[index] = self.clock.stamp()
+
+    @property
+    def last_timeline(self) -> Timeline:
+        """The last step's events (empty when it was not traced), read when asked for: on CUDA
+        that is when the step's events are waited for, not during the step."""
+        rank, stamps, events, at = self._last_trace
+        seconds = [None if stamp is None else at(stamp) for stamp in stamps]
+        return Timeline(
+            [
+                Event(rank, k, mb, seconds[s], seconds[e], c)
+                for (k, mb, c), s, e in events  # a step that failed part-way:
+                if seconds[e] is not None and seconds[s] is not None
+            ]
+        )  # those ended
+
+    @property
+    def last_compute_s(self) -> float:
+        """Seconds the last step's compute actions took (0 when it was not traced); on CUDA
+        read as `last_timeline` is."""
+        _, stamps, events, at = self._last_trace
+        return sum(
+            at(stamps[e]) - at(stamps[s])
+            for (kind, _, _), s, e in events
+            if kind in COMPUTE_KINDS and stamps[e] is not None and stamps[s] is not None
+        )
 
 
 def gather_timeline(
