@@ -44,7 +44,7 @@ def _peak_rise(zero: int, steps: int = 3) -> tuple[int, int, int]:
 
 
 def test_each_zero_stage_lowers_the_peak_the_os_sees():
-    """dp 2, zero 0 -> 1 -> 2 (one run each, compared in turn).
+    """dp 2, zero 0 -> 1 -> 2 (compared in turn).
 
     ZeRO-1 holds half the Adam state; the OS must see the peak fall by at least half of what
     that saves. It rose before: every reduce-scatter's copy of its bucket was held to the end of
@@ -55,8 +55,18 @@ def test_each_zero_stage_lowers_the_peak_the_os_sees():
 
     ZeRO-2 holds half the gradients between steps (each bucket's full gradient exists only from
     its backward to its reduce-scatter); the OS must see the peak fall below ZeRO-1's by at
-    least half of what that saves."""
-    plain, one, two = (run_local(_peak_rise, 2, zero, start_method="spawn") for zero in (0, 1, 2))
+    least half of what that saves.
+
+    A run's peak varies by tens of MiB from run to run on a busy machine (the same stage twice:
+    444 and 482 MiB), about as much as ZeRO-2's saving here: each stage runs twice, in turn, and
+    its lower peak counts (noise only ever adds to a peak)."""
+    runs = [
+        run_local(_peak_rise, 2, zero, start_method="spawn") for _ in range(2) for zero in (0, 1, 2)
+    ]
+    plain, one, two = (
+        [min(a, b, key=lambda rank: rank[0]) for a, b in zip(runs[zero], runs[zero + 3])]
+        for zero in (0, 1, 2)
+    )
     saved = plain[0][1] - one[0][1]  # counted: half of Adam's moments
     assert saved > 90 * 2**20, saved
     rise = max(r for r, _, _ in one) - max(r for r, _, _ in plain)
