@@ -34,6 +34,7 @@ def mesh_for(cfg: TrainConfig, mesh: Mesh | None) -> Mesh:
         order=cfg.rank_order,
         cp=cfg.cp,
         sequence_parallel=cfg.sequence_parallel,
+        ep=cfg.ep,
     )
     if mesh.sequence_parallel != (cfg.sequence_parallel and mesh.tp > 1):
         raise ValueError(

@@ -48,6 +48,7 @@ _RULES: list[_Rule] = [
     ("cp", "int", 1, True),
     ("pp", "int", 1, True),
     ("dp", "int", 1, True),
+    ("ep", "int", 1, True),
     ("seq_len", "int", 1, True),
     ("micro_batch_size", "int", 1, True),
     ("global_batch_size", "int", 1, True),
@@ -183,6 +184,7 @@ def _check_combinations(cfg) -> None:
             f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr or raise --lr"
         )
     check_zero3(cfg)
+    check_ep(cfg)
     if cfg.zero in (1, 2) and cfg.grad_compression != "none":
         raise UsageError(
             f"--grad-compression {cfg.grad_compression} cannot be combined with "
@@ -276,6 +278,28 @@ def check_zero3(cfg) -> None:
             "shards are the weights the optimizer steps, so it steps on the host "
             "too, as DeepSpeed's offload_param with offload_optimizer): add "
             "--offload-optimizer"
+        )
+
+
+def check_ep(cfg) -> None:
+    """--ep: it divides dp (when dp is given; an inferred dp is checked by the layout) and
+    does not combine with what cannot serve its two reduction groups yet."""
+    if cfg.ep == 1:
+        return
+    if cfg.dp is not None and cfg.dp % cfg.ep:
+        raise UsageError(
+            f"--ep {cfg.ep} does not divide --dp {cfg.dp}: experts are sharded over "
+            f"data-parallel ranks; choose an --ep that divides dp, or change --dp"
+        )
+    if cfg.zero == 3:
+        raise UsageError(
+            f"--ep {cfg.ep} cannot be combined with --zero 3 yet (its units are sharded "
+            f"over one dp group; expert weights reduce over another): use --zero 0, 1 or 2"
+        )
+    if cfg.grad_compression == "powersgd":
+        raise UsageError(
+            f"--ep {cfg.ep} cannot be combined with --grad-compression powersgd (its "
+            f"state is per bucket of one dp group); use --grad-compression none, bf16 or fp16"
         )
 
 
