@@ -145,6 +145,11 @@ def test_ep_must_divide_dp_one_clear_line():
         check_settings(TrainConfig(dp=4, ep=3))
     with pytest.raises(UsageError, match="--ep 2 cannot be combined with --zero 3"):
         check_settings(TrainConfig(dp=4, ep=2, zero=3))
+    with pytest.raises(UsageError, match="--ep 2 cannot be combined with --save"):
+        check_settings(TrainConfig(dp=4, ep=2, save="ckpt"))
+    with pytest.raises(UsageError, match="--ep 2 with --zero 1 cannot serve --optimizer lamb"):
+        check_settings(TrainConfig(dp=4, ep=2, zero=1, optimizer="lamb"))
+    check_settings(TrainConfig(dp=4, ep=2, zero=2))  # served
     assert Layout(dp=4, ep=2).to_dict() == {"tp": 1, "pp": 1, "dp": 4, "ep": 2}
     assert Layout(dp=4).to_dict() == {"tp": 1, "pp": 1, "dp": 4}
     with pytest.raises(ValueError, match="8 experts cannot be split over --ep 3"):

@@ -301,6 +301,18 @@ def check_ep(cfg) -> None:
             f"--ep {cfg.ep} cannot be combined with --grad-compression powersgd (its "
             f"state is per bucket of one dp group); use --grad-compression none, bf16 or fp16"
         )
+    if cfg.zero in (1, 2) and cfg.optimizer in ("lamb", "lars"):
+        raise UsageError(
+            f"--ep {cfg.ep} with --zero {cfg.zero} cannot serve --optimizer {cfg.optimizer} "
+            f"yet (its whole-parameter norms sum the slices over dp, and experts differ "
+            f"across ep ranks): use --zero 0, or --optimizer adamw / sgd"
+        )
+    for name in ("save", "load"):
+        if getattr(cfg, name):
+            raise UsageError(
+                f"--ep {cfg.ep} cannot be combined with {flag_of(name)} yet (checkpoints do "
+                f"not hold experts sharded over ep ranks): drop {flag_of(name)} or use --ep 1"
+            )
 
 
 def check_inject_slow(cfg, world_size: int) -> None:
