@@ -4,9 +4,12 @@ A toy model (a dense layer, the toy MoE layer of test_expert_parallel with its e
 a dense output layer) trained 3 steps at dp 4 x ep 2 (2 micro-batches per rank, gradient
 clipping on, tiny buckets so dense and expert buckets interleave) with the all-reduce grad sync,
 ZeRO-1 and ZeRO-2 equals the same model trained on one process on all the data (fp32, 1e-5
-relative); the step's collectives are counted per group against the parameter counts.
+relative); the step's collectives are counted per group against the parameter counts. The
+same at cp 2 x dp 2 x ep 2 (each cp rank's loss its tokens' share, as under context
+parallelism; the experts' group spans both cp ranks).
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 from test_expert_parallel import E, H, toy_moe, toy_weights
@@ -20,7 +23,7 @@ from megapar.mesh import Layout, Mesh
 from megapar.optim.clip import clip_grad_norm
 from megapar.optim.zero import build_optimizer
 
-DP, EP, M, STEPS, T = 4, 2, 2, 3, 6
+EP, M, STEPS, T = 2, 2, 3, 6
 LR, CLIP = 0.05, 0.5
 
 
@@ -56,17 +59,18 @@ def loss_of(model, step, dp_rank, i):
     return ((model(x) - target) ** 2).mean() / M
 
 
-def serial_run():
-    """The whole model on one process: every dp rank's micro-batches, the loss their mean."""
+def serial_run(dp, cp):
+    """The whole model on one process: every dp x cp rank's micro-batches, the loss their sum
+    over cp and mean over dp."""
     model = ToyMoEModel(None, 1, 0)
     mesh = Mesh(Layout())
     opt = build_optimizer(model, mesh, LR, 0.1)
     norms = []
     for step in range(STEPS):
         opt.zero_grad()
-        for r in range(DP):
+        for r in range(dp * cp):
             for i in range(M):
-                (loss_of(model, step, r, i) / DP).backward()
+                (loss_of(model, step, r, i) / dp).backward()
         norms.append(clip_grad_norm(model, mesh, CLIP))
         opt.step()
     return model, norms
@@ -86,7 +90,7 @@ def parallel_run(mesh, zero):
             for i in range(M):
                 if i == M - 1:
                     sync.before_last_backward()
-                loss_of(model, step, mesh.dp_rank, i).backward()
+                loss_of(model, step, mesh.dp_rank * mesh.cp + mesh.cp_rank, i).backward()
             sync.finish()
             if zero:
                 norms.append(opt.clip_grad_norm(mesh, CLIP))
@@ -106,15 +110,15 @@ def traffic(calls):
     return out
 
 
-def worker():
-    mesh = Mesh(Layout(dp=DP, ep=EP), dist.get_rank())
-    serial, serial_norms = serial_run()
+def worker(dp, cp, zeros):
+    mesh = Mesh(Layout(dp=dp, cp=cp, ep=EP), dist.get_rank())
+    serial, serial_norms = serial_run(dp, cp)
     mine = local_experts(E, EP, mesh.ep_rank)
-    dp_ranks = tuple(range(DP))
+    dp_ranks = tuple(dist.get_process_group_ranks(mesh.dp_cp_group))
     ep_ranks = tuple(dist.get_process_group_ranks(mesh.ep_group))
     edp_ranks = tuple(dist.get_process_group_ranks(mesh.expert_dp_group))
     out = {}
-    for zero in (0, 1, 2):
+    for zero in zeros:
         model, norms, calls, sync = parallel_run(mesh, zero)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(serial_norms),
                                    rtol=1e-5, atol=0)
@@ -127,18 +131,23 @@ def worker():
         experts = sum(p.numel() for p in model.parameters() if is_expert(p))
         kinds = {(b.group_size, tuple(dist.get_process_group_ranks(b.group)))
                  for b in sync.buckets}
+        padded = [sum(b.padded for b in sync.buckets if is_expert(b.params[0]) == expert)
+                  for expert in (False, True)]
         out[zero] = {"traffic": t, "dense": dense, "experts": experts, "kinds": kinds,
-                     "dense_padded": sum(b.padded for b in sync.buckets if b.group_size == DP),
-                     "expert_padded": sum(b.padded for b in sync.buckets if b.group_size == EP),
+                     "dense_padded": padded[0], "expert_padded": padded[1],
                      "groups": (dp_ranks, ep_ranks, edp_ranks)}
     return out
 
 
-def test_dp4_ep2_training_equals_one_process_and_counts_its_traffic():
-    for rank, res in enumerate(run_local(worker, DP)):
+@pytest.mark.parametrize("dp,cp,zeros", [(4, 1, (0, 1, 2)), (2, 2, (0, 2))])
+def test_ep2_training_equals_one_process_and_counts_its_traffic(dp, cp, zeros):
+    """dp 4 x ep 2 (every grad sync kind), cp 2 x dp 2 x ep 2 (all-reduce and ZeRO-2)."""
+    edp = dp * cp // EP
+    for rank, res in enumerate(run_local(worker, dp * cp, dp, cp, zeros)):
         for zero, r in res.items():
             dp_ranks, ep_ranks, edp_ranks = r["groups"]
-            assert r["kinds"] == {(DP, dp_ranks), (EP, edp_ranks)}, (rank, zero, r["kinds"])
+            assert len(edp_ranks) == edp and len(ep_ranks) == EP
+            assert r["kinds"] == {(dp * cp, dp_ranks), (edp, edp_ranks)}, (rank, zero, r["kinds"])
             t = dict(r["traffic"])
             a2a = t.pop(("all_to_all_single", ep_ranks))
             assert a2a[0] == 5 * M, (rank, zero, a2a)  # counts, rows out / back, 2 in backward
@@ -153,7 +162,7 @@ def test_dp4_ep2_training_equals_one_process_and_counts_its_traffic():
                 scatter, gather = "reduce_scatter_tensor", "all_gather_into_tensor"
                 assert t.pop((scatter, dp_ranks))[1] == rounds * r["dense_padded"]
                 assert t.pop((scatter, edp_ranks))[1] == rounds * r["expert_padded"]
-                assert t.pop((gather, dp_ranks))[1] == r["dense_padded"] // DP
-                assert t.pop((gather, edp_ranks))[1] == r["expert_padded"] // EP
-                assert r["dense_padded"] - r["dense"] < DP * len(r["kinds"]) * 8
+                assert t.pop((gather, dp_ranks))[1] == r["dense_padded"] // (dp * cp)
+                assert t.pop((gather, edp_ranks))[1] == r["expert_padded"] // edp
+                assert r["dense"] <= r["dense_padded"] < r["dense"] + 32 * dp * cp
             assert not t, (rank, zero, t)
