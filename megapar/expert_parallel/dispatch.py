@@ -15,11 +15,15 @@ in (sorted by local expert across source ranks) is computed on the device from t
 `dispatch` sends the rows with one all-to-all of variable splits and reorders them by local
 expert; `combine` is its inverse (the experts' outputs put back in source order and returned
 with the all-to-all of swapped splits) and each one's backward is the other's forward. The
-all-to-all is `torch.distributed.nn.functional.all_to_all_single` (autograd-aware, its backward
-the swapped exchange). Every rank of an ep group issues the same collectives in the same order
-(the count exchange, the dispatch, the combine; the backward in the graph's reverse order),
-as NCCL requires; nothing relies on gloo buffering (gloo's all-to-all serves uneven and empty
-splits). With an ep group of None (ep 1) every function is the identity and nothing is sent.
+exchange is `_AllToAll`, a small autograd function around `dist.all_to_all_single` rather than
+`torch.distributed.nn.functional.all_to_all_single`: both directions run inside
+`comm_wait.blocked`, so the time a rank waits there for a slow peer, forward and backward,
+counts as waiting and not as its compute (the straggler measure).
+
+Every rank of an ep group issues the same collectives in the same order (the count exchange,
+the dispatch, the combine; the backward in the graph's reverse order), as NCCL requires;
+nothing relies on gloo buffering (gloo's all-to-all serves uneven and empty splits). With an
+ep group of None (ep 1) every function is the identity and nothing is sent.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
 
+from megapar.comm_wait import blocked
 from megapar.mesh import group_size
 
 
@@ -73,7 +77,8 @@ def plan_route(tokens_per_expert: torch.Tensor, group) -> Route:
         raise ValueError(f"{num} experts cannot be split over an ep group of {ep} ranks")
     send = tokens_per_expert.to(torch.int64).view(ep, num // ep)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[i]: rows from rank i per local expert
+    with blocked(send.device):  # recv[i]: rows from rank i per local expert
+        dist.all_to_all_single(recv, send, group=group)
     host = torch.cat([send.sum(1), recv.flatten()]).tolist()  # the one host sync
     local = num // ep
     from_each = [host[ep + i * local : ep + (i + 1) * local] for i in range(ep)]
@@ -105,6 +110,28 @@ def _expert_order(recv: torch.Tensor, total: int) -> torch.Tensor:
     return dst_start[chunk] + row - src_start[chunk]
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows exchanged over an ep group with variable splits; the backward exchanges the
+    gradients back with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, rows, send: list[int], recv: list[int], group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _exchange(rows, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """`send[j]` rows to ep rank j, `recv[i]` from rank i, in rank order (one collective)."""
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    with blocked(rows.device):
+        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+    return out
+
+
 def dispatch(tokens: torch.Tensor, route: Route) -> torch.Tensor:
     """`tokens` (rows sorted by global expert, as `route` was planned for) sent to the ep ranks
     holding their experts: this rank's received rows, sorted by local expert
@@ -112,10 +139,7 @@ def dispatch(tokens: torch.Tensor, route: Route) -> torch.Tensor:
     exchange."""
     if route.group is None:
         return tokens
-    out = tokens.new_empty((sum(route.recv_splits), *tokens.shape[1:]))
-    received = all_to_all_single(
-        out, tokens.contiguous(), route.recv_splits, route.send_splits, group=route.group
-    )
+    received = _AllToAll.apply(tokens, route.send_splits, route.recv_splits, route.group)
     assert route.gather is not None
     return received.index_select(0, route.gather)
 
@@ -127,6 +151,5 @@ def combine(outputs: torch.Tensor, route: Route) -> torch.Tensor:
     if route.group is None:
         return outputs
     assert route.order is not None
-    back = outputs.index_select(0, route.order).contiguous()
-    out = outputs.new_empty((sum(route.send_splits), *outputs.shape[1:]))
-    return all_to_all_single(out, back, route.send_splits, route.recv_splits, group=route.group)
+    back = outputs.index_select(0, route.order)
+    return _AllToAll.apply(back, route.recv_splits, route.send_splits, route.group)
