@@ -139,9 +139,10 @@ def worker(dp, cp, zeros):
     return out
 
 
-@pytest.mark.parametrize("dp,cp,zeros", [(4, 1, (0, 1, 2)), (2, 2, (0, 2))])
+@pytest.mark.parametrize("dp,cp,zeros", [(4, 1, (0, 1, 2)), (2, 2, (0, 2)), (2, 1, (1,))])
 def test_ep2_training_equals_one_process_and_counts_its_traffic(dp, cp, zeros):
-    """dp 4 x ep 2 (every grad sync kind), cp 2 x dp 2 x ep 2 (all-reduce and ZeRO-2)."""
+    """dp 4 x ep 2 (every grad sync kind), cp 2 x dp 2 x ep 2 (all-reduce and ZeRO-2), dp 2 x
+    ep 2 (ZeRO-1 with an expert group of one rank: each rank holds its experts' whole state)."""
     edp = dp * cp // EP
     for rank, res in enumerate(run_local(worker, dp * cp, dp, cp, zeros)):
         for zero, r in res.items():

@@ -260,7 +260,7 @@ class GradBuckets:
         """`make_buckets`' buckets (padded to their group's size when `sharded`), each with
         the group it reduces over: the expert group for expert parameters when there is one,
         else dp."""
-        experts = [p for p in self.params if is_expert(p)] if self.expert_group else []
+        experts = [p for p in self.params if is_expert(p)] if self.expert_group is not None else []
         edp = group_size(self.expert_group)
         buckets = make_buckets(
             self.params,
