@@ -247,7 +247,7 @@ def test_training_steps_in_every_layout_equal_one_process():
 def test_checkpoint_saved_under_fp8_is_fp32_and_moves_to_fp32_runs_and_back(tmp_path):
     from safetensors import safe_open
 
-    fp8_run = _train(save=tmp_path / "fp8")  # 3 steps, saved, a 4th step
+    fp8_run = _train(save=tmp_path / "fp8", steps=1)  # a step, saved, a second step
     seen = set()
     for f in (tmp_path / "fp8").rglob("*.safetensors"):
         with safe_open(f, "pt") as reader:
@@ -255,11 +255,11 @@ def test_checkpoint_saved_under_fp8_is_fp32_and_moves_to_fp32_runs_and_back(tmp_
     assert torch.float32 in seen and not seen & {torch.float8_e4m3fn, torch.float8_e5m2}, seen
     step = next((tmp_path / "fp8").glob("step_*"))
     # into an fp32 run (which trains a step from it) and saved there untouched ...
-    fp32_run = _train(save=tmp_path / "fp32", load=step, first=STEPS, steps=0, fp8="off")
-    assert fp32_run[1] == {torch.float32} and fp32_run[0][0] != fp8_run[0][STEPS]
-    # ... and back under --fp8: the same weights, so the fp8 run's 4th step exactly
-    back = _train(load=next((tmp_path / "fp32").glob("step_*")), first=STEPS, steps=1)
-    assert back[0] == [fp8_run[0][STEPS]]
+    fp32_run = _train(save=tmp_path / "fp32", load=step, first=1, steps=0, fp8="off")
+    assert fp32_run[1] == {torch.float32} and fp32_run[0][0] != fp8_run[0][1]
+    # ... and back under --fp8: the same weights, so the fp8 run's second step exactly
+    back = _train(load=next((tmp_path / "fp32").glob("step_*")), first=1, steps=1)
+    assert back[0] == [fp8_run[0][1]]
 
 
 # --- refusals ------------------------------------------------------------------------------
