@@ -281,6 +281,9 @@ def test_refusals_name_the_problem_and_the_fix(monkeypatch):
         check_settings(TrainConfig(fp8="rowwise", dry_run=True))  # rehearses the job's GPUs
     if HAVE_TORCHAO:
         assert "--cp 2" in _refusal(fp8="tensorwise", fp8_emulate=True, cp=2)
+    if HAVE_TORCHAO and not torch.cuda.is_available():  # prepare's check, before any engine
+        with pytest.raises(ValueError, match="compute capability >= 8.9"):
+            megapar.prepare(transformers.GPT2Config(**GPT), fp8="tensorwise")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "torchao" else real(name, *a))

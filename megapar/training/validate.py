@@ -185,7 +185,8 @@ def _check_combinations(cfg) -> None:
         )
     check_zero3(cfg)
     try:
-        check_fp8(cfg, hardware=not cfg.dry_run)
+        given = explicit(cfg) - set(getattr(cfg, "from_checkpoint", ()))
+        check_fp8(cfg, hardware=not cfg.dry_run, given=given)
     except Fp8Error as exc:
         raise UsageError(str(exc)) from None
     if cfg.zero in (1, 2) and cfg.grad_compression != "none":

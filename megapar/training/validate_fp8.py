@@ -7,6 +7,8 @@ import importlib.util
 
 import torch
 
+from megapar.device import use_cuda
+
 FP8_CAPABILITY = (8, 9)
 """The first CUDA compute capability with FP8 matmuls (Ada; Hopper is 9.0, Blackwell 10.0)."""
 
@@ -15,12 +17,22 @@ class Fp8Error(ValueError):
     """A --fp8 setting that cannot run (megapar-train reports it as a usage error)."""
 
 
-def check_fp8(cfg, hardware: bool = True) -> None:
+def check_fp8(cfg, hardware: bool = True, given: set[str] | None = None) -> None:
     """Raise Fp8Error naming the problem and the fix. `hardware`: check this machine's GPU
-    (False for the dry run, which rehearses the job's GPUs on the CPU)."""
+    (False for the dry run, which rehearses the job's GPUs on the CPU). `given`: the settings
+    the user gave; --fp8-emulate / --fp8-layers without --fp8 are refused only when given (a
+    resumed --fp8 run's recorded ones are inert under --fp8 off)."""
     if cfg.fp8 == "off":
-        if cfg.fp8_emulate or cfg.fp8_layers != "auto":
-            which = "--fp8-emulate" if cfg.fp8_emulate else "--fp8-layers"
+        inert = [n for n in ("fp8_emulate", "fp8_layers") if given is None or n in given]
+        if (
+            "fp8_emulate" in inert
+            and cfg.fp8_emulate
+            or "fp8_layers" in inert
+            and (cfg.fp8_layers != "auto")
+        ):
+            which = (
+                "--fp8-emulate" if cfg.fp8_emulate and "fp8_emulate" in inert else "--fp8-layers"
+            )
             raise Fp8Error(
                 f"{which} applies to --fp8: add --fp8 tensorwise (or rowwise) or drop it"
             )
@@ -40,11 +52,11 @@ def check_fp8(cfg, hardware: bool = True) -> None:
 
 
 def _check_gpu(recipe: str) -> None:
-    if not torch.cuda.is_available():
+    if not use_cuda():
         raise Fp8Error(
             f"--fp8 {recipe} needs a GPU with FP8 matmuls (compute capability >= 8.9) and "
-            f"this machine has no GPU: drop --fp8, or add --fp8-emulate (the float8 casts "
-            f"with fp32 products: for tests, slower than bf16)"
+            f"this run has none (no GPU visible, or MEGAPAR_CPU=1): drop --fp8, or add "
+            f"--fp8-emulate (the float8 casts with fp32 products: for tests, slower than bf16)"
         )
     capability = torch.cuda.get_device_capability()
     if capability < FP8_CAPABILITY:
