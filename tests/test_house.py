@@ -35,6 +35,7 @@ LAZY_PACKAGES = {
     "matplotlib": "optional: plots only", "wandb": "optional: --wandb-project only",
     "torch.utils.tensorboard": "optional: --tensorboard only", "pyarrow": "Parquet input only",
     "IPython": "notebook detection only", "transformers": "heavy (seconds): HF import / export only",
+    "torchao": "optional (megapar[fp8]): --fp8 only",
 }
 """Libraries any module may import where it uses them, and why."""
 

@@ -29,6 +29,7 @@ from megapar.optim.optimizer import OPTIMIZERS
 from megapar.optim.precision import COMM_DTYPES, PRECISIONS
 from megapar.optim.scheduler import DECAY_STYLES
 from megapar.pipeline.schedules import SCHEDULES
+from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 
 GROUPS = {
     "layout": "layout (how the ranks split the model and the data)",
@@ -77,6 +78,12 @@ class TrainConfig:
     """On CUDA: let fp32 matrix products use TensorFloat-32 (10-bit mantissa, several times faster on Ampere and newer GPUs). Off, fp32 runs keep full fp32 products and match one process to 1e-5."""
     recompute: str = "none"
     """Activation recomputation: none, selective (attention core) or full (each block)."""
+    fp8: str = "off"
+    """Run the blocks' linear layers in FP8 with torchao's float8 training (pip install 'megapar[fp8]'): tensorwise (one dynamic scale per tensor, the faster) or rowwise (per-row scales, more accurate); off. Needs a GPU with FP8 (compute capability >= 8.9) or --fp8-emulate. Weights, gradients and checkpoints stay in the master dtype; small layers stay in high precision (--fp8-layers; docs/fp8.md)."""
+    fp8_emulate: bool = False
+    """With --fp8: torchao's emulate mode: the same float8 casts and scales, the products in fp32 on any device (CPU tests, the dry run; slower than bf16)."""
+    fp8_layers: str = "auto"
+    """With --fp8: which block linears run in float8: auto (torchao's size rule on each rank's local N x K; smaller layers are slower in FP8) or all (every one whose local dims are multiples of 16)."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the fused LM head and cross-entropy: each chunk's logits are computed, reduced to its loss and dropped, and recomputed in the backward (one more head matmul), so the whole [tokens x vocabulary] logits never exist (with Llama 3's 128,256-token vocabulary a 1,024-token chunk is 0.5 GB in fp32). The loss accumulates in fp32 and equals the unchunked one. 0: the whole micro-batch's logits at once."""
     # --- data ---
@@ -278,6 +285,8 @@ def flag_choices() -> dict[str, list]:
         "schedule": list(SCHEDULES),
         "recompute": list(RECOMPUTE_MODES),
         "precision": list(PRECISIONS),
+        "fp8": list(FP8_RECIPES),
+        "fp8_layers": list(FP8_LAYERS),
         "p2p_dtype": COMM_DTYPES,
         "grad_reduce_dtype": COMM_DTYPES,
         "zero": [0, 1, 2, 3],

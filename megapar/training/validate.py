@@ -33,6 +33,7 @@ from megapar.data.inputs import is_raw_text
 from megapar.faults.slow import SlowRank
 from megapar.pipeline.schedules import chunks_per_rank, schedule_actions
 from megapar.training.config import flag_choices
+from megapar.training.validate_fp8 import Fp8Error, check_fp8
 
 
 class UsageError(ValueError):
@@ -185,6 +186,11 @@ def _check_combinations(cfg) -> None:
         )
     check_zero3(cfg)
     check_ep(cfg)
+    try:
+        given = explicit(cfg) - set(getattr(cfg, "from_checkpoint", ()))
+        check_fp8(cfg, hardware=not cfg.dry_run, given=given)
+    except Fp8Error as exc:
+        raise UsageError(str(exc)) from None
     if cfg.zero in (1, 2) and cfg.grad_compression != "none":
         raise UsageError(
             f"--grad-compression {cfg.grad_compression} cannot be combined with "
