@@ -205,6 +205,9 @@ class LlamaAttention(nn.Module):
         if getattr(config, "qk_norm", False):  # Qwen3: RMSNorm over each head's q and k
             self.q_norm = RMSNorm(hd, config.rms_norm_eps, mesh.device)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps, mesh.device)
+            for norm in (self.q_norm, self.k_norm):  # shared by the heads of every tp rank:
+                # a rank's gradient is its heads' share, summed over tp once per step
+                norm.weight.sequence_parallel = mesh.tp > 1  # type: ignore[attr-defined]
         self.dropout = config.attention_dropout
         self.recompute_core = False
         self.cp = mesh.cp

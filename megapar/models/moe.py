@@ -38,10 +38,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megapar.mesh import Mesh
+from megapar.mesh import Mesh, all_reduce
 from megapar.models.blocks import activation
 from megapar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -265,3 +266,43 @@ def set_penalty_grad(model: nn.Module, grad: float | torch.Tensor) -> None:
     of that micro-batch gets (the loss scale / the number of micro-batches of the step)."""
     for layer in moe_layers(model):
         layer.penalty_grad = grad
+
+
+def finish_step(model: nn.Module, mesh: Mesh, num_experts: int, update_bias: bool) -> dict:
+    """Once per optimizer step, on every rank of a model with MoE layers: each layer's router
+    statistics summed over the dp x cp group (one all-reduce), the auxiliary-loss-free bias
+    moved from that global load (`update_bias`: the step was applied), and the step's summary
+    over all layers of all stages (an all-reduce of the sum and one of the max over pp):
+    `aux_loss` / `z_loss` (means over layers and micro-batches), `dropped` (share of the
+    assignments dropped), `imbalance` (the largest max / mean tokens per expert of a layer),
+    `tokens_per_expert` (summed over layers and the global batch). The statistics restart."""
+    layers = moe_layers(model)
+    device = mesh.device
+    per_layer = (
+        torch.stack([layer.stats.values for layer in layers])
+        if layers
+        else torch.zeros(0, num_experts + 4, device=device)
+    )
+    if layers and mesh.dp * mesh.cp > 1:  # every rank of the group holds the same layers
+        all_reduce(per_layer, mesh.dp_cp_group)
+    for layer, values in zip(layers, per_layer):
+        if update_bias and layer.router.bias is not None:
+            layer.router.update_bias(values[:num_experts], layer.bias_rate)
+        layer.stats.reset()
+    load = per_layer[:, :num_experts]
+    total = per_layer.sum(0) if layers else torch.zeros(num_experts + 4, device=device)
+    worst = (load.max(1).values / load.mean(1).clamp(min=1e-9)).max() if layers else None
+    worst = torch.zeros((), device=device) if worst is None else worst
+    if mesh.pp > 1:
+        all_reduce(total, mesh.pp_group)
+        all_reduce(worst, mesh.pp_group, op=dist.ReduceOp.MAX)
+    values = total.tolist()
+    tokens, (switch, z, dropped, forwards) = values[:num_experts], values[num_experts:]
+    forwards = max(forwards, 1.0)
+    return {
+        "aux_loss": switch / forwards,
+        "z_loss": z / forwards,
+        "dropped": dropped / max(sum(tokens) + dropped, 1.0),
+        "imbalance": float(worst),
+        "tokens_per_expert": [int(t) for t in tokens],
+    }
