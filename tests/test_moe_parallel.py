@@ -1,7 +1,9 @@
 """A Qwen3-MoE-style model (a dense first layer, three MoE layers with shared experts, the
 switch loss and the z-loss in the loss, the auxiliary-loss-free bias moving every step) trains
 the same at tp 2, pp 2 (1F1B and ZB-H1: the penalties made on both stages), dp 2 with ZeRO-1 and
-ZeRO-3, and pp 2 with full recomputation (the router statistics counted once) as one process: losses, grad norms, first-step gradients, final weights, the routing
+ZeRO-3, pp 2 with full recomputation (the router statistics counted once), tp 2 with sequence
+parallelism and cp 2 (each rank routes its tokens; the switch loss takes the micro-batch's
+load from the group) as one process: losses, grad norms, first-step gradients, final weights, the routing
 biases and the router statistics, fp32, 1e-5 relative.
 
 The serial reference is a plain PyTorch loop (torch.optim.AdamW, clip_grad_norm_) over the same
@@ -87,7 +89,7 @@ def serial_reference() -> dict:
             "routers": routers, "biases": biases(model)}
 
 
-def _train(tp, pp, dp, zero, schedule, recompute="none"):
+def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1):
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -95,9 +97,10 @@ def _train(tp, pp, dp, zero, schedule, recompute="none"):
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.training.step import TrainStep
 
-    mesh = Mesh(Layout(tp, pp, dp), dist.get_rank())
+    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp), dist.get_rank(), sequence_parallel=sp)
     model = build_stage(config(), mesh, SEED, recompute)
-    executor = PipelineExecutor(model, mesh, schedule, (MBS, SEQ, 32))
+    seq = SEQ // cp // (tp if sp else 1)
+    executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, 32))
     if zero == 3:
         from megapar.data_parallel.sharded_params import ShardedParams
         from megapar.optim.zero3 import Zero3Optimizer
@@ -107,7 +110,7 @@ def _train(tp, pp, dp, zero, schedule, recompute="none"):
         grad_sync = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp)
     else:
         optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
-        grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp > 1 else None
+        grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp * cp > 1 else None
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
                      MAX_NORM, grad_sync)
     grads, optimizer_step = {}, optimizer.step
@@ -128,14 +131,15 @@ def _train(tp, pp, dp, zero, schedule, recompute="none"):
     with grad_sync.whole() if zero == 3 else contextlib.nullcontext():
         weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group).clone()
                    for n, p in model.named_parameters()}
-    keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
+    keep = mesh.dp_rank == 0 and mesh.tp_rank == 0 and mesh.cp_rank == 0
     return {"run": (tp, pp, dp, zero, schedule), "results": results,
             "weights": weights if keep else {}, "grads": grads if keep else {},
             "biases": biases(model)}
 
 
 RUNS = [(2, 1, 1, 0, "1f1b"), (1, 2, 1, 0, "1f1b"), (1, 2, 1, 0, "zb-h1"),
-        (1, 1, 2, 1, "1f1b"), (1, 1, 2, 3, "1f1b"), (1, 2, 1, 0, "1f1b", "full")]
+        (1, 1, 2, 1, "1f1b"), (1, 1, 2, 3, "1f1b"), (1, 2, 1, 0, "1f1b", "full"),
+        (2, 1, 1, 0, "1f1b", "none", True), (1, 1, 1, 0, "1f1b", "none", False, 2)]
 
 
 def _worker():

@@ -179,20 +179,15 @@ class RouterStats:
     def __init__(self, num_experts: int, device):
         self.values = torch.zeros(num_experts + 4, dtype=torch.float32, device=device)
 
-    def add(self, load, switch, z, dropped) -> None:
-        extra = torch.stack([switch.float(), z.float(), dropped.float(), torch.ones_like(z)])
+    def add(self, load, switch, z, dropped, share: float = 1.0) -> None:
+        """`share`: this rank's share of the micro-batch (its tokens are split over ranks)."""
+        extra = torch.stack(
+            [switch.float(), z.float(), dropped.float(), torch.ones_like(z) * share]
+        )
         self.values += torch.cat([load.float(), extra.to(load.device)])
 
     def reset(self) -> None:
         self.values.zero_()
-
-
-def switch_loss(probs: torch.Tensor, load: torch.Tensor, top_k: int) -> torch.Tensor:
-    """E * sum_e f_e P_e: f_e the share of the T x k assignments chosen for e (as transformers'
-    `load_balancing_loss_func`, counted before any capacity drop; sums to k), P_e the mean
-    router probability of e."""
-    tokens = probs.shape[0]
-    return probs.shape[1] * torch.sum(load.float() / tokens * probs.mean(0))
 
 
 class MoE(nn.Module):
@@ -220,6 +215,20 @@ class MoE(nn.Module):
         self.penalty_grad: float | torch.Tensor = 1.0
         """The gradient of the step's loss w.r.t. this micro-batch's penalty (`set_penalty_grad`;
         1.0: the penalty is added once, as for a plain `loss.backward()`)."""
+        self.token_groups = [
+            g
+            for g, split in (
+                (mesh.tp_group, mesh.sequence_parallel and mesh.tp > 1),
+                (mesh.cp_group, mesh.cp > 1),
+            )
+            if split
+        ]
+        """The groups a micro-batch's tokens are split over (tp under sequence parallelism,
+        cp): the switch loss takes the whole micro-batch's load and token count from them (one
+        all-reduce of E + 1 numbers per group), each rank adding its tokens' share."""
+        self.share = 1.0 / (
+            (mesh.tp if mesh.sequence_parallel else 1) * mesh.cp
+        )  # of a micro-batch's forwards this rank counts
         self.stats = RouterStats(self.num_experts, d)
         self.last: dict[str, torch.Tensor] = {}
         """The last forward's switch loss, z-loss and router logits (for tests and tools)."""
@@ -241,19 +250,30 @@ class MoE(nn.Module):
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = y.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, order, y)
         out = out.view(x.shape[0], self.top_k, -1).sum(1).to(hidden.dtype)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        load = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
-        switch = switch_loss(probs, load, self.top_k)
-        z = torch.logsumexp(logits.float(), dim=-1).square().mean()
+        load = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
+        whole = torch.cat([load, load.new_full((1,), x.shape[0])])
+        for group in self.token_groups:  # the micro-batch's load and tokens (no gradient)
+            all_reduce(whole, group)
+        tokens = whole[-1]
+        # the switch loss E * sum_e f_e P_e, f_e the share of the T x k assignments chosen for
+        # e (as transformers' load_balancing_loss_func: counted before any capacity drop, sums
+        # to k), P_e the mean router probability of e, both over the whole micro-batch: this
+        # rank's tokens' share of it (of the z-loss, mean logsumexp(logits)^2, too)
+        switch = self.num_experts * torch.sum(whole[:-1] / tokens * probs.sum(0) / tokens)
+        z = torch.logsumexp(logits.float(), dim=-1).square().sum() / tokens
         self.last = {"switch": switch.detach(), "z": z.detach(), "logits": logits.detach()}
         if torch.is_grad_enabled() and self.training:
             if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
-                self.stats.add(tokens_per_expert.detach(), switch.detach(), z.detach(), dropped)
+                self.stats.add(
+                    tokens_per_expert.detach(), switch.detach(), z.detach(), dropped, self.share
+                )
             penalty = self.aux_coef * switch + self.z_coef * z
             if self.aux_coef or self.z_coef:
                 out = _AttachPenalty.apply(out, penalty, self.penalty_grad)
-        return out.view(shape)
+        out = out.view(shape)
+        if self.shared is not None:  # [b, s, H]: under SP it gathers the sequence like any MLP
+            out = out + self.shared(hidden)
+        return out
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -285,6 +305,8 @@ def finish_step(model: nn.Module, mesh: Mesh, num_experts: int, update_bias: boo
     )
     if layers and mesh.dp * mesh.cp > 1:  # every rank of the group holds the same layers
         all_reduce(per_layer, mesh.dp_cp_group)
+    if layers and mesh.sequence_parallel and mesh.tp > 1:  # each tp rank routed its slice
+        all_reduce(per_layer, mesh.tp_group)
     for layer, values in zip(layers, per_layer):
         if update_bias and layer.router.bias is not None:
             layer.router.update_bias(values[:num_experts], layer.bias_rate)
