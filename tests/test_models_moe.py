@@ -246,3 +246,20 @@ def test_moe_recipes_have_the_published_parameter_counts(name, params):
     model = build_stage(config, Mesh.virtual(Layout()), 0, init=False)
     assert sum(math.prod(p.full_shape) for p in model.parameters()) == params
     config.validate(Layout(tp=4, pp=4))
+
+
+def test_sigmoid_router_weighs_by_unbiased_scores_renormalised():
+    """DeepSeek-V3's router: sigmoid scores, the bias chooses but never weighs."""
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=8,
+                           num_hidden_layers=1, num_attention_heads=2, num_local_experts=4,
+                           moe_router_score="sigmoid", moe_bias_update_rate=0.1)
+    layer = MoE(config, make_mesh(1))
+    torch.nn.init.normal_(layer.router.weight)
+    layer.router.bias = torch.tensor([0.0, 0.0, 0.0, 10.0])  # expert 3 is always chosen
+    x = torch.randn(5, 16)
+    _, probs, weights, experts = layer.router(x)
+    scores = torch.sigmoid(x @ layer.router.weight.T)
+    assert (experts == 3).any(dim=1).all()
+    chosen = scores.gather(1, experts)
+    assert_close(weights, chosen / chosen.sum(1, keepdim=True))
+    assert_close(probs.sum(1), torch.ones(5))

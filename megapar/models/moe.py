@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.blocks import activation
@@ -87,13 +88,21 @@ class Router(nn.Module):
         self.bias += rate * torch.sign(load.mean() - load)
 
 
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of `flat`'s expert ids are each of 0..num_experts-1 (bincount's answer with a
+    shape known in advance: no host sync, and fake tensors can follow it)."""
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+
+
 def route(experts: torch.Tensor, num_experts: int, capacity: int | None):
     """Sort the T x k assignments `experts` [T, k] by expert. Returns (order [T*k]: the flat
     assignment index of each sorted row, tokens_per_expert [E] (kept ones), dropped (a device
     scalar)); dropped assignments, if any, are the last rows of `order`."""
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     if capacity is None:
         return order, counts, counts.new_zeros(())
     sorted_experts = flat[order]
@@ -101,8 +110,17 @@ def route(experts: torch.Tensor, num_experts: int, capacity: int | None):
     rank = torch.arange(flat.numel(), device=flat.device) - starts[sorted_experts]
     key = torch.where(rank < capacity, sorted_experts, num_experts)
     again = torch.argsort(key, stable=True)
-    kept = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    kept = expert_counts(key, num_experts + 1)[:num_experts]
     return order[again], kept, flat.numel() - kept.sum()
+
+
+def host_counts(tokens_per_expert: torch.Tensor, rows: int) -> list[int]:
+    """The tokens per expert on the host: the MoE layer's one host sync per micro-batch. Under
+    the dry run's fake tensors (no values) the rows are taken as spread evenly."""
+    if is_fake(tokens_per_expert):
+        e = tokens_per_expert.shape[0]
+        return [rows // e + (i < rows % e) for i in range(e)]
+    return tokens_per_expert.tolist()
 
 
 class GroupedExperts(nn.Module):
@@ -118,9 +136,10 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Rows of `x` [N, H] sorted by expert, `tokens_per_expert[e]` rows for expert e (the
         sum may be < N: the rows after it get zeros) -> outputs [N, H] in the same order."""
-        if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        aligned = x.shape[1] % 8 == 0 and self.down.shape[2] % 8 == 0  # 16-byte rows
+        if x.is_cuda and x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
             return self._grouped(x, tokens_per_expert)
-        counts = tokens_per_expert.tolist()  # the layer's one host sync per micro-batch
+        counts = host_counts(tokens_per_expert, x.shape[0])
         outs = []
         for e, part in enumerate(x[: sum(counts)].split(counts)):
             if part.shape[0]:
@@ -250,7 +269,7 @@ class MoE(nn.Module):
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = y.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, order, y)
         out = out.view(x.shape[0], self.top_k, -1).sum(1).to(hidden.dtype)
-        load = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
+        load = expert_counts(experts.reshape(-1), self.num_experts).float()
         whole = torch.cat([load, load.new_full((1,), x.shape[0])])
         for group in self.token_groups:  # the micro-batch's load and tokens (no gradient)
             all_reduce(whole, group)

@@ -66,9 +66,9 @@ class TrainConfig:
     """Start more local workers than 4 per CPU core (at least 8) when megapar-train starts them itself; refused otherwise."""
     # --- model ---
     model: str | None = None
-    """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny) or a JSON/YAML config file."""
+    """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny, mixtral-tiny, qwen3-moe-tiny) or a JSON/YAML config file."""
     from_hf: str | None = None
-    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM): the model is its config.json's (a --model describing another is refused)."""
+    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM): the model is its config.json's (a --model describing another is refused)."""
     precision: str = "fp32"
     """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
     tf32: bool = False
