@@ -25,7 +25,7 @@ pair by pair (the runs of one round). The losses of every step are compared (the
 data and updates: they agree to fp32 rounding).
 
     python benchmarks/vs/zero3_vs_fsdp2_hf.py                      # 3 rounds of 12 steps
-    python benchmarks/vs/zero3_vs_fsdp2_hf.py --repeats 5 --steps 10 --megapar-flags --zero3-keep-params
+    python benchmarks/vs/zero3_vs_fsdp2_hf.py --repeats 5 --baseline /path/to/earlier/checkout
 """
 
 from __future__ import annotations
@@ -126,17 +126,22 @@ def fsdp2_main(flags: list[str], out: str) -> None:
 
 
 # the comparison ------------------------------------------------------------------------------
-def one_run(side: str, model_dir: str, steps: int, extra: list[str], work: str) -> list[dict]:
-    """One whole run of `side` (a process); its per-step records."""
+def one_run(side: str, model_dir: str, steps: int, extra: list[str], work: str,
+            baseline: str | None = None) -> list[dict]:
+    """One whole run of `side` (a process: "megapar", "fsdp2", or "baseline": megapar-train
+    from the checkout `baseline`); its per-step records."""
     log = os.path.join(work, f"{side}.jsonl")
     if os.path.exists(log):
         os.remove(log)
     flags = train_flags(model_dir, steps, log)
-    if side == "megapar":
-        argv = train_argv(*flags, *extra)
-    else:
+    env = None
+    if side == "fsdp2":
         argv = [sys.executable, __file__, "--fsdp2-side", log, "--", *flags]
-    run_peak(argv, capture="stdout")
+    else:
+        argv = train_argv(*flags, *extra)
+    if side == "baseline":
+        env = {**os.environ, "PYTHONPATH": str(baseline)}
+    run_peak(argv, capture="stdout", env=env)
     return read_jsonl(log)
 
 
@@ -147,6 +152,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
     parser.add_argument("--megapar-flags", nargs=argparse.REMAINDER, default=[],
                         help="more megapar-train flags (last on the line)")
+    parser.add_argument("--baseline", help="also run megapar-train from this checkout (e.g. "
+                        "a worktree of an earlier commit), a third side in each round")
     parser.add_argument("--fsdp2-side", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="write the figures here as JSON")
     args, rest = parser.parse_known_args(argv)
@@ -156,9 +163,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as work:
         model_dir = os.path.join(work, "gpt2")
         save_model(model_dir)
-        runs = interleave({side: (lambda side=side: one_run(side, model_dir, args.steps,
-                                                            args.megapar_flags, work))
-                           for side in ("megapar", "fsdp2")}, args.repeats, alternate=True)
+        sides = ("megapar", "fsdp2") + (("baseline",) if args.baseline else ())
+        runs = interleave({side: (lambda side=side: one_run(
+            side, model_dir, args.steps, args.megapar_flags, work, args.baseline))
+            for side in sides}, args.repeats, alternate=True)
     med = {side: [statistics.median(r["step_time_s"] for r in run[args.warmup:]) * 1e3
                   for run in rs] for side, rs in runs.items()}
     ratios = pair_ratios(med["megapar"], med["fsdp2"])
@@ -167,11 +175,18 @@ def main(argv=None) -> int:
     extra = " " + " ".join(args.megapar_flags) if args.megapar_flags else ""
     print(f"GPT-2 (transformers) vocab 50257, 4 x 128, seq 128, global batch 16, micro-batch 4,"
           f" dp 2 (m 2 per rank); {args.steps} steps a run, median after {args.warmup}")
-    print(f"{'round':>5} {'megapar ms':>11} {'FSDP2 ms':>9} {'ratio':>6}")
+    base = "baseline" in med
+    print(f"{'round':>5} {'megapar ms':>11} {'FSDP2 ms':>9} {'ratio':>6}"
+          + (f" {'baseline ms':>12} {'ratio':>6}" if base else ""))
     for i, (a, b) in enumerate(zip(med["megapar"], med["fsdp2"])):
-        print(f"{i:>5} {a:>11.1f} {b:>9.1f} {a / b:>6.3f}")
+        print(f"{i:>5} {a:>11.1f} {b:>9.1f} {a / b:>6.3f}"
+              + (f" {med['baseline'][i]:>12.1f} {med['baseline'][i] / b:>6.3f}" if base else ""))
     print(f"megapar --zero 3{extra} / FSDP2, pair by pair: {ratio_summary(ratios)} "
           f"(median [min, max]); largest loss difference {diff:.1e}")
+    if base:
+        print(f"baseline ({args.baseline}) / FSDP2: "
+              f"{ratio_summary(pair_ratios(med['baseline'], med['fsdp2']))}; megapar / baseline: "
+              f"{ratio_summary(pair_ratios(med['megapar'], med['baseline']))}")
     first = ", ".join(f"{r['loss']:.5f}" for r in runs["megapar"][0])
     print(f"losses (megapar, round 0): {first}")
     if args.json:
