@@ -423,14 +423,15 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
     sampled rank's shards, state, gathered units and full gradient buffers at the peak equal
     the plan's to the byte (at one micro-batch the buffers freed as their reduce-scatters
     complete, fewer than the stage's whole gradient; at m > 1 all of them), and ZeRO-3's dp
-    traffic is the plan's (`dp_traffic`: two gathers per micro-batch or one kept, one
+    traffic is the plan's (`dp_traffic`: two gathers per micro-batch, one of the root kept
+    from its forward to its backward, or one a step kept, one
     reduce-scatter per step; with zero3_reduce=micro-batch, m per step but the tied
     embedding's units: the full gradient buffers as few as at one micro-batch)."""
     from megapar.dryrun.verify import verify_layout
     from megapar.pipeline.schedules import placement_of
     from megapar.plan import Problem, parse_candidate
     from megapar.plan.sharding import dp_traffic
-    from megapar.plan.state import deferred_units, sharded_buffer, w_reported
+    from megapar.plan.state import deferred_units, sharded_buffer, tail_units, w_reported
 
     config = resolve_model("gpt2-tiny")
     c = parse_candidate(spec, 2 * (1 + (c_pp := "pp=2" in spec)))
@@ -448,7 +449,9 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
                               placement_of(c.schedule))
         planned = {op: {"count": n, "bytes": int(b)} for op, n, b in dp_traffic(
             c.zero, m, c.pp, c.keep_params, nbytes, nbytes, pieces, persistent,
-            c.zero3_reduce == "micro-batch", late, w_reported(c.schedule, c.pp, m, c.v))}
+            c.zero3_reduce == "micro-batch", late, w_reported(c.schedule, c.pp, m, c.v),
+            tail_units(config, c.tp, c.pp, c.v, r.pp_rank, c.dp, placement_of(c.schedule))
+            if c.zero == 3 else (0, 0))}
         dp = {op: v for op, v in r.comm["dp"].items() if op in planned}
         assert dp == planned, r.rank
         if c.zero == 3:

@@ -333,11 +333,12 @@ def _count_worker(pp: int, keep: bool, global_batch: int, persist: int,
     state = sum(t.numel() * t.element_size() for st in step.optimizer.inner.state.values()
                 for k, t in st.items() if k != "step")
     return {"dp_calls": [(c.op, c.numel, c.bytes) for c in calls if c.ranks == dp_ranks],
-            "dp_ranks": dp_ranks, "m": plan.micro_batches,
+            "dp_ranks": dp_ranks, "m": plan.micro_batches, "stage": mesh.pp_rank,
             "padded": sum(u.padded for u in sharded.units),
             "numel": sum(p.numel() for p in model.parameters()),
             "units": len(sharded.units), "held": sharded.held_bytes() + state,
             "persistent": sharded.persistent.padded if sharded.persistent else 0,
+            "tails": [t.padded for t, _ in sharded.roots.values() if t is not None],
             "deferred": [u.padded for u in sharded.units if u.deferred],
             "gathered_between_steps": [u.name for u in sharded.units
                                        if u.full.untyped_storage().nbytes()],
@@ -374,11 +375,16 @@ def test_zero3_memory_and_traffic_counted(pp, keep, global_batch, persist, reduc
         gathers = [c for c in calls if c[0] == "all_gather_into_tensor"]
         scatters = [c for c in calls if c[0] == "reduce_scatter_tensor"]
         gathered = 1 if keep else 2 * m  # gathers per unit and step
+        tail_gathered = 1 if keep else m  # the tails: kept from the forward to the backward
         Q, persistent = out["persistent"], int(out["persistent"] > 0)
+        T, tails = sum(out["tails"]), len(out["tails"])
         assert persistent == int(persist > 0)
+        assert tails == (1 if pp == 1 else out["stage"])  # the head's (the last stage's)
         # payload: this rank's slice
-        assert sum(c[1] for c in gathers) == (gathered * (P - Q) + Q) // dp
-        assert len(gathers) == gathered * (out["units"] - persistent) + persistent
+        assert sum(c[1] for c in gathers) == (gathered * (P - Q - T) + tail_gathered * T
+                                              + Q) // dp
+        assert len(gathers) == (gathered * (out["units"] - persistent - tails)
+                                + tail_gathered * tails + persistent)
         times = m if reduce == "micro-batch" else 1  # reduce-scatters per unit and step
         D, deferred = sum(out["deferred"]), len(out["deferred"])
         assert deferred == (pp > 1)  # the tied embedding's unit, on both stages
@@ -388,7 +394,8 @@ def test_zero3_memory_and_traffic_counted(pp, keep, global_batch, persist, reduc
                                                     "reduce_scatter_tensor")]
         assert sorted(others) == [("all_reduce", 1, 4)] * 2, others  # the loss, the norm
         if pp == 1 and m == 1 and not keep:  # full buffers moved vs an all-reduce's 2 N
-            assert (dp * sum(c[1] for c in gathers) + P) / (2 * N) == pytest.approx(1.5, 1e-3)
+            assert (dp * sum(c[1] for c in gathers) + P) / (2 * N) == pytest.approx(
+                1.5 - T / (2 * N), 1e-3)
     for streams in by_group.values():
         assert len(streams) == dp and all(s == streams[0] for s in streams)
 

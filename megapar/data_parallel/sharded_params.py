@@ -5,15 +5,21 @@ Hooks attached from outside the model (the model knows nothing of this):
 
 - forward: the chunk's pre-hook gathers the root and prefetches the first block; a block's
   pre-hook waits for its own gather and starts the next block's (async, overlapped with this
-  block's compute); its post-hook frees it. The root is freed after the chunk's forward.
+  block's compute); its post-hook frees it. After the chunk's forward the embedding unit is
+  freed, and the *tail* (the root's final norm and head, or the whole root where it is not
+  split) too unless a backward of the chunk's output is to come: that backward reads it
+  first, so it stays gathered until then (FSDP2 keeps its root so: one gather of the tail
+  per micro-batch, not two).
 - backward: a hook on the unit's output gradient (it fires before the unit's backward runs)
   gathers the unit again and prefetches the block before it; an identity autograd function on
   the block's input frees the block once its input gradient is computed (nothing after that
-  reads the weights: a weight gradient reads the activations only). The root is gathered
-  when the chunk's backward starts. Where the root is split, the *tail* is freed once the
-  backward has passed the last block, and the *embedding* gathered when the backward reaches
-  the first block (a LayerNorm after the embedding reads its weight; an embedding's backward
-  reads none). Both are freed when the micro-batch's backward ends.
+  reads the weights: a weight gradient reads the activations only). When the chunk's backward
+  starts the tail is waited for and the chunk's last block prefetched (its gather overlaps
+  the head's backward). Where the root is split, the tail is freed once the backward has
+  passed the last block, and the *embedding* prefetched when the first block's backward
+  starts and waited for at its input gradient (a LayerNorm after the embedding reads its
+  weight; an embedding's backward reads none). Both are freed when the micro-batch's
+  backward ends.
 - a recomputed forward (full recomputation) runs inside backward: the unit is gathered then,
   and its hooks neither free nor prefetch.
 
@@ -39,9 +45,8 @@ are issued in program order, so every rank of the group issues the same collecti
 same order (NCCL's rule). The root goes last and, with a tied embedding over pipeline stages
 (`defer`), only after `before_reduce`.
 
-Traffic per step without pp (m micro-batches): 2 m all-gathers of every unit and one
-reduce-scatter (1.5x an all-reduce's bytes at m = 1), m per micro-batch; with `keep`, one
-all-gather per unit.
+Traffic per step without pp (m micro-batches): 2 m all-gathers of every unit but the tail
+(m), and one reduce-scatter, m per micro-batch; with `keep`, one all-gather per unit.
 """
 
 from __future__ import annotations
@@ -198,12 +203,15 @@ class ShardedParams:
             )
             chunk.register_forward_hook(lambda m, args, out, r=roots: call("_chunk_post", r, out))
             tail, embed = roots
-            if first is not None and embed is not None:
-                first.embedding = embed
+            if first is not None:
                 last = first
                 while last.next is not None:
                     last = last.next
-                last.tail = tail
+                if tail is not None:
+                    tail.last = last
+                if embed is not None:
+                    first.embedding = embed
+                    last.tail = tail
         for u in self.units:
             if u.module not in self.chunks and u is not self.persistent:
                 u.module.register_forward_pre_hook(lambda m, args, u=u: call("_block_pre", u, args))
@@ -236,23 +244,32 @@ class ShardedParams:
         self.prefetch(first)
 
     def _chunk_post(self, roots: tuple, out) -> None:
+        """The chunk's forward is done: the embedding unit is freed; the tail too, unless a
+        backward of this output will run (it is the first unit that backward reads, so it
+        stays gathered until then, as FSDP2 keeps its root: one gather of the tail per
+        micro-batch, not two)."""
         tail, embed = roots
-        if (
+        backward = (
             torch.is_grad_enabled()
             and isinstance(out, torch.Tensor)
             and out.requires_grad
             and (tail or embed)
-        ):
+        )
+        if backward:
             out.register_hook(lambda g: self._root_backward(tail, embed))
-        self.release(tail)
+        else:
+            self.release(tail)
         self.release(embed)
 
     def _root_backward(self, tail: Unit | None, embed: Unit | None) -> None:
-        """The chunk's backward starts: the tail is gathered (the embedding unit is, at the
-        first block's input gradient); both are freed when the backward ends."""
+        """The chunk's backward starts: the tail is gathered (kept since the forward) and the
+        chunk's last block prefetched, so its gather overlaps the head's backward (the
+        embedding unit is prefetched when the first block's backward starts); both roots are
+        freed when the backward ends."""
         if tail is not None:
             self.gather(tail)
             self._grads(tail)
+            self.prefetch(tail.last)
         if self.persistent is not None:
             self._grads(self.persistent)
 
@@ -298,7 +315,7 @@ class ShardedParams:
     def _block_backward(self, u: Unit) -> None:
         self.gather(u)
         self._grads(u)
-        self.prefetch(u.prev)
+        self.prefetch(u.prev if u.prev is not None else u.embedding)
 
     def _grads(self, u: Unit) -> None:
         """Make `u`'s full gradient buffer for a backward (if it has none); reducing per

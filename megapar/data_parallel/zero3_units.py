@@ -102,8 +102,11 @@ class Unit:
         """The last block of a split root: the tail unit, freed after this block's output
         gradient is complete."""
         self.embedding: Unit | None = None
-        """The first block of a split root: the embedding unit, gathered when this block's
-        input gradient is complete."""
+        """The first block of a split root: the embedding unit, prefetched when this block's
+        backward starts and waited for when its input gradient is complete."""
+        self.last: Unit | None = None
+        """The tail of a split root: the chunk's last block, prefetched when the chunk's
+        backward starts."""
         self.free()
 
     def free(self) -> None:

@@ -53,6 +53,7 @@ from megapar.plan.state import (
     deferred_units,
     rank_state,
     sharded_buffer,
+    tail_units,
     w_reported,
     whole_grads,
 )
@@ -421,6 +422,20 @@ def _modelled_state(
             if cfg.zero == 3
             else (0, 0)
         )
+        tails = (
+            tail_units(
+                config,
+                layout.tp,
+                layout.pp,
+                v,
+                mesh.pp_rank,
+                r,
+                placement,
+                cfg.zero3_persistence_threshold,
+            )
+            if cfg.zero == 3
+            else (0, 0)
+        )
         for op, count, total in dp_traffic(
             cfg.zero,
             m,
@@ -433,6 +448,7 @@ def _modelled_state(
             cfg.zero3_reduce == "micro-batch",
             (late[0], late[1] * scale),
             w_reported(cfg.schedule, layout.pp, m, v),
+            tails,
         ):
             group[op] = {"count": count, "bytes": int(total)}
     notes.append(

@@ -11,10 +11,11 @@ counts them; a ring moves (r - 1) / r of them per rank, an all-reduce twice that
     zero 2   a reduce-scatter per micro-batch (m x, as DeepSpeed: the gradient is kept only as
              this rank's shard between micro-batches) + one all-gather of the parameters
     zero 3   an all-gather of each unit before its forward and again before its backward, per
-             micro-batch (2 m x; with --zero3-keep-params, and for the persistent unit, once
-             per step), and one reduce-scatter of each unit per step (its full gradient
+             micro-batch (2 m x; a chunk's root unit, kept from its forward to its backward,
+             m x; with --zero3-keep-params, and for the persistent unit, once per step), and
+             one reduce-scatter of each unit per step (its full gradient
              accumulates the micro-batches, as `ShardedParams` does): at m = 1, 1.5 x an
-             all-reduce
+             all-reduce, less the root's second gather
 
 Time exposed: a reduce-scatter hides behind its micro-batch's backward, an all-gather of the
 next unit behind the current unit's forward (or backward), except what is longer, and the first
@@ -39,6 +40,7 @@ def dp_traffic(
     per_micro_batch: bool = False,
     deferred: tuple[int, float] = (0, 0.0),
     once_a_step: bool = False,
+    tail: tuple[int, float] = (0, 0.0),
 ) -> list[tuple[str, int, float]]:
     """[(operation, calls, bytes in all)] one rank issues over dp x cp in a step: `grad_bytes`
     / `param_bytes` are the stage's (padded) gradient and parameter buffers as reduced and
@@ -47,7 +49,8 @@ def dp_traffic(
     `per_micro_batch` (--zero3-reduce micro-batch): every unit reduce-scattered m times but
     the `deferred` (units, bytes) holding the tied embedding over stages, once.
     `once_a_step`: the schedule reports weight gradients once a step (`state.w_reported`), so
-    ZeRO-2's and ZeRO-3's per-micro-batch reductions run once."""
+    ZeRO-2's and ZeRO-3's per-micro-batch reductions run once. `tail`: ZeRO-3's (units, bytes)
+    of root units among the `pieces` (`state.tail_units`), gathered once a micro-batch."""
     if zero == 0:
         return [("all_reduce", pieces, grad_bytes)]
     if zero in (1, 2):
@@ -57,12 +60,13 @@ def dp_traffic(
             ("all_gather", pieces, param_bytes),
         ]
     gathers, once = (1 if keep_params else 2 * m), (1 if persistent else 0)
+    tails = 1 if keep_params else m
     times = m if per_micro_batch and not once_a_step else 1
     return [
         (
             "all_gather",
-            gathers * (pieces - once) + once,
-            gathers * (param_bytes - persistent) + persistent,
+            gathers * (pieces - once - tail[0]) + tails * tail[0] + once,
+            gathers * (param_bytes - persistent - tail[1]) + tails * tail[1] + persistent,
         ),
         (
             "reduce_scatter",

@@ -158,8 +158,9 @@ def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
     persistent unit (kept over the step) with, at the worst chunk, its root and embedding
     units (gathered over the chunk's forward) and the two largest neighbouring blocks (a
     block's forward with the next one prefetched). The backward holds no more: the root unit
-    is freed before the last block is gathered, the embedding unit gathered after the first
-    block is freed."""
+    with the last block prefetched at its start, the root freed before the block before the
+    last is prefetched, the embedding unit prefetched after the block after the first is
+    freed."""
     if keep:
         return sum(nbytes)
     persistent = sum(n for u, n in zip(specs, nbytes) if u.kind == "persistent")
@@ -435,3 +436,21 @@ def deferred_units(
     )
     late = _deferred(tensors, units, pp)
     return len(late), sum(units[k][1] * tensors[units[k][0][0]].dtype.itemsize for k in late)
+
+
+def tail_units(
+    config,
+    tp: int,
+    pp: int,
+    v: int,
+    stage: int,
+    dp: int,
+    placement: str = "loop",
+    persist_below: int = PERSISTENCE_THRESHOLD,
+) -> tuple[int, int]:
+    """ZeRO-3: (units, bytes of their padded buffers) of the stage's root units (a chunk's
+    final norm and head, or its whole root where it is not split): kept gathered from the
+    chunk's forward to its backward, so gathered once a micro-batch, not twice."""
+    tensors, units, specs = _layout(config, tp, pp, v, stage, dp, 3, 25.0, placement, persist_below)
+    tails = [k for k, u in enumerate(specs or ()) if u.kind == "root"]
+    return len(tails), sum(units[k][1] * tensors[units[k][0][0]].dtype.itemsize for k in tails)
