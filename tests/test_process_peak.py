@@ -107,21 +107,23 @@ def _rise(kwargs: dict, mbs: int, seq: int) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_cpu_figure_within_10_percent_of_the_os_peak():
     """The planner's CPU figure within 10 % of a spawned rank's peak resident set rise
-    (measured 1.90-1.97 GiB, predicted 1.95, 2026-11-29). A run's peak moves by tens of MiB
-    from run to run under load (tests/test_peak_memory.py) and noise only ever adds to a peak:
-    the layout runs twice and its lower peak counts. The tensors counted before issue 47 were
-    1.4 GiB: the three embedding-sized gradients at the end of the backward, the heap's room
-    and the runtime were missing."""
+    (MEASURED). A run's peak moves by tens of MiB from run to run under load
+    (tests/test_peak_memory.py) and noise only ever adds to a peak: a peak above the bound is
+    measured again and the lower counts. The tensors counted before issue 47 (COUNTED) lacked
+    the three embedding-sized gradients at the end of the backward, the heap's room and the
+    runtime."""
     from megapar.models.config import config_from_dict
 
     mbs, seq = 1, 64
-    measured = min(run_local(_rise, 1, CPU_LAYOUT, mbs, seq, start_method="spawn")[0]
-                   for _ in range(2))
     config = config_from_dict(_config(CPU_LAYOUT, seq).to_dict())
     p = Problem(config, gpus=1, global_batch=mbs, seq_len=seq, precision="fp32", target="cpu")
     c = Candidate(mbs=mbs)
     stage = stage_memory(p, c)[0]
     peak = process_peak(p, c, stage, *stage_roles(p, c, 0), activation_sizes(p, c).full)
     assert peak.phase == "end of the backward"
+    measured = run_local(_rise, 1, CPU_LAYOUT, mbs, seq, start_method="spawn")[0]
+    if peak.total < 0.9 * measured:  # noise can explain a high peak, never a low one
+        measured = min(measured, run_local(_rise, 1, CPU_LAYOUT, mbs, seq,
+                                           start_method="spawn")[0])
     assert measured > 1.2 * stage.total, (measured / 2**20, stage.total / 2**20)
     assert peak.total == pytest.approx(measured, rel=0.10), (peak.total / 2**20, measured / 2**20)

@@ -130,6 +130,8 @@ def process_peak(
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
     state = mem.total - mem.activations - mem.buffers
+    host = mem.host if target == "cpu" else 0.0  # offload's host memory: on a CPU, the same
+    state += host
     a = _top_of_backward(p, c, mem, has_embedding, has_head)
     if mem.activations:
         a.append(
@@ -145,7 +147,12 @@ def process_peak(
     end = state + copies.bytes + sum(t.bytes for t in b)
     tensors, phase = (top, "top of the backward") if top >= end else (end, "end of the backward")
     terms = [
-        Term("weights, gradients, optimizer state", state, "counted (megapar-plan --explain)"),
+        Term(
+            "weights, gradients, optimizer state",
+            state,
+            "counted (megapar-plan --explain)"
+            + (f", {_size(host).strip()} of it offload's host memory" if host else ""),
+        ),
         Term("activations kept for backward", mem.activations, "counted"),
         Term("loss and recomputation buffers", mem.buffers, "counted"),
         *a,
@@ -233,12 +240,16 @@ def _end_of_backward(p: Problem, c: Candidate, has_embedding: bool, has_head: bo
         return []
     vocab, h = _vocab_h(p, c)
     both = _tied(p) and has_head
+    # under ZeRO-3 the gradient autograd hands over becomes the root unit's full gradient
+    # buffer, which `MemoryBreakdown.grad_buffers` counts
+    copies = (3 if both else 1) - (1 if c.zero == 3 else 0)
     return [
         Term(
             "embedding's weight gradient (end of the backward)",
-            vocab * h * 4 * (3 if both else 1),
+            vocab * h * 4 * copies,
             "the lookup's dense gradient"
             + (", the head's held one and their sum" if both else "")
+            + (" (ZeRO-3: the last is the root unit's gradient buffer)" if c.zero == 3 else "")
             + "; in the phase at the end of the backward, instead of the activations",
         )
     ]
