@@ -147,6 +147,7 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
         whole_vocab=cfg.vocab_size if t == 1 else None,
         terms=terms,
         chunk_tokens=p.loss_chunk_tokens,
+        sp_t=sp_t,
     )
     message = s * b * h * p.act_bytes / sp_t  # an activation or its gradient in flight
     return ActivationSizes(per_layer, full, embedding, head, message, vocab_local)
