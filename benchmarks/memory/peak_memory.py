@@ -37,6 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import json_number, run_peak, train_argv, write_json  # noqa: E402
 
+from megapar.plan.process import CPU_BASELINE  # noqa: E402
+
 MODEL = {"model_type": "gpt2", "vocab_size": 1004, "n_positions": 4096, "n_embd": 256,
          "n_layer": 8, "n_head": 8, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 """8 blocks of hidden 256 with a SentencePiece vocabulary (1,000 + megapar's 4): activations,
@@ -87,16 +89,18 @@ def os_peak(argv: list[str], env: dict) -> tuple[int, str]:
     return run.peak_bytes, run.output
 
 
-def counted(argv: list[str], env: dict) -> int:
-    """The dry run's bytes for the most loaded rank: weights, gradients, optimizer state and
-    modelled activations."""
+def counted(argv: list[str], env: dict) -> tuple[int, int]:
+    """(the dry run's bytes for the most loaded rank: weights, gradients, optimizer state and
+    modelled activations; its predicted OS peak: the largest rank's `peak_cpu`, the process
+    figure of `megapar.plan.process`, plus the process's baseline)."""
     run = subprocess.run([sys.executable, "-m", "megapar.cli.train", *argv, "--dry-run",
                           "--json", "--dry-run-ranks", "all"], capture_output=True, text=True,
                          env=env, check=True)
     ranks = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    return max(r["weights"] + r["grads"] + r["optimizer"] + r.get("master", 0)
-               + r.get("gathered", 0) + r.get("grad_buffers", 0) + r["activations"]
-               for r in ranks)
+    count = max(r["weights"] + r["grads"] + r["optimizer"] + r.get("master", 0)
+                + r.get("gathered", 0) + r.get("grad_buffers", 0) + r["activations"]
+                for r in ranks)
+    return count, max(r["peak_cpu"] for r in ranks) + int(CPU_BASELINE)
 
 
 def main(argv=None) -> int:
@@ -116,27 +120,29 @@ def main(argv=None) -> int:
         claim, configs = GROUPS[group]
         print(f"\n{group}: {claim}")
         print(f"  {'configuration':14} {'counted':>9} {'OS peak':>9} {'glibc':>9}   "
-              f"change from the first: {'counted':>8} {'OS peak':>8} {'glibc':>8}  (GiB)")
+              f"change from the first: {'counted':>8} {'OS peak':>8} {'glibc':>8}  (GiB)   "
+              f"{'predicted':>9} {'/ OS peak':>9}")
         rows = []
         for label, flags in configs:
             flags = [model if a == "{model}" else a for a in flags] + COMMON + \
                 ["--data-cache", os.path.join(work, "cache")]
             run_env = {**env, "MEGAPAR_HOST_COPIES": "1"} if group == "offload" else env
-            count = counted(flags, run_env)
+            count, predicted = counted(flags, run_env)
             peaks = {policy: min(os_peak(flags, {**run_env, "MEGAPAR_HOST_MALLOC": policy})[0]
                                  for _ in range(args.repeats)) if policy in args.policies
                      else float("nan") for policy in ("keep", "system")}
-            rows.append((label, count, peaks))
+            rows.append((label, count, peaks, predicted))
             first = rows[0]
             g = 2**30
             print(f"  {label:14} {count / g:9.3f} {peaks['keep'] / g:9.3f} "
                   f"{peaks['system'] / g:9.3f}   {'':22} {(count - first[1]) / g:+8.3f} "
                   f"{(peaks['keep'] - first[2]['keep']) / g:+8.3f} "
-                  f"{(peaks['system'] - first[2]['system']) / g:+8.3f}", flush=True)
+                  f"{(peaks['system'] - first[2]['system']) / g:+8.3f}        "
+                  f"{predicted / g:9.3f} {predicted / peaks['keep']:9.3f}", flush=True)
         results[group] = {"claim": claim, "rows": [
             {"config": label, "counted_bytes": count, "os_peak_bytes": json_number(peaks["keep"]),
-             "os_peak_glibc_bytes": json_number(peaks["system"])}
-            for label, count, peaks in rows]}
+             "os_peak_glibc_bytes": json_number(peaks["system"]), "predicted_bytes": predicted}
+            for label, count, peaks, predicted in rows]}
     if args.json:
         write_json(args.json, results)
     return 0

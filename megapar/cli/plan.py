@@ -41,7 +41,9 @@ from megapar.plan.layouts import (
     model_refusal,
 )
 from megapar.plan.params import model_params
+from megapar.plan.process import TARGETS, describe
 from megapar.plan.report import attention_note, command, explain, row, runnable, table
+from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.config import OneLineParser
 
 
@@ -93,6 +95,21 @@ def add_precision_arguments(p: argparse.ArgumentParser) -> None:
         "scores): what megapar-train runs on GPUs and its --dry-run counts; "
         "--no-fused-attention counts the scores, softmax and dropout mask (the "
         "paper; megapar-train on a CPU with attention dropout)",
+    )
+    p.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=LOSS_CHUNK_TOKENS,
+        help="megapar-train's --loss-chunk-tokens: the LM head and loss this many tokens at "
+        "a time (0: the whole logits)",
+    )
+    p.add_argument(
+        "--target",
+        choices=TARGETS,
+        default="gpu",
+        help="what the memory figure is for: gpu (the tensors' peak, the caching "
+        "allocator's reserve and the CUDA context) or cpu (megapar-train on CPU ranks: the "
+        "heap's room and the runtime, the process's baseline apart)",
     )
 
 
@@ -215,6 +232,8 @@ def _problem(args):
         args.latency_us,
         pcie_gbps=args.pcie_gbps,
         zero3_persistence_threshold=args.zero3_persistence_threshold,
+        loss_chunk_tokens=args.loss_chunk_tokens,
+        target=args.target,
     )
 
 
@@ -267,6 +286,11 @@ def _check_number_arguments(args) -> None:
             raise ValueError(
                 f"--{name.replace('_', '-')} {value:g} is invalid: it must be a finite number > 0"
             )
+    if args.loss_chunk_tokens < 0:
+        raise ValueError(
+            f"--loss-chunk-tokens {args.loss_chunk_tokens} is invalid: give tokens per "
+            f"chunk >= 1, or 0 for the whole logits"
+        )
     if args.zero3_persistence_threshold < 0:
         raise ValueError(
             f"--zero3-persistence-threshold {args.zero3_persistence_threshold} is "
@@ -347,6 +371,8 @@ def _explain(args, problem) -> int:
         return 0
     print(explain(e))
     print(attention_note(problem.fused_attention))
+    if e.process is not None:
+        print(describe(e.process))
     print(f"command: {cmd}")
     for m in missing:
         print(f"  note: megapar-train cannot do this yet: {m}")
@@ -393,6 +419,8 @@ def main(argv=None) -> int:
     if best is None:
         return _no_fit(args)
     assert cmd is not None  # made for the best layout
+    if best.process is not None:
+        print(describe(best.process))
     print(f"\nchosen: {best.candidate.label()}\ncommand: {cmd[0]}")
     for m in cmd[1]:
         print(

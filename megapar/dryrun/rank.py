@@ -40,13 +40,12 @@ import torch.distributed as dist
 
 from megapar.checkpoint.distributed import planned_shard
 from megapar.comm_count import Call, count_collectives
+from megapar.dryrun.modelled import modelled_stage, process_peaks
 from megapar.dryrun.watch import run_micro_batch
 from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
-from megapar.pipeline import messages
 from megapar.pipeline.placement import chunks_per_rank, placement_of
 from megapar.pipeline.schedules import in_flight_peak, schedule_actions
-from megapar.plan import Candidate, Problem, stage_memory
 from megapar.plan.sharding import dp_traffic
 from megapar.plan.state import (
     Offload,
@@ -127,6 +126,18 @@ class RankReport:
     refuses its ZeRO-3 options)."""
     chunks: int = 1
     """Model chunks per rank (`placement.chunks_per_rank`): 2 for zb-v and dualpipev."""
+    transients: int = 0
+    """Modelled: the planner's transient buffers of this stage (one chunk's logits, a layer
+    rebuilt by recomputation, cp's K/V in flight; `MemoryBreakdown.buffers`)."""
+    peak_gpu: int = 0
+    """Modelled: what a GPU holds for this rank at its peak (`plan.process`, target gpu): the
+    real state, the modelled activations and transients, the allocator's reserve and the CUDA
+    context."""
+    peak_cpu: int = 0
+    """Modelled: the rise of this rank's peak resident set on a CPU (`plan.process`, target
+    cpu; the process's baseline, `plan.process.CPU_BASELINE`, apart)."""
+    peak_phase: str = ""
+    """Where the tensors peak: at the top or at the end of the backward."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -241,7 +252,9 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     moments = {n: {k: p for k in optimizer.state_keys} for n, p in engine.model.named_parameters()}
     file, size = planned_shard(engine.model, mesh, moments)
     actions = schedule_actions(cfg.schedule, layout.pp, m, mesh.pp_rank, cfg.virtual_stages)
-    activations = _modelled_activations(cfg, config, layout, mesh.pp_rank, actions)
+    problem, candidate, stage_mem = modelled_stage(cfg, config, layout, mesh.pp_rank, actions)
+    activations = int(stage_mem.activations)
+    peaks = process_peaks(problem, candidate, stage_mem, held, gathered, grad_buffers)
     chunks = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
     in_flight = in_flight_peak(actions) / chunks
     return RankReport(
@@ -264,6 +277,10 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
         zero=cfg.zero,
         modelled=bool(modelled),
         activations=activations,
+        transients=int(stage_mem.buffers),
+        peak_gpu=int(peaks["gpu"].total),
+        peak_cpu=int(peaks["cpu"].total),
+        peak_phase=peaks["gpu"].phase,
         in_flight=in_flight,
         chunks=chunks,
         actions=len(actions),
@@ -468,37 +485,3 @@ def _modelled_state(
         state.gathered,
         state.grad_buffers,
     )
-
-
-def _modelled_activations(cfg, config, layout: Layout, stage: int, actions) -> int:
-    """The planner's activation bytes of `stage` at the worst point of its action list."""
-
-    problem = Problem(
-        config,
-        layout.world_size,
-        global_batch=cfg.global_batch_size,
-        seq_len=cfg.seq_len,
-        precision=cfg.precision,
-        master_weights="fp32",
-        fused_attention=True,
-        loss_chunk_tokens=cfg.loss_chunk_tokens,
-    )
-    candidate = Candidate(
-        layout.tp,
-        layout.pp,
-        layout.dp,
-        cfg.micro_batch_size,
-        cfg.schedule,
-        chunks_per_rank(cfg.schedule, cfg.virtual_stages),
-        cfg.recompute,
-        bool(cfg.sequence_parallel and layout.tp > 1),
-        cfg.zero,
-        layout.cp,
-    )
-    m = len([a for a in actions if a.kind == "forward"]) // candidate.v
-    held = messages.held(
-        messages.programs(cfg.schedule, layout.pp, m, cfg.virtual_stages),
-        stage,
-        placement_of(cfg.schedule),
-    )
-    return int(stage_memory(problem, candidate, {stage: held})[stage].activations)

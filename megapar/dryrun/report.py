@@ -104,6 +104,10 @@ def describe_rank(r: RankReport, step_dir: str) -> str:
         + ")",
         f"  memory besides activations: device {size(r.device)}, host {size(r.host)}"
         + (f" (ZeRO-{r.zero}{', modelled' if r.modelled else ''})" if r.zero else ""),
+        f"  at its peak (modelled, at the {r.peak_phase}; megapar-plan's terms): a GPU holds "
+        f"{size(r.peak_gpu)} (transients {size(r.transients)} and the tensors made in the "
+        f"backward, the allocator's reserve, the CUDA context); on a CPU the resident set "
+        f"rises {size(r.peak_cpu)} over the process's baseline",
         f"  per step: {_traffic(r.comm)} ({r.buckets} "
         f"{'ZeRO-3 unit' if r.zero == 3 and not r.modelled else 'gradient bucket'}"
         f"{'s' if r.buckets > 1 else ''})",

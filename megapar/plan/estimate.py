@@ -63,6 +63,7 @@ from megapar.plan.params import (
     stage_params,
 )
 from megapar.plan.problem import Problem
+from megapar.plan.process import ProcessPeak, process_peak
 from megapar.plan.sharding import dp_seconds, pcie_seconds
 from megapar.plan.state import Offload, RankState, most_loaded, w_reported, whole_grads
 from megapar.plan.timing import ChunkTime, chunk_times, pipeline_time, ring_seconds
@@ -84,6 +85,8 @@ class Estimate:
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     hw_tflops: float = 0.0
+    process: ProcessPeak | None = None
+    """The most loaded rank's process figure (`plan.process`): what `fits` is decided on."""
 
     @property
     def comm_share(self) -> float:
@@ -144,6 +147,7 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
         whole_vocab=cfg.vocab_size if t == 1 else None,
         terms=terms,
         chunk_tokens=p.loss_chunk_tokens,
+        sp_t=sp_t,
     )
     message = s * b * h * p.act_bytes / sp_t  # an activation or its gradient in flight
     return ActivationSizes(per_layer, full, embedding, head, message, vocab_local)
@@ -278,8 +282,11 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
     h, n = cfg.hidden_size, c.cp  # every per-token cost below is of s / n tokens
     stages = stage_memory(p, c, simulate=simulate)
-    worst = max(stages, key=lambda x: x.total)
-    fits = worst.total <= p.gpu_memory_gb * mem.GIB
+    block = activation_sizes(p, c).full
+    peaks = [process_peak(p, c, s_, *stage_roles(p, c, s_.stage), block) for s_ in stages]
+    worst_stage = max(range(len(stages)), key=lambda i: peaks[i].total)
+    worst, process = stages[worst_stage], peaks[worst_stage]
+    fits = process.total <= p.gpu_memory_gb * mem.GIB
     m = p.global_batch // (c.mbs * c.dp)
     rate = p.peak_tflops * 1e12 * p.efficiency
     times = chunk_times(p, c)
@@ -327,7 +334,15 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
         tokens / step,
         tokens * model / (step * p.gpus * p.peak_tflops * 1e12),
         (tokens * model + recompute_flops) / (step * p.gpus) / 1e12,
+        process,
     )
+
+
+def stage_roles(p: Problem, c: Candidate, stage: int) -> tuple[bool, bool]:
+    """(holds the embedding, holds the LM head): the first and last virtual stages' chunks of
+    pipeline rank `stage`."""
+    specs = chunk_specs(p.config.num_layers, c.pp, stage, c.v, placement_of(c.schedule))
+    return any(s.pre_process for s in specs), any(s.post_process for s in specs)
 
 
 def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> float:

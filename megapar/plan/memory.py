@@ -142,9 +142,12 @@ def head_bytes(
     whole_vocab: int | None = None,
     terms: BlockTerms = BlockTerms(),
     chunk_tokens: int = 0,
+    sp_t: int = 1,
 ) -> float:
     """What the last stage keeps beyond its blocks, per micro-batch: the final norm's input and
-    output and the norm's fp32 statistics, and the loss's.
+    output and the norm's fp32 statistics, and the loss's. Under sequence parallelism (`sp_t`
+    = t) the norm's input, its statistics (and Llama's normalised input) are of this rank's
+    s / t tokens; its output is kept as the head's gathered (whole-sequence) input.
 
     With the chunked head and loss (`chunk_tokens` > 0, megapar-train's default) no logits are
     kept: the int64 targets, two boolean masks and the fp32 log-sum-exp per token (and the
@@ -153,7 +156,8 @@ def head_bytes(
     vocab-parallel cross-entropy (and the count); at t = 1 (`whole_vocab` = the true
     vocabulary) torch's fused cross-entropy runs instead: it keeps the log-softmax of the true
     (unpadded) vocabulary, the targets and a 4-byte weight sum, no masks."""
-    norm = s * b * terms.final_norm * h * act_bytes + terms.final_stats * s * b * 4
+    split = (terms.final_norm - 1) / sp_t + 1  # all but the gathered output split under SP
+    norm = s * b * split * h * act_bytes + terms.final_stats * s * b * 4 / sp_t
     if chunk_tokens:
         return norm + s * b * (8 + 2 + 4) + 8
     if whole_vocab is not None:

@@ -57,6 +57,10 @@ class Problem:
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
     """megapar-train's --loss-chunk-tokens: the head and loss run this many tokens at a time,
     so one chunk's logits are the most held (0: the whole micro-batch's, kept for backward)."""
+    target: str = "gpu"
+    """What the process figure is for (`plan.process`): gpu (the allocator's reserve and the
+    CUDA context on top of the tensors) or cpu (the heap's room and the runtime; megapar-train
+    on CPU ranks)."""
 
     @cached_property
     def config_json(self) -> str:

@@ -7,6 +7,7 @@ import dataclasses
 from megapar.plan.estimate import Estimate
 from megapar.plan.memory import GIB
 from megapar.plan.problem import Problem
+from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.config import TrainConfig, flag_choices
 
 # Candidate option -> TrainConfig fields that would carry it, in order of preference. A flag is
@@ -20,11 +21,16 @@ _FEATURE_FIELDS = {
 }
 
 
+def held(e: Estimate) -> float:
+    """What the most loaded rank's device holds (`plan.process`), or its counted tensors."""
+    return e.process.total if e.process is not None else e.memory.total
+
+
 def rank(estimates: list[Estimate]) -> list[Estimate]:
     """Layouts that fit, fastest first (then by memory); then the others, smallest first."""
     return sorted(
         estimates,
-        key=lambda e: (0, e.step_s, e.memory.total) if e.fits else (1, e.memory.total, e.step_s),
+        key=lambda e: (0, e.step_s, held(e)) if e.fits else (1, held(e), e.step_s),
     )
 
 
@@ -98,6 +104,8 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         flags.append(f"--zero3-reduce {c.zero3_reduce}")
     if c.zero == 3 and p.zero3_persistence_threshold:
         flags.append(f"--zero3-persistence-threshold {p.zero3_persistence_threshold}")
+    if p.loss_chunk_tokens != LOSS_CHUNK_TOKENS:
+        flags.append(f"--loss-chunk-tokens {p.loss_chunk_tokens}")
     for feature, value in (
         ("sp", c.sp),
         ("v", c.v > 1),
@@ -125,6 +133,7 @@ def row(e: Estimate, master_weights: str = "fp32") -> dict:
         "layout": e.candidate.label(),
         "spec": e.candidate.spec(),
         "memory_gib": e.memory.as_gib(),
+        "process_gib": _process_gib(e),
         "fits": e.fits,
         "bubble": e.bubble,
         "bubble_source": e.bubble_source,
@@ -140,6 +149,22 @@ def row(e: Estimate, master_weights: str = "fp32") -> dict:
     }
 
 
+def _process_gib(e: Estimate) -> dict | None:
+    """The process figure's terms, total and bound as JSON (GiB)."""
+    if e.process is None:
+        return None
+    pk = e.process
+    return {
+        "target": pk.target,
+        "phase": pk.phase,
+        "terms": {t.name: t.bytes / GIB for t in pk.terms},
+        "tensors": pk.tensors / GIB,
+        "total": pk.total / GIB,
+        "baseline": pk.baseline / GIB,
+        "bound": pk.bound,
+    }
+
+
 def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
     head = (
         f"{'#':>3} {'layout':<64} {'mem/GPU':>9} {'fits':>4} {'bubble':>10} {'comm':>5} "
@@ -149,7 +174,7 @@ def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
     for i, e in enumerate(estimates, 1):
         src = {"simulated": "s", "formula": "f"}.get(e.bubble_source, " ")
         lines.append(
-            f"{i:>3} {e.candidate.label():<64} {_size(e.memory.total)} "
+            f"{i:>3} {e.candidate.label():<64} {_size(held(e))} "
             f"{'yes' if e.fits else 'no':>4} {100 * e.bubble:>8.1f}%{src} "
             f"{100 * e.comm_share:>4.0f}% {e.step_s:>8.3f} {e.tokens_per_s:>10.0f} "
             f"{100 * e.mfu:>4.1f}% {'yes' if not runnable(e, master_weights) else 'no':>5}"
@@ -157,8 +182,10 @@ def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
     lines.append(
         "bubble: the ranks' idle share of the step, averaged (uneven stages included); "
         "s = simulated on megapar's schedule simulator, f = published formula "
-        "(schedule not in megapar, or too many actions to simulate); mem = most loaded "
-        "rank: state + activations + transient buffers (--explain); today = "
+        "(schedule not in megapar, or too many actions to simulate); mem = what the most "
+        "loaded rank's device holds at its peak: its tensors, the allocator's reserve and "
+        "the CUDA context (--target cpu: the heap's room and the runtime), the terms below "
+        "and in --explain; today = "
         "megapar-train can run it now"
     )
     return "\n".join(lines)
@@ -203,7 +230,8 @@ def explain(e: Estimate) -> str:
         + (f", full gradient buffers {g['grad_buffers']:.2f}" if g.get("grad_buffers") else "")
         + (f", host copies {g['master']:.2f}" if g["master"] else "")
         + (f", less {g['host']:.2f} in host memory" if g["host"] else "")
-        + f" = {g['total']:.2f} GiB on the device -> "
+        + f" = {g['total']:.2f} GiB of tensors counted; the process: "
+        + (f"{e.process.total / GIB:.2f} GiB (terms below) -> " if e.process else "-> ")
         + ("fits" if e.fits else "does NOT fit"),
         BUFFERS_NOTE,
         f"time per step {e.step_s:.4f} s: compute {e.compute_s:.4f} s, bubble "

@@ -1,0 +1,68 @@
+"""What a dry run takes from the planner for a rehearsed rank: the activations and transient
+buffers of its stage at the worst point of its action list (`megapar.plan.stage_memory`), and
+its process peak on a GPU and on a CPU (`megapar.plan.process`) from its real state and those
+modelled figures."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from megapar.mesh import Layout
+from megapar.pipeline import messages
+from megapar.pipeline.placement import chunks_per_rank, placement_of
+from megapar.plan import Candidate, Problem, stage_memory
+from megapar.plan.estimate import activation_sizes, stage_roles
+from megapar.plan.process import TARGETS, process_peak
+
+
+def modelled_stage(cfg, config, layout: Layout, stage: int, actions):
+    """(the planner's problem and candidate for this job, its `MemoryBreakdown` of `stage` at
+    the worst point of the stage's action list)."""
+
+    problem = Problem(
+        config,
+        layout.world_size,
+        global_batch=cfg.global_batch_size,
+        seq_len=cfg.seq_len,
+        precision=cfg.precision,
+        master_weights="fp32",
+        fused_attention=True,
+        loss_chunk_tokens=cfg.loss_chunk_tokens,
+    )
+    candidate = Candidate(
+        layout.tp,
+        layout.pp,
+        layout.dp,
+        cfg.micro_batch_size,
+        cfg.schedule,
+        chunks_per_rank(cfg.schedule, cfg.virtual_stages),
+        cfg.recompute,
+        bool(cfg.sequence_parallel and layout.tp > 1),
+        cfg.zero,
+        layout.cp,
+    )
+    m = len([a for a in actions if a.kind == "forward"]) // candidate.v
+    held = messages.held(
+        messages.programs(cfg.schedule, layout.pp, m, cfg.virtual_stages),
+        stage,
+        placement_of(cfg.schedule),
+    )
+    return problem, candidate, stage_memory(problem, candidate, {stage: held})[stage]
+
+
+def process_peaks(problem, candidate, stage, held: dict, gathered: int, grad_buffers: int):
+    """{target: `plan.process.ProcessPeak`} of this rank: its real state (`held`, the gathered
+    units and full gradient buffers) with the modelled activations and buffers of `stage`."""
+    real = replace(
+        stage,
+        params=held["weights"],
+        grads=held["grads"],
+        optimizer=held["optimizer"],
+        master=held["master"],
+        host=held["host"],
+        gathered=gathered,
+        grad_buffers=grad_buffers,
+    )
+    roles = stage_roles(problem, candidate, stage.stage)
+    block = activation_sizes(problem, candidate).full
+    return {t: process_peak(problem, candidate, real, *roles, block, t) for t in TARGETS}

@@ -1,0 +1,278 @@
+"""What one rank's process holds at its peak: the tensors' peak over a step's phases, and what
+the device (a GPU's caching allocator and CUDA context) or the host (a CPU's heap) holds
+beyond its tensors.
+
+`estimate.stage_memory` counts the tensors a rank keeps (weights, gradients, optimizer state,
+activations kept for backward, the loss's and recomputation's buffers). A process holds more:
+transient tensors the step makes and frees, and memory its allocator keeps around them. Each
+term below is named in `megapar-plan`'s output (`Term`), with the measurement it rests on in
+docs/planner.md ("The device's peak").
+
+The tensors' peak is the larger of two phases:
+
+- the top of the backward (`A`): the state, every activation in flight, the buffers, autocast's
+  16-bit weight copies, the head's weight gradient, (loss unchunked at tp 1) the gradient of
+  the log-softmax, and one block's backward working set;
+- the end of the backward on the stage with the embedding (`B`): the state, autocast's copies
+  and the embedding's weight gradient (with the tied head on the same rank, three tensors of
+  the embedding's size: the head's gradient autograd holds for it, the lookup's and their sum).
+
+On a GPU the process then holds the allocator's reserve over its tensors and the CUDA
+context; on a CPU the heap's room and the runtime's resident memory (libraries and threads
+started with the job), and apart from it the process's baseline (the interpreter and its
+imports), which a rise in the peak resident set, as `tests/test_process_peak.py` measures it,
+does not include.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megapar.plan.layouts import Candidate
+from megapar.plan.memory import GIB, MemoryBreakdown
+from megapar.plan.params import piece_counts
+from megapar.plan.problem import Problem
+from megapar.tensor_parallel.partition import local_size
+
+TARGETS = ("gpu", "cpu")
+"""What a plan's process figure is for (`Problem.target`)."""
+
+GPU_RESERVE = 1.09
+"""The CUDA caching allocator's reserved peak over its allocated peak: 1.04-1.22 measured on an
+H200 (GPT-2 124M at micro-batch 4 x 1024: 6.26 and 7.06 GiB reserved over 5.77 allocated in
+two sessions; 16 x 1024: 18.1 over 16.5; Llama 1.2B at 4 x 2048: 50.4 over 48.4; 2026-11-26,
+docs/performance.md "On one GPU"); 1.09, the median of the four ratios."""
+
+CUDA_CONTEXT = 0.75 * GIB
+"""Device memory outside the allocator (the CUDA context, cuBLAS / cuDNN workspaces): 0.58 and
+0.75 GiB measured on the H200 (`megapar.device.cuda_context_bytes`); the larger is counted."""
+
+CPU_RUNTIME = 62 * 2**20
+"""Resident memory a CPU rank adds while it builds its engine beyond the tensors it allocates
+(gloo's and OpenMP's threads, libraries loaded on first use): 61-63 MiB measured as the peak
+resident set's rise less glibc's in-use bytes after building (2026-11-29)."""
+
+CPU_HEAP_ROOM = 0.2
+"""Freed room glibc's heap holds at the peak (megapar's host policy keeps freed blocks and
+never trims, `megapar.device.keep_freed_host_memory`), as a share of the step's tensors above
+its state. Measured as the resident peak over glibc's in-use peak (2026-11-29): 178-224 MiB
+over 564 MiB of activations and their gradients (8 blocks, hidden 256, 4 x 1024 tokens), 0-137
+MiB over GPT-2 124M's 441 MiB of embedding gradients at ZeRO-0, 150-436 at ZeRO-1 (the same
+rank's peak moves by up to 0.15 GiB from run to run at dp 2); 0.2 puts these layouts' figures
+within 10 % of their peaks."""
+
+CPU_BASELINE = 0.25 * GIB
+"""A rank's resident set before its job: the interpreter with torch, transformers and megapar
+imported (248-250 MiB in a spawned worker, 2026-11-29). Reported apart: the OS's absolute peak
+is `ProcessPeak.total` plus this."""
+
+BOUNDS = {
+    "gpu": (
+        "GPU: within 10 % (-7.8 % to +3.8 %) of the allocator's reserved peak plus the CUDA "
+        "context on an H200 measured 2026-11-26 for GPT-2 124M (4 and 16 x 1024) and Llama "
+        "1.2B (4 x 2048), bf16, tp = pp = dp = 1, the whole logits (--loss-chunk-tokens 0); "
+        "other layouts not measured on a GPU"
+    ),
+    "cpu": (
+        "CPU: within 10 % of the OS's peak resident set (baseline added) for "
+        "benchmarks/memory/peak_memory.py's ZeRO 0-3, offload, recompute none / selective, "
+        "tp 2 (+ SP) and cp 1 / 4 layouts measured 2026-11-29; full recompute 11 % under, "
+        "cp 2 10.1 % over; pipeline schedules not measured"
+    ),
+}
+"""The error bound `megapar-plan` prints for each target."""
+
+
+@dataclass(frozen=True)
+class Term:
+    """One named amount of a process's peak."""
+
+    name: str
+    bytes: float
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class ProcessPeak:
+    """One rank's process at its peak, term by term."""
+
+    target: str
+    """gpu or cpu (`TARGETS`)."""
+    terms: tuple[Term, ...]
+    """Every term counted, in order: tensors, then the allocator's or heap's, then the
+    context's or runtime's."""
+    tensors: float
+    """The tensors' peak: the larger phase (see the module docstring)."""
+    phase: str
+    """Which phase is the peak: "top of the backward" or "end of the backward"."""
+    total: float
+    """What the device (GPU) or the OS (CPU, its baseline apart) holds for the rank."""
+    baseline: float = 0.0
+    """CPU: the process's resident set before the job (`CPU_BASELINE`); 0 on a GPU."""
+
+    @property
+    def bound(self) -> str:
+        return BOUNDS[self.target]
+
+
+def process_peak(
+    p: Problem,
+    c: Candidate,
+    mem: MemoryBreakdown,
+    has_embedding: bool,
+    has_head: bool,
+    block_bytes: float,
+    target: str | None = None,
+) -> ProcessPeak:
+    """The process figure of the rank `mem` describes (its stage holds the embedding and / or
+    the head as flagged; `block_bytes`: what one of its blocks keeps for backward without
+    recomputation, `estimate.activation_sizes(...).full`), for `target` (default
+    `p.target`)."""
+    target = target or p.target
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
+    state = mem.total - mem.activations - mem.buffers
+    host = mem.host if target == "cpu" else 0.0  # offload's host memory: on a CPU, the same
+    state += host
+    a = _top_of_backward(p, c, mem, has_embedding, has_head)
+    if mem.activations:
+        a.append(
+            Term(
+                "a block's backward working set",
+                block_bytes,
+                "the gradients of one block's intermediates, as large as what it keeps",
+            )
+        )
+    b = _end_of_backward(p, c, has_embedding, has_head)
+    copies = a[0]  # autocast's copies live through both phases
+    top = state + mem.activations + mem.buffers + sum(t.bytes for t in a)
+    end = state + copies.bytes + sum(t.bytes for t in b)
+    tensors, phase = (top, "top of the backward") if top >= end else (end, "end of the backward")
+    terms = [
+        Term(
+            "weights, gradients, optimizer state",
+            state,
+            "counted (megapar-plan --explain)"
+            + (f", {_size(host).strip()} of it offload's host memory" if host else ""),
+        ),
+        Term("activations kept for backward", mem.activations, "counted"),
+        Term("loss and recomputation buffers", mem.buffers, "counted"),
+        *a,
+        *b,
+    ]
+    if target == "gpu":
+        reserve = (GPU_RESERVE - 1) * tensors
+        terms += [
+            Term("allocator's reserve", reserve, f"{GPU_RESERVE - 1:.2f} x the tensors' peak"),
+            Term("CUDA context", CUDA_CONTEXT, "measured on an H200"),
+        ]
+        return ProcessPeak(target, tuple(terms), tensors, phase, tensors + reserve + CUDA_CONTEXT)
+    room = CPU_HEAP_ROOM * (tensors - state)
+    terms += [
+        Term("heap's freed room", room, f"{CPU_HEAP_ROOM} x the tensors above the state"),
+        Term("runtime (threads, libraries)", CPU_RUNTIME, "measured"),
+    ]
+    total = tensors + room + CPU_RUNTIME
+    return ProcessPeak(target, tuple(terms), tensors, phase, total, CPU_BASELINE)
+
+
+def _vocab_h(p: Problem, c: Candidate) -> tuple[int, int]:
+    cfg = p.config
+    return local_size(cfg.vocab_size, c.tp, cfg.make_vocab_size_divisible_by), cfg.hidden_size
+
+
+def _sixteen_bit(p: Problem) -> bool:
+    """Autocast runs the matmuls in 16 bits on fp32 weights (megapar-train's bf16 / fp16)."""
+    return p.precision != "fp32" and p.master_weights == "fp32"
+
+
+def _tied(p: Problem) -> bool:
+    return bool(getattr(p.config, "tie_word_embeddings", True))
+
+
+def _top_of_backward(
+    p: Problem, c: Candidate, mem: MemoryBreakdown, has_embedding: bool, has_head: bool
+) -> list[Term]:
+    """Phase A's transient terms; the first is autocast's copies (also in phase B)."""
+    vocab, h = _vocab_h(p, c)
+    out = [_autocast_copies(p, c, mem, has_embedding, has_head)]
+    if has_head:
+        extra = p.act_bytes if _sixteen_bit(p) else 0
+        out.append(
+            Term(
+                "head's weight gradient",
+                vocab * h * (4 + extra),
+                "made in the head's backward before it reaches .grad"
+                + (" (16-bit, then fp32)" if extra else "")
+                + (", held by autograd until the embedding's arrives" if has_embedding else ""),
+            )
+        )
+        if not p.loss_chunk_tokens and c.tp == 1:
+            s = p.seq_len // c.cp
+            out.append(
+                Term(
+                    "log-softmax's gradient",
+                    s * c.mbs * p.config.vocab_size * 4,
+                    "whole logits at tp 1: torch's cross-entropy backward makes it beside "
+                    "the saved log-softmax and the logits' gradient",
+                )
+            )
+    return out
+
+
+def _autocast_copies(
+    p: Problem, c: Candidate, mem: MemoryBreakdown, has_embedding: bool, has_head: bool
+) -> Term:
+    """Autocast's cache of 16-bit copies of the weights the rank's matmuls use, kept until the
+    step's autocast region ends (every parameter but a lookup-only embedding)."""
+    if not _sixteen_bit(p) or c.zero == 3:
+        why = "fp32 matmuls" if not _sixteen_bit(p) else "ZeRO-3's gathered units: not modelled"
+        return Term("autocast's 16-bit weight copies", 0.0, why)
+    elements = mem.params / 4
+    if has_embedding and not (_tied(p) and has_head):
+        elements -= piece_counts(p.config, c.tp, p.config_json).embedding
+    return Term(
+        "autocast's 16-bit weight copies", elements * p.act_bytes, "cached for the whole step"
+    )
+
+
+def _end_of_backward(p: Problem, c: Candidate, has_embedding: bool, has_head: bool) -> list[Term]:
+    """Phase B's terms: the embedding's weight gradient at the end of the backward."""
+    if not has_embedding:
+        return []
+    vocab, h = _vocab_h(p, c)
+    both = _tied(p) and has_head
+    # under ZeRO-3 the gradient autograd hands over becomes the root unit's full gradient
+    # buffer, which `MemoryBreakdown.grad_buffers` counts
+    copies = (3 if both else 1) - (1 if c.zero == 3 else 0)
+    return [
+        Term(
+            "embedding's weight gradient (end of the backward)",
+            vocab * h * 4 * copies,
+            "the lookup's dense gradient"
+            + (", the head's held one and their sum" if both else "")
+            + (" (ZeRO-3: the last is the root unit's gradient buffer)" if c.zero == 3 else "")
+            + "; in the phase at the end of the backward, instead of the activations",
+        )
+    ]
+
+
+def describe(peak: ProcessPeak) -> str:
+    """The terms as a table (MiB / GiB), the total and the error bound."""
+    width = max(len(t.name) for t in peak.terms)
+    where = "the device holds" if peak.target == "gpu" else "the process adds (OS peak rise)"
+    lines = [f"memory terms counted ({peak.target}; the tensors' peak is at the {peak.phase}):"]
+    for t in peak.terms:
+        lines.append(f"  {t.name:<{width}} {_size(t.bytes):>10}  {t.note}")
+    lines.append(f"  {'= ' + where:<{width}} {_size(peak.total):>10}")
+    if peak.baseline:
+        lines.append(
+            f"  {'+ baseline (interpreter, imports)':<{width}} {_size(peak.baseline):>10}  "
+            f"= {_size(peak.total + peak.baseline).strip()} at the OS's peak resident set"
+        )
+    lines.append(f"error bound: {peak.bound}")
+    return "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
