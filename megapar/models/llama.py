@@ -24,7 +24,7 @@ from torch import nn
 from megapar.context_parallel import LayerAttention, method_for
 from megapar.context_parallel import positions as cp_positions
 from megapar.mesh import Mesh
-from megapar.models.blocks import activation, run_layers
+from megapar.models.blocks import activation, checkpoint_for, fork_for, run_layers
 from megapar.models.config import LlamaConfig
 from megapar.models.stage import StageModel
 from megapar.tensor_parallel import (
@@ -208,7 +208,7 @@ class LlamaAttention(nn.Module):
 
     def _core(self, q, k, v, index=None):
         dropout = self.dropout if self.training else 0.0
-        with self.tracker.fork():  # dropout on this rank's heads: the per-tp-rank stream
+        with fork_for(self.tracker, dropout):  # this rank's heads: the per-tp-rank stream
             if self.context_parallel is not None:
                 return self.context_parallel(q, k, v, kv_index=index, dropout_p=dropout)
             if self.grouped and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
@@ -244,7 +244,8 @@ class LlamaAttention(nn.Module):
                     - self._first_kv
                 )
         if self.recompute_core and torch.is_grad_enabled():
-            out = self.tracker.checkpoint(self._core, q, k, v, index)
+            dropout = self.dropout if self.training else 0.0
+            out = checkpoint_for(self.tracker, dropout, self._core, q, k, v, index)
         else:
             out = self._core(q, k, v, index)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))

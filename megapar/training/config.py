@@ -75,6 +75,8 @@ class TrainConfig:
     """On CUDA: let fp32 matrix products use TensorFloat-32 (10-bit mantissa, several times faster on Ampere and newer GPUs). Off, fp32 runs keep full fp32 products and match one process to 1e-5."""
     recompute: str = "none"
     """Activation recomputation: none, selective (attention core) or full (each block)."""
+    compile: bool = False
+    """torch.compile each transformer block's forward (torchtitan's per-block compile; hooks stay outside, so ZeRO's gathers and gradient buckets work as in eager mode). Composes with tp and sequence parallelism, every pipeline schedule, cp, ZeRO-1/2/3 and offload, selective / full recompute and bf16 / fp16; tp collectives, zero-bubble deferred linears and attention dropout run eagerly between the compiled pieces. Off by default everywhere: the first steps pay the compile (tens of seconds on a CPU), no GPU measurement has shown it faster yet, and on the CPU see docs/performance.md "--compile". The dry run rehearses the eager blocks."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the fused LM head and cross-entropy: each chunk's logits are computed, reduced to its loss and dropped, and recomputed in the backward (one more head matmul), so the whole [tokens x vocabulary] logits never exist (with Llama 3's 128,256-token vocabulary a 1,024-token chunk is 0.5 GB in fp32). The loss accumulates in fp32 and equals the unchunked one. 0: the whole micro-batch's logits at once."""
     # --- data ---

@@ -42,6 +42,7 @@ from megapar.diagnostics.straggler import StragglerReport
 from megapar.faults.status import set_action, set_step
 from megapar.mesh import Mesh, all_reduce
 from megapar.models import set_loss_chunk_tokens
+from megapar.models.compile import compile_blocks
 from megapar.optim import LRScheduler, Precision
 from megapar.optim.precision import comm_dtypes
 from megapar.pipeline.executor import PipelineExecutor
@@ -93,6 +94,8 @@ class Engine:
             placement=placement_of(cfg.schedule),
         )
         set_loss_chunk_tokens(self.model, cfg.loss_chunk_tokens)
+        if cfg.compile and not cfg.dry_run:  # the rehearsal's fake tensors run eagerly
+            compile_blocks(self.model)  # before any hook is registered on the blocks
         self.precision = Precision(cfg.precision, mesh.device)
         self.wire_dtype, reduce_dtype = comm_dtypes(
             cfg.precision, cfg.p2p_dtype, cfg.grad_reduce_dtype

@@ -1,0 +1,99 @@
+"""`--compile` (torch.compile per transformer block) against eager, in one forked world.
+
+Four gloo ranks run three layouts of the same tiny GPT-2 (from test_api's transformers model),
+each twice through `megapar.prepare`: eager, then with `compile=True`, three steps each:
+
+- tp 2 x pp 2, 1F1B, sequence parallelism, selective recomputation;
+- tp 2 x pp 2, ZB-H1 (the split backward: B's input gradients, W's deferred weight gradients);
+- dp 4, ZeRO-3 (gather and free per block through hooks on the blocks), full recomputation.
+
+The compiled run must equal the eager one (fp32: losses and final weights within 1e-5
+relative); dynamo must compile nothing after the first step (its frame, graph and
+aot_autograd counters unchanged from step 1 to step 3); and every graph break dynamo records
+must be one docs/performance.md lists (at tp > 1 the tp collectives, under ZB-H1 the deferring
+linears: both `torch.compiler.disable`d on purpose); at tp 1 there must be none.
+"""
+
+from test_api import _batches, _hf_model
+from tp_utils import assert_close
+
+from megapar.launcher import run_local
+
+STEPS = 3
+# Inductor fuses the block's operations, so its gradients carry other fp32 rounding (~1e-7 of
+# the largest entry); with Adam's usual eps (1e-8) entries whose gradient is that noise (the
+# attention key bias: zero in exact arithmetic) take ~lr-sized steps of random sign. eps 1e-4
+# keeps such updates proportional to the gradient, as test_parity_3d.py explains for tp.
+ADAM_EPS = 1e-4
+LAYOUTS = {
+    "tp2 x pp2 1f1b sp selective": dict(tp=2, pp=2, schedule="1f1b", sequence_parallel=True,
+                                        recompute="selective"),
+    "tp2 x pp2 zb-h1": dict(tp=2, pp=2, schedule="zb-h1"),
+    "dp4 zero3 full": dict(zero=3, recompute="full"),
+}
+# What the compiled blocks leave eager on purpose (the functions' names appear in dynamo's
+# graph-break reason): the tp region primitives and the zero-bubble deferring linear.
+EXPECTED_BREAKS = ("eager_region", "_deferred_linear")
+
+
+def _counts():
+    from torch._dynamo.utils import counters
+
+    return (counters["frames"]["total"], counters["frames"]["ok"],
+            counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"])
+
+
+def _breaks() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def _run(layout: dict, compile: bool):
+    import megapar
+
+    engine = megapar.prepare(_hf_model(), micro_batch_size=2, lr=3e-3, weight_decay=0.1,
+                             clip_grad=0.5, adam_eps=ADAM_EPS, compile=compile, **layout)
+    losses, counts = [], []
+    for batch in _batches(STEPS):
+        losses.append(engine.train_step(batch))
+        counts.append(_counts())
+    with engine.params_whole():
+        weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    return losses, weights, counts
+
+
+def _worker():
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1  # 4 ranks on few cores: no compile workers
+    torch._dynamo.reset()
+    out = {}
+    for name, layout in LAYOUTS.items():
+        before_breaks, before = _breaks(), _counts()
+        eager_losses, eager_weights, _ = _run(layout, False)
+        assert _counts() == before, f"{name}: the eager run compiled something"
+        losses, weights, counts = _run(layout, True)
+        new_breaks = {k: v - before_breaks.get(k, 0) for k, v in _breaks().items()
+                      if v > before_breaks.get(k, 0)}
+        for a, b in zip(losses, eager_losses):
+            assert_close(torch.tensor(a), torch.tensor(b), 1e-5, f"{name}: loss")
+        for n, w in weights.items():
+            assert_close(w, eager_weights[n], 1e-5, f"{name}: {n}")
+        out[name] = {"counts": counts, "before": before, "breaks": new_breaks}
+    return out
+
+
+def test_compiled_blocks_equal_eager_without_recompiles():
+    for rank, result in enumerate(run_local(_worker, 4, timeout_s=600)):
+        for name, r in result.items():
+            first, *later = r["counts"]
+            assert first[1] > r["before"][1] or name != next(iter(LAYOUTS)), \
+                f"rank {rank} {name}: nothing was compiled"
+            assert all(c == first for c in later), \
+                f"rank {rank} {name}: recompiled after step 1: {r['counts']}"
+            unexpected = [k for k in r["breaks"] if not any(e in k for e in EXPECTED_BREAKS)]
+            assert not unexpected, f"rank {rank} {name}: graph breaks {unexpected}"
+            if "tp2" not in name:
+                assert not r["breaks"], f"rank {rank} {name}: graph breaks at tp 1"
