@@ -7,7 +7,8 @@ systems on the same weights and the same batches:
 - megapar eager: `megapar.prepare(model)` (one optimizer step per `train_step`, the whole
   batch as one micro-batch, clipping at 1.0);
 - megapar compile: the same with `compile=True` (each transformer block torch.compile'd);
-- transformers eager: `GPT2LMHeadModel` (SDPA attention), AdamW, `clip_grad_norm_(1.0)`, the
+- transformers eager: `GPT2LMHeadModel` (SDPA attention), torch's AdamW with megapar's
+  defaults (betas 0.9 / 0.95, eps 1e-8, no weight decay), `clip_grad_norm_(1.0)`, the
   loss read every step (as `train_step` returns it);
 - transformers compile: the same model wrapped in `torch.compile` (the whole model).
 
@@ -17,9 +18,10 @@ seconds are printed as the compile cost), then the systems run `--rounds` rounds
 machine does falls on all of them alike; the ratios are taken round by round
 (`common.pair_ratios`): median [min, max]. Every system runs with `--threads` torch threads
 (default 1: a shared machine's cores are not all ours). The first losses of all four are
-printed: the same model, so they agree.
+printed: the same model, optimizer and targets (megapar's last position is ignored, as
+transformers' shifted loss has no target there), so they agree to fp32 rounding.
 
-    python benchmarks/vs/compile_cpu.py                       # about 5 minutes on 2 cores
+    python benchmarks/vs/compile_cpu.py --rounds 15 --steps 2   # about 5 minutes on 2 cores
     python benchmarks/vs/compile_cpu.py --layers 2 --hidden 64 --rounds 2 --steps 2   # smoke
 """
 
@@ -47,8 +49,9 @@ def hf_model(args):
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,
                         n_layer=args.layers, n_head=args.heads, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
-    return GPT2LMHeadModel(config, attn_implementation="sdpa")
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+                        attn_implementation="sdpa")
+    return GPT2LMHeadModel(config)
 
 
 def batches(args, n: int) -> list[torch.Tensor]:
@@ -63,7 +66,9 @@ def megapar_step(args, compile_: bool):
                              compile=compile_)
 
     def step(ids):
-        return engine.train_step({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+        labels = ids[:, 1:].clone()
+        labels[:, -1] = -100  # transformers' shifted loss has no target for the last position
+        return engine.train_step({"input_ids": ids[:, :-1], "labels": labels})
 
     return step
 
@@ -71,7 +76,7 @@ def megapar_step(args, compile_: bool):
 def torch_step(args, compile_: bool):
     model = hf_model(args)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     forward = torch.compile(model) if compile_ else model
 
     def step(ids):

@@ -130,7 +130,7 @@ def prepare(
     lr_schedule: None (constant `lr`; attach a torch LR scheduler to `engine.optimizer` if you
     like), a megapar `LRScheduler`, or a dict of its fields (warmup_steps, max_steps, decay,
     min_lr). Any other `TrainConfig` field (e.g. lr_scale_with_batch, global_batch_size) can be
-    passed as a keyword.
+    passed as a keyword; compile=True torch.compiles each transformer block (`--compile`).
     on_nonfinite: a step whose loss or gradients are not finite is never applied (weights and
     optimizer state stay as they were); "raise" (default): `train_step` raises
     `megapar.faults.stop.NonFiniteError` on every rank, naming the step and what was not
