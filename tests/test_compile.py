@@ -1,11 +1,13 @@
 """`--compile` (torch.compile per transformer block) against eager, in one forked world.
 
-Four gloo ranks run three layouts of the same tiny GPT-2 (from test_api's transformers model),
-each twice through `megapar.prepare`: eager, then with `compile=True`, three steps each:
+Four gloo ranks run three layouts of a tiny GPT-2 (test_api's transformers model) or a tiny
+grouped-query Llama, each twice through `megapar.prepare`: eager, then with `compile=True`,
+three steps each:
 
 - tp 2 x pp 2, 1F1B, sequence parallelism, selective recomputation;
 - tp 2 x pp 2, ZB-H1 (the split backward: B's input gradients, W's deferred weight gradients);
-- dp 4, ZeRO-3 (gather and free per block through hooks on the blocks), full recomputation.
+- Llama, dp 4, ZeRO-3 (gather and free per block through hooks on the blocks), full
+  recomputation.
 
 The compiled run must equal the eager one (fp32: losses and final weights within 1e-5
 relative); dynamo must compile nothing after the first step (its frame, graph and
@@ -14,6 +16,7 @@ must be one docs/performance.md lists (at tp > 1 the tp collectives, under ZB-H1
 linears: both `torch.compiler.disable`d on purpose); at tp 1 there must be none.
 """
 
+import torch
 from test_api import _batches, _hf_model
 from tp_utils import assert_close
 
@@ -29,7 +32,7 @@ LAYOUTS = {
     "tp2 x pp2 1f1b sp selective": dict(tp=2, pp=2, schedule="1f1b", sequence_parallel=True,
                                         recompute="selective"),
     "tp2 x pp2 zb-h1": dict(tp=2, pp=2, schedule="zb-h1"),
-    "dp4 zero3 full": dict(zero=3, recompute="full"),
+    "llama dp4 zero3 full": dict(zero=3, recompute="full"),
 }
 # What the compiled blocks leave eager on purpose (the functions' names appear in dynamo's
 # graph-break reason): the tp region primitives and the zero-bubble deferring linear.
@@ -49,10 +52,20 @@ def _breaks() -> dict[str, int]:
     return dict(counters["graph_break"])
 
 
-def _run(layout: dict, compile: bool):
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=16))
+
+
+def _run(name: str, layout: dict, compile: bool):
     import megapar
 
-    engine = megapar.prepare(_hf_model(), micro_batch_size=2, lr=3e-3, weight_decay=0.1,
+    model = _llama() if name.startswith("llama") else _hf_model()
+    engine = megapar.prepare(model, micro_batch_size=2, lr=3e-3, weight_decay=0.1,
                              clip_grad=0.5, adam_eps=ADAM_EPS, compile=compile, **layout)
     losses, counts = [], []
     for batch in _batches(STEPS):
@@ -72,9 +85,9 @@ def _worker():
     out = {}
     for name, layout in LAYOUTS.items():
         before_breaks, before = _breaks(), _counts()
-        eager_losses, eager_weights, _ = _run(layout, False)
+        eager_losses, eager_weights, _ = _run(name, layout, False)
         assert _counts() == before, f"{name}: the eager run compiled something"
-        losses, weights, counts = _run(layout, True)
+        losses, weights, counts = _run(name, layout, True)
         new_breaks = {k: v - before_breaks.get(k, 0) for k, v in _breaks().items()
                       if v > before_breaks.get(k, 0)}
         for a, b in zip(losses, eager_losses):
