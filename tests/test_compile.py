@@ -36,7 +36,7 @@ LAYOUTS = {
 }
 # What the compiled blocks leave eager on purpose (the functions' names appear in dynamo's
 # graph-break reason): the tp region primitives and the zero-bubble deferring linear.
-EXPECTED_BREAKS = ("eager_region", "_deferred_linear")
+EXPECTED_BREAKS = ("_apply_eagerly", "_deferred_linear")
 
 
 def _counts():

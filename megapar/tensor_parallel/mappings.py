@@ -53,11 +53,18 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-@torch.compiler.disable
 def eager_region(function: type[torch.autograd.Function], x: torch.Tensor, group) -> torch.Tensor:
     """`function.apply(x, group)`, run eagerly also inside torch.compile'd code (`--compile`:
     a graph break), so a tp collective stays the in-place torch.distributed call it is in eager
-    mode: issued in the same order, counted (`comm_count`) and timed (`comm_wait`) the same."""
+    mode: issued in the same order, counted (`comm_count`) and timed (`comm_wait`) the same.
+    Outside compiled code it is the plain call (no wrapper's cost)."""
+    if torch.compiler.is_compiling():
+        return _apply_eagerly(function, x, group)
+    return function.apply(x, group)
+
+
+@torch.compiler.disable
+def _apply_eagerly(function: type[torch.autograd.Function], x: torch.Tensor, group):
     return function.apply(x, group)
 
 

@@ -94,7 +94,9 @@ def linear(
         or not weight.requires_grad
     ):
         return F.linear(x, weight, bias)
-    return _deferred_linear(x, weight, bias, store)
+    if torch.compiler.is_compiling():
+        return _deferred_linear(x, weight, bias, store)
+    return _DeferredWeightGradLinear.apply(x, weight.detach(), bias, store, (weight,))
 
 
 @torch.compiler.disable
