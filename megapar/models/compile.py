@@ -9,7 +9,7 @@ share one compiled graph (dynamo treats a module's parameters as inputs), so the
 micro-batch compiles once per distinct block and nothing recompiles after it.
 
 What stays eager, by design (each is a graph break inside a block, listed in
-docs/performance.md "--compile"):
+docs/guides/training.md "Compiling the blocks"):
 
 - the tensor-parallel collectives (tp > 1, with or without sequence parallelism): the region
   primitives run eagerly (`tensor_parallel.mappings.eager_region`), so they stay the in-place
