@@ -16,6 +16,7 @@ docs/guides/training.md "Compiling the blocks"):
   torch.distributed calls that the collective counters and the tp wait clock see;
 - the zero-bubble linear layers while their weight gradient is deferred (ZB-H1 / ZB-V /
   DualPipeV steps): their backward puts (X, dY) in a Python store;
+- at cp > 1 the attention core with its ring / all-gather exchanges (`LayerAttention`);
 - attention dropout > 0: the per-tp-rank RNG stream switch reads and writes the host RNG state.
 
 The embedding and the LM head with its chunked loss are not compiled: the loss is a
