@@ -12,6 +12,16 @@ Parameters are replicated over cp (each cp rank holds other tokens of the same s
 gradients are reduced over cp x dp (`dp_cp_group`, Megatron's data-parallel group with context
 parallelism), while the data is split over dp only (`dp_group`).
 
+Expert parallelism (ep) is folded into the data-parallel ranks, as in Megatron-core and
+torchtitan: it adds no ranks. The dp ranks are cut into dp / ep blocks of ep consecutive dp
+ranks (dp_rank = edp_rank * ep + ep_rank); the ranks of a block (`ep_group`) hold different
+experts of the same layers and exchange tokens with all-to-all (`megapar.expert_parallel`).
+Dense parameters keep their cp x dp reduction group; an expert parameter is reduced over the
+ranks that hold the same experts, the same ep rank in every block and every cp rank
+(`expert_dp_group`, cp x dp / ep ranks; the cp x dp group itself when ep is 1). ep must
+divide dp (not dp x cp: each cp rank holds other tokens of the same sequences, and the
+experts stay replicated over cp, as the dense parameters are).
+
 There are no module-level process groups: code that communicates receives a `Mesh`.
 A 1x1x1 mesh needs no process group at all (every group is then None and every collective
 over it is skipped), which is how serial reference models are built.
@@ -56,12 +66,20 @@ class Layout:
     """Rank order (`RANK_ORDERS`): "tp-pp-dp" (dp outermost) or "tp-dp-pp" (pp outermost)."""
     cp: int = 1
     """Context-parallel size: ranks that split every sequence (`megapar.context_parallel`)."""
+    ep: int = 1
+    """Expert-parallel size: dp ranks that split each MoE layer's experts (folded into dp: it
+    divides dp and adds no ranks)."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "cp"):
+        for name in ("tp", "pp", "dp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"--{name} must be an integer >= 1, got {value!r}")
+        if self.dp % self.ep:
+            raise LayoutError(
+                f"--ep {self.ep} does not divide dp {self.dp}: experts are sharded over "
+                f"data-parallel ranks; choose an --ep that divides dp, or change --dp"
+            )
         if self.order not in RANK_ORDERS:
             raise LayoutError(
                 f"--rank-order must be one of {', '.join(RANK_ORDERS)}, got {self.order!r}"
@@ -78,6 +96,12 @@ class Layout:
         for name, size in zip(reversed(names), reversed(sizes)):
             rank, coords[name] = divmod(rank, size)
         return coords["tp"], coords["cp"], coords["pp"], coords["dp"]
+
+    def ep_coords(self, dp_rank: int) -> tuple[int, int]:
+        """(ep_rank, edp_rank) of a dp rank: its place in its block of ep consecutive dp
+        ranks, and the block's index (its rank in the expert-data-parallel group over dp)."""
+        edp_rank, ep_rank = divmod(dp_rank, self.ep)
+        return ep_rank, edp_rank
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, pp_rank, dp_rank) of a global rank (`coords4` has its cp rank too)."""
@@ -98,11 +122,13 @@ class Layout:
         return ("dp", "pp", "cp", "tp"), (self.dp, self.pp, self.cp, self.tp)
 
     def to_dict(self) -> dict:
-        """{"tp", "pp", "dp"} (plus "cp" and "order" when they are not the defaults), as
-        manifests store it."""
+        """{"tp", "pp", "dp"} (plus "cp", "ep" and "order" when they are not the defaults),
+        as manifests store it."""
         out: dict[str, int | str] = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
         if self.cp != 1:
             out["cp"] = self.cp
+        if self.ep != 1:
+            out["ep"] = self.ep
         if self.order != RANK_ORDERS[0]:
             out["order"] = self.order
         return out
@@ -110,7 +136,8 @@ class Layout:
     def __str__(self) -> str:
         order = "" if self.order == RANK_ORDERS[0] else f" order={self.order}"
         cp = f" cp={self.cp}" if self.cp != 1 else ""
-        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{order}"
+        ep = f" ep={self.ep}" if self.ep != 1 else ""
+        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{ep}{order}"
 
     @staticmethod
     def infer(
@@ -120,6 +147,7 @@ class Layout:
         dp: int | None = None,
         order: str = "tp-pp-dp",
         cp: int = 1,
+        ep: int = 1,
     ) -> Layout:
         """Layout for a world size; dp defaults to world_size / (tp * cp * pp)."""
         if tp < 1 or pp < 1:
@@ -137,7 +165,7 @@ class Layout:
                     + ("/--cp" if cp > 1 else "")
                 )
             dp = world_size // split
-        layout = Layout(tp, pp, dp, order, cp)
+        layout = Layout(tp, pp, dp, order, cp, ep)
         if layout.world_size != world_size:
             raise LayoutError(
                 f"world size {world_size} != {names}*dp = {sizes}*{dp} = {layout.world_size}; "
@@ -153,7 +181,8 @@ class Mesh:
     Built collectively (every rank must construct it, in the same order) on top of
     `torch.distributed.device_mesh.DeviceMesh` with dims ("dp", "pp", "cp", "tp") (or
     ("pp", "dp", "cp", "tp")); `dp_cp_group` (gradients), `mp_group` (tp x pp: the gradient
-    norm) and `embedding_group` (the tied embedding's first and last stage) come on top.
+    norm), `embedding_group` (the tied embedding's first and last stage) and, with ep > 1,
+    `ep_group` / `expert_dp_group` (the experts' all-to-all and gradient groups) come on top.
 
     Every group waits at most `timeout_s` (`group_timeout`): a collective on it that a rank
     never joins raises on the others after that long, synchronous ones included (torch's
@@ -179,12 +208,14 @@ class Mesh:
         sequence over the tp group (`tensor_parallel/sequence_parallel.py`); never with tp 1.
         A constructor argument; layers read it when they are built."""
         self.tp_rank, self.cp_rank, self.pp_rank, self.dp_rank = layout.coords4(rank)
+        self.ep_rank, self.edp_rank = layout.ep_coords(self.dp_rank)
         self.device = _device.device()
         if timeout_s:
             self.timeout_s = timeout_s
         self.device_mesh = None
         self.tp_group = self.cp_group = self.pp_group = self.dp_group = None
         self.dp_cp_group = self.mp_group = self.embedding_group = None
+        self.ep_group = self.expert_dp_group = None
         if layout.world_size == 1:
             return
         if not dist.is_initialized():
@@ -231,6 +262,9 @@ class Mesh:
         self.pp_group, self.dp_group = dims["pp"], dims["dp"]
         self.dp_cp_group = self.dp_group
         self._new_reduction_groups()
+        self.expert_dp_group = self.dp_cp_group
+        if layout.ep > 1:
+            self._new_expert_groups()
 
     def _new_reduction_groups(self) -> None:
         """Create the groups beyond the mesh dimensions (collective, as `_new_groups`): the
@@ -263,6 +297,33 @@ class Mesh:
             ]
         )
 
+    def _new_expert_groups(self) -> None:
+        """Create expert parallelism's groups (collective, as `_new_groups`): `ep_group`, the
+        ep consecutive dp ranks of a block (same tp, cp, pp), which exchange tokens; and
+        `expert_dp_group`, the ranks holding the same experts (same tp, pp and ep rank; every
+        block and cp rank), over which expert gradients are reduced."""
+        L = self.layout
+        blocks = range(L.dp // L.ep)
+        self.ep_group = self._new_groups(
+            [
+                [L.rank(t, p, b * L.ep + e, c) for e in range(L.ep)]
+                for p in range(L.pp)
+                for b in blocks
+                for c in range(L.cp)
+                for t in range(L.tp)
+            ],
+            "ep",
+        )
+        self.expert_dp_group = self._new_groups(
+            [
+                [L.rank(t, p, b * L.ep + e, c) for b in blocks for c in range(L.cp)]
+                for p in range(L.pp)
+                for e in range(L.ep)
+                for t in range(L.tp)
+            ],
+            "expert_dp",
+        )
+
     def _new_groups(self, all_ranks: list[list[int]], desc: str | None = None):
         """Create one process group per rank list, each with `group_timeout` (collective:
         every rank creates all of them, in the same order); returns the one holding this
@@ -287,10 +348,11 @@ class Mesh:
         mesh.layout, mesh.rank = layout, rank
         mesh.sequence_parallel = bool(sequence_parallel) and layout.tp > 1
         mesh.tp_rank, mesh.cp_rank, mesh.pp_rank, mesh.dp_rank = layout.coords4(rank)
+        mesh.ep_rank, mesh.edp_rank = layout.ep_coords(mesh.dp_rank)
         mesh.device = torch.device(device)
         mesh.device_mesh = None
         mesh.tp_group = mesh.cp_group = mesh.pp_group = mesh.dp_group = mesh.mp_group = None
-        mesh.dp_cp_group = mesh.embedding_group = None
+        mesh.dp_cp_group = mesh.embedding_group = mesh.ep_group = mesh.expert_dp_group = None
         return mesh
 
     @classmethod
@@ -303,13 +365,14 @@ class Mesh:
         order: str = "tp-pp-dp",
         cp: int = 1,
         sequence_parallel: bool = False,
+        ep: int = 1,
     ) -> Mesh:
         """Initialise torch.distributed from the environment (if needed) and build the mesh:
         torchrun's, our launcher's, or an `srun` step's (`device.adopt_slurm_environment`)."""
 
         _device.adopt_slurm_environment()
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        layout = Layout.infer(world, tp, pp, dp, order, cp)
+        layout = Layout.infer(world, tp, pp, dp, order, cp, ep)
         if world > 1:
             _device.init_distributed(timeout_s=timeout_s)
             mesh = cls(layout, dist.get_rank(), timeout_s, sequence_parallel)
@@ -335,6 +398,10 @@ class Mesh:
         return self.layout.dp
 
     @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -356,9 +423,10 @@ class Mesh:
 
     def __repr__(self) -> str:
         cp = f" cp_rank={self.cp_rank}" if self.layout.cp > 1 else ""
+        ep = f" ep_rank={self.ep_rank}" if self.layout.ep > 1 else ""
         return (
             f"Mesh({self.layout}, rank={self.rank}: tp_rank={self.tp_rank}{cp} "
-            f"pp_rank={self.pp_rank} dp_rank={self.dp_rank})"
+            f"pp_rank={self.pp_rank} dp_rank={self.dp_rank}{ep})"
         )
 
 

@@ -123,7 +123,7 @@ def test_the_setup_commands_are_the_ones_ci_runs():
     run = [line.replace(" --quiet", "") for line in (ROOT / ".ci" / "run").read_text().splitlines()
            if line.startswith("python3 -m p")]
     assert " && ".join(run) in readme.splitlines()
-    main = run[0] + " && " + run[1].replace('".[dev]"', ".") + " && megapar-train"
+    main = run[0] + " && " + run[1].replace('".[dev,fp8]"', ".") + " && megapar-train"
     assert main in readme.splitlines()
 
 

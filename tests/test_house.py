@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [  # lowest first: a module may import its own layer and the ones below
     ("megapar.device", "megapar.faults", "megapar.comm_count", "megapar.comm_wait"),
     ("megapar.mesh", "megapar.launcher"),
-    ("megapar.tensor_parallel", "megapar.context_parallel"),
+    ("megapar.tensor_parallel", "megapar.context_parallel", "megapar.expert_parallel"),
     ("megapar.models", "megapar.pipeline", "megapar.data_parallel", "megapar.optim",
      "megapar.checkpoint", "megapar.data"),
     ("megapar.diagnostics",),
@@ -35,6 +35,7 @@ LAZY_PACKAGES = {
     "matplotlib": "optional: plots only", "wandb": "optional: --wandb-project only",
     "torch.utils.tensorboard": "optional: --tensorboard only", "pyarrow": "Parquet input only",
     "IPython": "notebook detection only", "transformers": "heavy (seconds): HF import / export only",
+    "torchao": "optional (megapar[fp8]): --fp8 only",
 }
 """Libraries any module may import where it uses them, and why."""
 

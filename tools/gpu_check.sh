@@ -36,6 +36,7 @@ else:
     print("no CUDA device visible to torch")
 PY
 MEGAPAR_CPU=0 python3 -m pytest -m cuda -rA -p no:cacheprovider tests/test_cuda_single.py \
+    tests/test_cuda_fp8.py \
     tests/test_cuda.py --junitxml="$report/junit.xml" "$@"
 if [[ -n "${GPU_CHECK_JUNIT:-}" ]]; then
     cp "$report/junit.xml" "$GPU_CHECK_JUNIT" 2>/dev/null || true

@@ -17,8 +17,16 @@
 #   GPU_SESSION_REHEARSE=1  rehearse the script on a CPU machine: the one-GPU tier's logic on
 #                       the CPU (MEGAPAR_CUDA_TIER_ON_CPU=1) and the benchmark's tiny sizes;
 #                       the report says REHEARSAL and the exit status is the script's own
-# Exit status 0 when the tier passed (at least one GPU test ran, none failed) and the
-# benchmark finished.
+#   GPU_SESSION_FP8     arguments for benchmarks/vs/fp8_bench.py (default: --rounds 2 --steps 8
+#                       --warmup 2); GPU_SESSION_FP8_TIMEOUT its seconds (300); "fp8" in
+#                       GPU_SESSION_SKIP leaves it out
+# --fp8 needs torchao, which the GPU machines lack and cannot download: keep its wheel in
+# wheels/ (ignored by git; about 3.3 MB), e.g. `python3 -m pip download torchao==0.18.0
+# --no-deps -d wheels` on a machine with the registry, and carry it with the checkout (the
+# device tool's carry: ["wheels"]). The script installs it with --no-deps --no-index when
+# torchao is not importable; without it the fp8 step says so and is skipped.
+# Exit status 0 when the tier passed (at least one GPU test ran, none failed), the benchmark
+# finished, and the fp8 step (when it ran) finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-session}}"
@@ -29,7 +37,7 @@ stage() { echo "== gpu_session: $1 ($(( $(date +%s) - start )) s)"; }
 rehearse="${GPU_SESSION_REHEARSE:-0}"
 skip="${GPU_SESSION_SKIP:-}"
 : > "$out/measurements.jsonl"
-rc_tier=0 rc_bench=0
+rc_tier=0 rc_bench=0 rc_fp8=0
 
 write_report() {  # report.md from what is there so far (again after each part)
     python3 - "$out" "$rehearse" "$rc_tier" "$rc_bench" "$(( $(date +%s) - start ))" <<'PY'
@@ -82,6 +90,14 @@ try:
 except OSError:
     bench = ["not run"]
 lines += bench + ["```", ""]
+lines += ["## FP8 against bf16 (benchmarks/vs/fp8_bench.py)", "", "```"]
+try:
+    fp8 = open(os.path.join(out, "fp8.log")).read().strip().splitlines()
+    first = [i for i, line in enumerate(fp8) if line.startswith("fp8_bench on")]
+    lines += fp8[first[0]:] if first else fp8[-12:]  # the table, else the end of the error
+except OSError:
+    lines += ["not run"]
+lines += ["```", ""]
 open(os.path.join(out, "report.md"), "w").write("\n".join(lines))
 print(f"report: {os.path.join(out, 'report.md')}")
 PY
@@ -95,6 +111,16 @@ then
 else  # no pip / setuptools there: run from the source tree
     echo "pip install failed (see install.log): running from the source tree"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+stage "torchao (--fp8) from wheels/"
+if python3 -c "import torchao" >/dev/null 2>&1; then
+    echo "torchao already installed"
+elif compgen -G "wheels/torchao-*.whl" >/dev/null; then
+    python3 -m pip install --no-deps --no-index wheels/torchao-*.whl >>"$out/install.log" 2>&1 \
+        && echo "installed $(ls wheels/torchao-*.whl)" || echo "torchao: install failed (install.log)"
+else
+    echo "no wheels/torchao-*.whl: the fp8 step will be skipped (see this script's header)"
 fi
 
 stage "versions"
@@ -125,7 +151,7 @@ else:
     print("no CUDA device visible to torch")
 for name in ("megapar", "transformers", "tokenizers", "safetensors", "sentencepiece", "numpy",
              "einops", "tqdm", "pyyaml", "pyarrow", "tensorboard", "matplotlib", "pytest",
-             "pytest-timeout", "triton"):
+             "pytest-timeout", "triton", "torchao"):
     try:
         print(f"{name} {md.version(name)}")
     except md.PackageNotFoundError:
@@ -172,10 +198,28 @@ if [[ "$skip" != *bench* ]]; then
     echo "bench: exit status $rc_bench"
 fi
 
+if [[ "$skip" != *fp8* ]]; then
+    stage "fp8 against bf16"
+    if python3 -c "import torchao" >/dev/null 2>&1; then
+        fp8_args="${GPU_SESSION_FP8:---rounds 2 --steps 8 --warmup 2}"
+        if [[ "$rehearse" == 1 ]]; then
+            fp8_args="--device cpu --tiny --rounds 1 --steps 2 --warmup 1"
+        fi
+        # shellcheck disable=SC2086 # a list of arguments
+        timeout "${GPU_SESSION_FP8_TIMEOUT:-300}" python3 benchmarks/vs/fp8_bench.py $fp8_args \
+            --json "$out/fp8.json" >"$out/fp8.log" 2>&1
+        rc_fp8=$?
+        grep -v "Failed to load\|register_constant\|triton" "$out/fp8.log" | tail -12
+        echo "fp8: exit status $rc_fp8"
+    else
+        echo "skipped: torchao is not installed (no wheels/torchao-*.whl)" | tee "$out/fp8.log"
+    fi
+fi
+
 stage "report"
 write_report
 stage "done"
 if [[ "$rehearse" == 1 ]]; then
-    exit $(( rc_bench != 0 ))
+    exit $(( rc_bench != 0 || rc_fp8 != 0 ))
 fi
-exit $(( rc_tier != 0 || rc_bench != 0 ))
+exit $(( rc_tier != 0 || rc_bench != 0 || rc_fp8 != 0 ))

@@ -65,12 +65,14 @@ def _layout(cfg: TrainConfig) -> Layout:
                 f"of {cfg.gpus_per_node}, or the --gpus-per-node each node really "
                 f"uses"
             )
-        return Layout.infer(world, cfg.tp, cfg.pp, cfg.dp, cfg.rank_order, cfg.cp)
+        return Layout.infer(world, cfg.tp, cfg.pp, cfg.dp, cfg.rank_order, cfg.cp, cfg.ep)
     if under_launcher():
-        layout = Layout.infer(launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order, cfg.cp)
+        layout = Layout.infer(
+            launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order, cfg.cp, cfg.ep
+        )
         check_gpus(launched_local_size())  # every process of this node: a GPU each
         return layout
-    layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order, cfg.cp)
+    layout = Layout(cfg.tp, cfg.pp, cfg.dp or 1, cfg.rank_order, cfg.cp, cfg.ep)
     check_gpus(layout.world_size)
     if not cfg.oversubscribe:
         cp = f" x --cp {layout.cp}" if layout.cp > 1 else ""

@@ -38,6 +38,12 @@ With a dp group of size 1 the buffer still serves (no per-step gradient allocati
 communicated. Under context parallelism the group is cp x dp (`Mesh.dp_cp_group`) and
 `average_over` is dp: each cp rank's gradient is its tokens' share, so the reduction sums over
 cp and averages over dp (one collective either way).
+
+Expert parameters (`megapar.expert_parallel.is_expert`) under expert parallelism (an
+`expert_group` given: `Mesh.expert_dp_group`) go into buckets of their own, never mixed with
+dense ones (as dtypes are not mixed), each reduced over that group instead (`Bucket.group`),
+averaged over the same dp: an expert's gradient already sums the tokens of its ep group. The
+buckets keep one launch order, so every rank issues both groups' reductions in the same order.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import torch.distributed as dist
 
 from megapar import device as _device
 from megapar.data_parallel.launch_order import LaunchOrder
+from megapar.expert_parallel import is_expert
 from megapar.mesh import group_size
 
 
@@ -83,6 +90,13 @@ class Bucket:
     shard: torch.Tensor | None = None
     """Sharded gradients (ZeRO-2): this rank's reduced slice of the bucket, persistent (a view
     into `GradBuckets.shards`)."""
+    group: Any = None
+    """The group the bucket is reduced over: the grad sync's dp group, or for expert
+    parameters its expert-data-parallel group (`GradBuckets`)."""
+    group_size: int = 1
+    """The size of `group` (its shards when sharded)."""
+    group_rank: int = 0
+    """This rank's place in `group` (its slice when sharded)."""
 
     @property
     def numel(self) -> int:
@@ -94,14 +108,17 @@ def bucket_layout(
     bucket_mb: float,
     shards: int = 1,
     late: Iterable[int] = (),
+    experts: Iterable[int] = (),
+    expert_shards: int = 1,
 ) -> list[tuple[list[int], int]]:
     """How `GradBuckets` lays out parameters of these (numel, dtype), given in registration
     order: per bucket, (the parameters' indices in buffer order, the elements the bucket
     occupies). Parameters go in reverse order, cut into buckets of at most bucket_mb MB (a
-    larger single parameter gets a bucket of its own), never mixing dtypes; each bucket is
-    zero-padded to a multiple of `shards` (dp when sharded for ZeRO-1) and the `late` indices
-    go into the last bucket(s). The ZeRO-1 planner (`megapar.plan`) counts bytes with it."""
-    late = set(late)
+    larger single parameter gets a bucket of its own), never mixing dtypes nor the `experts`
+    indices with the others; each bucket is zero-padded to a multiple of `shards` (dp when
+    sharded for ZeRO-1; an experts' bucket: `expert_shards`) and the `late` indices go into the
+    last bucket(s). The ZeRO-1 planner (`megapar.plan`) counts bytes with it."""
+    late, experts = set(late), set(experts)
     order = [i for i in range(len(sizes)) if i in late] + [
         i for i in range(len(sizes)) if i not in late
     ]  # reversed below: late ones go last
@@ -112,14 +129,22 @@ def bucket_layout(
     for i in reversed(order):
         numel, dtype = sizes[i]
         nbytes = numel * dtype.itemsize
-        if current and (dtype != sizes[current[0]][1] or size + nbytes > limit):
+        if current and (
+            dtype != sizes[current[0]][1]
+            or (i in experts) != (current[0] in experts)
+            or size + nbytes > limit
+        ):
             buckets.append(current)
             current, size = [], 0
         current.append(i)
         size += nbytes
     if current:
         buckets.append(current)
-    return [(idx, -(-sum(sizes[i][0] for i in idx) // shards) * shards) for idx in buckets]
+    out = []
+    for idx in buckets:
+        n = expert_shards if idx[0] in experts else shards
+        out.append((idx, -(-sum(sizes[i][0] for i in idx) // n) * n))
+    return out
 
 
 def make_buckets(
@@ -127,14 +152,18 @@ def make_buckets(
     bucket_mb: float,
     shards: int = 1,
     late: Iterable[torch.nn.Parameter] = (),
+    experts: Iterable[torch.nn.Parameter] = (),
+    expert_shards: int = 1,
 ) -> list[Bucket]:
     """`params` cut into buckets as `bucket_layout` lays them out."""
-    late_ids = {id(p) for p in late}
+    late_ids, expert_ids = {id(p) for p in late}, {id(p) for p in experts}
     layout = bucket_layout(
         [(p.numel(), p.dtype) for p in params],
         bucket_mb,
         shards,
         [i for i, p in enumerate(params) if id(p) in late_ids],
+        [i for i, p in enumerate(params) if id(p) in expert_ids],
+        expert_shards,
     )
     return [Bucket([params[i] for i in idx], padded=padded) for idx, padded in layout]
 
@@ -154,7 +183,8 @@ def slice_pieces(numels: Sequence[int], lo: int, hi: int) -> list[tuple[int, int
 class GradBuckets:
     """`.grad` views into one buffer per dtype, all-reduced over `dp_group` in ~`bucket_mb` MB
     buckets, in place and overlapped with backward: the grad sync without ZeRO (the ZeRO-1 /
-    ZeRO-2 kinds subclass it)."""
+    ZeRO-2 kinds subclass it). Expert parameters' buckets reduce over `expert_group` when one
+    is given (expert parallelism)."""
 
     stage = 0
     """The ZeRO stage this grad sync serves (`GradSync.stage`)."""
@@ -174,9 +204,11 @@ class GradBuckets:
         reduce_dtype: torch.dtype | None = None,
         average_over: int | None = None,
         last: Iterable[torch.nn.Parameter] = (),
+        expert_group=None,
     ):
         """`last`: parameters laid out in the last bucket(s) (the ZeRO kinds' deferred tied
-        embedding; ignored here)."""
+        embedding; ignored here). `expert_group`: the group expert parameters reduce over
+        (`Mesh.expert_dp_group` under expert parallelism); None: they reduce over dp."""
         if bucket_mb <= 0:
             raise ValueError(f"bucket size must be > 0 MB, got {bucket_mb}")
         if compressor is not None and reduce_dtype is not None:
@@ -201,6 +233,8 @@ class GradBuckets:
         """A `compression.py` compressor (a synchronous reduction), or None (async)."""
         self.bucket_mb = bucket_mb
         self.dp_rank = dist.get_rank(dp_group) if self.dp > 1 else 0
+        self.expert_group = expert_group
+        """The group expert parameters reduce over; None: dp's, as the others."""
         self.host_waits = bool(self.params) and _device.polls_host(self.params[0].device)
         """The buffer is on the CPU (gloo), where sharded reductions in flight are bounded."""
         self.before_reduce = None
@@ -220,7 +254,29 @@ class GradBuckets:
 
     def _layout(self, last: Iterable[torch.nn.Parameter]) -> list[Bucket]:
         """The buckets: `bucket_layout`'s, unpadded."""
-        return make_buckets(self.params, self.bucket_mb)
+        return self._make_buckets(False, ())
+
+    def _make_buckets(self, sharded: bool, last: Iterable[torch.nn.Parameter]) -> list[Bucket]:
+        """`make_buckets`' buckets (padded to their group's size when `sharded`), each with
+        the group it reduces over: the expert group for expert parameters when there is one,
+        else dp."""
+        experts = [p for p in self.params if is_expert(p)] if self.expert_group is not None else []
+        edp = group_size(self.expert_group)
+        buckets = make_buckets(
+            self.params,
+            self.bucket_mb,
+            self.dp if sharded else 1,
+            last,
+            experts,
+            edp if sharded else 1,
+        )
+        for b in buckets:
+            if experts and is_expert(b.params[0]):
+                rank = dist.get_rank(self.expert_group) if edp > 1 else 0
+                b.group, b.group_size, b.group_rank = self.expert_group, edp, rank
+            else:
+                b.group, b.group_size, b.group_rank = self.group, self.dp, self.dp_rank
+        return buckets
 
     def _attach_hooks(self) -> None:
         """A post-accumulate-grad hook on every parameter, reporting it to `_on_grad_ready`."""
@@ -391,11 +447,11 @@ class GradBuckets:
         if self.average_over > 1:
             b.flat.div_(self.average_over)
         if self.compressor is not None:
-            self.bytes_sent += self.compressor.reduce(b.flat, b.params, self.group)
+            self.bytes_sent += self.compressor.reduce(b.flat, b.params, b.group)
             b.handle = Done()
             return
         wire, cast = self._on_wire(b.flat)
-        work = dist.all_reduce(wire, group=self.group, async_op=True)
+        work = dist.all_reduce(wire, group=b.group, async_op=True)
         b.handle = CastBack(work, wire, b.flat) if cast else work
 
 

@@ -13,6 +13,11 @@ the other gradients. One class per kind implements it:
 - ZeRO-2: `zero_buckets.Zero2Buckets`; only this rank's slices exist, in persistent shards;
 - ZeRO-3: `sharded_params.ShardedParams`; only this rank's slices of each unit's gradient.
 
+Under expert parallelism (ep > 1) the all-reduce and ZeRO-1 / ZeRO-2 kinds put expert parameters
+(`megapar.expert_parallel.is_expert`) into buckets of their own, reduced over
+`Mesh.expert_dp_group` (the ranks holding the same experts) instead of the cp x dp group, in the
+one launch order of all buckets; ZeRO-3 refuses ep (its units shard over one group).
+
 The sharded kinds also take `defer(last, before_reduce)` from the distributed optimizer's
 `attach`: the tied embedding's gradient is reduced last, after its sum over the first and last
 pipeline stage.
@@ -99,13 +104,28 @@ def build_grad_sync(
     and averaged over dp: the all-reduce kind when `zero` is 0 or there is no rank to shard
     over (dp x cp = 1), else the ZeRO-`zero` kind (the tied embedding laid out last, to be
     deferred by the optimizer's `attach`). `compressor` (a `compression.py` compressor)
-    replaces `reduce_dtype`; the zero3 options are `ShardedParams`'."""
+    replaces `reduce_dtype`; the zero3 options are `ShardedParams`'. Under ep > 1 expert
+    parameters reduce over `mesh.expert_dp_group` (not with ZeRO-3)."""
     group, dp = mesh.dp_cp_group, mesh.dp
+    experts = mesh.expert_dp_group if getattr(mesh, "ep", 1) > 1 else None
     if compressor is not None:
         reduce_dtype = None
     params = list(model.parameters())
     if zero == 0 or mesh.dp * mesh.cp == 1:
-        return GradBuckets(params, group, bucket_mb, compressor, reduce_dtype, average_over=dp)
+        return GradBuckets(
+            params,
+            group,
+            bucket_mb,
+            compressor,
+            reduce_dtype,
+            average_over=dp,
+            expert_group=experts,
+        )
+    if zero == 3 and experts is not None:
+        raise ValueError(
+            f"--ep {mesh.ep} cannot be combined with --zero 3 yet (its units are sharded over "
+            f"one dp group; expert weights reduce over another): use --zero 0, 1 or 2"
+        )
     if zero == 3:
         return ShardedParams(
             model,
@@ -121,5 +141,12 @@ def build_grad_sync(
         raise ValueError(f"--zero {zero} is not supported; use 0, 1, 2 or 3")
     last = shared_embedding_params(model) if mesh.pp > 1 else ()
     return kinds[zero](
-        params, group, bucket_mb, compressor, reduce_dtype, average_over=dp, last=last
+        params,
+        group,
+        bucket_mb,
+        compressor,
+        reduce_dtype,
+        average_over=dp,
+        last=last,
+        expert_group=experts,
     )

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 import torch
 
 from megapar.data_parallel import shard_comm
-from megapar.data_parallel.buckets import Bucket, CastBack, Done, GradBuckets, make_buckets
+from megapar.data_parallel.buckets import Bucket, CastBack, Done, GradBuckets
 
 
 class Zero1Buckets(GradBuckets):
@@ -57,8 +57,10 @@ class Zero1Buckets(GradBuckets):
         reduce_dtype: torch.dtype | None = None,
         average_over: int | None = None,
         last: Iterable[torch.nn.Parameter] = (),
+        expert_group=None,
     ):
-        """`last`: the parameters laid out in the last bucket(s), deferred by `defer`."""
+        """`last`: the parameters laid out in the last bucket(s), deferred by `defer`;
+        `expert_group` as `GradBuckets`'."""
         if compressor is not None:
             raise ValueError(
                 f"--grad-compression cannot be combined with --zero "
@@ -66,11 +68,13 @@ class Zero1Buckets(GradBuckets):
                 f"gradient buffer, the compressors compress an all-reduce; use "
                 f"--grad-compression none"
             )
-        super().__init__(params, dp_group, bucket_mb, None, reduce_dtype, average_over, last)
+        super().__init__(
+            params, dp_group, bucket_mb, None, reduce_dtype, average_over, last, expert_group
+        )
 
     def _layout(self, last: Iterable[torch.nn.Parameter]) -> list[Bucket]:
         """`bucket_layout`'s buckets padded to a multiple of dp, `last` in the last ones."""
-        return make_buckets(self.params, self.bucket_mb, self.dp, last)
+        return self._make_buckets(True, last)
 
     def defer(self, last: Iterable[torch.nn.Parameter], before_reduce) -> None:
         """The buckets holding `last` (as laid out) launch only in finish(), after
@@ -78,7 +82,7 @@ class Zero1Buckets(GradBuckets):
         if self.in_step:
             raise RuntimeError("defer() during a step")
         last = list(last)
-        laid = make_buckets(self.params, self.bucket_mb, self.dp, last)
+        laid = self._make_buckets(True, last)
         if [[id(p) for p in b.params] for b in laid] != [
             [id(p) for p in b.params] for b in self.buckets
         ]:
@@ -94,8 +98,8 @@ class Zero1Buckets(GradBuckets):
 
     def shard_range(self, b: Bucket) -> tuple[int, int]:
         """This rank's slice [lo, hi) of bucket `b` (relative to the bucket)."""
-        size = b.padded // self.dp
-        return self.dp_rank * size, (self.dp_rank + 1) * size
+        size = b.padded // b.group_size
+        return b.group_rank * size, (b.group_rank + 1) * size
 
     def _bound_copies(self) -> None:
         """Gloo: wait for the oldest reduce-scatters in flight until fewer than
@@ -121,7 +125,7 @@ class Zero1Buckets(GradBuckets):
             b.flat.div_(self.average_over)
         wire, cast = self._on_wire(b.flat)
         lo, hi = self.shard_range(b)
-        work = shard_comm.reduce_scatter(wire, wire[lo:hi], self.dp, self.group, self.host_waits)
+        work = shard_comm.reduce_scatter(wire, wire[lo:hi], b.group_size, b.group, self.host_waits)
         b.handle = CastBack(work, wire[lo:hi], b.flat[lo:hi]) if cast else work
 
 
@@ -148,14 +152,15 @@ class Zero2Buckets(Zero1Buckets):
         sizes: dict[torch.dtype, int] = {}
         for b in self.buckets:
             dtype = b.params[0].dtype
-            sizes[dtype] = sizes.get(dtype, 0) + b.padded // self.dp
+            sizes[dtype] = sizes.get(dtype, 0) + b.padded // b.group_size
         devices = {b.params[0].dtype: b.params[0].device for b in self.buckets}
         self.shards = {dt: torch.zeros(n, dtype=dt, device=devices[dt]) for dt, n in sizes.items()}
         offsets = dict.fromkeys(sizes, 0)
         for b in self.buckets:
             dtype, start = b.params[0].dtype, offsets[b.params[0].dtype]
-            b.flat, b.shard = None, self.shards[dtype][start : start + b.padded // self.dp]
-            offsets[dtype] = start + b.padded // self.dp
+            size = b.padded // b.group_size
+            b.flat, b.shard = None, self.shards[dtype][start : start + size]
+            offsets[dtype] = start + size
         for p in self.params:
             p.grad = None
 
@@ -243,6 +248,6 @@ class Zero2Buckets(Zero1Buckets):
         wire, _ = self._on_wire(staged)
         del staged
         lo, hi = self.shard_range(b)
-        work = shard_comm.reduce_scatter(wire, wire[lo:hi], self.dp, self.group, self.host_waits)
+        work = shard_comm.reduce_scatter(wire, wire[lo:hi], b.group_size, b.group, self.host_waits)
         b.handle = CastBack(work, wire[lo:hi], b.shard, keep=wire, add=True)
         self._flight.append(b)

@@ -213,8 +213,12 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     # the rehearsal runs one micro-batch; DualPipeV takes no fewer than 2 pp, so its one is run
     # under ZB-V: the same V placement, so the same messages and collectives per micro-batch
     engine = Engine(
-        replace(run_cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule)), config, mesh
+        replace(run_cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule), fp8_emulate=True),
+        config,
+        mesh,
     )
+    if engine.fp8_summary:  # the rehearsal emulates the float8 products; the casts are real
+        notes.append(engine.fp8_summary)
     first_batch = _first_batch(cfg, mesh, dataset)
     run_calls, per_step, per_micro_batch_buckets, peak = run_micro_batch(
         cfg, config, engine, layout, m, dataset, first_batch

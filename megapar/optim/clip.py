@@ -8,7 +8,9 @@ The norm is the L2 norm of the whole model's gradient, each parameter counted on
 - a tied copy (`param.tied_to`, the last stage's LM head) is not counted: after the tied sync
   its gradient equals the embedding's, which the first stage counts;
 - the sum of squares is reduced over the model-parallel group (tp x pp). Gradients are already
-  averaged over dp, so every dp replica computes the same norm and nothing crosses dp.
+  averaged over dp, so every dp replica computes the same norm and nothing crosses dp;
+- expert parameters (`megapar.expert_parallel`) differ between the ranks of an ep group: under
+  ep > 1 their squares are summed apart and all-reduced over the ep group first.
 
 Each rank's sum of squares (`sum_of_squares`) is accurate to fp32 rounding whatever the tensors'
 sizes, so a gradient has the same norm however a layout shards it: torch's CPU norm kernel adds a
@@ -23,6 +25,7 @@ import math
 import torch
 from torch import nn
 
+from megapar.expert_parallel import is_expert
 from megapar.mesh import Mesh, all_reduce
 
 CPU_NORM_PIECE = 1 << 14
@@ -54,16 +57,25 @@ def is_counted(param: nn.Parameter, mesh: Mesh) -> bool:
 
 @torch.no_grad()
 def grad_norm(model: nn.Module, mesh: Mesh) -> float:
-    """Global L2 norm of the gradient (collective over mesh.mp_group)."""
-    grads = [
-        p.grad.detach() for p in model.parameters() if p.grad is not None and is_counted(p, mesh)
-    ]
-    if grads:
-        total = sum_of_squares(grads)
-    else:
-        total = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    """Global L2 norm of the gradient (collective over mesh.mp_group, and under expert
+    parallelism over mesh.ep_group)."""
+    ep_group = getattr(mesh, "ep_group", None)
+    params = [p for p in model.parameters() if p.grad is not None and is_counted(p, mesh)]
+    apart = ep_group is not None
+    total = _squares([p.grad for p in params if not (apart and is_expert(p))], mesh.device)
+    if apart:
+        experts = _squares([p.grad for p in params if is_expert(p)], mesh.device)
+        all_reduce(experts, ep_group)
+        total = total + experts
     all_reduce(total, mesh.mp_group)
     return math.sqrt(total.item())
+
+
+def _squares(tensors: list, device) -> torch.Tensor:
+    """`sum_of_squares` of these gradients, or a zero when there is none."""
+    if tensors:
+        return sum_of_squares([t.detach() for t in tensors])
+    return torch.zeros((), dtype=torch.float32, device=device)
 
 
 @torch.no_grad()

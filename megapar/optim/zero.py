@@ -111,6 +111,13 @@ class ZeroOptimizer(AdamWOptimizer):
         if self.dp == 1 or self.sharded:
             return
         self._check_sync(grad_sync)
+        if self.kind in ("lamb", "lars") and any(
+            b.group is not self.group for b in grad_sync.buckets
+        ):
+            raise ValueError(
+                f"{self.kind} under ZeRO-{self.zero} cannot serve expert parallelism yet (its "
+                f"whole-parameter norms sum slices over dp); use --zero 0, or adamw / sgd"
+            )
         grad_sync.defer(last, before_reduce)
         self.grad_sync, self.sharded = grad_sync, True
         device = self.params[0].device
@@ -209,7 +216,7 @@ class ZeroOptimizer(AdamWOptimizer):
             flat = buffers[b.params[0].dtype][b.start : b.start + b.padded]
             if bound is not None and len(handles) >= bound:
                 handles.pop(0).wait()
-            handles.append(shard_comm.all_gather(flat, self.dp, self.group, host))
+            handles.append(shard_comm.all_gather(flat, b.group_size, b.group, host))
         for h in handles:
             h.wait()
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapar.mesh import LayoutError, Mesh
+from megapar.tensor_parallel.fp8 import Fp8Spec, fp8_linear
 from megapar.tensor_parallel.mappings import (
     copy_to_tp_region,
     gather_from_tp_region,
@@ -42,6 +43,14 @@ def _param(shape, tp_dim, full_shape, device) -> nn.Parameter:
     return set_partition(nn.Parameter(torch.empty(shape, device=device)), tp_dim, full_shape)
 
 
+def _matmul(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """X W^T + b of a parallel linear: in float8 when converted (its weight gradient then
+    computed in the backward, never deferred), else F.linear or its zero-bubble split."""
+    if layer.fp8 is not None:
+        return fp8_linear(x, layer.weight, bias, layer.fp8)
+    return linear(x, layer.weight, bias, layer.weight_grad_store)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split along its output dim: each rank computes a slice of Y.
 
@@ -69,6 +78,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param((local,), 0, (out_features,), mesh.device) if bias else None
         self.weight_grad_store = None
         """A `WeightGradStore` to defer the weight gradient into (zero-bubble pipelines)."""
+        self.fp8: Fp8Spec | None = None
+        """Run the matmul in float8 this way (`fp8_convert.convert_to_fp8`); None: as F.linear."""
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """X as this layer needs it: all-gathered along the sequence (SP) or copied into the tp
@@ -82,7 +93,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
         """`entered`: X already went through `enter` (of this or a sibling projection)."""
-        y = linear(x if entered else self.enter(x), self.weight, self.bias, self.weight_grad_store)
+        y = _matmul(self, x if entered else self.enter(x), self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
@@ -113,11 +124,13 @@ class RowParallelLinear(nn.Module):
         self.bias = _param((out_features,), None, (out_features,), mesh.device) if bias else None
         self.weight_grad_store = None
         """A `WeightGradStore` to defer the weight gradient into (zero-bubble pipelines)."""
+        self.fp8: Fp8Spec | None = None
+        """Run the matmul in float8 this way (`fp8_convert.convert_to_fp8`); None: as F.linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        y = linear(x, self.weight, None, self.weight_grad_store)
+        y = _matmul(self, x, None)
         y = (
             reduce_scatter_to_sequence_parallel_region(y, self.group)
             if self.sequence_parallel

@@ -29,6 +29,7 @@ from megapar.optim.optimizer import OPTIMIZERS
 from megapar.optim.precision import COMM_DTYPES, PRECISIONS
 from megapar.optim.scheduler import DECAY_STYLES
 from megapar.pipeline.schedules import SCHEDULES
+from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 
 GROUPS = {
     "layout": "layout (how the ranks split the model and the data)",
@@ -58,6 +59,8 @@ class TrainConfig:
     """Pipeline-parallel size (stages)."""
     dp: int | None = None
     """Data-parallel size; default world size / (tp * cp * pp) (1 when megapar-train starts the workers)."""
+    ep: int = 1
+    """Expert-parallel size: data-parallel ranks that split each MoE layer's experts and exchange tokens by all-to-all (folded into dp, as in Megatron and torchtitan: it must divide dp and adds no ranks; expert weights are reduced over the dp x cp / ep ranks holding the same experts). Not with --zero 3."""
     rank_order: str = "tp-pp-dp"
     """Rank order, fastest first: tp-pp-dp (dp outermost: gradient all-reduce crosses nodes) or tp-dp-pp (Megatron's: pp outermost, point-to-point crosses nodes)."""
     sequence_parallel: bool = False
@@ -77,6 +80,12 @@ class TrainConfig:
     """Activation recomputation: none, selective (attention core) or full (each block)."""
     compile: bool = False
     """torch.compile each transformer block's forward (torchtitan's per-block compile; hooks stay outside, so ZeRO's gathers and gradient buckets work as in eager mode). Composes with tp and sequence parallelism, cp, the pipeline schedules (zero-bubble ones included), ZeRO-1/2/3, selective / full recompute and bf16 / fp16; tp collectives, cp attention's exchanges, zero-bubble deferred linears and attention dropout run eagerly between the compiled pieces. Off by default everywhere: the first step pays the compile (tens of seconds on a CPU), on the CPU it measured no faster than eager, and no GPU run has measured it yet (docs/performance.md "Compiled blocks on the CPU"). The dry run rehearses the eager blocks."""
+    fp8: str = "off"
+    """Run the blocks' linear layers in FP8 with torchao's float8 training (pip install 'megapar[fp8]'): tensorwise (one dynamic scale per tensor, the faster) or rowwise (per-row scales, more accurate); off. Needs a GPU with FP8 (compute capability >= 8.9) or --fp8-emulate. Weights, gradients and checkpoints stay in the master dtype; small layers stay in high precision (--fp8-layers; docs/fp8.md)."""
+    fp8_emulate: bool = False
+    """With --fp8: torchao's emulate mode: the same float8 casts and scales, the products in fp32 on any device (CPU tests, the dry run; slower than bf16)."""
+    fp8_layers: str = "auto"
+    """With --fp8: which block linears run in float8: auto (torchao's size rule on each rank's local N x K; smaller layers are slower in FP8) or all (every one whose local dims are multiples of 16)."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the fused LM head and cross-entropy: each chunk's logits are computed, reduced to its loss and dropped, and recomputed in the backward (one more head matmul), so the whole [tokens x vocabulary] logits never exist (with Llama 3's 128,256-token vocabulary a 1,024-token chunk is 0.5 GB in fp32). The loss accumulates in fp32 and equals the unchunked one. 0: the whole micro-batch's logits at once."""
     # --- data ---
@@ -278,6 +287,8 @@ def flag_choices() -> dict[str, list]:
         "schedule": list(SCHEDULES),
         "recompute": list(RECOMPUTE_MODES),
         "precision": list(PRECISIONS),
+        "fp8": list(FP8_RECIPES),
+        "fp8_layers": list(FP8_LAYERS),
         "p2p_dtype": COMM_DTYPES,
         "grad_reduce_dtype": COMM_DTYPES,
         "zero": [0, 1, 2, 3],

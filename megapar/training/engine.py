@@ -41,16 +41,13 @@ from megapar.diagnostics.probes import build_probes
 from megapar.diagnostics.straggler import StragglerReport
 from megapar.faults.status import set_action, set_step
 from megapar.mesh import Mesh, all_reduce
-from megapar.models import set_loss_chunk_tokens
-from megapar.models.compile import compile_blocks
 from megapar.optim import LRScheduler, Precision
 from megapar.optim.precision import comm_dtypes
 from megapar.pipeline.executor import PipelineExecutor
-from megapar.pipeline.partition import build_stage
-from megapar.pipeline.schedules import chunks_per_rank, placement_of
+from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.batch_check import check_batch, same_on_every_rank
 from megapar.training.config import TrainConfig
-from megapar.training.engine_parts import api_guard, mesh_for, optimizer_for
+from megapar.training.engine_parts import api_guard, mesh_for, optimizer_for, stage_for
 from megapar.training.export import export_engine
 from megapar.training.resume import checkpoint_meta, recorded_settings, restore_meta
 from megapar.training.rng import rng_state, set_rng_state
@@ -85,17 +82,8 @@ class Engine:
         self.cfg, self.config = cfg, model_config
         self.mesh = mesh = mesh_for(cfg, mesh)
         """This rank's `Mesh`: its layout, its tp / cp / pp / dp coordinates and process groups."""
-        self.model = build_stage(
-            model_config,
-            mesh,
-            cfg.seed,
-            cfg.recompute,
-            virtual_stages=chunks_per_rank(cfg.schedule, cfg.virtual_stages),
-            placement=placement_of(cfg.schedule),
-        )
-        set_loss_chunk_tokens(self.model, cfg.loss_chunk_tokens)
-        if cfg.compile and not cfg.dry_run:  # the rehearsal's fake tensors run eagerly
-            compile_blocks(self.model)  # before any hook is registered on the blocks
+        self.model, self.fp8_summary = stage_for(cfg, model_config, mesh)
+        """This rank's stage; and under --fp8 the line naming its float8 layers (else None)."""
         self.precision = Precision(cfg.precision, mesh.device)
         self.wire_dtype, reduce_dtype = comm_dtypes(
             cfg.precision, cfg.p2p_dtype, cfg.grad_reduce_dtype

@@ -1,5 +1,6 @@
 """The parts of an `Engine` its `TrainConfig` describes: the mesh (from the environment, or
-checked against the config), the optimizer (ZeRO-3's over the shards) and `train_step`'s
+checked against the config), the model stage (its linears in float8 under --fp8), the
+optimizer (ZeRO-3's over the shards) and `train_step`'s
 non-finite guard (megapar-train's rules)."""
 
 from __future__ import annotations
@@ -9,8 +10,13 @@ import torch
 from megapar.device import share_host_arena
 from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh
+from megapar.models import set_loss_chunk_tokens
+from megapar.models.compile import compile_blocks
 from megapar.optim import Precision, build_optimizer
 from megapar.optim.zero3 import Zero3Optimizer
+from megapar.pipeline.partition import build_stage
+from megapar.pipeline.schedules import chunks_per_rank, placement_of
+from megapar.tensor_parallel.fp8_convert import convert_to_fp8
 from megapar.training.config import TrainConfig
 
 API_ADVICE = (
@@ -34,6 +40,7 @@ def mesh_for(cfg: TrainConfig, mesh: Mesh | None) -> Mesh:
         order=cfg.rank_order,
         cp=cfg.cp,
         sequence_parallel=cfg.sequence_parallel,
+        ep=cfg.ep,
     )
     if mesh.sequence_parallel != (cfg.sequence_parallel and mesh.tp > 1):
         raise ValueError(
@@ -44,6 +51,28 @@ def mesh_for(cfg: TrainConfig, mesh: Mesh | None) -> Mesh:
     if mesh.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
     return mesh
+
+
+def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
+    """(this rank's model stage, built and initialised as cfg says; under --fp8 the line that
+    names its float8 and high-precision linears, else None)."""
+    model = build_stage(
+        model_config,
+        mesh,
+        cfg.seed,
+        cfg.recompute,
+        virtual_stages=chunks_per_rank(cfg.schedule, cfg.virtual_stages),
+        placement=placement_of(cfg.schedule),
+    )
+    set_loss_chunk_tokens(model, cfg.loss_chunk_tokens)
+    summary = (
+        None
+        if cfg.fp8 == "off"
+        else convert_to_fp8(model, cfg.fp8, cfg.fp8_emulate, cfg.fp8_layers)
+    )
+    if cfg.compile and not cfg.dry_run:  # the rehearsal's fake tensors run eagerly
+        compile_blocks(model)  # after fp8's conversion, before any hook on the blocks
+    return model, summary
 
 
 def optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):

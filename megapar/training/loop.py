@@ -97,7 +97,7 @@ class Trainer:
             IndexedDataset(plan.prefix, cfg.tokenizer).tokenizer_spec
         )
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
-        self.notes: list[str] = []
+        self.notes: list[str] = [engine.fp8_summary] if engine.fp8_summary else []
         if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see
             self.notes.append(self.train_ds.describe(planned_samples(self.sampler, cfg.max_steps)))
 

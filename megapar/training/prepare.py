@@ -18,6 +18,7 @@ from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.training.config import TrainConfig
 from megapar.training.engine import ON_NONFINITE, Engine
+from megapar.training.validate_fp8 import check_fp8
 
 
 def _resolve_model(model):
@@ -129,8 +130,10 @@ def prepare(
     gradient-norm clip (0: off).
     lr_schedule: None (constant `lr`; attach a torch LR scheduler to `engine.optimizer` if you
     like), a megapar `LRScheduler`, or a dict of its fields (warmup_steps, max_steps, decay,
-    min_lr). Any other `TrainConfig` field (e.g. lr_scale_with_batch, global_batch_size) can be
-    passed as a keyword; compile=True torch.compiles each transformer block (`--compile`).
+    min_lr). fp8: "tensorwise" / "rowwise" runs the blocks' linears in FP8 with torchao (a GPU
+    with FP8, or fp8_emulate=True; docs/guides/fp8.md). Any other `TrainConfig` field (e.g.
+    lr_scale_with_batch, global_batch_size) can be passed as a keyword;
+    compile=True torch.compiles each transformer block (`--compile`).
     on_nonfinite: a step whose loss or gradients are not finite is never applied (weights and
     optimizer state stay as they were); "raise" (default): `train_step` raises
     `megapar.faults.stop.NonFiniteError` on every rank, naming the step and what was not
@@ -168,6 +171,7 @@ def prepare(
         **options,
     )
     _check_sharding(cfg)
+    check_fp8(cfg)  # Fp8Error (a ValueError): torchao, a GPU with FP8 or fp8_emulate=True
     _check_world(cfg)
     lr_schedule = _lr_scheduler(lr_schedule, cfg)
     set_action("megapar.prepare: building the engine (mesh, model stage, optimizer)")

@@ -33,6 +33,7 @@ from megapar.data.inputs import is_raw_text
 from megapar.faults.slow import SlowRank
 from megapar.pipeline.schedules import chunks_per_rank, schedule_actions
 from megapar.training.config import flag_choices
+from megapar.training.validate_fp8 import Fp8Error, check_fp8
 
 
 class UsageError(ValueError):
@@ -48,6 +49,7 @@ _RULES: list[_Rule] = [
     ("cp", "int", 1, True),
     ("pp", "int", 1, True),
     ("dp", "int", 1, True),
+    ("ep", "int", 1, True),
     ("seq_len", "int", 1, True),
     ("micro_batch_size", "int", 1, True),
     ("global_batch_size", "int", 1, True),
@@ -190,6 +192,12 @@ def _check_combinations(cfg) -> None:
             f"sit inside the compiled blocks; run it without --compile (the eager blocks "
             f"compute the same values)"
         )
+    check_ep(cfg)
+    try:
+        given = explicit(cfg) - set(getattr(cfg, "from_checkpoint", ()))
+        check_fp8(cfg, hardware=not cfg.dry_run, given=given)
+    except Fp8Error as exc:
+        raise UsageError(str(exc)) from None
     if cfg.zero in (1, 2) and cfg.grad_compression != "none":
         raise UsageError(
             f"--grad-compression {cfg.grad_compression} cannot be combined with "
@@ -284,6 +292,40 @@ def check_zero3(cfg) -> None:
             "too, as DeepSpeed's offload_param with offload_optimizer): add "
             "--offload-optimizer"
         )
+
+
+def check_ep(cfg) -> None:
+    """--ep: it divides dp (when dp is given; an inferred dp is checked by the layout) and
+    does not combine with what cannot serve its two reduction groups yet."""
+    if cfg.ep == 1:
+        return
+    if cfg.dp is not None and cfg.dp % cfg.ep:
+        raise UsageError(
+            f"--ep {cfg.ep} does not divide --dp {cfg.dp}: experts are sharded over "
+            f"data-parallel ranks; choose an --ep that divides dp, or change --dp"
+        )
+    if cfg.zero == 3:
+        raise UsageError(
+            f"--ep {cfg.ep} cannot be combined with --zero 3 yet (its units are sharded "
+            f"over one dp group; expert weights reduce over another): use --zero 0, 1 or 2"
+        )
+    if cfg.grad_compression == "powersgd":
+        raise UsageError(
+            f"--ep {cfg.ep} cannot be combined with --grad-compression powersgd (its "
+            f"state is per bucket of one dp group); use --grad-compression none, bf16 or fp16"
+        )
+    if cfg.zero in (1, 2) and cfg.optimizer in ("lamb", "lars"):
+        raise UsageError(
+            f"--ep {cfg.ep} with --zero {cfg.zero} cannot serve --optimizer {cfg.optimizer} "
+            f"yet (its whole-parameter norms sum the slices over dp, and experts differ "
+            f"across ep ranks): use --zero 0, or --optimizer adamw / sgd"
+        )
+    for name in ("save", "load"):
+        if getattr(cfg, name):
+            raise UsageError(
+                f"--ep {cfg.ep} cannot be combined with {flag_of(name)} yet (checkpoints do "
+                f"not hold experts sharded over ep ranks): drop {flag_of(name)} or use --ep 1"
+            )
 
 
 def check_inject_slow(cfg, world_size: int) -> None:

@@ -1,0 +1,157 @@
+"""FP8 linears: torchao's float8 training inside megapar's column- and row-parallel layers.
+
+torchao's `convert_to_float8_training` swaps `nn.Linear` for its `Float8Linear`, whose matmul
+(`torchao.float8.float8_linear.matmul_with_hp_or_float8_args`) casts X, W and dY to float8
+with dynamic scales (tensorwise: one scale per tensor; rowwise: one per row / column, powers of
+two) and runs the three products of a linear layer (Y, dX, dW) in float8 (`torch._scaled_mm`,
+or fp32 products of the dequantised values in its emulate mode). megapar's tensor-parallel
+layers are not `nn.Linear` and their weights are plain shards, not DTensors, so torchao's
+DTensor-based tp composition (torchtitan's) does not apply. Instead each converted layer runs
+`_Float8Matmul` below: torchao's matmul operation by operation, built from torchao's own
+primitives (`tensor_to_amax`, `amax_to_scale`, `hp_tensor_and_scale_to_float8`, its float8
+tensor's `mm`), with one change: where an operand is split over the tp group along the
+dimension its scale covers, the amax is reduced (MAX) over the tp group first, as torchtitan's
+DTensor casts do. Every element is then cast with the scale it gets in one process, so tp = k
+equals tp = 1 up to fp32 summation order.
+
+Which operands are split (in the 2-D views ``X [M, K]``, ``W^T [K, N]``, ``dY [M, N]``):
+
+| layer | X | W^T | dY |
+| --- | --- | --- | --- |
+| column-parallel (N split) | whole | columns (dim 1) | columns (dim 1) |
+| row-parallel (K split) | columns (dim 1) | rows (dim 0) | whole |
+
+A tensorwise scale covers every dimension (reduced when the operand is split at all); a rowwise
+scale is the amax along one dimension (reduced when that is the split one).
+
+The layers' weights stay fp32 (the master copy the optimizer steps and checkpoints hold); the
+float8 copies are made per use and never stored. torchao is imported when a model is converted
+(it is an optional dependency: `megapar[fp8]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megapar.comm_wait import blocked
+
+FP8_RECIPES = ("off", "tensorwise", "rowwise")
+"""`--fp8`'s choices: off, or one of torchao's float8 recipes."""
+FP8_LAYERS = ("auto", "all")
+"""`--fp8-layers`: which block linears run in float8 (`wanted`)."""
+
+
+@dataclass(frozen=True)
+class Fp8Spec:
+    """How one parallel linear runs its matmul in float8: torchao's recipe config and matmul
+    config, the tp group (None at tp = 1) and which dimension of X / W^T / dY is split over
+    it (`None`: whole on every rank)."""
+
+    config: Any  # torchao.float8.Float8LinearConfig
+    mm_config: Any  # torchao.float8.float8_training_tensor.LinearMMConfig
+    group: Any
+    x_split: int | None
+    w_t_split: int | None
+    dy_split: int | None
+
+
+def _torchao():
+    """torchao's float8 pieces (an optional dependency, imported on this one path)."""
+    import torchao.float8.config as config
+    import torchao.float8.float8_training_tensor as tensor
+    import torchao.float8.float8_utils as utils
+
+    return config, tensor, utils
+
+
+def make_spec(recipe: str, emulate: bool, group, split: str) -> Fp8Spec:
+    """The `Fp8Spec` of a layer: `recipe` tensorwise / rowwise, `emulate` (fp32 products of the
+    dequantised float8 values: no FP8 hardware), `split` "out" (column-parallel) or "in"
+    (row-parallel); as `Float8Linear` builds its configs."""
+    config_mod, tensor_mod, _ = _torchao()
+    config = config_mod.Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(config, emulate=emulate)
+    mm = [
+        tensor_mod.ScaledMMConfig(emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
+        for gemm in (
+            config.gemm_config_output,
+            config.gemm_config_grad_input,
+            config.gemm_config_grad_weight,
+        )
+    ]
+    tp = group is not None and dist.get_world_size(group) > 1
+    col = split == "out"
+    return Fp8Spec(
+        config,
+        tensor_mod.LinearMMConfig(*mm),
+        group if tp else None,
+        x_split=None if col or not tp else 1,
+        w_t_split=(1 if col else 0) if tp else None,
+        dy_split=1 if col and tp else None,
+    )
+
+
+def _cast(t: torch.Tensor, cast, role, axis: int, spec: Fp8Spec, split: int | None):
+    """`t` as torchao's float8 tensor under `cast` (a CastConfig), its rowwise scale along
+    `axis`; the amax reduced over tp where `split` is the dimension the scale covers."""
+    config_mod, tensor_mod, utils = _torchao()
+    if cast.scaling_type is config_mod.ScalingType.DISABLED:
+        return t
+    granularity = cast.scaling_granularity
+    tensorwise = granularity is config_mod.ScalingGranularity.TENSORWISE
+    dim = None if tensorwise else axis
+    amax = utils.tensor_to_amax(t, False, None, granularity, dim)
+    if split is not None and (tensorwise or axis % t.dim() == split % t.dim()):
+        with blocked(amax.device):
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=spec.group)
+    scale = utils.amax_to_scale(amax, cast.target_dtype, spec.config.round_scales_to_power_of_2)
+    return tensor_mod.hp_tensor_and_scale_to_float8(
+        t, scale, cast.target_dtype, spec.mm_config, role, dim
+    )
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """X [M, K] @ W^T [K, N] in float8 (torchao's `matmul_with_hp_or_float8_args`, with
+    tp-reduced amaxes; torchao takes X [..., K] and reshapes inside: the same numbers)."""
+
+    @staticmethod
+    def forward(ctx, x, w_t, spec: Fp8Spec):
+        ctx.save_for_backward(x, w_t)
+        ctx.spec = spec
+        c, role = spec.config, _torchao()[1].GemmInputRole
+        x8 = _cast(x, c.cast_config_input, role.INPUT, -1, spec, spec.x_split)
+        w8 = _cast(w_t, c.cast_config_weight, role.WEIGHT, 0, spec, spec.w_t_split)
+        return torch.mm(x8, w8)  # not a view: a row-parallel layer reduces it in place
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w_t = ctx.saved_tensors
+        spec: Fp8Spec = ctx.spec
+        c, role = spec.config, _torchao()[1].GemmInputRole
+        dy8 = _cast(dy, c.cast_config_grad_output, role.GRAD_OUTPUT, -1, spec, spec.dy_split)
+        w8 = _cast(w_t, c.cast_config_weight_for_grad_input, role.WEIGHT, -1, spec, spec.w_t_split)
+        dx = torch.mm(dy8, w8.t())
+        go = c.cast_config_grad_output_for_grad_weight
+        dy8 = _cast(dy, go, role.GRAD_OUTPUT, 0, spec, spec.dy_split)
+        x8 = _cast(x, c.cast_config_input_for_grad_weight, role.INPUT, 0, spec, spec.x_split)
+        return dx, torch.mm(dy8.t(), x8).t(), None
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: Fp8Spec
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) with its three products in float8. Under autocast X enters in
+    the autocast dtype (as `Float8Linear`: the weight is cast from its master dtype straight to
+    float8) and the output has X's dtype."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        x = x.to(torch.get_autocast_dtype(kind))
+    with torch.autocast(kind, enabled=False):
+        y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.t(), spec)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias.to(y.dtype)

