@@ -8,7 +8,8 @@ in turns, by:
   optimizer step per `train_step`, micro-batch = the whole batch, clipping at 1.0);
 - torch eager: transformers' model (SDPA attention), `torch.autocast(bfloat16)`, fused AdamW,
   `clip_grad_norm_(1.0)`, the loss read every step (as `train_step` returns it);
-- torch compile: the same model wrapped in `torch.compile`.
+- torch compile: the same model wrapped in `torch.compile`;
+- megapar compile: megapar with `compile=True` (`--compile`: each block torch.compile'd).
 
 Dropout is off in both (the same model). Each system takes `--warmup` steps, then `--steps`
 timed steps between two device synchronisations. Peak memory is what the OS side sees: the
@@ -125,11 +126,12 @@ def timed(step, batches, warmup: int, device) -> tuple[float, float, list[float]
     return seconds, peak, losses
 
 
-def run_megapar(config, mbs, seq, batches, warmup, device):
+def run_megapar(config, mbs, seq, batches, warmup, device, compile_: bool = False):
     base = reset_memory(device)
     os.environ["MEGAPAR_CPU"] = "0" if device.type == "cuda" else "1"
     engine = megapar.prepare(config, micro_batch_size=mbs, precision="bf16", seq_len=seq, lr=LR,
-                             weight_decay=0.1, clip_grad=CLIP, adam_beta2=0.95)
+                             weight_decay=0.1, clip_grad=CLIP, adam_beta2=0.95,
+                             compile=compile_)
     n_params = sum(p.numel() for p in engine.model.parameters())
 
     def step(ids):
@@ -218,7 +220,8 @@ def main(argv=None) -> int:
     # megapar and eager torch for every model first, the compiled runs (minutes of
     # compilation) last: a session cut short still has the comparison
     runs = [(m, s) for m in args.models for s in ("megapar", "torch eager")] + \
-        [(m, "torch compile") for m in args.models if m in compiled]
+        [(m, s) for m in args.models if m in compiled for s in ("torch compile",
+                                                                "megapar compile")]
     print(f"  {'model':10} {'system':14} {'ms/step':>9} {'tokens/s':>10} {'MFU':>7} "
           f"{'held GiB':>9} {'vs eager':>9}  first / last loss")
     for model, system in runs:
@@ -226,9 +229,9 @@ def main(argv=None) -> int:
         batches = data(config, mbs, seq, device, args.warmup + args.steps)
         entry = results["models"].setdefault(model, {"micro_batch": mbs, "seq": seq,
                                                      "systems": {}})
-        if system == "megapar":
+        if system in ("megapar", "megapar compile"):
             sec, mem, losses, n_params = run_megapar(config, mbs, seq, batches, args.warmup,
-                                                     device)
+                                                     device, system == "megapar compile")
             entry.update(parameters=n_params,
                          flops_per_token=model_flops_per_token(config, n_params, seq))
         else:

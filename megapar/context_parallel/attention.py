@@ -342,6 +342,17 @@ class LayerAttention:
         self.ring: Ring | None = None
 
     def __call__(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0):
+        if torch.compiler.is_compiling():  # --compile: the exchanges stay eager (a graph break)
+            return self._eager(q, k, v, key_mask, kv_index, dropout_p)
+        return self._run(q, k, v, key_mask, kv_index, dropout_p)
+
+    @torch.compiler.disable
+    def _eager(self, q, k, v, key_mask, kv_index, dropout_p):
+        """`_run`, run eagerly inside torch.compile'd code: the ring's point-to-point messages
+        and the all-gathers stay the torch.distributed calls (timeouts, counts) they are."""
+        return self._run(q, k, v, key_mask, kv_index, dropout_p)
+
+    def _run(self, q, k, v, key_mask=None, kv_index=None, dropout_p: float = 0.0):
         mesh = self.mesh
         if self.method == "ring":
             if self.ring is None:

@@ -71,6 +71,7 @@ def rerun(engine, kept: KeptStep, trace: ModuleTrace) -> ModuleTrace:
     engine.grad_sync.in_step = False  # nor by ZeRO-2, which reduces every micro-batch in a step
     try:
         with (
+            torch.compiler.set_stance("force_eager"),  # --compile: hooks inside the blocks fire
             engine.injecting(executor, kept.step),
             trace.attached(executor),
             engine.precision.autocast(),

@@ -11,8 +11,11 @@ communicated.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from megapar.context_parallel import LayerAttention
@@ -32,6 +35,22 @@ def activation(name: str):
     if name not in ACTIVATIONS:
         raise ValueError(f"unknown activation {name!r}; expected one of {sorted(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+def fork_for(tracker, dropout: float):
+    """`tracker.fork()` (the per-tp-rank RNG stream) where attention dropout draws random
+    numbers; with dropout 0 nothing is drawn, so the stream switch (a host read and write of the
+    RNG state, which torch.compile cannot trace: a graph break) is skipped."""
+    return tracker.fork() if dropout > 0 else contextlib.nullcontext()
+
+
+def checkpoint_for(tracker, dropout: float, fn, *args):
+    """`fn(*args)` recomputed in backward (selective recomputation): `tracker.checkpoint`, which
+    replays the per-tp-rank RNG stream, where `fn` draws random numbers (dropout > 0); with
+    dropout 0 torch's own checkpoint, which torch.compile traces into the compiled graph."""
+    if dropout > 0:
+        return tracker.checkpoint(fn, *args)
+    return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
 
 def layer_norm(size: int, eps: float, device) -> nn.LayerNorm:
@@ -70,7 +89,7 @@ class ParallelAttention(nn.Module):
 
     def _core(self, q, k, v, mask):
         dropout = self.dropout if self.training else 0.0
-        with self.tracker.fork():  # dropout on this rank's heads: the per-tp-rank stream
+        with fork_for(self.tracker, dropout):  # this rank's heads: the per-tp-rank stream
             if self.context_parallel is not None:
                 return self.context_parallel(q, k, v, mask, dropout_p=dropout)
             return F.scaled_dot_product_attention(
@@ -89,12 +108,13 @@ class ParallelAttention(nn.Module):
         qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)
         if self.recompute_core and torch.is_grad_enabled():
+            dropout = self.dropout if self.training else 0.0
             if mask is None:
-                out = self.tracker.checkpoint(
-                    lambda q_, k_, v_: self._core(q_, k_, v_, None), q, k, v
+                out = checkpoint_for(
+                    self.tracker, dropout, lambda q_, k_, v_: self._core(q_, k_, v_, None), q, k, v
                 )
             else:
-                out = self.tracker.checkpoint(self._core, q, k, v, mask)
+                out = checkpoint_for(self.tracker, dropout, self._core, q, k, v, mask)
         else:
             out = self._core(q, k, v, mask)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)

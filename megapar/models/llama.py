@@ -24,7 +24,7 @@ from torch import nn
 from megapar.context_parallel import LayerAttention, method_for
 from megapar.context_parallel import positions as cp_positions
 from megapar.mesh import Mesh
-from megapar.models.blocks import activation, run_layers
+from megapar.models.blocks import activation, checkpoint_for, fork_for, run_layers
 from megapar.models.config import LlamaConfig
 from megapar.models.moe import MoE
 from megapar.models.stage import StageModel
@@ -214,10 +214,25 @@ class LlamaAttention(nn.Module):
         self.context_parallel = (
             LayerAttention(mesh, True, method_for(n_q, n_kv)) if mesh.cp > 1 else None
         )
+        if mesh.device.type != "meta" and self.kv_index != list(range(local_kv)):
+            self._index_on(mesh.device)
+
+    def _index_on(self, device) -> torch.Tensor:
+        """`kv_index` as a tensor on `device`, made once per device from arange (no host data
+        copied to it); made for the mesh's device when the layer is built, so a compiled block
+        only reads it (`--compile`: a dict filled inside the block would compile it again)."""
+        index = self._kv_index_on.get(str(device))
+        if index is None:
+            head_ids = torch.arange(self.local_heads, device=device)
+            index = self._kv_index_on[str(device)] = (
+                torch.div(self._first_q + head_ids, self._group, rounding_mode="floor")
+                - self._first_kv
+            )
+        return index
 
     def _core(self, q, k, v, index=None):
         dropout = self.dropout if self.training else 0.0
-        with self.tracker.fork():  # dropout on this rank's heads: the per-tp-rank stream
+        with fork_for(self.tracker, dropout):  # this rank's heads: the per-tp-rank stream
             if self.context_parallel is not None:
                 return self.context_parallel(q, k, v, kv_index=index, dropout_p=dropout)
             if self.grouped and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
@@ -245,17 +260,10 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = heads(self.v(x, entered=True))
-        index = None
-        if self.kv_index != list(range(k.shape[1])):
-            index = self._kv_index_on.get(str(k.device))
-            if index is None:  # once per device, from arange: no host data copied to it
-                head_ids = torch.arange(self.local_heads, device=k.device)
-                index = self._kv_index_on[str(k.device)] = (
-                    torch.div(self._first_q + head_ids, self._group, rounding_mode="floor")
-                    - self._first_kv
-                )
+        index = None if self.kv_index == list(range(k.shape[1])) else self._index_on(k.device)
         if self.recompute_core and torch.is_grad_enabled():
-            out = self.tracker.checkpoint(self._core, q, k, v, index)
+            dropout = self.dropout if self.training else 0.0
+            out = checkpoint_for(self.tracker, dropout, self._core, q, k, v, index)
         else:
             out = self._core(q, k, v, index)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
@@ -314,7 +322,7 @@ class Llama(StageModel):
     ):
         super().__init__()
         layers = self._begin(config, mesh, layers, pre_process, post_process, tracker)
-        rotary = Rotary(config, mesh.cp, mesh.cp_rank, mesh.device)
+        rotary = self.rotary = Rotary(config, mesh.cp, mesh.cp_rank, mesh.device)
         self.embed: nn.Module | None
         if pre_process:
             self.embed = nn.Module()
@@ -370,6 +378,8 @@ class Llama(StageModel):
             # Module)
             hidden = self.embed.word(self._cp_tokens(batch["input_ids"]))  # type: ignore[operator]
         assert hidden is not None  # later stages: the previous stage's output
+        if "input_ids" in batch:  # the rope tables made here, so a compiled block only reads them
+            self.rotary(batch["input_ids"].shape[1], hidden.device)
         hidden = run_layers(self.layers, hidden, None, self.recompute, self.tracker)
         if not self.post_process:
             return hidden

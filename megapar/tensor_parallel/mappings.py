@@ -53,6 +53,21 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def eager_region(function: type[torch.autograd.Function], x: torch.Tensor, group) -> torch.Tensor:
+    """`function.apply(x, group)`, run eagerly also inside torch.compile'd code (`--compile`:
+    a graph break), so a tp collective stays the in-place torch.distributed call it is in eager
+    mode: issued in the same order, counted (`comm_count`) and timed (`comm_wait`) the same.
+    Outside compiled code it is the plain call (no wrapper's cost)."""
+    if torch.compiler.is_compiling():
+        return _apply_eagerly(function, x, group)
+    return function.apply(x, group)
+
+
+@torch.compiler.disable
+def _apply_eagerly(function: type[torch.autograd.Function], x: torch.Tensor, group):
+    return function.apply(x, group)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -101,19 +116,19 @@ class _GatherFromTP(torch.autograd.Function):
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; sums the input gradient over the tp group in backward."""
-    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+    return x if _size(group) == 1 else eager_region(_CopyToTP, x, group)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Sums partial results over the tp group in forward; identity backward."""
-    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+    return x if _size(group) == 1 else eager_region(_ReduceFromTP, x, group)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Keeps this rank's slice of the last dim; gathers the gradient in backward."""
-    return x if _size(group) == 1 else _ScatterToTP.apply(x, group)
+    return x if _size(group) == 1 else eager_region(_ScatterToTP, x, group)
 
 
 def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Concatenates every rank's last-dim slice; keeps this rank's slice of the gradient."""
-    return x if _size(group) == 1 else _GatherFromTP.apply(x, group)
+    return x if _size(group) == 1 else eager_region(_GatherFromTP, x, group)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megapar.comm_wait import blocked
 from megapar.mesh import LayoutError, group_size
+from megapar.tensor_parallel.mappings import eager_region
 
 SEQ_DIM = 1
 
@@ -125,17 +126,17 @@ _ScatterToSP = _region("_ScatterToSP", split_sequence, gather_sequence)
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """All-gathers the sequence in forward; reduce-scatters the gradient in backward."""
-    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group)
+    return x if group_size(group) == 1 else eager_region(_GatherFromSP, x, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Sums partial results and keeps my sequence slice; all-gathers the gradient."""
-    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+    return x if group_size(group) == 1 else eager_region(_ReduceScatterToSP, x, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Keeps my sequence slice of a tensor every rank holds whole; all-gathers the gradient."""
-    return x if group_size(group) == 1 else _ScatterToSP.apply(x, group)
+    return x if group_size(group) == 1 else eager_region(_ScatterToSP, x, group)
 
 
 def mark_sequence_parallel(params) -> None:

@@ -94,6 +94,16 @@ def linear(
         or not weight.requires_grad
     ):
         return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return _deferred_linear(x, weight, bias, store)
+    return _DeferredWeightGradLinear.apply(x, weight.detach(), bias, store, (weight,))
+
+
+@torch.compiler.disable
+def _deferred_linear(x, weight, bias, store: WeightGradStore) -> torch.Tensor:
+    """The deferring F.linear, run eagerly also inside torch.compile'd code (`--compile`: a
+    graph break): its backward puts (X, dY) in the Python store, which a compiled backward
+    would not do."""
     return _DeferredWeightGradLinear.apply(x, weight.detach(), bias, store, (weight,))
 
 

@@ -78,6 +78,8 @@ class TrainConfig:
     """On CUDA: let fp32 matrix products use TensorFloat-32 (10-bit mantissa, several times faster on Ampere and newer GPUs). Off, fp32 runs keep full fp32 products and match one process to 1e-5."""
     recompute: str = "none"
     """Activation recomputation: none, selective (attention core) or full (each block)."""
+    compile: bool = False
+    """torch.compile each transformer block's forward (torchtitan's per-block compile; hooks stay outside, so ZeRO's gathers and gradient buckets work as in eager mode). Composes with tp and sequence parallelism, cp, the pipeline schedules (zero-bubble ones included), ZeRO-1/2/3, selective / full recompute and bf16 / fp16; tp collectives, cp attention's exchanges, zero-bubble deferred linears and attention dropout run eagerly between the compiled pieces. Off by default everywhere: the first step pays the compile (tens of seconds on a CPU), on the CPU it measured no faster than eager, and no GPU run has measured it yet (docs/performance.md "Compiled blocks on the CPU"). The dry run rehearses the eager blocks."""
     fp8: str = "off"
     """Run the blocks' linear layers in FP8 with torchao's float8 training (pip install 'megapar[fp8]'): tensorwise (one dynamic scale per tensor, the faster) or rowwise (per-row scales, more accurate); off. Needs a GPU with FP8 (compute capability >= 8.9) or --fp8-emulate. Weights, gradients and checkpoints stay in the master dtype; small layers stay in high precision (--fp8-layers; docs/fp8.md)."""
     fp8_emulate: bool = False

@@ -11,6 +11,7 @@ from megapar.device import share_host_arena
 from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh
 from megapar.models import set_loss_chunk_tokens
+from megapar.models.compile import compile_blocks
 from megapar.optim import Precision, build_optimizer
 from megapar.optim.zero3 import Zero3Optimizer
 from megapar.pipeline.partition import build_stage
@@ -64,9 +65,14 @@ def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
         placement=placement_of(cfg.schedule),
     )
     set_loss_chunk_tokens(model, cfg.loss_chunk_tokens)
-    if cfg.fp8 == "off":
-        return model, None
-    return model, convert_to_fp8(model, cfg.fp8, cfg.fp8_emulate, cfg.fp8_layers)
+    summary = (
+        None
+        if cfg.fp8 == "off"
+        else convert_to_fp8(model, cfg.fp8, cfg.fp8_emulate, cfg.fp8_layers)
+    )
+    if cfg.compile and not cfg.dry_run:  # the rehearsal's fake tensors run eagerly
+        compile_blocks(model)  # after fp8's conversion, before any hook on the blocks
+    return model, summary
 
 
 def optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):

@@ -132,7 +132,8 @@ def prepare(
     like), a megapar `LRScheduler`, or a dict of its fields (warmup_steps, max_steps, decay,
     min_lr). fp8: "tensorwise" / "rowwise" runs the blocks' linears in FP8 with torchao (a GPU
     with FP8, or fp8_emulate=True; docs/guides/fp8.md). Any other `TrainConfig` field (e.g.
-    lr_scale_with_batch, global_batch_size) can be passed as a keyword.
+    lr_scale_with_batch, global_batch_size) can be passed as a keyword;
+    compile=True torch.compiles each transformer block (`--compile`).
     on_nonfinite: a step whose loss or gradients are not finite is never applied (weights and
     optimizer state stay as they were); "raise" (default): `train_step` raises
     `megapar.faults.stop.NonFiniteError` on every rank, naming the step and what was not

@@ -189,6 +189,13 @@ def _check_combinations(cfg) -> None:
             f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr}; lower --min-lr or raise --lr"
         )
     check_zero3(cfg)
+    tools = [n for n in ("record_step", "replay", "inject_corrupt") if getattr(cfg, n, None)]
+    if cfg.compile and tools:
+        raise UsageError(
+            f"{flag_of(tools[0])} cannot be combined with --compile: its per-module hooks "
+            f"sit inside the compiled blocks; run it without --compile (the eager blocks "
+            f"compute the same values)"
+        )
     check_ep(cfg)
     try:
         given = explicit(cfg) - set(getattr(cfg, "from_checkpoint", ()))

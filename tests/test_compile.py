@@ -1,0 +1,119 @@
+"""`--compile` (torch.compile per transformer block) against eager, in one forked world.
+
+Four gloo ranks run three layouts of a tiny GPT-2 (test_api's transformers model) or a tiny
+grouped-query Llama, each twice through `megapar.prepare`: eager, then with `compile=True`,
+three steps each:
+
+- tp 2 x pp 2, 1F1B, sequence parallelism, selective recomputation;
+- tp 2 x pp 2, ZB-H1 (the split backward: B's input gradients, W's deferred weight gradients);
+- Llama, cp 2 x dp 2, ZeRO-3 (gather and free per block through hooks on the blocks), full
+  recomputation.
+
+The compiled run must equal the eager one (fp32: losses and final weights within 1e-5
+relative); dynamo must compile nothing after the first step (its frame, graph and
+aot_autograd counters unchanged from step 1 to step 3); and every graph break dynamo records
+must be one docs/guides/training.md lists for its layout (at tp > 1 the tp collectives, under
+ZB-H1 the deferring linears, at cp > 1 the attention's exchanges: all `torch.compiler.disable`d
+on purpose).
+"""
+
+import torch
+from test_api import _batches, _hf_model
+from tp_utils import assert_close
+
+from megapar.launcher import run_local
+
+STEPS = 3
+# Inductor fuses the block's operations, so its gradients carry other fp32 rounding (~1e-7 of
+# the largest entry); with Adam's usual eps (1e-8) entries whose gradient is that noise (the
+# attention key bias: zero in exact arithmetic) take ~lr-sized steps of random sign. eps 1e-4
+# keeps such updates proportional to the gradient, as test_parity_3d.py explains for tp.
+ADAM_EPS = 1e-4
+LAYOUTS = {
+    "tp2 x pp2 1f1b sp selective": dict(tp=2, pp=2, schedule="1f1b", sequence_parallel=True,
+                                        recompute="selective"),
+    "tp2 x pp2 zb-h1": dict(tp=2, pp=2, schedule="zb-h1"),
+    "llama cp2 x dp2 zero3 full": dict(cp=2, zero=3, recompute="full"),
+}
+# What the compiled blocks leave eager on purpose, per layout (the functions' names appear in
+# dynamo's graph-break reasons): the tp region primitives, the zero-bubble deferring linear,
+# context parallelism's attention exchanges. Each layout must show exactly its own.
+EXPECTED_BREAKS = {
+    "tp2 x pp2 1f1b sp selective": {"_apply_eagerly"},
+    "tp2 x pp2 zb-h1": {"_apply_eagerly", "_deferred_linear"},
+    "llama cp2 x dp2 zero3 full": {"LayerAttention._eager"},
+}
+
+
+def _counts():
+    from torch._dynamo.utils import counters
+
+    return (counters["frames"]["total"], counters["frames"]["ok"],
+            counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"])
+
+
+def _breaks() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=16))
+
+
+def _run(name: str, layout: dict, compile: bool):
+    import megapar
+
+    model = _llama() if name.startswith("llama") else _hf_model()
+    engine = megapar.prepare(model, micro_batch_size=2, lr=3e-3, weight_decay=0.1,
+                             clip_grad=0.5, adam_eps=ADAM_EPS, compile=compile, **layout)
+    losses, counts = [], []
+    for batch in _batches(STEPS):
+        losses.append(engine.train_step(batch))
+        counts.append(_counts())
+    with engine.params_whole():
+        weights = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    return losses, weights, counts
+
+
+def _worker():
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1  # 4 ranks on few cores: no compile workers
+    torch._dynamo.reset()
+    out = {}
+    for name, layout in LAYOUTS.items():
+        before_breaks, before = _breaks(), _counts()
+        eager_losses, eager_weights, _ = _run(name, layout, False)
+        assert _counts() == before, f"{name}: the eager run compiled something"
+        losses, weights, counts = _run(name, layout, True)
+        new_breaks = {k: v - before_breaks.get(k, 0) for k, v in _breaks().items()
+                      if v > before_breaks.get(k, 0)}
+        for a, b in zip(losses, eager_losses):
+            assert_close(torch.tensor(a), torch.tensor(b), 1e-5, f"{name}: loss")
+        for n, w in weights.items():
+            assert_close(w, eager_weights[n], 1e-5, f"{name}: {n}")
+        out[name] = {"counts": counts, "before": before, "breaks": new_breaks}
+    return out
+
+
+def test_compiled_blocks_equal_eager_without_recompiles():
+    for rank, result in enumerate(run_local(_worker, 4, timeout_s=600)):
+        for name, r in result.items():
+            first, *later = r["counts"]
+            assert first[1] > r["before"][1] or name != next(iter(LAYOUTS)), \
+                f"rank {rank} {name}: nothing was compiled"
+            assert all(c == first for c in later), \
+                f"rank {rank} {name}: recompiled after step 1: {r['counts']}"
+            expected = EXPECTED_BREAKS[name]
+            seen = {e for e in expected for k in r["breaks"] if e in k}
+            unexpected = [k for k in r["breaks"] if not any(e in k for e in expected)]
+            assert not unexpected, f"rank {rank} {name}: graph breaks {unexpected}"
+            assert seen == expected, f"rank {rank} {name}: breaks {seen}, expected {expected}"
