@@ -472,7 +472,7 @@ def test_help_shows_each_default_once(capsys):
     with pytest.raises(SystemExit):
         train(["--help"])
     out = capsys.readouterr().out
-    assert "(default: None)" not in out and out.count("(default: 1)") == 4  # --tp, --cp, --pp, --virtual-stages
+    assert "(default: None)" not in out and out.count("(default: 1)") == 5  # --tp, --cp, --pp, --ep, --virtual-stages
     assert "(default: 1) (default" not in out
 
 
