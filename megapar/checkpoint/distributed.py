@@ -62,6 +62,11 @@ NON_STRUCTURAL = {
     "attention_dropout",
     "bos_token_id",
     "eos_token_id",
+    "router_aux_loss_coef",  # a mixture of experts' balancing settings: the loss, not the model
+    "output_router_logits",
+    "moe_z_loss_coef",
+    "moe_capacity_factor",
+    "moe_bias_update_rate",
 }
 
 

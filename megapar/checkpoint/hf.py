@@ -180,14 +180,20 @@ class HFReader:
         ``torch_dtype``), else the word embedding's. An export writes this dtype by default."""
         if isinstance(self._saved_dtype, str) and self._saved_dtype != "auto":
             return self._saved_dtype.removeprefix("torch.")
-        probe = {"gpt2": "wte.weight", "llama": "embed_tokens.weight"}.get(
-            self.config.model_type, "embeddings.word_embeddings.weight"
+        probe = {"gpt2": "wte.weight"}.get(
+            self.config.model_type,
+            "embeddings.word_embeddings.weight"
+            if self.config.model_type == "bert"
+            else "embed_tokens.weight",
         )
         return str(self.get(probe).dtype).removeprefix("torch.")
 
     def _detect_prefix(self) -> str:
-        probe = {"gpt2": "wte.weight", "llama": "embed_tokens.weight"}.get(
-            self.config.model_type, "embeddings.word_embeddings.weight"
+        probe = {"gpt2": "wte.weight"}.get(
+            self.config.model_type,
+            "embeddings.word_embeddings.weight"
+            if self.config.model_type == "bert"
+            else "embed_tokens.weight",
         )
         for prefix in ("transformer.", "bert.", "model.", ""):
             if prefix + probe in self.keys:

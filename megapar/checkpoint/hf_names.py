@@ -148,9 +148,62 @@ _LLAMA_LAYER = {
 }
 
 
+_MOE_LAYER = {
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "mlp.shared.gate.weight": "mlp.shared_experts.gate_proj.weight",
+    "mlp.shared.up.weight": "mlp.shared_experts.up_proj.weight",
+    "mlp.shared.down.weight": "mlp.shared_experts.down_proj.weight",
+}
+"""Qwen3's q / k norms and the shared experts (DeepSeek's names; no transformers class of
+Mixtral or Qwen3-MoE has them)."""
+_EXPERTS = {  # model type -> the MoE block's name, (gate, up, down) of expert e
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+"""The routed experts as files hold them (transformers 4 and 5 alike: 5 fuses them into
+`experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] in memory only, which is
+megapar's layout; a file with the fused names is read too)."""
+
+
+def _llama_layer_hf(i: str, rest: str, config) -> list[str]:
+    """The HF names (no model prefix) of layer i's canonical tensor `rest`."""
+    if rest in _MOE_LAYER:
+        return [f"layers.{i}.{_MOE_LAYER[rest]}"]
+    if rest.startswith(("mlp.router.", "mlp.experts.")):
+        block, (gate, up, down) = _EXPERTS[config.model_type]
+        if rest == "mlp.router.weight":
+            return [f"layers.{i}.{block}.gate.weight"]
+        names = (gate, up) if rest == "mlp.experts.gate_up" else (down,)
+        return [
+            f"layers.{i}.{block}.experts.{e}.{n}.weight"
+            for e in range(config.num_local_experts)
+            for n in names
+        ]
+    module, kind = rest.rsplit(".", 1)
+    return [f"layers.{i}.{_LLAMA_LAYER[module]}.{kind}"]
+
+
+def _experts_canonical(i: str, rest: str, get: Getter, config) -> torch.Tensor:
+    """Layer i's stacked expert weight `rest` from the per-expert (or fused) HF tensors."""
+    block = _EXPERTS[config.model_type][0]
+    fused = (
+        f"layers.{i}.{block}.experts.{'gate_up_proj' if rest.endswith('gate_up') else 'down_proj'}"
+    )
+    try:
+        return get(fused)
+    except KeyError:
+        pass
+    parts = [get(n) for n in _llama_layer_hf(i, rest, config)]
+    if rest.endswith("gate_up"):  # (gate, up) per expert
+        return torch.stack([torch.cat(parts[j : j + 2]) for j in range(0, len(parts), 2)])
+    return torch.stack(parts)
+
+
 def llama_canonical(name: str, get: Getter, config) -> torch.Tensor:
-    """Canonical tensor `name` of a Llama model from its HF tensors (`get`). Same layout as
-    transformers (nn.Linear weights, no fusing): only the names differ."""
+    """Canonical tensor `name` of a Llama (Mixtral, Qwen3-MoE) model from its HF tensors
+    (`get`). Same layout as transformers (nn.Linear weights, no fusing) except the routed
+    experts, stacked per layer."""
     if name == "head.weight":  # untied head; a tied model has no lm_head to read
         return get("lm_head.weight")
     if name in _LLAMA_TOP:
@@ -158,32 +211,70 @@ def llama_canonical(name: str, get: Getter, config) -> torch.Tensor:
     m = _LAYER.fullmatch(name)
     assert m is not None  # every other name is a layer's
     i, rest = m.groups()
-    module, kind = rest.rsplit(".", 1)
-    return get(f"layers.{i}.{_LLAMA_LAYER[module]}.{kind}")
+    if rest.startswith("mlp.experts."):
+        return _experts_canonical(i, rest, get, config)
+    return get(_llama_layer_hf(i, rest, config)[0])
 
 
 def llama_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """LlamaForCausalLM's tensors (full names) from canonical tensors."""
+    """LlamaForCausalLM's (MixtralForCausalLM's, Qwen3MoeForCausalLM's) tensors (full names)
+    from canonical tensors; routed experts one tensor per expert and projection, as
+    save_pretrained writes them."""
     out = {"model." + hf: canonical[ours] for ours, hf in _LLAMA_TOP.items()}
-    for i in range(config.num_hidden_layers):
-        for ours, hf in _LLAMA_LAYER.items():
-            out[f"model.layers.{i}.{hf}.weight"] = canonical[f"layers.{i}.{ours}.weight"]
+    for name, tensor in canonical.items():
+        m = _LAYER.fullmatch(name)
+        if m is None:
+            continue
+        i, rest = m.groups()
+        hf = ["model." + n for n in _llama_layer_hf(i, rest, config)]
+        if rest == "mlp.experts.gate_up":
+            size = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                out[hf[2 * e]], out[hf[2 * e + 1]] = tensor[e, :size], tensor[e, size:]
+        elif rest == "mlp.experts.down":
+            out.update({hf[e]: tensor[e] for e in range(tensor.shape[0])})
+        else:
+            out[hf[0]] = tensor
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = canonical["head.weight"]
     return out
 
 
-CANONICAL = {"gpt2": gpt2_canonical, "bert": bert_canonical, "llama": llama_canonical}
+CANONICAL = {
+    "gpt2": gpt2_canonical,
+    "bert": bert_canonical,
+    "llama": llama_canonical,
+    "mixtral": llama_canonical,
+    "qwen3_moe": llama_canonical,
+}
 """The canonical-tensor reader per model type."""
-TO_HF = {"gpt2": gpt2_to_hf, "bert": bert_to_hf, "llama": llama_to_hf}
+TO_HF = {
+    "gpt2": gpt2_to_hf,
+    "bert": bert_to_hf,
+    "llama": llama_to_hf,
+    "mixtral": llama_to_hf,
+    "qwen3_moe": llama_to_hf,
+}
 """The canonical -> HF state mapping per model type (uncontiguous views; `hf.to_hf_state`)."""
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "bert": "BertForMaskedLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel",
+    "bert": "BertForMaskedLM",
+    "llama": "LlamaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 """The transformers class megapar trains and exports, per model type."""
 HF_PREFIXES = ("transformer.", "bert.", "model.")
 """The base models' name prefixes in the full HF names."""
 
 
-_TIED_HEAD = {"gpt2": "lm_head", "llama": "lm_head", "bert": "cls.predictions.decoder"}
+_TIED_HEAD = {
+    "gpt2": "lm_head",
+    "llama": "lm_head",
+    "mixtral": "lm_head",
+    "qwen3_moe": "lm_head",
+    "bert": "cls.predictions.decoder",
+}
 """The transformers module that uses a tied copy of the word embedding (the last stage's)."""
 
 
@@ -222,5 +313,4 @@ def hf_parameter_names(config, name: str, tied: bool = False) -> list[str]:
         return ["model." + _LLAMA_TOP[name]]
     assert layer is not None  # every other name is a layer's
     i, rest = layer.groups()
-    module, end = rest.rsplit(".", 1)
-    return [f"model.layers.{i}.{_LLAMA_LAYER[module]}.{end}"]
+    return ["model." + n for n in _llama_layer_hf(i, rest, config)]

@@ -1,10 +1,12 @@
-"""GPT-2, BERT and Llama built from tensor-parallel layers.
+"""GPT-2, BERT and Llama (and its MoE variants Mixtral, Qwen3-MoE) from tensor-parallel layers.
 
 Models never import the pipeline or CLI."""
 
 from megapar.models.bert import Bert
 from megapar.models.blocks import set_recompute
 from megapar.models.config import (
+    CONFIG_CLASSES,
+    HF_SUPPORTED_DEFAULTS,
     BertConfig,
     ConfigError,
     GPT2Config,
@@ -16,9 +18,13 @@ from megapar.models.config import (
 )
 from megapar.models.gpt2 import GPT2
 from megapar.models.llama import Llama
+from megapar.models.moe_config import MOE_SUPPORTED_DEFAULTS, MixtralConfig, Qwen3MoeConfig
 from megapar.models.stage import set_loss_chunk_tokens
 
-MODEL_CLASSES = {"gpt2": GPT2, "bert": Bert, "llama": Llama}
+MODEL_CLASSES = {"gpt2": GPT2, "bert": Bert, "llama": Llama, "mixtral": Llama, "qwen3_moe": Llama}
+# the MoE configs subclass LlamaConfig (config.py cannot import them: a cycle)
+CONFIG_CLASSES.update({"mixtral": MixtralConfig, "qwen3_moe": Qwen3MoeConfig})
+HF_SUPPORTED_DEFAULTS.update(MOE_SUPPORTED_DEFAULTS)
 
 
 def build_model(config, mesh, layers=None, pre_process=True, post_process=True, tracker=None):
@@ -43,5 +49,7 @@ __all__ = [
     "MODEL_CLASSES",
     "Llama",
     "LlamaConfig",
+    "MixtralConfig",
+    "Qwen3MoeConfig",
     "set_loss_chunk_tokens",
 ]

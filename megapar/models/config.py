@@ -360,7 +360,7 @@ class LlamaConfig(_Base):
 ModelConfig = GPT2Config | BertConfig | LlamaConfig
 """Any megapar model config."""
 
-CAUSAL_LM_TYPES = ("gpt2", "llama")
+CAUSAL_LM_TYPES = ("gpt2", "llama", "mixtral", "qwen3_moe")
 """Model types trained on next-token windows (GPT data); the others are masked LMs."""
 
 CONFIG_CLASSES: dict[str, type[_Base]] = {

@@ -26,6 +26,7 @@ from megapar.context_parallel import positions as cp_positions
 from megapar.mesh import Mesh
 from megapar.models.blocks import activation, run_layers
 from megapar.models.config import LlamaConfig
+from megapar.models.moe import MoE
 from megapar.models.stage import StageModel
 from megapar.tensor_parallel import (
     ColumnParallelLinear,
@@ -199,6 +200,14 @@ class LlamaAttention(nn.Module):
             n_q * hd, hidden, mesh, bias=False, name="attention heads x head size"
         )
         self.rotary, self.tracker = rotary, tracker
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if getattr(config, "qk_norm", False):  # Qwen3: RMSNorm over each head's q and k
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, mesh.device)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, mesh.device)
+            for norm in (self.q_norm, self.k_norm):  # shared by the heads of every tp rank:
+                # a rank's gradient is its heads' share, summed over tp once per step
+                norm.weight.sequence_parallel = mesh.tp > 1  # type: ignore[attr-defined]
         self.dropout = config.attention_dropout
         self.recompute_core = False
         self.cp = mesh.cp
@@ -231,8 +240,10 @@ class LlamaAttention(nn.Module):
 
         # global positions of these tokens (of the whole sequence under SP, cp rank's under cp)
         cos, sin = self.rotary(s * self.cp, x.device)
-        q = apply_rotary(heads(self.q(x, entered=True)), cos, sin)
-        k = apply_rotary(heads(self.k(x, entered=True)), cos, sin)
+        q, k = heads(self.q(x, entered=True)), heads(self.k(x, entered=True))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = heads(self.v(x, entered=True))
         index = None
         if self.kv_index != list(range(k.shape[1])):
@@ -267,15 +278,17 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+    """x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)); the MLP is a mixture of experts
+    (`MoE`) in the layers an MoE config (Mixtral, Qwen3-MoE) says."""
 
-    def __init__(self, config: LlamaConfig, mesh: Mesh, rotary: Rotary, tracker):
+    def __init__(self, config: LlamaConfig, mesh: Mesh, rotary: Rotary, tracker, index: int = 0):
         super().__init__()
         eps, d = config.rms_norm_eps, mesh.device
         self.attn_norm = RMSNorm(config.hidden_size, eps, d)
         self.attn = LlamaAttention(config, mesh, rotary, tracker)
         self.mlp_norm = RMSNorm(config.hidden_size, eps, d)
-        self.mlp = SwiGLU(config, mesh)
+        moe = getattr(config, "is_moe_layer", None)
+        self.mlp: SwiGLU | MoE = MoE(config, mesh) if moe and moe(index) else SwiGLU(config, mesh)
 
     def forward(self, x: torch.Tensor, mask=None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -310,8 +323,8 @@ class Llama(StageModel):
             )
         else:
             self.embed = None
-        self.layers = self._build_layers(
-            layers, lambda: LlamaBlock(config, mesh, rotary, self.tracker)
+        self.layers = nn.ModuleDict(
+            {str(i): LlamaBlock(config, mesh, rotary, self.tracker, i) for i in layers}
         )
         self.tied = config.tie_word_embeddings
         if post_process:

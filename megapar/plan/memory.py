@@ -78,7 +78,10 @@ def block_terms(config) -> BlockTerms:
     """megapar's blocks for a model config (GPT-2, BERT: LayerNorm + GELU MLP; Llama: RMSNorm +
     SwiGLU), with its FFN width."""
     f = config.ffn_size / config.hidden_size
-    if config.model_type == "llama":
+    if getattr(config, "num_moe_layers", 0):  # a mixture of experts: the active width
+        routed = config.num_experts_per_tok * config.expert_size
+        f = (routed + (config.shared_expert_intermediate_size or 0)) / config.hidden_size
+    if config.model_type in ("llama", "mixtral", "qwen3_moe"):
         return BlockTerms(
             replicated=6.0,
             gathered=2.0,

@@ -68,9 +68,9 @@ class TrainConfig:
     """Start more local workers than 4 per CPU core (at least 8) when megapar-train starts them itself; refused otherwise."""
     # --- model ---
     model: str | None = None
-    """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny) or a JSON/YAML config file."""
+    """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny, mixtral-tiny, qwen3-moe-tiny) or a JSON/YAML config file."""
     from_hf: str | None = None
-    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM): the model is its config.json's (a --model describing another is refused)."""
+    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM): the model is its config.json's (a --model describing another is refused)."""
     precision: str = "fp32"
     """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
     tf32: bool = False
@@ -79,6 +79,14 @@ class TrainConfig:
     """Activation recomputation: none, selective (attention core) or full (each block)."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the fused LM head and cross-entropy: each chunk's logits are computed, reduced to its loss and dropped, and recomputed in the backward (one more head matmul), so the whole [tokens x vocabulary] logits never exist (with Llama 3's 128,256-token vocabulary a 1,024-token chunk is 0.5 GB in fp32). The loss accumulates in fp32 and equals the unchunked one. 0: the whole micro-batch's logits at once."""
+    moe_aux_loss_coef: float | None = None
+    """Mixture of experts: coefficient of the switch-style load-balancing loss (transformers' router_aux_loss_coef: each MoE layer's loss counts 1 / MoE layers; 0: none). Default: the model config's."""
+    moe_z_loss_coef: float | None = None
+    """Mixture of experts: coefficient of the router z-loss (ST-MoE; 0: none). Default: the model config's (0)."""
+    moe_capacity_factor: float | None = None
+    """Mixture of experts: each expert keeps at most ceil(factor x tokens x k / experts) of a micro-batch's assignments on a rank, the rest are dropped (zero output) and counted in the log; 0: dropless. Default: the model config's (dropless)."""
+    moe_bias_update_rate: float | None = None
+    """Mixture of experts: DeepSeek-V3's auxiliary-loss-free balancing, the step by which each expert's routing bias moves toward a balanced load after every step (0: off). Default: the model config's (0)."""
     # --- data ---
     data: str | list[str] | None = None
     """Dataset prefix (PREFIX.bin/.idx from megapar-data, or a Megatron-LM MMIDIDX dataset) or raw text: a .txt / .jsonl file or a directory of them (tokenized into --data-cache); or a blend "W1 PREFIX1 W2 PREFIX2 ..." (Megatron's syntax). Default: the shipped Shakespeare sample."""

@@ -171,7 +171,9 @@ class MetricsLogger(NullLogger):
 def format_line(step: int, m: dict) -> str:
     """The console log line: `bubble` with a pipeline, `grad-reduce wait` (the idle share of a
     step without one: waiting for the data-parallel gradient reduction) at pp 1 with dp or cp,
-    neither at pp 1 alone; each rank named slow (`stragglers`) at the end."""
+    neither at pp 1 alone; a mixture of experts' router statistics (the balancing losses, the
+    busiest layer's max / mean tokens per expert, the share of assignments dropped); each rank
+    named slow (`stragglers`) at the end."""
     parts = [
         f"step {step:>6}",
         f"loss {m['loss']:.4f}",
@@ -186,6 +188,11 @@ def format_line(step: int, m: dict) -> str:
     if "grad_reduce_wait" in m:
         parts.append(f"grad-reduce wait {100 * m['grad_reduce_wait']:.1f}%")
     parts.append(f"mem {m['peak_mem_mb']:,.0f} MB")
+    if "moe_aux_loss" in m:
+        parts.append(
+            f"moe aux {m['moe_aux_loss']:.4f} z {m['moe_z_loss']:.3f} "
+            f"imbalance {m['moe_imbalance']:.2f} dropped {100 * m['moe_dropped']:.1f}%"
+        )
     if m.get("skipped"):
         parts.append("skipped (inf/nan)")
     if "loss_scale" in m and m["loss_scale"] != 1.0:

@@ -307,6 +307,8 @@ class Trainer:
             "skipped": bool(result.skipped),
             "loss_scale": float(result.loss_scale),
         }
+        if result.router is not None:  # a mixture of experts: the step's router statistics
+            metrics.update({f"moe_{k}": v for k, v in result.router.items()})
         if logging_step:
             if mesh.pp > 1:
                 metrics["bubble"] = self.bubble()

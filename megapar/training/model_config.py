@@ -88,7 +88,34 @@ def resolve_model_config(
     if manifest is not None:
         config = _checkpoint_model(cfg, manifest, config, given_from, needed, tokenizer_name)
     _fit_seq_len(cfg, config, notes)
+    _apply_moe_flags(cfg, config)
     return config
+
+
+MOE_FLAGS = {
+    "moe_aux_loss_coef": "router_aux_loss_coef",
+    "moe_z_loss_coef": "moe_z_loss_coef",
+    "moe_capacity_factor": "moe_capacity_factor",
+    "moe_bias_update_rate": "moe_bias_update_rate",
+}
+"""The --moe-* flags and the model config field each sets."""
+
+
+def _apply_moe_flags(cfg: TrainConfig, config) -> None:
+    """The --moe-* flags given set their model config fields (--moe-capacity-factor 0:
+    dropless); refused for a model without experts."""
+    given = [name for name in MOE_FLAGS if getattr(cfg, name) is not None]
+    if given and not hasattr(config, "num_local_experts"):
+        flag = "--" + given[0].replace("_", "-")
+        raise ConfigError(
+            f"{flag} applies to a mixture-of-experts model (mixtral, qwen3_moe: e.g. --model "
+            f"mixtral-tiny); this {config.model_type} model has no experts: remove the flag"
+        )
+    for name in given:
+        value = getattr(cfg, name)
+        setattr(
+            config, MOE_FLAGS[name], None if name == "moe_capacity_factor" and not value else value
+        )
 
 
 def _checkpoint_model(

@@ -37,6 +37,7 @@ from torch import nn
 
 from megapar.faults.status import set_action
 from megapar.mesh import Mesh, all_reduce
+from megapar.models.moe import finish_step, set_penalty_grad
 from megapar.optim.clip import clip_grad_norm
 from megapar.pipeline.tied import (
     shared_embedding_params,
@@ -101,6 +102,8 @@ class StepResult:
     """The step found an inf / NaN gradient or loss and did not update the weights."""
     loss_scale: float
     """Loss scale used for this step's backward (1.0 unless fp16)."""
+    router: dict | None = None
+    """A mixture-of-experts model's router statistics of the step (`moe.finish_step`)."""
 
 
 class TrainStep:
@@ -121,6 +124,9 @@ class TrainStep:
         self.executor, self.optimizer, self.scheduler = executor, optimizer, scheduler
         self.precision, self.clip_grad, self.grad_sync = precision, clip_grad, grad_sync
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.num_experts = getattr(getattr(model, "config", None), "num_local_experts", 0)
+        """Routed experts per MoE layer (0: a dense model): the same on every rank, so every
+        rank takes part in the step's router statistics."""
         self.partial_over_tp = mesh.tp > 1 and any(
             getattr(p, "sequence_parallel", False) for p in self.params
         )
@@ -178,6 +184,8 @@ class TrainStep:
             self.optimizer.set_lr(self.scheduler.lr(step_index))
         lr = self.optimizer.lr
         scale = self.precision.loss_scale
+        if self.num_experts:  # each micro-batch's balancing penalty, weighted as its loss
+            set_penalty_grad(self.model, scale / len(micro_batches))
         with self.precision.autocast():
             loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
         self.sync_gradients()
@@ -202,4 +210,8 @@ class TrainStep:
             set_action("optimizer step (ZeRO / trust-ratio collectives)")
             self.optimizer.step()
         self.precision.update(skipped)
-        return StepResult(mean_loss, norm, lr, skipped, scale)
+        router = None
+        if self.num_experts:
+            set_action("router statistics all-reduce (dp x cp, pp)")
+            router = finish_step(self.model, self.mesh, self.num_experts, not skipped)
+        return StepResult(mean_loss, norm, lr, skipped, scale, router)

@@ -1,0 +1,349 @@
+"""Mixture-of-experts MLP: a top-k router, routed SwiGLU experts run over tokens sorted by expert,
+optional shared experts, and the balancing terms (switch-style auxiliary loss, router z-loss,
+DeepSeek-V3's auxiliary-loss-free bias).
+
+One `MoE` layer, on the tokens x [T, H] of a micro-batch:
+
+1. `Router`: logits = x W^T (W [E, H]); scores = softmax (Mixtral, Qwen3-MoE) or sigmoid
+   (DeepSeek-V3) of the logits in fp32; the k experts with the highest score (+ the balancing
+   bias, which only chooses, never weighs); their scores are the combine weights, renormalised to
+   sum to 1 when the config says so.
+2. `route`: the T x k assignments sorted by expert (stable: token order within an expert), the
+   tokens per expert as a device tensor. With a capacity factor an expert keeps at most
+   ceil(factor * T * k / E) of its assignments (first come, first kept) and the rest are dropped:
+   sorted after every expert's, their output zero, counted. Dropless (no factor) by default.
+3. `GroupedExperts`: the experts' weights stacked [E, 2I, H] (gate and up) and [E, H, I] (down),
+   transformers 5's layout, so ep can later shard dim 0. `forward(sorted tokens,
+   tokens_per_expert)` is the one entry point a dispatch plugs into: on CUDA one
+   `torch._grouped_mm` per projection (no host sync); elsewhere a loop over the experts, each a
+   contiguous slice of the sorted tokens (never a loop over tokens), whose slice sizes are read
+   to the host once: the one host sync of an MoE layer per micro-batch.
+4. The weighted outputs are put back in token order and summed over the k choices, plus the
+   shared experts' SwiGLU (DeepSeek style: every token, no gate).
+
+The balancing penalty of a layer (coef x the switch loss + z coef x the z-loss, divided by the
+number of MoE layers, so the coefficient means what transformers' `router_aux_loss_coef`
+means) joins the backward through `_AttachPenalty` (as Megatron's MoEAuxLossAutoScaler): the
+layer's output passes through unchanged and the penalty receives the gradient the training
+step sets (`set_penalty_grad`: loss scale / micro-batches), so a penalty made on any pipeline
+stage reaches the loss without travelling to the last one.
+
+Tensor parallelism keeps the router and experts whole on every tp rank (replicated, as the
+inputs are): each rank computes the same MoE output, no tp collective; expert parallelism
+(another module) is the way to split experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from megapar.mesh import Mesh, all_reduce
+from megapar.models.blocks import activation
+from megapar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+
+class Router(nn.Module):
+    """Linear scores over E experts and the top-k choice (see the module docstring)."""
+
+    def __init__(self, config, device) -> None:
+        super().__init__()
+        e, self.k = config.num_local_experts, config.num_experts_per_tok
+        self.weight = nn.Parameter(torch.empty(e, config.hidden_size, device=device))
+        self.score = config.moe_router_score
+        self.renormalize = config.renormalize_topk
+        self.bias: torch.Tensor | None = None
+        if config.moe_bias_update_rate:
+            self.bias = torch.zeros(e, device=device)
+            """DeepSeek-V3's balancing bias: added to the scores to choose, never to weigh;
+            `update_bias` moves it after each step (a plain tensor, not a parameter)."""
+
+    def forward(self, x: torch.Tensor):
+        """(logits [T, E] in x's dtype, probs [T, E] fp32 (the scores the switch loss
+        averages), weights [T, k] fp32, experts [T, k])."""
+        logits = F.linear(x, self.weight)
+        if self.score == "softmax":
+            scores = probs = torch.softmax(logits.float(), dim=-1)
+        else:
+            scores = torch.sigmoid(logits.float())
+            probs = scores / scores.sum(-1, keepdim=True)
+        if self.bias is None:
+            weights, experts = torch.topk(scores, self.k, dim=-1)
+        else:
+            experts = torch.topk(scores + self.bias, self.k, dim=-1).indices
+            weights = scores.gather(-1, experts)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, probs, weights, experts
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float) -> None:
+        """b_e += rate * sign(mean load - load_e): an overloaded expert is chosen less."""
+        assert self.bias is not None
+        self.bias += rate * torch.sign(load.mean() - load)
+
+
+def expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of `flat`'s expert ids are each of 0..num_experts-1 (bincount's answer with a
+    shape known in advance: no host sync, and fake tensors can follow it)."""
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+
+
+def route(experts: torch.Tensor, num_experts: int, capacity: int | None):
+    """Sort the T x k assignments `experts` [T, k] by expert. Returns (order [T*k]: the flat
+    assignment index of each sorted row, tokens_per_expert [E] (kept ones), dropped (a device
+    scalar)); dropped assignments, if any, are the last rows of `order`."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = expert_counts(flat, num_experts)
+    if capacity is None:
+        return order, counts, counts.new_zeros(())
+    sorted_experts = flat[order]
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(flat.numel(), device=flat.device) - starts[sorted_experts]
+    key = torch.where(rank < capacity, sorted_experts, num_experts)
+    again = torch.argsort(key, stable=True)
+    kept = expert_counts(key, num_experts + 1)[:num_experts]
+    return order[again], kept, flat.numel() - kept.sum()
+
+
+def host_counts(tokens_per_expert: torch.Tensor, rows: int) -> list[int]:
+    """The tokens per expert on the host: the MoE layer's one host sync per micro-batch. Under
+    the dry run's fake tensors (no values) the rows are taken as spread evenly."""
+    if is_fake(tokens_per_expert):
+        e = tokens_per_expert.shape[0]
+        return [rows // e + (i < rows % e) for i in range(e)]
+    return tokens_per_expert.tolist()
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights: `gate_up` [E, 2I, H] (gate rows first, then up)
+    and `down` [E, H, I] (transformers 5's `MixtralExperts` / `Qwen3MoeExperts` layout)."""
+
+    def __init__(self, num_experts: int, hidden: int, size: int, act: str, device):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * size, hidden, device=device))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, size, device=device))
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Rows of `x` [N, H] sorted by expert, `tokens_per_expert[e]` rows for expert e (the
+        sum may be < N: the rows after it get zeros) -> outputs [N, H] in the same order."""
+        aligned = x.shape[1] % 8 == 0 and self.down.shape[2] % 8 == 0  # 16-byte rows
+        if x.is_cuda and x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
+            return self._grouped(x, tokens_per_expert)
+        counts = host_counts(tokens_per_expert, x.shape[0])
+        outs = []
+        for e, part in enumerate(x[: sum(counts)].split(counts)):
+            if part.shape[0]:
+                gate, up = F.linear(part, self.gate_up[e]).chunk(2, dim=-1)
+                outs.append(F.linear(self.act(gate) * up, self.down[e]))
+        rest = x.shape[0] - sum(counts)
+        if rest:
+            outs.append(x.new_zeros(rest, x.shape[1]))
+        return torch.cat(outs) if outs else x.new_zeros(x.shape)
+
+    def _grouped(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """One grouped matmul per projection; offsets stay on the device (no host sync)."""
+        offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+        h = torch._grouped_mm(x, self.gate_up.transpose(1, 2), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(self.act(gate) * up, self.down.transpose(1, 2), offs=offs)
+        rows = torch.arange(x.shape[0], device=x.device)
+        return torch.where((rows < offs[-1])[:, None], y, 0)  # rows past the groups: unwritten
+
+
+class SharedExperts(nn.Module):
+    """The shared experts' SwiGLU (every token, no gate): gate / up column-parallel, down
+    row-parallel, as the dense MLP."""
+
+    def __init__(self, hidden: int, size: int, act: str, mesh: Mesh):
+        super().__init__()
+        self.gate = ColumnParallelLinear(hidden, size, mesh, bias=False, name="shared expert size")
+        self.up = ColumnParallelLinear(hidden, size, mesh, bias=False, name="shared expert size")
+        self.down = RowParallelLinear(size, hidden, mesh, bias=False, name="shared expert size")
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.gate.enter(x)
+        return self.down(self.act(self.gate(x, entered=True)) * self.up(x, entered=True))
+
+
+class _AttachPenalty(torch.autograd.Function):
+    """out passes through; in backward, `penalty` gets the gradient `scale` (a number or a
+    device scalar), so its term joins the loss wherever the layer runs."""
+
+    @staticmethod
+    def forward(ctx, out, penalty, scale):
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device) * ctx.scale, None
+
+
+class RouterStats:
+    """A layer's router statistics summed over a step's training micro-batches (device
+    tensors, no host sync): kept tokens per expert, the switch loss, the z-loss, dropped
+    assignments, micro-batches."""
+
+    def __init__(self, num_experts: int, device):
+        self.values = torch.zeros(num_experts + 4, dtype=torch.float32, device=device)
+
+    def add(self, load, switch, z, dropped, share: float = 1.0) -> None:
+        """`share`: this rank's share of the micro-batch (its tokens are split over ranks)."""
+        extra = torch.stack(
+            [switch.float(), z.float(), dropped.float(), torch.ones_like(z) * share]
+        )
+        self.values += torch.cat([load.float(), extra.to(load.device)])
+
+    def reset(self) -> None:
+        self.values.zero_()
+
+
+class MoE(nn.Module):
+    """The MoE MLP of one layer: router, routed experts, optional shared experts (see the
+    module docstring). Input and output [b, s, H]."""
+
+    def __init__(self, config, mesh: Mesh):
+        super().__init__()
+        d = mesh.device
+        self.num_experts, self.top_k = config.num_local_experts, config.num_experts_per_tok
+        self.router = Router(config, d)
+        self.experts = GroupedExperts(
+            self.num_experts, config.hidden_size, config.expert_size, config.hidden_act, d
+        )
+        self.shared: SharedExperts | None = None
+        if config.shared_expert_intermediate_size:
+            self.shared = SharedExperts(
+                config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act, mesh
+            )
+        layers = config.num_moe_layers
+        self.aux_coef = config.router_aux_loss_coef / layers
+        self.z_coef = config.moe_z_loss_coef / layers
+        self.capacity_factor = config.moe_capacity_factor
+        self.bias_rate = config.moe_bias_update_rate
+        self.penalty_grad: float | torch.Tensor = 1.0
+        """The gradient of the step's loss w.r.t. this micro-batch's penalty (`set_penalty_grad`;
+        1.0: the penalty is added once, as for a plain `loss.backward()`)."""
+        self.token_groups = [
+            g
+            for g, split in (
+                (mesh.tp_group, mesh.sequence_parallel and mesh.tp > 1),
+                (mesh.cp_group, mesh.cp > 1),
+            )
+            if split
+        ]
+        """The groups a micro-batch's tokens are split over (tp under sequence parallelism,
+        cp): the switch loss takes the whole micro-batch's load and token count from them (one
+        all-reduce of E + 1 numbers per group), each rank adding its tokens' share."""
+        self.share = 1.0 / (
+            (mesh.tp if mesh.sequence_parallel else 1) * mesh.cp
+        )  # of a micro-batch's forwards this rank counts
+        self.stats = RouterStats(self.num_experts, d)
+        self.last: dict[str, torch.Tensor] = {}
+        """The last forward's switch loss, z-loss and router logits (for tests and tools)."""
+
+    def capacity(self, tokens: int) -> int | None:
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        logits, probs, weights, experts = self.router(x)
+        order, tokens_per_expert, dropped = route(
+            experts, self.num_experts, self.capacity(x.shape[0])
+        )
+        rows = order // self.top_k  # the token of each sorted assignment
+        y = self.experts(x[rows], tokens_per_expert)
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)
+        out = y.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, order, y)
+        out = out.view(x.shape[0], self.top_k, -1).sum(1).to(hidden.dtype)
+        load = expert_counts(experts.reshape(-1), self.num_experts).float()
+        whole = torch.cat([load, load.new_full((1,), x.shape[0])])
+        for group in self.token_groups:  # the micro-batch's load and tokens (no gradient)
+            all_reduce(whole, group)
+        tokens = whole[-1]
+        # the switch loss E * sum_e f_e P_e, f_e the share of the T x k assignments chosen for
+        # e (as transformers' load_balancing_loss_func: counted before any capacity drop, sums
+        # to k), P_e the mean router probability of e, both over the whole micro-batch: this
+        # rank's tokens' share of it (of the z-loss, mean logsumexp(logits)^2, too)
+        switch = self.num_experts * torch.sum(whole[:-1] / tokens * probs.sum(0) / tokens)
+        z = torch.logsumexp(logits.float(), dim=-1).square().sum() / tokens
+        self.last = {"switch": switch.detach(), "z": z.detach(), "logits": logits.detach()}
+        if torch.is_grad_enabled() and self.training:
+            if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+                self.stats.add(
+                    tokens_per_expert.detach(), switch.detach(), z.detach(), dropped, self.share
+                )
+            penalty = self.aux_coef * switch + self.z_coef * z
+            if self.aux_coef or self.z_coef:
+                out = _AttachPenalty.apply(out, penalty, self.penalty_grad)
+        out = out.view(shape)
+        if self.shared is not None:  # [b, s, H]: under SP it gathers the sequence like any MLP
+            out = out + self.shared(hidden)
+        return out
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """Every MoE layer of a model, a stage or model chunks, in module order."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def set_penalty_grad(model: nn.Module, grad: float | torch.Tensor) -> None:
+    """The gradient each micro-batch's balancing penalty is backpropagated with: what the loss
+    of that micro-batch gets (the loss scale / the number of micro-batches of the step)."""
+    for layer in moe_layers(model):
+        layer.penalty_grad = grad
+
+
+def finish_step(model: nn.Module, mesh: Mesh, num_experts: int, update_bias: bool) -> dict:
+    """Once per optimizer step, on every rank of a model with MoE layers: each layer's router
+    statistics summed over the dp x cp group (one all-reduce), the auxiliary-loss-free bias
+    moved from that global load (`update_bias`: the step was applied), and the step's summary
+    over all layers of all stages (an all-reduce of the sum and one of the max over pp):
+    `aux_loss` / `z_loss` (means over layers and micro-batches), `dropped` (share of the
+    assignments dropped), `imbalance` (the largest max / mean tokens per expert of a layer),
+    `tokens_per_expert` (summed over layers and the global batch). The statistics restart."""
+    layers = moe_layers(model)
+    device = mesh.device
+    per_layer = (
+        torch.stack([layer.stats.values for layer in layers])
+        if layers
+        else torch.zeros(0, num_experts + 4, device=device)
+    )
+    if layers and mesh.dp * mesh.cp > 1:  # every rank of the group holds the same layers
+        all_reduce(per_layer, mesh.dp_cp_group)
+    if layers and mesh.sequence_parallel and mesh.tp > 1:  # each tp rank routed its slice
+        all_reduce(per_layer, mesh.tp_group)
+    for layer, values in zip(layers, per_layer):
+        if update_bias and layer.router.bias is not None:
+            layer.router.update_bias(values[:num_experts], layer.bias_rate)
+        layer.stats.reset()
+    load = per_layer[:, :num_experts]
+    total = per_layer.sum(0) if layers else torch.zeros(num_experts + 4, device=device)
+    worst = (load.max(1).values / load.mean(1).clamp(min=1e-9)).max() if layers else None
+    worst = torch.zeros((), device=device) if worst is None else worst
+    if mesh.pp > 1:
+        all_reduce(total, mesh.pp_group)
+        all_reduce(worst, mesh.pp_group, op=dist.ReduceOp.MAX)
+    values = total.tolist()
+    tokens, (switch, z, dropped, forwards) = values[:num_experts], values[num_experts:]
+    forwards = max(forwards, 1.0)
+    return {
+        "aux_loss": switch / forwards,
+        "z_loss": z / forwards,
+        "dropped": dropped / max(sum(tokens) + dropped, 1.0),
+        "imbalance": float(worst),
+        "tokens_per_expert": [int(t) for t in tokens],
+    }

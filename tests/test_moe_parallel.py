@@ -1,0 +1,183 @@
+"""A Qwen3-MoE-style model (a dense first layer, three MoE layers with shared experts, the
+switch loss and the z-loss in the loss, the auxiliary-loss-free bias moving every step) trains
+the same at tp 2, pp 2 (1F1B and ZB-H1: the penalties made on both stages), dp 2 with ZeRO-1 and
+ZeRO-3, pp 2 with full recomputation (the router statistics counted once), tp 2 with sequence
+parallelism and cp 2 (each rank routes its tokens; the switch loss takes the micro-batch's
+load from the group) as one process: losses, grad norms, first-step gradients, final weights, the routing
+biases and the router statistics, fp32, 1e-5 relative.
+
+The serial reference is a plain PyTorch loop (torch.optim.AdamW, clip_grad_norm_) over the same
+micro-batches, each micro-batch's penalty weighted 1 / m as its loss (`set_penalty_grad`, the
+mechanism test_models_moe.py holds against transformers' loss).
+"""
+
+import contextlib
+
+import pytest
+import torch
+from test_zero3 import gathered_grads
+from tp_utils import assert_close, gather_grads
+
+from megapar.launcher import run_local
+from megapar.mesh import Layout, Mesh
+from megapar.models import Qwen3MoeConfig
+from megapar.models.moe import finish_step, moe_layers, set_penalty_grad
+from megapar.pipeline.partition import build_stage
+from megapar.tensor_parallel.partition import gather_full, unpad
+from megapar.training.step import BatchPlan
+
+SEED, STEPS, G, MBS, SEQ, VOCAB, E = 11, 3, 8, 2, 8, 100, 4
+LR, WD, MAX_NORM, EPS = 3e-3, 0.1, 0.3, 1e-4
+
+
+def config() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=16, make_vocab_size_divisible_by=16, num_local_experts=E,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+        router_aux_loss_coef=0.05, moe_z_loss_coef=0.01, moe_bias_update_rate=0.01,
+        shared_expert_intermediate_size=16)
+
+
+def global_batches() -> list[dict]:
+    gen = torch.Generator().manual_seed(5)
+    ids = [torch.randint(0, VOCAB, (G, SEQ), generator=gen) for _ in range(STEPS)]
+    return [{"input_ids": x, "labels": (x + 1) % VOCAB} for x in ids]
+
+
+def scheduler():
+    from megapar.optim import LRScheduler
+
+    return LRScheduler(LR, LR / 10, 1, STEPS, "cosine")
+
+
+def biases(model) -> dict:
+    return {n: m.router.bias.clone() for n, m in model.named_modules() if hasattr(m, "router")}
+
+
+def serial_reference() -> dict:
+    mesh = Mesh(Layout())
+    model = build_stage(config(), mesh, SEED)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=EPS)
+    sched, plan = scheduler(), BatchPlan(G, MBS, 1)
+    losses, norms, grads, routers = [], [], None, []
+    for step, batch in enumerate(global_batches()):
+        for g in opt.param_groups:
+            g["lr"] = sched.lr(step)
+        opt.zero_grad()
+        micro = plan.split(batch, 0)
+        set_penalty_grad(model, 1 / len(micro))
+        total = 0.0
+        for mb in micro:
+            loss = model(None, mb)
+            (loss / len(micro)).backward()
+            total += loss.item() / len(micro)
+        norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM).item())
+        if grads is None:
+            grads = {n: unpad(p.grad.clone(), p.tp_dim, p.full_shape)
+                     for n, p in model.named_parameters()}
+        opt.step()
+        routers.append(finish_step(model, mesh, E, True))
+        losses.append(total)
+    weights = {n: unpad(p.detach().clone(), p.tp_dim, p.full_shape)
+               for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "weights": weights, "grads": grads,
+            "routers": routers, "biases": biases(model)}
+
+
+def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1):
+    import torch.distributed as dist
+
+    from megapar.data_parallel import build_grad_sync
+    from megapar.optim import Precision, build_optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.training.step import TrainStep
+
+    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp), dist.get_rank(), sequence_parallel=sp)
+    model = build_stage(config(), mesh, SEED, recompute)
+    seq = SEQ // cp // (tp if sp else 1)
+    executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, 32))
+    if zero == 3:
+        from megapar.data_parallel.sharded_params import ShardedParams
+        from megapar.optim.zero3 import Zero3Optimizer
+
+        optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
+                                   tp_group=mesh.tp_group)
+        grad_sync = ShardedParams(model, mesh.dp_cp_group, average_over=mesh.dp)
+    else:
+        optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
+        grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp * cp > 1 else None
+    step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
+                     MAX_NORM, grad_sync)
+    grads, optimizer_step = {}, optimizer.step
+
+    def record_first_grads_then_step():
+        if not grads:
+            if zero == 1:  # ZeRO-1 reduced only this rank's slices
+                gather_grads(optimizer)
+            full = gathered_grads(grad_sync) if zero == 3 else {}
+            for name, p in model.named_parameters():
+                g = full[id(p)] if zero == 3 else p.grad
+                grads[name] = gather_full(g, p.tp_dim, p.full_shape, mesh.tp_group).clone()
+        optimizer_step()
+
+    optimizer.step = record_first_grads_then_step
+    plan = BatchPlan(G, MBS, dp)
+    results = [step.step(plan.split(b, mesh.dp_rank), i) for i, b in enumerate(global_batches())]
+    with grad_sync.whole() if zero == 3 else contextlib.nullcontext():
+        weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group).clone()
+                   for n, p in model.named_parameters()}
+    keep = mesh.dp_rank == 0 and mesh.tp_rank == 0 and mesh.cp_rank == 0
+    return {"run": (tp, pp, dp, zero, schedule), "results": results,
+            "weights": weights if keep else {}, "grads": grads if keep else {},
+            "biases": biases(model)}
+
+
+RUNS = [(2, 1, 1, 0, "1f1b"), (1, 2, 1, 0, "1f1b"), (1, 2, 1, 0, "zb-h1"),
+        (1, 1, 2, 1, "1f1b"), (1, 1, 2, 3, "1f1b"), (1, 2, 1, 0, "1f1b", "full"),
+        (2, 1, 1, 0, "1f1b", "none", True), (1, 1, 1, 0, "1f1b", "none", False, 2)]
+
+
+def _worker():
+    return [_train(*run) for run in RUNS]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return serial_reference()
+
+
+def test_reference_routes_unevenly_and_learns(reference):
+    assert reference["losses"][-1] < reference["losses"][0]
+    assert all(r["imbalance"] > 1.05 for r in reference["routers"])
+    assert all(b.abs().sum() > 0 for b in reference["biases"].values())  # the bias moved
+
+
+def test_moe_layouts_match_serial_training(reference):
+    outs = run_local(_worker, 2)
+    for i, run in enumerate(RUNS):
+        merged = {"weights": {}, "grads": {}}
+        for rank, out in enumerate(o[i] for o in outs):
+            for s, r in enumerate(out["results"]):
+                what = f"{run} rank {rank} step {s}"
+                assert_close(torch.tensor(r.loss), torch.tensor(reference["losses"][s]),
+                             what=f"{what} loss")
+                assert_close(torch.tensor(r.grad_norm), torch.tensor(reference["norms"][s]),
+                             what=f"{what} grad norm")
+                ref = reference["routers"][s]
+                for key in ("aux_loss", "z_loss", "imbalance"):
+                    assert_close(torch.tensor(r.router[key]), torch.tensor(ref[key]),
+                                 what=f"{what} {key}")
+                assert r.router["tokens_per_expert"] == ref["tokens_per_expert"], what
+            for name, b in out["biases"].items():
+                assert_close(b, reference["biases"][name], what=f"{run} bias {name}")
+            for key in merged:
+                merged[key].update(out[key])
+        for key in merged:
+            assert set(merged[key]) == set(reference[key]), f"{run}: parameter names differ"
+            for name, t in merged[key].items():
+                assert_close(t, reference[key][name], what=f"{run} {key} {name}")
