@@ -281,19 +281,20 @@ class MoE(nn.Module):
             return None
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
-    def _plan(self, tokens_per_expert: torch.Tensor) -> Route:
+    def _plan(self, tokens_per_expert: torch.Tensor, rows: int) -> Route:
         """The route of this forward: planned (one count all-to-all and one host sync), or,
         in a recompute inside backward, the one its first forward kept (checked equal on the
         device, no sync)."""
         recompute = torch._C._current_graph_task_id() != -1
         if recompute and self.kept_routes:
             counts, route = self.kept_routes.popleft()
-            torch._assert_async(
-                (counts == tokens_per_expert).all(),
-                "MoE recompute routed differently from its forward (kept routes out of order)",
-            )
+            if not is_fake(counts):  # the dry run's fake tensors hold no values
+                torch._assert_async(
+                    (counts == tokens_per_expert).all(),
+                    "MoE recompute routed differently from its forward (kept routes out of order)",
+                )
             return route
-        route = plan_route(tokens_per_expert, self.ep_group)
+        route = plan_route(tokens_per_expert, self.ep_group, rows)
         if self.keep_route and torch.is_grad_enabled() and self.training and not recompute:
             self.kept_routes.append((tokens_per_expert.detach(), route))
         return route
@@ -302,7 +303,7 @@ class MoE(nn.Module):
         """Rows sorted by global expert sent to the ep ranks holding their experts, run
         through this rank's experts and combined back, in `rows`' order (rows dropped by a
         capacity, after the kept ones, get zeros)."""
-        route = self._plan(tokens_per_expert)
+        route = self._plan(tokens_per_expert, rows.shape[0])
         kept = sum(route.send_splits)
         local = dispatch(rows[:kept], route)
         y = combine(self.experts(local, route.tokens_per_local_expert, route.counts), route)
