@@ -102,3 +102,19 @@ def test_ep_on_a_dense_model_is_refused_in_one_line(common, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if "--ep" in line]
     assert len(err) == 1 and "has no experts: use --ep 1" in err[0], err
 
+
+
+def test_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path, common):
+    """--save at --dp 2 --ep 2 writes every expert whole (the canonical form, gathered over
+    ep); --load at --dp 2 --ep 1 continues with the straight ep 2 run's step 3."""
+    ck, straight, resumed = tmp_path / "ck", tmp_path / "s.jsonl", tmp_path / "r.jsonl"
+    assert main(["--model", "mixtral-tiny", "--dp", "2", "--ep", "2", "--max-steps", "3",
+                 "--lr", "3e-3", "--save", str(ck), "--save-interval", "2",
+                 "--log-json", str(straight), *common]) == 0
+    assert main(["--model", "mixtral-tiny", "--dp", "2", "--ep", "1", "--max-steps", "3",
+                 "--lr", "3e-3", "--load", str(ck / "step_00000002"),
+                 "--log-json", str(resumed), *common]) == 0
+    want, got = _records(straight)[-1], _records(resumed)
+    assert [r["step"] for r in got] == [3]
+    for key in ("loss", "grad_norm"):
+        assert_close(torch.tensor(got[0][key]), torch.tensor(want[key]), tol=1e-6, what=key)
