@@ -232,6 +232,11 @@ TRAIN = [
     (["--inject-slow", "rank=0,ms=5,from_step=500"],
      "from_step=500 is after the run's last step (--max-steps 300)"),
     (["--allow-data-change"], "--allow-data-change only applies to a resume"),
+    # mixture of experts
+    (["--moe-aux-loss-coef", "0.1"],
+     "--moe-aux-loss-coef applies to a mixture-of-experts model (mixtral, qwen3_moe"),
+    (["--moe-capacity-factor", "-1"],
+     "--moe-capacity-factor -1.0 is invalid: it must be a finite number > 0.0, or 0 for dropless"),
     # --record-step / --replay
     (["--record-step", "2"], "--record-step 2 writes SAVE/records/: give --save"),
     (["--replay", "2"], "--replay 2 re-runs a step from a checkpoint: give --load CKPT"),

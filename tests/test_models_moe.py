@@ -263,3 +263,19 @@ def test_sigmoid_router_weighs_by_unbiased_scores_renormalised():
     chosen = scores.gather(1, experts)
     assert_close(weights, chosen / chosen.sum(1, keepdim=True))
     assert_close(probs.sum(1), torch.ones(5))
+
+
+def test_one_host_sync_per_moe_layer_per_micro_batch(hf_dirs):
+    """The expert loop reads the tokens per expert to the host once per MoE layer (the only
+    sync of a micro-batch's forward and backward); routing, capacity and combine make none."""
+    from sync_count import count_syncs
+
+    reader = HFReader(hf_dirs["mixtral"])
+    reader.config.moe_capacity_factor = 1.0
+    model = Llama(reader.config, make_mesh(1))
+    load_hf_weights(model, reader)
+    ids, labels = batch()
+    with count_syncs() as syncs:
+        model.train()(None, {"input_ids": ids, "labels": labels}).backward()
+    assert sum(syncs.values()) == 3, syncs  # 3 MoE layers
+    assert all(call == "tolist" and where.startswith("models/moe.py") for call, where in syncs)

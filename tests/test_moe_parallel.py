@@ -1,6 +1,6 @@
 """A Qwen3-MoE-style model (a dense first layer, three MoE layers with shared experts, the
 switch loss and the z-loss in the loss, the auxiliary-loss-free bias moving every step) trains
-the same at tp 2, pp 2 (1F1B and ZB-H1: the penalties made on both stages), dp 2 with ZeRO-1 and
+the same at tp 2, pp 2 (1F1B, ZB-H1, interleaved 1F1B and ZB-V: the penalties made on every stage and chunk), dp 2 with ZeRO-1 and
 ZeRO-3, pp 2 with full recomputation (the router statistics counted once), tp 2 with sequence
 parallelism and cp 2 (each rank routes its tokens; the switch loss takes the micro-batch's
 load from the group) as one process: losses, grad norms, first-step gradients, final weights, the routing
@@ -12,6 +12,7 @@ mechanism test_models_moe.py holds against transformers' loss).
 """
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -53,7 +54,8 @@ def scheduler():
 
 
 def biases(model) -> dict:
-    return {n: m.router.bias.clone() for n, m in model.named_modules() if hasattr(m, "router")}
+    return {re.sub(r"^chunks\.\d+\.", "", n): m.router.bias.clone()  # model chunks' names
+            for n, m in model.named_modules() if hasattr(m, "router")}
 
 
 def serial_reference() -> dict:
@@ -95,12 +97,16 @@ def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1):
     from megapar.data_parallel import build_grad_sync
     from megapar.optim import Precision, build_optimizer
     from megapar.pipeline.executor import PipelineExecutor
+    from megapar.pipeline.schedules import chunks_per_rank, placement_of
     from megapar.training.step import TrainStep
 
     mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp), dist.get_rank(), sequence_parallel=sp)
-    model = build_stage(config(), mesh, SEED, recompute)
+    virtual = 2 if schedule == "interleaved" else 1
+    model = build_stage(config(), mesh, SEED, recompute,
+                        virtual_stages=chunks_per_rank(schedule, virtual),
+                        placement=placement_of(schedule))
     seq = SEQ // cp // (tp if sp else 1)
-    executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, 32))
+    executor = PipelineExecutor(model, mesh, schedule, (MBS, seq, 32), virtual_stages=virtual)
     if zero == 3:
         from megapar.data_parallel.sharded_params import ShardedParams
         from megapar.optim.zero3 import Zero3Optimizer
@@ -138,6 +144,7 @@ def _train(tp, pp, dp, zero, schedule, recompute="none", sp=False, cp=1):
 
 
 RUNS = [(2, 1, 1, 0, "1f1b"), (1, 2, 1, 0, "1f1b"), (1, 2, 1, 0, "zb-h1"),
+        (1, 2, 1, 0, "interleaved"), (1, 2, 1, 0, "zb-v"),
         (1, 1, 2, 1, "1f1b"), (1, 1, 2, 3, "1f1b"), (1, 2, 1, 0, "1f1b", "full"),
         (2, 1, 1, 0, "1f1b", "none", True), (1, 1, 1, 0, "1f1b", "none", False, 2)]
 

@@ -312,6 +312,8 @@ class MoE(nn.Module):
         return y
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MoE MLP of [b, s, H] tokens; in training the balancing penalty joins the
+        backward and the router statistics accumulate (not in a recompute)."""
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         logits, probs, weights, experts = self.router(x)
