@@ -1,8 +1,8 @@
 """The Qwen3-MoE-style model of test_moe_parallel.py (a dense first layer, three MoE layers with
 shared experts, the switch loss, the z-loss and the moving bias) trains with expert parallelism
-as one process: dp 2 x ep 2, dp 4 x ep 2 (ZeRO-0 and ZeRO-1), pp 2 x dp 2 x ep 2 (1F1B under full
-recomputation: each recompute reuses its forward's route) and tp 2 x dp 2 x ep 2: losses, grad
-norms, router statistics, biases, first-step gradients (ZeRO-0) and final weights (the experts
+as one process: dp 2 x ep 2, dp 4 x ep 2 (ZeRO-0 and ZeRO-1), pp 2 x dp 2 x ep 2 (full
+recomputation under 1F1B and ZB-H1: each recompute reuses its forward's route) and
+tp 2 x dp 2 x ep 2: losses, grad norms, router statistics, biases, first-step gradients (ZeRO-0) and final weights (the experts
 gathered over ep), fp32, 1e-5 relative, over three steps. And each micro-batch makes exactly one
 host sync per MoE layer, at expert_parallel/dispatch.py, with or without full recomputation.
 """
@@ -36,7 +36,7 @@ def _whole(t, p, mesh):
     return t.clone()
 
 
-def _engine(tp, pp, dp, ep, zero, recompute):
+def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b"):
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -46,7 +46,7 @@ def _engine(tp, pp, dp, ep, zero, recompute):
 
     mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", 1, ep), dist.get_rank())
     model = build_stage(config(), mesh, SEED, recompute)
-    executor = PipelineExecutor(model, mesh, "1f1b", (MBS, SEQ, 32))
+    executor = PipelineExecutor(model, mesh, schedule, (MBS, SEQ, 32))
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
     grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02)
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
@@ -54,8 +54,8 @@ def _engine(tp, pp, dp, ep, zero, recompute):
     return mesh, model, optimizer, step
 
 
-def _train(tp, pp, dp, ep, zero, recompute="none"):
-    mesh, model, optimizer, step = _engine(tp, pp, dp, ep, zero, recompute)
+def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b"):
+    mesh, model, optimizer, step = _engine(tp, pp, dp, ep, zero, recompute, schedule)
     grads, optimizer_step = {}, optimizer.step
 
     def record_first_grads_then_step():
@@ -107,7 +107,8 @@ def _runs(runs):
     return [_train(*run) for run in runs]
 
 
-RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 2, 2, 2, 0, "full"), (2, 1, 2, 2, 0)]
+RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 2, 2, 2, 0, "full"),
+          (1, 2, 2, 2, 0, "full", "zb-h1"), (2, 1, 2, 2, 0)]
 
 
 def test_dp2_ep2_matches_serial_training(reference):

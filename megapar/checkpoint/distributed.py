@@ -168,8 +168,7 @@ def ep_shard(param) -> tuple[int, int]:
 
 
 def own_experts(whole: torch.Tensor, param) -> torch.Tensor:
-    """Of a whole tensor read for `param`: this ep rank's block of dim 0 when `param` is a
-    routed expert's under ep > 1 (its experts), else `whole` itself."""
+    """This ep rank's experts (block of dim 0) of a whole tensor read for `param`, if any."""
     ep_rank, ep = ep_shard(param)
     n = whole.shape[0] // ep
     return whole.narrow(0, ep_rank * n, n) if ep > 1 else whole
@@ -423,7 +422,8 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
         entry = reader.entry(source)
         dim = entry["tp_dim"]
         want = list(getattr(param, "full_shape", param.shape))
-        want[0] *= ep_shard(param)[1]  # the whole [E, ...] of an expert's block under ep
+        if ep_shard(param)[1] > 1:  # the whole [E, ...] of an expert's block under ep
+            want[0] *= ep_shard(param)[1]
         if want != entry["full_shape"]:
             raise CheckpointError(
                 f"{step_dir}: {source} has shape {entry['full_shape']}, the model expects {want}"
