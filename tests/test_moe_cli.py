@@ -71,10 +71,52 @@ def test_from_hf_qwen3_moe_trains_and_exports_back_to_transformers(tmp_path, com
         assert not torch.allclose(back(ids).logits, hf.eval()(ids).logits)  # it trained
 
 
-def test_mixtral_dry_run_rehearses_pp2_dp2(common):
-    """The dry run's fake tensors have no values: the expert loop takes the tokens as spread
-    evenly (`moe.host_counts`) and the rehearsal completes."""
-    assert main(["--model", "mixtral-tiny", "--dry-run", "--pp", "2", "--dp", "2", *common]) == 0
+def test_mixtral_dry_run_rehearses_pp2_dp2_ep2(common, capsys):
+    """The dry run's fake tensors have no values: the expert loop and the ep route take the
+    tokens as spread evenly (`moe.host_counts`, `plan_route`) and the rehearsal completes,
+    under full recomputation (the recompute reuses the forward's route); the header names ep."""
+    assert main(["--model", "mixtral-tiny", "--dry-run", "--pp", "2", "--dp", "2", "--ep", "2",
+                 "--recompute", "full", *common]) == 0
+    assert "dp 2 with ep 2 in dp" in capsys.readouterr().out
+
+
+def test_mixtral_tiny_trains_at_dp2_ep2_as_at_dp2(tmp_path, common):
+    """megapar-train --dp 2 --ep 2: each rank holds 2 of the 4 experts and exchanges tokens; the
+    losses, grad norms and router statistics are those of --dp 2 (ep 1) over 2 steps."""
+    runs = {}
+    for ep in (1, 2):
+        log = tmp_path / f"ep{ep}.jsonl"
+        assert main(["--model", "mixtral-tiny", "--dp", "2", "--ep", str(ep), "--max-steps", "2",
+                     "--lr", "3e-3", "--log-json", str(log), *common]) == 0
+        runs[ep] = _records(log)
+    assert len(runs[2]) == 2
+    for one, two in zip(runs[1], runs[2]):
+        for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
+            assert_close(torch.tensor(two[key]), torch.tensor(one[key]), what=key)
+        assert two["moe_tokens_per_expert"] == one["moe_tokens_per_expert"]
+
+
+def test_ep_on_a_dense_model_is_refused_in_one_line(common, capsys):
+    assert main(["--model", "llama-tiny", "--dp", "2", "--ep", "2", "--max-steps", "1",
+                 *common]) != 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "--ep" in line]
+    assert len(err) == 1 and "has no experts: use --ep 1" in err[0], err
+
+
+def test_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path, common):
+    """--save at --dp 2 --ep 2 writes every expert whole (the canonical form, gathered over
+    ep); --load at --dp 2 --ep 1 continues with the straight ep 2 run's step 3."""
+    ck, straight, resumed = tmp_path / "ck", tmp_path / "s.jsonl", tmp_path / "r.jsonl"
+    assert main(["--model", "mixtral-tiny", "--dp", "2", "--ep", "2", "--max-steps", "3",
+                 "--lr", "3e-3", "--save", str(ck), "--save-interval", "2",
+                 "--log-json", str(straight), *common]) == 0
+    assert main(["--model", "mixtral-tiny", "--dp", "2", "--ep", "1", "--max-steps", "3",
+                 "--lr", "3e-3", "--load", str(ck / "step_00000002"),
+                 "--log-json", str(resumed), *common]) == 0
+    want, got = _records(straight)[-1], _records(resumed)
+    assert [r["step"] for r in got] == [3]
+    for key in ("loss", "grad_norm"):
+        assert_close(torch.tensor(got[0][key]), torch.tensor(want[key]), tol=1e-6, what=key)
 
 
 def test_mixtral_checkpoint_at_pp2_resumes_at_tp2_exactly(tmp_path, common):

@@ -160,13 +160,51 @@ def planned_shard(model, mesh: Mesh, optim_tensors) -> tuple[str, int]:
     return fname, safetensors_size({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()})
 
 
-def shard_contents(model, mesh: Mesh, optim_tensors) -> tuple[str, dict, dict]:
-    """(file name, {key: tensor}, manifest entries) of this (tp, pp) coordinate's shard file."""
+def ep_shard(param) -> tuple[int, int]:
+    """(ep rank, ep) of a routed expert's stacked weights under expert parallelism (block ep
+    rank of ep of dim 0 of the whole [E, ...] tensor, `expert_parallel.mark_expert`); (0, 1)
+    for every other parameter."""
+    return getattr(param, "ep_shard", (0, 1))
+
+
+def own_experts(whole: torch.Tensor, param) -> torch.Tensor:
+    """This ep rank's experts (block of dim 0) of a whole tensor read for `param`, if any."""
+    ep_rank, ep = ep_shard(param)
+    n = whole.shape[0] // ep
+    return whole.narrow(0, ep_rank * n, n) if ep > 1 else whole
+
+
+def whole_experts(model, mesh: Mesh, optim_tensors) -> dict[str, tuple[torch.Tensor, dict]]:
+    """Under ep > 1, {name: (weights, {key: moment})} of every routed expert's stacked weights
+    gathered whole over the ep group along dim 0 (collective over the ep group: every rank
+    calls it), so a checkpoint holds all E experts, the same in every ep (the canonical form,
+    as tp shards are gathered into it). Empty under ep 1."""
+    out: dict[str, tuple[torch.Tensor, dict]] = {}
+    if getattr(mesh, "ep", 1) == 1:
+        return out
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(mesh.ep)]
+        dist.all_gather(parts, t.detach().contiguous(), group=mesh.ep_group)
+        return torch.cat(parts)
+
+    for name, param in model.named_parameters():
+        if ep_shard(param)[1] > 1:
+            moments = (optim_tensors or {}).get(name, {})
+            out[name] = (whole(param), {k: whole(v) for k, v in moments.items()})
+    return out
+
+
+def shard_contents(model, mesh: Mesh, optim_tensors, whole=None) -> tuple[str, dict, dict]:
+    """(file name, {key: tensor}, manifest entries) of this (tp, pp) coordinate's shard file
+    (`whole`: the experts gathered over ep, `whole_experts`, written in their place)."""
     tensors, entries = {}, {}
     for name, param in model.named_parameters():
         if hasattr(param, "tied_to"):
             continue
         moments = (optim_tensors or {}).get(name, {})
+        if whole and name in whole:
+            param, moments = whole[name]
         tensors[f"model/{name}"] = param.detach()
         for key, value in moments.items():
             if tuple(value.shape) != tuple(param.shape):
@@ -218,8 +256,9 @@ def capture(
             f"meta must be JSON-serialisable (tensors go elsewhere): {exc}"
         ) from exc
     shard = None
+    experts = whole_experts(model, mesh, optim_tensors)  # collective over ep
     if mesh.dp_rank == 0 and mesh.cp_rank == 0:  # cp holds no shards: replicas
-        shard = shard_contents(model, mesh, optim_tensors)
+        shard = shard_contents(model, mesh, optim_tensors, experts)
     return SavedState(
         int(step),
         model.config.to_dict(),
@@ -382,10 +421,12 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
         source = getattr(param, "tied_to", name)
         entry = reader.entry(source)
         dim = entry["tp_dim"]
-        if list(getattr(param, "full_shape", param.shape)) != entry["full_shape"]:
+        want = list(getattr(param, "full_shape", param.shape))
+        if ep_shard(param)[1] > 1:  # the whole [E, ...] of an expert's block under ep
+            want[0] *= ep_shard(param)[1]
+        if want != entry["full_shape"]:
             raise CheckpointError(
-                f"{step_dir}: {source} has shape {entry['full_shape']}, the "
-                f"model expects {list(param.full_shape)}"
+                f"{step_dir}: {source} has shape {entry['full_shape']}, the model expects {want}"
             )
         resharded |= dim is not None and entry["local_shape"] != list(param.shape)
         pdim = getattr(param, "tp_dim", None)
@@ -408,11 +449,16 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
     optim = {}
     for _name, source, param, local in wanted:
         pdim = getattr(param, "tp_dim", None)
-        param.copy_(reader.shard(source, None, mesh.tp, mesh.tp_rank, local, pdim))
+        param.copy_(
+            own_experts(reader.shard(source, None, mesh.tp, mesh.tp_rank, local, pdim), param)
+        )
         # A tied copy (the last stage's head.weight) gets the moments of the tensor it is tied
         # to, keyed by that canonical name, which the optimizer accepts for the copy.
         keys = reader.entry(source)["optim"]
-        moments = {k: reader.shard(source, k, mesh.tp, mesh.tp_rank, local, pdim) for k in keys}
+        moments = {
+            k: own_experts(reader.shard(source, k, mesh.tp, mesh.tp_rank, local, pdim), param)
+            for k in keys
+        }
         if moments:
             optim[source] = moments
     rng = None

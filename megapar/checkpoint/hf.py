@@ -270,7 +270,8 @@ def expected_hf_shapes(config) -> dict[str, tuple[int, ...]]:
 # --- megapar models <-> HF -----------------------------------------------------------------
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, reader: HFReader) -> list[str]:
-    """Copy this rank's shard of every parameter from an HF checkpoint into `model`.
+    """Copy this rank's shard of every parameter from an HF checkpoint into `model` (of a
+    routed expert's stacked weights under ep, this ep rank's experts: `ep_shard`).
 
     Returns the canonical names the checkpoint lacks (e.g. the MLM head of a plain BertModel);
     those parameters keep the values they had (call `model.init_weights(seed)` first).
@@ -285,6 +286,9 @@ def load_hf_weights(model: torch.nn.Module, reader: HFReader) -> list[str]:
         except KeyError:
             missing.append(source)
             continue
+        ep_rank, ep = getattr(param, "ep_shard", (0, 1))
+        if ep > 1 and full.shape[0] == param.shape[0] * ep:  # this ep rank's experts
+            full = full.narrow(0, ep_rank * param.shape[0], param.shape[0])
         dim = getattr(param, "tp_dim", None)
         if tuple(full.shape) != tuple(getattr(param, "full_shape", param.shape)):
             raise ConfigError(

@@ -46,7 +46,9 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
         f"megapar-train --dry-run: {config.model_type} with {n_params:,} parameters on "
         f"{layout.world_size:,} rank{'s' if layout.world_size > 1 else ''} (tp {layout.tp} x "
         + (f"cp {layout.cp} x " if layout.cp > 1 else "")
-        + f"pp {layout.pp} x dp {layout.dp}, "
+        + f"pp {layout.pp} x dp {layout.dp}"
+        + (f" with ep {layout.ep} in dp" if getattr(layout, "ep", 1) > 1 else "")
+        + ", "
         f"rank order {_order(layout)}; {nodes:,} node{'s' if nodes > 1 else ''} of "
         f"{gpus_per_node}); schedule {cfg.schedule}{v}, {mbs} of "
         f"{cfg.micro_batch_size} x {cfg.seq_len} tokens per step on each dp rank; "

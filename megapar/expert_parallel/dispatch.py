@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from megapar.comm_wait import blocked
 from megapar.mesh import group_size
@@ -65,10 +66,12 @@ class Route:
         return self.host_counts
 
 
-def plan_route(tokens_per_expert: torch.Tensor, group) -> Route:
+def plan_route(tokens_per_expert: torch.Tensor, group, rows: int = 0) -> Route:
     """The route of rows sorted by global expert with `tokens_per_expert` ([E] integer counts,
     on the device) over the ep `group`: one all-to-all of the counts and one host read of them
-    (collective over `group`). Under ep 1 (`group` None) nothing is exchanged or read."""
+    (collective over `group`). Under ep 1 (`group` None) nothing is exchanged or read. Under
+    the dry run's fake tensors (no values) the `rows` are taken as spread evenly over the
+    experts on every rank."""
     ep = group_size(group)
     if ep == 1:
         return Route(None, [], [], tokens_per_expert)  # nothing is sent
@@ -79,8 +82,13 @@ def plan_route(tokens_per_expert: torch.Tensor, group) -> Route:
     recv = torch.empty_like(send)
     with blocked(send.device):  # recv[i]: rows from rank i per local expert
         dist.all_to_all_single(recv, send, group=group)
-    host = torch.cat([send.sum(1), recv.flatten()]).tolist()  # the one host sync
     local = num // ep
+    if is_fake(recv):
+        even = [rows // num + (e < rows % num) for e in range(num)]
+        mine = even[dist.get_rank(group) * local :][:local]
+        host = [sum(even[j * local : (j + 1) * local]) for j in range(ep)] + mine * ep
+    else:
+        host = torch.cat([send.sum(1), recv.flatten()]).tolist()  # the one host sync
     from_each = [host[ep + i * local : ep + (i + 1) * local] for i in range(ep)]
     route = Route(
         group,

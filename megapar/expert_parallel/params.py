@@ -13,10 +13,14 @@ from __future__ import annotations
 import torch
 
 
-def mark_expert(*params: torch.nn.Parameter) -> None:
-    """Mark these parameters as experts' (sharded over ep; reduced over expert dp)."""
+def mark_expert(*params: torch.nn.Parameter, ep: int = 1, ep_rank: int = 0) -> None:
+    """Mark these parameters as experts' (sharded over ep; reduced over expert dp). Under
+    ep > 1 each holds block `ep_rank` of `ep` of its dim 0 (its local experts of the stacked
+    [E, ...] tensor): ``param.ep_shard = (ep_rank, ep)``, which the layout-independent init
+    reads to keep this rank's experts of the seeded whole tensor."""
     for p in params:
         p.expert = True  # type: ignore[attr-defined]
+        p.ep_shard = (ep_rank, ep)  # type: ignore[attr-defined]
 
 
 def is_expert(param: torch.Tensor) -> bool:

@@ -177,3 +177,5 @@ def set_recompute(model: nn.Module, mode: str) -> None:
     for module in model.modules():
         if hasattr(module, "recompute_core"):  # ParallelAttention, LlamaAttention
             module.recompute_core = mode == "selective"  # type: ignore[assignment]
+        if hasattr(module, "keep_route"):  # MoE under expert parallelism: one route per forward
+            module.keep_route = mode == "full"  # type: ignore[assignment]

@@ -36,6 +36,7 @@ inputs are): each rank computes the same MoE output, no tp collective; expert pa
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from megapar.expert_parallel import Route, combine, dispatch, local_experts, mark_expert, plan_route
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.blocks import activation
 from megapar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -133,13 +135,18 @@ class GroupedExperts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden, size, device=device))
         self.act = activation(act)
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, tokens_per_expert: torch.Tensor, counts: list[int] | None = None
+    ) -> torch.Tensor:
         """Rows of `x` [N, H] sorted by expert, `tokens_per_expert[e]` rows for expert e (the
-        sum may be < N: the rows after it get zeros) -> outputs [N, H] in the same order."""
+        sum may be < N: the rows after it get zeros) -> outputs [N, H] in the same order.
+        `counts`: the same counts already on the host (expert parallelism's route read them),
+        so the loop over experts reads nothing more."""
         aligned = x.shape[1] % 8 == 0 and self.down.shape[2] % 8 == 0  # 16-byte rows
         if x.is_cuda and x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
             return self._grouped(x, tokens_per_expert)
-        counts = host_counts(tokens_per_expert, x.shape[0])
+        if counts is None:
+            counts = host_counts(tokens_per_expert, x.shape[0])
         outs = []
         for e, part in enumerate(x[: sum(counts)].split(counts)):
             if part.shape[0]:
@@ -218,9 +225,26 @@ class MoE(nn.Module):
         d = mesh.device
         self.num_experts, self.top_k = config.num_local_experts, config.num_experts_per_tok
         self.router = Router(config, d)
+        ep = getattr(mesh, "ep", 1)
+        self.ep_group = mesh.ep_group if ep > 1 else None
+        """The ep group this layer's tokens are exchanged over (None: ep 1, every expert here);
+        from the mesh, as the tp group reaches the tensor-parallel layers."""
         self.experts = GroupedExperts(
-            self.num_experts, config.hidden_size, config.expert_size, config.hidden_act, d
+            len(local_experts(self.num_experts, ep, getattr(mesh, "ep_rank", 0))),
+            config.hidden_size,
+            config.expert_size,
+            config.hidden_act,
+            d,
         )
+        mark_expert(
+            self.experts.gate_up, self.experts.down, ep=ep, ep_rank=getattr(mesh, "ep_rank", 0)
+        )
+        self.keep_route = False
+        """Whether forwards keep their route for the recompute in backward (full recomputation,
+        `set_recompute`), so a recompute exchanges and reads no counts again."""
+        self.kept_routes: deque[tuple[torch.Tensor, Route]] = deque()
+        """Routes of forwards awaiting their recompute, oldest first (each micro-batch's
+        backward comes in its forward's order on a layer in every schedule)."""
         self.shared: SharedExperts | None = None
         if config.shared_expert_intermediate_size:
             self.shared = SharedExperts(
@@ -257,6 +281,36 @@ class MoE(nn.Module):
             return None
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
+    def _plan(self, tokens_per_expert: torch.Tensor, rows: int) -> Route:
+        """The route of this forward: planned (one count all-to-all and one host sync), or,
+        in a recompute inside backward, the one its first forward kept (checked equal on the
+        device, no sync)."""
+        recompute = torch._C._current_graph_task_id() != -1
+        if recompute and self.kept_routes:
+            counts, route = self.kept_routes.popleft()
+            if not is_fake(counts):  # the dry run's fake tensors hold no values
+                torch._assert_async(
+                    (counts == tokens_per_expert).all(),
+                    "MoE recompute routed differently from its forward (kept routes out of order)",
+                )
+            return route
+        route = plan_route(tokens_per_expert, self.ep_group, rows)
+        if self.keep_route and torch.is_grad_enabled() and self.training and not recompute:
+            self.kept_routes.append((tokens_per_expert.detach(), route))
+        return route
+
+    def _expert_parallel(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor):
+        """Rows sorted by global expert sent to the ep ranks holding their experts, run
+        through this rank's experts and combined back, in `rows`' order (rows dropped by a
+        capacity, after the kept ones, get zeros)."""
+        route = self._plan(tokens_per_expert, rows.shape[0])
+        kept = sum(route.send_splits)
+        local = dispatch(rows[:kept], route)
+        y = combine(self.experts(local, route.tokens_per_local_expert, route.counts), route)
+        if kept < rows.shape[0]:
+            y = torch.cat([y, y.new_zeros(rows.shape[0] - kept, y.shape[1])])
+        return y
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """The MoE MLP of [b, s, H] tokens; in training the balancing penalty joins the
         backward and the router statistics accumulate (not in a recompute)."""
@@ -267,7 +321,10 @@ class MoE(nn.Module):
             experts, self.num_experts, self.capacity(x.shape[0])
         )
         rows = order // self.top_k  # the token of each sorted assignment
-        y = self.experts(x[rows], tokens_per_expert)
+        if self.ep_group is None:
+            y = self.experts(x[rows], tokens_per_expert)
+        else:
+            y = self._expert_parallel(x[rows], tokens_per_expert)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = y.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, order, y)
         out = out.view(x.shape[0], self.top_k, -1).sum(1).to(hidden.dtype)
@@ -332,6 +389,7 @@ def finish_step(model: nn.Module, mesh: Mesh, num_experts: int, update_bias: boo
         if update_bias and layer.router.bias is not None:
             layer.router.update_bias(values[:num_experts], layer.bias_rate)
         layer.stats.reset()
+        layer.kept_routes.clear()  # every backward of the step has run
     load = per_layer[:, :num_experts]
     total = per_layer.sum(0) if layers else torch.zeros(num_experts + 4, device=device)
     worst = (load.max(1).values / load.mean(1).clamp(min=1e-9)).max() if layers else None

@@ -21,6 +21,7 @@ from megapar.data import IndexedDataset
 from megapar.data.blended import BlendedDataset
 from megapar.device import peak_tflops
 from megapar.diagnostics.replay import StepRecorder, StepReplay, find_record, load_record
+from megapar.expert_parallel import is_expert
 from megapar.faults.blame import consequential, stopped_siblings
 from megapar.faults.processes import launcher_alive
 from megapar.faults.stop import (
@@ -66,12 +67,18 @@ class TrainingError(RuntimeError):
 def _num_params(model, mesh: Mesh) -> tuple[int, int]:
     """(parameters of the model, as transformers and megapar-convert --info count them;
     parameters allocated, the vocabulary padded for the tp split included), each counted once
-    across tp and pp."""
+    across tp and pp (and experts over ep: each ep rank holds E / ep of them)."""
 
     own = [p for p in model.parameters() if not hasattr(p, "tied_to")]
-    allocated = sum(p.numel() for p in own if p.tp_dim is not None or mesh.tp_rank == 0)
+
+    def ep(p) -> int:
+        return mesh.ep if is_expert(p) else 1
+
+    allocated = sum(p.numel() * ep(p) for p in own if p.tp_dim is not None or mesh.tp_rank == 0)
     real = (
-        sum(math.prod(getattr(p, "full_shape", p.shape)) for p in own) if mesh.tp_rank == 0 else 0
+        sum(math.prod(getattr(p, "full_shape", p.shape)) * ep(p) for p in own)
+        if mesh.tp_rank == 0
+        else 0
     )
     t = torch.tensor([real, allocated], dtype=torch.float64, device=mesh.device)
     real, allocated = (int(x) for x in all_reduce(t, mesh.mp_group).tolist())

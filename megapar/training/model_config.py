@@ -89,7 +89,26 @@ def resolve_model_config(
         config = _checkpoint_model(cfg, manifest, config, given_from, needed, tokenizer_name)
     _fit_seq_len(cfg, config, notes)
     _apply_moe_flags(cfg, config)
+    _check_ep(cfg, config)
     return config
+
+
+def _check_ep(cfg: TrainConfig, config) -> None:
+    """--ep > 1 needs a model with experts, as many as ep divides."""
+    if cfg.ep == 1:
+        return
+    experts = getattr(config, "num_local_experts", None)
+    if experts is None:
+        raise ConfigError(
+            f"--ep {cfg.ep} shards a mixture-of-experts model's experts (mixtral, qwen3_moe: "
+            f"e.g. --model mixtral-tiny); this {config.model_type} model has no experts: "
+            f"use --ep 1"
+        )
+    if experts % cfg.ep:
+        raise ConfigError(
+            f"--ep {cfg.ep} does not divide the model's {experts} experts: choose an --ep "
+            f"that divides {experts}"
+        )
 
 
 MOE_FLAGS = {

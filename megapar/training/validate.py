@@ -325,10 +325,11 @@ def check_ep(cfg) -> None:
             f"across ep ranks): use --zero 0, or --optimizer adamw / sgd"
         )
     for name in ("save", "load"):
-        if getattr(cfg, name):
+        if getattr(cfg, name) and cfg.zero:
             raise UsageError(
-                f"--ep {cfg.ep} cannot be combined with {flag_of(name)} yet (checkpoints do "
-                f"not hold experts sharded over ep ranks): drop {flag_of(name)} or use --ep 1"
+                f"--ep {cfg.ep} with --zero {cfg.zero} cannot be combined with {flag_of(name)} "
+                f"yet (the experts' optimizer slices are over another group than the "
+                f"checkpoint gathers): use --zero 0, or drop {flag_of(name)}"
             )
 
 

@@ -123,6 +123,7 @@ NOT_INHERITED = {
     "cp",
     "pp",
     "dp",
+    "ep",
     "oversubscribe",
     "rank_order",
     "schedule",

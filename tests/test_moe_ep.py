@@ -1,0 +1,159 @@
+"""The Qwen3-MoE-style model of test_moe_parallel.py (a dense first layer, three MoE layers with
+shared experts, the switch loss, the z-loss and the moving bias) trains with expert parallelism
+as one process: dp 2 x ep 2, dp 4 x ep 2 (ZeRO-0 and ZeRO-1), pp 2 x dp 2 x ep 2 (full
+recomputation under 1F1B and ZB-H1: each recompute reuses its forward's route) and
+tp 2 x dp 2 x ep 2: losses, grad norms, router statistics, biases, first-step gradients (ZeRO-0) and final weights (the experts
+gathered over ep), fp32, 1e-5 relative, over three steps. And each micro-batch makes exactly one
+host sync per MoE layer, at expert_parallel/dispatch.py, with or without full recomputation.
+"""
+
+import pytest
+import torch
+from sync_count import count_syncs
+from test_moe_parallel import E, G, LR, MAX_NORM, MBS, SEED, SEQ, config, global_batches
+from test_moe_parallel import biases, scheduler, serial_reference
+from tp_utils import assert_close
+
+from megapar.expert_parallel import is_expert
+from megapar.launcher import run_local
+from megapar.mesh import Layout, Mesh
+from megapar.pipeline.partition import build_stage
+from megapar.tensor_parallel.partition import gather_full
+from megapar.training.step import BatchPlan
+
+EPS, WD = 1e-4, 0.1
+
+
+def _whole(t, p, mesh):
+    """`t` (p's tensor, or its gradient) whole: gathered over tp, the experts over ep."""
+    import torch.distributed as dist
+
+    t = gather_full(t, p.tp_dim, p.full_shape, mesh.tp_group)
+    if is_expert(p) and mesh.ep > 1:
+        parts = [torch.empty_like(t) for _ in range(mesh.ep)]
+        dist.all_gather(parts, t.contiguous(), group=mesh.ep_group)
+        t = torch.cat(parts)
+    return t.clone()
+
+
+def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b"):
+    import torch.distributed as dist
+
+    from megapar.data_parallel import build_grad_sync
+    from megapar.optim import Precision, build_optimizer
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.training.step import TrainStep
+
+    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", 1, ep), dist.get_rank())
+    model = build_stage(config(), mesh, SEED, recompute)
+    executor = PipelineExecutor(model, mesh, schedule, (MBS, SEQ, 32))
+    optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
+    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02)
+    step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
+                     MAX_NORM, grad_sync)
+    return mesh, model, optimizer, step
+
+
+def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b"):
+    mesh, model, optimizer, step = _engine(tp, pp, dp, ep, zero, recompute, schedule)
+    grads, optimizer_step = {}, optimizer.step
+
+    def record_first_grads_then_step():
+        if not grads and zero == 0:
+            grads.update({n: _whole(p.grad, p, mesh) for n, p in model.named_parameters()})
+        optimizer_step()
+
+    optimizer.step = record_first_grads_then_step
+    plan = BatchPlan(G, MBS, dp)
+    results = [step.step(plan.split(b, mesh.dp_rank), i) for i, b in enumerate(global_batches())]
+    weights = {n: _whole(p.detach(), p, mesh) for n, p in model.named_parameters()}
+    keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
+    return {"results": results, "weights": weights if keep else {},
+            "grads": grads if keep else {}, "biases": biases(model)}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return serial_reference()
+
+
+def _check(outs, run, reference):
+    merged = {"weights": {}, "grads": {}}
+    for rank, out in enumerate(outs):
+        for s, r in enumerate(out["results"]):
+            what = f"{run} rank {rank} step {s}"
+            assert_close(torch.tensor(r.loss), torch.tensor(reference["losses"][s]),
+                         what=f"{what} loss")
+            assert_close(torch.tensor(r.grad_norm), torch.tensor(reference["norms"][s]),
+                         what=f"{what} grad norm")
+            ref = reference["routers"][s]
+            for key in ("aux_loss", "z_loss", "imbalance"):
+                assert_close(torch.tensor(r.router[key]), torch.tensor(ref[key]),
+                             what=f"{what} {key}")
+            assert r.router["tokens_per_expert"] == ref["tokens_per_expert"], what
+        for name, b in out["biases"].items():
+            assert_close(b, reference["biases"][name], what=f"{run} bias {name}")
+        for key in merged:
+            merged[key].update(out[key])
+    assert set(merged["weights"]) == set(reference["weights"]), f"{run}: parameter names differ"
+    if run[4] == 0:
+        assert set(merged["grads"]) == set(reference["grads"]), f"{run}: gradient names differ"
+    for key in merged:
+        for name, t in merged[key].items():
+            assert_close(t, reference[key][name], what=f"{run} {key} {name}")
+
+
+def _runs(runs):
+    return [_train(*run) for run in runs]
+
+
+RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 2, 2, 2, 0, "full"),
+          (1, 2, 2, 2, 0, "full", "zb-h1"), (2, 1, 2, 2, 0)]
+
+
+def test_dp2_ep2_matches_serial_training(reference):
+    run = (1, 1, 2, 2, 0)
+    _check([o[0] for o in run_local(_runs, 2, [run])], run, reference)
+
+
+def test_dp4_ep2_pp2_ep2_tp2_ep2_match_serial_training(reference):
+    """ep folds into dp: every run here is four ranks."""
+    outs = run_local(_runs, 4, RUNS_4)
+    for i, run in enumerate(RUNS_4):
+        _check([o[i] for o in outs], run, reference)
+
+
+def _syncs(recompute):
+    """Per call site, the host syncs of a step at 2 and at 4 micro-batches per rank."""
+    mesh, model, _, step = _engine(1, 1, 2, 2, 0, recompute)
+    first, second, _ = global_batches()
+    both = {k: torch.cat([first[k], second[k]]) for k in first}
+    counts = {}
+    for m, batch in ((2, first), (4, both)):
+        split = BatchPlan(len(batch["input_ids"]), MBS, 2).split(batch, mesh.dp_rank)
+        step.step(split, 0)  # the first step of a shape builds its executor
+        with count_syncs() as syncs:
+            step.step(split, 1)
+        counts[m] = syncs
+    return counts
+
+
+def _syncs_both():
+    return [_syncs("none"), _syncs("full")]
+
+
+def test_one_host_sync_per_moe_layer_and_micro_batch():
+    """dp 2 x ep 2: the count exchange's read at dispatch.py is the only sync that grows with
+    the micro-batches (one per MoE layer and micro-batch, none more in a recompute); the others
+    are the step's (the loss, the norm, the router statistics). Without recomputation and with
+full recomputation (its recompute reuses the forward's route)."""
+    moe_layers = 3  # of config()'s four, the first is dense
+    for counts in (c for both in run_local(_syncs_both, 2) for c in both):
+        for m in (2, 4):
+            route = {k: n for k, n in counts[m].items() if k[1].startswith("expert_parallel/")}
+            assert len(route) == 1, counts[m]  # one call site
+            (call, where), n = next(iter(route.items()))
+            assert call == "tolist" and where.startswith("expert_parallel/dispatch.py"), route
+            assert n == moe_layers * m, (m, route)
+        rest = [{k: n for k, n in counts[m].items() if k[1] != where} for m in (2, 4)]
+        assert rest[0] == rest[1], counts  # nothing else per micro-batch
