@@ -34,7 +34,6 @@ from torch import nn
 from megapar.data_parallel.buckets import GradBuckets
 from megapar.data_parallel.sharded_params import ShardedParams
 from megapar.data_parallel.zero_buckets import Zero1Buckets, Zero2Buckets
-from megapar.pipeline.tied import shared_embedding_params
 
 
 class GradSync(Protocol):
@@ -139,7 +138,12 @@ def build_grad_sync(
     kinds = {1: Zero1Buckets, 2: Zero2Buckets}
     if zero not in kinds:
         raise ValueError(f"--zero {zero} is not supported; use 0, 1, 2 or 3")
-    last = shared_embedding_params(model) if mesh.pp > 1 else ()
+    # the tied embedding (marked by pipeline/tied.py), summed over stages before its reduction
+    last = (
+        [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
+        if mesh.pp > 1
+        else ()
+    )
     return kinds[zero](
         params,
         group,
