@@ -11,7 +11,7 @@ import pytest
 import torch
 from sync_count import count_syncs
 from test_moe_parallel import E, G, LR, MAX_NORM, MBS, SEED, SEQ, config, global_batches
-from test_moe_parallel import biases, scheduler, serial_reference
+from test_moe_parallel import biases, check_rank, scheduler, serial_reference
 from tp_utils import assert_close
 
 from megapar.expert_parallel import is_expert
@@ -80,21 +80,7 @@ def reference():
 def _check(outs, run, reference):
     merged = {"weights": {}, "grads": {}}
     for rank, out in enumerate(outs):
-        for s, r in enumerate(out["results"]):
-            what = f"{run} rank {rank} step {s}"
-            assert_close(torch.tensor(r.loss), torch.tensor(reference["losses"][s]),
-                         what=f"{what} loss")
-            assert_close(torch.tensor(r.grad_norm), torch.tensor(reference["norms"][s]),
-                         what=f"{what} grad norm")
-            ref = reference["routers"][s]
-            for key in ("aux_loss", "z_loss", "imbalance"):
-                assert_close(torch.tensor(r.router[key]), torch.tensor(ref[key]),
-                             what=f"{what} {key}")
-            assert r.router["tokens_per_expert"] == ref["tokens_per_expert"], what
-        for name, b in out["biases"].items():
-            assert_close(b, reference["biases"][name], what=f"{run} bias {name}")
-        for key in merged:
-            merged[key].update(out[key])
+        check_rank(out, f"{run} rank {rank}", reference, merged)
     assert set(merged["weights"]) == set(reference["weights"]), f"{run}: parameter names differ"
     if run[4] == 0:
         assert set(merged["grads"]) == set(reference["grads"]), f"{run}: gradient names differ"

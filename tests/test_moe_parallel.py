@@ -158,6 +158,26 @@ def reference():
     return serial_reference()
 
 
+def check_rank(out, what: str, reference, merged) -> None:
+    """One rank's steps against the serial reference (losses, norms, router statistics, the
+    balancing biases); its weights and gradients added to `merged`."""
+    for s, r in enumerate(out["results"]):
+        step = f"{what} step {s}"
+        assert_close(torch.tensor(r.loss), torch.tensor(reference["losses"][s]),
+                     what=f"{step} loss")
+        assert_close(torch.tensor(r.grad_norm), torch.tensor(reference["norms"][s]),
+                     what=f"{step} grad norm")
+        ref = reference["routers"][s]
+        for key in ("aux_loss", "z_loss", "imbalance"):
+            assert_close(torch.tensor(r.router[key]), torch.tensor(ref[key]),
+                         what=f"{step} {key}")
+        assert r.router["tokens_per_expert"] == ref["tokens_per_expert"], step
+    for name, b in out["biases"].items():
+        assert_close(b, reference["biases"][name], what=f"{what} bias {name}")
+    for key in merged:
+        merged[key].update(out[key])
+
+
 def test_reference_routes_unevenly_and_learns(reference):
     assert reference["losses"][-1] < reference["losses"][0]
     assert all(r["imbalance"] > 1.05 for r in reference["routers"])
@@ -169,21 +189,7 @@ def test_moe_layouts_match_serial_training(reference):
     for i, run in enumerate(RUNS):
         merged = {"weights": {}, "grads": {}}
         for rank, out in enumerate(o[i] for o in outs):
-            for s, r in enumerate(out["results"]):
-                what = f"{run} rank {rank} step {s}"
-                assert_close(torch.tensor(r.loss), torch.tensor(reference["losses"][s]),
-                             what=f"{what} loss")
-                assert_close(torch.tensor(r.grad_norm), torch.tensor(reference["norms"][s]),
-                             what=f"{what} grad norm")
-                ref = reference["routers"][s]
-                for key in ("aux_loss", "z_loss", "imbalance"):
-                    assert_close(torch.tensor(r.router[key]), torch.tensor(ref[key]),
-                                 what=f"{what} {key}")
-                assert r.router["tokens_per_expert"] == ref["tokens_per_expert"], what
-            for name, b in out["biases"].items():
-                assert_close(b, reference["biases"][name], what=f"{run} bias {name}")
-            for key in merged:
-                merged[key].update(out[key])
+            check_rank(out, f"{run} rank {rank}", reference, merged)
         for key in merged:
             assert set(merged[key]) == set(reference[key]), f"{run}: parameter names differ"
             for name, t in merged[key].items():
