@@ -10,7 +10,7 @@ host sync per MoE layer, at expert_parallel/dispatch.py, with or without full re
 import pytest
 import torch
 from sync_count import count_syncs
-from test_moe_parallel import E, G, LR, MAX_NORM, MBS, SEED, SEQ, config, global_batches
+from test_moe_parallel import G, LR, MAX_NORM, MBS, SEED, SEQ, config, global_batches
 from test_moe_parallel import biases, check_rank, scheduler, serial_reference
 from tp_utils import assert_close
 

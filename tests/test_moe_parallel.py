@@ -22,7 +22,7 @@ from tp_utils import assert_close, gather_grads
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.models import Qwen3MoeConfig
-from megapar.models.moe import finish_step, moe_layers, set_penalty_grad
+from megapar.models.moe import finish_step, set_penalty_grad
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full, unpad
 from megapar.training.step import BatchPlan
