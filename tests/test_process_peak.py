@@ -113,7 +113,8 @@ def test_cpu_figure_within_10_percent_of_the_os_peak():
     (tests/test_peak_memory.py) and noise only ever adds to a peak: a peak above the bound is
     measured again and the lower counts. The tensors counted before issue 47 (1.24 GiB) lacked
     the three embedding-sized gradients at the end of the backward, the heap's room and the
-    runtime."""
+    runtime; since the chunked loss makes its gradients in the forward at tp 1 the count holds
+    the head's fp32 weight gradient among the activations (147 MiB: 1.42 GiB)."""
     from megapar.models.config import config_from_dict
 
     mbs, seq = 1, 64
@@ -127,5 +128,5 @@ def test_cpu_figure_within_10_percent_of_the_os_peak():
     if peak.total < 0.9 * measured:  # noise can explain a high peak, never a low one
         measured = min(measured, run_local(_rise, 1, CPU_LAYOUT, mbs, seq,
                                            start_method="spawn")[0])
-    assert measured > 1.2 * stage.total, (measured / 2**20, stage.total / 2**20)
+    assert measured > 1.1 * stage.total, (measured / 2**20, stage.total / 2**20)
     assert peak.total == pytest.approx(measured, rel=0.10), (peak.total / 2**20, measured / 2**20)
