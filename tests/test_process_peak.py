@@ -113,7 +113,9 @@ def test_cpu_figure_covers_the_os_peak_within_15_percent():
     (1.67 and 1.81 GiB measured, 1.79 predicted) but not on a quiet machine: 1,631 MiB twice
     against 1,832 predicted, 12 % over (docs/guides/planner.md). The tensors counted before
     issue 47 (1.24 GiB) lacked the three embedding-sized gradients at the end of the backward,
-    the heap's room and the runtime: the figure under-predicted, the failure users met."""
+    the heap's room and the runtime: the figure under-predicted, the failure users met. Since the
+    chunked loss makes its gradients in the forward at tp 1 the tensors hold the head's fp32
+    weight gradient among the activations (147 MiB: 1.42 GiB)."""
     from megapar.models.config import config_from_dict
 
     mbs, seq = 1, 64
@@ -125,5 +127,5 @@ def test_cpu_figure_covers_the_os_peak_within_15_percent():
     assert peak.phase == "end of the backward"
     runs = [run_local(_rise, 1, CPU_LAYOUT, mbs, seq, start_method="spawn")[0] for _ in range(2)]
     measured = sum(runs) / 2
-    assert measured > 1.2 * stage.total, (measured / 2**20, stage.total / 2**20)
+    assert measured > 1.1 * stage.total, (measured / 2**20, stage.total / 2**20)
     assert measured <= peak.total <= 1.15 * measured, (peak.total / 2**20, runs)

@@ -132,7 +132,7 @@ class StageModel(nn.Module):
         if "labels" not in batch or not self.loss_chunk_tokens:
             return self._output(parallel_lm_logits(x, weight, self.mesh, bias), batch)
         labels = self._cp_tokens(batch["labels"])
-        per_token = linear_cross_entropy(
+        total = linear_cross_entropy(
             lm_head_input(x, self.mesh),
             weight,
             labels,
@@ -141,8 +141,9 @@ class StageModel(nn.Module):
             self.vocab_start,
             self.config.vocab_size,
             chunk_tokens=self.loss_chunk_tokens,
+            reduction="sum",  # a scalar: at tp 1 its gradients are made in the forward
         )
-        return masked_mean(per_token, labels, group=self.mesh.cp_group)
+        return masked_mean(total, labels, group=self.mesh.cp_group)
 
     def _output(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
         """The mean loss over labelled tokens, or the logits slice when there are no labels."""

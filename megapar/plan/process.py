@@ -199,12 +199,18 @@ def _top_of_backward(
     out = [_autocast_copies(p, c, mem, has_embedding, has_head)]
     if has_head:
         extra = p.act_bytes if _sixteen_bit(p) else 0
+        fused = bool(p.loss_chunk_tokens) and c.tp == 1  # fp32, made in the forward: an activation
         out.append(
             Term(
                 "head's weight gradient",
-                vocab * h * (4 + extra),
-                "made in the head's backward before it reaches .grad"
-                + (" (16-bit, then fp32)" if extra else "")
+                vocab * h * (extra if fused else 4 + extra),
+                (
+                    "its fp32 one made in the chunked loss's forward (counted in the "
+                    "activations)" + (", a 16-bit product" if extra else "")
+                    if fused
+                    else "made in the head's backward before it reaches .grad"
+                    + (" (16-bit, then fp32)" if extra else "")
+                )
                 + (", held by autograd until the embedding's arrives" if has_embedding else ""),
             )
         )

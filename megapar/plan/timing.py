@@ -68,10 +68,14 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
 
     def cost(k: int, first: bool, last: bool) -> ChunkTime:
         head = fl.head if last else 0.0
-        f = tokens * (k * fl.layer() + head)
-        w = tokens * (k * fl.block + head)
-        recomputed = logits if last and p.loss_chunk_tokens else 0.0  # the chunked loss's
-        bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head + recomputed)
+        # the chunked loss at tp 1 makes the head's input and weight gradients in its forward
+        # (the logits computed once); at tp > 1 its backward recomputes the logits
+        fused = last and bool(p.loss_chunk_tokens) and t == 1
+        recomputed = logits if last and p.loss_chunk_tokens and t > 1 else 0.0
+        moved = logits if fused else 0.0  # the logits' share of the head (BERT: + transform)
+        f = tokens * (k * fl.layer() + head + 2 * moved)
+        w = tokens * (k * fl.block + head - moved)
+        bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head - moved + recomputed)
         emb_comm = ring * half if first else 0.0  # the vocab-parallel lookup's reduction
         head_f = ring * 0.5 if last and c.sp else 0.0  # SP: its input gathered
         head_b = ring * half if last else 0.0  # its input's gradient

@@ -96,7 +96,8 @@ def vocab_parallel_cross_entropy(
 def masked_mean(
     per_token: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, group=None
 ):
-    """Mean of per-token losses over the tokens that are not ignored (0 if all are).
+    """Mean of per-token losses over the tokens that are not ignored (0 if all are);
+    `per_token` may be their sum already (a scalar, `linear_cross_entropy`'s "sum").
 
     With `group` (context parallelism: each rank holds other tokens of the same sequences) the
     mean is over the tokens of every rank of the group: the sums and counts are all-reduced

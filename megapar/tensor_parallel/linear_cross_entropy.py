@@ -12,8 +12,22 @@ target, times the incoming gradient) and multiplies it out at once into the inpu
 and the fp32 weight (and bias) gradients, so one chunk's logits are the most that ever lives.
 The price is one more head matmul (the logits recomputed in the backward).
 
-The weight gradient is computed in the backward itself, never deferred (a zero-bubble W pass
-has nothing of the head's to run later), and accumulates over the chunks in fp32.
+With ``reduction="sum"`` (what the models call: their loss is this sum over the count of
+labelled tokens, so the incoming gradient is one scalar for every token, the loss scale and
+the micro-batch count in it) and the whole vocabulary on this rank (tp 1), Liger's way runs
+instead: each chunk's gradient (softmax minus the one-hot target, 0 for ignored targets) is
+formed in the forward right after its logits and multiplied out at once into the input's
+[tokens x h] and the weight's (and bias's) gradients, fp32, kept from forward to backward; the
+backward only scales them by the incoming scalar (in place: a second backward through the same
+graph fails). The logits are computed once. The trade: the fp32 weight gradient ([vocab x h],
+which the backward would make anyway) and the input's gradient are held from the forward to
+the backward, per micro-batch in flight, instead of the head's input, targets and log-sum-exp.
+At tp > 1 a token's softmax needs the log-sum-exp all-reduced over tp, known only after every
+chunk's statistics, so there the gradients are not formed in the forward: the sum is the
+per-token path's, recomputing the logits in the backward.
+
+The weight gradient is never deferred (a zero-bubble W pass has nothing of the head's to run
+later), and accumulates over the chunks in fp32.
 """
 
 from __future__ import annotations
@@ -171,6 +185,71 @@ def _accumulate_mm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: b
         out.addmm_(a, b)
 
 
+class _FusedSum(torch.autograd.Function):
+    """The sum over tokens of the per-token cross-entropy of ``x @ weight.T + bias`` against
+    `target` with the whole vocabulary on this rank, its gradients made in the forward (see
+    the module docstring). x: [tokens, h]; weight: [vocab (padded), h]; needs: which of x,
+    weight, bias get a gradient. Returns the fp32 sum (ignored targets add nothing)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, vocab_size, ignore_index, chunk, dtype, needs):
+        real = min(weight.shape[0], vocab_size)
+        ignored = target == ignore_index
+        keep = (~ignored).float()
+        target = target.masked_fill(ignored, 0)
+        grads = _fp32_zeros(needs, x, weight, bias)
+        total = x.new_zeros((), dtype=torch.float32)
+        w = weight[:real].to(dtype)
+        b = bias[:real].to(dtype) if bias is not None else None
+        buffers = _Buffers(min(chunk, x.shape[0]), real, dtype, x.device)
+        for i in range(0, x.shape[0], chunk):
+            j = min(x.shape[0], i + chunk)
+            logits = buffers.logits(x[i:j], w, b)
+            m = logits.amax(dim=-1)
+            target_logit = logits.gather(-1, target[i:j, None]).squeeze(-1)
+            grad = logits.sub_(m[:, None]).exp_()
+            sum_exp = grad.sum(dim=-1)
+            total += ((sum_exp.log() + m - target_logit) * keep[i:j]).sum()
+            if any(needs):  # softmax minus the one-hot target, times 1 (0 where ignored)
+                grad.mul_((keep[i:j] / sum_exp)[:, None])
+                grad.scatter_add_(-1, target[i:j, None], -keep[i:j, None])
+                _chunk_grads(grads, grad, buffers.to_compute(grad), x[i:j].to(dtype), w, i, j)
+        ctx.save_for_backward(*(g for g in grads if g is not None))
+        ctx.needs = needs
+        ctx.dtypes = [t.dtype if t is not None else None for t in (x, weight, bias)]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        saved = iter(ctx.saved_tensors)  # scaled in place: a second backward fails loudly
+        grads = [
+            next(saved).mul_(grad_total).to(dtype) if need else None
+            for need, dtype in zip(ctx.needs, ctx.dtypes)
+        ]
+        return tuple(grads) + (None,) * 6
+
+
+def _fp32_zeros(needs, x, weight, bias) -> list:
+    """fp32 gradients of x, weight and bias (None where not needed), zero."""
+    return [
+        torch.zeros(t.shape, dtype=torch.float32, device=t.device) if need else None
+        for need, t in zip(needs, (x, weight, bias))
+    ]
+
+
+def _chunk_grads(grads: list, grad32, grad, xc, w, i: int, j: int) -> None:
+    """Add one chunk's gradients into `grads` (x's rows [i, j), weight, bias): grad32 / grad
+    the logits' gradient in fp32 / the compute dtype, xc the chunk's input in that dtype."""
+    grad_x, grad_w, grad_b = grads
+    real = w.shape[0]
+    if grad_x is not None:
+        grad_x[i:j] = grad @ w
+    if grad_w is not None:
+        _accumulate_mm(grad_w[:real], grad.t(), xc, first=i == 0)
+    if grad_b is not None:
+        grad_b[:real].add_(grad32.sum(dim=0))
+
+
 def linear_cross_entropy(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -181,6 +260,7 @@ def linear_cross_entropy(
     vocab_size: int | None = None,
     ignore_index: int = -100,
     chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    reduction: str = "none",
 ) -> torch.Tensor:
     """Per-token loss (fp32, the shape of `target`) of the logits ``x @ weight.T + bias``,
     never holding more than `chunk_tokens` tokens' logits; equal to
@@ -190,14 +270,34 @@ def linear_cross_entropy(
     gathered sequence); weight: this rank's vocabulary rows [vocab_start, vocab_start +
     local_vocab); vocab_size: the true vocabulary (rows beyond it are padding); chunk_tokens:
     tokens per chunk (> 0). Under autocast the logits are computed in its dtype, as
-    ``F.linear`` would, and the loss in fp32."""
+    ``F.linear`` would, and the loss in fp32. reduction: "none" (the per-token loss) or "sum"
+    (its sum, a scalar): with the whole vocabulary on this rank (no `group`, or one of size
+    1) the sum's gradients are made in the forward and the logits computed once."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if reduction not in ("none", "sum"):
+        raise ValueError(f"reduction must be 'none' or 'sum', got {reduction!r}")
     if vocab_size is None:
         vocab_size = vocab_start + weight.shape[0]
     device = x.device.type
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+    whole = group is None or dist.get_world_size(group) == 1
+    if reduction == "sum" and whole and vocab_start == 0:
+        grad_on = torch.is_grad_enabled()
+        needs = tuple(grad_on and t is not None and t.requires_grad for t in (x, weight, bias))
+        with _no_autocast(device):
+            return _FusedSum.apply(
+                x.reshape(-1, x.shape[-1]),
+                weight,
+                bias,
+                target.reshape(-1),
+                vocab_size,
+                ignore_index,
+                chunk_tokens,
+                dtype,
+                needs,
+            )
     with _no_autocast(device):  # the function casts as autocast would
         loss = _LinearCrossEntropy.apply(
             x.reshape(-1, x.shape[-1]),
@@ -211,4 +311,4 @@ def linear_cross_entropy(
             chunk_tokens,
             dtype,
         )
-    return loss.view(target.shape)
+    return loss.sum() if reduction == "sum" else loss.view(target.shape)

@@ -87,7 +87,7 @@ class TrainConfig:
     fp8_layers: str = "auto"
     """With --fp8: which block linears run in float8: auto (torchao's size rule on each rank's local N x K; smaller layers are slower in FP8) or all (every one whose local dims are multiples of 16)."""
     loss_chunk_tokens: int = 1024
-    """Tokens per chunk of the fused LM head and cross-entropy: each chunk's logits are computed, reduced to its loss and dropped, and recomputed in the backward (one more head matmul), so the whole [tokens x vocabulary] logits never exist (with Llama 3's 128,256-token vocabulary a 1,024-token chunk is 0.5 GB in fp32). The loss accumulates in fp32 and equals the unchunked one. 0: the whole micro-batch's logits at once."""
+    """Tokens per chunk of the fused LM head and cross-entropy: each chunk's logits are computed, reduced to its loss and dropped; at tp 1 the chunk's gradients are formed right away and held to the backward (the head's fp32 weight gradient kept from forward to backward), at tp > 1 the backward recomputes the logits (one more head matmul), so the whole [tokens x vocabulary] logits never exist (with Llama 3's 128,256-token vocabulary a 1,024-token chunk is 0.5 GB in fp32). The loss accumulates in fp32 and equals the unchunked one. 0: the whole micro-batch's logits at once."""
     moe_aux_loss_coef: float | None = None
     """Mixture of experts: coefficient of the switch-style load-balancing loss (transformers' router_aux_loss_coef: each MoE layer's loss counts 1 / MoE layers; 0: none). Default: the model config's."""
     moe_z_loss_coef: float | None = None
