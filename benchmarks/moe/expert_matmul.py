@@ -25,8 +25,10 @@ output gradient, forward + backward each:
 The outputs, the input's gradient and every weight's gradient of all of them are checked equal
 (fp32, 1e-5 relative) before any timing. Then the implementations run `--rounds` rounds in
 turns (`common.interleave`, the order reversed every other round), `--steps` forward + backward
-calls each, and the ratios of their times are taken round by round: median [min, max]. torch
-runs `--threads` threads (default 1: the machine's cores are shared).
+calls each, and the ratios of their times are taken round by round: median [min, max], of
+the wall-clock time and of the CPU time the process got (`time.process_time`: with one
+thread, where the machine is shared with other jobs, the time a call computed rather than the
+time it waited for a core). torch runs `--threads` threads (default 1: the cores are shared).
 
     python benchmarks/moe/expert_matmul.py                     # about 2 minutes on 2 cores
     python benchmarks/moe/expert_matmul.py --tokens 64 --rounds 2 --steps 1   # smoke
@@ -64,6 +66,9 @@ RATIOS = [  # (a, b): a's seconds over b's, round by round
     ("megapar grouped_mm", "dense MLP"),
     ("transformers eager", "dense MLP"),
 ]
+
+
+CLOCKS = ("wall", "cpu")  # perf_counter, and process_time: the CPU time this process got
 
 
 def megapar_layer(args, grouped: bool) -> MoE:
@@ -184,12 +189,13 @@ def grads_of(module) -> tuple[torch.Tensor, ...]:
 
 
 def timed(call, steps: int):
-    """A run for `interleave`: `steps` calls, the mean seconds of one."""
-    def run() -> float:
-        start = time.perf_counter()
+    """A run for `interleave`: `steps` calls; (wall seconds, CPU seconds of this process) of
+    one, the mean."""
+    def run() -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             call()
-        return (time.perf_counter() - start) / steps
+        return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
     return run
 
 
@@ -212,11 +218,15 @@ def measure(args, tokens: int) -> dict:
     calls["experts slice loop"], calls["experts grouped_mm"] = slices, kernel
     calls["dense MLP"] = dense_call(args, x, grad)
 
-    times = interleave({n: timed(c, args.steps) for n, c in calls.items()}, args.rounds,
-                       alternate=True)
-    return {"tokens": tokens, "tokens_per_expert": counts, "max_rel_err": worst,
-            "seconds": times,
-            "ratios": {f"{a} / {b}": pair_ratios(times[a], times[b]) for a, b in RATIOS}}
+    runs = interleave({n: timed(c, args.steps) for n, c in calls.items()}, args.rounds,
+                      alternate=True)
+    record = {"tokens": tokens, "tokens_per_expert": counts, "max_rel_err": worst}
+    for i, clock in enumerate(CLOCKS):
+        times = {n: [r[i] for r in rs] for n, rs in runs.items()}
+        record[f"{clock}_seconds"] = times
+        record[f"{clock}_ratios"] = {f"{a} / {b}": pair_ratios(times[a], times[b])
+                                     for a, b in RATIOS}
+    return record
 
 
 def main(argv=None) -> int:
@@ -243,11 +253,16 @@ def main(argv=None) -> int:
         results.append(r)
         print(f"\nT = {tokens} tokens (per expert: {r['tokens_per_expert']}); all equal to "
               f"{r['max_rel_err']:.1e} relative")
-        for name, t in r["seconds"].items():
-            print(f"  {name:24} {1e3 * statistics.median(t):9.2f} ms (median of rounds)")
-        print("  ratios of time, round by round: median [min, max] (< 1: the first is faster)")
-        for key, ratios in r["ratios"].items():
-            print(f"    {key}: {ratio_summary(ratios)}", flush=True)
+        print("  medians of rounds, ms: wall / CPU")
+        for name, t in r["wall_seconds"].items():
+            cpu = r["cpu_seconds"][name]
+            print(f"    {name:24} {1e3 * statistics.median(t):9.2f} / "
+                  f"{1e3 * statistics.median(cpu):9.2f}")
+        print("  ratios of time, round by round, median [min, max] (< 1: the first is "
+              "faster): CPU time | wall")
+        for key, ratios in r["cpu_ratios"].items():
+            print(f"    {key:45} {ratio_summary(ratios)} | "
+                  f"{ratio_summary(r['wall_ratios'][key])}", flush=True)
     if args.json:
         write_json(args.json, {"args": vars(args), "results": results,
                                "torch": torch.__version__,

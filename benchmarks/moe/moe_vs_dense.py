@@ -11,12 +11,14 @@ loss at transformers' default coefficient 0.001) on the same batches.
 
 Each model takes `--warmup` steps, then the two run `--rounds` rounds in turns
 (`common.interleave`, the order reversed every other round), `--steps` steps each, and the ratio
-of their seconds per step is taken round by round: median [min, max]; tokens per second are
-the batch's tokens over each model's median seconds per step. torch runs `--threads` threads
-(default 1: the machine's cores are shared). With `--profile`, one more step of each runs under
-`torch.profiler` and the operators taking the most of its time (self CPU time) are printed,
-grouped into matmuls, the MoE's routing (top-k, sort, gathers and scatters, counts), copies and
-the optimizer: where the MoE's extra time goes.
+of their seconds per step is taken round by round: median [min, max], of the wall-clock time
+and of the CPU time the process got (`time.process_time`: with one thread on a machine shared
+with other jobs, the time a step computed rather than the time it waited for a core); tokens
+per second are the batch's tokens over each model's median seconds per step. torch runs
+`--threads` threads (default 1: the machine's cores are shared). With `--profile`, one more
+step of each runs under `torch.profiler` and the operators taking the most of its time (self
+CPU time) are printed, grouped into matmuls, the MoE's routing (top-k, sort, gathers and
+scatters, counts), fills and copies, and the optimizer: where the MoE's extra time goes.
 
     python benchmarks/moe/moe_vs_dense.py --profile         # about 2 minutes on 2 cores
     python benchmarks/moe/moe_vs_dense.py --layers 1 --seq 32 --rounds 2 --steps 1   # smoke
@@ -153,24 +155,31 @@ def main(argv=None) -> int:
 
     def timed_run(name):
         def run():
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 engines[name].train_step(data[cursor[name]])
                 cursor[name] += 1
-            return (time.perf_counter() - start) / args.steps
+            return ((time.perf_counter() - wall) / args.steps,
+                    (time.process_time() - cpu) / args.steps)
         return run
 
-    times = interleave({n: timed_run(n) for n in engines}, args.rounds, alternate=True)
+    runs = interleave({n: timed_run(n) for n in engines}, args.rounds, alternate=True)
+    times = {clock: {n: [r[i] for r in rs] for n, rs in runs.items()}
+             for i, clock in enumerate(("wall", "cpu"))}
     tokens = args.batch * args.seq
     print(f"\n{args.layers} layers x hidden {args.hidden}; MoE {args.experts} experts of "
           f"{args.expert_size}, top {args.top_k}; dense MLP {args.top_k * args.expert_size}; "
           f"batch {args.batch} x {args.seq}, fp32, {args.threads} thread(s), torch "
           f"{torch.__version__}; {args.rounds} rounds x {args.steps} steps")
-    for name, t in times.items():
-        med = statistics.median(t)
-        print(f"  {name:5} {1e3 * med:8.1f} ms/step, {tokens / med:8.0f} tokens/s (medians)")
-    ratios = pair_ratios(times["moe"], times["dense"])
-    print(f"  moe / dense s/step, round by round: {ratio_summary(ratios)}")
+    ratios = {}
+    for clock, label in (("cpu", "CPU time"), ("wall", "wall")):
+        print(f"  {label}:")
+        for name, t in times[clock].items():
+            med = statistics.median(t)
+            print(f"    {name:5} {1e3 * med:8.1f} ms/step, {tokens / med:8.0f} tokens/s "
+                  f"(medians of rounds)")
+        ratios[clock] = pair_ratios(times[clock]["moe"], times[clock]["dense"])
+        print(f"    moe / dense s/step, round by round: {ratio_summary(ratios[clock])}")
     profile = {}
     if args.profile:
         print("\none profiled step each (self CPU time by operator group):")
