@@ -147,24 +147,30 @@ class GroupedExperts(nn.Module):
             return self._grouped(x, tokens_per_expert)
         if counts is None:
             counts = host_counts(tokens_per_expert, x.shape[0])
+        # unbind, not gate_up[e]: each indexing's backward would write a whole [E, ...]
+        # gradient of zeros (E per projection per step); unbind's stacks the slices once
+        gate_ups, downs = self.gate_up.unbind(0), self.down.unbind(0)
         outs = []
         for e, part in enumerate(x[: sum(counts)].split(counts)):
             if part.shape[0]:
-                gate, up = F.linear(part, self.gate_up[e]).chunk(2, dim=-1)
-                outs.append(F.linear(self.act(gate) * up, self.down[e]))
+                gate, up = F.linear(part, gate_ups[e]).chunk(2, dim=-1)
+                outs.append(F.linear(self.act(gate) * up, downs[e]))
         rest = x.shape[0] - sum(counts)
         if rest:
             outs.append(x.new_zeros(rest, x.shape[1]))
         return torch.cat(outs) if outs else x.new_zeros(x.shape)
 
     def _grouped(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """One grouped matmul per projection; offsets stay on the device (no host sync)."""
+        """One grouped matmul per projection; offsets stay on the device (no host sync). The
+        kernel leaves the rows past the last group (a capacity's dropped rows) unwritten, in
+        its output and in its input's gradient: both are masked."""
         offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+        kept = (torch.arange(x.shape[0], device=x.device) < offs[-1])[:, None]
+        x = torch.where(kept, x, 0)  # its backward zeroes the unwritten rows of x's gradient
         h = torch._grouped_mm(x, self.gate_up.transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=-1)
         y = torch._grouped_mm(self.act(gate) * up, self.down.transpose(1, 2), offs=offs)
-        rows = torch.arange(x.shape[0], device=x.device)
-        return torch.where((rows < offs[-1])[:, None], y, 0)  # rows past the groups: unwritten
+        return torch.where(kept, y, 0)
 
 
 class SharedExperts(nn.Module):
