@@ -82,14 +82,15 @@ def test_mixtral_dry_run_rehearses_pp2_dp2_ep2(common, capsys):
     assert "dp 2 with ep 2 in dp" in capsys.readouterr().out
 
 
-def test_mixtral_tiny_trains_at_dp2_ep2_as_at_dp2(tmp_path, common):
-    """megapar-train --dp 2 --ep 2: each rank holds 2 of the 4 experts and exchanges tokens; the
-    losses, grad norms and router statistics are those of --dp 2 (ep 1) over 2 steps."""
+def test_mixtral_tiny_trains_at_dp2_cp2_ep2_as_at_dp2(tmp_path, common):
+    """megapar-train --dp 2 --cp 2 --ep 2: each rank holds 2 of the 4 experts and exchanges its
+    cp share of the tokens with its ep peer; the losses, grad norms and router statistics are
+    those of --dp 2 (ep 1, no cp) over 2 steps."""
     runs = {}
-    for ep in (1, 2):
+    for ep, cp in ((1, 1), (2, 2)):
         log = tmp_path / f"ep{ep}.jsonl"
-        assert main(["--model", "mixtral-tiny", "--dp", "2", "--ep", str(ep), "--max-steps", "2",
-                     "--lr", "3e-3", "--log-json", str(log), *common]) == 0
+        assert main(["--model", "mixtral-tiny", "--dp", "2", "--cp", str(cp), "--ep", str(ep),
+                     "--max-steps", "2", "--lr", "3e-3", "--log-json", str(log), *common]) == 0
         runs[ep] = _records(log)
     assert len(runs[2]) == 2
     for one, two in zip(runs[1], runs[2]):
