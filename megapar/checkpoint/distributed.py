@@ -375,11 +375,11 @@ def _wanted(reader: ShardReader, model, step_dir, notes: list[str]) -> tuple[lis
     """([(name, canonical source, tensor, local tp size)] of every tensor `model` reads from
     the checkpoint, whether any is split otherwise than there); a buffer the checkpoint lacks
     (one saved before buffers were kept) keeps its value, noted in `notes`."""
-    wanted, resharded = [], False
+    wanted, resharded, missing = [], False, []
     for name, param, buffer in stage_tensors(model):
         source = getattr(param, "tied_to", name)
         if buffer and source not in reader.tensors:
-            notes.append(f"{name} is not in the checkpoint: it keeps its initial value")
+            missing.append(name)
             continue
         entry = reader.entry(source)
         dim = entry["tp_dim"]
@@ -394,6 +394,8 @@ def _wanted(reader: ShardReader, model, step_dir, notes: list[str]) -> tuple[lis
         pdim = getattr(param, "tp_dim", None)
         resharded |= dim != pdim  # split in one layout, whole in another (Llama's kv heads)
         wanted.append((name, source, param, None if pdim is None else param.shape[pdim]))
+    if missing:
+        notes.append(f"not in the checkpoint, kept at their initial values: {', '.join(missing)}")
     return wanted, resharded
 
 
