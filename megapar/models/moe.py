@@ -149,7 +149,7 @@ class GroupedExperts(nn.Module):
             return self._grouped(x, tokens_per_expert)
         if counts is None:
             counts = host_counts(tokens_per_expert, x.shape[0])
-        outs = []
+        outs: list[torch.Tensor] = []
         for e, part in enumerate(x[: sum(counts)].split(counts)):
             # Without a row for any expert, the last one still runs on its empty slice: the
             # output stays in the graph of x and the weights (zero gradients), so an ep rank
