@@ -330,10 +330,12 @@ class ZeroOptimizer(AdamWOptimizer):
         lo, hi = self.grad_sync.shard_range(b)
         dtype = b.params[0].dtype
         device = self.param_buffers[dtype].device
-        first = b.group_rank == 0
+        group, size, rank = self.group, self.dp, self.dp_rank  # ZeRO-3's units: over dp
+        if getattr(b, "group", None) is not None:  # a bucket: over its own group
+            group, size, rank = b.group, b.group_size, b.group_rank
+        first = rank == 0
         parts = [
-            torch.zeros(hi - lo, dtype=dtype, device=device)
-            for _ in range(b.group_size if first else 1)
+            torch.zeros(hi - lo, dtype=dtype, device=device) for _ in range(size if first else 1)
         ]
         mine = parts[0]  # rank 0's own slice is gathered in place
         piece = {id(p): (t, s, e) for t, (p, s, e) in zip(self.pieces, self._piece_of)}
@@ -345,8 +347,8 @@ class ZeroOptimizer(AdamWOptimizer):
                 if state is not None:
                     at = self._offset[id(p)] + s - lo
                     mine[at : at + e - s] = state.reshape(-1)
-        root = dist.get_global_rank(b.group, 0)
-        dist.gather(mine, parts if first else None, dst=root, group=b.group)
+        root = dist.get_global_rank(group, 0)
+        dist.gather(mine, parts if first else None, dst=root, group=group)
         return torch.cat([part.cpu() for part in parts]) if first else None
 
     def _held_state(self) -> list[tuple[nn.Parameter, dict]]:
