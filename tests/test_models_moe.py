@@ -188,6 +188,14 @@ def test_grouped_experts_equal_per_token_routing_and_capacity_drops():
     kept = weights.clone()
     kept[5:7] = 0  # tokens 5 and 6 lost both their experts
     assert_close(got, _per_token_reference(x, experts.gate_up, experts.down, choice, kept))
+    # no row at all (an ep rank that receives none): the output stays in the graph of its input
+    # and the weights, so the backward's all-to-alls and gradient reductions still run there
+    empty = x[:0].clone().requires_grad_()
+    y = experts(empty, torch.zeros(e, dtype=torch.long), [0] * e)
+    assert y.shape == (0, h) and y.grad_fn is not None
+    y.sum().backward()
+    assert empty.grad is not None and experts.gate_up.grad is not None
+    assert not experts.gate_up.grad.any() and not experts.down.grad.any()
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")

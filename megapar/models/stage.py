@@ -176,10 +176,10 @@ class ModelChunks(nn.Module):
     """Several model chunks (virtual pipeline stages) held by one rank, e.g. for interleaved 1F1B.
 
     `chunks[i]` is an ordinary stage model (any `StageModel`: its own layer slice, the embedding
-    if it is the model's first slice, the head if it is the last). Parameter names are the
-    *canonical* ones (the chunks' own, without a "chunks.i." prefix; blocks are named by global
-    index, so they never collide), so optimizers, checkpoints and conversion see the same names
-    as in any other layout. `forward(hidden, batch, chunk=0)` runs one chunk.
+    if it is the model's first slice, the head if it is the last). Parameter and buffer names
+    are the *canonical* ones (the chunks' own, without a "chunks.i." prefix; blocks are named by
+    global index, so they never collide), so optimizers, checkpoints and conversion see the same
+    names as in any other layout. `forward(hidden, batch, chunk=0)` runs one chunk.
     """
 
     def __init__(self, chunks: Sequence[nn.Module]):
@@ -210,6 +210,10 @@ class ModelChunks(nn.Module):
     ):
         for chunk in self.chunks:
             yield from chunk.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for chunk in self.chunks:  # canonical names, as the parameters'
+            yield from chunk.named_buffers(prefix, recurse, remove_duplicate)
 
     def init_weights(self, seed: int) -> None:
         for chunk in self.chunks:

@@ -324,13 +324,6 @@ def check_ep(cfg) -> None:
             f"yet (its whole-parameter norms sum the slices over dp, and experts differ "
             f"across ep ranks): use --zero 0, or --optimizer adamw / sgd"
         )
-    for name in ("save", "load"):
-        if getattr(cfg, name) and cfg.zero:
-            raise UsageError(
-                f"--ep {cfg.ep} with --zero {cfg.zero} cannot be combined with {flag_of(name)} "
-                f"yet (the experts' optimizer slices are over another group than the "
-                f"checkpoint gathers): use --zero 0, or drop {flag_of(name)}"
-            )
 
 
 def check_inject_slow(cfg, world_size: int) -> None:
