@@ -16,7 +16,8 @@ from megapar.pipeline.schedules import (
 )
 from megapar.pipeline.simulate import Costs, action_times, simulate
 from megapar.plan import pipeline
-from megapar.plan.state import Offload, most_loaded, rank_state, w_reported
+from megapar.plan.slices import most_loaded
+from megapar.plan.state import Offload, rank_state, w_reported
 
 
 def _sizes(name):

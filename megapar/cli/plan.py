@@ -42,7 +42,16 @@ from megapar.plan.layouts import (
 )
 from megapar.plan.params import model_params
 from megapar.plan.process import TARGETS, describe
-from megapar.plan.report import attention_note, command, explain, row, runnable, table
+from megapar.plan.report import (
+    attention_note,
+    command,
+    expert_lines,
+    explain,
+    print_json,
+    row,
+    runnable,
+    table,
+)
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.config import OneLineParser
 
@@ -369,7 +378,7 @@ def _explain(args, problem) -> int:
             )
         )
         return 0
-    print(explain(e))
+    print("\n".join([explain(e), *expert_lines(e, problem)]))
     print(attention_note(problem.fused_attention))
     if e.process is not None:
         print(describe(e.process))
@@ -404,7 +413,7 @@ def main(argv=None) -> int:
     best = estimates[0] if estimates and estimates[0].fits else None
     cmd = command(best, problem, args.model) if best else None
     if args.json:
-        _print_json(args, problem, estimates, rejected, cmd)
+        print_json(args.top, problem, estimates, rejected, cmd)
         return 0 if best else 1
     print(
         f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters; {problem.gpus} "
@@ -421,37 +430,14 @@ def main(argv=None) -> int:
     assert cmd is not None  # made for the best layout
     if best.process is not None:
         print(describe(best.process))
-    print(f"\nchosen: {best.candidate.label()}\ncommand: {cmd[0]}")
+    print("\n".join([f"\nchosen: {best.candidate.label()}", *expert_lines(best, problem)]))
+    print(f"command: {cmd[0]}")
     for m in cmd[1]:
         print(
             f"  note: megapar-train cannot do this yet: {m} (plan with --today for a layout "
             f"it runs now)"
         )
     return verify_estimates(estimates[: args.verify], problem) if args.verify else 0
-
-
-def _print_json(args, problem, estimates, rejected, cmd) -> None:
-    """The ranked layouts as JSON: the top rows, the counts, the rejections by reason and the
-    chosen layout's megapar-train command."""
-    reasons: dict[str, int] = {}
-    for _, reason in rejected:
-        key = reason.split(";")[0]
-        reasons[key] = reasons.get(key, 0) + 1
-    print(
-        json.dumps(
-            {
-                "model_params": model_params(problem.config),
-                "layouts": [row(e, problem.master_weights) for e in estimates[: args.top]],
-                "valid": len(estimates),
-                "rejected": len(rejected),
-                "rejected_reasons": reasons,
-                "fused_attention": problem.fused_attention,
-                "command": cmd[0] if cmd else None,
-                "missing_in_megapar_train": cmd[1] if cmd else None,
-            },
-            indent=1,
-        )
-    )
 
 
 def _no_valid_layout(args, problem, rejected) -> int:

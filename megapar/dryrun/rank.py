@@ -332,8 +332,9 @@ def _step_traffic(
     """One step's `traffic` of m micro-batches: the schedule's calls (`run_calls`, one
     micro-batch's) repeated m times where they are made every micro-batch, the rest and the
     calls after the schedule (`step_calls`) once."""
-    # inside the schedule, messages and tp / cp collectives belong to the micro-batch; the
-    # bucket reductions, the loss broadcast and everything after the schedule to the step
+    # inside the schedule, messages, tp / cp collectives and the MoE layers' all-to-alls (ep)
+    # belong to the micro-batch; the bucket reductions, the loss broadcast and everything
+    # after the schedule to the step
     per_micro_batch = {
         tuple(dist.get_process_group_ranks(g))
         for g in (mesh.tp_group, mesh.cp_group)
@@ -343,7 +344,7 @@ def _step_traffic(
         m
         if i in per_micro_batch_buckets
         or i not in per_step
-        and (c.op in ("isend", "irecv") or c.ranks in per_micro_batch)
+        and (c.op in ("isend", "irecv", "all_to_all_single") or c.ranks in per_micro_batch)
         else 1
         for i, c in enumerate(run_calls)
     ] + [1] * len(step_calls)
@@ -393,6 +394,8 @@ def _planned_state(cfg, config, mesh: Mesh):
             ),
             m,
         ),
+        layout.ep,
+        layout.cp,
     )
 
 

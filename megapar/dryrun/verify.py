@@ -52,6 +52,7 @@ def train_config(problem, candidate):
         tp=c.tp,
         pp=c.pp,
         dp=c.dp,
+        ep=c.ep,
         micro_batch_size=c.mbs,
         global_batch_size=problem.global_batch,
         seq_len=problem.seq_len,
@@ -76,7 +77,7 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
     """Dry-run `candidate` (default ranks: `sample_ranks`) and compare with the plan."""
 
     c, start = candidate, time.perf_counter()
-    layout = Layout(c.tp, c.pp, c.dp, cp=c.cp)
+    layout = Layout(c.tp, c.pp, c.dp, cp=c.cp, ep=c.ep)
     ranks = sample_ranks(layout, c.zero) if ranks is None else ranks
     try:
         reports = dry_run(
@@ -92,8 +93,10 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
     out = Verified(len(reports), time.perf_counter() - start)
     m = problem.global_batch // (c.mbs * c.dp)
     exact = pipeline.held_is_exact(c.pp, m, c.v)
-    if exact:  # the dry run models megapar's fused attention (no a x s^2 scores kept)
-        stages = stage_memory(dataclasses.replace(problem, fused_attention=True), c)
+    if exact:  # the dry run models megapar's fused attention (no a x s^2 scores kept), and
+        # a mixture of experts' default imbalance
+        modelled = dataclasses.replace(problem, fused_attention=True, moe_imbalance=None)
+        stages = stage_memory(modelled, c)
     else:
         out.note = (
             f"activations not compared: pp x m x V = {c.pp * m * c.v:,} forwards, more "
@@ -128,6 +131,8 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
             problem.grad_bucket_mb,
             placement_of(c.schedule),
             offload_of(c, problem.zero3_persistence_threshold, m),
+            c.ep,
+            c.cp,
         )
         out.differences += [
             (r.rank, f, getattr(planned, f), getattr(r, f))

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
-from megapar.plan.estimate import Estimate
+from megapar.pipeline.partition import chunk_specs
+from megapar.pipeline.placement import placement_of
+from megapar.plan import experts
+from megapar.plan.estimate import Estimate, stage_memory
 from megapar.plan.memory import GIB
+from megapar.plan.params import model_params
 from megapar.plan.problem import Problem
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.config import TrainConfig, flag_choices
@@ -87,6 +92,7 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         f"--model {model}",
         f"--tp {c.tp}",
         *([f"--cp {c.cp}"] if c.cp > 1 else []),
+        *([f"--ep {c.ep}"] if c.ep > 1 else []),
         f"--pp {c.pp}",
         f"--seq-len {p.seq_len}",
         f"--micro-batch-size {c.mbs}",
@@ -241,3 +247,73 @@ def explain(e: Estimate) -> str:
         f"{e.hw_tflops:.1f} TFLOP/s per GPU incl. recomputation",
     ]
     return "\n".join(lines)
+
+
+def expert_lines(e: Estimate, p: Problem) -> list[str]:
+    """Why this ep, for a mixture-of-experts model (nothing for a dense one): the routed experts
+    a rank holds, the weights, gradients and optimizer state that saves against ep 1 on the
+    most loaded stage, the all-to-all bytes a rank sends per step and their exposed seconds,
+    and the imbalance its experts' activations assume."""
+    cfg, c = p.config, e.candidate
+    if not experts.is_moe(cfg):
+        return []
+    state = e.memory.params + e.memory.grads + e.memory.optimizer
+    one = stage_memory(p, dataclasses.replace(c, ep=1), simulate=False)[e.memory.stage]
+    saved = one.params + one.grads + one.optimizer - state
+    n_exp = getattr(cfg, "num_local_experts", 0)
+    if c.ep == 1:
+        return [
+            f"experts: ep 1: every rank holds all {n_exp} routed experts of each MoE layer "
+            f"(no all-to-all); the search tried every ep dividing dp and the experts"
+        ]
+    layers = max(
+        experts.moe_layers(
+            cfg,
+            [
+                i
+                for s in chunk_specs(cfg.num_layers, c.pp, st, c.v, placement_of(c.schedule))
+                for i in s.layers
+            ],
+        )
+        for st in range(c.pp)
+    )
+    sent = experts.step_alltoall(p, c, layers)
+    imbalance = experts.imbalance_of(cfg, p.moe_imbalance)
+    return [
+        f"experts: ep {c.ep}: each rank holds {n_exp // c.ep} of {n_exp} routed experts per MoE "
+        f"layer (not split by tp): its weights, gradients and optimizer state are "
+        f"{state / GIB:.2f} GiB, {saved / GIB:.2f} GiB less than at ep 1 (the experts' "
+        f"optimizer state sharded over the {c.dp * c.cp // c.ep} expert-data-parallel ranks "
+        f"under ZeRO-1/2)",
+        f"  all-to-all per step: {sent / GIB:.3f} GiB put in by each rank ({layers} MoE layers "
+        f"x {p.global_batch // (c.mbs * c.dp)} micro-batches: counts, dispatch and combine, "
+        f"forward and backward), of which {100 * experts.leaving(c.ep):.0f} % leaves the rank "
+        f"under uniform routing: {e.comm_s.get('ep', 0.0):.4f} s exposed per step",
+        f"  routed tokens' activations assume the busiest rank receives {imbalance:g} x the "
+        f"mean rows (dropless: an assumption, megapar-train logs moe_imbalance; a capacity "
+        f"factor bounds it)",
+    ]
+
+
+def print_json(top: int, problem: Problem, estimates, rejected, cmd) -> None:
+    """The ranked layouts as JSON: the top rows, the counts, the rejections by reason and the
+    chosen layout's megapar-train command."""
+    reasons: dict[str, int] = {}
+    for _, reason in rejected:
+        key = reason.split(";")[0]
+        reasons[key] = reasons.get(key, 0) + 1
+    print(
+        json.dumps(
+            {
+                "model_params": model_params(problem.config),
+                "layouts": [row(e, problem.master_weights) for e in estimates[:top]],
+                "valid": len(estimates),
+                "rejected": len(rejected),
+                "rejected_reasons": reasons,
+                "fused_attention": problem.fused_attention,
+                "command": cmd[0] if cmd else None,
+                "missing_in_megapar_train": cmd[1] if cmd else None,
+            },
+            indent=1,
+        )
+    )
