@@ -122,11 +122,14 @@ def test_activation_prediction_equals_bytes_saved_by_a_real_forward(pre, post):
     assert predicted == held
 
 
-@pytest.mark.parametrize("kind", ["bert", "llama"])
+@pytest.mark.parametrize("kind", ["bert", "llama", "mixtral"])
 def test_block_terms_equal_bytes_saved_by_a_real_forward(kind):
     """A middle stage of two blocks (FFN 2.5 h): megapar's block terms are every byte saved,
-    but for Llama's rotary cos / sin tables (one pair per stage) and its kv-head index."""
-    from megapar.models import BertConfig, LlamaConfig
+    but for Llama's rotary cos / sin tables (one pair per stage) and its kv-head index. A
+    Mixtral block (4 experts of 2.5 h, top 2): its routed tokens' `plan.experts.routed_bytes`
+    too, but for 36 bytes a layer (the router's E-long load vectors)."""
+    from megapar.models import BertConfig, LlamaConfig, MixtralConfig
+    from megapar.plan.experts import routed_bytes
 
     s, b, h = 32, 3, 64
     if kind == "bert":
@@ -135,6 +138,11 @@ def test_block_terms_equal_bytes_saved_by_a_real_forward(kind):
                             max_position_embeddings=s, hidden_dropout_prob=0.0,
                             attention_probs_dropout_prob=0.0)
         batch = {"attention_mask": torch.ones(b, s, dtype=torch.long)}
+    elif kind == "mixtral":
+        config = MixtralConfig(vocab_size=300, hidden_size=h, intermediate_size=160,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=s, num_local_experts=4)
+        batch = {}
     else:
         config = LlamaConfig(vocab_size=300, hidden_size=h, intermediate_size=160,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -161,6 +169,8 @@ def test_block_terms_equal_bytes_saved_by_a_real_forward(kind):
         extra = 2 * b * s * 4                                  # the attention mask, per layer
     else:
         extra = 2 * s * config.head_size * 4 + 2 * 4 * 8       # rotary tables, kv index
+    if kind == "mixtral":
+        per_layer += routed_bytes(config, s * b, 4) + 36
     assert 2 * per_layer + s * b * h * 4 + extra == held
 
 

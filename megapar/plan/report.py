@@ -287,8 +287,9 @@ def expert_lines(e: Estimate, p: Problem) -> list[str]:
         f"under ZeRO-1/2)",
         f"  all-to-all per step: {sent / GIB:.3f} GiB put in by each rank ({layers} MoE layers "
         f"x {p.global_batch // (c.mbs * c.dp)} micro-batches: counts, dispatch and combine, "
-        f"forward and backward), of which {100 * experts.leaving(c.ep):.0f} % leaves the rank "
-        f"under uniform routing: {e.comm_s.get('ep', 0.0):.4f} s exposed per step",
+        f"forward, backward and a full recompute's), of which "
+        f"{100 * experts.leaving(c.ep):.0f} % leaves the rank under uniform routing: "
+        f"{e.comm_s.get('ep', 0.0):.4f} s exposed per step",
         f"  routed tokens' activations assume the busiest rank receives {imbalance:g} x the "
         f"mean rows (dropless: an assumption, megapar-train logs moe_imbalance; a capacity "
         f"factor bounds it)",
