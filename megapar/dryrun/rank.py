@@ -171,8 +171,9 @@ OP_NAMES = {
 def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) -> dict:
     """{group: {"ranks": n, "crosses_nodes": bool, op: {"count", "bytes"}}} of `calls` (each
     made `repeats[i]` times; default once), groups named after the mesh's (tp, cp, pp, dp,
-    "dp x cp" where gradients are reduced under context parallelism, mp, embedding; "world"
-    for the default group). Bytes are the whole tensor each call reduces,
+    "dp x cp" where gradients are reduced under context parallelism, mp, embedding; "ep" for
+    the all-to-alls, which only expert parallelism's token exchange makes, even where its
+    ranks are dp's; "world" for the default group). Bytes are the whole tensor each call reduces,
     gathers, scatters or sends (an all-gather's output, a reduce-scatter's input), so an
     all-gather and the reduce-scatter it undoes weigh the same."""
 
@@ -186,6 +187,8 @@ def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) 
     for c, times in zip(calls, repeats or [1] * len(calls)):
         ranks = c.ranks or tuple(range(world))
         name = names.get(ranks, "world" if len(ranks) == world else f"group of {len(ranks)}")
+        if c.op == "all_to_all_single" and mesh.layout.ep > 1:
+            name = "ep"
         op = OP_NAMES.get(c.op, c.op)
         entry = out.setdefault(
             name, {"ranks": len(ranks), "crosses_nodes": len({r // per_node for r in ranks}) > 1}
