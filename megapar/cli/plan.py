@@ -430,7 +430,9 @@ def main(argv=None) -> int:
     assert cmd is not None  # made for the best layout
     if best.process is not None:
         print(describe(best.process))
-    print("\n".join([f"\nchosen: {best.candidate.label()}", *expert_lines(best, problem)]))
+    print(
+        "\n".join([f"\nchosen: {best.candidate.label()}", *expert_lines(best, problem, estimates)])
+    )
     print(f"command: {cmd[0]}")
     for m in cmd[1]:
         print(

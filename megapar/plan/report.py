@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
@@ -249,11 +250,12 @@ def explain(e: Estimate) -> str:
     return "\n".join(lines)
 
 
-def expert_lines(e: Estimate, p: Problem) -> list[str]:
+def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> list[str]:
     """Why this ep, for a mixture-of-experts model (nothing for a dense one): the routed experts
     a rank holds, the weights, gradients and optimizer state that saves against ep 1 on the
     most loaded stage, the all-to-all bytes a rank sends per step and their exposed seconds,
-    and the imbalance its experts' activations assume."""
+    and the imbalance its experts' activations assume; at ep 1, the best layout of `ranked`
+    with another ep and what it would take."""
     cfg, c = p.config, e.candidate
     if not experts.is_moe(cfg):
         return []
@@ -262,10 +264,19 @@ def expert_lines(e: Estimate, p: Problem) -> list[str]:
     saved = one.params + one.grads + one.optimizer - state
     n_exp = getattr(cfg, "num_local_experts", 0)
     if c.ep == 1:
+        other = next((x for x in ranked if x.candidate.ep > 1 and x.fits), None)
         return [
             f"experts: ep 1: every rank holds all {n_exp} routed experts of each MoE layer "
             f"(no all-to-all); the search tried every ep dividing dp and the experts"
-        ]
+        ] + (
+            [
+                f"  the fastest layout with ep > 1 that fits, {other.candidate.label()}, takes "
+                f"{other.step_s:.3f} s a step against {e.step_s:.3f} s (its all-to-all "
+                f"{other.comm_s.get('ep', 0.0):.3f} s exposed)"
+            ]
+            if other
+            else []
+        )
     layers = max(
         experts.moe_layers(
             cfg,
