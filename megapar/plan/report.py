@@ -259,9 +259,6 @@ def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> li
     cfg, c = p.config, e.candidate
     if not experts.is_moe(cfg):
         return []
-    state = e.memory.params + e.memory.grads + e.memory.optimizer
-    one = stage_memory(p, dataclasses.replace(c, ep=1), simulate=False)[e.memory.stage]
-    saved = one.params + one.grads + one.optimizer - state
     n_exp = getattr(cfg, "num_local_experts", 0)
     if c.ep == 1:
         other = next((x for x in ranked if x.candidate.ep > 1 and x.fits), None)
@@ -271,40 +268,52 @@ def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> li
         ] + (
             [
                 f"  the fastest layout with ep > 1 that fits, {other.candidate.label()}, takes "
-                f"{other.step_s:.3f} s a step against {e.step_s:.3f} s (its all-to-all "
-                f"{other.comm_s.get('ep', 0.0):.3f} s exposed)"
+                f"{other.step_s:.4g} s a step against {e.step_s:.4g} s (its all-to-all "
+                f"{other.comm_s.get('ep', 0.0):.4g} s exposed)"
             ]
             if other
             else []
         )
+    state = e.memory.params + e.memory.grads + e.memory.optimizer
+    one = stage_memory(p, dataclasses.replace(c, ep=1), simulate=False)[e.memory.stage]
+    saved = one.params + one.grads + one.optimizer - state
     layers = max(
         experts.moe_layers(
             cfg,
             [
                 i
-                for s in chunk_specs(cfg.num_layers, c.pp, st, c.v, placement_of(c.schedule))
-                for i in s.layers
+                for spec in chunk_specs(cfg.num_layers, c.pp, st, c.v, placement_of(c.schedule))
+                for i in spec.layers
             ],
         )
         for st in range(c.pp)
     )
     sent = experts.step_alltoall(p, c, layers)
     imbalance = experts.imbalance_of(cfg, p.moe_imbalance)
+    edp = c.dp * c.cp // c.ep
+    sharded = (
+        f"; the experts' optimizer state sharded over their {edp} expert-data-parallel ranks"
+        if c.zero in (1, 2)
+        else ""
+    )
+    passes = "forward and backward" + (", and recomputed" if c.recompute == "full" else "")
     return [
         f"experts: ep {c.ep}: each rank holds {n_exp // c.ep} of {n_exp} routed experts per MoE "
         f"layer (not split by tp): its weights, gradients and optimizer state are "
-        f"{state / GIB:.2f} GiB, {saved / GIB:.2f} GiB less than at ep 1 (the experts' "
-        f"optimizer state sharded over the {c.dp * c.cp // c.ep} expert-data-parallel ranks "
-        f"under ZeRO-1/2)",
-        f"  all-to-all per step: {sent / GIB:.3f} GiB put in by each rank ({layers} MoE layers "
-        f"x {p.global_batch // (c.mbs * c.dp)} micro-batches: counts, dispatch and combine, "
-        f"forward, backward and a full recompute's), of which "
-        f"{100 * experts.leaving(c.ep):.0f} % leaves the rank under uniform routing: "
-        f"{e.comm_s.get('ep', 0.0):.4f} s exposed per step",
+        f"{_amount(state)}, {_amount(saved)} less than at ep 1{sharded}",
+        f"  all-to-all per step: {_amount(sent)} put in by each rank ({layers} MoE layers x "
+        f"{p.global_batch // (c.mbs * c.dp)} micro-batches: the counts, the dispatch and the "
+        f"combine, {passes}), of which {100 * experts.leaving(c.ep):.0f} % leaves the rank "
+        f"under uniform routing: {e.comm_s.get('ep', 0.0):.4g} s exposed per step",
         f"  routed tokens' activations assume the busiest rank receives {imbalance:g} x the "
         f"mean rows (dropless: an assumption, megapar-train logs moe_imbalance; a capacity "
         f"factor bounds it)",
     ]
+
+
+def _amount(nbytes: float) -> str:
+    """Bytes in GiB, or MiB below one GiB."""
+    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.2f} MiB"
 
 
 def print_json(top: int, problem: Problem, estimates, rejected, cmd) -> None:
