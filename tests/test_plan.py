@@ -582,3 +582,39 @@ def test_bad_explain_values_are_one_line_exit_2(capsys, layout, words):
             "1024", "--gpu-memory-gb", "40"]
     code, out = _cli(capsys, *base, "--explain", layout)
     assert code == 2 and words in out.err and len(out.err.strip().splitlines()) == 1, out
+
+
+def test_moe_imbalance_scales_the_experts_rows_under_ep_only():
+    """mixtral-tiny, dp 2 x ep 2, one micro-batch in flight: --moe-imbalance 2 against 1 adds
+    each MoE layer's T k routed rows once more at its experts (h + 4 I elements each, fp32);
+    at ep 1 a rank holds every expert and receives exactly its rows."""
+    config = resolve_model("mixtral-tiny")
+    held = {}
+    for imbalance in (1.0, 2.0):
+        problem = Problem(config, 2, global_batch=8, seq_len=32, precision="fp32",
+                          moe_imbalance=imbalance)
+        held[imbalance] = [stage_memory(problem, parse_candidate(spec, 2))[0].activations
+                           for spec in ("dp=2,ep=2,mbs=2", "dp=2,mbs=2")]
+    rows = 32 * 2 * config.num_experts_per_tok
+    extra = config.num_layers * rows * (config.hidden_size + 4 * config.intermediate_size) * 4
+    assert held[2.0][0] - held[1.0][0] == extra and held[2.0][1] == held[1.0][1]
+
+
+def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
+    """ep: every divisor of dp that divides the experts, not with ZeRO-3 (megapar-train
+    refuses it); a dense model, an ep not dividing dp or the experts refused in one line."""
+    from megapar.plan import enumerate_candidates
+
+    moe, dense = resolve_model("mixtral-tiny"), resolve_model("llama-tiny")
+    valid, _ = enumerate_candidates(moe, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",))
+    by_dp: dict = {}
+    for c in valid:
+        by_dp.setdefault(c.dp, set()).add(c.ep)
+        assert not (c.ep > 1 and c.zero == 3), c
+    assert by_dp == {4: {1, 2, 4}, 2: {1, 2}, 1: {1}}
+    valid, _ = enumerate_candidates(dense, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",))
+    assert {c.ep for c in valid} == {1}
+    for config, spec, why in ((dense, "dp=4,ep=2", "needs a mixture-of-experts model"),
+                              (moe, "dp=4,ep=3", "does not divide dp 4"),
+                              (moe, "tp=2,dp=2,ep=2,zero=3", "cannot be combined with zero 3")):
+        assert why in check(parse_candidate(spec, 4), config, 4, 8, 8, 32), spec

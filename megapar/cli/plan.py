@@ -113,6 +113,14 @@ def add_precision_arguments(p: argparse.ArgumentParser) -> None:
         "a time (0: the whole logits)",
     )
     p.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=None,
+        help="mixture of experts under ep: the busiest rank's routed rows over the mean, "
+        "which scales its experts' activations (default: the model's capacity factor, or "
+        "1.25 when dropless)",
+    )
+    p.add_argument(
         "--target",
         choices=TARGETS,
         default="gpu",
@@ -242,6 +250,7 @@ def _problem(args):
         pcie_gbps=args.pcie_gbps,
         zero3_persistence_threshold=args.zero3_persistence_threshold,
         loss_chunk_tokens=args.loss_chunk_tokens,
+        moe_imbalance=args.moe_imbalance,
         target=args.target,
     )
 
@@ -304,6 +313,10 @@ def _check_number_arguments(args) -> None:
         raise ValueError(
             f"--zero3-persistence-threshold {args.zero3_persistence_threshold} is "
             f"invalid: give a number of elements >= 0 (0: none persist)"
+        )
+    if args.moe_imbalance is not None and not 1 <= args.moe_imbalance < math.inf:
+        raise ValueError(
+            f"--moe-imbalance {args.moe_imbalance:g} is invalid: give a finite number >= 1"
         )
     if not (math.isfinite(args.latency_us) and args.latency_us >= 0):
         raise ValueError(f"--latency-us {args.latency_us:g} is invalid: it must be >= 0")

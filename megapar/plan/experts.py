@@ -26,8 +26,8 @@ on a Mixtral block with saved-tensor hooks at ep 1 (`tests/test_plan.py`: equal 
 36 bytes a layer, its E-long load vectors). The expert side is
 scaled by the imbalance: the busiest rank receives `imbalance` x the mean rows (dropless
 routing has no bound; with a capacity factor c no expert keeps more than c x its mean share,
-so c bounds it). `Problem.moe_imbalance` states the assumption (default `DEFAULT_IMBALANCE`,
-or the model's capacity factor when it has one).
+so c bounds it). `Problem.moe_imbalance` (megapar-plan's --moe-imbalance) states the
+assumption (default `DEFAULT_IMBALANCE`, or the model's capacity factor when it has one).
 """
 
 from __future__ import annotations
