@@ -584,3 +584,31 @@ def test_the_plan_s_total_is_the_dry_run_s_bytes_plus_the_transient_buffers(reco
     for r in reports:
         stage = planned[r.pp_rank]
         assert r.device + r.activations + stage.buffers == pytest.approx(stage.total, abs=1)
+
+
+def test_plan_verify_holds_expert_parallelism():
+    """mixtral-tiny at dp 4 x ep 2 under ZeRO-1, its last rank (ep rank 1, expert-dp rank 1: its
+    slice of the experts' buckets, padded over the expert-data-parallel group): the plan's
+    parameters, state, activations and all-to-all bytes per step equal the dry run's
+    (`megapar-plan --verify`); its state is not ep 1's (half the experts; the same share of
+    optimizer state, cut differently), and an all-to-all count one byte off is reported."""
+    from types import SimpleNamespace
+
+    from megapar.dryrun.verify import Verified, _alltoall_difference, verify_layout
+    from megapar.plan import Problem, parse_candidate
+    from megapar.plan.experts import step_alltoall
+
+    config = resolve_model("mixtral-tiny")
+    problem = Problem(config, 4, global_batch=8, seq_len=32, precision="fp32")
+    c = parse_candidate("tp=1,pp=1,dp=4,ep=2,mbs=1,zero=1", 4)
+    v = verify_layout(problem, c, ranks=[3])
+    assert (v.ranks, v.error, v.differences, v.note) == (1, "", [], "")
+    ep2, ep1 = (rank_state(config, 1, 1, 1, 0, 4, 3, 1, ep=ep) for ep in (2, 1))
+    assert ep2.params < ep1.params < 2 * ep2.params and ep2.weights < ep1.weights
+    # ZeRO-1 over dp 4: a quarter of the dense state; half the experts, sliced over 2 ranks
+    assert ep2.optimizer != ep1.optimizer
+    planned = step_alltoall(problem, c, config.num_layers)
+    report = SimpleNamespace(rank=3, pp_rank=0,
+                             comm={"ep": {"all_to_all_single": {"bytes": planned + 1}}})
+    assert _alltoall_difference(problem, c, report, Verified(1, 0.0)) == [
+        (3, "all_to_all", planned, planned + 1)]

@@ -14,6 +14,7 @@ from test_moe_parallel import G, LR, MAX_NORM, MBS, SEED, SEQ, config, global_ba
 from test_moe_parallel import biases, check_rank, scheduler, serial_reference
 from tp_utils import assert_close
 
+from megapar.comm_count import count_collectives
 from megapar.expert_parallel import is_expert
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -65,11 +66,16 @@ def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b"):
 
     optimizer.step = record_first_grads_then_step
     plan = BatchPlan(G, MBS, dp)
-    results = [step.step(plan.split(b, mesh.dp_rank), i) for i, b in enumerate(global_batches())]
+    results = []
+    for i, b in enumerate(global_batches()):
+        with count_collectives() as calls:
+            results.append(step.step(plan.split(b, mesh.dp_rank), i))
+        if i == 0:  # the first step's all-to-alls, as megapar-plan counts them
+            a2a = [(c.bytes, c.dtype, c.group_size) for c in calls if c.op == "all_to_all_single"]
     weights = {n: _whole(p.detach(), p, mesh) for n, p in model.named_parameters()}
     keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
     return {"results": results, "weights": weights if keep else {},
-            "grads": grads if keep else {}, "biases": biases(model)}
+            "grads": grads if keep else {}, "biases": biases(model), "a2a": a2a}
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +104,36 @@ RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 2, 2, 2, 0, "full"),
 
 
 def test_dp2_ep2_matches_serial_training(reference):
+    """And its all-to-all bytes per step (`comm_count`) are megapar-plan's analytic count
+    (`plan.experts.step_alltoall`): per rank exactly for the count exchange and the rows it
+    routes, over the ep group exactly in all (each rank's received rows depend on the
+    routing; they sum to the rows sent)."""
     run = (1, 1, 2, 2, 0)
-    _check([o[0] for o in run_local(_runs, 2, [run])], run, reference)
+    outs = [o[0] for o in run_local(_runs, 2, [run])]
+    _check(outs, run, reference)
+    _check_alltoall_bytes(outs)
+
+
+def _check_alltoall_bytes(outs):
+    from megapar.plan import Candidate, Problem
+    from megapar.plan.experts import COUNT_BYTES, alltoall_bytes, moe_layers, step_alltoall
+
+    cfg, m, tokens = config(), G // (MBS * 2), MBS * SEQ
+    layers = moe_layers(cfg, range(cfg.num_layers))
+    problem = Problem(cfg, 2, global_batch=G, seq_len=SEQ, precision="fp32")
+    planned = step_alltoall(problem, Candidate(dp=2, ep=2, mbs=MBS), layers)
+    one = alltoall_bytes(cfg, tokens, 2, 4, 4)
+    assert layers == 3 and planned == layers * m * one.total > 0
+    counted = [sum(n for n, _, size in o["a2a"] if size == 2) for o in outs]
+    assert all(len(o["a2a"]) == layers * m * 5 for o in outs)  # counts, 2 forward, 2 backward
+    assert sum(counted) == 2 * planned, (counted, planned)
+    for o in outs:  # per rank: the count exchange and the routed rows out (dispatch, and the
+        # combine's gradient) are exact; the rows it received back vary with the routing
+        counts = [n for n, dtype, _ in o["a2a"] if dtype == torch.int64]
+        assert counts == [cfg.num_local_experts * COUNT_BYTES] * layers * m
+    sent_rows = tokens * cfg.num_experts_per_tok * cfg.hidden_size * 4
+    received = [c - layers * m * (one.counts + 2 * sent_rows) for c in counted]
+    assert sum(received) == 2 * layers * m * 2 * sent_rows
 
 
 def test_dp4_ep2_pp2_ep2_tp2_ep2_match_serial_training(reference):

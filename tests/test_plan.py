@@ -122,11 +122,14 @@ def test_activation_prediction_equals_bytes_saved_by_a_real_forward(pre, post):
     assert predicted == held
 
 
-@pytest.mark.parametrize("kind", ["bert", "llama"])
+@pytest.mark.parametrize("kind", ["bert", "llama", "mixtral"])
 def test_block_terms_equal_bytes_saved_by_a_real_forward(kind):
     """A middle stage of two blocks (FFN 2.5 h): megapar's block terms are every byte saved,
-    but for Llama's rotary cos / sin tables (one pair per stage) and its kv-head index."""
-    from megapar.models import BertConfig, LlamaConfig
+    but for Llama's rotary cos / sin tables (one pair per stage) and its kv-head index. A
+    Mixtral block (4 experts of 2.5 h, top 2): its routed tokens' `plan.experts.routed_bytes`
+    too, but for 36 bytes a layer (the router's E-long load vectors)."""
+    from megapar.models import BertConfig, LlamaConfig, MixtralConfig
+    from megapar.plan.experts import routed_bytes
 
     s, b, h = 32, 3, 64
     if kind == "bert":
@@ -135,6 +138,11 @@ def test_block_terms_equal_bytes_saved_by_a_real_forward(kind):
                             max_position_embeddings=s, hidden_dropout_prob=0.0,
                             attention_probs_dropout_prob=0.0)
         batch = {"attention_mask": torch.ones(b, s, dtype=torch.long)}
+    elif kind == "mixtral":
+        config = MixtralConfig(vocab_size=300, hidden_size=h, intermediate_size=160,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=s, num_local_experts=4)
+        batch = {}
     else:
         config = LlamaConfig(vocab_size=300, hidden_size=h, intermediate_size=160,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -161,6 +169,8 @@ def test_block_terms_equal_bytes_saved_by_a_real_forward(kind):
         extra = 2 * b * s * 4                                  # the attention mask, per layer
     else:
         extra = 2 * s * config.head_size * 4 + 2 * 4 * 8       # rotary tables, kv index
+    if kind == "mixtral":
+        per_layer += routed_bytes(config, s * b, 4) + 36
     assert 2 * per_layer + s * b * h * 4 + extra == held
 
 
@@ -572,3 +582,39 @@ def test_bad_explain_values_are_one_line_exit_2(capsys, layout, words):
             "1024", "--gpu-memory-gb", "40"]
     code, out = _cli(capsys, *base, "--explain", layout)
     assert code == 2 and words in out.err and len(out.err.strip().splitlines()) == 1, out
+
+
+def test_moe_imbalance_scales_the_experts_rows_under_ep_only():
+    """mixtral-tiny, dp 2 x ep 2, one micro-batch in flight: --moe-imbalance 2 against 1 adds
+    each MoE layer's T k routed rows once more at its experts (h + 4 I elements each, fp32);
+    at ep 1 a rank holds every expert and receives exactly its rows."""
+    config = resolve_model("mixtral-tiny")
+    held = {}
+    for imbalance in (1.0, 2.0):
+        problem = Problem(config, 2, global_batch=8, seq_len=32, precision="fp32",
+                          moe_imbalance=imbalance)
+        held[imbalance] = [stage_memory(problem, parse_candidate(spec, 2))[0].activations
+                           for spec in ("dp=2,ep=2,mbs=2", "dp=2,mbs=2")]
+    rows = 32 * 2 * config.num_experts_per_tok
+    extra = config.num_layers * rows * (config.hidden_size + 4 * config.intermediate_size) * 4
+    assert held[2.0][0] - held[1.0][0] == extra and held[2.0][1] == held[1.0][1]
+
+
+def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
+    """ep: every divisor of dp that divides the experts, not with ZeRO-3 (megapar-train
+    refuses it); a dense model, an ep not dividing dp or the experts refused in one line."""
+    from megapar.plan import enumerate_candidates
+
+    moe, dense = resolve_model("mixtral-tiny"), resolve_model("llama-tiny")
+    valid, _ = enumerate_candidates(moe, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",))
+    by_dp: dict = {}
+    for c in valid:
+        by_dp.setdefault(c.dp, set()).add(c.ep)
+        assert not (c.ep > 1 and c.zero == 3), c
+    assert by_dp == {4: {1, 2, 4}, 2: {1, 2}, 1: {1}}
+    valid, _ = enumerate_candidates(dense, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",))
+    assert {c.ep for c in valid} == {1}
+    for config, spec, why in ((dense, "dp=4,ep=2", "needs a mixture-of-experts model"),
+                              (moe, "dp=4,ep=3", "does not divide dp 4"),
+                              (moe, "tp=2,dp=2,ep=2,zero=3", "cannot be combined with zero 3")):
+        assert why in check(parse_candidate(spec, 4), config, 4, 8, 8, 32), spec

@@ -16,7 +16,8 @@ from megapar.pipeline.schedules import (
 )
 from megapar.pipeline.simulate import Costs, action_times, simulate
 from megapar.plan import pipeline
-from megapar.plan.state import Offload, most_loaded, rank_state, w_reported
+from megapar.plan.slices import most_loaded
+from megapar.plan.state import Offload, rank_state, w_reported
 
 
 def _sizes(name):
@@ -100,3 +101,30 @@ def test_most_loaded_is_the_worst_of_every_dp_rank(model):
                         got = most_loaded(config_json, tp, pp, v, stage, dp, zero, 0.01,
                                           "loop", offload)
                         assert got == worst, (model, tp, pp, v, dp, zero, offload, stage)
+
+
+def test_most_loaded_under_expert_parallelism(monkeypatch):
+    """mixtral-tiny (4 experts) with ep 2 and 4 over cp x dp ranks: `most_loaded` equals the
+    worst `rank_state` of every rank (each rank's dense slice over cp x dp, its experts' over
+    the expert-data-parallel group); above `EXACT_EP_RANKS` ranks, where the two groups' worst
+    slices are added (an upper bound), the same in these layouts."""
+    from megapar.plan import slices
+
+    config = resolve_model("mixtral-tiny")
+    config_json = json.dumps(config.to_dict(), sort_keys=True)
+    for pp, dp, cp, ep, zero in ((1, 4, 1, 2, 1), (2, 8, 1, 4, 2), (1, 4, 2, 2, 1),
+                                 (1, 8, 2, 4, 2)):
+        for stage in range(pp):
+            states = [rank_state(config, 1, pp, 1, stage, dp * cp, r, zero, 0.01, ep=ep, cp=cp)
+                      for r in range(dp * cp)]
+            worst = max(states, key=lambda x: x.optimizer)
+            args = (config_json, 1, pp, 1, stage, dp * cp, zero, 0.01, "loop", Offload(), ep, cp)
+            assert most_loaded(*args) == worst, (pp, dp, cp, ep, zero, stage)
+            monkeypatch.setattr(slices, "EXACT_EP_RANKS", 0)
+            slices._slice_loads.cache_clear()
+            bound = most_loaded.__wrapped__(*args)
+            summed = slices._slice_loads(*args[:-3], 0, ep, cp)[3]  # the two groups' worst
+            slices._slice_loads.cache_clear()
+            monkeypatch.undo()
+            assert len(summed) == 1 and len(slices._slice_loads(*args[:-3], 0, ep, cp)[3]) > 1
+            assert bound == worst  # here one rank holds both groups' worst slices

@@ -42,7 +42,16 @@ from megapar.plan.layouts import (
 )
 from megapar.plan.params import model_params
 from megapar.plan.process import TARGETS, describe
-from megapar.plan.report import attention_note, command, explain, row, runnable, table
+from megapar.plan.report import (
+    attention_note,
+    command,
+    expert_lines,
+    explain,
+    print_json,
+    row,
+    runnable,
+    table,
+)
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.config import OneLineParser
 
@@ -102,6 +111,14 @@ def add_precision_arguments(p: argparse.ArgumentParser) -> None:
         default=LOSS_CHUNK_TOKENS,
         help="megapar-train's --loss-chunk-tokens: the LM head and loss this many tokens at "
         "a time (0: the whole logits)",
+    )
+    p.add_argument(
+        "--moe-imbalance",
+        type=float,
+        default=None,
+        help="mixture of experts under ep: the busiest rank's routed rows over the mean, "
+        "which scales its experts' activations (default: the model's capacity factor, or "
+        "1.25 when dropless)",
     )
     p.add_argument(
         "--target",
@@ -233,6 +250,7 @@ def _problem(args):
         pcie_gbps=args.pcie_gbps,
         zero3_persistence_threshold=args.zero3_persistence_threshold,
         loss_chunk_tokens=args.loss_chunk_tokens,
+        moe_imbalance=args.moe_imbalance,
         target=args.target,
     )
 
@@ -295,6 +313,10 @@ def _check_number_arguments(args) -> None:
         raise ValueError(
             f"--zero3-persistence-threshold {args.zero3_persistence_threshold} is "
             f"invalid: give a number of elements >= 0 (0: none persist)"
+        )
+    if args.moe_imbalance is not None and not 1 <= args.moe_imbalance < math.inf:
+        raise ValueError(
+            f"--moe-imbalance {args.moe_imbalance:g} is invalid: give a finite number >= 1"
         )
     if not (math.isfinite(args.latency_us) and args.latency_us >= 0):
         raise ValueError(f"--latency-us {args.latency_us:g} is invalid: it must be >= 0")
@@ -369,7 +391,7 @@ def _explain(args, problem) -> int:
             )
         )
         return 0
-    print(explain(e))
+    print("\n".join([explain(e), *expert_lines(e, problem)]))
     print(attention_note(problem.fused_attention))
     if e.process is not None:
         print(describe(e.process))
@@ -404,7 +426,7 @@ def main(argv=None) -> int:
     best = estimates[0] if estimates and estimates[0].fits else None
     cmd = command(best, problem, args.model) if best else None
     if args.json:
-        _print_json(args, problem, estimates, rejected, cmd)
+        print_json(args.top, problem, estimates, rejected, cmd)
         return 0 if best else 1
     print(
         f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters; {problem.gpus} "
@@ -421,37 +443,16 @@ def main(argv=None) -> int:
     assert cmd is not None  # made for the best layout
     if best.process is not None:
         print(describe(best.process))
-    print(f"\nchosen: {best.candidate.label()}\ncommand: {cmd[0]}")
+    print(
+        "\n".join([f"\nchosen: {best.candidate.label()}", *expert_lines(best, problem, estimates)])
+    )
+    print(f"command: {cmd[0]}")
     for m in cmd[1]:
         print(
             f"  note: megapar-train cannot do this yet: {m} (plan with --today for a layout "
             f"it runs now)"
         )
     return verify_estimates(estimates[: args.verify], problem) if args.verify else 0
-
-
-def _print_json(args, problem, estimates, rejected, cmd) -> None:
-    """The ranked layouts as JSON: the top rows, the counts, the rejections by reason and the
-    chosen layout's megapar-train command."""
-    reasons: dict[str, int] = {}
-    for _, reason in rejected:
-        key = reason.split(";")[0]
-        reasons[key] = reasons.get(key, 0) + 1
-    print(
-        json.dumps(
-            {
-                "model_params": model_params(problem.config),
-                "layouts": [row(e, problem.master_weights) for e in estimates[: args.top]],
-                "valid": len(estimates),
-                "rejected": len(rejected),
-                "rejected_reasons": reasons,
-                "fused_attention": problem.fused_attention,
-                "command": cmd[0] if cmd else None,
-                "missing_in_megapar_train": cmd[1] if cmd else None,
-            },
-            indent=1,
-        )
-    )
 
 
 def _no_valid_layout(args, problem, rejected) -> int:

@@ -40,6 +40,7 @@ def modelled_stage(cfg, config, layout: Layout, stage: int, actions):
         bool(cfg.sequence_parallel and layout.tp > 1),
         cfg.zero,
         layout.cp,
+        ep=layout.ep,
     )
     m = len([a for a in actions if a.kind == "forward"]) // candidate.v
     held = messages.held(

@@ -171,8 +171,9 @@ OP_NAMES = {
 def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) -> dict:
     """{group: {"ranks": n, "crosses_nodes": bool, op: {"count", "bytes"}}} of `calls` (each
     made `repeats[i]` times; default once), groups named after the mesh's (tp, cp, pp, dp,
-    "dp x cp" where gradients are reduced under context parallelism, mp, embedding; "world"
-    for the default group). Bytes are the whole tensor each call reduces,
+    "dp x cp" where gradients are reduced under context parallelism, mp, embedding; "ep" for
+    the all-to-alls, which only expert parallelism's token exchange makes, even where its
+    ranks are dp's; "world" for the default group). Bytes are the whole tensor each call reduces,
     gathers, scatters or sends (an all-gather's output, a reduce-scatter's input), so an
     all-gather and the reduce-scatter it undoes weigh the same."""
 
@@ -186,6 +187,8 @@ def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) 
     for c, times in zip(calls, repeats or [1] * len(calls)):
         ranks = c.ranks or tuple(range(world))
         name = names.get(ranks, "world" if len(ranks) == world else f"group of {len(ranks)}")
+        if c.op == "all_to_all_single" and mesh.layout.ep > 1:
+            name = "ep"
         op = OP_NAMES.get(c.op, c.op)
         entry = out.setdefault(
             name, {"ranks": len(ranks), "crosses_nodes": len({r // per_node for r in ranks}) > 1}
@@ -332,8 +335,9 @@ def _step_traffic(
     """One step's `traffic` of m micro-batches: the schedule's calls (`run_calls`, one
     micro-batch's) repeated m times where they are made every micro-batch, the rest and the
     calls after the schedule (`step_calls`) once."""
-    # inside the schedule, messages and tp / cp collectives belong to the micro-batch; the
-    # bucket reductions, the loss broadcast and everything after the schedule to the step
+    # inside the schedule, messages, tp / cp collectives and the MoE layers' all-to-alls (ep)
+    # belong to the micro-batch; the bucket reductions, the loss broadcast and everything
+    # after the schedule to the step
     per_micro_batch = {
         tuple(dist.get_process_group_ranks(g))
         for g in (mesh.tp_group, mesh.cp_group)
@@ -343,7 +347,7 @@ def _step_traffic(
         m
         if i in per_micro_batch_buckets
         or i not in per_step
-        and (c.op in ("isend", "irecv") or c.ranks in per_micro_batch)
+        and (c.op in ("isend", "irecv", "all_to_all_single") or c.ranks in per_micro_batch)
         else 1
         for i, c in enumerate(run_calls)
     ] + [1] * len(step_calls)
@@ -393,6 +397,8 @@ def _planned_state(cfg, config, mesh: Mesh):
             ),
             m,
         ),
+        layout.ep,
+        layout.cp,
     )
 
 

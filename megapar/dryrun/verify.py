@@ -8,7 +8,10 @@ planner counts for that rank (`megapar.plan.state.rank_state`), and its activati
 plan's for its stage (`megapar.plan.stage_memory`, with megapar's fused attention, as the dry
 run models it). They must be equal to the byte; a layout too large for the planner to read
 the executor's programs (`megapar.plan.pipeline.held_is_exact`) has its activations estimated,
-and they are not compared (`Verified.note` says so).
+and they are not compared (`Verified.note` says so). Under expert parallelism each rank's
+all-to-all bytes per step are compared with the plan's (`megapar.plan.experts.step_alltoall`)
+where the dry run's even routing gives every rank the mean rows (the micro-batch's T k rows a
+multiple of the experts); otherwise the note says they were not.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from dataclasses import dataclass, field
 
 from megapar.dryrun import dry_run, sample_ranks
 from megapar.mesh import Layout
+from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
-from megapar.plan import pipeline, stage_memory
+from megapar.plan import experts, pipeline, stage_memory
 from megapar.plan.estimate import offload_of
 from megapar.plan.state import rank_state
 from megapar.training.config import TrainConfig
@@ -52,6 +56,7 @@ def train_config(problem, candidate):
         tp=c.tp,
         pp=c.pp,
         dp=c.dp,
+        ep=c.ep,
         micro_batch_size=c.mbs,
         global_batch_size=problem.global_batch,
         seq_len=problem.seq_len,
@@ -76,7 +81,7 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
     """Dry-run `candidate` (default ranks: `sample_ranks`) and compare with the plan."""
 
     c, start = candidate, time.perf_counter()
-    layout = Layout(c.tp, c.pp, c.dp, cp=c.cp)
+    layout = Layout(c.tp, c.pp, c.dp, cp=c.cp, ep=c.ep)
     ranks = sample_ranks(layout, c.zero) if ranks is None else ranks
     try:
         reports = dry_run(
@@ -92,8 +97,10 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
     out = Verified(len(reports), time.perf_counter() - start)
     m = problem.global_batch // (c.mbs * c.dp)
     exact = pipeline.held_is_exact(c.pp, m, c.v)
-    if exact:  # the dry run models megapar's fused attention (no a x s^2 scores kept)
-        stages = stage_memory(dataclasses.replace(problem, fused_attention=True), c)
+    if exact:  # the dry run models megapar's fused attention (no a x s^2 scores kept), and
+        # a mixture of experts' default imbalance
+        modelled = dataclasses.replace(problem, fused_attention=True, moe_imbalance=None)
+        stages = stage_memory(modelled, c)
     else:
         out.note = (
             f"activations not compared: pp x m x V = {c.pp * m * c.v:,} forwards, more "
@@ -128,6 +135,8 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
             problem.grad_bucket_mb,
             placement_of(c.schedule),
             offload_of(c, problem.zero3_persistence_threshold, m),
+            c.ep,
+            c.cp,
         )
         out.differences += [
             (r.rank, f, getattr(planned, f), getattr(r, f))
@@ -138,4 +147,26 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
             out.differences.append(
                 (r.rank, "activations", int(stages[r.pp_rank].activations), r.activations)
             )
+        out.differences += _alltoall_difference(problem, c, r, out)
     return out
+
+
+def _alltoall_difference(problem, c, r, out: Verified) -> list:
+    """[(rank, "all_to_all", planned, dry run)] if rank report `r`'s all-to-all bytes per step
+    differ from the plan's (ep > 1, where the dry run's even routing is the mean: T k rows a
+    multiple of the experts; else a note)."""
+    cfg = problem.config
+    if c.ep == 1:
+        return []
+    tokens = experts.routed_tokens(problem.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
+    if tokens * cfg.num_experts_per_tok % cfg.num_local_experts:
+        if "all-to-all" not in out.note:
+            out.note = "; ".join(
+                filter(None, [out.note, "all-to-all bytes not compared (uneven even split)"])
+            )
+        return []
+    specs = chunk_specs(cfg.num_layers, c.pp, r.pp_rank, c.v, placement_of(c.schedule))
+    layers = experts.moe_layers(cfg, [i for s in specs for i in s.layers])
+    planned = experts.step_alltoall(problem, c, layers)
+    counted = r.comm.get("ep", {}).get("all_to_all_single", {}).get("bytes", 0)
+    return [] if counted == planned else [(r.rank, "all_to_all", planned, counted)]

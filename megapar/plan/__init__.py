@@ -1,8 +1,10 @@
 """Plan a parallel layout before the cluster: predicted memory, bubble, communication and step
 time for every (tp, pp, dp, micro-batch size, schedule, recompute, SP, ZeRO-1), ranked.
 
-`layouts.py` enumerates and rejects with reasons, `params.py` counts parameters on meta-device
-models, `memory.py` holds the activation formulas, `pipeline.py` asks megapar's simulator (or a
+`layouts.py` enumerates and rejects with reasons (ep for a mixture of experts), `params.py`
+counts parameters on meta-device models, `state.py` and `slices.py` the state a rank holds,
+`memory.py` holds the activation formulas (`experts.py` a MoE layer's routed tokens and its
+all-to-all bytes), `pipeline.py` asks megapar's simulator (or a
 published formula) for bubbles and in-flight micro-batches, `timing.py` prices each model chunk
 (`context_parallel.py` its cp attention), `estimate.py` combines them for a `problem.py`
 `Problem`, `report.py` ranks and prints. `megapar-plan` (megapar/cli/plan.py) is the command.

@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 from megapar.models.flops import heads, matmul_flops, training_flops_per_token
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
+from megapar.plan import experts, pipeline
 from megapar.plan import memory as mem
-from megapar.plan import pipeline
 from megapar.plan.context_parallel import cp_buffers
 from megapar.plan.layouts import Candidate
 from megapar.plan.params import (
@@ -65,7 +65,8 @@ from megapar.plan.params import (
 from megapar.plan.problem import Problem
 from megapar.plan.process import ProcessPeak, process_peak
 from megapar.plan.sharding import dp_seconds, pcie_seconds
-from megapar.plan.state import Offload, RankState, most_loaded, w_reported, whole_grads
+from megapar.plan.slices import most_loaded
+from megapar.plan.state import Offload, RankState, w_reported, whole_grads
 from megapar.plan.timing import ChunkTime, chunk_times, pipeline_time, ring_seconds
 from megapar.tensor_parallel.partition import local_size
 
@@ -109,33 +110,55 @@ class ActivationSizes:
     """An activation or its gradient in flight between stages."""
     vocab_local: int
     """This tp rank's (padded) vocabulary shard."""
+    per_moe_layer: float = 0.0
+    """A mixture-of-experts layer's activations kept for backward (its routed tokens'
+    `experts.routed_bytes` at the plan's imbalance included); 0 for a dense model."""
+    full_moe: float = 0.0
+    """A MoE layer's activations without recompute."""
+
+    def layers(self, config, layers) -> float:
+        """The activations kept by the blocks `layers` (indices): each a dense or MoE layer."""
+        n_moe = experts.moe_layers(config, layers)
+        return (len(layers) - n_moe) * self.per_layer + n_moe * self.per_moe_layer
 
 
 def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
     """The activation bytes per micro-batch of a block, the embedding, the head and a stage
-    boundary's message, on one rank of candidate `c`."""
+    boundary's message, on one rank of candidate `c`. `full` is the larger of a dense and a
+    MoE block's, without recompute (the block rebuilt, a block's backward working set)."""
     cfg, s, b, t = p.config, p.seq_len // c.cp, c.mbs, c.tp  # s: this cp rank's tokens
     h, a = cfg.hidden_size, heads(cfg)
     sp_t = t if c.sp else 1
-    terms = mem.block_terms(cfg)
     fused = p.fused_attention or c.cp > 1  # cp attention keeps a log-sum-exp, never scores
-    per_layer = mem.layer_bytes(
-        s,
-        b,
-        h,
-        a,
-        t,
-        c.sp,
-        c.recompute,
-        p.act_bytes,
-        p.dropout,
-        fused,
-        norm_stats=True,
-        terms=terms,
-    )
-    full = mem.layer_bytes(
-        s, b, h, a, t, c.sp, "none", p.act_bytes, p.dropout, fused, norm_stats=True, terms=terms
-    )
+
+    def block(recompute: str, moe: bool = False) -> float:
+        kept = mem.layer_bytes(
+            s,
+            b,
+            h,
+            a,
+            t,
+            c.sp,
+            recompute,
+            p.act_bytes,
+            p.dropout,
+            fused,
+            norm_stats=True,
+            terms=mem.block_terms(cfg, moe),
+        )
+        if moe and recompute != "full":  # the routed tokens, replicated over tp
+            tokens = experts.routed_tokens(p.seq_len, b, c.cp, sp_t)
+            imbalance = experts.imbalance_of(cfg, p.moe_imbalance)
+            kept += experts.routed_bytes(cfg, tokens, p.act_bytes, imbalance, c.ep)
+        return kept
+
+    moe = experts.is_moe(cfg)
+    per_layer, full = block(c.recompute), block("none")
+    per_moe = block(c.recompute, True) if moe else 0.0
+    full_moe = block("none", True) if moe else 0.0
+    if moe and experts.moe_layers(cfg, range(cfg.num_layers)) == cfg.num_layers:
+        per_layer, full = per_moe, full_moe  # no dense layer
+    terms = mem.block_terms(cfg)  # the embedding's and the head's (norm kind, positions)
     vocab_local = local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
     embedding = mem.embedding_bytes(s, b, h, p.dropout, sp_t, terms)
     head = mem.head_bytes(
@@ -151,7 +174,9 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
         grads_in_forward=pipeline.loss_grads_in_forward(p, c),
     )
     message = s * b * h * p.act_bytes / sp_t  # an activation or its gradient in flight
-    return ActivationSizes(per_layer, full, embedding, head, message, vocab_local)
+    return ActivationSizes(
+        per_layer, max(full, full_moe), embedding, head, message, vocab_local, per_moe, full_moe
+    )
 
 
 def stage_memory(
@@ -171,10 +196,10 @@ def stage_memory(
     sizes = activation_sizes(p, c)
     out, config_json = [], p.config_json
     placement = placement_of(c.schedule)
-    for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v, placement, config_json)):
+    for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v, placement, config_json, c.ep)):
         specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v, placement)
         chunks = [
-            len(spec.layers) * sizes.per_layer
+            sizes.layers(cfg, spec.layers)
             + (sizes.embedding if spec.pre_process else 0)
             + (sizes.head if spec.post_process else 0)
             for spec in specs
@@ -229,7 +254,7 @@ def _stage_buffers(p: Problem, c: Candidate, sizes: ActivationSizes, has_head: b
     s = p.seq_len // c.cp
     buffers = cp_buffers(p, c)  # cp attention's K/V in flight
     if c.recompute != "none":  # one layer rebuilt during backward
-        buffers += sizes.full - sizes.per_layer
+        buffers += max(sizes.full - sizes.per_layer, sizes.full_moe - sizes.per_moe_layer)
     if has_head:  # the logits' gradient in backward
         buffers += mem.logits_buffer_bytes(
             s, c.mbs, sizes.vocab_local, p.act_bytes, p.loss_chunk_tokens
@@ -251,6 +276,8 @@ def _stage_state(p: Problem, c: Candidate, stage: int, n_params: int, m: int, pl
             p.grad_bucket_mb,
             placement,
             offload_of(c, p.zero3_persistence_threshold, m),
+            c.ep,
+            c.cp,
         )
     return _separate(n_params, c)
 
@@ -313,6 +340,8 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
         comm["host"] = zero_s
     if n > 1:
         comm["cp"] = stretch * sum(x.cp for x in busiest)
+    if c.ep > 1:
+        comm["ep"] = stretch * sum(x.ep for x in busiest)
     step = pipe_s + p2p + dp_exposed + zero_s + tied
     tokens = p.global_batch * s
 
@@ -355,7 +384,7 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
     t_b = sum(x.backward_input + x.backward_weight for x in busiest)
     one_node = p.gpus <= p.gpus_per_node
     dp_gbps = p.intra_gbps if one_node else p.inter_gbps
-    n_params = max(stage_params(cfg, t, c.pp, c.v, placement_of(c.schedule), p.config_json))
+    n_params = max(stage_params(cfg, t, c.pp, c.v, placement_of(c.schedule), p.config_json, c.ep))
     # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
     grad_bytes = n_params * (2 if p.precision == "fp16" else 4)
     # ZeRO's reductions hide behind the backward, gathers behind the compute, except what is

@@ -1,5 +1,6 @@
-"""The layouts a plan considers: every (tp, cp, pp, dp, micro-batch size, schedule, V,
-recompute, SP, ZeRO stage, offload) for N GPUs, each kept or rejected with the reason.
+"""The layouts a plan considers: every (tp, cp, pp, dp, ep, micro-batch size, schedule, V,
+recompute, SP, ZeRO stage, offload) for N GPUs, each kept or rejected with the reason (ep, for
+a mixture-of-experts model only: each divisor of dp that divides the experts).
 
 A `Candidate` is one such choice; `check(candidate, ...)` returns why it cannot run (or None),
 `enumerate_candidates` walks the whole space. `parse_candidate("tp=8,pp=16,mbs=1,...")` reads
@@ -62,6 +63,9 @@ class Candidate:
     """ZeRO-3 with pp: the stage's gathered parameters kept across its micro-batches."""
     zero3_reduce: str = "step"
     """ZeRO-3: when gradients are reduce-scattered (--zero3-reduce: step or micro-batch)."""
+    ep: int = 1
+    """Expert-parallel size (folded into dp: it divides dp): ranks that split each MoE layer's
+    routed experts and exchange tokens by all-to-all."""
 
     def label(self) -> str:
         sched = self.schedule + (f" v{self.v}" if self.v > 1 else "")
@@ -74,13 +78,17 @@ class Candidate:
             + ([f"offload={self.offloaded()}"] if self.offloaded() != "none" else [])
         )
         cp = f" cp{self.cp}" if self.cp > 1 else ""
-        return f"tp{self.tp}{cp} pp{self.pp} dp{self.dp} mbs{self.mbs} {sched} " + " ".join(extras)
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return f"tp{self.tp}{cp} pp{self.pp} dp{self.dp}{ep} mbs{self.mbs} {sched} " + " ".join(
+            extras
+        )
 
     def spec(self) -> str:
         """The --explain syntax for this candidate."""
         cp = f",cp={self.cp}" if self.cp > 1 else ""
+        ep = f",ep={self.ep}" if self.ep > 1 else ""
         return (
-            f"tp={self.tp}{cp},pp={self.pp},dp={self.dp},mbs={self.mbs},"
+            f"tp={self.tp}{cp},pp={self.pp},dp={self.dp}{ep},mbs={self.mbs},"
             f"schedule={self.schedule},v={self.v},recompute={self.recompute},"
             f"sp={int(self.sp)},zero={self.zero}"
             + (f",offload={self.offloaded()}" if self.offloaded() != "none" else "")
@@ -112,7 +120,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     """`tp=8,cp=2,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`
-    (also `zero=3,offload=both,keep_params=1,zero3_reduce=micro-batch`; offload one of
+    (also `ep=8`, `zero=3,offload=both,keep_params=1,zero3_reduce=micro-batch`; offload one of
     `OFFLOADS`); dp defaults to gpus / (tp cp pp), v to 2 for the V schedules (zb-v,
     dualpipev: two chunks per rank, as megapar-train places them). ValueError naming the bad
     item otherwise."""
@@ -190,7 +198,34 @@ def check(
         or _schedule_refusal(c, config, global_batch)
         or _sequence_refusal(c, seq_len)
         or _zero_refusal(c)
+        or _expert_refusal(c, config)
     )
+
+
+def _expert_refusal(c: Candidate, config) -> str | None:
+    """Why the candidate's ep cannot run (megapar-train's own rules, `check_ep`), or None."""
+    if c.ep == 1:
+        return None
+    experts = getattr(config, "num_local_experts", 0) if getattr(config, "num_moe_layers", 0) else 0
+    if c.ep < 1 or not experts:
+        return f"ep {c.ep} needs a mixture-of-experts model (this one has no routed experts)"
+    if c.dp % c.ep:
+        return f"ep {c.ep} does not divide dp {c.dp}: experts are sharded over dp ranks"
+    if experts % c.ep:
+        return f"ep {c.ep} does not divide the {experts} experts; choose a divisor of them"
+    if c.zero == 3:
+        return f"ep {c.ep} cannot be combined with zero 3 (megapar-train refuses it)"
+    return None
+
+
+def ep_sizes(config, dp: int, zero: int) -> tuple[int, ...]:
+    """The ep sizes a plan tries for dp ranks: for a mixture-of-experts model every divisor of
+    dp that divides its routed experts (not under ZeRO-3, which megapar-train refuses with
+    ep); 1 otherwise."""
+    experts = getattr(config, "num_local_experts", 0) if getattr(config, "num_moe_layers", 0) else 0
+    if not experts or zero == 3:
+        return (1,)
+    return tuple(d for d in divisors(dp) if experts % d == 0)
 
 
 def _grid_refusal(c: Candidate, gpus: int, gpus_per_node: int) -> str | None:
@@ -363,7 +398,7 @@ def enumerate_candidates(
                 if reason:
                     rejected.append((Candidate(tp, pp, dp, cp=cp), reason))
                     continue
-                for mbs, schedule, v, rc, sp, zero, off, keep in _options(
+                for mbs, schedule, v, rc, sp, zero, off, keep, ep in _options(
                     pp,
                     dp * cp,
                     tp > 1 and allow_sp,
@@ -373,6 +408,7 @@ def enumerate_candidates(
                     virtual_stages,
                     recompute,
                     offloads,
+                    lambda zero, dp=dp: ep_sizes(config, dp, zero),
                 ):
                     c = Candidate(
                         tp,
@@ -388,6 +424,7 @@ def enumerate_candidates(
                         off in ("optimizer", "both"),
                         off in ("params", "both"),
                         keep,
+                        ep=ep,
                     )
                     reason = check(c, config, gpus, gpus_per_node, global_batch, seq_len)
                     if reason:
@@ -407,9 +444,10 @@ def _options(
     virtual_stages,
     recompute,
     offloads=("none",),
+    eps=lambda zero: (1,),
 ):
-    """(mbs, schedule, v, recompute, sp, zero, offload, keep_params) choices of a (tp, cp, pp,
-    dp) layout."""
+    """(mbs, schedule, v, recompute, sp, zero, offload, keep_params, ep) choices of a (tp, cp,
+    pp, dp) layout (`eps(zero)`: the ep sizes tried with that ZeRO stage)."""
     for mbs in micro_batch_sizes:
         for schedule in schedules if pp > 1 else ("1f1b",):
             for v in (
@@ -428,4 +466,5 @@ def _options(
                                 if o == "none" or (zero == 3 or o == "optimizer")
                             ):
                                 for keep in (False, True) if zero == 3 and pp > 1 else (False,):
-                                    yield mbs, schedule, v, rc, with_sp, zero, off, keep
+                                    for ep in eps(zero):
+                                        yield mbs, schedule, v, rc, with_sp, zero, off, keep, ep

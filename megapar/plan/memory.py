@@ -74,13 +74,16 @@ class BlockTerms:
     """The first stage keeps int64 position ids (a learned position embedding)."""
 
 
-def block_terms(config) -> BlockTerms:
+def block_terms(config, moe: bool | None = None) -> BlockTerms:
     """megapar's blocks for a model config (GPT-2, BERT: LayerNorm + GELU MLP; Llama: RMSNorm +
-    SwiGLU), with its FFN width."""
+    SwiGLU), with its FFN width. A mixture of experts' MoE layer (`moe` True, the default for a
+    MoE config) counts here only its shared experts' SwiGLU (tp-split like a dense MLP); its
+    routed tokens are `plan.experts.routed_bytes`. `moe` False: its dense layers' MLP."""
     f = config.ffn_size / config.hidden_size
-    if getattr(config, "num_moe_layers", 0):  # a mixture of experts: the active width
-        routed = config.num_experts_per_tok * config.expert_size
-        f = (routed + (config.shared_expert_intermediate_size or 0)) / config.hidden_size
+    if moe is None:
+        moe = bool(getattr(config, "num_moe_layers", 0))
+    if moe:  # the routed experts are counted apart (replicated over tp, per routed row)
+        f = (config.shared_expert_intermediate_size or 0) / config.hidden_size
     if config.model_type in ("llama", "mixtral", "qwen3_moe"):
         return BlockTerms(
             replicated=6.0,

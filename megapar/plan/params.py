@@ -1,10 +1,16 @@
 """Parameter counts per pipeline stage, read off the real models built on the meta device.
 
 Nothing here is a formula that could drift from the model code: a block, the embedding and the
-head are each built once per tp size on `Mesh.virtual(..., device="meta")` (no memory, no
-processes) and their parameters counted. A stage holds `layers x block + embedding (first stage)
+head are each built once per tp (and ep) size on `Mesh.virtual(..., device="meta")` (no memory,
+no processes) and their parameters counted. A stage holds `its blocks + embedding (first stage)
 + head (last stage: final norm and, unless it is also the first stage, a tied copy of the word
 embedding)`; `tests/test_plan.py` checks this against whole stages built the same way.
+
+A mixture-of-experts model has two kinds of block, dense and MoE (Qwen3-MoE's `mlp_only_layers`,
+a DeepSeek-V3-like recipe's first dense layers): one of each is built and every layer counted
+as its kind (`layer_kinds`). Under expert parallelism (ep > 1) a MoE block holds E / ep routed
+experts, as megapar-train's ep rank builds them (replicated over tp: experts are not
+tensor-parallel); their tensors are marked `TensorSpec.expert`, the buffers' separate buckets.
 """
 
 from __future__ import annotations
@@ -25,17 +31,33 @@ class PieceCounts:
     """Elements one tp rank holds of each piece of the model (vocabulary padding included)."""
 
     block: int
-    """One transformer block."""
+    """One transformer block (of a mixture of experts: its first layer's kind; `blocks`)."""
     embedding: int
     """What the first stage adds: word (tp shard), position (and token-type, norm) embeddings."""
     head: int
     """What the last stage adds: final norm (GPT-2) or MLM transform + bias (BERT)."""
     tied_copy: int
     """The last stage's copy of the word-embedding shard (only when it is not the first stage)."""
+    blocks: tuple[int, ...] = ()
+    """Each layer's block, by layer index (a dense and a MoE block differ)."""
 
 
-def _build(config, tp: int, layers, pre: bool, post: bool):
-    mesh = Mesh.virtual(Layout(tp, 1, 1), rank=0, device="meta")
+def layer_kinds(config) -> tuple[bool, ...]:
+    """Per layer, whether it is a mixture-of-experts layer (all False for a dense model)."""
+    moe = getattr(config, "is_moe_layer", None)
+    return tuple(bool(moe and moe(i)) for i in range(config.num_layers))
+
+
+def _kind_builds(config) -> dict[bool, int]:
+    """{kind: the first layer of that kind}: the layer built to count each kind's block."""
+    firsts: dict[bool, int] = {}
+    for i, kind in enumerate(layer_kinds(config)):
+        firsts.setdefault(kind, i)
+    return firsts
+
+
+def _build(config, tp: int, layers, pre: bool, post: bool, ep: int = 1):
+    mesh = Mesh.virtual(Layout(tp, 1, ep, ep=ep), rank=0, device="meta")
     return build_model(config, mesh, layers, pre_process=pre, post_process=post)
 
 
@@ -44,21 +66,26 @@ def _numel(module) -> int:
 
 
 @lru_cache(maxsize=64)
-def _pieces(config_json: str, tp: int) -> PieceCounts:
+def _pieces(config_json: str, tp: int, ep: int = 1) -> PieceCounts:
     config = config_from_dict(json.loads(config_json))
-    block = _numel(_build(config, tp, range(1), False, False))
+    kinds = {
+        kind: _numel(_build(config, tp, range(i, i + 1), False, False, ep))
+        for kind, i in _kind_builds(config).items()
+    }
     first = _numel(_build(config, tp, range(0), True, False))
     last_only = _build(config, tp, range(0), False, True)
     tied = sum(p.numel() for p in last_only.parameters() if getattr(p, "tied_to", None))
     head = _numel(last_only) - tied
-    return PieceCounts(block, first, head, tied)
+    blocks = tuple(kinds[k] for k in layer_kinds(config))
+    return PieceCounts(blocks[0], first, head, tied, blocks)
 
 
-def piece_counts(config, tp: int, config_json: str | None = None) -> PieceCounts:
-    """Per-tp-rank element counts of a block, the embedding and the head of `config`;
-    `config_json`: its canonical JSON (`Problem.config_json`) when the caller has it."""
+def piece_counts(config, tp: int, config_json: str | None = None, ep: int = 1) -> PieceCounts:
+    """Per-tp-rank element counts of a block, the embedding and the head of `config` (its
+    routed experts split over `ep`); `config_json`: its canonical JSON (`Problem.config_json`)
+    when the caller has it."""
 
-    return _pieces(config_json or _config_json(config), tp)
+    return _pieces(config_json or _config_json(config), tp, ep)
 
 
 def _config_json(config) -> str:
@@ -77,6 +104,9 @@ class TensorSpec:
     """The word embedding or its tied copy (`shared_embedding`): last in ZeRO-1's buckets."""
     tied: bool = False
     """A tied copy (held only by a last stage that is not also the first)."""
+    expert: bool = False
+    """A routed expert's stacked weights (`megapar.expert_parallel.is_expert`): under ep > 1
+    in gradient buckets of their own, reduced and sharded over the expert-data-parallel group."""
 
 
 def _specs(module) -> tuple[TensorSpec, ...]:
@@ -86,32 +116,39 @@ def _specs(module) -> tuple[TensorSpec, ...]:
             p.dtype,
             bool(getattr(p, "shared_embedding", False)),
             getattr(p, "tied_to", None) is not None,
+            bool(getattr(p, "expert", False)),
         )
         for p in module.parameters()
     )
 
 
 @lru_cache(maxsize=64)
-def _piece_tensors(config_json: str, tp: int) -> tuple[tuple[TensorSpec, ...], ...]:
-    """(block, embedding, head) parameters of one tp rank, in registration order."""
+def _piece_tensors(config_json: str, tp: int, ep: int = 1):
+    """({kind: block}, embedding, head) parameters of one tp rank, in registration order (the
+    block of each layer kind, `layer_kinds`)."""
 
     config = config_from_dict(json.loads(config_json))
+    blocks = {
+        kind: _specs(_build(config, tp, range(i, i + 1), False, False, ep))
+        for kind, i in _kind_builds(config).items()
+    }
     return (
-        _specs(_build(config, tp, range(1), False, False)),
+        blocks,
         _specs(_build(config, tp, range(0), True, False)),
         _specs(_build(config, tp, range(0), False, True)),
     )
 
 
 def stage_tensors(
-    config, tp: int, pp: int, v: int, stage: int, placement: str = "loop"
+    config, tp: int, pp: int, v: int, stage: int, placement: str = "loop", ep: int = 1
 ) -> list[TensorSpec]:
-    """The parameters one tp rank of pipeline rank `stage` holds, in the order
-    `model.parameters()` gives them (each chunk's embedding, blocks, then norm and head; the
-    tied copy only on a last chunk without the embedding). `tests/test_plan.py` checks it
-    against stages built on the meta device."""
+    """The parameters one tp rank of pipeline rank `stage` holds (its routed experts split over
+    `ep`), in the order `model.parameters()` gives them (each chunk's embedding, blocks, then
+    norm and head; the tied copy only on a last chunk without the embedding).
+    `tests/test_plan.py` checks it against stages built on the meta device."""
 
-    block, embedding, head = _piece_tensors(_config_json(config), tp)
+    blocks, embedding, head = _piece_tensors(_config_json(config), tp, ep)
+    kinds = layer_kinds(config)
     specs = (
         chunk_specs(config.num_layers, pp, stage, v, placement)
         if v > 1
@@ -121,7 +158,8 @@ def stage_tensors(
     for spec in specs:
         if spec.pre_process:
             out += embedding
-        out += block * len(spec.layers)
+        for layer in spec.layers:
+            out += blocks[kinds[layer]]
         if spec.post_process:
             out += [t for t in head if not (t.tied and spec.pre_process)]
     return out
@@ -153,7 +191,8 @@ def stage_units(
     chunk has blocks and the embedding, split in an embedding unit (the embedding's parameters
     but, when there is a head, a tied word embedding the head reads) and a root unit (the rest),
     else one root unit; then the parameters under `persist_below` in one persistent unit."""
-    block, embedding, head = _piece_tensors(_config_json(config), tp)
+    blocks_of, embedding, head = _piece_tensors(_config_json(config), tp)
+    kinds = layer_kinds(config)
     specs = (
         chunk_specs(config.num_layers, pp, stage, v, placement)
         if v > 1
@@ -173,7 +212,7 @@ def stage_units(
     tensors = stage_tensors(config, tp, pp, v, stage, placement)
     for ci, spec in enumerate(specs):
         emb = take(embedding, True) if spec.pre_process else []
-        blocks = [b for _ in spec.layers if (b := take(block))]
+        blocks = [b for layer in spec.layers if (b := take(blocks_of[kinds[layer]]))]
         tail = (
             take([t for t in head if not (t.tied and spec.pre_process)])
             if spec.post_process
@@ -204,23 +243,37 @@ def stage_layer_counts(num_layers: int, pp: int, v: int = 1, placement: str = "l
 
 
 def stage_params(
-    config, tp: int, pp: int, v: int = 1, placement: str = "loop", config_json: str | None = None
+    config,
+    tp: int,
+    pp: int,
+    v: int = 1,
+    placement: str = "loop",
+    config_json: str | None = None,
+    ep: int = 1,
 ) -> list[int]:
     """Elements of parameters one tp rank of each pipeline stage holds (the embedding is on the
     first virtual stage, rank 0, and the head on the last, rank pp - 1, with v chunks too;
-    in the "v" placement both are on rank 0). `config_json` as for `piece_counts`."""
-    return list(_stage_params(config_json or _config_json(config), tp, pp, v, placement))
+    in the "v" placement both are on rank 0; routed experts split over `ep`). `config_json` as
+    for `piece_counts`."""
+    return list(_stage_params(config_json or _config_json(config), tp, pp, v, placement, ep))
 
 
 @lru_cache(maxsize=4096)
-def _stage_params(config_json: str, tp: int, pp: int, v: int, placement: str) -> tuple[int, ...]:
+def _stage_params(
+    config_json: str, tp: int, pp: int, v: int, placement: str, ep: int = 1
+) -> tuple[int, ...]:
     """`stage_params`, cached (the planner asks twice for each of thousands of layouts)."""
-    pieces = _pieces(config_json, tp)
-    num_layers = config_from_dict(json.loads(config_json)).num_layers
+    pieces = _pieces(config_json, tp, ep)
+    num_layers = len(pieces.blocks)
     counts = []
     head_rank = 0 if placement == "v" else pp - 1
-    for stage, layers in enumerate(stage_layer_counts(num_layers, pp, v, placement)):
-        n = layers * pieces.block
+    for stage in range(pp):
+        specs = (
+            chunk_specs(num_layers, pp, stage, v, placement)
+            if v > 1
+            else [stage_spec(num_layers, pp, stage)]
+        )
+        n = sum(pieces.blocks[i] for spec in specs for i in spec.layers)
         if stage == 0:
             n += pieces.embedding
         if stage == head_rank:

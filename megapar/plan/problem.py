@@ -57,6 +57,10 @@ class Problem:
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
     """megapar-train's --loss-chunk-tokens: the head and loss run this many tokens at a time,
     so one chunk's logits are the most held (0: the whole micro-batch's, kept for backward)."""
+    moe_imbalance: float | None = None
+    """Mixture of experts under ep: the busiest rank's routed rows over the mean, which scales
+    its experts' activations (`plan.experts`); None: the model's capacity factor, or
+    `experts.DEFAULT_IMBALANCE` when dropless."""
     target: str = "gpu"
     """What the process figure is for (`plan.process`): gpu (the allocator's reserve and the
     CUDA context on top of the tensors) or cpu (the heap's room and the runtime; megapar-train

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Sequence
 
-from megapar.plan.estimate import Estimate
+from megapar.pipeline.partition import chunk_specs
+from megapar.pipeline.placement import placement_of
+from megapar.plan import experts
+from megapar.plan.estimate import Estimate, stage_memory
 from megapar.plan.memory import GIB
+from megapar.plan.params import model_params
 from megapar.plan.problem import Problem
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.config import TrainConfig, flag_choices
@@ -87,6 +93,7 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         f"--model {model}",
         f"--tp {c.tp}",
         *([f"--cp {c.cp}"] if c.cp > 1 else []),
+        *([f"--ep {c.ep}"] if c.ep > 1 else []),
         f"--pp {c.pp}",
         f"--seq-len {p.seq_len}",
         f"--micro-batch-size {c.mbs}",
@@ -241,3 +248,93 @@ def explain(e: Estimate) -> str:
         f"{e.hw_tflops:.1f} TFLOP/s per GPU incl. recomputation",
     ]
     return "\n".join(lines)
+
+
+def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> list[str]:
+    """Why this ep, for a mixture-of-experts model (nothing for a dense one): the routed experts
+    a rank holds, the weights, gradients and optimizer state that saves against ep 1 on the
+    most loaded stage, the all-to-all bytes a rank sends per step and their exposed seconds,
+    and the imbalance its experts' activations assume; at ep 1, the best layout of `ranked`
+    with another ep and what it would take."""
+    cfg, c = p.config, e.candidate
+    if not experts.is_moe(cfg):
+        return []
+    n_exp = getattr(cfg, "num_local_experts", 0)
+    if c.ep == 1:
+        other = next((x for x in ranked if x.candidate.ep > 1 and x.fits), None)
+        return [
+            f"experts: ep 1: every rank holds all {n_exp} routed experts of each MoE layer "
+            f"(no all-to-all); the search tried every ep dividing dp and the experts"
+        ] + (
+            [
+                f"  the fastest layout with ep > 1 that fits, {other.candidate.label()}, takes "
+                f"{other.step_s:.4g} s a step against {e.step_s:.4g} s (its all-to-all "
+                f"{other.comm_s.get('ep', 0.0):.4g} s exposed)"
+            ]
+            if other
+            else []
+        )
+    state = e.memory.params + e.memory.grads + e.memory.optimizer
+    one = stage_memory(p, dataclasses.replace(c, ep=1), simulate=False)[e.memory.stage]
+    saved = one.params + one.grads + one.optimizer - state
+    layers = max(
+        experts.moe_layers(
+            cfg,
+            [
+                i
+                for spec in chunk_specs(cfg.num_layers, c.pp, st, c.v, placement_of(c.schedule))
+                for i in spec.layers
+            ],
+        )
+        for st in range(c.pp)
+    )
+    sent = experts.step_alltoall(p, c, layers)
+    imbalance = experts.imbalance_of(cfg, p.moe_imbalance)
+    edp = c.dp * c.cp // c.ep
+    sharded = (
+        f"; the experts' optimizer state sharded over their {edp} expert-data-parallel ranks"
+        if c.zero in (1, 2)
+        else ""
+    )
+    passes = "forward and backward" + (", and recomputed" if c.recompute == "full" else "")
+    return [
+        f"experts: ep {c.ep}: each rank holds {n_exp // c.ep} of {n_exp} routed experts per MoE "
+        f"layer (not split by tp): its weights, gradients and optimizer state are "
+        f"{_amount(state)}, {_amount(saved)} less than at ep 1{sharded}",
+        f"  all-to-all per step: {_amount(sent)} put in by each rank ({layers} MoE layers x "
+        f"{p.global_batch // (c.mbs * c.dp)} micro-batches: the counts, the dispatch and the "
+        f"combine, {passes}), of which {100 * experts.leaving(c.ep):.0f} % leaves the rank "
+        f"under uniform routing: {e.comm_s.get('ep', 0.0):.4g} s exposed per step",
+        f"  routed tokens' activations assume the busiest rank receives {imbalance:g} x the "
+        f"mean rows (dropless: an assumption, megapar-train logs moe_imbalance; a capacity "
+        f"factor bounds it)",
+    ]
+
+
+def _amount(nbytes: float) -> str:
+    """Bytes in GiB, or MiB below one GiB."""
+    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB else f"{nbytes / 2**20:.2f} MiB"
+
+
+def print_json(top: int, problem: Problem, estimates, rejected, cmd) -> None:
+    """The ranked layouts as JSON: the top rows, the counts, the rejections by reason and the
+    chosen layout's megapar-train command."""
+    reasons: dict[str, int] = {}
+    for _, reason in rejected:
+        key = reason.split(";")[0]
+        reasons[key] = reasons.get(key, 0) + 1
+    print(
+        json.dumps(
+            {
+                "model_params": model_params(problem.config),
+                "layouts": [row(e, problem.master_weights) for e in estimates[:top]],
+                "valid": len(estimates),
+                "rejected": len(rejected),
+                "rejected_reasons": reasons,
+                "fused_attention": problem.fused_attention,
+                "command": cmd[0] if cmd else None,
+                "missing_in_megapar_train": cmd[1] if cmd else None,
+            },
+            indent=1,
+        )
+    )

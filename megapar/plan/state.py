@@ -23,16 +23,11 @@ stepped tensors and their gradients (--offload-optimizer), or ZeRO-3's parameter
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import pairwise
-
-import numpy as np
 
 from megapar.data_parallel.buckets import bucket_layout, slice_pieces
 from megapar.data_parallel.sharded_params import ShardedParams
-from megapar.models.config import config_from_dict
 from megapar.pipeline.schedules import SPLIT_BACKWARD
 from megapar.plan.params import UnitSpec, stage_tensors, stage_units
 
@@ -132,24 +127,44 @@ def rank_state(
     bucket_mb: float = 25.0,
     placement: str = "loop",
     offload: Offload = Offload(),
+    ep: int = 1,
+    cp: int = 1,
 ) -> RankState:
     """The state of dp rank `dp_rank` of pipeline rank `stage` (any tp rank: they hold equal
     shapes) under megapar-train with AdamW and gradient buckets of `bucket_mb` MB; `placement`
     maps chunks to virtual stages (`megapar.pipeline.placement.PLACEMENTS`). ZeRO-1 is the
-    real code's layout; ZeRO-2 / 3 are modelled on it (see `docs/guides/precision-zero.md`)."""
+    real code's layout; ZeRO-2 / 3 are modelled on it (see `docs/guides/precision-zero.md`).
+    `dp` and `dp_rank` are over cp x dp (the gradients' group, of `cp` ranks per dp rank);
+    under expert parallelism (`ep` > 1) the rank holds E / ep routed experts, in buckets of
+    their own sliced over the expert-data-parallel group (`expert_rank`)."""
     tensors, units, specs = _layout(
-        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, offload.persist_below
+        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, offload.persist_below, ep
     )
     if not units:  # no ZeRO: every parameter whole, its own state
         nbytes = sum(t.numel * t.dtype.itemsize for t in tensors)
-        return _finish(tensors, units, specs, dp, zero, nbytes, len(tensors), offload, pp)
+        return _finish(tensors, units, specs, dp, zero, nbytes, len(tensors), offload, pp, ep)
     stepped = steps = 0
     for idx, padded in units:
-        size = padded // dp
-        pieces = slice_pieces([tensors[i].numel for i in idx], dp_rank * size, (dp_rank + 1) * size)
+        n = _shards(tensors, idx, dp, ep)
+        size, r = padded // n, dp_rank if n == dp else expert_rank(dp_rank, ep, cp)
+        pieces = slice_pieces([tensors[i].numel for i in idx], r * size, (r + 1) * size)
         stepped += sum(e - s for _, s, e in pieces) * tensors[idx[0]].dtype.itemsize
         steps += len(pieces)
-    return _finish(tensors, units, specs, dp, zero, stepped, steps, offload, pp)
+    return _finish(tensors, units, specs, dp, zero, stepped, steps, offload, pp, ep)
+
+
+def expert_rank(rank: int, ep: int, cp: int = 1) -> int:
+    """The place in its expert-data-parallel group of the rank at place `rank` of the cp x dp
+    group (`rank` = dp_rank x cp + cp_rank): its block of ep dp ranks, then its cp rank, as
+    `Mesh.expert_dp_group` orders them."""
+    dp_rank, cp_rank = divmod(rank, cp)
+    return dp_rank // ep * cp + cp_rank
+
+
+def _shards(tensors, idx, dp: int, ep: int) -> int:
+    """The ranks a bucket is sharded over: cp x dp, or an experts' bucket under ep > 1 the
+    expert-data-parallel group's cp x dp / ep."""
+    return dp // ep if ep > 1 and tensors[idx[0]].expert else dp
 
 
 def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
@@ -239,13 +254,20 @@ def _finish(
     steps: int,
     offload: Offload,
     pp: int = 1,
+    ep: int = 1,
 ) -> RankState:
     """A rank's state from its stepped bytes and pieces (`units`: ZeRO's buckets or units;
     `specs`: ZeRO-3's `UnitSpec` of each unit, else None)."""
     elements = sum(t.numel for t in tensors)
     whole = sum(t.numel * t.dtype.itemsize for t in tensors)
     buffer = sum(padded * tensors[idx[0]].dtype.itemsize for idx, padded in units) or whole
-    shard = sum(padded // dp * tensors[idx[0]].dtype.itemsize for idx, padded in units) or whole
+    shard = (
+        sum(
+            padded // _shards(tensors, idx, dp, ep) * tensors[idx[0]].dtype.itemsize
+            for idx, padded in units
+        )
+        or whole
+    )
     weights, grads, gathered, offloaded = buffer, buffer if zero < 2 else shard, 0, 0
     grad_buffers = 0
     if zero >= 3 and units:
@@ -268,101 +290,6 @@ def _finish(
     return RankState(elements, weights, grads, optimizer, master, gathered, host, grad_buffers)
 
 
-@lru_cache(maxsize=4096)
-def most_loaded(
-    config_json: str,
-    tp: int,
-    pp: int,
-    v: int,
-    stage: int,
-    dp: int,
-    zero: int,
-    bucket_mb: float = 25.0,
-    placement: str = "loop",
-    offload: Offload = Offload(),
-) -> RankState:
-    """The most loaded `rank_state` over the dp ranks of a stage (ZeRO slices differ: the last
-    holds the padding, ranks whose slice starts inside a parameter hold one more piece): the
-    one with the most optimizer bytes (with --offload-optimizer, optimizer and host copies)."""
-
-    tensors, units, specs, stepped, steps = _slice_loads(
-        config_json, tp, pp, v, stage, dp, zero, bucket_mb, placement, offload.persist_below
-    )
-    if not units:
-        config = config_from_dict(json.loads(config_json))
-        return rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement, offload)
-    held = (ADAM_MOMENTS + (2 if offload.optimizer else 0)) * stepped + STEP_BYTES * steps
-    worst = int(np.argmax(held))
-    return _finish(
-        tensors, units, specs, dp, zero, int(stepped[worst]), int(steps[worst]), offload, pp
-    )
-
-
-@lru_cache(maxsize=1024)
-def _slice_loads(
-    config_json: str,
-    tp: int,
-    pp: int,
-    v: int,
-    stage: int,
-    dp: int,
-    zero: int,
-    bucket_mb: float,
-    placement: str,
-    persist_below: int,
-):
-    """`_layout`'s (tensors, units, specs) and, for each of `_candidate_ranks`, the bytes it
-    steps and its pieces (numpy arrays, read-only), over every unit at once: a rank's slice of
-    unit u is [rank x size_u, (rank + 1) x size_u) clipped to the unit's real elements, its
-    pieces the parameters that slice meets (found in the stage's running sum of sizes)."""
-    config = config_from_dict(json.loads(config_json))
-    tensors, units, specs = _layout(
-        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below
-    )
-    if not units:
-        return tensors, units, specs, None, None
-    ranks = _candidate_ranks(tensors, units, dp)
-    numels = [tensors[i].numel for idx, _ in units for i in idx]
-    ends = np.cumsum(numels, dtype=np.int64)  # every unit's parameters, one after another
-    last = np.cumsum([len(idx) for idx, _ in units]) - 1  # each unit's last index into `ends`
-    base = (
-        ends[last]
-        - np.array([sum(tensors[i].numel for i in idx) for idx, _ in units], dtype=np.int64)
-    )[:, None]  # where each unit starts
-    size = np.array([padded // dp for _, padded in units], dtype=np.int64)[:, None]
-    itemsize = np.array([tensors[idx[0]].dtype.itemsize for idx, _ in units], dtype=np.int64)[
-        :, None
-    ]
-    lo = base + ranks[None, :] * size  # unit x rank, in the running sum
-    hi = np.minimum(lo + size, ends[last][:, None])
-    real = np.maximum(hi - lo, 0)
-    pieces = (
-        np.searchsorted(ends, np.maximum(hi - 1, lo), side="right")
-        - np.searchsorted(ends, lo, side="right")
-        + 1
-    )
-    stepped = (real * itemsize).sum(axis=0)
-    steps = np.where(real > 0, pieces, 0).sum(axis=0)
-    stepped.setflags(write=False)
-    steps.setflags(write=False)
-    return tensors, units, specs, stepped, steps
-
-
-def _candidate_ranks(tensors, buckets, dp: int) -> np.ndarray:
-    """The dp ranks among which the most loaded one is, without looking at all dp of them (a
-    plan may try a billion): in some bucket, those whose slice holds a parameter boundary or the
-    end of the real elements, the first and the last; every other rank holds one piece of
-    `size` real elements or none in each bucket, so the lowest of them (its slices are real
-    wherever anyone's are) stands for all of them."""
-    special = {0, dp - 1}
-    for idx, padded in buckets:
-        size = padded // dp
-        for end in np.cumsum([tensors[i].numel for i in idx]).tolist():
-            special.update(r for r in (max(end - 1, 0) // size, end // size) if r < dp)
-    generic = next((r for r in range(dp) if r not in special), None)
-    return np.array(sorted(special | ({generic} if generic is not None else set())), dtype=np.int64)
-
-
 def _layout(
     config,
     tp,
@@ -374,11 +301,13 @@ def _layout(
     bucket_mb,
     placement="loop",
     persist_below=PERSISTENCE_THRESHOLD,
+    ep=1,
 ):
-    """(the stage's tensors, ZeRO's buckets as `bucket_layout` gives them (ZeRO-1 / 2), its
-    units (ZeRO-3: each padded to a multiple of dp), or [] without, and ZeRO-3's
-    `UnitSpec` per unit (else None))."""
-    tensors = stage_tensors(config, tp, pp, v, stage, placement)
+    """(the stage's tensors, ZeRO's buckets as `bucket_layout` gives them (ZeRO-1 / 2; under
+    ep > 1 the experts' buckets apart, padded to a multiple of dp / ep), its units (ZeRO-3:
+    each padded to a multiple of dp), or [] without, and ZeRO-3's `UnitSpec` per unit (else
+    None))."""
+    tensors = stage_tensors(config, tp, pp, v, stage, placement, ep)
     if not (zero and dp > 1):
         return tensors, [], None
     if zero >= 3:
@@ -392,7 +321,9 @@ def _layout(
             specs,
         )
     late = [i for i, t in enumerate(tensors) if t.shared] if pp > 1 else []
-    return tensors, bucket_layout([(t.numel, t.dtype) for t in tensors], bucket_mb, dp, late), None
+    experts = [i for i, t in enumerate(tensors) if t.expert] if ep > 1 else []
+    sizes = [(t.numel, t.dtype) for t in tensors]
+    return tensors, bucket_layout(sizes, bucket_mb, dp, late, experts, dp // ep), None
 
 
 def sharded_buffer(

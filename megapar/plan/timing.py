@@ -10,7 +10,7 @@ from functools import lru_cache
 from megapar.models.flops import matmul_flops
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
-from megapar.plan import pipeline
+from megapar.plan import experts, pipeline
 from megapar.plan.context_parallel import cp_layer_seconds
 from megapar.plan.layouts import Candidate
 from megapar.plan.problem import Problem
@@ -41,6 +41,8 @@ class ChunkTime:
     """Of F + B + W, the seconds of tp collectives."""
     cp: float = 0.0
     """Of F + B + W, the seconds of cp exchanges not hidden."""
+    ep: float = 0.0
+    """Of F + B + W, the seconds of the MoE layers' all-to-alls (expert parallelism)."""
 
     @property
     def total(self) -> float:
@@ -66,8 +68,9 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     extra = {"none": 0.0, "selective": fl.attention, "full": fl.layer()}[c.recompute]
     logits = 2 * cfg.hidden_size * local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
     in_forward = pipeline.loss_grads_in_forward(p, c)
+    ep_f, ep_b = alltoall_seconds(p, c)
 
-    def cost(k: int, first: bool, last: bool) -> ChunkTime:
+    def cost(k: int, first: bool, last: bool, k_moe: int) -> ChunkTime:
         head = fl.head if last else 0.0
         # the chunked loss at tp 1 with one loss in flight makes the head's input and weight
         # gradients in its forward (the logits computed once); else its backward recomputes them
@@ -81,25 +84,59 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         head_f = ring * 0.5 if last and c.sp else 0.0  # SP: its input gathered
         head_b = ring * half if last else 0.0  # its input's gradient
         return ChunkTime(
-            f / rate + k * (tp_fwd + cp_f) + emb_comm + head_f,
-            bi / rate + k * (tp_bwd + cp_b) + head_b,
+            f / rate + k * (tp_fwd + cp_f) + emb_comm + head_f + k_moe * ep_f,
+            bi / rate + k * (tp_bwd + cp_b) + head_b + k_moe * ep_b,
             w / rate,
             f + bi + w,
             k * (tp_fwd + tp_bwd) + emb_comm + head_f + head_b,
             k * (cp_f + cp_b),
+            k_moe * (ep_f + ep_b),
         )
 
-    shapes = _chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule))
+    kinds = tuple(experts.moe_layers(cfg, (i,)) for i in range(cfg.num_layers))
+    shapes = _chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule), kinds)
     costs = {shape: cost(*shape) for shape in {x for row in shapes for x in row}}
     return [[costs[x] for x in row] for row in shapes]
 
 
+def alltoall_seconds(p: Problem, c: Candidate) -> tuple[float, float]:
+    """(forward, backward) seconds of one MoE layer's all-to-alls per micro-batch under ep
+    (`experts.alltoall_bytes`): the share of the rows that leaves the rank, (ep - 1) / ep
+    under uniform routing, over the link the ep group spans (ep consecutive dp ranks: within
+    a node while tp x cp x pp x ep fits one), plus ep - 1 message latencies per all-to-all
+    (three forward, two backward; full recomputation repeats the forward's two rows'). Not
+    overlapped: the experts wait for their rows and the next layer for the combine."""
+    if c.ep == 1:
+        return 0.0, 0.0
+    cfg = p.config
+    tokens = experts.routed_tokens(p.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
+    nbytes = experts.alltoall_bytes(cfg, tokens, c.ep, 4, p.act_bytes, c.recompute)
+    span = c.tp * c.cp * c.pp * c.ep
+    gbps = p.intra_gbps if span <= p.gpus_per_node else p.inter_gbps
+    share, lat = experts.leaving(c.ep), (c.ep - 1) * p.latency_us * 1e-6
+
+    def seconds(n: float, calls: int) -> float:
+        return n * share * 8 / (gbps * 1e9) + calls * lat
+
+    full = c.recompute == "full"
+    return (
+        seconds(nbytes.counts + nbytes.forward, 3),
+        seconds(nbytes.backward + nbytes.recompute, 4 if full else 2),
+    )
+
+
 @lru_cache(maxsize=4096)
-def _chunk_shapes(num_layers: int, pp: int, v: int, placement: str) -> tuple:
-    """Per rank, per model chunk: (blocks, holds the embedding, holds the head)."""
+def _chunk_shapes(num_layers: int, pp: int, v: int, placement: str, kinds: tuple = ()) -> tuple:
+    """Per rank, per model chunk: (blocks, holds the embedding, holds the head, MoE blocks);
+    `kinds`: 1 for each MoE layer, 0 for a dense one (none: a dense model)."""
     return tuple(
         tuple(
-            (len(spec.layers), spec.pre_process, spec.post_process)
+            (
+                len(spec.layers),
+                spec.pre_process,
+                spec.post_process,
+                sum(kinds[i] for i in spec.layers) if kinds else 0,
+            )
             for spec in chunk_specs(num_layers, pp, stage, v, placement)
         )
         for stage in range(pp)

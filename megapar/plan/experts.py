@@ -1,0 +1,138 @@
+"""What a mixture-of-experts layer adds to a plan: its routed tokens' activations and, under
+expert parallelism, the all-to-all bytes of its token exchange.
+
+A MoE layer routes each of the T tokens a rank holds (a micro-batch's s b, / cp, / t under
+sequence parallelism: the routed experts are replicated over tp, so without SP every tp rank
+routes all of them) to k experts: T k rows.
+
+**All-to-all bytes** (`alltoall_bytes`, per MoE layer and micro-batch, what one rank puts into
+`dist.all_to_all_single`, whose payload counts every row, the ones it keeps for itself too, as
+`megapar.comm_count` counts it): the count exchange (E int64 counts), the dispatch (the T k
+rows, h wide, in the MoE input's dtype), the combine (the rows it received back: T k under
+uniform routing), and in the backward the same two exchanges of the gradients (the combine's
+gradient out, T k rows; the dispatch's back, the received ones). Full recomputation repeats the
+forward's two row exchanges (the recompute reuses its route: no second count exchange). Over an
+ep group the received rows sum to the sent ones, so the group's total is exact whatever the
+routing; one rank's is exact under uniform routing. Of a rank's rows, (ep - 1) / ep leave it
+under uniform routing: what the time model prices (`leaving`).
+
+**Activations** (`routed_bytes`, per MoE layer and micro-batch, kept for the backward): per
+routed row, the expert's input and its SwiGLU's gate / up output, activation and product
+(h + 4 I elements) on the rank that holds the expert, and two h-wide rows on the rank that
+routed it (the combined output kept for the weighting, and the gathered input); per token the
+router's fp32 logits and scores (2 E x 4 bytes), its top-k weights and ids (k x 12 bytes) and 8
+bytes more, per row its int64 sort index and token index and fp32 weight (20 bytes). Measured
+on a Mixtral block with saved-tensor hooks at ep 1 (`tests/test_plan.py`: equal but for
+36 bytes a layer, its E-long load vectors). The expert side is
+scaled by the imbalance: the busiest rank receives `imbalance` x the mean rows (dropless
+routing has no bound; with a capacity factor c no expert keeps more than c x its mean share,
+so c bounds it). `Problem.moe_imbalance` (megapar-plan's --moe-imbalance) states the
+assumption (default `DEFAULT_IMBALANCE`, or the model's capacity factor when it has one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_IMBALANCE = 1.25
+"""The busiest ep rank's received rows over the mean, assumed by default under dropless routing
+(megapar logs each step's per-expert max / mean as `moe_imbalance`; a rank's, over E / ep
+experts, is lower). A model with a capacity factor uses that factor instead."""
+
+COUNT_BYTES = 8
+"""One expert's row count in the count exchange (int64)."""
+
+
+def is_moe(config) -> bool:
+    """Whether `config` has mixture-of-experts layers."""
+    return bool(getattr(config, "num_moe_layers", 0))
+
+
+def moe_layers(config, layers) -> int:
+    """How many of `layers` (indices) are MoE layers."""
+    moe = getattr(config, "is_moe_layer", None)
+    return sum(1 for i in layers if moe and moe(i)) if is_moe(config) else 0
+
+
+def imbalance_of(config, stated: float | None) -> float:
+    """The imbalance a plan assumes: `stated`, else the model's capacity factor (the most an
+    expert keeps, relative to its mean share), else `DEFAULT_IMBALANCE`."""
+    if stated is not None:
+        return stated
+    return getattr(config, "moe_capacity_factor", None) or DEFAULT_IMBALANCE
+
+
+def routed_tokens(seq_len: int, mbs: int, cp: int = 1, sp_t: int = 1) -> int:
+    """T: the tokens one rank routes per micro-batch (its cp share; its tp slice under SP)."""
+    return seq_len // cp * mbs // sp_t
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """One rank's all-to-all payload bytes of one MoE layer and micro-batch."""
+
+    counts: int
+    """The count exchange (forward only)."""
+    forward: int
+    """The dispatch and the combine."""
+    backward: int
+    """Their gradients' exchanges."""
+    recompute: int = 0
+    """Full recomputation's repeated dispatch and combine."""
+
+    @property
+    def total(self) -> int:
+        return self.counts + self.forward + self.backward + self.recompute
+
+
+def alltoall_bytes(
+    config,
+    tokens: int,
+    ep: int,
+    dispatch_bytes: int = 4,
+    combine_bytes: int = 4,
+    recompute: str = "none",
+) -> AllToAll:
+    """One rank's all-to-all payloads of one MoE layer and micro-batch under ep (none at ep 1):
+    `tokens` routed (`routed_tokens`), rows of `dispatch_bytes` (the MoE input's element
+    size: megapar's norms keep fp32) out and `combine_bytes` (the experts' output: the matmul
+    dtype) back, the same sizes for their gradients; the received rows taken as sent (uniform
+    routing; exact for an ep group's sum)."""
+    if ep == 1:
+        return AllToAll(0, 0, 0)
+    rows = tokens * config.num_experts_per_tok * config.hidden_size
+    row_pair = rows * (dispatch_bytes + combine_bytes)
+    return AllToAll(
+        config.num_local_experts * COUNT_BYTES,
+        row_pair,
+        row_pair,
+        row_pair if recompute == "full" else 0,
+    )
+
+
+def leaving(ep: int) -> float:
+    """The share of a rank's all-to-all rows that leave it under uniform routing."""
+    return (ep - 1) / ep
+
+
+def routed_bytes(config, tokens: int, act_bytes: int, imbalance: float = 1.0, ep: int = 1) -> float:
+    """Bytes one MoE layer keeps for its routed tokens per micro-batch on the busiest rank (see
+    the module docstring); `imbalance` scales the rows its experts receive (at ep 1 a rank
+    holds every expert and receives exactly its T k rows)."""
+    h, k, e = config.hidden_size, config.num_experts_per_tok, config.num_local_experts
+    rows = tokens * k
+    received = rows * (imbalance if ep > 1 else 1.0)
+    expert_side = received * (h + 4 * config.expert_size) * act_bytes
+    token_side = rows * 2 * h * act_bytes + rows * 20 + tokens * (2 * e * 4 + k * 12 + 8)
+    return expert_side + token_side
+
+
+def step_alltoall(p, c, moe_layers_on_rank: int) -> int:
+    """One rank's all-to-all payload bytes per step of a `Problem` planned as `Candidate` `c`,
+    for the MoE layers its pipeline rank holds: `alltoall_bytes` (dispatch rows in fp32, the
+    MoE input megapar's norms give; combine rows in the activations' dtype) x the layers x the
+    micro-batches of its dp rank."""
+    tokens = routed_tokens(p.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
+    m = p.global_batch // (c.mbs * c.dp)
+    one = alltoall_bytes(p.config, tokens, c.ep, 4, p.act_bytes, c.recompute)
+    return one.total * moe_layers_on_rank * m

@@ -1,0 +1,166 @@
+"""The most loaded dp rank of a stage under ZeRO: its state (`most_loaded`), found without
+looking at every rank (a plan may try a billion), by the slices' loads over all units at once.
+
+ZeRO's slices differ between dp ranks by a few bytes (the last holds the padding, a slice that
+starts inside a parameter makes one more piece); `plan.state.rank_state` gives any one rank's
+state, this the worst of them.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import numpy as np
+
+from megapar.models.config import config_from_dict
+from megapar.plan.state import (
+    ADAM_MOMENTS,
+    STEP_BYTES,
+    Offload,
+    RankState,
+    _finish,
+    _layout,
+    _shards,
+    rank_state,
+)
+
+NO_OFFLOAD = Offload()
+"""Nothing offloaded, no ZeRO-3 options (`most_loaded`'s default)."""
+
+
+@lru_cache(maxsize=4096)
+def most_loaded(
+    config_json: str,
+    tp: int,
+    pp: int,
+    v: int,
+    stage: int,
+    dp: int,
+    zero: int,
+    bucket_mb: float = 25.0,
+    placement: str = "loop",
+    offload: Offload = NO_OFFLOAD,
+    ep: int = 1,
+    cp: int = 1,
+) -> RankState:
+    """The most loaded `rank_state` over the dp ranks of a stage (ZeRO slices differ: the last
+    holds the padding, ranks whose slice starts inside a parameter hold one more piece): the
+    one with the most optimizer bytes (with --offload-optimizer, optimizer and host copies).
+    `dp` is over cp x dp, `ep` and `cp` as `rank_state`'s; under ep > 1 with more than
+    `EXACT_EP_RANKS` ranks, the most loaded dense slice plus the most loaded expert slice (an
+    upper bound, off by at most a piece's step count and a bucket's padding)."""
+
+    tensors, units, specs, stepped, steps = _slice_loads(
+        config_json, tp, pp, v, stage, dp, zero, bucket_mb, placement, offload.persist_below, ep, cp
+    )
+    if not units:
+        config = config_from_dict(json.loads(config_json))
+        return rank_state(
+            config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement, offload, ep, cp
+        )
+    held = (ADAM_MOMENTS + (2 if offload.optimizer else 0)) * stepped + STEP_BYTES * steps
+    worst = int(np.argmax(held))
+    return _finish(
+        tensors, units, specs, dp, zero, int(stepped[worst]), int(steps[worst]), offload, pp, ep
+    )
+
+
+EXACT_EP_RANKS = 4096
+"""Under ep > 1, `most_loaded` looks at every rank up to this many cp x dp ranks (a rank's
+dense and expert slices are cut over two groups); above, it adds the two groups' worst."""
+
+
+@lru_cache(maxsize=1024)
+def _slice_loads(
+    config_json: str,
+    tp: int,
+    pp: int,
+    v: int,
+    stage: int,
+    dp: int,
+    zero: int,
+    bucket_mb: float,
+    placement: str,
+    persist_below: int,
+    ep: int = 1,
+    cp: int = 1,
+):
+    """`_layout`'s (tensors, units, specs) and, for each of `_candidate_ranks`, the bytes it
+    steps and its pieces (numpy arrays, read-only), over every unit at once: a rank's slice of
+    unit u is [rank x size_u, (rank + 1) x size_u) clipped to the unit's real elements, its
+    pieces the parameters that slice meets (found in the stage's running sum of sizes). Under
+    ep > 1 an expert unit's slice is of the rank's place in its expert group (`expert_rank`):
+    every rank up to `EXACT_EP_RANKS`, else each group's candidates, summed at their worst."""
+    config = config_from_dict(json.loads(config_json))
+    tensors, units, specs = _layout(
+        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep
+    )
+    if not units:
+        return tensors, units, specs, None, None
+    expert = np.array([_shards(tensors, idx, dp, ep) != dp for idx, _ in units])[:, None]
+    if not expert.any():
+        ranks = _candidate_ranks(tensors, units, dp)[None, :]
+    elif dp <= EXACT_EP_RANKS:
+        every = np.arange(dp, dtype=np.int64)
+        ranks = np.where(expert, (every // cp // ep) * cp + every % cp, every)
+    else:
+        dense = _candidate_ranks(tensors, [u for u, x in zip(units, expert[:, 0]) if not x], dp)
+        experts = _candidate_ranks(tensors, [u for u, x in zip(units, expert[:, 0]) if x], dp // ep)
+        width = max(len(dense), len(experts))
+        ranks = np.where(expert, np.resize(experts, width), np.resize(dense, width))
+    if expert.any() and dp > EXACT_EP_RANKS:  # each group's worst, together
+        parts = [_loads(tensors, units, dp, ep, ranks, expert[:, 0] == x) for x in (False, True)]
+        best = [int(np.argmax(ADAM_MOMENTS * a + STEP_BYTES * b)) for a, b in parts]
+        stepped = np.array([sum(int(a[i]) for (a, _), i in zip(parts, best))])
+        steps = np.array([sum(int(b[i]) for (_, b), i in zip(parts, best))])
+    else:
+        stepped, steps = _loads(tensors, units, dp, ep, ranks)
+    stepped.setflags(write=False)
+    steps.setflags(write=False)
+    return tensors, units, specs, stepped, steps
+
+
+def _loads(tensors, units, dp: int, ep: int, ranks: np.ndarray, rows=None):
+    """(bytes stepped, pieces) of each column of `ranks` (unit x column: the place in the
+    unit's group whose slice is taken), over the units (`rows`: a mask choosing some)."""
+    numels = [tensors[i].numel for idx, _ in units for i in idx]
+    ends = np.cumsum(numels, dtype=np.int64)  # every unit's parameters, one after another
+    last = np.cumsum([len(idx) for idx, _ in units]) - 1  # each unit's last index into `ends`
+    base = (
+        ends[last]
+        - np.array([sum(tensors[i].numel for i in idx) for idx, _ in units], dtype=np.int64)
+    )[:, None]  # where each unit starts
+    size = np.array(
+        [padded // _shards(tensors, idx, dp, ep) for idx, padded in units], dtype=np.int64
+    )[:, None]
+    itemsize = np.array([tensors[idx[0]].dtype.itemsize for idx, _ in units], dtype=np.int64)[
+        :, None
+    ]
+    lo = base + ranks * size  # unit x rank, in the running sum
+    hi = np.minimum(lo + size, ends[last][:, None])
+    real = np.maximum(hi - lo, 0)
+    pieces = (
+        np.searchsorted(ends, np.maximum(hi - 1, lo), side="right")
+        - np.searchsorted(ends, lo, side="right")
+        + 1
+    )
+    if rows is not None:
+        real, pieces = real[rows], pieces[rows]
+        itemsize = itemsize[rows]
+    return (real * itemsize).sum(axis=0), np.where(real > 0, pieces, 0).sum(axis=0)
+
+
+def _candidate_ranks(tensors, buckets, dp: int) -> np.ndarray:
+    """The dp ranks among which the most loaded one is, without looking at all dp of them (a
+    plan may try a billion): in some bucket, those whose slice holds a parameter boundary or the
+    end of the real elements, the first and the last; every other rank holds one piece of
+    `size` real elements or none in each bucket, so the lowest of them (its slices are real
+    wherever anyone's are) stands for all of them."""
+    special = {0, dp - 1}
+    for idx, padded in buckets:
+        size = padded // dp
+        for end in np.cumsum([tensors[i].numel for i in idx]).tolist():
+            special.update(r for r in (max(end - 1, 0) // size, end // size) if r < dp)
+    generic = next((r for r in range(dp) if r not in special), None)
+    return np.array(sorted(special | ({generic} if generic is not None else set())), dtype=np.int64)
