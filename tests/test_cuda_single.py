@@ -471,3 +471,45 @@ def test_the_main_job_on_the_gpu(tmp_path):
     record("main job", wall_s=wall, loss=loss, val_loss=float(val[-1]) if val else None,
            tokens_per_s=tokens, mfu_percent=mfu)
     assert loss < 6.0  # from ln 50257 = 10.8; the CPU's run ends at 5.41
+
+
+def test_moe_experts_run_grouped_under_bf16_autocast():
+    """A Mixtral MoE layer under bf16 autocast on the GPU (fp32 master weights: the routed rows
+    reach the experts in fp32) runs its experts as `torch._grouped_mm`, not the loop, and its
+    output and gradients track the loop's (bf16: 2e-2 relative)."""
+    from unittest import mock
+
+    from megapar.mesh import Layout, Mesh
+    from megapar.models.moe import MoE, grouped_dtype
+    from megapar.models.moe_config import MixtralConfig
+
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=4, num_local_experts=4,
+                           num_experts_per_tok=2)
+    torch.manual_seed(0)
+    layer = MoE(config, Mesh.virtual(Layout(1, 1, 1), rank=0, device=GPU.type)).to(GPU)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, SEQ, 64, device=GPU)
+    runs, calls = [], []
+    for grouped in (True, False):
+        layer.zero_grad(set_to_none=True)
+        rows = x.clone().requires_grad_()
+        real = torch._grouped_mm if hasattr(torch, "_grouped_mm") else None
+
+        def counted(*args, **kwargs):
+            calls.append(grouped)
+            return real(*args, **kwargs)
+
+        choose = grouped_dtype if grouped else (lambda x, size: None)
+        with mock.patch("megapar.models.moe.grouped_dtype", choose), \
+                mock.patch.object(torch, "_grouped_mm", counted, create=True), \
+                torch.autocast(GPU.type, dtype=torch.bfloat16):
+            out = layer(rows)
+            out = out[0] if isinstance(out, tuple) else out
+            out.float().square().mean().backward()
+        runs.append((out.float(), rows.grad, layer.experts.gate_up.grad, layer.experts.down.grad))
+    if on_cuda():
+        assert calls and all(calls), "the experts did not run as grouped matmuls under autocast"
+    for a, b in zip(*runs):
+        assert rel_err(a, b) < 2e-2

@@ -127,6 +127,17 @@ def host_counts(tokens_per_expert: torch.Tensor, rows: int) -> list[int]:
     return tokens_per_expert.tolist()
 
 
+def grouped_dtype(x: torch.Tensor, size: int) -> torch.dtype | None:
+    """bf16 where the experts of intermediate `size` run as grouped matmuls on `x` [N, H]:
+    on CUDA, x in bf16 or bf16 autocast on (megapar's master weights stay fp32 and the rows
+    reach the experts in fp32 under it), rows of 16 bytes; None elsewhere (the loop)."""
+    autocast = torch.is_autocast_enabled("cuda") and x.is_cuda
+    dtype = torch.get_autocast_dtype("cuda") if autocast else x.dtype
+    aligned = x.shape[1] % 8 == 0 and size % 8 == 0  # 16-byte rows
+    usable = x.is_cuda and aligned and hasattr(torch, "_grouped_mm")
+    return torch.bfloat16 if usable and dtype == torch.bfloat16 else None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts with stacked weights: `gate_up` [E, 2I, H] (gate rows first, then up)
     and `down` [E, H, I] (transformers 5's `MixtralExperts` / `Qwen3MoeExperts` layout)."""
@@ -144,8 +155,7 @@ class GroupedExperts(nn.Module):
         sum may be < N: the rows after it get zeros) -> outputs [N, H] in the same order.
         `counts`: the same counts already on the host (expert parallelism's route read them),
         so the loop over experts reads nothing more."""
-        aligned = x.shape[1] % 8 == 0 and self.down.shape[2] % 8 == 0  # 16-byte rows
-        if x.is_cuda and x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
+        if grouped_dtype(x, self.down.shape[2]) is not None:
             return self._grouped(x, tokens_per_expert)
         if counts is None:
             counts = host_counts(tokens_per_expert, x.shape[0])
@@ -170,12 +180,14 @@ class GroupedExperts(nn.Module):
         """One grouped matmul per projection; offsets stay on the device (no host sync). The
         kernel leaves the rows past the last group (a capacity's dropped rows) unwritten, in
         its output and in its input's gradient: both are masked."""
+        dtype = grouped_dtype(x, self.down.shape[2]) or x.dtype  # bf16: autocast's or x's
         offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
         kept = (torch.arange(x.shape[0], device=x.device) < offs[-1])[:, None]
-        x = torch.where(kept, x, 0)  # its backward zeroes the unwritten rows of x's gradient
-        h = torch._grouped_mm(x, self.gate_up.transpose(1, 2), offs=offs)
+        x = torch.where(kept, x, 0).to(dtype)  # its backward zeroes x's gradient's unwritten rows
+        # autocast does not cast _grouped_mm's operands: cast as it would an F.linear's
+        h = torch._grouped_mm(x, self.gate_up.to(dtype).transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(self.act(gate) * up, self.down.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(self.act(gate) * up, self.down.to(dtype).transpose(1, 2), offs=offs)
         return torch.where(kept, y, 0)
 
 
