@@ -63,9 +63,11 @@ def installed() -> bool:
 def _stages(t: torch.Tensor) -> bool:
     """A tensor this module copies through the host: a CUDA tensor, or on the CPU (a
     rehearsal) every tensor."""
-    return t.device.type == "cuda" or not torch.cuda.is_available() or os.environ.get(
-        "MEGAPAR_CPU"
-    ) == "1"
+    return (
+        t.device.type == "cuda"
+        or not torch.cuda.is_available()
+        or os.environ.get("MEGAPAR_CPU") == "1"
+    )
 
 
 def _to_host(value, copy_in: bool):
@@ -161,7 +163,7 @@ def _staged_batch(original):
             return [StagedWork(works[-1], [p for s in staging for p in s[0]], staging)]
         return [StagedWork(w, pairs, keep) for w, (pairs, keep) in zip(works, staging)]
 
-    batch_isend_irecv.__wrapped__ = original  # type: ignore[attr-defined]
+    batch_isend_irecv.__wrapped__ = original
     return batch_isend_irecv
 
 
