@@ -17,7 +17,8 @@
 # (install.log, gpu_check.log, shared.log, fp8_curve.log, fp8.log, bench.log), junit.xml,
 # shared.xml, measurements.jsonl, parts.tsv, fp8_curve.json, fp8.json and bench.json.
 # Settings (environment):
-#   GPU_SESSION_BUDGET  seconds the whole session may take (570; a rehearsal: 7200)
+#   GPU_SESSION_BUDGET  seconds the whole session may take (570; a rehearsal: 14400, and each
+#                       part an hour)
 #   GPU_SESSION_BENCH   arguments for gpu_bench.py (default: both models, eager and compiled)
 #   GPU_SESSION_TIER    extra pytest arguments for the one-GPU tier (e.g. "-k not main_job")
 #   GPU_SESSION_SKIP    words naming parts to leave out: tier, shared, curve, fp8, bench
@@ -49,7 +50,7 @@ stage() { echo "== gpu_session: $1 ($(( $(date +%s) - start )) s)"; }
 rehearse="${GPU_SESSION_REHEARSE:-0}"
 skip="${GPU_SESSION_SKIP:-}"
 budget="${GPU_SESSION_BUDGET:-570}"
-if [[ "$rehearse" == 1 ]]; then budget="${GPU_SESSION_BUDGET:-7200}"; fi
+if [[ "$rehearse" == 1 ]]; then budget="${GPU_SESSION_BUDGET:-14400}"; fi
 deadline=$(( start + budget ))
 : > "$out/measurements.jsonl"
 : > "$out/parts.tsv"
@@ -60,10 +61,12 @@ write_report() {  # report.md from what is there so far (again after each part)
 }
 
 # limit CAP KEEP: seconds the next part may take: CAP, less if the budget left after keeping
-# KEEP seconds back for the parts after it is smaller
+# KEEP seconds back for the parts after it is smaller (a rehearsal: an hour, its sizes are
+# tiny but a CPU is slow)
 limit() {
-    local left=$(( deadline - $(date +%s) - $2 ))
-    echo $(( left < $1 ? left : $1 ))
+    local cap=$1 left=$(( deadline - $(date +%s) - $2 ))
+    if [[ "$rehearse" == 1 ]]; then cap=3600; fi
+    echo $(( left < cap ? left : cap ))
 }
 
 # run_part NAME LIMIT COMMAND...: the command under `timeout LIMIT`, its exit status (124: cut
@@ -147,7 +150,7 @@ if [[ "$skip" != *tier* ]]; then
     export MEGAPAR_GPU_REPORT="$out/measurements.jsonl"
     # shellcheck disable=SC2086 # GPU_SESSION_TIER is a list of pytest arguments
     if [[ "$rehearse" == 1 ]]; then
-        MEGAPAR_CUDA_TIER_ON_CPU=1 run_part tier 3600 python3 -m pytest -m cuda -rA \
+        MEGAPAR_CUDA_TIER_ON_CPU=1 run_part tier "$(limit 0 300)" python3 -m pytest -m cuda -rA \
             -p no:cacheprovider tests/test_cuda_single.py --junitxml="$out/junit.xml" \
             ${GPU_SESSION_TIER:-} >"$out/gpu_check.log" 2>&1
         rc_tier=$?
