@@ -90,7 +90,7 @@ def _moe(tp: int, pp: int, dp: int, ep: int) -> dict:
     (experts gathered over ep) of tp rank 0 / dp rank 0."""
     import torch.distributed as dist
     from test_moe_ep import EPS, WD, _whole
-    from test_moe_parallel import G, LR, MAX_NORM, MBS, SEED, SEQ, global_batches, scheduler
+    from test_moe_parallel import LR, MAX_NORM, MBS, SEED, SEQ, G, global_batches, scheduler
     from tp_utils import to_device
 
     from megapar.data_parallel import build_grad_sync

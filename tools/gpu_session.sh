@@ -70,7 +70,8 @@ limit() {
 }
 
 # run_part NAME LIMIT COMMAND...: the command under `timeout LIMIT`, its exit status (124: cut
-# at the limit) and seconds appended to parts.tsv; returns the exit status
+# at the limit; 137: killed 10 s after) and seconds appended to parts.tsv; returns the exit
+# status (a part given under 20 s is skipped)
 run_part() {
     local name=$1 seconds=$2 began rc
     shift 2
@@ -80,7 +81,7 @@ run_part() {
         printf '%s\tskipped\t0\t%s\n' "$name" "$seconds" >> "$out/parts.tsv"
         return 0
     fi
-    timeout "$seconds" "$@"
+    timeout -k 10 "$seconds" "$@"  # SIGTERM at the limit, SIGKILL 10 s later
     rc=$?
     printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - began ))" "$seconds" \
         >> "$out/parts.tsv"

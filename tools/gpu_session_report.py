@@ -33,7 +33,7 @@ def parts(out: str) -> list[str]:
     lines = ["| part | exit status | seconds | limit (s) |", "| --- | ---: | ---: | ---: |"]
     for row in rows:
         name, rc, seconds, limit = (row.split("\t") + ["", "", "", ""])[:4]
-        status = {"124": "124 (timed out)", "skipped": "skipped"}.get(rc, rc)
+        status = {"124": "124 (cut at its limit)", "137": "137 (killed after it)"}.get(rc, rc)
         lines.append(f"| {name} | {status} | {seconds} | {limit} |")
     return lines + [""]
 

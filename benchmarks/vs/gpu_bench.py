@@ -14,11 +14,11 @@ in turns, by:
 Dropout is off in both (the same model). Each system takes `--warmup` steps, then `--steps`
 timed steps between two device synchronisations. Peak memory is what the OS side sees: the
 device memory torch's allocator reserved at its peak, from building the model to the last step
-(not only what was allocated to tensors), with the CUDA context, printed once, on top; beside megapar's runs, that sum against `megapar-plan --target gpu`'s
-figure for the same layout (its process peak: tensors, the allocator's reserve, the context),
-as a ratio. MFU counts 6 N + 12 L h s
-FLOPs per token (PaLM's appendix B, nanoGPT's `estimate_mfu`, megapar-train's log; N the
-parameters without position embeddings) against the GPU's dense bf16 peak
+(not only what was allocated to tensors), with the CUDA context, printed once, on top; for
+megapar's runs that sum is set against `megapar-plan --target gpu`'s figure for the same layout
+(its process peak: tensors, the allocator's reserve, the context), as a ratio. MFU counts
+6 N + 12 L h s FLOPs per token (PaLM's appendix B, nanoGPT's `estimate_mfu`, megapar-train's
+log; N the parameters without position embeddings) against the GPU's dense bf16 peak
 (`megapar.device.PEAK_TFLOPS`); a measured 8192^3 bf16 matrix product gives the rate this GPU
 reaches. Printed: a table, the ratios megapar / eager and compile / eager, and published MFU
 figures beside them. `--json FILE` writes every figure.
