@@ -21,6 +21,7 @@ import torch.distributed as dist
 # `megapar.launcher.release_process_groups` could never free it.
 import torch.distributed.nn  # noqa: F401
 
+from megapar import shared_gpu
 from megapar.faults.status import set_action
 
 #: Default timeout for every collective and point-to-point operation (seconds). A rank that
@@ -50,8 +51,9 @@ def cpu_cores() -> int:
 
 
 def backend() -> str:
-    """The torch.distributed backend: "nccl" with CUDA, "gloo" otherwise."""
-    return "nccl" if use_cuda() else "gloo"
+    """The torch.distributed backend: "nccl" with CUDA, "gloo" otherwise (and with CUDA when
+    the ranks share the GPUs: `megapar.shared_gpu`)."""
+    return "nccl" if use_cuda() and not shared_gpu.enabled() else "gloo"
 
 
 class DeviceError(RuntimeError):
@@ -69,11 +71,14 @@ def device(local_rank: int | None = None) -> torch.device:
     A local rank without a GPU of its own is a `DeviceError` naming the fix: NCCL would
     otherwise fail later with "Duplicate GPU detected" (two ranks on one GPU). One exception:
     under Slurm's per-task GPU binding (--gpus-per-task 1) every task sees its own GPU as its
-    only device, so a task whose SLURM_LOCALID is past the one visible device takes cuda:0."""
+    only device, so a task whose SLURM_LOCALID is past the one visible device takes cuda:0.
+    With `MEGAPAR_SHARED_GPU=1` (`megapar.shared_gpu`) local rank r takes cuda:(r mod GPUs)."""
     if not use_cuda():
         return torch.device("cpu")
     rank = env_local_rank() if local_rank is None else local_rank
     count = torch.cuda.device_count()
+    if shared_gpu.enabled():  # several ranks per GPU, over gloo
+        return torch.device("cuda", rank % count)
     if rank < count:
         return torch.device("cuda", rank)
     if (
@@ -101,9 +106,9 @@ def gpu_shortage(ranks: int, gpus: int) -> str:
 
 def check_gpus(ranks: int) -> None:
     """`DeviceError` (one line) when `ranks` local processes would run on this node's CUDA
-    devices and there are fewer GPUs than that; nothing on the CPU. Checked before workers
-    start."""
-    if use_cuda() and ranks > torch.cuda.device_count():
+    devices and there are fewer GPUs than that; nothing on the CPU, nor when the ranks share
+    the GPUs (`megapar.shared_gpu`). Checked before workers start."""
+    if use_cuda() and not shared_gpu.enabled() and ranks > torch.cuda.device_count():
         raise DeviceError(gpu_shortage(ranks, torch.cuda.device_count()))
 
 
@@ -204,19 +209,20 @@ def return_freed_host_memory(threshold_mb: float = 4.0) -> bool:
 
 def polls_host(device: torch.device) -> bool:
     """Whether waiting on communication of tensors on `device` blocks the host (gloo, CPU
-    tensors) rather than ordering the stream (NCCL, CUDA tensors).
+    tensors, or CUDA tensors when the ranks share the GPUs over gloo: `megapar.shared_gpu`)
+    rather than ordering the stream (NCCL, CUDA tensors).
 
-    Decided by the device, not by the process group's backend name: a group the user made
-    reads "undefined" or "cpu:gloo,cuda:nccl", and taking the gloo path on NCCL (host waits,
-    receives posted ahead) breaks NCCL's issue order."""
-    return _polls_host(device)
+    Decided by the device (and that process-wide mode), not by the process group's backend
+    name: a group the user made reads "undefined" or "cpu:gloo,cuda:nccl", and taking the gloo
+    path on NCCL (host waits, receives posted ahead) breaks NCCL's issue order."""
+    return _polls_host(device, shared_gpu.enabled())
 
 
 @functools.lru_cache(maxsize=64)
-def _polls_host(device) -> bool:
-    """`polls_host`, worked out once per device (a `torch.device` or its name): a pipeline
-    step asks it for every message it waits for."""
-    return torch.device(device).type != "cuda"
+def _polls_host(device, shared: bool) -> bool:
+    """`polls_host`, worked out once per device (a `torch.device` or its name) and mode: a
+    pipeline step asks it for every message it waits for."""
+    return shared or torch.device(device).type != "cuda"
 
 
 @functools.lru_cache(maxsize=64)
@@ -441,4 +447,6 @@ def init_distributed(
             f"Under torchrun / Slurm give every node the same command and let each reach "
             f"MASTER_ADDR:MASTER_PORT; --timeout-s sets the wait ({exc})"
         ) from None
+    if shared_gpu.enabled():
+        shared_gpu.install()  # gloo gets CUDA tensors only where it has a CUDA path
     set_action("joined the process group")

@@ -49,6 +49,7 @@ from megapar.faults.processes import (  # noqa: F401
     pid_alive,
 )
 from megapar.faults.status import diagnose
+from megapar.shared_gpu import SHARED_GPU_ENV
 
 
 class WorkerError(RuntimeError):
@@ -153,7 +154,8 @@ def run_local(
     after `collective_timeout_s` (default: megapar.device.DEFAULT_TIMEOUT_S; on NCCL after
     `nccl_timeout_s`, default megapar.device.DEFAULT_NCCL_TIMEOUT_S). With CUDA (unless `env`
     or the environment sets MEGAPAR_CPU=1) each rank takes its own GPU: more ranks than GPUs
-    is a `megapar.device.DeviceError` before any worker starts.
+    is a `megapar.device.DeviceError` before any worker starts, unless MEGAPAR_SHARED_GPU=1
+    (in `env` or the environment) shares them over gloo (`megapar.shared_gpu`).
 
     The process group is initialised before `fn` runs (RANK / WORLD_SIZE are in the
     environment). Raises `WorkerError` naming the rank that caused the failure
@@ -162,7 +164,8 @@ def run_local(
     aborts.
     """
     on_cpu = (env or {}).get("MEGAPAR_CPU", os.environ.get("MEGAPAR_CPU", "0")) == "1"
-    if not on_cpu:
+    shared = (env or {}).get(SHARED_GPU_ENV, os.environ.get(SHARED_GPU_ENV, "")) == "1"
+    if not on_cpu and not shared:  # several ranks per GPU: megapar.shared_gpu
         _device.check_gpus(world_size)
     if start_method is None:
         start_method = "spawn" if _device.use_cuda() else "fork"

@@ -128,9 +128,13 @@ def test_16_mib_messages_do_not_deadlock_on_nccl(schedule, v):
 # 3D: tensor, data, sequence parallelism, ZeRO-1, bf16 --------------------------------------------
 @pytest.fixture(scope="module")
 def reference():
+    """The serial reference, computed on the CPU in this process: the tier runs with
+    MEGAPAR_CPU=0, under which it would build its model on the GPU and feed it host batches."""
     from test_parity_3d import serial_reference
 
-    return serial_reference()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MEGAPAR_CPU", "1")
+        return serial_reference()
 
 
 @pytest.mark.cuda(gpus=2)

@@ -2,13 +2,16 @@
 # megapar's CUDA test tier on this machine's GPUs, with a summary to paste into an issue.
 #
 #   tools/gpu_check.sh            # every test marked `cuda`: the one-GPU tier
-#                                 # (tests/test_cuda_single.py) and, with 2 GPUs or more, the
-#                                 # multi-GPU tier on NCCL (tests/test_cuda.py)
+#                                 # (tests/test_cuda_single.py, tests/test_cuda_fp8.py), the
+#                                 # shared-GPU tier (tests/test_cuda_shared.py: ranks as
+#                                 # processes on one GPU over gloo) and, with 2 GPUs or more,
+#                                 # the multi-GPU tier on NCCL (tests/test_cuda.py)
 #   tools/gpu_check.sh -k parity  # extra arguments go to pytest
 #
 # Exit status 0 only if at least one GPU test ran and none failed: on a machine without CUDA,
 # or where every test was skipped (too few GPUs), it fails instead of passing vacuously.
-# GPU_CHECK_JUNIT=FILE keeps pytest's JUnit report there (tools/gpu_session.sh reads it).
+# GPU_CHECK_JUNIT=FILE keeps pytest's JUnit report there (tools/gpu_session.sh reads it);
+# GPU_CHECK_SHARED=0 leaves the shared-GPU tier out (tools/gpu_session.sh runs it apart).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${MEGAPAR_CUDA_TIER_ON_CPU:-}" == "1" ]]; then
@@ -35,8 +38,11 @@ if torch.cuda.is_available():
 else:
     print("no CUDA device visible to torch")
 PY
+shared=tests/test_cuda_shared.py
+if [[ "${GPU_CHECK_SHARED:-1}" == "0" ]]; then shared=""; fi
+# shellcheck disable=SC2086 # $shared: one path or none
 MEGAPAR_CPU=0 python3 -m pytest -m cuda -rA -p no:cacheprovider tests/test_cuda_single.py \
-    tests/test_cuda_fp8.py \
+    tests/test_cuda_fp8.py $shared \
     tests/test_cuda.py --junitxml="$report/junit.xml" "$@"
 if [[ -n "${GPU_CHECK_JUNIT:-}" ]]; then
     cp "$report/junit.xml" "$GPU_CHECK_JUNIT" 2>/dev/null || true

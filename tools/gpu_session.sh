@@ -1,32 +1,45 @@
 #!/usr/bin/env bash
 # One GPU session, start to finish, on a bare machine that holds torch, transformers and the
 # other dependencies but reaches no package registry: install megapar without dependencies,
-# run the one-GPU tier (tools/gpu_check.sh) and the GPU benchmarks (benchmarks/vs/gpu_bench.py),
-# and write one report: the machine, the versions, pass / fail per test, what the tests
-# measured and the benchmark table. About 6 minutes on an H100.
+# run the one-GPU tier (tools/gpu_check.sh), the shared-GPU tier (tests/test_cuda_shared.py:
+# several ranks as processes on the one GPU over gloo), the main job's loss curve in bf16 and
+# with --fp8 (benchmarks/vs/fp8_curve.py), --fp8 against bf16 on Llama 1.2B
+# (benchmarks/vs/fp8_bench.py) and the GPU benchmarks with megapar's memory against the
+# planner (benchmarks/vs/gpu_bench.py), and write one report: the machine, the versions, each
+# part's exit status and time, pass / fail per test, what the tests measured and every table.
+# Under 10 minutes on an H100: the parts run in that order, each under its own limit, and no
+# part runs past GPU_SESSION_BUDGET seconds from the start (a later part's minimum is kept
+# back for it; the benchmark, last, takes its compiled runs last and is cut first).
 #
 #   tools/gpu_session.sh [OUT_DIR]          # default: $OUT, else ./gpu-session
 #
 # OUT_DIR/report.md is the report (docs/testing.md shows its format); beside it the logs
-# (install.log, gpu_check.log, bench.log), junit.xml, measurements.jsonl and bench.json.
+# (install.log, gpu_check.log, shared.log, fp8_curve.log, fp8.log, bench.log), junit.xml,
+# shared.xml, measurements.jsonl, parts.tsv, fp8_curve.json, fp8.json and bench.json.
 # Settings (environment):
+#   GPU_SESSION_BUDGET  seconds the whole session may take (570; a rehearsal: 14400, and each
+#                       part an hour)
 #   GPU_SESSION_BENCH   arguments for gpu_bench.py (default: both models, eager and compiled)
-#   GPU_SESSION_TIER    extra pytest arguments for the tier (e.g. "-k not main_job")
-#   GPU_SESSION_SKIP    "bench" or "tier" to leave one part out
-#   GPU_SESSION_TIER_TIMEOUT, GPU_SESSION_BENCH_TIMEOUT  seconds each part may take (420)
-#   GPU_SESSION_REHEARSE=1  rehearse the script on a CPU machine: the one-GPU tier's logic on
-#                       the CPU (MEGAPAR_CUDA_TIER_ON_CPU=1) and the benchmark's tiny sizes;
-#                       the report says REHEARSAL and the exit status is the script's own
+#   GPU_SESSION_TIER    extra pytest arguments for the one-GPU tier (e.g. "-k not main_job")
+#   GPU_SESSION_SKIP    words naming parts to leave out: tier, shared, curve, fp8, bench
+#   GPU_SESSION_TIER_TIMEOUT (150), GPU_SESSION_SHARED_TIMEOUT (150),
+#   GPU_SESSION_CURVE_TIMEOUT (150), GPU_SESSION_FP8_TIMEOUT (120),
+#   GPU_SESSION_BENCH_TIMEOUT (300)  the most seconds each part may take
 #   GPU_SESSION_FP8     arguments for benchmarks/vs/fp8_bench.py (default: --rounds 2 --steps 8
-#                       --warmup 2); GPU_SESSION_FP8_TIMEOUT its seconds (300); "fp8" in
-#                       GPU_SESSION_SKIP leaves it out
+#                       --warmup 2)
+#   GPU_SESSION_CURVE   arguments for benchmarks/vs/fp8_curve.py (default: none: 300 steps)
+#   GPU_SESSION_INSTALL=0  run from the source tree (PYTHONPATH) instead of installing it
+#   GPU_SESSION_REHEARSE=1  rehearse the script on a CPU machine: both tiers' logic on the CPU
+#                       (MEGAPAR_CUDA_TIER_ON_CPU=1) and every benchmark at tiny sizes, from
+#                       the source tree (the machine's install untouched); the report says
+#                       REHEARSAL and the exit status is the script's own
 # --fp8 needs torchao, which the GPU machines lack and cannot download: keep its wheel in
 # wheels/ (ignored by git; about 3.3 MB), e.g. `python3 -m pip download torchao==0.18.0
 # --no-deps -d wheels` on a machine with the registry, and carry it with the checkout (the
 # device tool's carry: ["wheels"]). The script installs it with --no-deps --no-index when
-# torchao is not importable; without it the fp8 step says so and is skipped.
-# Exit status 0 when the tier passed (at least one GPU test ran, none failed), the benchmark
-# finished, and the fp8 step (when it ran) finished.
+# torchao is not importable; without it the two fp8 parts say so and are skipped.
+# Exit status 0 when the one-GPU tier passed (at least one GPU test ran, none failed), the
+# shared-GPU tier passed, and every other part that ran finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-session}}"
@@ -36,80 +49,54 @@ start=$(date +%s)
 stage() { echo "== gpu_session: $1 ($(( $(date +%s) - start )) s)"; }
 rehearse="${GPU_SESSION_REHEARSE:-0}"
 skip="${GPU_SESSION_SKIP:-}"
+budget="${GPU_SESSION_BUDGET:-570}"
+if [[ "$rehearse" == 1 ]]; then budget="${GPU_SESSION_BUDGET:-14400}"; fi
+deadline=$(( start + budget ))
 : > "$out/measurements.jsonl"
-rc_tier=0 rc_bench=0 rc_fp8=0
+: > "$out/parts.tsv"
+rc_tier=0 rc_shared=0 rc_curve=0 rc_fp8=0 rc_bench=0
 
 write_report() {  # report.md from what is there so far (again after each part)
-    python3 - "$out" "$rehearse" "$rc_tier" "$rc_bench" "$(( $(date +%s) - start ))" <<'PY'
-import json
-import os
-import sys
-import xml.etree.ElementTree as ET
+    python3 tools/gpu_session_report.py "$out" "$rehearse" "$(( $(date +%s) - start ))"
+}
 
-out, rehearse, rc_tier, rc_bench, seconds = sys.argv[1:]
-lines = ["# megapar GPU session", ""]
-if rehearse == "1":
-    lines += ["**REHEARSAL ON THE CPU: not a GPU check.** The one-GPU tier's logic ran on the "
-              "CPU (MEGAPAR_CUDA_TIER_ON_CPU=1) and the benchmark at its tiny sizes.", ""]
-lines += [f"Wall time {int(seconds) / 60:.1f} min; tier exit status {rc_tier}, benchmark exit "
-          f"status {rc_bench}.", "", "## Machine and versions", "", "```"]
-lines += open(os.path.join(out, "versions.txt")).read().strip().splitlines() + ["```", ""]
-lines += ["## Tests", ""]
-try:
-    cases = list(ET.parse(os.path.join(out, "junit.xml")).getroot().iter("testcase"))
-except (OSError, ET.ParseError) as exc:
-    cases = []
-    lines += [f"no test report ({exc})", ""]
-counts = {}
-if cases:
-    lines += ["| test | outcome | seconds |", "| --- | --- | ---: |"]
-for case in cases:
-    kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
-    counts[kind] = counts.get(kind, 0) + 1
-    note = ""
-    if kind in ("failure", "error"):
-        text = next(c for c in case if c.tag == kind).get("message", "")
-        note = ": " + " ".join(text.split())[:300].replace("|", "/")
-    elif kind == "skipped":
-        note = ": " + " ".join(next(c for c in case if c.tag == "skipped")
-                               .get("message", "").split())[:120].replace("|", "/")
-    name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
-    lines.append(f"| {name} | {kind.upper() if kind != 'passed' else kind}{note} | "
-                 f"{float(case.get('time', 0)):.1f} |")
-lines += ["", "Summary: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), ""]
-lines += ["## Measured by the tests", ""]
-for row in open(os.path.join(out, "measurements.jsonl")).read().splitlines():
-    entry = json.loads(row)
-    test = entry.pop("test")
-    lines.append(f"- {test}: " + ", ".join(
-        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in entry.items()))
-lines += ["", "## Benchmarks (benchmarks/vs/gpu_bench.py)", "", "```"]
-try:
-    bench = [line for line in open(os.path.join(out, "bench.log")).read().splitlines()
-             if not line.startswith("[transformers]")]
-except OSError:
-    bench = ["not run"]
-lines += bench + ["```", ""]
-lines += ["## FP8 against bf16 (benchmarks/vs/fp8_bench.py)", "", "```"]
-try:
-    fp8 = open(os.path.join(out, "fp8.log")).read().strip().splitlines()
-    first = [i for i, line in enumerate(fp8) if line.startswith("fp8_bench on")]
-    lines += fp8[first[0]:] if first else fp8[-12:]  # the table, else the end of the error
-except OSError:
-    lines += ["not run"]
-lines += ["```", ""]
-open(os.path.join(out, "report.md"), "w").write("\n".join(lines))
-print(f"report: {os.path.join(out, 'report.md')}")
-PY
+# limit CAP KEEP: seconds the next part may take: CAP, less if the budget left after keeping
+# KEEP seconds back for the parts after it is smaller (a rehearsal: an hour, its sizes are
+# tiny but a CPU is slow)
+limit() {
+    local cap=$1 left=$(( deadline - $(date +%s) - $2 ))
+    if [[ "$rehearse" == 1 ]]; then cap=3600; fi
+    echo $(( left < cap ? left : cap ))
+}
 
+# run_part NAME LIMIT COMMAND...: the command under `timeout LIMIT`, its exit status (124: cut
+# at the limit; 137: killed 10 s after) and seconds appended to parts.tsv; returns the exit
+# status (a part given under 20 s is skipped)
+run_part() {
+    local name=$1 seconds=$2 began rc
+    shift 2
+    began=$(date +%s)
+    if (( seconds < 20 )); then
+        echo "$name: skipped, ${seconds} s of the budget left" | tee -a "$out/$name.log"
+        printf '%s\tskipped\t0\t%s\n' "$name" "$seconds" >> "$out/parts.tsv"
+        return 0
+    fi
+    timeout -k 10 "$seconds" "$@"  # SIGTERM at the limit, SIGKILL 10 s later
+    rc=$?
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - began ))" "$seconds" \
+        >> "$out/parts.tsv"
+    return $rc
 }
 
 stage "install megapar without dependencies"
-if python3 -m pip install --no-deps --no-build-isolation --no-index -e . >"$out/install.log" 2>&1
+install="${GPU_SESSION_INSTALL:-1}"
+if [[ "$rehearse" == 1 ]]; then install="${GPU_SESSION_INSTALL:-0}"; fi
+if [[ "$install" == 1 ]] && python3 -m pip install --no-deps --no-build-isolation --no-index \
+    -e . >"$out/install.log" 2>&1
 then
     echo "installed: $(python3 -m pip show megapar 2>/dev/null | grep -i ^version)"
-else  # no pip / setuptools there: run from the source tree
-    echo "pip install failed (see install.log): running from the source tree"
+else  # no pip / setuptools there, or not asked to: run from the source tree
+    echo "not installed (GPU_SESSION_INSTALL=$install; install.log): running from the source tree"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
@@ -164,7 +151,7 @@ if [[ "$skip" != *tier* ]]; then
     export MEGAPAR_GPU_REPORT="$out/measurements.jsonl"
     # shellcheck disable=SC2086 # GPU_SESSION_TIER is a list of pytest arguments
     if [[ "$rehearse" == 1 ]]; then
-        MEGAPAR_CUDA_TIER_ON_CPU=1 timeout 900 python3 -m pytest -m cuda -rA \
+        MEGAPAR_CUDA_TIER_ON_CPU=1 run_part tier "$(limit 0 300)" python3 -m pytest -m cuda -rA \
             -p no:cacheprovider tests/test_cuda_single.py --junitxml="$out/junit.xml" \
             ${GPU_SESSION_TIER:-} >"$out/gpu_check.log" 2>&1
         rc_tier=$?
@@ -172,9 +159,9 @@ if [[ "$skip" != *tier* ]]; then
             >>"$out/gpu_check.log"
         tools/gpu_check.sh >>"$out/gpu_check.log" 2>&1
     else
-        GPU_CHECK_JUNIT="$out/junit.xml" timeout "${GPU_SESSION_TIER_TIMEOUT:-420}" \
-            tools/gpu_check.sh ${GPU_SESSION_TIER:-} \
-            >"$out/gpu_check.log" 2>&1
+        GPU_CHECK_SHARED=0 GPU_CHECK_JUNIT="$out/junit.xml" run_part tier \
+            "$(limit "${GPU_SESSION_TIER_TIMEOUT:-150}" 300)" \
+            tools/gpu_check.sh ${GPU_SESSION_TIER:-} >"$out/gpu_check.log" 2>&1
         rc_tier=$?
     fi
     unset MEGAPAR_GPU_REPORT
@@ -183,43 +170,85 @@ if [[ "$skip" != *tier* ]]; then
     write_report >/dev/null
 fi
 
-if [[ "$skip" != *bench* ]]; then
-    stage "the GPU benchmarks"
-    bench_args="${GPU_SESSION_BENCH:-}"
-    if [[ "$rehearse" == 1 ]]; then
-        bench_args="--device cpu --tiny --steps 2 --warmup 1 $bench_args"
+if [[ "$skip" != *shared* ]]; then
+    stage "the shared-GPU tier (ranks as processes on one GPU, gloo)"
+    export MEGAPAR_GPU_REPORT="$out/measurements.jsonl"
+    on_cpu=0
+    if [[ "$rehearse" == 1 ]]; then on_cpu=1; fi
+    MEGAPAR_CUDA_TIER_ON_CPU=$on_cpu MEGAPAR_CPU=$on_cpu run_part shared \
+        "$(limit "${GPU_SESSION_SHARED_TIMEOUT:-150}" 240)" \
+        python3 -m pytest -m cuda -rA -p no:cacheprovider tests/test_cuda_shared.py \
+        --junitxml="$out/shared.xml" >"$out/shared.log" 2>&1
+    rc_shared=$?
+    unset MEGAPAR_GPU_REPORT
+    tail -5 "$out/shared.log"
+    echo "shared tier: exit status $rc_shared"
+    write_report >/dev/null
+fi
+
+has_torchao=0
+if python3 -c "import torchao" >/dev/null 2>&1; then has_torchao=1; fi
+
+if [[ "$skip" != *curve* ]]; then
+    stage "the main job's loss curve, bf16 and fp8"
+    if [[ "$has_torchao" == 1 ]]; then
+        curve_args="${GPU_SESSION_CURVE:-}"
+        if [[ "$rehearse" == 1 ]]; then
+            curve_args="--device cpu --tiny --steps 4 --every 2"
+        fi
+        # shellcheck disable=SC2086 # a list of arguments
+        run_part curve "$(limit "${GPU_SESSION_CURVE_TIMEOUT:-150}" 150)" \
+            python3 benchmarks/vs/fp8_curve.py $curve_args --json "$out/fp8_curve.json" \
+            >"$out/fp8_curve.log" 2>&1
+        rc_curve=$?
+        grep -A 30 "^fp8_curve:" "$out/fp8_curve.log" || tail -12 "$out/fp8_curve.log"
+        echo "curve: exit status $rc_curve"
+    else
+        echo "skipped: torchao is not installed (no wheels/torchao-*.whl)" | tee "$out/fp8_curve.log"
     fi
-    # shellcheck disable=SC2086 # a list of arguments
-    timeout "${GPU_SESSION_BENCH_TIMEOUT:-420}" python3 benchmarks/vs/gpu_bench.py $bench_args \
-        --json "$out/bench.json" \
-        >"$out/bench.log" 2>&1
-    rc_bench=$?
-    grep -v "^\[transformers\]" "$out/bench.log" | tail -40
-    echo "bench: exit status $rc_bench"
+    write_report >/dev/null
 fi
 
 if [[ "$skip" != *fp8* ]]; then
-    stage "fp8 against bf16"
-    if python3 -c "import torchao" >/dev/null 2>&1; then
+    stage "fp8 against bf16 (Llama 1.2B)"
+    if [[ "$has_torchao" == 1 ]]; then
         fp8_args="${GPU_SESSION_FP8:---rounds 2 --steps 8 --warmup 2}"
         if [[ "$rehearse" == 1 ]]; then
             fp8_args="--device cpu --tiny --rounds 1 --steps 2 --warmup 1"
         fi
         # shellcheck disable=SC2086 # a list of arguments
-        timeout "${GPU_SESSION_FP8_TIMEOUT:-300}" python3 benchmarks/vs/fp8_bench.py $fp8_args \
-            --json "$out/fp8.json" >"$out/fp8.log" 2>&1
+        run_part fp8 "$(limit "${GPU_SESSION_FP8_TIMEOUT:-120}" 100)" \
+            python3 benchmarks/vs/fp8_bench.py $fp8_args --json "$out/fp8.json" \
+            >"$out/fp8.log" 2>&1
         rc_fp8=$?
         grep -v "Failed to load\|register_constant\|triton" "$out/fp8.log" | tail -12
         echo "fp8: exit status $rc_fp8"
     else
         echo "skipped: torchao is not installed (no wheels/torchao-*.whl)" | tee "$out/fp8.log"
     fi
+    write_report >/dev/null
+fi
+
+if [[ "$skip" != *bench* ]]; then
+    stage "the GPU benchmarks, megapar's memory against the planner"
+    bench_args="${GPU_SESSION_BENCH:-}"
+    if [[ "$rehearse" == 1 ]]; then
+        bench_args="--device cpu --tiny --steps 2 --warmup 1 --no-compile $bench_args"
+    fi
+    # shellcheck disable=SC2086 # a list of arguments
+    run_part bench "$(limit "${GPU_SESSION_BENCH_TIMEOUT:-300}" 5)" \
+        python3 benchmarks/vs/gpu_bench.py $bench_args --json "$out/bench.json" \
+        >"$out/bench.log" 2>&1
+    rc_bench=$?
+    grep -v "^\[transformers\]" "$out/bench.log" | tail -40
+    echo "bench: exit status $rc_bench"
 fi
 
 stage "report"
 write_report
 stage "done"
+others=$(( rc_shared != 0 || rc_curve != 0 || rc_fp8 != 0 || rc_bench != 0 ))
 if [[ "$rehearse" == 1 ]]; then
-    exit $(( rc_bench != 0 || rc_fp8 != 0 ))
+    exit $others
 fi
-exit $(( rc_tier != 0 || rc_bench != 0 || rc_fp8 != 0 ))
+exit $(( rc_tier != 0 || others ))

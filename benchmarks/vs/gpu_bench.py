@@ -14,9 +14,11 @@ in turns, by:
 Dropout is off in both (the same model). Each system takes `--warmup` steps, then `--steps`
 timed steps between two device synchronisations. Peak memory is what the OS side sees: the
 device memory torch's allocator reserved at its peak, from building the model to the last step
-(not only what was allocated to tensors), with the CUDA context, printed once, on top. MFU counts 6 N + 12 L h s
-FLOPs per token (PaLM's appendix B, nanoGPT's `estimate_mfu`, megapar-train's log; N the
-parameters without position embeddings) against the GPU's dense bf16 peak
+(not only what was allocated to tensors), with the CUDA context, printed once, on top; for
+megapar's runs that sum is set against `megapar-plan --target gpu`'s figure for the same layout
+(its process peak: tensors, the allocator's reserve, the context), as a ratio. MFU counts
+6 N + 12 L h s FLOPs per token (PaLM's appendix B, nanoGPT's `estimate_mfu`, megapar-train's
+log; N the parameters without position embeddings) against the GPU's dense bf16 peak
 (`megapar.device.PEAK_TFLOPS`); a measured 8192^3 bf16 matrix product gives the rate this GPU
 reaches. Printed: a table, the ratios megapar / eager and compile / eager, and published MFU
 figures beside them. `--json FILE` writes every figure.
@@ -39,6 +41,8 @@ import torch
 
 import megapar
 from megapar.device import PEAK_TFLOPS, cuda_context_bytes, peak_tflops
+from megapar.models.config import config_from_hf
+from megapar.plan import Candidate, Problem, estimate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import write_json  # noqa: E402
@@ -170,6 +174,33 @@ def run_torch(config, mbs, seq, batches, warmup, device, compile_: bool):
     return seconds, peak - base, losses
 
 
+def planner_bytes(config, mbs: int, seq: int) -> float:
+    """`megapar-plan --target gpu`'s figure for a megapar run here: the process peak of one GPU
+    (the tensors' peak, the allocator's reserve, the CUDA context) at micro-batch mbs x seq,
+    one micro-batch a step, bf16 autocast with fp32 weights, the chunked loss and fused
+    attention, as `megapar.prepare` runs them by default (the planner does not model
+    compilation)."""
+    p = Problem(config_from_hf(config), gpus=1, global_batch=mbs, seq_len=seq,
+                precision="bf16", target="gpu")
+    process = estimate(p, Candidate(mbs=mbs)).process
+    assert process is not None  # estimate always fills it
+    return process.total
+
+
+def memory_table(results: dict) -> list[str]:
+    """megapar's device memory against the planner, a line per run (the held figure is 0 on
+    the CPU: not measured)."""
+    lines = [f"  {'model':10} {'system':16} {'held GiB':>9} {'planner GiB':>12} {'ratio':>7}"]
+    for model, entry in results["models"].items():
+        for system, run in entry["systems"].items():
+            if "planner_gib" in run:
+                held = run["held_gib"]
+                ratio = f"{held / run['planner_gib']:7.3f}" if held else f"{'-':>7}"
+                lines.append(f"  {model:10} {system:16} {held:9.2f} {run['planner_gib']:12.2f} "
+                             f"{ratio}")
+    return lines
+
+
 def matmul_tflops(device) -> float | None:
     """The bf16 rate this GPU reaches on an 8192^3 product (the median of 10 after 3)."""
     if device.type != "cuda":
@@ -241,6 +272,11 @@ def main(argv=None) -> int:
         mfu = rate * entry["flops_per_token"] / (peak * 1e12) if peak else None
         entry["systems"][system] = {"s_per_step": sec, "tokens_per_s": rate, "mfu": mfu,
                                     "peak_gib": mem / 2**30, "losses": losses}
+        if system.startswith("megapar"):  # the device's figure against the planner's
+            held = (mem + context) / 2**30 if device.type == "cuda" else 0.0
+            entry["systems"][system].update(
+                held_gib=held, planner_gib=planner_bytes(config, mbs, seq) / 2**30,
+                micro_batch=mbs, seq=seq)
         eager = entry["systems"].get("torch eager", {}).get("s_per_step")
         shown = f"{100 * mfu:6.1f}%" if mfu is not None else "      -"
         ratio = f"{eager / sec:9.3f}" if eager else f"{'-':>9}"
@@ -253,6 +289,10 @@ def main(argv=None) -> int:
                   f"{entry['flops_per_token'] / 1e6:,.0f} MFLOP per token)", flush=True)
         if args.json:
             write_json(args.json, results)
+    print("\nmemory against the planner (held: the allocator's reserved peak plus the CUDA "
+          "context; planner: megapar-plan --target gpu for the layout; compiled runs beside "
+          "the eager figure it predicts):")
+    print("\n".join(memory_table(results)))
     print("\npublished MFU, for scale (other GPUs, models and batch sizes):")
     for who, mfu, source in PUBLISHED:
         print(f"  {who}: {mfu} ({source})")
