@@ -149,13 +149,14 @@ class GroupedExperts(nn.Module):
             counts = host_counts(tokens_per_expert, x.shape[0])
         outs = []
         for e, part in enumerate(x[: sum(counts)].split(counts)):
-            if part.shape[0]:
-                gate, up = F.linear(part, self.gate_up[e]).chunk(2, dim=-1)
-                outs.append(F.linear(self.act(gate) * up, self.down[e]))
+            # every expert, even one without rows: its weights are in every rank's graph, so
+            # their gradient hooks fire on every rank alike (grad syncs launch on them)
+            gate, up = F.linear(part, self.gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act(gate) * up, self.down[e]))
         rest = x.shape[0] - sum(counts)
         if rest:
             outs.append(x.new_zeros(rest, x.shape[1]))
-        return torch.cat(outs) if outs else x.new_zeros(x.shape)
+        return torch.cat(outs)
 
     def _grouped(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """One grouped matmul per projection; offsets stay on the device (no host sync)."""
