@@ -4,9 +4,11 @@ A toy model (a dense layer, the toy MoE layer of test_expert_parallel with its e
 a dense output layer) trained 3 steps at dp 4 x ep 2 (2 micro-batches per rank, gradient
 clipping on, tiny buckets so dense and expert buckets interleave) with the all-reduce grad sync,
 ZeRO-1 and ZeRO-2 equals the same model trained on one process on all the data (fp32, 1e-5
-relative); the step's collectives are counted per group against the parameter counts. The
-same at cp 2 x dp 2 x ep 2 (each cp rank's loss its tokens' share, as under context
-parallelism; the experts' group spans both cp ranks).
+relative); the step's collectives are counted per group against the parameter counts, and
+every rank issues the same collectives in the same order. The same at cp 2 x dp 2 x ep 2 (each
+cp rank's loss its tokens' share, as under context parallelism; the experts' group spans both
+cp ranks). ZeRO-3 too in each layout: the model is one unit, its experts a unit of their own
+over the expert-data-parallel group.
 """
 
 import contextlib
