@@ -188,6 +188,15 @@ def test_grouped_experts_equal_per_token_routing_and_capacity_drops():
     kept = weights.clone()
     kept[5:7] = 0  # tokens 5 and 6 lost both their experts
     assert_close(got, _per_token_reference(x, experts.gate_up, experts.down, choice, kept))
+    # no row for any expert (an ep rank nobody routes to): the weights still get a (zero)
+    # gradient, so their hooks fire as on the other ranks (the grad syncs launch on them)
+    fired = []
+    for p in (experts.gate_up, experts.down):
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p.shape))
+    out = experts(x[:0], torch.zeros(e, dtype=torch.long))
+    out.sum().backward()
+    assert out.shape == (0, h) and len(fired) == 2
+    assert not experts.gate_up.grad.any() and not experts.down.grad.any()
 
 
 def _skewed_moe(rate):
