@@ -284,18 +284,21 @@ class ShardedParams(UnitGradSync):
 
     @torch.no_grad()
     def host_params(self, keep_on: bool) -> dict[int, torch.Tensor]:
-        """id(param) -> a host copy of the gathered parameter, one unit gathered at a time
-        (collective over each unit's group); copies only where `keep_on` (the checkpoint writer)."""
+        """id(param) -> a host copy of the gathered parameter, one unit (with its experts'
+        unit) gathered at a time (collective over the units' groups); copies only where
+        `keep_on` (the checkpoint writer)."""
         out = {}
         for u in self.units:
-            was = u.gathered
-            self._launch_gather(u)
-            u.wait_gather()
-            if keep_on:
-                for p in u.params:
-                    out[id(p)] = p.detach().to("cpu", copy=True)
-            if not was:
-                u.free()
+            if u.lead is not None:  # gathered with its lead
+                continue
+            was = [v.gathered for v in u.members()]
+            self.gather(u)
+            for v, kept in zip(u.members(), was):
+                if keep_on:
+                    for p in v.params:
+                        out[id(p)] = p.detach().to("cpu", copy=True)
+                if not kept:
+                    v.free()
         return out
 
     @contextlib.contextmanager
@@ -305,8 +308,7 @@ class ShardedParams(UnitGradSync):
         units are freed. Collective."""
         with torch.no_grad():
             for u in self.units:
-                self._launch_gather(u)
-                u.wait_gather()
+                self.gather(u)
         try:
             yield
         finally:
