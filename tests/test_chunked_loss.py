@@ -334,3 +334,32 @@ def test_training_path_fp16_loss_scale_tp1():
         for name in ub:
             err = (ua[name] - ub[name]).abs().max() / ub[name].abs().max()
             assert err <= 2 ** -10, f"step {step} {name}: {err}"
+
+
+def test_loss_gradients_in_the_forward_only_with_one_loss_in_flight():
+    """The executor lets the chunked loss make its gradients in the forward (holding the head's
+    fp32 weight gradient to its backward) only where the schedule holds one loss in flight:
+    every schedule but GPipe, whose m held weight gradients would cost m x [vocab, h] fp32.
+    The planner decides the same, and GPipe trains as 1F1B."""
+    from megapar.models.stage import StageModel
+    from megapar.pipeline.schedules import loss_in_flight
+    from megapar.plan import Candidate, Problem
+    from megapar.plan.pipeline import loss_grads_in_forward
+
+    assert [loss_in_flight(s, 2, 4) for s in ("gpipe", "1f1b", "zb-h1", "zb-v")] == [4, 1, 1, 1]
+    assert loss_in_flight("interleaved", 2, 4, 2) == 1 and loss_in_flight("gpipe", 1, 3) == 3
+    from megapar.models.recipes import resolve_model
+
+    p = Problem(resolve_model("gpt2-tiny"), 2, global_batch=8, seq_len=SEQ)
+    assert [loss_grads_in_forward(p, Candidate(1, 2, 1, 1, s)) for s in ("gpipe", "1f1b")] == [
+        False, True]
+    assert not loss_grads_in_forward(p, Candidate(2, 1, 1, 1, "1f1b"))  # tp 2: recomputed
+    losses = {}
+    for schedule in ("gpipe", "1f1b"):
+        engine = megapar.prepare(_model("gpt2"), micro_batch_size=2, optimizer="sgd", lr=0.5,
+                                 schedule=schedule)
+        x = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(3))
+        losses[schedule] = [engine.train_step({"input_ids": x, "labels": x}) for _ in range(2)]
+        stage = next(m for m in engine.model.modules() if isinstance(m, StageModel))
+        assert stage.loss_grads_in_forward == (schedule == "1f1b")
+    assert losses["gpipe"] == pytest.approx(losses["1f1b"], rel=1e-6)

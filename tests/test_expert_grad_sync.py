@@ -5,10 +5,11 @@ a dense output layer) trained 3 steps at dp 4 x ep 2 (2 micro-batches per rank, 
 clipping on, tiny buckets so dense and expert buckets interleave) with the all-reduce grad sync,
 ZeRO-1 and ZeRO-2 equals the same model trained on one process on all the data (fp32, 1e-5
 relative); the step's collectives are counted per group against the parameter counts, and
-every rank issues the same collectives in the same order. The same at cp 2 x dp 2 x ep 2 (each
-cp rank's loss its tokens' share, as under context parallelism; the experts' group spans both
-cp ranks). ZeRO-3 too in each layout: the model is one unit, its experts a unit of their own
-over the expert-data-parallel group.
+every rank issues the same collectives in the same order; under ZeRO-1/2 the optimizer state a
+checkpoint gathers (every expert whole) is the serial run's. The same at cp 2 x dp 2 x ep 2
+(each cp rank's loss its tokens' share, as under context parallelism; the experts' group spans
+both cp ranks). ZeRO-3 too in each layout: the model is one unit, its experts a unit of their
+own over the expert-data-parallel group.
 """
 
 import contextlib
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from test_expert_parallel import E, H, toy_moe, toy_weights
 from torch import nn
 
+from megapar.checkpoint.stage_tensors import whole_experts
 from megapar.comm_count import count_collectives
 from megapar.data_parallel.grad_sync import build_grad_sync
 from megapar.expert_parallel import is_expert, local_experts, mark_expert
@@ -44,7 +46,7 @@ class ToyMoEModel(nn.Module):
         self.router, self.bias = nn.Parameter(router), nn.Parameter(bias)
         self.gate, self.up, self.down = (nn.Parameter(w[mine.start:mine.stop].clone())
                                          for w in (gate, up, down))
-        mark_expert(self.gate, self.up, self.down)
+        mark_expert(self.gate, self.up, self.down, ep=ep, ep_rank=ep_rank)
         self.out = nn.Parameter(0.5 * torch.randn(H, H, generator=g))
         self.group = group
 
@@ -78,7 +80,7 @@ def serial_run(dp, cp):
                 (loss_of(model, step, r, i) / dp).backward()
         norms.append(clip_grad_norm(model, mesh, CLIP))
         opt.step()
-    return model, norms
+    return model, norms, opt.state_tensors()
 
 
 def parallel_run(mesh, zero):
@@ -108,7 +110,7 @@ def parallel_run(mesh, zero):
         counted.append(calls)
     with sync.whole() if zero == 3 else contextlib.nullcontext():  # ZeRO-3: gathered
         weights = [p.detach().clone() for p in model.parameters()]
-    return model, weights, norms, counted[-1], sync
+    return model, weights, norms, counted[-1], sync, opt
 
 
 def traffic(calls):
@@ -120,16 +122,44 @@ def traffic(calls):
     return out
 
 
+def check_checkpoint_state(model, mesh, opt, serial, serial_state):
+    """The checkpoint's view of a ZeRO-1 / 2 run: `state_tensors` gives the dense moments on
+    dp rank 0 (cp rank 0) and each expert's on its expert-data-parallel rank 0, the ranks of
+    the writer's ep group, nothing elsewhere; `whole_experts` gathers every expert whole there
+    (weights and moments): the serial run's (1e-5)."""
+    state = opt.state_tensors()  # collective over every bucket's group
+    writer = mesh.dp_rank == 0 and mesh.cp_rank == 0
+    dense = {n for n, p in model.named_parameters() if not is_expert(p)}
+    experts = {n for n, p in model.named_parameters() if is_expert(p)}
+    first = mesh.edp_rank == 0 and mesh.cp_rank == 0
+    assert set(state) == (dense if writer else set()) | (experts if first else set()), state
+    mine = local_experts(E, EP, mesh.ep_rank)
+    for name, p in model.named_parameters():
+        for key, value in state.get(name, {}).items():
+            want = serial_state[name][key]
+            want_key = want[mine.start:mine.stop] if is_expert(p) else want
+            torch.testing.assert_close(value, want_key, rtol=1e-5, atol=1e-9, msg=name + key)
+    whole = whole_experts(model, mesh, state)  # collective over the writer's ep group
+    assert set(whole) == (experts if first else set())
+    serial_params = dict(serial.named_parameters())
+    for name, (weights, moments) in whole.items():
+        torch.testing.assert_close(weights, serial_params[name].detach(), rtol=1e-5, atol=1e-7)
+        for key, value in moments.items():
+            torch.testing.assert_close(value, serial_state[name][key], rtol=1e-5, atol=1e-9)
+
+
 def worker(dp, cp, zeros):
     mesh = Mesh(Layout(dp=dp, cp=cp, ep=EP), dist.get_rank())
-    serial, serial_norms = serial_run(dp, cp)
+    serial, serial_norms, serial_state = serial_run(dp, cp)
     mine = local_experts(E, EP, mesh.ep_rank)
     dp_ranks = tuple(dist.get_process_group_ranks(mesh.dp_cp_group))
     ep_ranks = tuple(dist.get_process_group_ranks(mesh.ep_group))
     edp_ranks = tuple(dist.get_process_group_ranks(mesh.expert_dp_group))
     out = {}
     for zero in zeros:
-        model, weights, norms, calls, sync = parallel_run(mesh, zero)
+        model, weights, norms, calls, sync, opt = parallel_run(mesh, zero)
+        if zero in (1, 2):  # ZeRO-3's checkpoints are refused with ep
+            check_checkpoint_state(model, mesh, opt, serial, serial_state)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(serial_norms),
                                    rtol=1e-5, atol=0)
         for (name, p), w, want in zip(model.named_parameters(), weights, serial.parameters()):

@@ -148,9 +148,8 @@ def test_ep_must_divide_dp_one_clear_line():
         check_settings(TrainConfig(dp=4, ep=2, zero=3, load="ckpt"))
     with pytest.raises(UsageError, match="--ep 2 with --zero 3 cannot serve --optimizer lars"):
         check_settings(TrainConfig(dp=4, ep=2, zero=3, optimizer="lars"))
-    with pytest.raises(UsageError, match="--ep 2 with --zero 1 cannot be combined with --save"):
-        check_settings(TrainConfig(dp=4, ep=2, zero=1, save="ckpt"))
-    check_settings(TrainConfig(dp=4, ep=2, save="ckpt", load="ckpt"))  # served at --zero 0
+    for zero in (0, 1, 2):  # checkpoints are served at ZeRO-0 / 1 / 2
+        check_settings(TrainConfig(dp=4, ep=2, zero=zero, save="ckpt", load="ckpt"))
     with pytest.raises(UsageError, match="--ep 2 with --zero 1 cannot serve --optimizer lamb"):
         check_settings(TrainConfig(dp=4, ep=2, zero=1, optimizer="lamb"))
     check_settings(TrainConfig(dp=4, ep=2, zero=2))  # served

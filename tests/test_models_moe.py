@@ -188,15 +188,41 @@ def test_grouped_experts_equal_per_token_routing_and_capacity_drops():
     kept = weights.clone()
     kept[5:7] = 0  # tokens 5 and 6 lost both their experts
     assert_close(got, _per_token_reference(x, experts.gate_up, experts.down, choice, kept))
-    # no row for any expert (an ep rank nobody routes to): the weights still get a (zero)
-    # gradient, so their hooks fire as on the other ranks (the grad syncs launch on them)
-    fired = []
-    for p in (experts.gate_up, experts.down):
-        p.register_post_accumulate_grad_hook(lambda p: fired.append(p.shape))
-    out = experts(x[:0], torch.zeros(e, dtype=torch.long))
-    out.sum().backward()
-    assert out.shape == (0, h) and len(fired) == 2
+    # no row at all (an ep rank that receives none): the output stays in the graph of its input
+    # and the weights, so the backward's all-to-alls and gradient reductions still run there
+    empty = x[:0].clone().requires_grad_()
+    y = experts(empty, torch.zeros(e, dtype=torch.long), [0] * e)
+    assert y.shape == (0, h) and y.grad_fn is not None
+    y.sum().backward()
+    assert empty.grad is not None and experts.gate_up.grad is not None
     assert not experts.gate_up.grad.any() and not experts.down.grad.any()
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_mm_path_equals_the_expert_loop_with_capacity_drops():
+    """The CUDA path (`torch._grouped_mm`, which torch >= 2.9 also runs on the CPU) equals the
+    loop over experts: outputs and every gradient, with a capacity's dropped rows after the
+    groups (the kernel leaves those rows of its output and of its input's gradient unwritten:
+    uninitialised memory, so several draws)."""
+    t, h, size, e, k = 24, 16, 8, 4, 2
+    for seed in range(6):
+        torch.manual_seed(seed)
+        experts = GroupedExperts(e, h, size, "silu", "cpu")
+        torch.nn.init.normal_(experts.gate_up)
+        torch.nn.init.normal_(experts.down)
+        order, tokens, dropped = route(torch.randint(0, e, (t, k)), e, 4)
+        assert int(dropped) > 0 and int(tokens.sum()) < t * k
+        x = torch.randn(t, h)
+        grad = torch.randn(t * k, h)
+        got = []
+        for run in (experts._grouped, experts):
+            rows = x.clone().requires_grad_()
+            experts.zero_grad(set_to_none=True)
+            y = run(rows[order // k], tokens)
+            y.backward(grad)
+            got.append((y, rows.grad, experts.gate_up.grad, experts.down.grad))
+        for a, b, what in zip(*got, ("output", "input grad", "gate_up grad", "down grad")):
+            assert_close(a, b, what=f"seed {seed} {what}")
 
 
 def _skewed_moe(rate):

@@ -11,7 +11,9 @@ import torch
 import transformers
 from tp_utils import assert_close, make_mesh
 
+from megapar.checkpoint.format import ShardReader
 from megapar.checkpoint.hf import HFReader, load_hf_weights
+from megapar.checkpoint.manifest import read_manifest
 from megapar.cli.convert import main as convert
 from megapar.cli.train import main
 from megapar.data import asset_path
@@ -80,14 +82,15 @@ def test_mixtral_dry_run_rehearses_pp2_dp2_ep2(common, capsys):
     assert "dp 2 with ep 2 in dp" in capsys.readouterr().out
 
 
-def test_mixtral_tiny_trains_at_dp2_ep2_as_at_dp2(tmp_path, common):
-    """megapar-train --dp 2 --ep 2: each rank holds 2 of the 4 experts and exchanges tokens; the
-    losses, grad norms and router statistics are those of --dp 2 (ep 1) over 2 steps."""
+def test_mixtral_tiny_trains_at_dp2_cp2_ep2_as_at_dp2(tmp_path, common):
+    """megapar-train --dp 2 --cp 2 --ep 2: each rank holds 2 of the 4 experts and exchanges its
+    cp share of the tokens with its ep peer; the losses, grad norms and router statistics are
+    those of --dp 2 (ep 1, no cp) over 2 steps."""
     runs = {}
-    for ep in (1, 2):
+    for ep, cp in ((1, 1), (2, 2)):
         log = tmp_path / f"ep{ep}.jsonl"
-        assert main(["--model", "mixtral-tiny", "--dp", "2", "--ep", str(ep), "--max-steps", "2",
-                     "--lr", "3e-3", "--log-json", str(log), *common]) == 0
+        assert main(["--model", "mixtral-tiny", "--dp", "2", "--cp", str(cp), "--ep", str(ep),
+                     "--max-steps", "2", "--lr", "3e-3", "--log-json", str(log), *common]) == 0
         runs[ep] = _records(log)
     assert len(runs[2]) == 2
     for one, two in zip(runs[1], runs[2]):
@@ -103,36 +106,50 @@ def test_ep_on_a_dense_model_is_refused_in_one_line(common, capsys):
     assert len(err) == 1 and "has no experts: use --ep 1" in err[0], err
 
 
-def test_checkpoint_saved_at_ep2_resumes_at_ep1(tmp_path, common):
-    """--save at --dp 2 --ep 2 writes every expert whole (the canonical form, gathered over
-    ep); --load at --dp 2 --ep 1 continues with the straight ep 2 run's step 3."""
-    ck, straight, resumed = tmp_path / "ck", tmp_path / "s.jsonl", tmp_path / "r.jsonl"
-    assert main(["--model", "mixtral-tiny", "--dp", "2", "--ep", "2", "--max-steps", "3",
-                 "--lr", "3e-3", "--save", str(ck), "--save-interval", "2",
-                 "--log-json", str(straight), *common]) == 0
-    assert main(["--model", "mixtral-tiny", "--dp", "2", "--ep", "1", "--max-steps", "3",
-                 "--lr", "3e-3", "--load", str(ck / "step_00000002"),
-                 "--log-json", str(resumed), *common]) == 0
-    want, got = _records(straight)[-1], _records(resumed)
-    assert [r["step"] for r in got] == [3]
-    for key in ("loss", "grad_norm"):
-        assert_close(torch.tensor(got[0][key]), torch.tensor(want[key]), tol=1e-6, what=key)
+def _canonical(step_dir):
+    """{name or name/moment: the whole tensor} of a checkpoint, through its reader."""
+    manifest = read_manifest(step_dir)
+    reader, out = ShardReader(step_dir, manifest), {}
+    for name, e in manifest["tensors"].items():
+        local = None if e["tp_dim"] is None else e["full_shape"][e["tp_dim"]]
+        out[name] = reader.shard(name, None, 1, 0, local)
+        out.update({f"{name}/{k}": reader.shard(name, k, 1, 0, local) for k in e["optim"]})
+    return out, manifest
 
 
-def test_mixtral_checkpoint_at_pp2_resumes_at_tp2_exactly(tmp_path, common):
-    """The stacked experts reshard like any replicated tensor, optimizer state included: a run
-    saved at pp 2 and resumed at tp 2 continues the straight run's losses (no aux-free bias:
-    it is not in checkpoints yet)."""
-    args = ["--model", "mixtral-tiny", "--lr", "3e-3", "--max-steps", "4", *common]
-    full, first, second = (tmp_path / f"{n}.jsonl" for n in ("full", "a", "b"))
-    assert main([*args, "--log-json", str(full)]) == 0
-    ckpt = tmp_path / "ckpt"
-    assert main([*args, "--pp", "2", "--save", str(ckpt), "--save-interval", "2",
-                 "--log-json", str(first)]) == 0
-    assert main([*args, "--load", str(ckpt / "step_00000002"), "--tp", "2",
-                 "--log-json", str(second)]) == 0
-    reference = [r["loss"] for r in _records(full)]
-    resumed = [r["loss"] for r in _records(first)][:2] + [r["loss"] for r in _records(second)]
-    assert [r["step"] for r in _records(second)] == [3, 4]
-    for a, b in zip(resumed, reference):
-        assert abs(a - b) / b < 1e-5, (resumed, reference)
+def test_mixtral_checkpoint_reshards_over_ep_zero_and_layouts(tmp_path, common):
+    """Experts, their optimizer state and the auxiliary-loss-free bias reshard like any tensor.
+    A run at pp 2 x dp 2 x ep 2 under ZeRO-1 with the bias moving saves at step 2 (every
+    expert and its moments whole, gathered over ep from each expert-data-parallel group's
+    slices; the bias kept); megapar-convert rewrites it for tp 2; resumed from that at tp 2 x
+    dp 2 (ep 1, ZeRO-2) and from the original at dp 4 x ep 4 (ZeRO-2), both continue the
+    straight run's losses (1e-6) and save at step 4 what the straight run saves there:
+    weights, moments and bias (1e-5)."""
+    args = ["--model", "mixtral-tiny", "--lr", "3e-3", "--max-steps", "4",
+            "--moe-bias-update-rate", "0.05", "--save-interval", "2", *common,
+            "--micro-batch-size", "1"]
+    ck, tp2 = tmp_path / "straight_ck", tmp_path / "tp2"
+    runs = {"straight": ["--pp", "2", "--dp", "2", "--ep", "2", "--zero", "1"],
+            "tp2": ["--tp", "2", "--dp", "2", "--zero", "2", "--load", str(tp2)],
+            "ep4": ["--dp", "4", "--ep", "4", "--zero", "2", "--load", str(ck / "step_00000002")]}
+    losses, saved = {}, {}
+    for run, layout in runs.items():
+        log = tmp_path / f"{run}.jsonl"
+        assert main([*args, *layout, "--save", str(tmp_path / f"{run}_ck"),
+                     "--log-json", str(log)]) == 0
+        losses[run] = {r["step"]: r["loss"] for r in _records(log)}
+        saved[run], _ = _canonical(tmp_path / f"{run}_ck" / "step_00000004")
+        if run == "straight":  # its step-2 checkpoint rewritten for tp 2
+            assert convert([str(ck / "step_00000002"), str(tp2), "--tp", "2", "--pp", "1",
+                            "--no-progress"]) == 0
+    assert set(losses["tp2"]) == set(losses["ep4"]) == {3, 4}
+    for run in ("tp2", "ep4"):
+        for step, loss in losses[run].items():
+            assert abs(loss - losses["straight"][step]) / loss < 1e-6, (run, losses)
+        assert set(saved[run]) == set(saved["straight"])
+        for name, want in saved["straight"].items():
+            assert_close(saved[run][name], want, what=f"{run} {name}")
+    at_2, manifest = _canonical(ck / "step_00000002")  # what the resumes started from
+    biases = [n for n, e in manifest["tensors"].items() if e.get("buffer")]
+    assert len(biases) == 4 and all(n.endswith("router.bias") for n in biases), biases
+    assert sum(at_2[n].abs().sum() for n in biases) > 0  # it moved: the routing depends on it

@@ -40,6 +40,7 @@ from megapar.checkpoint.hf import HFReader
 from megapar.checkpoint.lock import SaveLockError, check_unlocked
 from megapar.checkpoint.manifest import verify, write_manifest
 from megapar.checkpoint.publish import resolve_checkpoint, set_latest
+from megapar.checkpoint.stage_tensors import stage_tensors
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import load_tokenizer, tokenizer_files
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
@@ -52,26 +53,28 @@ Fill = Callable[[str, "str | None", int, "int | None"], torch.Tensor]
 
 
 def plan(config, layout: Layout) -> dict[str, dict]:
-    """Manifest entries of every canonical tensor in `layout`, from meta-device stages."""
+    """Manifest entries of every canonical tensor in `layout`, from meta-device stages (the
+    parameters, then the buffers: `stage_tensors`)."""
 
     try:
         config.validate(layout)
     except LayoutError as exc:
         raise LayoutError(f"the model cannot take layout {layout}: {exc}") from exc
-    entries = {}
+    entries: dict[str, dict] = {}
     grid = Layout(layout.tp, layout.pp, 1)
     for p in range(layout.pp):
         stage = build_stage(config, Mesh.virtual(grid, grid.rank(0, p, 0)), seed=0, init=False)
-        for name, param in stage.named_parameters():
+        for name, param, buffer in stage_tensors(stage):
             if hasattr(param, "tied_to"):
                 continue
             entries[name] = {
-                "full_shape": list(param.full_shape),
-                "tp_dim": param.tp_dim,
+                "full_shape": list(getattr(param, "full_shape", param.shape)),
+                "tp_dim": getattr(param, "tp_dim", None),
                 "local_shape": list(param.shape),
                 "dtype": dtype_name(param.dtype),
                 "stage": p,
                 "optim": {},
+                **({"buffer": True} if buffer else {}),
             }
     return entries
 
@@ -224,8 +227,10 @@ def convert_checkpoint(
     manifest = verify(step_dir)
     config = config_from_dict(manifest["model"])
     layout = Layout(tp, pp, dp)
-    target = plan(config, layout)
     source = manifest["tensors"]
+    target = {  # a checkpoint saved before buffers were kept has none
+        n: e for n, e in plan(config, layout).items() if n in source or not e.get("buffer")
+    }
     if set(source) != set(target) or any(
         source[n]["full_shape"] != e["full_shape"] for n, e in target.items()
     ):
@@ -305,7 +310,7 @@ def import_hf(
 
     reader = HFReader(hf_dir)
     config, layout = reader.config, Layout(tp, pp, dp)
-    target = plan(config, layout)
+    target = {n: e for n, e in plan(config, layout).items() if not e.get("buffer")}  # HF: none
     reader.check_files()
     initialised: list[str] = []
     meta = {
@@ -350,7 +355,7 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
     step_dir = resolve_checkpoint(path)
     m = verify(step_dir, checksums=checksums)
     model, entries = m["model"], m["tensors"]
-    params = sum(math.prod(e["full_shape"]) for e in entries.values())
+    params = sum(math.prod(e["full_shape"]) for e in entries.values() if not e.get("buffer"))
     optim = sorted({k for e in entries.values() for k in e["optim"]})
     lines = [
         f"checkpoint  {step_dir}",

@@ -403,6 +403,8 @@ def export_dcp(src, dcp_dir, overwrite: bool = False) -> tuple[Path, dict]:
     reader = ShardReader(step_dir, manifest)
     state = {}
     for name, e in manifest["tensors"].items():
+        if e.get("buffer"):  # not torchtitan's
+            continue
         dim = e["tp_dim"]
         tensor = reader.shard(name, None, 1, 0, None if dim is None else e["full_shape"][dim])
         if name.endswith(".attn.q.weight"):

@@ -46,6 +46,7 @@ from megapar.checkpoint.publish import (
     publish_step,
     resolve_checkpoint,
 )
+from megapar.checkpoint.stage_tensors import ep_shard, own_experts, stage_tensors, whole_experts
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import config_from_dict
 
@@ -160,46 +161,12 @@ def planned_shard(model, mesh: Mesh, optim_tensors) -> tuple[str, int]:
     return fname, safetensors_size({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()})
 
 
-def ep_shard(param) -> tuple[int, int]:
-    """(ep rank, ep) of a routed expert's stacked weights under expert parallelism (block ep
-    rank of ep of dim 0 of the whole [E, ...] tensor, `expert_parallel.mark_expert`); (0, 1)
-    for every other parameter."""
-    return getattr(param, "ep_shard", (0, 1))
-
-
-def own_experts(whole: torch.Tensor, param) -> torch.Tensor:
-    """This ep rank's experts (block of dim 0) of a whole tensor read for `param`, if any."""
-    ep_rank, ep = ep_shard(param)
-    n = whole.shape[0] // ep
-    return whole.narrow(0, ep_rank * n, n) if ep > 1 else whole
-
-
-def whole_experts(model, mesh: Mesh, optim_tensors) -> dict[str, tuple[torch.Tensor, dict]]:
-    """Under ep > 1, {name: (weights, {key: moment})} of every routed expert's stacked weights
-    gathered whole over the ep group along dim 0 (collective over the ep group: every rank
-    calls it), so a checkpoint holds all E experts, the same in every ep (the canonical form,
-    as tp shards are gathered into it). Empty under ep 1."""
-    out: dict[str, tuple[torch.Tensor, dict]] = {}
-    if getattr(mesh, "ep", 1) == 1:
-        return out
-
-    def whole(t: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(t) for _ in range(mesh.ep)]
-        dist.all_gather(parts, t.detach().contiguous(), group=mesh.ep_group)
-        return torch.cat(parts)
-
-    for name, param in model.named_parameters():
-        if ep_shard(param)[1] > 1:
-            moments = (optim_tensors or {}).get(name, {})
-            out[name] = (whole(param), {k: whole(v) for k, v in moments.items()})
-    return out
-
-
 def shard_contents(model, mesh: Mesh, optim_tensors, whole=None) -> tuple[str, dict, dict]:
     """(file name, {key: tensor}, manifest entries) of this (tp, pp) coordinate's shard file
-    (`whole`: the experts gathered over ep, `whole_experts`, written in their place)."""
+    (`whole`: the experts gathered over ep, `whole_experts`, written in their place); the
+    stage's buffers are kept as replicated tensors without optimizer state (`stage_tensors`)."""
     tensors, entries = {}, {}
-    for name, param in model.named_parameters():
+    for name, param, buffer in stage_tensors(model):
         if hasattr(param, "tied_to"):
             continue
         moments = (optim_tensors or {}).get(name, {})
@@ -222,6 +189,7 @@ def shard_contents(model, mesh: Mesh, optim_tensors, whole=None) -> tuple[str, d
             "dtype": dtype_name(param.dtype),
             "stage": mesh.pp_rank,
             "optim": {k: dtype_name(v.dtype) for k, v in moments.items()},
+            **({"buffer": True} if buffer else {}),
         }
     return shard_file_name(mesh.tp_rank, mesh.pp_rank), tensors, entries
 
@@ -403,22 +371,16 @@ def check_model(manifest: dict, config, where) -> list[str]:
     return [f"config differs in non-structural fields: {sorted(diff)}"] if diff else []
 
 
-@torch.no_grad()
-def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedState:
-    """Fill `model` (this rank's stage) from a checkpoint saved in any layout.
-
-    `path`: a checkpoint ROOT (follows ``latest``) or step directory. `verify`: "sha256" (default:
-    every file this rank reads is hashed against the manifest), "size" or "none".
-    Not collective: each rank reads only the slices it needs.
-    """
-    step_dir = resolve_checkpoint(path)
-    manifest = read_manifest(step_dir)
-    notes = check_model(manifest, model.config, step_dir)
-    src = Layout(**manifest["layout"])
-    reader = ShardReader(step_dir, manifest)
-    wanted, resharded = [], (src.tp, src.pp) != (mesh.tp, mesh.pp)
-    for name, param in model.named_parameters():
+def _wanted(reader: ShardReader, model, step_dir, notes: list[str]) -> tuple[list, bool]:
+    """([(name, canonical source, tensor, local tp size)] of every tensor `model` reads from
+    the checkpoint, whether any is split otherwise than there); a buffer the checkpoint lacks
+    (one saved before buffers were kept) keeps its value, noted in `notes`."""
+    wanted, resharded, missing = [], False, []
+    for name, param, buffer in stage_tensors(model):
         source = getattr(param, "tied_to", name)
+        if buffer and source not in reader.tensors:
+            missing.append(name)
+            continue
         entry = reader.entry(source)
         dim = entry["tp_dim"]
         want = list(getattr(param, "full_shape", param.shape))
@@ -432,6 +394,26 @@ def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedSt
         pdim = getattr(param, "tp_dim", None)
         resharded |= dim != pdim  # split in one layout, whole in another (Llama's kv heads)
         wanted.append((name, source, param, None if pdim is None else param.shape[pdim]))
+    if missing:
+        notes.append(f"not in the checkpoint, kept at their initial values: {', '.join(missing)}")
+    return wanted, resharded
+
+
+@torch.no_grad()
+def load_checkpoint(path, model, mesh: Mesh, verify: str = "sha256") -> LoadedState:
+    """Fill `model` (this rank's stage) from a checkpoint saved in any layout.
+
+    `path`: a checkpoint ROOT (follows ``latest``) or step directory. `verify`: "sha256" (default:
+    every file this rank reads is hashed against the manifest), "size" or "none".
+    Not collective: each rank reads only the slices it needs.
+    """
+    step_dir = resolve_checkpoint(path)
+    manifest = read_manifest(step_dir)
+    notes = check_model(manifest, model.config, step_dir)
+    src = Layout(**manifest["layout"])
+    reader = ShardReader(step_dir, manifest)
+    wanted, resharded = _wanted(reader, model, step_dir, notes)
+    resharded |= (src.tp, src.pp) != (mesh.tp, mesh.pp)
     same_layout = src == mesh.layout and not resharded
     rng_record = manifest["files"].get(RNG_FILE)
     needed = {

@@ -69,6 +69,8 @@ def export_hf(
     reader = ShardReader(step_dir, manifest)
     canonical = {}
     for name, e in manifest["tensors"].items():
+        if e.get("buffer"):  # the balancing bias: transformers' Mixtral / Qwen3-MoE have none
+            continue
         dim = e["tp_dim"]
         canonical[name] = reader.shard(
             name, None, 1, 0, None if dim is None else e["full_shape"][dim]

@@ -321,10 +321,12 @@ class ShardedParams(UnitGradSync):
 class HostStage:
     """A stand-in for a ZeRO-3 stage when it is saved: the stage's config and its parameters'
     host copies (`ShardedParams.host_params`), with their attributes (``tp_dim``, ``tied_to``,
-    ...); parameters without a copy (on ranks that do not write) are left out."""
+    ...); parameters without a copy (on ranks that do not write) are left out; buffers: the
+    stage's own."""
 
     def __init__(self, stage: nn.Module, copies: dict[int, torch.Tensor]):
         self.config = stage.config
+        self.named_buffers = stage.named_buffers  # ZeRO-3 shards no buffer
         self._named = []
         for name, p in stage.named_parameters():
             if id(p) in copies:

@@ -59,11 +59,13 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(e, config.hidden_size, device=device))
         self.score = config.moe_router_score
         self.renormalize = config.renormalize_topk
-        self.bias: torch.Tensor | None = None
-        if config.moe_bias_update_rate:
-            self.bias = torch.zeros(e, device=device)
-            """DeepSeek-V3's balancing bias: added to the scores to choose, never to weigh;
-            `update_bias` moves it after each step (a plain tensor, not a parameter)."""
+        self.bias: torch.Tensor | None
+        bias = torch.zeros(e, device=device) if config.moe_bias_update_rate else None
+        self.register_buffer("bias", bias)
+        """DeepSeek-V3's balancing bias (None without `moe_bias_update_rate`): added to the
+        scores to choose, never to weigh; `update_bias` moves it after each step. A buffer,
+        not a parameter: no gradient, no optimizer, but checkpoints keep it (it decides the
+        routing, so a resumed run needs it to continue exactly)."""
 
     def forward(self, x: torch.Tensor):
         """(logits [T, E] in x's dtype, probs [T, E] fp32 (the scores the switch loss
@@ -147,25 +149,34 @@ class GroupedExperts(nn.Module):
             return self._grouped(x, tokens_per_expert)
         if counts is None:
             counts = host_counts(tokens_per_expert, x.shape[0])
-        outs = []
+        # unbind, not gate_up[e]: each indexing's backward would write a whole [E, ...]
+        # gradient of zeros (E per projection per step); unbind's stacks the slices once
+        gate_ups, downs = self.gate_up.unbind(0), self.down.unbind(0)
+        outs: list[torch.Tensor] = []
         for e, part in enumerate(x[: sum(counts)].split(counts)):
-            # every expert, even one without rows: its weights are in every rank's graph, so
-            # their gradient hooks fire on every rank alike (grad syncs launch on them)
-            gate, up = F.linear(part, self.gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(self.act(gate) * up, self.down[e]))
+            # Without a row for any expert, the last one still runs on its empty slice: the
+            # output stays in the graph of x and the weights (zero gradients), so an ep rank
+            # that receives no row still issues its backward's all-to-alls and its experts'
+            # gradient reductions, as every rank of its groups does.
+            if part.shape[0] or (not outs and e == len(counts) - 1):
+                gate, up = F.linear(part, gate_ups[e]).chunk(2, dim=-1)
+                outs.append(F.linear(self.act(gate) * up, downs[e]))
         rest = x.shape[0] - sum(counts)
         if rest:
             outs.append(x.new_zeros(rest, x.shape[1]))
         return torch.cat(outs)
 
     def _grouped(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """One grouped matmul per projection; offsets stay on the device (no host sync)."""
+        """One grouped matmul per projection; offsets stay on the device (no host sync). The
+        kernel leaves the rows past the last group (a capacity's dropped rows) unwritten, in
+        its output and in its input's gradient: both are masked."""
         offs = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+        kept = (torch.arange(x.shape[0], device=x.device) < offs[-1])[:, None]
+        x = torch.where(kept, x, 0)  # its backward zeroes the unwritten rows of x's gradient
         h = torch._grouped_mm(x, self.gate_up.transpose(1, 2), offs=offs)
         gate, up = h.chunk(2, dim=-1)
         y = torch._grouped_mm(self.act(gate) * up, self.down.transpose(1, 2), offs=offs)
-        rows = torch.arange(x.shape[0], device=x.device)
-        return torch.where((rows < offs[-1])[:, None], y, 0)  # rows past the groups: unwritten
+        return torch.where(kept, y, 0)
 
 
 class SharedExperts(nn.Module):

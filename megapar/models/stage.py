@@ -59,6 +59,11 @@ class StageModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.recompute = "none"
         self.loss_chunk_tokens = LOSS_CHUNK_TOKENS
+        self.loss_grads_in_forward = True
+        """At tp 1, whether the chunked loss makes its gradients in the forward (the logits
+        computed once; the head's fp32 weight gradient held from the loss's forward to its
+        backward). The pipeline executor turns it off for a step whose schedule holds several
+        losses in flight at once (GPipe): there the backward recomputes the logits instead."""
         return range(config.num_layers) if layers is None else layers
 
     def _build_layers(self, layers, make_block: Callable[[], nn.Module]) -> nn.ModuleDict:
@@ -141,7 +146,8 @@ class StageModel(nn.Module):
             self.vocab_start,
             self.config.vocab_size,
             chunk_tokens=self.loss_chunk_tokens,
-            reduction="sum",  # a scalar: at tp 1 its gradients are made in the forward
+            # the sum, a scalar: at tp 1 its gradients are made in the forward
+            reduction="sum" if self.loss_grads_in_forward else "none",
         )
         return masked_mean(total, labels, group=self.mesh.cp_group)
 
@@ -170,10 +176,10 @@ class ModelChunks(nn.Module):
     """Several model chunks (virtual pipeline stages) held by one rank, e.g. for interleaved 1F1B.
 
     `chunks[i]` is an ordinary stage model (any `StageModel`: its own layer slice, the embedding
-    if it is the model's first slice, the head if it is the last). Parameter names are the
-    *canonical* ones (the chunks' own, without a "chunks.i." prefix; blocks are named by global
-    index, so they never collide), so optimizers, checkpoints and conversion see the same names
-    as in any other layout. `forward(hidden, batch, chunk=0)` runs one chunk.
+    if it is the model's first slice, the head if it is the last). Parameter and buffer names
+    are the *canonical* ones (the chunks' own, without a "chunks.i." prefix; blocks are named by
+    global index, so they never collide), so optimizers, checkpoints and conversion see the same
+    names as in any other layout. `forward(hidden, batch, chunk=0)` runs one chunk.
     """
 
     def __init__(self, chunks: Sequence[nn.Module]):
@@ -204,6 +210,10 @@ class ModelChunks(nn.Module):
     ):
         for chunk in self.chunks:
             yield from chunk.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for chunk in self.chunks:  # canonical names, as the parameters'
+            yield from chunk.named_buffers(prefix, recurse, remove_duplicate)
 
     def init_weights(self, seed: int) -> None:
         for chunk in self.chunks:

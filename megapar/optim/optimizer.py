@@ -15,9 +15,10 @@ Checkpoint format (the same with or without ZeRO, so a run can be resumed with e
 - `state_tensors()`: canonical parameter name -> {"exp_avg": t, "exp_avg_sq": t} (for SGD /
   LARS {"momentum_buffer": t}), each of the parameter's local (tp / pp shard) shape, for
   every parameter of the stage except tied copies (`param.tied_to`), whose state equals the
-  parameter they are tied to. Under ZeRO-1 the state is sharded by buffer slice and gathered
-  to dp rank 0 only (the checkpoint writer; {} elsewhere); `load_state_tensors` takes full
-  per-parameter tensors on every rank.
+  parameter they are tied to. Under ZeRO-1 / 2 the state is sharded by buffer slice and
+  gathered to rank 0 of each bucket's group only (dp rank 0, the checkpoint writer; expert
+  parameters' to expert-data-parallel rank 0); `load_state_tensors` takes full per-parameter
+  tensors on every rank.
 - `state_json()`: step count and hyper-parameters, JSON-able.
 """
 

@@ -30,10 +30,11 @@ also the fp32 master.
 LAMB / LARS need norms of whole parameters: each piece's squared sums are all-reduced over dp
 (one small tensor, two entries per parameter), then over tp for tp-sharded parameters.
 
-Checkpoints keep the canonical format: `state_tensors()` gathers the slices to dp rank 0 only
-(the rank that writes the shard file), a bucket at a time through host memory, and returns {}
-on the other dp ranks;
-`load_state_tensors` takes each rank's slices out of the full per-parameter tensors.
+Checkpoints keep the canonical format: `state_tensors()` gathers each bucket's slices to rank 0
+of the bucket's group (dp rank 0, the rank that writes the shard file, for dense buckets;
+expert-data-parallel rank 0 for expert buckets, whose experts the checkpoint then gathers over
+ep), a bucket at a time through host memory; `load_state_tensors` takes each rank's slices out
+of the full per-parameter tensors.
 """
 
 from __future__ import annotations
@@ -297,47 +298,58 @@ class ZeroOptimizer(AdamWOptimizer):
     # checkpoints ----------------------------------------------------------------------------
     @torch.no_grad()
     def state_tensors(self, copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:
-        """Every non-tied parameter's full (local tp / pp shard) state on dp rank 0, in host
-        memory; {} on the other dp ranks (collective over dp). Sharded, the state is always
-        gathered into host copies (`copy` matters only unsharded).
+        """Every non-tied parameter's full (local tp / pp / ep shard) state, in host memory, on
+        rank 0 of the group its bucket is sharded over: dp rank 0 (cp rank 0) for the dense
+        parameters, expert-data-parallel rank 0 for the experts' (under ep, the ranks of the
+        checkpoint writer's ep group, `checkpoint.stage_tensors.whole_experts`); absent
+        elsewhere ({} on ranks that are rank 0 of no group). Collective over every bucket's
+        group. Sharded, the state is always gathered into host copies (`copy` matters only
+        unsharded).
 
         One bucket and one state key at a time: each rank's slice of the bucket is gathered to
-        dp rank 0 into one bucket-sized buffer on the device, copied to the host and freed, so
-        a save needs one bucket of device memory on top of training, never the stage's whole
-        state (3-4x the fp32 parameters)."""
+        its group's rank 0 into one bucket-sized buffer on the device, copied to the host and
+        freed, so a save needs one bucket of device memory on top of training, never the
+        stage's whole state (3-4x the fp32 parameters)."""
         if not self.sharded:
             return super().state_tensors(copy)
-        gs, root = self.grad_sync, dist.get_global_rank(self.group, 0)
-        piece = {id(p): (t, s, e) for t, (p, s, e) in zip(self.pieces, self._piece_of)}
         names = {id(p): n for n, p in self._checkpointed()}
-        out: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names.values()}
-        for b in gs.buckets:
-            lo, hi = gs.shard_range(b)
-            dtype = b.params[0].dtype
-            device = self.param_buffers[dtype].device
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for b in self.grad_sync.buckets:
             for key in self.state_keys:
-                parts = [
-                    torch.zeros(hi - lo, dtype=dtype, device=device)
-                    for _ in range(self.dp if self.dp_rank == 0 else 1)
-                ]
-                mine = parts[0]  # dp rank 0's own slice is gathered in place
+                host = self._gather_state(b, key)
                 for p in b.params:
-                    if id(p) in piece:
-                        assert self.inner is not None  # it steps this piece
-                        t, s, e = piece[id(p)]
-                        state = self.inner.state.get(t, {}).get(key)
-                        if state is not None:
-                            at = self._offset[id(p)] + s - lo
-                            mine[at : at + e - s] = state.reshape(-1)
-                dist.gather(mine, parts if self.dp_rank == 0 else None, dst=root, group=self.group)
-                if self.dp_rank == 0:
-                    host = torch.cat([part.cpu() for part in parts])  # the bucket, padded
-                    for p in b.params:
-                        if id(p) in names:
-                            at = self._offset[id(p)]
-                            out[names[id(p)]][key] = host[at : at + p.numel()].view_as(p).clone()
-                del parts, mine
-        return out if self.dp_rank == 0 else {}
+                    if host is not None and id(p) in names:
+                        at = self._offset[id(p)]
+                        view = host[at : at + p.numel()].view_as(p).clone()
+                        out.setdefault(names[id(p)], {})[key] = view
+        return out
+
+    def _gather_state(self, b, key: str) -> torch.Tensor | None:
+        """State `key` of bucket `b` (padded, flat) in host memory on rank 0 of the bucket's
+        group, gathered from every rank's slice; None on the group's other ranks."""
+        lo, hi = self.grad_sync.shard_range(b)
+        dtype = b.params[0].dtype
+        device = self.param_buffers[dtype].device
+        group, size, rank = self.group, self.dp, self.dp_rank  # ZeRO-3's units: over dp
+        if getattr(b, "group", None) is not None:  # a bucket: over its own group
+            group, size, rank = b.group, b.group_size, b.group_rank
+        first = rank == 0
+        parts = [
+            torch.zeros(hi - lo, dtype=dtype, device=device) for _ in range(size if first else 1)
+        ]
+        mine = parts[0]  # rank 0's own slice is gathered in place
+        piece = {id(p): (t, s, e) for t, (p, s, e) in zip(self.pieces, self._piece_of)}
+        for p in b.params:
+            if id(p) in piece:
+                assert self.inner is not None  # it steps this piece
+                t, s, e = piece[id(p)]
+                state = self.inner.state.get(t, {}).get(key)
+                if state is not None:
+                    at = self._offset[id(p)] + s - lo
+                    mine[at : at + e - s] = state.reshape(-1)
+        root = dist.get_global_rank(group, 0)
+        dist.gather(mine, parts if first else None, dst=root, group=group)
+        return torch.cat([part.cpu() for part in parts]) if first else None
 
     def _held_state(self) -> list[tuple[nn.Parameter, dict]]:
         if not self.sharded:

@@ -63,9 +63,9 @@ from megapar.pipeline.schedules import (
     Action,
     chunks_per_rank,
     get_schedule,
+    loss_in_flight,
     placement_of,
     stage_location,
-    virtual_stage,
 )
 from megapar.pipeline.step_inputs import StepInputs
 from megapar.pipeline.step_plan import (
@@ -138,15 +138,9 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         )
         """Where this rank's stage sits in the pipeline (what planning a step asks)."""
         self._chunk_count = virtual_stages  # `slot`
-        self._loss_chunk = next(
-            (
-                c
-                for c in range(virtual_stages)
-                if virtual_stage(mesh.pp_rank, c, mesh.pp, self.placement)
-                == mesh.pp * virtual_stages - 1
-            ),
-            None,
-        )
+        last = mesh.pp * virtual_stages - 1
+        loss_rank, loss_chunk = stage_location(last, mesh.pp, self.placement)
+        self._loss_chunk = loss_chunk if loss_rank == mesh.pp_rank else None
         """The model chunk of this rank that computes the loss (the last virtual stage), or
         None."""
         self.timeout_s = timeout_s = timeout_s or mesh.timeout_s
@@ -260,6 +254,7 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         m = len(micro_batches)
         self._check_can_step(m)
         plan = self.step_plan(m, forward_only)
+        self._set_loss_mode(m)
         self._begin(
             plan, micro_batches, None if forward_only else grad_sync, loss_scale, forward_only
         )
@@ -283,6 +278,14 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
             return loss
         finally:
             self._end(plan)
+
+    def _set_loss_mode(self, m: int) -> None:
+        """The loss's chunk (`loss_grads_in_forward`, `megapar.models.stage`) makes its loss
+        gradients in the forward only where one loss is in flight at a time (`loss_in_flight`)."""
+        chunk = None if self._loss_chunk is None else self.chunks[self._loss_chunk]
+        if hasattr(chunk, "loss_grads_in_forward"):
+            held = loss_in_flight(self.schedule_name, self.mesh.pp, m, self.virtual_stages)
+            chunk.loss_grads_in_forward = held <= 1  # type: ignore[union-attr]
 
     def _check_can_step(self, m: int) -> None:
         if m == 0:

@@ -459,6 +459,18 @@ def get_schedule(name: str) -> Callable[..., list[Action]]:
         ) from None
 
 
+def loss_in_flight(name: str, pp: int, m: int, virtual_stages: int = 1) -> int:
+    """Most micro-batches whose loss is forwarded but not yet backwarded at once on the rank
+    that computes it (the last virtual stage's chunk, `in_flight_peak` of its actions alone):
+    1 where each loss's backward follows its forward (1F1B, ZB-H1, any schedule at pp 1 but
+    GPipe's), m for GPipe. The chunked loss makes its gradients in the forward only where
+    this is 1: it holds the head's fp32 weight gradient per loss in flight."""
+    chunks = chunks_per_rank(name, virtual_stages)
+    rank, chunk = stage_location(pp * chunks - 1, pp, placement_of(name))
+    actions = stage_actions(name, pp, m, virtual_stages)[rank]
+    return in_flight_peak([a for a in actions if a.chunk == chunk])
+
+
 def in_flight_peak(actions: list[Action]) -> int:
     """Most micro-batches forwarded but not yet backwarded at any point of the schedule.
 

@@ -148,6 +148,7 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
         terms=terms,
         chunk_tokens=p.loss_chunk_tokens,
         sp_t=sp_t,
+        grads_in_forward=pipeline.loss_grads_in_forward(p, c),
     )
     message = s * b * h * p.act_bytes / sp_t  # an activation or its gradient in flight
     return ActivationSizes(per_layer, full, embedding, head, message, vocab_local)

@@ -143,6 +143,7 @@ def head_bytes(
     terms: BlockTerms = BlockTerms(),
     chunk_tokens: int = 0,
     sp_t: int = 1,
+    grads_in_forward: bool = True,
 ) -> float:
     """What the last stage keeps beyond its blocks, per micro-batch: the final norm's input and
     output and the norm's fp32 statistics, and the loss's. Under sequence parallelism (`sp_t`
@@ -150,9 +151,10 @@ def head_bytes(
     s / t tokens; its output is kept as the head's gathered (whole-sequence) input.
 
     With the chunked head and loss (`chunk_tokens` > 0, megapar-train's default) no logits are
-    kept: at t > 1 the int64 targets, two boolean masks and the fp32 log-sum-exp per token (and
-    the count of labelled tokens); at t = 1 (`whole_vocab` given) the gradients made in the
-    forward instead, in fp32: the head input's [s b, h] and the weight's [vocab_local, h] (a
+    kept: the int64 targets, two boolean masks and the fp32 log-sum-exp per token (and the
+    count of labelled tokens); at t = 1 (`whole_vocab` given) where the gradients are made in
+    the forward (`grads_in_forward`: one loss in flight at a time, `loss_grads_in_forward`)
+    those instead, in fp32: the head input's [s b, h] and the weight's [vocab_local, h] (a
     head bias, BERT's, would add 4 bytes a row: not counted), and the head's input itself is no
     longer kept (the norm's output drops out). Unchunked (0): the softmax of this rank's
     vocabulary slice (fp32, as the paper's 4 s b v / t) and the int64 targets with two boolean
@@ -161,7 +163,7 @@ def head_bytes(
     (unpadded) vocabulary, the targets and a 4-byte weight sum, no masks."""
     split = (terms.final_norm - 1) / sp_t + 1  # all but the gathered output split under SP
     norm = s * b * split * h * act_bytes + terms.final_stats * s * b * 4 / sp_t
-    if chunk_tokens and whole_vocab is not None:
+    if chunk_tokens and whole_vocab is not None and grads_in_forward:
         return norm - s * b * h * act_bytes + s * b * h * 4 + vocab_local * h * 4 + 8
     if chunk_tokens:
         return norm + s * b * (8 + 2 + 4) + 8

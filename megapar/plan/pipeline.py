@@ -50,6 +50,19 @@ def _actions(name: str, pp: int, m: int, stage: int, v: int):
     return schedules.stage_actions(name, pp, m, v)[stage]
 
 
+def loss_grads_in_forward(p, c) -> bool:
+    """Whether the chunked loss makes its gradients in the forward for Problem `p` and
+    Candidate `c`, as the executor decides (`PipelineExecutor._set_loss_mode`): at tp 1 with
+    `loss_chunk_tokens` > 0, where the schedule holds one loss in flight at a time (all but
+    GPipe; `schedules.loss_in_flight`)."""
+    if not p.loss_chunk_tokens or c.tp != 1:
+        return False
+    if not _registered(c.schedule):
+        return c.schedule != "gpipe"
+    m = p.global_batch // (c.mbs * c.dp)
+    return sched.loss_in_flight(c.schedule, c.pp, m, c.v) <= 1
+
+
 def formula_bubble(
     name: str, pp: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0
 ) -> float:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from megapar.plan.layouts import Candidate
 from megapar.plan.memory import GIB, MemoryBreakdown
 from megapar.plan.params import piece_counts
+from megapar.plan.pipeline import loss_grads_in_forward
 from megapar.plan.problem import Problem
 from megapar.tensor_parallel.partition import local_size
 
@@ -199,7 +200,7 @@ def _top_of_backward(
     out = [_autocast_copies(p, c, mem, has_embedding, has_head)]
     if has_head:
         extra = p.act_bytes if _sixteen_bit(p) else 0
-        fused = bool(p.loss_chunk_tokens) and c.tp == 1  # fp32, made in the forward: an activation
+        fused = loss_grads_in_forward(p, c)  # fp32, made in the forward: an activation
         out.append(
             Term(
                 "head's weight gradient",

@@ -65,13 +65,14 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     cp_b += cp_f if c.recompute != "none" else 0.0
     extra = {"none": 0.0, "selective": fl.attention, "full": fl.layer()}[c.recompute]
     logits = 2 * cfg.hidden_size * local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
+    in_forward = pipeline.loss_grads_in_forward(p, c)
 
     def cost(k: int, first: bool, last: bool) -> ChunkTime:
         head = fl.head if last else 0.0
-        # the chunked loss at tp 1 makes the head's input and weight gradients in its forward
-        # (the logits computed once); at tp > 1 its backward recomputes the logits
-        fused = last and bool(p.loss_chunk_tokens) and t == 1
-        recomputed = logits if last and p.loss_chunk_tokens and t > 1 else 0.0
+        # the chunked loss at tp 1 with one loss in flight makes the head's input and weight
+        # gradients in its forward (the logits computed once); else its backward recomputes them
+        fused = last and in_forward
+        recomputed = logits if last and p.loss_chunk_tokens and not in_forward else 0.0
         moved = logits if fused else 0.0  # the logits' share of the head (BERT: + transform)
         f = tokens * (k * fl.layer() + head + 2 * moved)
         w = tokens * (k * fl.block + head - moved)

@@ -320,11 +320,11 @@ def check_ep(cfg) -> None:
             f"across ep ranks): use --zero 0, or --optimizer adamw / sgd"
         )
     for name in ("save", "load"):
-        if getattr(cfg, name) and cfg.zero:
+        if getattr(cfg, name) and cfg.zero == 3:
             raise UsageError(
-                f"--ep {cfg.ep} with --zero {cfg.zero} cannot be combined with {flag_of(name)} "
-                f"yet (the experts' optimizer slices are over another group than the "
-                f"checkpoint gathers): use --zero 0, or drop {flag_of(name)}"
+                f"--ep {cfg.ep} with --zero 3 cannot be combined with {flag_of(name)} yet (the "
+                f"experts' units are sharded over the expert-data-parallel group, which the "
+                f"ZeRO-3 save does not gather): use --zero 0, 1 or 2, or drop {flag_of(name)}"
             )
 
 
