@@ -4,11 +4,15 @@ A toy model (a dense layer, the toy MoE layer of test_expert_parallel with its e
 a dense output layer) trained 3 steps at dp 4 x ep 2 (2 micro-batches per rank, gradient
 clipping on, tiny buckets so dense and expert buckets interleave) with the all-reduce grad sync,
 ZeRO-1 and ZeRO-2 equals the same model trained on one process on all the data (fp32, 1e-5
-relative); the step's collectives are counted per group against the parameter counts; under
-ZeRO the optimizer state a checkpoint gathers (every expert whole) is the serial run's. The
-same at cp 2 x dp 2 x ep 2 (each cp rank's loss its tokens' share, as under context
-parallelism; the experts' group spans both cp ranks).
+relative); the step's collectives are counted per group against the parameter counts, and
+every rank issues the same collectives in the same order; under ZeRO-1/2 the optimizer state a
+checkpoint gathers (every expert whole) is the serial run's. The same at cp 2 x dp 2 x ep 2
+(each cp rank's loss its tokens' share, as under context parallelism; the experts' group spans
+both cp ranks). ZeRO-3 too in each layout: the model is one unit, its experts a unit of their
+own over the expert-data-parallel group.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -24,6 +28,7 @@ from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.optim.clip import clip_grad_norm
 from megapar.optim.zero import build_optimizer
+from megapar.optim.zero3 import Zero3Optimizer
 
 EP, M, STEPS, T = 2, 2, 3, 6
 LR, CLIP = 0.05, 0.5
@@ -81,7 +86,10 @@ def serial_run(dp, cp):
 def parallel_run(mesh, zero):
     model = ToyMoEModel(mesh.ep_group, mesh.ep, mesh.ep_rank)
     sync = build_grad_sync(model, mesh, zero=zero, bucket_mb=300 / 2**20)  # ~2 params each
-    opt = build_optimizer(model, mesh, LR, 0.1, zero=zero)
+    if zero == 3:  # the model is one root unit: its dense part leads its experts' unit
+        opt = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, 0.1)
+    else:
+        opt = build_optimizer(model, mesh, LR, 0.1, zero=zero)
     if zero:
         opt.attach(sync)
     norms, counted = [], []
@@ -100,7 +108,9 @@ def parallel_run(mesh, zero):
                 norms.append(clip_grad_norm(model, mesh, CLIP))
             opt.step()
         counted.append(calls)
-    return model, norms, counted[-1], sync, opt
+    with sync.whole() if zero == 3 else contextlib.nullcontext():  # ZeRO-3: gathered
+        weights = [p.detach().clone() for p in model.parameters()]
+    return model, weights, norms, counted[-1], sync, opt
 
 
 def traffic(calls):
@@ -147,14 +157,14 @@ def worker(dp, cp, zeros):
     edp_ranks = tuple(dist.get_process_group_ranks(mesh.expert_dp_group))
     out = {}
     for zero in zeros:
-        model, norms, calls, sync, opt = parallel_run(mesh, zero)
-        if zero:
+        model, weights, norms, calls, sync, opt = parallel_run(mesh, zero)
+        if zero in (1, 2):  # ZeRO-3's checkpoints are refused with ep
             check_checkpoint_state(model, mesh, opt, serial, serial_state)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(serial_norms),
                                    rtol=1e-5, atol=0)
-        for (name, p), want in zip(model.named_parameters(), serial.parameters()):
+        for (name, p), w, want in zip(model.named_parameters(), weights, serial.parameters()):
             want = want[mine.start:mine.stop] if is_expert(p) else want
-            torch.testing.assert_close(p.detach(), want.detach(), rtol=1e-5, atol=1e-7,
+            torch.testing.assert_close(w, want.detach(), rtol=1e-5, atol=1e-7,
                                        msg=f"zero {zero} {name}")
         t = traffic(calls)
         dense = sum(p.numel() for p in model.parameters() if not is_expert(p))
@@ -163,18 +173,25 @@ def worker(dp, cp, zeros):
                  for b in sync.buckets}
         padded = [sum(b.padded for b in sync.buckets if is_expert(b.params[0]) == expert)
                   for expert in (False, True)]
+        role = {dp_ranks: "dp", ep_ranks: "ep", edp_ranks: "expert dp"}
+        order = [(c.op, role.get(c.ranks, c.ranks), c.numel if c.op != "all_to_all_single"
+                  else "rows routed") for c in calls]
         out[zero] = {"traffic": t, "dense": dense, "experts": experts, "kinds": kinds,
+                     "order": order,
                      "dense_padded": padded[0], "expert_padded": padded[1],
                      "groups": (dp_ranks, ep_ranks, edp_ranks)}
     return out
 
 
-@pytest.mark.parametrize("dp,cp,zeros", [(4, 1, (0, 1, 2)), (2, 2, (0, 2)), (2, 1, (1,))])
+@pytest.mark.parametrize("dp,cp,zeros", [(4, 1, (0, 1, 2, 3)), (2, 2, (0, 2, 3)),
+                                          (2, 1, (1, 3))])
 def test_ep2_training_equals_one_process_and_counts_its_traffic(dp, cp, zeros):
-    """dp 4 x ep 2 (every grad sync kind), cp 2 x dp 2 x ep 2 (all-reduce and ZeRO-2), dp 2 x
-    ep 2 (ZeRO-1 with an expert group of one rank: each rank holds its experts' whole state)."""
+    """dp 4 x ep 2 (every grad sync kind), cp 2 x dp 2 x ep 2 (all-reduce, ZeRO-2 and ZeRO-3),
+    dp 2 x ep 2 (ZeRO-1 and ZeRO-3 with an expert group of one rank: each rank holds its
+    experts' whole state); every rank issues the same collectives in the same order."""
     edp = dp * cp // EP
-    for rank, res in enumerate(run_local(worker, dp * cp, dp, cp, zeros)):
+    outs = run_local(worker, dp * cp, dp, cp, zeros)
+    for rank, res in enumerate(outs):
         for zero, r in res.items():
             dp_ranks, ep_ranks, edp_ranks = r["groups"]
             assert len(edp_ranks) == edp and len(ep_ranks) == EP
@@ -189,11 +206,22 @@ def test_ep2_training_equals_one_process_and_counts_its_traffic(dp, cp, zeros):
             else:
                 assert t.pop(("all_reduce", dp_ranks)) == (1, 1)  # the norm of the slices
                 rounds = M if zero == 2 else 1  # ZeRO-2 reduces every micro-batch
+                # ZeRO-3: the model is one unit (its experts a unit led by it), gathered in
+                # each micro-batch's forward (kept for its backward), reduced once a step
+                gathers = M if zero == 3 else 1
                 # counted: a reduce-scatter's whole input, an all-gather's slice
                 scatter, gather = "reduce_scatter_tensor", "all_gather_into_tensor"
-                assert t.pop((scatter, dp_ranks))[1] == rounds * r["dense_padded"]
-                assert t.pop((scatter, edp_ranks))[1] == rounds * r["expert_padded"]
-                assert t.pop((gather, dp_ranks))[1] == r["dense_padded"] // (dp * cp)
-                assert t.pop((gather, edp_ranks))[1] == r["expert_padded"] // edp
-                assert r["dense"] <= r["dense_padded"] < r["dense"] + 32 * dp * cp
+                dense, experts = r["dense_padded"], r["expert_padded"]
+                assert t.pop((scatter, dp_ranks))[1] == rounds * dense
+                assert t.pop((scatter, edp_ranks))[1] == rounds * experts
+                calls = [t.pop((gather, dp_ranks)), t.pop((gather, edp_ranks))]
+                assert [n for _, n in calls] == [gathers * dense // (dp * cp),
+                                                 gathers * experts // edp], (rank, zero, calls)
+                if zero == 3:  # a call per gather of each unit
+                    assert [c for c, _ in calls] == [M, M], (rank, calls)
+                assert r["dense"] <= dense < r["dense"] + 32 * dp * cp
+                assert r["experts"] <= experts < r["experts"] + 32 * edp
             assert not t, (rank, zero, t)
+    for zero in zeros:  # one launch order of every group's collectives on every rank
+        orders = {tuple(res[zero]["order"]) for res in outs}
+        assert len(orders) == 1, (zero, orders)

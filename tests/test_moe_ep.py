@@ -1,11 +1,14 @@
 """The Qwen3-MoE-style model of test_moe_parallel.py (a dense first layer, three MoE layers with
 shared experts, the switch loss, the z-loss and the moving bias) trains with expert parallelism
-as one process: dp 2 x ep 2, dp 4 x ep 2 (ZeRO-0 and ZeRO-1), pp 2 x dp 2 x ep 2 (full
-recomputation under 1F1B and ZB-H1: each recompute reuses its forward's route) and
-tp 2 x dp 2 x ep 2: losses, grad norms, router statistics, biases, first-step gradients (ZeRO-0) and final weights (the experts
-gathered over ep), fp32, 1e-5 relative, over three steps. And each micro-batch makes exactly one
+as one process: dp 2 x ep 2 (ZeRO-0 and ZeRO-3), dp 4 x ep 2 (ZeRO-0, ZeRO-1 and ZeRO-3), pp 2 x
+dp 2 x ep 2 (full recomputation under 1F1B and ZB-H1: each recompute reuses its forward's route)
+and tp 2 x dp 2 x ep 2: losses, grad norms, router statistics, biases, first-step gradients
+(ZeRO-0 and ZeRO-3) and final weights (the experts gathered over ep), fp32, 1e-5 relative,
+over three steps. And each micro-batch makes exactly one
 host sync per MoE layer, at expert_parallel/dispatch.py, with or without full recomputation.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from sync_count import count_syncs
 from test_moe_parallel import G, LR, MAX_NORM, MBS, SEED, SEQ, config, global_batches
 from test_moe_parallel import biases, check_rank, scheduler, serial_reference
 from tp_utils import assert_close
+from tp_utils import full_grads as gathered_grads
 
 from megapar.comm_count import count_collectives
 from megapar.expert_parallel import is_expert
@@ -48,7 +52,13 @@ def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b"):
     mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", 1, ep), dist.get_rank())
     model = build_stage(config(), mesh, SEED, recompute)
     executor = PipelineExecutor(model, mesh, schedule, (MBS, SEQ, 32))
-    optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
+    if zero == 3:
+        from megapar.optim.zero3 import Zero3Optimizer
+
+        optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
+                                   tp_group=mesh.tp_group)
+    else:
+        optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
     grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02)
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
                      MAX_NORM, grad_sync)
@@ -60,8 +70,10 @@ def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b"):
     grads, optimizer_step = {}, optimizer.step
 
     def record_first_grads_then_step():
-        if not grads and zero == 0:
-            grads.update({n: _whole(p.grad, p, mesh) for n, p in model.named_parameters()})
+        if not grads and zero in (0, 3):  # ZeRO-3: each unit's over its group (experts' too)
+            full = gathered_grads(step.grad_sync) if zero == 3 else {}
+            grads.update({n: _whole(full[id(p)] if zero == 3 else p.grad, p, mesh)
+                          for n, p in model.named_parameters()})
         optimizer_step()
 
     optimizer.step = record_first_grads_then_step
@@ -72,7 +84,8 @@ def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b"):
             results.append(step.step(plan.split(b, mesh.dp_rank), i))
         if i == 0:  # the first step's all-to-alls, as megapar-plan counts them
             a2a = [(c.bytes, c.dtype, c.group_size) for c in calls if c.op == "all_to_all_single"]
-    weights = {n: _whole(p.detach(), p, mesh) for n, p in model.named_parameters()}
+    with step.grad_sync.whole() if zero == 3 else contextlib.nullcontext():
+        weights = {n: _whole(p.detach(), p, mesh) for n, p in model.named_parameters()}
     keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
     return {"results": results, "weights": weights if keep else {},
             "grads": grads if keep else {}, "biases": biases(model), "a2a": a2a}
@@ -88,7 +101,7 @@ def _check(outs, run, reference):
     for rank, out in enumerate(outs):
         check_rank(out, f"{run} rank {rank}", reference, merged)
     assert set(merged["weights"]) == set(reference["weights"]), f"{run}: parameter names differ"
-    if run[4] == 0:
+    if run[4] in (0, 3):
         assert set(merged["grads"]) == set(reference["grads"]), f"{run}: gradient names differ"
     for key in merged:
         for name, t in merged[key].items():
@@ -99,19 +112,21 @@ def _runs(runs):
     return [_train(*run) for run in runs]
 
 
-RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 2, 2, 2, 0, "full"),
+RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 1, 4, 2, 3), (1, 2, 2, 2, 0, "full"),
           (1, 2, 2, 2, 0, "full", "zb-h1"), (2, 1, 2, 2, 0)]
 
 
 def test_dp2_ep2_matches_serial_training(reference):
-    """And its all-to-all bytes per step (`comm_count`) are megapar-plan's analytic count
+    """With all-reduce and with ZeRO-3 (the experts' units over a one-rank expert group).
+    And its all-to-all bytes per step (`comm_count`) are megapar-plan's analytic count
     (`plan.experts.step_alltoall`): per rank exactly for the count exchange and the rows it
     routes, over the ep group exactly in all (each rank's received rows depend on the
     routing; they sum to the rows sent)."""
-    run = (1, 1, 2, 2, 0)
-    outs = [o[0] for o in run_local(_runs, 2, [run])]
-    _check(outs, run, reference)
-    _check_alltoall_bytes(outs)
+    runs = [(1, 1, 2, 2, 0), (1, 1, 2, 2, 3)]
+    outs = run_local(_runs, 2, runs)
+    for i, run in enumerate(runs):
+        _check([o[i] for o in outs], run, reference)
+    _check_alltoall_bytes([o[0] for o in outs])
 
 
 def _check_alltoall_bytes(outs):

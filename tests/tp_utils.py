@@ -109,7 +109,7 @@ def full_grads(sharded) -> dict[int, torch.Tensor]:
     out = {}
     for u in sharded.units:
         flat = torch.empty(u.padded, dtype=u.shard.dtype, device=u.shard.device)
-        all_gather(flat, u.grad_shard, sharded.group).wait()
+        all_gather(flat, u.grad_shard, u.group).wait()
         offset = 0
         for p in u.params:
             out[id(p)] = flat[offset:offset + p.numel()].view(p.shape).clone()

@@ -16,7 +16,8 @@ the other gradients. One class per kind implements it:
 Under expert parallelism (ep > 1) the all-reduce and ZeRO-1 / ZeRO-2 kinds put expert parameters
 (`megapar.expert_parallel.is_expert`) into buckets of their own, reduced over
 `Mesh.expert_dp_group` (the ranks holding the same experts) instead of the cp x dp group, in the
-one launch order of all buckets; ZeRO-3 refuses ep (its units shard over one group).
+one launch order of all buckets; ZeRO-3 puts them into units of their own, sharded, gathered and
+reduce-scattered over that group, each led by its block's unit (`zero3_units.UnitMaker`).
 
 The sharded kinds also take `defer(last, before_reduce)` from the distributed optimizer's
 `attach`: the tied embedding's gradient is reduced last, after its sum over the first and last
@@ -104,7 +105,7 @@ def build_grad_sync(
     over (dp x cp = 1), else the ZeRO-`zero` kind (the tied embedding laid out last, to be
     deferred by the optimizer's `attach`). `compressor` (a `compression.py` compressor)
     replaces `reduce_dtype`; the zero3 options are `ShardedParams`'. Under ep > 1 expert
-    parameters reduce over `mesh.expert_dp_group` (not with ZeRO-3)."""
+    parameters reduce over `mesh.expert_dp_group` (ZeRO-3: are sharded over it)."""
     group, dp = mesh.dp_cp_group, mesh.dp
     experts = mesh.expert_dp_group if getattr(mesh, "ep", 1) > 1 else None
     if compressor is not None:
@@ -120,11 +121,6 @@ def build_grad_sync(
             average_over=dp,
             expert_group=experts,
         )
-    if zero == 3 and experts is not None:
-        raise ValueError(
-            f"--ep {mesh.ep} cannot be combined with --zero 3 yet (its units are sharded over "
-            f"one dp group; expert weights reduce over another): use --zero 0, 1 or 2"
-        )
     if zero == 3:
         return ShardedParams(
             model,
@@ -134,6 +130,7 @@ def build_grad_sync(
             persist_below=zero3_persistence_threshold,
             offload=offload_params,
             reduce=zero3_reduce,
+            expert_group=experts,
         )
     kinds = {1: Zero1Buckets, 2: Zero2Buckets}
     if zero not in kinds:

@@ -27,23 +27,15 @@ Hooks attached from outside the model (the model knows nothing of this):
 once gathered, stays gathered until the step's `finish()`: one gather per unit and step
 instead of two per micro-batch, at the price of the stage's whole parameters during the step.
 
-Gradients: a unit's full gradient buffer (``.grad`` views) is made when its backward first
-gathers it. With ``reduce="step"`` (--zero3-reduce step) it accumulates all micro-batches of
-the step (ZeRO-2's "keep full gradients until the last one"); when every parameter of the unit
-is final (the executor's `GradSync` protocol: `begin_step`, `arm`, `before_last_backward`,
-`grads_ready`, `finish`) it is divided by dp, reduce-scattered into `grad_shard` (async) and
-freed once that is waited for: before the next unit's reduce-scatter is launched
-(`MAX_REDUCES_IN_FLIGHT`, on gloo and NCCL alike), so the backward does not hold the stage's
-whole gradient. With ``reduce="micro-batch"`` (DeepSpeed's stage 3) every micro-batch's
-backward reduce-scatters each unit once its gradients are there, in rounds as ZeRO-2's buckets
-(`LaunchOrder.launch_round`), into a staging slice added into `grad_shard`; the next
-micro-batch's backward makes a new buffer (after the previous round's reductions are waited
-for). Gradients reported once per step (ZB-H1's W, the tied embedding over stages) hold their
-units, and those after them in the round, until then. Units launch in a fixed order (the
-blocks from the last, then the root; `LaunchOrder`) whatever order hooks fire in, and gathers
-are issued in program order, so every rank of the group issues the same collectives in the
-same order (NCCL's rule). The root goes last and, with a tied embedding over pipeline stages
-(`defer`), only after `before_reduce`.
+Under expert parallelism (`expert_group` given) a block's expert parameters are a unit of
+their own, sharded over the expert-data-parallel group (`zero3_units.UnitMaker`) and led by
+the block's unit: every gather, prefetch and release of the block takes both, the block's first
+and its experts' second, the same on every rank, so each group's collectives are issued in the
+same order on all its ranks.
+
+Gradients (`zero3_grads.UnitGradSync`, which this class is): each unit's full gradient is
+reduce-scattered over its unit's group, once a step or per micro-batch (--zero3-reduce), in a
+fixed launch order; gathers are issued in program order.
 
 Traffic per step without pp (m micro-batches): 2 m all-gathers of every unit but the tail
 (m), and one reduce-scatter, m per micro-batch; with `keep`, one all-gather per unit.
@@ -53,50 +45,28 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megapar import device as _device
-from megapar.data_parallel.launch_order import LaunchOrder
+from megapar.data_parallel.zero3_grads import REDUCES as REDUCES
+from megapar.data_parallel.zero3_grads import UnitGradSync
 from megapar.data_parallel.zero3_units import (
     FreeAfterBackward,
-    Reduction,
+    Shards,
     Unit,
+    UnitMaker,
     in_backward,
     stage_units,
 )
-from megapar.mesh import group_size
-
-REDUCES = ("step", "micro-batch")
-"""--zero3-reduce: when each unit's gradient is reduce-scattered (`ShardedParams`)."""
 
 
-class ShardedParams:
-    """The units of a stage (`stage.chunks` or the stage itself), sharded over `group`, with
-    their hooks; also the stage's grad sync (ZeRO-3's kind of the `GradSync` protocol)."""
+class ShardedParams(UnitGradSync):
+    """The units of a stage (`stage.chunks` or the stage itself), sharded over `group` (and
+    the expert parameters over `expert_group`), with their hooks; also the stage's grad sync
+    (ZeRO-3's kind of the `GradSync` protocol, `UnitGradSync`)."""
 
-    stage = 3
-    """The ZeRO stage this grad sync serves (`GradSync.stage`)."""
-    sharded = True
-    """The parameters, gradients and optimizer state are this rank's slices (`GradSync`)."""
-    sharded_grads = True
-    """The reduced gradients exist only as this rank's slices (`GradSync`)."""
-
-    MAX_REDUCES_IN_FLIGHT = 1
-    """Reduce-scatters left in flight when the next unit's is launched: the older ones are
-    waited for first and their full gradient buffers dropped, on every backend (FSDP2's
-    default `reduce_scatter_max_input_buffers`: one reduce-scatter overlaps the backward of
-    the unit before it). At most two units' full gradients are then alive from the reductions
-    (the one in flight and the one being reduced next) besides those autograd is filling.
-    gloo: it also bounds the copies of whole buffers gloo holds until a collective is waited
-    for (see `Zero1Buckets`). NCCL: the wait only orders the current stream after the
-    collective (no host sync); ProcessGroupNCCL keeps its own reference to the input until
-    the work is waited for (its tensor stash, which replaced ``recordStream``), and the
-    buffer dropped after the wait returns to the caching allocator on the current stream,
-    so only work ordered after the reduce-scatter can reuse it."""
     HOST_PIECE_MB = 16.0
     """gloo: a unit whose slice is larger than this is gathered and reduce-scattered
     synchronously, this many MB of each rank's slice at a time through a staging buffer (gloo
@@ -112,35 +82,29 @@ class ShardedParams:
         persist_below: int = 0,
         offload: bool = False,
         reduce: str = "step",
+        expert_group=None,
     ):
         """`persist_below`: parameters with fewer elements go into one *persistent* unit of
         the stage, gathered at the stage's first forward of a step and kept until the step
         ends (DeepSpeed's stage3_param_persistence_threshold: biases and norms are not
         gathered per use). `offload` (--offload-params): each unit's shard is held in host
         memory and copied to a device staging shard for each gather (`Unit.host_shard`).
-        `reduce` (--zero3-reduce, `REDUCES`): "step" reduces each unit's gradient once, after
-        the last micro-batch's backward; "micro-batch" in every micro-batch's backward."""
-        if reduce not in REDUCES:
-            raise ValueError(f"--zero3-reduce {reduce!r}: choose one of {', '.join(REDUCES)}")
-        self.per_micro_batch = reduce == "micro-batch"
-        """Reduce-scatter every micro-batch, into a staging slice added into `grad_shard`."""
-        self.offload = offload
-        self.group = group
-        self.dp = group_size(group)
-        self.dp_rank = dist.get_rank(group) if self.dp > 1 else 0
-        self.average_over = average_over or self.dp
+        `reduce` (--zero3-reduce, `REDUCES`): as `UnitGradSync`'s. `expert_group` (expert
+        parallelism: `Mesh.expert_dp_group`): the group the expert parameters are sharded
+        over (None: they are sharded over `group` with the others)."""
+        dense = Shards.of(group)
+        self.group, self.dp, self.dp_rank = group, dense.size, dense.rank
         self.keep = keep
         self.persist_below = persist_below
-        made = stage_units(stage, self.dp, self.dp_rank, persist_below, offload)
+        self.offload = offload
+        experts = Shards.of(expert_group) if expert_group is not None else None
+        made = stage_units(stage, UnitMaker(dense, experts, offload), persist_below)
         self.chunks, self.roots, self.first = made.chunks, made.roots, made.first
         self.persistent = made.persistent
         """The unit of the parameters under `persist_below` elements (None: none)."""
-        self.units: list[Unit] = made.units
-        """Every unit, in the order their gradients reduce (`StageUnits.units`)."""
-        if not self.units:
+        if not made.units:
             raise ValueError("--zero 3: the stage has no trainable parameters to shard")
-        self.params = [p for u in self.units for p in u.params]
-        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        super().__init__(made.units, average_over or self.dp, reduce)
         self.host_waits = _device.polls_host(self.params[0].device)
         self.piece = (
             int(self.HOST_PIECE_MB * 2**20) // self.params[0].element_size()
@@ -148,26 +112,9 @@ class ShardedParams:
             else None
         )
         """Elements per synchronous piece of a large unit's collectives (gloo), else None."""
-        self.bytes_gathered = self.bytes_reduced = 0
-        """Bytes this rank received from all-gathers (full buffers) / put into reduce-scatters."""
-        self.active = self.in_step = False
-        self._armed: set[int] = set()
-        self.before_reduce = None
-        self.order = LaunchOrder(self.units)
-        """The fixed order the units' reductions launch in."""
-        self._flight: list[Unit] = []
-        """Units whose reduce-scatter is in flight, oldest first."""
+        self.bytes_gathered = 0
+        """Bytes this rank received from all-gathers (full buffers)."""
         self._attach_hooks()
-
-    @property
-    def reduces_every_micro_batch(self) -> bool:
-        """Whether every micro-batch's backward reduces (--zero3-reduce micro-batch)."""
-        return self.per_micro_batch
-
-    @property
-    def next_launch(self) -> int:
-        """Index of the next unit to launch (in its round, reducing per micro-batch)."""
-        return self.order.next
 
     # the optimizer's view (ZeroOptimizer.state_tensors reads these) ------------------------
     @property
@@ -213,7 +160,7 @@ class ShardedParams:
                     first.embedding = embed
                     last.tail = tail
         for u in self.units:
-            if u.module not in self.chunks and u is not self.persistent:
+            if u.lead is None and u.module not in self.chunks and u is not self.persistent:
                 u.module.register_forward_pre_hook(lambda m, args, u=u: call("_block_pre", u, args))
                 u.module.register_forward_hook(
                     lambda m, args, out, u=u: call("_block_post", u, out)
@@ -222,21 +169,33 @@ class ShardedParams:
                 p.register_post_accumulate_grad_hook(lambda p: call("_on_grad_ready", p))
 
     def gather(self, u: Unit | None) -> None:
+        """Gather `u` and its experts' unit (both launched, then both waited for)."""
         if u is None:
             return
-        if not u.gathered and u.handle is None:
-            self.bytes_gathered += u.nbytes
-            u.launch_gather(self.group, self.piece)
-        u.wait_gather()
+        for v in u.members():
+            self._launch_gather(v)
+        for v in u.members():
+            v.wait_gather()
 
     def prefetch(self, u: Unit | None) -> None:
-        if u is not None and not u.gathered and u.handle is None:
-            self.bytes_gathered += u.nbytes
-            u.launch_gather(self.group, self.piece)
+        """Launch the gathers of `u` and its experts' unit (waited for by `gather`)."""
+        if u is not None:
+            for v in u.members():
+                self._launch_gather(v)
+
+    def _launch_gather(self, v: Unit) -> None:
+        if not v.gathered and v.handle is None:
+            self.bytes_gathered += v.nbytes
+            v.launch_gather(self.piece)
 
     def release(self, u: Unit | None) -> None:
-        if u is not None and not self.keep and u.handle is None and u is not self.persistent:
-            u.free()
+        """Free `u` and its experts' unit (unless kept: `keep`, the persistent unit, or a
+        gather in flight)."""
+        if u is None or self.keep or u is self.persistent:
+            return
+        for v in u.members():
+            if v.handle is None:
+                v.free()
 
     def _chunk_pre(self, roots: tuple, first: Unit | None) -> None:
         for u in (self.persistent, *roots):  # the persistent unit: once per step
@@ -317,16 +276,6 @@ class ShardedParams:
         self._grads(u)
         self.prefetch(u.prev if u.prev is not None else u.embedding)
 
-    def _grads(self, u: Unit) -> None:
-        """Make `u`'s full gradient buffer for a backward (if it has none); reducing per
-        micro-batch, the reduce-scatters still in flight from an earlier round are waited for
-        first, so their buffers are gone before the next round's are made (a deferred unit's
-        buffer, made once and kept over the step, waits for none)."""
-        if u.grad_full is None and not u.deferred:
-            for v in [v for v in self._flight if v.launched_round < self.order.rounds]:
-                self._wait_reduce(v)
-        u.grads()
-
     # checkpoints ---------------------------------------------------------------------------
     def held_weights(self) -> list[torch.Tensor]:
         """This rank's parameter shards (what it holds of the weights between steps; on the
@@ -335,17 +284,21 @@ class ShardedParams:
 
     @torch.no_grad()
     def host_params(self, keep_on: bool) -> dict[int, torch.Tensor]:
-        """id(param) -> a host copy of the gathered parameter, one unit gathered at a time
-        (collective over the group); copies only where `keep_on` (the checkpoint writer)."""
+        """id(param) -> a host copy of the gathered parameter, one unit (with its experts'
+        unit) gathered at a time (collective over the units' groups); copies only where
+        `keep_on` (the checkpoint writer)."""
         out = {}
         for u in self.units:
-            was = u.gathered
+            if u.lead is not None:  # gathered with its lead
+                continue
+            was = [v.gathered for v in u.members()]
             self.gather(u)
-            if keep_on:
-                for p in u.params:
-                    out[id(p)] = p.detach().to("cpu", copy=True)
-            if not was:
-                u.free()
+            for v, kept in zip(u.members(), was):
+                if keep_on:
+                    for p in v.params:
+                        out[id(p)] = p.detach().to("cpu", copy=True)
+                if not kept:
+                    v.free()
         return out
 
     @contextlib.contextmanager
@@ -363,126 +316,6 @@ class ShardedParams:
                 for u in self.units:
                     u.keep_shard()
                     u.free()
-
-    # the GradSync protocol -------------------------------------------------------------------
-    def defer(self, last: Iterable[nn.Parameter], before_reduce) -> None:
-        """Units holding `last` (the tied embedding) reduce only in finish(), after
-        `before_reduce()`; they are moved to the end of the launch order."""
-        late = {id(p) for p in last}
-        if before_reduce is None or not late:
-            return
-        self.before_reduce = before_reduce
-        for u in self.units:
-            u.deferred = any(id(p) in late for p in u.params)
-        self.units = [u for u in self.units if not u.deferred] + [
-            u for u in self.units if u.deferred
-        ]
-        self.order = LaunchOrder(self.units)
-
-    def begin_step(self) -> None:
-        """Start a step: no unit ready, the hooks disarmed (reducing per micro-batch, the
-        gradient shards zeroed: the step's reductions are added into them)."""
-        for u in self.units:
-            if u.reduce_handle is not None:
-                raise RuntimeError(
-                    "ShardedParams.begin_step() while a reduce-scatter of the "
-                    "previous step is in flight; call finish() first"
-                )
-            if self.per_micro_batch:
-                u.grad_shard.zero_()
-        self.order.reset()
-        self.active = False
-        self._armed.clear()
-        self.in_step = True
-
-    def arm(self, params: Iterable[nn.Parameter]) -> None:
-        """Arm these parameters' hooks: their gradients become final during the next backward
-        (one model chunk's last)."""
-        self._armed.update(id(p) for p in params)
-
-    def before_last_backward(self) -> None:
-        """Arm every hook: gradients become final during the next backward."""
-        self.active = True
-
-    def grads_ready(self, params: Iterable[nn.Parameter]) -> None:
-        """Declare these parameters' gradients final (code that accumulates weight gradients
-        itself, as zero-bubble schedules' W)."""
-        ready = [p for p in params if self._counts(p)]
-        for p in ready:
-            self._unit_of[id(p)].ready.add(id(p))
-        if ready:
-            self._launch_ready()
-
-    def finish(self) -> None:
-        """Launch the units not launched yet (a unit without a backward this step reduces a
-        zero gradient), wait for every reduce-scatter; with `keep`, free every unit."""
-        if not self.in_step:
-            raise RuntimeError("ShardedParams.finish() without begin_step()")
-        self.active = self.in_step = False
-        self._armed.clear()
-        if self.per_micro_batch:
-            self.order.finish_rounds(
-                self._launch,
-                lambda u: u.grad_full is not None or any(p.grad is not None for p in u.params),
-                self.before_reduce,
-            )
-        else:
-            self.order.finish_step(self._launch, self.before_reduce)
-        while self._flight:
-            self._wait_reduce(self._flight[0])
-        for u in self.units:
-            if u.handle is not None:  # a prefetch nothing used (cannot happen in a schedule)
-                u.wait_gather()
-            if u.gathered:
-                u.free()
-
-    def _counts(self, p: nn.Parameter) -> bool:
-        """Whether `p`'s gradient, reported now, is ready for a reduction: per micro-batch
-        any time in a step, else in the last backward (or its chunk's, once armed)."""
-        return self.in_step and (self.per_micro_batch or self.active or id(p) in self._armed)
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if self._counts(p):
-            self._unit_of[id(p)].ready.add(id(p))
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        """Launch the units whose turn it is and whose gradients are all there (in rounds
-        when reducing per micro-batch)."""
-        if self.per_micro_batch:
-            self.order.launch_round(self._launch)
-        else:
-            self.order.launch_ready(self._launch)
-
-    def _launch(self, u: Unit) -> None:
-        """Reduce-scatter `u`'s full gradient into its shard (per micro-batch: into a staging
-        slice added into it), once the reductions in flight are fewer than
-        `MAX_REDUCES_IN_FLIGHT` (the oldest waited for, their buffers freed). The buffer is
-        detached from the unit at once: a later backward makes a new one."""
-        while self._flight and (
-            len(self._flight) >= self.MAX_REDUCES_IN_FLIGHT or u.reduce_handle is not None
-        ):
-            self._wait_reduce(self._flight[0])
-        u.adopt_replaced_grads()
-        flat = u.take_grads()
-        if self.average_over > 1:
-            flat.div_(self.average_over)
-        self.bytes_reduced += flat.nbytes
-        staging = torch.empty_like(u.grad_shard) if self.per_micro_batch else None
-        work = u.reduce_scatter(
-            flat, u.grad_shard if staging is None else staging, self.group, self.piece
-        )
-        u.reduce_handle = Reduction(
-            work, flat, staging, u.grad_shard if staging is not None else None
-        )
-        u.launched_round = self.order.rounds
-        self._flight.append(u)
-
-    def _wait_reduce(self, u: Unit) -> None:
-        assert u.reduce_handle is not None  # in flight
-        u.reduce_handle.wait()
-        u.reduce_handle = None
-        self._flight.remove(u)
 
 
 class HostStage:

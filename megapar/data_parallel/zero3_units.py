@@ -14,6 +14,12 @@ gathered (``untyped_storage().resize_(0)`` frees it; autograd's saved references
 weights survive, and see the values again when the unit is re-gathered into the same
 storage).
 
+Under expert parallelism (`stage_units` given the expert group) the expert parameters
+(`megapar.expert_parallel.is_expert`) of a block (or a root) form a unit of their own, sharded
+over the expert-data-parallel group (the ranks holding the same experts) instead of the
+cp x dp group: the block's unit leads it (`Unit.experts`), gathered, freed and given gradient
+buffers with it, dense first, then experts, on every rank.
+
 `offload=True` (``--offload-params``, DeepSpeed's offload_param): each unit's shard is held in
 host memory (`Unit.host_shard`, pinned on CUDA; on the CPU only with `HOST_COPIES_ENV`, else
 nothing moves) and `Unit.shard` is a device staging buffer, filled from the host just before
@@ -25,12 +31,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megapar import device as _device
+from megapar.expert_parallel import is_expert
+from megapar.mesh import group_size
 
 
 def in_backward() -> bool:
@@ -38,21 +47,42 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@dataclass(frozen=True)
+class Shards:
+    """The group a unit's flat buffer is sharded over, as this rank sees it."""
+
+    group: Any
+    """The process group (None: this rank alone)."""
+    size: int
+    """Its ranks: the buffer is padded to a multiple of it, one slice each."""
+    rank: int
+    """This rank's index in it: the slice it keeps."""
+
+    @classmethod
+    def of(cls, group) -> Shards:
+        """The shards of `group` (collective-free: reads its size and this rank's index)."""
+        size = group_size(group)
+        return cls(group, size, dist.get_rank(group) if size > 1 else 0)
+
+
 class Unit:
-    """One gathered-together group of parameters (a block, or a chunk's root)."""
+    """One gathered-together group of parameters (a block, or a chunk's root), sharded over
+    one group (`Shards`)."""
 
     def __init__(
         self,
         name: str,
         module: nn.Module,
         params: list[nn.Parameter],
-        shards: int,
-        rank: int,
+        shards: Shards,
         offload: bool = False,
     ):
         self.name, self.module, self.params = name, module, params
+        self.group, self.group_size, self.group_rank = shards.group, shards.size, shards.rank
+        """The group the unit is sharded, gathered and reduced over, its size and this rank's
+        index in it (the names `Bucket` has)."""
         self.numel = sum(p.numel() for p in params)
-        self.padded = -(-self.numel // shards) * shards
+        self.padded = -(-self.numel // shards.size) * shards.size
         """Elements of the flat buffer: numel rounded up to a multiple of the group size."""
         self.start = 0
         dtypes = {p.dtype for p in params}
@@ -61,8 +91,8 @@ class Unit:
                 f"--zero 3 unit {name} mixes parameter dtypes {sorted(map(str, dtypes))}"
             )
         device = params[0].device
-        size = self.padded // shards
-        self.lo, self.hi = rank * size, (rank + 1) * size
+        size = self.padded // shards.size
+        self.lo, self.hi = shards.rank * size, (shards.rank + 1) * size
         full = torch.zeros(self.padded, dtype=params[0].dtype, device=device)
         offset = 0
         with torch.no_grad():
@@ -107,14 +137,25 @@ class Unit:
         self.last: Unit | None = None
         """The tail of a split root: the chunk's last block, prefetched when the chunk's
         backward starts."""
+        self.experts: Unit | None = None
+        """Under expert parallelism: the unit of this module's expert parameters (over the
+        expert-data-parallel group), gathered, freed and given gradient buffers with this
+        one; None: none."""
+        self.lead: Unit | None = None
+        """The unit this one is the `experts` of (None: it leads itself)."""
         self.free()
+
+    def members(self) -> list[Unit]:
+        """This unit and its experts' unit, if any: what a gather or a release of it takes."""
+        return [self] if self.experts is None else [self, self.experts]
 
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    def launch_gather(self, group, piece: int | None = None) -> None:
-        """Start the all-gather of the unit into its full buffer (no-op when gathered).
+    def launch_gather(self, piece: int | None = None) -> None:
+        """Start the all-gather of the unit over its group into its full buffer (no-op when
+        gathered).
         `piece`: gather synchronously, `piece` elements of each rank's slice at a time through
         a staging buffer (gloo, which copies whole buffers in flight: see `ShardedParams`)."""
         if self.gathered or self.handle is not None:
@@ -123,7 +164,7 @@ class Unit:
         if self.host_shard is not None:  # to the device staging shard first
             self.shard.untyped_storage().resize_(self.shard_nbytes)
             self.shard.copy_(self.host_shard, non_blocking=True)
-        size = self.hi - self.lo
+        size, group = self.hi - self.lo, self.group
         if piece is None or size <= piece:
             self.handle = all_gather(self.full, self.shard, group)
             return
@@ -136,14 +177,12 @@ class Unit:
         self.gathered = True
         self._free_staging()
 
-    def reduce_scatter(
-        self, flat: torch.Tensor, out: torch.Tensor, group, piece: int | None = None
-    ):
-        """Reduce-scatter the full gradient `flat` into `out` (this rank's slice): async
-        (returns the work), or with `piece` synchronously through a staging buffer, as
-        `launch_gather` (None)."""
+    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, piece: int | None = None):
+        """Reduce-scatter the full gradient `flat` over the unit's group into `out` (this
+        rank's slice): async (returns the work), or with `piece` synchronously through a
+        staging buffer, as `launch_gather` (None)."""
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        size = self.hi - self.lo
+        size, group = self.hi - self.lo, self.group
         if piece is None or size <= piece:
             return fn(out, flat, group=group, async_op=True)
         ranks = self.padded // size
@@ -250,6 +289,37 @@ class FreeAfterBackward(torch.autograd.Function):
         return grad, None
 
 
+@dataclass(frozen=True)
+class UnitMaker:
+    """How a stage's units are made: the groups they are sharded over, and where the shards
+    are held."""
+
+    dense: Shards
+    """The group of every parameter but the experts' (cp x dp)."""
+    experts: Shards | None = None
+    """Under expert parallelism, the group of the expert parameters (the expert-data-parallel
+    group); None: they go with the others."""
+    offload: bool = False
+    """--offload-params: each shard held in host memory (`Unit.host_shard`)."""
+
+    def unit(self, name: str, module: nn.Module, params: list) -> Unit | None:
+        """The unit of `params` (None if there are none). Under expert parallelism the
+        expert parameters among them form a unit of their own over the experts' group, led
+        by the unit of the others (`Unit.experts`), or leading alone if there are no others."""
+        split = self.experts is not None
+        moe = [p for p in params if split and is_expert(p)]
+        rest = [p for p in params if not (split and is_expert(p))]
+        experts = None
+        if moe and self.experts is not None:
+            experts = Unit(f"{name} experts", module, moe, self.experts, self.offload)
+        if not rest:
+            return experts
+        lead = Unit(name, module, rest, self.dense, self.offload)
+        if experts is not None:
+            lead.experts, experts.lead = experts, lead
+        return lead
+
+
 @dataclass
 class StageUnits:
     """A stage's units, as `stage_units` makes them."""
@@ -264,15 +334,15 @@ class StageUnits:
     """The unit of the parameters under `persist_below` elements (None: none)."""
     units: list[Unit]
     """Every unit, in the order their gradients reduce (later chunks, later blocks first;
-    each chunk's root after its blocks; the persistent unit last)."""
+    each chunk's root after its blocks; the persistent unit last; a unit's experts just
+    before it: in a block's backward the experts' gradients are final first)."""
 
 
-def stage_units(
-    stage: nn.Module, shards: int, rank: int, persist_below: int = 0, offload: bool = False
-) -> StageUnits:
-    """The units of `stage` sharded `shards` ways, this being rank `rank`: one per block with
-    parameters of at least `persist_below` elements, each chunk's roots (`chunk_roots`), and
-    one persistent unit of the smaller ones; blocks linked to their neighbours."""
+def stage_units(stage: nn.Module, make: UnitMaker, persist_below: int = 0) -> StageUnits:
+    """The units of `stage`, made by `make`: one per block with parameters of at least
+    `persist_below` elements, each chunk's roots (`chunk_roots`), and one persistent unit of
+    the smaller ones; blocks linked to their neighbours. The units named here lead (their
+    experts' units, under expert parallelism, go with them)."""
     chunks = list(getattr(stage, "chunks", [stage]))
     roots: dict[int, tuple[Unit | None, Unit | None]] = {}
     first: dict[int, Unit] = {}
@@ -281,13 +351,11 @@ def stage_units(
         layers = getattr(chunk, "layers", None)
         blocks = list(layers.items()) if layers is not None else []
         made = [
-            Unit(f"chunk {ci} layer {n}", b, ps, shards, rank, offload)
+            u
             for n, b in blocks
-            if (ps := [p for p in b.parameters() if p.requires_grad and p.numel() >= persist_below])
+            if (u := make.unit(f"chunk {ci} layer {n}", b, _at_least(b, persist_below)))
         ]
-        tail, embed = chunk_roots(
-            ci, chunk, blocks, bool(made), shards, rank, persist_below, offload
-        )
+        tail, embed = chunk_roots(ci, chunk, blocks, bool(made), make, persist_below)
         roots[ci] = (tail, embed)
         for a, b in pairwise(made):
             a.next, b.prev = b, a
@@ -295,22 +363,21 @@ def stage_units(
             first[ci] = made[0]
         per_chunk.append([*reversed(made)] + [u for u in (embed, tail) if u is not None])
     small = [p for p in stage.parameters() if p.requires_grad and p.numel() < persist_below]
-    persistent = Unit("persistent", stage, small, shards, rank, offload) if small else None
-    units = [u for units in reversed(per_chunk) for u in units] + (
+    persistent = make.unit("persistent", stage, small)
+    leads = [u for units in reversed(per_chunk) for u in units] + (
         [persistent] if persistent is not None else []
     )
+    units = [v for u in leads for v in reversed(u.members())]
     return StageUnits(chunks, roots, first, persistent, units)
 
 
+def _at_least(module: nn.Module, persist_below: int) -> list[nn.Parameter]:
+    """`module`'s trainable parameters of at least `persist_below` elements."""
+    return [p for p in module.parameters() if p.requires_grad and p.numel() >= persist_below]
+
+
 def chunk_roots(
-    ci: int,
-    chunk: nn.Module,
-    blocks: list,
-    split: bool,
-    shards: int,
-    rank: int,
-    persist_below: int,
-    offload: bool,
+    ci: int, chunk: nn.Module, blocks: list, split: bool, make: UnitMaker, persist_below: int
 ) -> tuple[Unit | None, Unit | None]:
     """The chunk's parameters outside its blocks as (tail, embedding) units. With blocks
     and an `embed` module, the embedding's own parameters (not a tied word embedding the
@@ -319,11 +386,7 @@ def chunk_roots(
     norm, head, tied weights) is freed once the backward has passed the last block, and
     the embedding unit is gathered when it reaches the first. Else one root unit."""
     inside = {id(p) for _, b in blocks for p in b.parameters()}
-    root = [
-        p
-        for p in chunk.parameters()
-        if p.requires_grad and id(p) not in inside and p.numel() >= persist_below
-    ]
+    root = [p for p in _at_least(chunk, persist_below) if id(p) not in inside]
     embed = getattr(chunk, "embed", None)
     own: set[int] = set()
     if split and isinstance(embed, nn.Module):
@@ -339,8 +402,5 @@ def chunk_roots(
             own -= {id(p) for p in root if getattr(p, "shared_embedding", False)}
     pre = [p for p in root if id(p) in own]
     post = [p for p in root if id(p) not in own]
-
-    def make(name: str, ps: list) -> Unit | None:
-        return Unit(f"chunk {ci} {name}", chunk, ps, shards, rank, offload) if ps else None
-
-    return make("root", post), make("embedding", pre)
+    tail = make.unit(f"chunk {ci} root", chunk, post)
+    return tail, make.unit(f"chunk {ci} embedding", chunk, pre)

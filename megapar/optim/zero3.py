@@ -47,6 +47,11 @@ class Zero3Optimizer(ZeroOptimizer):
         if self.dp == 1 or self.sharded:
             return
         self._check_sync(grad_sync)
+        if self.kind in ("lamb", "lars") and self._other_groups(grad_sync):
+            raise ValueError(
+                f"{self.kind} under ZeRO-3 cannot serve expert parallelism yet (its "
+                f"whole-parameter norms sum slices over dp); use --zero 0, or adamw / sgd"
+            )
         grad_sync.defer(last, before_reduce)
         self.grad_sync, self.sharded = grad_sync, True
         first = grad_sync.units[0].shard
@@ -84,3 +89,28 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _after_step(self) -> None:
         """Nothing to gather: each unit is gathered from the shards at its next use."""
+
+    def _other_groups(self, grad_sync) -> bool:
+        """Whether some units are sharded over another group than the optimizer's (the
+        experts' units under expert parallelism)."""
+        return any(u.group is not self.group for u in grad_sync.units)
+
+    def state_tensors(self, copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:
+        """`ZeroOptimizer.state_tensors`; refused while experts' units are sharded over
+        another group (the gather to dp rank 0 reads one group's slices)."""
+        self._refuse_experts("saved")
+        return super().state_tensors(copy)
+
+    def load_state_tensors(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
+        """`ZeroOptimizer.load_state_tensors`; refused under expert parallelism, as
+        `state_tensors`."""
+        self._refuse_experts("loaded")
+        super().load_state_tensors(d)
+
+    def _refuse_experts(self, what: str) -> None:
+        if self.sharded and self._other_groups(self.grad_sync):
+            raise ValueError(
+                f"the ZeRO-3 optimizer state cannot be {what} under expert parallelism yet "
+                f"(the experts' shards live on the expert-data-parallel group): train with "
+                f"--zero 0 to save or load"
+            )

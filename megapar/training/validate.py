@@ -308,22 +308,24 @@ def check_ep(cfg) -> None:
             f"--ep {cfg.ep} does not divide --dp {cfg.dp}: experts are sharded over "
             f"data-parallel ranks; choose an --ep that divides dp, or change --dp"
         )
-    if cfg.zero == 3:
-        raise UsageError(
-            f"--ep {cfg.ep} cannot be combined with --zero 3 yet (its units are sharded "
-            f"over one dp group; expert weights reduce over another): use --zero 0, 1 or 2"
-        )
     if cfg.grad_compression == "powersgd":
         raise UsageError(
             f"--ep {cfg.ep} cannot be combined with --grad-compression powersgd (its "
             f"state is per bucket of one dp group); use --grad-compression none, bf16 or fp16"
         )
-    if cfg.zero in (1, 2) and cfg.optimizer in ("lamb", "lars"):
+    if cfg.zero and cfg.optimizer in ("lamb", "lars"):
         raise UsageError(
             f"--ep {cfg.ep} with --zero {cfg.zero} cannot serve --optimizer {cfg.optimizer} "
             f"yet (its whole-parameter norms sum the slices over dp, and experts differ "
             f"across ep ranks): use --zero 0, or --optimizer adamw / sgd"
         )
+    for name in ("save", "load"):
+        if getattr(cfg, name) and cfg.zero == 3:
+            raise UsageError(
+                f"--ep {cfg.ep} with --zero 3 cannot be combined with {flag_of(name)} yet (the "
+                f"experts' units are sharded over the expert-data-parallel group, which the "
+                f"ZeRO-3 save does not gather): use --zero 0, 1 or 2, or drop {flag_of(name)}"
+            )
 
 
 def check_inject_slow(cfg, world_size: int) -> None:
