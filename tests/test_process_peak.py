@@ -107,15 +107,16 @@ def _rise(kwargs: dict, mbs: int, seq: int) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_cpu_figure_covers_the_os_peak_within_15_percent():
-    """The planner's CPU figure against a spawned rank's peak resident set rise (the mean of two
-    runs): never under it, and at most 15 % over. The goal is 10 % (issue 47), met under load
-    (1.67 and 1.81 GiB measured, 1.79 predicted) but not on a quiet machine: 1,631 MiB twice
-    against 1,832 predicted, 12 % over (docs/guides/planner.md). The tensors counted before
-    issue 47 (1.24 GiB) lacked the three embedding-sized gradients at the end of the backward,
-    the heap's room and the runtime: the figure under-predicted, the failure users met. Since the
-    chunked loss makes its gradients in the forward at tp 1 the tensors hold the head's fp32
-    weight gradient among the activations (147 MiB: 1.42 GiB)."""
+def test_cpu_figure_within_10_percent_of_the_os_peak():
+    """The planner's CPU figure against a spawned rank's peak resident set rise (the lower of two
+    runs: noise only adds to a peak): within 10 % (issue 47). Measured 2026-11-29: 1,620 and
+    1,621 MiB against 1,693 predicted (+4.5 %): 1,534 MiB of tensors (the state and, at the end
+    of the backward, two embedding-sized gradients: the head's, held, and the lookup's, added
+    into it in place), the heap's room (0.2 x 295 MiB) and the runtime (100 MiB). Before, three
+    embedding-sized gradients and a 62 MiB runtime: 1,832 predicted, 12 % over on a quiet
+    machine. The tensors counted before issue 47 (1.24 GiB) lacked the gradients at the end of
+    the backward, the heap's room and the runtime: the figure under-predicted, the failure users
+    met."""
     from megapar.models.config import config_from_dict
 
     mbs, seq = 1, 64
@@ -126,6 +127,6 @@ def test_cpu_figure_covers_the_os_peak_within_15_percent():
     peak = process_peak(p, c, stage, *stage_roles(p, c, 0), activation_sizes(p, c).full)
     assert peak.phase == "end of the backward"
     runs = [run_local(_rise, 1, CPU_LAYOUT, mbs, seq, start_method="spawn")[0] for _ in range(2)]
-    measured = sum(runs) / 2
+    measured = min(runs)
     assert measured > 1.1 * stage.total, (measured / 2**20, stage.total / 2**20)
-    assert measured <= peak.total <= 1.15 * measured, (peak.total / 2**20, runs)
+    assert abs(peak.total / measured - 1) <= 0.10, (peak.total / 2**20, runs)

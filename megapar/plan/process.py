@@ -14,8 +14,9 @@ The tensors' peak is the larger of two phases:
   16-bit weight copies, the head's weight gradient, (loss unchunked at tp 1) the gradient of
   the log-softmax, and one block's backward working set;
 - the end of the backward on the stage with the embedding (`B`): the state, autocast's copies
-  and the embedding's weight gradient (with the tied head on the same rank, three tensors of
-  the embedding's size: the head's gradient autograd holds for it, the lookup's and their sum).
+  and the embedding's weight gradient (with the tied head on the same rank, two tensors of
+  the embedding's size: the head's gradient autograd holds for it and the lookup's, which
+  autograd adds into the held one in place).
 
 On a GPU the process then holds the allocator's reserve over its tensors and the CUDA
 context; on a CPU the heap's room and the runtime's resident memory (libraries and threads
@@ -48,19 +49,26 @@ CUDA_CONTEXT = 0.75 * GIB
 """Device memory outside the allocator (the CUDA context, cuBLAS / cuDNN workspaces): 0.58 and
 0.75 GiB measured on the H200 (`megapar.device.cuda_context_bytes`); the larger is counted."""
 
-CPU_RUNTIME = 62 * 2**20
-"""Resident memory a CPU rank adds while it builds its engine beyond the tensors it allocates
-(gloo's and OpenMP's threads, libraries loaded on first use): 61-63 MiB measured as the peak
-resident set's rise less glibc's in-use bytes after building (2026-11-29)."""
+CPU_RUNTIME = 100 * 2**20
+"""Resident memory a CPU rank adds beyond the tensors counted, however small its step's
+transients: memory outside glibc's heap (gloo's and OpenMP's threads, libraries loaded on
+first use: 67-80 MiB measured as the resident set less glibc's arena at the peak) and heap
+bytes that are no counted tensors (the model's and engine's Python objects, bookkeeping,
+gloo's buffers and the holes they leave). Measured as the peak resident set's rise less the
+planner's tensors where those have no transients to speak of (8 blocks of hidden 512, dp 2,
+10 MiB of activations, spawned ranks as tests/test_peak_memory.py runs them, less the heap's
+room, 2026-11-29): 110, 99 and 109 MiB at ZeRO 0 / 1 / 2. The 62 MiB counted before was the
+part outside the heap at the end of building only."""
 
 CPU_HEAP_ROOM = 0.2
 """Freed room glibc's heap holds at the peak (megapar's host policy keeps freed blocks and
-never trims, `megapar.device.keep_freed_host_memory`), as a share of the step's tensors above
-its state. Measured as the resident peak over glibc's in-use peak (2026-11-29): 178-224 MiB
-over 564 MiB of activations and their gradients (8 blocks, hidden 256, 4 x 1024 tokens), 0-137
-MiB over GPT-2 124M's 441 MiB of embedding gradients at ZeRO-0, 150-436 at ZeRO-1 (the same
-rank's peak moves by up to 0.15 GiB from run to run at dp 2); 0.2 puts these layouts' figures
-within 10 % of their peaks."""
+never trims, `megapar.device.keep_freed_host_memory`) as a share of the step's tensors above
+its state, beyond what `CPU_RUNTIME` holds. The least certain term: glibc's arena less its
+in-use bytes (`mallinfo2` sampled every millisecond, 2026-11-29) was 30 MiB over the 295 MiB
+of embedding-sized gradients of a GPT-2-wide rank in one process, 53-106 MiB over the same
+on GPT-2 124M at dp 2, ZeRO 0-2 (201 in one rank of one run: noise only adds); the peaks
+want a share of 0 (one process) to 0.5-0.8 (GPT-2 124M at dp 2 under megapar-train, ZeRO-2's
+in-flight bucket included), 0.2 in between."""
 
 CPU_BASELINE = 0.25 * GIB
 """A rank's resident set before its job: the interpreter with torch, transformers and megapar
@@ -75,11 +83,13 @@ BOUNDS = {
         "other layouts not measured on a GPU"
     ),
     "cpu": (
-        "CPU: within 10 % of the OS's peak resident set (baseline added) for "
-        "benchmarks/memory/peak_memory.py's ZeRO 0-3, offload, recompute none / selective, "
-        "tp 2 (+ SP) and cp 1 / 4 layouts measured 2026-11-29 under load; full recompute 11 % "
-        "under, cp 2 10.1 % over; a quiet machine's GPT-2-wide rank 12 % over (the heap's "
-        "room varies with load); pipeline schedules not measured"
+        "CPU: within 10 % of the OS's peak resident set rise for the spawned ranks measured "
+        "2026-11-29 (GPT-2's width and vocabulary, 6 blocks, one process: +4.5 %; 8 blocks of "
+        "hidden 512 at dp 2, ZeRO 0-2: -2.4 % to +0.5 %) and of megapar-train's absolute peak "
+        "(baseline added) for GPT-2 124M at dp 2: ZeRO 0-3 -8.3 % to +9.3 % (ZeRO-3 over: "
+        "gathered units and gradient buffers of different moments added); the heap's room "
+        "(0.2 x the transients) is the least certain term; recompute, tp, cp and pipeline "
+        "layouts not re-measured with these terms"
     ),
 }
 """The error bound `megapar-plan` prints for each target."""
@@ -172,7 +182,11 @@ def process_peak(
     room = CPU_HEAP_ROOM * (tensors - state)
     terms += [
         Term("heap's freed room", room, f"{CPU_HEAP_ROOM} x the tensors above the state"),
-        Term("runtime (threads, libraries)", CPU_RUNTIME, "measured"),
+        Term(
+            "runtime (threads, libraries, objects)",
+            CPU_RUNTIME,
+            "measured: memory outside the heap and heap bytes that are no counted tensors",
+        ),
     ]
     total = tensors + room + CPU_RUNTIME
     return ProcessPeak(target, tuple(terms), tensors, phase, total, CPU_BASELINE)
@@ -250,16 +264,17 @@ def _end_of_backward(p: Problem, c: Candidate, has_embedding: bool, has_head: bo
         return []
     vocab, h = _vocab_h(p, c)
     both = _tied(p) and has_head
-    # under ZeRO-3 the gradient autograd hands over becomes the root unit's full gradient
-    # buffer, which `MemoryBreakdown.grad_buffers` counts
-    copies = (3 if both else 1) - (1 if c.zero == 3 else 0)
+    # autograd sums the two in place into the held one (it holds its only reference); under
+    # ZeRO-3 the sum becomes the root unit's full gradient buffer, which
+    # `MemoryBreakdown.grad_buffers` counts
+    copies = (2 if both else 1) - (1 if c.zero == 3 else 0)
     return [
         Term(
             "embedding's weight gradient (end of the backward)",
             vocab * h * 4 * copies,
             "the lookup's dense gradient"
-            + (", the head's held one and their sum" if both else "")
-            + (" (ZeRO-3: the last is the root unit's gradient buffer)" if c.zero == 3 else "")
+            + (" and the head's held one, summed in place" if both else "")
+            + (" (ZeRO-3: the sum is the root unit's gradient buffer)" if c.zero == 3 else "")
             + "; in the phase at the end of the backward, instead of the activations",
         )
     ]
