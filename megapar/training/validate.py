@@ -33,12 +33,9 @@ from megapar.data.inputs import is_raw_text
 from megapar.faults.slow import SlowRank
 from megapar.pipeline.schedules import chunks_per_rank, schedule_actions
 from megapar.training.config import flag_choices
+from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_fp8 import Fp8Error, check_fp8
-
-
-class UsageError(ValueError):
-    """A bad input: the message names the problem and the fix (exit code 2)."""
-
+from megapar.training.validate_sharding import check_ep, check_zero3
 
 # --- megapar-train ---------------------------------------------------------------------------
 # (field, kind, lowest allowed, lowest is allowed itself[, (value that turns it off, meaning)]):
@@ -97,11 +94,6 @@ MAX_TIMEOUT_S = 1e9
 """Longest --timeout-s / --nccl-timeout-s: torch's TCPStore fails at once from about 1e10 s
 (its deadline in int64 nanoseconds overflows), gloo from 1e13, datetime.timedelta from 8.64e13
 (measured with torch 2.13)."""
-
-
-def flag_of(name: str) -> str:
-    """The command-line flag of config field `name` (``--name-with-dashes``)."""
-    return "--" + name.replace("_", "-")
 
 
 def _default(cfg, name: str):
@@ -251,81 +243,6 @@ def _check_combinations(cfg) -> None:
             f"{cfg.grad_compression} both choose how gradients travel; give one "
             f"(--grad-compression bf16 / fp16 is a reduction in that dtype)"
         )
-
-
-def check_zero3(cfg) -> None:
-    """What --zero 3 cannot serve yet: one line naming the combination and what to use."""
-    if cfg.zero3_keep_params and cfg.zero != 3:
-        raise UsageError(
-            "--zero3-keep-params only applies to --zero 3 (it keeps a unit's "
-            "gathered parameters over the step); add --zero 3 or drop it"
-        )
-    if cfg.zero3_reduce != "step" and cfg.zero != 3:
-        already = " (--zero 2 reduces every micro-batch already)" if cfg.zero == 2 else ""
-        raise UsageError(
-            f"--zero3-reduce {cfg.zero3_reduce} only applies to --zero 3{already}; "
-            f"add --zero 3 or drop it"
-        )
-    if cfg.zero3_persistence_threshold and cfg.zero != 3:
-        raise UsageError(
-            "--zero3-persistence-threshold only applies to --zero 3; add --zero 3 or drop it"
-        )
-    if cfg.zero3_persistence_threshold < 0:
-        raise UsageError(
-            f"--zero3-persistence-threshold {cfg.zero3_persistence_threshold} is "
-            f"invalid: give a number of elements >= 0 (0: none persist)"
-        )
-    if cfg.zero != 3:
-        return
-    if cfg.grad_compression != "none":
-        raise UsageError(
-            f"--grad-compression {cfg.grad_compression} cannot be combined with "
-            f"--zero 3 (gradients are reduce-scattered per unit, the compressors "
-            f"compress an all-reduce); use --zero 0, or --grad-compression none"
-        )
-    if cfg.grad_reduce_dtype not in ("auto", "fp32"):
-        raise UsageError(
-            f"--grad-reduce-dtype {cfg.grad_reduce_dtype} is not served with "
-            f"--zero 3 (its reduce-scatters run in fp32); use --zero 1 for a "
-            f"{cfg.grad_reduce_dtype} reduction, or drop --grad-reduce-dtype"
-        )
-    if cfg.offload_params and not cfg.offload_optimizer:
-        raise UsageError(
-            "--offload-params needs --offload-optimizer (the host-held parameter "
-            "shards are the weights the optimizer steps, so it steps on the host "
-            "too, as DeepSpeed's offload_param with offload_optimizer): add "
-            "--offload-optimizer"
-        )
-
-
-def check_ep(cfg) -> None:
-    """--ep: it divides dp (when dp is given; an inferred dp is checked by the layout) and
-    does not combine with what cannot serve its two reduction groups yet."""
-    if cfg.ep == 1:
-        return
-    if cfg.dp is not None and cfg.dp % cfg.ep:
-        raise UsageError(
-            f"--ep {cfg.ep} does not divide --dp {cfg.dp}: experts are sharded over "
-            f"data-parallel ranks; choose an --ep that divides dp, or change --dp"
-        )
-    if cfg.grad_compression == "powersgd":
-        raise UsageError(
-            f"--ep {cfg.ep} cannot be combined with --grad-compression powersgd (its "
-            f"state is per bucket of one dp group); use --grad-compression none, bf16 or fp16"
-        )
-    if cfg.zero and cfg.optimizer in ("lamb", "lars"):
-        raise UsageError(
-            f"--ep {cfg.ep} with --zero {cfg.zero} cannot serve --optimizer {cfg.optimizer} "
-            f"yet (its whole-parameter norms sum the slices over dp, and experts differ "
-            f"across ep ranks): use --zero 0, or --optimizer adamw / sgd"
-        )
-    for name in ("save", "load"):
-        if getattr(cfg, name) and cfg.zero == 3:
-            raise UsageError(
-                f"--ep {cfg.ep} with --zero 3 cannot be combined with {flag_of(name)} yet (the "
-                f"experts' units are sharded over the expert-data-parallel group, which the "
-                f"ZeRO-3 save does not gather): use --zero 0, 1 or 2, or drop {flag_of(name)}"
-            )
 
 
 def check_inject_slow(cfg, world_size: int) -> None:

@@ -1,0 +1,82 @@
+"""The checks of ZeRO-3's options (`check_zero3`) and of expert parallelism's combinations
+(`check_ep`), before any worker starts; each raises a `UsageError` naming the problem and
+the fix."""
+
+from __future__ import annotations
+
+from megapar.training.usage import UsageError, flag_of
+
+
+def check_zero3(cfg) -> None:
+    """What --zero 3 cannot serve yet: one line naming the combination and what to use."""
+    if cfg.zero3_keep_params and cfg.zero != 3:
+        raise UsageError(
+            "--zero3-keep-params only applies to --zero 3 (it keeps a unit's "
+            "gathered parameters over the step); add --zero 3 or drop it"
+        )
+    if cfg.zero3_reduce != "step" and cfg.zero != 3:
+        already = " (--zero 2 reduces every micro-batch already)" if cfg.zero == 2 else ""
+        raise UsageError(
+            f"--zero3-reduce {cfg.zero3_reduce} only applies to --zero 3{already}; "
+            f"add --zero 3 or drop it"
+        )
+    if cfg.zero3_persistence_threshold and cfg.zero != 3:
+        raise UsageError(
+            "--zero3-persistence-threshold only applies to --zero 3; add --zero 3 or drop it"
+        )
+    if cfg.zero3_persistence_threshold < 0:
+        raise UsageError(
+            f"--zero3-persistence-threshold {cfg.zero3_persistence_threshold} is "
+            f"invalid: give a number of elements >= 0 (0: none persist)"
+        )
+    if cfg.zero != 3:
+        return
+    if cfg.grad_compression != "none":
+        raise UsageError(
+            f"--grad-compression {cfg.grad_compression} cannot be combined with "
+            f"--zero 3 (gradients are reduce-scattered per unit, the compressors "
+            f"compress an all-reduce); use --zero 0, or --grad-compression none"
+        )
+    if cfg.grad_reduce_dtype not in ("auto", "fp32"):
+        raise UsageError(
+            f"--grad-reduce-dtype {cfg.grad_reduce_dtype} is not served with "
+            f"--zero 3 (its reduce-scatters run in fp32); use --zero 1 for a "
+            f"{cfg.grad_reduce_dtype} reduction, or drop --grad-reduce-dtype"
+        )
+    if cfg.offload_params and not cfg.offload_optimizer:
+        raise UsageError(
+            "--offload-params needs --offload-optimizer (the host-held parameter "
+            "shards are the weights the optimizer steps, so it steps on the host "
+            "too, as DeepSpeed's offload_param with offload_optimizer): add "
+            "--offload-optimizer"
+        )
+
+
+def check_ep(cfg) -> None:
+    """--ep: it divides dp (when dp is given; an inferred dp is checked by the layout) and
+    does not combine with what cannot serve its two reduction groups yet."""
+    if cfg.ep == 1:
+        return
+    if cfg.dp is not None and cfg.dp % cfg.ep:
+        raise UsageError(
+            f"--ep {cfg.ep} does not divide --dp {cfg.dp}: experts are sharded over "
+            f"data-parallel ranks; choose an --ep that divides dp, or change --dp"
+        )
+    if cfg.grad_compression == "powersgd":
+        raise UsageError(
+            f"--ep {cfg.ep} cannot be combined with --grad-compression powersgd (its "
+            f"state is per bucket of one dp group); use --grad-compression none, bf16 or fp16"
+        )
+    if cfg.zero and cfg.optimizer in ("lamb", "lars"):
+        raise UsageError(
+            f"--ep {cfg.ep} with --zero {cfg.zero} cannot serve --optimizer {cfg.optimizer} "
+            f"yet (its whole-parameter norms sum the slices over dp, and experts differ "
+            f"across ep ranks): use --zero 0, or --optimizer adamw / sgd"
+        )
+    for name in ("save", "load"):
+        if getattr(cfg, name) and cfg.zero == 3:
+            raise UsageError(
+                f"--ep {cfg.ep} with --zero 3 cannot be combined with {flag_of(name)} yet (the "
+                f"experts' units are sharded over the expert-data-parallel group, which the "
+                f"ZeRO-3 save does not gather): use --zero 0, 1 or 2, or drop {flag_of(name)}"
+            )
