@@ -402,6 +402,73 @@ def _planned_state(cfg, config, mesh: Mesh):
     )
 
 
+def _modelled_traffic(cfg, config, mesh: Mesh, group: dict, m: int) -> None:
+    """Replace ZeRO-1's reduce-scatter and all-gather in `group` (this rank's dp traffic, in
+    the reduce dtype) by the planner's for --zero (`megapar.plan.sharding.dp_traffic`)."""
+    layout, r = mesh.layout, mesh.layout.dp * mesh.layout.cp
+    v, placement = chunks_per_rank(cfg.schedule, cfg.virtual_stages), placement_of(cfg.schedule)
+    keep = cfg.zero3_keep_params
+    scale = group["reduce_scatter"]["bytes"] / group["all_gather"]["bytes"]
+    pieces, nbytes, persistent = sharded_buffer(
+        config,
+        layout.tp,
+        layout.pp,
+        v,
+        mesh.pp_rank,
+        r,
+        cfg.zero,
+        cfg.grad_bucket_mb,
+        placement,
+        cfg.zero3_persistence_threshold,
+    )
+    for op in ("reduce_scatter", "all_gather"):
+        del group[op]
+    late = (
+        deferred_units(
+            config,
+            layout.tp,
+            layout.pp,
+            v,
+            mesh.pp_rank,
+            r,
+            cfg.grad_bucket_mb,
+            placement,
+            cfg.zero3_persistence_threshold,
+        )
+        if cfg.zero == 3
+        else (0, 0)
+    )
+    tails = (
+        tail_units(
+            config,
+            layout.tp,
+            layout.pp,
+            v,
+            mesh.pp_rank,
+            r,
+            placement,
+            cfg.zero3_persistence_threshold,
+        )
+        if cfg.zero == 3
+        else (0, 0)
+    )
+    for op, count, total in dp_traffic(
+        cfg.zero,
+        m,
+        layout.pp,
+        keep,
+        nbytes * scale,
+        nbytes,
+        pieces,
+        persistent,
+        cfg.zero3_reduce == "micro-batch",
+        (late[0], late[1] * scale),
+        w_reported(cfg.schedule, layout.pp, m, v),
+        tails,
+    ):
+        group[op] = {"count": count, "bytes": int(total)}
+
+
 def _modelled_state(
     cfg, config, mesh: Mesh, comm: dict, m: int, notes: list[str]
 ) -> tuple[dict, int, int]:
@@ -409,71 +476,10 @@ def _modelled_state(
     megapar-train lacks, from the planner's model (`megapar.plan.state.rank_state`, this rank's
     slices), and its dp traffic (`megapar.plan.sharding.dp_traffic`) put in `comm` in place of
     ZeRO-1's."""
-    layout, r = mesh.layout, mesh.layout.dp * mesh.layout.cp
-    v, placement = chunks_per_rank(cfg.schedule, cfg.virtual_stages), placement_of(cfg.schedule)
-    keep = cfg.zero3_keep_params
     state = _planned_state(cfg, config, mesh)
     group = next((g for g in comm.values() if "reduce_scatter" in g), None)
     if group is not None:  # ZeRO-1's reduce-scatter and all-gather, in the reduce dtype
-        scale = group["reduce_scatter"]["bytes"] / group["all_gather"]["bytes"]
-        pieces, nbytes, persistent = sharded_buffer(
-            config,
-            layout.tp,
-            layout.pp,
-            v,
-            mesh.pp_rank,
-            r,
-            cfg.zero,
-            cfg.grad_bucket_mb,
-            placement,
-            cfg.zero3_persistence_threshold,
-        )
-        for op in ("reduce_scatter", "all_gather"):
-            del group[op]
-        late = (
-            deferred_units(
-                config,
-                layout.tp,
-                layout.pp,
-                v,
-                mesh.pp_rank,
-                r,
-                cfg.grad_bucket_mb,
-                placement,
-                cfg.zero3_persistence_threshold,
-            )
-            if cfg.zero == 3
-            else (0, 0)
-        )
-        tails = (
-            tail_units(
-                config,
-                layout.tp,
-                layout.pp,
-                v,
-                mesh.pp_rank,
-                r,
-                placement,
-                cfg.zero3_persistence_threshold,
-            )
-            if cfg.zero == 3
-            else (0, 0)
-        )
-        for op, count, total in dp_traffic(
-            cfg.zero,
-            m,
-            layout.pp,
-            keep,
-            nbytes * scale,
-            nbytes,
-            pieces,
-            persistent,
-            cfg.zero3_reduce == "micro-batch",
-            (late[0], late[1] * scale),
-            w_reported(cfg.schedule, layout.pp, m, v),
-            tails,
-        ):
-            group[op] = {"count": count, "bytes": int(total)}
+        _modelled_traffic(cfg, config, mesh, group, m)
     notes.append(
         f"{_unserved(cfg)}: --zero {cfg.zero}'s weights, gradients, optimizer state, "
         f"gathered units and dp traffic are the planner's model; the rest is "
