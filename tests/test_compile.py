@@ -24,6 +24,7 @@ must be one docs/guides/training.md lists for its layout (at tp > 1 the tp colle
 ZB-H1 the deferring linears, at cp > 1 the attention's exchanges: all `torch.compiler.disable`d
 on purpose; in one process none).
 """
+
 import torch
 from test_api import _batches, _hf_model
 from tp_utils import assert_close
@@ -37,20 +38,20 @@ STEPS = 5
 # keeps such updates proportional to the gradient, as test_parity_3d.py explains for tp.
 ADAM_EPS = 1e-4
 LAYOUTS = {
-    "tp2 x pp2 1f1b sp selective": dict(tp=2, pp=2, schedule="1f1b", sequence_parallel=True,
-                                        recompute="selective"),
+    "gpt2 tp2 x pp2 1f1b sp selective": dict(tp=2, pp=2, schedule="1f1b",
+                                             sequence_parallel=True, recompute="selective"),
     "llama tp2 x pp2 zb-h1": dict(tp=2, pp=2, schedule="zb-h1"),
     "llama cp2 x dp2 zero3 full": dict(cp=2, zero=3, recompute="full"),
 }
-ONE_PROCESS = {"one process full": dict(recompute="full")}
+ONE_PROCESS = {"gpt2 one process full": dict(recompute="full")}
 # What the compiled blocks leave eager on purpose, per layout (the functions' names appear in
 # dynamo's graph-break reasons): the tp region primitives, the zero-bubble deferring linear,
 # context parallelism's attention exchanges. Each layout must show exactly its own.
 EXPECTED_BREAKS = {
-    "tp2 x pp2 1f1b sp selective": {"_apply_eagerly"},
+    "gpt2 tp2 x pp2 1f1b sp selective": {"_apply_eagerly"},
     "llama tp2 x pp2 zb-h1": {"_apply_eagerly", "_deferred_linear"},
     "llama cp2 x dp2 zero3 full": {"LayerAttention._eager"},
-    "one process full": set(),
+    "gpt2 one process full": set(),
 }
 
 
