@@ -1,20 +1,28 @@
-"""`--compile` (torch.compile per transformer block) against eager, in one forked world.
+"""`--compile` (torch.compile per transformer block) against eager, in forked worlds.
 
-Four gloo ranks run three layouts of a tiny GPT-2 (test_api's transformers model) or a tiny
-grouped-query Llama, each twice through `megapar.prepare`: eager, then with `compile=True`,
-three steps each:
+A tiny GPT-2 (test_api's transformers model) and a tiny grouped-query Llama run through
+`megapar.prepare` twice each, eager and then with `compile=True`, five steps each, in four
+layouts: three in one world of four gloo ranks, one in a world of one process:
 
-- tp 2 x pp 2, 1F1B, sequence parallelism, selective recomputation;
-- tp 2 x pp 2, ZB-H1 (the split backward: B's input gradients, W's deferred weight gradients);
+- GPT-2, tp 2 x pp 2, 1F1B, sequence parallelism, selective recomputation;
+- Llama, tp 2 x pp 2, ZB-H1 (the split backward: B's input gradients, W's deferred weight
+  gradients);
 - Llama, cp 2 x dp 2, ZeRO-3 (gather and free per block through hooks on the blocks), full
-  recomputation.
+  recomputation;
+- GPT-2, one process, full recomputation (the whole block one graph, checkpointed from
+  outside).
 
-The compiled run must equal the eager one (fp32: losses and final weights within 1e-5
-relative); dynamo must compile nothing after the first step (its frame, graph and
-aot_autograd counters unchanged from step 1 to step 3); and every graph break dynamo records
+So both models run compiled at tp 2 x pp 2, but each under one of the two schedules (GPT-2
+under 1F1B, Llama under ZB-H1), and dp 2 / ZeRO-3 / cp 2 only for Llama;
+`benchmarks/vs/compile_layouts.py` runs every one of these layouts for both models, and the
+layouts no test compiles (docs/guides/training.md "Compiling the blocks").
+
+The compiled run must equal the eager one (fp32: every step's loss and the final weights within
+1e-5 relative); dynamo must compile nothing after the first step (its frame, graph and
+aot_autograd counters unchanged from step 1 to step 5); and every graph break dynamo records
 must be one docs/guides/training.md lists for its layout (at tp > 1 the tp collectives, under
 ZB-H1 the deferring linears, at cp > 1 the attention's exchanges: all `torch.compiler.disable`d
-on purpose).
+on purpose; in one process none).
 """
 
 import torch
@@ -23,25 +31,27 @@ from tp_utils import assert_close
 
 from megapar.launcher import run_local
 
-STEPS = 3
+STEPS = 5
 # Inductor fuses the block's operations, so its gradients carry other fp32 rounding (~1e-7 of
 # the largest entry); with Adam's usual eps (1e-8) entries whose gradient is that noise (the
 # attention key bias: zero in exact arithmetic) take ~lr-sized steps of random sign. eps 1e-4
 # keeps such updates proportional to the gradient, as test_parity_3d.py explains for tp.
 ADAM_EPS = 1e-4
 LAYOUTS = {
-    "tp2 x pp2 1f1b sp selective": dict(tp=2, pp=2, schedule="1f1b", sequence_parallel=True,
-                                        recompute="selective"),
-    "tp2 x pp2 zb-h1": dict(tp=2, pp=2, schedule="zb-h1"),
+    "gpt2 tp2 x pp2 1f1b sp selective": dict(tp=2, pp=2, schedule="1f1b",
+                                             sequence_parallel=True, recompute="selective"),
+    "llama tp2 x pp2 zb-h1": dict(tp=2, pp=2, schedule="zb-h1"),
     "llama cp2 x dp2 zero3 full": dict(cp=2, zero=3, recompute="full"),
 }
+ONE_PROCESS = {"gpt2 one process full": dict(recompute="full")}
 # What the compiled blocks leave eager on purpose, per layout (the functions' names appear in
 # dynamo's graph-break reasons): the tp region primitives, the zero-bubble deferring linear,
 # context parallelism's attention exchanges. Each layout must show exactly its own.
 EXPECTED_BREAKS = {
-    "tp2 x pp2 1f1b sp selective": {"_apply_eagerly"},
-    "tp2 x pp2 zb-h1": {"_apply_eagerly", "_deferred_linear"},
+    "gpt2 tp2 x pp2 1f1b sp selective": {"_apply_eagerly"},
+    "llama tp2 x pp2 zb-h1": {"_apply_eagerly", "_deferred_linear"},
     "llama cp2 x dp2 zero3 full": {"LayerAttention._eager"},
+    "gpt2 one process full": set(),
 }
 
 
@@ -82,14 +92,14 @@ def _run(name: str, layout: dict, compile: bool):
     return losses, weights, counts
 
 
-def _worker():
+def _worker(layouts: dict):
     import torch._dynamo
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1  # 4 ranks on few cores: no compile workers
     torch._dynamo.reset()
     out = {}
-    for name, layout in LAYOUTS.items():
+    for name, layout in layouts.items():
         before_breaks, before = _breaks(), _counts()
         eager_losses, eager_weights, _ = _run(name, layout, False)
         assert _counts() == before, f"{name}: the eager run compiled something"
@@ -105,10 +115,12 @@ def _worker():
 
 
 def test_compiled_blocks_equal_eager_without_recompiles():
-    for rank, result in enumerate(run_local(_worker, 4, timeout_s=600)):
-        for name, r in result.items():
+    results = run_local(_worker, 4, LAYOUTS, timeout_s=600)
+    results += run_local(_worker, 1, ONE_PROCESS, timeout_s=300)
+    for rank, result in enumerate(results):
+        for i, (name, r) in enumerate(result.items()):
             first, *later = r["counts"]
-            assert first[1] > r["before"][1] or name != next(iter(LAYOUTS)), \
+            assert first[1] > r["before"][1] or i > 0, \
                 f"rank {rank} {name}: nothing was compiled"
             assert all(c == first for c in later), \
                 f"rank {rank} {name}: recompiled after step 1: {r['counts']}"

@@ -107,8 +107,11 @@ def _cast(t: torch.Tensor, cast, role, axis: int, spec: Fp8Spec, split: int | No
     dim = None if tensorwise else axis
     amax = utils.tensor_to_amax(t, False, None, granularity, dim)
     if split is not None and (tensorwise or axis % t.dim() == split % t.dim()):
-        with blocked(amax.device):
+        if torch.compiler.is_compiling():  # --compile: traced as a functional all-reduce
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=spec.group)
+        else:
+            with blocked(amax.device):
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=spec.group)
     scale = utils.amax_to_scale(amax, cast.target_dtype, spec.config.round_scales_to_power_of_2)
     return tensor_mod.hp_tensor_and_scale_to_float8(
         t, scale, cast.target_dtype, spec.mm_config, role, dim
