@@ -48,12 +48,15 @@ def global_batch(kind: str, g: int = G) -> dict:
             "token_type_ids": types.contiguous()}
 
 
-def serial(kind: str, precision: str = "fp32", g: int = G, layers: int | None = None) -> dict:
+def serial(kind: str, precision: str = "fp32", g: int = G, layers: int | None = None,
+           loss_grads_in_forward: bool = True) -> dict:
     """Loss and full gradients of one process (cp 1, tp 1, pp 1) on the global batch (of `g`
-    samples; `layers` transformer blocks instead of the config's)."""
+    samples; `layers` transformer blocks instead of the config's); `loss_grads_in_forward`:
+    the chunked loss's path (False: the backward recomputes the logits, as under GPipe)."""
     from megapar.optim import Precision
 
     model = build_stage(make_config(kind, layers), Mesh(Layout()), SEED)
+    model.loss_grads_in_forward = loss_grads_in_forward
     micro = BatchPlan(g, MBS, 1).split(global_batch(kind, g), 0)
     total = 0.0
     with Precision(precision, torch.device("cpu")).autocast():
@@ -122,10 +125,12 @@ def _worker(runs):
 REFERENCES: dict = {}
 
 
-def reference(kind: str, precision: str = "fp32", g: int = G, layers: int | None = None) -> dict:
-    if (kind, precision, g, layers) not in REFERENCES:
-        REFERENCES[kind, precision, g, layers] = serial(kind, precision, g, layers)
-    return REFERENCES[kind, precision, g, layers]
+def reference(kind: str, precision: str = "fp32", g: int = G, layers: int | None = None,
+              loss_grads_in_forward: bool = True) -> dict:
+    key = (kind, precision, g, layers, loss_grads_in_forward)
+    if key not in REFERENCES:
+        REFERENCES[key] = serial(*key)
+    return REFERENCES[key]
 
 
 def check(runs, outs, tol=1e-5):

@@ -50,6 +50,8 @@ def test_mixtral_tiny_trains_at_pp2_with_router_statistics(tmp_path, common):
 
 
 def test_from_hf_qwen3_moe_trains_and_exports_back_to_transformers(tmp_path, common):
+    """A seeded transformers Qwen3-MoE (GQA), trained at tp 2 x dp 2 x ep 2 with a capacity
+    that drops tokens, exported, loaded back by transformers: its logits are megapar's."""
     torch.manual_seed(0)
     hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         vocab_size=1004, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
@@ -57,7 +59,8 @@ def test_from_hf_qwen3_moe_trains_and_exports_back_to_transformers(tmp_path, com
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64))
     hf.save_pretrained(tmp_path / "hf")
     log, ckpt, out = tmp_path / "log.jsonl", tmp_path / "ckpt", tmp_path / "exported"
-    assert main(["--from-hf", str(tmp_path / "hf"), "--tp", "2", "--max-steps", "2",
+    assert main(["--from-hf", str(tmp_path / "hf"), "--tp", "2", "--dp", "2", "--ep", "2",
+                 "--max-steps", "2",
                  "--moe-capacity-factor", "1.0", "--save", str(ckpt), "--save-interval", "2",
                  "--log-json", str(log), *common]) == 0
     assert all(r["moe_dropped"] > 0 for r in _records(log))  # capacity 1.0 drops some
