@@ -155,14 +155,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad.sub_(lse[i:j, None]).exp_()  # the softmax
                 grad.scatter_add_(-1, local_target[i:j, None], -hit[i:j, None])
                 grad.mul_(scale[i:j, None])
-                g = buffers.to_compute(grad)
-                xc = x[i:j].to(dtype)
-                if need_x:
-                    grad_x[i:j] = g @ w
-                if need_w:
-                    _accumulate_mm(grad_w[:real], g.t(), xc, first=i == 0)
-                if need_b:
-                    grad_b[:real].add_(grad.sum(dim=0))
+                grads = [grad_x, grad_w, grad_b]
+                _chunk_grads(grads, grad, buffers.to_compute(grad), x[i:j].to(dtype), w, i, j)
             del buffers
         return (
             grad_x,
