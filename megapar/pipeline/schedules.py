@@ -459,6 +459,7 @@ def get_schedule(name: str) -> Callable[..., list[Action]]:
         ) from None
 
 
+@lru_cache(maxsize=64)
 def loss_in_flight(name: str, pp: int, m: int, virtual_stages: int = 1) -> int:
     """Most micro-batches whose loss is forwarded but not yet backwarded at once on the rank
     that computes it (the last virtual stage's chunk, `in_flight_peak` of its actions alone):
