@@ -12,15 +12,17 @@ Parameters are replicated over cp (each cp rank holds other tokens of the same s
 gradients are reduced over cp x dp (`dp_cp_group`, Megatron's data-parallel group with context
 parallelism), while the data is split over dp only (`dp_group`).
 
-Expert parallelism (ep) is folded into the data-parallel ranks, as in Megatron-core and
-torchtitan: it adds no ranks. The dp ranks are cut into dp / ep blocks of ep consecutive dp
-ranks (dp_rank = edp_rank * ep + ep_rank); the ranks of a block (`ep_group`) hold different
-experts of the same layers and exchange tokens with all-to-all (`megapar.expert_parallel`).
-Dense parameters keep their cp x dp reduction group; an expert parameter is reduced over the
-ranks that hold the same experts, the same ep rank in every block and every cp rank
-(`expert_dp_group`, cp x dp / ep ranks; the cp x dp group itself when ep is 1). ep must
-divide dp (not dp x cp: each cp rank holds other tokens of the same sequences, and the
-experts stay replicated over cp, as the dense parameters are).
+Expert parallelism (ep) is folded into the data- and context-parallel ranks, as in Megatron-core
+and torchtitan (which borrows ep from dp_shard x cp): it adds no ranks. The cp x dp ranks of a
+(tp, pp) coordinate, flattened in the order `dp_cp_group` has them (cp inner: index dp_rank *
+cp + cp_rank), are cut into dp x cp / ep blocks of ep consecutive ranks (index = edp_rank * ep
++ ep_rank); the ranks of a block (`ep_group`) hold different experts of the same layers and
+exchange tokens with all-to-all (`megapar.expert_parallel`): at ep <= cp the cp ranks of one
+sequence, beyond it several dp ranks' cp groups. Routing is per token, so which tokens a rank
+holds (another sequence, another chunk of the same one) does not matter. Dense parameters keep
+their cp x dp reduction group; an expert parameter is reduced over the ranks that hold the same
+experts, the same ep rank in every block (`expert_dp_group`, cp x dp / ep ranks; the cp x dp
+group itself when ep is 1). ep must divide dp x cp.
 
 There are no module-level process groups: code that communicates receives a `Mesh`.
 A 1x1x1 mesh needs no process group at all (every group is then None and every collective
@@ -67,18 +69,19 @@ class Layout:
     cp: int = 1
     """Context-parallel size: ranks that split every sequence (`megapar.context_parallel`)."""
     ep: int = 1
-    """Expert-parallel size: dp ranks that split each MoE layer's experts (folded into dp: it
-    divides dp and adds no ranks)."""
+    """Expert-parallel size: cp x dp ranks that split each MoE layer's experts (folded into
+    them: it divides dp x cp and adds no ranks)."""
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"--{name} must be an integer >= 1, got {value!r}")
-        if self.dp % self.ep:
+        if self.dp * self.cp % self.ep:
             raise LayoutError(
-                f"--ep {self.ep} does not divide dp {self.dp}: experts are sharded over "
-                f"data-parallel ranks; choose an --ep that divides dp, or change --dp"
+                f"--ep {self.ep} does not divide dp x cp = {self.dp} x {self.cp} = "
+                f"{self.dp * self.cp}: experts are sharded over the data- and context-parallel "
+                f"ranks; choose an --ep that divides dp x cp, or change --dp / --cp"
             )
         if self.order not in RANK_ORDERS:
             raise LayoutError(
@@ -97,11 +100,20 @@ class Layout:
             rank, coords[name] = divmod(rank, size)
         return coords["tp"], coords["cp"], coords["pp"], coords["dp"]
 
-    def ep_coords(self, dp_rank: int) -> tuple[int, int]:
-        """(ep_rank, edp_rank) of a dp rank: its place in its block of ep consecutive dp
-        ranks, and the block's index (its rank in the expert-data-parallel group over dp)."""
-        edp_rank, ep_rank = divmod(dp_rank, self.ep)
+    def ep_coords(self, dp_rank: int, cp_rank: int = 0) -> tuple[int, int]:
+        """(ep_rank, edp_rank) of a (dp, cp) coordinate: its place in its block of ep
+        consecutive ranks of the flattened cp x dp index dp_rank * cp + cp_rank, and the
+        block's index (its rank in the expert-data-parallel group)."""
+        edp_rank, ep_rank = divmod(dp_rank * self.cp + cp_rank, self.ep)
         return ep_rank, edp_rank
+
+    def ep_block(self, tp: int, pp: int, edp_rank: int) -> list[int]:
+        """Global ranks of the ep group of block `edp_rank` at (tp, pp), in ep-rank order
+        (ascending: a global rank grows with the flattened index in both rank orders, so a
+        rank's place in its ep group is its ep rank, and in its expert-dp group its edp
+        rank)."""
+        flat = range(edp_rank * self.ep, (edp_rank + 1) * self.ep)
+        return [self.rank(tp, pp, *divmod(f, self.cp)) for f in flat]
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, pp_rank, dp_rank) of a global rank (`coords4` has its cp rank too)."""
@@ -208,7 +220,7 @@ class Mesh:
         sequence over the tp group (`tensor_parallel/sequence_parallel.py`); never with tp 1.
         A constructor argument; layers read it when they are built."""
         self.tp_rank, self.cp_rank, self.pp_rank, self.dp_rank = layout.coords4(rank)
-        self.ep_rank, self.edp_rank = layout.ep_coords(self.dp_rank)
+        self.ep_rank, self.edp_rank = layout.ep_coords(self.dp_rank, self.cp_rank)
         self.device = _device.device()
         if timeout_s:
             self.timeout_s = timeout_s
@@ -298,25 +310,20 @@ class Mesh:
         )
 
     def _new_expert_groups(self) -> None:
-        """Create expert parallelism's groups (collective, as `_new_groups`): `ep_group`, the
-        ep consecutive dp ranks of a block (same tp, cp, pp), which exchange tokens; and
-        `expert_dp_group`, the ranks holding the same experts (same tp, pp and ep rank; every
-        block and cp rank), over which expert gradients are reduced."""
+        """Create expert parallelism's groups (collective, as `_new_groups`): `ep_group`, a
+        block of ep consecutive ranks of the flattened cp x dp index (same tp, pp;
+        `Layout.ep_block`), which exchange tokens; and `expert_dp_group`, the ranks holding
+        the same experts (same tp, pp and ep rank; every block), over which expert gradients
+        are reduced."""
         L = self.layout
-        blocks = range(L.dp // L.ep)
+        blocks = range(L.dp * L.cp // L.ep)
         self.ep_group = self._new_groups(
-            [
-                [L.rank(t, p, b * L.ep + e, c) for e in range(L.ep)]
-                for p in range(L.pp)
-                for b in blocks
-                for c in range(L.cp)
-                for t in range(L.tp)
-            ],
+            [L.ep_block(t, p, b) for p in range(L.pp) for b in blocks for t in range(L.tp)],
             "ep",
         )
         self.expert_dp_group = self._new_groups(
             [
-                [L.rank(t, p, b * L.ep + e, c) for b in blocks for c in range(L.cp)]
+                [L.ep_block(t, p, b)[e] for b in blocks]
                 for p in range(L.pp)
                 for e in range(L.ep)
                 for t in range(L.tp)
@@ -348,7 +355,7 @@ class Mesh:
         mesh.layout, mesh.rank = layout, rank
         mesh.sequence_parallel = bool(sequence_parallel) and layout.tp > 1
         mesh.tp_rank, mesh.cp_rank, mesh.pp_rank, mesh.dp_rank = layout.coords4(rank)
-        mesh.ep_rank, mesh.edp_rank = layout.ep_coords(mesh.dp_rank)
+        mesh.ep_rank, mesh.edp_rank = layout.ep_coords(mesh.dp_rank, mesh.cp_rank)
         mesh.device = torch.device(device)
         mesh.device_mesh = None
         mesh.tp_group = mesh.cp_group = mesh.pp_group = mesh.dp_group = mesh.mp_group = None

@@ -7,8 +7,9 @@ ZeRO-1 and ZeRO-2 equals the same model trained on one process on all the data (
 relative); the step's collectives are counted per group against the parameter counts, and
 every rank issues the same collectives in the same order; under ZeRO-1/2 the optimizer state a
 checkpoint gathers (every expert whole) is the serial run's. The same at cp 2 x dp 2 x ep 2
-(each cp rank's loss its tokens' share, as under context parallelism; the experts' group spans
-both cp ranks). ZeRO-3 too in each layout: the model is one unit, its experts a unit of their
+(each cp rank's loss its tokens' share, as under context parallelism; ep folds into dp x cp, so
+the two cp ranks of a dp rank hold different experts and exchange tokens, and the
+expert-data-parallel group spans the dp ranks). ZeRO-3 too in each layout: the model is one unit, its experts a unit of their
 own over the expert-data-parallel group.
 """
 
@@ -125,13 +126,14 @@ def traffic(calls):
 def check_checkpoint_state(model, mesh, opt, serial, serial_state):
     """The checkpoint's view of a ZeRO-1 / 2 run: `state_tensors` gives the dense moments on
     dp rank 0 (cp rank 0) and each expert's on its expert-data-parallel rank 0, the ranks of
-    the writer's ep group, nothing elsewhere; `whole_experts` gathers every expert whole there
+    the writer's ep group (at cp 2 x dp 2 x ep 2 both cp ranks of dp rank 0), nothing
+    elsewhere; `whole_experts` gathers every expert whole there
     (weights and moments): the serial run's (1e-5)."""
     state = opt.state_tensors()  # collective over every bucket's group
     writer = mesh.dp_rank == 0 and mesh.cp_rank == 0
     dense = {n for n, p in model.named_parameters() if not is_expert(p)}
     experts = {n for n, p in model.named_parameters() if is_expert(p)}
-    first = mesh.edp_rank == 0 and mesh.cp_rank == 0
+    first = mesh.edp_rank == 0
     assert set(state) == (dense if writer else set()) | (experts if first else set()), state
     mine = local_experts(E, EP, mesh.ep_rank)
     for name, p in model.named_parameters():

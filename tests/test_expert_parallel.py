@@ -123,26 +123,47 @@ def test_ep_layer_equals_one_process(ep, blocked_sets):
             assert returned[1] == grad_sent[1]  # the received rows returned; their grads out
 
 
-def test_ep_groups_fold_into_dp():
-    """dp 4 ep 2 on 4 ranks: ep groups are consecutive dp ranks, expert dp the others; with
-    cp 2 dp 2 ep 2, every cp rank of the experts' holders."""
+def test_ep_groups_fold_into_dp_x_cp():
+    """On 4 ranks, ep blocks are ep consecutive places of the flattened dp x cp index
+    (dp_rank * cp + cp_rank): dp 4 ep 2, ep groups of consecutive dp ranks; cp 2 dp 2 ep 2,
+    the two cp ranks of a dp rank (expert dp over the dp ranks); cp 2 dp 2 ep 4, all four (an
+    expert dp group of one); pp 2 cp 2 ep 2 (dp 1), the cp ranks of a stage. A rank's place
+    in its groups is its ep / edp rank."""
+    layouts = [Layout(dp=4, ep=2), Layout(dp=2, cp=2, ep=2), Layout(dp=2, cp=2, ep=4),
+               Layout(pp=2, cp=2, ep=2), Layout(pp=2, dp=2, cp=1, ep=2, order="tp-dp-pp")]
+
     def worker():
-        a = Mesh(Layout(dp=4, ep=2), dist.get_rank())
-        b = Mesh(Layout(dp=2, cp=2, ep=2), dist.get_rank())
-        return [dist.get_process_group_ranks(g)
-                for g in (a.ep_group, a.expert_dp_group, b.ep_group, b.expert_dp_group)]
-    expected = {0: [[0, 1], [0, 2], [0, 2], [0, 1]], 1: [[0, 1], [1, 3], [1, 3], [0, 1]],
-                2: [[2, 3], [0, 2], [0, 2], [2, 3]], 3: [[2, 3], [1, 3], [1, 3], [2, 3]]}
+        out = []
+        for layout in layouts:
+            m = Mesh(layout, dist.get_rank())
+            ep, edp = (dist.get_process_group_ranks(g) for g in (m.ep_group, m.expert_dp_group))
+            assert (ep.index(m.rank), edp.index(m.rank)) == (m.ep_rank, m.edp_rank)
+            out.append([ep, edp])
+        return out
+    expected = {0: [[[0, 1], [0, 2]], [[0, 1], [0, 2]], [[0, 1, 2, 3], [0]], [[0, 1], [0]],
+                    [[0, 1], [0]]],
+                1: [[[0, 1], [1, 3]], [[0, 1], [1, 3]], [[0, 1, 2, 3], [1]], [[0, 1], [1]],
+                    [[0, 1], [1]]],
+                2: [[[2, 3], [0, 2]], [[2, 3], [0, 2]], [[0, 1, 2, 3], [2]], [[2, 3], [2]],
+                    [[2, 3], [2]]],
+                3: [[[2, 3], [1, 3]], [[2, 3], [1, 3]], [[0, 1, 2, 3], [3]], [[2, 3], [3]],
+                    [[2, 3], [3]]]}
     assert dict(enumerate(run_local(worker, 4))) == expected
 
 
-def test_ep_must_divide_dp_one_clear_line():
-    with pytest.raises(LayoutError, match="--ep 3 does not divide dp 4"):
+def test_ep_must_divide_dp_x_cp_one_clear_line():
+    with pytest.raises(LayoutError, match=r"--ep 3 does not divide dp x cp = 4 x 1 = 4"):
         Layout(dp=4, ep=3)
-    with pytest.raises(LayoutError, match="--ep 2 does not divide dp 1"):
+    with pytest.raises(LayoutError, match=r"--ep 4 does not divide dp x cp = 1 x 2 = 2"):
+        Layout(cp=2, ep=4)
+    with pytest.raises(LayoutError, match="--ep 2 does not divide dp x cp = 1 x 1"):
         Layout.infer(2, tp=2, ep=2)
-    with pytest.raises(UsageError, match="--ep 3 does not divide --dp 4"):
+    assert Layout.infer(2, cp=2, ep=2).dp == 1  # ep over the cp ranks
+    with pytest.raises(UsageError, match=r"--ep 3 does not divide dp x cp = --dp 4 x --cp 1"):
         check_settings(TrainConfig(dp=4, ep=3))
+    with pytest.raises(UsageError, match=r"--ep 4 does not divide dp x cp = --dp 1 x --cp 2"):
+        check_settings(TrainConfig(dp=1, cp=2, ep=4))
+    check_settings(TrainConfig(dp=1, cp=2, ep=2))  # served
     check_settings(TrainConfig(dp=4, ep=2, zero=3))  # served
     with pytest.raises(UsageError, match="--ep 2 with --zero 3 cannot be combined with --load"):
         check_settings(TrainConfig(dp=4, ep=2, zero=3, load="ckpt"))

@@ -86,20 +86,41 @@ def test_mixtral_dry_run_rehearses_pp2_dp2_ep2(common, capsys):
 
 
 def test_mixtral_tiny_trains_at_dp2_cp2_ep2_as_at_dp2(tmp_path, common):
-    """megapar-train --dp 2 --cp 2 --ep 2: each rank holds 2 of the 4 experts and exchanges its
-    cp share of the tokens with its ep peer; the losses, grad norms and router statistics are
-    those of --dp 2 (ep 1, no cp) over 2 steps."""
-    runs = {}
-    for ep, cp in ((1, 1), (2, 2)):
-        log = tmp_path / f"ep{ep}.jsonl"
-        assert main(["--model", "mixtral-tiny", "--dp", "2", "--cp", str(cp), "--ep", str(ep),
-                     "--max-steps", "2", "--lr", "3e-3", "--log-json", str(log), *common]) == 0
-        runs[ep] = _records(log)
-    assert len(runs[2]) == 2
-    for one, two in zip(runs[1], runs[2]):
+    """megapar-train --dp 2 --cp 2 --ep 2: ep folds into dp x cp, so the two cp ranks of each
+    sequence hold 2 of the 4 experts each and exchange their chunks' tokens; the losses, grad
+    norms and router statistics are those of --dp 2 (ep 1, no cp) over 2 steps, and so is the
+    checkpoint each saves at step 2 (every expert and its moments whole, gathered over the ep
+    group of the writer, both its cp ranks). Each run's step-1 checkpoint resumes in the
+    other's layout (cp 2 x ep 2 at ep 1, and ep 1 at cp 2 x ep 2) with step 2's loss (1e-6).
+    AdamW's epsilon is 1e-4 (as test_moe_ep's): at 1e-8 an element whose gradient is near 0
+    takes a step of about lr whichever way its rounding goes, and the saved weights and moments
+    differ by more than 1e-5 between any two layouts (cp alone, ep alone)."""
+    runs, saved = {}, {}
+    layouts = {"ep1": ["--dp", "2"], "cp2ep2": ["--dp", "2", "--cp", "2", "--ep", "2"]}
+    for run, layout in layouts.items():
+        log = tmp_path / f"{run}.jsonl"
+        assert main(["--model", "mixtral-tiny", *layout, "--max-steps", "2", "--lr", "3e-3",
+                     "--adam-eps", "1e-4", "--save", str(tmp_path / run), "--save-interval", "1",
+                     "--log-json", str(log), *common]) == 0
+        runs[run] = _records(log)
+        saved[run], _ = _canonical(tmp_path / run / "step_00000002")
+    assert len(runs["cp2ep2"]) == 2
+    for one, two in zip(runs["ep1"], runs["cp2ep2"]):
         for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
             assert_close(torch.tensor(two[key]), torch.tensor(one[key]), what=key)
         assert two["moe_tokens_per_expert"] == one["moe_tokens_per_expert"]
+    assert set(saved["cp2ep2"]) == set(saved["ep1"])
+    assert any("experts" in name for name in saved["ep1"])
+    for name, want in saved["ep1"].items():
+        assert_close(saved["cp2ep2"][name], want, what=f"saved {name}")
+    for run, other in (("ep1", "cp2ep2"), ("cp2ep2", "ep1")):  # resumed in the other layout
+        log = tmp_path / f"{run}_from_{other}.jsonl"
+        assert main(["--model", "mixtral-tiny", *layouts[run], "--max-steps", "2", "--lr", "3e-3",
+                     "--adam-eps", "1e-4", "--load", str(tmp_path / other / "step_00000001"),
+                     "--log-json", str(log), *common]) == 0
+        (resumed,) = _records(log)
+        want = runs[run][1]["loss"]
+        assert resumed["step"] == 2 and abs(resumed["loss"] - want) / want < 1e-6, (run, resumed)
 
 
 def test_ep_on_a_dense_model_is_refused_in_one_line(common, capsys):

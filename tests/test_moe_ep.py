@@ -1,8 +1,10 @@
 """The Qwen3-MoE-style model of test_moe_parallel.py (a dense first layer, three MoE layers with
 shared experts, the switch loss, the z-loss and the moving bias) trains with expert parallelism
-as one process: dp 2 x ep 2 (ZeRO-0 and ZeRO-3), dp 4 x ep 2 (ZeRO-0, ZeRO-1 and ZeRO-3), pp 2 x
-dp 2 x ep 2 (full recomputation under 1F1B and ZB-H1: each recompute reuses its forward's route)
-and tp 2 x dp 2 x ep 2: losses, grad norms, router statistics, biases, first-step gradients
+as one process: dp 2 x ep 2 (ZeRO-0 and ZeRO-3), cp 2 x ep 2 (dp 1: the two cp ranks of a
+sequence hold different experts and exchange their chunks' tokens), dp 4 x ep 2 (ZeRO-0, ZeRO-1
+and ZeRO-3), pp 2 x dp 2 x ep 2 (full recomputation under 1F1B and ZB-H1: each recompute reuses
+its forward's route), tp 2 x dp 2 x ep 2, dp 2 x cp 2 x ep 4 and dp 2 x cp 2 x ep 2 with ZeRO-1
+(ep folds into dp x cp): losses, grad norms, router statistics, biases, first-step gradients
 (ZeRO-0 and ZeRO-3) and final weights (the experts gathered over ep), fp32, 1e-5 relative,
 over three steps. And each micro-batch makes exactly one
 host sync per MoE layer, at expert_parallel/dispatch.py, with or without full recomputation.
@@ -41,7 +43,7 @@ def _whole(t, p, mesh):
     return t.clone()
 
 
-def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b"):
+def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1):
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -49,9 +51,9 @@ def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b"):
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.training.step import TrainStep
 
-    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", 1, ep), dist.get_rank())
+    mesh = Mesh(Layout(tp, pp, dp, "tp-pp-dp", cp, ep), dist.get_rank())
     model = build_stage(config(), mesh, SEED, recompute)
-    executor = PipelineExecutor(model, mesh, schedule, (MBS, SEQ, 32))
+    executor = PipelineExecutor(model, mesh, schedule, (MBS, SEQ // cp, 32))
     if zero == 3:
         from megapar.optim.zero3 import Zero3Optimizer
 
@@ -65,8 +67,8 @@ def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b"):
     return mesh, model, optimizer, step
 
 
-def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b"):
-    mesh, model, optimizer, step = _engine(tp, pp, dp, ep, zero, recompute, schedule)
+def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b", cp=1):
+    mesh, model, optimizer, step = _engine(tp, pp, dp, ep, zero, recompute, schedule, cp)
     grads, optimizer_step = {}, optimizer.step
 
     def record_first_grads_then_step():
@@ -113,6 +115,7 @@ def _runs(runs):
 
 
 RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 1, 4, 2, 3), (1, 2, 2, 2, 0, "full"),
+          (1, 1, 2, 4, 0, "none", "1f1b", 2), (1, 1, 2, 2, 1, "none", "1f1b", 2),
           (1, 2, 2, 2, 0, "full", "zb-h1"), (2, 1, 2, 2, 0)]
 
 
@@ -121,22 +124,24 @@ def test_dp2_ep2_matches_serial_training(reference):
     And its all-to-all bytes per step (`comm_count`) are megapar-plan's analytic count
     (`plan.experts.step_alltoall`): per rank exactly for the count exchange and the rows it
     routes, over the ep group exactly in all (each rank's received rows depend on the
-    routing; they sum to the rows sent)."""
-    runs = [(1, 1, 2, 2, 0), (1, 1, 2, 2, 3)]
+    routing; they sum to the rows sent). The same at cp 2 x ep 2 (dp 1): ep over the two cp
+    ranks of each sequence, each routing its chunk's tokens."""
+    runs = [(1, 1, 2, 2, 0), (1, 1, 2, 2, 3), (1, 1, 1, 2, 0, "none", "1f1b", 2)]
     outs = run_local(_runs, 2, runs)
     for i, run in enumerate(runs):
         _check([o[i] for o in outs], run, reference)
-    _check_alltoall_bytes([o[0] for o in outs])
+    _check_alltoall_bytes([o[0] for o in outs], dp=2, cp=1)
+    _check_alltoall_bytes([o[2] for o in outs], dp=1, cp=2)
 
 
-def _check_alltoall_bytes(outs):
+def _check_alltoall_bytes(outs, dp, cp):
     from megapar.plan import Candidate, Problem
     from megapar.plan.experts import COUNT_BYTES, alltoall_bytes, moe_layers, step_alltoall
 
-    cfg, m, tokens = config(), G // (MBS * 2), MBS * SEQ
+    cfg, m, tokens = config(), G // (MBS * dp), MBS * SEQ // cp
     layers = moe_layers(cfg, range(cfg.num_layers))
     problem = Problem(cfg, 2, global_batch=G, seq_len=SEQ, precision="fp32")
-    planned = step_alltoall(problem, Candidate(dp=2, ep=2, mbs=MBS), layers)
+    planned = step_alltoall(problem, Candidate(dp=dp, ep=2, mbs=MBS, cp=cp), layers)
     one = alltoall_bytes(cfg, tokens, 2, 4, 4)
     assert layers == 3 and planned == layers * m * one.total > 0
     counted = [sum(n for n, _, size in o["a2a"] if size == 2) for o in outs]
@@ -152,10 +157,15 @@ def _check_alltoall_bytes(outs):
 
 
 def test_dp4_ep2_pp2_ep2_tp2_ep2_match_serial_training(reference):
-    """ep folds into dp: every run here is four ranks."""
+    """ep folds into dp x cp: every run here is four ranks (at dp 2 x cp 2 x ep 4 every rank
+    holds one of the four experts; at ep 2 ZeRO-1 slices the experts' state over the dp ranks
+    holding them)."""
     outs = run_local(_runs, 4, RUNS_4)
     for i, run in enumerate(RUNS_4):
         _check([o[i] for o in outs], run, reference)
+    for i, run in enumerate(RUNS_4):  # ep's all-to-alls over its own group
+        a2a_groups = {size for o in outs for _, _, size in o[i]["a2a"]}
+        assert a2a_groups == {run[3]}, (run, a2a_groups)
 
 
 def _syncs(recompute):

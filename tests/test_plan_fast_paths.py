@@ -115,10 +115,10 @@ def test_most_loaded_under_expert_parallelism(monkeypatch):
     for pp, dp, cp, ep, zero in ((1, 4, 1, 2, 1), (2, 8, 1, 4, 2), (1, 4, 2, 2, 1),
                                  (1, 8, 2, 4, 2)):
         for stage in range(pp):
-            states = [rank_state(config, 1, pp, 1, stage, dp * cp, r, zero, 0.01, ep=ep, cp=cp)
+            states = [rank_state(config, 1, pp, 1, stage, dp * cp, r, zero, 0.01, ep=ep)
                       for r in range(dp * cp)]
             worst = max(states, key=lambda x: x.optimizer)
-            args = (config_json, 1, pp, 1, stage, dp * cp, zero, 0.01, "loop", Offload(), ep, cp)
+            args = (config_json, 1, pp, 1, stage, dp * cp, zero, 0.01, "loop", Offload(), ep)
             assert most_loaded(*args) == worst, (pp, dp, cp, ep, zero, stage)
             monkeypatch.setattr(slices, "EXACT_EP_RANKS", 0)
             slices._slice_loads.cache_clear()

@@ -45,15 +45,16 @@ def whole_experts(model, mesh: Mesh, optim_tensors) -> dict[str, tuple[torch.Ten
     """Under ep > 1, {name: (weights, {key: moment})} of every routed expert's stacked weights
     gathered whole over the ep group along dim 0, so a checkpoint holds all E experts, the
     same in every ep (the canonical form, as tp shards are gathered into it). Only the ep
-    group of the checkpoint's writer (dp rank 0, cp rank 0: every rank of it has edp rank 0
-    and cp rank 0) gathers (collective over that group); the other ranks and ep 1 get {}.
+    group of the checkpoint's writer (dp rank 0, cp rank 0: the block of edp rank 0, whose
+    ranks may have other cp and dp ranks, `Mesh`) gathers (collective over that group); the
+    other ranks and ep 1 get {}.
 
     `optim_tensors` must hold every expert's moments on those ranks: the optimizer gives them
     there (ZeRO-1 / 2 gather each expert bucket's slices to its expert-data-parallel rank 0,
     which is that group's). A moment in host memory is gathered through `mesh.device` (the
     collectives' device) and returned in host memory."""
     out: dict[str, tuple[torch.Tensor, dict]] = {}
-    if getattr(mesh, "ep", 1) == 1 or (mesh.edp_rank, mesh.cp_rank) != (0, 0):
+    if getattr(mesh, "ep", 1) == 1 or mesh.edp_rank != 0:
         return out
 
     def whole(t: torch.Tensor) -> torch.Tensor:

@@ -398,7 +398,6 @@ def _planned_state(cfg, config, mesh: Mesh):
             m,
         ),
         layout.ep,
-        layout.cp,
     )
 
 

@@ -48,7 +48,7 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
         f"{layout.world_size:,} rank{'s' if layout.world_size > 1 else ''} (tp {layout.tp} x "
         + (f"cp {layout.cp} x " if layout.cp > 1 else "")
         + f"pp {layout.pp} x dp {layout.dp}"
-        + (f" with ep {layout.ep} in dp" if getattr(layout, "ep", 1) > 1 else "")
+        + (f" with ep {layout.ep} in dp x cp" if getattr(layout, "ep", 1) > 1 else "")
         + ", "
         f"rank order {_order(layout)}; {nodes:,} node{'s' if nodes > 1 else ''} of "
         f"{gpus_per_node}); schedule {cfg.schedule}{v}, {mbs} of "

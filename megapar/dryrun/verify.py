@@ -136,7 +136,6 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
             placement_of(c.schedule),
             offload_of(c, problem.zero3_persistence_threshold, m),
             c.ep,
-            c.cp,
         )
         out.differences += [
             (r.rank, f, getattr(planned, f), getattr(r, f))

@@ -277,7 +277,6 @@ def _stage_state(p: Problem, c: Candidate, stage: int, n_params: int, m: int, pl
             placement,
             offload_of(c, p.zero3_persistence_threshold, m),
             c.ep,
-            c.cp,
         )
     return _separate(n_params, c)
 

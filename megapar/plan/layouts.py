@@ -209,8 +209,11 @@ def _expert_refusal(c: Candidate, config) -> str | None:
     experts = getattr(config, "num_local_experts", 0) if getattr(config, "num_moe_layers", 0) else 0
     if c.ep < 1 or not experts:
         return f"ep {c.ep} needs a mixture-of-experts model (this one has no routed experts)"
-    if c.dp % c.ep:
-        return f"ep {c.ep} does not divide dp {c.dp}: experts are sharded over dp ranks"
+    if c.dp * c.cp % c.ep:
+        return (
+            f"ep {c.ep} does not divide dp x cp = {c.dp * c.cp}: experts are sharded over dp x "
+            f"cp ranks"
+        )
     if experts % c.ep:
         return f"ep {c.ep} does not divide the {experts} experts; choose a divisor of them"
     if c.zero == 3:
@@ -222,9 +225,9 @@ def _expert_refusal(c: Candidate, config) -> str | None:
 
 
 def ep_sizes(config, dp: int, zero: int) -> tuple[int, ...]:
-    """The ep sizes a plan tries for dp ranks: for a mixture-of-experts model every divisor of
-    dp that divides its routed experts (not under ZeRO-3, whose expert units the planner does
-    not model yet); 1 otherwise."""
+    """The ep sizes a plan tries for `dp` ranks (dp x cp: ep folds into both): for a
+    mixture-of-experts model every divisor of them that divides its routed experts (not under
+    ZeRO-3, whose expert units the planner does not model yet); 1 otherwise."""
     experts = getattr(config, "num_local_experts", 0) if getattr(config, "num_moe_layers", 0) else 0
     if not experts or zero == 3:
         return (1,)
@@ -411,7 +414,7 @@ def enumerate_candidates(
                     virtual_stages,
                     recompute,
                     offloads,
-                    lambda zero, dp=dp: ep_sizes(config, dp, zero),
+                    lambda zero, dp=dp * cp: ep_sizes(config, dp, zero),
                 ):
                     c = Candidate(
                         tp,

@@ -22,6 +22,7 @@ from megapar.plan.state import (
     _finish,
     _layout,
     _shards,
+    expert_rank,
     rank_state,
 )
 
@@ -42,23 +43,20 @@ def most_loaded(
     placement: str = "loop",
     offload: Offload = NO_OFFLOAD,
     ep: int = 1,
-    cp: int = 1,
 ) -> RankState:
     """The most loaded `rank_state` over the dp ranks of a stage (ZeRO slices differ: the last
     holds the padding, ranks whose slice starts inside a parameter hold one more piece): the
     one with the most optimizer bytes (with --offload-optimizer, optimizer and host copies).
-    `dp` is over cp x dp, `ep` and `cp` as `rank_state`'s; under ep > 1 with more than
+    `dp` is over cp x dp, `ep` as `rank_state`'s; under ep > 1 with more than
     `EXACT_EP_RANKS` ranks, the most loaded dense slice plus the most loaded expert slice (an
     upper bound, off by at most a piece's step count and a bucket's padding)."""
 
     tensors, units, specs, stepped, steps = _slice_loads(
-        config_json, tp, pp, v, stage, dp, zero, bucket_mb, placement, offload.persist_below, ep, cp
+        config_json, tp, pp, v, stage, dp, zero, bucket_mb, placement, offload.persist_below, ep
     )
     if not units:
         config = config_from_dict(json.loads(config_json))
-        return rank_state(
-            config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement, offload, ep, cp
-        )
+        return rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement, offload, ep)
     held = (ADAM_MOMENTS + (2 if offload.optimizer else 0)) * stepped + STEP_BYTES * steps
     worst = int(np.argmax(held))
     return _finish(
@@ -84,7 +82,6 @@ def _slice_loads(
     placement: str,
     persist_below: int,
     ep: int = 1,
-    cp: int = 1,
 ):
     """`_layout`'s (tensors, units, specs) and, for each of `_candidate_ranks`, the bytes it
     steps and its pieces (numpy arrays, read-only), over every unit at once: a rank's slice of
@@ -103,7 +100,7 @@ def _slice_loads(
         ranks = _candidate_ranks(tensors, units, dp)[None, :]
     elif dp <= EXACT_EP_RANKS:
         every = np.arange(dp, dtype=np.int64)
-        ranks = np.where(expert, (every // cp // ep) * cp + every % cp, every)
+        ranks = np.where(expert, expert_rank(every, ep), every)
     else:
         dense = _candidate_ranks(tensors, [u for u, x in zip(units, expert[:, 0]) if not x], dp)
         experts = _candidate_ranks(tensors, [u for u, x in zip(units, expert[:, 0]) if x], dp // ep)

@@ -128,13 +128,12 @@ def rank_state(
     placement: str = "loop",
     offload: Offload = Offload(),
     ep: int = 1,
-    cp: int = 1,
 ) -> RankState:
     """The state of dp rank `dp_rank` of pipeline rank `stage` (any tp rank: they hold equal
     shapes) under megapar-train with AdamW and gradient buckets of `bucket_mb` MB; `placement`
     maps chunks to virtual stages (`megapar.pipeline.placement.PLACEMENTS`). ZeRO-1 is the
     real code's layout; ZeRO-2 / 3 are modelled on it (see `docs/guides/precision-zero.md`).
-    `dp` and `dp_rank` are over cp x dp (the gradients' group, of `cp` ranks per dp rank);
+    `dp` and `dp_rank` are over cp x dp (the gradients' group: dp_rank x cp + cp_rank);
     under expert parallelism (`ep` > 1) the rank holds E / ep routed experts, in buckets of
     their own sliced over the expert-data-parallel group (`expert_rank`)."""
     tensors, units, specs = _layout(
@@ -146,19 +145,18 @@ def rank_state(
     stepped = steps = 0
     for idx, padded in units:
         n = _shards(tensors, idx, dp, ep)
-        size, r = padded // n, dp_rank if n == dp else expert_rank(dp_rank, ep, cp)
+        size, r = padded // n, dp_rank if n == dp else expert_rank(dp_rank, ep)
         pieces = slice_pieces([tensors[i].numel for i in idx], r * size, (r + 1) * size)
         stepped += sum(e - s for _, s, e in pieces) * tensors[idx[0]].dtype.itemsize
         steps += len(pieces)
     return _finish(tensors, units, specs, dp, zero, stepped, steps, offload, pp, ep)
 
 
-def expert_rank(rank: int, ep: int, cp: int = 1) -> int:
-    """The place in its expert-data-parallel group of the rank at place `rank` of the cp x dp
-    group (`rank` = dp_rank x cp + cp_rank): its block of ep dp ranks, then its cp rank, as
-    `Mesh.expert_dp_group` orders them."""
-    dp_rank, cp_rank = divmod(rank, cp)
-    return dp_rank // ep * cp + cp_rank
+def expert_rank(rank, ep: int):
+    """The place in its expert-data-parallel group of the rank at place `rank` (an int or a
+    numpy array of them) of the cp x dp group (`rank` = dp_rank x cp + cp_rank): the index of
+    its block of ep consecutive places, its edp rank, as `Mesh.expert_dp_group` orders them."""
+    return rank // ep
 
 
 def _shards(tensors, idx, dp: int, ep: int) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from megapar.mesh import Layout
 from megapar.models.flops import matmul_flops
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
@@ -99,19 +100,30 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     return [[costs[x] for x in row] for row in shapes]
 
 
+@lru_cache(maxsize=4096)
+def ep_span(tp: int, pp: int, dp: int, cp: int, ep: int) -> int:
+    """The most consecutive global ranks an ep group spans (last - first + 1; megapar-train's
+    groups, `Layout.ep_block`, in the default rank order; the groups at other tp and pp
+    coordinates are shifted copies)."""
+    layout = Layout(tp, pp, dp, cp=cp, ep=ep)
+    blocks = (layout.ep_block(0, 0, b) for b in range(dp * cp // ep))
+    return max(block[-1] - block[0] + 1 for block in blocks)
+
+
 def alltoall_seconds(p: Problem, c: Candidate) -> tuple[float, float]:
     """(forward, backward) seconds of one MoE layer's all-to-alls per micro-batch under ep
     (`experts.alltoall_bytes`): the share of the rows that leaves the rank, (ep - 1) / ep
-    under uniform routing, over the link the ep group spans (ep consecutive dp ranks: within
-    a node while tp x cp x pp x ep fits one), plus ep - 1 message latencies per all-to-all
-    (three forward, two backward; full recomputation repeats the forward's two rows'). Not
-    overlapped: the experts wait for their rows and the next layer for the combine."""
+    under uniform routing, over the link the ep group spans (ep consecutive ranks of the cp x
+    dp index: within a node while the global ranks it spans fit one, `ep_span`), plus ep - 1
+    message latencies per all-to-all (three forward, two backward; full recomputation repeats
+    the forward's two rows'). Not overlapped: the experts wait for their rows and the next
+    layer for the combine."""
     if c.ep == 1:
         return 0.0, 0.0
     cfg = p.config
     tokens = experts.routed_tokens(p.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
     nbytes = experts.alltoall_bytes(cfg, tokens, c.ep, 4, p.act_bytes, c.recompute)
-    span = c.tp * c.cp * c.pp * c.ep
+    span = ep_span(c.tp, c.pp, c.dp, c.cp, c.ep)
     gbps = p.intra_gbps if span <= p.gpus_per_node else p.inter_gbps
     share, lat = experts.leaving(c.ep), (c.ep - 1) * p.latency_us * 1e-6
 

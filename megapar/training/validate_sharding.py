@@ -53,14 +53,14 @@ def check_zero3(cfg) -> None:
 
 
 def check_ep(cfg) -> None:
-    """--ep: it divides dp (when dp is given; an inferred dp is checked by the layout) and
+    """--ep: it divides dp x cp (when dp is given; an inferred dp is checked by the layout) and
     does not combine with what cannot serve its two reduction groups yet."""
     if cfg.ep == 1:
         return
-    if cfg.dp is not None and cfg.dp % cfg.ep:
+    if cfg.dp is not None and cfg.dp * cfg.cp % cfg.ep:
         raise UsageError(
-            f"--ep {cfg.ep} does not divide --dp {cfg.dp}: experts are sharded over "
-            f"data-parallel ranks; choose an --ep that divides dp, or change --dp"
+            f"--ep {cfg.ep} does not divide dp x cp = --dp {cfg.dp} x --cp {cfg.cp}: experts are "
+            f"sharded over data- and context-parallel ranks; choose an --ep that divides it"
         )
     if cfg.grad_compression == "powersgd":
         raise UsageError(
