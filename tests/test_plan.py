@@ -601,20 +601,33 @@ def test_moe_imbalance_scales_the_experts_rows_under_ep_only():
 
 
 def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
-    """ep: every divisor of dp that divides the experts, not with ZeRO-3 (megapar-train
-    refuses it); a dense model, an ep not dividing dp or the experts refused in one line."""
+    """ep: every divisor of dp x cp that divides the experts (ep folds into both), not with
+    ZeRO-3 (megapar-train refuses it); a dense model, an ep not dividing dp x cp or the experts
+    refused in one line."""
     from megapar.plan import enumerate_candidates
 
     moe, dense = resolve_model("mixtral-tiny"), resolve_model("llama-tiny")
-    valid, _ = enumerate_candidates(moe, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",))
+    valid, _ = enumerate_candidates(moe, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",),
+                                    seq_len=32, cp_sizes=(1, 2))
     by_dp: dict = {}
     for c in valid:
-        by_dp.setdefault(c.dp, set()).add(c.ep)
+        by_dp.setdefault((c.dp, c.cp), set()).add(c.ep)
         assert not (c.ep > 1 and c.zero == 3), c
-    assert by_dp == {4: {1, 2, 4}, 2: {1, 2}, 1: {1}}
+    assert by_dp == {(4, 1): {1, 2, 4}, (2, 1): {1, 2}, (1, 1): {1}, (2, 2): {1, 2, 4},
+                     (1, 2): {1, 2}}
     valid, _ = enumerate_candidates(dense, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",))
     assert {c.ep for c in valid} == {1}
     for config, spec, why in ((dense, "dp=4,ep=2", "needs a mixture-of-experts model"),
-                              (moe, "dp=4,ep=3", "does not divide dp 4"),
+                              (moe, "dp=4,ep=3", "does not divide dp x cp = 4"),
+                              (moe, "cp=2,dp=2,ep=3", "does not divide dp x cp = 4"),
+                              (moe, "cp=4,ep=8", "does not divide dp x cp = 4"),
                               (moe, "tp=2,dp=2,ep=2,zero=3", "the planner does not model ZeRO-3's expert units")):
         assert why in check(parse_candidate(spec, 4), config, 4, 8, 8, 32), spec
+    from megapar.plan.timing import ep_span  # the global ranks the all-to-all's group spans
+
+    # (tp, pp, dp, cp, ep): all 4 cp x dp ranks; at pp 2 dp 0's stage-0 ranks {0, 1} and dp
+    # 1's {4, 5}; at tp 2 every other rank; the cp ranks of a dp rank; at pp 2, cp 1 the
+    # stage-0 ranks of dp 0 and 1: {0, 2}
+    spans = {(1, 1, 2, 2, 4): 4, (1, 2, 2, 2, 4): 6, (2, 1, 1, 2, 2): 3, (1, 1, 2, 2, 2): 2,
+             (1, 1, 4, 1, 2): 2, (1, 2, 4, 1, 2): 3}
+    assert {k: ep_span(*k) for k in spans} == spans

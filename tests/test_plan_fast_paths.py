@@ -123,8 +123,8 @@ def test_most_loaded_under_expert_parallelism(monkeypatch):
             monkeypatch.setattr(slices, "EXACT_EP_RANKS", 0)
             slices._slice_loads.cache_clear()
             bound = most_loaded.__wrapped__(*args)
-            summed = slices._slice_loads(*args[:-3], 0, ep, cp)[3]  # the two groups' worst
+            summed = slices._slice_loads(*args[:-2], 0, ep)[3]  # the two groups' worst
             slices._slice_loads.cache_clear()
             monkeypatch.undo()
-            assert len(summed) == 1 and len(slices._slice_loads(*args[:-3], 0, ep, cp)[3]) > 1
+            assert len(summed) == 1 and len(slices._slice_loads(*args[:-2], 0, ep)[3]) > 1
             assert bound == worst  # here one rank holds both groups' worst slices

@@ -56,6 +56,7 @@ def train_config(problem, candidate):
         tp=c.tp,
         pp=c.pp,
         dp=c.dp,
+        cp=c.cp,
         ep=c.ep,
         micro_batch_size=c.mbs,
         global_batch_size=problem.global_batch,
