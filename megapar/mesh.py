@@ -17,12 +17,13 @@ and torchtitan (which borrows ep from dp_shard x cp): it adds no ranks. The cp x
 (tp, pp) coordinate, flattened in the order `dp_cp_group` has them (cp inner: index dp_rank *
 cp + cp_rank), are cut into dp x cp / ep blocks of ep consecutive ranks (index = edp_rank * ep
 + ep_rank); the ranks of a block (`ep_group`) hold different experts of the same layers and
-exchange tokens with all-to-all (`megapar.expert_parallel`): at ep <= cp the cp ranks of one
-sequence, beyond it several dp ranks' cp groups. Routing is per token, so which tokens a rank
-holds (another sequence, another chunk of the same one) does not matter. Dense parameters keep
-their cp x dp reduction group; an expert parameter is reduced over the ranks that hold the same
-experts, the same ep rank in every block (`expert_dp_group`, cp x dp / ep ranks; the cp x dp
-group itself when ep is 1). ep must divide dp x cp.
+exchange tokens with all-to-all (`megapar.expert_parallel`): at an ep dividing cp some cp
+ranks of one sequence, at a multiple of cp the cp groups of ep / cp consecutive dp ranks.
+Routing is per token, so which tokens a rank holds (another sequence, another chunk of the
+same one) does not matter. Dense parameters keep their cp x dp reduction group; an expert
+parameter is reduced over the ranks that hold the same experts, the same ep rank in every
+block (`expert_dp_group`, cp x dp / ep ranks; the cp x dp group itself when ep is 1). ep must
+divide dp x cp.
 
 There are no module-level process groups: code that communicates receives a `Mesh`.
 A 1x1x1 mesh needs no process group at all (every group is then None and every collective

@@ -64,8 +64,8 @@ class Candidate:
     zero3_reduce: str = "step"
     """ZeRO-3: when gradients are reduce-scattered (--zero3-reduce: step or micro-batch)."""
     ep: int = 1
-    """Expert-parallel size (folded into dp: it divides dp): ranks that split each MoE layer's
-    routed experts and exchange tokens by all-to-all."""
+    """Expert-parallel size (folded into dp x cp: it divides dp x cp): ranks that split each
+    MoE layer's routed experts and exchange tokens by all-to-all."""
 
     def label(self) -> str:
         sched = self.schedule + (f" v{self.v}" if self.v > 1 else "")
