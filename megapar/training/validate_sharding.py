@@ -62,17 +62,6 @@ def check_ep(cfg) -> None:
             f"--ep {cfg.ep} does not divide dp x cp = --dp {cfg.dp} x --cp {cfg.cp}: experts are "
             f"sharded over data- and context-parallel ranks; choose an --ep that divides it"
         )
-    if cfg.grad_compression == "powersgd":
-        raise UsageError(
-            f"--ep {cfg.ep} cannot be combined with --grad-compression powersgd (its "
-            f"state is per bucket of one dp group); use --grad-compression none, bf16 or fp16"
-        )
-    if cfg.zero and cfg.optimizer in ("lamb", "lars"):
-        raise UsageError(
-            f"--ep {cfg.ep} with --zero {cfg.zero} cannot serve --optimizer {cfg.optimizer} "
-            f"yet (its whole-parameter norms sum the slices over dp, and experts differ "
-            f"across ep ranks): use --zero 0, or --optimizer adamw / sgd"
-        )
     for name in ("save", "load"):
         if getattr(cfg, name) and cfg.zero == 3:
             raise UsageError(
