@@ -101,7 +101,7 @@ class Layout:
             rank, coords[name] = divmod(rank, size)
         return coords["tp"], coords["cp"], coords["pp"], coords["dp"]
 
-    def ep_coords(self, dp_rank: int, cp_rank: int = 0) -> tuple[int, int]:
+    def ep_coords(self, dp_rank: int, cp_rank: int) -> tuple[int, int]:
         """(ep_rank, edp_rank) of a (dp, cp) coordinate: its place in its block of ep
         consecutive ranks of the flattened cp x dp index dp_rank * cp + cp_rank, and the
         block's index (its rank in the expert-data-parallel group)."""
