@@ -4,7 +4,7 @@ the fix."""
 
 from __future__ import annotations
 
-from megapar.training.usage import UsageError, flag_of
+from megapar.training.usage import UsageError
 
 
 def check_zero3(cfg) -> None:
@@ -73,10 +73,3 @@ def check_ep(cfg) -> None:
             f"yet (its whole-parameter norms sum the slices over dp, and experts differ "
             f"across ep ranks): use --zero 0, or --optimizer adamw / sgd"
         )
-    for name in ("save", "load"):
-        if getattr(cfg, name) and cfg.zero == 3:
-            raise UsageError(
-                f"--ep {cfg.ep} with --zero 3 cannot be combined with {flag_of(name)} yet (the "
-                f"experts' units are sharded over the expert-data-parallel group, which the "
-                f"ZeRO-3 save does not gather): use --zero 0, 1 or 2, or drop {flag_of(name)}"
-            )
