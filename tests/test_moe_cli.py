@@ -11,13 +11,17 @@ import torch
 import transformers
 from tp_utils import assert_close, make_mesh
 
+from megapar.checkpoint.convert import checkpoint_info
+from megapar.checkpoint.distributed import planned_shard
 from megapar.checkpoint.format import ShardReader
 from megapar.checkpoint.hf import HFReader, load_hf_weights
 from megapar.checkpoint.manifest import read_manifest
 from megapar.cli.convert import main as convert
 from megapar.cli.train import main
 from megapar.data import asset_path
+from megapar.mesh import Layout, Mesh
 from megapar.models import Llama
+from megapar.models.config import config_from_dict
 
 TINY = ["--seq-len", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--warmup-steps", "1",
@@ -172,3 +176,10 @@ def test_mixtral_checkpoint_reshards_over_ep_zero_and_layouts(tmp_path, common):
         assert len(biases) == 4 and all(n.endswith("router.bias") for n in biases), biases
         assert sum(at[n].abs().sum() for n in biases) > 0  # it moved: the routing depends on it
         assert all(e["optim"] for e in manifest["tensors"].values() if not e.get("buffer"))
+    assert "layout      tp=1 pp=1 dp=4 ep=2\n" in checkpoint_info(z3, checksums=False)
+    # the dry run's size of that file: every expert whole, as written (an ep rank's own model)
+    mesh = Mesh.virtual(Layout(dp=4, ep=2), rank=1, device="meta")
+    model = Llama(config_from_dict(manifest["model"]), mesh)
+    moments = {n: {"exp_avg": p, "exp_avg_sq": p} for n, p in model.named_parameters()}
+    assert planned_shard(model, mesh, moments) == (
+        "model_tp00_pp00.safetensors", (z3 / "model_tp00_pp00.safetensors").stat().st_size)
