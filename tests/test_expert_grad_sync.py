@@ -7,10 +7,19 @@ ZeRO-1 and ZeRO-2 equals the same model trained on one process on all the data (
 relative); the step's collectives are counted per group against the parameter counts, and
 every rank issues the same collectives in the same order; the optimizer state and weights a
 checkpoint gathers (every expert whole) are the serial run's, under ZeRO-3 too (the units
-gathered into host copies as a save does: the experts on the ranks of the writer's ep group). The same at cp 2 x dp 2 x ep 2
-(each cp rank's loss its tokens' share, as under context parallelism; the experts' group spans
-both cp ranks). ZeRO-3 too in each layout: the model is one unit, its experts a unit of their
-own over the expert-data-parallel group.
+gathered into host copies as a save does: the experts on the ranks of the writer's ep group).
+The same at cp 2 x dp 2 x ep 2 (each cp rank's loss its tokens' share, as under context
+parallelism; the experts' group spans both cp ranks). ZeRO-3 too in each layout: the model is
+one unit, its experts a unit of their own over the expert-data-parallel group.
+
+LAMB and LARS under ZeRO-0/1/2/3 too: each parameter's trust ratio needs the norm of the
+whole parameter as one process holds it (an expert parameter: the stacked experts of all ep
+ranks), the squared sums of its slices reduced over the ranks holding its parts; the step's
+norm all-reduces are counted per group. And PowerSGD (all-reduce kind) against a serial reference written here from
+the algorithm: every dp rank's gradient computed on one process, each dense matrix compressed
+over all dp ranks and each ep rank's experts over the ranks holding them (the ep group's tokens
+summed first, as the all-to-all does), with per-rank error feedback and a warm-started Q per
+group; at dp == ep the experts' group is one rank and their gradient stays exact.
 """
 
 import contextlib
@@ -20,9 +29,11 @@ import torch
 import torch.distributed as dist
 from test_expert_parallel import E, H, toy_moe, toy_weights
 from torch import nn
+from tp_utils import assert_close
 
 from megapar.checkpoint.stage_tensors import gathers_experts, whole_experts
 from megapar.comm_count import count_collectives
+from megapar.data_parallel.compression import make_compressor
 from megapar.data_parallel.grad_sync import build_grad_sync
 from megapar.data_parallel.sharded_params import HostStage
 from megapar.expert_parallel import is_expert, local_experts, mark_expert
@@ -33,7 +44,9 @@ from megapar.optim.zero import build_optimizer
 from megapar.optim.zero3 import Zero3Optimizer
 
 EP, M, STEPS, T = 2, 2, 3, 6
-LR, CLIP = 0.05, 0.5
+LR, CLIP = {"adamw": 0.05, "lamb": 0.05, "lars": 5.0}, 0.5
+RANK = 2
+"""PowerSGD's rank: every matrix of the toy model is compressed ((n + m) r < n m)."""
 
 
 class ToyMoEModel(nn.Module):
@@ -70,30 +83,91 @@ def loss_of(model, step, dp_rank, i):
     return ((model(x) - target) ** 2).mean() / M
 
 
-def serial_run(dp, cp):
+def serial_run(dp, cp, kind="adamw", reduce=None):
     """The whole model on one process: every dp x cp rank's micro-batches, the loss their sum
-    over cp and mean over dp."""
+    over cp and mean over dp. `reduce(model, per_rank)`: set each .grad from every rank's
+    gradients (divided by dp) instead of their sum (PowerSGD's reference)."""
     model = ToyMoEModel(None, 1, 0)
     mesh = Mesh(Layout())
-    opt = build_optimizer(model, mesh, LR, 0.1)
+    opt = build_optimizer(model, mesh, LR[kind], 0.1, kind=kind)
     norms = []
     for step in range(STEPS):
+        per_rank = []
         opt.zero_grad()
         for r in range(dp * cp):
+            if reduce is not None:
+                opt.zero_grad()
             for i in range(M):
                 (loss_of(model, step, r, i) / dp).backward()
+            if reduce is not None:
+                per_rank.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        if reduce is not None:
+            reduce(model, per_rank)
         norms.append(clip_grad_norm(model, mesh, CLIP))
         opt.step()
     return model, norms, opt.state_tensors()
 
 
-def parallel_run(mesh, zero):
+class PowerSGDReference:
+    """PowerSGD (compression.py's docstring: P = M Q summed, orthonormalised, Q = M^T P
+    summed, result P Q^T, residual M - P P^T M kept per rank, Q warm-started) of every dp
+    rank's gradients on one process: dense parameters over the dp ranks, each ep rank's experts
+    over the dp ranks holding them, each rank's experts' gradient the sum over its ep group
+    (the tokens the all-to-all brings). The first Q of a parameter is seeded by its place in
+    its bucket (`index_of`), as the compressor seeds it."""
+
+    def __init__(self, dp, index_of):
+        self.dp, self.index_of = dp, index_of
+        self.seeds = make_compressor("powersgd", RANK)
+        self.errors, self.qs = {}, {}
+
+    def __call__(self, model, per_rank):
+        for name, p in model.named_parameters():
+            if not is_expert(p):
+                p.grad = self.compress([g[name] for g in per_rank], name, ())
+                continue
+            p.grad = torch.zeros_like(p)
+            for r in range(EP):  # ep rank r's experts, compressed over expert dp
+                mine = slice(local_experts(E, EP, r).start, local_experts(E, EP, r).stop)
+                members = [sum(per_rank[e * EP + j][name][mine] for j in range(EP))
+                           for e in range(self.dp // EP)]  # dp rank = edp rank * ep + ep rank
+                p.grad[mine] = self.compress(members, name, (r,))
+
+    def compress(self, members, name, group):
+        if len(members) == 1:  # a one-rank group: nothing to reduce
+            return members[0]
+        shape = self.seeds._matrix_shape(members[0])
+        if shape is None:  # vectors go uncompressed
+            return sum(members)
+        n, m = shape
+        key = (name, group)
+        mats = [g.reshape(n, m) + self.errors.get((key, k), 0) for k, g in enumerate(members)]
+        q = self.qs.get(key)
+        if q is None:
+            q = self.seeds.initial_q(self.index_of[name], n, m)
+        p = torch.linalg.qr(sum(mat @ q for mat in mats)).Q
+        q = sum(mat.t() @ p for mat in mats)
+        for k, mat in enumerate(mats):
+            self.errors[key, k] = mat - p @ (p.t() @ mat)
+        self.qs[key] = q
+        return (p @ q.t()).reshape(members[0].shape)
+
+
+def wire_elements(params):
+    """Elements PowerSGD all-reduces for these parameters: (n + m) r per compressed matrix."""
+    shapes = [make_compressor("powersgd", RANK)._matrix_shape(p) for p in params]
+    return sum((s[0] + s[1]) * RANK if s else p.numel() for p, s in zip(params, shapes))
+
+
+def parallel_run(mesh, zero, kind="adamw", compression="none"):
     model = ToyMoEModel(mesh.ep_group, mesh.ep, mesh.ep_rank)
-    sync = build_grad_sync(model, mesh, zero=zero, bucket_mb=300 / 2**20)  # ~2 params each
+    sync = build_grad_sync(model, mesh, zero=zero, bucket_mb=300 / 2**20,  # ~2 params each
+                           compressor=make_compressor(compression, RANK))
     if zero == 3:  # the model is one root unit: its dense part leads its experts' unit
-        opt = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, 0.1)
+        opt = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR[kind], 0.1,
+                             kind=kind)
     else:
-        opt = build_optimizer(model, mesh, LR, 0.1, zero=zero)
+        opt = build_optimizer(model, mesh, LR[kind], 0.1, zero=zero, kind=kind)
     if zero:
         opt.attach(sync)
     norms, counted = [], []
@@ -135,12 +209,11 @@ def check_checkpoint_state(model, mesh, opt, serial, serial_state, sync):
     ep group's ranks, nothing elsewhere)."""
     state = opt.state_tensors()  # collective over every bucket's (unit's) group
     writer = mesh.dp_rank == 0 and mesh.cp_rank == 0
-    if sync.stage == 3:  # as `Engine.saved_model`: collective over the units' groups
-        model = HostStage(model, sync.host_params(writer, writer or gathers_experts(mesh)))
     dense = {n for n, p in model.named_parameters() if not is_expert(p)}
     experts = {n for n, p in model.named_parameters() if is_expert(p)}
     first = mesh.edp_rank == 0 and mesh.cp_rank == 0
-    if sync.stage == 3:
+    if sync.stage == 3:  # as `Engine.saved_model`: collective over the units' groups
+        model = HostStage(model, sync.host_params(writer, writer or gathers_experts(mesh)))
         held = {n for n, _ in model.named_parameters()}
         assert held == (dense if writer else set()) | (experts if first else set()), held
     assert set(state) == (dense if writer else set()) | (experts if first else set()), state
@@ -159,24 +232,49 @@ def check_checkpoint_state(model, mesh, opt, serial, serial_state, sync):
             torch.testing.assert_close(value, serial_state[name][key], rtol=1e-5, atol=1e-9)
 
 
-def worker(dp, cp, zeros):
+def reference_for(dp, cp, case, sync, model, plain_runs):
+    """The serial run `case` = (zero, optimizer, compression) must equal: PowerSGD's reference
+    (the first Qs seeded by the parameters' places in `sync`'s buckets), else the plain one
+    (kept in `plain_runs` per optimizer)."""
+    _, kind, compression = case
+    if kind not in plain_runs:
+        plain_runs[kind] = serial_run(dp, cp, kind)
+    if compression != "powersgd":
+        return plain_runs[kind]
+    names = {id(p): n for n, p in model.named_parameters()}
+    index_of = {names[id(p)]: i for b in sync.buckets for i, p in enumerate(b.params)}
+    plain = plain_runs[kind][0]
+    ref = serial_run(dp, cp, kind, PowerSGDReference(dp, index_of))
+    lossy = max(float((a - b).abs().max()) for a, b in
+                zip(plain.parameters(), ref[0].parameters()))
+    assert lossy > 1e-3, lossy  # PowerSGD changed the training: the parity below can fail
+    return ref
+
+
+def worker(dp, cp, cases):
     mesh = Mesh(Layout(dp=dp, cp=cp, ep=EP), dist.get_rank())
-    serial, serial_norms, serial_state = serial_run(dp, cp)
     mine = local_experts(E, EP, mesh.ep_rank)
     dp_ranks = tuple(dist.get_process_group_ranks(mesh.dp_cp_group))
     ep_ranks = tuple(dist.get_process_group_ranks(mesh.ep_group))
     edp_ranks = tuple(dist.get_process_group_ranks(mesh.expert_dp_group))
-    out = {}
-    for zero in zeros:
-        model, weights, norms, calls, sync, opt = parallel_run(mesh, zero)
+    out, plain_runs = {}, {}
+    for case in map(_case, cases):
+        zero, kind, compression = case
+        model, weights, norms, calls, sync, opt = parallel_run(mesh, *case)
+        serial, serial_norms, serial_state = reference_for(dp, cp, case, sync, model, plain_runs)
         if zero:
             check_checkpoint_state(model, mesh, opt, serial, serial_state, sync)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(serial_norms),
-                                   rtol=1e-5, atol=0)
+                                   rtol=1e-5, atol=0, msg=f"{case} grad norms")
         for (name, p), w, want in zip(model.named_parameters(), weights, serial.parameters()):
             want = want[mine.start:mine.stop] if is_expert(p) else want
+            if compression == "powersgd":  # 1e-5 of the tensor's largest entry (tp_utils's
+                # parity measure): the QR of P turns the ~1e-7 reordering of its sums over
+                # ranks into ~5e-7 absolute in the small entries of the result
+                assert_close(w, want, 1e-5, f"{case} {name}")
+                continue
             torch.testing.assert_close(w, want.detach(), rtol=1e-5, atol=1e-7,
-                                       msg=f"zero {zero} {name}")
+                                       msg=f"{case} {name}")
         t = traffic(calls)
         dense = sum(p.numel() for p in model.parameters() if not is_expert(p))
         experts = sum(p.numel() for p in model.parameters() if is_expert(p))
@@ -187,35 +285,69 @@ def worker(dp, cp, zeros):
         role = {dp_ranks: "dp", ep_ranks: "ep", edp_ranks: "expert dp"}
         order = [(c.op, role.get(c.ranks, c.ranks), c.numel if c.op != "all_to_all_single"
                   else "rows routed") for c in calls]
-        out[zero] = {"traffic": t, "dense": dense, "experts": experts, "kinds": kinds,
-                     "order": order,
+        dense_wire, expert_wire = (wire_elements([p for p in model.parameters()
+                                                  if is_expert(p) == expert])
+                                   for expert in (False, True))
+        counts = [sum(is_expert(p) == expert for p in model.parameters())
+                  for expert in (False, True)]
+        out[case] = {"traffic": t, "dense": dense, "experts": experts, "kinds": kinds,
+                     "order": order, "wire": (dense_wire, expert_wire), "counts": counts,
                      "dense_padded": padded[0], "expert_padded": padded[1],
                      "groups": (dp_ranks, ep_ranks, edp_ranks)}
     return out
 
 
-@pytest.mark.parametrize("dp,cp,zeros", [(4, 1, (0, 1, 2, 3)), (2, 2, (0, 2, 3)),
-                                          (2, 1, (1, 3))])
-def test_ep2_training_equals_one_process_and_counts_its_traffic(dp, cp, zeros):
-    """dp 4 x ep 2 (every grad sync kind), cp 2 x dp 2 x ep 2 (all-reduce, ZeRO-2 and ZeRO-3),
-    dp 2 x ep 2 (ZeRO-1 and ZeRO-3 with an expert group of one rank: each rank holds its
-    experts' whole state); every rank issues the same collectives in the same order."""
+def _case(case):
+    """(zero, optimizer, compression) of a case given as a ZeRO stage or a partial tuple."""
+    case = (case,) if isinstance(case, int) else tuple(case)
+    return case + ("adamw", "none")[len(case) - 1:]
+
+
+TRUST = [(zero, kind) for zero in (1, 2, 3) for kind in ("lamb", "lars")]
+
+
+@pytest.mark.parametrize("dp,cp,cases", [
+    (4, 1, (0, 1, 2, 3, *TRUST, (0, "lamb"), (0, "adamw", "powersgd"))),
+    (2, 2, (0, 2, 3, (0, "lars"), (2, "lars"), (3, "lamb"))),
+    (2, 1, (1, 3, (0, "lars"), (1, "lamb"), (2, "lars"), (3, "lars"),
+            (0, "adamw", "powersgd")))])
+def test_ep2_training_equals_one_process_and_counts_its_traffic(dp, cp, cases):
+    """dp 4 x ep 2 (every grad sync kind, LAMB and LARS under each ZeRO stage, PowerSGD),
+    cp 2 x dp 2 x ep 2 (all-reduce, ZeRO-2 and ZeRO-3, with LARS / LAMB), dp 2 x ep 2 (ZeRO-1
+    and ZeRO-3 with an expert group of one rank: each rank holds its experts' whole state;
+    LAMB / LARS, PowerSGD with the experts uncompressed); every rank issues the same
+    collectives in the same order. LAMB / LARS's ratio of an expert parameter is the one
+    process's, of the whole stacked [E, ...] tensor: its norm sums over ep (ZeRO-0), or over
+    expert dp and ep (ZeRO-1/2/3: both together are the dp group)."""
     edp = dp * cp // EP
-    outs = run_local(worker, dp * cp, dp, cp, zeros)
+    outs = run_local(worker, dp * cp, dp, cp, cases)
     for rank, res in enumerate(outs):
-        for zero, r in res.items():
+        for (zero, kind, compression), r in res.items():
             dp_ranks, ep_ranks, edp_ranks = r["groups"]
             assert len(edp_ranks) == edp and len(ep_ranks) == EP
             assert r["kinds"] == {(dp * cp, dp_ranks), (edp, edp_ranks)}, (rank, zero, r["kinds"])
             t = dict(r["traffic"])
             a2a = t.pop(("all_to_all_single", ep_ranks))
             assert a2a[0] == 5 * M, (rank, zero, a2a)  # counts, rows out / back, 2 in backward
+            trust = kind in ("lamb", "lars")
+            rows = 2 * sum(r["counts"]) if trust else 0  # each parameter's two squared sums
             if zero == 0:
-                assert t.pop(("all_reduce", ep_ranks)) == (1, 1)  # the experts' squared norm
-                assert t.pop(("all_reduce", dp_ranks))[1] == r["dense"]
-                assert t.pop(("all_reduce", edp_ranks))[1] == r["experts"]
+                # the experts' squared norm over ep; LAMB / LARS: the experts' rows of the
+                # parameters' norms over ep too (at dp == ep, ep's group is dp's)
+                over_ep = (1 + trust, 1 + rows)
+                norm = over_ep[1] if ep_ranks == dp_ranks else 0
+                if ep_ranks != dp_ranks:
+                    assert t.pop(("all_reduce", ep_ranks)) == over_ep, (rank, kind)
+                dense, experts = r["dense"], r["experts"]
+                if compression == "powersgd":  # the factors; one rank's experts: none
+                    dense, experts = r["wire"][0], (r["wire"][1] if edp > 1 else 0)
+                assert t.pop(("all_reduce", dp_ranks))[1] == dense + norm
+                assert t.pop(("all_reduce", edp_ranks), (0, 0))[1] == experts
             else:
-                assert t.pop(("all_reduce", dp_ranks)) == (1, 1)  # the norm of the slices
+                # the norm of the slices; LAMB / LARS: each parameter's two squared sums of
+                # its slices over dp (an expert's: its slices over expert dp, its experts
+                # over ep, together dp's group)
+                assert t.pop(("all_reduce", dp_ranks)) == (1 + trust, 1 + rows), (rank, kind)
                 rounds = M if zero == 2 else 1  # ZeRO-2 reduces every micro-batch
                 # ZeRO-3: the model is one unit (its experts a unit led by it), gathered in
                 # each micro-batch's forward (kept for its backward), reduced once a step
@@ -233,6 +365,6 @@ def test_ep2_training_equals_one_process_and_counts_its_traffic(dp, cp, zeros):
                 assert r["dense"] <= dense < r["dense"] + 32 * dp * cp
                 assert r["experts"] <= experts < r["experts"] + 32 * edp
             assert not t, (rank, zero, t)
-    for zero in zeros:  # one launch order of every group's collectives on every rank
-        orders = {tuple(res[zero]["order"]) for res in outs}
-        assert len(orders) == 1, (zero, orders)
+    for case in map(_case, cases):  # one launch order of every group's collectives per rank
+        orders = {tuple(res[case]["order"]) for res in outs}
+        assert len(orders) == 1, (case, orders)

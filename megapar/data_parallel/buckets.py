@@ -44,6 +44,8 @@ Expert parameters (`megapar.expert_parallel.is_expert`) under expert parallelism
 dense ones (as dtypes are not mixed), each reduced over that group instead (`Bucket.group`),
 averaged over the same dp: an expert's gradient already sums the tokens of its ep group. The
 buckets keep one launch order, so every rank issues both groups' reductions in the same order.
+A compressor (PowerSGD's state is per parameter) reduces each bucket over the bucket's group;
+a bucket whose group is one rank is not compressed (nothing to reduce: it stays exact).
 """
 
 from __future__ import annotations
@@ -447,7 +449,8 @@ class GradBuckets:
         if self.average_over > 1:
             b.flat.div_(self.average_over)
         if self.compressor is not None:
-            self.bytes_sent += self.compressor.reduce(b.flat, b.params, b.group)
+            if b.group_size > 1:  # a one-rank group (experts at dp == ep): nothing to reduce
+                self.bytes_sent += self.compressor.reduce(b.flat, b.params, b.group)
             b.handle = Done()
             return
         wire, cast = self._on_wire(b.flat)

@@ -20,6 +20,13 @@ with the dp sum (so the average) and returns the bytes it put on the wire.
   only delayed. Vectors, and matrices that would not shrink ((n + m) r >= n m), go
 uncompressed in fp32.
 
+A compressor reduces whatever group it is handed a bucket for, and keeps its state (residual,
+Q) per parameter: under expert parallelism the experts' buckets come with the
+expert-data-parallel group (`buckets.GradBuckets`), so an expert's factors are summed over the
+ranks holding that expert, its residual stays on its rank, and its Q is warm-started within
+that group; the dense buckets' over cp x dp. A one-rank group (the experts' at dp == ep) is not
+handed over: there is nothing to reduce, and its gradient stays exact.
+
 Compressed reductions run when a bucket is ready, synchronously (no overlap with the rest of
 the backward); `none` keeps the asynchronous all-reduce.
 """
@@ -75,6 +82,13 @@ class PowerSGDCompressor:
         n, m = p.shape[0], p.numel() // p.shape[0]
         return (n, m) if (n + m) * self.rank < n * m else None
 
+    def initial_q(self, index: int, n: int, m: int) -> torch.Tensor:
+        """The first Q (m x rank) of the `index`-th parameter of a bucket, an n x m matrix: the
+        same on every rank of the group (seeded by the compressor's seed, the place and the
+        shape)."""
+        gen = torch.Generator().manual_seed(self.seed * 100003 + index * 7919 + n * 31 + m)
+        return torch.randn(m, self.rank, generator=gen)
+
     @torch.no_grad()
     def reduce(self, flat: torch.Tensor, params, group) -> int:
         views: list[tuple[int, torch.Tensor, tuple[int, int], int]] = []
@@ -105,8 +119,7 @@ class PowerSGDCompressor:
             if key in self.errors:
                 mat.add_(self.errors[key])
             if key not in self.qs:
-                gen = torch.Generator().manual_seed(self.seed * 100003 + index * 7919 + n * 31 + m)
-                self.qs[key] = torch.randn(m, self.rank, generator=gen).to(mat)
+                self.qs[key] = self.initial_q(index, n, m).to(mat)
             ms.append(mat)
             ps.append(mat @ self.qs[key])
         p_flat = torch.cat([p.reshape(-1) for p in ps])

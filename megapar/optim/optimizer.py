@@ -45,7 +45,8 @@ def decays(param: torch.Tensor) -> bool:
 
 class AdamWOptimizer(torch.optim.Optimizer):
     """AdamW (or `kind` lamb / lars / sgd) over a stage's parameters (every parameter stepped
-    on this rank). `tp_group` is needed by LAMB / LARS (their norms are of full parameters).
+    on this rank). `tp_group` is needed by LAMB / LARS (their norms are of full parameters),
+    and under expert parallelism `ep_group` (the experts' norms are of the stacked tensor).
     `offload`: step in host memory (`offload.HostStep`; AdamW and SGD)."""
 
     zero = 0
@@ -64,6 +65,7 @@ class AdamWOptimizer(torch.optim.Optimizer):
         tp_group=None,
         momentum: float = 0.9,
         offload: bool = False,
+        ep_group=None,
     ):
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         if not self.named:
@@ -75,7 +77,7 @@ class AdamWOptimizer(torch.optim.Optimizer):
                 f"--offload-optimizer steps AdamW or SGD on the host, not {kind} "
                 f"(its trust ratios need whole-parameter norms over the devices)"
             )
-        self.offload, self.tp_group = offload, tp_group
+        self.offload, self.tp_group, self.ep_group = offload, tp_group, ep_group
         self.host: HostStep | None = None
         """`host`: the `HostStep` of an offloaded optimizer (None without offload)."""
         self.params = [p for _, p in self.named]
@@ -124,7 +126,14 @@ class AdamWOptimizer(torch.optim.Optimizer):
             )
             groups = self.host.groups(groups)
         inner = _inner(
-            self.kind, groups, self.lr, self.betas, self.eps, self.momentum, self.tp_group
+            self.kind,
+            groups,
+            self.lr,
+            self.betas,
+            self.eps,
+            self.momentum,
+            self.tp_group,
+            self.ep_group,
         )
         return self.host.adopt(inner) if self.host is not None else inner
 
@@ -365,7 +374,7 @@ FUSED_DEVICES = ("cpu", "cuda")
 both moments; 3.3x faster than the per-tensor loop on a CPU core, Megatron's fused Adam on GPU)."""
 
 
-def _inner(kind, groups, lr, betas, eps, momentum, tp_group) -> torch.optim.Optimizer:
+def _inner(kind, groups, lr, betas, eps, momentum, tp_group, ep_group) -> torch.optim.Optimizer:
     """The torch optimizer that updates the parameters this rank owns."""
     if kind == "adamw":
         params = [p for g in groups for p in g["params"]]
@@ -375,5 +384,5 @@ def _inner(kind, groups, lr, betas, eps, momentum, tp_group) -> torch.optim.Opti
         return torch.optim.SGD(groups, lr=lr, momentum=momentum)
 
     if kind == "lamb":
-        return LAMB(groups, lr=lr, betas=betas, eps=eps, tp_group=tp_group)
-    return LARS(groups, lr=lr, momentum=momentum, tp_group=tp_group)
+        return LAMB(groups, lr=lr, betas=betas, eps=eps, tp_group=tp_group, ep_group=ep_group)
+    return LARS(groups, lr=lr, momentum=momentum, tp_group=tp_group, ep_group=ep_group)

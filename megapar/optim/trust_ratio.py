@@ -14,8 +14,11 @@ Under tensor parallelism a rank holds a shard of a parameter, so the norms are r
 tp group: the squared norms of a tp-sharded parameter's shards are summed (padding rows of a
 vocab-parallel tensor are zero and add nothing); a replicated parameter (tp_dim None) is whole
 on every tp rank and is not summed. All of a rank's parameters share one all-reduce per step.
-Under ZeRO-1 (`zero.py`) a rank steps *pieces* of parameters; the optimizer sets `norms` to a
-function that sums the pieces' squares per parameter over dp (and tp) instead. Under
+Under expert parallelism an expert parameter (the stacked [E, ...] experts of a MoE layer) is
+split over the ep group by its experts, so its norms are summed over `ep_group` likewise (the
+ratio is the one process's, of the whole stacked tensor; one more all-reduce, experts' rows).
+Under ZeRO-1/2/3 (`zero.py`) a rank steps *pieces* of parameters; the optimizer sets `norms`
+to a function that sums the pieces' squares per parameter over dp (and tp) instead. Under
 pp every parameter lives on one stage (the tied LM-head copy gets the same gradient and so the
 same ratio as the embedding), so nothing crosses pp.
 """
@@ -25,27 +28,35 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megapar.expert_parallel import is_expert
 from megapar.mesh import group_size
 
 
 def full_norms(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list, tp_group
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], params: list, tp_group, ep_group=None
 ) -> list[tuple[float, float]]:
-    """(||a||, ||b||) of the full tensors for each (a, b) shard pair (collective over tp_group:
-    every tp rank must pass the same parameters in the same order)."""
+    """(||a||, ||b||) of the full tensors for each (a, b) shard pair (collective over tp_group,
+    and over ep_group for expert parameters: every rank of a group must pass the same
+    parameters in the same order)."""
     if not pairs:
         return []
     sq = torch.stack(
         [torch.stack([a.float().pow(2).sum(), b.float().pow(2).sum()]) for a, b in pairs]
     )
-    sharded = torch.tensor(
-        [getattr(p, "tp_dim", None) is not None for p in params], device=sq.device
-    ).unsqueeze(1)
-    if group_size(tp_group) > 1:
-        summed = torch.where(sharded, sq, torch.zeros_like(sq))
-        dist.all_reduce(summed, group=tp_group)
-        sq = torch.where(sharded, summed, sq)
+    sq = _sum_where(sq, [getattr(p, "tp_dim", None) is not None for p in params], tp_group)
+    sq = _sum_where(sq, [is_expert(p) for p in params], ep_group)
     return [(float(a), float(b)) for a, b in sq.sqrt().tolist()]
+
+
+def _sum_where(sq: torch.Tensor, rows: list[bool], group) -> torch.Tensor:
+    """`sq` with the marked rows summed over `group` (all-reduced when one is marked and the
+    group has more than one rank; the marks are the same on every rank of the group)."""
+    if group_size(group) == 1 or not any(rows):
+        return sq
+    marked = torch.tensor(rows, device=sq.device).unsqueeze(1)
+    summed = torch.where(marked, sq, torch.zeros_like(sq))
+    dist.all_reduce(summed, group=group)
+    return torch.where(marked, summed, sq)
 
 
 def _ratio(num: float, den: float) -> float:
@@ -53,7 +64,8 @@ def _ratio(num: float, den: float) -> float:
 
 
 class LAMB(torch.optim.Optimizer):
-    """LAMB over (shards of) parameters; `tp_group` reduces the norms of tp-sharded ones."""
+    """LAMB over (shards of) parameters; `tp_group` reduces the norms of tp-sharded ones,
+    `ep_group` (expert parallelism's) those of expert parameters."""
 
     def __init__(
         self,
@@ -63,18 +75,19 @@ class LAMB(torch.optim.Optimizer):
         eps: float = 1e-6,
         weight_decay: float = 0.0,
         tp_group=None,
+        ep_group=None,
     ):
         super().__init__(
             params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         )
-        self.tp_group = tp_group
+        self.tp_group, self.ep_group = tp_group, ep_group
         self.norms = None
-        """Optional (pairs, params) -> full norms, replacing `full_norms` (ZeRO-1 pieces)."""
+        """Optional (pairs, params) -> full norms, replacing `full_norms` (ZeRO's pieces)."""
 
     def _norms(self, pairs, params):
         if self.norms is not None:
             return self.norms(pairs, params)
-        return full_norms(pairs, params, self.tp_group)
+        return full_norms(pairs, params, self.tp_group, self.ep_group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -115,6 +128,7 @@ class LARS(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         trust_coefficient: float = 1e-3,
         tp_group=None,
+        ep_group=None,
     ):
         super().__init__(
             params,
@@ -125,9 +139,9 @@ class LARS(torch.optim.Optimizer):
                 "trust_coefficient": trust_coefficient,
             },
         )
-        self.tp_group = tp_group
+        self.tp_group, self.ep_group = tp_group, ep_group
         self.norms = None
-        """Optional (pairs, params) -> full norms, replacing `full_norms` (ZeRO-1 pieces)."""
+        """Optional (pairs, params) -> full norms, replacing `full_norms` (ZeRO's pieces)."""
 
     _norms = LAMB._norms
 

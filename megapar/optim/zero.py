@@ -28,7 +28,12 @@ Parameters are fp32 in every precision (autocast casts on the fly), so the param
 also the fp32 master.
 
 LAMB / LARS need norms of whole parameters: each piece's squared sums are all-reduced over dp
-(one small tensor, two entries per parameter), then over tp for tp-sharded parameters.
+(one small tensor, two entries per parameter), then over tp for tp-sharded parameters. Under
+expert parallelism that one sum serves the experts too: an expert parameter (the stacked
+[E, ...] experts) is split over the ep group by experts and each ep rank's part sliced over the
+expert-data-parallel group, and ep x expert dp is the dp (x cp) group, so the sum over it adds
+every element of the stacked tensor once: the one process's norm, whose ratio the whole
+stacked tensor shares.
 
 Checkpoints keep the canonical format: `state_tensors()` gathers each bucket's slices to rank 0
 of the bucket's group (dp rank 0, the rank that writes the shard file, for dense buckets;
@@ -112,13 +117,6 @@ class ZeroOptimizer(AdamWOptimizer):
         if self.dp == 1 or self.sharded:
             return
         self._check_sync(grad_sync)
-        if self.kind in ("lamb", "lars") and any(
-            b.group is not self.group for b in grad_sync.buckets
-        ):
-            raise ValueError(
-                f"{self.kind} under ZeRO-{self.zero} cannot serve expert parallelism yet (its "
-                f"whole-parameter norms sum slices over dp); use --zero 0, or adamw / sgd"
-            )
         grad_sync.defer(last, before_reduce)
         self.grad_sync, self.sharded = grad_sync, True
         device = self.params[0].device
@@ -275,7 +273,8 @@ class ZeroOptimizer(AdamWOptimizer):
         self, pairs: list[tuple[torch.Tensor, torch.Tensor]], pieces: list[torch.Tensor]
     ) -> list[tuple[float, float]]:
         """LAMB / LARS: (||a||, ||b||) over whole parameters for each piece pair (collective
-        over dp and tp: one row per parameter of the stage)."""
+        over dp and tp: one row per parameter of the stage; an expert's row sums its slices
+        over expert dp and its experts over ep, together the dp group)."""
         row = {id(p): i for i, p in enumerate(self.params)}
         param_of = {id(t): p for t, (p, _, _) in zip(self.pieces, self._piece_of)}
         device = self.param_buffers[next(iter(self.param_buffers))].device
@@ -429,8 +428,17 @@ def build_optimizer(
     zero=2 its reduced gradients as well; `offload` steps it in host memory (`offload.py`)."""
     named = list(model.named_parameters())
     if zero == 0:
+        ep_group = mesh.ep_group if getattr(mesh, "ep", 1) > 1 else None
         return AdamWOptimizer(
-            named, lr, weight_decay, betas, eps, kind, mesh.tp_group, offload=offload
+            named,
+            lr,
+            weight_decay,
+            betas,
+            eps,
+            kind,
+            mesh.tp_group,
+            offload=offload,
+            ep_group=ep_group,
         )
     if zero in (1, 2):
         return ZeroOptimizer(

@@ -49,11 +49,6 @@ class Zero3Optimizer(ZeroOptimizer):
         if self.dp == 1 or self.sharded:
             return
         self._check_sync(grad_sync)
-        if self.kind in ("lamb", "lars") and self._other_groups(grad_sync):
-            raise ValueError(
-                f"{self.kind} under ZeRO-3 cannot serve expert parallelism yet (its "
-                f"whole-parameter norms sum slices over dp); use --zero 0, or adamw / sgd"
-            )
         grad_sync.defer(last, before_reduce)
         self.grad_sync, self.sharded = grad_sync, True
         first = grad_sync.units[0].shard

@@ -53,23 +53,11 @@ def check_zero3(cfg) -> None:
 
 
 def check_ep(cfg) -> None:
-    """--ep: it divides dp (when dp is given; an inferred dp is checked by the layout) and
-    does not combine with what cannot serve its two reduction groups yet."""
+    """--ep: it divides dp (when dp is given; an inferred dp is checked by the layout)."""
     if cfg.ep == 1:
         return
     if cfg.dp is not None and cfg.dp % cfg.ep:
         raise UsageError(
             f"--ep {cfg.ep} does not divide --dp {cfg.dp}: experts are sharded over "
             f"data-parallel ranks; choose an --ep that divides dp, or change --dp"
-        )
-    if cfg.grad_compression == "powersgd":
-        raise UsageError(
-            f"--ep {cfg.ep} cannot be combined with --grad-compression powersgd (its "
-            f"state is per bucket of one dp group); use --grad-compression none, bf16 or fp16"
-        )
-    if cfg.zero and cfg.optimizer in ("lamb", "lars"):
-        raise UsageError(
-            f"--ep {cfg.ep} with --zero {cfg.zero} cannot serve --optimizer {cfg.optimizer} "
-            f"yet (its whole-parameter norms sum the slices over dp, and experts differ "
-            f"across ep ranks): use --zero 0, or --optimizer adamw / sgd"
         )
