@@ -86,8 +86,3 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _after_step(self) -> None:
         """Nothing to gather: each unit is gathered from the shards at its next use."""
-
-    def _other_groups(self, grad_sync) -> bool:
-        """Whether some units are sharded over another group than the optimizer's (the
-        experts' units under expert parallelism)."""
-        return any(u.group is not self.group for u in grad_sync.units)
