@@ -5,12 +5,13 @@ a dense output layer) trained 3 steps at dp 4 x ep 2 (2 micro-batches per rank, 
 clipping on, tiny buckets so dense and expert buckets interleave) with the all-reduce grad sync,
 ZeRO-1 and ZeRO-2 equals the same model trained on one process on all the data (fp32, 1e-5
 relative); the step's collectives are counted per group against the parameter counts, and
-every rank issues the same collectives in the same order; under ZeRO-1/2 the optimizer state a
-checkpoint gathers (every expert whole) is the serial run's. The same at cp 2 x dp 2 x ep 2
-(each cp rank's loss its tokens' share, as under context parallelism; ep folds into dp x cp,
-so the two cp ranks of a dp rank hold different experts and exchange tokens, and the
-expert-data-parallel group spans the dp ranks). ZeRO-3 too in each layout: the model is one
-unit, its experts a unit of their own over the expert-data-parallel group.
+every rank issues the same collectives in the same order; the optimizer state and weights a
+checkpoint gathers (every expert whole) are the serial run's, under ZeRO-3 too (the units
+gathered into host copies as a save does: the experts on the ranks of the writer's ep group).
+The same at cp 2 x dp 2 x ep 2 (each cp rank's loss its tokens' share, as under context
+parallelism; ep folds into dp x cp, so the two cp ranks of a dp rank hold different experts
+and exchange tokens, and the expert-data-parallel group spans the dp ranks). ZeRO-3 too in each layout: the model is
+one unit, its experts a unit of their own over the expert-data-parallel group.
 
 LAMB and LARS under ZeRO-0/1/2/3 too: each parameter's trust ratio needs the norm of the
 whole parameter as one process holds it (an expert parameter: the stacked experts of all ep
@@ -31,10 +32,11 @@ from test_expert_parallel import E, H, toy_moe, toy_weights
 from torch import nn
 from tp_utils import assert_close
 
-from megapar.checkpoint.stage_tensors import whole_experts
+from megapar.checkpoint.stage_tensors import gathers_experts, whole_experts
 from megapar.comm_count import count_collectives
 from megapar.data_parallel.compression import make_compressor
 from megapar.data_parallel.grad_sync import build_grad_sync
+from megapar.data_parallel.sharded_params import HostStage
 from megapar.expert_parallel import is_expert, local_experts, mark_expert
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -50,6 +52,8 @@ RANK = 2
 
 class ToyMoEModel(nn.Module):
     """Dense in, a residual toy MoE layer (this ep rank's experts), dense out."""
+
+    config = None  # what a checkpoint records of a model (ZeRO-3's `HostStage` reads it)
 
     def __init__(self, group, ep, ep_rank):
         super().__init__()
@@ -197,17 +201,23 @@ def traffic(calls):
     return out
 
 
-def check_checkpoint_state(model, mesh, opt, serial, serial_state):
-    """The checkpoint's view of a ZeRO-1 / 2 run: `state_tensors` gives the dense moments on
-    dp rank 0 (cp rank 0) and each expert's on its expert-data-parallel rank 0, the ranks of
+def check_checkpoint_state(model, mesh, opt, serial, serial_state, sync):
+    """The checkpoint's view of a ZeRO-1 / 2 / 3 run: `state_tensors` gives the dense moments
+    on dp rank 0 (cp rank 0) and each expert's on its expert-data-parallel rank 0, the ranks of
     the writer's ep group (at cp 2 x dp 2 x ep 2 both cp ranks of dp rank 0), nothing
-    elsewhere; `whole_experts` gathers every expert whole there (weights and moments): the
-    serial run's (1e-5)."""
-    state = opt.state_tensors()  # collective over every bucket's group
+    elsewhere; `whole_experts` gathers every expert whole there
+    (weights and moments): the serial run's (1e-5). ZeRO-3: the weights are read from the
+    host copies a save takes (`HostStage`: every parameter on the writer, the experts on its
+    ep group's ranks, nothing elsewhere)."""
+    state = opt.state_tensors()  # collective over every bucket's (unit's) group
     writer = mesh.dp_rank == 0 and mesh.cp_rank == 0
     dense = {n for n, p in model.named_parameters() if not is_expert(p)}
     experts = {n for n, p in model.named_parameters() if is_expert(p)}
     first = mesh.edp_rank == 0
+    if sync.stage == 3:  # as `Engine.saved_model`: collective over the units' groups
+        model = HostStage(model, sync.host_params(writer, writer or gathers_experts(mesh)))
+        held = {n for n, _ in model.named_parameters()}
+        assert held == (dense if writer else set()) | (experts if first else set()), held
     assert set(state) == (dense if writer else set()) | (experts if first else set()), state
     mine = local_experts(E, EP, mesh.ep_rank)
     for name, p in model.named_parameters():
@@ -254,8 +264,8 @@ def worker(dp, cp, cases):
         zero, kind, compression = case
         model, weights, norms, calls, sync, opt = parallel_run(mesh, *case)
         serial, serial_norms, serial_state = reference_for(dp, cp, case, sync, model, plain_runs)
-        if zero in (1, 2):  # ZeRO-3's checkpoints are refused with ep
-            check_checkpoint_state(model, mesh, opt, serial, serial_state)
+        if zero:
+            check_checkpoint_state(model, mesh, opt, serial, serial_state, sync)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(serial_norms),
                                    rtol=1e-5, atol=0, msg=f"{case} grad norms")
         for (name, p), w, want in zip(model.named_parameters(), weights, serial.parameters()):

@@ -11,13 +11,17 @@ import torch
 import transformers
 from tp_utils import assert_close, make_mesh
 
+from megapar.checkpoint.convert import checkpoint_info
+from megapar.checkpoint.distributed import planned_shard
 from megapar.checkpoint.format import ShardReader
 from megapar.checkpoint.hf import HFReader, load_hf_weights
 from megapar.checkpoint.manifest import read_manifest
 from megapar.cli.convert import main as convert
 from megapar.cli.train import main
 from megapar.data import asset_path
+from megapar.mesh import Layout, Mesh
 from megapar.models import Llama
+from megapar.models.config import config_from_dict
 
 TINY = ["--seq-len", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--warmup-steps", "1",
@@ -142,38 +146,61 @@ def _canonical(step_dir):
 
 
 def test_mixtral_checkpoint_reshards_over_ep_zero_and_layouts(tmp_path, common):
-    """Experts, their optimizer state and the auxiliary-loss-free bias reshard like any tensor.
-    A run at pp 2 x dp 2 x ep 2 under ZeRO-1 with the bias moving saves at step 2 (every
-    expert and its moments whole, gathered over ep from each expert-data-parallel group's
-    slices; the bias kept); megapar-convert rewrites it for tp 2; resumed from that at tp 2 x
-    dp 2 (ep 1, ZeRO-2) and from the original at dp 4 x ep 4 (ZeRO-2), both continue the
-    straight run's losses (1e-6) and save at step 4 what the straight run saves there:
-    weights, moments and bias (1e-5)."""
+    """Experts, their optimizer state and the auxiliary-loss-free bias reshard like any tensor,
+    under ZeRO-3 too. A run at pp 2 x dp 2 x ep 2 under ZeRO-1 with the bias moving saves at
+    steps 2 and 4 (every expert and its moments whole, gathered over ep from each
+    expert-data-parallel group's slices; the bias kept). Resumed from step 2 at dp 4 x ep 2
+    under ZeRO-3 (the experts' units sharded over an expert-data-parallel group of 2), it runs
+    step 3 and saves there (the units gathered, the experts whole over ep). That ZeRO-3
+    checkpoint resumes at dp 4 x ep 4 (ZeRO-2), at dp 2 x ep 2 (ZeRO-3, another dp), at tp 2 x
+    dp 2 (ep 1, ZeRO-1) after megapar-convert rewrote it for tp 2, and at tp 2 x dp 2 x ep 2
+    (ZeRO-3) from the same conversion: every resumed step's loss is the straight run's (1e-6),
+    and what each saves at step 4 is what the straight run saves there: weights, moments and
+    bias (1e-5)."""
     args = ["--model", "mixtral-tiny", "--lr", "3e-3", "--max-steps", "4",
             "--moe-bias-update-rate", "0.05", "--save-interval", "2", *common,
             "--micro-batch-size", "1"]
-    ck, tp2 = tmp_path / "straight_ck", tmp_path / "tp2"
+    ck, z3, tp2 = tmp_path / "straight_ck", tmp_path / "z3_ck" / "step_00000003", tmp_path / "tp2"
     runs = {"straight": ["--pp", "2", "--dp", "2", "--ep", "2", "--zero", "1"],
-            "tp2": ["--tp", "2", "--dp", "2", "--zero", "2", "--load", str(tp2)],
-            "ep4": ["--dp", "4", "--ep", "4", "--zero", "2", "--load", str(ck / "step_00000002")]}
+            "z3": ["--dp", "4", "--ep", "2", "--zero", "3", "--load", str(ck / "step_00000002"),
+                   "--exit-interval", "3"],
+            "ep4": ["--dp", "4", "--ep", "4", "--zero", "2", "--load", str(z3)],
+            "z3dp2": ["--dp", "2", "--ep", "2", "--zero", "3", "--load", str(z3)],
+            "tp2": ["--tp", "2", "--dp", "2", "--zero", "1", "--load", str(tp2)],
+            "tp2z3": ["--tp", "2", "--dp", "2", "--ep", "2", "--zero", "3", "--load", str(tp2)]}
     losses, saved = {}, {}
     for run, layout in runs.items():
         log = tmp_path / f"{run}.jsonl"
         assert main([*args, *layout, "--save", str(tmp_path / f"{run}_ck"),
                      "--log-json", str(log)]) == 0
         losses[run] = {r["step"]: r["loss"] for r in _records(log)}
-        saved[run], _ = _canonical(tmp_path / f"{run}_ck" / "step_00000004")
-        if run == "straight":  # its step-2 checkpoint rewritten for tp 2
-            assert convert([str(ck / "step_00000002"), str(tp2), "--tp", "2", "--pp", "1",
-                            "--no-progress"]) == 0
-    assert set(losses["tp2"]) == set(losses["ep4"]) == {3, 4}
-    for run in ("tp2", "ep4"):
+        if run == "z3":  # its step-3 checkpoint rewritten for tp 2
+            assert convert([str(z3), str(tp2), "--tp", "2", "--pp", "1", "--no-progress"]) == 0
+        else:
+            saved[run], _ = _canonical(tmp_path / f"{run}_ck" / "step_00000004")
+    assert set(losses["z3"]) == {3}
+    for run in runs:
+        if run == "straight":
+            continue
+        assert set(losses[run]) <= {3, 4}, (run, losses[run])
         for step, loss in losses[run].items():
             assert abs(loss - losses["straight"][step]) / loss < 1e-6, (run, losses)
+        if run == "z3":
+            continue
+        assert set(losses[run]) == {4}, (run, losses[run])
         assert set(saved[run]) == set(saved["straight"])
         for name, want in saved["straight"].items():
             assert_close(saved[run][name], want, what=f"{run} {name}")
-    at_2, manifest = _canonical(ck / "step_00000002")  # what the resumes started from
-    biases = [n for n, e in manifest["tensors"].items() if e.get("buffer")]
-    assert len(biases) == 4 and all(n.endswith("router.bias") for n in biases), biases
-    assert sum(at_2[n].abs().sum() for n in biases) > 0  # it moved: the routing depends on it
+    for step_dir in (ck / "step_00000002", z3):  # what the resumes started from
+        at, manifest = _canonical(step_dir)
+        biases = [n for n, e in manifest["tensors"].items() if e.get("buffer")]
+        assert len(biases) == 4 and all(n.endswith("router.bias") for n in biases), biases
+        assert sum(at[n].abs().sum() for n in biases) > 0  # it moved: the routing depends on it
+        assert all(e["optim"] for e in manifest["tensors"].values() if not e.get("buffer"))
+    assert "layout      tp=1 pp=1 dp=4 ep=2\n" in checkpoint_info(z3, checksums=False)
+    # the dry run's size of that file: every expert whole, as written (an ep rank's own model)
+    mesh = Mesh.virtual(Layout(dp=4, ep=2), rank=1, device="meta")
+    model = Llama(config_from_dict(manifest["model"]), mesh)
+    moments = {n: {"exp_avg": p, "exp_avg_sq": p} for n, p in model.named_parameters()}
+    assert planned_shard(model, mesh, moments) == (
+        "model_tp00_pp00.safetensors", (z3 / "model_tp00_pp00.safetensors").stat().st_size)

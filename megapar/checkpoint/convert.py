@@ -360,7 +360,7 @@ def checkpoint_info(path, tensors: bool = False, checksums: bool = True) -> str:
     lines = [
         f"checkpoint  {step_dir}",
         f"step        {m['step']}",
-        f"layout      tp={m['layout']['tp']} pp={m['layout']['pp']} dp={m['layout']['dp']}",
+        f"layout      {Layout(**m['layout'])}",  # with cp, ep and order where they are set
         f"model       {model['model_type']} ({_size(model)}), {params:,} parameters "
         f"(unpadded, as transformers counts them)",
         f"optimizer   {', '.join(optim) if optim else 'none'}",

@@ -156,9 +156,16 @@ def _unpack(payload: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def planned_shard(model, mesh: Mesh, optim_tensors) -> tuple[str, int]:
     """(file name, bytes) of the shard file `save_checkpoint` would write for this (tp, pp)
-    coordinate, without writing it (the tensors may be fake: only shapes and dtypes are read)."""
+    coordinate, without writing it (the tensors may be fake: only shapes and dtypes are read);
+    under ep every routed expert's tensors whole, as `whole_experts` gathers them."""
     fname, tensors, _ = shard_contents(model, mesh, optim_tensors)
-    return fname, safetensors_size({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()})
+    ep = {name: ep_shard(p)[1] for name, p, _ in stage_tensors(model)}
+
+    def shape(key: str, t: torch.Tensor) -> tuple[int, ...]:
+        n = ep.get(key.split("/")[1], 1)  # model/NAME or optim/NAME/KEY
+        return (t.shape[0] * n, *t.shape[1:]) if n > 1 else tuple(t.shape)
+
+    return fname, safetensors_size({k: (v.dtype, shape(k, v)) for k, v in tensors.items()})
 
 
 def shard_contents(model, mesh: Mesh, optim_tensors, whole=None) -> tuple[str, dict, dict]:

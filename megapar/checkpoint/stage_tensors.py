@@ -41,20 +41,30 @@ def own_experts(whole: torch.Tensor, param) -> torch.Tensor:
     return whole.narrow(0, ep_rank * n, n) if ep > 1 else whole
 
 
+def gathers_experts(mesh: Mesh) -> bool:
+    """Whether this rank takes part in `whole_experts`' gather: under ep > 1, the ranks of
+    the checkpoint writer's ep group (expert-data-parallel rank 0: the block of the cp x dp
+    index holding the writer, dp rank 0 and cp rank 0, whose other ranks may have other cp and
+    dp ranks, `Mesh`; they hold the experts' optimizer state, gathered there by the optimizer,
+    and under ZeRO-3 keep a host copy of the experts' gathered weights)."""
+    return getattr(mesh, "ep", 1) > 1 and mesh.edp_rank == 0
+
+
 def whole_experts(model, mesh: Mesh, optim_tensors) -> dict[str, tuple[torch.Tensor, dict]]:
     """Under ep > 1, {name: (weights, {key: moment})} of every routed expert's stacked weights
     gathered whole over the ep group along dim 0, so a checkpoint holds all E experts, the
     same in every ep (the canonical form, as tp shards are gathered into it). Only the ep
-    group of the checkpoint's writer (dp rank 0, cp rank 0: the block of edp rank 0, whose
-    ranks may have other cp and dp ranks, `Mesh`) gathers (collective over that group); the
-    other ranks and ep 1 get {}.
+    group of the checkpoint's writer (`gathers_experts`) gathers (collective over that
+    group); the other ranks and ep 1 get {}.
 
     `optim_tensors` must hold every expert's moments on those ranks: the optimizer gives them
     there (ZeRO-1 / 2 gather each expert bucket's slices to its expert-data-parallel rank 0,
-    which is that group's). A moment in host memory is gathered through `mesh.device` (the
-    collectives' device) and returned in host memory."""
+    which is that group's; ZeRO-3 gathers each experts' unit's slices there too). A moment in
+    host memory is gathered through `mesh.device` (the collectives' device) and returned in
+    host memory. Under ZeRO-3 `model` is the `HostStage` of the gathered weights, which holds
+    the experts on those ranks."""
     out: dict[str, tuple[torch.Tensor, dict]] = {}
-    if getattr(mesh, "ep", 1) == 1 or mesh.edp_rank != 0:
+    if not gathers_experts(mesh):
         return out
 
     def whole(t: torch.Tensor) -> torch.Tensor:

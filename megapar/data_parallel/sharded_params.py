@@ -283,10 +283,15 @@ class ShardedParams(UnitGradSync):
         return [u.shard if u.host_shard is None else u.host_shard for u in self.units]
 
     @torch.no_grad()
-    def host_params(self, keep_on: bool) -> dict[int, torch.Tensor]:
+    def host_params(
+        self, keep_on: bool, keep_experts: bool | None = None
+    ) -> dict[int, torch.Tensor]:
         """id(param) -> a host copy of the gathered parameter, one unit (with its experts'
-        unit) gathered at a time (collective over the units' groups); copies only where
-        `keep_on` (the checkpoint writer)."""
+        unit) gathered at a time (collective over the units' groups); copies of the units
+        sharded over the dense group only where `keep_on` (the checkpoint writer), of the
+        experts' units (under expert parallelism) only where `keep_experts` (the ranks that
+        gather the experts whole over ep for the writer; default `keep_on`)."""
+        keep_experts = keep_on if keep_experts is None else keep_experts
         out = {}
         for u in self.units:
             if u.lead is not None:  # gathered with its lead
@@ -294,7 +299,7 @@ class ShardedParams(UnitGradSync):
             was = [v.gathered for v in u.members()]
             self.gather(u)
             for v, kept in zip(u.members(), was):
-                if keep_on:
+                if keep_on if v.group is self.group else keep_experts:
                     for p in v.params:
                         out[id(p)] = p.detach().to("cpu", copy=True)
                 if not kept:

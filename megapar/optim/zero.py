@@ -329,9 +329,7 @@ class ZeroOptimizer(AdamWOptimizer):
         lo, hi = self.grad_sync.shard_range(b)
         dtype = b.params[0].dtype
         device = self.param_buffers[dtype].device
-        group, size, rank = self.group, self.dp, self.dp_rank  # ZeRO-3's units: over dp
-        if getattr(b, "group", None) is not None:  # a bucket: over its own group
-            group, size, rank = b.group, b.group_size, b.group_rank
+        group, size, rank = b.group, b.group_size, b.group_rank  # a bucket's or unit's own
         first = rank == 0
         parts = [
             torch.zeros(hi - lo, dtype=dtype, device=device) for _ in range(size if first else 1)

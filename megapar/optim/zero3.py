@@ -5,8 +5,10 @@ unit, rank r of the dp (x cp) group holds slice r of the unit's flat fp32 parame
 dp-averaged gradient. This optimizer's *pieces* are the parts of parameters inside those
 slices (views into `Unit.shard`, with views into `Unit.grad_shard` as ``.grad``), exactly as
 ZeRO-1's pieces are the parts inside its buffer slices, so clipping, the non-finite check,
-LAMB / LARS's whole-parameter norms and the canonical checkpoint (`state_tensors`, gathered to
-dp rank 0 a unit and a state key at a time) are ZeRO-1's (`ZeroOptimizer`). What differs:
+LAMB / LARS's whole-parameter norms and the canonical checkpoint (`state_tensors`, gathered a
+unit and a state key at a time to rank 0 of the unit's group: dp rank 0 for the dense units,
+expert-data-parallel rank 0 for the experts' units under expert parallelism, as ZeRO-1's expert
+buckets) are ZeRO-1's (`ZeroOptimizer`). What differs:
 there is no all-gather after the step (each unit is gathered when it is next used), and under
 sequence parallelism the replicated parameters' partial gradients are summed over tp on the
 pieces (`ZeroOptimizer.sum_partial_over_tp`), after the reduce-scatter.
@@ -84,28 +86,3 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _after_step(self) -> None:
         """Nothing to gather: each unit is gathered from the shards at its next use."""
-
-    def _other_groups(self, grad_sync) -> bool:
-        """Whether some units are sharded over another group than the optimizer's (the
-        experts' units under expert parallelism)."""
-        return any(u.group is not self.group for u in grad_sync.units)
-
-    def state_tensors(self, copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:
-        """`ZeroOptimizer.state_tensors`; refused while experts' units are sharded over
-        another group (the gather to dp rank 0 reads one group's slices)."""
-        self._refuse_experts("saved")
-        return super().state_tensors(copy)
-
-    def load_state_tensors(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
-        """`ZeroOptimizer.load_state_tensors`; refused under expert parallelism, as
-        `state_tensors`."""
-        self._refuse_experts("loaded")
-        super().load_state_tensors(d)
-
-    def _refuse_experts(self, what: str) -> None:
-        if self.sharded and self._other_groups(self.grad_sync):
-            raise ValueError(
-                f"the ZeRO-3 optimizer state cannot be {what} under expert parallelism yet "
-                f"(the experts' shards live on the expert-data-parallel group): train with "
-                f"--zero 0 to save or load"
-            )

@@ -60,7 +60,7 @@ class TrainConfig:
     dp: int | None = None
     """Data-parallel size; default world size / (tp * cp * pp) (1 when megapar-train starts the workers)."""
     ep: int = 1
-    """Expert-parallel size: data- and context-parallel ranks that split each MoE layer's experts and exchange tokens by all-to-all (folded into dp x cp, as in Megatron and torchtitan: it must divide dp x cp and adds no ranks, e.g. --cp 2 --ep 2 at dp 1; expert weights are reduced over the dp x cp / ep ranks holding the same experts). Needs a model with experts (mixtral, qwen3_moe), as many as ep divides. Any --zero (ZeRO-3 shards the experts over the ranks holding them). Checkpoints (--save / --load, ZeRO-0 / 1 / 2; not yet ZeRO-3) hold every expert whole with its optimizer state, so any ep (and any layout) resumes them."""
+    """Expert-parallel size: data- and context-parallel ranks that split each MoE layer's experts and exchange tokens by all-to-all (folded into dp x cp, as in Megatron and torchtitan: it must divide dp x cp and adds no ranks, e.g. --cp 2 --ep 2 at dp 1; expert weights are reduced over the dp x cp / ep ranks holding the same experts). Needs a model with experts (mixtral, qwen3_moe), as many as ep divides. Any --zero (ZeRO-3 shards the experts over the ranks holding them). Checkpoints (--save / --load, at any --zero) hold every expert whole with its optimizer state, so any ep (and any layout) resumes them."""
     rank_order: str = "tp-pp-dp"
     """Rank order, fastest first: tp-pp-dp (dp outermost: gradient all-reduce crosses nodes) or tp-dp-pp (Megatron's: pp outermost, point-to-point crosses nodes)."""
     sequence_parallel: bool = False

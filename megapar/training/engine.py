@@ -27,6 +27,7 @@ from megapar.checkpoint.distributed import (
     save_checkpoint,
 )
 from megapar.checkpoint.format import CheckpointError
+from megapar.checkpoint.stage_tensors import gathers_experts
 from megapar.context_parallel import check_length
 from megapar.data_parallel.compression import make_compressor
 from megapar.data_parallel.grad_sync import build_grad_sync
@@ -396,11 +397,15 @@ class Engine:
 
     def saved_model(self):
         """What a checkpoint reads the weights from: the stage, or under ZeRO-3 host copies
-        of its parameters gathered a unit at a time (`HostStage`; collective over dp x cp)."""
+        of its parameters gathered a unit at a time (`HostStage`; collective over dp x cp, and
+        the expert-data-parallel group under ep): every parameter on the writer (dp rank 0, cp
+        rank 0), and under ep the experts on the ranks of its ep group too, which gather them
+        whole (`whole_experts`)."""
         if self.sharded_params is None:
             return self.model
         writer = self.mesh.dp_rank == 0 and self.mesh.cp_rank == 0
-        return HostStage(self.model, self.sharded_params.host_params(writer))
+        experts = writer or gathers_experts(self.mesh)
+        return HostStage(self.model, self.sharded_params.host_params(writer, experts))
 
     def _save_in_background(self, path, meta: dict) -> Path:
         assert self.saver is not None  # called with async_save only

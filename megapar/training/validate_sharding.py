@@ -4,7 +4,7 @@ the fix."""
 
 from __future__ import annotations
 
-from megapar.training.usage import UsageError, flag_of
+from megapar.training.usage import UsageError
 
 
 def check_zero3(cfg) -> None:
@@ -53,8 +53,7 @@ def check_zero3(cfg) -> None:
 
 
 def check_ep(cfg) -> None:
-    """--ep: it divides dp x cp (when dp is given; an inferred dp is checked by the layout) and
-    does not combine with what cannot serve its two reduction groups yet."""
+    """--ep: it divides dp x cp (when dp is given; an inferred dp is checked by the layout)."""
     if cfg.ep == 1:
         return
     if cfg.dp is not None and cfg.dp * cfg.cp % cfg.ep:
@@ -62,10 +61,3 @@ def check_ep(cfg) -> None:
             f"--ep {cfg.ep} does not divide dp x cp = --dp {cfg.dp} x --cp {cfg.cp}: experts are "
             f"sharded over data- and context-parallel ranks; choose an --ep that divides it"
         )
-    for name in ("save", "load"):
-        if getattr(cfg, name) and cfg.zero == 3:
-            raise UsageError(
-                f"--ep {cfg.ep} with --zero 3 cannot be combined with {flag_of(name)} yet (the "
-                f"experts' units are sharded over the expert-data-parallel group, which the "
-                f"ZeRO-3 save does not gather): use --zero 0, 1 or 2, or drop {flag_of(name)}"
-            )
