@@ -175,9 +175,10 @@ def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) 
     the all-to-alls, which only expert parallelism's token exchange makes, even where its
     ranks are dp's; "expert dp" for the expert-data-parallel group, the experts' ZeRO
     collectives (a group of one at dp = ep: tp's ranks at tp 1, where tp issues nothing;
-    "cp = expert dp" where its ranks are cp's); "world" for the default group). Bytes are the whole tensor each call reduces,
-    gathers, scatters or sends (an all-gather's output, a reduce-scatter's input), so an
-    all-gather and the reduce-scatter it undoes weigh the same."""
+    "cp = expert dp" where its ranks are cp's); "world" for the default group). Bytes are the
+    whole tensor each call reduces, gathers, scatters or sends (an all-gather's output, a
+    reduce-scatter's input), so an all-gather and the reduce-scatter it undoes weigh the
+    same."""
 
     names: dict[tuple[int, ...], str] = {}
     for name in ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding"):

@@ -248,9 +248,8 @@ def stage_units(
             own = [i for i in own if not tensors[i].shared]
         root = [i for i in emb + tail if i not in own]
         units += [u for b in blocks for u in made("block", ci, b)]
-        units += [
-            u for kind, idx in (("embedding", own), ("root", root)) if idx for u in made(kind, ci, idx)
-        ]
+        for kind, idx in (("embedding", own), ("root", root)):
+            units += made(kind, ci, idx) if idx else []
     return units + (made("persistent", -1, small, small_embedding) if small else [])
 
 
