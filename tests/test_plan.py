@@ -601,8 +601,9 @@ def test_moe_imbalance_scales_the_experts_rows_under_ep_only():
 
 
 def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
-    """ep: every divisor of dp that divides the experts, not with ZeRO-3 (megapar-train
-    refuses it); a dense model, an ep not dividing dp or the experts refused in one line."""
+    """ep: every divisor of dp that divides the experts, at every ZeRO stage (ZeRO-3's
+    experts' units are modelled: sharded over expert dp); a dense model, an ep not dividing dp
+    or the experts refused in one line."""
     from megapar.plan import enumerate_candidates
 
     moe, dense = resolve_model("mixtral-tiny"), resolve_model("llama-tiny")
@@ -610,11 +611,11 @@ def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
     by_dp: dict = {}
     for c in valid:
         by_dp.setdefault(c.dp, set()).add(c.ep)
-        assert not (c.ep > 1 and c.zero == 3), c
     assert by_dp == {4: {1, 2, 4}, 2: {1, 2}, 1: {1}}
+    assert {c.zero for c in valid if c.ep > 1} == {0, 1, 2, 3}
     valid, _ = enumerate_candidates(dense, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",))
     assert {c.ep for c in valid} == {1}
+    assert check(parse_candidate("tp=2,dp=2,ep=2,zero=3", 4), moe, 4, 8, 8, 32) is None
     for config, spec, why in ((dense, "dp=4,ep=2", "needs a mixture-of-experts model"),
-                              (moe, "dp=4,ep=3", "does not divide dp 4"),
-                              (moe, "tp=2,dp=2,ep=2,zero=3", "the planner does not model ZeRO-3's expert units")):
+                              (moe, "dp=4,ep=3", "does not divide dp 4")):
         assert why in check(parse_candidate(spec, 4), config, 4, 8, 8, 32), spec

@@ -304,6 +304,31 @@ def _stage_params(
     return tuple(counts)
 
 
+def stage_expert_params(
+    config,
+    tp: int,
+    pp: int,
+    v: int = 1,
+    placement: str = "loop",
+    config_json: str | None = None,
+    ep: int = 1,
+) -> list[int]:
+    """Of `stage_params`, the elements of routed experts' parameters (split over `ep`) one tp
+    rank of each pipeline stage holds."""
+    return list(_stage_expert_params(config_json or _config_json(config), tp, pp, v, placement, ep))
+
+
+@lru_cache(maxsize=4096)
+def _stage_expert_params(
+    config_json: str, tp: int, pp: int, v: int, placement: str, ep: int
+) -> tuple[int, ...]:
+    config = config_from_dict(json.loads(config_json))
+    return tuple(
+        sum(t.numel for t in stage_tensors(config, tp, pp, v, stage, placement, ep) if t.expert)
+        for stage in range(pp)
+    )
+
+
 def model_params(config, config_json: str | None = None) -> int:
     """Parameters of the whole model, unpadded, the tied embedding counted once (what Hugging
     Face's `num_parameters()` reports: 124,439,808 for GPT-2 small). `config_json` as for
