@@ -232,6 +232,8 @@ def stage_memory(
                 held.gathered,
                 held.host,
                 held.grad_buffers,
+                held.gathered_end,
+                held.grad_buffers_top,
             )
         )
     return out

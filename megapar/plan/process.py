@@ -143,10 +143,13 @@ def process_peak(
     target = target or p.target
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
-    state = mem.total - mem.activations - mem.buffers
+    # ZeRO-3's gathered units and full gradient buffers peak at different moments: each phase
+    # counts what it holds of them
+    state = mem.total - mem.activations - mem.buffers - mem.gathered - mem.grad_buffers
     host = mem.host if target == "cpu" else 0.0  # offload's host memory: on a CPU, the same
     state += host
     a = _top_of_backward(p, c, mem, has_embedding, has_head)
+    a[1:1] = _zero3_terms(mem.gathered, mem.grad_buffers_top, "top of the backward")
     if mem.activations:
         a.append(
             Term(
@@ -155,7 +158,8 @@ def process_peak(
                 "the gradients of one block's intermediates, as large as what it keeps",
             )
         )
-    b = _end_of_backward(p, c, has_embedding, has_head)
+    b = _zero3_terms(mem.gathered_end, mem.grad_buffers, "end of the backward")
+    b += _end_of_backward(p, c, has_embedding, has_head)
     copies = a[0]  # autocast's copies live through both phases
     top = state + mem.activations + mem.buffers + sum(t.bytes for t in a)
     end = state + copies.bytes + sum(t.bytes for t in b)
@@ -190,6 +194,16 @@ def process_peak(
     ]
     total = tensors + room + CPU_RUNTIME
     return ProcessPeak(target, tuple(terms), tensors, phase, total, CPU_BASELINE)
+
+
+def _zero3_terms(gathered: float, grad_buffers: float, phase: str) -> list[Term]:
+    """ZeRO-3's gathered units and full gradient buffers alive in `phase` (none without)."""
+    if not (gathered or grad_buffers):
+        return []
+    return [
+        Term(f"ZeRO-3's gathered units ({phase})", gathered, "counted (plan.zero3_peaks)"),
+        Term(f"ZeRO-3's full gradient buffers ({phase})", grad_buffers, "counted"),
+    ]
 
 
 def _vocab_h(p: Problem, c: Candidate) -> tuple[int, int]:

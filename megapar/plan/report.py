@@ -351,14 +351,20 @@ def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
         group: ", ".join(f"{n} {op.replace('_', '-')}s {_amount(b)}" for op, n, b in rows)
         for group, rows in traffic.items()
     }
+    where = (
+        f"sharded over the {edp} expert-data-parallel ranks (cp x dp / ep)"
+        if edp > 1
+        else "whole on each rank (ep = cp x dp: the expert-data-parallel group is the rank "
+        "alone, its gathers and reductions local copies)"
+    )
     return [
-        f"  ZeRO-3: each MoE block's experts are a unit of their own, sharded over the {edp} "
-        f"expert-data-parallel ranks (cp x dp / ep) and gathered, freed and reduced with "
-        f"their block's unit: gathered units at the peak {_amount(e.memory.gathered)} (ep 1: "
-        f"{_amount(one.gathered)}), full gradient buffers {_amount(e.memory.grad_buffers)} "
-        f"(ep 1: {_amount(one.grad_buffers)})",
-        f"  ZeRO-3 traffic per step: over cp x dp ({c.dp * c.cp} ranks) {ops.get(DENSE, '-')}; "
-        f"over expert dp ({edp} ranks) {ops.get(EXPERTS, '-')}",
+        f"  ZeRO-3: each MoE block's experts are a unit of their own, {where}, gathered, freed "
+        f"and reduced with their block's unit: gathered units at the peak "
+        f"{_amount(e.memory.gathered)} (ep 1: {_amount(one.gathered)}), full gradient buffers "
+        f"{_amount(e.memory.grad_buffers)} (ep 1: {_amount(one.grad_buffers)})",
+        f"  ZeRO-3 traffic per step (an all-gather's output, a reduce-scatter's input): over "
+        f"cp x dp ({c.dp * c.cp} ranks) {ops.get(DENSE, '-')}; over expert dp ({edp} "
+        f"rank{'s' if edp > 1 else ''}) {ops.get(EXPERTS, '-')}",
     ]
 
 

@@ -24,13 +24,12 @@ stepped tensors and their gradients (--offload-optimizer), or ZeRO-3's parameter
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 
 from megapar.data_parallel.buckets import bucket_layout, slice_pieces
-from megapar.data_parallel.sharded_params import ShardedParams
 from megapar.pipeline.schedules import SPLIT_BACKWARD
-from megapar.plan.params import UnitSpec, stage_tensors, stage_units
+from megapar.plan.params import stage_tensors, stage_units
 from megapar.plan.sharding import dp_traffic
+from megapar.plan.zero3_peaks import gathered_peak, grad_buffers_peak, phases
 
 ADAM_MOMENTS = 2
 """AdamW's exp_avg and exp_avg_sq, each of the parameter's (piece's) shape and dtype."""
@@ -61,6 +60,10 @@ class RankState:
     """Of all these, the bytes in host memory (offload)."""
     grad_buffers: int = 0
     """ZeRO-3: the units' full gradient buffers at the peak (`grad_buffers_peak`)."""
+    gathered_end: int = 0
+    """ZeRO-3: of `gathered`, what is gathered at the end of the backward (`phases`)."""
+    grad_buffers_top: int = 0
+    """ZeRO-3: of `grad_buffers`, the buffers alive at the top of the backward (`phases`)."""
 
     @property
     def device(self) -> int:
@@ -168,98 +171,6 @@ def _shards(tensors, idx, dp: int, ep: int) -> int:
     return dp // ep if ep > 1 and tensors[idx[0]].expert else dp
 
 
-def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
-    """Bytes of ZeRO-3's units gathered at once at the peak, as `ShardedParams`' hooks hold
-    them (`nbytes`: each unit's full padded buffer; an experts' unit counted with its lead,
-    `UnitSpec.led`): with `keep` every unit; else the persistent unit (kept over the step)
-    with, at the worst chunk, its root and embedding units (gathered over the chunk's forward)
-    and the two largest neighbouring blocks (a block's forward with the next one prefetched).
-    The backward holds no more: the root unit with the last block prefetched at its start, the
-    root freed before the block before the last is prefetched, the embedding unit prefetched
-    after the block after the first is freed."""
-    if keep:
-        return sum(nbytes)
-    specs, nbytes = _with_experts(specs, nbytes)
-    persistent = sum(n for u, n in zip(specs, nbytes) if u.kind == "persistent")
-    worst = 0
-    for ci in {u.chunk for u in specs if u.kind != "persistent"}:
-        roots = sum(n for u, n in zip(specs, nbytes) if u.chunk == ci and u.kind != "block")
-        blocks = [n for u, n in zip(specs, nbytes) if u.chunk == ci and u.kind == "block"]
-        pairs = [a + b for a, b in pairwise(blocks)] or blocks or [0]
-        worst = max(worst, roots + max(pairs))
-    return persistent + worst
-
-
-def _with_experts(specs: list[UnitSpec], nbytes: list[int]) -> tuple[list[UnitSpec], list[int]]:
-    """The leading units, each with its experts' unit's bytes added (they are gathered and
-    freed together)."""
-    leads: list[UnitSpec] = []
-    sizes: list[int] = []
-    for u, n in zip(specs, nbytes):
-        if u.led:
-            sizes[-1] += n
-        else:
-            leads.append(u)
-            sizes.append(n)
-    return leads, sizes
-
-
-def grad_buffers_peak(
-    specs: list[UnitSpec], nbytes: list[int], deferred: set[int], whole: bool, kept: bool = False
-) -> int:
-    """Bytes of ZeRO-3's full gradient buffers alive at once at the peak, as `ShardedParams`
-    holds them (`nbytes`: each unit's full padded buffer; `deferred`: the units holding the
-    tied embedding over pipeline stages, reduced in finish()). With `whole` every unit's.
-    Else (one micro-batch of one chunk): the root units' (and then the persistent unit's)
-    buffers are made when the chunk's backward starts, each block's when its backward
-    gathers it and the embedding unit's after the first block (before the launch of the
-    embedding unit, or of a persistent unit holding embedding parameters); the units launch in
-    `ShardedParams.units`' order (blocks from the last, the embedding, the root, the
-    persistent unit; the deferred ones at the end; a unit's experts' unit just before it, its
-    buffer made with its lead's), and each launch first waits for the reductions in flight
-    beyond `ShardedParams.MAX_REDUCES_IN_FLIGHT - 1`, dropping their buffers. The peak is
-    taken at each launch (before that wait) and at the backward's end. `kept` (a later
-    micro-batch of the step): the deferred units' buffers alive from the start."""
-    if whole:
-        return sum(nbytes)
-    members = {i: [i] for i, u in enumerate(specs) if not u.led}
-    for i, u in enumerate(specs):
-        if u.led:  # reduced just before its lead (the unit before it)
-            members[i - 1].insert(0, i)
-    order = []
-    for ci in sorted({u.chunk for u in specs if u.chunk >= 0}, reverse=True):
-        idx = [i for i in members if specs[i].chunk == ci]
-        order += [i for i in reversed(idx) if specs[i].kind == "block"] + [
-            i for kind in ("embedding", "root") for i in idx if specs[i].kind == kind
-        ]
-    order += [i for i in members if specs[i].kind == "persistent"]
-    order = [i for i in order if i not in deferred] + [i for i in order if i in deferred]
-    order = [j for i in order for j in members[i]]
-    lead = {j: i for i, js in members.items() for j in js}
-    roots = [j for i in members if specs[i].kind == "root" for j in members[i]]
-    persistent = [j for i in members if specs[i].kind == "persistent" for j in members[i]]
-    alive = (
-        set(roots)
-        | (set(persistent) if roots or any(u.kind == "embedding" for u in specs) else set())
-        | (deferred if kept else set())
-    )
-    embeddings = {j for i in members if specs[i].kind == "embedding" for j in members[i]}
-    peak = 0
-    flight: list[int] = []  # the units whose gradients are being reduced
-    for i in order:
-        if lead[i] in deferred:
-            break
-        if specs[lead[i]].kind == "embedding" or specs[lead[i]].embedding_grads:
-            alive |= embeddings  # made once the backward is past the first block
-        alive.update(members[lead[i]] if i == members[lead[i]][0] else [i])
-        peak = max(peak, sum(nbytes[j] for j in alive))
-        while len(flight) >= ShardedParams.MAX_REDUCES_IN_FLIGHT:
-            alive.discard(flight.pop(0))
-        flight.append(i)
-    alive |= {j for i in deferred for j in members.get(i, [i])} | embeddings
-    return max(peak, sum(nbytes[j] for j in alive))
-
-
 def _deferred(tensors, units, pp: int) -> set[int]:
     """ZeRO-3: the units holding the tied embedding over pipeline stages (reduced once, in
     `ShardedParams.finish()`, after its sum over the first and last stage)."""
@@ -291,17 +202,16 @@ def _finish(
         or whole
     )
     weights, grads, gathered, offloaded = buffer, buffer if zero < 2 else shard, 0, 0
-    grad_buffers = 0
+    grad_buffers = gathered_end = grad_buffers_top = 0
     if zero >= 3 and units:
         weights, offloaded = shard, shard
         nbytes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
         gathered = gathered_peak(specs, nbytes, offload.keep_params)
-        grad_buffers = grad_buffers_peak(
-            specs,
-            nbytes,
-            _deferred(tensors, units, pp),
-            offload.whole_grads,
-            offload.micro_batches > 1,
+        deferred = _deferred(tensors, units, pp)
+        kept = offload.micro_batches > 1
+        grad_buffers = grad_buffers_peak(specs, nbytes, deferred, offload.whole_grads, kept)
+        gathered_end, grad_buffers_top = phases(
+            specs, nbytes, deferred, offload.whole_grads, offload.keep_params, kept
         )
     optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
     master = 2 * stepped if offload.optimizer else 0
@@ -309,7 +219,18 @@ def _finish(
     if offload.params and zero >= 3:  # the host-held shards are the optimizer's masters
         weights = 0
         host = max(host, offloaded)  # (--offload-params needs --offload-optimizer)
-    return RankState(elements, weights, grads, optimizer, master, gathered, host, grad_buffers)
+    return RankState(
+        elements,
+        weights,
+        grads,
+        optimizer,
+        master,
+        gathered,
+        host,
+        grad_buffers,
+        gathered_end,
+        grad_buffers_top,
+    )
 
 
 def _layout(
