@@ -48,8 +48,12 @@ et al. report).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
+from megapar.device import host_copies_wanted
 from megapar.models.flops import heads, matmul_flops, training_flops_per_token
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
@@ -232,6 +236,7 @@ def stage_memory(
                 held.gathered,
                 held.host,
                 held.grad_buffers,
+                held.gathered_top,
                 held.gathered_end,
                 held.grad_buffers_top,
             )
@@ -266,7 +271,12 @@ def _stage_buffers(p: Problem, c: Candidate, sizes: ActivationSizes, has_head: b
 
 
 def _stage_state(p: Problem, c: Candidate, stage: int, n_params: int, m: int, placement: str):
-    """The parameters, gradients and optimizer state one rank of `stage` holds."""
+    """The parameters, gradients and optimizer state one rank of `stage` holds. A plan for CPU
+    ranks (`Problem.target` cpu) offloads nothing unless MEGAPAR_HOST_COPIES=1 asks for host
+    copies there (`megapar.device.host_copies_wanted`): on a CPU the host is the device, the
+    optimizer steps the tensors themselves and the state is the layout's without offload."""
+    if p.target == "cpu" and not host_copies_wanted(torch.device("cpu")):
+        c = dataclasses.replace(c, offload_optimizer=False, offload_params=False)
     if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
         return most_loaded(
             p.config_json,

@@ -149,7 +149,7 @@ def process_peak(
     host = mem.host if target == "cpu" else 0.0  # offload's host memory: on a CPU, the same
     state += host
     a = _top_of_backward(p, c, mem, has_embedding, has_head)
-    a[1:1] = _zero3_terms(mem.gathered, mem.grad_buffers_top, "top of the backward")
+    a[1:1] = _zero3_terms(mem.gathered_top, mem.grad_buffers_top, "top of the backward")
     if mem.activations:
         a.append(
             Term(

@@ -60,6 +60,8 @@ class RankState:
     """Of all these, the bytes in host memory (offload)."""
     grad_buffers: int = 0
     """ZeRO-3: the units' full gradient buffers at the peak (`grad_buffers_peak`)."""
+    gathered_top: int = 0
+    """ZeRO-3: of `gathered`, what is gathered at the top of the backward (`phases`)."""
     gathered_end: int = 0
     """ZeRO-3: of `gathered`, what is gathered at the end of the backward (`phases`)."""
     grad_buffers_top: int = 0
@@ -202,7 +204,7 @@ def _finish(
         or whole
     )
     weights, grads, gathered, offloaded = buffer, buffer if zero < 2 else shard, 0, 0
-    grad_buffers = gathered_end = grad_buffers_top = 0
+    grad_buffers = gathered_top = gathered_end = grad_buffers_top = 0
     if zero >= 3 and units:
         weights, offloaded = shard, shard
         nbytes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
@@ -210,7 +212,7 @@ def _finish(
         deferred = _deferred(tensors, units, pp)
         kept = offload.micro_batches > 1
         grad_buffers = grad_buffers_peak(specs, nbytes, deferred, offload.whole_grads, kept)
-        gathered_end, grad_buffers_top = phases(
+        gathered_top, gathered_end, grad_buffers_top = phases(
             specs, nbytes, deferred, offload.whole_grads, offload.keep_params, kept
         )
     optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
@@ -228,6 +230,7 @@ def _finish(
         gathered,
         host,
         grad_buffers,
+        gathered_top,
         gathered_end,
         grad_buffers_top,
     )

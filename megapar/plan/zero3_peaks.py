@@ -115,37 +115,40 @@ def phases(
     whole: bool,
     keep: bool,
     kept: bool = False,
-) -> tuple[int, int]:
-    """(gathered bytes at the end of the backward, full gradient buffers' bytes at the top of
-    the backward): with `keep` every unit stays gathered; else at the end only the worst
-    chunk's embedding unit (gathered for the embedding's backward; a chunk without one, its
-    roots) and the persistent unit. At the top (the last block's backward, the most
-    activations alive) with `whole` every unit's buffer; else the roots', the persistent
-    unit's (with a root or an embedding unit), the deferred units' with `kept` (a later
-    micro-batch), and the last block's (with its experts')."""
-    leads, sizes = _with_experts(specs, nbytes)
-    persistent = sum(n for u, n in zip(leads, sizes) if u.kind == "persistent")
-    if keep:
-        end = sum(nbytes)
-    else:
-        end = 0
-        for ci in {u.chunk for u in leads if u.kind != "persistent"}:
-            own = [(u, n) for u, n in zip(leads, sizes) if u.chunk == ci]
-            embedding = [n for u, n in own if u.kind == "embedding"]
-            end = max(end, sum(embedding or [n for u, n in own if u.kind == "root"]))
-        end += persistent
-    if whole:
-        return end, sum(nbytes)
+) -> tuple[int, int, int]:
+    """(gathered bytes at the top of the backward, gathered bytes at its end, full gradient
+    buffers' bytes at its top), as `ShardedParams` holds them. The top is the chunk's backward
+    start, where the most activations are alive: the stage's last chunk's tail units (kept
+    gathered since the forward; its whole root where it is not split) with its last block
+    prefetched, the persistent unit; the roots' and the persistent unit's gradient buffers
+    made (every unit's with `whole`; the deferred units' too with `kept`, a later
+    micro-batch). The end: the worst chunk's embedding unit (gathered for the embedding's
+    backward; a chunk without one, its roots) and the persistent unit. With `keep` every
+    unit stays gathered."""
     lead = [i for i, u in enumerate(specs) if not u.led]
     members = {i: [i, i + 1] if i + 1 < len(specs) and specs[i + 1].led else [i] for i in lead}
     kinds = {i: specs[i].kind for i in lead}
-    top = {j for i in lead if kinds[i] == "root" for j in members[i]}
-    if top or "embedding" in kinds.values():
-        top |= {j for i in lead if kinds[i] == "persistent" for j in members[i]}
-    if kept:
-        top |= {j for i in deferred for j in members.get(i, [i])}
+
+    def held(units) -> int:
+        return sum(nbytes[j] for i in units for j in members[i])
+
+    persistent = [i for i in lead if kinds[i] == "persistent"]
     last = max((specs[i].chunk for i in lead), default=-1)
-    blocks = [i for i in lead if kinds[i] == "block" and specs[i].chunk == last]
-    if blocks:
-        top |= set(members[blocks[-1]])
-    return end, sum(nbytes[j] for j in top)
+    chunk = [i for i in lead if specs[i].chunk == last]
+    blocks = [i for i in chunk if kinds[i] == "block"]
+    roots = [i for i in lead if kinds[i] == "root"]
+    top = held(persistent + [i for i in chunk if kinds[i] == "root"] + blocks[-1:])
+    end = 0
+    for ci in {specs[i].chunk for i in lead if kinds[i] != "persistent"}:
+        own = [i for i in lead if specs[i].chunk == ci]
+        embedding = [i for i in own if kinds[i] == "embedding"]
+        end = max(end, held(embedding or [i for i in own if kinds[i] == "root"]))
+    end += held(persistent)
+    if keep:
+        top = end = sum(nbytes)
+    if whole:
+        return top, end, sum(nbytes)
+    made = set(roots) | (set(persistent) if roots or "embedding" in kinds.values() else set())
+    if kept:
+        made |= deferred
+    return top, end, held(made)
