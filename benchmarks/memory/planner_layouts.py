@@ -2,8 +2,10 @@
 
 Each layout trains a step in spawned ranks built with `megapar.prepare` (no sampler thread, so
 nothing but the job adds to the peak); each rank reports how far its peak resident set rose
-over building its engine and the steps (VmHWM after `/proc/self/clear_refs`, as
-tests/test_peak_memory.py and tests/test_process_peak.py measure it). Beside it the planner's
+over building its engine and the step (VmHWM after `/proc/self/clear_refs`, as
+benchmarks/memory/process_terms.py and tests/test_process_peak.py measure it: `megapar` imported
+before the baseline is read, its training modules by `prepare` after it; tests/test_peak_memory.py
+imports them before, and its rises are 50-80 MiB lower). Beside it the planner's
 CPU figure (`megapar.plan.process`, target cpu, fp32) for the same layout: the most risen rank
 against the largest figure over the pipeline stages, and per pipeline stage where pp > 1.
 

@@ -84,12 +84,12 @@ BOUNDS = {
     ),
     "cpu": (
         "CPU: within 10 % of the OS's peak resident set rise for the spawned ranks measured "
-        "2026-11-29 (GPT-2's width and vocabulary, 6 blocks, one process: +4.5 %; 8 blocks of "
-        "hidden 512 at dp 2, ZeRO 0-2: -2.4 % to +0.5 %) and of megapar-train's absolute peak "
-        "(baseline added) for GPT-2 124M at dp 2: ZeRO 0-3 -8.3 % to +9.3 % (ZeRO-3 over: "
-        "gathered units and gradient buffers of different moments added); the heap's room "
-        "(0.2 x the transients) is the least certain term; recompute, tp, cp and pipeline "
-        "layouts not re-measured with these terms"
+        "2026-11-29 (benchmarks/memory/planner_layouts.py; docs/guides/planner.md): one "
+        "process, recompute selective / full, tp 2, cp 2, pp 2 (1F1B, GPipe), GPT-2 124M at "
+        "dp 2 ZeRO-2 / 3, mixtral-tiny ZeRO-3 with ep: -8.5 % to +4.9 %; under it: tp 2 + SP "
+        "(-16 %) and a 25M-parameter model's ZeRO-1 / 3 and offload at dp 2 (-12 % to -21 %: "
+        "gloo's copies of collectives in flight and the training modules' import not "
+        "counted); the heap's room (0.2 x the transients) is the least certain term"
     ),
 }
 """The error bound `megapar-plan` prints for each target."""
