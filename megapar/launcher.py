@@ -95,7 +95,8 @@ def _worker(
     nccl_timeout_s=None,
 ):
     _device.share_host_arena()  # before any thread of this worker allocates
-    die_with_parent(parent)
+    # a forkserver's worker is the forkserver's child, which ends with the launcher
+    die_with_parent(parent if parent is not None else os.getppid())
     diagnostics.install(rank, status, os.path.join(stacks, f"rank{rank}.txt"))
     stop.terminate_on_sigterm(replace=True)  # not the launcher's handler (its --save lock's)
     stop.watch_sigterm()  # a forwarded SIGTERM is obeyed while waiting
@@ -161,7 +162,9 @@ def run_local(
     environment). Raises `WorkerError` naming the rank that caused the failure
     (`megapar.faults.blame`), or a `TimeoutError` naming the ranks that had not finished after
     `timeout_s`. The signals named in `forward` are passed on to the workers; a second SIGINT
-    aborts.
+    aborts. start_method: "fork" (default on CPU), "spawn" (default on CUDA) or "forkserver"
+    (workers forked from Python's forkserver, with whose end they die: it ends with this
+    process).
     """
     on_cpu = (env or {}).get("MEGAPAR_CPU", os.environ.get("MEGAPAR_CPU", "0")) == "1"
     shared = (env or {}).get(SHARED_GPU_ENV, os.environ.get(SHARED_GPU_ENV, "")) == "1"
@@ -190,7 +193,7 @@ def run_local(
                 results,
                 coll_timeout,
                 env or {},
-                os.getpid(),
+                None if start_method == "forkserver" else os.getpid(),
                 statuses[r],
                 stacks,
                 nccl_timeout_s,

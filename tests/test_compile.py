@@ -1,19 +1,23 @@
 """`--compile` (torch.compile per transformer block) against eager, in forked worlds.
 
-A tiny GPT-2 (test_api's transformers model) and a tiny grouped-query Llama run through
-`megapar.prepare` twice each, eager and then with `compile=True`, five steps each, in four
-layouts: three in one world of four gloo ranks, one in a world of one process:
+A tiny GPT-2 (test_api's transformers model), a tiny grouped-query Llama and a tiny Mixtral
+(the Llama's attention, a mixture-of-experts MLP) run through `megapar.prepare` twice each,
+eager and then with `compile=True`, five steps each, in four layouts: three in one world of
+four gloo ranks, one in a world of one process:
 
 - GPT-2, tp 2 x pp 2, 1F1B, sequence parallelism, selective recomputation;
 - Llama, tp 2 x pp 2, ZB-H1 (the split backward: B's input gradients, W's deferred weight
   gradients);
-- Llama, cp 2 x dp 2, ZeRO-3 (gather and free per block through hooks on the blocks), full
-  recomputation;
+- Mixtral, cp 2 x dp 2 x ep 2, ZeRO-3 (gather and free per block through hooks on the blocks,
+  the experts a unit of their own over the expert-data-parallel group), full recomputation
+  (the MoE layer's kept routes replayed in the recompute): the routed experts run eagerly
+  (their rows per expert are data-dependent shapes), so the router's top-k counts change
+  every micro-batch without recompiling;
 - GPT-2, one process, full recomputation (the whole block one graph, checkpointed from
   outside).
 
 So both models run compiled at tp 2 x pp 2, but each under one of the two schedules (GPT-2
-under 1F1B, Llama under ZB-H1), and dp 2 / ZeRO-3 / cp 2 only for Llama;
+under 1F1B, Llama under ZB-H1), and dp 2 / ZeRO-3 / cp 2 / ep 2 only for Mixtral;
 `benchmarks/vs/compile_layouts.py` runs every one of these layouts for both models, and the
 layouts no test compiles (docs/guides/training.md "Compiling the blocks").
 
@@ -21,8 +25,8 @@ The compiled run must equal the eager one (fp32: every step's loss and the final
 1e-5 relative); dynamo must compile nothing after the first step (its frame, graph and
 aot_autograd counters unchanged from step 1 to step 5); and every graph break dynamo records
 must be one docs/guides/training.md lists for its layout (at tp > 1 the tp collectives, under
-ZB-H1 the deferring linears, at cp > 1 the attention's exchanges: all `torch.compiler.disable`d
-on purpose; in one process none).
+ZB-H1 the deferring linears, at cp > 1 the attention's exchanges, in a MoE layer its routed
+experts: all `torch.compiler.disable`d on purpose; in one process of a dense model none).
 """
 
 import torch
@@ -41,16 +45,17 @@ LAYOUTS = {
     "gpt2 tp2 x pp2 1f1b sp selective": dict(tp=2, pp=2, schedule="1f1b",
                                              sequence_parallel=True, recompute="selective"),
     "llama tp2 x pp2 zb-h1": dict(tp=2, pp=2, schedule="zb-h1"),
-    "llama cp2 x dp2 zero3 full": dict(cp=2, zero=3, recompute="full"),
+    "mixtral cp2 x dp2 ep2 zero3 full": dict(cp=2, ep=2, zero=3, recompute="full"),
 }
 ONE_PROCESS = {"gpt2 one process full": dict(recompute="full")}
 # What the compiled blocks leave eager on purpose, per layout (the functions' names appear in
 # dynamo's graph-break reasons): the tp region primitives, the zero-bubble deferring linear,
-# context parallelism's attention exchanges. Each layout must show exactly its own.
+# context parallelism's attention exchanges, the MoE layer's routed experts. Each layout must
+# show exactly its own.
 EXPECTED_BREAKS = {
     "gpt2 tp2 x pp2 1f1b sp selective": {"_apply_eagerly"},
     "llama tp2 x pp2 zb-h1": {"_apply_eagerly", "_deferred_linear"},
-    "llama cp2 x dp2 zero3 full": {"LayerAttention._eager"},
+    "mixtral cp2 x dp2 ep2 zero3 full": {"LayerAttention._eager", "MoE._routed_eagerly"},
     "gpt2 one process full": set(),
 }
 
@@ -77,10 +82,24 @@ def _llama():
                                         num_key_value_heads=2, max_position_embeddings=16))
 
 
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(3)
+    return MixtralForCausalLM(MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=32,
+                                            num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, max_position_embeddings=16,
+                                            num_local_experts=4, num_experts_per_tok=2,
+                                            router_aux_loss_coef=0.02))
+
+
+MODELS = {"gpt2": _hf_model, "llama": _llama, "mixtral": _mixtral}
+
+
 def _run(name: str, layout: dict, compile: bool):
     import megapar
 
-    model = _llama() if name.startswith("llama") else _hf_model()
+    model = MODELS[name.split()[0]]()
     engine = megapar.prepare(model, micro_batch_size=2, lr=3e-3, weight_decay=0.1,
                              clip_grad=0.5, adam_eps=ADAM_EPS, compile=compile, **layout)
     losses, counts = [], []

@@ -419,7 +419,9 @@ MB = "zero3_reduce=micro-batch"
                                                (f"tp=1,pp=2,dp=2,mbs=1,zero=3,{MB}", 8),
                                                ("tp=1,pp=2,dp=2,mbs=1,zero=2,schedule=zb-h1", 8),
                                                (f"tp=1,pp=2,dp=2,mbs=1,zero=3,{MB},"
-                                                "schedule=zb-h1", 8)])
+                                                "schedule=zb-h1", 8),
+                                               ("mixtral,tp=1,pp=1,dp=2,ep=2,mbs=1,zero=3", 4),
+                                               ("mixtral,tp=1,pp=1,dp=4,ep=2,mbs=1,zero=3", 4)])
 def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
     """--zero 2 / 3 run the real code in the dry run (ShardedParams, Zero3Optimizer): each
     sampled rank's shards, state, gathered units and full gradient buffers at the peak equal
@@ -428,37 +430,45 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
     traffic is the plan's (`dp_traffic`: two gathers per micro-batch, one of the root kept
     from its forward to its backward, or one a step kept, one
     reduce-scatter per step; with zero3_reduce=micro-batch, m per step but the tied
-    embedding's units: the full gradient buffers as few as at one micro-batch)."""
+    embedding's units: the full gradient buffers as few as at one micro-batch). A mixture of
+    experts under ep (mixtral-tiny, a model of 4 experts in 4 MoE layers) holds its experts'
+    units over the expert-data-parallel group: each group's calls and bytes are the plan's
+    (`zero_traffic`; at dp 2 x ep 2 a group of one rank), on its last rank (the padding of
+    both groups' slices)."""
     from megapar.dryrun.verify import verify_layout
     from megapar.pipeline.schedules import placement_of
     from megapar.plan import Problem, parse_candidate
-    from megapar.plan.sharding import dp_traffic
-    from megapar.plan.state import deferred_units, sharded_buffer, tail_units, w_reported
+    from megapar.plan.state import EXPERTS, groups_traffic, w_reported, zero_traffic
 
-    config = resolve_model("gpt2-tiny")
-    c = parse_candidate(spec, 2 * (1 + (c_pp := "pp=2" in spec)))
-    problem = Problem(config, 2 * (1 + c_pp), global_batch=global_batch, seq_len=16,
-                      precision="fp32")
-    result = verify_layout(problem, c)
+    moe = spec.startswith("mixtral,")
+    config = resolve_model("mixtral-tiny" if moe else "gpt2-tiny")
+    spec = spec.removeprefix("mixtral,")
+    world = int(spec.split("dp=")[1][0]) * (1 + (c_pp := "pp=2" in spec))
+    c = parse_candidate(spec, world)
+    problem = Problem(config, world, global_batch=global_batch, seq_len=16, precision="fp32")
+    ranks = [world - 1] if moe else None
+    result = verify_layout(problem, c, ranks)
     assert result.error == "" and result.differences == [] and result.note == "", result
     m, fewer = global_batch // (c.mbs * c.dp), []
-    for r in dry_run(train_config_of(problem, c), config, Layout(c.tp, c.pp, c.dp)):
+    layout = Layout(c.tp, c.pp, c.dp, ep=c.ep)
+    for r in dry_run(train_config_of(problem, c), config, layout, ranks):
         assert not r.modelled and r.zero == c.zero and r.buckets > 0
-        pieces, nbytes, persistent = sharded_buffer(config, c.tp, c.pp, c.v, r.pp_rank, c.dp,
-                                                    c.zero, problem.grad_bucket_mb,
-                                                    placement_of(c.schedule))
-        late = deferred_units(config, c.tp, c.pp, c.v, r.pp_rank, c.dp, problem.grad_bucket_mb,
-                              placement_of(c.schedule))
-        planned = {op: {"count": n, "bytes": int(b)} for op, n, b in dp_traffic(
-            c.zero, m, c.pp, c.keep_params, nbytes, nbytes, pieces, persistent,
-            c.zero3_reduce == "micro-batch", late, w_reported(c.schedule, c.pp, m, c.v),
-            tail_units(config, c.tp, c.pp, c.v, r.pp_rank, c.dp, placement_of(c.schedule))
-            if c.zero == 3 else (0, 0))}
-        dp = {op: v for op, v in r.comm["dp"].items() if op in planned}
-        assert dp == planned, r.rank
+        planned = {
+            "expert dp" if group == EXPERTS else "dp": {
+                op: {"count": n, "bytes": int(b)} for op, n, b in ops}
+            for group, ops in groups_traffic(
+                zero_traffic(config, c.tp, c.pp, c.v, r.pp_rank, c.dp, c.zero,
+                             problem.grad_bucket_mb, placement_of(c.schedule), ep=c.ep),
+                c.zero, m, c.pp, c.keep_params, c.zero3_reduce == "micro-batch",
+                w_reported(c.schedule, c.pp, m, c.v)).items()}
+        assert ("expert dp" in planned) == moe
+        counted = {group: {op: v for op, v in r.comm[group].items() if op in ops}
+                   for group, ops in planned.items()}
+        assert counted == planned, r.rank
         if c.zero == 3:
             assert 0 < r.gathered <= r.params * 4 and r.weights == r.grads < r.params * 4 / 1.9
-            whole = rank_state(config, 1, c.pp, 1, r.pp_rank, c.dp, r.dp_rank, 3).grad_buffers
+            whole = rank_state(config, 1, c.pp, 1, r.pp_rank, c.dp, r.dp_rank, 3,
+                               ep=c.ep).grad_buffers
             held_whole = m > 1 and c.zero3_reduce == "step"
             assert r.grad_buffers == whole if held_whole else r.grad_buffers <= whole, r.rank
             fewer.append(r.grad_buffers < whole)

@@ -2,10 +2,15 @@
 
 Each worker resets its peak resident set (`/proc/self/clear_refs`), builds its engine, trains a
 few steps and reports how far its peak rose (VmHWM): the memory the OS saw it take, transient
-copies, allocator holes and all. Workers are spawned, so no allocator setting of this process
-leaks into them. `benchmarks/memory/peak_memory.py` measures every claim this way, at larger sizes.
+copies, allocator holes and all. Workers are forked from a forkserver, a fresh process (not
+this one: no allocator setting or heap of this process leaks into them) that has imported only
+what a worker imports before its first reading (this module, megapar.dryrun.world and torch),
+so each worker starts from the state a spawned one would reach there, without importing torch
+again. `benchmarks/memory/peak_memory.py` measures every claim this way, at larger sizes.
 """
 
+import multiprocessing
+import multiprocessing.forkserver
 import sys
 
 import pytest
@@ -19,6 +24,16 @@ MODEL = dict(n_embd=512, n_layer=8, n_head=8, n_positions=64, vocab_size=1024)
 """The workers' model: 8 blocks of hidden 512, a small vocabulary (25M parameters)."""
 SEQ, BATCH, BUCKET_MB = 32, 2, 4
 """Tokens per sequence, global batch (one sequence per dp rank) and gradient bucket size."""
+
+
+@pytest.fixture(scope="module")
+def launch():
+    """`launch(fn, *args)`: fn on 2 ranks forked from the forkserver (module docstring), which
+    is stopped after this module's tests."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        [__name__, "megapar.dryrun.world"])
+    yield lambda fn, *args: run_local(fn, 2, *args, start_method="forkserver")
+    multiprocessing.forkserver._forkserver._stop()  # no public way to end it
 
 
 def _gpt2_config():
@@ -69,7 +84,7 @@ def _peak_rise(zero: int, steps: int = 3) -> tuple[int, int, int]:
     return status("VmHWM") - start, state, held_bytes(engine.model, engine.optimizer)["grads"]
 
 
-def test_each_zero_stage_lowers_the_peak_the_os_sees():
+def test_each_zero_stage_lowers_the_peak_the_os_sees(launch):
     """dp 2, zero 0 -> 1 -> 2 (compared in turn).
 
     ZeRO-1 holds half the Adam state; the OS must see the peak fall by at least half of what
@@ -92,9 +107,7 @@ def test_each_zero_stage_lowers_the_peak_the_os_sees():
     loaded machine): 517 / 407 / 368 MiB at ZeRO 0 / 1 / 2 against 507 / 409 / 359 predicted
     (-1.9 % / +0.5 % / -2.4 %): 405 / 306 / 257 MiB of tensors, the runtime (100) and the
     heap's room (0.2 x the transients)."""
-    runs = [
-        run_local(_peak_rise, 2, zero, start_method="spawn") for _ in range(2) for zero in (0, 1, 2)
-    ]
+    runs = [launch(_peak_rise, zero) for _ in range(2) for zero in (0, 1, 2)]
     plain, one, two = (
         [min(a, b, key=lambda rank: rank[0]) for a, b in zip(runs[zero], runs[zero + 3])]
         for zero in (0, 1, 2)
@@ -141,13 +154,13 @@ def _zero3_device_path_rise(bounded: bool) -> tuple[int, int]:
     return status("VmHWM") - start, whole
 
 
-def test_zero3_bounded_reductions_lower_the_peak_the_os_sees():
+def test_zero3_bounded_reductions_lower_the_peak_the_os_sees(launch):
     """On NCCL's path ZeRO-3 frees a unit's full gradient as the next unit's reduction starts
     (one in flight), instead of holding the stage's whole gradient to finish(): the OS must see
     the peak fall by at least half of the stage's gradient (gloo's in-flight copies make the
     CPU's difference larger than a GPU's)."""
-    unbounded = run_local(_zero3_device_path_rise, 2, False, start_method="spawn")
-    bounded = run_local(_zero3_device_path_rise, 2, True, start_method="spawn")
+    unbounded = launch(_zero3_device_path_rise, False)
+    bounded = launch(_zero3_device_path_rise, True)
     whole = bounded[0][1]
     assert whole > 60 * 2**20, whole
     fall = max(r for r, _ in unbounded) - max(r for r, _ in bounded)

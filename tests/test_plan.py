@@ -477,6 +477,24 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
     assert off.host == off.optimizer + off.master + off.weights
     assert off.device == off.grads + off.gathered + off.grad_buffers
     assert held[3].grad_buffers == sum(full) and held[2].grad_buffers == 0  # full gradients
+    # the two moments plan.process takes the peak at hold less than both peaks: the top of the
+    # backward the root (the tail, kept since the forward) with the last block prefetched, the
+    # end only the embedding unit; one micro-batch makes the root's gradient buffer at the top
+    assert (held[3].gathered_top, held[3].gathered_end) == (full[-1] + full[0], full[-2])
+    assert held[3].grad_buffers_top == sum(full)  # Offload's default: the whole gradients
+    one = rank_state(config, 1, 1, 1, 0, r, 0, 3, offload=Offload(whole_grads=False))
+    assert one.grad_buffers_top == full[-1] < one.grad_buffers < sum(full)
+    # mixtral-tiny at dp 4 x ep 2: each block's experts a unit of their own after it, padded
+    # to the expert-data-parallel group's 2 ranks, gathered with it
+    moe = resolve_model("mixtral-tiny")
+    units, tensors = stage_units(moe, 1, 1, 1, 0, ep=2), stage_tensors(moe, 1, 1, 1, 0, ep=2)
+    assert [u.kind for u in units] == ["block", "experts"] * 4 + ["embedding", "root"]
+    assert all(tensors[i].expert == u.led for u in units for i in u.tensors)
+    full = [-(-sum(tensors[i].numel for i in u.tensors) // (2 if u.led else 4)) * (2 if u.led
+            else 4) * 4 for u in units]
+    held = rank_state(moe, 1, 1, 1, 0, 4, 3, 3, ep=2)
+    assert held.gathered == full[-1] + full[-2] + sum(full[:4])
+    assert held.gathered_top == full[-1] + full[6] + full[7]
 
 
 def test_zero_traffic_per_step():
@@ -601,9 +619,9 @@ def test_moe_imbalance_scales_the_experts_rows_under_ep_only():
 
 
 def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
-    """ep: every divisor of dp x cp that divides the experts (ep folds into both), not with
-    ZeRO-3 (megapar-train refuses it); a dense model, an ep not dividing dp x cp or the experts
-    refused in one line."""
+    """ep: every divisor of dp x cp that divides the experts (ep folds into both), at every ZeRO
+    stage (ZeRO-3's experts' units are modelled: sharded over expert dp); a dense model, an ep
+    not dividing dp x cp or the experts refused in one line."""
     from megapar.plan import enumerate_candidates
 
     moe, dense = resolve_model("mixtral-tiny"), resolve_model("llama-tiny")
@@ -612,16 +630,16 @@ def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
     by_dp: dict = {}
     for c in valid:
         by_dp.setdefault((c.dp, c.cp), set()).add(c.ep)
-        assert not (c.ep > 1 and c.zero == 3), c
     assert by_dp == {(4, 1): {1, 2, 4}, (2, 1): {1, 2}, (1, 1): {1}, (2, 2): {1, 2, 4},
                      (1, 2): {1, 2}}
+    assert {c.zero for c in valid if c.ep > 1} == {0, 1, 2, 3}
     valid, _ = enumerate_candidates(dense, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",))
     assert {c.ep for c in valid} == {1}
+    assert check(parse_candidate("tp=2,dp=2,ep=2,zero=3", 4), moe, 4, 8, 8, 32) is None
     for config, spec, why in ((dense, "dp=4,ep=2", "needs a mixture-of-experts model"),
                               (moe, "dp=4,ep=3", "does not divide dp x cp = 4"),
                               (moe, "cp=2,dp=2,ep=3", "does not divide dp x cp = 4"),
-                              (moe, "cp=4,ep=8", "does not divide dp x cp = 4"),
-                              (moe, "tp=2,dp=2,ep=2,zero=3", "the planner does not model ZeRO-3's expert units")):
+                              (moe, "cp=4,ep=8", "does not divide dp x cp = 4")):
         assert why in check(parse_candidate(spec, 4), config, 4, 8, 8, 32), spec
     from megapar.plan.timing import ep_span  # the global ranks the all-to-all's group spans
 

@@ -77,7 +77,13 @@ GROUPS = {  # name: (the claim, [(label, flags)])
     "schedules": ("ZB-V and DualPipeV hold no more activations than 1F1B (pp 2, m 8, seq 1024)", [
         (schedule, [*SMALL, "--pp", "2", "--seq-len", "1024", "--micro-batch-size", "1",
                     "--global-batch-size", "8", "--schedule", schedule])
-        for schedule in ("1f1b", "zb-h1", "zb-v", "dualpipev")]),
+        for schedule in ("1f1b", "gpipe", "zb-h1", "zb-v", "dualpipev")]),
+    "moe": ("ZeRO-3 shards a mixture of experts' experts over expert dp (mixtral-tiny)", [
+        (label, ["--model", "mixtral-tiny", "--seq-len", "64", "--micro-batch-size", "1",
+                 "--zero", "3", *extra])
+        for label, extra in (("dp 2", ["--dp", "2", "--global-batch-size", "2"]),
+                             ("dp 2 ep 2", ["--dp", "2", "--ep", "2", "--global-batch-size", "2"]),
+                             ("dp 4 ep 2", ["--dp", "4", "--ep", "2", "--global-batch-size", "4"]))]),
 }
 COMMON = ["--max-steps", "2", "--warmup-steps", "0", "--eval-interval", "0", "--no-progress",
           "--log-interval", "1"]

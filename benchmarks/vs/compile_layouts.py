@@ -22,7 +22,9 @@ checks, on every rank:
 The cases: the layouts tests/test_compile.py runs, here for both GPT-2 and Llama (tp 2 x pp 2
 under 1F1B and ZB-H1, dp 2 under ZeRO-3, cp 2, one process with full recomputation), and what
 no test compiles (GPipe, interleaved, ZB-V, DualPipeV, ZeRO offload of the optimizer and of the
-parameters, BERT, bf16 and fp16, `--fp8` in torchao's emulation). `dry-run` runs `megapar-train
+parameters, BERT, bf16 and fp16, `--fp8` in torchao's emulation), and mixture-of-experts models
+(Mixtral, Qwen3-MoE: one process, ep 2, tp 2 x pp 2, cp 2 x dp 2 x ep 2 under ZeRO-3, capacity
+drops and the balancing bias). `dry-run` runs `megapar-train
 --dry-run --json` with and without `--compile` (the rehearsal runs the eager blocks: its
 per-rank figures must be the same).
 
@@ -58,8 +60,10 @@ LOW_PRECISION_FACTOR = 2.0
 run's (see the module docstring)."""
 ZERO_FLOOR = 1e-7  # below this a reference is zero (tests/tp_utils.py's rule)
 ADAM_EPS = 1e-4  # tests/test_compile.py's reason: gradients that are fp32 noise take no lr steps
-EAGER_ON_PURPOSE = ("_apply_eagerly", "_deferred_linear", "LayerAttention._eager")
-"""The functions the compiled blocks leave eager (tp regions, zero-bubble linears, cp attention)."""
+EAGER_ON_PURPOSE = ("_apply_eagerly", "_deferred_linear", "LayerAttention._eager",
+                    "MoE._routed_eagerly")
+"""The functions the compiled blocks leave eager (tp regions, zero-bubble linears, cp attention,
+a MoE layer's routed experts)."""
 
 
 @dataclass
@@ -68,7 +72,8 @@ class Case:
 
     name: str
     model: str
-    """gpt2, llama, bert, or llama64 (hidden 64: float8's size rule converts its linears)."""
+    """gpt2, llama, bert, llama64 (hidden 64: float8's size rule converts its linears),
+    mixtral or qwen3moe (its first layer dense, the others MoE)."""
     ranks: int
     layout: dict = field(default_factory=dict)
 
@@ -111,6 +116,17 @@ CASES = [
          dict(tp=2, fp8="tensorwise", fp8_emulate=True, fp8_layers="all")),
     Case("llama64 tp2 sp fp8 rowwise", "llama64", 2,
          dict(tp=2, sequence_parallel=True, fp8="rowwise", fp8_emulate=True, fp8_layers="all")),
+    # mixture of experts: the routed experts run eagerly (their rows per expert are
+    # data-dependent shapes), the router, attention and norms compiled
+    Case("mixtral one process", "mixtral", 1, {}),
+    Case("mixtral dp2 ep2", "mixtral", 2, dict(ep=2)),
+    Case("mixtral tp2 x pp2 zb-h1 sp", "mixtral", 4,
+         dict(tp=2, pp=2, schedule="zb-h1", sequence_parallel=True)),
+    Case("mixtral cp2 x dp2 ep2 zero3 full", "mixtral", 4,
+         dict(cp=2, ep=2, zero=3, recompute="full")),
+    Case("qwen3moe one process full", "qwen3moe", 1, dict(recompute="full")),
+    Case("qwen3moe dp2 ep2 zero1 capacity bias", "qwen3moe", 2,
+         dict(ep=2, zero=1, moe_capacity_factor=1.0, moe_bias_update_rate=1e-3)),
 ]
 DRY_RUN = "dry-run gpt2-tiny tp2 x pp2 x dp2 zero1"
 DRY_RUN_ARGS = ["--model", "gpt2-tiny", "--tp", "2", "--pp", "2", "--world-size", "8",
@@ -137,6 +153,17 @@ def build_model(kind: str):
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
             intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0))
+    if kind == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+            num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02))
+    if kind == "qwen3moe":
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            max_position_embeddings=16, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=True, mlp_only_layers=[0], router_aux_loss_coef=0.01))
     raise ValueError(kind)
 
 

@@ -164,6 +164,9 @@ _EXPERTS = {  # model type -> the MoE block's name, (gate, up, down) of expert e
 """The routed experts as files hold them (transformers 4 and 5 alike: 5 fuses them into
 `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] in memory only, which is
 megapar's layout; a file with the fused names is read too)."""
+_FUSED_BLOCK = "mlp"
+"""The MoE block's name in a transformers 5 model in memory (Mixtral's too: its
+`block_sparse_moe` is a file name only), where the router is `mlp.gate` and the experts fused."""
 
 
 def _llama_layer_hf(i: str, rest: str, config) -> list[str]:
@@ -186,14 +189,12 @@ def _llama_layer_hf(i: str, rest: str, config) -> list[str]:
 
 def _experts_canonical(i: str, rest: str, get: Getter, config) -> torch.Tensor:
     """Layer i's stacked expert weight `rest` from the per-expert (or fused) HF tensors."""
-    block = _EXPERTS[config.model_type][0]
-    fused = (
-        f"layers.{i}.{block}.experts.{'gate_up_proj' if rest.endswith('gate_up') else 'down_proj'}"
-    )
-    try:
-        return get(fused)
-    except KeyError:
-        pass
+    kind = "gate_up_proj" if rest.endswith("gate_up") else "down_proj"
+    for block in dict.fromkeys((_EXPERTS[config.model_type][0], _FUSED_BLOCK)):
+        try:
+            return get(f"layers.{i}.{block}.experts.{kind}")
+        except KeyError:
+            pass
     parts = [get(n) for n in _llama_layer_hf(i, rest, config)]
     if rest.endswith("gate_up"):  # (gate, up) per expert
         return torch.stack([torch.cat(parts[j : j + 2]) for j in range(0, len(parts), 2)])
@@ -213,7 +214,13 @@ def llama_canonical(name: str, get: Getter, config) -> torch.Tensor:
     i, rest = m.groups()
     if rest.startswith("mlp.experts."):
         return _experts_canonical(i, rest, get, config)
-    return get(_llama_layer_hf(i, rest, config)[0])
+    hf = _llama_layer_hf(i, rest, config)[0]
+    if rest == "mlp.router.weight":  # a file's name, or a transformers 5 model's in memory
+        try:
+            return get(hf)
+        except KeyError:
+            return get(f"layers.{i}.{_FUSED_BLOCK}.gate.weight")
+    return get(hf)
 
 
 def llama_to_hf(canonical: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:

@@ -46,15 +46,15 @@ from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline.placement import chunks_per_rank, placement_of
 from megapar.pipeline.schedules import in_flight_peak, schedule_actions
-from megapar.plan.sharding import dp_traffic
 from megapar.plan.state import (
+    DENSE,
+    EXPERTS,
     Offload,
-    deferred_units,
+    groups_traffic,
     rank_state,
-    sharded_buffer,
-    tail_units,
     w_reported,
     whole_grads,
+    zero_traffic,
 )
 from megapar.training.config import TrainConfig, flag_choices
 from megapar.training.data import make_sampler
@@ -173,15 +173,22 @@ def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) 
     made `repeats[i]` times; default once), groups named after the mesh's (tp, cp, pp, dp,
     "dp x cp" where gradients are reduced under context parallelism, mp, embedding; "ep" for
     the all-to-alls, which only expert parallelism's token exchange makes, even where its
-    ranks are dp's; "world" for the default group). Bytes are the whole tensor each call reduces,
-    gathers, scatters or sends (an all-gather's output, a reduce-scatter's input), so an
-    all-gather and the reduce-scatter it undoes weigh the same."""
+    ranks are dp's; "expert dp" for the expert-data-parallel group, the experts' ZeRO
+    collectives (a group of one at dp = ep: tp's ranks at tp 1, where tp issues nothing;
+    "cp = expert dp" where its ranks are cp's); "world" for the default group). Bytes are the
+    whole tensor each call reduces, gathers, scatters or sends (an all-gather's output, a
+    reduce-scatter's input), so an all-gather and the reduce-scatter it undoes weigh the
+    same."""
 
     names: dict[tuple[int, ...], str] = {}
     for name in ("tp", "cp", "pp", "dp", "dp_cp", "mp", "embedding"):
         group = getattr(mesh, f"{name}_group")
         if group is not None:
             names.setdefault(tuple(dist.get_process_group_ranks(group)), name.replace("_", " x "))
+    if mesh.layout.ep > 1 and mesh.expert_dp_group is not None:
+        ranks = tuple(dist.get_process_group_ranks(mesh.expert_dp_group))
+        other = names.get(ranks)
+        names[ranks] = "expert dp" if other is None or len(ranks) == 1 else f"{other} = expert dp"
     world = mesh.layout.world_size
     out: dict = {}
     for c, times in zip(calls, repeats or [1] * len(calls)):
@@ -401,71 +408,48 @@ def _planned_state(cfg, config, mesh: Mesh):
     )
 
 
-def _modelled_traffic(cfg, config, mesh: Mesh, group: dict, m: int) -> None:
-    """Replace ZeRO-1's reduce-scatter and all-gather in `group` (this rank's dp traffic, in
-    the reduce dtype) by the planner's for --zero (`megapar.plan.sharding.dp_traffic`)."""
-    layout, r = mesh.layout, mesh.layout.dp * mesh.layout.cp
-    v, placement = chunks_per_rank(cfg.schedule, cfg.virtual_stages), placement_of(cfg.schedule)
-    keep = cfg.zero3_keep_params
-    scale = group["reduce_scatter"]["bytes"] / group["all_gather"]["bytes"]
-    pieces, nbytes, persistent = sharded_buffer(
+def _modelled_traffic(cfg, config, mesh: Mesh, comm: dict, m: int) -> None:
+    """Replace ZeRO-1's reduce-scatters and all-gathers over the dp (x cp) group and, under
+    expert parallelism, the expert-data-parallel group in `comm` (this rank's traffic, the
+    gradients in the reduce dtype) by the planner's for --zero
+    (`megapar.plan.state.groups_traffic`)."""
+    layout = mesh.layout
+    v = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
+    names = {DENSE: "dp x cp" if layout.cp > 1 else "dp", EXPERTS: "expert dp"}
+    planned = zero_traffic(
         config,
         layout.tp,
         layout.pp,
         v,
         mesh.pp_rank,
-        r,
+        layout.dp * layout.cp,
         cfg.zero,
         cfg.grad_bucket_mb,
-        placement,
+        placement_of(cfg.schedule),
         cfg.zero3_persistence_threshold,
+        layout.ep,
     )
-    for op in ("reduce_scatter", "all_gather"):
-        del group[op]
-    late = (
-        deferred_units(
-            config,
-            layout.tp,
-            layout.pp,
-            v,
-            mesh.pp_rank,
-            r,
-            cfg.grad_bucket_mb,
-            placement,
-            cfg.zero3_persistence_threshold,
-        )
-        if cfg.zero == 3
-        else (0, 0)
-    )
-    tails = (
-        tail_units(
-            config,
-            layout.tp,
-            layout.pp,
-            v,
-            mesh.pp_rank,
-            r,
-            placement,
-            cfg.zero3_persistence_threshold,
-        )
-        if cfg.zero == 3
-        else (0, 0)
-    )
-    for op, count, total in dp_traffic(
+    rehearsed = comm.get(names[DENSE], {})
+    if not {"reduce_scatter", "all_gather"} <= rehearsed.keys():
+        return
+    scale = rehearsed["reduce_scatter"]["bytes"] / rehearsed["all_gather"]["bytes"]
+    for name, ops in groups_traffic(
+        planned,
         cfg.zero,
         m,
         layout.pp,
-        keep,
-        nbytes * scale,
-        nbytes,
-        pieces,
-        persistent,
+        cfg.zero3_keep_params,
         cfg.zero3_reduce == "micro-batch",
-        (late[0], late[1] * scale),
         w_reported(cfg.schedule, layout.pp, m, v),
-        tails,
-    ):
-        group[op] = {"count": count, "bytes": int(total)}
+        scale,
+    ).items():
+        group = comm.get(names[name])
+        if group is None:
+            continue
+        for op in ("reduce_scatter", "all_gather"):
+            group.pop(op, None)
+        for op, count, total in ops:
+            group[op] = {"count": count, "bytes": int(total)}
 
 
 def _modelled_state(
@@ -476,9 +460,7 @@ def _modelled_state(
     slices), and its dp traffic (`megapar.plan.sharding.dp_traffic`) put in `comm` in place of
     ZeRO-1's."""
     state = _planned_state(cfg, config, mesh)
-    group = next((g for g in comm.values() if "reduce_scatter" in g), None)
-    if group is not None:  # ZeRO-1's reduce-scatter and all-gather, in the reduce dtype
-        _modelled_traffic(cfg, config, mesh, group, m)
+    _modelled_traffic(cfg, config, mesh, comm, m)  # ZeRO-1's, in the reduce dtype
     notes.append(
         f"{_unserved(cfg)}: --zero {cfg.zero}'s weights, gradients, optimizer state, "
         f"gathered units and dp traffic are the planner's model; the rest is "

@@ -17,6 +17,8 @@ docs/guides/training.md "Compiling the blocks"):
 - the zero-bubble linear layers while their weight gradient is deferred (ZB-H1 / ZB-V /
   DualPipeV steps): their backward puts (X, dY) in a Python store;
 - at cp > 1 the attention core with its ring / all-gather exchanges (`LayerAttention`);
+- in a mixture-of-experts block the routed experts (`MoE._routed`): their rows per expert are
+  data-dependent shapes, which would recompile the block every micro-batch;
 - attention dropout > 0: the per-tp-rank RNG stream switch reads and writes the host RNG state.
 
 The embedding and the LM head with its chunked loss are not compiled: the loss is a

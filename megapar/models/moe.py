@@ -341,6 +341,27 @@ class MoE(nn.Module):
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         logits, probs, weights, experts = self.router(x)
+        if torch.compiler.is_compiling():  # --compile: routed eagerly (a graph break)
+            out = self._routed_eagerly(x, logits, probs, weights, experts)
+        else:
+            out = self._routed(x, logits, probs, weights, experts)
+        out = out.view(shape)
+        if self.shared is not None:  # [b, s, H]: under SP it gathers the sequence like any MLP
+            out = out + self.shared(hidden)
+        return out
+
+    @torch.compiler.disable
+    def _routed_eagerly(self, x, logits, probs, weights, experts) -> torch.Tensor:
+        """`_routed`, run eagerly inside torch.compile'd code (`--compile`: a graph break on
+        purpose, as torchtitan keeps its token dispatch out of the graph): the rows per expert
+        are data-dependent shapes (the CPU loop reads them to the host, the ep exchange's
+        splits are host integers) and the recompute test reads autograd's state; compiled,
+        every micro-batch's new counts would recompile the block."""
+        return self._routed(x, logits, probs, weights, experts)
+
+    def _routed(self, x, logits, probs, weights, experts) -> torch.Tensor:
+        """The routed experts' output [T, H] for tokens `x` [T, H] and the router's choice,
+        with the balancing penalty attached and the statistics added."""
         order, tokens_per_expert, dropped = route(
             experts, self.num_experts, self.capacity(x.shape[0])
         )
@@ -351,7 +372,7 @@ class MoE(nn.Module):
             y = self._expert_parallel(x[rows], tokens_per_expert)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = y.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, order, y)
-        out = out.view(x.shape[0], self.top_k, -1).sum(1).to(hidden.dtype)
+        out = out.view(x.shape[0], self.top_k, -1).sum(1).to(x.dtype)
         load = expert_counts(experts.reshape(-1), self.num_experts).float()
         whole = torch.cat([load, load.new_full((1,), x.shape[0])])
         for group in self.token_groups:  # the micro-batch's load and tokens (no gradient)
@@ -372,9 +393,6 @@ class MoE(nn.Module):
             penalty = self.aux_coef * switch + self.z_coef * z
             if self.aux_coef or self.z_coef:
                 out = _AttachPenalty.apply(out, penalty, self.penalty_grad)
-        out = out.view(shape)
-        if self.shared is not None:  # [b, s, H]: under SP it gathers the sequence like any MLP
-            out = out + self.shared(hidden)
         return out
 
 

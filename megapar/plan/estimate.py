@@ -48,8 +48,12 @@ et al. report).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
+from megapar.device import host_copies_wanted
 from megapar.models.flops import heads, matmul_flops, training_flops_per_token
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
@@ -59,6 +63,7 @@ from megapar.plan.context_parallel import cp_buffers
 from megapar.plan.layouts import Candidate
 from megapar.plan.params import (
     piece_counts,
+    stage_expert_params,
     stage_layer_counts,
     stage_params,
 )
@@ -231,6 +236,9 @@ def stage_memory(
                 held.gathered,
                 held.host,
                 held.grad_buffers,
+                held.gathered_top,
+                held.gathered_end,
+                held.grad_buffers_top,
             )
         )
     return out
@@ -263,7 +271,12 @@ def _stage_buffers(p: Problem, c: Candidate, sizes: ActivationSizes, has_head: b
 
 
 def _stage_state(p: Problem, c: Candidate, stage: int, n_params: int, m: int, placement: str):
-    """The parameters, gradients and optimizer state one rank of `stage` holds."""
+    """The parameters, gradients and optimizer state one rank of `stage` holds. A plan for CPU
+    ranks (`Problem.target` cpu) offloads nothing unless MEGAPAR_HOST_COPIES=1 asks for host
+    copies there (`megapar.device.host_copies_wanted`): on a CPU the host is the device, the
+    optimizer steps the tensors themselves and the state is the layout's without offload."""
+    if p.target == "cpu" and not host_copies_wanted(torch.device("cpu")):
+        c = dataclasses.replace(c, offload_optimizer=False, offload_params=False)
     if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
         return most_loaded(
             p.config_json,
@@ -383,13 +396,27 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
     t_b = sum(x.backward_input + x.backward_weight for x in busiest)
     one_node = p.gpus <= p.gpus_per_node
     dp_gbps = p.intra_gbps if one_node else p.inter_gbps
-    n_params = max(stage_params(cfg, t, c.pp, c.v, placement_of(c.schedule), p.config_json, c.ep))
+    # the most loaded stage's parameters, and of them the routed experts' (under ep > 1
+    # reduced and gathered over the expert-data-parallel group)
+    placement = placement_of(c.schedule)
+    every = stage_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep)
+    routed = stage_expert_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep)
+    n_params, n_experts = max(zip(every, routed))
+    if c.ep > 1:
+        n_params -= n_experts
+    else:
+        n_experts = 0
     # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
-    grad_bytes = n_params * (2 if p.precision == "fp16" else 4)
+    reduced = 2 if p.precision == "fp16" else 4
+    grad_bytes = n_params * reduced
     # ZeRO's reductions hide behind the backward, gathers behind the compute, except what is
     # longer; ZeRO-1 / 2's parameter all-gather after the step does not (`plan/sharding.py`)
     replicas = c.dp * n  # gradients are reduced over cp x dp
-    shard_up = pcie_seconds(n_params * 4 / replicas, p.pcie_gbps) if c.offload_params else 0.0
+    shard_up = (
+        pcie_seconds((n_params / replicas + n_experts * c.ep / replicas) * 4, p.pcie_gbps)
+        if c.offload_params
+        else 0.0
+    )
     return dp_seconds(
         c.zero,
         m,
@@ -406,4 +433,5 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
         shard_up,
         c.zero3_reduce == "micro-batch",
         w_reported(c.schedule, c.pp, m, c.v),
+        (replicas // c.ep, n_experts * reduced, n_experts * 4),
     )

@@ -216,20 +216,16 @@ def _expert_refusal(c: Candidate, config) -> str | None:
         )
     if experts % c.ep:
         return f"ep {c.ep} does not divide the {experts} experts; choose a divisor of them"
-    if c.zero == 3:
-        return (
-            f"ep {c.ep} with zero 3: megapar-train runs it, but the planner does not model "
-            f"ZeRO-3's expert units yet; plan it at zero 1 or 2"
-        )
     return None
 
 
 def ep_sizes(config, dp: int, zero: int) -> tuple[int, ...]:
     """The ep sizes a plan tries for `dp` ranks (dp x cp: ep folds into both): for a
-    mixture-of-experts model every divisor of them that divides its routed experts (not under
-    ZeRO-3, whose expert units the planner does not model yet); 1 otherwise."""
+    mixture-of-experts model every divisor of them that divides its routed experts (at any ZeRO
+    stage: under ZeRO-3 the experts' units are sharded over the expert-data-parallel group); 1
+    otherwise."""
     experts = getattr(config, "num_local_experts", 0) if getattr(config, "num_moe_layers", 0) else 0
-    if not experts or zero == 3:
+    if not experts:
         return (1,)
     return tuple(d for d in divisors(dp) if experts % d == 0)
 

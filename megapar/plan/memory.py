@@ -231,6 +231,15 @@ class MemoryBreakdown:
     """Of params, grads, optimizer and master, the bytes in host memory (offload)."""
     grad_buffers: float = 0.0
     """ZeRO-3: the units' full gradient buffers at the peak (`plan.state.RankState`)."""
+    gathered_top: float = 0.0
+    """ZeRO-3: of `gathered`, the units gathered at the top of the backward (`plan.process`'s
+    first phase: their peak is in the forward, with fewer activations alive)."""
+    gathered_end: float = 0.0
+    """ZeRO-3: of `gathered`, the units gathered at the end of the backward (`plan.process`'s
+    second phase: the peak of the gathered units is in the first)."""
+    grad_buffers_top: float = 0.0
+    """ZeRO-3: of `grad_buffers`, those alive at the top of the backward (`plan.process`'s
+    first phase: their peak is at the backward's end)."""
 
     @property
     def total(self) -> float:

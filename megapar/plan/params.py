@@ -181,17 +181,34 @@ class UnitSpec:
     """The persistent unit holds some of an embedding module's parameters (their gradients
     are complete only after the embedding's backward, past the first block's)."""
 
+    @property
+    def led(self) -> bool:
+        """Under expert parallelism, the expert parameters of the unit before it (its lead,
+        kind "experts"): sharded over the expert-data-parallel group, gathered, freed and
+        given gradient buffers with its lead, reduced just before it."""
+        return self.kind == "experts"
+
 
 def stage_units(
-    config, tp: int, pp: int, v: int, stage: int, placement: str = "loop", persist_below: int = 0
+    config,
+    tp: int,
+    pp: int,
+    v: int,
+    stage: int,
+    placement: str = "loop",
+    persist_below: int = 0,
+    ep: int = 1,
 ) -> list[UnitSpec]:
     """ZeRO-3's units of the stage, as `megapar.data_parallel.sharded_params.ShardedParams`
     makes them with `persist_below` (--zero3-persistence-threshold): per chunk each block (its
     parameters of at least `persist_below` elements), then the rest of the chunk: where the
     chunk has blocks and the embedding, split in an embedding unit (the embedding's parameters
     but, when there is a head, a tied word embedding the head reads) and a root unit (the rest),
-    else one root unit; then the parameters under `persist_below` in one persistent unit."""
-    blocks_of, embedding, head = _piece_tensors(_config_json(config), tp)
+    else one root unit; then the parameters under `persist_below` in one persistent unit.
+    Under expert parallelism (`ep` > 1) the routed experts' parameters of each of these form
+    a unit of their own right after it (kind "experts", `UnitSpec.led`; `UnitMaker.unit`), or
+    the unit itself where it has no other parameters."""
+    blocks_of, embedding, head = _piece_tensors(_config_json(config), tp, ep)
     kinds = layer_kinds(config)
     specs = (
         chunk_specs(config.num_layers, pp, stage, v, placement)
@@ -209,7 +226,15 @@ def stage_units(
         small_embedding |= embedding and bool(below)
         return [i for i, t in zip(idx, pieces) if t.numel >= persist_below]
 
-    tensors = stage_tensors(config, tp, pp, v, stage, placement)
+    tensors = stage_tensors(config, tp, pp, v, stage, placement, ep)
+
+    def made(kind: str, ci: int, idx, embedding_grads: bool = False) -> list[UnitSpec]:
+        """The unit of `idx` and, under ep > 1, its experts' unit (`UnitMaker.unit`)."""
+        moe = [i for i in idx if ep > 1 and tensors[i].expert]
+        rest = [i for i in idx if i not in moe]
+        lead = [UnitSpec(kind, ci, tuple(rest), embedding_grads)] if rest else []
+        return lead + ([UnitSpec("experts" if rest else kind, ci, tuple(moe))] if moe else [])
+
     for ci, spec in enumerate(specs):
         emb = take(embedding, True) if spec.pre_process else []
         blocks = [b for layer in spec.layers if (b := take(blocks_of[kinds[layer]]))]
@@ -222,13 +247,10 @@ def stage_units(
         if own and tail:  # a tied word embedding goes with the head that reads it
             own = [i for i in own if not tensors[i].shared]
         root = [i for i in emb + tail if i not in own]
-        units += [UnitSpec("block", ci, tuple(b)) for b in blocks]
-        units += [
-            UnitSpec(kind, ci, tuple(idx))
-            for kind, idx in (("embedding", own), ("root", root))
-            if idx
-        ]
-    return units + ([UnitSpec("persistent", -1, tuple(small), small_embedding)] if small else [])
+        units += [u for b in blocks for u in made("block", ci, b)]
+        for kind, idx in (("embedding", own), ("root", root)):
+            units += made(kind, ci, idx) if idx else []
+    return units + (made("persistent", -1, small, small_embedding) if small else [])
 
 
 def stage_layer_counts(num_layers: int, pp: int, v: int = 1, placement: str = "loop") -> list[int]:
@@ -280,6 +302,31 @@ def _stage_params(
             n += pieces.head + (pieces.tied_copy if pp > 1 else 0)
         counts.append(n)
     return tuple(counts)
+
+
+def stage_expert_params(
+    config,
+    tp: int,
+    pp: int,
+    v: int = 1,
+    placement: str = "loop",
+    config_json: str | None = None,
+    ep: int = 1,
+) -> list[int]:
+    """Of `stage_params`, the elements of routed experts' parameters (split over `ep`) one tp
+    rank of each pipeline stage holds."""
+    return list(_stage_expert_params(config_json or _config_json(config), tp, pp, v, placement, ep))
+
+
+@lru_cache(maxsize=4096)
+def _stage_expert_params(
+    config_json: str, tp: int, pp: int, v: int, placement: str, ep: int
+) -> tuple[int, ...]:
+    config = config_from_dict(json.loads(config_json))
+    return tuple(
+        sum(t.numel for t in stage_tensors(config, tp, pp, v, stage, placement, ep) if t.expert)
+        for stage in range(pp)
+    )
 
 
 def model_params(config, config_json: str | None = None) -> int:

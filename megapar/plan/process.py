@@ -84,12 +84,12 @@ BOUNDS = {
     ),
     "cpu": (
         "CPU: within 10 % of the OS's peak resident set rise for the spawned ranks measured "
-        "2026-11-29 (GPT-2's width and vocabulary, 6 blocks, one process: +4.5 %; 8 blocks of "
-        "hidden 512 at dp 2, ZeRO 0-2: -2.4 % to +0.5 %) and of megapar-train's absolute peak "
-        "(baseline added) for GPT-2 124M at dp 2: ZeRO 0-3 -8.3 % to +9.3 % (ZeRO-3 over: "
-        "gathered units and gradient buffers of different moments added); the heap's room "
-        "(0.2 x the transients) is the least certain term; recompute, tp, cp and pipeline "
-        "layouts not re-measured with these terms"
+        "2026-11-29 (benchmarks/memory/planner_layouts.py; docs/guides/planner.md): one "
+        "process, recompute selective / full, tp 2, cp 2, pp 2 (1F1B, GPipe), GPT-2 124M at "
+        "dp 2 ZeRO-2 / 3, mixtral-tiny ZeRO-3 with ep: -8.5 % to +4.9 %; under it: tp 2 + SP "
+        "(-16 %) and a 25M-parameter model's ZeRO-1 / 3 and offload at dp 2 (-12 % to -21 %: "
+        "gloo's copies of collectives in flight and the training modules' import not "
+        "counted); the heap's room (0.2 x the transients) is the least certain term"
     ),
 }
 """The error bound `megapar-plan` prints for each target."""
@@ -143,10 +143,13 @@ def process_peak(
     target = target or p.target
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
-    state = mem.total - mem.activations - mem.buffers
+    # ZeRO-3's gathered units and full gradient buffers peak at different moments: each phase
+    # counts what it holds of them
+    state = mem.total - mem.activations - mem.buffers - mem.gathered - mem.grad_buffers
     host = mem.host if target == "cpu" else 0.0  # offload's host memory: on a CPU, the same
     state += host
     a = _top_of_backward(p, c, mem, has_embedding, has_head)
+    a[1:1] = _zero3_terms(mem.gathered_top, mem.grad_buffers_top, "top of the backward")
     if mem.activations:
         a.append(
             Term(
@@ -155,7 +158,8 @@ def process_peak(
                 "the gradients of one block's intermediates, as large as what it keeps",
             )
         )
-    b = _end_of_backward(p, c, has_embedding, has_head)
+    b = _zero3_terms(mem.gathered_end, mem.grad_buffers, "end of the backward")
+    b += _end_of_backward(p, c, has_embedding, has_head)
     copies = a[0]  # autocast's copies live through both phases
     top = state + mem.activations + mem.buffers + sum(t.bytes for t in a)
     end = state + copies.bytes + sum(t.bytes for t in b)
@@ -190,6 +194,16 @@ def process_peak(
     ]
     total = tensors + room + CPU_RUNTIME
     return ProcessPeak(target, tuple(terms), tensors, phase, total, CPU_BASELINE)
+
+
+def _zero3_terms(gathered: float, grad_buffers: float, phase: str) -> list[Term]:
+    """ZeRO-3's gathered units and full gradient buffers alive in `phase` (none without)."""
+    if not (gathered or grad_buffers):
+        return []
+    return [
+        Term(f"ZeRO-3's gathered units ({phase})", gathered, "counted (plan.zero3_peaks)"),
+        Term(f"ZeRO-3's full gradient buffers ({phase})", grad_buffers, "counted"),
+    ]
 
 
 def _vocab_h(p: Problem, c: Candidate) -> tuple[int, int]:

@@ -13,6 +13,7 @@ from megapar.plan.estimate import Estimate, stage_memory
 from megapar.plan.memory import GIB
 from megapar.plan.params import model_params
 from megapar.plan.problem import Problem
+from megapar.plan.state import DENSE, EXPERTS, groups_traffic, w_reported, zero_traffic
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.config import TrainConfig, flag_choices
 
@@ -291,16 +292,22 @@ def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> li
     sent = experts.step_alltoall(p, c, layers)
     imbalance = experts.imbalance_of(cfg, p.moe_imbalance)
     edp = c.dp * c.cp // c.ep
-    sharded = (
-        f"; the experts' optimizer state sharded over their {edp} expert-data-parallel ranks"
-        if c.zero in (1, 2)
-        else ""
-    )
+    sharded = {
+        1: f"; the experts' optimizer state sharded over their {edp} expert-data-parallel ranks",
+        2: f"; the experts' gradients and optimizer state sharded over their {edp} "
+        f"expert-data-parallel ranks",
+    }.get(c.zero, "")
     passes = "forward and backward" + (", and recomputed" if c.recompute == "full" else "")
     return [
         f"experts: ep {c.ep}: each rank holds {n_exp // c.ep} of {n_exp} routed experts per MoE "
         f"layer (not split by tp): its weights, gradients and optimizer state are "
-        f"{_amount(state)}, {_amount(saved)} less than at ep 1{sharded}",
+        + (
+            f"{_amount(state)}, {_amount(saved)} less than at ep 1{sharded}"
+            if c.zero != 3
+            else f"{_amount(state)}, as at ep 1 ({_amount(saved)} less: ZeRO-3 shards each "
+            f"rank's E / ep experts over cp x dp / ep ranks, ep 1's E over cp x dp)"
+        ),
+        *_zero3_experts(e, p, one, edp),
         f"  all-to-all per step: {_amount(sent)} put in by each rank ({layers} MoE layers x "
         f"{p.global_batch // (c.mbs * c.dp)} micro-batches: the counts, the dispatch and the "
         f"combine, {passes}), of which {100 * experts.leaving(c.ep):.0f} % leaves the rank "
@@ -308,6 +315,56 @@ def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> li
         f"  routed tokens' activations assume the busiest rank receives {imbalance:g} x the "
         f"mean rows (dropless: an assumption, megapar-train logs moe_imbalance; a capacity "
         f"factor bounds it)",
+    ]
+
+
+def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
+    """ZeRO-3 under ep: where the experts' units go (sharded over the expert-data-parallel
+    group, gathered with their block), the gathered units and full gradient buffers against
+    ep 1's (`one`: ep 1's memory of the stage), and the step's ZeRO traffic over each group."""
+    c = e.candidate
+    if c.zero != 3:
+        return []
+    m = p.global_batch // (c.mbs * c.dp)
+    traffic = groups_traffic(
+        zero_traffic(
+            p.config,
+            c.tp,
+            c.pp,
+            c.v,
+            e.memory.stage,
+            c.dp * c.cp,
+            3,
+            p.grad_bucket_mb,
+            placement_of(c.schedule),
+            p.zero3_persistence_threshold,
+            c.ep,
+        ),
+        3,
+        m,
+        c.pp,
+        c.keep_params,
+        c.zero3_reduce == "micro-batch",
+        w_reported(c.schedule, c.pp, m, c.v),
+    )
+    ops = {
+        group: ", ".join(f"{n} {op.replace('_', '-')}s {_amount(b)}" for op, n, b in rows)
+        for group, rows in traffic.items()
+    }
+    where = (
+        f"sharded over the {edp} expert-data-parallel ranks (cp x dp / ep)"
+        if edp > 1
+        else "whole on each rank (ep = cp x dp: the expert-data-parallel group is the rank "
+        "alone, its gathers and reductions local copies)"
+    )
+    return [
+        f"  ZeRO-3: each MoE block's experts are a unit of their own, {where}, gathered, freed "
+        f"and reduced with their block's unit: gathered units at the peak "
+        f"{_amount(e.memory.gathered)} (ep 1: {_amount(one.gathered)}), full gradient buffers "
+        f"{_amount(e.memory.grad_buffers)} (ep 1: {_amount(one.grad_buffers)})",
+        f"  ZeRO-3 traffic per step (an all-gather's output, a reduce-scatter's input): over "
+        f"cp x dp ({c.dp * c.cp} ranks) {ops.get(DENSE, '-')}; over expert dp ({edp} "
+        f"rank{'s' if edp > 1 else ''}) {ops.get(EXPERTS, '-')}",
     ]
 
 

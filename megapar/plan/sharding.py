@@ -101,17 +101,28 @@ def dp_seconds(
     upload_s: float = 0.0,
     per_micro_batch: bool = False,
     once_a_step: bool = False,
+    experts: tuple[int, float, float] = (1, 0.0, 0.0),
 ) -> float:
     """Seconds of a step's dp traffic that are not hidden (see the module docstring): `t_f` /
     `t_b` one micro-batch's forward / backward, `units` ZeRO-3's units of the stage, and
     `upload_s` the host-to-device copy of this rank's parameter shard before each ZeRO-3
     gather (--offload-params); `per_micro_batch`: ZeRO-3's reduce-scatter in every
-    micro-batch's backward, each behind its own; `once_a_step`: as in `dp_traffic`."""
+    micro-batch's backward, each behind its own; `once_a_step`: as in `dp_traffic`.
+    `experts`: (ranks, gradient bytes, parameter bytes) of the routed experts under expert
+    parallelism, reduced and gathered over their expert-data-parallel group (cp x dp / ep
+    ranks) besides `grad_bytes` / `param_bytes` over `n`; their rings run one after the
+    other, hidden behind the same compute."""
     per_micro_batch = per_micro_batch and not once_a_step
+    ranks, expert_grads, expert_params = experts
     rs = ring_seconds("reduce_scatter", n, grad_bytes, gbps, latency_us)
     ag = ring_seconds("all_gather", n, param_bytes, gbps, latency_us)
+    if expert_grads or expert_params:
+        rs += ring_seconds("reduce_scatter", ranks, expert_grads, gbps, latency_us)
+        ag += ring_seconds("all_gather", ranks, expert_params, gbps, latency_us)
     if zero == 0:
-        return max(0.0, ring_seconds("all_reduce", n, grad_bytes, gbps, latency_us) - t_b)
+        ar = ring_seconds("all_reduce", n, grad_bytes, gbps, latency_us)
+        ar += ring_seconds("all_reduce", ranks, expert_grads, gbps, latency_us)
+        return max(0.0, ar - t_b)
     if zero in (1, 2):
         return (m if zero == 2 and not once_a_step else 1) * max(0.0, rs - t_b) + ag
     ag += upload_s

@@ -24,12 +24,12 @@ stepped tensors and their gradients (--offload-optimizer), or ZeRO-3's parameter
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 
 from megapar.data_parallel.buckets import bucket_layout, slice_pieces
-from megapar.data_parallel.sharded_params import ShardedParams
 from megapar.pipeline.schedules import SPLIT_BACKWARD
-from megapar.plan.params import UnitSpec, stage_tensors, stage_units
+from megapar.plan.params import stage_tensors, stage_units
+from megapar.plan.sharding import dp_traffic
+from megapar.plan.zero3_peaks import gathered_peak, grad_buffers_peak, phases
 
 ADAM_MOMENTS = 2
 """AdamW's exp_avg and exp_avg_sq, each of the parameter's (piece's) shape and dtype."""
@@ -60,6 +60,12 @@ class RankState:
     """Of all these, the bytes in host memory (offload)."""
     grad_buffers: int = 0
     """ZeRO-3: the units' full gradient buffers at the peak (`grad_buffers_peak`)."""
+    gathered_top: int = 0
+    """ZeRO-3: of `gathered`, what is gathered at the top of the backward (`phases`)."""
+    gathered_end: int = 0
+    """ZeRO-3: of `gathered`, what is gathered at the end of the backward (`phases`)."""
+    grad_buffers_top: int = 0
+    """ZeRO-3: of `grad_buffers`, the buffers alive at the top of the backward (`phases`)."""
 
     @property
     def device(self) -> int:
@@ -165,77 +171,6 @@ def _shards(tensors, idx, dp: int, ep: int) -> int:
     return dp // ep if ep > 1 and tensors[idx[0]].expert else dp
 
 
-def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
-    """Bytes of ZeRO-3's units gathered at once at the peak, as `ShardedParams`' hooks hold
-    them (`nbytes`: each unit's full padded buffer): with `keep` every unit; else the
-    persistent unit (kept over the step) with, at the worst chunk, its root and embedding
-    units (gathered over the chunk's forward) and the two largest neighbouring blocks (a
-    block's forward with the next one prefetched). The backward holds no more: the root unit
-    with the last block prefetched at its start, the root freed before the block before the
-    last is prefetched, the embedding unit prefetched after the block after the first is
-    freed."""
-    if keep:
-        return sum(nbytes)
-    persistent = sum(n for u, n in zip(specs, nbytes) if u.kind == "persistent")
-    worst = 0
-    for ci in {u.chunk for u in specs if u.kind != "persistent"}:
-        roots = sum(n for u, n in zip(specs, nbytes) if u.chunk == ci and u.kind != "block")
-        blocks = [n for u, n in zip(specs, nbytes) if u.chunk == ci and u.kind == "block"]
-        pairs = [a + b for a, b in pairwise(blocks)] or blocks or [0]
-        worst = max(worst, roots + max(pairs))
-    return persistent + worst
-
-
-def grad_buffers_peak(
-    specs: list[UnitSpec], nbytes: list[int], deferred: set[int], whole: bool, kept: bool = False
-) -> int:
-    """Bytes of ZeRO-3's full gradient buffers alive at once at the peak, as `ShardedParams`
-    holds them (`nbytes`: each unit's full padded buffer; `deferred`: the units holding the
-    tied embedding over pipeline stages, reduced in finish()). With `whole` every unit's.
-    Else (one micro-batch of one chunk): the root units' (and then the persistent unit's)
-    buffers are made when the chunk's backward starts, each block's when its backward
-    gathers it and the embedding unit's after the first block (before the launch of the
-    embedding unit, or of a persistent unit holding embedding parameters); the units launch in
-    `ShardedParams.units`' order (blocks from the last, the embedding, the root, the
-    persistent unit; the deferred ones at the end), and each launch first waits for the
-    reductions in flight beyond `ShardedParams.MAX_REDUCES_IN_FLIGHT - 1`, dropping their
-    buffers. The peak is taken at each launch (before that wait) and at the backward's end.
-    `kept` (a later micro-batch of the step): the deferred units' buffers alive from the
-    start."""
-    if whole:
-        return sum(nbytes)
-    order = []
-    for ci in sorted({u.chunk for u in specs if u.chunk >= 0}, reverse=True):
-        idx = [i for i, u in enumerate(specs) if u.chunk == ci]
-        order += [i for i in reversed(idx) if specs[i].kind == "block"] + [
-            i for kind in ("embedding", "root") for i in idx if specs[i].kind == kind
-        ]
-    order += [i for i, u in enumerate(specs) if u.kind == "persistent"]
-    order = [i for i in order if i not in deferred] + [i for i in order if i in deferred]
-    roots = [i for i, u in enumerate(specs) if u.kind == "root"]
-    persistent = [i for i, u in enumerate(specs) if u.kind == "persistent"]
-    alive = (
-        set(roots)
-        | (set(persistent) if roots or any(u.kind == "embedding" for u in specs) else set())
-        | (deferred if kept else set())
-    )
-    embeddings = {i for i, u in enumerate(specs) if u.kind == "embedding"}
-    peak = 0
-    flight: list[int] = []  # the units whose gradients are being reduced
-    for i in order:
-        if i in deferred:
-            break
-        if specs[i].kind == "embedding" or specs[i].embedding_grads:
-            alive |= embeddings  # made once the backward is past the first block
-        alive.add(i)
-        peak = max(peak, sum(nbytes[j] for j in alive))
-        while len(flight) >= ShardedParams.MAX_REDUCES_IN_FLIGHT:
-            alive.discard(flight.pop(0))
-        flight.append(i)
-    alive |= deferred | embeddings
-    return max(peak, sum(nbytes[j] for j in alive))
-
-
 def _deferred(tensors, units, pp: int) -> set[int]:
     """ZeRO-3: the units holding the tied embedding over pipeline stages (reduced once, in
     `ShardedParams.finish()`, after its sum over the first and last stage)."""
@@ -267,17 +202,16 @@ def _finish(
         or whole
     )
     weights, grads, gathered, offloaded = buffer, buffer if zero < 2 else shard, 0, 0
-    grad_buffers = 0
+    grad_buffers = gathered_top = gathered_end = grad_buffers_top = 0
     if zero >= 3 and units:
         weights, offloaded = shard, shard
         nbytes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
         gathered = gathered_peak(specs, nbytes, offload.keep_params)
-        grad_buffers = grad_buffers_peak(
-            specs,
-            nbytes,
-            _deferred(tensors, units, pp),
-            offload.whole_grads,
-            offload.micro_batches > 1,
+        deferred = _deferred(tensors, units, pp)
+        kept = offload.micro_batches > 1
+        grad_buffers = grad_buffers_peak(specs, nbytes, deferred, offload.whole_grads, kept)
+        gathered_top, gathered_end, grad_buffers_top = phases(
+            specs, nbytes, deferred, offload.whole_grads, offload.keep_params, kept
         )
     optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
     master = 2 * stepped if offload.optimizer else 0
@@ -285,7 +219,19 @@ def _finish(
     if offload.params and zero >= 3:  # the host-held shards are the optimizer's masters
         weights = 0
         host = max(host, offloaded)  # (--offload-params needs --offload-optimizer)
-    return RankState(elements, weights, grads, optimizer, master, gathered, host, grad_buffers)
+    return RankState(
+        elements,
+        weights,
+        grads,
+        optimizer,
+        master,
+        gathered,
+        host,
+        grad_buffers,
+        gathered_top,
+        gathered_end,
+        grad_buffers_top,
+    )
 
 
 def _layout(
@@ -303,28 +249,51 @@ def _layout(
 ):
     """(the stage's tensors, ZeRO's buckets as `bucket_layout` gives them (ZeRO-1 / 2; under
     ep > 1 the experts' buckets apart, padded to a multiple of dp / ep), its units (ZeRO-3:
-    each padded to a multiple of dp), or [] without, and ZeRO-3's `UnitSpec` per unit (else
-    None))."""
+    each padded to a multiple of dp; under ep > 1 the experts' units of dp / ep), or []
+    without, and ZeRO-3's `UnitSpec` per unit (else None))."""
     tensors = stage_tensors(config, tp, pp, v, stage, placement, ep)
     if not (zero and dp > 1):
         return tensors, [], None
     if zero >= 3:
-        specs = stage_units(config, tp, pp, v, stage, placement, persist_below)
-        return (
-            tensors,
-            [
-                (list(u.tensors), -(-sum(tensors[i].numel for i in u.tensors) // dp) * dp)
-                for u in specs
-            ],
-            specs,
-        )
+        specs = stage_units(config, tp, pp, v, stage, placement, persist_below, ep)
+        units = []
+        for u in specs:
+            n = _shards(tensors, u.tensors, dp, ep)
+            units.append((list(u.tensors), -(-sum(tensors[i].numel for i in u.tensors) // n) * n))
+        return tensors, units, specs
     late = [i for i, t in enumerate(tensors) if t.shared] if pp > 1 else []
     experts = [i for i, t in enumerate(tensors) if t.expert] if ep > 1 else []
     sizes = [(t.numel, t.dtype) for t in tensors]
     return tensors, bucket_layout(sizes, bucket_mb, dp, late, experts, dp // ep), None
 
 
-def sharded_buffer(
+DENSE, EXPERTS = "dp", "expert dp"
+"""The groups ZeRO's collectives run over (`dp_groups_traffic`): the cp x dp ranks, and under
+expert parallelism the expert-data-parallel group (cp x dp / ep ranks) of the experts' buckets
+or units."""
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What ZeRO reduces and gathers over one group of a stage, as `sharding.dp_traffic` takes
+    it (bytes of padded buffers, fp32)."""
+
+    pieces: int = 0
+    """Buckets (ZeRO-1 / 2) or units (ZeRO-3)."""
+    nbytes: int = 0
+    """Their buffers' bytes."""
+    persistent: int = 0
+    """ZeRO-3: bytes of the persistent unit among them (gathered once a step)."""
+    deferred: tuple[int, int] = (0, 0)
+    """ZeRO-3: (units, bytes) holding the tied embedding over pipeline stages: reduced once a
+    step even with --zero3-reduce micro-batch."""
+    tail: tuple[int, int] = (0, 0)
+    """ZeRO-3: (units, bytes) of root units (a chunk's final norm and head, or its whole root
+    where it is not split) and the experts' units they lead: kept gathered from the chunk's
+    forward to its backward, so gathered once a micro-batch, not twice."""
+
+
+def zero_traffic(
     config,
     tp: int,
     pp: int,
@@ -335,51 +304,62 @@ def sharded_buffer(
     bucket_mb: float = 25.0,
     placement: str = "loop",
     persist_below: int = PERSISTENCE_THRESHOLD,
-) -> tuple[int, int, int]:
-    """(buckets or units, bytes of the padded buffer, bytes of ZeRO-3's persistent unit) ZeRO
-    reduces and gathers on this stage (ZeRO-1 / 2: `bucket_layout`'s buckets; ZeRO-3: its
-    units); (0, 0, 0) without ZeRO."""
+    ep: int = 1,
+) -> dict[str, Traffic]:
+    """{group: `Traffic`} of the buckets (ZeRO-1 / 2) or units (ZeRO-3) ZeRO reduces and
+    gathers on this stage over each group (`DENSE`; under ep > 1 also `EXPERTS`, an experts'
+    unit counted as its lead is: a root's once a micro-batch, the persistent unit's once a
+    step); {} without ZeRO."""
     tensors, units, specs = _layout(
-        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below
+        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep
     )
-    sizes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
-    persistent = sum(n for u, n in zip(specs or (), sizes) if u.kind == "persistent")
-    return len(units), sum(sizes), persistent
+    late = _deferred(tensors, units, pp) if zero >= 3 else set()
+    kinds = [u.kind for u in specs] if specs else [""] * len(units)
+    for k, u in enumerate(specs or ()):
+        if u.led:  # gathered as its lead is
+            kinds[k] = kinds[k - 1]
+    out: dict[str, Traffic] = {}
+    for k, (idx, padded) in enumerate(units):
+        group = EXPERTS if _shards(tensors, idx, dp, ep) != dp else DENSE
+        n = padded * tensors[idx[0]].dtype.itemsize
+        t = out.get(group, Traffic())
+        out[group] = Traffic(
+            t.pieces + 1,
+            t.nbytes + n,
+            t.persistent + (n if kinds[k] == "persistent" else 0),
+            (t.deferred[0] + (k in late), t.deferred[1] + (n if k in late else 0)),
+            (t.tail[0] + (kinds[k] == "root"), t.tail[1] + (n if kinds[k] == "root" else 0)),
+        )
+    return out
 
 
-def deferred_units(
-    config,
-    tp: int,
+def groups_traffic(
+    traffic: dict[str, Traffic],
+    zero: int,
+    m: int,
     pp: int,
-    v: int,
-    stage: int,
-    dp: int,
-    bucket_mb: float = 25.0,
-    placement: str = "loop",
-    persist_below: int = PERSISTENCE_THRESHOLD,
-) -> tuple[int, int]:
-    """ZeRO-3: (units, bytes of their padded buffers) of the stage that hold the tied embedding
-    over pipeline stages: reduced once a step even with --zero3-reduce micro-batch."""
-    tensors, units, _ = _layout(
-        config, tp, pp, v, stage, dp, 3, bucket_mb, placement, persist_below
-    )
-    late = _deferred(tensors, units, pp)
-    return len(late), sum(units[k][1] * tensors[units[k][0][0]].dtype.itemsize for k in late)
-
-
-def tail_units(
-    config,
-    tp: int,
-    pp: int,
-    v: int,
-    stage: int,
-    dp: int,
-    placement: str = "loop",
-    persist_below: int = PERSISTENCE_THRESHOLD,
-) -> tuple[int, int]:
-    """ZeRO-3: (units, bytes of their padded buffers) of the stage's root units (a chunk's
-    final norm and head, or its whole root where it is not split): kept gathered from the
-    chunk's forward to its backward, so gathered once a micro-batch, not twice."""
-    tensors, units, specs = _layout(config, tp, pp, v, stage, dp, 3, 25.0, placement, persist_below)
-    tails = [k for k, u in enumerate(specs or ()) if u.kind == "root"]
-    return len(tails), sum(units[k][1] * tensors[units[k][0][0]].dtype.itemsize for k in tails)
+    keep_params: bool = False,
+    per_micro_batch: bool = False,
+    once_a_step: bool = False,
+    grad_scale: float = 1.0,
+) -> dict[str, list[tuple[str, int, float]]]:
+    """{group: `sharding.dp_traffic`'s [(operation, calls, bytes)]} of a step of m micro-batches
+    over each group of `zero_traffic`; `grad_scale`: the reduced gradients' bytes per fp32
+    byte (the reduce dtype's)."""
+    return {
+        group: dp_traffic(
+            zero,
+            m,
+            pp,
+            keep_params,
+            t.nbytes * grad_scale,
+            t.nbytes,
+            t.pieces,
+            t.persistent,
+            per_micro_batch,
+            (t.deferred[0], t.deferred[1] * grad_scale),
+            once_a_step,
+            t.tail,
+        )
+        for group, t in traffic.items()
+    }

@@ -1,0 +1,154 @@
+"""ZeRO-3's gathered units and full gradient buffers over a step, as `ShardedParams` holds
+them: their peaks (what `plan.state.RankState` counts and the dry run measures) and what is
+alive at the two moments `plan.process` takes a process's peak at (the top of the backward and
+its end), which are never the same moment as both peaks.
+
+A unit's bytes are its full padded buffer; under expert parallelism an experts' unit
+(`UnitSpec.led`) is gathered, freed and given its gradient buffer with the unit before it (its
+lead) and reduced just before it.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+from megapar.data_parallel.sharded_params import ShardedParams
+from megapar.plan.params import UnitSpec
+
+
+def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
+    """Bytes of ZeRO-3's units gathered at once at the peak, as `ShardedParams`' hooks hold
+    them (`nbytes`: each unit's full padded buffer; an experts' unit counted with its lead,
+    `UnitSpec.led`): with `keep` every unit; else the persistent unit (kept over the step)
+    with, at the worst chunk, its root and embedding units (gathered over the chunk's forward)
+    and the two largest neighbouring blocks (a block's forward with the next one prefetched).
+    The backward holds no more: the root unit with the last block prefetched at its start, the
+    root freed before the block before the last is prefetched, the embedding unit prefetched
+    after the block after the first is freed."""
+    if keep:
+        return sum(nbytes)
+    specs, nbytes = _with_experts(specs, nbytes)
+    persistent = sum(n for u, n in zip(specs, nbytes) if u.kind == "persistent")
+    worst = 0
+    for ci in {u.chunk for u in specs if u.kind != "persistent"}:
+        roots = sum(n for u, n in zip(specs, nbytes) if u.chunk == ci and u.kind != "block")
+        blocks = [n for u, n in zip(specs, nbytes) if u.chunk == ci and u.kind == "block"]
+        pairs = [a + b for a, b in pairwise(blocks)] or blocks or [0]
+        worst = max(worst, roots + max(pairs))
+    return persistent + worst
+
+
+def _with_experts(specs: list[UnitSpec], nbytes: list[int]) -> tuple[list[UnitSpec], list[int]]:
+    """The leading units, each with its experts' unit's bytes added (they are gathered and
+    freed together)."""
+    leads: list[UnitSpec] = []
+    sizes: list[int] = []
+    for u, n in zip(specs, nbytes):
+        if u.led:
+            sizes[-1] += n
+        else:
+            leads.append(u)
+            sizes.append(n)
+    return leads, sizes
+
+
+def grad_buffers_peak(
+    specs: list[UnitSpec], nbytes: list[int], deferred: set[int], whole: bool, kept: bool = False
+) -> int:
+    """Bytes of ZeRO-3's full gradient buffers alive at once at the peak, as `ShardedParams`
+    holds them (`nbytes`: each unit's full padded buffer; `deferred`: the units holding the
+    tied embedding over pipeline stages, reduced in finish()). With `whole` every unit's.
+    Else (one micro-batch of one chunk): the root units' (and then the persistent unit's)
+    buffers are made when the chunk's backward starts, each block's when its backward
+    gathers it and the embedding unit's after the first block (before the launch of the
+    embedding unit, or of a persistent unit holding embedding parameters); the units launch in
+    `ShardedParams.units`' order (blocks from the last, the embedding, the root, the
+    persistent unit; the deferred ones at the end; a unit's experts' unit just before it, its
+    buffer made with its lead's), and each launch first waits for the reductions in flight
+    beyond `ShardedParams.MAX_REDUCES_IN_FLIGHT - 1`, dropping their buffers. The peak is
+    taken at each launch (before that wait) and at the backward's end. `kept` (a later
+    micro-batch of the step): the deferred units' buffers alive from the start."""
+    if whole:
+        return sum(nbytes)
+    members = {i: [i] for i, u in enumerate(specs) if not u.led}
+    for i, u in enumerate(specs):
+        if u.led:  # reduced just before its lead (the unit before it)
+            members[i - 1].insert(0, i)
+    order = []
+    for ci in sorted({u.chunk for u in specs if u.chunk >= 0}, reverse=True):
+        idx = [i for i in members if specs[i].chunk == ci]
+        order += [i for i in reversed(idx) if specs[i].kind == "block"] + [
+            i for kind in ("embedding", "root") for i in idx if specs[i].kind == kind
+        ]
+    order += [i for i in members if specs[i].kind == "persistent"]
+    order = [i for i in order if i not in deferred] + [i for i in order if i in deferred]
+    order = [j for i in order for j in members[i]]
+    lead = {j: i for i, js in members.items() for j in js}
+    roots = [j for i in members if specs[i].kind == "root" for j in members[i]]
+    persistent = [j for i in members if specs[i].kind == "persistent" for j in members[i]]
+    alive = (
+        set(roots)
+        | (set(persistent) if roots or any(u.kind == "embedding" for u in specs) else set())
+        | (deferred if kept else set())
+    )
+    embeddings = {j for i in members if specs[i].kind == "embedding" for j in members[i]}
+    peak = 0
+    flight: list[int] = []  # the units whose gradients are being reduced
+    for i in order:
+        if lead[i] in deferred:
+            break
+        if specs[lead[i]].kind == "embedding" or specs[lead[i]].embedding_grads:
+            alive |= embeddings  # made once the backward is past the first block
+        alive.update(members[lead[i]] if i == members[lead[i]][0] else [i])
+        peak = max(peak, sum(nbytes[j] for j in alive))
+        while len(flight) >= ShardedParams.MAX_REDUCES_IN_FLIGHT:
+            alive.discard(flight.pop(0))
+        flight.append(i)
+    alive |= {j for i in deferred for j in members.get(i, [i])} | embeddings
+    return max(peak, sum(nbytes[j] for j in alive))
+
+
+def phases(
+    specs: list[UnitSpec],
+    nbytes: list[int],
+    deferred: set[int],
+    whole: bool,
+    keep: bool,
+    kept: bool = False,
+) -> tuple[int, int, int]:
+    """(gathered bytes at the top of the backward, gathered bytes at its end, full gradient
+    buffers' bytes at its top), as `ShardedParams` holds them. The top is the chunk's backward
+    start, where the most activations are alive: the stage's last chunk's tail units (kept
+    gathered since the forward; its whole root where it is not split) with its last block
+    prefetched, the persistent unit; the roots' and the persistent unit's gradient buffers
+    made (every unit's with `whole`; the deferred units' too with `kept`, a later
+    micro-batch). The end: the worst chunk's embedding unit (gathered for the embedding's
+    backward; a chunk without one, its roots) and the persistent unit. With `keep` every
+    unit stays gathered."""
+    lead = [i for i, u in enumerate(specs) if not u.led]
+    members = {i: [i, i + 1] if i + 1 < len(specs) and specs[i + 1].led else [i] for i in lead}
+    kinds = {i: specs[i].kind for i in lead}
+
+    def held(units) -> int:
+        return sum(nbytes[j] for i in units for j in members[i])
+
+    persistent = [i for i in lead if kinds[i] == "persistent"]
+    last = max((specs[i].chunk for i in lead), default=-1)
+    chunk = [i for i in lead if specs[i].chunk == last]
+    blocks = [i for i in chunk if kinds[i] == "block"]
+    roots = [i for i in lead if kinds[i] == "root"]
+    top = held(persistent + [i for i in chunk if kinds[i] == "root"] + blocks[-1:])
+    end = 0
+    for ci in {specs[i].chunk for i in lead if kinds[i] != "persistent"}:
+        own = [i for i in lead if specs[i].chunk == ci]
+        embedding = [i for i in own if kinds[i] == "embedding"]
+        end = max(end, held(embedding or [i for i in own if kinds[i] == "root"]))
+    end += held(persistent)
+    if keep:
+        top = end = sum(nbytes)
+    if whole:
+        return top, end, sum(nbytes)
+    made = set(roots) | (set(persistent) if roots or "embedding" in kinds.values() else set())
+    if kept:
+        made |= deferred
+    return top, end, held(made)
