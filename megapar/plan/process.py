@@ -49,16 +49,26 @@ CUDA_CONTEXT = 0.75 * GIB
 """Device memory outside the allocator (the CUDA context, cuBLAS / cuDNN workspaces): 0.58 and
 0.75 GiB measured on the H200 (`megapar.device.cuda_context_bytes`); the larger is counted."""
 
-CPU_RUNTIME = 100 * 2**20
+CPU_RUNTIME = 75 * 2**20
 """Resident memory a CPU rank adds beyond the tensors counted, however small its step's
 transients: memory outside glibc's heap (gloo's and OpenMP's threads, libraries loaded on
-first use: 67-80 MiB measured as the resident set less glibc's arena at the peak) and heap
-bytes that are no counted tensors (the model's and engine's Python objects, bookkeeping,
-gloo's buffers and the holes they leave). Measured as the peak resident set's rise less the
-planner's tensors where those have no transients to speak of (8 blocks of hidden 512, dp 2,
-10 MiB of activations, spawned ranks as tests/test_peak_memory.py runs them, less the heap's
-room, 2026-11-29): 110, 99 and 109 MiB at ZeRO 0 / 1 / 2. The 62 MiB counted before was the
-part outside the heap at the end of building only."""
+first use) and heap bytes that are no counted tensors (the model's and engine's Python objects,
+bookkeeping, gloo's buffers and the holes they leave). Measured as the peak resident set's rise
+less the planner's tensors and the heap's room where the step has no transients to speak of
+(8 blocks of hidden 512 at dp 2, 10 MiB of activations, spawned ranks, one step, the training
+modules and transformers imported before the baseline as `CPU_BASELINE` counts them;
+benchmarks/memory/planner_layouts.py, 2026-11-29): 81, 69, 59 and 83 MiB at ZeRO 0 / 1 / 2 /
+3; 75 MiB, their median. The 100 MiB counted before held transformers' import (25 MiB), read
+after the baseline by tests/test_peak_memory.py.
+
+Not in it, measured apart (benchmarks/memory/gloo_terms.py): gloo's copies. An all-reduce
+takes none (under 3 MiB at 4 and 25 MiB); a reduce-scatter holds one copy of its input and an
+all-gather one of its output until waited for (26.6 and 24.9 MiB at 25 MiB): ZeRO's collectives
+go in pieces of `shard_comm.HOST_PIECE_BYTES` (4 MiB) on the host, whose copies the heap's room
+and this term hold. Sequence parallelism's copies are `_sequence_parallel_holes`: on tp 2, 8
+blocks of hidden 256 at 4 x 1,024 tokens, SP lowered glibc's in-use peak by 29 MiB (38
+counted) and raised its arena at that peak by 36 (4 blocks: -13 and +28 to +36;
+benchmarks/memory/process_terms.py)."""
 
 CPU_HEAP_ROOM = 0.2
 """Freed room glibc's heap holds at the peak (megapar's host policy keeps freed blocks and
@@ -70,10 +80,12 @@ on GPT-2 124M at dp 2, ZeRO 0-2 (201 in one rank of one run: noise only adds); t
 want a share of 0 (one process) to 0.5-0.8 (GPT-2 124M at dp 2 under megapar-train, ZeRO-2's
 in-flight bucket included), 0.2 in between."""
 
-CPU_BASELINE = 0.25 * GIB
-"""A rank's resident set before its job: the interpreter with torch, transformers and megapar
-imported (248-250 MiB in a spawned worker, 2026-11-29). Reported apart: the OS's absolute peak
-is `ProcessPeak.total` plus this."""
+CPU_BASELINE = 329 * 2**20
+"""A rank's resident set before its job: the interpreter with torch, megapar's training modules
+and transformers' config imported (329 MiB in a spawned worker, of which the training modules
+84 MiB and transformers' GPT-2 config 25 MiB, 2026-11-29: benchmarks/memory/gloo_terms.py).
+Reported apart: the OS's absolute peak is `ProcessPeak.total` plus this. A rise measured from
+before those imports holds them (about 107 MiB)."""
 
 BOUNDS = {
     "gpu": (
@@ -184,16 +196,44 @@ def process_peak(
         ]
         return ProcessPeak(target, tuple(terms), tensors, phase, tensors + reserve + CUDA_CONTEXT)
     room = CPU_HEAP_ROOM * (tensors - state)
+    holes = _sequence_parallel_holes(p, c, mem)
+    terms.append(Term("heap's freed room", room, f"{CPU_HEAP_ROOM} x the tensors above the state"))
+    if holes:
+        terms.append(
+            Term(
+                "sequence parallelism's holes",
+                holes,
+                "what SP's split saves of the activations stays in the heap: its collectives' "
+                "whole-sequence transients are freed among the kept activations",
+            )
+        )
     terms += [
-        Term("heap's freed room", room, f"{CPU_HEAP_ROOM} x the tensors above the state"),
         Term(
             "runtime (threads, libraries, objects)",
             CPU_RUNTIME,
             "measured: memory outside the heap and heap bytes that are no counted tensors",
         ),
     ]
-    total = tensors + room + CPU_RUNTIME
+    total = tensors + room + holes + CPU_RUNTIME
     return ProcessPeak(target, tuple(terms), tensors, phase, total, CPU_BASELINE)
+
+
+def _sequence_parallel_holes(p: Problem, c: Candidate, mem: MemoryBreakdown) -> float:
+    """On a CPU, the activation bytes sequence parallelism saves on `mem`'s stage (its
+    activations without SP less with it; 0 without SP): glibc's heap, never trimmed under
+    megapar's host policy, keeps them as holes. Each SP all-gather and reduce-scatter makes
+    whole-sequence transients (the gathered buffer, gloo's copy, with b > 1 the reordering copy;
+    in the backward the grouped gradient and gloo's copy) that are freed among the split
+    activations kept for backward, so the heap grows as without SP (`CPU_RUNTIME`'s note has
+    the measurements)."""
+    if not c.sp or c.tp == 1:
+        return 0.0
+    import dataclasses
+
+    from megapar.plan.estimate import stage_memory  # estimate imports this module
+
+    whole = stage_memory(p, dataclasses.replace(c, sp=False))[mem.stage]
+    return max(0.0, whole.activations - mem.activations)
 
 
 def _zero3_terms(gathered: float, grad_buffers: float, phase: str) -> list[Term]:
