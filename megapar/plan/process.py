@@ -112,7 +112,8 @@ BOUNDS = {
         "2026-11-29 (benchmarks/memory/planner_layouts.py; docs/guides/planner.md): one "
         "process, recompute selective / full, tp 2 with and without SP, cp 2, pp 2 (1F1B, "
         "GPipe), a 25M-parameter model at dp 2 ZeRO 0-3 and offload, GPT-2 124M at dp 2 "
-        "ZeRO-2 / 3: -7.4 % to +9.3 %; over it: mixtral-tiny ZeRO-3 with ep (+50 % / +63 %: "
+        "ZeRO-2 / 3: -7.4 % to +9.3 %; over it: GPT-2 124M ZeRO-3 under megapar-train "
+        "(+10.3 %, absolute), mixtral-tiny ZeRO-3 with ep (+50 % / +63 %: "
         "ranks rising under 100 MiB, a runtime of 20 MiB); the runtime (70 MiB, 47-83 "
         "measured at dp 2) and the heap's room (0.2 x the transients) are the least certain "
         "terms"
@@ -236,21 +237,14 @@ def process_peak(
 
 
 def _sequence_parallel_holes(p: Problem, c: Candidate, mem: MemoryBreakdown) -> float:
-    """On a CPU, the activation bytes sequence parallelism saves on `mem`'s stage (its
-    activations without SP less with it; 0 without SP): glibc's heap, never trimmed under
-    megapar's host policy, keeps them as holes. Each SP all-gather and reduce-scatter makes
-    whole-sequence transients (the gathered buffer, gloo's copy, with b > 1 the reordering copy;
-    in the backward the grouped gradient and gloo's copy) that are freed among the split
-    activations kept for backward, so the heap grows as without SP (`CPU_RUNTIME`'s note has
-    the measurements)."""
-    if not c.sp or c.tp == 1:
-        return 0.0
-    import dataclasses
-
-    from megapar.plan.estimate import stage_memory  # estimate imports this module
-
-    whole = stage_memory(p, dataclasses.replace(c, sp=False))[mem.stage]
-    return max(0.0, whole.activations - mem.activations)
+    """On a CPU, the activation bytes sequence parallelism saves on `mem`'s stage
+    (`MemoryBreakdown.sp_saved`; 0 without SP): glibc's heap, never trimmed under megapar's host
+    policy, keeps them as holes. Each SP all-gather and reduce-scatter makes whole-sequence
+    transients (the gathered buffer, gloo's copy, with b > 1 the reordering copy; in the
+    backward the grouped gradient and gloo's copy) that are freed among the split activations
+    kept for backward, so the heap grows as without SP (`CPU_RUNTIME`'s note has the
+    measurements)."""
+    return mem.sp_saved if c.sp and c.tp > 1 else 0.0
 
 
 def _zero3_terms(gathered: float, grad_buffers: float, phase: str) -> list[Term]:
