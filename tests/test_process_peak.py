@@ -115,9 +115,9 @@ def test_cpu_figure_within_10_percent_of_the_os_peak():
     """The planner's CPU figure against a spawned rank's peak resident set rise (the lower of two
     runs: noise only adds to a peak): within 10 % (issue 47). Measured 2026-11-29 with the
     imports in the baseline (benchmarks/memory/planner_layouts.py gpt2-wide-one-process): 1,594
-    MiB against 1,668 predicted (+4.6 %): 1,534 MiB of tensors (the state and, at the end of the
+    MiB against 1,663 predicted (+4.3 %): 1,534 MiB of tensors (the state and, at the end of the
     backward, two embedding-sized gradients: the head's, held, and the lookup's, added into it
-    in place), the heap's room (0.2 x 295 MiB) and the runtime (75 MiB). Before, three
+    in place), the heap's room (0.2 x 295 MiB) and the runtime (70 MiB). Before, three
     embedding-sized gradients and a 62 MiB runtime: 1,832 predicted, 12 % over on a quiet
     machine. The tensors counted before issue 47 (1.24 GiB) lacked the gradients at the end of
     the backward, the heap's room and the runtime: the figure under-predicted, the failure users
