@@ -36,7 +36,11 @@ gradient buckets (`B4`): gloo's collectives hold copies of a bucket in flight, w
 planner does not count (NCCL makes none)."""
 B4 = dict(grad_bucket_mb=4)
 
+GPT2_WIDE = dict(n_embd=768, n_layer=6, n_head=12, n_positions=64, vocab_size=50257)
+"""tests/test_process_peak.py's model: GPT-2's width and vocabulary, 6 blocks."""
+
 LAYOUTS = {  # name: (model, world, options, global batch, seq, environment)
+    "gpt2-wide-one-process": (GPT2_WIDE, 1, dict(micro_batch_size=1), 1, 64, {}),
     "one-process": (WIDE, 1, dict(micro_batch_size=4), 4, 1024, {}),
     "recompute-selective": (WIDE, 1, dict(micro_batch_size=4, recompute="selective"), 4, 1024,
                             {}),
@@ -46,7 +50,9 @@ LAYOUTS = {  # name: (model, world, options, global batch, seq, environment)
     "cp2": (WIDE, 2, dict(micro_batch_size=4, cp=2), 4, 1024, {}),
     "pp2-1f1b": (WIDE, 2, dict(micro_batch_size=1, pp=2, schedule="1f1b"), 8, 1024, {}),
     "pp2-gpipe": (WIDE, 2, dict(micro_batch_size=1, pp=2, schedule="gpipe"), 8, 1024, {}),
+    "zero0": (STATE, 2, dict(micro_batch_size=1, **B4), 2, 32, {}),
     "zero1": (STATE, 2, dict(micro_batch_size=1, zero=1, **B4), 2, 32, {}),
+    "zero2": (STATE, 2, dict(micro_batch_size=1, zero=2, **B4), 2, 32, {}),
     "zero3": (STATE, 2, dict(micro_batch_size=1, zero=3, **B4), 2, 32, {}),
     "offload-optimizer": (STATE, 2, dict(micro_batch_size=1, zero=1, offload_optimizer=True, **B4),
                           2, 32, {}),
@@ -74,12 +80,19 @@ def _model(model):
     return GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **model)
 
 
-def _rise(model, options: dict, batch: int, seq: int, env: dict, steps: int = 1) -> int:
-    """How far this rank's peak resident set rose over building its engine and `steps` steps."""
+def _rise(model, options: dict, batch: int, seq: int, env: dict, steps: int = 1,
+          imports_first: bool = True) -> int:
+    """How far this rank's peak resident set rose over building its engine and `steps` steps;
+    `imports_first`: megapar's training modules and transformers' config imported before the
+    baseline is read (the planner's baseline: `megapar.plan.process.CPU_BASELINE`)."""
     os.environ.update(env)
     import torch
 
     import megapar
+
+    if imports_first:
+        import megapar.training.prepare  # noqa: F401
+        from transformers import GPT2Config  # noqa: F401
 
     def status(key: str) -> int:
         with open("/proc/self/status") as f:
@@ -128,6 +141,9 @@ def main(argv=None) -> int:
     parser.add_argument("layouts", nargs="*", help=f"some of: {', '.join(LAYOUTS)}")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--imports-in-rise", action="store_true",
+                        help="import megapar's training modules and transformers after the "
+                             "baseline is read (the rise then holds their ~110 MiB)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.layouts) - set(LAYOUTS))
     if unknown:
@@ -137,8 +153,9 @@ def main(argv=None) -> int:
     print(f"{'layout':26} {'predicted':>10} {'OS rise':>10} {'ratio':>7}   per stage (MiB)")
     for name in args.layouts or list(LAYOUTS):
         model, world, options, batch, seq, env = LAYOUTS[name]
-        runs = [run_local(_rise, world, model, options, batch, seq, env, start_method="spawn",
-                          timeout_s=1800) for _ in range(args.repeats)]
+        runs = [run_local(_rise, world, model, options, batch, seq, env, 1,
+                          not args.imports_in_rise, start_method="spawn", timeout_s=1800)
+                for _ in range(args.repeats)]
         rises = [min(r[i] for r in runs) for i in range(world)]
         figures = predicted(model, world, options, batch, seq, env)
         pp = options.get("pp", 1)

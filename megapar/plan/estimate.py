@@ -241,6 +241,12 @@ def stage_memory(
                 held.grad_buffers_top,
             )
         )
+    if c.sp and c.tp > 1:  # what SP saves: a CPU's heap keeps it (`plan.process`)
+        whole = stage_memory(p, dataclasses.replace(c, sp=False), counts, simulate)
+        out = [
+            dataclasses.replace(s_, sp_saved=max(0.0, w.activations - s_.activations))
+            for s_, w in zip(out, whole)
+        ]
     return out
 
 

@@ -240,6 +240,10 @@ class MemoryBreakdown:
     grad_buffers_top: float = 0.0
     """ZeRO-3: of `grad_buffers`, those alive at the top of the backward (`plan.process`'s
     first phase: their peak is at the backward's end)."""
+    sp_saved: float = 0.0
+    """Sequence parallelism: the activation bytes it saves on this stage (its activations
+    without SP less with it; 0 without SP). Not in `total`: a CPU's heap keeps them as holes
+    (`plan.process`)."""
 
     @property
     def total(self) -> float:

@@ -49,16 +49,28 @@ CUDA_CONTEXT = 0.75 * GIB
 """Device memory outside the allocator (the CUDA context, cuBLAS / cuDNN workspaces): 0.58 and
 0.75 GiB measured on the H200 (`megapar.device.cuda_context_bytes`); the larger is counted."""
 
-CPU_RUNTIME = 100 * 2**20
+CPU_RUNTIME = 70 * 2**20
 """Resident memory a CPU rank adds beyond the tensors counted, however small its step's
 transients: memory outside glibc's heap (gloo's and OpenMP's threads, libraries loaded on
-first use: 67-80 MiB measured as the resident set less glibc's arena at the peak) and heap
-bytes that are no counted tensors (the model's and engine's Python objects, bookkeeping,
-gloo's buffers and the holes they leave). Measured as the peak resident set's rise less the
-planner's tensors where those have no transients to speak of (8 blocks of hidden 512, dp 2,
-10 MiB of activations, spawned ranks as tests/test_peak_memory.py runs them, less the heap's
-room, 2026-11-29): 110, 99 and 109 MiB at ZeRO 0 / 1 / 2. The 62 MiB counted before was the
-part outside the heap at the end of building only."""
+first use) and heap bytes that are no counted tensors (the model's and engine's Python objects,
+bookkeeping, gloo's buffers and the holes they leave). Measured as the peak resident set's rise
+less the planner's tensors and the heap's room where the step has no transients to speak of
+(8 blocks of hidden 512 at dp 2, 10 MiB of activations, spawned ranks, one step, the training
+modules and transformers imported before the baseline as `CPU_BASELINE` counts them;
+benchmarks/memory/planner_layouts.py, 2026-11-29, the lower of two runs): 81, 47, 59 and 83
+MiB at ZeRO 0 / 1 / 2 / 3; 70 MiB, their median. Not constant: mixtral-tiny's ranks at ZeRO-3
+rose 20 MiB beyond their tensors. The 100 MiB counted before was measured from a baseline
+before the training modules' import (84 MiB) or transformers' (25 MiB, which
+tests/test_peak_memory.py still imports after its baseline).
+
+Not in it, measured apart (benchmarks/memory/gloo_terms.py): gloo's copies. An all-reduce
+takes none (under 3 MiB at 4 and 25 MiB); a reduce-scatter holds one copy of its input and an
+all-gather one of its output until waited for (26.6 and 24.9 MiB at 25 MiB): ZeRO's collectives
+go in pieces of `shard_comm.HOST_PIECE_BYTES` (4 MiB) on the host, whose copies the heap's room
+and this term hold. Sequence parallelism's copies are `_sequence_parallel_holes`: on tp 2, 8
+blocks of hidden 256 at 4 x 1,024 tokens, SP lowered glibc's in-use peak by 29 MiB (38
+counted) and raised its arena at that peak by 36 (4 blocks: -13 and +28 to +36;
+benchmarks/memory/process_terms.py)."""
 
 CPU_HEAP_ROOM = 0.2
 """Freed room glibc's heap holds at the peak (megapar's host policy keeps freed blocks and
@@ -70,10 +82,22 @@ on GPT-2 124M at dp 2, ZeRO 0-2 (201 in one rank of one run: noise only adds); t
 want a share of 0 (one process) to 0.5-0.8 (GPT-2 124M at dp 2 under megapar-train, ZeRO-2's
 in-flight bucket included), 0.2 in between."""
 
-CPU_BASELINE = 0.25 * GIB
-"""A rank's resident set before its job: the interpreter with torch, transformers and megapar
-imported (248-250 MiB in a spawned worker, 2026-11-29). Reported apart: the OS's absolute peak
-is `ProcessPeak.total` plus this."""
+CPU_BASELINE = 329 * 2**20
+"""A rank's resident set before its job: the interpreter with torch, megapar's training modules
+and transformers' config imported (329 MiB in a spawned worker, of which the training modules
+84 MiB and transformers' GPT-2 config 25 MiB, 2026-11-29: benchmarks/memory/gloo_terms.py).
+Reported apart: the OS's absolute peak is `ProcessPeak.total` plus this. A rise measured from
+before those imports holds them (about 107 MiB)."""
+
+CPU_NO_WORKING_SET = True
+"""On a CPU a block's backward working set is not counted above the kept activations: glibc's
+in-use peak (`mallinfo2`, benchmarks/memory/process_terms.py, 2026-11-29; less the 25 MiB the
+training modules' import leaves in the heap and the 20 MiB of engine objects) was 623 MiB on 8
+blocks of hidden 256 at 4 x 1,024 tokens in one process, 374 at tp 2 and 345 at tp 2 + SP,
+against 631 / 386 / 352 counted without the working set and 695 / 426 / 388 with it (one
+block's activations: 64 / 40 / 36 MiB): autograd frees each node's saved tensors as its
+backward runs, so a block's gradients take the place of its activations. The GPU figure keeps
+the term (its tensors' peak was within 3 % of the H200's allocated peak with it)."""
 
 BOUNDS = {
     "gpu": (
@@ -83,13 +107,16 @@ BOUNDS = {
         "other layouts not measured on a GPU"
     ),
     "cpu": (
-        "CPU: within 10 % of the OS's peak resident set rise for the spawned ranks measured "
+        "CPU: within 10 % of the OS's peak resident set rise over a baseline with megapar's "
+        "training modules and transformers imported, for the spawned ranks measured "
         "2026-11-29 (benchmarks/memory/planner_layouts.py; docs/guides/planner.md): one "
-        "process, recompute selective / full, tp 2, cp 2, pp 2 (1F1B, GPipe), GPT-2 124M at "
-        "dp 2 ZeRO-2 / 3, mixtral-tiny ZeRO-3 with ep: -8.5 % to +4.9 %; under it: tp 2 + SP "
-        "(-16 %) and a 25M-parameter model's ZeRO-1 / 3 and offload at dp 2 (-12 % to -21 %: "
-        "gloo's copies of collectives in flight and the training modules' import not "
-        "counted); the heap's room (0.2 x the transients) is the least certain term"
+        "process, recompute selective / full, tp 2 with and without SP, cp 2, pp 2 (1F1B, "
+        "GPipe), a 25M-parameter model at dp 2 ZeRO 0-3 and offload, GPT-2 124M at dp 2 "
+        "ZeRO-2 / 3: -7.4 % to +9.3 %; over it: GPT-2 124M ZeRO-3 under megapar-train "
+        "(+10.3 %, absolute), mixtral-tiny ZeRO-3 with ep (+50 % / +63 %: "
+        "ranks rising under 100 MiB, a runtime of 20 MiB); the runtime (70 MiB, 47-83 "
+        "measured at dp 2) and the heap's room (0.2 x the transients) are the least certain "
+        "terms"
     ),
 }
 """The error bound `megapar-plan` prints for each target."""
@@ -151,11 +178,14 @@ def process_peak(
     a = _top_of_backward(p, c, mem, has_embedding, has_head)
     a[1:1] = _zero3_terms(mem.gathered_top, mem.grad_buffers_top, "top of the backward")
     if mem.activations:
+        cpu = target == "cpu" and CPU_NO_WORKING_SET
         a.append(
             Term(
                 "a block's backward working set",
-                block_bytes,
-                "the gradients of one block's intermediates, as large as what it keeps",
+                0.0 if cpu else block_bytes,
+                "not above the kept activations on a CPU (measured)"
+                if cpu
+                else "the gradients of one block's intermediates, as large as what it keeps",
             )
         )
     b = _zero3_terms(mem.gathered_end, mem.grad_buffers, "end of the backward")
@@ -184,16 +214,37 @@ def process_peak(
         ]
         return ProcessPeak(target, tuple(terms), tensors, phase, tensors + reserve + CUDA_CONTEXT)
     room = CPU_HEAP_ROOM * (tensors - state)
+    holes = _sequence_parallel_holes(p, c, mem)
+    terms.append(Term("heap's freed room", room, f"{CPU_HEAP_ROOM} x the tensors above the state"))
+    if holes:
+        terms.append(
+            Term(
+                "sequence parallelism's holes",
+                holes,
+                "what SP's split saves of the activations stays in the heap: its collectives' "
+                "whole-sequence transients are freed among the kept activations",
+            )
+        )
     terms += [
-        Term("heap's freed room", room, f"{CPU_HEAP_ROOM} x the tensors above the state"),
         Term(
             "runtime (threads, libraries, objects)",
             CPU_RUNTIME,
             "measured: memory outside the heap and heap bytes that are no counted tensors",
         ),
     ]
-    total = tensors + room + CPU_RUNTIME
+    total = tensors + room + holes + CPU_RUNTIME
     return ProcessPeak(target, tuple(terms), tensors, phase, total, CPU_BASELINE)
+
+
+def _sequence_parallel_holes(p: Problem, c: Candidate, mem: MemoryBreakdown) -> float:
+    """On a CPU, the activation bytes sequence parallelism saves on `mem`'s stage
+    (`MemoryBreakdown.sp_saved`; 0 without SP): glibc's heap, never trimmed under megapar's host
+    policy, keeps them as holes. Each SP all-gather and reduce-scatter makes whole-sequence
+    transients (the gathered buffer, gloo's copy, with b > 1 the reordering copy; in the
+    backward the grouped gradient and gloo's copy) that are freed among the split activations
+    kept for backward, so the heap grows as without SP (`CPU_RUNTIME`'s note has the
+    measurements)."""
+    return mem.sp_saved if c.sp and c.tp > 1 else 0.0
 
 
 def _zero3_terms(gathered: float, grad_buffers: float, phase: str) -> list[Term]:
