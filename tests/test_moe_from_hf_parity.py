@@ -12,13 +12,12 @@ Qwen3-MoE: q / k norms, renormalised top-k), so both see the ZeRO stages and the
 AdamW's epsilon is 1e-4, as test_moe_cli's: at 1e-8 an element whose gradient is near 0 takes a
 step of about lr whichever way its rounding goes (test_moe_cli.py says more)."""
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from test_moe_cli import _canonical
+from test_moe_cli import _canonical, _records
 from tp_utils import assert_close
 
 from megapar.cli.train import main
@@ -59,10 +58,6 @@ CASES = {
         "ep2_cp2": ["--cp", "2", "--ep", "2"],
     }),
 }
-
-
-def _records(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
 @pytest.mark.parametrize("model", sorted(CASES))

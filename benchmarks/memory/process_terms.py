@@ -84,34 +84,21 @@ def worker(kwargs, zero, mbs, seq, batch, bucket_mb, steps, extra=None):
     phases = []
     import megapar.pipeline.backward as ex
 
-    orig_bw = ex.backward
+    def timed(name, fn):
+        """fn, recording each call's (name, start, end) in `phases`."""
 
-    def bw(*a, **k):
-        t0 = time.perf_counter()
-        r = orig_bw(*a, **k)
-        phases.append(("backward", t0, time.perf_counter()))
-        return r
+        def wrapped(*a, **k):
+            t0 = time.perf_counter()
+            r = fn(*a, **k)
+            phases.append((name, t0, time.perf_counter()))
+            return r
 
-    ex.backward = bw
-    orig_rs = engine.run_step
+        return wrapped
 
-    def rs(*a, **k):
-        t0 = time.perf_counter()
-        r = orig_rs(*a, **k)
-        phases.append(("run_step", t0, time.perf_counter()))
-        return r
-
-    engine.run_step = rs
+    ex.backward = timed("backward", ex.backward)
+    engine.run_step = timed("run_step", engine.run_step)
     opt = engine.optimizer
-    orig_step = opt.step
-
-    def st(*a, **k):
-        t0 = time.perf_counter()
-        r = orig_step(*a, **k)
-        phases.append(("opt.step", t0, time.perf_counter()))
-        return r
-
-    opt.step = st
+    opt.step = timed("opt.step", opt.step)
     vocab = kwargs.get("vocab_size", 50257)
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     b = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
