@@ -312,10 +312,11 @@ class ZeroOptimizer(AdamWOptimizer):
         if not self.sharded:
             return super().state_tensors(copy)
         names = {id(p): n for n, p in self._checkpointed()}
+        piece = {id(p): (t, s, e) for t, (p, s, e) in zip(self.pieces, self._piece_of)}
         out: dict[str, dict[str, torch.Tensor]] = {}
         for b in self.grad_sync.buckets:
             for key in self.state_keys:
-                host = self._gather_state(b, key)
+                host = self._gather_state(b, key, piece)
                 for p in b.params:
                     if host is not None and id(p) in names:
                         at = self._offset[id(p)]
@@ -323,9 +324,10 @@ class ZeroOptimizer(AdamWOptimizer):
                         out.setdefault(names[id(p)], {})[key] = view
         return out
 
-    def _gather_state(self, b, key: str) -> torch.Tensor | None:
+    def _gather_state(self, b, key: str, piece: dict) -> torch.Tensor | None:
         """State `key` of bucket `b` (padded, flat) in host memory on rank 0 of the bucket's
-        group, gathered from every rank's slice; None on the group's other ranks."""
+        group, gathered from every rank's slice; None on the group's other ranks. `piece`:
+        {id(parameter): (the piece this rank steps, its start, its end)}."""
         lo, hi = self.grad_sync.shard_range(b)
         dtype = b.params[0].dtype
         device = self.param_buffers[dtype].device
@@ -335,7 +337,6 @@ class ZeroOptimizer(AdamWOptimizer):
             torch.zeros(hi - lo, dtype=dtype, device=device) for _ in range(size if first else 1)
         ]
         mine = parts[0]  # rank 0's own slice is gathered in place
-        piece = {id(p): (t, s, e) for t, (p, s, e) in zip(self.pieces, self._piece_of)}
         for p in b.params:
             if id(p) in piece:
                 assert self.inner is not None  # it steps this piece
