@@ -26,7 +26,7 @@ The compiled run must equal the eager one (fp32: every step's loss and the final
 aot_autograd counters unchanged from step 1 to step 5); and every graph break dynamo records
 must be one docs/guides/training.md lists for its layout (at tp > 1 the tp collectives, under
 ZB-H1 the deferring linears, at cp > 1 the attention's exchanges, in a MoE layer its routed
-experts: all `torch.compiler.disable`d on purpose; in one process of a dense model none).
+experts: all marked `megapar.graph_break` on purpose; in one process of a dense model none).
 """
 
 import torch

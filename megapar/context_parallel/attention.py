@@ -51,6 +51,7 @@ from megapar.context_parallel.kernels import (
 )
 from megapar.context_parallel.ring import Ring
 from megapar.context_parallel.split import chunk_ids, split
+from megapar.graph_break import graph_break
 from megapar.tensor_parallel.sequence_parallel import (
     all_gather_flat,
     reduce_scatter_flat,
@@ -346,7 +347,7 @@ class LayerAttention:
             return self._eager(q, k, v, key_mask, kv_index, dropout_p)
         return self._run(q, k, v, key_mask, kv_index, dropout_p)
 
-    @torch.compiler.disable
+    @graph_break
     def _eager(self, q, k, v, key_mask, kv_index, dropout_p):
         """`_run`, run eagerly inside torch.compile'd code: the ring's point-to-point messages
         and the all-gathers stay the torch.distributed calls (timeouts, counts) they are."""

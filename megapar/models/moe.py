@@ -45,6 +45,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from megapar.expert_parallel import Route, combine, dispatch, local_experts, mark_expert, plan_route
+from megapar.graph_break import graph_break
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.blocks import activation
 from megapar.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -350,7 +351,7 @@ class MoE(nn.Module):
             out = out + self.shared(hidden)
         return out
 
-    @torch.compiler.disable
+    @graph_break
     def _routed_eagerly(self, x, logits, probs, weights, experts) -> torch.Tensor:
         """`_routed`, run eagerly inside torch.compile'd code (`--compile`: a graph break on
         purpose, as torchtitan keeps its token dispatch out of the graph): the rows per expert

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megapar.comm_wait import blocked
+from megapar.graph_break import graph_break
 
 
 def _size(group) -> int:
@@ -63,7 +64,7 @@ def eager_region(function: type[torch.autograd.Function], x: torch.Tensor, group
     return function.apply(x, group)
 
 
-@torch.compiler.disable
+@graph_break
 def _apply_eagerly(function: type[torch.autograd.Function], x: torch.Tensor, group):
     return function.apply(x, group)
 

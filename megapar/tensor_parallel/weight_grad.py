@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megapar.graph_break import graph_break
+
 
 class WeightGradStore:
     """Weight-gradient products deferred by the linear layers of one pipeline stage."""
@@ -99,7 +101,7 @@ def linear(
     return _DeferredWeightGradLinear.apply(x, weight.detach(), bias, store, (weight,))
 
 
-@torch.compiler.disable
+@graph_break
 def _deferred_linear(x, weight, bias, store: WeightGradStore) -> torch.Tensor:
     """The deferring F.linear, run eagerly also inside torch.compile'd code (`--compile`: a
     graph break): its backward puts (X, dY) in the Python store, which a compiled backward
