@@ -37,6 +37,8 @@ LAZY_PACKAGES = {
     "torch.utils.tensorboard": "optional: --tensorboard only", "pyarrow": "Parquet input only",
     "IPython": "notebook detection only", "transformers": "heavy (seconds): HF import / export only",
     "torchao": "optional (megapar[fp8]): --fp8 only",
+    "torch._dynamo": "heavy (1.2 s): imported by the launcher before forking the workers, "
+                     "whose torch optimizers import it (megapar.graph_break)",
 }
 """Libraries any module may import where it uses them, and why."""
 
