@@ -4,7 +4,8 @@ Each worker resets its peak resident set (`/proc/self/clear_refs`), builds its e
 few steps and reports how far its peak rose (VmHWM): the memory the OS saw it take, transient
 copies, allocator holes and all. Workers are forked from a forkserver, a fresh process (not
 this one: no allocator setting or heap of this process leaks into them) that has imported only
-what a worker imports before its first reading (this module, megapar.dryrun.world and torch),
+what a worker imports before its first reading (this module, megapar.dryrun.world, torch and
+torch._dynamo, which building torch's optimizers imports, 70 MiB, as a megapar-train rank has it),
 so each worker starts from the state a spawned one would reach there, without importing torch
 again. `benchmarks/memory/peak_memory.py` measures every claim this way, at larger sizes.
 """
@@ -31,7 +32,7 @@ def launch():
     """`launch(fn, *args)`: fn on 2 ranks forked from the forkserver (module docstring), which
     is stopped after this module's tests."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        [__name__, "megapar.dryrun.world"])
+        [__name__, "megapar.dryrun.world", "torch._dynamo"])
     yield lambda fn, *args: run_local(fn, 2, *args, start_method="forkserver")
     multiprocessing.forkserver._forkserver._stop()  # no public way to end it
 

@@ -94,6 +94,7 @@ def _rise(kwargs: dict, mbs: int, seq: int) -> int:
 
     import megapar
     import megapar.training.prepare  # noqa: F401  in the baseline, as CPU_BASELINE counts it
+    import torch._dynamo  # noqa: F401  too: building torch's optimizers imports it (70 MiB)
 
     def status(key: str) -> int:
         with open("/proc/self/status") as f:

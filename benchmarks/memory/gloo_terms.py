@@ -50,6 +50,7 @@ def worker(sizes_mib: list[int], repeats: int) -> dict:
     import importlib
 
     importlib.import_module("megapar.training.prepare")
+    importlib.import_module("torch._dynamo")  # building torch's optimizers imports it (70 MiB)
     from transformers import GPT2Config  # noqa: F401
 
     out["import"] = (_status("VmRSS") - start, _status("VmHWM") - start)

@@ -92,6 +92,7 @@ def _rise(model, options: dict, batch: int, seq: int, env: dict, steps: int = 1,
 
     if imports_first:
         import megapar.training.prepare  # noqa: F401
+        import torch._dynamo  # noqa: F401  building torch's optimizers imports it (70 MiB)
         from transformers import GPT2Config  # noqa: F401
 
     def status(key: str) -> int:

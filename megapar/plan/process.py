@@ -83,9 +83,11 @@ want a share of 0 (one process) to 0.5-0.8 (GPT-2 124M at dp 2 under megapar-tra
 in-flight bucket included), 0.2 in between."""
 
 CPU_BASELINE = 329 * 2**20
-"""A rank's resident set before its job: the interpreter with torch, megapar's training modules
-and transformers' config imported (329 MiB in a spawned worker, of which the training modules
-84 MiB and transformers' GPT-2 config 25 MiB, 2026-11-29: benchmarks/memory/gloo_terms.py).
+"""A rank's resident set before its job: the interpreter with torch, megapar's training modules,
+torch._dynamo (which building torch's optimizers imports; a megapar-train rank forked by the
+launcher has it) and transformers' config imported (329 MiB in a spawned worker, of which the
+training modules with torch._dynamo 84 MiB and transformers' GPT-2 config 25 MiB, 2026-11-29:
+benchmarks/memory/gloo_terms.py).
 Reported apart: the OS's absolute peak is `ProcessPeak.total` plus this. A rise measured from
 before those imports holds them (about 107 MiB)."""
 
