@@ -27,6 +27,7 @@ import json
 import os
 import sys
 
+from megapar.one_line_parser import OneLineParser
 from megapar.pipeline import certify, certify_real, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
 from megapar.pipeline.placement import chunks_per_rank
@@ -38,7 +39,6 @@ from megapar.pipeline.timeline import (
     write_chrome_trace,
 )
 from megapar.training import bubble
-from megapar.training.config import OneLineParser
 from megapar.training.validate import UsageError, check_writable, flag_of
 from megapar.training.validate_tools import MAX_SIMULATED_ACTIONS, check_bubble_args
 

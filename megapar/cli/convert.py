@@ -36,7 +36,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from megapar.training.config import OneLineParser
+from megapar.one_line_parser import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:

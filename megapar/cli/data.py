@@ -24,7 +24,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 
-from megapar.training.config import OneLineParser
+from megapar.one_line_parser import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,10 +31,10 @@ from megapar.faults.report import log_dir_for, worker_failure
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 from megapar.mesh import Mesh
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
+from megapar.one_line_parser import OneLineParser
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
-from megapar.training.config import OneLineParser
 from megapar.training.tokenizer_checks import check_given_tokenizer
 from megapar.training.validate import UsageError, check_writable
 from megapar.training.validate_tools import check_eval_args

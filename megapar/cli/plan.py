@@ -25,6 +25,7 @@ from megapar.cli.plan_verify import verify_estimates
 from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
+from megapar.one_line_parser import OneLineParser
 from megapar.plan import (
     Problem,
     check,
@@ -53,7 +54,6 @@ from megapar.plan.report import (
     table,
 )
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
-from megapar.training.config import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:

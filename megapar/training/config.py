@@ -25,6 +25,7 @@ from megapar.data_parallel.sharded_params import REDUCES as ZERO3_REDUCES
 from megapar.mesh import RANK_ORDERS
 from megapar.models.blocks import RECOMPUTE_MODES
 from megapar.models.config import ConfigError, load_config_file
+from megapar.one_line_parser import OneLineParser
 from megapar.optim.optimizer import OPTIMIZERS
 from megapar.optim.precision import COMM_DTYPES, PRECISIONS
 from megapar.optim.scheduler import DECAY_STYLES
@@ -324,37 +325,6 @@ def _type_of(f) -> Any:
 def _escaped(docs: dict[str, str]) -> dict[str, str]:
     """Docstrings as argparse help (a literal % is %% there)."""
     return {name: text.replace("%", "%%") for name, text in docs.items()}
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse with megapar's rule for bad input: one line naming the problem and where the fix
-    is (exit 2), not the whole usage; flags are never abbreviated (`--max-step` is not
-    `--max-steps`), as in Megatron."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        self.exit(
-            2,
-            f"{self.prog}: error: {message}{self._did_you_mean(message)} "
-            f"(see {self.prog} --help)\n",
-        )
-
-    def _did_you_mean(self, message: str) -> str:
-        """For unknown flags, the closest known one of each (`--max-step`: `--max-steps`)."""
-        prefix = "unrecognized arguments: "
-        if not message.startswith(prefix):
-            return ""
-        known = sorted(o for o in self._option_string_actions if o.startswith("--"))
-        hints = []
-        for token in message[len(prefix) :].split():
-            flag = token.split("=", 1)[0]
-            close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
-            if close:
-                hints.append(f"{flag}: did you mean {close[0]}?")
-        return "; " + "; ".join(hints) if hints else ""
 
 
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:

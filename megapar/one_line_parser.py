@@ -1,0 +1,41 @@
+"""`OneLineParser`: argparse with megapar's rule for bad input, for every command's parser.
+
+It imports nothing but the standard library, so a command that answers `--help` and bad input
+before importing torch (megapar-data, megapar-convert) can build its parser with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with megapar's rule for bad input: one line naming the problem and where the fix
+    is (exit 2), not the whole usage; flags are never abbreviated (`--max-step` is not
+    `--max-steps`), as in Megatron."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(
+            2,
+            f"{self.prog}: error: {message}{self._did_you_mean(message)} "
+            f"(see {self.prog} --help)\n",
+        )
+
+    def _did_you_mean(self, message: str) -> str:
+        """For unknown flags, the closest known one of each (`--max-step`: `--max-steps`)."""
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return ""
+        known = sorted(o for o in self._option_string_actions if o.startswith("--"))
+        hints = []
+        for token in message[len(prefix) :].split():
+            flag = token.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
+            if close:
+                hints.append(f"{flag}: did you mean {close[0]}?")
+        return "; " + "; ".join(hints) if hints else ""
