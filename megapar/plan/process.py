@@ -63,7 +63,7 @@ at ZeRO-3 rose 20-25 MiB beyond their tensors (about the library pages their ste
 +24 MiB of files), and on the state model the rest was heap room the 0.2 share misses (glibc's
 arena less its in-use bytes at the peak 23-67 MiB at ZeRO-0, where the share gives 1). In a
 rank megapar-train forks, torch._dynamo's import (72 MiB) is made in the rank and takes this
-place: 63-66 MiB measured (`CPU_FORKED_BASELINE`). The 100 MiB counted before was measured
+place: 53-77 MiB measured (`CPU_FORKED_BASELINE`). The 100 MiB counted before was measured
 from a baseline before the training modules' import (84 MiB) or transformers' (25 MiB).
 
 Not in it, measured apart (benchmarks/memory/gloo_terms.py): gloo's copies. An all-reduce
@@ -109,10 +109,11 @@ file pages, only those it touches itself, and the launcher has not imported torc
 Measured 2026-11-29 in megapar-train's largest ranks (mixtral-tiny ZeRO-3 dp 2 x ep 2; GPT-2
 124M dp 2 ZeRO-2 and ZeRO-3): 183 MiB at the worker's start (168 anonymous, 14 of files; the
 launcher: 160 and 84), file pages 53-57 MiB at the peak: 168 + 57. The rest of such a rank's
-peak was its tensors, the heap's room (glibc's arena less its in-use bytes at the peak: 0
-mixtral-tiny, 46-82 GPT-2 124M ZeRO-3, 159-175 ZeRO-2) and 63-66 MiB (mixtral-tiny and ZeRO-3;
-46-50 MiB outside glibc's heap, 16-28 of heap bytes no counted tensor holds), torch._dynamo's
-import made in the rank: what `CPU_RUNTIME` counts there."""
+peak beyond its tensors and the heap's room (glibc's arena less its in-use bytes at the in-use
+peak: 12 MiB mixtral-tiny, 46 GPT-2 124M ZeRO-3, 149 tp 2 on 8 blocks of hidden 256 at 4 x
+1,024 tokens) was 53-77 MiB (56, 53, 77; 46-50 MiB of it outside glibc's heap): mostly
+torch._dynamo's import (72 MiB), which a forked rank makes itself, and what `CPU_RUNTIME`
+counts there."""
 
 
 def cpu_baseline(world_size: int) -> float:
@@ -147,10 +148,12 @@ BOUNDS = {
         "one process, recompute selective / full, tp 2 with and without SP, cp 2, pp 2 (1F1B, "
         "GPipe), a 25M-parameter model at dp 2 ZeRO 0-3 and offload, GPT-2 124M at dp 2 "
         "ZeRO-2 / 3; and of megapar-train's largest process (forked ranks, their baseline "
-        "225 MiB) for GPT-2 124M dp 2 ZeRO 0-3 and mixtral-tiny ZeRO-3 dp 2 / dp 2 x ep 2 / "
-        "dp 4 x ep 2; over it: mixtral-tiny's spawned ranks with ep (+47 % / +59 %: a runtime "
-        "of 20-25 MiB); the runtime (70 MiB, 20-83 measured) and the heap's room (0.2 x the "
-        "transients) are the least certain terms"
+        "225 MiB) for GPT-2 124M dp 2 ZeRO 0-3 and offload, cp 1 / 2 / 4, tp 2 and "
+        "mixtral-tiny ZeRO-3 with and without ep; outside it: tp 2 + SP under megapar-train "
+        "(-11.8 %: the heap's room, 150-190 MiB measured at tp 2) and mixtral-tiny's spawned "
+        "ranks with ep (+47 % / +59 %: a runtime of 20-25 MiB); the heap's room (0.2 x the "
+        "transients; 0 to 0.6 measured) and the runtime (70 MiB; 20-83 measured) are the "
+        "least certain terms"
     ),
 }
 """The error bound `megapar-plan` prints for each target."""
