@@ -62,8 +62,8 @@ them; benchmarks/memory/planner_layouts.py, 2026-11-29, the lower of two runs): 
 at ZeRO-3 rose 20-25 MiB beyond their tensors (about the library pages their step touches:
 +24 MiB of files), and on the state model the rest was heap room the 0.2 share misses (glibc's
 arena less its in-use bytes at the peak 23-67 MiB at ZeRO-0, where the share gives 1). In a
-rank megapar-train forks, torch._dynamo's import (72 MiB) is made in the rank and takes this
-place: 53-77 MiB measured (`CPU_FORKED_BASELINE`). The 100 MiB counted before was measured
+rank megapar-train forks, measured as the rise of what the runtime holds over the rank's start
+(`CPU_FORKED_BASELINE`): 42 and 78 MiB. The 100 MiB counted before was measured
 from a baseline before the training modules' import (84 MiB) or transformers' (25 MiB).
 
 Not in it, measured apart (benchmarks/memory/gloo_terms.py): gloo's copies. An all-reduce
@@ -101,19 +101,17 @@ and transformers' GPT-2 config 25 MiB (benchmarks/memory/gloo_terms.py). Reporte
 OS's absolute peak is `ProcessPeak.total` plus this (`cpu_baseline`). A rise measured from
 before those imports holds them (about 180 MiB)."""
 
-CPU_FORKED_BASELINE = 225 * 2**20
+CPU_FORKED_BASELINE = 236 * 2**20
 """The same for a rank megapar-train forks on a CPU (world size > 1 on one machine, no
-torchrun): the child's resident set holds the launcher's anonymous memory it shares copy on
-write (the interpreter's heap, torch's and megapar's imported state) but, of the libraries'
-file pages, only those it touches itself, and the launcher has not imported torch._dynamo.
-Measured 2026-11-29 in megapar-train's largest ranks (mixtral-tiny ZeRO-3 dp 2 x ep 2; GPT-2
-124M dp 2 ZeRO-2 and ZeRO-3): 183 MiB at the worker's start (168 anonymous, 14 of files; the
-launcher: 160 and 84), file pages 53-57 MiB at the peak: 168 + 57. The rest of such a rank's
-peak beyond its tensors and the heap's room (glibc's arena less its in-use bytes at the in-use
-peak: 12 MiB mixtral-tiny, 46 GPT-2 124M ZeRO-3, 149 tp 2 on 8 blocks of hidden 256 at 4 x
-1,024 tokens) was 53-77 MiB (56, 53, 77; 46-50 MiB of it outside glibc's heap): mostly
-torch._dynamo's import (72 MiB), which a forked rank makes itself, and what `CPU_RUNTIME`
-counts there."""
+torchrun): its resident set at its start. A forked child's resident set holds the launcher's
+anonymous memory it shares copy on write (the interpreter's heap, torch's, torch._dynamo's,
+imported by the launcher before it forks, and megapar's state) but, of the libraries' file
+pages, only those it touches itself. Measured 2026-11-29 in megapar-train's largest ranks
+(mixtral-tiny ZeRO-3 dp 2 x ep 2 and GPT-2 124M dp 2 ZeRO-3, main at `dcd2ef2`): 236 MiB at
+the worker's start, 221 anonymous and 15 of files (the launcher: 160 and 84, before
+torch._dynamo). What `CPU_RUNTIME` counts rose by 42 and 78 MiB in those ranks: the library
+pages they touched (+35 to +38 MiB of files) and heap bytes no counted tensor holds (+3, +40),
+nothing else outside glibc's heap to speak of."""
 
 
 def cpu_baseline(world_size: int) -> float:
@@ -148,9 +146,9 @@ BOUNDS = {
         "one process, recompute selective / full, tp 2 with and without SP, cp 2, pp 2 (1F1B, "
         "GPipe), a 25M-parameter model at dp 2 ZeRO 0-3 and offload, GPT-2 124M at dp 2 "
         "ZeRO-2 / 3; and of megapar-train's largest process (forked ranks, their baseline "
-        "225 MiB) for GPT-2 124M dp 2 ZeRO 0-3 and offload, cp 1 / 2 / 4, tp 2 and "
+        "236 MiB) for GPT-2 124M dp 2 ZeRO 0-3 and offload, cp 1 / 2 / 4, tp 2 and "
         "mixtral-tiny ZeRO-3 with and without ep; outside it: tp 2 + SP under megapar-train "
-        "(-11.8 %: the heap's room, 150-190 MiB measured at tp 2) and mixtral-tiny's spawned "
+        "(-15 %: the heap's room, 150-190 MiB measured at tp 2) and mixtral-tiny's spawned "
         "ranks with ep (+47 % / +59 %: a runtime of 20-25 MiB); the heap's room (0.2 x the "
         "transients; 0 to 0.6 measured) and the runtime (70 MiB; 20-83 measured) are the "
         "least certain terms"
