@@ -37,12 +37,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py
 from common import json_number, run_peak, train_argv, write_json  # noqa: E402
 
-from megapar.plan.process import CPU_BASELINE  # noqa: E402
+from megapar.models.recipes import resolve_model  # noqa: E402
+from megapar.plan.process import cpu_baseline  # noqa: E402
 
 MODEL = {"model_type": "gpt2", "vocab_size": 1004, "n_positions": 4096, "n_embd": 256,
          "n_layer": 8, "n_head": 8, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
 """8 blocks of hidden 256 with a SentencePiece vocabulary (1,000 + megapar's 4): activations,
 not the logits, dominate a long sequence's memory."""
+
+MIXTRAL_VOCAB = 50261
+"""The vocabulary a `--model mixtral-tiny` run without `--tokenizer` takes (GPT-2's BPE, 50,257,
+and megapar's 4 special tokens), which the dry run, skipping the data, does not: the `moe`
+group gives both the recipe with it as a config file (`{mixtral}`), so that the counted and
+predicted figures are of the model that runs."""
 
 SMALL = ["--model", "{model}", "--tokenizer", "sentencepiece"]
 ZERO_STAGES = (0, 1, 2, 3)
@@ -79,7 +86,7 @@ GROUPS = {  # name: (the claim, [(label, flags)])
                     "--global-batch-size", "8", "--schedule", schedule])
         for schedule in ("1f1b", "gpipe", "zb-h1", "zb-v", "dualpipev")]),
     "moe": ("ZeRO-3 shards a mixture of experts' experts over expert dp (mixtral-tiny)", [
-        (label, ["--model", "mixtral-tiny", "--seq-len", "64", "--micro-batch-size", "1",
+        (label, ["--model", "{mixtral}", "--seq-len", "64", "--micro-batch-size", "1",
                  "--zero", "3", *extra])
         for label, extra in (("dp 2", ["--dp", "2", "--global-batch-size", "2"]),
                              ("dp 2 ep 2", ["--dp", "2", "--ep", "2", "--global-batch-size", "2"]),
@@ -98,7 +105,8 @@ def os_peak(argv: list[str], env: dict) -> tuple[int, str]:
 def counted(argv: list[str], env: dict) -> tuple[int, int]:
     """(the dry run's bytes for the most loaded rank: weights, gradients, optimizer state and
     modelled activations; its predicted OS peak: the largest rank's `peak_cpu`, the process
-    figure of `megapar.plan.process`, plus the process's baseline)."""
+    figure of `megapar.plan.process`, plus the baseline of a rank megapar-train starts, forked
+    where there are several: `cpu_baseline`)."""
     run = subprocess.run([sys.executable, "-m", "megapar.cli.train", *argv, "--dry-run",
                           "--json", "--dry-run-ranks", "all"], capture_output=True, text=True,
                          env=env, check=True)
@@ -106,7 +114,7 @@ def counted(argv: list[str], env: dict) -> tuple[int, int]:
     count = max(r["weights"] + r["grads"] + r["optimizer"] + r.get("master", 0)
                 + r.get("gathered", 0) + r.get("grad_buffers", 0) + r["activations"]
                 for r in ranks)
-    return count, max(r["peak_cpu"] for r in ranks) + int(CPU_BASELINE)
+    return count, max(r["peak_cpu"] for r in ranks) + int(cpu_baseline(len(ranks)))
 
 
 def main(argv=None) -> int:
@@ -120,6 +128,8 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="megapar-peak-")
     model = os.path.join(work, "model.json")
     write_json(model, MODEL)
+    mixtral = os.path.join(work, "mixtral-tiny.json")
+    write_json(mixtral, {**resolve_model("mixtral-tiny").to_dict(), "vocab_size": MIXTRAL_VOCAB})
     env = {**os.environ, "MEGAPAR_CPU": "1"}
     results = {}
     for group in args.groups:
@@ -130,7 +140,7 @@ def main(argv=None) -> int:
               f"{'predicted':>9} {'/ OS peak':>9}")
         rows = []
         for label, flags in configs:
-            flags = [model if a == "{model}" else a for a in flags] + COMMON + \
+            flags = [{"{model}": model, "{mixtral}": mixtral}.get(a, a) for a in flags] + COMMON + \
                 ["--data-cache", os.path.join(work, "cache")]
             run_env = {**env, "MEGAPAR_HOST_COPIES": "1"} if group == "offload" else env
             count, predicted = counted(flags, run_env)

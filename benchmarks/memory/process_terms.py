@@ -42,6 +42,7 @@ class MallInfo2(ctypes.Structure):
 
 def worker(kwargs, zero, mbs, seq, batch, bucket_mb, steps, extra=None):
     import torch
+    import torch._dynamo  # noqa: F401  torch's optimizer imports it: in the baseline
     from transformers import GPT2Config
 
     import megapar

@@ -56,12 +56,15 @@ first use) and heap bytes that are no counted tensors (the model's and engine's 
 bookkeeping, gloo's buffers and the holes they leave). Measured as the peak resident set's rise
 less the planner's tensors and the heap's room where the step has no transients to speak of
 (8 blocks of hidden 512 at dp 2, 10 MiB of activations, spawned ranks, one step, the training
-modules and transformers imported before the baseline as `CPU_BASELINE` counts them;
-benchmarks/memory/planner_layouts.py, 2026-11-29, the lower of two runs): 81, 47, 59 and 83
-MiB at ZeRO 0 / 1 / 2 / 3; 70 MiB, their median. Not constant: mixtral-tiny's ranks at ZeRO-3
-rose 20 MiB beyond their tensors. The 100 MiB counted before was measured from a baseline
-before the training modules' import (84 MiB) or transformers' (25 MiB, which
-tests/test_peak_memory.py still imports after its baseline).
+modules, transformers and torch._dynamo imported before the baseline as `CPU_BASELINE` counts
+them; benchmarks/memory/planner_layouts.py, 2026-11-29, the lower of two runs): 81, 47, 59 and
+83 MiB at ZeRO 0 / 1 / 2 / 3; 70 MiB, their median. Not constant: mixtral-tiny's spawned ranks
+at ZeRO-3 rose 20-25 MiB beyond their tensors (about the library pages their step touches:
++24 MiB of files), and on the state model the rest was heap room the 0.2 share misses (glibc's
+arena less its in-use bytes at the peak 23-67 MiB at ZeRO-0, where the share gives 1). In a
+rank megapar-train forks, measured as the rise of what the runtime holds over the rank's start
+(`CPU_FORKED_BASELINE`): 42 and 78 MiB. The 100 MiB counted before was measured
+from a baseline before the training modules' import (84 MiB) or transformers' (25 MiB).
 
 Not in it, measured apart (benchmarks/memory/gloo_terms.py): gloo's copies. An all-reduce
 takes none (under 3 MiB at 4 and 25 MiB); a reduce-scatter holds one copy of its input and an
@@ -80,16 +83,44 @@ in-use bytes (`mallinfo2` sampled every millisecond, 2026-11-29) was 30 MiB over
 of embedding-sized gradients of a GPT-2-wide rank in one process, 53-106 MiB over the same
 on GPT-2 124M at dp 2, ZeRO 0-2 (201 in one rank of one run: noise only adds); the peaks
 want a share of 0 (one process) to 0.5-0.8 (GPT-2 124M at dp 2 under megapar-train, ZeRO-2's
-in-flight bucket included), 0.2 in between."""
+in-flight bucket included), 0.2 in between. Not of ZeRO-3's gathered units and full gradient
+buffers: under ZeRO-3 a CPU rank serves every allocation above 4 MiB with its own mapping,
+unmapped when freed (`megapar.device.return_freed_host_memory`), so they leave no room (GPT-2
+124M dp 2 ZeRO-3 in megapar-train: 46-82 MiB of room at the peak, 104 counted with them, 39
+without)."""
 
 CPU_BASELINE = 329 * 2**20
-"""A rank's resident set before its job: the interpreter with torch, megapar's training modules,
-torch._dynamo (which building torch's optimizers imports; a megapar-train rank forked by the
-launcher has it) and transformers' config imported (329 MiB in a spawned worker, of which the
-training modules with torch._dynamo 84 MiB and transformers' GPT-2 config 25 MiB, 2026-11-29:
-benchmarks/memory/gloo_terms.py).
-Reported apart: the OS's absolute peak is `ProcessPeak.total` plus this. A rise measured from
-before those imports holds them (about 107 MiB)."""
+"""A rank's resident set before its job when it is a process of its own (spawned, torchrun,
+one process): the interpreter with torch, megapar's training modules, transformers' config and
+torch._dynamo imported. torch's optimizer imports torch._dynamo when the engine builds it (its
+`add_param_group` is wrapped by the lazy `torch._disable_dynamo`), so every rank holds it from
+its build on; no megapar module imports it earlier (tests/test_house.py), so measurements import
+it before their baseline. Measured in a spawned worker (2026-11-29): 259 MiB with the others,
+331 with torch._dynamo (+72 MiB, 69 of it anonymous); of the others the training modules 84 MiB
+and transformers' GPT-2 config 25 MiB (benchmarks/memory/gloo_terms.py). Reported apart: the
+OS's absolute peak is `ProcessPeak.total` plus this (`cpu_baseline`). A rise measured from
+before those imports holds them (about 180 MiB)."""
+
+CPU_FORKED_BASELINE = 236 * 2**20
+"""The same for a rank megapar-train forks on a CPU (world size > 1 on one machine, no
+torchrun): its resident set at its start. A forked child's resident set holds the launcher's
+anonymous memory it shares copy on write (the interpreter's heap, torch's, torch._dynamo's,
+imported by the launcher before it forks, and megapar's state) but, of the libraries' file
+pages, only those it touches itself. Measured 2026-11-29 in megapar-train's largest ranks
+(mixtral-tiny ZeRO-3 dp 2 x ep 2 and GPT-2 124M dp 2 ZeRO-3, main at `dcd2ef2`): 236 MiB at
+the worker's start, 221 anonymous and 15 of files (the launcher: 160 and 84, before
+torch._dynamo). What `CPU_RUNTIME` counts rose by 42 and 78 MiB in those ranks: the library
+pages they touched (+35 to +38 MiB of files) and heap bytes no counted tensor holds (+3, +40),
+nothing else outside glibc's heap to speak of."""
+
+
+def cpu_baseline(world_size: int) -> float:
+    """The baseline of a CPU rank of a `world_size`-rank megapar-train job on one machine:
+    `CPU_FORKED_BASELINE` where megapar-train forks its ranks (world size > 1), else
+    `CPU_BASELINE` (its one rank runs in the launcher's process, which holds every library page
+    it touched; torchrun's ranks are processes of their own too)."""
+    return CPU_FORKED_BASELINE if world_size > 1 else CPU_BASELINE
+
 
 CPU_NO_WORKING_SET = True
 """On a CPU a block's backward working set is not counted above the kept activations: glibc's
@@ -110,15 +141,17 @@ BOUNDS = {
     ),
     "cpu": (
         "CPU: within 10 % of the OS's peak resident set rise over a baseline with megapar's "
-        "training modules and transformers imported, for the spawned ranks measured "
-        "2026-11-29 (benchmarks/memory/planner_layouts.py; docs/guides/planner.md): one "
-        "process, recompute selective / full, tp 2 with and without SP, cp 2, pp 2 (1F1B, "
+        "training modules, transformers and torch._dynamo imported, for the spawned ranks "
+        "measured 2026-11-29 (benchmarks/memory/planner_layouts.py; docs/guides/planner.md): "
+        "one process, recompute selective / full, tp 2 with and without SP, cp 2, pp 2 (1F1B, "
         "GPipe), a 25M-parameter model at dp 2 ZeRO 0-3 and offload, GPT-2 124M at dp 2 "
-        "ZeRO-2 / 3: -7.4 % to +9.3 %; over it: GPT-2 124M ZeRO-3 under megapar-train "
-        "(+10.3 %, absolute), mixtral-tiny ZeRO-3 with ep (+50 % / +63 %: "
-        "ranks rising under 100 MiB, a runtime of 20 MiB); the runtime (70 MiB, 47-83 "
-        "measured at dp 2) and the heap's room (0.2 x the transients) are the least certain "
-        "terms"
+        "ZeRO-2 / 3; and of megapar-train's largest process (forked ranks, their baseline "
+        "236 MiB) for GPT-2 124M dp 2 ZeRO 0-3 and offload, cp 1 / 2 / 4, tp 2 and "
+        "mixtral-tiny ZeRO-3 with and without ep; outside it: tp 2 + SP under megapar-train "
+        "(-15 %: the heap's room, 150-190 MiB measured at tp 2) and mixtral-tiny's spawned "
+        "ranks with ep (+47 % / +59 %: a runtime of 20-25 MiB); the heap's room (0.2 x the "
+        "transients; 0 to 0.6 measured) and the runtime (70 MiB; 20-83 measured) are the "
+        "least certain terms"
     ),
 }
 """The error bound `megapar-plan` prints for each target."""
@@ -215,9 +248,24 @@ def process_peak(
             Term("CUDA context", CUDA_CONTEXT, "measured on an H200"),
         ]
         return ProcessPeak(target, tuple(terms), tensors, phase, tensors + reserve + CUDA_CONTEXT)
-    room = CPU_HEAP_ROOM * (tensors - state)
+    # ZeRO-3 on a CPU serves every allocation above 4 MiB with its own mapping, unmapped when
+    # freed (`megapar.device.return_freed_host_memory`): its units and buffers leave no room
+    top_phase = phase == "top of the backward"
+    mapped = (
+        mem.gathered_top + mem.grad_buffers_top
+        if top_phase
+        else mem.gathered_end + mem.grad_buffers
+    )
+    room = CPU_HEAP_ROOM * (tensors - state - mapped)
     holes = _sequence_parallel_holes(p, c, mem)
-    terms.append(Term("heap's freed room", room, f"{CPU_HEAP_ROOM} x the tensors above the state"))
+    terms.append(
+        Term(
+            "heap's freed room",
+            room,
+            f"{CPU_HEAP_ROOM} x the tensors above the state"
+            + (" less ZeRO-3's units and buffers (mapped apart)" if mapped else ""),
+        )
+    )
     if holes:
         terms.append(
             Term(
@@ -235,7 +283,7 @@ def process_peak(
         ),
     ]
     total = tensors + room + holes + CPU_RUNTIME
-    return ProcessPeak(target, tuple(terms), tensors, phase, total, CPU_BASELINE)
+    return ProcessPeak(target, tuple(terms), tensors, phase, total, cpu_baseline(p.gpus))
 
 
 def _sequence_parallel_holes(p: Problem, c: Candidate, mem: MemoryBreakdown) -> float:
