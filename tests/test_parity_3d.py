@@ -269,15 +269,19 @@ interleaved), cp 2 x dp 2."""
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
 def test_zero2_parity(kind):
     """ZeRO-2 (each dp rank keeps only its slice of the reduced gradients) equals one process
-    for GPT-2, BERT and grouped-query Llama at every layout above: losses, grad norms (from the
-    slices), first-step gradients (gathered from the slices) and final weights."""
+    for GPT-2 at every layout above, BERT and grouped-query Llama at their 1F1B ones: losses,
+    grad norms (from the slices), first-step gradients (gathered from the slices) and final
+    weights."""
     reference = serial_reference(kind)
+    # the schedules (ZB-H1, interleaved) and cp at 4 ranks run for GPT-2 only: how they report
+    # gradients to ZeRO-2 does not depend on the model
+    zero2_8 = ZERO2_8 if kind == "gpt2" else [r for r in ZERO2_8 if r[5:6] in ((), ("1f1b",))]
+    zero2_4 = ZERO2_4 if kind == "gpt2" else ZERO2_4[:3]
     outs8 = run_local(_worker, 8, [(*r, *(("fp32", "1f1b", 1, "tp-pp-dp", False, 1)[len(r) - 4:]),
-                                    MBS, False, kind) for r in ZERO2_8])
-    zero2_4 = ZERO2_4
+                                    MBS, False, kind) for r in zero2_8])
     outs4 = run_local(_worker, 4, [(*r, *(("fp32", "1f1b", 1, "tp-pp-dp", False, 1)[len(r) - 4:]),
                                     MBS, False, kind) for r in zero2_4])
-    for outs, runs in ((outs8, ZERO2_8), (outs4, zero2_4)):
+    for outs, runs in ((outs8, zero2_8), (outs4, zero2_4)):
         for i in range(len(runs)):
             check_against(reference, [o[i] for o in outs])
     assert all(o[0]["cut"] for o in outs4), "dp=4: no parameter is cut between two dp ranks"
