@@ -185,7 +185,7 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
 
 
 def stage_memory(
-    p: Problem, c: Candidate, counts=None, simulate: bool = True
+    p: Problem, c: Candidate, counts=None, simulate: bool = True, sp_saved: bool | None = None
 ) -> list[mem.MemoryBreakdown]:
     """Memory of one rank of every pipeline stage. Activations: each model chunk's bytes per
     micro-batch (its blocks, plus the embedding on the first chunk, the head on the last)
@@ -194,7 +194,9 @@ def stage_memory(
     program; every per-token figure is of this cp rank's s / cp tokens. `counts`: {stage:
     `pipeline.stage_held` of its program} to use instead of the schedule's (the dry run passes
     its own, whatever the size); `simulate=False` takes the in-flight counts from the
-    schedule's formula instead."""
+    schedule's formula instead. `sp_saved`: under sequence parallelism also fill
+    `MemoryBreakdown.sp_saved` (the stages' memory once more without SP), which only the CPU
+    figure counts; by default where the plan is for CPU ranks (`Problem.target`)."""
     cfg, t = p.config, c.tp
     m = p.global_batch // (c.mbs * c.dp)
     totals, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v, simulate)
@@ -241,7 +243,9 @@ def stage_memory(
                 held.grad_buffers_top,
             )
         )
-    if c.sp and c.tp > 1:  # what SP saves: a CPU's heap keeps it (`plan.process`)
+    if sp_saved is None:
+        sp_saved = p.target == "cpu"
+    if sp_saved and c.sp and c.tp > 1:  # what SP saves: a CPU's heap keeps it (`plan.process`)
         whole = stage_memory(p, dataclasses.replace(c, sp=False), counts, simulate)
         out = [
             dataclasses.replace(s_, sp_saved=max(0.0, w.activations - s_.activations))
