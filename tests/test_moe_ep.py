@@ -80,17 +80,34 @@ def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b", cp=1):
 
     optimizer.step = record_first_grads_then_step
     plan = BatchPlan(G, MBS, dp)
-    results = []
+    results, alone = [], _alone_units(step.grad_sync) if zero == 3 else None
     for i, b in enumerate(global_batches()):
         with count_collectives() as calls:
             results.append(step.step(plan.split(b, mesh.dp_rank), i))
         if i == 0:  # the first step's all-to-alls, as megapar-plan counts them
             a2a = [(c.bytes, c.dtype, c.group_size) for c in calls if c.op == "all_to_all_single"]
+        if alone is not None:  # collectives over a group of one rank: none may be issued
+            alone["one_rank_calls"] += sum(c.group_size == 1 for c in calls)
+    if alone is not None:
+        alone["after"] = _alone_units(step.grad_sync)["storages"]
     with step.grad_sync.whole() if zero == 3 else contextlib.nullcontext():
         weights = {n: _whole(p.detach(), p, mesh) for n, p in model.named_parameters()}
     keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
     return {"results": results, "weights": weights if keep else {},
-            "grads": grads if keep else {}, "biases": biases(model), "a2a": a2a}
+            "grads": grads if keep else {}, "biases": biases(model), "a2a": a2a, "alone": alone}
+
+
+def _alone_units(sharded):
+    """ZeRO-3's units whose group is this rank alone (the experts' at ep = cp x dp): their
+    names, and where their parameters and gradients live (each one's storage, which must be
+    its unit's shard and gradient shard: kept whole, no gathered copy, no gradient buffer)."""
+    units = [u for u in sharded.units if u.group_size == 1]
+    storages = [(u.shard.untyped_storage().data_ptr(), u.grad_shard.untyped_storage().data_ptr(),
+                 {p.untyped_storage().data_ptr() for p in u.params},
+                 {p.grad.untyped_storage().data_ptr() for p in u.params if p.grad is not None})
+                for u in units]
+    return {"names": [u.name for u in units], "storages": storages, "one_rank_calls": 0,
+            "resident": all(getattr(u, "resident", False) for u in units)}
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +147,14 @@ def test_dp2_ep2_matches_serial_training(reference):
     outs = run_local(_runs, 2, runs)
     for i, run in enumerate(runs):
         _check([o[i] for o in outs], run, reference)
+    for o in outs:  # ZeRO-3: expert dp = cp x dp / ep = 1, each MoE block's experts kept whole
+        alone = o[1]["alone"]
+        assert alone["names"] == [f"chunk 0 layer {i} experts" for i in (3, 2, 1)], alone
+        assert alone["one_rank_calls"] == 0 and alone["resident"], alone
+        for shard, grad, params, grads in alone["after"]:  # the parameters are the shard,
+            assert params == {shard} and grads == {grad}  # their gradients the gradient shard
+        # and neither moved over the steps (no gathered copy)
+        assert [s[:3] for s in alone["after"]] == [s[:3] for s in alone["storages"]]
     _check_alltoall_bytes([o[0] for o in outs], dp=2, cp=1)
     _check_alltoall_bytes([o[2] for o in outs], dp=1, cp=2)
 
