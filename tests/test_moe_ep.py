@@ -43,7 +43,7 @@ def _whole(t, p, mesh):
     return t.clone()
 
 
-def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1):
+def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1, offload=False):
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -58,17 +58,17 @@ def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1):
         from megapar.optim.zero3 import Zero3Optimizer
 
         optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
-                                   tp_group=mesh.tp_group)
+                                   tp_group=mesh.tp_group, offload=offload)
     else:
         optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
-    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02)
+    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02, offload_params=offload)
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
                      MAX_NORM, grad_sync)
     return mesh, model, optimizer, step
 
 
-def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b", cp=1):
-    mesh, model, optimizer, step = _engine(tp, pp, dp, ep, zero, recompute, schedule, cp)
+def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b", cp=1, offload=False):
+    mesh, model, optimizer, step = _engine(tp, pp, dp, ep, zero, recompute, schedule, cp, offload)
     grads, optimizer_step = {}, optimizer.step
 
     def record_first_grads_then_step():
@@ -107,7 +107,8 @@ def _alone_units(sharded):
                  {p.grad.untyped_storage().data_ptr() for p in u.params if p.grad is not None})
                 for u in units]
     return {"names": [u.name for u in units], "storages": storages, "one_rank_calls": 0,
-            "resident": all(getattr(u, "resident", False) for u in units)}
+            "resident": all(getattr(u, "resident", False) for u in units),
+            "on_host": bool(units) and all(u.host_shard is not None for u in units)}
 
 
 @pytest.fixture(scope="module")
@@ -136,14 +137,21 @@ RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 1, 4, 2, 3), (1, 2, 2, 2, 0, "fu
           (1, 2, 2, 2, 0, "full", "zb-h1"), (2, 1, 2, 2, 0)]
 
 
-def test_dp2_ep2_matches_serial_training(reference):
-    """With all-reduce and with ZeRO-3 (the experts' units over a one-rank expert group).
+def test_dp2_ep2_matches_serial_training(reference, monkeypatch):
+    """With all-reduce and with ZeRO-3 (the experts' units over a one-rank expert group, kept
+    whole: no collective over that group, the expert parameters and gradients in their shards,
+    unmoved over the steps; with --offload-params and --offload-optimizer, host copies as on
+    CUDA: the shard in host memory, each gather a copy of it, no collective either).
     And its all-to-all bytes per step (`comm_count`) are megapar-plan's analytic count
     (`plan.experts.step_alltoall`): per rank exactly for the count exchange and the rows it
     routes, over the ep group exactly in all (each rank's received rows depend on the
     routing; they sum to the rows sent). The same at cp 2 x ep 2 (dp 1): ep over the two cp
     ranks of each sequence, each routing its chunk's tokens."""
-    runs = [(1, 1, 2, 2, 0), (1, 1, 2, 2, 3), (1, 1, 1, 2, 0, "none", "1f1b", 2)]
+    from megapar.device import HOST_COPIES_ENV
+
+    monkeypatch.setenv(HOST_COPIES_ENV, "1")  # (only offloading runs look)
+    runs = [(1, 1, 2, 2, 0), (1, 1, 2, 2, 3), (1, 1, 1, 2, 0, "none", "1f1b", 2),
+            (1, 1, 2, 2, 3, "none", "1f1b", 1, True)]
     outs = run_local(_runs, 2, runs)
     for i, run in enumerate(runs):
         _check([o[i] for o in outs], run, reference)
@@ -155,6 +163,9 @@ def test_dp2_ep2_matches_serial_training(reference):
             assert params == {shard} and grads == {grad}  # their gradients the gradient shard
         # and neither moved over the steps (no gathered copy)
         assert [s[:3] for s in alone["after"]] == [s[:3] for s in alone["storages"]]
+        offloaded = o[3]["alone"]  # gathered by a host copy, no collective
+        assert offloaded["names"] == alone["names"] and offloaded["one_rank_calls"] == 0
+        assert offloaded["on_host"] and not offloaded["resident"] and not alone["on_host"]
     _check_alltoall_bytes([o[0] for o in outs], dp=2, cp=1)
     _check_alltoall_bytes([o[2] for o in outs], dp=1, cp=2)
 
