@@ -121,7 +121,8 @@ class Unit:
         self.shard = full if self.resident else full[self.lo : self.hi].clone()
         """This rank's slice of the parameters (fp32 master, stepped by the optimizer)."""
         self.grad_shard = torch.zeros_like(self.shard)
-        """This rank's slice of the dp-averaged gradient (written by the reduce-scatter)."""
+        """This rank's slice of the dp-averaged gradient (written by the reduce-scatter; an
+        `alone` unit's: accumulated into by autograd, divided by dp in place)."""
         self.shard_nbytes = self.shard.untyped_storage().nbytes()
         self.host_shard: torch.Tensor | None = None
         """--offload-params (with separate host copies: on CUDA, or `HOST_COPIES_ENV`): the
