@@ -421,6 +421,7 @@ MB = "zero3_reduce=micro-batch"
                                                (f"tp=1,pp=2,dp=2,mbs=1,zero=3,{MB},"
                                                 "schedule=zb-h1", 8),
                                                ("mixtral,tp=1,pp=1,dp=2,ep=2,mbs=1,zero=3", 4),
+                                               ("mixtral,tp=1,pp=1,dp=2,ep=2,mbs=2,zero=3", 4),
                                                ("mixtral,tp=1,pp=1,dp=4,ep=2,mbs=1,zero=3", 4)])
 def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
     """--zero 2 / 3 run the real code in the dry run (ShardedParams, Zero3Optimizer): each
@@ -433,8 +434,9 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
     embedding's units: the full gradient buffers as few as at one micro-batch). A mixture of
     experts under ep (mixtral-tiny, a model of 4 experts in 4 MoE layers) holds its experts'
     units over the expert-data-parallel group: each group's calls and bytes are the plan's
-    (`zero_traffic`; at dp 2 x ep 2 a group of one rank), on its last rank (the padding of
-    both groups' slices)."""
+    (`zero_traffic`), on its last rank (the padding of both groups' slices); at dp 2 x ep 2 that
+    group is one rank, where the experts' units are kept whole: no gathered or gradient buffer
+    of theirs (the peaks above equal the plan's without them) and no collective over it."""
     from megapar.dryrun.verify import verify_layout
     from megapar.pipeline.schedules import placement_of
     from megapar.plan import Problem, parse_candidate
@@ -461,7 +463,10 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
                              problem.grad_bucket_mb, placement_of(c.schedule), ep=c.ep),
                 c.zero, m, c.pp, c.keep_params, c.zero3_reduce == "micro-batch",
                 w_reported(c.schedule, c.pp, m, c.v)).items()}
-        assert ("expert dp" in planned) == moe
+        # at dp 2 x ep 2 the expert-data-parallel group is one rank: ZeRO-3 keeps the experts'
+        # units whole, and nothing at all runs over that group
+        whole = moe and c.dp == c.ep
+        assert ("expert dp" in planned) == ("expert dp" in r.comm) == (moe and not whole)
         counted = {group: {op: v for op, v in r.comm[group].items() if op in ops}
                    for group, ops in planned.items()}
         assert counted == planned, r.rank

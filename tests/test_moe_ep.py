@@ -43,7 +43,7 @@ def _whole(t, p, mesh):
     return t.clone()
 
 
-def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1):
+def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1, offload=False):
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -58,17 +58,17 @@ def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1):
         from megapar.optim.zero3 import Zero3Optimizer
 
         optimizer = Zero3Optimizer(model.named_parameters(), mesh.dp_cp_group, LR, WD, eps=EPS,
-                                   tp_group=mesh.tp_group)
+                                   tp_group=mesh.tp_group, offload=offload)
     else:
         optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
-    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02)
+    grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02, offload_params=offload)
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
                      MAX_NORM, grad_sync)
     return mesh, model, optimizer, step
 
 
-def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b", cp=1):
-    mesh, model, optimizer, step = _engine(tp, pp, dp, ep, zero, recompute, schedule, cp)
+def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b", cp=1, offload=False):
+    mesh, model, optimizer, step = _engine(tp, pp, dp, ep, zero, recompute, schedule, cp, offload)
     grads, optimizer_step = {}, optimizer.step
 
     def record_first_grads_then_step():
@@ -80,17 +80,35 @@ def _train(tp, pp, dp, ep, zero, recompute="none", schedule="1f1b", cp=1):
 
     optimizer.step = record_first_grads_then_step
     plan = BatchPlan(G, MBS, dp)
-    results = []
+    results, alone = [], _alone_units(step.grad_sync) if zero == 3 else None
     for i, b in enumerate(global_batches()):
         with count_collectives() as calls:
             results.append(step.step(plan.split(b, mesh.dp_rank), i))
         if i == 0:  # the first step's all-to-alls, as megapar-plan counts them
             a2a = [(c.bytes, c.dtype, c.group_size) for c in calls if c.op == "all_to_all_single"]
+        if alone is not None:  # collectives over a group of one rank: none may be issued
+            alone["one_rank_calls"] += sum(c.group_size == 1 for c in calls)
+    if alone is not None:
+        alone["after"] = _alone_units(step.grad_sync)["storages"]
     with step.grad_sync.whole() if zero == 3 else contextlib.nullcontext():
         weights = {n: _whole(p.detach(), p, mesh) for n, p in model.named_parameters()}
     keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
     return {"results": results, "weights": weights if keep else {},
-            "grads": grads if keep else {}, "biases": biases(model), "a2a": a2a}
+            "grads": grads if keep else {}, "biases": biases(model), "a2a": a2a, "alone": alone}
+
+
+def _alone_units(sharded):
+    """ZeRO-3's units whose group is this rank alone (the experts' at ep = cp x dp): their
+    names, and where their parameters and gradients live (each one's storage, which must be
+    its unit's shard and gradient shard: kept whole, no gathered copy, no gradient buffer)."""
+    units = [u for u in sharded.units if u.group_size == 1]
+    storages = [(u.shard.untyped_storage().data_ptr(), u.grad_shard.untyped_storage().data_ptr(),
+                 {p.untyped_storage().data_ptr() for p in u.params},
+                 {p.grad.untyped_storage().data_ptr() for p in u.params if p.grad is not None})
+                for u in units]
+    return {"names": [u.name for u in units], "storages": storages, "one_rank_calls": 0,
+            "resident": all(getattr(u, "resident", False) for u in units),
+            "on_host": bool(units) and all(u.host_shard is not None for u in units)}
 
 
 @pytest.fixture(scope="module")
@@ -119,17 +137,35 @@ RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 1, 4, 2, 3), (1, 2, 2, 2, 0, "fu
           (1, 2, 2, 2, 0, "full", "zb-h1"), (2, 1, 2, 2, 0)]
 
 
-def test_dp2_ep2_matches_serial_training(reference):
-    """With all-reduce and with ZeRO-3 (the experts' units over a one-rank expert group).
+def test_dp2_ep2_matches_serial_training(reference, monkeypatch):
+    """With all-reduce and with ZeRO-3 (the experts' units over a one-rank expert group, kept
+    whole: no collective over that group, the expert parameters and gradients in their shards,
+    unmoved over the steps; with --offload-params and --offload-optimizer, host copies as on
+    CUDA: the shard in host memory, each gather a copy of it, no collective either).
     And its all-to-all bytes per step (`comm_count`) are megapar-plan's analytic count
     (`plan.experts.step_alltoall`): per rank exactly for the count exchange and the rows it
     routes, over the ep group exactly in all (each rank's received rows depend on the
     routing; they sum to the rows sent). The same at cp 2 x ep 2 (dp 1): ep over the two cp
     ranks of each sequence, each routing its chunk's tokens."""
-    runs = [(1, 1, 2, 2, 0), (1, 1, 2, 2, 3), (1, 1, 1, 2, 0, "none", "1f1b", 2)]
+    from megapar.device import HOST_COPIES_ENV
+
+    monkeypatch.setenv(HOST_COPIES_ENV, "1")  # (only offloading runs look)
+    runs = [(1, 1, 2, 2, 0), (1, 1, 2, 2, 3), (1, 1, 1, 2, 0, "none", "1f1b", 2),
+            (1, 1, 2, 2, 3, "none", "1f1b", 1, True)]
     outs = run_local(_runs, 2, runs)
     for i, run in enumerate(runs):
         _check([o[i] for o in outs], run, reference)
+    for o in outs:  # ZeRO-3: expert dp = cp x dp / ep = 1, each MoE block's experts kept whole
+        alone = o[1]["alone"]
+        assert alone["names"] == [f"chunk 0 layer {i} experts" for i in (3, 2, 1)], alone
+        assert alone["one_rank_calls"] == 0 and alone["resident"], alone
+        for shard, grad, params, grads in alone["after"]:  # the parameters are the shard,
+            assert params == {shard} and grads == {grad}  # their gradients the gradient shard
+        # and neither moved over the steps (no gathered copy)
+        assert [s[:3] for s in alone["after"]] == [s[:3] for s in alone["storages"]]
+        offloaded = o[3]["alone"]  # gathered by a host copy, no collective
+        assert offloaded["names"] == alone["names"] and offloaded["one_rank_calls"] == 0
+        assert offloaded["on_host"] and not offloaded["resident"] and not alone["on_host"]
     _check_alltoall_bytes([o[0] for o in outs], dp=2, cp=1)
     _check_alltoall_bytes([o[2] for o in outs], dp=1, cp=2)
 

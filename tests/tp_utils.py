@@ -108,8 +108,10 @@ def full_grads(sharded) -> dict[int, torch.Tensor]:
     the gradient shards; collective)."""
     out = {}
     for u in sharded.units:
-        flat = torch.empty(u.padded, dtype=u.shard.dtype, device=u.shard.device)
-        all_gather(flat, u.grad_shard, u.group).wait()
+        flat = u.grad_shard  # a unit over this rank alone: its shard is whole
+        if u.group_size > 1:
+            flat = torch.empty(u.padded, dtype=u.shard.dtype, device=u.shard.device)
+            all_gather(flat, u.grad_shard, u.group).wait()
         offset = 0
         for p in u.params:
             out[id(p)] = flat[offset:offset + p.numel()].view(p.shape).clone()

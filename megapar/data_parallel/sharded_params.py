@@ -31,7 +31,9 @@ Under expert parallelism (`expert_group` given) a block's expert parameters are 
 their own, sharded over the expert-data-parallel group (`zero3_units.UnitMaker`) and led by
 the block's unit: every gather, prefetch and release of the block takes both, the block's first
 and its experts' second, the same on every rank, so each group's collectives are issued in the
-same order on all its ranks.
+same order on all its ranks. Where that group is one rank (ep = cp x dp) the experts'
+units are whole (`Unit.resident`): their gathers and frees do nothing and their gradients
+accumulate in their shards, with no collective (`zero3_units.py`).
 
 Gradients (`zero3_grads.UnitGradSync`, which this class is): each unit's full gradient is
 reduce-scattered over its unit's group, once a step or per micro-batch (--zero3-reduce), in a
@@ -126,6 +128,11 @@ class ShardedParams(UnitGradSync):
         """This rank's slice [lo, hi) of unit `u`'s flat buffer."""
         return u.lo, u.hi
 
+    def gathered_bytes(self) -> int:
+        """Bytes of the units' full buffers gathered now (a `Unit.resident` unit's is its
+        shard, held between steps: not counted)."""
+        return sum(u.full.untyped_storage().nbytes() for u in self.units if not u.resident)
+
     def held_bytes(self) -> int:
         """Bytes of parameter and gradient shards this rank holds on its device between steps
         (without the parameter shards under --offload-params: they are in `host_bytes`)."""
@@ -185,7 +192,7 @@ class ShardedParams(UnitGradSync):
 
     def _launch_gather(self, v: Unit) -> None:
         if not v.gathered and v.handle is None:
-            self.bytes_gathered += v.nbytes
+            self.bytes_gathered += 0 if v.alone else v.nbytes
             v.launch_gather(self.piece)
 
     def release(self, u: Unit | None) -> None:

@@ -21,6 +21,14 @@ reductions in the same order, over both groups under expert parallelism (an expe
 over the expert-data-parallel group, the others' over cp x dp; every gradient divided by dp:
 the mean over the global batch in both, as `GradBuckets`). The root goes last and, with a tied
 embedding over pipeline stages (`defer`), only after `before_reduce`.
+
+A unit whose group is this rank alone (`Unit.alone`: an experts' unit where ep = cp x dp) has
+neither buffer nor reduction: its ``.grad`` are views into its `grad_shard`, zeroed when the
+step begins, where autograd accumulates every micro-batch, and `finish` divides it by dp (the
+step's sum divided once; reducing per micro-batch, the other units add each micro-batch's
+quotient instead: the same bit for bit at a power-of-two dp, else within rounding). It keeps
+its place in the launch order (its launch does nothing), so the collectives around it are
+issued as before, in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -103,7 +111,7 @@ class UnitGradSync:
         earlier round are waited for first, so their buffers are gone before the next round's
         are made (a deferred unit's buffer, made once and kept over the step, waits for none)."""
         for v in u.members():
-            if v.grad_full is None and not v.deferred:
+            if v.grad_full is None and not (v.deferred or v.alone):
                 for w in [w for w in self._flight if w.launched_round < self.order.rounds]:
                     self._wait_reduce(w)
             v.grads()
@@ -131,7 +139,7 @@ class UnitGradSync:
                     "ShardedParams.begin_step() while a reduce-scatter of the "
                     "previous step is in flight; call finish() first"
                 )
-            if self.per_micro_batch:
+            if self.per_micro_batch or u.alone:
                 u.grad_shard.zero_()
         self.order.reset()
         self.active = False
@@ -174,6 +182,10 @@ class UnitGradSync:
         while self._flight:
             self._wait_reduce(self._flight[0])
         for u in self.units:
+            if u.alone:  # its gradient is in its shard already: averaged as the reduced ones
+                u.adopt_replaced_grads()
+                if self.average_over > 1:
+                    u.grad_shard.div_(self.average_over)
             if u.handle is not None:  # a prefetch nothing used (cannot happen in a schedule)
                 u.wait_gather()
             if u.gathered:
@@ -201,7 +213,11 @@ class UnitGradSync:
         """Reduce-scatter `u`'s full gradient over its group into its shard (per micro-batch:
         into a staging slice added into it), once the reductions in flight are fewer than
         `MAX_REDUCES_IN_FLIGHT` (the oldest waited for, their buffers freed). The buffer is
-        detached from the unit at once: a later backward makes a new one."""
+        detached from the unit at once: a later backward makes a new one. A unit whose group
+        is this rank `alone` reduces nothing (its gradient accumulates in its shard, divided in
+        `finish`); it keeps its place in the order, so the launches around it are the same."""
+        if u.alone:
+            return
         while self._flight and (
             len(self._flight) >= self.MAX_REDUCES_IN_FLIGHT or u.reduce_handle is not None
         ):

@@ -20,6 +20,15 @@ over the expert-data-parallel group (the ranks holding the same experts) instead
 cp x dp group: the block's unit leads it (`Unit.experts`), gathered, freed and given gradient
 buffers with it, dense first, then experts, on every rank.
 
+A unit whose group is one rank (`Unit.alone`; under ep = cp x dp every experts' unit: each
+rank holds experts no other rank holds) is kept whole, as FSDP keeps an unsharded parameter:
+its shard is its full buffer and the parameters are views into it (`Unit.resident`), so its
+gathers and frees do nothing and no second copy exists; its gradients accumulate straight into
+`Unit.grad_shard` (`Unit.grads`), with no full gradient buffer and no reduce-scatter
+(`UnitGradSync` divides them by dp as it does the reduced units'). Under --offload-params
+(with host copies) its shard stays in host memory and a gather is a copy of it into the full
+buffer, with no collective.
+
 `offload=True` (``--offload-params``, DeepSpeed's offload_param): each unit's shard is held in
 host memory (`Unit.host_shard`, pinned on CUDA; on the CPU only with `HOST_COPIES_ENV`, else
 nothing moves) and `Unit.shard` is a device staging buffer, filled from the host just before
@@ -99,16 +108,27 @@ class Unit:
             for p in params:
                 full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
                 offset += p.numel()
-        self.shard = full[self.lo : self.hi].clone()
+        offloaded = offload and _device.host_copies_wanted(device)
+        self.alone = shards.size == 1
+        """The group is this rank alone (under ep = cp x dp, an experts' unit): there is
+        nothing to gather or reduce. Its gradient accumulates straight into `grad_shard`
+        (``.grad`` views; no full gradient buffer, no reduce-scatter: `UnitGradSync` divides
+        it by dp at the step's end), and its gathers copy the host shard in (`resident`: none
+        at all)."""
+        self.resident = self.alone and not offloaded
+        """`alone` and not offloaded: the parameters are views into the shard itself, which
+        is the whole unit, never gathered or freed (FSDP's unsharded parameters)."""
+        self.shard = full if self.resident else full[self.lo : self.hi].clone()
         """This rank's slice of the parameters (fp32 master, stepped by the optimizer)."""
         self.grad_shard = torch.zeros_like(self.shard)
-        """This rank's slice of the dp-averaged gradient (written by the reduce-scatter)."""
+        """This rank's slice of the dp-averaged gradient (written by the reduce-scatter; an
+        `alone` unit's: accumulated into by autograd, divided by dp in place)."""
         self.shard_nbytes = self.shard.untyped_storage().nbytes()
         self.host_shard: torch.Tensor | None = None
         """--offload-params (with separate host copies: on CUDA, or `HOST_COPIES_ENV`): the
         slice in host memory (pinned on CUDA), the weights the optimizer steps; `shard` is then
         a device staging buffer, its storage only there while the unit's gather runs."""
-        if offload and _device.host_copies_wanted(device):
+        if offloaded:
             self.host_shard = _device.host_buffer(self.shard)
             self.host_shard.copy_(self.shard)
             self.shard.untyped_storage().resize_(0)
@@ -150,6 +170,9 @@ class Unit:
         return [self] if self.experts is None else [self, self.experts]
 
     def free(self) -> None:
+        """Free the full buffer's storage (a `resident` unit keeps it: it is the shard)."""
+        if self.resident:
+            return
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
@@ -161,6 +184,11 @@ class Unit:
         if self.gathered or self.handle is not None:
             return
         self.full.untyped_storage().resize_(self.nbytes)
+        if self.alone:  # offloaded (a resident unit is always gathered): the host shard is all
+            assert self.host_shard is not None
+            self.full.copy_(self.host_shard, non_blocking=True)
+            self.gathered = True
+            return
         if self.host_shard is not None:  # to the device staging shard first
             self.shard.untyped_storage().resize_(self.shard_nbytes)
             self.shard.copy_(self.host_shard, non_blocking=True)
@@ -207,32 +235,39 @@ class Unit:
 
     def keep_shard(self) -> None:
         """Take this rank's slice of the gathered (possibly rewritten) parameters as its
-        shard: the host shard under --offload-params."""
+        shard: the host shard under --offload-params (a `resident` unit's parameters are its
+        shard already)."""
+        if self.resident:
+            return
         held = self.shard if self.host_shard is None else self.host_shard
         held.copy_(self.full[self.lo : self.hi])
 
     def grads(self) -> torch.Tensor:
         """The full gradient buffer (made on first use in a step, holding any gradient
-        autograd accumulated before; ``.grad`` views)."""
+        autograd accumulated before; ``.grad`` views); an `alone` unit's is its `grad_shard`
+        (no second buffer: the ``.grad`` views pointed into it, where they are not)."""
+        if self.alone:
+            self._point_grads(self.grad_shard)
+            return self.grad_shard
         if self.grad_full is None:
             self.grad_full = self.shard.new_zeros(self.padded)
-            offset = 0
-            for p in self.params:
-                view = self.grad_full[offset : offset + p.numel()].view_as(p)
-                if p.grad is not None:  # accumulated before the buffer was made
-                    view.copy_(p.grad)
-                p.grad = view
-                offset += p.numel()
+            self._point_grads(self.grad_full)
         return self.grad_full
+
+    def _point_grads(self, flat: torch.Tensor) -> None:
+        """Point each ``.grad`` at its view of `flat`, copying in a gradient autograd put
+        elsewhere (accumulated before the buffer was made, or replaced)."""
+        offset = 0
+        for p in self.params:
+            view = flat[offset : offset + p.numel()].view_as(p)
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+            offset += p.numel()
 
     def adopt_replaced_grads(self) -> None:
         """A ``.grad`` autograd replaced instead of accumulating in place is copied in."""
-        flat, offset = self.grads(), 0
-        for p in self.params:
-            view = flat[offset : offset + p.numel()]
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad.reshape(-1))
-            offset += p.numel()
+        self._point_grads(self.grads())
 
     def take_grads(self) -> torch.Tensor:
         """The full gradient buffer (made if none, as `grads`), detached from the unit: the

@@ -153,9 +153,7 @@ def measure_step(engine, micro_batches: list[dict], step_index: int = 0) -> dict
         def watched(fn):
             def call(u):
                 fn(u)
-                gathered[0] = max(
-                    gathered[0], sum(v.full.untyped_storage().nbytes() for v in sharded.units)
-                )
+                gathered[0] = max(gathered[0], sharded.gathered_bytes())
 
             return call
 

@@ -121,9 +121,7 @@ def _watch_gathers(sharded, calls, per_step: set, per_micro_batch: set, peak: di
     made = peak.setdefault("made", {})
 
     def held() -> None:
-        peak["gathered"] = max(
-            peak["gathered"], sum(u.full.untyped_storage().nbytes() for u in sharded.units)
-        )
+        peak["gathered"] = max(peak["gathered"], sharded.gathered_bytes())
         alive = {
             id(u): u.grad_full.untyped_storage().nbytes()
             for u in sharded.units

@@ -354,17 +354,19 @@ def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
     where = (
         f"sharded over the {edp} expert-data-parallel ranks (cp x dp / ep)"
         if edp > 1
-        else "whole on each rank (ep = cp x dp: the expert-data-parallel group is the rank "
-        "alone, its gathers and reductions local copies)"
+        else "kept whole on each rank (ep = cp x dp: the expert-data-parallel group is the "
+        "rank alone): never gathered or freed, their gradients accumulated in place, with no "
+        "collective, no gathered copy and no full gradient buffer"
     )
+    done = ", gathered, freed and reduced with their block's unit" if edp > 1 else ""
     return [
-        f"  ZeRO-3: each MoE block's experts are a unit of their own, {where}, gathered, freed "
-        f"and reduced with their block's unit: gathered units at the peak "
+        f"  ZeRO-3: each MoE block's experts are a unit of their own, {where}{done}: "
+        f"gathered units at the peak "
         f"{_amount(e.memory.gathered)} (ep 1: {_amount(one.gathered)}), full gradient buffers "
         f"{_amount(e.memory.grad_buffers)} (ep 1: {_amount(one.grad_buffers)})",
         f"  ZeRO-3 traffic per step (an all-gather's output, a reduce-scatter's input): over "
         f"cp x dp ({c.dp * c.cp} ranks) {ops.get(DENSE, '-')}; over expert dp ({edp} "
-        f"rank{'s' if edp > 1 else ''}) {ops.get(EXPERTS, '-')}",
+        f"rank{'s' if edp > 1 else ''}) {ops.get(EXPERTS, '-' if edp > 1 else 'nothing')}",
     ]
 
 

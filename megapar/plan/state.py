@@ -16,7 +16,8 @@ makes them (`params.stage_units`: each block; per chunk the root, split into an 
 root unit; the parameters under --zero3-persistence-threshold elements in one persistent unit;
 each flattened and padded to a multiple of r: 16 / r) and holds gathered units at the peak as
 its hooks do (`gathered_peak`), and its full gradient buffers as its reductions free them
-(`grad_buffers_peak`). `Offload` moves the optimizer state with host copies of the
+(`grad_buffers_peak`); an experts' unit whose group is one rank (ep = cp x dp) is kept whole,
+with neither (nor traffic). `Offload` moves the optimizer state with host copies of the
 stepped tensors and their gradients (--offload-optimizer), or ZeRO-3's parameter shards
 (--offload-params), to host memory.
 """
@@ -205,13 +206,21 @@ def _finish(
     grad_buffers = gathered_top = gathered_end = grad_buffers_top = 0
     if zero >= 3 and units:
         weights, offloaded = shard, shard
+        # a unit over one rank (ep = cp x dp: the experts') is kept whole, its parameters and
+        # gradient its shards: no gathered buffer (unless copied in from the host under
+        # --offload-params), no gradient buffer, no reduction
+        alone = frozenset(k for k, u in enumerate(units) if _shards(tensors, u[0], dp, ep) == 1)
         nbytes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
-        gathered = gathered_peak(specs, nbytes, offload.keep_params)
+        grad_nbytes = [0 if k in alone else n for k, n in enumerate(nbytes)]
+        full = nbytes if offload.params else grad_nbytes
+        gathered = gathered_peak(specs, full, offload.keep_params)
         deferred = _deferred(tensors, units, pp)
         kept = offload.micro_batches > 1
-        grad_buffers = grad_buffers_peak(specs, nbytes, deferred, offload.whole_grads, kept)
+        grad_buffers = grad_buffers_peak(
+            specs, grad_nbytes, deferred, offload.whole_grads, kept, alone
+        )
         gathered_top, gathered_end, grad_buffers_top = phases(
-            specs, nbytes, deferred, offload.whole_grads, offload.keep_params, kept
+            specs, full, deferred, offload.whole_grads, offload.keep_params, kept, grad_nbytes
         )
     optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
     master = 2 * stepped if offload.optimizer else 0
@@ -309,7 +318,8 @@ def zero_traffic(
     """{group: `Traffic`} of the buckets (ZeRO-1 / 2) or units (ZeRO-3) ZeRO reduces and
     gathers on this stage over each group (`DENSE`; under ep > 1 also `EXPERTS`, an experts'
     unit counted as its lead is: a root's once a micro-batch, the persistent unit's once a
-    step); {} without ZeRO."""
+    step; none where that group is one rank, ep = cp x dp: ZeRO-3 keeps those units whole);
+    {} without ZeRO."""
     tensors, units, specs = _layout(
         config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep
     )
@@ -320,6 +330,8 @@ def zero_traffic(
             kinds[k] = kinds[k - 1]
     out: dict[str, Traffic] = {}
     for k, (idx, padded) in enumerate(units):
+        if zero >= 3 and _shards(tensors, idx, dp, ep) == 1:
+            continue  # a unit over one rank (ep = cp x dp): kept whole, nothing gathered or reduced
         group = EXPERTS if _shards(tensors, idx, dp, ep) != dp else DENSE
         n = padded * tensors[idx[0]].dtype.itemsize
         t = out.get(group, Traffic())

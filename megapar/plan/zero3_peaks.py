@@ -5,7 +5,11 @@ its end), which are never the same moment as both peaks.
 
 A unit's bytes are its full padded buffer; under expert parallelism an experts' unit
 (`UnitSpec.led`) is gathered, freed and given its gradient buffer with the unit before it (its
-lead) and reduced just before it.
+lead) and reduced just before it. An experts' unit whose group is one rank (ep = cp x dp) is
+kept whole (`Unit.resident`): the callers count 0 bytes of gathered buffer and of gradient
+buffer for it (its parameters and gradient are its shards, `RankState.weights` / `grads`; under
+--offload-params it is still copied in from the host, so gathered), and its launch reduces
+nothing (`alone`).
 """
 
 from __future__ import annotations
@@ -53,7 +57,12 @@ def _with_experts(specs: list[UnitSpec], nbytes: list[int]) -> tuple[list[UnitSp
 
 
 def grad_buffers_peak(
-    specs: list[UnitSpec], nbytes: list[int], deferred: set[int], whole: bool, kept: bool = False
+    specs: list[UnitSpec],
+    nbytes: list[int],
+    deferred: set[int],
+    whole: bool,
+    kept: bool = False,
+    alone: frozenset[int] = frozenset(),
 ) -> int:
     """Bytes of ZeRO-3's full gradient buffers alive at once at the peak, as `ShardedParams`
     holds them (`nbytes`: each unit's full padded buffer; `deferred`: the units holding the
@@ -67,7 +76,9 @@ def grad_buffers_peak(
     buffer made with its lead's), and each launch first waits for the reductions in flight
     beyond `ShardedParams.MAX_REDUCES_IN_FLIGHT - 1`, dropping their buffers. The peak is
     taken at each launch (before that wait) and at the backward's end. `kept` (a later
-    micro-batch of the step): the deferred units' buffers alive from the start."""
+    micro-batch of the step): the deferred units' buffers alive from the start. `alone`: the
+    units whose group is one rank (no buffer, 0 in `nbytes`; their launch neither waits for
+    the reductions in flight nor adds one)."""
     if whole:
         return sum(nbytes)
     members = {i: [i] for i, u in enumerate(specs) if not u.led}
@@ -101,6 +112,8 @@ def grad_buffers_peak(
             alive |= embeddings  # made once the backward is past the first block
         alive.update(members[lead[i]] if i == members[lead[i]][0] else [i])
         peak = max(peak, sum(nbytes[j] for j in alive))
+        if i in alone:
+            continue
         while len(flight) >= ShardedParams.MAX_REDUCES_IN_FLIGHT:
             alive.discard(flight.pop(0))
         flight.append(i)
@@ -115,6 +128,7 @@ def phases(
     whole: bool,
     keep: bool,
     kept: bool = False,
+    grads: list[int] | None = None,
 ) -> tuple[int, int, int]:
     """(gathered bytes at the top of the backward, gathered bytes at its end, full gradient
     buffers' bytes at its top), as `ShardedParams` holds them. The top is the chunk's backward
@@ -124,13 +138,13 @@ def phases(
     made (every unit's with `whole`; the deferred units' too with `kept`, a later
     micro-batch). The end: the worst chunk's embedding unit (gathered for the embedding's
     backward; a chunk without one, its roots) and the persistent unit. With `keep` every
-    unit stays gathered."""
+    unit stays gathered. `grads`: each unit's gradient buffer's bytes (default `nbytes`)."""
     lead = [i for i, u in enumerate(specs) if not u.led]
     members = {i: [i, i + 1] if i + 1 < len(specs) and specs[i + 1].led else [i] for i in lead}
     kinds = {i: specs[i].kind for i in lead}
 
-    def held(units) -> int:
-        return sum(nbytes[j] for i in units for j in members[i])
+    def held(units, sizes=nbytes) -> int:
+        return sum(sizes[j] for i in units for j in members[i])
 
     persistent = [i for i in lead if kinds[i] == "persistent"]
     last = max((specs[i].chunk for i in lead), default=-1)
@@ -146,9 +160,10 @@ def phases(
     end += held(persistent)
     if keep:
         top = end = sum(nbytes)
+    grads = nbytes if grads is None else grads
     if whole:
-        return top, end, sum(nbytes)
+        return top, end, sum(grads)
     made = set(roots) | (set(persistent) if roots or "embedding" in kinds.values() else set())
     if kept:
         made |= deferred
-    return top, end, held(made)
+    return top, end, held(made, grads)
