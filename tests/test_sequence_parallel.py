@@ -10,7 +10,7 @@ tensor ops on their own.
 
 import pytest
 import torch
-from test_comm_counts import make_step, micro_batches
+from test_comm_counts import H, MBS, SEQ, make_step, micro_batches
 from tp_utils import assert_close
 
 from megapar.launcher import run_local
@@ -162,14 +162,37 @@ def test_sequence_parallel_collectives_copy_nothing_at_one_sequence_per_micro_ba
         assert copies[1] == [True, False, False, True]  # b = 3: the output, the input regrouped
 
 
+LLAMA_RUNS = [(False, "none", False), (True, "none", False), (True, "full", False),
+              (True, "none", True), (True, "full", True)]
+"""(SP, recompute, --sp-regather): tp alone, SP, SP under full recompute, and both with
+--sp-regather (under full recompute it keeps the gathered input: the fallback)."""
+
+
+def _saved_by_block(block, x):
+    """The distinct storages one block's forward saves for its backward: [(shape, bytes)]."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage()._cdata] = (tuple(t.shape), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    params = {p.untyped_storage()._cdata for p in block.parameters()}
+    return [v for k, v in seen.items() if k not in params]
+
+
 def _llama_worker(tied: bool, kv_heads: int):
     import torch.distributed as dist
 
+    from megapar.models import set_sp_regather
+
     overrides = {"tie_word_embeddings": tied, "num_key_value_heads": kv_heads}
-    out = []
-    for sp, mode in [(False, "none"), (True, "none"), (True, "full")]:
+    out, saved = [], {}
+    for sp, mode, regather in LLAMA_RUNS:
         mesh = Mesh(Layout(2, 2, 1), dist.get_rank(), sequence_parallel=sp)
         step = make_step("llama", mesh, mode, overrides)
+        set_sp_regather(step.model, regather)
         grads, optimizer_step = {}, step.optimizer.step
 
         def record_then_step(step=step, grads=grads, optimizer_step=optimizer_step, mesh=mesh):
@@ -180,19 +203,32 @@ def _llama_worker(tied: bool, kv_heads: int):
         step.optimizer.step = record_then_step
         results = [step.step(_batches("llama"), i) for i in range(2)]
         out.append(([r.loss for r in results], grads))
-    return out
+        if sp and mode == "none":  # what one block keeps for its backward
+            block = next(iter(step.model.layers.values()))
+            x = torch.randn(MBS, SEQ // 2, H, requires_grad=True)
+            saved[regather] = _saved_by_block(block, x)
+    return out, saved
 
 
 @pytest.mark.parametrize("tied,kv_heads", [(True, 2), (False, 1)])
 def test_llama_sequence_parallel_tied_and_replicated_kv_heads(tied, kv_heads):
-    """Tied head; one kv head replicated over tp 2 (each rank its rows, summed once a step)."""
-    for rank, runs in enumerate(run_local(_llama_worker, 4, tied, kv_heads)):
+    """Tied head; one kv head replicated over tp 2 (each rank its rows, summed once a step);
+    with --sp-regather too (`LLAMA_RUNS`). And what one block saves for its backward under SP:
+    the gathered [b, s, h] inputs of q / k / v and of gate / up, two whole-sequence tensors,
+    which --sp-regather keeps as this rank's [b, s / 2, h] slices."""
+    for rank, (runs, saved) in enumerate(run_local(_llama_worker, 4, tied, kv_heads)):
         (ref_losses, ref_grads), others = runs[0], runs[1:]
         for i, (losses, grads) in enumerate(others):
-            what = f"rank {rank} tied={tied} kv={kv_heads} run {i + 1}"
+            what = f"rank {rank} tied={tied} kv={kv_heads} run {LLAMA_RUNS[i + 1]}"
             for s in range(2):
                 assert_close(torch.tensor(losses[s]), torch.tensor(ref_losses[s]),
                              what=f"{what} loss {s}")
             assert grads.keys() == ref_grads.keys() and grads
             for name in grads:
                 assert_close(grads[name], ref_grads[name], what=f"{what} grad of {name}")
+        # whole-sequence [b, s, h] storages: X of q/k/v, of gate/up (saved as [b s, h] views)
+        # and the SwiGLU's gate, act(gate), up and product ([b, s, f / t], f / t = h here)
+        whole = {k: [v for v in kept if v[1] == MBS * SEQ * H * 4] for k, kept in saved.items()}
+        assert len(whole[False]) == len(whole[True]) + 2, (rank, saved[False], saved[True])
+        freed = sum(n for _, n in saved[False]) - sum(n for _, n in saved[True])
+        assert freed == 2 * MBS * SEQ * H * 4 // 2, (saved[False], saved[True])  # 2 x (1 - 1/t)
