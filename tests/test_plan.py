@@ -101,6 +101,19 @@ def test_term_by_term_count_reproduces_the_paper(t, sp, recompute):
     assert mem.layer_bytes(*args) == pytest.approx(mem.paper_layer_bytes(*args), rel=1e-12)
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_sp_regather_gives_the_paper_s_sequence_parallel_count(recompute):
+    """megapar's GPT block (its gathered inputs kept whole under SP) is the paper's count plus
+    2 s b h (1 - 1/t) elements; with --sp-regather it is the paper's 34 s b h / t (selective)."""
+    s, b, h, a, t = 2048, 2, 12288, 96, 8
+    terms = mem.block_terms(GPT2Config(n_embd=h, n_head=a))
+    args = (s, b, h, a, t, True, recompute)
+    paper = mem.paper_layer_bytes(*args)
+    assert mem.layer_bytes(*args, terms=terms, regather=True) == pytest.approx(paper, rel=1e-12)
+    kept = mem.layer_bytes(*args, terms=terms)
+    assert kept - paper == pytest.approx(2 * s * b * h * 2 * (1 - 1 / t), rel=1e-12)
+
+
 @pytest.mark.parametrize("pre,post", [(False, False), (True, True)])
 def test_activation_prediction_equals_bytes_saved_by_a_real_forward(pre, post):
     config = GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=4,
