@@ -662,3 +662,28 @@ def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
     spans = {(1, 1, 2, 2, 4): 4, (1, 2, 2, 2, 4): 6, (2, 1, 1, 2, 2): 3, (1, 1, 2, 2, 2): 2,
              (1, 1, 4, 1, 2): 2, (1, 2, 4, 1, 2): 3}
     assert {k: ep_span(*k) for k in spans} == spans
+
+
+def test_megapar_plan_sp_regather_keeps_the_slices_and_adds_the_re_gathers(capsys):
+    """megapar-plan --sp-regather (llama-8b tp 8 SP, 8192 tokens): every layer's two gathered
+    inputs at 1/8, one more all-gather per shared input in the tp time, the command carrying
+    the flag; not under full recompute (the fallback)."""
+    base = ["--model", "llama-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch-size", "8",
+            "--json", "--explain"]
+    out = {}
+    for layout in ("tp=8,pp=1,mbs=1,sp=1", "tp=8,pp=1,mbs=1,sp=1,recompute=full"):
+        for flag in ([], ["--sp-regather"]):
+            assert plan_main(base + [layout] + flag) == 0
+            out[layout, bool(flag)] = json.loads(capsys.readouterr().out)
+    plain, regather = out["tp=8,pp=1,mbs=1,sp=1", False], out["tp=8,pp=1,mbs=1,sp=1", True]
+    h, s, layers = 4096, 8192, 32
+    freed = layers * 2 * s * h * 2 * (1 - 1 / 8)  # bf16, two gathered inputs a layer
+    gib = 2 ** 30
+    assert (plain["memory_gib"]["activations"] - regather["memory_gib"]["activations"]) * gib \
+        == pytest.approx(freed, rel=1e-9)
+    assert regather["sp_regather"] and "--sp-regather" in regather["command"]
+    assert "--sp-regather" not in plain["command"]
+    assert regather["comm_s"]["tp"] > plain["comm_s"]["tp"]
+    full = [out["tp=8,pp=1,mbs=1,sp=1,recompute=full", f] for f in (False, True)]
+    assert full[0]["memory_gib"]["activations"] == full[1]["memory_gib"]["activations"]
+    assert full[0]["comm_s"]["tp"] == full[1]["comm_s"]["tp"]
