@@ -65,7 +65,8 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     tp_fwd = 2 * ring  # per layer (SP: 2 AG + 2 RS, same bytes)
     tp_bwd = tp_fwd * (2 if c.recompute == "full" else 1)
     # --sp-regather: one more all-gather per shared input in the backward (attention's, the
-    # MLP's; a MoE layer's MLP only with shared experts: its routed tokens are not gathered)
+    # MLP's; a MoE layer's MLP only with shared experts: its routed tokens are not gathered),
+    # counted exposed (the run overlaps it with one input-gradient matmul: an upper bound)
     regather = 0.5 * ring if regathers(p, c) else 0.0
     moe_regathers = 1 + bool(getattr(cfg, "shared_expert_intermediate_size", 0))
     cp_f, cp_b = cp_layer_seconds(p, c, tokens * fl.attention / rate)
