@@ -2,7 +2,8 @@
 
 tp=2 x pp=2 (1F1B, 3 micro-batches, the pipeline exchanging sequence slices), GPT-2 and BERT
 (with a padding mask): the run without sequence parallelism against runs with it under no,
-selective and full recomputation, two optimizer steps each (clipping on). Every parameter's
+selective and full recomputation, and with --sp-regather under selective recomputation, two
+optimizer steps each (clipping on). Every parameter's
 first-step gradient (gathered over tp; the LayerNorms' and biases' partial gradients summed by
 the step) and both losses agree to 1e-5 relative. The primitives are checked against plain
 tensor ops on their own.
@@ -17,7 +18,9 @@ from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.tensor_parallel.partition import gather_full
 
-RUNS = [(False, "none"), (True, "none"), (True, "selective"), (True, "full")]
+RUNS = [(False, "none"), (True, "none"), (True, "selective"), (True, "full"),
+        (True, "selective", True)]
+"""(SP, recompute[, --sp-regather])"""
 
 
 def _batches(kind):
@@ -31,11 +34,14 @@ DROPOUT = {"gpt2": dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.2),
            "bert": dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2)}
 
 
-def _train(kind, sequence_parallel, recompute, dropout=False):
+def _train(kind, sequence_parallel, recompute, regather=False, dropout=False):
     import torch.distributed as dist
+
+    from megapar.models import set_sp_regather
 
     mesh = Mesh(Layout(2, 2, 1), dist.get_rank(), sequence_parallel=sequence_parallel)
     step = make_step(kind, mesh, recompute, DROPOUT[kind] if dropout else None)
+    set_sp_regather(step.model, regather)
     grads, optimizer_step = {}, step.optimizer.step
 
     def record_then_step():
@@ -49,7 +55,7 @@ def _train(kind, sequence_parallel, recompute, dropout=False):
 
 
 def _worker(kind):
-    return [_train(kind, sp, mode) for sp, mode in RUNS]
+    return [_train(kind, *run) for run in RUNS]
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
@@ -57,8 +63,8 @@ def test_sequence_parallel_matches_tp_with_pipeline_and_recompute(kind):
     """Llama as configured in test_comm_counts: untied head, 2 kv heads split over tp 2."""
     for rank, runs in enumerate(run_local(_worker, 4, kind)):
         (ref_losses, ref_norms, ref_grads), others = runs[0], runs[1:]
-        for (sp, mode), (losses, norms, grads) in zip(RUNS[1:], others):
-            what = f"rank {rank} SP recompute={mode}"
+        for run, (losses, norms, grads) in zip(RUNS[1:], others):
+            what = f"rank {rank} SP recompute={run[1]} regather={run[2:]}"
             for s in range(2):
                 assert_close(torch.tensor(losses[s]), torch.tensor(ref_losses[s]),
                              what=f"{what} loss {s}")
