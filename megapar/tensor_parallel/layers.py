@@ -110,9 +110,19 @@ class ColumnParallelLinear(nn.Module):
         `regather` re-gathers X once for all of them: the gathered X carries its shard)."""
         if not self.sequence_parallel:
             return copy_to_tp_region(x, self.group)
-        if self.regather and not torch.compiler.is_compiling():
+        if self._keeps_shard():
             return gather_keeping_shard(x, self.group)
         return gather_from_sequence_parallel_region(x, self.group)
+
+    def _keeps_shard(self) -> bool:
+        """`regather` where it applies: not in float8, nor with the weight gradient deferred
+        (zero-bubble W), nor inside torch.compile'd code (the tag on X is not traced)."""
+        return (
+            self.regather
+            and self.fp8 is None
+            and regathers(self.weight_grad_store, self.weight)
+            and not torch.compiler.is_compiling()
+        )
 
     def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
         """`entered`: X already went through `enter` (of this or a sibling projection)."""
