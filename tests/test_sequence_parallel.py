@@ -213,6 +213,14 @@ def _llama_worker(tied: bool, kv_heads: int):
             block = next(iter(step.model.layers.values()))
             x = torch.randn(MBS, SEQ // 2, H, requires_grad=True)
             saved[regather] = _saved_by_block(block, x)
+            if regather:  # deferred weight gradients (zero-bubble W) keep the gathered X
+                from megapar.tensor_parallel.weight_grad import WeightGradStore, attach
+
+                store = WeightGradStore()
+                store.enabled = True
+                attach(block, store)
+                saved["deferred"] = _saved_by_block(block, x)
+                attach(block, None)
     return out, saved
 
 
@@ -221,7 +229,8 @@ def test_llama_sequence_parallel_tied_and_replicated_kv_heads(tied, kv_heads):
     """Tied head; one kv head replicated over tp 2 (each rank its rows, summed once a step);
     with --sp-regather too (`LLAMA_RUNS`). And what one block saves for its backward under SP:
     the gathered [b, s, h] inputs of q / k / v and of gate / up, two whole-sequence tensors,
-    which --sp-regather keeps as this rank's [b, s / 2, h] slices."""
+    which --sp-regather keeps as this rank's [b, s / 2, h] slices; with the weight gradients
+    deferred (zero-bubble) the flag keeps what SP keeps without it."""
     for rank, (runs, saved) in enumerate(run_local(_llama_worker, 4, tied, kv_heads)):
         (ref_losses, ref_grads), others = runs[0], runs[1:]
         for i, (losses, grads) in enumerate(others):
@@ -238,3 +247,5 @@ def test_llama_sequence_parallel_tied_and_replicated_kv_heads(tied, kv_heads):
         assert len(whole[False]) == len(whole[True]) + 2, (rank, saved[False], saved[True])
         freed = sum(n for _, n in saved[False]) - sum(n for _, n in saved[True])
         assert freed == 2 * MBS * SEQ * H * 4 // 2, (saved[False], saved[True])  # 2 x (1 - 1/t)
+        assert sorted(n for _, n in saved["deferred"]) == sorted(n for _, n in saved[False]), \
+            (saved["deferred"], saved[False])  # the same storages (some saved in other shapes)
