@@ -114,6 +114,9 @@ TRAIN = [
     (["--eval-interval", "-1"], "--eval-interval -1 is invalid"),
     (["--tp", "0"], "--tp 0 is invalid"),
     (["--zero3-keep-params"], "--zero3-keep-params only applies to --zero 3"),
+    (["--sp-regather", "--tp", "2"], "--sp-regather changes what sequence parallelism keeps "
+                                     "for the backward: add --sequence-parallel with --tp > 1"),
+    (["--sp-regather", "--sequence-parallel"], "add --sequence-parallel with --tp > 1"),
     (["--compile", "--inject-corrupt", "rank=0,step=1,module=layers.0"],
      "--inject-corrupt cannot be combined with --compile: its per-module hooks"),
     (["--zero", "2", "--zero3-reduce", "micro-batch"],

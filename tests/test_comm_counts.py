@@ -70,11 +70,14 @@ def make_step(kind: str, mesh: Mesh, recompute: str = "none", overrides: dict | 
                      Precision("fp32", mesh.device), 1.0, **step_kwargs)
 
 
-def _worker(kind: str, tp: int, sequence_parallel: bool = False):
+def _worker(kind: str, tp: int, sequence_parallel: bool = False, adjust=None):
+    """The calls of one counted step (after a warm-up); `adjust(model)` first, if given."""
     import torch.distributed as dist
 
     mesh = Mesh(Layout(tp, 1, 1), dist.get_rank(), sequence_parallel=sequence_parallel)
     step = make_step(kind, mesh)
+    if adjust is not None:
+        adjust(step.model)
     step.step(to_device(micro_batches(kind), mesh.device), 0)  # warm-up
     with count_collectives() as calls:
         step.step(to_device(micro_batches(kind), mesh.device), 1)
@@ -105,16 +108,19 @@ def test_tp_step_does_megatrons_minimum_all_reduces(kind, tp):
         assert all(c.dtype == torch.float32 and c.bytes == 4 * c.numel for c in rank_calls)
 
 
-def expected_sp_step(kind: str, tp: int, seq: int = SEQ) -> Counter:
+def expected_sp_step(kind: str, tp: int, seq: int = SEQ, regather: bool = False) -> Counter:
     """Sequence parallelism: each all-reduce of b x s x h becomes an all-gather of the b x s/tp
     x h slices and a reduce-scatter of b x s x h (the same bytes on the wire), at the same
     places; the vocab-parallel embedding reduce-scatters its output (half an all-reduce's
     bytes; the backward all-gathers the gradient); the LM head gathers its input. Plus one
     all-reduce, per step, of the replicated parameters' partial gradients (LayerNorms,
     row-parallel biases, BERT's head transform, the position and token-type embeddings, which
-    see only this rank's positions)."""
+    see only this rank's positions). `regather` (--sp-regather): per layer and micro-batch two
+    more all-gathers of the b x s/tp x h slices in the backward, one per shared input of the
+    column-parallel projections (attention's, the MLP's)."""
     bsh, bs, h = MBS * seq * H, MBS * seq, H
     gathers = 2 * L + 2 * L + 1 + 1     # layers fwd + bwd, head fwd, embedding bwd
+    gathers += 2 * L if regather else 0  # layers bwd: the inputs re-gathered
     scatters = 2 * L + 2 * L + 1 + 1    # layers fwd + bwd, head bwd, embedding fwd
     embeddings = {"gpt2": SEQ * h, "bert": SEQ * h + 2 * h + 2 * h, "llama": 0}[kind]
     replicated = {"gpt2": L * 6 * h + 2 * h, "bert": L * 6 * h + h * h + 3 * h,
@@ -126,11 +132,25 @@ def expected_sp_step(kind: str, tp: int, seq: int = SEQ) -> Counter:
                     ("all_reduce", 1, tp): 1})
 
 
+def _sp_worker(kind: str, tp: int):
+    """The counted step's calls under SP, without and with --sp-regather."""
+    from megapar.models import set_sp_regather
+
+    out = [_worker(kind, tp, True)]
+    out.append(_worker(kind, tp, True, lambda model: set_sp_regather(model, True)))
+    return out
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
 def test_sequence_parallel_step_collectives(kind):
+    """Also with --sp-regather: its re-gathers, issued in the same order on every tp rank."""
     tp = 2
-    for rank_calls in run_local(_worker, tp, kind, tp, True):
-        assert summary(rank_calls) == expected_sp_step(kind, tp)
+    runs = run_local(_sp_worker, tp, kind, tp)
+    for plain, regathered in runs:
+        assert summary(plain) == expected_sp_step(kind, tp)
+        assert summary(regathered) == expected_sp_step(kind, tp, regather=True)
+    order = [[(c.op, c.numel) for c in regathered] for _, regathered in runs]
+    assert all(o == order[0] for o in order)
 
 
 # --- data parallelism: ZeRO-1's distributed optimizer ------------------------------------------

@@ -14,7 +14,7 @@ from tp_utils import assert_close, gather_grads, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
-from megapar.models import BertConfig, GPT2Config, LlamaConfig
+from megapar.models import BertConfig, GPT2Config, LlamaConfig, set_sp_regather
 from megapar.optim import LRScheduler
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import unpad
@@ -97,7 +97,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            schedule: str = "1f1b", virtual_stages: int = 1, order: str = "tp-pp-dp",
            sequence_parallel: bool = False, cp: int = 1, mbs: int = MBS,
            offload: bool = False,
-           kind: str = "gpt2") -> dict:
+           kind: str = "gpt2", regather: bool = False) -> dict:
     """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage
     (of every cp rank: they must agree)."""
     import torch.distributed as dist
@@ -113,6 +113,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     model = build_stage(config(kind), mesh, SEED,
                         virtual_stages=chunks_per_rank(schedule, virtual_stages),
                         placement=placement_of(schedule))
+    set_sp_regather(model, regather)
     seq = SEQ // cp // tp if sequence_parallel else SEQ // cp
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq, CONFIG["n_embd"]),
                                 virtual_stages=virtual_stages)
@@ -146,7 +147,8 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            if 0 < sum(e - s for q, s, e in getattr(optimizer, "_piece_of", []) if q is p)
            < p.numel()]
     host = optimizer.host  # --offload-optimizer: were the masters host copies of the pieces?
-    return {"layout": (tp, pp, dp, zero, schedule, order, cp), "results": results,
+    return {"layout": (tp, pp, dp, zero, schedule, order, cp, kind, regather),
+            "results": results,
             "weights": weights if keep else {}, "grads": full_grads if keep else {}, "cut": cut,
             "refreshed": host.refreshed if host is not None else 0,
             "host_copies": host is not None and host.copies and all(
@@ -196,15 +198,32 @@ def test_reference_clips_every_step(reference):
     assert reference["losses"][-1] < reference["losses"][0]
 
 
+SP_REGATHER = [(2, 2, 2, 0, "fp32", schedule, 1, "tp-pp-dp", True, 1, MBS, False, kind, True)
+               for kind, schedule in (("gpt2", "1f1b"), ("llama", "1f1b"), ("llama", "zb-h1"))]
+"""--sp-regather at tp 2 x pp 2 x dp 2: GPT-2 and grouped-query Llama under 1F1B (the slices
+kept, re-gathered in the backward), Llama under ZB-H1 (deferred weight gradients: the gathered X
+kept, as without the flag)."""
+
+
 def test_3d_parity_tp2_pp2_dp2(reference):
     """tp=2 pp=2 dp=2, without and with ZeRO-1, and with sequence parallelism (also under
     ZeRO-1: the tp sum of the replicated parameters' gradients follows the reduce-scatter), in
-    one launch of 8 ranks."""
+    one launch of 8 ranks; and SP with --sp-regather (`SP_REGATHER`), whose runs also equal
+    the SP run without it."""
     outs = run_local(_worker, 8, [(2, 2, 2, 0), (2, 2, 2, 1),
                                   (2, 2, 2, 0, "fp32", "1f1b", 1, "tp-pp-dp", True),
-                                  (2, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", True)])
+                                  (2, 2, 2, 1, "fp32", "1f1b", 1, "tp-pp-dp", True),
+                                  *SP_REGATHER])
     for i in range(4):
         check_against(reference, [o[i] for o in outs])
+    references = {"gpt2": reference, "llama": serial_reference("llama")}
+    for i, run in enumerate(SP_REGATHER, start=4):
+        check_against(references[run[12]], [o[i] for o in outs])
+    for o in outs:  # and equal to SP without the flag (GPT-2 1F1B)
+        for a, b in zip(o[4]["results"], o[2]["results"]):
+            assert_close(torch.tensor(a.loss), torch.tensor(b.loss), what="regather vs SP loss")
+        for name, g in o[4]["grads"].items():
+            assert_close(g, o[2]["grads"][name], what=f"regather vs SP gradient of {name}")
 
 
 def test_3d_parity_tp2_pp2_dp2_new_schedules(reference):

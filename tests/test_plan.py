@@ -101,6 +101,19 @@ def test_term_by_term_count_reproduces_the_paper(t, sp, recompute):
     assert mem.layer_bytes(*args) == pytest.approx(mem.paper_layer_bytes(*args), rel=1e-12)
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_sp_regather_gives_the_paper_s_sequence_parallel_count(recompute):
+    """megapar's GPT block (its gathered inputs kept whole under SP) is the paper's count plus
+    2 s b h (1 - 1/t) elements; with --sp-regather it is the paper's 34 s b h / t (selective)."""
+    s, b, h, a, t = 2048, 2, 12288, 96, 8
+    terms = mem.block_terms(GPT2Config(n_embd=h, n_head=a))
+    args = (s, b, h, a, t, True, recompute)
+    paper = mem.paper_layer_bytes(*args)
+    assert mem.layer_bytes(*args, terms=terms, regather=True) == pytest.approx(paper, rel=1e-12)
+    kept = mem.layer_bytes(*args, terms=terms)
+    assert kept - paper == pytest.approx(2 * s * b * h * 2 * (1 - 1 / t), rel=1e-12)
+
+
 @pytest.mark.parametrize("pre,post", [(False, False), (True, True)])
 def test_activation_prediction_equals_bytes_saved_by_a_real_forward(pre, post):
     config = GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=4,
@@ -649,3 +662,28 @@ def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
     spans = {(1, 1, 2, 2, 4): 4, (1, 2, 2, 2, 4): 6, (2, 1, 1, 2, 2): 3, (1, 1, 2, 2, 2): 2,
              (1, 1, 4, 1, 2): 2, (1, 2, 4, 1, 2): 3}
     assert {k: ep_span(*k) for k in spans} == spans
+
+
+def test_megapar_plan_sp_regather_keeps_the_slices_and_adds_the_re_gathers(capsys):
+    """megapar-plan --sp-regather (llama-8b tp 8 SP, 8192 tokens): every layer's two gathered
+    inputs at 1/8, one more all-gather per shared input in the tp time, the command carrying
+    the flag; not under full recompute (the fallback)."""
+    base = ["--model", "llama-8b", "--gpus", "8", "--seq-len", "8192", "--global-batch-size", "8",
+            "--json", "--explain"]
+    out = {}
+    for layout in ("tp=8,pp=1,mbs=1,sp=1", "tp=8,pp=1,mbs=1,sp=1,recompute=full"):
+        for flag in ([], ["--sp-regather"]):
+            assert plan_main(base + [layout] + flag) == 0
+            out[layout, bool(flag)] = json.loads(capsys.readouterr().out)
+    plain, regather = out["tp=8,pp=1,mbs=1,sp=1", False], out["tp=8,pp=1,mbs=1,sp=1", True]
+    h, s, layers = 4096, 8192, 32
+    freed = layers * 2 * s * h * 2 * (1 - 1 / 8)  # bf16, two gathered inputs a layer
+    gib = 2 ** 30
+    assert (plain["memory_gib"]["activations"] - regather["memory_gib"]["activations"]) * gib \
+        == pytest.approx(freed, rel=1e-9)
+    assert regather["sp_regather"] and "--sp-regather" in regather["command"]
+    assert "--sp-regather" not in plain["command"]
+    assert regather["comm_s"]["tp"] > plain["comm_s"]["tp"]
+    full = [out["tp=8,pp=1,mbs=1,sp=1,recompute=full", f] for f in (False, True)]
+    assert full[0]["memory_gib"]["activations"] == full[1]["memory_gib"]["activations"]
+    assert full[0]["comm_s"]["tp"] == full[1]["comm_s"]["tp"]

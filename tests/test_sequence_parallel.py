@@ -2,7 +2,8 @@
 
 tp=2 x pp=2 (1F1B, 3 micro-batches, the pipeline exchanging sequence slices), GPT-2 and BERT
 (with a padding mask): the run without sequence parallelism against runs with it under no,
-selective and full recomputation, two optimizer steps each (clipping on). Every parameter's
+selective and full recomputation, and with --sp-regather under selective recomputation, two
+optimizer steps each (clipping on). Every parameter's
 first-step gradient (gathered over tp; the LayerNorms' and biases' partial gradients summed by
 the step) and both losses agree to 1e-5 relative. The primitives are checked against plain
 tensor ops on their own.
@@ -10,14 +11,16 @@ tensor ops on their own.
 
 import pytest
 import torch
-from test_comm_counts import make_step, micro_batches
+from test_comm_counts import H, MBS, SEQ, make_step, micro_batches
 from tp_utils import assert_close
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
 from megapar.tensor_parallel.partition import gather_full
 
-RUNS = [(False, "none"), (True, "none"), (True, "selective"), (True, "full")]
+RUNS = [(False, "none"), (True, "none"), (True, "selective"), (True, "full"),
+        (True, "selective", True)]
+"""(SP, recompute[, --sp-regather])"""
 
 
 def _batches(kind):
@@ -31,11 +34,14 @@ DROPOUT = {"gpt2": dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.2),
            "bert": dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.2)}
 
 
-def _train(kind, sequence_parallel, recompute, dropout=False):
+def _train(kind, sequence_parallel, recompute, regather=False, dropout=False):
     import torch.distributed as dist
+
+    from megapar.models import set_sp_regather
 
     mesh = Mesh(Layout(2, 2, 1), dist.get_rank(), sequence_parallel=sequence_parallel)
     step = make_step(kind, mesh, recompute, DROPOUT[kind] if dropout else None)
+    set_sp_regather(step.model, regather)
     grads, optimizer_step = {}, step.optimizer.step
 
     def record_then_step():
@@ -49,7 +55,7 @@ def _train(kind, sequence_parallel, recompute, dropout=False):
 
 
 def _worker(kind):
-    return [_train(kind, sp, mode) for sp, mode in RUNS]
+    return [_train(kind, *run) for run in RUNS]
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
@@ -57,8 +63,8 @@ def test_sequence_parallel_matches_tp_with_pipeline_and_recompute(kind):
     """Llama as configured in test_comm_counts: untied head, 2 kv heads split over tp 2."""
     for rank, runs in enumerate(run_local(_worker, 4, kind)):
         (ref_losses, ref_norms, ref_grads), others = runs[0], runs[1:]
-        for (sp, mode), (losses, norms, grads) in zip(RUNS[1:], others):
-            what = f"rank {rank} SP recompute={mode}"
+        for run, (losses, norms, grads) in zip(RUNS[1:], others):
+            what = f"rank {rank} SP recompute={run[1]} regather={run[2:]}"
             for s in range(2):
                 assert_close(torch.tensor(losses[s]), torch.tensor(ref_losses[s]),
                              what=f"{what} loss {s}")
@@ -162,14 +168,37 @@ def test_sequence_parallel_collectives_copy_nothing_at_one_sequence_per_micro_ba
         assert copies[1] == [True, False, False, True]  # b = 3: the output, the input regrouped
 
 
+LLAMA_RUNS = [(False, "none", False), (True, "none", False), (True, "full", False),
+              (True, "none", True), (True, "full", True)]
+"""(SP, recompute, --sp-regather): tp alone, SP, SP under full recompute, and both with
+--sp-regather (under full recompute it keeps the gathered input: the fallback)."""
+
+
+def _saved_by_block(block, x):
+    """The distinct storages one block's forward saves for its backward: [(shape, bytes)]."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage()._cdata] = (tuple(t.shape), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    params = {p.untyped_storage()._cdata for p in block.parameters()}
+    return [v for k, v in seen.items() if k not in params]
+
+
 def _llama_worker(tied: bool, kv_heads: int):
     import torch.distributed as dist
 
+    from megapar.models import set_sp_regather
+
     overrides = {"tie_word_embeddings": tied, "num_key_value_heads": kv_heads}
-    out = []
-    for sp, mode in [(False, "none"), (True, "none"), (True, "full")]:
+    out, saved = [], {}
+    for sp, mode, regather in LLAMA_RUNS:
         mesh = Mesh(Layout(2, 2, 1), dist.get_rank(), sequence_parallel=sp)
         step = make_step("llama", mesh, mode, overrides)
+        set_sp_regather(step.model, regather)
         grads, optimizer_step = {}, step.optimizer.step
 
         def record_then_step(step=step, grads=grads, optimizer_step=optimizer_step, mesh=mesh):
@@ -180,19 +209,43 @@ def _llama_worker(tied: bool, kv_heads: int):
         step.optimizer.step = record_then_step
         results = [step.step(_batches("llama"), i) for i in range(2)]
         out.append(([r.loss for r in results], grads))
-    return out
+        if sp and mode == "none":  # what one block keeps for its backward
+            block = next(iter(step.model.layers.values()))
+            x = torch.randn(MBS, SEQ // 2, H, requires_grad=True)
+            saved[regather] = _saved_by_block(block, x)
+            if regather:  # deferred weight gradients (zero-bubble W) keep the gathered X
+                from megapar.tensor_parallel.weight_grad import WeightGradStore, attach
+
+                store = WeightGradStore()
+                store.enabled = True
+                attach(block, store)
+                saved["deferred"] = _saved_by_block(block, x)
+                attach(block, None)
+    return out, saved
 
 
 @pytest.mark.parametrize("tied,kv_heads", [(True, 2), (False, 1)])
 def test_llama_sequence_parallel_tied_and_replicated_kv_heads(tied, kv_heads):
-    """Tied head; one kv head replicated over tp 2 (each rank its rows, summed once a step)."""
-    for rank, runs in enumerate(run_local(_llama_worker, 4, tied, kv_heads)):
+    """Tied head; one kv head replicated over tp 2 (each rank its rows, summed once a step);
+    with --sp-regather too (`LLAMA_RUNS`). And what one block saves for its backward under SP:
+    the gathered [b, s, h] inputs of q / k / v and of gate / up, two whole-sequence tensors,
+    which --sp-regather keeps as this rank's [b, s / 2, h] slices; with the weight gradients
+    deferred (zero-bubble) the flag keeps what SP keeps without it."""
+    for rank, (runs, saved) in enumerate(run_local(_llama_worker, 4, tied, kv_heads)):
         (ref_losses, ref_grads), others = runs[0], runs[1:]
         for i, (losses, grads) in enumerate(others):
-            what = f"rank {rank} tied={tied} kv={kv_heads} run {i + 1}"
+            what = f"rank {rank} tied={tied} kv={kv_heads} run {LLAMA_RUNS[i + 1]}"
             for s in range(2):
                 assert_close(torch.tensor(losses[s]), torch.tensor(ref_losses[s]),
                              what=f"{what} loss {s}")
             assert grads.keys() == ref_grads.keys() and grads
             for name in grads:
                 assert_close(grads[name], ref_grads[name], what=f"{what} grad of {name}")
+        # whole-sequence [b, s, h] storages: X of q/k/v, of gate/up (saved as [b s, h] views)
+        # and the SwiGLU's gate, act(gate), up and product ([b, s, f / t], f / t = h here)
+        whole = {k: [v for v in kept if v[1] == MBS * SEQ * H * 4] for k, kept in saved.items()}
+        assert len(whole[False]) == len(whole[True]) + 2, (rank, saved[False], saved[True])
+        freed = sum(n for _, n in saved[False]) - sum(n for _, n in saved[True])
+        assert freed == 2 * MBS * SEQ * H * 4 // 2, (saved[False], saved[True])  # 2 x (1 - 1/t)
+        assert sorted(n for _, n in saved["deferred"]) == sorted(n for _, n in saved[False]), \
+            (saved["deferred"], saved[False])  # the same storages (some saved in other shapes)

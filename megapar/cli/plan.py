@@ -121,6 +121,13 @@ def add_precision_arguments(p: argparse.ArgumentParser) -> None:
         "1.25 when dropless)",
     )
     p.add_argument(
+        "--sp-regather",
+        action="store_true",
+        help="megapar-train's --sp-regather for the layouts with sequence parallelism: "
+        "the column-parallel inputs kept as sequence slices (1/tp) and all-gathered again "
+        "in the backward (not under full recompute or a zero-bubble schedule)",
+    )
+    p.add_argument(
         "--target",
         choices=TARGETS,
         default="gpu",
@@ -251,6 +258,7 @@ def _problem(args):
         zero3_persistence_threshold=args.zero3_persistence_threshold,
         loss_chunk_tokens=args.loss_chunk_tokens,
         moe_imbalance=args.moe_imbalance,
+        sp_regather=args.sp_regather,
         target=args.target,
     )
 
@@ -386,6 +394,7 @@ def _explain(args, problem) -> int:
                     "valid": True,
                     "command": cmd,
                     "fused_attention": problem.fused_attention,
+                    "sp_regather": problem.sp_regather,
                 },
                 indent=1,
             )

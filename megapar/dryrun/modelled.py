@@ -28,6 +28,7 @@ def modelled_stage(cfg, config, layout: Layout, stage: int, actions):
         master_weights="fp32",
         fused_attention=True,
         loss_chunk_tokens=cfg.loss_chunk_tokens,
+        sp_regather=cfg.sp_regather,
     )
     candidate = Candidate(
         layout.tp,

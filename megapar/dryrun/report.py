@@ -41,6 +41,7 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
         + ([f"ZeRO-{cfg.zero}"] if cfg.zero and layout.dp * layout.cp > 1 else [])
         + ([f"offload: {', '.join(offloaded)}"] if offloaded else [])
         + (["sequence parallel"] if cfg.sequence_parallel and layout.tp > 1 else [])
+        + (["--sp-regather"] if cfg.sp_regather and cfg.sequence_parallel and layout.tp > 1 else [])
         + (["--compile (rehearsed with the blocks eager)"] if cfg.compile else [])
     )
     return (

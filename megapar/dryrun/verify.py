@@ -65,6 +65,7 @@ def train_config(problem, candidate):
         virtual_stages=c.v,
         recompute=c.recompute,
         sequence_parallel=c.sp,
+        sp_regather=problem.sp_regather and c.sp and c.tp > 1,
         zero=c.zero,
         precision=problem.precision,
         grad_bucket_mb=problem.grad_bucket_mb,

@@ -3,7 +3,7 @@
 Models never import the pipeline or CLI."""
 
 from megapar.models.bert import Bert
-from megapar.models.blocks import set_recompute
+from megapar.models.blocks import set_recompute, set_sp_regather
 from megapar.models.config import (
     CONFIG_CLASSES,
     HF_SUPPORTED_DEFAULTS,
@@ -46,6 +46,7 @@ __all__ = [
     "load_config_file",
     "build_model",
     "set_recompute",
+    "set_sp_regather",
     "MODEL_CLASSES",
     "Llama",
     "LlamaConfig",

@@ -174,8 +174,27 @@ def set_recompute(model: nn.Module, mode: str) -> None:
         raise ValueError(f"unknown recompute mode {mode!r}; expected one of {RECOMPUTE_MODES}")
     # plain attributes, which nn.Module's stubs type as tensors or modules
     model.recompute = mode  # type: ignore[assignment]
+    _apply_sp_regather(model)
     for module in model.modules():
         if hasattr(module, "recompute_core"):  # ParallelAttention, LlamaAttention
             module.recompute_core = mode == "selective"  # type: ignore[assignment]
         if hasattr(module, "keep_route"):  # MoE under expert parallelism: one route per forward
             module.keep_route = mode == "full"  # type: ignore[assignment]
+
+
+def set_sp_regather(model: nn.Module, on: bool) -> None:
+    """`--sp-regather`: under sequence parallelism the column-parallel layers keep only this
+    rank's slice of their input for the backward and all-gather it again there
+    (`megapar.tensor_parallel.regather`). Not under full recomputation, whose backward rebuilds
+    the block and its gathered input anyway (a re-gather would be a third gather): there the
+    layers keep the gathered input, also when `set_recompute` chooses "full" later."""
+    for module in [model, *(m for m in model.modules() if hasattr(m, "recompute"))]:
+        module.sp_regather = bool(on)  # type: ignore[assignment]  # a plain attribute
+    _apply_sp_regather(model)
+
+
+def _apply_sp_regather(model: nn.Module) -> None:
+    on = getattr(model, "sp_regather", False) and getattr(model, "recompute", "none") != "full"
+    for module in model.modules():
+        if hasattr(module, "regather"):  # ColumnParallelLinear
+            module.regather = on  # type: ignore[assignment]

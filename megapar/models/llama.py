@@ -36,7 +36,9 @@ from megapar.tensor_parallel import (
     divide,
     initialize,
 )
+from megapar.tensor_parallel.layers import regathers
 from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
+from megapar.tensor_parallel.regather import regathered_linear, shard_of
 from megapar.tensor_parallel.sequence_parallel import (
     gather_from_sequence_parallel_region,
 )
@@ -148,6 +150,9 @@ class ReplicatedHeads(nn.Module):
                 if self.sequence_parallel
                 else copy_to_tp_region(x, self.group)
             )
+        shard = shard_of(x)  # --sp-regather: keep only this rank's slice of X
+        if shard is not None and regathers(None, weight):
+            return regathered_linear(x, weight, None, shard)
         return F.linear(x, weight)
 
 

@@ -60,7 +60,7 @@ from megapar.pipeline.placement import placement_of
 from megapar.plan import experts, pipeline
 from megapar.plan import memory as mem
 from megapar.plan.context_parallel import cp_buffers
-from megapar.plan.layouts import Candidate
+from megapar.plan.layouts import Candidate, regathers
 from megapar.plan.params import (
     piece_counts,
     stage_expert_params,
@@ -150,6 +150,7 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
             fused,
             norm_stats=True,
             terms=mem.block_terms(cfg, moe),
+            regather=regathers(p, c) and recompute != "full",
         )
         if moe and recompute != "full":  # the routed tokens, replicated over tp
             tokens = experts.routed_tokens(p.seq_len, b, c.cp, sp_t)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from megapar.data_parallel.sharded_params import REDUCES
 from megapar.mesh import Layout, LayoutError
 from megapar.pipeline.placement import placement_of
-from megapar.pipeline.schedules import interleaved_rounds
+from megapar.pipeline.schedules import SPLIT_BACKWARD, interleaved_rounds
 from megapar.training.validate import check_cp_seq_len
 
 PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -28,6 +28,20 @@ gradients, 3 also the parameters (FSDP)."""
 OFFLOADS = ("none", "optimizer", "both")
 """What a plan may keep in host memory: the optimizer (--offload-optimizer), ZeRO-3's parameter
 shards (--offload-params), or both."""
+
+
+def regathers(p, c: Candidate) -> bool:
+    """Whether `--sp-regather` (`Problem.sp_regather`) keeps the column-parallel inputs as
+    sequence slices in candidate `c`: under SP at tp > 1, not under full recomputation nor a
+    schedule that defers weight gradients (ZB-H1, ZB-V, DualPipeV: their store keeps the
+    gathered input until W), where the layers keep the gathered input as without the flag."""
+    return bool(
+        p.sp_regather
+        and c.sp
+        and c.tp > 1
+        and c.recompute != "full"
+        and c.schedule not in SPLIT_BACKWARD
+    )
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ keeps its input, the normalised input and the output (3 s b h per norm, one fp32
 token), its SwiGLU MLP keeps gate, act(gate), up and their product (4 f s b / t), and q, k, v
 (k and v repeated to the local query heads), the attention output: 4 s b h / t. Under SP,
 megapar keeps the gathered (whole-sequence) inputs of the column-parallel projections where
-Megatron re-gathers them in backward: those 2 s b h of the replicated terms stay whole.
+Megatron re-gathers them in backward: those 2 s b h of the replicated terms stay whole; with
+`--sp-regather` (`regather`) it re-gathers them too and they are split by t like the rest
+(the paper's 34 s b h / t).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class BlockTerms:
     """Norm inputs and outputs: whole on every tp rank, split by t under SP."""
     gathered: float = 0.0
     """Of those, the ones kept whole under SP too (megapar keeps the column-parallel
-    projections' gathered inputs; the paper, re-gathering them, splits all)."""
+    projections' gathered inputs; the paper and `--sp-regather`, re-gathering them in the
+    backward, split all)."""
     split: float = 12.0
     """q, k, v, the attention output and the MLP's intermediates: split by t."""
     norm_stats: float = 4.0
@@ -110,17 +113,19 @@ def layer_bytes(
     fused_attention: bool = False,
     norm_stats: bool = False,
     terms: BlockTerms = BlockTerms(),
+    regather: bool = False,
 ) -> float:
     """Activation bytes of one layer and micro-batch, term by term (see the module docstring).
 
     With the defaults this equals `paper_layer_bytes`. `norm_stats` adds the norms' saved
     statistics (fp32), which the paper leaves out; `terms` describes another block
-    (`block_terms`)."""
+    (`block_terms`). `regather` (`--sp-regather`, where it applies: `plan.layouts.regathers`):
+    under SP the gathered terms are kept as this rank's slices too."""
     sbh = s * b * h
     rep = sp and t or 1  # replicated terms are split only under SP
     if recompute == "full":
         return sbh * act_bytes / rep
-    whole = terms.gathered if sp and t > 1 else 0.0
+    whole = terms.gathered if sp and t > 1 and not regather else 0.0
     replicated = (
         (terms.replicated - whole) * sbh * act_bytes + (2 * sbh if dropout else 0)
     ) + rep * whole * sbh * act_bytes

@@ -61,6 +61,10 @@ class Problem:
     """Mixture of experts under ep: the busiest rank's routed rows over the mean, which scales
     its experts' activations (`plan.experts`); None: the model's capacity factor, or
     `experts.DEFAULT_IMBALANCE` when dropless."""
+    sp_regather: bool = False
+    """megapar-train's --sp-regather for the layouts with sequence parallelism: the
+    column-parallel projections' inputs kept as this rank's sequence slices and all-gathered
+    again in the backward (`plan.layouts.regathers` says where it applies)."""
     target: str = "gpu"
     """What the process figure is for (`plan.process`): gpu (the allocator's reserve and the
     CUDA context on top of the tensors) or cpu (the heap's room and the runtime; megapar-train

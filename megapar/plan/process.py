@@ -293,7 +293,8 @@ def _sequence_parallel_holes(p: Problem, c: Candidate, mem: MemoryBreakdown) -> 
     transients (the gathered buffer, gloo's copy, with b > 1 the reordering copy; in the
     backward the grouped gradient and gloo's copy) that are freed among the split activations
     kept for backward, so the heap grows as without SP (`CPU_RUNTIME`'s note has the
-    measurements)."""
+    measurements). With `--sp-regather` `sp_saved` includes its smaller slices: the
+    re-gathered input is one more such transient, so the same is expected (not measured)."""
     return mem.sp_saved if c.sp and c.tp > 1 else 0.0
 
 

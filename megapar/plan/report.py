@@ -124,6 +124,8 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
         name = next((n for n in _FEATURE_FIELDS[feature] if n in fields), None)
         if value and name:
             flags.append(f"--{name.replace('_', '-')}" + (f" {c.v}" if feature == "v" else ""))
+    if p.sp_regather and c.sp and c.tp > 1:
+        flags.append("--sp-regather")
     if p.gpus <= p.gpus_per_node:
         head = f"megapar-train --dp {c.dp}"
     else:
@@ -391,6 +393,7 @@ def print_json(top: int, problem: Problem, estimates, rejected, cmd) -> None:
                 "rejected": len(rejected),
                 "rejected_reasons": reasons,
                 "fused_attention": problem.fused_attention,
+                "sp_regather": problem.sp_regather,
                 "command": cmd[0] if cmd else None,
                 "missing_in_megapar_train": cmd[1] if cmd else None,
             },

@@ -13,7 +13,7 @@ from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan import experts, pipeline
 from megapar.plan.context_parallel import cp_layer_seconds
-from megapar.plan.layouts import Candidate
+from megapar.plan.layouts import Candidate, regathers
 from megapar.plan.problem import Problem
 from megapar.tensor_parallel.partition import local_size
 
@@ -64,6 +64,11 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     half = 0.5 if c.sp else 1.0  # SP: an all-gather or reduce-scatter
     tp_fwd = 2 * ring  # per layer (SP: 2 AG + 2 RS, same bytes)
     tp_bwd = tp_fwd * (2 if c.recompute == "full" else 1)
+    # --sp-regather: one more all-gather per shared input in the backward (attention's, the
+    # MLP's; a MoE layer's MLP only with shared experts: its routed tokens are not gathered),
+    # counted exposed (the run overlaps it with one input-gradient matmul: an upper bound)
+    regather = 0.5 * ring if regathers(p, c) else 0.0
+    moe_regathers = 1 + bool(getattr(cfg, "shared_expert_intermediate_size", 0))
     cp_f, cp_b = cp_layer_seconds(p, c, tokens * fl.attention / rate)
     cp_b += cp_f if c.recompute != "none" else 0.0
     extra = {"none": 0.0, "selective": fl.attention, "full": fl.layer()}[c.recompute]
@@ -84,12 +89,13 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         emb_comm = ring * half if first else 0.0  # the vocab-parallel lookup's reduction
         head_f = ring * 0.5 if last and c.sp else 0.0  # SP: its input gathered
         head_b = ring * half if last else 0.0  # its input's gradient
+        regathered = regather * (2 * (k - k_moe) + moe_regathers * k_moe)
         return ChunkTime(
             f / rate + k * (tp_fwd + cp_f) + emb_comm + head_f + k_moe * ep_f,
-            bi / rate + k * (tp_bwd + cp_b) + head_b + k_moe * ep_b,
+            bi / rate + k * (tp_bwd + cp_b) + regathered + head_b + k_moe * ep_b,
             w / rate,
             f + bi + w,
-            k * (tp_fwd + tp_bwd) + emb_comm + head_f + head_b,
+            k * (tp_fwd + tp_bwd) + regathered + emb_comm + head_f + head_b,
             k * (cp_f + cp_b),
             k_moe * (ep_f + ep_b),
         )

@@ -21,6 +21,12 @@ from megapar.tensor_parallel.mappings import (
     scatter_to_tp_region,
 )
 from megapar.tensor_parallel.partition import local_size, set_partition
+from megapar.tensor_parallel.regather import (
+    SequenceShard,
+    gather_keeping_shard,
+    regathered_linear,
+    shard_of,
+)
 from megapar.tensor_parallel.sequence_parallel import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -43,12 +49,25 @@ def _param(shape, tp_dim, full_shape, device) -> nn.Parameter:
     return set_partition(nn.Parameter(torch.empty(shape, device=device)), tp_dim, full_shape)
 
 
-def _matmul(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _matmul(
+    layer, x: torch.Tensor, bias: torch.Tensor | None, shard: SequenceShard | None = None
+) -> torch.Tensor:
     """X W^T + b of a parallel linear: in float8 when converted (its weight gradient then
-    computed in the backward, never deferred), else F.linear or its zero-bubble split."""
+    computed in the backward, never deferred), else F.linear or its zero-bubble split; or,
+    given the `shard` of a sequence-parallel X (`--sp-regather`), keeping only its slice for
+    the backward where neither of those applies (`regathers`)."""
     if layer.fp8 is not None:
         return fp8_linear(x, layer.weight, bias, layer.fp8)
+    if shard is not None and regathers(layer.weight_grad_store, layer.weight):
+        return regathered_linear(x, layer.weight, bias, shard)
     return linear(x, layer.weight, bias, layer.weight_grad_store)
+
+
+def regathers(store, weight: torch.Tensor) -> bool:
+    """Whether a linear given a `SequenceShard` keeps only its slice: in a backward-recording
+    forward whose weight gradient is not deferred to a zero-bubble W pass (whose store keeps
+    the gathered X until then)."""
+    return torch.is_grad_enabled() and weight.requires_grad and (store is None or not store.enabled)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -80,20 +99,35 @@ class ColumnParallelLinear(nn.Module):
         """A `WeightGradStore` to defer the weight gradient into (zero-bubble pipelines)."""
         self.fp8: Fp8Spec | None = None
         """Run the matmul in float8 this way (`fp8_convert.convert_to_fp8`); None: as F.linear."""
+        self.regather = False
+        """Under SP keep only this rank's slice of X for the backward and all-gather it again
+        there (`--sp-regather`, `megapar.models.set_sp_regather`); False: keep the gathered X."""
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """X as this layer needs it: all-gathered along the sequence (SP) or copied into the tp
         region. Several projections of one X (q, k, v; gate, up) enter once and share it, so
-        the backward reduces their summed input gradient in one collective."""
+        the backward reduces their summed input gradient in one collective (and under
+        `regather` re-gathers X once for all of them: the gathered X carries its shard)."""
+        if not self.sequence_parallel:
+            return copy_to_tp_region(x, self.group)
+        if self._keeps_shard():
+            return gather_keeping_shard(x, self.group)
+        return gather_from_sequence_parallel_region(x, self.group)
+
+    def _keeps_shard(self) -> bool:
+        """`regather` where it applies: not in float8, nor with the weight gradient deferred
+        (zero-bubble W), nor inside torch.compile'd code (the tag on X is not traced)."""
         return (
-            gather_from_sequence_parallel_region(x, self.group)
-            if self.sequence_parallel
-            else copy_to_tp_region(x, self.group)
+            self.regather
+            and self.fp8 is None
+            and regathers(self.weight_grad_store, self.weight)
+            and not torch.compiler.is_compiling()
         )
 
     def forward(self, x: torch.Tensor, entered: bool = False) -> torch.Tensor:
         """`entered`: X already went through `enter` (of this or a sibling projection)."""
-        y = _matmul(self, x if entered else self.enter(x), self.bias)
+        x = x if entered else self.enter(x)
+        y = _matmul(self, x, self.bias, shard_of(x))
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 

@@ -66,6 +66,8 @@ class TrainConfig:
     """Rank order, fastest first: tp-pp-dp (dp outermost: gradient all-reduce crosses nodes) or tp-dp-pp (Megatron's: pp outermost, point-to-point crosses nodes)."""
     sequence_parallel: bool = False
     """Split LayerNorm, dropout and the residual stream along the sequence over the tp group (Megatron sequence parallelism; --seq-len must be divisible by --tp)."""
+    sp_regather: bool = False
+    """With --sequence-parallel: the column-parallel projections (q/k/v, gate/up, GPT-2's and BERT's fused ones) keep only this rank's sequence slice of their input for the backward and all-gather it again there, once per shared input (Megatron-LM's behaviour): two whole-sequence tensors per block and micro-batch become 1 / tp of them, for one more all-gather of s x b x h / tp per shared input in the backward. Ignored where the gathered input is kept anyway: zero-bubble deferred weight gradients, --fp8 linears, --recompute full, --compile'd blocks (docs/guides/parallelism.md)."""
     oversubscribe: bool = False
     """Start more local workers than 4 per CPU core (at least 8) when megapar-train starts them itself; refused otherwise."""
     # --- model ---

@@ -10,7 +10,7 @@ import torch
 from megapar.device import share_host_arena
 from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh
-from megapar.models import set_loss_chunk_tokens
+from megapar.models import set_loss_chunk_tokens, set_sp_regather
 from megapar.models.compile import compile_blocks
 from megapar.optim import Precision, build_optimizer
 from megapar.optim.zero3 import Zero3Optimizer
@@ -65,6 +65,7 @@ def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
         placement=placement_of(cfg.schedule),
     )
     set_loss_chunk_tokens(model, cfg.loss_chunk_tokens)
+    set_sp_regather(model, cfg.sp_regather)  # kept off under --recompute full
     summary = (
         None
         if cfg.fp8 == "off"

@@ -133,7 +133,9 @@ def prepare(
     min_lr). fp8: "tensorwise" / "rowwise" runs the blocks' linears in FP8 with torchao (a GPU
     with FP8, or fp8_emulate=True; docs/guides/fp8.md). Any other `TrainConfig` field (e.g.
     lr_scale_with_batch, global_batch_size) can be passed as a keyword;
-    compile=True torch.compiles each transformer block (`--compile`).
+    compile=True torch.compiles each transformer block (`--compile`); sequence_parallel=True
+    (tp > 1) splits the sequence between the tp regions, sp_regather=True with it keeps only
+    the sequence slice of the column-parallel inputs for the backward (`--sp-regather`).
     on_nonfinite: a step whose loss or gradients are not finite is never applied (weights and
     optimizer state stay as they were); "raise" (default): `train_step` raises
     `megapar.faults.stop.NonFiniteError` on every rank, naming the step and what was not
@@ -171,6 +173,11 @@ def prepare(
         **options,
     )
     _check_sharding(cfg)
+    if cfg.sp_regather and not (cfg.sequence_parallel and tp > 1):
+        raise ValueError(
+            "megapar.prepare: sp_regather=True needs sequence_parallel=True and tp > 1 "
+            "(it changes what sequence parallelism keeps for the backward)"
+        )
     check_fp8(cfg)  # Fp8Error (a ValueError): torchao, a GPU with FP8 or fp8_emulate=True
     _check_world(cfg)
     lr_schedule = _lr_scheduler(lr_schedule, cfg)

@@ -142,6 +142,11 @@ def check_settings(cfg) -> None:
             f"--val-fraction {cfg.val_fraction} is invalid: it is the share of "
             f"documents held out, in [0, 1) (e.g. 0.05; 0 disables validation)"
         )
+    if cfg.sp_regather and not (cfg.sequence_parallel and cfg.tp > 1):
+        raise UsageError(
+            "--sp-regather changes what sequence parallelism keeps for the backward: "
+            "add --sequence-parallel with --tp > 1, or drop --sp-regather"
+        )
     _check_combinations(cfg)
 
 

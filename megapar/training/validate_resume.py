@@ -129,6 +129,7 @@ NOT_INHERITED = {
     "schedule",
     "virtual_stages",
     "sequence_parallel",
+    "sp_regather",
     "recompute",
     "zero",
     "offload_optimizer",
