@@ -55,7 +55,8 @@ def env(tmp_path_factory):
                                     "n_head": 4}))
     ids = {}
     for name, array in {"float": np.zeros((1, 4)), "flat": np.zeros(4, dtype=np.int64),
-                        "long": np.zeros((1, 100), dtype=np.int64)}.items():
+                        "long": np.zeros((1, 100), dtype=np.int64),
+                        "good": np.zeros((1, 4), dtype=np.int64)}.items():
         ids[name] = root / f"{name}.npy"
         np.save(ids[name], array)
     (root / "empty_dir").mkdir()
@@ -218,6 +219,8 @@ TRAIN = [
     (["--log-json", ""], "--log-json '' is an empty path"),
     (["--tensorboard", ""], "--tensorboard '' is an empty path"),
     (["--save", ""], "--save '' is an empty path"),
+    # a file's path ending in / names a directory (it was written as ck/logs/ after the start)
+    (["--log-json", "{new_dir/}"], "new_dir/ is a directory; give a file name"),
     # the fault injector (a testing tool): a spec it cannot carry out, before any worker starts
     (["--inject-corrupt", "step=2,module=transformer.h.1.atn"],
      "--inject-corrupt: gpt2 has no module 'transformer.h.1.atn' (names as in the Hugging Face "
@@ -262,6 +265,7 @@ def _fill(argv, env):
              "pickled_hf": str(env["root"] / "pickled_hf"),
              "prefix.bin": env["prefix"] + ".bin", "cache": str(env["root"] / "cache"),
              "empty_idx": str(env["root"] / "empty_idx"),
+             "new_dir/": str(env["root"] / "new_dir") + "/",
              **{f"ids:{k}": str(v) for k, v in env["ids"].items()}}
     return [names[a[1:-1]] if a.startswith("{") else a for a in argv]
 
@@ -322,6 +326,8 @@ EVAL = [
      "sequences of 100 tokens, more than the model's 64 positions"),
     (["--load", "{ckpt}", "--input-ids", "/nonexistent.npy", "--save-logits", "out.npy"],
      "--input-ids /nonexistent.npy: no such file"),
+    (["--load", "{ckpt}", "--input-ids", "{ids:good}", "--save-logits", "{new_dir/}"],
+     "new_dir/ is a directory; give a file name, e.g. --save-logits "),
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "64",
       "--micro-batch-size", "100000"], "fewer than one batch of --micro-batch-size 100000"),
 ]
@@ -358,6 +364,10 @@ BUBBLE = [
     (["--pp", "2", "-m", "4", "--virtual-stages", "0"],
      "--virtual-stages 0 is invalid: it must be >= 1"),
     (["--pp", "2", "-m", "4", "--steps", "0"], "--steps 0 is invalid"),
+    # a file's path ending in / names a directory (the trace failed after the run, the plot
+    # was written as new_dir/.png.png)
+    (["--pp", "2", "-m", "4", "--trace", "{new_dir/}"], "new_dir/ is a directory; give a file"),
+    (["--pp", "2", "-m", "4", "--plot", "{new_dir/}"], "new_dir/ is a directory; give a file"),
     # measured runs are bounded too, and the chunks checked before a worker starts
     (["--pp", "2", "-m", "20000"], "80,000 actions on 2 stages, more than megapar-bubble"),
     (["--pp", "2", "-m", "4", "--schedule", "interleaved", "--virtual-stages", "100000"],
@@ -368,9 +378,9 @@ BUBBLE = [
 
 
 @pytest.mark.parametrize("argv, message", BUBBLE, ids=[" ".join(a) for a, _ in BUBBLE])
-def test_megapar_bubble(argv, message, no_workers, capsys):
+def test_megapar_bubble(argv, message, no_workers, capsys, tmp_path):
     limit = launcher.local_worker_limit()
-    names = {"{too_many}": TOO_MANY, "{limit}": str(limit)}
+    names = {"{too_many}": TOO_MANY, "{limit}": str(limit), "{new_dir/}": f"{tmp_path}/new_dir/"}
     rc = bubble([names.get(a, a) for a in argv])
     line = _one_line(capsys, "megapar-bubble")
     message = message.format(limit=limit, twice_limit=2 * limit)

@@ -39,7 +39,7 @@ from megapar.pipeline.timeline import (
     write_chrome_trace,
 )
 from megapar.training import bubble
-from megapar.training.validate import UsageError, check_writable, flag_of
+from megapar.training.validate import UsageError, check_writable, flag_of, names_directory
 from megapar.training.validate_tools import MAX_SIMULATED_ACTIONS, check_bubble_args
 
 
@@ -177,14 +177,14 @@ def check_output_files(args) -> None:
     work; args.plot becomes the file name matplotlib will actually write."""
 
     if args.trace:
-        if os.path.isdir(os.path.expanduser(args.trace)):
+        if names_directory(args.trace):
             raise ValueError(
                 f"--trace {args.trace} is a directory; give a file name, e.g. "
                 f"--trace {os.path.join(args.trace, 'trace.json')}"
             )
         check_writable(args.trace, "--trace", kind="file")
     if args.plot:
-        if os.path.isdir(os.path.expanduser(args.plot)):
+        if names_directory(args.plot):
             raise ValueError(
                 f"--plot {args.plot} is a directory; give a file name, e.g. "
                 f"--plot {os.path.join(args.plot, 'gantt.png')}"

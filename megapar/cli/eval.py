@@ -36,7 +36,7 @@ from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
 from megapar.training.tokenizer_checks import check_given_tokenizer
-from megapar.training.validate import UsageError, check_writable
+from megapar.training.validate import UsageError, check_writable, names_directory
 from megapar.training.validate_tools import check_eval_args
 
 
@@ -172,7 +172,7 @@ def logits_file(path: str) -> str:
     not a directory, and its directory writable (created if missing, as the run needs)."""
 
     target = os.path.expanduser(path)
-    if os.path.isdir(target):
+    if names_directory(path):
         raise ValueError(
             f"--save-logits {path} is a directory; give a file name, e.g. "
             f"--save-logits {os.path.join(path, 'logits.npy')}"

@@ -400,6 +400,12 @@ def fit_batch_to_data(cfg, samples: int, dp: int, fits=lambda gbs, mbs: True) ->
 
 
 # --- output locations -------------------------------------------------------------------------
+def names_directory(path: str) -> bool:
+    """Whether `path` names a directory: one that exists, or a path ending in a separator
+    (``logs/``), which the OS would resolve as one."""
+    return path.endswith(("/", os.sep)) or os.path.isdir(os.path.expanduser(path))
+
+
 def check_writable(path: str, flag: str, kind: str = "dir") -> None:
     """Raise ValueError unless `path` (a directory, or a file's directory) can be written now.
 
@@ -412,7 +418,7 @@ def check_writable(path: str, flag: str, kind: str = "dir") -> None:
         raise ValueError(
             f"{flag} {path} is a file, not a directory; choose a directory (or remove the file)"
         )
-    if kind == "file" and os.path.isdir(target):
+    if kind == "file" and names_directory(path):
         raise ValueError(f"{flag} {path} is a directory; give a file name")
     try:
         probe_writable(directory)
