@@ -1,5 +1,6 @@
-"""Inputs users have: .jsonl, .json (JSON lines or an array), .parquet and directories of them,
-streamed through megapar-data (any number of workers gives the same bytes)."""
+"""Inputs users have: .jsonl, .json (JSON lines, an array, or one pretty-printed object), .parquet
+and directories of them (less a tokenized dataset's own .json), streamed through megapar-data
+(any number of workers gives the same bytes)."""
 
 import json
 from pathlib import Path
@@ -27,7 +28,13 @@ def inputs(tmp_path):
     (root / "sub" / "c.json").write_text("\n".join(json.dumps({"text": t}) for t in c))
     pq.write_table(pa.table({"text": d, "n": list(range(len(d)))}), root / "sub" / "d.parquet",
                    row_group_size=7)
-    return root, a + b + c + d
+    # one object over several lines (it was read as JSON Lines: "expected a JSON object")
+    e = "One object,\n\npretty-printed."
+    (root / "sub" / "e.json").write_text(json.dumps({"id": 7, "text": e}, indent=2))
+    # megapar-data's output written into the corpus: its .json is no input
+    for ext in (".bin", ".idx", ".json"):
+        (root / "sub" / f"tok{ext}").write_text("{}")
+    return root, a + b + c + d + [e]
 
 
 def test_every_input_kind_gives_its_documents_in_order(inputs):
@@ -35,7 +42,7 @@ def test_every_input_kind_gives_its_documents_in_order(inputs):
     from megapar.data.preprocess import expand_inputs
 
     files = expand_inputs([str(root)])
-    assert [Path(f).name for f in files] == ["a.jsonl", "b.json", "c.json", "d.parquet"]
+    assert [Path(f).name for f in files] == ["a.jsonl", "b.json", "c.json", "d.parquet", "e.json"]
     assert [t for t, _ in iter_documents(files)] == expected
 
 

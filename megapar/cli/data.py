@@ -11,7 +11,9 @@ Examples:
 
 A ``.txt`` file is one document unless ``--split-lines`` is given, in which case every
 blank-line-separated paragraph is a document; each line of a ``.jsonl`` file is one, each
-object of a ``.json`` file (JSON lines or an array) and each row of a ``.parquet`` file.
+object of a ``.json`` file (JSON lines, an array, or one object) and each row of a
+``.parquet`` file. In a directory, a tokenized dataset's ``.json`` (beside its ``.bin`` and
+``.idx``) is not read as input.
 Windows (CRLF) and old Mac (CR) line endings are read as LF, in every input kind, so the
 same text gives the same dataset whichever line endings it was saved with.
 """

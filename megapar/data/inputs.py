@@ -1,10 +1,10 @@
 """Reading the inputs of ``megapar-data`` / ``megapar-train --data`` as documents.
 
-``.txt`` (one document, or one per blank-line paragraph), ``.jsonl`` / ``.json`` (JSON lines or
-an array of objects, the text under a key), ``.parquet`` (a column, a record batch at a time),
-and directories of them. Every document's CRLF / lone CR line endings become LF
-(`normalize_newlines`); text that is not UTF-8 is counted and refused above a threshold
-(`read_text`). See `megapar.data.preprocess` for what is done with the documents.
+``.txt`` (one document, or one per blank-line paragraph), ``.jsonl`` / ``.json`` (JSON lines, an
+array of objects, or in a ``.json`` one object, the text under a key), ``.parquet`` (a column, a
+record batch at a time), and directories of them. Every document's CRLF / lone CR line endings
+become LF (`normalize_newlines`); text that is not UTF-8 is counted and refused above a
+threshold (`read_text`). See `megapar.data.preprocess` for what is done with the documents.
 """
 
 from __future__ import annotations
@@ -61,14 +61,19 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
     """Input paths with directories replaced by their ``.txt``/``.jsonl`` files (recursive,
-    sorted)."""
+    sorted), less the ``.json`` that describes a tokenized dataset beside its ``.bin`` and
+    ``.idx`` (megapar-data's output written into the input directory is not text)."""
     files: list[str] = []
     for path in inputs:
         path = os.fspath(path)
         if os.path.isdir(path):
             found = []
             for root, _dirs, names in os.walk(path):
-                found += [os.path.join(root, n) for n in names if n.endswith(INPUT_SUFFIXES)]
+                found += [
+                    os.path.join(root, n)
+                    for n in names
+                    if n.endswith(INPUT_SUFFIXES) and not _dataset_sidecar(os.path.join(root, n))
+                ]
             if not found:
                 raise FileNotFoundError(
                     f"input directory {path} holds no {' / '.join(INPUT_SUFFIXES)} files"
@@ -101,8 +106,12 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
         if path.endswith(".parquet"):
             yield from _parquet_documents(path, jsonl_key)
             continue
-        if path.endswith(".json") and _is_json_array(path):
+        kind = _json_kind(path) if path.endswith(".json") else "lines"
+        if kind == "array":
             yield from _json_array_documents(path, jsonl_key)
+            continue
+        if kind == "object":
+            yield from _json_object_document(path, jsonl_key)
             continue
         if path.endswith((".jsonl", ".json")):
             with open(path, "rb") as f:
@@ -140,10 +149,46 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
                 yield para.strip("\n"), len(para) + 2
 
 
-def _is_json_array(path: str) -> bool:
+def _dataset_sidecar(path: str) -> bool:
+    """Whether `path` is the ``.json`` of a tokenized dataset (its ``.bin`` and ``.idx`` beside)."""
+    stem = path[: -len(".json")]
+    return (
+        path.endswith(".json") and os.path.isfile(stem + ".bin") and os.path.isfile(stem + ".idx")
+    )
+
+
+def _json_kind(path: str) -> str:
+    """How a ``.json`` file holds its documents: "array" (of objects), "object" (one object over
+    several lines: its first line alone is no JSON) or "lines" (JSON Lines)."""
     with open(path, "rb") as f:
         head = f.read(4096).lstrip()
-    return head.startswith(b"[")
+        if head.startswith(b"["):
+            return "array"
+        if not head.startswith(b"{"):
+            return "lines"
+        f.seek(0)
+        first = next((line for line in f if line.strip()), b"")
+    try:
+        json.loads(first)
+        return "lines"
+    except ValueError:
+        pass
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "object" if isinstance(json.load(f), dict) else "lines"
+    except ValueError:  # reported line by line, as JSON Lines
+        return "lines"
+
+
+def _json_object_document(path: str, key: str) -> Iterator[tuple[str, int]]:
+    with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    if not isinstance(record.get(key), str):
+        raise ValueError(
+            f"{path}: the object has no string field {key!r}; fix it or pass --jsonl-key"
+        )
+    if record[key].strip():
+        yield record[key], os.path.getsize(path)
 
 
 def _json_array_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
