@@ -219,6 +219,7 @@ TRAIN = [
     (["--log-json", ""], "--log-json '' is an empty path"),
     (["--tensorboard", ""], "--tensorboard '' is an empty path"),
     (["--save", ""], "--save '' is an empty path"),
+    (["--data-cache", ""], "--data-cache '' is an empty path"),
     # a file's path ending in / names a directory (it was written as ck/logs/ after the start)
     (["--log-json", "{new_dir/}"], "new_dir/ is a directory; give a file name"),
     # the fault injector (a testing tool): a spec it cannot carry out, before any worker starts

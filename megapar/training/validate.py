@@ -88,7 +88,12 @@ _RULES: list[_Rule] = [
 ]
 
 
-_EXAMPLE_PATHS = {"save": "ckpt", "log_json": "run.jsonl", "tensorboard": "tb"}
+_EXAMPLE_PATHS = {
+    "save": "ckpt",
+    "log_json": "run.jsonl",
+    "tensorboard": "tb",
+    "data_cache": "~/.cache/megapar",
+}
 
 MAX_TIMEOUT_S = 1e9
 """Longest --timeout-s / --nccl-timeout-s: torch's TCPStore fails at once from about 1e10 s
@@ -109,7 +114,7 @@ def check_settings(cfg) -> None:
             SlowRank.parse(cfg.inject_slow)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    for name in ("save", "log_json", "tensorboard"):  # "" would silently write nothing
+    for name in _EXAMPLE_PATHS:  # "" would silently write nothing (or into the working directory)
         if getattr(cfg, name) == "":
             raise UsageError(
                 f"{flag_of(name)} '' is an empty path: give a path (e.g. "
