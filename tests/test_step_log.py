@@ -46,3 +46,7 @@ def test_a_step_without_pipeline_or_dp_logs_neither():
     line = format_line(3, metrics)
     assert "bubble" not in line and "wait" not in line
     assert "bubble 12.5%" in format_line(3, {**metrics, "bubble": 0.125})
+    # steps skipped for inf / nan since the last line show, whether or not this one was
+    assert "skipped" not in line
+    assert "| skipped 1 (inf/nan)" in format_line(3, {**metrics, "skipped": True})
+    assert "| skipped 2 (inf/nan)" in format_line(3, {**metrics, "skipped_steps": 2})

@@ -172,8 +172,9 @@ def format_line(step: int, m: dict) -> str:
     """The console log line: `bubble` with a pipeline, `grad-reduce wait` (the idle share of a
     step without one: waiting for the data-parallel gradient reduction) at pp 1 with dp or cp,
     neither at pp 1 alone; a mixture of experts' router statistics (the balancing losses, the
-    busiest layer's max / mean tokens per expert, the share of assignments dropped); each rank
-    named slow (`stragglers`) at the end."""
+    busiest layer's max / mean tokens per expert, the share of assignments dropped); the steps
+    skipped for inf / nan since the last line (`skipped_steps`, else this step's `skipped`);
+    each rank named slow (`stragglers`) at the end."""
     parts = [
         f"step {step:>6}",
         f"loss {m['loss']:.4f}",
@@ -193,8 +194,9 @@ def format_line(step: int, m: dict) -> str:
             f"moe aux {m['moe_aux_loss']:.4f} z {m['moe_z_loss']:.3f} "
             f"imbalance {m['moe_imbalance']:.2f} dropped {100 * m['moe_dropped']:.1f}%"
         )
-    if m.get("skipped"):
-        parts.append("skipped (inf/nan)")
+    skipped = m.get("skipped_steps", int(bool(m.get("skipped"))))
+    if skipped:
+        parts.append(f"skipped {skipped} (inf/nan)")
     if "loss_scale" in m and m["loss_scale"] != 1.0:
         parts.append(f"scale {m['loss_scale']:.0f}")
     parts.extend(Straggler(**s).describe() for s in m.get("stragglers", ()))

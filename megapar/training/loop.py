@@ -371,12 +371,17 @@ class Trainer:
         return self.step if loaded and save_root in (loaded, *loaded.parents) else None
 
     def log_step(self, logger, metrics: dict, loss: float, logging_step: bool) -> None:
-        """Record a step's metrics and loss; on a logging step also print its line."""
+        """Record a step's metrics and loss; on a logging step also print its line, with the
+        steps skipped for inf / nan since the last line (Megatron's "number of skipped
+        iterations": a skip between --log-interval lines would not show otherwise)."""
         logger.log(self.step, metrics)
         logger.advance(self.step, loss)
+        self.skipped_since_line = getattr(self, "skipped_since_line", 0) + bool(metrics["skipped"])
         if logging_step:
+            line = {**metrics, "skipped_steps": self.skipped_since_line}
+            self.skipped_since_line = 0
             logger.message(
-                format_line(self.step, metrics)
+                format_line(self.step, line)
                 + (f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
             )
 
