@@ -86,6 +86,16 @@ def test_bad_inputs_name_the_problem(tmp_path, capsys):
     assert data_main(["--input", str(tmp_path / "n.parquet"), "--output-prefix",
                       str(tmp_path / "o"), "--no-progress"]) == 2
     assert "column 'text' holds int64, not text" in capsys.readouterr().err
+    # a null row was dropped silently (a .jsonl line's null is refused, above)
+    pq.write_table(pa.table({"text": ["a", None, "b"]}), tmp_path / "null.parquet")
+    assert data_main(["--input", str(tmp_path / "null.parquet"), "--output-prefix",
+                      str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "null.parquet: row 1: column 'text' is null, not a string" in capsys.readouterr().err
+    # one object spread over lines is not mistaken for JSON Lines: its missing key is named
+    (tmp_path / "single.json").write_text(json.dumps({"body": "x"}, indent=2))
+    assert data_main(["--input", str(tmp_path / "single.json"), "--output-prefix",
+                      str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "single.json: the object has no string field 'text'" in capsys.readouterr().err
     assert not list(tmp_path.glob("o*"))
 
 

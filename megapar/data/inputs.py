@@ -230,6 +230,7 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
         )
     size = os.path.getsize(path) / max(1, file.metadata.num_rows)
     batches = file.iter_batches(columns=[key], batch_size=1024)
+    row = 0
     while True:
         try:
             batch = next(batches, None)
@@ -242,5 +243,11 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
         if batch is None:
             return
         for text in batch.column(0).to_pylist():
-            if isinstance(text, str) and text.strip():
+            if text is None:  # never dropped silently (as a .jsonl line's null)
+                raise ValueError(
+                    f"{path}: row {row}: column {key!r} is null, not a string; fix the file "
+                    f"(drop or fill the row) or pass --jsonl-key naming the text column"
+                )
+            row += 1
+            if text.strip():
                 yield text, int(size)
