@@ -236,8 +236,10 @@ def test_min_lr_not_given_follows_a_lower_lr(texts, cache, tiny_model, tmp_path,
     assert lrs == pytest.approx([expected.lr(i) for i in range(3)], rel=1e-6)
     rc, err = _run(train, ["--data", texts["poem"], "--data-cache", cache, "--model", tiny_model,
                            "--tokenizer", "sentencepiece", "--seq-len", "32", "--max-steps", "2",
-                           "--lr", "3e-3", "--no-progress"], capsys)
+                           "--lr", "3e-3", "--no-progress", "--sequence-parallel"], capsys)
     assert rc == 0 and "--min-lr not given" not in err  # a higher --lr keeps the default
+    # a flag with nothing to do at tp 1 says so (it was accepted without a word)
+    assert "--sequence-parallel at --tp 1: nothing to split" in err
 
 
 def test_config_file_values_are_parsed_like_flags(texts, cache, tiny_model, tmp_path, capsys):

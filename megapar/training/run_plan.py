@@ -140,6 +140,8 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
             f"--sequence-parallel needs; choose a multiple of {layout.tp}"
         )
     check_cp_seq_len(cfg.seq_len, layout, cfg.sequence_parallel)
+    if cfg.sequence_parallel and layout.tp == 1:  # Megatron's "disabled when tp == 1"
+        notes.append("--sequence-parallel at --tp 1: nothing to split, it applies with --tp > 1")
 
     LRScheduler(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.lr_decay)  # checks
     # the model and the layout: before any data is read or anything written
