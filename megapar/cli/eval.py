@@ -55,8 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="sequence length of the windows (default: the one the checkpoint trained with)",
     )
-    p.add_argument("--micro-batch-size", type=int, default=4, help="windows per batch")
-    p.add_argument("--max-batches", type=int, default=8, help="number of batches K")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="windows per batch (default 4)")
+    p.add_argument(
+        "--max-batches",
+        type=int,
+        default=8,
+        help="batches to evaluate, at most (default 8; fewer where the data holds fewer)",
+    )
     p.add_argument("--input-ids", help="a [batch, seq] integer .npy file")
     p.add_argument(
         "--save-logits",
