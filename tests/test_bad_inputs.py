@@ -60,6 +60,10 @@ def env(tmp_path_factory):
         ids[name] = root / f"{name}.npy"
         np.save(ids[name], array)
     (root / "empty_dir").mkdir()
+    (root / "mixed").mkdir()  # text and a dataset megapar-data wrote beside it
+    (root / "mixed" / "a.txt").write_text("text to train on\n")
+    for ext in (".bin", ".idx", ".json"):
+        shutil.copy(prefix + ext, root / "mixed" / f"tok{ext}")
     import torch
     from transformers import GPT2Config
 
@@ -211,6 +215,8 @@ TRAIN = [
     (["--data", "{prefix.bin}"], ".bin is a file of the dataset"),
     (["--data", "{prefix.bin}"], "; pass the prefix without .bin: --data "),
     (["--data", "{cache}"], "is a directory of tokenized datasets; pass a dataset's prefix"),
+    (["--data", "{mixed}"], "mixed holds tokenized datasets beside its text; pass a dataset's "
+                            "prefix (e.g. --data "),
     (["--data", "{ckpt}"], "is a megapar checkpoint, not data; pass it to --load"),
     # an empty .idx is what is wrong, not the .json a megapar index would need
     (["--data", "{empty_idx}"], ("empty_idx.idx is empty (0 bytes): not a megapar or "
@@ -266,7 +272,7 @@ def _fill(argv, env):
              "pickled_hf": str(env["root"] / "pickled_hf"),
              "prefix.bin": env["prefix"] + ".bin", "cache": str(env["root"] / "cache"),
              "empty_idx": str(env["root"] / "empty_idx"),
-             "new_dir/": str(env["root"] / "new_dir") + "/",
+             "new_dir/": str(env["root"] / "new_dir") + "/", "mixed": str(env["root"] / "mixed"),
              **{f"ids:{k}": str(v) for k, v in env["ids"].items()}}
     return [names[a[1:-1]] if a.startswith("{") else a for a in argv]
 

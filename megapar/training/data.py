@@ -167,9 +167,16 @@ def _refuse_what_is_not_text(path: str) -> None:
     prefixes = sorted(n[:-4] for n in names if n.endswith(".idx") and n[:-4] + ".bin" in names)
     if prefixes:
         shown = ", ".join(os.path.join(path, p) for p in prefixes[:3])
+        try:
+            text = bool(expand_inputs([path]))  # a dataset's own .json is not text
+        except FileNotFoundError:
+            text = False
         raise ValueError(
             f"--data {path} is a directory of tokenized datasets; pass a dataset's "
             f"prefix (e.g. --data {shown}), or a blend of them"
+            if not text
+            else f"--data {path} holds tokenized datasets beside its text; pass a dataset's "
+            f"prefix (e.g. --data {shown}), or move the datasets out to train on the text"
         )
 
 
