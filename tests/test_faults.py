@@ -564,6 +564,50 @@ def test_the_stopped_rank_is_blamed_not_the_ones_still_waiting_for_it():
     assert lines[1] == "(ranks [0] were still waiting)", text
 
 
+def test_a_slow_rank_is_blamed_with_its_step_and_action_not_the_ranks_waiting_for_it(tmp_path):
+    """`--inject-slow rank=3,ms=40000 --timeout-s 5`: rank 2 (its tp peer) timed out; ranks
+    0 and 1 waited in the dp all-reduce and had not answered either. The console's one line
+    said "rank 0 did not answer" (the lowest silent rank, no step or action): it names the rank
+    most likely at fault now, with where it was."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from megapar.faults.blame import blame
+    from megapar.faults.report import worker_failure
+
+    idle = subprocess.Popen(["sleep", "60"])
+    spinning = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+    dp_wait = "step 2, waiting for the data-parallel gradient all-reduce"
+    forward = "step 2, forward of micro-batch 0 on pp stage {}"
+    timeout = "TrainingError: rank {} (...) failed at step 2: RuntimeError: [gloo] Timed out"
+    try:
+        procs = [SimpleNamespace(pid=idle.pid, exitcode=None) for _ in range(4)]
+        # tp 2 x dp 2: the others wait in a collective, rank 3 computes
+        text = blame(procs, {}, {2: timeout.format(2)},
+                     [dp_wait, dp_wait, forward.format(0), forward.format(0)])
+        assert text.splitlines()[:2] == [f"rank 3 did not answer at {forward.format(0)}",
+                                         "(ranks [0, 1] were still waiting)"], text
+        line, log = worker_failure(text, tmp_path)
+        assert line == f"rank 3 did not answer at {forward.format(0)}" and log.endswith("rank3.log")
+        # pp 2 x dp 2: a receive waits for rank 3; the step behind comes first
+        statuses = [dp_wait, dp_wait, "step 2, recv_grad of micro-batch 0 on pp stage 0 (from "
+                    "rank 3)", forward.format(1)]
+        assert blame(procs, {}, {0: timeout.format(0)}, statuses).startswith(
+            f"rank 3 did not answer at {forward.format(1)}")
+        statuses[1] = "step 1, send_forward [SA1] on pp stage 0 (with rank 2)"
+        assert blame(procs, {}, {0: timeout.format(0)}, statuses).startswith(
+            "rank 1 did not answer at step 1, send_forward")
+        # a tp peer waits inside its forward (the same status): the one using CPU is slow
+        procs[3] = SimpleNamespace(pid=spinning.pid, exitcode=None)
+        text = blame(procs, {}, {0: timeout.format(0), 2: timeout.format(2)},
+                     [dp_wait, forward.format(1), dp_wait, forward.format(1)])
+        assert text.splitlines()[0] == f"rank 3 did not answer at {forward.format(1)}", text
+    finally:
+        for p in (idle, spinning):
+            p.kill()
+            p.wait()
+
+
 def test_a_rank_under_torchrun_names_a_stopped_rank_of_its_node_and_continues_it():
     """torchrun's workers are siblings (one parent, RANK in their environment): the rank whose
     wait timed out names the stopped one and sends it SIGCONT, so that it ends as well instead

@@ -187,6 +187,12 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
             print(
                 f"megapar-train: its output in {log}; every rank's stack: --debug", file=sys.stderr
             )
+        elif log and " did not answer" in line:  # the others timed out waiting for it
+            print(
+                f"megapar-train: every rank's step, action and stack in {log} (or rerun with "
+                f"--debug)",
+                file=sys.stderr,
+            )
         elif log:
             print(
                 f"megapar-train: full traceback in {log} (or rerun with --debug)", file=sys.stderr
