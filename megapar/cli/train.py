@@ -198,8 +198,9 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
                 f"megapar-train: full traceback in {log} (or rerun with --debug)", file=sys.stderr
             )
         return 1
-    except KeyboardInterrupt:
-        print(f"megapar-train: aborted (second SIGINT): {_what_is_saved(cfg)}", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # the launcher's second SIGINT, or one while starting
+        why = "second SIGINT" if "second SIGINT" in str(exc) else "SIGINT while starting"
+        print(f"megapar-train: aborted ({why}): {_what_is_saved(cfg)}", file=sys.stderr)
         return 130
     return 0
 
