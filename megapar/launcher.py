@@ -162,9 +162,9 @@ def run_local(
     environment). Raises `WorkerError` naming the rank that caused the failure
     (`megapar.faults.blame`), or a `TimeoutError` naming the ranks that had not finished after
     `timeout_s`. The signals named in `forward` are passed on to the workers; a second SIGINT
-    aborts. start_method: "fork" (default on CPU), "spawn" (default on CUDA) or "forkserver"
-    (workers forked from Python's forkserver, with whose end they die: it ends with this
-    process).
+    (after `megapar.faults.stop.SAME_INTERRUPT_S`) aborts. start_method: "fork" (default on
+    CPU), "spawn" (default on CUDA) or "forkserver" (workers forked from Python's forkserver,
+    with whose end they die: it ends with this process).
     """
     on_cpu = (env or {}).get("MEGAPAR_CPU", os.environ.get("MEGAPAR_CPU", "0")) == "1"
     shared = (env or {}).get(SHARED_GPU_ENV, os.environ.get(SHARED_GPU_ENV, "")) == "1"
@@ -287,16 +287,19 @@ def _drain(results, outputs: dict, errors: dict, block: float) -> None:
 
 
 def _forward_signals(procs, names) -> Callable[[], None]:
-    """Forward the signals `names` to the workers (a second SIGINT aborts the launcher).
+    """Forward the signals `names` to the workers (a second SIGINT aborts the launcher; one
+    within `stop.SAME_INTERRUPT_S` of the first is that one delivered twice, not forwarded).
     Returns a function that restores the previous handlers. Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    sigints = [0]
+    interrupts = stop.Interrupts()
 
     def forward(signum, frame):
         if signum == signal.SIGINT:
-            sigints[0] += 1
-            if sigints[0] > 1:
+            which = interrupts.arrive()
+            if which == 0:  # the first again (`timeout -s INT`, a terminal): forwarded once
+                return
+            if which == 2:
                 raise KeyboardInterrupt("second SIGINT: aborting")
         for p in procs:
             if p.is_alive():

@@ -3,6 +3,7 @@ the problem, and no worker started (starting one fails the test)."""
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -594,3 +595,10 @@ def test_a_second_ctrl_c_names_the_checkpoint_left_to_resume_from(env, tmp_path,
     assert train([*env["common"], "--save", str(save), "--save-interval", "0"]) == 130
     err = capsys.readouterr().err
     assert "nothing saved" not in err and f"{save}/latest is step_00000004" in err, err
+    assert "aborted (second SIGINT)" in err, err
+    # a first Ctrl-C before the launcher forwards it (Python's KeyboardInterrupt) is no second
+    monkeypatch.setattr(train_cli, "run_workers", lambda *a, **k: signal.default_int_handler(
+        signal.SIGINT, None))
+    assert train([*env["common"], "--save", str(save), "--save-interval", "0"]) == 130
+    err = capsys.readouterr().err
+    assert "aborted (SIGINT while starting): any save in flight" in err, err

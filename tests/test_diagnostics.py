@@ -41,7 +41,8 @@ def test_provoked_timeout_reports_every_rank_action_and_stack():
     message = str(info.value)
     assert time.monotonic() - start < 60  # the run ends long before the stuck rank would wake
     # the stuck rank is blamed first; the waiting rank's error says whom it waited for
-    assert message.startswith("rank 1 did not answer\n")
+    assert message.startswith("rank 1 did not answer at step 2, forward of micro-batch 0 on pp "
+                              "stage 1\n"), message
     assert "rank 0 (pp stage 0): receiving the gradient of micro-batch 0 from rank 1 did not " \
         "complete" in message
     # every rank's status, and the stuck rank's Python stack (faulthandler, all threads)

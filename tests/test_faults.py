@@ -155,10 +155,12 @@ def test_first_sigint_saves_with_a_message(tmp_path, common):
                       "--log-json", str(log)], tmp_path / "out")
     assert _wait_for(lambda: len(_steps(log)) >= 1)
     os.kill(pid, signal.SIGINT)
+    time.sleep(0.05)  # the same SIGINT again, as `timeout -s INT` sends it: not a second one
+    os.kill(pid, signal.SIGINT)
     _, status = os.waitpid(pid, 0)
     out = (tmp_path / "out").read_text()
     assert os.waitstatus_to_exitcode(status) == 0, out
-    assert "KeyboardInterrupt" not in out
+    assert "KeyboardInterrupt" not in out and "aborted" not in out, out
     step = _steps(log)[-1]
     assert f"interrupted at step {step}, saving" in out
     assert (ckpt / f"step_{step:08d}" / "manifest.json").exists()
@@ -359,7 +361,11 @@ def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(tmp_path, c
     assert (ckpt / "latest").read_text().strip() == "step_00000002"
 
 
-def test_a_second_sigint_aborts_at_once(tmp_path, common):
+def test_a_second_sigint_aborts_at_once(tmp_path, common, monkeypatch):
+    from megapar.faults import stop
+
+    # a window of 0.1 s (the forked launcher inherits it): the second SIGINT 0.2 s later is one
+    monkeypatch.setattr(stop, "SAME_INTERRUPT_S", 0.1)
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     # Steps of 32 micro-batches: the first SIGINT's step cannot end before the second arrives.
     pid = _fork_main([*common, "--tp", "2", "--max-steps", "400", "--save", str(ckpt),
@@ -373,6 +379,54 @@ def test_a_second_sigint_aborts_at_once(tmp_path, common):
     assert os.waitstatus_to_exitcode(status) == 130, (tmp_path / "out").read_text()
     assert "aborted (second SIGINT)" in (tmp_path / "out").read_text()
     assert _wait_for(lambda: not any(_alive(w) for w in workers), timeout=5.0)
+
+
+def test_an_interrupt_delivered_twice_is_one_and_a_later_one_aborts(monkeypatch):
+    """`timeout -s INT` sends SIGINT to megapar-train and then to its process group (megapar-
+    train again) microseconds apart; a terminal's Ctrl-C reaches a torchrun worker directly and
+    through torchrun. Both the launcher and a worker read that as a second Ctrl-C: abort,
+    nothing saved. A repeat within `SAME_INTERRUPT_S` is now the first again; a later one still
+    aborts."""
+    from types import SimpleNamespace
+
+    from megapar.faults import stop
+    from megapar.launcher import _forward_signals
+
+    window = stop.SAME_INTERRUPT_S
+    assert 0.5 <= window <= 2.0
+    arrivals = stop.Interrupts()
+    assert [arrivals.arrive(t) for t in (10.0, 10.00001, 10.0 + window - 0.01,
+                                          10.0 + window + 0.01)] == [1, 0, 0, 2]
+    # the launcher: forwards the first to the workers once, ignores its repeat
+    forwards = []
+    worker = SimpleNamespace(pid=-1, is_alive=lambda: forwards.append(1) or False)
+    restore = _forward_signals([worker], ("SIGINT",))
+    try:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # used to raise KeyboardInterrupt
+        assert len(forwards) == 1
+        monkeypatch.setattr(stop, "SAME_INTERRUPT_S", 0.02)
+        time.sleep(0.05)
+        with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        restore()
+    # a worker: asks for a clean stop once, exits 130 on a later SIGINT only
+    monkeypatch.setattr(stop, "SAME_INTERRUPT_S", window)
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    restore = stop.install_stop_handlers("")
+    try:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # used to os._exit(130)
+        assert exits == [] and stop._requested["reason"] == "SIGINT"
+        monkeypatch.setattr(stop, "SAME_INTERRUPT_S", 0.02)
+        time.sleep(0.05)
+        signal.raise_signal(signal.SIGINT)
+        assert exits == [130]
+    finally:
+        restore()
+        stop._requested.update(reason="")
 
 
 # --- one writer per --save directory ----------------------------------------------------------
@@ -508,6 +562,50 @@ def test_the_stopped_rank_is_blamed_not_the_ones_still_waiting_for_it():
     assert lines[0] == ("rank 1 did not answer (it is stopped (SIGSTOP / SIGTSTP?)) at step 5, "
                         "forward of micro-batch 1"), text
     assert lines[1] == "(ranks [0] were still waiting)", text
+
+
+def test_a_slow_rank_is_blamed_with_its_step_and_action_not_the_ranks_waiting_for_it(tmp_path):
+    """`--inject-slow rank=3,ms=40000 --timeout-s 5`: rank 2 (its tp peer) timed out; ranks
+    0 and 1 waited in the dp all-reduce and had not answered either. The console's one line
+    said "rank 0 did not answer" (the lowest silent rank, no step or action): it names the rank
+    most likely at fault now, with where it was."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from megapar.faults.blame import blame
+    from megapar.faults.report import worker_failure
+
+    idle = subprocess.Popen(["sleep", "60"])
+    spinning = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+    dp_wait = "step 2, waiting for the data-parallel gradient all-reduce"
+    forward = "step 2, forward of micro-batch 0 on pp stage {}"
+    timeout = "TrainingError: rank {} (...) failed at step 2: RuntimeError: [gloo] Timed out"
+    try:
+        procs = [SimpleNamespace(pid=idle.pid, exitcode=None) for _ in range(4)]
+        # tp 2 x dp 2: the others wait in a collective, rank 3 computes
+        text = blame(procs, {}, {2: timeout.format(2)},
+                     [dp_wait, dp_wait, forward.format(0), forward.format(0)])
+        assert text.splitlines()[:2] == [f"rank 3 did not answer at {forward.format(0)}",
+                                         "(ranks [0, 1] were still waiting)"], text
+        line, log = worker_failure(text, tmp_path)
+        assert line == f"rank 3 did not answer at {forward.format(0)}" and log.endswith("rank3.log")
+        # pp 2 x dp 2: a receive waits for rank 3; the step behind comes first
+        statuses = [dp_wait, dp_wait, "step 2, recv_grad of micro-batch 0 on pp stage 0 (from "
+                    "rank 3)", forward.format(1)]
+        assert blame(procs, {}, {0: timeout.format(0)}, statuses).startswith(
+            f"rank 3 did not answer at {forward.format(1)}")
+        statuses[1] = "step 1, send_forward [SA1] on pp stage 0 (with rank 2)"
+        assert blame(procs, {}, {0: timeout.format(0)}, statuses).startswith(
+            "rank 1 did not answer at step 1, send_forward")
+        # a tp peer waits inside its forward (the same status): the one using CPU is slow
+        procs[3] = SimpleNamespace(pid=spinning.pid, exitcode=None)
+        text = blame(procs, {}, {0: timeout.format(0), 2: timeout.format(2)},
+                     [dp_wait, forward.format(1), dp_wait, forward.format(1)])
+        assert text.splitlines()[0] == f"rank 3 did not answer at {forward.format(1)}", text
+    finally:
+        for p in (idle, spinning):
+            p.kill()
+            p.wait()
 
 
 def test_a_rank_under_torchrun_names_a_stopped_rank_of_its_node_and_continues_it():

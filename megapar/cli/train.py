@@ -187,13 +187,20 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
             print(
                 f"megapar-train: its output in {log}; every rank's stack: --debug", file=sys.stderr
             )
+        elif log and " did not answer" in line:  # the others timed out waiting for it
+            print(
+                f"megapar-train: every rank's step, action and stack in {log} (or rerun with "
+                f"--debug)",
+                file=sys.stderr,
+            )
         elif log:
             print(
                 f"megapar-train: full traceback in {log} (or rerun with --debug)", file=sys.stderr
             )
         return 1
-    except KeyboardInterrupt:
-        print(f"megapar-train: aborted (second SIGINT): {_what_is_saved(cfg)}", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # the launcher's second SIGINT, or one while starting
+        why = "second SIGINT" if "second SIGINT" in str(exc) else "SIGINT while starting"
+        print(f"megapar-train: aborted ({why}): {_what_is_saved(cfg)}", file=sys.stderr)
         return 130
     return 0
 

@@ -4,7 +4,9 @@ A worker killed by a signal never reports; the ranks blocked in a collective wit
 moment later with connection errors or timeouts. `blame` puts the cause first: a rank that died
 (with its signal or exit code), else a rank whose error is its own, else the live ranks that never
 answered while the others timed out: the stopped ones (from /proc) when there are any, since the
-others are still waiting for them.
+others are still waiting for them, else the one most likely holding the others up
+(`most_behind`: the earliest step, then busy in its own work rather than waiting for another
+rank, then using CPU), named with its step and action.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import re
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 
-from megapar.faults.processes import pid_alive, sibling_ranks, stopped
+from megapar.faults.processes import cpu_ticks, pid_alive, sibling_ranks, stopped
 
 
 def _how(exitcode: int) -> str:
@@ -52,8 +55,8 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
     Cause, in order: ranks that died without a report (their signal / exit code, and from
     `statuses`, each rank's last "step S, action", where they were); ranks whose error is not a
     communication timeout or lost connection; live ranks that never answered while the others
-    timed out waiting for them (only the stopped ones, with where they stopped, when some
-    are)."""
+    timed out waiting for them: the stopped ones when some are, else the one most likely
+    holding the others up (`most_behind`), each with where it was."""
 
     def where(r: int) -> str:
         last = statuses[r] if statuses and r < len(statuses) else ""
@@ -77,13 +80,15 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
         rest = {r: e for r, e in errors.items() if r != first}
     elif silent and errors:
         stuck = [r for r in silent if state(procs[r])]
+        named = stuck or [most_behind(procs, silent, statuses or [])]
         lines = [
             f"rank {r} did not answer"
-            + (f" (it {state(procs[r])}){where(r)}" if r in stuck else "")
-            for r in stuck or silent
+            + (f" (it {state(procs[r])})" if r in stuck else "")
+            + where(r)
+            for r in named
         ]
-        if stuck and len(stuck) < len(silent):  # waiting for it, their timeout not yet up
-            lines.append(f"(ranks {[r for r in silent if r not in stuck]} were still waiting)")
+        if len(named) < len(silent):  # waiting for it, their timeout not yet up
+            lines.append(f"(ranks {[r for r in silent if r not in named]} were still waiting)")
         rest = errors
     else:
         first = min(errors)
@@ -99,6 +104,52 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
             + "; ".join(f"rank {r}: {e.splitlines()[0][:300]}" for r, e in sorted(rest.items()))
         )
     return "\n".join(lines)
+
+
+_WAITS = re.compile(
+    r"\b(waiting|joining|recv_\w+|send_\w+|receiving|sending|all-reduce|all-gather|"
+    r"reduce-scatter|broadcast|barrier|collectives)\b"
+)
+"""Words of a rank's action (`megapar.faults.status`) that say it waits for other ranks: a
+collective, a pipeline message, the process group. Other actions are its own work (a forward,
+a backward, a save)."""
+
+BUSY_SAMPLE_S = 0.2
+"""How long `most_behind` watches the CPU time of ranks it cannot tell apart otherwise."""
+
+
+def waits(status: str) -> bool:
+    """Whether a rank's status ("step S, action") says it waits for other ranks."""
+    return bool(_WAITS.search(status.split(", ", 1)[-1] if status.startswith("step ") else status))
+
+
+def step_of(status: str) -> int:
+    """The step of a rank's status ("step S, action"); 0 when it has none (not training yet)."""
+    match = re.match(r"step (\d+), ", status)
+    return int(match.group(1)) if match else 0
+
+
+def most_behind(procs, ranks: list[int], statuses: list[str]) -> int:
+    """Of the live `ranks` that did not answer, the one most likely holding the others up: the
+    earliest step (a rank cannot wait for one that already finished that step), then one busy
+    in its own work (a forward, a backward) before one that waits for other ranks, then, among
+    those still alike, the one whose process used the most CPU during `BUSY_SAMPLE_S`
+    (computing, as a slow rank does, where one blocked in a wait uses none: a tp peer waits
+    inside its forward); then the lowest rank."""
+
+    def key(r: int) -> tuple[int, bool]:
+        status = statuses[r] if r < len(statuses) else ""
+        return step_of(status), waits(status)
+
+    first = min(key(r) for r in ranks)
+    alike = sorted(r for r in ranks if key(r) == first)
+    if len(alike) == 1:
+        return alike[0]
+    before = {r: cpu_ticks(procs[r].pid) for r in alike}
+    time.sleep(BUSY_SAMPLE_S)
+    used = {r: (cpu_ticks(procs[r].pid) or 0) - (before[r] or 0) for r in alike}
+    busy = {r: used[r] if before[r] is not None and used[r] >= 2 else 0 for r in alike}
+    return max(alike, key=lambda r: (busy[r], -r))  # 2 ticks at least: a watchdog's wake-up
 
 
 def consequential(error: str) -> bool:

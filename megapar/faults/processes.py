@@ -64,6 +64,17 @@ def _state(pid: int) -> str | None:
         return None
 
 
+def cpu_ticks(pid: int) -> int | None:
+    """CPU time process `pid` has used so far (user + system, every thread), in clock ticks
+    (Linux /proc); None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def stopped(pid: int) -> bool:
     """Whether live process `pid` is stopped (SIGSTOP / SIGTSTP; Linux /proc)."""
     return _state(pid) in ("T", "t")

@@ -5,7 +5,8 @@
   train's loop, and `Engine.train_step` of the Python API (N = 1 outside fp16).
 - `StopRequests` / `install_stop_handlers`: SIGTERM / SIGUSR1 (configurable), the first SIGINT,
   a wall-clock budget or a step interval ask every rank to finish its step, save and exit 0; all
-  ranks agree on the step with one tiny all-reduce per step. A second SIGINT aborts at once.
+  ranks agree on the step with one tiny all-reduce per step. A second SIGINT aborts at once (one
+  within `SAME_INTERRUPT_S` of the first is the same interrupt delivered twice).
 - `watch_sigterm`: a SIGTERM is obeyed even while the main thread is blocked in a wait that
   cannot see it (a collective, the rendezvous, a CUDA synchronisation behind a hung NCCL
   kernel), where Python runs no signal handler: see `STOP_GRACE_S`.
@@ -141,7 +142,34 @@ def params_finite(weights, group=None) -> bool:
 
 
 # --- stop requests ----------------------------------------------------------------------------
-_requested: dict[str, str | int] = {"reason": "", "sigint": 0}
+SAME_INTERRUPT_S = 1.0
+"""A SIGINT this soon after the first is the same interrupt, not a second Ctrl-C: one interrupt
+often arrives twice microseconds apart. coreutils `timeout -s INT` sends it to its child and
+then to its whole process group (the child again); a terminal's Ctrl-C goes to every process of
+the foreground group, and torchrun forwards the one it got to its workers as well. Only a SIGINT
+after this window aborts; a person pressing Ctrl-C again presses it later than that."""
+
+
+class Interrupts:
+    """Counts the interrupts (Ctrl-Cs) of a process: every SIGINT within `SAME_INTERRUPT_S` of
+    the first is that one again."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        """When (time.monotonic) the first SIGINT came; None: none yet."""
+
+    def arrive(self, now: float | None = None) -> int:
+        """Which interrupt a SIGINT arriving `now` (default: time.monotonic()) is: 1 the first
+        (stop cleanly), 2 a second one (abort), 0 a repeat of the first (ignore it)."""
+        now = time.monotonic() if now is None else now
+        if self.first is None:
+            self.first = now
+            return 1
+        return 0 if now - self.first < SAME_INTERRUPT_S else 2
+
+
+_requested: dict[str, str] = {"reason": ""}
+_interrupts = Interrupts()
 
 
 def _on_signal(signum, frame):
@@ -149,8 +177,8 @@ def _on_signal(signum, frame):
 
 
 def _on_sigint(signum, frame):
-    _requested["sigint"] += 1
-    if _requested["sigint"] > 1:
+    which = _interrupts.arrive()
+    if which == 2:
         os._exit(130)
     _requested["reason"] = _requested["reason"] or "SIGINT"
 
@@ -172,7 +200,9 @@ def parse_signals(spec: str) -> list[signal.Signals]:
 def install_stop_handlers(spec: str = "SIGTERM,SIGUSR1"):
     """In a worker: the signals in `spec` (and a first SIGINT) request a clean stop.
     Returns a function that puts the previous handlers back."""
-    _requested.update(reason="", sigint=0)
+    global _interrupts
+    _requested.update(reason="")
+    _interrupts = Interrupts()
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     old = {sig: signal.signal(sig, _on_signal) for sig in parse_signals(spec)}
