@@ -292,6 +292,57 @@ def test_megapar_train(argv, message, env, no_workers, capsys):
     assert rc == 2 and message in line, line
 
 
+def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_workers, capsys):
+    """--from-hf DIR without --tokenizer tokenizes with DIR's own tokenizer (here its
+    SentencePiece tokenizer.model), said in a start-up note; a --tokenizer, or a prepared --data,
+    of another tokenizer is refused in one line naming both and the fix (it was trained on
+    silently); a DIR without a tokenizer keeps the default --tokenizer, with a note."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from megapar.cli.data import main as data
+    from megapar.data import IndexedDataset
+    from megapar.training.config import parse_args
+    from megapar.training.run_plan import read_resumed_settings
+
+    hf, bare, gpt2 = tmp_path / "hf", tmp_path / "bare", str(tmp_path / "gpt2")
+    GPT2LMHeadModel(GPT2Config(vocab_size=1004, n_positions=64, n_embd=32, n_layer=2,
+                               n_head=4, bos_token_id=1, eos_token_id=2)).save_pretrained(hf)
+    shutil.copytree(hf, bare)
+    shutil.copy(asset_path("botchan_en_unigram_1000.model"), hf / "tokenizer.model")
+    text = str(env["root"] / "text.txt")
+    common = ["--data", text, "--data-cache", str(env["root"] / "cache"), "--seq-len", "32",
+              "--no-progress"]
+    notes: list[str] = []
+    cfg = parse_args(["--from-hf", str(hf), *common])
+    _, plan = train_cli.plan_run(cfg, notes)  # in this process: tokenized, split, checked
+    assert cfg.tokenizer == str(hf / "tokenizer.model")
+    assert IndexedDataset(plan.prefix).tokenizer_spec["kind"] == "sentencepiece"
+    assert (f"--tokenizer not given: using --from-hf {hf}'s own tokenizer "
+            f"({hf / 'tokenizer.model'})") in notes, notes
+    capsys.readouterr()
+    assert train(["--from-hf", str(hf), *common, "--tokenizer", "gpt2"]) == 2
+    line = _one_line(capsys, "megapar-train")
+    assert (f"--from-hf {hf} holds its tokenizer {hf / 'tokenizer.model'} (sha256 " in line
+            and "but --tokenizer gpt2 is another (sha256 " in line
+            and line.endswith("drop --tokenizer (with --from-hf its own, "
+                              f"{hf / 'tokenizer.model'}, is the default)")), line
+    assert data(["--input", text, "--output-prefix", gpt2, "--tokenizer", "gpt2",
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    assert train(["--from-hf", str(hf), *common[2:], "--data", gpt2]) == 2
+    line = _one_line(capsys, "megapar-train")
+    assert (f"but --data {gpt2} was made with another, gpt2 (sha256 " in line
+            and line.endswith(f"megapar-data --tokenizer {hf / 'tokenizer.model'}")), line
+    notes = []
+    cfg = parse_args(["--from-hf", str(bare), *common])
+    read_resumed_settings(cfg, notes)
+    assert cfg.tokenizer == "gpt2"
+    assert notes == [f"--from-hf {bare} holds no tokenizer (tokenizer.json, vocab.json + "
+                     f"merges.txt, or tokenizer.model): raw text is tokenized with the default "
+                     f"--tokenizer gpt2 (a prepared --data keeps its own); pass --tokenizer "
+                     f"with the model's own if it is another"], notes
+
+
 def test_wandb_project_without_wandb_is_refused_before_the_run(env, no_workers, capsys,
                                                                monkeypatch):
     """wandb is an extra (`megapar[wandb]`): without it --wandb-project is one line, not a

@@ -298,6 +298,11 @@ def test_load_checks_the_recorded_tokenizer_and_names_recorded_values(tmp_path, 
     other data of the same tokenizer continues with --allow-data-change, data of another
     tokenizer is refused naming both, and a recorded --data that moved is named as recorded."""
     from megapar.cli.data import main as data
+    from megapar.cli.train import plan_run
+    from megapar.training.config import parse_args
+    from megapar.training.data import resolve_model
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import checkpoint_manifest, settings_from_checkpoint
 
     sp, sp2, gpt2 = (str(tmp_path / n) for n in ("sp", "sp2", "bpe"))
     for prefix, tokenizer, chars in ((sp, "sentencepiece", 20_000),
@@ -310,6 +315,25 @@ def test_load_checks_the_recorded_tokenizer_and_names_recorded_values(tmp_path, 
                  "--warmup-steps", "0", "--save", ck]) == 0
     assert main(["--load", ck, "--max-steps", "2", "--save", ck]) == 0  # was: --tokenizer gpt2
     assert main(["--load", ck, "--data", sp2, "--allow-data-change", "--max-steps", "3"]) == 0
+    # raw text with --load alone is tokenized with the recorded tokenizer, not the --tokenizer
+    # gpt2 of the train_config (planned in this process: tokenized, split, checked)
+    notes: list[str] = []
+    cfg = parse_args(["--load", ck, "--data", text, "--data-cache", str(tmp_path / "cache"),
+                      "--allow-data-change", "--max-steps", "4"])
+    plan_run(cfg, notes)
+    sp_model = asset_path("botchan_en_unigram_1000.model")
+    assert cfg.tokenizer == sp_model and "tokenizer" in cfg.from_checkpoint
+    assert f"--tokenizer {sp_model}" in next(n for n in notes if "from the checkpoint" in n)
+    manifest = checkpoint_manifest(ck)  # its recorded tokenizer gone: named as recorded, and
+    manifest["meta"]["tokenizer"]["path"] = str(tmp_path / "gone")  # the default as the default
+    cfg = parse_args(["--load", ck, "--data", text, "--data-cache", str(tmp_path / "cache")])
+    settings_from_checkpoint(cfg, manifest)
+    assert cfg.tokenizer == "gpt2" and "tokenizer" not in cfg.from_checkpoint
+    with pytest.raises(UsageError) as refused:
+        resolve_model(cfg, None, manifest)
+    assert (f"trained with the tokenizer {tmp_path / 'gone'} (sha256 " in str(refused.value)
+            and f"--data {text} is tokenized with the default --tokenizer gpt2 (not given): "
+            in str(refused.value)), refused.value
     capsys.readouterr()
     assert main(["--load", ck, "--data", gpt2, "--allow-data-change", "--max-steps", "4"]) == 2
     err = capsys.readouterr().err.strip()

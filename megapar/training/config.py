@@ -74,7 +74,7 @@ class TrainConfig:
     model: str | None = None
     """Model recipe from models/ (e.g. gpt2-124m, bert-base, gpt2-tiny, llama-1b, llama-tiny, mixtral-tiny, qwen3-moe-tiny) or a JSON/YAML config file."""
     from_hf: str | None = None
-    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM): the model is its config.json's (a --model describing another is refused)."""
+    """Start from a local transformers checkpoint directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / MixtralForCausalLM / Qwen3MoeForCausalLM): the model is its config.json's (a --model describing another is refused). Its own tokenizer (tokenizer.json, vocab.json + merges.txt, or tokenizer.model), if it has one, is the default --tokenizer, and a --tokenizer or a prepared --data of another tokenizer is refused; without one, the default gpt2 tokenizes raw text (a note says so)."""
     precision: str = "fp32"
     """fp32, bf16 (autocast, fp32 master weights) or fp16 (dynamic loss scaling)."""
     tf32: bool = False
@@ -103,7 +103,7 @@ class TrainConfig:
     data: str | list[str] | None = None
     """Dataset prefix (PREFIX.bin/.idx from megapar-data, or a Megatron-LM MMIDIDX dataset) or raw text: a .txt / .jsonl file or a directory of them (tokenized into --data-cache); or a blend "W1 PREFIX1 W2 PREFIX2 ..." (Megatron's syntax). Default: the shipped Shakespeare sample."""
     tokenizer: str = "gpt2"
-    """Tokenizer for raw text (and for a Megatron-LM dataset without megapar's .json): gpt2, sentencepiece, a transformers directory with tokenizer.json, a vocab.json+merges.txt dir or a .model file."""
+    """Tokenizer for raw text (and for a Megatron-LM dataset without megapar's .json): gpt2, sentencepiece, a transformers directory with tokenizer.json, a vocab.json+merges.txt dir or a .model file. Default: gpt2; with --load, the tokenizer the checkpoint's data was tokenized with; with --from-hf DIR, DIR's own."""
     data_cache: str = "~/.cache/megapar"
     """Where raw text is tokenized to (keyed by content hash and the settings below)."""
     jsonl_key: str = "text"

@@ -37,7 +37,11 @@ from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
 from megapar.training.model_config import DEFAULT_MODEL, resolve_model_config
-from megapar.training.tokenizer_checks import check_checkpoint_tokenizer, check_given_tokenizer
+from megapar.training.tokenizer_checks import (
+    check_checkpoint_tokenizer,
+    check_given_tokenizer,
+    check_hf_tokenizer,
+)
 from megapar.training.validate import explicit
 from megapar.training.validate_resume import checkpoint_manifest, named
 
@@ -256,15 +260,13 @@ def resolve_model(cfg: TrainConfig, notes: list[str] | None = None, manifest: di
             cfg, _own_vocab(cfg, manifest), cfg.tokenizer, manifest=manifest, notes=notes
         )
     vocab_size, tokenizer = data_tokenizer(cfg)
+    data = _text_or_prefix(cfg, data_paths(cfg.data)[0])
     if manifest is not None:
-        data = _text_or_prefix(cfg, data_paths(cfg.data)[0])
         check_checkpoint_tokenizer(
-            cfg.load,
-            manifest,
-            tokenizer,
-            data,
-            named(cfg, "tokenizer") if is_raw_text(data) else None,
+            cfg.load, manifest, tokenizer, data, _text_tokenizer(cfg) if is_raw_text(data) else None
         )
+    elif cfg.from_hf:
+        check_hf_tokenizer(cfg, tokenizer, data, is_raw_text(data))
     gpt_vocab = max(tokenizer.base_vocab_size, tokenizer.eod_id + 1)
     return resolve_model_config(
         cfg,
@@ -275,6 +277,14 @@ def resolve_model(cfg: TrainConfig, notes: list[str] | None = None, manifest: di
         notes,
         {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eod_id},
     )
+
+
+def _text_tokenizer(cfg: TrainConfig) -> str:
+    """The --tokenizer that tokenizes raw text as a message names it: given, the value a --load
+    checkpoint recorded (`named`), or the default."""
+    if "tokenizer" in explicit(cfg):
+        return named(cfg, "tokenizer")
+    return f"the default --tokenizer {cfg.tokenizer} (not given)"
 
 
 def prepare_data(

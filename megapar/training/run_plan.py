@@ -31,6 +31,7 @@ from megapar.training.data import (
     resolve_model,
 )
 from megapar.training.profiling import parse_steps
+from megapar.training.tokenizer_checks import default_to_hf_tokenizer
 from megapar.training.validate import (
     UsageError,
     adapt_defaults,
@@ -72,6 +73,8 @@ def read_resumed_settings(cfg: TrainConfig, notes: list[str]) -> dict | None:
         # the checkpoint, checked once; settings not given are the checkpoint's
         manifest = checkpoint_manifest(cfg.load)
         notes.extend(settings_from_checkpoint(cfg, manifest))
+    else:  # a fresh start from --from-hf DIR tokenizes with DIR's tokenizer
+        notes.extend(default_to_hf_tokenizer(cfg))
     check_settings(cfg)
     return manifest
 

@@ -1,13 +1,20 @@
 """The tokenizer checks: a --tokenizer given with a prepared dataset names the dataset's own,
-and the data's tokenizer is the one a --load checkpoint trained with (megapar-train and
-megapar-eval both run them)."""
+the data's tokenizer is the one a --load checkpoint trained with (megapar-train and
+megapar-eval both run them), and the one a --from-hf directory holds (megapar-train, which
+takes that directory's as its default --tokenizer)."""
 
 from __future__ import annotations
+
+import os
 
 from megapar.data import load_tokenizer
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import Tokenizer, encodes_alike, same_tokenizer, tokenizer_files
-from megapar.training.validate import UsageError
+from megapar.training.validate import UsageError, explicit
+
+HF_TOKENIZER_FILES = "tokenizer.json, vocab.json + merges.txt, or tokenizer.model"
+"""The tokenizer files a transformers directory can hold (`hf_dir_tokenizer`), as named in
+messages."""
 
 
 def check_given_tokenizer(given: str, data: str, tokenizer) -> None:
@@ -61,7 +68,8 @@ def check_checkpoint_tokenizer(
     if text_tokenizer:
         ours, fix = (
             f"--data {data} is tokenized with {text_tokenizer}",
-            f"pass --tokenizer {theirs}",
+            f"pass --tokenizer {theirs}"
+            + ("" if trained is not None else " (or where its recorded files are now)"),
         )
     else:
         ours, fix = (
@@ -75,4 +83,71 @@ def check_checkpoint_tokenizer(
         f"{','.join(d[:12] for d in recorded['sha256'])}) but {ours}"
         f"{changed if same_path else ''}"
         f": its token ids would be other tokens to the model; {fix}"
+    )
+
+
+def hf_dir_tokenizer(directory: str) -> str | None:
+    """The tokenizer a transformers directory holds, as a --tokenizer spec: the directory itself
+    (``tokenizer.json``, or a GPT-2 style ``vocab.json`` + ``merges.txt``), its SentencePiece
+    ``tokenizer.model``, or None when it holds none of them."""
+    path = os.path.expanduser(directory)
+    names = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
+    has = {n for n in names if os.path.isfile(os.path.join(path, n))}
+    if "tokenizer.json" in has or {"vocab.json", "merges.txt"} <= has:
+        return directory
+    if "tokenizer.model" in has:
+        return os.path.join(directory, "tokenizer.model")
+    return None
+
+
+def default_to_hf_tokenizer(cfg) -> list[str]:
+    """With --from-hf DIR and no --tokenizer (given or taken from a --load checkpoint), DIR's own
+    tokenizer (`hf_dir_tokenizer`) becomes --tokenizer, so raw text is tokenized as the model
+    learned. Returns the start-up note saying so, or saying that DIR holds no tokenizer and the
+    default is used."""
+    if not cfg.from_hf or "tokenizer" in explicit(cfg):
+        return []
+    own = hf_dir_tokenizer(cfg.from_hf)
+    if own is None:
+        return [
+            f"--from-hf {cfg.from_hf} holds no tokenizer ({HF_TOKENIZER_FILES}): raw text is "
+            f"tokenized with the default --tokenizer {cfg.tokenizer} (a prepared --data keeps "
+            f"its own); pass --tokenizer with the model's own if it is another"
+        ]
+    cfg.explicit = frozenset(explicit(cfg))  # a config built in code: --tokenizer stays not given
+    cfg.tokenizer = own
+    return [f"--tokenizer not given: using --from-hf {cfg.from_hf}'s own tokenizer ({own})"]
+
+
+def check_hf_tokenizer(cfg, tokenizer, data: str, raw_text: bool) -> None:
+    """The tokenizer of `data` (`tokenizer`: --tokenizer's for raw text, else the prepared
+    dataset's own) is the one the --from-hf directory holds: the same files, or the same ids
+    (`encodes_alike`: e.g. GPT-2's BPE and the tokenizer.json an export made of it). UsageError
+    naming both (their sha256) and the fix otherwise: the model learned that tokenizer's ids. A
+    directory without a tokenizer is not checked."""
+    spec = hf_dir_tokenizer(cfg.from_hf)
+    if spec is None:
+        return
+    try:
+        own = load_tokenizer(spec)
+    except (OSError, ValueError) as exc:
+        raise UsageError(
+            f"--from-hf {cfg.from_hf}: its tokenizer does not load ({exc}), so the data "
+            f"cannot be checked against it; repair or remove its tokenizer files"
+        ) from None
+    if same_tokenizer(own, tokenizer) or encodes_alike(own, tokenizer):
+        return
+
+    def sha(tok: Tokenizer) -> str:
+        return "sha256 " + ",".join(file_sha256(p)[:12] for p in tokenizer_files(tok))
+
+    if raw_text:
+        ours = f"--tokenizer {cfg.tokenizer} is another ({sha(tokenizer)})"
+        fix = f"drop --tokenizer (with --from-hf its own, {spec}, is the default)"
+    else:
+        ours = f"--data {data} was made with another, {tokenizer.path} ({sha(tokenizer)})"
+        fix = f"tokenize the data with it: megapar-data --tokenizer {spec}"
+    raise UsageError(
+        f"--from-hf {cfg.from_hf} holds its tokenizer {own.path} ({sha(own)}) but {ours}: "
+        f"its token ids would be other tokens to the model; {fix}"
     )

@@ -12,7 +12,10 @@ from megapar.checkpoint.distributed import NON_STRUCTURAL
 from megapar.checkpoint.format import MANIFEST, CheckpointError
 from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, steps_after
+from megapar.data import load_tokenizer
 from megapar.data.blended import data_paths
+from megapar.data.preprocess import file_sha256
+from megapar.data.tokenizers import tokenizer_files
 from megapar.models.config import config_from_dict
 from megapar.training.validate import UsageError, explicit, flag_of
 
@@ -183,7 +186,7 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
     """With --load, settings the user did not give are the checkpoint's (data, batch, seq-len,
     schedule of the learning rate, --max-steps, ...), so `--load CKPT` alone resumes the run it
     came from; layout and output flags are never taken. Returns a note listing what was taken."""
-    saved = (manifest.get("meta") or {}).get("train_config") or {}
+    saved = _with_recorded_tokenizer(manifest)
     given, taken, inherited = explicit(cfg), [], set()
     for f in dataclasses.fields(cfg):
         name = f.name
@@ -204,6 +207,41 @@ def settings_from_checkpoint(cfg, manifest: dict) -> list[str]:
     cfg.explicit = frozenset(given)
     cfg.from_checkpoint = frozenset(inherited)  # named as such in error messages (`named`)
     return [f"from the checkpoint (not given): {', '.join(taken)}"] if taken else []
+
+
+def _with_recorded_tokenizer(manifest: dict) -> dict:
+    """The checkpoint's saved train_config, its --tokenizer replaced by the tokenizer the data
+    was tokenized with (meta ``tokenizer``, its recorded path) where they differ: a prepared
+    --data kept its own whatever --tokenizer said, so raw text given now is tokenized as the
+    model learned. That tokenizer is taken when it loads from its recorded path with the
+    recorded files (sha256); when it does not, the saved --tokenizer is not taken either (the
+    default tokenizes, and `check_checkpoint_tokenizer` names the recorded one)."""
+    meta = manifest.get("meta") or {}
+    saved = dict(meta.get("train_config") or {})
+    recorded = meta.get("tokenizer")
+    if not isinstance(recorded, dict) or not recorded.get("path") or not recorded.get("sha256"):
+        return saved  # an older checkpoint, or one imported without a tokenizer
+    path = str(recorded["path"])
+    if "tokenizer" in saved and _same_place(str(saved["tokenizer"]), path):
+        return saved
+    try:
+        tok = load_tokenizer(recorded)
+        unchanged = [file_sha256(p) for p in tokenizer_files(tok)] == recorded["sha256"]
+    except (OSError, ValueError):
+        unchanged = False
+    if unchanged:
+        saved["tokenizer"] = path
+    else:
+        saved.pop("tokenizer", None)
+    return saved
+
+
+def _same_place(a: str, b: str) -> bool:
+    """Whether two tokenizer specs name the same place (``gpt2``, or one path written two
+    ways)."""
+    if a == b:
+        return True
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
 def named(cfg, name: str, value=None) -> str:
