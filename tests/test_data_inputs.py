@@ -34,20 +34,23 @@ def inputs(tmp_path):
     # megapar-data's output written into the corpus: its .json is no input
     for ext in (".bin", ".idx", ".json"):
         (root / "sub" / f"tok{ext}").write_text("{}")
+    (root / "sub" / "table.csv").write_text("a,b\n")  # not read: named in a note
     return root, a + b + c + d + [e]
 
 
 def test_every_input_kind_gives_its_documents_in_order(inputs):
     root, expected = inputs
+    from megapar.data.inputs import skipped_inputs
     from megapar.data.preprocess import expand_inputs
 
     files = expand_inputs([str(root)])
     assert [Path(f).name for f in files] == ["a.jsonl", "b.json", "c.json", "d.parquet", "e.json"]
     assert [t for t, _ in iter_documents(files)] == expected
+    assert skipped_inputs([str(root)]) == [str(root / "sub" / "table.csv")]
 
 
 @pytest.mark.parametrize("fmt", ["megapar", "megatron"])
-def test_directory_to_dataset_is_the_same_for_1_and_2_workers(inputs, tmp_path, fmt):
+def test_directory_to_dataset_is_the_same_for_1_and_2_workers(inputs, tmp_path, fmt, capsys):
     root, expected = inputs
     outs = []
     for workers in (1, 2):
@@ -56,6 +59,7 @@ def test_directory_to_dataset_is_the_same_for_1_and_2_workers(inputs, tmp_path, 
                           "sentencepiece", "--workers", str(workers), "--no-progress",
                           "--format", fmt]) == 0
         outs.append(prefix)
+        assert "1 file(s) in the input directories are not .txt" in capsys.readouterr().err
     for ext in (".bin", ".idx"):
         assert Path(outs[0] + ext).read_bytes() == Path(outs[1] + ext).read_bytes()
     ds, tok = IndexedDataset(outs[0]), load_tokenizer("sentencepiece")
@@ -120,3 +124,19 @@ def test_worker_pool_reads_the_input_only_a_bounded_window_ahead():
         rest = list(results)
     assert len(rest) == 1_999 and rest[-1][0] == load_tokenizer("sentencepiece").encode_batch(
         ["document 1999"])
+
+
+def test_megapar_train_names_the_files_a_text_directory_leaves_unread(inputs, tmp_path):
+    """--data DIR: the files not read for their type are named in a start-up note (a .csv in
+    the corpus was skipped without a word)."""
+    import megapar.cli.train as train_cli
+    from megapar.training.config import parse_args
+
+    root, _ = inputs
+    notes: list[str] = []
+    cfg = parse_args(["--data", str(root), "--data-cache", str(tmp_path / "cache"), "--tokenizer",
+                      "sentencepiece", "--model", "gpt2-tiny", "--seq-len", "16", "--no-progress"])
+    train_cli.plan_run(cfg, notes)
+    assert [n for n in notes if "not read for their type" in n] == [
+        f"--data {root}: 1 file(s) not read for their type (not .txt / .jsonl / .json / "
+        f".parquet; e.g. {root / 'sub' / 'table.csv'})"], notes

@@ -275,6 +275,21 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str]) -> str:
     return tokenizer
 
 
+def _note_skipped(inputs: Sequence[str]) -> None:
+    """A note naming the files the input directories hold that are not read (their type)."""
+    from megapar.data.inputs import INPUT_SUFFIXES, skipped_inputs
+
+    skipped = skipped_inputs(inputs)
+    if skipped:
+        kinds = sorted({os.path.splitext(f)[1] or os.path.basename(f) for f in skipped})
+        print(
+            f"megapar-data: note: {len(skipped)} file(s) in the input directories are not "
+            f"{' / '.join(INPUT_SUFFIXES)} and are not read ({', '.join(kinds[:8])}"
+            f"{', ...' if len(kinds) > 8 else ''}; e.g. {skipped[0]})",
+            file=sys.stderr,
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code. A run that fails after training a tokenizer
     removes it (and nothing else of the destination is touched: the dataset is renamed into
@@ -290,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         check_flags(args)
         expand_inputs(args.input)  # a missing input is reported before any training
+        _note_skipped(args.input)
         check_writable(args.output_prefix, "--output-prefix", kind="file")
         check_overwrite(args)
         replaced = any(os.path.lexists(p) for p in outputs(args)[3:])

@@ -88,6 +88,23 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
     return files
 
 
+def skipped_inputs(inputs: Sequence[str]) -> list[str]:
+    """The files in the input directories that `expand_inputs` leaves out for their type (not
+    ``INPUT_SUFFIXES``; hidden files and a tokenized dataset's own files not counted)."""
+    skipped: list[str] = []
+    for path in map(os.fspath, inputs):
+        if not os.path.isdir(path):
+            continue
+        for root, _dirs, names in os.walk(path):
+            for n in names:
+                full = os.path.join(root, n)
+                stem, ext = os.path.splitext(full)
+                dataset = ext in (".bin", ".idx") and os.path.isfile(stem + ".json")
+                if not (n.startswith(".") or n.endswith(INPUT_SUFFIXES) or dataset):
+                    skipped.append(full)
+    return sorted(skipped)
+
+
 def iter_documents(
     files: Sequence[str],
     split_paragraphs: bool = False,

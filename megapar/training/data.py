@@ -31,7 +31,7 @@ from megapar.data import (
 from megapar.data.blended import BlendedDataset, data_paths, parse_blend
 from megapar.data.gpt_dataset import DocRange
 from megapar.data.indexed import check_index_magic
-from megapar.data.inputs import expand_inputs, is_raw_text
+from megapar.data.inputs import INPUT_SUFFIXES, expand_inputs, is_raw_text, skipped_inputs
 from megapar.data.megatron import is_megatron_index
 from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.models.recipes import resolve_model as recipe
@@ -123,6 +123,12 @@ def _resolve_one(
                 f"warning: {path}: {n:,} bytes of invalid UTF-8 replaced with U+FFFD"
                 for path, n in report.items()
             )
+            skipped = skipped_inputs([data])
+            if skipped:
+                notes.append(
+                    f"--data {data}: {len(skipped)} file(s) not read for their type (not "
+                    f"{' / '.join(INPUT_SUFFIXES)}; e.g. {skipped[0]})"
+                )
         return prefix
     return data
 
