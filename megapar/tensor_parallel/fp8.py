@@ -32,6 +32,7 @@ float8 copies are made per use and never stored. torchao is imported when a mode
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,11 +62,18 @@ class Fp8Spec:
 
 
 def _torchao():
-    """torchao's float8 pieces (an optional dependency, imported on this one path)."""
-    import torchao.float8.config as config
-    import torchao.float8.float8_training_tensor as tensor
-    import torchao.float8.float8_utils as utils
-
+    """torchao's float8 pieces (an optional dependency, imported on this one path). Its import
+    registers an Enum with torch's pytree in a way torch deprecates: the warning that logs on
+    every rank is torchao's to act on, not the user's, so it is held back here."""
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
+    try:
+        import torchao.float8.config as config
+        import torchao.float8.float8_training_tensor as tensor
+        import torchao.float8.float8_utils as utils
+    finally:
+        pytree_log.setLevel(level)
     return config, tensor, utils
 
 
