@@ -317,7 +317,7 @@ def test_ep2_training_equals_one_process_and_counts_its_traffic(dp, cp, cases):
     """dp 4 x ep 2 (every grad sync kind, LAMB and LARS under each ZeRO stage, PowerSGD),
     cp 2 x dp 2 x ep 2 (all-reduce, ZeRO-2 and ZeRO-3, with LARS / LAMB), dp 2 x ep 2 (ZeRO-1
     and ZeRO-3 with an expert group of one rank: each rank holds its experts' whole state, and
-    ZeRO-3 issues no collective over that group;
+    no ZeRO stage issues a collective over that group;
     LAMB / LARS, PowerSGD with the experts uncompressed); every rank issues the same
     collectives in the same order. LAMB / LARS's ratio of an expert parameter is the one
     process's, of the whole stacked [E, ...] tensor: its norm sums over ep (ZeRO-0), or over
@@ -358,8 +358,9 @@ def test_ep2_training_equals_one_process_and_counts_its_traffic(dp, cp, cases):
                 # counted: a reduce-scatter's whole input, an all-gather's slice
                 scatter, gather = "reduce_scatter_tensor", "all_gather_into_tensor"
                 dense, experts = r["dense_padded"], r["expert_padded"]
-                # ZeRO-3 keeps the experts' unit whole over a one-rank expert dp: no collective
-                kept = 0 if zero == 3 and edp == 1 else 1
+                # over a one-rank expert dp no collective: ZeRO-3 keeps the experts' unit
+                # whole, ZeRO-1 / 2's buckets are their own sum and gather
+                kept = 0 if edp == 1 else 1
                 assert t.pop((scatter, dp_ranks))[1] == rounds * dense
                 assert t.pop((scatter, edp_ranks), (0, 0))[1] == kept * rounds * experts
                 calls = [t.pop((gather, dp_ranks)), t.pop((gather, edp_ranks), (0, 0))]

@@ -7,7 +7,7 @@ bucket-sized copies per collective, held until it is waited for), so on the host
 larger than `HOST_PIECE_BYTES` is reduced or gathered in pieces: piece j is column range
 [off, off + n) of every rank's slice, staged in one contiguous `dp * n` tensor, so no copy is
 larger than the piece. Same ops, same total bytes, same result; only the number of calls
-grows.
+grows. A one-rank group (the experts' buckets where ep = cp x dp) issues no collective.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ def reduce_scatter(flat: torch.Tensor, out: torch.Tensor, dp: int, group, host: 
     """Sum `flat` (dp equal slices) over `group` and leave this rank's slice of the sum in `out`
     (which may be that slice of `flat` itself); returns a handle to wait for. On the host, in
     pieces, at most one staged piece in flight."""
+    if dp == 1:  # a one-rank group (the experts' at ep = cp x dp): the sum is the input
+        if out.data_ptr() != flat.data_ptr():
+            out.copy_(flat)
+        return _Keep(None, None)
     size = flat.numel() // dp
     parts = pieces(size, dp, flat.element_size(), host)
     if len(parts) == 1:
@@ -57,6 +61,8 @@ def reduce_scatter(flat: torch.Tensor, out: torch.Tensor, dp: int, group, host: 
 def all_gather(flat: torch.Tensor, dp: int, group, host: bool):
     """All-gather a bucket in place: every rank contributes its slice of `flat`. Returns a
     handle to wait for (on the host, in pieces, each waited for before the next)."""
+    if dp == 1:  # a one-rank group: its slice is the whole bucket already
+        return _Keep(None, None)
     size = flat.numel() // dp
     rank = dist.get_rank(group)
     parts = pieces(size, dp, flat.element_size(), host)

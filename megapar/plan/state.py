@@ -318,8 +318,8 @@ def zero_traffic(
     """{group: `Traffic`} of the buckets (ZeRO-1 / 2) or units (ZeRO-3) ZeRO reduces and
     gathers on this stage over each group (`DENSE`; under ep > 1 also `EXPERTS`, an experts'
     unit counted as its lead is: a root's once a micro-batch, the persistent unit's once a
-    step; none where that group is one rank, ep = cp x dp: ZeRO-3 keeps those units whole);
-    {} without ZeRO."""
+    step; none where that group is one rank, ep = cp x dp: ZeRO-3 keeps those units whole and
+    ZeRO-1 / 2's buckets are their own sum and gather, `shard_comm`); {} without ZeRO."""
     tensors, units, specs = _layout(
         config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep
     )
@@ -330,8 +330,8 @@ def zero_traffic(
             kinds[k] = kinds[k - 1]
     out: dict[str, Traffic] = {}
     for k, (idx, padded) in enumerate(units):
-        if zero >= 3 and _shards(tensors, idx, dp, ep) == 1:
-            continue  # a unit over one rank (ep = cp x dp): kept whole, nothing gathered or reduced
+        if _shards(tensors, idx, dp, ep) == 1:
+            continue  # a unit or bucket over one rank (ep = cp x dp): nothing gathered or reduced
         group = EXPERTS if _shards(tensors, idx, dp, ep) != dp else DENSE
         n = padded * tensors[idx[0]].dtype.itemsize
         t = out.get(group, Traffic())
