@@ -31,6 +31,18 @@ def check_given_tokenizer(given: str, data: str, tokenizer) -> None:
         )
 
 
+def recorded_as_trained(recorded: dict) -> Tokenizer | None:
+    """The tokenizer a checkpoint records (meta ``tokenizer``: its spec and files' sha256) as it
+    trained: loaded from its recorded place with its files unchanged; None where it does not
+    load or its files changed since."""
+    try:
+        tok = load_tokenizer(recorded)
+        unchanged = [file_sha256(p) for p in tokenizer_files(tok)] == recorded["sha256"]
+    except (OSError, ValueError):
+        return None
+    return tok if unchanged else None
+
+
 def check_checkpoint_tokenizer(
     load: str | None, manifest: dict, tokenizer, data: str, text_tokenizer: str | None = None
 ) -> None:
@@ -52,13 +64,7 @@ def check_checkpoint_tokenizer(
     same_kind = tokenizer.kind == recorded.get("kind")
     if same_kind and digests == recorded["sha256"]:
         return
-    trained: Tokenizer | None
-    try:  # the recorded tokenizer as it trained: loadable, its files unchanged
-        trained = load_tokenizer(recorded)
-        if [file_sha256(p) for p in tokenizer_files(trained)] != recorded["sha256"]:
-            trained = None
-    except (OSError, ValueError):
-        trained = None
+    trained = recorded_as_trained(recorded)
     if trained is not None and encodes_alike(trained, tokenizer):
         return
     sizes = (recorded.get("vocab_size"), recorded.get("eod_id"))

@@ -12,11 +12,9 @@ from megapar.checkpoint.distributed import NON_STRUCTURAL
 from megapar.checkpoint.format import MANIFEST, CheckpointError
 from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, steps_after
-from megapar.data import load_tokenizer
 from megapar.data.blended import data_paths
-from megapar.data.preprocess import file_sha256
-from megapar.data.tokenizers import tokenizer_files
 from megapar.models.config import config_from_dict
+from megapar.training.tokenizer_checks import recorded_as_trained
 from megapar.training.validate import UsageError, explicit, flag_of
 
 _STEP_DIR = re.compile(r"step_\d+")
@@ -224,12 +222,7 @@ def _with_recorded_tokenizer(manifest: dict) -> dict:
     path = str(recorded["path"])
     if "tokenizer" in saved and _same_place(str(saved["tokenizer"]), path):
         return saved
-    try:
-        tok = load_tokenizer(recorded)
-        unchanged = [file_sha256(p) for p in tokenizer_files(tok)] == recorded["sha256"]
-    except (OSError, ValueError):
-        unchanged = False
-    if unchanged:
+    if recorded_as_trained(recorded) is not None:
         saved["tokenizer"] = path
     else:
         saved.pop("tokenizer", None)
