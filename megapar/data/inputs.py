@@ -67,18 +67,12 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
     for path in inputs:
         path = os.fspath(path)
         if os.path.isdir(path):
-            found = []
-            for root, _dirs, names in os.walk(path):
-                found += [
-                    os.path.join(root, n)
-                    for n in names
-                    if n.endswith(INPUT_SUFFIXES) and not _dataset_sidecar(os.path.join(root, n))
-                ]
+            found = _directory_files(path)[0]
             if not found:
                 raise FileNotFoundError(
                     f"input directory {path} holds no {' / '.join(INPUT_SUFFIXES)} files"
                 )
-            files += sorted(found)
+            files += found
         elif os.path.isfile(path):
             files.append(path)
         else:
@@ -91,18 +85,26 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
 def skipped_inputs(inputs: Sequence[str]) -> list[str]:
     """The files in the input directories that `expand_inputs` leaves out for their type (not
     ``INPUT_SUFFIXES``; hidden files and a tokenized dataset's own files not counted)."""
-    skipped: list[str] = []
-    for path in map(os.fspath, inputs):
-        if not os.path.isdir(path):
-            continue
-        for root, _dirs, names in os.walk(path):
-            for n in names:
-                full = os.path.join(root, n)
-                stem, ext = os.path.splitext(full)
-                dataset = ext in (".bin", ".idx") and os.path.isfile(stem + ".json")
-                if not (n.startswith(".") or n.endswith(INPUT_SUFFIXES) or dataset):
-                    skipped.append(full)
-    return sorted(skipped)
+    dirs = [p for p in map(os.fspath, inputs) if os.path.isdir(p)]
+    return sorted(f for p in dirs for f in _directory_files(p)[1])
+
+
+def _directory_files(path: str) -> tuple[list[str], list[str]]:
+    """The files under directory `path` (recursive, sorted): those read as input, and those
+    left out for their type (`skipped_inputs`)."""
+    read, skipped = [], []
+    for root, _dirs, names in os.walk(path):
+        for n in names:
+            full = os.path.join(root, n)
+            if n.endswith(INPUT_SUFFIXES):
+                if not _dataset_sidecar(full):
+                    read.append(full)
+                continue
+            stem, ext = os.path.splitext(full)
+            dataset = ext in (".bin", ".idx") and os.path.isfile(stem + ".json")
+            if not (n.startswith(".") or dataset):
+                skipped.append(full)
+    return sorted(read), sorted(skipped)
 
 
 def iter_documents(
@@ -123,12 +125,12 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
         if path.endswith(".parquet"):
             yield from _parquet_documents(path, jsonl_key)
             continue
-        kind = _json_kind(path) if path.endswith(".json") else "lines"
+        kind, record = _json_kind(path) if path.endswith(".json") else ("lines", None)
         if kind == "array":
             yield from _json_array_documents(path, jsonl_key)
             continue
         if kind == "object":
-            yield from _json_object_document(path, jsonl_key)
+            yield from _json_object_document(path, record, jsonl_key)
             continue
         if path.endswith((".jsonl", ".json")):
             with open(path, "rb") as f:
@@ -174,32 +176,31 @@ def _dataset_sidecar(path: str) -> bool:
     )
 
 
-def _json_kind(path: str) -> str:
+def _json_kind(path: str) -> tuple[str, dict | None]:
     """How a ``.json`` file holds its documents: "array" (of objects), "object" (one object over
-    several lines: its first line alone is no JSON) or "lines" (JSON Lines)."""
+    several lines: its first line alone is no JSON; returned parsed) or "lines" (JSON Lines)."""
     with open(path, "rb") as f:
         head = f.read(4096).lstrip()
         if head.startswith(b"["):
-            return "array"
+            return "array", None
         if not head.startswith(b"{"):
-            return "lines"
+            return "lines", None
         f.seek(0)
         first = next((line for line in f if line.strip()), b"")
     try:
         json.loads(first)
-        return "lines"
+        return "lines", None
     except ValueError:
         pass
     try:
         with open(path, encoding="utf-8") as f:
-            return "object" if isinstance(json.load(f), dict) else "lines"
+            record = json.load(f)
     except ValueError:  # reported line by line, as JSON Lines
-        return "lines"
+        return "lines", None
+    return ("object", record) if isinstance(record, dict) else ("lines", None)
 
 
-def _json_object_document(path: str, key: str) -> Iterator[tuple[str, int]]:
-    with open(path, encoding="utf-8") as f:
-        record = json.load(f)
+def _json_object_document(path: str, record: dict, key: str) -> Iterator[tuple[str, int]]:
     if not isinstance(record.get(key), str):
         raise ValueError(
             f"{path}: the object has no string field {key!r}; fix it or pass --jsonl-key"
