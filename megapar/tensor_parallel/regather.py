@@ -38,7 +38,12 @@ import torch.nn.functional as F
 from megapar import device as _device
 from megapar.comm_wait import blocked
 from megapar.mesh import group_size
-from megapar.tensor_parallel.sequence_parallel import gather_from_sequence_parallel_region
+from megapar.tensor_parallel.sequence_parallel import (
+    all_gather_flat,
+    gather_buffer,
+    gather_from_sequence_parallel_region,
+    in_sequence_order,
+)
 
 
 class SequenceShard:
@@ -93,10 +98,8 @@ class SequenceShard:
 def _start_gather(x: torch.Tensor, group) -> tuple:
     """`sequence_parallel.gather_sequence`'s all-gather, launched asynchronously."""
     x = x.contiguous()
-    shape = (group_size(group) * x.shape[0],) + x.shape[1:]
-    out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out.view(-1), x.view(-1), group=group, async_op=True), out, x
+    out = gather_buffer(x, group_size(group))
+    return all_gather_flat(out, x, group, async_op=True), out, x
 
 
 def _finish_gather(pending: tuple, group) -> torch.Tensor:
@@ -114,11 +117,7 @@ def _finish_gather(pending: tuple, group) -> torch.Tensor:
                 f"in the backward"
             ),
         )
-    b, size = x.shape[0], group_size(group)
-    if b == 1:
-        return out.view(1, -1, *x.shape[2:])
-    whole = out.view(size, b, *x.shape[1:]).transpose(0, 1)
-    return whole.reshape(b, size * x.shape[1], *x.shape[2:])
+    return in_sequence_order(out, x, group_size(group))
 
 
 def gather_keeping_shard(x: torch.Tensor, group) -> torch.Tensor:

@@ -32,11 +32,15 @@ from megapar.tensor_parallel.mappings import eager_region
 SEQ_DIM = 1
 
 
-def all_gather_flat(out, x, group):
-    """`out` (contiguous) = every rank's `x` (contiguous), one after the other."""
+def all_gather_flat(out, x, group, async_op: bool = False):
+    """`out` (contiguous) = every rank's `x` (contiguous), one after the other. `async_op`:
+    launched and its handle returned (the caller waits for it, and counts that wait)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    if async_op:
+        return fn(out.view(-1), x.view(-1), group=group, async_op=True)
     with blocked(x.device):
         fn(out.view(-1), x.view(-1), group=group)
+    return None
 
 
 def reduce_scatter_flat(out, x, group):
@@ -73,9 +77,20 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     size = group_size(group)
     if size == 1:
         return x
-    b = x.shape[0]
-    out = torch.empty((size * b,) + x.shape[1:], dtype=x.dtype, device=x.device)
+    out = gather_buffer(x, size)
     all_gather_flat(out, x.contiguous(), group)
+    return in_sequence_order(out, x, size)
+
+
+def gather_buffer(x: torch.Tensor, size: int) -> torch.Tensor:
+    """The all-gather's output for every rank's slice `x` ([b, s / size, ...]): [size b, ...]."""
+    return torch.empty((size * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
+
+
+def in_sequence_order(out: torch.Tensor, x: torch.Tensor, size: int) -> torch.Tensor:
+    """`gather_buffer` `out`, the ranks' slices like `x` one after the other, as [b, s, ...]:
+    a view with b = 1, else one copy putting each sequence's slices together."""
+    b = x.shape[0]
     if b == 1:
         return out.view(1, -1, *x.shape[2:])
     return (
