@@ -150,7 +150,7 @@ def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
             fused,
             norm_stats=True,
             terms=mem.block_terms(cfg, moe),
-            regather=regathers(p, c) and recompute != "full",
+            regather=regathers(p, c),  # never under full recompute
         )
         if moe and recompute != "full":  # the routed tokens, replicated over tp
             tokens = experts.routed_tokens(p.seq_len, b, c.cp, sp_t)
