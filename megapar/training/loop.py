@@ -117,6 +117,8 @@ class Trainer:
         if cfg.from_hf and not resume:
             self._load_hf(cfg.from_hf)
         self.resumed = resume
+        self.skipped_since_line = 0
+        """Steps skipped for inf / nan since the last console line (`log_step`)."""
         if resume:
             assert cfg.load is not None  # resume: --load names a checkpoint
             self._resume(cfg.load)
@@ -376,7 +378,7 @@ class Trainer:
         iterations": a skip between --log-interval lines would not show otherwise)."""
         logger.log(self.step, metrics)
         logger.advance(self.step, loss)
-        self.skipped_since_line = getattr(self, "skipped_since_line", 0) + bool(metrics["skipped"])
+        self.skipped_since_line += bool(metrics["skipped"])
         if logging_step:
             line = {**metrics, "skipped_steps": self.skipped_since_line}
             self.skipped_since_line = 0
