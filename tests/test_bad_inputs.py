@@ -320,12 +320,13 @@ def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_w
     assert (f"--tokenizer not given: using --from-hf {hf}'s own tokenizer "
             f"({hf / 'tokenizer.model'})") in notes, notes
     capsys.readouterr()
-    assert train(["--from-hf", str(hf), *common, "--tokenizer", "gpt2"]) == 2
-    line = _one_line(capsys, "megapar-train")
-    assert (f"--from-hf {hf} holds its tokenizer {hf / 'tokenizer.model'} (sha256 " in line
-            and "but --tokenizer gpt2 is another (sha256 " in line
-            and line.endswith("drop --tokenizer (with --from-hf its own, "
-                              f"{hf / 'tokenizer.model'}, is the default)")), line
+    for rehearsal in ([], ["--dry-run"]):  # a dry run on raw text checks it too
+        assert train(["--from-hf", str(hf), *common, "--tokenizer", "gpt2", *rehearsal]) == 2
+        line = _one_line(capsys, "megapar-train")
+        assert (f"--from-hf {hf} holds its tokenizer {hf / 'tokenizer.model'} (sha256 " in line
+                and "but --tokenizer gpt2 is another (sha256 " in line
+                and line.endswith("drop --tokenizer (with --from-hf its own, "
+                                  f"{hf / 'tokenizer.model'}, is the default)")), line
     assert data(["--input", text, "--output-prefix", gpt2, "--tokenizer", "gpt2",
                  "--no-progress"]) == 0
     capsys.readouterr()

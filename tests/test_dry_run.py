@@ -240,7 +240,8 @@ def test_the_in_flight_count_states_its_unit(capsys, schedule, gbs, stages, chun
 
 def test_with_data_the_first_batch_is_the_samplers(capsys, tmp_path):
     """--data readable here: the sampled ranks show the sample indices the real sampler gives
-    them; --data not here: skipped, the rehearsal goes on."""
+    them; raw text: not tokenized, but the model takes its tokenizer's vocabulary as the run
+    does; --data not here: skipped, the rehearsal goes on."""
     from megapar.cli.train import plan_run
     from megapar.training.config import parse_args
     from megapar.training.data import build_datasets, make_sampler
@@ -269,6 +270,15 @@ def test_with_data_the_first_batch_is_the_samplers(capsys, tmp_path):
     for row in map(json.loads, out.splitlines()):
         sampler = make_sampler(cfg, train, layout.dp, row["dp_rank"])
         assert row["first_batch"] == [list(map(int, mb)) for mb in next(iter(sampler))]
+    # raw text is not tokenized, but its tokenizer is loaded: the model takes the run's
+    # vocabulary (mixtral-tiny's recipe has 32,000; the data's GPT-2 BPE 50,261)
+    params = []
+    for data in (text, tmp_path / "corpus"):
+        rc, out, err = _train(["--model", "mixtral-tiny", "--data", str(data), "--seq-len", "32",
+                               "--dry-run", "--json"], capsys)
+        assert rc == 0 and "the tokenizer's 50,261" in err, err
+        params.append(json.loads(out.splitlines()[0])["params"])
+    assert params[0] == params[1], params
     rc, out, err = _train(["--model", "gpt2-tiny", "--data", str(tmp_path / "nowhere"),
                            "--dry-run", "--world-size", "2"], capsys)
     assert rc == 0 and "data skipped (--data" in err and "rank 1 (" in out

@@ -251,17 +251,21 @@ def max_samples(cfg: TrainConfig, model_type: str) -> int:
 def resolve_model(cfg: TrainConfig, notes: list[str] | None = None, manifest: dict | None = None):
     """The run's model config from --load / --model / --from-hf and the data's tokenizer (its
     metadata only: nothing is tokenized), checked against --seq-len. A dry run without its data
-    here keeps the model's own vocabulary."""
+    here keeps the model's own vocabulary; on raw text it loads --tokenizer (`_tokenizer_known`)
+    and takes its vocabulary, as the run does."""
 
     if cfg.load and manifest is None and (cfg.load_strict or has_checkpoint(cfg.load)):
         manifest = checkpoint_manifest(cfg.load)  # every file checked
     skipped = _dry_run_without_data(cfg)
-    if skipped is not None:
-        if notes is not None:
-            notes.append(
-                f"dry run: data skipped ({skipped}); the model keeps its own "
-                f"vocabulary and no batch indices are shown"
-            )
+    known = skipped is not None and _tokenizer_known(cfg)
+    if skipped is not None and notes is not None:
+        vocab = (
+            "its tokenizer's vocabulary is the run's"
+            if known
+            else "the model keeps its own vocabulary"
+        )
+        notes.append(f"dry run: data skipped ({skipped}); {vocab} and no batch indices are shown")
+    if skipped is not None and not known:
         return resolve_model_config(
             cfg, _own_vocab(cfg, manifest), cfg.tokenizer, manifest=manifest, notes=notes
         )
@@ -345,6 +349,21 @@ def _dry_run_without_data(cfg: TrainConfig) -> str | None:
     except FileNotFoundError as exc:
         return str(exc)
     return None
+
+
+def _tokenizer_known(cfg: TrainConfig) -> bool:
+    """Whether a dry run that skips its data still knows the run's tokenizer: every --data path
+    is there (raw text is tokenized by --tokenizer, loaded but not run; a prepared dataset names
+    its own), so the model takes the run's vocabulary and the tokenizer checks run as in the
+    run."""
+    if cfg.data is None:
+        return False
+    try:
+        for path in data_paths(cfg.data):
+            _text_or_prefix(cfg, path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _own_vocab(cfg: TrainConfig, manifest: dict | None) -> int:
