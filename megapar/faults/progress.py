@@ -130,12 +130,17 @@ class ProgressRecords:
                 continue
         return records
 
+    def _fail_and_read(self) -> dict[int, dict]:
+        self.mark_failed()
+        return self.read()
+
     def holding_up(self) -> str:
         """After this rank's wait timed out: "rank R did not answer at step S, action", the
         live rank most likely holding the others up, from the others' records
         (`blame.behind_first`: the earliest step, then busy in its own work rather than
         waiting, then using a CPU, then the lowest rank); "" without records."""
-        records = _bounded(lambda: (self.mark_failed(), self.read())[1], 2 * STORE_TIMEOUT_S, {})
+        none: dict[int, dict] = {}
+        records = _bounded(self._fail_and_read, 2 * STORE_TIMEOUT_S, none)
         own = sorted(r for r, x in records.items() if x.get("error"))
         if own:  # a rank failed of itself: the others wait for it
             r = own[0]
