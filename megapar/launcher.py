@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from megapar import device as _device
+from megapar.faults import progress, stop
 from megapar.faults import status as diagnostics
-from megapar.faults import stop
 from megapar.faults.blame import blame, forget_stale_marks, state
 from megapar.faults.processes import (  # noqa: F401
     die_with_parent,
@@ -403,7 +403,11 @@ def run_workers(
         stop.watch_sigterm(dump=True)  # written as one block
         ours = not dist.is_initialized()
         _device.init_distributed(timeout_s=collective_timeout_s, nccl_timeout_s=nccl_timeout_s)
-        out = fn(*args)
+        progress.start(dist.get_rank(), dist.get_world_size())  # in the store: who is behind
+        try:
+            out = fn(*args)
+        finally:
+            progress.stop()
         finish_before_exit()  # a background write in flight, before its group goes
         if ours and dist.is_initialized():  # after a failure the others may be in a collective
             release_process_groups()

@@ -608,6 +608,107 @@ def test_a_slow_rank_is_blamed_with_its_step_and_action_not_the_ranks_waiting_fo
             p.wait()
 
 
+def _holding_up_under_torchrun():
+    """Rank 3 of tp 2 x dp 2 computes in its forward (slow), rank 2, its tp peer, waits inside
+    its forward, ranks 0 and 1 in the dp all-reduce. Rank 0, its wait timed out, asks whom to
+    blame (ranks 2 and 3 alike but for their CPU); then rank 2; then rank 1 fails of itself,
+    and rank 3 asks. The store's keys order them."""
+    from datetime import timedelta
+
+    from megapar.faults import progress
+
+    store = dist.distributed_c10d._get_default_store().clone()
+    store.set_timeout(timedelta(seconds=30))
+    rank = dist.get_rank()
+    rank_status.set_step(2)
+    rank_status.set_action("waiting for the data-parallel gradient all-reduce" if rank < 2
+                           else "forward of micro-batch 0 on pp stage 0")
+    answer = ""
+    if rank == 0:  # the first to time out, once every record is published
+        time.sleep(2.5 * progress.PUBLISH_S)
+        answer = progress.holding_up()
+        store.set("named-0", answer)
+    elif rank == 2:  # rank 3's tp peer: blocked (no CPU) until its timeout, after rank 0's
+        store.wait(["named-0"])
+        answer = progress.holding_up()
+        store.set("named-2", answer)
+    elif rank == 3:  # slow: computing until the others have named it
+        while not store.check(["named-2"]):
+            sum(range(10_000))
+        store.wait(["failed-1"])
+        answer = progress.holding_up()
+    else:  # fails of itself, after that: who times out later names it
+        store.wait(["named-2"])
+        progress.mark_failed("ValueError: boom on purpose\nTraceback ...")
+        store.set("failed-1", "")
+    return answer
+
+
+def test_under_torchrun_the_rank_holding_the_others_up_is_named_from_the_store(monkeypatch):
+    """Under torchrun there is no launcher of ours to read every rank's status: each rank
+    timed out and named only the peer it waited for. Now each rank publishes its step and
+    action in the job's store and the rank whose wait timed out names the one most behind, as
+    the local launcher does (a slow rank computing, not its tp peer waiting inside its
+    forward, nor the ranks in the dp all-reduce); a rank that failed of itself is named by
+    those that time out after it."""
+    from megapar.faults import progress
+    from test_launcher import _run_as_torchrun
+
+    from megapar.launcher import run_workers
+
+    monkeypatch.setattr(progress, "PUBLISH_S", 0.5)
+    start = time.monotonic()
+    named = _run_as_torchrun(lambda: run_workers(_holding_up_under_torchrun, 4)[0], 4)
+    slow = "rank 3 did not answer at step 2, forward of micro-batch 0 on pp stage 0"
+    assert named[2] == named[0] == slow, named
+    assert named[3] == ("rank 1 failed at step 2, waiting for the data-parallel gradient "
+                        "all-reduce: ValueError: boom on purpose"), named
+    assert time.monotonic() - start < 30
+
+
+def test_reading_the_records_is_bounded_when_the_store_does_not_answer(monkeypatch):
+    """The store lives with torchrun's agent (or rank 0 under srun): when it stops answering
+    (here its process stopped) the report must not wait for it: the store's own timeout (1 s
+    here) bounds waiting for a key, not for a reply, so the report gives up on its reads after
+    twice that, and no rank is named."""
+    import multiprocessing as mp
+    from datetime import timedelta
+
+    from megapar.faults import progress
+    from megapar.faults.progress import ProgressRecords
+    from megapar.launcher import free_port
+
+    monkeypatch.setattr(progress, "STORE_TIMEOUT_S", 1.0)
+    port, ctx = free_port(), mp.get_context("fork")
+    up = ctx.Event()
+    server = ctx.Process(target=_store_server, args=(port, up), daemon=True)
+    server.start()
+    try:
+        assert up.wait(30)
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=1))
+        records = ProgressRecords(client, 0, 4)
+        records.publish()
+        assert json.loads(client.get(records.key(0)))["status"] == rank_status.status()
+        client.set(records.key(3), json.dumps({"status": "step 1, forward", "cpu": 1.0}))
+        assert records.read() == {3: {"status": "step 1, forward", "cpu": 1.0}}
+        os.kill(server.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        assert records.holding_up() == ""
+        assert time.monotonic() - start < 2.5  # not the 30 s a blocked reply would take
+    finally:
+        server.kill()
+        server.join()
+
+
+def _store_server(port, up):
+    """A TCPStore's server, in a process of its own until killed."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    up.set()
+    while store:
+        time.sleep(1)
+
+
 def test_a_rank_under_torchrun_names_a_stopped_rank_of_its_node_and_continues_it():
     """torchrun's workers are siblings (one parent, RANK in their environment): the rank whose
     wait timed out names the stopped one and sends it SIGCONT, so that it ends as well instead

@@ -21,7 +21,7 @@ from megapar.checkpoint.publish import has_checkpoint, remove_steps_after
 from megapar.device import DeviceError, check_gpus, share_host_arena
 from megapar.dryrun.command import rehearse
 from megapar.dryrun.sample import check_world
-from megapar.faults.report import log_dir_for, worker_failure
+from megapar.faults.report import log_dir_for, tell_torchrun, worker_failure
 from megapar.faults.stop import install_stop_handlers, parse_signals
 from megapar.launcher import (
     WorkerError,
@@ -181,13 +181,14 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
             text, failed = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", rank
         line, log = worker_failure(text, log_dir_for(cfg.save, cfg.data_cache), failed)
         print(f"megapar-train: error: {line}", file=sys.stderr)
+        tell_torchrun(line, log)  # its summary's root cause: this line, not "<N/A>"
         if cfg.debug:
             print(text, file=sys.stderr)
         elif log and " was killed by " in line:  # no traceback: its log and every rank's stack
             print(
                 f"megapar-train: its output in {log}; every rank's stack: --debug", file=sys.stderr
             )
-        elif log and " did not answer" in line:  # the others timed out waiting for it
+        elif log and failed is None and " did not answer" in line:  # named by our launcher
             print(
                 f"megapar-train: every rank's step, action and stack in {log} (or rerun with "
                 f"--debug)",

@@ -17,6 +17,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from megapar.faults.processes import cpu_ticks, pid_alive, sibling_ranks, stopped
@@ -117,6 +118,10 @@ a backward, a save)."""
 BUSY_SAMPLE_S = 0.2
 """How long `most_behind` watches the CPU time of ranks it cannot tell apart otherwise."""
 
+BUSY_SHARE = 0.1
+"""The share of a CPU above which a rank counts as computing (2 clock ticks in
+`BUSY_SAMPLE_S`): below it, a watchdog's or a heartbeat's wake-ups."""
+
 
 def waits(status: str) -> bool:
     """Whether a rank's status ("step S, action") says it waits for other ranks."""
@@ -130,26 +135,41 @@ def step_of(status: str) -> int:
 
 
 def most_behind(procs, ranks: list[int], statuses: list[str]) -> int:
-    """Of the live `ranks` that did not answer, the one most likely holding the others up: the
+    """Of the live local `ranks` that did not answer, the one most likely holding the others
+    up (`behind_first`), the CPU each used read from /proc during `BUSY_SAMPLE_S`."""
+
+    def used(alike: list[int]) -> dict[int, float]:
+        before = {r: cpu_ticks(procs[r].pid) for r in alike}
+        time.sleep(BUSY_SAMPLE_S)
+        ticks = {r: (cpu_ticks(procs[r].pid) or 0) - (before[r] or 0) for r in alike}
+        per_s = os.sysconf("SC_CLK_TCK") * BUSY_SAMPLE_S
+        return {r: ticks[r] / per_s if before[r] is not None else 0.0 for r in alike}
+
+    return behind_first(ranks, dict(enumerate(statuses)), used)
+
+
+def behind_first(
+    ranks: list[int], statuses: dict[int, str], busy: Callable[[list[int]], dict[int, float]]
+) -> int:
+    """Of `ranks` that did not answer, the one most likely holding the others up: the
     earliest step (a rank cannot wait for one that already finished that step), then one busy
     in its own work (a forward, a backward) before one that waits for other ranks, then, among
-    those still alike, the one whose process used the most CPU during `BUSY_SAMPLE_S`
-    (computing, as a slow rank does, where one blocked in a wait uses none: a tp peer waits
-    inside its forward); then the lowest rank."""
+    those still alike, the one whose process used the most CPU (`busy(alike)`: {rank: share of
+    a CPU}, counted from `BUSY_SHARE`: computing, as a slow rank does, where one blocked in a
+    wait uses none: a tp peer waits inside its forward); then the lowest rank. `statuses`:
+    each rank's "step S, action" (`megapar.faults.status`)."""
 
     def key(r: int) -> tuple[int, bool]:
-        status = statuses[r] if r < len(statuses) else ""
+        status = statuses.get(r, "")
         return step_of(status), waits(status)
 
     first = min(key(r) for r in ranks)
     alike = sorted(r for r in ranks if key(r) == first)
     if len(alike) == 1:
         return alike[0]
-    before = {r: cpu_ticks(procs[r].pid) for r in alike}
-    time.sleep(BUSY_SAMPLE_S)
-    used = {r: (cpu_ticks(procs[r].pid) or 0) - (before[r] or 0) for r in alike}
-    busy = {r: used[r] if before[r] is not None and used[r] >= 2 else 0 for r in alike}
-    return max(alike, key=lambda r: (busy[r], -r))  # 2 ticks at least: a watchdog's wake-up
+    used = busy(alike)
+    share = {r: used.get(r, 0.0) if used.get(r, 0.0) >= BUSY_SHARE else 0.0 for r in alike}
+    return max(alike, key=lambda r: (share[r], -r))
 
 
 def consequential(error: str) -> bool:

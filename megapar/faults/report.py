@@ -2,11 +2,13 @@
 
 `worker_failure(text, log_dir, rank)` turns a failure (a launcher WorkerError message, or the
 traceback of a rank run in this process) into one line naming the rank and the step, and writes
-the full text to `log_dir/rank{R}.log`; `log_dir_for` says where those logs go.
+the full text to `log_dir/rank{R}.log`; `log_dir_for` says where those logs go;
+`tell_torchrun` gives the line to torchrun, which prints it as the failure's root cause.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -52,3 +54,25 @@ def worker_failure(text: str, log_dir: Path, rank: int | None = None) -> tuple[s
     except OSError:
         path = None
     return line, (str(path) if path else None)
+
+
+def tell_torchrun(line: str, log: str | None) -> None:
+    """Under torchrun, a failed rank's one line (and where its log is) in the error file torchrun
+    gave it (TORCHELASTIC_ERROR_FILE, in the JSON of torch elastic's `ErrorHandler`): torchrun
+    prints it as "traceback" in its summary, under "Root Cause" for the rank that failed first,
+    where it would otherwise say "error_file: <N/A>". Nothing elsewhere, or when unwritable."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    shown = line + (f"\n(this rank's log: {log})" if log else "")
+    data = {
+        "message": {
+            "message": line,
+            "extraInfo": {"py_callstack": shown, "timestamp": str(int(time.time()))},
+        }
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass

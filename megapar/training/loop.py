@@ -22,6 +22,7 @@ from megapar.data.blended import BlendedDataset
 from megapar.device import peak_tflops
 from megapar.diagnostics.replay import StepRecorder, StepReplay, find_record, load_record
 from megapar.expert_parallel import is_expert
+from megapar.faults import progress
 from megapar.faults.blame import consequential, stopped_siblings
 from megapar.faults.processes import launcher_alive
 from megapar.faults.stop import (
@@ -337,8 +338,9 @@ class Trainer:
     def failure(
         self, exc: Exception, at: int, saved: int | None, loaded_step: int | None
     ) -> TrainingError:
-        """The error a rank's failure at step `at` raises: where it failed, a stopped rank of
-        this node it follows from, and the steps not saved (`saved`: the last saved step)."""
+        """The error a rank's failure at step `at` raises: where it failed, the rank it follows
+        from under torchrun / srun (`cause`), and the steps not saved (`saved`: the last saved
+        step)."""
         cfg, mesh = self.cfg, self.mesh
         what = f"{type(exc).__name__}: {exc}"
         saver = self.engine.saver
@@ -346,12 +348,11 @@ class Trainer:
             note = saver.wait_quietly(cfg.timeout_s)
             what += f" ({note})" if note else ""
             saved = saver.published if saver.published is not None else loaded_step
-        # A timeout under torchrun: name a stopped rank of this node (and let it end too)
-        cause = stopped_siblings(resume=True) if consequential(what) else ""
+        cause = self.cause(what)
         err = TrainingError(
             f"rank {mesh.rank} ({mesh.layout} coords tp={mesh.tp_rank} "
             f"pp={mesh.pp_rank} dp={mesh.dp_rank}) failed at step "
-            f"{at}: " + (f"{cause}; here: " if cause else "") + what
+            f"{at}: {cause}{what}"
         )
         err.no_traceback = getattr(exc, "no_traceback", False)
         if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
@@ -360,6 +361,22 @@ class Trainer:
                 f"checkpoint: {f'step {saved:d}' if saved else 'none'})",
             )
         return err
+
+    def cause(self, what: str) -> str:
+        """Under torchrun / srun, when this rank's wait timed out (`what`): the rank it follows
+        from, as the start of its error: a stopped rank of this node (continued, so that it
+        ends too), else from every rank's record in the store the one holding the others up
+        (`megapar.faults.progress`); "" when none is known. An error of this rank's own is
+        recorded there instead, for the ranks that time out waiting for it."""
+        if not consequential(what):
+            progress.mark_failed(what)
+            return ""
+        stopped = stopped_siblings(resume=True)
+        if stopped:
+            progress.mark_failed()
+            return f"{stopped}; here: "
+        behind = progress.holding_up()
+        return f"{behind}; rank {self.mesh.rank} gave up waiting: " if behind else ""
 
     def saved_at_start(self) -> int | None:
         """The step resumed from when it is already saved: it came from --save itself (a

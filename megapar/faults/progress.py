@@ -1,0 +1,220 @@
+"""Under torchrun / srun: each rank's step and action in the job's store, and the rank holding
+the others up named from them.
+
+megapar's own launcher reads every rank's status from memory it shares with its workers
+(`megapar.faults.status`) and names the rank most behind when the others time out
+(`megapar.faults.blame.most_behind`). Under torchrun / srun there is no such launcher and the
+ranks may be on several nodes; what they all reach is the store torch.distributed's rendezvous
+made (torchrun's agent store at MASTER_ADDR:MASTER_PORT, or rank 0's under srun). So each rank
+publishes a small JSON record there ("step S, action", the share of a CPU its process used
+since the record before, whether it has failed): a daemon thread, every `PUBLISH_S`, when the
+record changed, so the training loop itself does nothing more per micro-batch. A rank whose
+wait timed out marks its own record failed and reads every other rank's (`holding_up`): the one
+most behind by `blame.most_behind`'s rule is named as the local launcher names it ("rank 3 did
+not answer at step 2, forward of micro-batch 0 on pp stage 0"). Every store call goes through
+this module's own connection, with a timeout of `STORE_TIMEOUT_S`, a record is read only once
+the store says it exists, and the report waits for its reads at most twice that on a thread of
+its own (`_bounded`): a store that does not answer (its node frozen) is given up on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from megapar.faults import status as _status
+from megapar.faults.blame import BUSY_SHARE, behind_first
+
+PUBLISH_S = 1.0
+"""How often the publishing thread looks at its rank's status (and sends it when it changed).
+A hang is seen only after a collective's timeout (`--timeout-s`, far longer), so a record
+is at most this much behind what the rank was doing when the others gave up."""
+
+STORE_TIMEOUT_S = 5.0
+"""The longest any one store call (connection, write, read) of this module waits."""
+
+_KEY = "megapar/progress"
+T = TypeVar("T")
+
+
+class ProgressRecords:
+    """This rank's record in the store, published by a daemon thread, and the others' read."""
+
+    def __init__(self, store, rank: int, world_size: int):
+        """`store`: a connection to the job's store of its own (`connect`), `rank` this one's."""
+        self.store, self.rank, self.world_size = store, rank, world_size
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's restarts
+        self.prefix = f"{_KEY}/{attempt}/"
+        self.failed = False
+        self.error = ""  # its own error's first line when it failed of itself
+        self._lock = threading.Lock()  # the thread's publish and `mark_failed`'s
+        self._sent = ""
+        self._stop = threading.Event()
+        self._cpu = (time.monotonic(), time.process_time())
+
+    def key(self, rank: int) -> str:
+        return f"{self.prefix}{rank}"
+
+    def record(self) -> dict:
+        """This rank's record now: its status, the share of a CPU its process used since the
+        record before (every thread: a rank computing uses one, a rank blocked in a wait
+        none), whether it failed."""
+        wall, cpu = time.monotonic(), time.process_time()
+        share = (cpu - self._cpu[1]) / max(wall - self._cpu[0], 1e-3)
+        self._cpu = (wall, cpu)
+        record = {"status": _status.status(), "cpu": round(share, 2), "failed": self.failed}
+        return {**record, "error": self.error} if self.error else record
+
+    def publish(self) -> None:
+        """Send this rank's record when its status, its failure or whether it computes changed
+        (bounded by the store's timeout; a store gone is ignored)."""
+        with self._lock:
+            record = self.record()
+            same = {**record, "cpu": record["cpu"] >= BUSY_SHARE}
+            text = json.dumps(same)
+            if text == self._sent:
+                return
+            try:
+                self.store.set(self.key(self.rank), json.dumps(record))
+                self._sent = text
+            except (RuntimeError, ValueError):  # DistError: the store is down or slow
+                pass
+
+    def start(self) -> None:
+        """Publish now, then every `PUBLISH_S` on a daemon thread until `stop`."""
+        self.publish()
+
+        def loop() -> None:
+            while not self._stop.wait(PUBLISH_S):
+                self.publish()
+
+        threading.Thread(target=loop, name="megapar-progress", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def mark_failed(self, error: str = "") -> None:
+        """Say in the store that this rank has failed: of itself (`error`: its first line),
+        which the ranks that time out after it then name; or (no `error`) its wait timed out,
+        and they do not name it (it waited, and it is no longer there to answer)."""
+        self.failed, self.error = True, error.split("\n", 1)[0][:300]
+        self.publish()
+
+    def read(self) -> dict[int, dict]:
+        """{rank: record} of every other rank that has one (bounded by the store's timeout)."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        keys = [self.key(r) for r in others]
+        try:
+            if self.store.check(keys):  # all there: one round trip
+                values = dict(zip(others, self.store.multi_get(keys), strict=True))
+            else:  # a rank never published (it died starting): only those there
+                values = {
+                    r: self.store.get(k)
+                    for r, k in zip(others, keys, strict=True)
+                    if self.store.check([k])
+                }
+        except (RuntimeError, ValueError):
+            return {}
+        records = {}
+        for r, value in values.items():
+            try:
+                records[r] = json.loads(value)
+            except ValueError:
+                continue
+        return records
+
+    def _fail_and_read(self) -> dict[int, dict]:
+        self.mark_failed()
+        return self.read()
+
+    def holding_up(self) -> str:
+        """After this rank's wait timed out: "rank R did not answer at step S, action", the
+        live rank most likely holding the others up, from the others' records
+        (`blame.behind_first`: the earliest step, then busy in its own work rather than
+        waiting, then using a CPU, then the lowest rank); "" without records."""
+        none: dict[int, dict] = {}
+        records = _bounded(self._fail_and_read, 2 * STORE_TIMEOUT_S, none)
+        own = sorted(r for r, x in records.items() if x.get("error"))
+        if own:  # a rank failed of itself: the others wait for it
+            r = own[0]
+            return f"rank {r} failed at {records[r].get('status', '')}: {records[r]['error']}"
+        records = {r: x for r, x in records.items() if not x.get("failed")}
+        if not records:
+            return ""
+        statuses = {r: str(x.get("status", "")) for r, x in records.items()}
+        cpu = {r: float(x.get("cpu", 0.0)) for r, x in records.items()}
+        named = behind_first(sorted(records), statuses, lambda alike: cpu)
+        return f"rank {named} did not answer" + (
+            f" at {statuses[named]}" if statuses[named] else ""
+        )
+
+
+def _bounded(fn: Callable[[], T], within_s: float, otherwise: T) -> T:
+    """`fn()`, or `otherwise` when it has not returned within `within_s`: run on a daemon
+    thread left behind if it does not return. The store's own timeout bounds a wait for a key,
+    not a reply: a call to a store whose process is stopped (its node frozen) never returns."""
+    box: list[T] = []
+    thread = threading.Thread(target=lambda: box.append(fn()), name="megapar-progress-read")
+    thread.daemon = True
+    thread.start()
+    thread.join(within_s)
+    return box[0] if box else otherwise
+
+
+_records: dict[str, ProgressRecords] = {}  # this process's, by "rank": one per process
+
+
+def connect(timeout_s: float = STORE_TIMEOUT_S):
+    """A connection of this module's own to the default process group's store (its timeout
+    `timeout_s`, not the group's); None when there is none."""
+    try:
+        store = dist.distributed_c10d._get_default_store().clone()  # type: ignore[attr-defined]
+        store.set_timeout(timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    return store
+
+
+def start(rank: int, world_size: int) -> ProgressRecords | None:
+    """Start publishing this rank's record (under torchrun / srun, once the default process
+    group exists); the records, or None when the store cannot be reached."""
+    stop()
+    store = _bounded(connect, STORE_TIMEOUT_S, None)
+    if store is None:
+        return None
+    records = _records["rank"] = ProgressRecords(store, rank, world_size)
+    records.start()
+    return records
+
+
+def stop() -> None:
+    """Stop publishing (the process group is being released)."""
+    records = _records.pop("rank", None)
+    if records is not None:
+        records.stop()
+
+
+def holding_up() -> str:
+    """`ProgressRecords.holding_up` of this process's records; "" when none are published
+    (megapar's own launcher, which names the rank itself)."""
+    records = _records.get("rank")
+    return records.holding_up() if records is not None else ""
+
+
+def mark_failed(error: str = "") -> None:
+    """Record that this rank failed (`ProgressRecords.mark_failed`): with an error of its own
+    (`error`), which the ranks that time out waiting for it then name, or (none) a wait that
+    timed out; nothing when no records are published."""
+    records = _records.get("rank")
+    if records is not None:
+        _bounded(lambda: records.mark_failed(error), STORE_TIMEOUT_S, None)
+
+
+os.register_at_fork(after_in_child=_records.clear)  # a forked child publishes nothing of its own
