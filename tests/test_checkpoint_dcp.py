@@ -264,6 +264,9 @@ def test_megapar_shards_are_refused_by_dcps_huggingface_reader(tmp_path, small):
     with warnings.catch_warnings(), pytest.raises(CheckpointException) as refused:
         warnings.simplefilter("ignore", UserWarning)
         dist_cp.load(want, storage_reader=HuggingFaceStorageReader(str(step_dir)), no_dist=True)
-    assert "metadata read failed: 'model/" in str(refused.value), refused.value  # KeyError
+    # torch 2.13: the KeyError of a key it does not hold; torch 2.11 (pyproject's floor): no
+    # metadata read at all
+    said = str(refused.value)
+    assert "metadata read failed: 'model/" in said or "metadata is None" in said, said
     with pytest.raises(OSError):  # transformers refuses a file that is not a whole model
         transformers.LlamaForCausalLM.from_pretrained(step_dir)
