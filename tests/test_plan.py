@@ -429,6 +429,26 @@ def test_cli_refuses_sizes_no_layout_can_have(capsys, flags, message):
     assert code == 2 and len(lines) == 1 and message in lines[0] and not out.out, out
 
 
+def test_cli_refuses_a_config_megapar_cannot_build_in_one_line(capsys, tmp_path):
+    """A Llama config.json with a setting megapar's Llama refuses (a Qwen2-style attention
+    bias, a rope type it lacks, kv heads that do not divide the heads) is one line, exit code
+    2, for the search and --explain alike, as megapar-train says it (it was a traceback)."""
+    base = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    for extra, message in [({"attention_bias": True}, "attention_bias / mlp_bias are not "
+                                                      "supported"),
+                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+                            "rope_scaling type 'yarn' is not supported"),
+                           ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads")]:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**base, **extra}))
+        for more in ([], ["--explain", "tp=1,pp=1"]):
+            code, out = _cli(capsys, "--model", str(path), "--gpus", "2", "--global-batch-size",
+                             "4", "--seq-len", "32", *more)
+            lines = out.err.strip().splitlines()
+            assert code == 2 and len(lines) == 1 and message in lines[0], out
+
+
 def test_command_uses_only_flags_megapar_train_has():
     import dataclasses
 

@@ -23,6 +23,7 @@ import sys
 
 from megapar.cli.plan_verify import verify_estimates
 from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
+from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
 from megapar.one_line_parser import OneLineParser
@@ -233,6 +234,10 @@ MAX_VERIFY = 32
 def _problem(args):
     """The `Problem` the arguments describe; ValueError naming the flag if one is invalid."""
     config = resolve_model(args.model)
+    try:  # the config's own errors (biases, rope type, kv heads) hold at every layout
+        config.validate(Layout(1, 1, 1))
+    except LayoutError:
+        pass  # a size no layout can split: every grid is rejected with its reason
     limit = config.max_positions
     if args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {limit} positions")
