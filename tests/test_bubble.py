@@ -279,6 +279,12 @@ def test_cost_flags_that_would_be_ignored_under_simulate_or_show_schedule(capsys
     assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--bwd-weight-ms",
                  "nan"]) == 2
     assert "--bwd-weight-ms nan is invalid" in _error_line(capsys)
+    # a schedule without a split backward ignored a lone B or W (1F1B ran its 2 x F backward)
+    for flags in (["--bwd-input-ms", "5"], ["--bwd-ms", "2", "--bwd-input-ms", "1",
+                                            "--bwd-weight-ms", "1"]):
+        assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", *flags]) == 2
+        assert "--bwd-input-ms is not used by --schedule 1f1b, whose backward is not split" \
+            in _error_line(capsys)
 
 
 @pytest.mark.parametrize("mode", [["--simulate", "--fwd-ms", "1"], SMALL])
