@@ -292,7 +292,12 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
                            (["--gpus", "8", "--gpu-memory-gb", "0"], "--gpu-memory-gb 0 is invalid"),
                            (["--gpus", "8", "--top", "0"], "--top must be >= 1"),
                            (["--gpus", "8", "--today", "--master-weights", "separate"],
-                            "drop --master-weights separate")]:
+                            "drop --master-weights separate"),
+                           # --verify was silently skipped by these two
+                           (["--gpus", "8", "--verify", "1", "--json"],
+                            "--verify is not run with --json"),
+                           (["--gpus", "8", "--verify", "1", "--explain", "tp=1,pp=2"],
+                            "--verify is not run with --explain")]:
         assert plan_main(base + extra) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err

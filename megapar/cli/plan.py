@@ -358,6 +358,13 @@ def _check_mode_arguments(args) -> None:
             f"on 1024 GPUs 5-10 s); verify the best few, and another layout with "
             f"--explain LAYOUT and its megapar-train command with --dry-run"
         )
+    if args.verify and (args.explain or args.json):
+        mode = "--explain" if args.explain else "--json"
+        raise ValueError(
+            f"--verify is not run with {mode} (it dry-runs a search's best layouts and "
+            f"prints the comparison as text); drop {mode}, or drop --verify (for one layout: "
+            f"its megapar-train command with --dry-run)"
+        )
     if args.verify and args.master_weights != "fp32":
         raise ValueError(
             "--verify compares the plan with what megapar-train holds, fp32 "
