@@ -206,6 +206,9 @@ def test_other_registered_schedules_are_simulated_and_agree_with_their_formula(n
     value, source = pipeline.bubble(name, 4, 8, v, 2.0)
     assert source == "simulated"
     assert value == pytest.approx(pipeline.formula_bubble(name, 4, 8, v))
+    if name == "interleaved":  # the planner's fallback with fewer micro-batches than stages
+        assert pipeline.bubble(name, 4, 2, 2, 2.0)[0] == pytest.approx(
+            pipeline.formula_bubble(name, 4, 2, 2)) == pytest.approx(5 / 9)
 
 
 def test_unregistered_schedules_fall_back_to_their_formula(monkeypatch):
