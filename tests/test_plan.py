@@ -239,6 +239,7 @@ def test_unregistered_schedules_fall_back_to_their_formula(monkeypatch):
     ("tp=3", 3, "not divisible by --tp 3"),
     ("tp=16", 16, "span nodes"),
     ("mbs=3", 1, "not divisible by micro-batch size 3"),
+    ("mbs=0", 1, "micro-batch size 0 is invalid: it is sequences per micro-batch, >= 1"),
     ("tp=2,sp=0,zero=1", 2, "ZeRO-1 needs dp > 1"),
     ("sp=1", 1, "needs tp > 1"),
     ("tp=2,sp=1", 2, "--seq-len 99 divisible by tp 2"),
@@ -252,6 +253,12 @@ def test_invalid_layouts_are_rejected_with_the_reason(spec, gpus, reason):
     seq_len = 99 if "sp=1" in spec else 128
     assert reason in check(c, config, gpus, 8, 16, seq_len)
     assert parse_candidate(c.spec()) == c
+
+
+def test_an_ep_below_1_is_named_invalid_not_a_dense_model():
+    # it said "ep 0 needs a mixture-of-experts model (this one has no routed experts)" to Mixtral
+    reason = check(parse_candidate("ep=0", 4), resolve_model("mixtral-tiny"), 4, 8, 16, 64)
+    assert reason == "ep 0 is invalid: it is the ranks the experts are sharded over, >= 1"
 
 
 def test_interleaved_layouts_follow_megapar_trains_rules():
