@@ -285,6 +285,12 @@ def test_cost_flags_that_would_be_ignored_under_simulate_or_show_schedule(capsys
         assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", *flags]) == 2
         assert "--bwd-input-ms is not used by --schedule 1f1b, whose backward is not split" \
             in _error_line(capsys)
+    # nor did a measurement's flags where nothing is measured
+    assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--tp", "2"]) == 2
+    assert "--tp is not used by --simulate with --fwd-ms" in _error_line(capsys)
+    assert main(["--pp", "2", "-m", "4", "--simulate", "--steps", "2"]) == 2
+    assert "--steps is not used by --simulate (it measures the costs in one step)" \
+        in _error_line(capsys)
 
 
 @pytest.mark.parametrize("mode", [["--simulate", "--fwd-ms", "1"], SMALL])

@@ -155,6 +155,29 @@ def check_cost_flags(args) -> None:
         )
 
 
+MEASURE_FLAGS = ("tp", "cp", "model", "steps", "micro_batch_size", "seq_len", "oversubscribe")
+
+
+def check_measure_flags(args) -> None:
+    """The flags of a measurement do nothing where nothing is measured: --simulate with
+    --fwd-ms (the costs are given), and --steps under --simulate (the costs are measured in one
+    step): refuse them there rather than ignore them."""
+    if not args.simulate:
+        return
+    defaults = build_parser().parse_args(["--pp", "1", "-m", "1"])
+    given = [n for n in MEASURE_FLAGS if getattr(args, n) != getattr(defaults, n)]
+    if args.fwd_ms is not None and given:
+        raise ValueError(
+            f"{flag_of(given[0])} is not used by --simulate with --fwd-ms (the costs are "
+            f"given; nothing runs); drop it, or drop the cost flags to measure them with it"
+        )
+    if "steps" in given:
+        raise ValueError(
+            "--steps is not used by --simulate (it measures the costs in one step); drop "
+            "--simulate to measure the bubble over --steps steps, or drop --steps"
+        )
+
+
 def check_split_costs(args) -> None:
     """A schedule without a split backward reads B and W only as the backward they add up to
     (both given, no --bwd-ms): refuse one alone, or either next to --bwd-ms."""
@@ -423,6 +446,7 @@ def main(argv=None) -> int:
         check_cost_flags(args)
         check_bubble_args(args)
         check_split_costs(args)  # after the values are checked
+        check_measure_flags(args)
         check_schedule(args.schedule, pp, m, v)
         check_output_files(args)  # last: it creates a missing output directory
     except (UsageError, ValueError) as exc:
