@@ -418,6 +418,12 @@ BUBBLE = [
      "2,000,000 actions on 1000 stages, more than megapar-bubble measures or simulates in "
      "seconds"),
     (["--pp", "1000", "-m", "4", "--simulate", "--fwd-ms", "1"], "on 1000 stages"),
+    # the bubble named instead is the schedule's own (it was 1F1B's for every schedule:
+    # 0.0014 here, and 0.9868 for interleaved at m < pp where the exact one is 597 / 601)
+    (["--pp", "8", "-m", "5000", "--schedule", "zb-h1", "--simulate", "--fwd-ms", "1"],
+     "zb-h1's bubble formula gives 0.0005, with no run"),
+    (["--pp", "300", "-m", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+      "--simulate", "--fwd-ms", "1"], "interleaved's bubble formula gives 0.9933"),
     (["--pp", "{too_many}", "-m", "4"], "local worker processes, more than this machine runs"),
     (["--pp", "2", "-m", "4", "--cp", "{limit}"],
      "--pp 2 x --tp 1 x --cp {limit} starts {twice_limit} local worker processes"),

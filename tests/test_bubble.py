@@ -26,7 +26,11 @@ def run_cli(capsys, *argv) -> tuple[dict, str]:
     """Run megapar-bubble; its final JSON line and the whole stdout."""
     assert main(list(argv)) == 0
     out = capsys.readouterr().out
-    return json.loads(out.strip().splitlines()[-1]), out
+    return json.loads(out.strip().splitlines()[-1], parse_constant=_not_json), out
+
+
+def _not_json(name: str):
+    raise AssertionError(f"the JSON line holds {name}, which strict JSON (jq, JavaScript) refuses")
 
 
 def load_tool(name):
@@ -198,6 +202,12 @@ def test_simulated_cli_interleaved_and_zb_h1_by_hand(capsys):
     result, _ = run_cli(capsys, "--pp", "4", "-m", "8", "--schedule", "zb-h1", "--simulate",
                         "--fwd-ms", "1", "--bwd-weight-ms", "0")
     assert result["theoretical_bubble"] == pytest.approx(6 / 22) == result["measured_bubble"]
+    # the paper's formula assumes W <= F + B; beyond it there is none: "-" and null (it was
+    # NaN, which is no JSON)
+    result, out = run_cli(capsys, "--pp", "4", "-m", "8", "--schedule", "zb-h1", "--simulate",
+                          "--fwd-ms", "1", "--bwd-input-ms", "1", "--bwd-weight-ms", "5")
+    assert result["theoretical_bubble"] is None and 0 < result["measured_bubble"] < 1
+    assert out.splitlines()[-4].split()[-1] == "-" and "nan" not in out
 
 
 def test_simulated_cli_zb_v_against_zb_h1_and_1f1b(capsys):
@@ -269,6 +279,18 @@ def test_cost_flags_that_would_be_ignored_under_simulate_or_show_schedule(capsys
     assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--bwd-weight-ms",
                  "nan"]) == 2
     assert "--bwd-weight-ms nan is invalid" in _error_line(capsys)
+    # a schedule without a split backward ignored a lone B or W (1F1B ran its 2 x F backward)
+    for flags in (["--bwd-input-ms", "5"], ["--bwd-ms", "2", "--bwd-input-ms", "1",
+                                            "--bwd-weight-ms", "1"]):
+        assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", *flags]) == 2
+        assert "--bwd-input-ms is not used by --schedule 1f1b, whose backward is not split" \
+            in _error_line(capsys)
+    # nor did a measurement's flags where nothing is measured
+    assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--tp", "2"]) == 2
+    assert "--tp is not used by --simulate with --fwd-ms" in _error_line(capsys)
+    assert main(["--pp", "2", "-m", "4", "--simulate", "--steps", "2"]) == 2
+    assert "--steps is not used by --simulate (it measures the costs in one step)" \
+        in _error_line(capsys)
 
 
 @pytest.mark.parametrize("mode", [["--simulate", "--fwd-ms", "1"], SMALL])

@@ -206,6 +206,9 @@ def test_other_registered_schedules_are_simulated_and_agree_with_their_formula(n
     value, source = pipeline.bubble(name, 4, 8, v, 2.0)
     assert source == "simulated"
     assert value == pytest.approx(pipeline.formula_bubble(name, 4, 8, v))
+    if name == "interleaved":  # the planner's fallback with fewer micro-batches than stages
+        assert pipeline.bubble(name, 4, 2, 2, 2.0)[0] == pytest.approx(
+            pipeline.formula_bubble(name, 4, 2, 2)) == pytest.approx(5 / 9)
 
 
 def test_unregistered_schedules_fall_back_to_their_formula(monkeypatch):
@@ -236,6 +239,7 @@ def test_unregistered_schedules_fall_back_to_their_formula(monkeypatch):
     ("tp=3", 3, "not divisible by --tp 3"),
     ("tp=16", 16, "span nodes"),
     ("mbs=3", 1, "not divisible by micro-batch size 3"),
+    ("mbs=0", 1, "micro-batch size 0 is invalid: it is sequences per micro-batch, >= 1"),
     ("tp=2,sp=0,zero=1", 2, "ZeRO-1 needs dp > 1"),
     ("sp=1", 1, "needs tp > 1"),
     ("tp=2,sp=1", 2, "--seq-len 99 divisible by tp 2"),
@@ -249,6 +253,12 @@ def test_invalid_layouts_are_rejected_with_the_reason(spec, gpus, reason):
     seq_len = 99 if "sp=1" in spec else 128
     assert reason in check(c, config, gpus, 8, 16, seq_len)
     assert parse_candidate(c.spec()) == c
+
+
+def test_an_ep_below_1_is_named_invalid_not_a_dense_model():
+    # it said "ep 0 needs a mixture-of-experts model (this one has no routed experts)" to Mixtral
+    reason = check(parse_candidate("ep=0", 4), resolve_model("mixtral-tiny"), 4, 8, 16, 64)
+    assert reason == "ep 0 is invalid: it is the ranks the experts are sharded over, >= 1"
 
 
 def test_interleaved_layouts_follow_megapar_trains_rules():
@@ -292,7 +302,12 @@ def test_cli_refuses_a_partial_node_and_bad_numbers(capsys):
                            (["--gpus", "8", "--gpu-memory-gb", "0"], "--gpu-memory-gb 0 is invalid"),
                            (["--gpus", "8", "--top", "0"], "--top must be >= 1"),
                            (["--gpus", "8", "--today", "--master-weights", "separate"],
-                            "drop --master-weights separate")]:
+                            "drop --master-weights separate"),
+                           # --verify was silently skipped by these two
+                           (["--gpus", "8", "--verify", "1", "--json"],
+                            "--verify is not run with --json"),
+                           (["--gpus", "8", "--verify", "1", "--explain", "tp=1,pp=2"],
+                            "--verify is not run with --explain")]:
         assert plan_main(base + extra) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
@@ -427,6 +442,26 @@ def test_cli_refuses_sizes_no_layout_can_have(capsys, flags, message):
                      "--seq-len", "32", *flags)
     lines = out.err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and message in lines[0] and not out.out, out
+
+
+def test_cli_refuses_a_config_megapar_cannot_build_in_one_line(capsys, tmp_path):
+    """A Llama config.json with a setting megapar's Llama refuses (a Qwen2-style attention
+    bias, a rope type it lacks, kv heads that do not divide the heads) is one line, exit code
+    2, for the search and --explain alike, as megapar-train says it (it was a traceback)."""
+    base = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    for extra, message in [({"attention_bias": True}, "attention_bias / mlp_bias are not "
+                                                      "supported"),
+                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+                            "rope_scaling type 'yarn' is not supported"),
+                           ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads")]:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**base, **extra}))
+        for more in ([], ["--explain", "tp=1,pp=1"]):
+            code, out = _cli(capsys, "--model", str(path), "--gpus", "2", "--global-batch-size",
+                             "4", "--seq-len", "32", *more)
+            lines = out.err.strip().splitlines()
+            assert code == 2 and len(lines) == 1 and message in lines[0], out
 
 
 def test_command_uses_only_flags_megapar_train_has():

@@ -118,6 +118,16 @@ def test_simulated_interleaved_by_hand():
     assert stats["step_time_s"] == pytest.approx(15e-3)
     assert stats["measured_bubble"] == pytest.approx(0.2)
     assert theoretical_bubble(2, 2, "interleaved", 2) == pytest.approx(0.2)
+    # fewer micro-batches than stages (megapar runs any m <= pp): the forwards take v pp + m - 1
+    # chunk slots, the backwards as many, so the step is (v pp + m - 1)(f + b) and the bubble
+    # (v (pp - m) + m - 1) / (v pp + m - 1); the paper's (pp-1) / (v m + pp-1) was below what
+    # any schedule reaches (pp 4, m 1: the ranks take turns, 75 % idle; it said 60 %)
+    for pp, m, v in [(4, 1, 2), (4, 2, 2), (4, 3, 3), (8, 4, 2), (4, 4, 2)]:
+        stats = bubble_stats(simulate_schedule("interleaved", pp, m, Costs(1, 2), v))
+        assert stats["step_time_s"] == pytest.approx((v * pp + m - 1) * 3e-3)
+        assert theoretical_bubble(pp, m, "interleaved", v) == pytest.approx(
+            stats["measured_bubble"]) == pytest.approx((v * (pp - m) + m - 1) / (v * pp + m - 1))
+    assert theoretical_bubble(4, 1, "interleaved", 2) == pytest.approx(3 / 4)
 
 
 def test_simulated_zb_h1_by_hand():

@@ -31,7 +31,7 @@ from megapar.one_line_parser import OneLineParser
 from megapar.pipeline import certify, certify_real, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
 from megapar.pipeline.placement import chunks_per_rank
-from megapar.pipeline.schedules import SCHEDULES, check_schedule
+from megapar.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, check_schedule
 from megapar.pipeline.timeline import (
     Timeline,
     format_bubble_table,
@@ -152,6 +152,43 @@ def check_cost_flags(args) -> None:
         raise ValueError(
             f"{given[0]} needs --fwd-ms: without --fwd-ms, --simulate measures "
             f"every cost on real processes; give --fwd-ms too, or drop {given[0]}"
+        )
+
+
+MEASURE_FLAGS = ("tp", "cp", "model", "steps", "micro_batch_size", "seq_len", "oversubscribe")
+
+
+def check_measure_flags(args) -> None:
+    """The flags of a measurement do nothing where nothing is measured: --simulate with
+    --fwd-ms (the costs are given), and --steps under --simulate (the costs are measured in one
+    step): refuse them there rather than ignore them."""
+    if not args.simulate:
+        return
+    defaults = build_parser().parse_args(["--pp", "1", "-m", "1"])
+    given = [n for n in MEASURE_FLAGS if getattr(args, n) != getattr(defaults, n)]
+    if args.fwd_ms is not None and given:
+        raise ValueError(
+            f"{flag_of(given[0])} is not used by --simulate with --fwd-ms (the costs are "
+            f"given; nothing runs); drop it, or drop the cost flags to measure them with it"
+        )
+    if "steps" in given:
+        raise ValueError(
+            "--steps is not used by --simulate (it measures the costs in one step); drop "
+            "--simulate to measure the bubble over --steps steps, or drop --steps"
+        )
+
+
+def check_split_costs(args) -> None:
+    """A schedule without a split backward reads B and W only as the backward they add up to
+    (both given, no --bwd-ms): refuse one alone, or either next to --bwd-ms."""
+    if args.schedule in SPLIT_BACKWARD:
+        return
+    halves = [flag_of(n) for n in ("bwd_input_ms", "bwd_weight_ms") if getattr(args, n) is not None]
+    if halves and (len(halves) == 1 or args.bwd_ms is not None):
+        raise ValueError(
+            f"{halves[0]} is not used by --schedule {args.schedule}, whose backward is not "
+            f"split into B and W (only {', '.join(sorted(SPLIT_BACKWARD))} split it); give "
+            f"--bwd-ms, or both --bwd-input-ms and --bwd-weight-ms (their sum is the backward)"
         )
 
 
@@ -408,6 +445,8 @@ def main(argv=None) -> int:
     try:  # every argument and output: one line, exit 2, before any work or worker starts
         check_cost_flags(args)
         check_bubble_args(args)
+        check_split_costs(args)  # after the values are checked
+        check_measure_flags(args)
         check_schedule(args.schedule, pp, m, v)
         check_output_files(args)  # last: it creates a missing output directory
     except (UsageError, ValueError) as exc:

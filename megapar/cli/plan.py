@@ -23,6 +23,7 @@ import sys
 
 from megapar.cli.plan_verify import verify_estimates
 from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
+from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
 from megapar.one_line_parser import OneLineParser
@@ -233,6 +234,10 @@ MAX_VERIFY = 32
 def _problem(args):
     """The `Problem` the arguments describe; ValueError naming the flag if one is invalid."""
     config = resolve_model(args.model)
+    try:  # the config's own errors (biases, rope type, kv heads) hold at every layout
+        config.validate(Layout(1, 1, 1))
+    except LayoutError:
+        pass  # a size no layout can split: every grid is rejected with its reason
     limit = config.max_positions
     if args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {limit} positions")
@@ -352,6 +357,13 @@ def _check_mode_arguments(args) -> None:
             f"most {MAX_VERIFY}: each takes seconds to minutes here, GPT-3 175B's "
             f"on 1024 GPUs 5-10 s); verify the best few, and another layout with "
             f"--explain LAYOUT and its megapar-train command with --dry-run"
+        )
+    if args.verify and (args.explain or args.json):
+        mode = "--explain" if args.explain else "--json"
+        raise ValueError(
+            f"--verify is not run with {mode} (it dry-runs a search's best layouts and "
+            f"prints the comparison as text); drop {mode}, or drop --verify (for one layout: "
+            f"its megapar-train command with --dry-run)"
         )
     if args.verify and args.master_weights != "fp32":
         raise ValueError(

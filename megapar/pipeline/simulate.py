@@ -301,7 +301,8 @@ def theoretical_bubble(
 ) -> float:
     """Idle fraction with equal stages and free communication (published formulas):
     - GPipe / 1F1B (Huang et al. 2019; Narayanan et al. 2021): (pp-1) / (m + pp-1);
-    - interleaved 1F1B with V chunks per rank (Narayanan et al. 2021): (pp-1) / (V m + pp-1);
+    - interleaved 1F1B with V chunks per rank (Narayanan et al. 2021): (pp-1) / (V m + pp-1)
+      for m >= pp; with fewer micro-batches than stages `interleaved_bubble`'s exact count;
     - ZB-H1 (Qi et al. 2024, Table 1): the bubble is (pp-1)(t_F + t_B - t_W) per stage next to
       m (t_F + t_B + t_W) of compute; t_F = `fwd_ms`, t_B = `bwd_input_ms`, t_W = `bwd_weight_ms`
       (ignored by the other schedules, whose bubble does not depend on the costs). The paper's
@@ -316,7 +317,7 @@ def theoretical_bubble(
     if pp < 1 or m < 1:
         raise ValueError(f"theoretical_bubble needs pp >= 1 and m >= 1, got pp={pp} m={m}")
     if schedule == "interleaved":
-        return (pp - 1) / (virtual_stages * m + pp - 1)
+        return interleaved_bubble(pp, m, virtual_stages)
     if schedule in ("zb-v", "dualpipev"):
         fill = (pp - 1) * fwd_ms
         return fill / (2 * m * (fwd_ms + bwd_input_ms + bwd_weight_ms) + fill)
@@ -326,3 +327,20 @@ def theoretical_bubble(
         idle = (pp - 1) * (fwd_ms + bwd_input_ms - bwd_weight_ms)
         return idle / (m * (fwd_ms + bwd_input_ms + bwd_weight_ms) + idle)
     return (pp - 1) / (m + pp - 1)
+
+
+def interleaved_bubble(pp: int, m: int, v: int) -> float:
+    """Interleaved 1F1B's idle share with equal chunks and free communication.
+
+    From m = pp on, Narayanan et al. 2021's (pp-1) / (v m + pp-1). With m < pp (which the
+    paper, like Megatron, does not run) a round of pp micro-batches is not full: each
+    micro-batch goes on to its next chunk as soon as it comes back to rank 0, so the forwards
+    take v pp + m - 1 chunk-forward slots (the first micro-batch's v pp chunks in a row, the
+    others one slot behind each other) and the backwards as many, against v m of work per
+    rank: (v (pp - m) + m - 1) / (v pp + m - 1), which is the paper's at m = pp and the
+    simulator's count at every m <= pp (`tests/test_schedules_new.py`). The paper's formula
+    below pp would be below what any schedule reaches: at m = 1 the ranks take turns, idle
+    (pp - 1) / pp, where it gives (pp - 1) / (v + pp - 1)."""
+    if m >= pp:
+        return (pp - 1) / (v * m + pp - 1)
+    return (v * (pp - m) + m - 1) / (v * pp + m - 1)

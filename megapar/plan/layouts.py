@@ -220,8 +220,10 @@ def _expert_refusal(c: Candidate, config) -> str | None:
     """Why the candidate's ep cannot run (megapar-train's own rules, `check_ep`), or None."""
     if c.ep == 1:
         return None
+    if c.ep < 1:
+        return f"ep {c.ep} is invalid: it is the ranks the experts are sharded over, >= 1"
     experts = getattr(config, "num_local_experts", 0) if getattr(config, "num_moe_layers", 0) else 0
-    if c.ep < 1 or not experts:
+    if not experts:
         return f"ep {c.ep} needs a mixture-of-experts model (this one has no routed experts)"
     if c.dp * c.cp % c.ep:
         return (
@@ -270,7 +272,9 @@ def _schedule_refusal(c: Candidate, config, global_batch: int) -> str | None:
         return f"unknown schedule {c.schedule!r}; the planner models {', '.join(PLAN_SCHEDULES)}"
     if c.recompute not in RECOMPUTE:
         return f"unknown recompute {c.recompute!r}; use {', '.join(RECOMPUTE)}"
-    if c.mbs < 1 or global_batch % (c.mbs * c.dp):
+    if c.mbs < 1:
+        return f"micro-batch size {c.mbs} is invalid: it is sequences per micro-batch, >= 1"
+    if global_batch % (c.mbs * c.dp):
         return (
             f"global batch {global_batch} is not divisible by micro-batch size {c.mbs} x dp {c.dp}"
         )

@@ -68,7 +68,8 @@ def formula_bubble(
 ) -> float:
     """Idle share of the step with equal stages and free communication.
 
-    GPipe and 1F1B: (p-1)/(m+p-1). Interleaved 1F1B (Narayanan et al. 2021): (p-1)/(v m+p-1).
+    GPipe and 1F1B: (p-1)/(m+p-1). Interleaved 1F1B (Narayanan et al. 2021): (p-1)/(v m+p-1)
+    from m = p on, below it `simulate.interleaved_bubble`'s exact count.
     ZB-H1 (Qi et al. 2024): the idle time per stage is (p-1)(t_F + t_B - t_W) against
     m (t_F + t_B + t_W) of work, t_B the input-gradient and t_W the weight-gradient half.
     ZB-V and DualPipeV (two chunks per rank, each half a stage): the pipeline fill, (p-1) t_F / 2,
@@ -76,7 +77,7 @@ def formula_bubble(
     if name in ("gpipe", "1f1b"):
         return (pp - 1) / (m + pp - 1)
     if name == "interleaved":
-        return (pp - 1) / (v * m + pp - 1)
+        return sim.interleaved_bubble(pp, m, v)
     if name in ("zb-v", "dualpipev"):
         idle = (pp - 1) * t_f / 2
         return idle / (m * (t_f + t_b + t_w) + idle)

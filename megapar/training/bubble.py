@@ -8,6 +8,7 @@ and returns pp rank 0's view of the last step's timeline, aligned across stages.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -43,8 +44,9 @@ class BubbleRun:
     """The step's Timeline (rows = pipeline stages)."""
     stats: dict
     """`bubble_stats(timeline)`."""
-    theoretical: float
-    """The schedule's published bubble formula (`simulate.theoretical_bubble`)."""
+    theoretical: float | None
+    """The schedule's published bubble formula (`simulate.theoretical_bubble`); None where it
+    does not apply."""
     in_flight: list[int]
     """Peak micro-batches in flight per stage (forwarded, not yet backwarded)."""
     activation_mb: list[float] | None = None
@@ -215,11 +217,13 @@ def measure(
     )
 
 
-def theory(pp: int, m: int, schedule: str, virtual_stages: int, costs: dict) -> float:
-    """The schedule's bubble formula; ZB-H1's uses the F, B and W costs."""
+def theory(pp: int, m: int, schedule: str, virtual_stages: int, costs: dict) -> float | None:
+    """The schedule's bubble formula; ZB-H1's uses the F, B and W costs. None where the formula
+    does not apply (ZB-H1 with t_W > t_F + t_B): the table shows "-" and the JSON line null,
+    as strict JSON has no NaN."""
 
     b, w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")  # W may cost nothing
-    return theoretical_bubble(
+    value = theoretical_bubble(
         pp,
         m,
         schedule,
@@ -228,6 +232,7 @@ def theory(pp: int, m: int, schedule: str, virtual_stages: int, costs: dict) -> 
         1.0 if b is None else b,
         1.0 if w is None else w,
     )
+    return None if math.isnan(value) else value
 
 
 def mean_costs(timeline, schedule: str = "1f1b") -> dict:

@@ -18,6 +18,7 @@ from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import chunks_per_rank
+from megapar.pipeline.simulate import theoretical_bubble
 from megapar.training.bubble import bench_config
 from megapar.training.data import missing_files
 from megapar.training.tokenizer_checks import check_checkpoint_tokenizer
@@ -133,14 +134,12 @@ def check_bubble_args(args) -> None:
             )
     actions = 2 * args.pp * args.microbatches * max(1, args.virtual_stages)
     if actions > MAX_SIMULATED_ACTIONS or args.simulate and args.pp > MAX_SIMULATED_STAGES:
-        bubble = (args.pp - 1) / (args.microbatches * max(1, args.virtual_stages) + args.pp - 1)
         v = f" x --virtual-stages {args.virtual_stages}" if args.virtual_stages > 1 else ""
         raise UsageError(
             f"--pp {args.pp} x --microbatches {args.microbatches}{v} is "
             f"{actions:,} actions on {args.pp} stages, more than megapar-bubble "
             f"measures or simulates in seconds ({MAX_SIMULATED_ACTIONS:,} actions, "
-            f"{MAX_SIMULATED_STAGES} stages); the bubble (p-1)/(vm+p-1) = "
-            f"{bubble:.4f} needs no run at this size"
+            f"{MAX_SIMULATED_STAGES} stages); {_formula_instead(args)}"
         )
     if (
         not (args.simulate and args.fwd_ms is not None)
@@ -167,3 +166,19 @@ def check_bubble_args(args) -> None:
         raise UsageError(
             f"--seq-len {args.seq_len} exceeds the model's {positions} positions; lower --seq-len"
         )
+
+
+def _formula_instead(args) -> str:
+    """The schedule's published bubble at the sizes and costs given (F 1, backward 2 x F, B
+    and W half of it, unless told): what an oversized request is told instead of a run."""
+    fwd = args.fwd_ms or 1.0
+    bwd = args.bwd_ms or 2 * fwd
+    b_in = bwd / 2 if args.bwd_input_ms is None else args.bwd_input_ms
+    b_w = bwd / 2 if args.bwd_weight_ms is None else args.bwd_weight_ms
+    value = theoretical_bubble(
+        args.pp, args.microbatches, args.schedule, args.virtual_stages, fwd, b_in, b_w
+    )
+    if math.isnan(value):
+        return f"{args.schedule}'s published formula does not apply to these costs either"
+    bound = " (a lower bound)" if args.schedule in ("zb-v", "dualpipev") else ""
+    return f"{args.schedule}'s bubble formula gives {value:.4f}{bound}, with no run"
