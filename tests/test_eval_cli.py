@@ -283,6 +283,23 @@ def test_save_logits_without_input_ids_is_refused(tiny_ckpt, capsys):
     assert "--save-logits is used only with --input-ids" in _one_error_line(capsys)
 
 
+def test_loss_options_with_input_ids_are_refused_not_ignored(tiny_ckpt, tmp_path, capsys,
+                                                            monkeypatch):
+    # used to write the logits and ignore --data (and --max-batches, --seed, ...) silently
+    _refuse_workers(monkeypatch)
+    ckpt, ids = tiny_ckpt
+    base = ["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+            str(tmp_path / "lg.npy")]
+    assert evaluate(base + ["--data", "x", "--seq-len", "8"]) == 2
+    assert "--data and --input-ids are two modes" in _one_error_line(capsys)
+    assert evaluate(base + ["--max-batches", "8", "--seed", "2"]) == 2
+    line = _one_error_line(capsys)
+    assert "--max-batches, --seed are used only with --data" in line and "drop them" in line
+    assert evaluate(base + ["--micro-batch-size", "4"]) == 2
+    assert "--micro-batch-size is used only with --data" in _one_error_line(capsys)
+    assert not (tmp_path / "lg.npy").exists()
+
+
 def test_saved_reports_the_file_numpy_wrote(tiny_ckpt, tmp_path, capsys):
     ckpt, ids = tiny_ckpt
     assert evaluate(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
