@@ -127,6 +127,13 @@ def test_cli_usage_errors(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("megapar-convert: error: ") and words in err, (argv, err)
         assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    # --to-hf into a checkpoint (root or step) mixed a transformers model into it
+    step = resolve_checkpoint(src)
+    for into in (src, str(step)):
+        assert main([src, "--to-hf", into]) == 2
+        assert (f"cannot export into {into}: it holds a megapar checkpoint"
+                in capsys.readouterr().err)
+        assert not (step / "config.json").exists() and not (tmp_path / "src" / "config.json").exists()
 
 
 def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
