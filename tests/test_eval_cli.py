@@ -64,7 +64,8 @@ def _hf_model(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
-def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys):
+def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, corpus,
+                                                       monkeypatch):
     model = _hf_model(kind)
     hf_dir, ckpt = tmp_path / "hf", tmp_path / "ckpt"
     model.save_pretrained(hf_dir)
@@ -91,6 +92,13 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys):
         measured.append(f"{kind} logits at tp={tp} pp={pp}: max relative error {err:.3g}")
         assert err < TOL, (kind, tp, pp, err)
     print("\n".join(measured))  # shown with -s
+    if kind == "bert":  # BERT's MLM samples too few, or too short: one line before any worker
+        _refuse_workers(monkeypatch)  # (both were a worker's ValueError, exit 1, a traceback)
+        data = ["--load", str(ckpt), "--data", corpus[0]]
+        assert evaluate([*data, "--seq-len", "4"]) == 2
+        assert "--seq-len 4: seq_len must be >= 5" in _one_error_line(capsys)
+        assert evaluate([*data, "--seq-len", "64", "--micro-batch-size", "100000"]) == 2
+        assert "MLM samples of 64 tokens, fewer than one batch" in _one_error_line(capsys)
 
 
 @pytest.fixture(scope="module")
