@@ -136,6 +136,20 @@ def test_cli_usage_errors(tmp_path, capsys):
         assert not (step / "config.json").exists() and not (tmp_path / "src" / "config.json").exists()
 
 
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during a conversion printed KeyboardInterrupt's traceback."""
+    import megapar.cli.convert
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(megapar.cli.convert, "run", interrupted)
+    assert main([str(tmp_path / "src"), str(tmp_path / "dst")]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("megapar-convert: interrupted; nothing was written")
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
     """--from-hf of a path that is not a transformers directory: a missing one, a file and a
     megapar checkpoint (root or step) are each named as such, with what to do instead."""

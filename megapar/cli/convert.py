@@ -400,16 +400,25 @@ def _dcp(args, progress: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 on any error, with the reason printed)."""
+    """Entry point; returns the process exit code (2 on any error, with the reason printed;
+    130 on Ctrl-C, in one line: every output is renamed into place only when complete)."""
     args = build_parser().parse_args(argv)
-    from megapar.checkpoint.format import CheckpointError
-    from megapar.models.config import ConfigError
-
     try:
-        print(run(args))
-    except (CheckpointError, ConfigError, ValueError, OSError) as exc:
-        print(f"megapar-convert: error: {exc}", file=sys.stderr)
-        return 2
+        from megapar.checkpoint.format import CheckpointError
+        from megapar.models.config import ConfigError
+
+        try:
+            print(run(args))
+        except (CheckpointError, ConfigError, ValueError, OSError) as exc:
+            print(f"megapar-convert: error: {exc}", file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:
+        print(
+            "megapar-convert: interrupted; nothing was written (an output is renamed into "
+            "place only when complete, so the destination is as it was)",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 
