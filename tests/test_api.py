@@ -661,6 +661,10 @@ def test_prepare_names_an_architecture_it_does_not_build():
     ({"zero": 1, "offload_params": True, "offload_optimizer": True},
      ["megapar.prepare: offload_params=True needs zero=3"]),
     ({"zero": 9}, ["megapar.prepare: zero=9 is not a ZeRO stage", "or 3 (parameters too)"]),
+    # megapar-train's ranges: clip_grad=-1 trained unclipped, weight_decay=-0.1 grew the weights
+    ({"clip_grad": -1.0}, ["megapar.prepare: clip_grad=-1.0 is invalid", ">= 0.0"]),
+    ({"weight_decay": -0.1}, ["megapar.prepare: weight_decay=-0.1 is invalid"]),
+    ({"micro_batch_size": 0}, ["megapar.prepare: micro_batch_size=0 is invalid", ">= 1"]),
 ])
 def test_prepare_refuses_what_megapar_train_refuses_in_the_apis_terms(kwargs, words):
     """zero=3 with offload_params=True but no offload_optimizer trained as plain ZeRO-3 (the CLI

@@ -114,6 +114,40 @@ def test_cli_usage_errors(tmp_path, capsys):
     assert "--tp and --pp are not used with --to-hf" in capsys.readouterr().err
     assert main([str(tmp_path / "src"), str(tmp_path / "b"), "--tp", "0"]) == 2
     assert "--tp 0: a parallel size is at least 1" in capsys.readouterr().err
+    # an option the mode does not read is refused, not ignored (each used to convert / export
+    # as if it were not there)
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    for argv, words in [([src, out, "--tensors"], "--tensors and --fast are used only with --info"),
+                        ([src, out, "--seed", "3"], "--seed is used only with --from-hf"),
+                        ([src, "--to-hf", out, "--dp", "2"], "--dp is used only where a checkpoint"),
+                        (["--info", src, "--overwrite"], "--overwrite is not used with --info"),
+                        ([src, "--to-dcp", out, "--tokenizer-rows"],
+                         "--tokenizer-rows and --dtype are used only with --to-hf")]:
+        assert main(argv + ["--no-progress"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("megapar-convert: error: ") and words in err, (argv, err)
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    # --to-hf into a checkpoint (root or step) mixed a transformers model into it
+    step = resolve_checkpoint(src)
+    for into in (src, str(step)):
+        assert main([src, "--to-hf", into]) == 2
+        assert (f"cannot export into {into}: it holds a megapar checkpoint"
+                in capsys.readouterr().err)
+        assert not (step / "config.json").exists() and not (tmp_path / "src" / "config.json").exists()
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during a conversion printed KeyboardInterrupt's traceback."""
+    import megapar.cli.convert
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(megapar.cli.convert, "run", interrupted)
+    assert main([str(tmp_path / "src"), str(tmp_path / "dst")]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("megapar-convert: interrupted; nothing was written")
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):

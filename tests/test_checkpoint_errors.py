@@ -163,6 +163,16 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="neither a checkpoint step directory"):
         resolve_checkpoint(tmp_path / "empty")
+    # a file (the manifest, a shard, latest) was "neither a step directory (no manifest.json)
+    # ... was the save interrupted?"; now named a file, with the directory to pass
+    (tmp_path / "empty" / "manifest.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"empty/manifest.json is a file, not a checkpoint "
+                                              r"directory; pass the directory that holds it"):
+        resolve_checkpoint(tmp_path / "empty" / "manifest.json")
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(CheckpointError, match=r"notes.txt is a file, not a checkpoint directory; "
+                                              r"pass a directory written by --save"):
+        resolve_checkpoint(tmp_path / "notes.txt")
     root = tmp_path / "root"
     root.mkdir()
     (root / "latest").write_text("step_00000009\n")

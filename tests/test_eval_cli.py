@@ -64,7 +64,8 @@ def _hf_model(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
-def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys):
+def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, corpus,
+                                                       monkeypatch):
     model = _hf_model(kind)
     hf_dir, ckpt = tmp_path / "hf", tmp_path / "ckpt"
     model.save_pretrained(hf_dir)
@@ -91,6 +92,13 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys):
         measured.append(f"{kind} logits at tp={tp} pp={pp}: max relative error {err:.3g}")
         assert err < TOL, (kind, tp, pp, err)
     print("\n".join(measured))  # shown with -s
+    if kind == "bert":  # BERT's MLM samples too few, or too short: one line before any worker
+        _refuse_workers(monkeypatch)  # (both were a worker's ValueError, exit 1, a traceback)
+        data = ["--load", str(ckpt), "--data", corpus[0]]
+        assert evaluate([*data, "--seq-len", "4"]) == 2
+        assert "--seq-len 4: seq_len must be >= 5" in _one_error_line(capsys)
+        assert evaluate([*data, "--seq-len", "64", "--micro-batch-size", "100000"]) == 2
+        assert "MLM samples of 64 tokens, fewer than one batch" in _one_error_line(capsys)
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +289,23 @@ def test_save_logits_without_input_ids_is_refused(tiny_ckpt, capsys):
     assert evaluate(["--load", str(ckpt), "--data", "x", "--seq-len", "8", "--save-logits",
                      "out.npy"]) == 2
     assert "--save-logits is used only with --input-ids" in _one_error_line(capsys)
+
+
+def test_loss_options_with_input_ids_are_refused_not_ignored(tiny_ckpt, tmp_path, capsys,
+                                                            monkeypatch):
+    # used to write the logits and ignore --data (and --max-batches, --seed, ...) silently
+    _refuse_workers(monkeypatch)
+    ckpt, ids = tiny_ckpt
+    base = ["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+            str(tmp_path / "lg.npy")]
+    assert evaluate(base + ["--data", "x", "--seq-len", "8"]) == 2
+    assert "--data and --input-ids are two modes" in _one_error_line(capsys)
+    assert evaluate(base + ["--max-batches", "8", "--seed", "2"]) == 2
+    line = _one_error_line(capsys)
+    assert "--max-batches, --seed are used only with --data" in line and "drop them" in line
+    assert evaluate(base + ["--micro-batch-size", "4"]) == 2
+    assert "--micro-batch-size is used only with --data" in _one_error_line(capsys)
+    assert not (tmp_path / "lg.npy").exists()
 
 
 def test_saved_reports_the_file_numpy_wrote(tiny_ckpt, tmp_path, capsys):

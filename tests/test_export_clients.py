@@ -253,6 +253,28 @@ def exports(tmp_path_factory, text):
     return root
 
 
+def test_an_export_that_fails_midway_leaves_no_file_of_its_own(exports, tmp_path, monkeypatch,
+                                                              capsys):
+    """A disk filling (or Ctrl-C) while the weights are written: a new directory is not left
+    behind holding only the tokenizer's files (as it was), and an earlier export replaced with
+    --overwrite keeps every file it had, the tokenizer's included."""
+    import megapar.checkpoint.hf as hf
+
+    def full(*args, **kwargs):
+        raise OSError("No space left on device (simulated)")
+
+    monkeypatch.setattr(hf, "save_file", full)
+    ckpt, new = exports / "ckpt-gpt2", tmp_path / "new" / "hf"
+    assert convert([str(ckpt), "--to-hf", str(new)]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    earlier = exports / "hf-gpt2"
+    before = {p.name: p.stat().st_ino for p in earlier.iterdir()}
+    assert "tokenizer.json" in before
+    assert convert([str(ckpt), "--to-hf", str(earlier), "--overwrite"]) == 2
+    assert {p.name: p.stat().st_ino for p in earlier.iterdir()} == before  # nothing replaced
+
+
 def test_a_gpt2_on_the_gpt2_bpe_exports_hugging_faces_50257_rows_with_tokenizer_rows(
         exports, tmp_path, capsys):
     """megapar's GPT-2 BPE appends [PAD] [CLS] [SEP] [MASK] after 50,257 ids and the trained

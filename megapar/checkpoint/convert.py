@@ -23,6 +23,8 @@ from tqdm import tqdm
 from megapar.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
     RNG_FILE,
     CheckpointError,
     ShardReader,
@@ -108,6 +110,12 @@ def check_output(path, into: bool = False) -> None:
         raise CheckpointError(
             f"cannot create {path}: it is a file, and the export is a "
             f"directory; choose another path"
+        )
+    held = [n for n in (MANIFEST, LATEST) if into and (target / n).is_file()]
+    if held:  # a root or step directory: the export's files would sit among the checkpoint's
+        raise CheckpointError(
+            f"cannot export into {path}: it holds a megapar checkpoint ({', '.join(held)}), "
+            f"and the transformers files would be mixed into it; choose another directory"
         )
     directory = target if into else target.parent
     try:

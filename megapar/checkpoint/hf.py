@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -361,31 +362,36 @@ def save_hf(
     causal LM's embedding (and head) cut to its tokenizer's ids (`cut_to_tokenizer`). As
     `save_pretrained`,
     other files there (notes) are left alone; each file is written under a temporary name and
-    renamed when complete (the tokenizer, then the rest), so an interrupted export never leaves
-    a half-written file."""
+    renamed when all are complete (the tokenizer, then the rest), so an interrupted or failed
+    export leaves no file of its own (nor the directory, when it made it)."""
 
     from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
+    top = out_dir
+    while not top.parent.exists():
+        top = top.parent
+    created = None if out_dir.exists() else top  # the outermost directory this export makes
     out_dir.mkdir(parents=True, exist_ok=True)
     if tokenizer_rows:
         canonical, config = cut_to_tokenizer(canonical, config, tokenizer)
-    special_ids: dict[str, int | None] = {}
-    if tokenizer is not None:
-        save_for_transformers(
-            tokenizer,
-            str(out_dir),
-            config.vocab_size,
-            sentence_pairs=config.model_type == "bert",
-            model_max_length=config.max_positions,
-            info=special_ids,
-        )
     if dtype is not None:
         canonical = {k: v.to(dtype) for k, v in canonical.items()}
     causal = config.model_type in CAUSAL_LM_TYPES
     names = HF_FILES + ((GENERATION_FILE,) if causal else ())
     tmp = {name: out_dir / f".{name}.tmp-{os.getpid()}" for name in names}
+    stage = out_dir / f".tokenizer.export-{os.getpid()}"  # the tokenizer's files, until the end
     try:
+        special_ids: dict[str, int | None] = {}
+        if tokenizer is not None:
+            save_for_transformers(
+                tokenizer,
+                str(stage),
+                config.vocab_size,
+                sentence_pairs=config.model_type == "bert",
+                model_max_length=config.max_positions,
+                info=special_ids,
+            )
         hf_config = _export_config(config, canonical, special_ids)
         if causal:
             text = (
@@ -401,12 +407,18 @@ def save_hf(
         os.umask(umask)
         os.chmod(tmp["model.safetensors"], 0o666 & ~umask)
         tmp["config.json"].write_text(hf_config.to_json_string())
+        for name in sorted(os.listdir(stage)) if stage.is_dir() else ():
+            os.replace(stage / name, out_dir / name)
         for name in names:
             os.replace(tmp[name], out_dir / name)
     except BaseException:
         for path in tmp.values():
             path.unlink(missing_ok=True)
+        if created is not None:  # the directories are this export's: none is left
+            shutil.rmtree(created, ignore_errors=True)
         raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return out_dir
 
 

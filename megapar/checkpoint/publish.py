@@ -283,6 +283,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return step
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
+    if path.is_file():  # e.g. the manifest or a shard of a step directory
+        holder = path.parent
+        raise CheckpointError(
+            f"{path} is a file, not a checkpoint directory; pass "
+            + (
+                f"the directory that holds it, {holder}"
+                if (holder / MANIFEST).exists() or (holder / LATEST).exists()
+                else "a directory written by --save (or one of its step_* directories)"
+            )
+        )
     newest = newest_step(path)
     if newest is not None:  # a crash before the first `latest` was written
         return newest

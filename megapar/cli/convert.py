@@ -72,8 +72,7 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dp",
         type=int,
-        default=1,
-        help="target data-parallel size (recorded only; files never depend on dp)",
+        help="target data-parallel size (recorded only; files never depend on dp) (default: 1)",
     )
 
 
@@ -154,8 +153,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seed",
         type=int,
-        default=0,
-        help="--from-hf: seed for tensors the HF model lacks (plain BertModel's head)",
+        help="--from-hf: seed for tensors the HF model lacks (plain BertModel's head) (default: 0)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -224,6 +222,28 @@ def _check_modes(args) -> None:
         )
     if (args.job_config or args.model) and not args.from_dcp:
         raise ValueError("--job-config and --model are used only with --from-dcp")
+    _check_unused_options(args)
+
+
+def _check_unused_options(args) -> None:
+    """Refuse an option the chosen mode does not read (it would be ignored without a word), and
+    give --dp and --seed their defaults where they are read."""
+    if (args.tensors or args.fast) and not args.info:
+        raise ValueError("--tensors and --fast are used only with --info CKPT; drop them")
+    if args.overwrite and args.info:
+        raise ValueError("--overwrite is not used with --info (it writes nothing); drop it")
+    if args.seed is not None and not args.from_hf:
+        raise ValueError(
+            "--seed is used only with --from-hf (it initialises the tensors a transformers "
+            "model lacks); drop it"
+        )
+    if args.dp is not None and (args.info or args.to_hf or args.to_dcp):
+        raise ValueError(
+            "--dp is used only where a checkpoint is written (SRC DST, --from-hf, "
+            "--from-dcp); drop it"
+        )
+    args.dp = 1 if args.dp is None else args.dp
+    args.seed = 0 if args.seed is None else args.seed
 
 
 def _check_export_flags(args) -> None:
@@ -335,9 +355,10 @@ def _dcp(args, progress: bool) -> str:
     """--from-dcp / --to-dcp."""
     from megapar.checkpoint import dcp
 
-    if args.tokenizer or args.dtype or args.allow_other_tokenizer:
+    if args.tokenizer or args.dtype or args.allow_other_tokenizer or args.tokenizer_rows:
         raise ValueError(
-            "--tokenizer, --allow-other-tokenizer and --dtype are used only with --to-hf"
+            "--tokenizer, --allow-other-tokenizer, --tokenizer-rows and --dtype are used "
+            "only with --to-hf"
         )
     if args.to_dcp:
         (src,) = _need(args, 1, "SRC --to-dcp DCP_DIR")
@@ -379,16 +400,25 @@ def _dcp(args, progress: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 on any error, with the reason printed)."""
+    """Entry point; returns the process exit code (2 on any error, with the reason printed;
+    130 on Ctrl-C, in one line: every output is renamed into place only when complete)."""
     args = build_parser().parse_args(argv)
-    from megapar.checkpoint.format import CheckpointError
-    from megapar.models.config import ConfigError
-
     try:
-        print(run(args))
-    except (CheckpointError, ConfigError, ValueError, OSError) as exc:
-        print(f"megapar-convert: error: {exc}", file=sys.stderr)
-        return 2
+        from megapar.checkpoint.format import CheckpointError
+        from megapar.models.config import ConfigError
+
+        try:
+            print(run(args))
+        except (CheckpointError, ConfigError, ValueError, OSError) as exc:
+            print(f"megapar-convert: error: {exc}", file=sys.stderr)
+            return 2
+    except KeyboardInterrupt:
+        print(
+            "megapar-convert: interrupted; nothing was written (an output is renamed into "
+            "place only when complete, so the destination is as it was)",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 

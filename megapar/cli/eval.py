@@ -36,8 +36,15 @@ from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
 from megapar.training.tokenizer_checks import check_given_tokenizer
+from megapar.training.usage import flag_of
 from megapar.training.validate import UsageError, check_writable, names_directory
 from megapar.training.validate_tools import check_eval_args
+
+LOSS_DEFAULTS = {"micro_batch_size": 4, "max_batches": 8, "seed": 1234}
+"""The defaults of the options only --data (the loss) reads; None in the parser, so that one
+given with --input-ids is seen and refused rather than ignored."""
+LOSS_ONLY = ("data", "seq_len", "micro_batch_size", "max_batches", "seed", "tokenizer")
+"""The options only --data reads (--input-ids gives logits of the ids as they are)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,12 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="sequence length of the windows (default: the one the checkpoint trained with)",
     )
-    p.add_argument("--micro-batch-size", type=int, default=4, help="windows per batch (default 4)")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        help=f"windows per batch (default: {LOSS_DEFAULTS['micro_batch_size']})",
+    )
     p.add_argument(
         "--max-batches",
         type=int,
-        default=8,
-        help="batches to evaluate, at most (default 8; fewer where the data holds fewer)",
+        help="batches to evaluate, at most; fewer where the data holds fewer "
+        f"(default: {LOSS_DEFAULTS['max_batches']})",
     )
     p.add_argument("--input-ids", help="a [batch, seq] integer .npy file")
     p.add_argument(
@@ -68,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="where rank 0 writes the float32 logits (.npy; the "
         "suffix is added when missing, as numpy does)",
     )
-    p.add_argument("--seed", type=int, default=1234, help="seed for BERT masking")
+    p.add_argument(
+        "--seed", type=int, help=f"seed for BERT masking (default: {LOSS_DEFAULTS['seed']})"
+    )
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -191,30 +204,47 @@ def logits_file(path: str) -> str:
     return real
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def _choose_worker(args):
+    """The worker the mode asks for (--data: the loss, --input-ids: the logits); UsageError for
+    no mode, both, or an option the chosen mode does not read."""
     if args.input_ids:
         if not args.save_logits:
-            print("megapar-eval: error: --input-ids needs --save-logits OUT.npy", file=sys.stderr)
-            return 2
-        worker = _logits_worker
-    elif args.save_logits:
-        print(
-            "megapar-eval: error: --save-logits is used only with --input-ids IDS.npy (--data "
-            "reports the loss); drop it or give --input-ids",
-            file=sys.stderr,
+            raise UsageError("--input-ids needs --save-logits OUT.npy")
+        if args.data:
+            raise UsageError(
+                "--data and --input-ids are two modes (the loss on a dataset, the logits "
+                "of given ids); give one, or run them as two commands"
+            )
+        given = [flag_of(name) for name in LOSS_ONLY if getattr(args, name) is not None]
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} used only with "
+                f"--data (the loss); --input-ids gives the logits of its ids as they are: "
+                f"drop {'it' if len(given) == 1 else 'them'}"
+            )
+        return _logits_worker
+    if args.save_logits:
+        raise UsageError(
+            "--save-logits is used only with --input-ids IDS.npy (--data reports the loss); "
+            "drop it or give --input-ids"
         )
-        return 2
-    elif args.data:  # --seq-len not given: the checkpoint's (check_eval_args)
-        worker = _loss_worker
-    else:
-        print(
-            "megapar-eval: error: give --data PREFIX [--seq-len N], or --input-ids IDS.npy "
-            "--save-logits OUT.npy",
-            file=sys.stderr,
-        )
-        return 2
+    if args.data:  # --seq-len not given: the checkpoint's (check_eval_args)
+        return _loss_worker
+    raise UsageError(
+        "give --data PREFIX [--seq-len N], or --input-ids IDS.npy --save-logits OUT.npy"
+    )
 
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        worker = _choose_worker(args)
+    except UsageError as exc:
+        print(f"megapar-eval: error: {exc}", file=sys.stderr)
+        return 2
+    for name, default in LOSS_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
         if under_launcher() and launched_world_size() != args.tp * args.pp:
             raise UsageError(

@@ -18,6 +18,7 @@ from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.training.config import TrainConfig
 from megapar.training.engine import ON_NONFINITE, Engine
+from megapar.training.validate import check_ranges
 from megapar.training.validate_fp8 import check_fp8
 
 
@@ -172,6 +173,7 @@ def prepare(
         progress=False,
         **options,
     )
+    check_ranges(cfg, keyword="megapar.prepare")  # megapar-train's ranges, in keyword terms
     _check_sharding(cfg)
     if cfg.sp_regather and not (cfg.sequence_parallel and tp > 1):
         raise ValueError(

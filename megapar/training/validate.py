@@ -108,7 +108,7 @@ def _default(cfg, name: str):
 def check_settings(cfg) -> None:
     """Raise UsageError for the first setting out of range (NaN and inf included), then for
     the first combination of settings that cannot run."""
-    _check_ranges(cfg)
+    check_ranges(cfg)
     if cfg.inject_slow is not None:
         try:
             SlowRank.parse(cfg.inject_slow)
@@ -155,9 +155,11 @@ def check_settings(cfg) -> None:
     _check_combinations(cfg)
 
 
-def _check_ranges(cfg) -> None:
+def check_ranges(cfg, keyword: str | None = None) -> None:
     """UsageError for the first numeric setting outside its `_RULES` range; whole numbers
-    from a --config file (32.0) become ints."""
+    from a --config file (32.0) become ints. `keyword`: the function whose keywords the
+    settings are (e.g. "megapar.prepare"), named as `name=value` instead of by their flags
+    (and without the flag's default, which that function may not share)."""
     for name, kind, low, inclusive, *off in _RULES:
         value = getattr(cfg, name)
         if value is None or (off and value == off[0][0] and not isinstance(value, bool)):
@@ -175,13 +177,14 @@ def _check_ranges(cfg) -> None:
             ok = value >= low if inclusive else value > low
         if not ok:
             what = "a whole number" if kind == "int" else "a finite number"
-            default = _default(cfg, name)
+            default = None if keyword else _default(cfg, name)
             hint = f" (the default is {default})" if default is not None else ""
             if off:
                 hint = f", or {off[0][0]} for {off[0][1]}" + (
                     " (the default)" if default == off[0][0] else hint
                 )
-            raise UsageError(f"{flag_of(name)} {value} is invalid: it must be {what} {bound}{hint}")
+            shown = f"{keyword}: {name}={value!r}" if keyword else f"{flag_of(name)} {value}"
+            raise UsageError(f"{shown} is invalid: it must be {what} {bound}{hint}")
 
 
 def _check_combinations(cfg) -> None:

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from megapar.data import IndexedDataset, load_tokenizer
+from megapar.data import IndexedDataset, MLMDataset, load_tokenizer
 from megapar.launcher import check_local_workers
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
@@ -61,19 +61,33 @@ def check_eval_args(args) -> dict:
                 f"dataset's, with --tokenizer)"
             )
         indexed = IndexedDataset(args.data, args.tokenizer)
-        check_checkpoint_tokenizer(
-            args.load, manifest, load_tokenizer(indexed.tokenizer_spec), args.data
-        )
-        windows = (indexed.num_tokens - 1) // args.seq_len
-        if config.model_type in CAUSAL_LM_TYPES and windows < args.micro_batch_size:
-            raise UsageError(
-                f"--data {args.data} has {windows} windows of {args.seq_len + 1} "
-                f"tokens, fewer than one batch of --micro-batch-size "
-                f"{args.micro_batch_size}; lower --seq-len or --micro-batch-size"
-            )
+        tokenizer = load_tokenizer(indexed.tokenizer_spec)
+        check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data)
+        _check_batches(args, indexed, tokenizer, config.model_type in CAUSAL_LM_TYPES)
     if args.input_ids:
         _check_ids_file(args.input_ids, positions)
     return manifest
+
+
+def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
+    """UsageError unless --data holds one batch of --micro-batch-size samples at --seq-len (a
+    causal LM's windows of seq_len + 1 tokens, BERT's MLM samples, as the workers cut them)."""
+    if causal:
+        samples, what = (indexed.num_tokens - 1) // args.seq_len, f"windows of {args.seq_len + 1}"
+    else:
+        try:
+            samples = len(MLMDataset(indexed, args.seq_len, tokenizer, args.seed))
+        except ValueError as exc:
+            raise UsageError(
+                f"--data {args.data} at --seq-len {args.seq_len}: {exc}; raise --seq-len "
+                f"or give more data"
+            ) from None
+        what = f"MLM samples of {args.seq_len}"
+    if samples < args.micro_batch_size:
+        raise UsageError(
+            f"--data {args.data} has {samples} {what} tokens, fewer than one batch of "
+            f"--micro-batch-size {args.micro_batch_size}; lower --seq-len or --micro-batch-size"
+        )
 
 
 def _check_ids_file(path: str, positions: int) -> None:
