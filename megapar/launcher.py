@@ -206,8 +206,13 @@ def run_local(
         )
         for r in range(world_size)
     ]
+    # A forked worker's garbage collections (its full ones, and release_process_groups') skip
+    # what it inherited, frozen here: otherwise each walks this process's whole heap (torch's
+    # modules, a test runner's) while holding the GIL, and the worker's result waits for it.
+    gc.freeze()
     for p in procs:
         p.start()
+    gc.unfreeze()  # this process collects as before
     deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
     restore = _forward_signals(procs, forward)
     try:
