@@ -94,6 +94,10 @@ def _worker(
     stacks,
     nccl_timeout_s=None,
 ):
+    # What the worker inherited (its launcher's or forkserver's heap: torch's modules, a test
+    # runner's) is frozen: its collections (the full ones, and release_process_groups') skip
+    # it instead of walking it while holding the GIL, which the result's queue thread needs
+    gc.freeze()
     _device.share_host_arena()  # before any thread of this worker allocates
     # a forkserver's worker is the forkserver's child, which ends with the launcher
     die_with_parent(parent if parent is not None else os.getppid())

@@ -27,6 +27,7 @@ import json
 import os
 import sys
 
+from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser
 from megapar.pipeline import certify, certify_real, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
@@ -416,6 +417,7 @@ def print_report(args, run: bubble.BubbleRun, title: str) -> None:
 
 
 def main(argv=None) -> int:
+    exit_uncollected()  # torch's heap left to the OS at exit
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.certify:

@@ -36,6 +36,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser
 
 
@@ -402,6 +403,7 @@ def _dcp(args, progress: bool) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on any error, with the reason printed;
     130 on Ctrl-C, in one line: every output is renamed into place only when complete)."""
+    exit_uncollected()  # torch's heap (where a command imports it) left to the OS at exit
     args = build_parser().parse_args(argv)
     try:
         from megapar.checkpoint.format import CheckpointError

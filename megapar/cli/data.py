@@ -26,6 +26,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 
+from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser
 
 
@@ -294,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code. A run that fails after training a tokenizer
     removes it (and nothing else of the destination is touched: the dataset is renamed into
     place at the end)."""
+    exit_uncollected()  # torch's heap (where a command imports it) left to the OS at exit
     args = build_parser().parse_args(argv)
     from megapar.data.indexed import IndexedDataset
     from megapar.data.preprocess import expand_inputs, preprocess_files

@@ -27,6 +27,7 @@ from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
 from megapar.device import keep_freed_host_memory
+from megapar.faults.processes import exit_uncollected
 from megapar.faults.report import log_dir_for, worker_failure
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 from megapar.mesh import Mesh
@@ -236,6 +237,7 @@ def _choose_worker(args):
 
 
 def main(argv=None) -> int:
+    exit_uncollected()  # torch's heap left to the OS at exit
     args = build_parser().parse_args(argv)
     try:
         worker = _choose_worker(args)

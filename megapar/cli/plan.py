@@ -23,6 +23,7 @@ import sys
 
 from megapar.cli.plan_verify import verify_estimates
 from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
+from megapar.faults.processes import exit_uncollected
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
@@ -423,6 +424,7 @@ def _explain(args, problem) -> int:
 
 
 def main(argv=None) -> int:
+    exit_uncollected()  # torch's heap left to the OS at exit
     args = build_parser().parse_args(argv)
     try:
         problem = _problem(args)

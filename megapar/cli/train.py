@@ -21,6 +21,7 @@ from megapar.checkpoint.publish import has_checkpoint, remove_steps_after
 from megapar.device import DeviceError, check_gpus, share_host_arena
 from megapar.dryrun.command import rehearse
 from megapar.dryrun.sample import check_world
+from megapar.faults.processes import exit_uncollected
 from megapar.faults.report import log_dir_for, tell_torchrun, worker_failure
 from megapar.faults.stop import install_stop_handlers, parse_signals
 from megapar.launcher import (
@@ -121,6 +122,7 @@ def _worker(cfg: TrainConfig, plan: DataPlan):
 
 
 def main(argv=None) -> int:
+    exit_uncollected()  # torch's heap left to the OS at exit
     share_host_arena()  # before any thread (the tokenizer's) allocates: workers inherit it
     notes: list[str] = []
     lock = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ import time
 PR_SET_PDEATHSIG = 1
 _launcher_pid: int | None = None
 _before_exit: list = []
+_exit_uncollected = False
 
 
 def process_start(pid: int) -> str | None:
@@ -153,6 +155,28 @@ def finish_before_exit() -> None:
         raise error
 
 
+def exit_uncollected() -> None:
+    """Have this process's exit leave the objects alive then to the OS instead of collecting
+    them (`gc.freeze()` once the exit has finished this process's work, unless process groups
+    are still there). A command holds torch's modules, whose whole heap the interpreter's
+    collections at exit walked. What a command writes is closed before it returns; only the
+    finalizers of objects still in reference cycles at exit are not run, which Python never
+    promises to run at exit."""
+    global _exit_uncollected
+    _exit_uncollected = True
+
+
+def _freeze_at_exit() -> None:
+    """`exit_uncollected`'s exit handler, run once `finish_before_exit` has run."""
+    if not _exit_uncollected:
+        return
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return  # a failed rank's groups: freed at exit as they always were
+    gc.freeze()
+
+
+atexit.register(_freeze_at_exit)  # atexit runs the last registered first: this after the next
 atexit.register(finish_before_exit)
 
 
