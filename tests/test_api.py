@@ -284,10 +284,11 @@ def test_prepare_bert_for_masked_lm_matches_transformers(run):
 def _bad_batches():
     import numpy as np
 
-    engine = megapar.prepare(_hf_model(), tp=2, micro_batch_size=2, lr=3e-3)
+    engine = megapar.prepare(_hf_model(), tp=2, micro_batch_size=2, lr=3e-3, global_batch_size=G)
     good = _batches(1)[0]
     x = good["input_ids"]
     cases = {
+        "rows": {"input_ids": x[: G // 2], "labels": good["labels"][: G // 2]},
         "id": {"input_ids": torch.where(x == x[0, 0], VOCAB + 5, x), "labels": good["labels"]},
         "negative id": {"input_ids": x - 200, "labels": good["labels"]},
         "label": {"input_ids": x, "labels": torch.full_like(x, VOCAB)},
@@ -315,7 +316,9 @@ def _bad_batches():
 
 def test_bad_batches_are_refused_at_any_layout(run):
     out, steps = run(_bad_batches, 2)[0]
-    expected = {"id": f"input id {VOCAB + 5} is outside the model's vocabulary of {VOCAB}",
+    expected = {"rows": f"the batch has {G // 2} rows but megapar.prepare was given "
+                        f"global_batch_size={G}",
+                "id": f"input id {VOCAB + 5} is outside the model's vocabulary of {VOCAB}",
                 "negative id": "is outside the model's vocabulary",
                 "label": f"label {VOCAB} is outside the vocabulary",
                 "key": "batch key 'position_ids' is not used by gpt2",
@@ -665,6 +668,9 @@ def test_prepare_names_an_architecture_it_does_not_build():
     ({"clip_grad": -1.0}, ["megapar.prepare: clip_grad=-1.0 is invalid", ">= 0.0"]),
     ({"weight_decay": -0.1}, ["megapar.prepare: weight_decay=-0.1 is invalid"]),
     ({"micro_batch_size": 0}, ["megapar.prepare: micro_batch_size=0 is invalid", ">= 1"]),
+    # a misspelt or missing key of the schedule was LRScheduler's raw TypeError
+    ({"lr_schedule": {"max_step": 10}}, ["lr_schedule has unknown keys ['max_step']"]),
+    ({"lr_schedule": {"warmup_steps": 2}}, ["lr_schedule has no 'max_steps'", "(needed)"]),
 ])
 def test_prepare_refuses_what_megapar_train_refuses_in_the_apis_terms(kwargs, words):
     """zero=3 with offload_params=True but no offload_optimizer trained as plain ZeRO-3 (the CLI

@@ -162,6 +162,10 @@ class Engine:
         none), saved in checkpoints; `export_hf` writes it back."""
         self.on_nonfinite = on_nonfinite
         """"raise" or "skip": see `train_step`."""
+        self.batch_rows: int | None = None
+        """The rows every `train_step` batch has: the global batch size `prepare` was given
+        (what lr_scale_with_batch scales by and checkpoints record); None: any multiple of
+        micro_batch_size x dp."""
         self._guard = api_guard(cfg, self.precision)
 
     def _start_saver(self, cfg: TrainConfig, mesh: Mesh) -> None:
@@ -324,6 +328,14 @@ class Engine:
         if self.mesh.cp > 1:
             check_length(batch["input_ids"].shape[1], self.mesh.cp)
         same_on_every_rank(batch, self.mesh.device, what)
+        rows = batch["input_ids"].shape[0]
+        if what == "train_step" and self.batch_rows is not None and rows != self.batch_rows:
+            raise ValueError(
+                f"train_step: the batch has {rows} rows but megapar.prepare was given "
+                f"global_batch_size={self.batch_rows} (the batch size the learning rate is "
+                f"scaled by and checkpoints record); give batches of {self.batch_rows} rows, "
+                f"or drop global_batch_size"
+            )
         return batch
 
     @torch.no_grad()

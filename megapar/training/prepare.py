@@ -133,7 +133,8 @@ def prepare(
     like), a megapar `LRScheduler`, or a dict of its fields (warmup_steps, max_steps, decay,
     min_lr). fp8: "tensorwise" / "rowwise" runs the blocks' linears in FP8 with torchao (a GPU
     with FP8, or fp8_emulate=True; docs/guides/fp8.md). Any other `TrainConfig` field (e.g.
-    lr_scale_with_batch, global_batch_size) can be passed as a keyword;
+    lr_scale_with_batch, global_batch_size) can be passed as a keyword (global_batch_size:
+    every `train_step` batch must then have that many rows);
     compile=True torch.compiles each transformer block (`--compile`); sequence_parallel=True
     (tp > 1) splits the sequence between the tp regions, sp_regather=True with it keeps only
     the sequence slice of the column-parallel inputs for the backward (`--sp-regather`).
@@ -185,6 +186,8 @@ def prepare(
     lr_schedule = _lr_scheduler(lr_schedule, cfg)
     set_action("megapar.prepare: building the engine (mesh, model stage, optimizer)")
     engine = Engine(cfg, config, scheduler=lr_schedule, on_nonfinite=on_nonfinite)
+    if "global_batch_size" in options:  # every train_step's batch has these rows
+        engine.batch_rows = cfg.global_batch_size
     if reader is not None:
         _load_model_weights(engine, model, reader, seed)
     set_action("megapar.prepare returned; in the caller's code")
@@ -209,6 +212,14 @@ def _lr_scheduler(lr_schedule, cfg: TrainConfig):
     """prepare's `lr_schedule` as the engine takes it: None, or a megapar `LRScheduler` (a dict
     of its fields is built into one, from the scaled lr); anything else is refused."""
     if isinstance(lr_schedule, dict):
+        known = {"min_lr", "warmup_steps", "max_steps", "decay"}
+        unknown = sorted(set(lr_schedule) - known)
+        if unknown or "max_steps" not in lr_schedule:
+            what = f"unknown keys {unknown}" if unknown else "no 'max_steps'"
+            raise ValueError(
+                f"megapar.prepare: lr_schedule has {what}; its keys are max_steps (needed), "
+                f"warmup_steps, decay and min_lr (the peak is lr)"
+            )
         fields = {"min_lr": 0.0, "warmup_steps": 0, "decay": "cosine", **lr_schedule}
         lr_schedule = LRScheduler(Engine.scaled_lr(cfg), **fields)
     elif lr_schedule is not None and not isinstance(lr_schedule, LRScheduler):
