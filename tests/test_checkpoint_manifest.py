@@ -81,9 +81,14 @@ def test_info_verifies_checksums_unless_fast(src, capsys):
 
 
 def test_converting_onto_the_source_is_an_error(src, capsys):
+    """Onto the source, or into its checkpoint directory: refused, nothing written."""
     root = src.parent
     before = sorted(p.name for p in root.iterdir())
     assert main([str(root), str(root), "--tp", "1", "--pp", "1", "--overwrite"]) == 2
     assert "holds the source" in capsys.readouterr().err
     assert main([str(src), str(root), "--tp", "1", "--pp", "1", "--overwrite"]) == 2
+    capsys.readouterr()
+    for inside in (root / "sub", src / "sub"):  # it was written among the step directories
+        assert main([str(root), str(inside), "--tp", "1", "--pp", "1"]) == 2
+        assert "is inside the source's checkpoint directory" in capsys.readouterr().err
     assert sorted(p.name for p in root.iterdir()) == before

@@ -230,6 +230,13 @@ def convert_checkpoint(
             f"DST {dst} holds the source {step_dir}: converting a checkpoint "
             f"onto itself would delete it; give a new DST"
         )
+    root = step_dir.resolve().parent
+    if Path(dst).resolve().is_relative_to(root):
+        raise CheckpointError(
+            f"DST {dst} is inside the source's checkpoint directory {root}: a checkpoint "
+            f"written among another's step directories is mixed up with them; give a DST "
+            f"outside it"
+        )
     _refuse_existing(Path(dst), overwrite)
     check_output(dst)  # before the source is verified (sha256 of every file)
     manifest = verify(step_dir)
