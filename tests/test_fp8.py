@@ -291,3 +291,19 @@ def test_refusals_name_the_problem_and_the_fix(monkeypatch):
                         lambda name, *a: None if name == "torchao" else real(name, *a))
     message = _refusal(fp8="tensorwise", fp8_emulate=True)
     assert "pip install 'megapar[fp8]'" in message and "\n" not in message
+
+
+@needs_torchao
+def test_torchaos_import_warnings_are_held_back():
+    """Importing torchao logs, on every rank, its deprecated pytree registration and each kernel
+    library it cannot load here ("Failed to load ..._C_cutlass_90a.so": none is what float8
+    training runs); megapar's import of it shows neither (a fresh process: torchao imports once)."""
+    import subprocess
+    import sys
+
+    code = "from megapar.tensor_parallel.fp8 import _torchao; _torchao()"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    shown = [line for line in out.stderr.splitlines()
+             if "Failed to load" in line or "register_constant" in line]
+    assert not shown, shown

@@ -63,17 +63,22 @@ class Fp8Spec:
 
 def _torchao():
     """torchao's float8 pieces (an optional dependency, imported on this one path). Its import
-    registers an Enum with torch's pytree in a way torch deprecates: the warning that logs on
-    every rank is torchao's to act on, not the user's, so it is held back here."""
-    pytree_log = logging.getLogger("torch.utils._pytree")
-    level = pytree_log.level
-    pytree_log.setLevel(logging.ERROR)
+    logs two kinds of warnings on every rank that are torchao's to act on, not the user's, so
+    they are held back here: it registers an Enum with torch's pytree in a way torch
+    deprecates, and it tries to load every kernel library it ships ("Failed to load
+    _C_cutlass_90a.so" on a machine without that GPU), none of which float8 training uses (its
+    matmul is torch's `_scaled_mm`)."""
+    logs = [logging.getLogger(name) for name in ("torch.utils._pytree", "torchao")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         import torchao.float8.config as config
         import torchao.float8.float8_training_tensor as tensor
         import torchao.float8.float8_utils as utils
     finally:
-        pytree_log.setLevel(level)
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)
     return config, tensor, utils
 
 
