@@ -448,7 +448,13 @@ def _export_with_tokenizer(out):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine.export_hf(out + "/without")
-    return [str(w.message) for w in caught]
+    refused = []  # in export_hf's keywords, not megapar-convert's flags
+    for bad in ({"dtype": "float12"}, {"tokenizer": out + "/nowhere"}):
+        try:
+            engine.export_hf(out + "/bad", **bad)
+        except RuntimeError as exc:
+            refused.append(str(exc))
+    return [str(w.message) for w in caught], refused
 
 
 def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path):
@@ -458,7 +464,11 @@ def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path)
     skip_unless_transformers_converts()
     from megapar.data import load_tokenizer
 
-    said = run(_export_with_tokenizer, 1, str(tmp_path))[0]
+    said, refused = run(_export_with_tokenizer, 1, str(tmp_path))[0]
+    assert "dtype='float12' is not one of" in refused[0], refused
+    assert (f"tokenizer='{tmp_path}/nowhere' cannot be loaded" in refused[1]
+            and "pass tokenizer=SPEC" in refused[1]), refused
+    assert not any("--" in r for r in refused), refused
     hf = AutoTokenizer.from_pretrained(tmp_path / "with")
     assert hf("Hello world")["input_ids"] == load_tokenizer("sentencepiece").encode("Hello world")
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "with").dtype == torch.bfloat16

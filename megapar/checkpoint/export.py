@@ -30,6 +30,16 @@ def export_dtype(name: str) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
+def option(name: str, value: str | None, api: bool) -> str:
+    """An option as its caller gives it: megapar-convert's flag (``--tokenizer SPEC``,
+    ``--allow-other-tokenizer``), or with `api` Engine.export_hf's keyword (``tokenizer=SPEC``,
+    ``allow_other_tokenizer=True``)."""
+    if api:
+        return f"{name}={value if value is not None else True}"
+    flag = "--" + name.replace("_", "-")
+    return flag if value is None else f"{flag} {value}"
+
+
 def export_hf(
     src,
     hf_dir,
@@ -38,6 +48,7 @@ def export_hf(
     dtype: str | None = None,
     allow_other_tokenizer: bool = False,
     tokenizer_rows: bool = False,
+    api: bool = False,
 ) -> Path:
     """A transformers directory (GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM) from a
     checkpoint, with the tokenizer it trained with (`export_tokenizer`: `tokenizer`, a
@@ -45,7 +56,9 @@ def export_hf(
     with `allow_other_tokenizer`), in `dtype` (default: the dtype of the Hugging Face model it
     came from, recorded on import, else float32); a causal LM with the generation config of
     the model it was imported from, else one made from its config (`save_hf`); with
-    `tokenizer_rows`, a causal LM's vocabulary cut to its tokenizer's ids (`cut_to_tokenizer`)."""
+    `tokenizer_rows`, a causal LM's vocabulary cut to its tokenizer's ids (`cut_to_tokenizer`).
+    Errors name the options as megapar-convert's flags, or with `api` as `Engine.export_hf`'s
+    keywords (`option`)."""
 
     step_dir = resolve_checkpoint(src)
     hf_dir = Path(hf_dir)
@@ -57,15 +70,15 @@ def export_hf(
             f"are kept)"
         )
     if dtype is not None and export_dtype(dtype) not in EXPORT_DTYPES:
+        given = option("dtype", repr(dtype) if api else dtype, api)
         raise CheckpointError(
-            f"--dtype {dtype} is not one of {', '.join(EXPORT_DTYPES)} "
-            f"(or {', '.join(DTYPE_ALIASES)})"
+            f"{given} is not one of {', '.join(EXPORT_DTYPES)} (or {', '.join(DTYPE_ALIASES)})"
         )
     dtype = None if dtype is None else export_dtype(dtype)
     check_output(hf_dir, into=True)
     manifest = verify(step_dir)
     config = config_from_dict(manifest["model"])
-    tok = export_tokenizer(manifest, config, tokenizer, allow_other_tokenizer)
+    tok = export_tokenizer(manifest, config, tokenizer, allow_other_tokenizer, api)
     reader = ShardReader(step_dir, manifest)
     canonical = {}
     for name, e in manifest["tensors"].items():
@@ -95,7 +108,11 @@ def _described(spec: dict) -> str:
 
 
 def export_tokenizer(
-    manifest: dict, config, given: str | dict | None = None, allow_other: bool = False
+    manifest: dict,
+    config,
+    given: str | dict | None = None,
+    allow_other: bool = False,
+    api: bool = False,
 ):
     """The megapar Tokenizer an export carries: `given` (a spec), else the one the checkpoint
     records (meta ``tokenizer``: what megapar-train's data was tokenized with, or the
@@ -103,16 +120,17 @@ def export_tokenizer(
     tokenizer that cannot be loaded, or whose files changed since, is an error naming the fix
     (the export must not carry a tokenizer the model did not train with); so is a `given` one
     whose files are not the recorded ones (the same files elsewhere are fine), unless
-    `allow_other`."""
+    `allow_other` (errors in `api`'s terms, as `export_hf`'s)."""
 
     spec = given or manifest["meta"].get("tokenizer")
     if not spec:
         return None
     what = (
-        f"--tokenizer {given}"
+        option("tokenizer", repr(given) if api else str(given), api)
         if given
         else f"the checkpoint's tokenizer {spec.get('path') if isinstance(spec, dict) else spec}"
     )
+    spec_option = option("tokenizer", "SPEC", api)
     path = spec.get("path") if isinstance(spec, dict) else spec
     assert path is not None  # a recorded tokenizer names its path
     try:
@@ -125,14 +143,14 @@ def export_tokenizer(
         tok = load_tokenizer(spec)
     except (OSError, ValueError) as exc:
         raise CheckpointError(
-            f"{what} cannot be loaded ({exc}); pass --tokenizer SPEC (the "
+            f"{what} cannot be loaded ({exc}); pass {spec_option} (the "
             f"tokenizer it trained with, wherever it is now)"
         ) from None
     if not given and isinstance(spec, dict) and spec.get("sha256"):
         if [file_sha256(p) for p in tokenizer_files(tok)] != spec["sha256"]:
             raise CheckpointError(
                 f"{what} has changed since the checkpoint was trained (its "
-                f"files' sha256 differ); pass --tokenizer SPEC naming the "
+                f"files' sha256 differ); pass {spec_option} naming the "
                 f"tokenizer it trained with"
             )
     recorded = manifest["meta"].get("tokenizer")
@@ -143,7 +161,8 @@ def export_tokenizer(
                 f"{what} is not the tokenizer the checkpoint records, "
                 f"{_described(recorded)}: its files differ (sha256 "
                 f"{','.join(d[:12] for d in digests)}); pass that tokenizer (wherever it is "
-                f"now), or add --allow-other-tokenizer to export another one on purpose"
+                f"now), or add {option('allow_other_tokenizer', None, api)} to export "
+                f"another one on purpose"
             )
     # a causal LM sees only the base vocabulary and the end of document (the appended
     # [PAD] [CLS] [SEP] [MASK] are BERT's), as megapar-train counts it
@@ -156,6 +175,6 @@ def export_tokenizer(
         raise CheckpointError(
             f"{what} has {needed:,} token ids, more than the model's "
             f"vocabulary of {config.vocab_size:,}; pass the tokenizer it "
-            f"trained with (--tokenizer)"
+            f"trained with ({spec_option})"
         )
     return tok

@@ -39,6 +39,7 @@ def export_engine(
                 tokenizer=tokenizer,
                 dtype=dtype,
                 allow_other_tokenizer=allow_other_tokenizer,
+                api=True,
             )
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             outcome = f"{type(exc).__name__}: {exc}"
