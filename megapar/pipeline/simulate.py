@@ -306,9 +306,10 @@ def theoretical_bubble(
     - ZB-H1 (Qi et al. 2024, section 2): the bubble is (pp-1)(t_F + t_B - t_W) per stage next to
       m (t_F + t_B + t_W) of compute; t_F = `fwd_ms`, t_B = `bwd_input_ms`, t_W = `bwd_weight_ms`
       (ignored by the other schedules, whose bubble does not depend on the costs). The paper
-      draws it with t_F = t_B = t_W and m >= pp. It holds where t_W <= min(t_F, t_B) and
-      m >= pp; elsewhere it is below `zb_h1_bound`, which no run reaches, and this returns NaN
-      (the simulator, `simulate_schedule`, covers every case);
+      draws it with t_F = t_B = t_W. It is exact where t_W <= min(t_F, t_B) and m >= pp;
+      elsewhere it is below what the schedule reaches (below `zb_h1_bound` when
+      t_W > min(t_F, t_B)) and this returns NaN (the simulator, `simulate_schedule`, covers
+      every case);
     - ZB-V and DualPipeV (two chunks per rank in a V; the costs are a chunk's): the pipeline
       fill, (pp-1) t_F next to 2 m (t_F + t_B + t_W) of compute. No schedule of two chunks per
       rank does better with a synchronous step (the last rank cannot start before pp - 1 chunk
