@@ -202,8 +202,8 @@ def test_simulated_cli_interleaved_and_zb_h1_by_hand(capsys):
     result, _ = run_cli(capsys, "--pp", "4", "-m", "8", "--schedule", "zb-h1", "--simulate",
                         "--fwd-ms", "1", "--bwd-weight-ms", "0")
     assert result["theoretical_bubble"] == pytest.approx(6 / 22) == result["measured_bubble"]
-    # the paper's formula assumes W <= F + B; beyond it there is none: "-" and null (it was
-    # NaN, which is no JSON)
+    # the paper's formula holds where W <= min(F, B) (and m >= pp); beyond it there is none:
+    # "-" and null (it was NaN, which is no JSON)
     result, out = run_cli(capsys, "--pp", "4", "-m", "8", "--schedule", "zb-h1", "--simulate",
                           "--fwd-ms", "1", "--bwd-input-ms", "1", "--bwd-weight-ms", "5")
     assert result["theoretical_bubble"] is None and 0 < result["measured_bubble"] < 1

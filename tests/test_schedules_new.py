@@ -2,6 +2,7 @@
 over a grid, hand-computed simulations, constraints, and the split backward (B then W)."""
 
 import contextlib
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -25,8 +26,10 @@ from megapar.pipeline.simulate import (
     ScheduleError,
     simulate_schedule,
     theoretical_bubble,
+    zb_h1_bound,
 )
 from megapar.pipeline.timeline import bubble_stats
+from megapar.plan.pipeline import formula_bubble
 
 COMPUTE = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
 NEW = (("interleaved", 2), ("interleaved", 3), ("zb-h1", 1))
@@ -140,16 +143,35 @@ def test_simulated_zb_h1_by_hand():
     assert stats["measured_bubble"] == pytest.approx(1 / 7)
     assert theoretical_bubble(2, 2, "zb-h1", fwd_ms=1, bwd_input_ms=1, bwd_weight_ms=1) == \
         pytest.approx(1 / 7)
-    # B and W costs of their own: the simulator agrees with the paper's formula wherever it
-    # applies (t_W <= t_F + t_B); outside that the formula says nothing (NaN).
-    for f, b, w in [(1, 1, 0.5), (1, 1.5, 1), (2, 1, 1)]:
-        for pp, m in [(2, 4), (4, 8), (4, 16)]:
+    # The issue's case, F = B = 1, W = 2 at pp 4, m 4: the paper's count would be 0 %, but the
+    # fill alone leaves 3 ms per stage (15.8 %): no formula is shown.
+    stats = bubble_stats(simulate_schedule("zb-h1", 4, 4, Costs(1, bwd_input_ms=1, bwd_weight_ms=2)))
+    assert stats["measured_bubble"] == pytest.approx(3 / 19)
+    nan = theoretical_bubble(4, 4, "zb-h1", fwd_ms=1, bwd_input_ms=1, bwd_weight_ms=2)
+    assert nan != nan
+
+
+def test_zb_h1_formula_where_it_applies_and_the_bound_everywhere():
+    """Over pp x m x (F, B, W): the simulated bubble equals `zb_h1_bound`, (p-1) max(F, B,
+    F+B-W) idle per stage, at every m >= pp and is above it below; the paper's formula equals
+    the simulator where W <= min(F, B) and m >= pp and is NaN everywhere else (where it would be
+    below the bound, as at F = B = 1, W = 2)."""
+    grid = (0.5, 1, 2)
+    shown = 0
+    for pp, m in [(2, 1), (2, 2), (3, 6), (4, 3), (4, 4), (5, 10), (8, 8), (8, 32)]:
+        for f, b, w in itertools.product(grid, grid, grid):
             costs = Costs(fwd_ms=f, bwd_input_ms=b, bwd_weight_ms=w)
             got = bubble_stats(simulate_schedule("zb-h1", pp, m, costs))["measured_bubble"]
-            assert got == pytest.approx(theoretical_bubble(
-                pp, m, "zb-h1", fwd_ms=f, bwd_input_ms=b, bwd_weight_ms=w), abs=1e-12)
-    assert theoretical_bubble(4, 8, "zb-h1", fwd_ms=1, bwd_input_ms=1, bwd_weight_ms=3) != \
-        theoretical_bubble(4, 8, "zb-h1", fwd_ms=1, bwd_input_ms=1, bwd_weight_ms=3)  # NaN
+            bound = zb_h1_bound(pp, m, f, b, w)
+            assert got == pytest.approx(bound, abs=1e-12) if m >= pp else got > bound + 1e-4, \
+                (pp, m, f, b, w)
+            paper = theoretical_bubble(pp, m, "zb-h1", fwd_ms=f, bwd_input_ms=b, bwd_weight_ms=w)
+            if m >= pp and w <= min(f, b):
+                assert paper == pytest.approx(got, abs=1e-12), (pp, m, f, b, w)
+                shown += 1
+            else:
+                assert paper != paper, (pp, m, f, b, w)  # NaN: "-" in the table
+            assert formula_bubble("zb-h1", pp, m, 1, f, b, w) == bound
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16), (8, 32)])

@@ -303,11 +303,13 @@ def theoretical_bubble(
     - GPipe / 1F1B (Huang et al. 2019; Narayanan et al. 2021): (pp-1) / (m + pp-1);
     - interleaved 1F1B with V chunks per rank (Narayanan et al. 2021): (pp-1) / (V m + pp-1)
       for m >= pp; with fewer micro-batches than stages `interleaved_bubble`'s exact count;
-    - ZB-H1 (Qi et al. 2024, Table 1): the bubble is (pp-1)(t_F + t_B - t_W) per stage next to
+    - ZB-H1 (Qi et al. 2024, section 2): the bubble is (pp-1)(t_F + t_B - t_W) per stage next to
       m (t_F + t_B + t_W) of compute; t_F = `fwd_ms`, t_B = `bwd_input_ms`, t_W = `bwd_weight_ms`
-      (ignored by the other schedules, whose bubble does not depend on the costs). The paper's
-      formula assumes t_W <= t_F + t_B; outside that it does not say, and this returns NaN (the
-      simulator, `simulate_schedule`, covers every case);
+      (ignored by the other schedules, whose bubble does not depend on the costs). The paper
+      draws it with t_F = t_B = t_W. It is exact where t_W <= min(t_F, t_B) and m >= pp;
+      elsewhere it is below what the schedule reaches (below `zb_h1_bound` when
+      t_W > min(t_F, t_B)) and this returns NaN (the simulator, `simulate_schedule`, covers
+      every case);
     - ZB-V and DualPipeV (two chunks per rank in a V; the costs are a chunk's): the pipeline
       fill, (pp-1) t_F next to 2 m (t_F + t_B + t_W) of compute. No schedule of two chunks per
       rank does better with a synchronous step (the last rank cannot start before pp - 1 chunk
@@ -322,11 +324,25 @@ def theoretical_bubble(
         fill = (pp - 1) * fwd_ms
         return fill / (2 * m * (fwd_ms + bwd_input_ms + bwd_weight_ms) + fill)
     if schedule == "zb-h1":
-        if bwd_weight_ms > fwd_ms + bwd_input_ms:
+        if m < pp or bwd_weight_ms > min(fwd_ms, bwd_input_ms):
             return float("nan")
         idle = (pp - 1) * (fwd_ms + bwd_input_ms - bwd_weight_ms)
         return idle / (m * (fwd_ms + bwd_input_ms + bwd_weight_ms) + idle)
     return (pp - 1) / (m + pp - 1)
+
+
+def zb_h1_bound(pp: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
+    """ZB-H1's idle share with an idle time of (pp-1) max(t_F, t_B, t_F + t_B - t_W) per stage
+    next to m (t_F + t_B + t_W) of compute.
+
+    Every stage does the same work, so each is idle as long as the least idle one. The last
+    stage waits (pp-1) t_F for its first forward; the first, which may hold at most pp
+    micro-batches in flight as under 1F1B, has nothing to do between its last warmup forward
+    and its first B, which comes (pp-1) t_B later. Where t_W <= min(t_F, t_B) the third term
+    (the paper's) is the largest. A lower bound at every m; the simulator reaches it at every
+    m >= pp (`tests/test_schedules_new.py` checks a grid of sizes and costs)."""
+    idle = (pp - 1) * max(t_f, t_b, t_f + t_b - t_w)
+    return idle / (m * (t_f + t_b + t_w) + idle)
 
 
 def interleaved_bubble(pp: int, m: int, v: int) -> float:

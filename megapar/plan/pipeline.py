@@ -70,8 +70,9 @@ def formula_bubble(
 
     GPipe and 1F1B: (p-1)/(m+p-1). Interleaved 1F1B (Narayanan et al. 2021): (p-1)/(v m+p-1)
     from m = p on, below it `simulate.interleaved_bubble`'s exact count.
-    ZB-H1 (Qi et al. 2024): the idle time per stage is (p-1)(t_F + t_B - t_W) against
-    m (t_F + t_B + t_W) of work, t_B the input-gradient and t_W the weight-gradient half.
+    ZB-H1: `simulate.zb_h1_bound`, (p-1) max(t_F, t_B, t_F + t_B - t_W) idle against
+    m (t_F + t_B + t_W) of work, t_B the input-gradient and t_W the weight-gradient half: Qi et
+    al. 2024's (p-1)(t_F + t_B - t_W) where t_W <= min(t_F, t_B), exact from m = p on.
     ZB-V and DualPipeV (two chunks per rank, each half a stage): the pipeline fill, (p-1) t_F / 2,
     against the same work; a lower bound, which ZB-V reaches at t_F = t_B = t_W."""
     if name in ("gpipe", "1f1b"):
@@ -82,8 +83,7 @@ def formula_bubble(
         idle = (pp - 1) * t_f / 2
         return idle / (m * (t_f + t_b + t_w) + idle)
     if name == "zb-h1":
-        idle = (pp - 1) * max(0.0, t_f + t_b - t_w)
-        return idle / (m * (t_f + t_b + t_w) + idle)
+        return sim.zb_h1_bound(pp, m, t_f, t_b, t_w)
     raise ValueError(f"no bubble formula for schedule {name!r}")
 
 

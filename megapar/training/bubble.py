@@ -219,8 +219,8 @@ def measure(
 
 def theory(pp: int, m: int, schedule: str, virtual_stages: int, costs: dict) -> float | None:
     """The schedule's bubble formula; ZB-H1's uses the F, B and W costs. None where the formula
-    does not apply (ZB-H1 with t_W > t_F + t_B): the table shows "-" and the JSON line null,
-    as strict JSON has no NaN."""
+    does not apply (ZB-H1 with t_W > min(t_F, t_B) or m < pp): the table shows "-" and the
+    JSON line null, as strict JSON has no NaN."""
 
     b, w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")  # W may cost nothing
     value = theoretical_bubble(
