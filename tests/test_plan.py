@@ -640,13 +640,16 @@ def test_plan_takes_the_zero3_persistence_threshold(capsys):
     ("tp=2,pp=2,schedule=1f2b", "schedule='1f2b': use one of"),
     ("tp=2,pp=2,recompute=most", "recompute='most': use one of"),
     ("tp=2,pp=2,zero=9", "zero=9: use one of 0, 1, 2, 3"),
+    # the search's flags were ignored without a word (--explain estimates its LAYOUT only)
+    ("tp=2,pp=2 --schedules 1f1b", "--schedules shapes the search, which --explain does not"),
+    ("tp=2,pp=2 --recompute=full --top 3", "--recompute, --top shape the search"),
 ])
 def test_bad_explain_values_are_one_line_exit_2(capsys, layout, words):
     """Issue 44 (drill round 3): duplicate keys were accepted (the last won), keep_params=7 read
     as off, and bad values answered 'invalid' with exit 1 like a layout that cannot run."""
     base = ["--model", "gpt2-124m", "--gpus", "8", "--global-batch-size", "64", "--seq-len",
             "1024", "--gpu-memory-gb", "40"]
-    code, out = _cli(capsys, *base, "--explain", layout)
+    code, out = _cli(capsys, *base, "--explain", *layout.split())
     assert code == 2 and words in out.err and len(out.err.strip().splitlines()) == 1, out
 
 

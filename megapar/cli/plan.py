@@ -378,6 +378,33 @@ def _check_mode_arguments(args) -> None:
         )
 
 
+SEARCH_FLAGS = (
+    "--micro-batch-sizes",
+    "--schedules",
+    "--virtual-stages",
+    "--recompute",
+    "--zero-stages",
+    "--offload",
+    "--cp-sizes",
+    "--today",
+    "--top",
+)
+"""The flags that shape the search and its table, which --explain (one layout) does not run."""
+
+
+def _refuse_search_flags(argv: list[str]) -> None:
+    """ValueError naming the search's flags given with --explain: they would be ignored (the
+    layout's own settings are the LAYOUT's keys)."""
+    given = sorted({a.split("=", 1)[0] for a in argv} & set(SEARCH_FLAGS))
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} {'shapes' if len(given) == 1 else 'shape'} the search, which "
+            f"--explain does not run (it estimates the one LAYOUT it names); drop "
+            f"{'it' if len(given) == 1 else 'them'}, or give the setting in LAYOUT (e.g. "
+            f"mbs=2,schedule=1f1b,recompute=full,zero=1,cp=2,offload=optimizer)"
+        )
+
+
 def _explain(args, problem) -> int:
     c = parse_candidate(args.explain, problem.gpus)
     if c.zero not in ZERO_STAGES:  # a bad value (exit 2), not a layout that cannot run
@@ -427,6 +454,8 @@ def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
     args = build_parser().parse_args(argv)
     try:
+        if args.explain:
+            _refuse_search_flags(list(sys.argv[1:] if argv is None else argv))
         problem = _problem(args)
         if args.explain:
             return _explain(args, problem)
