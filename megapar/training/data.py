@@ -251,13 +251,12 @@ def max_samples(cfg: TrainConfig, model_type: str) -> int:
 def resolve_model(cfg: TrainConfig, notes: list[str] | None = None, manifest: dict | None = None):
     """The run's model config from --load / --model / --from-hf and the data's tokenizer (its
     metadata only: nothing is tokenized), checked against --seq-len. A dry run without its data
-    here keeps the model's own vocabulary; on raw text it loads --tokenizer (`_tokenizer_known`)
-    and takes its vocabulary, as the run does."""
+    here keeps the model's own vocabulary; on raw text it loads --tokenizer (nothing is
+    tokenized) and takes its vocabulary, as the run does."""
 
     if cfg.load and manifest is None and (cfg.load_strict or has_checkpoint(cfg.load)):
         manifest = checkpoint_manifest(cfg.load)  # every file checked
-    skipped = _dry_run_without_data(cfg)
-    known = skipped is not None and _tokenizer_known(cfg)
+    skipped, known = _dry_run_without_data(cfg)
     if skipped is not None and notes is not None:
         vocab = (
             "its tokenizer's vocabulary is the run's"
@@ -308,7 +307,7 @@ def prepare_data(
     fingerprints: list[str] = []
     prefix = (
         None
-        if _dry_run_without_data(cfg)
+        if _dry_run_without_data(cfg)[0]
         else resolve_data_prefix(cfg, notes, tokenized, fingerprints)
     )
     return DataPlan(
@@ -329,41 +328,30 @@ def discard_tokenized(plan: DataPlan) -> None:
     plan.tokenized.clear()
 
 
-def _dry_run_without_data(cfg: TrainConfig) -> str | None:
+def _dry_run_without_data(cfg: TrainConfig) -> tuple[str | None, bool]:
     """Why a dry run goes on without data (None when it has some, or is no dry run): the
     cluster's corpus is often not on the rehearsing machine, and the shipped sample never
-    stands in for the job's data."""
+    stands in for the job's data; and whether it still knows the run's tokenizer: every --data
+    path is there (raw text is tokenized by --tokenizer, loaded but not run; a prepared dataset
+    names its own), so the model takes the run's vocabulary and the tokenizer checks run as in
+    the run."""
     if not cfg.dry_run:
-        return None
+        return None, True
     if cfg.data is None:
-        return "no --data given"
+        return "no --data given", False
+    reason = None
     try:
         for path in data_paths(cfg.data):
-            if is_raw_text(_text_or_prefix(cfg, path)):
-                return (
+            if is_raw_text(_text_or_prefix(cfg, path)) and reason is None:
+                reason = (
                     f"--data {path} is raw text, which a rehearsal does not tokenize: it "
                     f"writes nothing, and a corpus can take hours; tokenize it once with "
                     f"megapar-data and rehearse with its --output-prefix to see batch "
                     f"indices"
                 )
     except FileNotFoundError as exc:
-        return str(exc)
-    return None
-
-
-def _tokenizer_known(cfg: TrainConfig) -> bool:
-    """Whether a dry run that skips its data still knows the run's tokenizer: every --data path
-    is there (raw text is tokenized by --tokenizer, loaded but not run; a prepared dataset names
-    its own), so the model takes the run's vocabulary and the tokenizer checks run as in the
-    run."""
-    if cfg.data is None:
-        return False
-    try:
-        for path in data_paths(cfg.data):
-            _text_or_prefix(cfg, path)
-    except FileNotFoundError:
-        return False
-    return True
+        return reason or str(exc), False
+    return reason, True
 
 
 def _own_vocab(cfg: TrainConfig, manifest: dict | None) -> int:
