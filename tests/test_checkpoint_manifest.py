@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 from test_checkpoint_helpers import save_serial, tiny_config
@@ -92,3 +93,8 @@ def test_converting_onto_the_source_is_an_error(src, capsys):
         assert main([str(root), str(inside), "--tp", "1", "--pp", "1"]) == 2
         assert "is inside the source's checkpoint directory" in capsys.readouterr().err
     assert sorted(p.name for p in root.iterdir()) == before
+    alone = root.parent / "kept" / src.name  # a step directory kept on its own, not a --save
+    alone.parent.mkdir()
+    shutil.copytree(src, alone)
+    assert main([str(alone), str(alone.parent / "converted"), "--tp", "1", "--pp", "1",
+                 "--no-progress"]) == 0, capsys.readouterr().err

@@ -230,7 +230,9 @@ def convert_checkpoint(
             f"DST {dst} holds the source {step_dir}: converting a checkpoint "
             f"onto itself would delete it; give a new DST"
         )
-    root = step_dir.resolve().parent
+    root = step_dir.resolve().parent  # the --save directory, where it is one
+    if not ((root / LATEST).exists() or Path(src).resolve() == root):
+        root = step_dir.resolve()  # a step directory kept on its own
     if Path(dst).resolve().is_relative_to(root):
         raise CheckpointError(
             f"DST {dst} is inside the source's checkpoint directory {root}: a checkpoint "
