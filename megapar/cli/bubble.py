@@ -165,8 +165,8 @@ def check_measure_flags(args) -> None:
     step): refuse them there rather than ignore them."""
     if not args.simulate:
         return
-    defaults = build_parser().parse_args(["--pp", "1", "-m", "1"])
-    given = [n for n in MEASURE_FLAGS if getattr(args, n) != getattr(defaults, n)]
+    defaults = build_parser()
+    given = [n for n in MEASURE_FLAGS if getattr(args, n) != defaults.get_default(n)]
     if args.fwd_ms is not None and given:
         raise ValueError(
             f"{flag_of(given[0])} is not used by --simulate with --fwd-ms (the costs are "
