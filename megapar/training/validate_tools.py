@@ -18,7 +18,7 @@ from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import chunks_per_rank
-from megapar.pipeline.simulate import theoretical_bubble
+from megapar.pipeline.simulate import Costs, theoretical_bubble
 from megapar.training.bubble import bench_config
 from megapar.training.data import missing_files
 from megapar.training.tokenizer_checks import check_checkpoint_tokenizer
@@ -186,9 +186,13 @@ def _formula_instead(args) -> str:
     """The schedule's published bubble at the sizes and costs given (F 1, backward 2 x F, B
     and W half of it, unless told): what an oversized request is told instead of a run."""
     fwd = args.fwd_ms or 1.0
-    bwd = args.bwd_ms or 2 * fwd
-    b_in = bwd / 2 if args.bwd_input_ms is None else args.bwd_input_ms
-    b_w = bwd / 2 if args.bwd_weight_ms is None else args.bwd_weight_ms
+    costs = Costs(
+        fwd,
+        args.bwd_ms or 2 * fwd,
+        bwd_input_ms=args.bwd_input_ms,
+        bwd_weight_ms=args.bwd_weight_ms,
+    )
+    b_in, b_w = costs.duration_ms("backward_input"), costs.duration_ms("backward_weight")
     value = theoretical_bubble(
         args.pp, args.microbatches, args.schedule, args.virtual_stages, fwd, b_in, b_w
     )
