@@ -5,14 +5,19 @@ Measured runs assert structure (every micro-batch forwarded and backwarded once 
 overlapping events, a bubble in [0, 1)) and deterministic memory, never wall-clock values.
 """
 
+import importlib
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from megapar.cli.bubble import main
+from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.training import bubble
@@ -291,6 +296,48 @@ def test_cost_flags_that_would_be_ignored_under_simulate_or_show_schedule(capsys
     assert main(["--pp", "2", "-m", "4", "--simulate", "--steps", "2"]) == 2
     assert "--steps is not used by --simulate (it measures the costs in one step)" \
         in _error_line(capsys)
+
+
+@pytest.mark.parametrize("argv, message", [
+    # each was ignored without a word; --steps 3 is its default value, and still given
+    (["--certify", "--steps", "5"], "--steps is not used with --certify"),
+    (["--certify", "--seq-len", "64"], "--seq-len is not used with --certify"),
+    (["--certify", "--tp", "1"], "--tp is not used with --certify"),
+    (["--pp", "2", "-m", "4", "--show-schedule", "--steps", "9"],
+     "--steps is not used with --show-schedule"),
+    (["--pp", "2", "-m", "4", "--show-schedule", "--model", "llama-tiny"],
+     "--model is not used with --show-schedule"),
+    (["--pp", "2", "-m", "4", "--show-schedule", "--simulate"],
+     "--simulate is not used with --show-schedule"),
+    (["--pp", "2", "-m", "4", "--simulate", "--steps", "3"],
+     "--steps is not used by --simulate (it measures the costs in one step)"),
+    (["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--micro-batch-size", "4"],
+     "--micro-batch-size is not used by --simulate with --fwd-ms"),
+])
+def test_an_option_the_mode_ignores_is_refused_even_at_its_default(capsys, no_work, argv,
+                                                                   message):
+    assert main(argv) == 2
+    assert message in _error_line(capsys)
+
+
+def test_a_reader_that_stops_early_ends_the_command_without_a_traceback():
+    # `megapar-bubble ... | head -1` printed BrokenPipeError's traceback (megapar-plan too)
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "import sys; from megapar.cli.closed_stdout import "
+             "quiet_when_stdout_closes as q; sys.exit(q(lambda argv: print('x' * 99999))())"],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (1, "")
+    for name in ("bubble", "convert", "data", "eval", "plan", "train"):  # every command's
+        main_of = importlib.import_module(f"megapar.cli.{name}").main
+        assert main_of.__wrapped__.__module__ == f"megapar.cli.{name}", name
+    # any other pipe's error is raised as it was
+    with pytest.raises(BrokenPipeError):
+        quiet_when_stdout_closes(lambda argv: (_ for _ in ()).throw(BrokenPipeError("a socket")))()
 
 
 @pytest.mark.parametrize("mode", [["--simulate", "--fwd-ms", "1"], SMALL])

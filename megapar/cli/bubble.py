@@ -22,11 +22,11 @@ programs the executor runs (`megapar.pipeline.certify`) over a grid of schedules
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
+from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser
 from megapar.pipeline import certify, certify_real, messages, nccl_rules
@@ -44,7 +44,7 @@ from megapar.training.validate import UsageError, check_writable, flag_of, names
 from megapar.training.validate_tools import MAX_SIMULATED_ACTIONS, check_bubble_args
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> OneLineParser:
     p = OneLineParser(prog="megapar-bubble", description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, help="pipeline stages (required unless --certify)")
     p.add_argument(
@@ -130,20 +130,9 @@ COST_FLAGS = ("fwd_ms", "bwd_ms", "bwd_input_ms", "bwd_weight_ms", "p2p_ms")
 def check_cost_flags(args) -> None:
     """The cost flags feed only the simulator, and only with --fwd-ms (without it, --simulate
     measures every cost): refuse them where they would be ignored."""
-    if args.show_schedule:
-        for name in ("trace", "plot"):
-            if getattr(args, name):
-                raise ValueError(
-                    f"--{name} is not used with --show-schedule (which prints the "
-                    f"actions only); drop one of them"
-                )
     given = [flag_of(n) for n in COST_FLAGS if getattr(args, n) is not None]
     if not given:
         return
-    if args.show_schedule:
-        raise ValueError(
-            f"{given[0]} is not used with --show-schedule (which prints the actions only); drop it"
-        )
     if not args.simulate:
         raise ValueError(
             f"{given[0]} is used only with --simulate; add --simulate to compute "
@@ -156,27 +145,58 @@ def check_cost_flags(args) -> None:
         )
 
 
-MEASURE_FLAGS = ("tp", "cp", "model", "steps", "micro_batch_size", "seq_len", "oversubscribe")
+SHAPE = ("pp", "microbatches", "schedule", "virtual_stages")
+"""The pipeline every mode reads."""
+MEASURE = ("tp", "cp", "model", "micro_batch_size", "seq_len", "oversubscribe")
+"""What real processes are run with (a measurement, or --simulate measuring its costs)."""
+OUTPUTS = ("trace", "plot")
+MODES = {  # mode: (the options it reads, where it ignores the others, and the way out)
+    "certify": (
+        SHAPE,
+        "with --certify (which checks the programs of every stage: the same for any --tp, "
+        "--cp, model or sizes; it measures nothing)",
+        "drop it",
+    ),
+    "show_schedule": (
+        (*SHAPE, "cp"),
+        "with --show-schedule (which prints the actions only)",
+        "drop it",
+    ),
+    "simulate_costs": (
+        (*SHAPE, *COST_FLAGS, *OUTPUTS),
+        "by --simulate with --fwd-ms (the costs are given; nothing runs)",
+        "drop it, or drop the cost flags to measure them with it",
+    ),
+    "simulate": (  # the cost flags are check_cost_flags' (they need --fwd-ms)
+        (*SHAPE, *MEASURE, *COST_FLAGS, *OUTPUTS),
+        "by --simulate (it measures the costs in one step)",
+        "drop it, or drop --simulate to measure the bubble over real steps",
+    ),
+    "measure": ((*SHAPE, *MEASURE, "steps", *COST_FLAGS, *OUTPUTS), "by a measurement", "drop it"),
+}
+"""What each of megapar-bubble's modes reads: an option given (at its default value or not)
+that its mode does not read is refused, not ignored."""
 
 
-def check_measure_flags(args) -> None:
-    """The flags of a measurement do nothing where nothing is measured: --simulate with
-    --fwd-ms (the costs are given), and --steps under --simulate (the costs are measured in one
-    step): refuse them there rather than ignore them."""
-    if not args.simulate:
-        return
-    defaults = build_parser()
-    given = [n for n in MEASURE_FLAGS if getattr(args, n) != defaults.get_default(n)]
-    if args.fwd_ms is not None and given:
-        raise ValueError(
-            f"{flag_of(given[0])} is not used by --simulate with --fwd-ms (the costs are "
-            f"given; nothing runs); drop it, or drop the cost flags to measure them with it"
-        )
-    if "steps" in given:
-        raise ValueError(
-            "--steps is not used by --simulate (it measures the costs in one step); drop "
-            "--simulate to measure the bubble over --steps steps, or drop --steps"
-        )
+def mode_of(args) -> str:
+    if args.certify:
+        return "certify"
+    if args.show_schedule:
+        return "show_schedule"
+    if args.simulate:
+        return "simulate_costs" if args.fwd_ms is not None else "simulate"
+    return "measure"
+
+
+def check_mode_flags(args, given: frozenset[str]) -> None:
+    """ValueError naming the first option given that the chosen mode ignores (`given`: the
+    options on the command line, `OneLineParser.given`)."""
+    mode = mode_of(args)
+    reads, where, fix = MODES[mode]
+    order = [action.dest for action in build_parser()._actions]
+    ignored = sorted(given - set(reads) - {mode.removesuffix("_costs")}, key=order.index)
+    if ignored:
+        raise ValueError(f"{flag_of(ignored[0])} is not used {where}; {fix}")
 
 
 def check_split_costs(args) -> None:
@@ -244,34 +264,9 @@ def check_output_files(args) -> None:
         args.plot = real
 
 
-CERTIFY_ALONE = (
-    "show_schedule",
-    "simulate",
-    "trace",
-    "plot",
-    "model",
-    "oversubscribe",
-    *COST_FLAGS,
-)
-"""Flags --certify does not use (it checks programs, it measures nothing)."""
-
-
 def check_certify_args(args) -> list[tuple]:
-    """--certify: the grid's points, narrowed by the flags given; flags it would ignore are
-    refused."""
-    for name in CERTIFY_ALONE:
-        if getattr(args, name) not in (None, False):
-            raise ValueError(
-                f"{flag_of(name)} is not used with --certify (which checks the "
-                f"programs of every stage); drop one of them"
-            )
-    for name in ("tp", "cp"):
-        if getattr(args, name) != 1:
-            raise ValueError(
-                f"{flag_of(name)} is not used with --certify: the programs are the "
-                f"same for any --{name} (each stage's ranks run its program); "
-                f"drop it"
-            )
+    """--certify: the grid's points, narrowed by the flags given (the others are refused by
+    `check_mode_flags`)."""
     for name in ("pp", "microbatches", "virtual_stages"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -416,12 +411,15 @@ def print_report(args, run: bubble.BubbleRun, title: str) -> None:
     print(json.dumps(run.summary()))
 
 
+@quiet_when_stdout_closes
 def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
     parser = build_parser()
     args = parser.parse_args(argv)
+    given = parser.given(argv)
     if args.certify:
         try:
+            check_mode_flags(args, given)
             points = check_certify_args(args)
         except (UsageError, ValueError) as exc:
             print(f"megapar-bubble: error: {exc}", file=sys.stderr)
@@ -445,10 +443,10 @@ def main(argv=None) -> int:
         args.virtual_stages = 1
     pp, m, v = args.pp, args.microbatches, args.virtual_stages
     try:  # every argument and output: one line, exit 2, before any work or worker starts
+        check_mode_flags(args, given)
         check_cost_flags(args)
         check_bubble_args(args)
         check_split_costs(args)  # after the values are checked
-        check_measure_flags(args)
         check_schedule(args.schedule, pp, m, v)
         check_output_files(args)  # last: it creates a missing output directory
     except (UsageError, ValueError) as exc:

@@ -36,6 +36,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser
 
@@ -400,6 +401,7 @@ def _dcp(args, progress: bool) -> str:
     return report
 
 
+@quiet_when_stdout_closes
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on any error, with the reason printed;
     130 on Ctrl-C, in one line: every output is renamed into place only when complete)."""

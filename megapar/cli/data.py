@@ -26,6 +26,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 
+from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser
 
@@ -291,6 +292,7 @@ def _note_skipped(inputs: Sequence[str]) -> None:
         )
 
 
+@quiet_when_stdout_closes
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code. A run that fails after training a tokenizer
     removes it (and nothing else of the destination is touched: the dataset is renamed into

@@ -10,7 +10,6 @@ resharded on load when --tp / --pp differ from its layout.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -25,6 +24,7 @@ from megapar.checkpoint.distributed import load_checkpoint
 from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
+from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
 from megapar.device import keep_freed_host_memory
 from megapar.faults.processes import exit_uncollected
@@ -41,14 +41,11 @@ from megapar.training.usage import flag_of
 from megapar.training.validate import UsageError, check_writable, names_directory
 from megapar.training.validate_tools import check_eval_args
 
-LOSS_DEFAULTS = {"micro_batch_size": 4, "max_batches": 8, "seed": 1234}
-"""The defaults of the options only --data (the loss) reads; None in the parser, so that one
-given with --input-ids is seen and refused rather than ignored."""
 LOSS_ONLY = ("data", "seq_len", "micro_batch_size", "max_batches", "seed", "tokenizer")
 """The options only --data reads (--input-ids gives logits of the ids as they are)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> OneLineParser:
     p = OneLineParser(prog="megapar-eval", description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -66,13 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--micro-batch-size",
         type=int,
-        help=f"windows per batch (default: {LOSS_DEFAULTS['micro_batch_size']})",
+        default=4,
+        help="windows per batch (default: 4)",
     )
     p.add_argument(
         "--max-batches",
         type=int,
-        help="batches to evaluate, at most; fewer where the data holds fewer "
-        f"(default: {LOSS_DEFAULTS['max_batches']})",
+        default=8,
+        help="batches to evaluate, at most; fewer where the data holds fewer (default: 8)",
     )
     p.add_argument("--input-ids", help="a [batch, seq] integer .npy file")
     p.add_argument(
@@ -80,9 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where rank 0 writes the float32 logits (.npy; the "
         "suffix is added when missing, as numpy does)",
     )
-    p.add_argument(
-        "--seed", type=int, help=f"seed for BERT masking (default: {LOSS_DEFAULTS['seed']})"
-    )
+    p.add_argument("--seed", type=int, default=1234, help="seed for BERT masking (default: 1234)")
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -205,9 +201,10 @@ def logits_file(path: str) -> str:
     return real
 
 
-def _choose_worker(args):
+def _choose_worker(args, given: frozenset[str]):
     """The worker the mode asks for (--data: the loss, --input-ids: the logits); UsageError for
-    no mode, both, or an option the chosen mode does not read."""
+    no mode, both, or an option the chosen mode does not read (`given`: the options on the
+    command line, `OneLineParser.given`)."""
     if args.input_ids:
         if not args.save_logits:
             raise UsageError("--input-ids needs --save-logits OUT.npy")
@@ -216,12 +213,12 @@ def _choose_worker(args):
                 "--data and --input-ids are two modes (the loss on a dataset, the logits "
                 "of given ids); give one, or run them as two commands"
             )
-        given = [flag_of(name) for name in LOSS_ONLY if getattr(args, name) is not None]
-        if given:
+        named = [flag_of(name) for name in LOSS_ONLY if name in given]
+        if named:
             raise UsageError(
-                f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} used only with "
+                f"{', '.join(named)} {'is' if len(named) == 1 else 'are'} used only with "
                 f"--data (the loss); --input-ids gives the logits of its ids as they are: "
-                f"drop {'it' if len(given) == 1 else 'them'}"
+                f"drop {'it' if len(named) == 1 else 'them'}"
             )
         return _logits_worker
     if args.save_logits:
@@ -236,17 +233,16 @@ def _choose_worker(args):
     )
 
 
+@quiet_when_stdout_closes
 def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        worker = _choose_worker(args)
+        worker = _choose_worker(args, parser.given(argv))
     except UsageError as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)
         return 2
-    for name, default in LOSS_DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
         if under_launcher() and launched_world_size() != args.tp * args.pp:
             raise UsageError(

@@ -21,6 +21,7 @@ import math
 import re
 import sys
 
+from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.cli.plan_verify import verify_estimates
 from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
 from megapar.faults.processes import exit_uncollected
@@ -56,9 +57,10 @@ from megapar.plan.report import (
     table,
 )
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
+from megapar.training.usage import flag_of
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> OneLineParser:
     """megapar-plan's argument parser, its flags grouped by concern."""
     p = OneLineParser(
         prog="megapar-plan",
@@ -378,29 +380,30 @@ def _check_mode_arguments(args) -> None:
         )
 
 
-SEARCH_FLAGS = (
-    "--micro-batch-sizes",
-    "--schedules",
-    "--virtual-stages",
-    "--recompute",
-    "--zero-stages",
-    "--offload",
-    "--cp-sizes",
-    "--today",
-    "--top",
+SEARCH_OPTIONS = (
+    "micro_batch_sizes",
+    "schedules",
+    "virtual_stages",
+    "recompute",
+    "zero_stages",
+    "offload",
+    "cp_sizes",
+    "today",
+    "top",
 )
-"""The flags that shape the search and its table, which --explain (one layout) does not run."""
+"""The options that shape the search and its table, which --explain (one layout) does not run."""
 
 
-def _refuse_search_flags(argv: list[str]) -> None:
-    """ValueError naming the search's flags given with --explain: they would be ignored (the
-    layout's own settings are the LAYOUT's keys)."""
-    given = sorted({a.split("=", 1)[0] for a in argv} & set(SEARCH_FLAGS))
-    if given:
+def _refuse_search_flags(given: frozenset[str]) -> None:
+    """ValueError naming the search's options given with --explain (`given`:
+    `OneLineParser.given`): they would be ignored (the layout's own settings are the LAYOUT's
+    keys)."""
+    named = sorted(flag_of(name) for name in given & set(SEARCH_OPTIONS))
+    if named:
         raise ValueError(
-            f"{', '.join(given)} {'shapes' if len(given) == 1 else 'shape'} the search, which "
+            f"{', '.join(named)} {'shapes' if len(named) == 1 else 'shape'} the search, which "
             f"--explain does not run (it estimates the one LAYOUT it names); drop "
-            f"{'it' if len(given) == 1 else 'them'}, or give the setting in LAYOUT (e.g. "
+            f"{'it' if len(named) == 1 else 'them'}, or give the setting in LAYOUT (e.g. "
             f"mbs=2,schedule=1f1b,recompute=full,zero=1,cp=2,offload=optimizer)"
         )
 
@@ -450,12 +453,14 @@ def _explain(args, problem) -> int:
     return 0
 
 
+@quiet_when_stdout_closes
 def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         if args.explain:
-            _refuse_search_flags(list(sys.argv[1:] if argv is None else argv))
+            _refuse_search_flags(parser.given(argv))
         problem = _problem(args)
         if args.explain:
             return _explain(args, problem)

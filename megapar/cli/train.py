@@ -18,6 +18,7 @@ import traceback
 from megapar.checkpoint.lock import SaveLock, SaveLockError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import has_checkpoint, remove_steps_after
+from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.device import DeviceError, check_gpus, share_host_arena
 from megapar.dryrun.command import rehearse
 from megapar.dryrun.sample import check_world
@@ -121,6 +122,7 @@ def _worker(cfg: TrainConfig, plan: DataPlan):
         restore()
 
 
+@quiet_when_stdout_closes
 def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
     share_host_arena()  # before any thread (the tokenizer's) allocates: workers inherit it
