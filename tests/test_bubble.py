@@ -20,6 +20,7 @@ from megapar.cli.bubble import main
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline.executor import PipelineExecutor
+from megapar.pipeline.simulate import Costs
 from megapar.training import bubble
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -290,6 +291,17 @@ def test_cost_flags_that_would_be_ignored_under_simulate_or_show_schedule(capsys
         assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", *flags]) == 2
         assert "--bwd-input-ms is not used by --schedule 1f1b, whose backward is not split" \
             in _error_line(capsys)
+    # B and W split the backward: --bwd-ms 4 --bwd-input-ms 3 simulated W 2 (B + W = 5)
+    assert main(["--pp", "2", "-m", "4", "--schedule", "zb-h1", "--simulate", "--fwd-ms", "1",
+                 "--bwd-ms", "4", "--bwd-input-ms", "3", "--bwd-weight-ms", "3"]) == 2
+    assert "--bwd-input-ms 3 + --bwd-weight-ms 3 = 6 is not --bwd-ms 4" in _error_line(capsys)
+    assert Costs(1.0, 4.0, bwd_input_ms=3.0).duration_ms("backward_weight") == 1.0
+    assert Costs(1.0, 4.0, bwd_weight_ms=1.5).duration_ms("backward_input") == 2.5
+    assert Costs(1.0, 4.0).duration_ms("backward_input") == 2.0
+    assert main(["--pp", "2", "-m", "4", "--schedule", "zb-v", "--simulate", "--fwd-ms", "1",
+                 "--bwd-weight-ms", "2.5"]) == 2
+    assert "--bwd-weight-ms 2.5 is longer than the backward it is part of (2 x --fwd-ms = 2)" \
+        in _error_line(capsys)
     # nor did a measurement's flags where nothing is measured
     assert main(["--pp", "2", "-m", "4", "--simulate", "--fwd-ms", "1", "--tp", "2"]) == 2
     assert "--tp is not used by --simulate with --fwd-ms" in _error_line(capsys)

@@ -41,6 +41,19 @@ class CommMismatchError(ScheduleError):
     """Sends and receives do not pair up: missing peer, count mismatch or order mismatch."""
 
 
+def split_backward(
+    bwd_ms: float, bwd_input_ms: float | None, bwd_weight_ms: float | None
+) -> tuple[float, float]:
+    """(B, W): a zero-bubble schedule's backward split into the input gradient (B) and the
+    weight gradients (W). A half given is kept; one not given is what the other leaves of the
+    backward (`bwd_ms` - the other), or half the backward when neither is given."""
+    if bwd_input_ms is None:
+        bwd_input_ms = bwd_ms / 2 if bwd_weight_ms is None else bwd_ms - bwd_weight_ms
+    if bwd_weight_ms is None:
+        bwd_weight_ms = bwd_ms - bwd_input_ms
+    return bwd_input_ms, bwd_weight_ms
+
+
 @dataclass
 class Costs:
     """Cost model of one micro-batch on one stage (the same for every stage, or one per stage)."""
@@ -48,16 +61,18 @@ class Costs:
     fwd_ms: float = 1.0
     """Duration of a forward."""
     bwd_ms: float = 2.0
-    """Duration of a full backward; backward_input and backward_weight take half of it each
-    unless given below."""
+    """Duration of a full backward; backward_input and backward_weight split it unless given
+    below (`split_backward`)."""
     p2p_ms: float = 0.0
     """Latency from the end of a send to the arrival of the message at the receiver."""
     send_ms: float = 0.0
     """Time the sender spends issuing a (non-blocking) send."""
     bwd_input_ms: float | None = None
-    """Duration of a backward_input (B: the input gradient); default bwd_ms / 2."""
+    """Duration of a backward_input (B: the input gradient); default bwd_ms less W when W is
+    given, else bwd_ms / 2."""
     bwd_weight_ms: float | None = None
-    """Duration of a backward_weight (W: the weight gradients); default bwd_ms / 2."""
+    """Duration of a backward_weight (W: the weight gradients); default bwd_ms less B when B is
+    given, else bwd_ms / 2."""
 
     def duration_ms(self, kind: str) -> float:
         """Time an action of `kind` occupies its stage, excluding any wait for a message."""
@@ -65,10 +80,9 @@ class Costs:
             return self.fwd_ms
         if kind == "backward":
             return self.bwd_ms
-        if kind == "backward_input":
-            return self.bwd_ms / 2 if self.bwd_input_ms is None else self.bwd_input_ms
-        if kind == "backward_weight":
-            return self.bwd_ms / 2 if self.bwd_weight_ms is None else self.bwd_weight_ms
+        if kind in ("backward_input", "backward_weight"):
+            b, w = split_backward(self.bwd_ms, self.bwd_input_ms, self.bwd_weight_ms)
+            return b if kind == "backward_input" else w
         if kind in ("send_act", "send_grad"):
             return self.send_ms
         return 0.0

@@ -31,7 +31,12 @@ from megapar.pipeline.schedules import (
     placement_of,
     schedule_actions,
 )
-from megapar.pipeline.simulate import Costs, simulate_schedule, theoretical_bubble
+from megapar.pipeline.simulate import (
+    Costs,
+    simulate_schedule,
+    split_backward,
+    theoretical_bubble,
+)
 from megapar.pipeline.timeline import Timeline, bubble_stats
 from megapar.pipeline.trace import gather_timeline
 
@@ -314,12 +319,11 @@ def simulate(
     stage_costs: list[dict] | None = None,
 ) -> BubbleRun:
     """The same timeline and table computed from per-action costs, without processes.
-    B and W default to half the backward each. `stage_costs` (one dict of the same keys per
-    stage, e.g. `BubbleRun.stage_costs` of a measurement) simulates stages that differ; the
-    other cost arguments then only feed the published formula."""
+    B and W not given split the backward (`simulate.split_backward`). `stage_costs` (one dict
+    of the same keys per stage, e.g. `BubbleRun.stage_costs` of a measurement) simulates stages
+    that differ; the other cost arguments then only feed the published formula."""
 
-    bwd_input_ms = bwd_ms / 2 if bwd_input_ms is None else bwd_input_ms
-    bwd_weight_ms = bwd_ms / 2 if bwd_weight_ms is None else bwd_weight_ms
+    bwd_input_ms, bwd_weight_ms = split_backward(bwd_ms, bwd_input_ms, bwd_weight_ms)
     costs = {
         "fwd_ms": fwd_ms,
         "bwd_ms": bwd_ms,
