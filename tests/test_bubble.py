@@ -168,9 +168,18 @@ def test_plot_log_draws_loss_and_val_loss(tmp_path, capsys):
     series = tool.read_series(log, ["loss", "val_loss"])
     assert series["loss"][0] == list(range(1, 11)) and series["loss"][1][-1] == 0.4
     assert series["val_loss"] == ([5, 10], [1.2, 0.7])
-    png = tmp_path / "loss.png"
+    png = tmp_path / "new" / "loss.png"  # its directory made, as megapar-bubble --plot makes it
     assert tool.main([str(log), "-o", str(png)]) == 0
     assert_png(png)
+    capsys.readouterr()
+    # an output it cannot write was a traceback after the work (and no suffix printed a name
+    # that was not the file written: matplotlib adds .png)
+    for bad, message in (("/proc/loss.png", "--output /proc/loss.png is not writable"),
+                         (str(tmp_path / "loss.xyz"), "matplotlib cannot write .xyz files")):
+        assert tool.main([str(log), "-o", bad]) == 2
+        assert message in capsys.readouterr().err
+    assert tool.main([str(log), "-o", str(tmp_path / "curve")]) == 0
+    assert f"wrote {tmp_path / 'curve.png'}" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         tool.main(["--help"])
     assert "--log-json" in capsys.readouterr().out

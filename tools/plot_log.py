@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+from megapar.cli.bubble import plot_file
+from megapar.training.validate import check_writable
 
 STYLES = {"loss": dict(linewidth=1.2), "val_loss": dict(marker="o", linewidth=1.5)}
 
@@ -47,6 +51,12 @@ def main(argv=None) -> int:
     p.add_argument("--log-y", action="store_true", help="logarithmic y axis")
     p.add_argument("--title", help="chart title")
     args = p.parse_args(argv)
+    try:  # before any work: a name matplotlib can write, in a directory that can be written
+        args.output = plot_file(args.output, "--output")
+        check_writable(args.output, "--output", kind="file")
+    except ValueError as exc:
+        print(f"plot_log: error: {exc}", file=sys.stderr)
+        return 2
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -79,6 +89,7 @@ def main(argv=None) -> int:
     ax.legend()
     ax.set_title(args.title or ", ".join(Path(log).name for log in args.logs))
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     fig.savefig(args.output, dpi=120)
     print(f"wrote {args.output}")
     return 0

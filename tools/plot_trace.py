@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -53,8 +54,17 @@ def main(argv=None) -> int:
     p.add_argument("--title", help="chart title (default: the file name)")
     p.add_argument("--row-name", default="stage", help="row label prefix (default: stage)")
     args = p.parse_args(argv)
+    from megapar.cli.bubble import plot_file
     from megapar.pipeline.timeline import bubble_stats, format_bubble_table, plot_gantt
+    from megapar.training.validate import check_writable
 
+    output = args.output or str(Path(args.trace).with_suffix(".png"))
+    try:  # before any work: a name matplotlib can write, in a directory that can be written
+        output = plot_file(output, "--output")
+        check_writable(output, "--output", kind="file")
+    except ValueError as exc:
+        print(f"plot_trace: error: {exc}", file=sys.stderr)
+        return 2
     try:
         timeline = load_timeline(args.trace)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -63,8 +73,8 @@ def main(argv=None) -> int:
     if not timeline.events:
         print(f"plot_trace: error: {args.trace} has no events", file=sys.stderr)
         return 2
-    output = args.output or str(Path(args.trace).with_suffix(".png"))
     print(format_bubble_table(bubble_stats(timeline), row_name=args.row_name))
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     plot_gantt(timeline, output, title=args.title or Path(args.trace).name, row_name=args.row_name)
     print(f"wrote {output}")
     return 0

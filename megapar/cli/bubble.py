@@ -242,9 +242,9 @@ def _check_split(args) -> None:
         )
 
 
-def plot_file(path: str) -> str:
+def plot_file(path: str, flag: str = "--plot") -> str:
     """The file matplotlib's savefig writes for `path` (it adds .png when there is no suffix);
-    the suffix must be a format it can write."""
+    the suffix must be a format it can write (ValueError naming `flag` otherwise)."""
     root, ext = os.path.splitext(path)
     if not ext or ext == ".":
         return root + ".png"
@@ -253,7 +253,7 @@ def plot_file(path: str) -> str:
     formats = FigureCanvasAgg.get_supported_filetypes()
     if ext[1:].lower() not in formats:
         raise ValueError(
-            f"--plot {path}: matplotlib cannot write {ext} files; end the name "
+            f"{flag} {path}: matplotlib cannot write {ext} files; end the name "
             f"with .png (or one of {', '.join('.' + f for f in sorted(formats))})"
         )
     return path
