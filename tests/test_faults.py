@@ -628,6 +628,7 @@ def _holding_up_under_torchrun():
         time.sleep(2.5 * progress.PUBLISH_S)
         answer = progress.holding_up()
         store.set("named-0", answer)
+        store.wait(["done-1", "done-2", "done-3"])  # it holds the store (as rank 0 under srun)
     elif rank == 2:  # rank 3's tp peer: blocked (no CPU) until its timeout, after rank 0's
         store.wait(["named-0"])
         answer = progress.holding_up()
@@ -641,6 +642,7 @@ def _holding_up_under_torchrun():
         store.wait(["named-2"])
         progress.mark_failed("ValueError: boom on purpose\nTraceback ...")
         store.set("failed-1", "")
+    store.set(f"done-{rank}", "")
     return answer
 
 
@@ -657,6 +659,7 @@ def test_under_torchrun_the_rank_holding_the_others_up_is_named_from_the_store(m
     from megapar.launcher import run_workers
 
     monkeypatch.setattr(progress, "PUBLISH_S", 0.5)
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 1.0)  # rank 3 computes: its heartbeat moves
     start = time.monotonic()
     named = _run_as_torchrun(lambda: run_workers(_holding_up_under_torchrun, 4)[0], 4)
     slow = "rank 3 did not answer at step 2, forward of micro-batch 0 on pp stage 0"
@@ -699,6 +702,34 @@ def test_reading_the_records_is_bounded_when_the_store_does_not_answer(monkeypat
     finally:
         server.kill()
         server.join()
+
+
+def test_a_rank_whose_heartbeat_stops_is_named_as_stopped(monkeypatch):
+    """A rank stopped on another node (frozen, or its node lost) cannot be seen in this node's
+    /proc: its record kept the step it stopped at, and read like a hung rank's. Each record now
+    carries a heartbeat count sent at least every HEARTBEAT_S: the rank named is said to have
+    stopped when its count did not move while the reader waited, and not when it did."""
+    from datetime import timedelta
+
+    from megapar.faults import progress
+    from megapar.faults.progress import ProgressRecords
+    from megapar.launcher import free_port
+
+    monkeypatch.setattr(progress, "PUBLISH_S", 0.05)
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.2)
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    reader, other = ProgressRecords(store, 0, 2), ProgressRecords(store, 1, 2)
+    other.publish()  # one record, then nothing: stopped
+    said = reader.holding_up()
+    assert said.startswith("rank 1 did not answer") and said.endswith(
+        "; its process sent no heartbeat in 0.3 s (stopped, frozen, or its node lost?)"), said
+    other.start()  # alive (hung in its own work): its thread beats
+    try:
+        reader.failed = False
+        assert "heartbeat" not in reader.holding_up()
+    finally:
+        other.stop()
 
 
 def _store_server(port, up):

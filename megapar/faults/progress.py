@@ -1,20 +1,23 @@
-"""Under torchrun / srun: each rank's step and action in the job's store, and the rank holding
-the others up named from them.
+"""Under torchrun / srun: each rank's step and action in the job's store, and the rank holding the
+others up named from them.
 
 megapar's own launcher reads every rank's status from memory it shares with its workers
 (`megapar.faults.status`) and names the rank most behind when the others time out
 (`megapar.faults.blame.most_behind`). Under torchrun / srun there is no such launcher and the
 ranks may be on several nodes; what they all reach is the store torch.distributed's rendezvous
 made (torchrun's agent store at MASTER_ADDR:MASTER_PORT, or rank 0's under srun). So each rank
-publishes a small JSON record there ("step S, action", the share of a CPU its process used
-since the record before, whether it has failed): a daemon thread, every `PUBLISH_S`, when the
-record changed, so the training loop itself does nothing more per micro-batch. A rank whose
-wait timed out marks its own record failed and reads every other rank's (`holding_up`): the one
-most behind by `blame.most_behind`'s rule is named as the local launcher names it ("rank 3 did
-not answer at step 2, forward of micro-batch 0 on pp stage 0"). Every store call goes through
-this module's own connection, with a timeout of `STORE_TIMEOUT_S`, a record is read only once
-the store says it exists, and the report waits for its reads at most twice that on a thread of
-its own (`_bounded`): a store that does not answer (its node frozen) is given up on.
+publishes a small JSON record there ("step S, action", the share of a CPU its process used since
+the record before, whether it has failed, and a heartbeat count): a daemon thread, every
+`PUBLISH_S`, when the record changed and at least every `HEARTBEAT_S`, so the training loop
+itself does nothing more per micro-batch. A rank whose wait timed out marks its own record
+failed and reads every other rank's (`holding_up`): the one most behind by `blame.most_behind`'s
+rule is named as the local launcher names it ("rank 3 did not answer at step 2, forward of
+micro-batch 0 on pp stage 0"), and, when its heartbeat did not advance while the reader waited
+`heartbeat_wait_s()`, as one whose process has stopped (frozen, or its node lost): what /proc
+tells of a rank on this node, told of one on any. Every store call goes through this module's
+own connection, with a timeout of `STORE_TIMEOUT_S`, a record is read only once the store says
+it exists, and the report waits for its reads at most twice that on a thread of its own
+(`_bounded`): a store that does not answer (its node frozen) is given up on.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ PUBLISH_S = 1.0
 A hang is seen only after a collective's timeout (`--timeout-s`, far longer), so a record
 is at most this much behind what the rank was doing when the others gave up."""
 
+HEARTBEAT_S = 5.0
+"""The longest a live rank goes without sending its record: a rank whose record did not change
+over a longer wait has stopped (at one store write per rank per 5 s, a job of 4,096 ranks sends
+the store about 800 a second)."""
+
 STORE_TIMEOUT_S = 5.0
 """The longest any one store call (connection, write, read) of this module waits."""
 
@@ -56,6 +64,8 @@ class ProgressRecords:
         self.error = ""  # its own error's first line when it failed of itself
         self._lock = threading.Lock()  # the thread's publish and `mark_failed`'s
         self._sent = ""
+        self._sent_at = 0.0  # time.monotonic() of the last send
+        self._beat = 0
         self._stop = threading.Event()
         self._cpu = (time.monotonic(), time.process_time())
 
@@ -73,17 +83,19 @@ class ProgressRecords:
         return {**record, "error": self.error} if self.error else record
 
     def publish(self) -> None:
-        """Send this rank's record when its status, its failure or whether it computes changed
-        (bounded by the store's timeout; a store gone is ignored)."""
+        """Send this rank's record when its status, its failure or whether it computes changed,
+        or `HEARTBEAT_S` after the last send, with its heartbeat count one up (bounded by the
+        store's timeout; a store gone is ignored)."""
         with self._lock:
             record = self.record()
             same = {**record, "cpu": record["cpu"] >= BUSY_SHARE}
-            text = json.dumps(same)
-            if text == self._sent:
+            text, now = json.dumps(same), time.monotonic()
+            if text == self._sent and now - self._sent_at < HEARTBEAT_S:
                 return
+            self._beat += 1
             try:
-                self.store.set(self.key(self.rank), json.dumps(record))
-                self._sent = text
+                self.store.set(self.key(self.rank), json.dumps({**record, "beat": self._beat}))
+                self._sent, self._sent_at = text, now
             except (RuntimeError, ValueError):  # DistError: the store is down or slow
                 pass
 
@@ -136,24 +148,57 @@ class ProgressRecords:
 
     def holding_up(self) -> str:
         """After this rank's wait timed out: "rank R did not answer at step S, action", the
-        live rank most likely holding the others up, from the others' records
-        (`blame.behind_first`: the earliest step, then busy in its own work rather than
+        live rank most likely holding the others up, from the others' records read twice,
+        `heartbeat_wait_s()` apart: a rank that failed of itself, else the ranks whose heartbeat
+        did not move (stopped, frozen or lost: the others wait for them), else all live ranks,
+        by `blame.behind_first` (the earliest step, then busy in its own work rather than
         waiting, then using a CPU, then the lowest rank); "" without records."""
         none: dict[int, dict] = {}
-        records = _bounded(self._fail_and_read, 2 * STORE_TIMEOUT_S, none)
-        own = sorted(r for r, x in records.items() if x.get("error"))
-        if own:  # a rank failed of itself: the others wait for it
-            r = own[0]
-            return f"rank {r} failed at {records[r].get('status', '')}: {records[r]['error']}"
-        records = {r: x for r, x in records.items() if not x.get("failed")}
+        first = _bounded(self._fail_and_read, 2 * STORE_TIMEOUT_S, none)
+        if not first or _failed_of_itself(first):
+            return _failed_of_itself(first)
+        wait = heartbeat_wait_s()
+        time.sleep(wait)
+        later = _bounded(self.read, 2 * STORE_TIMEOUT_S, none)
+        if _failed_of_itself(later):
+            return _failed_of_itself(later)
+        records = {r: x for r, x in (later or first).items() if not x.get("failed")}
         if not records:
             return ""
+        stopped = [
+            r
+            for r in sorted(records)
+            if later and "beat" in first.get(r, {}) and first[r]["beat"] == records[r].get("beat")
+        ]
         statuses = {r: str(x.get("status", "")) for r, x in records.items()}
         cpu = {r: float(x.get("cpu", 0.0)) for r, x in records.items()}
-        named = behind_first(sorted(records), statuses, lambda alike: cpu)
-        return f"rank {named} did not answer" + (
-            f" at {statuses[named]}" if statuses[named] else ""
+        named = behind_first(stopped or sorted(records), statuses, lambda alike: cpu)
+        return (
+            f"rank {named} did not answer"
+            + (f" at {statuses[named]}" if statuses[named] else "")
+            + (
+                f"; its process sent no heartbeat in {wait:g} s (stopped, frozen, or its node "
+                f"lost?)"
+                if stopped
+                else ""
+            )
         )
+
+
+def _failed_of_itself(records: dict[int, dict]) -> str:
+    """ "rank R failed at step S, action: error" for the lowest rank whose record holds an error
+    of its own (the others wait for it); "" when none does."""
+    own = sorted(r for r, x in records.items() if x.get("error"))
+    if not own:
+        return ""
+    r = own[0]
+    return f"rank {r} failed at {records[r].get('status', '')}: {records[r]['error']}"
+
+
+def heartbeat_wait_s() -> float:
+    """How long a live rank's heartbeat certainly moves in: `HEARTBEAT_S` and two of its
+    thread's looks."""
+    return HEARTBEAT_S + 2 * PUBLISH_S
 
 
 def _bounded(fn: Callable[[], T], within_s: float, otherwise: T) -> T:
