@@ -170,8 +170,10 @@ def test_each_zero_stage_lowers_the_peak_and_the_planner_predicts_it(launch):
     0-2, the heap may grow by an embedding-sized gradient at a step that varies from run to run
     (the term "embedding gradients' second place in the heap", which the figure adds after the
     first step; docs/guides/planner.md, "The heap after the first steps"), so a two-step peak
-    was one of two values (ZeRO-2: 1,598-1,635 MiB without the growth, 1,725-1,757 with it),
-    the first step's never grew. Measured 2026-11-30 (load 8-10): see docs/performance.md."""
+    was one of two values (ZeRO-2: 1,598-1,635 MiB without the growth, 1,724-1,757 with it);
+    a first step's heap did not grow in the runs read (docs). Measured 2026-11-30 (load 8-10):
+    2,291 / 1,825 / 1,630 / 1,502 MiB against 2,323 / 1,848 / 1,611 / 1,577 planned (1.014 /
+    1.013 / 0.988 / 1.050)."""
     runs = [launch(_peak_rise, zero, 1, GPT2_124M, 64) for _ in range(2) for zero in ZERO_STAGES]
     n = len(ZERO_STAGES)
     lower = [[min(a, b, key=lambda rank: rank[0]) for a, b in zip(runs[z], runs[z + n])]
