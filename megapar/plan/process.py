@@ -331,10 +331,12 @@ def _moved_embedding_gradients(
     weight gradients beyond the end of the backward's own (`_end_of_backward`): as many bytes
     again. Those gradients (the head's, made in the loss, and the lookup's) are the step's
     largest allocations, made afresh every step in glibc's heap, which megapar's host policy
-    never trims (`megapar.device.keep_freed_host_memory`); once the next step's smaller
-    allocations have taken part of the holes the last step's left, they no longer fit there
-    and the heap grows by one of them, at steps that vary from run to run (the collectives'
-    timing orders the frees), until it holds a second place for each: then it stays. Not in
+    never trims (`megapar.device.keep_freed_host_memory`). The heap grows by about one of them
+    at a time, at steps that vary from run to run, until it holds a second place for each:
+    then it stays. Why, as far as measured (not traced allocation by allocation): the next
+    step's smaller allocations take part of the holes the last step's gradients left, so they
+    no longer fit there; the collectives' timing, which orders the frees, would make the steps
+    vary. Not in
     one process (no growth seen) nor under ZeRO-3 (its rank maps every allocation above 4 MiB
     apart, `megapar.device.return_freed_host_memory`). The measurements are in
     docs/guides/planner.md ("The heap after the first steps")."""
