@@ -162,3 +162,34 @@ def test_cpu_figure_keeps_sequence_parallelism_s_saving_in_the_heap():
     assert figures[True, "cpu"][1]["sequence parallelism's holes"] == saved
     for key in ((True, "gpu"), (False, "cpu"), (False, "gpu")):
         assert "sequence parallelism's holes" not in figures[key][1], key
+
+
+def test_cpu_figure_holds_the_embedding_gradients_second_place_after_the_first_steps():
+    """At dp > 1 under ZeRO 0-2 a CPU rank's heap comes to hold the embedding's gradients a
+    second time after its first steps (docs/guides/planner.md, "The heap after the first
+    steps"): the CPU figure counts the end of the backward's embedding gradients again, as a
+    term held only later (`first_step` is the figure without it); not at ZeRO-3 (its rank maps
+    them apart), not in one process, not on a GPU."""
+    from megapar.models.config import config_from_dict
+    from megapar.tensor_parallel.partition import local_size
+
+    config = config_from_dict(_config(dict(n_embd=768, n_layer=2, n_head=12,
+                                           vocab_size=50257), 64).to_dict())
+    vocab = local_size(50257, 1, config.make_vocab_size_divisible_by)  # padded: 50,304
+
+    def peak(dp: int, zero: int, target: str = "cpu"):
+        p = Problem(config, gpus=dp, global_batch=dp, seq_len=64, precision="fp32",
+                    target=target)
+        c = Candidate(mbs=1, dp=dp, zero=zero)
+        return process_peak(p, c, stage_memory(p, c)[0], *stage_roles(p, c, 0),
+                            activation_sizes(p, c).full)
+
+    name = "embedding gradients' second place in the heap"
+    for zero in (0, 1, 2):
+        terms = {t.name: t for t in peak(2, zero).terms}
+        grads = terms["embedding's weight gradient (end of the backward)"].bytes
+        assert grads == 2 * vocab * 768 * 4 and terms[name].bytes == grads and terms[name].later
+        assert peak(2, zero).total - peak(2, zero).first_step == grads
+    for figure in (peak(2, 3), peak(1, 0), peak(2, 2, "gpu")):
+        assert name not in {t.name for t in figure.terms}
+        assert figure.first_step == figure.total

@@ -3,8 +3,8 @@
 megapar's memory claims (ZeRO-1 shards the optimizer state, ZeRO-2 the gradients too, recomputation drops activations,
 sequence and context parallelism split them) are counted: the dry run and the planner add up
 the tensors a rank holds. This script measures each at the peak the operating system sees:
-every configuration is a fresh `megapar-train` run (2 steps, its data tokenized beforehand), and
-the figure is the largest process's peak resident set, `ru_maxrss` from `wait4` (every worker is
+every configuration is a fresh `megapar-train` run (`--steps`, 2 by default; its data tokenized
+beforehand), and the figure is the largest process's peak resident set, `ru_maxrss` from `wait4` (every worker is
 a child of the launcher, so it is the largest rank's, whatever rank that is). Beside it, the
 dry run's count for the most loaded rank (weights + gradients + optimizer state + modelled
 activations). A claim holds at the OS peak when the peaks differ as the counts do.
@@ -17,6 +17,7 @@ not fit the heap's free room stays resident under the first, so its peak can be 
 
     python benchmarks/memory/peak_memory.py                  # every group, about 6 minutes on 2 cores
     python benchmarks/memory/peak_memory.py --groups zero    # one group: --zero 0 / 1 / 2 / 3
+    python benchmarks/memory/peak_memory.py --groups zero --steps 16 --policies keep  # a run's peak
     python benchmarks/memory/peak_memory.py --groups offload --policies keep  # offload, one heap policy
     python benchmarks/memory/peak_memory.py --groups schedules  # 1F1B, ZB-H1, ZB-V, DualPipeV
 
@@ -92,7 +93,7 @@ GROUPS = {  # name: (the claim, [(label, flags)])
                              ("dp 2 ep 2", ["--dp", "2", "--ep", "2", "--global-batch-size", "2"]),
                              ("dp 4 ep 2", ["--dp", "4", "--ep", "2", "--global-batch-size", "4"]))]),
 }
-COMMON = ["--max-steps", "2", "--warmup-steps", "0", "--eval-interval", "0", "--no-progress",
+COMMON = ["--warmup-steps", "0", "--eval-interval", "0", "--no-progress",
           "--log-interval", "1"]
 
 
@@ -121,6 +122,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2,
+                        help="steps per run (at dp > 1 under ZeRO 0-2 the heap grows for some "
+                             "steps: 10-20 measure the run's peak, docs/guides/planner.md)")
     parser.add_argument("--json", help="write every figure to this file")
     parser.add_argument("--policies", nargs="+", default=["keep", "system"],
                         choices=["keep", "system"], help="heap policies to measure")
@@ -141,7 +145,7 @@ def main(argv=None) -> int:
         rows = []
         for label, flags in configs:
             flags = [{"{model}": model, "{mixtral}": mixtral}.get(a, a) for a in flags] + COMMON + \
-                ["--data-cache", os.path.join(work, "cache")]
+                ["--max-steps", str(args.steps), "--data-cache", os.path.join(work, "cache")]
             run_env = {**env, "MEGAPAR_HOST_COPIES": "1"} if group == "offload" else env
             count, predicted = counted(flags, run_env)
             peaks = {policy: min(os_peak(flags, {**run_env, "MEGAPAR_HOST_MALLOC": policy})[0]

@@ -19,10 +19,11 @@ The tensors' peak is the larger of two phases:
   autograd adds into the held one in place).
 
 On a GPU the process then holds the allocator's reserve over its tensors and the CUDA
-context; on a CPU the heap's room and the runtime's resident memory (libraries and threads
-started with the job), and apart from it the process's baseline (the interpreter and its
-imports), which a rise in the peak resident set, as `tests/test_process_peak.py` measures it,
-does not include.
+context; on a CPU the heap's room, the runtime's resident memory (libraries and threads
+started with the job) and, at dp > 1 under ZeRO 0-2, once a run is past its first steps, a
+second place in the heap for the embedding's gradients (`ProcessPeak.first_step` is the figure
+without it), and apart from it the process's baseline (the interpreter and its imports), which
+a rise in the peak resident set, as `tests/test_process_peak.py` measures it, does not include.
 """
 
 from __future__ import annotations
@@ -81,13 +82,13 @@ never trims, `megapar.device.keep_freed_host_memory`) as a share of the step's t
 its state, beyond what `CPU_RUNTIME` holds. The least certain term: glibc's arena less its
 in-use bytes (`mallinfo2` sampled every millisecond, 2026-11-29) was 30 MiB over the 295 MiB
 of embedding-sized gradients of a GPT-2-wide rank in one process, 53-106 MiB over the same
-on GPT-2 124M at dp 2, ZeRO 0-2 (201 in one rank of one run: noise only adds); the peaks
-want a share of 0 (one process) to 0.5-0.8 (GPT-2 124M at dp 2 under megapar-train, ZeRO-2's
-in-flight bucket included), 0.2 in between. Not of ZeRO-3's gathered units and full gradient
-buffers: under ZeRO-3 a CPU rank serves every allocation above 4 MiB with its own mapping,
-unmapped when freed (`megapar.device.return_freed_host_memory`), so they leave no room (GPT-2
-124M dp 2 ZeRO-3 in megapar-train: 46-82 MiB of room at the peak, 104 counted with them, 39
-without)."""
+on GPT-2 124M at dp 2, ZeRO 0-2 (201 in one rank of one run: an embedding-sized gradient's
+place, `_moved_embedding_gradients`); the peaks want a share of 0 (one process) to
+0.15-0.35 (GPT-2 124M at dp 2, its first step or, past the first steps, beside that term);
+0.2. Not of ZeRO-3's gathered units and full gradient buffers: under ZeRO-3 a CPU rank
+serves every allocation above 4 MiB with its own mapping, unmapped when freed
+(`megapar.device.return_freed_host_memory`), so they leave no room (GPT-2 124M dp 2 ZeRO-3 in
+megapar-train: 46-82 MiB of room at the peak, 104 counted with them, 39 without)."""
 
 CPU_BASELINE = 329 * 2**20
 """A rank's resident set before its job when it is a process of its own (spawned, torchrun,
@@ -147,7 +148,13 @@ BOUNDS = {
         "GPipe), a 25M-parameter model at dp 2 ZeRO 0-3 and offload, GPT-2 124M at dp 2 "
         "ZeRO-2 / 3; and of megapar-train's largest process (forked ranks, their baseline "
         "236 MiB) for GPT-2 124M dp 2 ZeRO 0-3 and offload, cp 1 / 2 / 4, tp 2 and "
-        "mixtral-tiny ZeRO-3 with and without ep; outside it: tp 2 + SP under megapar-train "
+        "mixtral-tiny ZeRO-3 with and without ep; GPT-2 124M dp 2 ZeRO 0-3 (spawned ranks, 4 MB "
+        "buckets, 2026-11-30): the first step against the figure less the heap's second "
+        "place for the embedding's gradients (`first_step`, -1.2 % to +5.0 %) and runs of "
+        "10-60 steps whose heap settled against the figure (-0.5 % to +4.2 %); over a run whose "
+        "heap grew less (the steps it grows at vary) the figure is up to 17 % over "
+        "(megapar-train, 16 steps, 25 MB buckets, no growth: +5 % to +11 %); outside it: "
+        "tp 2 + SP under megapar-train "
         "(-15 %: the heap's room, 150-190 MiB measured at tp 2) and mixtral-tiny's spawned "
         "ranks with ep (+47 % / +59 %: a runtime of 20-25 MiB); the heap's room (0.2 x the "
         "transients; 0 to 0.6 measured) and the runtime (70 MiB; 20-83 measured) are the "
@@ -164,6 +171,8 @@ class Term:
     name: str
     bytes: float
     note: str = ""
+    later: bool = False
+    """Held only once a run is past its first steps (`ProcessPeak.first_step`)."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +196,12 @@ class ProcessPeak:
     @property
     def bound(self) -> str:
         return BOUNDS[self.target]
+
+    @property
+    def first_step(self) -> float:
+        """The figure for a run's first step: `total` less the terms a run holds only later
+        (`Term.later`: the heap's second place for the embedding's gradients)."""
+        return self.total - sum(t.bytes for t in self.terms if t.later)
 
 
 def process_peak(
@@ -275,6 +290,17 @@ def process_peak(
                 "whole-sequence transients are freed among the kept activations",
             )
         )
+    moved = _moved_embedding_gradients(p, c, has_embedding, has_head)
+    if moved:
+        terms.append(
+            Term(
+                "embedding gradients' second place in the heap",
+                moved,
+                "after the first steps at dp > 1: the heap settles holding room for the "
+                "embedding's gradients twice (measured)",
+                later=True,
+            )
+        )
     terms += [
         Term(
             "runtime (threads, libraries, objects)",
@@ -282,7 +308,7 @@ def process_peak(
             "measured: memory outside the heap and heap bytes that are no counted tensors",
         ),
     ]
-    total = tensors + room + holes + CPU_RUNTIME
+    total = tensors + room + holes + moved + CPU_RUNTIME
     return ProcessPeak(target, tuple(terms), tensors, phase, total, cpu_baseline(p.gpus))
 
 
@@ -296,6 +322,27 @@ def _sequence_parallel_holes(p: Problem, c: Candidate, mem: MemoryBreakdown) -> 
     measurements). With `--sp-regather` `sp_saved` includes its smaller slices: the
     re-gathered input is one more such transient, so the same is expected (not measured)."""
     return mem.sp_saved if c.sp and c.tp > 1 else 0.0
+
+
+def _moved_embedding_gradients(
+    p: Problem, c: Candidate, has_embedding: bool, has_head: bool
+) -> float:
+    """On a CPU at dp > 1 under ZeRO 0-2, the heap room a run settles into for the embedding's
+    weight gradients beyond the end of the backward's own (`_end_of_backward`): as many bytes
+    again. Those gradients (the head's, made in the loss, and the lookup's) are the step's
+    largest allocations, made afresh every step in glibc's heap, which megapar's host policy
+    never trims (`megapar.device.keep_freed_host_memory`). The heap grows by about one of them
+    at a time, at steps that vary from run to run, until it holds a second place for each:
+    then it stays. Why, as far as measured (not traced allocation by allocation): the next
+    step's smaller allocations take part of the holes the last step's gradients left, so they
+    no longer fit there; the collectives' timing, which orders the frees, would make the steps
+    vary. Not in
+    one process (no growth seen) nor under ZeRO-3 (its rank maps every allocation above 4 MiB
+    apart, `megapar.device.return_freed_host_memory`). The measurements are in
+    docs/guides/planner.md ("The heap after the first steps")."""
+    if c.dp == 1 or c.zero == 3 or not has_embedding:
+        return 0.0
+    return sum(t.bytes for t in _end_of_backward(p, c, has_embedding, has_head))
 
 
 def _zero3_terms(gathered: float, grad_buffers: float, phase: str) -> list[Term]:
@@ -404,6 +451,11 @@ def describe(peak: ProcessPeak) -> str:
     for t in peak.terms:
         lines.append(f"  {t.name:<{width}} {_size(t.bytes):>10}  {t.note}")
     lines.append(f"  {'= ' + where:<{width}} {_size(peak.total):>10}")
+    if peak.first_step != peak.total:
+        first = "  of it in a run's first step"
+        lines.append(
+            f"  {first:<{width}} {_size(peak.first_step):>10}  without the terms held only later"
+        )
     if peak.baseline:
         lines.append(
             f"  {'+ baseline (interpreter, imports)':<{width}} {_size(peak.baseline):>10}  "
