@@ -168,7 +168,8 @@ def test_cpu_figure_holds_the_embedding_gradients_second_place_after_the_first_s
     """At dp > 1 under ZeRO 0-2 a CPU rank's heap comes to hold the embedding's gradients a
     second time after its first steps (docs/guides/planner.md, "The heap after the first
     steps"): the CPU figure counts the end of the backward's embedding gradients again, as a
-    term held only later (`first_step` is the figure without it); not at ZeRO-3 (its rank maps
+    term held only later, in `settled` and not in the figure (megapar-train's runs did not
+    grow, docs/guides/planner.md); not at ZeRO-3 (its rank maps
     them apart), not in one process, not on a GPU."""
     from megapar.models.config import config_from_dict
     from megapar.tensor_parallel.partition import local_size
@@ -189,7 +190,7 @@ def test_cpu_figure_holds_the_embedding_gradients_second_place_after_the_first_s
         terms = {t.name: t for t in peak(2, zero).terms}
         grads = terms["embedding's weight gradient (end of the backward)"].bytes
         assert grads == 2 * vocab * 768 * 4 and terms[name].bytes == grads and terms[name].later
-        assert peak(2, zero).total - peak(2, zero).first_step == grads
+        assert peak(2, zero).settled - peak(2, zero).total == grads
     for figure in (peak(2, 3), peak(1, 0), peak(2, 2, "gpu")):
         assert name not in {t.name for t in figure.terms}
-        assert figure.first_step == figure.total
+        assert figure.settled == figure.total

@@ -84,7 +84,7 @@ def planned(zero: int, bucket_mb: float, world: int, layers: int) -> tuple[float
     c = Candidate(mbs=1, dp=world, zero=zero)
     peak = process_peak(p, c, stage_memory(p, c)[0], *stage_roles(p, c, 0),
                         activation_sizes(p, c).full)
-    return peak.first_step, peak.total
+    return peak.total, peak.settled
 
 
 def main(argv=None) -> int:

@@ -19,11 +19,12 @@ The tensors' peak is the larger of two phases:
   autograd adds into the held one in place).
 
 On a GPU the process then holds the allocator's reserve over its tensors and the CUDA
-context; on a CPU the heap's room, the runtime's resident memory (libraries and threads
-started with the job) and, at dp > 1 under ZeRO 0-2, once a run is past its first steps, a
-second place in the heap for the embedding's gradients (`ProcessPeak.first_step` is the figure
-without it), and apart from it the process's baseline (the interpreter and its imports), which
-a rise in the peak resident set, as `tests/test_process_peak.py` measures it, does not include.
+context; on a CPU the heap's room and the runtime's resident memory (libraries and threads
+started with the job), and beside the figure, at dp > 1 under ZeRO 0-2, what the heap may
+come to hold after the first steps (a second place for the embedding's gradients:
+`ProcessPeak.settled`), and apart from it the process's baseline (the interpreter and its
+imports), which a rise in the peak resident set, as `tests/test_process_peak.py` measures it,
+does not include.
 """
 
 from __future__ import annotations
@@ -148,13 +149,12 @@ BOUNDS = {
         "GPipe), a 25M-parameter model at dp 2 ZeRO 0-3 and offload, GPT-2 124M at dp 2 "
         "ZeRO-2 / 3; and of megapar-train's largest process (forked ranks, their baseline "
         "236 MiB) for GPT-2 124M dp 2 ZeRO 0-3 and offload, cp 1 / 2 / 4, tp 2 and "
-        "mixtral-tiny ZeRO-3 with and without ep; GPT-2 124M dp 2 ZeRO 0-3 (spawned ranks, 4 MB "
-        "buckets, 2026-11-30): the first step against the figure less the heap's second "
-        "place for the embedding's gradients (`first_step`, -1.2 % to +5.0 %) and runs of "
-        "10-60 steps whose heap settled against the figure (-0.5 % to +4.2 %); over a run whose "
-        "heap grew less (the steps it grows at vary) the figure is up to 17 % over "
-        "(megapar-train, 16 steps, 25 MB buckets, no growth: +5 % to +11 %); outside it: "
-        "tp 2 + SP under megapar-train "
+        "mixtral-tiny ZeRO-3 with and without ep; GPT-2 124M dp 2 ZeRO 0-3 (2026-11-30): "
+        "megapar-train's 16 steps (25 MB buckets; its heap did not grow) -7.8 % to +1.4 %, "
+        "spawned ranks' first step (4 MB buckets) -1.2 % to +5.0 %, and runs of 10-60 steps "
+        "whose heap grew and settled within 4.2 % of the figure after the first steps "
+        "(`settled`: the heap's second place for the embedding's gradients), 10-16 % over the "
+        "figure; outside it: tp 2 + SP under megapar-train "
         "(-15 %: the heap's room, 150-190 MiB measured at tp 2) and mixtral-tiny's spawned "
         "ranks with ep (+47 % / +59 %: a runtime of 20-25 MiB); the heap's room (0.2 x the "
         "transients; 0 to 0.6 measured) and the runtime (70 MiB; 20-83 measured) are the "
@@ -172,7 +172,8 @@ class Term:
     bytes: float
     note: str = ""
     later: bool = False
-    """Held only once a run is past its first steps (`ProcessPeak.first_step`)."""
+    """Held only by some runs, once past their first steps: not in `ProcessPeak.total`, in
+    `ProcessPeak.settled`."""
 
 
 @dataclass(frozen=True)
@@ -198,10 +199,11 @@ class ProcessPeak:
         return BOUNDS[self.target]
 
     @property
-    def first_step(self) -> float:
-        """The figure for a run's first step: `total` less the terms a run holds only later
-        (`Term.later`: the heap's second place for the embedding's gradients)."""
-        return self.total - sum(t.bytes for t in self.terms if t.later)
+    def settled(self) -> float:
+        """The figure once a run's heap has settled: `total` and the terms some runs hold only
+        after their first steps (`Term.later`: the heap's second place for the embedding's
+        gradients)."""
+        return self.total + sum(t.bytes for t in self.terms if t.later)
 
 
 def process_peak(
@@ -296,8 +298,8 @@ def process_peak(
             Term(
                 "embedding gradients' second place in the heap",
                 moved,
-                "after the first steps at dp > 1: the heap settles holding room for the "
-                "embedding's gradients twice (measured)",
+                "not in the sum: after the first steps at dp > 1 some runs' heap settles "
+                "holding room for the embedding's gradients twice (measured)",
                 later=True,
             )
         )
@@ -308,7 +310,7 @@ def process_peak(
             "measured: memory outside the heap and heap bytes that are no counted tensors",
         ),
     ]
-    total = tensors + room + holes + moved + CPU_RUNTIME
+    total = tensors + room + holes + CPU_RUNTIME  # `moved`: in `settled` only
     return ProcessPeak(target, tuple(terms), tensors, phase, total, cpu_baseline(p.gpus))
 
 
@@ -451,10 +453,11 @@ def describe(peak: ProcessPeak) -> str:
     for t in peak.terms:
         lines.append(f"  {t.name:<{width}} {_size(t.bytes):>10}  {t.note}")
     lines.append(f"  {'= ' + where:<{width}} {_size(peak.total):>10}")
-    if peak.first_step != peak.total:
-        first = "  of it in a run's first step"
+    if peak.settled != peak.total:
+        settled = "  after the first steps, up to"
         lines.append(
-            f"  {first:<{width}} {_size(peak.first_step):>10}  without the terms held only later"
+            f"  {settled:<{width}} {_size(peak.settled):>10}  with the terms marked later (some "
+            f"runs' heap grows to them)"
         )
     if peak.baseline:
         lines.append(
