@@ -152,7 +152,8 @@ if [[ "$skip" != *tier* ]]; then
     # shellcheck disable=SC2086 # GPU_SESSION_TIER is a list of pytest arguments
     if [[ "$rehearse" == 1 ]]; then
         MEGAPAR_CUDA_TIER_ON_CPU=1 run_part tier "$(limit 0 300)" python3 -m pytest -m cuda -rA \
-            -p no:cacheprovider tests/test_cuda_single.py --junitxml="$out/junit.xml" \
+            -p no:cacheprovider tests/test_cuda_single.py tests/test_cuda_fp8.py \
+            --junitxml="$out/junit.xml" \
             ${GPU_SESSION_TIER:-} >"$out/gpu_check.log" 2>&1
         rc_tier=$?
         echo "(rehearsal on the CPU: tools/gpu_check.sh itself refuses it; see below)" \
