@@ -44,7 +44,8 @@
 # device tool's carry: ["wheels"]). The script installs it with --no-deps --no-index when
 # torchao is not importable; without it the two fp8 parts say so and are skipped.
 # Exit status 0 when the one-GPU tier passed (at least one GPU test ran, none failed), the
-# shared-GPU tier passed, and every other part that ran finished.
+# shared-GPU tier passed (likewise: every test skipped is a failure), and every other part that
+# ran finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-session}}"
@@ -198,6 +199,19 @@ if [[ "$skip" != *shared* ]]; then
         python3 -m pytest -m cuda -rA -p no:cacheprovider tests/test_cuda_shared.py \
         --junitxml="$work/shared.xml" >"$work/shared.log" 2>&1
     rc_shared=$?
+    if [[ "$rc_shared" == 0 && -f "$work/shared.xml" ]] && ! python3 - "$work/shared.xml" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+
+cases = ET.parse(sys.argv[1]).getroot().iter("testcase")  # a test passed: no such child
+sys.exit(0 if any(not [c for c in case if c.tag in ("skipped", "failure", "error")]
+                  for case in cases) else 1)
+PY
+    then  # pytest's 0 with every test skipped (no CUDA seen): not a pass
+        echo "shared tier: no test ran (every one skipped): counted as failed" \
+            | tee -a "$work/shared.log"
+        rc_shared=1
+    fi
     unset MEGAPAR_GPU_REPORT
     tail -5 "$work/shared.log"
     echo "shared tier: exit status $rc_shared"
