@@ -3,6 +3,8 @@ planner at the scale users plan for, and as a command (errors are the real job's
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -644,3 +646,28 @@ def test_plan_verify_holds_expert_parallelism():
                              comm={"ep": {"all_to_all_single": {"bytes": planned + 1}}})
     assert _alltoall_difference(problem, c, report, Verified(1, 0.0)) == [
         (3, "all_to_all", planned, planned + 1)]
+
+
+def test_a_dry_run_leaves_the_process_able_to_fork_ranks():
+    """After a dry run's fake backward a forked process still runs a backward (the launcher's
+    ranks): torch 2.11's CUDA build (the GPU machines') started autograd's threads for 8 fake
+    devices at a first backward made under FakeTensorMode, and forked ranks then failed. A fresh
+    interpreter: in this one autograd has long counted its devices."""
+    code = """if True:
+        import os, torch
+        from megapar.dryrun.world import fake_tensors
+        with fake_tensors():
+            (torch.ones(2, requires_grad=True) * 2).sum().backward()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                (torch.ones(2, requires_grad=True) * 2).sum().backward()
+            except RuntimeError as exc:
+                print(exc)
+                os._exit(1)
+            os._exit(0)
+        raise SystemExit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    """
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]

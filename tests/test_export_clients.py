@@ -448,8 +448,15 @@ def test_exporting_another_tokenizer_than_the_recorded_one_is_refused(exports, t
     shared = os.path.join(SHARED_DATA, "gpt2-tokenizer")
     if os.path.exists(shared):  # the same files elsewhere are the same tokenizer
         assert convert([str(ckpt), "--to-hf", str(out), "--tokenizer", shared]) == 0
-    assert convert([str(ckpt), "--to-hf", str(out), "--tokenizer", "sentencepiece",
-                    "--allow-other-tokenizer", "--overwrite"]) == 0
+    allowed = convert([str(ckpt), "--to-hf", str(out), "--tokenizer", "sentencepiece",
+                       "--allow-other-tokenizer", "--overwrite"])
+    if not transformers_converts(load_tokenizer("sentencepiece").path):
+        # transformers 5.17 encodes the shipped model differently: allowed, still refused
+        # (test_a_sentencepiece_export_is_refused_where_transformers_converts_wrong)
+        assert allowed == 2
+        assert "encodes 'Hello world' differently" in capsys.readouterr().err
+        return
+    assert allowed == 0
     hf = transformers.AutoTokenizer.from_pretrained(out)
     assert hf("Hello world", add_special_tokens=False)["input_ids"] == \
         load_tokenizer("sentencepiece").encode("Hello world")

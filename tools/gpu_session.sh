@@ -13,9 +13,13 @@
 #
 #   tools/gpu_session.sh [OUT_DIR]          # default: $OUT, else ./gpu-session
 #
-# OUT_DIR/report.md is the report (docs/testing.md shows its format); beside it the logs
-# (install.log, gpu_check.log, shared.log, fp8_curve.log, fp8.log, bench.log), junit.xml,
-# shared.xml, measurements.jsonl, parts.tsv, fp8_curve.json, fp8.json and bench.json.
+# OUT_DIR/report.md is the report (docs/testing.md shows its format); beside it
+# session.tar.gz, the session's files: the logs (install.log, gpu_check.log, shared.log,
+# fp8_curve.log, fp8.log, bench.log), junit.xml, shared.xml, measurements.jsonl, parts.tsv,
+# versions.txt, fp8_curve.json, fp8.json, bench.json and report.md. The parts write them to a
+# folder of their own (GPU_SESSION_WORK, else a new one under /tmp; its name is printed first),
+# and both files in OUT_DIR are rewritten after each part, so a session cut short leaves them
+# as far as it got: two files, as the device tool brings back at most 8 from its $OUT.
 # Settings (environment):
 #   GPU_SESSION_BUDGET  seconds the whole session may take (570; a rehearsal: 14400, and each
 #                       part an hour)
@@ -29,6 +33,7 @@
 #                       --warmup 2)
 #   GPU_SESSION_CURVE   arguments for benchmarks/vs/fp8_curve.py (default: none: 300 steps)
 #   GPU_SESSION_INSTALL=0  run from the source tree (PYTHONPATH) instead of installing it
+#   GPU_SESSION_WORK    the folder the parts write their files to (default: a new mktemp -d)
 #   GPU_SESSION_REHEARSE=1  rehearse the script on a CPU machine: both tiers' logic on the CPU
 #                       (MEGAPAR_CUDA_TIER_ON_CPU=1) and every benchmark at tiny sizes, from
 #                       the source tree (the machine's install untouched); the report says
@@ -39,12 +44,21 @@
 # device tool's carry: ["wheels"]). The script installs it with --no-deps --no-index when
 # torchao is not importable; without it the two fp8 parts say so and are skipped.
 # Exit status 0 when the one-GPU tier passed (at least one GPU test ran, none failed), the
-# shared-GPU tier passed, and every other part that ran finished.
+# shared-GPU tier passed (likewise: every test skipped is a failure), and every other part that
+# ran finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-session}}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
+work="${GPU_SESSION_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-session.XXXXXX")}"
+mkdir -p "$work"
+work="$(cd "$work" && pwd)"
+if [[ "$work" == "$out" ]]; then
+    echo "gpu_session: GPU_SESSION_WORK is OUT_DIR ($out): give another folder" >&2
+    exit 2
+fi
+echo "gpu_session: the parts' files in $work; report.md and session.tar.gz in $out"
 start=$(date +%s)
 stage() { echo "== gpu_session: $1 ($(( $(date +%s) - start )) s)"; }
 rehearse="${GPU_SESSION_REHEARSE:-0}"
@@ -52,12 +66,15 @@ skip="${GPU_SESSION_SKIP:-}"
 budget="${GPU_SESSION_BUDGET:-570}"
 if [[ "$rehearse" == 1 ]]; then budget="${GPU_SESSION_BUDGET:-14400}"; fi
 deadline=$(( start + budget ))
-: > "$out/measurements.jsonl"
-: > "$out/parts.tsv"
+: > "$work/measurements.jsonl"
+: > "$work/parts.tsv"
 rc_tier=0 rc_shared=0 rc_curve=0 rc_fp8=0 rc_bench=0
 
-write_report() {  # report.md from what is there so far (again after each part)
-    python3 tools/gpu_session_report.py "$out" "$rehearse" "$(( $(date +%s) - start ))"
+write_report() {  # report.md from what is there so far, and session.tar.gz (after each part)
+    python3 tools/gpu_session_report.py "$work" "$rehearse" "$(( $(date +%s) - start ))" \
+        && cp "$work/report.md" "$out/report.md"
+    tar -czf "$out/session.tar.gz.part" -C "$work" . \
+        && mv -f "$out/session.tar.gz.part" "$out/session.tar.gz"
 }
 
 # limit CAP KEEP: seconds the next part may take: CAP, less if the budget left after keeping
@@ -77,14 +94,14 @@ run_part() {
     shift 2
     began=$(date +%s)
     if (( seconds < 20 )); then
-        echo "$name: skipped, ${seconds} s of the budget left" | tee -a "$out/$name.log"
-        printf '%s\tskipped\t0\t%s\n' "$name" "$seconds" >> "$out/parts.tsv"
+        echo "$name: skipped, ${seconds} s of the budget left" | tee -a "$work/$name.log"
+        printf '%s\tskipped\t0\t%s\n' "$name" "$seconds" >> "$work/parts.tsv"
         return 0
     fi
     timeout -k 10 "$seconds" "$@"  # SIGTERM at the limit, SIGKILL 10 s later
     rc=$?
     printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - began ))" "$seconds" \
-        >> "$out/parts.tsv"
+        >> "$work/parts.tsv"
     return $rc
 }
 
@@ -92,7 +109,7 @@ stage "install megapar without dependencies"
 install="${GPU_SESSION_INSTALL:-1}"
 if [[ "$rehearse" == 1 ]]; then install="${GPU_SESSION_INSTALL:-0}"; fi
 if [[ "$install" == 1 ]] && python3 -m pip install --no-deps --no-build-isolation --no-index \
-    -e . >"$out/install.log" 2>&1
+    -e . >"$work/install.log" 2>&1
 then
     echo "installed: $(python3 -m pip show megapar 2>/dev/null | grep -i ^version)"
 else  # no pip / setuptools there, or not asked to: run from the source tree
@@ -104,14 +121,14 @@ stage "torchao (--fp8) from wheels/"
 if python3 -c "import torchao" >/dev/null 2>&1; then
     echo "torchao already installed"
 elif compgen -G "wheels/torchao-*.whl" >/dev/null; then
-    python3 -m pip install --no-deps --no-index wheels/torchao-*.whl >>"$out/install.log" 2>&1 \
+    python3 -m pip install --no-deps --no-index wheels/torchao-*.whl >>"$work/install.log" 2>&1 \
         && echo "installed $(ls wheels/torchao-*.whl)" || echo "torchao: install failed (install.log)"
 else
     echo "no wheels/torchao-*.whl: the fp8 step will be skipped (see this script's header)"
 fi
 
 stage "versions"
-python3 - >"$out/versions.txt" 2>&1 <<'PY'
+python3 - >"$work/versions.txt" 2>&1 <<'PY'
 import importlib.metadata as md
 import platform
 import subprocess
@@ -144,44 +161,59 @@ for name in ("megapar", "transformers", "tokenizers", "safetensors", "sentencepi
     except md.PackageNotFoundError:
         print(f"{name}: not installed")
 PY
-cat "$out/versions.txt"
+cat "$work/versions.txt"
+write_report >/dev/null
 
 if [[ "$skip" != *tier* ]]; then
     stage "the one-GPU tier"
-    export MEGAPAR_GPU_REPORT="$out/measurements.jsonl"
+    export MEGAPAR_GPU_REPORT="$work/measurements.jsonl"
     # shellcheck disable=SC2086 # GPU_SESSION_TIER is a list of pytest arguments
     if [[ "$rehearse" == 1 ]]; then
         MEGAPAR_CUDA_TIER_ON_CPU=1 run_part tier "$(limit 0 300)" python3 -m pytest -m cuda -rA \
-            -p no:cacheprovider tests/test_cuda_single.py --junitxml="$out/junit.xml" \
-            ${GPU_SESSION_TIER:-} >"$out/gpu_check.log" 2>&1
+            -p no:cacheprovider tests/test_cuda_single.py tests/test_cuda_fp8.py \
+            --junitxml="$work/junit.xml" \
+            ${GPU_SESSION_TIER:-} >"$work/gpu_check.log" 2>&1
         rc_tier=$?
         echo "(rehearsal on the CPU: tools/gpu_check.sh itself refuses it; see below)" \
-            >>"$out/gpu_check.log"
-        tools/gpu_check.sh >>"$out/gpu_check.log" 2>&1
+            >>"$work/gpu_check.log"
+        tools/gpu_check.sh >>"$work/gpu_check.log" 2>&1
     else
-        GPU_CHECK_SHARED=0 GPU_CHECK_JUNIT="$out/junit.xml" run_part tier \
+        GPU_CHECK_SHARED=0 GPU_CHECK_JUNIT="$work/junit.xml" run_part tier \
             "$(limit "${GPU_SESSION_TIER_TIMEOUT:-150}" 300)" \
-            tools/gpu_check.sh ${GPU_SESSION_TIER:-} >"$out/gpu_check.log" 2>&1
+            tools/gpu_check.sh ${GPU_SESSION_TIER:-} >"$work/gpu_check.log" 2>&1
         rc_tier=$?
     fi
     unset MEGAPAR_GPU_REPORT
-    grep -A 200 "gpu_check summary" "$out/gpu_check.log" | head -60
+    grep -A 200 "gpu_check summary" "$work/gpu_check.log" | head -60
     echo "tier: exit status $rc_tier"
     write_report >/dev/null
 fi
 
 if [[ "$skip" != *shared* ]]; then
     stage "the shared-GPU tier (ranks as processes on one GPU, gloo)"
-    export MEGAPAR_GPU_REPORT="$out/measurements.jsonl"
+    export MEGAPAR_GPU_REPORT="$work/measurements.jsonl"
     on_cpu=0
     if [[ "$rehearse" == 1 ]]; then on_cpu=1; fi
     MEGAPAR_CUDA_TIER_ON_CPU=$on_cpu MEGAPAR_CPU=$on_cpu run_part shared \
         "$(limit "${GPU_SESSION_SHARED_TIMEOUT:-150}" 240)" \
         python3 -m pytest -m cuda -rA -p no:cacheprovider tests/test_cuda_shared.py \
-        --junitxml="$out/shared.xml" >"$out/shared.log" 2>&1
+        --junitxml="$work/shared.xml" >"$work/shared.log" 2>&1
     rc_shared=$?
+    if [[ "$rc_shared" == 0 && -f "$work/shared.xml" ]] && ! python3 - "$work/shared.xml" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+
+cases = ET.parse(sys.argv[1]).getroot().iter("testcase")  # a test passed: no such child
+sys.exit(0 if any(not [c for c in case if c.tag in ("skipped", "failure", "error")]
+                  for case in cases) else 1)
+PY
+    then  # pytest's 0 with every test skipped (no CUDA seen): not a pass
+        echo "shared tier: no test ran (every one skipped): counted as failed" \
+            | tee -a "$work/shared.log"
+        rc_shared=1
+    fi
     unset MEGAPAR_GPU_REPORT
-    tail -5 "$out/shared.log"
+    tail -5 "$work/shared.log"
     echo "shared tier: exit status $rc_shared"
     write_report >/dev/null
 fi
@@ -198,13 +230,13 @@ if [[ "$skip" != *curve* ]]; then
         fi
         # shellcheck disable=SC2086 # a list of arguments
         run_part curve "$(limit "${GPU_SESSION_CURVE_TIMEOUT:-150}" 150)" \
-            python3 benchmarks/vs/fp8_curve.py $curve_args --json "$out/fp8_curve.json" \
-            >"$out/fp8_curve.log" 2>&1
+            python3 benchmarks/vs/fp8_curve.py $curve_args --json "$work/fp8_curve.json" \
+            >"$work/fp8_curve.log" 2>&1
         rc_curve=$?
-        grep -A 30 "^fp8_curve:" "$out/fp8_curve.log" || tail -12 "$out/fp8_curve.log"
+        grep -A 30 "^fp8_curve:" "$work/fp8_curve.log" || tail -12 "$work/fp8_curve.log"
         echo "curve: exit status $rc_curve"
     else
-        echo "skipped: torchao is not installed (no wheels/torchao-*.whl)" | tee "$out/fp8_curve.log"
+        echo "skipped: torchao is not installed (no wheels/torchao-*.whl)" | tee "$work/fp8_curve.log"
     fi
     write_report >/dev/null
 fi
@@ -218,13 +250,13 @@ if [[ "$skip" != *fp8* ]]; then
         fi
         # shellcheck disable=SC2086 # a list of arguments
         run_part fp8 "$(limit "${GPU_SESSION_FP8_TIMEOUT:-120}" 100)" \
-            python3 benchmarks/vs/fp8_bench.py $fp8_args --json "$out/fp8.json" \
-            >"$out/fp8.log" 2>&1
+            python3 benchmarks/vs/fp8_bench.py $fp8_args --json "$work/fp8.json" \
+            >"$work/fp8.log" 2>&1
         rc_fp8=$?
-        grep -v "Failed to load\|register_constant\|triton" "$out/fp8.log" | tail -12
+        grep -v "Failed to load\|register_constant\|triton" "$work/fp8.log" | tail -12
         echo "fp8: exit status $rc_fp8"
     else
-        echo "skipped: torchao is not installed (no wheels/torchao-*.whl)" | tee "$out/fp8.log"
+        echo "skipped: torchao is not installed (no wheels/torchao-*.whl)" | tee "$work/fp8.log"
     fi
     write_report >/dev/null
 fi
@@ -237,15 +269,16 @@ if [[ "$skip" != *bench* ]]; then
     fi
     # shellcheck disable=SC2086 # a list of arguments
     run_part bench "$(limit "${GPU_SESSION_BENCH_TIMEOUT:-300}" 5)" \
-        python3 benchmarks/vs/gpu_bench.py $bench_args --json "$out/bench.json" \
-        >"$out/bench.log" 2>&1
+        python3 benchmarks/vs/gpu_bench.py $bench_args --json "$work/bench.json" \
+        >"$work/bench.log" 2>&1
     rc_bench=$?
-    grep -v "^\[transformers\]" "$out/bench.log" | tail -40
+    grep -v "^\[transformers\]" "$work/bench.log" | tail -40
     echo "bench: exit status $rc_bench"
 fi
 
 stage "report"
 write_report
+echo "report: $out/report.md, every file: $out/session.tar.gz (and $work)"
 stage "done"
 others=$(( rc_shared != 0 || rc_curve != 0 || rc_fp8 != 0 || rc_bench != 0 ))
 if [[ "$rehearse" == 1 ]]; then

@@ -78,6 +78,12 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
     parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args(argv)
+    if args.device == "cuda":  # else megapar-train would run the bf16 runs on the CPU
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device visible (--device cpu --tiny rehearses "
+                         "this script on the CPU)")
     with tempfile.TemporaryDirectory(prefix="fp8-curve-") as where:
         results = {}
         for name, flags in runs(args.fp8).items():

@@ -48,11 +48,21 @@ def fake_process_group(world_size: int, rank: int):
                 os.environ[key] = value
 
 
+def _start_autograd() -> None:
+    """One backward of a real tensor, outside any FakeTensorMode: autograd's engine sizes its
+    device threads once per process, at its first backward, and torch 2.11's CUDA build counts
+    8 fake devices when that backward is fake (on a machine without GPUs too), starts 8 threads,
+    and every process forked after (`launcher.run_local`'s ranks) then fails at its first
+    backward ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"). Counted here, the devices are the real ones."""
+    torch.zeros((), requires_grad=True).backward()
+
+
 @contextlib.contextmanager
 def fake_tensors():
     """Tensors made in the block are fake (shape, dtype, device; no memory, no values). Enter it
     after the `Mesh`: DeviceMesh reads its rank grid's values."""
-
+    _start_autograd()
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
         # GradBuckets compares .grad and buffer-view data pointers (all 0 on fake tensors: it
         # then treats every gradient as accumulated in place, which it is here)
