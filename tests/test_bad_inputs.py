@@ -215,6 +215,8 @@ TRAIN = [
     # a dataset's file, a directory of datasets or a checkpoint is not text to tokenize
     (["--data", "{prefix.bin}"], ".bin is a file of the dataset"),
     (["--data", "{prefix.bin}"], "; pass the prefix without .bin: --data "),
+    # its .json too: it was read as a JSON text missing a 'text' field (fix: --jsonl-key)
+    (["--data", "{prefix.json}"], "; pass the prefix without .json: --data "),
     (["--data", "{cache}"], "is a directory of tokenized datasets; pass a dataset's prefix"),
     (["--data", "{mixed}"], "mixed holds tokenized datasets beside its text; pass a dataset's "
                             "prefix (e.g. --data "),
@@ -271,7 +273,8 @@ def _fill(argv, env):
              "ckpt/step_00000099": env["ckpt"] + "/step_00000099",
              "ckpt/typo": env["ckpt"] + "/typo", "too_many": TOO_MANY,
              "pickled_hf": str(env["root"] / "pickled_hf"),
-             "prefix.bin": env["prefix"] + ".bin", "cache": str(env["root"] / "cache"),
+             "prefix.bin": env["prefix"] + ".bin",
+             "prefix.json": env["prefix"] + ".json", "cache": str(env["root"] / "cache"),
              "empty_idx": str(env["root"] / "empty_idx"),
              "new_dir/": str(env["root"] / "new_dir") + "/", "mixed": str(env["root"] / "mixed"),
              **{f"ids:{k}": str(v) for k, v in env["ids"].items()}}

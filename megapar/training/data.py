@@ -31,7 +31,13 @@ from megapar.data import (
 from megapar.data.blended import BlendedDataset, data_paths, parse_blend
 from megapar.data.gpt_dataset import DocRange
 from megapar.data.indexed import check_index_magic
-from megapar.data.inputs import INPUT_SUFFIXES, expand_inputs, is_raw_text, skipped_inputs
+from megapar.data.inputs import (
+    INPUT_SUFFIXES,
+    dataset_of,
+    expand_inputs,
+    is_raw_text,
+    skipped_inputs,
+)
 from megapar.data.megatron import is_megatron_index
 from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.models.recipes import resolve_model as recipe
@@ -160,11 +166,11 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
 def _refuse_what_is_not_text(path: str) -> None:
     """A ValueError naming the fix for a --data path that looks like text to tokenize but is a
     prepared dataset's file, a directory of datasets, or a checkpoint."""
-    stem, ext = os.path.splitext(path)
-    if ext in (".bin", ".idx") and os.path.exists(stem + (".idx" if ext == ".bin" else ".bin")):
+    stem = dataset_of(path)
+    if stem is not None:  # its .bin, .idx or .json
         raise ValueError(
             f"--data {path} is a file of the dataset {stem}; pass the prefix "
-            f"without {ext}: --data {stem}"
+            f"without {os.path.splitext(path)[1]}: --data {stem}"
         )
     if not os.path.isdir(path):
         return
