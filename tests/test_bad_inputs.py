@@ -663,3 +663,28 @@ def test_a_second_ctrl_c_names_the_checkpoint_left_to_resume_from(env, tmp_path,
     assert train([*env["common"], "--save", str(save), "--save-interval", "0"]) == 130
     err = capsys.readouterr().err
     assert "aborted (SIGINT while starting): any save in flight" in err, err
+    # a Ctrl-C while --data is tokenized (before the launcher): one line, not a traceback,
+    # and the --save lock (when taken) released
+    real_plan = train_cli.plan_run
+
+    def tokenizing(cfg, notes=None):
+        real_plan(cfg, notes)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_cli, "plan_run", tokenizing)
+    assert train([*env["common"], "--save", str(save), "--save-interval", "0"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == (f"megapar-train: aborted (SIGINT while starting): any save in flight "
+                           f"is lost; {save}/latest is step_00000004, the checkpoint to resume "
+                           f"from (--load {save})"), err
+    # one after the --save lock is taken releases it
+    monkeypatch.setattr(train_cli, "plan_run", real_plan)
+
+    def removing(cfg):
+        assert (save / "megapar.lock").exists()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_cli, "_remove_newer_steps", removing)
+    assert train([*env["common"], "--save", str(save), "--overwrite-newer"]) == 130
+    assert "aborted (SIGINT while starting)" in capsys.readouterr().err
+    assert not (save / "megapar.lock").exists()
