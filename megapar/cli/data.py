@@ -344,6 +344,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         note = _remove_trained(trained, replaced, args.output_prefix)
         print(f"megapar-data: error: {e}{note}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        note = _remove_trained(trained, replaced, args.output_prefix)
+        print(
+            f"megapar-data: interrupted; nothing was written (the dataset is renamed into place "
+            f"only when complete, so {args.output_prefix} is as it was){note}",
+            file=sys.stderr,
+        )
+        return 130
     except BaseException:
         _remove_trained(trained, replaced, args.output_prefix)
         raise
