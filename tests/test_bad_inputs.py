@@ -554,26 +554,6 @@ def test_megapar_data(tmp_path, flags, message, capsys, monkeypatch):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*"))
 
 
-def test_megapar_data_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
-    """A Ctrl-C while megapar-data tokenizes: one line and exit 130, not a traceback; the
-    tokenizer it trained is removed and the destination left as it was."""
-    import megapar.data.preprocess as preprocess
-    from megapar.cli.data import main as data
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(preprocess, "preprocess_files", interrupted)
-    (tmp_path / "ok.txt").write_text("Some text to tokenize.\n" * 400)
-    prefix = str(tmp_path / "out" / "x")
-    assert data(["--input", str(tmp_path / "ok.txt"), "--output-prefix", prefix,
-                 "--train-tokenizer", "bpe", "--vocab-size", "300", "--no-progress"]) == 130
-    line = capsys.readouterr().err.strip().splitlines()[-1]  # after the trained tokenizer's
-    assert "Traceback" not in line and line == (f"megapar-data: interrupted; nothing was written (the dataset is renamed "
-                    f"into place only when complete, so {prefix} is as it was)"), line
-    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
-
-
 # --- a damaged tokenizer file: one line naming the file, in every command that takes one ------
 def _broken_tokenizers(root: Path) -> dict[str, Path]:
     """A truncated tokenizer.json, a tokenizer.json with a truncated tokenizer_config.json, and
