@@ -250,6 +250,16 @@ TRAIN = [
     (["--inject-slow", "rank=0,ms=5,from_step=500"],
      "from_step=500 is after the run's last step (--max-steps 300)"),
     (["--allow-data-change"], "--allow-data-change only applies to a resume"),
+    # a flag this run would not read was ignored without a word
+    (["--save-interval", "5"], "--save-interval 5 would be ignored: it is how often checkpoints "
+                               "go into --save, and no --save is given"),
+    (["--powersgd-rank", "8"], "--powersgd-rank 8 would be ignored: it is PowerSGD's rank"),
+    (["--eval-steps", "3", "--eval-interval", "0"], "--eval-steps 3 would be ignored"),
+    (["--eval-interval", "5", "--val-fraction", "0"], "--eval-interval 5 would be ignored"),
+    (["--profile-dir", "prof"], "--profile-dir prof would be ignored: it is where the traces "
+                                "of --profile-steps go"),
+    (["--adam-beta2", "0.99", "--optimizer", "sgd"],
+     "--adam-beta2 0.99 would be ignored: --optimizer sgd has no Adam moments"),
     # mixture of experts
     (["--moe-aux-loss-coef", "0.1"],
      "--moe-aux-loss-coef applies to a mixture-of-experts model (mixtral, qwen3_moe"),

@@ -1,0 +1,57 @@
+"""Flags given that a megapar-train run would not read: `check_unused` refuses the first one
+(it would be ignored without a word), naming the setting it needs, before any worker starts."""
+
+from __future__ import annotations
+
+from megapar.training.usage import UsageError, flag_of
+
+
+def check_unused(cfg, given: set[str]) -> None:
+    """UsageError for the first setting in `given` (the user's flags and --config keys, not
+    those taken from a checkpoint) that this run would not read, naming what it needs."""
+    adam = cfg.optimizer in ("adamw", "lamb")
+    rules = [
+        (
+            "save_interval",
+            bool(cfg.save) or cfg.dry_run or cfg.save_interval == 0,
+            "it is how often checkpoints go into --save, and no --save is given: give "
+            "--save DIR too",
+        ),
+        (
+            "powersgd_rank",
+            cfg.grad_compression == "powersgd",
+            f"it is PowerSGD's rank, and --grad-compression is {cfg.grad_compression}: add "
+            f"--grad-compression powersgd",
+        ),
+        (
+            "eval_interval",
+            cfg.val_fraction > 0 or cfg.eval_interval == 0,
+            "validation runs on the --val-fraction split, and --val-fraction 0 holds none "
+            "out: give --val-fraction > 0 (e.g. 0.05)",
+        ),
+        (
+            "eval_steps",
+            cfg.eval_interval > 0 and cfg.val_fraction > 0,
+            "it is how many batches a validation takes, and "
+            + (
+                "--val-fraction 0 holds no validation split: give --val-fraction > 0"
+                if cfg.eval_interval
+                else "--eval-interval 0 turns validation off: give --eval-interval N"
+            ),
+        ),
+        (
+            "profile_dir",
+            bool(cfg.profile_steps),
+            "it is where the traces of --profile-steps go: add --profile-steps A:B",
+        ),
+        *(
+            (name, adam, f"--optimizer {cfg.optimizer} has no Adam moments: use --optimizer adamw")
+            for name in ("adam_beta1", "adam_beta2", "adam_eps")
+        ),
+    ]
+    for name, applies, why in rules:
+        if name in given and not applies:
+            raise UsageError(
+                f"{flag_of(name)} {getattr(cfg, name)} would be ignored: {why}, or drop "
+                f"{flag_of(name)}"
+            )
