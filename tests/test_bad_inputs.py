@@ -540,6 +540,9 @@ DATA = [
     ({"--input": "{bad.jsonl}"}, "bad.jsonl:2: expected a JSON object with a string field"),
     ({"--input": "{empty.txt}"}, "no text in"),
     ({"--tokenizer": "{garbage.model}"}, "is not a SentencePiece model"),
+    # a directory of .model files: the fix is the file, not a vocab.json + merges.txt
+    ({"--tokenizer": "{root}"}, "holds SentencePiece model(s) (garbage.model), not a "
+                                "tokenizer.json or vocab.json + merges.txt; pass the model file"),
 ]
 
 
