@@ -341,6 +341,18 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
             )
             cfg.micro_batch_size = mbs
     notes.extend(_inert_zero_settings(cfg, dp))
+    given -= set(getattr(cfg, "from_checkpoint", ()))
+    for name, idle, where in [
+        (
+            "p2p_dtype",
+            cfg.pp == 1,
+            "--pp 1: no pipeline messages to narrow, it applies with --pp > 1",
+        ),
+        ("grad_reduce_dtype", dp * cfg.cp == 1, "dp x cp = 1: no data-parallel reduction"),
+        ("grad_compression", dp * cfg.cp == 1, "dp x cp = 1: no data-parallel reduction"),
+    ]:
+        if name in given and idle:  # accepted, as --sequence-parallel at --tp 1; said once
+            notes.append(f"{flag_of(name)} {getattr(cfg, name)} at {where}")
     return notes
 
 
