@@ -258,6 +258,10 @@ TRAIN = [
     (["--eval-interval", "5", "--val-fraction", "0"], "--eval-interval 5 would be ignored"),
     (["--profile-dir", "prof"], "--profile-dir prof would be ignored: it is where the traces "
                                 "of --profile-steps go"),
+    (["--data", "{prefix}", "--jsonl-key", "body"], "--jsonl-key body would be ignored: --data "
+                                                    "is tokenized data"),
+    (["--data", "{prefix}", "--allow-invalid-utf8"], "error: --allow-invalid-utf8 would be "
+                                                     "ignored: --data is tokenized data"),
     (["--adam-beta2", "0.99", "--optimizer", "sgd"],
      "--adam-beta2 0.99 would be ignored: --optimizer sgd has no Adam moments"),
     # mixture of experts

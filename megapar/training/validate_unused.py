@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+
+from megapar.data.blended import data_paths
 from megapar.training.usage import UsageError, flag_of
 
 
@@ -10,6 +13,7 @@ def check_unused(cfg, given: set[str]) -> None:
     """UsageError for the first setting in `given` (the user's flags and --config keys, not
     those taken from a checkpoint) that this run would not read, naming what it needs."""
     adam = cfg.optimizer in ("adamw", "lamb")
+    prepared = _all_prepared(cfg.data)
     rules = [
         (
             "save_interval",
@@ -45,13 +49,30 @@ def check_unused(cfg, given: set[str]) -> None:
             "it is where the traces of --profile-steps go: add --profile-steps A:B",
         ),
         *(
+            (
+                name,
+                not prepared,
+                f"--data is tokenized data, and {flag_of(name)} is for the raw text "
+                f"megapar-train tokenizes (.txt / .jsonl / .json / .parquet)",
+            )
+            for name in ("jsonl_key", "allow_invalid_utf8")
+        ),
+        *(
             (name, adam, f"--optimizer {cfg.optimizer} has no Adam moments: use --optimizer adamw")
             for name in ("adam_beta1", "adam_beta2", "adam_eps")
         ),
     ]
     for name, applies, why in rules:
         if name in given and not applies:
-            raise UsageError(
-                f"{flag_of(name)} {getattr(cfg, name)} would be ignored: {why}, or drop "
-                f"{flag_of(name)}"
-            )
+            value = getattr(cfg, name)
+            shown = flag_of(name) + ("" if isinstance(value, bool) else f" {value}")
+            raise UsageError(f"{shown} would be ignored: {why}, or drop {flag_of(name)}")
+
+
+def _all_prepared(data) -> bool:
+    """Whether every part of --data is a dataset already tokenized (its PREFIX.bin is there)."""
+    try:
+        paths = data_paths(data)
+    except ValueError:  # a malformed blend: its own check names it
+        return False
+    return all(p is not None and os.path.isfile(os.path.expanduser(p) + ".bin") for p in paths)
