@@ -544,6 +544,11 @@ DATA = [
     ({"--input": "{bad.jsonl}"}, "bad.jsonl:2: expected a JSON object with a string field"),
     ({"--input": "{empty.txt}"}, "no text in"),
     ({"--tokenizer": "{garbage.model}"}, "is not a SentencePiece model"),
+    # a flag this run would not read was ignored without a word
+    ({"--sp-model-type": "bpe"}, "--sp-model-type bpe would be ignored: it is the type of the "
+                                 "SentencePiece model --train-tokenizer sentencepiece trains, "
+                                 "and this run trains none"),
+    ({"--jsonl-key": "body"}, "--jsonl-key body would be ignored: no input is .jsonl"),
     # a directory of .model files: the fix is the file, not a vocab.json + merges.txt
     ({"--tokenizer": "{root}"}, "holds SentencePiece model(s) (garbage.model), not a "
                                 "tokenizer.json or vocab.json + merges.txt; pass the model file"),
