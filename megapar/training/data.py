@@ -44,6 +44,7 @@ from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
 from megapar.training.model_config import DEFAULT_MODEL, resolve_model_config
 from megapar.training.tokenizer_checks import (
+    check_blend_tokenizers,
     check_checkpoint_tokenizer,
     check_given_tokenizer,
     check_hf_tokenizer,
@@ -83,21 +84,12 @@ def resolve_data_prefix(
     For a blend, every part is resolved and checked to share one tokenizer; the first
     part's prefix is returned (it stands for the vocabulary)."""
 
-    prefixes = [_resolve_one(cfg, p, notes, tokenized) for p in data_paths(cfg.data)]
-    first = IndexedDataset(prefixes[0], cfg.tokenizer)
+    paths = data_paths(cfg.data)
+    prefixes = [_resolve_one(cfg, p, notes, tokenized) for p in paths]
+    parts = [IndexedDataset(prefix, cfg.tokenizer) for prefix in prefixes]
     if fingerprints is not None:
-        fingerprints.append(first.fingerprint())
-    for prefix in prefixes[1:]:
-        other = IndexedDataset(prefix, cfg.tokenizer)
-        if fingerprints is not None:
-            fingerprints.append(other.fingerprint())
-        if (other.vocab_size, other.eod_id) != (first.vocab_size, first.eod_id):
-            raise ValueError(
-                f"--data blend: {prefix} (vocab {other.vocab_size}, eod "
-                f"{other.eod_id}) and {prefixes[0]} (vocab {first.vocab_size}, eod "
-                f"{first.eod_id}) were made with different tokenizers; "
-                f"tokenize every part with the same one"
-            )
+        fingerprints.extend(part.fingerprint() for part in parts)
+    check_blend_tokenizers([p or prefix for p, prefix in zip(paths, prefixes)], parts)
     return prefixes[0]
 
 
