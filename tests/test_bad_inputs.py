@@ -260,6 +260,8 @@ TRAIN = [
                                 "of --profile-steps go"),
     (["--data", "{prefix}", "--jsonl-key", "body"], "--jsonl-key body would be ignored: --data "
                                                     "is tokenized data"),
+    (["--data", "{text}", "--jsonl-key", "body"], "--jsonl-key body would be ignored: no --data "
+                                                  "input is .jsonl / .json / .parquet"),
     (["--data", "{prefix}", "--allow-invalid-utf8"], "error: --allow-invalid-utf8 would be "
                                                      "ignored: --data is tokenized data"),
     (["--adam-beta2", "0.99", "--optimizer", "sgd"],

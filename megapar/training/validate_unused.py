@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from megapar.data.blended import data_paths
+from megapar.data.inputs import expand_inputs, is_raw_text
 from megapar.training.usage import UsageError, flag_of
 
 
@@ -13,7 +14,7 @@ def check_unused(cfg, given: set[str]) -> None:
     """UsageError for the first setting in `given` (the user's flags and --config keys, not
     those taken from a checkpoint) that this run would not read, naming what it needs."""
     adam = cfg.optimizer in ("adamw", "lamb")
-    prepared = _all_prepared(cfg.data)
+    prepared, keyed = _data_kinds(cfg.data)
     rules = [
         (
             "save_interval",
@@ -57,6 +58,11 @@ def check_unused(cfg, given: set[str]) -> None:
             )
             for name in ("jsonl_key", "allow_invalid_utf8")
         ),
+        (
+            "jsonl_key",
+            keyed,
+            "no --data input is .jsonl / .json / .parquet (a .txt file's text is all of it)",
+        ),
         *(
             (name, adam, f"--optimizer {cfg.optimizer} has no Adam moments: use --optimizer adamw")
             for name in ("adam_beta1", "adam_beta2", "adam_eps")
@@ -69,10 +75,14 @@ def check_unused(cfg, given: set[str]) -> None:
             raise UsageError(f"{shown} would be ignored: {why}, or drop {flag_of(name)}")
 
 
-def _all_prepared(data) -> bool:
-    """Whether every part of --data is a dataset already tokenized (its PREFIX.bin is there)."""
+def _data_kinds(data) -> tuple[bool, bool]:
+    """Whether every part of --data is a dataset already tokenized (its PREFIX.bin is there),
+    and whether some raw-text part holds a .jsonl / .json / .parquet file (where --jsonl-key
+    is read); a path that is not there counts as both (its own check names it)."""
     try:
-        paths = data_paths(data)
-    except ValueError:  # a malformed blend: its own check names it
-        return False
-    return all(p is not None and os.path.isfile(os.path.expanduser(p) + ".bin") for p in paths)
+        paths = [os.path.expanduser(p) if p else None for p in data_paths(data)]
+        texts = expand_inputs([p for p in paths if p and is_raw_text(p)])  # None: the .txt sample
+    except (ValueError, FileNotFoundError):  # a malformed blend, a missing path: named later
+        return False, True
+    prepared = all(p is not None and os.path.isfile(p + ".bin") for p in paths)
+    return prepared, prepared or any(f.endswith((".jsonl", ".json", ".parquet")) for f in texts)
