@@ -215,6 +215,8 @@ TRAIN = [
     # a dataset's file, a directory of datasets or a checkpoint is not text to tokenize
     (["--data", "{prefix.bin}"], ".bin is a file of the dataset"),
     (["--data", "{prefix.bin}"], "; pass the prefix without .bin: --data "),
+    # its .json too: it was read as a JSON text missing a 'text' field (fix: --jsonl-key)
+    (["--data", "{prefix.json}"], "; pass the prefix without .json: --data "),
     (["--data", "{cache}"], "is a directory of tokenized datasets; pass a dataset's prefix"),
     (["--data", "{mixed}"], "mixed holds tokenized datasets beside its text; pass a dataset's "
                             "prefix (e.g. --data "),
@@ -248,6 +250,22 @@ TRAIN = [
     (["--inject-slow", "rank=0,ms=5,from_step=500"],
      "from_step=500 is after the run's last step (--max-steps 300)"),
     (["--allow-data-change"], "--allow-data-change only applies to a resume"),
+    # a flag this run would not read was ignored without a word
+    (["--save-interval", "5"], "--save-interval 5 would be ignored: it is how often checkpoints "
+                               "go into --save, and no --save is given"),
+    (["--powersgd-rank", "8"], "--powersgd-rank 8 would be ignored: it is PowerSGD's rank"),
+    (["--eval-steps", "3", "--eval-interval", "0"], "--eval-steps 3 would be ignored"),
+    (["--eval-interval", "5", "--val-fraction", "0"], "--eval-interval 5 would be ignored"),
+    (["--profile-dir", "prof"], "--profile-dir prof would be ignored: it is where the traces "
+                                "of --profile-steps go"),
+    (["--data", "{prefix}", "--jsonl-key", "body"], "--jsonl-key body would be ignored: --data "
+                                                    "is tokenized data"),
+    (["--data", "{text}", "--jsonl-key", "body"], "--jsonl-key body would be ignored: no --data "
+                                                  "input is .jsonl / .json / .parquet"),
+    (["--data", "{prefix}", "--allow-invalid-utf8"], "error: --allow-invalid-utf8 would be "
+                                                     "ignored: --data is tokenized data"),
+    (["--adam-beta2", "0.99", "--optimizer", "sgd"],
+     "--adam-beta2 0.99 would be ignored: --optimizer sgd has no Adam moments"),
     # mixture of experts
     (["--moe-aux-loss-coef", "0.1"],
      "--moe-aux-loss-coef applies to a mixture-of-experts model (mixtral, qwen3_moe"),
@@ -271,7 +289,8 @@ def _fill(argv, env):
              "ckpt/step_00000099": env["ckpt"] + "/step_00000099",
              "ckpt/typo": env["ckpt"] + "/typo", "too_many": TOO_MANY,
              "pickled_hf": str(env["root"] / "pickled_hf"),
-             "prefix.bin": env["prefix"] + ".bin", "cache": str(env["root"] / "cache"),
+             "prefix.bin": env["prefix"] + ".bin",
+             "prefix.json": env["prefix"] + ".json", "cache": str(env["root"] / "cache"),
              "empty_idx": str(env["root"] / "empty_idx"),
              "new_dir/": str(env["root"] / "new_dir") + "/", "mixed": str(env["root"] / "mixed"),
              **{f"ids:{k}": str(v) for k, v in env["ids"].items()}}
@@ -527,6 +546,14 @@ DATA = [
     ({"--input": "{bad.jsonl}"}, "bad.jsonl:2: expected a JSON object with a string field"),
     ({"--input": "{empty.txt}"}, "no text in"),
     ({"--tokenizer": "{garbage.model}"}, "is not a SentencePiece model"),
+    # a flag this run would not read was ignored without a word
+    ({"--sp-model-type": "bpe"}, "--sp-model-type bpe would be ignored: it is the type of the "
+                                 "SentencePiece model --train-tokenizer sentencepiece trains, "
+                                 "and this run trains none"),
+    ({"--jsonl-key": "body"}, "--jsonl-key body would be ignored: no input is .jsonl"),
+    # a directory of .model files: the fix is the file, not a vocab.json + merges.txt
+    ({"--tokenizer": "{root}"}, "holds SentencePiece model(s) (garbage.model), not a "
+                                "tokenizer.json or vocab.json + merges.txt; pass the model file"),
 ]
 
 
@@ -660,3 +687,28 @@ def test_a_second_ctrl_c_names_the_checkpoint_left_to_resume_from(env, tmp_path,
     assert train([*env["common"], "--save", str(save), "--save-interval", "0"]) == 130
     err = capsys.readouterr().err
     assert "aborted (SIGINT while starting): any save in flight" in err, err
+    # a Ctrl-C while --data is tokenized (before the launcher): one line, not a traceback,
+    # and the --save lock (when taken) released
+    real_plan = train_cli.plan_run
+
+    def tokenizing(cfg, notes=None):
+        real_plan(cfg, notes)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_cli, "plan_run", tokenizing)
+    assert train([*env["common"], "--save", str(save), "--save-interval", "0"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == (f"megapar-train: aborted (SIGINT while starting): any save in flight "
+                           f"is lost; {save}/latest is step_00000004, the checkpoint to resume "
+                           f"from (--load {save})"), err
+    # one after the --save lock is taken releases it
+    monkeypatch.setattr(train_cli, "plan_run", real_plan)
+
+    def removing(cfg):
+        assert (save / "megapar.lock").exists()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_cli, "_remove_newer_steps", removing)
+    assert train([*env["common"], "--save", str(save), "--overwrite-newer"]) == 130
+    assert "aborted (SIGINT while starting)" in capsys.readouterr().err
+    assert not (save / "megapar.lock").exists()

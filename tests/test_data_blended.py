@@ -50,6 +50,40 @@ def test_bad_blend_specs(spec, message):
         (0.25, "a"), (0.75, "b")]
 
 
+def test_a_blend_of_two_tokenizers_of_one_size_is_refused(tmp_path):
+    """Parts made with different tokenizers of the same vocabulary size and end-of-document id
+    (the two botchan SentencePiece models of 1,000 pieces; here GPT-2's BPE and one with two
+    ids swapped) trained as one blend without a word: only those two numbers were compared.
+    The same files in another directory are the same tokenizer."""
+    import shutil
+    from types import SimpleNamespace
+
+    from megapar.data import load_tokenizer
+    from megapar.training.tokenizer_checks import check_blend_tokenizers
+
+    vocab = json.loads(Path(asset_path("gpt2_vocab.json")).read_text())
+    vocab["\u0120the"], vocab["\u0120and"] = vocab["\u0120and"], vocab["\u0120the"]
+    for name, words in (("swapped", vocab), ("copy", None)):
+        (tmp_path / name).mkdir()
+        shutil.copy(asset_path("gpt2_merges.txt"), tmp_path / name / "merges.txt")
+        if words is None:
+            shutil.copy(asset_path("gpt2_vocab.json"), tmp_path / name / "vocab.json")
+        else:
+            (tmp_path / name / "vocab.json").write_text(json.dumps(words))
+
+    def part(spec):
+        tok = load_tokenizer(spec)
+        return SimpleNamespace(vocab_size=tok.vocab_size, eod_id=tok.eod_id,
+                               tokenizer_spec=tok.spec())
+
+    gpt2, swapped = part("gpt2"), part(str(tmp_path / "swapped"))
+    assert (gpt2.vocab_size, gpt2.eod_id) == (swapped.vocab_size, swapped.eod_id)
+    with pytest.raises(ValueError, match=r"--data blend: b \(.*swapped\) and a \(gpt2\) were "
+                                         r"made with different tokenizers"):
+        check_blend_tokenizers(["a", "b"], [gpt2, swapped])
+    check_blend_tokenizers(["a", "c"], [gpt2, part(str(tmp_path / "copy"))])
+
+
 def test_a_path_with_spaces_is_one_path(tmp_path):
     odd = tmp_path / "with space" / "0.5 a"
     odd.mkdir(parents=True)

@@ -100,6 +100,13 @@ def test_bad_inputs_name_the_problem(tmp_path, capsys):
     assert data_main(["--input", str(tmp_path / "single.json"), "--output-prefix",
                       str(tmp_path / "o"), "--no-progress"]) == 2
     assert "single.json: the object has no string field 'text'" in capsys.readouterr().err
+    # a tokenized dataset's own file is not text (its .json was read as one missing 'text')
+    for ext in (".bin", ".idx", ".json"):
+        (tmp_path / f"ds{ext}").write_text("{}")
+    for ext in (".bin", ".idx", ".json"):
+        assert data_main(["--input", str(tmp_path / f"ds{ext}"), "--output-prefix",
+                          str(tmp_path / "o"), "--no-progress"]) == 2
+        assert f"ds{ext} is a file of the tokenized dataset " in capsys.readouterr().err
     assert not list(tmp_path.glob("o*"))
 
 

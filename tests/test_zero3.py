@@ -582,8 +582,9 @@ def test_zero3_optimizer_says_it_is_stage_3():
 
 
 def test_zero_settings_that_change_nothing_are_said():
-    """Accepted, with one note each: ZeRO with nothing to shard over, and --zero3-reduce
-    micro-batch where the units reduce once a step anyway (one micro-batch; a W schedule)."""
+    """Accepted, with one note each: ZeRO with nothing to shard over, --zero3-reduce
+    micro-batch where the units reduce once a step anyway (one micro-batch; a W schedule), and
+    --p2p-dtype / --grad-reduce-dtype / --grad-compression where nothing travels that way."""
     from megapar.training.config import TrainConfig
     from megapar.training.validate import adapt_defaults
 
@@ -601,3 +602,11 @@ def test_zero_settings_that_change_nothing_are_said():
     assert "under --schedule zb-h1: its W passes report the weight gradients once a step" in w
     assert "--zero3-reduce" not in notes(zero=3, dp=2, pp=2, zero3_reduce="micro-batch",
                                          global_batch_size=8, micro_batch_size=1)
+    # the wire dtypes of messages a layout does not send were accepted without a word
+    assert "--p2p-dtype bf16 at --pp 1: no pipeline messages" in notes(p2p_dtype="bf16")
+    assert "--p2p-dtype" not in notes(p2p_dtype="bf16", pp=2)
+    assert "--grad-reduce-dtype fp16 at dp x cp = 1: no data-parallel reduction" in notes(
+        grad_reduce_dtype="fp16")
+    assert "--grad-compression powersgd at dp x cp = 1" in notes(grad_compression="powersgd")
+    assert "--grad-reduce-dtype" not in notes(grad_reduce_dtype="fp16", dp=2,
+                                               global_batch_size=8, micro_batch_size=4)

@@ -82,8 +82,9 @@ def add_document_arguments(p: argparse.ArgumentParser) -> None:
     """Where an input's documents are: --jsonl-key, --split-lines."""
     p.add_argument(
         "--jsonl-key",
-        default="text",
-        help="field (or parquet column) holding the text in .jsonl / .json / .parquet inputs",
+        default=None,
+        help="field (or parquet column) holding the text in .jsonl / .json / .parquet inputs "
+        "(default: text)",
     )
     p.add_argument(
         "--split-lines",
@@ -114,9 +115,9 @@ def add_tokenizer_training_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sp-model-type",
-        default="unigram",
+        default=None,
         choices=["unigram", "bpe"],
-        help="SentencePiece model type when training",
+        help="SentencePiece model type when training (default: unigram)",
     )
 
 
@@ -173,6 +174,27 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--vocab-size {args.vocab_size} is invalid: it must be >= 1 (e.g. --vocab-size 8000)"
         )
+
+
+def _check_unread(args: argparse.Namespace, files: list[str]) -> None:
+    """ValueError for a flag given that this run would not read (it was ignored without a
+    word); then the defaults of --jsonl-key and --sp-model-type filled in."""
+    sentencepiece = args.train_sentencepiece or args.train_tokenizer == "sentencepiece"
+    if args.sp_model_type is not None and not sentencepiece:
+        raise ValueError(
+            f"--sp-model-type {args.sp_model_type} would be ignored: it is the type of the "
+            f"SentencePiece model --train-tokenizer sentencepiece trains, and this run trains "
+            f"{'a byte-level BPE' if args.train_tokenizer == 'bpe' else 'none'}; add "
+            f"--train-tokenizer sentencepiece, or drop --sp-model-type"
+        )
+    keyed = (".jsonl", ".json", ".parquet")
+    if args.jsonl_key is not None and not any(f.endswith(keyed) for f in files):
+        raise ValueError(
+            f"--jsonl-key {args.jsonl_key} would be ignored: no input is .jsonl / .json / "
+            f".parquet (a .txt file's text is all of it); drop --jsonl-key"
+        )
+    args.jsonl_key = args.jsonl_key or "text"
+    args.sp_model_type = args.sp_model_type or "unigram"
 
 
 def outputs(args: argparse.Namespace) -> list[str]:
@@ -308,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megapar.training.validate import check_writable
 
         check_flags(args)
-        expand_inputs(args.input)  # a missing input is reported before any training
+        _check_unread(args, expand_inputs(args.input))  # before any training
         _note_skipped(args.input)
         check_writable(args.output_prefix, "--output-prefix", kind="file")
         check_overwrite(args)
@@ -346,6 +368,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         note = _remove_trained(trained, replaced, args.output_prefix)
         print(f"megapar-data: error: {e}{note}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        note = _remove_trained(trained, replaced, args.output_prefix)
+        print(
+            f"megapar-data: interrupted; nothing was written (the dataset is renamed into place "
+            f"only when complete, so {args.output_prefix} is as it was){note}",
+            file=sys.stderr,
+        )
+        return 130
     except BaseException:
         _remove_trained(trained, replaced, args.output_prefix)
         raise

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
     share_host_arena()  # before any thread (the tokenizer's) allocates: workers inherit it
     notes: list[str] = []
-    lock = None
+    lock, cfg = None, None
     try:
         cfg = parse_args(argv)
         layout, plan = plan_run(cfg, notes)
@@ -146,8 +146,16 @@ def main(argv=None) -> int:
         SaveLockError,
         DeviceError,
     ) as exc:
+        if lock is not None:
+            lock.release()
         print(f"megapar-train: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # e.g. while --data is tokenized: no worker runs yet
+        if lock is not None:
+            lock.release()
+        saved = _what_is_saved(cfg) if cfg is not None else "nothing saved"
+        print(f"megapar-train: aborted (SIGINT while starting): {saved}", file=sys.stderr)
+        return 130
     try:
         return _run(cfg, layout, plan, notes)
     finally:

@@ -108,7 +108,11 @@ class IndexedDatasetBuilder:
             else megatron.dtype_for_vocab(self.vocab_size)
         )
         parent = os.path.dirname(os.path.abspath(self.prefix))
-        os.makedirs(parent, exist_ok=True)
+        self._made: list[str] = []  # the directories made here, deepest first (abort: removed)
+        while not os.path.lexists(parent):
+            self._made.append(parent)
+            parent = os.path.dirname(parent)
+        os.makedirs(os.path.dirname(os.path.abspath(self.prefix)), exist_ok=True)
         for ext in (".bin", ".idx", ".json"):  # the leftovers of a writer killed before us
             remove_stale_tmps(self.prefix + ext)
         self._bin_tmp = tmp_name(self.prefix + ".bin")
@@ -174,10 +178,16 @@ class IndexedDatasetBuilder:
         return len(self._offsets) - 1
 
     def abort(self) -> None:
-        """Close and delete the temporary files (nothing is renamed)."""
+        """Close and delete the temporary files (nothing is renamed), and the directories made
+        for them where they are empty."""
         self._bin.close()
         if os.path.exists(self._bin_tmp):
             os.remove(self._bin_tmp)
+        for directory in self._made:
+            try:
+                os.rmdir(directory)
+            except OSError:  # another writer's files there (or gone): kept
+                break
 
     def __enter__(self) -> IndexedDatasetBuilder:
         return self

@@ -74,6 +74,12 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
                 )
             files += found
         elif os.path.isfile(path):
+            stem = dataset_of(path)
+            if stem is not None:
+                raise ValueError(
+                    f"input {path} is a file of the tokenized dataset {stem}, not text; pass "
+                    f"the text it was made from (megapar-train --data {stem} trains on it)"
+                )
             files.append(path)
         else:
             raise FileNotFoundError(
@@ -166,6 +172,17 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
         for para in _PARAGRAPH_SPLIT.split(content):
             if para.strip():
                 yield para.strip("\n"), len(para) + 2
+
+
+def dataset_of(path: str) -> str | None:
+    """The prefix of the tokenized dataset whose ``.bin``, ``.idx`` or ``.json`` `path` is (the
+    other two, or for a Megatron-LM index the other one, beside it), else None."""
+    stem, ext = os.path.splitext(path)
+    if ext == ".json":
+        return stem if _dataset_sidecar(path) else None
+    if ext in (".bin", ".idx") and os.path.isfile(stem + (".idx" if ext == ".bin" else ".bin")):
+        return stem
+    return None
 
 
 def _dataset_sidecar(path: str) -> bool:

@@ -183,6 +183,13 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
     if os.path.isdir(spec):
         vocab, merges = os.path.join(spec, "vocab.json"), os.path.join(spec, "merges.txt")
         missing = [p for p in (vocab, merges) if not os.path.isfile(p)]
+        models = sorted(n for n in os.listdir(spec) if n.endswith(".model"))
+        if missing and models:  # a directory of SentencePiece models: the file is the spec
+            raise FileNotFoundError(
+                f"tokenizer directory {spec!r} holds SentencePiece model(s) "
+                f"({', '.join(models[:3])}), not a tokenizer.json or vocab.json + merges.txt; "
+                f"pass the model file itself, e.g. {os.path.join(spec, models[0])}"
+            )
         if missing:
             raise FileNotFoundError(
                 f"tokenizer directory {spec!r} lacks "

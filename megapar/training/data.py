@@ -31,13 +31,20 @@ from megapar.data import (
 from megapar.data.blended import BlendedDataset, data_paths, parse_blend
 from megapar.data.gpt_dataset import DocRange
 from megapar.data.indexed import check_index_magic
-from megapar.data.inputs import INPUT_SUFFIXES, expand_inputs, is_raw_text, skipped_inputs
+from megapar.data.inputs import (
+    INPUT_SUFFIXES,
+    dataset_of,
+    expand_inputs,
+    is_raw_text,
+    skipped_inputs,
+)
 from megapar.data.megatron import is_megatron_index
 from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
 from megapar.training.model_config import DEFAULT_MODEL, resolve_model_config
 from megapar.training.tokenizer_checks import (
+    check_blend_tokenizers,
     check_checkpoint_tokenizer,
     check_given_tokenizer,
     check_hf_tokenizer,
@@ -77,21 +84,12 @@ def resolve_data_prefix(
     For a blend, every part is resolved and checked to share one tokenizer; the first
     part's prefix is returned (it stands for the vocabulary)."""
 
-    prefixes = [_resolve_one(cfg, p, notes, tokenized) for p in data_paths(cfg.data)]
-    first = IndexedDataset(prefixes[0], cfg.tokenizer)
+    paths = data_paths(cfg.data)
+    prefixes = [_resolve_one(cfg, p, notes, tokenized) for p in paths]
+    parts = [IndexedDataset(prefix, cfg.tokenizer) for prefix in prefixes]
     if fingerprints is not None:
-        fingerprints.append(first.fingerprint())
-    for prefix in prefixes[1:]:
-        other = IndexedDataset(prefix, cfg.tokenizer)
-        if fingerprints is not None:
-            fingerprints.append(other.fingerprint())
-        if (other.vocab_size, other.eod_id) != (first.vocab_size, first.eod_id):
-            raise ValueError(
-                f"--data blend: {prefix} (vocab {other.vocab_size}, eod "
-                f"{other.eod_id}) and {prefixes[0]} (vocab {first.vocab_size}, eod "
-                f"{first.eod_id}) were made with different tokenizers; "
-                f"tokenize every part with the same one"
-            )
+        fingerprints.extend(part.fingerprint() for part in parts)
+    check_blend_tokenizers([p or prefix for p, prefix in zip(paths, prefixes)], parts)
     return prefixes[0]
 
 
@@ -160,11 +158,11 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
 def _refuse_what_is_not_text(path: str) -> None:
     """A ValueError naming the fix for a --data path that looks like text to tokenize but is a
     prepared dataset's file, a directory of datasets, or a checkpoint."""
-    stem, ext = os.path.splitext(path)
-    if ext in (".bin", ".idx") and os.path.exists(stem + (".idx" if ext == ".bin" else ".bin")):
+    stem = dataset_of(path)
+    if stem is not None:  # its .bin, .idx or .json
         raise ValueError(
             f"--data {path} is a file of the dataset {stem}; pass the prefix "
-            f"without {ext}: --data {stem}"
+            f"without {os.path.splitext(path)[1]}: --data {stem}"
         )
     if not os.path.isdir(path):
         return

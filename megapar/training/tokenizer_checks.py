@@ -157,3 +157,35 @@ def check_hf_tokenizer(cfg, tokenizer, data: str, raw_text: bool) -> None:
         f"--from-hf {cfg.from_hf} holds its tokenizer {own.path} ({sha(own)}) but {ours}: "
         f"its token ids would be other tokens to the model; {fix}"
     )
+
+
+def check_blend_tokenizers(paths: list[str], parts: list) -> None:
+    """The parts of a --data blend (`paths` as given, `parts` their IndexedDatasets) were made
+    with one tokenizer: the same files (`same_tokenizer`) or alike encodings
+    (`encodes_alike`); parts whose recorded tokenizer no longer loads are compared by
+    vocabulary size and end-of-document id only. ValueError naming the two parts otherwise
+    (the same ids would be other tokens in each)."""
+
+    def loaded(part) -> Tokenizer | None:
+        try:
+            return load_tokenizer(part.tokenizer_spec)
+        except (OSError, ValueError):
+            return None
+
+    first, tok = parts[0], loaded(parts[0])
+    for path, part in zip(paths[1:], parts[1:]):
+        other = loaded(part)
+        same = (part.vocab_size, part.eod_id) == (first.vocab_size, first.eod_id)
+        if same and tok is not None and other is not None:
+            same = same_tokenizer(tok, other) or encodes_alike(tok, other)
+        if not same:
+
+            def name(p, t):
+                return t.path if t is not None else f"vocab {p.vocab_size}, eod {p.eod_id}"
+
+            raise ValueError(
+                f"--data blend: {path} ({name(part, other)}) and {paths[0]} "
+                f"({name(first, tok)}) were made with different tokenizers: the same ids are "
+                f"other tokens in each; tokenize every part with the same one (raw text is "
+                f"tokenized with --tokenizer)"
+            )

@@ -36,6 +36,7 @@ from megapar.training.config import flag_choices
 from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_fp8 import Fp8Error, check_fp8
 from megapar.training.validate_sharding import check_ep, check_zero3
+from megapar.training.validate_unused import check_unused
 
 # --- megapar-train ---------------------------------------------------------------------------
 # (field, kind, lowest allowed, lowest is allowed itself[, (value that turns it off, meaning)]):
@@ -207,6 +208,7 @@ def _check_combinations(cfg) -> None:
         check_fp8(cfg, hardware=not cfg.dry_run, given=given)
     except Fp8Error as exc:
         raise UsageError(str(exc)) from None
+    check_unused(cfg, given)
     if cfg.zero in (1, 2) and cfg.grad_compression != "none":
         raise UsageError(
             f"--grad-compression {cfg.grad_compression} cannot be combined with "
@@ -339,6 +341,18 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
             )
             cfg.micro_batch_size = mbs
     notes.extend(_inert_zero_settings(cfg, dp))
+    given -= set(getattr(cfg, "from_checkpoint", ()))
+    for name, idle, where in [
+        (
+            "p2p_dtype",
+            cfg.pp == 1,
+            "--pp 1: no pipeline messages to narrow, it applies with --pp > 1",
+        ),
+        ("grad_reduce_dtype", dp * cfg.cp == 1, "dp x cp = 1: no data-parallel reduction"),
+        ("grad_compression", dp * cfg.cp == 1, "dp x cp = 1: no data-parallel reduction"),
+    ]:
+        if name in given and idle:  # accepted, as --sequence-parallel at --tp 1; said once
+            notes.append(f"{flag_of(name)} {getattr(cfg, name)} at {where}")
     return notes
 
 

@@ -1,0 +1,88 @@
+"""Flags given that a megapar-train run would not read: `check_unused` refuses the first one
+(it would be ignored without a word), naming the setting it needs, before any worker starts."""
+
+from __future__ import annotations
+
+import os
+
+from megapar.data.blended import data_paths
+from megapar.data.inputs import expand_inputs, is_raw_text
+from megapar.training.usage import UsageError, flag_of
+
+
+def check_unused(cfg, given: set[str]) -> None:
+    """UsageError for the first setting in `given` (the user's flags and --config keys, not
+    those taken from a checkpoint) that this run would not read, naming what it needs."""
+    adam = cfg.optimizer in ("adamw", "lamb")
+    prepared, keyed = _data_kinds(cfg.data)
+    rules = [
+        (
+            "save_interval",
+            bool(cfg.save) or cfg.dry_run or cfg.save_interval == 0,
+            "it is how often checkpoints go into --save, and no --save is given: give "
+            "--save DIR too",
+        ),
+        (
+            "powersgd_rank",
+            cfg.grad_compression == "powersgd",
+            f"it is PowerSGD's rank, and --grad-compression is {cfg.grad_compression}: add "
+            f"--grad-compression powersgd",
+        ),
+        (
+            "eval_interval",
+            cfg.val_fraction > 0 or cfg.eval_interval == 0,
+            "validation runs on the --val-fraction split, and --val-fraction 0 holds none "
+            "out: give --val-fraction > 0 (e.g. 0.05)",
+        ),
+        (
+            "eval_steps",
+            cfg.eval_interval > 0 and cfg.val_fraction > 0,
+            "it is how many batches a validation takes, and "
+            + (
+                "--val-fraction 0 holds no validation split: give --val-fraction > 0"
+                if cfg.eval_interval
+                else "--eval-interval 0 turns validation off: give --eval-interval N"
+            ),
+        ),
+        (
+            "profile_dir",
+            bool(cfg.profile_steps),
+            "it is where the traces of --profile-steps go: add --profile-steps A:B",
+        ),
+        *(
+            (
+                name,
+                not prepared,
+                f"--data is tokenized data, and {flag_of(name)} is for the raw text "
+                f"megapar-train tokenizes (.txt / .jsonl / .json / .parquet)",
+            )
+            for name in ("jsonl_key", "allow_invalid_utf8")
+        ),
+        (
+            "jsonl_key",
+            keyed,
+            "no --data input is .jsonl / .json / .parquet (a .txt file's text is all of it)",
+        ),
+        *(
+            (name, adam, f"--optimizer {cfg.optimizer} has no Adam moments: use --optimizer adamw")
+            for name in ("adam_beta1", "adam_beta2", "adam_eps")
+        ),
+    ]
+    for name, applies, why in rules:
+        if name in given and not applies:
+            value = getattr(cfg, name)
+            shown = flag_of(name) + ("" if isinstance(value, bool) else f" {value}")
+            raise UsageError(f"{shown} would be ignored: {why}, or drop {flag_of(name)}")
+
+
+def _data_kinds(data) -> tuple[bool, bool]:
+    """Whether every part of --data is a dataset already tokenized (its PREFIX.bin is there),
+    and whether some raw-text part holds a .jsonl / .json / .parquet file (where --jsonl-key
+    is read); a path that is not there counts as both (its own check names it)."""
+    try:
+        paths = [os.path.expanduser(p) if p else None for p in data_paths(data)]
+        texts = expand_inputs([p for p in paths if p and is_raw_text(p)])  # None: the .txt sample
+    except (ValueError, FileNotFoundError):  # a malformed blend, a missing path: named later
+        return False, True
+    prepared = all(p is not None and os.path.isfile(p + ".bin") for p in paths)
+    return prepared, prepared or any(f.endswith((".jsonl", ".json", ".parquet")) for f in texts)
