@@ -40,6 +40,7 @@ __all__ = [
     "same_tokenizer",
     "tokenizer_files",
     "encodes_alike",
+    "forget_loaded",
 ]
 
 
@@ -193,6 +194,12 @@ _LOADED: dict[tuple[str, tuple], Tokenizer] = {}
 (`_location`, `_files_read`); forked workers inherit them."""
 _KEEP = 8
 """At most this many kept (a test process loads many)."""
+
+
+def forget_loaded() -> None:
+    """Drop the tokenizers this process keeps (a rank calls it once its datasets are built:
+    training needs none, and their memory goes back to the heap the steps allocate from)."""
+    _LOADED.clear()
 
 
 def _location(spec: str) -> str:
