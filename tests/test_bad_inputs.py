@@ -12,6 +12,7 @@ import pytest
 import megapar.cli.train as train_cli
 import megapar.launcher as launcher
 import megapar.training.bubble as bubble_engine
+import megapar.training.bubble_run as bubble_run
 from megapar.cli.bubble import main as bubble
 from megapar.cli.eval import main as evaluate
 from megapar.cli.train import main as train
@@ -86,7 +87,7 @@ def no_workers(monkeypatch):
 
     for target, name in [(train_cli, "run_workers"), (launcher, "run_workers"),
                          (launcher, "run_local"), (bubble_engine, "measure"),
-                         (bubble_engine, "simulate")]:
+                         (bubble_run, "simulate")]:
         monkeypatch.setattr(target, name, refuse)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megapar.cli.train import main
-from megapar.data import asset_path
+from megapar.data import asset_path, tokenizers
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -48,8 +48,26 @@ def _losses(log_json):
     return [json.loads(line)["loss"] for line in Path(log_json).read_text().splitlines()]
 
 
+def _tokenizer_loads(tmp_path, monkeypatch):
+    """From now on, every tokenizer load (`tokenizers._load`, behind load_tokenizer's cache,
+    empty here) in this process and the ranks forked from it, each appending its spec to a
+    file; returns a callable that reads them."""
+    record = tmp_path / "tokenizer_loads"
+    load = tokenizers._load
+
+    def counted(spec):
+        with open(record, "a") as f:
+            f.write(f"{spec}\n")
+        return load(spec)
+
+    monkeypatch.setattr(tokenizers, "_LOADED", {})
+    monkeypatch.setattr(tokenizers, "_load", counted)
+    return lambda: record.read_text().split() if record.exists() else []
+
+
 @pytest.mark.parametrize("tokenizer", ["gpt2", "sentencepiece"])
-def test_trains_at_tp2_pp2_and_loss_falls(tmp_path, text, cache, tokenizer):
+def test_trains_at_tp2_pp2_and_loss_falls(tmp_path, text, cache, tokenizer, monkeypatch):
+    loads = _tokenizer_loads(tmp_path, monkeypatch)
     log = tmp_path / "log.jsonl"
     rc = main(["--tp", "2", "--pp", "2", "--model", "gpt2-tiny", "--data", text,
                "--tokenizer", tokenizer, "--data-cache", cache, "--max-steps", "12",
@@ -61,6 +79,8 @@ def test_trains_at_tp2_pp2_and_loss_falls(tmp_path, text, cache, tokenizer):
         assert all(key in r for r in records)
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] - 0.5, losses
+    # loaded once: the checks, the data's preparation and the 4 forked ranks share it
+    assert loads() == [tokenizer]
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 from conftest import shared_data
@@ -64,6 +65,22 @@ def test_sentencepiece_path_spec_and_spec_dict_reload():
     assert spec["kind"] == "sentencepiece" and spec["vocab_size"] == tok.vocab_size
     again = load_tokenizer(spec)
     assert again.encode("the school master") == tok.encode("the school master")
+
+
+def test_a_tokenizer_loads_once_until_its_file_changes(tmp_path, monkeypatch):
+    """load_tokenizer keeps what it loaded: the same tokenizer, however it is named, is the
+    same object (a run's checks, data and forked ranks share one load); a file changed since
+    is loaded again."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(shared_data("sentencepiece", "botchan_en_bpe_1000.model"), "tok.model")
+    first = load_tokenizer("tok.model")
+    assert load_tokenizer(first.spec()) is first  # its absolute path, as a dataset records it
+    shipped = load_tokenizer("sentencepiece")
+    assert load_tokenizer(shipped.spec()) is shipped
+    shutil.copy(asset_path("botchan_en_unigram_1000.model"), "tok.model")  # another model
+    again = load_tokenizer("tok.model")
+    text = "the school master"
+    assert again is not first and again.encode(text) == shipped.encode(text) != first.encode(text)
 
 
 def test_appended_order_is_documented_and_errors_are_clear(tmp_path):

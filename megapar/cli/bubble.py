@@ -18,6 +18,9 @@ once on real processes and then simulates; the cost flags (--fwd-ms, --bwd-ms, -
 checked (writable, not a directory) before any work. --certify prints the certificate of the
 programs the executor runs (`megapar.pipeline.certify`) over a grid of schedules, pp, m and V
 (narrowed by --schedule, --pp, -m, --virtual-stages when given) and exits 1 if a check fails.
+
+--help, bad input and a simulation from given costs answer before torch is imported: what
+measures, builds a model or runs real steps is imported where it is used.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import sys
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser
-from megapar.pipeline import certify, certify_real, messages, nccl_rules
+from megapar.pipeline import certify, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
 from megapar.pipeline.placement import chunks_per_rank
 from megapar.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, check_schedule
@@ -40,9 +43,9 @@ from megapar.pipeline.timeline import (
     plot_gantt,
     write_chrome_trace,
 )
-from megapar.training import bubble
-from megapar.training.validate import UsageError, check_writable, flag_of, names_directory
-from megapar.training.validate_tools import MAX_SIMULATED_ACTIONS, check_bubble_args
+from megapar.training import bubble_run
+from megapar.training.usage import UsageError, flag_of
+from megapar.training.validate_bubble import MAX_SIMULATED_ACTIONS, check_bubble_args
 
 
 def build_parser() -> OneLineParser:
@@ -262,6 +265,9 @@ def plot_file(path: str, flag: str = "--plot") -> str:
 def check_output_files(args) -> None:
     """--trace / --plot: files (not directories) in writable directories, checked before any
     work; args.plot becomes the file name matplotlib will actually write."""
+    if not (args.trace or args.plot):
+        return
+    from megapar.training.validate import check_writable, names_directory
 
     if args.trace:
         if names_directory(args.trace):
@@ -325,6 +331,8 @@ def run_certificate(points: list[tuple], whole_grid: bool = True, schedules=None
     print the table; 1 if a check failed. Of the `schedules` asked for (default: every one),
     on the `whole_grid` a schedule with no point fails (nothing of it would be certified); on a
     grid narrowed by flags it is only named."""
+    from megapar.pipeline import certify_real
+
     certs = certify.certify_grid(points)
     real = [c for c in certs if c.pp <= certify_real.REAL_MAX_PP and c.m <= certify_real.REAL_MAX_M]
     if real:
@@ -378,13 +386,15 @@ def print_programs(args) -> None:
         )
 
 
-def simulated_run(args) -> bubble.BubbleRun:
+def simulated_run(args) -> bubble_run.BubbleRun:
     """--simulate: the schedule on the cost model, with --fwd-ms / --bwd-ms / ... or the costs
     measured once on the real engine."""
     pp, m, v = args.pp, args.microbatches, args.virtual_stages
     fwd, bwd, p2p = args.fwd_ms, args.bwd_ms, args.p2p_ms or 0.0
     b_in, b_w = args.bwd_input_ms, args.bwd_weight_ms
     if fwd is None:  # measure the costs once on the real engine
+        from megapar.training import bubble
+
         print(
             f"measuring the forward and backward costs on this machine first (one step of "
             f"the real model at pp {pp}; --fwd-ms / --bwd-ms give them and skip this)",
@@ -407,10 +417,10 @@ def simulated_run(args) -> bubble.BubbleRun:
         b_in, b_w = costs.get("bwd_input_ms"), costs.get("bwd_weight_ms")
     if bwd is None:
         bwd = b_in + b_w if b_in is not None and b_w is not None else 2 * fwd
-    return bubble.simulate(pp, m, args.schedule, fwd, bwd, p2p, v, b_in, b_w)
+    return bubble_run.simulate(pp, m, args.schedule, fwd, bwd, p2p, v, b_in, b_w)
 
 
-def print_report(args, run: bubble.BubbleRun, title: str) -> None:
+def print_report(args, run: bubble_run.BubbleRun, title: str) -> None:
     """A measured or simulated run's report: its title, bubble table, in-flight micro-batches
     and activation memory per stage, the Chrome trace and Gantt plot where asked for, and the
     JSON summary line."""
@@ -475,6 +485,10 @@ def main(argv=None) -> int:
         check_mode_flags(args, given)
         check_cost_flags(args)
         check_bubble_args(args)
+        if not (args.simulate and args.fwd_ms is not None):  # a model is built
+            from megapar.training.validate_tools import check_bubble_measurement
+
+            check_bubble_measurement(args)
         check_split_costs(args)  # after the values are checked
         check_schedule(args.schedule, pp, m, v)
         check_output_files(args)  # last: it creates a missing output directory
@@ -489,6 +503,8 @@ def main(argv=None) -> int:
         run = simulated_run(args)
         title = f"simulated {name}, pp={pp}, m={m}"
     else:
+        from megapar.training import bubble
+
         run = bubble.measure(
             pp,
             m,

@@ -40,6 +40,7 @@ __all__ = [
     "same_tokenizer",
     "tokenizer_files",
     "encodes_alike",
+    "forget_loaded",
 ]
 
 
@@ -163,7 +164,12 @@ def _count_merges(path: str) -> int:
 
 def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
     """Load a tokenizer from ``spec`` (see the module docstring), or from a
-    ``Tokenizer.spec()`` dict."""
+    ``Tokenizer.spec()`` dict.
+
+    Loaded once per process: a later call naming the same tokenizer (`_location`), while its
+    files are unchanged (`_files_read`), returns the same object (nothing mutates a loaded
+    `Tokenizer`), so a run's checks, its data preparation and its forked workers share one
+    load."""
     if isinstance(spec, dict):
         if "path" not in spec:
             raise ValueError(f"tokenizer spec {spec!r} has no 'path'; pass a Tokenizer.spec() dict")
@@ -172,6 +178,65 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
         location = spec
     spec = os.fspath(location)
     spec = moved_asset(spec) or spec  # a shipped file recorded by another install of megapar
+    where = _location(spec)
+    key = (where, _files_read(where))
+    tok = _LOADED.get(key)
+    if tok is None:
+        tok = _load(spec)  # one that raises is not kept
+        while len(_LOADED) >= _KEEP:
+            del _LOADED[next(iter(_LOADED))]  # the oldest
+        _LOADED[key] = tok
+    return tok
+
+
+_LOADED: dict[tuple[str, tuple], Tokenizer] = {}
+"""The tokenizers this process loaded, by where they are and the state of their files
+(`_location`, `_files_read`); forked workers inherit them."""
+_KEEP = 8
+"""At most this many kept (a test process loads many)."""
+
+
+def forget_loaded() -> None:
+    """Drop the tokenizers this process keeps (a rank calls it once its datasets are built:
+    training needs none, and their memory goes back to the heap the steps allocate from)."""
+    _LOADED.clear()
+
+
+def _location(spec: str) -> str:
+    """Where `spec` loads from, whatever its spelling: "gpt2", or an absolute path (the shipped
+    SentencePiece model for "sentencepiece", a transformers directory for its tokenizer.json),
+    as the loaded tokenizer's `path` records it."""
+    if spec == "gpt2":
+        return spec
+    if spec == "sentencepiece":
+        return asset_path("botchan_en_unigram_1000.model")
+    path = os.path.abspath(spec)
+    if os.path.basename(path) == "tokenizer.json" and os.path.isfile(path):
+        return os.path.dirname(path)
+    return path
+
+
+def _files_read(where: str) -> tuple:
+    """What identifies the files a tokenizer at `where` (`_location`) is loaded from (each
+    one's inode, size, modification and change times): GPT-2's assets, the file, or every file
+    of the directory. A changed file gives another key, so it is loaded again."""
+    if where == "gpt2":
+        paths = [asset_path("gpt2_vocab.json"), asset_path("gpt2_merges.txt")]
+    elif os.path.isdir(where):
+        paths = sorted(e.path for e in os.scandir(where) if e.is_file())
+    else:
+        paths = [where]
+    stats = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # loading it says what is missing
+        stats.append((path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(stats)
+
+
+def _load(spec: str) -> Tokenizer:
     if spec == "gpt2":
         return _load_gpt2_bpe(asset_path("gpt2_vocab.json"), asset_path("gpt2_merges.txt"), "gpt2")
     if spec == "sentencepiece":

@@ -19,6 +19,7 @@ from megapar.checkpoint.hf import HFReader, load_hf_weights
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data import IndexedDataset
 from megapar.data.blended import BlendedDataset
+from megapar.data.tokenizers import forget_loaded
 from megapar.device import peak_tflops
 from megapar.diagnostics.replay import StepRecorder, StepReplay, find_record, load_record
 from megapar.expert_parallel import is_expert
@@ -104,6 +105,7 @@ class Trainer:
         engine.tokenizer = recorded_tokenizer(
             IndexedDataset(plan.prefix, cfg.tokenizer).tokenizer_spec
         )
+        forget_loaded()  # the run's tokenizer, loaded once for its planning and datasets
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
         self.notes: list[str] = [engine.fp8_summary] if engine.fp8_summary else []
         if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see

@@ -1,14 +1,13 @@
 """The checks of megapar-eval and megapar-bubble (megapar-train's are in validate.py).
 
 - `check_eval_args`: megapar-eval's flags, its --load checkpoint, --data and --input-ids.
-- `check_bubble_args`: megapar-bubble's flags, and a schedule small enough to simulate.
+- `check_bubble_measurement`: megapar-bubble's flags where it builds a model (its sizes and
+  costs: `validate_bubble.check_bubble_args`, which needs no torch).
 
 Both raise validate.UsageError (exit code 2) before any model is built or process started.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -18,7 +17,6 @@ from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import chunks_per_rank
-from megapar.pipeline.simulate import Costs, theoretical_bubble
 from megapar.training.bubble import bench_config
 from megapar.training.data import missing_files
 from megapar.training.tokenizer_checks import check_checkpoint_tokenizer
@@ -114,57 +112,13 @@ def _check_ids_file(path: str, positions: int) -> None:
 
 
 # --- megapar-bubble --------------------------------------------------------------------------
-MAX_SIMULATED_ACTIONS = 50_000
-"""--simulate / --show-schedule refuse schedules with more actions than this (forwards and
-backwards of every stage, chunk and micro-batch; the simulator is pure Python, ~2 s here)."""
-MAX_SIMULATED_STAGES = 256
-"""--simulate refuses more stages than this (its cost also grows with the square of pp)."""
-
-
-def check_bubble_args(args) -> None:
-    for name in (
-        "pp",
-        "microbatches",
-        "tp",
-        "cp",
-        "steps",
-        "micro_batch_size",
-        "seq_len",
-        "virtual_stages",
-    ):
-        value = getattr(args, name)
-        if value < 1:
-            raise UsageError(f"{flag_of(name)} {value} is invalid: it must be >= 1")
-    for name in ("fwd_ms", "bwd_ms", "p2p_ms", "bwd_input_ms", "bwd_weight_ms"):
-        value = getattr(args, name)
-        positive = name in ("fwd_ms", "bwd_ms")  # a split backward part may cost nothing
-        if value is not None and not (
-            math.isfinite(value) and value >= (1e-300 if positive else 0.0)
-        ):
-            need = "> 0" if positive else ">= 0"
-            raise UsageError(
-                f"{flag_of(name)} {value} is invalid: a cost must be a finite "
-                f"number of milliseconds {need}"
-            )
-    actions = 2 * args.pp * args.microbatches * max(1, args.virtual_stages)
-    if actions > MAX_SIMULATED_ACTIONS or args.simulate and args.pp > MAX_SIMULATED_STAGES:
-        v = f" x --virtual-stages {args.virtual_stages}" if args.virtual_stages > 1 else ""
-        raise UsageError(
-            f"--pp {args.pp} x --microbatches {args.microbatches}{v} is "
-            f"{actions:,} actions on {args.pp} stages, more than megapar-bubble "
-            f"measures or simulates in seconds ({MAX_SIMULATED_ACTIONS:,} actions, "
-            f"{MAX_SIMULATED_STAGES} stages); {_formula_instead(args)}"
-        )
-    if (
-        not (args.simulate and args.fwd_ms is not None)
-        and not args.show_schedule
-        and not args.oversubscribe
-    ):  # real processes: one per stage, tp and cp rank
+def check_bubble_measurement(args) -> None:
+    """megapar-bubble's flags where it builds a model (a measurement, --show-schedule, a
+    simulation of measured costs): the local processes a measurement starts, the model's
+    layers and positions against --pp, --tp, --cp and --seq-len. After `check_bubble_args`."""
+    if not args.show_schedule and not args.oversubscribe:  # one process per stage, tp, cp rank
         cp = f" x --cp {args.cp}" if args.cp > 1 else ""
         check_local_workers(args.pp * args.tp * args.cp, f"--pp {args.pp} x --tp {args.tp}{cp}")
-    if args.simulate and args.fwd_ms is not None:
-        return  # no model is built
-
     try:
         chunks = chunks_per_rank(args.schedule, args.virtual_stages)  # 2 for the V schedules
         config = bench_config(args.model, args.pp, chunks)
@@ -180,23 +134,3 @@ def check_bubble_args(args) -> None:
         raise UsageError(
             f"--seq-len {args.seq_len} exceeds the model's {positions} positions; lower --seq-len"
         )
-
-
-def _formula_instead(args) -> str:
-    """The schedule's published bubble at the sizes and costs given (F 1, backward 2 x F, B
-    and W half of it, unless told): what an oversized request is told instead of a run."""
-    fwd = args.fwd_ms or 1.0
-    costs = Costs(
-        fwd,
-        args.bwd_ms or 2 * fwd,
-        bwd_input_ms=args.bwd_input_ms,
-        bwd_weight_ms=args.bwd_weight_ms,
-    )
-    b_in, b_w = costs.duration_ms("backward_input"), costs.duration_ms("backward_weight")
-    value = theoretical_bubble(
-        args.pp, args.microbatches, args.schedule, args.virtual_stages, fwd, b_in, b_w
-    )
-    if math.isnan(value):
-        return f"{args.schedule}'s published formula does not apply to these costs either"
-    bound = " (a lower bound)" if args.schedule in ("zb-v", "dualpipev") else ""
-    return f"{args.schedule}'s bubble formula gives {value:.4f}{bound}, with no run"

@@ -1,0 +1,79 @@
+"""megapar-bubble's sizes and costs checked, and a schedule small enough to simulate, with the
+standard library and the pipeline's pure-Python schedules only: a simulation from given costs
+is refused or run before torch is imported. Where megapar-bubble builds a model, its flags are
+checked next by `validate_tools.check_bubble_measurement`.
+
+Raises usage.UsageError (exit code 2) before any model is built or process started.
+"""
+
+from __future__ import annotations
+
+import math
+
+from megapar.pipeline.simulate import Costs, theoretical_bubble
+from megapar.training.usage import UsageError, flag_of
+
+MAX_SIMULATED_ACTIONS = 50_000
+"""--simulate / --show-schedule refuse schedules with more actions than this (forwards and
+backwards of every stage, chunk and micro-batch; the simulator is pure Python, ~2 s here)."""
+MAX_SIMULATED_STAGES = 256
+"""--simulate refuses more stages than this (its cost also grows with the square of pp)."""
+
+
+def check_bubble_args(args) -> None:
+    """Every size >= 1, every cost a finite number of milliseconds, and a schedule of at most
+    `MAX_SIMULATED_ACTIONS` actions (`MAX_SIMULATED_STAGES` stages under --simulate); an
+    oversized request is told the schedule's published bubble instead."""
+    for name in (
+        "pp",
+        "microbatches",
+        "tp",
+        "cp",
+        "steps",
+        "micro_batch_size",
+        "seq_len",
+        "virtual_stages",
+    ):
+        value = getattr(args, name)
+        if value < 1:
+            raise UsageError(f"{flag_of(name)} {value} is invalid: it must be >= 1")
+    for name in ("fwd_ms", "bwd_ms", "p2p_ms", "bwd_input_ms", "bwd_weight_ms"):
+        value = getattr(args, name)
+        positive = name in ("fwd_ms", "bwd_ms")  # a split backward part may cost nothing
+        if value is not None and not (
+            math.isfinite(value) and value >= (1e-300 if positive else 0.0)
+        ):
+            need = "> 0" if positive else ">= 0"
+            raise UsageError(
+                f"{flag_of(name)} {value} is invalid: a cost must be a finite "
+                f"number of milliseconds {need}"
+            )
+    actions = 2 * args.pp * args.microbatches * max(1, args.virtual_stages)
+    if actions > MAX_SIMULATED_ACTIONS or args.simulate and args.pp > MAX_SIMULATED_STAGES:
+        v = f" x --virtual-stages {args.virtual_stages}" if args.virtual_stages > 1 else ""
+        raise UsageError(
+            f"--pp {args.pp} x --microbatches {args.microbatches}{v} is "
+            f"{actions:,} actions on {args.pp} stages, more than megapar-bubble "
+            f"measures or simulates in seconds ({MAX_SIMULATED_ACTIONS:,} actions, "
+            f"{MAX_SIMULATED_STAGES} stages); {_formula_instead(args)}"
+        )
+
+
+def _formula_instead(args) -> str:
+    """The schedule's published bubble at the sizes and costs given (F 1, backward 2 x F, B
+    and W half of it, unless told): what an oversized request is told instead of a run."""
+    fwd = args.fwd_ms or 1.0
+    costs = Costs(
+        fwd,
+        args.bwd_ms or 2 * fwd,
+        bwd_input_ms=args.bwd_input_ms,
+        bwd_weight_ms=args.bwd_weight_ms,
+    )
+    b_in, b_w = costs.duration_ms("backward_input"), costs.duration_ms("backward_weight")
+    value = theoretical_bubble(
+        args.pp, args.microbatches, args.schedule, args.virtual_stages, fwd, b_in, b_w
+    )
+    if math.isnan(value):
+        return f"{args.schedule}'s published formula does not apply to these costs either"
+    bound = " (a lower bound)" if args.schedule in ("zb-v", "dualpipev") else ""
+    return f"{args.schedule}'s bubble formula gives {value:.4f}{bound}, with no run"
