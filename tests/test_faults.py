@@ -678,6 +678,7 @@ def test_reading_the_records_is_bounded_when_the_store_does_not_answer(monkeypat
     from datetime import timedelta
 
     from megapar.faults import progress
+    from megapar.faults.processes import stopped
     from megapar.faults.progress import ProgressRecords
     from megapar.launcher import free_port
 
@@ -696,6 +697,9 @@ def test_reading_the_records_is_bounded_when_the_store_does_not_answer(monkeypat
         client.set(records.key(3), json.dumps({"status": "step 1, forward", "cpu": 1.0}))
         assert records.read() == {3: {"status": "step 1, forward", "cpu": 1.0}}
         os.kill(server.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10  # stopped once scheduled: not yet when kill returns
+        while not stopped(server.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         start = time.monotonic()
         assert records.holding_up() == ""
         assert time.monotonic() - start < 2.5  # not the 30 s a blocked reply would take
@@ -716,14 +720,14 @@ def test_a_rank_whose_heartbeat_stops_is_named_as_stopped(monkeypatch):
     from megapar.launcher import free_port
 
     monkeypatch.setattr(progress, "PUBLISH_S", 0.05)
-    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.5)
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=5))
     reader, other = ProgressRecords(store, 0, 2), ProgressRecords(store, 1, 2)
     other.publish()  # one record, then nothing: stopped
     said = reader.holding_up()
     assert said.startswith("rank 1 did not answer") and said.endswith(
-        "; its process sent no heartbeat in 0.3 s (stopped, frozen, or its node lost?)"), said
+        "; its process sent no heartbeat in 1.05 s (stopped, frozen, or its node lost?)"), said
     other.start()  # alive (hung in its own work): its thread beats
     try:
         reader.failed = False

@@ -196,9 +196,9 @@ def _failed_of_itself(records: dict[int, dict]) -> str:
 
 
 def heartbeat_wait_s() -> float:
-    """How long a live rank's heartbeat certainly moves in: `HEARTBEAT_S` and two of its
-    thread's looks."""
-    return HEARTBEAT_S + 2 * PUBLISH_S
+    """How long a live rank's heartbeat certainly moves in: at most `HEARTBEAT_S` and one of its
+    thread's looks apart, with as much again to spare for a thread the machine is slow to run."""
+    return 2 * HEARTBEAT_S + PUBLISH_S
 
 
 def _bounded(fn: Callable[[], T], within_s: float, otherwise: T) -> T:
