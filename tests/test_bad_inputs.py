@@ -150,7 +150,7 @@ TRAIN = [
     (["--config", "{bad.json}"], "not valid JSON at line 1"),
     (["--config", "{list.yaml}"], "expected a mapping of names to values, got a list"),
     (["--config", "{typo.yaml}"], "unknown setting 'max_step'; did you mean 'max_steps'?"),
-    (["--config", "{choice.yaml}"], "--schedule 'zigzag' is invalid: choose one of"),
+    (["--config", "{choice.yaml}"], "choice.yaml: --schedule 'zigzag' is invalid: choose one of"),
     (["--config", "{half.yaml}"], "--log-interval 2.5 is invalid: it must be a whole number >= 1"),
     (["--model", "{negative}"], "n_layer=-2 must be a whole number >= 1"),
     (["--load", "/nonexistent/ckpt", "--load-strict"], "--load /nonexistent/ckpt: no such checkpoint directory"),  # without --load-strict: starts fresh (requeue)

@@ -421,12 +421,20 @@ def read_run_config(path: str) -> dict[str, Any]:
 def parse_args(argv=None) -> TrainConfig:
     args = build_parser().parse_args(argv)
     values: dict[str, Any] = read_run_config(args.config) if args.config else {}
+    from_file = set(values)
     for f in fields(TrainConfig):
         given = getattr(args, f.name)
         if isinstance(given, list) and len(given) == 1:
             given = given[0]
         if given is not None:
             values[f.name] = given
+            from_file.discard(f.name)
+    for name, allowed in flag_choices().items():  # the file named, as its other errors name it
+        if name in from_file and values[name] not in allowed:
+            raise ConfigError(
+                f"{args.config}: --{name.replace('_', '-')} {values[name]!r} is invalid: "
+                f"choose one of {', '.join(map(str, allowed))}"
+            )
     cfg = TrainConfig(**values)
     cfg.explicit = frozenset(values)  # what the user set; the rest may adapt (validate.py)
     return cfg
