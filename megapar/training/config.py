@@ -290,6 +290,18 @@ def field_groups() -> dict[str, str]:
     return out
 
 
+def choice_problem(name: str, value: Any) -> str:
+    """ "--name 'value' is invalid: choose one of ..." when setting `name` has a fixed set of
+    values (`flag_choices`) and `value` is not among them, else ""."""
+    allowed = flag_choices().get(name)
+    if allowed is None or value in allowed:
+        return ""
+    return (
+        f"--{name.replace('_', '-')} {value!r} is invalid: choose one of "
+        f"{', '.join(map(str, allowed))}"
+    )
+
+
 def flag_choices() -> dict[str, list]:
     """Allowed values, taken from the modules that implement them."""
 
@@ -429,12 +441,10 @@ def parse_args(argv=None) -> TrainConfig:
         if given is not None:
             values[f.name] = given
             from_file.discard(f.name)
-    for name, allowed in flag_choices().items():  # the file named, as its other errors name it
-        if name in from_file and values[name] not in allowed:
-            raise ConfigError(
-                f"{args.config}: --{name.replace('_', '-')} {values[name]!r} is invalid: "
-                f"choose one of {', '.join(map(str, allowed))}"
-            )
+    for name in flag_choices():  # the file named, as its other errors name it
+        problem = choice_problem(name, values[name]) if name in from_file else ""
+        if problem:
+            raise ConfigError(f"{args.config}: {problem}")
     cfg = TrainConfig(**values)
     cfg.explicit = frozenset(values)  # what the user set; the rest may adapt (validate.py)
     return cfg

@@ -32,7 +32,7 @@ from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
 from megapar.faults.slow import SlowRank
 from megapar.pipeline.schedules import chunks_per_rank, schedule_actions
-from megapar.training.config import flag_choices
+from megapar.training.config import choice_problem, flag_choices
 from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_fp8 import Fp8Error, check_fp8
 from megapar.training.validate_sharding import check_ep, check_zero3
@@ -131,12 +131,10 @@ def check_settings(cfg) -> None:
                 f"s); give a finite wait in seconds (the default is "
                 f"{_default(cfg, name):g})"
             )
-    for name, allowed in flag_choices().items():
-        if getattr(cfg, name) not in allowed:
-            raise UsageError(
-                f"{flag_of(name)} {getattr(cfg, name)!r} is invalid: choose one of "
-                f"{', '.join(map(str, allowed))}"
-            )
+    for name in flag_choices():
+        problem = choice_problem(name, getattr(cfg, name))
+        if problem:
+            raise UsageError(problem)
     for name in ("adam_beta1", "adam_beta2"):
         if getattr(cfg, name) >= 1:
             raise UsageError(
