@@ -40,17 +40,18 @@ class OneLineParser(argparse.ArgumentParser):
                 hints.append(f"{flag}: did you mean {close[0]}?")
         return "; " + "; ".join(hints) if hints else ""
 
-    def given(self, argv: list[str] | None = None) -> frozenset[str]:
+    def given(self, argv: list[str] | None = None) -> tuple[str, ...]:
         """The dests a command line sets, whether or not to their default's value (`--steps 3`
-        at default 3 is given): for refusing an option the chosen mode would ignore. Parses
-        `argv` (None: sys.argv[1:]) again with every default held back; call it after
-        `parse_args` accepted the same argv."""
+        at default 3 is given), in the parser's order: for refusing an option the chosen mode
+        would ignore. Parses `argv` (None: sys.argv[1:]) again with every default held back;
+        call it after `parse_args` accepted the same argv."""
         held = [(a, a.default) for a in self._actions]
         parser_defaults, self._defaults = self._defaults, {}
         try:
             for action, _ in held:
                 action.default = argparse.SUPPRESS
-            return frozenset(vars(self.parse_args(argv, argparse.Namespace())))
+            seen = vars(self.parse_args(argv, argparse.Namespace()))
+            return tuple(dict.fromkeys(a.dest for a in self._actions if a.dest in seen))
         finally:
             for action, default in held:
                 action.default = default

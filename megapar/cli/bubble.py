@@ -194,13 +194,12 @@ def mode_of(args) -> str:
     return "measure"
 
 
-def check_mode_flags(args, given: frozenset[str]) -> None:
+def check_mode_flags(args, given: tuple[str, ...]) -> None:
     """ValueError naming the first option given that the chosen mode ignores (`given`: the
     options on the command line, `OneLineParser.given`)."""
     mode = mode_of(args)
     reads, where, fix = MODES[mode]
-    order = [action.dest for action in build_parser()._actions]
-    ignored = sorted(given - set(reads) - {mode.removesuffix("_costs")}, key=order.index)
+    ignored = [n for n in given if n not in reads and n != mode.removesuffix("_costs")]
     if ignored:
         raise ValueError(f"{flag_of(ignored[0])} is not used {where}; {fix}")
 

@@ -201,7 +201,7 @@ def logits_file(path: str) -> str:
     return real
 
 
-def _choose_worker(args, given: frozenset[str]):
+def _choose_worker(args, given: tuple[str, ...]):
     """The worker the mode asks for (--data: the loss, --input-ids: the logits); UsageError for
     no mode, both, or an option the chosen mode does not read (`given`: the options on the
     command line, `OneLineParser.given`)."""

@@ -394,11 +394,11 @@ SEARCH_OPTIONS = (
 """The options that shape the search and its table, which --explain (one layout) does not run."""
 
 
-def _refuse_search_flags(given: frozenset[str]) -> None:
+def _refuse_search_flags(given: tuple[str, ...]) -> None:
     """ValueError naming the search's options given with --explain (`given`:
     `OneLineParser.given`): they would be ignored (the layout's own settings are the LAYOUT's
     keys)."""
-    named = sorted(flag_of(name) for name in given & set(SEARCH_OPTIONS))
+    named = sorted(flag_of(name) for name in given if name in SEARCH_OPTIONS)
     if named:
         raise ValueError(
             f"{', '.join(named)} {'shapes' if len(named) == 1 else 'shape'} the search, which "

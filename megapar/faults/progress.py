@@ -155,13 +155,15 @@ class ProgressRecords:
         waiting, then using a CPU, then the lowest rank); "" without records."""
         none: dict[int, dict] = {}
         first = _bounded(self._fail_and_read, 2 * STORE_TIMEOUT_S, none)
-        if not first or _failed_of_itself(first):
-            return _failed_of_itself(first)
+        if not first:
+            return ""
+        if failed := _failed_of_itself(first):
+            return failed
         wait = heartbeat_wait_s()
         time.sleep(wait)
         later = _bounded(self.read, 2 * STORE_TIMEOUT_S, none)
-        if _failed_of_itself(later):
-            return _failed_of_itself(later)
+        if failed := _failed_of_itself(later):
+            return failed
         records = {r: x for r, x in (later or first).items() if not x.get("failed")}
         if not records:
             return ""
