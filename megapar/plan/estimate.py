@@ -249,10 +249,37 @@ def stage_memory(
     if sp_saved and c.sp and c.tp > 1:  # what SP saves: a CPU's heap keeps it (`plan.process`)
         whole = stage_memory(p, dataclasses.replace(c, sp=False), counts, simulate)
         out = [
-            dataclasses.replace(s_, sp_saved=max(0.0, w.activations - s_.activations))
+            dataclasses.replace(
+                s_,
+                sp_saved=max(0.0, w.activations - s_.activations),
+                sp_copies=sp_grouped_copies(p, c, s_.stage, s_.in_flight),
+            )
             for s_, w in zip(out, whole)
         ]
     return out
+
+
+SP_GROUPED_COPIES = 2
+"""Whole-sequence copies sequence parallelism makes per dense block with more than one sequence
+per micro-batch: each of the block's two reduce-scatters (the attention's output projection,
+the MLP's second layer) first copies its input so that each rank's slices of all sequences lie
+together (`tensor_parallel.sequence_parallel.reduce_scatter_sequence`; one sequence needs no
+copy)."""
+
+
+def sp_grouped_copies(p: Problem, c: Candidate, stage: int, in_flight: float) -> float:
+    """Bytes of the reduce-scatters' grouped copies (`SP_GROUPED_COPIES` per dense block, each
+    s / cp x b x h activations) over the blocks `stage`'s rank holds for backward (`in_flight`
+    micro-batches of each): transients, which a CPU's heap keeps as holes (`plan.process`).
+    0 without SP, at one sequence per micro-batch, and under full recomputation (its blocks
+    keep only their input; not measured). A MoE layer's experts are not counted."""
+    if not (c.sp and c.tp > 1) or c.mbs == 1 or c.recompute == "full":
+        return 0.0
+    cfg = p.config
+    specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v, placement_of(c.schedule))
+    blocks = sum(len(spec.layers) - experts.moe_layers(cfg, spec.layers) for spec in specs)
+    whole = (p.seq_len // c.cp) * c.mbs * cfg.hidden_size * p.act_bytes
+    return in_flight * blocks * SP_GROUPED_COPIES * whole
 
 
 def _peak_activations(seen, chunks: list, message: float, v: int) -> tuple[float, float]:

@@ -249,6 +249,10 @@ class MemoryBreakdown:
     """Sequence parallelism: the activation bytes it saves on this stage (its activations
     without SP less with it; 0 without SP). Not in `total`: a CPU's heap keeps them as holes
     (`plan.process`)."""
+    sp_copies: float = 0.0
+    """Sequence parallelism with more than one sequence per micro-batch: its reduce-scatters'
+    grouped copies over the blocks held for backward (`estimate.sp_grouped_copies`). Not in
+    `total`: transients, which a CPU's heap keeps as holes (`plan.process`)."""
 
     @property
     def total(self) -> float:

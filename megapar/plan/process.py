@@ -288,8 +288,14 @@ def process_peak(
             Term(
                 "sequence parallelism's holes",
                 holes,
-                "what SP's split saves of the activations stays in the heap: its collectives' "
-                "whole-sequence transients are freed among the kept activations",
+                "SP's split activations fill holes of whole-sequence transients (the heap "
+                "does not shrink), "
+                + (
+                    f"and its reduce-scatters' grouped copies ({_size(mem.sp_copies).strip()}) "
+                    "stay as holes"
+                    if mem.sp_copies
+                    else "no grouped copies counted (one sequence, or full recomputation)"
+                ),
             )
         )
     moved = _moved_embedding_gradients(p, c, has_embedding, has_head)
@@ -315,15 +321,20 @@ def process_peak(
 
 
 def _sequence_parallel_holes(p: Problem, c: Candidate, mem: MemoryBreakdown) -> float:
-    """On a CPU, the activation bytes sequence parallelism saves on `mem`'s stage
-    (`MemoryBreakdown.sp_saved`; 0 without SP): glibc's heap, never trimmed under megapar's host
-    policy, keeps them as holes. Each SP all-gather and reduce-scatter makes whole-sequence
-    transients (the gathered buffer, gloo's copy, with b > 1 the reordering copy; in the
-    backward the grouped gradient and gloo's copy) that are freed among the split activations
-    kept for backward, so the heap grows as without SP (`CPU_RUNTIME`'s note has the
-    measurements). With `--sp-regather` `sp_saved` includes its smaller slices: the
-    re-gathered input is one more such transient, so the same is expected (not measured)."""
-    return mem.sp_saved if c.sp and c.tp > 1 else 0.0
+    """On a CPU, what sequence parallelism leaves in glibc's heap, never trimmed under megapar's
+    host policy: the activation bytes it saves on `mem`'s stage (`MemoryBreakdown.sp_saved`)
+    and, with more than one sequence per micro-batch, its reduce-scatters' grouped copies
+    (`MemoryBreakdown.sp_copies`; 0 without SP). In each block's forward the row-parallel
+    layer's whole-sequence transients (its output, with b > 1 the grouped copy, gloo's clone of
+    that) are made at the heap's top and freed below the tensors kept after them; a freed
+    tensor's place does not fit a tensor of its size again (glibc 2.36 serves torch's 64-byte
+    aligned allocations with a chunk of size + alignment + 32 bytes), only smaller ones: SP's
+    split activations, which so leave the heap as large as without SP, and the next
+    all-gather's buffers. So the heap holds the split activations' saving and one more hole per
+    grouped copy (docs/guides/planner.md, "Sequence parallelism's heap"). With `--sp-regather`
+    `sp_saved` includes its smaller slices: the re-gathered input is one more such transient,
+    so the same is expected (not measured)."""
+    return mem.sp_saved + mem.sp_copies if c.sp and c.tp > 1 else 0.0
 
 
 def _moved_embedding_gradients(
