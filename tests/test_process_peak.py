@@ -138,30 +138,43 @@ def test_cpu_figure_within_10_percent_of_the_os_peak():
     assert abs(peak.total / measured - 1) <= 0.10, (peak.total / 2**20, runs)
 
 
-def test_cpu_figure_keeps_sequence_parallelism_s_saving_in_the_heap():
-    """On a CPU the activations sequence parallelism splits stay in glibc's heap as holes (its
-    collectives' whole-sequence transients are freed among the kept split activations: on tp 2,
-    8 blocks of hidden 256 at 4 x 1,024 tokens, the in-use peak fell 29 MiB and the arena at it
-    rose 36, benchmarks/memory/process_terms.py): the CPU figure counts the saving as the term
-    "sequence parallelism's holes"; the GPU figure and a plan without SP have no such term."""
+def test_cpu_figure_keeps_sequence_parallelism_s_saving_and_grouped_copies_in_the_heap():
+    """On a CPU the activations sequence parallelism splits stay in glibc's heap as holes, and
+    with more than one sequence per micro-batch so do its reduce-scatters' grouped copies, one
+    whole-sequence activation (s x b x h) for each of a block's two row-parallel layers
+    (docs/guides/planner.md, "Sequence parallelism's heap": on tp 2, 8 blocks of hidden 256 at
+    4 x 1,024 tokens the peak rose 46-72 MiB over tp 2's, at 1 x 4,096 -11 to +24): the CPU
+    figure counts both as the term "sequence parallelism's holes"; the grouped copies are
+    none at b = 1 and under full recomputation; the GPU figure and a plan without SP have no
+    such term."""
     from megapar.models.config import config_from_dict
 
     wide = dict(n_embd=256, n_layer=8, n_head=8, vocab_size=1024)
-    config = config_from_dict(_config(wide, 1024).to_dict())
-    p = Problem(config, gpus=2, global_batch=4, seq_len=1024, precision="fp32", target="cpu")
-    split, whole = Candidate(tp=2, mbs=4, sp=True), Candidate(tp=2, mbs=4)
+    config = config_from_dict(_config(wide, 4096).to_dict())
     figures = {}
-    for c in (split, whole):
-        stage = stage_memory(p, c)[0]
-        for target in ("cpu", "gpu"):
-            peak = process_peak(p, c, stage, *stage_roles(p, c, 0),
-                                activation_sizes(p, c).full, target)
-            figures[c.sp, target] = stage, {t.name: t.bytes for t in peak.terms}
-    saved = figures[False, "cpu"][0].activations - figures[True, "cpu"][0].activations
-    assert saved > 30 * 2**20, saved / 2**20
-    assert figures[True, "cpu"][1]["sequence parallelism's holes"] == saved
-    for key in ((True, "gpu"), (False, "cpu"), (False, "gpu")):
-        assert "sequence parallelism's holes" not in figures[key][1], key
+    for mbs, seq in ((4, 1024), (1, 4096)):
+        p = Problem(config, gpus=2, global_batch=4, seq_len=seq, precision="fp32", target="cpu")
+        for c in (Candidate(tp=2, mbs=mbs, sp=True), Candidate(tp=2, mbs=mbs),
+                  Candidate(tp=2, mbs=mbs, sp=True, recompute="full")):
+            stage = stage_memory(p, c)[0]
+            for target in ("cpu", "gpu"):
+                peak = process_peak(p, c, stage, *stage_roles(p, c, 0),
+                                    activation_sizes(p, c).full, target)
+                figures[mbs, c.sp, c.recompute, target] = (
+                    stage, {t.name: t.bytes for t in peak.terms})
+    holes = "sequence parallelism's holes"
+    for mbs, seq in ((4, 1024), (1, 4096)):
+        split, whole = figures[mbs, True, "none", "cpu"], figures[mbs, False, "none", "cpu"]
+        saved = whole[0].activations - split[0].activations
+        assert saved > 30 * 2**20, saved / 2**20
+        copies = 2 * 8 * seq * mbs * 256 * 4 if mbs > 1 else 0  # 2 per block, s b h fp32
+        assert split[0].sp_copies == copies, (mbs, split[0].sp_copies / 2**20)
+        assert split[1][holes] == saved + copies, (mbs, split[1][holes] / 2**20)
+        full = figures[mbs, True, "full", "cpu"]
+        assert full[0].sp_copies == 0 and full[1].get(holes, 0) == full[0].sp_saved
+        for key in ((mbs, True, "none", "gpu"), (mbs, False, "none", "cpu"),
+                    (mbs, False, "none", "gpu")):
+            assert holes not in figures[key][1], key
 
 
 def test_cpu_figure_holds_the_embedding_gradients_second_place_after_the_first_steps():
