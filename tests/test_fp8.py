@@ -181,6 +181,22 @@ def test_one_process_equals_torchaos_float8linear(hf_dir, recipe):
 
 
 @needs_torchao
+def test_the_line_names_what_always_stays_in_high_precision():
+    """A mixture of experts' router and routed experts (grouped matmuls) are named as kept, as
+    are the embedding and an untied LM head; the attention's linears convert."""
+    from megapar.models import build_model
+    from megapar.models.recipes import resolve_model
+    from megapar.tensor_parallel.fp8_convert import convert_to_fp8
+
+    model = build_model(resolve_model("mixtral-tiny"), make_mesh(1))
+    line = convert_to_fp8(model, "tensorwise", emulate=True, layers="all")
+    assert line.startswith("fp8 tensorwise (emulated: fp32 products): 16 linears in float8 ("), line
+    assert line.endswith(
+        "; always in high precision: embed.word, layers.mlp.router, layers.mlp.experts, head"
+    ), line
+
+
+@needs_torchao
 @pytest.mark.parametrize("recipe,sp", [("tensorwise", False), ("rowwise", True)])
 def test_tp2_equals_one_process(hf_dir, recipe, sp):
     reference = _torchao_megapar(hf_dir, recipe)
