@@ -45,10 +45,13 @@ def wanted(recipe: str, n: int, k: int, layers: str = "auto") -> str | None:
     return None
 
 
-def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool, layers: str = "auto") -> str:
+def convert_to_fp8(
+    model: nn.Module, recipe: str, emulate: bool, layers: str = "auto", cp_group=None
+) -> str:
     """Point every wanted parallel linear of `model` at its float8 matmul (an `Fp8Spec` in its
-    `fp8` attribute; the weights are untouched) and return one line saying which layers of this
-    rank run in float8 and which stay in high precision, with their local N x K."""
+    `fp8` attribute; the weights are untouched; `cp_group`: the ranks its sequences are split
+    over, None at cp 1) and return one line saying which layers of this rank run in float8 and
+    which stay in high precision, with their local N x K."""
     if recipe not in FP8_RECIPES[1:] or layers not in FP8_LAYERS:
         raise ValueError(f"fp8 recipe {recipe!r} / layers {layers!r} unknown")
     converted: dict[str, int] = {}
@@ -66,7 +69,7 @@ def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool, layers: str = "
             kept[f"{short} {n}x{k}"] = why
             continue
         split = "out" if isinstance(module, ColumnParallelLinear) else "in"
-        module.fp8 = make_spec(recipe, emulate, module.group, split)
+        module.fp8 = make_spec(recipe, emulate, module.group, split, cp_group)
         converted[f"{short} {n}x{k}"] = converted.get(f"{short} {n}x{k}", 0) + 1
     mode = " (emulated: fp32 products)" if emulate else ""
     line = f"fp8 {recipe}{mode}: {sum(converted.values())} linears in float8"
