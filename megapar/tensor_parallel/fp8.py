@@ -66,6 +66,11 @@ class Fp8Spec:
     dy_split: int | None
     cp_group: Any = None
     """The cp group, over which the rows (M: tokens) of X and dY are split; None at cp = 1."""
+    cp: bool = False
+    """Whether `cp_group` is set (a bool, which compiled code tests without a graph break)."""
+    ao: Any = None
+    """torchao's float8 config, tensor and utils modules (`_torchao`), looked up once here: the
+    lookup sets log levels, which --compile cannot trace (a graph break per layer)."""
 
 
 def _torchao():
@@ -94,7 +99,8 @@ def make_spec(recipe: str, emulate: bool, group, split: str, cp_group=None) -> F
     dequantised float8 values: no FP8 hardware), `split` "out" (column-parallel) or "in"
     (row-parallel) over the tp `group`, `cp_group` the cp ranks sharing its sequences; as
     `Float8Linear` builds its configs."""
-    config_mod, tensor_mod, _ = _torchao()
+    ao = _torchao()
+    config_mod, tensor_mod, _ = ao
     config = config_mod.Float8LinearConfig.from_recipe_name(recipe)
     config = dataclasses.replace(config, emulate=emulate)
     mm = [
@@ -116,6 +122,8 @@ def make_spec(recipe: str, emulate: bool, group, split: str, cp_group=None) -> F
         w_t_split=(1 if col else 0) if tp else None,
         dy_split=1 if col and tp else None,
         cp_group=cp_group if cp else None,
+        cp=cp,
+        ao=ao,
     )
 
 
@@ -135,7 +143,7 @@ def _cast(
     """`t` as torchao's float8 tensor under `cast` (a CastConfig), its rowwise scale along
     `axis`; the amax reduced over tp where `split` is the dimension the scale covers, and over
     cp where the scale covers the rows (`rows_cp`: t's rows are tokens, X and dY)."""
-    config_mod, tensor_mod, utils = _torchao()
+    config_mod, tensor_mod, utils = spec.ao
     if cast.scaling_type is config_mod.ScalingType.DISABLED:
         return t
     granularity = cast.scaling_granularity
@@ -144,7 +152,7 @@ def _cast(
     amax = utils.tensor_to_amax(t, False, None, granularity, dim)
     if split is not None and (tensorwise or axis % t.dim() == split % t.dim()):
         _reduce_max(amax, spec.group)
-    if spec.cp_group is not None and rows_cp and (tensorwise or axis % t.dim() == 0):
+    if spec.cp and rows_cp and (tensorwise or axis % t.dim() == 0):
         _reduce_max(amax, spec.cp_group)
     scale = utils.amax_to_scale(amax, cast.target_dtype, spec.config.round_scales_to_power_of_2)
     return tensor_mod.hp_tensor_and_scale_to_float8(
@@ -160,7 +168,7 @@ class _Float8Matmul(torch.autograd.Function):
     def forward(ctx, x, w_t, spec: Fp8Spec):
         ctx.save_for_backward(x, w_t)
         ctx.spec = spec
-        c, role = spec.config, _torchao()[1].GemmInputRole
+        c, role = spec.config, spec.ao[1].GemmInputRole
         x8 = _cast(x, c.cast_config_input, role.INPUT, -1, spec, spec.x_split)
         w8 = _cast(w_t, c.cast_config_weight, role.WEIGHT, 0, spec, spec.w_t_split, False)
         return torch.mm(x8, w8)  # not a view: a row-parallel layer reduces it in place
@@ -169,7 +177,7 @@ class _Float8Matmul(torch.autograd.Function):
     def backward(ctx, dy):
         x, w_t = ctx.saved_tensors
         spec: Fp8Spec = ctx.spec
-        c, role = spec.config, _torchao()[1].GemmInputRole
+        c, role = spec.config, spec.ao[1].GemmInputRole
         dy8 = _cast(dy, c.cast_config_grad_output, role.GRAD_OUTPUT, -1, spec, spec.dy_split)
         w_cast = c.cast_config_weight_for_grad_input
         w8 = _cast(w_t, w_cast, role.WEIGHT, -1, spec, spec.w_t_split, False)
