@@ -116,6 +116,8 @@ CASES = [
          dict(tp=2, fp8="tensorwise", fp8_emulate=True, fp8_layers="all")),
     Case("llama64 tp2 sp fp8 rowwise", "llama64", 2,
          dict(tp=2, sequence_parallel=True, fp8="rowwise", fp8_emulate=True, fp8_layers="all")),
+    Case("llama64 cp2 fp8 tensorwise", "llama64", 2,
+         dict(cp=2, fp8="tensorwise", fp8_emulate=True, fp8_layers="all")),
     # mixture of experts: the routed experts run eagerly (their rows per expert are
     # data-dependent shapes), the router, attention and norms compiled
     Case("mixtral one process", "mixtral", 1, {}),

@@ -5,10 +5,13 @@ sizes) is trained by `megapar.prepare(config, precision="bf16")` with and withou
 (tensorwise, rowwise), in turns (`--rounds` rounds, each variant once per round), each for
 `--warmup` + `--steps` steps from the same weights and batches. Printed per variant: tokens/s
 (the median round), its ratio to bf16 taken round by round, and the last step's loss beside
-bf16's. The float8 casts run eagerly (megapar does not compile its step): torchao's published
-speed-ups (+25 % tensorwise on Llama 3 8B) are with torch.compile fusing them.
+bf16's. By default the step runs eagerly, so the float8 casts are separate kernels; torchao's
+published speed-ups (+25 % tensorwise on Llama 3 8B) are with torch.compile fusing them:
+`--compile` compiles every variant's blocks (megapar-train's --compile; bf16 compiled is then
+the yardstick), each run's compilation inside its warm-up steps.
 
     python benchmarks/vs/fp8_bench.py                        # on a GPU with FP8 (sm 8.9+)
+    python benchmarks/vs/fp8_bench.py --compile              # compiled bf16 against compiled fp8
     python benchmarks/vs/fp8_bench.py --device cpu --tiny    # a rehearsal (float8 emulated)
 """
 
@@ -32,14 +35,17 @@ from gpu_bench import LR, data, hf_config, reset_memory, timed  # noqa: E402
 VARIANTS = ("bf16", "tensorwise", "rowwise")
 
 
-def run(variant: str, config, mbs: int, seq: int, batches, warmup: int, device, tiny) -> dict:
-    """One run of `variant`; --tiny converts every linear (the size rule would keep them all)."""
+def run(variant: str, config, mbs: int, seq: int, batches, warmup: int, device, tiny,
+        compile_blocks: bool = False) -> dict:
+    """One run of `variant`; --tiny converts every linear (the size rule would keep them all);
+    `compile_blocks`: megapar-train's --compile."""
     base = reset_memory(device)
     os.environ["MEGAPAR_CPU"] = "0" if device.type == "cuda" else "1"
     fp8 = {} if variant == "bf16" else {"fp8": variant, "fp8_emulate": device.type != "cuda",
                                         "fp8_layers": "all" if tiny else "auto"}
     engine = megapar.prepare(config, micro_batch_size=mbs, precision="bf16", seq_len=seq, lr=LR,
-                             weight_decay=0.1, clip_grad=1.0, adam_beta2=0.95, seed=1, **fp8)
+                             weight_decay=0.1, clip_grad=1.0, adam_beta2=0.95, seed=1,
+                             compile=compile_blocks, **fp8)
 
     def step(ids):
         return engine.train_step({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
@@ -57,6 +63,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny model (a rehearsal)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile every variant's blocks (compiled inside the warm-up)")
     parser.add_argument("--json", help="write every figure to this file")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -65,15 +73,17 @@ def main(argv=None) -> int:
     config, mbs, seq = hf_config("llama-1b", args.tiny)
     batches = data(config, mbs, seq, device, args.warmup + args.steps)
     results = interleave(
-        {v: (lambda v=v: run(v, config, mbs, seq, batches, args.warmup, device, args.tiny))
+        {v: (lambda v=v: run(v, config, mbs, seq, batches, args.warmup, device, args.tiny,
+                             args.compile))
          for v in ["bf16", *[v for v in args.variants if v != "bf16"]]},
         args.rounds, alternate=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (emulated)"
     print(f"fp8_bench on {name}: llama-1b{' (tiny)' if args.tiny else ''}, micro-batch {mbs} x "
-          f"{seq}, bf16 autocast, {args.steps} timed steps after {args.warmup}, "
+          f"{seq}, bf16 autocast{', compiled blocks' if args.compile else ''}, "
+          f"{args.steps} timed steps after {args.warmup}, "
           f"{args.rounds} rounds in turns")
     bf16 = results["bf16"]
-    record = {"device": name, "torch": torch.__version__, "variants": {}}
+    record = {"device": name, "torch": torch.__version__, "compile": args.compile, "variants": {}}
     for variant, runs in results.items():
         speed = statistics.median(r["tokens_per_s"] for r in runs)
         ratio = statistics.median(r["tokens_per_s"] / b["tokens_per_s"]

@@ -24,6 +24,11 @@ Which operands are split (in the 2-D views ``X [M, K]``, ``W^T [K, N]``, ``dY [M
 A tensorwise scale covers every dimension (reduced when the operand is split at all); a rowwise
 scale is the amax along one dimension (reduced when that is the split one).
 
+Under context parallelism the tokens are split over the cp group: M, the rows of X and dY, in
+every layer. Their amaxes are then reduced over cp as well where the scale covers M (tensorwise
+always; rowwise for dW = dY^T X, whose operands are scaled along M), so cp = k equals cp = 1
+too. W is whole on every cp rank.
+
 The layers' weights stay fp32 (the master copy the optimizer steps and checkpoints hold); the
 float8 copies are made per use and never stored. torchao is imported when a model is converted
 (it is an optional dependency: `megapar[fp8]`).
@@ -51,7 +56,7 @@ FP8_LAYERS = ("auto", "all")
 class Fp8Spec:
     """How one parallel linear runs its matmul in float8: torchao's recipe config and matmul
     config, the tp group (None at tp = 1) and which dimension of X / W^T / dY is split over
-    it (`None`: whole on every rank)."""
+    it (`None`: whole on every rank), and the cp group."""
 
     config: Any  # torchao.float8.Float8LinearConfig
     mm_config: Any  # torchao.float8.float8_training_tensor.LinearMMConfig
@@ -59,6 +64,13 @@ class Fp8Spec:
     x_split: int | None
     w_t_split: int | None
     dy_split: int | None
+    cp_group: Any = None
+    """The cp group, over which the rows (M: tokens) of X and dY are split; None at cp = 1."""
+    cp: bool = False
+    """Whether `cp_group` is set (a bool, which compiled code tests without a graph break)."""
+    ao: Any = None
+    """torchao's float8 config, tensor and utils modules (`_torchao`), looked up once here: the
+    lookup sets log levels, which --compile cannot trace (a graph break per layer)."""
 
 
 def _torchao():
@@ -82,11 +94,13 @@ def _torchao():
     return config, tensor, utils
 
 
-def make_spec(recipe: str, emulate: bool, group, split: str) -> Fp8Spec:
+def make_spec(recipe: str, emulate: bool, group, split: str, cp_group=None) -> Fp8Spec:
     """The `Fp8Spec` of a layer: `recipe` tensorwise / rowwise, `emulate` (fp32 products of the
     dequantised float8 values: no FP8 hardware), `split` "out" (column-parallel) or "in"
-    (row-parallel); as `Float8Linear` builds its configs."""
-    config_mod, tensor_mod, _ = _torchao()
+    (row-parallel) over the tp `group`, `cp_group` the cp ranks sharing its sequences; as
+    `Float8Linear` builds its configs."""
+    ao = _torchao()
+    config_mod, tensor_mod, _ = ao
     config = config_mod.Float8LinearConfig.from_recipe_name(recipe)
     config = dataclasses.replace(config, emulate=emulate)
     mm = [
@@ -98,6 +112,7 @@ def make_spec(recipe: str, emulate: bool, group, split: str) -> Fp8Spec:
         )
     ]
     tp = group is not None and dist.get_world_size(group) > 1
+    cp = cp_group is not None and dist.get_world_size(cp_group) > 1
     col = split == "out"
     return Fp8Spec(
         config,
@@ -106,13 +121,29 @@ def make_spec(recipe: str, emulate: bool, group, split: str) -> Fp8Spec:
         x_split=None if col or not tp else 1,
         w_t_split=(1 if col else 0) if tp else None,
         dy_split=1 if col and tp else None,
+        cp_group=cp_group if cp else None,
+        cp=cp,
+        ao=ao,
     )
 
 
-def _cast(t: torch.Tensor, cast, role, axis: int, spec: Fp8Spec, split: int | None):
+def _reduce_max(amax: torch.Tensor, group) -> None:
+    """`amax` replaced by its MAX over `group` (traced as a functional all-reduce under
+    --compile; bounded by the group's timeout eagerly)."""
+    if torch.compiler.is_compiling():
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    else:
+        with blocked(amax.device):
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+
+
+def _cast(
+    t: torch.Tensor, cast, role, axis: int, spec: Fp8Spec, split: int | None, rows_cp: bool = True
+):
     """`t` as torchao's float8 tensor under `cast` (a CastConfig), its rowwise scale along
-    `axis`; the amax reduced over tp where `split` is the dimension the scale covers."""
-    config_mod, tensor_mod, utils = _torchao()
+    `axis`; the amax reduced over tp where `split` is the dimension the scale covers, and over
+    cp where the scale covers the rows (`rows_cp`: t's rows are tokens, X and dY)."""
+    config_mod, tensor_mod, utils = spec.ao
     if cast.scaling_type is config_mod.ScalingType.DISABLED:
         return t
     granularity = cast.scaling_granularity
@@ -120,11 +151,9 @@ def _cast(t: torch.Tensor, cast, role, axis: int, spec: Fp8Spec, split: int | No
     dim = None if tensorwise else axis
     amax = utils.tensor_to_amax(t, False, None, granularity, dim)
     if split is not None and (tensorwise or axis % t.dim() == split % t.dim()):
-        if torch.compiler.is_compiling():  # --compile: traced as a functional all-reduce
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=spec.group)
-        else:
-            with blocked(amax.device):
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=spec.group)
+        _reduce_max(amax, spec.group)
+    if spec.cp and rows_cp and (tensorwise or axis % t.dim() == 0):
+        _reduce_max(amax, spec.cp_group)
     scale = utils.amax_to_scale(amax, cast.target_dtype, spec.config.round_scales_to_power_of_2)
     return tensor_mod.hp_tensor_and_scale_to_float8(
         t, scale, cast.target_dtype, spec.mm_config, role, dim
@@ -133,24 +162,25 @@ def _cast(t: torch.Tensor, cast, role, axis: int, spec: Fp8Spec, split: int | No
 
 class _Float8Matmul(torch.autograd.Function):
     """X [M, K] @ W^T [K, N] in float8 (torchao's `matmul_with_hp_or_float8_args`, with
-    tp-reduced amaxes; torchao takes X [..., K] and reshapes inside: the same numbers)."""
+    tp- and cp-reduced amaxes; torchao takes X [..., K] and reshapes inside: the same numbers)."""
 
     @staticmethod
     def forward(ctx, x, w_t, spec: Fp8Spec):
         ctx.save_for_backward(x, w_t)
         ctx.spec = spec
-        c, role = spec.config, _torchao()[1].GemmInputRole
+        c, role = spec.config, spec.ao[1].GemmInputRole
         x8 = _cast(x, c.cast_config_input, role.INPUT, -1, spec, spec.x_split)
-        w8 = _cast(w_t, c.cast_config_weight, role.WEIGHT, 0, spec, spec.w_t_split)
+        w8 = _cast(w_t, c.cast_config_weight, role.WEIGHT, 0, spec, spec.w_t_split, False)
         return torch.mm(x8, w8)  # not a view: a row-parallel layer reduces it in place
 
     @staticmethod
     def backward(ctx, dy):
         x, w_t = ctx.saved_tensors
         spec: Fp8Spec = ctx.spec
-        c, role = spec.config, _torchao()[1].GemmInputRole
+        c, role = spec.config, spec.ao[1].GemmInputRole
         dy8 = _cast(dy, c.cast_config_grad_output, role.GRAD_OUTPUT, -1, spec, spec.dy_split)
-        w8 = _cast(w_t, c.cast_config_weight_for_grad_input, role.WEIGHT, -1, spec, spec.w_t_split)
+        w_cast = c.cast_config_weight_for_grad_input
+        w8 = _cast(w_t, w_cast, role.WEIGHT, -1, spec, spec.w_t_split, False)
         dx = torch.mm(dy8, w8.t())
         go = c.cast_config_grad_output_for_grad_weight
         dy8 = _cast(dy, go, role.GRAD_OUTPUT, 0, spec, spec.dy_split)

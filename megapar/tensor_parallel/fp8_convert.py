@@ -11,8 +11,12 @@ K <= 4096 and N <= 1024; rowwise when N <= 2048, K <= 1024, or N <= 4096 and K <
 Only `ColumnParallelLinear` and `RowParallelLinear` (the blocks' projections and MLPs) are
 candidates: the embedding, the LM head (tied or not, fused with the loss), Llama's replicated
 k / v heads (`ReplicatedHeads`, when tp does not divide the kv heads) and BERT's MLM transform
-always stay in high precision, as in torchtitan. torchao's rule in this module is copied rather
-than called: torchao's filter takes `nn.Linear` modules and megapar's layers are not.
+always stay in high precision, as in torchtitan, and so do a mixture of experts' router and routed
+experts (their grouped matmuls: torchao's float8 grouped matmul is a prototype of Triton
+kernels, CUDA only); its shared experts are column- and row-parallel linears like the rest.
+The line `convert_to_fp8` returns names every such module. torchao's rule in this module is
+copied rather than called: torchao's filter takes `nn.Linear` modules and megapar's layers are
+not.
 """
 
 from __future__ import annotations
@@ -41,25 +45,31 @@ def wanted(recipe: str, n: int, k: int, layers: str = "auto") -> str | None:
     return None
 
 
-def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool, layers: str = "auto") -> str:
+def convert_to_fp8(
+    model: nn.Module, recipe: str, emulate: bool, layers: str = "auto", cp_group=None
+) -> str:
     """Point every wanted parallel linear of `model` at its float8 matmul (an `Fp8Spec` in its
-    `fp8` attribute; the weights are untouched) and return one line saying which layers of this
-    rank run in float8 and which stay in high precision, with their local N x K."""
+    `fp8` attribute; the weights are untouched; `cp_group`: the ranks its sequences are split
+    over, None at cp 1) and return one line saying which layers of this rank run in float8 and
+    which stay in high precision, with their local N x K."""
     if recipe not in FP8_RECIPES[1:] or layers not in FP8_LAYERS:
         raise ValueError(f"fp8 recipe {recipe!r} / layers {layers!r} unknown")
     converted: dict[str, int] = {}
     kept: dict[str, str] = {}
+    always: dict[str, None] = {}  # ordered set of the other modules holding matrices
     for name, module in model.named_modules():
+        short = ".".join(p for p in name.split(".") if not p.isdigit())  # per kind, not layer
         if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            if any(p.ndim >= 2 for p in module.parameters(recurse=False)):
+                always[short] = None
             continue
         n, k = module.weight.shape
-        short = ".".join(p for p in name.split(".") if not p.isdigit())  # per kind, not layer
         why = wanted(recipe, n, k, layers)
         if why is not None:
             kept[f"{short} {n}x{k}"] = why
             continue
         split = "out" if isinstance(module, ColumnParallelLinear) else "in"
-        module.fp8 = make_spec(recipe, emulate, module.group, split)
+        module.fp8 = make_spec(recipe, emulate, module.group, split, cp_group)
         converted[f"{short} {n}x{k}"] = converted.get(f"{short} {n}x{k}", 0) + 1
     mode = " (emulated: fp32 products)" if emulate else ""
     line = f"fp8 {recipe}{mode}: {sum(converted.values())} linears in float8"
@@ -67,4 +77,4 @@ def convert_to_fp8(model: nn.Module, recipe: str, emulate: bool, layers: str = "
         line += f" ({', '.join(converted)})"
     if kept:
         line += "; kept in high precision: " + ", ".join(f"{k} ({w})" for k, w in kept.items())
-    return line + "; embedding and LM head always kept"
+    return line + ("; always in high precision: " + ", ".join(always) if always else "")

@@ -69,7 +69,7 @@ def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
     summary = (
         None
         if cfg.fp8 == "off"
-        else convert_to_fp8(model, cfg.fp8, cfg.fp8_emulate, cfg.fp8_layers)
+        else convert_to_fp8(model, cfg.fp8, cfg.fp8_emulate, cfg.fp8_layers, mesh.cp_group)
     )
     if cfg.compile and not cfg.dry_run:  # the rehearsal's fake tensors run eagerly
         compile_blocks(model)  # after fp8's conversion, before any hook on the blocks

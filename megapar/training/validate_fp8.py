@@ -1,5 +1,5 @@
-"""`--fp8`'s checks, before any worker starts: torchao installed, a GPU with FP8 (or
---fp8-emulate), and the layouts the float8 linears serve (`check_fp8`)."""
+"""`--fp8`'s checks, before any worker starts: torchao installed and a GPU with FP8 (or
+--fp8-emulate) (`check_fp8`)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,6 @@ def check_fp8(cfg, hardware: bool = True, given: set[str] | None = None) -> None
         raise Fp8Error(
             f"--fp8 {cfg.fp8} needs torchao's float8 training, which is not installed: "
             f"pip install 'megapar[fp8]' (or torchao==0.18.0), or drop --fp8"
-        )
-    if cfg.cp > 1:
-        raise Fp8Error(
-            f"--fp8 with --cp {cfg.cp} is not supported (a sequence split over cp ranks would "
-            f"give each its own float8 scales): drop --cp or --fp8"
         )
     if hardware and not cfg.fp8_emulate:
         _check_gpu(cfg.fp8)
