@@ -166,7 +166,7 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
         if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
             raise ValueError(
                 f"--data holds fewer than one global batch of "
-                f"{cfg.global_batch_size}: at most {most:,} samples of "
+                f"{cfg.global_batch_size}: at most {most:,} sample{'s' * (most != 1)} of "
                 f"{cfg.seq_len} tokens by its size; use more data, a shorter "
                 f"--seq-len or a smaller --global-batch-size"
             )
