@@ -75,7 +75,7 @@ embedding-sized gradients at the end of the backward, so 10 % (about 0.18 GiB) i
 run-to-run noise (0.14 GiB seen); one rank, one step of 64 tokens (14 s under a load of 11 on
 2 cores, most of it building the model; 2 blocks would halve it, but their smaller peak
 moves by as much as 10 % of it). Layouts whose
-activations dominate are measured by benchmarks/memory/peak_memory.py (docs/planner.md)."""
+activations dominate are measured by benchmarks/memory/peak_memory.py (docs/guides/planner.md)."""
 
 
 def _config(kwargs: dict, seq: int):

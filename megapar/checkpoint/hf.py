@@ -355,8 +355,8 @@ def save_hf(
     ``model_max_length`` the model's positions), so `AutoTokenizer.from_pretrained(out_dir)`
     works too; the config's special ids (``pad_token_id``, ``bos_token_id``, ...) are then the
     tokenizer's (transformers builds BERT's embedding with ``padding_idx=pad_token_id``). A
-    causal LM (GPT-2, Llama) gets a ``generation_config.json`` too: `generation_config` (the
-    one of the transformers model it was imported from), else transformers'
+    causal LM (GPT-2, Llama, Mixtral, Qwen3-MoE) gets a ``generation_config.json`` too:
+    `generation_config` (the one of the transformers model it was imported from), else transformers'
     ``GenerationConfig.from_model_config`` of the config written. `dtype`: the weights' dtype
     in the files (default: as given), recorded as the config's ``dtype``. `tokenizer_rows`: a
     causal LM's embedding (and head) cut to its tokenizer's ids (`cut_to_tokenizer`). As

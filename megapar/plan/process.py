@@ -6,7 +6,7 @@ beyond its tensors.
 activations kept for backward, the loss's and recomputation's buffers). A process holds more:
 transient tensors the step makes and frees, and memory its allocator keeps around them. Each
 term below is named in `megapar-plan`'s output (`Term`), with the measurement it rests on in
-docs/planner.md ("The device's peak").
+docs/guides/planner.md ("The process at its peak").
 
 The tensors' peak is the larger of two phases:
 
