@@ -25,6 +25,7 @@ from megapar.cli.plan_args import (
     check_layout_arguments,
     check_mode_arguments,
     check_number_arguments,
+    check_search_arguments,
 )
 from megapar.cli.plan_verify import verify_estimates
 from megapar.faults.processes import exit_uncollected
@@ -246,6 +247,7 @@ def _problem(args):
     check_layout_arguments(args)
     check_number_arguments(args)
     check_mode_arguments(args)
+    check_search_arguments(args, config)
     return Problem(
         config,
         args.gpus,

@@ -119,3 +119,34 @@ def check_mode_arguments(args) -> None:
             "--today plans what megapar-train runs now, and it keeps fp32 "
             "parameters: drop --master-weights separate (or drop --today)"
         )
+
+
+def check_search_arguments(args, config) -> None:
+    """ValueError if an option names a setting no layout reads (`--moe-imbalance` for a model
+    without experts), or if the search's ZeRO stages and offloads leave no layout to try (ZeRO
+    at one GPU, `--offload both` without ZeRO-3): the search would reject nothing for it and
+    name another reason, or none."""
+    if args.moe_imbalance is not None and not getattr(config, "num_moe_layers", 0):
+        raise ValueError(
+            f"--moe-imbalance applies to a mixture-of-experts model (mixtral, qwen3_moe: e.g. "
+            f"--model mixtral-tiny); this {config.model_type} model has no experts: remove "
+            f"the flag"
+        )
+    if args.explain:  # one layout: its own zero= and offload= are checked with it
+        return
+    listed = " ".join(map(str, args.zero_stages))
+    stages = [z for z in args.zero_stages if z == 0 or args.gpus > 1]
+    if not stages:
+        raise ValueError(
+            f"--zero-stages {listed}: ZeRO shards over the data-parallel ranks, and --gpus 1 "
+            f"has one: add 0 to --zero-stages, or raise --gpus"
+        )
+    if set(args.offload) == {"both"} and 3 not in stages:
+        if 3 in args.zero_stages:  # tried only where there are dp ranks to shard over
+            why, fix = "--gpus 1 has no ZeRO-3 layout", "raise --gpus"
+        else:
+            why, fix = f"--zero-stages {listed} has no 3", "add 3 to --zero-stages"
+        raise ValueError(
+            f"--offload both moves ZeRO-3's parameter shards to the host, and {why}: {fix}, "
+            f"or try the other offloads too (--offload none optimizer both)"
+        )
