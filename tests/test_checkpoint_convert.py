@@ -134,6 +134,12 @@ def test_cli_usage_errors(tmp_path, capsys):
         assert (f"cannot export into {into}: it holds a megapar checkpoint"
                 in capsys.readouterr().err)
         assert not (step / "config.json").exists() and not (tmp_path / "src" / "config.json").exists()
+    # ... and into a directory inside one (it was written among the step's files)
+    for into in (step / "hf", tmp_path / "src" / "hf"):
+        assert main([src, "--to-hf", str(into)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot export into {into}: it is inside the megapar checkpoint" in err, err
+        assert len(err.strip().splitlines()) == 1 and not into.exists()
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
