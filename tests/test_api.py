@@ -668,6 +668,16 @@ def test_prepare_names_an_architecture_it_does_not_build():
         megapar.prepare(opt)
 
 
+def test_prepare_names_the_option_a_misspelt_one_meant():
+    """A misspelt keyword said only 'see TrainConfig' (megapar-train's parser names the flag)."""
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    with pytest.raises(TypeError, match=r"unknown options \['lrr', 'zzz'\]; lrr: did you mean "
+                                        r"lr\?; see TrainConfig"):
+        megapar.prepare(cfg, lrr=1e-3, zzz=1)
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"zero": 3, "offload_params": True},
      ["megapar.prepare: offload_params=True needs offload_optimizer=True"]),

@@ -4,6 +4,7 @@ and wrapped in an `Engine` (see engine.py), for users who write their own traini
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import warnings
 
 import torch
@@ -157,9 +158,15 @@ def prepare(
             f"{', '.join(map(repr, ON_NONFINITE))}"
         )
     config, reader = _resolve_model(model)
-    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrainConfig)})
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    unknown = sorted(set(options) - set(fields))
     if unknown:
-        raise TypeError(f"megapar.prepare got unknown options {unknown}; see TrainConfig")
+        close = {u: difflib.get_close_matches(u, fields, n=1) for u in unknown}
+        hint = "; ".join(f"{u}: did you mean {m[0]}?" for u, m in close.items() if m)
+        raise TypeError(
+            f"megapar.prepare got unknown options {unknown}; {hint + '; ' if hint else ''}"
+            f"see TrainConfig"
+        )
     _refuse_unread(options)
     cfg = TrainConfig(
         tp=tp,
