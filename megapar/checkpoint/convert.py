@@ -150,6 +150,9 @@ def check_output(path, into: bool = False) -> None:
 
 def _swap_into(tmp: Path, dst: Path) -> None:
     """Move a finished output to `dst`, replacing an existing `dst` only at the very end."""
+    # both as the paths they name now: `dst` spelt through itself (out/../out) names nothing
+    # once the old `dst` is moved aside
+    tmp, dst = tmp.resolve(), dst.parent.resolve() / dst.name
     old = None
     if dst.exists():
         old = dst.parent / f".{dst.name}.old-{secrets.token_hex(4)}"
