@@ -116,12 +116,19 @@ def test_existing_dst_is_refused_without_overwrite(src, tmp_path, capsys):
 
 def test_overwrite_of_a_dst_spelt_through_itself(src, tmp_path, capsys):
     """DST out/../out: the old out was moved aside, then out/.. named nothing, so the rename
-    failed ('No such file or directory') and out was gone, left as two hidden directories."""
+    failed ('No such file or directory') and out was gone, left as two hidden directories;
+    and a DST that is a file."""
     dst = _dst_with_marker(tmp_path)
     spelt = f"{dst}/../{dst.name}"
     assert main([str(src), spelt, "--tp", "1", "--pp", "2", "--overwrite", "--no-progress"]) == 0
     assert "wrote" in capsys.readouterr().out
     assert (dst / LATEST).is_file() and not (dst / "marker").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    # a file replaced by --overwrite was left beside it as a hidden .NAME.old-* (rmtree of a
+    # file fails, and its errors were ignored)
+    (tmp_path / "afile").write_text("x")
+    assert main([str(src), str(tmp_path / "afile"), "--overwrite", "--no-progress"]) == 0
+    assert (tmp_path / "afile" / LATEST).is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 

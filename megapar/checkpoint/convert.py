@@ -159,8 +159,10 @@ def _swap_into(tmp: Path, dst: Path) -> None:
         os.rename(dst, old)
     os.rename(tmp, dst)
     fsync_dir(dst.parent)
-    if old is not None:
+    if old is not None and old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)
+    elif old is not None:  # a file (or link) --overwrite replaced
+        old.unlink(missing_ok=True)
 
 
 def write_checkpoint(
