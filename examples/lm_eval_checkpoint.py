@@ -15,7 +15,9 @@ task from the Shakespeare sample shipped with megapar, so it works without a net
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 TASK = "megapar_shakespeare_tiny"
@@ -76,13 +78,18 @@ def evaluate(ckpt: str | Path, work: str | Path, docs: list[str] | None = None,
     return results, per_doc
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ckpt", help="a checkpoint written by megapar-train --save")
     parser.add_argument("--work", default="lm_eval_work", help="where the export and task go")
     parser.add_argument("--tasks", nargs="+", help="lm-eval tasks (default: the local one)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    missing = [m for m in ("lm_eval", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:  # before the export: lm-eval's hf model needs both
+        print(f"lm_eval_checkpoint.py: error: {' and '.join(missing)} not installed: pip "
+              f"install 'megapar[eval]' (or pip install 'lm-eval[hf]')", file=sys.stderr)
+        sys.exit(2)
     results, _ = evaluate(args.ckpt, args.work, tasks=args.tasks)
     print(json.dumps(results["results"], indent=1, default=str))
 

@@ -668,6 +668,16 @@ def test_prepare_names_an_architecture_it_does_not_build():
         megapar.prepare(opt)
 
 
+def test_prepare_names_the_option_a_misspelt_one_meant():
+    """A misspelt keyword said only 'see TrainConfig' (megapar-train's parser names the flag)."""
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    with pytest.raises(TypeError, match=r"unknown options \['lrr', 'zzz'\]; lrr: did you mean "
+                                        r"lr\?; see TrainConfig"):
+        megapar.prepare(cfg, lrr=1e-3, zzz=1)
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"zero": 3, "offload_params": True},
      ["megapar.prepare: offload_params=True needs offload_optimizer=True"]),
@@ -681,6 +691,13 @@ def test_prepare_names_an_architecture_it_does_not_build():
     # a misspelt or missing key of the schedule was LRScheduler's raw TypeError
     ({"lr_schedule": {"max_step": 10}}, ["lr_schedule has unknown keys ['max_step']"]),
     ({"lr_schedule": {"warmup_steps": 2}}, ["lr_schedule has no 'max_steps'", "(needed)"]),
+    # read by no part of the engine: trained at a constant lr, saved nothing
+    ({"warmup_steps": 100}, ["megapar.prepare: warmup_steps=100 is megapar-train's learning-rate "
+                             "schedule", "pass lr_schedule={'max_steps'"]),
+    ({"max_steps": 10, "lr": 1e-3}, ["max_steps=10", "pass lr_schedule="]),
+    ({"save": "ckpt", "save_interval": 1}, ["megapar.prepare: save='ckpt' is read only by "
+                                            "megapar-train's own loop", "engine.save(dir)"]),
+    ({"log_interval": 1}, ["log_interval=1 is read only by megapar-train's own loop"]),
 ])
 def test_prepare_refuses_what_megapar_train_refuses_in_the_apis_terms(kwargs, words):
     """zero=3 with offload_params=True but no offload_optimizer trained as plain ZeRO-3 (the CLI

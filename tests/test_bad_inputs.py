@@ -143,6 +143,10 @@ TRAIN = [
     (["--tp", "3"], "4 attention heads are not divisible by --tp 3"),
     (["--pp", "3"], "2 layers cannot be cut into --pp 3 stages"),
     (["--seq-len", "100"], "--seq-len 100 exceeds the model's maximum of 64 positions"),
+    # was the dataset's "seq_len must be >= 5 ..., got 4", naming neither the flag nor the fix
+    (["--model", "bert-tiny", "--seq-len", "4"], "--seq-len 4 is too short for a BERT model's "
+                                                 "samples: [CLS] A [SEP] B [SEP] takes at least "
+                                                 "5 tokens; raise --seq-len"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"],
      "global batch size 10 is not divisible by micro-batch size 4"),
     (["--config", "{missing.yaml}"], "no such config file"),

@@ -1,6 +1,9 @@
 """Offline conversion between layouts is exact: weights and optimizer moments, bitwise."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -134,6 +137,22 @@ def test_cli_usage_errors(tmp_path, capsys):
         assert (f"cannot export into {into}: it holds a megapar checkpoint"
                 in capsys.readouterr().err)
         assert not (step / "config.json").exists() and not (tmp_path / "src" / "config.json").exists()
+    # `--info | head` (stdout closed while printing) said "error: [Errno 32] Broken pipe", exit 2
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-u", "-c", "import sys; from megapar.cli.convert "
+                               f"import main; sys.exit(main(['--info', {src!r}, '--fast']))"],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (1, ""), done.stderr
+    # ... and into a directory inside one (it was written among the step's files)
+    for into in (step / "hf", tmp_path / "src" / "hf"):
+        assert main([src, "--to-hf", str(into)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot export into {into}: it is inside the megapar checkpoint" in err, err
+        assert len(err.strip().splitlines()) == 1 and not into.exists()
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):

@@ -8,7 +8,7 @@ from test_checkpoint_helpers import save_serial, tiny_config
 from megapar.checkpoint import convert as cv
 from megapar.checkpoint.distributed import load_checkpoint
 from megapar.checkpoint.export import export_hf
-from megapar.checkpoint.format import CheckpointError, ShardReader
+from megapar.checkpoint.format import LATEST, CheckpointError, ShardReader
 from megapar.checkpoint.manifest import read_manifest, verify
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.convert import main
@@ -112,6 +112,24 @@ def test_existing_dst_is_refused_without_overwrite(src, tmp_path, capsys):
     assert main([str(src), str(dst), "--tp", "1", "--pp", "1"]) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     _assert_untouched(dst)
+
+
+def test_overwrite_of_a_dst_spelt_through_itself(src, tmp_path, capsys):
+    """DST out/../out: the old out was moved aside, then out/.. named nothing, so the rename
+    failed ('No such file or directory') and out was gone, left as two hidden directories;
+    and a DST that is a file."""
+    dst = _dst_with_marker(tmp_path)
+    spelt = f"{dst}/../{dst.name}"
+    assert main([str(src), spelt, "--tp", "1", "--pp", "2", "--overwrite", "--no-progress"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert (dst / LATEST).is_file() and not (dst / "marker").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    # a file replaced by --overwrite was left beside it as a hidden .NAME.old-* (rmtree of a
+    # file fails, and its errors were ignored)
+    (tmp_path / "afile").write_text("x")
+    assert main([str(src), str(tmp_path / "afile"), "--overwrite", "--no-progress"]) == 0
+    assert (tmp_path / "afile" / LATEST).is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_hf_export_keeps_other_files_and_replaces_an_export_only_when_asked(src, tmp_path):

@@ -91,6 +91,14 @@ def test_without_latest_the_newest_complete_step_loads(tmp_path):
     assert resolve_checkpoint(root) == root / "step_00000005"
 
 
+def test_a_root_under_home_written_with_a_tilde_resolves(tmp_path, monkeypatch):
+    """--load '~/ckpt' (quoted, or from a --config file) passed the checks before the workers,
+    which expand ~, and then failed in every worker: '~/ckpt: no such checkpoint directory'."""
+    save_serial(tmp_path / "root", seed=7, step=3)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_checkpoint("~/root") == tmp_path / "root" / "step_00000003"
+
+
 def test_a_live_runs_staging_dir_is_not_cleaned(tmp_path):
     root = tmp_path / "root"
     save_serial(root, seed=7, step=3)

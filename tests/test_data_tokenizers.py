@@ -108,3 +108,26 @@ def test_a_shipped_tokenizer_recorded_by_another_install_loads_from_this_one(tmp
     # any other missing file is still refused, naming it
     with pytest.raises(ValueError, match="unknown tokenizer"):
         load_tokenizer(str(tmp_path / "old-venv" / "megapar" / "assets" / "no_such.model"))
+
+
+def test_raw_text_records_the_runs_own_tokenizer_not_the_cached_datasets(tmp_path):
+    """Raw text is tokenized into a cache keyed by the text's and the tokenizer files' content,
+    so a second run with the same text and a copy of the tokenizer elsewhere reuses the first
+    run's dataset, whose .json names the first run's copy: checkpoints recorded that path (one
+    the run never gave; moved or deleted, its export and resume then failed on it)."""
+    from megapar.data import IndexedDataset
+    from megapar.data.preprocess import ensure_dataset
+    from megapar.training.tokenizer_checks import data_tokenizer_spec
+
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question.\n\nWhether 'tis nobler.\n")
+    first, mine = tmp_path / "first.model", tmp_path / "mine.model"
+    for copy in (first, mine):
+        shutil.copy(asset_path("botchan_en_unigram_1000.model"), copy)
+    cache = tmp_path / "cache"
+    assert ensure_dataset(str(text), str(first), str(cache)) == \
+        (prefix := ensure_dataset(str(text), str(mine), str(cache)))  # one cached dataset
+    cached = IndexedDataset(prefix).tokenizer_spec
+    assert cached["path"] == str(first)
+    assert data_tokenizer_spec(str(text), str(mine), cached)["path"] == str(mine)
+    assert data_tokenizer_spec(prefix, str(mine), cached) == cached  # a prepared dataset's own

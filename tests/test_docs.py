@@ -6,7 +6,8 @@
 - the README's two set-up commands are the ones .ci/run runs;
 - every code block marked runnable (an HTML comment line `<!-- runnable -->` right before its
   fence) in README.md and docs/ runs as written in a fresh empty directory and exits 0: bash
-  blocks with `bash -e -o pipefail`, python blocks with `python3`.
+  blocks with `bash -e -o pipefail`, python blocks with `python3`; a `step N | ...` line shown
+  in a text block right after one is in its output.
 """
 
 from __future__ import annotations
@@ -56,15 +57,31 @@ def code_blocks(path: Path) -> list[tuple[int, str, str, bool]]:
     return blocks
 
 
+STEP_LINE = re.compile(r"^step\s+\d+ \|")
+
+
+def shown_step_lines(block, following) -> list[str]:
+    """What a runnable block's output is shown to hold: the pieces (around `| ... |`) of each
+    `step N | ...` line of a text block that starts within 10 lines after it."""
+    if following is None or following[1] != "text":
+        return []
+    if following[0] - (block[0] + block[2].count("\n")) > 10:
+        return []
+    lines = [line for line in following[2].splitlines() if STEP_LINE.match(line)]
+    return [piece for line in lines for piece in line.split(" | ... | ")]
+
+
 def runnable_blocks() -> list:
     out = []
     for path in doc_files():
-        for line, lang, text, marked in code_blocks(path):
+        blocks = code_blocks(path)
+        for block, following in zip(blocks, [*blocks[1:], None]):
+            line, lang, text, marked = block
             if marked:
                 name = f"{path.relative_to(ROOT)}:{line}"
                 assert lang in RUNNERS, f"{name}: a runnable block must be bash or python, " \
                                         f"not {lang!r}"
-                out.append(pytest.param(lang, text, id=name))
+                out.append(pytest.param(lang, text, shown_step_lines(block, following), id=name))
     return out
 
 
@@ -78,8 +95,9 @@ def test_every_use_in_the_readme_has_a_runnable_recipe():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lang, text", RUNNABLE)
-def test_runnable_block_runs_as_written(lang, text, tmp_path):
+@pytest.mark.parametrize("lang, text, shown", RUNNABLE)
+def test_runnable_block_runs_as_written(lang, text, shown, tmp_path):
+    """It exits 0, and the step lines the text right after it shows are in its output."""
     script = tmp_path / ("block.py" if lang == "python" else "block.sh")
     script.write_text(text)
     work = tmp_path / "work"
@@ -89,6 +107,9 @@ def test_runnable_block_runs_as_written(lang, text, tmp_path):
                           capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, (f"exit code {done.returncode}\n--- stdout\n{done.stdout[-3000:]}"
                                   f"\n--- stderr\n{done.stderr[-3000:]}")
+    printed = done.stdout + done.stderr
+    for piece in shown:  # the doc shows what a run prints (moe.md's losses were stale)
+        assert piece in printed, f"the doc shows {piece!r}; the run printed:\n{printed[-3000:]}"
 
 
 def _gen_cli_docs():

@@ -96,7 +96,8 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, c
         _refuse_workers(monkeypatch)  # (both were a worker's ValueError, exit 1, a traceback)
         data = ["--load", str(ckpt), "--data", corpus[0]]
         assert evaluate([*data, "--seq-len", "4"]) == 2
-        assert "--seq-len 4: seq_len must be >= 5" in _one_error_line(capsys)
+        assert "--seq-len 4 is too short for a BERT model's samples: [CLS] A [SEP] B [SEP] " \
+               "takes at least 5 tokens; raise --seq-len" in _one_error_line(capsys)
         assert evaluate([*data, "--seq-len", "64", "--micro-batch-size", "100000"]) == 2
         assert "MLM samples of 64 tokens, fewer than one batch" in _one_error_line(capsys)
 

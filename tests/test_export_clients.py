@@ -519,6 +519,26 @@ def test_training_from_a_bf16_model_exports_bf16(tmp_path, text):
 
 
 # --- lm-evaluation-harness ---------------------------------------------------------------------
+def test_the_lm_eval_example_without_lm_eval_says_what_to_install(monkeypatch, capsys):
+    """Without lm-eval it stopped with ModuleNotFoundError's traceback, after the export."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "lm_eval_checkpoint", Path(__file__).resolve().parents[1] / "examples" /
+        "lm_eval_checkpoint.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    monkeypatch.setattr(example, "export", lambda *a: pytest.fail("exported without lm-eval"))
+    with pytest.raises(SystemExit) as exit_:
+        example.main(["no-such-ckpt"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and "lm_eval" in err[0] and "not installed: " \
+        "pip install 'megapar[eval]'" in err[0], err
+
+
 def test_lm_eval_on_an_export_gives_megapars_log_likelihoods(tmp_path, text):
     """The recipe of examples/lm_eval_checkpoint.py: export, then lm-eval's `hf` model with
     `pretrained=DIR` alone, on a tiny local task (no download). Its rolling log-likelihood of

@@ -308,6 +308,27 @@ def test_checkpoint_saved_under_fp8_is_fp32_and_moves_to_fp32_runs_and_back(tmp_
     assert back[0] == [fp8_run[0][1]]
 
 
+@needs_torchao
+def test_the_fp8_line_says_a_moe_stage_keeps_its_experts():
+    """The routers and routed experts are no parallel linears, so they stay in high precision;
+    the run's line says so with their share (it named only the embedding and the head, so
+    mixtral-8x7b read as converted where 97 % of its parameters were not)."""
+    from megapar.models.recipes import resolve_model
+    from megapar.training.engine_parts import stage_for
+
+    cfg = TrainConfig(fp8="rowwise", fp8_emulate=True, fp8_layers="all")
+    config = dataclasses.replace(resolve_model("mixtral-tiny"), vocab_size=VOCAB)
+    model, line = stage_for(cfg, config, make_mesh(1))
+    experts = sum(p.numel() for n, p in model.named_parameters() if "experts" in n)
+    share = experts / sum(p.numel() for p in model.parameters())
+    assert 0.5 < share < 1 and line.endswith(
+        f"; the routed experts hold {share:.0%} of this rank's parameters"
+    ) and "high precision: embed.word, layers.mlp.router, layers.mlp.experts" in line, line
+    dense = dataclasses.replace(resolve_model("llama-tiny"), vocab_size=VOCAB)
+    dense = stage_for(cfg, dense, make_mesh(1))[1]
+    assert "experts" not in dense and "always in high precision: embed.word" in dense, dense
+
+
 # --- refusals ------------------------------------------------------------------------------
 
 def _refusal(**fields) -> str:

@@ -434,10 +434,20 @@ def test_the_cli_names_what_the_user_can_change(capsys):
     (["--micro-batch-sizes", "2", "-2"], "--micro-batch-sizes -2 is invalid"),
     (["--virtual-stages", "0"], ("--virtual-stages 0 is invalid: they are the model chunks per "
                                  "rank tried for the interleaved schedule, >= 2")),
+    # these three left no option to try, and the plan named another reason ("12 attention
+    # heads are not divisible by --tp 8") or "no split of --gpus 1 ... was left to try"
+    (["--gpus", "1", "--zero-stages", "1"], ("--zero-stages 1: ZeRO shards over the "
+                                             "data-parallel ranks, and --gpus 1 has one")),
+    (["--offload", "both", "--zero-stages", "1", "2"], (
+        "--offload both moves ZeRO-3's parameter shards to the host, and --zero-stages 1 2 "
+        "has no 3: add 3 to --zero-stages")),
+    (["--gpus", "1", "--offload", "both"], "--gpus 1 has no ZeRO-3 layout: raise --gpus"),
+    # read by no layout of a dense model: was ignored (exit code 0)
+    (["--moe-imbalance", "2"], "this gpt2 model has no experts: remove the flag"),
 ])
 def test_cli_refuses_sizes_no_layout_can_have(capsys, flags, message):
     """Each in one line (exit code 2), not "no valid layout; most common reasons:" and nothing,
-    nor a table of layouts rejected for a micro-batch size of 0."""
+    nor a table of layouts rejected for a micro-batch size of 0, nor a reason that is not it."""
     code, out = _cli(capsys, "--model", "gpt2-tiny", "--gpus", "8", "--global-batch-size", "32",
                      "--seq-len", "32", *flags)
     lines = out.err.strip().splitlines()

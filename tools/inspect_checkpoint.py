@@ -20,16 +20,9 @@ def main(argv=None) -> int:
     p.add_argument("checkpoint", help="checkpoint root or step directory")
     p.add_argument("--no-tensors", action="store_true", help="summary only, no tensor table")
     args = p.parse_args(argv)
-    from megapar.checkpoint.convert import checkpoint_info
-    from megapar.checkpoint.format import CheckpointError
+    from megapar.cli.convert import main as convert  # its errors, a reader gone (| head)
 
-    try:
-        print(checkpoint_info(args.checkpoint, tensors=not args.no_tensors))
-    except CheckpointError as exc:
-        print(f"inspect_checkpoint: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
+    return convert(["--info", args.checkpoint, "--fast", *([] if args.no_tensors else ["--tensors"])])
 
 if __name__ == "__main__":
     sys.exit(main())

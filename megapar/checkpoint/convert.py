@@ -100,6 +100,15 @@ def _refuse_existing(dst: Path, overwrite: bool) -> None:
         )
 
 
+def _checkpoint_above(path: Path) -> Path | None:
+    """The nearest directory above `path` that is a checkpoint root or step directory (holds
+    `latest` or a manifest), or None."""
+    return next(
+        (a for a in path.resolve().parents if any((a / n).is_file() for n in (MANIFEST, LATEST))),
+        None,
+    )
+
+
 def check_output(path, into: bool = False) -> None:
     """Raise CheckpointError (naming `path` and the fix) unless the output `path` can be
     written, before any source is read: a checkpoint root is built beside it (in its parent,
@@ -116,6 +125,12 @@ def check_output(path, into: bool = False) -> None:
         raise CheckpointError(
             f"cannot export into {path}: it holds a megapar checkpoint ({', '.join(held)}), "
             f"and the transformers files would be mixed into it; choose another directory"
+        )
+    outer = _checkpoint_above(target) if into else None
+    if outer is not None:  # its step directories would hold, or sit beside, the export
+        raise CheckpointError(
+            f"cannot export into {path}: it is inside the megapar checkpoint {outer}, and "
+            f"the transformers files would be mixed into it; choose a directory outside it"
         )
     directory = target if into else target.parent
     try:
@@ -135,14 +150,19 @@ def check_output(path, into: bool = False) -> None:
 
 def _swap_into(tmp: Path, dst: Path) -> None:
     """Move a finished output to `dst`, replacing an existing `dst` only at the very end."""
+    # both as the paths they name now: `dst` spelt through itself (out/../out) names nothing
+    # once the old `dst` is moved aside
+    tmp, dst = tmp.resolve(), dst.parent.resolve() / dst.name
     old = None
     if dst.exists():
         old = dst.parent / f".{dst.name}.old-{secrets.token_hex(4)}"
         os.rename(dst, old)
     os.rename(tmp, dst)
     fsync_dir(dst.parent)
-    if old is not None:
+    if old is not None and old.is_dir() and not old.is_symlink():
         shutil.rmtree(old, ignore_errors=True)
+    elif old is not None:  # a file (or link) --overwrite replaced
+        old.unlink(missing_ok=True)
 
 
 def write_checkpoint(

@@ -259,8 +259,9 @@ def clean_stale(root: str | Path) -> list[str]:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """The step directory of `path`: a step directory itself, or a ROOT (follows ``latest``)."""
-    path = Path(path)
+    """The step directory of `path`: a step directory itself, or a ROOT (follows ``latest``);
+    a leading ``~`` is the home directory, as the checks before the workers read it."""
+    path = Path(path).expanduser()
     if (path / MANIFEST).exists():
         return path
     if (path / LATEST).exists():

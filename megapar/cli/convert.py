@@ -412,10 +412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megapar.models.config import ConfigError
 
         try:
-            print(run(args))
+            report = run(args)
         except (CheckpointError, ConfigError, ValueError, OSError) as exc:
             print(f"megapar-convert: error: {exc}", file=sys.stderr)
             return 2
+        print(report)  # a reader gone (| head) is not an error of the conversion's
     except KeyboardInterrupt:
         print(
             "megapar-convert: interrupted; nothing was written (an output is renamed into "

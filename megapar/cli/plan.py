@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
+from megapar.cli.plan_args import (
+    check_layout_arguments,
+    check_mode_arguments,
+    check_number_arguments,
+    check_search_arguments,
+)
 from megapar.cli.plan_verify import verify_estimates
-from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
 from megapar.faults.processes import exit_uncollected
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError
@@ -230,10 +234,6 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-MAX_VERIFY = 32
-"""Most layouts --verify dry-runs in one run (GPT-3 175B on 1024 GPUs: 5-10 s each here)."""
-
-
 def _problem(args):
     """The `Problem` the arguments describe; ValueError naming the flag if one is invalid."""
     config = resolve_model(args.model)
@@ -244,9 +244,10 @@ def _problem(args):
     limit = config.max_positions
     if args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {limit} positions")
-    _check_layout_arguments(args)
-    _check_number_arguments(args)
-    _check_mode_arguments(args)
+    check_layout_arguments(args)
+    check_number_arguments(args)
+    check_mode_arguments(args)
+    check_search_arguments(args, config)
     return Problem(
         config,
         args.gpus,
@@ -269,115 +270,6 @@ def _problem(args):
         sp_regather=args.sp_regather,
         target=args.target,
     )
-
-
-def _check_layout_arguments(args) -> None:
-    """ValueError if the sizes the layouts are made of (GPUs, nodes, batch, cp sizes, micro-batch
-    sizes, virtual stages) are invalid."""
-    for name in ("gpus", "gpus_per_node", "global_batch_size", "seq_len", "top"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.cp_sizes and min(args.cp_sizes) < 1:
-        raise ValueError(f"--cp-sizes {min(args.cp_sizes)} is invalid: sizes are >= 1")
-    for cp in args.cp_sizes or ():
-        if args.gpus % cp:
-            raise ValueError(
-                f"--cp-sizes {cp} does not divide --gpus {args.gpus}: every layout "
-                f"is tp x cp x pp x dp = --gpus; give divisors of {args.gpus}"
-            )
-        if cp > 1 and args.seq_len % (2 * cp):
-            raise ValueError(
-                f"--cp-sizes {cp} cannot split --seq-len {args.seq_len}: cp cuts "
-                f"each sequence into 2 x cp = {2 * cp} chunks; give sizes whose "
-                f"2 x cp divides {args.seq_len}, or another --seq-len"
-            )
-    if min(args.micro_batch_sizes) < 1:
-        raise ValueError(
-            f"--micro-batch-sizes {min(args.micro_batch_sizes)} is invalid: sizes "
-            f"are sequences per micro-batch, >= 1"
-        )
-    if min(args.virtual_stages) < 2:
-        raise ValueError(
-            f"--virtual-stages {min(args.virtual_stages)} is invalid: they are the "
-            f"model chunks per rank tried for the interleaved schedule, >= 2 (one "
-            f"chunk per rank is the 1f1b schedule)"
-        )
-    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
-        raise ValueError(
-            f"--gpus {args.gpus} spans several nodes of --gpus-per-node "
-            f"{args.gpus_per_node} but is not a multiple of it (torchrun starts "
-            f"the same number of processes on every node); use a multiple of "
-            f"{args.gpus_per_node}, or the --gpus-per-node each node really uses"
-        )
-
-
-def _check_number_arguments(args) -> None:
-    """ValueError if a hardware figure (memory, speed, bandwidth, latency, efficiency) or the
-    ZeRO-3 persistence threshold is invalid."""
-    for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(
-                f"--{name.replace('_', '-')} {value:g} is invalid: it must be a finite number > 0"
-            )
-    if args.loss_chunk_tokens < 0:
-        raise ValueError(
-            f"--loss-chunk-tokens {args.loss_chunk_tokens} is invalid: give tokens per "
-            f"chunk >= 1, or 0 for the whole logits"
-        )
-    if args.zero3_persistence_threshold < 0:
-        raise ValueError(
-            f"--zero3-persistence-threshold {args.zero3_persistence_threshold} is "
-            f"invalid: give a number of elements >= 0 (0: none persist)"
-        )
-    if args.moe_imbalance is not None and not 1 <= args.moe_imbalance < math.inf:
-        raise ValueError(
-            f"--moe-imbalance {args.moe_imbalance:g} is invalid: give a finite number >= 1"
-        )
-    if not (math.isfinite(args.latency_us) and args.latency_us >= 0):
-        raise ValueError(f"--latency-us {args.latency_us:g} is invalid: it must be >= 0")
-    if not 0 < args.efficiency <= 1:
-        raise ValueError(f"--efficiency {args.efficiency:g} is invalid: it must be in (0, 1]")
-
-
-def _check_mode_arguments(args) -> None:
-    """ValueError if --verify or --today cannot run with the other flags."""
-    if args.verify < 0:
-        raise ValueError(
-            f"--verify {args.verify} is invalid: it is how many of the best "
-            f"layouts to dry-run (0: none)"
-        )
-    if args.verify and args.gpus > MAX_DRY_RUN_WORLD:
-        raise ValueError(
-            f"--verify: jobs of {args.gpus:,} ranks are more than a dry run "
-            f"rehearses ({MAX_DRY_RUN_WORLD:,} ranks); rehearse a layout's "
-            f"megapar-train command with --dry-run at a smaller dp (keep "
-            f"--global-batch-size / dp)"
-        )
-    if args.verify > MAX_VERIFY:
-        raise ValueError(
-            f"--verify {args.verify:,} is more layouts than one run dry-runs (at "
-            f"most {MAX_VERIFY}: each takes seconds to minutes here, GPT-3 175B's "
-            f"on 1024 GPUs 5-10 s); verify the best few, and another layout with "
-            f"--explain LAYOUT and its megapar-train command with --dry-run"
-        )
-    if args.verify and (args.explain or args.json):
-        mode = "--explain" if args.explain else "--json"
-        raise ValueError(
-            f"--verify is not run with {mode} (it dry-runs a search's best layouts and "
-            f"prints the comparison as text); drop {mode}, or drop --verify (for one layout: "
-            f"its megapar-train command with --dry-run)"
-        )
-    if args.verify and args.master_weights != "fp32":
-        raise ValueError(
-            "--verify compares the plan with what megapar-train holds, fp32 "
-            "parameters: drop --master-weights separate"
-        )
-    if args.today and args.master_weights != "fp32":
-        raise ValueError(
-            "--today plans what megapar-train runs now, and it keeps fp32 "
-            "parameters: drop --master-weights separate (or drop --today)"
-        )
 
 
 SEARCH_OPTIONS = (

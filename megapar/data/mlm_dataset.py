@@ -67,6 +67,10 @@ def _as_special_tokens(special: Any, indexed: IndexedDataset) -> SpecialTokens:
     )
 
 
+MIN_SEQ_LEN = 5
+"""The shortest sample: [CLS] A [SEP] B [SEP], a token of each segment."""
+
+
 class MLMDataset(torch.utils.data.Dataset):
     """Samples ``dict(input_ids, token_type_ids, attention_mask, labels)``, each
     ``LongTensor[seq_len]``."""
@@ -80,8 +84,10 @@ class MLMDataset(torch.utils.data.Dataset):
         mask_prob: float = 0.15,
         doc_range: DocRange = None,
     ):
-        if seq_len < 5:
-            raise ValueError(f"seq_len must be >= 5 for [CLS] A [SEP] B [SEP], got {seq_len}")
+        if seq_len < MIN_SEQ_LEN:
+            raise ValueError(
+                f"seq_len must be >= {MIN_SEQ_LEN} for [CLS] A [SEP] B [SEP], got {seq_len}"
+            )
         if not 0.0 < mask_prob < 1.0:
             raise ValueError(f"mask_prob must be in (0, 1), got {mask_prob}")
         self.indexed = indexed

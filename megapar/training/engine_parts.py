@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from megapar.device import share_host_arena
+from megapar.expert_parallel.params import is_expert
 from megapar.faults.stop import NonFiniteGuard
 from megapar.mesh import Mesh
 from megapar.models import set_loss_chunk_tokens, set_sp_regather
@@ -70,10 +71,22 @@ def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
         None
         if cfg.fp8 == "off"
         else convert_to_fp8(model, cfg.fp8, cfg.fp8_emulate, cfg.fp8_layers, mesh.cp_group)
+        + _experts_kept(model)
     )
     if cfg.compile and not cfg.dry_run:  # the rehearsal's fake tensors run eagerly
         compile_blocks(model)  # after fp8's conversion, before any hook on the blocks
     return model, summary
+
+
+def _experts_kept(model) -> str:
+    """What the --fp8 line adds for a mixture-of-experts stage: its routers and routed experts
+    stay in high precision (only the parallel linears are converted; the experts' matmuls are
+    grouped over stacked weights), with their share of the stage's parameters; "" without."""
+    experts = sum(p.numel() for p in model.parameters() if is_expert(p))
+    if not experts:
+        return ""
+    share = experts / sum(p.numel() for p in model.parameters())
+    return f"; the routed experts hold {share:.0%} of this rank's parameters"
 
 
 def optimizer_for(cfg: TrainConfig, model, mesh: Mesh, lr: float):

@@ -56,6 +56,7 @@ from megapar.training.logging import (
     peak_memory_mb,
 )
 from megapar.training.profiling import StepProfiler
+from megapar.training.tokenizer_checks import data_tokenizer_spec
 from megapar.training.validate import explicit
 
 
@@ -103,7 +104,9 @@ class Trainer:
 
         # checkpoints record the data's tokenizer, so megapar-convert --to-hf exports it
         engine.tokenizer = recorded_tokenizer(
-            IndexedDataset(plan.prefix, cfg.tokenizer).tokenizer_spec
+            data_tokenizer_spec(
+                cfg.data, cfg.tokenizer, IndexedDataset(plan.prefix, cfg.tokenizer).tokenizer_spec
+            )
         )
         forget_loaded()  # the run's tokenizer, loaded once for its planning and datasets
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)

@@ -10,7 +10,7 @@ from megapar.checkpoint.hf import HFReader
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
 from megapar.models.recipes import resolve_model as recipe
 from megapar.training.config import TrainConfig
-from megapar.training.validate import UsageError, explicit
+from megapar.training.validate import UsageError, check_mlm_seq_len, explicit
 from megapar.training.validate_resume import model_from_checkpoint
 
 DEFAULT_MODEL = "gpt2-tiny"
@@ -158,6 +158,8 @@ def _fit_seq_len(cfg: TrainConfig, config, notes: list[str] | None) -> None:
     """A --seq-len beyond the model's positions is refused when given, else lowered to them
     (with a note)."""
     max_len = config.max_positions
+    if config.model_type not in CAUSAL_LM_TYPES:
+        check_mlm_seq_len(cfg.seq_len)
     if cfg.seq_len > max_len:
         if "seq_len" in explicit(cfg):
             raise ConfigError(

@@ -4,6 +4,7 @@ and wrapped in an `Engine` (see engine.py), for users who write their own traini
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import warnings
 
 import torch
@@ -134,7 +135,10 @@ def prepare(
     min_lr). fp8: "tensorwise" / "rowwise" runs the blocks' linears in FP8 with torchao (a GPU
     with FP8, or fp8_emulate=True; docs/guides/fp8.md). Any other `TrainConfig` field (e.g.
     lr_scale_with_batch, global_batch_size) can be passed as a keyword (global_batch_size:
-    every `train_step` batch must then have that many rows);
+    every `train_step` batch must then have that many rows), except megapar-train's schedule
+    flags (max_steps, warmup_steps, lr_decay, min_lr: use lr_schedule) and what only its loop
+    reads (save, load, log_interval, eval_interval, exit_interval, ...: `LOOP_OPTIONS`),
+    refused with ValueError rather than ignored;
     compile=True torch.compiles each transformer block (`--compile`); sequence_parallel=True
     (tp > 1) splits the sequence between the tp regions, sp_regather=True with it keeps only
     the sequence slice of the column-parallel inputs for the backward (`--sp-regather`).
@@ -154,9 +158,16 @@ def prepare(
             f"{', '.join(map(repr, ON_NONFINITE))}"
         )
     config, reader = _resolve_model(model)
-    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrainConfig)})
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    unknown = sorted(set(options) - set(fields))
     if unknown:
-        raise TypeError(f"megapar.prepare got unknown options {unknown}; see TrainConfig")
+        close = {u: difflib.get_close_matches(u, fields, n=1) for u in unknown}
+        hint = "; ".join(f"{u}: did you mean {m[0]}?" for u, m in close.items() if m)
+        raise TypeError(
+            f"megapar.prepare got unknown options {unknown}; {hint + '; ' if hint else ''}"
+            f"see TrainConfig"
+        )
+    _refuse_unread(options)
     cfg = TrainConfig(
         tp=tp,
         pp=pp,
@@ -192,6 +203,40 @@ def prepare(
         _load_model_weights(engine, model, reader, seed)
     set_action("megapar.prepare returned; in the caller's code")
     return engine
+
+
+SCHEDULE_OPTIONS = ("max_steps", "warmup_steps", "lr_decay", "min_lr")
+"""megapar-train's schedule flags: prepare builds a schedule only from `lr_schedule`."""
+
+LOOP_OPTIONS = (
+    *("save", "save_interval", "load", "load_strict", "overwrite_newer", "log_interval"),
+    *("eval_interval", "eval_steps", "log_json", "tensorboard", "wandb_project", "peak_tflops"),
+    *("profile_steps", "profile_dir", "exit_signals", "exit_duration_mins", "exit_interval"),
+    *("record_step", "replay", "replay_against", "world_size", "dry_run_ranks", "json", "debug"),
+)
+"""TrainConfig fields only megapar-train's run and loop read (saving, loading, logging,
+evaluation, stopping, the dry run), which a caller's loop replaces: the engine never reads
+them."""
+
+
+def _refuse_unread(options: dict) -> None:
+    """Refuse, in one line with the API's way, an option the engine would not read (it trained
+    as if it were not given: warmup_steps=100 ran at a constant lr)."""
+    for name in SCHEDULE_OPTIONS:
+        if name in options:
+            raise ValueError(
+                f"megapar.prepare: {name}={options[name]!r} is megapar-train's learning-rate "
+                f"schedule, which prepare does not build from options: pass lr_schedule="
+                f"{{'max_steps': ..., 'warmup_steps': ..., 'decay': ..., 'min_lr': ...}} (or "
+                f"drive engine.optimizer with a torch LR scheduler)"
+            )
+    for name in LOOP_OPTIONS:
+        if name in options:
+            raise ValueError(
+                f"megapar.prepare: {name}={options[name]!r} is read only by megapar-train's "
+                f"own loop, which your loop replaces: drop it (save with engine.save(dir), "
+                f"resume with engine.load(dir), evaluate with engine.eval_step(batch))"
+            )
 
 
 def _check_world(cfg: TrainConfig) -> None:

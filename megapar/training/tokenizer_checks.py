@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from megapar.data import load_tokenizer
+from megapar.data.inputs import is_raw_text
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import Tokenizer, encodes_alike, same_tokenizer, tokenizer_files
 from megapar.training.validate import UsageError, explicit
@@ -15,6 +16,18 @@ from megapar.training.validate import UsageError, explicit
 HF_TOKENIZER_FILES = "tokenizer.json, vocab.json + merges.txt, or tokenizer.model"
 """The tokenizer files a transformers directory can hold (`hf_dir_tokenizer`), as named in
 messages."""
+
+
+def data_tokenizer_spec(data, given: str, spec: dict) -> dict:
+    """The tokenizer of a run's data (`spec`: its dataset's .json) as a checkpoint records it;
+    for raw text `data`, the run's own --tokenizer `given` (the same files): a text tokenized
+    into the cache serves every run that gives the same text and tokenizer files (the key is
+    their content), and its .json names the files where the first of them found them."""
+    if isinstance(data, str) and is_raw_text(data):
+        own = load_tokenizer(given)
+        if same_tokenizer(own, load_tokenizer(spec)):
+            return own.spec()
+    return spec
 
 
 def check_given_tokenizer(given: str, data: str, tokenizer) -> None:

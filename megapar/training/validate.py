@@ -30,6 +30,7 @@ import os
 from megapar.checkpoint.format import probe_writable
 from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
+from megapar.data.mlm_dataset import MIN_SEQ_LEN
 from megapar.faults.slow import SlowRank
 from megapar.pipeline.schedules import chunks_per_rank, schedule_actions
 from megapar.training.config import choice_problem, flag_choices
@@ -272,6 +273,15 @@ def check_inject_slow(cfg, world_size: int) -> None:
                 f"after the run's last step (--max-steps {cfg.max_steps}), so no "
                 f"step would be slowed; choose from_step <= {cfg.max_steps}"
             )
+
+
+def check_mlm_seq_len(seq_len: int) -> None:
+    """A BERT model's MLM samples need --seq-len >= 5 ([CLS] A [SEP] B [SEP])."""
+    if seq_len < MIN_SEQ_LEN:
+        raise UsageError(
+            f"--seq-len {seq_len} is too short for a BERT model's samples: [CLS] A [SEP] B "
+            f"[SEP] takes at least {MIN_SEQ_LEN} tokens; raise --seq-len"
+        )
 
 
 def check_cp_seq_len(seq_len: int, layout, sequence_parallel: bool = False) -> None:

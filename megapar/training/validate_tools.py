@@ -20,7 +20,12 @@ from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.bubble import bench_config
 from megapar.training.data import missing_files
 from megapar.training.tokenizer_checks import check_checkpoint_tokenizer
-from megapar.training.validate import UsageError, check_cp_seq_len, flag_of
+from megapar.training.validate import (
+    UsageError,
+    check_cp_seq_len,
+    check_mlm_seq_len,
+    flag_of,
+)
 from megapar.training.validate_resume import checkpoint_manifest
 
 
@@ -73,13 +78,11 @@ def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
     if causal:
         samples, what = (indexed.num_tokens - 1) // args.seq_len, f"windows of {args.seq_len + 1}"
     else:
+        check_mlm_seq_len(args.seq_len)
         try:
             samples = len(MLMDataset(indexed, args.seq_len, tokenizer, args.seed))
         except ValueError as exc:
-            raise UsageError(
-                f"--data {args.data} at --seq-len {args.seq_len}: {exc}; raise --seq-len "
-                f"or give more data"
-            ) from None
+            raise UsageError(f"--data {args.data}: {exc}; give more data") from None
         what = f"MLM samples of {args.seq_len}"
     if samples < args.micro_batch_size:
         raise UsageError(

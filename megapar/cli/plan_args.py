@@ -1,0 +1,152 @@
+"""megapar-plan's checks of its arguments: sizes, hardware figures and modes that no layout can
+have or that cannot run together, each refused in one line (a ValueError naming the flag and
+the fix) before the search starts."""
+
+from __future__ import annotations
+
+import math
+
+from megapar.dryrun.sample import MAX_DRY_RUN_WORLD
+
+MAX_VERIFY = 32
+"""Most layouts --verify dry-runs in one run (GPT-3 175B on 1024 GPUs: 5-10 s each here)."""
+
+
+def check_layout_arguments(args) -> None:
+    """ValueError if the sizes the layouts are made of (GPUs, nodes, batch, cp sizes, micro-batch
+    sizes, virtual stages) are invalid."""
+    for name in ("gpus", "gpus_per_node", "global_batch_size", "seq_len", "top"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.cp_sizes and min(args.cp_sizes) < 1:
+        raise ValueError(f"--cp-sizes {min(args.cp_sizes)} is invalid: sizes are >= 1")
+    for cp in args.cp_sizes or ():
+        if args.gpus % cp:
+            raise ValueError(
+                f"--cp-sizes {cp} does not divide --gpus {args.gpus}: every layout "
+                f"is tp x cp x pp x dp = --gpus; give divisors of {args.gpus}"
+            )
+        if cp > 1 and args.seq_len % (2 * cp):
+            raise ValueError(
+                f"--cp-sizes {cp} cannot split --seq-len {args.seq_len}: cp cuts "
+                f"each sequence into 2 x cp = {2 * cp} chunks; give sizes whose "
+                f"2 x cp divides {args.seq_len}, or another --seq-len"
+            )
+    if min(args.micro_batch_sizes) < 1:
+        raise ValueError(
+            f"--micro-batch-sizes {min(args.micro_batch_sizes)} is invalid: sizes "
+            f"are sequences per micro-batch, >= 1"
+        )
+    if min(args.virtual_stages) < 2:
+        raise ValueError(
+            f"--virtual-stages {min(args.virtual_stages)} is invalid: they are the "
+            f"model chunks per rank tried for the interleaved schedule, >= 2 (one "
+            f"chunk per rank is the 1f1b schedule)"
+        )
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        raise ValueError(
+            f"--gpus {args.gpus} spans several nodes of --gpus-per-node "
+            f"{args.gpus_per_node} but is not a multiple of it (torchrun starts "
+            f"the same number of processes on every node); use a multiple of "
+            f"{args.gpus_per_node}, or the --gpus-per-node each node really uses"
+        )
+
+
+def check_number_arguments(args) -> None:
+    """ValueError if a hardware figure (memory, speed, bandwidth, latency, efficiency) or the
+    ZeRO-3 persistence threshold is invalid."""
+    for name in ("gpu_memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"--{name.replace('_', '-')} {value:g} is invalid: it must be a finite number > 0"
+            )
+    if args.loss_chunk_tokens < 0:
+        raise ValueError(
+            f"--loss-chunk-tokens {args.loss_chunk_tokens} is invalid: give tokens per "
+            f"chunk >= 1, or 0 for the whole logits"
+        )
+    if args.zero3_persistence_threshold < 0:
+        raise ValueError(
+            f"--zero3-persistence-threshold {args.zero3_persistence_threshold} is "
+            f"invalid: give a number of elements >= 0 (0: none persist)"
+        )
+    if args.moe_imbalance is not None and not 1 <= args.moe_imbalance < math.inf:
+        raise ValueError(
+            f"--moe-imbalance {args.moe_imbalance:g} is invalid: give a finite number >= 1"
+        )
+    if not (math.isfinite(args.latency_us) and args.latency_us >= 0):
+        raise ValueError(f"--latency-us {args.latency_us:g} is invalid: it must be >= 0")
+    if not 0 < args.efficiency <= 1:
+        raise ValueError(f"--efficiency {args.efficiency:g} is invalid: it must be in (0, 1]")
+
+
+def check_mode_arguments(args) -> None:
+    """ValueError if --verify or --today cannot run with the other flags."""
+    if args.verify < 0:
+        raise ValueError(
+            f"--verify {args.verify} is invalid: it is how many of the best "
+            f"layouts to dry-run (0: none)"
+        )
+    if args.verify and args.gpus > MAX_DRY_RUN_WORLD:
+        raise ValueError(
+            f"--verify: jobs of {args.gpus:,} ranks are more than a dry run "
+            f"rehearses ({MAX_DRY_RUN_WORLD:,} ranks); rehearse a layout's "
+            f"megapar-train command with --dry-run at a smaller dp (keep "
+            f"--global-batch-size / dp)"
+        )
+    if args.verify > MAX_VERIFY:
+        raise ValueError(
+            f"--verify {args.verify:,} is more layouts than one run dry-runs (at "
+            f"most {MAX_VERIFY}: each takes seconds to minutes here, GPT-3 175B's "
+            f"on 1024 GPUs 5-10 s); verify the best few, and another layout with "
+            f"--explain LAYOUT and its megapar-train command with --dry-run"
+        )
+    if args.verify and (args.explain or args.json):
+        mode = "--explain" if args.explain else "--json"
+        raise ValueError(
+            f"--verify is not run with {mode} (it dry-runs a search's best layouts and "
+            f"prints the comparison as text); drop {mode}, or drop --verify (for one layout: "
+            f"its megapar-train command with --dry-run)"
+        )
+    if args.verify and args.master_weights != "fp32":
+        raise ValueError(
+            "--verify compares the plan with what megapar-train holds, fp32 "
+            "parameters: drop --master-weights separate"
+        )
+    if args.today and args.master_weights != "fp32":
+        raise ValueError(
+            "--today plans what megapar-train runs now, and it keeps fp32 "
+            "parameters: drop --master-weights separate (or drop --today)"
+        )
+
+
+def check_search_arguments(args, config) -> None:
+    """ValueError if an option names a setting no layout reads (`--moe-imbalance` for a model
+    without experts), or if the search's ZeRO stages and offloads leave no layout to try (ZeRO
+    at one GPU, `--offload both` without ZeRO-3): the search would reject nothing for it and
+    name another reason, or none."""
+    if args.moe_imbalance is not None and not getattr(config, "num_moe_layers", 0):
+        raise ValueError(
+            f"--moe-imbalance applies to a mixture-of-experts model (mixtral, qwen3_moe: e.g. "
+            f"--model mixtral-tiny); this {config.model_type} model has no experts: remove "
+            f"the flag"
+        )
+    if args.explain:  # one layout: its own zero= and offload= are checked with it
+        return
+    listed = " ".join(map(str, args.zero_stages))
+    stages = [z for z in args.zero_stages if z == 0 or args.gpus > 1]
+    if not stages:
+        raise ValueError(
+            f"--zero-stages {listed}: ZeRO shards over the data-parallel ranks, and --gpus 1 "
+            f"has one: add 0 to --zero-stages, or raise --gpus"
+        )
+    if set(args.offload) == {"both"} and 3 not in stages:
+        if 3 in args.zero_stages:  # tried only where there are dp ranks to shard over
+            why, fix = "--gpus 1 has no ZeRO-3 layout", "raise --gpus"
+        else:
+            why, fix = f"--zero-stages {listed} has no 3", "add 3 to --zero-stages"
+        raise ValueError(
+            f"--offload both moves ZeRO-3's parameter shards to the host, and {why}: {fix}, "
+            f"or try the other offloads too (--offload none optimizer both)"
+        )
