@@ -92,8 +92,26 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, c
         measured.append(f"{kind} logits at tp={tp} pp={pp}: max relative error {err:.3g}")
         assert err < TOL, (kind, tp, pp, err)
     print("\n".join(measured))  # shown with -s
-    if kind == "bert":  # BERT's MLM samples too few, or too short: one line before any worker
+    if kind == "bert":  # raw text, tokenized into --data-cache: the same MLM samples and loss
+        # as the prefix megapar-data made of it (an imported checkpoint records no tokenizer:
+        # --tokenizer names it)
+        text, cache = str(corpus[2] / "sample.txt"), ["--data-cache", str(tmp_path / "cache")]
+        args = ["--load", str(ckpt), "--seq-len", "32", "--max-batches", "2"]
+        reports = []
+        for data in ([corpus[0]], [text, "--tokenizer", "sentencepiece", *cache]):
+            capsys.readouterr()
+            assert evaluate([*args, "--data", *data]) == 0, capsys.readouterr().err
+            reports.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+        assert reports[1] == reports[0] and reports[0]["batches"] == 2, reports
+        # BERT's MLM samples too few, or too short; text without a tokenizer, or one whose
+        # ids the model does not have: one line before any worker
         _refuse_workers(monkeypatch)  # (both were a worker's ValueError, exit 1, a traceback)
+        assert evaluate([*args, "--data", text, *cache]) == 2
+        assert (f"--data {text} is raw text, and --load {ckpt} records no tokenizer to "
+                f"tokenize it with") in _one_error_line(capsys)
+        assert evaluate([*args, "--data", text, "--tokenizer", "gpt2", *cache]) == 2
+        assert (f"--data {text} tokenized with --tokenizer gpt2 holds token id 50256, outside "
+                f"the model's vocabulary of {VOCAB} ids") in _one_error_line(capsys)
         data = ["--load", str(ckpt), "--data", corpus[0]]
         assert evaluate([*data, "--seq-len", "4"]) == 2
         assert "--seq-len 4 is too short for a BERT model's samples: [CLS] A [SEP] B [SEP] " \
@@ -180,6 +198,15 @@ def test_eval_loss_on_a_dataset_equals_transformers(tmp_path, corpus, capsys):
         assert report["batches"] == k
     print("\n".join(measured))  # shown with -s
 
+    # the text the prefix was made from, tokenized into --data-cache with the tokenizer the
+    # checkpoint records: the same windows, the same loss at the same layout
+    capsys.readouterr()
+    assert evaluate(["--load", str(ckpt), "--tp", "1", "--pp", "2", "--data",
+                     str(root / "sample.txt"), "--data-cache", str(tmp_path / "cache"),
+                     "--seq-len", str(seq), "--micro-batch-size", str(batch),
+                     "--max-batches", str(k)]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
+
     # Under torchrun each process prints what its rank returns: only rank 0 returns the report
     from megapar.cli.eval import _loss_worker, build_parser
     from megapar.launcher import run_local
@@ -194,7 +221,7 @@ def test_eval_loss_on_a_dataset_equals_transformers(tmp_path, corpus, capsys):
 def test_eval_without_data_or_input_ids_exits_2(tmp_path, capsys):
     assert evaluate(["--load", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "give --data PREFIX [--seq-len N], or --input-ids IDS.npy" in err
+    assert "give --data PREFIX|TEXT [--seq-len N], or --input-ids IDS.npy" in err
 
 
 def test_eval_of_a_missing_checkpoint_names_the_path(tmp_path, capsys):
@@ -386,6 +413,20 @@ def test_data_of_another_tokenizer_is_refused_and_seq_len_defaults_to_the_checkp
                      "--max-batches", "1"]) == 0, capsys.readouterr().err
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["tokens"] == 2 * 16 and report["batches"] == 1  # windows of the trained 16
+    # the text it was made from: tokenized with the tokenizer the checkpoint records (GPT-2's;
+    # a --tokenizer of other files is refused) into --data-cache, the same bytes and loss
+    text, cache = str(root / "sample.txt"), tmp_path / "cache"
+    assert evaluate(["--load", ckpt, "--data", text, "--data-cache", str(cache),
+                     "--micro-batch-size", "2", "--max-batches", "1"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
+    [cached] = cache.glob("*.bin")
+    assert cached.read_bytes() == Path(gpt2 + ".bin").read_bytes()
+    assert evaluate(["--load", ckpt, "--data", text, "--data-cache", str(cache),
+                     "--tokenizer", "sentencepiece"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"but --data {text} is tokenized with --tokenizer " \
+        "sentencepiece: its token ids would be other tokens to the model; pass --tokenizer " \
+        "gpt2" in err, err
     # exported and imported back, it records the export's tokenizer.json: another format of
     # GPT-2's BPE that encodes alike, so the GPT-2 data is its own; once the export is gone,
     # the recorded sizes still tell the SentencePiece data apart

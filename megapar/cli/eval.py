@@ -1,6 +1,7 @@
 """megapar-eval: loss / perplexity of a checkpoint on a dataset, or its logits for given ids.
 
     megapar-eval --load CKPT --data PREFIX [--seq-len 128] --max-batches 8 [--tp 2 --pp 2]
+    megapar-eval --load CKPT --data held_out.txt   # raw text: the checkpoint's tokenizer
     megapar-eval --load CKPT --input-ids ids.npy --save-logits logits.npy
 
 Windows are taken in order, unshuffled: window i is tokens [i*seq_len, i*seq_len + seq_len + 1)
@@ -41,7 +42,17 @@ from megapar.training.usage import flag_of
 from megapar.training.validate import UsageError, check_writable, names_directory
 from megapar.training.validate_tools import check_eval_args
 
-LOSS_ONLY = ("data", "seq_len", "micro_batch_size", "max_batches", "seed", "tokenizer")
+LOSS_ONLY = (
+    "data",
+    "seq_len",
+    "micro_batch_size",
+    "max_batches",
+    "seed",
+    "tokenizer",
+    "jsonl_key",
+    "allow_invalid_utf8",
+    "data_cache",
+)
 """The options only --data reads (--input-ids gives logits of the ids as they are)."""
 
 
@@ -53,7 +64,9 @@ def build_parser() -> OneLineParser:
     p.add_argument(
         "--data",
         help="dataset prefix (PREFIX.bin/.idx/.json from megapar-data, or "
-        "a Megatron-LM MMIDIDX PREFIX.bin/.idx with --tokenizer)",
+        "a Megatron-LM MMIDIDX PREFIX.bin/.idx with --tokenizer), or raw text: a .txt / .jsonl / "
+        ".json / .parquet file or a directory of them, tokenized with the tokenizer the checkpoint trained with "
+        "into --data-cache (a document per paragraph, as megapar-train does)",
     )
     p.add_argument(
         "--seq-len",
@@ -82,7 +95,26 @@ def build_parser() -> OneLineParser:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer of a Megatron-LM dataset that has no megapar .json",
+        help="tokenizer of raw text (default: the one the checkpoint trained with; it must be "
+        "that one, wherever it is now) and of a Megatron-LM dataset that has no megapar .json",
+    )
+    p.add_argument(
+        "--data-cache",
+        default=None,
+        help="where raw text is tokenized to, keyed by its content and the tokenizer's "
+        "(default: ~/.cache/megapar, megapar-train's)",
+    )
+    p.add_argument(
+        "--jsonl-key",
+        default=None,
+        help="for raw .jsonl / .json / .parquet data: the key (column) holding each "
+        "document's text (default: text)",
+    )
+    p.add_argument(
+        "--allow-invalid-utf8",
+        action="store_true",
+        help="for raw text: replace invalid UTF-8 with U+FFFD even above 0.1%% of a file's "
+        "bytes (else an error; fewer are replaced with a warning)",
     )
     return p
 
@@ -112,8 +144,9 @@ def _loss_worker(args):
     if len(dataset) < b * k:
         k = len(dataset) // b
         if k == 0:
+            shown = getattr(args, "data_shown", args.data)  # the text, not its cached prefix
             raise ValueError(
-                f"{args.data} has {len(dataset)} windows of {args.seq_len + 1} "
+                f"{shown} has {len(dataset)} windows of {args.seq_len + 1} "
                 f"tokens, fewer than one batch of {b}"
             )
     executor = PipelineExecutor(model, mesh, "1f1b", (b, args.seq_len, config.hidden_size))
@@ -175,7 +208,7 @@ def _check_ids(args, vocab_size: int) -> None:
                 f"--input-ids {args.input_ids} holds id {bad} ({ids.dtype}), outside "
                 f"the model's vocabulary of {vocab_size} ids (0-{vocab_size - 1})"
             )
-    elif args.data:
+    elif args.data and getattr(args, "data_shown", args.data) == args.data:  # text: checked
         indexed = IndexedDataset(args.data, args.tokenizer)
         indexed.check_vocab(vocab_size)
         if args.tokenizer and os.path.isfile(args.data + ".json"):
@@ -229,7 +262,7 @@ def _choose_worker(args, given: tuple[str, ...]):
     if args.data:  # --seq-len not given: the checkpoint's (check_eval_args)
         return _loss_worker
     raise UsageError(
-        "give --data PREFIX [--seq-len N], or --input-ids IDS.npy --save-logits OUT.npy"
+        "give --data PREFIX|TEXT [--seq-len N], or --input-ids IDS.npy --save-logits OUT.npy"
     )
 
 

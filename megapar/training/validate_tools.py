@@ -19,6 +19,7 @@ from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.bubble import bench_config
 from megapar.training.data import missing_files
+from megapar.training.eval_text import check_text_options, is_text, tokenize_text
 from megapar.training.tokenizer_checks import check_checkpoint_tokenizer
 from megapar.training.validate import (
     UsageError,
@@ -55,18 +56,25 @@ def check_eval_args(args) -> dict:
         raise UsageError(
             f"--seq-len {args.seq_len} exceeds the model's {positions} positions; lower --seq-len"
         )
+    causal = config.model_type in CAUSAL_LM_TYPES
     if args.data:
+        check_text_options(args)  # before anything is read or tokenized
+        if not causal:
+            check_mlm_seq_len(args.seq_len)
+        args.data_shown = args.data  # messages name the text, not its cached dataset
+        if is_text(args.data):  # tokenized into --data-cache as megapar-train does
+            args.data = tokenize_text(args, manifest, config.vocab_size)
         missing = [f[len(args.data) :] for f in missing_files(args.data)]
         if missing:
             raise UsageError(
                 f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
-                f"written by megapar-data --output-prefix (or a Megatron-LM "
-                f"dataset's, with --tokenizer)"
+                f"written by megapar-data --output-prefix, or raw text (.txt / .jsonl "
+                f"or a directory of them; or a Megatron-LM dataset's prefix, with --tokenizer)"
             )
         indexed = IndexedDataset(args.data, args.tokenizer)
         tokenizer = load_tokenizer(indexed.tokenizer_spec)
         check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data)
-        _check_batches(args, indexed, tokenizer, config.model_type in CAUSAL_LM_TYPES)
+        _check_batches(args, indexed, tokenizer, causal)
     if args.input_ids:
         _check_ids_file(args.input_ids, positions)
     return manifest
@@ -75,18 +83,18 @@ def check_eval_args(args) -> dict:
 def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
     """UsageError unless --data holds one batch of --micro-batch-size samples at --seq-len (a
     causal LM's windows of seq_len + 1 tokens, BERT's MLM samples, as the workers cut them)."""
+    shown = getattr(args, "data_shown", args.data)
     if causal:
         samples, what = (indexed.num_tokens - 1) // args.seq_len, f"windows of {args.seq_len + 1}"
     else:
-        check_mlm_seq_len(args.seq_len)
         try:
             samples = len(MLMDataset(indexed, args.seq_len, tokenizer, args.seed))
         except ValueError as exc:
-            raise UsageError(f"--data {args.data}: {exc}; give more data") from None
+            raise UsageError(f"--data {shown}: {exc}; give more data") from None
         what = f"MLM samples of {args.seq_len}"
     if samples < args.micro_batch_size:
         raise UsageError(
-            f"--data {args.data} has {samples} {what} tokens, fewer than one batch of "
+            f"--data {shown} has {samples} {what} tokens, fewer than one batch of "
             f"--micro-batch-size {args.micro_batch_size}; lower --seq-len or --micro-batch-size"
         )
 

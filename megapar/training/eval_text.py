@@ -1,0 +1,118 @@
+"""Raw text as megapar-eval's --data: tokenized with the tokenizer the --load checkpoint trained
+with (or --tokenizer) into --data-cache, by megapar-train's own path (`resolve_data_prefix`,
+which calls `ensure_dataset`: a document per blank-line-separated paragraph, the cache keyed by
+the text's and the tokenizer files' content). The same text and tokenizer therefore give the
+same dataset as megapar-train's cache, and as `megapar-data --split-lines` makes of it.
+
+Everything here runs in the launching process, before any worker starts; refusals are
+`UsageError` / `ValueError` / `OSError` lines (megapar-eval prints them, exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from megapar.data import IndexedDataset, load_tokenizer
+from megapar.data.inputs import expand_inputs, is_raw_text
+from megapar.training.config import TrainConfig
+from megapar.training.data import resolve_data_prefix
+from megapar.training.tokenizer_checks import check_checkpoint_tokenizer, recorded_as_trained
+from megapar.training.validate import UsageError, check_writable, flag_of
+
+TEXT_OPTIONS = ("jsonl_key", "allow_invalid_utf8", "data_cache")
+"""megapar-eval's options for raw text (their parser defaults, None / False, mean not given)."""
+DEFAULT_CACHE = TrainConfig.data_cache
+"""--data-cache left out: megapar-train's default, so both share one cache."""
+KEYED = (".jsonl", ".json", ".parquet")
+"""The inputs whose text is under --jsonl-key."""
+
+
+def is_text(data: str) -> bool:
+    """Whether --data names raw text to tokenize (as megapar-train tells it from a prefix)."""
+    return is_raw_text(os.path.expanduser(data))
+
+
+def check_text_options(args) -> None:
+    """UsageError for a raw-text option that --data would not read (given with a prepared
+    dataset; --jsonl-key where no input is .jsonl / .json / .parquet), and ValueError for a
+    --data-cache that cannot be written; before anything is read or tokenized."""
+    given = [name for name in TEXT_OPTIONS if getattr(args, name) not in (None, False)]
+    if not is_text(args.data):
+        if given:
+            named = ", ".join(
+                flag_of(name) + ("" if getattr(args, name) is True else f" {getattr(args, name)}")
+                for name in given
+            )
+            raise UsageError(
+                f"{named} would be ignored: --data {args.data} is a tokenized dataset, and "
+                f"{'it is' if len(given) == 1 else 'they are'} for the raw text megapar-eval "
+                f"tokenizes (.txt / .jsonl / .json / .parquet); drop "
+                f"{'it' if len(given) == 1 else 'them'}"
+            )
+        return
+    if args.jsonl_key is not None:
+        try:
+            files = expand_inputs([os.path.expanduser(args.data)])
+        except (FileNotFoundError, ValueError):  # named by the data's own check
+            files = None
+        if files is not None and not any(f.endswith(KEYED) for f in files):
+            raise UsageError(
+                f"--jsonl-key {args.jsonl_key} would be ignored: no --data input is .jsonl / "
+                f".json / .parquet (a .txt file's text is all of it); drop --jsonl-key"
+            )
+    check_writable(args.data_cache or DEFAULT_CACHE, "--data-cache")
+
+
+def text_tokenizer(args, manifest: dict) -> tuple[str, str]:
+    """(spec, name in messages) of the tokenizer for raw --data: --tokenizer when given, else
+    the one the checkpoint records (meta ``tokenizer``) while it loads from its recorded place
+    with its recorded files. UsageError when the checkpoint records none (imported without one,
+    or older), or its tokenizer no longer loads as recorded: --tokenizer names it then."""
+    if args.tokenizer:
+        return args.tokenizer, f"--tokenizer {args.tokenizer}"
+    recorded = (manifest.get("meta") or {}).get("tokenizer")
+    if not isinstance(recorded, dict) or not recorded.get("path"):
+        raise UsageError(
+            f"--data {args.data} is raw text, and --load {args.load} records no tokenizer to "
+            f"tokenize it with (imported without one, or older); pass --tokenizer with the "
+            f"one the model trained with"
+        )
+    path = str(recorded["path"])
+    if recorded.get("sha256") and recorded_as_trained(recorded) is None:
+        raise UsageError(
+            f"--load {args.load} trained with the tokenizer {path}, which no longer loads from "
+            f"there with the files it trained with (moved, deleted or changed); pass "
+            f"--tokenizer with where that tokenizer is now"
+        )
+    return path, f"the tokenizer --load {args.load} trained with ({path})"
+
+
+def tokenize_text(args, manifest: dict, vocab_size: int) -> str:
+    """The cached dataset prefix of raw --data (tokenized now unless the cache holds it), after
+    the tokenizer is checked against the checkpoint's (`check_checkpoint_tokenizer`, as
+    megapar-train --load checks raw text). UsageError when its token ids reach outside the
+    model's `vocab_size` (at tp > 1 they would embed to zero vectors)."""
+    spec, name = text_tokenizer(args, manifest)
+    tokenizer = load_tokenizer(spec)
+    check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data, name)
+    cfg = TrainConfig(
+        data=args.data,
+        tokenizer=spec,
+        data_cache=args.data_cache or DEFAULT_CACHE,
+        jsonl_key=args.jsonl_key or "text",
+        allow_invalid_utf8=args.allow_invalid_utf8,
+        progress=sys.stderr.isatty(),
+    )
+    notes: list[str] = []  # invalid UTF-8 replaced, files skipped for their type
+    prefix = resolve_data_prefix(cfg, notes)
+    for note in notes:
+        print(f"megapar-eval: {note}", file=sys.stderr)
+    top = IndexedDataset(prefix).max_id()
+    if top >= vocab_size:
+        raise UsageError(
+            f"--data {args.data} tokenized with {name} holds token id {top}, outside the "
+            f"model's vocabulary of {vocab_size} ids (0-{vocab_size - 1}); pass --tokenizer "
+            f"with the tokenizer the model trained with"
+        )
+    return prefix
