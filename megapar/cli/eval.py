@@ -63,10 +63,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument(
         "--data",
-        help="dataset prefix (PREFIX.bin/.idx/.json from megapar-data, or "
-        "a Megatron-LM MMIDIDX PREFIX.bin/.idx with --tokenizer), or raw text: a .txt / .jsonl / "
-        ".json / .parquet file or a directory of them, tokenized with the tokenizer the checkpoint trained with "
-        "into --data-cache (a document per paragraph, as megapar-train does)",
+        help="dataset prefix (PREFIX.bin/.idx/.json from megapar-data, or a Megatron-LM "
+        "MMIDIDX PREFIX.bin/.idx with --tokenizer), or raw text: a .txt / .jsonl / .json / "
+        ".parquet file or a directory of them, tokenized with the tokenizer the checkpoint "
+        "trained with into --data-cache (a document per paragraph, as megapar-train does)",
     )
     p.add_argument(
         "--seq-len",
