@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -171,8 +172,10 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
 
 def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
     """--from-hf of a path that is not a transformers directory: a missing one, a file and a
-    megapar checkpoint (root or step) are each named as such, with what to do instead."""
+    megapar checkpoint (root or step) are each named as such, with what to do instead; the
+    commands it suggests quote a path with a space ('out dir'), as a shell needs it."""
     save_serial(tmp_path / "ckpt")
+    save_serial(tmp_path / "out dir")
     (tmp_path / "file.txt").write_text("text")
     (tmp_path / "empty").mkdir()
     step = resolve_checkpoint(tmp_path / "ckpt")
@@ -184,9 +187,10 @@ def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
              (empty, (f"{empty}: no config.json; expected a transformers directory written "
                       f"by save_pretrained"))]
     cases += [(ck, (f"{ck} is a megapar checkpoint, not a transformers directory: pass it to "
-                    f"--load (megapar-train, megapar-eval), reshard it with megapar-convert {ck} "
-                    f"DST --tp N --pp M, or export it with megapar-convert {ck} --to-hf HF_DIR"))
-              for ck in (tmp_path / "ckpt", step)]
+                    f"--load (megapar-train, megapar-eval), reshard it with megapar-convert "
+                    f"{shlex.quote(str(ck))} DST --tp N --pp M, or export it with "
+                    f"megapar-convert {shlex.quote(str(ck))} --to-hf HF_DIR"))
+              for ck in (tmp_path / "ckpt", step, tmp_path / "out dir")]
     for path, message in cases:
         assert main(["--from-hf", str(path), str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err.strip()

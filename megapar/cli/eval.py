@@ -32,7 +32,7 @@ from megapar.faults.report import log_dir_for, worker_failure
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 from megapar.mesh import Mesh
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
-from megapar.one_line_parser import OneLineParser
+from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
@@ -190,7 +190,7 @@ def logits_file(path: str) -> str:
     if names_directory(path):
         raise ValueError(
             f"--save-logits {path} is a directory; give a file name, e.g. "
-            f"--save-logits {os.path.join(path, 'logits.npy')}"
+            f"--save-logits {shell_word(os.path.join(path, 'logits.npy'))}"
         )
     real = target if target.endswith(".npy") else target + ".npy"
     if os.path.isdir(real):
