@@ -72,9 +72,11 @@ def build_parser() -> OneLineParser:
         default=8,
         help="batches to evaluate, at most; fewer where the data holds fewer (default: 8)",
     )
-    p.add_argument("--input-ids", help="a [batch, seq] integer .npy file")
+    # a leading ~ of a file flag (quoted) is the home directory, as --load's and --data's are
+    p.add_argument("--input-ids", type=os.path.expanduser, help="a [batch, seq] integer .npy file")
     p.add_argument(
         "--save-logits",
+        type=os.path.expanduser,
         help="where rank 0 writes the float32 logits (.npy; the "
         "suffix is added when missing, as numpy does)",
     )

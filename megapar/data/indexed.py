@@ -272,7 +272,7 @@ class IndexedDataset:
     """
 
     def __init__(self, prefix: str | os.PathLike, tokenizer: Any = None):
-        prefix = os.fspath(prefix)
+        prefix = os.path.expanduser(os.fspath(prefix))  # '~/ds' quoted, or from a --config file
         if os.path.isfile(prefix + ".idx") and not os.path.isfile(prefix + ".json"):
             check_index_magic(prefix + ".idx")
         megatron_index = os.path.isfile(prefix + ".idx") and megatron.is_megatron_index(

@@ -191,7 +191,9 @@ def _refuse_what_is_not_text(path: str) -> None:
 
 def missing_files(prefix: str) -> list[str]:
     """The files of dataset `prefix` that are not there (a Megatron-LM index needs no .json).
-    Raises ValueError for an .idx without .json that is neither index (empty, cut short)."""
+    Raises ValueError for an .idx without .json that is neither index (empty, cut short); a
+    leading ``~`` is the home directory, as `IndexedDataset` reads it."""
+    prefix = os.path.expanduser(prefix)
     if os.path.isfile(prefix + ".idx") and not os.path.exists(prefix + ".json"):
         check_index_magic(prefix + ".idx")
     needed = (".bin", ".idx") if is_megatron(prefix) else (".bin", ".idx", ".json")
