@@ -89,12 +89,16 @@ def test_conversion_updates_layout_drops_rng_and_keeps_meta(tmp_path):
     assert manifest["tensors"]["layers.3.attn.qkv.weight"]["local_shape"] == [48, 32]
 
 
-def test_cli_convert_and_info(tmp_path, capsys):
+def test_cli_convert_and_info(tmp_path, capsys, monkeypatch):
+    """SRC, DST and --info written '~/x' (quoted) are under the home directory: DST '~/dst'
+    was written to ./~/dst."""
     save_serial(tmp_path / "src")
-    assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--tp", "2", "--pp", "4",
-                 "--no-progress"]) == 0
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["~/src", "~/dst", "--tp", "2", "--pp", "4", "--no-progress"]) == 0
     assert "tp=2 pp=4" in capsys.readouterr().out
-    assert main(["--info", str(tmp_path / "dst"), "--tensors"]) == 0
+    assert not (tmp_path / "~").exists()
+    assert main(["--info", "~/dst", "--tensors"]) == 0
     out = capsys.readouterr().out
     assert "layout      tp=2 pp=4 dp=1" in out and "step        3" in out
     assert "gpt2 (4 layers, hidden 32, vocab 101)" in out
