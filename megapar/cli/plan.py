@@ -351,10 +351,10 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.explain:
+        if args.explain is not None:  # --explain '' too: refused, not the whole search
             _refuse_search_flags(parser.given(argv))
         problem = _problem(args)
-        if args.explain:
+        if args.explain is not None:
             return _explain(args, problem)
     except (ConfigError, ValueError) as exc:
         print(f"megapar-plan: error: {exc}", file=sys.stderr)

@@ -102,8 +102,8 @@ def check_mode_arguments(args) -> None:
             f"on 1024 GPUs 5-10 s); verify the best few, and another layout with "
             f"--explain LAYOUT and its megapar-train command with --dry-run"
         )
-    if args.verify and (args.explain or args.json):
-        mode = "--explain" if args.explain else "--json"
+    if args.verify and (args.explain is not None or args.json):
+        mode = "--explain" if args.explain is not None else "--json"
         raise ValueError(
             f"--verify is not run with {mode} (it dry-runs a search's best layouts and "
             f"prints the comparison as text); drop {mode}, or drop --verify (for one layout: "
@@ -132,7 +132,7 @@ def check_search_arguments(args, config) -> None:
             f"--model mixtral-tiny); this {config.model_type} model has no experts: remove "
             f"the flag"
         )
-    if args.explain:  # one layout: its own zero= and offload= are checked with it
+    if args.explain is not None:  # one layout: its own zero= and offload= are checked with it
         return
     listed = " ".join(map(str, args.zero_stages))
     stages = [z for z in args.zero_stages if z == 0 or args.gpus > 1]
