@@ -454,6 +454,16 @@ def test_the_cli_names_what_the_user_can_change(capsys):
     (["--gpus", "1", "--offload", "both"], "--gpus 1 has no ZeRO-3 layout: raise --gpus"),
     # read by no layout of a dense model: was ignored (exit code 0)
     (["--moe-imbalance", "2"], "this gpt2 model has no experts: remove the flag"),
+    # read by no layout of the search: were ignored too (exit code 0)
+    (["--zero-stages", "0", "1", "--zero3-persistence-threshold", "100"], (
+        "--zero3-persistence-threshold applies to ZeRO-3 layouts, and --zero-stages 0 1 has "
+        "no 3: drop it, or add 3 to --zero-stages")),
+    (["--pcie-gbps", "64"], ("--pcie-gbps is the host-device bandwidth of offload's copies, "
+                             "and --offload none tries no offload: drop it")),
+    (["--gpus-per-node", "1", "--sp-regather"], ("--sp-regather applies to layouts with "
+                                                 "sequence parallelism at tp > 1, and no tp > 1 "
+                                                 "divides --gpus 8 within a node")),
+    (["--recompute", "full", "--sp-regather"], "not under --recompute full, the only recompute"),
 ])
 def test_cli_refuses_sizes_no_layout_can_have(capsys, flags, message):
     """Each in one line (exit code 2), not "no valid layout; most common reasons:" and nothing,
