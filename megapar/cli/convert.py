@@ -180,9 +180,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _dtype(name: str) -> str:
-    """--dtype's value: a short name (bf16, fp16, fp32, as --precision takes) is its alias."""
-    from megapar.checkpoint.export import export_dtype
+    """--dtype's value: a short name (bf16, fp16, fp32, as --precision takes) is its alias; a
+    bad value is refused naming both kinds of name (argparse's choices name only the long)."""
+    from megapar.checkpoint.export import DTYPE_ALIASES, EXPORT_DTYPES, export_dtype
 
+    if export_dtype(name) not in EXPORT_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {name!r} (choose from {', '.join(EXPORT_DTYPES)}, or their short "
+            f"names {', '.join(DTYPE_ALIASES)})"
+        )
     return export_dtype(name)
 
 
