@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import shlex
+
+
+def shell_word(value: str | os.PathLike) -> str:
+    """`value` (a path or other user-given value) as one word of a command line a message
+    suggests, quoted where a shell would split or expand it (`out dir` -> `'out dir'`)."""
+    return shlex.quote(os.fspath(value))
 
 
 class OneLineParser(argparse.ArgumentParser):

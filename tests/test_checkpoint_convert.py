@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -88,12 +89,16 @@ def test_conversion_updates_layout_drops_rng_and_keeps_meta(tmp_path):
     assert manifest["tensors"]["layers.3.attn.qkv.weight"]["local_shape"] == [48, 32]
 
 
-def test_cli_convert_and_info(tmp_path, capsys):
+def test_cli_convert_and_info(tmp_path, capsys, monkeypatch):
+    """SRC, DST and --info written '~/x' (quoted) are under the home directory: DST '~/dst'
+    was written to ./~/dst."""
     save_serial(tmp_path / "src")
-    assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--tp", "2", "--pp", "4",
-                 "--no-progress"]) == 0
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["~/src", "~/dst", "--tp", "2", "--pp", "4", "--no-progress"]) == 0
     assert "tp=2 pp=4" in capsys.readouterr().out
-    assert main(["--info", str(tmp_path / "dst"), "--tensors"]) == 0
+    assert not (tmp_path / "~").exists()
+    assert main(["--info", "~/dst", "--tensors"]) == 0
     out = capsys.readouterr().out
     assert "layout      tp=2 pp=4 dp=1" in out and "step        3" in out
     assert "gpt2 (4 layers, hidden 32, vocab 101)" in out
@@ -171,8 +176,10 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
 
 def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
     """--from-hf of a path that is not a transformers directory: a missing one, a file and a
-    megapar checkpoint (root or step) are each named as such, with what to do instead."""
+    megapar checkpoint (root or step) are each named as such, with what to do instead; the
+    commands it suggests quote a path with a space ('out dir'), as a shell needs it."""
     save_serial(tmp_path / "ckpt")
+    save_serial(tmp_path / "out dir")
     (tmp_path / "file.txt").write_text("text")
     (tmp_path / "empty").mkdir()
     step = resolve_checkpoint(tmp_path / "ckpt")
@@ -184,9 +191,10 @@ def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
              (empty, (f"{empty}: no config.json; expected a transformers directory written "
                       f"by save_pretrained"))]
     cases += [(ck, (f"{ck} is a megapar checkpoint, not a transformers directory: pass it to "
-                    f"--load (megapar-train, megapar-eval), reshard it with megapar-convert {ck} "
-                    f"DST --tp N --pp M, or export it with megapar-convert {ck} --to-hf HF_DIR"))
-              for ck in (tmp_path / "ckpt", step)]
+                    f"--load (megapar-train, megapar-eval), reshard it with megapar-convert "
+                    f"{shlex.quote(str(ck))} DST --tp N --pp M, or export it with "
+                    f"megapar-convert {shlex.quote(str(ck))} --to-hf HF_DIR"))
+              for ck in (tmp_path / "ckpt", step, tmp_path / "out dir")]
     for path, message in cases:
         assert main(["--from-hf", str(path), str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err.strip()
@@ -210,7 +218,9 @@ def test_to_hf_dtype_takes_the_short_names(tmp_path, capsys, short, full):
     with pytest.raises(SystemExit) as refused:  # argparse's usage error
         main([str(tmp_path / "src"), "--to-hf", str(tmp_path / "no"), "--dtype", "bf17"])
     assert refused.value.code == 2
-    assert "invalid choice: 'bf17'" in capsys.readouterr().err
+    # the choices named the long names only, though the short ones are taken too
+    assert ("argument --dtype: invalid choice: 'bf17' (choose from float32, bfloat16, float16, "
+            "or their short names fp32, bf16, fp16)") in capsys.readouterr().err
 
 
 def test_a_size_not_given_keeps_the_sources(tmp_path, capsys):

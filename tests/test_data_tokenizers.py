@@ -58,13 +58,18 @@ def test_sentencepiece_shipped_model():
     assert {0, 1, 2, 1000, 1001, 1002, 1003} <= set(special.reserved_ids)
 
 
-def test_sentencepiece_path_spec_and_spec_dict_reload():
+def test_sentencepiece_path_spec_and_spec_dict_reload(monkeypatch):
     path = shared_data("sentencepiece", "botchan_en_bpe_1000.model")
     tok = load_tokenizer(path)
     spec = json.loads(json.dumps(tok.spec()))
     assert spec["kind"] == "sentencepiece" and spec["vocab_size"] == tok.vocab_size
     again = load_tokenizer(spec)
     assert again.encode("the school master") == tok.encode("the school master")
+    # a leading ~ (--tokenizer '~/x.model' quoted, or from a --config file) is the home
+    # directory, as a checkpoint's is; it was 'unknown tokenizer'
+    monkeypatch.setenv("HOME", os.path.dirname(path))
+    home = load_tokenizer("~/" + os.path.basename(path))
+    assert home.encode("the school master") == tok.encode("the school master")
 
 
 def test_a_tokenizer_loads_once_until_its_file_changes(tmp_path, monkeypatch):

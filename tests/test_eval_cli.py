@@ -336,31 +336,38 @@ def test_loss_options_with_input_ids_are_refused_not_ignored(tiny_ckpt, tmp_path
     assert not (tmp_path / "lg.npy").exists()
 
 
-def test_saved_reports_the_file_numpy_wrote(tiny_ckpt, tmp_path, capsys):
+def test_saved_reports_the_file_numpy_wrote(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """Every path flag takes a leading ~ (quoted) as the home directory: --input-ids '~/x' was
+    'no such file', and --save-logits '~/lg' was written under a directory named ~ here."""
     ckpt, ids = tiny_ckpt
-    assert evaluate(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
-                     str(tmp_path / "lg")]) == 0
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert evaluate(["--load", "~/ckpt", "--input-ids", f"~/{ids.name}", "--save-logits",
+                     "~/lg"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["saved"] == str(tmp_path / "lg.npy")
     assert np.load(report["saved"]).shape == (2, 8, 101) == tuple(report["shape"])
 
 
-def test_eval_reads_a_megatron_dataset_written_by_megapar(tmp_path, corpus, capsys):
+def test_eval_reads_a_megatron_dataset_written_by_megapar(tmp_path, corpus, capsys,
+                                                          monkeypatch):
     """The same text as megapar's index and as Megatron-LM's MMIDIDX (megapar-data --format
-    megatron, its .json removed as a Megatron-LM made dataset has none): the same loss."""
+    megatron, its .json removed as a Megatron-LM made dataset has none): the same loss. The
+    Megatron-LM copy is written and read as '~/megatron' (quoted: the home directory, as
+    megapar-eval --load reads it; --data '~/x' was 'not found', --output-prefix made ./~)."""
     prefix, _, root = corpus
     ckpt = tmp_path / "ckpt"
     _hf_model("gpt2").save_pretrained(tmp_path / "hf")
     assert convert(["--from-hf", str(tmp_path / "hf"), str(ckpt), "--tp", "1", "--pp", "1",
                     "--no-progress"]) == 0
     megatron = str(tmp_path / "megatron")
-    assert data_main(["--input", str(root / "sample.txt"), "--output-prefix", megatron,
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert data_main(["--input", str(root / "sample.txt"), "--output-prefix", "~/megatron",
                       "--tokenizer", "sentencepiece", "--split-lines", "--no-progress",
                       "--format", "megatron"]) == 0
     Path(megatron + ".json").unlink()
     args = ["--load", str(ckpt), "--seq-len", "32", "--max-batches", "2"]
     losses = []
-    for data, extra in [(prefix, []), (megatron, ["--tokenizer", "sentencepiece"])]:
+    for data, extra in [(prefix, []), ("~/megatron", ["--tokenizer", "sentencepiece"])]:
         capsys.readouterr()
         assert evaluate([*args, "--data", data, *extra]) == 0, capsys.readouterr().err
         losses.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"])

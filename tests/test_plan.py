@@ -239,7 +239,6 @@ def test_unregistered_schedules_fall_back_to_their_formula(monkeypatch):
     ("tp=3", 3, "not divisible by --tp 3"),
     ("tp=16", 16, "span nodes"),
     ("mbs=3", 1, "not divisible by micro-batch size 3"),
-    ("mbs=0", 1, "micro-batch size 0 is invalid: it is sequences per micro-batch, >= 1"),
     ("tp=2,sp=0,zero=1", 2, "ZeRO-1 needs dp > 1"),
     ("sp=1", 1, "needs tp > 1"),
     ("tp=2,sp=1", 2, "--seq-len 99 divisible by tp 2"),
@@ -255,10 +254,21 @@ def test_invalid_layouts_are_rejected_with_the_reason(spec, gpus, reason):
     assert parse_candidate(c.spec()) == c
 
 
+def test_a_size_below_1_is_named_invalid():
+    """check() names a size below 1; --explain refuses it as a bad value before (exit 2)."""
+    config = GPT2Config(n_layer=4, n_head=16, n_embd=1024)
+    assert "micro-batch size 0 is invalid: it is sequences per micro-batch, >= 1" in check(
+        Candidate(mbs=0), config, 1, 8, 16, 128)
+    with pytest.raises(ValueError, match="mbs=0 is invalid: mbs is a size, >= 1"):
+        parse_candidate("mbs=0", 1)
+
+
 def test_an_ep_below_1_is_named_invalid_not_a_dense_model():
     # it said "ep 0 needs a mixture-of-experts model (this one has no routed experts)" to Mixtral
-    reason = check(parse_candidate("ep=0", 4), resolve_model("mixtral-tiny"), 4, 8, 16, 64)
+    reason = check(Candidate(dp=4, ep=0), resolve_model("mixtral-tiny"), 4, 8, 16, 64)
     assert reason == "ep 0 is invalid: it is the ranks the experts are sharded over, >= 1"
+    with pytest.raises(ValueError, match="ep=0 is invalid: ep is a size, >= 1"):
+        parse_candidate("ep=0", 4)  # --explain ep=0: one line, exit 2
 
 
 def test_interleaved_layouts_follow_megapar_trains_rules():
@@ -444,6 +454,16 @@ def test_the_cli_names_what_the_user_can_change(capsys):
     (["--gpus", "1", "--offload", "both"], "--gpus 1 has no ZeRO-3 layout: raise --gpus"),
     # read by no layout of a dense model: was ignored (exit code 0)
     (["--moe-imbalance", "2"], "this gpt2 model has no experts: remove the flag"),
+    # read by no layout of the search: were ignored too (exit code 0)
+    (["--zero-stages", "0", "1", "--zero3-persistence-threshold", "100"], (
+        "--zero3-persistence-threshold applies to ZeRO-3 layouts, and --zero-stages 0 1 has "
+        "no 3: drop it, or add 3 to --zero-stages")),
+    (["--pcie-gbps", "64"], ("--pcie-gbps is the host-device bandwidth of offload's copies, "
+                             "and --offload none tries no offload: drop it")),
+    (["--gpus-per-node", "1", "--sp-regather"], ("--sp-regather applies to layouts with "
+                                                 "sequence parallelism at tp > 1, and no tp > 1 "
+                                                 "divides --gpus 8 within a node")),
+    (["--recompute", "full", "--sp-regather"], "not under --recompute full, the only recompute"),
 ])
 def test_cli_refuses_sizes_no_layout_can_have(capsys, flags, message):
     """Each in one line (exit code 2), not "no valid layout; most common reasons:" and nothing,
@@ -650,6 +670,13 @@ def test_plan_takes_the_zero3_persistence_threshold(capsys):
     ("tp=2,pp=2,schedule=1f2b", "schedule='1f2b': use one of"),
     ("tp=2,pp=2,recompute=most", "recompute='most': use one of"),
     ("tp=2,pp=2,zero=9", "zero=9: use one of 0, 1, 2, 3"),
+    # a size < 1 answered 'invalid' with exit 1, like a layout that cannot run
+    ("tp=0", "tp=0 is invalid: tp is a size, >= 1; give tp=1 or more"),
+    ("tp=2,mbs=0", "mbs=0 is invalid: mbs is a size, >= 1; give mbs=1 or more"),
+    ("tp=2,v=0", "v=0 is invalid"),
+    # an empty LAYOUT ran the whole search ('') or explained the default layout (',')
+    ("", "--explain '' names no layout; give its KEY=VALUE items, e.g. tp=2,pp=4,mbs=2"),
+    (",", "--explain ',' names no layout"),
     # the search's flags were ignored without a word (--explain estimates its LAYOUT only)
     ("tp=2,pp=2 --schedules 1f1b", "--schedules shapes the search, which --explain does not"),
     ("tp=2,pp=2 --recompute=full --top 3", "--recompute, --top shape the search"),
@@ -659,7 +686,7 @@ def test_bad_explain_values_are_one_line_exit_2(capsys, layout, words):
     as off, and bad values answered 'invalid' with exit 1 like a layout that cannot run."""
     base = ["--model", "gpt2-124m", "--gpus", "8", "--global-batch-size", "64", "--seq-len",
             "1024", "--gpu-memory-gb", "40"]
-    code, out = _cli(capsys, *base, "--explain", *layout.split())
+    code, out = _cli(capsys, *base, "--explain", *(layout.split() or [""]))
     assert code == 2 and words in out.err and len(out.err.strip().splitlines()) == 1, out
 
 

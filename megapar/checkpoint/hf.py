@@ -33,6 +33,7 @@ from megapar.models.config import (
     config_from_dict,
     config_from_hf,
 )
+from megapar.one_line_parser import shell_word
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import shard_of
 
@@ -86,8 +87,9 @@ def _not_transformers(path: Path) -> str:
     if has_checkpoint(path):
         return (
             f"{path} is a megapar checkpoint, not a transformers directory: pass it to "
-            f"--load (megapar-train, megapar-eval), reshard it with megapar-convert {path} "
-            f"DST --tp N --pp M, or export it with megapar-convert {path} --to-hf HF_DIR"
+            f"--load (megapar-train, megapar-eval), reshard it with megapar-convert "
+            f"{shell_word(path)} DST --tp N --pp M, or export it with megapar-convert "
+            f"{shell_word(path)} --to-hf HF_DIR"
         )
     return f"{path}: no config.json; expected a transformers directory written by save_pretrained"
 

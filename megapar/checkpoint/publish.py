@@ -28,6 +28,7 @@ from pathlib import Path
 
 from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError, fsync_dir
 from megapar.faults.processes import pid_alive
+from megapar.one_line_parser import shell_word
 
 OWNER = ".owner"
 
@@ -185,27 +186,28 @@ def foreign_checkpoint(path: str | Path) -> str | None:
         )
         return (
             f"holds {what}, not a megapar checkpoint; import a torchtitan Llama with "
-            f"megapar-convert --from-dcp {path} CKPT_DIR --job-config JOB.toml (or --model "
-            f"SPEC), then --load CKPT_DIR"
+            f"megapar-convert --from-dcp {shell_word(path)} CKPT_DIR --job-config JOB.toml "
+            f"(or --model SPEC), then --load CKPT_DIR"
         )
     steps = sorted(d.name for d in p.glob("step-*") if (d / ".metadata").is_file())
     if steps:
         return (
             f"holds torchtitan's DCP checkpoints ({', '.join(steps[-3:])}), not a megapar "
-            f"checkpoint; import one with megapar-convert --from-dcp {p / steps[-1]} "
+            f"checkpoint; import one with megapar-convert --from-dcp {shell_word(p / steps[-1])} "
             f"CKPT_DIR --job-config JOB.toml, then --load CKPT_DIR"
         )
     if (p / "config.json").is_file():
         return (
             f"holds a Hugging Face model (config.json), not a megapar checkpoint; start from "
-            f"it with --from-hf {path} (or import it: megapar-convert --from-hf {path} "
-            f"CKPT_DIR)"
+            f"it with --from-hf {shell_word(path)} (or import it: megapar-convert --from-hf "
+            f"{shell_word(path)} CKPT_DIR)"
         )
     if (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file():
         return (
             f"holds Hugging Face-style safetensors weights without a config.json, not a "
             f"megapar checkpoint; add the model's config.json there, then start from it "
-            f"with --from-hf {path} (or megapar-convert --from-hf {path} CKPT_DIR)"
+            f"with --from-hf {shell_word(path)} (or megapar-convert --from-hf "
+            f"{shell_word(path)} CKPT_DIR)"
         )
     return None
 
@@ -300,8 +302,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (path / "config.json").exists():
         raise CheckpointError(
             f"{path} holds a Hugging Face model (config.json), not a megapar "
-            f"checkpoint; import it with megapar-convert --from-hf {path} "
-            f"CKPT_DIR (or train from it: megapar-train --from-hf {path})"
+            f"checkpoint; import it with megapar-convert --from-hf {shell_word(path)} "
+            f"CKPT_DIR (or train from it: megapar-train --from-hf {shell_word(path)})"
         )
     foreign = foreign_checkpoint(path)
     if foreign is not None:

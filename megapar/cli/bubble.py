@@ -32,7 +32,7 @@ import sys
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
-from megapar.one_line_parser import OneLineParser
+from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline import certify, messages, nccl_rules
 from megapar.pipeline.actions import format_schedule
 from megapar.pipeline.placement import chunks_per_rank
@@ -272,14 +272,14 @@ def check_output_files(args) -> None:
         if names_directory(args.trace):
             raise ValueError(
                 f"--trace {args.trace} is a directory; give a file name, e.g. "
-                f"--trace {os.path.join(args.trace, 'trace.json')}"
+                f"--trace {shell_word(os.path.join(args.trace, 'trace.json'))}"
             )
         check_writable(args.trace, "--trace", kind="file")
     if args.plot:
         if names_directory(args.plot):
             raise ValueError(
                 f"--plot {args.plot} is a directory; give a file name, e.g. "
-                f"--plot {os.path.join(args.plot, 'gantt.png')}"
+                f"--plot {shell_word(os.path.join(args.plot, 'gantt.png'))}"
             )
         try:
             import matplotlib  # noqa: F401

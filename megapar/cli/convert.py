@@ -33,6 +33,7 @@ move (docs/guides/checkpoints.md says why).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -58,8 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_layout_arguments(p: argparse.ArgumentParser) -> None:
     """The paths and the target layout: PATH..., --tp, --pp, --dp."""
+    # every path takes a leading ~ (quoted) as the home directory, as a shell would: DST '~/x'
+    # was written to a directory named ~ here
     p.add_argument(
-        "paths", nargs="*", metavar="PATH", help="SRC DST, DST (--from-hf) or SRC (--to-hf)"
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        type=os.path.expanduser,
+        help="SRC DST, DST (--from-hf) or SRC (--to-hf)",
     )
     p.add_argument(
         "--tp",
@@ -80,22 +87,28 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_mode_arguments(p: argparse.ArgumentParser) -> None:
     """The conversion modes: --from-hf, --to-hf, --from-dcp, --to-dcp and the DCP model."""
-    p.add_argument("--from-hf", metavar="HF_DIR", help="import a transformers directory")
-    p.add_argument("--to-hf", metavar="HF_DIR", help="export SRC as a transformers directory")
+    path = os.path.expanduser  # a leading ~ (quoted) is the home directory, as a shell's
+    p.add_argument("--from-hf", metavar="HF_DIR", type=path, help="import a transformers directory")
+    p.add_argument(
+        "--to-hf", metavar="HF_DIR", type=path, help="export SRC as a transformers directory"
+    )
     p.add_argument(
         "--from-dcp",
         metavar="DCP_DIR",
+        type=path,
         help="import a torchtitan Llama checkpoint (a DCP step directory: "
         ".metadata + *.distcp); needs --job-config or --model",
     )
     p.add_argument(
         "--to-dcp",
         metavar="DCP_DIR",
+        type=path,
         help="export SRC's Llama weights as a DCP checkpoint in torchtitan's names",
     )
     p.add_argument(
         "--job-config",
         metavar="TOML",
+        type=path,
         help="--from-dcp: torchtitan's job config; its [model] flavor (debugmodel, "
         "8B, 70B, 405B) and [training] seq_len give the model",
     )
@@ -143,7 +156,12 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_info_arguments(p: argparse.ArgumentParser) -> None:
     """--info and what it lists and checks: --tensors, --fast."""
-    p.add_argument("--info", metavar="CKPT", help="print a summary of a checkpoint")
+    p.add_argument(
+        "--info",
+        metavar="CKPT",
+        type=os.path.expanduser,
+        help="print a summary of a checkpoint",
+    )
     p.add_argument("--tensors", action="store_true", help="with --info: list every tensor")
     p.add_argument(
         "--fast", action="store_true", help="with --info: check file sizes only, not their sha256"
@@ -162,9 +180,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _dtype(name: str) -> str:
-    """--dtype's value: a short name (bf16, fp16, fp32, as --precision takes) is its alias."""
-    from megapar.checkpoint.export import export_dtype
+    """--dtype's value: a short name (bf16, fp16, fp32, as --precision takes) is its alias; a
+    bad value is refused naming both kinds of name (argparse's choices name only the long)."""
+    from megapar.checkpoint.export import DTYPE_ALIASES, EXPORT_DTYPES, export_dtype
 
+    if export_dtype(name) not in EXPORT_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {name!r} (choose from {', '.join(EXPORT_DTYPES)}, or their short "
+            f"names {', '.join(DTYPE_ALIASES)})"
+        )
     return export_dtype(name)
 
 

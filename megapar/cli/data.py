@@ -51,6 +51,7 @@ def add_io_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--input",
         nargs="+",
+        type=os.path.expanduser,  # a leading ~ (quoted) is the home directory, as a shell's
         required=True,
         metavar="PATH",
         help=".txt / .jsonl / .json / .parquet files or directories of them (recursive, sorted)",
@@ -58,6 +59,7 @@ def add_io_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--output-prefix",
         required=True,
+        type=os.path.expanduser,
         metavar="PREFIX",
         help="writes PREFIX.bin, PREFIX.idx, PREFIX.json (and PREFIX.model when training)",
     )

@@ -33,7 +33,7 @@ from megapar.faults.report import log_dir_for, worker_failure
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 from megapar.mesh import Mesh
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
-from megapar.one_line_parser import OneLineParser
+from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
@@ -85,9 +85,11 @@ def build_parser() -> OneLineParser:
         default=8,
         help="batches to evaluate, at most; fewer where the data holds fewer (default: 8)",
     )
-    p.add_argument("--input-ids", help="a [batch, seq] integer .npy file")
+    # a leading ~ of a file flag (quoted) is the home directory, as --load's and --data's are
+    p.add_argument("--input-ids", type=os.path.expanduser, help="a [batch, seq] integer .npy file")
     p.add_argument(
         "--save-logits",
+        type=os.path.expanduser,
         help="where rank 0 writes the float32 logits (.npy; the "
         "suffix is added when missing, as numpy does)",
     )
@@ -223,7 +225,7 @@ def logits_file(path: str) -> str:
     if names_directory(path):
         raise ValueError(
             f"--save-logits {path} is a directory; give a file name, e.g. "
-            f"--save-logits {os.path.join(path, 'logits.npy')}"
+            f"--save-logits {shell_word(os.path.join(path, 'logits.npy'))}"
         )
     real = target if target.endswith(".npy") else target + ".npy"
     if os.path.isdir(real):

@@ -234,8 +234,9 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _problem(args):
-    """The `Problem` the arguments describe; ValueError naming the flag if one is invalid."""
+def _problem(args, given: tuple[str, ...] = ()):
+    """The `Problem` the arguments describe; ValueError naming the flag if one is invalid
+    (`given`: the options the command line sets, `OneLineParser.given`)."""
     config = resolve_model(args.model)
     try:  # the config's own errors (biases, rope type, kv heads) hold at every layout
         config.validate(Layout(1, 1, 1))
@@ -247,7 +248,7 @@ def _problem(args):
     check_layout_arguments(args)
     check_number_arguments(args)
     check_mode_arguments(args)
-    check_search_arguments(args, config)
+    check_search_arguments(args, config, given)
     return Problem(
         config,
         args.gpus,
@@ -351,10 +352,11 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.explain:
-            _refuse_search_flags(parser.given(argv))
-        problem = _problem(args)
-        if args.explain:
+        given = parser.given(argv)
+        if args.explain is not None:  # --explain '' too: refused, not the whole search
+            _refuse_search_flags(given)
+        problem = _problem(args, given)
+        if args.explain is not None:
             return _explain(args, problem)
     except (ConfigError, ValueError) as exc:
         print(f"megapar-plan: error: {exc}", file=sys.stderr)

@@ -102,8 +102,8 @@ def check_mode_arguments(args) -> None:
             f"on 1024 GPUs 5-10 s); verify the best few, and another layout with "
             f"--explain LAYOUT and its megapar-train command with --dry-run"
         )
-    if args.verify and (args.explain or args.json):
-        mode = "--explain" if args.explain else "--json"
+    if args.verify and (args.explain is not None or args.json):
+        mode = "--explain" if args.explain is not None else "--json"
         raise ValueError(
             f"--verify is not run with {mode} (it dry-runs a search's best layouts and "
             f"prints the comparison as text); drop {mode}, or drop --verify (for one layout: "
@@ -121,18 +121,19 @@ def check_mode_arguments(args) -> None:
         )
 
 
-def check_search_arguments(args, config) -> None:
+def check_search_arguments(args, config, given: tuple[str, ...] = ()) -> None:
     """ValueError if an option names a setting no layout reads (`--moe-imbalance` for a model
-    without experts), or if the search's ZeRO stages and offloads leave no layout to try (ZeRO
-    at one GPU, `--offload both` without ZeRO-3): the search would reject nothing for it and
-    name another reason, or none."""
+    without experts; `given`, `OneLineParser.given`: an option of the search's layouts that
+    none of them has, see `check_unread_options`), or if the search's ZeRO stages and offloads
+    leave no layout to try (ZeRO at one GPU, `--offload both` without ZeRO-3): the search would
+    reject nothing for it and name another reason, or none."""
     if args.moe_imbalance is not None and not getattr(config, "num_moe_layers", 0):
         raise ValueError(
             f"--moe-imbalance applies to a mixture-of-experts model (mixtral, qwen3_moe: e.g. "
             f"--model mixtral-tiny); this {config.model_type} model has no experts: remove "
             f"the flag"
         )
-    if args.explain:  # one layout: its own zero= and offload= are checked with it
+    if args.explain is not None:  # one layout: its own zero= and offload= are checked with it
         return
     listed = " ".join(map(str, args.zero_stages))
     stages = [z for z in args.zero_stages if z == 0 or args.gpus > 1]
@@ -149,4 +150,42 @@ def check_search_arguments(args, config) -> None:
         raise ValueError(
             f"--offload both moves ZeRO-3's parameter shards to the host, and {why}: {fix}, "
             f"or try the other offloads too (--offload none optimizer both)"
+        )
+    check_unread_options(args, stages, given)
+
+
+def check_unread_options(args, stages: list[int], given: tuple[str, ...]) -> None:
+    """ValueError naming an option given (`given`) that no layout of the search reads, as it
+    would be ignored without a word: --zero3-persistence-threshold without ZeRO-3 among the
+    stages tried (`stages`: --zero-stages where there are dp ranks), --pcie-gbps without an
+    offload, --sp-regather where no layout has sequence parallelism at tp > 1 (no tp > 1 fits
+    a node, or --recompute full only, under which the layers keep the gathered input)."""
+    listed = " ".join(map(str, args.zero_stages))
+    if "zero3_persistence_threshold" in given and 3 not in stages:
+        why, fix = (
+            ("--gpus 1 has no ZeRO-3 layout", "raise --gpus")
+            if 3 in args.zero_stages
+            else (f"--zero-stages {listed} has no 3", "add 3 to --zero-stages")
+        )
+        raise ValueError(
+            f"--zero3-persistence-threshold applies to ZeRO-3 layouts, and {why}: drop it, or {fix}"
+        )
+    if "pcie_gbps" in given and set(args.offload) == {"none"}:
+        raise ValueError(
+            "--pcie-gbps is the host-device bandwidth of offload's copies, and --offload "
+            "none tries no offload: drop it, or add optimizer (or both) to --offload"
+        )
+    if not args.sp_regather:
+        return
+    if not any(args.gpus % tp == 0 for tp in range(2, min(args.gpus, args.gpus_per_node) + 1)):
+        raise ValueError(
+            f"--sp-regather applies to layouts with sequence parallelism at tp > 1, and no "
+            f"tp > 1 divides --gpus {args.gpus} within a node of --gpus-per-node "
+            f"{args.gpus_per_node}: drop it, or raise --gpus"
+        )
+    if set(args.recompute) == {"full"}:
+        raise ValueError(
+            "--sp-regather applies to layouts with sequence parallelism, and not under "
+            "--recompute full, the only recompute tried: drop it, or add selective or none "
+            "to --recompute"
         )

@@ -33,6 +33,7 @@ import numpy as np
 from megapar.data import megatron
 from megapar.data.tokenizers import load_tokenizer
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
+from megapar.one_line_parser import shell_word
 
 IDX_MAGIC = b"MPIDX\x00\x00\x01"
 FORMAT_NAME = "megapar-indexed"
@@ -61,7 +62,7 @@ def remove_stale_tmps(path: str) -> list[str]:
 def _missing_error(prefix: str, what: str) -> FileNotFoundError:
     return FileNotFoundError(
         f"dataset prefix {prefix}: {prefix}{what} not found; create it with "
-        f"`megapar-data --input TEXT_FILES --output-prefix {prefix} --tokenizer gpt2`"
+        f"`megapar-data --input TEXT_FILES --output-prefix {shell_word(prefix)} --tokenizer gpt2`"
     )
 
 
@@ -271,7 +272,7 @@ class IndexedDataset:
     """
 
     def __init__(self, prefix: str | os.PathLike, tokenizer: Any = None):
-        prefix = os.fspath(prefix)
+        prefix = os.path.expanduser(os.fspath(prefix))  # '~/ds' quoted, or from a --config file
         if os.path.isfile(prefix + ".idx") and not os.path.isfile(prefix + ".json"):
             check_index_magic(prefix + ".idx")
         megatron_index = os.path.isfile(prefix + ".idx") and megatron.is_megatron_index(

@@ -14,6 +14,8 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 
+from megapar.one_line_parser import shell_word
+
 _PARAGRAPH_SPLIT = re.compile(r"\n[ \t\r\f\v]*\n")
 #: File types taken from input directories.
 INPUT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
@@ -78,7 +80,8 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
             if stem is not None:
                 raise ValueError(
                     f"input {path} is a file of the tokenized dataset {stem}, not text; pass "
-                    f"the text it was made from (megapar-train --data {stem} trains on it)"
+                    f"the text it was made from (megapar-train --data {shell_word(stem)} trains "
+                    f"on it)"
                 )
             files.append(path)
         else:

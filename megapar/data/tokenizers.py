@@ -176,7 +176,7 @@ def load_tokenizer(spec: str | os.PathLike | dict) -> Tokenizer:
         location: str | os.PathLike = spec["path"]
     else:
         location = spec
-    spec = os.fspath(location)
+    spec = os.path.expanduser(os.fspath(location))  # '~/tok' quoted, or from a --config file
     spec = moved_asset(spec) or spec  # a shipped file recorded by another install of megapar
     where = _location(spec)
     key = (where, _files_read(where))

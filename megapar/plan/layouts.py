@@ -179,6 +179,16 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
                 values[key] = int(value)
             except ValueError:
                 raise ValueError(f"--explain: {key}={value!r} is not an integer") from None
+            if key != "zero" and values[key] < 1:  # a bad value, not a layout that cannot run
+                raise ValueError(
+                    f"--explain: {key}={values[key]} is invalid: {key} is a size, >= 1; "
+                    f"give {key}=1 or more"
+                )
+    if not seen:
+        raise ValueError(
+            f"--explain {text!r} names no layout; give its KEY=VALUE items, e.g. "
+            f"tp=2,pp=4,mbs=2 (keys: {', '.join(fields)})"
+        )
     if "dp" not in values and gpus:
         split = values.get("tp", 1) * values.get("cp", 1) * values.get("pp", 1)
         values["dp"] = max(1, gpus // split) if split > 0 else 1  # `check` names a remainder

@@ -41,6 +41,7 @@ from megapar.data.inputs import (
 from megapar.data.megatron import is_megatron_index
 from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.models.recipes import resolve_model as recipe
+from megapar.one_line_parser import shell_word
 from megapar.training.config import TrainConfig
 from megapar.training.model_config import DEFAULT_MODEL, resolve_model_config
 from megapar.training.tokenizer_checks import (
@@ -162,7 +163,7 @@ def _refuse_what_is_not_text(path: str) -> None:
     if stem is not None:  # its .bin, .idx or .json
         raise ValueError(
             f"--data {path} is a file of the dataset {stem}; pass the prefix "
-            f"without {os.path.splitext(path)[1]}: --data {stem}"
+            f"without {os.path.splitext(path)[1]}: --data {shell_word(stem)}"
         )
     if not os.path.isdir(path):
         return
@@ -174,7 +175,7 @@ def _refuse_what_is_not_text(path: str) -> None:
         )
     prefixes = sorted(n[:-4] for n in names if n.endswith(".idx") and n[:-4] + ".bin" in names)
     if prefixes:
-        shown = ", ".join(os.path.join(path, p) for p in prefixes[:3])
+        shown = ", ".join(shell_word(os.path.join(path, p)) for p in prefixes[:3])
         try:
             text = bool(expand_inputs([path]))  # a dataset's own .json is not text
         except FileNotFoundError:
@@ -190,7 +191,9 @@ def _refuse_what_is_not_text(path: str) -> None:
 
 def missing_files(prefix: str) -> list[str]:
     """The files of dataset `prefix` that are not there (a Megatron-LM index needs no .json).
-    Raises ValueError for an .idx without .json that is neither index (empty, cut short)."""
+    Raises ValueError for an .idx without .json that is neither index (empty, cut short); a
+    leading ``~`` is the home directory, as `IndexedDataset` reads it."""
+    prefix = os.path.expanduser(prefix)
     if os.path.isfile(prefix + ".idx") and not os.path.exists(prefix + ".json"):
         check_index_magic(prefix + ".idx")
     needed = (".bin", ".idx") if is_megatron(prefix) else (".bin", ".idx", ".json")

@@ -11,6 +11,7 @@ from megapar.data import load_tokenizer
 from megapar.data.inputs import is_raw_text
 from megapar.data.preprocess import file_sha256
 from megapar.data.tokenizers import Tokenizer, encodes_alike, same_tokenizer, tokenizer_files
+from megapar.one_line_parser import shell_word
 from megapar.training.validate import UsageError, explicit
 
 HF_TOKENIZER_FILES = "tokenizer.json, vocab.json + merges.txt, or tokenizer.model"
@@ -40,7 +41,7 @@ def check_given_tokenizer(given: str, data: str, tokenizer) -> None:
             f"({tokenizer.path}): a prepared dataset keeps its own; leave "
             f"--tokenizer out (it is for raw text and a Megatron-LM dataset without "
             f"megapar's .json), or prepare the data again with megapar-data "
-            f"--tokenizer {given}"
+            f"--tokenizer {shell_word(given)}"
         )
 
 
@@ -87,13 +88,13 @@ def check_checkpoint_tokenizer(
     if text_tokenizer:
         ours, fix = (
             f"--data {data} is tokenized with {text_tokenizer}",
-            f"pass --tokenizer {theirs}"
+            f"pass --tokenizer {shell_word(str(theirs))}"
             + ("" if trained is not None else " (or where its recorded files are now)"),
         )
     else:
         ours, fix = (
             f"--data {data} was made with {tokenizer.path}",
-            f"use data made with megapar-data --tokenizer {theirs}",
+            f"use data made with megapar-data --tokenizer {shell_word(str(theirs))}",
         )
     same_path = str(tokenizer.path) == str(theirs)
     changed = " (sha256 " + ",".join(d[:12] for d in digests) + ", changed since)"
@@ -165,7 +166,7 @@ def check_hf_tokenizer(cfg, tokenizer, data: str, raw_text: bool) -> None:
         fix = f"drop --tokenizer (with --from-hf its own, {spec}, is the default)"
     else:
         ours = f"--data {data} was made with another, {tokenizer.path} ({sha(tokenizer)})"
-        fix = f"tokenize the data with it: megapar-data --tokenizer {spec}"
+        fix = f"tokenize the data with it: megapar-data --tokenizer {shell_word(spec)}"
     raise UsageError(
         f"--from-hf {cfg.from_hf} holds its tokenizer {own.path} ({sha(own)}) but {ours}: "
         f"its token ids would be other tokens to the model; {fix}"

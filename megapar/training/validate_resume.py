@@ -14,6 +14,7 @@ from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, steps_after
 from megapar.data.blended import data_paths
 from megapar.models.config import config_from_dict
+from megapar.one_line_parser import shell_word
 from megapar.training.tokenizer_checks import recorded_as_trained
 from megapar.training.validate import UsageError, explicit, flag_of
 
@@ -34,7 +35,7 @@ def check_load_path(cfg) -> None:
         if os.path.isfile(os.path.join(path, "config.json")) and not has_checkpoint(path):
             raise UsageError(
                 f"--load {cfg.load} holds a Hugging Face model (config.json), not a "
-                f"megapar checkpoint; start from it with --from-hf {cfg.load}"
+                f"megapar checkpoint; start from it with --from-hf {shell_word(cfg.load)}"
             )
         foreign = foreign_checkpoint(path)
         if foreign is not None:  # another format: never a fresh start beside it
@@ -96,7 +97,7 @@ def check_newer_steps(cfg, manifest: dict | None) -> None:
         if manifest is not None
         else "of an earlier run, and this run starts from scratch"
     )
-    resume = "" if manifest is not None else f"resume it with --load {cfg.save}, "
+    resume = "" if manifest is not None else f"resume it with --load {shell_word(cfg.save)}, "
     raise UsageError(
         f"--save {cfg.save} holds {shown}, {where}: this run's saves would replace "
         f"or mix with them; {resume}give another --save, or pass --overwrite-newer "
