@@ -254,7 +254,7 @@ def _train(save=None, load=None, first=0, steps=STEPS, cp_amax=True, **layout):
     if not cp_amax:
         for m in engine.model.modules():
             if getattr(m, "fp8", None) is not None:
-                m.fp8 = dataclasses.replace(m.fp8, cp_group=None, cp=False)
+                m.fp8 = dataclasses.replace(m.fp8, cp_group=None)
     if load is not None:
         engine.load(load)
     batches = _batches()

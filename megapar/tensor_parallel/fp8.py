@@ -66,8 +66,6 @@ class Fp8Spec:
     dy_split: int | None
     cp_group: Any = None
     """The cp group, over which the rows (M: tokens) of X and dY are split; None at cp = 1."""
-    cp: bool = False
-    """Whether `cp_group` is set (a bool, which compiled code tests without a graph break)."""
     ao: Any = None
     """torchao's float8 config, tensor and utils modules (`_torchao`), looked up once here: the
     lookup sets log levels, which --compile cannot trace (a graph break per layer)."""
@@ -122,7 +120,6 @@ def make_spec(recipe: str, emulate: bool, group, split: str, cp_group=None) -> F
         w_t_split=(1 if col else 0) if tp else None,
         dy_split=1 if col and tp else None,
         cp_group=cp_group if cp else None,
-        cp=cp,
         ao=ao,
     )
 
@@ -152,7 +149,7 @@ def _cast(
     amax = utils.tensor_to_amax(t, False, None, granularity, dim)
     if split is not None and (tensorwise or axis % t.dim() == split % t.dim()):
         _reduce_max(amax, spec.group)
-    if spec.cp and rows_cp and (tensorwise or axis % t.dim() == 0):
+    if spec.cp_group is not None and rows_cp and (tensorwise or axis % t.dim() == 0):
         _reduce_max(amax, spec.cp_group)
     scale = utils.amax_to_scale(amax, cast.target_dtype, spec.config.round_scales_to_power_of_2)
     return tensor_mod.hp_tensor_and_scale_to_float8(

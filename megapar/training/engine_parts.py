@@ -79,9 +79,9 @@ def stage_for(cfg: TrainConfig, model_config, mesh: Mesh):
 
 
 def _experts_kept(model) -> str:
-    """What the --fp8 line adds for a mixture-of-experts stage: its routers and routed experts
-    stay in high precision (only the parallel linears are converted; the experts' matmuls are
-    grouped over stacked weights), with their share of the stage's parameters; "" without."""
+    """What the --fp8 line adds for a mixture-of-experts stage: the share of its parameters the
+    routed experts hold (`convert_to_fp8`'s line names them among the modules always in high
+    precision); "" without."""
     experts = sum(p.numel() for p in model.parameters() if is_expert(p))
     if not experts:
         return ""
