@@ -181,6 +181,8 @@ def check_flags(args: argparse.Namespace) -> None:
 def _check_unread(args: argparse.Namespace, files: list[str]) -> None:
     """ValueError for a flag given that this run would not read (it was ignored without a
     word); then the defaults of --jsonl-key and --sp-model-type filled in."""
+    from megapar.data.inputs import reads_key
+
     sentencepiece = args.train_sentencepiece or args.train_tokenizer == "sentencepiece"
     if args.sp_model_type is not None and not sentencepiece:
         raise ValueError(
@@ -189,8 +191,7 @@ def _check_unread(args: argparse.Namespace, files: list[str]) -> None:
             f"{'a byte-level BPE' if args.train_tokenizer == 'bpe' else 'none'}; add "
             f"--train-tokenizer sentencepiece, or drop --sp-model-type"
         )
-    keyed = (".jsonl", ".json", ".parquet")
-    if args.jsonl_key is not None and not any(f.endswith(keyed) for f in files):
+    if args.jsonl_key is not None and not reads_key(files):
         raise ValueError(
             f"--jsonl-key {args.jsonl_key} would be ignored: no input is .jsonl / .json / "
             f".parquet (a .txt file's text is all of it); drop --jsonl-key"

@@ -19,6 +19,8 @@ from megapar.one_line_parser import shell_word
 _PARAGRAPH_SPLIT = re.compile(r"\n[ \t\r\f\v]*\n")
 #: File types taken from input directories.
 INPUT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+#: The types whose documents' text is under a key (--jsonl-key); a .txt file's is all of it.
+KEYED_SUFFIXES = (".jsonl", ".json", ".parquet")
 #: Largest share of a text file's bytes that may be invalid UTF-8 without --allow-invalid-utf8.
 MAX_INVALID_UTF8 = 0.001
 _ESCAPED = re.compile("[\udc80-\udcff]")
@@ -175,6 +177,11 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
         for para in _PARAGRAPH_SPLIT.split(content):
             if para.strip():
                 yield para.strip("\n"), len(para) + 2
+
+
+def reads_key(files: Sequence[str]) -> bool:
+    """Whether --jsonl-key applies to any of the input `files` (`KEYED_SUFFIXES`)."""
+    return any(f.endswith(KEYED_SUFFIXES) for f in files)
 
 
 def dataset_of(path: str) -> str | None:

@@ -14,7 +14,7 @@ import os
 import sys
 
 from megapar.data import IndexedDataset, load_tokenizer
-from megapar.data.inputs import expand_inputs, is_raw_text
+from megapar.data.inputs import expand_inputs, is_raw_text, reads_key
 from megapar.training.config import TrainConfig
 from megapar.training.data import resolve_data_prefix
 from megapar.training.tokenizer_checks import check_checkpoint_tokenizer, recorded_as_trained
@@ -24,8 +24,6 @@ TEXT_OPTIONS = ("jsonl_key", "allow_invalid_utf8", "data_cache")
 """megapar-eval's options for raw text (their parser defaults, None / False, mean not given)."""
 DEFAULT_CACHE = TrainConfig.data_cache
 """--data-cache left out: megapar-train's default, so both share one cache."""
-KEYED = (".jsonl", ".json", ".parquet")
-"""The inputs whose text is under --jsonl-key."""
 
 
 def is_text(data: str) -> bool:
@@ -56,7 +54,7 @@ def check_text_options(args) -> None:
             files = expand_inputs([os.path.expanduser(args.data)])
         except (FileNotFoundError, ValueError):  # named by the data's own check
             files = None
-        if files is not None and not any(f.endswith(KEYED) for f in files):
+        if files is not None and not reads_key(files):
             raise UsageError(
                 f"--jsonl-key {args.jsonl_key} would be ignored: no --data input is .jsonl / "
                 f".json / .parquet (a .txt file's text is all of it); drop --jsonl-key"

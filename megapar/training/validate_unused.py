@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from megapar.data.blended import data_paths
-from megapar.data.inputs import expand_inputs, is_raw_text
+from megapar.data.inputs import expand_inputs, is_raw_text, reads_key
 from megapar.training.usage import UsageError, flag_of
 
 
@@ -85,4 +85,4 @@ def _data_kinds(data) -> tuple[bool, bool]:
     except (ValueError, FileNotFoundError):  # a malformed blend, a missing path: named later
         return False, True
     prepared = all(p is not None and os.path.isfile(p + ".bin") for p in paths)
-    return prepared, prepared or any(f.endswith((".jsonl", ".json", ".parquet")) for f in texts)
+    return prepared, prepared or reads_key(texts)
