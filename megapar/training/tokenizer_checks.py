@@ -179,27 +179,31 @@ def check_blend_tokenizers(paths: list[str], parts: list) -> None:
     (`encodes_alike`); parts whose recorded tokenizer no longer loads are compared by
     vocabulary size and end-of-document id only. ValueError naming the two parts otherwise
     (the same ids would be other tokens in each)."""
-
-    def loaded(part) -> Tokenizer | None:
-        try:
-            return load_tokenizer(part.tokenizer_spec)
-        except (OSError, ValueError):
-            return None
-
-    first, tok = parts[0], loaded(parts[0])
+    first, tok = parts[0], _loaded(parts[0])
     for path, part in zip(paths[1:], parts[1:]):
-        other = loaded(part)
+        other = _loaded(part)
         same = (part.vocab_size, part.eod_id) == (first.vocab_size, first.eod_id)
         if same and tok is not None and other is not None:
             same = same_tokenizer(tok, other) or encodes_alike(tok, other)
         if not same:
-
-            def name(p, t):
-                return t.path if t is not None else f"vocab {p.vocab_size}, eod {p.eod_id}"
-
             raise ValueError(
-                f"--data blend: {path} ({name(part, other)}) and {paths[0]} "
-                f"({name(first, tok)}) were made with different tokenizers: the same ids are "
+                f"--data blend: {path} ({_named(part, other)}) and {paths[0]} "
+                f"({_named(first, tok)}) were made with different tokenizers: the same ids are "
                 f"other tokens in each; tokenize every part with the same one (raw text is "
                 f"tokenized with --tokenizer)"
             )
+
+
+def _loaded(part) -> Tokenizer | None:
+    """The tokenizer dataset `part` records, or None where it no longer loads."""
+    try:
+        return load_tokenizer(part.tokenizer_spec)
+    except (OSError, ValueError):
+        return None
+
+
+def _named(part, tokenizer: Tokenizer | None) -> str:
+    """How a blend's refusal names a part's tokenizer: its path, else its vocabulary."""
+    if tokenizer is not None:
+        return str(tokenizer.path)
+    return f"vocab {part.vocab_size}, eod {part.eod_id}"
