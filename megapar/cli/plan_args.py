@@ -143,10 +143,7 @@ def check_search_arguments(args, config, given: tuple[str, ...] = ()) -> None:
             f"has one: add 0 to --zero-stages, or raise --gpus"
         )
     if set(args.offload) == {"both"} and 3 not in stages:
-        if 3 in args.zero_stages:  # tried only where there are dp ranks to shard over
-            why, fix = "--gpus 1 has no ZeRO-3 layout", "raise --gpus"
-        else:
-            why, fix = f"--zero-stages {listed} has no 3", "add 3 to --zero-stages"
+        why, fix = _no_zero3(args)
         raise ValueError(
             f"--offload both moves ZeRO-3's parameter shards to the host, and {why}: {fix}, "
             f"or try the other offloads too (--offload none optimizer both)"
@@ -160,13 +157,8 @@ def check_unread_options(args, stages: list[int], given: tuple[str, ...]) -> Non
     stages tried (`stages`: --zero-stages where there are dp ranks), --pcie-gbps without an
     offload, --sp-regather where no layout has sequence parallelism at tp > 1 (no tp > 1 fits
     a node, or --recompute full only, under which the layers keep the gathered input)."""
-    listed = " ".join(map(str, args.zero_stages))
     if "zero3_persistence_threshold" in given and 3 not in stages:
-        why, fix = (
-            ("--gpus 1 has no ZeRO-3 layout", "raise --gpus")
-            if 3 in args.zero_stages
-            else (f"--zero-stages {listed} has no 3", "add 3 to --zero-stages")
-        )
+        why, fix = _no_zero3(args)
         raise ValueError(
             f"--zero3-persistence-threshold applies to ZeRO-3 layouts, and {why}: drop it, or {fix}"
         )
@@ -189,3 +181,12 @@ def check_unread_options(args, stages: list[int], given: tuple[str, ...]) -> Non
             "--recompute full, the only recompute tried: drop it, or add selective or none "
             "to --recompute"
         )
+
+
+def _no_zero3(args) -> tuple[str, str]:
+    """(why the search tries no ZeRO-3 layout, its fix): --gpus 1 (ZeRO-3 is tried only where
+    there are dp ranks to shard over), or --zero-stages without 3."""
+    if 3 in args.zero_stages:
+        return "--gpus 1 has no ZeRO-3 layout", "raise --gpus"
+    listed = " ".join(map(str, args.zero_stages))
+    return f"--zero-stages {listed} has no 3", "add 3 to --zero-stages"
