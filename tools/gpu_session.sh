@@ -16,7 +16,8 @@
 # OUT_DIR/report.md is the report (docs/testing.md shows its format); beside it
 # session.tar.gz, the session's files: the logs (install.log, gpu_check.log, shared.log,
 # fp8_curve.log, fp8.log, bench.log), junit.xml, shared.xml, measurements.jsonl, parts.tsv,
-# versions.txt, fp8_curve.json, fp8.json, bench.json and report.md. The parts write them to a
+# versions.txt, fp8_curve.json, fp8.json (fp8_eager.log / .json where the compiled fp8 runs
+# failed), bench.json and report.md. The parts write them to a
 # folder of their own (GPU_SESSION_WORK, else a new one under /tmp; its name is printed first),
 # and both files in OUT_DIR are rewritten after each part, so a session cut short leaves them
 # as far as it got: two files, as the device tool brings back at most 8 from its $OUT.
@@ -27,10 +28,11 @@
 #   GPU_SESSION_TIER    extra pytest arguments for the one-GPU tier (e.g. "-k not main_job")
 #   GPU_SESSION_SKIP    words naming parts to leave out: tier, shared, curve, fp8, bench
 #   GPU_SESSION_TIER_TIMEOUT (150), GPU_SESSION_SHARED_TIMEOUT (150),
-#   GPU_SESSION_CURVE_TIMEOUT (150), GPU_SESSION_FP8_TIMEOUT (120),
+#   GPU_SESSION_CURVE_TIMEOUT (150), GPU_SESSION_FP8_TIMEOUT (240),
 #   GPU_SESSION_BENCH_TIMEOUT (300)  the most seconds each part may take
-#   GPU_SESSION_FP8     arguments for benchmarks/vs/fp8_bench.py (default: --rounds 2 --steps 8
-#                       --warmup 2)
+#   GPU_SESSION_FP8     arguments for benchmarks/vs/fp8_bench.py (default: --compile --rounds 2
+#                       --steps 8 --warmup 3; if the compiled runs fail outright, the same
+#                       runs eagerly follow, as the part fp8-eager)
 #   GPU_SESSION_CURVE   arguments for benchmarks/vs/fp8_curve.py (default: none: 300 steps)
 #   GPU_SESSION_INSTALL=0  run from the source tree (PYTHONPATH) instead of installing it
 #   GPU_SESSION_WORK    the folder the parts write their files to (default: a new mktemp -d)
@@ -242,19 +244,38 @@ if [[ "$skip" != *curve* ]]; then
 fi
 
 if [[ "$skip" != *fp8* ]]; then
-    stage "fp8 against bf16 (Llama 1.2B)"
+    stage "fp8 against bf16 (Llama 1.2B, compiled blocks)"
     if [[ "$has_torchao" == 1 ]]; then
-        fp8_args="${GPU_SESSION_FP8:---rounds 2 --steps 8 --warmup 2}"
+        # compiled: torchao's float8 speed-ups are measured with torch.compile fusing the casts
+        # (eagerly each cast is kernels of its own); each variant's compilation falls inside
+        # its warm-up steps
+        fp8_args="${GPU_SESSION_FP8:---compile --rounds 2 --steps 8 --warmup 3}"
         if [[ "$rehearse" == 1 ]]; then
-            fp8_args="--device cpu --tiny --rounds 1 --steps 2 --warmup 1"
+            fp8_args="--device cpu --tiny --compile --rounds 1 --steps 2 --warmup 1"
         fi
         # shellcheck disable=SC2086 # a list of arguments
-        run_part fp8 "$(limit "${GPU_SESSION_FP8_TIMEOUT:-120}" 100)" \
+        run_part fp8 "$(limit "${GPU_SESSION_FP8_TIMEOUT:-240}" 100)" \
             python3 benchmarks/vs/fp8_bench.py $fp8_args --json "$work/fp8.json" \
             >"$work/fp8.log" 2>&1
         rc_fp8=$?
         grep -v "Failed to load\|register_constant\|triton" "$work/fp8.log" | tail -12
         echo "fp8: exit status $rc_fp8"
+        # the compiled runs failed outright (not cut at their limit): the same runs eagerly,
+        # so the session still brings back float8's kernels against bf16 (rc_fp8 stays the
+        # compiled runs' status)
+        if [[ "$rc_fp8" != 0 && "$rc_fp8" != 124 && "$rc_fp8" != 137 \
+              && " $fp8_args " == *" --compile "* ]]; then
+            echo "fp8: the compiled runs failed (exit $rc_fp8): the same runs eagerly" \
+                | tee -a "$work/fp8.log"
+            eager_args=" $fp8_args "
+            eager_args="${eager_args// --compile / }"
+            # shellcheck disable=SC2086 # a list of arguments
+            run_part fp8-eager "$(limit 120 100)" \
+                python3 benchmarks/vs/fp8_bench.py $eager_args --json "$work/fp8_eager.json" \
+                >"$work/fp8_eager.log" 2>&1
+            echo "fp8 eagerly: exit status $?"
+            grep -v "Failed to load\|register_constant\|triton" "$work/fp8_eager.log" | tail -12
+        fi
     else
         echo "skipped: torchao is not installed (no wheels/torchao-*.whl)" | tee "$work/fp8.log"
     fi

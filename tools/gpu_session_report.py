@@ -119,6 +119,9 @@ def main(out: str, rehearse: str, seconds: str) -> None:
     lines += ["## Memory against the planner (gpu_bench.py's megapar runs)", ""] + memory(out)
     lines += ["## FP8 against bf16 (benchmarks/vs/fp8_bench.py)", ""]
     lines += excerpt(out, "fp8.log", "fp8_bench on")
+    if os.path.exists(os.path.join(out, "fp8_eager.log")):  # the compiled runs failed
+        lines += ["The same runs eagerly, after the compiled runs failed:", ""]
+        lines += excerpt(out, "fp8_eager.log", "fp8_bench on")
     lines += ["## The main job's loss curve, bf16 and fp8 (benchmarks/vs/fp8_curve.py)", ""]
     lines += excerpt(out, "fp8_curve.log", "fp8_curve:", 20)
     with open(os.path.join(out, "report.md"), "w") as f:
