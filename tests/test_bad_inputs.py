@@ -279,6 +279,8 @@ TRAIN = [
     # --record-step / --replay
     (["--record-step", "2"], "--record-step 2 writes SAVE/records/: give --save"),
     (["--replay", "2"], "--replay 2 re-runs a step from a checkpoint: give --load CKPT"),
+    (["--load", "{empty_dir}", "--replay", "2"],
+     "empty_dir holds no checkpoint; --replay 2 re-runs a step from a checkpoint"),
     (["--load", "{ckpt}", "--replay", "1", "--max-steps", "3"],
      "--replay 1: the checkpoint is at step 1"),
 ]

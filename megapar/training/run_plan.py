@@ -272,8 +272,9 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[s
     if not cfg.replay:
         return
     if manifest is None:
+        held = f"--load {cfg.load} holds no checkpoint; " if cfg.load else ""
         raise UsageError(
-            f"--replay {cfg.replay} re-runs a step from a checkpoint: give --load "
+            f"{held}--replay {cfg.replay} re-runs a step from a checkpoint: give --load "
             f"CKPT (one saved at or before step {cfg.replay - 1})"
         )
     if not start < cfg.replay <= cfg.max_steps:
