@@ -247,11 +247,21 @@ def _remove_trained(trained: list[str], replaced: bool, prefix: str) -> str:
     )
 
 
-def train_tokenizer(args: argparse.Namespace, trained: list[str]) -> str:
+def _own_tokenizer_left_out(args: argparse.Namespace, files: list[str]) -> list[str]:
+    """`files` less those in the directory PREFIX-tokenizer/ this run's --train-tokenizer bpe
+    writes: with --output-prefix inside an input directory its tokenizer.json (and a
+    --overwrite run's earlier one) would be read back as a .json input."""
+    if args.train_tokenizer != "bpe":
+        return files
+    own = os.path.realpath(args.output_prefix + "-tokenizer") + os.sep
+    return [f for f in files if not os.path.realpath(f).startswith(own)]
+
+
+def train_tokenizer(args: argparse.Namespace, trained: list[str], files: list[str]) -> str:
     """The tokenizer to encode with: --tokenizer (default gpt2), or the one --train-tokenizer /
-    --train-sentencepiece trains from the input now (its path appended to `trained`).
+    --train-sentencepiece trains now from the input `files` (its path appended to `trained`).
     ValueError for --vocab-size / --tokenizer where they do not apply."""
-    from megapar.data.preprocess import expand_inputs, train_sentencepiece
+    from megapar.data.preprocess import train_sentencepiece
 
     tokenizer = args.tokenizer or "gpt2"
     if args.train_tokenizer == "sentencepiece":
@@ -264,7 +274,7 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str]) -> str:
         from megapar.data.hf_tokenizer import train_bpe
         from megapar.data.preprocess import iter_documents
 
-        docs = iter_documents(expand_inputs(args.input), args.split_lines, args.jsonl_key)
+        docs = iter_documents(files, args.split_lines, args.jsonl_key)
         info: dict = {}
         tokenizer = train_bpe(
             (text for text, _ in docs),
@@ -288,7 +298,7 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str]) -> str:
         if args.tokenizer is not None:
             raise ValueError("--train-sentencepiece trains its own tokenizer; drop --tokenizer")
         tokenizer = train_sentencepiece(
-            args.input,
+            files,
             args.output_prefix,
             args.vocab_size,
             model_type=args.sp_model_type,
@@ -333,16 +343,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from megapar.training.validate import check_writable
 
         check_flags(args)
-        _check_unread(args, expand_inputs(args.input))  # before any training
+        files = _own_tokenizer_left_out(args, expand_inputs(args.input))
+        _check_unread(args, files)  # before any training
         _note_skipped(args.input)
         check_writable(args.output_prefix, "--output-prefix", kind="file")
         check_overwrite(args)
         replaced = any(os.path.lexists(p) for p in outputs(args)[3:])
-        tokenizer = train_tokenizer(args, trained)
+        tokenizer = train_tokenizer(args, trained, files)
         report: dict = {}
         stats: dict = {}
         prefix = preprocess_files(
-            args.input,
+            files,
             args.output_prefix,
             tokenizer,
             workers=args.workers,
