@@ -77,6 +77,10 @@ def test_train_bpe_into_the_input_directory_does_not_read_its_own_tokenizer(tmp_
         ds = IndexedDataset(prefix)
         assert ds.num_docs == 1 and ds.tokenizer_spec["kind"] == "hf"
     assert os.path.isfile(prefix + "-tokenizer/tokenizer.json")
+    # another run on that directory: the dataset and the tokenizer it records are not text
+    other = str(tmp_path / "out" / "gpt2")
+    assert data_main(["--input", str(tmp_path), "--output-prefix", other, "--no-progress"]) == 0
+    assert IndexedDataset(other).num_docs == 1
 
 
 def test_llama_style_bos_starts_every_document(tmp_path, gpt2_dir):

@@ -102,9 +102,13 @@ def skipped_inputs(inputs: Sequence[str]) -> list[str]:
 
 def _directory_files(path: str) -> tuple[list[str], list[str]]:
     """The files under directory `path` (recursive, sorted): those read as input, and those
-    left out for their type (`skipped_inputs`)."""
+    left out for their type (`skipped_inputs`). The tokenizer directory a tokenized dataset
+    beside it records (``PREFIX-tokenizer/`` of ``megapar-data --train-tokenizer bpe``) is
+    megapar-data's output, not text: it is not walked."""
     read, skipped = [], []
-    for root, _dirs, names in os.walk(path):
+    for root, dirs, names in os.walk(path):
+        own = _dataset_tokenizer_dirs(root, names)
+        dirs[:] = [d for d in dirs if os.path.realpath(os.path.join(root, d)) not in own]
         for n in names:
             full = os.path.join(root, n)
             if n.endswith(INPUT_SUFFIXES):
@@ -193,6 +197,25 @@ def dataset_of(path: str) -> str | None:
     if ext in (".bin", ".idx") and os.path.isfile(stem + (".idx" if ext == ".bin" else ".bin")):
         return stem
     return None
+
+
+def _dataset_tokenizer_dirs(root: str, names: Sequence[str]) -> set[str]:
+    """The real paths of the tokenizer directories that the tokenized datasets in directory
+    `root` (files `names`) record (their ``.json``'s ``tokenizer.path``)."""
+    found = set()
+    for n in names:
+        full = os.path.join(root, n)
+        if not _dataset_sidecar(full):
+            continue
+        try:
+            with open(full, encoding="utf-8") as f:
+                spec = json.load(f).get("tokenizer") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        recorded = spec.get("path") if isinstance(spec, dict) else None
+        if isinstance(recorded, str) and os.path.isdir(recorded):
+            found.add(os.path.realpath(recorded))
+    return found
 
 
 def _dataset_sidecar(path: str) -> bool:
