@@ -343,3 +343,12 @@ def test_a_tokenizer_other_than_the_datasets_own_is_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"--data .* was made with the tokenizer at .*bpe, "
                                          r"which does not load now: .*merges.txt is cut short"):
         data_tokenizer(given("gpt2"))
+    shutil.move(bpe, tmp_path / "moved")  # gone from where the dataset records it
+    with pytest.raises(ValueError) as gone:
+        data_tokenizer(given("gpt2"))
+    assert str(gone.value) == (
+        f"--data {prefix} was made with the tokenizer at {bpe}, which is not there now (moved "
+        f"or deleted?); put its files back there, or tokenize the text again with megapar-data "
+        f"--tokenizer where they are now (a prepared dataset keeps the tokenizer it was made "
+        f"with; --tokenizer does not replace it)"), gone.value  # not 'unknown tokenizer: use gpt2'
+
