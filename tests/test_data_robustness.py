@@ -88,6 +88,21 @@ def test_a_utf8_byte_order_mark_gives_the_same_tokens_as_without(tmp_path, kind)
     assert outs[0] == outs[1]
 
 
+def test_megapar_train_raw_text_with_a_byte_order_mark_is_cached_anew(tmp_path, monkeypatch):
+    """megapar-train's cache (keyed by the text's bytes) held such a file with the mark as
+    three tokens: its key now says the mark is dropped, so that copy is not reused."""
+    import megapar.data.preprocess as preprocess
+
+    (tmp_path / "plain.txt").write_bytes(TEXT.encode())
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + TEXT.encode())
+    a = ensure_dataset(str(tmp_path / "plain.txt"), "gpt2", str(tmp_path / "cache"))
+    b = ensure_dataset(str(tmp_path / "bom.txt"), "gpt2", str(tmp_path / "cache"))
+    assert _files(a) == _files(b)
+    monkeypatch.setattr(preprocess, "_starts_with_bom", lambda path: False)  # the old key
+    old = ensure_dataset(str(tmp_path / "bom.txt"), "gpt2", str(tmp_path / "old"))
+    assert Path(old).name != Path(b).name  # another key
+
+
 def test_megapar_train_raw_text_cache_normalises_crlf(tmp_path):
     """megapar-train --data FILE.txt tokenizes through ensure_dataset: the same code."""
     (tmp_path / "lf.txt").write_bytes(TEXT.encode())
