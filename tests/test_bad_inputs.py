@@ -318,6 +318,24 @@ def test_megapar_train(argv, message, env, no_workers, capsys):
     assert rc == 2 and message in line, line
 
 
+def test_a_resumed_dp_that_does_not_divide_the_checkpoints_global_batch(env, no_workers,
+                                                                         capsys):
+    """The global batch is the checkpoint's (its data order continues): a dp that does not
+    divide it was told 'choose a multiple of 12', a --global-batch-size a resume refuses."""
+    manifest = json.loads((Path(env["ckpt"]) / "step_00000001" / "manifest.json").read_text())
+    config = manifest["meta"]["train_config"]
+    gbs, mbs = config["global_batch_size"], config["micro_batch_size"]
+    dp = next(d for d in range(2, 9) if gbs % (mbs * d))
+    assert train(["--load", env["ckpt"], "--dp", str(dp), "--max-steps", "3"]) == 2
+    line = _one_line(capsys, "megapar-train")
+    good = " / ".join(str(d) for d in range(1, gbs + 1) if gbs % (mbs * d) == 0)
+    assert (f"--global-batch-size {gbs} (not given: the value --load {env['ckpt']} recorded) "
+            f"is not divisible by micro-batch size {mbs} x dp {dp} = {mbs * dp}, and a resumed "
+            f"run keeps its checkpoint's global batch (its data order continues); choose a "
+            f"layout with dp {good}") in line, line
+    assert "choose a multiple" not in line
+
+
 def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_workers, capsys):
     """--from-hf DIR without --tokenizer tokenizes with DIR's own tokenizer (here its
     SentencePiece tokenizer.model), said in a start-up note; a --tokenizer, or a prepared --data,
