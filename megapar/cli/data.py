@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
@@ -327,6 +329,19 @@ def _note_skipped(inputs: Sequence[str]) -> None:
         )
 
 
+def _sigterm_as_exit():
+    """In the main thread, where SIGTERM has its default action: SIGTERM raises SystemExit(143)
+    (`stop.terminate_on_sigterm`), so a run stopped by it (`timeout`, a scheduler) cleans up as
+    an interrupted one does. Returns the handler to restore (None: nothing installed)."""
+    from megapar.faults import stop
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    stop.terminate_on_sigterm()
+    return previous
+
+
 @quiet_when_stdout_closes
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code. A run that fails after training a tokenizer
@@ -339,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     trained: list[str] = []  # the tokenizer this run trains, removed again if the run fails
     replaced = False
+    previous = _sigterm_as_exit()
     try:
         from megapar.training.validate import check_writable
 
@@ -382,17 +398,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         note = _remove_trained(trained, replaced, args.output_prefix)
         print(f"megapar-data: error: {e}{note}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as exc:
         note = _remove_trained(trained, replaced, args.output_prefix)
+        sigterm = isinstance(exc, SystemExit)
+        if isinstance(exc, SystemExit) and exc.code != 128 + signal.SIGTERM:
+            raise
         print(
-            f"megapar-data: interrupted; nothing was written (the dataset is renamed into place "
-            f"only when complete, so {args.output_prefix} is as it was){note}",
+            f"megapar-data: {'terminated (SIGTERM)' if sigterm else 'interrupted'}; nothing was "
+            f"written (the dataset is renamed into place only when complete, so "
+            f"{args.output_prefix} is as it was){note}",
             file=sys.stderr,
         )
-        return 130
+        return 128 + signal.SIGTERM if sigterm else 130
     except BaseException:
         _remove_trained(trained, replaced, args.output_prefix)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     ds = IndexedDataset(prefix)
     print(
         f"wrote {prefix}.bin/.idx/.json ({args.format} index): {ds.num_docs} documents, "
