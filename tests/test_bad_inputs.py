@@ -279,6 +279,8 @@ TRAIN = [
     # --record-step / --replay
     (["--record-step", "2"], "--record-step 2 writes SAVE/records/: give --save"),
     (["--replay", "2"], "--replay 2 re-runs a step from a checkpoint: give --load CKPT"),
+    (["--load", "{empty_dir}", "--replay", "2"],
+     "empty_dir holds no checkpoint; --replay 2 re-runs a step from a checkpoint"),
     (["--load", "{ckpt}", "--replay", "1", "--max-steps", "3"],
      "--replay 1: the checkpoint is at step 1"),
 ]
@@ -314,6 +316,24 @@ def test_megapar_train(argv, message, env, no_workers, capsys):
     rc = train([*env["common"], *_fill(argv, env)])
     line = _one_line(capsys, "megapar-train")
     assert rc == 2 and message in line, line
+
+
+def test_a_resumed_dp_that_does_not_divide_the_checkpoints_global_batch(env, no_workers,
+                                                                         capsys):
+    """The global batch is the checkpoint's (its data order continues): a dp that does not
+    divide it was told 'choose a multiple of 12', a --global-batch-size a resume refuses."""
+    manifest = json.loads((Path(env["ckpt"]) / "step_00000001" / "manifest.json").read_text())
+    config = manifest["meta"]["train_config"]
+    gbs, mbs = config["global_batch_size"], config["micro_batch_size"]
+    dp = next(d for d in range(2, 9) if gbs % (mbs * d))
+    assert train(["--load", env["ckpt"], "--dp", str(dp), "--max-steps", "3"]) == 2
+    line = _one_line(capsys, "megapar-train")
+    good = " / ".join(str(d) for d in range(1, gbs + 1) if gbs % (mbs * d) == 0)
+    assert (f"--global-batch-size {gbs} (not given: the value --load {env['ckpt']} recorded) "
+            f"is not divisible by micro-batch size {mbs} x dp {dp} = {mbs * dp}, and a resumed "
+            f"run keeps its checkpoint's global batch (its data order continues); choose a "
+            f"layout with dp {good}") in line, line
+    assert "choose a multiple" not in line
 
 
 def test_from_hf_tokenizes_with_the_directorys_own_tokenizer(env, tmp_path, no_workers, capsys):
@@ -448,6 +468,10 @@ BUBBLE = [
      "zb-h1's bubble formula gives 0.0005, with no run"),
     (["--pp", "300", "-m", "2", "--schedule", "interleaved", "--virtual-stages", "2",
       "--simulate", "--fwd-ms", "1"], "interleaved's bubble formula gives 0.9933"),
+    # zb-v holds two chunks per rank: 2 x 100 x 249 x 2 = 99,600 actions (counted as one chunk,
+    # 49,800, it was printed, in 12.8 s where 1f1b's 49,800 took 5.8 s)
+    (["--pp", "100", "-m", "249", "--schedule", "zb-v", "--show-schedule"],
+     "--pp 100 x --microbatches 249 x 2 model chunks per rank is 99,600 actions on 100 stages"),
     (["--pp", "{too_many}", "-m", "4"], "local worker processes, more than this machine runs"),
     (["--pp", "2", "-m", "4", "--cp", "{limit}"],
      "--pp 2 x --tp 1 x --cp {limit} starts {twice_limit} local worker processes"),

@@ -181,3 +181,18 @@ def test_cli_certify_shows_the_chunks_a_v_schedule_holds(capsys):
             if line.split() and line.split()[0] in ("1f1b", "zb-v", "dualpipev")}
     assert rows == {"1f1b": "1", "zb-v": "2", "dualpipev": "2"}
     assert certify.certify("dualpipev", 2, 4).name == "dualpipev V=2 pp=2 m=4"
+
+
+def test_cli_certify_size_limit_counts_each_schedules_own_chunks(capsys):
+    # 1f1b holds one chunk per rank: pp 2 x m 5,000 is 20,000 actions, certified, not refused
+    # as if it held the grid's V 3 (60,000 actions, naming a --virtual-stages never given)
+    assert bubble(["--certify", "--pp", "2", "-m", "5000", "--schedule", "1f1b"]) == 0
+    assert "certificate: every check holds" in capsys.readouterr().out
+    # zb-v holds two: 2 x 2 x 20,000 x 2 = 160,000 actions, refused naming them and the fix
+    assert bubble(["--certify", "--pp", "2", "-m", "20000", "--schedule", "zb-v"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(
+        "--certify: zb-v at --pp 2 x --microbatches 20000 x 2 model chunks per rank is "
+        "160,000 actions, more than megapar-bubble certifies in seconds (50,000); give a "
+        "smaller --microbatches or --pp"), err
+    assert "\n" not in err and "virtual-stages" not in err

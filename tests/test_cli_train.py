@@ -6,6 +6,7 @@ The CLI is called in-process (`main(argv)`), so its workers are forked from this
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -410,3 +411,26 @@ def test_every_flag_has_a_group_and_the_groups_follow_in_order():
     titled = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
     for key, title in GROUPS.items():
         assert titled[title] == [n for n in names if groups[n] == key]
+
+
+def test_load_whose_tokenizer_was_given_as_the_recorded_path_and_moved(tmp_path):
+    """The checkpoint's run gave --tokenizer P, and P is also the recorded tokenizer's path;
+    P moved since: --load took the saved --tokenizer P as it was and stopped on it ('unknown
+    tokenizer P: use gpt2, sentencepiece, ...', a flag the user never gave). As for a recorded
+    path elsewhere, a recorded tokenizer that no longer loads is not taken: the default
+    tokenizes, and the tokenizer check names the recorded one."""
+    from megapar.checkpoint.convert import recorded_tokenizer
+    from megapar.training.config import parse_args
+    from megapar.training.validate_resume import settings_from_checkpoint
+
+    path = tmp_path / "tok.model"
+    shutil.copy(asset_path("botchan_en_unigram_1000.model"), path)
+    manifest = {"meta": {"train_config": {"tokenizer": str(path)},
+                         "tokenizer": recorded_tokenizer(str(path))}}
+    cfg = parse_args(["--load", str(tmp_path / "ck")])
+    settings_from_checkpoint(cfg, manifest)
+    assert cfg.tokenizer == str(path) and "tokenizer" in cfg.from_checkpoint  # still there
+    os.rename(path, tmp_path / "moved.model")
+    cfg = parse_args(["--load", str(tmp_path / "ck")])
+    settings_from_checkpoint(cfg, manifest)
+    assert cfg.tokenizer == "gpt2" and "tokenizer" not in cfg.from_checkpoint

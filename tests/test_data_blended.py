@@ -42,7 +42,11 @@ def test_blended_dataset_items_and_description():
 
 @pytest.mark.parametrize("spec, message", [
     ("0.7 a 0.3", "pairs of WEIGHT PREFIX"), (["x", "a", "0.3", "b"], "'x' is not a weight"),
-    ("0 a 1 b", "must be positive")])
+    ("0 a 1 b", "must be positive"),
+    # inf normalised to nan ('cannot convert float NaN to integer' in the sampler)
+    ("inf a 1 b", "weight inf of a must be positive and finite"),
+    ("nan a 1 b", "weight nan of a must be positive and finite"),
+    ("1e308 a 1e308 b", "add up to more than a float holds")])
 def test_bad_blend_specs(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_blend(spec)

@@ -65,6 +65,24 @@ def test_train_bpe_then_preprocess_and_auto_tokenizer_agree(tmp_path):
     assert ds.doc(0).tolist() == auto.encode(first, add_special_tokens=False) + [ours.eod_id]
 
 
+def test_train_bpe_into_the_input_directory_does_not_read_its_own_tokenizer(tmp_path):
+    # --output-prefix inside the input directory: the tokenizer.json the run trains (and, with
+    # --overwrite, the one an earlier run trained) is not read back as a .json input
+    (tmp_path / "sample.txt").write_text(TEXT)
+    prefix = str(tmp_path / "bpe")
+    for again in ([], ["--overwrite"]):
+        assert data_main(["--train-tokenizer", "bpe", "--vocab-size", "600", "--input",
+                          str(tmp_path), "--output-prefix", prefix, "--no-progress",
+                          *again]) == 0
+        ds = IndexedDataset(prefix)
+        assert ds.num_docs == 1 and ds.tokenizer_spec["kind"] == "hf"
+    assert os.path.isfile(prefix + "-tokenizer/tokenizer.json")
+    # another run on that directory: the dataset and the tokenizer it records are not text
+    other = str(tmp_path / "out" / "gpt2")
+    assert data_main(["--input", str(tmp_path), "--output-prefix", other, "--no-progress"]) == 0
+    assert IndexedDataset(other).num_docs == 1
+
+
 def test_llama_style_bos_starts_every_document(tmp_path, gpt2_dir):
     directory = tmp_path / "llama-style"
     shutil.copytree(gpt2_dir, directory)

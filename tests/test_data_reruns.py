@@ -93,6 +93,45 @@ def test_a_run_that_fails_after_training_sentencepiece_leaves_nothing(tmp_path, 
     assert not list(tmp_path.glob("out/*"))
 
 
+def test_a_sigterm_after_training_a_tokenizer_leaves_nothing_and_says_so(tmp_path, monkeypatch):
+    """SIGTERM (timeout, a scheduler) killed megapar-data where it stood: the tokenizer it had
+    trained stayed (a rerun was then refused as overwriting it), a half-written PREFIX.bin.tmp
+    too, and nothing was said. Now as Ctrl-C: cleaned up, one line, exit 143. In a forked
+    child, so that before the fix the signal kills the child, not the test."""
+    import os
+    import signal
+    import time
+
+    from megapar.data import preprocess
+
+    def stopped(*args, **kwargs):  # the signal comes while tokenizing
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(preprocess, "preprocess_files", stopped)
+    (tmp_path / "a.txt").write_text(TEXT[:3000])
+    err = tmp_path / "err.txt"
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        import sys
+
+        code = 1
+        try:
+            sys.stderr = open(err, "w")  # noqa: SIM115 - flushed below
+            code = data(["--input", str(tmp_path / "a.txt"), "--output-prefix",
+                         str(tmp_path / "out" / "d"), "--train-tokenizer", "bpe",
+                         "--vocab-size", "300", "--no-progress"])
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 143, status
+    assert err.read_text().strip().splitlines()[-1].startswith(
+        "megapar-data: terminated (SIGTERM); nothing was written")
+    assert not list(tmp_path.glob("out/*"))  # no d-tokenizer/
+
+
 # --- megapar-train: the cache of a text refused as too small ------------------------------------
 def test_a_text_too_small_to_train_on_leaves_no_cache(tmp_path, capsys):
     tiny, cache = tmp_path / "tiny.txt", tmp_path / "cache"
@@ -343,3 +382,12 @@ def test_a_tokenizer_other_than_the_datasets_own_is_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"--data .* was made with the tokenizer at .*bpe, "
                                          r"which does not load now: .*merges.txt is cut short"):
         data_tokenizer(given("gpt2"))
+    shutil.move(bpe, tmp_path / "moved")  # gone from where the dataset records it
+    with pytest.raises(ValueError) as gone:
+        data_tokenizer(given("gpt2"))
+    assert str(gone.value) == (
+        f"--data {prefix} was made with the tokenizer at {bpe}, which is not there now (moved "
+        f"or deleted?); put its files back there, or tokenize the text again with megapar-data "
+        f"--tokenizer where they are now (a prepared dataset keeps the tokenizer it was made "
+        f"with; --tokenizer does not replace it)"), gone.value  # not 'unknown tokenizer: use gpt2'
+

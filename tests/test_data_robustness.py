@@ -69,6 +69,40 @@ def test_crlf_inside_jsonl_records_is_normalised(tmp_path):
     assert _files(tmp_path / "crlf") == _files(tmp_path / "lf")
 
 
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "json array", "json object"])
+def test_a_utf8_byte_order_mark_gives_the_same_tokens_as_without(tmp_path, kind):
+    """Windows tools start UTF-8 files with a byte-order mark (EF BB BF): a .txt tokenized it
+    into three tokens of its own, a .json array or object was refused as not JSON ('list
+    indices must be integers or slices, not str', 'Expecting property name ...')."""
+    paras = [p for p in TEXT.split("\n\n") if p.strip()][:5]
+    body = {"txt": TEXT, "jsonl": "".join(json.dumps({"text": p}) + "\n" for p in paras),
+            "json array": json.dumps([{"text": p} for p in paras], indent=1),
+            "json object": json.dumps({"text": TEXT}, indent=1)}[kind]
+    suffix = kind.split()[0]
+    outs = []
+    for name, bom in (("plain", b""), ("bom", b"\xef\xbb\xbf")):
+        (tmp_path / f"{name}.{suffix}").write_bytes(bom + body.encode())
+        assert data_main(["--input", str(tmp_path / f"{name}.{suffix}"), "--output-prefix",
+                          str(tmp_path / "out" / name), "--no-progress"]) == 0
+        outs.append(_files(tmp_path / "out" / name))
+    assert outs[0] == outs[1]
+
+
+def test_megapar_train_raw_text_with_a_byte_order_mark_is_cached_anew(tmp_path, monkeypatch):
+    """megapar-train's cache (keyed by the text's bytes) held such a file with the mark as
+    three tokens: its key now says the mark is dropped, so that copy is not reused."""
+    import megapar.data.preprocess as preprocess
+
+    (tmp_path / "plain.txt").write_bytes(TEXT.encode())
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + TEXT.encode())
+    a = ensure_dataset(str(tmp_path / "plain.txt"), "gpt2", str(tmp_path / "cache"))
+    b = ensure_dataset(str(tmp_path / "bom.txt"), "gpt2", str(tmp_path / "cache"))
+    assert _files(a) == _files(b)
+    monkeypatch.setattr(preprocess, "_starts_with_bom", lambda path: False)  # the old key
+    old = ensure_dataset(str(tmp_path / "bom.txt"), "gpt2", str(tmp_path / "old"))
+    assert Path(old).name != Path(b).name  # another key
+
+
 def test_megapar_train_raw_text_cache_normalises_crlf(tmp_path):
     """megapar-train --data FILE.txt tokenizes through ensure_dataset: the same code."""
     (tmp_path / "lf.txt").write_bytes(TEXT.encode())

@@ -115,6 +115,26 @@ def test_a_shipped_tokenizer_recorded_by_another_install_loads_from_this_one(tmp
         load_tokenizer(str(tmp_path / "old-venv" / "megapar" / "assets" / "no_such.model"))
 
 
+def test_raw_text_whose_cached_dataset_names_a_tokenizer_since_moved_is_the_runs_own(tmp_path):
+    """The cached dataset's .json names the first run's tokenizer files; moved or deleted
+    since, a later run on the same text with the same files elsewhere (here the first copy
+    gone) failed in its workers: 'rank 0 failed before training started: ValueError: unknown
+    tokenizer FIRST', also with the default --tokenizer and on --load."""
+    from megapar.data import IndexedDataset
+    from megapar.data.preprocess import ensure_dataset
+    from megapar.training.tokenizer_checks import data_tokenizer_spec
+
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question.\n\nWhether 'tis nobler.\n")
+    first, mine = tmp_path / "first.model", tmp_path / "mine.model"
+    for copy in (first, mine):
+        shutil.copy(asset_path("botchan_en_unigram_1000.model"), copy)
+    prefix = ensure_dataset(str(text), str(first), str(tmp_path / "cache"))
+    cached = IndexedDataset(prefix).tokenizer_spec
+    os.remove(first)
+    assert data_tokenizer_spec(str(text), str(mine), cached)["path"] == str(mine)
+
+
 def test_raw_text_records_the_runs_own_tokenizer_not_the_cached_datasets(tmp_path):
     """Raw text is tokenized into a cache keyed by the text's and the tokenizer files' content,
     so a second run with the same text and a copy of the tokenizer elsewhere reuses the first

@@ -519,6 +519,32 @@ def test_the_save_lock_is_exclusive_and_released_on_an_exception(tmp_path):
     assert list((tmp_path / "ckpt").iterdir()) == []  # released: nothing left
 
 
+def test_a_copy_of_a_live_runs_directory_is_not_locked_by_that_run(tmp_path):
+    """`cp -r ckpt ckpt-copy` while the run saving into ckpt goes on copies its lock file too;
+    that run locks ckpt, not the copy, so a run may save into the copy (with a note)."""
+    import shutil
+
+    from megapar.checkpoint.lock import SaveLock, SaveLockError, check_unlocked
+
+    live = SaveLock(tmp_path / "ckpt").acquire()
+    try:
+        shutil.copytree(tmp_path / "ckpt", tmp_path / "copy")
+        check_unlocked(tmp_path / "copy")  # not "in use by another run"
+        with pytest.raises(SaveLockError):
+            check_unlocked(tmp_path / "ckpt")  # the original still is
+        started = json.loads((tmp_path / "ckpt" / "megapar.lock").read_text())["started"]
+        copy = SaveLock(tmp_path / "copy").acquire()
+        assert copy.taken_over == (
+            f"took over {tmp_path / 'copy' / 'megapar.lock'}, a copy of the lock of pid "
+            f"{os.getpid()}'s run (started {started}), which locks "
+            f"{(tmp_path / 'ckpt').resolve()}, not this directory")
+        with pytest.raises(SaveLockError):  # and now the copy is locked by its own run
+            check_unlocked(tmp_path / "copy")
+        copy.release()
+    finally:
+        live.release()
+
+
 def test_a_forked_worker_does_not_release_its_launchers_lock(tmp_path):
     """Local workers are forked from megapar-train's process, which holds the lock: a worker
     that ends (its inherited SIGTERM handler released the lock) deleted the launcher's file."""

@@ -5,8 +5,9 @@ runs) would overwrite each other's ``step_*`` directories and ``latest`` silentl
 takes ``ROOT/megapar.lock`` before any worker starts and keeps it until it exits:
 
 - the file holds the owner's host, pid, the process's start time (to tell a reused pid), the
-  start time of the run and its command line, as JSON; `describe` turns it into the one line a
-  refused run prints;
+  directory it locks (its path, device and inode: a copy of the directory, ``cp -r`` of a live
+  run's checkpoints, carries a lock that is not its own), the start time of the run and its
+  command line, as JSON; `describe` turns it into the one line a refused run prints;
 - the owner holds an exclusive ``flock`` on it (released by the kernel when the process dies,
   even by ``kill -9``) and refreshes its modification time every `HEARTBEAT_S` seconds;
 - `SaveLock.release` (on exit, an exception, SIGTERM) deletes the file, also when SIGTERM
@@ -14,7 +15,8 @@ takes ``ROOT/megapar.lock`` before any worker starts and keeps it until it exits
   rank 0 waiting for the others to join). A forked child never deletes its parent's lock.
 
 A lock left behind is *stale* when its owner is gone: on this host, when the pid no longer
-runs (or runs another process: its start time differs) and no process holds the ``flock``; on
+runs (or runs another process: its start time differs) and no process holds the ``flock``, or
+when the file was copied from another directory (the owner locks that one, not this); on
 another host, whose processes cannot be seen, only when its heartbeat is older than
 `STALE_AFTER_S` (a ``flock`` on a network file system may or may not reach other hosts, so it
 is not trusted for them). A stale lock is taken over with a note; a live one refuses the run
@@ -84,9 +86,20 @@ def describe(owner: dict, root: Path, age_s: float | None = None) -> str:
     )
 
 
+def _directory_id(directory: Path) -> list[int] | None:
+    """[device, inode] of `directory` (None when it cannot be read)."""
+    try:
+        st = directory.stat()
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino]
+
+
 def owner_state(path: Path) -> tuple[str, dict | None, float | None]:
-    """("none" | "live" | "stale", owner, heartbeat age in seconds) of a lock file, as seen
-    from this process (the ``flock`` is not consulted: see `SaveLock.acquire`)."""
+    """("none" | "live" | "stale" | "copy", owner, heartbeat age in seconds) of a lock file, as
+    seen from this process (the ``flock`` is not consulted: see `SaveLock.acquire`). "copy":
+    a lock of this host that its owner took in another directory (this one is a copy of it),
+    so it does not lock this one."""
     owner = read_owner(path)
     if owner is None:
         return ("none" if not path.exists() else "stale"), None, None
@@ -95,6 +108,9 @@ def owner_state(path: Path) -> tuple[str, dict | None, float | None]:
     except OSError:
         return "none", None, None
     if owner.get("host") == socket.gethostname():
+        directory = owner.get("directory_id")
+        if directory is not None and directory != _directory_id(path.parent):
+            return "copy", owner, age
         try:
             pid = int(owner["pid"])
         except (KeyError, TypeError, ValueError):
@@ -180,7 +196,13 @@ class SaveLock:
         if state == "live" and owner is not None:  # e.g. another host's, alive by its heartbeat
             os.close(fd)
             raise SaveLockError(refusal(self.root, owner, age))
-        if owner is not None:
+        if state == "copy" and owner is not None:
+            self.taken_over = (
+                f"took over {self.path}, a copy of the lock of pid {owner.get('pid')}'s run "
+                f"(started {owner.get('started')}), which locks {owner.get('directory')}, "
+                f"not this directory"
+            )
+        elif owner is not None:
             self.taken_over = (
                 f"took over the stale lock {self.path} of pid {owner.get('pid')} "
                 f"on {owner.get('host')} (started {owner.get('started')}), "
@@ -190,6 +212,8 @@ class SaveLock:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "proc_start": process_start(os.getpid()),
+            "directory": str(self.root.resolve()),
+            "directory_id": _directory_id(self.root),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": self.command,
         }

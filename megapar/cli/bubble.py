@@ -310,19 +310,40 @@ def check_certify_args(args) -> list[tuple]:
     pps = (args.pp,) if args.pp else certify.GRID_PP
     ms = (args.microbatches,) if args.microbatches else certify.GRID_M
     vs = (args.virtual_stages,) if args.virtual_stages else certify.GRID_V
-    actions = 2 * max(pps) * max(ms) * max(vs)
-    if actions > MAX_SIMULATED_ACTIONS:
-        raise UsageError(
-            f"--pp {max(pps)} x --microbatches {max(ms)} x --virtual-stages "
-            f"{max(vs)} is {actions:,} actions, more than megapar-bubble certifies "
-            f"in seconds ({MAX_SIMULATED_ACTIONS:,})"
-        )
     names = (args.schedule,) if args.schedule else None
+    largest = _largest_certified(names, max(pps), max(ms), vs)
+    if largest is not None and largest[2] > MAX_SIMULATED_ACTIONS:
+        name, chunks, actions = largest
+        per_rank = f" x {chunks} model chunks per rank" if chunks > 1 else ""
+        narrow = "" if args.schedule else ", or certify one --schedule"
+        raise UsageError(
+            f"--certify: {name} at --pp {max(pps)} x --microbatches {max(ms)}{per_rank} is "
+            f"{actions:,} actions, more than megapar-bubble certifies in seconds "
+            f"({MAX_SIMULATED_ACTIONS:,}); give a smaller --microbatches or --pp{narrow}"
+        )
     points = certify.grid(names, pps, ms, vs)
     if not points:  # the schedule refuses every point: say why, for the first one
         check_schedule(args.schedule or "1f1b", pps[0], ms[0], vs[0])
         raise ValueError("no schedule accepts these --pp, -m and --virtual-stages")
     return points
+
+
+def _largest_certified(names, pp: int, m: int, vs) -> tuple[str, int, int] | None:
+    """(schedule, model chunks per rank, actions) of the largest step the grid would certify at
+    `pp` and `m`: each schedule with the chunks it holds (1 for gpipe / 1f1b / zb-h1, 2 for the
+    V schedules, V for interleaved), not the grid's largest V for all. None when no schedule
+    takes any V of `vs` (the grid then says why)."""
+    largest = None
+    for name in names or SCHEDULES:
+        for v in vs:
+            try:
+                chunks = chunks_per_rank(name, v)
+            except ValueError:
+                continue
+            actions = 2 * pp * m * chunks
+            if largest is None or actions > largest[2]:
+                largest = (name, chunks, actions)
+    return largest
 
 
 def run_certificate(points: list[tuple], whole_grid: bool = True, schedules=None) -> int:

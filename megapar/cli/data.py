@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
@@ -247,11 +249,21 @@ def _remove_trained(trained: list[str], replaced: bool, prefix: str) -> str:
     )
 
 
-def train_tokenizer(args: argparse.Namespace, trained: list[str]) -> str:
+def _own_tokenizer_left_out(args: argparse.Namespace, files: list[str]) -> list[str]:
+    """`files` less those in the directory PREFIX-tokenizer/ this run's --train-tokenizer bpe
+    writes: with --output-prefix inside an input directory its tokenizer.json (and a
+    --overwrite run's earlier one) would be read back as a .json input."""
+    if args.train_tokenizer != "bpe":
+        return files
+    own = os.path.realpath(args.output_prefix + "-tokenizer") + os.sep
+    return [f for f in files if not os.path.realpath(f).startswith(own)]
+
+
+def train_tokenizer(args: argparse.Namespace, trained: list[str], files: list[str]) -> str:
     """The tokenizer to encode with: --tokenizer (default gpt2), or the one --train-tokenizer /
-    --train-sentencepiece trains from the input now (its path appended to `trained`).
+    --train-sentencepiece trains now from the input `files` (its path appended to `trained`).
     ValueError for --vocab-size / --tokenizer where they do not apply."""
-    from megapar.data.preprocess import expand_inputs, train_sentencepiece
+    from megapar.data.preprocess import train_sentencepiece
 
     tokenizer = args.tokenizer or "gpt2"
     if args.train_tokenizer == "sentencepiece":
@@ -264,7 +276,7 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str]) -> str:
         from megapar.data.hf_tokenizer import train_bpe
         from megapar.data.preprocess import iter_documents
 
-        docs = iter_documents(expand_inputs(args.input), args.split_lines, args.jsonl_key)
+        docs = iter_documents(files, args.split_lines, args.jsonl_key)
         info: dict = {}
         tokenizer = train_bpe(
             (text for text, _ in docs),
@@ -288,7 +300,7 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str]) -> str:
         if args.tokenizer is not None:
             raise ValueError("--train-sentencepiece trains its own tokenizer; drop --tokenizer")
         tokenizer = train_sentencepiece(
-            args.input,
+            files,
             args.output_prefix,
             args.vocab_size,
             model_type=args.sp_model_type,
@@ -317,6 +329,19 @@ def _note_skipped(inputs: Sequence[str]) -> None:
         )
 
 
+def _sigterm_as_exit():
+    """In the main thread, where SIGTERM has its default action: SIGTERM raises SystemExit(143)
+    (`stop.terminate_on_sigterm`), so a run stopped by it (`timeout`, a scheduler) cleans up as
+    an interrupted one does. Returns the handler to restore (None: nothing installed)."""
+    from megapar.faults import stop
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    stop.terminate_on_sigterm()
+    return previous
+
+
 @quiet_when_stdout_closes
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code. A run that fails after training a tokenizer
@@ -329,20 +354,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     trained: list[str] = []  # the tokenizer this run trains, removed again if the run fails
     replaced = False
+    previous = _sigterm_as_exit()
     try:
         from megapar.training.validate import check_writable
 
         check_flags(args)
-        _check_unread(args, expand_inputs(args.input))  # before any training
+        files = _own_tokenizer_left_out(args, expand_inputs(args.input))
+        _check_unread(args, files)  # before any training
         _note_skipped(args.input)
         check_writable(args.output_prefix, "--output-prefix", kind="file")
         check_overwrite(args)
         replaced = any(os.path.lexists(p) for p in outputs(args)[3:])
-        tokenizer = train_tokenizer(args, trained)
+        tokenizer = train_tokenizer(args, trained, files)
         report: dict = {}
         stats: dict = {}
         prefix = preprocess_files(
-            args.input,
+            files,
             args.output_prefix,
             tokenizer,
             workers=args.workers,
@@ -371,17 +398,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         note = _remove_trained(trained, replaced, args.output_prefix)
         print(f"megapar-data: error: {e}{note}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as exc:
         note = _remove_trained(trained, replaced, args.output_prefix)
+        sigterm = isinstance(exc, SystemExit)
+        if isinstance(exc, SystemExit) and exc.code != 128 + signal.SIGTERM:
+            raise
         print(
-            f"megapar-data: interrupted; nothing was written (the dataset is renamed into place "
-            f"only when complete, so {args.output_prefix} is as it was){note}",
+            f"megapar-data: {'terminated (SIGTERM)' if sigterm else 'interrupted'}; nothing was "
+            f"written (the dataset is renamed into place only when complete, so "
+            f"{args.output_prefix} is as it was){note}",
             file=sys.stderr,
         )
-        return 130
+        return 128 + signal.SIGTERM if sigterm else 130
     except BaseException:
         _remove_trained(trained, replaced, args.output_prefix)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     ds = IndexedDataset(prefix)
     print(
         f"wrote {prefix}.bin/.idx/.json ({args.format} index): {ds.num_docs} documents, "

@@ -14,6 +14,7 @@ is a fixed sequence, resuming from ``consumed_samples`` is exact.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -67,10 +68,18 @@ def parse_blend(spec) -> list[tuple[float, str]] | None:
                 f"(e.g. --data 0.7 data/a 0.3 data/b){quote}"
             )
         weight = float(w)
-        if not weight > 0:
-            raise ValueError(f"--data: weight {w} of {prefix} must be positive")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(
+                f"--data: weight {w} of {prefix} must be positive and finite (weights are "
+                f"relative: e.g. --data 0.7 data/a 0.3 data/b)"
+            )
         pairs.append((weight, prefix))
     total = sum(w for w, _ in pairs)
+    if not math.isfinite(total):
+        raise ValueError(
+            f"--data: the weights {' '.join(items[::2])} add up to more than a float holds; "
+            f"give smaller weights (they are relative: e.g. --data 0.7 data/a 0.3 data/b)"
+        )
     return [(w / total, p) for w, p in pairs]
 
 

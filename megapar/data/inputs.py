@@ -24,6 +24,7 @@ KEYED_SUFFIXES = (".jsonl", ".json", ".parquet")
 #: Largest share of a text file's bytes that may be invalid UTF-8 without --allow-invalid-utf8.
 MAX_INVALID_UTF8 = 0.001
 _ESCAPED = re.compile("[\udc80-\udcff]")
+_BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, as Windows tools start a text
 _CR = re.compile("\r\n?")
 
 
@@ -48,6 +49,7 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
     unless allowed."""
     with open(path, "rb") as f:
         raw = f.read()
+    raw = raw[len(_BOM) :] if raw.startswith(_BOM) else raw  # not text: no tokens for it
     text = normalize_newlines(raw.decode("utf-8", errors="surrogateescape"))
     bad = len(_ESCAPED.findall(text))
     if not bad:
@@ -102,9 +104,13 @@ def skipped_inputs(inputs: Sequence[str]) -> list[str]:
 
 def _directory_files(path: str) -> tuple[list[str], list[str]]:
     """The files under directory `path` (recursive, sorted): those read as input, and those
-    left out for their type (`skipped_inputs`)."""
+    left out for their type (`skipped_inputs`). The tokenizer directory a tokenized dataset
+    beside it records (``PREFIX-tokenizer/`` of ``megapar-data --train-tokenizer bpe``) is
+    megapar-data's output, not text: it is not walked."""
     read, skipped = [], []
-    for root, _dirs, names in os.walk(path):
+    for root, dirs, names in os.walk(path):
+        own = _dataset_tokenizer_dirs(root, names)
+        dirs[:] = [d for d in dirs if os.path.realpath(os.path.join(root, d)) not in own]
         for n in names:
             full = os.path.join(root, n)
             if n.endswith(INPUT_SUFFIXES):
@@ -195,6 +201,25 @@ def dataset_of(path: str) -> str | None:
     return None
 
 
+def _dataset_tokenizer_dirs(root: str, names: Sequence[str]) -> set[str]:
+    """The real paths of the tokenizer directories that the tokenized datasets in directory
+    `root` (files `names`) record (their ``.json``'s ``tokenizer.path``)."""
+    found = set()
+    for n in names:
+        full = os.path.join(root, n)
+        if not _dataset_sidecar(full):
+            continue
+        try:
+            with open(full, encoding="utf-8") as f:
+                spec = json.load(f).get("tokenizer") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        recorded = spec.get("path") if isinstance(spec, dict) else None
+        if isinstance(recorded, str) and os.path.isdir(recorded):
+            found.add(os.path.realpath(recorded))
+    return found
+
+
 def _dataset_sidecar(path: str) -> bool:
     """Whether `path` is the ``.json`` of a tokenized dataset (its ``.bin`` and ``.idx`` beside)."""
     stem = path[: -len(".json")]
@@ -207,7 +232,8 @@ def _json_kind(path: str) -> tuple[str, dict | None]:
     """How a ``.json`` file holds its documents: "array" (of objects), "object" (one object over
     several lines: its first line alone is no JSON; returned parsed) or "lines" (JSON Lines)."""
     with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096)
+        head = (head[len(_BOM) :] if head.startswith(_BOM) else head).lstrip()
         if head.startswith(b"["):
             return "array", None
         if not head.startswith(b"{"):
@@ -220,7 +246,7 @@ def _json_kind(path: str) -> tuple[str, dict | None]:
     except ValueError:
         pass
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is not JSON
             record = json.load(f)
     except ValueError:  # reported line by line, as JSON Lines
         return "lines", None
@@ -237,7 +263,7 @@ def _json_object_document(path: str, record: dict, key: str) -> Iterator[tuple[s
 
 
 def _json_array_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         records = json.load(f)
     size = os.path.getsize(path) / max(1, len(records))
     for i, record in enumerate(records):

@@ -293,6 +293,12 @@ def _digest_and_cr(path: str) -> tuple[str, bool]:
     return h.hexdigest(), cr
 
 
+def _starts_with_bom(path: str) -> bool:
+    """Whether a file starts with UTF-8's byte-order mark (dropped when read)."""
+    with open(path, "rb") as f:
+        return f.read(3) == b"\xef\xbb\xbf"
+
+
 def ensure_dataset(
     text_path: str,
     tokenizer_spec: str,
@@ -330,6 +336,8 @@ def ensure_dataset(
             "format": 1,
             # text with CR line endings: cached before they were normalised to LF, so a new key
             **({"newlines": "lf"} if any(cr for _, cr in digests) else {}),
+            # a byte-order mark: cached as three tokens before it was dropped, so a new key
+            **({"bom": "dropped"} if any(_starts_with_bom(p) for p in files) else {}),
             # only when set, so the datasets cached with the defaults keep their key
             **({"jsonl_key": jsonl_key} if jsonl_key != "text" else {}),
             **({"allow_invalid_utf8": True} if allow_invalid_utf8 else {}),

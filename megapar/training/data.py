@@ -220,11 +220,16 @@ def data_tokenizer(cfg: TrainConfig):
     try:
         tokenizer = load_tokenizer(indexed.tokenizer_spec)
     except (OSError, ValueError) as exc:
+        path = indexed.tokenizer_spec.get("path")
+        why = (
+            "which is not there now (moved or deleted?); put its files back there, or "
+            "tokenize the text again with megapar-data --tokenizer where they are now"
+            if isinstance(path, str) and not os.path.exists(os.path.expanduser(path))
+            else f"which does not load now: {exc}"
+        )
         raise ValueError(
-            f"--data {data} was made with the tokenizer at "
-            f"{indexed.tokenizer_spec.get('path')}, which does not load now: {exc} "
-            f"(a prepared dataset keeps the tokenizer it was made with; --tokenizer "
-            f"does not replace it)"
+            f"--data {data} was made with the tokenizer at {path}, {why} (a prepared "
+            f"dataset keeps the tokenizer it was made with; --tokenizer does not replace it)"
         ) from None
     given = explicit(cfg) - getattr(cfg, "from_checkpoint", frozenset())
     # a --tokenizer the checkpoint recorded is not compared: `check_checkpoint_tokenizer`

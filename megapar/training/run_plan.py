@@ -48,6 +48,7 @@ from megapar.training.validate_resume import (
     check_resumable,
     check_same_data,
     checkpoint_manifest,
+    named,
     settings_from_checkpoint,
 )
 
@@ -127,6 +128,8 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     check_inject_slow(cfg, layout.world_size)
     notes.extend(adapt_defaults(cfg, layout.dp))
     per_step = cfg.micro_batch_size * layout.dp
+    if cfg.micro_batch_size >= 1 and cfg.global_batch_size % per_step:
+        _check_resumed_batch(cfg, layout.dp)
     if cfg.micro_batch_size < 1 or cfg.global_batch_size % per_step:
         raise ValueError(
             f"global batch size {cfg.global_batch_size} is not divisible by "
@@ -249,6 +252,27 @@ def _check_injection(
         )
 
 
+def _check_resumed_batch(cfg: TrainConfig, dp: int) -> None:
+    """UsageError for a resumed run whose dp does not divide the checkpoint's global batch
+    (which it keeps: its data order continues), naming the dp values and micro-batch sizes that
+    do; nothing for a global batch given or of a fresh run."""
+    if "global_batch_size" not in getattr(cfg, "from_checkpoint", ()):
+        return
+    gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
+    dps = [d for d in range(1, gbs + 1) if gbs % (mbs * d) == 0]
+    sizes = [b for b in range(1, gbs + 1) if gbs % (b * dp) == 0]
+    fixes = [f"a layout with dp {' / '.join(map(str, dps))}"] if dps else []
+    if sizes:
+        fixes.append(f"--micro-batch-size {' / '.join(map(str, sizes[-3:]))} at dp {dp}")
+    if not fixes:
+        fixes.append(f"a dp that divides {gbs} and a --micro-batch-size that divides {gbs} / dp")
+    raise UsageError(
+        f"{named(cfg, 'global_batch_size')} is not divisible by micro-batch size {mbs} x "
+        f"dp {dp} = {mbs * dp}, and a resumed run keeps its checkpoint's global batch (its "
+        f"data order continues); choose {', or '.join(fixes)}"
+    )
+
+
 def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[str]) -> None:
     """--record-step, --replay, --replay-against: a step this run reaches, a place to write, a
     readable record of the replayed step and model to compare with."""
@@ -272,8 +296,9 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[s
     if not cfg.replay:
         return
     if manifest is None:
+        held = f"--load {cfg.load} holds no checkpoint; " if cfg.load else ""
         raise UsageError(
-            f"--replay {cfg.replay} re-runs a step from a checkpoint: give --load "
+            f"{held}--replay {cfg.replay} re-runs a step from a checkpoint: give --load "
             f"CKPT (one saved at or before step {cfg.replay - 1})"
         )
     if not start < cfg.replay <= cfg.max_steps:

@@ -23,10 +23,15 @@ def data_tokenizer_spec(data, given: str, spec: dict) -> dict:
     """The tokenizer of a run's data (`spec`: its dataset's .json) as a checkpoint records it;
     for raw text `data`, the run's own --tokenizer `given` (the same files): a text tokenized
     into the cache serves every run that gives the same text and tokenizer files (the key is
-    their content), and its .json names the files where the first of them found them."""
+    their content), and its .json names the files where the first of them found them: moved
+    or deleted since, they are still `given`'s files."""
     if isinstance(data, str) and is_raw_text(data):
         own = load_tokenizer(given)
-        if same_tokenizer(own, load_tokenizer(spec)):
+        try:
+            first = load_tokenizer(spec)
+        except (OSError, ValueError):  # the first run's files are gone from where it found them
+            return own.spec()
+        if same_tokenizer(own, first):
             return own.spec()
     return spec
 

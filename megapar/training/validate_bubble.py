@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from megapar.pipeline.placement import chunks_per_rank
 from megapar.pipeline.simulate import Costs, theoretical_bubble
 from megapar.training.usage import UsageError, flag_of
 
@@ -48,9 +49,19 @@ def check_bubble_args(args) -> None:
                 f"{flag_of(name)} {value} is invalid: a cost must be a finite "
                 f"number of milliseconds {need}"
             )
-    actions = 2 * args.pp * args.microbatches * max(1, args.virtual_stages)
+    try:  # zb-v and dualpipev hold 2 chunks per rank whether --virtual-stages says 1 or 2
+        chunks = chunks_per_rank(args.schedule, args.virtual_stages)
+    except ValueError:  # refused with its own words by check_schedule
+        chunks = max(1, args.virtual_stages)
+    actions = 2 * args.pp * args.microbatches * chunks
     if actions > MAX_SIMULATED_ACTIONS or args.simulate and args.pp > MAX_SIMULATED_STAGES:
-        v = f" x --virtual-stages {args.virtual_stages}" if args.virtual_stages > 1 else ""
+        v = (
+            f" x --virtual-stages {args.virtual_stages}"
+            if args.virtual_stages > 1 and chunks == args.virtual_stages
+            else f" x {chunks} model chunks per rank"
+            if chunks > 1
+            else ""
+        )
         raise UsageError(
             f"--pp {args.pp} x --microbatches {args.microbatches}{v} is "
             f"{actions:,} actions on {args.pp} stages, more than megapar-bubble "

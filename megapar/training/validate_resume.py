@@ -221,12 +221,11 @@ def _with_recorded_tokenizer(manifest: dict) -> dict:
     if not isinstance(recorded, dict) or not recorded.get("path") or not recorded.get("sha256"):
         return saved  # an older checkpoint, or one imported without a tokenizer
     path = str(recorded["path"])
-    if "tokenizer" in saved and _same_place(str(saved["tokenizer"]), path):
+    if recorded_as_trained(recorded) is None:  # moved or changed: so is the saved --tokenizer
+        saved.pop("tokenizer", None)  # where it names the same place
         return saved
-    if recorded_as_trained(recorded) is not None:
+    if not ("tokenizer" in saved and _same_place(str(saved["tokenizer"]), path)):
         saved["tokenizer"] = path
-    else:
-        saved.pop("tokenizer", None)
     return saved
 
 
