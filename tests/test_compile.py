@@ -155,7 +155,27 @@ def _worker(layouts: dict, backend: str):
     return out
 
 
+def _import_for_the_ranks():
+    """What every rank imports to build its model and compile it (transformers' three models,
+    AOTAutograd, Inductor with its networkx / sympy / scipy: 1,400 modules, 3.4 s of CPU),
+    imported once here so that the forked ranks share it instead of each importing it (the
+    ranks' imports warned nowhere: their third-party deprecation warnings are not shown here
+    either)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch._functorch.aot_autograd  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+        from transformers import (  # noqa: F401
+            GPT2LMHeadModel,
+            LlamaForCausalLM,
+            MixtralForCausalLM,
+        )
+
+
 def test_compiled_blocks_equal_eager_without_recompiles():
+    _import_for_the_ranks()
     results = run_local(_worker, 4, LAYOUTS, LAYOUTS_BACKEND, timeout_s=600)
     results += run_local(_worker, 1, ONE_PROCESS, ONE_PROCESS_BACKEND, timeout_s=300)
     for rank, result in enumerate(results):
