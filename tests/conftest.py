@@ -31,7 +31,8 @@ def _write_megapar_bytecode() -> None:
     again."""
     import compileall
 
-    compileall.compile_dir(os.path.join(ROOT, "megapar"), quiet=1)
+    # quiet=2: silent also where the checkout is not writable (imports then compile as before)
+    compileall.compile_dir(os.path.join(ROOT, "megapar"), quiet=2)
 
 
 _write_megapar_bytecode()
