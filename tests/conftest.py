@@ -21,6 +21,21 @@ def shared_data(*parts: str) -> str:
                     f"MEGAPAR_SHARED_DATA to a copy to run this test)")
     return path
 
+
+def _write_megapar_bytecode() -> None:
+    """Compile megapar's modules into their `__pycache__` (those out of date). Where
+    PYTHONDONTWRITEBYTECODE is set (as on the development machines) Python reads bytecode but
+    never writes it, so each process the suite starts that imports megapar (the commands the
+    docs tests run, torchrun and spawned ranks, test_house's import of each module on its own,
+    ranks forked before megapar's training modules were imported) would compile its source
+    again."""
+    import compileall
+
+    # quiet=2: silent also where the checkout is not writable (imports then compile as before)
+    compileall.compile_dir(os.path.join(ROOT, "megapar"), quiet=2)
+
+
+_write_megapar_bytecode()
 torch.set_num_threads(1)
 # The suite runs on the CPU with gloo on any machine (many ranks on one device); the tests marked
 # `cuda` (tests/test_cuda.py, tools/gpu_check.sh) run on the GPUs with NCCL instead.

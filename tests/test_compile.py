@@ -27,6 +27,15 @@ aot_autograd counters unchanged from step 1 to step 5); and every graph break dy
 must be one docs/guides/training.md lists for its layout (at tp > 1 the tp collectives, under
 ZB-H1 the deferring linears, at cp > 1 the attention's exchanges, in a MoE layer its routed
 experts: all marked `megapar.graph_break` on purpose; in one process of a dense model none).
+
+The one-process GPT-2 compiles with Inductor, megapar's backend (torch.compile's default), so
+Inductor's generated kernels are held to eager here. The three four-rank layouts compile with
+torch's "aot_eager" backend: dynamo and AOTAutograd as with Inductor (the same frames, graphs,
+graph breaks and recompiles, the same joint forward / backward graphs and partition, so the
+hooks, the tp collectives, the deferred linears and ZeRO-3 around them are exercised as
+compiled), but the partitioned graphs run as eager ATen calls instead of Inductor's C++ kernels,
+whose cold compile is most of what four ranks on two cores would spend here.
+`benchmarks/vs/compile_layouts.py` runs every layout under Inductor.
 """
 
 import torch
@@ -48,6 +57,8 @@ LAYOUTS = {
     "mixtral cp2 x dp2 ep2 zero3 full": dict(cp=2, ep=2, zero=3, recompute="full"),
 }
 ONE_PROCESS = {"gpt2 one process full": dict(recompute="full")}
+# torch.compile's backend per world (the module docstring says why)
+LAYOUTS_BACKEND, ONE_PROCESS_BACKEND = "aot_eager", "inductor"
 # What the compiled blocks leave eager on purpose, per layout (the functions' names appear in
 # dynamo's graph-break reasons): the tp region primitives, the zero-bubble deferring linear,
 # context parallelism's attention exchanges, the MoE layer's routed experts. Each layout must
@@ -111,12 +122,21 @@ def _run(name: str, layout: dict, compile: bool):
     return losses, weights, counts
 
 
-def _worker(layouts: dict):
+def _worker(layouts: dict, backend: str):
     import torch._dynamo
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1  # 4 ranks on few cores: no compile workers
     torch._dynamo.reset()
+    # megapar.models.compile calls torch.compile(block.forward): give it this world's backend
+    # (a forked worker: the patch ends with it), and count the calls that took it
+    compiled_with = []
+
+    def compile_with_backend(fn, *, _compile=torch.compile, **kwargs):
+        compiled_with.append(backend)
+        return _compile(fn, backend=backend, **kwargs)
+
+    torch.compile = compile_with_backend
     out = {}
     for name, layout in layouts.items():
         before_breaks, before = _breaks(), _counts()
@@ -129,15 +149,40 @@ def _worker(layouts: dict):
             assert_close(torch.tensor(a), torch.tensor(b), 1e-5, f"{name}: loss")
         for n, w in weights.items():
             assert_close(w, eager_weights[n], 1e-5, f"{name}: {n}")
-        out[name] = {"counts": counts, "before": before, "breaks": new_breaks}
+        out[name] = {"counts": counts, "before": before, "breaks": new_breaks,
+                     "backends": set(compiled_with)}
+        compiled_with.clear()
     return out
 
 
+def _import_for_the_ranks():
+    """What every rank imports to build its model and compile it (transformers' three models,
+    AOTAutograd, Inductor with its networkx / sympy / scipy: 1,400 modules, 3.4 s of CPU),
+    imported once here so that the forked ranks share it instead of each importing it (the
+    ranks' imports warned nowhere: their third-party deprecation warnings are not shown here
+    either)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import torch._functorch.aot_autograd  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+        from transformers import (  # noqa: F401
+            GPT2LMHeadModel,
+            LlamaForCausalLM,
+            MixtralForCausalLM,
+        )
+
+
 def test_compiled_blocks_equal_eager_without_recompiles():
-    results = run_local(_worker, 4, LAYOUTS, timeout_s=600)
-    results += run_local(_worker, 1, ONE_PROCESS, timeout_s=300)
+    _import_for_the_ranks()
+    results = run_local(_worker, 4, LAYOUTS, LAYOUTS_BACKEND, timeout_s=600)
+    results += run_local(_worker, 1, ONE_PROCESS, ONE_PROCESS_BACKEND, timeout_s=300)
     for rank, result in enumerate(results):
         for i, (name, r) in enumerate(result.items()):
+            backend = ONE_PROCESS_BACKEND if name in ONE_PROCESS else LAYOUTS_BACKEND
+            assert r["backends"] == {backend}, \
+                f"rank {rank} {name}: blocks compiled with {r['backends'] or 'nothing'}"
             first, *later = r["counts"]
             assert first[1] > r["before"][1] or i > 0, \
                 f"rank {rank} {name}: nothing was compiled"

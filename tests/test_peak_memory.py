@@ -5,9 +5,10 @@ few steps and reports how far its peak rose (VmHWM): the memory the OS saw it ta
 copies, allocator holes and all. Workers are forked from a forkserver, a fresh process (not
 this one: no allocator setting or heap of this process leaks into them) that has imported only
 what a worker imports before its first reading (this module, megapar.dryrun.world, torch and
-torch._dynamo, which building torch's optimizers imports, 70 MiB, as a megapar-train rank has it),
-so each worker starts from the state a spawned one would reach there, without importing torch
-again. `benchmarks/memory/peak_memory.py` measures every claim this way, at larger sizes.
+torch._dynamo, which building torch's optimizers imports, 70 MiB, as a megapar-train rank has it,
+and transformers' GPT-2 config, which each worker makes before it reads), so each worker starts
+from the state a spawned one would reach there, without importing torch or transformers again.
+`benchmarks/memory/peak_memory.py` measures every claim this way, at larger sizes.
 """
 
 import multiprocessing
@@ -32,7 +33,8 @@ def launch():
     """`launch(fn, *args)`: fn on 2 ranks forked from the forkserver (module docstring), which
     is stopped after this module's tests."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        [__name__, "megapar.dryrun.world", "torch._dynamo"])
+        [__name__, "megapar.dryrun.world", "torch._dynamo",
+         "transformers.models.gpt2.configuration_gpt2"])
     yield lambda fn, *args: run_local(fn, 2, *args, start_method="forkserver")
     multiprocessing.forkserver._forkserver._stop()  # no public way to end it
 
