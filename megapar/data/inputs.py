@@ -95,6 +95,28 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
     return files
 
 
+def check_read_once(inputs: Sequence[str]) -> None:
+    """Each file `expand_inputs` finds in `inputs` comes from one input only: the same path given
+    twice, or a file given beside a directory that holds it, would be tokenized twice (a blend
+    weights datasets at training, not by repeating an input). Raises ValueError naming it."""
+    seen: dict[str, tuple[int, str]] = {}
+    for i, given in enumerate(map(os.fspath, inputs)):
+        for f in expand_inputs([given]) if os.path.exists(given) else []:
+            j, first = seen.setdefault(os.path.realpath(f), (i, given))
+            if j == i:
+                continue
+            how = (
+                f"--input {shell_word(given)} is given twice"
+                if first == given
+                else f"from --input {shell_word(first)} and from --input {shell_word(given)}"
+            )
+            raise ValueError(
+                f"input {shell_word(f)} would be tokenized twice ({how}); pass each file once "
+                f"(to weight a text more, tokenize it on its own and blend at training: "
+                f"megapar-train --data 0.7 A 0.3 B)"
+            )
+
+
 def skipped_inputs(inputs: Sequence[str]) -> list[str]:
     """The files in the input directories that `expand_inputs` leaves out for their type (not
     ``INPUT_SUFFIXES``; hidden files and a tokenized dataset's own files not counted)."""
