@@ -173,3 +173,23 @@ def test_a_file_given_twice_is_refused_and_repeated_inputs_all_read(tmp_path, ca
     assert data_main(["--input", a, "--input", b, "--output-prefix", out, "--tokenizer",
                       "sentencepiece", "--no-progress"]) == 0
     assert len(IndexedDataset(out)) == 2
+
+
+def test_hidden_directories_of_an_input_directory_are_not_walked(tmp_path, capsys):
+    """A corpus that is a git repository: its .git (and any hidden directory) is not walked:
+    a .txt there is not read, and no note lists .git's internals as files not read."""
+    corpus = tmp_path / "corpus"
+    (corpus / ".git" / "objects").mkdir(parents=True)
+    (corpus / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (corpus / ".git" / "objects" / "3c45f0").write_bytes(b"\x78\x01")
+    (corpus / ".cache").mkdir()
+    (corpus / ".cache" / "stale.txt").write_text("not part of the corpus\n")
+    (corpus / "sub").mkdir()
+    (corpus / "a.txt").write_text("one\n")
+    (corpus / "sub" / "b.txt").write_text("two\n")
+    out = str(tmp_path / "o")
+    assert data_main(["--input", str(corpus), "--output-prefix", out, "--tokenizer",
+                      "sentencepiece", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "not read" not in err and ".git" not in err, err
+    assert len(IndexedDataset(out)) == 2
