@@ -212,7 +212,7 @@ TRAIN = [
     # a file that is not what the flag needs: one line, not a traceback
     (["--tokenizer", "{garbage.model}"], "garbage.model is not a SentencePiece model"),
     (["--from-hf", "{pickled_hf}"], "pytorch_model.bin: refused: not a plain pickle of weights"),
-    (["--global-batch-size", "1000000000"], "--data holds fewer than one global batch of "
+    (["--global-batch-size", "1000000000"], "holds fewer than one global batch of "
                                             "1000000000: at most"),
     # a Hugging Face directory is not a checkpoint to resume (it would start from scratch)
     (["--load", "{pickled_hf}"], "holds a Hugging Face model (config.json), not a megapar "

@@ -167,6 +167,20 @@ def test_clear_errors_before_any_worker_starts(argv, message, capsys, cache, tex
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("batch, message", [
+    ("65536", "--data {text} holds fewer than one global batch of 65536: at most"),
+    ("512", "the training split of --data {text} has "),
+])
+def test_too_little_data_for_one_global_batch_names_the_data(batch, message, capsys, cache,
+                                                             text):
+    """Too little data for the global batch the user gave: the line names the --data path
+    (from file sizes alone, or after the split), not just "--data"."""
+    rc = main(["--data", text, "--data-cache", cache, "--tokenizer", "sentencepiece",
+               "--model", "gpt2-tiny", "--no-progress", "--global-batch-size", batch])
+    assert rc == 2
+    assert message.format(text=text) in capsys.readouterr().err
+
+
 def test_tokenizer_vocab_mismatch_with_the_model(tmp_path, capsys, cache, text):
     cfg = tmp_path / "model.json"
     cfg.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 500, "n_embd": 32,

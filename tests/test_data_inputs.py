@@ -147,3 +147,49 @@ def test_megapar_train_names_the_files_a_text_directory_leaves_unread(inputs, tm
     assert [n for n in notes if "not read for their type" in n] == [
         f"--data {root}: 1 file(s) not read for their type (not .txt / .jsonl / .json / "
         f".parquet; e.g. {root / 'sub' / 'table.csv'})"], notes
+
+
+def test_a_file_given_twice_is_refused_and_repeated_inputs_all_read(tmp_path, capsys):
+    """The same file given twice, or a file beside a directory that holds it, would be
+    tokenized twice: one line naming it, exit 2, nothing written. `--input A --input B` reads
+    both (argparse kept only B, silently)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("one\n")
+    (tmp_path / "b.txt").write_text("two\n")
+    a, b, out = str(corpus / "a.txt"), str(tmp_path / "b.txt"), str(tmp_path / "o")
+    for argv, message in [
+        (["--input", a, "--input", a], f"input {a} would be tokenized twice (--input {a} is "
+                                       f"given twice); pass each file once"),
+        (["--input", a, a], f"--input {a} is given twice"),
+        (["--input", str(corpus), "--input", a],
+         f"input {a} would be tokenized twice (from --input {corpus} and from --input {a})"),
+    ]:
+        assert data_main([*argv, "--output-prefix", out, "--tokenizer", "sentencepiece",
+                          "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.glob("o*"))
+    assert data_main(["--input", a, "--input", b, "--output-prefix", out, "--tokenizer",
+                      "sentencepiece", "--no-progress"]) == 0
+    assert len(IndexedDataset(out)) == 2
+
+
+def test_hidden_directories_of_an_input_directory_are_not_walked(tmp_path, capsys):
+    """A corpus that is a git repository: its .git (and any hidden directory) is not walked:
+    a .txt there is not read, and no note lists .git's internals as files not read."""
+    corpus = tmp_path / "corpus"
+    (corpus / ".git" / "objects").mkdir(parents=True)
+    (corpus / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (corpus / ".git" / "objects" / "3c45f0").write_bytes(b"\x78\x01")
+    (corpus / ".cache").mkdir()
+    (corpus / ".cache" / "stale.txt").write_text("not part of the corpus\n")
+    (corpus / "sub").mkdir()
+    (corpus / "a.txt").write_text("one\n")
+    (corpus / "sub" / "b.txt").write_text("two\n")
+    out = str(tmp_path / "o")
+    assert data_main(["--input", str(corpus), "--output-prefix", out, "--tokenizer",
+                      "sentencepiece", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "not read" not in err and ".git" not in err, err
+    assert len(IndexedDataset(out)) == 2

@@ -520,7 +520,31 @@ def test_load_alone_resumes_with_the_checkpoints_settings(texts, cache, tiny_mod
     assert [r["step"] for r in _records(log)] == [3, 4]
     rc, err = _run(train, ["--load", ckpt, "--data-cache", cache, "--max-steps", "6",
                            "--seq-len", "16", "--no-progress"], capsys)
-    assert rc == 2 and "cannot continue its data order: dataset_len" in err
+    assert rc == 2 and "--seq-len 16 differs from the checkpoint's 32: --load" in err
+
+
+@pytest.mark.parametrize("key, value, lead", [
+    ("seq_len", 64, "--seq-len 64 differs from the checkpoint's 128: --load ck cannot continue"),
+    ("val_fraction", 0.1, "--val-fraction 0.1 differs from the checkpoint's 0.0: --load ck"),
+])
+def test_a_resume_refused_for_its_sample_count_names_the_flag_that_changed_it(key, value, lead):
+    """A --seq-len (or --val-fraction) other than the checkpoint's changes the number of
+    training samples: the refusal names that flag first and the value to resume with, not the
+    internal dataset_len alone."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import check_resumable
+
+    saved = {"seq_len": 128, "val_fraction": 0.0, "global_batch_size": 16, "seed": 1234}
+    cfg = TrainConfig(load="ck", global_batch_size=16, seed=1234, seq_len=128, val_fraction=0.0)
+    setattr(cfg, key, value)
+    manifest = {"meta": {"train_config": saved, "sampler": {
+        "dataset_len": 682, "global_batch_size": 16, "seed": 1234}}}
+    with pytest.raises(UsageError) as e:
+        check_resumable(cfg, manifest, 1364)
+    assert str(e.value).startswith(lead), str(e.value)
+    assert f"resume with {lead.split(' differs')[0].split()[0]} {saved[key]}" in str(e.value)
+    check_resumable(cfg, manifest, 682)  # the same sample count continues
 
 
 def test_a_checkpoint_resumes_from_another_directory_and_names_data_that_moved(

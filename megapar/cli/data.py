@@ -53,6 +53,7 @@ def add_io_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--input",
         nargs="+",
+        action="extend",  # --input A --input B reads both (argparse's default kept only B)
         type=os.path.expanduser,  # a leading ~ (quoted) is the home directory, as a shell's
         required=True,
         metavar="PATH",
@@ -350,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_uncollected()  # torch's heap (where a command imports it) left to the OS at exit
     args = build_parser().parse_args(argv)
     from megapar.data.indexed import IndexedDataset
+    from megapar.data.inputs import check_read_once
     from megapar.data.preprocess import expand_inputs, preprocess_files
 
     trained: list[str] = []  # the tokenizer this run trains, removed again if the run fails
@@ -360,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         check_flags(args)
         files = _own_tokenizer_left_out(args, expand_inputs(args.input))
+        check_read_once(args.input)  # a file given twice is not tokenized twice
         _check_unread(args, files)  # before any training
         _note_skipped(args.input)
         check_writable(args.output_prefix, "--output-prefix", kind="file")

@@ -67,8 +67,9 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
     """Input paths with directories replaced by their ``.txt``/``.jsonl`` files (recursive,
-    sorted), less the ``.json`` that describes a tokenized dataset beside its ``.bin`` and
-    ``.idx`` (megapar-data's output written into the input directory is not text)."""
+    sorted; hidden directories not walked), less the ``.json`` that describes a tokenized
+    dataset beside its ``.bin`` and ``.idx`` (megapar-data's output written into the input
+    directory is not text)."""
     files: list[str] = []
     for path in inputs:
         path = os.fspath(path)
@@ -95,9 +96,32 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
     return files
 
 
+def check_read_once(inputs: Sequence[str]) -> None:
+    """Each file `expand_inputs` finds in `inputs` comes from one input only: the same path given
+    twice, or a file given beside a directory that holds it, would be tokenized twice (a blend
+    weights datasets at training, not by repeating an input). Raises ValueError naming it."""
+    seen: dict[str, tuple[int, str]] = {}
+    for i, given in enumerate(map(os.fspath, inputs)):
+        for f in expand_inputs([given]) if os.path.exists(given) else []:
+            j, first = seen.setdefault(os.path.realpath(f), (i, given))
+            if j == i:
+                continue
+            how = (
+                f"--input {shell_word(given)} is given twice"
+                if first == given
+                else f"from --input {shell_word(first)} and from --input {shell_word(given)}"
+            )
+            raise ValueError(
+                f"input {shell_word(f)} would be tokenized twice ({how}); pass each file once "
+                f"(to weight a text more, tokenize it on its own and blend at training: "
+                f"megapar-train --data 0.7 A 0.3 B)"
+            )
+
+
 def skipped_inputs(inputs: Sequence[str]) -> list[str]:
     """The files in the input directories that `expand_inputs` leaves out for their type (not
-    ``INPUT_SUFFIXES``; hidden files and a tokenized dataset's own files not counted)."""
+    ``INPUT_SUFFIXES``; hidden files, what hidden directories hold and a tokenized dataset's
+    own files not counted)."""
     dirs = [p for p in map(os.fspath, inputs) if os.path.isdir(p)]
     return sorted(f for p in dirs for f in _directory_files(p)[1])
 
@@ -106,11 +130,17 @@ def _directory_files(path: str) -> tuple[list[str], list[str]]:
     """The files under directory `path` (recursive, sorted): those read as input, and those
     left out for their type (`skipped_inputs`). The tokenizer directory a tokenized dataset
     beside it records (``PREFIX-tokenizer/`` of ``megapar-data --train-tokenizer bpe``) is
-    megapar-data's output, not text: it is not walked."""
+    megapar-data's output, not text: it is not walked; nor is a hidden directory (its name
+    starts with ``.``: a ``.git``, an editor's or a tool's state), as ``ls`` and git leave
+    them out."""
     read, skipped = [], []
     for root, dirs, names in os.walk(path):
         own = _dataset_tokenizer_dirs(root, names)
-        dirs[:] = [d for d in dirs if os.path.realpath(os.path.join(root, d)) not in own]
+        dirs[:] = [
+            d
+            for d in dirs
+            if not d.startswith(".") and os.path.realpath(os.path.join(root, d)) not in own
+        ]
         for n in names:
             full = os.path.join(root, n)
             if n.endswith(INPUT_SUFFIXES):

@@ -107,8 +107,8 @@ def plan_data(
                 else "a smaller --global-batch-size"
             )
             raise ValueError(
-                f"the training split has {len(train)} samples of {cfg.seq_len} "
-                f"tokens, fewer than one global batch of {cfg.global_batch_size}; "
+                f"the training split of {_data_named(cfg)} has {len(train)} samples of "
+                f"{cfg.seq_len} tokens, fewer than one global batch of {cfg.global_batch_size}; "
                 f"use more data, a shorter --seq-len or {fix}"
             )
     except ValueError:
@@ -168,13 +168,20 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
         most = max_samples(cfg, config.model_type)  # before a schedule of that many micro-batches
         if cfg.global_batch_size > most and "global_batch_size" in explicit(cfg):
             raise ValueError(
-                f"--data holds fewer than one global batch of "
+                f"{_data_named(cfg)} holds fewer than one global batch of "
                 f"{cfg.global_batch_size}: at most {most:,} sample{'s' * (most != 1)} of "
                 f"{cfg.seq_len} tokens by its size; use more data, a shorter "
                 f"--seq-len or a smaller --global-batch-size"
             )
     _check_micro_batches(cfg, layout, per_step)
     return config, per_step
+
+
+def _data_named(cfg: TrainConfig) -> str:
+    """--data as a message names it: its path(s), or the shipped sample when none was given."""
+    if cfg.data is None:
+        return "--data (not given: the shipped sample)"
+    return named(cfg, "data")
 
 
 def _check_profile(cfg: TrainConfig, manifest: dict | None) -> None:

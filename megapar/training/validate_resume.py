@@ -284,6 +284,22 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
             if "dataset_len" in diff
             else ""
         )
+        saved = (manifest.get("meta") or {}).get("train_config") or {}
+        changed = [
+            k
+            for k in ("seq_len", "val_fraction")
+            if "dataset_len" in diff and k in saved and saved[k] != getattr(cfg, k)
+        ]
+        if changed:  # the flag that changed the sample count is named first, not dataset_len
+            lead = "; ".join(
+                f"{flag_of(k)} {getattr(cfg, k)} differs from the checkpoint's {saved[k]}"
+                for k in changed
+            )
+            back = " ".join(f"{flag_of(k)} {saved[k]}" for k in changed)
+            raise UsageError(
+                f"{lead}: --load {cfg.load} cannot continue its data order ({shown}); "
+                f"resume with {back} (or leave it out: the checkpoint's is taken){other}"
+            )
         raise UsageError(
             f"--load {cfg.load} cannot continue its data order: {shown}; resume "
             f"with the --data, --seq-len, --val-fraction, --global-batch-size and "
