@@ -24,7 +24,8 @@ KEYED_SUFFIXES = (".jsonl", ".json", ".parquet")
 #: Largest share of a text file's bytes that may be invalid UTF-8 without --allow-invalid-utf8.
 MAX_INVALID_UTF8 = 0.001
 _ESCAPED = re.compile("[\udc80-\udcff]")
-_BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, as Windows tools start a text
+#: UTF-8's byte-order mark, as Windows tools start a text: not text, dropped where read.
+BOM = b"\xef\xbb\xbf"
 _CR = re.compile("\r\n?")
 
 
@@ -49,7 +50,7 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
     unless allowed."""
     with open(path, "rb") as f:
         raw = f.read()
-    raw = raw[len(_BOM) :] if raw.startswith(_BOM) else raw  # not text: no tokens for it
+    raw = raw.removeprefix(BOM)  # not text: no tokens for it
     text = normalize_newlines(raw.decode("utf-8", errors="surrogateescape"))
     bad = len(_ESCAPED.findall(text))
     if not bad:
@@ -262,8 +263,7 @@ def _json_kind(path: str) -> tuple[str, dict | None]:
     """How a ``.json`` file holds its documents: "array" (of objects), "object" (one object over
     several lines: its first line alone is no JSON; returned parsed) or "lines" (JSON Lines)."""
     with open(path, "rb") as f:
-        head = f.read(4096)
-        head = (head[len(_BOM) :] if head.startswith(_BOM) else head).lstrip()
+        head = f.read(4096).removeprefix(BOM).lstrip()
         if head.startswith(b"["):
             return "array", None
         if not head.startswith(b"{"):

@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from megapar.data.indexed import IndexedDatasetBuilder, remove_stale_tmps, tmp_name
 from megapar.data.inputs import (  # noqa: F401 - re-exported
+    BOM,
     INPUT_SUFFIXES,
     MAX_INVALID_UTF8,
     expand_inputs,
@@ -296,7 +297,7 @@ def _digest_and_cr(path: str) -> tuple[str, bool]:
 def _starts_with_bom(path: str) -> bool:
     """Whether a file starts with UTF-8's byte-order mark (dropped when read)."""
     with open(path, "rb") as f:
-        return f.read(3) == b"\xef\xbb\xbf"
+        return f.read(len(BOM)) == BOM
 
 
 def ensure_dataset(

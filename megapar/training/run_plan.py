@@ -128,9 +128,9 @@ def check_run(cfg: TrainConfig, layout: Layout, notes: list[str], manifest: dict
     check_inject_slow(cfg, layout.world_size)
     notes.extend(adapt_defaults(cfg, layout.dp))
     per_step = cfg.micro_batch_size * layout.dp
-    if cfg.micro_batch_size >= 1 and cfg.global_batch_size % per_step:
-        _check_resumed_batch(cfg, layout.dp)
     if cfg.micro_batch_size < 1 or cfg.global_batch_size % per_step:
+        if cfg.micro_batch_size >= 1:
+            _check_resumed_batch(cfg, layout.dp)
         raise ValueError(
             f"global batch size {cfg.global_batch_size} is not divisible by "
             f"micro-batch size {cfg.micro_batch_size} x dp {layout.dp} = {per_step}; "

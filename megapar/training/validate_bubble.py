@@ -55,13 +55,13 @@ def check_bubble_args(args) -> None:
         chunks = max(1, args.virtual_stages)
     actions = 2 * args.pp * args.microbatches * chunks
     if actions > MAX_SIMULATED_ACTIONS or args.simulate and args.pp > MAX_SIMULATED_STAGES:
-        v = (
-            f" x --virtual-stages {args.virtual_stages}"
-            if args.virtual_stages > 1 and chunks == args.virtual_stages
-            else f" x {chunks} model chunks per rank"
-            if chunks > 1
-            else ""
-        )
+        v = ""  # one chunk per rank: nothing to multiply by
+        if chunks > 1:
+            v = (
+                f" x --virtual-stages {args.virtual_stages}"
+                if chunks == args.virtual_stages
+                else f" x {chunks} model chunks per rank"
+            )
         raise UsageError(
             f"--pp {args.pp} x --microbatches {args.microbatches}{v} is "
             f"{actions:,} actions on {args.pp} stages, more than megapar-bubble "
