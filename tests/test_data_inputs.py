@@ -3,6 +3,7 @@ and directories of them (less a tokenized dataset's own .json), streamed through
 (any number of workers gives the same bytes)."""
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -66,6 +67,27 @@ def test_directory_to_dataset_is_the_same_for_1_and_2_workers(inputs, tmp_path, 
     assert ds.num_docs == len(expected)
     for i in (0, 45, len(expected) - 1):
         assert ds.doc(i, include_eod=False).tolist() == tok.encode(expected[i])
+
+
+def test_pool_workers_start_fresh_not_as_forks_of_this_process(inputs, tmp_path, monkeypatch):
+    """A fork of a process with other threads (tqdm's monitor, pyarrow's pool, pytest-xdist's)
+    inherits the locks they held; such a worker hung at start and the pool's exit waited on it
+    forever (CI). A worker that sees this process's patched module state was forked from it."""
+    import megapar.data.preprocess as pre
+
+    marker, parent, real = tmp_path / "forked", os.getpid(), pre.load_tokenizer
+
+    def load_tokenizer(spec):
+        if os.getpid() != parent:
+            marker.write_text("a worker ran this process's patched code")
+        return real(spec)
+
+    monkeypatch.setattr(pre, "load_tokenizer", load_tokenizer)
+    root, expected = inputs
+    out = pre.preprocess_files([str(root)], str(tmp_path / "out"), "sentencepiece", workers=2,
+                               progress=False)
+    assert IndexedDataset(out).num_docs == len(expected)
+    assert not marker.exists(), marker.read_text()
 
 
 def test_bad_inputs_name_the_problem(tmp_path, capsys):

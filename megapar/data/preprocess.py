@@ -33,6 +33,7 @@ in order (``imap``), so the output is byte-identical whatever the number of work
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import itertools
@@ -40,6 +41,8 @@ import json
 import multiprocessing as mp
 import os
 import re
+import signal
+import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 
@@ -82,7 +85,38 @@ def _batched(docs: Iterator[tuple[str, int]], n: int) -> Iterator[tuple[list[str
         yield batch, nbytes
 
 
+def _start_forkserver(ctx) -> None:
+    """Start the forkserver the workers are forked from (once per process), with this module
+    imported in it once rather than in every worker, and ignoring SIGINT, as its workers then
+    do: a Ctrl-C is this process's to handle (it ends them), not a traceback from each."""
+    from multiprocessing import forkserver
+
+    ctx.set_forkserver_preload([__name__])
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # kept across the server's exec
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[list[int]]:
+    """Hold a Ctrl-C (SIGINT) that comes inside the block; the list yielded says whether one
+    came. Only in the main thread (signal handlers are set there); elsewhere a no-op."""
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _worker_init(spec: str) -> None:
+    """A pool worker's start: its parent handles Ctrl-C and ends it with SIGTERM."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     global _WORKER_TOKENIZER  # per-worker-process cache, not shared state of the package
     _WORKER_TOKENIZER = load_tokenizer(spec)
@@ -154,10 +188,19 @@ def preprocess_files(
             results = ((tok.encode_batch(texts), n) for texts, n in batches)
             _consume(results, builder, bar, tok.bos_id, stats)
         else:
-            ctx = (
-                mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
+            # Workers start from a fresh interpreter (a forkserver's): a fork of this process
+            # inherits the locks its other threads (tqdm's monitor, pyarrow's pool) held then,
+            # and such a worker could hang at start and outlive the pool.
+            ctx = mp.get_context(
+                "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
             )
-            with ctx.Pool(workers, initializer=_worker_init, initargs=(tok.path,)) as pool:
+            if ctx.get_start_method() == "forkserver":
+                _start_forkserver(ctx)
+            with _sigint_held() as interrupted:  # a pool cut off while starting leaks workers
+                pool = ctx.Pool(workers, initializer=_worker_init, initargs=(tok.path,))
+            with pool:  # ends the workers, however this block ends
+                if interrupted:
+                    raise KeyboardInterrupt
                 _consume(
                     _ordered_bounded(pool, batches, 4 * workers), builder, bar, tok.bos_id, stats
                 )
