@@ -215,3 +215,22 @@ def test_hidden_directories_of_an_input_directory_are_not_walked(tmp_path, capsy
     err = capsys.readouterr().err
     assert "not read" not in err and ".git" not in err, err
     assert len(IndexedDataset(out)) == 2
+
+
+def test_hidden_files_of_an_input_directory_are_not_read(tmp_path, capsys):
+    """macOS writes `._a.txt` (a file's attributes, binary) beside `a.txt` on a copy to a
+    foreign disk or into a zip, and an editor's `.#a.txt` lock is a dangling link: a hidden
+    file is not read (either failed the run: invalid UTF-8, a missing file), and a
+    one-document dataset says "1 document"."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("one\n")
+    (corpus / "._a.txt").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        \xff\xfe")
+    (corpus / ".#a.txt").symlink_to(tmp_path / "user@host.1234")
+    out = str(tmp_path / "o")
+    assert data_main(["--input", str(corpus), "--output-prefix", out, "--tokenizer",
+                      "sentencepiece", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "._a.txt" not in captured.err and ".#a.txt" not in captured.err, captured.err
+    assert len(IndexedDataset(out)) == 1
+    assert ": 1 document, " in captured.out, captured.out

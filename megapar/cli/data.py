@@ -420,8 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     ds = IndexedDataset(prefix)
+    docs = f"{ds.num_docs} document{'' if ds.num_docs == 1 else 's'}"
     print(
-        f"wrote {prefix}.bin/.idx/.json ({args.format} index): {ds.num_docs} documents, "
+        f"wrote {prefix}.bin/.idx/.json ({args.format} index): {docs}, "
         f"{ds.num_tokens} tokens "
         f"({ds.dtype.name}), vocab size {ds.vocab_size}"
     )

@@ -68,7 +68,7 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
     """Input paths with directories replaced by their ``.txt``/``.jsonl`` files (recursive,
-    sorted; hidden directories not walked), less the ``.json`` that describes a tokenized
+    sorted; hidden files and directories left out), less the ``.json`` that describes a tokenized
     dataset beside its ``.bin`` and ``.idx`` (megapar-data's output written into the input
     directory is not text)."""
     files: list[str] = []
@@ -131,9 +131,9 @@ def _directory_files(path: str) -> tuple[list[str], list[str]]:
     """The files under directory `path` (recursive, sorted): those read as input, and those
     left out for their type (`skipped_inputs`). The tokenizer directory a tokenized dataset
     beside it records (``PREFIX-tokenizer/`` of ``megapar-data --train-tokenizer bpe``) is
-    megapar-data's output, not text: it is not walked; nor is a hidden directory (its name
-    starts with ``.``: a ``.git``, an editor's or a tool's state), as ``ls`` and git leave
-    them out."""
+    megapar-data's output, not text: it is not walked; nor is a hidden directory, nor read a
+    hidden file (a name that starts with ``.``: a ``.git``, macOS's ``._`` copies of a file's
+    attributes, an editor's lock or a tool's state), as ``ls`` leaves them out."""
     read, skipped = [], []
     for root, dirs, names in os.walk(path):
         own = _dataset_tokenizer_dirs(root, names)
@@ -144,13 +144,15 @@ def _directory_files(path: str) -> tuple[list[str], list[str]]:
         ]
         for n in names:
             full = os.path.join(root, n)
+            if n.startswith("."):  # hidden: a macOS ._ copy, an editor's .#lock, a tool's state
+                continue
             if n.endswith(INPUT_SUFFIXES):
                 if not _dataset_sidecar(full):
                     read.append(full)
                 continue
             stem, ext = os.path.splitext(full)
             dataset = ext in (".bin", ".idx") and os.path.isfile(stem + ".json")
-            if not (n.startswith(".") or dataset):
+            if not dataset:
                 skipped.append(full)
     return sorted(read), sorted(skipped)
 
