@@ -248,6 +248,25 @@ def test_simulated_cli_zb_v_against_zb_h1_and_1f1b(capsys):
     assert "DualPipeV needs at least 2 x pp = 4 micro-batches" in capsys.readouterr().err
 
 
+def test_show_schedule_builds_no_model_and_answers_before_torch():
+    """--show-schedule prints programs: no model is built, so none is checked. `--cp 3` was
+    refused with "--seq-len 64 is not divisible by 6 ... choose a multiple of 6", and
+    --seq-len is a flag --show-schedule refuses (a dead end); and it imported torch to check
+    the model (2.4 s of a 0.3 s answer)."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from megapar.cli.bubble import main\n"
+              "assert main(['--pp', '4', '-m', '8', '--cp', '3', '--show-schedule']) == 0\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout.strip().splitlines()
+    assert out[0].startswith("stage 0: F0 [SA0]") and any(x.startswith("cp 3: ") for x in out)
+    assert out[-1] == "[]", out[-1]
+
+
 def test_bubble_cli_rejects_bad_virtual_stages(capsys):
     assert main(["--pp", "2", "-m", "5", "--schedule", "interleaved", "--virtual-stages", "2",
                  "--simulate", "--fwd-ms", "1"]) == 2

@@ -505,7 +505,8 @@ def main(argv=None) -> int:
         check_mode_flags(args, given)
         check_cost_flags(args)
         check_bubble_args(args)
-        if not (args.simulate and args.fwd_ms is not None):  # a model is built
+        builds_no_model = args.show_schedule or (args.simulate and args.fwd_ms is not None)
+        if not builds_no_model:
             from megapar.training.validate_tools import check_bubble_measurement
 
             check_bubble_measurement(args)

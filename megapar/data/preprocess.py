@@ -45,6 +45,7 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
+from multiprocessing import forkserver
 
 import sentencepiece as spm
 from tqdm import tqdm
@@ -89,8 +90,6 @@ def _start_forkserver(ctx) -> None:
     """Start the forkserver the workers are forked from (once per process), with this module
     imported in it once rather than in every worker, and ignoring SIGINT, as its workers then
     do: a Ctrl-C is this process's to handle (it ends them), not a traceback from each."""
-    from multiprocessing import forkserver
-
     ctx.set_forkserver_preload([__name__])
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # kept across the server's exec
     try:

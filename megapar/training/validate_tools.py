@@ -124,10 +124,10 @@ def _check_ids_file(path: str, positions: int) -> None:
 
 # --- megapar-bubble --------------------------------------------------------------------------
 def check_bubble_measurement(args) -> None:
-    """megapar-bubble's flags where it builds a model (a measurement, --show-schedule, a
-    simulation of measured costs): the local processes a measurement starts, the model's
-    layers and positions against --pp, --tp, --cp and --seq-len. After `check_bubble_args`."""
-    if not args.show_schedule and not args.oversubscribe:  # one process per stage, tp, cp rank
+    """megapar-bubble's flags where it builds a model (a measurement, a simulation of measured
+    costs): the local processes a measurement starts, the model's layers and positions against
+    --pp, --tp, --cp and --seq-len. After `check_bubble_args`."""
+    if not args.oversubscribe:  # one process per stage, tp, cp rank
         cp = f" x --cp {args.cp}" if args.cp > 1 else ""
         check_local_workers(args.pp * args.tp * args.cp, f"--pp {args.pp} x --tp {args.tp}{cp}")
     try:
