@@ -23,9 +23,14 @@ DEFAULT_IN_HELP = re.compile(r"\s*\(default: (.*)\)\s*$", re.S)
 
 
 def commands() -> dict[str, str]:
-    """{command: module} from pyproject.toml's [project.scripts]."""
+    """{command: module} from pyproject.toml's [project.scripts] (each runs through
+    `megapar.cli.entry`, whose function `NAME` runs `megapar.cli.NAME`'s main)."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    return {name: target.split(":")[0] for name, target in sorted(scripts.items())}
+    out = {}
+    for name, target in sorted(scripts.items()):
+        module, function = target.split(":")
+        out[name] = f"megapar.cli.{function}" if module == "megapar.cli.entry" else module
+    return out
 
 
 def parser_of(module_name: str) -> argparse.ArgumentParser:
