@@ -150,7 +150,9 @@ def preprocess_files(
 
     ``tokenizer`` is a :func:`load_tokenizer` spec.  ``workers=None`` picks one worker for
     small inputs and up to 8 processes (bounded by the CPU count) above 8 MB; more workers than
-    CPU cores are capped at the core count.
+    CPU cores are capped at the core count. Workers start from a forkserver (Python 3.14's
+    default), which imports a calling script's main module in each: a script that calls this
+    with more than one worker does so under ``if __name__ == "__main__":``.
     """
     if workers is not None and (
         isinstance(workers, bool) or int(workers) != workers or workers < 1
