@@ -204,10 +204,21 @@ def stage_memory(
     schedule's formula instead. `sp_saved`: under sequence parallelism also fill
     `MemoryBreakdown.sp_saved` (the stages' memory once more without SP), which only the CPU
     figure counts; by default where the plan is for CPU ranks (`Problem.target`)."""
+    return _stage_memory(p, c, activation_sizes(p, c), counts, simulate, sp_saved)
+
+
+def _stage_memory(
+    p: Problem,
+    c: Candidate,
+    sizes: ActivationSizes,
+    counts=None,
+    simulate: bool = True,
+    sp_saved: bool | None = None,
+) -> list[mem.MemoryBreakdown]:
+    """`stage_memory` with the candidate's `activation_sizes` given."""
     cfg, t = p.config, c.tp
     m = p.global_batch // (c.mbs * c.dp)
     totals, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v, simulate)
-    sizes = activation_sizes(p, c)
     out, config_json = [], p.config_json
     placement = placement_of(c.schedule)
     shapes = chunk_shapes(cfg.num_layers, c.pp, c.v, placement, p.layer_kinds)
@@ -371,9 +382,16 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     in-flight micro-batches from their formulas, not the schedule (`plan` ranks so first)."""
     cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
     h, n = cfg.hidden_size, c.cp  # every per-token cost below is of s / n tokens
-    stages = stage_memory(p, c, simulate=simulate)
-    block = activation_sizes(p, c).full
-    peaks = [process_peak(p, c, s_, *stage_roles(p, c, s_.stage), block) for s_ in stages]
+    sizes = activation_sizes(p, c)
+    stages = _stage_memory(p, c, sizes, simulate=simulate)
+    alike: dict[tuple, ProcessPeak] = {}  # stages equal in all but their index: one figure
+    peaks = []
+    for s_ in stages:
+        roles = stage_roles(p, c, s_.stage)
+        key = (*(getattr(s_, f) for f in _NOT_STAGE), *roles)
+        if key not in alike:
+            alike[key] = process_peak(p, c, s_, *roles, sizes.full)
+        peaks.append(alike[key])
     worst_stage = max(range(len(stages)), key=lambda i: peaks[i].total)
     worst, process = stages[worst_stage], peaks[worst_stage]
     fits = process.total <= p.gpu_memory_gb * mem.GIB
@@ -428,6 +446,10 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
         (tokens * model + recompute_flops) / (step * p.gpus) / 1e12,
         process,
     )
+
+
+_NOT_STAGE = tuple(f.name for f in dataclasses.fields(mem.MemoryBreakdown) if f.name != "stage")
+"""The fields of a `MemoryBreakdown` other than its stage, all of what `process_peak` reads."""
 
 
 def stage_roles(p: Problem, c: Candidate, stage: int) -> tuple[bool, bool]:
