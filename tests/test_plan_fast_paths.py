@@ -128,3 +128,36 @@ def test_most_loaded_under_expert_parallelism(monkeypatch):
             monkeypatch.undo()
             assert len(summed) == 1 and len(slices._slice_loads(*args[:-2], 0, ep)[3]) > 1
             assert bound == worst  # here one rank holds both groups' worst slices
+
+
+@pytest.mark.parametrize("model, ep", [("llama-1b", 1), ("deepseek-v3-gqa", 2)])
+def test_alike_stages_hold_the_same_parameters(model, ep):
+    """`params.alike_stages`, which the planner asks for a rank's state instead of the rank
+    itself: every pipeline rank holds the same parameters and ZeRO-3 units as the rank that
+    stands for it, so the same state (`most_loaded`) under every ZeRO stage; the ranks with
+    the embedding or the head, and (DeepSeek's first three layers dense) those whose layer
+    kinds differ, stand for themselves."""
+    from megapar.plan.params import alike_stages, layer_kinds, stage_tensors, stage_units
+
+    config = resolve_model(model)
+    config_json = json.dumps(config.to_dict(), sort_keys=True)
+    kinds = layer_kinds(config)
+    for pp, v, placement in ((4, 1, "loop"), (8, 1, "loop"), (4, 2, "loop"), (4, 2, "v")):
+        alike = alike_stages(config_json, pp, v, placement)
+        head = 0 if placement == "v" else pp - 1  # the V places the head on rank 0
+        assert alike[0] == 0 and alike[head] == head and len(set(alike)) < pp
+        for stage, rep in enumerate(alike):
+            assert rep <= stage
+            same = [f(config, 1, pp, v, s, placement, ep=ep) for f in (stage_tensors, stage_units)
+                    for s in (stage, rep)]
+            assert same[0] == same[1] and same[2] == same[3], (pp, v, placement, stage, rep)
+            for zero in (0, 1, 3):
+                args = [config_json, 1, pp, v, None, 4, zero, 25.0, placement, Offload(), ep]
+                states = [most_loaded(*args[:4], s, *args[5:]) for s in (stage, rep)]
+                assert states[0] == states[1], (pp, v, placement, stage, zero)
+    if any(kinds) and not all(kinds):  # DeepSeek at pp 32: rank 1 holds dense layer 2 and MoE layer 3
+        alike = alike_stages(config_json, 32, 1, "loop")
+        assert alike[1] == 1 and alike[2] == 2 and alike[3] == 2
+        for stage in (1, 2):
+            tensors = stage_tensors(config, 1, 32, 1, stage, ep=ep)
+            assert (tensors == stage_tensors(config, 1, 32, 1, 2, ep=ep)) == (stage == 2)

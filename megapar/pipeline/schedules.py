@@ -459,7 +459,7 @@ def get_schedule(name: str) -> Callable[..., list[Action]]:
         ) from None
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=4096)
 def loss_in_flight(name: str, pp: int, m: int, virtual_stages: int = 1) -> int:
     """Most micro-batches whose loss is forwarded but not yet backwarded at once on the rank
     that computes it (the last virtual stage's chunk, `in_flight_peak` of its actions alone):
@@ -468,7 +468,7 @@ def loss_in_flight(name: str, pp: int, m: int, virtual_stages: int = 1) -> int:
     this is 1: it holds the head's fp32 weight gradient per loss in flight."""
     chunks = chunks_per_rank(name, virtual_stages)
     rank, chunk = stage_location(pp * chunks - 1, pp, placement_of(name))
-    actions = stage_actions(name, pp, m, virtual_stages)[rank]
+    actions = schedule_actions(name, pp, m, rank, virtual_stages)  # that rank's alone
     return in_flight_peak([a for a in actions if a.chunk == chunk])
 
 

@@ -62,6 +62,7 @@ from megapar.plan import memory as mem
 from megapar.plan.context_parallel import cp_buffers
 from megapar.plan.layouts import Candidate, regathers
 from megapar.plan.params import (
+    alike_stages,
     piece_counts,
     stage_expert_params,
     stage_layer_counts,
@@ -72,7 +73,13 @@ from megapar.plan.process import ProcessPeak, process_peak
 from megapar.plan.sharding import dp_seconds, pcie_seconds
 from megapar.plan.slices import most_loaded
 from megapar.plan.state import Offload, RankState, w_reported, whole_grads
-from megapar.plan.timing import ChunkTime, chunk_times, pipeline_time, ring_seconds
+from megapar.plan.timing import (
+    ChunkTime,
+    chunk_shapes,
+    chunk_times,
+    pipeline_time,
+    ring_seconds,
+)
 from megapar.tensor_parallel.partition import local_size
 
 
@@ -121,10 +128,9 @@ class ActivationSizes:
     full_moe: float = 0.0
     """A MoE layer's activations without recompute."""
 
-    def layers(self, config, layers) -> float:
-        """The activations kept by the blocks `layers` (indices): each a dense or MoE layer."""
-        n_moe = experts.moe_layers(config, layers)
-        return (len(layers) - n_moe) * self.per_layer + n_moe * self.per_moe_layer
+    def blocks(self, k: int, k_moe: int) -> float:
+        """The activations kept by `k` blocks of which `k_moe` are MoE layers."""
+        return (k - k_moe) * self.per_layer + k_moe * self.per_moe_layer
 
 
 def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
@@ -198,19 +204,30 @@ def stage_memory(
     schedule's formula instead. `sp_saved`: under sequence parallelism also fill
     `MemoryBreakdown.sp_saved` (the stages' memory once more without SP), which only the CPU
     figure counts; by default where the plan is for CPU ranks (`Problem.target`)."""
+    return _stage_memory(p, c, activation_sizes(p, c), counts, simulate, sp_saved)
+
+
+def _stage_memory(
+    p: Problem,
+    c: Candidate,
+    sizes: ActivationSizes,
+    counts=None,
+    simulate: bool = True,
+    sp_saved: bool | None = None,
+) -> list[mem.MemoryBreakdown]:
+    """`stage_memory` with the candidate's `activation_sizes` given."""
     cfg, t = p.config, c.tp
     m = p.global_batch // (c.mbs * c.dp)
     totals, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v, simulate)
-    sizes = activation_sizes(p, c)
     out, config_json = [], p.config_json
     placement = placement_of(c.schedule)
-    for stage, n_params in enumerate(stage_params(cfg, t, c.pp, c.v, placement, config_json, c.ep)):
-        specs = chunk_specs(cfg.num_layers, c.pp, stage, c.v, placement)
+    shapes = chunk_shapes(cfg.num_layers, c.pp, c.v, placement, p.layer_kinds)
+    params = stage_params(cfg, t, c.pp, c.v, placement, config_json, c.ep)
+    states = _stage_states(p, c, params, m, placement)
+    for stage, (shape, held) in enumerate(zip(shapes, states)):
         chunks = [
-            sizes.layers(cfg, spec.layers)
-            + (sizes.embedding if spec.pre_process else 0)
-            + (sizes.head if spec.post_process else 0)
-            for spec in specs
+            sizes.blocks(k, k_moe) + (sizes.embedding if pre else 0) + (sizes.head if post else 0)
+            for k, pre, post, k_moe in shape
         ]
         seen = (counts or {}).get(stage) or (
             pipeline.stage_held(c.schedule, c.pp, m, c.v, stage) if simulate else None
@@ -221,11 +238,10 @@ def stage_memory(
             in_flight = totals[stage]
             per_chunk = pipeline.chunk_counts(c.schedule, c.pp, m, c.v, stage)
             activations = sum(
-                k * (w + (0 if spec.post_process else sizes.message))
-                for k, w, spec in zip(per_chunk, chunks, specs)
+                k * (w + (0 if post else sizes.message))
+                for k, w, (_, _, post, _) in zip(per_chunk, chunks, shape)
             )
-        buffers = _stage_buffers(p, c, sizes, any(spec.post_process for spec in specs))
-        held = _stage_state(p, c, stage, n_params, m, placement)
+        buffers = _stage_buffers(p, c, sizes, any(post for _, _, post, _ in shape))
         out.append(
             mem.MemoryBreakdown(
                 stage,
@@ -308,28 +324,35 @@ def _stage_buffers(p: Problem, c: Candidate, sizes: ActivationSizes, has_head: b
     return buffers
 
 
-def _stage_state(p: Problem, c: Candidate, stage: int, n_params: int, m: int, placement: str):
-    """The parameters, gradients and optimizer state one rank of `stage` holds. A plan for CPU
-    ranks (`Problem.target` cpu) offloads nothing unless MEGAPAR_HOST_COPIES=1 asks for host
-    copies there (`megapar.device.host_copies_wanted`): on a CPU the host is the device, the
-    optimizer steps the tensors themselves and the state is the layout's without offload."""
+def _stage_states(p: Problem, c: Candidate, params, m: int, placement: str) -> list[RankState]:
+    """The parameters, gradients and optimizer state one rank of each stage holds (`params`:
+    each stage's parameter count, `stage_params`). A plan for CPU ranks (`Problem.target` cpu)
+    offloads nothing unless MEGAPAR_HOST_COPIES=1 asks for host copies there
+    (`megapar.device.host_copies_wanted`): on a CPU the host is the device, the optimizer steps
+    the tensors themselves and the state is the layout's without offload."""
     if p.target == "cpu" and not host_copies_wanted(torch.device("cpu")):
         c = dataclasses.replace(c, offload_optimizer=False, offload_params=False)
-    if p.master_weights == "fp32":  # what megapar-train holds, byte for byte
-        return most_loaded(
+    if p.master_weights != "fp32":
+        return [_separate(n_params, c) for n_params in params]
+    # what megapar-train holds, byte for byte; a stage holding the same parameters as a
+    # lower one holds the same state
+    offload = offload_of(c, p.zero3_persistence_threshold, m).at_zero(c.zero)
+    return [
+        most_loaded(
             p.config_json,
             c.tp,
             c.pp,
             c.v,
-            stage,
+            alike,
             c.dp * c.cp,
             c.zero,
             p.grad_bucket_mb,
             placement,
-            offload_of(c, p.zero3_persistence_threshold, m),
+            offload,
             c.ep,
         )
-    return _separate(n_params, c)
+        for alike in alike_stages(p.config_json, c.pp, c.v, placement)
+    ]
 
 
 def offload_of(c: Candidate, persist_below: int = 0, m: int = 1) -> Offload:
@@ -359,9 +382,16 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     in-flight micro-batches from their formulas, not the schedule (`plan` ranks so first)."""
     cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
     h, n = cfg.hidden_size, c.cp  # every per-token cost below is of s / n tokens
-    stages = stage_memory(p, c, simulate=simulate)
-    block = activation_sizes(p, c).full
-    peaks = [process_peak(p, c, s_, *stage_roles(p, c, s_.stage), block) for s_ in stages]
+    sizes = activation_sizes(p, c)
+    stages = _stage_memory(p, c, sizes, simulate=simulate)
+    alike: dict[tuple, ProcessPeak] = {}  # stages equal in all but their index: one figure
+    peaks = []
+    for s_ in stages:
+        roles = stage_roles(p, c, s_.stage)
+        key = (*(getattr(s_, f) for f in _NOT_STAGE), *roles)
+        if key not in alike:
+            alike[key] = process_peak(p, c, s_, *roles, sizes.full)
+        peaks.append(alike[key])
     worst_stage = max(range(len(stages)), key=lambda i: peaks[i].total)
     worst, process = stages[worst_stage], peaks[worst_stage]
     fits = process.total <= p.gpu_memory_gb * mem.GIB
@@ -418,11 +448,16 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     )
 
 
+_NOT_STAGE = tuple(f.name for f in dataclasses.fields(mem.MemoryBreakdown) if f.name != "stage")
+"""The fields of a `MemoryBreakdown` other than its stage, all of what `process_peak` reads."""
+
+
 def stage_roles(p: Problem, c: Candidate, stage: int) -> tuple[bool, bool]:
     """(holds the embedding, holds the LM head): the first and last virtual stages' chunks of
     pipeline rank `stage`."""
-    specs = chunk_specs(p.config.num_layers, c.pp, stage, c.v, placement_of(c.schedule))
-    return any(s.pre_process for s in specs), any(s.post_process for s in specs)
+    cfg = p.config
+    shape = chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds)
+    return any(pre for _, pre, _, _ in shape[stage]), any(post for _, _, post, _ in shape[stage])
 
 
 def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> float:

@@ -54,6 +54,11 @@ def moe_layers(config, layers) -> int:
     return sum(1 for i in layers if moe and moe(i)) if is_moe(config) else 0
 
 
+def layer_kinds(config) -> tuple[int, ...]:
+    """Per layer, 1 for a MoE layer and 0 for a dense one (`moe_layers` of each alone)."""
+    return tuple(moe_layers(config, (i,)) for i in range(config.num_layers))
+
+
 def imbalance_of(config, stated: float | None) -> float:
     """The imbalance a plan assumes: `stated`, else the model's capacity factor (the most an
     expert keeps, relative to its mean share), else `DEFAULT_IMBALANCE`."""

@@ -165,6 +165,30 @@ def stage_tensors(
     return out
 
 
+@lru_cache(maxsize=4096)
+def alike_stages(config_json: str, pp: int, v: int, placement: str = "loop") -> tuple[int, ...]:
+    """Per pipeline rank, the lowest rank that holds the same parameters: chunk by chunk the
+    same kinds of layer in the same order and the same embedding and head, so the same
+    `stage_tensors` and `stage_units` (and the same state under any ZeRO stage), which the
+    lower rank's stands for."""
+    config = config_from_dict(json.loads(config_json))
+    kinds = layer_kinds(config)
+    first: dict[tuple, int] = {}
+    out = []
+    for stage in range(pp):
+        specs = (
+            chunk_specs(config.num_layers, pp, stage, v, placement)
+            if v > 1
+            else [stage_spec(config.num_layers, pp, stage)]
+        )
+        held = tuple(
+            (spec.pre_process, spec.post_process, tuple(kinds[i] for i in spec.layers))
+            for spec in specs
+        )
+        out.append(first.setdefault(held, stage))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class UnitSpec:
     """One ZeRO-3 unit of a stage as `ShardedParams` makes it."""
@@ -256,12 +280,18 @@ def stage_units(
 def stage_layer_counts(num_layers: int, pp: int, v: int = 1, placement: str = "loop") -> list[int]:
     """Blocks per pipeline rank as megapar-train cuts them (the first num_layers % pp stages +1;
     with v > 1 model chunks per rank, the blocks of its chunks, cut into pp * v slices)."""
+    return list(_stage_layer_counts(num_layers, pp, v, placement))
+
+
+@lru_cache(maxsize=4096)
+def _stage_layer_counts(num_layers: int, pp: int, v: int, placement: str) -> tuple[int, ...]:
+    """`stage_layer_counts`, cached (the planner asks for each of thousands of layouts)."""
     if v > 1:
-        return [
+        return tuple(
             sum(len(spec.layers) for spec in chunk_specs(num_layers, pp, stage, v, placement))
             for stage in range(pp)
-        ]
-    return [len(r) for r in partition_layers(num_layers, pp)]
+        )
+    return tuple(len(r) for r in partition_layers(num_layers, pp))
 
 
 def stage_params(

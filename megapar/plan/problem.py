@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from megapar.models.config import ModelConfig
+from megapar.plan import experts
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 
 
@@ -74,6 +75,12 @@ class Problem:
     def config_json(self) -> str:
         """The model config as canonical JSON (what `plan.state`'s cached functions take)."""
         return json.dumps(self.config.to_dict(), sort_keys=True)
+
+    @cached_property
+    def layer_kinds(self) -> tuple[int, ...]:
+        """Per layer, 1 for a mixture-of-experts layer and 0 for a dense one
+        (`experts.layer_kinds`, worked out once per plan)."""
+        return experts.layer_kinds(self.config)
 
     @property
     def act_bytes(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from itertools import accumulate
 
 import numpy as np
 
@@ -157,7 +158,7 @@ def _candidate_ranks(tensors, buckets, dp: int) -> np.ndarray:
     special = {0, dp - 1}
     for idx, padded in buckets:
         size = padded // dp
-        for end in np.cumsum([tensors[i].numel for i in idx]).tolist():
+        for end in accumulate(tensors[i].numel for i in idx):
             special.update(r for r in (max(end - 1, 0) // size, end // size) if r < dp)
     generic = next((r for r in range(dp) if r not in special), None)
     return np.array(sorted(special | ({generic} if generic is not None else set())), dtype=np.int64)

@@ -102,6 +102,12 @@ class Offload:
     """Micro-batches per step (ZeRO-3: past the first, the units reduced once a step keep
     their buffers from the backward's start)."""
 
+    def at_zero(self, zero: int) -> Offload:
+        """These settings as a rank's state under ZeRO stage `zero` depends on them: below
+        ZeRO-3 only `optimizer` (the others are ZeRO-3's), so that layouts differing in the
+        rest share one cached state (`slices.most_loaded`)."""
+        return self if zero >= 3 else Offload(self.optimizer)
+
 
 def whole_grads(schedule: str, pp: int, m: int, v: int, reduce: str = "step") -> bool:
     """ZeRO-3: whether a step holds every unit's full gradient buffer at once: with more than

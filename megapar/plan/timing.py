@@ -100,8 +100,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
             k_moe * (ep_f + ep_b),
         )
 
-    kinds = tuple(experts.moe_layers(cfg, (i,)) for i in range(cfg.num_layers))
-    shapes = _chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule), kinds)
+    shapes = chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds)
     costs = {shape: cost(*shape) for shape in {x for row in shapes for x in row}}
     return [[costs[x] for x in row] for row in shapes]
 
@@ -144,7 +143,7 @@ def alltoall_seconds(p: Problem, c: Candidate) -> tuple[float, float]:
 
 
 @lru_cache(maxsize=4096)
-def _chunk_shapes(num_layers: int, pp: int, v: int, placement: str, kinds: tuple = ()) -> tuple:
+def chunk_shapes(num_layers: int, pp: int, v: int, placement: str, kinds: tuple = ()) -> tuple:
     """Per rank, per model chunk: (blocks, holds the embedding, holds the head, MoE blocks);
     `kinds`: 1 for each MoE layer, 0 for a dense one (none: a dense model)."""
     return tuple(
