@@ -4,6 +4,7 @@ one line and exit 130, not a traceback of the import it cut."""
 
 import importlib
 import os
+import signal
 import subprocess
 import sys
 import tomllib
@@ -29,24 +30,34 @@ def test_entry_runs_the_command_s_main(monkeypatch, command):
     assert getattr(entry, command)() == 7
 
 
-def test_ctrl_c_while_starting_or_unhandled_is_one_line_and_exit_130(monkeypatch, capsys):
-    def interrupted(name):
-        raise KeyboardInterrupt
+@pytest.mark.parametrize("sig,code,line", [
+    ("SIGINT", 130, "megapar-data: interrupted while starting; nothing was done"),
+    ("SIGTERM", 143, "megapar-data: terminated (SIGTERM) while starting; nothing was done")])
+def test_ctrl_c_or_sigterm_while_starting_is_one_line(sig, code, line):
+    """Ctrl-C: a traceback of the import it cut (23-28 lines); SIGTERM: a silent end. Now one
+    line each, at once (an exception raised inside a library's import could be caught there:
+    a SIGTERM at 0.5 s was, and the run went on)."""
+    script = ("import importlib, os, signal, sys, time\n"
+              "from megapar.cli import entry\n"
+              "def starting(name):\n"
+              f"    os.kill(os.getpid(), signal.{sig}); time.sleep(5); return sys\n"
+              "importlib.import_module = starting\n"
+              "sys.exit(entry.data())\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert (run.returncode, run.stderr, run.stdout) == (code, line + "\n", "")
 
-    with monkeypatch.context() as m:
-        m.setattr(importlib, "import_module", interrupted)
-        assert entry.train() == 130
-    assert capsys.readouterr().err == (
-        "megapar-train: interrupted while starting; nothing was done\n")
+
+def test_ctrl_c_the_command_does_not_handle_is_one_line_and_exit_130(monkeypatch, capsys):
+    import megapar.cli.plan
 
     def main():
         raise KeyboardInterrupt
 
-    import megapar.cli.plan
-
     monkeypatch.setattr(megapar.cli.plan, "main", main)
     assert entry.plan() == 130
     assert capsys.readouterr().err == "megapar-plan: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_the_entry_module_imports_no_torch():
@@ -54,3 +65,4 @@ def test_the_entry_module_imports_no_torch():
                           "sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"],
                          capture_output=True, text=True, timeout=60, check=True)
     assert run.stdout.strip() == "[]", run.stdout
+

@@ -2,26 +2,52 @@
 
 Each imports its command's module and runs its ``main``. A command's imports take seconds
 (torch's alone about 2.5 s), and a Ctrl-C in them printed a traceback of whatever import it
-cut; here it ends the command with one line and exit 130, as megapar-data's Ctrl-C does. A
-Ctrl-C the command's own ``main`` does not handle ends it the same way.
+cut, a SIGTERM ended the command without a word. While it imports, either now ends it at once
+with one line, exit 130 (Ctrl-C) or 143 (SIGTERM): nothing has been done yet, and an exception
+raised inside a library's import could be caught there and leave it half imported. A Ctrl-C
+the command's own ``main`` does not handle ends it with one line, exit 130, as well.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
+import threading
 
 INTERRUPTED_EXIT_CODE = 130
 """128 + SIGINT: the shells' exit status of a command a Ctrl-C ended."""
 
 
+def _import_main(command: str, name: str):
+    """`megapar.cli.NAME`'s main. Meanwhile (in the main thread) a Ctrl-C or SIGTERM, where
+    it has its default action, writes one line and exits; the handlers are as they were again
+    once the import ends, for the command's own."""
+    if threading.current_thread() is not threading.main_thread():
+        return importlib.import_module(f"megapar.cli.{name}").main
+
+    def exit_at_once(signum, frame):
+        what = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+        os.write(2, f"{command}: {what} while starting; nothing was done\n".encode())
+        os._exit(128 + signum)
+
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    previous = {
+        sig: signal.signal(sig, exit_at_once)
+        for sig, default in defaults.items()
+        if signal.getsignal(sig) is default
+    }
+    try:
+        return importlib.import_module(f"megapar.cli.{name}").main
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _run(name: str) -> int:
     command = f"megapar-{name}"
-    try:
-        main = importlib.import_module(f"megapar.cli.{name}").main
-    except KeyboardInterrupt:
-        print(f"{command}: interrupted while starting; nothing was done", file=sys.stderr)
-        return INTERRUPTED_EXIT_CODE
+    main = _import_main(command, name)
     try:
         return main()
     except KeyboardInterrupt:
