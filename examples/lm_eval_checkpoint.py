@@ -28,9 +28,23 @@ def export(ckpt: str | Path, out: Path) -> Path:
     """`megapar-convert CKPT --to-hf OUT`; returns OUT."""
     from megapar.cli.convert import main as convert
 
-    if convert([str(ckpt), "--to-hf", str(out), "--overwrite"]) != 0:
-        raise SystemExit(f"megapar-convert {ckpt} --to-hf {out} failed (see above)")
+    code = convert([str(ckpt), "--to-hf", str(out), "--overwrite"])
+    if code != 0:  # megapar-convert printed the one line naming the problem
+        raise SystemExit(code)
     return out
+
+
+def fail(message: str) -> None:
+    """Stop with one line, `lm_eval_checkpoint.py: error: MESSAGE`, and exit status 2."""
+    print(f"lm_eval_checkpoint.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def unknown_tasks(manager, tasks: list[str]) -> list[str]:
+    """The names in `tasks` that lm-eval's `manager` knows no task, group or tag by (a name, a
+    glob pattern, or a task YAML file that exists)."""
+    return [t for t in tasks if not manager.match_tasks([t])
+            and not (t.endswith(".yaml") and Path(t).is_file())]
 
 
 def local_task(directory: Path, docs: list[str]) -> Path:
@@ -60,9 +74,13 @@ def evaluate(ckpt: str | Path, work: str | Path, docs: list[str] | None = None,
     from lm_eval.tasks import TaskManager
 
     work = Path(work)
-    exported = export(ckpt, work / "exported")
-    manager = None
-    if not tasks:
+    if tasks:  # checked before the export: an unknown name was KeyError's traceback after it
+        manager = TaskManager()
+        unknown = unknown_tasks(manager, tasks)
+        if unknown:
+            fail(f"lm-eval has no task {', '.join(map(repr, unknown))}; `lm-eval ls tasks` "
+                 f"lists the names (or pass the path of a task's .yaml file)")
+    else:
         if docs is None:
             from megapar.data import asset_path
 
@@ -70,6 +88,7 @@ def evaluate(ckpt: str | Path, work: str | Path, docs: list[str] | None = None,
             docs = [p.strip() for p in text.split("\n\n") if 100 < len(p.strip()) < 400][:16]
         manager = TaskManager(include_path=str(local_task(work / "task", docs)))
         tasks = [TASK]
+    exported = export(ckpt, work / "exported")
     results = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={exported},dtype=float32", tasks=tasks,
         task_manager=manager, batch_size=1, device="cpu", log_samples=True)
@@ -90,6 +109,13 @@ def main(argv=None) -> None:
         print(f"lm_eval_checkpoint.py: error: {' and '.join(missing)} not installed: pip "
               f"install 'megapar[eval]' (or pip install 'lm-eval[hf]')", file=sys.stderr)
         sys.exit(2)
+    from megapar.checkpoint.format import CheckpointError
+    from megapar.checkpoint.publish import resolve_checkpoint
+
+    try:  # before lm-eval's task index (seconds) and the export
+        resolve_checkpoint(args.ckpt)
+    except CheckpointError as exc:
+        fail(str(exc))
     results, _ = evaluate(args.ckpt, args.work, tasks=args.tasks)
     print(json.dumps(results["results"], indent=1, default=str))
 

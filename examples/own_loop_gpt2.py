@@ -12,6 +12,7 @@ loop is yours: each step hands the engine the *global* batch; every dp rank take
 import argparse
 import json
 import os
+import sys
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -20,6 +21,7 @@ import megapar
 from megapar.data import (
     GlobalBatchSampler, GPTDataset, IndexedDataset, asset_path, collate, ensure_dataset,
 )
+from megapar.launcher import launched_world_size, under_launcher
 
 
 def make_model() -> GPT2LMHeadModel:
@@ -70,6 +72,12 @@ def main(argv=None):
     parser.add_argument("--save", help="checkpoint directory")
     parser.add_argument("--json", help="write the losses to this file")
     args = parser.parse_args(argv)
+    split = args.tp * args.pp
+    if under_launcher() and launched_world_size() % split:  # torchrun / srun chose the count
+        print(f"own_loop_gpt2.py: error: {launched_world_size()} processes started, not a "
+              f"multiple of --tp {args.tp} x --pp {args.pp} = {split}; start a multiple of "
+              f"{split} (torchrun --nproc-per-node) or change --tp / --pp", file=sys.stderr)
+        sys.exit(2)
     if args.data is None:
         args.data = ensure_dataset(asset_path("shakespeare_sample.txt"), "gpt2",
                                    os.path.expanduser("~/.cache/megapar"))

@@ -12,10 +12,17 @@
 # (needs tp*dp <= NPROC_PER_NODE for that). Extra torchrun flags can go
 # in TORCHRUN_ARGS (e.g. TORCHRUN_ARGS="--max-restarts 0").
 set -euo pipefail
-: "${NNODES:?set NNODES (number of nodes)}"
+die() { echo "torchrun_multinode.sh: error: $*" >&2; exit 2; }
+number='^[0-9]+$'
+[ -n "${NNODES:-}" ] || die "set NNODES (number of nodes), e.g. NNODES=2 NODE_RANK=0 $0 ARGS"
+[[ "$NNODES" =~ $number ]] && [ "$NNODES" -ge 1 ] || die "NNODES=$NNODES: give a number of nodes (1, 2, ...)"
 if [ "$NNODES" = "1" ]; then NODE_RANK="${NODE_RANK:-0}"; fi  # one node: it is node 0
-: "${NODE_RANK:?set NODE_RANK (0 .. NNODES-1)}"
+[ -n "${NODE_RANK:-}" ] || die "set NODE_RANK (0 .. $((NNODES - 1))), this node's place, on each node"
+[[ "$NODE_RANK" =~ $number ]] && [ "$NODE_RANK" -lt "$NNODES" ] \
+  || die "NODE_RANK=$NODE_RANK: give 0 .. $((NNODES - 1)) (NNODES=$NNODES)"
 : "${NPROC_PER_NODE:=1}"
+[[ "$NPROC_PER_NODE" =~ $number ]] && [ "$NPROC_PER_NODE" -ge 1 ] \
+  || die "NPROC_PER_NODE=$NPROC_PER_NODE: give the processes (GPUs) per node (1, 2, ...)"
 : "${MASTER_ADDR:=127.0.0.1}"
 : "${MASTER_PORT:=29500}"
 PYTHON="${PYTHON:-python3}"

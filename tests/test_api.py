@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -650,6 +651,46 @@ def test_prepare_outside_a_launch_names_the_processes_it_needs(monkeypatch):
                        match=r"megapar.prepare: tp=2 x cp=1 x pp=2 = 4 ranks per model replica, "
                              r"but this job runs 1 process; .*megapar.launch\(fn, nprocs=4\)"):
         megapar.prepare("gpt2-tiny", tp=2, pp=2)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_prepare_under_torchrun_with_too_few_processes_says_how_many_to_start(
+        monkeypatch, launcher):
+    """torchrun --nproc-per-node 2 examples/own_loop_gpt2.py (tp 2 x pp 2): the error told the
+    user to call prepare inside megapar.launch(fn, nprocs=4) "or under torchrun", which it
+    already was; it now names the process count to start."""
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(*{"torchrun": ("TORCHELASTIC_RUN_ID", "none"),
+                         "srun": ("SLURM_PROCID", "0")}[launcher])
+    fix = {"torchrun": r"start a multiple of 4 processes \(torchrun --nproc-per-node x --nnodes\)",
+           "srun": r"start a multiple of 4 tasks \(srun --ntasks\)"}[launcher]
+    with pytest.raises(megapar.mesh.LayoutError) as info:
+        megapar.prepare("gpt2-tiny", tp=2, pp=2)
+    assert re.search(r"= 4 ranks per model replica, but this job runs 2 processes; " + fix,
+                     str(info.value)), str(info.value)
+    assert "megapar.launch" not in str(info.value)
+
+
+def test_own_loop_example_under_torchrun_with_too_few_processes_is_one_line(
+        monkeypatch, capsys):
+    """torchrun --nproc-per-node 2 examples/own_loop_gpt2.py (tp 2 x pp 2 by default) was a
+    LayoutError traceback from every rank; now one line each, exit 2, before any data or model
+    is made (megapar.launch fails the test)."""
+    example = _example()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setattr(example.megapar, "launch", lambda *a: pytest.fail("launched"))
+    monkeypatch.setattr(example, "ensure_dataset", lambda *a: pytest.fail("tokenized"))
+    with pytest.raises(SystemExit) as exit_:
+        example.main(["--steps", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err == [
+        "own_loop_gpt2.py: error: 2 processes started, not a multiple of --tp 2 x --pp 2 = 4; "
+        "start a multiple of 4 (torchrun --nproc-per-node) or change --tp / --pp"], err
 
 
 def test_prepare_names_an_architecture_it_does_not_build():

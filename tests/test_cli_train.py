@@ -191,6 +191,31 @@ def test_tokenizer_vocab_mismatch_with_the_model(tmp_path, capsys, cache, text):
     assert "vocab_size 500 but the data's tokenizer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("env, expected", [
+    ({}, "set NNODES (number of nodes)"),
+    ({"NNODES": "2"}, "set NODE_RANK (0 .. 1)"),
+    ({"NNODES": "two"}, "NNODES=two: give a number of nodes"),
+    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2: give 0 .. 1 (NNODES=2)"),
+    ({"NNODES": "1", "NPROC_PER_NODE": "0"}, "NPROC_PER_NODE=0: give the processes"),
+], ids=["no-nnodes", "no-node-rank", "nnodes-word", "node-rank-too-big", "nproc-0"])
+def test_torchrun_multinode_refuses_a_wrong_environment_in_one_line(tmp_path, env, expected):
+    """NODE_RANK=2 of NNODES=2 left torchrun waiting (and an AssertionError traceback);
+    NPROC_PER_NODE=0 was torchrun's AssertionError traceback; a missing NNODES was bash's
+    'line 15: NNODES: ...', exit 1. Now each is one line, exit 2, and torchrun never starts (a
+    stand-in python on PATH fails the test if it does)."""
+    fake = tmp_path / "python3"
+    fake.write_text("#!/bin/sh\necho started >&2\nexit 99\n")
+    fake.chmod(0o755)
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("NNODES", "NODE_RANK", "NPROC_PER_NODE")}
+    out = subprocess.run(["bash", str(ROOT / "launch" / "torchrun_multinode.sh"), "--tp", "2"],
+                         env={**base, "PYTHON": str(fake), **env}, capture_output=True,
+                         text=True, timeout=30)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(err) == 1, (out.returncode, err)
+    assert err[0].startswith("torchrun_multinode.sh: error: ") and expected in err[0], err
+
+
 def test_two_torchrun_nodes_with_data_parallelism_across_them(tmp_path, text, cache):
     """launch/torchrun_multinode.sh twice on this machine: node 0 and node 1, two workers each,
     tp=2 inside a node and dp=2 across the nodes."""

@@ -539,6 +539,62 @@ def test_the_lm_eval_example_without_lm_eval_says_what_to_install(monkeypatch, c
         "pip install 'megapar[eval]'" in err[0], err
 
 
+def _lm_eval_example(monkeypatch, known_tasks=("hellaswag",)):
+    """examples/lm_eval_checkpoint.py as a module, with lm-eval and accelerate stood in for
+    (a TaskManager that knows `known_tasks`) and an export that fails the test."""
+    import importlib.util
+    import sys
+    import types
+
+    spec = importlib.util.spec_from_file_location(
+        "lm_eval_checkpoint", Path(__file__).resolve().parents[1] / "examples" /
+        "lm_eval_checkpoint.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    class TaskManager:
+        def __init__(self, include_path=None):
+            pass
+
+        def match_tasks(self, names):
+            return [n for n in names if n in known_tasks]
+
+    fake = types.ModuleType("lm_eval")
+    fake.tasks = types.ModuleType("lm_eval.tasks")
+    fake.tasks.TaskManager = TaskManager
+    fake.simple_evaluate = lambda **kw: pytest.fail("evaluated")
+    monkeypatch.setitem(sys.modules, "lm_eval", fake)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", fake.tasks)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        object() if name in ("lm_eval", "accelerate") else real(name, *a)))
+    monkeypatch.setattr(example, "export", lambda *a: pytest.fail("exported"))
+    return example
+
+
+@pytest.mark.parametrize("case", ["missing", "not-a-checkpoint", "unknown-task"])
+def test_the_lm_eval_example_refuses_bad_input_in_one_line_before_the_export(
+        tmp_path, monkeypatch, capsys, case):
+    """A wrong checkpoint path was megapar-convert's line, then a second one, exit 1; an unknown
+    --tasks name was lm-eval's KeyError traceback, after the export."""
+    example = _lm_eval_example(monkeypatch)
+    (tmp_path / "not_a_ckpt").mkdir()
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step_00000001").mkdir(parents=True)
+    (ckpt / "step_00000001" / "manifest.json").write_text("{}")
+    argv = {"missing": [str(tmp_path / "nope")], "not-a-checkpoint": [str(tmp_path / "not_a_ckpt")],
+            "unknown-task": [str(ckpt), "--tasks", "hellaswag", "no_such_task"]}[case]
+    with pytest.raises(SystemExit) as exit_:
+        example.main([*argv, "--work", str(tmp_path / "work")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("lm_eval_checkpoint.py: error: "), err
+    expected = {"missing": "no such checkpoint directory", "not-a-checkpoint": "neither a "
+                "checkpoint step directory", "unknown-task": "no task 'no_such_task'; "}[case]
+    assert expected in err[0] and "hellaswag" not in err[0], err
+    assert not (tmp_path / "work").exists()
+
+
 def test_lm_eval_on_an_export_gives_megapars_log_likelihoods(tmp_path, text):
     """The recipe of examples/lm_eval_checkpoint.py: export, then lm-eval's `hf` model with
     `pretrained=DIR` alone, on a tiny local task (no download). Its rolling log-likelihood of

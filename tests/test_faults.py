@@ -980,3 +980,19 @@ def test_an_exited_process_not_yet_reaped_is_not_alive():
         except ChildProcessError:
             pass
     assert pid_alive(os.getpid())
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--only"], "argument --only: expected at least one argument"),
+    (["--only", "sigterm", "no-such-drill"], "argument --only: invalid choice: 'no-such-drill'"),
+])
+def test_fault_drill_with_no_or_unknown_drill_is_refused_before_any_work(tmp_path, argv, expected):
+    """`tools/fault_drill.py --only` (no names) ran no drill, made a temporary directory and
+    exited 0 as if the drills had passed."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "fault_drill.py"
+    out = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True,
+                         env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=60)
+    assert out.returncode == 2 and expected in out.stderr, (out.returncode, out.stderr)
+    assert out.stdout == "" and not list(tmp_path.iterdir())

@@ -262,7 +262,8 @@ DRILLS = ["sigkill-launcher", "sigterm", "sigusr1", "sigint", "sigkill-worker", 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", choices=DRILLS, default=DRILLS)
+    parser.add_argument("--only", nargs="+", choices=DRILLS, default=DRILLS, metavar="DRILL",
+                        help=f"run only these drills: {' '.join(DRILLS)}")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="megapar-drill-"))
     (work / "model.json").write_text(json.dumps(MODEL))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import warnings
 
 import torch
@@ -244,12 +245,20 @@ def _check_world(cfg: TrainConfig) -> None:
     Mesh would, in the API's terms."""
     split, world = cfg.tp * cfg.cp * cfg.pp, launched_world_size()
     if cfg.dp is None and world % split:  # what Mesh would refuse, in the API's terms
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun started them: it decides the count
+            fix = f"start a multiple of {split} processes (torchrun --nproc-per-node x --nnodes)"
+        elif "SLURM_PROCID" in os.environ:
+            fix = f"start a multiple of {split} tasks (srun --ntasks)"
+        else:
+            fix = (
+                f"call prepare on every rank inside the function "
+                f"megapar.launch(fn, nprocs={split}) runs (or a multiple of {split}), "
+                f"or under torchrun"
+            )
         raise LayoutError(
             f"megapar.prepare: tp={cfg.tp} x cp={cfg.cp} x pp={cfg.pp} = {split} "
             f"ranks per model replica, but this job runs {world} process"
-            f"{'es' if world > 1 else ''}; call prepare on every rank inside the "
-            f"function megapar.launch(fn, nprocs={split}) runs (or a multiple of "
-            f"{split}), or under torchrun"
+            f"{'es' if world > 1 else ''}; {fix}, or pass a smaller tp / cp / pp"
         )
 
 
