@@ -473,3 +473,33 @@ def test_load_whose_tokenizer_was_given_as_the_recorded_path_and_moved(tmp_path)
     cfg = parse_args(["--load", str(tmp_path / "ck")])
     settings_from_checkpoint(cfg, manifest)
     assert cfg.tokenizer == "gpt2" and "tokenizer" not in cfg.from_checkpoint
+
+
+@pytest.mark.parametrize("torchrun_rc,requeued,rc", [(1, True, 0), (0, False, 0)],
+                         ids=["stopped-by-the-time-limit-signal", "reached-max-steps"])
+def test_slurm_requeues_a_run_the_time_limit_stopped_not_one_that_finished(
+        tmp_path, torchrun_rc, requeued, rc):
+    """launch/slurm.sbatch with stand-in srun / scontrol / squeue / date, in the job's last 3
+    minutes after 10 of running: torchrun exiting non-zero (as it does after Slurm's SIGTERM)
+    requeues the job; a run that reached --max-steps (torchrun exits 0) was requeued too, and
+    the requeued run's "nothing left to train" (exit 2) ended the job FAILED. Now it ends."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    stand_ins = {
+        "srun": f"exit {torchrun_rc}",
+        "scontrol": 'if [ "$1" = requeue ]; then echo "$2" >> "$LOG"; else echo node0; fi',
+        "squeue": "echo 3:00",  # minutes:seconds left
+        "date": 'n=$(cat "$CLOCK" 2>/dev/null || echo 1000); echo $((n + 600)) > "$CLOCK"; '
+                'echo $n',
+    }
+    for name, body in stand_ins.items():
+        (bin_ / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}",
+           "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "node0", "LOG": str(tmp_path / "log"),
+           "CLOCK": str(tmp_path / "clock")}
+    out = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--max-steps", "9"],
+                         env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == rc, out.stderr
+    log = tmp_path / "log"
+    assert (log.read_text() if log.exists() else "") == ("77\n" if requeued else ""), out.stderr
