@@ -84,10 +84,31 @@ def test_pool_workers_start_fresh_not_as_forks_of_this_process(inputs, tmp_path,
 
     monkeypatch.setattr(pre, "load_tokenizer", load_tokenizer)
     root, expected = inputs
+    before = _children()
     out = pre.preprocess_files([str(root)], str(tmp_path / "out"), "sentencepiece", workers=2,
                                progress=False)
     assert IndexedDataset(out).num_docs == len(expected)
     assert not marker.exists(), marker.read_text()
+    # and no forkserver is left behind: it is one per process, its preloads shared with every
+    # other user of it (test_peak_memory's ranks forked from it, without their preloads)
+    started = {pid: cmd for pid, cmd in _children().items() if pid not in before}
+    assert not [cmd for cmd in started.values() if "forkserver" in cmd], started
+
+
+def _children() -> dict[int, str]:
+    """This process's live children (from /proc) and their command lines."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmd = f.read().replace("\0", " ")
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            out[int(pid)] = cmd
+    return out
 
 
 def test_bad_inputs_name_the_problem(tmp_path, capsys):

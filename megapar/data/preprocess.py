@@ -33,7 +33,6 @@ in order (``imap``), so the output is byte-identical whatever the number of work
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import itertools
@@ -45,7 +44,6 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
-from multiprocessing import forkserver
 
 import sentencepiece as spm
 from tqdm import tqdm
@@ -86,31 +84,8 @@ def _batched(docs: Iterator[tuple[str, int]], n: int) -> Iterator[tuple[list[str
         yield batch, nbytes
 
 
-def _start_forkserver(ctx) -> None:
-    """Start the forkserver the workers are forked from (once per process), with this module
-    imported in it once rather than in every worker, and ignoring SIGINT, as its workers then
-    do: a Ctrl-C is this process's to handle (it ends them), not a traceback from each."""
-    ctx.set_forkserver_preload([__name__])
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # kept across the server's exec
-    try:
-        forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-@contextlib.contextmanager
-def _sigint_held() -> Iterator[list[int]]:
-    """Hold a Ctrl-C (SIGINT) that comes inside the block; the list yielded says whether one
-    came. Only in the main thread (signal handlers are set there); elsewhere a no-op."""
-    came: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield came
-        return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
-    try:
-        yield came
-    finally:
-        signal.signal(signal.SIGINT, previous)
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def _worker_init(spec: str) -> None:
@@ -150,9 +125,9 @@ def preprocess_files(
 
     ``tokenizer`` is a :func:`load_tokenizer` spec.  ``workers=None`` picks one worker for
     small inputs and up to 8 processes (bounded by the CPU count) above 8 MB; more workers than
-    CPU cores are capped at the core count. Workers start from a forkserver (Python 3.14's
-    default), which imports a calling script's main module in each: a script that calls this
-    with more than one worker does so under ``if __name__ == "__main__":``.
+    CPU cores are capped at the core count. Workers are spawned, and each imports a calling
+    script's main module: a script that calls this with more than one worker does so under
+    ``if __name__ == "__main__":``.
     """
     if workers is not None and (
         isinstance(workers, bool) or int(workers) != workers or workers < 1
@@ -189,19 +164,20 @@ def preprocess_files(
             results = ((tok.encode_batch(texts), n) for texts, n in batches)
             _consume(results, builder, bar, tok.bos_id, stats)
         else:
-            # Workers start from a fresh interpreter (a forkserver's): a fork of this process
-            # inherits the locks its other threads (tqdm's monitor, pyarrow's pool) held then,
-            # and such a worker could hang at start and outlive the pool.
-            ctx = mp.get_context(
-                "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-            )
-            if ctx.get_start_method() == "forkserver":
-                _start_forkserver(ctx)
-            with _sigint_held() as interrupted:  # a pool cut off while starting leaks workers
+            # Workers start as fresh interpreters (spawned): a fork of this process inherits
+            # the locks its other threads (tqdm's monitor, pyarrow's pool) held then, and such
+            # a worker could hang at start and outlive the pool. (Not a forkserver: its server
+            # and preloads are one per process, shared with every other user of it.)
+            ctx = mp.get_context("spawn")
+            # Started ignoring SIGINT, which they keep: a Ctrl-C is this process's to handle
+            # (it ends them), not a traceback from each worker.
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if _main_thread() else None
+            try:
                 pool = ctx.Pool(workers, initializer=_worker_init, initargs=(tok.path,))
+            finally:
+                if previous is not None:
+                    signal.signal(signal.SIGINT, previous)
             with pool:  # ends the workers, however this block ends
-                if interrupted:
-                    raise KeyboardInterrupt
                 _consume(
                     _ordered_bounded(pool, batches, 4 * workers), builder, bar, tok.bos_id, stats
                 )
