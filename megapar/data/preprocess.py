@@ -84,12 +84,10 @@ def _batched(docs: Iterator[tuple[str, int]], n: int) -> Iterator[tuple[list[str
         yield batch, nbytes
 
 
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
-
-
 def _worker_init(spec: str) -> None:
-    """A pool worker's start: its parent handles Ctrl-C and ends it with SIGTERM."""
+    """A pool worker's start: its parent handles Ctrl-C and ends it with SIGTERM, which a
+    worker obeys even where the parent ignores SIGTERM (an ignored signal is inherited across
+    the spawn's exec)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     global _WORKER_TOKENIZER  # per-worker-process cache, not shared state of the package
@@ -171,7 +169,8 @@ def preprocess_files(
             ctx = mp.get_context("spawn")
             # Started ignoring SIGINT, which they keep: a Ctrl-C is this process's to handle
             # (it ends them), not a traceback from each worker.
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if _main_thread() else None
+            main_thread = threading.current_thread() is threading.main_thread()
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
             try:
                 pool = ctx.Pool(workers, initializer=_worker_init, initargs=(tok.path,))
             finally:
