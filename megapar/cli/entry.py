@@ -1,8 +1,8 @@
 """The console scripts' entry points (pyproject.toml's ``[project.scripts]``).
 
-Each imports its command's module and runs its ``main``. A command's imports take seconds
-(torch's alone about 2.5 s), and a Ctrl-C in them printed a traceback of whatever import it
-cut, a SIGTERM ended the command without a word. While it imports, either now ends it at once
+Each imports its command's module and runs its ``main``. A command's imports (torch's) take
+seconds; a Ctrl-C in them would print a traceback of whatever import it cut, and a SIGTERM end
+the command without a word. While it imports, either ends it at once
 with one line, exit 130 (Ctrl-C) or 143 (SIGTERM): nothing has been done yet, and an exception
 raised inside a library's import could be caught there and leave it half imported. A Ctrl-C
 the command's own ``main`` does not handle ends it with one line, exit 130, as well.
