@@ -400,7 +400,7 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     times = chunk_times(p, c)
     pipe_s, frac, source = pipeline_time(c, m, times, simulate)
     busiest = max(times, key=lambda row: sum(x.total for x in row))
-    compute = m * sum(x.flops for x in busiest) / rate
+    compute = m * sum(x.flops - x.fp8_flops + x.fp8_flops / p.fp8_speedup for x in busiest) / rate
     act = s // n * b * h * p.act_bytes
     pp_gbps = p.intra_gbps if c.tp * c.pp <= p.gpus_per_node else p.inter_gbps
     p2p = (
