@@ -440,8 +440,8 @@ def _autocast_copies(
         (elements - float8) * p.act_bytes,
         "cached for the whole step"
         + (
-            f"; not of the float8 linears' {float8 / 1e6:,.1f}M parameters (cast from fp32 "
-            f"straight to float8 per use)"
+            f"; not of the float8 linears' {float8:,} parameters (cast from fp32 straight to "
+            f"float8 per use)"
             if float8
             else ""
         ),
