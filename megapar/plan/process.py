@@ -464,7 +464,7 @@ def _float8_casts(p: Problem, c: Candidate, mem: MemoryBreakdown, target: str) -
         f"{linear.name} {linear.n}x{linear.k} at {c.mbs * p.seq_len // c.cp} tokens: the "
         "casts' fp32 copies and float8 operands"
         + (" and the emulated products' fp32 operands" if emulate else "")
-        + ", beyond a 16-bit linear's backward",
+        + ", beyond a high-precision linear's backward",
     )
 
 
