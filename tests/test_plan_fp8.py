@@ -225,3 +225,30 @@ def test_explain_names_the_float8_linears_as_training_does_and_json_carries_them
     assert got["fp8_line"].startswith("fp8 rowwise: 0 linears in float8; kept in")
     code, out = _plan(capsys, "--json", "--top", "1")
     assert "fp8" not in json.loads(out.out)
+
+
+def _cp_amax_all_reduces(recipe):
+    """All-reduces over the cp group one training step of one micro-batch makes at cp 2 with
+    every block linear of a GPT-2 in float8 (emulated), less the same step's without --fp8."""
+    import megapar
+
+    counts = []
+    for fp8 in ("off", recipe):
+        engine = megapar.prepare(transformers.GPT2Config(**GPT2), micro_batch_size=2,
+                                 global_batch_size=2, seq_len=SEQ, cp=2, seed=0, fp8=fp8,
+                                 fp8_emulate=fp8 != "off",
+                                 fp8_layers="all" if fp8 != "off" else "auto")
+        ids = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(0))
+        with count_collectives() as calls:
+            engine.train_step({"input_ids": ids, "labels": ids})
+        counts.append(sum(call.op == "all_reduce" for call in calls))
+    return counts[1] - counts[0]
+
+
+@needs_torchao
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_cp_amax_all_reduces_are_what_the_code_issues(recipe):
+    issued = run_local(_cp_amax_all_reduces, 2, recipe)
+    p = _problem(_config("gpt2"), recipe, "all", gpus=2, global_batch=2)
+    planned = stage_reductions(p, Candidate(cp=2, mbs=2), 0, 1)
+    assert planned[0] == 0 and planned[1] > 0 and issued == [planned[1]] * 2, (issued, planned)
