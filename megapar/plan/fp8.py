@@ -32,6 +32,7 @@ from megapar.models.config import config_from_dict
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan.params import _build, _kind_builds, layer_kinds
+from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.fp8_convert import wanted
 from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -90,6 +91,11 @@ def converted(p, tp: int) -> dict[bool, tuple]:
     """{block kind: its linears that run in float8} at `tp` under `p`'s --fp8 (none when off)."""
     if p.fp8 == "off":
         return {}
+    if p.fp8 not in FP8_RECIPES or p.fp8_layers not in FP8_LAYERS:
+        raise ValueError(
+            f"fp8 {p.fp8!r} / fp8_layers {p.fp8_layers!r} unknown: use one of "
+            f"{', '.join(FP8_RECIPES)} / {', '.join(FP8_LAYERS)}"
+        )
     every = block_linears(p.config_json, tp, p.fp8, p.fp8_layers)
     return {kind: tuple(x for x in linears if x.converted) for kind, linears in every.items()}
 
