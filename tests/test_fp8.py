@@ -289,6 +289,69 @@ def test_training_steps_in_every_layout_equal_one_process():
             assert_close(torch.tensor(losses), torch.tensor(serial), 1e-5, "cp 2, own amax")
 
 
+def _weight_casts(recipe="tensorwise", cached=True, tp=1):
+    """Three steps of m = 4 micro-batches (dp 1): the losses, the weight
+    casts per step (`_cast` of the WEIGHT role), the tp all-reduces per step, and the cache's
+    size after the steps."""
+    from megapar.comm_count import count_collectives
+    from megapar.tensor_parallel import fp8
+
+    engine = megapar.prepare(transformers.GPT2Config(**GPT), micro_batch_size=2, lr=3e-3,
+                             global_batch_size=GBS, seq_len=SEQ, seed=5, clip_grad=1.0, tp=tp,
+                             fp8=recipe, fp8_emulate=True, fp8_layers="all")
+    cache = engine.step_fn.fp8_weight_casts
+    assert cache is not None
+    if not cached:
+        engine.step_fn.fp8_weight_casts = None
+    casts, cast = [], fp8._cast
+
+    def counting(t, c, role, *args, **kwargs):
+        casts.append(role)
+        return cast(t, c, role, *args, **kwargs)
+
+    fp8._cast = counting
+    losses, reduces = [], []
+    try:
+        for batch in _batches()[:STEPS]:
+            with count_collectives() as calls:
+                losses.append(engine.train_step(batch))
+            reduces.append(sum(c.op == "all_reduce" and c.numel == 1 and c.group_size == tp
+                               for c in calls))
+    finally:
+        fp8._cast = cast
+    weight = fp8._torchao()[1].GemmInputRole.WEIGHT
+    return losses, sum(r is weight for r in casts) / STEPS, reduces, len(cache.casts)
+
+
+@needs_torchao
+@pytest.mark.parametrize("recipe,per_weight", [("tensorwise", 1), ("rowwise", 2)])
+def test_a_steps_micro_batches_share_each_weights_float8_cast(recipe, per_weight):
+    """As Transformer Engine's first-micro-batch cache: the weights do not change within a
+    step, so each is cast once per step (tensorwise: its forward cast serves dX too; rowwise:
+    once per axis), not in every micro-batch's forward and backward; the numbers are the
+    same bitwise, and nothing is held after the step."""
+    linears, m = 4 * GPT["n_layer"], GBS // 2  # GPT-2's qkv, proj, fc, fc2 per block
+    cached, per_step, _, left = _weight_casts(recipe)
+    uncached, every_use, _, _ = _weight_casts(recipe, cached=False)
+    assert cached == uncached, (cached, uncached)
+    assert (per_step, every_use, left) == (per_weight * linears, 2 * m * linears, 0)
+
+
+@needs_torchao
+def test_cached_weight_casts_reduce_each_weights_amax_over_tp_once_per_step():
+    """At tp 2 every linear's weight is split, so its tensorwise amax is all-reduced at each
+    cast: 2 per micro-batch (forward, dX) become 1 per step; the tp ranks stay paired and the
+    losses are those of uncached casts."""
+    cached = run_local(_weight_casts, 2, "tensorwise", True, 2)
+    uncached = run_local(_weight_casts, 2, "tensorwise", False, 2)
+    linears, m = 4 * GPT["n_layer"], GBS // 2
+    for ours, theirs in zip(cached, uncached, strict=True):
+        assert ours[0] == theirs[0], (ours[0], theirs[0])
+        assert [a - b for a, b in zip(theirs[2], ours[2], strict=True)] == [
+            linears * (2 * m - 1)
+        ] * STEPS, (theirs[2], ours[2])
+
+
 @needs_torchao
 def test_checkpoint_saved_under_fp8_is_fp32_and_moves_to_fp32_runs_and_back(tmp_path):
     from safetensors import safe_open
