@@ -48,7 +48,7 @@ def test_fp8_kernels_equal_the_emulation_and_track_bf16(recipe):
     emulated, bf16 = _losses(fp8_emulate=True, **fp8), _losses()
     for b, c in zip(emulated, bf16):
         assert abs(b - c) / c < 2e-2, (recipe, emulated, bf16)
-    if ON_CPU:  # the rehearsal: no float8 kernels on the CPU
+    if ON_CPU:  # the rehearsal: not the GPU's kernels (test_fp8.py runs torch's CPU ones)
         record(f"fp8 {recipe} emulated (rehearsal)", emulated=emulated, bf16=bf16)
         return
     real = _losses(**fp8)

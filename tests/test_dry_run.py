@@ -29,11 +29,13 @@ from megapar.training.config import TrainConfig
     ("gpt2-small-cpu", "1f1b", "none", 1, False, 2),
     ("gpt2-small-cpu", "1f1b", "none", 2, False, 1),
     ("gpt2-small-cpu", "1f1b", "none", 3, False, 1),
-    ("llama-tiny", "1f1b", "none", 1, "regather", 1)])
+    ("llama-tiny", "1f1b", "none", 1, "regather", 1),
+    ("gpt2-small-cpu", "1f1b", "none", 1, "fp8", 1)])
 def test_small_layout_equals_the_real_run(run, tmp_path, monkeypatch, recipe, schedule,
                                           recompute, zero, sp, cp):
     """2x2x2 (gpt2-small-cpu: 4 layers, hidden 128; llama-tiny, also with --sp-regather: sp
-    "regather"), and tp 2 x cp 2 x pp 2: every
+    "regather"; under --fp8 tensorwise, sp "fp8": a step casts each weight once, its amax
+    all-reduced once a step, not once a micro-batch), and tp 2 x cp 2 x pp 2: every
     rank's weights, gradients and optimizer bytes, its communication per step and its
     checkpoint file equal a real run's; the modelled activation peak is within 2 % of the one
     measured with saved-tensor hooks. The dry run rehearses NCCL, which reduces a sharded
@@ -48,7 +50,10 @@ def test_small_layout_equals_the_real_run(run, tmp_path, monkeypatch, recipe, sc
     cfg = TrainConfig(tp=2, cp=cp, pp=2, dp=dp, seq_len=32, micro_batch_size=2,
                       global_batch_size=16, schedule=schedule,
                       virtual_stages=2 if schedule == "interleaved" else 1, recompute=recompute,
-                      zero=zero, sequence_parallel=bool(sp), sp_regather=sp == "regather",
+                      zero=zero, sequence_parallel=sp is True or sp == "regather",
+                      sp_regather=sp == "regather",
+                      **(dict(fp8="tensorwise", fp8_emulate=True, fp8_layers="all")
+                         if sp == "fp8" else {}),
                       grad_bucket_mb=1.0,
                       loss_chunk_tokens=0)
     # the whole logits, as this 2 % bound was set with: the dry run's activations are above the

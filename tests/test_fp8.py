@@ -11,7 +11,10 @@ values in fp32, so everything here is exact to fp32 rounding, and that is the to
   one process (a control shows tp 2 without the reduction differs by float8 rounding, ~5e-2);
 - training steps with pp (recompute full), dp under ZeRO-1 / 2 / 3, tp with sequence
   parallelism and zb-h1 equal one process under --fp8;
-- checkpoints hold fp32 weights; one saved under --fp8 loads into an fp32 run and back.
+- checkpoints hold fp32 weights; one saved under --fp8 loads into an fp32 run and back;
+- a step's micro-batches share each weight's cast, bitwise as casting per use;
+- where torch has float8 matmuls on the CPU (`torch._scaled_mm`, x86), the path a GPU runs,
+  torchao's float8 tensors through that kernel, equals the emulation at tp 2 in bf16.
 
 torchao is an optional dependency (megapar[fp8]); without it these tests skip (the checks of
 --fp8's refusals run either way).
@@ -287,6 +290,117 @@ def test_training_steps_in_every_layout_equal_one_process():
     for losses, _, _ in run_local(_train, 2, cp=2, cp_amax=False):
         with pytest.raises(AssertionError, match="relative error"):
             assert_close(torch.tensor(losses), torch.tensor(serial), 1e-5, "cp 2, own amax")
+
+
+def _weight_casts(recipe="tensorwise", cached=True, tp=1):
+    """Three steps of m = 4 micro-batches (dp 1): the losses, the weight
+    casts per step (`_cast` of the WEIGHT role), the tp all-reduces per step, and the cache's
+    size after the steps."""
+    from megapar.comm_count import count_collectives
+    from megapar.tensor_parallel import fp8
+
+    engine = megapar.prepare(transformers.GPT2Config(**GPT), micro_batch_size=2, lr=3e-3,
+                             global_batch_size=GBS, seq_len=SEQ, seed=5, clip_grad=1.0, tp=tp,
+                             fp8=recipe, fp8_emulate=True, fp8_layers="all")
+    cache = engine.step_fn.fp8_weight_casts
+    assert cache is not None
+    if not cached:
+        engine.step_fn.fp8_weight_casts = None
+    casts, cast = [], fp8._cast
+
+    def counting(t, c, role, *args, **kwargs):
+        casts.append(role)
+        return cast(t, c, role, *args, **kwargs)
+
+    fp8._cast = counting
+    losses, reduces = [], []
+    try:
+        for batch in _batches()[:STEPS]:
+            with count_collectives() as calls:
+                losses.append(engine.train_step(batch))
+            reduces.append(sum(c.op == "all_reduce" and c.numel == 1 and c.group_size == tp
+                               for c in calls))
+    finally:
+        fp8._cast = cast
+    weight = fp8._torchao()[1].GemmInputRole.WEIGHT
+    return losses, sum(r is weight for r in casts) / STEPS, reduces, len(cache.casts)
+
+
+@needs_torchao
+@pytest.mark.parametrize("recipe,per_weight", [("tensorwise", 1), ("rowwise", 2)])
+def test_a_steps_micro_batches_share_each_weights_float8_cast(recipe, per_weight):
+    """As Transformer Engine's first-micro-batch cache: the weights do not change within a
+    step, so each is cast once per step (tensorwise: its forward cast serves dX too; rowwise:
+    once per axis), not in every micro-batch's forward and backward; the numbers are the
+    same bitwise, and nothing is held after the step."""
+    linears, m = 4 * GPT["n_layer"], GBS // 2  # GPT-2's qkv, proj, fc, fc2 per block
+    cached, per_step, _, left = _weight_casts(recipe)
+    uncached, every_use, _, _ = _weight_casts(recipe, cached=False)
+    assert cached == uncached, (cached, uncached)
+    assert (per_step, every_use, left) == (per_weight * linears, 2 * m * linears, 0)
+
+
+@needs_torchao
+def test_cached_weight_casts_reduce_each_weights_amax_over_tp_once_per_step():
+    """At tp 2 every linear's weight is split, so its tensorwise amax is all-reduced at each
+    cast: 2 per micro-batch (forward, dX) become 1 per step; the tp ranks stay paired and the
+    losses are those of uncached casts."""
+    cached = run_local(_weight_casts, 2, "tensorwise", True, 2)
+    uncached = run_local(_weight_casts, 2, "tensorwise", False, 2)
+    linears, m = 4 * GPT["n_layer"], GBS // 2
+    for ours, theirs in zip(cached, uncached, strict=True):
+        assert ours[0] == theirs[0], (ours[0], theirs[0])
+        assert [a - b for a, b in zip(theirs[2], ours[2], strict=True)] == [
+            linears * (2 * m - 1)
+        ] * STEPS, (theirs[2], ours[2])
+
+
+def _cpu_float8_kernels() -> str | None:
+    """Why torch's float8 matmul (`torch._scaled_mm`) cannot run on this CPU; None: it can."""
+    if not HAVE_TORCHAO:
+        return "torchao is not installed (pip install -e '.[fp8]')"
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0),
+                         out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"torch {torch.__version__} has no float8 matmul on this CPU ({exc})"[:200]
+    return None
+
+
+def _kernels_and_emulation(recipe, tp):
+    """Three bf16 steps with the float8 products emulated, then with torch's kernels."""
+    from megapar.training import prepare as prepare_module
+
+    prepare_module.check_fp8 = lambda cfg, *args, **kwargs: None  # (a forked rank's copy)
+    runs, kernel = [], torch._scaled_mm
+    for emulate in (True, False):
+        calls = []
+        torch._scaled_mm = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
+        try:
+            engine = megapar.prepare(transformers.GPT2Config(**GPT), micro_batch_size=2,
+                                     lr=3e-3, global_batch_size=GBS, seq_len=SEQ, seed=5,
+                                     clip_grad=1.0, tp=tp, precision="bf16", fp8=recipe,
+                                     fp8_emulate=emulate, fp8_layers="all")
+            runs.append(([engine.train_step(b) for b in _batches()[:STEPS]], len(calls)))
+        finally:
+            torch._scaled_mm = kernel
+    return runs
+
+
+@pytest.mark.skipif(_cpu_float8_kernels() is not None, reason=str(_cpu_float8_kernels()))
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_torchs_float8_kernels_on_the_cpu_equal_the_emulation(recipe):
+    """The path a GPU runs, short of its kernels: torchao's float8 tensors through
+    `torch._scaled_mm` (their layouts, the cached weight casts reused transposed in the
+    backward), which torch also has on x86 CPUs. At tp 2 (amaxes reduced over tp) three bf16
+    steps equal the emulation's within 1e-5: the same casts and scales, the products in fp32
+    either way, rounded to bf16 once. (--fp8 itself refuses a CPU: these kernels are not what
+    a CPU should train with; the test calls prepare past that check.)"""
+    products = 3 * (GBS // 2) * 4 * GPT["n_layer"] * STEPS  # Y, dX, dW of every linear
+    for (emulated, none), (kernels, calls) in run_local(_kernels_and_emulation, 2, recipe, 2):
+        assert (none, calls) == (0, products), (none, calls)
+        assert_close(torch.tensor(kernels), torch.tensor(emulated), 1e-5, f"{recipe} kernels")
 
 
 @needs_torchao

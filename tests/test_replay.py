@@ -200,6 +200,17 @@ def test_an_old_record_without_a_checksum_is_read_with_a_note(recorded, tmp_path
     assert "no difference" in _verdict(captured.out.splitlines()), captured.out
 
 
+def test_a_replay_takes_its_progress_bar_off_before_the_report(recorded, capfd):
+    """The bar stood at "2/4" below the report when the replay ended the run (tqdm prints its
+    last state on closing): it read as a run stopped half-way."""
+    rc = main(["--load", str(recorded / "step_00000002"), "--replay", "3", "--progress"])
+    captured = capfd.readouterr()
+    assert rc == 0, captured.err
+    assert "no difference" in _verdict(captured.out.splitlines()), captured.out
+    assert "train:" in captured.err  # the bar was shown while the step ran ...
+    assert "train:" not in captured.err.rsplit("\r", 1)[-1], repr(captured.err[-300:])  # ... not after
+
+
 def test_a_replay_that_compared_nothing_never_says_no_difference():
     from megapar.diagnostics.replay import compare
 

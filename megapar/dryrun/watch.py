@@ -8,6 +8,7 @@ the most bytes of gathered units and full gradient buffers held at once.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -50,9 +51,12 @@ def run_micro_batch(
         sample = _watch_gathers(
             sharded, lambda: run_calls, per_step, per_micro_batch_buckets, peak, m
         )
+    casts = engine.step_fn.fp8_weight_casts
+    if casts is not None:  # --fp8: the weights' casts, once a step
+        restore_casts = _watch_weight_casts(casts, lambda: run_calls, per_step)
     try:
         with count_collectives() as run_calls:
-            with engine.precision.autocast():
+            with engine.precision.autocast(), casts.per_step() if casts else nullcontext():
                 engine.executor.run(
                     [_micro_batch(cfg, config, dataset, first_batch)],
                     grad_sync=sync,
@@ -60,6 +64,8 @@ def run_micro_batch(
                 )
     finally:
         restore()
+        if casts is not None:
+            restore_casts()
     if sample is not None:  # the backward's end: every full gradient buffer not yet freed
         sample()
         if whole_grads(
@@ -72,6 +78,23 @@ def run_micro_batch(
             # the step's m micro-batches accumulate in every buffer the rehearsed one made
             peak["grad_buffers"] = max(peak["grad_buffers"], sum(peak["made"].values()))
     return run_calls, per_step, per_micro_batch_buckets, peak
+
+
+def _watch_weight_casts(cache, calls, per_step: set):
+    """Under --fp8 a step's first micro-batch casts each weight to float8 and the others reuse
+    the cast (`Fp8WeightCache`): the calls a cast makes (its amax all-reduce over tp) go to
+    `per_step`; returns the function that puts the cache's own `cast` back."""
+    cast = cache.cast
+
+    def watched(slot, make):
+        before = len(calls())
+        try:
+            return cast(slot, make)
+        finally:
+            per_step.update(range(before, len(calls())))
+
+    cache.cast = watched
+    return lambda: delattr(cache, "cast")
 
 
 def _watch_launches(sync, calls, per_step: set, per_micro_batch: set):

@@ -29,16 +29,22 @@ every layer. Their amaxes are then reduced over cp as well where the scale cover
 always; rowwise for dW = dY^T X, whose operands are scaled along M), so cp = k equals cp = 1
 too. W is whole on every cp rank.
 
-The layers' weights stay fp32 (the master copy the optimizer steps and checkpoints hold); the
-float8 copies are made per use and never stored. torchao is imported when a model is converted
-(it is an optional dependency: `megapar[fp8]`).
+The layers' weights stay fp32 (the master copy the optimizer steps and checkpoints hold), and
+their float8 casts are never saved. Within one optimizer step the weights do not change, so a
+step's micro-batches share one cast of each weight (`Fp8WeightCache`, as Transformer Engine's
+`is_first_microbatch` in Megatron-LM): the first micro-batch casts it (its amax reduced over tp
+once), the others reuse it, and the casts are dropped when the step's forward and backward end.
+The activations' and gradients' casts are made per use. torchao is imported when a model is
+converted (it is an optional dependency: `megapar[fp8]`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,6 +75,48 @@ class Fp8Spec:
     ao: Any = None
     """torchao's float8 config, tensor and utils modules (`_torchao`), looked up once here: the
     lookup sets log levels, which --compile cannot trace (a graph break per layer)."""
+    cache: Fp8WeightCache | None = None
+    """Where the weight's float8 casts are kept for the rest of an optimizer step; None: cast
+    per use."""
+
+
+@dataclass(eq=False)
+class Fp8WeightCache:
+    """The float8 casts of a stage's converted weights, kept while `per_step` is active: one
+    optimizer step's forwards and backwards, over which the weights do not change. Every
+    layer of a stage holds the same cache (`convert_to_fp8`); a tp group's ranks cast and
+    reuse in the same order, so their amax all-reduces stay paired. Tensorwise casts once per
+    weight (the forward's cast serves dX's product too), rowwise twice (one scale per axis):
+    1 or 2 bytes per converted weight element held until the step's backward ends."""
+
+    casts: dict = field(default_factory=dict)
+    active: bool = False
+
+    def cast(self, slot: tuple, make: Callable[[], Any]) -> Any:
+        """The cast kept under `slot`, made by `make()` the first time (its amax all-reduce,
+        if any, then)."""
+        if slot not in self.casts:
+            self.casts[slot] = make()
+        return self.casts[slot]
+
+    @contextlib.contextmanager
+    def per_step(self) -> Iterator[None]:
+        """Keep the casts made inside; drop them all on leaving (also on an error)."""
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+            self.casts.clear()
+
+
+def weight_cast_cache(model: torch.nn.Module) -> Fp8WeightCache | None:
+    """The `Fp8WeightCache` of `model`'s converted linears; None without float8 layers."""
+    for module in model.modules():
+        spec = getattr(module, "fp8", None)
+        if isinstance(spec, Fp8Spec) and spec.cache is not None:
+            return spec.cache
+    return None
 
 
 def _torchao():
@@ -92,11 +140,12 @@ def _torchao():
     return config, tensor, utils
 
 
-def make_spec(recipe: str, emulate: bool, group, split: str, cp_group=None) -> Fp8Spec:
+def make_spec(recipe: str, emulate: bool, group, split: str, cp_group=None, cache=None) -> Fp8Spec:
     """The `Fp8Spec` of a layer: `recipe` tensorwise / rowwise, `emulate` (fp32 products of the
     dequantised float8 values: no FP8 hardware), `split` "out" (column-parallel) or "in"
-    (row-parallel) over the tp `group`, `cp_group` the cp ranks sharing its sequences; as
-    `Float8Linear` builds its configs."""
+    (row-parallel) over the tp `group`, `cp_group` the cp ranks sharing its sequences, `cache`
+    the stage's `Fp8WeightCache` (None: weights cast per use); as `Float8Linear` builds its
+    configs."""
     ao = _torchao()
     config_mod, tensor_mod, _ = ao
     config = config_mod.Float8LinearConfig.from_recipe_name(recipe)
@@ -121,6 +170,7 @@ def make_spec(recipe: str, emulate: bool, group, split: str, cp_group=None) -> F
         dy_split=1 if col and tp else None,
         cp_group=cp_group if cp else None,
         ao=ao,
+        cache=cache,
     )
 
 
@@ -157,17 +207,30 @@ def _cast(
     )
 
 
+def _weight_cast(w_t: torch.Tensor, key: int, cast, axis: int, spec: Fp8Spec):
+    """`_cast` of the weight W^T (never split over cp), from the step's cache when it holds
+    one (`key`: the weight's identity): the same tensor a fresh cast makes, since the weight
+    has not changed since. Not under --compile (a traced block casts per use)."""
+    role = spec.ao[1].GemmInputRole.WEIGHT
+    cache = spec.cache
+    if cache is None or not cache.active or torch.compiler.is_compiling():
+        return _cast(w_t, cast, role, axis, spec, spec.w_t_split, False)
+    tensorwise = cast.scaling_granularity is spec.ao[0].ScalingGranularity.TENSORWISE
+    slot = (key, cast, None if tensorwise else axis % w_t.dim())
+    return cache.cast(slot, lambda: _cast(w_t, cast, role, axis, spec, spec.w_t_split, False))
+
+
 class _Float8Matmul(torch.autograd.Function):
     """X [M, K] @ W^T [K, N] in float8 (torchao's `matmul_with_hp_or_float8_args`, with
     tp- and cp-reduced amaxes; torchao takes X [..., K] and reshapes inside: the same numbers)."""
 
     @staticmethod
-    def forward(ctx, x, w_t, spec: Fp8Spec):
+    def forward(ctx, x, w_t, spec: Fp8Spec, key: int):
         ctx.save_for_backward(x, w_t)
-        ctx.spec = spec
+        ctx.spec, ctx.key = spec, key
         c, role = spec.config, spec.ao[1].GemmInputRole
         x8 = _cast(x, c.cast_config_input, role.INPUT, -1, spec, spec.x_split)
-        w8 = _cast(w_t, c.cast_config_weight, role.WEIGHT, 0, spec, spec.w_t_split, False)
+        w8 = _weight_cast(w_t, key, c.cast_config_weight, 0, spec)
         return torch.mm(x8, w8)  # not a view: a row-parallel layer reduces it in place
 
     @staticmethod
@@ -176,13 +239,12 @@ class _Float8Matmul(torch.autograd.Function):
         spec: Fp8Spec = ctx.spec
         c, role = spec.config, spec.ao[1].GemmInputRole
         dy8 = _cast(dy, c.cast_config_grad_output, role.GRAD_OUTPUT, -1, spec, spec.dy_split)
-        w_cast = c.cast_config_weight_for_grad_input
-        w8 = _cast(w_t, w_cast, role.WEIGHT, -1, spec, spec.w_t_split, False)
+        w8 = _weight_cast(w_t, ctx.key, c.cast_config_weight_for_grad_input, -1, spec)
         dx = torch.mm(dy8, w8.t())
         go = c.cast_config_grad_output_for_grad_weight
         dy8 = _cast(dy, go, role.GRAD_OUTPUT, 0, spec, spec.dy_split)
         x8 = _cast(x, c.cast_config_input_for_grad_weight, role.INPUT, 0, spec, spec.x_split)
-        return dx, torch.mm(dy8.t(), x8).t(), None
+        return dx, torch.mm(dy8.t(), x8).t(), None, None
 
 
 def fp8_linear(
@@ -195,6 +257,6 @@ def fp8_linear(
     if torch.is_autocast_enabled(kind):
         x = x.to(torch.get_autocast_dtype(kind))
     with torch.autocast(kind, enabled=False):
-        y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.t(), spec)
+        y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.t(), spec, id(weight))
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias.to(y.dtype)

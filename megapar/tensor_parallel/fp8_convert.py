@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES, make_spec
+from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES, Fp8WeightCache, make_spec
 from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -49,14 +49,16 @@ def convert_to_fp8(
     model: nn.Module, recipe: str, emulate: bool, layers: str = "auto", cp_group=None
 ) -> str:
     """Point every wanted parallel linear of `model` at its float8 matmul (an `Fp8Spec` in its
-    `fp8` attribute; the weights are untouched; `cp_group`: the ranks its sequences are split
-    over, None at cp 1) and return one line saying which layers of this rank run in float8 and
-    which stay in high precision, with their local N x K."""
+    `fp8` attribute, all sharing one `Fp8WeightCache`; the weights are untouched; `cp_group`:
+    the ranks its sequences are split over, None at cp 1) and return one line saying which
+    layers of this rank run in float8 and which stay in high precision, with their local
+    N x K."""
     if recipe not in FP8_RECIPES[1:] or layers not in FP8_LAYERS:
         raise ValueError(f"fp8 recipe {recipe!r} / layers {layers!r} unknown")
     converted: dict[str, int] = {}
     kept: dict[str, str] = {}
     always: dict[str, None] = {}  # ordered set of the other modules holding matrices
+    cache = Fp8WeightCache()
     for name, module in model.named_modules():
         short = ".".join(p for p in name.split(".") if not p.isdigit())  # per kind, not layer
         if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
@@ -69,7 +71,7 @@ def convert_to_fp8(
             kept[f"{short} {n}x{k}"] = why
             continue
         split = "out" if isinstance(module, ColumnParallelLinear) else "in"
-        module.fp8 = make_spec(recipe, emulate, module.group, split, cp_group)
+        module.fp8 = make_spec(recipe, emulate, module.group, split, cp_group, cache)
         converted[f"{short} {n}x{k}"] = converted.get(f"{short} {n}x{k}", 0) + 1
     mode = " (emulated: fp32 products)" if emulate else ""
     line = f"fp8 {recipe}{mode}: {sum(converted.values())} linears in float8"

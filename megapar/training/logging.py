@@ -87,6 +87,7 @@ class NullLogger:
     def log(self, step: int, metrics: dict) -> None: ...
     def message(self, text: str) -> None: ...
     def advance(self, step: int, loss: float | None) -> None: ...
+    def end_progress(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -138,6 +139,14 @@ class MetricsLogger(NullLogger):
             if loss is not None:
                 self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             self.bar.refresh()
+
+    def end_progress(self) -> None:
+        """Take the progress bar off the terminal (a run that ends with a report, not a
+        trained step: --replay); messages print as plain lines from here on."""
+        if self.bar is not None:
+            self.bar.leave = False
+            self.bar.close()
+            self.bar = None
 
     def log(self, step: int, metrics: dict) -> None:
         """One JSON line per call (with ``time``: the Unix time it was written, so the gaps

@@ -297,6 +297,7 @@ class Trainer:
             result = self.engine.run_step(micro_batches)
         if at == cfg.replay:
             assert isinstance(watch, StepReplay)
+            logger.end_progress()  # the bar would stay below the report, at "step - 1 of N"
             logger.message(watch.report() or "")
             return None
         assert isinstance(watch, StepRecorder)

@@ -28,6 +28,7 @@ and the replicated parameters' tp sum runs on the reduced pieces.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from megapar.pipeline.tied import (
     shared_embedding_params,
     sync_tied_embeddings,
 )
+from megapar.tensor_parallel.fp8 import weight_cast_cache
 from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
 
 
@@ -124,6 +126,12 @@ class TrainStep:
         self.executor, self.optimizer, self.scheduler = executor, optimizer, scheduler
         self.precision, self.clip_grad, self.grad_sync = precision, clip_grad, grad_sync
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.fp8_weight_casts = (
+            weight_cast_cache(model) if getattr(optimizer, "zero", 0) != 3 else None
+        )
+        """Under --fp8, where a step's micro-batches share each weight's float8 cast; None
+        without float8 layers and under ZeRO-3, whose gathered weights are not held whole
+        through the step (each use casts its own)."""
         self.num_experts = getattr(getattr(model, "config", None), "num_local_experts", 0)
         """Routed experts per MoE layer (0: a dense model): the same on every rank, so every
         rank takes part in the step's router statistics."""
@@ -186,7 +194,8 @@ class TrainStep:
         scale = self.precision.loss_scale
         if self.num_experts:  # each micro-batch's balancing penalty, weighted as its loss
             set_penalty_grad(self.model, scale / len(micro_batches))
-        with self.precision.autocast():
+        casts = self.fp8_weight_casts
+        with self.precision.autocast(), casts.per_step() if casts else contextlib.nullcontext():
             loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
         self.sync_gradients()
         loss = loss.detach().float().reshape(()).clone()
