@@ -1,6 +1,7 @@
 """megapar-plan under --fp8: the planner's float8 terms against the real conversion, the real
 collectives and the dry run (megapar/plan/fp8.py)."""
 
+import contextlib
 import importlib.util
 import json
 
@@ -70,13 +71,20 @@ def test_autocast_copies_leave_out_exactly_the_converted_linears(kind, layers):
     assert off[copies] - on[copies] == 2 * float8
     assert on["float8 casts in a linear's backward"] > 0
     assert "float8 casts in a linear's backward" not in off
+    # the step's float8 weight casts: a byte per element of the converted weights (tensorwise)
+    weights = sum(m.weight.numel() for m in model.modules() if getattr(m, "fp8", None) is not None)
+    assert on["float8 weight casts kept for the step"] == weights
+    zero3 = _terms(_problem(config, "tensorwise", layers, gpus=2), Candidate(mbs=2, dp=2, zero=3))
+    assert "float8 weight casts kept for the step" not in zero3  # ZeRO-3 casts per use
 
 
 def test_the_casts_term_is_what_the_backward_allocates():
     """The walk of the float8 backward (`backward_peak_bytes`, emulated as on a CPU) against the
     CPU allocator's live bytes during a converted linear's backward (torch's profiler), less
-    what the 16-bit linear's backward makes (dX, the 16-bit dW and its fp32 copy): measured
-    equal to 0.2 % at five shapes (benchmarks/memory/fp8_transients.py)."""
+    what the 16-bit linear's backward makes (dX, the 16-bit dW and its fp32 copy): the weight
+    cast per use (ZeRO-3), and from the step's cache, which the forward filled (rowwise's cast
+    along N is made in this first backward and kept: a byte per weight element more, which
+    the cache's own term counts). Equal to 0.3 % (benchmarks/memory/fp8_transients.py)."""
     pytest.importorskip("torchao")
     from torch.profiler import ProfilerActivity, profile
 
@@ -84,21 +92,29 @@ def test_the_casts_term_is_what_the_backward_allocates():
 
     m, n, k = 600, 224, 144
     for recipe in ("tensorwise", "rowwise"):
-        w = torch.randn(n, k, requires_grad=True)
-        x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = fp8.fp8_linear(x, w, None, fp8.make_spec(recipe, True, None, "out"))
-        dy = torch.randn(m, n, dtype=torch.bfloat16)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            y.backward(dy)
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-        live = peak = 0
-        for e in sorted(events, key=lambda e: e.start_ns()):
-            live += e.nbytes()
-            peak = max(peak, live)
-        measured = peak - (2 * m * k + 6 * n * k)
-        modelled = backward_peak_bytes(m, n, k, 2, emulate=True)
-        assert abs(measured / modelled - 1) < 0.01, (recipe, measured, modelled)
+        for cached in (False, True):
+            cache = fp8.Fp8WeightCache() if cached else None
+            step = cache.per_step() if cached else contextlib.nullcontext()
+            w = torch.randn(n, k, requires_grad=True)
+            x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
+            dy = torch.randn(m, n, dtype=torch.bfloat16)
+            with step:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    spec = fp8.make_spec(recipe, True, None, "out", cache=cache)
+                    y = fp8.fp8_linear(x, w, None, spec)
+                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                    y.backward(dy)
+            events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+            live = peak = 0
+            for e in sorted(events, key=lambda e: e.start_ns()):
+                live += e.nbytes()
+                peak = max(peak, live)
+            kept = n * k if cached and recipe == "rowwise" else 0
+            measured = peak - (2 * m * k + 6 * n * k) - kept
+            weight = "per use" if not cached else (
+                "cached" if recipe == "tensorwise" else "made once")
+            modelled = backward_peak_bytes(m, n, k, 2, emulate=True, weight=weight)
+            assert abs(measured / modelled - 1) < 0.01, (recipe, cached, measured, modelled)
 
 
 @needs_torchao
@@ -122,23 +138,30 @@ def test_float8_flops_run_at_the_speedup():
     assert auto.fp8_flops == pytest.approx(3 * tokens * layers * gate_up, rel=1e-12)
 
 
-def _amax_all_reduces(recipe, tp):
-    """All-reduces one micro-batch's forward and backward of a tp-2 Llama makes with every block
-    linear in float8 (emulated), less the same model's without --fp8."""
+def _amax_all_reduces(recipe, cached):
+    """All-reduces a tp-2 Llama with every block linear in float8 (emulated) makes in its
+    forwards and backwards, less the same model's without --fp8: two micro-batches sharing the
+    step's weight casts (`cached`, as a training step runs them outside ZeRO-3), or one casting
+    per use."""
     from megapar.mesh import Layout, Mesh
     from megapar.models import build_model
+    from megapar.tensor_parallel.fp8 import weight_cast_cache
     from megapar.tensor_parallel.fp8_convert import convert_to_fp8
 
     counts = []
     for fp8 in ("off", recipe):
         torch.manual_seed(0)
-        mesh = Mesh(Layout(tp, 1, 1), torch.distributed.get_rank())
+        mesh = Mesh(Layout(2, 1, 1), torch.distributed.get_rank())
         model = build_model(_config("llama"), mesh)
+        cache = None
         if fp8 != "off":
             convert_to_fp8(model, fp8, emulate=True, layers="all")
+            cache = weight_cast_cache(model)
+        step = cache.per_step() if cached and cache else contextlib.nullcontext()
         ids = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(0))
-        with count_collectives() as calls:
-            model(None, {"input_ids": ids, "labels": ids}).backward()
+        with count_collectives() as calls, step:
+            for _ in range(2 if cached else 1):
+                model(None, {"input_ids": ids, "labels": ids}).backward()
         counts.append(sum(call.op == "all_reduce" for call in calls))
     return counts[1] - counts[0]
 
@@ -146,13 +169,16 @@ def _amax_all_reduces(recipe, tp):
 @needs_torchao
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_amax_all_reduces_are_what_the_code_issues(recipe):
-    issued = run_local(_amax_all_reduces, 2, recipe, 2)
-    p = _problem(_config("llama"), recipe, "all", gpus=2)
-    for recompute in ("none", "full"):  # full: the forward's casts again, not run here
-        planned = stage_reductions(p, Candidate(tp=2, mbs=2, recompute=recompute), 0, 1)
-        if recompute == "none":
-            assert issued == [planned[0]] * 2 and planned[1] == 0, (issued, planned)
-    assert planned[0] > issued[0]
+    p = _problem(_config("llama"), recipe, "all", gpus=4)
+    for cached, c, m in ((True, Candidate(tp=2, mbs=2), 2),
+                         (False, Candidate(tp=2, dp=2, mbs=2, zero=3), 1)):
+        issued = run_local(_amax_all_reduces, 2, recipe, cached)
+        planned = stage_reductions(p, c, 0, m)
+        assert planned[0] > 0 and issued == [planned[0]] * 2 and planned[1] == 0, (
+            cached, issued, planned)
+    # full recomputation casts the forward's X again (not run here)
+    full = stage_reductions(p, Candidate(tp=2, mbs=2, recompute="full"), 0, 2)
+    assert full[0] > stage_reductions(p, Candidate(tp=2, mbs=2), 0, 2)[0]
 
 
 @needs_torchao

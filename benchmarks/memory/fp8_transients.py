@@ -21,6 +21,7 @@ workspace a GPU's cuBLAS does not).
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -45,37 +46,47 @@ def backward_peak(y: torch.Tensor, dy: torch.Tensor) -> int:
     return peak
 
 
-def linear(kind: str, recipe: str, m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a linear's output under bf16 autocast, its gradient): kind "bf16" (F.linear), "real"
-    or "emulated" (the float8 matmul)."""
+def measure(kind: str, recipe: str, m: int, n: int, k: int, cached: bool = False) -> int:
+    """`backward_peak` of a linear under bf16 autocast: kind "bf16" (F.linear), "real" or
+    "emulated" (the float8 matmul); `cached`: its weight's casts from a step's
+    `Fp8WeightCache`, filled by the forward (as in a training step outside ZeRO-3)."""
     torch.manual_seed(0)
     w = torch.randn(n, k, requires_grad=True)
     x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        if kind == "bf16":
-            y = F.linear(x, w)
-        else:
-            y = fp8.fp8_linear(x, w, None, fp8.make_spec(recipe, kind == "emulated", None, "out"))
-    return y, torch.randn(m, n, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, dtype=torch.bfloat16)
+    cache = fp8.Fp8WeightCache() if cached else None
+    with cache.per_step() if cache else contextlib.nullcontext():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if kind == "bf16":
+                y = F.linear(x, w)
+            else:
+                spec = fp8.make_spec(recipe, kind == "emulated", None, "out", cache=cache)
+                y = fp8.fp8_linear(x, w, None, spec)
+        return backward_peak(y, dy)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), help="MxNxK")
     args = parser.parse_args()
-    print("shape (M x N x K)  recipe      bf16 peak  emulated / walk  _scaled_mm (CPU) / walk")
+    print("shape (M x N x K)  recipe      bf16 peak  emulated / walk  cached / walk  "
+          "_scaled_mm (CPU) / walk")
     for shape in args.shapes:
         m, n, k = map(int, shape.split("x"))
         outputs = 2 * m * k + 6 * n * k
         for recipe in ("tensorwise", "rowwise"):
-            hp = backward_peak(*linear("bf16", recipe, m, n, k))
-            ratios = []
-            for kind in ("emulated", "real"):
-                measured = backward_peak(*linear(kind, recipe, m, n, k)) - outputs
-                ratios.append(measured / backward_peak_bytes(m, n, k, 2, kind == "emulated"))
+            hp = measure("bf16", recipe, m, n, k)
+            emulated = measure("emulated", recipe, m, n, k) - outputs
+            # rowwise's cast along N is made in the first backward and kept (the cache's term)
+            kept = n * k if recipe == "rowwise" else 0
+            cached = measure("emulated", recipe, m, n, k, cached=True) - outputs - kept
+            real = measure("real", recipe, m, n, k) - outputs
+            weight = "cached" if recipe == "tensorwise" else "made once"
             print(
-                f"{shape:<18} {recipe:<10} {hp / 2**20:8.2f} MiB  {ratios[0]:15.4f}  "
-                f"{ratios[1]:22.3f}"
+                f"{shape:<18} {recipe:<10} {hp / 2**20:8.2f} MiB  "
+                f"{emulated / backward_peak_bytes(m, n, k, 2, True):15.4f}  "
+                f"{cached / backward_peak_bytes(m, n, k, 2, True, weight):13.4f}  "
+                f"{real / backward_peak_bytes(m, n, k, 2, False):22.3f}"
             )
 
 

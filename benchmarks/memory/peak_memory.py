@@ -94,7 +94,8 @@ GROUPS = {  # name: (the claim, [(label, flags)])
                              ("dp 2 ep 2", ["--dp", "2", "--ep", "2", "--global-batch-size", "2"]),
                              ("dp 4 ep 2", ["--dp", "4", "--ep", "2", "--global-batch-size", "4"]))]),
     "fp8": (("--fp8 (emulated on the CPU) holds no 16-bit copies of its float8 linears' weights "
-             "and adds its casts' transients: the peak changes as the planner's figure does "
+             "but the step's float8 casts of them, and adds its casts' transients: the peak "
+             "changes as the planner's figure does "
              "(GPT-2 124M, bf16, one process, 2 x 512 tokens)"), [
         (label, ["--model", "gpt2-124m", "--seq-len", "512", "--micro-batch-size", "2",
                  "--global-batch-size", "2", "--precision", "bf16", *extra])

@@ -7,19 +7,24 @@ rule deciding which convert is training's own (`tensor_parallel.fp8_convert.want
 column- and row-parallel linears are candidates, as in `convert_to_fp8`: the embedding, the LM
 head, replicated k / v heads, a mixture of experts' router and routed experts never convert.
 
-Per converted linear and micro-batch (`_Float8Matmul`, `_cast` in `tensor_parallel/fp8.py`):
+Per converted linear (`_Float8Matmul`, `_cast`, `Fp8WeightCache` in `tensor_parallel/fp8.py`):
 
 - FLOPs: its three products (Y, dX, dW) run at `Problem.fp8_speedup` x the high-precision
   rate. The casts (an amax, a scale, a scaled copy per operand, eager kernels without
   `--compile`) read and write memory that is not modelled, so the speed-up is an upper bound;
-- amax all-reduces (latency, a scalar or a row of scales each): the forward casts X and W, the
-  backward dY twice, W and X. Under tp one is reduced over the tp group where the operand is
-  split along the dimension its scale covers (`amax_reductions`), under cp X and dY where the
-  scale covers the tokens; full recomputation casts the forward's operands again;
+- amax all-reduces (latency, a scalar or a row of scales each): per micro-batch the forward
+  casts X, the backward dY twice and X; the weight is cast once a step (the step's
+  micro-batches share its casts: one under tensorwise, one per axis under rowwise; under
+  ZeRO-3, which holds no gathered weight through the step, per use: W in the forward and for
+  dX). Under tp a cast is reduced over the tp group where the operand is split along the
+  dimension its scale covers (`amax_reductions`), under cp X and dY where the scale covers the
+  tokens; full recomputation casts the forward's X again;
 - memory: its weight is cast from the fp32 master straight to float8 with autocast off, so
   autocast keeps no 16-bit copy of it (`converted_params` leave `process._autocast_copies`);
-  while its backward runs, its casts' fp32 scaled copies and float8 operands exist
-  transiently (`backward_peak_bytes`).
+  the step's float8 casts of the weights are held through its forward and backward passes
+  (`weight_cache_bytes`: 1 byte a weight element under tensorwise, 2 under rowwise; none under
+  ZeRO-3); while a linear's backward runs, its casts' fp32 scaled copies and float8 operands
+  exist transiently (`backward_peak_bytes`).
 """
 
 from __future__ import annotations
@@ -124,18 +129,30 @@ def converted_params(p, c, stage: int) -> int:
     return sum(per[kinds[i]] for i in stage_layers(p, c, stage))
 
 
-def amax_reductions(recipe: str, column: bool, tp: bool, cp: bool) -> tuple[int, int, int, int]:
-    """(tp forward, tp backward, cp forward, cp backward): the amax all-reduces one float8
-    linear makes per micro-batch (`_cast` in tensor_parallel/fp8.py): the forward casts X
-    (scale along K) and W^T (along K), the backward dY (along N) and W^T (along N) for dX, then
-    dY and X along M for dW. A tensorwise scale covers every dimension, a rowwise one the axis
-    it is taken along. tp: reduced where the operand is split along that axis (column-parallel:
-    W^T and dY split along N; row-parallel: X and W^T along K); cp: X and dY, where the scale
-    covers M (the tokens cp splits). `tp` / `cp`: the group has more than one rank."""
+def weight_cached(c) -> bool:
+    """Whether the step's micro-batches share each weight's float8 cast (`Fp8WeightCache`):
+    everywhere but ZeRO-3, whose gathered weights are not held through the step."""
+    return c.zero != 3
+
+
+def amax_reductions(
+    recipe: str, column: bool, tp: bool, cp: bool, cached: bool = True
+) -> tuple[int, int, int, int, int]:
+    """(tp forward, tp backward, cp forward, cp backward per micro-batch, tp per step): the
+    amax all-reduces one float8 linear makes (`_cast` in tensor_parallel/fp8.py). Per
+    micro-batch the forward casts X (scale along K), the backward dY (along N) for dX, then dY
+    and X along M for dW. The weight W^T is cast along K for the forward and along N for dX:
+    with `cached` (`weight_cached`) once a step, the two sharing one cast under tensorwise (the
+    last count); else in every micro-batch's forward and backward. A tensorwise scale covers
+    every dimension, a rowwise one the axis it is taken along. tp: reduced where the operand
+    is split along that axis (column-parallel: W^T and dY split along N; row-parallel: X and
+    W^T along K); cp: X and dY, where the scale covers M (the tokens cp splits; W is whole on
+    every cp rank). `tp` / `cp`: the group has more than one rank."""
     tensorwise = recipe == "tensorwise"
     # (operand, axis its scale covers) of each cast, forward then backward
-    forward = (("x", "k"), ("w", "k"))
-    backward = (("dy", "n"), ("w", "n"), ("dy", "m"), ("x", "m"))
+    forward = (("x", "k"),)
+    backward = (("dy", "n"), ("dy", "m"), ("x", "m"))
+    weight = (("w", "k"),) if tensorwise else (("w", "k"), ("w", "n"))
     split = {"w": "n", "dy": "n"} if column else {"x": "k", "w": "k"}
 
     def tp_reduced(op: str, axis: str) -> bool:
@@ -144,21 +161,38 @@ def amax_reductions(recipe: str, column: bool, tp: bool, cp: bool) -> tuple[int,
     def cp_reduced(op: str, axis: str) -> bool:
         return cp and op in ("x", "dy") and (tensorwise or axis == "m")
 
+    w_fwd, w_bwd = tp_reduced("w", "k"), tp_reduced("w", "n")
     return (
-        sum(tp_reduced(*a) for a in forward),
-        sum(tp_reduced(*a) for a in backward),
+        sum(tp_reduced(*a) for a in forward) + (0 if cached else w_fwd),
+        sum(tp_reduced(*a) for a in backward) + (0 if cached else w_bwd),
         sum(cp_reduced(*a) for a in forward),
         sum(cp_reduced(*a) for a in backward),
+        sum(tp_reduced(*a) for a in weight) if cached else 0,
     )
 
 
-def block_reductions(p, c) -> dict[bool, tuple[int, int, int, int]]:
+def block_reductions(p, c) -> dict[bool, tuple[int, ...]]:
     """{block kind: `amax_reductions` summed over its float8 linears} at candidate `c`."""
     out = {}
+    cached = weight_cached(c)
     for kind, lins in converted(p, c.tp).items():
-        counts = [amax_reductions(p.fp8, x.column, c.tp > 1, c.cp > 1) for x in lins]
-        out[kind] = tuple(sum(col) for col in zip(*counts)) if counts else (0, 0, 0, 0)
+        counts = [amax_reductions(p.fp8, x.column, c.tp > 1, c.cp > 1, cached) for x in lins]
+        out[kind] = tuple(sum(col) for col in zip(*counts)) if counts else (0,) * 5
     return out
+
+
+def weight_cache_bytes(p, c, stage: int) -> int:
+    """The step's float8 casts of the weights of pipeline rank `stage`'s float8 linears (one
+    tp rank), held from their first use to the end of the step's backward: 1 byte a weight
+    element under tensorwise, 2 under rowwise (one cast per axis); 0 under ZeRO-3 (cast per
+    use) or without --fp8."""
+    lins = converted(p, c.tp)
+    if not lins or not weight_cached(c):
+        return 0
+    kinds = layer_kinds(p.config)
+    per = {kind: sum(x.n * x.k for x in xs) for kind, xs in lins.items()}
+    casts = 1 if p.fp8 == "tensorwise" else 2
+    return casts * sum(per[kinds[i]] for i in stage_layers(p, c, stage))
 
 
 CAST_BYTES = 8
@@ -166,14 +200,19 @@ CAST_BYTES = 8
 operand scaled in fp32 and its clamped copy, before the float8 result (1 byte) replaces them."""
 
 
-def backward_peak_bytes(m: int, n: int, k: int, act_bytes: int, emulate: bool) -> int:
+def backward_peak_bytes(
+    m: int, n: int, k: int, act_bytes: int, emulate: bool, weight: str = "per use"
+) -> int:
     """The most bytes a float8 linear's backward ([M, K] input, [N, K] weight) allocates at
     once beyond what the high-precision linear's backward does (dX, the 16-bit dW and its fp32
     copy), walking `_Float8Matmul.backward` and torchao's float8 mm: dY cast (`CAST_BYTES`,
-    then 1 byte an element kept), W cast, dX's product (the transposed float8 weight copied
-    row-major; `emulate`: each operand dequantised to fp32, the product in fp32 then cast),
-    dY cast again, X cast, dW's product (dY^T and X copied into the layouts the product
-    wants). `act_bytes`: dY's and the products' element size (2 under bf16 / fp16)."""
+    then 1 byte an element kept), W cast for dX (`weight`: "per use", kept to the end of the
+    backward; "cached", the step's cast, which `weight_cache_bytes` counts: none made here;
+    "made once", rowwise's cast along N, made in the step's first backward and kept in the
+    cache: its transient only), dX's product (the transposed float8 weight copied row-major;
+    `emulate`: each operand dequantised to fp32, the product in fp32 then cast), dY cast
+    again, X cast, dW's product (dY^T and X copied into the layouts the product wants).
+    `act_bytes`: dY's and the products' element size (2 under bf16 / fp16)."""
     mk, mn, nk = m * k, m * n, n * k
     live = peak = 0
 
@@ -201,7 +240,11 @@ def backward_peak_bytes(m: int, n: int, k: int, act_bytes: int, emulate: bool) -
             hold(act_bytes * out)
 
     cast(mn)  # dY along N
-    cast(nk)  # W along N
+    if weight == "per use":
+        cast(nk)  # W along N, kept to the end of the backward
+    elif weight == "made once":
+        hold(CAST_BYTES * nk)  # W along N, into the step's cache (counted there)
+        hold(-CAST_BYTES * nk)
     hold(nk)  # W^T's float8 copied row-major for dX = dY W
     product(mn, nk, mk)
     hold(-nk)
@@ -217,12 +260,17 @@ def backward_peak_bytes(m: int, n: int, k: int, act_bytes: int, emulate: bool) -
 def largest_transient(p, c, emulate: bool) -> tuple[int, Linear | None]:
     """(`backward_peak_bytes` of the float8 linear of candidate `c` that allocates the most,
     that linear): M = mbs x seq / cp tokens (sequence parallelism gathers them before the
-    column-parallel products and reduce-scatters after the row-parallel ones)."""
+    column-parallel products and reduce-scatters after the row-parallel ones); the weight's
+    cast from the step's cache (rowwise's along N made in the backward: the top of the
+    backward is the step's first), per use under ZeRO-3."""
     m = c.mbs * p.seq_len // c.cp
+    weight = (
+        "per use" if not weight_cached(c) else ("cached" if p.fp8 == "tensorwise" else "made once")
+    )
     best: tuple[int, Linear | None] = (0, None)
     for lins in converted(p, c.tp).values():
         for x in lins:
-            size = backward_peak_bytes(m, x.n, x.k, p.act_bytes, emulate)
+            size = backward_peak_bytes(m, x.n, x.k, p.act_bytes, emulate, weight)
             if size > best[0]:
                 best = (size, x)
     return best
@@ -253,16 +301,17 @@ def summary(p, c, stage: int) -> str:
 
 def stage_reductions(p, c, stage: int, micro_batches: int) -> tuple[int, int]:
     """(over tp, over cp): the amax all-reduces pipeline rank `stage` of candidate `c` makes in
-    a step of `micro_batches` per model chunk (full recomputation casts the forward's operands
-    again)."""
+    a step of `micro_batches` per model chunk (full recomputation casts the forward's X again;
+    the weights' casts once a step, `amax_reductions`)."""
     per = block_reductions(p, c)
     if not per:
         return 0, 0
     kinds = layer_kinds(p.config)
     again = 1 if c.recompute == "full" else 0
-    tp = cp = 0
+    tp = cp = step = 0
     for i in stage_layers(p, c, stage):
-        f_tp, b_tp, f_cp, b_cp = per[kinds[i]]
+        f_tp, b_tp, f_cp, b_cp, w_tp = per[kinds[i]]
         tp += f_tp * (1 + again) + b_tp
         cp += f_cp * (1 + again) + b_cp
-    return tp * micro_batches, cp * micro_batches
+        step += w_tp
+    return tp * micro_batches + step, cp * micro_batches

@@ -248,8 +248,11 @@ def process_peak(
     b = _zero3_terms(mem.gathered_end, mem.grad_buffers, "end of the backward")
     b += _end_of_backward(p, c, has_embedding, has_head)
     copies = a[0]  # autocast's copies live through both phases
+    kept = _float8_weight_casts(p, c, mem)  # as do the step's float8 weight casts
+    if kept is not None:
+        a.insert(1, kept)
     top = state + mem.activations + mem.buffers + sum(t.bytes for t in a)
-    end = state + copies.bytes + sum(t.bytes for t in b)
+    end = state + copies.bytes + (kept.bytes if kept else 0.0) + sum(t.bytes for t in b)
     tensors, phase = (top, "top of the backward") if top >= end else (end, "end of the backward")
     terms = [
         Term(
@@ -441,10 +444,26 @@ def _autocast_copies(
         "cached for the whole step"
         + (
             f"; not of the float8 linears' {float8:,} parameters (cast from fp32 straight to "
-            f"float8 per use)"
+            f"float8)"
             if float8
             else ""
         ),
+    )
+
+
+def _float8_weight_casts(p: Problem, c: Candidate, mem: MemoryBreakdown) -> Term | None:
+    """Under --fp8 (not ZeRO-3), on a stage with float8 linears: the step's float8 casts of
+    their weights, which its micro-batches share, held to the end of its backward
+    (`fp8.weight_cache_bytes`). None otherwise."""
+    nbytes = fp8.weight_cache_bytes(p, c, mem.stage)
+    if not nbytes:
+        return None
+    return Term(
+        "float8 weight casts kept for the step",
+        nbytes,
+        "1 byte per float8 weight element"
+        + (" (tensorwise: one cast)" if p.fp8 == "tensorwise" else " per axis (rowwise: two casts)")
+        + ", shared by the step's micro-batches",
     )
 
 

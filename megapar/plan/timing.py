@@ -62,7 +62,8 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     Under --fp8 (`plan.fp8`) the float8 linears' products run at `Problem.fp8_speedup` x that
     rate (their casts' memory traffic not modelled: an upper bound on the gain), their weight
     gradients in B (a zero-bubble schedule does not defer them), and each of their amax
-    all-reduces over tp or cp costs its messages' latency."""
+    all-reduces over tp or cp costs its messages' latency (the weights' casts, once a step,
+    spread over the step's micro-batches' forwards)."""
     cfg, b, t, n = p.config, c.mbs, c.tp, c.cp
     tokens = p.seq_len // n * b  # this cp rank's tokens
     fl = matmul_flops(cfg, p.seq_len, t)
@@ -88,15 +89,17 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     lat = p.latency_us  # an amax all-reduce: a scalar or a row of scales, its latency
     amax_tp, amax_cp = ring_seconds(t, 0, p.intra_gbps, lat), ring_seconds(n, 0, p.intra_gbps, lat)
     full = 1 if c.recompute == "full" else 0  # the forward's casts and products again in B
+    m = max(p.global_batch // (c.mbs * c.dp), 1)  # micro-batches a step
 
     def cost(k: int, first: bool, last: bool, k_moe: int) -> ChunkTime:
         x8 = tokens * ((k - k_moe) * f8.get(False, 0.0) + k_moe * f8.get(True, 0.0))
         cut = x8 * (1 - 1 / p.fp8_speedup)  # one pass of the float8 products, FLOP-equivalent
         n8 = [
             (k - k_moe) * a + k_moe * b
-            for a, b in zip(amax.get(False, (0,) * 4), amax.get(True, (0,) * 4), strict=True)
+            for a, b in zip(amax.get(False, (0,) * 5), amax.get(True, (0,) * 5), strict=True)
         ]
-        tp8_f, cp8_f = n8[0] * amax_tp, n8[2] * amax_cp
+        # the weights' casts, once a step: their all-reduces spread over its micro-batches
+        tp8_f, cp8_f = (n8[0] + n8[4] / m) * amax_tp, n8[2] * amax_cp
         tp8_b = (n8[1] + full * n8[0]) * amax_tp
         cp8_b = (n8[3] + full * n8[2]) * amax_cp
         head = fl.head if last else 0.0
