@@ -20,6 +20,7 @@ not fit the heap's free room stays resident under the first, so its peak can be 
     python benchmarks/memory/peak_memory.py --groups zero --steps 16 --policies keep  # a run's peak
     python benchmarks/memory/peak_memory.py --groups offload --policies keep  # offload, one heap policy
     python benchmarks/memory/peak_memory.py --groups schedules  # 1F1B, ZB-H1, ZB-V, DualPipeV
+    python benchmarks/memory/peak_memory.py --groups fp8 --policies keep  # bf16 against --fp8
 
 Each group compares configurations with one flag changed; `--repeats` runs each again (the
 peak of a run is deterministic to a few MB on an idle machine).
@@ -92,6 +93,14 @@ GROUPS = {  # name: (the claim, [(label, flags)])
         for label, extra in (("dp 2", ["--dp", "2", "--global-batch-size", "2"]),
                              ("dp 2 ep 2", ["--dp", "2", "--ep", "2", "--global-batch-size", "2"]),
                              ("dp 4 ep 2", ["--dp", "4", "--ep", "2", "--global-batch-size", "4"]))]),
+    "fp8": (("--fp8 (emulated on the CPU) holds no 16-bit copies of its float8 linears' weights "
+             "but the step's float8 casts of them, and adds its casts' transients: the peak "
+             "changes as the planner's figure does "
+             "(GPT-2 124M, bf16, one process, 2 x 512 tokens)"), [
+        (label, ["--model", "gpt2-124m", "--seq-len", "512", "--micro-batch-size", "2",
+                 "--global-batch-size", "2", "--precision", "bf16", *extra])
+        for label, extra in (("bf16", []),
+                             ("bf16 + fp8", ["--fp8", "tensorwise", "--fp8-emulate"]))]),
 }
 COMMON = ["--warmup-steps", "0", "--eval-interval", "0", "--no-progress",
           "--log-interval", "1"]

@@ -22,6 +22,7 @@ import sys
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.cli.plan_args import (
+    check_fp8_arguments,
     check_layout_arguments,
     check_mode_arguments,
     check_number_arguments,
@@ -55,11 +56,14 @@ from megapar.plan.report import (
     command,
     expert_lines,
     explain,
+    fp8_json,
+    fp8_lines,
     print_json,
     row,
     runnable,
     table,
 )
+from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.usage import flag_of
 
@@ -136,6 +140,22 @@ def add_precision_arguments(p: argparse.ArgumentParser) -> None:
         "in the backward (not under full recompute or a zero-bubble schedule)",
     )
     p.add_argument(
+        "--fp8",
+        choices=FP8_RECIPES,
+        default="off",
+        help="megapar-train's --fp8: the block linears that torchao's size rule converts at "
+        "each layout (their local N x K) run their products at --fp8-speedup x the rate, "
+        "with their amax all-reduces; autocast keeps no 16-bit copy of their weights and "
+        "their casts' transients are counted",
+    )
+    p.add_argument(
+        "--fp8-layers",
+        choices=FP8_LAYERS,
+        default="auto",
+        help="megapar-train's --fp8-layers: auto (torchao's size rule on each rank's local "
+        "N x K) or all (every block linear whose local dims are multiples of 16)",
+    )
+    p.add_argument(
         "--target",
         choices=TARGETS,
         default="gpu",
@@ -152,6 +172,13 @@ def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intra-node-gbps", type=float, default=2400.0, help="per GPU, Gbit/s")
     p.add_argument("--inter-node-gbps", type=float, default=200.0, help="per GPU, Gbit/s")
     p.add_argument("--latency-us", type=float, default=10.0, help="per message of a collective")
+    p.add_argument(
+        "--fp8-speedup",
+        type=float,
+        default=2.0,
+        help="with --fp8: float8 matmuls' peak over --peak-tflops (H100 / H200 dense: "
+        "1979 / 989); the casts' memory traffic is not modelled (an upper bound)",
+    )
 
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
@@ -249,6 +276,7 @@ def _problem(args, given: tuple[str, ...] = ()):
     check_number_arguments(args)
     check_mode_arguments(args)
     check_search_arguments(args, config, given)
+    check_fp8_arguments(args, given)
     return Problem(
         config,
         args.gpus,
@@ -270,6 +298,9 @@ def _problem(args, given: tuple[str, ...] = ()):
         moe_imbalance=args.moe_imbalance,
         sp_regather=args.sp_regather,
         target=args.target,
+        fp8=args.fp8,
+        fp8_layers=args.fp8_layers,
+        fp8_speedup=args.fp8_speedup,
     )
 
 
@@ -331,12 +362,13 @@ def _explain(args, problem) -> int:
                     "command": cmd,
                     "fused_attention": problem.fused_attention,
                     "sp_regather": problem.sp_regather,
+                    **fp8_json(problem, e),
                 },
                 indent=1,
             )
         )
         return 0
-    print("\n".join([explain(e), *expert_lines(e, problem)]))
+    print("\n".join([explain(e), *expert_lines(e, problem), *fp8_lines(e, problem)]))
     print(attention_note(problem.fused_attention))
     if e.process is not None:
         print(describe(e.process))

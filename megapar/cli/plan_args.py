@@ -77,6 +77,10 @@ def check_number_arguments(args) -> None:
         )
     if not (math.isfinite(args.latency_us) and args.latency_us >= 0):
         raise ValueError(f"--latency-us {args.latency_us:g} is invalid: it must be >= 0")
+    if not (math.isfinite(args.fp8_speedup) and args.fp8_speedup > 0):
+        raise ValueError(
+            f"--fp8-speedup {args.fp8_speedup:g} is invalid: it must be a finite number > 0"
+        )
     if not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency:g} is invalid: it must be in (0, 1]")
 
@@ -181,6 +185,18 @@ def check_unread_options(args, stages: list[int], given: tuple[str, ...]) -> Non
             "--recompute full, the only recompute tried: drop it, or add selective or none "
             "to --recompute"
         )
+
+
+def check_fp8_arguments(args, given: tuple[str, ...] = ()) -> None:
+    """ValueError if --fp8-layers or --fp8-speedup is given (`given`) without --fp8, as
+    megapar-train refuses --fp8-layers without it. --fp8 under --precision fp32 is planned as
+    megapar-train runs it (it does not refuse it): the linears' inputs fp32, cast to float8."""
+    for name in ("fp8_layers", "fp8_speedup"):
+        if name in given and args.fp8 == "off":
+            raise ValueError(
+                f"--{name.replace('_', '-')} applies to --fp8: add --fp8 tensorwise (or "
+                f"rowwise) or drop it"
+            )
 
 
 def _no_zero3(args) -> tuple[str, str]:

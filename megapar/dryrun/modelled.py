@@ -16,8 +16,8 @@ from megapar.plan.process import TARGETS, process_peak
 
 
 def modelled_stage(cfg, config, layout: Layout, stage: int, actions):
-    """(the planner's problem and candidate for this job, its `MemoryBreakdown` of `stage` at
-    the worst point of the stage's action list)."""
+    """(the planner's problem and candidate for this job, with its --fp8 and --fp8-layers, its
+    `MemoryBreakdown` of `stage` at the worst point of the stage's action list)."""
 
     problem = Problem(
         config,
@@ -29,6 +29,8 @@ def modelled_stage(cfg, config, layout: Layout, stage: int, actions):
         fused_attention=True,
         loss_chunk_tokens=cfg.loss_chunk_tokens,
         sp_regather=cfg.sp_regather,
+        fp8=cfg.fp8,
+        fp8_layers=cfg.fp8_layers,
     )
     candidate = Candidate(
         layout.tp,

@@ -57,7 +57,7 @@ from megapar.device import host_copies_wanted
 from megapar.models.flops import heads, matmul_flops, training_flops_per_token
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
-from megapar.plan import experts, pipeline
+from megapar.plan import experts, fp8, pipeline
 from megapar.plan import memory as mem
 from megapar.plan.context_parallel import cp_buffers
 from megapar.plan.layouts import Candidate, regathers
@@ -389,6 +389,8 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     for s_ in stages:
         roles = stage_roles(p, c, s_.stage)
         key = (*(getattr(s_, f) for f in _NOT_STAGE), *roles)
+        if p.fp8 != "off":  # its float8 linears: the copies autocast does not make
+            key += (fp8.converted_params(p, c, s_.stage),)
         if key not in alike:
             alike[key] = process_peak(p, c, s_, *roles, sizes.full)
         peaks.append(alike[key])
@@ -400,7 +402,7 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     times = chunk_times(p, c)
     pipe_s, frac, source = pipeline_time(c, m, times, simulate)
     busiest = max(times, key=lambda row: sum(x.total for x in row))
-    compute = m * sum(x.flops for x in busiest) / rate
+    compute = m * sum(x.flops - x.fp8_flops + x.fp8_flops / p.fp8_speedup for x in busiest) / rate
     act = s // n * b * h * p.act_bytes
     pp_gbps = p.intra_gbps if c.tp * c.pp <= p.gpus_per_node else p.inter_gbps
     p2p = (

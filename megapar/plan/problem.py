@@ -70,6 +70,16 @@ class Problem:
     """What the process figure is for (`plan.process`): gpu (the allocator's reserve and the
     CUDA context on top of the tensors) or cpu (the heap's room and the runtime; megapar-train
     on CPU ranks)."""
+    fp8: str = "off"
+    """megapar-train's --fp8: off, tensorwise or rowwise (`plan.fp8`: which block linears
+    convert at a layout, their FLOPs, amax all-reduces and memory terms)."""
+    fp8_layers: str = "auto"
+    """megapar-train's --fp8-layers: auto (torchao's size rule on each rank's local N x K) or
+    all (every block linear whose local dims are multiples of 16)."""
+    fp8_speedup: float = 2.0
+    """The float8 matmuls' peak over `peak_tflops` (H100 / H200 dense: 1979 float8 TFLOP/s
+    against 989 bf16, so 2.0): the rate of the converted linears' products. The casts' memory
+    traffic is not modelled, so the speed-up it gives is an upper bound."""
 
     @cached_property
     def config_json(self) -> str:

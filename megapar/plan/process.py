@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megapar.plan import fp8
 from megapar.plan.layouts import Candidate
 from megapar.plan.memory import GIB, MemoryBreakdown
 from megapar.plan.params import piece_counts
@@ -241,11 +242,17 @@ def process_peak(
                 else "the gradients of one block's intermediates, as large as what it keeps",
             )
         )
+    casts = _float8_casts(p, c, mem, target)
+    if casts is not None:
+        a.append(casts)
     b = _zero3_terms(mem.gathered_end, mem.grad_buffers, "end of the backward")
     b += _end_of_backward(p, c, has_embedding, has_head)
     copies = a[0]  # autocast's copies live through both phases
+    kept = _float8_weight_casts(p, c, mem)  # as do the step's float8 weight casts
+    if kept is not None:
+        a.insert(1, kept)
     top = state + mem.activations + mem.buffers + sum(t.bytes for t in a)
-    end = state + copies.bytes + sum(t.bytes for t in b)
+    end = state + copies.bytes + (kept.bytes if kept else 0.0) + sum(t.bytes for t in b)
     tensors, phase = (top, "top of the backward") if top >= end else (end, "end of the backward")
     terms = [
         Term(
@@ -430,8 +437,53 @@ def _autocast_copies(
     elements = mem.params / 4
     if has_embedding and not (_tied(p) and has_head):
         elements -= piece_counts(p.config, c.tp, p.config_json).embedding
+    float8 = fp8.converted_params(p, c, mem.stage)
     return Term(
-        "autocast's 16-bit weight copies", elements * p.act_bytes, "cached for the whole step"
+        "autocast's 16-bit weight copies",
+        (elements - float8) * p.act_bytes,
+        "cached for the whole step"
+        + (
+            f"; not of the float8 linears' {float8:,} parameters (cast from fp32 straight to "
+            f"float8)"
+            if float8
+            else ""
+        ),
+    )
+
+
+def _float8_weight_casts(p: Problem, c: Candidate, mem: MemoryBreakdown) -> Term | None:
+    """Under --fp8 (not ZeRO-3), on a stage with float8 linears: the step's float8 casts of
+    their weights, which its micro-batches share, held to the end of its backward
+    (`fp8.weight_cache_bytes`). None otherwise."""
+    nbytes = fp8.weight_cache_bytes(p, c, mem.stage)
+    if not nbytes:
+        return None
+    return Term(
+        "float8 weight casts kept for the step",
+        nbytes,
+        "1 byte per float8 weight element"
+        + (" (tensorwise: one cast)" if p.fp8 == "tensorwise" else " per axis (rowwise: two casts)")
+        + ", shared by the step's micro-batches",
+    )
+
+
+def _float8_casts(p: Problem, c: Candidate, mem: MemoryBreakdown, target: str) -> Term | None:
+    """Under --fp8, on a stage with float8 linears: what the backward of the one that
+    allocates the most holds at once beyond a high-precision linear's (`fp8.largest_transient`:
+    its casts' fp32 scaled copies and float8 operands; on a CPU, where the products are
+    emulated, also their operands dequantised to fp32). None without --fp8."""
+    if p.fp8 == "off" or not fp8.converted_params(p, c, mem.stage):
+        return None
+    emulate = target == "cpu"
+    nbytes, linear = fp8.largest_transient(p, c, emulate)
+    assert linear is not None  # the stage holds a float8 linear
+    return Term(
+        "float8 casts in a linear's backward",
+        nbytes,
+        f"{linear.name} {linear.n}x{linear.k} at {c.mbs * p.seq_len // c.cp} tokens: the "
+        "casts' fp32 copies and float8 operands"
+        + (" and the emulated products' fp32 operands" if emulate else "")
+        + ", beyond a high-precision linear's backward",
     )
 
 

@@ -8,12 +8,13 @@ from collections.abc import Sequence
 
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
-from megapar.plan import experts
+from megapar.plan import experts, fp8
 from megapar.plan.estimate import Estimate, stage_memory
 from megapar.plan.memory import GIB
 from megapar.plan.params import model_params
 from megapar.plan.problem import Problem
 from megapar.plan.state import DENSE, EXPERTS, groups_traffic, w_reported, zero_traffic
+from megapar.plan.timing import chunk_times
 from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.config import TrainConfig, flag_choices
 
@@ -126,6 +127,10 @@ def command(e: Estimate, p: Problem, model: str) -> tuple[str, list[str]]:
             flags.append(f"--{name.replace('_', '-')}" + (f" {c.v}" if feature == "v" else ""))
     if p.sp_regather and c.sp and c.tp > 1:
         flags.append("--sp-regather")
+    if p.fp8 != "off":
+        flags.append(f"--fp8 {p.fp8}")
+        if p.fp8_layers != "auto":
+            flags.append(f"--fp8-layers {p.fp8_layers}")
     if p.gpus <= p.gpus_per_node:
         head = f"megapar-train --dp {c.dp}"
     else:
@@ -320,6 +325,40 @@ def expert_lines(e: Estimate, p: Problem, ranked: Sequence[Estimate] = ()) -> li
     ]
 
 
+def fp8_lines(e: Estimate, p: Problem) -> list[str]:
+    """Under --fp8, for the most loaded rank's stage: which block linears run in float8 there
+    (training's line, `fp8.summary`), their share of the stage's matmul FLOPs and the speed-up
+    it is counted at, and the amax all-reduces a step adds (nothing without --fp8)."""
+    if p.fp8 == "off":
+        return []
+    c, stage = e.candidate, e.memory.stage
+    row_ = chunk_times(p, c)[stage]
+    share = sum(x.fp8_flops for x in row_) / max(sum(x.flops for x in row_), 1.0)
+    m = p.global_batch // (c.mbs * c.dp)
+    tp, cp = fp8.stage_reductions(p, c, stage, m)
+    return [
+        f"{fp8.summary(p, c, stage)} (pipeline rank {stage}, per tp rank)",
+        f"  float8 products: {100 * share:.1f} % of the rank's matmul FLOPs, counted at "
+        f"{p.fp8_speedup:g} x the high-precision rate (the casts' memory traffic is not "
+        f"modelled: an upper bound on the gain); their weight gradients in B",
+        f"  amax all-reduces a step: {tp:,} over tp, {cp:,} over cp (each its messages' "
+        f"latency, {p.latency_us:g} us)",
+    ]
+
+
+def fp8_json(p: Problem, e: Estimate | None = None) -> dict:
+    """--fp8's settings (and with `e`, its stage's float8 line and amax all-reduces) for the
+    JSON output; empty without --fp8, so those outputs stay as they were."""
+    if p.fp8 == "off":
+        return {}
+    out: dict = {"fp8": p.fp8, "fp8_layers": p.fp8_layers, "fp8_speedup": p.fp8_speedup}
+    if e is not None:
+        c, stage = e.candidate, e.memory.stage
+        tp, cp = fp8.stage_reductions(p, c, stage, p.global_batch // (c.mbs * c.dp))
+        out |= {"fp8_line": fp8.summary(p, c, stage), "fp8_amax_all_reduces": [tp, cp]}
+    return out
+
+
 def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
     """ZeRO-3 under ep: where the experts' units go (sharded over the expert-data-parallel
     group, gathered with their block), the gathered units and full gradient buffers against
@@ -394,6 +433,7 @@ def print_json(top: int, problem: Problem, estimates, rejected, cmd) -> None:
                 "rejected_reasons": reasons,
                 "fused_attention": problem.fused_attention,
                 "sp_regather": problem.sp_regather,
+                **fp8_json(problem),
                 "command": cmd[0] if cmd else None,
                 "missing_in_megapar_train": cmd[1] if cmd else None,
             },

@@ -11,7 +11,7 @@ from megapar.mesh import Layout
 from megapar.models.flops import matmul_flops
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
-from megapar.plan import experts, pipeline
+from megapar.plan import experts, fp8, pipeline
 from megapar.plan.context_parallel import cp_layer_seconds
 from megapar.plan.layouts import Candidate, regathers
 from megapar.plan.problem import Problem
@@ -44,6 +44,9 @@ class ChunkTime:
     """Of F + B + W, the seconds of cp exchanges not hidden."""
     ep: float = 0.0
     """Of F + B + W, the seconds of the MoE layers' all-to-alls (expert parallelism)."""
+    fp8_flops: float = 0.0
+    """Of `flops`, the float8 linears' products (--fp8), run at `Problem.fp8_speedup` x the
+    rate."""
 
     @property
     def total(self) -> float:
@@ -54,7 +57,13 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     """Per pipeline rank, per model chunk, what one micro-batch costs (`ChunkTime`): the
     chunk's blocks, plus the LM head on the chunk that holds it (the last virtual stage: rank
     pp - 1, or rank 0 in the V placement) and the embedding's tp reduction on the first; matmul
-    FLOPs (`megapar.models.flops`, this tp rank's share, s / cp tokens) at peak x efficiency."""
+    FLOPs (`megapar.models.flops`, this tp rank's share, s / cp tokens) at peak x efficiency.
+
+    Under --fp8 (`plan.fp8`) the float8 linears' products run at `Problem.fp8_speedup` x that
+    rate (their casts' memory traffic not modelled: an upper bound on the gain), their weight
+    gradients in B (a zero-bubble schedule does not defer them), and each of their amax
+    all-reduces over tp or cp costs its messages' latency (the weights' casts, once a step,
+    spread over the step's micro-batches' forwards)."""
     cfg, b, t, n = p.config, c.mbs, c.tp, c.cp
     tokens = p.seq_len // n * b  # this cp rank's tokens
     fl = matmul_flops(cfg, p.seq_len, t)
@@ -75,8 +84,24 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     logits = 2 * cfg.hidden_size * local_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
     in_forward = pipeline.loss_grads_in_forward(p, c)
     ep_f, ep_b = alltoall_seconds(p, c)
+    f8 = fp8.converted_flops(p, t)  # per kind of block, per token: the float8 products
+    amax = fp8.block_reductions(p, c)  # per kind of block: (tp F, tp B, cp F, cp B) counts
+    lat = p.latency_us  # an amax all-reduce: a scalar or a row of scales, its latency
+    amax_tp, amax_cp = ring_seconds(t, 0, p.intra_gbps, lat), ring_seconds(n, 0, p.intra_gbps, lat)
+    full = 1 if c.recompute == "full" else 0  # the forward's casts and products again in B
+    m = max(p.global_batch // (c.mbs * c.dp), 1)  # micro-batches a step
 
     def cost(k: int, first: bool, last: bool, k_moe: int) -> ChunkTime:
+        x8 = tokens * ((k - k_moe) * f8.get(False, 0.0) + k_moe * f8.get(True, 0.0))
+        cut = x8 * (1 - 1 / p.fp8_speedup)  # one pass of the float8 products, FLOP-equivalent
+        n8 = [
+            (k - k_moe) * a + k_moe * b
+            for a, b in zip(amax.get(False, (0,) * 5), amax.get(True, (0,) * 5), strict=True)
+        ]
+        # the weights' casts, once a step: their all-reduces spread over its micro-batches
+        tp8_f, cp8_f = (n8[0] + n8[4] / m) * amax_tp, n8[2] * amax_cp
+        tp8_b = (n8[1] + full * n8[0]) * amax_tp
+        cp8_b = (n8[3] + full * n8[2]) * amax_cp
         head = fl.head if last else 0.0
         # the chunked loss at tp 1 with one loss in flight makes the head's input and weight
         # gradients in its forward (the logits computed once); else its backward recomputes them
@@ -91,13 +116,26 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         head_b = ring * half if last else 0.0  # its input's gradient
         regathered = regather * (2 * (k - k_moe) + moe_regathers * k_moe)
         return ChunkTime(
-            f / rate + k * (tp_fwd + cp_f) + emb_comm + head_f + k_moe * ep_f,
-            bi / rate + k * (tp_bwd + cp_b) + regathered + head_b + k_moe * ep_b,
-            w / rate,
+            (f - cut) / rate
+            + k * (tp_fwd + cp_f)
+            + emb_comm
+            + head_f
+            + k_moe * ep_f
+            + tp8_f
+            + cp8_f,
+            (bi + x8 - cut * (2 + full)) / rate
+            + k * (tp_bwd + cp_b)
+            + regathered
+            + head_b
+            + k_moe * ep_b
+            + tp8_b
+            + cp8_b,
+            (w - x8) / rate,
             f + bi + w,
-            k * (tp_fwd + tp_bwd) + regathered + emb_comm + head_f + head_b,
-            k * (cp_f + cp_b),
+            k * (tp_fwd + tp_bwd) + regathered + emb_comm + head_f + head_b + tp8_f + tp8_b,
+            k * (cp_f + cp_b) + cp8_f + cp8_b,
             k_moe * (ep_f + ep_b),
+            x8 * (3 + full),
         )
 
     shapes = chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds)

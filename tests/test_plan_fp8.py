@@ -1,0 +1,280 @@
+"""megapar-plan under --fp8: the planner's float8 terms against the real conversion, the real
+collectives and the dry run (megapar/plan/fp8.py)."""
+
+import contextlib
+import importlib.util
+import json
+
+import pytest
+import torch
+import transformers
+from tp_utils import make_mesh
+
+from megapar.comm_count import count_collectives
+from megapar.launcher import run_local
+from megapar.models.config import config_from_dict
+from megapar.models.flops import matmul_flops
+from megapar.plan import Candidate, Problem, estimate, stage_memory
+from megapar.plan.estimate import activation_sizes, stage_roles
+from megapar.plan.fp8 import backward_peak_bytes, stage_reductions
+from megapar.plan.process import process_peak
+from megapar.plan.timing import chunk_times
+
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="torchao is not installed"
+)
+
+LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=2048, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             tie_word_embeddings=False)
+"""Under tensorwise's size rule (auto) gate and up (2048 x 64) convert and the rest stays."""
+GPT2 = dict(vocab_size=96, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0)
+SEQ = 32
+
+
+def _config(kind: str):
+    hf = transformers.LlamaConfig(**LLAMA) if kind == "llama" else transformers.GPT2Config(**GPT2)
+    return config_from_dict(hf.to_dict())
+
+
+def _problem(config, fp8="off", layers="auto", **kw):
+    return Problem(config, gpus=kw.pop("gpus", 1), global_batch=kw.pop("global_batch", 4),
+                   seq_len=SEQ, precision="bf16", fp8=fp8, fp8_layers=layers, **kw)
+
+
+def _terms(p, c):
+    stage = stage_memory(p, c)[0]
+    peak = process_peak(p, c, stage, *stage_roles(p, c, 0), activation_sizes(p, c).full)
+    return {t.name: t.bytes for t in peak.terms}
+
+
+@needs_torchao
+@pytest.mark.parametrize("kind,layers", [("llama", "auto"), ("gpt2", "all")])
+def test_autocast_copies_leave_out_exactly_the_converted_linears(kind, layers):
+    """The model built and converted as megapar-train does it: the 16-bit copies autocast
+    caches shrink by the parameters (GPT-2: weights and biases) of the layers that got a float8
+    spec, at 2 bytes each; the float8 casts' term appears."""
+    from megapar.models import build_model
+    from megapar.tensor_parallel.fp8_convert import convert_to_fp8
+
+    config = _config(kind)
+    model = build_model(config, make_mesh(1))
+    convert_to_fp8(model, "tensorwise", emulate=True, layers=layers)
+    float8 = sum(p.numel() for m in model.modules() if getattr(m, "fp8", None) is not None
+                 for p in m.parameters())
+    every = sum(p.numel() for m in model.modules() if hasattr(m, "fp8") for p in m.parameters())
+    assert 0 < float8 < every if layers == "auto" else float8 == every
+    c = Candidate(mbs=2)
+    off, on = _terms(_problem(config), c), _terms(_problem(config, "tensorwise", layers), c)
+    copies = "autocast's 16-bit weight copies"
+    assert off[copies] - on[copies] == 2 * float8
+    assert on["float8 casts in a linear's backward"] > 0
+    assert "float8 casts in a linear's backward" not in off
+    # the step's float8 weight casts: a byte per element of the converted weights (tensorwise)
+    weights = sum(m.weight.numel() for m in model.modules() if getattr(m, "fp8", None) is not None)
+    assert on["float8 weight casts kept for the step"] == weights
+    zero3 = _terms(_problem(config, "tensorwise", layers, gpus=2), Candidate(mbs=2, dp=2, zero=3))
+    assert "float8 weight casts kept for the step" not in zero3  # ZeRO-3 casts per use
+
+
+def test_the_casts_term_is_what_the_backward_allocates():
+    """The walk of the float8 backward (`backward_peak_bytes`, emulated as on a CPU) against the
+    CPU allocator's live bytes during a converted linear's backward (torch's profiler), less
+    what the 16-bit linear's backward makes (dX, the 16-bit dW and its fp32 copy): the weight
+    cast per use (ZeRO-3), and from the step's cache, which the forward filled (rowwise's cast
+    along N is made in this first backward and kept: a byte per weight element more, which
+    the cache's own term counts). Equal to 0.3 % (benchmarks/memory/fp8_transients.py)."""
+    pytest.importorskip("torchao")
+    from torch.profiler import ProfilerActivity, profile
+
+    from megapar.tensor_parallel import fp8
+
+    m, n, k = 600, 224, 144
+    for recipe in ("tensorwise", "rowwise"):
+        for cached in (False, True):
+            cache = fp8.Fp8WeightCache() if cached else None
+            step = cache.per_step() if cached else contextlib.nullcontext()
+            w = torch.randn(n, k, requires_grad=True)
+            x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
+            dy = torch.randn(m, n, dtype=torch.bfloat16)
+            with step:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    spec = fp8.make_spec(recipe, True, None, "out", cache=cache)
+                    y = fp8.fp8_linear(x, w, None, spec)
+                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                    y.backward(dy)
+            events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+            live = peak = 0
+            for e in sorted(events, key=lambda e: e.start_ns()):
+                live += e.nbytes()
+                peak = max(peak, live)
+            kept = n * k if cached and recipe == "rowwise" else 0
+            measured = peak - (2 * m * k + 6 * n * k) - kept
+            weight = "per use" if not cached else (
+                "cached" if recipe == "tensorwise" else "made once")
+            modelled = backward_peak_bytes(m, n, k, 2, emulate=True, weight=weight)
+            assert abs(measured / modelled - 1) < 0.01, (recipe, cached, measured, modelled)
+
+
+@needs_torchao
+def test_float8_flops_run_at_the_speedup():
+    """Every block linear converts (--fp8-layers all, tp 1): the float8 FLOPs are the blocks'
+    whole matmul FLOPs (models/flops.py), and the chunk takes (1 - 1/s) of them less at the
+    rate; under auto on this model's sizes only gate and up convert; nothing under off."""
+    config = _config("llama")
+    c = Candidate(mbs=2)
+    off = chunk_times(_problem(config), c)[0][0]
+    on = chunk_times(_problem(config, "tensorwise", "all", fp8_speedup=4.0), c)[0][0]
+    tokens, layers = SEQ * 2, config.num_layers
+    block = matmul_flops(config, SEQ, 1).block
+    assert on.fp8_flops == pytest.approx(3 * tokens * layers * block, rel=1e-12)
+    assert off.fp8_flops == 0.0 and on.flops == off.flops
+    rate = 312e12 * 0.6
+    assert off.total - on.total == pytest.approx(on.fp8_flops * (1 - 1 / 4) / rate, rel=1e-9)
+    assert on.backward_weight == pytest.approx(off.backward_weight - on.fp8_flops / 3 / rate)
+    auto = chunk_times(_problem(config, "tensorwise"), c)[0][0]
+    gate_up = 2 * 2 * config.hidden_size * config.intermediate_size
+    assert auto.fp8_flops == pytest.approx(3 * tokens * layers * gate_up, rel=1e-12)
+
+
+def _amax_all_reduces(recipe, cached):
+    """All-reduces a tp-2 Llama with every block linear in float8 (emulated) makes in its
+    forwards and backwards, less the same model's without --fp8: two micro-batches sharing the
+    step's weight casts (`cached`, as a training step runs them outside ZeRO-3), or one casting
+    per use."""
+    from megapar.mesh import Layout, Mesh
+    from megapar.models import build_model
+    from megapar.tensor_parallel.fp8 import weight_cast_cache
+    from megapar.tensor_parallel.fp8_convert import convert_to_fp8
+
+    counts = []
+    for fp8 in ("off", recipe):
+        torch.manual_seed(0)
+        mesh = Mesh(Layout(2, 1, 1), torch.distributed.get_rank())
+        model = build_model(_config("llama"), mesh)
+        cache = None
+        if fp8 != "off":
+            convert_to_fp8(model, fp8, emulate=True, layers="all")
+            cache = weight_cast_cache(model)
+        step = cache.per_step() if cached and cache else contextlib.nullcontext()
+        ids = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(0))
+        with count_collectives() as calls, step:
+            for _ in range(2 if cached else 1):
+                model(None, {"input_ids": ids, "labels": ids}).backward()
+        counts.append(sum(call.op == "all_reduce" for call in calls))
+    return counts[1] - counts[0]
+
+
+@needs_torchao
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_amax_all_reduces_are_what_the_code_issues(recipe):
+    p = _problem(_config("llama"), recipe, "all", gpus=4)
+    for cached, c, m in ((True, Candidate(tp=2, mbs=2), 2),
+                         (False, Candidate(tp=2, dp=2, mbs=2, zero=3), 1)):
+        issued = run_local(_amax_all_reduces, 2, recipe, cached)
+        planned = stage_reductions(p, c, 0, m)
+        assert planned[0] > 0 and issued == [planned[0]] * 2 and planned[1] == 0, (
+            cached, issued, planned)
+    # full recomputation casts the forward's X again (not run here)
+    full = stage_reductions(p, Candidate(tp=2, mbs=2, recompute="full"), 0, 2)
+    assert full[0] > stage_reductions(p, Candidate(tp=2, mbs=2), 0, 2)[0]
+
+
+@needs_torchao
+def test_the_dry_runs_gpu_figure_drops_by_the_planners_amount(capsys):
+    """megapar-train --dry-run passes its --fp8 to the planner's terms: its 'a GPU holds' figure
+    falls by what megapar-plan's falls for the same layout."""
+    from megapar.cli.train import main
+    from megapar.models.recipes import resolve_model
+
+    base = ["--model", "llama-tiny", "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
+            "32", "--micro-batch-size", "1", "--global-batch-size", "4", "--precision", "bf16",
+            "--json", "--dry-run-ranks", "0"]
+    peaks = []
+    for extra in ([], ["--fp8", "tensorwise", "--fp8-layers", "all"]):
+        assert main(base + extra) == 0
+        peaks.append(json.loads(capsys.readouterr().out.splitlines()[0])["peak_gpu"])
+    config = resolve_model("llama-tiny")
+    c = Candidate(tp=2, mbs=1)
+    kw = dict(gpus=2, global_batch=4)
+    planned = [estimate(Problem(config, seq_len=32, fp8=f, fp8_layers="all", **kw), c).process.total
+               for f in ("off", "tensorwise")]
+    assert peaks[0] > peaks[1]  # at 32 tokens the copies saved outweigh the casts
+    assert peaks[0] - peaks[1] == pytest.approx(planned[0] - planned[1], abs=1)  # whole bytes
+
+
+def _plan(capsys, *argv):
+    from megapar.cli.plan import main
+
+    code = main(["--model", "llama-tiny", "--gpus", "2", "--global-batch-size", "4",
+                 "--seq-len", "64", *argv])
+    return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--fp8-layers", "all"], "--fp8-layers applies to --fp8: add --fp8 tensorwise (or rowwise) "
+                              "or drop it"),
+    (["--fp8-speedup", "3"], "--fp8-speedup applies to --fp8"),
+    (["--fp8", "tensorwise", "--fp8-speedup", "0"], "--fp8-speedup 0 is invalid: it must be a "
+                                                    "finite number > 0"),
+    (["--fp8-layers", "all", "--explain", "tp=2,mbs=2"], "--fp8-layers applies to --fp8"),
+])
+def test_cli_refuses_fp8_settings_in_one_line(capsys, argv, message):
+    code, out = _plan(capsys, *argv)
+    assert code == 2 and out.out == ""
+    assert out.err.count("\n") == 1 and message in out.err, out.err
+
+
+@needs_torchao
+def test_explain_names_the_float8_linears_as_training_does_and_json_carries_them(capsys):
+    from megapar.models import build_model
+    from megapar.models.recipes import resolve_model
+    from megapar.tensor_parallel.fp8_convert import convert_to_fp8
+
+    model = build_model(resolve_model("llama-tiny"), make_mesh(1))
+    line = convert_to_fp8(model, "tensorwise", emulate=True, layers="all")
+    line = line.replace(" (emulated: fp32 products)", "").split("; always in high")[0]
+    code, out = _plan(capsys, "--gpus", "1", "--fp8", "tensorwise", "--fp8-layers", "all",
+                      "--explain", "tp=1,mbs=2")
+    assert code == 0
+    assert f"{line} (pipeline rank 0, per tp rank)" in out.out, (line, out.out)
+    assert "float8 casts in a linear's backward" in out.out and "--fp8 tensorwise" in out.out
+    code, out = _plan(capsys, "--fp8", "tensorwise", "--fp8-layers", "all", "--explain",
+                      "tp=2,mbs=2")
+    assert "fp8 tensorwise: 16 linears in float8 (layers.attn.q 32x64, layers.attn.k 16x64, " \
+        "layers.attn.v 16x64, layers.attn.proj 64x32); kept in high precision: " \
+        "layers.mlp.gate 88x64 (N or K not a multiple of 16)" in out.out
+    code, out = _plan(capsys, "--fp8", "rowwise", "--explain", "tp=2,mbs=2", "--json")
+    got = json.loads(out.out)
+    assert (got["fp8"], got["fp8_layers"], got["fp8_speedup"]) == ("rowwise", "auto", 2.0)
+    assert got["fp8_line"].startswith("fp8 rowwise: 0 linears in float8; kept in")
+    code, out = _plan(capsys, "--json", "--top", "1")
+    assert "fp8" not in json.loads(out.out)
+
+
+def _cp_amax_all_reduces(recipe):
+    """All-reduces over the cp group one training step of one micro-batch makes at cp 2 with
+    every block linear of a GPT-2 in float8 (emulated), less the same step's without --fp8."""
+    import megapar
+
+    counts = []
+    for fp8 in ("off", recipe):
+        engine = megapar.prepare(transformers.GPT2Config(**GPT2), micro_batch_size=2,
+                                 global_batch_size=2, seq_len=SEQ, cp=2, seed=0, fp8=fp8,
+                                 fp8_emulate=fp8 != "off",
+                                 fp8_layers="all" if fp8 != "off" else "auto")
+        ids = torch.randint(0, 96, (2, SEQ), generator=torch.Generator().manual_seed(0))
+        with count_collectives() as calls:
+            engine.train_step({"input_ids": ids, "labels": ids})
+        counts.append(sum(call.op == "all_reduce" for call in calls))
+    return counts[1] - counts[0]
+
+
+@needs_torchao
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_cp_amax_all_reduces_are_what_the_code_issues(recipe):
+    issued = run_local(_cp_amax_all_reduces, 2, recipe)
+    p = _problem(_config("gpt2"), recipe, "all", gpus=2, global_batch=2)
+    planned = stage_reductions(p, Candidate(cp=2, mbs=2), 0, 1)
+    assert planned[0] == 0 and planned[1] > 0 and issued == [planned[1]] * 2, (issued, planned)
