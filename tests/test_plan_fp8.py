@@ -278,3 +278,22 @@ def test_cp_amax_all_reduces_are_what_the_code_issues(recipe):
     p = _problem(_config("gpt2"), recipe, "all", gpus=2, global_batch=2)
     planned = stage_reductions(p, Candidate(cp=2, mbs=2), 0, 1)
     assert planned[0] == 0 and planned[1] > 0 and issued == [planned[1]] * 2, (issued, planned)
+
+
+def test_the_plan_says_how_it_counts_float8_and_that_an_a100_has_none(capsys):
+    """--peak-tflops defaults to an A100's, which has no FP8 matmuls: a --fp8 plan at that
+    peak says so (megapar-train refuses --fp8 there), and every --fp8 plan says what it counts."""
+    notes = {}
+    for argv in ([], ["--fp8", "tensorwise"], ["--fp8", "rowwise", "--peak-tflops", "989"]):
+        code, out = _plan(capsys, *argv, "--fp8-layers", "all") if argv else _plan(capsys)
+        assert code == 0, out.err
+        notes[" ".join(argv)] = [x for x in out.out.splitlines() if x.startswith("fp8 ")]
+    assert notes[""] == []
+    a100 = notes["--fp8 tensorwise"]
+    assert len(a100) == 1 and a100[0].startswith(
+        "fp8 tensorwise: the converted block linears' products at 2 x --peak-tflops 312 x "
+        "--efficiency") and "an A100's, which has no FP8 matmuls" in a100[0], a100
+    hopper = notes["--fp8 rowwise --peak-tflops 989"]
+    assert len(hopper) == 1 and "--peak-tflops 989" in hopper[0] and "A100" not in hopper[0]
+    code, out = _plan(capsys, "--fp8", "tensorwise", "--explain", "tp=2,mbs=2")
+    assert code == 0 and "an A100's, which has no FP8 matmuls" in out.out, out.err

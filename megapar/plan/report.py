@@ -221,6 +221,29 @@ def attention_note(fused: bool) -> str:
     )
 
 
+A100_PEAK_TFLOPS = 312.0
+"""An A100's dense bf16 peak: `--peak-tflops`' default, and a GPU without FP8 matmuls."""
+
+
+def fp8_note(p) -> str | None:
+    """Under --fp8, the line that says how a plan counts float8 (`plan.fp8`), and, at an A100's
+    peak, that an A100 has no FP8; None without --fp8."""
+    if p.fp8 == "off":
+        return None
+    line = (
+        f"fp8 {p.fp8}: the converted block linears' products at {p.fp8_speedup:g} x "
+        f"--peak-tflops {p.peak_tflops:g} x --efficiency (--fp8-speedup), their casts' memory "
+        "traffic not counted (the gain is an upper bound); MFU against the 16-bit peak"
+    )
+    if p.peak_tflops == A100_PEAK_TFLOPS:
+        line += (
+            f"; --peak-tflops {A100_PEAK_TFLOPS:g} is an A100's, which has no FP8 matmuls "
+            "(megapar-train refuses --fp8 there): give your FP8 GPU's 16-bit peak (H100 / "
+            "H200 SXM: 989)"
+        )
+    return line
+
+
 BUFFERS_NOTE = (
     "buffers: transient, not kept for the backward: one chunk's logits on the LM "
     "head's stage (the whole logits' fp32 gradient with --loss-chunk-tokens 0), "
