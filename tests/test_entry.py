@@ -37,15 +37,31 @@ def test_ctrl_c_or_sigterm_while_starting_is_one_line(sig, code, line):
     """Ctrl-C: a traceback of the import it cut (23-28 lines); SIGTERM: a silent end. Now one
     line each, at once (an exception raised inside a library's import could be caught there:
     a SIGTERM at 0.5 s was, and the run went on)."""
-    script = ("import importlib, os, signal, sys, time\n"
+    run = _starting(sig, "signal.default_int_handler")  # a terminal's foreground command
+    assert (run.returncode, run.stderr, run.stdout) == (code, line + "\n", "")
+
+
+def _starting(sig: str, sigint: str) -> subprocess.CompletedProcess:
+    """megapar-data in a fresh process whose SIGINT handler is `sigint` and which receives
+    `sig` while its command module imports (the import then gives a main returning 0)."""
+    script = ("import importlib, os, signal, sys, time, types\n"
+              f"signal.signal(signal.SIGINT, {sigint})\n"
               "from megapar.cli import entry\n"
               "def starting(name):\n"
-              f"    os.kill(os.getpid(), signal.{sig}); time.sleep(5); return sys\n"
+              f"    os.kill(os.getpid(), signal.{sig}); time.sleep(1)\n"
+              "    return types.SimpleNamespace(main=lambda: 0)\n"
               "importlib.import_module = starting\n"
               "sys.exit(entry.data())\n")
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60)
-    assert (run.returncode, run.stderr, run.stdout) == (code, line + "\n", "")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_background_job_that_ignores_ctrl_c_goes_on_ignoring_it():
+    """A shell starts a non-interactive `cmd &` with SIGINT ignored (and nohup-like runners
+    keep it so): a Ctrl-C meant for the foreground is not this command's, so the entry leaves
+    the ignore in place (it sets its one-line exit only over the default handler)."""
+    run = _starting("SIGINT", "signal.SIG_IGN")
+    assert (run.returncode, run.stderr, run.stdout) == (0, "", "")
 
 
 def test_ctrl_c_the_command_does_not_handle_is_one_line_and_exit_130(monkeypatch, capsys):
@@ -55,9 +71,10 @@ def test_ctrl_c_the_command_does_not_handle_is_one_line_and_exit_130(monkeypatch
         raise KeyboardInterrupt
 
     monkeypatch.setattr(megapar.cli.plan, "main", main)
+    before = signal.getsignal(signal.SIGINT)  # ignored when pytest runs as a background job
     assert entry.plan() == 130
     assert capsys.readouterr().err == "megapar-plan: interrupted\n"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # the import's handler taken off
 
 
 def test_the_entry_module_imports_no_torch():
