@@ -36,7 +36,7 @@ from functools import lru_cache
 from megapar.models.config import config_from_dict
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
-from megapar.plan.params import _build, _kind_builds, layer_kinds
+from megapar.plan.params import kind_blocks, layer_kinds
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.fp8_convert import wanted
 from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -70,8 +70,7 @@ def block_linears(config_json: str, tp: int, recipe: str, layers: str) -> dict[b
     tp rank, with `wanted`'s verdict under `recipe` / `layers`."""
     config = config_from_dict(json.loads(config_json))
     out = {}
-    for kind, i in _kind_builds(config).items():
-        block = _build(config, tp, range(i, i + 1), False, False)
+    for kind, block in kind_blocks(config, tp).items():
         found = []
         for name, module in block.named_modules():
             if not isinstance(module, ColumnParallelLinear | RowParallelLinear):

@@ -56,6 +56,16 @@ def _kind_builds(config) -> dict[bool, int]:
     return firsts
 
 
+def kind_blocks(config, tp: int, ep: int = 1) -> dict:
+    """{block kind (True: mixture of experts): the first block of that kind, built on the meta
+    device as tp rank 0 (and ep rank 0) holds it}: what the planner reads a block's parameters
+    and linears off."""
+    return {
+        kind: _build(config, tp, range(i, i + 1), False, False, ep)
+        for kind, i in _kind_builds(config).items()
+    }
+
+
 def _build(config, tp: int, layers, pre: bool, post: bool, ep: int = 1):
     mesh = Mesh.virtual(Layout(tp, 1, ep, ep=ep), rank=0, device="meta")
     return build_model(config, mesh, layers, pre_process=pre, post_process=post)
@@ -68,10 +78,7 @@ def _numel(module) -> int:
 @lru_cache(maxsize=64)
 def _pieces(config_json: str, tp: int, ep: int = 1) -> PieceCounts:
     config = config_from_dict(json.loads(config_json))
-    kinds = {
-        kind: _numel(_build(config, tp, range(i, i + 1), False, False, ep))
-        for kind, i in _kind_builds(config).items()
-    }
+    kinds = {kind: _numel(block) for kind, block in kind_blocks(config, tp, ep).items()}
     first = _numel(_build(config, tp, range(0), True, False))
     last_only = _build(config, tp, range(0), False, True)
     tied = sum(p.numel() for p in last_only.parameters() if getattr(p, "tied_to", None))
@@ -128,10 +135,7 @@ def _piece_tensors(config_json: str, tp: int, ep: int = 1):
     block of each layer kind, `layer_kinds`)."""
 
     config = config_from_dict(json.loads(config_json))
-    blocks = {
-        kind: _specs(_build(config, tp, range(i, i + 1), False, False, ep))
-        for kind, i in _kind_builds(config).items()
-    }
+    blocks = {kind: _specs(block) for kind, block in kind_blocks(config, tp, ep).items()}
     return (
         blocks,
         _specs(_build(config, tp, range(0), True, False)),
