@@ -36,7 +36,7 @@ from functools import lru_cache
 from megapar.models.config import config_from_dict
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
-from megapar.plan.params import kind_blocks, layer_kinds
+from megapar.plan.params import kind_blocks
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.fp8_convert import wanted
 from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -110,22 +110,24 @@ def converted_flops(p, tp: int) -> dict[bool, float]:
     return {kind: sum(2.0 * x.n * x.k for x in lins) for kind, lins in converted(p, tp).items()}
 
 
-def stage_layers(p, c, stage: int) -> list[int]:
-    """The layer indices pipeline rank `stage` of candidate `c` holds, all its chunks."""
+def stage_kinds(p, c, stage: int) -> list[bool]:
+    """The block kind (True: mixture of experts) of each layer pipeline rank `stage` of
+    candidate `c` holds, all its chunks (`Problem.layer_kinds`: worked out once per plan)."""
     placement = placement_of(c.schedule)
-    n = p.config.num_layers
-    return [i for spec in chunk_specs(n, c.pp, stage, c.v, placement) for i in spec.layers]
+    specs = chunk_specs(p.config.num_layers, c.pp, stage, c.v, placement)
+    return [bool(p.layer_kinds[i]) for spec in specs for i in spec.layers]
+
+
+def _converted_total(p, c, stage: int, of) -> int:
+    """`of(linear)` summed over the float8 linears pipeline rank `stage` holds (one tp rank)."""
+    per = {kind: sum(of(x) for x in xs) for kind, xs in converted(p, c.tp).items()}
+    return sum(per[kind] for kind in stage_kinds(p, c, stage)) if per else 0
 
 
 def converted_params(p, c, stage: int) -> int:
     """Elements of the parameters (weights and biases) of the float8 linears pipeline rank
     `stage` holds on one tp rank: autocast caches no 16-bit copy of them."""
-    lins = converted(p, c.tp)
-    if not lins:
-        return 0
-    kinds = layer_kinds(p.config)
-    per = {kind: sum(x.params for x in xs) for kind, xs in lins.items()}
-    return sum(per[kinds[i]] for i in stage_layers(p, c, stage))
+    return _converted_total(p, c, stage, lambda x: x.params)
 
 
 def weight_cached(c) -> bool:
@@ -185,13 +187,10 @@ def weight_cache_bytes(p, c, stage: int) -> int:
     tp rank), held from their first use to the end of the step's backward: 1 byte a weight
     element under tensorwise, 2 under rowwise (one cast per axis); 0 under ZeRO-3 (cast per
     use) or without --fp8."""
-    lins = converted(p, c.tp)
-    if not lins or not weight_cached(c):
+    if not weight_cached(c):
         return 0
-    kinds = layer_kinds(p.config)
-    per = {kind: sum(x.n * x.k for x in xs) for kind, xs in lins.items()}
     casts = 1 if p.fp8 == "tensorwise" else 2
-    return casts * sum(per[kinds[i]] for i in stage_layers(p, c, stage))
+    return casts * _converted_total(p, c, stage, lambda x: x.n * x.k)
 
 
 CAST_BYTES = 8
@@ -280,11 +279,10 @@ def summary(p, c, stage: int) -> str:
     `stage` of candidate `c`: how many linears run in float8, per kind with its local N x K,
     and which are kept in high precision and why."""
     every = block_linears(p.config_json, c.tp, p.fp8, p.fp8_layers)
-    kinds = layer_kinds(p.config)
     converted_n: dict[str, int] = {}
     kept: dict[str, str] = {}
-    for i in stage_layers(p, c, stage):
-        for x in every[kinds[i]]:
+    for kind in stage_kinds(p, c, stage):
+        for x in every[kind]:
             key = f"{x.name} {x.n}x{x.k}"
             if x.converted:
                 converted_n[key] = converted_n.get(key, 0) + 1
@@ -305,11 +303,10 @@ def stage_reductions(p, c, stage: int, micro_batches: int) -> tuple[int, int]:
     per = block_reductions(p, c)
     if not per:
         return 0, 0
-    kinds = layer_kinds(p.config)
     again = 1 if c.recompute == "full" else 0
     tp = cp = step = 0
-    for i in stage_layers(p, c, stage):
-        f_tp, b_tp, f_cp, b_cp, w_tp = per[kinds[i]]
+    for kind in stage_kinds(p, c, stage):
+        f_tp, b_tp, f_cp, b_cp, w_tp = per[kind]
         tp += f_tp * (1 + again) + b_tp
         cp += f_cp * (1 + again) + b_cp
         step += w_tp
