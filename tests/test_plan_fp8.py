@@ -4,10 +4,12 @@ collectives and the dry run (megapar/plan/fp8.py)."""
 import contextlib
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
 import transformers
+from conftest import ROOT
 from tp_utils import make_mesh
 
 from megapar.comm_count import count_collectives
@@ -80,35 +82,22 @@ def test_autocast_copies_leave_out_exactly_the_converted_linears(kind, layers):
 
 def test_the_casts_term_is_what_the_backward_allocates():
     """The walk of the float8 backward (`backward_peak_bytes`, emulated as on a CPU) against the
-    CPU allocator's live bytes during a converted linear's backward (torch's profiler), less
-    what the 16-bit linear's backward makes (dX, the 16-bit dW and its fp32 copy): the weight
-    cast per use (ZeRO-3), and from the step's cache, which the forward filled (rowwise's cast
-    along N is made in this first backward and kept: a byte per weight element more, which
-    the cache's own term counts). Equal to 0.3 % (benchmarks/memory/fp8_transients.py)."""
+    CPU allocator's live bytes during a converted linear's backward (torch's profiler, as
+    benchmarks/memory/fp8_transients.py measures it), less what the 16-bit linear's backward
+    makes (dX, the 16-bit dW and its fp32 copy): the weight cast per use (ZeRO-3), and from the
+    step's cache, which the forward filled (rowwise's cast along N is made in this first
+    backward and kept: a byte per weight element more, which the cache's own term counts).
+    Equal to 0.3 % (the benchmark, at five shapes)."""
     pytest.importorskip("torchao")
-    from torch.profiler import ProfilerActivity, profile
-
-    from megapar.tensor_parallel import fp8
+    spec = importlib.util.spec_from_file_location(
+        "fp8_transients", os.path.join(ROOT, "benchmarks", "memory", "fp8_transients.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
 
     m, n, k = 600, 224, 144
     for recipe in ("tensorwise", "rowwise"):
         for cached in (False, True):
-            cache = fp8.Fp8WeightCache() if cached else None
-            step = cache.per_step() if cached else contextlib.nullcontext()
-            w = torch.randn(n, k, requires_grad=True)
-            x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
-            dy = torch.randn(m, n, dtype=torch.bfloat16)
-            with step:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    spec = fp8.make_spec(recipe, True, None, "out", cache=cache)
-                    y = fp8.fp8_linear(x, w, None, spec)
-                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                    y.backward(dy)
-            events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-            live = peak = 0
-            for e in sorted(events, key=lambda e: e.start_ns()):
-                live += e.nbytes()
-                peak = max(peak, live)
+            peak = bench.measure("emulated", recipe, m, n, k, cached)
             kept = n * k if cached and recipe == "rowwise" else 0
             measured = peak - (2 * m * k + 6 * n * k) - kept
             weight = "per use" if not cached else (
