@@ -68,6 +68,22 @@ def test_gpu_terms_name_what_the_h200_showed():
     assert terms["CUDA context"] == 0.75 * GIB and terms["allocator's reserve"] > 0
 
 
+
+@pytest.mark.parametrize("precision, master, why", [
+    ("fp32", "fp32", "fp32 matmuls"),
+    ("bf16", "separate", "16-bit weights: the matmuls use them as they are, nothing to cast")])
+def test_no_autocast_copies_say_why(precision, master, why):
+    """Without autocast copies the term says why: fp32 runs no 16-bit matmul; with separate
+    master weights the matmuls are 16-bit but take the 16-bit weights themselves (it said
+    "fp32 matmuls" there, of a bf16 plan)."""
+    p = Problem(resolve_model("gpt2-tiny"), gpus=1, global_batch=4, seq_len=64,
+                precision=precision, master_weights=master)
+    c = Candidate(mbs=4)
+    peak = process_peak(p, c, stage_memory(p, c)[0], *stage_roles(p, c, 0),
+                        activation_sizes(p, c).full)
+    term = next(t for t in peak.terms if t.name == "autocast's 16-bit weight copies")
+    assert term.bytes == 0 and term.note == why
+
 # -- the CPU ---------------------------------------------------------------------------------
 CPU_LAYOUT = dict(n_embd=768, n_layer=6, n_head=12, vocab_size=50257)
 """GPT-2 124M's width and vocabulary with 6 blocks, 64 positions: 1.3 GiB of state and three

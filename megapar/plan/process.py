@@ -432,7 +432,12 @@ def _autocast_copies(
     """Autocast's cache of 16-bit copies of the weights the rank's matmuls use, kept until the
     step's autocast region ends (every parameter but a lookup-only embedding)."""
     if not _sixteen_bit(p) or c.zero == 3:
-        why = "fp32 matmuls" if not _sixteen_bit(p) else "ZeRO-3's gathered units: not modelled"
+        if p.precision == "fp32":
+            why = "fp32 matmuls"
+        elif p.master_weights != "fp32":
+            why = "16-bit weights: the matmuls use them as they are, nothing to cast"
+        else:
+            why = "ZeRO-3's gathered units: not modelled"
         return Term("autocast's 16-bit weight copies", 0.0, why)
     elements = mem.params / 4
     if has_embedding and not (_tied(p) and has_head):
