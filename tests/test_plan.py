@@ -383,6 +383,25 @@ def test_cli_json_and_explain(capsys):
     assert code == 2 and "1024 positions" in out.err
 
 
+
+def test_an_fp32_plan_at_the_a100_s_bf16_peak_says_so(capsys):
+    """--peak-tflops' default is an A100's bf16 peak (312); megapar-train runs fp32 matmuls at
+    the fp32 rate (19.5 on an A100, 156 with --tf32), so an fp32 plan at 312 times its steps 16
+    x too fast and hands megapar-train a peak its MFU would be read against. Such a plan now
+    says so, in the search and under --explain; a bf16 plan, or an fp32 one given its peak,
+    does not."""
+    base = ["--model", "gpt2-tiny", "--gpus", "2", "--global-batch-size", "8", "--seq-len", "64"]
+    note = ("--peak-tflops 312 is an A100's bf16 peak; fp32 matmuls run at its fp32 rate "
+            "(19.5, 156 with megapar-train --tf32): give your GPU's fp32 peak (H100 / H200 "
+            "SXM: 66.9, 494.7 with --tf32)")
+    for extra in (["--top", "1"], ["--explain", "tp=1,pp=1"]):
+        code, out = _cli(capsys, *base, "--precision", "fp32", *extra)
+        assert code == 0 and out.out.count(note) == 1, out.out
+        code, out = _cli(capsys, *base, *extra)
+        assert code == 0 and "A100's bf16 peak" not in out.out
+        code, out = _cli(capsys, *base, "--precision", "fp32", "--peak-tflops", "19.5", *extra)
+        assert code == 0 and "A100's bf16 peak" not in out.out
+
 def test_explain_defaults_v_to_2_for_the_v_schedules(capsys):
     """megapar-train places two chunks per rank for zb-v / dualpipev when --virtual-stages is
     left out; --explain does the same when v is left out, and names the fix for another v."""

@@ -59,6 +59,7 @@ from megapar.plan.report import (
     fp8_json,
     fp8_lines,
     fp8_note,
+    peak_note,
     print_json,
     row,
     runnable,
@@ -371,8 +372,9 @@ def _explain(args, problem) -> int:
         return 0
     print("\n".join([explain(e), *expert_lines(e, problem), *fp8_lines(e, problem)]))
     print(attention_note(problem.fused_attention))
-    if fp8_note(problem):
-        print(fp8_note(problem))
+    for note in (fp8_note(problem), peak_note(problem)):
+        if note:
+            print(note)
     if e.process is not None:
         print(describe(e.process))
     print(f"command: {cmd}")
@@ -422,8 +424,9 @@ def main(argv=None) -> int:
     )
     print(table(estimates[: args.top], problem.master_weights))
     print(attention_note(problem.fused_attention))
-    if fp8_note(problem):
-        print(fp8_note(problem))
+    for note in (fp8_note(problem), peak_note(problem)):
+        if note:
+            print(note)
     if not estimates:
         return _no_valid_layout(args, problem, rejected)
     if best is None:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
+from megapar.device import PEAK_TFLOPS
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan import experts, fp8
@@ -242,6 +243,21 @@ def fp8_note(p) -> str | None:
             "H200 SXM: 989)"
         )
     return line
+
+
+def peak_note(p) -> str | None:
+    """At --precision fp32 and an A100's bf16 peak (`--peak-tflops`' default), the line that
+    says the plan's matmul rate is not an fp32 job's (megapar-train runs fp32 matmuls at the
+    GPU's fp32 rate, or its TF32 rate with --tf32); None otherwise."""
+    if p.precision != "fp32" or p.peak_tflops != A100_PEAK_TFLOPS:
+        return None
+    _, a100_tf32, a100_fp32 = PEAK_TFLOPS["A100"]
+    _, h100_tf32, h100_fp32 = PEAK_TFLOPS["H100"]
+    return (
+        f"--peak-tflops {A100_PEAK_TFLOPS:g} is an A100's bf16 peak; fp32 matmuls run at its "
+        f"fp32 rate ({a100_fp32:g}, {a100_tf32:g} with megapar-train --tf32): give your GPU's "
+        f"fp32 peak (H100 / H200 SXM: {h100_fp32:g}, {h100_tf32:g} with --tf32)"
+    )
 
 
 BUFFERS_NOTE = (
