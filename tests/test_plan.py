@@ -402,6 +402,22 @@ def test_an_fp32_plan_at_the_a100_s_bf16_peak_says_so(capsys):
         code, out = _cli(capsys, *base, "--precision", "fp32", "--peak-tflops", "19.5", *extra)
         assert code == 0 and "A100's bf16 peak" not in out.out
 
+
+def test_explain_counts_the_micro_batches_in_flight_as_the_dry_run_does(capsys):
+    """Under a chunked schedule the count is in stages' worth (a chunk counts 1 / V) with the
+    per-chunk count beside it, as megapar-train --dry-run prints it. It was rounded to a whole
+    number and unlabelled: llama-tiny at pp 2, interleaved V 2, m 4 said "2 micro-batches in
+    flight" on stage 1 where the dry run says 1.5 stages' worth, 3 counted per chunk."""
+    base = ["--model", "llama-tiny", "--gpus", "2", "--global-batch-size", "4", "--seq-len", "64"]
+    code, out = _cli(capsys, *base, "--explain", "tp=1,pp=2,mbs=1,schedule=interleaved,v=2")
+    assert code == 0 and ("(stage 1, 1.5 stages' worth of micro-batches in flight: 3 counted "
+                          "per chunk, each chunk 1 / 2 of the stage's layers)") in out.out
+    code, out = _cli(capsys, *base, "--explain", "tp=1,pp=2,mbs=1,schedule=interleaved,v=2",
+                     "--json")
+    assert json.loads(out.out)["memory_gib"]["in_flight"] == 1.5
+    code, out = _cli(capsys, *base, "--explain", "tp=1,pp=2,mbs=1")
+    assert code == 0 and "(stage 1, 1 micro-batch in flight)" in out.out
+
 def test_explain_defaults_v_to_2_for_the_v_schedules(capsys):
     """megapar-train places two chunks per rank for zb-v / dualpipev when --virtual-stages is
     left out; --explain does the same when v is left out, and names the fix for another v."""

@@ -249,7 +249,7 @@ def _stage_memory(
                 held.grads,
                 held.optimizer,
                 activations,
-                int(round(in_flight)),
+                in_flight,
                 buffers,
                 held.master,
                 held.gathered,

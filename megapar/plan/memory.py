@@ -220,8 +220,10 @@ class MemoryBreakdown:
     """Adam moments (and fp32 master weights when separate), divided by dp under ZeRO-1."""
     activations: float
     """Activations kept for backward at the peak: in-flight micro-batches x per micro-batch."""
-    in_flight: int
-    """Peak micro-batches in flight on this stage (from the schedule)."""
+    in_flight: float
+    """Micro-batches in flight on this stage at its peak (from the schedule), in stages' worth
+    of activations: a chunk counts 1 / V, so 47 chunks' micro-batches at V 2 are 23.5, as
+    megapar-train --dry-run counts them."""
     buffers: float
     """Transient bytes at the peak that are not kept for the backward: one chunk's logits on the
     stage with the LM head (the whole logits' fp32 gradient with --loss-chunk-tokens 0), one
@@ -271,7 +273,8 @@ class MemoryBreakdown:
 
     def as_gib(self) -> dict:
         d = {k: v / GIB for k, v in asdict(self).items() if k not in ("stage", "in_flight")}
-        return {"stage": self.stage, "in_flight": self.in_flight, **d, "total": self.total / GIB}
+        flight = int(self.in_flight) if self.in_flight == int(self.in_flight) else self.in_flight
+        return {"stage": self.stage, "in_flight": flight, **d, "total": self.total / GIB}
 
 
 def state_bytes(params: int, dp: int, zero: int, master_weights: str) -> tuple[float, float, float]:

@@ -274,10 +274,17 @@ BUFFERS_NOTE = (
 def explain(e: Estimate) -> str:
     """Memory and time breakdown of one estimate."""
     g = e.memory.as_gib()
+    v = e.candidate.v
+    flight = (
+        f"{g['in_flight']:g} stages' worth of micro-batches in flight: "
+        f"{round(g['in_flight'] * v)} counted per chunk, each chunk 1 / {v} of the stage's layers"
+        if v > 1
+        else f"{g['in_flight']:g} micro-batch{'' if g['in_flight'] == 1 else 'es'} in flight"
+    )
     lines = [
         f"layout {e.candidate.label()}  ({e.candidate.spec()})",
-        f"memory of the most loaded rank (stage {g['stage']}, {g['in_flight']} micro-batches "
-        f"in flight): params {g['params']:.2f} GiB, grads {g['grads']:.2f}, optimizer "
+        f"memory of the most loaded rank (stage {g['stage']}, {flight}): params "
+        f"{g['params']:.2f} GiB, grads {g['grads']:.2f}, optimizer "
         f"{g['optimizer']:.2f}, activations {g['activations']:.2f}, buffers "
         f"{g['buffers']:.2f}"
         + (f", gathered units {g['gathered']:.2f}" if g["gathered"] else "")
