@@ -418,6 +418,21 @@ def test_explain_counts_the_micro_batches_in_flight_as_the_dry_run_does(capsys):
     code, out = _cli(capsys, *base, "--explain", "tp=1,pp=2,mbs=1")
     assert code == 0 and "(stage 1, 1 micro-batch in flight)" in out.out
 
+
+def test_the_table_shows_a_small_model_s_step_time(capsys):
+    """A step under 10 ms printed as 0.000 s in every row (gpt2-tiny, the CPU recipes): the
+    column now keeps three significant digits there, and reads back as the JSON's step_s."""
+    base = ["--model", "gpt2-tiny", "--gpus", "4", "--gpus-per-node", "4",
+            "--global-batch-size", "16", "--seq-len", "128", "--top", "3"]
+    code, out = _cli(capsys, *base)
+    rows = [line for line in out.out.splitlines() if line[:3].strip() in ("1", "2", "3")]
+    code, js = _cli(capsys, *base, "--json")
+    layouts = json.loads(js.out)["layouts"]
+    assert code == 0 and len(rows) == 3
+    for row_, layout in zip(rows, layouts):
+        step = float(row_.split()[-4])
+        assert 0 < layout["step_s"] < 0.01 and step == pytest.approx(layout["step_s"], rel=0.01)
+
 def test_explain_defaults_v_to_2_for_the_v_schedules(capsys):
     """megapar-train places two chunks per rank for zb-v / dualpipev when --virtual-stages is
     left out; --explain does the same when v is left out, and names the fix for another v."""

@@ -192,7 +192,7 @@ def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
         lines.append(
             f"{i:>3} {e.candidate.label():<64} {_size(held(e))} "
             f"{'yes' if e.fits else 'no':>4} {100 * e.bubble:>8.1f}%{src} "
-            f"{100 * e.comm_share:>4.0f}% {e.step_s:>8.3f} {e.tokens_per_s:>10.0f} "
+            f"{100 * e.comm_share:>4.0f}% {_seconds(e.step_s)} {e.tokens_per_s:>10.0f} "
             f"{100 * e.mfu:>4.1f}% {'yes' if not runnable(e, master_weights) else 'no':>5}"
         )
     lines.append(
@@ -269,6 +269,12 @@ BUFFERS_NOTE = (
     "total less the buffers)"
 )
 """The line `explain` prints under the memory breakdown."""
+
+
+def _seconds(s: float) -> str:
+    """A step time in the table's 8 columns: 3 decimals, or 3 significant digits below 10 ms
+    (a small model's step, which 3 decimals print as 0.000)."""
+    return f"{s:>8.3f}" if s >= 0.01 or s == 0 else f"{s:>8.2e}"
 
 
 def explain(e: Estimate) -> str:
