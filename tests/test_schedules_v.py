@@ -116,6 +116,24 @@ def test_bubble_and_activations_against_zb_h1_and_1f1b():
         assert in_flight_peak(schedule_actions("dualpipev", 8, 32, s)) / 2 <= one_f_one_b + 0.5
 
 
+
+def test_zb_v_reaches_the_fill_from_3p_over_2_micro_batches():
+    """At t_F = t_B = t_W ZB-V's bubble is the pipeline fill (`theoretical_bubble`) exactly
+    when m >= floor(3 pp / 2), and above it with fewer micro-batches: pp 8, m 8 idles 22.6 %
+    against the fill's 12.7 % (the docs said it reached the fill at those costs, whatever m).
+    DualPipeV (m >= 2 pp) reaches it at every m it takes."""
+    costs = Costs(fwd_ms=1, bwd_ms=2)
+    for pp in range(2, 9):
+        for m in range(1, 3 * pp + 1):
+            fill = theoretical_bubble(pp, m, "zb-v")
+            got = bubble_stats(simulate_schedule("zb-v", pp, m, costs))["measured_bubble"]
+            assert (got == pytest.approx(fill)) == (m >= 3 * pp // 2) and got >= fill - 1e-12
+            if m >= 2 * pp:
+                dual = simulate_schedule("dualpipev", pp, m, costs)
+                assert bubble_stats(dual)["measured_bubble"] == pytest.approx(fill)
+    eight = bubble_stats(simulate_schedule("zb-v", 8, 8, costs))["measured_bubble"]
+    assert (round(100 * eight, 1), round(100 * theoretical_bubble(8, 8, "zb-v"), 1)) == (22.6, 12.7)
+
 def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match="--virtual-stages 3 does not apply to --schedule zb-v"):
         check_schedule("zb-v", 4, 8, 3)

@@ -74,7 +74,8 @@ def formula_bubble(
     m (t_F + t_B + t_W) of work, t_B the input-gradient and t_W the weight-gradient half: Qi et
     al. 2024's (p-1)(t_F + t_B - t_W) where t_W <= min(t_F, t_B), exact from m = p on.
     ZB-V and DualPipeV (two chunks per rank, each half a stage): the pipeline fill, (p-1) t_F / 2,
-    against the same work; a lower bound, which ZB-V reaches at t_F = t_B = t_W."""
+    against the same work; a lower bound, which ZB-V reaches at t_F = t_B = t_W from
+    m = floor(3 p / 2) on."""
     if name in ("gpipe", "1f1b"):
         return (pp - 1) / (m + pp - 1)
     if name == "interleaved":
