@@ -433,6 +433,24 @@ def test_the_table_shows_a_small_model_s_step_time(capsys):
         step = float(row_.split()[-4])
         assert 0 < layout["step_s"] < 0.01 and step == pytest.approx(layout["step_s"], rel=0.01)
 
+
+def test_offload_s_help_says_the_list_replaces_none(capsys):
+    """--offload is a list like --zero-stages: `--offload optimizer` plans only offloaded
+    layouts (llama-1b on 8 GPUs then chose an offloaded one that did not need it). Its help
+    said "offloads tried too", as if the unoffloaded layouts stayed in the search."""
+    from megapar.cli.plan import build_parser
+
+    action = next(a for a in build_parser()._actions if "--offload" in a.option_strings)
+    assert "too" not in action.help and "none optimizer" in action.help
+    base = ["--model", "gpt2-tiny", "--gpus", "2", "--global-batch-size", "8", "--seq-len", "64",
+            "--json", "--top", "500"]
+    for offload, kinds in ((["optimizer"], {"optimizer"}), (["none", "optimizer"],
+                                                            {"none", "optimizer"})):
+        code, out = _cli(capsys, *base, "--offload", *offload)
+        specs = [layout["spec"] for layout in json.loads(out.out)["layouts"]]
+        assert code == 0 and {("optimizer" if "offload=optimizer" in spec else "none")
+                              for spec in specs} == kinds
+
 def test_explain_defaults_v_to_2_for_the_v_schedules(capsys):
     """megapar-train places two chunks per rank for zb-v / dualpipev when --virtual-stages is
     left out; --explain does the same when v is left out, and names the fix for another v."""

@@ -209,8 +209,9 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=OFFLOADS,
         default=["none"],
-        help="host-memory offloads tried too: optimizer (--offload-optimizer), "
-        "both (ZeRO-3: also --offload-params, the parameter shards)",
+        help="host-memory offloads tried, a list as --zero-stages: none, optimizer "
+        "(--offload-optimizer), both (ZeRO-3: also --offload-params, the parameter shards); "
+        "the list replaces the default, so give none optimizer to compare offloading with not",
     )
     p.add_argument(
         "--pcie-gbps",
