@@ -257,10 +257,11 @@ def backward_peak_bytes(
 
 def largest_transient(p, c, emulate: bool) -> tuple[int, Linear | None]:
     """(`backward_peak_bytes` of the float8 linear of candidate `c` that allocates the most,
-    that linear): M = mbs x seq / cp tokens (sequence parallelism gathers them before the
-    column-parallel products and reduce-scatters after the row-parallel ones); the weight's
-    cast from the step's cache (rowwise's along N made in the backward: the top of the
-    backward is the step's first), per use under ZeRO-3."""
+    that linear; the first converted one with 0 where none allocates more than its 16-bit
+    backward; None without converted linears): M = mbs x seq / cp tokens (sequence
+    parallelism gathers them before the column-parallel products and reduce-scatters after
+    the row-parallel ones); the weight's cast from the step's cache (rowwise's along N made
+    in the backward: the top of the backward is the step's first), per use under ZeRO-3."""
     m = c.mbs * p.seq_len // c.cp
     weight = (
         "per use" if not weight_cached(c) else ("cached" if p.fp8 == "tensorwise" else "made once")
@@ -269,7 +270,7 @@ def largest_transient(p, c, emulate: bool) -> tuple[int, Linear | None]:
     for lins in converted(p, c.tp).values():
         for x in lins:
             size = backward_peak_bytes(m, x.n, x.k, p.act_bytes, emulate, weight)
-            if size > best[0]:
+            if best[1] is None or size > best[0]:  # 0 for all: none allocates more
                 best = (size, x)
     return best
 

@@ -482,6 +482,13 @@ def _float8_casts(p: Problem, c: Candidate, mem: MemoryBreakdown, target: str) -
     emulate = target == "cpu"
     nbytes, linear = fp8.largest_transient(p, c, emulate)
     assert linear is not None  # the stage holds a float8 linear
+    if not nbytes:
+        return Term(
+            "float8 casts in a linear's backward",
+            0,
+            f"at {c.mbs * p.seq_len // c.cp} tokens no float8 linear's backward allocates "
+            "more than its high-precision backward",
+        )
     return Term(
         "float8 casts in a linear's backward",
         nbytes,
