@@ -275,6 +275,29 @@ def test_bubble_cli_rejects_bad_virtual_stages(capsys):
     assert "needs --schedule interleaved" in capsys.readouterr().err
 
 
+
+def test_a_failed_measurement_is_one_line_and_a_log(capsys, monkeypatch, tmp_path):
+    """A rank that fails in the measured run (megapar-bubble --model llama-70b on a CPU: out of
+    memory building its stage) is one line naming the rank and the error, and the file with its
+    traceback, exit 1, as megapar-train and megapar-eval say it; it was the WorkerError's
+    traceback, then every rank's."""
+    from megapar.launcher import WorkerError
+
+    def fail(*args, **kwargs):
+        raise WorkerError("rank 1 failed: RuntimeError: DefaultCPUAllocator: can't allocate "
+                          "memory\nTraceback (most recent call last):\n  File ...\n")
+
+    monkeypatch.setattr(bubble, "measure", fail)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["--pp", "2", "-m", "4", "--steps", "1"]) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert lines == [
+        "megapar-bubble: error: rank 1 failed in the measured run: RuntimeError: "
+        "DefaultCPUAllocator: can't allocate memory (full traceback in "
+        + next(str(p) for p in tmp_path.rglob("rank1.log")) + ")"], captured.err
+    assert "Traceback" in next(tmp_path.rglob("rank1.log")).read_text()
+
 # bad inputs: one line, exit 2, before any work -----------------------------------------------
 @pytest.fixture
 def no_work(monkeypatch):

@@ -524,20 +524,32 @@ def main(argv=None) -> int:
         run = simulated_run(args)
         title = f"simulated {name}, pp={pp}, m={m}"
     else:
+        from megapar.faults.report import log_dir_for, worker_failure
+        from megapar.launcher import WorkerError
         from megapar.training import bubble
 
-        run = bubble.measure(
-            pp,
-            m,
-            args.schedule,
-            args.tp,
-            args.model,
-            args.steps,
-            args.micro_batch_size,
-            args.seq_len,
-            v,
-            args.cp,
-        )
+        try:
+            run = bubble.measure(
+                pp,
+                m,
+                args.schedule,
+                args.tp,
+                args.model,
+                args.steps,
+                args.micro_batch_size,
+                args.seq_len,
+                v,
+                args.cp,
+            )
+        except WorkerError as exc:  # one line here, the rank's traceback in its log
+            line, log = worker_failure(str(exc), log_dir_for(None, "~/.cache/megapar"))
+            print(
+                "megapar-bubble: error: "
+                + line.replace("before training started", "in the measured run")
+                + (f" (full traceback in {log})" if log else ""),
+                file=sys.stderr,
+            )
+            return 1
         title = f"measured {name}, pp={pp}, m={m}" + (f", cp={args.cp}" if args.cp > 1 else "")
     print_report(args, run, title)
     return 0
