@@ -562,6 +562,24 @@ def test_cli_refuses_a_config_megapar_cannot_build_in_one_line(capsys, tmp_path)
             assert code == 2 and len(lines) == 1 and message in lines[0], out
 
 
+
+def test_cli_refuses_heads_that_do_not_divide_the_hidden_size_in_one_line(capsys, tmp_path):
+    """A hidden size the attention heads do not divide is no layout's problem but the model's
+    (megapar builds it at no tp): one line, exit 2, as megapar-bubble says it. The plan took it
+    for a size some layout might split and stopped on a LayoutError traceback."""
+    configs = [dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=3, vocab_size=1000),
+               dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=3, vocab_size=1000)]
+    for config in configs:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(config))
+        for more in ([], ["--explain", "tp=1,pp=1"]):
+            code, out = _cli(capsys, "--model", str(path), "--gpus", "2", "--global-batch-size",
+                             "4", "--seq-len", "32", *more)
+            lines = out.err.strip().splitlines()
+            assert code == 2 and len(lines) == 1, out
+            assert "hidden size 64 is not divisible by 3 attention heads" in lines[0], out
+
 def test_command_uses_only_flags_megapar_train_has():
     import dataclasses
 

@@ -30,7 +30,7 @@ from megapar.cli.plan_args import (
 )
 from megapar.cli.plan_verify import verify_estimates
 from megapar.faults.processes import exit_uncollected
-from megapar.mesh import Layout, LayoutError
+from megapar.mesh import Layout
 from megapar.models.config import ConfigError
 from megapar.models.recipes import resolve_model
 from megapar.one_line_parser import OneLineParser
@@ -268,10 +268,9 @@ def _problem(args, given: tuple[str, ...] = ()):
     """The `Problem` the arguments describe; ValueError naming the flag if one is invalid
     (`given`: the options the command line sets, `OneLineParser.given`)."""
     config = resolve_model(args.model)
-    try:  # the config's own errors (biases, rope type, kv heads) hold at every layout
-        config.validate(Layout(1, 1, 1))
-    except LayoutError:
-        pass  # a size no layout can split: every grid is rejected with its reason
+    # the config's own errors (biases, rope type, kv heads, a hidden size the heads do not
+    # divide) hold at every layout: at one GPU's layout only they can fail
+    config.validate(Layout(1, 1, 1))
     limit = config.max_positions
     if args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} is longer than the model's {limit} positions")
