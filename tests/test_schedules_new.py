@@ -103,6 +103,15 @@ def test_interleaved_rejects_bad_arguments_clearly():
         schedule_actions("1f1b", 2, 4, 0, virtual_stages=2)
 
 
+
+def test_theoretical_bubble_refuses_a_schedule_it_has_no_formula_for():
+    """A misspelt schedule got 1F1B's formula back ("zbh1" at pp 4, m 8: 0.273, where ZB-H1's
+    is 0.111); it is a ValueError naming the schedules, as `schedule_actions` says it."""
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zbh1'; valid schedules: "
+                                         "1f1b, dualpipev, gpipe, interleaved, zb-h1, zb-v"):
+        theoretical_bubble(4, 8, "zbh1")
+    assert theoretical_bubble(4, 8, "gpipe") == theoretical_bubble(4, 8, "1f1b") == 3 / 11
+
 def test_spelled_out_orders():
     assert format_schedule(zb_h1(2, 2, 0)) == "F0 SA0 F1 SA1 RG0 BI0 BW0 RG1 BI1 BW1"
     assert format_schedule(zb_h1(2, 2, 1)) == "RA0 F0 BI0 SG0 RA1 F1 BI1 SG1 BW0 BW1"

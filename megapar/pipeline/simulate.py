@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from megapar.pipeline.actions import RECEIVE_KINDS, Action
 from megapar.pipeline.placement import peer_of, placement_of
-from megapar.pipeline.schedules import schedule_actions
+from megapar.pipeline.schedules import get_schedule, schedule_actions
 from megapar.pipeline.timeline import Event, Timeline
 
 Channel = tuple[int, int, str, int]
@@ -313,7 +313,8 @@ def theoretical_bubble(
     bwd_input_ms: float = 1.0,
     bwd_weight_ms: float = 1.0,
 ) -> float:
-    """Idle fraction with equal stages and free communication (published formulas):
+    """Idle fraction with equal stages and free communication (published formulas; a schedule
+    not in `schedules.SCHEDULES` is a ValueError):
     - GPipe / 1F1B (Huang et al. 2019; Narayanan et al. 2021): (pp-1) / (m + pp-1);
     - interleaved 1F1B with V chunks per rank (Narayanan et al. 2021): (pp-1) / (V m + pp-1)
       for m >= pp; with fewer micro-batches than stages `interleaved_bubble`'s exact count;
@@ -333,6 +334,7 @@ def theoretical_bubble(
     """
     if pp < 1 or m < 1:
         raise ValueError(f"theoretical_bubble needs pp >= 1 and m >= 1, got pp={pp} m={m}")
+    get_schedule(schedule)  # a name it has no formula for: ValueError naming the schedules
     if schedule == "interleaved":
         return interleaved_bubble(pp, m, virtual_stages)
     if schedule in ("zb-v", "dualpipev"):
