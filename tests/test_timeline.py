@@ -110,3 +110,14 @@ def test_gantt_png(tmp_path):
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 1000
+
+
+def test_gantt_draws_the_loss_broadcast_as_communication():
+    """The step's closing loss broadcast is a collective a stage waits in (bubble_stats counts
+    it idle): the chart draws it as communication, a thin bar. It was a full "other" box, so a
+    measured pp 2 step's last stage looked busy for the 80 ms it waited for stage 0's last
+    backward. Work that is not a pipeline compute (an optimizer step) stays "other"."""
+    from megapar.pipeline.timeline import _colour_key
+
+    assert _colour_key("loss_broadcast") == _colour_key("wait") == "comm"
+    assert _colour_key("optimizer") == "other" and _colour_key("forward") == "forward"

@@ -246,7 +246,8 @@ _COLOURS = {
 def _colour_key(kind: str) -> str:
     if kind in _COLOURS:
         return kind
-    return "comm" if kind in COMM_KINDS or kind == "wait" else "other"
+    # a wait and the step's closing loss broadcast are communication: idle in `bubble_stats`
+    return "comm" if kind in COMM_KINDS or kind in ("wait", "loss_broadcast") else "other"
 
 
 def plot_gantt(
