@@ -420,8 +420,9 @@ def test_explain_counts_the_micro_batches_in_flight_as_the_dry_run_does(capsys):
 
 
 def test_the_table_shows_a_small_model_s_step_time(capsys):
-    """A step under 10 ms printed as 0.000 s in every row (gpt2-tiny, the CPU recipes): the
-    column now keeps three significant digits there, and reads back as the JSON's step_s."""
+    """A step under 0.5 ms printed as 0.000 s in every row (gpt2-tiny, the CPU recipes): below
+    10 ms the column now keeps three significant digits, and reads back as the JSON's
+    step_s."""
     base = ["--model", "gpt2-tiny", "--gpus", "4", "--gpus-per-node", "4",
             "--global-batch-size", "16", "--seq-len", "128", "--top", "3"]
     code, out = _cli(capsys, *base)
