@@ -355,6 +355,64 @@ def test_cached_weight_casts_reduce_each_weights_amax_over_tp_once_per_step():
         ] * STEPS, (theirs[2], ours[2])
 
 
+def _zero3_float8(recipe="tensorwise", tp=1, steps=STEPS):
+    """`steps` steps under ZeRO-3 at dp 2 (m = 2 micro-batches a rank) and an evaluation,
+    twice: with ZeRO-3's float8 all-gather and without (the control: the same units gathered
+    in fp32, the weights cast per use). Per run: the losses, the evaluation's loss, per step
+    the bytes put into uint8 all-gathers and the sizes of the amax all-reduces (one element per
+    float8 weight), and the float8 units' float8 buffer bytes."""
+    from megapar.comm_count import count_collectives
+
+    runs = []
+    for float8 in (True, False):
+        engine = megapar.prepare(transformers.GPT2Config(**GPT), micro_batch_size=2, lr=3e-3,
+                                 global_batch_size=GBS, seq_len=SEQ, seed=5, clip_grad=1.0,
+                                 tp=tp, zero=3, fp8=recipe, fp8_emulate=True, fp8_layers="all")
+        units = engine.sharded_params.float8.units
+        if not float8:
+            engine.step_fn.zero3_float8 = engine.step_fn.fp8_weight_casts = None
+        losses, gathered8, reduces = [], [], []
+        for batch in _batches()[:steps]:
+            with count_collectives() as calls:
+                losses.append(engine.train_step(batch))
+            gathered8.append(sum(c.bytes for c in calls if c.op.startswith("all_gather")
+                                 and c.dtype == torch.uint8))
+            reduces.append([c.numel for c in calls
+                            if c.op == "all_reduce" and c.numel == 4 * GPT["n_layer"]])
+        held = [u.float8.nbytes for u in units]
+        runs.append((losses, engine.eval_step(_batches()[STEPS]), gathered8, reduces, held))
+    return runs
+
+
+@needs_torchao
+def test_zero3_gathers_the_float8_weights_in_float8():
+    """torchao's float8 all-gather for ZeRO-3 (at tp 2 x dp 2): each rank casts its slice of
+    a tensorwise weight with the weight's scale (its amax MAX-reduced over dp and over tp, once
+    a step for the whole stage) and the ranks gather the float8 bytes, a quarter of the fp32
+    gather, to the same float8 weights: the losses are bitwise those of fp32 gathers and
+    per-use casts, and an evaluation after the steps (fp32 gathers again) too. (One process
+    equals ZeRO-3 under --fp8 in `test_training_steps_in_every_layout_equal_one_process`.)"""
+    m, weights = GBS // 2 // 2, 4 * GPT["n_layer"]
+    for ours, theirs in run_local(_zero3_float8, 4, "tensorwise", 2):
+        assert (ours[0], ours[1]) == (theirs[0], theirs[1]), (ours[:2], theirs[:2])
+        held = ours[4]
+        assert len(held) == GPT["n_layer"]  # a float8 unit per block
+        # every float8 unit gathered in each micro-batch's forward and backward, as bytes
+        # (each rank puts in its slice: 1 / dp of the float8 buffer)
+        assert ours[2] == [2 * m * sum(held) // 2] * STEPS and theirs[2] == [0] * STEPS
+        # one amax all-reduce over dp and one over tp a step, of every float8 weight
+        assert ours[3] == [[weights] * 2] * STEPS and theirs[3] == [[]] * STEPS
+
+
+@needs_torchao
+def test_zero3_keeps_rowwise_weights_in_fp32_gathers():
+    """Rowwise scales cover one row or column of a weight, which a slice does not hold
+    whole: no float8 units, no float8 gathers (torchao gathers only tensorwise weights in
+    float8)."""
+    (losses, _, gathered8, _, held), _ = run_local(_zero3_float8, 2, "rowwise", 1, 1)[0]
+    assert held == [] and gathered8 == [0] and len(losses) == 1
+
+
 def _cpu_float8_kernels() -> str | None:
     """Why torch's float8 matmul (`torch._scaled_mm`) cannot run on this CPU; None: it can."""
     if not HAVE_TORCHAO:

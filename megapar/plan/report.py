@@ -235,6 +235,11 @@ def fp8_note(p) -> str | None:
         f"--peak-tflops {p.peak_tflops:g} x --efficiency (--fp8-speedup), their casts' memory "
         "traffic not counted (the gain is an upper bound); MFU against the 16-bit peak"
     )
+    if p.fp8 == "tensorwise":
+        line += (
+            "; under ZeRO-3 megapar-train gathers the float8 weights as float8 bytes, counted "
+            "here as fp32 gathers and per-use casts (upper bounds; the dry run measures them)"
+        )
     if p.peak_tflops == A100_PEAK_TFLOPS:
         line += (
             f"; --peak-tflops {A100_PEAK_TFLOPS:g} is an A100's, which has no FP8 matmuls "
