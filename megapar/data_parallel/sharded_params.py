@@ -138,13 +138,13 @@ class ShardedParams(UnitGradSync):
         return u.lo, u.hi
 
     def gathered_bytes(self) -> int:
-        """Bytes of the units' full buffers gathered now, float8 ones and the float8 shards
-        their gathers send included (a `Unit.resident` unit's is its shard, held between
-        steps: not counted)."""
+        """Bytes of the units' full buffers gathered now, float8 ones included (a
+        `Unit.resident` unit's is its shard, held between steps: not counted; nor are the
+        slices a gather in flight sends, a float8 shard or an offloaded unit's staging shard:
+        1 / dp of a unit, freed when the gather is done)."""
         return sum(
             u.full.untyped_storage().nbytes()
             + (0 if u.float8 is None else u.float8.full.untyped_storage().nbytes())
-            + (0 if u.float8 is None else u.float8.shard.untyped_storage().nbytes())
             for u in self.units
             if not u.resident
         )

@@ -237,8 +237,8 @@ def fp8_note(p) -> str | None:
     )
     if p.fp8 == "tensorwise":
         line += (
-            "; under ZeRO-3 megapar-train gathers the float8 weights as float8 bytes, counted "
-            "here as fp32 gathers and per-use casts (upper bounds; the dry run measures them)"
+            "; under ZeRO-3 the float8 weights are gathered as float8 bytes, a quarter of "
+            "fp32's, and their casts are those gathers (megapar-train's float8 all-gather)"
         )
     if p.peak_tflops == A100_PEAK_TFLOPS:
         line += (
@@ -408,6 +408,7 @@ def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
             placement_of(c.schedule),
             p.zero3_persistence_threshold,
             c.ep,
+            fp8.zero3_float8(p, c),
         ),
         3,
         m,

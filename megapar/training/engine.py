@@ -135,8 +135,7 @@ class Engine:
             zero3_persistence_threshold=cfg.zero3_persistence_threshold,
             offload_params=cfg.offload_params,
             zero3_reduce=cfg.zero3_reduce,
-            # float8 all-gather: tensorwise weights, cast outside compiled blocks, device shards
-            zero3_float8=cfg.fp8 == "tensorwise" and not cfg.compile and not cfg.offload_params,
+            zero3_float8=cfg.zero3_float8 is not None,
         )
         """The stage's `GradSync` (`megapar.data_parallel.grad_sync`)."""
         self.sharded_params: ShardedParams | None = (
