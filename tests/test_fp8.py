@@ -13,8 +13,11 @@ values in fp32, so everything here is exact to fp32 rounding, and that is the to
   parallelism and zb-h1 equal one process under --fp8;
 - checkpoints hold fp32 weights; one saved under --fp8 loads into an fp32 run and back;
 - a step's micro-batches share each weight's cast, bitwise as casting per use;
+- ZeRO-3 gathers tensorwise weights as float8 bytes (its float8 all-gather), bitwise as fp32
+  gathers with per-use casts, at a quarter of the bytes; rowwise gathers fp32;
 - where torch has float8 matmuls on the CPU (`torch._scaled_mm`, x86), the path a GPU runs,
-  torchao's float8 tensors through that kernel, equals the emulation at tp 2 in bf16.
+  torchao's float8 tensors through that kernel, equals the emulation at tp 2 and at ZeRO-3
+  dp 2 (the gathered float8 weights) in bf16.
 
 torchao is an optional dependency (megapar[fp8]); without it these tests skip (the checks of
 --fp8's refusals run either way).
@@ -426,7 +429,7 @@ def _cpu_float8_kernels() -> str | None:
     return None
 
 
-def _kernels_and_emulation(recipe, tp):
+def _kernels_and_emulation(recipe, tp, zero=0):
     """Three bf16 steps with the float8 products emulated, then with torch's kernels."""
     from megapar.training import prepare as prepare_module
 
@@ -439,7 +442,7 @@ def _kernels_and_emulation(recipe, tp):
             engine = megapar.prepare(transformers.GPT2Config(**GPT), micro_batch_size=2,
                                      lr=3e-3, global_batch_size=GBS, seq_len=SEQ, seed=5,
                                      clip_grad=1.0, tp=tp, precision="bf16", fp8=recipe,
-                                     fp8_emulate=emulate, fp8_layers="all")
+                                     fp8_emulate=emulate, fp8_layers="all", zero=zero)
             runs.append(([engine.train_step(b) for b in _batches()[:STEPS]], len(calls)))
         finally:
             torch._scaled_mm = kernel
@@ -447,16 +450,20 @@ def _kernels_and_emulation(recipe, tp):
 
 
 @pytest.mark.skipif(_cpu_float8_kernels() is not None, reason=str(_cpu_float8_kernels()))
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_torchs_float8_kernels_on_the_cpu_equal_the_emulation(recipe):
+@pytest.mark.parametrize("recipe,tp,zero", [("tensorwise", 2, 0), ("rowwise", 2, 0),
+                                            ("tensorwise", 1, 3)])
+def test_torchs_float8_kernels_on_the_cpu_equal_the_emulation(recipe, tp, zero):
     """The path a GPU runs, short of its kernels: torchao's float8 tensors through
     `torch._scaled_mm` (their layouts, the cached weight casts reused transposed in the
-    backward), which torch also has on x86 CPUs. At tp 2 (amaxes reduced over tp) three bf16
-    steps equal the emulation's within 1e-5: the same casts and scales, the products in fp32
-    either way, rounded to bf16 once. (--fp8 itself refuses a CPU: these kernels are not what
-    a CPU should train with; the test calls prepare past that check.)"""
-    products = 3 * (GBS // 2) * 4 * GPT["n_layer"] * STEPS  # Y, dX, dW of every linear
-    for (emulated, none), (kernels, calls) in run_local(_kernels_and_emulation, 2, recipe, 2):
+    backward; under ZeRO-3 at dp 2, the float8 weights gathered as bytes, views into the
+    gathered buffer), which torch also has on x86 CPUs. At tp 2 (amaxes reduced over tp) and
+    ZeRO-3 dp 2 three bf16 steps equal the emulation's within 1e-5: the same casts and scales,
+    the products in fp32 either way, rounded to bf16 once. (--fp8 itself refuses a CPU: these
+    kernels are not what a CPU should train with; the test calls prepare past that check.)"""
+    micro_batches = GBS // 2 // (2 // tp)  # a rank's: tp 2, or dp 2
+    products = 3 * micro_batches * 4 * GPT["n_layer"] * STEPS  # Y, dX, dW of every linear
+    for (emulated, none), (kernels, calls) in run_local(_kernels_and_emulation, 2, recipe, tp,
+                                                        zero):
         assert (none, calls) == (0, products), (none, calls)
         assert_close(torch.tensor(kernels), torch.tensor(emulated), 1e-5, f"{recipe} kernels")
 
