@@ -363,14 +363,17 @@ def _zero3_float8(recipe="tensorwise", tp=1, steps=STEPS):
     twice: with ZeRO-3's float8 all-gather and without (the control: the same units gathered
     in fp32, the weights cast per use). Per run: the losses, the evaluation's loss, per step
     the bytes put into uint8 all-gathers and the sizes of the amax all-reduces (one element per
-    float8 weight), and the float8 units' float8 buffer bytes."""
+    float8 weight), and the float8 units' float8 buffer bytes. On a GPU with FP8 matmuls
+    (tests/test_cuda_shared.py) torch's kernels, else torchao's emulation."""
     from megapar.comm_count import count_collectives
 
+    kernels = torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 9)
     runs = []
     for float8 in (True, False):
         engine = megapar.prepare(transformers.GPT2Config(**GPT), micro_batch_size=2, lr=3e-3,
                                  global_batch_size=GBS, seq_len=SEQ, seed=5, clip_grad=1.0,
-                                 tp=tp, zero=3, fp8=recipe, fp8_emulate=True, fp8_layers="all")
+                                 tp=tp, zero=3, fp8=recipe, fp8_emulate=not kernels,
+                                 fp8_layers="all")
         units = engine.sharded_params.float8.units
         if not float8:
             engine.step_fn.zero3_float8 = engine.step_fn.fp8_weight_casts = None
