@@ -14,7 +14,9 @@ ZeRO-3 (the harnesses of test_parity_3d.py and test_zero3.py: losses, grad norms
 gradients, final weights over 5 steps), and the mixtral-tiny recipe at dp 2 x ep 2 (losses,
 grad norms, router statistics, first-step gradients, final weights over 3 steps); then four
 ranks: tp 2 x pp 2, tp 2 x dp 2 with ZeRO-3 and dp 4 x ep 2. Each rank reports where it ran and
-its peak device memory (MEGAPAR_GPU_REPORT, as tests/test_cuda_single.py's figures).
+its peak device memory (MEGAPAR_GPU_REPORT, as tests/test_cuda_single.py's figures). With
+torchao, ZeRO-3's float8 all-gather at dp 2 (`--fp8 tensorwise`, the GPU's float8 kernels
+where it has them) against fp32 gathers, bitwise.
 
 `MEGAPAR_CUDA_TIER_ON_CPU=1` rehearses it on the CPU: the same spawned ranks and staging (on the
 CPU it copies host tensors too), under the device model of tests/device_model.py.
@@ -22,6 +24,7 @@ CPU it copies host tensors too), under the device model of tests/device_model.py
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -206,3 +209,26 @@ def test_ranks_sharing_the_gpu_match_one_process(one_process, n, runs):
     record(f"shared gpu, {n} ranks", layouts=len(runs),
            peak_allocated_mib=[round(w["peak_allocated"] / 2**20, 1) for w in where],
            peak_reserved_mib=[round(w["peak_reserved"] / 2**20, 1) for w in where])
+
+
+def test_zero3_gathers_float8_weights_across_processes_on_the_gpu():
+    """ZeRO-3's float8 all-gather (--fp8 tensorwise) at dp 2 with both ranks on the one GPU,
+    gloo staging the uint8 gathers through the host: tests/test_fp8.py's check on the GPU
+    (torch's float8 kernels where it has FP8 matmuls, else the emulation): three steps and an
+    evaluation bitwise those of fp32 gathers with per-use casts, the float8 units gathered as
+    a quarter of the bytes, one amax all-reduce a step over dp."""
+    if importlib.util.find_spec("torchao") is None:
+        pytest.skip("torchao is not installed (tools/gpu_session.sh installs it from wheels/)")
+    from test_fp8 import GBS, GPT, STEPS, _zero3_float8
+
+    env = {"MEGAPAR_CPU": "1" if ON_CPU else "0", SHARED_GPU_ENV: "1"}
+    outs = run_local(_tier_worker, 2, _zero3_float8, ON_CPU, "tensorwise", 1,
+                     start_method="spawn", env=env, timeout_s=900 if ON_CPU else 300,
+                     collective_timeout_s=120)
+    m = GBS // 2 // 2
+    for on, off in outs:
+        assert (on[0], on[1]) == (off[0], off[1]), (on[:2], off[:2])
+        assert on[2] == [2 * m * sum(on[4]) // 2] * STEPS and off[2] == [0] * STEPS
+        assert on[3] == [[4 * GPT["n_layer"]]] * STEPS
+    record("shared gpu, zero-3 float8 all-gather", losses=outs[0][0][0],
+           float8_bytes_a_step=outs[0][0][2][0])

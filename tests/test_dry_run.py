@@ -30,12 +30,14 @@ from megapar.training.config import TrainConfig
     ("gpt2-small-cpu", "1f1b", "none", 2, False, 1),
     ("gpt2-small-cpu", "1f1b", "none", 3, False, 1),
     ("llama-tiny", "1f1b", "none", 1, "regather", 1),
-    ("gpt2-small-cpu", "1f1b", "none", 1, "fp8", 1)])
+    ("gpt2-small-cpu", "1f1b", "none", 1, "fp8", 1),
+    ("gpt2-small-cpu", "1f1b", "none", 3, "fp8", 1)])
 def test_small_layout_equals_the_real_run(run, tmp_path, monkeypatch, recipe, schedule,
                                           recompute, zero, sp, cp):
     """2x2x2 (gpt2-small-cpu: 4 layers, hidden 128; llama-tiny, also with --sp-regather: sp
     "regather"; under --fp8 tensorwise, sp "fp8": a step casts each weight once, its amax
-    all-reduced once a step, not once a micro-batch), and tp 2 x cp 2 x pp 2: every
+    all-reduced once a step, not once a micro-batch; under ZeRO-3 its float8 gathers, the amax
+    all-reduces once a step), and tp 2 x cp 2 x pp 2: every
     rank's weights, gradients and optimizer bytes, its communication per step and its
     checkpoint file equal a real run's; the modelled activation peak is within 2 % of the one
     measured with saved-tensor hooks. The dry run rehearses NCCL, which reduces a sharded

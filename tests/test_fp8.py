@@ -13,8 +13,11 @@ values in fp32, so everything here is exact to fp32 rounding, and that is the to
   parallelism and zb-h1 equal one process under --fp8;
 - checkpoints hold fp32 weights; one saved under --fp8 loads into an fp32 run and back;
 - a step's micro-batches share each weight's cast, bitwise as casting per use;
+- ZeRO-3 gathers tensorwise weights as float8 bytes (its float8 all-gather), bitwise as fp32
+  gathers with per-use casts, at a quarter of the bytes; rowwise gathers fp32;
 - where torch has float8 matmuls on the CPU (`torch._scaled_mm`, x86), the path a GPU runs,
-  torchao's float8 tensors through that kernel, equals the emulation at tp 2 in bf16.
+  torchao's float8 tensors through that kernel, equals the emulation at tp 2 and at ZeRO-3
+  dp 2 (the gathered float8 weights) in bf16.
 
 torchao is an optional dependency (megapar[fp8]); without it these tests skip (the checks of
 --fp8's refusals run either way).
@@ -355,6 +358,67 @@ def test_cached_weight_casts_reduce_each_weights_amax_over_tp_once_per_step():
         ] * STEPS, (theirs[2], ours[2])
 
 
+def _zero3_float8(recipe="tensorwise", tp=1, steps=STEPS):
+    """`steps` steps under ZeRO-3 at dp 2 (m = 2 micro-batches a rank) and an evaluation,
+    twice: with ZeRO-3's float8 all-gather and without (the control: the same units gathered
+    in fp32, the weights cast per use). Per run: the losses, the evaluation's loss, per step
+    the bytes put into uint8 all-gathers and the sizes of the amax all-reduces (one element per
+    float8 weight), and the float8 units' float8 buffer bytes. On a GPU with FP8 matmuls
+    (tests/test_cuda_shared.py) torch's kernels, else torchao's emulation."""
+    from megapar.comm_count import count_collectives
+
+    kernels = torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= (8, 9)
+    runs = []
+    for float8 in (True, False):
+        engine = megapar.prepare(transformers.GPT2Config(**GPT), micro_batch_size=2, lr=3e-3,
+                                 global_batch_size=GBS, seq_len=SEQ, seed=5, clip_grad=1.0,
+                                 tp=tp, zero=3, fp8=recipe, fp8_emulate=not kernels,
+                                 fp8_layers="all")
+        units = engine.sharded_params.float8.units
+        if not float8:
+            engine.step_fn.zero3_float8 = engine.step_fn.fp8_weight_casts = None
+        losses, gathered8, reduces = [], [], []
+        for batch in _batches()[:steps]:
+            with count_collectives() as calls:
+                losses.append(engine.train_step(batch))
+            gathered8.append(sum(c.bytes for c in calls if c.op.startswith("all_gather")
+                                 and c.dtype == torch.uint8))
+            reduces.append([c.numel for c in calls
+                            if c.op == "all_reduce" and c.numel == 4 * GPT["n_layer"]])
+        held = [u.float8.nbytes for u in units]
+        runs.append((losses, engine.eval_step(_batches()[STEPS]), gathered8, reduces, held))
+    return runs
+
+
+@needs_torchao
+def test_zero3_gathers_the_float8_weights_in_float8():
+    """torchao's float8 all-gather for ZeRO-3 (at tp 2 x dp 2): each rank casts its slice of
+    a tensorwise weight with the weight's scale (its amax MAX-reduced over dp and over tp, once
+    a step for the whole stage) and the ranks gather the float8 bytes, a quarter of the fp32
+    gather, to the same float8 weights: the losses are bitwise those of fp32 gathers and
+    per-use casts, and an evaluation after the steps (fp32 gathers again) too. (One process
+    equals ZeRO-3 under --fp8 in `test_training_steps_in_every_layout_equal_one_process`.)"""
+    m, weights = GBS // 2 // 2, 4 * GPT["n_layer"]
+    for ours, theirs in run_local(_zero3_float8, 4, "tensorwise", 2):
+        assert (ours[0], ours[1]) == (theirs[0], theirs[1]), (ours[:2], theirs[:2])
+        held = ours[4]
+        assert len(held) == GPT["n_layer"]  # a float8 unit per block
+        # every float8 unit gathered in each micro-batch's forward and backward, as bytes
+        # (each rank puts in its slice: 1 / dp of the float8 buffer)
+        assert ours[2] == [2 * m * sum(held) // 2] * STEPS and theirs[2] == [0] * STEPS
+        # one amax all-reduce over dp and one over tp a step, of every float8 weight
+        assert ours[3] == [[weights] * 2] * STEPS and theirs[3] == [[]] * STEPS
+
+
+@needs_torchao
+def test_zero3_keeps_rowwise_weights_in_fp32_gathers():
+    """Rowwise scales cover one row or column of a weight, which a slice does not hold
+    whole: no float8 units, no float8 gathers (torchao gathers only tensorwise weights in
+    float8)."""
+    (losses, _, gathered8, _, held), _ = run_local(_zero3_float8, 2, "rowwise", 1, 1)[0]
+    assert held == [] and gathered8 == [0] and len(losses) == 1
+
+
 def _cpu_float8_kernels() -> str | None:
     """Why torch's float8 matmul (`torch._scaled_mm`) cannot run on this CPU; None: it can."""
     if not HAVE_TORCHAO:
@@ -368,7 +432,7 @@ def _cpu_float8_kernels() -> str | None:
     return None
 
 
-def _kernels_and_emulation(recipe, tp):
+def _kernels_and_emulation(recipe, tp, zero=0):
     """Three bf16 steps with the float8 products emulated, then with torch's kernels."""
     from megapar.training import prepare as prepare_module
 
@@ -381,7 +445,7 @@ def _kernels_and_emulation(recipe, tp):
             engine = megapar.prepare(transformers.GPT2Config(**GPT), micro_batch_size=2,
                                      lr=3e-3, global_batch_size=GBS, seq_len=SEQ, seed=5,
                                      clip_grad=1.0, tp=tp, precision="bf16", fp8=recipe,
-                                     fp8_emulate=emulate, fp8_layers="all")
+                                     fp8_emulate=emulate, fp8_layers="all", zero=zero)
             runs.append(([engine.train_step(b) for b in _batches()[:STEPS]], len(calls)))
         finally:
             torch._scaled_mm = kernel
@@ -389,16 +453,20 @@ def _kernels_and_emulation(recipe, tp):
 
 
 @pytest.mark.skipif(_cpu_float8_kernels() is not None, reason=str(_cpu_float8_kernels()))
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_torchs_float8_kernels_on_the_cpu_equal_the_emulation(recipe):
+@pytest.mark.parametrize("recipe,tp,zero", [("tensorwise", 2, 0), ("rowwise", 2, 0),
+                                            ("tensorwise", 1, 3)])
+def test_torchs_float8_kernels_on_the_cpu_equal_the_emulation(recipe, tp, zero):
     """The path a GPU runs, short of its kernels: torchao's float8 tensors through
     `torch._scaled_mm` (their layouts, the cached weight casts reused transposed in the
-    backward), which torch also has on x86 CPUs. At tp 2 (amaxes reduced over tp) three bf16
-    steps equal the emulation's within 1e-5: the same casts and scales, the products in fp32
-    either way, rounded to bf16 once. (--fp8 itself refuses a CPU: these kernels are not what
-    a CPU should train with; the test calls prepare past that check.)"""
-    products = 3 * (GBS // 2) * 4 * GPT["n_layer"] * STEPS  # Y, dX, dW of every linear
-    for (emulated, none), (kernels, calls) in run_local(_kernels_and_emulation, 2, recipe, 2):
+    backward; under ZeRO-3 at dp 2, the float8 weights gathered as bytes, views into the
+    gathered buffer), which torch also has on x86 CPUs. At tp 2 (amaxes reduced over tp) and
+    ZeRO-3 dp 2 three bf16 steps equal the emulation's within 1e-5: the same casts and scales,
+    the products in fp32 either way, rounded to bf16 once. (--fp8 itself refuses a CPU: these
+    kernels are not what a CPU should train with; the test calls prepare past that check.)"""
+    micro_batches = GBS // 2 // (2 // tp)  # a rank's: tp 2, or dp 2
+    products = 3 * micro_batches * 4 * GPT["n_layer"] * STEPS  # Y, dX, dW of every linear
+    for (emulated, none), (kernels, calls) in run_local(_kernels_and_emulation, 2, recipe, tp,
+                                                        zero):
         assert (none, calls) == (0, products), (none, calls)
         assert_close(torch.tensor(kernels), torch.tensor(emulated), 1e-5, f"{recipe} kernels")
 

@@ -18,7 +18,7 @@ from megapar.models.config import config_from_dict
 from megapar.models.flops import matmul_flops
 from megapar.plan import Candidate, Problem, estimate, stage_memory
 from megapar.plan.estimate import activation_sizes, stage_roles
-from megapar.plan.fp8 import backward_peak_bytes, stage_reductions
+from megapar.plan.fp8 import backward_peak_bytes, converted, stage_reductions
 from megapar.plan.process import process_peak
 from megapar.plan.timing import chunk_times
 
@@ -159,12 +159,19 @@ def _amax_all_reduces(recipe, cached):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_amax_all_reduces_are_what_the_code_issues(recipe):
     p = _problem(_config("llama"), recipe, "all", gpus=4)
-    for cached, c, m in ((True, Candidate(tp=2, mbs=2), 2),
-                         (False, Candidate(tp=2, dp=2, mbs=2, zero=3), 1)):
+    per_use = Candidate(tp=2, dp=2, mbs=2, zero=3, offload_optimizer=True, offload_params=True)
+    for cached, c, m in ((True, Candidate(tp=2, mbs=2), 2), (False, per_use, 1)):
         issued = run_local(_amax_all_reduces, 2, recipe, cached)
         planned = stage_reductions(p, c, 0, m)
         assert planned[0] > 0 and issued == [planned[0]] * 2 and planned[1] == 0, (
             cached, issued, planned)
+    # ZeRO-3 gathering tensorwise weights in float8: their amaxes in one all-reduce over tp a
+    # step for the stage, not one per weight (the real code's: tests/test_fp8.py)
+    gathered, one, by_use = (stage_reductions(p, cand, 0, 1)[0] for cand in (
+        Candidate(tp=2, dp=2, mbs=2, zero=3), Candidate(tp=2, mbs=2), per_use))
+    weights = sum(len(x) for x in converted(p, 2).values()) * LLAMA["num_hidden_layers"]
+    expected = one - weights + 1 if recipe == "tensorwise" else by_use  # rowwise: per use
+    assert gathered == expected, (gathered, one, by_use, weights)
     # full recomputation casts the forward's X again (not run here)
     full = stage_reductions(p, Candidate(tp=2, mbs=2, recompute="full"), 0, 2)
     assert full[0] > stage_reductions(p, Candidate(tp=2, mbs=2), 0, 2)[0]
@@ -285,7 +292,8 @@ def test_cp_amax_all_reduces_are_what_the_code_issues(recipe):
 
 def test_the_plan_says_how_it_counts_float8_and_that_an_a100_has_none(capsys):
     """--peak-tflops defaults to an A100's, which has no FP8 matmuls: a --fp8 plan at that
-    peak says so (megapar-train refuses --fp8 there), and every --fp8 plan says what it counts."""
+    peak says so (megapar-train refuses --fp8 there), and every --fp8 plan says what it counts
+    (under tensorwise: ZeRO-3's float8 gathers)."""
     notes = {}
     for argv in ([], ["--fp8", "tensorwise"], ["--fp8", "rowwise", "--peak-tflops", "989"]):
         code, out = _plan(capsys, *argv, "--fp8-layers", "all") if argv else _plan(capsys)
@@ -296,7 +304,49 @@ def test_the_plan_says_how_it_counts_float8_and_that_an_a100_has_none(capsys):
     assert len(a100) == 1 and a100[0].startswith(
         "fp8 tensorwise: the converted block linears' products at 2 x --peak-tflops 312 x "
         "--efficiency") and "an A100's, which has no FP8 matmuls" in a100[0], a100
+    assert "under ZeRO-3 the float8 weights are gathered as float8 bytes" in a100[0]
     hopper = notes["--fp8 rowwise --peak-tflops 989"]
     assert len(hopper) == 1 and "--peak-tflops 989" in hopper[0] and "A100" not in hopper[0]
+    assert "ZeRO-3" not in hopper[0]  # rowwise weights gather in fp32
     code, out = _plan(capsys, "--fp8", "tensorwise", "--explain", "tp=2,mbs=2")
     assert code == 0 and "an A100's, which has no FP8 matmuls" in out.out, out.err
+
+
+@needs_torchao
+@pytest.mark.parametrize("spec,world", [("tp=1,pp=1,dp=2,mbs=2,zero=3", 2),
+                                        ("tp=2,pp=2,dp=2,mbs=1,zero=3", 8)])
+def test_zero3_float8_gathers_in_the_plan_equal_the_dry_run(spec, world):
+    """ZeRO-3 under --fp8 tensorwise gathers the float8 weights as float8 bytes, a block's in
+    a unit of their own (`data_parallel/zero3_float8.py`): the plan's units (their shards and
+    state), gathered peak and dp traffic equal the dry run's to the byte, with fewer gathered
+    bytes than fp32 gathers; rowwise plans fp32 gathers. (megapar-plan --verify now rehearses
+    --fp8: it ran the job without it.)"""
+    from megapar.dryrun.verify import train_config, verify_layout
+    from megapar.dryrun import dry_run
+    from megapar.mesh import Layout
+    from megapar.models.recipes import resolve_model
+    from megapar.pipeline.schedules import placement_of
+    from megapar.plan import parse_candidate
+    from megapar.plan.fp8 import zero3_float8
+    from megapar.plan.state import groups_traffic, zero_traffic
+
+    config, c = resolve_model("gpt2-tiny"), parse_candidate(spec, world)
+    gathered = {}
+    for fp8 in ("tensorwise", "rowwise", "off"):
+        p = Problem(config, world, global_batch=8, seq_len=16, precision="fp32", fp8=fp8,
+                    fp8_layers="all")
+        result = verify_layout(p, c, [0])
+        assert result.error == "" and result.differences == [], result
+        gathered[fp8] = stage_memory(p, c)[0].gathered
+        if fp8 != "tensorwise":
+            assert zero3_float8(p, c) is None
+            continue
+        r = dry_run(train_config(p, c), config, Layout(c.tp, c.pp, c.dp), [0])[0]
+        m = 8 // (c.mbs * c.dp)
+        planned = groups_traffic(
+            zero_traffic(config, c.tp, c.pp, 1, 0, c.dp, 3, p.grad_bucket_mb,
+                         placement_of(c.schedule), float8=zero3_float8(p, c)),
+            3, m, c.pp)["dp"]
+        for op, n, nbytes in planned:
+            assert r.comm["dp"][op] == {"count": n, "bytes": int(nbytes)}, (op, r.comm["dp"])
+    assert gathered["tensorwise"] < gathered["rowwise"] == gathered["off"], gathered

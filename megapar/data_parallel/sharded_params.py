@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from megapar import device as _device
+from megapar.data_parallel.zero3_float8 import Float8Gather, float8_weights
 from megapar.data_parallel.zero3_grads import REDUCES as REDUCES
 from megapar.data_parallel.zero3_grads import UnitGradSync
 from megapar.data_parallel.zero3_units import (
@@ -62,6 +63,7 @@ from megapar.data_parallel.zero3_units import (
     in_backward,
     stage_units,
 )
+from megapar.tensor_parallel.fp8 import Fp8WeightCache
 
 
 class ShardedParams(UnitGradSync):
@@ -85,6 +87,7 @@ class ShardedParams(UnitGradSync):
         offload: bool = False,
         reduce: str = "step",
         expert_group=None,
+        float8: bool = False,
     ):
         """`persist_below`: parameters with fewer elements go into one *persistent* unit of
         the stage, gathered at the stage's first forward of a step and kept until the step
@@ -93,14 +96,17 @@ class ShardedParams(UnitGradSync):
         memory and copied to a device staging shard for each gather (`Unit.host_shard`).
         `reduce` (--zero3-reduce, `REDUCES`): as `UnitGradSync`'s. `expert_group` (expert
         parallelism: `Mesh.expert_dp_group`): the group the expert parameters are sharded
-        over (None: they are sharded over `group` with the others)."""
+        over (None: they are sharded over `group` with the others). `float8`: the weights of
+        the stage's tensorwise float8 linears gather in float8 during a step (`float8_step`,
+        `zero3_float8.py`)."""
         dense = Shards.of(group)
         self.group, self.dp, self.dp_rank = group, dense.size, dense.rank
         self.keep = keep
         self.persist_below = persist_below
         self.offload = offload
         experts = Shards.of(expert_group) if expert_group is not None else None
-        made = stage_units(stage, UnitMaker(dense, experts, offload), persist_below)
+        weights8 = float8_weights(stage) if float8 else {}
+        made = stage_units(stage, UnitMaker(dense, experts, offload, weights8), persist_below)
         self.chunks, self.roots, self.first = made.chunks, made.roots, made.first
         self.persistent = made.persistent
         """The unit of the parameters under `persist_below` elements (None: none)."""
@@ -115,7 +121,10 @@ class ShardedParams(UnitGradSync):
         )
         """Elements per synchronous piece of a large unit's collectives (gloo), else None."""
         self.bytes_gathered = 0
-        """Bytes this rank received from all-gathers (full buffers)."""
+        """Bytes this rank received from all-gathers (full buffers, float8 ones in a step)."""
+        tp_group = next((spec.group for spec in weights8.values()), None)
+        self.float8 = Float8Gather(self.units, tp_group)
+        """The float8 units and their step (`float8_step`); none unless `float8`."""
         self._attach_hooks()
 
     # the optimizer's view (ZeroOptimizer.state_tensors reads these) ------------------------
@@ -129,9 +138,21 @@ class ShardedParams(UnitGradSync):
         return u.lo, u.hi
 
     def gathered_bytes(self) -> int:
-        """Bytes of the units' full buffers gathered now (a `Unit.resident` unit's is its
-        shard, held between steps: not counted)."""
-        return sum(u.full.untyped_storage().nbytes() for u in self.units if not u.resident)
+        """Bytes of the units' full buffers gathered now, float8 ones included (a
+        `Unit.resident` unit's is its shard, held between steps: not counted; nor are the
+        slices a gather in flight sends, a float8 shard or an offloaded unit's staging shard:
+        1 / dp of a unit, freed when the gather is done)."""
+        return sum(
+            u.full.untyped_storage().nbytes()
+            + (0 if u.float8 is None else u.float8.full.untyped_storage().nbytes())
+            for u in self.units
+            if not u.resident
+        )
+
+    def float8_step(self, cache: Fp8WeightCache):
+        """The context of one optimizer step: the float8 weights gathered in float8 inside
+        (their casts in `cache`), `cache.per_step()` with none (`Float8Gather.step`)."""
+        return self.float8.step(cache)
 
     def held_bytes(self) -> int:
         """Bytes of parameter and gradient shards this rank holds on its device between steps
@@ -192,7 +213,7 @@ class ShardedParams(UnitGradSync):
 
     def _launch_gather(self, v: Unit) -> None:
         if not v.gathered and v.handle is None:
-            self.bytes_gathered += 0 if v.alone else v.nbytes
+            self.bytes_gathered += 0 if v.alone else v.gather_nbytes
             v.launch_gather(self.piece)
 
     def release(self, u: Unit | None) -> None:

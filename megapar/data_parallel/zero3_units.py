@@ -38,7 +38,7 @@ each gather and freed once the gather is done; the optimizer steps the host shar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megapar import device as _device
+from megapar.data_parallel.zero3_float8 import Float8Shard
 from megapar.expert_parallel import is_expert
 from megapar.mesh import group_size
 
@@ -85,7 +86,10 @@ class Unit:
         params: list[nn.Parameter],
         shards: Shards,
         offload: bool = False,
+        float8: list | None = None,
     ):
+        """`float8`: the `Fp8Spec` of each parameter of a float8 unit (tensorwise float8
+        weights, gathered in float8 during a step: `zero3_float8.py`); None: an fp32 unit."""
         self.name, self.module, self.params = name, module, params
         self.group, self.group_size, self.group_rank = shards.group, shards.size, shards.rank
         """The group the unit is sharded, gathered and reduced over, its size and this rank's
@@ -161,19 +165,40 @@ class Unit:
         """Under expert parallelism: the unit of this module's expert parameters (over the
         expert-data-parallel group), gathered, freed and given gradient buffers with this
         one; None: none."""
+        self.fp8_unit: Unit | None = None
+        """Under ZeRO-3's float8 all-gather: the unit of this module's float8 weights, gathered,
+        freed and given gradient buffers with this one; None: none."""
         self.lead: Unit | None = None
-        """The unit this one is the `experts` of (None: it leads itself)."""
+        """The unit this one is the `experts` or `fp8_unit` of (None: it leads itself)."""
+        self.float8 = (
+            None if float8 is None else Float8Shard(params, float8, (self.lo, self.hi), self.padded)
+        )
+        """A float8 unit's float8 shard and buffer (`zero3_float8.Float8Shard`); None: fp32."""
         self.free()
 
     def members(self) -> list[Unit]:
-        """This unit and its experts' unit, if any: what a gather or a release of it takes."""
-        return [self] if self.experts is None else [self, self.experts]
+        """This unit, its float8 weights' unit and its experts' unit (those it has): what a
+        gather or a release of it takes, in this order on every rank."""
+        return [u for u in (self, self.fp8_unit, self.experts) if u is not None]
+
+    @property
+    def in_float8(self) -> bool:
+        """A float8 unit inside a step: its gathers move float8 bytes (`zero3_float8.py`)."""
+        return self.float8 is not None and self.float8.active
+
+    @property
+    def gather_nbytes(self) -> int:
+        """Bytes a gather of this unit fills: its full buffer's, or its float8 buffer's."""
+        return self.float8.nbytes if self.in_float8 else self.nbytes  # type: ignore[union-attr]
 
     def free(self) -> None:
-        """Free the full buffer's storage (a `resident` unit keeps it: it is the shard)."""
+        """Free the full buffer's storage (a `resident` unit keeps it: it is the shard) and a
+        float8 unit's float8 buffer."""
         if self.resident:
             return
         self.full.untyped_storage().resize_(0)
+        if self.float8 is not None:
+            self.float8.full.untyped_storage().resize_(0)
         self.gathered = False
 
     def launch_gather(self, piece: int | None = None) -> None:
@@ -182,6 +207,17 @@ class Unit:
         `piece`: gather synchronously, `piece` elements of each rank's slice at a time through
         a staging buffer (gloo, which copies whole buffers in flight: see `ShardedParams`)."""
         if self.gathered or self.handle is not None:
+            return
+        if self.in_float8:  # float8 bytes: the fp32 buffer stays freed
+            f8 = self.float8
+            assert f8 is not None
+            f8.full.untyped_storage().resize_(f8.nbytes)
+            f8.cast(self.shard)
+            per_byte = None if piece is None else piece * self.full.element_size()
+            self.handle = _gather_into(f8.full, f8.shard, self.group, per_byte)
+            if self.handle is None:
+                self.gathered = True
+                f8.drop_shard()
             return
         self.full.untyped_storage().resize_(self.nbytes)
         if self.alone:  # offloaded (a resident unit is always gathered): the host shard is all
@@ -192,18 +228,10 @@ class Unit:
         if self.host_shard is not None:  # to the device staging shard first
             self.shard.untyped_storage().resize_(self.shard_nbytes)
             self.shard.copy_(self.host_shard, non_blocking=True)
-        size, group = self.hi - self.lo, self.group
-        if piece is None or size <= piece:
-            self.handle = all_gather(self.full, self.shard, group)
-            return
-        ranks = self.padded // size
-        for j in range(0, size, piece):
-            n = min(piece, size - j)
-            stage = self.shard.new_empty(ranks * n)
-            all_gather(stage, self.shard[j : j + n], group).wait()
-            self.full.view(ranks, size)[:, j : j + n].copy_(stage.view(ranks, n))
-        self.gathered = True
-        self._free_staging()
+        self.handle = _gather_into(self.full, self.shard, self.group, piece)
+        if self.handle is None:
+            self.gathered = True
+            self._free_staging()
 
     def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, piece: int | None = None):
         """Reduce-scatter the full gradient `flat` over the unit's group into `out` (this
@@ -228,10 +256,12 @@ class Unit:
             self._free_staging()
 
     def _free_staging(self) -> None:
-        """--offload-params: free the device staging shard once its gather is done (the
-        current stream is ordered after the gather)."""
+        """Free what a gather sent once it is done (the current stream is ordered after the
+        gather): the device staging shard under --offload-params, a float8 shard."""
         if self.host_shard is not None:
             self.shard.untyped_storage().resize_(0)
+        if self.float8 is not None:
+            self.float8.drop_shard()
 
     def keep_shard(self) -> None:
         """Take this rank's slice of the gathered (possibly rewritten) parameters as its
@@ -304,6 +334,22 @@ class Reduction:
         self.work = self.flat = self.staging = self.add_to = None
 
 
+def _gather_into(full: torch.Tensor, shard: torch.Tensor, group, piece: int | None):
+    """All-gather every rank's `shard` into `full` over `group`: async (returns the work), or
+    with `piece` synchronously, `piece` elements of each shard at a time through a staging
+    buffer (returns None)."""
+    size = shard.numel()
+    if piece is None or size <= piece:
+        return all_gather(full, shard, group)
+    ranks = full.numel() // size
+    for j in range(0, size, piece):
+        n = min(piece, size - j)
+        stage = shard.new_empty(ranks * n)
+        all_gather(stage, shard[j : j + n], group).wait()
+        full.view(ranks, size)[:, j : j + n].copy_(stage.view(ranks, n))
+    return None
+
+
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, shard, group=group, async_op=True)
@@ -326,8 +372,8 @@ class FreeAfterBackward(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class UnitMaker:
-    """How a stage's units are made: the groups they are sharded over, and where the shards
-    are held."""
+    """How a stage's units are made: the groups they are sharded over, where the shards are
+    held, and which weights are gathered in float8."""
 
     dense: Shards
     """The group of every parameter but the experts' (cp x dp)."""
@@ -336,22 +382,36 @@ class UnitMaker:
     group); None: they go with the others."""
     offload: bool = False
     """--offload-params: each shard held in host memory (`Unit.host_shard`)."""
+    float8: dict = field(default_factory=dict)
+    """id(weight) -> `Fp8Spec` of the weights gathered in float8 during a step
+    (`zero3_float8.float8_weights`); empty: none."""
 
     def unit(self, name: str, module: nn.Module, params: list) -> Unit | None:
         """The unit of `params` (None if there are none). Under expert parallelism the
-        expert parameters among them form a unit of their own over the experts' group, led
-        by the unit of the others (`Unit.experts`), or leading alone if there are no others."""
+        expert parameters among them form a unit of their own over the experts' group, and
+        the float8 weights (`float8`) one over the dense group; the unit of the others leads
+        them (or the float8 unit, or the experts', where there are no others)."""
         split = self.experts is not None
         moe = [p for p in params if split and is_expert(p)]
-        rest = [p for p in params if not (split and is_expert(p))]
-        experts = None
+        dense = [p for p in params if not (split and is_expert(p))]
+        f8 = [p for p in dense if id(p) in self.float8] if self.dense.size > 1 else []
+        in_f8 = {id(p) for p in f8}
+        rest = [p for p in dense if id(p) not in in_f8]
+        experts = fp8 = None
         if moe and self.experts is not None:
             experts = Unit(f"{name} experts", module, moe, self.experts, self.offload)
-        if not rest:
-            return experts
-        lead = Unit(name, module, rest, self.dense, self.offload)
-        if experts is not None:
-            lead.experts, experts.lead = experts, lead
+        if f8:
+            specs = [self.float8[id(p)] for p in f8]
+            fp8 = Unit(f"{name} float8", module, f8, self.dense, self.offload, specs)
+        others = Unit(name, module, rest, self.dense, self.offload) if rest else None
+        parts = [u for u in (others, fp8, experts) if u is not None]
+        if not parts:
+            return None
+        lead = parts[0]
+        for u in parts[1:]:
+            u.lead = lead
+        lead.fp8_unit = fp8 if fp8 is not lead else None
+        lead.experts = experts if experts is not lead else None
         return lead
 
 

@@ -403,6 +403,7 @@ def _planned_state(cfg, config, mesh: Mesh):
                 cfg.zero3_reduce,
             ),
             m,
+            cfg.zero3_float8,
         ),
         layout.ep,
     )
@@ -428,6 +429,7 @@ def _modelled_traffic(cfg, config, mesh: Mesh, comm: dict, m: int) -> None:
         placement_of(cfg.schedule),
         cfg.zero3_persistence_threshold,
         layout.ep,
+        cfg.zero3_float8,
     )
     rehearsed = comm.get(names[DENSE], {})
     if not {"reduce_scatter", "all_gather"} <= rehearsed.keys():

@@ -75,6 +75,8 @@ def train_config(problem, candidate):
         zero3_reduce=c.zero3_reduce,
         zero3_persistence_threshold=problem.zero3_persistence_threshold if c.zero == 3 else 0,
         loss_chunk_tokens=problem.loss_chunk_tokens,
+        fp8=problem.fp8,
+        fp8_layers=problem.fp8_layers if problem.fp8 != "off" else "auto",
     )
     return cfg
 
@@ -136,7 +138,7 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
             c.zero,
             problem.grad_bucket_mb,
             placement_of(c.schedule),
-            offload_of(c, problem.zero3_persistence_threshold, m),
+            offload_of(c, problem.zero3_persistence_threshold, m, problem),
             c.ep,
         )
         out.differences += [

@@ -8,7 +8,7 @@ the most bytes of gathered units and full gradient buffers held at once.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -55,13 +55,15 @@ def run_micro_batch(
     if casts is not None:  # --fp8: the weights' casts, once a step
         restore_casts = _watch_weight_casts(casts, lambda: run_calls, per_step)
     try:
-        with count_collectives() as run_calls:
-            with engine.precision.autocast(), casts.per_step() if casts else nullcontext():
-                engine.executor.run(
-                    [_micro_batch(cfg, config, dataset, first_batch)],
-                    grad_sync=sync,
-                    loss_scale=engine.precision.loss_scale,
-                )
+        with count_collectives() as run_calls, ExitStack() as scope:
+            scope.enter_context(engine.precision.autocast())
+            scope.enter_context(engine.step_fn.fp8_scope())
+            per_step.update(range(len(run_calls)))  # its collectives (ZeRO-3's float8 casts)
+            engine.executor.run(
+                [_micro_batch(cfg, config, dataset, first_batch)],
+                grad_sync=sync,
+                loss_scale=engine.precision.loss_scale,
+            )
     finally:
         restore()
         if casts is not None:

@@ -336,7 +336,7 @@ def _stage_states(p: Problem, c: Candidate, params, m: int, placement: str) -> l
         return [_separate(n_params, c) for n_params in params]
     # what megapar-train holds, byte for byte; a stage holding the same parameters as a
     # lower one holds the same state
-    offload = offload_of(c, p.zero3_persistence_threshold, m).at_zero(c.zero)
+    offload = offload_of(c, p.zero3_persistence_threshold, m, p).at_zero(c.zero)
     return [
         most_loaded(
             p.config_json,
@@ -355,9 +355,12 @@ def _stage_states(p: Problem, c: Candidate, params, m: int, placement: str) -> l
     ]
 
 
-def offload_of(c: Candidate, persist_below: int = 0, m: int = 1) -> Offload:
+def offload_of(
+    c: Candidate, persist_below: int = 0, m: int = 1, p: Problem | None = None
+) -> Offload:
     """The candidate's offload and ZeRO-3 settings (`persist_below`: the persistence
-    threshold, for ZeRO-3; `m`: micro-batches per step), as `plan.state` takes them."""
+    threshold, for ZeRO-3; `m`: micro-batches per step; `p`: the problem, whose --fp8 may
+    gather float8 weights, `fp8.zero3_float8`), as `plan.state` takes them."""
     return Offload(
         c.offload_optimizer,
         c.offload_params,
@@ -365,6 +368,7 @@ def offload_of(c: Candidate, persist_below: int = 0, m: int = 1) -> Offload:
         persist_below if c.zero == 3 else 0,
         whole_grads(c.schedule, c.pp, m, c.v, c.zero3_reduce),
         m,
+        None if p is None else fp8.zero3_float8(p, c),
     )
 
 
@@ -476,7 +480,9 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
     placement = placement_of(c.schedule)
     every = stage_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep)
     routed = stage_expert_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep)
-    n_params, n_experts = max(zip(every, routed))
+    n_params, n_experts, stage = max(zip(every, routed, range(c.pp)))
+    # ZeRO-3 gathering the float8 weights in float8: a byte an element of theirs, not 4
+    float8 = fp8.converted_weights(p, c, stage) if fp8.float8_gathered(p, c) else 0
     if c.ep > 1:
         n_params -= n_experts
     else:
@@ -499,7 +505,7 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
         c.keep_params,
         replicas,
         grad_bytes,
-        n_params * 4,
+        n_params * 4 - 3 * float8,
         layers + 1,
         dp_gbps,
         p.latency_us,

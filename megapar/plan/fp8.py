@@ -130,10 +130,26 @@ def converted_params(p, c, stage: int) -> int:
     return _converted_total(p, c, stage, lambda x: x.params)
 
 
-def weight_cached(c) -> bool:
+def float8_gathered(p, c) -> bool:
+    """Whether ZeRO-3 gathers the converted weights as float8 bytes (megapar-train's float8
+    all-gather, `data_parallel/zero3_float8.py`: --fp8 tensorwise, ZeRO-3 over more than one
+    rank, without --offload-params): each weight's cast is then the gathered float8 weight,
+    none made or held besides, and the scales come from one amax all-reduce over dp (x cp) and
+    one over tp a step for the whole stage."""
+    return p.fp8 == "tensorwise" and c.zero == 3 and c.dp * c.cp > 1 and not c.offload_params
+
+
+def zero3_float8(p, c) -> str | None:
+    """`plan.state.Offload.float8`: --fp8-layers where ZeRO-3 gathers float8 weights, else
+    None."""
+    return p.fp8_layers if float8_gathered(p, c) else None
+
+
+def weight_cached(p, c) -> bool:
     """Whether the step's micro-batches share each weight's float8 cast (`Fp8WeightCache`):
-    everywhere but ZeRO-3, whose gathered weights are not held through the step."""
-    return c.zero != 3
+    everywhere but ZeRO-3, whose gathered weights are not held through the step, unless it
+    gathers them in float8 (`float8_gathered`: the gathered weight is the cast)."""
+    return c.zero != 3 or float8_gathered(p, c)
 
 
 def amax_reductions(
@@ -175,22 +191,29 @@ def amax_reductions(
 def block_reductions(p, c) -> dict[bool, tuple[int, ...]]:
     """{block kind: `amax_reductions` summed over its float8 linears} at candidate `c`."""
     out = {}
-    cached = weight_cached(c)
+    cached = weight_cached(p, c)
+    gathered = float8_gathered(p, c)  # the weights' amaxes in one all-reduce for the stage
     for kind, lins in converted(p, c.tp).items():
         counts = [amax_reductions(p.fp8, x.column, c.tp > 1, c.cp > 1, cached) for x in lins]
-        out[kind] = tuple(sum(col) for col in zip(*counts)) if counts else (0,) * 5
+        total = tuple(sum(col) for col in zip(*counts)) if counts else (0,) * 5
+        out[kind] = total[:4] + (0,) if gathered else total
     return out
+
+
+def converted_weights(p, c, stage: int) -> int:
+    """Elements of the weights of pipeline rank `stage`'s float8 linears (one tp rank)."""
+    return _converted_total(p, c, stage, lambda x: x.n * x.k)
 
 
 def weight_cache_bytes(p, c, stage: int) -> int:
     """The step's float8 casts of the weights of pipeline rank `stage`'s float8 linears (one
     tp rank), held from their first use to the end of the step's backward: 1 byte a weight
     element under tensorwise, 2 under rowwise (one cast per axis); 0 under ZeRO-3 (cast per
-    use) or without --fp8."""
-    if not weight_cached(c):
+    use, or gathered in float8: the gathered units hold them) or without --fp8."""
+    if not weight_cached(p, c) or float8_gathered(p, c):
         return 0
     casts = 1 if p.fp8 == "tensorwise" else 2
-    return casts * _converted_total(p, c, stage, lambda x: x.n * x.k)
+    return casts * converted_weights(p, c, stage)
 
 
 CAST_BYTES = 8
@@ -261,10 +284,13 @@ def largest_transient(p, c, emulate: bool) -> tuple[int, Linear | None]:
     backward; None without converted linears): M = mbs x seq / cp tokens (sequence
     parallelism gathers them before the column-parallel products and reduce-scatters after
     the row-parallel ones); the weight's cast from the step's cache (rowwise's along N made
-    in the backward: the top of the backward is the step's first), per use under ZeRO-3."""
+    in the backward: the top of the backward is the step's first), per use under ZeRO-3
+    (gathered in float8 under tensorwise: as cached)."""
     m = c.mbs * p.seq_len // c.cp
     weight = (
-        "per use" if not weight_cached(c) else ("cached" if p.fp8 == "tensorwise" else "made once")
+        "per use"
+        if not weight_cached(p, c)
+        else ("cached" if p.fp8 == "tensorwise" else "made once")
     )
     best: tuple[int, Linear | None] = (0, None)
     for lins in converted(p, c.tp).values():
@@ -306,9 +332,12 @@ def stage_reductions(p, c, stage: int, micro_batches: int) -> tuple[int, int]:
         return 0, 0
     again = 1 if c.recompute == "full" else 0
     tp = cp = step = 0
-    for kind in stage_kinds(p, c, stage):
+    kinds = stage_kinds(p, c, stage)
+    for kind in kinds:
         f_tp, b_tp, f_cp, b_cp, w_tp = per[kind]
         tp += f_tp * (1 + again) + b_tp
         cp += f_cp * (1 + again) + b_cp
         step += w_tp
+    if float8_gathered(p, c) and c.tp > 1 and any(converted(p, c.tp)[k] for k in kinds):
+        step += 1  # ZeRO-3's float8 all-gather: the stage's weights' amaxes, one all-reduce
     return tp * micro_batches + step, cp * micro_batches

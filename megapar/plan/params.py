@@ -24,6 +24,8 @@ from megapar.mesh import Layout, Mesh
 from megapar.models import build_model
 from megapar.models.config import config_from_dict
 from megapar.pipeline.partition import chunk_specs, partition_layers, stage_spec
+from megapar.tensor_parallel.fp8_convert import wanted
+from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,17 @@ class TensorSpec:
     expert: bool = False
     """A routed expert's stacked weights (`megapar.expert_parallel.is_expert`): under ep > 1
     in gradient buckets of their own, reduced and sharded over the expert-data-parallel group."""
+    linear: tuple[int, int] | None = None
+    """The weight of a column- or row-parallel linear: its local (N, K), which says whether
+    --fp8 converts it (`fp8_convert.wanted`); None: any other parameter."""
 
 
 def _specs(module) -> tuple[TensorSpec, ...]:
+    linears: dict[int, tuple[int, int]] = {
+        id(m.weight): (m.weight.shape[0], m.weight.shape[1])
+        for m in module.modules()
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+    }
     return tuple(
         TensorSpec(
             p.numel(),
@@ -124,6 +134,7 @@ def _specs(module) -> tuple[TensorSpec, ...]:
             bool(getattr(p, "shared_embedding", False)),
             getattr(p, "tied_to", None) is not None,
             bool(getattr(p, "expert", False)),
+            linears.get(id(p)),
         )
         for p in module.parameters()
     )
@@ -208,13 +219,23 @@ class UnitSpec:
     embedding_grads: bool = False
     """The persistent unit holds some of an embedding module's parameters (their gradients
     are complete only after the embedding's backward, past the first block's)."""
+    float8: bool = False
+    """Its parameters are float8 weights ZeRO-3 gathers as float8 bytes (1 byte an element;
+    its gradient buffer stays fp32): kind "float8", or the unit itself where its block has no
+    other parameters."""
 
     @property
     def led(self) -> bool:
-        """Under expert parallelism, the expert parameters of the unit before it (its lead,
-        kind "experts"): sharded over the expert-data-parallel group, gathered, freed and
-        given gradient buffers with its lead, reduced just before it."""
-        return self.kind == "experts"
+        """Led by the nearest unit before it that is not (its lead): under expert parallelism
+        the expert parameters (kind "experts"), sharded over the expert-data-parallel group;
+        under ZeRO-3's float8 all-gather the float8 weights (kind "float8"), gathered as
+        float8 bytes. Gathered, freed and given gradient buffers with the lead, reduced just
+        before it."""
+        return self.kind in LED_KINDS
+
+
+LED_KINDS = ("float8", "experts")
+"""The kinds of unit led by another, in the order they follow their lead (`UnitMaker.unit`)."""
 
 
 def stage_units(
@@ -226,6 +247,7 @@ def stage_units(
     placement: str = "loop",
     persist_below: int = 0,
     ep: int = 1,
+    float8: str | None = None,
 ) -> list[UnitSpec]:
     """ZeRO-3's units of the stage, as `megapar.data_parallel.sharded_params.ShardedParams`
     makes them with `persist_below` (--zero3-persistence-threshold): per chunk each block (its
@@ -235,7 +257,9 @@ def stage_units(
     else one root unit; then the parameters under `persist_below` in one persistent unit.
     Under expert parallelism (`ep` > 1) the routed experts' parameters of each of these form
     a unit of their own right after it (kind "experts", `UnitSpec.led`; `UnitMaker.unit`), or
-    the unit itself where it has no other parameters."""
+    the unit itself where it has no other parameters; so do, before them, the weights --fp8
+    tensorwise converts where ZeRO-3 gathers them in float8 (`float8`: --fp8-layers, None
+    without; kind "float8", `data_parallel.zero3_float8`)."""
     blocks_of, embedding, head = _piece_tensors(_config_json(config), tp, ep)
     kinds = layer_kinds(config)
     specs = (
@@ -257,11 +281,18 @@ def stage_units(
     tensors = stage_tensors(config, tp, pp, v, stage, placement, ep)
 
     def made(kind: str, ci: int, idx, embedding_grads: bool = False) -> list[UnitSpec]:
-        """The unit of `idx` and, under ep > 1, its experts' unit (`UnitMaker.unit`)."""
+        """The unit of `idx` and the units it leads: its float8 weights' and, under ep > 1,
+        its experts' (`UnitMaker.unit`)."""
         moe = [i for i in idx if ep > 1 and tensors[i].expert]
-        rest = [i for i in idx if i not in moe]
-        lead = [UnitSpec(kind, ci, tuple(rest), embedding_grads)] if rest else []
-        return lead + ([UnitSpec("experts" if rest else kind, ci, tuple(moe))] if moe else [])
+        f8 = [i for i in idx if i not in moe and float8_weight(tensors[i], float8)]
+        rest = [i for i in idx if i not in moe and i not in f8]
+        parts = [(p, part) for p, part in zip((kind, *LED_KINDS), (rest, f8, moe)) if part]
+        return [
+            UnitSpec(
+                kind if j == 0 else p, ci, tuple(part), embedding_grads and j == 0, p == "float8"
+            )
+            for j, (p, part) in enumerate(parts)
+        ]
 
     for ci, spec in enumerate(specs):
         emb = take(embedding, True) if spec.pre_process else []
@@ -279,6 +310,16 @@ def stage_units(
         for kind, idx in (("embedding", own), ("root", root)):
             units += made(kind, ci, idx) if idx else []
     return units + (made("persistent", -1, small, small_embedding) if small else [])
+
+
+def float8_weight(t: TensorSpec, layers: str | None) -> bool:
+    """Whether ZeRO-3 gathers `t` in float8: a linear's weight --fp8 tensorwise converts under
+    --fp8-layers `layers` (None: no float8 all-gather)."""
+    return (
+        layers is not None
+        and t.linear is not None
+        and wanted("tensorwise", *t.linear, layers) is None
+    )
 
 
 def stage_layer_counts(num_layers: int, pp: int, v: int = 1, placement: str = "loop") -> list[int]:

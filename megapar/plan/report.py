@@ -236,6 +236,11 @@ def fp8_note(p) -> str | None:
         f"--peak-tflops {p.peak_tflops:g} x --efficiency (--fp8-speedup), their casts' memory "
         "traffic not counted (the gain is an upper bound); MFU against the 16-bit peak"
     )
+    if p.fp8 == "tensorwise":
+        line += (
+            "; under ZeRO-3 the float8 weights are gathered as float8 bytes, a quarter of "
+            "fp32's, and their casts are those gathers (megapar-train's float8 all-gather)"
+        )
     if p.peak_tflops == A100_PEAK_TFLOPS:
         line += (
             f"; --peak-tflops {A100_PEAK_TFLOPS:g} is an A100's, which has no FP8 matmuls "
@@ -432,6 +437,7 @@ def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
             placement_of(c.schedule),
             p.zero3_persistence_threshold,
             c.ep,
+            fp8.zero3_float8(p, c),
         ),
         3,
         m,

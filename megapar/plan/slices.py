@@ -53,7 +53,18 @@ def most_loaded(
     upper bound, off by at most a piece's step count and a bucket's padding)."""
 
     tensors, units, specs, stepped, steps = _slice_loads(
-        config_json, tp, pp, v, stage, dp, zero, bucket_mb, placement, offload.persist_below, ep
+        config_json,
+        tp,
+        pp,
+        v,
+        stage,
+        dp,
+        zero,
+        bucket_mb,
+        placement,
+        offload.persist_below,
+        ep,
+        offload.float8,
     )
     if not units:
         config = config_from_dict(json.loads(config_json))
@@ -83,6 +94,7 @@ def _slice_loads(
     placement: str,
     persist_below: int,
     ep: int = 1,
+    float8: str | None = None,
 ):
     """`_layout`'s (tensors, units, specs) and, for each of `_candidate_ranks`, the bytes it
     steps and its pieces (numpy arrays, read-only), over every unit at once: a rank's slice of
@@ -92,7 +104,7 @@ def _slice_loads(
     every rank up to `EXACT_EP_RANKS`, else each group's candidates, summed at their worst."""
     config = config_from_dict(json.loads(config_json))
     tensors, units, specs = _layout(
-        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep
+        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep, float8
     )
     if not units:
         return tensors, units, specs, None, None

@@ -101,6 +101,10 @@ class Offload:
     micro_batches: int = 1
     """Micro-batches per step (ZeRO-3: past the first, the units reduced once a step keep
     their buffers from the backward's start)."""
+    float8: str | None = None
+    """ZeRO-3 under --fp8 tensorwise (without --offload-params and --compile): its
+    --fp8-layers, the converted weights gathered as float8 bytes (`UnitSpec.float8`); None:
+    no float8 all-gather."""
 
     def at_zero(self, zero: int) -> Offload:
         """These settings as a rank's state under ZeRO stage `zero` depends on them: below
@@ -150,7 +154,18 @@ def rank_state(
     under expert parallelism (`ep` > 1) the rank holds E / ep routed experts, in buckets of
     their own sliced over the expert-data-parallel group (`expert_rank`)."""
     tensors, units, specs = _layout(
-        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, offload.persist_below, ep
+        config,
+        tp,
+        pp,
+        v,
+        stage,
+        dp,
+        zero,
+        bucket_mb,
+        placement,
+        offload.persist_below,
+        ep,
+        offload.float8,
     )
     if not units:  # no ZeRO: every parameter whole, its own state
         nbytes = sum(t.numel * t.dtype.itemsize for t in tensors)
@@ -219,6 +234,7 @@ def _finish(
         nbytes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
         grad_nbytes = [0 if k in alone else n for k, n in enumerate(nbytes)]
         full = nbytes if offload.params else grad_nbytes
+        full = [n // 4 if u.float8 else n for u, n in zip(specs, full)]  # float8 bytes
         gathered = gathered_peak(specs, full, offload.keep_params)
         deferred = _deferred(tensors, units, pp)
         kept = offload.micro_batches > 1
@@ -261,6 +277,7 @@ def _layout(
     placement="loop",
     persist_below=PERSISTENCE_THRESHOLD,
     ep=1,
+    float8=None,
 ):
     """(the stage's tensors, ZeRO's buckets as `bucket_layout` gives them (ZeRO-1 / 2; under
     ep > 1 the experts' buckets apart, padded to a multiple of dp / ep), its units (ZeRO-3:
@@ -270,7 +287,7 @@ def _layout(
     if not (zero and dp > 1):
         return tensors, [], None
     if zero >= 3:
-        specs = stage_units(config, tp, pp, v, stage, placement, persist_below, ep)
+        specs = stage_units(config, tp, pp, v, stage, placement, persist_below, ep, float8)
         units = []
         for u in specs:
             n = _shards(tensors, u.tensors, dp, ep)
@@ -297,14 +314,16 @@ class Traffic:
     """Buckets (ZeRO-1 / 2) or units (ZeRO-3)."""
     nbytes: int = 0
     """Their buffers' bytes."""
+    gathered: int = 0
+    """Their buffers' bytes as gathered: `nbytes`, but a quarter for ZeRO-3's float8 units."""
     persistent: int = 0
-    """ZeRO-3: bytes of the persistent unit among them (gathered once a step)."""
+    """ZeRO-3: gathered bytes of the persistent unit among them (gathered once a step)."""
     deferred: tuple[int, int] = (0, 0)
     """ZeRO-3: (units, bytes) holding the tied embedding over pipeline stages: reduced once a
     step even with --zero3-reduce micro-batch."""
     tail: tuple[int, int] = (0, 0)
-    """ZeRO-3: (units, bytes) of root units (a chunk's final norm and head, or its whole root
-    where it is not split) and the experts' units they lead: kept gathered from the chunk's
+    """ZeRO-3: (units, gathered bytes) of root units (a chunk's final norm and head, or its
+    whole root where it is not split) and the units they lead: kept gathered from the chunk's
     forward to its backward, so gathered once a micro-batch, not twice."""
 
 
@@ -320,14 +339,16 @@ def zero_traffic(
     placement: str = "loop",
     persist_below: int = PERSISTENCE_THRESHOLD,
     ep: int = 1,
+    float8: str | None = None,
 ) -> dict[str, Traffic]:
     """{group: `Traffic`} of the buckets (ZeRO-1 / 2) or units (ZeRO-3) ZeRO reduces and
     gathers on this stage over each group (`DENSE`; under ep > 1 also `EXPERTS`, an experts'
     unit counted as its lead is: a root's once a micro-batch, the persistent unit's once a
     step; none where that group is one rank, ep = cp x dp: ZeRO-3 keeps those units whole and
-    ZeRO-1 / 2's buckets are their own sum and gather, `shard_comm`); {} without ZeRO."""
+    ZeRO-1 / 2's buckets are their own sum and gather, `shard_comm`); {} without ZeRO.
+    `float8`: as `Offload.float8`."""
     tensors, units, specs = _layout(
-        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep
+        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep, float8
     )
     late = _deferred(tensors, units, pp) if zero >= 3 else set()
     kinds = [u.kind for u in specs] if specs else [""] * len(units)
@@ -340,13 +361,15 @@ def zero_traffic(
             continue  # a unit or bucket over one rank (ep = cp x dp): nothing gathered or reduced
         group = EXPERTS if _shards(tensors, idx, dp, ep) != dp else DENSE
         n = padded * tensors[idx[0]].dtype.itemsize
+        g = n // 4 if specs is not None and specs[k].float8 else n  # float8 bytes
         t = out.get(group, Traffic())
         out[group] = Traffic(
             t.pieces + 1,
             t.nbytes + n,
-            t.persistent + (n if kinds[k] == "persistent" else 0),
+            t.gathered + g,
+            t.persistent + (g if kinds[k] == "persistent" else 0),
             (t.deferred[0] + (k in late), t.deferred[1] + (n if k in late else 0)),
-            (t.tail[0] + (kinds[k] == "root"), t.tail[1] + (n if kinds[k] == "root" else 0)),
+            (t.tail[0] + (kinds[k] == "root"), t.tail[1] + (g if kinds[k] == "root" else 0)),
         )
     return out
 
@@ -371,7 +394,7 @@ def groups_traffic(
             pp,
             keep_params,
             t.nbytes * grad_scale,
-            t.nbytes,
+            t.gathered,
             t.pieces,
             t.persistent,
             per_micro_batch,

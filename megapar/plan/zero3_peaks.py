@@ -3,13 +3,14 @@ them: their peaks (what `plan.state.RankState` counts and the dry run measures) 
 alive at the two moments `plan.process` takes a process's peak at (the top of the backward and
 its end), which are never the same moment as both peaks.
 
-A unit's bytes are its full padded buffer; under expert parallelism an experts' unit
-(`UnitSpec.led`) is gathered, freed and given its gradient buffer with the unit before it (its
-lead) and reduced just before it. An experts' unit whose group is one rank (ep = cp x dp) is
-kept whole (`Unit.resident`): the callers count 0 bytes of gathered buffer and of gradient
-buffer for it (its parameters and gradient are its shards, `RankState.weights` / `grads`; under
---offload-params it is still copied in from the host, so gathered), and its launch reduces
-nothing (`alone`).
+A unit's bytes are its full padded buffer (a float8 unit's gathered buffer: 1 byte an element);
+a led unit (`UnitSpec.led`: under expert parallelism an experts' unit, under ZeRO-3's float8
+all-gather a block's float8 weights) is gathered, freed and given its gradient buffer with its
+lead (the unit before it that is not led) and reduced just before it. An experts' unit whose
+group is one rank (ep = cp x dp) is kept whole (`Unit.resident`): the callers count 0 bytes of
+gathered buffer and of gradient buffer for it (its parameters and gradient are its shards,
+`RankState.weights` / `grads`; under --offload-params it is still copied in from the host, so
+gathered), and its launch reduces nothing (`alone`).
 """
 
 from __future__ import annotations
@@ -42,9 +43,24 @@ def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
     return persistent + worst
 
 
+def led_by(specs: list[UnitSpec]) -> dict[int, list[int]]:
+    """{index of a leading unit: it and the units it leads, in `specs`' order}: each led unit
+    (`UnitSpec.led`) follows its lead; they are gathered, freed and given gradient buffers
+    together, and reduced led units first, in reverse (`ShardedParams.units`)."""
+    out: dict[int, list[int]] = {}
+    lead = -1
+    for i, u in enumerate(specs):
+        if u.led:
+            out[lead].append(i)
+        else:
+            lead = i
+            out[i] = [i]
+    return out
+
+
 def _with_experts(specs: list[UnitSpec], nbytes: list[int]) -> tuple[list[UnitSpec], list[int]]:
-    """The leading units, each with its experts' unit's bytes added (they are gathered and
-    freed together)."""
+    """The leading units, each with the bytes of the units it leads added (they are gathered
+    and freed together)."""
     leads: list[UnitSpec] = []
     sizes: list[int] = []
     for u, n in zip(specs, nbytes):
@@ -72,8 +88,8 @@ def grad_buffers_peak(
     gathers it and the embedding unit's after the first block (before the launch of the
     embedding unit, or of a persistent unit holding embedding parameters); the units launch in
     `ShardedParams.units`' order (blocks from the last, the embedding, the root, the
-    persistent unit; the deferred ones at the end; a unit's experts' unit just before it, its
-    buffer made with its lead's), and each launch first waits for the reductions in flight
+    persistent unit; the deferred ones at the end; the units a unit leads just before it, their
+    buffers made with its), and each launch first waits for the reductions in flight
     beyond `ShardedParams.MAX_REDUCES_IN_FLIGHT - 1`, dropping their buffers. The peak is
     taken at each launch (before that wait) and at the backward's end. `kept` (a later
     micro-batch of the step): the deferred units' buffers alive from the start. `alone`: the
@@ -81,10 +97,7 @@ def grad_buffers_peak(
     the reductions in flight nor adds one)."""
     if whole:
         return sum(nbytes)
-    members = {i: [i] for i, u in enumerate(specs) if not u.led}
-    for i, u in enumerate(specs):
-        if u.led:  # reduced just before its lead (the unit before it)
-            members[i - 1].insert(0, i)
+    members = {i: [*reversed(js[1:]), i] for i, js in led_by(specs).items()}  # reduce order
     order = []
     for ci in sorted({u.chunk for u in specs if u.chunk >= 0}, reverse=True):
         idx = [i for i in members if specs[i].chunk == ci]
@@ -139,8 +152,8 @@ def phases(
     micro-batch). The end: the worst chunk's embedding unit (gathered for the embedding's
     backward; a chunk without one, its roots) and the persistent unit. With `keep` every
     unit stays gathered. `grads`: each unit's gradient buffer's bytes (default `nbytes`)."""
-    lead = [i for i, u in enumerate(specs) if not u.led]
-    members = {i: [i, i + 1] if i + 1 < len(specs) and specs[i + 1].led else [i] for i in lead}
+    members = led_by(specs)
+    lead = list(members)
     kinds = {i: specs[i].kind for i in lead}
 
     def held(units, sizes=nbytes) -> int:

@@ -207,44 +207,50 @@ def _cast(
     )
 
 
-def _weight_cast(w_t: torch.Tensor, key: int, cast, axis: int, spec: Fp8Spec):
-    """`_cast` of the weight W^T (never split over cp), from the step's cache when it holds
-    one (`key`: the weight's identity): the same tensor a fresh cast makes, since the weight
-    has not changed since. Not under --compile (a traced block casts per use)."""
+def _weight_cast(weight: torch.Tensor, key: int, cast, axis: int, spec: Fp8Spec):
+    """`_cast` of the weight's W^T (never split over cp; `axis` of W^T), from the step's cache
+    when it holds one (`key`: the weight's identity; a saved tensor unpacked under
+    recomputation is another object): the same tensor a fresh cast makes, since the weight
+    has not changed since (under ZeRO-3's float8 all-gather, put there from the gathered
+    float8 bytes, and the fp32 weight is not gathered: read only here, only when there is no
+    cast to take). Not under --compile (a traced block casts per use)."""
     role = spec.ao[1].GemmInputRole.WEIGHT
     cache = spec.cache
     if cache is None or not cache.active or torch.compiler.is_compiling():
-        return _cast(w_t, cast, role, axis, spec, spec.w_t_split, False)
+        return _cast(weight.t(), cast, role, axis, spec, spec.w_t_split, False)
     tensorwise = cast.scaling_granularity is spec.ao[0].ScalingGranularity.TENSORWISE
-    slot = (key, cast, None if tensorwise else axis % w_t.dim())
-    return cache.cast(slot, lambda: _cast(w_t, cast, role, axis, spec, spec.w_t_split, False))
+    slot = (key, cast, None if tensorwise else axis % weight.dim())
+    return cache.cast(
+        slot, lambda: _cast(weight.t(), cast, role, axis, spec, spec.w_t_split, False)
+    )
 
 
 class _Float8Matmul(torch.autograd.Function):
     """X [M, K] @ W^T [K, N] in float8 (torchao's `matmul_with_hp_or_float8_args`, with
-    tp- and cp-reduced amaxes; torchao takes X [..., K] and reshapes inside: the same numbers)."""
+    tp- and cp-reduced amaxes; torchao takes X [..., K] and reshapes inside: the same numbers).
+    Takes the weight W [N, K] itself, not W^T (read only if its cast is not kept)."""
 
     @staticmethod
-    def forward(ctx, x, w_t, spec: Fp8Spec, key: int):
-        ctx.save_for_backward(x, w_t)
+    def forward(ctx, x, weight, spec: Fp8Spec, key: int):
+        ctx.save_for_backward(x, weight)
         ctx.spec, ctx.key = spec, key
         c, role = spec.config, spec.ao[1].GemmInputRole
         x8 = _cast(x, c.cast_config_input, role.INPUT, -1, spec, spec.x_split)
-        w8 = _weight_cast(w_t, key, c.cast_config_weight, 0, spec)
+        w8 = _weight_cast(weight, key, c.cast_config_weight, 0, spec)
         return torch.mm(x8, w8)  # not a view: a row-parallel layer reduces it in place
 
     @staticmethod
     def backward(ctx, dy):
-        x, w_t = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         spec: Fp8Spec = ctx.spec
         c, role = spec.config, spec.ao[1].GemmInputRole
         dy8 = _cast(dy, c.cast_config_grad_output, role.GRAD_OUTPUT, -1, spec, spec.dy_split)
-        w8 = _weight_cast(w_t, ctx.key, c.cast_config_weight_for_grad_input, -1, spec)
+        w8 = _weight_cast(weight, ctx.key, c.cast_config_weight_for_grad_input, -1, spec)
         dx = torch.mm(dy8, w8.t())
         go = c.cast_config_grad_output_for_grad_weight
         dy8 = _cast(dy, go, role.GRAD_OUTPUT, 0, spec, spec.dy_split)
         x8 = _cast(x, c.cast_config_input_for_grad_weight, role.INPUT, 0, spec, spec.x_split)
-        return dx, torch.mm(dy8.t(), x8).t(), None, None
+        return dx, torch.mm(dy8.t(), x8), None, None
 
 
 def fp8_linear(
@@ -257,6 +263,6 @@ def fp8_linear(
     if torch.is_autocast_enabled(kind):
         x = x.to(torch.get_autocast_dtype(kind))
     with torch.autocast(kind, enabled=False):
-        y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight.t(), spec, id(weight))
+        y = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, spec, id(weight))
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias.to(y.dtype)

@@ -256,6 +256,14 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def zero3_float8(self) -> str | None:
+        """ZeRO-3 gathers the --fp8 weights as float8 bytes (tensorwise, not --compile'd
+        blocks, whose traced casts read the fp32 weight, nor --offload-params, whose shards are
+        on the host; `data_parallel.zero3_float8`): the --fp8-layers it converts; else None."""
+        on = self.zero == 3 and self.fp8 == "tensorwise"
+        return self.fp8_layers if on and not (self.compile or self.offload_params) else None
+
 
 def field_docs() -> dict[str, str]:
     """Each field's docstring (the string literal right after it in the class body)."""

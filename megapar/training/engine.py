@@ -135,6 +135,7 @@ class Engine:
             zero3_persistence_threshold=cfg.zero3_persistence_threshold,
             offload_params=cfg.offload_params,
             zero3_reduce=cfg.zero3_reduce,
+            zero3_float8=cfg.zero3_float8 is not None,
         )
         """The stage's `GradSync` (`megapar.data_parallel.grad_sync`)."""
         self.sharded_params: ShardedParams | None = (

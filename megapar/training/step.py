@@ -126,11 +126,17 @@ class TrainStep:
         self.executor, self.optimizer, self.scheduler = executor, optimizer, scheduler
         self.precision, self.clip_grad, self.grad_sync = precision, clip_grad, grad_sync
         self.params = [p for p in model.parameters() if p.requires_grad]
+        float8 = getattr(grad_sync, "float8", None)  # ZeRO-3's float8 all-gather
+        self.zero3_float8 = float8 if float8 is not None and float8.units else None
+        """Under ZeRO-3 with --fp8 tensorwise: the stage's float8 units, gathered in float8
+        during a step (`data_parallel.zero3_float8`); else None."""
+        zero3 = getattr(optimizer, "zero", 0) == 3
         self.fp8_weight_casts = (
-            weight_cast_cache(model) if getattr(optimizer, "zero", 0) != 3 else None
+            weight_cast_cache(model) if not zero3 or self.zero3_float8 is not None else None
         )
-        """Under --fp8, where a step's micro-batches share each weight's float8 cast; None
-        without float8 layers and under ZeRO-3, whose gathered weights are not held whole
+        """Under --fp8, where a step's micro-batches share each weight's float8 cast (under
+        ZeRO-3, the float8 weights its gathers fill); None without float8 layers and under
+        ZeRO-3 without its float8 all-gather, whose gathered weights are not held whole
         through the step (each use casts its own)."""
         self.num_experts = getattr(getattr(model, "config", None), "num_local_experts", 0)
         """Routed experts per MoE layer (0: a dense model): the same on every rank, so every
@@ -186,6 +192,17 @@ class TrainStep:
             set_action("tied-embedding gradient all-reduce (first + last stage)")
             sync_tied_embeddings(self.model, self.mesh)
 
+    def fp8_scope(self):
+        """The context of one step's forwards and backwards under --fp8: the weights' float8
+        casts kept for the step (`Fp8WeightCache.per_step`), under ZeRO-3 made from the
+        float8 gathers (`ShardedParams.float8_step`: collective); a no-op without."""
+        casts = self.fp8_weight_casts
+        if casts is None:
+            return contextlib.nullcontext()
+        if self.zero3_float8 is not None:
+            return self.grad_sync.float8_step(casts)
+        return casts.per_step()
+
     def step(self, micro_batches: list[dict], step_index: int) -> StepResult:
         self.optimizer.zero_grad()
         if self.scheduler is not None:  # else the optimizer's lr (e.g. set by a torch scheduler)
@@ -194,8 +211,7 @@ class TrainStep:
         scale = self.precision.loss_scale
         if self.num_experts:  # each micro-batch's balancing penalty, weighted as its loss
             set_penalty_grad(self.model, scale / len(micro_batches))
-        casts = self.fp8_weight_casts
-        with self.precision.autocast(), casts.per_step() if casts else contextlib.nullcontext():
+        with self.precision.autocast(), self.fp8_scope():
             loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
         self.sync_gradients()
         loss = loss.detach().float().reshape(()).clone()
