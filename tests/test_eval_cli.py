@@ -448,3 +448,28 @@ def test_data_of_another_tokenizer_is_refused_and_seq_len_defaults_to_the_checkp
         assert f"--load {again} trained with the tokenizer {hf} (sha256 " in \
             capsys.readouterr().err
         shutil.rmtree(hf, ignore_errors=True)  # then: kind, vocabulary size and eod compared
+
+
+def _interrupted_worker(args):
+    """A worker during which a Ctrl-C reaches the launcher (which passes it on to the ranks)."""
+    import os
+    import signal
+    import time
+
+    if os.environ.get("RANK") == "0":
+        time.sleep(0.3)
+        os.kill(os.getppid(), signal.SIGINT)
+    time.sleep(60)
+
+
+def test_a_ctrl_c_during_the_evaluation_is_one_line_and_exit_130(tiny_ckpt, tmp_path, capsys,
+                                                                 monkeypatch):
+    # was: "megapar-eval: error: rank 0 failed in evaluation: KeyboardInterrupt:  (full
+    # traceback in ~/.cache/megapar/logs/...)", exit 1
+    monkeypatch.setattr("megapar.cli.eval._logits_worker", _interrupted_worker)
+    ckpt, ids = tiny_ckpt
+    assert evaluate(["--load", str(ckpt), "--tp", "2", "--input-ids", str(ids),
+                     "--save-logits", str(tmp_path / "lg.npy")]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == "megapar-eval: interrupted; nothing was written", err
+    assert not (tmp_path / "lg.npy").exists()

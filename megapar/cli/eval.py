@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import traceback
 
@@ -268,6 +269,10 @@ def _choose_worker(args, given: tuple[str, ...]):
     )
 
 
+_INTERRUPTED = re.compile(r"rank \d+ failed: KeyboardInterrupt\b")
+"""How a rank that a Ctrl-C stopped fails (`WorkerError`'s first line)."""
+
+
 @quiet_when_stdout_closes
 def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
@@ -296,6 +301,11 @@ def main(argv=None) -> int:
     try:
         results = run_workers(worker, args.tp * args.pp, args)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
+        if isinstance(exc, WorkerError) and _INTERRUPTED.match(str(exc)):
+            # a Ctrl-C (the terminal's to every rank, or passed on by the launcher): not a
+            # failure; rank 0 writes --save-logits only once every rank is done
+            print("megapar-eval: interrupted; nothing was written", file=sys.stderr)
+            return 130
         text = (
             str(exc)
             if isinstance(exc, WorkerError)
