@@ -13,6 +13,7 @@ The CLIs are called in-process (`main(argv)`); their workers are forked from thi
 import json
 import math
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -450,26 +451,31 @@ def test_data_of_another_tokenizer_is_refused_and_seq_len_defaults_to_the_checkp
         shutil.rmtree(hf, ignore_errors=True)  # then: kind, vocabulary size and eod compared
 
 
-def _interrupted_worker(args):
-    """A worker during which a Ctrl-C reaches the launcher (which passes it on to the ranks)."""
-    import os
-    import signal
-    import time
+def _signalled_worker(signum):
+    """A worker during which `signum` reaches the launcher (which passes it on to the ranks)."""
 
-    if os.environ.get("RANK") == "0":
-        time.sleep(0.3)
-        os.kill(os.getppid(), signal.SIGINT)
-    time.sleep(60)
+    def worker(args):
+        import os
+        import time
+
+        if os.environ.get("RANK") == "0":
+            time.sleep(0.3)
+            os.kill(os.getppid(), signum)
+        time.sleep(60)
+
+    return worker
 
 
-def test_a_ctrl_c_during_the_evaluation_is_one_line_and_exit_130(tiny_ckpt, tmp_path, capsys,
-                                                                 monkeypatch):
+@pytest.mark.parametrize("signum, rc, what", [
+    (signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_a_ctrl_c_or_sigterm_during_the_evaluation_is_one_line_not_a_failure(
+        tiny_ckpt, tmp_path, capsys, monkeypatch, signum, rc, what):
     # was: "megapar-eval: error: rank 0 failed in evaluation: KeyboardInterrupt:  (full
-    # traceback in ~/.cache/megapar/logs/...)", exit 1
-    monkeypatch.setattr("megapar.cli.eval._logits_worker", _interrupted_worker)
+    # traceback in ~/.cache/megapar/logs/...)" (SIGTERM: "SystemExit: 143"), exit 1
+    monkeypatch.setattr("megapar.cli.eval._logits_worker", _signalled_worker(signum))
     ckpt, ids = tiny_ckpt
     assert evaluate(["--load", str(ckpt), "--tp", "2", "--input-ids", str(ids),
-                     "--save-logits", str(tmp_path / "lg.npy")]) == 130
+                     "--save-logits", str(tmp_path / "lg.npy")]) == rc
     err = capsys.readouterr().err.strip()
-    assert err == "megapar-eval: interrupted; nothing was written", err
+    assert err == f"megapar-eval: {what}; nothing was written", err
     assert not (tmp_path / "lg.npy").exists()

@@ -269,8 +269,8 @@ def _choose_worker(args, given: tuple[str, ...]):
     )
 
 
-_INTERRUPTED = re.compile(r"rank \d+ failed: KeyboardInterrupt\b")
-"""How a rank that a Ctrl-C stopped fails (`WorkerError`'s first line)."""
+_STOPPED = re.compile(r"rank \d+ failed: (?:KeyboardInterrupt\b|(SystemExit: 143)$)", re.M)
+"""How a rank that a Ctrl-C or a SIGTERM stopped fails (`WorkerError`'s first line)."""
 
 
 @quiet_when_stdout_closes
@@ -301,11 +301,14 @@ def main(argv=None) -> int:
     try:
         results = run_workers(worker, args.tp * args.pp, args)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
-        if isinstance(exc, WorkerError) and _INTERRUPTED.match(str(exc)):
-            # a Ctrl-C (the terminal's to every rank, or passed on by the launcher): not a
-            # failure; rank 0 writes --save-logits only once every rank is done
-            print("megapar-eval: interrupted; nothing was written", file=sys.stderr)
-            return 130
+        stopped = _STOPPED.match(str(exc)) if isinstance(exc, WorkerError) else None
+        if stopped:
+            # a Ctrl-C or SIGTERM (the terminal's to every rank, or passed on by the
+            # launcher): not a failure; rank 0 writes --save-logits only once all are done
+            sigterm = stopped.group(1) is not None
+            what = "terminated (SIGTERM)" if sigterm else "interrupted"
+            print(f"megapar-eval: {what}; nothing was written", file=sys.stderr)
+            return 143 if sigterm else 130
         text = (
             str(exc)
             if isinstance(exc, WorkerError)
