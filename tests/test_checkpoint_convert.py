@@ -174,6 +174,43 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
     assert len(err.strip().splitlines()) == 1, err
 
 
+def test_sigterm_is_one_line_exit_143_and_leaves_no_staging_directory(tmp_path):
+    """A SIGTERM (timeout, a scheduler) in the middle of the writes ended the process at once:
+    exit -15 without a word, and the hidden staging directory with the shards written so far
+    left beside DST until the next conversion into it."""
+    import signal
+
+    import megapar.checkpoint.convert as convert_module
+
+    save_serial(tmp_path / "src")
+    out = tmp_path / "out.txt"
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = sys.stderr = open(fd, "w", buffering=1)
+        rc = 3
+        try:
+            write = convert_module.ShardWriter.write
+
+            def write_then_sigterm(self, *args, **kwargs):
+                write(self, *args, **kwargs)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+            convert_module.ShardWriter.write = write_then_sigterm
+            rc = main([str(tmp_path / "src"), str(tmp_path / "dst"), "--tp", "2",
+                       "--no-progress"])
+        finally:
+            os._exit(rc)
+    _, status = os.waitpid(pid, 0)
+    err = out.read_text()
+    assert os.waitstatus_to_exitcode(status) == 143, err
+    assert err.startswith("megapar-convert: terminated (SIGTERM); nothing was written"), err
+    assert len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt", "src"]
+
+
 def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
     """--from-hf of a path that is not a transformers directory: a missing one, a file and a
     megapar checkpoint (root or step) are each named as such, with what to do instead; the

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -428,9 +429,13 @@ def _dcp(args, progress: bool) -> str:
 @quiet_when_stdout_closes
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on any error, with the reason printed;
-    130 on Ctrl-C, in one line: every output is renamed into place only when complete)."""
+    130 on Ctrl-C and 143 on SIGTERM, in one line: every output is renamed into place only
+    when complete)."""
     exit_uncollected()  # torch's heap (where a command imports it) left to the OS at exit
     args = build_parser().parse_args(argv)
+    from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
+
+    previous = sigterm_as_exit()  # a SIGTERM cleans up (the staging directory) as Ctrl-C does
     try:
         from megapar.checkpoint.format import CheckpointError
         from megapar.models.config import ConfigError
@@ -441,13 +446,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"megapar-convert: error: {exc}", file=sys.stderr)
             return 2
         print(report)  # a reader gone (| head) is not an error of the conversion's
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as exc:
+        sigterm = isinstance(exc, SystemExit)
+        if isinstance(exc, SystemExit) and exc.code != SIGTERM_EXIT_CODE:
+            raise
         print(
-            "megapar-convert: interrupted; nothing was written (an output is renamed into "
-            "place only when complete, so the destination is as it was)",
+            f"megapar-convert: {'terminated (SIGTERM)' if sigterm else 'interrupted'}; nothing "
+            f"was written (an output is renamed into place only when complete, so the "
+            f"destination is as it was)",
             file=sys.stderr,
         )
-        return 130
+        return SIGTERM_EXIT_CODE if sigterm else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -25,7 +25,6 @@ import os
 import shutil
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
@@ -330,19 +329,6 @@ def _note_skipped(inputs: Sequence[str]) -> None:
         )
 
 
-def _sigterm_as_exit():
-    """In the main thread, where SIGTERM has its default action: SIGTERM raises SystemExit(143)
-    (`stop.terminate_on_sigterm`), so a run stopped by it (`timeout`, a scheduler) cleans up as
-    an interrupted one does. Returns the handler to restore (None: nothing installed)."""
-    from megapar.faults import stop
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    previous = signal.getsignal(signal.SIGTERM)
-    stop.terminate_on_sigterm()
-    return previous
-
-
 @quiet_when_stdout_closes
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code. A run that fails after training a tokenizer
@@ -356,7 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     trained: list[str] = []  # the tokenizer this run trains, removed again if the run fails
     replaced = False
-    previous = _sigterm_as_exit()
+    from megapar.faults.stop import sigterm_as_exit
+
+    previous = sigterm_as_exit()
     try:
         from megapar.training.validate import check_writable
 
