@@ -479,3 +479,39 @@ def test_a_ctrl_c_or_sigterm_during_the_evaluation_is_one_line_not_a_failure(
     err = capsys.readouterr().err.strip()
     assert err == f"megapar-eval: {what}; nothing was written", err
     assert not (tmp_path / "lg.npy").exists()
+
+
+def test_a_sigterm_before_the_ranks_start_is_one_line_and_exit_143(tiny_ckpt, tmp_path):
+    """A SIGTERM while megapar-eval checks its inputs (or tokenizes raw --data: a partial
+    .bin.tmp was left in --data-cache) killed it without a word (exit -15)."""
+    import os
+    import sys
+
+    import megapar.cli.eval as eval_cli
+
+    ckpt, ids = tiny_ckpt
+    out = tmp_path / "out.txt"
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = sys.stderr = open(fd, "w", buffering=1)
+        rc = 3
+        try:
+            check = eval_cli.check_eval_args
+
+            def check_then_sigterm(args):
+                manifest = check(args)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return manifest
+
+            eval_cli.check_eval_args = check_then_sigterm
+            rc = evaluate(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+                           str(tmp_path / "lg.npy")])
+        finally:
+            os._exit(rc)
+    _, status = os.waitpid(pid, 0)
+    err = out.read_text().strip()
+    assert os.waitstatus_to_exitcode(status) == 143, err
+    assert err == "megapar-eval: terminated (SIGTERM); nothing was written", err

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import traceback
 
@@ -31,6 +32,7 @@ from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_t
 from megapar.device import keep_freed_host_memory
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.report import log_dir_for, worker_failure
+from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 from megapar.mesh import Mesh
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
@@ -283,6 +285,7 @@ def main(argv=None) -> int:
     except UsageError as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)
         return 2
+    previous = sigterm_as_exit()  # a SIGTERM here (raw --data tokenized) cleans up, as Ctrl-C
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
         if under_launcher() and launched_world_size() != args.tp * args.pp:
             raise UsageError(
@@ -298,6 +301,14 @@ def main(argv=None) -> int:
     except (UsageError, CheckpointError, OSError, ValueError) as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)
         return 2
+    except SystemExit as exc:
+        if exc.code != SIGTERM_EXIT_CODE:
+            raise
+        print("megapar-eval: terminated (SIGTERM); nothing was written", file=sys.stderr)
+        return SIGTERM_EXIT_CODE
+    finally:
+        if previous is not None:  # the ranks' and the launcher's own handling from here
+            signal.signal(signal.SIGTERM, previous)
     try:
         results = run_workers(worker, args.tp * args.pp, args)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
@@ -308,7 +319,7 @@ def main(argv=None) -> int:
             sigterm = stopped.group(1) is not None
             what = "terminated (SIGTERM)" if sigterm else "interrupted"
             print(f"megapar-eval: {what}; nothing was written", file=sys.stderr)
-            return 143 if sigterm else 130
+            return SIGTERM_EXIT_CODE if sigterm else 130
         text = (
             str(exc)
             if isinstance(exc, WorkerError)
