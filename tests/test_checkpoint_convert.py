@@ -129,12 +129,22 @@ def test_cli_usage_errors(tmp_path, capsys):
                         ([src, out, "--seed", "3"], "--seed is used only with --from-hf"),
                         ([src, "--to-hf", out, "--dp", "2"], "--dp is used only where a checkpoint"),
                         (["--info", src, "--overwrite"], "--overwrite is not used with --info"),
+                        (["--info", src, "--tp", "2"], "--tp and --pp are not used with --info"),
+                        (["--info", src, "--pp", "2"], "--tp and --pp are not used with --info"),
                         ([src, "--to-dcp", out, "--tokenizer-rows"],
                          "--tokenizer-rows and --dtype are used only with --to-hf")]:
         assert main(argv + ["--no-progress"]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("megapar-convert: error: ") and words in err, (argv, err)
         assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    # --tokenizer-rows of a BERT: it cuts a causal LM's rows only, so it exported all of them
+    # without a word
+    bert = str(tmp_path / "bert")
+    save_serial(bert, kind="bert")
+    assert main([bert, "--to-hf", out, "--tokenizer-rows", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists(), err
+    assert "--tokenizer-rows applies to a causal LM" in err and "this is a bert" in err, err
     # --to-hf into a checkpoint (root or step) mixed a transformers model into it
     step = resolve_checkpoint(src)
     for into in (src, str(step)):

@@ -259,6 +259,11 @@ def _check_unused_options(args) -> None:
         raise ValueError("--tensors and --fast are used only with --info CKPT; drop them")
     if args.overwrite and args.info:
         raise ValueError("--overwrite is not used with --info (it writes nothing); drop it")
+    if (args.tp is not None or args.pp is not None) and args.info:
+        raise ValueError(
+            "--tp and --pp are not used with --info (it describes the checkpoint's own "
+            "layout); drop them"
+        )
     if args.seed is not None and not args.from_hf:
         raise ValueError(
             "--seed is used only with --from-hf (it initialises the tensors a transformers "
@@ -295,6 +300,8 @@ def _to_hf(args) -> str:
         raise ValueError(
             "--tp and --pp are not used with --to-hf: an export is one unsharded model; drop them"
         )
+    if args.tokenizer_rows:
+        _check_tokenizer_rows(src)
     out = export_hf(
         src,
         args.to_hf,
@@ -352,6 +359,21 @@ def _from_hf(args, progress: bool) -> str:
             f"{', '.join(initialised)}"
         )
     return report
+
+
+def _check_tokenizer_rows(src: str) -> None:
+    """--tokenizer-rows of a model that is not a causal LM (a BERT): it would be ignored."""
+    from megapar.checkpoint.manifest import read_manifest
+    from megapar.checkpoint.publish import resolve_checkpoint
+    from megapar.models.config import CAUSAL_LM_TYPES
+
+    kind = read_manifest(resolve_checkpoint(src))["model"].get("model_type")
+    if kind not in CAUSAL_LM_TYPES:
+        raise ValueError(
+            f"--tokenizer-rows applies to a causal LM (GPT-2, Llama, Mixtral, Qwen3-MoE), "
+            f"whose appended [PAD] [CLS] [SEP] [MASK] rows it cuts; this is a {kind}, which "
+            f"uses them: drop --tokenizer-rows"
+        )
 
 
 def _exported_rows(args, src: str, out) -> tuple[int, int, int] | None:
