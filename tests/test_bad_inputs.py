@@ -255,6 +255,11 @@ TRAIN = [
     (["--inject-slow", "rank=0,ms=5,from_step=500"],
      "from_step=500 is after the run's last step (--max-steps 300)"),
     (["--allow-data-change"], "--allow-data-change only applies to a resume"),
+    # were ignored without a word
+    (["--load-strict"], "--load-strict only applies to --load (it makes a --load that holds no "
+                        "checkpoint an error): add --load CKPT or drop it"),
+    (["--overwrite-newer"], "--overwrite-newer only applies to --save (it lets this run replace "
+                            "newer steps there): add --save DIR or drop it"),
     # a flag this run would not read was ignored without a word
     (["--save-interval", "5"], "--save-interval 5 would be ignored: it is how often checkpoints "
                                "go into --save, and no --save is given"),
