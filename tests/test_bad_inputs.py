@@ -439,6 +439,9 @@ EVAL = [
      "new_dir/ is a directory; give a file name, e.g. --save-logits "),
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "64",
       "--micro-batch-size", "100000"], "fewer than one batch of --micro-batch-size 100000"),
+    # was ignored without a word: a causal LM's loss masks nothing
+    (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "16", "--seed", "5"],
+     "--seed 5 would be ignored: it seeds BERT's masking, and the checkpoint holds a gpt2"),
 ]
 
 
