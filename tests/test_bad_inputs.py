@@ -615,6 +615,19 @@ def test_megapar_data(tmp_path, flags, message, capsys, monkeypatch):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*"))
 
 
+def test_megapar_data_split_lines_without_a_txt_input_is_refused(tmp_path, capsys):
+    """--split-lines cuts a .txt into paragraphs; with only .jsonl inputs it was ignored."""
+    from megapar.cli.data import main as data
+
+    (tmp_path / "docs.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    assert data(["--input", str(tmp_path / "docs.jsonl"), "--split-lines", "--output-prefix",
+                 str(tmp_path / "out" / "x"), "--tokenizer", "sentencepiece"]) == 2
+    line = _one_line(capsys, "megapar-data")
+    assert ("--split-lines would be ignored: it cuts a .txt input into paragraphs, and no input "
+            "is .txt" in line), line
+    assert not (tmp_path / "out").exists()
+
+
 # --- a damaged tokenizer file: one line naming the file, in every command that takes one ------
 def _broken_tokenizers(root: Path) -> dict[str, Path]:
     """A truncated tokenizer.json, a tokenizer.json with a truncated tokenizer_config.json, and

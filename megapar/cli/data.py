@@ -183,7 +183,7 @@ def check_flags(args: argparse.Namespace) -> None:
 def _check_unread(args: argparse.Namespace, files: list[str]) -> None:
     """ValueError for a flag given that this run would not read (it was ignored without a
     word); then the defaults of --jsonl-key and --sp-model-type filled in."""
-    from megapar.data.inputs import reads_key
+    from megapar.data.inputs import KEYED_SUFFIXES, reads_key
 
     sentencepiece = args.train_sentencepiece or args.train_tokenizer == "sentencepiece"
     if args.sp_model_type is not None and not sentencepiece:
@@ -197,6 +197,12 @@ def _check_unread(args: argparse.Namespace, files: list[str]) -> None:
         raise ValueError(
             f"--jsonl-key {args.jsonl_key} would be ignored: no input is .jsonl / .json / "
             f".parquet (a .txt file's text is all of it); drop --jsonl-key"
+        )
+    if args.split_lines and files and all(f.endswith(KEYED_SUFFIXES) for f in files):
+        raise ValueError(
+            "--split-lines would be ignored: it cuts a .txt input into paragraphs, and no "
+            "input is .txt (each .jsonl / .json record or .parquet row is a document "
+            "already); drop --split-lines"
         )
     args.jsonl_key = args.jsonl_key or "text"
     args.sp_model_type = args.sp_model_type or "unigram"
