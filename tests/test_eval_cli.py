@@ -466,31 +466,12 @@ def _signalled_worker(signum):
     return worker
 
 
-@pytest.mark.parametrize("signum, rc, what", [
-    (signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")])
-def test_a_ctrl_c_or_sigterm_during_the_evaluation_is_one_line_not_a_failure(
-        tiny_ckpt, tmp_path, capsys, monkeypatch, signum, rc, what):
-    # was: "megapar-eval: error: rank 0 failed in evaluation: KeyboardInterrupt:  (full
-    # traceback in ~/.cache/megapar/logs/...)" (SIGTERM: "SystemExit: 143"), exit 1
-    monkeypatch.setattr("megapar.cli.eval._logits_worker", _signalled_worker(signum))
-    ckpt, ids = tiny_ckpt
-    assert evaluate(["--load", str(ckpt), "--tp", "2", "--input-ids", str(ids),
-                     "--save-logits", str(tmp_path / "lg.npy")]) == rc
-    err = capsys.readouterr().err.strip()
-    assert err == f"megapar-eval: {what}; nothing was written", err
-    assert not (tmp_path / "lg.npy").exists()
-
-
-def test_a_sigterm_before_the_ranks_start_is_one_line_and_exit_143(tiny_ckpt, tmp_path):
-    """A SIGTERM while megapar-eval checks its inputs (or tokenizes raw --data: a partial
-    .bin.tmp was left in --data-cache) killed it without a word (exit -15)."""
+def _evaluate_in_child(argv, out, patch=None) -> int:
+    """megapar-eval's exit code, run in a forked child (stdout and stderr to `out`), so the
+    signals a test sends its launcher never reach this process; `patch()` runs there first."""
     import os
     import sys
 
-    import megapar.cli.eval as eval_cli
-
-    ckpt, ids = tiny_ckpt
-    out = tmp_path / "out.txt"
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
         fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -499,19 +480,57 @@ def test_a_sigterm_before_the_ranks_start_is_one_line_and_exit_143(tiny_ckpt, tm
         sys.stdout = sys.stderr = open(fd, "w", buffering=1)
         rc = 3
         try:
-            check = eval_cli.check_eval_args
-
-            def check_then_sigterm(args):
-                manifest = check(args)
-                os.kill(os.getpid(), signal.SIGTERM)
-                return manifest
-
-            eval_cli.check_eval_args = check_then_sigterm
-            rc = evaluate(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
-                           str(tmp_path / "lg.npy")])
+            if patch is not None:
+                patch()
+            rc = evaluate(argv)
         finally:
             os._exit(rc)
     _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.parametrize("signum, rc, what", [
+    (signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_a_ctrl_c_or_sigterm_during_the_evaluation_is_one_line_not_a_failure(
+        tiny_ckpt, tmp_path, signum, rc, what):
+    # was: "megapar-eval: error: rank 0 failed in evaluation: KeyboardInterrupt:  (full
+    # traceback in ~/.cache/megapar/logs/...)" (SIGTERM: "SystemExit: 143"), exit 1
+    import megapar.cli.eval as eval_cli
+
+    def patch():
+        eval_cli._logits_worker = _signalled_worker(signum)
+
+    ckpt, ids = tiny_ckpt
+    out = tmp_path / "out.txt"
+    got = _evaluate_in_child(["--load", str(ckpt), "--tp", "2", "--input-ids", str(ids),
+                              "--save-logits", str(tmp_path / "lg.npy")], out, patch)
     err = out.read_text().strip()
-    assert os.waitstatus_to_exitcode(status) == 143, err
+    assert got == rc, err
+    assert err == f"megapar-eval: {what}; nothing was written", err
+    assert not (tmp_path / "lg.npy").exists()
+
+
+def test_a_sigterm_before_the_ranks_start_is_one_line_and_exit_143(tiny_ckpt, tmp_path):
+    """A SIGTERM while megapar-eval checks its inputs (or tokenizes raw --data: a partial
+    .bin.tmp was left in --data-cache) killed it without a word (exit -15)."""
+    import os
+
+    import megapar.cli.eval as eval_cli
+
+    def patch():
+        check = eval_cli.check_eval_args
+
+        def check_then_sigterm(args):
+            manifest = check(args)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return manifest
+
+        eval_cli.check_eval_args = check_then_sigterm
+
+    ckpt, ids = tiny_ckpt
+    out = tmp_path / "out.txt"
+    got = _evaluate_in_child(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+                              str(tmp_path / "lg.npy")], out, patch)
+    err = out.read_text().strip()
+    assert got == 143, err
     assert err == "megapar-eval: terminated (SIGTERM); nothing was written", err
