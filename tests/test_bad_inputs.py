@@ -255,6 +255,11 @@ TRAIN = [
     (["--inject-slow", "rank=0,ms=5,from_step=500"],
      "from_step=500 is after the run's last step (--max-steps 300)"),
     (["--allow-data-change"], "--allow-data-change only applies to a resume"),
+    # were ignored without a word
+    (["--load-strict"], "--load-strict only applies to --load (it makes a --load that holds no "
+                        "checkpoint an error): add --load CKPT or drop it"),
+    (["--overwrite-newer"], "--overwrite-newer only applies to --save (it lets this run replace "
+                            "newer steps there): add --save DIR or drop it"),
     # a flag this run would not read was ignored without a word
     (["--save-interval", "5"], "--save-interval 5 would be ignored: it is how often checkpoints "
                                "go into --save, and no --save is given"),
@@ -434,6 +439,9 @@ EVAL = [
      "new_dir/ is a directory; give a file name, e.g. --save-logits "),
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "64",
       "--micro-batch-size", "100000"], "fewer than one batch of --micro-batch-size 100000"),
+    # was ignored without a word: a causal LM's loss masks nothing
+    (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "16", "--seed", "5"],
+     "--seed 5 would be ignored: it seeds BERT's masking, and the checkpoint holds a gpt2"),
 ]
 
 
@@ -605,6 +613,19 @@ def test_megapar_data(tmp_path, flags, message, capsys, monkeypatch):
     line = _one_line(capsys, "megapar-data")
     assert message in line, line
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".*"))
+
+
+def test_megapar_data_split_lines_without_a_txt_input_is_refused(tmp_path, capsys):
+    """--split-lines cuts a .txt into paragraphs; with only .jsonl inputs it was ignored."""
+    from megapar.cli.data import main as data
+
+    (tmp_path / "docs.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    assert data(["--input", str(tmp_path / "docs.jsonl"), "--split-lines", "--output-prefix",
+                 str(tmp_path / "out" / "x"), "--tokenizer", "sentencepiece"]) == 2
+    line = _one_line(capsys, "megapar-data")
+    assert ("--split-lines would be ignored: it cuts a .txt input into paragraphs, and no input "
+            "is .txt" in line), line
+    assert not (tmp_path / "out").exists()
 
 
 # --- a damaged tokenizer file: one line naming the file, in every command that takes one ------

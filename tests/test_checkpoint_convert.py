@@ -129,12 +129,22 @@ def test_cli_usage_errors(tmp_path, capsys):
                         ([src, out, "--seed", "3"], "--seed is used only with --from-hf"),
                         ([src, "--to-hf", out, "--dp", "2"], "--dp is used only where a checkpoint"),
                         (["--info", src, "--overwrite"], "--overwrite is not used with --info"),
+                        (["--info", src, "--tp", "2"], "--tp and --pp are not used with --info"),
+                        (["--info", src, "--pp", "2"], "--tp and --pp are not used with --info"),
                         ([src, "--to-dcp", out, "--tokenizer-rows"],
                          "--tokenizer-rows and --dtype are used only with --to-hf")]:
         assert main(argv + ["--no-progress"]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("megapar-convert: error: ") and words in err, (argv, err)
         assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    # --tokenizer-rows of a BERT: it cuts a causal LM's rows only, so it exported all of them
+    # without a word
+    bert = str(tmp_path / "bert")
+    save_serial(bert, kind="bert")
+    assert main([bert, "--to-hf", out, "--tokenizer-rows", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists(), err
+    assert "--tokenizer-rows applies to a causal LM" in err and "this is a bert" in err, err
     # --to-hf into a checkpoint (root or step) mixed a transformers model into it
     step = resolve_checkpoint(src)
     for into in (src, str(step)):
@@ -172,6 +182,43 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("megapar-convert: interrupted; nothing was written")
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_sigterm_is_one_line_exit_143_and_leaves_no_staging_directory(tmp_path):
+    """A SIGTERM (timeout, a scheduler) in the middle of the writes ended the process at once:
+    exit -15 without a word, and the hidden staging directory with the shards written so far
+    left beside DST until the next conversion into it."""
+    import signal
+
+    import megapar.checkpoint.convert as convert_module
+
+    save_serial(tmp_path / "src")
+    out = tmp_path / "out.txt"
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = sys.stderr = open(fd, "w", buffering=1)
+        rc = 3
+        try:
+            write = convert_module.ShardWriter.write
+
+            def write_then_sigterm(self, *args, **kwargs):
+                write(self, *args, **kwargs)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+            convert_module.ShardWriter.write = write_then_sigterm
+            rc = main([str(tmp_path / "src"), str(tmp_path / "dst"), "--tp", "2",
+                       "--no-progress"])
+        finally:
+            os._exit(rc)
+    _, status = os.waitpid(pid, 0)
+    err = out.read_text()
+    assert os.waitstatus_to_exitcode(status) == 143, err
+    assert err.startswith("megapar-convert: terminated (SIGTERM); nothing was written"), err
+    assert len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt", "src"]
 
 
 def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):

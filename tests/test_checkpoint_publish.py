@@ -173,3 +173,28 @@ def test_overwrite_newer_removes_every_step_newer_than_the_start(tmp_path, capsy
     assert publish.steps_after(root, 0) == ["step_00000003"]
     assert (root / "latest").read_text().strip() == "step_00000003"
     verify(resolve_checkpoint(root))
+
+
+def test_train_refuses_a_save_that_holds_another_format(tmp_path, capsys, monkeypatch):
+    """--save into a Hugging Face model's directory (or a DCP checkpoint's) would mix the
+    checkpoint's files into it, as megapar-convert --to-hf refuses the other way round (and
+    after it, --to-hf --overwrite of that export is refused): one line before any worker."""
+    import megapar.cli.train as train_cli
+
+    started = []
+    monkeypatch.setattr(train_cli, "run_workers", lambda *a, **k: started.append(a))
+    hf, dcp = tmp_path / "exported", tmp_path / "titan"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"")
+    common = ["--model", "gpt2-tiny", "--seq-len", "16", "--max-steps", "1", "--no-progress"]
+    for where, what in ((hf, "a Hugging Face model (config.json)"),
+                        (dcp, "a torch.distributed.checkpoint (DCP) checkpoint")):
+        assert train_cli.main([*common, "--save", str(where)]) == 2 and not started
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith(f"megapar-train: error: --save {where} holds {what}"), err
+        assert "would be mixed into it; give another --save" in err, err
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]

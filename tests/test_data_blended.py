@@ -142,3 +142,31 @@ def test_blend_trains_the_same_in_any_layout_and_resumes_exactly(parts, tmp_path
     assert len(ref) == len(got) == len(both) == 4
     for x, y, z in zip(ref, got, both):
         assert abs(x - y) / x < 1e-5 and abs(x - z) / x < 1e-5, (ref, got, both)
+
+
+def test_a_blend_with_a_part_too_small_to_validate_trains_on_all_of_every_part(tmp_path):
+    """--data 0.9 BIG 0.1 SMALL, SMALL too small for a validation batch: the blend has no
+    validation, so BIG's held-out documents go back to training (they were held out for
+    nothing), and the note names the part that is too small, not "the data"."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import build_datasets
+
+    text = Path(asset_path("shakespeare_sample.txt")).read_text()
+    (tmp_path / "big.txt").write_text(text[:40_000])
+    (tmp_path / "small.txt").write_text("A small part.\n\nOf two documents.\n")
+    prefixes = []
+    for name in ("big", "small"):
+        prefix = str(tmp_path / name)
+        assert data_main(["--input", str(tmp_path / f"{name}.txt"), "--output-prefix", prefix,
+                          "--split-lines", "--no-progress"]) == 0
+        prefixes.append(prefix)
+    blend = ["0.9", prefixes[0], "0.1", prefixes[1]]
+    cfg = TrainConfig(data=blend, seq_len=8, global_batch_size=4, micro_batch_size=2)
+    notes: list[str] = []
+    train_ds, val = build_datasets(cfg, prefixes[0], "gpt2", notes)
+    whole, _ = build_datasets(TrainConfig(data=blend, seq_len=8, global_batch_size=4,
+                                          micro_batch_size=2, val_fraction=0),
+                              prefixes[0], "gpt2")
+    assert val is None
+    assert [len(d) for d in train_ds.datasets] == [len(d) for d in whole.datasets]
+    assert len(notes) == 1 and notes[0].startswith(f"{prefixes[1]}: no validation split"), notes

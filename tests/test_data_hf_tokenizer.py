@@ -17,6 +17,7 @@ import transformers
 
 from megapar.cli.data import main as data_main
 from megapar.data import IndexedDataset, asset_path, load_tokenizer
+from megapar.data.tokenizers import encodes_alike
 
 TEXT = Path(asset_path("shakespeare_sample.txt")).read_text()
 
@@ -109,6 +110,37 @@ def test_llama_style_bos_starts_every_document(tmp_path, gpt2_dir):
     for i, doc in enumerate(["First document.", "Second one here."]):
         expected = [vocab] + auto.encode(doc, add_special_tokens=False) + [vocab + 1]
         assert ds.doc(i).tolist() == expected
+
+
+def test_an_explicit_null_bos_token_means_no_bos(tmp_path, gpt2_dir):
+    # megapar's export of a SentencePiece-trained model writes "bos_token": null (its documents
+    # never began with <s>), though "<s>" is in the vocabulary: read back (megapar-convert
+    # --from-hf, megapar-data --tokenizer EXPORT) it must not start every document with <s>,
+    # as AutoTokenizer does not either
+    directory = tmp_path / "null-bos"
+    shutil.copytree(gpt2_dir, directory)
+    tok = json.loads((directory / "tokenizer.json").read_text())
+    vocab = len(tok["model"]["vocab"])
+    tok["added_tokens"] += [{"id": vocab + i, "content": name, "single_word": False,
+                             "lstrip": False, "rstrip": False, "normalized": False,
+                             "special": True} for i, name in enumerate(["<s>", "</s>"])]
+    (directory / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.update(bos_token=None, eos_token="</s>")
+    config.pop("added_tokens_decoder", None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "special_tokens_map.json").unlink(missing_ok=True)
+    auto = transformers.AutoTokenizer.from_pretrained(str(directory))
+    assert auto.bos_token_id is None
+    ours = load_tokenizer(str(directory))
+    assert ours.eod_id == vocab + 1 and ours.bos_id is None
+    # the key left out altogether still finds a conventional <s>
+    config.pop("bos_token")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    with_bos = load_tokenizer(str(directory))
+    assert with_bos.bos_id == vocab
+    # documents that begin with <s> are other data: not the same tokenizer in another format
+    assert not encodes_alike(ours, with_bos)
 
 
 def test_train_tokenizer_usage_errors(tmp_path, capsys):

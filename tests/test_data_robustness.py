@@ -88,6 +88,25 @@ def test_a_utf8_byte_order_mark_gives_the_same_tokens_as_without(tmp_path, kind)
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_a_utf16_text_is_refused_not_tokenized_as_nul_bytes(tmp_path, capsys, encoding):
+    """A text saved as UTF-16 (Windows Notepad's "Unicode", PowerShell's `>`) is mostly valid
+    UTF-8 bytes, every other one NUL: it was tokenized into that with a warning of "2 bytes of
+    invalid UTF-8 replaced". Its byte-order mark says what it is: one line naming the fix."""
+    bom = {"utf-16": b"", "utf-16-be": b"\xfe\xff", "utf-32": b""}[encoding]
+    (tmp_path / "wide.txt").write_bytes(bom + TEXT[:5000].encode(encoding))
+    out = str(tmp_path / "out" / "wide")
+    assert data_main(["--input", str(tmp_path / "wide.txt"), "--output-prefix", out,
+                      "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    name = encoding.upper()[:6]
+    assert f"wide.txt is {name} (it starts with {name}'s byte-order mark), not UTF-8" in err, err
+    assert f"iconv -f {name} -t UTF-8" in err and not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="not UTF-8"):
+        ensure_dataset(str(tmp_path / "wide.txt"), "gpt2", str(tmp_path / "cache"))
+
+
 def test_megapar_train_raw_text_with_a_byte_order_mark_is_cached_anew(tmp_path, monkeypatch):
     """megapar-train's cache (keyed by the text's bytes) held such a file with the mark as
     three tokens: its key now says the mark is dropped, so that copy is not reused."""

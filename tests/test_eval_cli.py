@@ -13,6 +13,7 @@ The CLIs are called in-process (`main(argv)`); their workers are forked from thi
 import json
 import math
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -448,3 +449,88 @@ def test_data_of_another_tokenizer_is_refused_and_seq_len_defaults_to_the_checkp
         assert f"--load {again} trained with the tokenizer {hf} (sha256 " in \
             capsys.readouterr().err
         shutil.rmtree(hf, ignore_errors=True)  # then: kind, vocabulary size and eod compared
+
+
+def _signalled_worker(signum):
+    """A worker during which `signum` reaches the launcher (which passes it on to the ranks)."""
+
+    def worker(args):
+        import os
+        import time
+
+        if os.environ.get("RANK") == "0":
+            time.sleep(0.3)
+            os.kill(os.getppid(), signum)
+        time.sleep(60)
+
+    return worker
+
+
+def _evaluate_in_child(argv, out, patch=None) -> int:
+    """megapar-eval's exit code, run in a forked child (stdout and stderr to `out`), so the
+    signals a test sends its launcher never reach this process; `patch()` runs there first."""
+    import os
+    import sys
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = sys.stderr = open(fd, "w", buffering=1)
+        rc = 3
+        try:
+            if patch is not None:
+                patch()
+            rc = evaluate(argv)
+        finally:
+            os._exit(rc)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.parametrize("signum, rc, what", [
+    (signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_a_ctrl_c_or_sigterm_during_the_evaluation_is_one_line_not_a_failure(
+        tiny_ckpt, tmp_path, signum, rc, what):
+    # was: "megapar-eval: error: rank 0 failed in evaluation: KeyboardInterrupt:  (full
+    # traceback in ~/.cache/megapar/logs/...)" (SIGTERM: "SystemExit: 143"), exit 1
+    import megapar.cli.eval as eval_cli
+
+    def patch():
+        eval_cli._logits_worker = _signalled_worker(signum)
+
+    ckpt, ids = tiny_ckpt
+    out = tmp_path / "out.txt"
+    got = _evaluate_in_child(["--load", str(ckpt), "--tp", "2", "--input-ids", str(ids),
+                              "--save-logits", str(tmp_path / "lg.npy")], out, patch)
+    err = out.read_text().strip()
+    assert got == rc, err
+    assert err == f"megapar-eval: {what}; nothing was written", err
+    assert not (tmp_path / "lg.npy").exists()
+
+
+def test_a_sigterm_before_the_ranks_start_is_one_line_and_exit_143(tiny_ckpt, tmp_path):
+    """A SIGTERM while megapar-eval checks its inputs (or tokenizes raw --data: a partial
+    .bin.tmp was left in --data-cache) killed it without a word (exit -15)."""
+    import os
+
+    import megapar.cli.eval as eval_cli
+
+    def patch():
+        check = eval_cli.check_eval_args
+
+        def check_then_sigterm(args):
+            manifest = check(args)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return manifest
+
+        eval_cli.check_eval_args = check_then_sigterm
+
+    ckpt, ids = tiny_ckpt
+    out = tmp_path / "out.txt"
+    got = _evaluate_in_child(["--load", str(ckpt), "--input-ids", str(ids), "--save-logits",
+                              str(tmp_path / "lg.npy")], out, patch)
+    err = out.read_text().strip()
+    assert got == 143, err
+    assert err == "megapar-eval: terminated (SIGTERM); nothing was written", err

@@ -166,6 +166,47 @@ def test_first_sigint_saves_with_a_message(tmp_path, common):
     assert (ckpt / f"step_{step:08d}" / "manifest.json").exists()
 
 
+def test_a_sigterm_while_starting_is_one_line_and_exit_143(tmp_path, common, monkeypatch):
+    """A SIGTERM while megapar-train prepares its run (e.g. tokenizing --data, no worker yet)
+    killed it without a word (exit -15, a partial .bin.tmp left in --data-cache), where a
+    Ctrl-C there says "aborted (SIGINT while starting)"."""
+    import megapar.cli.train as train_cli
+
+    plan_run = train_cli.plan_run
+
+    def plan_then_sigterm(cfg, notes):
+        planned = plan_run(cfg, notes)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        return planned
+
+    monkeypatch.setattr(train_cli, "plan_run", plan_then_sigterm)
+    pid = _fork_main([*common, "--max-steps", "2", "--save", str(tmp_path / "ckpt")],
+                     tmp_path / "out")
+    _, status = os.waitpid(pid, 0)
+    out = (tmp_path / "out").read_text()
+    assert os.waitstatus_to_exitcode(status) == 143, out
+    assert "megapar-train: aborted (SIGTERM while starting): nothing saved" in out, out
+    assert "Traceback" not in out and not (tmp_path / "ckpt").exists()
+
+
+def test_a_sigint_after_a_step_just_saved_does_not_promise_another_save(tmp_path, common):
+    """--save-interval 1: the step the SIGINT stops after is saved already, so no "saving"
+    is followed by no "saved" line; the message says that step was saved."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    pid = _fork_main([*common, "--max-steps", "200", "--save", str(ckpt), "--save-interval",
+                      "1", "--log-json", str(log)], tmp_path / "out")
+    assert _wait_for(lambda: len(_steps(log)) >= 1)
+    os.kill(pid, signal.SIGINT)
+    _, status = os.waitpid(pid, 0)
+    out = (tmp_path / "out").read_text()
+    assert os.waitstatus_to_exitcode(status) == 0, out
+    step = _steps(log)[-1]
+    assert f"interrupted at step {step}, saving" not in out, out
+    assert f"interrupted at step {step} (saved just before: {ckpt}/step_{step:08d})" in out, out
+    assert (ckpt / "latest").read_text().strip() == f"step_{step:08d}"
+
+
 def test_exit_interval_stops_and_saves(tmp_path, common, capsys):
     ckpt = tmp_path / "ckpt"
     assert main([*common, "--max-steps", "10", "--exit-interval", "3", "--save", str(ckpt)]) == 0

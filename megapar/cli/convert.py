@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -258,6 +259,11 @@ def _check_unused_options(args) -> None:
         raise ValueError("--tensors and --fast are used only with --info CKPT; drop them")
     if args.overwrite and args.info:
         raise ValueError("--overwrite is not used with --info (it writes nothing); drop it")
+    if (args.tp is not None or args.pp is not None) and args.info:
+        raise ValueError(
+            "--tp and --pp are not used with --info (it describes the checkpoint's own "
+            "layout); drop them"
+        )
     if args.seed is not None and not args.from_hf:
         raise ValueError(
             "--seed is used only with --from-hf (it initialises the tensors a transformers "
@@ -294,6 +300,8 @@ def _to_hf(args) -> str:
         raise ValueError(
             "--tp and --pp are not used with --to-hf: an export is one unsharded model; drop them"
         )
+    if args.tokenizer_rows:
+        _check_tokenizer_rows(src)
     out = export_hf(
         src,
         args.to_hf,
@@ -351,6 +359,21 @@ def _from_hf(args, progress: bool) -> str:
             f"{', '.join(initialised)}"
         )
     return report
+
+
+def _check_tokenizer_rows(src: str) -> None:
+    """--tokenizer-rows of a model that is not a causal LM (a BERT): it would be ignored."""
+    from megapar.checkpoint.manifest import read_manifest
+    from megapar.checkpoint.publish import resolve_checkpoint
+    from megapar.models.config import CAUSAL_LM_TYPES
+
+    kind = read_manifest(resolve_checkpoint(src))["model"].get("model_type")
+    if kind not in CAUSAL_LM_TYPES:
+        raise ValueError(
+            f"--tokenizer-rows applies to a causal LM (GPT-2, Llama, Mixtral, Qwen3-MoE), "
+            f"whose appended [PAD] [CLS] [SEP] [MASK] rows it cuts; this is a {kind}, which "
+            f"uses them: drop --tokenizer-rows"
+        )
 
 
 def _exported_rows(args, src: str, out) -> tuple[int, int, int] | None:
@@ -428,9 +451,13 @@ def _dcp(args, progress: bool) -> str:
 @quiet_when_stdout_closes
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on any error, with the reason printed;
-    130 on Ctrl-C, in one line: every output is renamed into place only when complete)."""
+    130 on Ctrl-C and 143 on SIGTERM, in one line: every output is renamed into place only
+    when complete)."""
     exit_uncollected()  # torch's heap (where a command imports it) left to the OS at exit
     args = build_parser().parse_args(argv)
+    from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
+
+    previous = sigterm_as_exit()  # a SIGTERM cleans up (the staging directory) as Ctrl-C does
     try:
         from megapar.checkpoint.format import CheckpointError
         from megapar.models.config import ConfigError
@@ -441,13 +468,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"megapar-convert: error: {exc}", file=sys.stderr)
             return 2
         print(report)  # a reader gone (| head) is not an error of the conversion's
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as exc:
+        sigterm = isinstance(exc, SystemExit)
+        if isinstance(exc, SystemExit) and exc.code != SIGTERM_EXIT_CODE:
+            raise
         print(
-            "megapar-convert: interrupted; nothing was written (an output is renamed into "
-            "place only when complete, so the destination is as it was)",
+            f"megapar-convert: {'terminated (SIGTERM)' if sigterm else 'interrupted'}; nothing "
+            f"was written (an output is renamed into place only when complete, so the "
+            f"destination is as it was)",
             file=sys.stderr,
         )
-        return 130
+        return SIGTERM_EXIT_CODE if sigterm else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -25,7 +25,6 @@ import os
 import shutil
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
@@ -184,7 +183,7 @@ def check_flags(args: argparse.Namespace) -> None:
 def _check_unread(args: argparse.Namespace, files: list[str]) -> None:
     """ValueError for a flag given that this run would not read (it was ignored without a
     word); then the defaults of --jsonl-key and --sp-model-type filled in."""
-    from megapar.data.inputs import reads_key
+    from megapar.data.inputs import KEYED_SUFFIXES, reads_key
 
     sentencepiece = args.train_sentencepiece or args.train_tokenizer == "sentencepiece"
     if args.sp_model_type is not None and not sentencepiece:
@@ -198,6 +197,12 @@ def _check_unread(args: argparse.Namespace, files: list[str]) -> None:
         raise ValueError(
             f"--jsonl-key {args.jsonl_key} would be ignored: no input is .jsonl / .json / "
             f".parquet (a .txt file's text is all of it); drop --jsonl-key"
+        )
+    if args.split_lines and files and all(f.endswith(KEYED_SUFFIXES) for f in files):
+        raise ValueError(
+            "--split-lines would be ignored: it cuts a .txt input into paragraphs, and no "
+            "input is .txt (each .jsonl / .json record or .parquet row is a document "
+            "already); drop --split-lines"
         )
     args.jsonl_key = args.jsonl_key or "text"
     args.sp_model_type = args.sp_model_type or "unigram"
@@ -330,19 +335,6 @@ def _note_skipped(inputs: Sequence[str]) -> None:
         )
 
 
-def _sigterm_as_exit():
-    """In the main thread, where SIGTERM has its default action: SIGTERM raises SystemExit(143)
-    (`stop.terminate_on_sigterm`), so a run stopped by it (`timeout`, a scheduler) cleans up as
-    an interrupted one does. Returns the handler to restore (None: nothing installed)."""
-    from megapar.faults import stop
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    previous = signal.getsignal(signal.SIGTERM)
-    stop.terminate_on_sigterm()
-    return previous
-
-
 @quiet_when_stdout_closes
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code. A run that fails after training a tokenizer
@@ -356,7 +348,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     trained: list[str] = []  # the tokenizer this run trains, removed again if the run fails
     replaced = False
-    previous = _sigterm_as_exit()
+    from megapar.faults.stop import sigterm_as_exit
+
+    previous = sigterm_as_exit()
     try:
         from megapar.training.validate import check_writable
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import signal
 import sys
 import traceback
 
@@ -30,6 +32,7 @@ from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_t
 from megapar.device import keep_freed_host_memory
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.report import log_dir_for, worker_failure
+from megapar.faults.stop import SIGTERM_EXIT_CODE, sigterm_as_exit
 from megapar.launcher import WorkerError, launched_world_size, run_workers, under_launcher
 from megapar.mesh import Mesh
 from megapar.models.config import CAUSAL_LM_TYPES, config_from_dict
@@ -268,6 +271,10 @@ def _choose_worker(args, given: tuple[str, ...]):
     )
 
 
+_STOPPED = re.compile(r"rank \d+ failed: (?:KeyboardInterrupt\b|(SystemExit: 143)$)", re.M)
+"""How a rank that a Ctrl-C or a SIGTERM stopped fails (`WorkerError`'s first line)."""
+
+
 @quiet_when_stdout_closes
 def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
@@ -278,6 +285,7 @@ def main(argv=None) -> int:
     except UsageError as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)
         return 2
+    previous = sigterm_as_exit()  # a SIGTERM here (raw --data tokenized) cleans up, as Ctrl-C
     try:  # every argument, the checkpoint and the ids: reported once, before any worker starts
         if under_launcher() and launched_world_size() != args.tp * args.pp:
             raise UsageError(
@@ -287,15 +295,37 @@ def main(argv=None) -> int:
                 f"{args.tp * args.pp} or change --tp / --pp"
             )
         manifest = check_eval_args(args)
+        kind = manifest["model"].get("model_type")
+        if "seed" in parser.given(argv) and kind in CAUSAL_LM_TYPES:
+            raise UsageError(
+                f"--seed {args.seed} would be ignored: it seeds BERT's masking, and the "
+                f"checkpoint holds a {kind} (its loss masks nothing); drop it"
+            )
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
             args.save_logits = logits_file(args.save_logits)
     except (UsageError, CheckpointError, OSError, ValueError) as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)
         return 2
+    except SystemExit as exc:
+        if exc.code != SIGTERM_EXIT_CODE:
+            raise
+        print("megapar-eval: terminated (SIGTERM); nothing was written", file=sys.stderr)
+        return SIGTERM_EXIT_CODE
+    finally:
+        if previous is not None:  # the ranks' and the launcher's own handling from here
+            signal.signal(signal.SIGTERM, previous)
     try:
         results = run_workers(worker, args.tp * args.pp, args)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
+        stopped = _STOPPED.match(str(exc)) if isinstance(exc, WorkerError) else None
+        if stopped:
+            # a Ctrl-C or SIGTERM (the terminal's to every rank, or passed on by the
+            # launcher): not a failure; rank 0 writes --save-logits only once all are done
+            sigterm = stopped.group(1) is not None
+            what = "terminated (SIGTERM)" if sigterm else "interrupted"
+            print(f"megapar-eval: {what}; nothing was written", file=sys.stderr)
+            return SIGTERM_EXIT_CODE if sigterm else 130
         text = (
             str(exc)
             if isinstance(exc, WorkerError)

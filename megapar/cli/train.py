@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 import traceback
 
@@ -24,7 +25,12 @@ from megapar.dryrun.command import rehearse
 from megapar.dryrun.sample import check_world
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.report import log_dir_for, tell_torchrun, worker_failure
-from megapar.faults.stop import install_stop_handlers, parse_signals
+from megapar.faults.stop import (
+    SIGTERM_EXIT_CODE,
+    install_stop_handlers,
+    parse_signals,
+    sigterm_as_exit,
+)
 from megapar.launcher import (
     WorkerError,
     check_local_workers,
@@ -128,6 +134,7 @@ def main(argv=None) -> int:
     share_host_arena()  # before any thread (the tokenizer's) allocates: workers inherit it
     notes: list[str] = []
     lock, cfg = None, None
+    previous = sigterm_as_exit()  # a SIGTERM while starting ends it as a Ctrl-C there does
     try:
         cfg = parse_args(argv)
         layout, plan = plan_run(cfg, notes)
@@ -150,12 +157,18 @@ def main(argv=None) -> int:
             lock.release()
         print(f"megapar-train: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # e.g. while --data is tokenized: no worker runs yet
+    except (KeyboardInterrupt, SystemExit) as exc:  # e.g. while --data is tokenized: no worker
+        if isinstance(exc, SystemExit) and exc.code != SIGTERM_EXIT_CODE:
+            raise
         if lock is not None:
             lock.release()
         saved = _what_is_saved(cfg) if cfg is not None else "nothing saved"
-        print(f"megapar-train: aborted (SIGINT while starting): {saved}", file=sys.stderr)
-        return 130
+        what = "SIGTERM" if isinstance(exc, SystemExit) else "SIGINT"
+        print(f"megapar-train: aborted ({what} while starting): {saved}", file=sys.stderr)
+        return SIGTERM_EXIT_CODE if isinstance(exc, SystemExit) else 130
+    finally:
+        if previous is not None:  # the workers' and the launcher's own handling from here
+            signal.signal(signal.SIGTERM, previous)
     try:
         return _run(cfg, layout, plan, notes)
     finally:

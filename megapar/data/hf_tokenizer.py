@@ -41,8 +41,10 @@ def _token(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _special_names(directory: str) -> dict[str, str]:
-    names: dict[str, str] = {}
+def _special_names(directory: str) -> dict[str, str | None]:
+    """Each special-token role the directory's configs name, by key (``eos_token``, ...); a
+    role set to null there (``"bos_token": null``: the tokenizer has none) maps to None."""
+    names: dict[str, str | None] = {}
     for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # config wins
         path = os.path.join(directory, fname)
         if os.path.isfile(path):
@@ -70,6 +72,8 @@ def _special_names(directory: str) -> dict[str, str]:
                 token = _token(data.get(key))
                 if token:
                     names[key] = token
+                elif key in data and data[key] is None:
+                    names[key] = None
     return names
 
 
@@ -89,7 +93,10 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
     names = _special_names(directory)
 
     def find(key: str, fallbacks: Iterable[str] = ()) -> int | None:
-        for name in ([names[key]] if key in names else []) + list(fallbacks):
+        named = names.get(key)
+        if key == "bos_token" and key in names and named is None:
+            return None  # no BOS, said explicitly: a "<s>" in the vocabulary is not one
+        for name in ([named] if named else []) + list(fallbacks):
             tid = backend.token_to_id(name)
             if tid is not None:
                 return tid

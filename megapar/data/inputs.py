@@ -4,7 +4,8 @@
 array of objects, or in a ``.json`` one object, the text under a key), ``.parquet`` (a column, a
 record batch at a time), and directories of them. Every document's CRLF / lone CR line endings
 become LF (`normalize_newlines`); text that is not UTF-8 is counted and refused above a
-threshold (`read_text`). See `megapar.data.preprocess` for what is done with the documents.
+threshold, and a UTF-16 / UTF-32 text is refused (`read_text`). See `megapar.data.preprocess`
+for what is done with the documents.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ _ESCAPED = re.compile("[\udc80-\udcff]")
 #: UTF-8's byte-order mark, as Windows tools start a text: not text, dropped where read.
 BOM = b"\xef\xbb\xbf"
 _CR = re.compile("\r\n?")
+#: Byte-order marks of the wide encodings (UTF-32's first: its little-endian one starts like
+#: UTF-16's), which Windows tools write: such a text is not UTF-8 but mostly decodes as UTF-8,
+#: NUL bytes and all.
+_WIDE_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe", "UTF-16"),
+    (b"\xfe\xff", "UTF-16"),
+)
 
 
 def is_raw_text(path: str) -> bool:
@@ -47,9 +57,17 @@ def normalize_newlines(text: str) -> str:
 def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None = None) -> str:
     """A file's text with LF line endings (`normalize_newlines`); invalid UTF-8 bytes become
     U+FFFD and are counted into ``report[path]``. Raises ValueError above ``MAX_INVALID_UTF8``
-    unless allowed."""
+    unless allowed, and for a text that starts with a UTF-16 / UTF-32 byte-order mark."""
     with open(path, "rb") as f:
         raw = f.read()
+    for mark, wide in _WIDE_BOMS:
+        if raw.startswith(mark):
+            stem = os.path.splitext(path)[0]
+            raise ValueError(
+                f"{path} is {wide} (it starts with {wide}'s byte-order mark), not UTF-8; "
+                f"convert it to UTF-8 (e.g. iconv -f {wide} -t UTF-8 {shell_word(path)} > "
+                f"{shell_word(stem + '-utf8.txt')}) and pass that"
+            )
     raw = raw.removeprefix(BOM)  # not text: no tokens for it
     text = normalize_newlines(raw.decode("utf-8", errors="surrogateescape"))
     bad = len(_ESCAPED.findall(text))

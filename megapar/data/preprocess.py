@@ -358,6 +358,9 @@ def ensure_dataset(
             **({"newlines": "lf"} if any(cr for _, cr in digests) else {}),
             # a byte-order mark: cached as three tokens before it was dropped, so a new key
             **({"bom": "dropped"} if any(_starts_with_bom(p) for p in files) else {}),
+            # a transformers tokenizer without a BOS: its documents were cached beginning
+            # with a "<s>" of its vocabulary before an explicit "bos_token": null was obeyed
+            **({"bos": None} if tok.kind == "hf" and tok.bos_id is None else {}),
             # only when set, so the datasets cached with the defaults keep their key
             **({"jsonl_key": jsonl_key} if jsonl_key != "text" else {}),
             **({"allow_invalid_utf8": True} if allow_invalid_utf8 else {}),

@@ -10,7 +10,8 @@
   offline with the ``tokenizers`` library, exactly as ``AutoTokenizer`` tokenizes text. Its own
   end-of-sequence token (``eos_token`` of ``tokenizer_config.json`` /
   ``special_tokens_map.json``) is the end-of-document token, and its own beginning-of-sequence
-  token (``bos_id``), when it has a different one, starts every document in megapar-data.
+  token (``bos_id``), when it has a different one, starts every document in megapar-data
+  (``"bos_token": null`` there means none, even with a ``<s>`` in the vocabulary).
 
 Every one is a `megapar.data.tokenizer.Tokenizer` (its special tokens: see there).
 """
@@ -142,10 +143,10 @@ def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
 
 def encodes_alike(a: Tokenizer, b: Tokenizer) -> bool:
     """Whether two tokenizers give the same ids, whatever their files' format (e.g. GPT-2's BPE
-    and the tokenizer.json an export made of it): the same vocabulary size and end-of-document
-    id, and the same ids for `SAMPLE_TEXTS` and 4,000 characters of the shipped Shakespeare
-    sample."""
-    if (a.vocab_size, a.eod_id) != (b.vocab_size, b.eod_id):
+    and the tokenizer.json an export made of it): the same vocabulary size, end-of-document
+    id and beginning-of-document id (or none), and the same ids for `SAMPLE_TEXTS` and 4,000
+    characters of the shipped Shakespeare sample."""
+    if (a.vocab_size, a.eod_id, a.bos_id) != (b.vocab_size, b.eod_id, b.bos_id):
         return False
     with open(asset_path("shakespeare_sample.txt"), encoding="utf-8") as f:
         texts = [*SAMPLE_TEXTS, f.read(4000)]

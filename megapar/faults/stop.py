@@ -254,6 +254,18 @@ def terminate_on_sigterm(replace: bool = False) -> None:
         signal.signal(signal.SIGTERM, _terminate)
 
 
+def sigterm_as_exit():
+    """`terminate_on_sigterm` for a command's run (megapar-data, megapar-convert): in the main
+    thread, where SIGTERM has its default action, SIGTERM raises SystemExit(143), so a run it
+    stops (`timeout`, a scheduler) cleans up as an interrupted one does. Returns the handler
+    to restore afterwards (None: nothing installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    terminate_on_sigterm()
+    return previous
+
+
 def on_forced_exit(cleanup: Callable[[], None], done: str) -> None:
     """Run `cleanup` if `watch_sigterm` ends the process; `done` says what it did ("--save lock
     released")."""

@@ -10,7 +10,7 @@ sizes, and `prepare_data` tokenizes raw text into the cache. Workers then call
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -431,17 +431,31 @@ def split_for_training(cfg: TrainConfig, indexed, model_type: str):
 
 def build_datasets(cfg: TrainConfig, prefix: str, model_type: str, notes: list[str] | None = None):
     """(train, val) datasets: GPT windows or BERT MLM samples, split by documents; for a
-    blended --data, each part is split and the parts are blended by weight."""
+    blended --data, each part is split and the parts are blended by weight. A blend validates
+    only when every part has a validation split; when one has none, no part holds documents
+    out (they would be held out for nothing), and the notes name the part."""
 
     blend = parse_blend(cfg.data) if cfg.data is not None else None
     if blend is None:
         return _build_one(cfg, prefix, model_type, notes)
-    parts = [_build_one(cfg, _resolve_one(cfg, p), model_type, notes) for _, p in blend]
+    prefixes = [_resolve_one(cfg, p) for _, p in blend]
     weights, names = [w for w, _ in blend], [p for _, p in blend]
-    train = BlendedDataset([t for t, _ in parts], weights, names, cfg.seed)
+    part_notes: list[str] = []
+    parts = []
+    for name, part in zip(names, prefixes):
+        said: list[str] = []
+        parts.append(_build_one(cfg, part, model_type, said))
+        part_notes += [f"{name}: {note}" for note in said]
     val = None
     if all(v is not None and len(v) > 0 for _, v in parts):
         val = BlendedDataset([v for _, v in parts], weights, names, cfg.seed)
+    elif any(v is not None for _, v in parts):
+        whole = replace(cfg, val_fraction=0.0)
+        parts = [_build_one(whole, part, model_type) for part in prefixes]
+        part_notes = [n for n in part_notes if "no validation split" in n]
+    if notes is not None:
+        notes.extend(part_notes)
+    train = BlendedDataset([t for t, _ in parts], weights, names, cfg.seed)
     return train, val
 
 

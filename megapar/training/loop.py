@@ -191,7 +191,7 @@ class Trainer:
         self.notes.extend(state.notes)
 
     # -- save / eval -------------------------------------------------------------------------
-    def save(self, logger) -> None:
+    def save(self, logger) -> Path:
         """Save the current step into --save (with --async-save: start its background write,
         after waiting for the one in flight) and log it."""
         if not launcher_alive():
@@ -215,6 +215,7 @@ class Trainer:
         logger.message(
             f"saving {path} in the background" if self.engine.saver is not None else f"saved {path}"
         )
+        return path
 
     @staticmethod
     def log_saved(logger, published: Path | None) -> None:
@@ -427,7 +428,7 @@ class Trainer:
         )
         stop = StopRequests(cfg.exit_duration_mins, cfg.exit_interval, mesh.device)
         saved = self.saved_at_start()
-        loaded_step = saved
+        loaded_step, saved_path = saved, None
         try:
             while self.step < cfg.max_steps:
                 at = self.step + 1
@@ -466,15 +467,18 @@ class Trainer:
                     and self.step % cfg.save_interval == 0
                     and self.step < cfg.max_steps
                 ):
-                    self.save(logger)
+                    saved_path = self.save(logger)
                     saved = self.step
                 why = stop.reason(self.step) if self.step < cfg.max_steps else None
                 if why:
-                    logger.message(
-                        why
-                        if cfg.save
-                        else why.replace(", saving", "") + " (no --save given: nothing saved)"
-                    )
+                    if not cfg.save:
+                        why = why.replace(", saving", "") + " (no --save given: nothing saved)"
+                    elif saved == self.step:  # --save-interval saved this step: no other save
+                        done = (
+                            "being saved" if self.engine.saver is not None else "saved just before"
+                        )
+                        why = why.replace(", saving", f" ({done}: {saved_path})")
+                    logger.message(why)
                     break
             at = self.step
             if cfg.save and saved != self.step:

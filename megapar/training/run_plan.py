@@ -47,6 +47,7 @@ from megapar.training.validate_resume import (
     check_newer_steps,
     check_resumable,
     check_same_data,
+    check_save_format,
     checkpoint_manifest,
     named,
     settings_from_checkpoint,
@@ -91,6 +92,7 @@ def plan_data(
         check_outputs(cfg)  # an unwritable --save is not found after the run
         if cfg.save and takes_save_lock():
             check_unlocked(cfg.save)  # another run writing --save: refused before tokenizing
+        check_save_format(cfg)  # a Hugging Face model's (or DCP) directory: never mixed
         check_newer_steps(cfg, manifest)  # steps a resumed or fresh run would overwrite
         notes.extend(_earlier_log(cfg, manifest))
     plan = prepare_data(cfg, notes, manifest, config)

@@ -246,6 +246,16 @@ def _check_combinations(cfg) -> None:
             "--allow-data-change only applies to a resume (it lets --load continue "
             "on changed --data): add --load CKPT or drop it"
         )
+    if cfg.load_strict and not cfg.load:
+        raise UsageError(
+            "--load-strict only applies to --load (it makes a --load that holds no "
+            "checkpoint an error): add --load CKPT or drop it"
+        )
+    if cfg.overwrite_newer and not cfg.save:
+        raise UsageError(
+            "--overwrite-newer only applies to --save (it lets this run replace newer "
+            "steps there): add --save DIR or drop it"
+        )
     if cfg.async_save and not cfg.save and not cfg.dry_run:
         raise UsageError(
             "--async-save writes the checkpoints of --save in the background: give "

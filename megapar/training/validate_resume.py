@@ -1,6 +1,7 @@
 """The checks of a run that resumes a checkpoint (`--load`), made before a worker starts: the
 path, the checkpoint's integrity, the settings it records, whether the run can continue its data
-order on its data, and which steps a run would replace in `--save`."""
+order on its data, and which steps a run would replace in `--save` (or which other format's
+files it would be mixed with)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,22 @@ def check_load_path(cfg) -> None:
             f"--load {cfg.load}: no such checkpoint; {root} holds {shown}; "
             f"pass one of them, or {root} for the latest"
         )
+
+
+def check_save_format(cfg) -> None:
+    """--save naming a directory that holds another format's model or checkpoint (a Hugging Face
+    model, a DCP checkpoint; `foreign_checkpoint`): the checkpoint's files would be mixed into
+    it, as megapar-convert --to-hf refuses into a checkpoint's directory."""
+    if not cfg.save:
+        return
+    foreign = foreign_checkpoint(os.path.expanduser(cfg.save))
+    if foreign is None:
+        return
+    what = foreign.split(", not a megapar checkpoint")[0]
+    raise UsageError(
+        f"--save {cfg.save} {what}: this run's checkpoints would be mixed into it; give "
+        f"another --save (a new directory, or one that holds megapar checkpoints)"
+    )
 
 
 def check_newer_steps(cfg, manifest: dict | None) -> None:
