@@ -142,6 +142,8 @@ def test_dry_run_prints_every_sampled_rank_and_the_checkpoint(capsys):
     assert "/cluster/ckpt/step_00000300/model_tp00_pp00.safetensors" in out
     assert "with 4 shard files" in out and "activations are modelled" in out
     assert not os.path.exists("/cluster/ckpt")  # a rehearsal writes nothing
+    rc, out, err = _train(["--model", "gpt2-tiny", "--world-size", "1", "--dry-run"], capsys)
+    assert rc == 0 and "with 1 shard file," in out, err  # not "1 shard files"
 
 
 def test_json_has_one_object_per_rank_with_bytes(capsys):

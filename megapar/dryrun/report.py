@@ -143,7 +143,8 @@ def describe_checkpoint(reports: list[RankReport], layout, step_dir: str) -> str
             sizes.setdefault(r.pp_rank, set()).add(r.checkpoint_bytes)
             seen[r.checkpoint_file] = r.checkpoint_bytes
     files = layout.tp * layout.pp
-    head = f"checkpoint of the first save: {step_dir}/ with {files:,} shard files"
+    noun = "shard file" if files == 1 else "shard files"
+    head = f"checkpoint of the first save: {step_dir}/ with {files:,} {noun}"
     tail = ", rng.safetensors and manifest.json (not sized)"
     if len(seen) == files:
         return f"{head}, {size(sum(seen.values()))} in all{tail}"
