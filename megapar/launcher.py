@@ -63,19 +63,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def loopback_store(rank: int, world_size: int, port: int, timeout_s: float | None):
-    """The rendezvous store of a local run: rank 0 serves it on 127.0.0.1 only."""
+def listening_socket() -> socket.socket:
+    """A socket listening on a free port of 127.0.0.1, for a forked rank 0 to serve the store
+    on (`loopback_store`): bound before any worker starts, so no other process can take the
+    port in between, as one could between `free_port` and a later bind (a concurrent run's
+    gloo connection did: "Address already in use")."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+def loopback_store(
+    rank: int, world_size: int, port: int, timeout_s: float | None, listen_fd: int | None = None
+):
+    """The rendezvous store of a local run: rank 0 serves it on 127.0.0.1 only, on the
+    listening socket it inherited (`listen_fd`, forked workers: `listening_socket`) or on one
+    it binds to `port`."""
 
     timeout = timedelta(seconds=timeout_s or _device.DEFAULT_TIMEOUT_S)
     if rank != 0:
         return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    sock.listen(128)
-    store = dist.TCPStore(
-        "127.0.0.1", port, world_size, True, timeout, master_listen_fd=sock.detach()
-    )
+    if listen_fd is None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+        listen_fd = sock.detach()
+    store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout, master_listen_fd=listen_fd)
     return store
 
 
@@ -93,6 +108,7 @@ def _worker(
     status,
     stacks,
     nccl_timeout_s=None,
+    listen_fd=None,
 ):
     # What the worker inherited (its launcher's or forkserver's heap: torch's modules, a test
     # runner's) is frozen: its collections (the full ones, and release_process_groups') skip
@@ -118,10 +134,13 @@ def _worker(
     )
     if sys.platform.startswith("linux"):  # gloo's own sockets: loopback too, whatever the
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # environment said (a cluster's interface)
+    if listen_fd is not None and rank != 0:  # rank 0's to serve the store on
+        os.close(listen_fd)
+        listen_fd = None
     try:
         torch.set_num_threads(1)
         if world_size > 1:
-            store = loopback_store(rank, world_size, port, timeout_s)
+            store = loopback_store(rank, world_size, port, timeout_s, listen_fd)
             _device.init_distributed(
                 rank, world_size, timeout_s=timeout_s, store=store, nccl_timeout_s=nccl_timeout_s
             )
@@ -183,7 +202,10 @@ def run_local(
         import torch._dynamo  # noqa: F401
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
-    port = free_port()
+    # forked workers inherit the store's listening socket (no window for another process to
+    # take its port); spawned ones get a port that was free a moment ago
+    listener = listening_socket() if start_method == "fork" and world_size > 1 else None
+    port = listener.getsockname()[1] if listener is not None else free_port()
     coll_timeout = collective_timeout_s or (max(10.0, timeout_s - 5.0) if timeout_s else None)
     _remove_dead_stacks()
     stacks = tempfile.mkdtemp(prefix=f"{STACKS_PREFIX}{os.getpid()}-")
@@ -206,12 +228,17 @@ def run_local(
                 statuses[r],
                 stacks,
                 nccl_timeout_s,
+                None if listener is None else listener.fileno(),
             ),
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if listener is not None:  # rank 0 holds it now
+            listener.close()
     deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
     restore = _forward_signals(procs, forward)
     try:

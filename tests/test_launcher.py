@@ -257,3 +257,22 @@ def test_a_local_run_listens_on_loopback_only_whatever_gloo_socket_ifname_says(m
         assert all(a in ("0100007F", "0000000000000000FFFF00000100007F",
                          "00000000000000000000000001000000") for a in addresses), \
             (external[0], rank, addresses)
+
+
+def test_forked_ranks_serve_the_store_on_a_socket_bound_before_they_start(monkeypatch):
+    """A port found free and bound later can be taken in between (a concurrent test's gloo
+    connection took one: rank 0 failed with "Address already in use"). Forked ranks inherit a
+    socket already listening, so a taken port never reaches them: here every port `free_port`
+    could give is one another socket holds."""
+    import socket
+
+    from megapar import launcher
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    monkeypatch.setattr(launcher, "free_port", lambda: taken.getsockname()[1])
+    try:
+        assert run_local(_sum_ranks, 2) == [1.0, 1.0]
+    finally:
+        taken.close()
