@@ -33,13 +33,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from itertools import accumulate
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapar.tensor_parallel.fp8 import Fp8Spec, Fp8WeightCache
+from megapar.data_parallel.buckets import slice_pieces
+from megapar.tensor_parallel.fp8 import Fp8Spec, Fp8WeightCache, scale_of, to_float8, weight_slot
 
 
 def float8_weights(stage: nn.Module) -> dict[int, Fp8Spec]:
@@ -76,8 +78,11 @@ class Float8Shard:
         self.active = False
         """A step is running (`Float8Gather.step`): gathers move `shard` into `full`."""
         lo, hi = unit_range
-        self.pieces: list[tuple[int, int]] = []
+        self.pieces = [(0, 0)] * len(params)
         """Per parameter, the [lo, hi) of its piece in this rank's shard (empty: none)."""
+        offsets = [0, *accumulate(p.numel() for p in params)]
+        for i, start, end in slice_pieces([p.numel() for p in params], lo, hi):
+            self.pieces[i] = (offsets[i] + start - lo, offsets[i] + end - lo)
         self.scales: list[torch.Tensor] = []
         """Per parameter, its float8 scale in this step (`Float8Gather.step` sets them)."""
         device = params[0].device
@@ -89,14 +94,10 @@ class Float8Shard:
         self.weights_t = []
         """Per parameter, its float8 W^T [K, N]: a view into `full` (made while it has
         storage; it sees the bytes each gather writes there)."""
-        offset = 0
-        for p, spec in zip(params, specs, strict=True):
+        for p, spec, offset in zip(params, specs, offsets[:-1], strict=True):
             dtype = spec.config.cast_config_weight.target_dtype
             view = self.full[offset : offset + p.numel()].view(dtype).view(p.shape).t()
             self.weights_t.append(view)
-            start = min(max(offset, lo), hi) - lo
-            self.pieces.append((start, max(start, min(max(offset + p.numel(), lo), hi) - lo)))
-            offset += p.numel()
         self.nbytes = self.full.untyped_storage().nbytes()
         self.shard_nbytes = self.shard.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
@@ -110,8 +111,10 @@ class Float8Shard:
         self.shard.zero_()
         for (lo, hi), scale, spec in zip(self.pieces, self.scales, self.specs, strict=True):
             if hi > lo:
-                cast = _to_float8(shard[lo:hi], scale, spec)
-                self.shard[lo:hi].copy_(cast._data.view(torch.uint8))
+                cast = spec.config.cast_config_weight
+                role = spec.ao[1].GemmInputRole.WEIGHT
+                f8 = to_float8(shard[lo:hi], scale, cast, role, None, spec)
+                self.shard[lo:hi].copy_(f8._data.view(torch.uint8))
 
     def drop_shard(self) -> None:
         """Free the float8 shard (its gather is done)."""
@@ -164,10 +167,14 @@ class Float8Gather:
         at = 0
         for u in self.units:
             f8 = u.float8
-            f8.scales = [_scale(amaxes[at + j].clone(), spec) for j, spec in enumerate(f8.specs)]
+            f8.scales = [
+                scale_of(amaxes[at + j].clone(), spec.config.cast_config_weight, spec)
+                for j, spec in enumerate(f8.specs)
+            ]
             at += len(f8.specs)
             for p, w_t, scale, spec in zip(f8.params, f8.weights_t, f8.scales, f8.specs):
-                cache.casts[_slot(p, spec)] = _weight(w_t, p, scale, spec)
+                slot = weight_slot(id(p), spec.config.cast_config_weight, 0, spec)
+                cache.casts[slot] = _weight(w_t, p, scale, spec)
             f8.active = True
 
 
@@ -177,24 +184,6 @@ def _piece_amax(shard: torch.Tensor, lo: int, hi: int, spec: Fp8Spec) -> torch.T
         return shard.new_zeros(())
     tensorwise = spec.ao[0].ScalingGranularity.TENSORWISE
     return spec.ao[2].tensor_to_amax(shard[lo:hi], False, None, tensorwise, None)
-
-
-def _scale(amax: torch.Tensor, spec: Fp8Spec) -> torch.Tensor:
-    cast = spec.config.cast_config_weight
-    return spec.ao[2].amax_to_scale(amax, cast.target_dtype, spec.config.round_scales_to_power_of_2)
-
-
-def _to_float8(t: torch.Tensor, scale: torch.Tensor, spec: Fp8Spec) -> Any:
-    tensor_mod = spec.ao[1]
-    cast = spec.config.cast_config_weight
-    return tensor_mod.hp_tensor_and_scale_to_float8(
-        t, scale, cast.target_dtype, spec.mm_config, tensor_mod.GemmInputRole.WEIGHT, None
-    )
-
-
-def _slot(p: nn.Parameter, spec: Fp8Spec) -> tuple:
-    """The `Fp8WeightCache` slot of weight `p`'s tensorwise cast (`fp8._weight_cast`'s)."""
-    return (id(p), spec.config.cast_config_weight, None)
 
 
 def _weight(data: torch.Tensor, p: nn.Parameter, scale, spec: Fp8Spec) -> Any:

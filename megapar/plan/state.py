@@ -193,6 +193,12 @@ def _shards(tensors, idx, dp: int, ep: int) -> int:
     return dp // ep if ep > 1 and tensors[idx[0]].expert else dp
 
 
+def _gathered(u, nbytes: int) -> int:
+    """The bytes a gather of ZeRO-3 unit `u` (a `UnitSpec`) fills, of its fp32 buffer's
+    `nbytes`: a float8 unit's are float8, 1 of fp32's 4 (`UnitSpec.float8`)."""
+    return nbytes // 4 if u.float8 else nbytes
+
+
 def _deferred(tensors, units, pp: int) -> set[int]:
     """ZeRO-3: the units holding the tied embedding over pipeline stages (reduced once, in
     `ShardedParams.finish()`, after its sum over the first and last stage)."""
@@ -234,7 +240,7 @@ def _finish(
         nbytes = [padded * tensors[idx[0]].dtype.itemsize for idx, padded in units]
         grad_nbytes = [0 if k in alone else n for k, n in enumerate(nbytes)]
         full = nbytes if offload.params else grad_nbytes
-        full = [n // 4 if u.float8 else n for u, n in zip(specs, full)]  # float8 bytes
+        full = [_gathered(u, n) for u, n in zip(specs, full)]
         gathered = gathered_peak(specs, full, offload.keep_params)
         deferred = _deferred(tensors, units, pp)
         kept = offload.micro_batches > 1
@@ -361,7 +367,7 @@ def zero_traffic(
             continue  # a unit or bucket over one rank (ep = cp x dp): nothing gathered or reduced
         group = EXPERTS if _shards(tensors, idx, dp, ep) != dp else DENSE
         n = padded * tensors[idx[0]].dtype.itemsize
-        g = n // 4 if specs is not None and specs[k].float8 else n  # float8 bytes
+        g = n if specs is None else _gathered(specs[k], n)
         t = out.get(group, Traffic())
         out[group] = Traffic(
             t.pieces + 1,

@@ -190,7 +190,7 @@ def _cast(
     """`t` as torchao's float8 tensor under `cast` (a CastConfig), its rowwise scale along
     `axis`; the amax reduced over tp where `split` is the dimension the scale covers, and over
     cp where the scale covers the rows (`rows_cp`: t's rows are tokens, X and dY)."""
-    config_mod, tensor_mod, utils = spec.ao
+    config_mod, _, utils = spec.ao
     if cast.scaling_type is config_mod.ScalingType.DISABLED:
         return t
     granularity = cast.scaling_granularity
@@ -201,10 +201,30 @@ def _cast(
         _reduce_max(amax, spec.group)
     if spec.cp_group is not None and rows_cp and (tensorwise or axis % t.dim() == 0):
         _reduce_max(amax, spec.cp_group)
-    scale = utils.amax_to_scale(amax, cast.target_dtype, spec.config.round_scales_to_power_of_2)
-    return tensor_mod.hp_tensor_and_scale_to_float8(
+    return to_float8(t, scale_of(amax, cast, spec), cast, role, dim, spec)
+
+
+def scale_of(amax: torch.Tensor, cast, spec: Fp8Spec) -> torch.Tensor:
+    """The float8 scale of an operand whose amax is `amax`, under `cast` (torchao's
+    `amax_to_scale`)."""
+    round_down = spec.config.round_scales_to_power_of_2
+    return spec.ao[2].amax_to_scale(amax, cast.target_dtype, round_down)
+
+
+def to_float8(t: torch.Tensor, scale: torch.Tensor, cast, role, dim: int | None, spec: Fp8Spec):
+    """`t` scaled by `scale` as torchao's float8 tensor in `role` (its rowwise scale along
+    `dim`; None: tensorwise): torchao's `hp_tensor_and_scale_to_float8`, elementwise."""
+    return spec.ao[1].hp_tensor_and_scale_to_float8(
         t, scale, cast.target_dtype, spec.mm_config, role, dim
     )
+
+
+def weight_slot(key: int, cast, axis: int, spec: Fp8Spec) -> tuple:
+    """The `Fp8WeightCache` slot of the weight `key`'s cast under `cast` along `axis` of W^T:
+    one per weight under tensorwise (the forward's cast serves dX's product), one per axis
+    under rowwise."""
+    tensorwise = cast.scaling_granularity is spec.ao[0].ScalingGranularity.TENSORWISE
+    return (key, cast, None if tensorwise else axis % 2)
 
 
 def _weight_cast(weight: torch.Tensor, key: int, cast, axis: int, spec: Fp8Spec):
@@ -218,10 +238,9 @@ def _weight_cast(weight: torch.Tensor, key: int, cast, axis: int, spec: Fp8Spec)
     cache = spec.cache
     if cache is None or not cache.active or torch.compiler.is_compiling():
         return _cast(weight.t(), cast, role, axis, spec, spec.w_t_split, False)
-    tensorwise = cast.scaling_granularity is spec.ao[0].ScalingGranularity.TENSORWISE
-    slot = (key, cast, None if tensorwise else axis % weight.dim())
     return cache.cast(
-        slot, lambda: _cast(weight.t(), cast, role, axis, spec, spec.w_t_split, False)
+        weight_slot(key, cast, axis, spec),
+        lambda: _cast(weight.t(), cast, role, axis, spec, spec.w_t_split, False),
     )
 
 
