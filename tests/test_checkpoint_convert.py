@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from canonical import gather_canonical
+from forked import exit_code, fork_running
 from test_checkpoint_helpers import (
     KEYS,
     assert_same,
@@ -194,28 +195,19 @@ def test_sigterm_is_one_line_exit_143_and_leaves_no_staging_directory(tmp_path):
 
     save_serial(tmp_path / "src")
     out = tmp_path / "out.txt"
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        sys.stdout = sys.stderr = open(fd, "w", buffering=1)
-        rc = 3
-        try:
-            write = convert_module.ShardWriter.write
+    write = convert_module.ShardWriter.write
 
-            def write_then_sigterm(self, *args, **kwargs):
-                write(self, *args, **kwargs)
-                os.kill(os.getpid(), signal.SIGTERM)
+    def write_then_sigterm(self, *args, **kwargs):
+        write(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
 
-            convert_module.ShardWriter.write = write_then_sigterm
-            rc = main([str(tmp_path / "src"), str(tmp_path / "dst"), "--tp", "2",
-                       "--no-progress"])
-        finally:
-            os._exit(rc)
-    _, status = os.waitpid(pid, 0)
+    def run():  # in the child
+        convert_module.ShardWriter.write = write_then_sigterm
+        return main([str(tmp_path / "src"), str(tmp_path / "dst"), "--tp", "2", "--no-progress"])
+
+    code = exit_code(fork_running(run, out))
     err = out.read_text()
-    assert os.waitstatus_to_exitcode(status) == 143, err
+    assert code == 143, err
     assert err.startswith("megapar-convert: terminated (SIGTERM); nothing was written"), err
     assert len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt", "src"]

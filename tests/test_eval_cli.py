@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from forked import exit_code, fork_running
 
 from megapar.cli.convert import main as convert
 from megapar.cli.data import main as data_main
@@ -469,24 +470,13 @@ def _signalled_worker(signum):
 def _evaluate_in_child(argv, out, patch=None) -> int:
     """megapar-eval's exit code, run in a forked child (stdout and stderr to `out`), so the
     signals a test sends its launcher never reach this process; `patch()` runs there first."""
-    import os
-    import sys
 
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        sys.stdout = sys.stderr = open(fd, "w", buffering=1)
-        rc = 3
-        try:
-            if patch is not None:
-                patch()
-            rc = evaluate(argv)
-        finally:
-            os._exit(rc)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    def run():
+        if patch is not None:
+            patch()
+        return evaluate(argv)
+
+    return exit_code(fork_running(run, out))
 
 
 @pytest.mark.parametrize("signum, rc, what", [

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from forked import fork_running
 
 from megapar.cli.train import main
 from megapar.data import asset_path
@@ -55,18 +56,7 @@ def common(tmp_path_factory):
 
 def _fork_main(argv, out: Path) -> int:
     """Run `megapar-train argv` in a forked child (stdout/stderr to `out`); returns its pid."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        sys.stdout = sys.stderr = open(fd, "w", buffering=1)  # not pytest's capture
-        rc = 3
-        try:
-            rc = main(argv)
-        finally:
-            os._exit(rc)
-    return pid
+    return fork_running(lambda: main(argv), out)
 
 
 def _wait_for(cond, timeout=120.0):
