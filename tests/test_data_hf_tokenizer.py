@@ -84,8 +84,10 @@ def test_train_bpe_into_the_input_directory_does_not_read_its_own_tokenizer(tmp_
     assert IndexedDataset(other).num_docs == 1
 
 
-def test_llama_style_bos_starts_every_document(tmp_path, gpt2_dir):
-    directory = tmp_path / "llama-style"
+def _with_s_tokens(gpt2_dir, directory, bos):
+    """A copy of the GPT-2 tokenizer in `directory` with <s> and </s> added after its
+    vocabulary as special tokens, </s> its EOS and `bos` its tokenizer_config's bos_token:
+    (the directory, the vocabulary size before them, the config written)."""
     shutil.copytree(gpt2_dir, directory)
     tok = json.loads((directory / "tokenizer.json").read_text())
     vocab = len(tok["model"]["vocab"])
@@ -94,9 +96,14 @@ def test_llama_style_bos_starts_every_document(tmp_path, gpt2_dir):
                              "special": True} for i, name in enumerate(["<s>", "</s>"])]
     (directory / "tokenizer.json").write_text(json.dumps(tok))
     config = json.loads((directory / "tokenizer_config.json").read_text())
-    config.update(bos_token="<s>", eos_token="</s>")
+    config.update(bos_token=bos, eos_token="</s>")
     config.pop("added_tokens_decoder", None)
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory, vocab, config
+
+
+def test_llama_style_bos_starts_every_document(tmp_path, gpt2_dir):
+    directory, vocab, _ = _with_s_tokens(gpt2_dir, tmp_path / "llama-style", "<s>")
     ours = load_tokenizer(str(directory))
     assert (ours.bos_id, ours.eod_id) == (vocab, vocab + 1)
     text = tmp_path / "two.txt"
@@ -117,18 +124,7 @@ def test_an_explicit_null_bos_token_means_no_bos(tmp_path, gpt2_dir):
     # never began with <s>), though "<s>" is in the vocabulary: read back (megapar-convert
     # --from-hf, megapar-data --tokenizer EXPORT) it must not start every document with <s>,
     # as AutoTokenizer does not either
-    directory = tmp_path / "null-bos"
-    shutil.copytree(gpt2_dir, directory)
-    tok = json.loads((directory / "tokenizer.json").read_text())
-    vocab = len(tok["model"]["vocab"])
-    tok["added_tokens"] += [{"id": vocab + i, "content": name, "single_word": False,
-                             "lstrip": False, "rstrip": False, "normalized": False,
-                             "special": True} for i, name in enumerate(["<s>", "</s>"])]
-    (directory / "tokenizer.json").write_text(json.dumps(tok))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    config.update(bos_token=None, eos_token="</s>")
-    config.pop("added_tokens_decoder", None)
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    directory, vocab, config = _with_s_tokens(gpt2_dir, tmp_path / "null-bos", None)
     (directory / "special_tokens_map.json").unlink(missing_ok=True)
     auto = transformers.AutoTokenizer.from_pretrained(str(directory))
     assert auto.bos_token_id is None
