@@ -66,8 +66,7 @@ def free_port() -> int:
 def listening_socket() -> socket.socket:
     """A socket listening on a free port of 127.0.0.1, for a forked rank 0 to serve the store
     on (`loopback_store`): bound before any worker starts, so no other process can take the
-    port in between, as one could between `free_port` and a later bind (a concurrent run's
-    gloo connection did: "Address already in use")."""
+    port in between, as one can between `free_port` and a later bind."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
