@@ -469,6 +469,20 @@ def test_explain_defaults_v_to_2_for_the_v_schedules(capsys):
     assert code == 0 and "schedule=1f1b,v=1" in out.out
 
 
+def test_explain_v_on_a_one_chunk_schedule_names_the_schedules_that_take_it(capsys):
+    """--explain schedule=gpipe,v=2 said only "v 2 needs schedule interleaved", though zb-v and
+    dualpipev take v=2 too; it names all three and the fix (v=3: interleaved alone)."""
+    base = ["--model", "gpt2-124m", "--gpus", "8", "--global-batch-size", "64", "--seq-len",
+            "1024", "--gpu-memory-gb", "40"]
+    code, out = _cli(capsys, *base, "--explain", "pp=2,schedule=gpipe,v=2")
+    assert code == 1 and ("invalid: v 2 needs schedule interleaved, zb-v or dualpipev; schedule "
+                          "gpipe runs one model chunk per rank: give one of them, or leave v "
+                          "out") in out.out, out.out
+    code, out = _cli(capsys, *base, "--explain", "pp=2,v=3")
+    assert code == 1 and ("invalid: v 3 needs schedule interleaved; schedule 1f1b runs one "
+                          "model chunk per rank: give it, or leave v out") in out.out, out.out
+
+
 def test_the_interleaved_formula_spreads_the_warmup_over_chunks_as_the_schedule_does():
     """Above the simulated size the planner counts interleaved 1F1B's in-flight micro-batches
     per chunk from Megatron's warmup (rounds of pp through each chunk in turn): the first chunk

@@ -134,6 +134,23 @@ def test_zb_v_reaches_the_fill_from_3p_over_2_micro_batches():
     eight = bubble_stats(simulate_schedule("zb-v", 8, 8, costs))["measured_bubble"]
     assert (round(100 * eight, 1), round(100 * theoretical_bubble(8, 8, "zb-v"), 1)) == (22.6, 12.7)
 
+def test_virtual_stages_on_a_one_chunk_schedule_names_every_schedule_that_takes_them():
+    """--virtual-stages 2 with gpipe named only interleaved, though zb-v and dualpipev take 2
+    too; a v only interleaved takes names it alone. Both name the fix."""
+    with pytest.raises(ValueError) as two:
+        chunks_per_rank("gpipe", 2)
+    assert str(two.value) == (
+        "--virtual-stages 2 needs --schedule interleaved, zb-v or dualpipev (in Python: "
+        "virtual_stages=2, schedule='interleaved'); schedule 'gpipe' runs one model chunk per "
+        "rank: give one of them, or leave --virtual-stages out")
+    with pytest.raises(ValueError) as three:
+        chunks_per_rank("zb-h1", 3)
+    assert str(three.value) == (
+        "--virtual-stages 3 needs --schedule interleaved (in Python: virtual_stages=3, "
+        "schedule='interleaved'); schedule 'zb-h1' runs one model chunk per rank: give it, or "
+        "leave --virtual-stages out")
+
+
 def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match="--virtual-stages 3 does not apply to --schedule zb-v"):
         check_schedule("zb-v", 4, 8, 3)
@@ -145,8 +162,8 @@ def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match=r"\(in Python: virtual_stages=3, schedule='zb-v'\).*"
                                          r"leave --virtual-stages / virtual_stages out, or give 2"):
         chunks_per_rank("zb-v", 3)
-    with pytest.raises(ValueError, match=r"needs --schedule interleaved \(in Python: "
-                                         r"virtual_stages=2, schedule='interleaved'\)"):
+    with pytest.raises(ValueError, match=r"needs --schedule interleaved, zb-v or dualpipev \(in "
+                                         r"Python: virtual_stages=2, schedule='interleaved'\)"):
         chunks_per_rank("1f1b", 2)
     with pytest.raises(ValueError, match="at least 2 x pp = 8 micro-batches.*--schedule zb-v"):
         check_schedule("dualpipev", 4, 7)

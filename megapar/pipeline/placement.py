@@ -60,12 +60,30 @@ def chunks_per_rank(name: str, virtual_stages: int = 1) -> int:
     if name in CHUNKED_SCHEDULES:
         return virtual_stages
     if virtual_stages != 1:
+        takers = schedules_taking(virtual_stages)
         raise ValueError(
-            f"--virtual-stages {virtual_stages} needs --schedule interleaved (in "
-            f"Python: virtual_stages={virtual_stages}, schedule='interleaved'); "
-            f"schedule {name!r} runs one model chunk per rank"
+            f"--virtual-stages {virtual_stages} needs --schedule {or_list(takers)} (in "
+            f"Python: virtual_stages={virtual_stages}, schedule={takers[0]!r}); "
+            f"schedule {name!r} runs one model chunk per rank: "
+            f"{'give it' if len(takers) == 1 else 'give one of them'}, or leave "
+            f"--virtual-stages out"
         )
     return 1
+
+
+def schedules_taking(virtual_stages: int) -> list[str]:
+    """The schedules that run `virtual_stages` (>= 2) model chunks per rank: the "loop" ones
+    any number, the V ones exactly two."""
+    return [
+        name
+        for name, placement in CHUNKED_SCHEDULES.items()
+        if placement == "loop" or virtual_stages == 2
+    ]
+
+
+def or_list(names: list[str]) -> str:
+    """`names` as prose: "a", "a or b", "a, b or c"."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def placement_of(name: str) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from megapar.data_parallel.sharded_params import REDUCES
 from megapar.mesh import Layout, LayoutError
-from megapar.pipeline.placement import placement_of
+from megapar.pipeline.placement import or_list, placement_of, schedules_taking
 from megapar.pipeline.schedules import SPLIT_BACKWARD, interleaved_rounds
 from megapar.training.validate import check_cp_seq_len
 
@@ -317,7 +317,12 @@ def _schedule_refusal(c: Candidate, config, global_batch: int) -> str | None:
         if c.schedule == "dualpipev" and m < 2 * c.pp:
             return f"DualPipeV needs at least 2*pp = {2 * c.pp} micro-batches, got m = {m}"
     elif c.v != 1:
-        return f"v {c.v} needs schedule interleaved"
+        takers = schedules_taking(c.v)
+        return (
+            f"v {c.v} needs schedule {or_list(takers)}; schedule {c.schedule} runs one model "
+            f"chunk per rank: {'give it' if len(takers) == 1 else 'give one of them'}, or "
+            f"leave v out"
+        )
     return None
 
 
