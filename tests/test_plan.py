@@ -483,6 +483,22 @@ def test_explain_v_on_a_one_chunk_schedule_names_the_schedules_that_take_it(caps
                           "model chunk per rank: give it, or leave v out") in out.out, out.out
 
 
+def test_a_cpu_target_plan_calls_its_ranks_ranks_not_gpus(capsys):
+    """--target cpu plans megapar-train on CPU ranks, but the plan's first line, its table's
+    memory column and --explain's TFLOP/s said GPUs; they say CPU ranks / rank, and the GPU
+    plan keeps its words."""
+    base = ["--model", "gpt2-tiny", "--gpus", "4", "--global-batch-size", "8", "--seq-len", "64"]
+    code, out = _cli(capsys, *base, "--target", "cpu", "--top", "2")
+    assert code == 0 and "GPU" not in out.out, out.out
+    assert "; 4 CPU ranks (8 per node, 80 GiB each);" in out.out and " mem/rank " in out.out
+    assert "keeps on CPU ranks without attention dropout;" in out.out
+    code, out = _cli(capsys, *base, "--target", "cpu", "--explain", "tp=2,pp=2")
+    assert code == 0 and "GPU" not in out.out and "TFLOP/s per rank incl." in out.out, out.out
+    code, out = _cli(capsys, *base, "--top", "2")
+    assert code == 0 and "; 4 GPUs (8 per node, 80 GiB each);" in out.out
+    assert " mem/GPU " in out.out and "keeps on GPUs;" in out.out
+
+
 def test_the_interleaved_formula_spreads_the_warmup_over_chunks_as_the_schedule_does():
     """Above the simulated size the planner counts interleaved 1F1B's in-flight micro-batches
     per chunk from Megatron's warmup (rounds of pp through each chunk in turn): the first chunk

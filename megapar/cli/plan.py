@@ -61,6 +61,7 @@ from megapar.plan.report import (
     fp8_note,
     peak_note,
     print_json,
+    ranks_phrase,
     row,
     runnable,
     table,
@@ -370,8 +371,10 @@ def _explain(args, problem) -> int:
             )
         )
         return 0
-    print("\n".join([explain(e), *expert_lines(e, problem), *fp8_lines(e, problem)]))
-    print(attention_note(problem.fused_attention))
+    print(
+        "\n".join([explain(e, problem.target), *expert_lines(e, problem), *fp8_lines(e, problem)])
+    )
+    print(attention_note(problem.fused_attention, problem.target))
     for note in (fp8_note(problem), peak_note(problem)):
         if note:
             print(note)
@@ -417,13 +420,14 @@ def main(argv=None) -> int:
         print_json(args.top, problem, estimates, rejected, cmd)
         return 0 if best else 1
     print(
-        f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters; {problem.gpus} "
-        f"GPUs ({problem.gpus_per_node} per node, {problem.gpu_memory_gb:g} GiB); global batch "
+        f"{args.model}: {model_params(problem.config) / 1e6:,.1f}M parameters; "
+        f"{ranks_phrase(problem.gpus, problem.target)} ({problem.gpus_per_node} per node, "
+        f"{problem.gpu_memory_gb:g} GiB each); global batch "
         f"{problem.global_batch} x {problem.seq_len} tokens; {len(estimates)} valid layouts, "
         f"{len(rejected)} rejected"
     )
-    print(table(estimates[: args.top], problem.master_weights))
-    print(attention_note(problem.fused_attention))
+    print(table(estimates[: args.top], problem.master_weights, problem.target))
+    print(attention_note(problem.fused_attention, problem.target))
     for note in (fp8_note(problem), peak_note(problem)):
         if note:
             print(note)

@@ -43,6 +43,17 @@ def rank(estimates: list[Estimate]) -> list[Estimate]:
     )
 
 
+def rank_word(target: str) -> str:
+    """What a plan's ranks are called for `target` (`Problem.target`): "GPU" or "rank" (CPU
+    ranks are processes, not devices)."""
+    return "GPU" if target == "gpu" else "rank"
+
+
+def ranks_phrase(n: int, target: str) -> str:
+    """`n` ranks as the plan's first line names them: "16 GPUs", or "4 CPU ranks"."""
+    return f"{n:,} GPUs" if target == "gpu" else f"{n:,} CPU ranks"
+
+
 def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:>7.1f}Gi" if nbytes >= GIB else f"{nbytes / 2**20:>7.1f}Mi"
 
@@ -181,9 +192,11 @@ def _process_gib(e: Estimate) -> dict | None:
     }
 
 
-def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
+def table(estimates: list[Estimate], master_weights: str = "fp32", target: str = "gpu") -> str:
+    """The ranked layouts, one row each, and the columns' legend, for `target`'s ranks."""
     head = (
-        f"{'#':>3} {'layout':<64} {'mem/GPU':>9} {'fits':>4} {'bubble':>10} {'comm':>5} "
+        f"{'#':>3} {'layout':<64} {'mem/' + rank_word(target):>9} {'fits':>4} {'bubble':>10} "
+        f"{'comm':>5} "
         f"{'step s':>8} {'tokens/s':>10} {'MFU':>5} {'today':>5}"
     )
     lines = [head, "-" * len(head)]
@@ -198,21 +211,27 @@ def table(estimates: list[Estimate], master_weights: str = "fp32") -> str:
     lines.append(
         "bubble: the ranks' idle share of the step, averaged (uneven stages included); "
         "s = simulated on megapar's schedule simulator, f = published formula "
-        "(schedule not in megapar, or too many actions to simulate); mem = what the most "
-        "loaded rank's device holds at its peak: its tensors, the allocator's reserve and "
-        "the CUDA context (--target cpu: the heap's room and the runtime), the terms below "
-        "and in --explain; today = "
-        "megapar-train can run it now"
+        "(schedule not in megapar, or too many actions to simulate); mem = "
+        + (
+            "what the most loaded rank's device holds at its peak: its tensors, the "
+            "allocator's reserve and the CUDA context"
+            if target == "gpu"
+            else "what the most loaded rank's process adds at its peak: its tensors, the "
+            "heap's room and the runtime"
+        )
+        + ", the terms below and in --explain; today = megapar-train can run it now"
     )
     return "\n".join(lines)
 
 
-def attention_note(fused: bool) -> str:
-    """The line that says how a plan counts attention's activations (`Problem.fused_attention`)."""
+def attention_note(fused: bool, target: str = "gpu") -> str:
+    """The line that says how a plan counts attention's activations (`Problem.fused_attention`)
+    on `target`'s ranks."""
     if fused:
+        where = "on GPUs" if target == "gpu" else "on CPU ranks without attention dropout"
         return (
             "attention: a fused kernel's log-sum-exp counted, no a*s^2 scores (what "
-            "megapar-train's scaled_dot_product_attention keeps on GPUs; megapar-train "
+            f"megapar-train's scaled_dot_product_attention keeps {where}; megapar-train "
             "--dry-run counts the same); --no-fused-attention counts the scores"
         )
     return (
@@ -282,8 +301,8 @@ def _seconds(s: float) -> str:
     return f"{s:>8.3f}" if s >= 0.01 or s == 0 else f"{s:>8.2e}"
 
 
-def explain(e: Estimate) -> str:
-    """Memory and time breakdown of one estimate."""
+def explain(e: Estimate, target: str = "gpu") -> str:
+    """Memory and time breakdown of one estimate, on `target`'s ranks."""
     g = e.memory.as_gib()
     v = e.candidate.v
     flight = (
@@ -310,7 +329,7 @@ def explain(e: Estimate) -> str:
         f"{100 * e.bubble:.1f} % ({e.bubble_source}), exposed comm "
         + ", ".join(f"{k} {v:.4f} s" for k, v in e.comm_s.items()),
         f"tokens/s {e.tokens_per_s:.0f}, MFU {100 * e.mfu:.1f} %, "
-        f"{e.hw_tflops:.1f} TFLOP/s per GPU incl. recomputation",
+        f"{e.hw_tflops:.1f} TFLOP/s per {rank_word(target)} incl. recomputation",
     ]
     return "\n".join(lines)
 
