@@ -173,6 +173,41 @@ def test_an_idx_too_short_for_any_magic_is_named_not_a_missing_json(tmp_path, si
     assert f"{prefix}.idx is " in msg and f"({size} bytes)" in msg and ".json" not in msg, msg
 
 
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "a broken\n', ":2: the line is not valid JSON (Unterminated string starting "
+     "at column 10); repair or delete the line (each line of a JSON Lines file is one JSON "
+     "object)"),
+    ('{"text": "half"\n', ":2: the line is not valid JSON (Expecting ',' delimiter at "
+     "column 16); repair or delete the line"),
+    ('["a list"]\n', ":2: the line is an array, not a JSON object with a string field 'text'; "
+     'make it an object such as {"text": "..."}'),
+    ('{"body": "x", "id": 3}\n', ":2: the object has no field 'text' (its fields: 'body', "
+     "'id'); pass --jsonl-key naming the text field, or add 'text' to the line"),
+])
+def test_a_bad_jsonl_line_is_named_with_its_own_fix(tmp_path, capsys, line, message):
+    """A line that is not JSON was reported as "expected a JSON object with a string field
+    'text' (JSONDecodeError(...)); fix the line or pass --jsonl-key", though no --jsonl-key
+    mends broken JSON: each kind of bad line is named with the fix that fits it, --jsonl-key
+    only for a missing field."""
+    bad = tmp_path / "docs.jsonl"
+    bad.write_text('{"text": "a good line"}\n' + line)
+    assert data_main(["--input", str(bad), "--output-prefix", str(tmp_path / "out"),
+                      "--no-progress"]) == 2
+    _one_line_error(capsys, f"{bad}{message}")
+    assert ("--jsonl-key" in message) == ("no field" in message)
+
+
+def test_a_broken_json_array_names_the_file_and_line(tmp_path, capsys):
+    """A .json array that is not valid JSON said only "Expecting ',' delimiter: line 3 column 1
+    (char 29)", without the file."""
+    bad = tmp_path / "docs.json"
+    bad.write_text('[{"text": "a"},\n{"text": "b"}\n{"text": "c"}]\n')
+    assert data_main(["--input", str(bad), "--output-prefix", str(tmp_path / "out"),
+                      "--no-progress"]) == 2
+    _one_line_error(capsys, f"{bad}:3: the file is not valid JSON (Expecting ',' delimiter at "
+                            "column 1); repair it there")
+
+
 def test_a_garbage_parquet_file_is_named(tmp_path, capsys):
     bad = tmp_path / "rows.parquet"
     bad.write_bytes(b"PAR1 this is not a parquet file at all " * 20)

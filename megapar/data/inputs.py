@@ -205,13 +205,7 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
                 for lineno, line in enumerate(f, 1):
                     if not line.strip():
                         continue
-                    try:
-                        text = json.loads(line)[jsonl_key]
-                    except (ValueError, KeyError, TypeError) as e:
-                        raise ValueError(
-                            f"{path}:{lineno}: expected a JSON object with a string field "
-                            f"{jsonl_key!r} ({e!r}); fix the line or pass --jsonl-key"
-                        ) from None
+                    text = _line_text(path, lineno, line, jsonl_key)
                     if not isinstance(text, str):  # never dropped silently
                         kind = type(text).__name__
                         kind = (
@@ -234,6 +228,49 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
         for para in _PARAGRAPH_SPLIT.split(content):
             if para.strip():
                 yield para.strip("\n"), len(para) + 2
+
+
+def _line_text(path: str, lineno: int, line: bytes, key: str):
+    """Field `key` of JSON Lines line `lineno` of `path`; ValueError in one line naming what is
+    wrong with it: not JSON (repair the line), not an object, or no field `key` (--jsonl-key)."""
+    try:
+        record = json.loads(line.rstrip(b"\r\n"))  # an error's column is on this line
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}:{lineno}: the line is not UTF-8 text (byte {line[e.start]:#04x} at "
+            f"column {e.start + 1}); save the file as UTF-8"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}:{lineno}: the line is not valid JSON ({_where(e)}); "
+            f"repair or delete the line (each line of a JSON Lines file is one JSON object)"
+        ) from None
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"{path}:{lineno}: the line is {_json_type(record)}, not a JSON object with a "
+            f'string field {key!r}; make it an object such as {{{json.dumps(key)}: "..."}}'
+        )
+    if key not in record:
+        fields = ", ".join(repr(k) for k in list(record)[:5]) or "none"
+        raise ValueError(
+            f"{path}:{lineno}: the object has no field {key!r} (its fields: {fields}); pass "
+            f"--jsonl-key naming the text field, or add {key!r} to the line"
+        )
+    return record[key]
+
+
+def _where(e: json.JSONDecodeError) -> str:
+    """What a JSON error found and its column: "Expecting ',' delimiter at column 16"."""
+    return f"{e.msg}{'' if e.msg.endswith(' at') else ' at'} column {e.colno}"
+
+
+def _json_type(value) -> str:
+    """A JSON value's kind with its article: "an array", "a string", "null", ..."""
+    if value is None:
+        return "null"
+    kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    name = kind.get(type(value), type(value).__name__)
+    return ("an " if name[0] in "aeiou" else "a ") + name
 
 
 def reads_key(files: Sequence[str]) -> bool:
@@ -314,7 +351,12 @@ def _json_object_document(path: str, record: dict, key: str) -> Iterator[tuple[s
 
 def _json_array_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
     with open(path, encoding="utf-8-sig") as f:
-        records = json.load(f)
+        try:
+            records = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}:{e.lineno}: the file is not valid JSON ({_where(e)}); repair it there"
+            ) from None
     size = os.path.getsize(path) / max(1, len(records))
     for i, record in enumerate(records):
         if not isinstance(record, dict) or not isinstance(record.get(key), str):
