@@ -285,6 +285,29 @@ def _one_error_line(capsys) -> str:
     return lines[0]
 
 
+def test_more_ranks_than_the_machine_runs_well_are_refused_as_megapar_train_refuses_them(
+        tmp_path, capsys, monkeypatch):
+    """megapar-eval --tp 4 --pp 4 forked 16 ranks on 2 cores where megapar-train refuses more
+    than `local_worker_limit`: the same check and line now, before the checkpoint is read,
+    and --oversubscribe starts them anyway."""
+    from megapar.launcher import local_worker_limit
+
+    _refuse_workers(monkeypatch)
+    limit = local_worker_limit()
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.zeros((1, 4), dtype=np.int64))
+    argv = ["--load", str(tmp_path / "no_such_checkpoint"), "--tp", "2", "--pp", str(limit),
+            "--input-ids", str(ids), "--save-logits", str(tmp_path / "out.npy")]
+    assert evaluate(argv) == 2
+    assert _one_error_line(capsys) == (
+        f"megapar-eval: error: --tp 2 x --pp {limit} starts {2 * limit} local worker "
+        f"processes, more than this machine runs well ({limit}: 4 per CPU core, at least 8); "
+        f"use fewer, run under torchrun / Slurm across machines, or pass --oversubscribe to "
+        f"start them anyway")
+    assert evaluate([*argv, "--oversubscribe"]) == 2  # past the check: the checkpoint's turn
+    assert "no such checkpoint directory" in _one_error_line(capsys)
+
+
 def test_unwritable_save_logits_is_refused_before_the_evaluation(tiny_ckpt, tmp_path, capsys,
                                                                   monkeypatch):
     # used to fail with exit 1 (rank 0's FileNotFoundError) after the evaluation

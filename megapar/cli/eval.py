@@ -98,6 +98,12 @@ def build_parser() -> OneLineParser:
     )
     p.add_argument("--seed", type=int, default=1234, help="seed for BERT masking (default: 1234)")
     p.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="start more local processes (tp x pp) than 4 per CPU core (at least 8), as "
+        "megapar-train --oversubscribe; refused otherwise",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer of raw text (default: the one the checkpoint trained with; it must be "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from megapar.data import IndexedDataset, MLMDataset, load_tokenizer
-from megapar.launcher import check_local_workers
+from megapar.launcher import check_local_workers, under_launcher
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.pipeline.partition import chunk_specs
@@ -38,6 +38,8 @@ def check_eval_args(args) -> dict:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"{flag_of(name)} {value} is invalid: it must be >= 1")
+    if not args.oversubscribe and not under_launcher():  # one process per tp, pp rank
+        check_local_workers(args.tp * args.pp, f"--tp {args.tp} x --pp {args.pp}")
     manifest = checkpoint_manifest(args.load)
     config = config_from_dict(manifest["model"])
     try:
