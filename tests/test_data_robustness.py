@@ -107,6 +107,47 @@ def test_a_utf16_text_is_refused_not_tokenized_as_nul_bytes(tmp_path, capsys, en
         ensure_dataset(str(tmp_path / "wide.txt"), "gpt2", str(tmp_path / "cache"))
 
 
+def test_a_utf16_text_is_refused_even_where_a_cache_made_before_the_refusal_exists(
+        tmp_path, monkeypatch):
+    """megapar-train's cache is keyed by the text's bytes, which the refusal did not change: a
+    UTF-16 text tokenized before it was refused kept being reused. The byte-order mark is
+    checked before the cache is looked at (here the old copy is made from the text's UTF-8
+    form at the UTF-16 file's key)."""
+    import megapar.data.preprocess as preprocess
+
+    (tmp_path / "utf8.txt").write_bytes(TEXT[:5000].encode())
+    (tmp_path / "wide.txt").write_bytes(TEXT[:5000].encode("utf-16"))
+    real = preprocess.preprocess_files
+    with monkeypatch.context() as old:  # the cache a run before the refusal left
+        old.setattr(preprocess, "check_not_wide", lambda *a, **k: None, raising=False)
+        old.setattr(preprocess, "preprocess_files",
+                    lambda files, prefix, *a, **k: real([str(tmp_path / "utf8.txt")], prefix,
+                                                        *a, **k))
+        cached = ensure_dataset(str(tmp_path / "wide.txt"), "gpt2", str(tmp_path / "cache"))
+    assert Path(cached + ".bin").is_file()
+    with pytest.raises(ValueError, match=r"wide.txt is UTF-16 \(it starts with UTF-16's "
+                                         r"byte-order mark\), not UTF-8; convert it"):
+        ensure_dataset(str(tmp_path / "wide.txt"), "gpt2", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("name, text", [
+    ("docs.jsonl", '{"text": "one"}\n{"text": "two"}\n'),
+    ("docs.json", '[{"text": "one"}, {"text": "two"}]'),
+])
+def test_a_utf16_json_input_is_refused_as_a_utf16_text_is(tmp_path, capsys, name, text):
+    """A UTF-16 .jsonl's first line parsed (json detects UTF-16) and its second was named as
+    a bad line; a UTF-16 .json array was read as JSON Lines whose line is an array. Both are
+    refused by their byte-order mark as a .txt is."""
+    path = tmp_path / name
+    path.write_bytes(text.encode("utf-16"))
+    assert data_main(["--input", str(path), "--output-prefix", str(tmp_path / "out"),
+                      "--no-progress"]) == 2
+    converted = path.name.replace(".", "-utf8.")
+    _one_line_error(capsys, f"{path} is UTF-16 (it starts with UTF-16's byte-order mark), not "
+                            f"UTF-8; convert it to UTF-8 (e.g. iconv -f UTF-16 -t UTF-8 {path} "
+                            f"> {tmp_path / converted}) and pass that")
+
+
 def test_megapar_train_raw_text_with_a_byte_order_mark_is_cached_anew(tmp_path, monkeypatch):
     """megapar-train's cache (keyed by the text's bytes) held such a file with the mark as
     three tokens: its key now says the mark is dropped, so that copy is not reused."""

@@ -60,14 +60,7 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
     unless allowed, and for a text that starts with a UTF-16 / UTF-32 byte-order mark."""
     with open(path, "rb") as f:
         raw = f.read()
-    for mark, wide in _WIDE_BOMS:
-        if raw.startswith(mark):
-            stem = os.path.splitext(path)[0]
-            raise ValueError(
-                f"{path} is {wide} (it starts with {wide}'s byte-order mark), not UTF-8; "
-                f"convert it to UTF-8 (e.g. iconv -f {wide} -t UTF-8 {shell_word(path)} > "
-                f"{shell_word(stem + '-utf8.txt')}) and pass that"
-            )
+    check_not_wide(path, raw[:4])
     raw = raw.removeprefix(BOM)  # not text: no tokens for it
     text = normalize_newlines(raw.decode("utf-8", errors="surrogateescape"))
     bad = len(_ESCAPED.findall(text))
@@ -82,6 +75,24 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
     if report is not None:
         report[path] = bad
     return _ESCAPED.sub("\ufffd", text)
+
+
+def check_not_wide(path: str, head: bytes | None = None) -> None:
+    """ValueError (one line naming the conversion) when text file `path` (a .txt, .jsonl or
+    .json; `head`: its first 4 bytes, if already read) starts with a UTF-16 / UTF-32
+    byte-order mark."""
+    if head is None:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    for mark, wide in _WIDE_BOMS:
+        if head.startswith(mark):
+            stem, ext = os.path.splitext(path)
+            converted = stem + "-utf8" + (ext if ext in (".jsonl", ".json") else ".txt")
+            raise ValueError(
+                f"{path} is {wide} (it starts with {wide}'s byte-order mark), not UTF-8; "
+                f"convert it to UTF-8 (e.g. iconv -f {wide} -t UTF-8 {shell_word(path)} > "
+                f"{shell_word(converted)}) and pass that"
+            )
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
@@ -193,6 +204,7 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
         if path.endswith(".parquet"):
             yield from _parquet_documents(path, jsonl_key)
             continue
+        check_not_wide(path)  # JSON too: its first line would parse, the next ones not
         kind, record = _json_kind(path) if path.endswith(".json") else ("lines", None)
         if kind == "array":
             yield from _json_array_documents(path, jsonl_key)

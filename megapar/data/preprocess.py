@@ -53,6 +53,7 @@ from megapar.data.inputs import (  # noqa: F401 - re-exported
     BOM,
     INPUT_SUFFIXES,
     MAX_INVALID_UTF8,
+    check_not_wide,
     expand_inputs,
     iter_documents,
     normalize_newlines,
@@ -345,6 +346,9 @@ def ensure_dataset(
             f"training text {text_path} does not exist; pass an existing .txt file"
         )
     files = expand_inputs([text_path])  # a directory: its .txt / .jsonl files
+    for path in files:  # refused before the cache is looked at: a copy may predate the refusal
+        if not path.endswith(".parquet"):
+            check_not_wide(path)
     tok = load_tokenizer(tokenizer_spec)
     digests = [_digest_and_cr(p) for p in (files if os.path.isdir(text_path) else [text_path])]
     tok_files = tokenizer_files(tok)
