@@ -204,6 +204,31 @@ def test_a_job_config_names_the_flavor_and_the_checkpoint_the_vocabulary(tmp_pat
     assert not (tmp_path / "ck2").exists()
 
 
+def test_a_recipe_s_sizes_take_the_checkpoint_s_vocabulary(tmp_path, capsys):
+    """--from-dcp --model llama-tiny of a checkpoint whose tokenizer has 300 tokens was refused
+    ("tok_embeddings.weight is [300, 64], the config implies [32000, 64]; give the --model it
+    was trained with"), though no recipe has that vocabulary: torchtitan's follows the
+    tokenizer, so the import takes the checkpoint's (as --job-config does), with a note."""
+    from megapar.checkpoint.format import ShardReader
+    from megapar.checkpoint.manifest import verify
+    from megapar.models.recipes import resolve_model
+
+    cfg = {**resolve_model("llama-tiny").to_dict(), "vocab_size": 300}
+    state = titan_state(cfg, seed=2)
+    dcp_save(state, tmp_path / "step-3")
+    assert convert(["--from-dcp", str(tmp_path / "step-3"), str(tmp_path / "ck"), "--model",
+                    "llama-tiny", "--no-progress"]) == 0
+    assert ("note: the vocabulary is the checkpoint's 300 tokens (its embedding's rows), not "
+            "--model llama-tiny's 32,000: torchtitan's follows the tokenizer the job trained "
+            "with") in capsys.readouterr().out
+    manifest = verify(tmp_path / "ck" / "step_00000000")
+    assert manifest["model"]["vocab_size"] == 300
+    reader = ShardReader(tmp_path / "ck" / "step_00000000", manifest)
+    embedding = reader.shard("embed.word.weight", None, 1, 0, 300)
+    reader.release()
+    assert torch.equal(embedding, state["tok_embeddings.weight"])
+
+
 def test_to_dcp_reads_back_bitwise_in_torchtitans_names(tmp_path, small, capsys):
     state, step, model = small
     assert convert(["--from-dcp", str(step), str(tmp_path / "ck"), "--model", model,

@@ -236,6 +236,8 @@ class DCPReader:
         self.prefix = prefix
         self.newer = self.prefix + "layers.0.attention.qkv_linear.wq.weight" in self.tensors
         self.optimizer = any(k.startswith("optimizer.") for k in self.tensors)
+        self.spec_vocab: int | None = None
+        """--model's vocabulary where it was not the checkpoint's (which the import takes)."""
         self.config = self._config(config, job_config)
 
     def _key(self, name: str) -> str:
@@ -251,7 +253,9 @@ class DCPReader:
 
     def _config(self, config, job_config):
         """The Llama of the weights: `config` (a megapar model spec), else the job config's
-        flavor; its vocabulary, layers, sizes checked against the weights' shapes."""
+        flavor, with the checkpoint's vocabulary (torchtitan's follows the tokenizer the job
+        trained with, not the flavor or recipe; `spec_vocab` keeps the spec's where it
+        differed); its layers and sizes checked against the weights' shapes."""
         vocab = self.shape("tok_embeddings.weight")[0]
         if config is None and job_config is None:
             raise ConfigError(
@@ -269,8 +273,12 @@ class DCPReader:
                 f"checkpoints hold Llama weights: give a llama config"
             )
         tied = self.shape("output.weight") is None
-        if tied != bool(config.tie_word_embeddings):
-            config = config_from_dict({**config.to_dict(), "tie_word_embeddings": tied})
+        if tied != bool(config.tie_word_embeddings) or vocab != config.vocab_size:
+            if vocab != config.vocab_size:
+                self.spec_vocab = config.vocab_size
+            config = config_from_dict(
+                {**config.to_dict(), "tie_word_embeddings": tied, "vocab_size": vocab}
+            )
         for name, entry in plan(config, Layout(1, 1, 1)).items():
             got, want = self.shape(titan_name(name)), entry["full_shape"]
             if got != want:

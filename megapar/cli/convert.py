@@ -440,6 +440,12 @@ def _dcp(args, progress: bool) -> str:
         progress=progress,
     )
     report = f"wrote {path} (tp={args.tp} pp={args.pp}, step 0, weights only)"
+    if reader.spec_vocab is not None:
+        report += (
+            f"\nnote: the vocabulary is the checkpoint's {reader.config.vocab_size:,} tokens "
+            f"(its embedding's rows), not --model {args.model}'s {reader.spec_vocab:,}: "
+            f"torchtitan's follows the tokenizer the job trained with"
+        )
     if reader.optimizer:
         report += (
             f"\nnote: {args.from_dcp} holds optimizer state too; it is not imported "
