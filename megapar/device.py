@@ -142,6 +142,29 @@ def cuda_context_bytes(dev: torch.device) -> int:
     return max(0, total - free - torch.cuda.memory_reserved(dev))
 
 
+def host_memory_available() -> int | None:
+    """Bytes of memory this machine can still give its processes without swapping: the
+    kernel's MemAvailable (/proc/meminfo), or less where a cgroup v2 limit of this container
+    leaves less (memory.max less memory.current). None where neither can be read (not
+    Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next((x for x in f if x.startswith("MemAvailable:")), None)
+    except OSError:
+        return None
+    if line is None:
+        return None
+    available = int(line.split()[1]) * 1024  # kB
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+    except (OSError, ValueError):
+        return available
+    return available if limit == "max" else min(available, max(0, int(limit) - used))
+
+
 def share_host_arena() -> bool:
     """Make every thread allocate host memory from glibc's one main arena.
 

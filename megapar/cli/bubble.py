@@ -470,6 +470,40 @@ def print_report(args, run: bubble_run.BubbleRun, title: str) -> None:
     print(json.dumps(run.summary()))
 
 
+def check_measurement_memory(args) -> None:
+    """ValueError (one line) when the CPU ranks a measurement forks could not hold the measured
+    model's parameters and gradients (its steps run no optimizer) in the memory this machine
+    has available (`megapar.plan.host`)."""
+    from megapar.device import use_cuda
+    from megapar.plan import Candidate, Problem
+    from megapar.plan.host import check_host_memory
+    from megapar.training.bubble import bench_config
+
+    if use_cuda():
+        return
+    chunks = chunks_per_rank(args.schedule, args.virtual_stages)
+    problem = Problem(
+        bench_config(args.model, args.pp, chunks),
+        args.pp * args.tp * args.cp,
+        global_batch=args.microbatches * args.micro_batch_size,
+        seq_len=args.seq_len,
+        precision="fp32",
+        target="cpu",
+    )
+    candidate = Candidate(
+        args.tp, args.pp, 1, args.micro_batch_size, args.schedule, chunks, cp=args.cp
+    )
+    cp = f" x --cp {args.cp}" if args.cp > 1 else ""
+    check_host_memory(
+        problem,
+        candidate,
+        f"--model {args.model or '(the default)'} at --pp {args.pp} x --tp {args.tp}{cp}",
+        "measure a smaller --model (the default one is sized for this), or simulate this one "
+        "from given costs (--simulate --fwd-ms MS)",
+        optimizer=False,
+    )
+
+
 @quiet_when_stdout_closes
 def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
@@ -510,6 +544,7 @@ def main(argv=None) -> int:
             from megapar.training.validate_tools import check_bubble_measurement
 
             check_bubble_measurement(args)
+            check_measurement_memory(args)
         check_split_costs(args)  # after the values are checked
         check_schedule(args.schedule, pp, m, v)
         check_output_files(args)  # last: it creates a missing output directory

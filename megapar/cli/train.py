@@ -20,8 +20,9 @@ from megapar.checkpoint.lock import SaveLock, SaveLockError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import has_checkpoint, remove_steps_after
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
-from megapar.device import DeviceError, check_gpus, share_host_arena
+from megapar.device import DeviceError, check_gpus, share_host_arena, use_cuda
 from megapar.dryrun.command import rehearse
+from megapar.dryrun.modelled import planned_job
 from megapar.dryrun.sample import check_world
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.report import log_dir_for, tell_torchrun, worker_failure
@@ -40,7 +41,8 @@ from megapar.launcher import (
     under_launcher,
 )
 from megapar.mesh import Layout, LayoutError
-from megapar.models.config import ConfigError
+from megapar.models.config import ConfigError, config_from_dict
+from megapar.plan.host import check_host_memory
 from megapar.training.config import TrainConfig, parse_args
 from megapar.training.data import DataPlan
 from megapar.training.loop import train
@@ -55,7 +57,26 @@ def plan_run(cfg: TrainConfig, notes: list[str] | None = None) -> tuple[Layout, 
     notes = [] if notes is None else notes
     manifest = read_resumed_settings(cfg, notes)
     layout = _layout(cfg)
-    return layout, plan_data(cfg, layout, notes, manifest)
+    plan = plan_data(cfg, layout, notes, manifest)
+    if not (cfg.dry_run or under_launcher() or use_cuda()):  # the ranks forked here, on CPU
+        _check_host_memory(cfg, layout, plan)
+    return layout, plan
+
+
+def _check_host_memory(cfg: TrainConfig, layout: Layout, plan: DataPlan) -> None:
+    """ValueError (one line) when the ranks this machine would fork cannot hold the model's
+    state in the memory it has available (`plan.host`)."""
+    problem, candidate = planned_job(cfg, config_from_dict(plan.model_config), layout, target="cpu")
+    cp = f" x --cp {layout.cp}" if layout.cp > 1 else ""
+    check_host_memory(
+        problem,
+        candidate,
+        f"{cfg.model or problem.config.model_type} at --tp {layout.tp}{cp} x --pp {layout.pp} "
+        f"x --dp {layout.dp}",
+        "use a smaller --model, rehearse the job on this machine with --dry-run (fake "
+        "tensors), or plan its layout on a cluster with megapar-plan",
+        optimizer=cfg.optimizer in ("adamw", "lamb"),  # sgd / lars: less; a lower bound
+    )
 
 
 def _layout(cfg: TrainConfig) -> Layout:

@@ -15,10 +15,12 @@ from megapar.plan.estimate import activation_sizes, stage_roles
 from megapar.plan.process import TARGETS, process_peak
 
 
-def modelled_stage(cfg, config, layout: Layout, stage: int, actions):
-    """(the planner's problem and candidate for this job, with its --fp8 and --fp8-layers, its
-    `MemoryBreakdown` of `stage` at the worst point of the stage's action list)."""
-
+def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Problem, Candidate]:
+    """The planner's problem and candidate for megapar-train's job `cfg` (a `TrainConfig`) of
+    model `config` on `layout`, with its --fp8 and --fp8-layers, for `target`'s ranks
+    (`Problem.target`). ZeRO-3's --zero3-keep-params, --zero3-reduce and persistence
+    threshold, offload and --grad-bucket-mb are the planner's defaults: what a dry run models
+    beside the state its real code holds."""
     problem = Problem(
         config,
         layout.world_size,
@@ -31,6 +33,7 @@ def modelled_stage(cfg, config, layout: Layout, stage: int, actions):
         sp_regather=cfg.sp_regather,
         fp8=cfg.fp8,
         fp8_layers=cfg.fp8_layers,
+        target=target,
     )
     candidate = Candidate(
         layout.tp,
@@ -45,6 +48,13 @@ def modelled_stage(cfg, config, layout: Layout, stage: int, actions):
         layout.cp,
         ep=layout.ep,
     )
+    return problem, candidate
+
+
+def modelled_stage(cfg, config, layout: Layout, stage: int, actions):
+    """(the planner's problem and candidate for this job (`planned_job`), its
+    `MemoryBreakdown` of `stage` at the worst point of the stage's action list)."""
+    problem, candidate = planned_job(cfg, config, layout)
     m = len([a for a in actions if a.kind == "forward"]) // candidate.v
     held = messages.held(
         messages.programs(cfg.schedule, layout.pp, m, cfg.virtual_stages),

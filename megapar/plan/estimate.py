@@ -324,6 +324,14 @@ def _stage_buffers(p: Problem, c: Candidate, sizes: ActivationSizes, has_head: b
     return buffers
 
 
+def stage_states(p: Problem, c: Candidate) -> list[RankState]:
+    """The parameters, gradients and optimizer state the most loaded rank of each pipeline
+    stage holds: what `stage_memory` counts besides activations and buffers, without them."""
+    placement = placement_of(c.schedule)
+    params = stage_params(p.config, c.tp, c.pp, c.v, placement, p.config_json, c.ep)
+    return _stage_states(p, c, params, p.global_batch // (c.mbs * c.dp), placement)
+
+
 def _stage_states(p: Problem, c: Candidate, params, m: int, placement: str) -> list[RankState]:
     """The parameters, gradients and optimizer state one rank of each stage holds (`params`:
     each stage's parameter count, `stage_params`). A plan for CPU ranks (`Problem.target` cpu)
