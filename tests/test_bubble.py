@@ -277,8 +277,8 @@ def test_bubble_cli_rejects_bad_virtual_stages(capsys):
 
 
 def test_a_failed_measurement_is_one_line_and_a_log(capsys, monkeypatch, tmp_path):
-    """A rank that fails in the measured run (megapar-bubble --model llama-70b on a CPU: out of
-    memory building its stage) is one line naming the rank and the error, and the file with its
+    """A rank that fails in the measured run (on a CPU: out of memory in its steps, past the
+    guard that refuses a model whose parameters alone do not fit) is one line naming the rank and the error, and the file with its
     traceback, exit 1, as megapar-train and megapar-eval say it; it was the WorkerError's
     traceback, then every rank's."""
     from megapar.launcher import WorkerError
