@@ -100,13 +100,14 @@ def build_grad_sync(
     offload_params: bool = False,
     zero3_reduce: str = "step",
     zero3_float8: bool = False,
+    zero3_half: torch.dtype | None = None,
 ) -> GradSync:
     """The grad sync of `model` (this rank's stage) over `mesh.dp_cp_group`, summed over cp
     and averaged over dp: the all-reduce kind when `zero` is 0 or there is no rank to shard
     over (dp x cp = 1), else the ZeRO-`zero` kind (the tied embedding laid out last, to be
     deferred by the optimizer's `attach`). `compressor` (a `compression.py` compressor)
     replaces `reduce_dtype`; the zero3 options are `ShardedParams`' (`zero3_float8`: its
-    `float8`). Under ep > 1 expert
+    `float8`; `zero3_half`: its `half`). Under ep > 1 expert
     parameters reduce over `mesh.expert_dp_group` (ZeRO-3: are sharded over it)."""
     group, dp = mesh.dp_cp_group, mesh.dp
     experts = mesh.expert_dp_group if getattr(mesh, "ep", 1) > 1 else None
@@ -134,6 +135,7 @@ def build_grad_sync(
             reduce=zero3_reduce,
             expert_group=experts,
             float8=zero3_float8,
+            half=zero3_half,
         )
     kinds = {1: Zero1Buckets, 2: Zero2Buckets}
     if zero not in kinds:

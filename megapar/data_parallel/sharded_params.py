@@ -55,6 +55,7 @@ from megapar import device as _device
 from megapar.data_parallel.zero3_float8 import Float8Gather, float8_weights
 from megapar.data_parallel.zero3_grads import REDUCES as REDUCES
 from megapar.data_parallel.zero3_grads import UnitGradSync
+from megapar.data_parallel.zero3_half import HalfGather, half_weights
 from megapar.data_parallel.zero3_units import (
     FreeAfterBackward,
     Shards,
@@ -88,6 +89,7 @@ class ShardedParams(UnitGradSync):
         reduce: str = "step",
         expert_group=None,
         float8: bool = False,
+        half: torch.dtype | None = None,
     ):
         """`persist_below`: parameters with fewer elements go into one *persistent* unit of
         the stage, gathered at the stage's first forward of a step and kept until the step
@@ -97,8 +99,9 @@ class ShardedParams(UnitGradSync):
         `reduce` (--zero3-reduce, `REDUCES`): as `UnitGradSync`'s. `expert_group` (expert
         parallelism: `Mesh.expert_dp_group`): the group the expert parameters are sharded
         over (None: they are sharded over `group` with the others). `float8`: the weights of
-        the stage's tensorwise float8 linears gather in float8 during a step (`float8_step`,
-        `zero3_float8.py`)."""
+        the stage's tensorwise float8 linears gather in float8 during a step (`step_scope`,
+        `zero3_float8.py`). `half` (bf16 / fp16: the autocast dtype): the other linears of the
+        blocks gather in it during a step (`zero3_half.py`); None: in fp32."""
         dense = Shards.of(group)
         self.group, self.dp, self.dp_rank = group, dense.size, dense.rank
         self.keep = keep
@@ -106,7 +109,9 @@ class ShardedParams(UnitGradSync):
         self.offload = offload
         experts = Shards.of(expert_group) if expert_group is not None else None
         weights8 = float8_weights(stage) if float8 else {}
-        made = stage_units(stage, UnitMaker(dense, experts, offload, weights8), persist_below)
+        weights16 = half_weights(stage) if half is not None else {}
+        maker = UnitMaker(dense, experts, offload, weights8, weights16, half)
+        made = stage_units(stage, maker, persist_below)
         self.chunks, self.roots, self.first = made.chunks, made.roots, made.first
         self.persistent = made.persistent
         """The unit of the parameters under `persist_below` elements (None: none)."""
@@ -121,10 +126,13 @@ class ShardedParams(UnitGradSync):
         )
         """Elements per synchronous piece of a large unit's collectives (gloo), else None."""
         self.bytes_gathered = 0
-        """Bytes this rank received from all-gathers (full buffers, float8 ones in a step)."""
+        """Bytes this rank received from all-gathers (full buffers, 16-bit and float8 ones in a
+        step)."""
         tp_group = next((spec.group for spec in weights8.values()), None)
         self.float8 = Float8Gather(self.units, tp_group)
-        """The float8 units and their step (`float8_step`); none unless `float8`."""
+        """The float8 units and their step (`step_scope`); none unless `float8`."""
+        self.half = HalfGather(self.units)
+        """The 16-bit units and their step (`step_scope`); none unless `half`."""
         self._attach_hooks()
 
     # the optimizer's view (ZeroOptimizer.state_tensors reads these) ------------------------
@@ -138,21 +146,28 @@ class ShardedParams(UnitGradSync):
         return u.lo, u.hi
 
     def gathered_bytes(self) -> int:
-        """Bytes of the units' full buffers gathered now, float8 ones included (a
+        """Bytes of the units' full buffers gathered now, 16-bit and float8 ones included (a
         `Unit.resident` unit's is its shard, held between steps: not counted; nor are the
-        slices a gather in flight sends, a float8 shard or an offloaded unit's staging shard:
+        slices a gather in flight sends, a cast shard or an offloaded unit's staging shard:
         1 / dp of a unit, freed when the gather is done)."""
         return sum(
             u.full.untyped_storage().nbytes()
-            + (0 if u.float8 is None else u.float8.full.untyped_storage().nbytes())
+            + (0 if u.cast is None else u.cast.full.untyped_storage().nbytes())
             for u in self.units
             if not u.resident
         )
 
-    def float8_step(self, cache: Fp8WeightCache):
-        """The context of one optimizer step: the float8 weights gathered in float8 inside
-        (their casts in `cache`), `cache.per_step()` with none (`Float8Gather.step`)."""
-        return self.float8.step(cache)
+    @contextlib.contextmanager
+    def step_scope(self, cache: Fp8WeightCache | None):
+        """The context of one optimizer step's forwards and backwards: the 16-bit weights
+        gathered in 16 bits inside (`HalfGather.step`), and with `cache` (--fp8) the float8
+        weights in float8, their casts in `cache` (`Float8Gather.step`: collective;
+        `cache.per_step()` with no float8 unit)."""
+        with (
+            self.half.step(),
+            contextlib.nullcontext() if cache is None else self.float8.step(cache),
+        ):
+            yield
 
     def held_bytes(self) -> int:
         """Bytes of parameter and gradient shards this rank holds on its device between steps

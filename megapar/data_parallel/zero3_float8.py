@@ -99,6 +99,8 @@ class Float8Shard:
             view = self.full[offset : offset + p.numel()].view(dtype).view(p.shape).t()
             self.weights_t.append(view)
         self.nbytes = self.full.untyped_storage().nbytes()
+        self.itemsize = 1
+        """Bytes an element of `full` and `shard` takes."""
         self.shard_nbytes = self.shard.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
         self.shard.untyped_storage().resize_(0)
@@ -126,7 +128,7 @@ class Float8Gather:
     float8 (`step`)."""
 
     def __init__(self, units: list, tp_group):
-        self.units = [u for u in units if u.float8 is not None]
+        self.units = [u for u in units if isinstance(u.cast, Float8Shard)]
         self.tp_group = tp_group
         """The group the weights are split over (tp), over which their amax is reduced too;
         None at tp 1."""
@@ -145,7 +147,7 @@ class Float8Gather:
                 for u in self.units:
                     u.wait_gather()
                     u.free()
-                    u.float8.active = False
+                    u.cast.active = False
 
     @torch.no_grad()
     def _scales(self, cache: Fp8WeightCache) -> None:
@@ -158,7 +160,7 @@ class Float8Gather:
             [
                 _piece_amax(u.shard, lo, hi, spec)
                 for u in self.units
-                for (lo, hi), spec in zip(u.float8.pieces, u.float8.specs, strict=True)
+                for (lo, hi), spec in zip(u.cast.pieces, u.cast.specs, strict=True)
             ]
         )
         dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.units[0].group)
@@ -166,7 +168,7 @@ class Float8Gather:
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.tp_group)
         at = 0
         for u in self.units:
-            f8 = u.float8
+            f8 = u.cast
             f8.scales = [
                 scale_of(amaxes[at + j].clone(), spec.config.cast_config_weight, spec)
                 for j, spec in enumerate(f8.specs)

@@ -48,6 +48,7 @@ from torch import nn
 
 from megapar import device as _device
 from megapar.data_parallel.zero3_float8 import Float8Shard
+from megapar.data_parallel.zero3_half import HalfShard
 from megapar.expert_parallel import is_expert
 from megapar.mesh import group_size
 
@@ -86,10 +87,12 @@ class Unit:
         params: list[nn.Parameter],
         shards: Shards,
         offload: bool = False,
-        float8: list | None = None,
+        cast=None,
     ):
-        """`float8`: the `Fp8Spec` of each parameter of a float8 unit (tensorwise float8
-        weights, gathered in float8 during a step: `zero3_float8.py`); None: an fp32 unit."""
+        """`cast`: for a unit whose weights gather in the precision their matmuls read during
+        a step, what makes its `CastShard` from (params, (lo, hi), padded): float8
+        (`zero3_float8.Float8Shard`) or 16-bit (`zero3_half.HalfShard`); None: an fp32
+        unit."""
         self.name, self.module, self.params = name, module, params
         self.group, self.group_size, self.group_rank = shards.group, shards.size, shards.rank
         """The group the unit is sharded, gathered and reduced over, its size and this rank's
@@ -165,40 +168,41 @@ class Unit:
         """Under expert parallelism: the unit of this module's expert parameters (over the
         expert-data-parallel group), gathered, freed and given gradient buffers with this
         one; None: none."""
-        self.fp8_unit: Unit | None = None
-        """Under ZeRO-3's float8 all-gather: the unit of this module's float8 weights, gathered,
-        freed and given gradient buffers with this one; None: none."""
+        self.casts: list[Unit] = []
+        """The units of this module's weights gathered in their matmuls' precision during a
+        step (its 16-bit and its float8 weights: `zero3_half.py`, `zero3_float8.py`),
+        gathered, freed and given gradient buffers with this one."""
         self.lead: Unit | None = None
-        """The unit this one is the `experts` or `fp8_unit` of (None: it leads itself)."""
-        self.float8 = (
-            None if float8 is None else Float8Shard(params, float8, (self.lo, self.hi), self.padded)
-        )
-        """A float8 unit's float8 shard and buffer (`zero3_float8.Float8Shard`); None: fp32."""
+        """The unit this one is one of the `casts` or the `experts` of (None: it leads
+        itself)."""
+        self.cast = None if cast is None else cast(params, (self.lo, self.hi), self.padded)
+        """A cast unit's shard and buffer in its weights' matmul precision (a `CastShard`:
+        `zero3_float8.Float8Shard`, `zero3_half.HalfShard`); None: fp32 only."""
         self.free()
 
     def members(self) -> list[Unit]:
-        """This unit, its float8 weights' unit and its experts' unit (those it has): what a
-        gather or a release of it takes, in this order on every rank."""
-        return [u for u in (self, self.fp8_unit, self.experts) if u is not None]
+        """This unit, its cast units and its experts' unit (those it has): what a gather or a
+        release of it takes, in this order on every rank."""
+        return [self, *self.casts] + ([self.experts] if self.experts is not None else [])
 
     @property
-    def in_float8(self) -> bool:
-        """A float8 unit inside a step: its gathers move float8 bytes (`zero3_float8.py`)."""
-        return self.float8 is not None and self.float8.active
+    def in_cast(self) -> bool:
+        """A cast unit inside a step: its gathers move its `cast` precision's bytes."""
+        return self.cast is not None and self.cast.active
 
     @property
     def gather_nbytes(self) -> int:
-        """Bytes a gather of this unit fills: its full buffer's, or its float8 buffer's."""
-        return self.float8.nbytes if self.in_float8 else self.nbytes  # type: ignore[union-attr]
+        """Bytes a gather of this unit fills: its full buffer's, or its cast buffer's."""
+        return self.cast.nbytes if self.in_cast else self.nbytes  # type: ignore[union-attr]
 
     def free(self) -> None:
         """Free the full buffer's storage (a `resident` unit keeps it: it is the shard) and a
-        float8 unit's float8 buffer."""
+        cast unit's cast buffer."""
         if self.resident:
             return
         self.full.untyped_storage().resize_(0)
-        if self.float8 is not None:
-            self.float8.full.untyped_storage().resize_(0)
+        if self.cast is not None:
+            self.cast.full.untyped_storage().resize_(0)
         self.gathered = False
 
     def launch_gather(self, piece: int | None = None) -> None:
@@ -208,16 +212,16 @@ class Unit:
         a staging buffer (gloo, which copies whole buffers in flight: see `ShardedParams`)."""
         if self.gathered or self.handle is not None:
             return
-        if self.in_float8:  # float8 bytes: the fp32 buffer stays freed
-            f8 = self.float8
-            assert f8 is not None
-            f8.full.untyped_storage().resize_(f8.nbytes)
-            f8.cast(self.shard)
-            per_byte = None if piece is None else piece * self.full.element_size()
-            self.handle = _gather_into(f8.full, f8.shard, self.group, per_byte)
+        if self.in_cast:  # in the matmuls' precision: the fp32 buffer stays freed
+            c = self.cast
+            assert c is not None
+            c.full.untyped_storage().resize_(c.nbytes)
+            c.cast(self.shard)
+            per = None if piece is None else piece * self.full.element_size() // c.itemsize
+            self.handle = _gather_into(c.full, c.shard, self.group, per)
             if self.handle is None:
                 self.gathered = True
-                f8.drop_shard()
+                c.drop_shard()
             return
         self.full.untyped_storage().resize_(self.nbytes)
         if self.alone:  # offloaded (a resident unit is always gathered): the host shard is all
@@ -257,11 +261,11 @@ class Unit:
 
     def _free_staging(self) -> None:
         """Free what a gather sent once it is done (the current stream is ordered after the
-        gather): the device staging shard under --offload-params, a float8 shard."""
+        gather): the device staging shard under --offload-params, a cast shard."""
         if self.host_shard is not None:
             self.shard.untyped_storage().resize_(0)
-        if self.float8 is not None:
-            self.float8.drop_shard()
+        if self.cast is not None:
+            self.cast.drop_shard()
 
     def keep_shard(self) -> None:
         """Take this rank's slice of the gathered (possibly rewritten) parameters as its
@@ -373,7 +377,7 @@ class FreeAfterBackward(torch.autograd.Function):
 @dataclass(frozen=True)
 class UnitMaker:
     """How a stage's units are made: the groups they are sharded over, where the shards are
-    held, and which weights are gathered in float8."""
+    held, and which weights are gathered in their matmuls' precision during a step."""
 
     dense: Shards
     """The group of every parameter but the experts' (cp x dp)."""
@@ -385,32 +389,50 @@ class UnitMaker:
     float8: dict = field(default_factory=dict)
     """id(weight) -> `Fp8Spec` of the weights gathered in float8 during a step
     (`zero3_float8.float8_weights`); empty: none."""
+    half: dict = field(default_factory=dict)
+    """id(weight) -> the linear that reads it, for the weights gathered in the autocast dtype
+    during a step (`zero3_half.half_weights`); empty: none."""
+    half_dtype: torch.dtype | None = None
+    """That autocast dtype (bf16 / fp16) where `half` has weights."""
 
     def unit(self, name: str, module: nn.Module, params: list) -> Unit | None:
         """The unit of `params` (None if there are none). Under expert parallelism the
-        expert parameters among them form a unit of their own over the experts' group, and
-        the float8 weights (`float8`) one over the dense group; the unit of the others leads
-        them (or the float8 unit, or the experts', where there are no others)."""
+        expert parameters among them form a unit of their own over the experts' group; the
+        16-bit weights (`half`) and the float8 weights (`float8`) one each over the dense
+        group; the unit of the others leads them (or the first of those there is)."""
         split = self.experts is not None
         moe = [p for p in params if split and is_expert(p)]
         dense = [p for p in params if not (split and is_expert(p))]
-        f8 = [p for p in dense if id(p) in self.float8] if self.dense.size > 1 else []
-        in_f8 = {id(p) for p in f8}
-        rest = [p for p in dense if id(p) not in in_f8]
-        experts = fp8 = None
+        sharded = self.dense.size > 1
+        f8 = [p for p in dense if sharded and id(p) in self.float8]
+        hf = [p for p in dense if sharded and id(p) in self.half and id(p) not in self.float8]
+        cast_ids = {id(p) for p in f8 + hf}
+        rest = [p for p in dense if id(p) not in cast_ids]
+        experts = half = fp8 = None
         if moe and self.experts is not None:
             experts = Unit(f"{name} experts", module, moe, self.experts, self.offload)
+        if hf:
+            linears, dtype = [self.half[id(p)] for p in hf], self.half_dtype
+
+            def half_cast(ps, rng, n):
+                return HalfShard(ps, linears, dtype, rng, n)
+
+            half = Unit(f"{name} {dtype}", module, hf, self.dense, self.offload, half_cast)
         if f8:
             specs = [self.float8[id(p)] for p in f8]
-            fp8 = Unit(f"{name} float8", module, f8, self.dense, self.offload, specs)
+
+            def float8_cast(ps, rng, n):
+                return Float8Shard(ps, specs, rng, n)
+
+            fp8 = Unit(f"{name} float8", module, f8, self.dense, self.offload, float8_cast)
         others = Unit(name, module, rest, self.dense, self.offload) if rest else None
-        parts = [u for u in (others, fp8, experts) if u is not None]
+        parts = [u for u in (others, half, fp8, experts) if u is not None]
         if not parts:
             return None
         lead = parts[0]
         for u in parts[1:]:
             u.lead = lead
-        lead.fp8_unit = fp8 if fp8 is not lead else None
+        lead.casts = [u for u in (half, fp8) if u is not None and u is not lead]
         lead.experts = experts if experts is not lead else None
         return lead
 

@@ -57,7 +57,7 @@ def run_micro_batch(
     try:
         with count_collectives() as run_calls, ExitStack() as scope:
             scope.enter_context(engine.precision.autocast())
-            scope.enter_context(engine.step_fn.fp8_scope())
+            scope.enter_context(engine.step_fn.weights_scope())
             per_step.update(range(len(run_calls)))  # its collectives (ZeRO-3's float8 casts)
             engine.executor.run(
                 [_micro_batch(cfg, config, dataset, first_batch)],

@@ -31,6 +31,7 @@ from megapar.tensor_parallel.sequence_parallel import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megapar.tensor_parallel.weight_copy import WeightCopy, weight_as_read
 from megapar.tensor_parallel.weight_grad import linear
 
 
@@ -55,12 +56,14 @@ def _matmul(
     """X W^T + b of a parallel linear: in float8 when converted (its weight gradient then
     computed in the backward, never deferred), else F.linear or its zero-bubble split; or,
     given the `shard` of a sequence-parallel X (`--sp-regather`), keeping only its slice for
-    the backward where neither of those applies (`regathers`)."""
+    the backward where neither of those applies (`regathers`). Outside float8, W is read from
+    its 16-bit copy where ZeRO-3 gathered one (`weight_copy.py`)."""
     if layer.fp8 is not None:
         return fp8_linear(x, layer.weight, bias, layer.fp8)
+    weight = weight_as_read(layer)
     if shard is not None and regathers(layer.weight_grad_store, layer.weight):
-        return regathered_linear(x, layer.weight, bias, shard)
-    return linear(x, layer.weight, bias, layer.weight_grad_store)
+        return regathered_linear(x, weight, bias, shard)
+    return linear(x, weight, bias, layer.weight_grad_store, layer.weight)
 
 
 def regathers(store, weight: torch.Tensor) -> bool:
@@ -99,6 +102,9 @@ class ColumnParallelLinear(nn.Module):
         """A `WeightGradStore` to defer the weight gradient into (zero-bubble pipelines)."""
         self.fp8: Fp8Spec | None = None
         """Run the matmul in float8 this way (`fp8_convert.convert_to_fp8`); None: as F.linear."""
+        self.weight_copy: WeightCopy | None = None
+        """The weight's 16-bit copy the matmul reads while it is live (ZeRO-3's 16-bit
+        all-gather, `data_parallel.zero3_half`); None: the weight."""
         self.regather = False
         """Under SP keep only this rank's slice of X for the backward and all-gather it again
         there (`--sp-regather`, `megapar.models.set_sp_regather`); False: keep the gathered X."""
@@ -160,6 +166,9 @@ class RowParallelLinear(nn.Module):
         """A `WeightGradStore` to defer the weight gradient into (zero-bubble pipelines)."""
         self.fp8: Fp8Spec | None = None
         """Run the matmul in float8 this way (`fp8_convert.convert_to_fp8`); None: as F.linear."""
+        self.weight_copy: WeightCopy | None = None
+        """The weight's 16-bit copy the matmul reads while it is live (ZeRO-3's 16-bit
+        all-gather, `data_parallel.zero3_half`); None: the weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

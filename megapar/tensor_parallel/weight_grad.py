@@ -70,25 +70,33 @@ class _DeferredWeightGradLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, store, param):
         # `weight` comes detached, so autograd has no edge to the parameter (no AccumulateGrad
         # runs for it in B, and no post-accumulate hook says its gradient is ready before W);
-        # the parameter itself (`param`, in a tuple: not an input of the graph) is kept for W,
+        # the parameter itself and the weight dX reads (`param`, a tuple: not inputs of the
+        # graph; the same tensor unless W is read from a 16-bit copy) are kept for B and W,
         # also under activation checkpointing, whose saved tensors are recomputed stand-ins.
         ctx.save_for_backward(x)
-        ctx.param, ctx.store, ctx.has_bias = param[0], store, bias is not None
+        (ctx.param, ctx.read), ctx.store, ctx.has_bias = param, store, bias is not None
         return F.linear(x, weight, bias)  # autocast (if on) casts here, as for F.linear
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,), weight = ctx.saved_tensors, ctx.param
-        grad_x = grad_out.matmul(weight.to(grad_out.dtype)) if ctx.needs_input_grad[0] else None
+        (x,) = ctx.saved_tensors
+        read = ctx.read
+        grad_x = grad_out.matmul(read.to(grad_out.dtype)) if ctx.needs_input_grad[0] else None
         grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
-        ctx.store.put(weight, x.detach(), grad_out.detach())
+        ctx.store.put(ctx.param, x.detach(), grad_out.detach())
         return grad_x, None, grad_b, None, None
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    store: WeightGradStore | None,
+    param: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F.linear, with the weight gradient deferred into `store` when it is enabled."""
+    """F.linear, with the weight gradient deferred into `store` when it is enabled. `param`:
+    the parameter whose gradient a deferred W accumulates into, where `weight` is read from
+    a copy of it (`weight_copy.WeightCopy`); None: `weight` is the parameter."""
     if (
         store is None
         or not store.enabled
@@ -96,17 +104,18 @@ def linear(
         or not weight.requires_grad
     ):
         return F.linear(x, weight, bias)
+    kept = (weight, weight) if param is None or param is weight else (param, weight.detach())
     if torch.compiler.is_compiling():
-        return _deferred_linear(x, weight, bias, store)
-    return _DeferredWeightGradLinear.apply(x, weight.detach(), bias, store, (weight,))
+        return _deferred_linear(x, weight, bias, store, kept)
+    return _DeferredWeightGradLinear.apply(x, weight.detach(), bias, store, kept)
 
 
 @graph_break
-def _deferred_linear(x, weight, bias, store: WeightGradStore) -> torch.Tensor:
+def _deferred_linear(x, weight, bias, store: WeightGradStore, kept: tuple) -> torch.Tensor:
     """The deferring F.linear, run eagerly also inside torch.compile'd code (`--compile`: a
     graph break): its backward puts (X, dY) in the Python store, which a compiled backward
     would not do."""
-    return _DeferredWeightGradLinear.apply(x, weight.detach(), bias, store, (weight,))
+    return _DeferredWeightGradLinear.apply(x, weight.detach(), bias, store, kept)
 
 
 def attach(module: torch.nn.Module, store: WeightGradStore | None) -> int:

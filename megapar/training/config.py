@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
+
 from megapar.data_parallel.compression import GRAD_COMPRESSIONS
 from megapar.data_parallel.sharded_params import REDUCES as ZERO3_REDUCES
 from megapar.mesh import RANK_ORDERS
@@ -263,6 +265,17 @@ class TrainConfig:
         on the host; `data_parallel.zero3_float8`): the --fp8-layers it converts; else None."""
         on = self.zero == 3 and self.fp8 == "tensorwise"
         return self.fp8_layers if on and not (self.compile or self.offload_params) else None
+
+    @property
+    def zero3_half(self) -> torch.dtype | None:
+        """ZeRO-3 gathers the blocks' (non-float8) linear weights in the autocast dtype under
+        bf16 / fp16 (not in --compile'd blocks, whose traced linears cast the fp32 weight, nor
+        under --offload-params, whose shards are on the host; `data_parallel.zero3_half`): that
+        dtype; else None (fp32 gathers)."""
+        on = self.zero == 3 and self.precision != "fp32"
+        return (
+            PRECISIONS[self.precision] if on and not (self.compile or self.offload_params) else None
+        )
 
 
 def field_docs() -> dict[str, str]:

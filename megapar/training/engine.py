@@ -136,6 +136,7 @@ class Engine:
             offload_params=cfg.offload_params,
             zero3_reduce=cfg.zero3_reduce,
             zero3_float8=cfg.zero3_float8 is not None,
+            zero3_half=cfg.zero3_half,
         )
         """The stage's `GradSync` (`megapar.data_parallel.grad_sync`)."""
         self.sharded_params: ShardedParams | None = (

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megapar.data_parallel.sharded_params import ShardedParams
 from megapar.faults.status import set_action
 from megapar.mesh import Mesh, all_reduce
 from megapar.models.moe import finish_step, set_penalty_grad
@@ -192,16 +193,15 @@ class TrainStep:
             set_action("tied-embedding gradient all-reduce (first + last stage)")
             sync_tied_embeddings(self.model, self.mesh)
 
-    def fp8_scope(self):
-        """The context of one step's forwards and backwards under --fp8: the weights' float8
-        casts kept for the step (`Fp8WeightCache.per_step`), under ZeRO-3 made from the
-        float8 gathers (`ShardedParams.float8_step`: collective); a no-op without."""
+    def weights_scope(self):
+        """The context of one step's forwards and backwards: under ZeRO-3 its gathers in the
+        matmuls' precision (16-bit and float8 weights: `ShardedParams.step_scope`, collective
+        under --fp8), and under --fp8 the weights' float8 casts kept for the step
+        (`Fp8WeightCache.per_step`); a no-op without either."""
         casts = self.fp8_weight_casts
-        if casts is None:
-            return contextlib.nullcontext()
-        if self.zero3_float8 is not None:
-            return self.grad_sync.float8_step(casts)
-        return casts.per_step()
+        if isinstance(self.grad_sync, ShardedParams):
+            return self.grad_sync.step_scope(casts)  # casts only with the float8 all-gather
+        return contextlib.nullcontext() if casts is None else casts.per_step()
 
     def step(self, micro_batches: list[dict], step_index: int) -> StepResult:
         self.optimizer.zero_grad()
@@ -211,7 +211,7 @@ class TrainStep:
         scale = self.precision.loss_scale
         if self.num_experts:  # each micro-batch's balancing penalty, weighted as its loss
             set_penalty_grad(self.model, scale / len(micro_batches))
-        with self.precision.autocast(), self.fp8_scope():
+        with self.precision.autocast(), self.weights_scope():
             loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
         self.sync_gradients()
         loss = loss.detach().float().reshape(()).clone()

@@ -1,0 +1,132 @@
+"""ZeRO-3's 16-bit all-gather (`data_parallel/zero3_half.py`): under bf16 / fp16 autocast the
+blocks' linear weights gather in the autocast dtype, each rank rounding its slice, and the
+linears read the gathered copy in place of autocast's cast of the fp32 weight.
+
+The rounding is elementwise, so the copy is the cast bit for bit: the losses, the evaluation
+after the steps (fp32 gathers again) and everything after are bitwise those of the same units
+gathered in fp32 (the control: `HalfGather.units` emptied), in layouts that read the weight in
+each way a linear can (tp with sequence parallelism and --sp-regather's own autograd function,
+a zero-bubble pipeline's deferred weight gradients with full recomputation, fp16, Llama's grouped
+k / v, a mixture of experts under ep). The bytes are counted: each micro-batch's forward and
+backward gather every 16-bit unit, 2 bytes an element instead of 4. (ZeRO-3 in bf16 against one
+process: tests/test_zero3.py.)
+"""
+
+import pytest
+import torch
+import transformers
+
+import megapar
+from megapar.launcher import run_local
+from megapar.tensor_parallel.weight_copy import WeightCopy
+from megapar.training.config import TrainConfig
+
+VOCAB, SEQ, GBS, STEPS = 96, 16, 8, 3
+GPT = dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+           embd_pdrop=0.0, attn_pdrop=0.0)
+LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+             tie_word_embeddings=False)
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS + 1):
+        ids = torch.randint(0, VOCAB, (GBS, SEQ), generator=gen)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def _config(kind: str):
+    if kind == "gpt2":
+        return transformers.GPT2Config(**GPT)
+    if kind == "llama-mqa":  # one k / v head: at tp 2 replicated (`ReplicatedHeads`)
+        return transformers.LlamaConfig(**{**LLAMA, "num_key_value_heads": 1})
+    return transformers.MixtralConfig(**LLAMA, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _steps(kind: str, settings: dict):
+    """`STEPS` ZeRO-3 steps and an evaluation, with the 16-bit all-gather and without (the
+    same units gathered in fp32). Per run: the losses, the evaluation's loss, per step the
+    bytes put into 16-bit and into fp32 all-gathers, the 16-bit units' 16-bit and fp32
+    buffer bytes, and whether any gathered buffer was left after the steps."""
+    from megapar.comm_count import count_collectives
+
+    runs = []
+    for half in (True, False):
+        engine = megapar.prepare(_config(kind), micro_batch_size=2, lr=3e-3, clip_grad=1.0,
+                                 global_batch_size=GBS, seq_len=SEQ, seed=5, zero=3,
+                                 **{"precision": "bf16", **settings})
+        sharded = engine.sharded_params
+        units = list(sharded.half.units)
+        if not half:
+            sharded.half.units = []
+        losses, gathered16, gathered32 = [], [], []
+        for batch in _batches()[:STEPS]:
+            with count_collectives() as calls:
+                losses.append(engine.train_step(batch))
+            gathers = [c for c in calls if c.op.startswith("all_gather")]
+            gathered16.append(sum(c.bytes for c in gathers if c.dtype.itemsize == 2))
+            gathered32.append(sum(c.bytes for c in gathers if c.dtype == torch.float32))
+        left = sharded.gathered_bytes()
+        runs.append((losses, engine.eval_step(_batches()[STEPS]), gathered16, gathered32,
+                     [u.cast.nbytes for u in units], [u.nbytes for u in units], left))
+    return runs
+
+
+@pytest.mark.parametrize("kind,world,settings,m", [
+    ("gpt2", 4, dict(tp=2, sequence_parallel=True, sp_regather=True), 2),
+    ("gpt2", 4, dict(pp=2, schedule="zb-h1", recompute="full"), None),
+    ("gpt2", 2, dict(precision="fp16"), 2),
+    ("llama-mqa", 4, dict(tp=2), 2),  # k / v kept whole on each tp rank: read in fp32
+    ("mixtral", 4, dict(ep=2), 1),
+])
+def test_zero3_gathers_the_blocks_linear_weights_in_16_bits(kind, world, settings, m):
+    """Bitwise the fp32 gathers' numbers; every 16-bit unit gathered in each micro-batch's
+    forward and backward at 2 bytes an element (each rank puts in its slice, 1 / dp), its fp32
+    buffer never: the fp32 gathers shrink by twice that; nothing left gathered after a step."""
+    for ours, theirs in run_local(_steps, world, kind, settings):
+        assert (ours[0], ours[1]) == (theirs[0], theirs[1]), (ours[:2], theirs[:2])
+        held16, held32 = ours[4], ours[5]
+        assert held16 and [2 * n for n in held16] == held32  # a 16-bit unit per block
+        assert theirs[2] == [0] * STEPS or "sequence_parallel" in settings
+        moved16 = [a - b for a, b in zip(ours[2], theirs[2], strict=True)]
+        saved32 = [b - a for a, b in zip(ours[3], theirs[3], strict=True)]
+        if m is not None:  # (under pp the stages' micro-batches differ: the ratio below)
+            dp = world // settings.get("tp", 1) // settings.get("pp", 1)
+            assert moved16 == [2 * m * sum(held16) // dp] * STEPS, (moved16, held16)
+        assert moved16[0] > 0 and saved32 == [2 * n for n in moved16], (moved16, saved32)
+        assert ours[6] == theirs[6] == 0
+
+
+def test_zero3_gathers_16_bits_only_where_autocast_casts_the_weights():
+    """On under bf16 / fp16 ZeRO-3; off in fp32, at other ZeRO stages, in --compile'd blocks
+    (their traced linears cast the fp32 weight) and under --offload-params (host shards)."""
+    on = TrainConfig(zero=3, precision="bf16")
+    assert on.zero3_half is torch.bfloat16
+    assert TrainConfig(zero=3, precision="fp16").zero3_half is torch.float16
+    for off in (dict(zero=3), dict(zero=2, precision="bf16"),
+                dict(zero=3, precision="bf16", compile=True),
+                dict(zero=3, precision="bf16", offload_params=True)):
+        assert TrainConfig(**off).zero3_half is None, off
+
+
+def test_a_live_weight_copy_is_read_only_under_its_autocast():
+    """A copy stands for autocast's cast: read without autocast (or under another dtype) it
+    would change the numbers, so it refuses, naming the fix; its gradient is the cast's (fp32,
+    to the weight)."""
+    weight = torch.nn.Parameter(torch.randn(3, 4))
+    copy = WeightCopy(weight.detach().to(torch.bfloat16))
+    copy.live = True
+    with pytest.raises(RuntimeError, match="without it: run a step's forwards under"):
+        copy.read(weight)
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(RuntimeError):
+        copy.read(weight)
+    x = torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.functional.linear(x, copy.read(weight)).float().sum().backward()
+        ours = weight.grad.clone()
+        weight.grad = None
+        torch.nn.functional.linear(x, weight).float().sum().backward()
+    assert ours.dtype == torch.float32 and torch.equal(ours, weight.grad)
