@@ -385,7 +385,7 @@ def _zero3_float8(recipe="tensorwise", tp=1, steps=STEPS):
                                  and c.dtype == torch.uint8))
             reduces.append([c.numel for c in calls
                             if c.op == "all_reduce" and c.numel == 4 * GPT["n_layer"]])
-        held = [u.float8.nbytes for u in units]
+        held = [u.cast.nbytes for u in units]
         runs.append((losses, engine.eval_step(_batches()[STEPS]), gathered8, reduces, held))
     return runs
 

@@ -327,7 +327,7 @@ def test_zero3_float8_gathers_in_the_plan_equal_the_dry_run(spec, world):
     from megapar.models.recipes import resolve_model
     from megapar.pipeline.schedules import placement_of
     from megapar.plan import parse_candidate
-    from megapar.plan.fp8 import zero3_float8
+    from megapar.plan.fp8 import zero3_casts
     from megapar.plan.state import groups_traffic, zero_traffic
 
     config, c = resolve_model("gpt2-tiny"), parse_candidate(spec, world)
@@ -339,13 +339,13 @@ def test_zero3_float8_gathers_in_the_plan_equal_the_dry_run(spec, world):
         assert result.error == "" and result.differences == [], result
         gathered[fp8] = stage_memory(p, c)[0].gathered
         if fp8 != "tensorwise":
-            assert zero3_float8(p, c) is None
+            assert not zero3_casts(p, c).float8
             continue
         r = dry_run(train_config(p, c), config, Layout(c.tp, c.pp, c.dp), [0])[0]
         m = 8 // (c.mbs * c.dp)
         planned = groups_traffic(
             zero_traffic(config, c.tp, c.pp, 1, 0, c.dp, 3, p.grad_bucket_mb,
-                         placement_of(c.schedule), float8=zero3_float8(p, c)),
+                         placement_of(c.schedule), casts=zero3_casts(p, c)),
             3, m, c.pp)["dp"]
         for op, n, nbytes in planned:
             assert r.comm["dp"][op] == {"count": n, "bytes": int(nbytes)}, (op, r.comm["dp"])

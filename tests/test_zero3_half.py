@@ -130,3 +130,36 @@ def test_a_live_weight_copy_is_read_only_under_its_autocast():
         weight.grad = None
         torch.nn.functional.linear(x, weight).float().sum().backward()
     assert ours.dtype == torch.float32 and torch.equal(ours, weight.grad)
+
+
+@pytest.mark.parametrize("spec,world", [("tp=1,pp=1,dp=2,mbs=2,zero=3", 2),
+                                        ("tp=2,pp=2,dp=2,mbs=1,zero=3", 8)])
+def test_the_plan_counts_the_16_bit_gathers_as_the_dry_run_does(spec, world):
+    """megapar-plan models the 16-bit units (`plan.params.GatherCasts`): in bf16 the plan's
+    units, state, gathered peak and dp traffic equal the dry run's to the byte (--verify), and
+    it gathers fewer bytes than in fp32, where every unit gathers fp32."""
+    from megapar.dryrun import dry_run
+    from megapar.dryrun.verify import train_config, verify_layout
+    from megapar.mesh import Layout
+    from megapar.models.recipes import resolve_model
+    from megapar.pipeline.schedules import placement_of
+    from megapar.plan import Problem, parse_candidate, stage_memory
+    from megapar.plan.fp8 import zero3_casts
+    from megapar.plan.state import groups_traffic, zero_traffic
+
+    config, c = resolve_model("gpt2-tiny"), parse_candidate(spec, world)
+    gathered = {}
+    for precision in ("bf16", "fp32"):
+        p = Problem(config, world, global_batch=8, seq_len=16, precision=precision)
+        result = verify_layout(p, c, [0])
+        assert result.error == "" and result.differences == [], result
+        gathered[precision] = stage_memory(p, c)[0].gathered
+        assert zero3_casts(p, c).half == (precision == "bf16")
+        r = dry_run(train_config(p, c), config, Layout(c.tp, c.pp, c.dp), [0])[0]
+        planned = groups_traffic(
+            zero_traffic(config, c.tp, c.pp, 1, 0, c.dp, 3, p.grad_bucket_mb,
+                         placement_of(c.schedule), casts=zero3_casts(p, c)),
+            3, 8 // (c.mbs * c.dp), c.pp)["dp"]
+        for op, n, nbytes in planned:
+            assert r.comm["dp"][op] == {"count": n, "bytes": int(nbytes)}, (op, r.comm["dp"])
+    assert 0 < gathered["bf16"] < gathered["fp32"], gathered

@@ -46,6 +46,7 @@ from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
 from megapar.pipeline.placement import chunks_per_rank, placement_of
 from megapar.pipeline.schedules import in_flight_peak, schedule_actions
+from megapar.plan.params import GatherCasts
 from megapar.plan.state import (
     DENSE,
     EXPERTS,
@@ -403,9 +404,17 @@ def _planned_state(cfg, config, mesh: Mesh):
                 cfg.zero3_reduce,
             ),
             m,
-            cfg.zero3_float8,
+            zero3_casts(cfg),
         ),
         layout.ep,
+    )
+
+
+def zero3_casts(cfg) -> GatherCasts:
+    """The linear weights ZeRO-3 gathers in 16 bits or float8 in a step of `cfg` (a
+    `TrainConfig`), as the planner takes them."""
+    return GatherCasts(
+        cfg.fp8, cfg.fp8_layers, cfg.zero3_float8 is not None, cfg.zero3_half is not None
     )
 
 
@@ -429,7 +438,7 @@ def _modelled_traffic(cfg, config, mesh: Mesh, comm: dict, m: int) -> None:
         placement_of(cfg.schedule),
         cfg.zero3_persistence_threshold,
         layout.ep,
-        cfg.zero3_float8,
+        zero3_casts(cfg),
     )
     rehearsed = comm.get(names[DENSE], {})
     if not {"reduce_scatter", "all_gather"} <= rehearsed.keys():

@@ -62,6 +62,7 @@ from megapar.plan import memory as mem
 from megapar.plan.context_parallel import cp_buffers
 from megapar.plan.layouts import Candidate, regathers
 from megapar.plan.params import (
+    NO_CASTS,
     alike_stages,
     piece_counts,
     stage_expert_params,
@@ -367,8 +368,9 @@ def offload_of(
     c: Candidate, persist_below: int = 0, m: int = 1, p: Problem | None = None
 ) -> Offload:
     """The candidate's offload and ZeRO-3 settings (`persist_below`: the persistence
-    threshold, for ZeRO-3; `m`: micro-batches per step; `p`: the problem, whose --fp8 may
-    gather float8 weights, `fp8.zero3_float8`), as `plan.state` takes them."""
+    threshold, for ZeRO-3; `m`: micro-batches per step; `p`: the problem, whose precision and
+    --fp8 say which weights ZeRO-3 gathers in 16 bits or float8, `fp8.zero3_casts`), as
+    `plan.state` takes them."""
     return Offload(
         c.offload_optimizer,
         c.offload_params,
@@ -376,7 +378,7 @@ def offload_of(
         persist_below if c.zero == 3 else 0,
         whole_grads(c.schedule, c.pp, m, c.v, c.zero3_reduce),
         m,
-        None if p is None else fp8.zero3_float8(p, c),
+        NO_CASTS if p is None else fp8.zero3_casts(p, c),
     )
 
 
@@ -489,8 +491,9 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
     every = stage_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep)
     routed = stage_expert_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep)
     n_params, n_experts, stage = max(zip(every, routed, range(c.pp)))
-    # ZeRO-3 gathering the float8 weights in float8: a byte an element of theirs, not 4
+    # ZeRO-3 gathering linear weights in 16 bits or float8: 2 or 1 bytes an element, not 4
     float8 = fp8.converted_weights(p, c, stage) if fp8.float8_gathered(p, c) else 0
+    half = fp8.half_weights(p, c, stage)
     if c.ep > 1:
         n_params -= n_experts
     else:
@@ -513,7 +516,7 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
         c.keep_params,
         replicas,
         grad_bytes,
-        n_params * 4 - 3 * float8,
+        n_params * 4 - 3 * float8 - 2 * half,
         layers + 1,
         dp_gbps,
         p.latency_us,

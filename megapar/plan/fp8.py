@@ -36,7 +36,7 @@ from functools import lru_cache
 from megapar.models.config import config_from_dict
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
-from megapar.plan.params import kind_blocks
+from megapar.plan.params import GatherCasts, kind_blocks
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 from megapar.tensor_parallel.fp8_convert import wanted
 from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -139,10 +139,34 @@ def float8_gathered(p, c) -> bool:
     return p.fp8 == "tensorwise" and c.zero == 3 and c.dp * c.cp > 1 and not c.offload_params
 
 
-def zero3_float8(p, c) -> str | None:
-    """`plan.state.Offload.float8`: --fp8-layers where ZeRO-3 gathers float8 weights, else
-    None."""
-    return p.fp8_layers if float8_gathered(p, c) else None
+def half_gathered(p, c) -> bool:
+    """Whether ZeRO-3 gathers the blocks' other linear weights in 16 bits (megapar-train's
+    16-bit all-gather, `data_parallel/zero3_half.py`: bf16 / fp16 autocast on fp32 weights,
+    ZeRO-3 over more than one rank, without --offload-params): the gathered weight is then
+    autocast's cast, none made besides."""
+    sixteen = p.precision != "fp32" and p.master_weights == "fp32"
+    return sixteen and c.zero == 3 and c.dp * c.cp > 1 and not c.offload_params
+
+
+def zero3_casts(p, c) -> GatherCasts:
+    """`plan.state.Offload.casts`: the linear weights ZeRO-3 gathers in 16 bits or float8 at
+    candidate `c` (`half_gathered`, `float8_gathered`)."""
+    return GatherCasts(p.fp8, p.fp8_layers, float8_gathered(p, c), half_gathered(p, c))
+
+
+def half_weights(p, c, stage: int) -> int:
+    """Elements of the weights of pipeline rank `stage`'s block linears ZeRO-3 gathers in 16
+    bits at candidate `c` (one tp rank; 0 where it does not: `half_gathered`)."""
+    if not half_gathered(p, c):
+        return 0
+    every = block_linears(
+        p.config_json, c.tp, p.fp8 if p.fp8 != "off" else "tensorwise", p.fp8_layers
+    )
+    per = {
+        kind: sum(x.n * x.k for x in xs if p.fp8 == "off" or not x.converted)
+        for kind, xs in every.items()
+    }
+    return sum(per[kind] for kind in stage_kinds(p, c, stage))
 
 
 def weight_cached(p, c) -> bool:

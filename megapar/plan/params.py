@@ -219,23 +219,52 @@ class UnitSpec:
     embedding_grads: bool = False
     """The persistent unit holds some of an embedding module's parameters (their gradients
     are complete only after the embedding's backward, past the first block's)."""
-    float8: bool = False
-    """Its parameters are float8 weights ZeRO-3 gathers as float8 bytes (1 byte an element;
-    its gradient buffer stays fp32): kind "float8", or the unit itself where its block has no
-    other parameters."""
+    cast: str | None = None
+    """Its parameters are linear weights ZeRO-3 gathers in their matmuls' precision during a
+    step (`GatherCasts.of`): "half" (2 bytes an element) or "float8" (1); its gradient buffer
+    stays fp32. Kind "half" / "float8", or the unit itself where its block has no other
+    parameters. None: gathered in fp32."""
 
     @property
     def led(self) -> bool:
         """Led by the nearest unit before it that is not (its lead): under expert parallelism
         the expert parameters (kind "experts"), sharded over the expert-data-parallel group;
-        under ZeRO-3's float8 all-gather the float8 weights (kind "float8"), gathered as
-        float8 bytes. Gathered, freed and given gradient buffers with the lead, reduced just
+        under ZeRO-3's 16-bit and float8 all-gathers the weights gathered so (kinds "half",
+        "float8"). Gathered, freed and given gradient buffers with the lead, reduced just
         before it."""
         return self.kind in LED_KINDS
 
 
-LED_KINDS = ("float8", "experts")
+LED_KINDS = ("half", "float8", "experts")
 """The kinds of unit led by another, in the order they follow their lead (`UnitMaker.unit`)."""
+
+
+@dataclass(frozen=True)
+class GatherCasts:
+    """Which of the blocks' linear weights ZeRO-3 gathers in their matmuls' precision during a
+    step (megapar-train's 16-bit and float8 all-gathers: `data_parallel/zero3_half.py`,
+    `zero3_float8.py`); the default: none (every unit in fp32)."""
+
+    fp8: str = "off"
+    """--fp8's recipe: the linears it converts (`wanted`) are never 16-bit weights."""
+    fp8_layers: str = "auto"
+    """--fp8-layers."""
+    float8: bool = False
+    """The converted weights gather as float8 bytes (--fp8 tensorwise)."""
+    half: bool = False
+    """The other linears' weights gather in 16 bits (bf16 / fp16 autocast)."""
+
+    def of(self, t: TensorSpec) -> str | None:
+        """How ZeRO-3 gathers `t` in a step: "float8", "half" or None (fp32)."""
+        if t.linear is None:
+            return None
+        if self.fp8 != "off" and wanted(self.fp8, *t.linear, self.fp8_layers) is None:
+            return "float8" if self.float8 else None
+        return "half" if self.half else None
+
+
+NO_CASTS = GatherCasts()
+"""No weight gathered in its matmuls' precision: every ZeRO-3 unit in fp32."""
 
 
 def stage_units(
@@ -247,7 +276,7 @@ def stage_units(
     placement: str = "loop",
     persist_below: int = 0,
     ep: int = 1,
-    float8: str | None = None,
+    casts: GatherCasts = NO_CASTS,
 ) -> list[UnitSpec]:
     """ZeRO-3's units of the stage, as `megapar.data_parallel.sharded_params.ShardedParams`
     makes them with `persist_below` (--zero3-persistence-threshold): per chunk each block (its
@@ -257,9 +286,9 @@ def stage_units(
     else one root unit; then the parameters under `persist_below` in one persistent unit.
     Under expert parallelism (`ep` > 1) the routed experts' parameters of each of these form
     a unit of their own right after it (kind "experts", `UnitSpec.led`; `UnitMaker.unit`), or
-    the unit itself where it has no other parameters; so do, before them, the weights --fp8
-    tensorwise converts where ZeRO-3 gathers them in float8 (`float8`: --fp8-layers, None
-    without; kind "float8", `data_parallel.zero3_float8`)."""
+    the unit itself where it has no other parameters; so do, before them, the linear weights
+    ZeRO-3 gathers in 16 bits and those it gathers in float8 (`casts`; kinds "half",
+    "float8")."""
     blocks_of, embedding, head = _piece_tensors(_config_json(config), tp, ep)
     kinds = layer_kinds(config)
     specs = (
@@ -281,15 +310,21 @@ def stage_units(
     tensors = stage_tensors(config, tp, pp, v, stage, placement, ep)
 
     def made(kind: str, ci: int, idx, embedding_grads: bool = False) -> list[UnitSpec]:
-        """The unit of `idx` and the units it leads: its float8 weights' and, under ep > 1,
-        its experts' (`UnitMaker.unit`)."""
+        """The unit of `idx` and the units it leads: its 16-bit and float8 weights' and,
+        under ep > 1, its experts' (`UnitMaker.unit`)."""
         moe = [i for i in idx if ep > 1 and tensors[i].expert]
-        f8 = [i for i in idx if i not in moe and float8_weight(tensors[i], float8)]
-        rest = [i for i in idx if i not in moe and i not in f8]
-        parts = [(p, part) for p, part in zip((kind, *LED_KINDS), (rest, f8, moe)) if part]
+        cast = {i: casts.of(tensors[i]) for i in idx if i not in moe}
+        half = [i for i in idx if cast.get(i) == "half"]
+        f8 = [i for i in idx if cast.get(i) == "float8"]
+        rest = [i for i in idx if i not in moe and cast.get(i) is None]
+        parts = [(p, part) for p, part in zip((kind, *LED_KINDS), (rest, half, f8, moe)) if part]
         return [
             UnitSpec(
-                kind if j == 0 else p, ci, tuple(part), embedding_grads and j == 0, p == "float8"
+                kind if j == 0 else p,
+                ci,
+                tuple(part),
+                embedding_grads and j == 0,
+                p if p in ("half", "float8") else None,
             )
             for j, (p, part) in enumerate(parts)
         ]
@@ -310,16 +345,6 @@ def stage_units(
         for kind, idx in (("embedding", own), ("root", root)):
             units += made(kind, ci, idx) if idx else []
     return units + (made("persistent", -1, small, small_embedding) if small else [])
-
-
-def float8_weight(t: TensorSpec, layers: str | None) -> bool:
-    """Whether ZeRO-3 gathers `t` in float8: a linear's weight --fp8 tensorwise converts under
-    --fp8-layers `layers` (None: no float8 all-gather)."""
-    return (
-        layers is not None
-        and t.linear is not None
-        and wanted("tensorwise", *t.linear, layers) is None
-    )
 
 
 def stage_layer_counts(num_layers: int, pp: int, v: int = 1, placement: str = "loop") -> list[int]:

@@ -456,7 +456,7 @@ def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
             placement_of(c.schedule),
             p.zero3_persistence_threshold,
             c.ep,
-            fp8.zero3_float8(p, c),
+            fp8.zero3_casts(p, c),
         ),
         3,
         m,

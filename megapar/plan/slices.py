@@ -15,6 +15,7 @@ from itertools import accumulate
 import numpy as np
 
 from megapar.models.config import config_from_dict
+from megapar.plan.params import NO_CASTS, GatherCasts
 from megapar.plan.state import (
     ADAM_MOMENTS,
     STEP_BYTES,
@@ -64,7 +65,7 @@ def most_loaded(
         placement,
         offload.persist_below,
         ep,
-        offload.float8,
+        offload.casts,
     )
     if not units:
         config = config_from_dict(json.loads(config_json))
@@ -94,7 +95,7 @@ def _slice_loads(
     placement: str,
     persist_below: int,
     ep: int = 1,
-    float8: str | None = None,
+    casts: GatherCasts = NO_CASTS,
 ):
     """`_layout`'s (tensors, units, specs) and, for each of `_candidate_ranks`, the bytes it
     steps and its pieces (numpy arrays, read-only), over every unit at once: a rank's slice of
@@ -104,7 +105,7 @@ def _slice_loads(
     every rank up to `EXACT_EP_RANKS`, else each group's candidates, summed at their worst."""
     config = config_from_dict(json.loads(config_json))
     tensors, units, specs = _layout(
-        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep, float8
+        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep, casts
     )
     if not units:
         return tensors, units, specs, None, None

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from megapar.data_parallel.buckets import bucket_layout, slice_pieces
 from megapar.pipeline.schedules import SPLIT_BACKWARD
-from megapar.plan.params import stage_tensors, stage_units
+from megapar.plan.params import NO_CASTS, GatherCasts, stage_tensors, stage_units
 from megapar.plan.sharding import dp_traffic
 from megapar.plan.zero3_peaks import gathered_peak, grad_buffers_peak, phases
 
@@ -101,10 +101,9 @@ class Offload:
     micro_batches: int = 1
     """Micro-batches per step (ZeRO-3: past the first, the units reduced once a step keep
     their buffers from the backward's start)."""
-    float8: str | None = None
-    """ZeRO-3 under --fp8 tensorwise (without --offload-params and --compile): its
-    --fp8-layers, the converted weights gathered as float8 bytes (`UnitSpec.float8`); None:
-    no float8 all-gather."""
+    casts: GatherCasts = NO_CASTS
+    """ZeRO-3: the linear weights gathered in 16 bits or float8 during a step
+    (`params.GatherCasts`, `UnitSpec.cast`); the default: none."""
 
     def at_zero(self, zero: int) -> Offload:
         """These settings as a rank's state under ZeRO stage `zero` depends on them: below
@@ -165,7 +164,7 @@ def rank_state(
         placement,
         offload.persist_below,
         ep,
-        offload.float8,
+        offload.casts,
     )
     if not units:  # no ZeRO: every parameter whole, its own state
         nbytes = sum(t.numel * t.dtype.itemsize for t in tensors)
@@ -195,8 +194,12 @@ def _shards(tensors, idx, dp: int, ep: int) -> int:
 
 def _gathered(u, nbytes: int) -> int:
     """The bytes a gather of ZeRO-3 unit `u` (a `UnitSpec`) fills, of its fp32 buffer's
-    `nbytes`: a float8 unit's are float8, 1 of fp32's 4 (`UnitSpec.float8`)."""
-    return nbytes // 4 if u.float8 else nbytes
+    `nbytes`: a 16-bit unit's are 2 of fp32's 4, a float8 unit's 1 (`UnitSpec.cast`)."""
+    return nbytes // CAST_BYTES[u.cast] if u.cast else nbytes
+
+
+CAST_BYTES = {"half": 2, "float8": 4}
+"""fp32's bytes per byte a cast unit gathers (`UnitSpec.cast`)."""
 
 
 def _deferred(tensors, units, pp: int) -> set[int]:
@@ -283,7 +286,7 @@ def _layout(
     placement="loop",
     persist_below=PERSISTENCE_THRESHOLD,
     ep=1,
-    float8=None,
+    casts=NO_CASTS,
 ):
     """(the stage's tensors, ZeRO's buckets as `bucket_layout` gives them (ZeRO-1 / 2; under
     ep > 1 the experts' buckets apart, padded to a multiple of dp / ep), its units (ZeRO-3:
@@ -293,7 +296,7 @@ def _layout(
     if not (zero and dp > 1):
         return tensors, [], None
     if zero >= 3:
-        specs = stage_units(config, tp, pp, v, stage, placement, persist_below, ep, float8)
+        specs = stage_units(config, tp, pp, v, stage, placement, persist_below, ep, casts)
         units = []
         for u in specs:
             n = _shards(tensors, u.tensors, dp, ep)
@@ -321,7 +324,8 @@ class Traffic:
     nbytes: int = 0
     """Their buffers' bytes."""
     gathered: int = 0
-    """Their buffers' bytes as gathered: `nbytes`, but a quarter for ZeRO-3's float8 units."""
+    """Their buffers' bytes as gathered: `nbytes`, but half for ZeRO-3's 16-bit units and a
+    quarter for its float8 units."""
     persistent: int = 0
     """ZeRO-3: gathered bytes of the persistent unit among them (gathered once a step)."""
     deferred: tuple[int, int] = (0, 0)
@@ -345,16 +349,16 @@ def zero_traffic(
     placement: str = "loop",
     persist_below: int = PERSISTENCE_THRESHOLD,
     ep: int = 1,
-    float8: str | None = None,
+    casts: GatherCasts = NO_CASTS,
 ) -> dict[str, Traffic]:
     """{group: `Traffic`} of the buckets (ZeRO-1 / 2) or units (ZeRO-3) ZeRO reduces and
     gathers on this stage over each group (`DENSE`; under ep > 1 also `EXPERTS`, an experts'
     unit counted as its lead is: a root's once a micro-batch, the persistent unit's once a
     step; none where that group is one rank, ep = cp x dp: ZeRO-3 keeps those units whole and
     ZeRO-1 / 2's buckets are their own sum and gather, `shard_comm`); {} without ZeRO.
-    `float8`: as `Offload.float8`."""
+    `casts`: as `Offload.casts`."""
     tensors, units, specs = _layout(
-        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep, float8
+        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep, casts
     )
     late = _deferred(tensors, units, pp) if zero >= 3 else set()
     kinds = [u.kind for u in specs] if specs else [""] * len(units)
