@@ -232,3 +232,21 @@ def test_zero3_gathers_float8_weights_across_processes_on_the_gpu():
         assert on[3] == [[4 * GPT["n_layer"]]] * STEPS
     record("shared gpu, zero-3 float8 all-gather", losses=outs[0][0][0],
            float8_bytes_a_step=outs[0][0][2][0])
+
+
+def test_zero3_gathers_16_bit_weights_across_processes_on_the_gpu():
+    """ZeRO-3's 16-bit all-gather (bf16 autocast) at dp 2 with both ranks on the one GPU,
+    gloo staging the bf16 gathers through the host: tests/test_zero3_half.py's check with
+    CUDA's autocast and cuBLAS: three steps and an evaluation bitwise those of fp32 gathers,
+    the blocks' linear weights gathered at 2 bytes an element."""
+    from test_zero3_half import GBS, STEPS, _steps
+
+    env = {"MEGAPAR_CPU": "1" if ON_CPU else "0", SHARED_GPU_ENV: "1"}
+    outs = run_local(_tier_worker, 2, _steps, ON_CPU, "gpt2", {}, start_method="spawn",
+                     env=env, timeout_s=900 if ON_CPU else 300, collective_timeout_s=120)
+    m = GBS // 2 // 2
+    for on, off in outs:
+        assert (on[0], on[1]) == (off[0], off[1]), (on[:2], off[:2])
+        assert on[2] == [2 * m * sum(on[4]) // 2] * STEPS and off[2] == [0] * STEPS
+    record("shared gpu, zero-3 16-bit all-gather", losses=outs[0][0][0],
+           bf16_bytes_a_step=outs[0][0][2][0])
