@@ -145,8 +145,7 @@ class Float8Gather:
                 yield
             finally:
                 for u in self.units:
-                    u.wait_gather()
-                    u.free()
+                    u.settle()
                     u.cast.active = False
 
     @torch.no_grad()
@@ -154,8 +153,7 @@ class Float8Gather:
         """Each float8 weight's scale from its amax, MAX-reduced over the units' group and tp
         (one all-reduce each for the stage), and its float8 tensor in `cache`."""
         for u in self.units:  # gathered in fp32 (by a caller outside a step): free it first
-            u.wait_gather()
-            u.free()
+            u.settle()
         amaxes = torch.stack(
             [
                 _piece_amax(u.shard, lo, hi, spec)

@@ -124,13 +124,11 @@ class HalfGather:
         """One optimizer step's 16-bit gathers; on leaving, every unit still gathered in 16
         bits is freed and gathers are fp32 again."""
         for u in self.units:  # gathered in fp32 (by a caller outside a step): free it first
-            u.wait_gather()
-            u.free()
+            u.settle()
             u.cast.live(True)
         try:
             yield
         finally:
             for u in self.units:
-                u.wait_gather()
-                u.free()
+                u.settle()
                 u.cast.live(False)

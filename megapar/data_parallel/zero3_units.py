@@ -252,6 +252,12 @@ class Unit:
             fn(out[j : j + n], stage, group=group, async_op=True).wait()
         return None
 
+    def settle(self) -> None:
+        """Wait for a gather in flight and free the unit: a cast unit at a step's start or end,
+        whose next gather is in the other precision."""
+        self.wait_gather()
+        self.free()
+
     def wait_gather(self) -> None:
         if self.handle is not None:
             self.handle.wait()
