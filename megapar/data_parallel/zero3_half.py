@@ -20,10 +20,10 @@ Gradients are unchanged: each weight's fp32 gradient accumulates in its unit's f
 buffer and is reduce-scattered as before (FSDP2's ``reduce_dtype=torch.float32``). The other
 parameters (norms, biases, embeddings, the head) are read in fp32 by ops autocast runs in fp32
 or does not cast (an embedding's output keeps its weight's dtype), so they gather in fp32.
-Outside a step (evaluation, checkpoints, `whole()`) and where this is off (--compile'd blocks,
-whose traced linears cast the fp32 weight; --offload-params, whose shards are on the host;
-float8 linears, which cast the fp32 weight to float8 or gather float8: `zero3_float8.py`) the
-units gather fp32 as any other.
+--compile'd blocks trace the copy's read (its live flag and autograd function). Outside a step
+(evaluation, checkpoints, `whole()`) and where this is off (--offload-params, whose shards are
+on the host; float8 linears, which cast the fp32 weight to float8 or gather float8:
+`zero3_float8.py`) the units gather fp32 as any other.
 """
 
 from __future__ import annotations

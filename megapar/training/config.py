@@ -269,13 +269,11 @@ class TrainConfig:
     @property
     def zero3_half(self) -> torch.dtype | None:
         """ZeRO-3 gathers the blocks' (non-float8) linear weights in the autocast dtype under
-        bf16 / fp16 (not in --compile'd blocks, whose traced linears cast the fp32 weight, nor
+        bf16 / fp16 (also in --compile'd blocks, whose traced linears read the copies; not
         under --offload-params, whose shards are on the host; `data_parallel.zero3_half`): that
         dtype; else None (fp32 gathers)."""
         on = self.zero == 3 and self.precision != "fp32"
-        return (
-            PRECISIONS[self.precision] if on and not (self.compile or self.offload_params) else None
-        )
+        return PRECISIONS[self.precision] if on and not self.offload_params else None
 
 
 def field_docs() -> dict[str, str]:
