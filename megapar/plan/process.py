@@ -437,7 +437,12 @@ def _autocast_copies(
         elif p.master_weights != "fp32":
             why = "16-bit weights: the matmuls use them as they are, nothing to cast"
         else:
-            why = "ZeRO-3's gathered units: not modelled"
+            why = (
+                "ZeRO-3: the blocks' linears read their gathered 16-bit weights (no copy); "
+                "the other weights' copies not modelled"
+                if fp8.half_gathered(p, c)
+                else "ZeRO-3's gathered units: not modelled"
+            )
         return Term("autocast's 16-bit weight copies", 0.0, why)
     elements = mem.params / 4
     if has_embedding and not (_tied(p) and has_head):
