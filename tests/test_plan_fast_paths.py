@@ -16,6 +16,7 @@ from megapar.pipeline.schedules import (
 )
 from megapar.pipeline.simulate import Costs, action_times, simulate
 from megapar.plan import pipeline
+from megapar.plan.params import GatherCasts
 from megapar.plan.slices import most_loaded
 from megapar.plan.state import Offload, rank_state, w_reported
 
@@ -91,7 +92,8 @@ def test_most_loaded_is_the_worst_of_every_dp_rank(model):
             for zero in (1, 2, 3):
                 for offload in (Offload(), Offload(optimizer=True),
                                 Offload(True, True, persist_below=300, whole_grads=False,
-                                        micro_batches=4)):
+                                        micro_batches=4),
+                                Offload(casts=GatherCasts(half=True))):  # 16-bit units
                     if offload.params and zero < 3:
                         continue
                     for stage in range(pp):
