@@ -27,3 +27,19 @@ def test_unknown_model_names_the_recipes():
 def test_layout_the_model_cannot_take(layout, message):
     with pytest.raises(LayoutError, match=message):
         resolve_model("gpt2-124m").validate(layout)
+
+
+def test_train_help_names_every_model_family_and_parallelism():
+    """megapar-train --help began "Train a GPT-2, BERT or Llama with tensor, pipeline and data
+    parallelism" while it trains Mixtral and Qwen3-MoE too, with --cp and --ep."""
+    from megapar.models.config import CONFIG_CLASSES
+    from megapar.training.config import build_parser
+
+    names = {"gpt2": "GPT-2", "bert": "BERT", "llama": "Llama", "mixtral": "Mixtral",
+             "qwen3_moe": "Qwen3-MoE"}
+    text = build_parser().description
+    assert set(CONFIG_CLASSES) <= set(names), sorted(CONFIG_CLASSES)
+    for model_type in CONFIG_CLASSES:
+        assert names[model_type] in text, (model_type, text)
+    for kind in ("tensor", "context", "pipeline", "data", "expert"):
+        assert kind in text, (kind, text)
