@@ -288,6 +288,11 @@ TRAIN = [
      "empty_dir holds no checkpoint; --replay 2 re-runs a step from a checkpoint"),
     (["--load", "{ckpt}", "--replay", "1", "--max-steps", "3"],
      "--replay 1: the checkpoint is at step 1"),
+    # a dry run's world is --world-size, not processes to launch
+    (["--dry-run", "--cp", "2", "--dp", "2", "--world-size", "8"],
+     "world size 8 != tp*cp*pp*dp = 1*2*1*2 = 4; give --world-size 4 or change --tp/--pp/--dp/--cp"),
+    (["--dry-run", "--tp", "3", "--world-size", "8"],
+     "world size 8 is not divisible by tp*pp = 3*1; give a --world-size that is a multiple of 3"),
 ]
 
 
