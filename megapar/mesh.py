@@ -161,8 +161,12 @@ class Layout:
         order: str = "tp-pp-dp",
         cp: int = 1,
         ep: int = 1,
+        world_flag: str | None = None,
     ) -> Layout:
-        """Layout for a world size; dp defaults to world_size / (tp * cp * pp)."""
+        """Layout for a world size; dp defaults to world_size / (tp * cp * pp). A world that
+        does not fit is refused saying how many processes to launch, or with `world_flag`
+        (megapar-train --dry-run's ``--world-size``, where the size is a flag) which value to
+        give it."""
         if tp < 1 or pp < 1:
             raise LayoutError(f"--tp and --pp must be >= 1, got tp={tp} pp={pp}")
         if cp < 1:
@@ -172,18 +176,26 @@ class Layout:
         sizes = f"{tp}*{cp}*{pp}" if cp > 1 else f"{tp}*{pp}"
         if dp is None:
             if world_size % split:
+                fix = (
+                    f"give a {world_flag} that is a multiple of {split}"
+                    if world_flag
+                    else f"launch a multiple of {split} processes"
+                )
                 raise LayoutError(
                     f"world size {world_size} is not divisible by {names} = {sizes}; "
-                    f"launch a multiple of {split} processes or change --tp/--pp"
-                    + ("/--cp" if cp > 1 else "")
+                    f"{fix} or change --tp/--pp" + ("/--cp" if cp > 1 else "")
                 )
             dp = world_size // split
         layout = Layout(tp, pp, dp, order, cp, ep)
         if layout.world_size != world_size:
+            fix = (
+                f"give {world_flag} {layout.world_size}"
+                if world_flag
+                else f"launch {layout.world_size} processes"
+            )
             raise LayoutError(
                 f"world size {world_size} != {names}*dp = {sizes}*{dp} = {layout.world_size}; "
-                f"launch {layout.world_size} processes or change --tp/--pp/--dp"
-                + ("/--cp" if cp > 1 else "")
+                f"{fix} or change --tp/--pp/--dp" + ("/--cp" if cp > 1 else "")
             )
         return layout
 

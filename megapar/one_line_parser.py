@@ -35,11 +35,13 @@ class OneLineParser(argparse.ArgumentParser):
         )
 
     def _did_you_mean(self, message: str) -> str:
-        """For unknown flags, the closest known one of each (`--max-step`: `--max-steps`)."""
+        """For unknown flags, the closest known one of each (`--max-step`: `--max-steps`);
+        never `--help`, which is no flag's misspelling (`--ep` is as close to it as 0.6)."""
         prefix = "unrecognized arguments: "
         if not message.startswith(prefix):
             return ""
         known = sorted(o for o in self._option_string_actions if o.startswith("--"))
+        known = [o for o in known if o != "--help"]
         hints = []
         for token in message[len(prefix) :].split():
             flag = token.split("=", 1)[0]

@@ -288,6 +288,11 @@ TRAIN = [
      "empty_dir holds no checkpoint; --replay 2 re-runs a step from a checkpoint"),
     (["--load", "{ckpt}", "--replay", "1", "--max-steps", "3"],
      "--replay 1: the checkpoint is at step 1"),
+    # a dry run's world is --world-size, not processes to launch
+    (["--dry-run", "--cp", "2", "--dp", "2", "--world-size", "8"],
+     "world size 8 != tp*cp*pp*dp = 1*2*1*2 = 4; give --world-size 4 or change --tp/--pp/--dp/--cp"),
+    (["--dry-run", "--tp", "3", "--world-size", "8"],
+     "world size 8 is not divisible by tp*pp = 3*1; give a --world-size that is a multiple of 3"),
 ]
 
 
@@ -762,3 +767,19 @@ def test_a_second_ctrl_c_names_the_checkpoint_left_to_resume_from(env, tmp_path,
     assert train([*env["common"], "--save", str(save), "--overwrite-newer"]) == 130
     assert "aborted (SIGINT while starting)" in capsys.readouterr().err
     assert not (save / "megapar.lock").exists()
+
+
+def test_an_unknown_flag_is_never_taken_for_help(capsys):
+    """megapar-eval has no --ep (a megapar-train flag): the line named --help as its likely
+    spelling ("--ep: did you mean --help?"); now it suggests nothing, and a real typo still
+    gets its flag."""
+    from megapar.cli.eval import main as eval_main
+
+    for argv, hint in ((["--load", "x", "--ep", "2"], None),
+                       (["--load", "x", "--max-batch", "2"], "did you mean --max-batches?")):
+        with pytest.raises(SystemExit) as exc:
+            eval_main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "--help?" not in err, err
+        assert hint is None or hint in err, err

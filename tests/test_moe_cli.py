@@ -206,3 +206,57 @@ def test_mixtral_checkpoint_reshards_over_ep_zero_and_layouts(tmp_path, common):
     moments = {n: {"exp_avg": p, "exp_avg_sq": p} for n, p in model.named_parameters()}
     assert planned_shard(model, mesh, moments) == (
         "model_tp00_pp00.safetensors", (z3 / "model_tp00_pp00.safetensors").stat().st_size)
+
+
+@pytest.mark.parametrize("what", ["sigmoid", "shared", "bias"])
+def test_export_of_a_moe_transformers_cannot_hold_is_refused(tmp_path, what, capsys):
+    """A sigmoid router, shared experts or a non-zero balancing bias (DeepSeek-style parts no
+    transformers Mixtral / Qwen3-MoE has) is refused in one line, nothing written; before,
+    the export loaded in transformers with other logits (0.08 off at 4 layers, hidden 64)."""
+    from megapar.checkpoint.distributed import save_checkpoint
+    from megapar.models import Qwen3MoeConfig
+    from megapar.pipeline.partition import build_stage
+
+    extra = {"sigmoid": {"moe_router_score": "sigmoid"},
+             "shared": {"shared_expert_intermediate_size": 16},
+             "bias": {"moe_bias_update_rate": 0.01}}[what]
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                            moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, max_position_embeddings=32,
+                            num_local_experts=4, num_experts_per_tok=2, **extra)
+    mesh = Mesh(Layout(1, 1, 1))
+    model = build_stage(config, mesh, 0)
+    for name, b in model.named_buffers():
+        if name.endswith("router.bias"):
+            b.copy_(torch.tensor([0.01, -0.01, 0.0, 0.0]))
+    save_checkpoint(tmp_path / "ckpt", 1, model, mesh, {}, {}, {})
+    out = tmp_path / "hf"
+    assert convert([str(tmp_path / "ckpt"), "--to-hf", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Qwen3MoeForCausalLM" in err, err
+    assert ("router.bias is not zero" if what == "bias" else "does not have") in err, err
+    assert not out.exists()
+
+
+def test_from_hf_with_megapar_only_moe_settings_is_refused(tmp_path, capsys):
+    """A transformers config.json with megapar's own MoE settings (a sigmoid router, shared
+    experts) loads in transformers without them; megapar imported it as another model (the
+    router changed, the shared experts initialised from the seed, with a note). Now refused in
+    one line, nothing written."""
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=32, num_experts=4, num_experts_per_tok=2))
+    hf.save_pretrained(tmp_path / "hf")
+    assert convert(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "ok"), "--no-progress"]) == 0
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    raw.update(moe_router_score="sigmoid", shared_expert_intermediate_size=16)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(raw))
+    capsys.readouterr()
+    out = tmp_path / "ckpt"
+    assert convert(["--from-hf", str(tmp_path / "hf"), str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "moe_router_score='sigmoid', shared_expert_intermediate_size=16" in err, err
+    assert "remove them from config.json" in err and not out.exists(), err

@@ -11,7 +11,7 @@ import torch
 
 from megapar.checkpoint.convert import check_output
 from megapar.checkpoint.format import CheckpointError, ShardReader
-from megapar.checkpoint.hf import GENERATION_FILE, HF_FILES, save_hf
+from megapar.checkpoint.hf import ARCHITECTURES, GENERATION_FILE, HF_FILES, save_hf
 from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.data.assets import moved_asset
@@ -78,11 +78,20 @@ def export_hf(
     check_output(hf_dir, into=True)
     manifest = verify(step_dir)
     config = config_from_dict(manifest["model"])
+    _refuse_unrepresentable(config)
     tok = export_tokenizer(manifest, config, tokenizer, allow_other_tokenizer, api)
     reader = ShardReader(step_dir, manifest)
     canonical = {}
     for name, e in manifest["tensors"].items():
         if e.get("buffer"):  # the balancing bias: transformers' Mixtral / Qwen3-MoE have none
+            if reader.shard(name, None, 1, 0, None).any():
+                reader.release()
+                raise CheckpointError(
+                    f"{name} is not zero (auxiliary-loss-free balancing, "
+                    f"moe_bias_update_rate): transformers' {ARCHITECTURES[config.model_type]} "
+                    f"routes without such a bias, so the export would not be this model; "
+                    f"evaluate it with megapar-eval, or train with moe_bias_update_rate 0 to export"
+                )
             continue
         dim = e["tp_dim"]
         canonical[name] = reader.shard(
@@ -99,6 +108,26 @@ def export_hf(
         generation_config=manifest["meta"].get("hf_generation_config"),
         tokenizer_rows=tokenizer_rows,
     )
+
+
+def _refuse_unrepresentable(config) -> None:
+    """Raise `CheckpointError` when `config` has a part its transformers class lacks (a MoE's
+    sigmoid router or shared experts: DeepSeek-style, megapar's own fields), which an export
+    would leave out or write as weights transformers ignores, giving another model."""
+    parts = []
+    if getattr(config, "moe_router_score", "softmax") != "softmax":
+        parts.append(f"moe_router_score {config.moe_router_score!r}")
+    if getattr(config, "shared_expert_intermediate_size", None):
+        parts.append(
+            f"shared experts (shared_expert_intermediate_size "
+            f"{config.shared_expert_intermediate_size})"
+        )
+    if parts:
+        raise CheckpointError(
+            f"this {config.model_type} model has {' and '.join(parts)}, which transformers' "
+            f"{ARCHITECTURES[config.model_type]} does not have, so the export would not be this "
+            f"model; evaluate it with megapar-eval, or train a model without them to export"
+        )
 
 
 def _described(spec: dict) -> str:

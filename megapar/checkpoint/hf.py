@@ -94,6 +94,24 @@ def _not_transformers(path: Path) -> str:
     return f"{path}: no config.json; expected a transformers directory written by save_pretrained"
 
 
+MEGAPAR_PARTS = ("moe_router_score", "shared_expert_intermediate_size", "moe_bias_update_rate")
+"""Model settings of megapar's own that change what a MoE computes (a sigmoid router, shared
+experts, a routing bias): no transformers Mixtral / Qwen3-MoE reads them."""
+
+
+def _refuse_megapar_parts(raw: dict, where) -> None:
+    """Refuse a transformers config.json that sets `MEGAPAR_PARTS`: transformers loads the
+    directory without them, so megapar would build another model than the directory's."""
+    given = [k for k in MEGAPAR_PARTS if raw.get(k) not in (None, 0, 0.0, "softmax")]
+    if given:
+        raise ConfigError(
+            f"{where} sets {', '.join(f'{k}={raw[k]!r}' for k in given)}: megapar's own "
+            f"settings, which transformers ignores, so megapar would build another model than "
+            f"this directory's; remove them from config.json (a megapar --model config takes "
+            f"them)"
+        )
+
+
 class HFReader:
     """Lazy access to the tensors of a local transformers directory (no network)."""
 
@@ -103,6 +121,7 @@ class HFReader:
         if not cfg.exists():
             raise FileNotFoundError(_not_transformers(self.path))
         raw = json.loads(cfg.read_text())
+        _refuse_megapar_parts(raw, cfg)
         self.config = config_from_dict(raw)
         self._saved_dtype = raw.get("dtype") or raw.get("torch_dtype")
         st, pt = self.path / "model.safetensors", self.path / "pytorch_model.bin"

@@ -94,7 +94,9 @@ def _layout(cfg: TrainConfig) -> Layout:
                 f"of {cfg.gpus_per_node}, or the --gpus-per-node each node really "
                 f"uses"
             )
-        return Layout.infer(world, cfg.tp, cfg.pp, cfg.dp, cfg.rank_order, cfg.cp, cfg.ep)
+        return Layout.infer(
+            world, cfg.tp, cfg.pp, cfg.dp, cfg.rank_order, cfg.cp, cfg.ep, "--world-size"
+        )
     if under_launcher():
         layout = Layout.infer(
             launched_world_size(), cfg.tp, cfg.pp, cfg.dp, cfg.rank_order, cfg.cp, cfg.ep

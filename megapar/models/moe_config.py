@@ -91,11 +91,13 @@ class _MoEConfig(LlamaConfig):
         if self.num_experts_per_tok > self.num_local_experts:
             raise ConfigError(
                 f"num_experts_per_tok {self.num_experts_per_tok} exceeds the "
-                f"{self.num_local_experts} experts"
+                f"{self.num_local_experts} experts (num_local_experts); route each token to at "
+                f"most {self.num_local_experts}"
             )
         if self.moe_router_score not in ROUTER_SCORES:
             raise ConfigError(
-                f"moe_router_score {self.moe_router_score!r} is not one of {ROUTER_SCORES}"
+                f"moe_router_score {self.moe_router_score!r} is not a router megapar has; use "
+                f"'softmax' (Mixtral, Qwen3-MoE) or 'sigmoid' (DeepSeek-V3)"
             )
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
             raise ConfigError(
@@ -171,7 +173,10 @@ class Qwen3MoeConfig(_MoEConfig):
     def validate(self, layout: Layout) -> None:
         super().validate(layout)
         if self.use_sliding_window:
-            raise ConfigError("use_sliding_window is not supported: megapar has no sliding window")
+            raise ConfigError(
+                "use_sliding_window is not supported: megapar has no sliding window; set "
+                "use_sliding_window false (attention over the whole sequence)"
+            )
 
 
 MOE_SUPPORTED_DEFAULTS: dict[str, dict] = {

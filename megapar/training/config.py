@@ -363,7 +363,10 @@ def _escaped(docs: dict[str, str]) -> dict[str, str]:
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog=prog,
-        description="Train a GPT-2, BERT or Llama with tensor, pipeline and data parallelism.",
+        description=(
+            "Train a GPT-2, BERT, Llama, Mixtral or Qwen3-MoE with tensor, context, pipeline, "
+            "data and expert parallelism."
+        ),
     )
     parser.add_argument(
         "--config",
