@@ -169,6 +169,7 @@ def run_local(
     env: dict[str, str] | None = None,
     forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
     nccl_timeout_s: float | None = None,
+    optimizers: bool = True,
     **kwargs,
 ) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `world_size` local ranks and return each rank's result.
@@ -186,7 +187,9 @@ def run_local(
     `timeout_s`. The signals named in `forward` are passed on to the workers; a second SIGINT
     (after `megapar.faults.stop.SAME_INTERRUPT_S`) aborts. start_method: "fork" (default on
     CPU), "spawn" (default on CUDA) or "forkserver" (workers forked from Python's forkserver,
-    with whose end they die: it ends with this process).
+    with whose end they die: it ends with this process). optimizers=False: the workers build no
+    torch optimizer (an evaluation, a pipeline of toy stages), so torch._dynamo, which building
+    one imports, is not imported for them before forking.
     """
     on_cpu = (env or {}).get("MEGAPAR_CPU", os.environ.get("MEGAPAR_CPU", "0")) == "1"
     shared = (env or {}).get(SHARED_GPU_ENV, os.environ.get(SHARED_GPU_ENV, "")) == "1"
@@ -194,7 +197,7 @@ def run_local(
         _device.check_gpus(world_size)
     if start_method is None:
         start_method = "spawn" if _device.use_cuda() else "fork"
-    if start_method == "fork":
+    if start_method == "fork" and optimizers:
         # torch's optimizers import torch._dynamo when built (torch marks add_param_group with
         # its lazy form of torch.compiler.disable, as megapar.graph_break): imported here once,
         # the forked workers share it instead of each importing it (1.2 s of CPU per worker)
@@ -416,12 +419,13 @@ def run_workers(
     collective_timeout_s: float | None = None,
     forward: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"),
     nccl_timeout_s: float | None = None,
+    optimizers: bool = True,
 ) -> list[Any]:
     """Run `fn(*args)` as this process's rank under torchrun / Slurm, or else start
-    `world_size` local workers (in this process when world_size is 1). Returns the results of
-    the ranks this process ran. Under torchrun / Slurm the default process group is set up
-    before `fn` and, if it was set up here, released (`release_process_groups`) once `fn`
-    returns."""
+    `world_size` local workers (in this process when world_size is 1; `optimizers` as
+    `run_local` takes it). Returns the results of the ranks this process ran. Under torchrun /
+    Slurm the default process group is set up before `fn` and, if it was set up here, released
+    (`release_process_groups`) once `fn` returns."""
     if under_launcher():
         _device.adopt_slurm_environment()  # srun without torchrun: torchrun's variables
         if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun: die with its agent
@@ -452,6 +456,7 @@ def run_workers(
         collective_timeout_s=collective_timeout_s,
         forward=forward,
         nccl_timeout_s=nccl_timeout_s,
+        optimizers=optimizers,
     )
 
 

@@ -276,3 +276,62 @@ def test_forked_ranks_serve_the_store_on_a_socket_bound_before_they_start(monkey
         assert run_local(_sum_ranks, 2) == [1.0, 1.0]
     finally:
         taken.close()
+
+
+def test_workers_that_build_no_optimizer_are_forked_without_torch_dynamo():
+    """torch._dynamo (1.2 s of CPU to import) is imported before forking only for workers that
+    build optimizers (torch imports it when one is built): megapar-eval's ranks and the
+    pipeline-only runs (megapar-bubble's measurement, --certify's real steps) start without
+    it. A fresh interpreter: this one has imported dynamo already."""
+    import os
+    import subprocess
+
+    probe = (
+        "import sys\n"
+        "from megapar.launcher import run_local\n"
+        "def loaded():\n"
+        "    return 'torch._dynamo' in sys.modules\n"
+        "print(run_local(loaded, 2, optimizers=False), 'torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "MEGAPAR_CPU": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["[False, False] False"], done.stdout
+
+
+def test_the_commands_whose_workers_build_no_optimizer_say_so(monkeypatch, tmp_path):
+    """megapar-eval, megapar-bubble's measurement and --certify's real steps pass
+    optimizers=False (the test above: their workers then start without torch._dynamo)."""
+    import megapar.cli.eval
+    import megapar.pipeline.certify_real
+    import megapar.training.bubble
+    from megapar.pipeline.certify import certify
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # megapar-eval's log of the stopped ranks
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(name):
+        def launch(*args, **kwargs):
+            seen[name] = kwargs.get("optimizers", True)
+            raise Stop
+        return launch
+
+    monkeypatch.setattr(megapar.cli.eval, "run_workers", record("eval"))
+    monkeypatch.setattr(megapar.pipeline.certify_real, "run_local", record("certify"))
+    monkeypatch.setattr(megapar.training.bubble, "run_local", record("bubble"))
+    from test_checkpoint_helpers import save_serial
+
+    save_serial(tmp_path / "ckpt")
+    import numpy as np
+
+    np.save(tmp_path / "ids.npy", np.arange(16, dtype=np.int64).reshape(2, 8))
+    megapar.cli.eval.main(["--load", str(tmp_path / "ckpt"), "--input-ids",
+                           str(tmp_path / "ids.npy"), "--save-logits", str(tmp_path / "l.npy")])
+    with pytest.raises(Stop):
+        megapar.pipeline.certify_real.check_real_steps([certify("1f1b", 2, 3)])
+    with pytest.raises(Stop):
+        megapar.training.bubble.measure(2, 2, "1f1b")
+    assert seen == {"eval": False, "certify": False, "bubble": False}, seen

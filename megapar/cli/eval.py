@@ -322,7 +322,7 @@ def main(argv=None) -> int:
         if previous is not None:  # the ranks' and the launcher's own handling from here
             signal.signal(signal.SIGTERM, previous)
     try:
-        results = run_workers(worker, args.tp * args.pp, args)
+        results = run_workers(worker, args.tp * args.pp, args, optimizers=False)
     except Exception as exc:  # noqa: BLE001 - one line here, the traceback in a log file
         stopped = _STOPPED.match(str(exc)) if isinstance(exc, WorkerError) else None
         if stopped:

@@ -161,7 +161,13 @@ def check_real_steps(certs: list[Certificate], timeout_s: float = 120.0) -> None
             chunks = 1 + max((a.chunk for p in c.programs for a in program_actions(p)), default=0)
             cases.append((c.schedule, c.virtual_stages, chunks, c.m, c.forward_only))
         results = run_local(
-            _real_worker, pp, cases, timeout_s, timeout_s=timeout_s + 30, env={"MEGAPAR_CPU": "1"}
+            _real_worker,
+            pp,
+            cases,
+            timeout_s,
+            timeout_s=timeout_s + 30,
+            env={"MEGAPAR_CPU": "1"},
+            optimizers=False,
         )
         for i, c in enumerate(group):
             c.checks["real step"] = compare_issued(c, {r: results[r][i] for r in range(pp)})

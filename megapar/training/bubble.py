@@ -163,6 +163,7 @@ def measure(
         virtual_stages,
         cp,
         timeout_s=600,
+        optimizers=False,
     )
     timeline_json, in_flight, act = results[0]
     timeline = Timeline.from_json(timeline_json)
