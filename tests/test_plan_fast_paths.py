@@ -161,3 +161,23 @@ def test_alike_stages_hold_the_same_parameters(model, ep):
         for stage in (1, 2):
             tensors = stage_tensors(config, 1, 32, 1, stage, ep=ep)
             assert (tensors == stage_tensors(config, 1, 32, 1, 2, ep=ep)) == (stage == 2)
+
+
+@pytest.mark.parametrize("fp8", ["off", "tensorwise"])
+def test_shared_work_gives_every_estimate_unchanged(fp8):
+    """`estimate.Shared`: a search's candidates share their activations, chunk times and states
+    by the fields each reads. Every estimate of a search (ZeRO stages, offload, ep, schedules,
+    under --fp8 too, whose amax all-reduces read the ZeRO options) made with one `Shared` for
+    all equals the estimate made alone, field by field."""
+    from megapar.plan import Problem, enumerate_candidates, estimate
+    from megapar.plan.estimate import Shared
+
+    p = Problem(resolve_model("mixtral-tiny"), 8, global_batch=16, seq_len=64, fp8=fp8,
+                fp8_layers="all")
+    valid, _ = enumerate_candidates(p.config, 8, 8, 16, micro_batch_sizes=(1, 2),
+                                    seq_len=64, offloads=("none", "optimizer", "both"))
+    assert len({c.zero for c in valid}) == 4 and len({c.ep for c in valid}) > 1
+    shared = Shared()
+    for simulate in (False, True):
+        for c in valid[:: 13 if simulate else 3]:
+            assert estimate(p, c, simulate, shared) == estimate(p, c, simulate), c.spec()
