@@ -181,3 +181,19 @@ def test_shared_work_gives_every_estimate_unchanged(fp8):
     for simulate in (False, True):
         for c in valid[:: 13 if simulate else 3]:
             assert estimate(p, c, simulate, shared) == estimate(p, c, simulate), c.spec()
+
+
+def test_schedules_share_one_action_per_value():
+    """The schedules build their actions with `actions.action`: one instance per (kind, mb,
+    chunk), equal to the Action made afresh, so a large pipeline's millions of actions are
+    looked up, not made; a bad kind or index is still refused."""
+    from megapar.pipeline.actions import Action, action
+
+    a = schedule_actions("interleaved", 4, 8, 1, 2)
+    b = schedule_actions("interleaved", 4, 8, 1, 2)
+    assert all(x is y for x, y in zip(a, b, strict=True))
+    assert a == [Action(x.kind, x.mb, x.chunk) for x in a]
+    assert action("forward", 3, 1) is action("forward", 3, 1) == Action("forward", 3, 1)
+    for bad in (("fwd", 0, 0), ("forward", -1, 0)):
+        with pytest.raises(ValueError):
+            action(*bad)
