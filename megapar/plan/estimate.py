@@ -521,8 +521,10 @@ def estimate(
     step = pipe_s + p2p + dp_exposed + zero_s + tied
     tokens = p.global_batch * s
 
-    model = training_flops_per_token(cfg, s)
-    whole = matmul_flops(cfg, s, 1, padded=False)
+    model, whole = shared.get(
+        ("model flops",),
+        lambda: (training_flops_per_token(cfg, s), matmul_flops(cfg, s, 1, padded=False)),
+    )
     recompute_flops = (
         tokens
         * cfg.num_layers
