@@ -197,3 +197,20 @@ def test_schedules_share_one_action_per_value():
     for bad in (("fwd", 0, 0), ("forward", -1, 0)):
         with pytest.raises(ValueError):
             action(*bad)
+
+
+def test_order_held_counts_the_sent_outputs_as_it_goes():
+    """`pipeline.order_held` keeps the in-flight outputs that are sent as a running sum: the
+    same points as summing the sending chunks' counts after every compute."""
+    from megapar.pipeline.schedules import virtual_stage
+
+    for name, pp, m, v in GRID:
+        for stage in range(pp):
+            sends = [virtual_stage(stage, c, pp, placement_of(name)) < pp * v - 1
+                     for c in range(v)]
+            counts, seen = [0] * v, set()
+            for a in schedule_actions(name, pp, m, stage, v):
+                if a.kind in ("forward", "backward", "backward_input"):
+                    counts[a.chunk] += 1 if a.kind == "forward" else -1
+                    seen.add((tuple(counts), sum(k for k, out in zip(counts, sends) if out)))
+            assert pipeline.order_held(name, pp, m, v, stage) == frozenset(seen), (name, pp, m, v)
