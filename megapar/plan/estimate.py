@@ -475,7 +475,9 @@ def estimate(
     shape = _shape(c)
     sizes = shared.get(("sizes", shape), lambda: activation_sizes(p, c))
     stages = _stage_memory(p, c, sizes, simulate=simulate, shared=shared)
-    roles_of = shared.get(("roles", c.pp, c.v, placement_of(c.schedule)), lambda: _roles(p, c))
+    roles_of: list[tuple[bool, bool]] = shared.get(
+        ("roles", c.pp, c.v, placement_of(c.schedule)), lambda: _roles(p, c)
+    )
     alike: dict[tuple, ProcessPeak] = {}  # stages equal in all but their index: one figure
     peaks = []
     for s_, roles in zip(stages, roles_of):
