@@ -163,3 +163,56 @@ def test_alike_stages_hold_the_same_parameters(model, ep):
         for stage in (1, 2):
             tensors = stage_tensors(config, 1, 32, 1, stage, ep=ep)
             assert (tensors == stage_tensors(config, 1, 32, 1, 2, ep=ep)) == (stage == 2)
+
+
+@pytest.mark.parametrize("fp8", ["off", "tensorwise"])
+def test_shared_work_gives_every_estimate_unchanged(fp8):
+    """`estimate.Shared`: a search's candidates share their activations, chunk times and states
+    by the fields each reads. Every estimate of a search (ZeRO stages, offload, ep, schedules,
+    under --fp8 too, whose amax all-reduces read the ZeRO options) made with one `Shared` for
+    all equals the estimate made alone, field by field."""
+    from megapar.plan import Problem, enumerate_candidates, estimate
+    from megapar.plan.estimate import Shared
+
+    p = Problem(resolve_model("mixtral-tiny"), 8, global_batch=16, seq_len=64, fp8=fp8,
+                fp8_layers="all")
+    valid, _ = enumerate_candidates(p.config, 8, 8, 16, micro_batch_sizes=(1, 2),
+                                    seq_len=64, offloads=("none", "optimizer", "both"))
+    assert len({c.zero for c in valid}) == 4 and len({c.ep for c in valid}) > 1
+    shared = Shared()
+    for simulate in (False, True):
+        for c in valid[:: 13 if simulate else 3]:
+            assert estimate(p, c, simulate, shared) == estimate(p, c, simulate), c.spec()
+
+
+def test_schedules_share_one_action_per_value():
+    """The schedules build their actions with `actions.action`: one instance per (kind, mb,
+    chunk), equal to the Action made afresh, so a large pipeline's millions of actions are
+    looked up, not made; a bad kind or index is still refused."""
+    from megapar.pipeline.actions import Action, action
+
+    a = schedule_actions("interleaved", 4, 8, 1, 2)
+    b = schedule_actions("interleaved", 4, 8, 1, 2)
+    assert all(x is y for x, y in zip(a, b, strict=True))
+    assert a == [Action(x.kind, x.mb, x.chunk) for x in a]
+    assert action("forward", 3, 1) is action("forward", 3, 1) == Action("forward", 3, 1)
+    for bad in (("fwd", 0, 0), ("forward", -1, 0)):
+        with pytest.raises(ValueError):
+            action(*bad)
+
+
+def test_order_held_counts_the_sent_outputs_as_it_goes():
+    """`pipeline.order_held` keeps the in-flight outputs that are sent as a running sum: the
+    same points as summing the sending chunks' counts after every compute."""
+    from megapar.pipeline.schedules import virtual_stage
+
+    for name, pp, m, v in GRID:
+        for stage in range(pp):
+            sends = [virtual_stage(stage, c, pp, placement_of(name)) < pp * v - 1
+                     for c in range(v)]
+            counts, seen = [0] * v, set()
+            for a in schedule_actions(name, pp, m, stage, v):
+                if a.kind in ("forward", "backward", "backward_input"):
+                    counts[a.chunk] += 1 if a.kind == "forward" else -1
+                    seen.add((tuple(counts), sum(k for k, out in zip(counts, sends) if out)))
+            assert pipeline.order_held(name, pp, m, v, stage) == frozenset(seen), (name, pp, m, v)

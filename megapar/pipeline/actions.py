@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from megapar.pipeline.timeline import short_label
 
@@ -57,6 +58,14 @@ class Action:
 
     def __str__(self) -> str:
         return short_label(self.kind, self.mb, self.chunk)
+
+
+@cache
+def action(kind: str, mb: int, chunk: int = 0) -> Action:
+    """`Action(kind, mb, chunk)`, one shared instance per value (an Action is immutable): a
+    schedule of a large pipeline is millions of actions, and looking one up costs a fraction of
+    making it. The values are bounded by the kinds x micro-batches x chunks a process plans."""
+    return Action(kind, mb, chunk)
 
 
 MESSAGE_KINDS = frozenset({"send_act", "recv_act", "send_grad", "recv_grad"})

@@ -45,6 +45,7 @@ from megapar.pipeline.actions import SEND_KINDS as SEND_KINDS
 from megapar.pipeline.actions import Action as Action
 from megapar.pipeline.actions import MessageGroup as MessageGroup
 from megapar.pipeline.actions import Step as Step
+from megapar.pipeline.actions import action
 from megapar.pipeline.actions import format_schedule as format_schedule
 from megapar.pipeline.placement import CHUNKED_SCHEDULES as CHUNKED_SCHEDULES
 from megapar.pipeline.placement import PLACEMENTS as PLACEMENTS
@@ -66,19 +67,19 @@ def _check_args(pp: int, m: int, stage: int) -> None:
 
 def _forward(mb: int, stage: int, pp: int) -> list[Action]:
     """recv_act (unless first stage), forward, send_act (unless last stage)."""
-    actions = [] if stage == 0 else [Action("recv_act", mb)]
-    actions.append(Action("forward", mb))
+    actions = [] if stage == 0 else [action("recv_act", mb)]
+    actions.append(action("forward", mb))
     if stage < pp - 1:
-        actions.append(Action("send_act", mb))
+        actions.append(action("send_act", mb))
     return actions
 
 
 def _backward(mb: int, stage: int, pp: int) -> list[Action]:
     """recv_grad (unless last stage), backward, send_grad (unless first stage)."""
-    actions = [] if stage == pp - 1 else [Action("recv_grad", mb)]
-    actions.append(Action("backward", mb))
+    actions = [] if stage == pp - 1 else [action("recv_grad", mb)]
+    actions.append(action("backward", mb))
     if stage > 0:
-        actions.append(Action("send_grad", mb))
+        actions.append(action("send_grad", mb))
     return actions
 
 
@@ -149,17 +150,17 @@ def _with_comms(
     for a in compute:
         before, after = around.get((a.kind, a.chunk), (None, None))
         if before:
-            out.append(Action(before, a.mb, a.chunk))
+            out.append(action(before, a.mb, a.chunk))
         out.append(a)
         if after:
-            out.append(Action(after, a.mb, a.chunk))
+            out.append(action(after, a.mb, a.chunk))
     return out
 
 
 def _v_compute(rank_ops: list[tuple[str, int, int]], m: int) -> list[Action]:
     """Actions from (kind, mb, chunk) triples, dropping micro-batches >= m (the V orders are
     built for at least 2 pp - 1 micro-batches and trimmed, as torch does)."""
-    return [Action(kind, mb, chunk) for kind, mb, chunk in rank_ops if mb < m]
+    return [action(kind, mb, chunk) for kind, mb, chunk in rank_ops if mb < m]
 
 
 def _zb_v_order(pp: int, m: int, stage: int) -> list[Action]:
@@ -265,7 +266,7 @@ def _dualpipev_order(pp: int, m: int, stage: int) -> list[Action]:
         add("backward_input" if split else "backward", 0)
     for _ in range(stage + 1):
         weight()
-    return [Action(kind, mb, chunk) for kind, mb, chunk in ops]
+    return [action(kind, mb, chunk) for kind, mb, chunk in ops]
 
 
 def _check_v(pp: int, what: str) -> None:
@@ -345,12 +346,12 @@ def _looped(pp: int, m: int, stage: int, num_chunks: int, zero_bubble: bool) -> 
 
     def forward(k):
         chunk = (k // per_round) % num_chunks
-        out.append(Action("forward", f_next[chunk], chunk))
+        out.append(action("forward", f_next[chunk], chunk))
         f_next[chunk] += 1
 
     def backward_(k):  # k-th backward of this rank
         chunk = num_chunks - 1 - (k // per_round) % num_chunks
-        out.append(Action(backward, b_next[chunk], chunk))
+        out.append(action(backward, b_next[chunk], chunk))
         b_next[chunk] += 1
         done_b.append(chunk)
         if zero_bubble and k >= stage:
@@ -358,7 +359,7 @@ def _looped(pp: int, m: int, stage: int, num_chunks: int, zero_bubble: bool) -> 
 
     def weight():
         chunk = done_b[sum(w_next)]
-        out.append(Action("backward_weight", w_next[chunk], chunk))
+        out.append(action("backward_weight", w_next[chunk], chunk))
         w_next[chunk] += 1
 
     # Warmup: forwards only.

@@ -13,7 +13,7 @@ published formula) for bubbles and in-flight micro-batches, `timing.py` prices e
 import gc
 from contextlib import contextmanager
 
-from megapar.plan.estimate import Estimate, estimate, stage_memory
+from megapar.plan.estimate import Estimate, Shared, estimate, stage_memory
 from megapar.plan.layouts import Candidate, check, enumerate_candidates, parse_candidate
 from megapar.plan.problem import Problem
 from megapar.plan.report import rank
@@ -50,8 +50,9 @@ def plan(problem: Problem, **space) -> tuple[list[Estimate], list]:
             seq_len=problem.seq_len,
             **space,
         )
-        first = rank([estimate(problem, c, simulate=False) for c in valid])
-        leaders = [estimate(problem, e.candidate) for e in first[:SIMULATED_LEADERS]]
+        shared = Shared()  # what the candidates' estimates have in common, done once
+        first = rank([estimate(problem, c, simulate=False, shared=shared) for c in valid])
+        leaders = [estimate(problem, e.candidate, shared=shared) for e in first[:SIMULATED_LEADERS]]
         return rank(leaders + first[SIMULATED_LEADERS:]), rejected
 
 

@@ -49,6 +49,7 @@ et al. report).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -134,6 +135,30 @@ class ActivationSizes:
         return (k - k_moe) * self.per_layer + k_moe * self.per_moe_layer
 
 
+class Shared:
+    """Work that the estimates of one `Problem`'s candidates share, done once per key: a
+    search's candidates differ in a few fields each, and each part of an estimate reads only
+    some (`_shape`: the activations, the chunks' times; `_state_key`: the stages' state).
+    `plan` passes one to every `estimate` of its search; it lives as long as the search."""
+
+    def __init__(self) -> None:
+        self._parts: dict = {}
+
+    def get(self, key: tuple, make):
+        """The part stored under `key`, made by `make()` the first time."""
+        try:
+            return self._parts[key]
+        except KeyError:
+            part = self._parts[key] = make()
+            return part
+
+
+def _shape(c: Candidate) -> tuple:
+    """The fields of `c` that its activations and chunk times read: all but the ZeRO stage and
+    its options (offload, kept parameters, when ZeRO-3 reduces)."""
+    return (c.tp, c.cp, c.pp, c.dp, c.ep, c.mbs, c.schedule, c.v, c.recompute, c.sp)
+
+
 def activation_sizes(p: Problem, c: Candidate) -> ActivationSizes:
     """The activation bytes per micro-batch of a block, the embedding, the head and a stage
     boundary's message, on one rank of candidate `c`. `full` is the larger of a dense and a
@@ -215,17 +240,68 @@ def _stage_memory(
     counts=None,
     simulate: bool = True,
     sp_saved: bool | None = None,
+    shared: Shared | None = None,
 ) -> list[mem.MemoryBreakdown]:
-    """`stage_memory` with the candidate's `activation_sizes` given."""
-    cfg, t = p.config, c.tp
+    """`stage_memory` with the candidate's `activation_sizes` given (`shared`: the search's
+    `Shared` work, for the stages' activations and state)."""
+    m = p.global_batch // (c.mbs * c.dp)
+    placement = placement_of(c.schedule)
+    if counts is None and shared is not None:
+        activations = shared.get(
+            ("activations", _shape(c), simulate),
+            lambda: _stage_activations(p, c, sizes, None, simulate),
+        )
+        states = shared.get(_state_key(p, c, m), lambda: _stage_states_of(p, c, m, placement))
+    else:
+        activations = _stage_activations(p, c, sizes, counts, simulate)
+        states = _stage_states_of(p, c, m, placement)
+    out = [
+        mem.MemoryBreakdown(
+            stage,
+            held.weights,
+            held.grads,
+            held.optimizer,
+            kept,
+            in_flight,
+            buffers,
+            held.master,
+            held.gathered,
+            held.host,
+            held.grad_buffers,
+            held.gathered_top,
+            held.gathered_end,
+            held.grad_buffers_top,
+        )
+        for stage, ((kept, in_flight, buffers), held) in enumerate(zip(activations, states))
+    ]
+    if sp_saved is None:
+        sp_saved = p.target == "cpu"
+    if sp_saved and c.sp and c.tp > 1:  # what SP saves: a CPU's heap keeps it (`plan.process`)
+        whole = stage_memory(p, dataclasses.replace(c, sp=False), counts, simulate)
+        out = [
+            dataclasses.replace(
+                s_,
+                sp_saved=max(0.0, w.activations - s_.activations),
+                sp_copies=sp_grouped_copies(p, c, s_.stage, s_.in_flight),
+            )
+            for s_, w in zip(out, whole)
+        ]
+    return out
+
+
+def _stage_activations(
+    p: Problem, c: Candidate, sizes: ActivationSizes, counts, simulate: bool
+) -> list[tuple[float, float, float]]:
+    """Per pipeline stage (activation bytes at its worst point, micro-batches in flight,
+    transient buffer bytes): what `stage_memory` counts besides the state. It
+    reads only the candidate's `_shape`."""
+    cfg = p.config
     m = p.global_batch // (c.mbs * c.dp)
     totals, _ = pipeline.in_flight(c.schedule, c.pp, m, c.v, simulate)
-    out, config_json = [], p.config_json
-    placement = placement_of(c.schedule)
-    shapes = chunk_shapes(cfg.num_layers, c.pp, c.v, placement, p.layer_kinds)
-    params = stage_params(cfg, t, c.pp, c.v, placement, config_json, c.ep)
-    states = _stage_states(p, c, params, m, placement)
-    for stage, (shape, held) in enumerate(zip(shapes, states)):
+    shapes = chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds)
+    buffers = {}  # by whether the stage holds the head
+    out = []
+    for stage, shape in enumerate(shapes):
         chunks = [
             sizes.blocks(k, k_moe) + (sizes.embedding if pre else 0) + (sizes.head if post else 0)
             for k, pre, post, k_moe in shape
@@ -242,37 +318,10 @@ def _stage_memory(
                 k * (w + (0 if post else sizes.message))
                 for k, w, (_, _, post, _) in zip(per_chunk, chunks, shape)
             )
-        buffers = _stage_buffers(p, c, sizes, any(post for _, _, post, _ in shape))
-        out.append(
-            mem.MemoryBreakdown(
-                stage,
-                held.weights,
-                held.grads,
-                held.optimizer,
-                activations,
-                in_flight,
-                buffers,
-                held.master,
-                held.gathered,
-                held.host,
-                held.grad_buffers,
-                held.gathered_top,
-                held.gathered_end,
-                held.grad_buffers_top,
-            )
-        )
-    if sp_saved is None:
-        sp_saved = p.target == "cpu"
-    if sp_saved and c.sp and c.tp > 1:  # what SP saves: a CPU's heap keeps it (`plan.process`)
-        whole = stage_memory(p, dataclasses.replace(c, sp=False), counts, simulate)
-        out = [
-            dataclasses.replace(
-                s_,
-                sp_saved=max(0.0, w.activations - s_.activations),
-                sp_copies=sp_grouped_copies(p, c, s_.stage, s_.in_flight),
-            )
-            for s_, w in zip(out, whole)
-        ]
+        has_head = any(post for _, _, post, _ in shape)
+        if has_head not in buffers:
+            buffers[has_head] = _stage_buffers(p, c, sizes, has_head)
+        out.append((activations, in_flight, buffers[has_head]))
     return out
 
 
@@ -328,9 +377,31 @@ def _stage_buffers(p: Problem, c: Candidate, sizes: ActivationSizes, has_head: b
 def stage_states(p: Problem, c: Candidate) -> list[RankState]:
     """The parameters, gradients and optimizer state the most loaded rank of each pipeline
     stage holds: what `stage_memory` counts besides activations and buffers, without them."""
-    placement = placement_of(c.schedule)
+    return _stage_states_of(p, c, p.global_batch // (c.mbs * c.dp), placement_of(c.schedule))
+
+
+def _stage_states_of(p: Problem, c: Candidate, m: int, placement: str) -> list[RankState]:
+    """`stage_states` of `m` micro-batches a step and the schedule's `placement`."""
     params = stage_params(p.config, c.tp, c.pp, c.v, placement, p.config_json, c.ep)
-    return _stage_states(p, c, params, p.global_batch // (c.mbs * c.dp), placement)
+    return _stage_states(p, c, params, m, placement)
+
+
+def _state_key(p: Problem, c: Candidate, m: int) -> tuple:
+    """What `stage_states` reads of candidate `c` at `m` micro-batches a step: its state's
+    `Shared` key (the offload settings as `offload_of` gives them)."""
+    return (
+        "states",
+        c.tp,
+        c.pp,
+        c.v,
+        placement_of(c.schedule),
+        c.dp * c.cp,
+        c.zero,
+        c.ep,
+        c.offload_optimizer,
+        c.offload_params,
+        offload_of(c, p.zero3_persistence_threshold, m, p).at_zero(c.zero),
+    )
 
 
 def _stage_states(p: Problem, c: Candidate, params, m: int, placement: str) -> list[RankState]:
@@ -391,18 +462,26 @@ def _separate(n_params: int, c: Candidate):
     return RankState(n_params, int(params), int(grads), int(optim), host=int(host))
 
 
-def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
+def estimate(
+    p: Problem, c: Candidate, simulate: bool = True, shared: Shared | None = None
+) -> Estimate:
     """The predicted step of candidate `c`; `simulate=False` takes the pipeline bubble and the
-    in-flight micro-batches from their formulas, not the schedule (`plan` ranks so first)."""
+    in-flight micro-batches from their formulas, not the schedule (`plan` ranks so first).
+    `shared`: the search's `Shared` work (its candidates' common parts), or None for none."""
     cfg, s, b, t = p.config, p.seq_len, c.mbs, c.tp
     h, n = cfg.hidden_size, c.cp  # every per-token cost below is of s / n tokens
-    sizes = activation_sizes(p, c)
-    stages = _stage_memory(p, c, sizes, simulate=simulate)
+    if shared is None:
+        shared = Shared()
+    shape = _shape(c)
+    sizes = shared.get(("sizes", shape), lambda: activation_sizes(p, c))
+    stages = _stage_memory(p, c, sizes, simulate=simulate, shared=shared)
+    roles_of: list[tuple[bool, bool]] = shared.get(
+        ("roles", c.pp, c.v, placement_of(c.schedule)), lambda: _roles(p, c)
+    )
     alike: dict[tuple, ProcessPeak] = {}  # stages equal in all but their index: one figure
     peaks = []
-    for s_ in stages:
-        roles = stage_roles(p, c, s_.stage)
-        key = (*(getattr(s_, f) for f in _NOT_STAGE), *roles)
+    for s_, roles in zip(stages, roles_of):
+        key = (*_not_stage(s_), *roles)
         if p.fp8 != "off":  # its float8 linears: the copies autocast does not make
             key += (fp8.converted_params(p, c, s_.stage),)
         if key not in alike:
@@ -413,9 +492,12 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     fits = process.total <= p.gpu_memory_gb * mem.GIB
     m = p.global_batch // (c.mbs * c.dp)
     rate = p.peak_tflops * 1e12 * p.efficiency
-    times = chunk_times(p, c)
-    pipe_s, frac, source = pipeline_time(c, m, times, simulate)
-    busiest = max(times, key=lambda row: sum(x.total for x in row))
+    # under --fp8 the chunks' amax all-reduces (`fp8.block_reductions`) read the ZeRO options:
+    # whether the step caches the float8 weights, whether ZeRO-3 gathers them in float8
+    amax = (fp8.weight_cached(p, c), fp8.float8_gathered(p, c)) if p.fp8 != "off" else None
+    times, (pipe_s, frac, source), busiest = shared.get(
+        ("times", shape, amax, simulate), lambda: _times(p, c, m, simulate)
+    )
     compute = m * sum(x.flops - x.fp8_flops + x.fp8_flops / p.fp8_speedup for x in busiest) / rate
     act = s // n * b * h * p.act_bytes
     pp_gbps = p.intra_gbps if c.tp * c.pp <= p.gpus_per_node else p.inter_gbps
@@ -441,8 +523,10 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     step = pipe_s + p2p + dp_exposed + zero_s + tied
     tokens = p.global_batch * s
 
-    model = training_flops_per_token(cfg, s)
-    whole = matmul_flops(cfg, s, 1, padded=False)
+    model, whole = shared.get(
+        ("model flops",),
+        lambda: (training_flops_per_token(cfg, s), matmul_flops(cfg, s, 1, padded=False)),
+    )
     recompute_flops = (
         tokens
         * cfg.num_layers
@@ -464,8 +548,24 @@ def estimate(p: Problem, c: Candidate, simulate: bool = True) -> Estimate:
     )
 
 
-_NOT_STAGE = tuple(f.name for f in dataclasses.fields(mem.MemoryBreakdown) if f.name != "stage")
-"""The fields of a `MemoryBreakdown` other than its stage, all of what `process_peak` reads."""
+_not_stage = operator.attrgetter(
+    *(f.name for f in dataclasses.fields(mem.MemoryBreakdown) if f.name != "stage")
+)
+"""The fields of a `MemoryBreakdown` other than its stage (a tuple), all of what
+`process_peak` reads."""
+
+
+def _times(p: Problem, c: Candidate, m: int, simulate: bool) -> tuple:
+    """(`chunk_times`, `pipeline_time`, the busiest rank's row of chunk times) of `c` at `m`
+    micro-batches a step."""
+    times = chunk_times(p, c)
+    busiest = max(times, key=lambda row: sum(x.total for x in row))
+    return times, pipeline_time(c, m, times, simulate), busiest
+
+
+def _roles(p: Problem, c: Candidate) -> list[tuple[bool, bool]]:
+    """`stage_roles` of every pipeline stage of `c` (it reads pp, v and the placement)."""
+    return [stage_roles(p, c, stage) for stage in range(c.pp)]
 
 
 def stage_roles(p: Problem, c: Candidate, stage: int) -> tuple[bool, bool]:

@@ -216,9 +216,23 @@ def check(
     seq_len: int | None = None,
 ) -> str | None:
     """Why candidate `c` cannot run (one sentence naming the fix), or None if it can."""
+    return model_refusal(c, config) or _option_refusal(
+        c, config, gpus, gpus_per_node, global_batch, seq_len
+    )
+
+
+def _option_refusal(
+    c: Candidate,
+    config,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    seq_len: int | None = None,
+) -> str | None:
+    """`check` but for `model_refusal`, which reads only (tp, pp, dp, cp): what
+    `enumerate_candidates` asks of each option of a grid point the model allows."""
     return (
-        model_refusal(c, config)
-        or _grid_refusal(c, gpus, gpus_per_node)
+        _grid_refusal(c, gpus, gpus_per_node)
         or _schedule_refusal(c, config, global_batch)
         or _sequence_refusal(c, seq_len)
         or _zero_refusal(c)
@@ -433,6 +447,8 @@ def enumerate_candidates(
                 if reason:
                     rejected.append((Candidate(tp, pp, dp, cp=cp), reason))
                     continue
+                model = model_refusal(Candidate(tp, pp, dp, cp=cp), config)  # every option's
+                eps = ep_sizes(config, dp * cp, 0)  # the same at every ZeRO stage
                 for mbs, schedule, v, rc, sp, zero, off, keep, ep in _options(
                     pp,
                     dp * cp,
@@ -443,7 +459,7 @@ def enumerate_candidates(
                     virtual_stages,
                     recompute,
                     offloads,
-                    lambda zero, dp=dp * cp: ep_sizes(config, dp, zero),
+                    lambda zero, eps=eps: eps,
                 ):
                     c = Candidate(
                         tp,
@@ -461,7 +477,9 @@ def enumerate_candidates(
                         keep,
                         ep=ep,
                     )
-                    reason = check(c, config, gpus, gpus_per_node, global_batch, seq_len)
+                    reason = model or _option_refusal(
+                        c, config, gpus, gpus_per_node, global_batch, seq_len
+                    )
                     if reason:
                         rejected.append((c, reason))
                     else:

@@ -155,14 +155,22 @@ def _piece_tensors(config_json: str, tp: int, ep: int = 1):
 
 
 def stage_tensors(
-    config, tp: int, pp: int, v: int, stage: int, placement: str = "loop", ep: int = 1
+    config,
+    tp: int,
+    pp: int,
+    v: int,
+    stage: int,
+    placement: str = "loop",
+    ep: int = 1,
+    config_json: str | None = None,
 ) -> list[TensorSpec]:
     """The parameters one tp rank of pipeline rank `stage` holds (its routed experts split over
     `ep`), in the order `model.parameters()` gives them (each chunk's embedding, blocks, then
     norm and head; the tied copy only on a last chunk without the embedding).
-    `tests/test_plan.py` checks it against stages built on the meta device."""
+    `tests/test_plan.py` checks it against stages built on the meta device. `config_json`:
+    `config` as `_config_json` gives it, when the caller has it."""
 
-    blocks, embedding, head = _piece_tensors(_config_json(config), tp, ep)
+    blocks, embedding, head = _piece_tensors(config_json or _config_json(config), tp, ep)
     kinds = layer_kinds(config)
     specs = (
         chunk_specs(config.num_layers, pp, stage, v, placement)
@@ -277,6 +285,7 @@ def stage_units(
     persist_below: int = 0,
     ep: int = 1,
     casts: GatherCasts = NO_CASTS,
+    config_json: str | None = None,
 ) -> list[UnitSpec]:
     """ZeRO-3's units of the stage, as `megapar.data_parallel.sharded_params.ShardedParams`
     makes them with `persist_below` (--zero3-persistence-threshold): per chunk each block (its
@@ -288,8 +297,8 @@ def stage_units(
     a unit of their own right after it (kind "experts", `UnitSpec.led`; `UnitMaker.unit`), or
     the unit itself where it has no other parameters; so do, before them, the linear weights
     ZeRO-3 gathers in 16 bits and those it gathers in float8 (`casts`; kinds "half",
-    "float8")."""
-    blocks_of, embedding, head = _piece_tensors(_config_json(config), tp, ep)
+    "float8"). `config_json`: as `stage_tensors`'."""
+    blocks_of, embedding, head = _piece_tensors(config_json or _config_json(config), tp, ep)
     kinds = layer_kinds(config)
     specs = (
         chunk_specs(config.num_layers, pp, stage, v, placement)

@@ -192,14 +192,18 @@ def order_held(name: str, pp: int, m: int, v: int, stage: int) -> frozenset:
     placement = placement_of(name)
     sends = [sched.virtual_stage(stage, c, pp, placement) < pp * v - 1 for c in range(v)]
     counts, seen = [0] * v, set()
+    outputs = 0  # in flight on the chunks that send their output: sum(counts where sends)
     for a in actions:
         if a.kind == "forward":
-            counts[a.chunk] += 1
+            step = 1
         elif a.kind in ("backward", "backward_input"):
-            counts[a.chunk] -= 1
+            step = -1
         else:
             continue
-        seen.add((tuple(counts), sum(k for k, out in zip(counts, sends) if out)))
+        counts[a.chunk] += step
+        if sends[a.chunk]:
+            outputs += step
+        seen.add((tuple(counts), outputs))
     return frozenset(seen)
 
 

@@ -105,7 +105,19 @@ def _slice_loads(
     every rank up to `EXACT_EP_RANKS`, else each group's candidates, summed at their worst."""
     config = config_from_dict(json.loads(config_json))
     tensors, units, specs = _layout(
-        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep, casts
+        config,
+        tp,
+        pp,
+        v,
+        stage,
+        dp,
+        zero,
+        bucket_mb,
+        placement,
+        persist_below,
+        ep,
+        casts,
+        config_json,
     )
     if not units:
         return tensors, units, specs, None, None

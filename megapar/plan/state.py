@@ -287,16 +287,20 @@ def _layout(
     persist_below=PERSISTENCE_THRESHOLD,
     ep=1,
     casts=NO_CASTS,
+    config_json=None,
 ):
     """(the stage's tensors, ZeRO's buckets as `bucket_layout` gives them (ZeRO-1 / 2; under
     ep > 1 the experts' buckets apart, padded to a multiple of dp / ep), its units (ZeRO-3:
     each padded to a multiple of dp; under ep > 1 the experts' units of dp / ep), or []
-    without, and ZeRO-3's `UnitSpec` per unit (else None))."""
-    tensors = stage_tensors(config, tp, pp, v, stage, placement, ep)
+    without, and ZeRO-3's `UnitSpec` per unit (else None)). `config_json`: `config` as
+    canonical JSON, when the caller has it (`params.stage_tensors`)."""
+    tensors = stage_tensors(config, tp, pp, v, stage, placement, ep, config_json)
     if not (zero and dp > 1):
         return tensors, [], None
     if zero >= 3:
-        specs = stage_units(config, tp, pp, v, stage, placement, persist_below, ep, casts)
+        specs = stage_units(
+            config, tp, pp, v, stage, placement, persist_below, ep, casts, config_json
+        )
         units = []
         for u in specs:
             n = _shards(tensors, u.tensors, dp, ep)
