@@ -585,7 +585,8 @@ DATA = [
     ({"--output-prefix": ""}, "--output-prefix '' names no file"),
     ({"--output-prefix": "{root}/"}, "names no file"),
     ({"--input": "{binary}"}, "are not valid UTF-8 (binary data or another encoding?)"),
-    ({"--input": "{bad.jsonl}"}, "bad.jsonl:2: expected a JSON object with a string field"),
+    ({"--input": "{bad.jsonl}"}, "bad.jsonl:2: the line is not valid JSON (Expecting value at "
+                                 "column 1); repair or delete the line"),
     ({"--input": "{empty.txt}"}, "no text in"),
     ({"--tokenizer": "{garbage.model}"}, "is not a SentencePiece model"),
     # a flag this run would not read was ignored without a word

@@ -208,7 +208,7 @@ def test_mixtral_checkpoint_reshards_over_ep_zero_and_layouts(tmp_path, common):
         "model_tp00_pp00.safetensors", (z3 / "model_tp00_pp00.safetensors").stat().st_size)
 
 
-@pytest.mark.parametrize("what", ["sigmoid", "shared", "bias"])
+@pytest.mark.parametrize("what", ["sigmoid", "shared-experts", "bias"])
 def test_export_of_a_moe_transformers_cannot_hold_is_refused(tmp_path, what, capsys):
     """A sigmoid router, shared experts or a non-zero balancing bias (DeepSeek-style parts no
     transformers Mixtral / Qwen3-MoE has) is refused in one line, nothing written; before,
@@ -218,7 +218,7 @@ def test_export_of_a_moe_transformers_cannot_hold_is_refused(tmp_path, what, cap
     from megapar.pipeline.partition import build_stage
 
     extra = {"sigmoid": {"moe_router_score": "sigmoid"},
-             "shared": {"shared_expert_intermediate_size": 16},
+             "shared-experts": {"shared_expert_intermediate_size": 16},
              "bias": {"moe_bias_update_rate": 0.01}}[what]
     config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                             moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
