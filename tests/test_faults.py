@@ -392,6 +392,26 @@ def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(tmp_path, c
     assert (ckpt / "latest").read_text().strip() == "step_00000002"
 
 
+def test_one_step_not_saved_is_named_as_one_step(tmp_path, common, capsys, monkeypatch):
+    """--save-interval 1 on a disk that fills after step 1: it said "not saved: steps 2-2"."""
+    import megapar.checkpoint.distributed as cd
+
+    real = cd.write_tensors
+    calls = []
+
+    def full_disk(path, tensors):
+        calls.append(path)
+        if len(calls) > 2:  # step 1's save (shard + rng) fits, then the disk is full
+            raise OSError(28, "No space left on device")
+        return real(path, tensors)
+
+    monkeypatch.setattr(cd, "write_tensors", full_disk)
+    ckpt = tmp_path / "ckpt"
+    rc = main([*common, "--max-steps", "3", "--save", str(ckpt), "--save-interval", "1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "not saved: step 2 (last checkpoint: step 1)" in err, err
+
+
 def test_a_second_sigint_aborts_at_once(tmp_path, common, monkeypatch):
     from megapar.faults import stop
 
