@@ -485,8 +485,20 @@ def launch(
     once as this process's rank and its value is returned; `nprocs` is then ignored.
     `timeout_s`: give up (naming the unfinished ranks) after this long; None waits. More
     processes than `local_worker_limit` (4 per CPU core, at least 8) is a ValueError before any
-    starts, unless `oversubscribe=True`.
+    starts, unless `oversubscribe=True`; an `fn` that is not callable or an `nprocs` that is not
+    an int is a TypeError before any starts.
     """
+    if not callable(fn):
+        raise TypeError(
+            f"megapar.launch(fn, nprocs, *args): fn must be a function to run on every rank, "
+            f"got {type(fn).__name__} {fn!r:.60}; pass the function itself, e.g. "
+            f"megapar.launch(train, 4, steps)"
+        )
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int):
+        raise TypeError(
+            f"megapar.launch(fn, nprocs, *args): nprocs must be an int, got "
+            f"{type(nprocs).__name__} {nprocs!r:.60}"
+        )
     if under_launcher():
         return run_workers(fn, launched_world_size(), *args)[0]
     if nprocs < 1:

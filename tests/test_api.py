@@ -739,6 +739,17 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
     ({"save": "ckpt", "save_interval": 1}, ["megapar.prepare: save='ckpt' is read only by "
                                             "megapar-train's own loop", "engine.save(dir)"]),
     ({"log_interval": 1}, ["log_interval=1 is read only by megapar-train's own loop"]),
+    # megapar-train's ZeRO-3 refusals: prepare trained on, ignoring them
+    ({"zero": 3, "zero3_persistence_threshold": -5},
+     ["megapar.prepare: zero3_persistence_threshold=-5 is invalid"]),
+    ({"zero": 1, "zero3_keep_params": True},
+     ["megapar.prepare: zero3_keep_params=True only applies to zero=3"]),
+    ({"zero": 2, "zero3_reduce": "micro-batch"},
+     ["megapar.prepare: zero3_reduce='micro-batch' only applies to zero=3", "(zero=2 reduces"]),
+    ({"zero": 3, "grad_compression": "powersgd"},
+     ["megapar.prepare: grad_compression='powersgd' cannot be combined with zero=3"]),
+    ({"zero": 3, "precision": "bf16", "grad_reduce_dtype": "bf16"},
+     ["megapar.prepare: grad_reduce_dtype='bf16' is not served with zero=3", "use zero=1"]),
 ])
 def test_prepare_refuses_what_megapar_train_refuses_in_the_apis_terms(kwargs, words):
     """zero=3 with offload_params=True but no offload_optimizer trained as plain ZeRO-3 (the CLI

@@ -180,3 +180,29 @@ def test_async_save_without_save_is_refused(tmp_path, common, capsys):  # noqa: 
     assert "--async-save writes the checkpoints of --save in the background: give --save DIR" \
         in capsys.readouterr().err
 
+
+
+
+def _save_to_a_full_disk(root):
+    real = cd.write_tensors
+    cd.write_tensors = lambda path, tensors: (_ for _ in ()).throw(
+        OSError(28, "No space left on device")) if "model_" in str(path) else real(path, tensors)
+    engine = megapar.prepare(_model(), tp=2, micro_batch_size=2, lr=1e-2)
+    said = []
+    for where in (Path(root) / "new" / "ckpt", Path(root) / "kept"):
+        if where.name == "kept" and engine.mesh.rank == 0:
+            where.mkdir()
+        try:
+            engine.save(where)
+        except CheckpointError as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_a_failed_first_save_leaves_no_empty_save_directory(run, tmp_path):
+    """engine.save(dir) on a full disk left an empty `dir` behind; the directory the save made
+    is removed again when nothing was published (one that was there before stays)."""
+    out = run(_save_to_a_full_disk, 2, str(tmp_path))
+    assert all(len(s) == 2 and all("No space left on device" in m for m in s) for s in out), out
+    assert not (tmp_path / "new" / "ckpt").exists()
+    assert (tmp_path / "kept").is_dir() and not list((tmp_path / "kept").iterdir())

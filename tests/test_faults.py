@@ -392,6 +392,50 @@ def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(tmp_path, c
     assert (ckpt / "latest").read_text().strip() == "step_00000002"
 
 
+def test_one_step_not_saved_is_named_as_one_step(tmp_path, common, capsys, monkeypatch):
+    """--save-interval 1 on a disk that fills after step 1: it said "not saved: steps 2-2"."""
+    import megapar.checkpoint.distributed as cd
+
+    real = cd.write_tensors
+    calls = []
+
+    def full_disk(path, tensors):
+        calls.append(path)
+        if len(calls) > 2:  # step 1's save (shard + rng) fits, then the disk is full
+            raise OSError(28, "No space left on device")
+        return real(path, tensors)
+
+    monkeypatch.setattr(cd, "write_tensors", full_disk)
+    ckpt = tmp_path / "ckpt"
+    rc = main([*common, "--max-steps", "3", "--save", str(ckpt), "--save-interval", "1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "not saved: step 2 (last checkpoint: step 1)" in err, err
+
+
+def test_a_rank_killed_while_saving_leaves_no_staging_directory(tmp_path, common, capsys,
+                                                                monkeypatch):
+    """kill -9 of one worker during a save left --save/.tmp-step_N-* behind (a half-written
+    checkpoint) until some later save; megapar-train now removes it once its workers are gone,
+    and latest stays the last complete checkpoint."""
+    import megapar.checkpoint.distributed as cd
+
+    real = cd.write_tensors
+
+    def dies_in_step_2s_save(path, tensors):
+        if ".tmp-step_2-" in str(path) and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(path, tensors)
+
+    monkeypatch.setattr(cd, "write_tensors", dies_in_step_2s_save)
+    ckpt = tmp_path / "ckpt"
+    rc = main([*common, "--tp", "2", "--max-steps", "3", "--save", str(ckpt),
+               "--save-interval", "1", "--timeout-s", "20"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "rank 1 was killed by SIGKILL (9) at step 2, saving" in err, err
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "logs", "step_00000001"]
+    assert (ckpt / "latest").read_text().strip() == "step_00000001"
+
+
 def test_a_second_sigint_aborts_at_once(tmp_path, common, monkeypatch):
     from megapar.faults import stop
 

@@ -51,6 +51,25 @@ def test_launch_refuses_more_processes_than_the_machine_runs_unless_told(monkeyp
     assert megapar.launch(print, too_many, oversubscribe=True) == too_many == started[0]
 
 
+def test_launch_refuses_a_non_callable_fn_or_a_non_int_nprocs_before_any_worker_starts(
+        monkeypatch):
+    """megapar.launch(42, 2) forked two workers that each failed 'int object is not callable';
+    a wrong fn or nprocs is now a TypeError in the caller, no worker started."""
+    import megapar
+    from megapar import launcher
+
+    started = []
+    monkeypatch.setattr(launcher, "run_local", lambda fn, n, *a, **k: started.append(n) or [n])
+    with pytest.raises(TypeError, match=r"fn must be a function to run on every rank, got int 42"):
+        megapar.launch(42, 2)
+    with pytest.raises(TypeError, match=r"nprocs must be an int, got str '2'"):
+        megapar.launch(print, "2")
+    with pytest.raises(TypeError, match=r"nprocs must be an int, got float 2.0"):
+        megapar.launch(print, 2.0)
+    assert not started
+    assert megapar.launch(print, 2) == 2 == started[0]
+
+
 def _as_torchrun_rank(rank, world, port, out, body, launcher="torchrun"):
     """Rank `rank` of a `world`-rank torchrun job (torchrun's environment, not torchrun), or
     with launcher="srun" of an srun step without torchrun (Slurm's variables only): reports

@@ -18,7 +18,7 @@ import traceback
 
 from megapar.checkpoint.lock import SaveLock, SaveLockError
 from megapar.checkpoint.manifest import read_manifest
-from megapar.checkpoint.publish import has_checkpoint, remove_steps_after
+from megapar.checkpoint.publish import clean_stale, has_checkpoint, remove_steps_after
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.device import DeviceError, check_gpus, share_host_arena, use_cuda
 from megapar.dryrun.command import rehearse
@@ -127,6 +127,17 @@ def _what_is_saved(cfg: TrainConfig) -> str:
     )
 
 
+def _remove_dead_saves(cfg: TrainConfig) -> None:
+    """After local workers failed (all of them gone): remove the staging directory of a save
+    they were writing, so that --save holds complete checkpoints only. Under torchrun / Slurm
+    another rank may still be writing: the next save removes it there."""
+    if cfg.save and not under_launcher():
+        try:
+            clean_stale(os.path.expanduser(cfg.save))
+        except OSError:
+            pass
+
+
 def _remove_newer_steps(cfg: TrainConfig) -> list[str]:
     """--overwrite-newer: remove the steps of --save newer than the one this run starts from
     (and their records), so none of an earlier run is left mixed with this run's; a note."""
@@ -228,6 +239,7 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
         else:  # a rank run in this process (one worker, or under torchrun)
             text, failed = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", rank
         line, log = worker_failure(text, log_dir_for(cfg.save, cfg.data_cache), failed)
+        _remove_dead_saves(cfg)
         print(f"megapar-train: error: {line}", file=sys.stderr)
         tell_torchrun(line, log)  # its summary's root cause: this line, not "<N/A>"
         if cfg.debug:
@@ -249,6 +261,7 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
         return 1
     except KeyboardInterrupt as exc:  # the launcher's second SIGINT, or one while starting
         why = "second SIGINT" if "second SIGINT" in str(exc) else "SIGINT while starting"
+        _remove_dead_saves(cfg)
         print(f"megapar-train: aborted ({why}): {_what_is_saved(cfg)}", file=sys.stderr)
         return 130
     return 0

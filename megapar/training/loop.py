@@ -363,8 +363,10 @@ class Trainer:
         )
         err.no_traceback = getattr(exc, "no_traceback", False)
         if isinstance(exc, (OSError, CheckpointError)) and cfg.save:  # a disk error
+            first = (saved or 0) + 1
+            lost = f"step {first}" if first == self.step else f"steps {first}-{self.step}"
             err.args = (
-                f"{err} -- not saved: steps {(saved or 0) + 1}-{self.step} (last "
+                f"{err} -- not saved: {lost} (last "
                 f"checkpoint: {f'step {saved:d}' if saved else 'none'})",
             )
         return err

@@ -4,51 +4,65 @@ the fix."""
 
 from __future__ import annotations
 
-from megapar.training.usage import UsageError
+from megapar.training.usage import UsageError, flag_of
+
+_NO_VALUE = object()
 
 
-def check_zero3(cfg) -> None:
-    """What --zero 3 cannot serve yet: one line naming the combination and what to use."""
+def check_zero3(cfg, keyword: str | None = None) -> None:
+    """What --zero 3 cannot serve yet: one line naming the combination and what to use.
+    `keyword`: the function whose keywords the settings are (e.g. "megapar.prepare"): the
+    line then names them as `name=value` instead of by their flags."""
+
+    def term(name: str, value=_NO_VALUE) -> str:  # a setting as the caller gave it
+        if keyword:
+            return name if value is _NO_VALUE else f"{name}={value!r}"
+        return flag_of(name) if value is _NO_VALUE or value is True else f"{flag_of(name)} {value}"
+
+    where = f"{keyword}: " if keyword else ""
+    zero3 = term("zero", 3)
     if cfg.zero3_keep_params and cfg.zero != 3:
         raise UsageError(
-            "--zero3-keep-params only applies to --zero 3 (it keeps a unit's "
-            "gathered parameters over the step); add --zero 3 or drop it"
+            f"{where}{term('zero3_keep_params', True)} only applies to {zero3} (it keeps a "
+            f"unit's gathered parameters over the step); add {zero3} or drop it"
         )
     if cfg.zero3_reduce != "step" and cfg.zero != 3:
-        already = " (--zero 2 reduces every micro-batch already)" if cfg.zero == 2 else ""
+        already = f" ({term('zero', 2)} reduces every micro-batch already)" if cfg.zero == 2 else ""
         raise UsageError(
-            f"--zero3-reduce {cfg.zero3_reduce} only applies to --zero 3{already}; "
-            f"add --zero 3 or drop it"
+            f"{where}{term('zero3_reduce', cfg.zero3_reduce)} only applies to {zero3}"
+            f"{already}; add {zero3} or drop it"
         )
     if cfg.zero3_persistence_threshold and cfg.zero != 3:
         raise UsageError(
-            "--zero3-persistence-threshold only applies to --zero 3; add --zero 3 or drop it"
+            f"{where}{term('zero3_persistence_threshold')} only applies to {zero3}; add "
+            f"{zero3} or drop it"
         )
     if cfg.zero3_persistence_threshold < 0:
         raise UsageError(
-            f"--zero3-persistence-threshold {cfg.zero3_persistence_threshold} is "
+            f"{where}{term('zero3_persistence_threshold', cfg.zero3_persistence_threshold)} is "
             f"invalid: give a number of elements >= 0 (0: none persist)"
         )
     if cfg.zero != 3:
         return
     if cfg.grad_compression != "none":
         raise UsageError(
-            f"--grad-compression {cfg.grad_compression} cannot be combined with "
-            f"--zero 3 (gradients are reduce-scattered per unit, the compressors "
-            f"compress an all-reduce); use --zero 0, or --grad-compression none"
+            f"{where}{term('grad_compression', cfg.grad_compression)} cannot be combined with "
+            f"{zero3} (gradients are reduce-scattered per unit, the compressors "
+            f"compress an all-reduce); use {term('zero', 0)}, or "
+            f"{term('grad_compression', 'none')}"
         )
     if cfg.grad_reduce_dtype not in ("auto", "fp32"):
         raise UsageError(
-            f"--grad-reduce-dtype {cfg.grad_reduce_dtype} is not served with "
-            f"--zero 3 (its reduce-scatters run in fp32); use --zero 1 for a "
-            f"{cfg.grad_reduce_dtype} reduction, or drop --grad-reduce-dtype"
+            f"{where}{term('grad_reduce_dtype', cfg.grad_reduce_dtype)} is not served with "
+            f"{zero3} (its reduce-scatters run in fp32); use {term('zero', 1)} for a "
+            f"{cfg.grad_reduce_dtype} reduction, or drop {term('grad_reduce_dtype')}"
         )
     if cfg.offload_params and not cfg.offload_optimizer:
         raise UsageError(
-            "--offload-params needs --offload-optimizer (the host-held parameter "
-            "shards are the weights the optimizer steps, so it steps on the host "
-            "too, as DeepSpeed's offload_param with offload_optimizer): add "
-            "--offload-optimizer"
+            f"{where}{term('offload_params')} needs {term('offload_optimizer')} (the "
+            f"host-held parameter shards are the weights the optimizer steps, so it steps on "
+            f"the host too, as DeepSpeed's offload_param with offload_optimizer): add "
+            f"{term('offload_optimizer', True)}"
         )
 
 
