@@ -144,8 +144,7 @@ def half_gathered(p, c) -> bool:
     16-bit all-gather, `data_parallel/zero3_half.py`: bf16 / fp16 autocast on fp32 weights,
     ZeRO-3 over more than one rank, without --offload-params): the gathered weight is then
     autocast's cast, none made besides."""
-    sixteen = p.precision != "fp32" and p.master_weights == "fp32"
-    return sixteen and c.zero == 3 and c.dp * c.cp > 1 and not c.offload_params
+    return p.sixteen_bit and c.zero == 3 and c.dp * c.cp > 1 and not c.offload_params
 
 
 def zero3_casts(p, c) -> GatherCasts:

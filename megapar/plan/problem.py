@@ -97,6 +97,11 @@ class Problem:
         return 4 if self.precision == "fp32" else 2
 
     @property
+    def sixteen_bit(self) -> bool:
+        """Autocast runs the matmuls in 16 bits on fp32 weights (megapar-train's bf16 / fp16)."""
+        return self.precision != "fp32" and self.master_weights == "fp32"
+
+    @property
     def dropout(self) -> bool:
         c = self.config
         return any(

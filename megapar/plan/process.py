@@ -381,11 +381,6 @@ def _vocab_h(p: Problem, c: Candidate) -> tuple[int, int]:
     return local_size(cfg.vocab_size, c.tp, cfg.make_vocab_size_divisible_by), cfg.hidden_size
 
 
-def _sixteen_bit(p: Problem) -> bool:
-    """Autocast runs the matmuls in 16 bits on fp32 weights (megapar-train's bf16 / fp16)."""
-    return p.precision != "fp32" and p.master_weights == "fp32"
-
-
 def _tied(p: Problem) -> bool:
     return bool(getattr(p.config, "tie_word_embeddings", True))
 
@@ -397,7 +392,7 @@ def _top_of_backward(
     vocab, h = _vocab_h(p, c)
     out = [_autocast_copies(p, c, mem, has_embedding, has_head)]
     if has_head:
-        extra = p.act_bytes if _sixteen_bit(p) else 0
+        extra = p.act_bytes if p.sixteen_bit else 0
         fused = loss_grads_in_forward(p, c)  # fp32, made in the forward: an activation
         out.append(
             Term(
@@ -431,7 +426,7 @@ def _autocast_copies(
 ) -> Term:
     """Autocast's cache of 16-bit copies of the weights the rank's matmuls use, kept until the
     step's autocast region ends (every parameter but a lookup-only embedding)."""
-    if not _sixteen_bit(p) or c.zero == 3:
+    if not p.sixteen_bit or c.zero == 3:
         if p.precision == "fp32":
             why = "fp32 matmuls"
         elif p.master_weights != "fp32":
