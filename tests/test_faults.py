@@ -369,8 +369,12 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path, common, capsys
     assert f"{flag} /proc/megapar-test/x is not writable" in capsys.readouterr().err
 
 
-def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(tmp_path, common, capsys,
-                                                                      monkeypatch):
+@pytest.mark.parametrize("steps,interval,lost,latest", [
+    ("4", "2", "steps 3-4 (last checkpoint: step 2)", 2),
+    # one step lost said "not saved: steps 2-2"
+    ("3", "1", "step 2 (last checkpoint: step 1)", 1)])
+def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(
+        tmp_path, common, capsys, monkeypatch, steps, interval, lost, latest):
     import megapar.checkpoint.distributed as cd
 
     real = cd.write_tensors
@@ -384,32 +388,12 @@ def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(tmp_path, c
 
     monkeypatch.setattr(cd, "write_tensors", full_disk)
     ckpt = tmp_path / "ckpt"
-    rc = main([*common, "--max-steps", "4", "--save", str(ckpt), "--save-interval", "2"])
+    rc = main([*common, "--max-steps", steps, "--save", str(ckpt), "--save-interval", interval])
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err, err
     assert "No space left on device" in err
-    assert "not saved: steps 3-4 (last checkpoint: step 2)" in err
-    assert (ckpt / "latest").read_text().strip() == "step_00000002"
-
-
-def test_one_step_not_saved_is_named_as_one_step(tmp_path, common, capsys, monkeypatch):
-    """--save-interval 1 on a disk that fills after step 1: it said "not saved: steps 2-2"."""
-    import megapar.checkpoint.distributed as cd
-
-    real = cd.write_tensors
-    calls = []
-
-    def full_disk(path, tensors):
-        calls.append(path)
-        if len(calls) > 2:  # step 1's save (shard + rng) fits, then the disk is full
-            raise OSError(28, "No space left on device")
-        return real(path, tensors)
-
-    monkeypatch.setattr(cd, "write_tensors", full_disk)
-    ckpt = tmp_path / "ckpt"
-    rc = main([*common, "--max-steps", "3", "--save", str(ckpt), "--save-interval", "1"])
-    err = capsys.readouterr().err
-    assert rc == 1 and "not saved: step 2 (last checkpoint: step 1)" in err, err
+    assert f"not saved: {lost}" in err, err
+    assert (ckpt / "latest").read_text().strip() == f"step_{latest:08d}"
 
 
 def test_a_rank_killed_while_saving_leaves_no_staging_directory(tmp_path, common, capsys,
