@@ -784,3 +784,38 @@ def test_an_unknown_flag_is_never_taken_for_help(capsys):
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "--help?" not in err, err
         assert hint is None or hint in err, err
+
+
+STRAY = [
+    # the checkpoint as a positional: was "the following arguments are required: --load"
+    ("eval", ["ck"], "unexpected argument 'ck': pass the checkpoint as --load ck"),
+    ("eval", ["--load", "ck", "extra"], "unexpected argument 'extra': --load takes one value"),
+    ("data", ["a.txt", "b.txt"],
+     "unexpected arguments 'a.txt', 'b.txt': pass the input as --input a.txt b.txt"),
+    ("plan", ["llama3-8b"], "unexpected argument 'llama3-8b': pass the model as --model llama3-8b"),
+    ("train", ["ck"], "'ck': megapar-train takes no positional arguments; give each value after"),
+    ("train", ["--dry-run", "yes"], "unexpected argument 'yes': --dry-run takes no value"),
+    ("bubble", ["--pp", "2", "-m", "4", "-1"], "unexpected argument '-1': -m takes one value"),
+    ("bubble", ["ck"], "'ck': megapar-bubble takes no positional arguments"),
+]
+
+
+@pytest.mark.parametrize("tool, argv, message", STRAY, ids=[" ".join([t, *a]) for t, a, _ in STRAY])
+def test_a_stray_word_is_named_with_where_it_belongs(tool, argv, message, capsys):
+    """A word no flag takes is named, with the flag it belongs to, in one line (exit 2); it was
+    argparse's "arguments are required: --load" (the word unnamed) or "unrecognized arguments"."""
+    import importlib
+
+    main = importlib.import_module(f"megapar.cli.{tool}").main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    line = _one_line(capsys, f"megapar-{tool}")
+    assert exc.value.code == 2 and message in line, line
+
+
+def test_convert_takes_its_paths_on_either_side_of_the_flags(tmp_path, capsys):
+    """`megapar-convert SRC --tp 2 DST` is SRC DST --tp 2 (DST was "unrecognized")."""
+    from megapar.cli.convert import main as convert
+
+    assert convert([str(tmp_path / "no_src"), "--tp", "2", str(tmp_path / "dst")]) == 2
+    assert "no_src: no such checkpoint directory" in _one_line(capsys, "megapar-convert")

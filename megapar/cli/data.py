@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``megapar-data`` argument parser."""
     p = OneLineParser(
         prog="megapar-data",
+        stray=("--input", "the input"),
         description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
