@@ -61,6 +61,10 @@ def env(tmp_path_factory):
                         "good": np.zeros((1, 4), dtype=np.int64)}.items():
         ids[name] = root / f"{name}.npy"
         np.save(ids[name], array)
+    ids["json"] = root / "ids.json"  # ids as JSON, and an object array (pickled by numpy)
+    ids["json"].write_text("[[1, 2, 3]]")
+    ids["object"] = root / "object.npy"
+    np.save(ids["object"], np.array([[1, "a"]], dtype=object), allow_pickle=True)
     (root / "empty_dir").mkdir()
     (root / "mixed").mkdir()  # text and a dataset megapar-data wrote beside it
     (root / "mixed" / "a.txt").write_text("text to train on\n")
@@ -440,6 +444,12 @@ EVAL = [
      "sequences of 100 tokens, more than the model's 64 positions"),
     (["--load", "{ckpt}", "--input-ids", "/nonexistent.npy", "--save-logits", "out.npy"],
      "--input-ids /nonexistent.npy: no such file"),
+    # was numpy's "Cannot load file containing pickled data when allow_pickle=False"
+    (["--load", "{ckpt}", "--input-ids", "{ids:json}", "--save-logits", "out.npy"],
+     "ids.json is a JSON file; megapar-eval reads a [batch, seq] integer array from a .npy "
+     "file: convert it with: python3 -c 'import json, numpy as np; np.save("),
+    (["--load", "{ckpt}", "--input-ids", "{ids:object}", "--save-logits", "out.npy"],
+     "object.npy holds Python objects, not numbers (megapar never unpickles a file)"),
     (["--load", "{ckpt}", "--input-ids", "{ids:good}", "--save-logits", "{new_dir/}"],
      "new_dir/ is a directory; give a file name, e.g. --save-logits "),
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "64",

@@ -43,7 +43,7 @@ from megapar.tensor_parallel.partition import gather_full
 from megapar.training.tokenizer_checks import check_given_tokenizer
 from megapar.training.usage import flag_of
 from megapar.training.validate import UsageError, check_writable, names_directory
-from megapar.training.validate_tools import check_eval_args
+from megapar.training.validate_tools import check_eval_args, load_input_ids
 
 LOSS_ONLY = (
     "data",
@@ -93,7 +93,11 @@ def build_parser() -> OneLineParser:
         help="batches to evaluate, at most; fewer where the data holds fewer (default: 8)",
     )
     # a leading ~ of a file flag (quoted) is the home directory, as --load's and --data's are
-    p.add_argument("--input-ids", type=os.path.expanduser, help="a [batch, seq] integer .npy file")
+    p.add_argument(
+        "--input-ids",
+        type=os.path.expanduser,
+        help="a [batch, seq] integer array in a .npy file (np.save; read without pickle)",
+    )
     p.add_argument(
         "--save-logits",
         type=os.path.expanduser,
@@ -180,7 +184,7 @@ def _loss_worker(args):
 @torch.no_grad()
 def _logits_worker(args):
     mesh, config, model = _load_model(args)
-    ids = torch.from_numpy(np.load(args.input_ids, allow_pickle=False).astype(np.int64))
+    ids = torch.from_numpy(load_input_ids(args.input_ids).astype(np.int64))
     if ids.ndim != 2:
         raise ValueError(f"--input-ids must be a [batch, seq] array, got shape {tuple(ids.shape)}")
     ids = ids.to(mesh.device)
@@ -214,7 +218,7 @@ def _check_ids(args, vocab_size: int) -> None:
     """Token ids outside the vocabulary are refused at any layout (at tp > 1 the vocab-parallel
     embedding would silently turn them into zero vectors)."""
     if args.input_ids:
-        ids = np.load(args.input_ids, allow_pickle=False)
+        ids = load_input_ids(args.input_ids)
         if ids.size and (
             not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= vocab_size
         ):

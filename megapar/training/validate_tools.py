@@ -1,6 +1,7 @@
 """The checks of megapar-eval and megapar-bubble (megapar-train's are in validate.py).
 
 - `check_eval_args`: megapar-eval's flags, its --load checkpoint, --data and --input-ids.
+- `load_input_ids`: --input-ids' array, from a .npy file only, never unpickled.
 - `check_bubble_measurement`: megapar-bubble's flags where it builds a model (its sizes and
   costs: `validate_bubble.check_bubble_args`, which needs no torch).
 
@@ -8,6 +9,10 @@ Both raise validate.UsageError (exit code 2) before any model is built or proces
 """
 
 from __future__ import annotations
+
+import json
+import os
+import shlex
 
 import numpy as np
 
@@ -101,13 +106,63 @@ def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
         )
 
 
-def _check_ids_file(path: str, positions: int) -> None:
+NPY_MAGIC = b"\x93NUMPY"
+"""The first bytes of every .npy file (numpy's format, any version)."""
+
+
+def _how_to_write_ids(path: str, head: bytes) -> str:
+    """How to write --input-ids as megapar-eval reads it: for JSON ids (`head`, the file's
+    first bytes, or its name says so), the command that converts `path`; else np.save."""
+    if path.lower().endswith(".json") or head.lstrip()[:1] in (b"[", b"{"):
+        npy = os.path.splitext(path)[0] + ".npy"
+        code = (
+            f"import json, numpy as np; np.save({json.dumps(npy)}, "
+            f"np.asarray(json.load(open({json.dumps(path)})), dtype=np.int64))"
+        )
+        return f"convert it with: {shlex.join(['python3', '-c', code])}"
+    return "write one with np.save('ids.npy', np.asarray(ids, dtype=np.int64))"
+
+
+def load_input_ids(path: str, mmap: bool = False) -> np.ndarray:
+    """--input-ids' array: a .npy file (numpy's format), read with pickling refused (an object
+    array is refused too). UsageError, naming the file type accepted and how to write one, for
+    anything else (JSON, .npz, text). `mmap`: mapped, not read (for checking its shape)."""
     try:
-        ids = np.load(path, allow_pickle=False, mmap_mode="r")
+        with open(path, "rb") as f:
+            head = f.read(64)
     except FileNotFoundError:
         raise UsageError(f"--input-ids {path}: no such file") from None
-    except (ValueError, OSError) as exc:
-        raise UsageError(f"--input-ids {path}: not a .npy array of token ids ({exc})") from None
+    except OSError as exc:
+        raise UsageError(f"--input-ids {path}: {exc.strerror or exc}") from None
+    accepted = "megapar-eval reads a [batch, seq] integer array from a .npy file"
+    if not head.startswith(NPY_MAGIC):
+        what = "a JSON file" if head.lstrip()[:1] in (b"[", b"{") else "not a .npy file"
+        what = "a .npz archive" if head.startswith(b"PK\x03\x04") else what
+        raise UsageError(
+            f"--input-ids {path} is {what}; {accepted}: {_how_to_write_ids(path, head)}"
+        )
+    how = _how_to_write_ids(path, b"")
+    try:
+        with open(path, "rb") as f:  # the header: an object array is refused before it is read
+            read_header = {
+                (1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0,
+            }.get(np.lib.format.read_magic(f))
+            dtype = read_header(f)[2] if read_header else None
+        if dtype is None or not dtype.hasobject:
+            return np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
+    except ValueError as exc:  # a damaged header or data (numpy's message)
+        raise UsageError(f"--input-ids {path} is a damaged .npy file ({exc}); {how}") from None
+    except OSError as exc:
+        raise UsageError(f"--input-ids {path}: {exc.strerror or exc}") from None
+    raise UsageError(
+        f"--input-ids {path} holds Python objects, not numbers (megapar never unpickles a "
+        f"file); {accepted}: {how}"
+    )
+
+
+def _check_ids_file(path: str, positions: int) -> None:
+    ids = load_input_ids(path, mmap=True)
     if not np.issubdtype(ids.dtype, np.integer):
         raise UsageError(
             f"--input-ids {path} holds {ids.dtype} values; token ids must be "
