@@ -474,7 +474,39 @@ def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path)
     assert hf("Hello world")["input_ids"] == load_tokenizer("sentencepiece").encode("Hello world")
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "with").dtype == torch.bfloat16
     assert any("no tokenizer given or known, the export has none" in s for s in said), said
+    # the hint fits the model: it suggested tokenizer='gpt2' for any model, here a GPT-2 of
+    # 1,004 ids (GPT-2's BPE has 50,257 ids: that export is refused)
+    (gpt2,) = [s for s in said if "no tokenizer given" in s]
+    assert "'gpt2'" not in gpt2 and "pass tokenizer=SPEC, the tokenizer it trained with: the " \
+        "directory of the GPT2LMHeadModel it came from" in gpt2, gpt2
     assert not (tmp_path / "without" / "tokenizer_config.json").exists()
+
+
+def _export_llama_without_tokenizer(out):
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    engine = megapar.prepare(LlamaForCausalLM(LlamaConfig(
+        vocab_size=1004, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)),
+        micro_batch_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.export_hf(out)
+    return [str(w.message) for w in caught]
+
+
+def test_export_hf_without_a_tokenizer_names_one_that_fits_the_model(run, tmp_path):
+    """A Llama exported with no tokenizer known: the warning names where a Llama's tokenizer
+    is (it suggested tokenizer='gpt2', GPT-2's BPE, for any model)."""
+    said = [s for s in run(_export_llama_without_tokenizer, 1, str(tmp_path / "out"))[0]
+            if "no tokenizer given" in s]
+    assert len(said) == 1 and "'gpt2'" not in said[0] and (
+        "pass tokenizer=SPEC, the tokenizer it trained with: the directory of the "
+        "LlamaForCausalLM it came from (its tokenizer.json), or its tokenizer.model file"
+    ) in said[0], said
+    assert not (tmp_path / "out" / "tokenizer_config.json").exists()
 
 
 # --- a non-finite step: an error naming the step, nothing applied ---------------------------

@@ -231,7 +231,10 @@ def test_a_checkpoint_without_a_tokenizer_exports_with_a_note(tmp_path, capsys):
 
     save_serial(tmp_path / "ckpt")
     assert convert([str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf")]) == 0
-    assert "records no tokenizer, so the export has none" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "records no tokenizer, so the export has none" in out
+    # where a tokenizer for this model is, in megapar-convert's flags (it said only "SPEC")
+    assert "pass --tokenizer SPEC, the tokenizer it trained with: the directory of the " in out
 
 
 # --- what serving and fine-tuning an export need -----------------------------------------------

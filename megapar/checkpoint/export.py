@@ -130,6 +130,28 @@ def _refuse_unrepresentable(config) -> None:
         )
 
 
+GPT2_BPE_IDS = 50257
+"""The ids of GPT-2's BPE, the ``"gpt2"`` tokenizer megapar ships."""
+
+
+def tokenizer_hint(config, api: bool) -> str:
+    """How to give an export of `config`'s model the tokenizer it lacks, fitting that model:
+    the tokenizer its data was tokenized with, as the kinds of `load_tokenizer` spec a model of
+    its type comes with (for a Llama or BERT, the transformers directory it came from);
+    ``"gpt2"`` (GPT-2's BPE) only for a GPT-2 whose vocabulary holds its 50,257 ids. In
+    megapar-convert's terms, or with `api` in `Engine.export_hf`'s (`option`)."""
+    spec = option("tokenizer", "SPEC", api)
+    arch = ARCHITECTURES.get(config.model_type, "Hugging Face model")
+    files = "tokenizer.json or vocab.json + merges.txt" if config.model_type == "gpt2" else ""
+    kinds = f"the directory of the {arch} it came from (its {files or 'tokenizer.json'})"
+    if config.model_type in ("llama", "mixtral"):  # SentencePiece's, where it has no .json
+        kinds += ", or its tokenizer.model file"
+    if config.model_type == "gpt2" and config.vocab_size >= GPT2_BPE_IDS:
+        gpt2 = option("tokenizer", "'gpt2'" if api else "gpt2", api)
+        return f"pass {gpt2} if it trained on GPT-2's BPE, else {spec}: {kinds}"
+    return f"pass {spec}, the tokenizer it trained with: {kinds}"
+
+
 def _described(spec: dict) -> str:
     """A recorded tokenizer in a few words: its path and the start of its files' sha256."""
     digests = ",".join(d[:12] for d in spec.get("sha256", []))

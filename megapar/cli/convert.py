@@ -329,9 +329,15 @@ def _to_hf(args) -> str:
             f"shaped as Hugging Face's model"
         )
     if not (out / "tokenizer_config.json").exists():
+        from megapar.checkpoint.export import tokenizer_hint
+        from megapar.checkpoint.manifest import read_manifest
+        from megapar.checkpoint.publish import resolve_checkpoint
+        from megapar.models.config import config_from_dict
+
+        config = config_from_dict(read_manifest(resolve_checkpoint(src))["model"])
         report += (
-            "\nnote: the checkpoint records no tokenizer, so the export has none "
-            "(AutoTokenizer cannot load it); pass --tokenizer SPEC"
+            f"\nnote: the checkpoint records no tokenizer, so the export has none "
+            f"(AutoTokenizer cannot load it); {tokenizer_hint(config, api=False)}"
         )
     return report
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from megapar.checkpoint.distributed import broadcast_text, save_checkpoint
 from megapar.checkpoint.export import export_hf as export_checkpoint
+from megapar.checkpoint.export import tokenizer_hint
 
 
 def export_engine(
@@ -46,10 +47,8 @@ def export_engine(
         shutil.rmtree(tmp, ignore_errors=True)
         if not outcome and tokenizer is None and engine.tokenizer is None:
             warnings.warn(
-                f"engine.export_hf({path}): no tokenizer given or known, the "
-                f"export has none (AutoTokenizer cannot load it); pass "
-                f"tokenizer='gpt2' (or the .model file / directory you "
-                f"tokenize with)",
+                f"engine.export_hf({path}): no tokenizer given or known, the export has none "
+                f"(AutoTokenizer cannot load it); {tokenizer_hint(engine.config, api=True)}",
                 stacklevel=3,
             )
     outcome = broadcast_text(outcome, engine.mesh)
