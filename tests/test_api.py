@@ -782,6 +782,17 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
      ["megapar.prepare: grad_compression='powersgd' cannot be combined with zero=3"]),
     ({"zero": 3, "precision": "bf16", "grad_reduce_dtype": "bf16"},
      ["megapar.prepare: grad_reduce_dtype='bf16' is not served with zero=3", "use zero=1"]),
+    # refused only inside the engine, in megapar-train's flags ("--grad-compression ... --zero")
+    ({"zero": 1, "grad_compression": "powersgd"},
+     ["megapar.prepare: grad_compression='powersgd' cannot be combined with zero=1",
+      "(zero=0 or grad_compression='none')"]),
+    ({"zero": 2, "grad_compression": "fp16"},
+     ["megapar.prepare: grad_compression='fp16' cannot be combined with zero=2"]),
+    ({"offload_optimizer": True, "optimizer": "lamb"},
+     ["megapar.prepare: offload_optimizer=True steps AdamW or SGD on the host, not "
+      "optimizer='lamb'", "drop offload_optimizer=True or use optimizer='adamw'"]),
+    ({"zero": 1, "offload_optimizer": True, "optimizer": "lars"},
+     ["offload_optimizer=True steps AdamW or SGD on the host, not optimizer='lars'"]),
 ])
 def test_prepare_refuses_what_megapar_train_refuses_in_the_apis_terms(kwargs, words):
     """zero=3 with offload_params=True but no offload_optimizer trained as plain ZeRO-3 (the CLI

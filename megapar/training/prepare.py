@@ -22,7 +22,7 @@ from megapar.training.config import TrainConfig
 from megapar.training.engine import ON_NONFINITE, Engine
 from megapar.training.validate import check_ranges
 from megapar.training.validate_fp8 import check_fp8
-from megapar.training.validate_sharding import check_zero3
+from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
 
 
 def _resolve_model(model):
@@ -190,6 +190,7 @@ def prepare(
     check_ranges(cfg, keyword="megapar.prepare")  # megapar-train's ranges, in keyword terms
     _check_sharding(cfg)
     check_zero3(cfg, keyword="megapar.prepare")  # and its ZeRO-3 combinations
+    check_optimizer_sharding(cfg, keyword="megapar.prepare")  # ZeRO 1/2, offloaded LAMB
     if cfg.sp_regather and not (cfg.sequence_parallel and tp > 1):
         raise ValueError(
             "megapar.prepare: sp_regather=True needs sequence_parallel=True and tp > 1 "

@@ -36,7 +36,7 @@ from megapar.pipeline.schedules import chunks_per_rank, schedule_actions
 from megapar.training.config import choice_problem, flag_choices
 from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_fp8 import Fp8Error, check_fp8
-from megapar.training.validate_sharding import check_ep, check_zero3
+from megapar.training.validate_sharding import check_ep, check_optimizer_sharding, check_zero3
 from megapar.training.validate_unused import check_unused
 
 # --- megapar-train ---------------------------------------------------------------------------
@@ -208,24 +208,13 @@ def _check_combinations(cfg) -> None:
     except Fp8Error as exc:
         raise UsageError(str(exc)) from None
     check_unused(cfg, given)
-    if cfg.zero in (1, 2) and cfg.grad_compression != "none":
-        raise UsageError(
-            f"--grad-compression {cfg.grad_compression} cannot be combined with "
-            f"--zero {cfg.zero}: the distributed optimizer reduce-scatters the gradient "
-            f"buffer, the compressors compress an all-reduce; drop one of them"
-        )
+    check_optimizer_sharding(cfg)  # ZeRO 1/2 with compression, LAMB / LARS offloaded
     if cfg.offload_params and cfg.zero != 3:
         alone = "" if cfg.offload_optimizer else ", or use --offload-optimizer"
         raise UsageError(
             f"--offload-params needs --zero 3 (it keeps the parameter shards in "
             f"host memory; --zero {cfg.zero} keeps whole parameters on the device): "
             f"add --zero 3{alone}"
-        )
-    if cfg.offload_optimizer and cfg.optimizer in ("lamb", "lars"):
-        raise UsageError(
-            f"--offload-optimizer steps AdamW or SGD on the host, not --optimizer "
-            f"{cfg.optimizer} (its trust ratios need whole-parameter norms on the "
-            f"devices): drop --offload-optimizer or use --optimizer adamw"
         )
     rehearsal = [
         name

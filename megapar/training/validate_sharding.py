@@ -1,4 +1,5 @@
-"""The checks of ZeRO-3's options (`check_zero3`) and of expert parallelism's combinations
+"""The checks of ZeRO-3's options (`check_zero3`), of what the sharded and offloaded optimizers
+cannot serve (`check_optimizer_sharding`) and of expert parallelism's combinations
 (`check_ep`), before any worker starts; each raises a `UsageError` naming the problem and
 the fix."""
 
@@ -9,16 +10,44 @@ from megapar.training.usage import UsageError, flag_of
 _NO_VALUE = object()
 
 
-def check_zero3(cfg, keyword: str | None = None) -> None:
-    """What --zero 3 cannot serve yet: one line naming the combination and what to use.
-    `keyword`: the function whose keywords the settings are (e.g. "megapar.prepare"): the
-    line then names them as `name=value` instead of by their flags."""
+def _terms(keyword: str | None):
+    """`term(name, value)`: a setting as the caller gave it, megapar-train's flag
+    (`--zero 3`, `--offload-optimizer`) or, with `keyword`, a keyword argument (`zero=3`)."""
 
-    def term(name: str, value=_NO_VALUE) -> str:  # a setting as the caller gave it
+    def term(name: str, value=_NO_VALUE) -> str:
         if keyword:
             return name if value is _NO_VALUE else f"{name}={value!r}"
         return flag_of(name) if value is _NO_VALUE or value is True else f"{flag_of(name)} {value}"
 
+    return term
+
+
+def check_optimizer_sharding(cfg, keyword: str | None = None) -> None:
+    """What ZeRO 1/2 and the offloaded optimizer cannot serve: gradient compression with
+    --zero 1/2, --offload-optimizer with LAMB / LARS. One line naming the combination and what
+    to use; `keyword` as `check_zero3`'s."""
+    term, where = _terms(keyword), f"{keyword}: " if keyword else ""
+    if cfg.zero in (1, 2) and cfg.grad_compression != "none":
+        raise UsageError(
+            f"{where}{term('grad_compression', cfg.grad_compression)} cannot be combined with "
+            f"{term('zero', cfg.zero)}: the distributed optimizer reduce-scatters the gradient "
+            f"buffer, the compressors compress an all-reduce; drop one of them "
+            f"({term('zero', 0)} or {term('grad_compression', 'none')})"
+        )
+    if cfg.offload_optimizer and cfg.optimizer in ("lamb", "lars"):
+        offload = term("offload_optimizer", True)
+        raise UsageError(
+            f"{where}{offload} steps AdamW or SGD on the host, not "
+            f"{term('optimizer', cfg.optimizer)} (its trust ratios need whole-parameter norms "
+            f"on the devices): drop {offload} or use {term('optimizer', 'adamw')}"
+        )
+
+
+def check_zero3(cfg, keyword: str | None = None) -> None:
+    """What --zero 3 cannot serve yet: one line naming the combination and what to use.
+    `keyword`: the function whose keywords the settings are (e.g. "megapar.prepare"): the
+    line then names them as `name=value` instead of by their flags."""
+    term = _terms(keyword)
     where = f"{keyword}: " if keyword else ""
     zero3 = term("zero", 3)
     if cfg.zero3_keep_params and cfg.zero != 3:
