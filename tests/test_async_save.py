@@ -200,9 +200,10 @@ def _save_to_a_full_disk(root):
 
 
 def test_a_failed_first_save_leaves_no_empty_save_directory(run, tmp_path):
-    """engine.save(dir) on a full disk left an empty `dir` behind; the directory the save made
-    is removed again when nothing was published (one that was there before stays)."""
+    """engine.save(dir) on a full disk left an empty `dir` behind; the directories the save made
+    (`dir` and its new parents: new/ was left) are removed again when nothing was published (one
+    that was there before stays)."""
     out = run(_save_to_a_full_disk, 2, str(tmp_path))
     assert all(len(s) == 2 and all("No space left on device" in m for m in s) for s in out), out
-    assert not (tmp_path / "new" / "ckpt").exists()
+    assert not (tmp_path / "new").exists()
     assert (tmp_path / "kept").is_dir() and not list((tmp_path / "kept").iterdir())

@@ -396,6 +396,34 @@ def test_a_disk_error_during_a_save_is_one_line_saying_what_was_lost(
     assert (ckpt / "latest").read_text().strip() == f"step_{latest:08d}"
 
 
+def test_a_failed_first_save_on_a_full_disk_leaves_no_directory_it_made(
+        tmp_path, common, capsys, monkeypatch):
+    """--save a/b/c (a new) on a full disk: the first save fails and so does the rank's log
+    (its file made, nothing written); the run removes the empty log file and every directory it
+    made (a/b/c, its logs/ and the new parents a/b were left), and nothing that was there."""
+    import megapar.checkpoint.distributed as cd
+    import megapar.cli.train as train_cli
+
+    def full_disk(path, tensors):
+        raise OSError(28, "No space left on device")
+
+    class FullDiskPath(type(Path())):
+        def write_text(self, *args, **kwargs):
+            self.touch()  # the file is made, its text is not
+            raise OSError(28, "No space left on device")
+
+    real_log_dir = train_cli.log_dir_for
+    monkeypatch.setattr(cd, "write_tensors", full_disk)
+    monkeypatch.setattr(train_cli, "log_dir_for",
+                        lambda save, cache: FullDiskPath(real_log_dir(save, cache)))
+    (tmp_path / "kept").mkdir()
+    rc = main([*common, "--max-steps", "1", "--save", str(tmp_path / "a" / "b" / "c")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "not saved: step 1 (last checkpoint: none)" in err, err
+    assert "full traceback in" not in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+
+
 def test_a_rank_killed_while_saving_leaves_no_staging_directory(tmp_path, common, capsys,
                                                                 monkeypatch):
     """kill -9 of one worker during a save left --save/.tmp-step_N-* behind (a half-written

@@ -31,7 +31,9 @@ from megapar.checkpoint.format import (
     CheckpointError,
     ShardReader,
     dtype_name,
+    missing_dirs,
     open_safetensors,
+    remove_empty,
     safetensors_size,
     shard_file_name,
     staging_dir,
@@ -276,7 +278,7 @@ def write_checkpoint(
     `state` may be a CheckpointError of this rank (raised on every rank)."""
     root = Path(root)
     tmp_name, error = "", ""
-    made_root = mesh.rank == 0 and not root.exists()  # removed again if nothing is published
+    made = missing_dirs(root) if mesh.rank == 0 else []  # removed again if nothing is published
     if mesh.rank == 0:
         try:
             check_unlocked(root, (os.getpid(), os.getppid()))  # another run writes root
@@ -290,7 +292,7 @@ def write_checkpoint(
             error = f"cannot create a staging directory in {root}: {exc}"
     tmp_name = broadcast_text(tmp_name, mesh, group=group)
     if not tmp_name:
-        _remove_if_empty(root, made_root)
+        remove_empty(made)
         raise CheckpointError(broadcast_text(error, mesh, group=group))
     tmp = root / tmp_name
     header: dict[str, Any] = {"rank": mesh.rank, "error": None}
@@ -313,21 +315,12 @@ def write_checkpoint(
             outcome = str(_finish(tmp, root, state, mesh, payloads))
         except Exception as exc:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
-            _remove_if_empty(root, made_root)
+            remove_empty(made)
             outcome = f"ERROR checkpoint of step {step} not saved: {exc}"
     outcome = broadcast_text(outcome, mesh, group=group)
     if outcome.startswith("ERROR "):
         raise CheckpointError(outcome[6:])
     return Path(outcome)
-
-
-def _remove_if_empty(root: Path, made: bool) -> None:
-    """Remove the save directory a failed first save made, when nothing else went into it."""
-    if made:
-        try:
-            root.rmdir()
-        except OSError:
-            pass
 
 
 def _finish(

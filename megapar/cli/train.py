@@ -15,7 +15,9 @@ import shlex
 import signal
 import sys
 import traceback
+from pathlib import Path
 
+from megapar.checkpoint.format import missing_dirs, remove_empty
 from megapar.checkpoint.lock import SaveLock, SaveLockError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import clean_stale, has_checkpoint, remove_steps_after
@@ -168,12 +170,14 @@ def main(argv=None) -> int:
     share_host_arena()  # before any thread (the tokenizer's) allocates: workers inherit it
     notes: list[str] = []
     lock, cfg = None, None
+    made: list[Path] = []  # the directories of --save this run makes: removed if left empty
     previous = sigterm_as_exit()  # a SIGTERM while starting ends it as a Ctrl-C there does
     try:
         cfg = parse_args(argv)
         layout, plan = plan_run(cfg, notes)
         if cfg.save and takes_save_lock() and not cfg.dry_run:  # held until this exits
             command = shlex.join(["megapar-train", *(sys.argv[1:] if argv is None else argv)])
+            made = missing_dirs(cfg.save)
             lock = SaveLock(cfg.save, command).acquire()
             notes.extend(filter(None, [lock.taken_over]))
             if cfg.overwrite_newer:  # under the lock: nobody else writes --save now
@@ -189,6 +193,7 @@ def main(argv=None) -> int:
     ) as exc:
         if lock is not None:
             lock.release()
+        remove_empty(made)
         print(f"megapar-train: error: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, SystemExit) as exc:  # e.g. while --data is tokenized: no worker
@@ -196,6 +201,7 @@ def main(argv=None) -> int:
             raise
         if lock is not None:
             lock.release()
+        remove_empty(made)
         saved = _what_is_saved(cfg) if cfg is not None else "nothing saved"
         what = "SIGTERM" if isinstance(exc, SystemExit) else "SIGINT"
         print(f"megapar-train: aborted ({what} while starting): {saved}", file=sys.stderr)
@@ -203,11 +209,15 @@ def main(argv=None) -> int:
     finally:
         if previous is not None:  # the workers' and the launcher's own handling from here
             signal.signal(signal.SIGTERM, previous)
+    code = 1
     try:
-        return _run(cfg, layout, plan, notes)
+        code = _run(cfg, layout, plan, notes)
+        return code
     finally:
         if lock is not None:
             lock.release()
+        if code != 0:  # a failed run (its first save, say) leaves no empty --save behind
+            remove_empty(made)
 
 
 def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> int:

@@ -46,14 +46,22 @@ def worker_failure(text: str, log_dir: Path, rank: int | None = None) -> tuple[s
     else:
         where = "before training started"
     line = f"rank {rank} failed {where}: {first}" if not _DIED.match(first) else first
-    path = None
+    from megapar.checkpoint.format import missing_dirs, remove_empty  # torch: loaded by now
+
+    log = log_dir / f"rank{rank}.log"
+    made, new = missing_dirs(log_dir), not log.exists()
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
-        path = log_dir / f"rank{rank}.log"
-        path.write_text(text if text.endswith("\n") else text + "\n")
-    except OSError:
-        path = None
-    return line, (str(path) if path else None)
+        log.write_text(text if text.endswith("\n") else text + "\n")
+    except OSError:  # e.g. the disk is full: no half-written log, no directory made for it
+        try:
+            if new:
+                log.unlink(missing_ok=True)
+        except OSError:
+            pass
+        remove_empty(made)
+        return line, None
+    return line, str(log)
 
 
 def tell_torchrun(line: str, log: str | None) -> None:
