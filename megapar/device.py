@@ -418,6 +418,23 @@ def process_group_timeout_s(group=None) -> float | None:
         return None
 
 
+JOINED_KEY = "megapar/joined"
+"""The launcher store's count of the ranks whose process group is connected (`_all_joined`)."""
+
+
+def _all_joined(store, world_size: int, wait_s: float) -> None:
+    """Return once every rank's `init_process_group` has returned (each counts itself in
+    `store`; DistStoreError after `wait_s`). Gloo's connect of a pair fails with "Connection
+    closed by peer" when the peer, already connected, closes the socket before this rank's
+    thread has seen the connection made: a forked rank whose function uses no collective
+    finishes and tears its group down at once, so a slower rank still inside
+    `init_process_group` failed (seen under heavy load). No rank can close its sockets before
+    every rank is past that point."""
+    if store.add(JOINED_KEY, 1) == world_size:
+        store.set(JOINED_KEY + "/all", "1")
+    store.wait([JOINED_KEY + "/all"], timedelta(seconds=wait_s))
+
+
 def init_distributed(
     rank: int | None = None,
     world_size: int | None = None,
@@ -428,7 +445,8 @@ def init_distributed(
     """Initialise the default process group from the environment (torchrun / Slurm / our launcher).
 
     `store`: a rendezvous store to use instead of MASTER_ADDR / MASTER_PORT (the launcher's
-    loopback-only store). Does nothing when the default group is already initialised. Every
+    loopback-only store); then no rank returns before every rank's group is connected
+    (`_all_joined`). Does nothing when the default group is already initialised. Every
     ranks waits at most `timeout_s` for the others to join; a rank that never arrives makes the
     others fail with a TimeoutError naming this rank instead of hanging forever. Later
     collectives inherit `timeout_s` on gloo and `nccl_timeout_s` (default
@@ -451,6 +469,7 @@ def init_distributed(
     groups = group_timeout_s(backend(), wait, nccl_timeout_s)
     set_action(f"joining the process group (waiting up to {wait:g} s for all {world_size} ranks)")
     try:
+        local = store is not None  # the launcher's store: its ranks leave the join together
         if store is None:  # torch's env:// rendezvous, waiting `wait`, not the groups' timeout
             store, _, _ = next(
                 dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=wait))
@@ -463,6 +482,8 @@ def init_distributed(
             timeout=timedelta(seconds=groups),
             store=store,
         )
+        if local:
+            _all_joined(store, world_size, wait)
     except dist.DistStoreError as exc:  # the store's own words name only keys
         raise TimeoutError(
             f"rank {rank} waited {wait:.0f} s for all {world_size} ranks to join the process "

@@ -34,6 +34,33 @@ def test_failing_rank_is_named_and_nobody_hangs():
     assert time.monotonic() - start < 30
 
 
+_JOINED_AT = []
+"""When this (forked) rank's init_process_group returned (`_slow_rank_0_join`)."""
+
+
+def _started_at():
+    """A function with no collective: it returns at once (and the rank tears its group down)."""
+    return _JOINED_AT[0], time.monotonic()
+
+
+def test_no_local_rank_starts_before_every_rank_has_joined(monkeypatch):
+    """Rank 0 slow between gloo connecting its pair and returning from init_process_group (the
+    window where heavy load once failed it with "Gloo connectFullMesh failed ... Connection
+    closed by peer": rank 1, finished at once, had closed its socket). Rank 1's function now
+    starts only after rank 0 has joined; it started 0.5 s before."""
+    real = dist.init_process_group
+
+    def slow_rank_0_join(*args, **kwargs):
+        real(*args, **kwargs)
+        if kwargs["rank"] == 0:
+            time.sleep(0.5)
+        _JOINED_AT.append(time.monotonic())
+
+    monkeypatch.setattr(dist, "init_process_group", slow_rank_0_join)
+    (joined_0, _), (_, started_1) = run_local(_started_at, 2, optimizers=False)
+    assert started_1 >= joined_0, (joined_0, started_1)
+
+
 def test_launch_refuses_more_processes_than_the_machine_runs_unless_told(monkeypatch):
     """megapar.launch(fn, 64) forked 64 processes on 2 cores: refused before any starts, the
     limit and the way around it named; oversubscribe=True starts them."""
