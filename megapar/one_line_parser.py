@@ -26,22 +26,24 @@ def shell_word(value: str | os.PathLike) -> str:
 class OneLineParser(argparse.ArgumentParser):
     """argparse with megapar's rule for bad input: one line naming the problem and where the fix
     is (exit 2), not the whole usage; flags are never abbreviated (`--max-step` is not
-    `--max-steps`), as in Megatron. A word no flag takes (`megapar-eval ck`) is named as
-    unexpected, with where it belongs: `stray=(FLAG, WHAT)` names the flag a lone word most
-    likely is the value of (`("--load", "the checkpoint")`: "pass the checkpoint as --load
-    ck"), where the command line has not given that flag; else the flag before it that takes
-    no more values; else that the command takes flags only. That comes before argparse's
-    "arguments are required" (which would not name the word). Positionals of several words
-    (megapar-convert's PATH...) may stand before, between and after the flags."""
+    `--max-steps`), as in Megatron. Words argparse cannot place come before its "arguments are
+    required" (which would name neither them nor a misspelt required flag): an unknown flag is
+    named with the closest known one (`--lod: did you mean --load?`); a word no flag takes
+    (`megapar-eval ck`) as unexpected, with where it belongs: `stray`, ((FLAG, WHAT), ...),
+    names the flags lone words most likely are the values of, in order (`(("--load", "the
+    checkpoint"),)`: "pass the checkpoint as --load ck"), among those the command line has not
+    given; else the flag before the word, which takes no more values; else that the command
+    takes flags only. Positionals of several words (megapar-convert's PATH...) may stand
+    before, between and after the flags."""
 
-    def __init__(self, *args, stray: tuple[str, str] | None = None, **kwargs):
+    def __init__(self, *args, stray: tuple[tuple[str, str], ...] = (), **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.stray = stray
 
     def parse_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)
-        self._refuse_strays(argv)
+        self._refuse_unplaced(argv)
         if self._spread_positionals():
             return self.parse_intermixed_args(argv, namespace)
         return super().parse_args(argv, namespace)
@@ -50,10 +52,10 @@ class OneLineParser(argparse.ArgumentParser):
         """Whether a positional takes several words (then they may be split by flags)."""
         return any(not a.option_strings and a.nargs in ("*", "+") for a in self._actions)
 
-    def _refuse_strays(self, argv: list[str]) -> None:
-        """Exit 2 with one line where every word argparse leaves over is a lone value no flag
-        takes (`megapar-eval ck`); parsed with the required flags held back, so that their
-        absence does not hide the word. Unknown flags are left to argparse's own message."""
+    def _refuse_unplaced(self, argv: list[str]) -> None:
+        """Exit 2 with one line naming the words argparse leaves over (unknown flags, or values
+        no flag takes); parsed with the required flags held back, so that the absence of one
+        does not hide them."""
         held = [(a, a.required) for a in self._actions]
         try:
             for action, _ in held:
@@ -68,8 +70,10 @@ class OneLineParser(argparse.ArgumentParser):
             for action, required in held:
                 action.required = required
         words = [w for w in extras if not w.startswith("-") or _NEGATIVE_NUMBER.match(w)]
-        if not words or len(words) != len(extras):
+        if not extras:
             return
+        if len(words) != len(extras):  # an unknown flag: its value is among the words
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
         named = ", ".join(f"'{w}'" for w in words)
         self.error(
             f"unexpected argument{'s' if len(words) > 1 else ''} {named}: "
@@ -77,13 +81,11 @@ class OneLineParser(argparse.ArgumentParser):
         )
 
     def _stray_hint(self, argv: list[str], words: list[str]) -> str:
-        """Where the first of `words` (left over from `argv`) belongs."""
+        """Where `words` (left over from `argv`, none of them a flag) belong."""
         given = {w.split("=", 1)[0] for w in argv if w.startswith("-")}
-        if self.stray and self.stray[0] not in given:
-            flag, what = self.stray
-            several = self._option_string_actions[flag].nargs in ("*", "+")
-            values = words if several else words[:1]
-            return f"pass {what} as {shlex.join([flag, *values])}"
+        missing = [(flag, what) for flag, what in self.stray if flag not in given]
+        if missing:
+            return self._as_flags(missing[: len(words)], words)
         before = argv[: argv.index(words[0])]
         flags = [w for w in before if w.startswith("-") and not _NEGATIVE_NUMBER.match(w)]
         last = flags[-1].split("=", 1)[0] if flags else ""
@@ -93,6 +95,18 @@ class OneLineParser(argparse.ArgumentParser):
         if before_action is not None and before_action.nargs in (None, "?", 1):
             return f"{last} takes one value"
         return f"{self.prog} takes no positional arguments; give each value after its flag"
+
+    def _as_flags(self, flags: list[tuple[str, str]], words: list[str]) -> str:
+        """`words` given as `flags` (no more of them than words): the last flags one word
+        each, from the end; the first the words before those (all, where it takes several)."""
+        tail = len(flags) - 1
+        head = words[: len(words) - tail]
+        if self._option_string_actions[flags[0][0]].nargs not in ("*", "+"):
+            head = head[:1]
+        parts = [flags[0][0], *head]
+        for (flag, _), word in zip(flags[1:], words[len(words) - tail :]):
+            parts += [flag, word]
+        return f"pass {' and '.join(what for _, what in flags)} as {shlex.join(parts)}"
 
     def error(self, message: str):
         self.exit(

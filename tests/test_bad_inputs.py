@@ -800,8 +800,13 @@ STRAY = [
     # the checkpoint as a positional: was "the following arguments are required: --load"
     ("eval", ["ck"], "unexpected argument 'ck': pass the checkpoint as --load ck"),
     ("eval", ["--load", "ck", "extra"], "unexpected argument 'extra': --load takes one value"),
-    ("data", ["a.txt", "b.txt"],
+    ("data", ["a.txt"], "unexpected argument 'a.txt': pass the input as --input a.txt"),
+    ("data", ["a.txt", "b.txt", "out"], "unexpected arguments 'a.txt', 'b.txt', 'out': pass the "
+     "input and the output prefix as --input a.txt b.txt --output-prefix out"),
+    ("data", ["--output-prefix", "out", "a.txt", "b.txt"],
      "unexpected arguments 'a.txt', 'b.txt': pass the input as --input a.txt b.txt"),
+    # a misspelt required flag: was "the following arguments are required: --load"
+    ("eval", ["--lod", "ck"], "unrecognized arguments: --lod ck; --lod: did you mean --load?"),
     ("plan", ["llama3-8b"], "unexpected argument 'llama3-8b': pass the model as --model llama3-8b"),
     ("train", ["ck"], "'ck': megapar-train takes no positional arguments; give each value after"),
     ("train", ["--dry-run", "yes"], "unexpected argument 'yes': --dry-run takes no value"),

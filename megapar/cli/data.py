@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``megapar-data`` argument parser."""
     p = OneLineParser(
         prog="megapar-data",
-        stray=("--input", "the input"),
+        stray=(("--input", "the input"), ("--output-prefix", "the output prefix")),
         description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -63,7 +63,7 @@ def build_parser() -> OneLineParser:
     p = OneLineParser(
         prog="megapar-eval",
         description=__doc__.split("\n")[0],
-        stray=("--load", "the checkpoint"),
+        stray=(("--load", "the checkpoint"),),
     )
     p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")

@@ -75,7 +75,7 @@ def build_parser() -> OneLineParser:
     """megapar-plan's argument parser, its flags grouped by concern."""
     p = OneLineParser(
         prog="megapar-plan",
-        stray=("--model", "the model"),
+        stray=(("--model", "the model"),),
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
