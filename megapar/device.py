@@ -424,12 +424,9 @@ JOINED_KEY = "megapar/joined"
 
 def _all_joined(store, world_size: int, wait_s: float) -> None:
     """Return once every rank's `init_process_group` has returned (each counts itself in
-    `store`; DistStoreError after `wait_s`). Gloo's connect of a pair fails with "Connection
-    closed by peer" when the peer, already connected, closes the socket before this rank's
-    thread has seen the connection made: a forked rank whose function uses no collective
-    finishes and tears its group down at once, so a slower rank still inside
-    `init_process_group` failed (seen under heavy load). No rank can close its sockets before
-    every rank is past that point."""
+    `store`; DistStoreError after `wait_s`), so that no rank, its function done at once (no
+    collective), closes its sockets while another is still inside gloo's connect, which fails
+    then with "Connection closed by peer" (docs/guides/faults.md)."""
     if store.add(JOINED_KEY, 1) == world_size:
         store.set(JOINED_KEY + "/all", "1")
     store.wait([JOINED_KEY + "/all"], timedelta(seconds=wait_s))
