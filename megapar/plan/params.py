@@ -384,13 +384,12 @@ def stage_units(
     for ci, spec in enumerate(specs):
         emb = take(embedding, True) if spec.pre_process else []
         blocks = [b for layer in spec.layers if (b := take(blocks_of[kinds[layer]]))]
-        tail = (
-            take([t for t in head if not (t.tied and spec.pre_process)])
-            if spec.post_process
-            else []
-        )
+        head_here = [t for t in head if not (t.tied and spec.pre_process)]
+        tail = take(head_here) if spec.post_process else []
         own = emb if blocks else []
-        if own and tail:  # a tied word embedding goes with the head that reads it
+        # a tied word embedding goes with the head that reads it (in its backward too), even
+        # where the head's own parameters all persist
+        if own and spec.post_process and head_here:
             own = [i for i in own if not tensors[i].shared]
         root = [i for i in emb + tail if i not in own]
         units += [u for b in blocks for u in made("block", ci, b)]
