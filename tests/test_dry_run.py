@@ -531,6 +531,46 @@ def test_zero_3_persistence_threshold_in_the_plan_equals_the_dry_run():
         assert planned.gathered > default.gathered and not r.modelled
 
 
+@pytest.mark.parametrize("flags,spec,threshold,direction", [
+    ({}, {}, 0, 0),
+    ({"zero3_keep_params": True}, {"keep_params": True}, 0, 1),
+    ({"zero3_reduce": "micro-batch"}, {"zero3_reduce": "micro-batch"}, 0, -1),
+    ({"zero3_persistence_threshold": 100}, {}, 100, 1),
+    ({"offload_optimizer": True, "offload_params": True},
+     {"offload_optimizer": True, "offload_params": True}, 0, -1),
+])
+def test_the_dry_runs_process_peak_is_the_plans_for_the_jobs_zero_3_settings(
+        flags, spec, threshold, direction):
+    """The dry run's 'at its peak' figures are the planner's (`megapar-plan
+    --explain`) for the job's own ZeRO-3 settings: --zero3-keep-params (every unit gathered
+    at the top and end of the backward: more), --zero3-reduce micro-batch (fewer full gradient
+    buffers: less), --zero3-persistence-threshold (the persistent unit gathered all step:
+    more) and --offload-params (the parameter shards on the host: less). The dry run built
+    its planner job with the defaults, so its figure stayed the default's (llama-1b at dp 4,
+    bf16, 2048 x 1: 18.18 GiB whatever the settings, 20.03 / 14.23 / 17.11 GiB planned)."""
+    import dataclasses
+
+    from megapar.plan import Candidate, Problem
+    from megapar.plan.estimate import estimate
+
+    config = resolve_model("llama-tiny")  # untied: its head is a tail unit of its own
+    cfg = TrainConfig(dp=2, seq_len=16, micro_batch_size=2, global_batch_size=8, zero=3,
+                      precision="bf16", **flags)
+    r = dry_run(cfg, config, Layout(1, 1, 2), [0])[0]  # rank 0: the most loaded
+    planned, default = (
+        {t: estimate(Problem(config, 2, global_batch=8, seq_len=16, precision="bf16",
+                             zero3_persistence_threshold=persist, target=t), c).process.total
+         for t in ("gpu", "cpu")}
+        for c, persist in ((Candidate(dp=2, mbs=2, zero=3, **spec), threshold),
+                           (Candidate(dp=2, mbs=2, zero=3), 0)))
+    assert r.peak_gpu == int(planned["gpu"]), (r, planned)
+    if not cfg.offload_optimizer:  # (a plan for CPU ranks offloads nothing: a CPU is the host)
+        assert r.peak_cpu == int(planned["cpu"]), (r, planned)
+    moved = planned["gpu"] - default["gpu"]
+    assert (moved > 0) - (moved < 0) == direction, (planned, default)
+    assert not r.modelled and dataclasses.asdict(r)["zero"] == 3
+
+
 def test_dry_run_of_zero_3_with_both_offloads_is_the_real_code_and_equals_the_plan():
     """--zero 3 with --offload-optimizer and --offload-params is rehearsed with the real code
     (not the planner's model): --verify equal, and the host holds the parameter shards on top of

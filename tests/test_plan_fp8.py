@@ -350,3 +350,36 @@ def test_zero3_float8_gathers_in_the_plan_equal_the_dry_run(spec, world):
         for op, n, nbytes in planned:
             assert r.comm["dp"][op] == {"count": n, "bytes": int(nbytes)}, (op, r.comm["dp"])
     assert gathered["tensorwise"] < gathered["rowwise"] == gathered["off"], gathered
+
+
+@needs_torchao
+def test_the_float8_gathers_scales_cost_two_all_reduces_latency_a_step(monkeypatch):
+    """ZeRO-3's float8 all-gather makes the stage's weight scales at a step's start: one amax
+    all-reduce over cp x dp and one over tp, for the whole stage (`Float8Gather._scales`;
+    test_dry_run's real float8 ZeRO-3 run issues the one over dp once a step,
+    test_amax_all_reduces_are_what_the_code_issues the one over tp). The plan's exposed dp
+    seconds add their latency, 2 (n - 1) messages each as the other amax all-reduces
+    (`chunk_times`): at tp 2 x dp 2 and at dp 4 (10 us a message) +40 and +60 us; none where
+    the weights gather in fp32 (rowwise, --offload-params) or at ZeRO-1. The plan counted
+    neither."""
+    import sys
+
+    from megapar.plan.estimate import _dp_exposed
+
+    config = _config("llama")
+    p = _problem(config, "tensorwise", "all", gpus=4, global_batch=8)
+    # the reductions and gathers apart (`sharding.dp_seconds`'s own tests)
+    monkeypatch.setattr(sys.modules["megapar.plan.estimate"], "dp_seconds",
+                        lambda *args, **kwargs: 0.0)
+    for c, messages in ((Candidate(tp=2, dp=2, mbs=1, zero=3), 2 + 2),
+                        (Candidate(dp=4, mbs=1, zero=3), 6),
+                        (Candidate(dp=4, mbs=1, zero=3, offload_optimizer=True,
+                                   offload_params=True), 0),
+                        (Candidate(dp=4, mbs=1, zero=1), 0)):
+        m = p.global_batch // (c.mbs * c.dp)
+        busiest = max(chunk_times(p, c), key=lambda row: sum(x.total for x in row))
+        assert _dp_exposed(p, c, m, busiest) == pytest.approx(messages * p.latency_us * 1e-6), c
+    rowwise = _problem(config, "rowwise", "all", gpus=4, global_batch=8)
+    c = Candidate(dp=4, mbs=1, zero=3)
+    busiest = max(chunk_times(rowwise, c), key=lambda row: sum(x.total for x in row))
+    assert _dp_exposed(rowwise, c, 2, busiest) == 0.0

@@ -610,3 +610,46 @@ def test_zero_settings_that_change_nothing_are_said():
     assert "--grad-compression powersgd at dp x cp = 1" in notes(grad_compression="powersgd")
     assert "--grad-reduce-dtype" not in notes(grad_reduce_dtype="fp16", dp=2,
                                                global_batch_size=8, micro_batch_size=4)
+
+
+def _tied_steps() -> tuple[list[float], list]:
+    """gpt2-tiny (tied head) at dp 2, ZeRO-3, the whole logits, without and with a
+    persistence threshold of 100: each one step's loss, and the second's units (name, names
+    of its parameters)."""
+    import torch.distributed as dist
+
+    import megapar
+
+    losses = []
+    for persist in (0, 100):
+        engine = megapar.prepare("gpt2-tiny", micro_batch_size=1, zero=3, seq_len=16,
+                                 global_batch_size=2 * dist.get_world_size(),
+                                 loss_chunk_tokens=0, zero3_persistence_threshold=persist)
+        ids = torch.randint(0, 1000, (4, 17), generator=torch.Generator().manual_seed(0))
+        losses.append(float(engine.train_step({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})))
+    names = {id(p): n for n, p in engine.model.named_parameters()}
+    units = [(u.name, sorted(names[id(p)] for p in u.params)) for u in engine.sharded_params.units]
+    return losses, units
+
+
+def test_a_tied_head_whose_own_parameters_all_persist_keeps_the_word_embedding_to_its_backward():
+    """With a persistence threshold above the final norm's size, a tied model's chunk has no
+    tail of its own parameters; the word embedding the head reads stayed in the embedding
+    unit, freed after the forward, and the head's backward (--loss-chunk-tokens 0, or tp > 1)
+    read a freed weight ("setStorage: ... out of bounds for storage of size 0"). It now goes
+    in the root unit as without the threshold: the step runs, its loss the threshold 0's, and
+    the plan lays out the same units (`plan.params.stage_units`)."""
+    from megapar.models.recipes import resolve_model
+    from megapar.plan.params import stage_tensors, stage_units
+
+    (loss0, loss), units = run_local(_tied_steps, 2)[0]
+    assert loss == loss0
+    roots = dict(units)
+    assert roots["chunk 0 root"] == ["embed.word.weight"]
+    assert roots["chunk 0 embedding"] == ["embed.position.weight"]
+    config = resolve_model("gpt2-tiny")
+    tensors = stage_tensors(config, 1, 1, 1, 0)
+    planned = {u.kind: [tensors[i].numel for i in u.tensors]
+               for u in stage_units(config, 1, 1, 1, 0, persist_below=100)}
+    h = config.hidden_size
+    assert planned["root"] == [50304 * h] and planned["embedding"] == [config.n_positions * h]

@@ -186,3 +186,45 @@ def test_compiled_blocks_read_the_16_bit_copies():
     for ours, theirs in run_local(_compiled_steps, 2, "gpt2", {}):
         assert (ours[0], ours[1]) == (theirs[0], theirs[1]), (ours[:2], theirs[:2])
         assert ours[2] == [2 * 2 * sum(ours[4]) // 2] * STEPS and theirs[2] == [0] * STEPS
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_gathered_peak_holds_the_cast_shard_of_the_gather_in_flight(run, monkeypatch,
+                                                                        precision):
+    """A 16-bit unit's gather sends this rank's slice rounded to 16 bits, made at the launch
+    and freed when the gather is waited for: while a block runs its forward with the next one
+    prefetched, the next one's 16-bit shard is held beside the gathered units. A real run
+    (forked gloo ranks, the gathers whole and async as NCCL runs them), the dry run and the
+    plan count it alike: gpt2-tiny at dp 2, bf16, the units' buffers plus a block's 16-bit
+    half-buffer / dp (fp32: no shard). The three left it out: 13,114,368 bytes each, 49,152
+    (a block's 49,152 16-bit linear weight elements over 2 ranks) under the peak."""
+    from megapar.data_parallel import shard_comm
+    from megapar.data_parallel.sharded_params import ShardedParams
+    from megapar.dryrun import dry_run
+    from megapar.dryrun.measure import measured_rank
+    from megapar.mesh import Layout
+    from megapar.models.recipes import resolve_model
+    from megapar.plan.params import GatherCasts, stage_tensors, stage_units
+    from megapar.plan.state import Offload, rank_state
+    from megapar.plan.zero3_peaks import gathered_peak
+    from megapar.training.config import TrainConfig
+
+    config = resolve_model("gpt2-tiny")
+    cfg = TrainConfig(dp=2, seq_len=16, micro_batch_size=2, global_batch_size=8, zero=3,
+                      precision=precision)
+    monkeypatch.setattr(shard_comm, "HOST_PIECE_BYTES", 2**40)  # whole, async gathers
+    monkeypatch.setattr(ShardedParams, "HOST_PIECE_MB", 2.0**40)
+    real = run(measured_rank, 2, cfg.to_dict(), config.to_dict(), 1)
+    dry = dry_run(cfg, config, Layout(1, 1, 2), [0, 1])
+    half = precision == "bf16"
+    planned = rank_state(config, 1, 1, 1, 0, 2, 0, 3,
+                         offload=Offload(casts=GatherCasts(half=half))).gathered
+    assert [r.gathered for r in dry] == [m["gathered"] for m in real] == [planned] * 2
+    # without the shard: the units' buffers alone, as the plan counted them before
+    specs = stage_units(config, 1, 1, 1, 0, casts=GatherCasts(half=half))
+    tensors = stage_tensors(config, 1, 1, 1, 0)
+    full = [-(-sum(tensors[i].numel for i in u.tensors) // 2) * 2 * (2 if u.cast else 4)
+            for u in specs]
+    shard = max(n // 2 for u, n in zip(specs, full) if u.cast) if half else 0
+    assert planned == gathered_peak(specs, full, False) + shard
+    assert (shard > 0) == half

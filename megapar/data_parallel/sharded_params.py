@@ -146,13 +146,20 @@ class ShardedParams(UnitGradSync):
         return u.lo, u.hi
 
     def gathered_bytes(self) -> int:
-        """Bytes of the units' full buffers gathered now, 16-bit and float8 ones included (a
-        `Unit.resident` unit's is its shard, held between steps: not counted; nor are the
-        slices a gather in flight sends, a cast shard or an offloaded unit's staging shard:
-        1 / dp of a unit, freed when the gather is done)."""
+        """Bytes of the units' full buffers gathered now, 16-bit and float8 ones included,
+        and of the cast shards the 16-bit and float8 gathers in flight send (1 / dp of their
+        buffers, made at the launch and freed when the gather is waited for). A
+        `Unit.resident` unit's buffer is its shard, held between steps: not counted; nor are
+        the slices a fp32 gather sends (the shards themselves) or an offloaded unit's staging
+        shard."""
         return sum(
             u.full.untyped_storage().nbytes()
-            + (0 if u.cast is None else u.cast.full.untyped_storage().nbytes())
+            + (
+                0
+                if u.cast is None
+                else u.cast.full.untyped_storage().nbytes()
+                + u.cast.shard.untyped_storage().nbytes()
+            )
             for u in self.units
             if not u.resident
         )

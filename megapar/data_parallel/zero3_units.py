@@ -509,7 +509,8 @@ def chunk_roots(
     norm, head, tied weights) is freed once the backward has passed the last block, and
     the embedding unit is gathered when it reaches the first. Else one root unit."""
     inside = {id(p) for _, b in blocks for p in b.parameters()}
-    root = [p for p in _at_least(chunk, persist_below) if id(p) not in inside]
+    every = [p for p in _at_least(chunk, 0) if id(p) not in inside]
+    root = [p for p in every if p.numel() >= persist_below]
     embed = getattr(chunk, "embed", None)
     own: set[int] = set()
     if split and isinstance(embed, nn.Module):
@@ -521,7 +522,9 @@ def chunk_roots(
         }
         tail_ids |= {id(p) for p in chunk.parameters(recurse=False)}
         own = {id(p) for p in embed.parameters() if id(p) not in tail_ids}
-        if any(id(p) not in own for p in root):  # a tail: tied weights are read there
+        # a tail (a head, even one whose parameters all persist): tied weights are read there,
+        # in its backward too, after the embedding unit is freed
+        if any(id(p) not in own for p in every):
             own -= {id(p) for p in root if getattr(p, "shared_embedding", False)}
     pre = [p for p in root if id(p) in own]
     post = [p for p in root if id(p) not in own]

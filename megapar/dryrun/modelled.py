@@ -17,10 +17,12 @@ from megapar.plan.process import TARGETS, process_peak
 
 def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Problem, Candidate]:
     """The planner's problem and candidate for megapar-train's job `cfg` (a `TrainConfig`) of
-    model `config` on `layout`, with its --fp8 and --fp8-layers, for `target`'s ranks
-    (`Problem.target`). ZeRO-3's --zero3-keep-params, --zero3-reduce and persistence
-    threshold, offload and --grad-bucket-mb are the planner's defaults: what a dry run models
-    beside the state its real code holds."""
+    model `config` on `layout`, for `target`'s ranks (`Problem.target`), with the job's own
+    settings that the planner reads: --fp8 and --fp8-layers, --grad-bucket-mb, the offloads and
+    ZeRO-3's --zero3-keep-params, --zero3-reduce and --zero3-persistence-threshold (which
+    units are gathered and which gradient buffers alive at the top and at the end of the
+    backward, where `plan.process` takes the peak). Besides the state its real code holds, a
+    dry run takes its activations, transients and process peak from these."""
     problem = Problem(
         config,
         layout.world_size,
@@ -34,6 +36,8 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
         fp8=cfg.fp8,
         fp8_layers=cfg.fp8_layers,
         target=target,
+        grad_bucket_mb=cfg.grad_bucket_mb,
+        zero3_persistence_threshold=cfg.zero3_persistence_threshold if cfg.zero == 3 else 0,
     )
     candidate = Candidate(
         layout.tp,
@@ -46,6 +50,10 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
         bool(cfg.sequence_parallel and layout.tp > 1),
         cfg.zero,
         layout.cp,
+        offload_optimizer=cfg.offload_optimizer,
+        offload_params=cfg.offload_params,
+        keep_params=cfg.zero3_keep_params,
+        zero3_reduce=cfg.zero3_reduce,
         ep=layout.ep,
     )
     return problem, candidate

@@ -578,7 +578,8 @@ def stage_roles(p: Problem, c: Candidate, stage: int) -> tuple[bool, bool]:
 
 def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> float:
     """Seconds of the data-parallel gradient reduction (and ZeRO's gathers) not hidden behind
-    the busiest rank's compute (`sharding.dp_seconds`)."""
+    the busiest rank's compute (`sharding.dp_seconds`), and under ZeRO-3's float8 all-gather
+    its scales' two amax all-reduces a step."""
     cfg, t, n = p.config, c.tp, c.cp
     layers = max(stage_layer_counts(cfg.num_layers, c.pp, c.v, placement_of(c.schedule)))
     t_f = sum(x.forward for x in busiest)
@@ -609,7 +610,16 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
         if c.offload_params
         else 0.0
     )
-    return dp_seconds(
+    # ZeRO-3's float8 all-gather makes the stage's weight scales at the step's start: one
+    # amax all-reduce over cp x dp and one over tp (`Float8Gather._scales`), before any gather,
+    # nothing to hide behind; each its messages' latency, as `chunk_times` counts the casts'
+    scales = (
+        ring_seconds(replicas, 0, dp_gbps, p.latency_us)
+        + ring_seconds(t, 0, p.intra_gbps, p.latency_us)
+        if float8
+        else 0.0
+    )
+    return scales + dp_seconds(
         c.zero,
         m,
         c.pp,

@@ -97,6 +97,49 @@ def piece_counts(config, tp: int, config_json: str | None = None, ep: int = 1) -
     return _pieces(config_json or _config_json(config), tp, ep)
 
 
+@dataclass(frozen=True)
+class WholeCasts:
+    """Elements of one tp rank's parameters, other than its column- and row-parallel linears'
+    and the LM head's weight, that a 16-bit autocast casts whole: each is handed as it is to
+    an op autocast runs in 16 bits, so autocast caches its cast for the step (a plain
+    ``nn.Linear``'s weight and bias, a router's weight). The parallel linears' weights and
+    biases (a column-parallel linear's bias goes into its ``F.linear``, a row-parallel one's is
+    added after the reduction, uncast) and the LM head's are `plan.process`'s to count."""
+
+    blocks: tuple[tuple[bool, int], ...]
+    """(block kind, elements) of each kind's block (`kind_blocks`)."""
+    head: int
+    """Of the head piece (BERT's MLM transform)."""
+    head_bias: int
+    """The LM head's bias (BERT's), cast with its weight by the head's matmul."""
+
+
+def _cast_whole(module) -> int:
+    """Elements of `module`'s parameters that autocast casts whole (see `WholeCasts`)."""
+    from torch import nn
+
+    from megapar.models.moe import Router
+
+    n = 0
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            n += sum(p.numel() for p in m.parameters(recurse=False))
+        elif isinstance(m, Router):
+            n += m.weight.numel()
+    return n
+
+
+@lru_cache(maxsize=64)
+def whole_casts(config_json: str, tp: int, ep: int = 1) -> WholeCasts:
+    """`WholeCasts` of `config_json`'s blocks and head on one tp rank (routed experts over
+    `ep`)."""
+    config = config_from_dict(json.loads(config_json))
+    blocks = tuple((kind, _cast_whole(b)) for kind, b in kind_blocks(config, tp, ep).items())
+    last = _build(config, tp, range(0), False, True)
+    bias = dict(last.named_parameters()).get("head.bias")
+    return WholeCasts(blocks, _cast_whole(last), 0 if bias is None else bias.numel())
+
+
 def _config_json(config) -> str:
     """`config` as canonical JSON: the key of the cached functions here."""
     return json.dumps(config.to_dict(), sort_keys=True)
@@ -341,13 +384,12 @@ def stage_units(
     for ci, spec in enumerate(specs):
         emb = take(embedding, True) if spec.pre_process else []
         blocks = [b for layer in spec.layers if (b := take(blocks_of[kinds[layer]]))]
-        tail = (
-            take([t for t in head if not (t.tied and spec.pre_process)])
-            if spec.post_process
-            else []
-        )
+        head_here = [t for t in head if not (t.tied and spec.pre_process)]
+        tail = take(head_here) if spec.post_process else []
         own = emb if blocks else []
-        if own and tail:  # a tied word embedding goes with the head that reads it
+        # a tied word embedding goes with the head that reads it (in its backward too), even
+        # where the head's own parameters all persist
+        if own and spec.post_process and head_here:
             own = [i for i in own if not tensors[i].shared]
         root = [i for i in emb + tail if i not in own]
         units += [u for b in blocks for u in made("block", ci, b)]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from megapar.plan import fp8
 from megapar.plan.layouts import Candidate
 from megapar.plan.memory import GIB, MemoryBreakdown
-from megapar.plan.params import piece_counts
+from megapar.plan.params import piece_counts, whole_casts
 from megapar.plan.pipeline import loss_grads_in_forward
 from megapar.plan.problem import Problem
 from megapar.tensor_parallel.partition import local_size
@@ -408,6 +408,9 @@ def _top_of_backward(
                 + (", held by autograd until the embedding's arrives" if has_embedding else ""),
             )
         )
+        cast = _chunked_head_cast(p, c)
+        if cast is not None:
+            out.append(cast)
         if not p.loss_chunk_tokens and c.tp == 1:
             s = p.seq_len // c.cp
             out.append(
@@ -425,20 +428,16 @@ def _autocast_copies(
     p: Problem, c: Candidate, mem: MemoryBreakdown, has_embedding: bool, has_head: bool
 ) -> Term:
     """Autocast's cache of 16-bit copies of the weights the rank's matmuls use, kept until the
-    step's autocast region ends (every parameter but a lookup-only embedding)."""
-    if not p.sixteen_bit or c.zero == 3:
+    step's autocast region ends (every parameter but a lookup-only embedding; under ZeRO-3
+    those `_zero3_autocast_copies` counts)."""
+    if not p.sixteen_bit:
         if p.precision == "fp32":
             why = "fp32 matmuls"
-        elif p.master_weights != "fp32":
-            why = "16-bit weights: the matmuls use them as they are, nothing to cast"
         else:
-            why = (
-                "ZeRO-3: the blocks' linears read their gathered 16-bit weights (no copy); "
-                "the other weights' copies not modelled"
-                if fp8.half_gathered(p, c)
-                else "ZeRO-3's gathered units: not modelled"
-            )
+            why = "16-bit weights: the matmuls use them as they are, nothing to cast"
         return Term("autocast's 16-bit weight copies", 0.0, why)
+    if c.zero == 3:
+        return _zero3_autocast_copies(p, c, mem, has_head)
     elements = mem.params / 4
     if has_embedding and not (_tied(p) and has_head):
         elements -= piece_counts(p.config, c.tp, p.config_json).embedding
@@ -453,6 +452,74 @@ def _autocast_copies(
             if float8
             else ""
         ),
+    )
+
+
+def _zero3_autocast_copies(p: Problem, c: Candidate, mem: MemoryBreakdown, has_head: bool) -> Term:
+    """Under ZeRO-3 with 16-bit autocast, the copies autocast caches for the step: of each
+    parameter an op it runs in 16 bits reads whole (a leaf tensor), so not the blocks'
+    linear weights ZeRO-3 gathers in 16 bits (`fp8.half_gathered`: the linears read those
+    instead) nor the float8 linears' (cast straight to float8), nor a weight read as a slice
+    (replicated k / v heads, routed experts, the chunked loss's head: casts made per use).
+    That leaves the column-parallel linears' biases (a row-parallel one's is added after its
+    reduction, uncast), plain linears and routers (`params.whole_casts`), every parallel
+    linear's weight where the gather is fp32 (--offload-params, dp x cp 1) and, with the
+    whole logits (--loss-chunk-tokens 0), the LM head's weight and bias
+    (`tests/test_process_peak.py` holds it to the casts a step keeps)."""
+    half = fp8.half_gathered(p, c)
+    recipe = p.fp8 if p.fp8 != "off" else "tensorwise"
+    linears = fp8.block_linears(p.config_json, c.tp, recipe, p.fp8_layers)
+    whole = whole_casts(p.config_json, c.tp, c.ep)
+    plain = dict(whole.blocks)
+    per_kind = {
+        kind: plain[kind]
+        + sum(
+            (x.params - x.n * x.k if x.column else 0) + (0 if half else x.n * x.k)
+            for x in xs
+            if p.fp8 == "off" or not x.converted
+        )
+        for kind, xs in linears.items()
+    }
+    elements = sum(per_kind[kind] for kind in fp8.stage_kinds(p, c, mem.stage))
+    head = 0
+    if has_head:
+        vocab, h = _vocab_h(p, c)
+        head = whole.head + (0 if p.loss_chunk_tokens else vocab * h + whole.head_bias)
+    what = (
+        "the blocks' linears read their gathered 16-bit weights (no copy)"
+        if half
+        else "the blocks' linear weights (gathered in fp32"
+        + (": --offload-params)" if c.offload_params else ")")
+    )
+    return Term(
+        "autocast's 16-bit weight copies",
+        (elements + head) * p.act_bytes,
+        f"ZeRO-3: {what}; cached for the step: the column-parallel biases, plain linears and "
+        "routers"
+        + ("" if half else ", the linear weights")
+        + (
+            ", the LM head's weight (the whole logits)"
+            if has_head and not p.loss_chunk_tokens
+            else ""
+        ),
+    )
+
+
+def _chunked_head_cast(p: Problem, c: Candidate) -> Term | None:
+    """Under ZeRO-3 with 16-bit autocast and the chunked loss, on the stage with the LM head:
+    the loss's 16-bit cast of this rank's real rows of the head's weight (and bias), made in
+    its forward and again in its backward (`tensor_parallel.linear_cross_entropy`), alive at
+    the top of the backward; no cached copy (`_zero3_autocast_copies`). Under ZeRO 0-2
+    autocast's copies count the head's weight for the whole step. None otherwise."""
+    if not (p.sixteen_bit and c.zero == 3 and p.loss_chunk_tokens):
+        return None
+    vocab, h = _vocab_h(p, c)
+    rows = min(vocab, p.config.vocab_size)
+    bias = whole_casts(p.config_json, c.tp, c.ep).head_bias
+    return Term(
+        "the chunked loss's 16-bit cast of the head's weight",
+        rows * (h + (1 if bias else 0)) * p.act_bytes,
+        "its real rows, made by the loss in its forward and backward (not cached)",
     )
 
 

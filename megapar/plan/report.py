@@ -417,8 +417,15 @@ def fp8_lines(e: Estimate, p: Problem) -> list[str]:
         f"  float8 products: {100 * share:.1f} % of the rank's matmul FLOPs, counted at "
         f"{p.fp8_speedup:g} x the high-precision rate (the casts' memory traffic is not "
         f"modelled: an upper bound on the gain); their weight gradients in B",
-        f"  amax all-reduces a step: {tp:,} over tp, {cp:,} over cp (each its messages' "
-        f"latency, {p.latency_us:g} us)",
+        f"  amax all-reduces a step: {tp:,} over tp, {cp:,} over cp"
+        + (
+            ", 1 over cp x dp (ZeRO-3's float8 all-gather's weight scales"
+            + (", with 1 of those over tp" if c.tp > 1 else "")
+            + ": exposed, in dp)"
+            if fp8.float8_gathered(p, c)
+            else ""
+        )
+        + f" (each its messages' latency, {p.latency_us:g} us)",
     ]
 
 

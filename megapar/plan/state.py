@@ -244,14 +244,26 @@ def _finish(
         grad_nbytes = [0 if k in alone else n for k, n in enumerate(nbytes)]
         full = nbytes if offload.params else grad_nbytes
         full = [_gathered(u, n) for u, n in zip(specs, full)]
-        gathered = gathered_peak(specs, full, offload.keep_params)
+        # a cast unit's gather sends its 16-bit or float8 shard, held while the gather runs
+        sent = [
+            n // _shards(tensors, idx, dp, ep) if u.cast else 0
+            for u, n, (idx, _) in zip(specs, full, units)
+        ]
+        gathered = gathered_peak(specs, full, offload.keep_params, sent)
         deferred = _deferred(tensors, units, pp)
         kept = offload.micro_batches > 1
         grad_buffers = grad_buffers_peak(
             specs, grad_nbytes, deferred, offload.whole_grads, kept, alone
         )
         gathered_top, gathered_end, grad_buffers_top = phases(
-            specs, full, deferred, offload.whole_grads, offload.keep_params, kept, grad_nbytes
+            specs,
+            full,
+            deferred,
+            offload.whole_grads,
+            offload.keep_params,
+            kept,
+            grad_nbytes,
+            sent,
         )
     optimizer = ADAM_MOMENTS * stepped + STEP_BYTES * steps
     master = 2 * stepped if offload.optimizer else 0

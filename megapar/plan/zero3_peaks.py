@@ -21,25 +21,50 @@ from megapar.data_parallel.sharded_params import ShardedParams
 from megapar.plan.params import UnitSpec
 
 
-def gathered_peak(specs: list[UnitSpec], nbytes: list[int], keep: bool) -> int:
+def gathered_peak(
+    specs: list[UnitSpec], nbytes: list[int], keep: bool, sent: list[int] | None = None
+) -> int:
     """Bytes of ZeRO-3's units gathered at once at the peak, as `ShardedParams`' hooks hold
     them (`nbytes`: each unit's full padded buffer; an experts' unit counted with its lead,
-    `UnitSpec.led`): with `keep` every unit; else the persistent unit (kept over the step)
-    with, at the worst chunk, its root and embedding units (gathered over the chunk's forward)
-    and the two largest neighbouring blocks (a block's forward with the next one prefetched).
-    The backward holds no more: the root unit with the last block prefetched at its start, the
-    root freed before the block before the last is prefetched, the embedding unit prefetched
-    after the block after the first is freed."""
+    `UnitSpec.led`), with the cast shards of the gathers in flight (`sent`: each unit's, the
+    16-bit or float8 slice a cast unit's gather sends, made at its launch and freed when it is
+    waited for; 0 for the others; default none). Without `keep`: the persistent unit (kept
+    over the step) with, at the worst chunk, the largest of the moments its hooks hold most:
+    the chunk's forward start (its roots, the first block's gather in flight), a block's
+    forward (the roots, the block, the next one's gather in flight), a block's backward (the
+    block and the one before it in flight: the tail was freed when the head's backward
+    ended, the embedding unit after the forward) and the backward's start (the tail with the
+    last block in flight); the embedding unit is prefetched, uncast, after the block after the
+    first is freed. With `keep` every unit stays gathered: the peak is at the last gather's
+    launch, every unit held but the chunks' after it, its cast shard in flight."""
+    sent = [0] * len(nbytes) if sent is None else sent
+    leads, sizes = _with_experts(specs, nbytes)
+    _, shards = _with_experts(specs, sent)
+    persistent = sum(n for u, n in zip(leads, sizes) if u.kind == "persistent")
+    chunks = sorted({u.chunk for u in leads if u.kind != "persistent"})
     if keep:
-        return sum(nbytes)
-    specs, nbytes = _with_experts(specs, nbytes)
-    persistent = sum(n for u, n in zip(specs, nbytes) if u.kind == "persistent")
+        held = peak = persistent
+        for ci in chunks:  # forwards in chunk order: roots gathered, then each block launched
+            held += sum(n for u, n in zip(leads, sizes) if u.chunk == ci and u.kind != "block")
+            peak = max(peak, held)
+            for u, n, s in zip(leads, sizes, shards):
+                if u.chunk == ci and u.kind == "block":
+                    held += n
+                    peak = max(peak, held + s)
+        return peak
     worst = 0
-    for ci in {u.chunk for u in specs if u.kind != "persistent"}:
-        roots = sum(n for u, n in zip(specs, nbytes) if u.chunk == ci and u.kind != "block")
-        blocks = [n for u, n in zip(specs, nbytes) if u.chunk == ci and u.kind == "block"]
-        pairs = [a + b for a, b in pairwise(blocks)] or blocks or [0]
-        worst = max(worst, roots + max(pairs))
+    for ci in chunks:
+        own = [(u, n, s) for u, n, s in zip(leads, sizes, shards) if u.chunk == ci]
+        roots = sum(n for u, n, _ in own if u.kind != "block")
+        tail = sum(n for u, n, _ in own if u.kind == "root")
+        blocks = [(n, s) for u, n, s in own if u.kind == "block"]
+        moments = [roots]
+        if blocks:
+            (first, s_first), (last, s_last) = blocks[0], blocks[-1]
+            moments += [roots + first + s_first, tail + last + s_last]
+        for (a, s_a), (b, s_b) in pairwise(blocks):
+            moments += [roots + a + b + s_b, a + b + s_a]
+        worst = max(worst, *moments)
     return persistent + worst
 
 
@@ -142,6 +167,7 @@ def phases(
     keep: bool,
     kept: bool = False,
     grads: list[int] | None = None,
+    sent: list[int] | None = None,
 ) -> tuple[int, int, int]:
     """(gathered bytes at the top of the backward, gathered bytes at its end, full gradient
     buffers' bytes at its top), as `ShardedParams` holds them. The top is the chunk's backward
@@ -151,7 +177,8 @@ def phases(
     made (every unit's with `whole`; the deferred units' too with `kept`, a later
     micro-batch). The end: the worst chunk's embedding unit (gathered for the embedding's
     backward; a chunk without one, its roots) and the persistent unit. With `keep` every
-    unit stays gathered. `grads`: each unit's gradient buffer's bytes (default `nbytes`)."""
+    unit stays gathered. `grads`: each unit's gradient buffer's bytes (default `nbytes`);
+    `sent`: each unit's cast shard (`gathered_peak`), the last block's in flight at the top."""
     members = led_by(specs)
     lead = list(members)
     kinds = {i: specs[i].kind for i in lead}
@@ -165,6 +192,7 @@ def phases(
     blocks = [i for i in chunk if kinds[i] == "block"]
     roots = [i for i in lead if kinds[i] == "root"]
     top = held(persistent + [i for i in chunk if kinds[i] == "root"] + blocks[-1:])
+    top += held(blocks[-1:], sent) if sent is not None else 0  # its gather in flight
     end = 0
     for ci in {specs[i].chunk for i in lead if kinds[i] != "persistent"}:
         own = [i for i in lead if specs[i].chunk == ci]
