@@ -200,3 +200,41 @@ def test_a_save_at_step_2_is_the_fp32_gathers_save_and_resumes_bitwise(zero, set
         theirs = files["control"][name]
         assert tensors.keys() == theirs.keys(), name
         assert all(torch.equal(tensors[k], theirs[k]) for k in tensors), name
+
+
+@pytest.mark.parametrize("spec,world", [("tp=1,pp=1,dp=2,mbs=2,zero=1", 2),
+                                        ("tp=1,pp=1,dp=2,mbs=2,zero=2", 2),
+                                        ("tp=2,pp=2,dp=2,mbs=1,zero=1", 8)])
+def test_the_plan_counts_the_16_bit_buckets_as_the_dry_run_does(spec, world):
+    """megapar-plan lays the 16-bit buckets out apart (`GatherCasts.zero12_half`) and counts 2
+    bytes an element for their all-gather: in bf16 the plan's state and dp traffic equal the
+    dry run's to the byte (--verify), and the step gathers fewer bytes than in fp32 by half
+    the 16-bit buckets' fp32 bytes."""
+    from megapar.dryrun import dry_run
+    from megapar.dryrun.verify import train_config, verify_layout
+    from megapar.mesh import Layout
+    from megapar.models.recipes import resolve_model
+    from megapar.pipeline.schedules import placement_of
+    from megapar.plan import Problem, parse_candidate
+    from megapar.plan.fp8 import zero3_casts
+    from megapar.plan.state import groups_traffic, zero_traffic
+
+    config, c = resolve_model("gpt2-tiny"), parse_candidate(spec, world)
+    gathered, traffic = {}, {}
+    for precision in ("bf16", "fp32"):
+        p = Problem(config, world, global_batch=8, seq_len=16, precision=precision)
+        result = verify_layout(p, c, [0])
+        assert result.error == "" and result.differences == [], result
+        assert zero3_casts(p, c).half == (precision == "bf16")
+        r = dry_run(train_config(p, c), config, Layout(c.tp, c.pp, c.dp), [0])[0]
+        traffic[precision] = zero_traffic(config, c.tp, c.pp, 1, 0, c.dp, c.zero,
+                                          p.grad_bucket_mb, placement_of(c.schedule),
+                                          casts=zero3_casts(p, c))["dp"]
+        planned = groups_traffic({"dp": traffic[precision]}, c.zero, 8 // (c.mbs * c.dp),
+                                 c.pp)["dp"]
+        for op, n, nbytes in planned:
+            assert r.comm["dp"][op] == {"count": n, "bytes": int(nbytes)}, (op, r.comm["dp"])
+        gathered[precision] = r.comm["dp"]["all_gather"]["bytes"]
+    half, full = traffic["bf16"], traffic["fp32"]
+    assert half.pieces > full.pieces and half.nbytes >= full.nbytes  # more buckets, padded
+    assert 0 < gathered["bf16"] < gathered["fp32"], gathered
