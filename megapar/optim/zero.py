@@ -233,28 +233,30 @@ class ZeroOptimizer(AdamWOptimizer):
     @torch.no_grad()
     def exact_params(self) -> None:
         """Make every rank's parameters exact fp32 again where the last step gathered them in
-        16 bits: one fp32 all-gather of the buckets (each rank's own slices are exact). For
-        whatever reads whole parameters outside a step (checkpoints, exports, the finiteness
-        check); collective over the dp group, a no-op (no communication) where nothing is
-        rounded, the same on every rank."""
+        16 bits: one fp32 all-gather of the 16-bit buckets (each rank's own slices are exact;
+        the other buckets are already). For whatever reads whole parameters outside a step
+        (checkpoints, exports, the finiteness check); collective over the dp group, a no-op
+        (no communication) where nothing is rounded, the same on every rank."""
         if not self.rounded:
             return
-        self._gather(self.param_buffers)
+        self._gather(self.param_buffers, only=[b for b in self.grad_sync.buckets if b.half])
         self.rounded = False
         if self.host is not None:  # the gather wrote the buffer, not the pieces' values
             self.host.settled()
 
-    def _gather(self, buffers: dict[torch.dtype, torch.Tensor], half=None) -> None:
-        """All-gather each bucket of `buffers` in place; with `half`, a dtype, the 16-bit
-        buckets (`Bucket.half`) in that dtype (`_gather_half`). On gloo, which holds a
-        bucket-sized copy per all-gather until it is waited for, at most
+    def _gather(
+        self, buffers: dict[torch.dtype, torch.Tensor], half=None, only: list | None = None
+    ) -> None:
+        """All-gather each bucket of `buffers` (or the buckets `only`) in place; with `half`, a
+        dtype, the 16-bit buckets (`Bucket.half`) in that dtype (`_gather_half`). On gloo,
+        which holds a bucket-sized copy per all-gather until it is waited for, at most
         `Zero1Buckets.MAX_COPIES_IN_FLIGHT` are in flight, and a large bucket goes in pieces
         (`shard_comm.all_gather`); elsewhere at most `HALF_BUFFERS_IN_FLIGHT` 16-bit buffers."""
         host = self.grad_sync.host_waits
         bound = self.grad_sync.MAX_COPIES_IN_FLIGHT if host else None
         halves = 1 if host else self.HALF_BUFFERS_IN_FLIGHT
         handles: list[Any] = []
-        for b in self.grad_sync.buckets:
+        for b in self.grad_sync.buckets if only is None else only:
             flat = buffers[b.params[0].dtype][b.start : b.start + b.padded]
             sixteen = half is not None and b.half
             if bound is not None and len(handles) >= bound:
