@@ -174,6 +174,15 @@ class ZeroOptimizer(AdamWOptimizer):
             self.load_state_tensors(self._pending)
             self._pending = None
 
+    def _watched(self, stepped: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Each piece's parameter: a checkpoint or weights loaded into it write through the
+        parameter, whose version counter is its own, not the pieces' (views of the buffer).
+        ZeRO-3's pieces are its shards', which such a load writes itself: None."""
+        if not self.sharded or self.zero == 3:
+            return None
+        param_of = {id(t): p for t, (p, _, _) in zip(self.pieces, self._piece_of)}
+        return [param_of[id(t)] for t in stepped]
+
     def _check_sync(self, grad_sync) -> None:
         """`grad_sync` must be the sharded grad sync of this stage's parameters over the same
         group, for this optimizer's stage."""
@@ -241,8 +250,6 @@ class ZeroOptimizer(AdamWOptimizer):
             return
         self._gather(self.param_buffers, only=[b for b in self.grad_sync.buckets if b.half])
         self.rounded = False
-        if self.host is not None:  # the gather wrote the buffer, not the pieces' values
-            self.host.settled()
 
     def _gather(
         self, buffers: dict[torch.dtype, torch.Tensor], half=None, only: list | None = None
@@ -272,7 +279,9 @@ class ZeroOptimizer(AdamWOptimizer):
 
     HALF_BUFFERS_IN_FLIGHT = 2
     """At most this many 16-bit gather buffers (each half its bucket's fp32 bytes) are alive
-    at a time (on gloo: one, `Zero1Buckets.MAX_COPIES_IN_FLIGHT`)."""
+    at a time (on gloo: one, `Zero1Buckets.MAX_COPIES_IN_FLIGHT`). They live after the step,
+    when autocast's 16-bit copies of the same weights (held through the forwards and
+    backwards, at least as many bytes) are freed: they never raise the step's peak."""
 
     def _gather_half(self, b, flat: torch.Tensor, half: torch.dtype, host: bool):
         """Start the 16-bit all-gather of bucket `b` (`flat`: its range of the fp32 parameter
