@@ -107,9 +107,13 @@ class Offload:
 
     def at_zero(self, zero: int) -> Offload:
         """These settings as a rank's state under ZeRO stage `zero` depends on them: below
-        ZeRO-3 only `optimizer` (the others are ZeRO-3's), so that layouts differing in the
-        rest share one cached state (`slices.most_loaded`)."""
-        return self if zero >= 3 else Offload(self.optimizer)
+        ZeRO-3 only `optimizer` and, at ZeRO-1 / 2, whether `casts` gathers in 16 bits (the
+        16-bit buckets are laid out apart); the others are ZeRO-3's, so that layouts differing
+        in the rest share one cached state (`slices.most_loaded`)."""
+        if zero >= 3:
+            return self
+        half = zero in (1, 2) and self.casts.half
+        return Offload(self.optimizer, casts=self.casts if half else NO_CASTS)
 
 
 def whole_grads(schedule: str, pp: int, m: int, v: int, reduce: str = "step") -> bool:
