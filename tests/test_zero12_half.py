@@ -105,7 +105,13 @@ def _run(kind: str, settings: dict, half, mutate: str = ""):
     return steps, evaluated, exact, moved, buckets, changed, exact_moved
 
 
-def _compare(kind: str, settings: dict, mutate: str = ""):
+def _compare(kind: str, settings: dict, mutate: str = "", piece_bytes: int = 0):
+    """`_run` with the 16-bit gather (`mutate`d) and the control; `piece_bytes`: gloo's
+    collectives cut into pieces of that many bytes (`shard_comm.HOST_PIECE_BYTES`)."""
+    if piece_bytes:
+        from megapar.data_parallel import shard_comm
+
+        shard_comm.HOST_PIECE_BYTES = piece_bytes  # a forked worker: the patch ends with it
     wrong = torch.float16 if mutate == "dtype" else torch.bfloat16
     half = {"bf16": wrong, "fp16": torch.float16}[settings.get("precision", "bf16")]
     return _run(kind, settings, half, mutate), _run(kind, settings, None)
@@ -143,13 +149,23 @@ def test_zero12_gathers_the_blocks_linear_weights_in_16_bits(zero, kind, world, 
         _check(ours, theirs)
 
 
+def test_gloo_gathers_large_16_bit_buckets_in_pieces_bitwise():
+    """A 16-bit bucket above `shard_comm.HOST_PIECE_BYTES` (here 16 KiB) is gathered in pieces
+    on gloo, each staged and copied back: the same numbers and bytes."""
+    for ours, theirs in run_local(_compare, 2, "gpt2", {"zero": 2}, "", 16384):
+        _check(ours, theirs)
+        assert max(n for n, _ in ours[4]) * 2 > 16384  # a 16-bit bucket goes in pieces
+
+
 @pytest.mark.parametrize("mutate", ["dtype", "own"])
 def test_a_wrong_16_bit_gather_is_seen(mutate):
-    """The comparison above fails for a cast to another dtype than autocast's (fp16 under
-    bf16) and for a rank that rounds its own slice (its fp32 master)."""
+    """The comparison above fails, on the numbers, for a cast to another dtype than
+    autocast's (fp16 under bf16) and for a rank that rounds its own slice (its fp32 master)."""
     for ours, theirs in run_local(_compare, 2, "gpt2", {"zero": 1}, mutate):
         with pytest.raises(AssertionError):
             _check(ours, theirs)
+        weights = all(torch.equal(a, b) for a, b in zip(ours[2], theirs[2]))
+        assert (ours[0], ours[1], weights) != (theirs[0], theirs[1], True)
 
 
 def test_zero12_gathers_16_bits_only_under_16_bit_autocast():
