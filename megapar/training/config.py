@@ -275,6 +275,15 @@ class TrainConfig:
         on = self.zero == 3 and self.precision != "fp32"
         return PRECISIONS[self.precision] if on and not self.offload_params else None
 
+    @property
+    def zero12_half(self) -> torch.dtype | None:
+        """ZeRO-1 / 2 all-gather the blocks' (non-float8) linear weights in the autocast dtype
+        after each step under bf16 / fp16, each rank keeping its own slice in fp32 (`optim.zero`;
+        --offload-optimizer too, whose masters are this rank's slices): that dtype; else None
+        (fp32 gathers)."""
+        on = self.zero in (1, 2) and self.precision != "fp32"
+        return PRECISIONS[self.precision] if on else None
+
 
 def field_docs() -> dict[str, str]:
     """Each field's docstring (the string literal right after it in the class body)."""
