@@ -225,12 +225,13 @@ def test_cpu_figure_holds_the_embedding_gradients_second_place_after_the_first_s
         assert figure.settled == figure.total
 
 
-# -- autocast's copies under ZeRO-3 ----------------------------------------------------------
-def _zero3_casts(recipe: str, options: dict) -> dict:
-    """One bf16 ZeRO-3 step of two micro-batches on this rank: {"cached": {parameter: bytes
+# -- autocast's copies ------------------------------------------------------------------------
+def _zero3_casts(recipe: str, options: dict, zero: int = 3) -> dict:
+    """One bf16 ZeRO-`zero` step of two micro-batches on this rank: {"cached": {parameter: bytes
     of its 16-bit casts still alive when the step's last backward ends (autocast's cache)},
     "casts": {parameter: casts made}, "sliced": the largest 16-bit cast of a parameter's slice
-    (a per-use cast: the chunked loss's head), "sliced_alive": those alive at that end}."""
+    (a per-use cast: the chunked loss's head), "sliced_alive": those alive at that end,
+    "head_sliced": the largest slice cast of each of the head's parameters, summed}."""
     import weakref
 
     import torch
@@ -240,7 +241,7 @@ def _zero3_casts(recipe: str, options: dict) -> dict:
     import megapar
 
     world = dist.get_world_size()
-    engine = megapar.prepare(recipe, micro_batch_size=1, precision="bf16", zero=3,
+    engine = megapar.prepare(recipe, micro_batch_size=1, precision="bf16", zero=zero,
                              global_batch_size=2 * world, seq_len=32, **options)
     names = {id(p): n for n, p in engine.model.named_parameters()}
     seen: dict = {}
@@ -273,7 +274,9 @@ def _zero3_casts(recipe: str, options: dict) -> dict:
     return {"cached": {k: alive[k] for k in seen if k not in sliced},
             "casts": {k: len(v) for k, v in seen.items() if k not in sliced},
             "sliced": max((n for k in sliced for _, n in seen[k]), default=0),
-            "sliced_alive": sum(alive[k] for k in sliced)}
+            "sliced_alive": sum(alive[k] for k in sliced),
+            "head_sliced": sum(max(n for _, n in seen[k]) for k in sliced
+                               if k[1] in ("head.weight", "head.bias", "embed.word.weight"))}
 
 
 @pytest.mark.parametrize("recipe,options,what", [
@@ -305,3 +308,34 @@ def test_zero3_autocast_copies_are_the_casts_the_step_keeps(recipe, options, wha
     assert terms["autocast's 16-bit weight copies"] == sum(measured["cached"].values()), measured
     cast = terms.get("the chunked loss's 16-bit cast of the head's weight", 0)
     assert cast == measured["sliced"] > 0 if p.loss_chunk_tokens else cast == 0, measured
+
+
+@pytest.mark.parametrize("recipe,zero,chunk", [
+    ("gpt2-tiny", 0, 1), ("gpt2-tiny", 1, 0), ("bert-tiny", 2, 1), ("bert-tiny", 0, 0),
+    ("llama-tiny", 1, 1), ("llama-tiny", 2, 0), ("mixtral-tiny", 2, 1), ("mixtral-tiny", 1, 0),
+])
+def test_zero012_autocast_copies_are_the_casts_the_step_keeps(recipe, zero, chunk):
+    """Under ZeRO 0-2 in bf16 the parameters stay fp32 (ZeRO-1 / 2 gather some in 16 bits,
+    into fp32 buffers), so autocast casts every one an op it runs in 16 bits reads whole and
+    keeps the cast to the step's end: the blocks' column- and row-parallel weights, the
+    column-parallel biases, plain linears and routers, with the whole logits the head's weight
+    and bias. Not norms (run in fp32), row-parallel biases (added after the reduction),
+    embeddings and position embeddings (lookups), routed experts (sliced per use) nor, under
+    the chunked loss, the head's weight: it casts the real rows per use (the top of the
+    backward's "chunked loss's 16-bit cast", as under ZeRO-3). The planner's term is the
+    bytes of the casts alive when a two-micro-batch step's last backward ends, on dp rank 0
+    of dp 2, to the byte. It counted every parameter but a lookup-only embedding: gpt2-tiny
+    chunked 6,855,424 bytes planned against 396,800 kept (the head's weight is 6,438,912)."""
+    options = {} if chunk else {"loss_chunk_tokens": 0}
+    measured = run_local(_zero3_casts, 2, recipe, options, zero)[0]
+    assert measured["cached"] and set(measured["casts"].values()) == {1}, measured["casts"]
+    assert measured["sliced_alive"] == 0
+    p = Problem(resolve_model(recipe), gpus=2, global_batch=4, seq_len=32, precision="bf16",
+                **options)
+    c = Candidate(mbs=1, dp=2, zero=zero)
+    peak = process_peak(p, c, stage_memory(p, c)[0], *stage_roles(p, c, 0),
+                        activation_sizes(p, c).full)
+    terms = {t.name: t.bytes for t in peak.terms}
+    assert terms["autocast's 16-bit weight copies"] == sum(measured["cached"].values()), measured
+    cast = terms.get("the chunked loss's 16-bit cast of the head's weight", 0)
+    assert cast == measured["head_sliced"] > 0 if chunk else cast == 0, measured

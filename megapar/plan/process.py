@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from megapar.plan import fp8
 from megapar.plan.layouts import Candidate
 from megapar.plan.memory import GIB, MemoryBreakdown
-from megapar.plan.params import piece_counts, whole_casts
+from megapar.plan.params import whole_casts
 from megapar.plan.pipeline import loss_grads_in_forward
 from megapar.plan.problem import Problem
 from megapar.tensor_parallel.partition import local_size
@@ -390,7 +390,7 @@ def _top_of_backward(
 ) -> list[Term]:
     """Phase A's transient terms; the first is autocast's copies (also in phase B)."""
     vocab, h = _vocab_h(p, c)
-    out = [_autocast_copies(p, c, mem, has_embedding, has_head)]
+    out = [_autocast_copies(p, c, mem, has_head)]
     if has_head:
         extra = p.act_bytes if p.sixteen_bit else 0
         fused = loss_grads_in_forward(p, c)  # fp32, made in the forward: an activation
@@ -424,49 +424,27 @@ def _top_of_backward(
     return out
 
 
-def _autocast_copies(
-    p: Problem, c: Candidate, mem: MemoryBreakdown, has_embedding: bool, has_head: bool
-) -> Term:
-    """Autocast's cache of 16-bit copies of the weights the rank's matmuls use, kept until the
-    step's autocast region ends (every parameter but a lookup-only embedding; under ZeRO-3
-    those `_zero3_autocast_copies` counts)."""
+def _autocast_copies(p: Problem, c: Candidate, mem: MemoryBreakdown, has_head: bool) -> Term:
+    """Autocast's cache of 16-bit copies of the parameters the rank's ops run in 16 bits read
+    whole, kept until the step's autocast region ends: of each parameter an op autocast runs
+    in 16 bits reads whole (a leaf tensor). Not a norm's (run in fp32), a row-parallel
+    linear's bias (added after its reduction, uncast), an embedding's or position embedding's
+    (a lookup), a float8 linear's (cast from fp32 straight to float8), a weight read as a slice
+    (replicated k / v heads, routed experts, the chunked loss's head: casts made per use,
+    `_chunked_head_cast`) nor, under ZeRO-3, the blocks' linear weights it gathers in 16 bits
+    (`fp8.half_gathered`: the linears read those instead). That leaves the column-parallel
+    linears' biases, plain linears and routers (`params.whole_casts`), every parallel
+    linear's weight but those ZeRO-3 gathers in 16 bits and, with the whole logits
+    (--loss-chunk-tokens 0), the LM head's weight and bias (`tests/test_process_peak.py` holds
+    it to the casts a step keeps, ZeRO 0-3)."""
     if not p.sixteen_bit:
         if p.precision == "fp32":
             why = "fp32 matmuls"
         else:
             why = "16-bit weights: the matmuls use them as they are, nothing to cast"
         return Term("autocast's 16-bit weight copies", 0.0, why)
-    if c.zero == 3:
-        return _zero3_autocast_copies(p, c, mem, has_head)
-    elements = mem.params / 4
-    if has_embedding and not (_tied(p) and has_head):
-        elements -= piece_counts(p.config, c.tp, p.config_json).embedding
-    float8 = fp8.converted_params(p, c, mem.stage)
-    return Term(
-        "autocast's 16-bit weight copies",
-        (elements - float8) * p.act_bytes,
-        "cached for the whole step"
-        + (
-            f"; not of the float8 linears' {float8:,} parameters (cast from fp32 straight to "
-            f"float8)"
-            if float8
-            else ""
-        ),
-    )
-
-
-def _zero3_autocast_copies(p: Problem, c: Candidate, mem: MemoryBreakdown, has_head: bool) -> Term:
-    """Under ZeRO-3 with 16-bit autocast, the copies autocast caches for the step: of each
-    parameter an op it runs in 16 bits reads whole (a leaf tensor), so not the blocks'
-    linear weights ZeRO-3 gathers in 16 bits (`fp8.half_gathered`: the linears read those
-    instead) nor the float8 linears' (cast straight to float8), nor a weight read as a slice
-    (replicated k / v heads, routed experts, the chunked loss's head: casts made per use).
-    That leaves the column-parallel linears' biases (a row-parallel one's is added after its
-    reduction, uncast), plain linears and routers (`params.whole_casts`), every parallel
-    linear's weight where the gather is fp32 (--offload-params, dp x cp 1) and, with the
-    whole logits (--loss-chunk-tokens 0), the LM head's weight and bias
-    (`tests/test_process_peak.py` holds it to the casts a step keeps)."""
-    half = fp8.half_gathered(p, c)
+    # ZeRO-1 / 2's 16-bit all-gather leaves fp32 parameters, which autocast casts as at ZeRO-0
+    half = c.zero == 3 and fp8.half_gathered(p, c)
     recipe = p.fp8 if p.fp8 != "off" else "tensorwise"
     linears = fp8.block_linears(p.config_json, c.tp, recipe, p.fp8_layers)
     whole = whole_casts(p.config_json, c.tp, c.ep)
@@ -485,33 +463,39 @@ def _zero3_autocast_copies(p: Problem, c: Candidate, mem: MemoryBreakdown, has_h
     if has_head:
         vocab, h = _vocab_h(p, c)
         head = whole.head + (0 if p.loss_chunk_tokens else vocab * h + whole.head_bias)
-    what = (
-        "the blocks' linears read their gathered 16-bit weights (no copy)"
-        if half
-        else "the blocks' linear weights (gathered in fp32"
-        + (": --offload-params)" if c.offload_params else ")")
-    )
+    float8 = fp8.converted_params(p, c, mem.stage)
+    if half:
+        what = "ZeRO-3: the blocks' linears read their gathered 16-bit weights (no copy); "
+    elif c.zero == 3:
+        what = "ZeRO-3's units gather fp32; "
+    else:
+        what = ""
     return Term(
         "autocast's 16-bit weight copies",
         (elements + head) * p.act_bytes,
-        f"ZeRO-3: {what}; cached for the step: the column-parallel biases, plain linears and "
-        "routers"
-        + ("" if half else ", the linear weights")
+        f"{what}cached for the step: "
+        + ("" if half else "the blocks' linear weights, ")
+        + "column-parallel biases, plain linears and routers"
         + (
             ", the LM head's weight (the whole logits)"
             if has_head and not p.loss_chunk_tokens
+            else ""
+        )
+        + "; not norms, row-parallel biases or embeddings"
+        + (
+            f"; nor the float8 linears' {float8:,} parameters (cast from fp32 straight to float8)"
+            if float8
             else ""
         ),
     )
 
 
 def _chunked_head_cast(p: Problem, c: Candidate) -> Term | None:
-    """Under ZeRO-3 with 16-bit autocast and the chunked loss, on the stage with the LM head:
-    the loss's 16-bit cast of this rank's real rows of the head's weight (and bias), made in
-    its forward and again in its backward (`tensor_parallel.linear_cross_entropy`), alive at
-    the top of the backward; no cached copy (`_zero3_autocast_copies`). Under ZeRO 0-2
-    autocast's copies count the head's weight for the whole step. None otherwise."""
-    if not (p.sixteen_bit and c.zero == 3 and p.loss_chunk_tokens):
+    """With 16-bit autocast and the chunked loss, on the stage with the LM head: the loss's
+    16-bit cast of this rank's real rows of the head's weight (and bias), made in its forward
+    and again in its backward (`tensor_parallel.linear_cross_entropy`), alive at the top of
+    the backward; no cached copy (`_autocast_copies`). None otherwise."""
+    if not (p.sixteen_bit and p.loss_chunk_tokens):
         return None
     vocab, h = _vocab_h(p, c)
     rows = min(vocab, p.config.vocab_size)
