@@ -388,3 +388,32 @@ def test_the_float8_gathers_scales_cost_two_all_reduces_latency_a_step(monkeypat
     c = Candidate(dp=4, mbs=1, zero=3)
     busiest = max(chunk_times(rowwise, c), key=lambda row: sum(x.total for x in row))
     assert _dp_exposed(rowwise, c, 2, busiest) == 0.0
+
+
+@needs_torchao
+def test_a_compiled_zero_3_job_gathers_its_float8_weights_in_fp32_in_the_plan_and_dry_run():
+    """--compile turns ZeRO-3's float8 all-gather off (`TrainConfig.zero3_float8`: the traced
+    blocks cast from the fp32 weight), so the float8 linears' units gather fp32 and their
+    casts are made per use. The dry run's planned job and the plan (`Problem.compile`) hold
+    what the rehearsed runtime holds: the gathered units to the byte, and the dry run's
+    process peak is the plan's. The planned job did not know about --compile: the compiled
+    job's figure was the eager one's (llama-tiny dp 2: 895,358,440 bytes on a GPU, the
+    runtime's units 253,440 bytes above the planned ones; llama-1b at dp 4 18.72 -> 18.90 GiB)."""
+    from megapar.dryrun import dry_run
+    from megapar.mesh import Layout
+    from megapar.models.recipes import resolve_model
+    from megapar.training.config import TrainConfig
+
+    config = resolve_model("llama-tiny")
+    cfg = TrainConfig(dp=2, seq_len=16, micro_batch_size=2, global_batch_size=8, zero=3,
+                      precision="bf16", fp8="tensorwise", fp8_layers="all", compile=True,
+                      dry_run=True)
+    assert cfg.zero3_float8 is None
+    r = dry_run(cfg, config, Layout(1, 1, 2), [0])[0]
+    compiled, eager = (
+        estimate(Problem(config, 2, global_batch=8, seq_len=16, precision="bf16",
+                         fp8="tensorwise", fp8_layers="all", compile=flag),
+                 Candidate(dp=2, mbs=2, zero=3))
+        for flag in (True, False))
+    assert r.gathered == compiled.memory.gathered > eager.memory.gathered  # fp32, not float8
+    assert r.peak_gpu == int(compiled.process.total) > int(eager.process.total)

@@ -235,9 +235,16 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     modelled = _unserved(cfg)
     run_cfg = _run_config(cfg, modelled)
     # the rehearsal runs one micro-batch; DualPipeV takes no fewer than 2 pp, so its one is run
-    # under ZB-V: the same V placement, so the same messages and collectives per micro-batch
+    # under ZB-V: the same V placement, so the same messages and collectives per micro-batch;
+    # dry_run: the fake tensors run the blocks eagerly, --compile or not (a `dry_run` call's
+    # cfg need not say it is a dry run)
     engine = Engine(
-        replace(run_cfg, schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule), fp8_emulate=True),
+        replace(
+            run_cfg,
+            schedule=REHEARSED_AS.get(cfg.schedule, cfg.schedule),
+            fp8_emulate=True,
+            dry_run=True,
+        ),
         config,
         mesh,
     )

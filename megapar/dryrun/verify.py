@@ -77,6 +77,7 @@ def train_config(problem, candidate):
         loss_chunk_tokens=problem.loss_chunk_tokens,
         fp8=problem.fp8,
         fp8_layers=problem.fp8_layers if problem.fp8 != "off" else "auto",
+        compile=problem.compile,
     )
     return cfg
 

@@ -135,8 +135,10 @@ def float8_gathered(p, c) -> bool:
     all-gather, `data_parallel/zero3_float8.py`: --fp8 tensorwise, ZeRO-3 over more than one
     rank, without --offload-params): each weight's cast is then the gathered float8 weight,
     none made or held besides, and the scales come from one amax all-reduce over dp (x cp) and
-    one over tp a step for the whole stage."""
-    return p.fp8 == "tensorwise" and c.zero == 3 and c.dp * c.cp > 1 and not c.offload_params
+    one over tp a step for the whole stage. Not under --compile (`Problem.compile`: the traced
+    blocks cast from the fp32 weight; `TrainConfig.zero3_float8`)."""
+    on = p.fp8 == "tensorwise" and c.zero == 3 and c.dp * c.cp > 1
+    return on and not (c.offload_params or p.compile)
 
 
 def half_gathered(p, c) -> bool:

@@ -76,6 +76,10 @@ class Problem:
     fp8_layers: str = "auto"
     """megapar-train's --fp8-layers: auto (torchao's size rule on each rank's local N x K) or
     all (every block linear whose local dims are multiples of 16)."""
+    compile: bool = False
+    """megapar-train's --compile (each block's forward traced by torch.compile): its traced
+    float8 casts read the fp32 weight, so ZeRO-3 gathers the float8 linears' weights in fp32,
+    not as float8 bytes (`fp8.float8_gathered`, `TrainConfig.zero3_float8`)."""
     fp8_speedup: float = 2.0
     """The float8 matmuls' peak over `peak_tflops` (H100 / H200 dense: 1979 float8 TFLOP/s
     against 989 bf16, so 2.0): the rate of the converted linears' products. The casts' memory
