@@ -142,9 +142,10 @@ def float8_gathered(p, c) -> bool:
 def half_gathered(p, c) -> bool:
     """Whether ZeRO-3 gathers the blocks' other linear weights in 16 bits (megapar-train's
     16-bit all-gather, `data_parallel/zero3_half.py`: bf16 / fp16 autocast on fp32 weights,
-    ZeRO-3 over more than one rank, without --offload-params): the gathered weight is then
-    autocast's cast, none made besides."""
-    return p.sixteen_bit and c.zero == 3 and c.dp * c.cp > 1 and not c.offload_params
+    ZeRO-3 over more than one rank; under --offload-params each host master is rounded on the
+    host and its 16 bits copied over): the gathered weight is then autocast's cast, none made
+    besides."""
+    return p.sixteen_bit and c.zero == 3 and c.dp * c.cp > 1
 
 
 def zero3_casts(p, c) -> GatherCasts:

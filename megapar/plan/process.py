@@ -463,9 +463,9 @@ def _zero3_autocast_copies(p: Problem, c: Candidate, mem: MemoryBreakdown, has_h
     (replicated k / v heads, routed experts, the chunked loss's head: casts made per use).
     That leaves the column-parallel linears' biases (a row-parallel one's is added after its
     reduction, uncast), plain linears and routers (`params.whole_casts`), every parallel
-    linear's weight where the gather is fp32 (--offload-params, dp x cp 1) and, with the
-    whole logits (--loss-chunk-tokens 0), the LM head's weight and bias
-    (`tests/test_process_peak.py` holds it to the casts a step keeps)."""
+    linear's weight where nothing is gathered (dp x cp 1) and, with the whole logits
+    (--loss-chunk-tokens 0), the LM head's weight and bias (`tests/test_process_peak.py`
+    holds it to the casts a step keeps)."""
     half = fp8.half_gathered(p, c)
     recipe = p.fp8 if p.fp8 != "off" else "tensorwise"
     linears = fp8.block_linears(p.config_json, c.tp, recipe, p.fp8_layers)
@@ -488,8 +488,7 @@ def _zero3_autocast_copies(p: Problem, c: Candidate, mem: MemoryBreakdown, has_h
     what = (
         "the blocks' linears read their gathered 16-bit weights (no copy)"
         if half
-        else "the blocks' linear weights (gathered in fp32"
-        + (": --offload-params)" if c.offload_params else ")")
+        else "the blocks' linear weights (gathered in fp32)"
     )
     return Term(
         "autocast's 16-bit weight copies",
