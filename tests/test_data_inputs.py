@@ -255,3 +255,12 @@ def test_hidden_files_of_an_input_directory_are_not_read(tmp_path, capsys):
     assert "._a.txt" not in captured.err and ".#a.txt" not in captured.err, captured.err
     assert len(IndexedDataset(out)) == 1
     assert ": 1 document, " in captured.out, captured.out
+
+
+def test_data_help_gives_the_format_default(capsys):
+    # --format defaulted to megapar's index without --help saying so
+    from megapar.cli.data import main as data_main
+
+    with pytest.raises(SystemExit):
+        data_main(["--help"])
+    assert "megapar reads both) (default: megapar)" in " ".join(capsys.readouterr().out.split())

@@ -547,3 +547,12 @@ def test_a_sigterm_before_the_ranks_start_is_one_line_and_exit_143(tiny_ckpt, tm
     err = out.read_text().strip()
     assert got == 143, err
     assert err == "megapar-eval: terminated (SIGTERM); nothing was written", err
+
+
+def test_help_gives_the_layout_defaults(capsys):
+    # --tp and --pp defaulted to 1 without --help saying so
+    with pytest.raises(SystemExit):
+        evaluate(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tensor-parallel size (default: 1)" in out
+    assert "pipeline-parallel size (default: 1)" in out

@@ -132,7 +132,7 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
         default="megapar",
         choices=["megapar", "megatron"],
         help="index format: megapar's, or Megatron-LM's MMIDIDX (readable by "
-        "Megatron-LM / NeMo; megapar reads both)",
+        "Megatron-LM / NeMo; megapar reads both) (default: megapar)",
     )
     p.add_argument(
         "--allow-invalid-utf8",

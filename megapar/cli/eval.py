@@ -62,8 +62,8 @@ LOSS_ONLY = (
 def build_parser() -> OneLineParser:
     p = OneLineParser(prog="megapar-eval", description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
     p.add_argument(
         "--data",
         help="dataset prefix (PREFIX.bin/.idx/.json from megapar-data, or a Megatron-LM "
