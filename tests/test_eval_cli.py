@@ -556,3 +556,17 @@ def test_help_gives_the_layout_defaults(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "tensor-parallel size (default: 1)" in out
     assert "pipeline-parallel size (default: 1)" in out
+
+
+def test_a_blend_or_several_paths_as_data_name_the_fix(capsys, tmp_path):
+    # megapar-train's blend syntax gave argparse's "unrecognized arguments: data/a 0.5 data/b"
+    for data, line in (
+        (["0.5", "data/a", "0.5", "data/b"],
+         "--data 0.5 data/a 0.5 data/b is a blend; megapar-eval evaluates one dataset at a "
+         "time: run it once per part (--data data/a, then --data data/b)"),
+        (["my", "corpus.txt"],
+         "--data takes one dataset or text, got 2 paths (my corpus.txt); give one (a path with "
+         "spaces is one argument: quote it, --data 'my corpus.txt')"),
+    ):
+        assert evaluate(["--load", str(tmp_path / "ckpt"), "--data", *data, "--seq-len", "8"]) == 2
+        assert capsys.readouterr().err == f"megapar-eval: error: {line}\n"
