@@ -263,4 +263,7 @@ def test_data_help_gives_the_format_default(capsys):
 
     with pytest.raises(SystemExit):
         data_main(["--help"])
-    assert "megapar reads both) (default: megapar)" in " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert "megapar reads both) (default: megapar)" in out
+    # --vocab-size had no default and did not say that training a tokenizer needs it
+    assert "(needed with --train-tokenizer / --train-sentencepiece)" in out

@@ -115,7 +115,11 @@ def add_tokenizer_training_arguments(p: argparse.ArgumentParser) -> None:
         "PREFIX-tokenizer/), sentencepiece = --train-sentencepiece",
     )
     p.add_argument(
-        "--vocab-size", type=int, default=None, help="vocabulary size of the trained tokenizer"
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="vocabulary size of the trained tokenizer (needed with --train-tokenizer / "
+        "--train-sentencepiece)",
     )
     p.add_argument(
         "--sp-model-type",
