@@ -169,8 +169,14 @@ def _check_ids_file(path: str, positions: int) -> None:
             f"integers (e.g. np.save(path, ids.astype(np.int64)))"
         )
     if ids.ndim != 2 or 0 in ids.shape:
+        fix = (
+            f"one sequence of {ids.shape[0]} ids is ids.reshape(1, {ids.shape[0]})"
+            if ids.ndim == 1 and ids.size
+            else "save a [batch, seq] integer array of at least one id"
+        )
         raise UsageError(
-            f"--input-ids must be a non-empty [batch, seq] array, got shape {tuple(ids.shape)}"
+            f"--input-ids must be a non-empty [batch, seq] array, got shape "
+            f"{tuple(ids.shape)}; {fix}"
         )
     if ids.shape[1] > positions:
         raise UsageError(
