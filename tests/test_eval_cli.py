@@ -445,6 +445,17 @@ def test_data_of_another_tokenizer_is_refused_and_seq_len_defaults_to_the_checkp
                      "--max-batches", "1"]) == 0, capsys.readouterr().err
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["tokens"] == 2 * 16 and report["batches"] == 1  # windows of the trained 16
+    # the same tokens as a Megatron-LM dataset (no .json, so no tokenizer recorded): the
+    # checkpoint's tokenizer, as megapar-train --load takes it (was: refused, naming
+    # --tokenizer), the same loss
+    megatron = str(tmp_path / "megatron")
+    assert data_main(["--input", str(root / "sample.txt"), "--output-prefix", megatron,
+                      "--tokenizer", "gpt2", "--split-lines", "--no-progress",
+                      "--format", "megatron"]) == 0
+    Path(megatron + ".json").unlink()
+    assert evaluate(["--load", ckpt, "--data", megatron, "--micro-batch-size", "2",
+                     "--max-batches", "1"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
     # the text it was made from: tokenized with the tokenizer the checkpoint records (GPT-2's;
     # a --tokenizer of other files is refused) into --data-cache, the same bytes and loss
     text, cache = str(root / "sample.txt"), tmp_path / "cache"

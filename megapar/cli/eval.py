@@ -117,7 +117,8 @@ def build_parser() -> OneLineParser:
         "--tokenizer",
         default=None,
         help="tokenizer of raw text (default: the one the checkpoint trained with; it must be "
-        "that one, wherever it is now) and of a Megatron-LM dataset that has no megapar .json",
+        "that one, wherever it is now) and of a Megatron-LM dataset that has no megapar .json "
+        "(default: the checkpoint's too; refused when it records none)",
     )
     p.add_argument(
         "--data-cache",
