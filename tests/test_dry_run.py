@@ -101,8 +101,15 @@ def test_planner_bytes_equal_the_dry_run_at_scale(recipe, tp, pp, dp, schedule, 
     cfg = TrainConfig(tp=tp, pp=pp, dp=dp, seq_len=256, micro_batch_size=1,
                       global_batch_size=dp * pp * 2, schedule=schedule, virtual_stages=v,
                       zero=zero, precision="bf16")
+    from megapar.dryrun.rank import zero3_casts
+    from megapar.plan.state import Offload
+
+    # in bf16 ZeRO-1 lays the blocks' linear weights out in buckets of their own (their
+    # all-gather is 16-bit): the planner's casts say so
+    offload = Offload(casts=zero3_casts(cfg))
     for r in dry_run(cfg, config, layout, ranks):
-        planned = rank_state(config, tp, pp, v, r.pp_rank, dp, r.dp_rank, zero)
+        planned = rank_state(config, tp, pp, v, r.pp_rank, dp, r.dp_rank, zero,
+                             offload=offload)
         assert (planned.params, planned.weights, planned.grads, planned.optimizer) == (
             r.params, r.weights, r.grads, r.optimizer), f"rank {r.rank}"
 

@@ -121,3 +121,28 @@ def test_zero3_syncs_no_more_per_micro_batch(precision, offload):
         assert 0 < sum(counts[8].values()) <= 8, (rank, counts[8])
         inside = [where for _, where in counts[8] if where.startswith(PER_MICRO_BATCH)]
         assert not inside, (rank, inside)
+
+
+def zero12_syncs_worker(zero):
+    """A bf16 ZeRO-`zero` step's syncs at 4 and 8 micro-batches (dp 2), and at 8 with the
+    16-bit all-gather switched off (`optimizer.half`)."""
+    engine = megapar.prepare(config("gpt2"), micro_batch_size=1, zero=zero, precision="bf16")
+    engine.train_step(batch("gpt2", 8))
+    counts = {}
+    for m, half in ((4, True), (8, True), ("fp32 gathers", False)):
+        engine.optimizer.half = engine.grad_sync.half if half else None
+        with count_syncs() as syncs:
+            engine.train_step(batch("gpt2", 2 * (8 if not half else m)))
+        counts[m] = syncs
+    return counts
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero12_16_bit_gathers_add_no_host_sync(zero):
+    """dp 2 with --zero 1 / 2 in bf16, whose step all-gathers the blocks' linear weights in
+    16 bits (`ZeroOptimizer._gather_half`): the syncs of the fp32 gathers' step, none per
+    micro-batch."""
+    for rank, counts in enumerate(run_local(zero12_syncs_worker, 2, zero)):
+        assert counts[4] == counts[8] == counts["fp32 gathers"], (rank, counts)
+        inside = [where for _, where in counts[8] if where.startswith(PER_MICRO_BATCH)]
+        assert not inside, (rank, inside)

@@ -99,6 +99,10 @@ class Bucket:
     """The size of `group` (its shards when sharded)."""
     group_rank: int = 0
     """This rank's place in `group` (its slice when sharded)."""
+    half: bool = False
+    """ZeRO-1 / 2: the bucket holds only weights autocast reads in 16 bits (the blocks'
+    linear weights, `Zero1Buckets`' `half`), whose parameters the optimizer all-gathers in
+    16 bits after a step."""
 
     @property
     def numel(self) -> int:
@@ -112,6 +116,7 @@ def bucket_layout(
     late: Iterable[int] = (),
     experts: Iterable[int] = (),
     expert_shards: int = 1,
+    apart: Iterable[int] = (),
 ) -> list[tuple[list[int], int]]:
     """How `GradBuckets` lays out parameters of these (numel, dtype), given in registration
     order: per bucket, (the parameters' indices in buffer order, the elements the bucket
@@ -119,29 +124,39 @@ def bucket_layout(
     larger single parameter gets a bucket of its own), never mixing dtypes nor the `experts`
     indices with the others; each bucket is zero-padded to a multiple of `shards` (dp when
     sharded for ZeRO-1; an experts' bucket: `expert_shards`) and the `late` indices go into the
-    last bucket(s). The ZeRO-1 planner (`megapar.plan`) counts bytes with it."""
-    late, experts = set(late), set(experts)
+    last bucket(s). The ZeRO-1 planner (`megapar.plan`) counts bytes with it.
+
+    The `apart` indices (ZeRO-1 / 2's 16-bit gathered weights) fill buckets of their own beside
+    the others': two buckets are open at a time, one for `apart` parameters and one for the
+    rest, each closed when full (or, for the rest, at a change of dtype or expert kind), and
+    buckets are listed in the order they close, the ones still open at the end by their last
+    parameter: the order their gradients become complete in, as without `apart`."""
+    late, experts, apart = set(late), set(experts), set(apart)
     order = [i for i in range(len(sizes)) if i in late] + [
         i for i in range(len(sizes)) if i not in late
     ]  # reversed below: late ones go last
     limit = bucket_mb * 2**20
     buckets: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for i in reversed(order):
+    current: dict[bool, list[int]] = {False: [], True: []}
+    size = {False: 0, True: 0}
+    last: dict[bool, int] = {}
+    for at, i in enumerate(reversed(order)):
         numel, dtype = sizes[i]
         nbytes = numel * dtype.itemsize
-        if current and (
-            dtype != sizes[current[0]][1]
-            or (i in experts) != (current[0] in experts)
-            or size + nbytes > limit
+        kind = i in apart
+        open_ = current[kind]
+        if open_ and (
+            dtype != sizes[open_[0]][1]
+            or (i in experts) != (open_[0] in experts)
+            or size[kind] + nbytes > limit
         ):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += nbytes
-    if current:
-        buckets.append(current)
+            buckets.append(open_)
+            current[kind], size[kind] = [], 0
+        current[kind].append(i)
+        size[kind] += nbytes
+        last[kind] = at
+    for kind in sorted((k for k in current if current[k]), key=last.__getitem__):
+        buckets.append(current[kind])
     out = []
     for idx in buckets:
         n = expert_shards if idx[0] in experts else shards
@@ -156,9 +171,12 @@ def make_buckets(
     late: Iterable[torch.nn.Parameter] = (),
     experts: Iterable[torch.nn.Parameter] = (),
     expert_shards: int = 1,
+    apart: Iterable[torch.nn.Parameter] = (),
 ) -> list[Bucket]:
-    """`params` cut into buckets as `bucket_layout` lays them out."""
+    """`params` cut into buckets as `bucket_layout` lays them out; the buckets of `apart`
+    parameters are marked `Bucket.half`."""
     late_ids, expert_ids = {id(p) for p in late}, {id(p) for p in experts}
+    apart_ids = {id(p) for p in apart}
     layout = bucket_layout(
         [(p.numel(), p.dtype) for p in params],
         bucket_mb,
@@ -166,8 +184,12 @@ def make_buckets(
         [i for i, p in enumerate(params) if id(p) in late_ids],
         [i for i, p in enumerate(params) if id(p) in expert_ids],
         expert_shards,
+        [i for i, p in enumerate(params) if id(p) in apart_ids],
     )
-    return [Bucket([params[i] for i in idx], padded=padded) for idx, padded in layout]
+    return [
+        Bucket([params[i] for i in idx], padded=padded, half=id(params[idx[0]]) in apart_ids)
+        for idx, padded in layout
+    ]
 
 
 def slice_pieces(numels: Sequence[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -196,6 +218,12 @@ class GradBuckets:
     """Whether the reduced gradients exist only as this rank's slices (`GradSync`)."""
     reduces_every_micro_batch = False
     """Whether every micro-batch's backward reduces (`GradSync`)."""
+    half: torch.dtype | None = None
+    """ZeRO-1 / 2: the dtype the optimizer all-gathers `half_params` in after a step (the
+    autocast dtype); None: fp32 gathers only (`Zero1Buckets`)."""
+    half_params: Sequence[torch.nn.Parameter] = ()
+    """The parameters laid out in buckets of their own (`Bucket.half`) to be all-gathered in
+    `half`; empty: none."""
 
     def __init__(
         self,
@@ -271,6 +299,7 @@ class GradBuckets:
             last,
             experts,
             edp if sharded else 1,
+            self.half_params,
         )
         for b in buckets:
             if experts and is_expert(b.params[0]):

@@ -34,7 +34,9 @@ from torch import nn
 
 from megapar.data_parallel.buckets import GradBuckets
 from megapar.data_parallel.sharded_params import ShardedParams
+from megapar.data_parallel.zero3_half import half_weights
 from megapar.data_parallel.zero_buckets import Zero1Buckets, Zero2Buckets
+from megapar.expert_parallel import is_expert
 
 
 class GradSync(Protocol):
@@ -101,14 +103,18 @@ def build_grad_sync(
     zero3_reduce: str = "step",
     zero3_float8: bool = False,
     zero3_half: torch.dtype | None = None,
+    zero12_half: torch.dtype | None = None,
 ) -> GradSync:
     """The grad sync of `model` (this rank's stage) over `mesh.dp_cp_group`, summed over cp
     and averaged over dp: the all-reduce kind when `zero` is 0 or there is no rank to shard
     over (dp x cp = 1), else the ZeRO-`zero` kind (the tied embedding laid out last, to be
     deferred by the optimizer's `attach`). `compressor` (a `compression.py` compressor)
     replaces `reduce_dtype`; the zero3 options are `ShardedParams`' (`zero3_float8`: its
-    `float8`; `zero3_half`: its `half`). Under ep > 1 expert
-    parameters reduce over `mesh.expert_dp_group` (ZeRO-3: are sharded over it)."""
+    `float8`; `zero3_half`: its `half`). `zero12_half` (ZeRO-1 / 2): the autocast dtype the
+    optimizer all-gathers the blocks' non-float8 linear weights in (`zero3_half.half_weights`,
+    experts' left out), laid out in buckets of their own; None: every bucket gathers fp32.
+    Under ep > 1 expert parameters reduce over `mesh.expert_dp_group` (ZeRO-3: are sharded
+    over it)."""
     group, dp = mesh.dp_cp_group, mesh.dp
     experts = mesh.expert_dp_group if getattr(mesh, "ep", 1) > 1 else None
     if compressor is not None:
@@ -146,6 +152,11 @@ def build_grad_sync(
         if mesh.pp > 1
         else ()
     )
+    half_params = (
+        [m.weight for m in half_weights(model).values() if not is_expert(m.weight)]
+        if zero12_half is not None
+        else []
+    )
     return kinds[zero](
         params,
         group,
@@ -155,4 +166,6 @@ def build_grad_sync(
         average_over=dp,
         last=last,
         expert_group=experts,
+        half=zero12_half if half_params else None,
+        half_params=half_params,
     )

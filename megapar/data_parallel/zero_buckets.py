@@ -8,6 +8,9 @@ unreduced gradient and must not be read. Parameters given as ``last`` (the tied 
 into the last bucket(s), which, once `defer` named a ``before_reduce``, launch only in
 ``finish()`` after it ran (the tied-embedding sum over the first and last pipeline stage must
 precede the dp reduction, as slices differ between stages). Gradient compression is refused.
+Under bf16 / fp16 the blocks' linear weights (`half_params`) are laid out in buckets of their
+own (`bucket_layout`'s `apart`: still in the order their gradients become final), whose
+parameters the optimizer all-gathers in 16 bits (`optim/zero.py`).
 
 ZeRO-2 (`Zero2Buckets`): there is no full buffer, only ``shards`` (per dtype, this rank's
 slices of the buckets back to back; ``Bucket.shard``). ``.grad`` is autograd's own tensor. In
@@ -58,9 +61,16 @@ class Zero1Buckets(GradBuckets):
         average_over: int | None = None,
         last: Iterable[torch.nn.Parameter] = (),
         expert_group=None,
+        half: torch.dtype | None = None,
+        half_params: Iterable[torch.nn.Parameter] = (),
     ):
         """`last`: the parameters laid out in the last bucket(s), deferred by `defer`;
-        `expert_group` as `GradBuckets`'."""
+        `expert_group` as `GradBuckets`'; `half_params` (with `half`, the autocast dtype): the
+        weights autocast reads in `half` (`zero3_half.half_weights`), laid out in buckets of
+        their own (`Bucket.half`), which the optimizer all-gathers in `half` after a step."""
+        if half is not None:
+            self.half = half
+            self.half_params = list(half_params)
         if compressor is not None:
             raise ValueError(
                 f"--grad-compression cannot be combined with --zero "

@@ -44,6 +44,7 @@ from megapar.dryrun.modelled import modelled_stage, process_peaks
 from megapar.dryrun.watch import run_micro_batch
 from megapar.dryrun.world import fake_process_group, fake_tensors, held_bytes
 from megapar.mesh import Layout, Mesh
+from megapar.optim.precision import comm_dtypes
 from megapar.pipeline.placement import chunks_per_rank, placement_of
 from megapar.pipeline.schedules import in_flight_peak, schedule_actions
 from megapar.plan.params import GatherCasts
@@ -412,10 +413,9 @@ def _planned_state(cfg, config, mesh: Mesh):
 
 def zero3_casts(cfg) -> GatherCasts:
     """The linear weights ZeRO-3 gathers in 16 bits or float8 in a step of `cfg` (a
-    `TrainConfig`), as the planner takes them."""
-    return GatherCasts(
-        cfg.fp8, cfg.fp8_layers, cfg.zero3_float8 is not None, cfg.zero3_half is not None
-    )
+    `TrainConfig`), or ZeRO-1 / 2 in 16 bits after it, as the planner takes them."""
+    half = cfg.zero3_half is not None or cfg.zero12_half is not None
+    return GatherCasts(cfg.fp8, cfg.fp8_layers, cfg.zero3_float8 is not None, half)
 
 
 def _modelled_traffic(cfg, config, mesh: Mesh, comm: dict, m: int) -> None:
@@ -443,7 +443,9 @@ def _modelled_traffic(cfg, config, mesh: Mesh, comm: dict, m: int) -> None:
     rehearsed = comm.get(names[DENSE], {})
     if not {"reduce_scatter", "all_gather"} <= rehearsed.keys():
         return
-    scale = rehearsed["reduce_scatter"]["bytes"] / rehearsed["all_gather"]["bytes"]
+    # the reduced gradients' bytes per fp32 byte (the rehearsal's all-gathers are no measure:
+    # in bf16 / fp16 ZeRO-1 gathers the blocks' linear weights in 16 bits)
+    scale = comm_dtypes(cfg.precision, cfg.p2p_dtype, cfg.grad_reduce_dtype)[1].itemsize / 4
     for name, ops in groups_traffic(
         planned,
         cfg.zero,

@@ -12,7 +12,8 @@ optimizer is built over the masters, so its moments are made in host memory too.
    queued on the current stream).
 
 Weights set from outside between steps (a checkpoint loaded into the model) are seen by their
-tensors' version counters and copied to the masters at the next step.
+tensors' version counters (under ZeRO by the parameters', which a write into a parameter moves
+and its pieces' do not) and copied to the masters at the next step.
 
 On the CPU the host is the device: the masters are the stepped tensors themselves, nothing is
 copied and only the accounting changes (the dry run counts the state as host memory). The
@@ -78,8 +79,17 @@ class HostStep:
     device gradients (their storage may be freed between steps): the step writes nothing back
     to them, and weights set from outside are set in the masters."""
 
-    def __init__(self, stepped: list[torch.Tensor], masters: list[torch.Tensor] | None = None):
+    def __init__(
+        self,
+        stepped: list[torch.Tensor],
+        masters: list[torch.Tensor] | None = None,
+        watched: list[torch.Tensor] | None = None,
+    ):
+        """`watched`: per stepped tensor, the tensor through which weights are set from
+        outside (ZeRO's pieces: their parameters, whose in-place writes do not reach the
+        pieces' version counter); default: the stepped tensors themselves."""
         self.stepped = list(stepped)
+        self.watched = list(watched) if watched is not None else self.stepped
         device = self.stepped[0].device if self.stepped else torch.device("cpu")
         self.given = masters is not None
         """The masters were given (they hold the weights; nothing is copied back)."""
@@ -108,7 +118,7 @@ class HostStep:
         a later change from outside (weights loaded from a checkpoint) is copied to the masters
         at the next step."""
         self._seen = (
-            [_mark(t) for t in self.stepped]
+            [_mark(t) for t in self.watched]
             if self.copies and not self.given
             else [None] * len(self.stepped)
         )
@@ -133,8 +143,10 @@ class HostStep:
         if not self.copies:
             inner_step()
             return
-        for t, m, g, seen in zip(self.stepped, self.masters, self.grads, self._seen):
-            if seen is not None and _mark(t) != seen:  # weights set from outside since then
+        for t, w, m, g, seen in zip(
+            self.stepped, self.watched, self.masters, self.grads, self._seen
+        ):
+            if seen is not None and _mark(w) != seen:  # weights set from outside since then
                 m.copy_(t)
                 self.refreshed += 1
             m.grad = None if t.grad is None else g  # no gradient: not stepped, as on the device

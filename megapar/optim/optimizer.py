@@ -115,6 +115,11 @@ class AdamWOptimizer(torch.optim.Optimizer):
         self.inner = self._make_inner(groups) if groups else None
         self.allocate_state()
 
+    def _watched(self, stepped: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Per stepped tensor, the tensor weights are set through from outside (`HostStep`'s
+        `watched`); None: the stepped tensors themselves."""
+        return None
+
     def _make_inner(self, groups: list[dict]) -> torch.optim.Optimizer:
         """The torch optimizer over `groups` (of the stepped tensors: parameters, or ZeRO's
         pieces); with offload, over their host masters."""
@@ -122,7 +127,9 @@ class AdamWOptimizer(torch.optim.Optimizer):
             stepped = [p for g in groups for p in g["params"]]
             masters = self.host_masters
             self.host = HostStep(
-                stepped, None if masters is None else [masters[id(p)] for p in stepped]
+                stepped,
+                None if masters is None else [masters[id(p)] for p in stepped],
+                self._watched(stepped),
             )
             groups = self.host.groups(groups)
         inner = _inner(

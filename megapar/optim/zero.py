@@ -14,10 +14,11 @@ the same layout (each ``param.data`` becomes a view into it), so per step:
 3. AdamW (or LAMB / LARS / SGD) on this rank's *pieces* (the parts of parameters inside its
    slices): views into the parameter buffer, with views into the gradient buffer as ``.grad``;
    optimizer state exists only for the pieces (1/dp of it, up to padding);
-4. all-gather each parameter bucket in place, so every rank has the full weights.
+4. all-gather each parameter bucket in place, so every rank has the full weights (the 16-bit
+   buckets in 16 bits, below).
 
 Traffic per step: one reduce-scatter and one all-gather of the padded buffer, the same as one
-all-reduce.
+all-reduce (less the 16-bit buckets' half).
 
 Stage 2 (`stage=2`): `Zero2Buckets` keeps only this rank's slices of the reduced gradients
 (`Zero2Buckets.shards`, reduce-scattered every micro-batch and accumulated there); the pieces'
@@ -25,7 +26,22 @@ Stage 2 (`stage=2`): `Zero2Buckets` keeps only this rank's slices of the reduced
 m reduce-scatters of the buffer (the deferred tied-embedding bucket once) and one all-gather.
 
 Parameters are fp32 in every precision (autocast casts on the fly), so the parameter buffer is
-also the fp32 master.
+also the fp32 master: each rank's own slices of it are exact fp32 at all times.
+
+16-bit all-gather (`half`, under bf16 / fp16: `TrainConfig.zero12_half`), as Megatron's
+distributed optimizer gathers bf16 parameters and FSDP2 with ``param_dtype=torch.bfloat16``: the
+blocks' non-float8 column- and row-parallel linear weights (`zero3_half.half_weights`, experts'
+left out) fill buckets of their own (`Bucket.half`). After a step each rank rounds its slice of
+such a bucket to the autocast dtype, the ranks all-gather the 16-bit values (half the bytes),
+and each copies the others' slices into its fp32 buffer, keeping its own exact
+(`_gather_half`). Those copies hold the rounded values, and that is all a step or an
+evaluation reads of them: under autocast a linear multiplies by its weight cast to the 16-bit
+dtype, the cast of a rounded value is bit for bit the cast of the exact one (rounding twice to
+the same format rounds once), and the weight gradient does not depend on the weight. Whatever
+reads whole parameters outside a step (checkpoints, exports, `Engine.params_whole`) calls
+`exact_params` first: one fp32 all-gather restores the exact values everywhere, as each rank's
+own slice is exact. Every other bucket (norms, biases, embeddings, the head, float8 linears,
+experts) gathers fp32.
 
 LAMB / LARS need norms of whole parameters: each piece's squared sums are all-reduced over dp
 (one small tensor, two entries per parameter), then over tp for tp-sharded parameters. Under
@@ -97,6 +113,13 @@ class ZeroOptimizer(AdamWOptimizer):
         """The sharded grad sync attached (`Zero1Buckets` / `Zero2Buckets`, ZeRO-3's
         `ShardedParams`); None before `attach`."""
         self.param_buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.half: torch.dtype | None = None
+        """The dtype the 16-bit buckets (`Bucket.half`: the blocks' linear weights) are
+        all-gathered in after a step (the grad sync's `half`, the autocast dtype); None: every
+        bucket gathers fp32."""
+        self.rounded = False
+        """Other ranks' slices of the 16-bit buckets hold their 16-bit-rounded values (since
+        the last step's gather); `exact_params` gathers them in fp32 again."""
         super().__init__(
             named_params, lr, weight_decay, betas, eps, kind, tp_group, offload=offload
         )
@@ -119,6 +142,7 @@ class ZeroOptimizer(AdamWOptimizer):
         self._check_sync(grad_sync)
         grad_sync.defer(last, before_reduce)
         self.grad_sync, self.sharded = grad_sync, True
+        self.half = grad_sync.half
         device = self.params[0].device
         self.param_buffers = {
             dt: torch.zeros(n, dtype=dt, device=device)
@@ -149,6 +173,15 @@ class ZeroOptimizer(AdamWOptimizer):
         if self._pending is not None:
             self.load_state_tensors(self._pending)
             self._pending = None
+
+    def _watched(self, stepped: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Each piece's parameter: a checkpoint or weights loaded into it write through the
+        parameter, whose version counter is its own, not the pieces' (views of the buffer).
+        ZeRO-3's pieces are its shards', which such a load writes itself: None."""
+        if not self.sharded or self.zero == 3:
+            return None
+        param_of = {id(t): p for t, (p, _, _) in zip(self.pieces, self._piece_of)}
+        return [param_of[id(t)] for t in stepped]
 
     def _check_sync(self, grad_sync) -> None:
         """`grad_sync` must be the sharded grad sync of this stage's parameters over the same
@@ -200,24 +233,66 @@ class ZeroOptimizer(AdamWOptimizer):
 
     @torch.no_grad()
     def _after_step(self) -> None:
-        """All-gather every parameter bucket in place: each rank contributes its slice."""
+        """All-gather every parameter bucket in place: each rank contributes its slice, the
+        16-bit buckets' rounded to `half` (their other slices then hold rounded values)."""
         if self.sharded:
-            self._gather(self.param_buffers)
+            self._gather(self.param_buffers, self.half)
+            self.rounded = self.half is not None and any(b.half for b in self.grad_sync.buckets)
 
-    def _gather(self, buffers: dict[torch.dtype, torch.Tensor]) -> None:
-        """All-gather each bucket of `buffers` in place. On gloo, which holds a bucket-sized
-        copy per all-gather until it is waited for, at most `Zero1Buckets.MAX_COPIES_IN_FLIGHT`
-        are in flight, and a large bucket goes in pieces (`shard_comm.all_gather`)."""
+    @torch.no_grad()
+    def exact_params(self) -> None:
+        """Make every rank's parameters exact fp32 again where the last step gathered them in
+        16 bits: one fp32 all-gather of the 16-bit buckets (each rank's own slices are exact;
+        the other buckets are already). For whatever reads whole parameters outside a step
+        (checkpoints, exports, the finiteness check); collective over the dp group, a no-op
+        (no communication) where nothing is rounded, the same on every rank."""
+        if not self.rounded:
+            return
+        self._gather(self.param_buffers, only=[b for b in self.grad_sync.buckets if b.half])
+        self.rounded = False
+
+    def _gather(
+        self, buffers: dict[torch.dtype, torch.Tensor], half=None, only: list | None = None
+    ) -> None:
+        """All-gather each bucket of `buffers` (or the buckets `only`) in place; with `half`, a
+        dtype, the 16-bit buckets (`Bucket.half`) in that dtype (`_gather_half`). On gloo,
+        which holds a bucket-sized copy per all-gather until it is waited for, at most
+        `Zero1Buckets.MAX_COPIES_IN_FLIGHT` are in flight, and a large bucket goes in pieces
+        (`shard_comm.all_gather`); elsewhere at most `HALF_BUFFERS_IN_FLIGHT` 16-bit buffers."""
         host = self.grad_sync.host_waits
         bound = self.grad_sync.MAX_COPIES_IN_FLIGHT if host else None
+        halves = 1 if host else self.HALF_BUFFERS_IN_FLIGHT
         handles: list[Any] = []
-        for b in self.grad_sync.buckets:
+        for b in self.grad_sync.buckets if only is None else only:
             flat = buffers[b.params[0].dtype][b.start : b.start + b.padded]
+            sixteen = half is not None and b.half
             if bound is not None and len(handles) >= bound:
                 handles.pop(0).wait()
-            handles.append(shard_comm.all_gather(flat, b.group_size, b.group, host))
+            while sixteen and sum(isinstance(h, _HalfGathered) for h in handles) >= halves:
+                handles.pop(0).wait()
+            if sixteen:
+                handles.append(self._gather_half(b, flat, half, host))
+            else:
+                handles.append(shard_comm.all_gather(flat, b.group_size, b.group, host))
         for h in handles:
             h.wait()
+
+    HALF_BUFFERS_IN_FLIGHT = 2
+    """At most this many 16-bit gather buffers (each half its bucket's fp32 bytes) are alive
+    at a time (on gloo: one, `Zero1Buckets.MAX_COPIES_IN_FLIGHT`). They live after the step,
+    when autocast's 16-bit copies of the same weights (held through the forwards and
+    backwards, at least as many bytes) are freed: they never raise the step's peak."""
+
+    def _gather_half(self, b, flat: torch.Tensor, half: torch.dtype, host: bool):
+        """Start the 16-bit all-gather of bucket `b` (`flat`: its range of the fp32 parameter
+        buffer): this rank's slice rounded to `half` (as autocast's cast rounds it) into a
+        bucket-sized 16-bit buffer, gathered there; waiting the handle copies the other ranks'
+        slices into `flat` (this rank's stays exact: the master) and frees the buffer."""
+        lo, hi = self.grad_sync.shard_range(b)
+        wire = torch.empty(b.padded, dtype=half, device=flat.device)
+        wire[lo:hi].copy_(flat[lo:hi])
+        work = shard_comm.all_gather(wire, b.group_size, b.group, host)
+        return _HalfGathered(work, wire, flat, lo, hi)
 
     @torch.no_grad()
     def sum_partial_over_tp(self, tp_group) -> int:
@@ -458,6 +533,25 @@ def build_optimizer(
         f"--zero {zero} is not supported; use 0 (no sharding), 1 (optimizer "
         f"state sharded over data-parallel ranks) or 2 (gradients too)"
     )
+
+
+class _HalfGathered:
+    """A 16-bit bucket's all-gather in flight (`ZeroOptimizer._gather_half`): waiting copies
+    the gathered slices but this rank's own into the fp32 bucket and frees the 16-bit one."""
+
+    def __init__(self, work, wire: torch.Tensor, flat: torch.Tensor, lo: int, hi: int):
+        self.work, self.lo, self.hi = work, lo, hi
+        self.wire: torch.Tensor | None = wire
+        self.flat: torch.Tensor | None = flat
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            assert self.wire is not None and self.flat is not None  # dropped with work
+            self.flat[: self.lo].copy_(self.wire[: self.lo])
+            self.flat[self.hi :].copy_(self.wire[self.hi :])
+        self.work = self.wire = self.flat = None
+        return True
 
 
 def _grad(t: torch.Tensor) -> torch.Tensor:

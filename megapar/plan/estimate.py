@@ -592,7 +592,8 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
     every = stage_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep)
     routed = stage_expert_params(cfg, t, c.pp, c.v, placement, p.config_json, c.ep)
     n_params, n_experts, stage = max(zip(every, routed, range(c.pp)))
-    # ZeRO-3 gathering linear weights in 16 bits or float8: 2 or 1 bytes an element, not 4
+    # ZeRO-3 gathering linear weights in 16 bits or float8, ZeRO-1 / 2 in 16 bits: 2 or 1
+    # bytes an element, not 4
     float8 = fp8.converted_weights(p, c, stage) if fp8.float8_gathered(p, c) else 0
     half = fp8.half_weights(p, c, stage)
     if c.ep > 1:

@@ -140,22 +140,23 @@ def float8_gathered(p, c) -> bool:
 
 
 def half_gathered(p, c) -> bool:
-    """Whether ZeRO-3 gathers the blocks' other linear weights in 16 bits (megapar-train's
-    16-bit all-gather, `data_parallel/zero3_half.py`: bf16 / fp16 autocast on fp32 weights,
-    ZeRO-3 over more than one rank; under --offload-params each host master is rounded on the
-    host and its 16 bits copied over): the gathered weight is then autocast's cast, none made
-    besides."""
-    return p.sixteen_bit and c.zero == 3 and c.dp * c.cp > 1
+    """Whether ZeRO gathers the blocks' other linear weights in 16 bits (bf16 / fp16 autocast
+    on fp32 weights, over more than one rank): ZeRO-3 in each step's gathers (megapar-train's
+    16-bit all-gather, `data_parallel/zero3_half.py`; under --offload-params each host master
+    rounded on the host and its 16 bits copied over), the gathered weight then autocast's
+    cast, none made besides; ZeRO-1 / 2 in the all-gather after the step (`optim/zero.py`,
+    their own buckets)."""
+    return p.sixteen_bit and c.zero in (1, 2, 3) and c.dp * c.cp > 1
 
 
 def zero3_casts(p, c) -> GatherCasts:
     """`plan.state.Offload.casts`: the linear weights ZeRO-3 gathers in 16 bits or float8 at
-    candidate `c` (`half_gathered`, `float8_gathered`)."""
+    candidate `c`, or ZeRO-1 / 2 in 16 bits (`half_gathered`, `float8_gathered`)."""
     return GatherCasts(p.fp8, p.fp8_layers, float8_gathered(p, c), half_gathered(p, c))
 
 
 def half_weights(p, c, stage: int) -> int:
-    """Elements of the weights of pipeline rank `stage`'s block linears ZeRO-3 gathers in 16
+    """Elements of the weights of pipeline rank `stage`'s block linears ZeRO gathers in 16
     bits at candidate `c` (one tp rank; 0 where it does not: `half_gathered`)."""
     if not half_gathered(p, c):
         return 0

@@ -162,9 +162,12 @@ class TensorSpec:
     linear: tuple[int, int] | None = None
     """The weight of a column- or row-parallel linear: its local (N, K), which says whether
     --fp8 converts it (`fp8_convert.wanted`); None: any other parameter."""
+    block: bool = False
+    """A transformer block's parameter (not the embedding's nor the head's): its linear
+    weights are those ZeRO-1 / 2 may gather in 16 bits (`zero3_half.half_weights`)."""
 
 
-def _specs(module) -> tuple[TensorSpec, ...]:
+def _specs(module, block: bool = False) -> tuple[TensorSpec, ...]:
     linears: dict[int, tuple[int, int]] = {
         id(m.weight): (m.weight.shape[0], m.weight.shape[1])
         for m in module.modules()
@@ -178,6 +181,7 @@ def _specs(module) -> tuple[TensorSpec, ...]:
             getattr(p, "tied_to", None) is not None,
             bool(getattr(p, "expert", False)),
             linears.get(id(p)),
+            block,
         )
         for p in module.parameters()
     )
@@ -189,7 +193,7 @@ def _piece_tensors(config_json: str, tp: int, ep: int = 1):
     block of each layer kind, `layer_kinds`)."""
 
     config = config_from_dict(json.loads(config_json))
-    blocks = {kind: _specs(block) for kind, block in kind_blocks(config, tp, ep).items()}
+    blocks = {kind: _specs(block, True) for kind, block in kind_blocks(config, tp, ep).items()}
     return (
         blocks,
         _specs(_build(config, tp, range(0), True, False)),
@@ -294,7 +298,8 @@ LED_KINDS = ("half", "float8", "experts")
 class GatherCasts:
     """Which of the blocks' linear weights ZeRO-3 gathers in their matmuls' precision during a
     step (megapar-train's 16-bit and float8 all-gathers: `data_parallel/zero3_half.py`,
-    `zero3_float8.py`); the default: none (every unit in fp32)."""
+    `zero3_float8.py`), and ZeRO-1 / 2 in 16 bits after a step (`half`: `optim/zero.py`,
+    `zero12_half`); the default: none (every unit and bucket in fp32)."""
 
     fp8: str = "off"
     """--fp8's recipe: the linears it converts (`wanted`) are never 16-bit weights."""
@@ -304,6 +309,16 @@ class GatherCasts:
     """The converted weights gather as float8 bytes (--fp8 tensorwise)."""
     half: bool = False
     """The other linears' weights gather in 16 bits (bf16 / fp16 autocast)."""
+
+    def zero12_half(self, tensors: list[TensorSpec]) -> list[int]:
+        """Indices of `tensors` (a stage's) ZeRO-1 / 2 lays out in buckets of their own and
+        all-gathers in 16 bits (`Zero1Buckets.half_params`: the blocks' linear weights that
+        are not float8 nor routed experts'); [] without `half`."""
+        if not self.half:
+            return []
+        return [
+            i for i, t in enumerate(tensors) if t.block and not t.expert and self.of(t) == "half"
+        ]
 
     def of(self, t: TensorSpec) -> str | None:
         """How ZeRO-3 gathers `t` in a step: "float8", "half" or None (fp32)."""

@@ -107,9 +107,13 @@ class Offload:
 
     def at_zero(self, zero: int) -> Offload:
         """These settings as a rank's state under ZeRO stage `zero` depends on them: below
-        ZeRO-3 only `optimizer` (the others are ZeRO-3's), so that layouts differing in the
-        rest share one cached state (`slices.most_loaded`)."""
-        return self if zero >= 3 else Offload(self.optimizer)
+        ZeRO-3 only `optimizer` and, at ZeRO-1 / 2, whether `casts` gathers in 16 bits (the
+        16-bit buckets are laid out apart); the others are ZeRO-3's, so that layouts differing
+        in the rest share one cached state (`slices.most_loaded`)."""
+        if zero >= 3:
+            return self
+        half = zero in (1, 2) and self.casts.half
+        return Offload(self.optimizer, casts=self.casts if half else NO_CASTS)
 
 
 def whole_grads(schedule: str, pp: int, m: int, v: int, reduce: str = "step") -> bool:
@@ -321,7 +325,8 @@ def _layout(
     late = [i for i, t in enumerate(tensors) if t.shared] if pp > 1 else []
     experts = [i for i, t in enumerate(tensors) if t.expert] if ep > 1 else []
     sizes = [(t.numel, t.dtype) for t in tensors]
-    return tensors, bucket_layout(sizes, bucket_mb, dp, late, experts, dp // ep), None
+    apart = casts.zero12_half(tensors)
+    return tensors, bucket_layout(sizes, bucket_mb, dp, late, experts, dp // ep, apart), None
 
 
 DENSE, EXPERTS = "dp", "expert dp"
@@ -340,8 +345,8 @@ class Traffic:
     nbytes: int = 0
     """Their buffers' bytes."""
     gathered: int = 0
-    """Their buffers' bytes as gathered: `nbytes`, but half for ZeRO-3's 16-bit units and a
-    quarter for its float8 units."""
+    """Their buffers' bytes as gathered: `nbytes`, but half for ZeRO-3's 16-bit units and
+    ZeRO-1 / 2's 16-bit buckets, and a quarter for ZeRO-3's float8 units."""
     persistent: int = 0
     """ZeRO-3: gathered bytes of the persistent unit among them (gathered once a step)."""
     deferred: tuple[int, int] = (0, 0)
@@ -377,6 +382,7 @@ def zero_traffic(
         config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep, casts
     )
     late = _deferred(tensors, units, pp) if zero >= 3 else set()
+    half = set(casts.zero12_half(tensors)) if zero in (1, 2) else set()
     kinds = [u.kind for u in specs] if specs else [""] * len(units)
     for k, u in enumerate(specs or ()):
         if u.led:  # gathered as its lead is
@@ -387,7 +393,10 @@ def zero_traffic(
             continue  # a unit or bucket over one rank (ep = cp x dp): nothing gathered or reduced
         group = EXPERTS if _shards(tensors, idx, dp, ep) != dp else DENSE
         n = padded * tensors[idx[0]].dtype.itemsize
-        g = n if specs is None else _gathered(specs[k], n)
+        if specs is not None:
+            g = _gathered(specs[k], n)
+        else:  # ZeRO-1 / 2: a 16-bit bucket gathers 2 bytes an element
+            g = n // 2 if idx[0] in half else n
         t = out.get(group, Traffic())
         out[group] = Traffic(
             t.pieces + 1,

@@ -105,7 +105,7 @@ class TrainConfig:
     data: str | list[str] | None = None
     """Dataset prefix (PREFIX.bin/.idx from megapar-data, or a Megatron-LM MMIDIDX dataset) or raw text: a .txt / .jsonl file or a directory of them (tokenized into --data-cache); or a blend "W1 PREFIX1 W2 PREFIX2 ..." (Megatron's syntax). Default: the shipped Shakespeare sample."""
     tokenizer: str = "gpt2"
-    """Tokenizer for raw text (and for a Megatron-LM dataset without megapar's .json): gpt2, sentencepiece, a transformers directory with tokenizer.json, a vocab.json+merges.txt dir or a .model file. Default: gpt2; with --load, the tokenizer the checkpoint's data was tokenized with; with --from-hf DIR, DIR's own."""
+    """Tokenizer for raw text (and for a Megatron-LM dataset without megapar's .json, which needs it given): gpt2, sentencepiece, a transformers directory with tokenizer.json, a vocab.json+merges.txt dir or a .model file. Default: gpt2; with --load, the tokenizer the checkpoint's data was tokenized with; with --from-hf DIR, DIR's own."""
     data_cache: str = "~/.cache/megapar"
     """Where raw text is tokenized to (keyed by content hash and the settings below)."""
     jsonl_key: str = "text"
@@ -273,6 +273,15 @@ class TrainConfig:
         under --offload-params, whose host shards are rounded on the host;
         `data_parallel.zero3_half`): that dtype; else None (fp32 gathers)."""
         on = self.zero == 3 and self.precision != "fp32"
+        return PRECISIONS[self.precision] if on else None
+
+    @property
+    def zero12_half(self) -> torch.dtype | None:
+        """ZeRO-1 / 2 all-gather the blocks' (non-float8) linear weights in the autocast dtype
+        after each step under bf16 / fp16, each rank keeping its own slice in fp32 (`optim.zero`;
+        --offload-optimizer too, whose masters are this rank's slices): that dtype; else None
+        (fp32 gathers)."""
+        on = self.zero in (1, 2) and self.precision != "fp32"
         return PRECISIONS[self.precision] if on else None
 
 

@@ -137,6 +137,7 @@ class Engine:
             zero3_reduce=cfg.zero3_reduce,
             zero3_float8=cfg.zero3_float8 is not None,
             zero3_half=cfg.zero3_half,
+            zero12_half=cfg.zero12_half,
         )
         """The stage's `GradSync` (`megapar.data_parallel.grad_sync`)."""
         self.sharded_params: ShardedParams | None = (
@@ -394,28 +395,45 @@ class Engine:
         return out
 
     def params_whole(self):
-        """A context in which the stage's parameters are whole on this rank, to read or write
-        them (loading weights): under ZeRO-3 every unit is gathered inside and each rank keeps
-        its shards of what they hold on exit (collective over dp x cp); otherwise nothing."""
+        """A context in which the stage's parameters are whole and exact on this rank, to read
+        or write them (loading weights): under ZeRO-3 every unit is gathered inside and each
+        rank keeps its shards of what they hold on exit (collective over dp x cp); under
+        ZeRO-1 / 2 the 16-bit gathered weights made exact first (`exact_params`); otherwise
+        nothing."""
         if self.sharded_params is None:
+            self.exact_params()
             return contextlib.nullcontext()
         return self.sharded_params.whole()
 
+    def exact_params(self) -> None:
+        """Under ZeRO-1 / 2 in bf16 / fp16, where the last step all-gathered the blocks'
+        linear weights in 16 bits (other ranks' slices of them hold autocast's rounding of
+        their values, which is all a step or an evaluation under autocast reads), gather them
+        in fp32 again so every rank's parameters are the exact fp32 weights (collective over
+        dp x cp; nothing to do, no communication, otherwise). Checkpoints, exports and
+        `params_whole` call it."""
+        exact = getattr(self.optimizer, "exact_params", None)
+        if exact is not None:
+            exact()
+
     def held_weights(self) -> list[torch.Tensor]:
-        """The weights this rank holds between steps: the parameters, or under ZeRO-3 its
-        shards of them (the gathered parameters' storage is freed then: reading them is
-        reading freed memory)."""
+        """The weights this rank holds between steps: the parameters (exact: `exact_params`,
+        collective), or under ZeRO-3 its shards of them (the gathered parameters' storage is
+        freed then: reading them is reading freed memory)."""
         if self.sharded_params is None:
+            self.exact_params()
             return list(self.model.parameters())
         return self.sharded_params.held_weights()
 
     def saved_model(self):
-        """What a checkpoint reads the weights from: the stage, or under ZeRO-3 host copies
+        """What a checkpoint reads the weights from: the stage (its weights made exact:
+        `exact_params`; collective), or under ZeRO-3 host copies
         of its parameters gathered a unit at a time (`HostStage`; collective over dp x cp, and
         the expert-data-parallel group under ep): every parameter on the writer (dp rank 0, cp
         rank 0), and under ep the experts on the ranks of its ep group too, which gather them
         whole (`whole_experts`)."""
         if self.sharded_params is None:
+            self.exact_params()
             return self.model
         writer = self.mesh.dp_rank == 0 and self.mesh.cp_rank == 0
         experts = writer or gathers_experts(self.mesh)
