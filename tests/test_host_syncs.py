@@ -115,7 +115,7 @@ def zero3_syncs_worker(kind, precision="fp32", offload=False):
 def test_zero3_syncs_no_more_per_micro_batch(precision, offload):
     """pp 2 x dp 2 with --zero 3: gathering, freeing and reduce-scattering the units per
     micro-batch add no host sync (in bf16 with the blocks' linear weights gathered and read
-    in 16 bits; under --offload-params too, their host masters rounded on the host)."""
+    in 16 bits; under --offload-params too, their host masters copied up and rounded on the device)."""
     for rank, counts in enumerate(run_local(zero3_syncs_worker, 4, "gpt2", precision, offload)):
         assert counts[4] == counts[8], (rank, counts)
         assert 0 < sum(counts[8].values()) <= 8, (rank, counts[8])

@@ -289,7 +289,7 @@ def test_zero3_autocast_copies_are_the_casts_the_step_keeps(recipe, options, wha
     still alive when a two-micro-batch step's last backward ends (each parameter cast once),
     on dp rank 0 of dp 2 (`what` each case keeps). The blocks' linear weights gathered in 16
     bits are read without a cast, under --offload-params too (host masters, as on CUDA: each
-    rounded on the host). The chunked loss casts the head's real rows per use (freed when its
+    copied up and rounded on the device). The chunked loss casts the head's real rows per use (freed when its
     backward ends): the top of the backward's "chunked loss's 16-bit cast" term. The planner
     counted no copy under ZeRO-3 (gpt2-tiny with both offloads: 396,800 bytes kept, 0
     planned); under --offload-params the gathers were fp32, and every linear weight's cast was

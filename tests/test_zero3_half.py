@@ -102,9 +102,10 @@ def test_zero3_gathers_the_blocks_linear_weights_in_16_bits(kind, world, setting
 
 def _offloaded_steps(settings: dict, ckpt: str | None):
     """`_steps` under --offload-params (and --offload-optimizer) with separate host masters, as
-    on CUDA; per run also: per step the bytes of 16-bit shards rounded on the host and copied
-    to the device, the host masters after the steps (fp32), and with `ckpt` the loss of the
-    last step and the masters after it once more from a checkpoint saved before it."""
+    on CUDA; per run also: per step the bytes of 16-bit shards rounded (on the device, from the
+    fp32 staging shard the host master was copied to: never from a host master), the host
+    masters after the steps (fp32), and with `ckpt` the loss of the last step and the masters
+    after it once more from a checkpoint saved before it."""
     import os
 
     from megapar.data_parallel.zero3_half import HalfShard
@@ -112,13 +113,13 @@ def _offloaded_steps(settings: dict, ckpt: str | None):
 
     os.environ[HOST_COPIES_ENV] = "1"
     cast = HalfShard.cast
-    staged = []
+    staged, masters_at = [], set()
 
-    def counted(self, shard, host=False):
-        if host:
-            assert shard.dtype == torch.float32 and self.shard.dtype == torch.bfloat16
-            staged[-1] += self.shard_nbytes
-        return cast(self, shard, host)
+    def counted(self, shard):
+        assert shard.dtype == torch.float32 and self.shard.dtype == torch.bfloat16
+        assert shard.data_ptr() not in masters_at  # the staging shard, not the host master
+        staged[-1] += self.shard_nbytes
+        return cast(self, shard)
 
     HalfShard.cast = counted
     settings = {**settings, "offload_params": True, "offload_optimizer": True}
@@ -129,6 +130,7 @@ def _offloaded_steps(settings: dict, ckpt: str | None):
                                  precision="bf16", **settings)
         sharded = engine.sharded_params
         assert all(u.host_shard is not None for u in sharded.units)
+        masters_at.update(u.host_shard.data_ptr() for u in sharded.units)
         units = list(sharded.half.units)
         if not half:
             sharded.half.units = []
@@ -165,11 +167,12 @@ def _offloaded_steps(settings: dict, ckpt: str | None):
 @pytest.mark.parametrize("world,settings", [(2, {}), (4, dict(tp=2))])
 def test_offloaded_shards_gather_in_16_bits(tmp_path, world, settings):
     """--offload-params (host masters, the optimizer offloaded too): each gather of a 16-bit
-    unit rounds this rank's host master on the host and copies those 16 bits to the device
-    (the master stays fp32), then gathers them as without offload. Bitwise the fp32 gathers'
-    losses, evaluation and masters; 2 bytes an element copied to the device and gathered per
-    use (twice per micro-batch), the fp32 gathers shrinking by twice that; at dp 2 a resume
-    from a checkpoint saved before the last step repeats that step bit for bit."""
+    unit copies this rank's fp32 host master to the device staging shard and rounds it there
+    (the master is only read), then gathers the 16 bits as without offload. Bitwise the fp32
+    gathers' losses, evaluation and masters; 2 bytes an element rounded and gathered per use
+    (twice per micro-batch), the fp32 gathers shrinking by twice that, no gathered buffer or
+    staging shard left after the steps; at dp 2 a resume from a checkpoint saved before the
+    last step repeats that step bit for bit."""
     ckpt = str(tmp_path / "ckpt") if world == 2 else None
     m = GBS // 2 // (world // settings.get("tp", 1))
     for out in run_local(_offloaded_steps, world, settings, ckpt):

@@ -13,9 +13,9 @@ runs (`HalfGather.step`):
 - each gather of a 16-bit unit rounds this rank's slice to a 16-bit shard (freed when the gather
   is done, as FSDP2 casts in its pre-all-gather) and all-gathers it into a 16-bit buffer,
   freed and re-gathered as the fp32 buffers are; the fp32 buffer is never gathered. Under
-  --offload-params the slice is the host master: it is rounded on the host into a new host
-  buffer and those 16 bits are copied to the device shard (2 bytes an element cross, not 4;
-  the master stays fp32), with no fp32 staging shard;
+  --offload-params the slice is the fp32 host master copied to the device staging shard as for
+  an fp32 gather, rounded there and the staging shard freed before the gather (not rounded on
+  the host, which would cost host time on every gather: docs/guides/precision-zero.md);
 - each linear reads its weight's view into that buffer (`tensor_parallel.weight_copy`) in place
   of autocast's cast, its gradient flowing to the fp32 weight through the cast's backward.
 
@@ -36,7 +36,6 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from megapar import device as _device
 from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megapar.tensor_parallel.weight_copy import WeightCopy
 
@@ -98,18 +97,11 @@ class HalfShard:
         self.shard.untyped_storage().resize_(0)
 
     @torch.no_grad()
-    def cast(self, shard: torch.Tensor, host: bool = False) -> None:
+    def cast(self, shard: torch.Tensor) -> None:
         """Fill `self.shard` with the fp32 `shard` rounded to the 16-bit dtype (as autocast's
-        cast of the weight rounds it). `host`: `shard` is the host master (--offload-params,
-        `Unit.host_shard`): rounded on the host into a new host buffer (pinned on CUDA; the
-        master is only read), whose 16 bits are copied to the device asynchronously."""
+        cast of the weight rounds it)."""
         self.shard.untyped_storage().resize_(self.shard_nbytes)
-        if host:
-            rounded = _device.host_buffer(self.shard)
-            rounded.copy_(shard)
-            self.shard.copy_(rounded, non_blocking=True)
-        else:
-            self.shard.copy_(shard)
+        self.shard.copy_(shard)
 
     def drop_shard(self) -> None:
         """Free the 16-bit shard (its gather is done)."""

@@ -606,11 +606,8 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
     # ZeRO's reductions hide behind the backward, gathers behind the compute, except what is
     # longer; ZeRO-1 / 2's parameter all-gather after the step does not (`plan/sharding.py`)
     replicas = c.dp * n  # gradients are reduced over cp x dp
-    # --offload-params copies each shard up, its 16-bit weights rounded on the host: 2 bytes
     shard_up = (
-        pcie_seconds(
-            ((n_params - half) * 4 + half * 2 + n_experts * c.ep * 4) / replicas, p.pcie_gbps
-        )
+        pcie_seconds((n_params / replicas + n_experts * c.ep / replicas) * 4, p.pcie_gbps)
         if c.offload_params
         else 0.0
     )

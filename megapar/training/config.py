@@ -135,7 +135,7 @@ class TrainConfig:
     offload_optimizer: bool = False
     """Keep the fp32 master copy of the stepped parameters (or ZeRO slices) and the optimizer's moments in host memory (pinned on CUDA) and step there: each step copies the reduced, clipped gradients to the host and the updated parameters back (DeepSpeed's offload_optimizer). AdamW and SGD. On the CPU the host is the device: nothing moves."""
     offload_params: bool = False
-    """With --zero 3 and --offload-optimizer: keep the parameter shards (the fp32 weights the optimizer steps) in host memory (pinned on CUDA) and copy each unit's shard to the device just for its gather (DeepSpeed's offload_param; under bf16 / fp16 the blocks' linear weights rounded to 16 bits on the host first: 2 bytes an element cross). On the CPU the host is the device: nothing moves."""
+    """With --zero 3 and --offload-optimizer: keep the parameter shards (the fp32 weights the optimizer steps) in host memory (pinned on CUDA) and copy each unit's shard to the device just for its gather (DeepSpeed's offload_param; under bf16 / fp16 the blocks' linear weights are rounded to 16 bits on the device and gathered in 16 bits). On the CPU the host is the device: nothing moves."""
     zero3_persistence_threshold: int = 0
     """With --zero 3: parameters with fewer elements than this (biases, norms) are not gathered per use: they form one unit gathered at the stage's first forward of a step and kept until its end (DeepSpeed's stage3_param_persistence_threshold; 0: none). Still sharded between steps."""
     zero3_keep_params: bool = False
@@ -270,7 +270,7 @@ class TrainConfig:
     def zero3_half(self) -> torch.dtype | None:
         """ZeRO-3 gathers the blocks' (non-float8) linear weights in the autocast dtype under
         bf16 / fp16 (also in --compile'd blocks, whose traced linears read the copies, and
-        under --offload-params, whose host shards are rounded on the host;
+        under --offload-params, whose host shards are copied up and rounded on the device;
         `data_parallel.zero3_half`): that dtype; else None (fp32 gathers)."""
         on = self.zero == 3 and self.precision != "fp32"
         return PRECISIONS[self.precision] if on else None
