@@ -260,6 +260,55 @@ def test_a_rank_that_never_joins_is_named_in_words_not_store_keys(rendezvous):
     assert "give every node the same command" in message and "--timeout-s" in message
 
 
+def _join_unreachable(port, out, rank):
+    """Rank `rank` of 2 through torch's env:// rendezvous (srun, a wrong MASTER_PORT): rank 1
+    with nothing at MASTER_PORT, rank 0 with the port taken by another listener."""
+    import os
+    import socket
+
+    from megapar import device
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    taken = socket.create_server(("", port)) if rank == 0 else None
+    start = time.monotonic()
+    try:
+        device.init_distributed(rank=rank, world_size=2, timeout_s=1)
+        out.put(("joined", 0.0))
+    except Exception as exc:  # noqa: BLE001 - the message is the test
+        out.put((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+    finally:
+        if taken is not None:
+            taken.close()
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_that_cannot_use_master_port_says_so_in_words(rank, capfd):
+    """Rank 1 found nothing at MASTER_ADDR:MASTER_PORT: torch's client printed a C++ stack
+    trace per try on stderr and failed after two tries of --timeout-s with only
+    'DistNetworkError: The client socket has timed out ... (localhost, 19323)'; rank 0 with
+    the port taken said only EADDRINUSE. Each now names the rank, the address and the fix."""
+    import multiprocessing as mp
+
+    from megapar.launcher import free_port
+
+    out = mp.get_context("fork").Queue()
+    p = mp.get_context("fork").Process(target=_join_unreachable, args=(free_port(), out, rank))
+    p.start()
+    message, took = out.get(timeout=60)
+    p.join(timeout=30)
+    if rank == 1:
+        assert message.startswith("TimeoutError: rank 1 could not reach the rendezvous store "
+                                  "at MASTER_ADDR:MASTER_PORT = 127.0.0.1:"), message
+        assert "nothing listens there" in message and "--timeout-s" in message, message
+        assert took < 3, took
+        assert "Exception raised from" not in capfd.readouterr().err
+    else:
+        assert message.startswith("ConnectionError: rank 0 could not open the rendezvous "
+                                  "store at MASTER_ADDR:MASTER_PORT = 127.0.0.1:"), message
+        assert "the port is in use on this host" in message, message
+    assert "give every rank the same" in message, message
+
+
 def _listening() -> list[str]:
     """The addresses this process's TCP sockets listen on (after a collective: gloo's pairs)."""
     t = torch.ones(4)
