@@ -260,6 +260,38 @@ def test_a_rank_that_never_joins_is_named_in_words_not_store_keys(rendezvous):
     assert "give every node the same command" in message and "--timeout-s" in message
 
 
+def _compare_settings(same):
+    """This rank's `check_same_settings` of a --tp that is rank 0's (`same`) or its own rank."""
+    from megapar.launcher import check_same_settings
+
+    settings = {"--tp": 2 if same else dist.get_rank() + 1, "--model": "gpt2-tiny"}
+    try:
+        check_same_settings(settings, 10, "megapar-train flags")
+        return "same"
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_nodes_started_with_other_flags_are_named_on_every_rank(same):
+    """Two ranks started with --tp 2 and --dp 2 (world 2 both): rank 0 failed with
+    'DistStoreError: wait timeout after 10000ms, keys: /default_pg/0//7//cpu//0/1' (a group
+    only it made) and rank 1 with gloo's 'Connection closed by peer'. Every rank now names the
+    rank, the flag and both values."""
+    from megapar.launcher import run_workers
+
+    def body():
+        return run_workers(_compare_settings, 2, same)[0]
+
+    got = _run_as_torchrun(body, 2, "srun")
+    if same:
+        assert got == ["same", "same"]
+    else:
+        line = ("rank 1 was started with other megapar-train flags than rank 0: --tp 1 on rank 0 "
+                "but 2 on rank 1; give every node the same megapar-train flags")
+        assert got == [line, line]
+
+
 def _join_unreachable(port, out, rank):
     """Rank `rank` of 2 through torch's env:// rendezvous (srun, a wrong MASTER_PORT): rank 1
     with nothing at MASTER_PORT, rank 0 with the port taken by another listener."""
