@@ -216,6 +216,21 @@ def test_torchrun_multinode_refuses_a_wrong_environment_in_one_line(tmp_path, en
     assert err[0].startswith("torchrun_multinode.sh: error: ") and expected in err[0], err
 
 
+def test_a_usage_error_under_torchrun_is_its_summarys_root_cause(tmp_path, monkeypatch, capsys):
+    """torchrun --nproc-per-node 3 ... --tp 2: every rank printed its one line, but torchrun's
+    summary said 'error_file: <N/A>' for each; the line is now in torchrun's error file, as a
+    failure while running was."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main(["--model", "gpt2-tiny", "--tp", "2", "--max-steps", "1"]) == 2
+    line = "world size 3 is not divisible by tp*pp = 2*1"
+    assert line in capsys.readouterr().err
+    message = json.loads(error_file.read_text())["message"]
+    assert message["message"].startswith(line), message
+
+
 def test_two_torchrun_nodes_with_data_parallelism_across_them(tmp_path, text, cache):
     """launch/torchrun_multinode.sh twice on this machine: node 0 and node 1, two workers each,
     tp=2 inside a node and dp=2 across the nodes."""

@@ -223,6 +223,7 @@ def main(argv=None) -> int:
             lock.release()
         remove_empty(made)
         print(f"megapar-train: error: {exc}", file=sys.stderr)
+        tell_torchrun(str(exc), None)  # its summary's root cause, not "error_file: <N/A>"
         return 2
     except (KeyboardInterrupt, SystemExit) as exc:  # e.g. while --data is tokenized: no worker
         if isinstance(exc, SystemExit) and exc.code != SIGTERM_EXIT_CODE:
