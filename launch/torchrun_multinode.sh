@@ -23,6 +23,10 @@ if [ "$NNODES" = "1" ]; then NODE_RANK="${NODE_RANK:-0}"; fi  # one node: it is 
 : "${NPROC_PER_NODE:=1}"
 [[ "$NPROC_PER_NODE" =~ $number ]] && [ "$NPROC_PER_NODE" -ge 1 ] \
   || die "NPROC_PER_NODE=$NPROC_PER_NODE: give the processes (GPUs) per node (1, 2, ...)"
+if [ "$NNODES" -gt 1 ] && [ -z "${MASTER_ADDR:-}" ]; then
+  # 127.0.0.1 would make each node wait 600 s for a rendezvous on itself
+  die "set MASTER_ADDR to node 0's address, the same on every node (MASTER_ADDR=127.0.0.1 only when all $NNODES nodes run on this machine)"
+fi
 : "${MASTER_ADDR:=127.0.0.1}"
 : "${MASTER_PORT:=29500}"
 PYTHON="${PYTHON:-python3}"

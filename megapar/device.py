@@ -10,7 +10,9 @@ import ctypes
 import functools
 import os
 import re
+import socket
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -432,6 +434,53 @@ def _all_joined(store, world_size: int, wait_s: float) -> None:
     store.wait([JOINED_KEY + "/all"], timedelta(seconds=wait_s))
 
 
+STORE_FIX = (
+    "give every rank the same MASTER_ADDR and MASTER_PORT (under srun the job's; under "
+    "torchrun the --master-addr / --master-port of node 0) and start rank 0's node"
+)
+"""The fix a rank that cannot reach the rendezvous store is told."""
+
+
+def _wait_for_store(rank: int, addr: str, port: int, wait_s: float) -> None:
+    """Return once something accepts a TCP connection at `addr`:`port` (rank 0's rendezvous
+    store); raise TimeoutError naming the rank, the address and the fix after `wait_s`.
+    torch's own client retries with a C++ stack trace on stderr per try and fails after about
+    twice its timeout, naming only the socket."""
+    deadline = time.monotonic() + wait_s
+    problem: OSError | None = None
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(1.0, left))).close()
+            return
+        except OSError as exc:
+            problem = exc
+        if left <= 0:
+            break
+        time.sleep(min(0.2, max(0.0, left)))
+    why = (
+        f"the name does not resolve ({problem})"
+        if isinstance(problem, socket.gaierror)
+        else "nothing listens there (rank 0 not started, or a different MASTER_ADDR / "
+        "MASTER_PORT there?)"
+    )
+    raise TimeoutError(
+        f"rank {rank} could not reach the rendezvous store at MASTER_ADDR:MASTER_PORT = "
+        f"{addr}:{port} in {wait_s:.0f} s: {why}; {STORE_FIX}; --timeout-s sets the wait"
+    )
+
+
+def _master_port() -> int:
+    """MASTER_PORT as a port number; ValueError in one line otherwise."""
+    value = os.environ["MASTER_PORT"].strip()
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ValueError(
+            f"MASTER_PORT={os.environ['MASTER_PORT']!r} is not a TCP port (1-65535); "
+            f"give every rank the same free port"
+        )
+    return int(value)
+
+
 def init_distributed(
     rank: int | None = None,
     world_size: int | None = None,
@@ -468,6 +517,9 @@ def init_distributed(
     try:
         local = store is not None  # the launcher's store: its ranks leave the join together
         if store is None:  # torch's env:// rendezvous, waiting `wait`, not the groups' timeout
+            addr, port = os.environ["MASTER_ADDR"], _master_port()
+            if rank != 0:
+                _wait_for_store(rank, addr, port, wait)
             store, _, _ = next(
                 dist.rendezvous("env://", rank, world_size, timeout=timedelta(seconds=wait))
             )
@@ -487,6 +539,19 @@ def init_distributed(
             f"group; some never did (a process that was refused, crashed or never started). "
             f"Under torchrun / Slurm give every node the same command and let each reach "
             f"MASTER_ADDR:MASTER_PORT; --timeout-s sets the wait ({exc})"
+        ) from None
+    except dist.DistNetworkError as exc:  # torch's words name a socket, not the setting
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if rank == 0 and "EADDRINUSE" in first:
+            raise ConnectionError(
+                f"rank 0 could not open the rendezvous store at MASTER_ADDR:MASTER_PORT = "
+                f"{where}: the port is in use on this host (another job, or a run still "
+                f"ending?); give every rank the same free MASTER_PORT"
+            ) from None
+        raise ConnectionError(
+            f"rank {rank} could not use the rendezvous store at MASTER_ADDR:MASTER_PORT = "
+            f"{where} ({first}); {STORE_FIX}"
         ) from None
     if shared_gpu.enabled():
         shared_gpu.install()  # gloo gets CUDA tensors only where it has a CUDA path

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import glob
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -380,6 +381,56 @@ def under_launcher() -> bool:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+SETTINGS_KEY = "megapar/settings"
+"""The store keys of `check_same_settings`: rank 0's settings, the count of ranks that compared
+theirs, the first difference found."""
+
+
+def check_same_settings(settings: dict, timeout_s: float, what: str = "command") -> None:
+    """Under torchrun / srun, raise ValueError on every rank when any rank's `settings` (a
+    {flag: value} of what the ranks must agree on, JSON-serialisable) differ from rank 0's,
+    naming the first rank found, the flags and both values. Nodes started with other flags
+    made the ranks build different groups: rank 0 failed with 'DistStoreError: wait timeout
+    ... keys: /default_pg/0//7//cpu//0/1', the other with gloo's 'Connection closed by peer'.
+    Every rank waits (at most `timeout_s`) until all have compared; one store write and read
+    per rank."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = json.loads(json.dumps(settings, sort_keys=True, default=str))
+    if rank == 0:
+        store.set(SETTINGS_KEY, json.dumps(mine, sort_keys=True))
+    else:
+        store.wait([SETTINGS_KEY], timedelta(seconds=timeout_s))
+        theirs = json.loads(store.get(SETTINGS_KEY))
+        differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        if differ:
+            shown = ", ".join(
+                f"{k} {theirs.get(k)!r} on rank 0 but {mine.get(k)!r} on rank {rank}"
+                for k in differ[:4]
+            )
+            more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+            store.compare_set(
+                SETTINGS_KEY + "/differ",
+                "",
+                f"rank {rank} was started with other {what} than rank 0: {shown}{more}; "
+                f"give every node the same {what}",
+            )
+    if store.add(SETTINGS_KEY + "/compared", 1) == world:
+        store.set(SETTINGS_KEY + "/all", "1")
+    try:
+        store.wait([SETTINGS_KEY + "/all"], timedelta(seconds=timeout_s))
+    except dist.DistStoreError:
+        raise TimeoutError(
+            f"rank {rank} waited {timeout_s:.0f} s for all {world} ranks to compare their "
+            f"settings with rank 0's; some never did (a process that failed or was started "
+            f"with another command?); --timeout-s sets the wait"
+        ) from None
+    if store.check([SETTINGS_KEY + "/differ"]):
+        raise ValueError(store.get(SETTINGS_KEY + "/differ").decode())
 
 
 def launched_world_size() -> int:

@@ -439,7 +439,8 @@ EVAL = [
     (["--load", "{ckpt}", "--input-ids", "{ids:float}", "--save-logits", "out.npy"],
      "holds float64 values; token ids must be integers"),
     (["--load", "{ckpt}", "--input-ids", "{ids:flat}", "--save-logits", "out.npy"],
-     "must be a non-empty [batch, seq] array, got shape (4,)"),
+     "must be a non-empty [batch, seq] array, got shape (4,); one sequence of 4 ids is "
+     "ids.reshape(1, 4)"),
     (["--load", "{ckpt}", "--input-ids", "{ids:long}", "--save-logits", "out.npy"],
      "sequences of 100 tokens, more than the model's 64 positions"),
     (["--load", "{ckpt}", "--input-ids", "/nonexistent.npy", "--save-logits", "out.npy"],

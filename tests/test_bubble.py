@@ -432,3 +432,17 @@ def test_plot_format_is_checked_and_the_real_file_named(capsys, tmp_path):
     assert f"wrote {tmp_path / 'g.png'}" in out
     assert_png(tmp_path / "g.png")
     assert not (tmp_path / "g").exists()
+
+
+def test_help_gives_the_default_of_every_flag_that_has_one(capsys):
+    # --tp, --cp, --steps, --micro-batch-size and --seq-len had defaults (1, 1, 3, 4, 64) that
+    # --help did not show; the last two had no help at all
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help by width
+    for text in ("tensor-parallel size per stage (default: 1)",
+                 "--seq-len a multiple of 2 x cp) (default: 1)",
+                 "measured steps (after one warm-up) (default: 3)",
+                 "sequences per micro-batch of the measured model (default: 4)",
+                 "tokens per sequence of the measured model (default: 64)"):
+        assert text in out, text

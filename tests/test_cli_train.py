@@ -197,23 +197,41 @@ def test_tokenizer_vocab_mismatch_with_the_model(tmp_path, capsys, cache, text):
     ({"NNODES": "two"}, "NNODES=two: give a number of nodes"),
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2: give 0 .. 1 (NNODES=2)"),
     ({"NNODES": "1", "NPROC_PER_NODE": "0"}, "NPROC_PER_NODE=0: give the processes"),
-], ids=["no-nnodes", "no-node-rank", "nnodes-word", "node-rank-too-big", "nproc-0"])
+    ({"NNODES": "2", "NODE_RANK": "1"}, "set MASTER_ADDR to node 0's address"),
+], ids=["no-nnodes", "no-node-rank", "nnodes-word", "node-rank-too-big", "nproc-0",
+        "no-master-addr"])
 def test_torchrun_multinode_refuses_a_wrong_environment_in_one_line(tmp_path, env, expected):
     """NODE_RANK=2 of NNODES=2 left torchrun waiting (and an AssertionError traceback);
     NPROC_PER_NODE=0 was torchrun's AssertionError traceback; a missing NNODES was bash's
-    'line 15: NNODES: ...', exit 1. Now each is one line, exit 2, and torchrun never starts (a
-    stand-in python on PATH fails the test if it does)."""
+    'line 15: NNODES: ...', exit 1; node 1 of 2 without MASTER_ADDR waited 600 s for a
+    rendezvous on its own 127.0.0.1, then torchrun's traceback. Now each is one line, exit 2,
+    and torchrun never starts (a stand-in python on PATH fails the test if it does)."""
     fake = tmp_path / "python3"
     fake.write_text("#!/bin/sh\necho started >&2\nexit 99\n")
     fake.chmod(0o755)
     base = {k: v for k, v in os.environ.items()
-            if k not in ("NNODES", "NODE_RANK", "NPROC_PER_NODE")}
+            if k not in ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR")}
     out = subprocess.run(["bash", str(ROOT / "launch" / "torchrun_multinode.sh"), "--tp", "2"],
                          env={**base, "PYTHON": str(fake), **env}, capture_output=True,
                          text=True, timeout=30)
     err = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(err) == 1, (out.returncode, err)
     assert err[0].startswith("torchrun_multinode.sh: error: ") and expected in err[0], err
+
+
+def test_a_usage_error_under_torchrun_is_its_summarys_root_cause(tmp_path, monkeypatch, capsys):
+    """torchrun --nproc-per-node 3 ... --tp 2: every rank printed its one line, but torchrun's
+    summary said 'error_file: <N/A>' for each; the line is now in torchrun's error file, as a
+    failure while running was."""
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main(["--model", "gpt2-tiny", "--tp", "2", "--max-steps", "1"]) == 2
+    line = "world size 3 is not divisible by tp*pp = 2*1"
+    assert line in capsys.readouterr().err
+    message = json.loads(error_file.read_text())["message"]
+    assert message["message"].startswith(line), message
 
 
 def test_two_torchrun_nodes_with_data_parallelism_across_them(tmp_path, text, cache):

@@ -16,7 +16,8 @@ grad norms, router statistics, first-step gradients, final weights over 3 steps)
 ranks: tp 2 x pp 2, tp 2 x dp 2 with ZeRO-3 and dp 4 x ep 2. Each rank reports where it ran and
 its peak device memory (MEGAPAR_GPU_REPORT, as tests/test_cuda_single.py's figures). With
 torchao, ZeRO-3's float8 all-gather at dp 2 (`--fp8 tensorwise`, the GPU's float8 kernels
-where it has them) against fp32 gathers, bitwise.
+where it has them) against fp32 gathers, bitwise; the 16-bit all-gathers of ZeRO-3 and of
+ZeRO-1 / 2 (bf16) against fp32 gathers, bitwise.
 
 `MEGAPAR_CUDA_TIER_ON_CPU=1` rehearses it on the CPU: the same spawned ranks and staging (on the
 CPU it copies host tensors too), under the device model of tests/device_model.py.
@@ -250,3 +251,30 @@ def test_zero3_gathers_16_bit_weights_across_processes_on_the_gpu():
         assert on[2] == [2 * m * sum(on[4]) // 2] * STEPS and off[2] == [0] * STEPS
     record("shared gpu, zero-3 16-bit all-gather", losses=outs[0][0][0],
            bf16_bytes_a_step=outs[0][0][2][0])
+
+
+
+def _zero12_both(kind: str) -> list:
+    """tests/test_zero12_half.py's comparison under ZeRO-1 and under ZeRO-2, in one spawn."""
+    from test_zero12_half import _compare
+
+    return [_compare(kind, {"zero": zero}) for zero in (1, 2)]
+
+
+def test_zero12_gathers_16_bit_weights_across_processes_on_the_gpu():
+    """ZeRO-1 and ZeRO-2's 16-bit all-gather after the step (bf16 autocast) at dp 2 with both
+    ranks on the one GPU, gloo staging the bf16 gathers through the host:
+    tests/test_zero12_half.py's check with CUDA's autocast and cuBLAS: three steps, an
+    evaluation and the weights made exact bitwise those of fp32 gathers, the 16-bit buckets
+    gathered at 2 bytes an element."""
+    from test_zero12_half import _check
+
+    env = {"MEGAPAR_CPU": "1" if ON_CPU else "0", SHARED_GPU_ENV: "1"}
+    outs = run_local(_tier_worker, 2, _zero12_both, ON_CPU, "gpt2", start_method="spawn",
+                     env=env, timeout_s=900 if ON_CPU else 300, collective_timeout_s=120)
+    for per_zero in outs:
+        for ours, theirs in per_zero:
+            _check(ours, theirs)
+    for zero, (ours, _) in zip((1, 2), outs[0]):
+        record(f"shared gpu, zero-{zero} 16-bit all-gather", losses=[s[0] for s in ours[0]],
+               bf16_bytes_a_step=ours[3][0][0])

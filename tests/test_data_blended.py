@@ -144,6 +144,34 @@ def test_blend_trains_the_same_in_any_layout_and_resumes_exactly(parts, tmp_path
         assert abs(x - y) / x < 1e-5 and abs(x - z) / x < 1e-5, (ref, got, both)
 
 
+def test_a_resume_with_the_blend_reweighed_or_reordered_is_refused_unless_allowed(
+        parts, tmp_path, capsys):
+    """--load of a 0.7 A 0.3 B run with --data 0.5 A 0.5 B continued silently on another
+    mixture (the parts' fingerprints and sizes are the same), and 0.3 B 0.7 A was called a
+    change of their content. Both are refused in one line, before any worker starts; 7 A 3 B
+    (the same weights) resumes, and --allow-data-change reweighs on purpose."""
+    (a, b), model = parts
+    ckpt = tmp_path / "ckpt"
+    common = ["--tokenizer", "sentencepiece", "--seq-len", "32", "--micro-batch-size", "2",
+              "--global-batch-size", "4", "--eval-interval", "0", "--no-progress"]
+    assert train(["--data", "0.7", a, "0.3", b, "--model", model, *common, "--max-steps", "1",
+                  "--save", str(ckpt)]) == 0
+    capsys.readouterr()
+    resume = [*common, "--load", str(ckpt), "--max-steps", "2"]
+    assert train(["--data", "0.5", a, "0.5", b, *resume]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and (
+        f"trained on the blend 0.7 {a}, 0.3 {b} and --data weighs the same parts 0.5 {a}, "
+        f"0.5 {b}, which draws other samples from here on;") in err and "--allow-data-change" in err
+    assert train(["--data", "0.3", b, "0.7", a, *resume]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gives the same parts in another order" in err, err
+    assert "changed since" not in err
+    assert train(["--data", "7", a, "3", b, *resume, "--max-steps", "2"]) == 0
+    assert train(["--data", "0.5", a, "0.5", b, *resume, "--max-steps", "3",
+                  "--allow-data-change"]) == 0
+
+
 def test_a_blend_with_a_part_too_small_to_validate_trains_on_all_of_every_part(tmp_path):
     """--data 0.9 BIG 0.1 SMALL, SMALL too small for a validation batch: the blend has no
     validation, so BIG's held-out documents go back to training (they were held out for

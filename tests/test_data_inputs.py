@@ -255,3 +255,15 @@ def test_hidden_files_of_an_input_directory_are_not_read(tmp_path, capsys):
     assert "._a.txt" not in captured.err and ".#a.txt" not in captured.err, captured.err
     assert len(IndexedDataset(out)) == 1
     assert ": 1 document, " in captured.out, captured.out
+
+
+def test_data_help_gives_the_format_default(capsys):
+    # --format defaulted to megapar's index without --help saying so
+    from megapar.cli.data import main as data_main
+
+    with pytest.raises(SystemExit):
+        data_main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "megapar reads both) (default: megapar)" in out
+    # --vocab-size had no default and did not say that training a tokenizer needs it
+    assert "(needed with --train-tokenizer / --train-sentencepiece)" in out

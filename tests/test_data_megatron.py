@@ -144,3 +144,18 @@ def test_doc_without_its_eod_drops_only_an_eod(corpus, tmp_path):
     spec_write(prefix, docs)
     plain = IndexedDataset(prefix, "sentencepiece")
     assert plain.doc(1, include_eod=False).tolist() == [40, 41, 42]
+
+
+def test_megapar_train_names_the_missing_tokenizer_of_a_megatron_dataset(tmp_path, capsys):
+    # A Megatron-LM dataset (no megapar .json) of SentencePiece ids (end of document 2) trained
+    # under the default gpt2 without a word: a 50,261-row model, end of document 50256, and
+    # checkpoints recording (and --to-hf exporting) the GPT-2 BPE as its tokenizer
+    prefix = str(tmp_path / "theirs")
+    spec_write(prefix, [np.append(np.arange(3, 300), 2) for _ in range(8)])
+    args = ["--model", "gpt2-tiny", "--seq-len", "32", "--max-steps", "1", "--no-progress"]
+    for data in ([prefix], ["0.5", prefix, "0.5", prefix]):
+        assert train(["--data", *data, *args]) == 2
+        err = capsys.readouterr().err
+        assert (f"--data {prefix} is a Megatron-LM dataset without megapar's {prefix}.json, so "
+                f"nothing says which tokenizer made it; name it with --tokenizer") in err
+        assert err.count("\n") == 1

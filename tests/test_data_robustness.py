@@ -268,6 +268,29 @@ def test_truncated_megatron_idx_names_the_file_and_the_fix(tmp_path, size):
     assert prefix + ".idx" in msg and "megapar-data" in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("fmt", ["megapar", "megatron"])
+def test_a_bin_cut_short_or_too_long_says_which_and_the_fix(tmp_path, fmt):
+    # it said "the files are from different runs -- regenerate them" for a .bin cut short, named
+    # a .json a Megatron-LM dataset does not have, and not the tool that re-creates the files
+    (tmp_path / "t.txt").write_text(TEXT)
+    prefix = str(tmp_path / "d")
+    assert data_main(["--input", str(tmp_path / "t.txt"), "--output-prefix", prefix,
+                      "--split-lines", "--format", fmt, "--no-progress"]) == 0
+    if fmt == "megatron":
+        Path(prefix + ".json").unlink()
+    whole = Path(prefix + ".bin").read_bytes()
+    tokens = len(whole) // 2
+    for cut, what in ((whole[:1000], "cut short (an interrupted copy?)"), (whole + b"\0\0", "too long")):
+        Path(prefix + ".bin").write_bytes(cut)
+        with pytest.raises(ValueError) as e:
+            IndexedDataset(prefix, "gpt2")
+        describer = prefix + (".json" if fmt == "megapar" else ".idx")
+        assert str(e.value) == (
+            f"{prefix}.bin holds {len(cut):,} bytes but {describer} describes {tokens:,} uint16 "
+            f"tokens ({len(whole):,} bytes): it is {what} or from another run; re-create the "
+            f"dataset with megapar-data")
+
+
 @pytest.mark.parametrize("content, needle", [
     ("{\n", "is not valid JSON"),
     ("[1, 2]", "holds a JSON list"),

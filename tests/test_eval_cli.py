@@ -445,6 +445,17 @@ def test_data_of_another_tokenizer_is_refused_and_seq_len_defaults_to_the_checkp
                      "--max-batches", "1"]) == 0, capsys.readouterr().err
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["tokens"] == 2 * 16 and report["batches"] == 1  # windows of the trained 16
+    # the same tokens as a Megatron-LM dataset (no .json, so no tokenizer recorded): the
+    # checkpoint's tokenizer, as megapar-train --load takes it (was: refused, naming
+    # --tokenizer), the same loss
+    megatron = str(tmp_path / "megatron")
+    assert data_main(["--input", str(root / "sample.txt"), "--output-prefix", megatron,
+                      "--tokenizer", "gpt2", "--split-lines", "--no-progress",
+                      "--format", "megatron"]) == 0
+    Path(megatron + ".json").unlink()
+    assert evaluate(["--load", ckpt, "--data", megatron, "--micro-batch-size", "2",
+                     "--max-batches", "1"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == report
     # the text it was made from: tokenized with the tokenizer the checkpoint records (GPT-2's;
     # a --tokenizer of other files is refused) into --data-cache, the same bytes and loss
     text, cache = str(root / "sample.txt"), tmp_path / "cache"
@@ -547,3 +558,26 @@ def test_a_sigterm_before_the_ranks_start_is_one_line_and_exit_143(tiny_ckpt, tm
     err = out.read_text().strip()
     assert got == 143, err
     assert err == "megapar-eval: terminated (SIGTERM); nothing was written", err
+
+
+def test_help_gives_the_layout_defaults(capsys):
+    # --tp and --pp defaulted to 1 without --help saying so
+    with pytest.raises(SystemExit):
+        evaluate(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tensor-parallel size (default: 1)" in out
+    assert "pipeline-parallel size (default: 1)" in out
+
+
+def test_a_blend_or_several_paths_as_data_name_the_fix(capsys, tmp_path):
+    # megapar-train's blend syntax gave argparse's "unrecognized arguments: data/a 0.5 data/b"
+    for data, line in (
+        (["0.5", "data/a", "0.5", "data/b"],
+         "--data 0.5 data/a 0.5 data/b is a blend; megapar-eval evaluates one dataset at a "
+         "time: run it once per part (--data data/a, then --data data/b)"),
+        (["my", "corpus.txt"],
+         "--data takes one dataset or text, got 2 paths (my corpus.txt); give one (a path with "
+         "spaces is one argument: quote it, --data 'my corpus.txt')"),
+    ):
+        assert evaluate(["--load", str(tmp_path / "ckpt"), "--data", *data, "--seq-len", "8"]) == 2
+        assert capsys.readouterr().err == f"megapar-eval: error: {line}\n"

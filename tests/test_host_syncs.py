@@ -91,9 +91,16 @@ def test_the_counter_sees_what_a_micro_batch_path_would_do():
         "__bool__", "item", "mask index", "torch.tensor(host data, device=...)"]
 
 
-def zero3_syncs_worker(kind, precision="fp32"):
+def zero3_syncs_worker(kind, precision="fp32", offload=False):
+    if offload:  # host masters, as on CUDA
+        import os
+
+        from megapar.device import HOST_COPIES_ENV
+
+        os.environ[HOST_COPIES_ENV] = "1"
     engine = megapar.prepare(config(kind), pp=2, micro_batch_size=1, zero=3,  # dp 2
-                             precision=precision)
+                             precision=precision, offload_params=offload,
+                             offload_optimizer=offload)
     counts = {}
     for m in (4, 8):
         engine.train_step(batch(kind, 2 * m))  # m micro-batches on each of the 2 dp ranks
@@ -103,12 +110,13 @@ def zero3_syncs_worker(kind, precision="fp32"):
     return counts
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_zero3_syncs_no_more_per_micro_batch(precision):
+@pytest.mark.parametrize("precision,offload", [("fp32", False), ("bf16", False),
+                                               ("bf16", True)])
+def test_zero3_syncs_no_more_per_micro_batch(precision, offload):
     """pp 2 x dp 2 with --zero 3: gathering, freeing and reduce-scattering the units per
     micro-batch add no host sync (in bf16 with the blocks' linear weights gathered and read
-    in 16 bits)."""
-    for rank, counts in enumerate(run_local(zero3_syncs_worker, 4, "gpt2", precision)):
+    in 16 bits; under --offload-params too, their host masters copied up and rounded on the device)."""
+    for rank, counts in enumerate(run_local(zero3_syncs_worker, 4, "gpt2", precision, offload)):
         assert counts[4] == counts[8], (rank, counts)
         assert 0 < sum(counts[8].values()) <= 8, (rank, counts[8])
         inside = [where for _, where in counts[8] if where.startswith(PER_MICRO_BATCH)]

@@ -260,6 +260,87 @@ def test_a_rank_that_never_joins_is_named_in_words_not_store_keys(rendezvous):
     assert "give every node the same command" in message and "--timeout-s" in message
 
 
+def _compare_settings(same):
+    """This rank's `check_same_settings` of a --tp that is rank 0's (`same`) or its own rank."""
+    from megapar.launcher import check_same_settings
+
+    settings = {"--tp": 2 if same else dist.get_rank() + 1, "--model": "gpt2-tiny"}
+    try:
+        check_same_settings(settings, 10, "megapar-train flags")
+        return "same"
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_nodes_started_with_other_flags_are_named_on_every_rank(same):
+    """Two ranks started with --tp 2 and --dp 2 (world 2 both): rank 0 failed with
+    'DistStoreError: wait timeout after 10000ms, keys: /default_pg/0//7//cpu//0/1' (a group
+    only it made) and rank 1 with gloo's 'Connection closed by peer'. Every rank now names the
+    rank, the flag and both values."""
+    from megapar.launcher import run_workers
+
+    def body():
+        return run_workers(_compare_settings, 2, same)[0]
+
+    got = _run_as_torchrun(body, 2, "srun")
+    if same:
+        assert got == ["same", "same"]
+    else:
+        line = ("rank 1 was started with other megapar-train flags than rank 0: --tp 1 on rank 0 "
+                "but 2 on rank 1; give every node the same megapar-train flags")
+        assert got == [line, line]
+
+
+def _join_unreachable(port, out, rank):
+    """Rank `rank` of 2 through torch's env:// rendezvous (srun, a wrong MASTER_PORT): rank 1
+    with nothing at MASTER_PORT, rank 0 with the port taken by another listener."""
+    import os
+    import socket
+
+    from megapar import device
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    taken = socket.create_server(("", port)) if rank == 0 else None
+    start = time.monotonic()
+    try:
+        device.init_distributed(rank=rank, world_size=2, timeout_s=1)
+        out.put(("joined", 0.0))
+    except Exception as exc:  # noqa: BLE001 - the message is the test
+        out.put((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+    finally:
+        if taken is not None:
+            taken.close()
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_that_cannot_use_master_port_says_so_in_words(rank, capfd):
+    """Rank 1 found nothing at MASTER_ADDR:MASTER_PORT: torch's client printed a C++ stack
+    trace per try on stderr and failed after two tries of --timeout-s with only
+    'DistNetworkError: The client socket has timed out ... (localhost, 19323)'; rank 0 with
+    the port taken said only EADDRINUSE. Each now names the rank, the address and the fix."""
+    import multiprocessing as mp
+
+    from megapar.launcher import free_port
+
+    out = mp.get_context("fork").Queue()
+    p = mp.get_context("fork").Process(target=_join_unreachable, args=(free_port(), out, rank))
+    p.start()
+    message, took = out.get(timeout=60)
+    p.join(timeout=30)
+    if rank == 1:
+        assert message.startswith("TimeoutError: rank 1 could not reach the rendezvous store "
+                                  "at MASTER_ADDR:MASTER_PORT = 127.0.0.1:"), message
+        assert "nothing listens there" in message and "--timeout-s" in message, message
+        assert took < 3, took
+        assert "Exception raised from" not in capfd.readouterr().err
+    else:
+        assert message.startswith("ConnectionError: rank 0 could not open the rendezvous "
+                                  "store at MASTER_ADDR:MASTER_PORT = 127.0.0.1:"), message
+        assert "the port is in use on this host" in message, message
+    assert "give every rank the same" in message, message
+
+
 def _listening() -> list[str]:
     """The addresses this process's TCP sockets listen on (after a collective: gloo's pairs)."""
     t = torch.ones(4)

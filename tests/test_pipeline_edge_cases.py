@@ -221,6 +221,38 @@ def test_invalid_combinations_are_refused_in_one_line(capsys, monkeypatch, tmp_p
     assert message in err and "\n" not in err, err
 
 
+@pytest.mark.parametrize("args, note", [
+    # the default micro-batch size 4 gave m = 16 / 4 = 4 < 2 pp: refused, naming only "a
+    # larger --global-batch-size" though --micro-batch-size was not given either
+    (["--pp", "2", "--schedule", "dualpipev", "--global-batch-size", "8"],
+     "--micro-batch-size not given: using 2 (--schedule dualpipev at --pp 2 takes 4 "
+     "micro-batches a step, not 2) instead of 4"),
+    (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--global-batch-size",
+      "20"],
+     "--micro-batch-size not given: using 2 (--schedule interleaved at --pp 2 takes 10 "
+     "micro-batches a step, not 5) instead of 4"),
+])
+def test_a_micro_batch_size_not_given_adapts_to_the_schedule(capsys, monkeypatch, tmp_path, args,
+                                                              note):
+    import megapar.cli.train as train_cli
+    from megapar.data.assets import asset_path
+
+    started = []
+    monkeypatch.setattr(train_cli, "run_workers", lambda *a, **k: started.append(a) or 0)
+    data = tmp_path / "sample.txt"
+    with open(asset_path("shakespeare_sample.txt")) as f:
+        data.write_text(f.read()[:20_000])
+    common = ["--data", str(data), "--data-cache", str(tmp_path / "cache"), "--model",
+              "gpt2-tiny", "--seq-len", "32", "--no-progress"]
+    assert train([*common, *args]) == 0 and started
+    assert note in capsys.readouterr().err
+    # given, it is the user's: refused, the fix naming both flags
+    assert train([*common, *args, "--micro-batch-size", "4"]) == 2
+    gbs = args[args.index("--global-batch-size") + 1]
+    assert capsys.readouterr().err.strip().endswith(
+        f"= {gbs} / 4: raise the first or lower the second")
+
+
 def test_the_grid_certifies_these_edge_cases():
     """Every (schedule, pp, m) run above is also in the certificate (order-matched pairs,
     zero-buffer progress, bounded messages and activations), as training and evaluation."""

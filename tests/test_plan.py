@@ -879,3 +879,21 @@ def test_megapar_plan_sp_regather_keeps_the_slices_and_adds_the_re_gathers(capsy
     full = [out["tp=8,pp=1,mbs=1,sp=1,recompute=full", f] for f in (False, True)]
     assert full[0]["memory_gib"]["activations"] == full[1]["memory_gib"]["activations"]
     assert full[0]["comm_s"]["tp"] == full[1]["comm_s"]["tp"]
+
+
+def test_help_gives_each_default_once_and_every_flag_a_line(capsys):
+    # argparse's defaults formatter printed "(default: None)" for the required --model, --gpus
+    # and --global-batch-size, a second default after --moe-imbalance's and --cp-sizes' own,
+    # lists as Python lists, and nothing at all for --seq-len, --micro-batch-sizes,
+    # --schedules and --recompute (no help text)
+    with pytest.raises(SystemExit):
+        plan_main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in out and "[1, 2, 4, 8]" not in out
+    assert "1.25 when dropless) (default" not in out and "8192 or more) (default" not in out
+    for text in ("--seq-len SEQ_LEN tokens per sequence",
+                 "micro-batch sizes tried (sequences per micro-batch) (default: 1 2 4 8)",
+                 "pipeline schedules tried where pp > 1 (default: 1f1b gpipe",
+                 "(megapar-train's --recompute) (default: none selective full)",
+                 "(default: 0 1 2 3)"):
+        assert text in out, text

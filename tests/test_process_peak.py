@@ -283,17 +283,23 @@ def _zero3_casts(recipe: str, options: dict, zero: int = 3) -> dict:
     ("gpt2-tiny", {}, "column-parallel biases"),
     ("bert-tiny", {"loss_chunk_tokens": 0}, "the head's weight and bias, its transform"),
     ("mixtral-tiny", {}, "routers"),
-    ("gpt2-tiny", {"offload_optimizer": True, "offload_params": True}, "every linear weight"),
+    ("gpt2-tiny", {"offload_optimizer": True, "offload_params": True}, "column-parallel biases"),
 ])
-def test_zero3_autocast_copies_are_the_casts_the_step_keeps(recipe, options, what):
+def test_zero3_autocast_copies_are_the_casts_the_step_keeps(recipe, options, what,
+                                                              monkeypatch):
     """Under ZeRO-3 in bf16 autocast caches a 16-bit copy of each parameter an op it runs in
     16 bits reads whole, kept to the step's end: the planner's term is the bytes of the casts
     still alive when a two-micro-batch step's last backward ends (each parameter cast once),
     on dp rank 0 of dp 2 (`what` each case keeps). The blocks' linear weights gathered in 16
-    bits are read without a cast, but under --offload-params, whose gathers are fp32. The chunked loss
-    casts the head's real rows per use (freed when its backward ends): the top of the
-    backward's "chunked loss's 16-bit cast" term. The planner counted no copy under ZeRO-3
-    (gpt2-tiny with both offloads: 396,800 bytes kept, 0 planned)."""
+    bits are read without a cast, under --offload-params too (host masters, as on CUDA: each
+    copied up and rounded on the device). The chunked loss casts the head's real rows per use (freed when its
+    backward ends): the top of the backward's "chunked loss's 16-bit cast" term. The planner
+    counted no copy under ZeRO-3 (gpt2-tiny with both offloads: 396,800 bytes kept, 0
+    planned); under --offload-params the gathers were fp32, and every linear weight's cast was
+    kept (396,800 bytes, now the column-parallel biases' alone)."""
+    from megapar.device import HOST_COPIES_ENV
+
+    monkeypatch.setenv(HOST_COPIES_ENV, "1")
     config = resolve_model(recipe)
     measured = run_local(_zero3_casts, 2, recipe, options)[0]
     assert measured["cached"] and set(measured["casts"].values()) == {1}, measured["casts"]
@@ -306,6 +312,8 @@ def test_zero3_autocast_copies_are_the_casts_the_step_keeps(recipe, options, wha
                         activation_sizes(p, c).full)
     terms = {t.name: t.bytes for t in peak.terms}
     assert terms["autocast's 16-bit weight copies"] == sum(measured["cached"].values()), measured
+    if options.get("offload_params"):  # the biases' casts (396,800 bytes with the weights')
+        assert sum(measured["cached"].values()) == 3_584, measured
     cast = terms.get("the chunked loss's 16-bit cast of the head's weight", 0)
     assert cast == measured["sliced"] > 0 if p.loss_chunk_tokens else cast == 0, measured
 

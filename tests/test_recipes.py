@@ -31,6 +31,34 @@ def test_layout_the_model_cannot_take(layout, message):
         resolve_model("gpt2-124m").validate(layout)
 
 
+@pytest.mark.parametrize("model, layout, line", [
+    ("gpt2-124m", Layout(tp=5), "12 attention heads are not divisible by --tp 5; use --tp 1, 2, 3, "
+     "4, 6 or 12 (each divides the 12 attention heads, hidden size 768, FFN size 3072)"),
+    ("bert-tiny", Layout(tp=8), "4 attention heads are not divisible by --tp 8; use --tp 1, 2 or 4 "
+     "(each divides the 4 attention heads, hidden size 64, FFN size 128)"),
+    ("llama-tiny", Layout(tp=3), "4 attention heads are not divisible by --tp 3; use --tp 1, 2 or "
+     "4 (each divides the 4 attention heads, FFN size 176)"),
+    ("llama-tiny", Layout(tp=4), None),  # 2 kv heads, replicated over 4 ranks: fine
+])
+def test_a_tp_the_model_cannot_take_names_the_ones_it_can(model, layout, line):
+    # "4 attention heads are not divisible by --tp 3" named no --tp that works
+    if line is None:
+        resolve_model(model).validate(layout)
+        return
+    with pytest.raises(LayoutError) as e:
+        resolve_model(model).validate(layout)
+    assert str(e.value) == line
+
+
+def test_an_ffn_size_tp_does_not_split_names_the_ones_it_does():
+    config = resolve_model("llama-tiny")
+    config.intermediate_size = 174
+    with pytest.raises(LayoutError) as e:
+        config.validate(Layout(tp=4))
+    assert str(e.value) == ("FFN size 174 is not divisible by --tp 4; use --tp 1 or 2 (each "
+                            "divides the 4 attention heads, FFN size 174)")
+
+
 def test_train_help_names_every_model_family_and_parallelism():
     """megapar-train --help began "Train a GPT-2, BERT or Llama with tensor, pipeline and data
     parallelism" while it trains Mixtral and Qwen3-MoE too, with --cp and --ep."""

@@ -121,3 +121,24 @@ def test_gantt_draws_the_loss_broadcast_as_communication():
 
     assert _colour_key("loss_broadcast") == _colour_key("wait") == "comm"
     assert _colour_key("optimizer") == "other" and _colour_key("forward") == "forward"
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2), ("zb-v", 2)])
+def test_gantt_labels_say_the_model_chunk_where_a_rank_holds_several(schedule, chunks,
+                                                                      monkeypatch, tmp_path):
+    """Under interleaved 1F1B and the V schedules each micro-batch passes a rank once per chunk;
+    the chart labelled both boxes "3", so which one was chunk 1 could not be read off it. With
+    several chunks a label is micro-batch@chunk, as --show-schedule writes it."""
+    from matplotlib.axes import Axes
+
+    labels = []
+    real_text = Axes.text
+    monkeypatch.setattr(Axes, "text",
+                        lambda self, x, y, s, *a, **k: labels.append(s) or real_text(self, x, y, s,
+                                                                                     *a, **k))
+    tl = simulate_schedule(schedule, 2, 4, Costs(fwd_ms=1, bwd_ms=2), virtual_stages=chunks)
+    plot_gantt(tl, str(tmp_path / "g.png"))
+    if chunks == 1:
+        assert sorted(set(labels)) == ["0", "1", "2", "3"]
+    else:
+        assert sorted(set(labels)) == [f"{mb}@{c}" for mb in range(4) for c in range(2)]

@@ -100,14 +100,106 @@ def test_zero3_gathers_the_blocks_linear_weights_in_16_bits(kind, world, setting
         assert ours[6] == theirs[6] == 0
 
 
+def _offloaded_steps(settings: dict, ckpt: str | None):
+    """`_steps` under --offload-params (and --offload-optimizer) with separate host masters, as
+    on CUDA; per run also: per step the bytes of 16-bit shards rounded (on the device, from the
+    fp32 staging shard the host master was copied to: never from a host master), the host
+    masters after the steps (fp32), and with `ckpt` the loss of the last step and the masters
+    after it once more from a checkpoint saved before it."""
+    import os
+
+    from megapar.data_parallel.zero3_half import HalfShard
+    from megapar.device import HOST_COPIES_ENV
+
+    os.environ[HOST_COPIES_ENV] = "1"
+    cast = HalfShard.cast
+    staged, masters_at = [], set()
+
+    def counted(self, shard):
+        assert shard.dtype == torch.float32 and self.shard.dtype == torch.bfloat16
+        assert shard.data_ptr() not in masters_at  # the staging shard, not the host master
+        staged[-1] += self.shard_nbytes
+        return cast(self, shard)
+
+    HalfShard.cast = counted
+    settings = {**settings, "offload_params": True, "offload_optimizer": True}
+    runs = []
+    for half in (True, False):
+        engine = megapar.prepare(_config("gpt2"), micro_batch_size=2, lr=3e-3, clip_grad=1.0,
+                                 global_batch_size=GBS, seq_len=SEQ, seed=5, zero=3,
+                                 precision="bf16", **settings)
+        sharded = engine.sharded_params
+        assert all(u.host_shard is not None for u in sharded.units)
+        masters_at.update(u.host_shard.data_ptr() for u in sharded.units)
+        units = list(sharded.half.units)
+        if not half:
+            sharded.half.units = []
+        from megapar.comm_count import count_collectives
+
+        losses, gathered16, gathered32, moved = [], [], [], []
+        for i, batch in enumerate(_batches()[:STEPS]):
+            if ckpt and half and i == STEPS - 1:
+                engine.save(ckpt)
+            staged.append(0)
+            with count_collectives() as calls:
+                losses.append(engine.train_step(batch))
+            moved.append(staged[-1])
+            gathers = [c for c in calls if c.op.startswith("all_gather")]
+            gathered16.append(sum(c.bytes for c in gathers if c.dtype.itemsize == 2))
+            gathered32.append(sum(c.bytes for c in gathers if c.dtype == torch.float32))
+        masters = [u.host_shard.clone() for u in sharded.units]
+        assert {m.dtype for m in masters} == {torch.float32}
+        runs.append((losses, engine.eval_step(_batches()[STEPS]), gathered16, gathered32,
+                     [u.cast.nbytes for u in units], moved, masters,
+                     sharded.gathered_bytes()))
+    if ckpt:
+        engine = megapar.prepare(_config("gpt2"), micro_batch_size=2, lr=3e-3, clip_grad=1.0,
+                                 global_batch_size=GBS, seq_len=SEQ, seed=5, zero=3,
+                                 precision="bf16", **settings)
+        import glob
+
+        engine.load(sorted(glob.glob(f"{ckpt}/step_*"))[-1])
+        loss = engine.train_step(_batches()[STEPS - 1])
+        runs.append((loss, [u.host_shard.clone() for u in engine.sharded_params.units]))
+    return runs
+
+
+@pytest.mark.parametrize("world,settings", [(2, {}), (4, dict(tp=2))])
+def test_offloaded_shards_gather_in_16_bits(tmp_path, world, settings):
+    """--offload-params (host masters, the optimizer offloaded too): each gather of a 16-bit
+    unit copies this rank's fp32 host master to the device staging shard and rounds it there
+    (the master is only read), then gathers the 16 bits as without offload. Bitwise the fp32
+    gathers' losses, evaluation and masters; 2 bytes an element rounded and gathered per use
+    (twice per micro-batch), the fp32 gathers shrinking by twice that, no gathered buffer or
+    staging shard left after the steps; at dp 2 a resume from a checkpoint saved before the
+    last step repeats that step bit for bit."""
+    ckpt = str(tmp_path / "ckpt") if world == 2 else None
+    m = GBS // 2 // (world // settings.get("tp", 1))
+    for out in run_local(_offloaded_steps, world, settings, ckpt):
+        ours, theirs = out[0], out[1]
+        assert (ours[0], ours[1]) == (theirs[0], theirs[1]), (ours[:2], theirs[:2])
+        assert all(torch.equal(a, b) for a, b in zip(ours[6], theirs[6], strict=True))
+        held16, dp = ours[4], world // settings.get("tp", 1)
+        assert held16 and theirs[2] == [0] * STEPS and theirs[5] == [0] * STEPS
+        moved16 = [a - b for a, b in zip(ours[2], theirs[2], strict=True)]
+        saved32 = [b - a for a, b in zip(ours[3], theirs[3], strict=True)]
+        assert moved16 == ours[5] == [2 * m * sum(held16) // dp] * STEPS, (moved16, ours[5])
+        assert saved32 == [2 * n for n in moved16] and ours[7] == theirs[7] == 0
+        if ckpt:
+            loss, masters = out[2]
+            assert loss == ours[0][-1]
+            assert all(torch.equal(a, b) for a, b in zip(masters, ours[6], strict=True))
+
+
 def test_zero3_gathers_16_bits_only_where_autocast_casts_the_weights():
-    """On under bf16 / fp16 ZeRO-3 (--compile'd blocks too); off in fp32, at other ZeRO
-    stages and under --offload-params (host shards)."""
+    """On under bf16 / fp16 ZeRO-3 (--compile'd blocks and --offload-params too); off in fp32
+    and at other ZeRO stages."""
     on = TrainConfig(zero=3, precision="bf16")
     assert on.zero3_half is torch.bfloat16
     assert TrainConfig(zero=3, precision="fp16", compile=True).zero3_half is torch.float16
-    for off in (dict(zero=3), dict(zero=2, precision="bf16"),
-                dict(zero=3, precision="bf16", offload_params=True)):
+    offloaded = TrainConfig(zero=3, precision="bf16", offload_params=True, offload_optimizer=True)
+    assert offloaded.zero3_half is torch.bfloat16
+    for off in (dict(zero=3), dict(zero=2, precision="bf16")):
         assert TrainConfig(**off).zero3_half is None, off
 
 
@@ -132,7 +224,8 @@ def test_a_live_weight_copy_is_read_only_under_its_autocast():
 
 
 @pytest.mark.parametrize("spec,world", [("tp=1,pp=1,dp=2,mbs=2,zero=3", 2),
-                                        ("tp=2,pp=2,dp=2,mbs=1,zero=3", 8)])
+                                        ("tp=2,pp=2,dp=2,mbs=1,zero=3", 8),
+                                        ("tp=1,pp=1,dp=2,mbs=2,zero=3,offload=both", 2)])
 def test_the_plan_counts_the_16_bit_gathers_as_the_dry_run_does(spec, world):
     """megapar-plan models the 16-bit units (`plan.params.GatherCasts`): in bf16 the plan's
     units, state, gathered peak and dp traffic equal the dry run's to the byte (--verify), and

@@ -65,19 +65,31 @@ def build_parser() -> OneLineParser:
         help="model chunks per rank (default 1; --schedule interleaved needs >= 2; "
         "zb-v and dualpipev hold 2 whatever it says, and accept 1 or 2)",
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per stage")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size per stage (default: 1)")
     p.add_argument(
         "--cp",
         type=int,
         default=1,
         help="context-parallel size per stage: each sequence split over cp ranks, "
         "whose attention exchanges keys / values inside every F and B (their "
-        "time is in the measured costs; --seq-len a multiple of 2 x cp)",
+        "time is in the measured costs; --seq-len a multiple of 2 x cp) (default: 1)",
     )
     p.add_argument("--model", help="model recipe (default: a compute-bound GPT-2, 2 blocks/stage)")
-    p.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up)")
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument(
+        "--steps", type=int, default=3, help="measured steps (after one warm-up) (default: 3)"
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=4,
+        help="sequences per micro-batch of the measured model (default: 4)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=64,
+        help="tokens per sequence of the measured model (default: 64)",
+    )
     p.add_argument(
         "--show-schedule",
         action="store_true",

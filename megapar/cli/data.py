@@ -116,7 +116,11 @@ def add_tokenizer_training_arguments(p: argparse.ArgumentParser) -> None:
         "PREFIX-tokenizer/), sentencepiece = --train-sentencepiece",
     )
     p.add_argument(
-        "--vocab-size", type=int, default=None, help="vocabulary size of the trained tokenizer"
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="vocabulary size of the trained tokenizer (needed with --train-tokenizer / "
+        "--train-sentencepiece)",
     )
     p.add_argument(
         "--sp-model-type",
@@ -133,7 +137,7 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
         default="megapar",
         choices=["megapar", "megatron"],
         help="index format: megapar's, or Megatron-LM's MMIDIDX (readable by "
-        "Megatron-LM / NeMo; megapar reads both)",
+        "Megatron-LM / NeMo; megapar reads both) (default: megapar)",
     )
     p.add_argument(
         "--allow-invalid-utf8",

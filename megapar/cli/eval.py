@@ -29,6 +29,7 @@ from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
+from megapar.data.blended import parse_blend
 from megapar.device import keep_freed_host_memory
 from megapar.faults.processes import exit_uncollected
 from megapar.faults.report import log_dir_for, worker_failure
@@ -66,14 +67,15 @@ def build_parser() -> OneLineParser:
         stray=(("--load", "the checkpoint"),),
     )
     p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: 1)")
     p.add_argument(
         "--data",
         help="dataset prefix (PREFIX.bin/.idx/.json from megapar-data, or a Megatron-LM "
         "MMIDIDX PREFIX.bin/.idx with --tokenizer), or raw text: a .txt / .jsonl / .json / "
         ".parquet file or a directory of them, tokenized with the tokenizer the checkpoint "
-        "trained with into --data-cache (a document per paragraph, as megapar-train does)",
+        "trained with into --data-cache (a document per paragraph, as megapar-train does); "
+        "one at a time, not a blend",
     )
     p.add_argument(
         "--seq-len",
@@ -115,7 +117,8 @@ def build_parser() -> OneLineParser:
         "--tokenizer",
         default=None,
         help="tokenizer of raw text (default: the one the checkpoint trained with; it must be "
-        "that one, wherever it is now) and of a Megatron-LM dataset that has no megapar .json",
+        "that one, wherever it is now) and of a Megatron-LM dataset that has no megapar .json "
+        "(default: the checkpoint's too; refused when it records none)",
     )
     p.add_argument(
         "--data-cache",
@@ -289,10 +292,56 @@ _STOPPED = re.compile(r"rank \d+ failed: (?:KeyboardInterrupt\b|(SystemExit: 143
 """How a rank that a Ctrl-C or a SIGTERM stopped fails (`WorkerError`'s first line)."""
 
 
+def data_values(argv: list[str]) -> list[str]:
+    """The words after the last --data of a command line, up to the next flag: one for a
+    valid --data, several for megapar-train's blend syntax or a path the shell split."""
+    values: list[str] = []
+    for i, word in enumerate(argv):
+        if word == "--data":
+            values = []
+            for value in argv[i + 1 :]:
+                if value.startswith("-") and not _is_number(value):
+                    break
+                values.append(value)
+    return values
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def several_data(items: list[str]) -> str:
+    """The one line for several --data values: run a blend's parts one at a time, quote a
+    path with spaces."""
+    shown = " ".join(items)
+    try:
+        blend = parse_blend(items)
+    except ValueError:
+        blend = None
+    if blend is not None:
+        runs = ", then ".join(f"--data {shell_word(path)}" for _, path in blend)
+        return (
+            f"--data {shown} is a blend; megapar-eval evaluates one dataset at a time: "
+            f"run it once per part ({runs})"
+        )
+    return (
+        f"--data takes one dataset or text, got {len(items)} paths ({shown}); give one (a "
+        f"path with spaces is one argument: quote it, --data {shell_word(shown)})"
+    )
+
+
 @quiet_when_stdout_closes
 def main(argv=None) -> int:
     exit_uncollected()  # torch's heap left to the OS at exit
     parser = build_parser()
+    several = data_values(list(sys.argv[1:] if argv is None else argv))
+    if len(several) > 1:  # argparse would say "unrecognized arguments" and name no fix
+        print(f"megapar-eval: error: {several_data(several)}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         worker = _choose_worker(args, parser.given(argv))

@@ -71,13 +71,27 @@ from megapar.tensor_parallel.linear_cross_entropy import LOSS_CHUNK_TOKENS
 from megapar.training.usage import flag_of
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help that ends each flag's text with its default, once: not for a required
+    flag or one without a default (no "(default: None)"), nor where the text already says its
+    default; a list default is written as it is typed (1 2 4 8)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required or action.default is None or "(default" in text:
+            return text
+        if isinstance(action.default, list):
+            return f"{text} (default: {' '.join(map(str, action.default))})"
+        return super()._get_help_string(action) or ""
+
+
 def build_parser() -> OneLineParser:
     """megapar-plan's argument parser, its flags grouped by concern."""
     p = OneLineParser(
         prog="megapar-plan",
         stray=(("--model", "the model"),),
         description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_job_arguments(p)
     add_precision_arguments(p)
@@ -94,7 +108,7 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, default=8, help="tp stays within a node")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU, GiB")
     p.add_argument("--global-batch-size", type=int, required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
 
 
 def add_precision_arguments(p: argparse.ArgumentParser) -> None:
@@ -187,8 +201,20 @@ def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
     """The layouts tried: micro-batch sizes, schedules, recompute, ZeRO, offload, cp sizes."""
-    p.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--schedules", nargs="+", choices=PLAN_SCHEDULES, default=list(PLAN_SCHEDULES))
+    p.add_argument(
+        "--micro-batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="micro-batch sizes tried (sequences per micro-batch)",
+    )
+    p.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=PLAN_SCHEDULES,
+        default=list(PLAN_SCHEDULES),
+        help="pipeline schedules tried where pp > 1",
+    )
     p.add_argument(
         "--virtual-stages",
         type=int,
@@ -196,7 +222,13 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
         default=[2, 4],
         help="chunks per rank tried for the interleaved schedule",
     )
-    p.add_argument("--recompute", nargs="+", choices=RECOMPUTE, default=list(RECOMPUTE))
+    p.add_argument(
+        "--recompute",
+        nargs="+",
+        choices=RECOMPUTE,
+        default=list(RECOMPUTE),
+        help="activation recomputation modes tried (megapar-train's --recompute)",
+    )
     p.add_argument(
         "--zero-stages",
         type=int,

@@ -15,6 +15,7 @@ import shlex
 import signal
 import sys
 import traceback
+from dataclasses import fields
 from pathlib import Path
 
 from megapar.checkpoint.format import missing_dirs, remove_empty
@@ -37,6 +38,7 @@ from megapar.faults.stop import (
 from megapar.launcher import (
     WorkerError,
     check_local_workers,
+    check_same_settings,
     launched_local_size,
     launched_world_size,
     run_workers,
@@ -156,7 +158,33 @@ def _remove_newer_steps(cfg: TrainConfig) -> list[str]:
     ]
 
 
+PER_NODE_SETTINGS = frozenset(
+    {
+        "progress",
+        "debug",
+        "log_json",
+        "tensorboard",
+        "wandb_project",
+        "profile_dir",
+        "data_cache",
+        "json",
+        "timeout_s",
+        "nccl_timeout_s",
+        "oversubscribe",
+    }
+)
+"""TrainConfig fields that may differ between a job's ranks (what each prints or writes where,
+its waits); every other one must be rank 0's (`check_same_settings`)."""
+
+
 def _worker(cfg: TrainConfig, plan: DataPlan):
+    if under_launcher():  # nodes started with other flags would build other groups
+        settings = {
+            "--" + f.name.replace("_", "-"): getattr(cfg, f.name)
+            for f in fields(cfg)
+            if f.name not in PER_NODE_SETTINGS
+        }
+        check_same_settings(settings, cfg.timeout_s, "megapar-train flags")
     restore = install_stop_handlers(cfg.exit_signals)
     try:
         return train(cfg, plan)
@@ -195,6 +223,7 @@ def main(argv=None) -> int:
             lock.release()
         remove_empty(made)
         print(f"megapar-train: error: {exc}", file=sys.stderr)
+        tell_torchrun(str(exc), None)  # its summary's root cause, not "error_file: <N/A>"
         return 2
     except (KeyboardInterrupt, SystemExit) as exc:  # e.g. while --data is tokenized: no worker
         if isinstance(exc, SystemExit) and exc.code != SIGTERM_EXIT_CODE:

@@ -312,10 +312,20 @@ class IndexedDataset:
         self.doc_offsets: np.ndarray = read_doc_offsets(prefix + ".idx")
         self.num_docs: int = len(self.doc_offsets) - 1
         size = os.path.getsize(prefix + ".bin")
-        if size != num_tokens * self.dtype.itemsize or self.doc_offsets[-1] != num_tokens:
+        expected = num_tokens * self.dtype.itemsize
+        described = f"{prefix}.json" if os.path.isfile(prefix + ".json") else f"{prefix}.idx"
+        if size != expected:
             raise ValueError(
-                f"{prefix}.bin holds {size} bytes but {prefix}.json/.idx describe {num_tokens} "
-                f"{self.dtype.name} tokens; the files are from different runs -- regenerate them"
+                f"{prefix}.bin holds {size:,} bytes but {described} describes {num_tokens:,} "
+                f"{self.dtype.name} tokens ({expected:,} bytes): it is "
+                f"{'cut short (an interrupted copy?)' if size < expected else 'too long'} or "
+                f"from another run; re-create the dataset with megapar-data"
+            )
+        if self.doc_offsets[-1] != num_tokens:
+            raise ValueError(
+                f"{prefix}.idx ends its documents at token {int(self.doc_offsets[-1]):,} but "
+                f"{prefix}.json says {num_tokens:,} tokens: the files are from different runs; "
+                f"re-create the dataset with megapar-data"
             )
         if num_tokens == 0:
             self.tokens: np.ndarray = np.zeros(0, dtype=self.dtype)

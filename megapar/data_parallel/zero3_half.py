@@ -12,7 +12,10 @@ runs (`HalfGather.step`):
 
 - each gather of a 16-bit unit rounds this rank's slice to a 16-bit shard (freed when the gather
   is done, as FSDP2 casts in its pre-all-gather) and all-gathers it into a 16-bit buffer,
-  freed and re-gathered as the fp32 buffers are; the fp32 buffer is never gathered;
+  freed and re-gathered as the fp32 buffers are; the fp32 buffer is never gathered. Under
+  --offload-params the slice is the fp32 host master copied to the device staging shard as for
+  an fp32 gather, rounded there and the staging shard freed before the gather (not rounded on
+  the host, which would cost host time on every gather: docs/guides/precision-zero.md);
 - each linear reads its weight's view into that buffer (`tensor_parallel.weight_copy`) in place
   of autocast's cast, its gradient flowing to the fp32 weight through the cast's backward.
 
@@ -21,9 +24,8 @@ buffer and is reduce-scattered as before (FSDP2's ``reduce_dtype=torch.float32``
 parameters (norms, biases, embeddings, the head) are read in fp32 by ops autocast runs in fp32
 or does not cast (an embedding's output keeps its weight's dtype), so they gather in fp32.
 --compile'd blocks trace the copy's read (its live flag and autograd function). Outside a step
-(evaluation, checkpoints, `whole()`) and where this is off (--offload-params, whose shards are
-on the host; float8 linears, which cast the fp32 weight to float8 or gather float8:
-`zero3_float8.py`) the units gather fp32 as any other.
+(evaluation, checkpoints, `whole()`) and where this is off (float8 linears, which cast the fp32
+weight to float8 or gather float8: `zero3_float8.py`) the units gather fp32 as any other.
 """
 
 from __future__ import annotations

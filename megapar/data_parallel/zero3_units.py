@@ -32,8 +32,9 @@ buffer, with no collective.
 `offload=True` (``--offload-params``, DeepSpeed's offload_param): each unit's shard is held in
 host memory (`Unit.host_shard`, pinned on CUDA; on the CPU only with `HOST_COPIES_ENV`, else
 nothing moves) and `Unit.shard` is a device staging buffer, filled from the host just before
-each gather and freed once the gather is done; the optimizer steps the host shards
-(`Zero3Optimizer` with offload).
+each gather and freed once the gather is done (a 16-bit unit in a step rounds the staging shard
+into its 16-bit shard on the device and frees it before gathering: `zero3_half.HalfShard`); the
+optimizer steps the host shards (`Zero3Optimizer` with offload).
 """
 
 from __future__ import annotations
@@ -216,7 +217,13 @@ class Unit:
             c = self.cast
             assert c is not None
             c.full.untyped_storage().resize_(c.nbytes)
-            c.cast(self.shard)
+            if self.host_shard is None:
+                c.cast(self.shard)
+            else:  # --offload-params: the fp32 host shard up to the staging shard, rounded
+                self.shard.untyped_storage().resize_(self.shard_nbytes)  # there, then freed
+                self.shard.copy_(self.host_shard, non_blocking=True)
+                c.cast(self.shard)
+                self.shard.untyped_storage().resize_(0)  # stream-ordered after the cast
             per = None if piece is None else piece * self.full.element_size() // c.itemsize
             self.handle = _gather_into(c.full, c.shard, self.group, per)
             if self.handle is None:

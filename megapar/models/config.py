@@ -23,6 +23,25 @@ class ConfigError(ValueError):
     """A model config that is unknown or inconsistent."""
 
 
+def tp_split_error(what: str, size: int, tp: int, sizes: dict[str, int]) -> str:
+    """The one line for a model size that --tp does not split: the size, and the --tp values
+    that split every size tensor parallelism cuts (`sizes`, by name)."""
+    fits = [
+        1,
+        *(t for t in range(2, min(sizes.values()) + 1) if not any(n % t for n in sizes.values())),
+    ]
+    choices = str(fits[0]) if len(fits) == 1 else f"{', '.join(map(str, fits[:-1]))} or {fits[-1]}"
+
+    def named(name: str, n: int) -> str:
+        return f"{n} {name}" if name == "attention heads" else f"{name} {n}"
+
+    verb = "are" if what == "attention heads" else "is"
+    return (
+        f"{named(what, size)} {verb} not divisible by --tp {tp}; use --tp {choices} (each "
+        f"divides the {', '.join(named(k, n) for k, n in sizes.items())})"
+    )
+
+
 @dataclass
 class _Base:
     model_type: ClassVar[str]  # "gpt2", "bert" or "llama", set by each subclass
@@ -97,12 +116,10 @@ class _Base:
     def _check(self, layout: Layout, hidden: int, heads: int, ffn: int, layers: int) -> None:
         if hidden % heads:
             raise LayoutError(f"hidden size {hidden} is not divisible by {heads} attention heads")
-        if heads % layout.tp:
-            raise LayoutError(f"{heads} attention heads are not divisible by --tp {layout.tp}")
-        if hidden % layout.tp:
-            raise LayoutError(f"hidden size {hidden} is not divisible by --tp {layout.tp}")
-        if ffn % layout.tp:
-            raise LayoutError(f"FFN size {ffn} is not divisible by --tp {layout.tp}")
+        sizes = {"attention heads": heads, "hidden size": hidden, "FFN size": ffn}
+        for what, size in sizes.items():
+            if size % layout.tp:
+                raise LayoutError(tp_split_error(what, size, layout.tp, sizes))
         if layers < layout.pp:
             raise LayoutError(
                 f"{layers} layers cannot be cut into --pp {layout.pp} stages "
@@ -330,12 +347,10 @@ class LlamaConfig(_Base):
             )
         if self.head_size % 2:
             raise ConfigError(f"head size {self.head_size} must be even for rotary embeddings")
-        if q % layout.tp:
-            raise LayoutError(f"{q} attention heads are not divisible by --tp {layout.tp}")
-        if self.intermediate_size % layout.tp:
-            raise LayoutError(
-                f"FFN size {self.intermediate_size} is not divisible by --tp {layout.tp}"
-            )
+        sizes = {"attention heads": q, "FFN size": self.intermediate_size}
+        for what, size in sizes.items():
+            if size % layout.tp:
+                raise LayoutError(tp_split_error(what, size, layout.tp, sizes))
         if self.num_hidden_layers < layout.pp:
             raise LayoutError(
                 f"{self.num_hidden_layers} layers cannot be cut into --pp "

@@ -253,8 +253,9 @@ def _colour_key(kind: str) -> str:
 def plot_gantt(
     timeline: Timeline, path: str, title: str | None = None, row_name: str = "stage"
 ) -> None:
-    """Save a Gantt chart PNG: one row per rank, compute as full boxes, communication as thin
-    bars."""
+    """Save a Gantt chart PNG: one row per rank, compute as full boxes labelled with their
+    micro-batch (and, where the schedule runs several model chunks per rank, its chunk: 3@1,
+    as --show-schedule writes it), communication as thin bars."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
@@ -270,6 +271,7 @@ def plot_gantt(
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     used = {"idle"}
+    chunked = any(e.chunk for e in timeline.events)
     for row, rank in enumerate(ranks):
         ax.broken_barh([(0.0, span_ms)], (row - 0.4, 0.8), facecolors=_COLOURS["idle"])
         for e in timeline.for_rank(rank):
@@ -288,7 +290,7 @@ def plot_gantt(
                     ax.text(
                         x + w / 2,
                         row,
-                        str(e.mb),
+                        f"{e.mb}@{e.chunk}" if chunked else str(e.mb),
                         ha="center",
                         va="center",
                         fontsize=7,

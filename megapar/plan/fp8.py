@@ -144,11 +144,11 @@ def float8_gathered(p, c) -> bool:
 def half_gathered(p, c) -> bool:
     """Whether ZeRO gathers the blocks' other linear weights in 16 bits (bf16 / fp16 autocast
     on fp32 weights, over more than one rank): ZeRO-3 in each step's gathers (megapar-train's
-    16-bit all-gather, `data_parallel/zero3_half.py`, not under --offload-params), the
-    gathered weight then autocast's cast, none made besides; ZeRO-1 / 2 in the all-gather
-    after the step (`optim/zero.py`, their own buckets)."""
-    zero = c.zero == 3 and not c.offload_params or c.zero in (1, 2)
-    return p.sixteen_bit and zero and c.dp * c.cp > 1
+    16-bit all-gather, `data_parallel/zero3_half.py`; under --offload-params each host master
+    copied up in fp32 and rounded on the device), the gathered weight then autocast's
+    cast, none made besides; ZeRO-1 / 2 in the all-gather after the step (`optim/zero.py`,
+    their own buckets)."""
+    return p.sixteen_bit and c.zero in (1, 2, 3) and c.dp * c.cp > 1
 
 
 def zero3_casts(p, c) -> GatherCasts:

@@ -105,7 +105,7 @@ class TrainConfig:
     data: str | list[str] | None = None
     """Dataset prefix (PREFIX.bin/.idx from megapar-data, or a Megatron-LM MMIDIDX dataset) or raw text: a .txt / .jsonl file or a directory of them (tokenized into --data-cache); or a blend "W1 PREFIX1 W2 PREFIX2 ..." (Megatron's syntax). Default: the shipped Shakespeare sample."""
     tokenizer: str = "gpt2"
-    """Tokenizer for raw text (and for a Megatron-LM dataset without megapar's .json): gpt2, sentencepiece, a transformers directory with tokenizer.json, a vocab.json+merges.txt dir or a .model file. Default: gpt2; with --load, the tokenizer the checkpoint's data was tokenized with; with --from-hf DIR, DIR's own."""
+    """Tokenizer for raw text (and for a Megatron-LM dataset without megapar's .json, which needs it given): gpt2, sentencepiece, a transformers directory with tokenizer.json, a vocab.json+merges.txt dir or a .model file. Default: gpt2; with --load, the tokenizer the checkpoint's data was tokenized with; with --from-hf DIR, DIR's own."""
     data_cache: str = "~/.cache/megapar"
     """Where raw text is tokenized to (keyed by content hash and the settings below)."""
     jsonl_key: str = "text"
@@ -135,7 +135,7 @@ class TrainConfig:
     offload_optimizer: bool = False
     """Keep the fp32 master copy of the stepped parameters (or ZeRO slices) and the optimizer's moments in host memory (pinned on CUDA) and step there: each step copies the reduced, clipped gradients to the host and the updated parameters back (DeepSpeed's offload_optimizer). AdamW and SGD. On the CPU the host is the device: nothing moves."""
     offload_params: bool = False
-    """With --zero 3 and --offload-optimizer: keep the parameter shards (the fp32 weights the optimizer steps) in host memory (pinned on CUDA) and copy each unit's shard to the device just for its gather (DeepSpeed's offload_param). On the CPU the host is the device: nothing moves."""
+    """With --zero 3 and --offload-optimizer: keep the parameter shards (the fp32 weights the optimizer steps) in host memory (pinned on CUDA) and copy each unit's shard to the device just for its gather (DeepSpeed's offload_param; under bf16 / fp16 the blocks' linear weights are rounded to 16 bits on the device and gathered in 16 bits). On the CPU the host is the device: nothing moves."""
     zero3_persistence_threshold: int = 0
     """With --zero 3: parameters with fewer elements than this (biases, norms) are not gathered per use: they form one unit gathered at the stage's first forward of a step and kept until its end (DeepSpeed's stage3_param_persistence_threshold; 0: none). Still sharded between steps."""
     zero3_keep_params: bool = False
@@ -269,11 +269,11 @@ class TrainConfig:
     @property
     def zero3_half(self) -> torch.dtype | None:
         """ZeRO-3 gathers the blocks' (non-float8) linear weights in the autocast dtype under
-        bf16 / fp16 (also in --compile'd blocks, whose traced linears read the copies; not
-        under --offload-params, whose shards are on the host; `data_parallel.zero3_half`): that
-        dtype; else None (fp32 gathers)."""
+        bf16 / fp16 (also in --compile'd blocks, whose traced linears read the copies, and
+        under --offload-params, whose host shards are copied up and rounded on the device;
+        `data_parallel.zero3_half`): that dtype; else None (fp32 gathers)."""
         on = self.zero == 3 and self.precision != "fp32"
-        return PRECISIONS[self.precision] if on and not self.offload_params else None
+        return PRECISIONS[self.precision] if on else None
 
     @property
     def zero12_half(self) -> torch.dtype | None:

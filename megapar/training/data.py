@@ -49,6 +49,7 @@ from megapar.training.tokenizer_checks import (
     check_checkpoint_tokenizer,
     check_given_tokenizer,
     check_hf_tokenizer,
+    hf_dir_tokenizer,
 )
 from megapar.training.validate import explicit
 from megapar.training.validate_resume import checkpoint_manifest, named
@@ -87,6 +88,8 @@ def resolve_data_prefix(
 
     paths = data_paths(cfg.data)
     prefixes = [_resolve_one(cfg, p, notes, tokenized) for p in paths]
+    for prefix in prefixes:
+        check_megatron_tokenizer_named(cfg, prefix)
     parts = [IndexedDataset(prefix, cfg.tokenizer) for prefix in prefixes]
     if fingerprints is not None:
         fingerprints.extend(part.fingerprint() for part in parts)
@@ -206,6 +209,22 @@ def is_megatron(prefix: str) -> bool:
     return os.path.isfile(prefix + ".idx") and is_megatron_index(prefix + ".idx")
 
 
+def check_megatron_tokenizer_named(cfg: TrainConfig, prefix: str) -> None:
+    """A Megatron-LM dataset without megapar's .json does not record its tokenizer, so the run
+    must name it: --tokenizer given (or taken from a --load checkpoint), or the --from-hf
+    directory's own. ValueError naming the fix otherwise: the default gpt2 would give the
+    model another vocabulary and end-of-document id, and the checkpoint another tokenizer."""
+    if os.path.isfile(prefix + ".json") or not is_megatron(prefix):
+        return
+    if "tokenizer" in explicit(cfg) or (cfg.from_hf and hf_dir_tokenizer(cfg.from_hf)):
+        return
+    raise ValueError(
+        f"--data {prefix} is a Megatron-LM dataset without megapar's {prefix}.json, so "
+        f"nothing says which tokenizer made it; name it with --tokenizer (gpt2, a "
+        f"tokenizer.json directory, a .model file, ...) rather than the default gpt2"
+    )
+
+
 def data_tokenizer(cfg: TrainConfig):
     """(vocabulary size, tokenizer) of --data without tokenizing anything: a prepared dataset's
     own (from its metadata; the first part of a blend), or --tokenizer for text."""
@@ -214,6 +233,7 @@ def data_tokenizer(cfg: TrainConfig):
     if is_raw_text(data):
         tokenizer = load_tokenizer(cfg.tokenizer)
         return tokenizer.vocab_size, tokenizer
+    check_megatron_tokenizer_named(cfg, data)
     indexed = IndexedDataset(data, cfg.tokenizer)
     if not os.path.isfile(data + ".json"):  # a Megatron-LM dataset: --tokenizer is its own
         return indexed.vocab_size, load_tokenizer(indexed.tokenizer_spec)

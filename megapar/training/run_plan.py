@@ -220,7 +220,7 @@ def _check_micro_batches(cfg: TrainConfig, layout: Layout, per_step: int) -> Non
             raise exc from None  # about --pp or --virtual-stages: m is not the problem
         raise ValueError(
             f"{exc}; m is --global-batch-size / (--micro-batch-size x dp) = "
-            f"{cfg.global_batch_size} / {per_step}"
+            f"{cfg.global_batch_size} / {per_step}: raise the first or lower the second"
         ) from None
 
 

@@ -32,7 +32,7 @@ from megapar.data.blended import data_paths
 from megapar.data.inputs import is_raw_text
 from megapar.data.mlm_dataset import MIN_SEQ_LEN
 from megapar.faults.slow import SlowRank
-from megapar.pipeline.schedules import chunks_per_rank, schedule_actions
+from megapar.pipeline.schedules import check_schedule, chunks_per_rank, schedule_actions
 from megapar.training.config import choice_problem, flag_choices
 from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_fp8 import Fp8Error, check_fp8
@@ -347,6 +347,8 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
                 f"{cfg.micro_batch_size}"
             )
             cfg.micro_batch_size = mbs
+    if "micro_batch_size" not in given:
+        notes.extend(_micro_batches_for_schedule(cfg, dp))
     notes.extend(_inert_zero_settings(cfg, dp))
     given -= set(getattr(cfg, "from_checkpoint", ()))
     for name, idle, where in [
@@ -361,6 +363,35 @@ def adapt_defaults(cfg, dp: int) -> list[str]:
         if name in given and idle:  # accepted, as --sequence-parallel at --tp 1; said once
             notes.append(f"{flag_of(name)} {getattr(cfg, name)} at {where}")
     return notes
+
+
+def _micro_batches_for_schedule(cfg, dp: int) -> list[str]:
+    """Where the pipeline schedule refuses the step's m = global batch / (micro-batch size x
+    dp) micro-batches (DualPipeV's m >= 2 pp, interleaved 1F1B's equal rounds), the largest
+    smaller micro-batch size whose m it takes, with the note saying so; none if no size does
+    (the caller's check then names the problem)."""
+    if cfg.pp == 1 or cfg.global_batch_size % dp:
+        return []
+    per_rank = cfg.global_batch_size // dp
+
+    def takes(mbs: int) -> bool:
+        try:
+            check_schedule(cfg.schedule, cfg.pp, per_rank // mbs, cfg.virtual_stages)
+        except ValueError:
+            return False
+        return True
+
+    if per_rank % cfg.micro_batch_size or takes(cfg.micro_batch_size):
+        return []
+    fits = [d for d in range(cfg.micro_batch_size - 1, 0, -1) if per_rank % d == 0 and takes(d)]
+    if not fits:
+        return []
+    was, cfg.micro_batch_size = cfg.micro_batch_size, fits[0]
+    return [
+        f"--micro-batch-size not given: using {fits[0]} (--schedule {cfg.schedule} at --pp "
+        f"{cfg.pp} takes {per_rank // fits[0]} micro-batches a step, not "
+        f"{per_rank // was}) instead of {was}"
+    ]
 
 
 def _inert_zero_settings(cfg, dp: int) -> list[str]:

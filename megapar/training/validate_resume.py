@@ -6,6 +6,7 @@ files it would be mixed with)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 
@@ -13,7 +14,7 @@ from megapar.checkpoint.distributed import NON_STRUCTURAL
 from megapar.checkpoint.format import MANIFEST, CheckpointError
 from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, steps_after
-from megapar.data.blended import data_paths
+from megapar.data.blended import data_paths, parse_blend
 from megapar.models.config import config_from_dict
 from megapar.one_line_parser import shell_word
 from megapar.training.tokenizer_checks import recorded_as_trained
@@ -330,10 +331,23 @@ def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None
     `IndexedDataset.fingerprint`) is the one the checkpoint recorded, unless
     --allow-data-change. A checkpoint that recorded none (older, or from the Python API) is not
     checked."""
-    saved = (manifest.get("meta") or {}).get("data_fingerprint")
-    if not saved or fingerprints is None or saved == fingerprints or cfg.allow_data_change:
+    if cfg.allow_data_change:
+        return
+    meta = manifest.get("meta") or {}
+    saved = meta.get("data_fingerprint")
+    trained = (meta.get("train_config") or {}).get("data")
+    if saved and fingerprints is not None and saved == fingerprints:
+        _check_same_blend_weights(cfg, trained)
+    if not saved or fingerprints is None or saved == fingerprints:
         return
     paths = [p if p is not None else "(the shipped sample)" for p in data_paths(cfg.data)]
+    if len(saved) > 1 and sorted(saved) == sorted(fingerprints):
+        raise UsageError(
+            f"--load {cfg.load} trained on the blend --data {_shown(trained)}; --data "
+            f"{_shown(cfg.data)} gives the same parts in another order, which draws other "
+            f"samples from here on; give them in the checkpoint's order (or leave --data "
+            f"out), or pass --allow-data-change to continue on this order on purpose"
+        )
     changed = [str(p) for p, a, b in zip(paths, saved, fingerprints) if a != b] or [
         str(p) for p in paths
     ]
@@ -343,6 +357,34 @@ def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None
         f"the content of {', '.join(changed)} changed since the checkpoint was "
         f"saved (its fingerprint differs); resume with the data it trained on, or "
         f"pass --allow-data-change to continue on this data on purpose"
+    )
+
+
+def _shown(data) -> str:
+    """A --data value as typed (a blend's items joined by spaces)."""
+    return data if isinstance(data, str) else " ".join(str(x) for x in data)
+
+
+def _check_same_blend_weights(cfg, trained) -> None:
+    """A blend of the checkpoint's parts (in its order) weighs them as the checkpoint's did
+    (normalised): other weights draw other samples from here on. UsageError naming both."""
+    try:
+        old = parse_blend(trained) if trained is not None else None
+        new = parse_blend(cfg.data) if cfg.data is not None else None
+    except ValueError:  # a recorded value this version does not parse: nothing to compare
+        return
+    if not old or not new or len(old) != len(new):
+        return
+    if all(math.isclose(a, b, rel_tol=1e-9) for (a, _), (b, _) in zip(old, new)):
+        return
+
+    def weights(blend) -> str:
+        return ", ".join(f"{w:.4g} {p}" for w, p in blend)
+
+    raise UsageError(
+        f"--load {cfg.load} trained on the blend {weights(old)} and --data weighs the same "
+        f"parts {weights(new)}, which draws other samples from here on; resume with its "
+        f"weights (or leave --data out), or pass --allow-data-change to reweigh on purpose"
     )
 
 

@@ -23,8 +23,13 @@ from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.bubble import bench_config
-from megapar.training.data import missing_files
-from megapar.training.eval_text import check_text_options, is_text, tokenize_text
+from megapar.training.data import is_megatron, missing_files
+from megapar.training.eval_text import (
+    check_text_options,
+    is_text,
+    text_tokenizer,
+    tokenize_text,
+)
 from megapar.training.tokenizer_checks import check_checkpoint_tokenizer
 from megapar.training.validate import (
     UsageError,
@@ -78,6 +83,12 @@ def check_eval_args(args) -> dict:
                 f"written by megapar-data --output-prefix, or raw text (.txt / .jsonl "
                 f"or a directory of them; or a Megatron-LM dataset's prefix, with --tokenizer)"
             )
+        recorded = (manifest.get("meta") or {}).get("tokenizer")
+        unrecorded = is_megatron(args.data) and not os.path.isfile(args.data + ".json")
+        if not args.tokenizer and unrecorded and isinstance(recorded, dict):
+            # a Megatron-LM dataset records no tokenizer: the checkpoint's, as megapar-train
+            # --load takes it
+            args.tokenizer = text_tokenizer(args, manifest)[0]
         indexed = IndexedDataset(args.data, args.tokenizer)
         tokenizer = load_tokenizer(indexed.tokenizer_spec)
         check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data)
@@ -169,8 +180,14 @@ def _check_ids_file(path: str, positions: int) -> None:
             f"integers (e.g. np.save(path, ids.astype(np.int64)))"
         )
     if ids.ndim != 2 or 0 in ids.shape:
+        fix = (
+            f"one sequence of {ids.shape[0]} ids is ids.reshape(1, {ids.shape[0]})"
+            if ids.ndim == 1 and ids.size
+            else "save a [batch, seq] integer array of at least one id"
+        )
         raise UsageError(
-            f"--input-ids must be a non-empty [batch, seq] array, got shape {tuple(ids.shape)}"
+            f"--input-ids must be a non-empty [batch, seq] array, got shape "
+            f"{tuple(ids.shape)}; {fix}"
         )
     if ids.shape[1] > positions:
         raise UsageError(
