@@ -276,3 +276,38 @@ def test_a_checkpoint_loaded_into_zero_pieces_reaches_the_host_masters(zero, tmp
                                                           str(tmp_path), zero):
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
         assert refreshed == pieces > 0
+
+
+def test_the_gathered_peak_holds_the_staging_shard_of_an_offloaded_gather_in_flight(
+        host_copies, monkeypatch):
+    """--offload-params: a unit's gather copies its host shard into a device staging shard at
+    the launch and frees it when the gather is waited for, so while a block runs its forward
+    with the next one prefetched, the next one's staging shard (1 / dp of its fp32 buffer) is
+    held beside the gathered units. A real run (forked gloo ranks with separate host copies,
+    the gathers whole and async as NCCL runs them), the dry run and the plan count it alike:
+    gpt2-tiny at dp 2, fp32, the units' buffers plus a block's 99,968-byte shard. The three
+    left it out: 13,310,976 bytes each."""
+    from megapar.data_parallel import shard_comm
+    from megapar.data_parallel.sharded_params import ShardedParams
+    from megapar.dryrun import dry_run
+    from megapar.dryrun.measure import measured_rank
+    from megapar.models.recipes import resolve_model
+    from megapar.plan.params import stage_tensors, stage_units
+    from megapar.plan.state import Offload, rank_state
+    from megapar.plan.zero3_peaks import gathered_peak
+
+    config = resolve_model("gpt2-tiny")
+    cfg = TrainConfig(dp=2, seq_len=16, micro_batch_size=2, global_batch_size=8, zero=3,
+                      offload_optimizer=True, offload_params=True)
+    monkeypatch.setattr(shard_comm, "HOST_PIECE_BYTES", 2**40)  # whole, async gathers
+    monkeypatch.setattr(ShardedParams, "HOST_PIECE_MB", 2.0**40)
+    real = run_local(measured_rank, 2, cfg.to_dict(), config.to_dict(), 1)
+    dry = dry_run(cfg, config, Layout(1, 1, 2), [0, 1])
+    planned = rank_state(config, 1, 1, 1, 0, 2, 0, 3, offload=Offload(True, True)).gathered
+    assert [r.gathered for r in dry] == [m["gathered"] for m in real] == [planned] * 2
+    # without the staging shard: the units' fp32 buffers alone, as all three counted them
+    specs = stage_units(config, 1, 1, 1, 0)
+    tensors = stage_tensors(config, 1, 1, 1, 0)
+    full = [-(-sum(tensors[i].numel for i in u.tensors) // 2) * 2 * 4 for u in specs]
+    shard = max(n // 2 for u, n in zip(specs, full) if u.kind == "block")
+    assert shard == 99_968 and planned == gathered_peak(specs, full, False) + shard

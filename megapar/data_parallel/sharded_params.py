@@ -147,11 +147,12 @@ class ShardedParams(UnitGradSync):
 
     def gathered_bytes(self) -> int:
         """Bytes of the units' full buffers gathered now, 16-bit and float8 ones included,
-        and of the cast shards the 16-bit and float8 gathers in flight send (1 / dp of their
-        buffers, made at the launch and freed when the gather is waited for). A
-        `Unit.resident` unit's buffer is its shard, held between steps: not counted; nor are
-        the slices a fp32 gather sends (the shards themselves) or an offloaded unit's staging
-        shard."""
+        and of the shards the gathers in flight send that live only while they run (1 / dp of
+        their buffers, made at the launch and freed when the gather is waited for): the 16-bit
+        and float8 gathers' cast shards and, under --offload-params, an offloaded unit's device
+        staging shard (copied in from its host shard). A `Unit.resident` unit's buffer is its
+        shard, held between steps: not counted; nor is the slice a fp32 gather of a unit on
+        the device sends (its shard, held anyway)."""
         return sum(
             u.full.untyped_storage().nbytes()
             + (
@@ -160,6 +161,7 @@ class ShardedParams(UnitGradSync):
                 else u.cast.full.untyped_storage().nbytes()
                 + u.cast.shard.untyped_storage().nbytes()
             )
+            + (0 if u.host_shard is None else u.shard.untyped_storage().nbytes())
             for u in self.units
             if not u.resident
         )

@@ -248,10 +248,11 @@ def _finish(
         grad_nbytes = [0 if k in alone else n for k, n in enumerate(nbytes)]
         full = nbytes if offload.params else grad_nbytes
         full = [_gathered(u, n) for u, n in zip(specs, full)]
-        # a cast unit's gather sends its 16-bit or float8 shard, held while the gather runs
+        # a cast unit's gather sends its 16-bit or float8 shard, and under --offload-params a
+        # unit's gather its device staging shard (copied in from the host), held while it runs
         sent = [
-            n // _shards(tensors, idx, dp, ep) if u.cast else 0
-            for u, n, (idx, _) in zip(specs, full, units)
+            n // _shards(tensors, idx, dp, ep) if u.cast or offload.params and k not in alone else 0
+            for k, (u, n, (idx, _)) in enumerate(zip(specs, full, units))
         ]
         gathered = gathered_peak(specs, full, offload.keep_params, sent)
         deferred = _deferred(tensors, units, pp)

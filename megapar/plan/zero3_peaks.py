@@ -26,8 +26,9 @@ def gathered_peak(
 ) -> int:
     """Bytes of ZeRO-3's units gathered at once at the peak, as `ShardedParams`' hooks hold
     them (`nbytes`: each unit's full padded buffer; an experts' unit counted with its lead,
-    `UnitSpec.led`), with the cast shards of the gathers in flight (`sent`: each unit's, the
-    16-bit or float8 slice a cast unit's gather sends, made at its launch and freed when it is
+    `UnitSpec.led`), with the shards of the gathers in flight (`sent`: each unit's, the
+    16-bit or float8 slice a cast unit's gather sends or, under --offload-params, the device
+    staging shard an offloaded unit's gather sends, made at its launch and freed when it is
     waited for; 0 for the others; default none). Without `keep`: the persistent unit (kept
     over the step) with, at the worst chunk, the largest of the moments its hooks hold most:
     the chunk's forward start (its roots, the first block's gather in flight), a block's
@@ -36,7 +37,7 @@ def gathered_peak(
     ended, the embedding unit after the forward) and the backward's start (the tail with the
     last block in flight); the embedding unit is prefetched, uncast, after the block after the
     first is freed. With `keep` every unit stays gathered: the peak is at the last gather's
-    launch, every unit held but the chunks' after it, its cast shard in flight."""
+    launch, every unit held but the chunks' after it, its shard in flight."""
     sent = [0] * len(nbytes) if sent is None else sent
     leads, sizes = _with_experts(specs, nbytes)
     _, shards = _with_experts(specs, sent)
@@ -178,7 +179,8 @@ def phases(
     micro-batch). The end: the worst chunk's embedding unit (gathered for the embedding's
     backward; a chunk without one, its roots) and the persistent unit. With `keep` every
     unit stays gathered. `grads`: each unit's gradient buffer's bytes (default `nbytes`);
-    `sent`: each unit's cast shard (`gathered_peak`), the last block's in flight at the top."""
+    `sent`: each unit's cast or staging shard (`gathered_peak`), the last block's in flight at
+    the top."""
     members = led_by(specs)
     lead = list(members)
     kinds = {i: specs[i].kind for i in lead}
