@@ -245,6 +245,7 @@ def _zero3_casts(recipe: str, options: dict, zero: int = 3) -> dict:
                              global_batch_size=2 * world, seq_len=32, **options)
     names = {id(p): n for n, p in engine.model.named_parameters()}
     seen: dict = {}
+    experts = [0]
 
     class Casts(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -256,6 +257,10 @@ def _zero3_casts(recipe: str, options: dict, zero: int = 3) -> dict:
                 if whole or part:
                     key = whole or ("slice", part)
                     seen.setdefault(key, []).append((weakref.ref(out), out.nbytes))
+                    if part and "experts" in part:  # routed experts' casts alive at once
+                        experts[0] = max(experts[0], sum(
+                            n for k, v in seen.items() if isinstance(k, tuple) and "experts" in k[1]
+                            for r, n in v if r() is not None))
             return out
 
     alive: dict = {}
@@ -275,6 +280,7 @@ def _zero3_casts(recipe: str, options: dict, zero: int = 3) -> dict:
             "casts": {k: len(v) for k, v in seen.items() if k not in sliced},
             "sliced": max((n for k in sliced for _, n in seen[k]), default=0),
             "sliced_alive": sum(alive[k] for k in sliced),
+            "experts_peak": experts[0],
             "head_sliced": sum(max(n for _, n in seen[k]) for k in sliced
                                if k[1] in ("head.weight", "head.bias", "embed.word.weight"))}
 
@@ -333,7 +339,10 @@ def test_zero012_autocast_copies_are_the_casts_the_step_keeps(recipe, zero, chun
     backward's "chunked loss's 16-bit cast", as under ZeRO-3). The planner's term is the
     bytes of the casts alive when a two-micro-batch step's last backward ends, on dp rank 0
     of dp 2, to the byte. It counted every parameter but a lookup-only embedding: gpt2-tiny
-    chunked 6,855,424 bytes planned against 396,800 kept (the head's weight is 6,438,912)."""
+    chunked 6,855,424 bytes planned against 396,800 kept (the head's weight is 6,438,912).
+    The routed experts' per-use casts are saved for each MoE layer's backward: the top of the
+    backward's "routed experts' 16-bit casts" is the most of them alive at once (mixtral-tiny:
+    393,216 bytes, every expert weight once)."""
     options = {} if chunk else {"loss_chunk_tokens": 0}
     measured = run_local(_zero3_casts, 2, recipe, options, zero)[0]
     assert measured["cached"] and set(measured["casts"].values()) == {1}, measured["casts"]
@@ -347,3 +356,6 @@ def test_zero012_autocast_copies_are_the_casts_the_step_keeps(recipe, zero, chun
     assert terms["autocast's 16-bit weight copies"] == sum(measured["cached"].values()), measured
     cast = terms.get("the chunked loss's 16-bit cast of the head's weight", 0)
     assert cast == measured["head_sliced"] > 0 if chunk else cast == 0, measured
+    # the routed experts' per-use casts, saved for the backward: one micro-batch's at once
+    routed = terms.get("routed experts' 16-bit casts", 0)
+    assert routed == measured["experts_peak"] and (routed > 0) == (recipe == "mixtral-tiny")

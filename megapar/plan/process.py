@@ -31,10 +31,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megapar.pipeline.placement import placement_of
 from megapar.plan import fp8
 from megapar.plan.layouts import Candidate
 from megapar.plan.memory import GIB, MemoryBreakdown
-from megapar.plan.params import whole_casts
+from megapar.plan.params import stage_expert_params, whole_casts
 from megapar.plan.pipeline import loss_grads_in_forward
 from megapar.plan.problem import Problem
 from megapar.tensor_parallel.partition import local_size
@@ -391,6 +392,9 @@ def _top_of_backward(
     """Phase A's transient terms; the first is autocast's copies (also in phase B)."""
     vocab, h = _vocab_h(p, c)
     out = [_autocast_copies(p, c, mem, has_head)]
+    routed = _routed_expert_casts(p, c, mem)
+    if routed is not None:
+        out.append(routed)
     if has_head:
         extra = p.act_bytes if p.sixteen_bit else 0
         fused = loss_grads_in_forward(p, c)  # fp32, made in the forward: an activation
@@ -487,6 +491,26 @@ def _autocast_copies(p: Problem, c: Candidate, mem: MemoryBreakdown, has_head: b
             if float8
             else ""
         ),
+    )
+
+
+def _routed_expert_casts(p: Problem, c: Candidate, mem: MemoryBreakdown) -> Term | None:
+    """Under ZeRO 0-2 with 16-bit autocast, on a stage with routed experts: their weights' 16-bit
+    casts, made per use in each MoE layer's forward (slices, not cached) and saved for its
+    backward, so alive at the top of the backward: one micro-batch's, all the stage's MoE
+    layers (mixtral-tiny at dp 2: 393,216 bytes at the peak, `tests/test_process_peak.py`).
+    More micro-batches in flight hold more (not counted); under ZeRO-3 not counted either.
+    None otherwise."""
+    if not p.sixteen_bit or c.zero == 3:
+        return None
+    placement = placement_of(c.schedule)
+    experts = stage_expert_params(p.config, c.tp, c.pp, c.v, placement, p.config_json, c.ep)
+    if not experts[mem.stage]:
+        return None
+    return Term(
+        "routed experts' 16-bit casts",
+        experts[mem.stage] * p.act_bytes,
+        "cast per use in each MoE layer's forward and saved for its backward (one micro-batch's)",
     )
 
 
