@@ -659,8 +659,8 @@ def test_the_plan_s_total_is_the_dry_run_s_bytes_plus_the_transient_buffers(reco
     """What a plan shows beyond a dry run's figures is its transient buffers: on the LM head's
     stage the logits' fp32 gradient (s b x this rank's padded vocabulary x 4 bytes), under
     recomputation one layer rebuilt. Device bytes besides activations + activations of every
-    rank are the plan's total less those (llama-8b tp 4 sp mbs 2 at 8192 tokens: 64.24 GiB =
-    29.93 + 32.35 + the logits' 1.96)."""
+    rank are the plan's total less those (llama-8b tp 4 sp mbs 2 at 8192 tokens, the whole
+    logits: 64.05 GiB = 29.93 + 32.17 + the logits' 1.96)."""
     from megapar.plan import Candidate, Problem, stage_memory
     from megapar.tensor_parallel.partition import local_size
 
