@@ -59,6 +59,15 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
     )
 
 
+def describe_bubble(bubble: float, source: str, schedule: str) -> str:
+    """The job's pipeline bubble line (`modelled.planned_bubble`)."""
+    return (
+        f"pipeline bubble (modelled, megapar-plan's estimate, {source}): {schedule} leaves "
+        f"the pp ranks idle {100 * bubble:.1f} % of the step on average (a stage holding more, "
+        f"such as the LM head's, adds to the others' wait); megapar-bubble measures it"
+    )
+
+
 GROUPS = ("tp", "cp", "pp", "dp", "dp x cp", "embedding", "mp", "world")
 """Order groups are listed in (others after)."""
 
