@@ -146,9 +146,7 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
         if not item:
             continue
         if "=" not in item:
-            raise ValueError(
-                f"--explain item {item!r} is not KEY=VALUE (keys: {keys})"
-            )
+            raise ValueError(f"--explain item {item!r} is not KEY=VALUE (keys: {keys})")
         key, value = item.split("=", 1)
         key = _ALIASES.get(key.strip().lower(), key.strip().lower())
         if key in seen:
