@@ -20,22 +20,7 @@ import megapar
 from megapar.launcher import run_local
 from megapar.optim.offload import HOST_COPIES_ENV
 from megapar.training.config import TrainConfig
-
-VOCAB, SEQ, GBS, STEPS = 96, 16, 8, 3
-GPT = dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-           embd_pdrop=0.0, attn_pdrop=0.0)
-LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-             tie_word_embeddings=False)
-
-
-def _batches():
-    gen = torch.Generator().manual_seed(7)
-    out = []
-    for _ in range(STEPS + 1):
-        ids = torch.randint(0, VOCAB, (GBS, SEQ), generator=gen)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+from test_zero3_half import GBS, GPT, LLAMA, SEQ, STEPS, _batches  # the same models, batches
 
 
 def _config(kind: str):
