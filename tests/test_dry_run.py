@@ -152,6 +152,29 @@ def test_dry_run_prints_every_sampled_rank_and_the_checkpoint(capsys):
     assert not os.path.exists("/cluster/ckpt")  # a rehearsal writes nothing
     rc, out, err = _train(["--model", "gpt2-tiny", "--world-size", "1", "--dry-run"], capsys)
     assert rc == 0 and "with 1 shard file," in out, err  # not "1 shard files"
+    assert "pipeline bubble" not in out  # no pipeline
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", "1"), ("interleaved", "2")])
+def test_dry_run_prints_the_pipeline_bubble_the_plan_estimates(capsys, schedule, v):
+    """A pipeline's dry run names its bubble (it printed none: a user rehearsing a job had to
+    run megapar-plan --explain or megapar-bubble for it): megapar-plan --explain's figure for
+    the same layout."""
+    from megapar.cli.plan import main as plan_main
+
+    rc, out, err = _train(["--model", "llama-tiny", "--pp", "2", "--world-size", "4",
+                           "--dry-run", "--schedule", schedule, "--virtual-stages", v,
+                           "--global-batch-size", "16", "--micro-batch-size", "2",
+                           "--seq-len", "32", "--dry-run-ranks", "0"], capsys)
+    assert rc == 0, err
+    [line] = [x for x in out.splitlines() if x.startswith("pipeline bubble")]
+    shown = re.search(r"idle ([0-9.]+) % of the step", line)
+    assert shown and f"(modelled, megapar-plan's estimate, simulated): {schedule} " in line
+    assert plan_main(["--model", "llama-tiny", "--gpus", "4", "--global-batch-size", "16",
+                      "--seq-len", "32", "--precision", "fp32", "--explain",
+                      f"pp=2,dp=2,mbs=2,schedule={schedule},v={v}", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["bubble"]
+    assert float(shown.group(1)) == round(100 * planned, 1) > 0
 
 
 def test_json_has_one_object_per_rank_with_bytes(capsys):
@@ -659,8 +682,8 @@ def test_the_plan_s_total_is_the_dry_run_s_bytes_plus_the_transient_buffers(reco
     """What a plan shows beyond a dry run's figures is its transient buffers: on the LM head's
     stage the logits' fp32 gradient (s b x this rank's padded vocabulary x 4 bytes), under
     recomputation one layer rebuilt. Device bytes besides activations + activations of every
-    rank are the plan's total less those (llama-8b tp 4 sp mbs 2 at 8192 tokens: 64.24 GiB =
-    29.93 + 32.35 + the logits' 1.96)."""
+    rank are the plan's total less those (llama-8b tp 4 sp mbs 2 at 8192 tokens, the whole
+    logits: 64.05 GiB = 29.93 + 32.17 + the logits' 1.96)."""
     from megapar.plan import Candidate, Problem, stage_memory
     from megapar.tensor_parallel.partition import local_size
 

@@ -797,6 +797,9 @@ def test_plan_takes_the_zero3_persistence_threshold(capsys):
     # the search's flags were ignored without a word (--explain estimates its LAYOUT only)
     ("tp=2,pp=2 --schedules 1f1b", "--schedules shapes the search, which --explain does not"),
     ("tp=2,pp=2 --recompute=full --top 3", "--recompute, --top shape the search"),
+    # the keys listed left out offload=KIND, which is taken
+    ("tp=2,pp=2,offlaod=both", "keys: tp, pp, dp, mbs, schedule, v, recompute, sp, zero, cp, "
+     "offload_optimizer, offload_params, keep_params, zero3_reduce, ep, offload"),
 ])
 def test_bad_explain_values_are_one_line_exit_2(capsys, layout, words):
     """Issue 44 (drill round 3): duplicate keys were accepted (the last won), keep_params=7 read

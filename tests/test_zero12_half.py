@@ -20,22 +20,7 @@ import megapar
 from megapar.launcher import run_local
 from megapar.optim.offload import HOST_COPIES_ENV
 from megapar.training.config import TrainConfig
-
-VOCAB, SEQ, GBS, STEPS = 96, 16, 8, 3
-GPT = dict(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-           embd_pdrop=0.0, attn_pdrop=0.0)
-LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-             tie_word_embeddings=False)
-
-
-def _batches():
-    gen = torch.Generator().manual_seed(7)
-    out = []
-    for _ in range(STEPS + 1):
-        ids = torch.randint(0, VOCAB, (GBS, SEQ), generator=gen)
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+from test_zero3_half import GBS, GPT, LLAMA, SEQ, STEPS, _batches  # the same models, batches
 
 
 def _config(kind: str):
@@ -278,3 +263,25 @@ def test_the_plan_counts_the_16_bit_buckets_as_the_dry_run_does(spec, world):
     half, full = traffic["bf16"], traffic["fp32"]
     assert half.pieces > full.pieces and half.nbytes >= full.nbytes  # more buckets, padded
     assert 0 < gathered["bf16"] < gathered["fp32"], gathered
+
+
+def _compiled_compare(kind: str, settings: dict):
+    """`_compare` with `--compile`'s blocks compiled by torch's "aot_eager" backend (dynamo and
+    AOTAutograd as with Inductor, the graphs run as eager ATen calls: tests/test_compile.py
+    says why)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+    def aot_eager(fn, *, _compile=torch.compile, **kwargs):
+        return _compile(fn, backend="aot_eager", **kwargs)
+
+    torch.compile = aot_eager  # a forked worker: the patch ends with it
+    return _compare(kind, {**settings, "compile": True})
+
+
+def test_compiled_blocks_read_the_16_bit_gathered_weights_bitwise():
+    """Under --compile the traced linears cast the rounded weights as autocast does eagerly:
+    ZeRO-2 at dp 2 bitwise its fp32 gathers, the 16-bit buckets gathered at 2 bytes."""
+    for ours, theirs in run_local(_compiled_compare, 2, "gpt2", {"zero": 2}):
+        _check(ours, theirs)

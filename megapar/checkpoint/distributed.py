@@ -31,9 +31,7 @@ from megapar.checkpoint.format import (
     CheckpointError,
     ShardReader,
     dtype_name,
-    missing_dirs,
     open_safetensors,
-    remove_empty,
     safetensors_size,
     shard_file_name,
     staging_dir,
@@ -49,6 +47,7 @@ from megapar.checkpoint.publish import (
     resolve_checkpoint,
 )
 from megapar.checkpoint.stage_tensors import ep_shard, own_experts, stage_tensors, whole_experts
+from megapar.made_dirs import missing_dirs, remove_empty
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import config_from_dict
 

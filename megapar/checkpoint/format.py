@@ -220,27 +220,6 @@ def open_safetensors(path: str | Path, what: str = "checkpoint file"):
         ) from None
 
 
-def missing_dirs(path: str | Path) -> list[Path]:
-    """`path` and those of its parents that do not exist yet, deepest first: the directories
-    ``mkdir(parents=True)`` of it would make (`remove_empty` takes them back)."""
-    missing, here = [], Path(path).expanduser().absolute()
-    while here != here.parent and not (here.exists() or here.is_symlink()):
-        missing.append(here)
-        here = here.parent
-    return missing
-
-
-def remove_empty(dirs: list[Path]) -> None:
-    """Remove `dirs` (deepest first, as `missing_dirs` lists them) while each is an empty
-    directory: from the first that holds anything (or is gone or not a directory) on, every
-    one is left as it is, so nothing but empty directories is ever removed."""
-    for directory in dirs:
-        try:
-            directory.rmdir()
-        except OSError:
-            return
-
-
 def staging_dir(parent: str | Path, prefix: str) -> Path:
     """A fresh hidden directory ``parent/{prefix}<random>`` to build a checkpoint in."""
     parent = Path(parent)

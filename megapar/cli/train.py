@@ -18,7 +18,6 @@ import traceback
 from dataclasses import fields
 from pathlib import Path
 
-from megapar.checkpoint.format import missing_dirs, remove_empty
 from megapar.checkpoint.lock import SaveLock, SaveLockError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import clean_stale, has_checkpoint, remove_steps_after
@@ -44,6 +43,7 @@ from megapar.launcher import (
     run_workers,
     under_launcher,
 )
+from megapar.made_dirs import missing_dirs, remove_empty
 from megapar.mesh import Layout, LayoutError
 from megapar.models.config import ConfigError, config_from_dict
 from megapar.plan.host import check_host_memory

@@ -14,6 +14,7 @@ import time
 import traceback
 
 from megapar.dryrun import parse_ranks, rehearse_rank, report
+from megapar.dryrun.modelled import planned_bubble
 from megapar.models.config import config_from_dict
 from megapar.plan.params import model_params
 from megapar.training.data import build_datasets
@@ -44,6 +45,9 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
             file=out,
             flush=True,
         )
+        if layout.pp > 1:
+            bubble = planned_bubble(cfg, config, layout)
+            print(report.describe_bubble(*bubble, cfg.schedule), file=out, flush=True)
     start, reports = time.perf_counter(), []
     for rank in ranks:
         try:

@@ -11,7 +11,7 @@ from megapar.mesh import Layout
 from megapar.pipeline import messages
 from megapar.pipeline.placement import chunks_per_rank, placement_of
 from megapar.plan import Candidate, Problem, stage_memory
-from megapar.plan.estimate import activation_sizes, stage_roles
+from megapar.plan.estimate import activation_sizes, estimate, stage_roles
 from megapar.plan.process import TARGETS, process_peak
 
 
@@ -59,6 +59,14 @@ def planned_job(cfg, config, layout: Layout, target: str = "gpu") -> tuple[Probl
         ep=layout.ep,
     )
     return problem, candidate
+
+
+def planned_bubble(cfg, config, layout: Layout) -> tuple[float, str]:
+    """The pipeline bubble of this job as megapar-plan estimates it (`planned_job`): the idle
+    fraction of a step and how it was found ("simulated": the schedule run on the layout's
+    per-stage costs; "formula": the published one)."""
+    e = estimate(*planned_job(cfg, config, layout))
+    return e.bubble, e.bubble_source
 
 
 def modelled_stage(cfg, config, layout: Layout, stage: int, actions):

@@ -59,6 +59,20 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
     )
 
 
+def describe_bubble(bubble: float, source: str, schedule: str) -> str:
+    """The job's pipeline bubble line (`modelled.planned_bubble`)."""
+    how = (
+        " (a stage holding more, such as the LM head's, adds to the others' wait)"
+        if source == "simulated"
+        else " (equal stages)"
+    )
+    return (
+        f"pipeline bubble (modelled, megapar-plan's estimate, {source}): {schedule} leaves "
+        f"the pp ranks idle {100 * bubble:.1f} % of the step on average{how}; megapar-bubble "
+        f"measures it"
+    )
+
+
 GROUPS = ("tp", "cp", "pp", "dp", "dp x cp", "embedding", "mp", "world")
 """Order groups are listed in (others after)."""
 

@@ -14,6 +14,8 @@ import re
 import time
 from pathlib import Path
 
+from megapar.made_dirs import missing_dirs, remove_empty
+
 _RANK = re.compile(r"^rank (\d+) failed: ")
 _DIED = re.compile(r"^rank (\d+) ")
 _STEP = re.compile(r"^TrainingError: rank \d+ \([^)]*\) failed at step (\d+): ")
@@ -46,7 +48,6 @@ def worker_failure(text: str, log_dir: Path, rank: int | None = None) -> tuple[s
     else:
         where = "before training started"
     line = f"rank {rank} failed {where}: {first}" if not _DIED.match(first) else first
-    from megapar.checkpoint.format import missing_dirs, remove_empty  # torch: loaded by now
 
     log = log_dir / f"rank{rank}.log"
     made, new = missing_dirs(log_dir), not log.exists()

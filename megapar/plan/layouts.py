@@ -139,15 +139,14 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     dualpipev: two chunks per rank, as megapar-train places them). ValueError naming the bad
     item otherwise."""
     fields = {f.name: f.type for f in dataclasses.fields(Candidate)}
+    keys = ", ".join([*fields, "offload"])  # offload=KIND: both offload fields at once
     values: dict = {}
     seen: set[str] = set()
     for item in text.replace(" ", ",").split(","):
         if not item:
             continue
         if "=" not in item:
-            raise ValueError(
-                f"--explain item {item!r} is not KEY=VALUE (keys: {', '.join(fields)})"
-            )
+            raise ValueError(f"--explain item {item!r} is not KEY=VALUE (keys: {keys})")
         key, value = item.split("=", 1)
         key = _ALIASES.get(key.strip().lower(), key.strip().lower())
         if key in seen:
@@ -160,7 +159,7 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
             values["offload_params"] = value in ("params", "both")
             continue
         if key not in fields:
-            raise ValueError(f"--explain: unknown key {key!r}; keys: {', '.join(fields)}")
+            raise ValueError(f"--explain: unknown key {key!r}; keys: {keys}")
         if key in ("schedule", "recompute", "zero3_reduce"):
             allowed = {"schedule": PLAN_SCHEDULES, "recompute": RECOMPUTE, "zero3_reduce": REDUCES}[
                 key
@@ -187,7 +186,7 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     if not seen:
         raise ValueError(
             f"--explain {text!r} names no layout; give its KEY=VALUE items, e.g. "
-            f"tp=2,pp=4,mbs=2 (keys: {', '.join(fields)})"
+            f"tp=2,pp=4,mbs=2 (keys: {keys})"
         )
     if "dp" not in values and gpus:
         split = values.get("tp", 1) * values.get("cp", 1) * values.get("pp", 1)

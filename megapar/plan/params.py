@@ -20,9 +20,12 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from torch import nn
+
 from megapar.mesh import Layout, Mesh
 from megapar.models import build_model
 from megapar.models.config import config_from_dict
+from megapar.models.moe import Router
 from megapar.pipeline.partition import chunk_specs, partition_layers, stage_spec
 from megapar.tensor_parallel.fp8_convert import wanted
 from megapar.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -116,10 +119,6 @@ class WholeCasts:
 
 def _cast_whole(module) -> int:
     """Elements of `module`'s parameters that autocast casts whole (see `WholeCasts`)."""
-    from torch import nn
-
-    from megapar.models.moe import Router
-
     n = 0
     for m in module.modules():
         if isinstance(m, nn.Linear):

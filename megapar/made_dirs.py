@@ -1,0 +1,28 @@
+"""The directories a write makes and takes back: `missing_dirs` lists what ``mkdir(parents=True)``
+would make, `remove_empty` removes them again while they are empty (a failed first save, a rank
+log that could not be written). Standard library only, for any layer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def missing_dirs(path: str | Path) -> list[Path]:
+    """`path` and those of its parents that do not exist yet, deepest first: the directories
+    ``mkdir(parents=True)`` of it would make (`remove_empty` takes them back)."""
+    missing, here = [], Path(path).expanduser().absolute()
+    while here != here.parent and not (here.exists() or here.is_symlink()):
+        missing.append(here)
+        here = here.parent
+    return missing
+
+
+def remove_empty(dirs: list[Path]) -> None:
+    """Remove `dirs` (deepest first, as `missing_dirs` lists them) while each is an empty
+    directory: from the first that holds anything (or is gone or not a directory) on, every
+    one is left as it is, so nothing but empty directories is ever removed."""
+    for directory in dirs:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
