@@ -20,7 +20,15 @@ import megapar
 from megapar.launcher import run_local
 from megapar.optim.offload import HOST_COPIES_ENV
 from megapar.training.config import TrainConfig
-from test_zero3_half import GBS, GPT, LLAMA, SEQ, STEPS, _batches  # the same models, batches
+from test_zero3_half import (  # the same models and batches
+    GBS,
+    GPT,
+    LLAMA,
+    SEQ,
+    STEPS,
+    _batches,
+    compiled_aot_eager,
+)
 
 
 def _config(kind: str):
@@ -266,18 +274,8 @@ def test_the_plan_counts_the_16_bit_buckets_as_the_dry_run_does(spec, world):
 
 
 def _compiled_compare(kind: str, settings: dict):
-    """`_compare` with `--compile`'s blocks compiled by torch's "aot_eager" backend (dynamo and
-    AOTAutograd as with Inductor, the graphs run as eager ATen calls: tests/test_compile.py
-    says why)."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-
-    def aot_eager(fn, *, _compile=torch.compile, **kwargs):
-        return _compile(fn, backend="aot_eager", **kwargs)
-
-    torch.compile = aot_eager  # a forked worker: the patch ends with it
-    return _compare(kind, {**settings, "compile": True})
+    """`_compare` with `--compile`'s blocks compiled (`test_zero3_half.compiled_aot_eager`)."""
+    return compiled_aot_eager(_compare, kind, settings)
 
 
 def test_compiled_blocks_read_the_16_bit_gathered_weights_bitwise():

@@ -257,10 +257,10 @@ def test_the_plan_counts_the_16_bit_gathers_as_the_dry_run_does(spec, world):
     assert 0 < gathered["bf16"] < gathered["fp32"], gathered
 
 
-def _compiled_steps(kind: str, settings: dict):
-    """`_steps` with `--compile`'s blocks compiled by torch's "aot_eager" backend (dynamo and
-    AOTAutograd as with Inductor, the graphs run as eager ATen calls: tests/test_compile.py
-    says why)."""
+def compiled_aot_eager(run, kind: str, settings: dict):
+    """`run(kind, settings)` with `--compile`'s blocks compiled by torch's "aot_eager" backend
+    (dynamo and AOTAutograd as with Inductor, the graphs run as eager ATen calls:
+    tests/test_compile.py says why); in a forked worker, where the patch ends with it."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -268,8 +268,13 @@ def _compiled_steps(kind: str, settings: dict):
     def aot_eager(fn, *, _compile=torch.compile, **kwargs):
         return _compile(fn, backend="aot_eager", **kwargs)
 
-    torch.compile = aot_eager  # a forked worker: the patch ends with it
-    return _steps(kind, {**settings, "compile": True})
+    torch.compile = aot_eager
+    return run(kind, {**settings, "compile": True})
+
+
+def _compiled_steps(kind: str, settings: dict):
+    """`_steps` with `--compile`'s blocks compiled (`compiled_aot_eager`)."""
+    return compiled_aot_eager(_steps, kind, settings)
 
 
 def test_compiled_blocks_read_the_16_bit_copies():
