@@ -60,7 +60,7 @@ def test_stage_params_equal_whole_stages_built_on_meta(recipe, tp, pp):
     ("bert-tiny", 1, 2, 2, "v")])
 def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp, v, placement):
     from megapar.pipeline.partition import build_stage
-    from megapar.plan.params import stage_params, stage_tensors
+    from megapar.plan.params import StageLayout, stage_params, stage_tensors
 
     config = resolve_model(recipe)
     layout = Layout(tp, pp, 1)
@@ -69,8 +69,8 @@ def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp,
                             init=False, virtual_stages=v, placement=placement)
         built = [(p.numel(), p.dtype, bool(getattr(p, "shared_embedding", False)),
                   hasattr(p, "tied_to")) for p in model.parameters()]
-        planned = [(t.numel, t.dtype, t.shared, t.tied) for t in stage_tensors(config, tp, pp, v,
-                                                                               stage, placement)]
+        at = StageLayout.of(config, tp=tp, pp=pp, v=v, stage=stage, placement=placement)
+        planned = [(t.numel, t.dtype, t.shared, t.tied) for t in stage_tensors(at)]
         assert planned == built
         if tp == 1:  # stage_params counts tp rank 0's (the vocabulary padding on the last)
             assert stage_params(config, tp, pp, v, placement)[stage] == \
@@ -636,7 +636,7 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
     units are ShardedParams': each block, the word embedding with the final norm (the root unit:
     the head reads the tied embedding), the position embedding; the peak holds those two with a
     block and the next one prefetched."""
-    from megapar.plan.params import stage_tensors, stage_units
+    from megapar.plan.params import StageLayout, stage_tensors, stage_units
     from megapar.plan.state import Offload, rank_state
 
     config, r = resolve_model("gpt2-124m"), 8
@@ -650,8 +650,8 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
         assert h.optimizer == pytest.approx(optim * n, rel=1e-4), z
     assert held[2].weights == held[1].weights and held[2].optimizer == held[1].optimizer
     assert held[3].weights == held[3].grads  # every parameter sharded (threshold 0)
-    tensors = stage_tensors(config, 1, 1, 1, 0)
-    units = stage_units(config, 1, 1, 1, 0)
+    tensors = stage_tensors(StageLayout.of(config))
+    units = stage_units(StageLayout.of(config))
     assert sorted(i for u in units for i in u.tensors) == list(range(len(tensors)))
     assert [u.kind for u in units] == ["block"] * config.num_layers + ["embedding", "root"]
     assert [tensors[i].numel for i in units[-2].tensors] == [config.n_positions * 768]
@@ -660,7 +660,7 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
     assert held[0].gathered == held[2].gathered == 0
     # a persistence threshold: the norms and biases in one unit, gathered (and sharded) too
     persist = rank_state(config, 1, 1, 1, 0, r, 0, 3, offload=Offload(persist_below=100_000))
-    units = stage_units(config, 1, 1, 1, 0, persist_below=100_000)
+    units = stage_units(StageLayout.of(config, persist_below=100_000))
     small = [i for i, t in enumerate(tensors) if t.numel < 100_000]
     assert units[-1].kind == "persistent" and list(units[-1].tensors) == small
     assert persist.weights == pytest.approx(held[3].weights, rel=1e-4)
@@ -682,7 +682,7 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
     # mixtral-tiny at dp 4 x ep 2: each block's experts a unit of their own after it, padded
     # to the expert-data-parallel group's 2 ranks, gathered with it
     moe = resolve_model("mixtral-tiny")
-    units, tensors = stage_units(moe, 1, 1, 1, 0, ep=2), stage_tensors(moe, 1, 1, 1, 0, ep=2)
+    units, tensors = stage_units(StageLayout.of(moe, ep=2)), stage_tensors(StageLayout.of(moe, ep=2))
     assert [u.kind for u in units] == ["block", "experts"] * 4 + ["embedding", "root"]
     assert all(tensors[i].expert == u.led for u in units for i in u.tensors)
     full = [-(-sum(tensors[i].numel for i in u.tensors) // (2 if u.led else 4)) * (2 if u.led

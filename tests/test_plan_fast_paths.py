@@ -139,7 +139,8 @@ def test_alike_stages_hold_the_same_parameters(model, ep):
     stands for it, so the same state (`most_loaded`) under every ZeRO stage; the ranks with
     the embedding or the head, and (DeepSeek's first three layers dense) those whose layer
     kinds differ, stand for themselves."""
-    from megapar.plan.params import alike_stages, layer_kinds, stage_tensors, stage_units
+    from megapar.plan.params import (StageLayout, alike_stages, layer_kinds, stage_tensors,
+                                     stage_units)
 
     config = resolve_model(model)
     config_json = json.dumps(config.to_dict(), sort_keys=True)
@@ -150,8 +151,8 @@ def test_alike_stages_hold_the_same_parameters(model, ep):
         assert alike[0] == 0 and alike[head] == head and len(set(alike)) < pp
         for stage, rep in enumerate(alike):
             assert rep <= stage
-            same = [f(config, 1, pp, v, s, placement, ep=ep) for f in (stage_tensors, stage_units)
-                    for s in (stage, rep)]
+            same = [f(StageLayout(config_json=config_json, pp=pp, v=v, stage=s, placement=placement,
+                                  ep=ep)) for f in (stage_tensors, stage_units) for s in (stage, rep)]
             assert same[0] == same[1] and same[2] == same[3], (pp, v, placement, stage, rep)
             for zero in (0, 1, 3):
                 args = [config_json, 1, pp, v, None, 4, zero, 25.0, placement, Offload(), ep]
@@ -161,8 +162,9 @@ def test_alike_stages_hold_the_same_parameters(model, ep):
         alike = alike_stages(config_json, 32, 1, "loop")
         assert alike[1] == 1 and alike[2] == 2 and alike[3] == 2
         for stage in (1, 2):
-            tensors = stage_tensors(config, 1, 32, 1, stage, ep=ep)
-            assert (tensors == stage_tensors(config, 1, 32, 1, 2, ep=ep)) == (stage == 2)
+            tensors = stage_tensors(StageLayout(config_json=config_json, pp=32, stage=stage, ep=ep))
+            assert (tensors == stage_tensors(StageLayout(config_json=config_json, pp=32, stage=2,
+                                                         ep=ep))) == (stage == 2)
 
 
 @pytest.mark.parametrize("fp8", ["off", "tensorwise"])

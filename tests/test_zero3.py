@@ -640,7 +640,7 @@ def test_a_tied_head_whose_own_parameters_all_persist_keeps_the_word_embedding_t
     in the root unit as without the threshold: the step runs, its loss the threshold 0's, and
     the plan lays out the same units (`plan.params.stage_units`)."""
     from megapar.models.recipes import resolve_model
-    from megapar.plan.params import stage_tensors, stage_units
+    from megapar.plan.params import StageLayout, stage_tensors, stage_units
 
     (loss0, loss), units = run_local(_tied_steps, 2)[0]
     assert loss == loss0
@@ -648,8 +648,8 @@ def test_a_tied_head_whose_own_parameters_all_persist_keeps_the_word_embedding_t
     assert roots["chunk 0 root"] == ["embed.word.weight"]
     assert roots["chunk 0 embedding"] == ["embed.position.weight"]
     config = resolve_model("gpt2-tiny")
-    tensors = stage_tensors(config, 1, 1, 1, 0)
+    tensors = stage_tensors(StageLayout.of(config))
     planned = {u.kind: [tensors[i].numel for i in u.tensors]
-               for u in stage_units(config, 1, 1, 1, 0, persist_below=100)}
+               for u in stage_units(StageLayout.of(config, persist_below=100))}
     h = config.hidden_size
     assert planned["root"] == [50304 * h] and planned["embedding"] == [config.n_positions * h]

@@ -28,7 +28,14 @@ from dataclasses import dataclass
 
 from megapar.data_parallel.buckets import bucket_layout, slice_pieces
 from megapar.pipeline.schedules import SPLIT_BACKWARD
-from megapar.plan.params import NO_CASTS, GatherCasts, stage_tensors, stage_units
+from megapar.plan.params import (
+    NO_CASTS,
+    GatherCasts,
+    StageLayout,
+    _config_json,
+    stage_tensors,
+    stage_units,
+)
 from megapar.plan.sharding import dp_traffic
 from megapar.plan.zero3_peaks import gathered_peak, grad_buffers_peak, phases
 
@@ -311,13 +318,25 @@ def _layout(
     each padded to a multiple of dp; under ep > 1 the experts' units of dp / ep), or []
     without, and ZeRO-3's `UnitSpec` per unit (else None)). `config_json`: `config` as
     canonical JSON, when the caller has it (`params.stage_tensors`)."""
-    tensors = stage_tensors(config, tp, pp, v, stage, placement, ep, config_json)
+    layout = StageLayout(
+        config_json=config_json or _config_json(config),
+        tp=tp,
+        pp=pp,
+        v=v,
+        stage=stage,
+        placement=placement,
+        ep=ep,
+        dp=dp,
+        zero=zero,
+        bucket_mb=bucket_mb,
+        persist_below=persist_below,
+        casts=casts,
+    )
+    tensors = stage_tensors(layout)
     if not (zero and dp > 1):
         return tensors, [], None
     if zero >= 3:
-        specs = stage_units(
-            config, tp, pp, v, stage, placement, persist_below, ep, casts, config_json
-        )
+        specs = stage_units(layout)
         units = []
         for u in specs:
             n = _shards(tensors, u.tensors, dp, ep)
