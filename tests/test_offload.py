@@ -303,7 +303,7 @@ def test_the_gathered_peak_holds_the_staging_shard_of_an_offloaded_gather_in_fli
     monkeypatch.setattr(ShardedParams, "HOST_PIECE_MB", 2.0**40)
     real = run_local(measured_rank, 2, cfg.to_dict(), config.to_dict(), 1)
     dry = dry_run(cfg, config, Layout(1, 1, 2), [0, 1])
-    planned = rank_state(config, 1, 1, 1, 0, 2, 0, 3, offload=Offload(True, True)).gathered
+    planned = rank_state(StageLayout.of(config, dp=2, zero=3), 0, Offload(True, True)).gathered
     assert [r.gathered for r in dry] == [m["gathered"] for m in real] == [planned] * 2
     # without the staging shard: the units' fp32 buffers alone, as all three counted them
     specs = stage_units(StageLayout.of(config))

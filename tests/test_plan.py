@@ -641,7 +641,7 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
 
     config, r = resolve_model("gpt2-124m"), 8
     n = stage_params(config, 1, 1)[0]
-    held = {z: rank_state(config, 1, 1, 1, 0, r, 0, z) for z in range(4)}
+    held = {z: rank_state(StageLayout.of(config, dp=r, zero=z), 0) for z in range(4)}
     for z, (weights, grads, optim) in {0: (4, 4, 8), 1: (4, 4, 8 / r), 2: (4, 4 / r, 8 / r),
                                        3: (4 / r, 4 / r, 8 / r)}.items():
         h = held[z]
@@ -659,14 +659,14 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
     assert held[3].gathered == full[-1] + full[-2] + 2 * full[0]
     assert held[0].gathered == held[2].gathered == 0
     # a persistence threshold: the norms and biases in one unit, gathered (and sharded) too
-    persist = rank_state(config, 1, 1, 1, 0, r, 0, 3, offload=Offload(persist_below=100_000))
+    persist = rank_state(StageLayout.of(config, dp=r, zero=3, persist_below=100_000), 0)
     units = stage_units(StageLayout.of(config, persist_below=100_000))
     small = [i for i, t in enumerate(tensors) if t.numel < 100_000]
     assert units[-1].kind == "persistent" and list(units[-1].tensors) == small
     assert persist.weights == pytest.approx(held[3].weights, rel=1e-4)
     assert persist.gathered > held[3].gathered - 2 * sum(4 * tensors[i].numel for i in small)
     # offload: the state and the stepped tensors' host copies move to the host
-    off = rank_state(config, 1, 1, 1, 0, r, 0, 3, offload=Offload(True, True))
+    off = rank_state(StageLayout.of(config, dp=r, zero=3), 0, Offload(True, True))
     steps = off.optimizer - off.master  # master and gradient copies: the moments' size
     assert 0 < steps <= 4 * len(tensors) + 4 * len(units) and steps % 4 == 0
     assert off.host == off.optimizer + off.master + off.weights
@@ -677,7 +677,7 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
     # end only the embedding unit; one micro-batch makes the root's gradient buffer at the top
     assert (held[3].gathered_top, held[3].gathered_end) == (full[-1] + full[0], full[-2])
     assert held[3].grad_buffers_top == sum(full)  # Offload's default: the whole gradients
-    one = rank_state(config, 1, 1, 1, 0, r, 0, 3, offload=Offload(whole_grads=False))
+    one = rank_state(StageLayout.of(config, dp=r, zero=3), 0, Offload(whole_grads=False))
     assert one.grad_buffers_top == full[-1] < one.grad_buffers < sum(full)
     # mixtral-tiny at dp 4 x ep 2: each block's experts a unit of their own after it, padded
     # to the expert-data-parallel group's 2 ranks, gathered with it
@@ -687,7 +687,7 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
     assert all(tensors[i].expert == u.led for u in units for i in u.tensors)
     full = [-(-sum(tensors[i].numel for i in u.tensors) // (2 if u.led else 4)) * (2 if u.led
             else 4) * 4 for u in units]
-    held = rank_state(moe, 1, 1, 1, 0, 4, 3, 3, ep=2)
+    held = rank_state(StageLayout.of(moe, dp=4, zero=3, ep=2), 3)
     assert held.gathered == full[-1] + full[-2] + sum(full[:4])
     assert held.gathered_top == full[-1] + full[6] + full[7]
 

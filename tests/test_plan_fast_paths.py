@@ -16,7 +16,7 @@ from megapar.pipeline.schedules import (
 )
 from megapar.pipeline.simulate import Costs, action_times, simulate
 from megapar.plan import pipeline
-from megapar.plan.params import GatherCasts
+from megapar.plan.params import GatherCasts, StageLayout
 from megapar.plan.slices import most_loaded
 from megapar.plan.state import Offload, rank_state, w_reported
 
@@ -90,18 +90,20 @@ def test_most_loaded_is_the_worst_of_every_dp_rank(model):
     for tp, pp, v in ((1, 1, 1), (1, 2, 1), (2, 2, 2)):
         for dp in (2, 3, 7, 16):
             for zero in (1, 2, 3):
-                for offload in (Offload(), Offload(optimizer=True),
-                                Offload(True, True, persist_below=300, whole_grads=False,
-                                        micro_batches=4),
-                                Offload(casts=GatherCasts(half=True))):  # 16-bit units
+                for offload, persist_below, casts in (
+                        (Offload(), 0, GatherCasts()), (Offload(optimizer=True), 0, GatherCasts()),
+                        (Offload(True, True, whole_grads=False, micro_batches=4), 300,
+                         GatherCasts()),
+                        (Offload(), 0, GatherCasts(half=True))):  # 16-bit units
                     if offload.params and zero < 3:
                         continue
                     for stage in range(pp):
-                        states = [rank_state(config, tp, pp, v, stage, dp, r, zero, 0.01,
-                                             "loop", offload) for r in range(dp)]
+                        layout = StageLayout(config_json=config_json, tp=tp, pp=pp, v=v,
+                                             stage=stage, dp=dp, zero=zero, bucket_mb=0.01,
+                                             persist_below=persist_below, casts=casts)
+                        states = [rank_state(layout, r, offload) for r in range(dp)]
                         worst = max(states, key=lambda x: x.optimizer + x.master)
-                        got = most_loaded(config_json, tp, pp, v, stage, dp, zero, 0.01,
-                                          "loop", offload)
+                        got = most_loaded(layout, offload)
                         assert got == worst, (model, tp, pp, v, dp, zero, offload, stage)
 
 
@@ -117,18 +119,18 @@ def test_most_loaded_under_expert_parallelism(monkeypatch):
     for pp, dp, cp, ep, zero in ((1, 4, 1, 2, 1), (2, 8, 1, 4, 2), (1, 4, 2, 2, 1),
                                  (1, 8, 2, 4, 2)):
         for stage in range(pp):
-            states = [rank_state(config, 1, pp, 1, stage, dp * cp, r, zero, 0.01, ep=ep)
-                      for r in range(dp * cp)]
+            layout = StageLayout(config_json=config_json, pp=pp, stage=stage, dp=dp * cp,
+                                 zero=zero, bucket_mb=0.01, ep=ep)
+            states = [rank_state(layout, r) for r in range(dp * cp)]
             worst = max(states, key=lambda x: x.optimizer)
-            args = (config_json, 1, pp, 1, stage, dp * cp, zero, 0.01, "loop", Offload(), ep)
-            assert most_loaded(*args) == worst, (pp, dp, cp, ep, zero, stage)
+            assert most_loaded(layout) == worst, (pp, dp, cp, ep, zero, stage)
             monkeypatch.setattr(slices, "EXACT_EP_RANKS", 0)
             slices._slice_loads.cache_clear()
-            bound = most_loaded.__wrapped__(*args)
-            summed = slices._slice_loads(*args[:-2], 0, ep)[3]  # the two groups' worst
+            bound = most_loaded.__wrapped__(layout)
+            summed = slices._slice_loads(layout)[3]  # the two groups' worst
             slices._slice_loads.cache_clear()
             monkeypatch.undo()
-            assert len(summed) == 1 and len(slices._slice_loads(*args[:-2], 0, ep)[3]) > 1
+            assert len(summed) == 1 and len(slices._slice_loads(layout)[3]) > 1
             assert bound == worst  # here one rank holds both groups' worst slices
 
 
@@ -155,8 +157,9 @@ def test_alike_stages_hold_the_same_parameters(model, ep):
                                   ep=ep)) for f in (stage_tensors, stage_units) for s in (stage, rep)]
             assert same[0] == same[1] and same[2] == same[3], (pp, v, placement, stage, rep)
             for zero in (0, 1, 3):
-                args = [config_json, 1, pp, v, None, 4, zero, 25.0, placement, Offload(), ep]
-                states = [most_loaded(*args[:4], s, *args[5:]) for s in (stage, rep)]
+                states = [most_loaded(StageLayout(config_json=config_json, pp=pp, v=v, stage=s,
+                                                  placement=placement, ep=ep, dp=4, zero=zero))
+                          for s in (stage, rep)]
                 assert states[0] == states[1], (pp, v, placement, stage, zero)
     if any(kinds) and not all(kinds):  # DeepSeek at pp 32: rank 1 holds dense layer 2 and MoE layer 3
         alike = alike_stages(config_json, 32, 1, "loop")

@@ -466,15 +466,17 @@ def test_zero3_full_gradient_buffers_freed_as_the_backward_goes_on_the_device_pa
     path; the reduced gradients are the same on both paths. Reduced per micro-batch (m 2), the
     same peak: the previous micro-batch's reductions are waited for before the next one's
     buffers are made."""
+    from megapar.plan.params import StageLayout
     from megapar.plan.state import Offload, rank_state
 
     outs = {path: run_local(_grad_buffers_worker, 2 * pp, pp, path, reduce, global_batch)
             for path in (True, False)}
     for device, host in zip(outs[True], outs[False]):
         assert device["m"] == global_batch // 4 and device["alive_after"] == 0
-        planned = rank_state(DEEP, 1, pp, 1, device["stage"], 2, device["dp_rank"], 3,
-                             offload=Offload(whole_grads=False, micro_batches=device["m"]))
-        whole = rank_state(DEEP, 1, pp, 1, device["stage"], 2, device["dp_rank"], 3)
+        at = StageLayout.of(DEEP, pp=pp, stage=device["stage"], dp=2, zero=3)
+        planned = rank_state(at, device["dp_rank"],
+                             Offload(whole_grads=False, micro_batches=device["m"]))
+        whole = rank_state(at, device["dp_rank"])
         assert device["all"] == device["m"] * whole.grad_buffers - (device["m"] - 1) * sum(
             device["deferred"])  # every buffer made: m per unit, the deferred ones once
         assert device["peak"] == host["peak"] == planned.grad_buffers, (device, planned)

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import torch
 from torch import nn
 
 from megapar.mesh import Layout, Mesh
@@ -149,8 +150,7 @@ class TensorSpec:
     """One parameter tensor of a stage as the buffers see it."""
 
     numel: int
-    dtype: object
-    """torch dtype."""
+    dtype: torch.dtype
     shared: bool = False
     """The word embedding or its tied copy (`shared_embedding`): last in ZeRO-1's buckets."""
     tied: bool = False
