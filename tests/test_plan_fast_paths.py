@@ -87,6 +87,8 @@ def test_most_loaded_is_the_worst_of_every_dp_rank(model):
     copies), equal in every field."""
     config = resolve_model(model)
     config_json = json.dumps(config.to_dict(), sort_keys=True)
+    with pytest.raises(TypeError):  # every field by keyword: none passed by position
+        StageLayout(config_json, 1)  # type: ignore[misc]
     for tp, pp, v in ((1, 1, 1), (1, 2, 1), (2, 2, 2)):
         for dp in (2, 3, 7, 16):
             for zero in (1, 2, 3):
@@ -102,6 +104,8 @@ def test_most_loaded_is_the_worst_of_every_dp_rank(model):
                                              stage=stage, dp=dp, zero=zero, bucket_mb=0.01,
                                              persist_below=persist_below, casts=casts)
                         states = [rank_state(layout, r, offload) for r in range(dp)]
+                        # what a ZeRO stage does not read, trimmed (the planner's cache key)
+                        assert rank_state(layout.trimmed(), 0, offload) == states[0]
                         worst = max(states, key=lambda x: x.optimizer + x.master)
                         got = most_loaded(layout, offload)
                         assert got == worst, (model, tp, pp, v, dp, zero, offload, stage)

@@ -322,8 +322,9 @@ NO_CASTS = GatherCasts()
 class StageLayout:
     """What identifies one pipeline stage's parameters (on one tp rank) and its ZeRO layout:
     what `stage_tensors`, `stage_units`, `plan.state.rank_state`, `plan.state.zero_traffic` and
-    `plan.slices.most_loaded` read of a layout, and the key of their caches (hashable, equal by
-    value; every field by keyword). `StageLayout.of` makes one from a model config."""
+    `plan.slices.most_loaded` read of a layout, and the key of the slices' caches (hashable,
+    equal by value). Every field is given by keyword; `StageLayout.of` makes one from a model
+    config."""
 
     config_json: str
     """The model config as canonical JSON (`StageLayout.of`; `Problem.config_json`)."""
@@ -347,7 +348,7 @@ class StageLayout:
     """ZeRO-1 / 2: the gradient buckets' size in MB (--grad-bucket-mb)."""
     persist_below: int = 0
     """ZeRO-3: parameters of fewer elements form the stage's persistent unit
-    (--zero3-persistence-threshold; `stage_units`)."""
+    (--zero3-persistence-threshold; `stage_units`); 0, megapar-train's default: none."""
     casts: GatherCasts = NO_CASTS
     """The linear weights ZeRO-3 gathers in 16 bits or float8 during a step, and ZeRO-1 / 2 in
     16 bits after it (`GatherCasts`); the default: none."""
@@ -359,7 +360,8 @@ class StageLayout:
 
     @property
     def config(self):
-        """The model config `config_json` holds (decoded once per JSON)."""
+        """The model config `config_json` holds (decoded once per JSON and shared: read it,
+        never change it)."""
         return _config_of(self.config_json)
 
     def trimmed(self) -> StageLayout:
