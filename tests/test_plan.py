@@ -250,7 +250,7 @@ def test_invalid_layouts_are_rejected_with_the_reason(spec, gpus, reason):
     config = GPT2Config(n_layer=4, n_head=16, n_embd=1024)
     c = parse_candidate(spec, gpus)
     seq_len = 99 if "sp=1" in spec else 128
-    assert reason in check(c, config, gpus, 8, 16, seq_len)
+    assert reason in check(c, Problem(config, gpus, global_batch=16, seq_len=seq_len))
     assert parse_candidate(c.spec()) == c
 
 
@@ -258,14 +258,15 @@ def test_a_size_below_1_is_named_invalid():
     """check() names a size below 1; --explain refuses it as a bad value before (exit 2)."""
     config = GPT2Config(n_layer=4, n_head=16, n_embd=1024)
     assert "micro-batch size 0 is invalid: it is sequences per micro-batch, >= 1" in check(
-        Candidate(mbs=0), config, 1, 8, 16, 128)
+        Candidate(mbs=0), Problem(config, 1, global_batch=16, seq_len=128))
     with pytest.raises(ValueError, match="mbs=0 is invalid: mbs is a size, >= 1"):
         parse_candidate("mbs=0", 1)
 
 
 def test_an_ep_below_1_is_named_invalid_not_a_dense_model():
     # it said "ep 0 needs a mixture-of-experts model (this one has no routed experts)" to Mixtral
-    reason = check(Candidate(dp=4, ep=0), resolve_model("mixtral-tiny"), 4, 8, 16, 64)
+    reason = check(Candidate(dp=4, ep=0),
+                   Problem(resolve_model("mixtral-tiny"), 4, global_batch=16, seq_len=64))
     assert reason == "ep 0 is invalid: it is the ranks the experts are sharded over, >= 1"
     with pytest.raises(ValueError, match="ep=0 is invalid: ep is a size, >= 1"):
         parse_candidate("ep=0", 4)  # --explain ep=0: one line, exit 2
@@ -285,7 +286,7 @@ def test_interleaved_layouts_follow_megapar_trains_rules():
                            (5, 1, 2, False),    # m = 5 at pp 2: rounds of 2 do not divide it
                            (8, 1, 6, False)]:   # 12 chunks for 10 layers
         c = Candidate(pp=2, mbs=mbs, schedule="interleaved", v=v)
-        reason = check(c, config, 2, 8, gb)
+        reason = check(c, Problem(config, 2, global_batch=gb))
         if ok:
             assert reason is None, reason
             check_schedule("interleaved", 2, gb // mbs, v)   # megapar-train's own check passes
@@ -719,14 +720,15 @@ def test_zero_layout_strings_parse_and_are_checked():
         (4, 3, True, True, True)
     assert parse_candidate(c.spec(), 8) == c and "zero3 keep offload=both" in c.label()
     config = resolve_model("gpt2-tiny")
-    assert check(c, config, 8, 8, 32, 64) is None
+    p = Problem(config, 8, global_batch=32, seq_len=64)
+    assert check(c, p) is None
     for spec, reason in (("zero=2,offload=both", "needs zero 3"),
                          ("zero=3,offload_params=1", "needs the optimizer's too (offload=both"),
                          ("zero=2,keep_params=1", "keep_params needs zero 3"),
                          ("zero=4", "the planner models ZeRO stages 0, 1, 2, 3")):
-        assert reason in check(parse_candidate(spec, 8), config, 8, 8, 32, 64), spec
+        assert reason in check(parse_candidate(spec, 8), p), spec
     # at pp 1 too, as megapar-train's --zero3-keep-params runs it (tests/test_zero3.py counts it)
-    assert check(parse_candidate("zero=3,keep_params=1", 8), config, 8, 8, 32, 64) is None
+    assert check(parse_candidate("zero=3,keep_params=1", 8), p) is None
     for bad in ("disk", "params"):  # parameters alone: megapar-train refuses it
         with pytest.raises(ValueError, match=f"offload='{bad}'"):
             parse_candidate(f"zero=3,offload={bad}", 8)
@@ -833,22 +835,25 @@ def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
     from megapar.plan import enumerate_candidates
 
     moe, dense = resolve_model("mixtral-tiny"), resolve_model("llama-tiny")
-    valid, _ = enumerate_candidates(moe, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",),
-                                    seq_len=32, cp_sizes=(1, 2))
+    valid, _ = enumerate_candidates(Problem(moe, 4, global_batch=8, seq_len=32),
+                                    micro_batch_sizes=(1,), schedules=("1f1b",), cp_sizes=(1, 2))
     by_dp: dict = {}
     for c in valid:
         by_dp.setdefault((c.dp, c.cp), set()).add(c.ep)
     assert by_dp == {(4, 1): {1, 2, 4}, (2, 1): {1, 2}, (1, 1): {1}, (2, 2): {1, 2, 4},
                      (1, 2): {1, 2}}
     assert {c.zero for c in valid if c.ep > 1} == {0, 1, 2, 3}
-    valid, _ = enumerate_candidates(dense, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",))
+    valid, _ = enumerate_candidates(Problem(dense, 4, global_batch=8), micro_batch_sizes=(1,),
+                                    schedules=("1f1b",))
     assert {c.ep for c in valid} == {1}
-    assert check(parse_candidate("tp=2,dp=2,ep=2,zero=3", 4), moe, 4, 8, 8, 32) is None
+    assert check(parse_candidate("tp=2,dp=2,ep=2,zero=3", 4),
+                 Problem(moe, 4, global_batch=8, seq_len=32)) is None
     for config, spec, why in ((dense, "dp=4,ep=2", "needs a mixture-of-experts model"),
                               (moe, "dp=4,ep=3", "does not divide dp x cp = 4"),
                               (moe, "cp=2,dp=2,ep=3", "does not divide dp x cp = 4"),
                               (moe, "cp=4,ep=8", "does not divide dp x cp = 4")):
-        assert why in check(parse_candidate(spec, 4), config, 4, 8, 8, 32), spec
+        assert why in check(parse_candidate(spec, 4), Problem(config, 4, global_batch=8,
+                                                             seq_len=32)), spec
     from megapar.plan.timing import ep_span  # the global ranks the all-to-all's group spans
 
     # (tp, pp, dp, cp, ep): all 4 cp x dp ranks; at pp 2 dp 0's stage-0 ranks {0, 1} and dp

@@ -185,8 +185,8 @@ def test_shared_work_gives_every_estimate_unchanged(fp8):
 
     p = Problem(resolve_model("mixtral-tiny"), 8, global_batch=16, seq_len=64, fp8=fp8,
                 fp8_layers="all")
-    valid, _ = enumerate_candidates(p.config, 8, 8, 16, micro_batch_sizes=(1, 2),
-                                    seq_len=64, offloads=("none", "optimizer", "both"))
+    valid, _ = enumerate_candidates(p, micro_batch_sizes=(1, 2),
+                                    offloads=("none", "optimizer", "both"))
     assert len({c.zero for c in valid}) == 4 and len({c.ep for c in valid}) > 1
     shared = Shared()
     for simulate in (False, True):
