@@ -139,14 +139,35 @@ def test_sigterm_saves_exits_0_and_the_resumed_run_matches(tmp_path, common):
     assert _losses(first) + _losses(second) == _losses(full)
 
 
-def test_first_sigint_saves_with_a_message(tmp_path, common):
+def test_first_sigint_saves_with_a_message(tmp_path, common, monkeypatch):
+    """A first SIGINT stops the run at its step's end and saves, saying so; the same SIGINT
+    again (as `timeout -s INT` sends it) is not a second one. In order, not by a sleep: the
+    repeat is sent once the first has reached the launcher and the ranks (their save waits for
+    it), within a window as long as the test (its 1 s is held by
+    `test_an_interrupt_delivered_twice_is_one_and_a_later_one_aborts`). Sent 0.05 s after the
+    first, on a loaded machine it came over 1 s late (a second Ctrl-C: abort, exit 130) or after
+    the run had put back its handlers (a KeyboardInterrupt)."""
+    import megapar.checkpoint.distributed as cd
+    from megapar.faults import stop
+
+    saving, repeated = tmp_path / "saving", tmp_path / "repeated"
+    write_tensors = cd.write_tensors
+
+    def after_the_repeat(path, tensors):  # in the ranks (forked): the interrupt's save
+        saving.touch()
+        assert _wait_for(repeated.exists, timeout=60.0)
+        return write_tensors(path, tensors)
+
+    monkeypatch.setattr(cd, "write_tensors", after_the_repeat)
+    monkeypatch.setattr(stop, "SAME_INTERRUPT_S", 3600.0)  # the forked launcher's and ranks'
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     pid = _fork_main([*common, "--tp", "2", "--max-steps", "200", "--save", str(ckpt),
                       "--log-json", str(log)], tmp_path / "out")
     assert _wait_for(lambda: len(_steps(log)) >= 1)
     os.kill(pid, signal.SIGINT)
-    time.sleep(0.05)  # the same SIGINT again, as `timeout -s INT` sends it: not a second one
-    os.kill(pid, signal.SIGINT)
+    assert _wait_for(saving.exists)  # forwarded, taken by the ranks: they stopped and save
+    os.kill(pid, signal.SIGINT)  # the same SIGINT again, into the launcher's handler
+    repeated.touch()
     _, status = os.waitpid(pid, 0)
     out = (tmp_path / "out").read_text()
     assert os.waitstatus_to_exitcode(status) == 0, out

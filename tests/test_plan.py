@@ -524,7 +524,17 @@ def test_the_cli_names_what_the_user_can_change(capsys):
                                          "1536 is not divisible by dp"), line
     assert "attention heads" not in line and "layouts like it" in line
     code, out = _cli(capsys, *base, "--gpus", "1024", "--explain", "tp=8,pp=17")
-    assert code == 1 and "tp*pp = 136 does not divide 1024, so no dp fills it" in out.out
+    assert code == 1 and out.out.startswith("tp8 pp17 mbs1 1f1b rc=none: invalid: --gpus 1024 "
+                                            "is not a multiple of tp*pp = 8*17 = 136, so no dp "
+                                            "fills them"), out.out  # no dp claimed
+    code, out = _cli(capsys, *base, "--gpus", "1024", "--explain", "tp=8,pp=17,dp=7")
+    assert code == 1 and out.out.startswith("tp8 pp17 dp7 ") and "= 952 is not --gpus 1024: " \
+        "tp*pp = 136 does not divide 1024, so no dp fills it" in out.out  # the dp given, named
+    code, out = _cli(capsys, *base, "--gpus", "1536", "--explain", "tp=5,pp=2", "--json")
+    refused = json.loads(out.out)  # both reasons: the grid's and the heads'
+    assert code == 1 and refused["layout"] == "tp5 pp2 mbs1 1f1b rc=none", refused
+    assert refused["reason"].startswith("--gpus 1536 is not a multiple of tp*pp = 5*2 = 10")
+    assert "attention heads are not divisible by --tp 5" in refused["reason"], refused
     small = [*base[:3], "64", *base[4:]]  # a global batch of 64: fewer layouts to simulate
     code, out = _cli(capsys, *small, "--gpus", "8")
     assert code == 1 and "no layout fits: raise --gpus or --gpu-memory-gb, try context" in out.out

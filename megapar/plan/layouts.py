@@ -53,7 +53,9 @@ class Candidate:
     pp: int = 1
     """Pipeline stages."""
     dp: int = 1
-    """Data-parallel replicas."""
+    """Data-parallel replicas; 0 where none fills the GPUs (`parse_candidate` of a layout that
+    names no dp, for --gpus that tp x cp x pp does not divide): `check` refuses it, `label`
+    names no dp."""
     mbs: int = 1
     """Micro-batch size (sequences)."""
     schedule: str = "1f1b"
@@ -93,9 +95,8 @@ class Candidate:
         )
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
-        return f"tp{self.tp}{cp} pp{self.pp} dp{self.dp}{ep} mbs{self.mbs} {sched} " + " ".join(
-            extras
-        )
+        dp = f" dp{self.dp}" if self.dp else ""
+        return f"tp{self.tp}{cp} pp{self.pp}{dp}{ep} mbs{self.mbs} {sched} " + " ".join(extras)
 
     def spec(self) -> str:
         """The --explain syntax for this candidate."""
@@ -135,7 +136,8 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     """`tp=8,cp=2,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`
     (also `ep=8`, `zero=3,offload=both,keep_params=1,zero3_reduce=micro-batch`; offload one of
-    `OFFLOADS`); dp defaults to gpus / (tp cp pp), v to 2 for the V schedules (zb-v,
+    `OFFLOADS`); dp defaults to gpus / (tp cp pp) (0 where that is not a whole number: no dp
+    fills the GPUs), v to 2 for the V schedules (zb-v,
     dualpipev: two chunks per rank, as megapar-train places them). ValueError naming the bad
     item otherwise."""
     fields = {f.name: f.type for f in dataclasses.fields(Candidate)}
@@ -190,7 +192,7 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
         )
     if "dp" not in values and gpus:
         split = values.get("tp", 1) * values.get("cp", 1) * values.get("pp", 1)
-        values["dp"] = max(1, gpus // split) if split > 0 else 1  # `check` names a remainder
+        values["dp"] = 0 if gpus % split else gpus // split  # 0: `check` names the remainder
     if "v" not in values and placement_of(values.get("schedule", "1f1b")) == "v":
         values["v"] = 2
     return Candidate(**values)
@@ -214,7 +216,12 @@ def check(
     global_batch: int,
     seq_len: int | None = None,
 ) -> str | None:
-    """Why candidate `c` cannot run (one sentence naming the fix), or None if it can."""
+    """Why candidate `c` cannot run (one sentence naming the fix), or None if it can; for dp 0
+    (no dp fills the GPUs) that, and the model's own reason if it has one."""
+    if c.dp == 0:
+        grid = _grid_refusal(c, gpus, gpus_per_node)  # the model's reason reads no dp
+        model = model_refusal(dataclasses.replace(c, dp=1), config)
+        return "; ".join(r for r in (grid, model) if r)
     return model_refusal(c, config) or _option_refusal(
         c, config, gpus, gpus_per_node, global_batch, seq_len
     )
@@ -276,6 +283,11 @@ def _grid_refusal(c: Candidate, gpus: int, gpus_per_node: int) -> str | None:
             ("tp*cp*pp", f"{c.tp}*{c.cp}*{c.pp}") if c.cp > 1 else ("tp*pp", f"{c.tp}*{c.pp}")
         )
         split = c.tp * c.cp * c.pp
+        if c.dp == 0:
+            return (
+                f"--gpus {gpus} is not a multiple of {names} = {sizes} = {split}, so no dp fills "
+                f"them; choose sizes whose product divides {gpus}"
+            )
         why = (
             f": {names} = {split} does not divide {gpus}, so no dp fills it" if gpus % split else ""
         )

@@ -77,27 +77,13 @@ def _check_same_weights(model, mesh: Mesh) -> None:
 
 
 def _check_sharding(cfg: TrainConfig) -> None:
-    """zero / offload_params / offload_optimizer: what megapar-train refuses, in the API's
-    terms (ValueError naming the keyword arguments)."""
+    """zero: a ZeRO stage (ValueError naming the keyword argument); what megapar-train refuses
+    of its combinations (offload_params, the zero3_* options) `check_zero3` checks."""
     if cfg.zero not in (0, 1, 2, 3):
         raise ValueError(
             f"megapar.prepare: zero={cfg.zero!r} is not a ZeRO stage; use 0 (no "
             f"sharding), 1 (optimizer state sharded over data-parallel ranks), 2 "
             f"(gradients too) or 3 (parameters too)"
-        )
-    if cfg.offload_params and cfg.zero != 3:
-        raise ValueError(
-            f"megapar.prepare: offload_params=True needs zero=3 (it keeps the "
-            f"parameter shards in host memory; zero={cfg.zero} keeps whole "
-            f"parameters on the device): pass zero=3 and offload_optimizer=True, "
-            f"or use offload_optimizer=True alone"
-        )
-    if cfg.offload_params and not cfg.offload_optimizer:
-        raise ValueError(
-            "megapar.prepare: offload_params=True needs offload_optimizer=True (the "
-            "host-held parameter shards are the weights the optimizer steps, so it "
-            "steps on the host too, as DeepSpeed's offload_param with "
-            "offload_optimizer): pass offload_optimizer=True"
         )
 
 
