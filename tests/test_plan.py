@@ -2,6 +2,7 @@
 al. 2022 and against bytes counted on a real forward, bubbles against the simulator, layout
 rejection, and the CLI's command line against megapar-train's own parser."""
 
+import dataclasses
 import json
 import shlex
 
@@ -854,11 +855,20 @@ def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
     valid, _ = enumerate_candidates(dense, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",))
     assert {c.ep for c in valid} == {1}
     assert check(parse_candidate("tp=2,dp=2,ep=2,zero=3", 4), moe, 4, 8, 8, 32) is None
+    # each refusal names the sizes that would run (they divide dp x cp and the 4 experts)
+    fix = "use ep=1, 2 or 4 (each divides dp x cp = 4 and the 4 experts)"
     for config, spec, why in ((dense, "dp=4,ep=2", "needs a mixture-of-experts model"),
-                              (moe, "dp=4,ep=3", "does not divide dp x cp = 4"),
+                              (moe, "dp=4,ep=3", f"does not divide dp x cp = 4: experts are "
+                                                 f"sharded over dp x cp ranks; {fix}"),
                               (moe, "cp=2,dp=2,ep=3", "does not divide dp x cp = 4"),
                               (moe, "cp=4,ep=8", "does not divide dp x cp = 4")):
         assert why in check(parse_candidate(spec, 4), config, 4, 8, 8, 32), spec
+    eight = dataclasses.replace(moe, num_local_experts=8)
+    assert check(parse_candidate("dp=8,ep=16", 8), eight, 8, 8, 8, 32).endswith(
+        "ep 16 does not divide dp x cp = 8: experts are sharded over dp x cp ranks; use ep=1, "
+        "2, 4 or 8 (each divides dp x cp = 8 and the 8 experts)")
+    assert check(parse_candidate("dp=8,ep=8", 8), moe, 8, 8, 8, 32).endswith(
+        f"ep 8 does not divide the 4 experts; {fix.replace('= 4 and', '= 8 and')}")
     from megapar.plan.timing import ep_span  # the global ranks the all-to-all's group spans
 
     # (tp, pp, dp, cp, ep): all 4 cp x dp ranks; at pp 2 dp 0's stage-0 ranks {0, 1} and dp

@@ -255,13 +255,18 @@ def _expert_refusal(c: Candidate, config) -> str | None:
     experts = getattr(config, "num_local_experts", 0) if getattr(config, "num_moe_layers", 0) else 0
     if not experts:
         return f"ep {c.ep} needs a mixture-of-experts model (this one has no routed experts)"
-    if c.dp * c.cp % c.ep:
+    ranks = c.dp * c.cp
+    sizes = [e for e in range(1, ranks + 1) if ranks % e == 0 and experts % e == 0]
+    fix = (
+        f"use ep={', '.join(map(str, sizes[:-1]))} or {sizes[-1]}" if len(sizes) > 1 else "use ep=1"
+    ) + f" (each divides dp x cp = {ranks} and the {experts} experts)"
+    if ranks % c.ep:
         return (
-            f"ep {c.ep} does not divide dp x cp = {c.dp * c.cp}: experts are sharded over dp x "
-            f"cp ranks"
+            f"ep {c.ep} does not divide dp x cp = {ranks}: experts are sharded over dp x cp "
+            f"ranks; {fix}"
         )
     if experts % c.ep:
-        return f"ep {c.ep} does not divide the {experts} experts; choose a divisor of them"
+        return f"ep {c.ep} does not divide the {experts} experts; {fix}"
     return None
 
 
