@@ -208,6 +208,10 @@ def test_recipes_have_the_published_parameter_counts(name, params):
     (dict(), (3, 1), "4 attention heads are not divisible by --tp 3"),
     (dict(attention_bias=True), (1, 1), "attention_bias / mlp_bias are not supported"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), (1, 1), "'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 16}), (1, 1),
+     "rope_scaling of type 'llama3' needs low_freq_factor \\(a number"),
+    (dict(rope_scaling={"type": "linear"}), (1, 1), "type 'linear' needs factor \\(a number"),
     (dict(), (1, 3), "2 layers cannot be cut into --pp 3"),
 ])
 def test_configs_the_model_cannot_take(change, layout, message):

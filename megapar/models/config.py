@@ -370,7 +370,26 @@ class LlamaConfig(_Base):
                 f"rope_scaling type {rope_type!r} is not supported; megapar "
                 f"implements default, linear and llama3"
             )
+        scaling = self.rope_scaling or {}
+        needed = ROPE_SCALING_FIELDS.get(str(rope_type), ()) if scaling else ()
+        missing = [
+            k
+            for k in needed
+            if isinstance(scaling.get(k), bool) or not isinstance(scaling.get(k), (int, float))
+        ]
+        if missing:
+            raise ConfigError(
+                f"rope_scaling of type {rope_type!r} needs {', '.join(missing)} (a number; "
+                f"got {scaling}); give every one of {', '.join(needed)}, as "
+                f"transformers' {rope_type} rope_parameters has them"
+            )
 
+
+ROPE_SCALING_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+"""The numbers each rotary scaling megapar implements reads from `rope_scaling`."""
 
 ModelConfig = GPT2Config | BertConfig | LlamaConfig
 """Any megapar model config."""
