@@ -231,3 +231,21 @@ def test_sharded_safetensors_checkpoint_loads(tmp_path, hf_dirs):
     assert load_hf_weights(loaded, reader) == []
     a, b = gather_canonical(loaded), gather_canonical(original)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("model_type, key, value", [
+    ("gpt2", "activation_function", "gelu_fast"), ("bert", "hidden_act", "quick_gelu"),
+    ("llama", "hidden_act", "relu2"), ("mixtral", "hidden_act", "gelu_fast"),
+])
+def test_an_activation_megapar_lacks_is_refused_naming_its_field(model_type, key, value):
+    """A transformers config.json whose activation megapar does not implement was read and
+    failed only when the blocks were built, as "unknown activation 'gelu_fast'", naming no
+    field (megapar-convert --from-hf, megapar-train --from-hf, megapar.prepare)."""
+    from megapar.models.blocks import ACTIVATIONS
+    from megapar.models.config import ACTIVATION_NAMES, ConfigError
+    from megapar.models import config_from_dict
+
+    assert set(ACTIVATION_NAMES) == set(ACTIVATIONS)
+    with pytest.raises(ConfigError, match=rf"^model config: {key}='{value}' is an activation "
+                                          rf"megapar does not implement; it implements gelu, "):
+        config_from_dict({"model_type": model_type, key: value})

@@ -18,6 +18,9 @@ import yaml
 
 from megapar.mesh import Layout, LayoutError
 
+ACTIVATION_NAMES = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
+"""The activations megapar's blocks implement (transformers' names; `blocks.ACTIVATIONS`)."""
+
 
 class ConfigError(ValueError):
     """A model config that is unknown or inconsistent."""
@@ -93,6 +96,12 @@ class _Base:
             raise ConfigError(f"model config: unknown key {key!r} for {cls.model_type}; {hint}")
         config = cls(**{k: v for k, v in d.items() if k in names})
         config.check_sizes()
+        for key in ("activation_function", "hidden_act"):
+            if key in names and getattr(config, key) not in ACTIVATION_NAMES:
+                raise ConfigError(
+                    f"model config: {key}={getattr(config, key)!r} is an activation megapar "
+                    f"does not implement; it implements {', '.join(ACTIVATION_NAMES)}"
+                )
         return config
 
     def check_sizes(self) -> None:
