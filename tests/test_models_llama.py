@@ -206,7 +206,8 @@ def test_recipes_have_the_published_parameter_counts(name, params):
 @pytest.mark.parametrize("change, layout, message", [
     (dict(num_key_value_heads=3), (1, 1), "num_attention_heads 4 is not a multiple of"),
     (dict(), (3, 1), "4 attention heads are not divisible by --tp 3"),
-    (dict(attention_bias=True), (1, 1), "attention_bias / mlp_bias are not supported"),
+    (dict(attention_bias=True), (1, 1), "^attention_bias=True: not supported; megapar's Llama"),
+    (dict(mlp_bias=True), (1, 1), "^mlp_bias=True: not supported; megapar's Llama has no"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), (1, 1), "'yarn' is not supported"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 16}), (1, 1),

@@ -366,10 +366,11 @@ class LlamaConfig(_Base):
                 f"{layout.pp} stages (each stage needs at least one layer); "
                 f"lower --pp"
             )
-        if self.attention_bias or self.mlp_bias:
+        biased = [k for k in ("attention_bias", "mlp_bias") if getattr(self, k)]
+        if biased:
             raise ConfigError(
-                "attention_bias / mlp_bias are not supported: megapar's Llama has "
-                "no biases (as every published Llama)"
+                f"{' and '.join(f'{k}=True' for k in biased)}: not supported; megapar's Llama "
+                f"has no biases (as every published Llama): use a model without them"
             )
         rope_type = (self.rope_scaling or {}).get(
             "rope_type", (self.rope_scaling or {}).get("type")
