@@ -336,15 +336,20 @@ def test_bad_batches_are_refused_at_any_layout(run):
 
 
 def _global_rng_batches():
-    engine = megapar.prepare(_hf_model(), pp=2, micro_batch_size=2, lr=3e-3)
+    from megapar.device import process_group_timeout_s
+
+    engine = megapar.prepare(_hf_model(), pp=2, micro_batch_size=2, lr=3e-3, timeout_s=37)
     x = torch.randint(0, VOCAB, (G, SEQ))   # torch's global RNG: seeded per stage by prepare
-    return refusal(engine, {"input_ids": x, "labels": x})
+    return refusal(engine, {"input_ids": x, "labels": x}), process_group_timeout_s()
 
 
 def test_a_batch_that_differs_between_ranks_is_refused_on_every_rank(run):
-    for message in run(_global_rng_batches, 2):
+    for message, world_timeout in run(_global_rng_batches, 2):
         assert "got another global batch than other ranks" in message
         assert "torch.Generator" in message
+        # prepare's timeout_s bounds the world group's waits too (the batch check is one): a
+        # rank stalled in the caller's code left the others there the launcher's 300 s
+        assert world_timeout == 37
 
 
 def _prepare_classes():
