@@ -453,12 +453,18 @@ def _export_with_tokenizer(out):
     engine.export_hf(out + "/with", tokenizer="sentencepiece")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine.export_hf(out + "/without")
+        engine.export_hf(out + "/without", dtype=torch.float16)  # a torch.dtype, as transformers
     refused = []  # in export_hf's keywords, not megapar-convert's flags
     for bad in ({"dtype": "float12"}, {"tokenizer": out + "/nowhere"}):
         try:
             engine.export_hf(out + "/bad", **bad)
         except RuntimeError as exc:
+            refused.append(str(exc))
+    for call in (lambda: engine.save(5), lambda: engine.load(None),
+                 lambda: engine.export_hf(5), lambda: engine.save(out + "/c", extra=[1])):
+        try:
+            call()
+        except TypeError as exc:
             refused.append(str(exc))
     return [str(w.message) for w in caught], refused
 
@@ -485,6 +491,17 @@ def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path)
     assert "'gpt2'" not in gpt2 and "pass tokenizer=SPEC, the tokenizer it trained with: the " \
         "directory of the GPT2LMHeadModel it came from" in gpt2, gpt2
     assert not (tmp_path / "without" / "tokenizer_config.json").exists()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "without").dtype == torch.float16
+    # wrong types: one line naming the call and what it takes (was os's 'expected str, bytes
+    # or os.PathLike object, not int' and "'list' object is not a mapping")
+    assert refused[2:] == [
+        "engine.save(path): path must be a directory's path, a str or a pathlib.Path, got int 5",
+        "engine.load(path): path must be a directory's path, a str or a pathlib.Path, got "
+        "NoneType None",
+        "engine.export_hf(path): path must be a directory's path, a str or a pathlib.Path, got "
+        "int 5",
+        "engine.save(extra=...) takes a dict of JSON-able values (e.g. {'sched': "
+        "sched.state_dict()}), got a list"], refused
 
 
 def _export_llama_without_tokenizer(out):
