@@ -123,12 +123,26 @@ def _lambda_lr(zero_after):
         lrs.append(engine.optimizer.param_groups[0]["lr"])
         if sched is not None:
             sched.step()
-    return losses, lrs, isinstance(engine.optimizer, torch.optim.Optimizer)
+    both = ""  # a torch scheduler beside prepare's lr_schedule, which would override it
+    if zero_after is not None:
+        scheduled = megapar.prepare(_hf_model(), tp=2, pp=2, micro_batch_size=2, lr=1e-2,
+                                    lr_schedule={"max_steps": 4})
+        torch.optim.lr_scheduler.LambdaLR(scheduled.optimizer, lambda s: 0.0)
+        try:
+            scheduled.train_step(batch)
+        except ValueError as exc:
+            both = str(exc)
+    return losses, lrs, isinstance(engine.optimizer, torch.optim.Optimizer), both
 
 
 def test_torch_lambda_lr_drives_engine_optimizer(run):
-    losses, lrs, is_optimizer = run(_lambda_lr, 4, 1)[0]
+    losses, lrs, is_optimizer, both = run(_lambda_lr, 4, 1)[0]
     assert is_optimizer
+    # with lr_schedule= too, megapar's schedule silently set the lr the step used (the torch
+    # LambdaLR's 0 ignored): refused, naming both
+    assert both == ("train_step: engine.optimizer has a torch LR scheduler, but megapar.prepare("
+                    "lr_schedule=...) sets the learning rate at every step, overriding it; use "
+                    "one of them: drop lr_schedule= or the torch scheduler"), both
     assert lrs == [1e-2, 0.0, 0.0, 0.0]
     # lr 0 from the second step on: the weights stop changing, so the same batch's loss repeats
     assert losses[1] < losses[0] and losses[1] == losses[2] == losses[3]

@@ -309,6 +309,12 @@ class Engine:
         one at the loss scale's floor, raise, as in megapar-train. With "skip" the non-finite
         loss is returned.
         """
+        if self.scheduler is not None and "initial_lr" in self.optimizer.param_groups[0]:
+            raise ValueError(  # torch's LRScheduler sets initial_lr; the same on every rank
+                "train_step: engine.optimizer has a torch LR scheduler, but "
+                "megapar.prepare(lr_schedule=...) sets the learning rate at every step, "
+                "overriding it; use one of them: drop lr_schedule= or the torch scheduler"
+            )
         if self.saver is not None:  # a background save's outcome, agreed by every rank
             self.saver.poll()
         result = self.run_step(self.split(self._checked(batch, "train_step")))
