@@ -1104,3 +1104,28 @@ def test_fault_drill_with_no_or_unknown_drill_is_refused_before_any_work(tmp_pat
                          env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=60)
     assert out.returncode == 2 and expected in out.stderr, (out.returncode, out.stderr)
     assert out.stdout == "" and not list(tmp_path.iterdir())
+
+
+def test_ranks_that_returned_while_others_waited_are_named_as_the_cause():
+    """A user's fn called engine.train_step on rank 0 only: rank 1 returned, rank 0 lost its
+    peer inside the batch check's all-reduce. The report led with gloo's 'Connection closed by
+    peer ... typically caused by a remote worker crashing' though no worker crashed."""
+    from types import SimpleNamespace
+
+    from megapar.faults.blame import blame
+
+    procs = [SimpleNamespace(pid=0, exitcode=None), SimpleNamespace(pid=0, exitcode=0)]
+    closed = ("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+              "[127.0.0.1]:14242. This is typically caused by a remote worker crashing.")
+    statuses = ["step 1, train_step: checking the batch", "megapar.prepare returned; in the "
+                "caller's code"]
+    lines = blame(procs, {1: None}, {0: closed}, statuses).splitlines()
+    assert lines[0] == (
+        "rank 1 returned from the function while rank 0 still waited for it at step 1, "
+        "train_step: checking the batch; every rank must make the same megapar calls (prepare, "
+        "train_step, eval_step, save, load, stragglers) and collectives, in the same order")
+    assert lines[1] == f"rank 0 failed: {closed}"
+    procs.append(SimpleNamespace(pid=0, exitcode=0))
+    lines = blame(procs, {1: None, 2: None}, {0: closed}, statuses + [""]).splitlines()
+    assert lines[0].startswith("ranks 1 and 2 returned from the function while rank 0 still "
+                               "waited for them at step 1")

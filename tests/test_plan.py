@@ -590,8 +590,7 @@ def test_cli_refuses_a_config_megapar_cannot_build_in_one_line(capsys, tmp_path)
     2, for the search and --explain alike, as megapar-train says it (it was a traceback)."""
     base = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
-    for extra, message in [({"attention_bias": True}, "attention_bias / mlp_bias are not "
-                                                      "supported"),
+    for extra, message in [({"attention_bias": True}, "attention_bias=True: not supported"),
                            ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
                             "rope_scaling type 'yarn' is not supported"),
                            ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads")]:
