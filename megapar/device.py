@@ -420,6 +420,17 @@ def process_group_timeout_s(group=None) -> float | None:
         return None
 
 
+def bound_world_waits(timeout_s: float) -> None:
+    """Make the world group's waits last at most `timeout_s` on gloo, as the mesh's groups
+    do (`megapar.prepare`'s timeout_s: the world was set up by the launcher or torchrun with
+    its own, and a step's batch check and stop flags are world collectives). NCCL's world
+    group keeps its watchdog's timeout (`--nccl-timeout-s`)."""
+    if not dist.is_initialized() or backend() == "nccl":
+        return
+    if process_group_timeout_s() != timeout_s:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+
+
 JOINED_KEY = "megapar/joined"
 """The launcher store's count of the ranks whose process group is connected (`_all_joined`)."""
 

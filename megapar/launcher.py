@@ -148,7 +148,7 @@ def _worker(
         finish_before_exit()  # a background checkpoint write still in flight (no atexit here)
         # By value: torch's queue reducers would share tensors through file descriptors that
         # vanish when this process exits.
-        results.put((rank, "ok", pickle.dumps(out)))
+        results.put((rank, "ok", _returned(out, rank)))
     except BaseException as exc:  # noqa: BLE001 - report everything to the parent
         tb = "" if getattr(exc, "no_traceback", False) else "\n" + traceback.format_exc()
         results.put((rank, "error", f"{type(exc).__name__}: {exc}{tb}"))
@@ -158,6 +158,27 @@ def _worker(
                 release_process_groups()  # a spawned worker exits through the interpreter
         except Exception:  # noqa: BLE001
             pass
+
+
+class UnsendableResult(TypeError):
+    """A worker's return value that cannot be pickled back to the launcher (an engine, a
+    process group): one line naming the value and what to return instead."""
+
+    no_traceback = True  # the worker's stack says nothing the line does not
+
+
+def _returned(out: Any, rank: int) -> bytes:
+    """`out` pickled for the launcher; `UnsendableResult` naming its type when it holds what
+    cannot leave the worker (process groups, open files, locks)."""
+    try:
+        return pickle.dumps(out)
+    except Exception as exc:  # noqa: BLE001 - pickling raises many kinds
+        raise UnsendableResult(
+            f"rank {rank}'s fn returned a {type(out).__name__}, which cannot be sent back from "
+            f"its worker process ({type(exc).__name__}: {exc}); return plain values (numbers, "
+            f"strings, lists, dicts, CPU tensors, a model's state_dict()), not the engine or "
+            f"anything holding its process groups, which live only inside fn"
+        ) from None
 
 
 def run_local(

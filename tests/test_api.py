@@ -123,12 +123,26 @@ def _lambda_lr(zero_after):
         lrs.append(engine.optimizer.param_groups[0]["lr"])
         if sched is not None:
             sched.step()
-    return losses, lrs, isinstance(engine.optimizer, torch.optim.Optimizer)
+    both = ""  # a torch scheduler beside prepare's lr_schedule, which would override it
+    if zero_after is not None:
+        scheduled = megapar.prepare(_hf_model(), tp=2, pp=2, micro_batch_size=2, lr=1e-2,
+                                    lr_schedule={"max_steps": 4})
+        torch.optim.lr_scheduler.LambdaLR(scheduled.optimizer, lambda s: 0.0)
+        try:
+            scheduled.train_step(batch)
+        except ValueError as exc:
+            both = str(exc)
+    return losses, lrs, isinstance(engine.optimizer, torch.optim.Optimizer), both
 
 
 def test_torch_lambda_lr_drives_engine_optimizer(run):
-    losses, lrs, is_optimizer = run(_lambda_lr, 4, 1)[0]
+    losses, lrs, is_optimizer, both = run(_lambda_lr, 4, 1)[0]
     assert is_optimizer
+    # with lr_schedule= too, megapar's schedule silently set the lr the step used (the torch
+    # LambdaLR's 0 ignored): refused, naming both
+    assert both == ("train_step: engine.optimizer has a torch LR scheduler, but megapar.prepare("
+                    "lr_schedule=...) sets the learning rate at every step, overriding it; use "
+                    "one of them: drop lr_schedule= or the torch scheduler"), both
     assert lrs == [1e-2, 0.0, 0.0, 0.0]
     # lr 0 from the second step on: the weights stop changing, so the same batch's loss repeats
     assert losses[1] < losses[0] and losses[1] == losses[2] == losses[3]
@@ -336,15 +350,20 @@ def test_bad_batches_are_refused_at_any_layout(run):
 
 
 def _global_rng_batches():
-    engine = megapar.prepare(_hf_model(), pp=2, micro_batch_size=2, lr=3e-3)
+    from megapar.device import process_group_timeout_s
+
+    engine = megapar.prepare(_hf_model(), pp=2, micro_batch_size=2, lr=3e-3, timeout_s=37)
     x = torch.randint(0, VOCAB, (G, SEQ))   # torch's global RNG: seeded per stage by prepare
-    return refusal(engine, {"input_ids": x, "labels": x})
+    return refusal(engine, {"input_ids": x, "labels": x}), process_group_timeout_s()
 
 
 def test_a_batch_that_differs_between_ranks_is_refused_on_every_rank(run):
-    for message in run(_global_rng_batches, 2):
+    for message, world_timeout in run(_global_rng_batches, 2):
         assert "got another global batch than other ranks" in message
         assert "torch.Generator" in message
+        # prepare's timeout_s bounds the world group's waits too (the batch check is one): a
+        # rank stalled in the caller's code left the others there the launcher's 300 s
+        assert world_timeout == 37
 
 
 def _prepare_classes():
@@ -448,12 +467,18 @@ def _export_with_tokenizer(out):
     engine.export_hf(out + "/with", tokenizer="sentencepiece")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine.export_hf(out + "/without")
+        engine.export_hf(out + "/without", dtype=torch.float16)  # a torch.dtype, as transformers
     refused = []  # in export_hf's keywords, not megapar-convert's flags
     for bad in ({"dtype": "float12"}, {"tokenizer": out + "/nowhere"}):
         try:
             engine.export_hf(out + "/bad", **bad)
         except RuntimeError as exc:
+            refused.append(str(exc))
+    for call in (lambda: engine.save(5), lambda: engine.load(None),
+                 lambda: engine.export_hf(5), lambda: engine.save(out + "/c", extra=[1])):
+        try:
+            call()
+        except TypeError as exc:
             refused.append(str(exc))
     return [str(w.message) for w in caught], refused
 
@@ -480,6 +505,17 @@ def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path)
     assert "'gpt2'" not in gpt2 and "pass tokenizer=SPEC, the tokenizer it trained with: the " \
         "directory of the GPT2LMHeadModel it came from" in gpt2, gpt2
     assert not (tmp_path / "without" / "tokenizer_config.json").exists()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "without").dtype == torch.float16
+    # wrong types: one line naming the call and what it takes (was os's 'expected str, bytes
+    # or os.PathLike object, not int' and "'list' object is not a mapping")
+    assert refused[2:] == [
+        "engine.save(path): path must be a directory's path, a str or a pathlib.Path, got int 5",
+        "engine.load(path): path must be a directory's path, a str or a pathlib.Path, got "
+        "NoneType None",
+        "engine.export_hf(path): path must be a directory's path, a str or a pathlib.Path, got "
+        "int 5",
+        "engine.save(extra=...) takes a dict of JSON-able values (e.g. {'sched': "
+        "sched.state_dict()}), got a list"], refused
 
 
 def _export_llama_without_tokenizer(out):

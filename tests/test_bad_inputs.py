@@ -595,7 +595,8 @@ def test_megapar_data_caps_workers_at_the_cores(tmp_path, capsys):
 DATA = [
     ({"--output-prefix": ""}, "--output-prefix '' names no file"),
     ({"--output-prefix": "{root}/"}, "names no file"),
-    ({"--input": "{binary}"}, "are not valid UTF-8 (binary data or another encoding?)"),
+    ({"--input": "{binary}"}, "binary is binary (NUL bytes in its first KiB), not text"),
+    ({"--input": "{latin1}"}, "are not valid UTF-8 (binary data or another encoding?)"),
     ({"--input": "{bad.jsonl}"}, "bad.jsonl:2: the line is not valid JSON (Expecting value at "
                                  "column 1); repair or delete the line"),
     ({"--input": "{empty.txt}"}, "no text in"),
@@ -617,6 +618,7 @@ def test_megapar_data(tmp_path, flags, message, capsys, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "binary").write_bytes(bytes(range(256)) * 40)
+    (tmp_path / "latin1").write_bytes(bytes(range(1, 256)) * 40)
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "garbage.model").write_bytes(b"\x00not a sentencepiece model" * 10)

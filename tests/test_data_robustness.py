@@ -113,6 +113,7 @@ def test_a_utf16_text_is_refused_even_where_a_cache_made_before_the_refusal_exis
     UTF-16 text tokenized before it was refused kept being reused. The byte-order mark is
     checked before the cache is looked at (here the old copy is made from the text's UTF-8
     form at the UTF-16 file's key)."""
+    import megapar.data.inputs as inputs
     import megapar.data.preprocess as preprocess
 
     (tmp_path / "utf8.txt").write_bytes(TEXT[:5000].encode())
@@ -120,6 +121,8 @@ def test_a_utf16_text_is_refused_even_where_a_cache_made_before_the_refusal_exis
     real = preprocess.preprocess_files
     with monkeypatch.context() as old:  # the cache a run before the refusal left
         old.setattr(preprocess, "check_not_wide", lambda *a, **k: None, raising=False)
+        old.setattr(inputs, "check_not_wide", lambda *a, **k: None)  # expand_inputs' check
+        old.setattr(inputs, "check_not_binary", lambda *a, **k: None)  # and its NUL bytes
         old.setattr(preprocess, "preprocess_files",
                     lambda files, prefix, *a, **k: real([str(tmp_path / "utf8.txt")], prefix,
                                                         *a, **k))
@@ -128,6 +131,49 @@ def test_a_utf16_text_is_refused_even_where_a_cache_made_before_the_refusal_exis
     with pytest.raises(ValueError, match=r"wide.txt is UTF-16 \(it starts with UTF-16's "
                                          r"byte-order mark\), not UTF-8; convert it"):
         ensure_dataset(str(tmp_path / "wide.txt"), "gpt2", str(tmp_path / "cache"))
+
+
+def test_a_binary_input_is_refused_before_any_work_and_text_of_any_name_is_read(
+        tmp_path, capsys, monkeypatch):
+    """A compressed, archived, NumPy or other binary file given as an input was tokenized as
+    text (its bytes decoded, invalid UTF-8 refused only past 0.1 % and after the tokenizer
+    loaded; NUL bytes, valid UTF-8, silently): refused in one line before the tokenizer loads,
+    naming what it is, what is read and the fix. Text without a known suffix is still read."""
+    import bz2
+    import gzip
+    import zipfile
+
+    import megapar.cli.data as data_cli
+
+    raw = TEXT[:3000].encode()
+    binaries = {
+        "t.txt.gz": (gzip.compress(raw), "is gzip-compressed", "gunzip -k "),
+        "t.bz2": (bz2.compress(raw), "is bzip2-compressed", "bunzip2 -k "),
+        "ids.npy": (None, "is a NumPy array (.npy)", "save the text it holds"),
+        "zeros.bin": (bytes(2000), "is binary (NUL bytes in its first KiB)", "iconv"),
+        "t.zip": (None, "is a zip archive", "unzip "),
+    }
+    np.save(tmp_path / "ids.npy", np.arange(300, dtype=np.int64))
+    with zipfile.ZipFile(tmp_path / "t.zip", "w") as z:
+        z.writestr("a.txt", raw)
+    monkeypatch.setattr(data_cli, "train_tokenizer",
+                        lambda *a, **k: pytest.fail("the tokenizer loaded for a binary input"))
+    for name, (content, kind, fix) in binaries.items():
+        if content is not None:
+            (tmp_path / name).write_bytes(content)
+        assert data_main(["--input", str(tmp_path / name), "--output-prefix",
+                          str(tmp_path / "out"), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(
+            f"megapar-data: error: input {tmp_path / name} {kind}, not text; the inputs read "
+            "are UTF-8 text (.txt or any other name), .jsonl / .json and .parquet: "), err
+        assert fix in err and err.endswith(", and pass that\n"), err
+    monkeypatch.undo()
+    for name in ("hamlet", "notes.md", "BZh.txt"):  # text, whatever its name (or first bytes)
+        (tmp_path / name).write_text("BZh: " + TEXT[:2000])
+        assert data_main(["--input", str(tmp_path / name), "--output-prefix",
+                          str(tmp_path / name) + "-out", "--tokenizer", "sentencepiece",
+                          "--no-progress"]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name, text", [

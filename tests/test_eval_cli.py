@@ -397,6 +397,16 @@ def test_eval_reads_a_megatron_dataset_written_by_megapar(tmp_path, corpus, caps
         assert evaluate([*args, "--data", data, *extra]) == 0, capsys.readouterr().err
         losses.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["loss"])
     assert losses[0] == losses[1]
+    # --seq-len left out: the import records none (was: refused, asking for it); megapar-train's
+    # default 128 capped at the model's 64 positions, as megapar-train caps it, said on stderr
+    capsys.readouterr()
+    assert evaluate(["--load", str(ckpt), "--data", prefix, "--micro-batch-size", "1",
+                     "--max-batches", "1"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out.strip().splitlines()[-1])["tokens"] == 64, out
+    assert (f"megapar-eval: --seq-len not given and --load {ckpt} records none (it was not "
+            "trained by megapar-train): using the model's 64 positions (megapar-train's "
+            "default 128, capped at them); give --seq-len N for another") in out.err, out.err
     assert evaluate([*args, "--data", megatron]) == 2  # which tokenizer made it: one line
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "name the tokenizer it was made with" in err, err

@@ -139,14 +139,35 @@ def test_sigterm_saves_exits_0_and_the_resumed_run_matches(tmp_path, common):
     assert _losses(first) + _losses(second) == _losses(full)
 
 
-def test_first_sigint_saves_with_a_message(tmp_path, common):
+def test_first_sigint_saves_with_a_message(tmp_path, common, monkeypatch):
+    """A first SIGINT stops the run at its step's end and saves, saying so; the same SIGINT
+    again (as `timeout -s INT` sends it) is not a second one. In order, not by a sleep: the
+    repeat is sent once the first has reached the launcher and the ranks (their save waits for
+    it), within a window as long as the test (its 1 s is held by
+    `test_an_interrupt_delivered_twice_is_one_and_a_later_one_aborts`). Sent 0.05 s after the
+    first, on a loaded machine it came over 1 s late (a second Ctrl-C: abort, exit 130) or after
+    the run had put back its handlers (a KeyboardInterrupt)."""
+    import megapar.checkpoint.distributed as cd
+    from megapar.faults import stop
+
+    saving, repeated = tmp_path / "saving", tmp_path / "repeated"
+    write_tensors = cd.write_tensors
+
+    def after_the_repeat(path, tensors):  # in the ranks (forked): the interrupt's save
+        saving.touch()
+        assert _wait_for(repeated.exists, timeout=60.0)
+        return write_tensors(path, tensors)
+
+    monkeypatch.setattr(cd, "write_tensors", after_the_repeat)
+    monkeypatch.setattr(stop, "SAME_INTERRUPT_S", 3600.0)  # the forked launcher's and ranks'
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     pid = _fork_main([*common, "--tp", "2", "--max-steps", "200", "--save", str(ckpt),
                       "--log-json", str(log)], tmp_path / "out")
     assert _wait_for(lambda: len(_steps(log)) >= 1)
     os.kill(pid, signal.SIGINT)
-    time.sleep(0.05)  # the same SIGINT again, as `timeout -s INT` sends it: not a second one
-    os.kill(pid, signal.SIGINT)
+    assert _wait_for(saving.exists)  # forwarded, taken by the ranks: they stopped and save
+    os.kill(pid, signal.SIGINT)  # the same SIGINT again, into the launcher's handler
+    repeated.touch()
     _, status = os.waitpid(pid, 0)
     out = (tmp_path / "out").read_text()
     assert os.waitstatus_to_exitcode(status) == 0, out
@@ -1083,3 +1104,28 @@ def test_fault_drill_with_no_or_unknown_drill_is_refused_before_any_work(tmp_pat
                          env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=60)
     assert out.returncode == 2 and expected in out.stderr, (out.returncode, out.stderr)
     assert out.stdout == "" and not list(tmp_path.iterdir())
+
+
+def test_ranks_that_returned_while_others_waited_are_named_as_the_cause():
+    """A user's fn called engine.train_step on rank 0 only: rank 1 returned, rank 0 lost its
+    peer inside the batch check's all-reduce. The report led with gloo's 'Connection closed by
+    peer ... typically caused by a remote worker crashing' though no worker crashed."""
+    from types import SimpleNamespace
+
+    from megapar.faults.blame import blame
+
+    procs = [SimpleNamespace(pid=0, exitcode=None), SimpleNamespace(pid=0, exitcode=0)]
+    closed = ("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+              "[127.0.0.1]:14242. This is typically caused by a remote worker crashing.")
+    statuses = ["step 1, train_step: checking the batch", "megapar.prepare returned; in the "
+                "caller's code"]
+    lines = blame(procs, {1: None}, {0: closed}, statuses).splitlines()
+    assert lines[0] == (
+        "rank 1 returned from the function while rank 0 still waited for it at step 1, "
+        "train_step: checking the batch; every rank must make the same megapar calls (prepare, "
+        "train_step, eval_step, save, load, stragglers) and collectives, in the same order")
+    assert lines[1] == f"rank 0 failed: {closed}"
+    procs.append(SimpleNamespace(pid=0, exitcode=0))
+    lines = blame(procs, {1: None, 2: None}, {0: closed}, statuses + [""]).splitlines()
+    assert lines[0].startswith("ranks 1 and 2 returned from the function while rank 0 still "
+                               "waited for them at step 1")

@@ -462,3 +462,16 @@ def test_the_commands_whose_workers_build_no_optimizer_say_so(monkeypatch, tmp_p
     with pytest.raises(Stop):
         megapar.training.bubble.measure(2, 2, "1f1b")
     assert seen == {"eval": False, "certify": False, "bubble": False}, seen
+
+
+def _returns_a_process_group():
+    return dist.group.WORLD  # a ProcessGroup: what an engine returned from fn holds
+
+
+def test_a_return_value_that_cannot_leave_its_worker_is_named_in_one_line():
+    with pytest.raises(WorkerError) as info:
+        run_local(_returns_a_process_group, 2, timeout_s=60)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("rank 0 failed: UnsendableResult: rank 0's fn returned a ")
+    assert "cannot pickle" in first and "not the engine" in first
+    assert "Traceback" not in str(info.value)  # the line says it all

@@ -206,8 +206,13 @@ def test_recipes_have_the_published_parameter_counts(name, params):
 @pytest.mark.parametrize("change, layout, message", [
     (dict(num_key_value_heads=3), (1, 1), "num_attention_heads 4 is not a multiple of"),
     (dict(), (3, 1), "4 attention heads are not divisible by --tp 3"),
-    (dict(attention_bias=True), (1, 1), "attention_bias / mlp_bias are not supported"),
+    (dict(attention_bias=True), (1, 1), "^attention_bias=True: not supported; megapar's Llama"),
+    (dict(mlp_bias=True), (1, 1), "^mlp_bias=True: not supported; megapar's Llama has no"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), (1, 1), "'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 16}), (1, 1),
+     "rope_scaling of type 'llama3' needs low_freq_factor \\(a number"),
+    (dict(rope_scaling={"type": "linear"}), (1, 1), "type 'linear' needs factor \\(a number"),
     (dict(), (1, 3), "2 layers cannot be cut into --pp 3"),
 ])
 def test_configs_the_model_cannot_take(change, layout, message):
@@ -227,3 +232,21 @@ def test_sharded_safetensors_checkpoint_loads(tmp_path, hf_dirs):
     assert load_hf_weights(loaded, reader) == []
     a, b = gather_canonical(loaded), gather_canonical(original)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("model_type, key, value", [
+    ("gpt2", "activation_function", "gelu_fast"), ("bert", "hidden_act", "quick_gelu"),
+    ("llama", "hidden_act", "relu2"), ("mixtral", "hidden_act", "gelu_fast"),
+])
+def test_an_activation_megapar_lacks_is_refused_naming_its_field(model_type, key, value):
+    """A transformers config.json whose activation megapar does not implement was read and
+    failed only when the blocks were built, as "unknown activation 'gelu_fast'", naming no
+    field (megapar-convert --from-hf, megapar-train --from-hf, megapar.prepare)."""
+    from megapar.models.blocks import ACTIVATIONS
+    from megapar.models.config import ACTIVATION_NAMES, ConfigError
+    from megapar.models import config_from_dict
+
+    assert set(ACTIVATION_NAMES) == set(ACTIVATIONS)
+    with pytest.raises(ConfigError, match=rf"^model config: {key}='{value}' is an activation "
+                                          rf"megapar does not implement; it implements gelu, "):
+        config_from_dict({"model_type": model_type, key: value})

@@ -20,7 +20,9 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from megapar.checkpoint.hf import HFReader, load_hf_weights, save_hf
 from megapar.checkpoint.hf_names import llama_canonical
+from megapar.mesh import Layout
 from megapar.models import Llama, MixtralConfig, Qwen3MoeConfig
+from megapar.models.config import ConfigError
 from megapar.models.moe import GroupedExperts, MoE, moe_layers, route
 
 VOCAB, SEQ, B = 101, 12, 3
@@ -269,6 +271,17 @@ def test_qwen3_moe_config_reads_the_hub_spelling_and_round_trips():
     hf = config.to_hf()
     assert hf.architectures == ["Qwen3MoeForCausalLM"] and hf.num_experts == 8
     assert Qwen3MoeConfig.from_dict(config.to_dict()) == config
+    # refusals name the key the config.json has (the hub's num_experts) and what is wrong
+    layout = Layout()
+    with pytest.raises(ConfigError, match=r"^num_experts_per_tok 9 exceeds the 8 routed experts "
+                       r"\(num_experts\); route each token to at most 8$"):
+        Qwen3MoeConfig.from_dict(dict(d, num_experts_per_tok=9)).validate(layout)
+    with pytest.raises(ConfigError, match=r"\(num_local_experts\)"):
+        MixtralConfig.from_dict(dict(BASE, num_local_experts=1)).validate(layout)
+    with pytest.raises(ConfigError, match=r"^the config has no MoE layer \(of its 3 layers, "
+                       r"mlp_only_layers \[1\] and decoder_sparse_step 2 leave none sparse\); "
+                       r"use a llama config instead$"):
+        Qwen3MoeConfig.from_dict(dict(d, mlp_only_layers=[1])).validate(layout)
 
 
 @pytest.mark.parametrize("name, params", [

@@ -59,7 +59,8 @@ def texts(tmp_path_factory):
     out["tiny"] = root / "tiny.txt"
     out["tiny"].write_text(words(rng, 30) + "\n")
     out["invalid_utf8"] = root / "junk.txt"
-    out["invalid_utf8"].write_bytes(random.Random(1).randbytes(20_000))
+    # not UTF-8 but no NUL byte: one among the first KiB makes it binary, refused as such
+    out["invalid_utf8"].write_bytes(bytes(b or 0xFF for b in random.Random(1).randbytes(20_000)))
     out["empty"] = root / "empty.txt"
     out["empty"].write_text("\n\n  \n")
     return out

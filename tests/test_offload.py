@@ -132,6 +132,41 @@ def test_offload_combinations_it_cannot_serve_are_one_line(flags, message):
     assert "\n" not in str(err.value)
 
 
+_HOST = "it keeps the parameter shards in host memory; {zero} keeps whole parameters on the device"
+_STEPS = ("the host-held parameter shards are the weights the optimizer steps, so it steps on "
+          "the host too, as DeepSpeed's offload_param with offload_optimizer")
+
+
+@pytest.mark.parametrize("flags, cli, api", [
+    ({"offload_params": True, "zero": 1},
+     f"--offload-params needs --zero 3 ({_HOST.format(zero='--zero 1')}): add --zero 3 and "
+     f"--offload-optimizer, or use --offload-optimizer alone",
+     f"offload_params=True needs zero=3 ({_HOST.format(zero='zero=1')}): add zero=3 and "
+     f"offload_optimizer=True, or use offload_optimizer=True alone"),
+    ({"offload_params": True, "offload_optimizer": True},
+     f"--offload-params needs --zero 3 ({_HOST.format(zero='--zero 0')}): add --zero 3, or drop "
+     f"--offload-params",
+     f"offload_params=True needs zero=3 ({_HOST.format(zero='zero=0')}): add zero=3, or drop "
+     f"offload_params=True"),
+    ({"offload_params": True, "zero": 3},
+     f"--offload-params needs --offload-optimizer ({_STEPS}): add --offload-optimizer",
+     f"offload_params=True needs offload_optimizer=True ({_STEPS}): add offload_optimizer=True"),
+])
+def test_offload_params_is_checked_in_one_place_for_megapar_train_and_prepare(flags, cli, api):
+    """check_zero3 owns --offload-params' checks, megapar-train's in its flags and
+    megapar.prepare's in its keywords: the same sentence (they were written twice, in
+    validate.py and prepare.py, and told different fixes: '--zero 3, or use
+    --offload-optimizer' where prepare said 'zero=3 and offload_optimizer=True')."""
+    from megapar.training.validate_sharding import check_zero3
+
+    with pytest.raises(UsageError) as err:
+        check_settings(TrainConfig(**flags))
+    assert str(err.value) == cli
+    with pytest.raises(UsageError) as err:
+        check_zero3(TrainConfig(**flags), keyword="megapar.prepare")
+    assert str(err.value) == f"megapar.prepare: {api}"
+
+
 def test_cli_offload_checkpoint_resumes_without_offload(tmp_path, common, host_copies):  # noqa: F811
     """megapar-train --dp 2 --zero 1 --offload-optimizer (host copies, as on CUDA) saves at step
     3 of 6; resumed without offload and without ZeRO it logs the losses of the run that went

@@ -201,7 +201,9 @@ def test_bf16_wire_v_schedules():
     (["--pp", "2", "--schedule", "dualpipev", "--global-batch-size", "3",
       "--micro-batch-size", "1"],
      ("DualPipeV needs at least 2 x pp = 4 micro-batches (one per virtual stage), got m = 3; "
-      "use more micro-batches")),
+      "use more micro-batches, or the zb-v schedule, which takes any m; m is "
+      "--global-batch-size / (--micro-batch-size x dp) = 3 / 1: raise the first or lower the "
+      "second")),  # megapar-train's flags only (was: megapar-bubble's -m too)
 ])
 def test_invalid_combinations_are_refused_in_one_line(capsys, monkeypatch, tmp_path, args,
                                                      message):

@@ -2,6 +2,7 @@
 al. 2022 and against bytes counted on a real forward, bubbles against the simulator, layout
 rejection, and the CLI's command line against megapar-train's own parser."""
 
+import dataclasses
 import json
 import shlex
 
@@ -525,7 +526,17 @@ def test_the_cli_names_what_the_user_can_change(capsys):
                                          "1536 is not divisible by dp"), line
     assert "attention heads" not in line and "layouts like it" in line
     code, out = _cli(capsys, *base, "--gpus", "1024", "--explain", "tp=8,pp=17")
-    assert code == 1 and "tp*pp = 136 does not divide 1024, so no dp fills it" in out.out
+    assert code == 1 and out.out.startswith("tp8 pp17 mbs1 1f1b rc=none: invalid: --gpus 1024 "
+                                            "is not a multiple of tp*pp = 8*17 = 136, so no dp "
+                                            "fills them"), out.out  # no dp claimed
+    code, out = _cli(capsys, *base, "--gpus", "1024", "--explain", "tp=8,pp=17,dp=7")
+    assert code == 1 and out.out.startswith("tp8 pp17 dp7 ") and "= 952 is not --gpus 1024: " \
+        "tp*pp = 136 does not divide 1024, so no dp fills it" in out.out  # the dp given, named
+    code, out = _cli(capsys, *base, "--gpus", "1536", "--explain", "tp=5,pp=2", "--json")
+    refused = json.loads(out.out)  # both reasons: the grid's and the heads'
+    assert code == 1 and refused["layout"] == "tp5 pp2 mbs1 1f1b rc=none", refused
+    assert refused["reason"].startswith("--gpus 1536 is not a multiple of tp*pp = 5*2 = 10")
+    assert "attention heads are not divisible by --tp 5" in refused["reason"], refused
     small = [*base[:3], "64", *base[4:]]  # a global batch of 64: fewer layouts to simulate
     code, out = _cli(capsys, *small, "--gpus", "8")
     assert code == 1 and "no layout fits: raise --gpus or --gpu-memory-gb, try context" in out.out
@@ -580,8 +591,7 @@ def test_cli_refuses_a_config_megapar_cannot_build_in_one_line(capsys, tmp_path)
     2, for the search and --explain alike, as megapar-train says it (it was a traceback)."""
     base = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
-    for extra, message in [({"attention_bias": True}, "attention_bias / mlp_bias are not "
-                                                      "supported"),
+    for extra, message in [({"attention_bias": True}, "attention_bias=True: not supported"),
                            ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
                             "rope_scaling type 'yarn' is not supported"),
                            ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads")]:
@@ -848,12 +858,23 @@ def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
     assert {c.ep for c in valid} == {1}
     assert check(parse_candidate("tp=2,dp=2,ep=2,zero=3", 4),
                  Problem(moe, 4, global_batch=8, seq_len=32)) is None
+    # each refusal names the sizes that would run (they divide dp x cp and the 4 experts)
+    fix = "use ep=1, 2 or 4 (each divides dp x cp = 4 and the 4 experts)"
     for config, spec, why in ((dense, "dp=4,ep=2", "needs a mixture-of-experts model"),
-                              (moe, "dp=4,ep=3", "does not divide dp x cp = 4"),
+                              (moe, "dp=4,ep=3", f"does not divide dp x cp = 4: experts are "
+                                                 f"sharded over dp x cp ranks; {fix}"),
                               (moe, "cp=2,dp=2,ep=3", "does not divide dp x cp = 4"),
                               (moe, "cp=4,ep=8", "does not divide dp x cp = 4")):
         assert why in check(parse_candidate(spec, 4), Problem(config, 4, global_batch=8,
                                                              seq_len=32)), spec
+    eight = dataclasses.replace(moe, num_local_experts=8)
+    assert check(parse_candidate("dp=8,ep=16", 8),
+                 Problem(eight, 8, global_batch=8, seq_len=32)).endswith(
+        "ep 16 does not divide dp x cp = 8: experts are sharded over dp x cp ranks; use ep=1, "
+        "2, 4 or 8 (each divides dp x cp = 8 and the 8 experts)")
+    assert check(parse_candidate("dp=8,ep=8", 8),
+                 Problem(moe, 8, global_batch=8, seq_len=32)).endswith(
+        f"ep 8 does not divide the 4 experts; {fix.replace('= 4 and', '= 8 and')}")
     from megapar.plan.timing import ep_span  # the global ranks the all-to-all's group spans
 
     # (tp, pp, dp, cp, ep): all 4 cp x dp ranks; at pp 2 dp 0's stage-0 ranks {0, 1} and dp

@@ -74,6 +74,10 @@ def test_a_corrupted_value_is_named_by_a_one_process_replay(common, tmp_path, ca
     err, out = _replay(common, tmp_path, capfd, CORRUPT)
     assert "its record for --replay: " in err, err
     assert NAMED in _verdict(out), out
+    # the table's recorded column shows the fault where the line names it, not tp rank 0's
+    # clean copy of the attention output (the first nan was in transformer.h.3.mlp.c_fc)
+    row = next(line.split() for line in out if line.startswith("transformer.h.3.attn "))
+    assert row[2] == "nan" and row[1] != "nan", row
 
 
 def test_without_a_fault_the_replay_finds_no_difference(common, tmp_path, capfd):

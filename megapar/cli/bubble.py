@@ -310,6 +310,21 @@ def check_output_files(args) -> None:
         args.plot = real
 
 
+def check_bubble_schedule(schedule: str, pp: int, m: int, v: int, given_m: int | None) -> None:
+    """`check_schedule`; where it refuses m (2 pp micro-batches pass) and -m gave it
+    (`given_m`), its message names megapar-bubble's flag for m."""
+    try:
+        check_schedule(schedule, pp, m, v)
+    except ValueError as exc:
+        try:  # 2 pp micro-batches suit every schedule: if they pass, the error is about m
+            check_schedule(schedule, pp, 2 * pp, v)
+        except ValueError:
+            raise exc from None  # about --pp or --virtual-stages: m is not the problem
+        if given_m is None:
+            raise
+        raise ValueError(f"{exc}; m is --microbatches (-m) {given_m}") from None
+
+
 def check_certify_args(args) -> list[tuple]:
     """--certify: the grid's points, narrowed by the flags given (the others are refused by
     `check_mode_flags`)."""
@@ -335,7 +350,7 @@ def check_certify_args(args) -> list[tuple]:
         )
     points = certify.grid(names, pps, ms, vs)
     if not points:  # the schedule refuses every point: say why, for the first one
-        check_schedule(args.schedule or "1f1b", pps[0], ms[0], vs[0])
+        check_bubble_schedule(args.schedule or "1f1b", pps[0], ms[0], vs[0], args.microbatches)
         raise ValueError("no schedule accepts these --pp, -m and --virtual-stages")
     return points
 
@@ -558,7 +573,7 @@ def main(argv=None) -> int:
             check_bubble_measurement(args)
             check_measurement_memory(args)
         check_split_costs(args)  # after the values are checked
-        check_schedule(args.schedule, pp, m, v)
+        check_bubble_schedule(args.schedule, pp, m, v, m)
         check_output_files(args)  # last: it creates a missing output directory
     except (UsageError, ValueError) as exc:
         print(f"megapar-bubble: error: {exc}", file=sys.stderr)

@@ -80,7 +80,9 @@ def build_parser() -> OneLineParser:
     p.add_argument(
         "--seq-len",
         type=int,
-        help="sequence length of the windows (default: the one the checkpoint trained with)",
+        help="sequence length of the windows (default: the one the checkpoint trained with; "
+        "for one that records none, such as megapar-convert --from-hf's, megapar-train's "
+        "default 128 capped at the model's positions, said on stderr)",
     )
     p.add_argument(
         "--micro-batch-size",

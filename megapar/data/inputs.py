@@ -4,7 +4,8 @@
 array of objects, or in a ``.json`` one object, the text under a key), ``.parquet`` (a column, a
 record batch at a time), and directories of them. Every document's CRLF / lone CR line endings
 become LF (`normalize_newlines`); text that is not UTF-8 is counted and refused above a
-threshold, and a UTF-16 / UTF-32 text is refused (`read_text`). See `megapar.data.preprocess`
+threshold, and a UTF-16 / UTF-32 text is refused (`read_text`), as is a binary file given as
+text, compressed or with NUL bytes (`check_not_binary`). See `megapar.data.preprocess`
 for what is done with the documents.
 """
 
@@ -61,6 +62,7 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
     with open(path, "rb") as f:
         raw = f.read()
     check_not_wide(path, raw[:4])
+    check_not_binary(path, raw[:BINARY_PROBE])  # a directory's .txt, found by its name
     raw = raw.removeprefix(BOM)  # not text: no tokens for it
     text = normalize_newlines(raw.decode("utf-8", errors="surrogateescape"))
     bad = len(_ESCAPED.findall(text))
@@ -95,11 +97,69 @@ def check_not_wide(path: str, head: bytes | None = None) -> None:
             )
 
 
+#: The first bytes of binary formats an input given as text may be in, what each is and how to
+#: get text out of it (``{path}``: the file, quoted for the shell).
+_BINARY_MAGIC = (
+    (b"\x1f\x8b", "gzip-compressed", "decompress it (gunzip -k {path})"),
+    (b"BZh", "bzip2-compressed", "decompress it (bunzip2 -k {path})"),
+    (b"\xfd7zXZ\x00", "xz-compressed", "decompress it (unxz -k {path})"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it (unzstd {path})"),
+    (b"PK\x03\x04", "a zip archive", "extract it (unzip {path})"),
+    (b"\x93NUMPY", "a NumPy array (.npy)", "save the text it holds as a .txt file"),
+)
+#: A parquet file's first bytes (binary, with NUL bytes, under another name than .parquet).
+_PARQUET = b"PAR1"
+#: What an input may be, for the refusal of one that is none of them.
+READ_AS = "UTF-8 text (.txt or any other name), .jsonl / .json and .parquet"
+#: Bytes of a file's start that `check_not_binary` reads: NUL among them is binary, as git and
+#: grep tell binary from text.
+BINARY_PROBE = 1024
+
+
+def check_not_binary(path: str, head: bytes | None = None) -> None:
+    """ValueError (one line: what the file is, what inputs are read, the fix) when file `path`,
+    read as text (any suffix but ``.parquet``; `head`: its first `BINARY_PROBE` bytes, if
+    already read), is binary: a compressed, archive, NumPy or parquet file by its first bytes,
+    or NUL bytes among its first KiB (after `check_not_wide`, which names a UTF-16 / UTF-32
+    text by its byte-order mark)."""
+    if head is None:
+        with open(path, "rb") as f:
+            head = f.read(BINARY_PROBE)
+    head = head[:BINARY_PROBE]
+    known = [  # none of them starts a UTF-8 text (but "BZh")
+        (kind, fix)
+        for magic, kind, fix in _BINARY_MAGIC
+        if head.startswith(magic) and (magic != b"BZh" or _bzip2(head))
+    ]
+    if known:
+        kind, fix = known[0]
+    else:
+        if b"\x00" not in head:
+            return
+        if head.startswith(_PARQUET):
+            kind, fix = "a parquet file", "name it .parquet (its text column is read)"
+        else:
+            kind = "binary (NUL bytes in its first KiB)"
+            fix = "convert it to one of them (UTF-16 / UTF-32 text: to UTF-8, e.g. with iconv)"
+    raise ValueError(
+        f"input {path} is {kind}, not text; the inputs read are {READ_AS}: "
+        + fix.format(path=shell_word(path))
+        + ", and pass that"
+    )
+
+
+def _bzip2(head: bytes) -> bool:
+    """Whether `head` (starting "BZh") is a bzip2 stream's: a block size digit, then the
+    block magic (a text may start with "BZh")."""
+    return head[3:4].isdigit() and head[4:10] == b"1AY&SY"
+
+
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
     """Input paths with directories replaced by their ``.txt``/``.jsonl`` files (recursive,
     sorted; hidden files and directories left out), less the ``.json`` that describes a tokenized
     dataset beside its ``.bin`` and ``.idx`` (megapar-data's output written into the input
-    directory is not text)."""
+    directory is not text). A file given by name is read as text whatever its suffix (but
+    ``.parquet``): ValueError when it is UTF-16 / UTF-32 or binary."""
     files: list[str] = []
     for path in inputs:
         path = os.fspath(path)
@@ -118,6 +178,9 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
                     f"the text it was made from (megapar-train --data {shell_word(stem)} trains "
                     f"on it)"
                 )
+            if not path.endswith(".parquet"):  # its name is no promise of text
+                check_not_wide(path)
+                check_not_binary(path)
             files.append(path)
         else:
             raise FileNotFoundError(

@@ -472,14 +472,18 @@ class GradBuckets:
 
     def _reduce(self, b: Bucket) -> None:
         """Average the bucket's range of the buffer over the group: an async all-reduce in
-        place (on a cast copy under `reduce_dtype`), or the compressor's reduction."""
+        place (on a cast copy under `reduce_dtype`), or the compressor's reduction. Over a
+        one-rank group (the experts' at dp x cp == ep) the bucket is its own sum: no
+        collective, no cast, the gradient stays exact."""
         self._adopt_replaced_grads(b)
         assert b.flat is not None  # a view of the full buffer (all-reduce)
         if self.average_over > 1:
             b.flat.div_(self.average_over)
+        if b.group_size == 1:
+            b.handle = Done()
+            return
         if self.compressor is not None:
-            if b.group_size > 1:  # a one-rank group (experts at dp == ep): nothing to reduce
-                self.bytes_sent += self.compressor.reduce(b.flat, b.params, b.group)
+            self.bytes_sent += self.compressor.reduce(b.flat, b.params, b.group)
             b.handle = Done()
             return
         wire, cast = self._on_wire(b.flat)

@@ -407,11 +407,21 @@ def _norm(sq: float | None, width: int) -> str:
 def combined(record: dict) -> dict[str, float]:
     """Each module's squared output norm over the whole step from a record: the parts of the
     ranks summed (tp slices, cp tokens, sequence-parallel slices, dp ranks, micro-batches), a
-    whole output that every tp rank holds counted once (tp rank 0's)."""
+    whole output that every tp rank holds counted once: tp rank 0's, or, where another tp
+    rank's copy differs from it (beyond `RTOL`: a fault on that rank), the copy differing
+    most, so that the column shows the fault where `compare` names it."""
     out: dict[str, float] = {}
+    copies: dict[tuple, dict[int, float]] = {}
     for e in record["entries"]:
-        if e["part"] != "whole" or e["tp"] == 0:
+        if e["part"] != "whole":
             out[e["module"]] = out.get(e["module"], 0.0) + e["sq"]
+        else:
+            where = (e["module"], e["mb"], e["pp"], e["dp"], e["cp"], tuple(e["samples"]))
+            copies.setdefault(where, {})[e["tp"]] = e["sq"]
+    for (module, *_), by_tp in copies.items():
+        base = by_tp[min(by_tp)]
+        worst = max(by_tp.values(), key=lambda sq: _relative(base, sq))
+        out[module] = out.get(module, 0.0) + (worst if _differs(base, worst) else base)
     return out
 
 

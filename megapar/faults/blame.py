@@ -57,7 +57,9 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
     `statuses`, each rank's last "step S, action", where they were); ranks whose error is not a
     communication timeout or lost connection; live ranks that never answered while the others
     timed out waiting for them: the stopped ones when some are, else the one most likely
-    holding the others up (`most_behind`), each with where it was."""
+    holding the others up (`most_behind`), each with where it was; ranks that returned while
+    the others, still in a collective, lost their connection to them (a call made on some ranks
+    only)."""
 
     def where(r: int) -> str:
         last = statuses[r] if statuses and r < len(statuses) else ""
@@ -95,7 +97,17 @@ def blame(procs, outputs: dict, errors: dict, statuses: list[str] | None = None)
         first = min(errors)
         lines = [f"rank {first} failed: {errors[first]}"]
         rest = {r: e for r, e in errors.items() if r != first}
-    same = [r for r, e in rest.items() if _gist(e) == _gist(lines[0])]
+        if outputs:  # they lost a peer that had returned: a call made on some ranks only
+            done = sorted(outputs)
+            lines.insert(
+                0,
+                f"rank{'s' if len(done) > 1 else ''} {_ranks(done)} returned from the function "
+                f"while rank {first} still waited for {'them' if len(done) > 1 else 'it'}"
+                f"{where(first)}; every rank must make the same megapar calls (prepare, "
+                f"train_step, eval_step, save, load, stragglers) and collectives, in the same "
+                f"order",
+            )
+    same = [r for r, e in rest.items() if _gist(e) == _gist(lines[-1])]
     if same:
         lines.append(f"(ranks {sorted(same)} stopped for the same reason)")
     rest = {r: e for r, e in rest.items() if r not in same}
@@ -237,6 +249,12 @@ def forget_stale_marks() -> None:
         parent = entry.name[len(_MARKS_PREFIX) :].split("-")[0]
         if parent.isdigit() and not pid_alive(int(parent)):
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """The ranks in words: 1, or 1, 2 and 3."""
+    names = [str(r) for r in ranks]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _gist(text: str) -> str:

@@ -18,6 +18,9 @@ import yaml
 
 from megapar.mesh import Layout, LayoutError
 
+ACTIVATION_NAMES = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
+"""The activations megapar's blocks implement (transformers' names; `blocks.ACTIVATIONS`)."""
+
 
 class ConfigError(ValueError):
     """A model config that is unknown or inconsistent."""
@@ -93,6 +96,12 @@ class _Base:
             raise ConfigError(f"model config: unknown key {key!r} for {cls.model_type}; {hint}")
         config = cls(**{k: v for k, v in d.items() if k in names})
         config.check_sizes()
+        for key in ("activation_function", "hidden_act"):
+            if key in names and getattr(config, key) not in ACTIVATION_NAMES:
+                raise ConfigError(
+                    f"model config: {key}={getattr(config, key)!r} is an activation megapar "
+                    f"does not implement; it implements {', '.join(ACTIVATION_NAMES)}"
+                )
         return config
 
     def check_sizes(self) -> None:
@@ -357,10 +366,11 @@ class LlamaConfig(_Base):
                 f"{layout.pp} stages (each stage needs at least one layer); "
                 f"lower --pp"
             )
-        if self.attention_bias or self.mlp_bias:
+        biased = [k for k in ("attention_bias", "mlp_bias") if getattr(self, k)]
+        if biased:
             raise ConfigError(
-                "attention_bias / mlp_bias are not supported: megapar's Llama has "
-                "no biases (as every published Llama)"
+                f"{' and '.join(f'{k}=True' for k in biased)}: not supported; megapar's Llama "
+                f"has no biases (as every published Llama): use a model without them"
             )
         rope_type = (self.rope_scaling or {}).get(
             "rope_type", (self.rope_scaling or {}).get("type")
@@ -370,7 +380,26 @@ class LlamaConfig(_Base):
                 f"rope_scaling type {rope_type!r} is not supported; megapar "
                 f"implements default, linear and llama3"
             )
+        scaling = self.rope_scaling or {}
+        needed = ROPE_SCALING_FIELDS.get(str(rope_type), ()) if scaling else ()
+        missing = [
+            k
+            for k in needed
+            if isinstance(scaling.get(k), bool) or not isinstance(scaling.get(k), (int, float))
+        ]
+        if missing:
+            raise ConfigError(
+                f"rope_scaling of type {rope_type!r} needs {', '.join(missing)} (a number; "
+                f"got {scaling}); give every one of {', '.join(needed)}, as "
+                f"transformers' {rope_type} rope_parameters has them"
+            )
 
+
+ROPE_SCALING_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+"""The numbers each rotary scaling megapar implements reads from `rope_scaling`."""
 
 ModelConfig = GPT2Config | BertConfig | LlamaConfig
 """Any megapar model config."""

@@ -22,6 +22,8 @@ ROUTER_SCORES = ("softmax", "sigmoid")
 class _MoEConfig(LlamaConfig):
     """The fields every MoE recipe has (megapar's own and transformers' common ones)."""
 
+    experts_key: ClassVar[str] = "num_local_experts"
+    """The config.json key of the routed experts, as refusals name it."""
     megapar_only: ClassVar[frozenset[str]] = frozenset(
         {
             "make_vocab_size_divisible_by",
@@ -62,6 +64,10 @@ class _MoEConfig(LlamaConfig):
     def renormalize_topk(self) -> bool:
         return True
 
+    def _why_no_moe_layer(self) -> str:
+        """What leaves every layer dense, for the refusal of a config without MoE layers."""
+        return ""
+
     @property
     def expert_size(self) -> int:
         return self.intermediate_size
@@ -91,8 +97,8 @@ class _MoEConfig(LlamaConfig):
         if self.num_experts_per_tok > self.num_local_experts:
             raise ConfigError(
                 f"num_experts_per_tok {self.num_experts_per_tok} exceeds the "
-                f"{self.num_local_experts} experts (num_local_experts); route each token to at "
-                f"most {self.num_local_experts}"
+                f"{self.num_local_experts} routed experts ({self.experts_key}); route each "
+                f"token to at most {self.num_local_experts}"
             )
         if self.moe_router_score not in ROUTER_SCORES:
             raise ConfigError(
@@ -107,7 +113,9 @@ class _MoEConfig(LlamaConfig):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} {getattr(self, name)} must be >= 0")
         if self.num_moe_layers == 0:
-            raise ConfigError("the config has no MoE layer; use a llama config instead")
+            raise ConfigError(
+                f"the config has no MoE layer{self._why_no_moe_layer()}; use a llama config instead"
+            )
 
 
 @dataclass
@@ -131,6 +139,7 @@ class Qwen3MoeConfig(_MoEConfig):
 
     model_type = "qwen3_moe"
     hf_config_class = "Qwen3MoeConfig"
+    experts_key: ClassVar[str] = "num_experts"
     moe_intermediate_size: int = 768
     """Size of each routed expert's SwiGLU."""
     decoder_sparse_step: int = 1
@@ -169,6 +178,13 @@ class Qwen3MoeConfig(_MoEConfig):
     @property
     def qk_norm(self) -> bool:
         return True
+
+    def _why_no_moe_layer(self) -> str:
+        return (
+            f" (of its {self.num_hidden_layers} layers, mlp_only_layers "
+            f"{sorted(self.mlp_only_layers)} and decoder_sparse_step {self.decoder_sparse_step} "
+            f"leave none sparse)"
+        )
 
     def validate(self, layout: Layout) -> None:
         super().validate(layout)

@@ -12,10 +12,14 @@ The norm is the L2 norm of the whole model's gradient, each parameter counted on
 - expert parameters (`megapar.expert_parallel`) differ between the ranks of an ep group: under
   ep > 1 their squares are summed apart and all-reduced over the ep group first.
 
-Each rank's sum of squares (`sum_of_squares`) is accurate to fp32 rounding whatever the tensors'
-sizes, so a gradient has the same norm however a layout shards it: torch's CPU norm kernel adds a
-tensor's squares into one running fp32 sum (pytorch/pytorch#169237), whose error grows with the
-tensor's size, so a CPU tensor is normed in pieces of `CPU_NORM_PIECE` elements.
+The squares are summed in fp64 (`sum_of_squares`), the ranks' sums all-reduced in fp64: an fp32
+square is exact in fp64 and the sum's rounding (about 1e-16 relative per addition) is far below
+fp32's, so the same gradients give the same fp32 clipping factor however they are cut into
+buckets, ZeRO slices or units, and summed in whatever order (in fp32 a change of
+`--grad-bucket-mb` moved a bf16 run's norm in the 7th digit and its loss in the 6th by step 4).
+torch's CPU norm kernel adds a tensor's squares into one running sum (pytorch/pytorch#169237),
+whose error grows with the tensor's size, so a CPU tensor is still normed in pieces of
+`CPU_NORM_PIECE` elements.
 """
 
 from __future__ import annotations
@@ -30,22 +34,35 @@ from megapar.mesh import Mesh, all_reduce
 
 CPU_NORM_PIECE = 1 << 14
 """Elements per piece of a CPU tensor whose norm `sum_of_squares` takes on its own (short
-enough for torch's CPU kernel to sum its squares to fp32 rounding)."""
+enough that torch's CPU kernel's running sum of its squares stays at its dtype's rounding)."""
 
 
 def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of the squares of every element of `tensors` (fp32, 0-d), from one foreach
-    norm over the tensors, each CPU tensor cut into pieces of at most `CPU_NORM_PIECE` elements
-    (views, no copy; CUDA reduces a whole tensor in a tree, to fp32 rounding, so its tensors go
-    whole). `tensors` must not be empty."""
-    pieces = []
-    for t in tensors:
-        t = t if t.dtype == torch.float32 else t.float()
+    """The sum of the squares of every element of `tensors` (fp64, 0-d): `squares_each`
+    summed. `tensors` must not be empty."""
+    return squares_each(tensors).sum()
+
+
+def squares_each(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's sum of the squares of its elements (fp64, one element a tensor), from one
+    foreach norm accumulated in fp64 (CUDA's fused kernel reads each tensor in its own dtype),
+    each CPU tensor cut into pieces of at most `CPU_NORM_PIECE` elements (views, no copy;
+    CUDA reduces a whole tensor in a tree, so its tensors go whole) whose squares are added
+    back in order. `tensors` must not be empty."""
+    pieces, owner = [], []
+    for i, t in enumerate(tensors):
         if t.device.type == "cpu" and t.numel() > CPU_NORM_PIECE:
-            pieces.extend(t.reshape(-1).split(CPU_NORM_PIECE))
+            cut = t.reshape(-1).split(CPU_NORM_PIECE)
+            pieces.extend(cut)
+            owner.extend([i] * len(cut))
         else:
             pieces.append(t)
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(pieces))).pow(2)
+            owner.append(i)
+    sq = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float64)).square()
+    if len(pieces) == len(tensors):
+        return sq
+    each = torch.zeros(len(tensors), dtype=torch.float64)  # CPU: index_add_ adds in order
+    return each.index_add_(0, torch.tensor(owner), sq)
 
 
 def is_counted(param: nn.Parameter, mesh: Mesh) -> bool:
@@ -68,14 +85,21 @@ def grad_norm(model: nn.Module, mesh: Mesh) -> float:
         all_reduce(experts, ep_group)
         total = total + experts
     all_reduce(total, mesh.mp_group)
-    return math.sqrt(total.item())
+    return norm_of(total)
+
+
+def norm_of(total: torch.Tensor) -> float:
+    """The norm whose all-reduced fp64 sum of squares is `total`, rounded to fp32 as torch's
+    `clip_grad_norm_` gives it for fp32 gradients (sums taken in another order round to the
+    same value; one host read)."""
+    return total.sqrt().float().item()
 
 
 def _squares(tensors: list, device) -> torch.Tensor:
     """`sum_of_squares` of these gradients, or a zero when there is none."""
     if tensors:
         return sum_of_squares([t.detach() for t in tensors])
-    return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.zeros((), dtype=torch.float64, device=device)
 
 
 @torch.no_grad()

@@ -18,7 +18,9 @@ Under expert parallelism an expert parameter (the stacked [E, ...] experts of a 
 split over the ep group by its experts, so its norms are summed over `ep_group` likewise (the
 ratio is the one process's, of the whole stacked tensor; one more all-reduce, experts' rows).
 Under ZeRO-1/2/3 (`zero.py`) a rank steps *pieces* of parameters; the optimizer sets `norms`
-to a function that sums the pieces' squares per parameter over dp (and tp) instead. Under
+to a function that sums the pieces' squares per parameter over dp (and tp) instead. The squares
+are summed in fp64 (`clip.squares_each`) and the norms rounded to fp32, so a ratio does not
+depend on how ZeRO's buckets slice its parameter. Under
 pp every parameter lives on one stage (the tied LM-head copy gets the same gradient and so the
 same ratio as the embedding), so nothing crosses pp.
 """
@@ -30,6 +32,7 @@ import torch.distributed as dist
 
 from megapar.expert_parallel import is_expert
 from megapar.mesh import group_size
+from megapar.optim.clip import squares_each
 
 
 def full_norms(
@@ -40,12 +43,10 @@ def full_norms(
     parameters in the same order)."""
     if not pairs:
         return []
-    sq = torch.stack(
-        [torch.stack([a.float().pow(2).sum(), b.float().pow(2).sum()]) for a, b in pairs]
-    )
+    sq = squares_each([x for pair in pairs for x in pair]).view(-1, 2)
     sq = _sum_where(sq, [getattr(p, "tp_dim", None) is not None for p in params], tp_group)
     sq = _sum_where(sq, [is_expert(p) for p in params], ep_group)
-    return [(float(a), float(b)) for a, b in sq.sqrt().tolist()]
+    return [(float(a), float(b)) for a, b in sq.sqrt().float().tolist()]
 
 
 def _sum_where(sq: torch.Tensor, rows: list[bool], group) -> torch.Tensor:

@@ -71,7 +71,7 @@ from torch import nn
 from megapar.data_parallel import shard_comm
 from megapar.data_parallel.buckets import slice_pieces
 from megapar.mesh import all_reduce, group_size
-from megapar.optim.clip import is_counted, sum_of_squares
+from megapar.optim.clip import is_counted, norm_of, squares_each, sum_of_squares
 from megapar.optim.optimizer import AdamWOptimizer, step_state
 
 
@@ -332,12 +332,12 @@ class ZeroOptimizer(AdamWOptimizer):
         counted = [
             _grad(t) for t, (p, _, _) in zip(self.pieces, self._piece_of) if is_counted(p, mesh)
         ]
-        total = torch.zeros((), dtype=torch.float32, device=mesh.device)
+        total = torch.zeros((), dtype=torch.float64, device=mesh.device)
         if counted:
             total = sum_of_squares(counted)
         all_reduce(total, mesh.mp_group)
         all_reduce(total, self.group)
-        norm = math.sqrt(total.item())
+        norm = norm_of(total)
         if max_norm > 0 and math.isfinite(norm) and self.pieces:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
@@ -353,11 +353,12 @@ class ZeroOptimizer(AdamWOptimizer):
         row = {id(p): i for i, p in enumerate(self.params)}
         param_of = {id(t): p for t, (p, _, _) in zip(self.pieces, self._piece_of)}
         device = self.param_buffers[next(iter(self.param_buffers))].device
-        sq = torch.zeros(len(self.params), 2, dtype=torch.float32, device=device)
+        sq = torch.zeros(len(self.params), 2, dtype=torch.float64, device=device)
         rows = [row[id(param_of[id(t)])] for t in pieces]
-        for (a, b), i in zip(pairs, rows):
-            sq[i, 0] += a.float().pow(2).sum()
-            sq[i, 1] += b.float().pow(2).sum()
+        if pairs:
+            each = squares_each([x for pair in pairs for x in pair]).view(-1, 2)
+            for k, i in enumerate(rows):  # in order (a parameter's slices are few)
+                sq[i] += each[k]
         dist.all_reduce(sq, group=self.group)
         if group_size(self.tp_group) > 1:
             sharded = torch.tensor(
@@ -366,7 +367,7 @@ class ZeroOptimizer(AdamWOptimizer):
             summed = torch.where(sharded, sq, torch.zeros_like(sq))
             dist.all_reduce(summed, group=self.tp_group)
             sq = torch.where(sharded, summed, sq)
-        norms = sq.sqrt().tolist()
+        norms = sq.sqrt().float().tolist()
         return [(norms[i][0], norms[i][1]) for i in rows]
 
     # checkpoints ----------------------------------------------------------------------------

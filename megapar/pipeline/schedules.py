@@ -298,9 +298,8 @@ def dualpipev(pp: int, m: int, stage: int) -> list[Action]:
     if m < 2 * pp:
         raise ValueError(
             f"DualPipeV needs at least 2 x pp = {2 * pp} micro-batches (one per "
-            f"virtual stage), got m = {m}; use more micro-batches (megapar-train: "
-            f"a larger --global-batch-size; megapar-bubble: -m) or --schedule "
-            f"zb-v, which takes any m"
+            f"virtual stage), got m = {m}; use more micro-batches, or the zb-v schedule, "
+            f"which takes any m"
         )
     return _with_comms(_dualpipev_order(pp, m, stage), pp, stage, 2, "v")
 

@@ -54,7 +54,9 @@ class Candidate:
     pp: int = 1
     """Pipeline stages."""
     dp: int = 1
-    """Data-parallel replicas."""
+    """Data-parallel replicas; 0 where none fills the GPUs (`parse_candidate` of a layout that
+    names no dp, for --gpus that tp x cp x pp does not divide): `check` refuses it, `label`
+    names no dp."""
     mbs: int = 1
     """Micro-batch size (sequences)."""
     schedule: str = "1f1b"
@@ -94,9 +96,8 @@ class Candidate:
         )
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
-        return f"tp{self.tp}{cp} pp{self.pp} dp{self.dp}{ep} mbs{self.mbs} {sched} " + " ".join(
-            extras
-        )
+        dp = f" dp{self.dp}" if self.dp else ""
+        return f"tp{self.tp}{cp} pp{self.pp}{dp}{ep} mbs{self.mbs} {sched} " + " ".join(extras)
 
     def spec(self) -> str:
         """The --explain syntax for this candidate."""
@@ -136,7 +137,8 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
     """`tp=8,cp=2,pp=16,mbs=1,schedule=interleaved,v=2,recompute=selective,sp=1,zero=1`
     (also `ep=8`, `zero=3,offload=both,keep_params=1,zero3_reduce=micro-batch`; offload one of
-    `OFFLOADS`); dp defaults to gpus / (tp cp pp), v to 2 for the V schedules (zb-v,
+    `OFFLOADS`); dp defaults to gpus / (tp cp pp) (0 where that is not a whole number: no dp
+    fills the GPUs), v to 2 for the V schedules (zb-v,
     dualpipev: two chunks per rank, as megapar-train places them). ValueError naming the bad
     item otherwise."""
     fields = {f.name: f.type for f in dataclasses.fields(Candidate)}
@@ -191,7 +193,7 @@ def parse_candidate(text: str, gpus: int | None = None) -> Candidate:
         )
     if "dp" not in values and gpus:
         split = values.get("tp", 1) * values.get("cp", 1) * values.get("pp", 1)
-        values["dp"] = max(1, gpus // split) if split > 0 else 1  # `check` names a remainder
+        values["dp"] = 0 if gpus % split else gpus // split  # 0: `check` names the remainder
     if "v" not in values and placement_of(values.get("schedule", "1f1b")) == "v":
         values["v"] = 2
     return Candidate(**values)
@@ -209,7 +211,12 @@ def model_refusal(c: Candidate, config) -> str | None:
 
 def check(c: Candidate, p: Problem) -> str | None:
     """Why candidate `c` cannot run for problem `p` (its model, GPUs, GPUs per node, global
-    batch and sequence length; one sentence naming the fix), or None if it can."""
+    batch and sequence length; one sentence naming the fix), or None if it can; for dp 0 (no
+    dp fills the GPUs) that, and the model's own reason if it has one."""
+    if c.dp == 0:
+        grid = _grid_refusal(c, p.gpus, p.gpus_per_node)  # the model's reason reads no dp
+        model = model_refusal(dataclasses.replace(c, dp=1), p.config)
+        return "; ".join(r for r in (grid, model) if r)
     return model_refusal(c, p.config) or _option_refusal(c, p)
 
 
@@ -234,13 +241,18 @@ def _expert_refusal(c: Candidate, config) -> str | None:
     experts = getattr(config, "num_local_experts", 0) if getattr(config, "num_moe_layers", 0) else 0
     if not experts:
         return f"ep {c.ep} needs a mixture-of-experts model (this one has no routed experts)"
-    if c.dp * c.cp % c.ep:
+    ranks = c.dp * c.cp
+    sizes = [e for e in range(1, ranks + 1) if ranks % e == 0 and experts % e == 0]
+    fix = (
+        f"use ep={', '.join(map(str, sizes[:-1]))} or {sizes[-1]}" if len(sizes) > 1 else "use ep=1"
+    ) + f" (each divides dp x cp = {ranks} and the {experts} experts)"
+    if ranks % c.ep:
         return (
-            f"ep {c.ep} does not divide dp x cp = {c.dp * c.cp}: experts are sharded over dp x "
-            f"cp ranks"
+            f"ep {c.ep} does not divide dp x cp = {ranks}: experts are sharded over dp x cp "
+            f"ranks; {fix}"
         )
     if experts % c.ep:
-        return f"ep {c.ep} does not divide the {experts} experts; choose a divisor of them"
+        return f"ep {c.ep} does not divide the {experts} experts; {fix}"
     return None
 
 
@@ -262,6 +274,11 @@ def _grid_refusal(c: Candidate, gpus: int, gpus_per_node: int) -> str | None:
             ("tp*cp*pp", f"{c.tp}*{c.cp}*{c.pp}") if c.cp > 1 else ("tp*pp", f"{c.tp}*{c.pp}")
         )
         split = c.tp * c.cp * c.pp
+        if c.dp == 0:
+            return (
+                f"--gpus {gpus} is not a multiple of {names} = {sizes} = {split}, so no dp fills "
+                f"them; choose sizes whose product divides {gpus}"
+            )
         why = (
             f": {names} = {split} does not divide {gpus}, so no dp fills it" if gpus % split else ""
         )

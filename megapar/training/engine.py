@@ -13,6 +13,7 @@ Every rank calls every method together (they are collective).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -308,6 +309,12 @@ class Engine:
         one at the loss scale's floor, raise, as in megapar-train. With "skip" the non-finite
         loss is returned.
         """
+        if self.scheduler is not None and "initial_lr" in self.optimizer.param_groups[0]:
+            raise ValueError(  # torch's LRScheduler sets initial_lr; the same on every rank
+                "train_step: engine.optimizer has a torch LR scheduler, but "
+                "megapar.prepare(lr_schedule=...) sets the learning rate at every step, "
+                "overriding it; use one of them: drop lr_schedule= or the torch scheduler"
+            )
         if self.saver is not None:  # a background save's outcome, agreed by every rank
             self.saver.poll()
         result = self.run_step(self.split(self._checked(batch, "train_step")))
@@ -377,6 +384,12 @@ class Engine:
         at every step whether the write is done (and raises on every rank if it failed);
         `wait_save` waits for it (and a write still in flight when the process's work ends is
         waited for before it exits: `megapar.launch`'s workers, torchrun's ranks)."""
+        _check_path("engine.save", path)
+        if extra is not None and not isinstance(extra, dict):
+            raise TypeError(
+                f"engine.save(extra=...) takes a dict of JSON-able values (e.g. "
+                f"{{'sched': sched.state_dict()}}), got a {type(extra).__name__}"
+            )
         meta = checkpoint_meta(self, extra)
         set_action(f"saving the checkpoint of step {self.step} to {path}")
         if self.saver is not None:
@@ -472,6 +485,7 @@ class Engine:
         (any layout: resharded on load). Returns the checkpoint's `LoadedState` (its `.meta`
         holds what `save(extra=...)` stored)."""
 
+        _check_path("engine.load", path)
         with self.params_whole():  # ZeRO-3: loaded into the gathered units
             state = load_checkpoint(path, self.model, self.mesh)
         if state.optim_tensors:
@@ -487,7 +501,7 @@ class Engine:
         self,
         path: str | Path,
         tokenizer=None,
-        dtype: str | None = None,
+        dtype: str | torch.dtype | None = None,
         allow_other_tokenizer: bool = False,
     ) -> Path:
         """Write config.json + model.safetensors into `path` (GPT2LMHeadModel /
@@ -497,9 +511,12 @@ class Engine:
         the engine's (megapar-train's data tokenizer; with none, a warning and no tokenizer);
         a `tokenizer` whose files are not those of the engine's is refused unless
         `allow_other_tokenizer`.
-        `dtype`: float32, bfloat16 or float16 (default: the dtype of the transformers model
-        given to `prepare`, else float32). Replaces those files, leaves anything else there
-        alone. Collective; rank 0 writes (`training.export`)."""
+        `dtype`: float32, bfloat16 or float16, as a name or a torch.dtype (default: the dtype
+        of the transformers model given to `prepare`, else float32). Replaces those files,
+        leaves anything else there alone. Collective; rank 0 writes (`training.export`)."""
+        _check_path("engine.export_hf", path)
+        if isinstance(dtype, torch.dtype):  # as transformers' from_pretrained(dtype=) takes it
+            dtype = str(dtype).removeprefix("torch.")
         path = export_engine(self, path, tokenizer, dtype, allow_other_tokenizer)
         _returned("engine.export_hf")
         return path
@@ -512,6 +529,16 @@ class Engine:
     def set_rng_state(self, rng: dict[str, torch.Tensor]) -> None:
         """Restore an `rng_state`."""
         set_rng_state(self.model, self.mesh.device, rng)
+
+
+def _check_path(call: str, path) -> None:
+    """TypeError in one line (on every rank, before any collective) unless `path` is a
+    directory's path: a str or an os.PathLike."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"{call}(path): path must be a directory's path, a str or a pathlib.Path, got "
+            f"{type(path).__name__} {path!r:.60}"
+        )
 
 
 def _returned(call: str) -> None:

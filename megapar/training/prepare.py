@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
-from megapar.device import DEFAULT_TIMEOUT_S
+from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
 from megapar.faults.status import set_action, set_step
 from megapar.launcher import launched_world_size
 from megapar.mesh import LayoutError, Mesh, same_on_all_ranks
@@ -77,27 +77,13 @@ def _check_same_weights(model, mesh: Mesh) -> None:
 
 
 def _check_sharding(cfg: TrainConfig) -> None:
-    """zero / offload_params / offload_optimizer: what megapar-train refuses, in the API's
-    terms (ValueError naming the keyword arguments)."""
+    """zero: a ZeRO stage (ValueError naming the keyword argument); what megapar-train refuses
+    of its combinations (offload_params, the zero3_* options) `check_zero3` checks."""
     if cfg.zero not in (0, 1, 2, 3):
         raise ValueError(
             f"megapar.prepare: zero={cfg.zero!r} is not a ZeRO stage; use 0 (no "
             f"sharding), 1 (optimizer state sharded over data-parallel ranks), 2 "
             f"(gradients too) or 3 (parameters too)"
-        )
-    if cfg.offload_params and cfg.zero != 3:
-        raise ValueError(
-            f"megapar.prepare: offload_params=True needs zero=3 (it keeps the "
-            f"parameter shards in host memory; zero={cfg.zero} keeps whole "
-            f"parameters on the device): pass zero=3 and offload_optimizer=True, "
-            f"or use offload_optimizer=True alone"
-        )
-    if cfg.offload_params and not cfg.offload_optimizer:
-        raise ValueError(
-            "megapar.prepare: offload_params=True needs offload_optimizer=True (the "
-            "host-held parameter shards are the weights the optimizer steps, so it "
-            "steps on the host too, as DeepSpeed's offload_param with "
-            "offload_optimizer): pass offload_optimizer=True"
         )
 
 
@@ -144,6 +130,9 @@ def prepare(
     compile=True torch.compiles each transformer block (`--compile`); sequence_parallel=True
     (tp > 1) splits the sequence between the tp regions, sp_regather=True with it keeps only
     the sequence slice of the column-parallel inputs for the backward (`--sp-regather`).
+    timeout_s: how long any wait on other ranks may last (default: $MEGAPAR_TIMEOUT_S or
+    300 s), the world group's too on gloo (a rank stalled in your loop's own code is then named
+    after that long, not the launcher's default).
     on_nonfinite: a step whose loss or gradients are not finite is never applied (weights and
     optimizer state stay as they were); "raise" (default): `train_step` raises
     `megapar.faults.stop.NonFiniteError` on every rank, naming the step and what was not
@@ -198,6 +187,7 @@ def prepare(
         )
     check_fp8(cfg)  # Fp8Error (a ValueError): torchao, a GPU with FP8 or fp8_emulate=True
     _check_world(cfg)
+    bound_world_waits(cfg.timeout_s)  # the launcher's world group: prepare's timeout too
     lr_schedule = _lr_scheduler(lr_schedule, cfg)
     set_action("megapar.prepare: building the engine (mesh, model stage, optimizer)")
     engine = Engine(cfg, config, scheduler=lr_schedule, on_nonfinite=on_nonfinite)

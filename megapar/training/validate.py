@@ -209,13 +209,6 @@ def _check_combinations(cfg) -> None:
         raise UsageError(str(exc)) from None
     check_unused(cfg, given)
     check_optimizer_sharding(cfg)  # ZeRO 1/2 with compression, LAMB / LARS offloaded
-    if cfg.offload_params and cfg.zero != 3:
-        alone = "" if cfg.offload_optimizer else ", or use --offload-optimizer"
-        raise UsageError(
-            f"--offload-params needs --zero 3 (it keeps the parameter shards in "
-            f"host memory; --zero {cfg.zero} keeps whole parameters on the device): "
-            f"add --zero 3{alone}"
-        )
     rehearsal = [
         name
         for name in ("world_size", "gpus_per_node", "dry_run_ranks", "json")

@@ -44,7 +44,9 @@ def check_optimizer_sharding(cfg, keyword: str | None = None) -> None:
 
 
 def check_zero3(cfg, keyword: str | None = None) -> None:
-    """What --zero 3 cannot serve yet: one line naming the combination and what to use.
+    """What --zero 3 cannot serve yet, and the options only it serves (--offload-params, which
+    also needs --offload-optimizer; the --zero3-* options): one line naming the combination and
+    what to use; the one place these are checked, for megapar-train and `megapar.prepare`.
     `keyword`: the function whose keywords the settings are (e.g. "megapar.prepare"): the
     line then names them as `name=value` instead of by their flags."""
     term = _terms(keyword)
@@ -65,6 +67,17 @@ def check_zero3(cfg, keyword: str | None = None) -> None:
         raise UsageError(
             f"{where}{term('zero3_persistence_threshold')} only applies to {zero3}; add "
             f"{zero3} or drop it"
+        )
+    params, optimizer = term("offload_params", True), term("offload_optimizer", True)
+    if cfg.offload_params and cfg.zero != 3:
+        fix = (
+            f"add {zero3}, or drop {params}"
+            if cfg.offload_optimizer
+            else f"add {zero3} and {optimizer}, or use {optimizer} alone"
+        )
+        raise UsageError(
+            f"{where}{params} needs {zero3} (it keeps the parameter shards in host memory; "
+            f"{term('zero', cfg.zero)} keeps whole parameters on the device): {fix}"
         )
     if cfg.zero3_persistence_threshold < 0:
         raise UsageError(
@@ -88,10 +101,9 @@ def check_zero3(cfg, keyword: str | None = None) -> None:
         )
     if cfg.offload_params and not cfg.offload_optimizer:
         raise UsageError(
-            f"{where}{term('offload_params')} needs {term('offload_optimizer')} (the "
-            f"host-held parameter shards are the weights the optimizer steps, so it steps on "
-            f"the host too, as DeepSpeed's offload_param with offload_optimizer): add "
-            f"{term('offload_optimizer', True)}"
+            f"{where}{params} needs {optimizer} (the host-held parameter shards are the weights "
+            f"the optimizer steps, so it steps on the host too, as DeepSpeed's offload_param "
+            f"with offload_optimizer): add {optimizer}"
         )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, config_from_dict
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.bubble import bench_config
+from megapar.training.config import TrainConfig
 from megapar.training.data import is_megatron, missing_files
 from megapar.training.eval_text import (
     check_text_options,
@@ -60,10 +62,7 @@ def check_eval_args(args) -> dict:
     if args.data and args.seq_len is None:  # the checkpoint's, as megapar-train --load takes it
         args.seq_len = ((manifest.get("meta") or {}).get("train_config") or {}).get("seq_len")
         if args.seq_len is None:
-            raise UsageError(
-                f"--data needs --seq-len: --load {args.load} records no sequence "
-                f"length (it was not trained by megapar-train); give --seq-len N"
-            )
+            args.seq_len = untrained_seq_len(args.load, positions)
     if args.seq_len and args.seq_len > positions:
         raise UsageError(
             f"--seq-len {args.seq_len} exceeds the model's {positions} positions; lower --seq-len"
@@ -132,6 +131,25 @@ def _how_to_write_ids(path: str, head: bytes) -> str:
         )
         return f"convert it with: {shlex.join(['python3', '-c', code])}"
     return "write one with np.save('ids.npy', np.asarray(ids, dtype=np.int64))"
+
+
+def untrained_seq_len(load: str, positions: int) -> int:
+    """--seq-len for a checkpoint that records none (imported by megapar-convert --from-hf, not
+    trained by megapar-train): megapar-train's default, capped at the model's `positions` as
+    megapar-train caps it; said on stderr."""
+    default = TrainConfig.seq_len
+    seq_len = min(default, positions)
+    why = (
+        f"the model's {positions} positions (megapar-train's default {default}, capped at them)"
+        if seq_len < default
+        else f"megapar-train's default {default}"
+    )
+    print(
+        f"megapar-eval: --seq-len not given and --load {load} records none (it was not trained "
+        f"by megapar-train): using {why}; give --seq-len N for another",
+        file=sys.stderr,
+    )
+    return seq_len
 
 
 def load_input_ids(path: str, mmap: bool = False) -> np.ndarray:
