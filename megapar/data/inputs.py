@@ -61,8 +61,7 @@ def read_text(path: str, allow_invalid_utf8: bool = False, report: dict | None =
     unless allowed, and for a text that starts with a UTF-16 / UTF-32 byte-order mark."""
     with open(path, "rb") as f:
         raw = f.read()
-    check_not_wide(path, raw[:4])
-    check_not_binary(path, raw[:BINARY_PROBE])  # a directory's .txt, found by its name
+    check_is_text(path, raw[:BINARY_PROBE])  # a directory's .txt, found by its name
     raw = raw.removeprefix(BOM)  # not text: no tokens for it
     text = normalize_newlines(raw.decode("utf-8", errors="surrogateescape"))
     bad = len(_ESCAPED.findall(text))
@@ -148,6 +147,16 @@ def check_not_binary(path: str, head: bytes | None = None) -> None:
     )
 
 
+def check_is_text(path: str, head: bytes | None = None) -> None:
+    """`check_not_wide` and `check_not_binary` of file `path` from one read of its first
+    `BINARY_PROBE` bytes (`head`, if already read)."""
+    if head is None:
+        with open(path, "rb") as f:
+            head = f.read(BINARY_PROBE)
+    check_not_wide(path, head[:4])
+    check_not_binary(path, head)
+
+
 def _bzip2(head: bytes) -> bool:
     """Whether `head` (starting "BZh") is a bzip2 stream's: a block size digit, then the
     block magic (a text may start with "BZh")."""
@@ -179,8 +188,7 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
                     f"on it)"
                 )
             if not path.endswith(".parquet"):  # its name is no promise of text
-                check_not_wide(path)
-                check_not_binary(path)
+                check_is_text(path)
             files.append(path)
         else:
             raise FileNotFoundError(
