@@ -122,9 +122,10 @@ def test_plan_offers_cp_for_long_sequences_and_checks_the_split(capsys):
     config = GPT2Config(n_layer=4, n_head=16, n_embd=1024)
     c = parse_candidate("tp=2,cp=4", 8)
     assert c.dp == 1 and parse_candidate(c.spec()) == c
-    assert "not divisible by 8: --cp 4" in check(c, config, 8, 8, 16, 100)
-    assert check(c, config, 8, 8, 16, 128) is None
-    assert check(parse_candidate("cp=2,zero=1", 2), config, 2, 8, 16, 128) is None
+    assert "not divisible by 8: --cp 4" in check(c, Problem(config, 8, global_batch=16, seq_len=100))
+    assert check(c, Problem(config, 8, global_batch=16, seq_len=128)) is None
+    assert check(parse_candidate("cp=2,zero=1", 2),
+                 Problem(config, 2, global_batch=16, seq_len=128)) is None
 
 
 def test_bubble_measures_a_pipeline_of_cp_ranks(capsys):

@@ -13,6 +13,7 @@ from megapar.dryrun import dry_run, parse_ranks, sample_ranks
 from megapar.dryrun.measure import measured_rank
 from megapar.mesh import Layout
 from megapar.models.recipes import resolve_model
+from megapar.plan.params import StageLayout
 from megapar.plan.state import rank_state
 from megapar.training.config import TrainConfig
 
@@ -102,14 +103,12 @@ def test_planner_bytes_equal_the_dry_run_at_scale(recipe, tp, pp, dp, schedule, 
                       global_batch_size=dp * pp * 2, schedule=schedule, virtual_stages=v,
                       zero=zero, precision="bf16")
     from megapar.dryrun.rank import zero3_casts
-    from megapar.plan.state import Offload
 
     # in bf16 ZeRO-1 lays the blocks' linear weights out in buckets of their own (their
     # all-gather is 16-bit): the planner's casts say so
-    offload = Offload(casts=zero3_casts(cfg))
     for r in dry_run(cfg, config, layout, ranks):
-        planned = rank_state(config, tp, pp, v, r.pp_rank, dp, r.dp_rank, zero,
-                             offload=offload)
+        planned = rank_state(StageLayout.of(config, tp=tp, pp=pp, v=v, stage=r.pp_rank, dp=dp,
+                                            zero=zero, casts=zero3_casts(cfg)), r.dp_rank)
         assert (planned.params, planned.weights, planned.grads, planned.optimizer) == (
             r.params, r.weights, r.grads, r.optimizer), f"rank {r.rank}"
 
@@ -520,8 +519,10 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
             "expert dp" if group == EXPERTS else "dp": {
                 op: {"count": n, "bytes": int(b)} for op, n, b in ops}
             for group, ops in groups_traffic(
-                zero_traffic(config, c.tp, c.pp, c.v, r.pp_rank, c.dp, c.zero,
-                             problem.grad_bucket_mb, placement_of(c.schedule), ep=c.ep),
+                zero_traffic(StageLayout.of(config, tp=c.tp, pp=c.pp, v=c.v, stage=r.pp_rank,
+                                            placement=placement_of(c.schedule), ep=c.ep,
+                                            dp=c.dp, zero=c.zero,
+                                            bucket_mb=problem.grad_bucket_mb)),
                 c.zero, m, c.pp, c.keep_params, c.zero3_reduce == "micro-batch",
                 w_reported(c.schedule, c.pp, m, c.v)).items()}
         # at dp 2 x ep 2 the expert-data-parallel group is one rank: ZeRO-3 keeps the experts'
@@ -533,8 +534,8 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
         assert counted == planned, r.rank
         if c.zero == 3:
             assert 0 < r.gathered <= r.params * 4 and r.weights == r.grads < r.params * 4 / 1.9
-            whole = rank_state(config, 1, c.pp, 1, r.pp_rank, c.dp, r.dp_rank, 3,
-                               ep=c.ep).grad_buffers
+            whole = rank_state(StageLayout.of(config, pp=c.pp, stage=r.pp_rank, ep=c.ep,
+                                              dp=c.dp, zero=3), r.dp_rank).grad_buffers
             held_whole = m > 1 and c.zero3_reduce == "step"
             assert r.grad_buffers == whole if held_whole else r.grad_buffers <= whole, r.rank
             fewer.append(r.grad_buffers < whole)
@@ -547,15 +548,12 @@ def test_plan_verify_equals_the_real_zero_2_and_3(spec, global_batch):
 def test_zero_3_persistence_threshold_in_the_plan_equals_the_dry_run():
     """--zero3-persistence-threshold: the plan's persistent unit (norms and biases) and the
     real one hold the same shards, state and gathered peak."""
-    from megapar.plan.state import Offload, rank_state
-
     config = resolve_model("gpt2-tiny")
     cfg = TrainConfig(dp=2, seq_len=16, micro_batch_size=2, global_batch_size=8, zero=3,
                       zero3_persistence_threshold=1000)
     for r in dry_run(cfg, config, Layout(1, 1, 2)):
-        planned = rank_state(config, 1, 1, 1, 0, 2, r.dp_rank, 3,
-                             offload=Offload(persist_below=1000))
-        default = rank_state(config, 1, 1, 1, 0, 2, r.dp_rank, 3)
+        planned = rank_state(StageLayout.of(config, dp=2, zero=3, persist_below=1000), r.dp_rank)
+        default = rank_state(StageLayout.of(config, dp=2, zero=3), r.dp_rank)
         assert (planned.weights, planned.grads, planned.optimizer, planned.gathered) == (
             r.weights, r.grads, r.optimizer, r.gathered)
         assert planned.gathered > default.gathered and not r.modelled
@@ -723,7 +721,7 @@ def test_plan_verify_holds_expert_parallelism():
     assert (v.ranks, v.error, v.differences, v.note) == (1, "", [], "")
     v = verify_layout(problem, parse_candidate("tp=1,pp=1,dp=2,cp=2,ep=2,mbs=1,zero=1", 4), [2])
     assert (v.ranks, v.error, v.differences, v.note) == (1, "", [], "")
-    ep2, ep1 = (rank_state(config, 1, 1, 1, 0, 4, 3, 1, ep=ep) for ep in (2, 1))
+    ep2, ep1 = (rank_state(StageLayout.of(config, dp=4, zero=1, ep=ep), 3) for ep in (2, 1))
     assert ep2.params < ep1.params < 2 * ep2.params and ep2.weights < ep1.weights
     # ZeRO-1 over dp 4: a quarter of the dense state; half the experts, sliced over 2 ranks
     assert ep2.optimizer != ep1.optimizer

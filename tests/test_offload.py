@@ -327,7 +327,7 @@ def test_the_gathered_peak_holds_the_staging_shard_of_an_offloaded_gather_in_fli
     from megapar.dryrun import dry_run
     from megapar.dryrun.measure import measured_rank
     from megapar.models.recipes import resolve_model
-    from megapar.plan.params import stage_tensors, stage_units
+    from megapar.plan.params import StageLayout, stage_tensors, stage_units
     from megapar.plan.state import Offload, rank_state
     from megapar.plan.zero3_peaks import gathered_peak
 
@@ -338,11 +338,11 @@ def test_the_gathered_peak_holds_the_staging_shard_of_an_offloaded_gather_in_fli
     monkeypatch.setattr(ShardedParams, "HOST_PIECE_MB", 2.0**40)
     real = run_local(measured_rank, 2, cfg.to_dict(), config.to_dict(), 1)
     dry = dry_run(cfg, config, Layout(1, 1, 2), [0, 1])
-    planned = rank_state(config, 1, 1, 1, 0, 2, 0, 3, offload=Offload(True, True)).gathered
+    planned = rank_state(StageLayout.of(config, dp=2, zero=3), 0, Offload(True, True)).gathered
     assert [r.gathered for r in dry] == [m["gathered"] for m in real] == [planned] * 2
     # without the staging shard: the units' fp32 buffers alone, as all three counted them
-    specs = stage_units(config, 1, 1, 1, 0)
-    tensors = stage_tensors(config, 1, 1, 1, 0)
+    specs = stage_units(StageLayout.of(config))
+    tensors = stage_tensors(StageLayout.of(config))
     full = [-(-sum(tensors[i].numel for i in u.tensors) // 2) * 2 * 4 for u in specs]
     shard = max(n // 2 for u, n in zip(specs, full) if u.kind == "block")
     assert shard == 99_968 and planned == gathered_peak(specs, full, False) + shard

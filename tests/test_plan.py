@@ -61,7 +61,7 @@ def test_stage_params_equal_whole_stages_built_on_meta(recipe, tp, pp):
     ("bert-tiny", 1, 2, 2, "v")])
 def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp, v, placement):
     from megapar.pipeline.partition import build_stage
-    from megapar.plan.params import stage_params, stage_tensors
+    from megapar.plan.params import StageLayout, stage_params, stage_tensors
 
     config = resolve_model(recipe)
     layout = Layout(tp, pp, 1)
@@ -70,8 +70,8 @@ def test_stage_tensors_list_the_built_stages_parameters_in_order(recipe, tp, pp,
                             init=False, virtual_stages=v, placement=placement)
         built = [(p.numel(), p.dtype, bool(getattr(p, "shared_embedding", False)),
                   hasattr(p, "tied_to")) for p in model.parameters()]
-        planned = [(t.numel, t.dtype, t.shared, t.tied) for t in stage_tensors(config, tp, pp, v,
-                                                                               stage, placement)]
+        at = StageLayout.of(config, tp=tp, pp=pp, v=v, stage=stage, placement=placement)
+        planned = [(t.numel, t.dtype, t.shared, t.tied) for t in stage_tensors(at)]
         assert planned == built
         if tp == 1:  # stage_params counts tp rank 0's (the vocabulary padding on the last)
             assert stage_params(config, tp, pp, v, placement)[stage] == \
@@ -251,7 +251,7 @@ def test_invalid_layouts_are_rejected_with_the_reason(spec, gpus, reason):
     config = GPT2Config(n_layer=4, n_head=16, n_embd=1024)
     c = parse_candidate(spec, gpus)
     seq_len = 99 if "sp=1" in spec else 128
-    assert reason in check(c, config, gpus, 8, 16, seq_len)
+    assert reason in check(c, Problem(config, gpus, global_batch=16, seq_len=seq_len))
     assert parse_candidate(c.spec()) == c
 
 
@@ -259,14 +259,15 @@ def test_a_size_below_1_is_named_invalid():
     """check() names a size below 1; --explain refuses it as a bad value before (exit 2)."""
     config = GPT2Config(n_layer=4, n_head=16, n_embd=1024)
     assert "micro-batch size 0 is invalid: it is sequences per micro-batch, >= 1" in check(
-        Candidate(mbs=0), config, 1, 8, 16, 128)
+        Candidate(mbs=0), Problem(config, 1, global_batch=16, seq_len=128))
     with pytest.raises(ValueError, match="mbs=0 is invalid: mbs is a size, >= 1"):
         parse_candidate("mbs=0", 1)
 
 
 def test_an_ep_below_1_is_named_invalid_not_a_dense_model():
     # it said "ep 0 needs a mixture-of-experts model (this one has no routed experts)" to Mixtral
-    reason = check(Candidate(dp=4, ep=0), resolve_model("mixtral-tiny"), 4, 8, 16, 64)
+    reason = check(Candidate(dp=4, ep=0),
+                   Problem(resolve_model("mixtral-tiny"), 4, global_batch=16, seq_len=64))
     assert reason == "ep 0 is invalid: it is the ranks the experts are sharded over, >= 1"
     with pytest.raises(ValueError, match="ep=0 is invalid: ep is a size, >= 1"):
         parse_candidate("ep=0", 4)  # --explain ep=0: one line, exit 2
@@ -286,7 +287,7 @@ def test_interleaved_layouts_follow_megapar_trains_rules():
                            (5, 1, 2, False),    # m = 5 at pp 2: rounds of 2 do not divide it
                            (8, 1, 6, False)]:   # 12 chunks for 10 layers
         c = Candidate(pp=2, mbs=mbs, schedule="interleaved", v=v)
-        reason = check(c, config, 2, 8, gb)
+        reason = check(c, Problem(config, 2, global_batch=gb))
         if ok:
             assert reason is None, reason
             check_schedule("interleaved", 2, gb // mbs, v)   # megapar-train's own check passes
@@ -646,12 +647,12 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
     units are ShardedParams': each block, the word embedding with the final norm (the root unit:
     the head reads the tied embedding), the position embedding; the peak holds those two with a
     block and the next one prefetched."""
-    from megapar.plan.params import stage_tensors, stage_units
+    from megapar.plan.params import StageLayout, stage_tensors, stage_units
     from megapar.plan.state import Offload, rank_state
 
     config, r = resolve_model("gpt2-124m"), 8
     n = stage_params(config, 1, 1)[0]
-    held = {z: rank_state(config, 1, 1, 1, 0, r, 0, z) for z in range(4)}
+    held = {z: rank_state(StageLayout.of(config, dp=r, zero=z), 0) for z in range(4)}
     for z, (weights, grads, optim) in {0: (4, 4, 8), 1: (4, 4, 8 / r), 2: (4, 4 / r, 8 / r),
                                        3: (4 / r, 4 / r, 8 / r)}.items():
         h = held[z]
@@ -660,8 +661,8 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
         assert h.optimizer == pytest.approx(optim * n, rel=1e-4), z
     assert held[2].weights == held[1].weights and held[2].optimizer == held[1].optimizer
     assert held[3].weights == held[3].grads  # every parameter sharded (threshold 0)
-    tensors = stage_tensors(config, 1, 1, 1, 0)
-    units = stage_units(config, 1, 1, 1, 0)
+    tensors = stage_tensors(StageLayout.of(config))
+    units = stage_units(StageLayout.of(config))
     assert sorted(i for u in units for i in u.tensors) == list(range(len(tensors)))
     assert [u.kind for u in units] == ["block"] * config.num_layers + ["embedding", "root"]
     assert [tensors[i].numel for i in units[-2].tensors] == [config.n_positions * 768]
@@ -669,14 +670,14 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
     assert held[3].gathered == full[-1] + full[-2] + 2 * full[0]
     assert held[0].gathered == held[2].gathered == 0
     # a persistence threshold: the norms and biases in one unit, gathered (and sharded) too
-    persist = rank_state(config, 1, 1, 1, 0, r, 0, 3, offload=Offload(persist_below=100_000))
-    units = stage_units(config, 1, 1, 1, 0, persist_below=100_000)
+    persist = rank_state(StageLayout.of(config, dp=r, zero=3, persist_below=100_000), 0)
+    units = stage_units(StageLayout.of(config, persist_below=100_000))
     small = [i for i, t in enumerate(tensors) if t.numel < 100_000]
     assert units[-1].kind == "persistent" and list(units[-1].tensors) == small
     assert persist.weights == pytest.approx(held[3].weights, rel=1e-4)
     assert persist.gathered > held[3].gathered - 2 * sum(4 * tensors[i].numel for i in small)
     # offload: the state and the stepped tensors' host copies move to the host
-    off = rank_state(config, 1, 1, 1, 0, r, 0, 3, offload=Offload(True, True))
+    off = rank_state(StageLayout.of(config, dp=r, zero=3), 0, Offload(True, True))
     steps = off.optimizer - off.master  # master and gradient copies: the moments' size
     assert 0 < steps <= 4 * len(tensors) + 4 * len(units) and steps % 4 == 0
     assert off.host == off.optimizer + off.master + off.weights
@@ -687,17 +688,17 @@ def test_zero_stages_hold_the_paper_s_bytes_per_parameter():
     # end only the embedding unit; one micro-batch makes the root's gradient buffer at the top
     assert (held[3].gathered_top, held[3].gathered_end) == (full[-1] + full[0], full[-2])
     assert held[3].grad_buffers_top == sum(full)  # Offload's default: the whole gradients
-    one = rank_state(config, 1, 1, 1, 0, r, 0, 3, offload=Offload(whole_grads=False))
+    one = rank_state(StageLayout.of(config, dp=r, zero=3), 0, Offload(whole_grads=False))
     assert one.grad_buffers_top == full[-1] < one.grad_buffers < sum(full)
     # mixtral-tiny at dp 4 x ep 2: each block's experts a unit of their own after it, padded
     # to the expert-data-parallel group's 2 ranks, gathered with it
     moe = resolve_model("mixtral-tiny")
-    units, tensors = stage_units(moe, 1, 1, 1, 0, ep=2), stage_tensors(moe, 1, 1, 1, 0, ep=2)
+    units, tensors = stage_units(StageLayout.of(moe, ep=2)), stage_tensors(StageLayout.of(moe, ep=2))
     assert [u.kind for u in units] == ["block", "experts"] * 4 + ["embedding", "root"]
     assert all(tensors[i].expert == u.led for u in units for i in u.tensors)
     full = [-(-sum(tensors[i].numel for i in u.tensors) // (2 if u.led else 4)) * (2 if u.led
             else 4) * 4 for u in units]
-    held = rank_state(moe, 1, 1, 1, 0, 4, 3, 3, ep=2)
+    held = rank_state(StageLayout.of(moe, dp=4, zero=3, ep=2), 3)
     assert held.gathered == full[-1] + full[-2] + sum(full[:4])
     assert held.gathered_top == full[-1] + full[6] + full[7]
 
@@ -729,14 +730,15 @@ def test_zero_layout_strings_parse_and_are_checked():
         (4, 3, True, True, True)
     assert parse_candidate(c.spec(), 8) == c and "zero3 keep offload=both" in c.label()
     config = resolve_model("gpt2-tiny")
-    assert check(c, config, 8, 8, 32, 64) is None
+    p = Problem(config, 8, global_batch=32, seq_len=64)
+    assert check(c, p) is None
     for spec, reason in (("zero=2,offload=both", "needs zero 3"),
                          ("zero=3,offload_params=1", "needs the optimizer's too (offload=both"),
                          ("zero=2,keep_params=1", "keep_params needs zero 3"),
                          ("zero=4", "the planner models ZeRO stages 0, 1, 2, 3")):
-        assert reason in check(parse_candidate(spec, 8), config, 8, 8, 32, 64), spec
+        assert reason in check(parse_candidate(spec, 8), p), spec
     # at pp 1 too, as megapar-train's --zero3-keep-params runs it (tests/test_zero3.py counts it)
-    assert check(parse_candidate("zero=3,keep_params=1", 8), config, 8, 8, 32, 64) is None
+    assert check(parse_candidate("zero=3,keep_params=1", 8), p) is None
     for bad in ("disk", "params"):  # parameters alone: megapar-train refuses it
         with pytest.raises(ValueError, match=f"offload='{bad}'"):
             parse_candidate(f"zero=3,offload={bad}", 8)
@@ -843,17 +845,19 @@ def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
     from megapar.plan import enumerate_candidates
 
     moe, dense = resolve_model("mixtral-tiny"), resolve_model("llama-tiny")
-    valid, _ = enumerate_candidates(moe, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",),
-                                    seq_len=32, cp_sizes=(1, 2))
+    valid, _ = enumerate_candidates(Problem(moe, 4, global_batch=8, seq_len=32),
+                                    micro_batch_sizes=(1,), schedules=("1f1b",), cp_sizes=(1, 2))
     by_dp: dict = {}
     for c in valid:
         by_dp.setdefault((c.dp, c.cp), set()).add(c.ep)
     assert by_dp == {(4, 1): {1, 2, 4}, (2, 1): {1, 2}, (1, 1): {1}, (2, 2): {1, 2, 4},
                      (1, 2): {1, 2}}
     assert {c.zero for c in valid if c.ep > 1} == {0, 1, 2, 3}
-    valid, _ = enumerate_candidates(dense, 4, 8, 8, micro_batch_sizes=(1,), schedules=("1f1b",))
+    valid, _ = enumerate_candidates(Problem(dense, 4, global_batch=8), micro_batch_sizes=(1,),
+                                    schedules=("1f1b",))
     assert {c.ep for c in valid} == {1}
-    assert check(parse_candidate("tp=2,dp=2,ep=2,zero=3", 4), moe, 4, 8, 8, 32) is None
+    assert check(parse_candidate("tp=2,dp=2,ep=2,zero=3", 4),
+                 Problem(moe, 4, global_batch=8, seq_len=32)) is None
     # each refusal names the sizes that would run (they divide dp x cp and the 4 experts)
     fix = "use ep=1, 2 or 4 (each divides dp x cp = 4 and the 4 experts)"
     for config, spec, why in ((dense, "dp=4,ep=2", "needs a mixture-of-experts model"),
@@ -861,12 +865,15 @@ def test_the_plan_searches_ep_for_a_mixture_of_experts_only():
                                                  f"sharded over dp x cp ranks; {fix}"),
                               (moe, "cp=2,dp=2,ep=3", "does not divide dp x cp = 4"),
                               (moe, "cp=4,ep=8", "does not divide dp x cp = 4")):
-        assert why in check(parse_candidate(spec, 4), config, 4, 8, 8, 32), spec
+        assert why in check(parse_candidate(spec, 4), Problem(config, 4, global_batch=8,
+                                                             seq_len=32)), spec
     eight = dataclasses.replace(moe, num_local_experts=8)
-    assert check(parse_candidate("dp=8,ep=16", 8), eight, 8, 8, 8, 32).endswith(
+    assert check(parse_candidate("dp=8,ep=16", 8),
+                 Problem(eight, 8, global_batch=8, seq_len=32)).endswith(
         "ep 16 does not divide dp x cp = 8: experts are sharded over dp x cp ranks; use ep=1, "
         "2, 4 or 8 (each divides dp x cp = 8 and the 8 experts)")
-    assert check(parse_candidate("dp=8,ep=8", 8), moe, 8, 8, 8, 32).endswith(
+    assert check(parse_candidate("dp=8,ep=8", 8),
+                 Problem(moe, 8, global_batch=8, seq_len=32)).endswith(
         f"ep 8 does not divide the 4 experts; {fix.replace('= 4 and', '= 8 and')}")
     from megapar.plan.timing import ep_span  # the global ranks the all-to-all's group spans
 

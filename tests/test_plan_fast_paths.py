@@ -16,7 +16,7 @@ from megapar.pipeline.schedules import (
 )
 from megapar.pipeline.simulate import Costs, action_times, simulate
 from megapar.plan import pipeline
-from megapar.plan.params import GatherCasts
+from megapar.plan.params import GatherCasts, StageLayout
 from megapar.plan.slices import most_loaded
 from megapar.plan.state import Offload, rank_state, w_reported
 
@@ -87,21 +87,27 @@ def test_most_loaded_is_the_worst_of_every_dp_rank(model):
     copies), equal in every field."""
     config = resolve_model(model)
     config_json = json.dumps(config.to_dict(), sort_keys=True)
+    with pytest.raises(TypeError):  # every field by keyword: none passed by position
+        StageLayout(config_json, 1)  # type: ignore[misc]
     for tp, pp, v in ((1, 1, 1), (1, 2, 1), (2, 2, 2)):
         for dp in (2, 3, 7, 16):
             for zero in (1, 2, 3):
-                for offload in (Offload(), Offload(optimizer=True),
-                                Offload(True, True, persist_below=300, whole_grads=False,
-                                        micro_batches=4),
-                                Offload(casts=GatherCasts(half=True))):  # 16-bit units
+                for offload, persist_below, casts in (
+                        (Offload(), 0, GatherCasts()), (Offload(optimizer=True), 0, GatherCasts()),
+                        (Offload(True, True, whole_grads=False, micro_batches=4), 300,
+                         GatherCasts()),
+                        (Offload(), 0, GatherCasts(half=True))):  # 16-bit units
                     if offload.params and zero < 3:
                         continue
                     for stage in range(pp):
-                        states = [rank_state(config, tp, pp, v, stage, dp, r, zero, 0.01,
-                                             "loop", offload) for r in range(dp)]
+                        layout = StageLayout(config_json=config_json, tp=tp, pp=pp, v=v,
+                                             stage=stage, dp=dp, zero=zero, bucket_mb=0.01,
+                                             persist_below=persist_below, casts=casts)
+                        states = [rank_state(layout, r, offload) for r in range(dp)]
+                        # what a ZeRO stage does not read, trimmed (the planner's cache key)
+                        assert rank_state(layout.trimmed(), 0, offload) == states[0]
                         worst = max(states, key=lambda x: x.optimizer + x.master)
-                        got = most_loaded(config_json, tp, pp, v, stage, dp, zero, 0.01,
-                                          "loop", offload)
+                        got = most_loaded(layout, offload)
                         assert got == worst, (model, tp, pp, v, dp, zero, offload, stage)
 
 
@@ -117,18 +123,18 @@ def test_most_loaded_under_expert_parallelism(monkeypatch):
     for pp, dp, cp, ep, zero in ((1, 4, 1, 2, 1), (2, 8, 1, 4, 2), (1, 4, 2, 2, 1),
                                  (1, 8, 2, 4, 2)):
         for stage in range(pp):
-            states = [rank_state(config, 1, pp, 1, stage, dp * cp, r, zero, 0.01, ep=ep)
-                      for r in range(dp * cp)]
+            layout = StageLayout(config_json=config_json, pp=pp, stage=stage, dp=dp * cp,
+                                 zero=zero, bucket_mb=0.01, ep=ep)
+            states = [rank_state(layout, r) for r in range(dp * cp)]
             worst = max(states, key=lambda x: x.optimizer)
-            args = (config_json, 1, pp, 1, stage, dp * cp, zero, 0.01, "loop", Offload(), ep)
-            assert most_loaded(*args) == worst, (pp, dp, cp, ep, zero, stage)
+            assert most_loaded(layout) == worst, (pp, dp, cp, ep, zero, stage)
             monkeypatch.setattr(slices, "EXACT_EP_RANKS", 0)
             slices._slice_loads.cache_clear()
-            bound = most_loaded.__wrapped__(*args)
-            summed = slices._slice_loads(*args[:-2], 0, ep)[3]  # the two groups' worst
+            bound = most_loaded.__wrapped__(layout)
+            summed = slices._slice_loads(layout)[3]  # the two groups' worst
             slices._slice_loads.cache_clear()
             monkeypatch.undo()
-            assert len(summed) == 1 and len(slices._slice_loads(*args[:-2], 0, ep)[3]) > 1
+            assert len(summed) == 1 and len(slices._slice_loads(layout)[3]) > 1
             assert bound == worst  # here one rank holds both groups' worst slices
 
 
@@ -139,7 +145,8 @@ def test_alike_stages_hold_the_same_parameters(model, ep):
     stands for it, so the same state (`most_loaded`) under every ZeRO stage; the ranks with
     the embedding or the head, and (DeepSeek's first three layers dense) those whose layer
     kinds differ, stand for themselves."""
-    from megapar.plan.params import alike_stages, layer_kinds, stage_tensors, stage_units
+    from megapar.plan.params import (StageLayout, alike_stages, layer_kinds, stage_tensors,
+                                     stage_units)
 
     config = resolve_model(model)
     config_json = json.dumps(config.to_dict(), sort_keys=True)
@@ -150,19 +157,21 @@ def test_alike_stages_hold_the_same_parameters(model, ep):
         assert alike[0] == 0 and alike[head] == head and len(set(alike)) < pp
         for stage, rep in enumerate(alike):
             assert rep <= stage
-            same = [f(config, 1, pp, v, s, placement, ep=ep) for f in (stage_tensors, stage_units)
-                    for s in (stage, rep)]
+            same = [f(StageLayout(config_json=config_json, pp=pp, v=v, stage=s, placement=placement,
+                                  ep=ep)) for f in (stage_tensors, stage_units) for s in (stage, rep)]
             assert same[0] == same[1] and same[2] == same[3], (pp, v, placement, stage, rep)
             for zero in (0, 1, 3):
-                args = [config_json, 1, pp, v, None, 4, zero, 25.0, placement, Offload(), ep]
-                states = [most_loaded(*args[:4], s, *args[5:]) for s in (stage, rep)]
+                states = [most_loaded(StageLayout(config_json=config_json, pp=pp, v=v, stage=s,
+                                                  placement=placement, ep=ep, dp=4, zero=zero))
+                          for s in (stage, rep)]
                 assert states[0] == states[1], (pp, v, placement, stage, zero)
     if any(kinds) and not all(kinds):  # DeepSeek at pp 32: rank 1 holds dense layer 2 and MoE layer 3
         alike = alike_stages(config_json, 32, 1, "loop")
         assert alike[1] == 1 and alike[2] == 2 and alike[3] == 2
         for stage in (1, 2):
-            tensors = stage_tensors(config, 1, 32, 1, stage, ep=ep)
-            assert (tensors == stage_tensors(config, 1, 32, 1, 2, ep=ep)) == (stage == 2)
+            tensors = stage_tensors(StageLayout(config_json=config_json, pp=32, stage=stage, ep=ep))
+            assert (tensors == stage_tensors(StageLayout(config_json=config_json, pp=32, stage=2,
+                                                         ep=ep))) == (stage == 2)
 
 
 @pytest.mark.parametrize("fp8", ["off", "tensorwise"])
@@ -176,8 +185,8 @@ def test_shared_work_gives_every_estimate_unchanged(fp8):
 
     p = Problem(resolve_model("mixtral-tiny"), 8, global_batch=16, seq_len=64, fp8=fp8,
                 fp8_layers="all")
-    valid, _ = enumerate_candidates(p.config, 8, 8, 16, micro_batch_sizes=(1, 2),
-                                    seq_len=64, offloads=("none", "optimizer", "both"))
+    valid, _ = enumerate_candidates(p, micro_batch_sizes=(1, 2),
+                                    offloads=("none", "optimizer", "both"))
     assert len({c.zero for c in valid}) == 4 and len({c.ep for c in valid}) > 1
     shared = Shared()
     for simulate in (False, True):

@@ -330,8 +330,8 @@ def test_zero3_float8_gathers_in_the_plan_equal_the_dry_run(spec, world):
     from megapar.dryrun import dry_run
     from megapar.mesh import Layout
     from megapar.models.recipes import resolve_model
-    from megapar.pipeline.schedules import placement_of
     from megapar.plan import parse_candidate
+    from megapar.plan.estimate import layout_of
     from megapar.plan.fp8 import zero3_casts
     from megapar.plan.state import groups_traffic, zero_traffic
 
@@ -349,8 +349,7 @@ def test_zero3_float8_gathers_in_the_plan_equal_the_dry_run(spec, world):
         r = dry_run(train_config(p, c), config, Layout(c.tp, c.pp, c.dp), [0])[0]
         m = 8 // (c.mbs * c.dp)
         planned = groups_traffic(
-            zero_traffic(config, c.tp, c.pp, 1, 0, c.dp, 3, p.grad_bucket_mb,
-                         placement_of(c.schedule), casts=zero3_casts(p, c)),
+            zero_traffic(layout_of(p, c)),
             3, m, c.pp)["dp"]
         for op, n, nbytes in planned:
             assert r.comm["dp"][op] == {"count": n, "bytes": int(nbytes)}, (op, r.comm["dp"])

@@ -240,9 +240,8 @@ def test_the_plan_counts_the_16_bit_buckets_as_the_dry_run_does(spec, world):
     from megapar.dryrun.verify import train_config, verify_layout
     from megapar.mesh import Layout
     from megapar.models.recipes import resolve_model
-    from megapar.pipeline.schedules import placement_of
     from megapar.plan import Problem, parse_candidate
-    from megapar.plan.estimate import estimate
+    from megapar.plan.estimate import estimate, layout_of
     from megapar.plan.fp8 import zero3_casts
     from megapar.plan.state import groups_traffic, zero_traffic
 
@@ -256,13 +255,11 @@ def test_the_plan_counts_the_16_bit_buckets_as_the_dry_run_does(spec, world):
         reports = dry_run(train_config(p, c), config, Layout(c.tp, c.pp, c.dp),
                           [0, c.tp * (c.pp - 1)])  # (rank order tp-pp-dp) stage 0, the last
         r = reports[0]
-        memory = estimate(p, c).memory  # the search's own figures (`Offload.at_zero`)
+        memory = estimate(p, c).memory  # the search's own figures (`StageLayout.trimmed`)
         loaded = next(x for x in reports if x.pp_rank == memory.stage)  # its most loaded
         assert (memory.params, memory.grads, memory.optimizer) == (
             loaded.weights, loaded.grads, loaded.optimizer), spec
-        traffic[precision] = zero_traffic(config, c.tp, c.pp, 1, 0, c.dp, c.zero,
-                                          p.grad_bucket_mb, placement_of(c.schedule),
-                                          casts=zero3_casts(p, c))["dp"]
+        traffic[precision] = zero_traffic(layout_of(p, c))["dp"]
         planned = groups_traffic({"dp": traffic[precision]}, c.zero, 8 // (c.mbs * c.dp),
                                  c.pp)["dp"]
         for op, n, nbytes in planned:

@@ -467,15 +467,17 @@ def test_zero3_full_gradient_buffers_freed_as_the_backward_goes_on_the_device_pa
     path; the reduced gradients are the same on both paths. Reduced per micro-batch (m 2), the
     same peak: the previous micro-batch's reductions are waited for before the next one's
     buffers are made."""
+    from megapar.plan.params import StageLayout
     from megapar.plan.state import Offload, rank_state
 
     outs = {path: run_local(_grad_buffers_worker, 2 * pp, pp, path, reduce, global_batch)
             for path in (True, False)}
     for device, host in zip(outs[True], outs[False]):
         assert device["m"] == global_batch // 4 and device["alive_after"] == 0
-        planned = rank_state(DEEP, 1, pp, 1, device["stage"], 2, device["dp_rank"], 3,
-                             offload=Offload(whole_grads=False, micro_batches=device["m"]))
-        whole = rank_state(DEEP, 1, pp, 1, device["stage"], 2, device["dp_rank"], 3)
+        at = StageLayout.of(DEEP, pp=pp, stage=device["stage"], dp=2, zero=3)
+        planned = rank_state(at, device["dp_rank"],
+                             Offload(whole_grads=False, micro_batches=device["m"]))
+        whole = rank_state(at, device["dp_rank"])
         assert device["all"] == device["m"] * whole.grad_buffers - (device["m"] - 1) * sum(
             device["deferred"])  # every buffer made: m per unit, the deferred ones once
         assert device["peak"] == host["peak"] == planned.grad_buffers, (device, planned)
@@ -641,7 +643,7 @@ def test_a_tied_head_whose_own_parameters_all_persist_keeps_the_word_embedding_t
     in the root unit as without the threshold: the step runs, its loss the threshold 0's, and
     the plan lays out the same units (`plan.params.stage_units`)."""
     from megapar.models.recipes import resolve_model
-    from megapar.plan.params import stage_tensors, stage_units
+    from megapar.plan.params import StageLayout, stage_tensors, stage_units
 
     (loss0, loss), units = run_local(_tied_steps, 2)[0]
     assert loss == loss0
@@ -649,8 +651,8 @@ def test_a_tied_head_whose_own_parameters_all_persist_keeps_the_word_embedding_t
     assert roots["chunk 0 root"] == ["embed.word.weight"]
     assert roots["chunk 0 embedding"] == ["embed.position.weight"]
     config = resolve_model("gpt2-tiny")
-    tensors = stage_tensors(config, 1, 1, 1, 0)
+    tensors = stage_tensors(StageLayout.of(config))
     planned = {u.kind: [tensors[i].numel for i in u.tensors]
-               for u in stage_units(config, 1, 1, 1, 0, persist_below=100)}
+               for u in stage_units(StageLayout.of(config, persist_below=100))}
     h = config.hidden_size
     assert planned["root"] == [50304 * h] and planned["embedding"] == [config.n_positions * h]

@@ -234,8 +234,8 @@ def test_the_plan_counts_the_16_bit_gathers_as_the_dry_run_does(spec, world):
     from megapar.dryrun.verify import train_config, verify_layout
     from megapar.mesh import Layout
     from megapar.models.recipes import resolve_model
-    from megapar.pipeline.schedules import placement_of
     from megapar.plan import Problem, parse_candidate, stage_memory
+    from megapar.plan.estimate import layout_of
     from megapar.plan.fp8 import zero3_casts
     from megapar.plan.state import groups_traffic, zero_traffic
 
@@ -249,8 +249,7 @@ def test_the_plan_counts_the_16_bit_gathers_as_the_dry_run_does(spec, world):
         assert zero3_casts(p, c).half == (precision == "bf16")
         r = dry_run(train_config(p, c), config, Layout(c.tp, c.pp, c.dp), [0])[0]
         planned = groups_traffic(
-            zero_traffic(config, c.tp, c.pp, 1, 0, c.dp, 3, p.grad_bucket_mb,
-                         placement_of(c.schedule), casts=zero3_casts(p, c)),
+            zero_traffic(layout_of(p, c)),
             3, 8 // (c.mbs * c.dp), c.pp)["dp"]
         for op, n, nbytes in planned:
             assert r.comm["dp"][op] == {"count": n, "bytes": int(nbytes)}, (op, r.comm["dp"])
@@ -302,8 +301,8 @@ def test_the_gathered_peak_holds_the_cast_shard_of_the_gather_in_flight(run, mon
     from megapar.dryrun.measure import measured_rank
     from megapar.mesh import Layout
     from megapar.models.recipes import resolve_model
-    from megapar.plan.params import GatherCasts, stage_tensors, stage_units
-    from megapar.plan.state import Offload, rank_state
+    from megapar.plan.params import GatherCasts, StageLayout, stage_tensors, stage_units
+    from megapar.plan.state import rank_state
     from megapar.plan.zero3_peaks import gathered_peak
     from megapar.training.config import TrainConfig
 
@@ -315,12 +314,12 @@ def test_the_gathered_peak_holds_the_cast_shard_of_the_gather_in_flight(run, mon
     real = run(measured_rank, 2, cfg.to_dict(), config.to_dict(), 1)
     dry = dry_run(cfg, config, Layout(1, 1, 2), [0, 1])
     half = precision == "bf16"
-    planned = rank_state(config, 1, 1, 1, 0, 2, 0, 3,
-                         offload=Offload(casts=GatherCasts(half=half))).gathered
+    at = StageLayout.of(config, dp=2, zero=3, casts=GatherCasts(half=half))
+    planned = rank_state(at, 0).gathered
     assert [r.gathered for r in dry] == [m["gathered"] for m in real] == [planned] * 2
     # without the shard: the units' buffers alone, as the plan counted them before
-    specs = stage_units(config, 1, 1, 1, 0, casts=GatherCasts(half=half))
-    tensors = stage_tensors(config, 1, 1, 1, 0)
+    specs = stage_units(at)
+    tensors = stage_tensors(at)
     full = [-(-sum(tensors[i].numel for i in u.tensors) // 2) * 2 * (2 if u.cast else 4)
             for u in specs]
     shard = max(n // 2 for u, n in zip(specs, full) if u.cast) if half else 0

@@ -63,6 +63,7 @@ def run_job(world: int, flags: str) -> tuple[float, float, list[dict]]:
 
 def planner_equal(flags: str, world: int, rows: list[dict]) -> bool:
     from megapar.models.recipes import resolve_model
+    from megapar.plan.params import StageLayout
     from megapar.plan.state import rank_state
     from megapar.training.config import parse_args
 
@@ -70,8 +71,10 @@ def planner_equal(flags: str, world: int, rows: list[dict]) -> bool:
     config = resolve_model(cfg.model)
     dp = world // (cfg.tp * cfg.pp)
     for r in rows:
-        held = rank_state(config, cfg.tp, cfg.pp, cfg.virtual_stages, r["pp_rank"], dp,
-                          r["dp_rank"], cfg.zero, cfg.grad_bucket_mb)
+        layout = StageLayout.of(config, tp=cfg.tp, pp=cfg.pp, v=cfg.virtual_stages,
+                                stage=r["pp_rank"], dp=dp, zero=cfg.zero,
+                                bucket_mb=cfg.grad_bucket_mb)
+        held = rank_state(layout, r["dp_rank"])
         if (held.params, held.weights, held.grads, held.optimizer) != (
                 r["params"], r["weights"], r["grads"], r["optimizer"]):
             return False

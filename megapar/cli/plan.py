@@ -372,14 +372,7 @@ def _explain(args, problem) -> int:
     c = parse_candidate(args.explain, problem.gpus)
     if c.zero not in ZERO_STAGES:  # a bad value (exit 2), not a layout that cannot run
         raise ValueError(f"--explain: zero={c.zero}: use one of {', '.join(map(str, ZERO_STAGES))}")
-    reason = check(
-        c,
-        problem.config,
-        problem.gpus,
-        problem.gpus_per_node,
-        problem.global_batch,
-        problem.seq_len,
-    )
+    reason = check(c, problem)
     if reason:
         if args.json:
             print(json.dumps({"layout": c.label(), "valid": False, "reason": reason}))

@@ -47,7 +47,7 @@ from megapar.mesh import Layout, Mesh
 from megapar.optim.precision import comm_dtypes
 from megapar.pipeline.placement import chunks_per_rank, placement_of
 from megapar.pipeline.schedules import in_flight_peak, schedule_actions
-from megapar.plan.params import GatherCasts
+from megapar.plan.params import GatherCasts, StageLayout
 from megapar.plan.state import (
     DENSE,
     EXPERTS,
@@ -388,33 +388,37 @@ def _planned_state(cfg, config, mesh: Mesh):
     """The planner's `RankState` of this rank (`megapar.plan.state.rank_state`)."""
     layout = mesh.layout
     m = cfg.global_batch_size // (cfg.micro_batch_size * layout.dp)
+    v = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
     return rank_state(
-        config,
-        layout.tp,
-        layout.pp,
-        chunks_per_rank(cfg.schedule, cfg.virtual_stages),
-        mesh.pp_rank,
-        layout.dp * layout.cp,
+        _stage_layout(cfg, config, mesh),
         mesh.dp_rank * layout.cp + mesh.cp_rank,
-        cfg.zero,
-        cfg.grad_bucket_mb,
-        placement_of(cfg.schedule),
         Offload(
             cfg.offload_optimizer,
             cfg.offload_params,
             cfg.zero3_keep_params,
-            cfg.zero3_persistence_threshold,
-            whole_grads(
-                cfg.schedule,
-                layout.pp,
-                m,
-                chunks_per_rank(cfg.schedule, cfg.virtual_stages),
-                cfg.zero3_reduce,
-            ),
+            whole_grads(cfg.schedule, layout.pp, m, v, cfg.zero3_reduce),
             m,
-            zero3_casts(cfg),
         ),
-        layout.ep,
+    )
+
+
+def _stage_layout(cfg, config, mesh: Mesh) -> StageLayout:
+    """This rank's stage as the planner lays it out (`megapar.plan.params.StageLayout`): ZeRO
+    over the cp x dp group, its dp rank there dp_rank x cp + cp_rank."""
+    layout = mesh.layout
+    return StageLayout.of(
+        config,
+        tp=layout.tp,
+        pp=layout.pp,
+        v=chunks_per_rank(cfg.schedule, cfg.virtual_stages),
+        stage=mesh.pp_rank,
+        placement=placement_of(cfg.schedule),
+        ep=layout.ep,
+        dp=layout.dp * layout.cp,
+        zero=cfg.zero,
+        bucket_mb=cfg.grad_bucket_mb,
+        persist_below=cfg.zero3_persistence_threshold,
+        casts=zero3_casts(cfg),
     )
 
 
@@ -433,20 +437,7 @@ def _modelled_traffic(cfg, config, mesh: Mesh, comm: dict, m: int) -> None:
     layout = mesh.layout
     v = chunks_per_rank(cfg.schedule, cfg.virtual_stages)
     names = {DENSE: "dp x cp" if layout.cp > 1 else "dp", EXPERTS: "expert dp"}
-    planned = zero_traffic(
-        config,
-        layout.tp,
-        layout.pp,
-        v,
-        mesh.pp_rank,
-        layout.dp * layout.cp,
-        cfg.zero,
-        cfg.grad_bucket_mb,
-        placement_of(cfg.schedule),
-        cfg.zero3_persistence_threshold,
-        layout.ep,
-        zero3_casts(cfg),
-    )
+    planned = zero_traffic(_stage_layout(cfg, config, mesh))
     rehearsed = comm.get(names[DENSE], {})
     if not {"reduce_scatter", "all_gather"} <= rehearsed.keys():
         return

@@ -25,7 +25,7 @@ from megapar.mesh import Layout
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan import experts, pipeline, stage_memory
-from megapar.plan.estimate import offload_of
+from megapar.plan.estimate import layout_of, offload_of
 from megapar.plan.state import rank_state
 from megapar.training.config import TrainConfig
 
@@ -129,18 +129,9 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
     for r in reports:
         # gradients and ZeRO-1 slices are over cp x dp: dp rank d, cp rank c is d * cp + c
         planned = rank_state(
-            problem.config,
-            c.tp,
-            c.pp,
-            c.v,
-            r.pp_rank,
-            c.dp * c.cp,
+            layout_of(problem, c, r.pp_rank),
             r.dp_rank * c.cp + r.cp_rank,
-            c.zero,
-            problem.grad_bucket_mb,
-            placement_of(c.schedule),
-            offload_of(c, problem.zero3_persistence_threshold, m, problem),
-            c.ep,
+            offload_of(c, m),
         )
         out.differences += [
             (r.rank, f, getattr(planned, f), getattr(r, f))

@@ -42,14 +42,7 @@ def plan(problem: Problem, **space) -> tuple[list[Estimate], list]:
     `SIMULATED_LEADERS` have simulated bubbles, the rest their formula's."""
 
     with cycle_collection_paused():
-        valid, rejected = enumerate_candidates(
-            problem.config,
-            problem.gpus,
-            problem.gpus_per_node,
-            problem.global_batch,
-            seq_len=problem.seq_len,
-            **space,
-        )
+        valid, rejected = enumerate_candidates(problem, **space)
         shared = Shared()  # what the candidates' estimates have in common, done once
         first = rank([estimate(problem, c, simulate=False, shared=shared) for c in valid])
         leaders = [estimate(problem, e.candidate, shared=shared) for e in first[:SIMULATED_LEADERS]]

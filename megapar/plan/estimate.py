@@ -63,7 +63,7 @@ from megapar.plan import memory as mem
 from megapar.plan.context_parallel import cp_buffers
 from megapar.plan.layouts import Candidate, regathers
 from megapar.plan.params import (
-    NO_CASTS,
+    StageLayout,
     alike_stages,
     piece_counts,
     stage_expert_params,
@@ -388,19 +388,13 @@ def _stage_states_of(p: Problem, c: Candidate, m: int, placement: str) -> list[R
 
 def _state_key(p: Problem, c: Candidate, m: int) -> tuple:
     """What `stage_states` reads of candidate `c` at `m` micro-batches a step: its state's
-    `Shared` key (the offload settings as `offload_of` gives them)."""
+    `Shared` key (the layout and offload settings as `most_loaded` takes them)."""
     return (
         "states",
-        c.tp,
-        c.pp,
-        c.v,
-        placement_of(c.schedule),
-        c.dp * c.cp,
-        c.zero,
-        c.ep,
+        layout_of(p, c),
         c.offload_optimizer,
         c.offload_params,
-        offload_of(c, p.zero3_persistence_threshold, m, p).at_zero(c.zero),
+        offload_of(c, m).at_zero(c.zero),
     )
 
 
@@ -416,41 +410,44 @@ def _stage_states(p: Problem, c: Candidate, params, m: int, placement: str) -> l
         return [_separate(n_params, c) for n_params in params]
     # what megapar-train holds, byte for byte; a stage holding the same parameters as a
     # lower one holds the same state
-    offload = offload_of(c, p.zero3_persistence_threshold, m, p).at_zero(c.zero)
+    layout, offload = layout_of(p, c), offload_of(c, m).at_zero(c.zero)
     return [
-        most_loaded(
-            p.config_json,
-            c.tp,
-            c.pp,
-            c.v,
-            alike,
-            c.dp * c.cp,
-            c.zero,
-            p.grad_bucket_mb,
-            placement,
-            offload,
-            c.ep,
-        )
+        most_loaded(dataclasses.replace(layout, stage=alike), offload)
         for alike in alike_stages(p.config_json, c.pp, c.v, placement)
     ]
 
 
-def offload_of(
-    c: Candidate, persist_below: int = 0, m: int = 1, p: Problem | None = None
-) -> Offload:
-    """The candidate's offload and ZeRO-3 settings (`persist_below`: the persistence
-    threshold, for ZeRO-3; `m`: micro-batches per step; `p`: the problem, whose precision and
-    --fp8 say which weights ZeRO-3 gathers in 16 bits or float8, `fp8.zero3_casts`), as
-    `plan.state` takes them."""
+def offload_of(c: Candidate, m: int = 1) -> Offload:
+    """The candidate's offload and ZeRO-3 settings at `m` micro-batches a step, as `plan.state`
+    takes them (what it lays out: `layout_of`)."""
     return Offload(
         c.offload_optimizer,
         c.offload_params,
         c.keep_params,
-        persist_below if c.zero == 3 else 0,
         whole_grads(c.schedule, c.pp, m, c.v, c.zero3_reduce),
         m,
-        NO_CASTS if p is None else fp8.zero3_casts(p, c),
     )
+
+
+def layout_of(p: Problem, c: Candidate, stage: int = 0) -> StageLayout:
+    """Pipeline rank `stage`'s `StageLayout` at candidate `c` of problem `p` (ZeRO over its
+    cp x dp ranks; the weights gathered in 16 bits or float8 as `fp8.zero3_casts` gives them),
+    trimmed to what its ZeRO stage reads (`StageLayout.trimmed`), as `plan.state` and
+    `plan.slices` take it."""
+    return StageLayout(
+        config_json=p.config_json,
+        tp=c.tp,
+        pp=c.pp,
+        v=c.v,
+        stage=stage,
+        placement=placement_of(c.schedule),
+        ep=c.ep,
+        dp=c.dp * c.cp,
+        zero=c.zero,
+        bucket_mb=p.grad_bucket_mb,
+        persist_below=p.zero3_persistence_threshold,
+        casts=fp8.zero3_casts(p, c),
+    ).trimmed()
 
 
 def _separate(n_params: int, c: Candidate):

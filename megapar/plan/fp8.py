@@ -152,7 +152,7 @@ def half_gathered(p, c) -> bool:
 
 
 def zero3_casts(p, c) -> GatherCasts:
-    """`plan.state.Offload.casts`: the linear weights ZeRO-3 gathers in 16 bits or float8 at
+    """`plan.params.StageLayout.casts`: the linear weights ZeRO-3 gathers in 16 bits or float8 at
     candidate `c`, or ZeRO-1 / 2 in 16 bits (`half_gathered`, `float8_gathered`)."""
     return GatherCasts(p.fp8, p.fp8_layers, float8_gathered(p, c), half_gathered(p, c))
 

@@ -2,7 +2,7 @@
 recompute, SP, ZeRO stage, offload) for N GPUs, each kept or rejected with the reason (ep, for
 a mixture-of-experts model only: each divisor of dp that divides the experts).
 
-A `Candidate` is one such choice; `check(candidate, ...)` returns why it cannot run (or None),
+A `Candidate` is one such choice; `check(candidate, problem)` returns why it cannot run (or None),
 `enumerate_candidates` walks the whole space. `parse_candidate("tp=8,pp=16,mbs=1,...")` reads
 the `--explain` syntax.
 """
@@ -16,6 +16,7 @@ from megapar.data_parallel.sharded_params import REDUCES
 from megapar.mesh import Layout, LayoutError
 from megapar.pipeline.placement import or_list, placement_of, schedules_taking
 from megapar.pipeline.schedules import SPLIT_BACKWARD, interleaved_rounds
+from megapar.plan.problem import Problem
 from megapar.training.validate import check_cp_seq_len
 
 PLAN_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev")
@@ -208,41 +209,26 @@ def model_refusal(c: Candidate, config) -> str | None:
     return None
 
 
-def check(
-    c: Candidate,
-    config,
-    gpus: int,
-    gpus_per_node: int,
-    global_batch: int,
-    seq_len: int | None = None,
-) -> str | None:
-    """Why candidate `c` cannot run (one sentence naming the fix), or None if it can; for dp 0
-    (no dp fills the GPUs) that, and the model's own reason if it has one."""
+def check(c: Candidate, p: Problem) -> str | None:
+    """Why candidate `c` cannot run for problem `p` (its model, GPUs, GPUs per node, global
+    batch and sequence length; one sentence naming the fix), or None if it can; for dp 0 (no
+    dp fills the GPUs) that, and the model's own reason if it has one."""
     if c.dp == 0:
-        grid = _grid_refusal(c, gpus, gpus_per_node)  # the model's reason reads no dp
-        model = model_refusal(dataclasses.replace(c, dp=1), config)
+        grid = _grid_refusal(c, p.gpus, p.gpus_per_node)  # the model's reason reads no dp
+        model = model_refusal(dataclasses.replace(c, dp=1), p.config)
         return "; ".join(r for r in (grid, model) if r)
-    return model_refusal(c, config) or _option_refusal(
-        c, config, gpus, gpus_per_node, global_batch, seq_len
-    )
+    return model_refusal(c, p.config) or _option_refusal(c, p)
 
 
-def _option_refusal(
-    c: Candidate,
-    config,
-    gpus: int,
-    gpus_per_node: int,
-    global_batch: int,
-    seq_len: int | None = None,
-) -> str | None:
+def _option_refusal(c: Candidate, p: Problem) -> str | None:
     """`check` but for `model_refusal`, which reads only (tp, pp, dp, cp): what
     `enumerate_candidates` asks of each option of a grid point the model allows."""
     return (
-        _grid_refusal(c, gpus, gpus_per_node)
-        or _schedule_refusal(c, config, global_batch)
-        or _sequence_refusal(c, seq_len)
+        _grid_refusal(c, p.gpus, p.gpus_per_node)
+        or _schedule_refusal(c, p.config, p.global_batch)
+        or _sequence_refusal(c, p.seq_len)
         or _zero_refusal(c)
-        or _expert_refusal(c, config)
+        or _expert_refusal(c, p.config)
     )
 
 
@@ -433,33 +419,31 @@ def default_cp_sizes(seq_len: int | None) -> tuple[int, ...]:
 
 
 def enumerate_candidates(
-    config,
-    gpus: int,
-    gpus_per_node: int,
-    global_batch: int,
+    p: Problem,
     micro_batch_sizes=(1, 2, 4, 8),
     schedules=PLAN_SCHEDULES,
     virtual_stages=(2, 4),
     recompute=RECOMPUTE,
     allow_sp: bool = True,
     allow_zero: bool = True,
-    seq_len: int | None = None,
     cp_sizes=None,
     zero_stages=ZERO_STAGES,
     offloads=("none",),
 ):
-    """(valid candidates, [(candidate, reason)] rejected) over the whole space (`cp_sizes`:
+    """(valid candidates, [(candidate, reason)] rejected) for problem `p` (its model, GPUs,
+    GPUs per node, global batch and sequence length) over the whole space (`cp_sizes`:
     None for `default_cp_sizes`; `zero_stages` tried where dp x cp > 1, each with the
     `offloads` it can take and, for ZeRO-3 with pp, with and without kept parameters). A
     (tp, pp, dp) grid that no option can run (too many heads or stages, tp across nodes, a batch dp
     does not divide) is rejected once, as its plain candidate, so the search is quick even for huge
     GPU counts with many divisors."""
     valid, rejected = [], []
+    config, gpus = p.config, p.gpus
     for tp in divisors(gpus):
-        for cp in (c for c in cp_sizes or default_cp_sizes(seq_len) if (gpus // tp) % c == 0):
+        for cp in (c for c in cp_sizes or default_cp_sizes(p.seq_len) if (gpus // tp) % c == 0):
             for pp in divisors(gpus // (tp * cp)):
                 dp = gpus // (tp * cp * pp)
-                reason = _grid_reason(config, tp, pp, dp, gpus_per_node, global_batch)
+                reason = _grid_reason(config, tp, pp, dp, p.gpus_per_node, p.global_batch)
                 if reason:
                     rejected.append((Candidate(tp, pp, dp, cp=cp), reason))
                     continue
@@ -493,9 +477,7 @@ def enumerate_candidates(
                         keep,
                         ep=ep,
                     )
-                    reason = model or _option_refusal(
-                        c, config, gpus, gpus_per_node, global_batch, seq_len
-                    )
+                    reason = model or _option_refusal(c, p)
                     if reason:
                         rejected.append((c, reason))
                     else:

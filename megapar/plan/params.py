@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import torch
 from torch import nn
 
 from megapar.mesh import Layout, Mesh
@@ -149,8 +150,7 @@ class TensorSpec:
     """One parameter tensor of a stage as the buffers see it."""
 
     numel: int
-    dtype: object
-    """torch dtype."""
+    dtype: torch.dtype
     shared: bool = False
     """The word embedding or its tied copy (`shared_embedding`): last in ZeRO-1's buckets."""
     tied: bool = False
@@ -200,29 +200,15 @@ def _piece_tensors(config_json: str, tp: int, ep: int = 1):
     )
 
 
-def stage_tensors(
-    config,
-    tp: int,
-    pp: int,
-    v: int,
-    stage: int,
-    placement: str = "loop",
-    ep: int = 1,
-    config_json: str | None = None,
-) -> list[TensorSpec]:
-    """The parameters one tp rank of pipeline rank `stage` holds (its routed experts split over
-    `ep`), in the order `model.parameters()` gives them (each chunk's embedding, blocks, then
-    norm and head; the tied copy only on a last chunk without the embedding).
-    `tests/test_plan.py` checks it against stages built on the meta device. `config_json`:
-    `config` as `_config_json` gives it, when the caller has it."""
+def stage_tensors(layout: StageLayout) -> list[TensorSpec]:
+    """The parameters one tp rank of pipeline rank `layout.stage` holds (its routed experts split
+    over `layout.ep`), in the order `model.parameters()` gives them (each chunk's embedding,
+    blocks, then norm and head; the tied copy only on a last chunk without the embedding).
+    `tests/test_plan.py` checks it against stages built on the meta device. Reads the model,
+    tp, pp, v, stage, placement and ep of `layout`."""
 
-    blocks, embedding, head = _piece_tensors(config_json or _config_json(config), tp, ep)
-    kinds = layer_kinds(config)
-    specs = (
-        chunk_specs(config.num_layers, pp, stage, v, placement)
-        if v > 1
-        else [stage_spec(config.num_layers, pp, stage)]
-    )
+    blocks, embedding, head = _piece_tensors(layout.config_json, layout.tp, layout.ep)
+    kinds, specs = layer_kinds(layout.config), _chunk_specs(layout)
     out: list[TensorSpec] = []
     for spec in specs:
         if spec.pre_process:
@@ -332,36 +318,95 @@ NO_CASTS = GatherCasts()
 """No weight gathered in its matmuls' precision: every ZeRO-3 unit in fp32."""
 
 
-def stage_units(
-    config,
-    tp: int,
-    pp: int,
-    v: int,
-    stage: int,
-    placement: str = "loop",
-    persist_below: int = 0,
-    ep: int = 1,
-    casts: GatherCasts = NO_CASTS,
-    config_json: str | None = None,
-) -> list[UnitSpec]:
+@dataclass(frozen=True, kw_only=True)
+class StageLayout:
+    """What identifies one pipeline stage's parameters (on one tp rank) and its ZeRO layout:
+    what `stage_tensors`, `stage_units`, `plan.state.rank_state`, `plan.state.zero_traffic` and
+    `plan.slices.most_loaded` read of a layout, and the key of the slices' caches (hashable,
+    equal by value). Every field is given by keyword; `StageLayout.of` makes one from a model
+    config."""
+
+    config_json: str
+    """The model config as canonical JSON (`StageLayout.of`; `Problem.config_json`)."""
+    tp: int = 1
+    """Tensor-parallel ranks (the stage's parameters are one tp rank's shards)."""
+    pp: int = 1
+    """Pipeline-parallel ranks."""
+    v: int = 1
+    """Model chunks per pipeline rank."""
+    stage: int = 0
+    """The pipeline rank whose parameters and state these are."""
+    placement: str = "loop"
+    """How chunks map to virtual stages (`megapar.pipeline.placement.PLACEMENTS`)."""
+    ep: int = 1
+    """Expert-parallel ranks: a MoE block holds E / ep routed experts."""
+    dp: int = 1
+    """The ranks ZeRO shards over: cp x dp (the gradients' group)."""
+    zero: int = 0
+    """The ZeRO stage (0: none; without ZeRO, or at dp 1, every parameter is whole)."""
+    bucket_mb: float = 25.0
+    """ZeRO-1 / 2: the gradient buckets' size in MB (--grad-bucket-mb)."""
+    persist_below: int = 0
+    """ZeRO-3: parameters of fewer elements form the stage's persistent unit
+    (--zero3-persistence-threshold; `stage_units`); 0, megapar-train's default: none."""
+    casts: GatherCasts = NO_CASTS
+    """The linear weights ZeRO-3 gathers in 16 bits or float8 during a step, and ZeRO-1 / 2 in
+    16 bits after it (`GatherCasts`); the default: none."""
+
+    @classmethod
+    def of(cls, config, **fields) -> StageLayout:
+        """The layout of model config `config` (any megapar config) with `fields`."""
+        return cls(config_json=_config_json(config), **fields)
+
+    @property
+    def config(self):
+        """The model config `config_json` holds (decoded once per JSON and shared: read it,
+        never change it)."""
+        return _config_of(self.config_json)
+
+    def trimmed(self) -> StageLayout:
+        """This layout with what its ZeRO stage does not read at the defaults: below ZeRO-3 no
+        persistence threshold, and `casts` only where ZeRO-1 / 2 gathers in 16 bits (they lay
+        the 16-bit buckets out apart), so that layouts differing in the rest share one cached
+        state (`plan.slices.most_loaded`)."""
+        if self.zero >= 3:
+            return self
+        half = self.zero in (1, 2) and self.casts.half
+        casts = self.casts if half else NO_CASTS
+        if self.persist_below == 0 and self.casts == casts:
+            return self
+        return replace(self, persist_below=0, casts=casts)
+
+
+@lru_cache(maxsize=16)
+def _config_of(config_json: str):
+    """The model config of canonical JSON `config_json`."""
+    return config_from_dict(json.loads(config_json))
+
+
+def _chunk_specs(layout: StageLayout) -> list:
+    """The `StageSpec` of each model chunk `layout.stage` holds, in order."""
+    num_layers = layout.config.num_layers
+    if layout.v > 1:
+        return chunk_specs(num_layers, layout.pp, layout.stage, layout.v, layout.placement)
+    return [stage_spec(num_layers, layout.pp, layout.stage)]
+
+
+def stage_units(layout: StageLayout) -> list[UnitSpec]:
     """ZeRO-3's units of the stage, as `megapar.data_parallel.sharded_params.ShardedParams`
-    makes them with `persist_below` (--zero3-persistence-threshold): per chunk each block (its
-    parameters of at least `persist_below` elements), then the rest of the chunk: where the
+    makes them with `layout.persist_below` (--zero3-persistence-threshold): per chunk each block
+    (its parameters of at least `persist_below` elements), then the rest of the chunk: where the
     chunk has blocks and the embedding, split in an embedding unit (the embedding's parameters
     but, when there is a head, a tied word embedding the head reads) and a root unit (the rest),
     else one root unit; then the parameters under `persist_below` in one persistent unit.
-    Under expert parallelism (`ep` > 1) the routed experts' parameters of each of these form
-    a unit of their own right after it (kind "experts", `UnitSpec.led`; `UnitMaker.unit`), or
-    the unit itself where it has no other parameters; so do, before them, the linear weights
-    ZeRO-3 gathers in 16 bits and those it gathers in float8 (`casts`; kinds "half",
-    "float8"). `config_json`: as `stage_tensors`'."""
-    blocks_of, embedding, head = _piece_tensors(config_json or _config_json(config), tp, ep)
-    kinds = layer_kinds(config)
-    specs = (
-        chunk_specs(config.num_layers, pp, stage, v, placement)
-        if v > 1
-        else [stage_spec(config.num_layers, pp, stage)]
-    )
+    Under expert parallelism (`layout.ep` > 1) the routed experts' parameters of each of these
+    form a unit of their own right after it (kind "experts", `UnitSpec.led`; `UnitMaker.unit`),
+    or the unit itself where it has no other parameters; so do, before them, the linear weights
+    ZeRO-3 gathers in 16 bits and those it gathers in float8 (`layout.casts`; kinds "half",
+    "float8"). Reads what `stage_tensors` reads, and `persist_below` and `casts`."""
+    blocks_of, embedding, head = _piece_tensors(layout.config_json, layout.tp, layout.ep)
+    kinds, specs = layer_kinds(layout.config), _chunk_specs(layout)
+    persist_below, ep, casts = layout.persist_below, layout.ep, layout.casts
     units, small, at, small_embedding = [], [], 0, False
 
     def take(pieces, embedding: bool = False) -> list[int]:
@@ -373,7 +418,7 @@ def stage_units(
         small_embedding |= embedding and bool(below)
         return [i for i, t in zip(idx, pieces) if t.numel >= persist_below]
 
-    tensors = stage_tensors(config, tp, pp, v, stage, placement, ep)
+    tensors = stage_tensors(layout)
 
     def made(kind: str, ci: int, idx, embedding_grads: bool = False) -> list[UnitSpec]:
         """The unit of `idx` and the units it leads: its 16-bit and float8 weights' and,
@@ -487,9 +532,9 @@ def stage_expert_params(
 def _stage_expert_params(
     config_json: str, tp: int, pp: int, v: int, placement: str, ep: int
 ) -> tuple[int, ...]:
-    config = config_from_dict(json.loads(config_json))
+    layout = StageLayout(config_json=config_json, tp=tp, pp=pp, v=v, placement=placement, ep=ep)
     return tuple(
-        sum(t.numel for t in stage_tensors(config, tp, pp, v, stage, placement, ep) if t.expert)
+        sum(t.numel for t in stage_tensors(replace(layout, stage=stage)) if t.expert)
         for stage in range(pp)
     )
 

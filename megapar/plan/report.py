@@ -10,7 +10,7 @@ from megapar.device import PEAK_TFLOPS
 from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.placement import placement_of
 from megapar.plan import experts, fp8
-from megapar.plan.estimate import Estimate, stage_memory
+from megapar.plan.estimate import Estimate, layout_of, stage_memory
 from megapar.plan.memory import GIB
 from megapar.plan.params import model_params
 from megapar.plan.problem import Problem
@@ -451,20 +451,7 @@ def _zero3_experts(e: Estimate, p: Problem, one, edp: int) -> list[str]:
         return []
     m = p.global_batch // (c.mbs * c.dp)
     traffic = groups_traffic(
-        zero_traffic(
-            p.config,
-            c.tp,
-            c.pp,
-            c.v,
-            e.memory.stage,
-            c.dp * c.cp,
-            3,
-            p.grad_bucket_mb,
-            placement_of(c.schedule),
-            p.zero3_persistence_threshold,
-            c.ep,
-            fp8.zero3_casts(p, c),
-        ),
+        zero_traffic(layout_of(p, c, e.memory.stage)),
         3,
         m,
         c.pp,

@@ -8,14 +8,12 @@ state, this the worst of them.
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from itertools import accumulate
 
 import numpy as np
 
-from megapar.models.config import config_from_dict
-from megapar.plan.params import NO_CASTS, GatherCasts
+from megapar.plan.params import StageLayout
 from megapar.plan.state import (
     ADAM_MOMENTS,
     STEP_BYTES,
@@ -33,48 +31,20 @@ NO_OFFLOAD = Offload()
 
 
 @lru_cache(maxsize=4096)
-def most_loaded(
-    config_json: str,
-    tp: int,
-    pp: int,
-    v: int,
-    stage: int,
-    dp: int,
-    zero: int,
-    bucket_mb: float = 25.0,
-    placement: str = "loop",
-    offload: Offload = NO_OFFLOAD,
-    ep: int = 1,
-) -> RankState:
-    """The most loaded `rank_state` over the dp ranks of a stage (ZeRO slices differ: the last
-    holds the padding, ranks whose slice starts inside a parameter hold one more piece): the
-    one with the most optimizer bytes (with --offload-optimizer, optimizer and host copies).
-    `dp` is over cp x dp, `ep` as `rank_state`'s; under ep > 1 with more than
-    `EXACT_EP_RANKS` ranks, the most loaded dense slice plus the most loaded expert slice (an
-    upper bound, off by at most a piece's step count and a bucket's padding)."""
+def most_loaded(layout: StageLayout, offload: Offload = NO_OFFLOAD) -> RankState:
+    """The most loaded `rank_state` over the dp ranks of stage `layout` (ZeRO slices differ: the
+    last holds the padding, ranks whose slice starts inside a parameter hold one more piece):
+    the one with the most optimizer bytes (with --offload-optimizer, optimizer and host
+    copies). `layout.dp` is over cp x dp; under ep > 1 with more than `EXACT_EP_RANKS` ranks,
+    the most loaded dense slice plus the most loaded expert slice (an upper bound, off by at
+    most a piece's step count and a bucket's padding)."""
 
-    tensors, units, specs, stepped, steps = _slice_loads(
-        config_json,
-        tp,
-        pp,
-        v,
-        stage,
-        dp,
-        zero,
-        bucket_mb,
-        placement,
-        offload.persist_below,
-        ep,
-        offload.casts,
-    )
+    tensors, units, specs, stepped, steps = _slice_loads(layout)
     if not units:
-        config = config_from_dict(json.loads(config_json))
-        return rank_state(config, tp, pp, v, stage, dp, 0, zero, bucket_mb, placement, offload, ep)
+        return rank_state(layout, 0, offload)
     held = (ADAM_MOMENTS + (2 if offload.optimizer else 0)) * stepped + STEP_BYTES * steps
     worst = int(np.argmax(held))
-    return _finish(
-        tensors, units, specs, dp, zero, int(stepped[worst]), int(steps[worst]), offload, pp, ep
-    )
+    return _finish(tensors, units, specs, layout, int(stepped[worst]), int(steps[worst]), offload)
 
 
 EXACT_EP_RANKS = 4096
@@ -83,42 +53,15 @@ dense and expert slices are cut over two groups); above, it adds the two groups'
 
 
 @lru_cache(maxsize=1024)
-def _slice_loads(
-    config_json: str,
-    tp: int,
-    pp: int,
-    v: int,
-    stage: int,
-    dp: int,
-    zero: int,
-    bucket_mb: float,
-    placement: str,
-    persist_below: int,
-    ep: int = 1,
-    casts: GatherCasts = NO_CASTS,
-):
+def _slice_loads(layout: StageLayout):
     """`_layout`'s (tensors, units, specs) and, for each of `_candidate_ranks`, the bytes it
     steps and its pieces (numpy arrays, read-only), over every unit at once: a rank's slice of
     unit u is [rank x size_u, (rank + 1) x size_u) clipped to the unit's real elements, its
     pieces the parameters that slice meets (found in the stage's running sum of sizes). Under
     ep > 1 an expert unit's slice is of the rank's place in its expert group (`expert_rank`):
     every rank up to `EXACT_EP_RANKS`, else each group's candidates, summed at their worst."""
-    config = config_from_dict(json.loads(config_json))
-    tensors, units, specs = _layout(
-        config,
-        tp,
-        pp,
-        v,
-        stage,
-        dp,
-        zero,
-        bucket_mb,
-        placement,
-        persist_below,
-        ep,
-        casts,
-        config_json,
-    )
+    tensors, units, specs = _layout(layout)
+    dp, ep = layout.dp, layout.ep
     if not units:
         return tensors, units, specs, None, None
     expert = np.array([_shards(tensors, idx, dp, ep) != dp for idx, _ in units])[:, None]

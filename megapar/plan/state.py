@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from megapar.data_parallel.buckets import bucket_layout, slice_pieces
 from megapar.pipeline.schedules import SPLIT_BACKWARD
-from megapar.plan.params import NO_CASTS, GatherCasts, stage_tensors, stage_units
+from megapar.plan.params import StageLayout, stage_tensors, stage_units
 from megapar.plan.sharding import dp_traffic
 from megapar.plan.zero3_peaks import gathered_peak, grad_buffers_peak, phases
 
@@ -36,10 +36,6 @@ ADAM_MOMENTS = 2
 """AdamW's exp_avg and exp_avg_sq, each of the parameter's (piece's) shape and dtype."""
 STEP_BYTES = 4
 """torch keeps Adam's step as a float32 scalar tensor per parameter (per ZeRO-1 piece)."""
-
-
-PERSISTENCE_THRESHOLD = 0
-"""ZeRO-3: megapar-train's default --zero3-persistence-threshold (no persistent unit)."""
 
 
 @dataclass(frozen=True)
@@ -92,28 +88,19 @@ class Offload:
     """--offload-params (ZeRO-3)."""
     keep_params: bool = False
     """ZeRO-3 (--zero3-keep-params): a stage's gathered parameters kept over the step."""
-    persist_below: int = PERSISTENCE_THRESHOLD
-    """ZeRO-3 (--zero3-persistence-threshold): parameters of fewer elements form the stage's
-    persistent unit, gathered once a step."""
     whole_grads: bool = True
     """ZeRO-3: every unit's full gradient buffer alive at once in the step (`whole_grads`);
     False: as few as the reductions in flight leave (`grad_buffers_peak`)."""
     micro_batches: int = 1
     """Micro-batches per step (ZeRO-3: past the first, the units reduced once a step keep
     their buffers from the backward's start)."""
-    casts: GatherCasts = NO_CASTS
-    """ZeRO-3: the linear weights gathered in 16 bits or float8 during a step
-    (`params.GatherCasts`, `UnitSpec.cast`); the default: none."""
 
     def at_zero(self, zero: int) -> Offload:
         """These settings as a rank's state under ZeRO stage `zero` depends on them: below
-        ZeRO-3 only `optimizer` and, at ZeRO-1 / 2, whether `casts` gathers in 16 bits (the
-        16-bit buckets are laid out apart); the others are ZeRO-3's, so that layouts differing
-        in the rest share one cached state (`slices.most_loaded`)."""
-        if zero >= 3:
-            return self
-        half = zero in (1, 2) and self.casts.half
-        return Offload(self.optimizer, casts=self.casts if half else NO_CASTS)
+        ZeRO-3 only `optimizer` (the others are ZeRO-3's), so that layouts differing in the
+        rest share one cached state (`slices.most_loaded`; the layout's own:
+        `StageLayout.trimmed`)."""
+        return self if zero >= 3 else Offload(self.optimizer)
 
 
 def whole_grads(schedule: str, pp: int, m: int, v: int, reduce: str = "step") -> bool:
@@ -135,44 +122,19 @@ def w_reported(schedule: str, pp: int, m: int, v: int) -> bool:
     return schedule in SPLIT_BACKWARD
 
 
-def rank_state(
-    config,
-    tp: int,
-    pp: int,
-    v: int,
-    stage: int,
-    dp: int,
-    dp_rank: int,
-    zero: int,
-    bucket_mb: float = 25.0,
-    placement: str = "loop",
-    offload: Offload = Offload(),
-    ep: int = 1,
-) -> RankState:
-    """The state of dp rank `dp_rank` of pipeline rank `stage` (any tp rank: they hold equal
-    shapes) under megapar-train with AdamW and gradient buckets of `bucket_mb` MB; `placement`
-    maps chunks to virtual stages (`megapar.pipeline.placement.PLACEMENTS`). ZeRO-1 is the
-    real code's layout; ZeRO-2 / 3 are modelled on it (see `docs/guides/precision-zero.md`).
-    `dp` and `dp_rank` are over cp x dp (the gradients' group: dp_rank x cp + cp_rank);
-    under expert parallelism (`ep` > 1) the rank holds E / ep routed experts, in buckets of
-    their own sliced over the expert-data-parallel group (`expert_rank`)."""
-    tensors, units, specs = _layout(
-        config,
-        tp,
-        pp,
-        v,
-        stage,
-        dp,
-        zero,
-        bucket_mb,
-        placement,
-        offload.persist_below,
-        ep,
-        offload.casts,
-    )
+def rank_state(layout: StageLayout, dp_rank: int, offload: Offload = Offload()) -> RankState:
+    """The state of dp rank `dp_rank` of pipeline rank `layout.stage` (any tp rank: they hold
+    equal shapes) under megapar-train with AdamW and `layout`'s gradient buckets or units.
+    ZeRO-1 is the real code's layout; ZeRO-2 / 3 are modelled on it (see
+    `docs/guides/precision-zero.md`). `layout.dp` and `dp_rank` are over cp x dp (the
+    gradients' group: dp_rank x cp + cp_rank); under expert parallelism (`layout.ep` > 1) the
+    rank holds E / ep routed experts, in buckets of their own sliced over the
+    expert-data-parallel group (`expert_rank`)."""
+    tensors, units, specs = _layout(layout)
+    dp, ep = layout.dp, layout.ep
     if not units:  # no ZeRO: every parameter whole, its own state
         nbytes = sum(t.numel * t.dtype.itemsize for t in tensors)
-        return _finish(tensors, units, specs, dp, zero, nbytes, len(tensors), offload, pp, ep)
+        return _finish(tensors, units, specs, layout, nbytes, len(tensors), offload)
     stepped = steps = 0
     for idx, padded in units:
         n = _shards(tensors, idx, dp, ep)
@@ -180,7 +142,7 @@ def rank_state(
         pieces = slice_pieces([tensors[i].numel for i in idx], r * size, (r + 1) * size)
         stepped += sum(e - s for _, s, e in pieces) * tensors[idx[0]].dtype.itemsize
         steps += len(pieces)
-    return _finish(tensors, units, specs, dp, zero, stepped, steps, offload, pp, ep)
+    return _finish(tensors, units, specs, layout, stepped, steps, offload)
 
 
 def expert_rank(rank, ep: int):
@@ -213,19 +175,11 @@ def _deferred(tensors, units, pp: int) -> set[int]:
 
 
 def _finish(
-    tensors,
-    units,
-    specs,
-    dp: int,
-    zero: int,
-    stepped: int,
-    steps: int,
-    offload: Offload,
-    pp: int = 1,
-    ep: int = 1,
+    tensors, units, specs, layout: StageLayout, stepped: int, steps: int, offload: Offload
 ) -> RankState:
     """A rank's state from its stepped bytes and pieces (`units`: ZeRO's buckets or units;
     `specs`: ZeRO-3's `UnitSpec` of each unit, else None)."""
+    dp, zero, ep = layout.dp, layout.zero, layout.ep
     elements = sum(t.numel for t in tensors)
     whole = sum(t.numel * t.dtype.itemsize for t in tensors)
     buffer = sum(padded * tensors[idx[0]].dtype.itemsize for idx, padded in units) or whole
@@ -255,7 +209,7 @@ def _finish(
             for k, (u, n, (idx, _)) in enumerate(zip(specs, full, units))
         ]
         gathered = gathered_peak(specs, full, offload.keep_params, sent)
-        deferred = _deferred(tensors, units, pp)
+        deferred = _deferred(tensors, units, layout.pp)
         kept = offload.micro_batches > 1
         grad_buffers = grad_buffers_peak(
             specs, grad_nbytes, deferred, offload.whole_grads, kept, alone
@@ -291,43 +245,28 @@ def _finish(
     )
 
 
-def _layout(
-    config,
-    tp,
-    pp,
-    v,
-    stage,
-    dp,
-    zero,
-    bucket_mb,
-    placement="loop",
-    persist_below=PERSISTENCE_THRESHOLD,
-    ep=1,
-    casts=NO_CASTS,
-    config_json=None,
-):
+def _layout(layout: StageLayout):
     """(the stage's tensors, ZeRO's buckets as `bucket_layout` gives them (ZeRO-1 / 2; under
     ep > 1 the experts' buckets apart, padded to a multiple of dp / ep), its units (ZeRO-3:
     each padded to a multiple of dp; under ep > 1 the experts' units of dp / ep), or []
-    without, and ZeRO-3's `UnitSpec` per unit (else None)). `config_json`: `config` as
-    canonical JSON, when the caller has it (`params.stage_tensors`)."""
-    tensors = stage_tensors(config, tp, pp, v, stage, placement, ep, config_json)
-    if not (zero and dp > 1):
+    without, and ZeRO-3's `UnitSpec` per unit (else None))."""
+    tensors = stage_tensors(layout)
+    dp, ep = layout.dp, layout.ep
+    if not (layout.zero and dp > 1):
         return tensors, [], None
-    if zero >= 3:
-        specs = stage_units(
-            config, tp, pp, v, stage, placement, persist_below, ep, casts, config_json
-        )
+    if layout.zero >= 3:
+        specs = stage_units(layout)
         units = []
         for u in specs:
             n = _shards(tensors, u.tensors, dp, ep)
             units.append((list(u.tensors), -(-sum(tensors[i].numel for i in u.tensors) // n) * n))
         return tensors, units, specs
-    late = [i for i, t in enumerate(tensors) if t.shared] if pp > 1 else []
+    late = [i for i, t in enumerate(tensors) if t.shared] if layout.pp > 1 else []
     experts = [i for i, t in enumerate(tensors) if t.expert] if ep > 1 else []
     sizes = [(t.numel, t.dtype) for t in tensors]
-    apart = casts.zero12_half(tensors)
-    return tensors, bucket_layout(sizes, bucket_mb, dp, late, experts, dp // ep, apart), None
+    apart = layout.casts.zero12_half(tensors)
+    buckets = bucket_layout(sizes, layout.bucket_mb, dp, late, experts, dp // ep, apart)
+    return tensors, buckets, None
 
 
 DENSE, EXPERTS = "dp", "expert dp"
@@ -359,31 +298,16 @@ class Traffic:
     forward to its backward, so gathered once a micro-batch, not twice."""
 
 
-def zero_traffic(
-    config,
-    tp: int,
-    pp: int,
-    v: int,
-    stage: int,
-    dp: int,
-    zero: int,
-    bucket_mb: float = 25.0,
-    placement: str = "loop",
-    persist_below: int = PERSISTENCE_THRESHOLD,
-    ep: int = 1,
-    casts: GatherCasts = NO_CASTS,
-) -> dict[str, Traffic]:
+def zero_traffic(layout: StageLayout) -> dict[str, Traffic]:
     """{group: `Traffic`} of the buckets (ZeRO-1 / 2) or units (ZeRO-3) ZeRO reduces and
-    gathers on this stage over each group (`DENSE`; under ep > 1 also `EXPERTS`, an experts'
+    gathers on stage `layout` over each group (`DENSE`; under ep > 1 also `EXPERTS`, an experts'
     unit counted as its lead is: a root's once a micro-batch, the persistent unit's once a
     step; none where that group is one rank, ep = cp x dp: ZeRO-3 keeps those units whole and
-    ZeRO-1 / 2's buckets are their own sum and gather, `shard_comm`); {} without ZeRO.
-    `casts`: as `Offload.casts`."""
-    tensors, units, specs = _layout(
-        config, tp, pp, v, stage, dp, zero, bucket_mb, placement, persist_below, ep, casts
-    )
-    late = _deferred(tensors, units, pp) if zero >= 3 else set()
-    half = set(casts.zero12_half(tensors)) if zero in (1, 2) else set()
+    ZeRO-1 / 2's buckets are their own sum and gather, `shard_comm`); {} without ZeRO."""
+    tensors, units, specs = _layout(layout)
+    zero, dp, ep = layout.zero, layout.dp, layout.ep
+    late = _deferred(tensors, units, layout.pp) if zero >= 3 else set()
+    half = set(layout.casts.zero12_half(tensors)) if zero in (1, 2) else set()
     kinds = [u.kind for u in specs] if specs else [""] * len(units)
     for k, u in enumerate(specs or ()):
         if u.led:  # gathered as its lead is
