@@ -50,3 +50,35 @@ def test_a_step_without_pipeline_or_dp_logs_neither():
     assert "skipped" not in line
     assert "| skipped 1 (inf/nan)" in format_line(3, {**metrics, "skipped": True})
     assert "| skipped 2 (inf/nan)" in format_line(3, {**metrics, "skipped_steps": 2})
+
+
+def test_tensorboard_and_wandb_plot_each_number_and_each_expert_count(tmp_path):
+    """TensorBoard and W&B get every numeric field of a step, and a mixture of experts'
+    `moe_tokens_per_expert` list as one curve per expert (`moe_tokens_per_expert/i`); the JSON
+    log keeps the list whole."""
+    from types import SimpleNamespace
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megapar.training.logging import MetricsLogger
+
+    cfg = SimpleNamespace(progress=False, log_json=str(tmp_path / "log.jsonl"),
+                          tensorboard=str(tmp_path / "tb"), wandb_project=None)
+    logger = MetricsLogger(cfg, 0, {})
+    sent = []
+    logger.wandb = SimpleNamespace(log=lambda scalars, step: sent.append((step, scalars)),
+                                   finish=lambda: None)
+    metrics = {"loss": 2.5, "lr": 1e-3, "moe_tokens_per_expert": [7, 0, 5], "note": "text"}
+    logger.log(3, metrics)
+    logger.close()
+    want = {"loss": 2.5, "lr": 1e-3, "moe_tokens_per_expert/0": 7,
+            "moe_tokens_per_expert/1": 0, "moe_tokens_per_expert/2": 5}
+    assert sent == [(3, want)]
+    events = EventAccumulator(cfg.tensorboard)
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == sorted(want)
+    for tag, value in want.items():
+        (event,) = events.Scalars(tag)
+        assert (event.step, event.value) == (3, pytest.approx(value)), tag
+    record = json.loads(Path(cfg.log_json).read_text())
+    assert record["moe_tokens_per_expert"] == [7, 0, 5] and record["note"] == "text"

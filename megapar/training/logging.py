@@ -159,7 +159,7 @@ class MetricsLogger(NullLogger):
                 for k, v in record.items()
             }
             self.json.write(json.dumps(clean, allow_nan=False) + "\n")
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        scalars = scalars_of(metrics)
         if self.tb is not None:
             for key, value in scalars.items():
                 self.tb.add_scalar(key, value, step)
@@ -175,6 +175,19 @@ class MetricsLogger(NullLogger):
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def scalars_of(metrics: dict) -> dict[str, float]:
+    """The metrics TensorBoard and W&B plot: each number as it is, and each list of numbers (a
+    mixture of experts' `moe_tokens_per_expert`) as one scalar per entry, `key/i`, which both
+    show as one group of curves; anything else is left to the JSON log."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)):
+            out[key] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+            out.update({f"{key}/{i}": v for i, v in enumerate(value)})
+    return out
 
 
 def format_line(step: int, m: dict) -> str:
