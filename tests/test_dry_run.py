@@ -706,8 +706,9 @@ def test_plan_verify_holds_expert_parallelism():
     parameters, state, activations and all-to-all bytes per step equal the dry run's
     (`megapar-plan --verify`); its state is not ep 1's (half the experts; the same share of
     optimizer state, cut differently), and an all-to-all count one byte off is reported. The
-    same at dp 2 x cp 2 x ep 2 (ZeRO-1) for rank 2 (dp rank 1, cp rank 0: ep rank 0 of the
-    second block of the cp x dp index, expert-dp rank 1: its slice of the experts' buckets)."""
+    same at dp 2 x cp 2 x ep 2 (ZeRO-1, bf16: the rows and their gradients exchanged in bf16)
+    for rank 2 (dp rank 1, cp rank 0: ep rank 0 of the second block of the cp x dp index,
+    expert-dp rank 1: its slice of the experts' buckets)."""
     from types import SimpleNamespace
 
     from megapar.dryrun.verify import Verified, _alltoall_difference, verify_layout
@@ -719,7 +720,8 @@ def test_plan_verify_holds_expert_parallelism():
     c = parse_candidate("tp=1,pp=1,dp=4,ep=2,mbs=1,zero=1", 4)
     v = verify_layout(problem, c, ranks=[3])
     assert (v.ranks, v.error, v.differences, v.note) == (1, "", [], "")
-    v = verify_layout(problem, parse_candidate("tp=1,pp=1,dp=2,cp=2,ep=2,mbs=1,zero=1", 4), [2])
+    bf16 = Problem(config, 4, global_batch=8, seq_len=32, precision="bf16")  # rows in bf16
+    v = verify_layout(bf16, parse_candidate("tp=1,pp=1,dp=2,cp=2,ep=2,mbs=1,zero=1", 4), [2])
     assert (v.ranks, v.error, v.differences, v.note) == (1, "", [], "")
     ep2, ep1 = (rank_state(StageLayout.of(config, dp=4, zero=1, ep=ep), 3) for ep in (2, 1))
     assert ep2.params < ep1.params < 2 * ep2.params and ep2.weights < ep1.weights

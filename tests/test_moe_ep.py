@@ -43,7 +43,8 @@ def _whole(t, p, mesh):
     return t.clone()
 
 
-def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1, offload=False):
+def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1, offload=False,
+            precision="fp32"):
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -62,8 +63,8 @@ def _engine(tp, pp, dp, ep, zero, recompute, schedule="1f1b", cp=1, offload=Fals
     else:
         optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero)
     grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02, offload_params=offload)
-    step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision("fp32", mesh.device),
-                     MAX_NORM, grad_sync)
+    step = TrainStep(model, mesh, executor, optimizer, scheduler(),
+                     Precision(precision, mesh.device), MAX_NORM, grad_sync)
     return mesh, model, optimizer, step
 
 
@@ -128,8 +129,9 @@ def _check(outs, run, reference):
             assert_close(t, reference[key][name], what=f"{run} {key} {name}")
 
 
-def _runs(runs):
-    return [_train(*run) for run in runs]
+def _runs(runs, bf16=False):
+    """Each run's `_train`; with `bf16`, `_bf16_steps` last."""
+    return [_train(*run) for run in runs] + ([_bf16_steps()] if bf16 else [])
 
 
 RUNS_4 = [(1, 1, 4, 2, 0), (1, 1, 4, 2, 1), (1, 1, 4, 2, 3), (1, 2, 2, 2, 0, "full"),
@@ -146,15 +148,17 @@ def test_dp2_ep2_matches_serial_training(reference, monkeypatch):
     (`plan.experts.step_alltoall`): per rank exactly for the count exchange and the rows it
     routes, over the ep group exactly in all (each rank's received rows depend on the
     routing; they sum to the rows sent). The same at cp 2 x ep 2 (dp 1): ep over the two cp
-    ranks of each sequence, each routing its chunk's tokens."""
+    ranks of each sequence, each routing its chunk's tokens. And under bf16 the rows travel
+    in bf16, bit for bit as in fp32 (`_check_bf16_rows`)."""
     from megapar.device import HOST_COPIES_ENV
 
     monkeypatch.setenv(HOST_COPIES_ENV, "1")  # (only offloading runs look)
     runs = [(1, 1, 2, 2, 0), (1, 1, 2, 2, 3), (1, 1, 1, 2, 0, "none", "1f1b", 2),
             (1, 1, 2, 2, 3, "none", "1f1b", 1, True)]
-    outs = run_local(_runs, 2, runs)
+    outs = run_local(_runs, 2, runs, True)
     for i, run in enumerate(runs):
         _check([o[i] for o in outs], run, reference)
+    _check_bf16_rows([o[-1] for o in outs])
     for o in outs:  # ZeRO-3: expert dp = cp x dp / ep = 1, each MoE block's experts kept whole
         alone = o[1]["alone"]
         assert alone["names"] == [f"chunk 0 layer {i} experts" for i in (3, 2, 1)], alone
@@ -178,7 +182,7 @@ def _check_alltoall_bytes(outs, dp, cp):
     layers = moe_layers(cfg, range(cfg.num_layers))
     problem = Problem(cfg, 2, global_batch=G, seq_len=SEQ, precision="fp32")
     planned = step_alltoall(problem, Candidate(dp=dp, ep=2, mbs=MBS, cp=cp), layers)
-    one = alltoall_bytes(cfg, tokens, 2, 4, 4)
+    one = alltoall_bytes(cfg, tokens, 2, 4)
     assert layers == 3 and planned == layers * m * one.total > 0
     counted = [sum(n for n, _, size in o["a2a"] if size == 2) for o in outs]
     assert all(len(o["a2a"]) == layers * m * 5 for o in outs)  # counts, 2 forward, 2 backward
@@ -190,6 +194,61 @@ def _check_alltoall_bytes(outs, dp, cp):
     sent_rows = tokens * cfg.num_experts_per_tok * cfg.hidden_size * 4
     received = [c - layers * m * (one.counts + 2 * sent_rows) for c in counted]
     assert sum(received) == 2 * layers * m * 2 * sent_rows
+
+
+def _bf16_steps():
+    """dp 2 x ep 2 under bf16, one step (two micro-batches a rank) as megapar sends its rows
+    and one with the rows sent as they come (fp32, the residual stream's dtype): each one's
+    result, gradients, weights, all-to-alls and host syncs."""
+    from unittest import mock
+
+    from megapar.models import moe
+
+    out = []
+    for wire in (moe.wire_dtype, lambda x: x.dtype):
+        with mock.patch.object(moe, "wire_dtype", wire):
+            mesh, model, _, step = _engine(1, 1, 2, 2, 0, "none", precision="bf16")
+            split = BatchPlan(G, MBS, 2).split(global_batches()[0], mesh.dp_rank)
+            with count_collectives() as calls, count_syncs() as syncs:
+                result = step.step(split, 0)
+        out.append({"result": result, "syncs": syncs,
+                    "grads": [p.grad.clone() for p in model.parameters()],
+                    "weights": [p.detach().clone() for p in model.parameters()],
+                    "a2a": [(c.bytes, c.dtype) for c in calls if c.op == "all_to_all_single"]})
+    return out
+
+
+def _check_bf16_rows(outs):
+    """Under bf16 the dispatched rows and their gradients travel in bf16, as the combined
+    ones do (the experts' linears cast their input to bf16 anyway): every row exchange moves
+    the T k rows' 2 bytes an element, `plan.experts.alltoall_bytes` at 2 bytes. Losses,
+    gradients and updated weights are bitwise those of the rows sent in fp32, with the same
+    all-to-alls in the same order and the same host syncs."""
+    from megapar.plan.experts import COUNT_BYTES, alltoall_bytes
+
+    cfg, m, layers = config(), G // (MBS * 2), 3
+    rows = MBS * SEQ * cfg.num_experts_per_tok * cfg.hidden_size
+    one = alltoall_bytes(cfg, MBS * SEQ, 2, 2)
+    assert one.forward == one.backward == 2 * rows * 2
+    for wired, fp32_rows in outs:
+        assert wired["result"] == fp32_rows["result"]
+        for key in ("grads", "weights"):
+            assert all(torch.equal(a, b) for a, b in zip(wired[key], fp32_rows[key])), key
+        assert wired["syncs"] == fp32_rows["syncs"]
+        elements = [[n // d.itemsize for n, d in o["a2a"]] for o in (wired, fp32_rows)]
+        assert elements[0] == elements[1]  # the same all-to-alls, in the same order
+        # per layer and micro-batch the counts, rows out and back, their gradients back and
+        # out: every row exchange in bf16 (the dispatch and its gradient were fp32 before)
+        dtypes = [d for _, d in wired["a2a"]]
+        assert len(dtypes) == 5 * layers * m and dtypes.count(torch.int64) == layers * m
+        assert set(dtypes) == {torch.int64, torch.bfloat16}
+        assert [d for _, d in fp32_rows["a2a"]].count(torch.float32) == 2 * layers * m
+        # each count exchange is followed by the dispatch of the rows this rank routes
+        counts = [i for i, d in enumerate(dtypes) if d == torch.int64]
+        assert {wired["a2a"][i][0] for i in counts} == {cfg.num_local_experts * COUNT_BYTES}
+        assert {wired["a2a"][i + 1][0] for i in counts} == {rows * 2}
+    total = sum(n for o in outs for n, _ in o[0]["a2a"])
+    assert total == 2 * layers * m * one.total  # over the ep group: every row
 
 
 def test_dp4_ep2_pp2_ep2_tp2_ep2_match_serial_training(reference):

@@ -8,8 +8,10 @@ routes all of them) to k experts: T k rows.
 **All-to-all bytes** (`alltoall_bytes`, per MoE layer and micro-batch, what one rank puts into
 `dist.all_to_all_single`, whose payload counts every row, the ones it keeps for itself too, as
 `megapar.comm_count` counts it): the count exchange (E int64 counts), the dispatch (the T k
-rows, h wide, in the MoE input's dtype), the combine (the rows it received back: T k under
-uniform routing), and in the backward the same two exchanges of the gradients (the combine's
+rows, h wide, in the compute dtype: fp32, or under bf16 / fp16 autocast the 16-bit dtype the
+experts' linears read, `megapar.models.moe.wire_dtype`), the combine (the rows it received
+back, T k under uniform routing, in the experts' output dtype: the compute dtype), and in the
+backward the same two exchanges of the gradients (the combine's
 gradient out, T k rows; the dispatch's back, the received ones). Full recomputation repeats the
 forward's two row exchanges (the recompute reuses its route: no second count exchange). Over an
 ep group the received rows sum to the sent ones, so the group's total is exact whatever the
@@ -91,22 +93,16 @@ class AllToAll:
 
 
 def alltoall_bytes(
-    config,
-    tokens: int,
-    ep: int,
-    dispatch_bytes: int = 4,
-    combine_bytes: int = 4,
-    recompute: str = "none",
+    config, tokens: int, ep: int, row_bytes: int = 4, recompute: str = "none"
 ) -> AllToAll:
     """One rank's all-to-all payloads of one MoE layer and micro-batch under ep (none at ep 1):
-    `tokens` routed (`routed_tokens`), rows of `dispatch_bytes` (the MoE input's element
-    size: megapar's norms keep fp32) out and `combine_bytes` (the experts' output: the matmul
-    dtype) back, the same sizes for their gradients; the received rows taken as sent (uniform
-    routing; exact for an ep group's sum)."""
+    `tokens` routed (`routed_tokens`), rows of `row_bytes` elements (the compute dtype's: 2
+    under bf16 / fp16, 4 under fp32) out and back, the same sizes for their gradients; the
+    received rows taken as sent (uniform routing; exact for an ep group's sum)."""
     if ep == 1:
         return AllToAll(0, 0, 0)
     rows = tokens * config.num_experts_per_tok * config.hidden_size
-    row_pair = rows * (dispatch_bytes + combine_bytes)
+    row_pair = 2 * rows * row_bytes
     return AllToAll(
         config.num_local_experts * COUNT_BYTES,
         row_pair,
@@ -134,10 +130,9 @@ def routed_bytes(config, tokens: int, act_bytes: int, imbalance: float = 1.0, ep
 
 def step_alltoall(p, c, moe_layers_on_rank: int) -> int:
     """One rank's all-to-all payload bytes per step of a `Problem` planned as `Candidate` `c`,
-    for the MoE layers its pipeline rank holds: `alltoall_bytes` (dispatch rows in fp32, the
-    MoE input megapar's norms give; combine rows in the activations' dtype) x the layers x the
-    micro-batches of its dp rank."""
+    for the MoE layers its pipeline rank holds: `alltoall_bytes` (rows in the activations'
+    dtype, both ways) x the layers x the micro-batches of its dp rank."""
     tokens = routed_tokens(p.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
     m = p.global_batch // (c.mbs * c.dp)
-    one = alltoall_bytes(p.config, tokens, c.ep, 4, p.act_bytes, c.recompute)
+    one = alltoall_bytes(p.config, tokens, c.ep, p.act_bytes, c.recompute)
     return one.total * moe_layers_on_rank * m

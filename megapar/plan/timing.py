@@ -165,7 +165,7 @@ def alltoall_seconds(p: Problem, c: Candidate) -> tuple[float, float]:
         return 0.0, 0.0
     cfg = p.config
     tokens = experts.routed_tokens(p.seq_len, c.mbs, c.cp, c.tp if c.sp else 1)
-    nbytes = experts.alltoall_bytes(cfg, tokens, c.ep, 4, p.act_bytes, c.recompute)
+    nbytes = experts.alltoall_bytes(cfg, tokens, c.ep, p.act_bytes, c.recompute)
     span = ep_span(c.tp, c.pp, c.dp, c.cp, c.ep)
     gbps = p.intra_gbps if span <= p.gpus_per_node else p.inter_gbps
     share, lat = experts.leaving(c.ep), (c.ep - 1) * p.latency_us * 1e-6
