@@ -302,7 +302,8 @@ class Engine:
         model reads; at every call, the same batch on every rank: one all-reduce of two int64s):
         a clear error, not silent nonsense. The loss is Megatron's: the mean over micro-batches
         (and dp ranks) of each micro-batch's mean over its labelled tokens, so with unevenly
-        spread -100 labels it differs slightly from one token mean over the whole batch.
+        spread -100 labels it differs from one token mean over the whole batch (and depends on the
+        micro-batch size; a micro-batch with no labelled token counts as 0).
 
         With `loss_mean="token"` (`prepare(..., loss_mean="token")`) it is instead the sum over
         every labelled token of the batch over their count, as one forward of the whole batch
