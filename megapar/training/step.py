@@ -5,15 +5,14 @@
 1. zero the gradients, set this step's learning rate;
 2. run the pipeline schedule under autocast (gradients accumulate over the m micro-batches; the
    dp average (a sum over cp) is bucketed and overlapped with the last micro-batch's backward
-   by `grad_sync`);
+   by `grad_sync`); under ``--loss-mean token`` each micro-batch's loss is its labelled tokens'
+   loss sum times m x dp / (the global batch's labelled tokens) (`loss_weight`), so the mean
+   over micro-batches and dp ranks is the global token mean and the gradients are its own:
+   everything below (clipping, fp16's unscale) sees the true gradients;
    with --sequence-parallel, sum the replicated parameters' partial gradients over tp;
 3. sum the tied embedding's gradient over the first and last stage (pp > 1);
 4. fp16: unscale the gradients and agree, over the whole world, whether any is inf / NaN;
 5. clip to the global gradient norm (over tp x pp, each parameter counted once);
-   Under ``--loss-mean token`` each micro-batch's loss is its labelled tokens' loss sum times
-   m x dp / (the global batch's labelled tokens) (`loss_weight`), so this mean over
-   micro-batches and dp ranks is the global token mean and the gradients are its gradients:
-   the clipping below sees the true norm;
 6. step the optimizer unless the step overflowed (any precision: a non-finite gradient norm or
    loss is never applied); update the loss scale. The loss is all-reduced over dp before the
    norm (every rank holds the same global loss) and read with it, so a non-finite loss skips
@@ -247,12 +246,10 @@ class TrainStep:
         scale = self.precision.loss_scale
         if self.num_experts:  # each micro-batch's balancing penalty, weighted as its loss
             set_penalty_grad(self.model, scale / len(micro_batches))
+        weight = self.last_loss_weight = (
+            loss_weight(micro_batches, self.mesh, labelled) if self.loss_mean == "token" else None
+        )
         with self.precision.autocast(), self.weights_scope():
-            weight = self.last_loss_weight = (
-                loss_weight(micro_batches, self.mesh, labelled)
-                if self.loss_mean == "token"
-                else None
-            )
             loss = self.executor.run(
                 micro_batches, grad_sync=self.grad_sync, loss_scale=scale, loss_weight=weight
             )
