@@ -296,6 +296,69 @@ def test_prepare_bert_for_masked_lm_matches_transformers(run):
     assert after < before
 
 
+def _mlm_batch():
+    """`_bert_batch` with MLM labels: about 30 % of each row's tokens labelled, rows 2 and 3
+    none (a micro-batch of 1 or 2 with no labelled token on dp rank 0 at dp 2)."""
+    batch = _bert_batch()
+    keep = torch.rand(G, SEQ, generator=torch.Generator().manual_seed(2)) < 0.3
+    keep[:, 0] = True
+    keep[2:4] = False
+    batch["labels"] = batch["labels"].masked_fill(~keep, -100)
+    return batch
+
+
+def _bert_token_means():
+    """BERT's MLM loss at pp 2 x dp 2 with ZeRO-3 through `train_step` / `eval_step`:
+    --loss-mean token in fp32 at micro-batches of 1 (its step's host syncs counted), in fp16
+    at micro-batches of 4; the default micro-batch mean at 1."""
+    from sync_count import count_syncs
+    from transformers import BertConfig, BertForMaskedLM
+
+    out = {}
+    for name, mean, mbs, precision in (("token", "token", 1, "fp32"),
+                                       ("token fp16", "token", 4, "fp16"),
+                                       ("microbatch", "microbatch", 1, "fp32")):
+        torch.manual_seed(4)
+        model = BertForMaskedLM(BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0))
+        engine = megapar.prepare(model, pp=2, micro_batch_size=mbs, lr=1e-3, zero=3,
+                                 precision=precision, loss_mean=mean)
+        before = engine.eval_step(_mlm_batch())
+        with count_syncs() as syncs:
+            trained = engine.train_step(_mlm_batch())
+        out[name] = (before, trained, [where for _, where in syncs])
+    return out
+
+
+def test_bert_mlm_token_mean_is_transformers_loss_at_any_micro_batch(run):
+    """loss_mean="token": BERT's MLM loss with unevenly masked rows (one micro-batch without a
+    label), through prepare / train_step / eval_step at pp 2 x dp 2 with ZeRO-3, equals
+    transformers' BertForMaskedLM loss on the whole batch (the token mean), fp32 < 1e-5 at
+    micro-batches of 1 and fp16 (loss-scaled) < 1e-2 at 4, with no host sync on the
+    micro-batch path; the default micro-batch mean misses it by > 1 %."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    out = run(_bert_token_means, 4)[0]
+    torch.manual_seed(4)
+    hf = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=64,
+                                    max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0)).eval()
+    with torch.no_grad():
+        ref = hf(**_mlm_batch()).loss.item()
+    before, trained, syncs = out["token"]
+    assert math.isclose(before, ref, rel_tol=1e-5) and math.isclose(trained, ref, rel_tol=1e-5)
+    inside = [w for w in syncs if w.startswith(("models/", "tensor_parallel/", "pipeline/",
+                                                "data_parallel/", "context_parallel/"))]
+    assert not inside, inside
+    before, trained, _ = out["token fp16"]
+    assert math.isclose(before, ref, rel_tol=1e-2) and math.isclose(trained, ref, rel_tol=1e-2)
+    before, trained, _ = out["microbatch"]
+    assert abs(before / ref - 1) > 1e-2 and abs(trained / ref - 1) > 1e-2, (before, ref)
+
+
 def _bad_batches():
     import numpy as np
 
@@ -829,6 +892,8 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
       "optimizer='lamb'", "drop offload_optimizer=True or use optimizer='adamw'"]),
     ({"zero": 1, "offload_optimizer": True, "optimizer": "lars"},
      ["offload_optimizer=True steps AdamW or SGD on the host, not optimizer='lars'"]),
+    ({"loss_mean": "mean"}, ["megapar.prepare: loss_mean='mean' is not one of 'microbatch', "
+                             "'token'"]),
 ])
 def test_prepare_refuses_what_megapar_train_refuses_in_the_apis_terms(kwargs, words):
     """zero=3 with offload_params=True but no offload_optimizer trained as plain ZeRO-3 (the CLI

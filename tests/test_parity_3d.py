@@ -8,9 +8,12 @@ our optimizer (with and without ZeRO-1). Five steps must give the same losses, g
 final weights (fp32, relative error < 1e-5), with clipping active on every step.
 """
 
+from contextlib import nullcontext
+
 import pytest
 import torch
-from tp_utils import assert_close, gather_grads, to_device
+from sync_count import count_syncs
+from tp_utils import assert_close, gather_grads, rel_err, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
@@ -63,8 +66,28 @@ def global_batches() -> list[dict]:
     return [{"input_ids": x, "labels": (x + 1) % VOCAB} for x in ids]
 
 
-def serial_reference(kind: str = "gpt2") -> dict:
-    """Plain torch: the model, AdamW, clip_grad_norm_; no megapar optimizer code."""
+TOKEN_STEPS = 3
+
+
+def uneven_batches() -> list[dict]:
+    """The first TOKEN_STEPS global batches with their labels unevenly spread: each row's
+    first 0 .. SEQ - 1 labels -100 (an SFT prompt), rows 2 and 3 wholly -100 (a micro-batch of
+    2 with no labelled token, at dp 1 and dp 2)."""
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for batch in global_batches()[:TOKEN_STEPS]:
+        labels = batch["labels"].clone()
+        prompt = torch.randint(0, SEQ, (G, 1), generator=gen)
+        labels[torch.arange(SEQ)[None, :] < prompt] = -100
+        labels[2:4] = -100
+        out.append({"input_ids": batch["input_ids"], "labels": labels})
+    return out
+
+
+def serial_reference(kind: str = "gpt2", whole: bool = False) -> dict:
+    """Plain torch: the model, AdamW, clip_grad_norm_; no megapar optimizer code. `whole`: on
+    `uneven_batches`, ONE forward of each global batch (the model's logits) and
+    F.cross_entropy(ignore_index=-100, reduction="mean"): no megapar loss code either."""
     model = build_stage(config(kind), Mesh(Layout()), SEED)
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
@@ -72,16 +95,24 @@ def serial_reference(kind: str = "gpt2") -> dict:
                             lr=LR, betas=(0.9, 0.95), eps=EPS)
     sched, plan = scheduler(), BatchPlan(G, MBS, 1)
     losses, norms = [], []
-    for step, batch in enumerate(global_batches()):
+    for step, batch in enumerate(uneven_batches() if whole else global_batches()):
         for g in opt.param_groups:
             g["lr"] = sched.lr(step)
         opt.zero_grad()
-        micro = plan.split(batch, 0)
         total = 0.0
-        for mb in micro:
-            loss = model(None, mb)
-            (loss / len(micro)).backward()
-            total += loss.item() / len(micro)
+        if whole:
+            logits = model(None, {"input_ids": batch["input_ids"]})[..., :VOCAB]
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, VOCAB), batch["labels"].reshape(-1), ignore_index=-100,
+                reduction="mean")
+            loss.backward()
+            total = loss.item()
+        else:
+            micro = plan.split(batch, 0)
+            for mb in micro:
+                loss = model(None, mb)
+                (loss / len(micro)).backward()
+                total += loss.item() / len(micro)
         norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM).item())
         if step == 0:
             first_grads = {n: unpad(p.grad.clone(), p.tp_dim, p.full_shape)
@@ -97,9 +128,11 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            schedule: str = "1f1b", virtual_stages: int = 1, order: str = "tp-pp-dp",
            sequence_parallel: bool = False, cp: int = 1, mbs: int = MBS,
            offload: bool = False,
-           kind: str = "gpt2", regather: bool = False) -> dict:
+           kind: str = "gpt2", regather: bool = False, loss_mean: str = "microbatch",
+           uneven: bool = False) -> dict:
     """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage
-    (of every cp rank: they must agree)."""
+    (of every cp rank: they must agree). `uneven`: the TOKEN_STEPS `uneven_batches`, the host
+    syncs of the last step counted (`count_syncs`)."""
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -109,7 +142,8 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     from megapar.tensor_parallel.partition import gather_full
     from megapar.training.step import TrainStep
 
-    mesh = Mesh(Layout(tp, pp, dp, order, cp), dist.get_rank(), sequence_parallel=sequence_parallel)
+    rank = dist.get_rank() if dist.is_initialized() else 0  # one rank: no process group
+    mesh = Mesh(Layout(tp, pp, dp, order, cp), rank, sequence_parallel=sequence_parallel)
     model = build_stage(config(kind), mesh, SEED,
                         virtual_stages=chunks_per_rank(schedule, virtual_stages),
                         placement=placement_of(schedule))
@@ -122,7 +156,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, offload=offload)
     grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp * cp > 1 else None
     step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision(precision, mesh.device),
-                     MAX_NORM, grad_sync)
+                     MAX_NORM, grad_sync, loss_mean)
     full_grads = {}
     optimizer_step = optimizer.step
 
@@ -137,8 +171,11 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
 
     optimizer.step = step_and_record_first_grads
     plan = BatchPlan(G, mbs, dp)
-    results = [step.step(to_device(plan.split(batch, mesh.dp_rank), mesh.device), i)
-               for i, batch in enumerate(global_batches())]
+    batches = uneven_batches() if uneven else global_batches()
+    results, syncs = [], None
+    for i, batch in enumerate(batches):
+        with count_syncs() if i == len(batches) - 1 and uneven else nullcontext() as syncs:
+            results.append(step.step(to_device(plan.split(batch, mesh.dp_rank), mesh.device), i))
     weights = {n: gather_full(p.detach(), p.tp_dim, p.full_shape, mesh.tp_group)
                for n, p in model.named_parameters()}
     keep = mesh.dp_rank == 0 and mesh.tp_rank == 0
@@ -147,8 +184,8 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            if 0 < sum(e - s for q, s, e in getattr(optimizer, "_piece_of", []) if q is p)
            < p.numel()]
     host = optimizer.host  # --offload-optimizer: were the masters host copies of the pieces?
-    return {"layout": (tp, pp, dp, zero, schedule, order, cp, kind, regather),
-            "results": results,
+    return {"layout": (tp, pp, dp, zero, schedule, order, cp, kind, regather, mbs, loss_mean),
+            "results": results, "syncs": syncs,
             "weights": weights if keep else {}, "grads": full_grads if keep else {}, "cut": cut,
             "refreshed": host.refreshed if host is not None else 0,
             "host_copies": host is not None and host.copies and all(
@@ -158,6 +195,11 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
 
 def _worker(runs: list[tuple]) -> list[dict]:
     return [_train(*run) for run in runs]
+
+
+def _token_worker(runs: list[tuple[tuple, str]]) -> list[dict]:
+    """(layout arguments of `_train`, loss_mean) runs on `uneven_batches`."""
+    return [_train(*run, loss_mean=mean, uneven=True) for run, mean in runs]
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +212,7 @@ def check_against(reference: dict, per_rank: list[dict]) -> None:
     for rank, out in enumerate(per_rank):
         losses = [r.loss for r in out["results"]]
         norms = [r.grad_norm for r in out["results"]]
-        for s in range(STEPS):
+        for s in range(len(reference["losses"])):
             assert_close(torch.tensor(losses[s]), torch.tensor(reference["losses"][s]),
                          what=f"{layout} rank {rank} loss at step {s}")
             assert_close(torch.tensor(norms[s]), torch.tensor(reference["norms"][s]),
@@ -272,6 +314,62 @@ def test_3d_parity_4_ranks(reference):
     for i in range(4):
         check_against(reference, [o[i] for o in outs])
     assert all(o[3]["cut"] for o in outs), "dp=4: no parameter is cut between two dp ranks"
+
+
+PER_MICRO_BATCH = ("models/", "tensor_parallel/", "pipeline/", "data_parallel/",
+                   "context_parallel/")
+"""Where a host sync would be one per micro-batch (as test_host_syncs says)."""
+
+
+@pytest.fixture(scope="module")
+def token_reference():
+    return serial_reference(whole=True)
+
+
+def check_differs(reference: dict, per_rank: list[dict]) -> None:
+    """The default micro-batch mean is not the token mean here: every step's loss is > 1 %
+    off (below it: a micro-batch with no labelled token counts as 0)."""
+    for out in per_rank:
+        for s, r in enumerate(out["results"]):
+            ref = torch.tensor(reference["losses"][s])
+            assert rel_err(torch.tensor(r.loss), ref) > 1e-2, (out["layout"], s, r.loss, ref)
+
+
+def test_token_mean_equals_one_forward_at_any_micro_batch_size(token_reference):
+    """--loss-mean token on one process at micro-batches of 1, 2, 4 and 8 (8 .. 1 per step, at
+    1 and 2 some without a labelled token) equals ONE forward of each global batch with
+    F.cross_entropy(ignore_index=-100, reduction="mean") (`uneven_batches`): losses, grad norms
+    (clipping active), first-step gradients and final weights, fp32 < 1e-5; its step makes
+    the host syncs of the micro-batch mean's at every m. The micro-batch mean misses it by
+    > 1 % at micro-batches of 1 and 2 (at 8, one micro-batch, it is the same mean)."""
+    runs = [((1, 1, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 1, mbs), mean)
+            for mean in ("token", "microbatch") for mbs in (1, 2, 4, 8)]
+    outs = run_local(_token_worker, 1, runs)[0]
+    for token, micro in zip(outs[:4], outs[4:]):
+        check_against(token_reference, [token])
+        assert token["syncs"] == micro["syncs"], (token["layout"], token["syncs"], micro["syncs"])
+    for micro in outs[4:6]:
+        check_differs(token_reference, [micro])
+    check_against(token_reference, [outs[7]])
+
+
+def test_token_mean_equals_one_forward_over_ranks(token_reference):
+    """--loss-mean token at pp 2 x dp 2 (dp rank 0's second micro-batch has no labelled
+    token; the count all-reduced over dp reaches the last stage's loss), tp 2 x pp 2 under
+    ZB-V (vocab-parallel cross-entropy, the loss on pp rank 0, split backwards) and cp 2 x dp 2
+    with ZeRO-2 (the loss summed over the cp group, reduce-scattered gradients) equals one
+    forward of the global batch as above, and its step makes no host sync on the micro-batch
+    path. (With loss_mean="microbatch" each of these runs misses it by > 1 % at every step.)"""
+    runs = [((1, 2, 2, 0), "token"),
+            ((2, 2, 1, 0, "fp32", "zb-v"), "token"),
+            ((1, 1, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", False, 2), "token")]
+    outs = run_local(_token_worker, 4, runs)
+    for i in range(3):
+        check_against(token_reference, [o[i] for o in outs])
+    for rank, o in enumerate(outs):
+        for run in o:
+            inside = [where for _, where in run["syncs"] if where.startswith(PER_MICRO_BATCH)]
+            assert not inside, (rank, run["layout"], inside)
 
 
 ZERO2_8 = [(2, 2, 2, 2), (2, 2, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", True),

@@ -13,6 +13,7 @@ with three small collectives. Good steps pay nothing but the RNG state's copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ class KeptStep:
     """The step's number (1 = the first)."""
     loss_scale: float
     """The loss scale its backward used."""
+    loss_weight: Any = None
+    """Its micro-batches' loss weight under --loss-mean token (`training.step.loss_weight`;
+    set once the step has run), else None."""
 
 
 def locate(engine, kept: KeptStep | None) -> str:
@@ -76,7 +80,12 @@ def rerun(engine, kept: KeptStep, trace: ModuleTrace) -> ModuleTrace:
             trace.attached(executor),
             engine.precision.autocast(),
         ):
-            executor.run(kept.micro_batches, grad_sync=None, loss_scale=kept.loss_scale)
+            executor.run(
+                kept.micro_batches,
+                grad_sync=None,
+                loss_scale=kept.loss_scale,
+                loss_weight=kept.loss_weight,
+            )
     finally:
         engine.grad_sync.in_step = False
         executor.trace = traced

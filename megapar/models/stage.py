@@ -5,6 +5,10 @@ Under context parallelism every stage reads the whole micro-batch (ids, labels, 
 and takes this cp rank's tokens of it (`_cp_tokens`, `megapar.context_parallel.split`), with
 their global positions; the loss sums token losses and counts over the cp group.
 
+The last stage returns a micro-batch's mean loss over its labelled tokens, or, while the
+pipeline executor has set `loss_weight` for a step (``--loss-mean token``), their sum times
+that weight (`_reduce_loss`).
+
 A stage holds the embedding if it is first (`pre_process`), blocks named by their *global*
 index (so parameter names are the same in every layout), and the head if it is last
 (`post_process`). The LM head reuses the word embedding; a last stage without the embedding
@@ -29,6 +33,7 @@ from megapar.tensor_parallel import (
     masked_mean,
     parallel_lm_logits,
     vocab_parallel_cross_entropy,
+    weighted_sum,
 )
 from megapar.tensor_parallel.layers import lm_head_input
 from megapar.tensor_parallel.partition import local_size, mark_replicated, set_partition
@@ -64,6 +69,9 @@ class StageModel(nn.Module):
         computed once; the head's fp32 weight gradient held from the loss's forward to its
         backward). The pipeline executor turns it off for a step whose schedule holds several
         losses in flight at once (GPipe): there the backward recomputes the logits instead."""
+        self.loss_weight: torch.Tensor | float | None = None
+        """None: the loss is the micro-batch's mean over its labelled tokens; else (set by the
+        pipeline executor for one step, ``--loss-mean token``) their sum times this weight."""
         return range(config.num_layers) if layers is None else layers
 
     def _build_layers(self, layers, make_block: Callable[[], nn.Module]) -> nn.ModuleDict:
@@ -130,10 +138,10 @@ class StageModel(nn.Module):
     def _head(
         self, x: torch.Tensor, weight: torch.Tensor, batch: dict, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The LM head on the final hidden states `x`: the mean loss over labelled tokens,
-        computed `loss_chunk_tokens` tokens at a time (`linear_cross_entropy`: the whole
-        logits never exist; 0: at once, through the logits), or the logits slice when the
-        batch has no labels."""
+        """The LM head on the final hidden states `x`: the loss over labelled tokens
+        (`_reduce_loss`), computed `loss_chunk_tokens` tokens at a time (`linear_cross_entropy`:
+        the whole logits never exist; 0: at once, through the logits), or the logits slice
+        when the batch has no labels."""
         if "labels" not in batch or not self.loss_chunk_tokens:
             return self._output(parallel_lm_logits(x, weight, self.mesh, bias), batch)
         labels = self._cp_tokens(batch["labels"])
@@ -149,17 +157,26 @@ class StageModel(nn.Module):
             # the sum, a scalar: at tp 1 its gradients are made in the forward
             reduction="sum" if self.loss_grads_in_forward else "none",
         )
-        return masked_mean(total, labels, group=self.mesh.cp_group)
+        return self._reduce_loss(total, labels)
+
+    def _reduce_loss(self, per_token: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's loss from its per-token losses (or their sum): their mean over
+        the labelled tokens, or with `loss_weight` set their sum times it (summed over the cp
+        group either way)."""
+        if self.loss_weight is None:
+            return masked_mean(per_token, labels, group=self.mesh.cp_group)
+        return weighted_sum(per_token, self.loss_weight, group=self.mesh.cp_group)
 
     def _output(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
-        """The mean loss over labelled tokens, or the logits slice when there are no labels."""
+        """The loss over labelled tokens (`_reduce_loss`), or the logits slice when there are no
+        labels."""
         if "labels" not in batch:
             return logits
         labels = self._cp_tokens(batch["labels"])
         per_token = vocab_parallel_cross_entropy(
             logits, labels, self.mesh.tp_group, self.vocab_start, self.config.vocab_size
         )
-        return masked_mean(per_token, labels, group=self.mesh.cp_group)
+        return self._reduce_loss(per_token, labels)
 
 
 def set_loss_chunk_tokens(model: nn.Module, tokens: int) -> None:

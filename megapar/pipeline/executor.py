@@ -240,8 +240,13 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         grad_sync=None,
         loss_scale: float = 1.0,
         forward_only: bool = False,
+        loss_weight: torch.Tensor | float | None = None,
     ) -> torch.Tensor:
         """One step over `micro_batches`; returns the mean loss (fp32 scalar) on every pp rank.
+
+        `loss_weight` (``--loss-mean token``): set as the loss chunk's `loss_weight` for the
+        step, so each micro-batch's loss is its labelled tokens' loss sum times it (None: their
+        mean; `megapar.models.stage`).
 
         `grad_sync` (optional, ignored when `forward_only`) gets `begin_step()` before the
         program, `arm(params)` (where it has one) before each model chunk's last backward but
@@ -254,7 +259,7 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         m = len(micro_batches)
         self._check_can_step(m)
         plan = self.step_plan(m, forward_only)
-        self._set_loss_mode(m)
+        self._set_loss_mode(m, loss_weight)
         self._begin(
             plan, micro_batches, None if forward_only else grad_sync, loss_scale, forward_only
         )
@@ -279,10 +284,18 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         finally:
             self._end(plan)
 
-    def _set_loss_mode(self, m: int) -> None:
+    def _set_loss_mode(self, m: int, loss_weight: torch.Tensor | float | None = None) -> None:
         """The loss's chunk (`loss_grads_in_forward`, `megapar.models.stage`) makes its loss
-        gradients in the forward only where one loss is in flight at a time (`loss_in_flight`)."""
+        gradients in the forward only where one loss is in flight at a time (`loss_in_flight`),
+        and weighs its loss with `loss_weight` for this step (`_end` clears it)."""
         chunk = None if self._loss_chunk is None else self.chunks[self._loss_chunk]
+        if hasattr(chunk, "loss_weight"):
+            chunk.loss_weight = loss_weight  # type: ignore[union-attr]
+        elif chunk is not None and loss_weight is not None:
+            raise TypeError(
+                f"a loss_weight (--loss-mean token) needs a megapar stage model as the last "
+                f"chunk; {type(chunk).__name__} has no loss_weight attribute"
+            )
         if hasattr(chunk, "loss_grads_in_forward"):
             held = loss_in_flight(self.schedule_name, self.mesh.pp, m, self.virtual_stages)
             chunk.loss_grads_in_forward = held <= 1  # type: ignore[union-attr]
@@ -319,6 +332,9 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         """After a step (also one that failed part-way): its trace kept, its state dropped."""
         stamps = self._stamps
         self._reset([], 1.0, False)
+        chunk = None if self._loss_chunk is None else self.chunks[self._loss_chunk]
+        if hasattr(chunk, "loss_weight"):  # the next step (an evaluation) sets its own
+            chunk.loss_weight = None  # type: ignore[union-attr]
         self.weight_grads.enabled = False  # forwards outside a step compute dW as usual
         self.weight_grads.take()
         self._last_trace = (

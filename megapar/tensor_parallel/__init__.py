@@ -1,8 +1,10 @@
 """Tensor parallelism: region primitives, parallel layers, vocab-parallel cross-entropy, RNG."""
 
 from megapar.tensor_parallel.cross_entropy import (
+    LOSS_MEANS,
     masked_mean,
     vocab_parallel_cross_entropy,
+    weighted_sum,
 )
 from megapar.tensor_parallel.init import initialize, normal_init
 from megapar.tensor_parallel.layers import (
@@ -34,6 +36,8 @@ __all__ = [
     "linear_cross_entropy",
     "LOSS_CHUNK_TOKENS",
     "masked_mean",
+    "weighted_sum",
+    "LOSS_MEANS",
     "initialize",
     "normal_init",
     "copy_to_tp_region",

@@ -2,7 +2,9 @@
 
 The full logits are never gathered: each rank reduces its slice (max, sum of exponentials and
 the target's logit) and the tp group sums those. Padding columns (global index >= vocab_size)
-are excluded; targets equal to `ignore_index` give zero loss and zero gradient.
+are excluded; targets equal to `ignore_index` give zero loss and zero gradient. A micro-batch's
+loss is its mean over its labelled tokens (`masked_mean`), or under ``--loss-mean token`` its
+sum times the step's weight (`weighted_sum`; see `LOSS_MEANS`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ import torch.nn.functional as F
 from megapar.mesh import all_reduce as _all_reduce
 from megapar.mesh import group_size as _size
 from megapar.tensor_parallel.mappings import reduce_from_tp_region
+
+LOSS_MEANS = ("microbatch", "token")
+"""What a step's loss averages (`TrainConfig.loss_mean`): "microbatch", each micro-batch's mean
+over its labelled tokens, averaged over the micro-batches and dp ranks (Megatron's default);
+"token", the sum over every labelled token of the global batch over their count (Megatron's
+--calculate-per-token-loss, torchtitan's and transformers' Trainer's normalisation)."""
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -108,3 +116,19 @@ def masked_mean(
         both = reduce_from_tp_region(torch.stack([total, count.to(total.dtype)]), group)
         total, count = both[0], both[1]
     return total / count.clamp(min=1)
+
+
+def weighted_sum(per_token: torch.Tensor, weight, group=None) -> torch.Tensor:
+    """`weight` times the sum of per-token losses (0 where the target is ignored), or of
+    their sum already (a scalar): a micro-batch's loss under ``--loss-mean token``, where
+    `weight` (a float or a 0-dim tensor, the same for every micro-batch of the step) is m x dp
+    over the global batch's labelled tokens, so that the step's mean over micro-batches and dp
+    ranks is the global token mean.
+
+    With `group` (context parallelism) the sum is over the tokens of every rank of the group,
+    all-reduced in the forward only, as in `masked_mean`: each rank's tokens get the gradient
+    `weight`."""
+    total = per_token.sum()
+    if _size(group) > 1:
+        total = reduce_from_tp_region(total, group)
+    return total * weight

@@ -32,6 +32,7 @@ from megapar.optim.optimizer import OPTIMIZERS
 from megapar.optim.precision import COMM_DTYPES, PRECISIONS
 from megapar.optim.scheduler import DECAY_STYLES
 from megapar.pipeline.schedules import SCHEDULES
+from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import FP8_LAYERS, FP8_RECIPES
 
 GROUPS = {
@@ -93,6 +94,8 @@ class TrainConfig:
     """With --fp8: which block linears run in float8: auto (torchao's size rule on each rank's local N x K; smaller layers are slower in FP8) or all (every one whose local dims are multiples of 16)."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the fused LM head and cross-entropy: each chunk's logits are computed, reduced to its loss and dropped; at tp 1 the chunk's gradients are formed right away and held to the backward (the head's fp32 weight gradient kept from forward to backward), at tp > 1 the backward recomputes the logits (one more head matmul), so the whole [tokens x vocabulary] logits never exist (with Llama 3's 128,256-token vocabulary a 1,024-token chunk is 0.5 GB in fp32). The loss accumulates in fp32 and equals the unchunked one. 0: the whole micro-batch's logits at once."""
+    loss_mean: str = "microbatch"
+    """What the loss averages: microbatch (Megatron's default: each micro-batch's mean over its labelled tokens, averaged over the micro-batches and dp ranks; with labels unevenly spread (-100 padding, SFT masks, BERT's MLM) the loss and gradients then depend on the micro-batch size, and a micro-batch with no labelled token counts as a loss of 0) or token (the sum over every labelled token of the global batch over their count, as one forward of the whole batch with reduction="mean" would give, the same at any micro-batch size and layout: Megatron's --calculate-per-token-loss, torchtitan's and transformers' Trainer's normalisation). The evaluation loss follows it. Mixture-of-experts balancing losses stay per micro-batch (docs/guides/training.md "What the loss averages")."""
     moe_aux_loss_coef: float | None = None
     """Mixture of experts: coefficient of the switch-style load-balancing loss (transformers' router_aux_loss_coef: each MoE layer's loss counts 1 / MoE layers; 0: none). Default: the model config's."""
     moe_z_loss_coef: float | None = None
@@ -347,6 +350,7 @@ def flag_choices() -> dict[str, list]:
         "optimizer": list(OPTIMIZERS),
         "grad_compression": list(GRAD_COMPRESSIONS),
         "zero3_reduce": list(ZERO3_REDUCES),
+        "loss_mean": list(LOSS_MEANS),
     }
 
 

@@ -53,7 +53,7 @@ from megapar.training.engine_parts import api_guard, mesh_for, optimizer_for, st
 from megapar.training.export import export_engine
 from megapar.training.resume import checkpoint_meta, recorded_settings, restore_meta
 from megapar.training.rng import rng_state, set_rng_state
-from megapar.training.step import BatchPlan, StepResult, TrainStep
+from megapar.training.step import BatchPlan, StepResult, TrainStep, loss_weight
 
 ON_NONFINITE = ("raise", "skip")
 """What `train_step` does with a step whose loss or gradients are not finite (the optimizer step
@@ -116,6 +116,7 @@ class Engine:
             self.precision,
             cfg.clip_grad,
             self.grad_sync,
+            cfg.loss_mean,
         )
         self._init_run_state(cfg, on_nonfinite)
         self._start_saver(cfg, mesh)
@@ -220,8 +221,9 @@ class Engine:
         return self._executors[seq_len]
 
     # steps ----------------------------------------------------------------------------------
-    def run_step(self, micro_batches: list[dict]) -> StepResult:
-        """One optimizer step on this rank's micro-batches (its share of the global batch)."""
+    def run_step(self, micro_batches: list[dict], labelled=None) -> StepResult:
+        """One optimizer step on this rank's micro-batches (its share of the global batch).
+        `labelled`: the global batch's labelled tokens where known (`TrainStep.step`)."""
         self.executor = self.step_fn.executor = self.executor_for(
             micro_batches[0]["input_ids"].shape[1]
         )
@@ -237,7 +239,8 @@ class Engine:
         )
         start, cpu = time.perf_counter(), time.thread_time()
         with self.injecting(self.executor, self.step + 1):
-            result = self.step_fn.step(micro_batches, self.step)
+            result = self.step_fn.step(micro_batches, self.step, labelled)
+        self.kept.loss_weight = self.step_fn.last_loss_weight
         if self.straggler is not None:
             self.straggler.add(time.perf_counter() - start, self._compute_s(cpu))
         self.step += 1
@@ -299,7 +302,12 @@ class Engine:
         model reads; at every call, the same batch on every rank: one all-reduce of two int64s):
         a clear error, not silent nonsense. The loss is Megatron's: the mean over micro-batches
         (and dp ranks) of each micro-batch's mean over its labelled tokens, so with unevenly
-        spread -100 labels it differs slightly from one token mean over the whole batch.
+        spread -100 labels it differs from one token mean over the whole batch (and depends on the
+        micro-batch size; a micro-batch with no labelled token counts as 0).
+
+        With `loss_mean="token"` (`prepare(..., loss_mean="token")`) it is instead the sum over
+        every labelled token of the batch over their count, as one forward of the whole batch
+        with reduction="mean" would give, whatever the micro-batch size and layout.
 
         A step whose loss or gradients are not finite is never applied (weights and optimizer
         state stay as they were; the step is counted in `step`). With `on_nonfinite="raise"`
@@ -317,7 +325,8 @@ class Engine:
             )
         if self.saver is not None:  # a background save's outcome, agreed by every rank
             self.saver.poll()
-        result = self.run_step(self.split(self._checked(batch, "train_step")))
+        batch = self._checked(batch, "train_step")
+        result = self.run_step(self.split(batch), self._labelled(batch))
         if self.on_nonfinite == "raise":
             self._guard.observe(
                 self.step,
@@ -329,6 +338,15 @@ class Engine:
             )
         _returned("train_step")
         return result.loss
+
+    def _labelled(self, batch: dict):
+        """Under --loss-mean token, the global batch's labelled tokens (labels not -100),
+        which every rank holds: an int counted on the host for a batch in host memory, else a
+        tensor on its device (no wait for the device); None otherwise."""
+        if self.cfg.loss_mean != "token":
+            return None
+        count = (batch["labels"] != -100).sum()
+        return int(count) if count.device.type == "cpu" else count
 
     def _checked(self, batch, what: str) -> dict:
         if what == "train_step":
@@ -350,13 +368,17 @@ class Engine:
 
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor]) -> float:
-        """Mean loss of a global batch (same format as `train_step`), without training."""
-        micro = self.split(self._checked(batch, "eval_step"))
+        """Mean loss of a global batch (same format as `train_step`, the same mean), without
+        training."""
+        batch = self._checked(batch, "eval_step")
+        micro = self.split(batch)
         executor = self.executor_for(micro[0]["input_ids"].shape[1])
+        labelled = self._labelled(batch)
+        weight = None if labelled is None else loss_weight(micro, self.mesh, labelled)
         self.model.eval()
         try:
             with self.precision.autocast():
-                loss = executor.run(micro, forward_only=True)
+                loss = executor.run(micro, forward_only=True, loss_weight=weight)
         finally:
             self.model.train()
         loss = dp_mean(float(loss), self.mesh)

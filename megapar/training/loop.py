@@ -56,6 +56,7 @@ from megapar.training.logging import (
     peak_memory_mb,
 )
 from megapar.training.profiling import StepProfiler
+from megapar.training.step import loss_weight
 from megapar.training.tokenizer_checks import data_tokenizer_spec
 from megapar.training.validate import explicit
 
@@ -225,7 +226,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the first --eval-steps global batches of the validation split."""
+        """Mean loss over the first --eval-steps global batches of the validation split (each
+        batch's as --loss-mean says)."""
         if self.val_ds is None or len(self.val_ds) < self.cfg.global_batch_size:
             return None
         sampler = make_sampler(
@@ -236,8 +238,11 @@ class Trainer:
         for i, micro_batches in enumerate(batches(self.val_ds, sampler, self.mesh.device)):
             if i >= min(self.cfg.eval_steps, sampler.batches_per_epoch):
                 break
+            weight = (  # --loss-mean token: each global batch's token mean
+                loss_weight(micro_batches, self.mesh) if self.cfg.loss_mean == "token" else None
+            )
             with self.precision.autocast():
-                loss = self.executor.run(micro_batches, forward_only=True)
+                loss = self.executor.run(micro_batches, forward_only=True, loss_weight=weight)
             losses.append(_dp_mean(float(loss), self.mesh))
         self.model.train()
         return sum(losses) / len(losses)

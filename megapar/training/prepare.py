@@ -18,6 +18,7 @@ from megapar.mesh import LayoutError, Mesh, same_on_all_ranks
 from megapar.models.config import ConfigError, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
+from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.training.config import TrainConfig
 from megapar.training.engine import ON_NONFINITE, Engine
 from megapar.training.validate import check_ranges
@@ -133,6 +134,9 @@ def prepare(
     timeout_s: how long any wait on other ranks may last (default: $MEGAPAR_TIMEOUT_S or
     300 s), the world group's too on gloo (a rank stalled in your loop's own code is then named
     after that long, not the launcher's default).
+    loss_mean="token" makes the loss the global batch's mean over its labelled tokens,
+    whatever the micro-batch size and layout (`--loss-mean`; default "microbatch": the mean of
+    each micro-batch's token mean).
     on_nonfinite: a step whose loss or gradients are not finite is never applied (weights and
     optimizer state stay as they were); "raise" (default): `train_step` raises
     `megapar.faults.stop.NonFiniteError` on every rank, naming the step and what was not
@@ -178,6 +182,12 @@ def prepare(
     )
     check_ranges(cfg, keyword="megapar.prepare")  # megapar-train's ranges, in keyword terms
     _check_sharding(cfg)
+    if cfg.loss_mean not in LOSS_MEANS:
+        raise ValueError(
+            f"megapar.prepare: loss_mean={cfg.loss_mean!r} is not one of "
+            f"{', '.join(map(repr, LOSS_MEANS))} ('microbatch', the default: the mean of each "
+            f"micro-batch's token mean; 'token': the global batch's token mean)"
+        )
     check_zero3(cfg, keyword="megapar.prepare")  # and its ZeRO-3 combinations
     check_optimizer_sharding(cfg, keyword="megapar.prepare")  # ZeRO 1/2, offloaded LAMB
     if cfg.sp_regather and not (cfg.sequence_parallel and tp > 1):

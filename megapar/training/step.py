@@ -5,7 +5,10 @@
 1. zero the gradients, set this step's learning rate;
 2. run the pipeline schedule under autocast (gradients accumulate over the m micro-batches; the
    dp average (a sum over cp) is bucketed and overlapped with the last micro-batch's backward
-   by `grad_sync`);
+   by `grad_sync`); under ``--loss-mean token`` each micro-batch's loss is its labelled tokens'
+   loss sum times m x dp / (the global batch's labelled tokens) (`loss_weight`), so the mean
+   over micro-batches and dp ranks is the global token mean and the gradients are its own:
+   everything below (clipping, fp16's unscale) sees the true gradients;
    with --sequence-parallel, sum the replicated parameters' partial gradients over tp;
 3. sum the tied embedding's gradient over the first and last stage (pp > 1);
 4. fp16: unscale the gradients and agree, over the whole world, whether any is inf / NaN;
@@ -45,6 +48,7 @@ from megapar.pipeline.tied import (
     shared_embedding_params,
     sync_tied_embeddings,
 )
+from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.tensor_parallel.fp8 import weight_cast_cache
 from megapar.tensor_parallel.sequence_parallel import sync_sequence_parallel_grads
 
@@ -91,12 +95,31 @@ class BatchPlan:
         return out
 
 
+def loss_weight(micro_batches: list[dict], mesh: Mesh, labelled=None):
+    """The weight of every micro-batch's labelled-token loss sum under ``--loss-mean token``:
+    m x dp / the global batch's labelled tokens (labels not -100; at least 1), so the mean over
+    the m micro-batches and the dp ranks is the global token mean. `labelled`: that count
+    where the caller knows it (an int, or a tensor: then the weight is one on the device);
+    None: this rank's micro-batches' labels counted on the device and summed over dp (one
+    all-reduce of one int64). No host sync either way."""
+    scale = len(micro_batches) * mesh.dp
+    if isinstance(labelled, int):
+        return scale / max(labelled, 1)
+    if labelled is None:
+        labelled = torch.stack([(mb["labels"] != -100).sum() for mb in micro_batches]).sum()
+        if mesh.dp > 1:
+            set_action("labelled-token count all-reduce over dp (--loss-mean token)")
+            all_reduce(labelled, mesh.dp_group)
+    return scale / labelled.to(mesh.device, torch.float32).clamp(min=1)
+
+
 @dataclass
 class StepResult:
     """What one optimizer step reports (identical on every rank)."""
 
     loss: float
-    """Mean loss over the global batch (averaged over micro-batches and dp ranks)."""
+    """Mean loss over the global batch (averaged over micro-batches and dp ranks; under
+    --loss-mean token the mean over its labelled tokens)."""
     grad_norm: float
     """Global gradient norm before clipping (inf when the step overflowed)."""
     lr: float
@@ -122,7 +145,16 @@ class TrainStep:
         precision,
         clip_grad: float,
         grad_sync=None,
+        loss_mean: str = "microbatch",
     ):
+        if loss_mean not in LOSS_MEANS:
+            raise ValueError(
+                f"loss_mean={loss_mean!r} is not one of {', '.join(map(repr, LOSS_MEANS))}"
+            )
+        self.loss_mean = loss_mean
+        """What the step's loss averages (`LOSS_MEANS`)."""
+        self.last_loss_weight = None
+        """The last step's micro-batch loss weight (`loss_weight`; None: micro-batch means)."""
         self.model, self.mesh = model, mesh
         self.executor, self.optimizer, self.scheduler = executor, optimizer, scheduler
         self.precision, self.clip_grad, self.grad_sync = precision, clip_grad, grad_sync
@@ -203,7 +235,10 @@ class TrainStep:
             return self.grad_sync.step_scope(casts)  # casts only with the float8 all-gather
         return contextlib.nullcontext() if casts is None else casts.per_step()
 
-    def step(self, micro_batches: list[dict], step_index: int) -> StepResult:
+    def step(self, micro_batches: list[dict], step_index: int, labelled=None) -> StepResult:
+        """One optimizer step on this rank's `micro_batches`. `labelled`: under
+        ``loss_mean="token"``, the global batch's labelled tokens where the caller knows them
+        (an int or a 0-dim tensor); None: counted here (`loss_weight`)."""
         self.optimizer.zero_grad()
         if self.scheduler is not None:  # else the optimizer's lr (e.g. set by a torch scheduler)
             self.optimizer.set_lr(self.scheduler.lr(step_index))
@@ -211,8 +246,13 @@ class TrainStep:
         scale = self.precision.loss_scale
         if self.num_experts:  # each micro-batch's balancing penalty, weighted as its loss
             set_penalty_grad(self.model, scale / len(micro_batches))
+        weight = self.last_loss_weight = (
+            loss_weight(micro_batches, self.mesh, labelled) if self.loss_mean == "token" else None
+        )
         with self.precision.autocast(), self.weights_scope():
-            loss = self.executor.run(micro_batches, grad_sync=self.grad_sync, loss_scale=scale)
+            loss = self.executor.run(
+                micro_batches, grad_sync=self.grad_sync, loss_scale=scale, loss_weight=weight
+            )
         self.sync_gradients()
         loss = loss.detach().float().reshape(()).clone()
         set_action("loss all-reduce over dp")
