@@ -304,7 +304,7 @@ def dualpipev(pp: int, m: int, stage: int) -> list[Action]:
     return _with_comms(_dualpipev_order(pp, m, stage), pp, stage, 2, "v")
 
 
-def interleaved_rounds(pp: int, m: int, what: str = "interleaved 1F1B") -> int:
+def interleaved_rounds(pp: int, m: int) -> int:
     """Micro-batches per round (torch's flexible rule; Megatron's is m % pp == 0); a ValueError
     naming the valid m otherwise. Cheap: the planner checks every candidate with it."""
     rounds = max(1, m // pp)
@@ -316,9 +316,9 @@ def interleaved_rounds(pp: int, m: int, what: str = "interleaved 1F1B") -> int:
         below = next(k for k in range(m - 1, 0, -1) if valid(k))
         above = next(k for k in range(m + 1, m + pp + 1) if valid(k))  # a multiple of pp is
         raise ValueError(
-            f"{what} runs the {m} micro-batches in max(1, m // pp) = {rounds} rounds of equal "
-            f"size, so m must be divisible by {rounds}; the nearest valid m are {below} and "
-            f"{above} (every m <= pp and every multiple of pp is valid, and some others)"
+            f"interleaved 1F1B runs the {m} micro-batches in max(1, m // pp) = {rounds} rounds "
+            f"of equal size, so m must be divisible by {rounds}; the nearest valid m are {below} "
+            f"and {above} (every m <= pp and every multiple of pp is valid, and some others)"
         )
     return m // rounds
 
