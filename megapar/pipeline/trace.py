@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megapar.mesh import Mesh
+from megapar.pipeline.actions import ACTION_KINDS
 from megapar.pipeline.p2p import wait_work
 from megapar.pipeline.timeline import COMPUTE_KINDS, Event, Timeline
 
@@ -72,18 +73,7 @@ class StepClock:
 
 
 # --- every stage's trace on pp rank 0 -----------------------------------------------------------
-TRACE_KINDS = (
-    "recv_act",
-    "forward",
-    "send_act",
-    "recv_grad",
-    "backward",
-    "send_grad",
-    "backward_input",
-    "backward_weight",
-    "wait",
-    "loss_broadcast",
-)
+TRACE_KINDS = (*ACTION_KINDS, "wait", "loss_broadcast")
 """Event kinds `gather_timeline` can encode (as their index in this tuple)."""
 
 
