@@ -125,9 +125,9 @@ def nonfinite_parts(loss: float, grad_norm: float) -> str:
     return " and ".join(parts) or f"nothing (loss {loss}, gradient norm {grad_norm})"
 
 
-def params_finite(weights, group=None) -> bool:
+def params_finite(weights) -> bool:
     """True when every tensor of `weights` (the weights a rank holds) on every rank is finite
-    (collective over `group`, default world)."""
+    (collective over the world)."""
     weights = list(weights)
     bad = torch.zeros((), dtype=torch.float32)
     for p in weights:
@@ -136,8 +136,8 @@ def params_finite(weights, group=None) -> bool:
             break
     dev = weights[0].device
     bad = bad.to(dev)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return not bool(bad.item())
 
 
