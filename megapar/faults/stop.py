@@ -361,7 +361,7 @@ def _end_if_blocked() -> None:
             done.append(what)
         except Exception:  # noqa: BLE001, S110 - exiting anyway
             pass
-    stuck = stopped_siblings(resume=True)  # torchrun's: what it may have waited for
+    stuck = stopped_siblings()  # torchrun's: what it may have waited for
     waited = time.monotonic() - _watch["since"]
     _write_block(
         f"megapar: rank {_rank()}: SIGTERM {waited:.0f} s ago and still blocked at "
