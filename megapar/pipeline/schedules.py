@@ -2,7 +2,8 @@
 
 A schedule function is pure: `schedule(pp, m, stage) -> list[Action]` returns the instruction list
 of one pipeline stage for one step of `m` micro-batches (like DeepSpeed's instruction lists). The
-executor walks the list and dispatches on `Action.kind`; it knows nothing about GPipe or 1F1B.
+executor walks the stage's program made from it (below) and dispatches each compute on
+`Action.kind`; it knows nothing about GPipe or 1F1B.
 
 The actions (`megapar.pipeline.actions`): ``recv_act`` / ``forward`` / ``send_act`` for the
 forward of micro-batch `mb` on model chunk `chunk`, ``recv_grad`` / ``backward`` / ``send_grad``
