@@ -458,12 +458,12 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     return tensor
 
 
-def same_on_all_ranks(value: float, device: torch.device, dtype=torch.float64, group=None) -> bool:
-    """Whether every rank of `group` (default: the world) holds the same `value`: one
-    all-reduce of [v, -v] with MAX (max == min). Every rank gets the same answer, so all can
-    raise together instead of some hanging."""
-    t = torch.tensor([value, -value], dtype=dtype, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+def same_on_all_ranks(value: float, device: torch.device) -> bool:
+    """Whether every rank of the world holds the same `value`: one all-reduce of [v, -v] in
+    float64 with MAX (max == min). Every rank gets the same answer, so all can raise together
+    instead of some hanging."""
+    t = torch.tensor([value, -value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t[0].item() == -t[1].item()
 
 

@@ -31,9 +31,6 @@ import torch.distributed as dist
 SHARED_GPU_ENV = "MEGAPAR_SHARED_GPU"
 """Set to 1: the ranks of a node share its GPUs over gloo (this module)."""
 
-DIRECT = ("all_reduce", "broadcast")
-"""Ops gloo runs on CUDA tensors itself (torch.distributed's backend table)."""
-
 STAGED = {
     "all_gather": (("tensor",), ("tensor_list",)),
     "all_gather_into_tensor": (("input_tensor",), ("output_tensor",)),
@@ -179,10 +176,3 @@ def install() -> None:
             setattr(dist, name, _staged(name, original))
     _INSTALLED["batch_isend_irecv"] = dist.batch_isend_irecv
     dist.batch_isend_irecv = _staged_batch(dist.batch_isend_irecv)
-
-
-def uninstall() -> None:
-    """Restore torch's functions (tests)."""
-    for name, original in _INSTALLED.items():
-        setattr(dist, name, original)
-    _INSTALLED.clear()

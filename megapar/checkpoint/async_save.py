@@ -94,10 +94,6 @@ class AsyncSaver:
             state.step, state.model_config, state.meta, state.rng, (fname, out, entries), ready
         )
 
-    def host_bytes(self) -> int:
-        """Host memory this saver keeps for its copies."""
-        return sum(t.numel() * t.element_size() for t in self._buffers.values())
-
     # -- the writer ---------------------------------------------------------------------------
     def start(self, root, state: SavedState | CheckpointError, step: int) -> Path:
         """Write `state` (already host copies: `host_copy`) into ``root/step_N`` in the

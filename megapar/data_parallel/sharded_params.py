@@ -125,9 +125,6 @@ class ShardedParams(UnitGradSync):
             else None
         )
         """Elements per synchronous piece of a large unit's collectives (gloo), else None."""
-        self.bytes_gathered = 0
-        """Bytes this rank received from all-gathers (full buffers, 16-bit and float8 ones in a
-        step)."""
         tp_group = next((spec.group for spec in weights8.values()), None)
         self.float8 = Float8Gather(self.units, tp_group)
         """The float8 units and their step (`step_scope`); none unless `float8`."""
@@ -180,12 +177,8 @@ class ShardedParams(UnitGradSync):
 
     def held_bytes(self) -> int:
         """Bytes of parameter and gradient shards this rank holds on its device between steps
-        (without the parameter shards under --offload-params: they are in `host_bytes`)."""
+        (without the parameter shards under --offload-params: those are in host memory)."""
         return sum(u.shard.untyped_storage().nbytes() + u.grad_shard.nbytes for u in self.units)
-
-    def host_bytes(self) -> int:
-        """Bytes of parameter shards this rank holds in host memory (--offload-params)."""
-        return sum(u.host_shard.nbytes for u in self.units if u.host_shard is not None)
 
     # hooks ---------------------------------------------------------------------------------
     def _attach_hooks(self) -> None:
@@ -237,7 +230,6 @@ class ShardedParams(UnitGradSync):
 
     def _launch_gather(self, v: Unit) -> None:
         if not v.gathered and v.handle is None:
-            self.bytes_gathered += 0 if v.alone else v.gather_nbytes
             v.launch_gather(self.piece)
 
     def release(self, u: Unit | None) -> None:

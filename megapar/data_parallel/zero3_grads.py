@@ -85,8 +85,6 @@ class UnitGradSync:
         self._unit_of = {id(p): u for u in units for p in u.params}
         self.piece: int | None = None
         """Elements per synchronous piece of a large unit's collectives (gloo), else None."""
-        self.bytes_reduced = 0
-        """Bytes this rank put into reduce-scatters."""
         self.active = self.in_step = False
         self._armed: set[int] = set()
         self.before_reduce = None
@@ -99,11 +97,6 @@ class UnitGradSync:
     def reduces_every_micro_batch(self) -> bool:
         """Whether every micro-batch's backward reduces (--zero3-reduce micro-batch)."""
         return self.per_micro_batch
-
-    @property
-    def next_launch(self) -> int:
-        """Index of the next unit to launch (in its round, reducing per micro-batch)."""
-        return self.order.next
 
     def _grads(self, u: Unit) -> None:
         """Make the full gradient buffers of `u` and its experts' unit for a backward (where
@@ -226,7 +219,6 @@ class UnitGradSync:
         flat = u.take_grads()
         if self.average_over > 1:
             flat.div_(self.average_over)
-        self.bytes_reduced += flat.nbytes
         staging = torch.empty_like(u.grad_shard) if self.per_micro_batch else None
         work = u.reduce_scatter(flat, u.grad_shard if staging is None else staging, self.piece)
         u.reduce_handle = Reduction(

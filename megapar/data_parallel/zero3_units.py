@@ -191,11 +191,6 @@ class Unit:
         """A cast unit inside a step: its gathers move its `cast` precision's bytes."""
         return self.cast is not None and self.cast.active
 
-    @property
-    def gather_nbytes(self) -> int:
-        """Bytes a gather of this unit fills: its full buffer's, or its cast buffer's."""
-        return self.cast.nbytes if self.in_cast else self.nbytes  # type: ignore[union-attr]
-
     def free(self) -> None:
         """Free the full buffer's storage (a `resident` unit keeps it: it is the shard) and a
         cast unit's cast buffer."""

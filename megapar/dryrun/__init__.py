@@ -19,13 +19,11 @@ __all__ = ["NOT_RUN", "RankReport", "dry_run", "parse_ranks", "rehearse_rank", "
 
 
 def dry_run(
-    cfg, config, layout, ranks=None, gpus_per_node: int = 8, dataset=None, progress=None
+    cfg, config, layout, ranks=None, gpus_per_node: int = 8, dataset=None
 ) -> list[RankReport]:
     """Rehearse `ranks` (default: `sample_ranks`) of a job of `layout` running `cfg`
-    on model `config`; `progress(report)` is called after each rank."""
-    reports = []
-    for rank in sample_ranks(layout, cfg.zero) if ranks is None else ranks:
-        reports.append(rehearse_rank(cfg, config, layout, rank, gpus_per_node, dataset))
-        if progress is not None:
-            progress(reports[-1])
-    return reports
+    on model `config`."""
+    return [
+        rehearse_rank(cfg, config, layout, rank, gpus_per_node, dataset)
+        for rank in (sample_ranks(layout, cfg.zero) if ranks is None else ranks)
+    ]

@@ -82,7 +82,7 @@ def train_config(problem, candidate):
     return cfg
 
 
-def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
+def verify_layout(problem, candidate, ranks=None) -> Verified:
     """Dry-run `candidate` (default ranks: `sample_ranks`) and compare with the plan."""
 
     c, start = candidate, time.perf_counter()
@@ -95,7 +95,6 @@ def verify_layout(problem, candidate, ranks=None, progress=None) -> Verified:
             layout,
             ranks,
             problem.gpus_per_node,
-            progress=progress,
         )
     except Exception as exc:  # noqa: BLE001 - reported: the plan accepted what the job refuses
         return Verified(0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")

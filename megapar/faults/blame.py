@@ -190,13 +190,13 @@ def consequential(error: str) -> bool:
     return any(w in error.split("\n", 1)[0].lower() for w in _CONSEQUENTIAL)
 
 
-def stopped_siblings(resume: bool = True) -> str:
+def stopped_siblings() -> str:
     """Under torchrun / srun, where no launcher of ours watches the ranks: which ranks on this
     node are stopped (SIGSTOP / SIGTSTP), as "on this node rank 1 (pid P) is stopped (SIGSTOP /
-    SIGTSTP?)", or "". A rank that timed out waiting calls it to name the cause. With `resume`
-    each is sent SIGCONT, so that it sees that the run failed and ends too, releasing what it
-    holds (its --save lock), instead of when torchrun's SIGKILL comes 30 s after the SIGTERM it
-    cannot act on while stopped. A rank found stopped is first marked (`_marks`), so that the
+    SIGTSTP?)", or "". A rank that timed out waiting calls it to name the cause. Each is sent
+    SIGCONT, so that it sees that the run failed and ends too, releasing what it holds (its
+    --save lock), instead of when torchrun's SIGKILL comes 30 s after the SIGTERM it cannot
+    act on while stopped. A rank found stopped is first marked (`_marks`), so that the
     ranks that time out after it was continued name it too: every rank's error, the first of
     which torchrun reports as the root cause, names the stopped one."""
     marks = _marks()
@@ -204,16 +204,15 @@ def stopped_siblings(resume: bool = True) -> str:
     for rank, pid in sorted(sibling_ranks().items()):
         if stopped(pid):
             found[rank] = pid
-            if resume:
-                try:
-                    marks.mkdir(mode=0o700, parents=True, exist_ok=True)
-                    (marks / f"{rank}-{pid}").touch()
-                except OSError:
-                    pass
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except OSError:
-                    pass
+            try:
+                marks.mkdir(mode=0o700, parents=True, exist_ok=True)
+                (marks / f"{rank}-{pid}").touch()
+            except OSError:
+                pass
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass
     try:
         for mark in marks.iterdir():
             rank_text, _, pid_text = mark.name.partition("-")

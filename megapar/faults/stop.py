@@ -125,9 +125,9 @@ def nonfinite_parts(loss: float, grad_norm: float) -> str:
     return " and ".join(parts) or f"nothing (loss {loss}, gradient norm {grad_norm})"
 
 
-def params_finite(weights, group=None) -> bool:
+def params_finite(weights) -> bool:
     """True when every tensor of `weights` (the weights a rank holds) on every rank is finite
-    (collective over `group`, default world)."""
+    (collective over the world)."""
     weights = list(weights)
     bad = torch.zeros((), dtype=torch.float32)
     for p in weights:
@@ -136,8 +136,8 @@ def params_finite(weights, group=None) -> bool:
             break
     dev = weights[0].device
     bad = bad.to(dev)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return not bool(bad.item())
 
 
@@ -361,7 +361,7 @@ def _end_if_blocked() -> None:
             done.append(what)
         except Exception:  # noqa: BLE001, S110 - exiting anyway
             pass
-    stuck = stopped_siblings(resume=True)  # torchrun's: what it may have waited for
+    stuck = stopped_siblings()  # torchrun's: what it may have waited for
     waited = time.monotonic() - _watch["since"]
     _write_block(
         f"megapar: rank {_rank()}: SIGTERM {waited:.0f} s ago and still blocked at "

@@ -253,6 +253,27 @@ class AdamWOptimizer(torch.optim.Optimizer):
             + "; was the checkpoint written for a different model?"
         )
 
+    def _checked_entry(self, d: dict, name: str, p: nn.Parameter) -> dict[str, torch.Tensor]:
+        """`p`'s entry of `state_tensors()` output `d` (`_entry`), each of `state_keys` in it
+        checked: present (else the checkpoint is of another --optimizer) and of `p`'s full
+        shape (else of another layout)."""
+        entry = self._entry(d, name, p)
+        for k in self.state_keys:
+            if k not in entry:
+                raise KeyError(
+                    f"optimizer state of {name!r} has {sorted(entry)}, not "
+                    f"{list(self.state_keys)}: the checkpoint was written with "
+                    f"another --optimizer than {self.kind}"
+                )
+            t = entry[k]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"optimizer state {k} of {name!r} has shape {tuple(t.shape)}, "
+                    f"the parameter has {tuple(p.shape)}: the checkpoint is for "
+                    f"another layout; convert it first"
+                )
+        return {k: entry[k] for k in self.state_keys}
+
     @torch.no_grad()
     def load_state_tensors(self, d: dict[str, dict[str, torch.Tensor]]) -> None:
         """Load `state_tensors()` output; a tied copy takes its source's entry when absent."""
@@ -262,24 +283,11 @@ class AdamWOptimizer(torch.optim.Optimizer):
         for n, p in self.named:
             if id(p) not in owned:
                 continue
-            entry = self._entry(d, n, p)
+            entry = self._checked_entry(d, n, p)
             state = (
                 {"step": step_state(self.inner, self.num_steps, p)} if self.kind != "sgd" else {}
             )
-            for k in self.state_keys:
-                if k not in entry:
-                    raise KeyError(
-                        f"optimizer state of {n!r} has {sorted(entry)}, not "
-                        f"{list(self.state_keys)}: the checkpoint was written with "
-                        f"another --optimizer than {self.kind}"
-                    )
-                t = entry[k]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"optimizer state {k} of {n!r} has shape {tuple(t.shape)}, "
-                        f"the parameter has {tuple(p.shape)}: the checkpoint is for "
-                        f"another layout; convert it first"
-                    )
+            for k, t in entry.items():
                 state[k] = t.to(device=p.device, dtype=p.dtype).clone()
             self.inner.state[p] = state
 

@@ -467,24 +467,11 @@ class ZeroOptimizer(AdamWOptimizer):
         names = {id(p): n for n, p in self.named}
         for t, (p, s, e) in zip(self.pieces, self._piece_of):
             name = names[id(p)]
-            entry = self._entry(d, name, p)
+            entry = self._checked_entry(d, name, p)
             state = (
                 {"step": step_state(self.inner, self.num_steps, p)} if self.kind != "sgd" else {}
             )
-            for k in self.state_keys:
-                if k not in entry:
-                    raise KeyError(
-                        f"optimizer state of {name!r} has {sorted(entry)}, not "
-                        f"{list(self.state_keys)}: the checkpoint was written with "
-                        f"another --optimizer than {self.kind}"
-                    )
-                full = entry[k]
-                if tuple(full.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"optimizer state {k} of {name!r} has shape "
-                        f"{tuple(full.shape)}, the parameter has {tuple(p.shape)}: "
-                        f"the checkpoint is for another layout; convert it first"
-                    )
+            for k, full in entry.items():
                 state[k] = full.reshape(-1)[s:e].to(device=t.device, dtype=t.dtype).clone()
             self.inner.state[t] = state
 

@@ -342,13 +342,12 @@ def grid(schedules=None, pps=GRID_PP, ms=GRID_M, vs=GRID_V) -> list[tuple[str, i
     return points
 
 
-def certify_grid(points, eval_steps: bool = True) -> list[Certificate]:
-    """`certify` at every point, for a training step and (with `eval_steps`) an evaluation
-    step."""
+def certify_grid(points) -> list[Certificate]:
+    """`certify` at every point, for a training step and an evaluation step."""
     return [
         certify(name, pp, m, v, forward_only)
         for name, pp, m, v in points
-        for forward_only in ((False, True) if eval_steps else (False,))
+        for forward_only in (False, True)
     ]
 
 

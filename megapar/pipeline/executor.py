@@ -2,7 +2,7 @@
 
 The executor knows nothing about GPipe or 1F1B: it asks `messages.programs(name, pp, m)` for this
 stage's *program* (the schedule's compute `Action`s with `MessageGroup`s between them), plans it
-once per step size (`step_plan`, in `megapar.pipeline.step_plan`) and walks the plan in order
+once per step size (`step_plan.plan_step`) and walks the plan in order
 (`_walk`). A message group is issued as one ``batch_isend_irecv``; a compute first waits for the
 received tensor it consumes (if any), then runs through a dict of handlers (`handlers`, the
 executor's extension point), so a new compute kind is a new entry there, not a new loop. The
@@ -12,7 +12,7 @@ readings and readers `trace.StepTrace`.
 
 Model chunks: `stage` may be a `ModelChunks` (`stage.chunks`); every action names its chunk,
 per-micro-batch state is kept per (mb, chunk) (`slot`), and each message's peer comes from the
-chunk's virtual stage (`schedules.peer_of`). In the V placement (ZB-V, DualPipeV) the turn from
+chunk's virtual stage (`placement.peer_of`). In the V placement (ZB-V, DualPipeV) the turn from
 one chunk to the other is on one rank: no message, the output (or input gradient) is handed
 over in memory; the loss is then on rank 0.
 

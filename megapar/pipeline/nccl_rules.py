@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megapar.pipeline.actions import MESSAGE_KINDS, MessageGroup
+from megapar.pipeline.actions import MessageGroup
 from megapar.pipeline.placement import peer_of, placement_of
 from megapar.pipeline.simulate import CommMismatchError, DeadlockError, ScheduleError
 
@@ -33,7 +33,6 @@ __all__ = [
     "ScheduleError",
     "check",
     "check_programs",
-    "one_by_one",
     "program_streams",
 ]
 
@@ -182,16 +181,3 @@ def program_streams(programs, placement: str = "loop") -> dict[int, list[list[Op
 def check_programs(programs, schedule: str = "1f1b") -> None:
     """`check` on the programs of every stage of schedule `schedule`."""
     check(program_streams(programs, placement_of(schedule)))
-
-
-def one_by_one(schedules) -> list[list]:
-    """Each message in a group of its own, where the schedule (or program) lists it: what
-    issuing every message with a single ``isend`` / ``irecv`` call does."""
-    return [
-        [
-            MessageGroup((a,)) if a.kind in MESSAGE_KINDS else a
-            for step in steps
-            for a in (step.messages if isinstance(step, MessageGroup) else (step,))
-        ]
-        for steps in schedules
-    ]

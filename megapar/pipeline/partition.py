@@ -1,15 +1,13 @@
 """Cutting a model into pipeline stages, and building this rank's stage.
 
 Stage 0 holds the embedding, the last stage the final norm and the head, and the blocks are
-spread evenly by count (the first `num_layers % pp` stages take one extra), unless an explicit
-per-stage layer count is given (`stage_spec`, `chunk_specs`: pure functions). `build_stage`
-builds the stage (or the model chunks) of a rank from them, initialised the same in every
-layout.
+spread evenly by count (the first `num_layers % pp` stages take one extra: `stage_spec`,
+`chunk_specs`, pure functions). `build_stage` builds the stage (or the model chunks) of a
+rank from them, initialised the same in every layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -34,9 +32,7 @@ class StageSpec:
     """Holds the final norm and the head (last stage)."""
 
 
-def partition_layers(
-    num_layers: int, pp: int, layers_per_stage: Sequence[int] | None = None
-) -> list[range]:
+def partition_layers(num_layers: int, pp: int) -> list[range]:
     """The block indices of each of `pp` stages."""
     if pp < 1:
         raise LayoutError(f"--pp must be >= 1, got {pp}")
@@ -45,16 +41,8 @@ def partition_layers(
             f"{num_layers} layers cannot be cut into --pp {pp} stages "
             f"(each stage needs at least one layer); lower --pp"
         )
-    if layers_per_stage is None:
-        base, extra = divmod(num_layers, pp)
-        counts = [base + (1 if s < extra else 0) for s in range(pp)]
-    else:
-        counts = list(layers_per_stage)
-        if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
-            raise LayoutError(
-                f"layers per stage {counts} must be {pp} counts >= 1 that add up "
-                f"to the model's {num_layers} layers"
-            )
+    base, extra = divmod(num_layers, pp)
+    counts = [base + (1 if s < extra else 0) for s in range(pp)]
     ranges, start = [], 0
     for count in counts:
         ranges.append(range(start, start + count))
@@ -64,16 +52,14 @@ def partition_layers(
 
 @lru_cache(maxsize=1024)
 def _even_cut(num_layers: int, pp: int) -> tuple[range, ...]:
-    """`partition_layers` without explicit counts, cached (the planner asks for each stage's
+    """`partition_layers`, cached (the planner asks for each stage's
     chunks of thousands of layouts)."""
     return tuple(partition_layers(num_layers, pp))
 
 
-def stage_spec(
-    num_layers: int, pp: int, stage: int, layers_per_stage: Sequence[int] | None = None
-) -> StageSpec:
+def stage_spec(num_layers: int, pp: int, stage: int) -> StageSpec:
     """The StageSpec of pipeline rank `stage`."""
-    ranges = partition_layers(num_layers, pp, layers_per_stage)
+    ranges = partition_layers(num_layers, pp)
     return StageSpec(stage, ranges[stage], stage == 0, stage == pp - 1)
 
 
@@ -106,7 +92,6 @@ def build_stage(
     mesh: Mesh,
     seed: int,
     recompute: str = "none",
-    layers_per_stage: Sequence[int] | None = None,
     init: bool = True,
     virtual_stages: int = 1,
     placement: str = "loop",
@@ -118,10 +103,8 @@ def build_stage(
     as a `ModelChunks` whose parameter names are the canonical ones."""
     config.validate(mesh.layout)
     if virtual_stages > 1:
-        if layers_per_stage is not None:
-            raise ValueError("layers_per_stage cannot be combined with virtual stages")
         return _build_chunks(config, mesh, seed, recompute, init, virtual_stages, placement)
-    spec = stage_spec(config.num_layers, mesh.pp, mesh.pp_rank, layers_per_stage)
+    spec = stage_spec(config.num_layers, mesh.pp, mesh.pp_rank)
     tracker = RNGTracker(seed, mesh) if mesh.device.type != "meta" else None
     model = build_model(config, mesh, spec.layers, spec.pre_process, spec.post_process, tracker)
     set_recompute(model, recompute)

@@ -2,7 +2,8 @@
 
 A schedule function is pure: `schedule(pp, m, stage) -> list[Action]` returns the instruction list
 of one pipeline stage for one step of `m` micro-batches (like DeepSpeed's instruction lists). The
-executor walks the list and dispatches on `Action.kind`; it knows nothing about GPipe or 1F1B.
+executor walks the stage's program made from it (below) and dispatches each compute on
+`Action.kind`; it knows nothing about GPipe or 1F1B.
 
 The actions (`megapar.pipeline.actions`): ``recv_act`` / ``forward`` / ``send_act`` for the
 forward of micro-batch `mb` on model chunk `chunk`, ``recv_grad`` / ``backward`` / ``send_grad``
@@ -304,7 +305,7 @@ def dualpipev(pp: int, m: int, stage: int) -> list[Action]:
     return _with_comms(_dualpipev_order(pp, m, stage), pp, stage, 2, "v")
 
 
-def interleaved_rounds(pp: int, m: int, what: str = "interleaved 1F1B") -> int:
+def interleaved_rounds(pp: int, m: int) -> int:
     """Micro-batches per round (torch's flexible rule; Megatron's is m % pp == 0); a ValueError
     naming the valid m otherwise. Cheap: the planner checks every candidate with it."""
     rounds = max(1, m // pp)
@@ -316,9 +317,9 @@ def interleaved_rounds(pp: int, m: int, what: str = "interleaved 1F1B") -> int:
         below = next(k for k in range(m - 1, 0, -1) if valid(k))
         above = next(k for k in range(m + 1, m + pp + 1) if valid(k))  # a multiple of pp is
         raise ValueError(
-            f"{what} runs the {m} micro-batches in max(1, m // pp) = {rounds} rounds of equal "
-            f"size, so m must be divisible by {rounds}; the nearest valid m are {below} and "
-            f"{above} (every m <= pp and every multiple of pp is valid, and some others)"
+            f"interleaved 1F1B runs the {m} micro-batches in max(1, m // pp) = {rounds} rounds "
+            f"of equal size, so m must be divisible by {rounds}; the nearest valid m are {below} "
+            f"and {above} (every m <= pp and every multiple of pp is valid, and some others)"
         )
     return m // rounds
 

@@ -30,10 +30,10 @@ def shared_embedding_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if getattr(p, "shared_embedding", False)]
 
 
-def sync_tied_embeddings(model: nn.Module, mesh: Mesh, timeout_s: float | None = None) -> int:
+def sync_tied_embeddings(model: nn.Module, mesh: Mesh) -> int:
     """Sum the tied embedding's gradient over the first and last stage; returns how many
     parameters were synchronised (0 when pp == 1 or this stage holds no tied copy). Waits at
-    most `timeout_s` (default: the run's, `mesh.timeout_s`)."""
+    most the run's timeout (`mesh.timeout_s`)."""
     if mesh.pp == 1:
         return 0
     params = shared_embedding_params(model)
@@ -61,7 +61,7 @@ def sync_tied_embeddings(model: nn.Module, mesh: Mesh, timeout_s: float | None =
         wait(
             work,
             mesh.device,
-            timeout_s or mesh.timeout_s,
+            mesh.timeout_s,
             f"rank {mesh.rank}: all-reduce of the tied embedding gradient with the other end "
             f"of the pipeline",
             hint="; the first or last stage probably failed, or only one "

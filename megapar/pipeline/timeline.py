@@ -226,9 +226,9 @@ def to_chrome_trace(timeline: Timeline, row_name: str = "stage") -> dict:
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(timeline: Timeline, path: str, row_name: str = "stage") -> None:
+def write_chrome_trace(timeline: Timeline, path: str) -> None:
     with open(path, "w") as f:
-        json.dump(to_chrome_trace(timeline, row_name), f)
+        json.dump(to_chrome_trace(timeline), f)
 
 
 _COLOURS = {

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megapar.mesh import Mesh
+from megapar.pipeline.actions import ACTION_KINDS
 from megapar.pipeline.p2p import wait_work
 from megapar.pipeline.timeline import COMPUTE_KINDS, Event, Timeline
 
@@ -72,18 +73,7 @@ class StepClock:
 
 
 # --- every stage's trace on pp rank 0 -----------------------------------------------------------
-TRACE_KINDS = (
-    "recv_act",
-    "forward",
-    "send_act",
-    "recv_grad",
-    "backward",
-    "send_grad",
-    "backward_input",
-    "backward_weight",
-    "wait",
-    "loss_broadcast",
-)
+TRACE_KINDS = (*ACTION_KINDS, "wait", "loss_broadcast")
 """Event kinds `gather_timeline` can encode (as their index in this tuple)."""
 
 
@@ -131,13 +121,11 @@ class StepTrace:
         )
 
 
-def gather_timeline(
-    timeline: Timeline, mesh: Mesh, timeout_s: float | None = None, sync_rounds: int = 8
-):
+def gather_timeline(timeline: Timeline, mesh: Mesh, sync_rounds: int = 8):
     """Every pp stage's events on pp rank 0 (a `Timeline`), None on the other ranks.
 
-    Collective over `mesh.pp_group`; each wait lasts at most `timeout_s` (default: the run's,
-    `mesh.timeout_s`). Clocks are aligned to pp rank 0's: rank 0 broadcasts its
+    Collective over `mesh.pp_group`; each wait lasts at most the run's timeout
+    (`mesh.timeout_s`). Clocks are aligned to pp rank 0's: rank 0 broadcasts its
     clock reading `sync_rounds` times; a receiver's reading minus rank 0's is its clock offset
     plus the message latency, never less (the message cannot arrive before it was sent), so the
     minimum over the rounds is the offset, off by the smallest latency seen (microseconds), and
@@ -146,8 +134,7 @@ def gather_timeline(
     """
     if mesh.pp == 1:
         return Timeline(list(timeline.events))
-    group, root = mesh.pp_group, mesh.stage_rank(0)
-    timeout_s = timeout_s or mesh.timeout_s
+    group, root, timeout_s = mesh.pp_group, mesh.stage_rank(0), mesh.timeout_s
     dev = mesh.device  # NCCL collectives need tensors on the GPU
     offset = float("inf")
     for _ in range(sync_rounds):

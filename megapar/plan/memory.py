@@ -146,7 +146,6 @@ def head_bytes(
     h: int,
     vocab_local: int,
     act_bytes: int,
-    logits_bytes: int = 4,
     whole_vocab: int | None = None,
     terms: BlockTerms = BlockTerms(),
     chunk_tokens: int = 0,
@@ -176,8 +175,8 @@ def head_bytes(
     if chunk_tokens:
         return norm + s * b * (8 + 2 + 4) + 8
     if whole_vocab is not None:
-        return norm + s * b * (whole_vocab * logits_bytes + 8) + 4 + 8
-    return norm + s * b * (vocab_local * logits_bytes + 8 + 2) + 8
+        return norm + s * b * (whole_vocab * 4 + 8) + 4 + 8
+    return norm + s * b * (vocab_local * 4 + 8 + 2) + 8
 
 
 def logits_buffer_bytes(

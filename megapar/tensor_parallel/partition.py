@@ -98,10 +98,10 @@ def fuse_heads(parts, heads: int) -> torch.Tensor:
     return stacked.reshape(n, heads, rows // heads, *rest).transpose(0, 1).reshape(n * rows, *rest)
 
 
-def unfuse_heads(fused: torch.Tensor, heads: int, n: int = 3) -> list[torch.Tensor]:
-    """The inverse of `fuse_heads`: the n per-projection full tensors (q, k, v)."""
-    rows, rest = fused.shape[0] // n, fused.shape[1:]
-    split = fused.reshape(heads, n, rows // heads, *rest).transpose(0, 1)
+def unfuse_heads(fused: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """The inverse of `fuse_heads`: the three per-projection full tensors (q, k, v)."""
+    rows, rest = fused.shape[0] // 3, fused.shape[1:]
+    split = fused.reshape(heads, 3, rows // heads, *rest).transpose(0, 1)
     return [t.reshape(rows, *rest) for t in split]
 
 

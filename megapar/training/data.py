@@ -516,7 +516,7 @@ def planned_samples(sampler: GlobalBatchSampler, steps: int):
     return np.concatenate(out)
 
 
-def make_sampler(cfg: TrainConfig, dataset, dp: int, dp_rank: int, shuffle=True, seed=None):
+def make_sampler(cfg: TrainConfig, dataset, dp: int, dp_rank: int, shuffle=True):
     shuffle = shuffle and not getattr(dataset, "shuffled", False)  # a blend comes shuffled
     return GlobalBatchSampler(
         len(dataset),
@@ -524,7 +524,7 @@ def make_sampler(cfg: TrainConfig, dataset, dp: int, dp_rank: int, shuffle=True,
         cfg.micro_batch_size,
         dp,
         dp_rank,
-        cfg.seed if seed is None else seed,
+        cfg.seed,
         shuffle=shuffle,
     )
 

@@ -385,7 +385,7 @@ class Trainer:
         if not consequential(what):
             progress.mark_failed(what)
             return ""
-        stopped = stopped_siblings(resume=True)
+        stopped = stopped_siblings()
         if stopped:
             progress.mark_failed()
             return f"{stopped}; here: "

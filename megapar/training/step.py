@@ -9,7 +9,8 @@
    loss sum times m x dp / (the global batch's labelled tokens) (`loss_weight`), so the mean
    over micro-batches and dp ranks is the global token mean and the gradients are its own:
    everything below (clipping, fp16's unscale) sees the true gradients;
-   with --sequence-parallel, sum the replicated parameters' partial gradients over tp;
+   sum over tp the gradients that are partial there (--sequence-parallel's replicated
+   parameters; Llama's k / v kept whole where tp does not divide the kv heads);
 3. sum the tied embedding's gradient over the first and last stage (pp > 1);
 4. fp16: unscale the gradients and agree, over the whole world, whether any is inf / NaN;
 5. clip to the global gradient norm (over tp x pp, each parameter counted once);
@@ -213,13 +214,13 @@ class TrainStep:
         self.optimizer.attach(self.grad_sync, last, before)
 
     def sync_gradients(self) -> None:
-        """After the schedule: sum what is partial over tp (sequence parallelism's replicated
-        parameters) and the tied embedding over the first and last stage (unless a sharded
-        grad_sync's finish() did that already)."""
+        """After the schedule: sum what is partial over tp (`partial_over_tp`) and the tied
+        embedding over the first and last stage (unless a sharded grad_sync's finish() did
+        that already)."""
         if self.partial_over_tp and self.sharded and self.grad_sync.sharded_grads:
             # ZeRO-2 / 3: the gradients are this rank's pieces by now (the sum is linear)
             self.optimizer.sum_partial_over_tp(self.mesh.tp_group)
-        elif self.partial_over_tp:  # under SP, LayerNorm etc. saw only this rank's positions
+        elif self.partial_over_tp:  # each rank's share: its positions (SP), its heads (k / v)
             sync_sequence_parallel_grads(self.model, self.mesh.tp_group)
         if self.mesh.pp > 1 and not self.sharded:  # sharded: done in grad_sync.finish()
             set_action("tied-embedding gradient all-reduce (first + last stage)")
