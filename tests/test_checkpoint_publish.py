@@ -151,6 +151,37 @@ def test_train_refuses_a_save_holding_steps_its_saves_would_replace(tmp_path, ca
     assert train_cli.main([*branch, "--overwrite-newer"]) == 0 and len(started) == 2
 
 
+def test_a_resume_into_a_save_of_another_model_is_refused(tmp_path):
+    """--load LLAMA --save ROOT where ROOT holds only older steps of a GPT-2 (no newer step, so
+    nothing was refused): the llama's step 7 was written beside them and `latest` named it, one
+    root holding two models. Now one line naming the steps and the models; a --save of the same
+    model (e.g. the run's own root, or a copy of it) goes on."""
+    from types import SimpleNamespace
+
+    from megapar.checkpoint.manifest import read_manifest
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import check_newer_steps
+
+    gpt2, llama, same = tmp_path / "gpt2", tmp_path / "llama", tmp_path / "same"
+    save_serial(gpt2, step=3)
+    save_serial(gpt2, step=6)
+    save_serial(llama, "llama", step=6)
+    save_serial(same, "llama", step=2)
+    manifest = read_manifest(llama)
+
+    def check(save):
+        check_newer_steps(SimpleNamespace(save=str(save), load=str(llama), overwrite_newer=False),
+                          manifest)
+
+    with pytest.raises(UsageError) as exc:
+        check(gpt2)
+    assert str(exc.value) == (
+        f"--save {gpt2} holds step_00000003, step_00000006 of a gpt2 model, and this run trains "
+        f"a llama: this run's saves would be mixed with them; give another --save")
+    check(same)
+    check(tmp_path / "empty")
+
+
 def test_overwrite_newer_removes_every_step_newer_than_the_start(tmp_path, capsys, monkeypatch):
     """--load ROOT/step_3 --save ROOT --max-steps 6 --overwrite-newer over steps 3, 6, 9: not
     only 6 (which the run replaces) but 9 goes too, named in a note, `latest` left on step 3

@@ -12,7 +12,7 @@ import re
 
 from megapar.checkpoint.distributed import NON_STRUCTURAL
 from megapar.checkpoint.format import MANIFEST, CheckpointError
-from megapar.checkpoint.manifest import verify
+from megapar.checkpoint.manifest import read_manifest, verify
 from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, steps_after
 from megapar.data.blended import data_paths, parse_blend
 from megapar.models.config import config_from_dict
@@ -108,6 +108,8 @@ def check_newer_steps(cfg, manifest: dict | None) -> None:
     start = int(manifest.get("step", 0)) if manifest is not None else 0
     newer = steps_after(save, start)
     if not newer:
+        if manifest is not None:
+            _check_same_model(cfg, manifest, steps_after(save, -1))
         return
     shown = ", ".join(newer) if len(newer) <= 4 else f"{newer[0]} ... {newer[-1]} ({len(newer)})"
     where = (
@@ -120,6 +122,39 @@ def check_newer_steps(cfg, manifest: dict | None) -> None:
         f"--save {cfg.save} holds {shown}, {where}: this run's saves would replace "
         f"or mix with them; {resume}give another --save, or pass --overwrite-newer "
         f"to replace them"
+    )
+
+
+def _check_same_model(cfg, manifest: dict, saved: list[str]) -> None:
+    """--save holding complete steps (`saved`, none newer than the run's start) of another model
+    than the --load checkpoint's: the run's saves would be mixed with them, `latest` naming
+    one model and the older steps another. Refused; --overwrite-newer removes only newer steps,
+    so another --save is the fix."""
+    if not saved:
+        return
+    try:
+        theirs = dict(read_manifest(os.path.join(os.path.expanduser(cfg.save), saved[-1]))["model"])
+    except (CheckpointError, KeyError, OSError, ValueError):
+        return  # nothing to compare with; loading that step names what is wrong with it
+    ours = dict(manifest["model"])
+    if theirs.get("model_type") != ours.get("model_type"):
+        shown = (
+            f"a {theirs.get('model_type')} model, and this run trains a {ours.get('model_type')}"
+        )
+    else:
+        theirs = {**config_from_dict(theirs).to_dict(), **theirs}
+        ours = {**config_from_dict(ours).to_dict(), **ours}
+        keys = sorted({k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)})
+        keys = [k for k in keys if k not in NON_STRUCTURAL]
+        if not keys:
+            return
+        shown = "another model: " + ", ".join(
+            f"{k}={theirs.get(k)!r} (--save) vs {ours.get(k)!r} (--load)" for k in keys[:3]
+        )
+    steps = ", ".join(saved) if len(saved) <= 4 else f"{saved[0]} ... {saved[-1]} ({len(saved)})"
+    raise UsageError(
+        f"--save {cfg.save} holds {steps} of {shown}: this run's saves would be mixed with "
+        f"them; give another --save"
     )
 
 
