@@ -799,6 +799,31 @@ def test_an_unknown_flag_is_never_taken_for_help(capsys):
         assert hint is None or hint in err, err
 
 
+def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
+    """Megatron-LM's, torchtitan's or Hugging Face Trainer's name for a flag: difflib named an
+    unrelated one (`--resume: did you mean --recompute?`, `--train-iters`: `--rank-order`,
+    `--ckpt`: `--cp`); now megapar's. Each named flag exists; a --config key likewise."""
+    from megapar.training.config import OTHER_TOOLS_FLAGS, build_parser, parse_args
+
+    for argv, hint in ((["--resume", "ck"], "--resume: did you mean --load?"),
+                       (["--train-iters=5"], "--train-iters: did you mean --max-steps?"),
+                       (["--ckpt", "ck"], "--ckpt: did you mean --load or --save?"),
+                       (["--max-step", "5"], "--max-step: did you mean --max-steps?")):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and hint in err, err
+    known = build_parser()._option_string_actions
+    for other, ours in OTHER_TOOLS_FLAGS.items():
+        assert other not in known, other
+        assert all(w in known for w in ours.split() if w.startswith("--")), ours
+    config = tmp_path / "run.yaml"
+    config.write_text("train_iters: 3\n")
+    with pytest.raises(Exception, match="unknown setting 'train_iters'; did you mean --max-steps"):
+        parse_args(["--config", str(config)])
+
+
 STRAY = [
     # the checkpoint as a positional: was "the following arguments are required: --load"
     ("eval", ["ck"], "unexpected argument 'ck': pass the checkpoint as --load ck"),

@@ -369,8 +369,41 @@ def _escaped(docs: dict[str, str]) -> dict[str, str]:
     return {name: text.replace("%", "%%") for name, text in docs.items()}
 
 
+OTHER_TOOLS_FLAGS = {
+    "--resume": "--load",
+    "--resume-from-checkpoint": "--load",
+    "--ckpt": "--load or --save",
+    "--checkpoint": "--load or --save",
+    "--checkpoint.folder": "--save (and --load to resume)",
+    "--checkpoint.interval": "--save-interval",
+    "--train-iters": "--max-steps",
+    "--training.steps": "--max-steps",
+    "--training.seq_len": "--seq-len",
+    "--training.global_batch_size": "--global-batch-size",
+    "--training.local_batch_size": "--micro-batch-size",
+    "--tensor-model-parallel-size": "--tp",
+    "--pipeline-model-parallel-size": "--pp",
+    "--context-parallel-size": "--cp",
+    "--expert-model-parallel-size": "--ep",
+    "--parallelism.tensor_parallel_degree": "--tp",
+    "--parallelism.pipeline_parallel_degree": "--pp",
+    "--parallelism.context_parallel_degree": "--cp",
+    "--parallelism.expert_parallel_degree": "--ep",
+    "--use-distributed-optimizer": "--zero 1",
+    "--bf16": "--precision bf16",
+    "--fp16": "--precision fp16",
+    "--lr-decay-style": "--lr-decay",
+    "--lr-warmup-iters": "--warmup-steps",
+    "--eval-iters": "--eval-steps",
+}
+"""Megatron-LM's, torchtitan's and Hugging Face Trainer's names for megapar-train's flags: an
+unknown flag that is one of them is answered with megapar's (difflib would name an unrelated
+flag: `--resume`: `--recompute`, `--train-iters`: `--rank-order`)."""
+
+
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
+        known_as=OTHER_TOOLS_FLAGS,
         prog=prog,
         description=(
             "Train a GPT-2, BERT, Llama, Mixtral or Qwen3-MoE with tensor, context, pipeline, "
@@ -455,6 +488,11 @@ def read_run_config(path: str) -> dict[str, Any]:
     for key in sorted(set(data) - set(by_name)):
         close = difflib.get_close_matches(key, sorted(by_name), n=1)
         hint = f"did you mean {close[0]!r}?" if close else "valid keys are the megapar-train flags"
+        other = OTHER_TOOLS_FLAGS.get(
+            "--" + key.replace("_", "-"), OTHER_TOOLS_FLAGS.get("--" + key)
+        )
+        if other:
+            hint = f"did you mean {other}?"
         unknown.append(f"unknown setting {key!r}; {hint}")
     if unknown:
         raise ConfigError(f"{path}: " + "; ".join(unknown))
