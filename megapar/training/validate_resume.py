@@ -340,18 +340,22 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
         saved = (manifest.get("meta") or {}).get("train_config") or {}
         changed = [
             k
-            for k in ("seq_len", "val_fraction")
-            if "dataset_len" in diff and k in saved and saved[k] != getattr(cfg, k)
+            for k in ("data", "seq_len", "val_fraction")
+            if "dataset_len" in diff
+            and saved.get(k) is not None
+            and not _same_value(k, saved[k], getattr(cfg, k))
         ]
         if changed:  # the flag that changed the sample count is named first, not dataset_len
             lead = "; ".join(
-                f"{flag_of(k)} {getattr(cfg, k)} differs from the checkpoint's {saved[k]}"
+                f"{flag_of(k)} {_shown(getattr(cfg, k))} differs from the checkpoint's "
+                f"{_shown(saved[k])}"
                 for k in changed
             )
-            back = " ".join(f"{flag_of(k)} {saved[k]}" for k in changed)
+            back = " ".join(f"{flag_of(k)} {_shown(saved[k])}" for k in changed)
             raise UsageError(
                 f"{lead}: --load {cfg.load} cannot continue its data order ({shown}); "
-                f"resume with {back} (or leave it out: the checkpoint's is taken){other}"
+                f"resume with {back} (or leave {'them' if len(changed) > 1 else 'it'} out: the "
+                f"checkpoint's is taken){other}"
             )
         raise UsageError(
             f"--load {cfg.load} cannot continue its data order: {shown}; resume "
@@ -395,9 +399,24 @@ def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None
     )
 
 
+def _same_value(name: str, saved, given) -> bool:
+    """Whether a recorded setting and the given one are the same: --data by the files its
+    paths name (a relative path is the recorded absolute one), others by value."""
+    if name != "data":
+        return _shown(saved) == _shown(given)
+    try:
+        paths = [data_paths(saved), data_paths(given)]
+    except ValueError:
+        return _shown(saved) == _shown(given)
+    real = [[p and os.path.realpath(os.path.expanduser(str(p))) for p in ps] for ps in paths]
+    return real[0] == real[1]
+
+
 def _shown(data) -> str:
-    """A --data value as typed (a blend's items joined by spaces)."""
-    return data if isinstance(data, str) else " ".join(str(x) for x in data)
+    """A --data value as typed (a blend's items joined by spaces); another flag's value as text."""
+    if isinstance(data, (list, tuple)):
+        return " ".join(str(x) for x in data)
+    return str(data)
 
 
 def _check_same_blend_weights(cfg, trained) -> None:
