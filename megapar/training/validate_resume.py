@@ -334,14 +334,17 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
         other = (
             ", or pass --allow-data-change to continue on this data on purpose (its data "
             "order starts anew)"
-            if "dataset_len" in diff
+            if diff == ["dataset_len"]  # it does not continue another seed or global batch
             else ""
         )
-        saved = (manifest.get("meta") or {}).get("train_config") or {}
+        saved = {
+            **((manifest.get("meta") or {}).get("train_config") or {}),
+            **{k: state[k] for k in ("global_batch_size", "seed") if k in diff},
+        }
         changed = [
             k
-            for k in ("data", "seq_len", "val_fraction")
-            if "dataset_len" in diff
+            for k in ("data", "seq_len", "val_fraction", "global_batch_size", "seed")
+            if (k in diff or "dataset_len" in diff)
             and saved.get(k) is not None
             and not _same_value(k, saved[k], getattr(cfg, k))
         ]
