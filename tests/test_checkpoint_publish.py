@@ -229,3 +229,17 @@ def test_train_refuses_a_save_that_holds_another_format(tmp_path, capsys, monkey
         assert err.startswith(f"megapar-train: error: --save {where} holds {what}"), err
         assert "would be mixed into it; give another --save" in err, err
     assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+    # a step directory, or a directory inside a checkpoint: the run's root (`latest`, step_N)
+    # was written among that checkpoint's files (`ckpt/step_00000003/step_00000001`)
+    ckpt = tmp_path / "ckpt"
+    save_serial(ckpt, step=3)
+    step = ckpt / "step_00000003"
+    for where, what in ((step, "is a checkpoint's step directory (it holds manifest.json)"),
+                        (ckpt / "sub", f"is inside the megapar checkpoint {ckpt}"),
+                        (step / "x" / "y", f"is inside the megapar checkpoint {step}")):
+        assert train_cli.main([*common, "--save", str(where)]) == 2 and not started
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith(f"megapar-train: error: --save {where} {what}"), err
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000003"]
+    assert not (step / "x").exists()

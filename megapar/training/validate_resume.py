@@ -9,11 +9,12 @@ import dataclasses
 import math
 import os
 import re
+from pathlib import Path
 
 from megapar.checkpoint.distributed import NON_STRUCTURAL
-from megapar.checkpoint.format import MANIFEST, CheckpointError
+from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError
 from megapar.checkpoint.manifest import read_manifest, verify
-from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, steps_after
+from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, newest_step, steps_after
 from megapar.data.blended import data_paths, parse_blend
 from megapar.models.config import config_from_dict
 from megapar.one_line_parser import shell_word
@@ -85,6 +86,7 @@ def check_save_format(cfg) -> None:
     it, as megapar-convert --to-hf refuses into a checkpoint's directory."""
     if not cfg.save:
         return
+    _check_save_outside_checkpoint(cfg)
     foreign = foreign_checkpoint(os.path.expanduser(cfg.save))
     if foreign is None:
         return
@@ -93,6 +95,33 @@ def check_save_format(cfg) -> None:
         f"--save {cfg.save} {what}: this run's checkpoints would be mixed into it; give "
         f"another --save (a new directory, or one that holds megapar checkpoints)"
     )
+
+
+def _check_save_outside_checkpoint(cfg) -> None:
+    """--save naming a step directory (it holds manifest.json), or a directory inside a
+    checkpoint root or step directory: the run's root (`latest`, step_N) would be written among
+    that checkpoint's files, as megapar-convert refuses for its DST and --to-hf."""
+    save = Path(os.path.expanduser(cfg.save))
+    if (save / MANIFEST).is_file():
+        raise UsageError(
+            f"--save {cfg.save} is a checkpoint's step directory (it holds {MANIFEST}): this "
+            f"run's checkpoints would be written among its files; give the root that holds it "
+            f"({shell_word(save.parent)}) to add steps to that run, or another directory"
+        )
+    outer = next(
+        (
+            a
+            for a in save.resolve().parents
+            if (a / MANIFEST).is_file() or ((a / LATEST).is_file() and newest_step(a))
+        ),
+        None,
+    )
+    if outer is not None:
+        raise UsageError(
+            f"--save {cfg.save} is inside the megapar checkpoint {outer}: this run's "
+            f"checkpoints would be mixed up with its step directories; give a directory "
+            f"outside it"
+        )
 
 
 def check_newer_steps(cfg, manifest: dict | None) -> None:
