@@ -243,3 +243,28 @@ def test_train_refuses_a_save_that_holds_another_format(tmp_path, capsys, monkey
         assert err.startswith(f"megapar-train: error: --save {where} {what}"), err
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000003"]
     assert not (step / "x").exists()
+
+
+def test_a_damaged_load_names_the_newest_other_step_to_resume_from(tmp_path):
+    """--load ROOT whose latest step has a truncated shard (a kill during a copy, a full disk)
+    said 'restore it or use another checkpoint' without naming one; now the newest other step
+    of its root, for the root and the step directory alike; none where there is no other."""
+    from megapar.checkpoint.format import shard_file_name
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import checkpoint_manifest
+
+    root = tmp_path / "ckpt"
+    save_serial(root, step=3)
+    save_serial(root, step=6)
+    with open(root / "step_00000006" / shard_file_name(0, 0), "r+b") as f:
+        f.truncate(100)
+    for path in (str(root), f"{root}/step_00000006/"):
+        with pytest.raises(UsageError) as exc:
+            checkpoint_manifest(path)
+        assert "(file truncated or altered)" in str(exc.value)
+        assert str(exc.value).endswith(
+            f"(the newest other step there: --load {root}/step_00000003)"), str(exc.value)
+    (root / "step_00000003" / "manifest.json").unlink()
+    with pytest.raises(UsageError) as exc:
+        checkpoint_manifest(str(root))
+    assert "newest other step" not in str(exc.value)

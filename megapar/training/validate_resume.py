@@ -198,7 +198,24 @@ def checkpoint_manifest(path: str) -> dict:
     try:
         return verify(os.path.expanduser(path))
     except (CheckpointError, KeyError, OSError) as exc:
-        raise UsageError(f"--load {path}: {exc}") from None
+        raise UsageError(f"--load {path}: {exc}{_other_steps(path)}") from None
+
+
+def _other_steps(path: str) -> str:
+    """For a --load that failed its checks: the newest other step of its root to resume from
+    instead (`; ... --load ROOT/step_N`), or "" when there is none."""
+    p = Path(os.path.expanduser(path))
+    if (p / MANIFEST).is_file():
+        root, failed = p.parent, p.name
+    elif (p / LATEST).is_file():
+        root, failed = p, (p / LATEST).read_text().strip()
+    else:
+        return ""
+    shown = path.rstrip("/") if root == p else os.path.dirname(path.rstrip("/")) or "."
+    others = [s for s in steps_after(root, -1) if s != failed]
+    if not others:
+        return ""
+    return f" (the newest other step there: --load {os.path.join(shown, others[-1])})"
 
 
 NOT_INHERITED = {
