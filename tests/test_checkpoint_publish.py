@@ -268,3 +268,24 @@ def test_a_damaged_load_names_the_newest_other_step_to_resume_from(tmp_path):
     with pytest.raises(UsageError) as exc:
         checkpoint_manifest(str(root))
     assert "newest other step" not in str(exc.value)
+
+
+def test_a_resume_with_an_optimizer_of_other_state_is_refused_before_workers(tmp_path):
+    """--load of an AdamW checkpoint with --optimizer sgd (or lars): rank 0 failed after the
+    workers started ('KeyError: optimizer state ... has [exp_avg, exp_avg_sq], not
+    [momentum_buffer]', exit 1, a logs/ directory left in --save). Now one line from the
+    checks before the workers; LAMB (the same moments) goes on."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.run_plan import read_resumed_settings
+    from megapar.training.validate import UsageError
+
+    root = tmp_path / "ckpt"
+    save_serial(root, step=3, meta={"consumed_samples": 96, "optimizer": {"kind": "adamw"}})
+    for kind in ("sgd", "lars"):
+        with pytest.raises(UsageError) as exc:
+            read_resumed_settings(TrainConfig(load=str(root), optimizer=kind), [])
+        assert str(exc.value) == (
+            f"--optimizer {kind} keeps momentum_buffer, but --load {root} holds exp_avg, "
+            f"exp_avg_sq (it trained with --optimizer adamw): resume with --optimizer adamw (or "
+            f"leave it out: the checkpoint's is taken)")
+    read_resumed_settings(TrainConfig(load=str(root), optimizer="lamb"), [])

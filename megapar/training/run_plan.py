@@ -45,6 +45,7 @@ from megapar.training.validate import (
 from megapar.training.validate_resume import (
     check_load_path,
     check_newer_steps,
+    check_optimizer_state,
     check_resumable,
     check_same_data,
     check_save_format,
@@ -75,6 +76,7 @@ def read_resumed_settings(cfg: TrainConfig, notes: list[str]) -> dict | None:
         # the checkpoint, checked once; settings not given are the checkpoint's
         manifest = checkpoint_manifest(cfg.load)
         notes.extend(settings_from_checkpoint(cfg, manifest))
+        check_optimizer_state(cfg, manifest)
     else:  # a fresh start from --from-hf DIR tokenizes with DIR's tokenizer
         notes.extend(default_to_hf_tokenizer(cfg))
     check_settings(cfg)

@@ -18,6 +18,7 @@ from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, newes
 from megapar.data.blended import data_paths, parse_blend
 from megapar.models.config import config_from_dict
 from megapar.one_line_parser import shell_word
+from megapar.optim.optimizer import state_keys
 from megapar.training.tokenizer_checks import recorded_as_trained
 from megapar.training.validate import UsageError, explicit, flag_of
 
@@ -184,6 +185,25 @@ def _check_same_model(cfg, manifest: dict, saved: list[str]) -> None:
     raise UsageError(
         f"--save {cfg.save} holds {steps} of {shown}: this run's saves would be mixed with "
         f"them; give another --save"
+    )
+
+
+def check_optimizer_state(cfg, manifest: dict) -> None:
+    """The --optimizer keeps the state the checkpoint holds (AdamW and LAMB: exp_avg and
+    exp_avg_sq; SGD and LARS: momentum_buffer), else UsageError naming the one it trained
+    with; a checkpoint without optimizer state (imported from Hugging Face) takes any."""
+    held = next((tuple(e["optim"]) for e in manifest["tensors"].values() if e.get("optim")), ())
+    if not held or set(held) == set(state_keys(cfg.optimizer)):
+        return
+    meta = manifest.get("meta") or {}
+    trained = (meta.get("optimizer") or {}).get("kind") or (meta.get("train_config") or {}).get(
+        "optimizer"
+    )
+    back = f"--optimizer {trained} (or leave it out: the checkpoint's is taken)" if trained else ""
+    raise UsageError(
+        f"--optimizer {cfg.optimizer} keeps {', '.join(state_keys(cfg.optimizer))}, but --load "
+        f"{cfg.load} holds {', '.join(held)}"
+        + (f" (it trained with --optimizer {trained}): resume with {back}" if trained else "")
     )
 
 
