@@ -186,7 +186,7 @@ class TrainConfig:
     async_save: bool = False
     """Save without stopping training: the state is copied to host memory (pinned on GPUs; as much as the rank's shard file) and a background thread writes it; the checkpoint is published (and `latest` moved) once every rank's files are complete. At most one write in flight; the final save (and one on a stop) is waited for before exit."""
     load: str | None = None
-    """Checkpoint to resume from (a directory written by --save, or one of its step dirs). A directory that does not exist yet or holds no checkpoint starts a fresh run (logged), so a requeued job can pass the same --load as its --save. A file, or a step_* directory that is not there, is an error."""
+    """Checkpoint to resume from (a directory written by --save, or one of its step dirs). A directory that does not exist yet or holds no checkpoint starts a fresh run of --model / --from-hf (logged; without either it is an error), so a requeued job can pass the same --load as its --save. A file, or a step_* directory that is not there, is an error."""
     load_strict: bool = False
     """Fail instead of starting fresh when --load holds no checkpoint."""
     overwrite_newer: bool = False

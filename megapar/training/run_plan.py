@@ -80,6 +80,12 @@ def read_resumed_settings(cfg: TrainConfig, notes: list[str]) -> dict | None:
     else:  # a fresh start from --from-hf DIR tokenizes with DIR's tokenizer
         notes.extend(default_to_hf_tokenizer(cfg))
     check_settings(cfg)
+    if manifest is None and cfg.load and not {"model", "from_hf"} & explicit(cfg):
+        raise UsageError(  # a mistyped --load: a run of the default model would start
+            f"--load {cfg.load}: no checkpoint there, and no --model or --from-hf says what a "
+            f"fresh run would train; pass the directory written by --save (or one of its "
+            f"step_* directories), or give --model / --from-hf to start a run there"
+        )
     return manifest
 
 
