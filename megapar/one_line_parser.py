@@ -36,10 +36,17 @@ class OneLineParser(argparse.ArgumentParser):
     takes flags only. Positionals of several words (megapar-convert's PATH...) may stand
     before, between and after the flags."""
 
-    def __init__(self, *args, stray: tuple[tuple[str, str], ...] = (), **kwargs):
+    def __init__(
+        self,
+        *args,
+        stray: tuple[tuple[str, str], ...] = (),
+        known_as: dict[str, str] | None = None,
+        **kwargs,
+    ):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.stray = stray
+        self.known_as = known_as or {}
 
     def parse_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)
@@ -117,7 +124,9 @@ class OneLineParser(argparse.ArgumentParser):
 
     def _did_you_mean(self, message: str) -> str:
         """For unknown flags, the closest known one of each (`--max-step`: `--max-steps`);
-        never `--help`, which is no flag's misspelling (`--ep` is as close to it as 0.6)."""
+        never `--help`, which is no flag's misspelling (`--ep` is as close to it as 0.6). Another
+        tool's name for a flag (`known_as`: `--resume` -> `--load`) is named as such, not
+        spelt close to an unrelated flag (`--resume`: `--recompute`)."""
         prefix = "unrecognized arguments: "
         if not message.startswith(prefix):
             return ""
@@ -126,6 +135,9 @@ class OneLineParser(argparse.ArgumentParser):
         hints = []
         for token in message[len(prefix) :].split():
             flag = token.split("=", 1)[0]
+            if flag in self.known_as:
+                hints.append(f"{flag}: did you mean {self.known_as[flag]}?")
+                continue
             close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
             if close:
                 hints.append(f"{flag}: did you mean {close[0]}?")

@@ -161,7 +161,7 @@ TRAIN = [
     (["--config", "{choice.yaml}"], "choice.yaml: --schedule 'zigzag' is invalid: choose one of"),
     (["--config", "{half.yaml}"], "--log-interval 2.5 is invalid: it must be a whole number >= 1"),
     (["--model", "{negative}"], "n_layer=-2 must be a whole number >= 1"),
-    (["--load", "/nonexistent/ckpt", "--load-strict"], "--load /nonexistent/ckpt: no such checkpoint directory"),  # without --load-strict: starts fresh (requeue)
+    (["--load", "/nonexistent/ckpt", "--load-strict"], "--load /nonexistent/ckpt: no such checkpoint directory"),  # without --load-strict, with --model: starts fresh (requeue)
     (["--load", "{empty_dir}", "--load-strict"], "empty_dir: no checkpoint there (--load-strict)"),
     (["--load", "{corrupt}"], "checksum mismatch"),
     (["--load", "{ckpt}", "--model", "gpt2-124m"], "holds another model than --model gpt2-124m"),
@@ -330,6 +330,21 @@ def test_megapar_train(argv, message, env, no_workers, capsys):
     rc = train([*env["common"], *_fill(argv, env)])
     line = _one_line(capsys, "megapar-train")
     assert rc == 2 and message in line, line
+
+
+def test_a_load_with_no_checkpoint_and_no_model_is_refused(env, no_workers, tmp_path, capsys):
+    """`megapar-train --load ckpt_typo` (no --model: the settings were to come from the
+    checkpoint) started a fresh run of the default model, 300 steps, with a note. A requeue
+    gives --model (or --from-hf) and still starts fresh; without either it is one line."""
+    out = tmp_path / "out"
+    for where in (tmp_path / "typo", env["root"] / "empty_dir"):
+        rc = train(["--load", str(where), "--save", str(out), "--no-progress"])
+        line = _one_line(capsys, "megapar-train")
+        assert rc == 2 and line.endswith(
+            f"--load {where}: no checkpoint there, and no --model or --from-hf says what a "
+            f"fresh run would train; pass the directory written by --save (or one of its "
+            f"step_* directories), or give --model / --from-hf to start a run there"), line
+        assert not out.exists()
 
 
 def test_a_resumed_dp_that_does_not_divide_the_checkpoints_global_batch(env, no_workers,
@@ -797,6 +812,31 @@ def test_an_unknown_flag_is_never_taken_for_help(capsys):
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "--help?" not in err, err
         assert hint is None or hint in err, err
+
+
+def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
+    """Megatron-LM's, torchtitan's or Hugging Face Trainer's name for a flag: difflib named an
+    unrelated one (`--resume: did you mean --recompute?`, `--train-iters`: `--rank-order`,
+    `--ckpt`: `--cp`); now megapar's. Each named flag exists; a --config key likewise."""
+    from megapar.training.config import OTHER_TOOLS_FLAGS, build_parser, parse_args
+
+    for argv, hint in ((["--resume", "ck"], "--resume: did you mean --load?"),
+                       (["--train-iters=5"], "--train-iters: did you mean --max-steps?"),
+                       (["--ckpt", "ck"], "--ckpt: did you mean --load or --save?"),
+                       (["--max-step", "5"], "--max-step: did you mean --max-steps?")):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and hint in err, err
+    known = build_parser()._option_string_actions
+    for other, ours in OTHER_TOOLS_FLAGS.items():
+        assert other not in known, other
+        assert all(w in known for w in ours.split() if w.startswith("--")), ours
+    config = tmp_path / "run.yaml"
+    config.write_text("train_iters: 3\n")
+    with pytest.raises(Exception, match="unknown setting 'train_iters'; did you mean --max-steps"):
+        parse_args(["--config", str(config)])
 
 
 STRAY = [

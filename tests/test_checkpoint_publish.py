@@ -151,6 +151,37 @@ def test_train_refuses_a_save_holding_steps_its_saves_would_replace(tmp_path, ca
     assert train_cli.main([*branch, "--overwrite-newer"]) == 0 and len(started) == 2
 
 
+def test_a_resume_into_a_save_of_another_model_is_refused(tmp_path):
+    """--load LLAMA --save ROOT where ROOT holds only older steps of a GPT-2 (no newer step, so
+    nothing was refused): the llama's step 7 was written beside them and `latest` named it, one
+    root holding two models. Now one line naming the steps and the models; a --save of the same
+    model (e.g. the run's own root, or a copy of it) goes on."""
+    from types import SimpleNamespace
+
+    from megapar.checkpoint.manifest import read_manifest
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import check_newer_steps
+
+    gpt2, llama, same = tmp_path / "gpt2", tmp_path / "llama", tmp_path / "same"
+    save_serial(gpt2, step=3)
+    save_serial(gpt2, step=6)
+    save_serial(llama, "llama", step=6)
+    save_serial(same, "llama", step=2)
+    manifest = read_manifest(llama)
+
+    def check(save):
+        check_newer_steps(SimpleNamespace(save=str(save), load=str(llama), overwrite_newer=False),
+                          manifest)
+
+    with pytest.raises(UsageError) as exc:
+        check(gpt2)
+    assert str(exc.value) == (
+        f"--save {gpt2} holds step_00000003, step_00000006 of a gpt2 model, and this run trains "
+        f"a llama: this run's saves would be mixed with them; give another --save")
+    check(same)
+    check(tmp_path / "empty")
+
+
 def test_overwrite_newer_removes_every_step_newer_than_the_start(tmp_path, capsys, monkeypatch):
     """--load ROOT/step_3 --save ROOT --max-steps 6 --overwrite-newer over steps 3, 6, 9: not
     only 6 (which the run replaces) but 9 goes too, named in a note, `latest` left on step 3
@@ -198,3 +229,63 @@ def test_train_refuses_a_save_that_holds_another_format(tmp_path, capsys, monkey
         assert err.startswith(f"megapar-train: error: --save {where} holds {what}"), err
         assert "would be mixed into it; give another --save" in err, err
     assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+    # a step directory, or a directory inside a checkpoint: the run's root (`latest`, step_N)
+    # was written among that checkpoint's files (`ckpt/step_00000003/step_00000001`)
+    ckpt = tmp_path / "ckpt"
+    save_serial(ckpt, step=3)
+    step = ckpt / "step_00000003"
+    for where, what in ((step, "is a checkpoint's step directory (it holds manifest.json)"),
+                        (ckpt / "sub", f"is inside the megapar checkpoint {ckpt}"),
+                        (step / "x" / "y", f"is inside the megapar checkpoint {step}")):
+        assert train_cli.main([*common, "--save", str(where)]) == 2 and not started
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith(f"megapar-train: error: --save {where} {what}"), err
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000003"]
+    assert not (step / "x").exists()
+
+
+def test_a_damaged_load_names_the_newest_other_step_to_resume_from(tmp_path):
+    """--load ROOT whose latest step has a truncated shard (a kill during a copy, a full disk)
+    said 'restore it or use another checkpoint' without naming one; now the newest other step
+    of its root, for the root and the step directory alike; none where there is no other."""
+    from megapar.checkpoint.format import shard_file_name
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import checkpoint_manifest
+
+    root = tmp_path / "ckpt"
+    save_serial(root, step=3)
+    save_serial(root, step=6)
+    with open(root / "step_00000006" / shard_file_name(0, 0), "r+b") as f:
+        f.truncate(100)
+    for path in (str(root), f"{root}/step_00000006/"):
+        with pytest.raises(UsageError) as exc:
+            checkpoint_manifest(path)
+        assert "(file truncated or altered)" in str(exc.value)
+        assert str(exc.value).endswith(
+            f"(the newest other step there: --load {root}/step_00000003)"), str(exc.value)
+    (root / "step_00000003" / "manifest.json").unlink()
+    with pytest.raises(UsageError) as exc:
+        checkpoint_manifest(str(root))
+    assert "newest other step" not in str(exc.value)
+
+
+def test_a_resume_with_an_optimizer_of_other_state_is_refused_before_workers(tmp_path):
+    """--load of an AdamW checkpoint with --optimizer sgd (or lars): rank 0 failed after the
+    workers started ('KeyError: optimizer state ... has [exp_avg, exp_avg_sq], not
+    [momentum_buffer]', exit 1, a logs/ directory left in --save). Now one line from the
+    checks before the workers; LAMB (the same moments) goes on."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.run_plan import read_resumed_settings
+    from megapar.training.validate import UsageError
+
+    root = tmp_path / "ckpt"
+    save_serial(root, step=3, meta={"consumed_samples": 96, "optimizer": {"kind": "adamw"}})
+    for kind in ("sgd", "lars"):
+        with pytest.raises(UsageError) as exc:
+            read_resumed_settings(TrainConfig(load=str(root), optimizer=kind), [])
+        assert str(exc.value) == (
+            f"--optimizer {kind} keeps momentum_buffer, but --load {root} holds exp_avg, "
+            f"exp_avg_sq (it trained with --optimizer adamw): resume with --optimizer adamw (or "
+            f"leave it out: the checkpoint's is taken)")
+    read_resumed_settings(TrainConfig(load=str(root), optimizer="lamb"), [])

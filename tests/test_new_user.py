@@ -527,17 +527,24 @@ def test_load_alone_resumes_with_the_checkpoints_settings(texts, cache, tiny_mod
 @pytest.mark.parametrize("key, value, lead", [
     ("seq_len", 64, "--seq-len 64 differs from the checkpoint's 128: --load ck cannot continue"),
     ("val_fraction", 0.1, "--val-fraction 0.1 differs from the checkpoint's 0.0: --load ck"),
+    # was "cannot continue its data order: dataset_len 682 (checkpoint) vs 1364", no --data named
+    ("data", "b.txt", "--data b.txt differs from the checkpoint's /d/a.txt: --load ck cannot"),
 ])
-def test_a_resume_refused_for_its_sample_count_names_the_flag_that_changed_it(key, value, lead):
-    """A --seq-len (or --val-fraction) other than the checkpoint's changes the number of
+def test_a_resume_refused_for_its_sample_count_names_the_flag_that_changed_it(
+        key, value, lead, monkeypatch):
+    """A --data, --seq-len (or --val-fraction) other than the checkpoint's changes the number of
     training samples: the refusal names that flag first and the value to resume with, not the
-    internal dataset_len alone."""
+    internal dataset_len alone; the recorded (absolute) --data given as a relative path is the
+    same data and is not named."""
     from megapar.training.config import TrainConfig
     from megapar.training.validate import UsageError
     from megapar.training.validate_resume import check_resumable
 
-    saved = {"seq_len": 128, "val_fraction": 0.0, "global_batch_size": 16, "seed": 1234}
-    cfg = TrainConfig(load="ck", global_batch_size=16, seed=1234, seq_len=128, val_fraction=0.0)
+    monkeypatch.chdir("/")
+    saved = {"seq_len": 128, "val_fraction": 0.0, "global_batch_size": 16, "seed": 1234,
+             "data": "/d/a.txt"}
+    cfg = TrainConfig(load="ck", global_batch_size=16, seed=1234, seq_len=128, val_fraction=0.0,
+                      data="d/a.txt")
     setattr(cfg, key, value)
     manifest = {"meta": {"train_config": saved, "sampler": {
         "dataset_len": 682, "global_batch_size": 16, "seed": 1234}}}
@@ -545,7 +552,32 @@ def test_a_resume_refused_for_its_sample_count_names_the_flag_that_changed_it(ke
         check_resumable(cfg, manifest, 1364)
     assert str(e.value).startswith(lead), str(e.value)
     assert f"resume with {lead.split(' differs')[0].split()[0]} {saved[key]}" in str(e.value)
+    assert str(e.value).count("differs") == 1, str(e.value)  # d/a.txt from / is /d/a.txt
     check_resumable(cfg, manifest, 682)  # the same sample count continues
+
+
+@pytest.mark.parametrize("key, value", [("seed", 5), ("global_batch_size", 32)])
+def test_a_resume_refused_for_its_seed_or_batch_names_it_and_offers_no_allow_data_change(
+        key, value):
+    """--seed (which also moves the validation split: another sample count) or
+    --global-batch-size other than the checkpoint's: the refusal offered --allow-data-change,
+    which is refused again for the same setting; now it names that flag and its value alone."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_resume import check_resumable
+
+    cfg = TrainConfig(load="ck", global_batch_size=16, seed=1234, seq_len=128)
+    setattr(cfg, key, value)
+    manifest = {"meta": {"train_config": {"seq_len": 128}, "sampler": {
+        "dataset_len": 682, "global_batch_size": 16, "seed": 1234}}}
+    for train_len in (681, 682):
+        with pytest.raises(UsageError) as e:
+            check_resumable(cfg, manifest, train_len)
+        flag, old = "--" + key.replace("_", "-"), {"seed": 1234, "global_batch_size": 16}[key]
+        assert str(e.value).startswith(f"{flag} {value} differs from the checkpoint's {old}: "
+                                       f"--load ck cannot continue"), str(e.value)
+        assert f"resume with {flag} {old}" in str(e.value)
+        assert "--allow-data-change" not in str(e.value)
 
 
 def test_a_checkpoint_resumes_from_another_directory_and_names_data_that_moved(

@@ -38,6 +38,11 @@ OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
 """`--optimizer` choices: AdamW, and the layer-wise trust-ratio LAMB / LARS (`trust_ratio.py`)."""
 
 
+def state_keys(kind: str) -> tuple[str, ...]:
+    """The per-parameter state an optimizer of `kind` keeps (and a checkpoint stores)."""
+    return STATE_KEYS if kind in ("adamw", "lamb") else ("momentum_buffer",)
+
+
 def decays(param: torch.Tensor) -> bool:
     """Megatron convention: decay matrices and embeddings, not biases or norm weights."""
     return param.dim() >= 2
@@ -83,7 +88,7 @@ class AdamWOptimizer(torch.optim.Optimizer):
         self.params = [p for _, p in self.named]
         self.betas, self.eps, self.weight_decay = tuple(betas), eps, weight_decay
         self.kind, self.momentum = kind, momentum
-        self.state_keys = STATE_KEYS if kind in ("adamw", "lamb") else ("momentum_buffer",)
+        self.state_keys = state_keys(kind)
         self.num_steps = 0
         decay = [p for p in self.params if decays(p)]
         no_decay = [p for p in self.params if not decays(p)]

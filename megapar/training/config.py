@@ -189,7 +189,7 @@ class TrainConfig:
     async_save: bool = False
     """Save without stopping training: the state is copied to host memory (pinned on GPUs; as much as the rank's shard file) and a background thread writes it; the checkpoint is published (and `latest` moved) once every rank's files are complete. At most one write in flight; the final save (and one on a stop) is waited for before exit."""
     load: str | None = None
-    """Checkpoint to resume from (a directory written by --save, or one of its step dirs). A directory that does not exist yet or holds no checkpoint starts a fresh run (logged), so a requeued job can pass the same --load as its --save. A file, or a step_* directory that is not there, is an error."""
+    """Checkpoint to resume from (a directory written by --save, or one of its step dirs). A directory that does not exist yet or holds no checkpoint starts a fresh run of --model / --from-hf (logged; without either it is an error), so a requeued job can pass the same --load as its --save. A file, or a step_* directory that is not there, is an error."""
     load_strict: bool = False
     """Fail instead of starting fresh when --load holds no checkpoint."""
     overwrite_newer: bool = False
@@ -373,8 +373,41 @@ def _escaped(docs: dict[str, str]) -> dict[str, str]:
     return {name: text.replace("%", "%%") for name, text in docs.items()}
 
 
+OTHER_TOOLS_FLAGS = {
+    "--resume": "--load",
+    "--resume-from-checkpoint": "--load",
+    "--ckpt": "--load or --save",
+    "--checkpoint": "--load or --save",
+    "--checkpoint.folder": "--save (and --load to resume)",
+    "--checkpoint.interval": "--save-interval",
+    "--train-iters": "--max-steps",
+    "--training.steps": "--max-steps",
+    "--training.seq_len": "--seq-len",
+    "--training.global_batch_size": "--global-batch-size",
+    "--training.local_batch_size": "--micro-batch-size",
+    "--tensor-model-parallel-size": "--tp",
+    "--pipeline-model-parallel-size": "--pp",
+    "--context-parallel-size": "--cp",
+    "--expert-model-parallel-size": "--ep",
+    "--parallelism.tensor_parallel_degree": "--tp",
+    "--parallelism.pipeline_parallel_degree": "--pp",
+    "--parallelism.context_parallel_degree": "--cp",
+    "--parallelism.expert_parallel_degree": "--ep",
+    "--use-distributed-optimizer": "--zero 1",
+    "--bf16": "--precision bf16",
+    "--fp16": "--precision fp16",
+    "--lr-decay-style": "--lr-decay",
+    "--lr-warmup-iters": "--warmup-steps",
+    "--eval-iters": "--eval-steps",
+}
+"""Megatron-LM's, torchtitan's and Hugging Face Trainer's names for megapar-train's flags: an
+unknown flag that is one of them is answered with megapar's (difflib would name an unrelated
+flag: `--resume`: `--recompute`, `--train-iters`: `--rank-order`)."""
+
+
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
     parser = OneLineParser(
+        known_as=OTHER_TOOLS_FLAGS,
         prog=prog,
         description=(
             "Train a GPT-2, BERT, Llama, Mixtral or Qwen3-MoE with tensor, context, pipeline, "
@@ -459,6 +492,11 @@ def read_run_config(path: str) -> dict[str, Any]:
     for key in sorted(set(data) - set(by_name)):
         close = difflib.get_close_matches(key, sorted(by_name), n=1)
         hint = f"did you mean {close[0]!r}?" if close else "valid keys are the megapar-train flags"
+        other = OTHER_TOOLS_FLAGS.get(
+            "--" + key.replace("_", "-"), OTHER_TOOLS_FLAGS.get("--" + key)
+        )
+        if other:
+            hint = f"did you mean {other}?"
         unknown.append(f"unknown setting {key!r}; {hint}")
     if unknown:
         raise ConfigError(f"{path}: " + "; ".join(unknown))

@@ -45,6 +45,7 @@ from megapar.training.validate import (
 from megapar.training.validate_resume import (
     check_load_path,
     check_newer_steps,
+    check_optimizer_state,
     check_resumable,
     check_same_data,
     check_save_format,
@@ -75,9 +76,16 @@ def read_resumed_settings(cfg: TrainConfig, notes: list[str]) -> dict | None:
         # the checkpoint, checked once; settings not given are the checkpoint's
         manifest = checkpoint_manifest(cfg.load)
         notes.extend(settings_from_checkpoint(cfg, manifest))
+        check_optimizer_state(cfg, manifest)
     else:  # a fresh start from --from-hf DIR tokenizes with DIR's tokenizer
         notes.extend(default_to_hf_tokenizer(cfg))
     check_settings(cfg)
+    if manifest is None and cfg.load and not {"model", "from_hf"} & explicit(cfg):
+        raise UsageError(  # a mistyped --load: a run of the default model would start
+            f"--load {cfg.load}: no checkpoint there, and no --model or --from-hf says what a "
+            f"fresh run would train; pass the directory written by --save (or one of its "
+            f"step_* directories), or give --model / --from-hf to start a run there"
+        )
     return manifest
 
 

@@ -9,14 +9,16 @@ import dataclasses
 import math
 import os
 import re
+from pathlib import Path
 
 from megapar.checkpoint.distributed import NON_STRUCTURAL
-from megapar.checkpoint.format import MANIFEST, CheckpointError
-from megapar.checkpoint.manifest import verify
-from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, steps_after
+from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError
+from megapar.checkpoint.manifest import read_manifest, verify
+from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, newest_step, steps_after
 from megapar.data.blended import data_paths, parse_blend
 from megapar.models.config import config_from_dict
 from megapar.one_line_parser import shell_word
+from megapar.optim.optimizer import state_keys
 from megapar.training.tokenizer_checks import recorded_as_trained
 from megapar.training.validate import UsageError, explicit, flag_of
 
@@ -85,6 +87,7 @@ def check_save_format(cfg) -> None:
     it, as megapar-convert --to-hf refuses into a checkpoint's directory."""
     if not cfg.save:
         return
+    _check_save_outside_checkpoint(cfg)
     foreign = foreign_checkpoint(os.path.expanduser(cfg.save))
     if foreign is None:
         return
@@ -93,6 +96,33 @@ def check_save_format(cfg) -> None:
         f"--save {cfg.save} {what}: this run's checkpoints would be mixed into it; give "
         f"another --save (a new directory, or one that holds megapar checkpoints)"
     )
+
+
+def _check_save_outside_checkpoint(cfg) -> None:
+    """--save naming a step directory (it holds manifest.json), or a directory inside a
+    checkpoint root or step directory: the run's root (`latest`, step_N) would be written among
+    that checkpoint's files, as megapar-convert refuses for its DST and --to-hf."""
+    save = Path(os.path.expanduser(cfg.save))
+    if (save / MANIFEST).is_file():
+        raise UsageError(
+            f"--save {cfg.save} is a checkpoint's step directory (it holds {MANIFEST}): this "
+            f"run's checkpoints would be written among its files; give the root that holds it "
+            f"({shell_word(save.parent)}) to add steps to that run, or another directory"
+        )
+    outer = next(
+        (
+            a
+            for a in save.resolve().parents
+            if (a / MANIFEST).is_file() or ((a / LATEST).is_file() and newest_step(a))
+        ),
+        None,
+    )
+    if outer is not None:
+        raise UsageError(
+            f"--save {cfg.save} is inside the megapar checkpoint {outer}: this run's "
+            f"checkpoints would be mixed up with its step directories; give a directory "
+            f"outside it"
+        )
 
 
 def check_newer_steps(cfg, manifest: dict | None) -> None:
@@ -108,6 +138,8 @@ def check_newer_steps(cfg, manifest: dict | None) -> None:
     start = int(manifest.get("step", 0)) if manifest is not None else 0
     newer = steps_after(save, start)
     if not newer:
+        if manifest is not None:
+            _check_same_model(cfg, manifest, steps_after(save, -1))
         return
     shown = ", ".join(newer) if len(newer) <= 4 else f"{newer[0]} ... {newer[-1]} ({len(newer)})"
     where = (
@@ -123,6 +155,58 @@ def check_newer_steps(cfg, manifest: dict | None) -> None:
     )
 
 
+def _check_same_model(cfg, manifest: dict, saved: list[str]) -> None:
+    """--save holding complete steps (`saved`, none newer than the run's start) of another model
+    than the --load checkpoint's: the run's saves would be mixed with them, `latest` naming
+    one model and the older steps another. Refused; --overwrite-newer removes only newer steps,
+    so another --save is the fix."""
+    if not saved:
+        return
+    try:
+        theirs = dict(read_manifest(os.path.join(os.path.expanduser(cfg.save), saved[-1]))["model"])
+    except (CheckpointError, KeyError, OSError, ValueError):
+        return  # nothing to compare with; loading that step names what is wrong with it
+    ours = dict(manifest["model"])
+    if theirs.get("model_type") != ours.get("model_type"):
+        shown = (
+            f"a {theirs.get('model_type')} model, and this run trains a {ours.get('model_type')}"
+        )
+    else:
+        theirs = {**config_from_dict(theirs).to_dict(), **theirs}
+        ours = {**config_from_dict(ours).to_dict(), **ours}
+        keys = sorted({k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)})
+        keys = [k for k in keys if k not in NON_STRUCTURAL]
+        if not keys:
+            return
+        shown = "another model: " + ", ".join(
+            f"{k}={theirs.get(k)!r} (--save) vs {ours.get(k)!r} (--load)" for k in keys[:3]
+        )
+    steps = ", ".join(saved) if len(saved) <= 4 else f"{saved[0]} ... {saved[-1]} ({len(saved)})"
+    raise UsageError(
+        f"--save {cfg.save} holds {steps} of {shown}: this run's saves would be mixed with "
+        f"them; give another --save"
+    )
+
+
+def check_optimizer_state(cfg, manifest: dict) -> None:
+    """The --optimizer keeps the state the checkpoint holds (AdamW and LAMB: exp_avg and
+    exp_avg_sq; SGD and LARS: momentum_buffer), else UsageError naming the one it trained
+    with; a checkpoint without optimizer state (imported from Hugging Face) takes any."""
+    held = next((tuple(e["optim"]) for e in manifest["tensors"].values() if e.get("optim")), ())
+    if not held or set(held) == set(state_keys(cfg.optimizer)):
+        return
+    meta = manifest.get("meta") or {}
+    trained = (meta.get("optimizer") or {}).get("kind") or (meta.get("train_config") or {}).get(
+        "optimizer"
+    )
+    back = f"--optimizer {trained} (or leave it out: the checkpoint's is taken)" if trained else ""
+    raise UsageError(
+        f"--optimizer {cfg.optimizer} keeps {', '.join(state_keys(cfg.optimizer))}, but --load "
+        f"{cfg.load} holds {', '.join(held)}"
+        + (f" (it trained with --optimizer {trained}): resume with {back}" if trained else "")
+    )
+
+
 def checkpoint_manifest(path: str) -> dict:
     """The manifest of a --load checkpoint after checking every file it lists (size, sha256)."""
 
@@ -134,7 +218,24 @@ def checkpoint_manifest(path: str) -> dict:
     try:
         return verify(os.path.expanduser(path))
     except (CheckpointError, KeyError, OSError) as exc:
-        raise UsageError(f"--load {path}: {exc}") from None
+        raise UsageError(f"--load {path}: {exc}{_other_steps(path)}") from None
+
+
+def _other_steps(path: str) -> str:
+    """For a --load that failed its checks: the newest other step of its root to resume from
+    instead (`; ... --load ROOT/step_N`), or "" when there is none."""
+    p = Path(os.path.expanduser(path))
+    if (p / MANIFEST).is_file():
+        root, failed = p.parent, p.name
+    elif (p / LATEST).is_file():
+        root, failed = p, (p / LATEST).read_text().strip()
+    else:
+        return ""
+    shown = path.rstrip("/") if root == p else os.path.dirname(path.rstrip("/")) or "."
+    others = [s for s in steps_after(root, -1) if s != failed]
+    if not others:
+        return ""
+    return f" (the newest other step there: --load {os.path.join(shown, others[-1])})"
 
 
 NOT_INHERITED = {
@@ -299,24 +400,31 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
         other = (
             ", or pass --allow-data-change to continue on this data on purpose (its data "
             "order starts anew)"
-            if "dataset_len" in diff
+            if diff == ["dataset_len"]  # it does not continue another seed or global batch
             else ""
         )
-        saved = (manifest.get("meta") or {}).get("train_config") or {}
+        saved = {
+            **((manifest.get("meta") or {}).get("train_config") or {}),
+            **{k: state[k] for k in ("global_batch_size", "seed") if k in diff},
+        }
         changed = [
             k
-            for k in ("seq_len", "val_fraction")
-            if "dataset_len" in diff and k in saved and saved[k] != getattr(cfg, k)
+            for k in ("data", "seq_len", "val_fraction", "global_batch_size", "seed")
+            if (k in diff or "dataset_len" in diff)
+            and saved.get(k) is not None
+            and not _same_value(k, saved[k], getattr(cfg, k))
         ]
         if changed:  # the flag that changed the sample count is named first, not dataset_len
             lead = "; ".join(
-                f"{flag_of(k)} {getattr(cfg, k)} differs from the checkpoint's {saved[k]}"
+                f"{flag_of(k)} {_shown(getattr(cfg, k))} differs from the checkpoint's "
+                f"{_shown(saved[k])}"
                 for k in changed
             )
-            back = " ".join(f"{flag_of(k)} {saved[k]}" for k in changed)
+            back = " ".join(f"{flag_of(k)} {_shown(saved[k])}" for k in changed)
             raise UsageError(
                 f"{lead}: --load {cfg.load} cannot continue its data order ({shown}); "
-                f"resume with {back} (or leave it out: the checkpoint's is taken){other}"
+                f"resume with {back} (or leave {'them' if len(changed) > 1 else 'it'} out: the "
+                f"checkpoint's is taken){other}"
             )
         raise UsageError(
             f"--load {cfg.load} cannot continue its data order: {shown}; resume "
@@ -360,9 +468,24 @@ def check_same_data(cfg, manifest: dict, fingerprints: list[str] | None) -> None
     )
 
 
+def _same_value(name: str, saved, given) -> bool:
+    """Whether a recorded setting and the given one are the same: --data by the files its
+    paths name (a relative path is the recorded absolute one), others by value."""
+    if name != "data":
+        return _shown(saved) == _shown(given)
+    try:
+        paths = [data_paths(saved), data_paths(given)]
+    except ValueError:
+        return _shown(saved) == _shown(given)
+    real = [[p and os.path.realpath(os.path.expanduser(str(p))) for p in ps] for ps in paths]
+    return real[0] == real[1]
+
+
 def _shown(data) -> str:
-    """A --data value as typed (a blend's items joined by spaces)."""
-    return data if isinstance(data, str) else " ".join(str(x) for x in data)
+    """A --data value as typed (a blend's items joined by spaces); another flag's value as text."""
+    if isinstance(data, (list, tuple)):
+        return " ".join(str(x) for x in data)
+    return str(data)
 
 
 def _check_same_blend_weights(cfg, trained) -> None:
