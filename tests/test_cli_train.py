@@ -299,10 +299,10 @@ def test_a_failing_rank_brings_the_run_down_naming_rank_and_step(tmp_path, text,
 
     real_step = TrainStep.step
 
-    def flaky_step(self, micro_batches, step_index):
+    def flaky_step(self, micro_batches, step_index, *rest):
         if dist.get_rank() == 3 and step_index == 1:
             raise RuntimeError("injected failure")
-        return real_step(self, micro_batches, step_index)
+        return real_step(self, micro_batches, step_index, *rest)
 
     monkeypatch.setattr(TrainStep, "step", flaky_step)
     start = time.monotonic()
