@@ -266,18 +266,27 @@ TRAIN = [
                             "newer steps there): add --save DIR or drop it"),
     # a flag this run would not read was ignored without a word
     (["--save-interval", "5"], "--save-interval 5 would be ignored: it is how often checkpoints "
-                               "go into --save, and no --save is given"),
+                               "go into --save, and no --save is given: give --save DIR too, or "
+                               "drop --save-interval"),
     (["--powersgd-rank", "8"], "--powersgd-rank 8 would be ignored: it is PowerSGD's rank"),
     (["--eval-steps", "3", "--eval-interval", "0"], "--eval-steps 3 would be ignored"),
     (["--eval-interval", "5", "--val-fraction", "0"], "--eval-interval 5 would be ignored"),
     (["--profile-dir", "prof"], "--profile-dir prof would be ignored: it is where the traces "
                                 "of --profile-steps go"),
+    # a rule with no setting to add ends in "; drop FLAG" (not ", or drop FLAG" after no choice)
     (["--data", "{prefix}", "--jsonl-key", "body"], "--jsonl-key body would be ignored: --data "
-                                                    "is tokenized data"),
+                                                    "is tokenized data, and --jsonl-key is for "
+                                                    "the raw text megapar-train tokenizes (.txt / "
+                                                    ".jsonl / .json / .parquet); drop --jsonl-key"),
     (["--data", "{text}", "--jsonl-key", "body"], "--jsonl-key body would be ignored: no --data "
-                                                  "input is .jsonl / .json / .parquet"),
+                                                  "input is .jsonl / .json / .parquet (a .txt "
+                                                  "file's text is all of it); drop --jsonl-key"),
     (["--data", "{prefix}", "--allow-invalid-utf8"], "error: --allow-invalid-utf8 would be "
-                                                     "ignored: --data is tokenized data"),
+                                                     "ignored: --data is tokenized data, and "
+                                                     "--allow-invalid-utf8 is for the raw text "
+                                                     "megapar-train tokenizes (.txt / .jsonl / "
+                                                     ".json / .parquet); drop "
+                                                     "--allow-invalid-utf8"),
     (["--adam-beta2", "0.99", "--optimizer", "sgd"],
      "--adam-beta2 0.99 would be ignored: --optimizer sgd has no Adam moments"),
     # mixture of experts

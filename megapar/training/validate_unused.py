@@ -19,35 +19,37 @@ def check_unused(cfg, given: set[str]) -> None:
         (
             "save_interval",
             bool(cfg.save) or cfg.dry_run or cfg.save_interval == 0,
-            "it is how often checkpoints go into --save, and no --save is given: give "
-            "--save DIR too",
+            "it is how often checkpoints go into --save, and no --save is given",
+            "give --save DIR too",
         ),
         (
             "powersgd_rank",
             cfg.grad_compression == "powersgd",
-            f"it is PowerSGD's rank, and --grad-compression is {cfg.grad_compression}: add "
-            f"--grad-compression powersgd",
+            f"it is PowerSGD's rank, and --grad-compression is {cfg.grad_compression}",
+            "add --grad-compression powersgd",
         ),
         (
             "eval_interval",
             cfg.val_fraction > 0 or cfg.eval_interval == 0,
-            "validation runs on the --val-fraction split, and --val-fraction 0 holds none "
-            "out: give --val-fraction > 0 (e.g. 0.05)",
+            "validation runs on the --val-fraction split, and --val-fraction 0 holds none out",
+            "give --val-fraction > 0 (e.g. 0.05)",
         ),
         (
             "eval_steps",
             cfg.eval_interval > 0 and cfg.val_fraction > 0,
             "it is how many batches a validation takes, and "
             + (
-                "--val-fraction 0 holds no validation split: give --val-fraction > 0"
+                "--val-fraction 0 holds no validation split"
                 if cfg.eval_interval
-                else "--eval-interval 0 turns validation off: give --eval-interval N"
+                else "--eval-interval 0 turns validation off"
             ),
+            "give --val-fraction > 0" if cfg.eval_interval else "give --eval-interval N",
         ),
         (
             "profile_dir",
             bool(cfg.profile_steps),
-            "it is where the traces of --profile-steps go: add --profile-steps A:B",
+            "it is where the traces of --profile-steps go",
+            "add --profile-steps A:B",
         ),
         *(
             (
@@ -55,6 +57,7 @@ def check_unused(cfg, given: set[str]) -> None:
                 not prepared,
                 f"--data is tokenized data, and {flag_of(name)} is for the raw text "
                 f"megapar-train tokenizes (.txt / .jsonl / .json / .parquet)",
+                None,
             )
             for name in ("jsonl_key", "allow_invalid_utf8")
         ),
@@ -62,17 +65,28 @@ def check_unused(cfg, given: set[str]) -> None:
             "jsonl_key",
             keyed,
             "no --data input is .jsonl / .json / .parquet (a .txt file's text is all of it)",
+            None,
         ),
         *(
-            (name, adam, f"--optimizer {cfg.optimizer} has no Adam moments: use --optimizer adamw")
+            (
+                name,
+                adam,
+                f"--optimizer {cfg.optimizer} has no Adam moments",
+                "use --optimizer adamw",
+            )
             for name in ("adam_beta1", "adam_beta2", "adam_eps")
         ),
     ]
-    for name, applies, why in rules:
+    for name, applies, why, fix in rules:
         if name in given and not applies:
             value = getattr(cfg, name)
             shown = flag_of(name) + ("" if isinstance(value, bool) else f" {value}")
-            raise UsageError(f"{shown} would be ignored: {why}, or drop {flag_of(name)}")
+            drop = f"drop {flag_of(name)}"
+            raise UsageError(
+                f"{shown} would be ignored: {why}: {fix}, or {drop}"
+                if fix
+                else f"{shown} would be ignored: {why}; {drop}"
+            )
 
 
 def _data_kinds(data) -> tuple[bool, bool]:
