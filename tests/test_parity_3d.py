@@ -17,8 +17,10 @@ from tp_utils import assert_close, gather_grads, rel_err, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
-from megapar.models import BertConfig, GPT2Config, LlamaConfig, set_sp_regather
+from megapar.models import (BertConfig, GPT2Config, LlamaConfig, set_loss_chunk_tokens,
+                            set_sp_regather)
 from megapar.optim import LRScheduler
+from megapar.models.stage import StageModel
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import unpad
 from megapar.training.step import BatchPlan
@@ -129,10 +131,11 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            sequence_parallel: bool = False, cp: int = 1, mbs: int = MBS,
            offload: bool = False,
            kind: str = "gpt2", regather: bool = False, loss_mean: str = "microbatch",
-           uneven: bool = False) -> dict:
+           uneven: bool = False, loss_chunk_tokens: int | None = None) -> dict:
     """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage
     (of every cp rank: they must agree). `uneven`: the TOKEN_STEPS `uneven_batches`, the host
-    syncs of the last step counted (`count_syncs`)."""
+    syncs of the last step counted (`count_syncs`). `loss_chunk_tokens`: the head's chunk
+    (`set_loss_chunk_tokens`; 0: the whole logits; None: the default)."""
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
@@ -148,6 +151,8 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
                         virtual_stages=chunks_per_rank(schedule, virtual_stages),
                         placement=placement_of(schedule))
     set_sp_regather(model, regather)
+    if loss_chunk_tokens is not None:
+        set_loss_chunk_tokens(model, loss_chunk_tokens)
     seq = SEQ // cp // tp if sequence_parallel else SEQ // cp
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq, CONFIG["n_embd"]),
                                 virtual_stages=virtual_stages)
@@ -183,9 +188,12 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     cut = [n for n, p in model.named_parameters()
            if 0 < sum(e - s for q, s, e in getattr(optimizer, "_piece_of", []) if q is p)
            < p.numel()]
+    grads_in_forward = [c.loss_grads_in_forward for c in model.modules()  # the head's mode
+                        if isinstance(c, StageModel) and c.post_process]
     host = optimizer.host  # --offload-optimizer: were the masters host copies of the pieces?
-    return {"layout": (tp, pp, dp, zero, schedule, order, cp, kind, regather, mbs, loss_mean),
-            "results": results, "syncs": syncs,
+    return {"layout": (tp, pp, dp, zero, schedule, order, cp, kind, regather, mbs, loss_mean,
+                       loss_chunk_tokens),
+            "results": results, "syncs": syncs, "grads_in_forward": grads_in_forward,
             "weights": weights if keep else {}, "grads": full_grads if keep else {}, "cut": cut,
             "refreshed": host.refreshed if host is not None else 0,
             "host_copies": host is not None and host.copies and all(
@@ -197,9 +205,11 @@ def _worker(runs: list[tuple]) -> list[dict]:
     return [_train(*run) for run in runs]
 
 
-def _token_worker(runs: list[tuple[tuple, str]]) -> list[dict]:
-    """(layout arguments of `_train`, loss_mean) runs on `uneven_batches`."""
-    return [_train(*run, loss_mean=mean, uneven=True) for run, mean in runs]
+def _token_worker(runs: list[tuple]) -> list[dict]:
+    """(layout arguments of `_train`, loss_mean[, loss_chunk_tokens]) runs on
+    `uneven_batches`."""
+    return [_train(*run[0], loss_mean=run[1], uneven=True,
+                   loss_chunk_tokens=run[2] if len(run) > 2 else None) for run in runs]
 
 
 @pytest.fixture(scope="module")
@@ -344,13 +354,20 @@ def test_token_mean_equals_one_forward_at_any_micro_batch_size(token_reference):
     > 1 % at micro-batches of 1 and 2 (at 8, one micro-batch, it is the same mean)."""
     runs = [((1, 1, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 1, mbs), mean)
             for mean in ("token", "microbatch") for mbs in (1, 2, 4, 8)]
+    # the head's two other paths at tp 1: the whole logits (F.cross_entropy's per-token loss,
+    # loss_chunk_tokens=0) and 3-token chunks whose gradients are made in the forward
+    runs += [((1, 1, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 1, 1), "token", chunk)
+             for chunk in (0, 3)]
     outs = run_local(_token_worker, 1, runs)[0]
-    for token, micro in zip(outs[:4], outs[4:]):
+    for token, micro in zip(outs[:4], outs[4:8]):
         check_against(token_reference, [token])
         assert token["syncs"] == micro["syncs"], (token["layout"], token["syncs"], micro["syncs"])
     for micro in outs[4:6]:
         check_differs(token_reference, [micro])
     check_against(token_reference, [outs[7]])
+    for out in outs[8:]:
+        check_against(token_reference, [out])
+        assert out["grads_in_forward"] == [True], out["layout"]
 
 
 def test_token_mean_equals_one_forward_over_ranks(token_reference):
@@ -362,10 +379,16 @@ def test_token_mean_equals_one_forward_over_ranks(token_reference):
     path. (With loss_mean="microbatch" each of these runs misses it by > 1 % at every step.)"""
     runs = [((1, 2, 2, 0), "token"),
             ((2, 2, 1, 0, "fp32", "zb-v"), "token"),
-            ((1, 1, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", False, 2), "token")]
+            ((1, 1, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", False, 2), "token"),
+            # GPipe: both losses in flight, their gradients recomputed in the backward
+            ((1, 2, 2, 0, "fp32", "gpipe", 1, "tp-pp-dp", False, 1, 1), "token", 3),
+            # the whole logits through the vocab-parallel cross-entropy
+            ((2, 2, 1, 0), "token", 0)]
     outs = run_local(_token_worker, 4, runs)
-    for i in range(3):
+    for i in range(len(runs)):
         check_against(token_reference, [o[i] for o in outs])
+    last_stage = [o[3]["grads_in_forward"] for o in outs if o[3]["grads_in_forward"]]
+    assert last_stage == [[False], [False]], last_stage  # GPipe: the backward recomputes
     for rank, o in enumerate(outs):
         for run in o:
             inside = [where for _, where in run["syncs"] if where.startswith(PER_MICRO_BATCH)]
