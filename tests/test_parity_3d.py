@@ -131,15 +131,18 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            sequence_parallel: bool = False, cp: int = 1, mbs: int = MBS,
            offload: bool = False,
            kind: str = "gpt2", regather: bool = False, loss_mean: str = "microbatch",
-           uneven: bool = False, loss_chunk_tokens: int | None = None) -> dict:
+           uneven: bool = False, loss_chunk_tokens: int | None = None,
+           loss_scale: float | None = None) -> dict:
     """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage
     (of every cp rank: they must agree). `uneven`: the TOKEN_STEPS `uneven_batches`, the host
     syncs of the last step counted (`count_syncs`). `loss_chunk_tokens`: the head's chunk
-    (`set_loss_chunk_tokens`; 0: the whole logits; None: the default)."""
+    (`set_loss_chunk_tokens`; 0: the whole logits; None: the default). `loss_scale`: fp16's
+    dynamic loss scaling from this scale, on fp32 compute (no autocast: exact to compare)."""
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
     from megapar.optim import Precision, build_optimizer
+    from megapar.optim.precision import DynamicLossScaler
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.pipeline.schedules import chunks_per_rank, placement_of
     from megapar.tensor_parallel.partition import gather_full
@@ -160,7 +163,11 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
         raise TypeError(f"_train(offload={offload!r}, kind={kind!r}): arguments out of place")
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, offload=offload)
     grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp * cp > 1 else None
-    step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision(precision, mesh.device),
+    numerics = Precision(precision, mesh.device)
+    if loss_scale is not None:
+        numerics = Precision("fp16", mesh.device, DynamicLossScaler(init_scale=loss_scale))
+        numerics.autocast = nullcontext
+    step = TrainStep(model, mesh, executor, optimizer, scheduler(), numerics,
                      MAX_NORM, grad_sync, loss_mean)
     full_grads = {}
     optimizer_step = optimizer.step
@@ -192,7 +199,7 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
                         if isinstance(c, StageModel) and c.post_process]
     host = optimizer.host  # --offload-optimizer: were the masters host copies of the pieces?
     return {"layout": (tp, pp, dp, zero, schedule, order, cp, kind, regather, mbs, loss_mean,
-                       loss_chunk_tokens),
+                       loss_chunk_tokens, loss_scale),
             "results": results, "syncs": syncs, "grads_in_forward": grads_in_forward,
             "weights": weights if keep else {}, "grads": full_grads if keep else {}, "cut": cut,
             "refreshed": host.refreshed if host is not None else 0,
@@ -206,10 +213,11 @@ def _worker(runs: list[tuple]) -> list[dict]:
 
 
 def _token_worker(runs: list[tuple]) -> list[dict]:
-    """(layout arguments of `_train`, loss_mean[, loss_chunk_tokens]) runs on
+    """(layout arguments of `_train`, loss_mean[, loss_chunk_tokens[, loss_scale]]) runs on
     `uneven_batches`."""
     return [_train(*run[0], loss_mean=run[1], uneven=True,
-                   loss_chunk_tokens=run[2] if len(run) > 2 else None) for run in runs]
+                   loss_chunk_tokens=run[2] if len(run) > 2 else None,
+                   loss_scale=run[3] if len(run) > 3 else None) for run in runs]
 
 
 @pytest.fixture(scope="module")
@@ -351,13 +359,17 @@ def test_token_mean_equals_one_forward_at_any_micro_batch_size(token_reference):
     F.cross_entropy(ignore_index=-100, reduction="mean") (`uneven_batches`): losses, grad norms
     (clipping active), first-step gradients and final weights, fp32 < 1e-5; its step makes
     the host syncs of the micro-batch mean's at every m. The micro-batch mean misses it by
-    > 1 % at micro-batches of 1 and 2 (at 8, one micro-batch, it is the same mean)."""
+    > 1 % at micro-batches of 1 and 2 (at 8, one micro-batch, it is the same mean). So do the
+    head's whole-logits path and its chunks with gradients made in the forward, and fp16's
+    loss scaling (on fp32 compute); a step it overflows stays skipped."""
     runs = [((1, 1, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 1, mbs), mean)
             for mean in ("token", "microbatch") for mbs in (1, 2, 4, 8)]
     # the head's two other paths at tp 1: the whole logits (F.cross_entropy's per-token loss,
     # loss_chunk_tokens=0) and 3-token chunks whose gradients are made in the forward
     runs += [((1, 1, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 1, 1), "token", chunk)
              for chunk in (0, 3)]
+    runs += [((1, 1, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 1, 2), "token", None, scale)
+             for scale in (2.0**16, 2.0**160)]
     outs = run_local(_token_worker, 1, runs)[0]
     for token, micro in zip(outs[:4], outs[4:8]):
         check_against(token_reference, [token])
@@ -365,9 +377,21 @@ def test_token_mean_equals_one_forward_at_any_micro_batch_size(token_reference):
     for micro in outs[4:6]:
         check_differs(token_reference, [micro])
     check_against(token_reference, [outs[7]])
-    for out in outs[8:]:
+    for out in outs[8:10]:
         check_against(token_reference, [out])
         assert out["grads_in_forward"] == [True], out["layout"]
+    # fp16's loss scale on fp32 compute: 2^16 multiplies the weighted loss and is divided out
+    # exactly; at 2^160 every step overflows and is skipped (weights as built, scale halved)
+    check_against(token_reference, [outs[10]])
+    assert [r.loss_scale for r in outs[10]["results"]] == [2.0**16] * TOKEN_STEPS
+    overflowed = outs[11]["results"]
+    assert all(r.skipped and r.grad_norm == float("inf") for r in overflowed), overflowed
+    assert [r.loss_scale for r in overflowed] == [2.0**160, 2.0**159, 2.0**158]
+    assert_close(torch.tensor(overflowed[0].loss), torch.tensor(token_reference["losses"][0]),
+                 what="the overflowed first step's loss")
+    built = build_stage(config(), Mesh(Layout()), SEED)
+    for name, p in built.named_parameters():
+        assert torch.equal(outs[11]["weights"][name], unpad(p.detach(), p.tp_dim, p.full_shape)), name
 
 
 def test_token_mean_equals_one_forward_over_ranks(token_reference):
