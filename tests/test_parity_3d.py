@@ -463,3 +463,82 @@ def test_zero2_parity_v_schedules(reference):
                                   (1, 2, 2, 2, "fp32", "zb-v", 1, "tp-pp-dp", False, 1, 1)])
     for i in range(2):
         check_against(reference, [o[i] for o in outs])
+
+
+MLM_SEQ, MLM_EVAL_STEPS = 32, 2
+MLM_BERT = dict(OTHER["bert"], vocab_size=1004, max_position_embeddings=MLM_SEQ)
+"""A tiny BERT over the shipped sentencepiece vocabulary (1,000 pieces and 4 specials)."""
+
+
+@pytest.fixture(scope="module")
+def mlm_prefix(tmp_path_factory):
+    """The shipped text sample tokenized for BERT MLM (sentencepiece)."""
+    from megapar.data import asset_path, ensure_dataset
+
+    return ensure_dataset(asset_path("shakespeare_sample.txt"), "sentencepiece",
+                          str(tmp_path_factory.mktemp("mlm")))
+
+
+def _mlm_setup(prefix: str, loss_mean: str, mbs: int = 1):
+    """megapar-train's settings and validation split (BERT MLM samples: 15 % of each sample's
+    tokens labelled, samples of different lengths) for the `Trainer.evaluate` checks."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import build_datasets
+
+    cfg = TrainConfig(seq_len=MLM_SEQ, micro_batch_size=mbs, global_batch_size=G,
+                      eval_steps=MLM_EVAL_STEPS, loss_mean=loss_mean)
+    return cfg, build_datasets(cfg, prefix, "bert")[1]
+
+
+def _evaluate(prefix: str, pp: int, dp: int) -> dict[str, float]:
+    """megapar-train's validation loss (`Trainer.evaluate`, its code on a trainer holding only
+    what it reads) of the BERT over `mlm_prefix` at pp x dp, micro-batches of 1, per
+    --loss-mean."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megapar.optim import Precision
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.tensor_parallel import LOSS_MEANS
+    from megapar.training.loop import Trainer
+
+    mesh = Mesh(Layout(1, pp, dp), dist.get_rank())
+    model = build_stage(BertConfig(**MLM_BERT), mesh, SEED)
+    executor = PipelineExecutor(model, mesh, "1f1b", (1, MLM_SEQ, MLM_BERT["hidden_size"]))
+    out = {}
+    for mean in LOSS_MEANS:
+        cfg, val = _mlm_setup(prefix, mean)
+        trainer = SimpleNamespace(cfg=cfg, val_ds=val, mesh=mesh, model=model,
+                                  executor=executor, precision=Precision("fp32", mesh.device))
+        out[mean] = Trainer.evaluate(trainer)
+    return out
+
+
+def test_token_mean_validation_loss_is_one_forward_of_each_batch(mlm_prefix):
+    """megapar-train's validation loss under --loss-mean token (`Trainer.evaluate`) on BERT
+    MLM data (megapar-train's GPT-2 data has no -100 label; here each sample's 15 % masked
+    tokens are labelled) at pp 2 x dp 2, micro-batches of 1: the mean over the --eval-steps
+    global batches of ONE forward of each with F.cross_entropy(ignore_index=-100,
+    reduction="mean"), fp32 < 1e-5; the micro-batch mean misses it by > 1e-4 (1.2e-3: at
+    initialisation every token's loss is near ln 1004, so the means differ little)."""
+    from megapar.data import GlobalBatchSampler, collate
+
+    cfg, val = _mlm_setup(mlm_prefix, "token", mbs=G)
+    sampler = GlobalBatchSampler(len(val), G, G, 1, 0, cfg.seed, shuffle=False)
+    model, losses, counts = build_stage(BertConfig(**MLM_BERT), Mesh(Layout()), SEED).eval(), [], []
+    for step, (indices,) in zip(range(MLM_EVAL_STEPS), sampler):
+        batch = collate([val[i] for i in indices])
+        labels = batch.pop("labels")
+        with torch.no_grad():
+            logits = model(None, batch)[..., :MLM_BERT["vocab_size"]]
+        losses.append(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100).item())
+        counts.append((labels != -100).sum(dim=1).tolist())
+    reference = sum(losses) / len(losses)
+    assert all(len(set(c)) > 1 for c in counts), counts  # uneven labelled tokens per sample
+    for rank, out in enumerate(run_local(_evaluate, 4, mlm_prefix, 2, 2)):
+        assert_close(torch.tensor(out["token"]), torch.tensor(reference),
+                     what=f"rank {rank}: the token-mean val_loss")
+        micro = torch.tensor(out["microbatch"])
+        assert rel_err(micro, torch.tensor(reference)) > 1e-4, (rank, out, reference)
