@@ -527,7 +527,7 @@ def test_token_mean_validation_loss_is_one_forward_of_each_batch(mlm_prefix):
     cfg, val = _mlm_setup(mlm_prefix, "token", mbs=G)
     sampler = GlobalBatchSampler(len(val), G, G, 1, 0, cfg.seed, shuffle=False)
     model, losses, counts = build_stage(BertConfig(**MLM_BERT), Mesh(Layout()), SEED).eval(), [], []
-    for step, (indices,) in zip(range(MLM_EVAL_STEPS), sampler):
+    for _, (indices,) in zip(range(MLM_EVAL_STEPS), sampler):
         batch = collate([val[i] for i in indices])
         labels = batch.pop("labels")
         with torch.no_grad():
