@@ -398,16 +398,20 @@ def test_token_mean_equals_one_forward_over_ranks(token_reference):
     """--loss-mean token at pp 2 x dp 2 (dp rank 0's second micro-batch has no labelled
     token; the count all-reduced over dp reaches the last stage's loss), tp 2 x pp 2 under
     ZB-V (vocab-parallel cross-entropy, the loss on pp rank 0, split backwards) and cp 2 x dp 2
-    with ZeRO-2 (the loss summed over the cp group, reduce-scattered gradients) equals one
-    forward of the global batch as above, and its step makes no host sync on the micro-batch
-    path. (With loss_mean="microbatch" each of these runs misses it by > 1 % at every step.)"""
+    with ZeRO-2 (the loss summed over the cp group, reduce-scattered gradients), GPipe at
+    pp 2 x dp 2 (losses in flight: their gradients recomputed in the backward), the whole
+    logits at tp 2 x pp 2 and 3-token chunks at tp 2 x dp 2 equals one forward of the global
+    batch as above, and its step makes no host sync on the micro-batch path. (With
+    loss_mean="microbatch" each of these runs misses it by > 1 % at every step.)"""
     runs = [((1, 2, 2, 0), "token"),
             ((2, 2, 1, 0, "fp32", "zb-v"), "token"),
             ((1, 1, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", False, 2), "token"),
             # GPipe: both losses in flight, their gradients recomputed in the backward
             ((1, 2, 2, 0, "fp32", "gpipe", 1, "tp-pp-dp", False, 1, 1), "token", 3),
-            # the whole logits through the vocab-parallel cross-entropy
-            ((2, 2, 1, 0), "token", 0)]
+            # the whole logits through the vocab-parallel cross-entropy, and 3-token chunks of
+            # it (at tp 2 the backward recomputes each chunk's logits)
+            ((2, 2, 1, 0), "token", 0),
+            ((2, 1, 2, 0), "token", 3)]
     outs = run_local(_token_worker, 4, runs)
     for i in range(len(runs)):
         check_against(token_reference, [o[i] for o in outs])
