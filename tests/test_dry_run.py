@@ -616,11 +616,13 @@ def test_dry_run_of_zero_3_with_both_offloads_is_the_real_code_and_equals_the_pl
     assert not r.modelled and r.weights == 0 and r.host > r.optimizer, r
 
 
-def test_dry_run_reports_the_zero_stage_offload_and_host_bytes(capsys):
+def test_dry_run_reports_the_zero_stage_offload_loss_mean_and_host_bytes(capsys):
     rc, out, err = _train(["--model", "gpt2-tiny", "--dp", "2", "--world-size", "2",
-                           "--dry-run", "--zero", "1", "--offload-optimizer"], capsys)
+                           "--dry-run", "--zero", "1", "--offload-optimizer",
+                           "--loss-mean", "token"], capsys)
     assert rc == 0, err
     assert "ZeRO-1, offload: optimizer" in out and "host copies" in out
+    assert ", --loss-mean token" in out.splitlines()[0]
     assert out.count("memory besides activations: device ") == 2
     assert sample_ranks(Layout(8, 16, 8), zero=3) == sample_ranks(Layout(8, 16, 8), zero=1)
 

@@ -129,3 +129,47 @@ def test_the_location_holds_for_schedules_and_modes(run, options):
     tp = 1 if options.get("tp", 1) == 2 else 0  # at cp 2 every cp rank holds the inf: rank 0
     pp = 0 if "virtual_stages" in options else 1  # interleaved: blocks 0, 1, 2, 3 on pp 0, 1, 0, 1
     _check(outcomes, layout, "forward: output of transformer.h.2.mlp.c_fc, micro-batch 0", tp, pp)
+
+
+
+def _token_rerun(pp):
+    """--loss-mean token at `pp`, labels unevenly -100 (rows 2 and 3 wholly: one micro-batch
+    has none): a good step, then one whose block-1 c_fc weight gradient is poisoned on pp
+    stage 0. Every executor loss of the failed step and its re-run, the micro-batch mean of
+    that step's batch, and the error."""
+    engine = megapar.prepare(_model("gpt2"), pp=pp, micro_batch_size=2, lr=1e-3,
+                             loss_mean="token")
+    batch = _batch("gpt2")
+    batch["labels"][torch.arange(SEQ)[None, :] < torch.arange(G)[:, None] * 2] = -100
+    batch["labels"][2:4] = -100
+    engine.train_step(batch)
+    executor, losses = engine.executor_for(SEQ), []
+    run_pipeline = executor.run
+
+    def recorded(*args, **kwargs):
+        losses.append(run_pipeline(*args, **kwargs).detach().clone())
+        return losses[-1]
+
+    executor.run = recorded
+    if engine.mesh.pp_rank == 0:
+        dict(engine.model.named_parameters())["layers.1.mlp.fc.weight"].register_hook(
+            lambda g: g * float("nan"))
+    try:
+        engine.train_step(batch)
+        message = "no error"
+    except megapar.faults.stop.NonFiniteError as exc:
+        message = str(exc)
+    with torch.no_grad():
+        micro_mean = run_pipeline(engine.split(batch), forward_only=True)
+    return losses, micro_mean, message
+
+
+def test_the_re_run_reproduces_the_token_mean_steps_loss(run):
+    """--loss-mean token: the re-run weighs its micro-batches' losses with the failed step's
+    weight (`KeptStep.loss_weight`), so its loss is the step's, bit for bit, on every rank;
+    the micro-batch mean's is another number here."""
+    _model("gpt2")  # transformers' GPT-2 imported here, once, not in each forked rank
+    for losses, micro_mean, message in run(_token_rerun, 1, 1):
+        assert "backward: weight gradient of transformer.h.1.mlp.c_fc" in message, message
+        assert len(losses) == 2 and torch.equal(losses[0], losses[1]), losses
+        assert abs(losses[0] / micro_mean - 1) > 1e-2, (losses, micro_mean)

@@ -17,8 +17,10 @@ from tp_utils import assert_close, gather_grads, rel_err, to_device
 
 from megapar.launcher import run_local
 from megapar.mesh import Layout, Mesh
-from megapar.models import BertConfig, GPT2Config, LlamaConfig, set_sp_regather
+from megapar.models import (BertConfig, GPT2Config, LlamaConfig, set_loss_chunk_tokens,
+                            set_sp_regather)
 from megapar.optim import LRScheduler
+from megapar.models.stage import StageModel
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import unpad
 from megapar.training.step import BatchPlan
@@ -129,14 +131,18 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
            sequence_parallel: bool = False, cp: int = 1, mbs: int = MBS,
            offload: bool = False,
            kind: str = "gpt2", regather: bool = False, loss_mean: str = "microbatch",
-           uneven: bool = False) -> dict:
+           uneven: bool = False, loss_chunk_tokens: int | None = None,
+           loss_scale: float | None = None) -> dict:
     """One layout on this rank: 5 steps; full weights from dp rank 0 / tp rank 0 of each stage
     (of every cp rank: they must agree). `uneven`: the TOKEN_STEPS `uneven_batches`, the host
-    syncs of the last step counted (`count_syncs`)."""
+    syncs of the last step counted (`count_syncs`). `loss_chunk_tokens`: the head's chunk
+    (`set_loss_chunk_tokens`; 0: the whole logits; None: the default). `loss_scale`: fp16's
+    dynamic loss scaling from this scale, on fp32 compute (no autocast: exact to compare)."""
     import torch.distributed as dist
 
     from megapar.data_parallel import build_grad_sync
     from megapar.optim import Precision, build_optimizer
+    from megapar.optim.precision import DynamicLossScaler
     from megapar.pipeline.executor import PipelineExecutor
     from megapar.pipeline.schedules import chunks_per_rank, placement_of
     from megapar.tensor_parallel.partition import gather_full
@@ -148,6 +154,8 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
                         virtual_stages=chunks_per_rank(schedule, virtual_stages),
                         placement=placement_of(schedule))
     set_sp_regather(model, regather)
+    if loss_chunk_tokens is not None:
+        set_loss_chunk_tokens(model, loss_chunk_tokens)
     seq = SEQ // cp // tp if sequence_parallel else SEQ // cp
     executor = PipelineExecutor(model, mesh, schedule, (mbs, seq, CONFIG["n_embd"]),
                                 virtual_stages=virtual_stages)
@@ -155,7 +163,11 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
         raise TypeError(f"_train(offload={offload!r}, kind={kind!r}): arguments out of place")
     optimizer = build_optimizer(model, mesh, LR, WD, eps=EPS, zero=zero, offload=offload)
     grad_sync = build_grad_sync(model, mesh, zero, bucket_mb=0.02) if dp * cp > 1 else None
-    step = TrainStep(model, mesh, executor, optimizer, scheduler(), Precision(precision, mesh.device),
+    numerics = Precision(precision, mesh.device)
+    if loss_scale is not None:
+        numerics = Precision("fp16", mesh.device, DynamicLossScaler(init_scale=loss_scale))
+        numerics.autocast = nullcontext
+    step = TrainStep(model, mesh, executor, optimizer, scheduler(), numerics,
                      MAX_NORM, grad_sync, loss_mean)
     full_grads = {}
     optimizer_step = optimizer.step
@@ -183,9 +195,12 @@ def _train(tp: int, pp: int, dp: int, zero: int, precision: str = "fp32",
     cut = [n for n, p in model.named_parameters()
            if 0 < sum(e - s for q, s, e in getattr(optimizer, "_piece_of", []) if q is p)
            < p.numel()]
+    grads_in_forward = [c.loss_grads_in_forward for c in model.modules()  # the head's mode
+                        if isinstance(c, StageModel) and c.post_process]
     host = optimizer.host  # --offload-optimizer: were the masters host copies of the pieces?
-    return {"layout": (tp, pp, dp, zero, schedule, order, cp, kind, regather, mbs, loss_mean),
-            "results": results, "syncs": syncs,
+    return {"layout": (tp, pp, dp, zero, schedule, order, cp, kind, regather, mbs, loss_mean,
+                       loss_chunk_tokens, loss_scale),
+            "results": results, "syncs": syncs, "grads_in_forward": grads_in_forward,
             "weights": weights if keep else {}, "grads": full_grads if keep else {}, "cut": cut,
             "refreshed": host.refreshed if host is not None else 0,
             "host_copies": host is not None and host.copies and all(
@@ -197,9 +212,12 @@ def _worker(runs: list[tuple]) -> list[dict]:
     return [_train(*run) for run in runs]
 
 
-def _token_worker(runs: list[tuple[tuple, str]]) -> list[dict]:
-    """(layout arguments of `_train`, loss_mean) runs on `uneven_batches`."""
-    return [_train(*run, loss_mean=mean, uneven=True) for run, mean in runs]
+def _token_worker(runs: list[tuple]) -> list[dict]:
+    """(layout arguments of `_train`, loss_mean[, loss_chunk_tokens[, loss_scale]]) runs on
+    `uneven_batches`."""
+    return [_train(*run[0], loss_mean=run[1], uneven=True,
+                   loss_chunk_tokens=run[2] if len(run) > 2 else None,
+                   loss_scale=run[3] if len(run) > 3 else None) for run in runs]
 
 
 @pytest.fixture(scope="module")
@@ -341,31 +359,64 @@ def test_token_mean_equals_one_forward_at_any_micro_batch_size(token_reference):
     F.cross_entropy(ignore_index=-100, reduction="mean") (`uneven_batches`): losses, grad norms
     (clipping active), first-step gradients and final weights, fp32 < 1e-5; its step makes
     the host syncs of the micro-batch mean's at every m. The micro-batch mean misses it by
-    > 1 % at micro-batches of 1 and 2 (at 8, one micro-batch, it is the same mean)."""
+    > 1 % at micro-batches of 1 and 2 (at 8, one micro-batch, it is the same mean). So do the
+    head's whole-logits path and its chunks with gradients made in the forward, and fp16's
+    loss scaling (on fp32 compute); a step it overflows stays skipped."""
     runs = [((1, 1, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 1, mbs), mean)
             for mean in ("token", "microbatch") for mbs in (1, 2, 4, 8)]
+    # the head's two other paths at tp 1: the whole logits (F.cross_entropy's per-token loss,
+    # loss_chunk_tokens=0) and 3-token chunks whose gradients are made in the forward
+    runs += [((1, 1, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 1, 1), "token", chunk)
+             for chunk in (0, 3)]
+    runs += [((1, 1, 1, 0, "fp32", "1f1b", 1, "tp-pp-dp", False, 1, 2), "token", None, scale)
+             for scale in (2.0**16, 2.0**160)]
     outs = run_local(_token_worker, 1, runs)[0]
-    for token, micro in zip(outs[:4], outs[4:]):
+    for token, micro in zip(outs[:4], outs[4:8]):
         check_against(token_reference, [token])
         assert token["syncs"] == micro["syncs"], (token["layout"], token["syncs"], micro["syncs"])
     for micro in outs[4:6]:
         check_differs(token_reference, [micro])
     check_against(token_reference, [outs[7]])
+    for out in outs[8:10]:
+        check_against(token_reference, [out])
+        assert out["grads_in_forward"] == [True], out["layout"]
+    # fp16's loss scale on fp32 compute: 2^16 multiplies the weighted loss and is divided out
+    # exactly; at 2^160 every step overflows and is skipped (weights as built, scale halved)
+    check_against(token_reference, [outs[10]])
+    assert [r.loss_scale for r in outs[10]["results"]] == [2.0**16] * TOKEN_STEPS
+    overflowed = outs[11]["results"]
+    assert all(r.skipped and r.grad_norm == float("inf") for r in overflowed), overflowed
+    assert [r.loss_scale for r in overflowed] == [2.0**160, 2.0**159, 2.0**158]
+    assert_close(torch.tensor(overflowed[0].loss), torch.tensor(token_reference["losses"][0]),
+                 what="the overflowed first step's loss")
+    built = build_stage(config(), Mesh(Layout()), SEED)
+    for name, p in built.named_parameters():
+        assert torch.equal(outs[11]["weights"][name], unpad(p.detach(), p.tp_dim, p.full_shape)), name
 
 
 def test_token_mean_equals_one_forward_over_ranks(token_reference):
     """--loss-mean token at pp 2 x dp 2 (dp rank 0's second micro-batch has no labelled
     token; the count all-reduced over dp reaches the last stage's loss), tp 2 x pp 2 under
     ZB-V (vocab-parallel cross-entropy, the loss on pp rank 0, split backwards) and cp 2 x dp 2
-    with ZeRO-2 (the loss summed over the cp group, reduce-scattered gradients) equals one
-    forward of the global batch as above, and its step makes no host sync on the micro-batch
-    path. (With loss_mean="microbatch" each of these runs misses it by > 1 % at every step.)"""
+    with ZeRO-2 (the loss summed over the cp group, reduce-scattered gradients), GPipe at
+    pp 2 x dp 2 (losses in flight: their gradients recomputed in the backward), the whole
+    logits at tp 2 x pp 2 and 3-token chunks at tp 2 x dp 2 equals one forward of the global
+    batch as above, and its step makes no host sync on the micro-batch path. (With
+    loss_mean="microbatch" each of these runs misses it by > 1 % at every step.)"""
     runs = [((1, 2, 2, 0), "token"),
             ((2, 2, 1, 0, "fp32", "zb-v"), "token"),
-            ((1, 1, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", False, 2), "token")]
+            ((1, 1, 2, 2, "fp32", "1f1b", 1, "tp-pp-dp", False, 2), "token"),
+            # GPipe: both losses in flight, their gradients recomputed in the backward
+            ((1, 2, 2, 0, "fp32", "gpipe", 1, "tp-pp-dp", False, 1, 1), "token", 3),
+            # the whole logits through the vocab-parallel cross-entropy, and 3-token chunks of
+            # it (at tp 2 the backward recomputes each chunk's logits)
+            ((2, 2, 1, 0), "token", 0),
+            ((2, 1, 2, 0), "token", 3)]
     outs = run_local(_token_worker, 4, runs)
-    for i in range(3):
+    for i in range(len(runs)):
         check_against(token_reference, [o[i] for o in outs])
+    last_stage = [o[3]["grads_in_forward"] for o in outs if o[3]["grads_in_forward"]]
+    assert last_stage == [[False], [False]], last_stage  # GPipe: the backward recomputes
     for rank, o in enumerate(outs):
         for run in o:
             inside = [where for _, where in run["syncs"] if where.startswith(PER_MICRO_BATCH)]
@@ -416,3 +467,82 @@ def test_zero2_parity_v_schedules(reference):
                                   (1, 2, 2, 2, "fp32", "zb-v", 1, "tp-pp-dp", False, 1, 1)])
     for i in range(2):
         check_against(reference, [o[i] for o in outs])
+
+
+MLM_SEQ, MLM_EVAL_STEPS = 32, 2
+MLM_BERT = dict(OTHER["bert"], vocab_size=1004, max_position_embeddings=MLM_SEQ)
+"""A tiny BERT over the shipped sentencepiece vocabulary (1,000 pieces and 4 specials)."""
+
+
+@pytest.fixture(scope="module")
+def mlm_prefix(tmp_path_factory):
+    """The shipped text sample tokenized for BERT MLM (sentencepiece)."""
+    from megapar.data import asset_path, ensure_dataset
+
+    return ensure_dataset(asset_path("shakespeare_sample.txt"), "sentencepiece",
+                          str(tmp_path_factory.mktemp("mlm")))
+
+
+def _mlm_setup(prefix: str, loss_mean: str, mbs: int = 1):
+    """megapar-train's settings and validation split (BERT MLM samples: 15 % of each sample's
+    tokens labelled, samples of different lengths) for the `Trainer.evaluate` checks."""
+    from megapar.training.config import TrainConfig
+    from megapar.training.data import build_datasets
+
+    cfg = TrainConfig(seq_len=MLM_SEQ, micro_batch_size=mbs, global_batch_size=G,
+                      eval_steps=MLM_EVAL_STEPS, loss_mean=loss_mean)
+    return cfg, build_datasets(cfg, prefix, "bert")[1]
+
+
+def _evaluate(prefix: str, pp: int, dp: int) -> dict[str, float]:
+    """megapar-train's validation loss (`Trainer.evaluate`, its code on a trainer holding only
+    what it reads) of the BERT over `mlm_prefix` at pp x dp, micro-batches of 1, per
+    --loss-mean."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megapar.optim import Precision
+    from megapar.pipeline.executor import PipelineExecutor
+    from megapar.tensor_parallel import LOSS_MEANS
+    from megapar.training.loop import Trainer
+
+    mesh = Mesh(Layout(1, pp, dp), dist.get_rank())
+    model = build_stage(BertConfig(**MLM_BERT), mesh, SEED)
+    executor = PipelineExecutor(model, mesh, "1f1b", (1, MLM_SEQ, MLM_BERT["hidden_size"]))
+    out = {}
+    for mean in LOSS_MEANS:
+        cfg, val = _mlm_setup(prefix, mean)
+        trainer = SimpleNamespace(cfg=cfg, val_ds=val, mesh=mesh, model=model,
+                                  executor=executor, precision=Precision("fp32", mesh.device))
+        out[mean] = Trainer.evaluate(trainer)
+    return out
+
+
+def test_token_mean_validation_loss_is_one_forward_of_each_batch(mlm_prefix):
+    """megapar-train's validation loss under --loss-mean token (`Trainer.evaluate`) on BERT
+    MLM data (megapar-train's GPT-2 data has no -100 label; here each sample's 15 % masked
+    tokens are labelled) at pp 2 x dp 2, micro-batches of 1: the mean over the --eval-steps
+    global batches of ONE forward of each with F.cross_entropy(ignore_index=-100,
+    reduction="mean"), fp32 < 1e-5; the micro-batch mean misses it by > 1e-4 (1.2e-3: at
+    initialisation every token's loss is near ln 1004, so the means differ little)."""
+    from megapar.data import GlobalBatchSampler, collate
+
+    cfg, val = _mlm_setup(mlm_prefix, "token", mbs=G)
+    sampler = GlobalBatchSampler(len(val), G, G, 1, 0, cfg.seed, shuffle=False)
+    model, losses, counts = build_stage(BertConfig(**MLM_BERT), Mesh(Layout()), SEED).eval(), [], []
+    for _, (indices,) in zip(range(MLM_EVAL_STEPS), sampler):
+        batch = collate([val[i] for i in indices])
+        labels = batch.pop("labels")
+        with torch.no_grad():
+            logits = model(None, batch)[..., :MLM_BERT["vocab_size"]]
+        losses.append(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100).item())
+        counts.append((labels != -100).sum(dim=1).tolist())
+    reference = sum(losses) / len(losses)
+    assert all(len(set(c)) > 1 for c in counts), counts  # uneven labelled tokens per sample
+    for rank, out in enumerate(run_local(_evaluate, 4, mlm_prefix, 2, 2)):
+        assert_close(torch.tensor(out["token"]), torch.tensor(reference),
+                     what=f"rank {rank}: the token-mean val_loss")
+        micro = torch.tensor(out["microbatch"])
+        assert rel_err(micro, torch.tensor(reference)) > 1e-4, (rank, out, reference)

@@ -43,6 +43,7 @@ def describe_job(cfg, config, layout, gpus_per_node: int, n_params: int, ranks: 
         + (["sequence parallel"] if cfg.sequence_parallel and layout.tp > 1 else [])
         + (["--sp-regather"] if cfg.sp_regather and cfg.sequence_parallel and layout.tp > 1 else [])
         + (["--compile (rehearsed with the blocks eager)"] if cfg.compile else [])
+        + (["--loss-mean token"] if cfg.loss_mean == "token" else [])
     )
     return (
         f"megapar-train --dry-run: {config.model_type} with {n_params:,} parameters on "
