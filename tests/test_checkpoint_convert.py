@@ -126,7 +126,12 @@ def test_cli_usage_errors(tmp_path, capsys):
     # an option the mode does not read is refused, not ignored (each used to convert / export
     # as if it were not there)
     src, out = str(tmp_path / "src"), str(tmp_path / "out")
-    for argv, words in [([src, out, "--tensors"], "--tensors and --fast are used only with --info"),
+    for argv, words in [([src, out, "--tensors"], "--tensors is used only with --info CKPT; to "
+                         f"describe a checkpoint run megapar-convert --info {src} --tensors, to "
+                         "convert drop --tensors"),
+                        (["--fast", "--tensors"], "--tensors and --fast are used only with --info "
+                         "CKPT; to describe a checkpoint run megapar-convert --info CKPT --tensors "
+                         "--fast, to convert drop --tensors --fast"),
                         ([src, out, "--seed", "3"], "--seed is used only with --from-hf"),
                         ([src, "--to-hf", out, "--dp", "2"], "--dp is used only where a checkpoint"),
                         (["--info", src, "--overwrite"], "--overwrite is not used with --info"),

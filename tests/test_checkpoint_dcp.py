@@ -6,6 +6,8 @@ of a DCP directory refused in one line naming the import; megapar's shard files 
 DCP's HuggingFaceStorageReader."""
 
 import json
+import shutil
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from megapar.checkpoint.dcp import (
 from megapar.cli.convert import main as convert
 from megapar.cli.train import main as train
 from megapar.data.assets import asset_path
+from megapar.faults.processes import owner_tag
 
 SMALL = {"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 80,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -233,7 +236,22 @@ def test_to_dcp_reads_back_bitwise_in_torchtitans_names(tmp_path, small, capsys)
     state, step, model = small
     assert convert(["--from-dcp", str(step), str(tmp_path / "ck"), "--model", model,
                     "--tp", "2", "--no-progress"]) == 0
+    # an export killed -9 left its staging directory: the next export to that destination
+    # removes it (its owner pid is dead), never a live writer's or another destination's
+    child = subprocess.Popen(["true"])
+    child.wait()
+    host = owner_tag().split("-", 1)[1]
+    dead = tmp_path / f".back.tmp-{child.pid}-{host}-0123"
+    live = tmp_path / f".back.tmp-{owner_tag()}-4567"
+    other = tmp_path / f".ck2.tmp-{child.pid}-{host}-89ab"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / ".metadata").write_bytes(b"half")
     assert convert([str(tmp_path / "ck"), "--to-dcp", str(tmp_path / "back")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == sorted(
+        [live.name, other.name])
+    shutil.rmtree(live)
+    shutil.rmtree(other)
     assert "n_kv_heads=2" in capsys.readouterr().out
     back = dcp_load(state, tmp_path / "back")
     assert sorted(back) == sorted(state)

@@ -461,6 +461,10 @@ def test_sentencepiece_vocab_size_out_of_reach_names_the_flag(tmp_path, capsys):
     (["--train-tokenizer", "bpe", "--vocab-size", "8000", "--workers", "0"],
      "--workers 0 is invalid"),
     (["--train-tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size 100 is too small"),
+    (["--vocab-size", "8000"], "--vocab-size only applies with --train-tokenizer / "
+     "--train-sentencepiece (the size of the tokenizer they train); add --train-tokenizer bpe "
+     "(or --train-sentencepiece) to train one of 8000 tokens, or drop --vocab-size (the "
+     "vocabulary is then --tokenizer's)"),
 ])
 def test_numeric_flags_name_the_flag_before_any_work(tmp_path, capsys, flags, needle):
     (tmp_path / "t.txt").write_text(TEXT)

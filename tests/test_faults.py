@@ -711,7 +711,7 @@ def test_a_slow_rank_is_blamed_with_its_step_and_action_not_the_ranks_waiting_fo
 
     idle = subprocess.Popen(["sleep", "60"])
     spinning = subprocess.Popen(["sh", "-c", "while :; do :; done"])
-    dp_wait = "step 2, waiting for the data-parallel gradient all-reduce"
+    dp_wait = "step 2, waiting for the data-parallel gradient reduce-scatter"  # ZeRO's
     forward = "step 2, forward of micro-batch 0 on pp stage {}"
     timeout = "TrainingError: rank {} (...) failed at step 2: RuntimeError: [gloo] Timed out"
     try:

@@ -417,7 +417,8 @@ def test_resume_a_from_hf_checkpoint_at_another_layout_with_no_model_flags(
 def test_a_worker_error_is_one_line_with_the_traceback_in_the_ranks_log(
         texts, cache, tiny_model, tmp_path, capsys, monkeypatch):
     """Rank 1 (forked) fails while saving after the last of 2 steps: one line naming rank 1 and
-    step 2 (not 3), the traceback in SAVE/logs/rank1.log; --debug puts it on the terminal."""
+    step 2 (not 3), the traceback in CACHE/logs/run-*/rank1.log (the --save it made is removed:
+nothing was saved); --debug puts it on the terminal."""
     import torch.distributed as dist
 
     from megapar.training.loop import Trainer
@@ -440,8 +441,11 @@ def test_a_worker_error_is_one_line_with_the_traceback_in_the_ranks_log(
     # the line also says what the failure cost (issue 11): nothing was saved yet
     assert lines[0] == ("megapar-train: error: rank 1 failed at step 2: OSError: disk on fire"
                         " -- not saved: steps 1-2 (last checkpoint: none)")
-    log = tmp_path / "ckpt" / "logs" / "rank1.log"
+    # nothing saved in the --save this run made: it is removed, the log kept in the cache
+    assert not (tmp_path / "ckpt").exists()
+    log = Path(lines[1].removeprefix("megapar-train: full traceback in ").split(" (or ")[0])
     assert lines[1] == f"megapar-train: full traceback in {log} (or rerun with --debug)"
+    assert log.parent.parent == Path(cache) / "logs" and log.parent.name.startswith("run-")
     assert "Traceback" in log.read_text() and "disk on fire" in log.read_text()
     rc = train([str(a) for a in argv] + ["--debug"])
     assert rc == 1 and "Traceback" in capsys.readouterr().err

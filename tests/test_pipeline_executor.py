@@ -52,6 +52,8 @@ def toy_batches(m):
 class RecordingSync:
     """A grad_sync that records when each hook is called (perf_counter)."""
 
+    stage = 0
+
     def __init__(self):
         self.calls = []
 
@@ -264,6 +266,25 @@ def test_single_stage_runs_without_processes_and_matches_direct_loss():
     assert loss.item() == pytest.approx((sum(direct) / 3).item(), rel=1e-6)
     for g, p in zip(grads, stage.parameters()):
         assert_close(g, p.grad, what="single-stage gradient")
+
+
+@pytest.mark.parametrize("zero, collective", [(0, "all-reduce"), (1, "reduce-scatter"),
+                                              (2, "reduce-scatter"), (3, "reduce-scatter")])
+def test_the_status_line_names_the_gradient_collective_waited_for(zero, collective):
+    """While the grad sync finishes, a rank's status names the collective it waits in: ZeRO's
+    reduce-scatter, not the all-reduce of --zero 0 (it said all-reduce under ZeRO too)."""
+    from megapar.faults.status import status
+
+    class Sync(RecordingSync):
+        stage = zero
+
+        def finish(self):
+            self.calls.append(("finish", status()))
+
+    mesh = Mesh(Layout())
+    sync = Sync()
+    PipelineExecutor(ToyStage(mesh), mesh, "1f1b", SHAPE).run(toy_batches(2), grad_sync=sync)
+    assert sync.calls[-1] == ("finish", f"waiting for the data-parallel gradient {collective}")
 
 
 def test_unknown_action_kind_names_the_missing_handler():

@@ -50,6 +50,7 @@ from megapar.checkpoint.format import (
 )
 from megapar.checkpoint.manifest import verify
 from megapar.checkpoint.publish import resolve_checkpoint
+from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.mesh import Layout
 from megapar.models.config import ConfigError, LlamaConfig, config_from_dict
 from megapar.models.recipes import resolve_model
@@ -421,7 +422,8 @@ def export_dcp(src, dcp_dir, overwrite: bool = False) -> tuple[Path, dict]:
             tensor = to_interleaved(tensor, kv_heads)
         state[titan_name(name)] = tensor.contiguous()
     reader.release()
-    tmp = staging_dir(dst.parent, f".{dst.name}.tmp-")
+    remove_stale_temporaries(dst.parent, f".{dst.name}.tmp-")  # of an export killed -9
+    tmp = staging_dir(dst.parent, f".{dst.name}.tmp-{owner_tag()}-")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)

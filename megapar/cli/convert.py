@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
-from megapar.one_line_parser import OneLineParser
+from megapar.one_line_parser import OneLineParser, shell_word
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,7 +256,13 @@ def _check_unused_options(args) -> None:
     """Refuse an option the chosen mode does not read (it would be ignored without a word), and
     give --dp and --seed their defaults where they are read."""
     if (args.tensors or args.fast) and not args.info:
-        raise ValueError("--tensors and --fast are used only with --info CKPT; drop them")
+        given = [f for f, on in (("--tensors", args.tensors), ("--fast", args.fast)) if on]
+        flags, ckpt = " ".join(given), shell_word(args.paths[0]) if args.paths else "CKPT"
+        raise ValueError(
+            f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} used only with "
+            f"--info CKPT; to describe a checkpoint run megapar-convert --info {ckpt} {flags}, "
+            f"to convert drop {flags}"
+        )
     if args.overwrite and args.info:
         raise ValueError("--overwrite is not used with --info (it writes nothing); drop it")
     if (args.tp is not None or args.pp is not None) and args.info:

@@ -321,7 +321,12 @@ def train_tokenizer(args: argparse.Namespace, trained: list[str], files: list[st
         trained.append(tokenizer)
         print(f"trained SentencePiece model {tokenizer}", file=sys.stderr)
     elif args.vocab_size is not None:
-        raise ValueError("--vocab-size only applies with --train-tokenizer / --train-sentencepiece")
+        raise ValueError(
+            f"--vocab-size only applies with --train-tokenizer / --train-sentencepiece (the size "
+            f"of the tokenizer they train); add --train-tokenizer bpe (or --train-sentencepiece) "
+            f"to train one of {args.vocab_size} tokens, or drop --vocab-size (the vocabulary "
+            f"is then --tokenizer's)"
+        )
     return tokenizer
 
 

@@ -240,7 +240,7 @@ def main(argv=None) -> int:
             signal.signal(signal.SIGTERM, previous)
     code = 1
     try:
-        code = _run(cfg, layout, plan, notes)
+        code = _run(cfg, layout, plan, notes, made)
         return code
     finally:
         if lock is not None:
@@ -249,8 +249,12 @@ def main(argv=None) -> int:
             remove_empty(made)
 
 
-def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> int:
-    """Start the workers (or run this rank) and turn a failure into one line."""
+def _run(
+    cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str], made: list[Path]
+) -> int:
+    """Start the workers (or run this rank) and turn a failure into one line. The rank logs go
+    to SAVE/logs, or to the cache's run log directory when this run made --save (`made`) and
+    saved nothing there: that --save is removed again, and the line names where the log is."""
     cfg.dp = layout.dp
     if cfg.dry_run:
         return rehearse(cfg, layout, plan, notes)
@@ -277,7 +281,8 @@ def _run(cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str]) -> 
             text, failed = str(exc), rank
         else:  # a rank run in this process (one worker, or under torchrun)
             text, failed = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", rank
-        line, log = worker_failure(text, log_dir_for(cfg.save, cfg.data_cache), failed)
+        kept = cfg.save if not made or has_checkpoint(cfg.save or "") else None
+        line, log = worker_failure(text, log_dir_for(kept, cfg.data_cache), failed)
         _remove_dead_saves(cfg)
         print(f"megapar-train: error: {line}", file=sys.stderr)
         tell_torchrun(line, log)  # its summary's root cause: this line, not "<N/A>"

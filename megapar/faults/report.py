@@ -22,7 +22,8 @@ _STEP = re.compile(r"^TrainingError: rank \d+ \([^)]*\) failed at step (\d+): ")
 
 
 def log_dir_for(save: str | None, cache: str) -> Path:
-    """Where per-rank logs go: SAVE/logs with --save, else CACHE/logs/run-<time>-<pid>."""
+    """Where per-rank logs go: SAVE/logs with `save`, else CACHE/logs/run-<time>-<pid> (the
+    caller passes no `save` for a --save its run made and saved nothing in)."""
     if save:
         return Path(os.path.expanduser(save)) / "logs"
     stamp = time.strftime("%Y%m%d-%H%M%S")

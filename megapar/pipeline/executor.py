@@ -448,8 +448,9 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         return None
 
     def _sync_finish(self) -> None:
-        if self._grad_sync is not None:
-            set_action("waiting for the data-parallel gradient all-reduce")
+        if self._grad_sync is not None:  # ZeRO 1-3 reduce-scatter the gradients
+            collective = "all-reduce" if self._grad_sync.stage == 0 else "reduce-scatter"
+            set_action(f"waiting for the data-parallel gradient {collective}")
             self._grad_sync.finish()
 
     # errors ---------------------------------------------------------------------------------
