@@ -273,7 +273,7 @@ def test_single_stage_runs_without_processes_and_matches_direct_loss():
 def test_the_status_line_names_the_gradient_collective_waited_for(zero, collective):
     """While the grad sync finishes, a rank's status names the collective it waits in: ZeRO's
     reduce-scatter, not the all-reduce of --zero 0 (it said all-reduce under ZeRO too)."""
-    from megapar.faults.status import status
+    from megapar.faults.status import set_step, status
 
     class Sync(RecordingSync):
         stage = zero
@@ -283,8 +283,13 @@ def test_the_status_line_names_the_gradient_collective_waited_for(zero, collecti
 
     mesh = Mesh(Layout())
     sync = Sync()
-    PipelineExecutor(ToyStage(mesh), mesh, "1f1b", SHAPE).run(toy_batches(2), grad_sync=sync)
-    assert sync.calls[-1] == ("finish", f"waiting for the data-parallel gradient {collective}")
+    set_step(4)  # the process's step state: set here, not left from an earlier test's run
+    try:
+        PipelineExecutor(ToyStage(mesh), mesh, "1f1b", SHAPE).run(toy_batches(2), grad_sync=sync)
+    finally:
+        set_step(None)
+    assert sync.calls[-1] == ("finish",
+                              f"step 4, waiting for the data-parallel gradient {collective}")
 
 
 def test_unknown_action_kind_names_the_missing_handler():
