@@ -257,14 +257,19 @@ def test_prepare_rejects_different_weights_per_rank(run):
         run(differ, 2)
 
 
-def _bert(tp, pp):
+def _tiny_bert():
+    """The seeded tiny transformers BertForMaskedLM the BERT tests train and compare against."""
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(4)
-    model = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                       num_attention_heads=4, intermediate_size=64,
-                                       max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                       attention_probs_dropout_prob=0.0))
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64,
+                                      max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0))
+
+
+def _bert(tp, pp):
+    model = _tiny_bert()
     engine = megapar.prepare(model, tp=tp, pp=pp, micro_batch_size=4, lr=1e-3)
     batch = _bert_batch()
     return engine.eval_step(batch), engine.train_step(batch), engine.eval_step(batch)
@@ -282,14 +287,8 @@ def _bert_batch():
 
 def test_prepare_bert_for_masked_lm_matches_transformers(run):
     """Every token labelled, so each micro-batch's mean has the same weight as in one batch."""
-    from transformers import BertConfig, BertForMaskedLM
-
     before, trained, after = run(_bert, 4, 2, 2)[0]
-    torch.manual_seed(4)
-    hf = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                    num_attention_heads=4, intermediate_size=64,
-                                    max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                    attention_probs_dropout_prob=0.0)).eval()
+    hf = _tiny_bert().eval()
     with torch.no_grad():
         ref = hf(**_bert_batch()).loss.item()
     assert math.isclose(before, ref, rel_tol=1e-5) and math.isclose(trained, ref, rel_tol=1e-5)
@@ -312,17 +311,12 @@ def _bert_token_means():
     --loss-mean token in fp32 at micro-batches of 1 (its step's host syncs counted), in fp16
     at micro-batches of 4; the default micro-batch mean at 1."""
     from sync_count import count_syncs
-    from transformers import BertConfig, BertForMaskedLM
 
     out = {}
     for name, mean, mbs, precision in (("token", "token", 1, "fp32"),
                                        ("token fp16", "token", 4, "fp16"),
                                        ("microbatch", "microbatch", 1, "fp32")):
-        torch.manual_seed(4)
-        model = BertForMaskedLM(BertConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0))
+        model = _tiny_bert()
         engine = megapar.prepare(model, pp=2, micro_batch_size=mbs, lr=1e-3, zero=3,
                                  precision=precision, loss_mean=mean)
         before = engine.eval_step(_mlm_batch())
@@ -338,14 +332,8 @@ def test_bert_mlm_token_mean_is_transformers_loss_at_any_micro_batch(run):
     transformers' BertForMaskedLM loss on the whole batch (the token mean), fp32 < 1e-5 at
     micro-batches of 1 and fp16 (loss-scaled) < 1e-2 at 4, with no host sync on the
     micro-batch path; the default micro-batch mean misses it by > 1 %."""
-    from transformers import BertConfig, BertForMaskedLM
-
     out = run(_bert_token_means, 4)[0]
-    torch.manual_seed(4)
-    hf = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                    num_attention_heads=4, intermediate_size=64,
-                                    max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                    attention_probs_dropout_prob=0.0)).eval()
+    hf = _tiny_bert().eval()
     with torch.no_grad():
         ref = hf(**_mlm_batch()).loss.item()
     before, trained, syncs = out["token"]
