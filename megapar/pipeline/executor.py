@@ -284,13 +284,17 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         finally:
             self._end(plan)
 
+    def _loss_stage(self):
+        """This rank's model chunk that computes the loss, or None where it holds none."""
+        return None if self._loss_chunk is None else self.chunks[self._loss_chunk]
+
     def _set_loss_mode(self, m: int, loss_weight: torch.Tensor | float | None = None) -> None:
         """The loss's chunk (`loss_grads_in_forward`, `megapar.models.stage`) makes its loss
         gradients in the forward only where one loss is in flight at a time (`loss_in_flight`),
         and weighs its loss with `loss_weight` for this step (`_end` clears it)."""
-        chunk = None if self._loss_chunk is None else self.chunks[self._loss_chunk]
+        chunk = self._loss_stage()
         if hasattr(chunk, "loss_weight"):
-            chunk.loss_weight = loss_weight  # type: ignore[union-attr]
+            chunk.loss_weight = loss_weight
         elif chunk is not None and loss_weight is not None:
             raise TypeError(
                 f"a loss_weight (--loss-mean token) needs a megapar stage model as the last "
@@ -298,7 +302,7 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
             )
         if hasattr(chunk, "loss_grads_in_forward"):
             held = loss_in_flight(self.schedule_name, self.mesh.pp, m, self.virtual_stages)
-            chunk.loss_grads_in_forward = held <= 1  # type: ignore[union-attr]
+            chunk.loss_grads_in_forward = held <= 1
 
     def _check_can_step(self, m: int) -> None:
         if m == 0:
@@ -332,9 +336,9 @@ class PipelineExecutor(StageBackward, StepInputs, StepTrace):
         """After a step (also one that failed part-way): its trace kept, its state dropped."""
         stamps = self._stamps
         self._reset([], 1.0, False)
-        chunk = None if self._loss_chunk is None else self.chunks[self._loss_chunk]
+        chunk = self._loss_stage()
         if hasattr(chunk, "loss_weight"):  # the next step (an evaluation) sets its own
-            chunk.loss_weight = None  # type: ignore[union-attr]
+            chunk.loss_weight = None
         self.weight_grads.enabled = False  # forwards outside a step compute dW as usual
         self.weight_grads.take()
         self._last_trace = (
