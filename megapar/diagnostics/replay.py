@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from megapar.checkpoint.distributed import gather_payloads
+from megapar.checkpoint.distributed import differing_fields, gather_payloads
 from megapar.context_parallel.split import chunk_ids as cp_chunks
 from megapar.diagnostics.module_trace import ModuleTrace
 from megapar.tensor_parallel.layers import ColumnParallelLinear
@@ -240,7 +240,7 @@ def check_record(
         )
     recorded = record.get("model")
     if recorded is not None and recorded != model:
-        keys = sorted(k for k in set(recorded) | set(model) if recorded.get(k) != model.get(k))
+        keys = differing_fields(recorded, model, ignore=())
         what = ", ".join(
             f"{k} {recorded.get(k)!r} recorded, {model.get(k)!r} here" for k in keys[:3]
         )
