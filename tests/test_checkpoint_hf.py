@@ -167,3 +167,34 @@ def test_from_hf_with_a_model_that_disagrees_is_refused(tmp_path, capsys):
     assert train([*common, "--model", str(other)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "n_layer" in err, err
+
+
+def test_an_export_removes_what_an_export_killed_9_left_in_its_directory(tmp_path, capsys):
+    """An export killed -9 leaves its temporaries (the weights' file can be the model's size):
+    the next export into the directory removes those of dead processes of this host, never a
+    live export's, another host's or a file of the user's."""
+    import os
+    import subprocess
+
+    from megapar.faults.processes import owner_tag
+
+    torch.manual_seed(0)
+    src = _hf_dir(tmp_path / "hf", transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_HF)))
+    ckpt, out = tmp_path / "ckpt", tmp_path / "exported"
+    assert main(["--from-hf", src, str(ckpt), "--no-progress"]) == 0
+    child = subprocess.Popen(["true"])
+    child.wait()
+    host = owner_tag().split("-", 1)[1]
+    out.mkdir()
+    dead = [f".model.safetensors.tmp-{child.pid}-{host}-", f".config.json.tmp-{child.pid}-{host}-"]
+    kept = [f".model.safetensors.tmp-{os.getppid()}-{host}-",  # a live writer's
+            f".config.json.tmp-{child.pid}-elsewhere-",
+            "notes.txt"]
+    for name in dead + kept:
+        (out / name).write_bytes(b"half")
+    (out / f".tokenizer.export-{child.pid}-{host}-").mkdir()
+    dead.append(f".tokenizer.export-{child.pid}-{host}-")
+    assert main([str(ckpt), "--to-hf", str(out)]) == 0, capsys.readouterr().err
+    left = {p.name for p in out.iterdir()}
+    assert not left & set(dead) and set(kept) <= left, left
+    assert transformers.GPT2LMHeadModel.from_pretrained(out) is not None

@@ -105,6 +105,11 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, c
             assert evaluate([*args, "--data", *data]) == 0, capsys.readouterr().err
             reports.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
         assert reports[1] == reports[0] and reports[0]["batches"] == 2, reports
+        # the loss is the mean over every masked token of the batches (each batch masks its
+        # own number of them), as transformers' model gives it on the same samples
+        nll, tokens = _mlm_loss_sum(model, corpus[0], seq=32, batch=4, batches=2)
+        assert reports[0]["tokens"] == tokens
+        assert abs(reports[0]["loss"] - nll / tokens) / (nll / tokens) < TOL, (reports, nll)
         # BERT's MLM samples too few, or too short; text without a tokenizer, or one whose
         # ids the model does not have: one line before any worker
         _refuse_workers(monkeypatch)  # (both were a worker's ValueError, exit 1, a traceback)
@@ -120,6 +125,27 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, c
                "takes at least 5 tokens; raise --seq-len" in _one_error_line(capsys)
         assert evaluate([*data, "--seq-len", "64", "--micro-batch-size", "100000"]) == 2
         assert "MLM samples of 64 tokens, fewer than one batch" in _one_error_line(capsys)
+
+
+def _mlm_loss_sum(model, prefix: str, seq: int, batch: int, batches: int) -> tuple[float, int]:
+    """transformers' BERT on megapar-eval's first `batches` batches of MLM samples of `prefix`
+    (its default --seed): (the loss summed over their masked tokens, how many there are), with
+    the batches' masked-token counts checked to differ (else pooling equals averaging)."""
+    from megapar.data import IndexedDataset, MLMDataset, collate, load_tokenizer
+
+    indexed = IndexedDataset(prefix)
+    dataset = MLMDataset(indexed, seq, load_tokenizer(indexed.tokenizer_spec), 1234)
+    nll, counts = 0.0, []
+    for i in range(batches):
+        samples = collate([dataset[j] for j in range(i * batch, (i + 1) * batch)])
+        labels = samples.pop("labels")
+        with torch.no_grad():
+            logits = model(**samples).logits.double()
+        nll += float(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"))
+        counts.append(int((labels != -100).sum()))
+    assert len(set(counts)) > 1, counts
+    return nll, sum(counts)
 
 
 @pytest.fixture(scope="module")

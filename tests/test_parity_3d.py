@@ -522,10 +522,12 @@ def _evaluate(prefix: str, pp: int, dp: int) -> dict[str, float]:
 def test_token_mean_validation_loss_is_one_forward_of_each_batch(mlm_prefix):
     """megapar-train's validation loss under --loss-mean token (`Trainer.evaluate`) on BERT
     MLM data (megapar-train's GPT-2 data has no -100 label; here each sample's 15 % masked
-    tokens are labelled) at pp 2 x dp 2, micro-batches of 1: the mean over the --eval-steps
-    global batches of ONE forward of each with F.cross_entropy(ignore_index=-100,
-    reduction="mean"), fp32 < 1e-5; the micro-batch mean misses it by > 1e-4 (1.2e-3: at
-    initialisation every token's loss is near ln 1004, so the means differ little)."""
+    tokens are labelled) at pp 2 x dp 2, micro-batches of 1: the mean over every labelled
+    token of the --eval-steps global batches (batches with different numbers of them), ONE
+    forward of each batch with F.cross_entropy(ignore_index=-100, reduction="sum") over the
+    total count, as Megatron's per-token loss and perplexity tools pool them; fp32 < 1e-5. The
+    micro-batch mean misses it by > 1e-4 (1.2e-3: at initialisation every token's loss is near
+    ln 1004, so the means differ little)."""
     from megapar.data import GlobalBatchSampler, collate
 
     cfg, val = _mlm_setup(mlm_prefix, "token", mbs=G)
@@ -537,10 +539,12 @@ def test_token_mean_validation_loss_is_one_forward_of_each_batch(mlm_prefix):
         with torch.no_grad():
             logits = model(None, batch)[..., :MLM_BERT["vocab_size"]]
         losses.append(torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100).item())
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+            reduction="sum").double().item())
         counts.append((labels != -100).sum(dim=1).tolist())
-    reference = sum(losses) / len(losses)
+    reference = sum(losses) / sum(map(sum, counts))
     assert all(len(set(c)) > 1 for c in counts), counts  # uneven labelled tokens per sample
+    assert len({sum(c) for c in counts}) > 1, counts  # and per batch: pooling is not averaging
     for rank, out in enumerate(run_local(_evaluate, 4, mlm_prefix, 2, 2)):
         assert_close(torch.tensor(out["token"]), torch.tensor(reference),
                      what=f"rank {rank}: the token-mean val_loss")

@@ -171,6 +171,25 @@ def test_a_record_of_another_model_is_refused(recorded, tmp_path, capfd):
              "record of another model", "n_layer 2 recorded, 4 here")
 
 
+def test_a_replay_under_another_loss_mean_is_refused(recorded, tmp_path, capfd):
+    """A record says which --loss-mean made its step; a replay under the other one is refused
+    before any worker starts (its gradients differ by design, and the replay would blame a
+    module). A record from before records said it keeps its checksum and is not checked."""
+    from megapar.diagnostics.replay import _digest, check_record
+
+    record = recorded / "records" / "step_00000003.json"
+    assert json.loads(record.read_text())["loss_mean"] == "microbatch"
+    _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "3",
+                     "--loss-mean", "token", "--no-progress"],
+             "recorded step 3 under --loss-mean microbatch", "replay with --loss-mean microbatch")
+    old = _copy_record(recorded, tmp_path / "r")
+    data = json.loads(old.read_text())
+    del data["loss_mean"]
+    data["sha256"] = _digest(data, old.with_suffix(".safetensors").read_bytes())
+    old.write_text(json.dumps(data))
+    assert check_record(old, 3, data["model"], "--replay-against", "token") == []
+
+
 @pytest.mark.parametrize("damage", ["json", "safetensors", "directory", "values-file"])
 def test_an_unreadable_record_is_one_line_naming_the_file(recorded, tmp_path, capfd, damage):
     """A truncated .json or .safetensors, a directory, or the .safetensors given for the

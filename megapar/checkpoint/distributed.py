@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,15 @@ NON_STRUCTURAL = {
     "moe_capacity_factor",
     "moe_bias_update_rate",
 }
+
+
+def differing_fields(ours: dict, theirs: dict, ignore: Iterable[str] = NON_STRUCTURAL) -> list[str]:
+    """The fields (sorted) in which two model configs (`to_dict` form; a field one lacks counts
+    as None) differ, but those in `ignore` (by default the ones no parameter depends on)."""
+    skip = set(ignore)
+    return sorted(
+        k for k in set(ours) | set(theirs) if k not in skip and ours.get(k) != theirs.get(k)
+    )
 
 
 @dataclass
@@ -369,8 +379,8 @@ def check_model(manifest: dict, config, where) -> list[str]:
         )
     theirs = {**config_from_dict(theirs).to_dict(), **theirs}  # fields added since it was
     # saved take their defaults
-    diff = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
-    structural = sorted(diff - NON_STRUCTURAL)
+    diff = differing_fields(ours, theirs, ignore=())
+    structural = [k for k in diff if k not in NON_STRUCTURAL]
     if structural:
         shown = ", ".join(
             f"{k}={theirs.get(k)!r} (checkpoint) vs {ours.get(k)!r} (model)" for k in structural
@@ -379,7 +389,7 @@ def check_model(manifest: dict, config, where) -> list[str]:
             f"{where} holds a different model: {shown}; build the model from "
             f'the checkpoint\'s config (manifest.json "model")'
         )
-    return [f"config differs in non-structural fields: {sorted(diff)}"] if diff else []
+    return [f"config differs in non-structural fields: {diff}"] if diff else []
 
 
 def _wanted(reader: ShardReader, model, step_dir, notes: list[str]) -> tuple[list, bool]:

@@ -26,6 +26,7 @@ from megapar.checkpoint.hf_names import CANONICAL, HF_PREFIXES, TO_HF
 from megapar.checkpoint.hf_names import hf_parameter_names as hf_parameter_names
 from megapar.checkpoint.publish import has_checkpoint
 from megapar.data.hf_tokenizer import SPECIAL_ROLES, save_for_transformers
+from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.mesh import Layout, Mesh
 from megapar.models.config import (
     CAUSAL_LM_TYPES,
@@ -361,6 +362,10 @@ GENERATION_FILE = "generation_config.json"
 """What a causal LM's export writes besides `HF_FILES` (and replaces)."""
 
 
+TOKENIZER_STAGE = ".tokenizer.export-"
+"""The prefix of the directory an export writes its tokenizer's files into until the end."""
+
+
 def save_hf(
     canonical: dict[str, torch.Tensor],
     config,
@@ -384,7 +389,8 @@ def save_hf(
     `save_pretrained`,
     other files there (notes) are left alone; each file is written under a temporary name and
     renamed when all are complete (the tokenizer, then the rest), so an interrupted or failed
-    export leaves no file of its own (nor the directory, when it made it)."""
+    export leaves no file of its own (nor the directory, when it made it); the temporaries of
+    one killed -9 (named with `owner_tag`) are removed by the next export into the directory."""
 
     from transformers import GenerationConfig
 
@@ -400,8 +406,10 @@ def save_hf(
         canonical = {k: v.to(dtype) for k, v in canonical.items()}
     causal = config.model_type in CAUSAL_LM_TYPES
     names = HF_FILES + ((GENERATION_FILE,) if causal else ())
-    tmp = {name: out_dir / f".{name}.tmp-{os.getpid()}" for name in names}
-    stage = out_dir / f".tokenizer.export-{os.getpid()}"  # the tokenizer's files, until the end
+    for prefix in (*(f".{name}.tmp-" for name in names), TOKENIZER_STAGE):
+        remove_stale_temporaries(out_dir, prefix)  # of an export killed -9 (its weights' size)
+    tmp = {name: out_dir / f".{name}.tmp-{owner_tag()}-" for name in names}
+    stage = out_dir / f"{TOKENIZER_STAGE}{owner_tag()}-"  # the tokenizer's files, until the end
     try:
         special_ids: dict[str, int | None] = {}
         if tokenizer is not None:

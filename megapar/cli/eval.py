@@ -174,15 +174,16 @@ def _loss_worker(args):
                 f"tokens, fewer than one batch of {b}"
             )
     executor = PipelineExecutor(model, mesh, "1f1b", (b, args.seq_len, config.hidden_size))
-    losses, tokens = [], 0
+    nll, tokens = 0.0, 0  # the loss summed over every labelled token, and their count
     for i in range(k):
         batch = collate([dataset[j] for j in range(i * b, (i + 1) * b)])
         batch = {key: v.to(mesh.device) for key, v in batch.items()}
-        losses.append(float(executor.run([batch], forward_only=True)))
-        tokens += int((batch["labels"] != -100).sum())
+        labelled = int((batch["labels"] != -100).sum())
+        nll += float(executor.run([batch], forward_only=True)) * labelled  # the batch's mean
+        tokens += labelled
     if mesh.rank != 0:  # every rank has the loss; rank 0 reports it (once under torchrun)
         return None
-    loss = sum(losses) / len(losses)
+    loss = nll / max(tokens, 1)
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "batches": k}
 
 

@@ -8,8 +8,9 @@ samples, and which part of the full output: all of it, its tp slice of the featu
 the rank and its coordinates, and the order key of the event (`module_trace`). Plus each
 module's weight-gradient norm after the step, combined over tp. Written by rank 0 as
 `records/step_XXXXXXXX.json` (entries) and `.safetensors` (the squared norms) under --save,
-with the model's config and a sha256 of both (`check_record` verifies them, and the step, before
-any worker starts; a record written before the checksum is read with a note).
+with the model's config, the run's --loss-mean and a sha256 of both (`check_record` verifies
+them, and the step, before any worker starts; a record written before the checksum is read
+with a note).
 
 The replay runs the step in any layout (one process is enough), records its own ranks' parts
 the same way, and computes for each recorded entry the squared norm of the same part of the
@@ -30,7 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from megapar.checkpoint.distributed import gather_payloads
+from megapar.checkpoint.distributed import differing_fields, gather_payloads
 from megapar.context_parallel.split import chunk_ids as cp_chunks
 from megapar.diagnostics.module_trace import ModuleTrace
 from megapar.tensor_parallel.layers import ColumnParallelLinear
@@ -157,6 +158,7 @@ class StepRecorder:
             "rtol": RTOL,
             "entries": entries,
             "grad_sq_norms": grads,
+            "loss_mean": self.engine.cfg.loss_mean,
             "values": st_path.name,
         }
         record["sha256"] = _digest(record, st_path.read_bytes())
@@ -166,21 +168,24 @@ class StepRecorder:
 
 def _digest(record: dict, values: bytes) -> str:
     """The sha256 of a record: its values file's bytes, then its JSON's content (step, model,
-    layout, entries, weight-gradient norms) written canonically."""
+    layout, entries, weight-gradient norms, and the loss mean where it records one) written
+    canonically."""
+    keys: tuple[str, ...] = ("step", "model", "layout", "entries", "grad_sq_norms")
+    if "loss_mean" in record:  # records from before it was recorded keep their digest
+        keys += ("loss_mean",)
     digest = hashlib.sha256(values)
-    digest.update(
-        json.dumps(
-            {k: record.get(k) for k in ("step", "model", "layout", "entries", "grad_sq_norms")},
-            sort_keys=True,
-        ).encode()
-    )
+    digest.update(json.dumps({k: record.get(k) for k in keys}, sort_keys=True).encode())
     return digest.hexdigest()
 
 
-def check_record(path: str | Path, step: int, model: dict, flag: str) -> list[str]:
+def check_record(
+    path: str | Path, step: int, model: dict, flag: str, loss_mean: str = "microbatch"
+) -> list[str]:
     """Raise ValueError (one line naming `path` and the fix) unless `path` is a readable
     record of step `step` of the model whose config (`to_dict`) is `model`, whose sha256
-    matches; `flag` is how the user gave it. Returns notes (a record from before checksums)."""
+    matches, made under the --loss-mean `loss_mean` (where the record says: the gradients
+    of the two means differ by design); `flag` is how the user gave it. Returns notes (a
+    record from before checksums)."""
     path = Path(path).expanduser()
     fix = (
         f"give the records/step_{step:08d}.json that --record-step {step} wrote (or record "
@@ -235,7 +240,7 @@ def check_record(path: str | Path, step: int, model: dict, flag: str) -> list[st
         )
     recorded = record.get("model")
     if recorded is not None and recorded != model:
-        keys = sorted(k for k in set(recorded) | set(model) if recorded.get(k) != model.get(k))
+        keys = differing_fields(recorded, model, ignore=())
         what = ", ".join(
             f"{k} {recorded.get(k)!r} recorded, {model.get(k)!r} here" for k in keys[:3]
         )
@@ -243,6 +248,13 @@ def check_record(path: str | Path, step: int, model: dict, flag: str) -> list[st
             f"{flag} {path} is the record of another model ({what}); replay from "
             f"a checkpoint of the run that recorded it, or record this model's step "
             f"{step} with --record-step {step}"
+        )
+    recorded_mean = record.get("loss_mean", loss_mean)
+    if recorded_mean != loss_mean:
+        raise ValueError(
+            f"{flag} {path} recorded step {step} under --loss-mean {recorded_mean}, and this "
+            f"replay runs --loss-mean {loss_mean}: the two means give other gradients by "
+            f"design; replay with --loss-mean {recorded_mean}"
         )
     return notes
 

@@ -212,8 +212,8 @@ def measured_rank(
 
 def without_scalars(calls, mesh) -> list:
     """`calls` without the one-element all-reduces the dry run does not run (`NOT_RUN`): the
-    gradient norm's over tp x pp (and dp x cp under ZeRO-1), the loss's over dp and fp16's overflow
-    flag's over every rank."""
+    gradient norm's over tp x pp (and dp x cp under ZeRO-1), the loss's over dp, fp16's overflow
+    flag's over every rank and --loss-mean token's labelled-token count's over dp."""
 
     groups = {
         tuple(dist.get_process_group_ranks(g))

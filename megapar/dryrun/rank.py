@@ -65,7 +65,8 @@ from megapar.training.validate import UsageError, check_zero3
 
 NOT_RUN = (
     "the gradient-norm all-reduce (tp x pp, and dp x cp under ZeRO-1), the loss all-reduce "
-    "over dp and fp16's overflow flag over all ranks: scalars whose values the step reads"
+    "over dp, fp16's overflow flag over all ranks and --loss-mean token's labelled-token count "
+    "over dp: scalars whose values the step reads"
 )
 """Per-step collectives the rehearsal does not run (it has no values to read)."""
 

@@ -109,19 +109,32 @@ class StageBackward:
     _ready: Callable[[], Callable[[Iterable[nn.Parameter]], None] | None]
 
     def _backward(self, a: Action) -> None:
+        key, out, grad = self._output_and_grad(a)
+        backward(out, grad)
+        store = self.weight_grads  # deferring only in a step with split backwards (DualPipeV):
+        if store.enabled and len(store):  # a whole backward there applies what it deferred
+            WeightGradStore.apply(store.take(), self._ready())
+        x = self.inputs.pop(key, None)
+        self._keep_input_grad(a, key, x, None if x is None else x.grad)
+
+    def _output_and_grad(self, a: Action) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """The action's slot, and its micro-batch's chunk output (popped) with the gradient it
+        is backpropagated with: the received one (popped), or at the loss the step's loss
+        gradient."""
         key = a.mb * self._chunk_count + a.chunk
         out = self.outputs.pop(key)
         if a.chunk == self._loss_chunk:
             grad = self._loss_grad if self._loss_grad is not None else self._first_loss_grad(out)
         else:
             grad = self._out_grads.pop(key)
-        backward(out, grad)
-        store = self.weight_grads  # deferring only in a step with split backwards (DualPipeV):
-        if store.enabled and len(store):  # a whole backward there applies what it deferred
-            WeightGradStore.apply(store.take(), self._ready())
-        x = self.inputs.pop(key, None)
+        return key, out, grad
+
+    def _keep_input_grad(
+        self, a: Action, key: int, x: torch.Tensor | None, dx: torch.Tensor | None
+    ) -> None:
+        """Keep the gradient of the chunk's received input `x` to send upstream (none for a
+        chunk that received none); an output that did not depend on its input is an error."""
         if x is not None:
-            dx = x.grad
             if dx is None:
                 self._no_input_grad(a)
             self._in_grads[key] = dx
@@ -140,18 +153,10 @@ class StageBackward:
 
     def _backward_input(self, a: Action) -> None:
         """B: the gradient w.r.t. the chunk's input only (sent upstream next); W comes later."""
-        key = a.mb * self._chunk_count + a.chunk
-        out = self.outputs.pop(key)
-        if a.chunk == self._loss_chunk:
-            grad = self._loss_grad if self._loss_grad is not None else self._first_loss_grad(out)
-        else:
-            grad = self._out_grads.pop(key)
+        key, out, grad = self._output_and_grad(a)
         x = self.inputs.pop(key, None)
         dx, self._pending_w[key] = backward_input(out, grad, x, self.weight_grads)
-        if x is not None:
-            if dx is None:
-                self._no_input_grad(a)
-            self._in_grads[key] = dx
+        self._keep_input_grad(a, key, x, dx)
 
     def _backward_weight(self, a: Action) -> None:
         """W: the chunk's weight gradients of one micro-batch, added in place to `.grad`; a

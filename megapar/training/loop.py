@@ -233,26 +233,31 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over the first --eval-steps global batches of the validation split (each
-        batch's as --loss-mean says)."""
+        """Mean loss over the first --eval-steps global batches of the validation split, as
+        --loss-mean says: the mean of the batches' means ("microbatch"), or the mean over all
+        their labelled tokens ("token")."""
         if self.val_ds is None or len(self.val_ds) < self.cfg.global_batch_size:
             return None
         sampler = make_sampler(
             self.cfg, self.val_ds, self.mesh.dp, self.mesh.dp_rank, shuffle=False
         )
-        losses = []
+        losses, counts = [], []
         self.model.eval()
         for i, micro_batches in enumerate(batches(self.val_ds, sampler, self.mesh.device)):
             if i >= min(self.cfg.eval_steps, sampler.batches_per_epoch):
                 break
-            weight = (  # --loss-mean token: each global batch's token mean
-                loss_weight(micro_batches, self.mesh) if self.cfg.loss_mean == "token" else None
-            )
+            weight, count = None, 1
+            if self.cfg.loss_mean == "token":  # the batch's token mean, weighted by its tokens
+                count = _labelled_over_dp(micro_batches, self.mesh)
+                weight = loss_weight(micro_batches, self.mesh, count)
             with self.precision.autocast():
                 loss = self.executor.run(micro_batches, forward_only=True, loss_weight=weight)
             losses.append(_dp_mean(float(loss), self.mesh))
+            counts.append(count)
         self.model.train()
-        return sum(losses) / len(losses)
+        if not any(counts):  # no labelled token in any batch: each batch's mean is 0
+            return 0.0
+        return sum(loss * n for loss, n in zip(losses, counts)) / sum(counts)
 
     # -- the loop ----------------------------------------------------------------------------
     def record(self) -> dict | None:
@@ -508,3 +513,10 @@ class Trainer:
 def train(cfg: TrainConfig, plan: DataPlan) -> list[dict]:
     """Entry point of one worker (rank): returns the per-step metrics history."""
     return Trainer(cfg, plan).run()
+
+
+def _labelled_over_dp(micro_batches: list[dict], mesh: Mesh) -> int:
+    """The labelled tokens (labels not -100) of a global batch: this rank's micro-batches'
+    summed over dp (read on the host: validation waits for its losses anyway)."""
+    count = torch.stack([(mb["labels"] != -100).sum() for mb in micro_batches]).sum()
+    return int(all_reduce(count.to(mesh.device), mesh.dp_group))

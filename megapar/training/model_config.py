@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from megapar.checkpoint.distributed import NON_STRUCTURAL
+from megapar.checkpoint.distributed import NON_STRUCTURAL, differing_fields
 from megapar.checkpoint.hf import HFReader
 from megapar.models.config import CAUSAL_LM_TYPES, ConfigError, load_config_file
 from megapar.models.recipes import resolve_model as recipe
@@ -192,10 +192,8 @@ def _check_same_model(cfg: TrainConfig, config) -> None:
             f"is a {ours['model_type']}; the model comes from {where} (its "
             f"config.json): drop --model"
         )
-    skip = set(NON_STRUCTURAL) | {"pad_token_id"} | (set() if own_vocab else {"vocab_size"})
-    diff = sorted(
-        k for k in set(ours) | set(theirs) if k not in skip and ours.get(k) != theirs.get(k)
-    )
+    skip = NON_STRUCTURAL | {"pad_token_id"} | (set() if own_vocab else {"vocab_size"})
+    diff = differing_fields(ours, theirs, skip)
     if diff:
         shown = ", ".join(f"{k}={theirs.get(k)!r} (--from-hf) vs {ours.get(k)!r}" for k in diff)
         raise UsageError(

@@ -341,7 +341,7 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[s
             f"{cfg.replay} in the original run, or give --replay-against FILE"
         )
     flag = "--replay-against" if cfg.replay_against else "the record"
-    notes.extend(check_record(record, cfg.replay, config.to_dict(), flag))
+    notes.extend(check_record(record, cfg.replay, config.to_dict(), flag, cfg.loss_mean))
 
 
 def _training_split(

@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from megapar.checkpoint.distributed import NON_STRUCTURAL
+from megapar.checkpoint.distributed import NON_STRUCTURAL, differing_fields
 from megapar.checkpoint.format import LATEST, MANIFEST, CheckpointError
 from megapar.checkpoint.manifest import read_manifest, verify
 from megapar.checkpoint.publish import foreign_checkpoint, has_checkpoint, newest_step, steps_after
@@ -174,8 +174,7 @@ def _check_same_model(cfg, manifest: dict, saved: list[str]) -> None:
     else:
         theirs = {**config_from_dict(theirs).to_dict(), **theirs}
         ours = {**config_from_dict(ours).to_dict(), **ours}
-        keys = sorted({k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)})
-        keys = [k for k in keys if k not in NON_STRUCTURAL]
+        keys = differing_fields(ours, theirs)
         if not keys:
             return
         shown = "another model: " + ", ".join(
@@ -525,10 +524,8 @@ def model_from_checkpoint(cfg, manifest: dict, given_config=None, given_from: st
                 f"{named} is a {ours.get('model_type')}; with --load the model "
                 f"comes from the checkpoint, drop {named.split()[0]}"
             )
-        skip = set(NON_STRUCTURAL) | ({"vocab_size"} if given_from == "recipe" else set())
-        diff = sorted(
-            k for k in set(ours) | set(theirs) if k not in skip and ours.get(k) != theirs.get(k)
-        )
+        vocab = {"vocab_size"} if given_from == "recipe" else set()  # the tokenizer's
+        diff = differing_fields(ours, theirs, NON_STRUCTURAL | vocab)
         if diff:
             shown = ", ".join(
                 f"{k}={theirs.get(k)!r} (checkpoint) vs {ours.get(k)!r}" for k in diff
