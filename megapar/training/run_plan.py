@@ -320,6 +320,13 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[s
             f"{held}--replay {cfg.replay} re-runs a step from a checkpoint: give --load "
             f"CKPT (one saved at or before step {cfg.replay - 1})"
         )
+    trained = ((manifest.get("meta") or {}).get("sampler") or {}).get("global_batch_size")
+    if trained is not None and cfg.global_batch_size != trained:
+        raise UsageError(
+            f"--global-batch-size {cfg.global_batch_size} with --replay {cfg.replay}: a replay "
+            f"re-runs the recorded step on its samples, and --load {cfg.load} trained on global "
+            f"batches of {trained}; drop --global-batch-size (the checkpoint's is taken)"
+        )
     if not start < cfg.replay <= cfg.max_steps:
         raise UsageError(
             f"--replay {cfg.replay}: the checkpoint is at step {start} and the run "
