@@ -358,8 +358,9 @@ def test_a_load_with_no_checkpoint_and_no_model_is_refused(env, no_workers, tmp_
 
 def test_a_resumed_dp_that_does_not_divide_the_checkpoints_global_batch(env, no_workers,
                                                                          capsys):
-    """The global batch is the checkpoint's (its data order continues): a dp that does not
-    divide it was told 'choose a multiple of 12', a --global-batch-size a resume refuses."""
+    """The global batch is the checkpoint's when not given: a dp that does not divide it was
+    told 'choose a multiple of 12'; the line names the dp values and micro-batch sizes that
+    divide it, and a --global-batch-size this dp takes (the data order continues)."""
     manifest = json.loads((Path(env["ckpt"]) / "step_00000001" / "manifest.json").read_text())
     config = manifest["meta"]["train_config"]
     gbs, mbs = config["global_batch_size"], config["micro_batch_size"]
@@ -369,8 +370,10 @@ def test_a_resumed_dp_that_does_not_divide_the_checkpoints_global_batch(env, no_
     good = " / ".join(str(d) for d in range(1, gbs + 1) if gbs % (mbs * d) == 0)
     assert (f"--global-batch-size {gbs} (not given: the value --load {env['ckpt']} recorded) "
             f"is not divisible by micro-batch size {mbs} x dp {dp} = {mbs * dp}, and a resumed "
-            f"run keeps its checkpoint's global batch (its data order continues); choose a "
-            f"layout with dp {good}") in line, line
+            f"run keeps its checkpoint's global batch unless --global-batch-size is given; "
+            f"choose a layout with dp {good}") in line, line
+    assert line.endswith(f", or --global-batch-size a multiple of {mbs * dp} (the data order "
+                         f"continues)"), line
     assert "choose a multiple" not in line
 
 

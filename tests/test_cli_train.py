@@ -101,6 +101,64 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path, text, cache, 
     assert resumed == _losses(full)
 
 
+def test_a_resume_at_another_global_batch_continues_the_data_order(tmp_path, text, cache,
+                                                                  capfd):
+    """Stopped after 2 steps of --global-batch-size 8 and resumed at 16 on 2 data-parallel
+    ranks, the run says where its data order continues, and its first step trains on the
+    epoch order's next 16 samples: its loss is a one-process forward of the checkpoint's
+    weights on exactly those (fp32, 1e-5; the samples before them miss it). Resumed at 8, the
+    losses are the uninterrupted run's, bitwise."""
+    import numpy as np
+    import torch
+    from tp_utils import assert_close, rel_err
+
+    from megapar.checkpoint.distributed import load_checkpoint
+    from megapar.cli.train import plan_run
+    from megapar.data import collate
+    from megapar.mesh import Layout, Mesh
+    from megapar.models.config import config_from_dict
+    from megapar.pipeline.partition import build_stage
+    from megapar.training.config import parse_args
+    from megapar.training.data import build_datasets
+
+    common = ["--model", "gpt2-tiny", "--data", text, "--tokenizer", "sentencepiece",
+              "--data-cache", cache, "--max-steps", "4", "--lr", "2e-3", *TINY]
+    full, same, wider = (tmp_path / f"{name}.jsonl" for name in ("full", "same", "wider"))
+    ckpt = tmp_path / "ckpt"
+    assert main([*common, "--log-json", str(full)]) == 0
+    assert main([*common, "--exit-interval", "2", "--save", str(ckpt)]) == 0
+    resume = ["--load", str(ckpt), "--data-cache", cache, "--no-progress"]
+    assert main([*resume, "--log-json", str(same)]) == 0
+    assert _losses(same) == _losses(full)[2:]
+    capfd.readouterr()
+    assert main([*resume, "--global-batch-size", "16", "--dp", "2",
+                 "--log-json", str(wider)]) == 0
+    out = capfd.readouterr().out  # the workers' stdout (they are forked from this process)
+    assert ("global batch 16 (the checkpoint's: 8): the data order continues at sample 16 of "
+            "epoch 0") in out, out
+    step3 = json.loads(wider.read_text().splitlines()[0])
+    assert step3["step"] == 3
+
+    cfg = parse_args(common)
+    _, plan = plan_run(cfg)
+    train, _ = build_datasets(cfg, plan.prefix, "gpt2")
+    order = np.random.default_rng(cfg.seed).permutation(len(train))  # epoch 0's
+    config = config_from_dict(plan.model_config)
+    model = build_stage(config, Mesh(Layout()), seed=cfg.seed)
+    load_checkpoint(ckpt, model, Mesh(Layout()))
+    model.eval()
+
+    def loss_on(indices):
+        batch = collate([train[int(i)] for i in indices])
+        with torch.no_grad():
+            logits = model(None, {"input_ids": batch["input_ids"]})[..., :config.vocab_size]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 batch["labels"].reshape(-1))
+
+    assert_close(torch.tensor(step3["loss"]), loss_on(order[16:32]), what="step 3 at G 16")
+    assert rel_err(torch.tensor(step3["loss"]), loss_on(order[0:16])) > 1e-4
+
+
 def test_cli_3d_parity_2x2x2_equals_1x1x1(tmp_path, text, cache):
     common = ["--model", _model(tmp_path), "--data", text, "--tokenizer", "sentencepiece",
               "--data-cache", cache, "--max-steps", "4", "--clip-grad", "0.5", *TINY]

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,8 +56,73 @@ def test_resume_from_state_dict_continues_identically():
     assert got + rest == stream
     by_arg = GlobalBatchSampler(40, 6, 1, 3, 1, seed=9, consumed_samples=14 * 6)
     assert _epoch(by_arg) == rest
-    with pytest.raises(ValueError, match="global_batch_size=6"):
-        GlobalBatchSampler(40, 12, 1, 3, 1, seed=9).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed=9"):
+        GlobalBatchSampler(40, 6, 1, 3, 1, seed=8).load_state_dict(state)
+
+
+def _stream(n, seed, position, sizes):
+    """The reference: global batches of `sizes` taken from (epoch, sample) `position` of the
+    seeded epoch permutations, an epoch ending when fewer than the batch's size are left."""
+    (epoch, at), out = position, []
+    for g in sizes:
+        if at + g > n:
+            epoch, at = epoch + 1, 0
+        out.append(np.random.default_rng(seed + epoch).permutation(n)[at:at + g].tolist())
+        at += g
+    return out
+
+
+def _take(samplers, batches):
+    """`batches` global batches from the dp ranks' samplers, each the union over the ranks."""
+    its, out = [iter(s) for s in samplers], []
+    while len(out) < batches:
+        try:
+            per_rank = [next(it) for it in its]
+        except StopIteration:  # the epoch ended: iterate again for the next
+            its = [iter(s) for s in samplers]
+            continue
+        out.append([i for mbs in per_rank for mb in mbs for i in mb])
+    return out
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("g, cut, g2", [(8, 3, 12), (8, 3, 4), (16, 2, 8), (4, 9, 16)])
+def test_a_stream_cut_at_one_global_batch_continues_at_another(dp, g, cut, g2):
+    """Cut after `cut` batches of G, resumed (JSON state) at G': the next batches are exactly
+    the epoch orders' next G' samples, across epoch boundaries (an epoch's rest smaller than
+    G' dropped; at (16, 2, 8) the 8 samples G = 16 left at the end of epoch 0 are taken)."""
+    n, seed = 40, 3
+    first = [GlobalBatchSampler(n, g, 2, dp, r, seed=seed) for r in range(dp)]
+    assert _take(first, cut) == _stream(n, seed, (0, 0), [g] * cut)
+    state = json.loads(json.dumps(first[0].state_dict()))
+    assert all(s.state_dict() == state for s in first)
+    resumed = [GlobalBatchSampler(n, g2, 2, dp, r, seed=seed) for r in range(dp)]
+    for s in resumed:
+        s.load_state_dict(state)
+    got = _take(resumed, 8)  # 8 x G' >= 32 samples: at least one epoch boundary
+    assert got == _stream(n, seed, (0, cut * g), [g2] * 8)
+    assert resumed[0].consumed_samples == cut * g + 8 * g2
+
+
+def test_an_old_format_state_resumes_as_before():
+    """A state without epoch_samples (checkpoints written before it was recorded): its
+    position is found from consumed_samples at its own global batch, so it resumes as it did,
+    at that global batch or another; at an epoch's end it starts the next epoch."""
+    old = {"consumed_samples": 14 * 6, "epoch": 2, "global_batch_size": 6, "seed": 9,
+           "dataset_len": 40, "shuffle": True}  # 6 batches of 6 per epoch: epoch 2, sample 12
+    same = GlobalBatchSampler(40, 6, 1, 1, 0, seed=9)
+    same.load_state_dict(old)
+    assert _epoch(same) == _epoch(GlobalBatchSampler(40, 6, 1, 1, 0, seed=9,
+                                                     consumed_samples=14 * 6))
+    assert same.epoch == 3 and same.consumed_samples == 18 * 6
+    other = GlobalBatchSampler(40, 4, 1, 1, 0, seed=9)
+    other.load_state_dict(old)
+    assert _take([other], 8) == _stream(40, 9, (2, 12), [4] * 8)
+    at_end = GlobalBatchSampler(40, 8, 1, 1, 0, seed=9)
+    at_end.load_state_dict({**old, "consumed_samples": 36, "epoch": 1})
+    assert at_end.position == (1, 0)
+    with pytest.raises(ValueError, match="the state is corrupt"):
+        at_end.load_state_dict({**old, "epoch": 3})
 
 
 def test_clear_errors():

@@ -171,6 +171,15 @@ def test_a_record_of_another_model_is_refused(recorded, tmp_path, capfd):
              "record of another model", "n_layer 2 recorded, 4 here")
 
 
+def test_a_replay_at_another_global_batch_is_refused(recorded, capfd):
+    """A resumed run may change the global batch (its data order continues), a replay may not:
+    the recorded step's samples are the checkpoint's global batch's."""
+    _refused(capfd, ["--load", str(recorded / "step_00000002"), "--replay", "3",
+                     "--global-batch-size", "16", "--no-progress"],
+             "--global-batch-size 16 with --replay 3", "global batches of 8",
+             "drop --global-batch-size")
+
+
 def test_a_replay_under_another_loss_mean_is_refused(recorded, tmp_path, capfd):
     """A record says which --loss-mean made its step; a replay under the other one is refused
     before any worker starts (its gradients differ by design, and the replay would blame a

@@ -9,7 +9,7 @@ samples, a new one each time the dataset is exhausted (a dataset weighted above 
 the data is repeated, as in Megatron-LM). So the blend is already shuffled: the global batch
 sampler takes it in order (and splits it over data-parallel ranks as usual), which keeps the
 proportions in every global batch. Nothing depends on the parallel layout, and since the blend
-is a fixed sequence, resuming from ``consumed_samples`` is exact.
+is a fixed sequence, resuming from the sampler's saved position is exact (at any global batch).
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """Deterministic global batches, identical whatever the parallel layout.
 
 The sample stream of epoch ``e`` is ``numpy.random.default_rng(seed + e).permutation(N)``
-(``range(N)`` when ``shuffle=False``), cut into global batches of ``G`` samples; the last
-incomplete global batch of each epoch is dropped.  Data-parallel rank ``r`` of ``dp``
-takes the contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of each global batch, cut into
-micro-batches of ``micro_batch_size``.  The content of global batch ``k`` depends only on
-``(N, G, seed, shuffle)`` -- never on ``dp``, the micro-batch size or the rank.
+(``range(N)`` when ``shuffle=False``), taken ``G`` samples at a time as global batches; when
+fewer than ``G`` samples of the epoch are left they are dropped and epoch ``e + 1`` starts.
+Data-parallel rank ``r`` of ``dp`` takes the contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of each
+global batch, cut into micro-batches of ``micro_batch_size``.  The stream depends only on
+``(N, seed, shuffle)``, and its cut into global batches on ``G`` -- never on ``dp``, the
+micro-batch size or the rank.  A resumed run may take another ``G``: it continues the stream
+from the saved position (the next ``G`` samples of the current epoch).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch
 class GlobalBatchSampler:
     """Yields, per global batch, this rank's micro-batches (each a list of sample indices).
 
-    Iterating runs to the end of the current epoch; iterate again for the next epoch.
-    ``consumed_samples`` counts whole global batches handed out so far (all ranks), and is
-    advanced *before* a batch is yielded, so a checkpoint saved after training on a batch
-    resumes with the next one.
+    Iterating runs to the end of the current epoch; iterate again for the next epoch. The
+    stream's position (the epoch, and how many samples of its order were taken) and
+    ``consumed_samples`` (samples handed out so far, all ranks and epochs) are advanced *before*
+    a batch is yielded, so a checkpoint saved after training on a batch resumes with the next
+    one. ``consumed_samples`` given to the constructor is a position reached at this global
+    batch size.
     """
 
     def __init__(
@@ -63,8 +67,8 @@ class GlobalBatchSampler:
         self.dp_rank = int(dp_rank)
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
-        self._check_consumed(consumed_samples)
         self.consumed_samples = int(consumed_samples)
+        self._epoch, self._taken = self._position_at(self.consumed_samples, global_batch_size)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -77,9 +81,16 @@ class GlobalBatchSampler:
         return self.batches_per_epoch * self.global_batch_size
 
     @property
+    def position(self) -> tuple[int, int]:
+        """Where the next global batch starts: (epoch, index into that epoch's order)."""
+        if self._taken + self.global_batch_size > self.dataset_len:  # the epoch's rest dropped
+            return self._epoch + 1, 0
+        return self._epoch, self._taken
+
+    @property
     def epoch(self) -> int:
         """The epoch the next global batch comes from."""
-        return self.consumed_samples // self.samples_per_epoch
+        return self.position[0]
 
     @property
     def micro_batches_per_rank(self) -> int:
@@ -113,29 +124,34 @@ class GlobalBatchSampler:
         return [mine[j : j + m] for j in range(0, per_rank, m)]
 
     def __iter__(self) -> Iterator[list[list[int]]]:
-        epoch = self.epoch
+        epoch, start = self.position
         order = self.epoch_order(epoch)
         g = self.global_batch_size
-        k = (self.consumed_samples - epoch * self.samples_per_epoch) // g
-        while k < self.batches_per_epoch and self.epoch == epoch:
-            batch = order[k * g : (k + 1) * g].tolist()
+        # until the epoch ends (the position moves on to the next one) or the state is reloaded
+        while self.position == (epoch, start):
+            self._epoch, self._taken = epoch, start + g
             self.consumed_samples += g
-            k += 1
-            yield self.rank_micro_batches(batch)
+            yield self.rank_micro_batches(order[start : start + g].tolist())
+            start += g
 
-    def _check_consumed(self, consumed: int) -> None:
-        if consumed < 0 or consumed % self.global_batch_size != 0:
+    def _position_at(self, consumed: int, global_batch_size: int) -> tuple[int, int]:
+        """(epoch, samples of its order taken) after `consumed` samples drawn at one global
+        batch size from the start."""
+        if consumed < 0 or consumed % global_batch_size != 0:
             raise ValueError(
                 f"consumed_samples {consumed} is not a non-negative multiple of the global batch "
-                f"size {self.global_batch_size}; resume with the global batch size of the "
-                f"checkpoint"
+                f"size {global_batch_size}"
             )
+        per_epoch = self.dataset_len // global_batch_size * global_batch_size
+        return consumed // per_epoch, consumed % per_epoch
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able resume state."""
+        """JSON-able resume state: the stream's position (``epoch``, and ``epoch_samples`` of
+        its order taken, at most ``dataset_len``) and the samples consumed in all."""
         return {
             "consumed_samples": self.consumed_samples,
-            "epoch": self.epoch,
+            "epoch": self._epoch,
+            "epoch_samples": self._taken,
             "global_batch_size": self.global_batch_size,
             "seed": self.seed,
             "dataset_len": self.dataset_len,
@@ -143,22 +159,33 @@ class GlobalBatchSampler:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict`; the next global batch is the one after the saved
-        position."""
-        for key in ("global_batch_size", "seed", "dataset_len", "shuffle"):
+        """Resume from :meth:`state_dict` (of any global batch size): the next global batch is
+        the next ``global_batch_size`` samples of the stream after the saved position. A state
+        without ``epoch_samples`` (written before it was recorded) is a position reached at
+        its own global batch size, found from ``consumed_samples``."""
+        for key in ("seed", "dataset_len", "shuffle"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"sampler state has {key}={state[key]!r} but this sampler has "
-                    f"{getattr(self, key)!r}; resume with the same data and batch settings"
+                    f"{getattr(self, key)!r}; resume with the same data and seed"
                 )
         consumed = int(state["consumed_samples"])
-        self._check_consumed(consumed)
-        self.consumed_samples = consumed
-        if "epoch" in state and int(state["epoch"]) != self.epoch:
-            raise ValueError(
-                f"sampler state says epoch {state['epoch']} but consumed_samples {consumed} "
-                f"implies epoch {self.epoch}; the state is corrupt"
-            )
+        if "epoch_samples" in state:
+            epoch, taken = int(state["epoch"]), int(state["epoch_samples"])
+            if epoch < 0 or not 0 <= taken <= self.dataset_len:
+                raise ValueError(
+                    f"sampler state says {taken} samples of epoch {epoch} were taken, of "
+                    f"{self.dataset_len}; the state is corrupt"
+                )
+        else:
+            saved = int(state.get("global_batch_size", self.global_batch_size))
+            epoch, taken = self._position_at(consumed, saved)
+            if "epoch" in state and int(state["epoch"]) != epoch:
+                raise ValueError(
+                    f"sampler state says epoch {state['epoch']} but consumed_samples {consumed} "
+                    f"implies epoch {epoch}; the state is corrupt"
+                )
+        self.consumed_samples, self._epoch, self._taken = consumed, epoch, taken
 
 
 def collate(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -503,16 +503,13 @@ def _build_one(cfg: TrainConfig, prefix: str, model_type: str, notes: list[str] 
 def planned_samples(sampler: GlobalBatchSampler, steps: int):
     """Indices of the samples `steps` global batches from the sampler's position draw."""
 
-    want, out = steps * sampler.global_batch_size, []
-    start, epoch = sampler.consumed_samples, 0
-    while want > 0:
-        order = sampler.epoch_order(epoch)[: sampler.samples_per_epoch]
-        skip = min(start, len(order))
-        take = order[skip : skip + want]
-        out.append(take)
-        start -= skip
-        want -= len(take)
-        epoch += 1
+    g, out = sampler.global_batch_size, []
+    epoch, start = sampler.position
+    while steps > 0:
+        take = min(steps, (sampler.dataset_len - start) // g)  # >= 1: a position has a batch
+        out.append(sampler.epoch_order(epoch)[start : start + take * g])
+        steps -= take
+        epoch, start = epoch + 1, 0
     return np.concatenate(out)
 
 

@@ -183,6 +183,13 @@ class Trainer:
             )
         elif saved_order:
             self.sampler.load_state_dict(saved_order)
+            saved_batch = saved_order.get("global_batch_size", self.sampler.global_batch_size)
+            if saved_batch != self.sampler.global_batch_size:
+                epoch, sample = self.sampler.position
+                self.notes.append(
+                    f"global batch {self.sampler.global_batch_size} (the checkpoint's: "
+                    f"{saved_batch}): the data order continues at sample {sample} of epoch {epoch}"
+                )
         how = (
             f"resharded from {state.layout}"
             if state.resharded

@@ -271,8 +271,9 @@ def _check_injection(
 
 def _check_resumed_batch(cfg: TrainConfig, dp: int) -> None:
     """UsageError for a resumed run whose dp does not divide the checkpoint's global batch
-    (which it keeps: its data order continues), naming the dp values and micro-batch sizes that
-    do; nothing for a global batch given or of a fresh run."""
+    (which it keeps when --global-batch-size is not given), naming the dp values and micro-batch
+    sizes that do, and the global batch sizes this dp takes; nothing for a global batch given
+    or of a fresh run."""
     if "global_batch_size" not in getattr(cfg, "from_checkpoint", ()):
         return
     gbs, mbs = cfg.global_batch_size, cfg.micro_batch_size
@@ -283,10 +284,11 @@ def _check_resumed_batch(cfg: TrainConfig, dp: int) -> None:
         fixes.append(f"--micro-batch-size {' / '.join(map(str, sizes[-3:]))} at dp {dp}")
     if not fixes:
         fixes.append(f"a dp that divides {gbs} and a --micro-batch-size that divides {gbs} / dp")
+    fixes.append(f"--global-batch-size a multiple of {mbs * dp} (the data order continues)")
     raise UsageError(
         f"{named(cfg, 'global_batch_size')} is not divisible by micro-batch size {mbs} x "
-        f"dp {dp} = {mbs * dp}, and a resumed run keeps its checkpoint's global batch (its "
-        f"data order continues); choose {', or '.join(fixes)}"
+        f"dp {dp} = {mbs * dp}, and a resumed run keeps its checkpoint's global batch unless "
+        f"--global-batch-size is given; choose {', or '.join(fixes)}"
     )
 
 
@@ -317,6 +319,13 @@ def _check_replay(cfg: TrainConfig, manifest: dict | None, config, notes: list[s
         raise UsageError(
             f"{held}--replay {cfg.replay} re-runs a step from a checkpoint: give --load "
             f"CKPT (one saved at or before step {cfg.replay - 1})"
+        )
+    trained = ((manifest.get("meta") or {}).get("sampler") or {}).get("global_batch_size")
+    if trained is not None and cfg.global_batch_size != trained:
+        raise UsageError(
+            f"--global-batch-size {cfg.global_batch_size} with --replay {cfg.replay}: a replay "
+            f"re-runs the recorded step on its samples, and --load {cfg.load} trained on global "
+            f"batches of {trained}; drop --global-batch-size (the checkpoint's is taken)"
         )
     if not start < cfg.replay <= cfg.max_steps:
         raise UsageError(

@@ -385,10 +385,10 @@ def _data_exists(data) -> bool:
 
 def check_resumable(cfg, manifest: dict, train_len: int) -> None:
     """The checkpoint's data order can continue: same number of training samples (unless
-    --allow-data-change: the order then starts anew), global batch and seed as when it was
-    saved."""
+    --allow-data-change: the order then starts anew) and seed as when it was saved. Another
+    global batch continues it (the next samples of the epoch, cut into the new size)."""
     state = (manifest.get("meta") or {}).get("sampler") or {}
-    ours = {"dataset_len": train_len, "global_batch_size": cfg.global_batch_size, "seed": cfg.seed}
+    ours = {"dataset_len": train_len, "seed": cfg.seed}
     diff = [
         k
         for k in ours
@@ -399,16 +399,16 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
         other = (
             ", or pass --allow-data-change to continue on this data on purpose (its data "
             "order starts anew)"
-            if diff == ["dataset_len"]  # it does not continue another seed or global batch
+            if diff == ["dataset_len"]  # it does not continue another seed
             else ""
         )
         saved = {
             **((manifest.get("meta") or {}).get("train_config") or {}),
-            **{k: state[k] for k in ("global_batch_size", "seed") if k in diff},
+            **({"seed": state["seed"]} if "seed" in diff else {}),
         }
         changed = [
             k
-            for k in ("data", "seq_len", "val_fraction", "global_batch_size", "seed")
+            for k in ("data", "seq_len", "val_fraction", "seed")
             if (k in diff or "dataset_len" in diff)
             and saved.get(k) is not None
             and not _same_value(k, saved[k], getattr(cfg, k))
@@ -427,8 +427,8 @@ def check_resumable(cfg, manifest: dict, train_len: int) -> None:
             )
         raise UsageError(
             f"--load {cfg.load} cannot continue its data order: {shown}; resume "
-            f"with the --data, --seq-len, --val-fraction, --global-batch-size and "
-            f"--seed it was saved with (left out, they are the checkpoint's)"
+            f"with the --data, --seq-len, --val-fraction and --seed it was saved "
+            f"with (left out, they are the checkpoint's)"
             f"{other}"
         )
 
