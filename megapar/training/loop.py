@@ -112,9 +112,6 @@ class Trainer:
         forget_loaded()  # the run's tokenizer, loaded once for its planning and datasets
         self.sampler = make_sampler(cfg, self.train_ds, mesh.dp, mesh.dp_rank)
         self.notes: list[str] = [engine.fp8_summary] if engine.fp8_summary else []
-        if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see
-            self.notes.append(self.train_ds.describe(planned_samples(self.sampler, cfg.max_steps)))
-
         resume = bool(cfg.load and (cfg.load_strict or has_checkpoint(cfg.load)))
         if cfg.load and not resume:
             self.notes.append(
@@ -129,6 +126,10 @@ class Trainer:
         if resume:
             assert cfg.load is not None  # resume: --load names a checkpoint
             self._resume(cfg.load)
+        if isinstance(self.train_ds, BlendedDataset):  # the proportions this run will see: its
+            # steps from the sampler's position (a resumed run's, where the checkpoint left it)
+            planned = planned_samples(self.sampler, cfg.max_steps - self.step)
+            self.notes.append(self.train_ds.describe(planned))
         self.n_params, allocated = _num_params(self.model, mesh)
         self.flops_per_token = training_flops_per_token(self.config, cfg.seq_len)
         """MFU's numerator per token: the model's matmul FLOPs (`megapar.models.flops`, what
