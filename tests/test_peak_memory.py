@@ -154,9 +154,10 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 
 def test_each_zero_stage_lowers_the_peak_and_the_planner_predicts_it(launch):
-    """GPT-2 124M at dp 2, 64 tokens, one step, ZeRO 0 / 1 / 2 / 3, each stage run twice in
-    turn and its lower peak taken (noise only ever adds to a peak: 2,299 and 2,371 MiB at ZeRO-0
-    on one afternoon).
+    """GPT-2 124M at dp 2, 64 tokens, one step, ZeRO 0 / 1 / 2 / 3, each stage run once; where a
+    check below fails, every stage is run again in turn and its lower peak taken (noise only
+    ever adds to a peak: 2,299 and 2,371 MiB at ZeRO-0 on one afternoon), and the checks must
+    hold then.
 
     ZeRO-1 holds half the Adam state; the OS must see the peak fall by at least half of what
     that saves. It rose before: every reduce-scatter's copy of its bucket was held to the end of
@@ -174,18 +175,35 @@ def test_each_zero_stage_lowers_the_peak_and_the_planner_predicts_it(launch):
     a first step's heap did not grow in the runs read (docs). Measured 2026-11-30 (load 8-10):
     2,291 / 1,825 / 1,630 / 1,502 MiB against 2,323 / 1,848 / 1,611 / 1,577 planned (1.014 /
     1.013 / 0.988 / 1.050)."""
-    runs = [launch(_peak_rise, zero, 1, GPT2_124M, 64) for _ in range(2) for zero in ZERO_STAGES]
-    n = len(ZERO_STAGES)
-    lower = [[min(a, b, key=lambda rank: rank[0]) for a, b in zip(runs[z], runs[z + n])]
-             for z in ZERO_STAGES]
+    def run() -> list:  # per stage, per rank: (peak rise, Adam state, gradients held)
+        return [launch(_peak_rise, zero, 1, GPT2_124M, 64) for zero in ZERO_STAGES]
+
+    runs = run()
+    problems = _zero_stage_problems(runs)
+    if problems:  # a second run of every stage, each rank's lower peak taken
+        runs = [[min(a, b, key=lambda rank: rank[0]) for a, b in zip(first, second)]
+                for first, second in zip(runs, run())]
+        problems = _zero_stage_problems(runs)
+    assert not problems, problems
+
+
+def _zero_stage_problems(lower: list) -> list:
+    """What `test_each_zero_stage_lowers_the_peak_and_the_planner_predicts_it` finds wrong in
+    its runs (per ZeRO stage, per rank: peak rise, Adam state, gradients held)."""
+    problems = []
     peak = [max(r for r, _, _ in ranks) for ranks in lower]
     saved = lower[0][0][1] - lower[1][0][1]  # counted: half of Adam's moments
-    assert saved > 400 * 2**20, saved
-    assert peak[1] - peak[0] < -saved / 2, ("zero 1", peak[1] - peak[0], saved)
+    assert saved > 400 * 2**20, saved  # counted, not measured: no noise
+    if not peak[1] - peak[0] < -saved / 2:
+        problems.append(("zero 1", peak[1] - peak[0], saved))
     saved = lower[1][0][2] - lower[2][0][2]  # counted: half of the gradient buffer
     assert saved > 200 * 2**20, saved
-    assert peak[2] - peak[1] < -saved / 2, ("zero 2", peak[2] - peak[1], saved)
-    assert peak[3] < peak[2], ("zero 3", peak[3], peak[2])
+    if not peak[2] - peak[1] < -saved / 2:
+        problems.append(("zero 2", peak[2] - peak[1], saved))
+    if not peak[3] < peak[2]:
+        problems.append(("zero 3", peak[3], peak[2]))
     for zero in ZERO_STAGES:
         planned = _planned(zero, GPT2_124M, 64)
-        assert abs(planned / peak[zero] - 1) <= 0.10, (zero, peak[zero] / 2**20, planned / 2**20)
+        if not abs(planned / peak[zero] - 1) <= 0.10:
+            problems.append((zero, peak[zero] / 2**20, planned / 2**20))
+    return problems
