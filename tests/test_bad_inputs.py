@@ -848,6 +848,68 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
         parse_args(["--config", str(config)])
 
 
+OTHER_TOOLS = [
+    # difflib's guesses were unrelated flags: --data-cache, --world-size, --no-offload-optimizer
+    ("train", ["--data-path", "x"], "--data-path: did you mean --data?"),
+    ("train", ["--hidden-size", "64"], "--hidden-size: a model's sizes come from --model"),
+    ("train", ["--no-load-optim"], "--no-load-optim: megapar-train's --load resumes the "
+     "optimizer state too; to start from a checkpoint's weights alone, export it"),
+    ("train", ["--recompute-activations"], "did you mean --recompute selective?"),
+    ("train", ["--learning_rate", "1e-3"], "--learning_rate: did you mean --lr?"),
+    # megapar-eval has no --cp / --dp (was "did you mean --tp?"), no --model, no --from-hf
+    ("eval", ["--load", "ck", "--cp", "2"], "--cp: megapar-eval has no context parallelism"),
+    ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --pp processes"),
+    ("eval", ["--load", "ck", "--model", "m"], "--model: the model is the checkpoint's (--load)"),
+    ("eval", ["--load", "ck", "--from-hf", "d"], "import the directory first (megapar-convert "
+     "--from-hf HF_DIR CKPT), then --load CKPT"),
+    ("convert", ["a", "b", "--target-tensor-parallel-size", "2"], "did you mean --tp?"),
+    ("convert", ["a", "b", "--model-type", "GPT"], "--model-type: the model is the source's own"),
+]
+
+
+@pytest.mark.parametrize(
+    "tool, argv, message", OTHER_TOOLS, ids=[" ".join([t, *a]) for t, a, _ in OTHER_TOOLS]
+)
+def test_another_tools_flag_is_answered_with_what_to_do(tool, argv, message, capsys):
+    """Megatron-LM's, torchtitan's, DeepSpeed's and Hugging Face Trainer's flags, and
+    megapar-train's that megapar-eval lacks, get one line saying what to do instead."""
+    import importlib
+
+    main = importlib.import_module(f"megapar.cli.{tool}").main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    line = _one_line(capsys, f"megapar-{tool}")
+    assert exc.value.code == 2 and message in line, line
+    assert "did you mean --no-offload" not in line and "--world-size" not in line, line
+
+
+MISSING_VALUE = [
+    ("train", ["--recompute"], "expected one argument; give it one of its values: "
+     "--recompute none|selective|full"),
+    ("train", ["--seq-len", "--max-steps", "2"], "expected one argument; give its value: "
+     "--seq-len SEQ_LEN"),
+    ("eval", ["--load", "ck", "--max-batches"], "give its value: --max-batches MAX_BATCHES"),
+    ("convert", ["ck", "--to-hf"], "give its value: --to-hf HF_DIR"),
+    ("bubble", ["-m"], "argument --microbatches/-m: expected one argument; give its value: "
+     "--microbatches MICROBATCHES"),
+]
+
+
+@pytest.mark.parametrize(
+    "tool, argv, message", MISSING_VALUE, ids=[" ".join([t, *a]) for t, a, _ in MISSING_VALUE]
+)
+def test_a_flag_without_its_value_names_the_value(tool, argv, message, capsys):
+    """A flag given without its value (argparse: "expected one argument") names the value it
+    takes: its choices, or its placeholder, in the same one line (exit 2)."""
+    import importlib
+
+    main = importlib.import_module(f"megapar.cli.{tool}").main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    line = _one_line(capsys, f"megapar-{tool}")
+    assert exc.value.code == 2 and message in line, line
+
+
 STRAY = [
     # the checkpoint as a positional: was "the following arguments are required: --load"
     ("eval", ["ck"], "unexpected argument 'ck': pass the checkpoint as --load ck"),

@@ -42,6 +42,16 @@ from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser, shell_word
 
+OTHER_FLAGS = {
+    "--target-tensor-parallel-size": "--tp",
+    "--target-pipeline-parallel-size": "--pp",
+    "--load-dir": "the source is the first PATH: megapar-convert SRC DST",
+    "--save-dir": "the destination is the second PATH: megapar-convert SRC DST",
+    "--model-type": "the model is the source's own; drop it",
+}
+"""Megatron-LM's checkpoint converter's flags, answered with megapar-convert's way (difflib
+named `--model`, a --from-dcp option, for `--model-type`)."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``megapar-convert`` argument parser."""
@@ -49,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="megapar-convert",
         description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        known_as=OTHER_FLAGS,
     )
     add_layout_arguments(p)
     add_mode_arguments(p)

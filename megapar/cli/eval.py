@@ -60,11 +60,30 @@ LOSS_ONLY = (
 """The options only --data reads (--input-ids gives logits of the ids as they are)."""
 
 
+OTHER_FLAGS = {
+    "--cp": "megapar-eval has no context parallelism (a checkpoint does not depend on it); "
+    "drop it, or use --tp / --pp",
+    "--dp": "megapar-eval runs on --tp x --pp processes, without data parallelism; drop it",
+    "--model": "the model is the checkpoint's (--load); drop it",
+    "--from-hf": "import the directory first (megapar-convert --from-hf HF_DIR CKPT), then "
+    "--load CKPT",
+    "--precision": "megapar-eval computes in float32; drop it",
+    "--tensor-model-parallel-size": "--tp",
+    "--pipeline-model-parallel-size": "--pp",
+    "--eval-iters": "--max-batches",
+    "--eval-steps": "--max-batches",
+    "--data-path": "--data",
+}
+"""megapar-train's and other tools' flags megapar-eval does not take, answered with what to do
+(difflib named unrelated ones: `--cp`, `--dp`: `--tp`)."""
+
+
 def build_parser() -> OneLineParser:
     p = OneLineParser(
         prog="megapar-eval",
         description=__doc__.split("\n")[0],
         stray=(("--load", "the checkpoint"),),
+        known_as=OTHER_FLAGS,
     )
     p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
