@@ -9,7 +9,8 @@
 * a transformers tokenizer directory holding ``tokenizer.json`` (or that file's path): loaded
   offline with the ``tokenizers`` library, exactly as ``AutoTokenizer`` tokenizes text. Its own
   end-of-sequence token (``eos_token`` of ``tokenizer_config.json`` /
-  ``special_tokens_map.json``) is the end-of-document token, and its own beginning-of-sequence
+  ``special_tokens_map.json``; where it names none, its ``sep_token``, as BERT's tokenizers
+  have only that) is the end-of-document token, and its own beginning-of-sequence
   token (``bos_id``), when it has a different one, starts every document in megapar-data
   (``"bos_token": null`` there means none, even with a ``<s>`` in the vocabulary).
 
