@@ -948,3 +948,23 @@ def test_convert_takes_its_paths_on_either_side_of_the_flags(tmp_path, capsys):
 
     assert convert([str(tmp_path / "no_src"), "--tp", "2", str(tmp_path / "dst")]) == 2
     assert "no_src: no such checkpoint directory" in _one_line(capsys, "megapar-convert")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--from-hf", "hf", "out", "--model", "llama-tiny"], "--model names the model of a "
+     "torchtitan checkpoint (--from-dcp) only; here the model is the transformers directory's "
+     "config.json: drop it"),
+    (["ck", "--to-hf", "out", "--job-config", "a.toml"], "--job-config names the model of a "
+     "torchtitan checkpoint (--from-dcp) only; here the model is the checkpoint's: drop it"),
+])
+def test_convert_names_the_dcp_only_flag_that_was_given(argv, message, tmp_path, monkeypatch,
+                                                         capsys):
+    """`megapar-convert --from-hf HF OUT --model M` said "--job-config and --model are used only
+    with --from-dcp", naming a flag the user had not given and not where the model comes from."""
+    from megapar.cli.convert import main as convert_main
+
+    monkeypatch.chdir(tmp_path)
+    assert convert_main(argv) == 2
+    line = _one_line(capsys, "megapar-convert")
+    assert message in line, line
+    assert list(tmp_path.iterdir()) == []

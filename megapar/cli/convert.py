@@ -259,7 +259,19 @@ def _check_modes(args) -> None:
             "--from-hf, --to-hf, --from-dcp, --to-dcp and --info are separate modes; give one"
         )
     if (args.job_config or args.model) and not args.from_dcp:
-        raise ValueError("--job-config and --model are used only with --from-dcp")
+        given = " and ".join(
+            f for f, v in (("--job-config", args.job_config), ("--model", args.model)) if v
+        )
+        source = (
+            "the model is the transformers directory's config.json"
+            if args.from_hf
+            else "the model is the checkpoint's"
+        )
+        one = " and " not in given
+        raise ValueError(
+            f"{given} name{'s' if one else ''} the model of a torchtitan checkpoint "
+            f"(--from-dcp) only; here {source}: drop {'it' if one else 'them'}"
+        )
     _check_unused_options(args)
 
 
