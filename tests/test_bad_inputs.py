@@ -864,6 +864,11 @@ OTHER_TOOLS = [
      "--from-hf HF_DIR CKPT), then --load CKPT"),
     ("convert", ["a", "b", "--target-tensor-parallel-size", "2"], "did you mean --tp?"),
     ("convert", ["a", "b", "--model-type", "GPT"], "--model-type: the model is the source's own"),
+    # megapar-plan: "--tp: did you mean --top?"
+    ("plan", ["--model", "llama-1b", "--tp", "2"], "--tp: megapar-plan ranks every layout "
+     "itself; to check one, give it to --explain (e.g. --explain tp=2,pp=2,cp=2,mbs=1)"),
+    ("plan", ["--model", "llama-1b", "--cp", "2"], "--cp: did you mean --cp-sizes?"),
+    ("plan", ["--model", "llama-1b", "--data", "d"], "--data: megapar-plan needs no data"),
 ]
 
 
@@ -881,6 +886,21 @@ def test_another_tools_flag_is_answered_with_what_to_do(tool, argv, message, cap
     line = _one_line(capsys, f"megapar-{tool}")
     assert exc.value.code == 2 and message in line, line
     assert "did you mean --no-offload" not in line and "--world-size" not in line, line
+    assert "did you mean --top" not in line and "did you mean --today" not in line, line
+
+
+@pytest.mark.parametrize("tool", ["eval", "convert", "plan"])
+def test_each_commands_other_flags_are_not_its_own_and_name_its_flags(tool):
+    """A flag in a command's `OTHER_FLAGS` is not one of its own (it would never be looked up),
+    and one answered as "did you mean" names flags the command has."""
+    import importlib
+
+    module = importlib.import_module(f"megapar.cli.{tool}")
+    known = module.build_parser()._option_string_actions
+    for other, ours in module.OTHER_FLAGS.items():
+        assert other not in known, other
+        if ours.startswith("--"):
+            assert all(w in known for w in ours.split() if w.startswith("--")), ours
 
 
 MISSING_VALUE = [
