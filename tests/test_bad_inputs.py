@@ -869,6 +869,11 @@ OTHER_TOOLS = [
      "itself; to check one, give it to --explain (e.g. --explain tp=2,pp=2,cp=2,mbs=1)"),
     ("plan", ["--model", "llama-1b", "--cp", "2"], "--cp: did you mean --cp-sizes?"),
     ("plan", ["--model", "llama-1b", "--data", "d"], "--data: megapar-plan needs no data"),
+    # Megatron's preprocess_data.py: "--vocab-file: did you mean --vocab-size?"
+    ("data", ["--input", "a", "--vocab-file", "v.json"], "--vocab-file: did you mean --tokenizer?"),
+    ("data", ["--input", "a", "--append-eod"], "--append-eod: megapar-data always ends each "
+     "document with the end-of-document token; drop it"),
+    ("bubble", ["--stages", "4"], "--stages: did you mean --pp?"),
 ]
 
 
@@ -889,7 +894,7 @@ def test_another_tools_flag_is_answered_with_what_to_do(tool, argv, message, cap
     assert "did you mean --top" not in line and "did you mean --today" not in line, line
 
 
-@pytest.mark.parametrize("tool", ["eval", "convert", "plan"])
+@pytest.mark.parametrize("tool", ["eval", "convert", "plan", "data", "bubble"])
 def test_each_commands_other_flags_are_not_its_own_and_name_its_flags(tool):
     """A flag in a command's `OTHER_FLAGS` is not one of its own (it would never be looked up),
     and one answered as "did you mean" names flags the command has."""
