@@ -407,6 +407,10 @@ def test_eval_reads_a_megatron_dataset_written_by_megapar(tmp_path, corpus, caps
     assert (f"megapar-eval: --seq-len not given and --load {ckpt} records none (it was not "
             "trained by megapar-train): using the model's 64 positions (megapar-train's "
             "default 128, capped at them); give --seq-len N for another") in out.err, out.err
+    # a refusal after that default stays one line: the note came first, then the error
+    assert evaluate(["--load", str(ckpt), "--data", str(root / "sample.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "records no tokenizer to tokenize it" in err, err
     assert evaluate([*args, "--data", megatron]) == 2  # which tokenizer made it: one line
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "name the tokenizer it was made with" in err, err

@@ -59,10 +59,11 @@ def check_eval_args(args) -> dict:
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
     positions = config.max_positions
+    note = None  # said once every check has passed: a refusal stays one line
     if args.data and args.seq_len is None:  # the checkpoint's, as megapar-train --load takes it
         args.seq_len = ((manifest.get("meta") or {}).get("train_config") or {}).get("seq_len")
         if args.seq_len is None:
-            args.seq_len = untrained_seq_len(args.load, positions)
+            args.seq_len, note = untrained_seq_len(args.load, positions)
     if args.seq_len and args.seq_len > positions:
         raise UsageError(
             f"--seq-len {args.seq_len} exceeds the model's {positions} positions; lower --seq-len"
@@ -94,6 +95,8 @@ def check_eval_args(args) -> dict:
         _check_batches(args, indexed, tokenizer, causal)
     if args.input_ids:
         _check_ids_file(args.input_ids, positions)
+    if note:
+        print(note, file=sys.stderr)
     return manifest
 
 
@@ -133,10 +136,10 @@ def _how_to_write_ids(path: str, head: bytes) -> str:
     return "write one with np.save('ids.npy', np.asarray(ids, dtype=np.int64))"
 
 
-def untrained_seq_len(load: str, positions: int) -> int:
+def untrained_seq_len(load: str, positions: int) -> tuple[int, str]:
     """--seq-len for a checkpoint that records none (imported by megapar-convert --from-hf, not
     trained by megapar-train): megapar-train's default, capped at the model's `positions` as
-    megapar-train caps it; said on stderr."""
+    megapar-train caps it, and the note that says so (printed once the arguments pass)."""
     default = TrainConfig.seq_len
     seq_len = min(default, positions)
     why = (
@@ -144,12 +147,10 @@ def untrained_seq_len(load: str, positions: int) -> int:
         if seq_len < default
         else f"megapar-train's default {default}"
     )
-    print(
+    return seq_len, (
         f"megapar-eval: --seq-len not given and --load {load} records none (it was not trained "
-        f"by megapar-train): using {why}; give --seq-len N for another",
-        file=sys.stderr,
+        f"by megapar-train): using {why}; give --seq-len N for another"
     )
-    return seq_len
 
 
 def load_input_ids(path: str, mmap: bool = False) -> np.ndarray:
