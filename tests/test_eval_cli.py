@@ -411,6 +411,13 @@ def test_eval_reads_a_megatron_dataset_written_by_megapar(tmp_path, corpus, caps
     assert evaluate(["--load", str(ckpt), "--data", str(root / "sample.txt")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "records no tokenizer to tokenize it" in err, err
+    gpt2 = str(tmp_path / "gpt2")  # ids beyond the model's vocabulary: refused, one line
+    assert data_main(["--input", str(root / "sample.txt"), "--output-prefix", gpt2,
+                      "--split-lines", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert evaluate(["--load", str(ckpt), "--data", gpt2]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "outside the model's vocabulary" in err, err
     assert evaluate([*args, "--data", megatron]) == 2  # which tokenizer made it: one line
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "name the tokenizer it was made with" in err, err

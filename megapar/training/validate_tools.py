@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import sys
 
 import numpy as np
 
@@ -44,7 +43,9 @@ from megapar.training.validate_resume import checkpoint_manifest
 
 # --- megapar-eval ----------------------------------------------------------------------------
 def check_eval_args(args) -> dict:
-    """Check megapar-eval's arguments and checkpoint; returns the checkpoint's manifest."""
+    """Check megapar-eval's arguments and checkpoint; returns the checkpoint's manifest. Sets
+    ``args.seq_len_note``: the line saying which --seq-len a checkpoint that records none gets
+    (None otherwise), for the caller to print once its own checks pass."""
 
     for name in ("tp", "pp", "micro_batch_size", "max_batches", "seq_len"):
         value = getattr(args, name)
@@ -59,7 +60,7 @@ def check_eval_args(args) -> dict:
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
     positions = config.max_positions
-    note = None  # said once every check has passed: a refusal stays one line
+    note = None  # said once every check has passed (a refusal stays one line)
     if args.data and args.seq_len is None:  # the checkpoint's, as megapar-train --load takes it
         args.seq_len = ((manifest.get("meta") or {}).get("train_config") or {}).get("seq_len")
         if args.seq_len is None:
@@ -95,8 +96,7 @@ def check_eval_args(args) -> dict:
         _check_batches(args, indexed, tokenizer, causal)
     if args.input_ids:
         _check_ids_file(args.input_ids, positions)
-    if note:
-        print(note, file=sys.stderr)
+    args.seq_len_note = note  # megapar-eval prints it once its own checks pass too
     return manifest
 
 
@@ -139,7 +139,7 @@ def _how_to_write_ids(path: str, head: bytes) -> str:
 def untrained_seq_len(load: str, positions: int) -> tuple[int, str]:
     """--seq-len for a checkpoint that records none (imported by megapar-convert --from-hf, not
     trained by megapar-train): megapar-train's default, capped at the model's `positions` as
-    megapar-train caps it, and the note that says so (printed once the arguments pass)."""
+    megapar-train caps it, and the note that says so (printed once every argument passed)."""
     default = TrainConfig.seq_len
     seq_len = min(default, positions)
     why = (
