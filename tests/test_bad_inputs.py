@@ -993,3 +993,35 @@ def test_convert_names_the_dcp_only_flag_that_was_given(argv, message, tmp_path,
     line = _one_line(capsys, "megapar-convert")
     assert message in line, line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_model_directory_given_as_text_is_named_as_a_model(tmp_path, capsys):
+    """`megapar-data --input CKPT` read the checkpoint's manifest.json as a document ("the
+    object has no string field 'text'; fix it or pass --jsonl-key", after a note on its
+    .safetensors files), and so did --input / --data HF_DIR with a transformers model's
+    config.json. Each is one line naming what the directory is; nothing is written."""
+    from megapar.cli.data import main as data_main
+    from megapar.training.data import _refuse_what_is_not_text
+
+    ckpt, hf, text = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "text"
+    (ckpt / "step_00000002").mkdir(parents=True)
+    (ckpt / "step_00000002" / "manifest.json").write_text("{}")
+    (ckpt / "step_00000002" / "model_tp0_pp0.safetensors").write_bytes(b"")
+    (ckpt / "latest").write_text("step_00000002")
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    (hf / "model.safetensors").write_bytes(b"")
+    text.mkdir()
+    (text / "config.json").write_text('{"text": "a json document named config.json"}')
+    out = tmp_path / "out" / "x"
+    for given, what in ((ckpt, "a megapar checkpoint"), (ckpt / "step_00000002",
+                        "a megapar checkpoint"), (hf, "a Hugging Face model")):
+        assert data_main(["--input", str(given), "--output-prefix", str(out)]) == 2
+        line = _one_line(capsys, "megapar-data")
+        assert f"input {given} is {what}, not text; pass the text" in line, line
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=f"--data {hf} is a Hugging Face model, not data; "
+                                         f"train from it with megapar-train --from-hf {hf}"):
+        _refuse_what_is_not_text(str(hf))
+    # a directory of text that holds a config.json (no weights beside it) is still text
+    assert data_main(["--input", str(text), "--output-prefix", str(out), "--no-progress"]) == 0
