@@ -94,6 +94,7 @@ OTHER_FLAGS = {
     "--tp": _ONE_LAYOUT,
     "--pp": _ONE_LAYOUT,
     "--dp": _ONE_LAYOUT,
+    "--ep": _ONE_LAYOUT,
     "--cp": "--cp-sizes",
     "--world-size": "--gpus",
     "--num-gpus": "--gpus",
