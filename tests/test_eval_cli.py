@@ -120,6 +120,19 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, c
                "takes at least 5 tokens; raise --seq-len" in _one_error_line(capsys)
         assert evaluate([*data, "--seq-len", "64", "--micro-batch-size", "100000"]) == 2
         assert "MLM samples of 64 tokens, fewer than one batch" in _one_error_line(capsys)
+        # a refused text leaves no copy in --data-cache (the gpt2 one above was left there,
+        # and a text too small to evaluate), as megapar-train's; an earlier run's copy is kept
+        kept = sorted(p.name for p in (tmp_path / "cache").iterdir())
+        assert len(kept) == 3 and all(n.startswith("sample-") for n in kept), kept
+        assert evaluate([*args, "--data", text, "--tokenizer", "sentencepiece", *cache,
+                         "--micro-batch-size", "100000"]) == 2
+        assert "fewer than one batch" in _one_error_line(capsys)
+        tiny = tmp_path / "tiny.txt"
+        tiny.write_text("Shall I compare thee to a summer's day?\n")
+        assert evaluate([*args, "--data", str(tiny), "--tokenizer", "sentencepiece",
+                         *cache]) == 2
+        assert f"--data {tiny} has 1 MLM samples" in _one_error_line(capsys)
+        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == kept
 
 
 @pytest.fixture(scope="module")

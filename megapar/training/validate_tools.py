@@ -27,6 +27,7 @@ from megapar.training.config import TrainConfig
 from megapar.training.data import is_megatron, missing_files
 from megapar.training.eval_text import (
     check_text_options,
+    discard_tokenized,
     is_text,
     text_tokenizer,
     tokenize_text,
@@ -75,29 +76,40 @@ def check_eval_args(args) -> dict:
         if not causal:
             check_mlm_seq_len(args.seq_len)
         args.data_shown = args.data  # messages name the text, not its cached dataset
-        if is_text(args.data):  # tokenized into --data-cache as megapar-train does
-            args.data = tokenize_text(args, manifest, config.vocab_size)
-        missing = [f[len(args.data) :] for f in missing_files(args.data)]
-        if missing:
-            raise UsageError(
-                f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
-                f"written by megapar-data --output-prefix, or raw text (.txt / .jsonl "
-                f"or a directory of them; or a Megatron-LM dataset's prefix, with --tokenizer)"
-            )
-        recorded = (manifest.get("meta") or {}).get("tokenizer")
-        unrecorded = is_megatron(args.data) and not os.path.isfile(args.data + ".json")
-        if not args.tokenizer and unrecorded and isinstance(recorded, dict):
-            # a Megatron-LM dataset records no tokenizer: the checkpoint's, as megapar-train
-            # --load takes it
-            args.tokenizer = text_tokenizer(args, manifest)[0]
-        indexed = IndexedDataset(args.data, args.tokenizer)
-        tokenizer = load_tokenizer(indexed.tokenizer_spec)
-        check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data)
-        _check_batches(args, indexed, tokenizer, causal)
+        tokenized: list[str] = []  # a copy made now goes again when the text is refused
+        try:
+            if is_text(args.data):  # tokenized into --data-cache as megapar-train does
+                args.data = tokenize_text(args, manifest, config.vocab_size, tokenized)
+            _check_data(args, manifest, causal)
+        except BaseException:
+            discard_tokenized(tokenized)
+            raise
     if args.input_ids:
         _check_ids_file(args.input_ids, positions)
     args.seq_len_note = note  # megapar-eval prints it once its own checks pass too
     return manifest
+
+
+def _check_data(args, manifest: dict, causal: bool) -> None:
+    """The checks of --data as a dataset prefix (raw text already tokenized): its files, its
+    tokenizer against the checkpoint's, and one batch's worth of samples."""
+    missing = [f[len(args.data) :] for f in missing_files(args.data)]
+    if missing:
+        raise UsageError(
+            f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
+            f"written by megapar-data --output-prefix, or raw text (.txt / .jsonl "
+            f"or a directory of them; or a Megatron-LM dataset's prefix, with --tokenizer)"
+        )
+    recorded = (manifest.get("meta") or {}).get("tokenizer")
+    unrecorded = is_megatron(args.data) and not os.path.isfile(args.data + ".json")
+    if not args.tokenizer and unrecorded and isinstance(recorded, dict):
+        # a Megatron-LM dataset records no tokenizer: the checkpoint's, as megapar-train
+        # --load takes it
+        args.tokenizer = text_tokenizer(args, manifest)[0]
+    indexed = IndexedDataset(args.data, args.tokenizer)
+    tokenizer = load_tokenizer(indexed.tokenizer_spec)
+    check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data)
+    _check_batches(args, indexed, tokenizer, causal)
 
 
 def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
