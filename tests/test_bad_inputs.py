@@ -841,7 +841,11 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     known = build_parser()._option_string_actions
     for other, ours in OTHER_TOOLS_FLAGS.items():
         assert other not in known, other
-        assert all(w in known for w in ours.split() if w.startswith("--")), ours
+        if ours.startswith("--"):  # "did you mean": megapar-train's own flags
+            assert all(w in known for w in ours.split() if w.startswith("--")), ours
+        else:  # a sentence: it names megapar-train's, or another megapar command's, flags
+            assert all(w.rstrip(",;)") in set(known) | _every_commands_flags()
+                       for w in ours.split() if w.startswith("--")), ours
     config = tmp_path / "run.yaml"
     config.write_text("train_iters: 3\n")
     with pytest.raises(Exception, match="unknown setting 'train_iters'; did you mean --max-steps"):
@@ -874,6 +878,14 @@ OTHER_TOOLS = [
     ("data", ["--input", "a", "--append-eod"], "--append-eod: megapar-data always ends each "
      "document with the end-of-document token; drop it"),
     ("bubble", ["--stages", "4"], "--stages: did you mean --pp?"),
+    # another megapar command's flag: "--vocab-size: did you mean --world-size?", "--to-hf:
+    # did you mean --from-hf?", megapar-eval's "--save: did you mean --seed?"
+    ("train", ["--vocab-size", "100"], "--vocab-size: the vocabulary follows the tokenizer"),
+    ("train", ["--to-hf", "x"], "--to-hf: export the checkpoint after training: "
+     "megapar-convert CKPT --to-hf HF_DIR"),
+    ("eval", ["--load", "ck", "--save", "x"], "--save: megapar-eval writes only the logits"),
+    ("data", ["--data", "a.txt"], "--data: did you mean --input?"),
+    ("convert", ["--load", "a", "--save", "b"], "--load: the source is the first PATH"),
 ]
 
 
@@ -894,10 +906,24 @@ def test_another_tools_flag_is_answered_with_what_to_do(tool, argv, message, cap
     assert "did you mean --top" not in line and "did you mean --today" not in line, line
 
 
+def _every_commands_flags() -> set[str]:
+    """The flags of every megapar command (what a hint may name)."""
+    import importlib
+
+    flags: set[str] = set()
+    for tool in ("train", "eval", "convert", "plan", "data", "bubble"):
+        module = importlib.import_module(f"megapar.cli.{tool}")
+        parser = (module.build_parser if hasattr(module, "build_parser")
+                  else importlib.import_module("megapar.training.config").build_parser)()
+        flags |= set(parser._option_string_actions)
+    return flags
+
+
 @pytest.mark.parametrize("tool", ["eval", "convert", "plan", "data", "bubble"])
 def test_each_commands_other_flags_are_not_its_own_and_name_its_flags(tool):
     """A flag in a command's `OTHER_FLAGS` is not one of its own (it would never be looked up),
-    and one answered as "did you mean" names flags the command has."""
+    one answered as "did you mean" names flags the command has, and a sentence names flags
+    some megapar command has."""
     import importlib
 
     module = importlib.import_module(f"megapar.cli.{tool}")
@@ -906,6 +932,9 @@ def test_each_commands_other_flags_are_not_its_own_and_name_its_flags(tool):
         assert other not in known, other
         if ours.startswith("--"):
             assert all(w in known for w in ours.split() if w.startswith("--")), ours
+        else:
+            assert all(w.rstrip(",;)") in _every_commands_flags()
+                       for w in ours.split() if w.startswith("--")), ours
 
 
 MISSING_VALUE = [

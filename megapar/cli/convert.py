@@ -48,6 +48,8 @@ OTHER_FLAGS = {
     "--load-dir": "the source is the first PATH: megapar-convert SRC DST",
     "--save-dir": "the destination is the second PATH: megapar-convert SRC DST",
     "--model-type": "the model is the source's own; drop it",
+    "--load": "the source is the first PATH: megapar-convert SRC DST",
+    "--save": "the destination is the second PATH: megapar-convert SRC DST",
 }
 """Megatron-LM's checkpoint converter's flags, answered with megapar-convert's way (difflib
 named `--model`, a --from-dcp option, for `--model-type`)."""

@@ -41,6 +41,11 @@ OTHER_FLAGS = {
     "drop it",
     "--dataset-impl": "--format megatron",
     "--output": "--output-prefix",
+    "--data": "--input",
+    "--save": "--output-prefix",
+    "--seq-len": "megapar-data keeps whole documents (megapar-train cuts them into --seq-len "
+    "windows); drop it",
+    "--model": "megapar-data needs only the --tokenizer (a model's vocabulary follows it); drop it",
 }
 """Megatron-LM's preprocess_data.py flags, answered with megapar-data's (difflib named
 `--vocab-size` for `--vocab-file`, which is the size of a tokenizer to train)."""

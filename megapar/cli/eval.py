@@ -73,6 +73,13 @@ OTHER_FLAGS = {
     "--eval-iters": "--max-batches",
     "--eval-steps": "--max-batches",
     "--data-path": "--data",
+    "--input": "--data",
+    "--max-steps": "--max-batches",
+    "--save": "megapar-eval writes only the logits of --input-ids, to --save-logits; drop it",
+    "--lr": "megapar-eval does not train; drop it",
+    "--split-lines": "megapar-eval already reads a .txt as a document per blank-line paragraph; "
+    "drop it",
+    "--output-prefix": "megapar-eval keeps raw text's tokens in --data-cache; drop it",
 }
 """megapar-train's and other tools' flags megapar-eval does not take, answered with what to do
 (difflib named unrelated ones: `--cp`, `--dp`: `--tp`)."""

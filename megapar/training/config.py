@@ -450,6 +450,19 @@ OTHER_TOOLS_FLAGS = {
     "--model_name_or_path": "--from-hf",
     "--nproc_per_node": "--dp",
     "--nproc-per-node": "--dp",
+    # the other megapar commands' flags
+    "--input": "--data",
+    "--split-lines": "megapar-train already reads a .txt as a document per blank-line "
+    "paragraph; drop it",
+    "--output-prefix": "megapar-train keeps raw text's tokens in --data-cache; to write a "
+    "dataset, run megapar-data, then pass its prefix to --data",
+    "--workers": "megapar-data's tokenizer processes; to tokenize a big corpus in parallel, run "
+    "megapar-data first and pass its prefix to --data",
+    "--vocab-size": "the vocabulary follows the tokenizer (or a --model config file's vocab_size)",
+    "--to-hf": "export the checkpoint after training: megapar-convert CKPT --to-hf HF_DIR",
+    "--max-batches": "--eval-steps",
+    "--input-ids": "logits of given ids are megapar-eval's (megapar-eval --load CKPT "
+    "--input-ids IDS.npy --save-logits OUT.npy); drop it",
 }
 """Megatron-LM's, torchtitan's, DeepSpeed's and Hugging Face Trainer's names for megapar-train's
 flags: an unknown flag that is one of them is answered with megapar's (difflib would name an
