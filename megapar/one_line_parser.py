@@ -118,15 +118,36 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(
             2,
-            f"{self.prog}: error: {message}{self._did_you_mean(message)} "
-            f"(see {self.prog} --help)\n",
+            f"{self.prog}: error: {message}{self._did_you_mean(message)}"
+            f"{self._value_wanted(message)} (see {self.prog} --help)\n",
         )
+
+    def _value_wanted(self, message: str) -> str:
+        """For a flag given without its value (`--recompute` at the end of the line, or before
+        another flag), what the value is: its choices (`--recompute none|selective|full`) or
+        its placeholder (`--to-hf TO_HF`), so the line shows the fix, not only the problem."""
+        match = re.fullmatch(r"argument (\S+): expected (?:one|at least one) argument", message)
+        if match is None:
+            return ""
+        spellings = match.group(1).split("/")
+        flag = next((f for f in spellings if f.startswith("--")), spellings[0])
+        action = self._option_string_actions.get(flag)
+        if action is None:
+            return ""
+        if action.choices:
+            return f"; give it one of its values: {flag} {'|'.join(map(str, action.choices))}"
+        metavar = action.metavar or action.dest.upper()
+        shown = metavar if isinstance(metavar, str) else " ".join(metavar)
+        return f"; give its value: {flag} {shown}"
 
     def _did_you_mean(self, message: str) -> str:
         """For unknown flags, the closest known one of each (`--max-step`: `--max-steps`);
         never `--help`, which is no flag's misspelling (`--ep` is as close to it as 0.6). Another
         tool's name for a flag (`known_as`: `--resume` -> `--load`) is named as such, not
-        spelt close to an unrelated flag (`--resume`: `--recompute`)."""
+        spelt close to an unrelated flag (`--resume`: `--recompute`); a `known_as` entry that is
+        not a flag is said as it is (what to do instead: `--cp` to megapar-eval, which has no
+        context parallelism), and an empty one suppresses the guess (`--no-load-optim` is not
+        `--no-offload-optimizer`)."""
         prefix = "unrecognized arguments: "
         if not message.startswith(prefix):
             return ""
@@ -136,7 +157,11 @@ class OneLineParser(argparse.ArgumentParser):
         for token in message[len(prefix) :].split():
             flag = token.split("=", 1)[0]
             if flag in self.known_as:
-                hints.append(f"{flag}: did you mean {self.known_as[flag]}?")
+                ours = self.known_as[flag]
+                if ours.startswith("--"):
+                    hints.append(f"{flag}: did you mean {ours}?")
+                elif ours:
+                    hints.append(f"{flag}: {ours}")
                 continue
             close = difflib.get_close_matches(flag, known, n=1) if flag.startswith("--") else []
             if close:

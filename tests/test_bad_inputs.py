@@ -844,11 +844,127 @@ def test_another_tools_flag_is_answered_with_megapars(tmp_path, capsys):
     known = build_parser()._option_string_actions
     for other, ours in OTHER_TOOLS_FLAGS.items():
         assert other not in known, other
-        assert all(w in known for w in ours.split() if w.startswith("--")), ours
+        if ours.startswith("--"):  # "did you mean": megapar-train's own flags
+            assert all(w in known for w in ours.split() if w.startswith("--")), ours
+        else:  # a sentence: it names megapar-train's, or another megapar command's, flags
+            assert all(w.rstrip(",;)") in set(known) | _every_commands_flags()
+                       for w in ours.split() if w.startswith("--")), ours
     config = tmp_path / "run.yaml"
     config.write_text("train_iters: 3\n")
     with pytest.raises(Exception, match="unknown setting 'train_iters'; did you mean --max-steps"):
         parse_args(["--config", str(config)])
+
+
+OTHER_TOOLS = [
+    # difflib's guesses were unrelated flags: --data-cache, --world-size, --no-offload-optimizer
+    ("train", ["--data-path", "x"], "--data-path: did you mean --data?"),
+    ("train", ["--hidden-size", "64"], "--hidden-size: a model's sizes come from --model"),
+    ("train", ["--no-load-optim"], "--no-load-optim: megapar-train's --load resumes the "
+     "optimizer state too; to start from a checkpoint's weights alone, export it"),
+    ("train", ["--recompute-activations"], "did you mean --recompute selective?"),
+    ("train", ["--learning_rate", "1e-3"], "--learning_rate: did you mean --lr?"),
+    # megapar-eval has no --cp / --dp (was "did you mean --tp?"), no --model, no --from-hf
+    ("eval", ["--load", "ck", "--cp", "2"], "--cp: megapar-eval has no context parallelism"),
+    ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --pp processes"),
+    ("eval", ["--load", "ck", "--model", "m"], "--model: the model is the checkpoint's (--load)"),
+    ("eval", ["--load", "ck", "--from-hf", "d"], "import the directory first (megapar-convert "
+     "--from-hf HF_DIR CKPT), then --load CKPT"),
+    ("convert", ["a", "b", "--target-tensor-parallel-size", "2"], "did you mean --tp?"),
+    ("convert", ["a", "b", "--model-type", "GPT"], "--model-type: the model is the source's own"),
+    # megapar-plan: "--tp: did you mean --top?"
+    ("plan", ["--model", "llama-1b", "--tp", "2"], "--tp: megapar-plan ranks every layout "
+     "itself; to check one, give it to --explain (e.g. --explain tp=2,pp=2,cp=2,mbs=1)"),
+    ("plan", ["--model", "llama-1b", "--cp", "2"], "--cp: did you mean --cp-sizes?"),
+    ("plan", ["--model", "llama-1b", "--data", "d"], "--data: megapar-plan needs no data"),
+    # Megatron's preprocess_data.py: "--vocab-file: did you mean --vocab-size?"
+    ("data", ["--input", "a", "--vocab-file", "v.json"], "--vocab-file: did you mean --tokenizer?"),
+    ("data", ["--input", "a", "--append-eod"], "--append-eod: megapar-data always ends each "
+     "document with the end-of-document token; drop it"),
+    ("bubble", ["--stages", "4"], "--stages: did you mean --pp?"),
+    # another megapar command's flag: "--vocab-size: did you mean --world-size?", "--to-hf:
+    # did you mean --from-hf?", megapar-eval's "--save: did you mean --seed?"
+    ("train", ["--vocab-size", "100"], "--vocab-size: the vocabulary follows the tokenizer"),
+    ("train", ["--to-hf", "x"], "--to-hf: export the checkpoint after training: "
+     "megapar-convert CKPT --to-hf HF_DIR"),
+    ("eval", ["--load", "ck", "--save", "x"], "--save: megapar-eval writes only the logits"),
+    ("data", ["--data", "a.txt"], "--data: did you mean --input?"),
+    ("convert", ["--load", "a", "--save", "b"], "--load: the source is the first PATH"),
+]
+
+
+@pytest.mark.parametrize(
+    "tool, argv, message", OTHER_TOOLS, ids=[" ".join([t, *a]) for t, a, _ in OTHER_TOOLS]
+)
+def test_another_tools_flag_is_answered_with_what_to_do(tool, argv, message, capsys):
+    """Megatron-LM's, torchtitan's, DeepSpeed's and Hugging Face Trainer's flags, and
+    megapar-train's that megapar-eval lacks, get one line saying what to do instead."""
+    import importlib
+
+    main = importlib.import_module(f"megapar.cli.{tool}").main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    line = _one_line(capsys, f"megapar-{tool}")
+    assert exc.value.code == 2 and message in line, line
+    assert "did you mean --no-offload" not in line and "--world-size" not in line, line
+    assert "did you mean --top" not in line and "did you mean --today" not in line, line
+
+
+def _every_commands_flags() -> set[str]:
+    """The flags of every megapar command (what a hint may name)."""
+    import importlib
+
+    flags: set[str] = set()
+    for tool in ("train", "eval", "convert", "plan", "data", "bubble"):
+        module = importlib.import_module(f"megapar.cli.{tool}")
+        parser = (module.build_parser if hasattr(module, "build_parser")
+                  else importlib.import_module("megapar.training.config").build_parser)()
+        flags |= set(parser._option_string_actions)
+    return flags
+
+
+@pytest.mark.parametrize("tool", ["eval", "convert", "plan", "data", "bubble"])
+def test_each_commands_other_flags_are_not_its_own_and_name_its_flags(tool):
+    """A flag in a command's `OTHER_FLAGS` is not one of its own (it would never be looked up),
+    one answered as "did you mean" names flags the command has, and a sentence names flags
+    some megapar command has."""
+    import importlib
+
+    module = importlib.import_module(f"megapar.cli.{tool}")
+    known = module.build_parser()._option_string_actions
+    for other, ours in module.OTHER_FLAGS.items():
+        assert other not in known, other
+        if ours.startswith("--"):
+            assert all(w in known for w in ours.split() if w.startswith("--")), ours
+        else:
+            assert all(w.rstrip(",;)") in _every_commands_flags()
+                       for w in ours.split() if w.startswith("--")), ours
+
+
+MISSING_VALUE = [
+    ("train", ["--recompute"], "expected one argument; give it one of its values: "
+     "--recompute none|selective|full"),
+    ("train", ["--seq-len", "--max-steps", "2"], "expected one argument; give its value: "
+     "--seq-len SEQ_LEN"),
+    ("eval", ["--load", "ck", "--max-batches"], "give its value: --max-batches MAX_BATCHES"),
+    ("convert", ["ck", "--to-hf"], "give its value: --to-hf HF_DIR"),
+    ("bubble", ["-m"], "argument --microbatches/-m: expected one argument; give its value: "
+     "--microbatches MICROBATCHES"),
+]
+
+
+@pytest.mark.parametrize(
+    "tool, argv, message", MISSING_VALUE, ids=[" ".join([t, *a]) for t, a, _ in MISSING_VALUE]
+)
+def test_a_flag_without_its_value_names_the_value(tool, argv, message, capsys):
+    """A flag given without its value (argparse: "expected one argument") names the value it
+    takes: its choices, or its placeholder, in the same one line (exit 2)."""
+    import importlib
+
+    main = importlib.import_module(f"megapar.cli.{tool}").main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    line = _one_line(capsys, f"megapar-{tool}")
+    assert exc.value.code == 2 and message in line, line
 
 
 STRAY = [
@@ -889,3 +1005,55 @@ def test_convert_takes_its_paths_on_either_side_of_the_flags(tmp_path, capsys):
 
     assert convert([str(tmp_path / "no_src"), "--tp", "2", str(tmp_path / "dst")]) == 2
     assert "no_src: no such checkpoint directory" in _one_line(capsys, "megapar-convert")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--from-hf", "hf", "out", "--model", "llama-tiny"], "--model names the model of a "
+     "torchtitan checkpoint (--from-dcp) only; here the model is the transformers directory's "
+     "config.json: drop it"),
+    (["ck", "--to-hf", "out", "--job-config", "a.toml"], "--job-config names the model of a "
+     "torchtitan checkpoint (--from-dcp) only; here the model is the checkpoint's: drop it"),
+])
+def test_convert_names_the_dcp_only_flag_that_was_given(argv, message, tmp_path, monkeypatch,
+                                                         capsys):
+    """`megapar-convert --from-hf HF OUT --model M` said "--job-config and --model are used only
+    with --from-dcp", naming a flag the user had not given and not where the model comes from."""
+    from megapar.cli.convert import main as convert_main
+
+    monkeypatch.chdir(tmp_path)
+    assert convert_main(argv) == 2
+    line = _one_line(capsys, "megapar-convert")
+    assert message in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_model_directory_given_as_text_is_named_as_a_model(tmp_path, capsys):
+    """`megapar-data --input CKPT` read the checkpoint's manifest.json as a document ("the
+    object has no string field 'text'; fix it or pass --jsonl-key", after a note on its
+    .safetensors files), and so did --input / --data HF_DIR with a transformers model's
+    config.json. Each is one line naming what the directory is; nothing is written."""
+    from megapar.cli.data import main as data_main
+    from megapar.training.data import _refuse_what_is_not_text
+
+    ckpt, hf, text = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "text"
+    (ckpt / "step_00000002").mkdir(parents=True)
+    (ckpt / "step_00000002" / "manifest.json").write_text("{}")
+    (ckpt / "step_00000002" / "model_tp0_pp0.safetensors").write_bytes(b"")
+    (ckpt / "latest").write_text("step_00000002")
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    (hf / "model.safetensors").write_bytes(b"")
+    text.mkdir()
+    (text / "config.json").write_text('{"text": "a json document named config.json"}')
+    out = tmp_path / "out" / "x"
+    for given, what in ((ckpt, "a megapar checkpoint"), (ckpt / "step_00000002",
+                        "a megapar checkpoint"), (hf, "a Hugging Face model")):
+        assert data_main(["--input", str(given), "--output-prefix", str(out)]) == 2
+        line = _one_line(capsys, "megapar-data")
+        assert f"input {given} is {what}, not text; pass the text" in line, line
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=f"--data {hf} is a Hugging Face model, not data; "
+                                         f"train from it with megapar-train --from-hf {hf}"):
+        _refuse_what_is_not_text(str(hf))
+    # a directory of text that holds a config.json (no weights beside it) is still text
+    assert data_main(["--input", str(text), "--output-prefix", str(out), "--no-progress"]) == 0

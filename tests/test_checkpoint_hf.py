@@ -198,3 +198,35 @@ def test_an_export_removes_what_an_export_killed_9_left_in_its_directory(tmp_pat
     left = {p.name for p in out.iterdir()}
     assert not left & set(dead) and set(kept) <= left, left
     assert transformers.GPT2LMHeadModel.from_pretrained(out) is not None
+
+
+def test_import_records_the_directorys_tokenizer_as_megapar_train_from_hf_finds_it(tmp_path,
+                                                                                   capsys):
+    """A transformers Llama directory whose tokenizer is a SentencePiece tokenizer.model alone
+    (no tokenizer.json) was imported recording no tokenizer, so megapar-eval refused its raw
+    text ("records no tokenizer ... imported without one"), though megapar-train --from-hf uses
+    that file; and a damaged tokenizer.json was dropped the same way, without a word. The
+    first is recorded now; the second is one line (exit 2), and nothing is written."""
+    import shutil
+
+    from megapar.data import asset_path, load_tokenizer
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA_HF,
+                                                                      "vocab_size": 1004}))
+    src = Path(_hf_dir(tmp_path / "hf", model))
+    shutil.copy(asset_path("botchan_en_unigram_1000.model"), src / "tokenizer.model")
+    ckpt = tmp_path / "ckpt"
+    assert main(["--from-hf", str(src), str(ckpt), "--no-progress"]) == 0
+    recorded = read_manifest(ckpt)["meta"]["tokenizer"]
+    assert recorded["kind"] == "sentencepiece" and recorded["path"] == str(src / "tokenizer.model")
+    assert recorded["eod_id"] == load_tokenizer("sentencepiece").eod_id
+    (src / "tokenizer.json").write_text('{"model": ')  # damaged, beside the weights
+    capsys.readouterr()
+    assert main(["--from-hf", str(src), str(tmp_path / "ckpt2"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(
+        f"megapar-convert: error: {src}: its tokenizer does not load (tokenizer file ") and \
+        err.endswith("repair its tokenizer files, or move them out to import the model "
+                     "without one"), err
+    assert not (tmp_path / "ckpt2").exists()

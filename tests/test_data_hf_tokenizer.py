@@ -151,9 +151,10 @@ def test_train_tokenizer_usage_errors(tmp_path, capsys):
     assert not np.any([p.name.startswith("x") for p in tmp_path.iterdir()])
 
 
-def _wordpiece_dir(root: Path, with_mask: bool) -> str:
+def _wordpiece_dir(root: Path, with_mask: bool, eos: bool = True) -> str:
     """A BERT-style WordPiece tokenizer directory (lower case, spaces dropped, [CLS] A [SEP]),
-    with [SEP] as its end of sequence (megapar needs one); with or without its own [MASK]."""
+    with [SEP] as its end of sequence, or (`eos` False) no end of sequence, as BERT's hub
+    tokenizers have it; with or without its own [MASK]."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers import trainers
 
@@ -167,8 +168,9 @@ def _wordpiece_dir(root: Path, with_mask: bool) -> str:
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     roles = dict(unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-                 eos_token="[SEP]", **({"mask_token": "[MASK]"} if with_mask else {}))
-    out = root / f"wordpiece{'-mask' if with_mask else ''}"
+                 **({"eos_token": "[SEP]"} if eos else {}),
+                 **({"mask_token": "[MASK]"} if with_mask else {}))
+    out = root / f"wordpiece{'-mask' if with_mask else ''}{'' if eos else '-no-eos'}"
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **roles).save_pretrained(out)
     return str(out)
 
@@ -210,3 +212,34 @@ def test_an_exported_mask_follows_the_text_as_megapar_masks_it(tmp_path, gpt2_di
     assert next(t for t in added if t["content"] == "[MASK]")["lstrip"] is lstrip
     assert hf.model_max_length == 48
     assert len(hf(TEXT, truncation=True)["input_ids"]) == 48
+
+
+def test_a_bert_tokenizer_without_an_eos_ends_documents_with_its_sep(tmp_path):
+    """A BERT tokenizer directory names no eos_token (bert-base-uncased's has [CLS] [SEP] [PAD]
+    [MASK] only): megapar-data refused it ("no end-of-sequence token found"), so no BERT
+    tokenizer could prepare BERT data as it was saved. Its [SEP] now ends each document, the
+    dataset records it, and a directory that names neither is still refused."""
+    directory = _wordpiece_dir(tmp_path, with_mask=True, eos=False)
+    config = json.loads((Path(directory) / "tokenizer_config.json").read_text())
+    assert "eos_token" not in config and config["sep_token"] == "[SEP]"
+    tok = load_tokenizer(directory)
+    sep = transformers.AutoTokenizer.from_pretrained(directory).sep_token_id
+    assert tok.eod_id == tok.sep_id == sep == 3 and tok.mask_id == 4 and tok.appended == []
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    assert data_main(["--input", str(text), "--output-prefix", str(tmp_path / "d"),
+                      "--tokenizer", directory, "--no-progress"]) == 0
+    ds = IndexedDataset(str(tmp_path / "d"))
+    assert ds.eod_id == 3
+    assert list(ds.get(0, ds.doc_offsets[1])) == tok.encode(TEXT) + [3]
+    config.pop("sep_token")
+    (Path(directory) / "tokenizer_config.json").write_text(json.dumps(config))
+    (Path(directory) / "special_tokens_map.json").unlink(missing_ok=True)
+    tokenizer_json = json.loads((Path(directory) / "tokenizer.json").read_text())
+    for added in tokenizer_json["added_tokens"]:
+        if added["content"] == "[SEP]":
+            added["content"] = "[SEGMENT]"
+    tokenizer_json["model"]["vocab"]["[SEGMENT]"] = tokenizer_json["model"]["vocab"].pop("[SEP]")
+    (Path(directory) / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    with pytest.raises(ValueError, match="no end-of-sequence token found"):
+        load_tokenizer(directory)

@@ -97,6 +97,30 @@ def test_appended_order_is_documented_and_errors_are_clear(tmp_path):
         load_tokenizer(str(tmp_path))
 
 
+def test_a_tokenizer_path_a_user_gets_wrong_is_named_with_the_fix(tmp_path):
+    """What a user passes as --tokenizer by mistake: each was 'unknown tokenizer: use gpt2,
+    ...' (or, for BERT's vocab.txt, 'lacks vocab.json, merges.txt; a GPT-2 BPE directory
+    needs them'), which named neither what was wrong nor the fix."""
+    with pytest.raises(ValueError, match=r"tok/x.model': no such file or directory"):
+        load_tokenizer(str(tmp_path / "tok" / "x.model"))
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    for name in ("gpt2_vocab.json", "gpt2_merges.txt"):
+        shutil.copy(asset_path(name), gpt2 / name.removeprefix("gpt2_"))
+    assert load_tokenizer(str(gpt2)).encode("Hello world") == [15496, 995]
+    with pytest.raises(ValueError, match=f"is one file of a tokenizer; pass the directory "
+                                         f"holding it: {gpt2}$"):
+        load_tokenizer(str(gpt2 / "vocab.json"))
+    wordpiece = tmp_path / "bert"
+    wordpiece.mkdir()
+    (wordpiece / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\n")
+    with pytest.raises(FileNotFoundError, match="holds a WordPiece vocab.txt .* but no "
+                                                "tokenizer.json.*BertTokenizerFast"):
+        load_tokenizer(str(wordpiece))
+    with pytest.raises(ValueError, match="nothing is downloaded"):
+        load_tokenizer("bert-base-uncased")
+
+
 def test_a_shipped_tokenizer_recorded_by_another_install_loads_from_this_one(tmp_path):
     """A dataset index, data cache entry or checkpoint records the shipped SentencePiece model
     by its absolute path; from a megapar since moved or reinstalled (another checkout, another
@@ -110,8 +134,8 @@ def test_a_shipped_tokenizer_recorded_by_another_install_loads_from_this_one(tmp
     again = load_tokenizer(spec)
     assert again.path == asset_path("botchan_en_unigram_1000.model")
     assert again.encode("To be, or not to be") == here.encode("To be, or not to be")
-    # any other missing file is still refused, naming it
-    with pytest.raises(ValueError, match="unknown tokenizer"):
+    # any other missing file is still refused, naming it (and that it is missing)
+    with pytest.raises(ValueError, match="no_such.model': no such file or directory"):
         load_tokenizer(str(tmp_path / "old-venv" / "megapar" / "assets" / "no_such.model"))
 
 

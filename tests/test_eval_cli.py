@@ -125,6 +125,19 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, c
                "takes at least 5 tokens; raise --seq-len" in _one_error_line(capsys)
         assert evaluate([*data, "--seq-len", "64", "--micro-batch-size", "100000"]) == 2
         assert "MLM samples of 64 tokens, fewer than one batch" in _one_error_line(capsys)
+        # a refused text leaves no copy in --data-cache (the gpt2 one above was left there,
+        # and a text too small to evaluate), as megapar-train's; an earlier run's copy is kept
+        kept = sorted(p.name for p in (tmp_path / "cache").iterdir())
+        assert len(kept) == 3 and all(n.startswith("sample-") for n in kept), kept
+        assert evaluate([*args, "--data", text, "--tokenizer", "sentencepiece", *cache,
+                         "--micro-batch-size", "100000"]) == 2
+        assert "fewer than one batch" in _one_error_line(capsys)
+        tiny = tmp_path / "tiny.txt"
+        tiny.write_text("Shall I compare thee to a summer's day?\n")
+        assert evaluate([*args, "--data", str(tiny), "--tokenizer", "sentencepiece",
+                         *cache]) == 2
+        assert f"--data {tiny} has 1 MLM samples" in _one_error_line(capsys)
+        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == kept
 
 
 def _mlm_loss_sum(model, prefix: str, seq: int, batch: int, batches: int) -> tuple[float, int]:
@@ -433,6 +446,17 @@ def test_eval_reads_a_megatron_dataset_written_by_megapar(tmp_path, corpus, caps
     assert (f"megapar-eval: --seq-len not given and --load {ckpt} records none (it was not "
             "trained by megapar-train): using the model's 64 positions (megapar-train's "
             "default 128, capped at them); give --seq-len N for another") in out.err, out.err
+    # a refusal after that default stays one line: the note came first, then the error
+    assert evaluate(["--load", str(ckpt), "--data", str(root / "sample.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "records no tokenizer to tokenize it" in err, err
+    gpt2 = str(tmp_path / "gpt2")  # ids beyond the model's vocabulary: refused, one line
+    assert data_main(["--input", str(root / "sample.txt"), "--output-prefix", gpt2,
+                      "--split-lines", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert evaluate(["--load", str(ckpt), "--data", gpt2]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "outside the model's vocabulary" in err, err
     assert evaluate([*args, "--data", megatron]) == 2  # which tokenizer made it: one line
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "name the tokenizer it was made with" in err, err

@@ -316,6 +316,28 @@ def recorded_tokenizer(spec) -> dict | None:
     return {**tok.spec(), "sha256": [file_sha256(p) for p in tokenizer_files(tok)]}
 
 
+def _hf_dir_tokenizer(hf_dir) -> dict | None:
+    """What the checkpoint imported from `hf_dir` records of the tokenizer that directory holds
+    (`recorded_tokenizer`), as megapar-train --from-hf finds it (`hf_dir_tokenizer`: its
+    tokenizer.json, vocab.json + merges.txt, or SentencePiece tokenizer.model); None where it
+    holds none. CheckpointError for one that does not load (a damaged tokenizer.json), before
+    anything is written: recorded as none, raw text would later be refused as if the directory
+    had had no tokenizer."""
+    from megapar.training.tokenizer_checks import hf_dir_tokenizer
+
+    spec = hf_dir_tokenizer(os.fspath(hf_dir))
+    if spec is None:
+        return None
+    try:
+        tok = load_tokenizer(spec)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{hf_dir}: its tokenizer does not load ({exc}); repair its tokenizer files, or "
+            f"move them out to import the model without one"
+        ) from None
+    return {**tok.spec(), "sha256": [file_sha256(p) for p in tokenizer_files(tok)]}
+
+
 def _seeded(config, name: str, seed: int, stages: dict) -> torch.Tensor:
     """The full tensor `name` as `build_stage(..., seed)` initialises it (layout-independent):
     only the one-layer pipeline stage that holds it is built (and kept in `stages`)."""
@@ -359,7 +381,7 @@ def import_hf(
     }
     if reader.generation_config is not None:
         meta["hf_generation_config"] = reader.generation_config
-    tokenizer = recorded_tokenizer(hf_dir)
+    tokenizer = _hf_dir_tokenizer(hf_dir)
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer
     current: dict[str, torch.Tensor] = {}

@@ -47,9 +47,19 @@ from megapar.training import bubble_run
 from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_bubble import MAX_SIMULATED_ACTIONS, check_bubble_args
 
+OTHER_FLAGS = {
+    "--stages": "--pp",
+    "--num-stages": "--pp",
+    "--pipeline-model-parallel-size": "--pp",
+    "--num-microbatches": "--microbatches",
+}
+"""Other names for megapar-bubble's flags (difflib named `--steps` for `--stages`)."""
+
 
 def build_parser() -> OneLineParser:
-    p = OneLineParser(prog="megapar-bubble", description=__doc__.split("\n")[0])
+    p = OneLineParser(
+        prog="megapar-bubble", description=__doc__.split("\n")[0], known_as=OTHER_FLAGS
+    )
     p.add_argument("--pp", type=int, help="pipeline stages (required unless --certify)")
     p.add_argument(
         "--microbatches", "-m", type=int, help="micro-batches per step (required unless --certify)"

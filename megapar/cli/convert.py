@@ -42,6 +42,18 @@ from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser, shell_word
 
+OTHER_FLAGS = {
+    "--target-tensor-parallel-size": "--tp",
+    "--target-pipeline-parallel-size": "--pp",
+    "--load-dir": "the source is the first PATH: megapar-convert SRC DST",
+    "--save-dir": "the destination is the second PATH: megapar-convert SRC DST",
+    "--model-type": "the model is the source's own; drop it",
+    "--load": "the source is the first PATH: megapar-convert SRC DST",
+    "--save": "the destination is the second PATH: megapar-convert SRC DST",
+}
+"""Megatron-LM's checkpoint converter's flags, answered with megapar-convert's way (difflib
+named `--model`, a --from-dcp option, for `--model-type`)."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``megapar-convert`` argument parser."""
@@ -49,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="megapar-convert",
         description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        known_as=OTHER_FLAGS,
     )
     add_layout_arguments(p)
     add_mode_arguments(p)
@@ -248,7 +261,19 @@ def _check_modes(args) -> None:
             "--from-hf, --to-hf, --from-dcp, --to-dcp and --info are separate modes; give one"
         )
     if (args.job_config or args.model) and not args.from_dcp:
-        raise ValueError("--job-config and --model are used only with --from-dcp")
+        given = " and ".join(
+            f for f, v in (("--job-config", args.job_config), ("--model", args.model)) if v
+        )
+        source = (
+            "the model is the transformers directory's config.json"
+            if args.from_hf
+            else "the model is the checkpoint's"
+        )
+        one = " and " not in given
+        raise ValueError(
+            f"{given} name{'s' if one else ''} the model of a torchtitan checkpoint "
+            f"(--from-dcp) only; here {source}: drop {'it' if one else 'them'}"
+        )
     _check_unused_options(args)
 
 

@@ -31,12 +31,32 @@ from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
 from megapar.one_line_parser import OneLineParser
 
+OTHER_FLAGS = {
+    "--vocab-file": "--tokenizer",
+    "--merge-file": "--tokenizer",
+    "--tokenizer-type": "--tokenizer",
+    "--tokenizer-model": "--tokenizer",
+    "--json-keys": "--jsonl-key",
+    "--append-eod": "megapar-data always ends each document with the end-of-document token; "
+    "drop it",
+    "--dataset-impl": "--format megatron",
+    "--output": "--output-prefix",
+    "--data": "--input",
+    "--save": "--output-prefix",
+    "--seq-len": "megapar-data keeps whole documents (megapar-train cuts them into --seq-len "
+    "windows); drop it",
+    "--model": "megapar-data needs only the --tokenizer (a model's vocabulary follows it); drop it",
+}
+"""Megatron-LM's preprocess_data.py flags, answered with megapar-data's (difflib named
+`--vocab-size` for `--vocab-file`, which is the size of a tokenizer to train)."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``megapar-data`` argument parser."""
     p = OneLineParser(
         prog="megapar-data",
         stray=(("--input", "the input"), ("--output-prefix", "the output prefix")),
+        known_as=OTHER_FLAGS,
         description=__doc__.replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -60,11 +60,37 @@ LOSS_ONLY = (
 """The options only --data reads (--input-ids gives logits of the ids as they are)."""
 
 
+OTHER_FLAGS = {
+    "--cp": "megapar-eval has no context parallelism (a checkpoint does not depend on it); "
+    "drop it, or use --tp / --pp",
+    "--dp": "megapar-eval runs on --tp x --pp processes, without data parallelism; drop it",
+    "--model": "the model is the checkpoint's (--load); drop it",
+    "--from-hf": "import the directory first (megapar-convert --from-hf HF_DIR CKPT), then "
+    "--load CKPT",
+    "--precision": "megapar-eval computes in float32; drop it",
+    "--tensor-model-parallel-size": "--tp",
+    "--pipeline-model-parallel-size": "--pp",
+    "--eval-iters": "--max-batches",
+    "--eval-steps": "--max-batches",
+    "--data-path": "--data",
+    "--input": "--data",
+    "--max-steps": "--max-batches",
+    "--save": "megapar-eval writes only the logits of --input-ids, to --save-logits; drop it",
+    "--lr": "megapar-eval does not train; drop it",
+    "--split-lines": "megapar-eval already reads a .txt as a document per blank-line paragraph; "
+    "drop it",
+    "--output-prefix": "megapar-eval keeps raw text's tokens in --data-cache; drop it",
+}
+"""megapar-train's and other tools' flags megapar-eval does not take, answered with what to do
+(difflib named unrelated ones: `--cp`, `--dp`: `--tp`)."""
+
+
 def build_parser() -> OneLineParser:
     p = OneLineParser(
         prog="megapar-eval",
         description=__doc__.split("\n")[0],
         stray=(("--load", "the checkpoint"),),
+        known_as=OTHER_FLAGS,
     )
     p.add_argument("--load", required=True, help="checkpoint (a --save dir or a step dir)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: 1)")
@@ -370,6 +396,8 @@ def main(argv=None) -> int:
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
             args.save_logits = logits_file(args.save_logits)
+        if args.seq_len_note:  # after every check: a refusal is one line
+            print(args.seq_len_note, file=sys.stderr)
     except (UsageError, CheckpointError, OSError, ValueError) as exc:
         print(f"megapar-eval: error: {exc}", file=sys.stderr)
         return 2

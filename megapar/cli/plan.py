@@ -85,11 +85,32 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or ""
 
 
+_ONE_LAYOUT = (
+    "megapar-plan ranks every layout itself; to check one, give it to --explain "
+    "(e.g. --explain tp=2,pp=2,cp=2,mbs=1)"
+)
+
+OTHER_FLAGS = {
+    "--tp": _ONE_LAYOUT,
+    "--pp": _ONE_LAYOUT,
+    "--dp": _ONE_LAYOUT,
+    "--ep": _ONE_LAYOUT,
+    "--cp": "--cp-sizes",
+    "--world-size": "--gpus",
+    "--num-gpus": "--gpus",
+    "--nodes": "--gpus (all of them) and --gpus-per-node",
+    "--data": "megapar-plan needs no data, only the model and the sizes; drop it",
+}
+"""megapar-train's layout flags and other names, answered with megapar-plan's way (difflib
+named `--top` for `--tp`, `--pp`, `--dp` and `--cp`, `--today` for `--data`)."""
+
+
 def build_parser() -> OneLineParser:
     """megapar-plan's argument parser, its flags grouped by concern."""
     p = OneLineParser(
         prog="megapar-plan",
         stray=(("--model", "the model"),),
+        known_as=OTHER_FLAGS,
         description=__doc__.split("\n")[0],
         formatter_class=DefaultsHelpFormatter,
     )

@@ -103,6 +103,8 @@ def load_hf_tokenizer(directory: str) -> Tokenizer:
         return None
 
     eos = find("eos_token", COMMON_EOS)
+    if eos is None:  # BERT's tokenizers name no EOS: their [SEP] ends a segment
+        eos = find("sep_token", ("[SEP]",))
     if eos is None:
         raise ValueError(
             f"tokenizer {directory}: no end-of-sequence token found (set eos_token "

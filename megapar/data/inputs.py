@@ -163,6 +163,32 @@ def _bzip2(head: bytes) -> bool:
     return head[3:4].isdigit() and head[4:10] == b"1AY&SY"
 
 
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+"""The weights file a transformers model directory holds beside its config.json."""
+
+
+def model_directory(path: str) -> str | None:
+    """What a directory given as text is when it is a model, not text: "a megapar checkpoint"
+    (its ``latest``, or a ``step_*`` directory with a ``manifest.json``, or a step directory
+    itself: ``manifest.json`` beside ``.safetensors`` shards) or "a Hugging Face model" (a
+    ``config.json`` beside its weights); None otherwise. Both hold JSON files that would be
+    read as documents, and fail on their first record."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return None
+    steps = (n for n in names if n.startswith("step_"))
+    if (
+        os.path.isfile(os.path.join(path, "latest"))
+        or any(os.path.isfile(os.path.join(path, n, "manifest.json")) for n in steps)
+        or ("manifest.json" in names and any(n.endswith(".safetensors") for n in names))
+    ):
+        return "a megapar checkpoint"
+    if "config.json" in names and any(n in names for n in HF_WEIGHTS):
+        return "a Hugging Face model"
+    return None
+
+
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
     """Input paths with directories replaced by their ``.txt``/``.jsonl`` files (recursive,
     sorted; hidden files and directories left out), less the ``.json`` that describes a tokenized
@@ -173,6 +199,12 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
     for path in inputs:
         path = os.fspath(path)
         if os.path.isdir(path):
+            model = model_directory(path)
+            if model is not None:
+                raise ValueError(
+                    f"input {path} is {model}, not text; pass the text (or the directory of "
+                    f"text) to tokenize"
+                )
             found = _directory_files(path)[0]
             if not found:
                 raise FileNotFoundError(

@@ -9,7 +9,8 @@
 * a transformers tokenizer directory holding ``tokenizer.json`` (or that file's path): loaded
   offline with the ``tokenizers`` library, exactly as ``AutoTokenizer`` tokenizes text. Its own
   end-of-sequence token (``eos_token`` of ``tokenizer_config.json`` /
-  ``special_tokens_map.json``) is the end-of-document token, and its own beginning-of-sequence
+  ``special_tokens_map.json``; where it names none, its ``sep_token``, as BERT's tokenizers
+  have only that) is the end-of-document token, and its own beginning-of-sequence
   token (``bos_id``), when it has a different one, starts every document in megapar-data
   (``"bos_token": null`` there means none, even with a ``<s>`` in the vocabulary).
 
@@ -256,6 +257,13 @@ def _load(spec: str) -> Tokenizer:
                 f"({', '.join(models[:3])}), not a tokenizer.json or vocab.json + merges.txt; "
                 f"pass the model file itself, e.g. {os.path.join(spec, models[0])}"
             )
+        if missing and os.path.isfile(os.path.join(spec, "vocab.txt")):  # BERT's WordPiece
+            raise FileNotFoundError(
+                f"tokenizer directory {spec!r} holds a WordPiece vocab.txt (BERT's) but no "
+                f"tokenizer.json, which megapar reads; write one beside it: python3 -c "
+                f'"from transformers import BertTokenizerFast as T; '
+                f'T.from_pretrained({spec!r}).save_pretrained({spec!r})"'
+            )
         if missing:
             raise FileNotFoundError(
                 f"tokenizer directory {spec!r} lacks "
@@ -273,8 +281,19 @@ def _load(spec: str) -> Tokenizer:
         return tok
     if os.path.isfile(spec) and spec.endswith(".model"):
         return _load_sentencepiece(os.path.abspath(spec))
+    if os.path.isfile(spec) and os.path.basename(spec) in ("vocab.json", "merges.txt", "vocab.txt"):
+        raise ValueError(
+            f"tokenizer {spec!r} is one file of a tokenizer; pass the directory holding it: "
+            f"{os.path.dirname(spec) or '.'}"
+        )
+    if not os.path.exists(spec) and (os.sep in spec or spec.endswith((".model", ".json"))):
+        raise ValueError(
+            f"tokenizer {spec!r}: no such file or directory; pass an existing SentencePiece "
+            f".model file or tokenizer directory, or 'gpt2' / 'sentencepiece'"
+        )
     raise ValueError(
         f"unknown tokenizer {spec!r}: use 'gpt2', 'sentencepiece', a directory with "
         "tokenizer.json (transformers) or vocab.json + merges.txt, or the path of an existing "
-        "SentencePiece .model file"
+        "SentencePiece .model file (nothing is downloaded: a Hugging Face Hub name needs its "
+        "tokenizer saved to a local directory first)"
     )

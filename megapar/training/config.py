@@ -373,6 +373,16 @@ def _escaped(docs: dict[str, str]) -> dict[str, str]:
     return {name: text.replace("%", "%%") for name, text in docs.items()}
 
 
+WEIGHTS_ONLY = (
+    "megapar-train's --load resumes the optimizer state too; to start from a checkpoint's weights alone, "
+    "export it (megapar-convert) and start from the export with --from-hf"
+)
+
+MODEL_SIZE = (
+    "a model's sizes come from --model (a recipe, or a JSON / YAML config file such as "
+    "models/llama-tiny.json, in transformers' names)"
+)
+
 OTHER_TOOLS_FLAGS = {
     "--resume": "--load",
     "--resume-from-checkpoint": "--load",
@@ -399,10 +409,67 @@ OTHER_TOOLS_FLAGS = {
     "--lr-decay-style": "--lr-decay",
     "--lr-warmup-iters": "--warmup-steps",
     "--eval-iters": "--eval-steps",
+    "--data-path": "--data",
+    "--training.dataset_path": "--data",
+    "--split": "--val-fraction",
+    "--vocab-file": "--tokenizer",
+    "--merge-file": "--tokenizer",
+    "--tokenizer-type": "--tokenizer",
+    "--tokenizer-model": "--tokenizer",
+    "--model.tokenizer_path": "--tokenizer",
+    "--model.hf_assets_path": "--tokenizer",
+    "--num-layers": MODEL_SIZE,
+    "--hidden-size": MODEL_SIZE,
+    "--ffn-hidden-size": MODEL_SIZE,
+    "--num-attention-heads": MODEL_SIZE,
+    "--num-query-groups": MODEL_SIZE,
+    "--max-position-embeddings": MODEL_SIZE,
+    "--recompute-activations": "--recompute selective",
+    "--recompute-granularity": "--recompute",
+    "--activation_checkpoint.mode": "--recompute",
+    "--gradient-checkpointing": "--recompute full",
+    "--gradient_checkpointing": "--recompute full",
+    "--training.mixed_precision_param": "--precision",
+    "--optimizer.lr": "--lr",
+    "--learning_rate": "--lr",
+    "--lr-decay-iters": "--max-steps",
+    "--lr-warmup-fraction": "--warmup-steps",
+    "--lr_scheduler.warmup_steps": "--warmup-steps",
+    "--load-optim": "--load",
+    "--no-load-optim": WEIGHTS_ONLY,
+    "--finetune": WEIGHTS_ONLY,
+    "--no-load-rng": "",
+    "--deepspeed": "--zero",
+    "--zero-stage": "--zero",
+    "--zero_stage": "--zero",
+    "--job.config_file": "--config",
+    "--tensorboard-dir": "--tensorboard",
+    "--output_dir": "--save",
+    "--per_device_train_batch_size": "--micro-batch-size",
+    "--gradient_accumulation_steps": "--global-batch-size",
+    "--model_name_or_path": "--from-hf",
+    "--nproc_per_node": "--dp",
+    "--nproc-per-node": "--dp",
+    # the other megapar commands' flags
+    "--input": "--data",
+    "--split-lines": "megapar-train already reads a .txt as a document per blank-line "
+    "paragraph; drop it",
+    "--output-prefix": "megapar-train keeps raw text's tokens in --data-cache; to write a "
+    "dataset, run megapar-data, then pass its prefix to --data",
+    "--workers": "megapar-data's tokenizer processes; to tokenize a big corpus in parallel, run "
+    "megapar-data first and pass its prefix to --data",
+    "--vocab-size": "the vocabulary follows the tokenizer (or a --model config file's vocab_size)",
+    "--to-hf": "export the checkpoint after training: megapar-convert CKPT --to-hf HF_DIR",
+    "--max-batches": "--eval-steps",
+    "--input-ids": "logits of given ids are megapar-eval's (megapar-eval --load CKPT "
+    "--input-ids IDS.npy --save-logits OUT.npy); drop it",
 }
-"""Megatron-LM's, torchtitan's and Hugging Face Trainer's names for megapar-train's flags: an
-unknown flag that is one of them is answered with megapar's (difflib would name an unrelated
-flag: `--resume`: `--recompute`, `--train-iters`: `--rank-order`)."""
+"""Megatron-LM's, torchtitan's, DeepSpeed's and Hugging Face Trainer's names for megapar-train's
+flags: an unknown flag that is one of them is answered with megapar's (difflib would name an
+unrelated flag: `--resume`: `--recompute`, `--train-iters`: `--rank-order`, `--data-path`:
+`--data-cache`, `--hidden-size`: `--world-size`, `--no-load-optim`: `--no-offload-optimizer`);
+a model's size (`--num-layers`) is the --model config's; a sentence says what to do where
+megapar has no such flag, and an empty entry names nothing."""
 
 
 def build_parser(prog: str = "megapar-train") -> argparse.ArgumentParser:
@@ -496,7 +563,7 @@ def read_run_config(path: str) -> dict[str, Any]:
             "--" + key.replace("_", "-"), OTHER_TOOLS_FLAGS.get("--" + key)
         )
         if other:
-            hint = f"did you mean {other}?"
+            hint = f"did you mean {other}?" if other.startswith("--") else other
         unknown.append(f"unknown setting {key!r}; {hint}")
     if unknown:
         raise ConfigError(f"{path}: " + "; ".join(unknown))

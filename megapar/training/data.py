@@ -36,6 +36,7 @@ from megapar.data.inputs import (
     dataset_of,
     expand_inputs,
     is_raw_text,
+    model_directory,
     skipped_inputs,
 )
 from megapar.data.megatron import is_megatron_index
@@ -161,7 +162,7 @@ def _text_or_prefix(cfg: TrainConfig, data: str | None) -> str:
 
 def _refuse_what_is_not_text(path: str) -> None:
     """A ValueError naming the fix for a --data path that looks like text to tokenize but is a
-    prepared dataset's file, a directory of datasets, or a checkpoint."""
+    prepared dataset's file, a directory of datasets, a checkpoint or a Hugging Face model."""
     stem = dataset_of(path)
     if stem is not None:  # its .bin, .idx or .json
         raise ValueError(
@@ -175,6 +176,12 @@ def _refuse_what_is_not_text(path: str) -> None:
         raise ValueError(
             f"--data {path} is a megapar checkpoint, not data; pass it to --load, "
             f"and the text or dataset it trained on to --data"
+        )
+    if model_directory(path) == "a Hugging Face model":
+        raise ValueError(
+            f"--data {path} is a Hugging Face model, not data; train from it with "
+            f"megapar-train --from-hf {shell_word(path)} (or import it: megapar-convert "
+            f"--from-hf {shell_word(path)} CKPT_DIR), and pass the text or dataset to --data"
         )
     prefixes = sorted(n[:-4] for n in names if n.endswith(".idx") and n[:-4] + ".bin" in names)
     if prefixes:

@@ -86,11 +86,23 @@ def text_tokenizer(args, manifest: dict) -> tuple[str, str]:
     return path, f"the tokenizer --load {args.load} trained with ({path})"
 
 
-def tokenize_text(args, manifest: dict, vocab_size: int) -> str:
-    """The cached dataset prefix of raw --data (tokenized now unless the cache holds it), after
-    the tokenizer is checked against the checkpoint's (`check_checkpoint_tokenizer`, as
-    megapar-train --load checks raw text). UsageError when its token ids reach outside the
-    model's `vocab_size` (at tp > 1 they would embed to zero vectors)."""
+def discard_tokenized(tokenized: list[str]) -> None:
+    """Remove the datasets this run tokenized into --data-cache (their prefixes), as
+    megapar-train does for a text it refuses: a refused text leaves no copy behind, and one an
+    earlier run tokenized is not in `tokenized`, so it is kept."""
+    for prefix in tokenized:
+        for ext in (".bin", ".idx", ".json"):
+            if os.path.exists(prefix + ext):
+                os.remove(prefix + ext)
+    tokenized.clear()
+
+
+def tokenize_text(args, manifest: dict, vocab_size: int, tokenized: list[str] | None = None) -> str:
+    """The cached dataset prefix of raw --data (tokenized now unless the cache holds it; then
+    its prefix is appended to `tokenized`), after the tokenizer is checked against the
+    checkpoint's (`check_checkpoint_tokenizer`, as megapar-train --load checks raw text).
+    UsageError when its token ids reach outside the model's `vocab_size` (at tp > 1 they would
+    embed to zero vectors)."""
     spec, name = text_tokenizer(args, manifest)
     tokenizer = load_tokenizer(spec)
     check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data, name)
@@ -103,7 +115,7 @@ def tokenize_text(args, manifest: dict, vocab_size: int) -> str:
         progress=sys.stderr.isatty(),
     )
     notes: list[str] = []  # invalid UTF-8 replaced, files skipped for their type
-    prefix = resolve_data_prefix(cfg, notes)
+    prefix = resolve_data_prefix(cfg, notes, tokenized)
     for note in notes:
         print(f"megapar-eval: {note}", file=sys.stderr)
     top = IndexedDataset(prefix).max_id()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import sys
 
 import numpy as np
 
@@ -28,6 +27,7 @@ from megapar.training.config import TrainConfig
 from megapar.training.data import is_megatron, missing_files
 from megapar.training.eval_text import (
     check_text_options,
+    discard_tokenized,
     is_text,
     text_tokenizer,
     tokenize_text,
@@ -44,7 +44,9 @@ from megapar.training.validate_resume import checkpoint_manifest
 
 # --- megapar-eval ----------------------------------------------------------------------------
 def check_eval_args(args) -> dict:
-    """Check megapar-eval's arguments and checkpoint; returns the checkpoint's manifest."""
+    """Check megapar-eval's arguments and checkpoint; returns the checkpoint's manifest. Sets
+    ``args.seq_len_note``: the line saying which --seq-len a checkpoint that records none gets
+    (None otherwise), for the caller to print once its own checks pass."""
 
     for name in ("tp", "pp", "micro_batch_size", "max_batches", "seq_len"):
         value = getattr(args, name)
@@ -59,10 +61,11 @@ def check_eval_args(args) -> dict:
     except (LayoutError, ConfigError) as exc:
         raise UsageError(str(exc)) from None
     positions = config.max_positions
+    note = None  # said once every check has passed (a refusal stays one line)
     if args.data and args.seq_len is None:  # the checkpoint's, as megapar-train --load takes it
         args.seq_len = ((manifest.get("meta") or {}).get("train_config") or {}).get("seq_len")
         if args.seq_len is None:
-            args.seq_len = untrained_seq_len(args.load, positions)
+            args.seq_len, note = untrained_seq_len(args.load, positions)
     if args.seq_len and args.seq_len > positions:
         raise UsageError(
             f"--seq-len {args.seq_len} exceeds the model's {positions} positions; lower --seq-len"
@@ -73,28 +76,40 @@ def check_eval_args(args) -> dict:
         if not causal:
             check_mlm_seq_len(args.seq_len)
         args.data_shown = args.data  # messages name the text, not its cached dataset
-        if is_text(args.data):  # tokenized into --data-cache as megapar-train does
-            args.data = tokenize_text(args, manifest, config.vocab_size)
-        missing = [f[len(args.data) :] for f in missing_files(args.data)]
-        if missing:
-            raise UsageError(
-                f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
-                f"written by megapar-data --output-prefix, or raw text (.txt / .jsonl "
-                f"or a directory of them; or a Megatron-LM dataset's prefix, with --tokenizer)"
-            )
-        recorded = (manifest.get("meta") or {}).get("tokenizer")
-        unrecorded = is_megatron(args.data) and not os.path.isfile(args.data + ".json")
-        if not args.tokenizer and unrecorded and isinstance(recorded, dict):
-            # a Megatron-LM dataset records no tokenizer: the checkpoint's, as megapar-train
-            # --load takes it
-            args.tokenizer = text_tokenizer(args, manifest)[0]
-        indexed = IndexedDataset(args.data, args.tokenizer)
-        tokenizer = load_tokenizer(indexed.tokenizer_spec)
-        check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data)
-        _check_batches(args, indexed, tokenizer, causal)
+        tokenized: list[str] = []  # a copy made now goes again when the text is refused
+        try:
+            if is_text(args.data):  # tokenized into --data-cache as megapar-train does
+                args.data = tokenize_text(args, manifest, config.vocab_size, tokenized)
+            _check_data(args, manifest, causal)
+        except BaseException:
+            discard_tokenized(tokenized)
+            raise
     if args.input_ids:
         _check_ids_file(args.input_ids, positions)
+    args.seq_len_note = note  # megapar-eval prints it once its own checks pass too
     return manifest
+
+
+def _check_data(args, manifest: dict, causal: bool) -> None:
+    """The checks of --data as a dataset prefix (raw text already tokenized): its files, its
+    tokenizer against the checkpoint's, and one batch's worth of samples."""
+    missing = [f[len(args.data) :] for f in missing_files(args.data)]
+    if missing:
+        raise UsageError(
+            f"--data {args.data}: {', '.join(missing)} not found; pass the prefix "
+            f"written by megapar-data --output-prefix, or raw text (.txt / .jsonl "
+            f"or a directory of them; or a Megatron-LM dataset's prefix, with --tokenizer)"
+        )
+    recorded = (manifest.get("meta") or {}).get("tokenizer")
+    unrecorded = is_megatron(args.data) and not os.path.isfile(args.data + ".json")
+    if not args.tokenizer and unrecorded and isinstance(recorded, dict):
+        # a Megatron-LM dataset records no tokenizer: the checkpoint's, as megapar-train
+        # --load takes it
+        args.tokenizer = text_tokenizer(args, manifest)[0]
+    indexed = IndexedDataset(args.data, args.tokenizer)
+    tokenizer = load_tokenizer(indexed.tokenizer_spec)
+    check_checkpoint_tokenizer(args.load, manifest, tokenizer, args.data)
+    _check_batches(args, indexed, tokenizer, causal)
 
 
 def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
@@ -133,10 +148,10 @@ def _how_to_write_ids(path: str, head: bytes) -> str:
     return "write one with np.save('ids.npy', np.asarray(ids, dtype=np.int64))"
 
 
-def untrained_seq_len(load: str, positions: int) -> int:
+def untrained_seq_len(load: str, positions: int) -> tuple[int, str]:
     """--seq-len for a checkpoint that records none (imported by megapar-convert --from-hf, not
     trained by megapar-train): megapar-train's default, capped at the model's `positions` as
-    megapar-train caps it; said on stderr."""
+    megapar-train caps it, and the note that says so (printed once every argument passed)."""
     default = TrainConfig.seq_len
     seq_len = min(default, positions)
     why = (
@@ -144,12 +159,10 @@ def untrained_seq_len(load: str, positions: int) -> int:
         if seq_len < default
         else f"megapar-train's default {default}"
     )
-    print(
+    return seq_len, (
         f"megapar-eval: --seq-len not given and --load {load} records none (it was not trained "
-        f"by megapar-train): using {why}; give --seq-len N for another",
-        file=sys.stderr,
+        f"by megapar-train): using {why}; give --seq-len N for another"
     )
-    return seq_len
 
 
 def load_input_ids(path: str, mmap: bool = False) -> np.ndarray:
