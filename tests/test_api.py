@@ -400,6 +400,54 @@ def test_bad_batches_are_refused_at_any_layout(run):
     assert steps == 3   # int32, uint8 and the all-ones attention mask trained
 
 
+def _warned(engine, batches, what="train_step"):
+    """The warnings `engine.<what>` gives on each batch in turn."""
+    import warnings
+
+    out = []
+    for batch in batches:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            getattr(engine, what)(batch)
+        out.append([str(w.message) for w in caught])
+    return out
+
+
+def _label_warnings():
+    x = _batches(1)[0]["input_ids"]
+    hf = x.clone()  # transformers' labels: input_ids, a prompt masked with -100
+    hf[:, :3] = -100
+    same = torch.full_like(x, 5)  # a row of one token: its next-token labels equal its ids
+    sparse = torch.full_like(x, -100)  # isolated labels that happen to equal their own id
+    sparse[:, 2] = x[:, 2]
+    shifted = {"input_ids": x[:, :-1], "labels": torch.where(hf[:, 1:] < 0, -100, x[:, 1:])}
+    return {"hf": _warned(megapar.prepare(_hf_model(), micro_batch_size=2),
+                          [{"input_ids": x, "labels": hf}, {"input_ids": x, "labels": x}]),
+            "eval": _warned(megapar.prepare(_hf_model(), micro_batch_size=2),
+                            [{"input_ids": x, "labels": x}], "eval_step"),
+            "next-token": [_warned(megapar.prepare(_hf_model(), micro_batch_size=2), [batch])[0]
+                           for batch in (shifted, {"input_ids": same, "labels": same},
+                                         {"input_ids": x, "labels": sparse})]}
+
+
+def test_transformers_unshifted_labels_are_named_once(run):
+    """A transformers user's batch, labels = input_ids (transformers' models shift them; megapar
+    does not, so it would train each position on its own token): the first train_step or
+    eval_step warns once, on rank 0, naming the fix; next-token labels never warn, also where
+    they happen to equal their ids (a row of one token, isolated labels; each the first batch of
+    its own engine, the one checked)."""
+    ranks = run(_label_warnings, 2)
+    message = ("train_step: the labels equal input_ids at every labelled position, as "
+               "transformers' models take them (they shift the labels themselves); megapar does "
+               "not shift them, so this trains each position to predict its own token: pass "
+               "next-token labels, e.g. input_ids[:, :-1] with labels input_ids[:, 1:] "
+               "(labels[:, t] is the token after input_ids[:, t])")
+    assert ranks[0]["hf"] == [[message], []], ranks[0]["hf"]
+    assert ranks[0]["eval"] == [[message.replace("train_step", "eval_step")]]
+    assert ranks[0]["next-token"] == [[], [], []], ranks[0]["next-token"]
+    assert ranks[1] == {"hf": [[], []], "eval": [[]], "next-token": [[], [], []]}, ranks[1]
+
+
 def _global_rng_batches():
     from megapar.device import process_group_timeout_s
 

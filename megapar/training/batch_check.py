@@ -102,6 +102,29 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
     return out
 
 
+UNSHIFTED_WARNING = (
+    "{what}: the labels equal input_ids at every labelled position, as transformers' models "
+    "take them (they shift the labels themselves); megapar does not shift them, so this "
+    "trains each position to predict its own token: pass next-token labels, e.g. "
+    "input_ids[:, :-1] with labels input_ids[:, 1:] (labels[:, t] is the token after "
+    "input_ids[:, t])"
+)
+
+
+def unshifted_labels(batch: dict[str, torch.Tensor], config) -> bool:
+    """Whether a checked decoder batch's labels are transformers' unshifted ones: equal to
+    input_ids wherever they are not -100, with two neighbouring labelled positions whose ids
+    differ somewhere (next-token labels there would be the second id, not the first: so no
+    batch of next-token labels is taken for one). One host read."""
+    labels = batch.get("labels")
+    if config.model_type == "bert" or labels is None or labels.shape[1] < 2:
+        return False
+    ids, labelled = batch["input_ids"], labels != -100
+    same = ((labels == ids) | ~labelled).all()
+    pair = (labelled[:, :-1] & labelled[:, 1:] & (ids[:, :-1] != ids[:, 1:])).any()
+    return bool(torch.stack([same, pair]).all())
+
+
 def _min_max(t: torch.Tensor) -> tuple[int, int]:
     """(min, max) of a non-empty tensor, read together (one host read, not two)."""
     low, high = torch.stack([t.min(), t.max()]).tolist()
