@@ -61,8 +61,10 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
             if not bool((value == 1).all()):
                 raise ValueError(
                     f"{what}: {config.model_type} in megapar has no padding mask; "
-                    f"pack sequences without padding, or set the labels of padded "
-                    f"positions to -100 and drop attention_mask"
+                    f"pack sequences without padding, or pad on the right (a tokenizer's "
+                    f"padding_side='right': causal attention keeps the padding out of the "
+                    f"tokens before it), set the labels of padded positions to -100 and "
+                    f"drop attention_mask"
                 )
             continue
         if key not in allowed:
