@@ -618,6 +618,48 @@ def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path)
         "sched.state_dict()}), got a list"], refused
 
 
+def _export_from_pretrained(out):
+    import shutil
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megapar.data import load_tokenizer
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=1004, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+    )).save_pretrained(f"{out}/src")
+    shutil.copy(load_tokenizer("sentencepiece").path, f"{out}/src/tokenizer.model")
+    engine = megapar.prepare(LlamaForCausalLM.from_pretrained(f"{out}/src"), micro_batch_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.export_hf(f"{out}/hf")
+    engine.save(f"{out}/ckpt")
+    return [str(w.message) for w in caught]
+
+
+def test_export_hf_of_a_from_pretrained_model_carries_its_directorys_tokenizer(run, tmp_path):
+    """prepare(LlamaForCausalLM.from_pretrained(DIR)) trains with DIR's tokenizer, as
+    megapar-train --from-hf DIR does: export_hf writes it without tokenizer= (it warned that the
+    export had none), and the engine's checkpoints record it, so megapar-convert --to-hf
+    writes it too."""
+    from conftest import skip_unless_transformers_converts
+    from transformers import AutoTokenizer
+
+    from megapar.cli.convert import main as convert
+    from megapar.data import load_tokenizer
+
+    skip_unless_transformers_converts()
+    said = run(_export_from_pretrained, 1, str(tmp_path))[0]
+    assert said == [], said
+    assert convert([str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf2"), "--no-progress"]) == 0
+    ids = load_tokenizer("sentencepiece").encode("Hello world")
+    for hf in ("hf", "hf2"):
+        assert AutoTokenizer.from_pretrained(tmp_path / hf)("Hello world")["input_ids"] == ids
+
+
 def _export_llama_without_tokenizer(out):
     import warnings
 

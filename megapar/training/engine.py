@@ -543,7 +543,8 @@ class Engine:
         BertForMaskedLM / LlamaForCausalLM `from_pretrained` loads it) and the tokenizer in
         transformers' format, so `AutoTokenizer.from_pretrained(path)` loads it: `tokenizer`
         (a `load_tokenizer` spec: "gpt2", a .model file, a transformers directory ...), else
-        the engine's (megapar-train's data tokenizer; with none, a warning and no tokenizer);
+        the engine's (megapar-train's data tokenizer, or the directory's own of a model `prepare`
+        got from `from_pretrained(DIR)`; with none, a warning and no tokenizer);
         a `tokenizer` whose files are not those of the engine's is refused unless
         `allow_other_tokenizer`.
         `dtype`: float32, bfloat16 or float16, as a name or a torch.dtype (default: the dtype

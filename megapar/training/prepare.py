@@ -10,6 +10,7 @@ import warnings
 
 import torch
 
+from megapar.checkpoint.convert import recorded_tokenizer
 from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
 from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
 from megapar.faults.status import set_action, set_step
@@ -21,6 +22,7 @@ from megapar.optim import LRScheduler
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.training.config import TrainConfig
 from megapar.training.engine import ON_NONFINITE, Engine
+from megapar.training.tokenizer_checks import hf_dir_tokenizer
 from megapar.training.validate import check_ranges
 from megapar.training.validate_fp8 import check_fp8
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
@@ -296,6 +298,10 @@ def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
     engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
 
     _check_same_weights(model, engine.mesh)
+    source = getattr(model, "name_or_path", "")  # from_pretrained(DIR)'s DIR
+    own = hf_dir_tokenizer(source) if source and os.path.isdir(source) else None
+    if own is not None:  # its tokenizer, as megapar-train --from-hf DIR takes it: export_hf
+        engine.tokenizer = recorded_tokenizer(own)  # and checkpoints carry it
     with engine.params_whole():
         missing = load_hf_weights(engine.model, reader)
     if missing and engine.mesh.rank == 0:
