@@ -935,6 +935,11 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
     ({"zero": 1, "offload_params": True, "offload_optimizer": True},
      ["megapar.prepare: offload_params=True needs zero=3"]),
     ({"zero": 9}, ["megapar.prepare: zero=9 is not a ZeRO stage", "or 3 (parameters too)"]),
+    # a layout the model cannot take named --tp / --pp (checked before the world size)
+    ({"tp": 3}, ["megapar.prepare: 4 attention heads are not divisible by tp=3; use tp=1, 2 or "
+                 "4 (each divides the 4 attention heads, hidden size 32, FFN size 128)"]),
+    ({"pp": 8}, ["megapar.prepare: 2 layers cannot be cut into pp=8 stages (each stage needs "
+                 "at least one layer); lower pp"]),
     # megapar-train's ranges: clip_grad=-1 trained unclipped, weight_decay=-0.1 grew the weights
     ({"clip_grad": -1.0}, ["megapar.prepare: clip_grad=-1.0 is invalid", ">= 0.0"]),
     ({"weight_decay": -0.1}, ["megapar.prepare: weight_decay=-0.1 is invalid"]),

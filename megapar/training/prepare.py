@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import warnings
 
 import torch
@@ -15,7 +16,7 @@ from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
 from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
 from megapar.faults.status import set_action, set_step
 from megapar.launcher import launched_world_size
-from megapar.mesh import LayoutError, Mesh, same_on_all_ranks
+from megapar.mesh import Layout, LayoutError, Mesh, same_on_all_ranks
 from megapar.models.config import ConfigError, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
@@ -198,6 +199,7 @@ def prepare(
             "(it changes what sequence parallelism keeps for the backward)"
         )
     check_fp8(cfg)  # Fp8Error (a ValueError): torchao, a GPU with FP8 or fp8_emulate=True
+    _check_model_layout(config, cfg)
     _check_world(cfg)
     bound_world_waits(cfg.timeout_s)  # the launcher's world group: prepare's timeout too
     lr_schedule = _lr_scheduler(lr_schedule, cfg)
@@ -265,6 +267,20 @@ def _check_world(cfg: TrainConfig) -> None:
             f"ranks per model replica, but this job runs {world} process"
             f"{'es' if world > 1 else ''}; {fix}, or pass a smaller tp / cp / pp"
         )
+
+
+def _check_model_layout(config, cfg: TrainConfig) -> None:
+    """Refuse a tp / pp the model cannot take (heads tp does not divide, fewer layers than
+    stages), as megapar-train does, in the API's terms: `tp=2`, not `--tp 2`."""
+    try:
+        config.validate(Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp))
+    except LayoutError as exc:
+        said = re.sub(  # --tp 2 -> tp=2, --virtual-stages -> virtual_stages
+            r"--([a-z][a-z-]*)( (\d+))?",
+            lambda m: m[1].replace("-", "_") + (f"={m[3]}" if m[3] else ""),
+            str(exc),
+        )
+        raise LayoutError(f"megapar.prepare: {said}") from None
 
 
 def _lr_scheduler(lr_schedule, cfg: TrainConfig):
