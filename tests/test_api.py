@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,57 @@ def test_user_script_equals_megapar_train_and_one_process(tmp_path, prefix):
     assert_close(torch.tensor(user), torch.tensor(cli), 1e-5, "user script vs megapar-train")
     assert_close(torch.tensor(user), torch.tensor(serial), 1e-5, "tp2 x pp2 vs one process")
     assert user[-1] < user[0]
+
+
+def test_sft_example_masks_the_prompt_and_equals_one_forward(tmp_path):
+    """examples/sft_prompt_mask.py at tp 2 on a transformers Llama directory with a GPT-2
+    tokenizer: the labels are -100 on the prompt and the padding and the next tokens on the
+    response; the first step's loss equals one forward of the transformers model on the same
+    batch with F.cross_entropy (fp32, 1e-5), and the export loads in transformers with the
+    directory's tokenizer."""
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2TokenizerFast,
+                              LlamaConfig, LlamaForCausalLM)
+
+    spec = importlib.util.spec_from_file_location(
+        "sft_prompt_mask", ROOT / "examples" / "sft_prompt_mask.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assets, bpe = Path(asset_path("shakespeare_sample.txt")).parent, tmp_path / "bpe"
+    bpe.mkdir()
+    for name in ("vocab.json", "merges.txt"):  # megapar's GPT-2 BPE, under transformers' names
+        shutil.copy(assets / f"gpt2_{name}", bpe / name)
+    tokenizer = GPT2TokenizerFast.from_pretrained(bpe)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=50257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    src, out = tmp_path / "src", tmp_path / "sft"
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    lines = [x.strip() for x in Path(asset_path("shakespeare_sample.txt")).read_text()
+             .splitlines() if len(x.strip()) > 20][:16]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": a, "response": b}) + "\n"
+                            for a, b in zip(lines[0::2], lines[1::2])))
+    example.main(["--model", str(src), "--data", str(data), "--out", str(out), "--steps", "2",
+                  "--json", str(tmp_path / "losses.json")])
+    losses = json.loads((tmp_path / "losses.json").read_text())
+
+    pairs = example.read_pairs(str(data))
+    batch = next(example.global_batches(tokenizer, pairs, 32, 8, 1234))
+    gen = torch.Generator().manual_seed(1234)
+    first = torch.randperm(len(pairs), generator=gen).tolist()[0]
+    prompt, response = pairs[first]
+    p, r = tokenizer(prompt)["input_ids"], tokenizer(response)["input_ids"]
+    assert batch["labels"][0].tolist() == \
+        [-100] * (len(p) - 1) + r + [50256] + [-100] * (32 - len(p) - len(r))
+    with torch.no_grad():
+        logits = LlamaForCausalLM.from_pretrained(src)(input_ids=batch["input_ids"]).logits
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                            ignore_index=-100).item()
+    assert len(losses) == 2 and math.isclose(losses[0], ref, rel_tol=1e-5), (losses, ref)
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "llama"
+    assert AutoTokenizer.from_pretrained(out)(prompt)["input_ids"] == p
 
 
 def test_notebook_cell_runs_under_ipython():
