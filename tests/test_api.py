@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,57 @@ def test_user_script_equals_megapar_train_and_one_process(tmp_path, prefix):
     assert_close(torch.tensor(user), torch.tensor(cli), 1e-5, "user script vs megapar-train")
     assert_close(torch.tensor(user), torch.tensor(serial), 1e-5, "tp2 x pp2 vs one process")
     assert user[-1] < user[0]
+
+
+def test_sft_example_masks_the_prompt_and_equals_one_forward(tmp_path):
+    """examples/sft_prompt_mask.py at tp 2 on a transformers Llama directory with a GPT-2
+    tokenizer: the labels are -100 on the prompt and the padding and the next tokens on the
+    response; the first step's loss equals one forward of the transformers model on the same
+    batch with F.cross_entropy (fp32, 1e-5), and the export loads in transformers with the
+    directory's tokenizer."""
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2TokenizerFast,
+                              LlamaConfig, LlamaForCausalLM)
+
+    spec = importlib.util.spec_from_file_location(
+        "sft_prompt_mask", ROOT / "examples" / "sft_prompt_mask.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assets, bpe = Path(asset_path("shakespeare_sample.txt")).parent, tmp_path / "bpe"
+    bpe.mkdir()
+    for name in ("vocab.json", "merges.txt"):  # megapar's GPT-2 BPE, under transformers' names
+        shutil.copy(assets / f"gpt2_{name}", bpe / name)
+    tokenizer = GPT2TokenizerFast.from_pretrained(bpe)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=50257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    src, out = tmp_path / "src", tmp_path / "sft"
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    lines = [x.strip() for x in Path(asset_path("shakespeare_sample.txt")).read_text()
+             .splitlines() if len(x.strip()) > 20][:16]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": a, "response": b}) + "\n"
+                            for a, b in zip(lines[0::2], lines[1::2])))
+    example.main(["--model", str(src), "--data", str(data), "--out", str(out), "--steps", "2",
+                  "--json", str(tmp_path / "losses.json")])
+    losses = json.loads((tmp_path / "losses.json").read_text())
+
+    pairs = example.read_pairs(str(data))
+    batch = next(example.global_batches(tokenizer, pairs, 32, 8, 1234))
+    gen = torch.Generator().manual_seed(1234)
+    first = torch.randperm(len(pairs), generator=gen).tolist()[0]
+    prompt, response = pairs[first]
+    p, r = tokenizer(prompt)["input_ids"], tokenizer(response)["input_ids"]
+    assert batch["labels"][0].tolist() == \
+        [-100] * (len(p) - 1) + r + [50256] + [-100] * (32 - len(p) - len(r))
+    with torch.no_grad():
+        logits = LlamaForCausalLM.from_pretrained(src)(input_ids=batch["input_ids"]).logits
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                            ignore_index=-100).item()
+    assert len(losses) == 2 and math.isclose(losses[0], ref, rel_tol=1e-5), (losses, ref)
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "llama"
+    assert AutoTokenizer.from_pretrained(out)(prompt)["input_ids"] == p
 
 
 def test_notebook_cell_runs_under_ipython():
@@ -388,7 +440,8 @@ def test_bad_batches_are_refused_at_any_layout(run):
                 "negative id": "is outside the model's vocabulary",
                 "label": f"label {VOCAB} is outside the vocabulary",
                 "key": "batch key 'position_ids' is not used by gpt2",
-                "mask": "has no padding mask",
+                "mask": "has no padding mask; pack sequences without padding, or pad on the "
+                        "right (a tokenizer's padding_side='right'",
                 "numpy": "is a ndarray; pass torch tensors",
                 "float": "holds torch.float32; token ids",
                 "long": "longer than the model's 16 positions",
@@ -398,6 +451,54 @@ def test_bad_batches_are_refused_at_any_layout(run):
     for name, message in expected.items():
         assert message in out[name], (name, out[name])
     assert steps == 3   # int32, uint8 and the all-ones attention mask trained
+
+
+def _warned(engine, batches, what="train_step"):
+    """The warnings `engine.<what>` gives on each batch in turn."""
+    import warnings
+
+    out = []
+    for batch in batches:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            getattr(engine, what)(batch)
+        out.append([str(w.message) for w in caught])
+    return out
+
+
+def _label_warnings():
+    x = _batches(1)[0]["input_ids"]
+    hf = x.clone()  # transformers' labels: input_ids, a prompt masked with -100
+    hf[:, :3] = -100
+    same = torch.full_like(x, 5)  # a row of one token: its next-token labels equal its ids
+    sparse = torch.full_like(x, -100)  # isolated labels that happen to equal their own id
+    sparse[:, 2] = x[:, 2]
+    shifted = {"input_ids": x[:, :-1], "labels": torch.where(hf[:, 1:] < 0, -100, x[:, 1:])}
+    return {"hf": _warned(megapar.prepare(_hf_model(), micro_batch_size=2),
+                          [{"input_ids": x, "labels": hf}, {"input_ids": x, "labels": x}]),
+            "eval": _warned(megapar.prepare(_hf_model(), micro_batch_size=2),
+                            [{"input_ids": x, "labels": x}], "eval_step"),
+            "next-token": [_warned(megapar.prepare(_hf_model(), micro_batch_size=2), [batch])[0]
+                           for batch in (shifted, {"input_ids": same, "labels": same},
+                                         {"input_ids": x, "labels": sparse})]}
+
+
+def test_transformers_unshifted_labels_are_named_once(run):
+    """A transformers user's batch, labels = input_ids (transformers' models shift them; megapar
+    does not, so it would train each position on its own token): the first train_step or
+    eval_step warns once, on rank 0, naming the fix; next-token labels never warn, also where
+    they happen to equal their ids (a row of one token, isolated labels; each the first batch of
+    its own engine, the one checked)."""
+    ranks = run(_label_warnings, 2)
+    message = ("train_step: the labels equal input_ids at every labelled position, as "
+               "transformers' models take them (they shift the labels themselves); megapar does "
+               "not shift them, so this trains each position to predict its own token: pass "
+               "next-token labels, e.g. input_ids[:, :-1] with labels input_ids[:, 1:] "
+               "(labels[:, t] is the token after input_ids[:, t])")
+    assert ranks[0]["hf"] == [[message], []], ranks[0]["hf"]
+    assert ranks[0]["eval"] == [[message.replace("train_step", "eval_step")]]
+    assert ranks[0]["next-token"] == [[], [], []], ranks[0]["next-token"]
+    assert ranks[1] == {"hf": [[], []], "eval": [[]], "next-token": [[], [], []]}, ranks[1]
 
 
 def _global_rng_batches():
@@ -567,6 +668,48 @@ def test_export_hf_carries_a_given_tokenizer_and_the_models_dtype(run, tmp_path)
         "int 5",
         "engine.save(extra=...) takes a dict of JSON-able values (e.g. {'sched': "
         "sched.state_dict()}), got a list"], refused
+
+
+def _export_from_pretrained(out):
+    import shutil
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megapar.data import load_tokenizer
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=1004, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+    )).save_pretrained(f"{out}/src")
+    shutil.copy(load_tokenizer("sentencepiece").path, f"{out}/src/tokenizer.model")
+    engine = megapar.prepare(LlamaForCausalLM.from_pretrained(f"{out}/src"), micro_batch_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.export_hf(f"{out}/hf")
+    engine.save(f"{out}/ckpt")
+    return [str(w.message) for w in caught]
+
+
+def test_export_hf_of_a_from_pretrained_model_carries_its_directorys_tokenizer(run, tmp_path):
+    """prepare(LlamaForCausalLM.from_pretrained(DIR)) trains with DIR's tokenizer, as
+    megapar-train --from-hf DIR does: export_hf writes it without tokenizer= (it warned that the
+    export had none), and the engine's checkpoints record it, so megapar-convert --to-hf
+    writes it too."""
+    from conftest import skip_unless_transformers_converts
+    from transformers import AutoTokenizer
+
+    from megapar.cli.convert import main as convert
+    from megapar.data import load_tokenizer
+
+    skip_unless_transformers_converts()
+    said = run(_export_from_pretrained, 1, str(tmp_path))[0]
+    assert said == [], said
+    assert convert([str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf2"), "--no-progress"]) == 0
+    ids = load_tokenizer("sentencepiece").encode("Hello world")
+    for hf in ("hf", "hf2"):
+        assert AutoTokenizer.from_pretrained(tmp_path / hf)("Hello world")["input_ids"] == ids
 
 
 def _export_llama_without_tokenizer(out):
@@ -844,6 +987,11 @@ def test_prepare_names_the_option_a_misspelt_one_meant():
     ({"zero": 1, "offload_params": True, "offload_optimizer": True},
      ["megapar.prepare: offload_params=True needs zero=3"]),
     ({"zero": 9}, ["megapar.prepare: zero=9 is not a ZeRO stage", "or 3 (parameters too)"]),
+    # a layout the model cannot take named --tp / --pp (checked before the world size)
+    ({"tp": 3}, ["megapar.prepare: 4 attention heads are not divisible by tp=3; use tp=1, 2 or "
+                 "4 (each divides the 4 attention heads, hidden size 32, FFN size 128)"]),
+    ({"pp": 8}, ["megapar.prepare: 2 layers cannot be cut into pp=8 stages (each stage needs "
+                 "at least one layer); lower pp"]),
     # megapar-train's ranges: clip_grad=-1 trained unclipped, weight_decay=-0.1 grew the weights
     ({"clip_grad": -1.0}, ["megapar.prepare: clip_grad=-1.0 is invalid", ">= 0.0"]),
     ({"weight_decay": -0.1}, ["megapar.prepare: weight_decay=-0.1 is invalid"]),

@@ -246,6 +246,34 @@ def test_from_hf_says_what_the_path_is_instead(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_from_hf_of_a_model_megapar_does_not_build(tmp_path, capsys):
+    """--from-hf of a transformers directory of another model type (a GPT-NeoX, an OPT, one
+    without `architectures`): megapar-convert and megapar-train each refuse it in one line
+    naming the directory, its architecture and the ones megapar trains, before any worker
+    starts, writing nothing."""
+    from megapar.cli.train import main as train
+
+    trains = ("GPT2LMHeadModel / BertForMaskedLM / LlamaForCausalLM / MixtralForCausalLM / "
+              "Qwen3MoeForCausalLM checkpoints")
+    cases = [("neox", {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]},
+              "GPTNeoXForCausalLM (model_type 'gpt_neox')"),
+             ("opt", {"model_type": "opt", "architectures": ["OPTForCausalLM"]},
+              "OPTForCausalLM (model_type 'opt')"),
+             ("bare", {"hidden_size": 64}, "its model (model_type None)")]
+    for name, config, what in cases:
+        hf = tmp_path / name
+        hf.mkdir()
+        (hf / "config.json").write_text(json.dumps(config))
+        message = f"{hf}: {what} is not a model megapar builds; it trains {trains}"
+        assert main(["--from-hf", str(hf), str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err.strip() == f"megapar-convert: error: {message}"
+        assert train(["--from-hf", str(hf), "--save", str(tmp_path / "ckpt"),
+                      "--data-cache", str(tmp_path / "cache")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"megapar-train: error: {message}", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "neox", "opt"]
+
+
 @pytest.mark.parametrize("short, full", [("bf16", torch.bfloat16), ("fp16", torch.float16),
                                          ("fp32", torch.float32)])
 def test_to_hf_dtype_takes_the_short_names(tmp_path, capsys, short, full):

@@ -399,9 +399,11 @@ def test_resume_a_from_hf_checkpoint_at_another_layout_with_no_model_flags(
     assert rc == 0, err
     assert [r["step"] for r in _records(log)] == [3]
     # flags that agree with the checkpoint are fine; flags that contradict it are an error
-    rc, err = _run(train, [*common, "--load", moved, "--from-hf", hf, "--max-steps", "3"],
-                   capsys)
-    assert rc == 0, err
+    rc = train([str(a) for a in [*common, "--load", moved, "--from-hf", hf, "--max-steps", "3"]])
+    out = capsys.readouterr()
+    assert rc == 0, out.err  # a requeued --from-hf run: the checkpoint's weights, as it says
+    assert f"resumed from {moved} at step 2 (resharded from tp=1 pp=2 dp=1; its weights, " \
+           f"not --from-hf {hf}'s)" in out.out, out.out
     rc, err = _run(train, [*common, "--load", moved, "--model", "gpt2-124m", "--max-steps", "3"],
                    capsys)
     assert rc == 2 and "holds another model than --model gpt2-124m" in err and "n_embd=32" in err

@@ -113,6 +113,20 @@ def _refuse_megapar_parts(raw: dict, where) -> None:
         )
 
 
+def _refuse_other_model(raw: dict, path: Path) -> None:
+    """Refuse a transformers directory of a model type megapar does not build, naming its
+    architecture and the ones megapar trains."""
+    kind = raw.get("model_type")
+    if kind in ARCHITECTURES:
+        return
+    names = raw.get("architectures")
+    name = ", ".join(map(str, names)) if isinstance(names, list) and names else "its model"
+    raise ConfigError(
+        f"{path}: {name} (model_type {kind!r}) is not a model megapar builds; it trains "
+        f"{' / '.join(ARCHITECTURES.values())} checkpoints"
+    )
+
+
 class HFReader:
     """Lazy access to the tensors of a local transformers directory (no network)."""
 
@@ -123,6 +137,7 @@ class HFReader:
             raise FileNotFoundError(_not_transformers(self.path))
         raw = json.loads(cfg.read_text())
         _refuse_megapar_parts(raw, cfg)
+        _refuse_other_model(raw, self.path)
         self.config = config_from_dict(raw)
         self._saved_dtype = raw.get("dtype") or raw.get("torch_dtype")
         st, pt = self.path / "model.safetensors", self.path / "pytorch_model.bin"

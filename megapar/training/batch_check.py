@@ -61,8 +61,10 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
             if not bool((value == 1).all()):
                 raise ValueError(
                     f"{what}: {config.model_type} in megapar has no padding mask; "
-                    f"pack sequences without padding, or set the labels of padded "
-                    f"positions to -100 and drop attention_mask"
+                    f"pack sequences without padding, or pad on the right (a tokenizer's "
+                    f"padding_side='right': causal attention keeps the padding out of the "
+                    f"tokens before it), set the labels of padded positions to -100 and "
+                    f"drop attention_mask"
                 )
             continue
         if key not in allowed:
@@ -100,6 +102,29 @@ def check_batch(batch, config, what: str = "train_step") -> dict[str, torch.Tens
             f"{limit} positions; cut them to at most {limit}"
         )
     return out
+
+
+UNSHIFTED_WARNING = (
+    "{what}: the labels equal input_ids at every labelled position, as transformers' models "
+    "take them (they shift the labels themselves); megapar does not shift them, so this "
+    "trains each position to predict its own token: pass next-token labels, e.g. "
+    "input_ids[:, :-1] with labels input_ids[:, 1:] (labels[:, t] is the token after "
+    "input_ids[:, t])"
+)
+
+
+def unshifted_labels(batch: dict[str, torch.Tensor], config) -> bool:
+    """Whether a checked decoder batch's labels are transformers' unshifted ones: equal to
+    input_ids wherever they are not -100, with two neighbouring labelled positions whose ids
+    differ somewhere (next-token labels there would be the second id, not the first: so no
+    batch of next-token labels is taken for one). One host read."""
+    labels = batch.get("labels")
+    if config.model_type == "bert" or labels is None or labels.shape[1] < 2:
+        return False
+    ids, labelled = batch["input_ids"], labels != -100
+    same = ((labels == ids) | ~labelled).all()
+    pair = (labelled[:, :-1] & labelled[:, 1:] & (ids[:, :-1] != ids[:, 1:])).any()
+    return bool(torch.stack([same, pair]).all())
 
 
 def _min_max(t: torch.Tensor) -> tuple[int, int]:

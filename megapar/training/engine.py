@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,7 +48,12 @@ from megapar.optim import LRScheduler, Precision
 from megapar.optim.precision import comm_dtypes
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.schedules import chunks_per_rank
-from megapar.training.batch_check import check_batch, same_on_every_rank
+from megapar.training.batch_check import (
+    UNSHIFTED_WARNING,
+    check_batch,
+    same_on_every_rank,
+    unshifted_labels,
+)
 from megapar.training.config import TrainConfig
 from megapar.training.engine_parts import api_guard, mesh_for, optimizer_for, stage_for
 from megapar.training.export import export_engine
@@ -157,6 +163,9 @@ class Engine:
         """Steps run (restored by `load`), those not applied included: a non-finite step
         (raised or skipped, see `train_step`) counts, and the learning-rate schedule moves past
         it, as megapar-train counts the fp16 loss scaler's skipped steps."""
+        self.labels_checked = False
+        """Whether a batch's labels were checked for transformers' unshifted ones
+        (`batch_check.unshifted_labels`: the first batch of `train_step` / `eval_step`)."""
         self.tokenizer: dict | None = None
         """The tokenizer the model trains with (`checkpoint.convert.recorded_tokenizer`), saved
         in checkpoints and carried by `export_hf`."""
@@ -356,6 +365,10 @@ class Engine:
         if self.mesh.cp > 1:
             check_length(batch["input_ids"].shape[1], self.mesh.cp)
         same_on_every_rank(batch, self.mesh.device, what)
+        if not self.labels_checked and "labels" in batch:
+            self.labels_checked = True
+            if unshifted_labels(batch, self.config) and self.mesh.rank == 0:
+                warnings.warn(UNSHIFTED_WARNING.format(what=what), stacklevel=3)
         rows = batch["input_ids"].shape[0]
         if what == "train_step" and self.batch_rows is not None and rows != self.batch_rows:
             raise ValueError(
@@ -530,7 +543,8 @@ class Engine:
         BertForMaskedLM / LlamaForCausalLM `from_pretrained` loads it) and the tokenizer in
         transformers' format, so `AutoTokenizer.from_pretrained(path)` loads it: `tokenizer`
         (a `load_tokenizer` spec: "gpt2", a .model file, a transformers directory ...), else
-        the engine's (megapar-train's data tokenizer; with none, a warning and no tokenizer);
+        the engine's (megapar-train's data tokenizer, or the directory's own of a model `prepare`
+        got from `from_pretrained(DIR)`; with none, a warning and no tokenizer);
         a `tokenizer` whose files are not those of the engine's is refused unless
         `allow_other_tokenizer`.
         `dtype`: float32, bfloat16 or float16, as a name or a torch.dtype (default: the dtype

@@ -196,7 +196,10 @@ class Trainer:
             if state.resharded
             else ("same layout" if state.layout == self.mesh.layout else f"from {state.layout}")
         )
-        self.notes.append(f"resumed from {path} at step {self.step} ({how})")
+        ignored = (  # a requeued --from-hf run: the checkpoint's weights continue
+            f"; its weights, not --from-hf {self.cfg.from_hf}'s" if self.cfg.from_hf else ""
+        )
+        self.notes.append(f"resumed from {path} at step {self.step} ({how}{ignored})")
         self.notes.extend(state.notes)
 
     # -- save / eval -------------------------------------------------------------------------

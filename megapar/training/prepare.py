@@ -6,21 +6,24 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import warnings
 
 import torch
 
+from megapar.checkpoint.convert import recorded_tokenizer
 from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
 from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
 from megapar.faults.status import set_action, set_step
 from megapar.launcher import launched_world_size
-from megapar.mesh import LayoutError, Mesh, same_on_all_ranks
+from megapar.mesh import Layout, LayoutError, Mesh, same_on_all_ranks
 from megapar.models.config import ConfigError, config_from_hf
 from megapar.models.recipes import resolve_model
 from megapar.optim import LRScheduler
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.training.config import TrainConfig
 from megapar.training.engine import ON_NONFINITE, Engine
+from megapar.training.tokenizer_checks import hf_dir_tokenizer
 from megapar.training.validate import check_ranges
 from megapar.training.validate_fp8 import check_fp8
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3
@@ -196,6 +199,7 @@ def prepare(
             "(it changes what sequence parallelism keeps for the backward)"
         )
     check_fp8(cfg)  # Fp8Error (a ValueError): torchao, a GPU with FP8 or fp8_emulate=True
+    _check_model_layout(config, cfg)
     _check_world(cfg)
     bound_world_waits(cfg.timeout_s)  # the launcher's world group: prepare's timeout too
     lr_schedule = _lr_scheduler(lr_schedule, cfg)
@@ -265,6 +269,20 @@ def _check_world(cfg: TrainConfig) -> None:
         )
 
 
+def _check_model_layout(config, cfg: TrainConfig) -> None:
+    """Refuse a tp / pp the model cannot take (heads tp does not divide, fewer layers than
+    stages), as megapar-train does, in the API's terms: `tp=2`, not `--tp 2`."""
+    try:
+        config.validate(Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp))
+    except LayoutError as exc:
+        said = re.sub(  # --tp 2 -> tp=2, --virtual-stages -> virtual_stages
+            r"--([a-z][a-z-]*)( (\d+))?",
+            lambda m: m[1].replace("-", "_") + (f"={m[3]}" if m[3] else ""),
+            str(exc),
+        )
+        raise LayoutError(f"megapar.prepare: {said}") from None
+
+
 def _lr_scheduler(lr_schedule, cfg: TrainConfig):
     """prepare's `lr_schedule` as the engine takes it: None, or a megapar `LRScheduler` (a dict
     of its fields is built into one, from the scaled lr); anything else is refused."""
@@ -296,6 +314,10 @@ def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
     engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
 
     _check_same_weights(model, engine.mesh)
+    source = getattr(model, "name_or_path", "")  # from_pretrained(DIR)'s DIR
+    own = hf_dir_tokenizer(source) if source and os.path.isdir(source) else None
+    if own is not None:  # its tokenizer, as megapar-train --from-hf DIR takes it: export_hf
+        engine.tokenizer = recorded_tokenizer(own)  # and checkpoints carry it
     with engine.params_whole():
         missing = load_hf_weights(engine.model, reader)
     if missing and engine.mesh.rank == 0:

@@ -1,0 +1,110 @@
+"""Fine-tune a transformers causal LM on prompt / response pairs, the prompt masked out of the
+loss, with your own loop on megapar's engine (tp 2 by default).
+
+    python examples/sft_prompt_mask.py --model DIR --data pairs.jsonl --out DIR-sft
+    python examples/sft_prompt_mask.py --model DIR --data pairs.jsonl --tp 1   # one process
+
+DIR is a transformers directory written by save_pretrained, with its tokenizer (a
+GPT2LMHeadModel, LlamaForCausalLM, ...); pairs.jsonl holds one {"prompt": ..., "response": ...}
+object per line. megapar-train trains on every token of its --data text, so a prompt mask
+takes your own batches: each row here is the prompt, the response and the end-of-text token,
+cut at --seq-len + 1 and padded on the right; the labels are the next tokens where the next
+token is the response's (or the end of text) and -100 on the prompt and the padding.
+loss_mean="token" makes the loss the mean over the global batch's labelled tokens, as one
+forward of the whole batch with F.cross_entropy(ignore_index=-100) gives (megapar's default
+would average each micro-batch's own mean). --out exports the result for transformers.
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import megapar
+
+
+def read_pairs(path: str) -> list[tuple[str, str]]:
+    """The (prompt, response) pairs of a JSON Lines file, one clear error for a bad line."""
+    pairs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if not isinstance(record, dict) or not all(
+                isinstance(record.get(k), str) for k in ("prompt", "response")
+            ):
+                sys.exit(f"sft_prompt_mask.py: error: {path}:{lineno}: needs string fields "
+                         f"'prompt' and 'response'")
+            pairs.append((record["prompt"], record["response"]))
+    return pairs
+
+
+def sft_batch(tokenizer, pairs, seq_len: int) -> dict[str, torch.Tensor]:
+    """input_ids and next-token labels [len(pairs), seq_len]: labels on the response and the
+    end-of-text token, -100 on the prompt and the right padding."""
+    eos = tokenizer.eos_token_id
+    ids = torch.full((len(pairs), seq_len + 1), eos)
+    labels = torch.full((len(pairs), seq_len + 1), -100)
+    for row, (prompt, response) in enumerate(pairs):
+        p = tokenizer(prompt)["input_ids"]
+        r = tokenizer(response, add_special_tokens=False)["input_ids"]  # no second BOS
+        tokens = (p + r + [eos])[: seq_len + 1]
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        labels[row, len(p) : len(tokens)] = torch.tensor(tokens[len(p) :])
+    return {"input_ids": ids[:, :-1], "labels": labels[:, 1:]}
+
+
+def global_batches(tokenizer, pairs, seq_len: int, batch_size: int, seed: int):
+    """Global batches of the pairs in a seeded order, the same on every rank, epoch after
+    epoch (a last incomplete batch of an epoch dropped)."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(len(pairs), generator=gen).tolist()
+        for k in range(len(pairs) // batch_size):
+            rows = order[k * batch_size : (k + 1) * batch_size]
+            yield sft_batch(tokenizer, [pairs[i] for i in rows], seq_len)
+
+
+def train(args) -> list[float]:
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    engine = megapar.prepare(model, tp=args.tp, pp=args.pp, micro_batch_size=2, lr=args.lr,
+                             loss_mean="token", precision="fp32")
+    pairs = read_pairs(args.data)
+    losses = []
+    for batch in global_batches(tokenizer, pairs, args.seq_len, args.batch_size, args.seed):
+        if engine.step == args.steps:
+            break
+        losses.append(engine.train_step(batch))
+        if engine.mesh.rank == 0:
+            print(f"step {engine.step}: loss {losses[-1]:.4f}", flush=True)
+    if args.out:
+        engine.export_hf(args.out)  # with DIR's tokenizer, which the model trained with
+    return losses
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a transformers directory")
+    parser.add_argument("--data", required=True, help="JSON Lines of prompt / response pairs")
+    parser.add_argument("--out", help="export the fine-tuned model here (transformers)")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--json", help="write the losses to this file")
+    args = parser.parse_args(argv)
+    losses = megapar.launch(train, args.tp * args.pp, args)
+    if args.json and losses is not None:
+        with open(args.json, "w") as f:
+            json.dump(losses, f)
+
+
+if __name__ == "__main__":
+    main()
