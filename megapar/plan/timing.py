@@ -70,13 +70,23 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     rate = p.peak_tflops * 1e12 * p.efficiency
     act = tokens * cfg.hidden_size * p.act_bytes
     ring = ring_seconds(t, act, p.intra_gbps, p.latency_us)  # one all-reduce of the activations
+    # megapar-train's autocast (`Problem.sixteen_bit`) keeps the residual stream, the norms'
+    # outputs and the embedding's output in fp32: what tp reduces or gathers of those (the
+    # column-parallel inputs' gradients, SP's gathered norm outputs, the embedding's output, the
+    # head input's gradient) moves 4 bytes an element; the row-parallel matmuls' outputs (and
+    # under SP their gradients) the 16-bit ones. Megatron's 16-bit model (--master-weights
+    # separate): all 16-bit, the paper's 2 + 2 all-reduces of s b h x 2 bytes a layer.
+    wide = ring_seconds(t, tokens * cfg.hidden_size * tp_wire_bytes(p), p.intra_gbps, p.latency_us)
     half = 0.5 if c.sp else 1.0  # SP: an all-gather or reduce-scatter
-    tp_fwd = 2 * ring  # per layer (SP: 2 AG + 2 RS, same bytes)
-    tp_bwd = tp_fwd * (2 if c.recompute == "full" else 1)
+    # per layer: 2 all-reduces in the forward (the row-parallel outputs) and 2 in the backward
+    # (the column-parallel inputs' gradients); SP: an all-gather of each norm output and a
+    # reduce-scatter of each row-parallel output, and in the backward the reverse
+    tp_fwd = ring + wide if c.sp else 2 * ring
+    tp_bwd = (ring + wide if c.sp else 2 * wide) + (tp_fwd if c.recompute == "full" else 0.0)
     # --sp-regather: one more all-gather per shared input in the backward (attention's, the
     # MLP's; a MoE layer's MLP only with shared experts: its routed tokens are not gathered),
     # counted exposed (the run overlaps it with one input-gradient matmul: an upper bound)
-    regather = 0.5 * ring if regathers(p, c) else 0.0
+    regather = 0.5 * wide if regathers(p, c) else 0.0
     moe_regathers = 1 + bool(getattr(cfg, "shared_expert_intermediate_size", 0))
     cp_f, cp_b = cp_layer_seconds(p, c, tokens * fl.attention / rate)
     cp_b += cp_f if c.recompute != "none" else 0.0
@@ -111,9 +121,9 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         f = tokens * (k * fl.layer() + head + 2 * moved)
         w = tokens * (k * fl.block + head - moved)
         bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head - moved + recomputed)
-        emb_comm = ring * half if first else 0.0  # the vocab-parallel lookup's reduction
-        head_f = ring * 0.5 if last and c.sp else 0.0  # SP: its input gathered
-        head_b = ring * half if last else 0.0  # its input's gradient
+        emb_comm = wide * half if first else 0.0  # the vocab-parallel lookup's reduction
+        head_f = wide * 0.5 if last and c.sp else 0.0  # SP: its input gathered
+        head_b = wide * half if last else 0.0  # its input's gradient
         regathered = regather * (2 * (k - k_moe) + moe_regathers * k_moe)
         return ChunkTime(
             (f - cut) / rate
@@ -141,6 +151,13 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     shapes = chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds)
     costs = {shape: cost(*shape) for shape in {x for row in shapes for x in row}}
     return [[costs[x] for x in row] for row in shapes]
+
+
+def tp_wire_bytes(p: Problem) -> int:
+    """Bytes an element of the tp collectives on the fp32 side of megapar-train's autocast (the
+    residual stream, the norms' and the embedding's outputs, their gradients): 4 where
+    autocast runs the matmuls on fp32 weights (`Problem.sixteen_bit`), else the activations'."""
+    return 4 if p.sixteen_bit else p.act_bytes
 
 
 @lru_cache(maxsize=4096)

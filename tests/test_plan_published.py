@@ -1,0 +1,97 @@
+"""The planner's figures against published ones: the recipes' parameter counts (the model
+cards and papers), the FLOPs per token of MFU against Megatron's / PaLM's 6 N + 12 L h s, the
+tp collectives per layer against Megatron's tensor parallelism (Shoeybi et al. 2019:
+two all-reduces of s b h in the forward, two in the backward), and where megapar differs
+from them, by how much (docs/guides/planner.md, "Checked against published figures")."""
+
+import json
+
+import pytest
+
+from megapar.cli.train import main as train_main
+from megapar.models.flops import training_flops_per_token
+from megapar.models.recipes import resolve_model
+from megapar.plan import Candidate, Problem
+from megapar.plan.params import model_params
+from megapar.plan.timing import chunk_times
+
+# published sizes: GPT-3 (Brown et al. 2020, table 2.1), Llama 3 8B / 70B (model cards),
+# Mixtral 8x7B (Jiang et al. 2024), GPT-2 1.5B (1,557,611,200 in transformers)
+PUBLISHED = {"gpt3-175b": 174.6e9, "llama-8b": 8.03e9, "llama-70b": 70.6e9,
+             "mixtral-8x7b": 46.7e9, "gpt2-1.5b": 1.558e9}
+
+
+@pytest.mark.parametrize("recipe", sorted(PUBLISHED))
+def test_recipes_have_their_published_parameter_counts(recipe):
+    assert model_params(resolve_model(recipe)) == pytest.approx(PUBLISHED[recipe], rel=1e-3)
+
+
+@pytest.mark.parametrize("recipe", ["gpt3-175b", "llama-8b", "llama-70b", "mixtral-8x7b"])
+def test_flops_per_token_are_6n_plus_12_l_h_s_without_the_lookups(recipe):
+    """MFU's count is 6 N + 12 L h s (Megatron's / PaLM's appendix B) with N the parameters
+    a token's matmuls use: the embedding lookup's (and the learned position embedding's),
+    biases and norms left out, a tied head counted once, a mixture of experts' active
+    parameters (2 of 8 experts: Mixtral's published 12.9B active). 6 N over all parameters
+    counts Llama 3 8B's untied embedding as a matmul: 6 % more."""
+    config, s = resolve_model(recipe), 2048
+    n, h, layers = model_params(config), config.hidden_size, config.num_layers
+    if recipe == "gpt3-175b":  # tied: the head's matmul uses the word embedding's parameters
+        lookups = config.n_positions * h
+    else:  # untied: the input embedding is a lookup
+        lookups = config.vocab_size * h
+    if recipe == "mixtral-8x7b":  # 6 of 8 experts idle per token; the router counted as h x E
+        idle = layers * 6 * 3 * h * config.intermediate_size
+        assert n - idle == pytest.approx(12.9e9, rel=3e-3)
+        n -= idle
+    # biases and norms are no matmuls: GPT's 13 h a block (4 h of norms, 9 h of biases) and
+    # its final norm's 2 h; Llama's two RMSNorms a block and its final one
+    vectors = (13 * layers + 2) * h if recipe == "gpt3-175b" else (2 * layers + 1) * h
+    used = n - lookups - vectors
+    assert training_flops_per_token(config, s) == pytest.approx(6 * used + 12 * layers * h * s,
+                                                                rel=1e-12)
+    if recipe == "llama-8b":
+        whole = 6 * model_params(config) + 12 * layers * h * s
+        assert whole / training_flops_per_token(config, s) == pytest.approx(1.0654, abs=1e-3)
+
+
+def _tp_bytes(recipe, sp, master_weights, s=64, b=2):
+    """Bytes the planner's tp collectives of one micro-batch move on tp 2 (a ring's 2 (n-1)/n
+    is 1 there), read back from its seconds at 8 Gbit/s and no latency."""
+    p = Problem(resolve_model(recipe), 2, global_batch=b, seq_len=s, precision="bf16",
+                master_weights=master_weights, intra_gbps=8.0, latency_us=0.0)
+    ((chunk,),) = chunk_times(p, Candidate(tp=2, mbs=b, sp=sp))
+    return chunk.tp * 1e9
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_collectives_are_megatrons_four_per_layer_at_the_wires_dtypes(sp):
+    """Per layer 2 all-reduces of s b h in the forward and 2 in the backward (SP: as many
+    all-gathers and reduce-scatters, the same ring bytes), plus the vocab-parallel
+    embedding's (SP: a reduce-scatter) and the head input's. Megatron's 16-bit model
+    (--master-weights separate): all at 2 bytes. megapar-train's autocast keeps the norms'
+    outputs, the residual stream and the embedding's output in fp32, so the column-parallel
+    inputs' gradients (SP: half of each direction's), the embedding's and the head's move 4
+    bytes: 1.5 x the paper's per layer."""
+    s, b, h, layers = 64, 2, 64, 4
+    sbh = s * b * h
+    ends = 1.5 if sp else 2  # SP: the embedding's reduce-scatter is half an all-reduce's ring
+    assert _tp_bytes("gpt2-tiny", sp, "separate") == pytest.approx(
+        layers * 4 * sbh * 2 + ends * sbh * 2, rel=1e-12)
+    assert _tp_bytes("gpt2-tiny", sp, "fp32") == pytest.approx(
+        layers * (2 * sbh * 2 + 2 * sbh * 4) + ends * sbh * 4, rel=1e-12)
+
+
+@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny"])
+def test_tp_bytes_are_what_a_dry_run_counts(capsys, recipe):
+    """megapar-train --dry-run of tp 2 in bf16 counts the real code's all-reduces: the planner's
+    bytes, plus the vocab-parallel cross-entropy's three fp32 all-reduces per token (its max,
+    sum of exponentials and target logit: latency, not timed by the planner)."""
+    s, b = 64, 2
+    argv = ["--model", recipe, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
+            str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
+            "bf16", "--dry-run-ranks", "0", "--json"]
+    assert train_main(argv) == 0
+    rank = json.loads(capsys.readouterr().out.splitlines()[0])
+    counted = rank["comm"]["tp"]["all_reduce"]["bytes"]
+    planned = _tp_bytes(recipe, False, "fp32", s, b)
+    assert counted == pytest.approx(planned + 3 * s * b * 4, rel=1e-12)
