@@ -5,6 +5,7 @@ two all-reduces of s b h in the forward, two in the backward), and where megapar
 from them, by how much (docs/guides/planner.md, "Checked against published figures")."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,8 @@ from megapar.models.recipes import resolve_model
 from megapar.plan import Candidate, Problem
 from megapar.plan.params import model_params
 from megapar.plan.timing import chunk_times
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # published sizes: GPT-3 (Brown et al. 2020, table 2.1), Llama 3 8B / 70B (model cards),
 # Mixtral 8x7B (Jiang et al. 2024), GPT-2 1.5B (1,557,611,200 in transformers)
@@ -81,17 +84,27 @@ def test_tp_collectives_are_megatrons_four_per_layer_at_the_wires_dtypes(sp):
         layers * (2 * sbh * 2 + 2 * sbh * 4) + ends * sbh * 4, rel=1e-12)
 
 
-@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny"])
-def test_tp_bytes_are_what_a_dry_run_counts(capsys, recipe):
+@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny", "mixtral-tiny", "shared-experts"])
+def test_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_path, recipe):
     """megapar-train --dry-run of tp 2 in bf16 counts the real code's all-reduces: the planner's
     bytes, plus the vocab-parallel cross-entropy's three fp32 all-reduces per token (its max,
-    sum of exponentials and target logit: latency, not timed by the planner)."""
+    sum of exponentials and target logit: latency, not timed by the planner). A MoE layer
+    (mixtral-tiny: every layer) reduces only its attention's over tp, its routed experts being
+    whole on every rank; with shared experts (split over tp) also its MLP's, as a dense layer."""
     s, b = 64, 2
-    argv = ["--model", recipe, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
+    model = recipe
+    if recipe == "shared-experts":
+        config = json.loads((ROOT / "models" / "mixtral-tiny.json").read_text())
+        model = str(tmp_path / "shared.json")
+        (tmp_path / "shared.json").write_text(json.dumps(
+            {**config, "shared_expert_intermediate_size": 32}))
+    argv = ["--model", model, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
             str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
             "bf16", "--dry-run-ranks", "0", "--json"]
     assert train_main(argv) == 0
     rank = json.loads(capsys.readouterr().out.splitlines()[0])
     counted = rank["comm"]["tp"]["all_reduce"]["bytes"]
-    planned = _tp_bytes(recipe, False, "fp32", s, b)
+    planned = _tp_bytes(model, False, "fp32", s, b)
     assert counted == pytest.approx(planned + 3 * s * b * 4, rel=1e-12)
+    if recipe == "mixtral-tiny":  # 4 layers x 2 all-reduces of 64 x 2 x 64, bf16 and fp32
+        assert planned == pytest.approx(4 * (8192 * 2 + 8192 * 4) + 2 * 8192 * 4, rel=1e-12)

@@ -88,6 +88,9 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     # counted exposed (the run overlaps it with one input-gradient matmul: an upper bound)
     regather = 0.5 * wide if regathers(p, c) else 0.0
     moe_regathers = 1 + bool(getattr(cfg, "shared_expert_intermediate_size", 0))
+    # a MoE layer's tp collectives: its attention's, and only with shared experts (split over
+    # tp like a dense MLP) its MLP's; the routed experts are whole on every tp rank
+    moe_tp = moe_regathers / 2
     cp_f, cp_b = cp_layer_seconds(p, c, tokens * fl.attention / rate)
     cp_b += cp_f if c.recompute != "none" else 0.0
     extra = {"none": 0.0, "selective": fl.attention, "full": fl.layer()}[c.recompute]
@@ -125,16 +128,19 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         head_f = wide * 0.5 if last and c.sp else 0.0  # SP: its input gathered
         head_b = wide * half if last else 0.0  # its input's gradient
         regathered = regather * (2 * (k - k_moe) + moe_regathers * k_moe)
+        k_tp = k - k_moe + moe_tp * k_moe  # blocks' worth of tp collectives
         return ChunkTime(
             (f - cut) / rate
-            + k * (tp_fwd + cp_f)
+            + k_tp * tp_fwd
+            + k * cp_f
             + emb_comm
             + head_f
             + k_moe * ep_f
             + tp8_f
             + cp8_f,
             (bi + x8 - cut * (2 + full)) / rate
-            + k * (tp_bwd + cp_b)
+            + k_tp * tp_bwd
+            + k * cp_b
             + regathered
             + head_b
             + k_moe * ep_b
@@ -142,7 +148,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
             + cp8_b,
             (w - x8) / rate,
             f + bi + w,
-            k * (tp_fwd + tp_bwd) + regathered + emb_comm + head_f + head_b + tp8_f + tp8_b,
+            k_tp * (tp_fwd + tp_bwd) + regathered + emb_comm + head_f + head_b + tp8_f + tp8_b,
             k * (cp_f + cp_b) + cp8_f + cp8_b,
             k_moe * (ep_f + ep_b),
             x8 * (3 + full),
