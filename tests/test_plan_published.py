@@ -108,3 +108,39 @@ def test_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_path, recipe):
     assert counted == pytest.approx(planned + 3 * s * b * 4, rel=1e-12)
     if recipe == "mixtral-tiny":  # 4 layers x 2 all-reduces of 64 x 2 x 64, bf16 and fp32
         assert planned == pytest.approx(4 * (8192 * 2 + 8192 * 4) + 2 * 8192 * 4, rel=1e-12)
+
+
+def test_model_state_bytes_against_the_zero_paper():
+    """ZeRO (Rajbhandari et al. 2020): mixed-precision Adam holds 2 + 2 + 12 = 16 bytes a
+    parameter; ZeRO-1 / 2 / 3 divide 12 / 14 / 16 of them by r. megapar-train (fp32 master):
+    4 + 4 + 8, the same 16, of which ZeRO-1 / 2 / 3 divide 8 / 12 / 16 (its fp32 weights are
+    the parameters, not the optimizer's copy). --master-weights separate (Megatron's: 16-bit
+    parameters, fp32 main gradients and master): 2 + 4 + 12 = 18, of which 12 / 16 / 18."""
+    from megapar.plan.memory import state_bytes
+
+    n, r = 1000, 8
+    fp32 = {0: 16, 1: 8 + 8 / r, 2: 4 + 12 / r, 3: 16 / r}  # the paper's at ZeRO-0 and ZeRO-3
+    separate = {0: 18, 1: 6 + 12 / r, 2: 2 + 16 / r, 3: 18 / r}
+    for zero in range(4):
+        assert sum(state_bytes(n, r, zero, "fp32")) / n == pytest.approx(fp32[zero], rel=1e-12)
+        assert sum(state_bytes(n, r, zero, "separate")) / n == pytest.approx(separate[zero],
+                                                                             rel=1e-12)
+
+
+def test_in_flight_and_bubbles_of_the_guides_table():
+    """Korthikanti et al.: the first stage holds p micro-batches under 1F1B, p (1 + (p-1)/(p v))
+    interleaved; Narayanan et al.: idle (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1); Qi et al.:
+    ZB-H1 idles (p-1)(t_F + t_B - t_W), a third of 1F1B's at equal F, B, W. Simulated."""
+    from megapar.plan import pipeline
+
+    sizes = [("1f1b", 16, 64, 1), ("interleaved", 16, 64, 2), ("interleaved", 8, 32, 2),
+             ("interleaved", 4, 16, 4), ("zb-h1", 8, 32, 1)]
+    for name, p, m, v in sizes:
+        counts, source = pipeline.in_flight(name, p, m, v)
+        published = p if v == 1 else p * (1 + (p - 1) / (p * v))
+        assert source == "simulated" and counts[0] == pytest.approx(published, rel=1e-12)
+    assert pipeline.bubble("1f1b", 8, 32) == (pytest.approx(7 / 39, rel=1e-9), "simulated")
+    assert pipeline.bubble("interleaved", 8, 32, 2) == (pytest.approx(7 / 71, rel=1e-9),
+                                                        "simulated")
+    assert pipeline.bubble("zb-h1", 8, 32) == (pytest.approx(7 / (32 * 3 + 7), rel=1e-9),
+                                               "simulated")
