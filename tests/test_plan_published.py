@@ -144,3 +144,23 @@ def test_in_flight_and_bubbles_of_the_guides_table():
                                                         "simulated")
     assert pipeline.bubble("zb-h1", 8, 32) == (pytest.approx(7 / (32 * 3 + 7), rel=1e-9),
                                                "simulated")
+
+
+@pytest.mark.parametrize("master_weights, nbytes", [("fp32", 4), ("separate", 2)])
+def test_zero1_gathers_the_parameters_at_their_own_size(master_weights, nbytes):
+    """ZeRO-1's all-gather after the step (exposed; its reduce-scatter hidden behind a slow
+    backward here) moves (r-1)/r of the parameters: fp32 in bf16 under megapar-train's fp32
+    weights (the blocks' linear weights in 16 bits, buckets of their own), 2 bytes under
+    --master-weights separate (Megatron's distributed optimizer gathers its bf16 parameters)."""
+    from megapar.plan import estimate
+    from megapar.plan.fp8 import half_weights
+    from megapar.plan.params import stage_params
+
+    config, r, gbps = resolve_model("gpt2-tiny"), 8, 800.0
+    p = Problem(config, r, global_batch=r, seq_len=64, precision="bf16",
+                master_weights=master_weights, intra_gbps=gbps, latency_us=0.0, efficiency=1e-6)
+    c = Candidate(dp=r, zero=1)
+    n = stage_params(config, 1, 1)[0]
+    gathered = n * nbytes - (2 * half_weights(p, c, 0) if master_weights == "fp32" else 0)
+    exposed = estimate(p, c).comm_s["dp"]
+    assert exposed == pytest.approx((r - 1) / r * gathered * 8 / (gbps * 1e9), rel=1e-9)

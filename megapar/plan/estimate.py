@@ -600,6 +600,12 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
     # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
     reduced = 2 if p.precision == "fp16" else 4
     grad_bytes = n_params * reduced
+    # the parameters ZeRO gathers: fp32 (megapar-train's), less what it gathers in 16 bits or
+    # float8; --master-weights separate: 16-bit parameters, gathered as they are (Megatron's
+    # distributed optimizer)
+    separate = p.master_weights == "separate"
+    param_bytes = n_params * p.act_bytes if separate else n_params * 4 - 3 * float8 - 2 * half
+    expert_bytes = n_experts * (p.act_bytes if separate else 4)
     # ZeRO's reductions hide behind the backward, gathers behind the compute, except what is
     # longer; ZeRO-1 / 2's parameter all-gather after the step does not (`plan/sharding.py`)
     replicas = c.dp * n  # gradients are reduced over cp x dp
@@ -624,7 +630,7 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
         c.keep_params,
         replicas,
         grad_bytes,
-        n_params * 4 - 3 * float8 - 2 * half,
+        param_bytes,
         layers + 1,
         dp_gbps,
         p.latency_us,
@@ -633,5 +639,5 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
         shard_up,
         c.zero3_reduce == "micro-batch",
         w_reported(c.schedule, c.pp, m, c.v),
-        (replicas // c.ep, n_experts * reduced, n_experts * 4),
+        (replicas // c.ep, n_experts * reduced, expert_bytes),
     )
