@@ -4,6 +4,7 @@ tp collectives per layer against Megatron's tensor parallelism (Shoeybi et al. 2
 two all-reduces of s b h in the forward, two in the backward), and where megapar differs
 from them, by how much (docs/guides/planner.md, "Checked against published figures")."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -164,3 +165,36 @@ def test_zero1_gathers_the_parameters_at_their_own_size(master_weights, nbytes):
     gathered = n * nbytes - (2 * half_weights(p, c, 0) if master_weights == "fp32" else 0)
     exposed = estimate(p, c).comm_s["dp"]
     assert exposed == pytest.approx((r - 1) / r * gathered * 8 / (gbps * 1e9), rel=1e-9)
+
+
+@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny", "mixtral-tiny"])
+def test_the_step_s_tp_gradient_sum_under_sp_is_what_a_dry_run_counts(capsys, recipe):
+    """Under SP each tp rank's gradient of a replicated parameter is its tokens' share, summed
+    over tp once a step: the dry run's tp all-reduces are that (fp32: GPT-2's norms,
+    row-parallel biases and position embedding; Llama's norms; Mixtral's norms, routers and
+    routed experts), the loss's three per-token ones and a MoE layer's per-micro-batch expert
+    loads (E + 1 floats). The plan adds the sum's ring to the step, exposed."""
+    from megapar.plan.estimate import estimate, tp_sync_bytes, tp_sync_seconds
+
+    s, b = 64, 2
+    argv = ["--model", recipe, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
+            str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
+            "bf16", "--dry-run-ranks", "0", "--json", "--sequence-parallel"]
+    assert train_main(argv) == 0
+    rank = json.loads(capsys.readouterr().out.splitlines()[0])
+    counted = rank["comm"]["tp"]["all_reduce"]["bytes"]
+    config = resolve_model(recipe)
+    loads = config.num_layers * (config.num_local_experts + 1) * 4 if recipe == "mixtral-tiny" \
+        else 0
+    p = Problem(config, 2, global_batch=b, seq_len=s, precision="bf16", intra_gbps=8.0,
+                latency_us=0.0)
+    c = Candidate(tp=2, mbs=b, sp=True)
+    synced = tp_sync_bytes(p, c, 0)
+    assert counted == synced + 3 * s * b * 4 + loads
+    if recipe == "mixtral-tiny":  # the routed experts: 4 layers x 4 x 3 x 64 x 64 x 4 bytes
+        assert synced > 4 * 4 * 3 * 64 * 64 * 4
+    assert tp_sync_seconds(p, c) == pytest.approx(synced * 1e-9, rel=1e-12)  # ring of 2, 1 GB/s
+    assert tp_sync_bytes(p, dataclasses.replace(c, sp=False), 0) == 0
+    with_sync = estimate(p, c)
+    assert with_sync.comm_s["tp"] == pytest.approx(
+        chunk_times(p, c)[0][0].tp + tp_sync_seconds(p, c), rel=1e-9)

@@ -69,6 +69,7 @@ from megapar.plan.params import (
     stage_expert_params,
     stage_layer_counts,
     stage_params,
+    stage_tensors,
 )
 from megapar.plan.problem import Problem
 from megapar.plan.process import ProcessPeak, process_peak
@@ -510,14 +511,20 @@ def estimate(
         else 0.0
     )
     stretch = m / (1 - frac)  # the busiest rank's share of the pipeline, bubble included
-    comm = {"tp": stretch * sum(x.tp for x in busiest), "pp": p2p + tied, "dp": dp_exposed}
+    sync_key = (c.tp, c.pp, c.v, placement_of(c.schedule), c.ep, c.sp, c.zero >= 2, c.dp * n)
+    tp_sync = shared.get(("tp sync", *sync_key), lambda: tp_sync_seconds(p, c))
+    comm = {
+        "tp": stretch * sum(x.tp for x in busiest) + tp_sync,
+        "pp": p2p + tied,
+        "dp": dp_exposed,
+    }
     if c.offload_optimizer:
         comm["host"] = zero_s
     if n > 1:
         comm["cp"] = stretch * sum(x.cp for x in busiest)
     if c.ep > 1:
         comm["ep"] = stretch * sum(x.ep for x in busiest)
-    step = pipe_s + p2p + dp_exposed + zero_s + tied
+    step = pipe_s + p2p + dp_exposed + zero_s + tied + tp_sync
     tokens = p.global_batch * s
 
     model, whole = shared.get(
@@ -571,6 +578,34 @@ def stage_roles(p: Problem, c: Candidate, stage: int) -> tuple[bool, bool]:
     cfg = p.config
     shape = chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds)
     return any(pre for _, pre, _, _ in shape[stage]), any(post for _, _, post, _ in shape[stage])
+
+
+def tp_sync_bytes(p: Problem, c: Candidate, stage: int) -> float:
+    """Bytes of the gradients pipeline rank `stage` sums over tp once a step, after the
+    schedule (`TrainStep.sync_gradients`, fp32): under sequence parallelism every parameter
+    replicated over tp (norms, row-parallel biases, a learned position embedding, a MoE layer's
+    router and routed experts), and those partial over tp without it (`TensorSpec.partial`).
+    Under ZeRO-2 / 3 this rank's pieces of them (its share of cp x dp, of cp x dp / ep for
+    routed experts)."""
+    if c.tp == 1:
+        return 0.0
+    replicas = c.dp * c.cp
+    sharded = c.zero >= 2 and replicas > 1
+    total = 0.0
+    for t in stage_tensors(layout_of(p, c, stage)):
+        if t.partial or (c.sp and t.replicated):
+            share = (max(replicas // c.ep, 1) if t.expert else replicas) if sharded else 1
+            total += t.numel * t.dtype.itemsize / share
+    return total
+
+
+def tp_sync_seconds(p: Problem, c: Candidate) -> float:
+    """The once-a-step tp gradient sum (`tp_sync_bytes`) of the stage with the most, a ring
+    all-reduce over tp after the schedule, exposed."""
+    if c.tp == 1:
+        return 0.0
+    nbytes = max(tp_sync_bytes(p, c, stage) for stage in range(c.pp))
+    return ring_seconds(c.tp, nbytes, p.intra_gbps, p.latency_us) if nbytes else 0.0
 
 
 def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> float:
