@@ -198,3 +198,23 @@ def test_the_step_s_tp_gradient_sum_under_sp_is_what_a_dry_run_counts(capsys, re
     with_sync = estimate(p, c)
     assert with_sync.comm_s["tp"] == pytest.approx(
         chunk_times(p, c)[0][0].tp + tp_sync_seconds(p, c), rel=1e-9)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_the_tp_gradient_sum_under_zero_is_this_rank_s_pieces(capsys, zero):
+    """Under ZeRO-2 the gradients are this dp rank's pieces by the step's tp sum: half of
+    llama-tiny's norms at dp 2 (ZeRO-1: all of them), as the dry run counts them besides the
+    loss's three per-token all-reduces."""
+    from megapar.plan.estimate import tp_sync_bytes
+
+    s, b = 64, 2
+    argv = ["--model", "llama-tiny", "--tp", "2", "--dp", "2", "--world-size", "4", "--dry-run",
+            "--seq-len", str(s), "--micro-batch-size", str(b), "--global-batch-size", str(2 * b),
+            "--precision", "bf16", "--dry-run-ranks", "0", "--json", "--sequence-parallel",
+            "--zero", str(zero)]
+    assert train_main(argv) == 0
+    rank = json.loads(capsys.readouterr().out.splitlines()[0])
+    p = Problem(resolve_model("llama-tiny"), 4, global_batch=2 * b, seq_len=s, precision="bf16")
+    synced = tp_sync_bytes(p, Candidate(tp=2, dp=2, mbs=b, sp=True, zero=zero), 0)
+    assert synced == (4 * 2 + 1) * 64 * 4 / (2 if zero == 2 else 1)
+    assert rank["comm"]["tp"]["all_reduce"]["bytes"] == synced + 3 * s * b * 4

@@ -585,8 +585,9 @@ def tp_sync_bytes(p: Problem, c: Candidate, stage: int) -> float:
     schedule (`TrainStep.sync_gradients`, fp32): under sequence parallelism every parameter
     replicated over tp (norms, row-parallel biases, a learned position embedding, a MoE layer's
     router and routed experts), and those partial over tp without it (`TensorSpec.partial`).
-    Under ZeRO-2 / 3 this rank's pieces of them (its share of cp x dp, of cp x dp / ep for
-    routed experts)."""
+    Under ZeRO-2 / 3 this rank's pieces of them, taken as an even share of cp x dp (of
+    cp x dp / ep for routed experts): ZeRO-2's exactly, ZeRO-3's units pad and split them
+    otherwise (llama-tiny at tp 2, dp 2: 1,152 bytes against the dry run's 1,280)."""
     if c.tp == 1:
         return 0.0
     replicas = c.dp * c.cp
