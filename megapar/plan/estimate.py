@@ -69,6 +69,7 @@ from megapar.plan.params import (
     stage_expert_params,
     stage_layer_counts,
     stage_params,
+    stage_tensors,
 )
 from megapar.plan.problem import Problem
 from megapar.plan.process import ProcessPeak, process_peak
@@ -510,14 +511,20 @@ def estimate(
         else 0.0
     )
     stretch = m / (1 - frac)  # the busiest rank's share of the pipeline, bubble included
-    comm = {"tp": stretch * sum(x.tp for x in busiest), "pp": p2p + tied, "dp": dp_exposed}
+    sync_key = (c.tp, c.pp, c.v, placement_of(c.schedule), c.ep, c.sp, c.zero >= 2, c.dp * n)
+    tp_sync = shared.get(("tp sync", *sync_key), lambda: tp_sync_seconds(p, c))
+    comm = {
+        "tp": stretch * sum(x.tp for x in busiest) + tp_sync,
+        "pp": p2p + tied,
+        "dp": dp_exposed,
+    }
     if c.offload_optimizer:
         comm["host"] = zero_s
     if n > 1:
         comm["cp"] = stretch * sum(x.cp for x in busiest)
     if c.ep > 1:
         comm["ep"] = stretch * sum(x.ep for x in busiest)
-    step = pipe_s + p2p + dp_exposed + zero_s + tied
+    step = pipe_s + p2p + dp_exposed + zero_s + tied + tp_sync
     tokens = p.global_batch * s
 
     model, whole = shared.get(
@@ -573,6 +580,35 @@ def stage_roles(p: Problem, c: Candidate, stage: int) -> tuple[bool, bool]:
     return any(pre for _, pre, _, _ in shape[stage]), any(post for _, _, post, _ in shape[stage])
 
 
+def tp_sync_bytes(p: Problem, c: Candidate, stage: int) -> float:
+    """Bytes of the gradients pipeline rank `stage` sums over tp once a step, after the
+    schedule (`TrainStep.sync_gradients`, fp32): under sequence parallelism every parameter
+    replicated over tp (norms, row-parallel biases, a learned position embedding, a MoE layer's
+    router and routed experts), and those partial over tp without it (`TensorSpec.partial`).
+    Under ZeRO-2 / 3 this rank's pieces of them, taken as an even share of cp x dp (of
+    cp x dp / ep for routed experts): ZeRO-2's exactly, ZeRO-3's units pad and split them
+    otherwise (llama-tiny at tp 2, dp 2: 1,152 bytes against the dry run's 1,280)."""
+    if c.tp == 1:
+        return 0.0
+    replicas = c.dp * c.cp
+    sharded = c.zero >= 2 and replicas > 1
+    total = 0.0
+    for t in stage_tensors(layout_of(p, c, stage)):
+        if t.partial or (c.sp and t.replicated):
+            share = (max(replicas // c.ep, 1) if t.expert else replicas) if sharded else 1
+            total += t.numel * t.dtype.itemsize / share
+    return total
+
+
+def tp_sync_seconds(p: Problem, c: Candidate) -> float:
+    """The once-a-step tp gradient sum (`tp_sync_bytes`) of the stage with the most, a ring
+    all-reduce over tp after the schedule, exposed."""
+    if c.tp == 1:
+        return 0.0
+    nbytes = max(tp_sync_bytes(p, c, stage) for stage in range(c.pp))
+    return ring_seconds(c.tp, nbytes, p.intra_gbps, p.latency_us) if nbytes else 0.0
+
+
 def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> float:
     """Seconds of the data-parallel gradient reduction (and ZeRO's gathers) not hidden behind
     the busiest rank's compute (`sharding.dp_seconds`), and under ZeRO-3's float8 all-gather
@@ -600,6 +636,12 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
     # gradients are reduced in fp32, or fp16 under fp16 (--grad-reduce-dtype auto, Megatron's)
     reduced = 2 if p.precision == "fp16" else 4
     grad_bytes = n_params * reduced
+    # the parameters ZeRO gathers: fp32 (megapar-train's), less what it gathers in 16 bits or
+    # float8; --master-weights separate: 16-bit parameters, gathered as they are (Megatron's
+    # distributed optimizer)
+    separate = p.master_weights == "separate"
+    param_bytes = n_params * p.act_bytes if separate else n_params * 4 - 3 * float8 - 2 * half
+    expert_bytes = n_experts * (p.act_bytes if separate else 4)
     # ZeRO's reductions hide behind the backward, gathers behind the compute, except what is
     # longer; ZeRO-1 / 2's parameter all-gather after the step does not (`plan/sharding.py`)
     replicas = c.dp * n  # gradients are reduced over cp x dp
@@ -624,7 +666,7 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
         c.keep_params,
         replicas,
         grad_bytes,
-        n_params * 4 - 3 * float8 - 2 * half,
+        param_bytes,
         layers + 1,
         dp_gbps,
         p.latency_us,
@@ -633,5 +675,5 @@ def _dp_exposed(p: Problem, c: Candidate, m: int, busiest: list[ChunkTime]) -> f
         shard_up,
         c.zero3_reduce == "micro-batch",
         w_reported(c.schedule, c.pp, m, c.v),
-        (replicas // c.ep, n_experts * reduced, n_experts * 4),
+        (replicas // c.ep, n_experts * reduced, expert_bytes),
     )

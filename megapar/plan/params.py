@@ -164,6 +164,12 @@ class TensorSpec:
     block: bool = False
     """A transformer block's parameter (not the embedding's nor the head's): its linear
     weights are those ZeRO-1 / 2 may gather in 16 bits (`zero3_half.half_weights`)."""
+    replicated: bool = False
+    """Whole on every tp rank (no tp partition): under sequence parallelism its gradient is
+    each rank's tokens' share, summed over tp once a step (`mark_sequence_parallel`)."""
+    partial: bool = False
+    """Its gradient is partial over tp even without sequence parallelism (Qwen3's q / k norms,
+    replicated k / v heads: tagged `sequence_parallel` when built), summed once a step."""
 
 
 def _specs(module, block: bool = False) -> tuple[TensorSpec, ...]:
@@ -181,6 +187,8 @@ def _specs(module, block: bool = False) -> tuple[TensorSpec, ...]:
             bool(getattr(p, "expert", False)),
             linears.get(id(p)),
             block,
+            getattr(p, "tp_dim", None) is None,
+            bool(getattr(p, "sequence_parallel", False)),
         )
         for p in module.parameters()
     )

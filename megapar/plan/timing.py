@@ -70,14 +70,27 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     rate = p.peak_tflops * 1e12 * p.efficiency
     act = tokens * cfg.hidden_size * p.act_bytes
     ring = ring_seconds(t, act, p.intra_gbps, p.latency_us)  # one all-reduce of the activations
+    # megapar-train's autocast (`Problem.sixteen_bit`) keeps the residual stream, the norms'
+    # outputs and the embedding's output in fp32: what tp reduces or gathers of those (the
+    # column-parallel inputs' gradients, SP's gathered norm outputs, the embedding's output, the
+    # head input's gradient) moves 4 bytes an element; the row-parallel matmuls' outputs (and
+    # under SP their gradients) the 16-bit ones. Megatron's 16-bit model (--master-weights
+    # separate): all 16-bit, the paper's 2 + 2 all-reduces of s b h x 2 bytes a layer.
+    wide = ring_seconds(t, tokens * cfg.hidden_size * tp_wire_bytes(p), p.intra_gbps, p.latency_us)
     half = 0.5 if c.sp else 1.0  # SP: an all-gather or reduce-scatter
-    tp_fwd = 2 * ring  # per layer (SP: 2 AG + 2 RS, same bytes)
-    tp_bwd = tp_fwd * (2 if c.recompute == "full" else 1)
+    # per layer: 2 all-reduces in the forward (the row-parallel outputs) and 2 in the backward
+    # (the column-parallel inputs' gradients); SP: an all-gather of each norm output and a
+    # reduce-scatter of each row-parallel output, and in the backward the reverse
+    tp_fwd = ring + wide if c.sp else 2 * ring
+    tp_bwd = (ring + wide if c.sp else 2 * wide) + (tp_fwd if c.recompute == "full" else 0.0)
     # --sp-regather: one more all-gather per shared input in the backward (attention's, the
     # MLP's; a MoE layer's MLP only with shared experts: its routed tokens are not gathered),
     # counted exposed (the run overlaps it with one input-gradient matmul: an upper bound)
-    regather = 0.5 * ring if regathers(p, c) else 0.0
+    regather = 0.5 * wide if regathers(p, c) else 0.0
     moe_regathers = 1 + bool(getattr(cfg, "shared_expert_intermediate_size", 0))
+    # a MoE layer's tp collectives: its attention's, and only with shared experts (split over
+    # tp like a dense MLP) its MLP's; the routed experts are whole on every tp rank
+    moe_tp = moe_regathers / 2
     cp_f, cp_b = cp_layer_seconds(p, c, tokens * fl.attention / rate)
     cp_b += cp_f if c.recompute != "none" else 0.0
     extra = {"none": 0.0, "selective": fl.attention, "full": fl.layer()}[c.recompute]
@@ -111,20 +124,23 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
         f = tokens * (k * fl.layer() + head + 2 * moved)
         w = tokens * (k * fl.block + head - moved)
         bi = tokens * (k * (fl.block + 2 * fl.attention + extra) + head - moved + recomputed)
-        emb_comm = ring * half if first else 0.0  # the vocab-parallel lookup's reduction
-        head_f = ring * 0.5 if last and c.sp else 0.0  # SP: its input gathered
-        head_b = ring * half if last else 0.0  # its input's gradient
+        emb_comm = wide * half if first else 0.0  # the vocab-parallel lookup's reduction
+        head_f = wide * 0.5 if last and c.sp else 0.0  # SP: its input gathered
+        head_b = wide * half if last else 0.0  # its input's gradient
         regathered = regather * (2 * (k - k_moe) + moe_regathers * k_moe)
+        k_tp = k - k_moe + moe_tp * k_moe  # blocks' worth of tp collectives
         return ChunkTime(
             (f - cut) / rate
-            + k * (tp_fwd + cp_f)
+            + k_tp * tp_fwd
+            + k * cp_f
             + emb_comm
             + head_f
             + k_moe * ep_f
             + tp8_f
             + cp8_f,
             (bi + x8 - cut * (2 + full)) / rate
-            + k * (tp_bwd + cp_b)
+            + k_tp * tp_bwd
+            + k * cp_b
             + regathered
             + head_b
             + k_moe * ep_b
@@ -132,7 +148,7 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
             + cp8_b,
             (w - x8) / rate,
             f + bi + w,
-            k * (tp_fwd + tp_bwd) + regathered + emb_comm + head_f + head_b + tp8_f + tp8_b,
+            k_tp * (tp_fwd + tp_bwd) + regathered + emb_comm + head_f + head_b + tp8_f + tp8_b,
             k * (cp_f + cp_b) + cp8_f + cp8_b,
             k_moe * (ep_f + ep_b),
             x8 * (3 + full),
@@ -141,6 +157,13 @@ def chunk_times(p: Problem, c: Candidate) -> list[list[ChunkTime]]:
     shapes = chunk_shapes(cfg.num_layers, c.pp, c.v, placement_of(c.schedule), p.layer_kinds)
     costs = {shape: cost(*shape) for shape in {x for row in shapes for x in row}}
     return [[costs[x] for x in row] for row in shapes]
+
+
+def tp_wire_bytes(p: Problem) -> int:
+    """Bytes an element of the tp collectives on the fp32 side of megapar-train's autocast (the
+    residual stream, the norms' and the embedding's outputs, their gradients): 4 where
+    autocast runs the matmuls on fp32 weights (`Problem.sixteen_bit`), else the activations'."""
+    return 4 if p.sixteen_bit else p.act_bytes
 
 
 @lru_cache(maxsize=4096)

@@ -1,0 +1,220 @@
+"""The planner's figures against published ones: the recipes' parameter counts (the model
+cards and papers), the FLOPs per token of MFU against Megatron's / PaLM's 6 N + 12 L h s, the
+tp collectives per layer against Megatron's tensor parallelism (Shoeybi et al. 2019:
+two all-reduces of s b h in the forward, two in the backward), and where megapar differs
+from them, by how much (docs/guides/planner.md, "Checked against published figures")."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from megapar.cli.train import main as train_main
+from megapar.models.flops import training_flops_per_token
+from megapar.models.recipes import resolve_model
+from megapar.plan import Candidate, Problem
+from megapar.plan.params import model_params
+from megapar.plan.timing import chunk_times
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# published sizes: GPT-3 (Brown et al. 2020, table 2.1), Llama 3 8B / 70B (model cards),
+# Mixtral 8x7B (Jiang et al. 2024), GPT-2 1.5B (1,557,611,200 in transformers)
+PUBLISHED = {"gpt3-175b": 174.6e9, "llama-8b": 8.03e9, "llama-70b": 70.6e9,
+             "mixtral-8x7b": 46.7e9, "gpt2-1.5b": 1.558e9}
+
+
+@pytest.mark.parametrize("recipe", sorted(PUBLISHED))
+def test_recipes_have_their_published_parameter_counts(recipe):
+    assert model_params(resolve_model(recipe)) == pytest.approx(PUBLISHED[recipe], rel=1e-3)
+
+
+@pytest.mark.parametrize("recipe", ["gpt3-175b", "llama-8b", "llama-70b", "mixtral-8x7b"])
+def test_flops_per_token_are_6n_plus_12_l_h_s_without_the_lookups(recipe):
+    """MFU's count is 6 N + 12 L h s (Megatron's / PaLM's appendix B) with N the parameters
+    a token's matmuls use: the embedding lookup's (and the learned position embedding's),
+    biases and norms left out, a tied head counted once, a mixture of experts' active
+    parameters (2 of 8 experts: Mixtral's published 12.9B active). 6 N over all parameters
+    counts Llama 3 8B's untied embedding as a matmul: 6 % more."""
+    config, s = resolve_model(recipe), 2048
+    n, h, layers = model_params(config), config.hidden_size, config.num_layers
+    if recipe == "gpt3-175b":  # tied: the head's matmul uses the word embedding's parameters
+        lookups = config.n_positions * h
+    else:  # untied: the input embedding is a lookup
+        lookups = config.vocab_size * h
+    if recipe == "mixtral-8x7b":  # 6 of 8 experts idle per token; the router counted as h x E
+        idle = layers * 6 * 3 * h * config.intermediate_size
+        assert n - idle == pytest.approx(12.9e9, rel=3e-3)
+        n -= idle
+    # biases and norms are no matmuls: GPT's 13 h a block (4 h of norms, 9 h of biases) and
+    # its final norm's 2 h; Llama's two RMSNorms a block and its final one
+    vectors = (13 * layers + 2) * h if recipe == "gpt3-175b" else (2 * layers + 1) * h
+    used = n - lookups - vectors
+    assert training_flops_per_token(config, s) == pytest.approx(6 * used + 12 * layers * h * s,
+                                                                rel=1e-12)
+    if recipe == "llama-8b":
+        whole = 6 * model_params(config) + 12 * layers * h * s
+        assert whole / training_flops_per_token(config, s) == pytest.approx(1.0654, abs=1e-3)
+
+
+def _tp_bytes(recipe, sp, master_weights, s=64, b=2):
+    """Bytes the planner's tp collectives of one micro-batch move on tp 2 (a ring's 2 (n-1)/n
+    is 1 there), read back from its seconds at 8 Gbit/s and no latency."""
+    p = Problem(resolve_model(recipe), 2, global_batch=b, seq_len=s, precision="bf16",
+                master_weights=master_weights, intra_gbps=8.0, latency_us=0.0)
+    ((chunk,),) = chunk_times(p, Candidate(tp=2, mbs=b, sp=sp))
+    return chunk.tp * 1e9
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_collectives_are_megatrons_four_per_layer_at_the_wires_dtypes(sp):
+    """Per layer 2 all-reduces of s b h in the forward and 2 in the backward (SP: as many
+    all-gathers and reduce-scatters, the same ring bytes), plus the vocab-parallel
+    embedding's (SP: a reduce-scatter) and the head input's. Megatron's 16-bit model
+    (--master-weights separate): all at 2 bytes. megapar-train's autocast keeps the norms'
+    outputs, the residual stream and the embedding's output in fp32, so the column-parallel
+    inputs' gradients (SP: half of each direction's), the embedding's and the head's move 4
+    bytes: 1.5 x the paper's per layer."""
+    s, b, h, layers = 64, 2, 64, 4
+    sbh = s * b * h
+    ends = 1.5 if sp else 2  # SP: the embedding's reduce-scatter is half an all-reduce's ring
+    assert _tp_bytes("gpt2-tiny", sp, "separate") == pytest.approx(
+        layers * 4 * sbh * 2 + ends * sbh * 2, rel=1e-12)
+    assert _tp_bytes("gpt2-tiny", sp, "fp32") == pytest.approx(
+        layers * (2 * sbh * 2 + 2 * sbh * 4) + ends * sbh * 4, rel=1e-12)
+
+
+@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny", "mixtral-tiny", "shared-experts"])
+def test_tp_bytes_are_what_a_dry_run_counts(capsys, tmp_path, recipe):
+    """megapar-train --dry-run of tp 2 in bf16 counts the real code's all-reduces: the planner's
+    bytes, plus the vocab-parallel cross-entropy's three fp32 all-reduces per token (its max,
+    sum of exponentials and target logit: latency, not timed by the planner). A MoE layer
+    (mixtral-tiny: every layer) reduces only its attention's over tp, its routed experts being
+    whole on every rank; with shared experts (split over tp) also its MLP's, as a dense layer."""
+    s, b = 64, 2
+    model = recipe
+    if recipe == "shared-experts":
+        config = json.loads((ROOT / "models" / "mixtral-tiny.json").read_text())
+        model = str(tmp_path / "shared.json")
+        (tmp_path / "shared.json").write_text(json.dumps(
+            {**config, "shared_expert_intermediate_size": 32}))
+    argv = ["--model", model, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
+            str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
+            "bf16", "--dry-run-ranks", "0", "--json"]
+    assert train_main(argv) == 0
+    rank = json.loads(capsys.readouterr().out.splitlines()[0])
+    counted = rank["comm"]["tp"]["all_reduce"]["bytes"]
+    planned = _tp_bytes(model, False, "fp32", s, b)
+    assert counted == pytest.approx(planned + 3 * s * b * 4, rel=1e-12)
+    if recipe == "mixtral-tiny":  # 4 layers x 2 all-reduces of 64 x 2 x 64, bf16 and fp32
+        assert planned == pytest.approx(4 * (8192 * 2 + 8192 * 4) + 2 * 8192 * 4, rel=1e-12)
+
+
+def test_model_state_bytes_against_the_zero_paper():
+    """ZeRO (Rajbhandari et al. 2020): mixed-precision Adam holds 2 + 2 + 12 = 16 bytes a
+    parameter; ZeRO-1 / 2 / 3 divide 12 / 14 / 16 of them by r. megapar-train (fp32 master):
+    4 + 4 + 8, the same 16, of which ZeRO-1 / 2 / 3 divide 8 / 12 / 16 (its fp32 weights are
+    the parameters, not the optimizer's copy). --master-weights separate (Megatron's: 16-bit
+    parameters, fp32 main gradients and master): 2 + 4 + 12 = 18, of which 12 / 16 / 18."""
+    from megapar.plan.memory import state_bytes
+
+    n, r = 1000, 8
+    fp32 = {0: 16, 1: 8 + 8 / r, 2: 4 + 12 / r, 3: 16 / r}  # the paper's at ZeRO-0 and ZeRO-3
+    separate = {0: 18, 1: 6 + 12 / r, 2: 2 + 16 / r, 3: 18 / r}
+    for zero in range(4):
+        assert sum(state_bytes(n, r, zero, "fp32")) / n == pytest.approx(fp32[zero], rel=1e-12)
+        assert sum(state_bytes(n, r, zero, "separate")) / n == pytest.approx(separate[zero],
+                                                                             rel=1e-12)
+
+
+def test_in_flight_and_bubbles_of_the_guides_table():
+    """Korthikanti et al.: the first stage holds p micro-batches under 1F1B, p (1 + (p-1)/(p v))
+    interleaved; Narayanan et al.: idle (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1); Qi et al.:
+    ZB-H1 idles (p-1)(t_F + t_B - t_W), a third of 1F1B's at equal F, B, W. Simulated."""
+    from megapar.plan import pipeline
+
+    sizes = [("1f1b", 16, 64, 1), ("interleaved", 16, 64, 2), ("interleaved", 8, 32, 2),
+             ("interleaved", 4, 16, 4), ("zb-h1", 8, 32, 1)]
+    for name, p, m, v in sizes:
+        counts, source = pipeline.in_flight(name, p, m, v)
+        published = p if v == 1 else p * (1 + (p - 1) / (p * v))
+        assert source == "simulated" and counts[0] == pytest.approx(published, rel=1e-12)
+    assert pipeline.bubble("1f1b", 8, 32) == (pytest.approx(7 / 39, rel=1e-9), "simulated")
+    assert pipeline.bubble("interleaved", 8, 32, 2) == (pytest.approx(7 / 71, rel=1e-9),
+                                                        "simulated")
+    assert pipeline.bubble("zb-h1", 8, 32) == (pytest.approx(7 / (32 * 3 + 7), rel=1e-9),
+                                               "simulated")
+
+
+@pytest.mark.parametrize("master_weights, nbytes", [("fp32", 4), ("separate", 2)])
+def test_zero1_gathers_the_parameters_at_their_own_size(master_weights, nbytes):
+    """ZeRO-1's all-gather after the step (exposed; its reduce-scatter hidden behind a slow
+    backward here) moves (r-1)/r of the parameters: fp32 in bf16 under megapar-train's fp32
+    weights (the blocks' linear weights in 16 bits, buckets of their own), 2 bytes under
+    --master-weights separate (Megatron's distributed optimizer gathers its bf16 parameters)."""
+    from megapar.plan import estimate
+    from megapar.plan.fp8 import half_weights
+    from megapar.plan.params import stage_params
+
+    config, r, gbps = resolve_model("gpt2-tiny"), 8, 800.0
+    p = Problem(config, r, global_batch=r, seq_len=64, precision="bf16",
+                master_weights=master_weights, intra_gbps=gbps, latency_us=0.0, efficiency=1e-6)
+    c = Candidate(dp=r, zero=1)
+    n = stage_params(config, 1, 1)[0]
+    gathered = n * nbytes - (2 * half_weights(p, c, 0) if master_weights == "fp32" else 0)
+    exposed = estimate(p, c).comm_s["dp"]
+    assert exposed == pytest.approx((r - 1) / r * gathered * 8 / (gbps * 1e9), rel=1e-9)
+
+
+@pytest.mark.parametrize("recipe", ["gpt2-tiny", "llama-tiny", "mixtral-tiny"])
+def test_the_step_s_tp_gradient_sum_under_sp_is_what_a_dry_run_counts(capsys, recipe):
+    """Under SP each tp rank's gradient of a replicated parameter is its tokens' share, summed
+    over tp once a step: the dry run's tp all-reduces are that (fp32: GPT-2's norms,
+    row-parallel biases and position embedding; Llama's norms; Mixtral's norms, routers and
+    routed experts), the loss's three per-token ones and a MoE layer's per-micro-batch expert
+    loads (E + 1 floats). The plan adds the sum's ring to the step, exposed."""
+    from megapar.plan.estimate import estimate, tp_sync_bytes, tp_sync_seconds
+
+    s, b = 64, 2
+    argv = ["--model", recipe, "--tp", "2", "--world-size", "2", "--dry-run", "--seq-len",
+            str(s), "--micro-batch-size", str(b), "--global-batch-size", str(b), "--precision",
+            "bf16", "--dry-run-ranks", "0", "--json", "--sequence-parallel"]
+    assert train_main(argv) == 0
+    rank = json.loads(capsys.readouterr().out.splitlines()[0])
+    counted = rank["comm"]["tp"]["all_reduce"]["bytes"]
+    config = resolve_model(recipe)
+    loads = config.num_layers * (config.num_local_experts + 1) * 4 if recipe == "mixtral-tiny" \
+        else 0
+    p = Problem(config, 2, global_batch=b, seq_len=s, precision="bf16", intra_gbps=8.0,
+                latency_us=0.0)
+    c = Candidate(tp=2, mbs=b, sp=True)
+    synced = tp_sync_bytes(p, c, 0)
+    assert counted == synced + 3 * s * b * 4 + loads
+    if recipe == "mixtral-tiny":  # the routed experts: 4 layers x 4 x 3 x 64 x 64 x 4 bytes
+        assert synced > 4 * 4 * 3 * 64 * 64 * 4
+    assert tp_sync_seconds(p, c) == pytest.approx(synced * 1e-9, rel=1e-12)  # ring of 2, 1 GB/s
+    assert tp_sync_bytes(p, dataclasses.replace(c, sp=False), 0) == 0
+    with_sync = estimate(p, c)
+    assert with_sync.comm_s["tp"] == pytest.approx(
+        chunk_times(p, c)[0][0].tp + tp_sync_seconds(p, c), rel=1e-9)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_the_tp_gradient_sum_under_zero_is_this_rank_s_pieces(capsys, zero):
+    """Under ZeRO-2 the gradients are this dp rank's pieces by the step's tp sum: half of
+    llama-tiny's norms at dp 2 (ZeRO-1: all of them), as the dry run counts them besides the
+    loss's three per-token all-reduces."""
+    from megapar.plan.estimate import tp_sync_bytes
+
+    s, b = 64, 2
+    argv = ["--model", "llama-tiny", "--tp", "2", "--dp", "2", "--world-size", "4", "--dry-run",
+            "--seq-len", str(s), "--micro-batch-size", str(b), "--global-batch-size", str(2 * b),
+            "--precision", "bf16", "--dry-run-ranks", "0", "--json", "--sequence-parallel",
+            "--zero", str(zero)]
+    assert train_main(argv) == 0
+    rank = json.loads(capsys.readouterr().out.splitlines()[0])
+    p = Problem(resolve_model("llama-tiny"), 4, global_batch=2 * b, seq_len=s, precision="bf16")
+    synced = tp_sync_bytes(p, Candidate(tp=2, dp=2, mbs=b, sp=True, zero=zero), 0)
+    assert synced == (4 * 2 + 1) * 64 * 4 / (2 if zero == 2 else 1)
+    assert rank["comm"]["tp"]["all_reduce"]["bytes"] == synced + 3 * s * b * 4
