@@ -44,7 +44,7 @@ from megapar.checkpoint.manifest import verify, write_manifest
 from megapar.checkpoint.publish import resolve_checkpoint, set_latest
 from megapar.checkpoint.stage_tensors import stage_tensors
 from megapar.data.preprocess import file_sha256
-from megapar.data.tokenizers import load_tokenizer, tokenizer_files
+from megapar.data.tokenizers import hf_dir_tokenizer, load_tokenizer, tokenizer_files
 from megapar.faults.processes import owner_tag, remove_stale_temporaries
 from megapar.mesh import Layout, LayoutError, Mesh
 from megapar.models.config import config_from_dict
@@ -323,8 +323,6 @@ def _hf_dir_tokenizer(hf_dir) -> dict | None:
     holds none. CheckpointError for one that does not load (a damaged tokenizer.json), before
     anything is written: recorded as none, raw text would later be refused as if the directory
     had had no tokenizer."""
-    from megapar.training.tokenizer_checks import hf_dir_tokenizer
-
     spec = hf_dir_tokenizer(os.fspath(hf_dir))
     if spec is None:
         return None

@@ -297,3 +297,17 @@ def _load(spec: str) -> Tokenizer:
         "SentencePiece .model file (nothing is downloaded: a Hugging Face Hub name needs its "
         "tokenizer saved to a local directory first)"
     )
+
+
+def hf_dir_tokenizer(directory: str) -> str | None:
+    """The tokenizer a transformers directory holds, as a --tokenizer spec: the directory itself
+    (``tokenizer.json``, or a GPT-2 style ``vocab.json`` + ``merges.txt``), its SentencePiece
+    ``tokenizer.model``, or None when it holds none of them."""
+    path = os.path.expanduser(directory)
+    names = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
+    has = {n for n in names if os.path.isfile(os.path.join(path, n))}
+    if "tokenizer.json" in has or {"vocab.json", "merges.txt"} <= has:
+        return directory
+    if "tokenizer.model" in has:
+        return os.path.join(directory, "tokenizer.model")
+    return None

@@ -40,6 +40,7 @@ from megapar.data.inputs import (
     skipped_inputs,
 )
 from megapar.data.megatron import is_megatron_index
+from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.models.recipes import resolve_model as recipe
 from megapar.one_line_parser import shell_word
@@ -50,7 +51,6 @@ from megapar.training.tokenizer_checks import (
     check_checkpoint_tokenizer,
     check_given_tokenizer,
     check_hf_tokenizer,
-    hf_dir_tokenizer,
 )
 from megapar.training.validate import explicit
 from megapar.training.validate_resume import checkpoint_manifest, named

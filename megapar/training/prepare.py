@@ -13,6 +13,7 @@ import torch
 
 from megapar.checkpoint.convert import recorded_tokenizer
 from megapar.checkpoint.hf import ARCHITECTURES, HFReader, load_hf_weights
+from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.device import DEFAULT_TIMEOUT_S, bound_world_waits
 from megapar.faults.status import set_action, set_step
 from megapar.launcher import launched_world_size
@@ -23,7 +24,6 @@ from megapar.optim import LRScheduler
 from megapar.tensor_parallel.cross_entropy import LOSS_MEANS
 from megapar.training.config import TrainConfig
 from megapar.training.engine import ON_NONFINITE, Engine
-from megapar.training.tokenizer_checks import hf_dir_tokenizer
 from megapar.training.validate import check_ranges
 from megapar.training.validate_fp8 import check_fp8
 from megapar.training.validate_sharding import check_optimizer_sharding, check_zero3

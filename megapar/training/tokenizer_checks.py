@@ -5,12 +5,16 @@ takes that directory's as its default --tokenizer)."""
 
 from __future__ import annotations
 
-import os
-
 from megapar.data import load_tokenizer
 from megapar.data.inputs import is_raw_text
 from megapar.data.preprocess import file_sha256
-from megapar.data.tokenizers import Tokenizer, encodes_alike, same_tokenizer, tokenizer_files
+from megapar.data.tokenizers import (
+    Tokenizer,
+    encodes_alike,
+    hf_dir_tokenizer,
+    same_tokenizer,
+    tokenizer_files,
+)
 from megapar.one_line_parser import shell_word
 from megapar.training.validate import UsageError, explicit
 
@@ -109,20 +113,6 @@ def check_checkpoint_tokenizer(
         f"{changed if same_path else ''}"
         f": its token ids would be other tokens to the model; {fix}"
     )
-
-
-def hf_dir_tokenizer(directory: str) -> str | None:
-    """The tokenizer a transformers directory holds, as a --tokenizer spec: the directory itself
-    (``tokenizer.json``, or a GPT-2 style ``vocab.json`` + ``merges.txt``), its SentencePiece
-    ``tokenizer.model``, or None when it holds none of them."""
-    path = os.path.expanduser(directory)
-    names = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
-    has = {n for n in names if os.path.isfile(os.path.join(path, n))}
-    if "tokenizer.json" in has or {"vocab.json", "merges.txt"} <= has:
-        return directory
-    if "tokenizer.model" in has:
-        return os.path.join(directory, "tokenizer.model")
-    return None
 
 
 def default_to_hf_tokenizer(cfg) -> list[str]:
