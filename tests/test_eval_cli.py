@@ -136,7 +136,7 @@ def test_hf_logits_round_trip_through_convert_and_eval(tmp_path, kind, capsys, c
         tiny.write_text("Shall I compare thee to a summer's day?\n")
         assert evaluate([*args, "--data", str(tiny), "--tokenizer", "sentencepiece",
                          *cache]) == 2
-        assert f"--data {tiny} has 1 MLM samples" in _one_error_line(capsys)
+        assert f"--data {tiny} has 1 MLM sample of" in _one_error_line(capsys)
         assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == kept
 
 
@@ -641,3 +641,17 @@ def test_a_blend_or_several_paths_as_data_name_the_fix(capsys, tmp_path):
     ):
         assert evaluate(["--load", str(tmp_path / "ckpt"), "--data", *data, "--seq-len", "8"]) == 2
         assert capsys.readouterr().err == f"megapar-eval: error: {line}\n"
+
+
+def test_too_little_data_is_counted_in_words():
+    """The refusal of --data smaller than one batch counts its windows in words ("1 window",
+    not "1 windows")."""
+    from types import SimpleNamespace
+
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_tools import _check_batches
+
+    args = SimpleNamespace(data="d", seq_len=4, micro_batch_size=4)
+    for tokens, said in ((6, "has 1 window of 5 tokens"), (10, "has 2 windows of 5 tokens")):
+        with pytest.raises(UsageError, match=said):
+            _check_batches(args, SimpleNamespace(num_tokens=tokens), None, causal=True)

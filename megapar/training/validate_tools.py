@@ -117,13 +117,14 @@ def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
     causal LM's windows of seq_len + 1 tokens, BERT's MLM samples, as the workers cut them)."""
     shown = getattr(args, "data_shown", args.data)
     if causal:
-        samples, what = (indexed.num_tokens - 1) // args.seq_len, f"windows of {args.seq_len + 1}"
+        samples = (indexed.num_tokens - 1) // args.seq_len
+        what = f"window{'s' * (samples != 1)} of {args.seq_len + 1}"
     else:
         try:
             samples = len(MLMDataset(indexed, args.seq_len, tokenizer, args.seed))
         except ValueError as exc:
             raise UsageError(f"--data {shown}: {exc}; give more data") from None
-        what = f"MLM samples of {args.seq_len}"
+        what = f"MLM sample{'s' * (samples != 1)} of {args.seq_len}"
     if samples < args.micro_batch_size:
         raise UsageError(
             f"--data {shown} has {samples} {what} tokens, fewer than one batch of "
