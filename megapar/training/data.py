@@ -351,14 +351,16 @@ def prepare_data(
     )
 
 
-def discard_tokenized(plan: DataPlan) -> None:
-    """Remove the datasets this run tokenized into --data-cache (a text refused as too small
-    to train on leaves no cache behind; one tokenized by an earlier run is kept)."""
-    for prefix in plan.tokenized:
+def discard_tokenized(tokenized: list[str]) -> None:
+    """Remove the datasets this run tokenized into --data-cache (their prefixes, as
+    `resolve_data_prefix` lists them), emptying the list: a text refused (too small to train
+    or evaluate on, ids outside the model's vocabulary) leaves no cache behind; one an earlier
+    run tokenized is not in the list, so it is kept."""
+    for prefix in tokenized:
         for ext in (".bin", ".idx", ".json"):
             if os.path.exists(prefix + ext):
                 os.remove(prefix + ext)
-    plan.tokenized.clear()
+    tokenized.clear()
 
 
 def _dry_run_without_data(cfg: TrainConfig) -> tuple[str | None, bool]:

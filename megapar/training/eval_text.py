@@ -86,17 +86,6 @@ def text_tokenizer(args, manifest: dict) -> tuple[str, str]:
     return path, f"the tokenizer --load {args.load} trained with ({path})"
 
 
-def discard_tokenized(tokenized: list[str]) -> None:
-    """Remove the datasets this run tokenized into --data-cache (their prefixes), as
-    megapar-train does for a text it refuses: a refused text leaves no copy behind, and one an
-    earlier run tokenized is not in `tokenized`, so it is kept."""
-    for prefix in tokenized:
-        for ext in (".bin", ".idx", ".json"):
-            if os.path.exists(prefix + ext):
-                os.remove(prefix + ext)
-    tokenized.clear()
-
-
 def tokenize_text(args, manifest: dict, vocab_size: int, tokenized: list[str] | None = None) -> str:
     """The cached dataset prefix of raw --data (tokenized now unless the cache holds it; then
     its prefix is appended to `tokenized`), after the tokenizer is checked against the

@@ -122,7 +122,9 @@ def plan_data(
                 f"use more data, a shorter --seq-len or {fix}"
             )
     except ValueError:
-        discard_tokenized(plan)  # too little text to train on: its fresh copy in the cache goes
+        discard_tokenized(
+            plan.tokenized
+        )  # too little text to train on: its fresh copy in the cache goes
         raise
     notes.extend(split_notes)
     if manifest is not None:

@@ -24,10 +24,9 @@ from megapar.pipeline.partition import chunk_specs
 from megapar.pipeline.schedules import chunks_per_rank
 from megapar.training.bubble import bench_config
 from megapar.training.config import TrainConfig
-from megapar.training.data import is_megatron, missing_files
+from megapar.training.data import discard_tokenized, is_megatron, missing_files
 from megapar.training.eval_text import (
     check_text_options,
-    discard_tokenized,
     is_text,
     text_tokenizer,
     tokenize_text,
