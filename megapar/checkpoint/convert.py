@@ -313,6 +313,11 @@ def recorded_tokenizer(spec) -> dict | None:
         tok = load_tokenizer(spec)
     except (OSError, ValueError):
         return None
+    return _record_of(tok)
+
+
+def _record_of(tok) -> dict:
+    """A loaded tokenizer as a checkpoint records it: its spec and its files' sha256."""
     return {**tok.spec(), "sha256": [file_sha256(p) for p in tokenizer_files(tok)]}
 
 
@@ -333,7 +338,7 @@ def _hf_dir_tokenizer(hf_dir) -> dict | None:
             f"{hf_dir}: its tokenizer does not load ({exc}); repair its tokenizer files, or "
             f"move them out to import the model without one"
         ) from None
-    return {**tok.spec(), "sha256": [file_sha256(p) for p in tokenizer_files(tok)]}
+    return _record_of(tok)
 
 
 def _seeded(config, name: str, seed: int, stages: dict) -> torch.Tensor:
