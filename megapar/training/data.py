@@ -9,7 +9,6 @@ sizes, and `prepare_data` tokenizes raw text into the cache. Workers then call
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, replace
 
@@ -57,6 +56,7 @@ from megapar.training.tokenizer_checks import (
 )
 from megapar.training.validate import explicit
 from megapar.training.validate_resume import checkpoint_manifest, named
+from megapar.training.validate_sft import holds_records
 
 DEFAULT_TEXT = "shakespeare_sample.txt"
 
@@ -283,18 +283,8 @@ def max_samples(cfg: TrainConfig, model_type: str) -> int:
             tokens += sum(3 * os.path.getsize(f) + 2 for f in expand_inputs([data]))
         else:
             tokens += os.path.getsize(data + ".bin")
-            sft = sft or _holds_records(data)
+            sft = sft or holds_records(data)
     return tokens // cfg.seq_len + 1 if model_type in CAUSAL_LM_TYPES and not sft else tokens
-
-
-def _holds_records(prefix: str) -> bool:
-    """Whether the prepared dataset `prefix` holds prompt / response records (its .json's
-    ``sft``), read from its metadata alone."""
-    try:
-        with open(prefix + ".json", encoding="utf-8") as f:
-            return "sft" in json.load(f)
-    except (OSError, ValueError, TypeError):
-        return False
 
 
 def resolve_model(cfg: TrainConfig, notes: list[str] | None = None, manifest: dict | None = None):
@@ -488,7 +478,7 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str, notes: list[s
     if blend is None:
         return _build_one(cfg, prefix, model_type, notes)
     prefixes = [_resolve_one(cfg, p) for _, p in blend]
-    records = [_holds_records(p) for p in prefixes]
+    records = [holds_records(p) for p in prefixes]
     if any(records) and not all(records):
         raise ValueError(
             f"--data blends prompt / response records ({blend[records.index(True)][1]}) with "

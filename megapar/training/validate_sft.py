@@ -4,6 +4,7 @@ combined with, refused in one line before any worker starts. A record without a 
 
 from __future__ import annotations
 
+import json
 import os
 
 from megapar.data.blended import data_paths, parse_blend
@@ -47,9 +48,12 @@ def check_sft_keys(cfg, given: set[str]) -> None:
         return
     if not is_raw_text(path):
         raise UsageError(
-            f"{flag} reads JSON Lines records, and --data {path} is a tokenized dataset; pass "
-            f"the .jsonl, or tokenize it with megapar-data --sft-keys {','.join(keys)} (a "
-            f"dataset it wrote trains on the responses without --sft-keys)"
+            f"{flag} reads JSON Lines records, and --data {path} is a dataset megapar-data "
+            f"--sft-keys wrote, which trains on its responses as it is; drop --sft-keys"
+            if holds_records(path)
+            else f"{flag} reads JSON Lines records, and --data {path} is a dataset of text "
+            f"(no prompt lengths); pass the .jsonl, or tokenize it with megapar-data "
+            f"--sft-keys {','.join(keys)} and pass that without --sft-keys"
         )
     try:
         check_sft_inputs(expand_inputs([path]), keys)
@@ -57,6 +61,16 @@ def check_sft_keys(cfg, given: set[str]) -> None:
         return
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def holds_records(prefix: str) -> bool:
+    """Whether the prepared dataset `prefix` holds prompt / response records (its .json's
+    ``sft``)."""
+    try:
+        with open(prefix + ".json", encoding="utf-8") as f:
+            return "sft" in json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def check_sft_model(cfg, model_type: str, causal: bool) -> None:
