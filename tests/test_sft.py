@@ -112,18 +112,18 @@ def test_a_prepared_dataset_of_records_keeps_the_prompt_out_of_the_labels(record
 
 
 def test_tp_pp_dp_equal_one_process_over_three_steps(tmp_path, records):
-    """gpt2-tiny on the records: tp 2 x pp 2 and dp 2 give one process's losses (and grad
+    """gpt2-tiny on the records: tp 2 x pp 2, dp 2 and cp 2 give one process's losses (and grad
     norms) at every one of 3 steps (fp32, 1e-5 relative)."""
     common = ["--model", "gpt2-tiny", "--data", records, "--max-steps", "3", *TINY]
     runs = {}
     for name, layout in (("serial", []), ("tp2pp2", ["--tp", "2", "--pp", "2"]),
-                         ("dp2", ["--dp", "2"])):
+                         ("dp2", ["--dp", "2"]), ("cp2", ["--cp", "2"])):
         log = tmp_path / f"{name}.jsonl"
         assert main([*common, *layout, "--log-json", str(log)]) == 0
         runs[name] = [(r["loss"], r["grad_norm"]) for r in map(json.loads,
                                                                log.read_text().splitlines())]
     assert len(runs["serial"]) == 3
-    for name in ("tp2pp2", "dp2"):
+    for name in ("tp2pp2", "dp2", "cp2"):
         for (a, ga), (b, gb) in zip(runs["serial"], runs[name]):
             assert math.isclose(a, b, rel_tol=1e-5) and math.isclose(ga, gb, rel_tol=1e-5), \
                 (name, runs)
