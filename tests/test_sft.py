@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megapar.cli.convert import main as convert
 from megapar.cli.data import main as data_main
+from megapar.cli.eval import main as evaluate
 from megapar.cli.train import main
-from megapar.data import IndexedDataset, SFTDataset, asset_path
+from megapar.data import IndexedDataset, SFTDataset, asset_path, collate
 
 TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--warmup-steps", "1",
@@ -129,9 +131,10 @@ def test_tp_pp_dp_equal_one_process_over_three_steps(tmp_path, records):
                 (name, runs)
 
 
-def test_resume_continues_the_losses_and_validates(tmp_path, records):
+def test_resume_continues_the_losses_and_validates(tmp_path, records, capsys):
     """4 steps with validation every 2 steps, and the same stopped after 2 steps and resumed:
-    the same losses and validation losses (the sampler's position is in the checkpoint)."""
+    the same losses and validation losses (the sampler's position is in the checkpoint); then
+    megapar-eval of the checkpoint on the records."""
     common = ["--model", "gpt2-tiny", "--data", records, "--max-steps", "4", *TINY,
               "--val-fraction", "0.25", "--eval-interval", "2", "--eval-steps", "1"]
     full, part, ckpt = tmp_path / "full.jsonl", tmp_path / "part.jsonl", tmp_path / "ckpt"
@@ -147,6 +150,23 @@ def test_resume_continues_the_losses_and_validates(tmp_path, records):
     assert a[1].get("val_loss") is not None
     for x, y in zip(a, b):
         assert math.isclose(x["loss"], y["loss"], rel_tol=1e-5), (a, b)
+
+    # megapar-eval on the dataset of records: its samples, the loss on the responses only,
+    # equal to transformers' forward of the exported model on them (fp32, 1e-5 relative)
+    from transformers import GPT2LMHeadModel
+
+    assert convert([str(ckpt), "--to-hf", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    assert evaluate(["--load", str(ckpt), "--data", records, "--seq-len", "32",
+                     "--micro-batch-size", "16", "--max-batches", "1"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    batch = collate([s for s in SFTDataset(IndexedDataset(records), 32)])
+    with torch.no_grad():
+        logits = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")(batch["input_ids"]).logits
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                            ignore_index=-100).item()
+    assert report["tokens"] == int((batch["labels"] != -100).sum()) < 16 * 32
+    assert math.isclose(report["loss"], ref, rel_tol=1e-5), (report, ref)
 
 
 @pytest.mark.parametrize("argv, message", [
