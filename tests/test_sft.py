@@ -186,6 +186,8 @@ def test_resume_continues_the_losses_and_validates(tmp_path, records, capsys):
      "--jsonl-key prompt would be ignored: --sft-keys prompt,response names the fields read"),
     (["--sft-keys", "prompt,response", "--data", "{good}", "--model", "bert-tiny"],
      "trains a causal language model on the responses, and the model is bert"),
+    (["--sft-keys", "prompt,response", "--data", "{array}"],
+     "array.json is one JSON array; write one object per line (e.g. jq -c '.[]'"),
     (["--data", "0.5", "{prefix}", "0.5", "{text}", "--model", "gpt2-tiny"],
      "blends prompt / response records"),
 ])
@@ -196,7 +198,9 @@ def test_bad_input_is_refused_in_one_line_before_any_worker(argv, message, tmp_p
     bad, good = tmp_path / "bad.jsonl", tmp_path / "good.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "answer": "d"}\n')
     good.write_text('{"prompt": "a", "response": "b"}\n')
-    paths = {"prefix": records, "text": str(text), "bad": str(bad), "good": str(good)}
+    (tmp_path / "array.json").write_text('[\n{"prompt": "a", "response": "b"}\n]\n')
+    paths = {"prefix": records, "text": str(text), "bad": str(bad), "good": str(good),
+             "array": str(tmp_path / "array.json")}
     argv = [a.format(**paths) for a in argv]
     assert main([*argv, "--data-cache", cache, "--max-steps", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
