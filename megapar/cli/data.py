@@ -4,6 +4,7 @@ Examples:
 
     megapar-data --input corpus/ --output-prefix data/shakespeare --tokenizer gpt2
     megapar-data --input docs.jsonl --jsonl-key body --output-prefix data/docs --tokenizer gpt2
+    megapar-data --input sft.jsonl --sft-keys prompt,response --output-prefix data/sft
     megapar-data --train-sentencepiece --vocab-size 8000 --input corpus/ --output-prefix data/sp
     megapar-data --input corpus/ --output-prefix data/mt --tokenizer gpt2 --format megatron
     megapar-data --train-tokenizer bpe --vocab-size 8000 --input corpus/ --output-prefix data/bpe
@@ -13,7 +14,9 @@ A ``.txt`` file is one document unless ``--split-lines`` is given, in which case
 blank-line-separated paragraph is a document; each line of a ``.jsonl`` file is one, each
 object of a ``.json`` file (JSON lines, an array, or one object) and each row of a
 ``.parquet`` file. In a directory, a tokenized dataset's ``.json`` (beside its ``.bin`` and
-``.idx``) is not read as input.
+``.idx``) is not read as input. With ``--sft-keys PROMPT,RESPONSE`` each JSON Lines record is
+one document, its prompt then its response, and the dataset keeps each one's prompt length:
+megapar-train trains on it with the loss on the responses only.
 Windows (CRLF) and old Mac (CR) line endings are read as LF, in every input kind, so the
 same text gives the same dataset whichever line endings it was saved with.
 """
@@ -104,7 +107,7 @@ def add_io_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_document_arguments(p: argparse.ArgumentParser) -> None:
-    """Where an input's documents are: --jsonl-key, --split-lines."""
+    """Where an input's documents are: --jsonl-key, --split-lines, --sft-keys."""
     p.add_argument(
         "--jsonl-key",
         default=None,
@@ -116,6 +119,15 @@ def add_document_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="treat each blank-line-separated paragraph of a .txt file as a document "
         "(default: one document per file)",
+    )
+    p.add_argument(
+        "--sft-keys",
+        default=None,
+        metavar="PROMPT,RESPONSE",
+        help="supervised fine-tuning records: each JSON Lines record's two fields (e.g. "
+        "prompt,response; TRL's prompt,completion) become one document, the prompt's tokens "
+        "then the response's, with its prompt length kept, so megapar-train puts the loss on "
+        "the response only",
     )
 
 
@@ -199,6 +211,10 @@ def check_flags(args: argparse.Namespace) -> None:
             file=sys.stderr,
         )
         args.workers = cpu_cores()
+    if args.sft_keys is not None:
+        from megapar.data.inputs import parse_sft_keys
+
+        args.sft_keys = parse_sft_keys(args.sft_keys)
     if args.vocab_size is not None and args.vocab_size < 1:
         raise ValueError(
             f"--vocab-size {args.vocab_size} is invalid: it must be >= 1 (e.g. --vocab-size 8000)"
@@ -218,6 +234,30 @@ def _check_unread(args: argparse.Namespace, files: list[str]) -> None:
             f"{'a byte-level BPE' if args.train_tokenizer == 'bpe' else 'none'}; add "
             f"--train-tokenizer sentencepiece, or drop --sp-model-type"
         )
+    if args.sft_keys is not None:
+        from megapar.data.inputs import check_sft_inputs
+
+        keys = ",".join(args.sft_keys)
+        clash = next(
+            (
+                flag
+                for flag, given in (
+                    ("--jsonl-key", args.jsonl_key is not None),
+                    ("--split-lines", args.split_lines),
+                    ("--train-tokenizer", args.train_tokenizer is not None),
+                    ("--train-sentencepiece", args.train_sentencepiece),
+                )
+                if given
+            ),
+            None,
+        )
+        if clash is not None:
+            raise ValueError(
+                f"{clash} cannot be combined with --sft-keys {keys}: the records' fields are "
+                f"read as prompt and response (train a tokenizer on the text in a run of its "
+                f"own, then pass it with --tokenizer); drop {clash}"
+            )
+        check_sft_inputs(files, args.sft_keys)
     if args.jsonl_key is not None and not reads_key(files):
         raise ValueError(
             f"--jsonl-key {args.jsonl_key} would be ignored: no input is .jsonl / .json / "
@@ -407,6 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             allow_invalid_utf8=args.allow_invalid_utf8,
             report=report,
             stats=stats,
+            sft_keys=args.sft_keys,
         )
         for path, count in report.items():
             print(
@@ -445,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
     ds = IndexedDataset(prefix)
     docs = f"{ds.num_docs} document{'' if ds.num_docs == 1 else 's'}"
+    if ds.sft_keys is not None:
+        docs += f" (prompt / response records: {','.join(ds.sft_keys)})"
     print(
         f"wrote {prefix}.bin/.idx/.json ({args.format} index): {docs}, "
         f"{ds.num_tokens} tokens "

@@ -28,7 +28,14 @@ from megapar.checkpoint.format import CheckpointError
 from megapar.checkpoint.manifest import read_manifest
 from megapar.checkpoint.publish import resolve_checkpoint
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
-from megapar.data import GPTDataset, IndexedDataset, MLMDataset, collate, load_tokenizer
+from megapar.data import (
+    GPTDataset,
+    IndexedDataset,
+    MLMDataset,
+    SFTDataset,
+    collate,
+    load_tokenizer,
+)
 from megapar.data.blended import parse_blend
 from megapar.device import keep_freed_host_memory
 from megapar.faults.processes import exit_uncollected
@@ -184,7 +191,10 @@ def _load_model(args):
 def _loss_worker(args):
     mesh, config, model = _load_model(args)
     indexed = IndexedDataset(args.data, args.tokenizer)
-    if config.model_type in CAUSAL_LM_TYPES:
+    dataset: GPTDataset | MLMDataset | SFTDataset
+    if config.model_type in CAUSAL_LM_TYPES and indexed.prompt_lengths is not None:
+        dataset = SFTDataset(indexed, args.seq_len)  # records: the loss on the responses
+    elif config.model_type in CAUSAL_LM_TYPES:
         dataset = GPTDataset(indexed, args.seq_len)
     else:
         dataset = MLMDataset(

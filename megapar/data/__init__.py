@@ -1,4 +1,4 @@
-"""Data pipeline: tokenizers, the indexed dataset, preprocessing, GPT/MLM datasets, sampler.
+"""Data pipeline: tokenizers, the indexed dataset, preprocessing, GPT/MLM/SFT datasets, sampler.
 
 Typical use::
 
@@ -18,6 +18,7 @@ from megapar.data.preprocess import (
     train_sentencepiece,
 )
 from megapar.data.sampler import GlobalBatchSampler, collate
+from megapar.data.sft_dataset import SFTDataset
 from megapar.data.tokenizers import SpecialTokens, Tokenizer, asset_path, load_tokenizer
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "ensure_dataset",
     "preprocess_files",
     "train_sentencepiece",
+    "SFTDataset",
     "GlobalBatchSampler",
     "collate",
     "SpecialTokens",

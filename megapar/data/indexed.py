@@ -7,7 +7,10 @@
   number of documents ``D`` as a little-endian ``uint64``, then ``D + 1`` little-endian
   ``int64`` token offsets (document ``i`` is ``tokens[off[i]:off[i+1]]``, its eod included).
 * ``PREFIX.json`` -- metadata: format, version, dtype, vocab size, tokenizer spec,
-  number of documents and tokens, the largest token id (``max_id``).
+  number of documents and tokens, the largest token id (``max_id``); for supervised
+  fine-tuning records (``megapar-data --sft-keys``) also ``sft``: the record keys and each
+  document's prompt length in tokens (its first tokens, the BOS included, are the prompt; the
+  rest, the eod included, the response).
 
 Files are written to temporary names and renamed into place (the ``.json`` last), so an
 interrupted write never leaves a dataset that looks complete.
@@ -95,6 +98,7 @@ class IndexedDatasetBuilder:
         eod_id: int,
         tokenizer_spec: dict[str, Any],
         format: str = "megapar",
+        sft_keys: Sequence[str] | None = None,
     ):
         if format not in INDEX_FORMATS:
             raise ValueError(f"unknown dataset format {format!r}; expected one of {INDEX_FORMATS}")
@@ -120,9 +124,24 @@ class IndexedDatasetBuilder:
         self._bin = open(self._bin_tmp, "wb")
         self._offsets = array.array("q", [0])  # 8 bytes per document, not a Python int
         self.max_id = -1
+        self.sft_keys = list(sft_keys) if sft_keys is not None else None
+        self._prompt_lengths = array.array("q")
 
-    def add_document(self, ids: Sequence[int] | np.ndarray) -> None:
-        """Append one document; its end-of-document token is added here."""
+    def add_document(
+        self, ids: Sequence[int] | np.ndarray, prompt_length: int | None = None
+    ) -> None:
+        """Append one document; its end-of-document token is added here. A builder made with
+        ``sft_keys`` takes each document's `prompt_length` (its first tokens that are the
+        prompt)."""
+        if (prompt_length is None) != (self.sft_keys is None) or not (
+            prompt_length is None or 0 <= prompt_length <= len(ids)
+        ):
+            raise ValueError(
+                f"prompt_length {prompt_length} does not fit a document of {len(ids)} tokens "
+                f"of a builder {'with' if self.sft_keys else 'without'} sft_keys"
+            )
+        if prompt_length is not None:
+            self._prompt_lengths.append(int(prompt_length))
         arr = np.empty(len(ids) + 1, dtype=np.int64)
         arr[:-1] = ids
         arr[-1] = self.eod_id
@@ -165,6 +184,8 @@ class IndexedDatasetBuilder:
             "index_format": self.format,
             "max_id": self.max_id,
         }
+        if self.sft_keys is not None:
+            meta["sft"] = {"keys": self.sft_keys, "prompt_lengths": self._prompt_lengths.tolist()}
         json_tmp = tmp_name(self.prefix + ".json")
         with open(json_tmp, "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
@@ -311,6 +332,7 @@ class IndexedDataset:
         self.tokenizer_spec: dict[str, Any] = meta["tokenizer"]
         self.doc_offsets: np.ndarray = read_doc_offsets(prefix + ".idx")
         self.num_docs: int = len(self.doc_offsets) - 1
+        self.sft_keys, self.prompt_lengths = _sft_meta(prefix, meta, self.doc_offsets)
         size = os.path.getsize(prefix + ".bin")
         expected = num_tokens * self.dtype.itemsize
         described = f"{prefix}.json" if os.path.isfile(prefix + ".json") else f"{prefix}.idx"
@@ -377,6 +399,8 @@ class IndexedDataset:
         its document offsets): 256 short reads, milliseconds for 100 GB, so a change outside
         those blocks goes unseen."""
         h = hashlib.sha256(np.asarray([self.num_docs, self.num_tokens], "<i8").tobytes())
+        if self.prompt_lengths is not None:  # the same tokens trained on other labels
+            h.update(np.asarray(self.prompt_lengths, dtype="<i8").tobytes())
         for values in (self.doc_offsets, self.tokens):
             n, block = len(values), self.FINGERPRINT_BLOCK
             if n <= self.FINGERPRINT_WHOLE:
@@ -407,6 +431,33 @@ class IndexedDataset:
 
     def __repr__(self) -> str:
         return f"IndexedDataset({self.prefix!r}, docs={self.num_docs}, tokens={self.num_tokens})"
+
+
+def _sft_meta(
+    prefix: str, meta: dict[str, Any], offsets: np.ndarray
+) -> tuple[list[str] | None, np.ndarray | None]:
+    """(record keys, per-document prompt lengths as ``int64``) of a dataset of supervised
+    fine-tuning records (its metadata's ``sft``), or (None, None); ValueError when they do not
+    fit its documents."""
+    sft = meta.get("sft")
+    if sft is None:
+        return None, None
+    try:
+        keys = [str(k) for k in sft["keys"]]
+        lengths = np.asarray(sft["prompt_lengths"], dtype=np.int64).reshape(-1)
+    except (TypeError, KeyError, ValueError):
+        lengths = None
+    if (
+        lengths is None
+        or len(lengths) != len(offsets) - 1
+        or np.any(lengths < 0)
+        or np.any(lengths >= np.diff(offsets))
+    ):
+        raise ValueError(
+            f"{prefix}.json's sft prompt lengths do not fit its {len(offsets) - 1:,} documents: "
+            f"the dataset's metadata is damaged; re-create the dataset with megapar-data"
+        )
+    return keys, lengths
 
 
 def _megatron_meta(prefix: str, tokenizer: Any) -> dict[str, Any]:

@@ -348,6 +348,19 @@ def _documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report):
 def _line_text(path: str, lineno: int, line: bytes, key: str):
     """Field `key` of JSON Lines line `lineno` of `path`; ValueError in one line naming what is
     wrong with it: not JSON (repair the line), not an object, or no field `key` (--jsonl-key)."""
+    record = _line_object(path, lineno, line, key)
+    if key not in record:
+        fields = ", ".join(repr(k) for k in list(record)[:5]) or "none"
+        raise ValueError(
+            f"{path}:{lineno}: the object has no field {key!r} (its fields: {fields}); pass "
+            f"--jsonl-key naming the text field, or add {key!r} to the line"
+        )
+    return record[key]
+
+
+def _line_object(path: str, lineno: int, line: bytes, key: str) -> dict:
+    """JSON Lines line `lineno` of `path` parsed; ValueError in one line when it is not JSON
+    (repair the line) or not an object (`key`: the field it should have, for the example)."""
     try:
         record = json.loads(line.rstrip(b"\r\n"))  # an error's column is on this line
     except UnicodeDecodeError as e:
@@ -365,13 +378,76 @@ def _line_text(path: str, lineno: int, line: bytes, key: str):
             f"{path}:{lineno}: the line is {_json_type(record)}, not a JSON object with a "
             f'string field {key!r}; make it an object such as {{{json.dumps(key)}: "..."}}'
         )
-    if key not in record:
-        fields = ", ".join(repr(k) for k in list(record)[:5]) or "none"
+    return record
+
+
+#: The inputs --sft-keys reads: JSON Lines (in a .json file too), one record per line.
+SFT_SUFFIXES = (".jsonl", ".json")
+
+
+def parse_sft_keys(value: str) -> tuple[str, str]:
+    """The (prompt, response) field names of ``--sft-keys PROMPT,RESPONSE``; ValueError in one
+    line when `value` is not two different non-empty names."""
+    keys = [k.strip() for k in value.split(",")]
+    if len(keys) != 2 or not all(keys) or keys[0] == keys[1]:
         raise ValueError(
-            f"{path}:{lineno}: the object has no field {key!r} (its fields: {fields}); pass "
-            f"--jsonl-key naming the text field, or add {key!r} to the line"
+            f"--sft-keys {value!r} is not two different field names PROMPT,RESPONSE; pass "
+            f"e.g. --sft-keys prompt,response (TRL's prompt-completion records: "
+            f"--sft-keys prompt,completion)"
         )
-    return record[key]
+    return keys[0], keys[1]
+
+
+def check_sft_inputs(files: Sequence[str], keys: Sequence[str]) -> None:
+    """ValueError (one line) for an input --sft-keys cannot read: every file must be JSON Lines
+    (`SFT_SUFFIXES`; a .json file of one array or object is not)."""
+    flag = f"--sft-keys {','.join(keys)}"
+    for path in files:
+        if not path.endswith(SFT_SUFFIXES):
+            raise ValueError(
+                f"{flag} reads JSON Lines records, and {path} is not .jsonl / .json; convert "
+                f"it to one {{{json.dumps(keys[0])}: ..., {json.dumps(keys[1])}: ...}} object "
+                f"per line, or drop --sft-keys to train on its text"
+            )
+        if path.endswith(".json") and _json_kind(path)[0] != "lines":
+            raise ValueError(
+                f"{flag} reads JSON Lines records, and {path} is one JSON "
+                f"{'array' if _json_kind(path)[0] == 'array' else 'object'}; write one "
+                f"object per line (e.g. jq -c '.[]' {shell_word(path)} > records.jsonl)"
+            )
+
+
+def iter_records(files: Sequence[str], keys: Sequence[str]) -> Iterator[tuple[str, str, int]]:
+    """Yield ``(prompt, response, source_bytes)`` for every record (non-blank line) of the JSON
+    Lines `files`, the fields `keys` of each, their line endings LF; ValueError in one line
+    naming the file and line of a record without a string under either key (`check_sft_inputs`
+    first, for the files)."""
+    check_sft_inputs(files, keys)
+    for path in files:
+        check_not_wide(path)
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                record = _line_object(path, lineno, line, keys[0])
+                for key in keys:
+                    if key not in record:
+                        fields = ", ".join(repr(k) for k in list(record)[:5]) or "none"
+                        raise ValueError(
+                            f"{path}:{lineno}: the record has no field {key!r} (its fields: "
+                            f"{fields}); add it, or pass --sft-keys naming the prompt and "
+                            f"response fields (now {','.join(keys)})"
+                        )
+                    if not isinstance(record[key], str):
+                        raise ValueError(
+                            f"{path}:{lineno}: field {key!r} is {_json_type(record[key])}, "
+                            f"not a string; fix the line (--sft-keys reads text fields)"
+                        )
+                yield (
+                    normalize_newlines(record[keys[0]]),
+                    normalize_newlines(record[keys[1]]),
+                    len(line),
+                )
 
 
 def _where(e: json.JSONDecodeError) -> str:

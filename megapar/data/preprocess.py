@@ -9,6 +9,11 @@ Inputs, in the order given (directories expanded recursively, files sorted by pa
   ``.json``: the same when it holds JSON lines, or a JSON array of such objects;
 * ``.parquet``: one document per row of the ``jsonl_key`` column, read a record batch at a
   time (pyarrow).
+* With ``sft_keys=(PROMPT, RESPONSE)`` (CLI ``--sft-keys``): JSON Lines records only, one
+  document per record: the tokenizer's BOS (when it has one), the prompt's tokens, the
+  response's tokens (the two texts tokenized apart, so the prompt's tokens end where it
+  ends), the eod; each document's prompt length (BOS included) goes into the metadata
+  (``IndexedDataset.prompt_lengths``), for `megapar.data.sft_dataset`.
 
 Everything is streamed: documents are read, tokenized and written a batch at a time, so
 memory does not grow with the corpus (a ``.txt`` file that is one document, and a ``.json``
@@ -44,6 +49,7 @@ import signal
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 import sentencepiece as spm
 from tqdm import tqdm
@@ -56,6 +62,7 @@ from megapar.data.inputs import (  # noqa: F401 - re-exported
     check_not_wide,
     expand_inputs,
     iter_documents,
+    iter_records,
     normalize_newlines,
     read_text,
 )
@@ -67,13 +74,14 @@ from megapar.data.tokenizers import (
 )
 from megapar.device import cpu_cores
 
+_Item = TypeVar("_Item")
 #: Documents handed to a worker at a time.
 BATCH_DOCS = 16
 #: Above this many input bytes, ``workers=None`` uses a pool of several workers.
 POOL_THRESHOLD_BYTES = 8 << 20
 
 
-def _batched(docs: Iterator[tuple[str, int]], n: int) -> Iterator[tuple[list[str], int]]:
+def _batched(docs: Iterator[tuple[_Item, int]], n: int) -> Iterator[tuple[list[_Item], int]]:
     batch, nbytes = [], 0
     for text, size in docs:
         batch.append(text)
@@ -93,6 +101,15 @@ def _worker_init(spec: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     global _WORKER_TOKENIZER  # per-worker-process cache, not shared state of the package
     _WORKER_TOKENIZER = load_tokenizer(spec)
+
+
+def _sft_batched(
+    records: Iterator[tuple[str, str, int]], n: int
+) -> Iterator[tuple[list[str], int]]:
+    """Batches of `n` records as (their prompts, then their responses; bytes), the texts a
+    worker encodes (`_consume` pairs them again)."""
+    for batch, nbytes in _batched((((p, r), size) for p, r, size in records), n):
+        yield [p for p, _ in batch] + [r for _, r in batch], nbytes
 
 
 def _worker_encode(item: tuple[list[str], int]) -> tuple[list[list[int]], int]:
@@ -115,8 +132,12 @@ def preprocess_files(
     allow_invalid_utf8: bool = False,
     report: dict | None = None,
     stats: dict | None = None,
+    sft_keys: tuple[str, str] | None = None,
 ) -> str:
     """Tokenize ``inputs`` into ``output_prefix.{bin,idx,json}``; return the prefix.
+
+    ``sft_keys``: read each JSON Lines record's prompt and response under these keys, one
+    document per record with its prompt length (see the module docstring).
 
     ``format="megatron"`` writes Megatron-LM's ``MMIDIDX`` index instead of megapar's.
     ``stats`` (a dict, when given) receives ``docs`` and ``empty_docs``: the documents written
@@ -141,8 +162,13 @@ def preprocess_files(
     stats = {} if stats is None else stats
     workers = min(workers, cpu_cores())  # more only thrash (and the output is the same)
     report = {} if report is None else report  # path -> invalid UTF-8 bytes replaced
-    batches = _batched(
-        iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report), BATCH_DOCS
+    batches = (
+        _sft_batched(iter_records(files, sft_keys), BATCH_DOCS)
+        if sft_keys is not None
+        else _batched(
+            iter_documents(files, split_paragraphs, jsonl_key, allow_invalid_utf8, report),
+            BATCH_DOCS,
+        )
     )
     first = next(batches, None)  # a bad or empty first input fails before a bar is drawn
     if first is None:
@@ -153,7 +179,7 @@ def preprocess_files(
     stats["empty_docs"] = 0
     with (
         IndexedDatasetBuilder(
-            output_prefix, tok.vocab_size, tok.eod_id, tok.spec(), format
+            output_prefix, tok.vocab_size, tok.eod_id, tok.spec(), format, sft_keys
         ) as builder,
         tqdm(
             total=total, unit="B", unit_scale=True, desc="tokenizing", disable=not progress
@@ -161,7 +187,7 @@ def preprocess_files(
     ):  # closed (its line ended) before any error
         if workers == 1:
             results = ((tok.encode_batch(texts), n) for texts, n in batches)
-            _consume(results, builder, bar, tok.bos_id, stats)
+            _consume(results, builder, bar, tok.bos_id, stats, sft_keys is not None)
         else:
             # Workers start as fresh interpreters (spawned): a fork of this process inherits
             # the locks its other threads (tqdm's monitor, pyarrow's pool) held then, and such
@@ -179,7 +205,12 @@ def preprocess_files(
                     signal.signal(signal.SIGINT, previous)
             with pool:  # ends the workers, however this block ends
                 _consume(
-                    _ordered_bounded(pool, batches, 4 * workers), builder, bar, tok.bos_id, stats
+                    _ordered_bounded(pool, batches, 4 * workers),
+                    builder,
+                    bar,
+                    tok.bos_id,
+                    stats,
+                    sft_keys is not None,
                 )
         bar.n = total
         bar.close()
@@ -213,10 +244,22 @@ def _consume(
     bar,
     bos_id: int | None = None,
     stats: dict | None = None,
+    sft: bool = False,
 ) -> None:
     """Add each document (after the tokenizer's own BOS, when it has one; the eod follows);
-    count into ``stats["empty_docs"]`` those that tokenized to no ids."""
+    count into ``stats["empty_docs"]`` those that tokenized to no ids. `sft`: each batch is
+    its records' prompts then their responses (`_sft_batched`), added as one document per
+    record with its prompt length."""
+    bos = [] if bos_id is None else [bos_id]
     for encoded, nbytes in results:
+        if sft:
+            half = len(encoded) // 2
+            for prompt, response in zip(encoded[:half], encoded[half:]):
+                if stats is not None and not prompt and not response:
+                    stats["empty_docs"] = stats.get("empty_docs", 0) + 1
+                builder.add_document(bos + prompt + response, len(bos) + len(prompt))
+            bar.update(nbytes)
+            continue
         if stats is not None:
             stats["empty_docs"] = stats.get("empty_docs", 0) + sum(1 for e in encoded if not e)
         builder.add_documents(encoded if bos_id is None else ([bos_id] + e for e in encoded))
@@ -330,12 +373,13 @@ def ensure_dataset(
     report: dict | None = None,
     stats: dict | None = None,
     jsonl_key: str = "text",
+    sft_keys: tuple[str, str] | None = None,
 ) -> str:
     """Preprocess a raw text file into ``cache_dir`` once; return the dataset prefix.
 
     The cache key is the SHA-256 of the file's content, the tokenizer (kind, vocab size
     and the hash of its model files), ``split_paragraphs`` and (when not their defaults)
-    ``jsonl_key`` and ``allow_invalid_utf8``; a later call with the same
+    ``jsonl_key``, ``allow_invalid_utf8`` and ``sft_keys``; a later call with the same
     inputs returns the cached prefix without work.  By default every blank-line-separated
     paragraph is a document, so a single file can still be split into train/val by
     documents.  Writes are atomic: concurrent callers (e.g. several ranks) are safe.
@@ -368,6 +412,7 @@ def ensure_dataset(
             # only when set, so the datasets cached with the defaults keep their key
             **({"jsonl_key": jsonl_key} if jsonl_key != "text" else {}),
             **({"allow_invalid_utf8": True} if allow_invalid_utf8 else {}),
+            **({"sft_keys": list(sft_keys)} if sft_keys is not None else {}),
         },
         sort_keys=True,
     )
@@ -387,4 +432,5 @@ def ensure_dataset(
         allow_invalid_utf8=allow_invalid_utf8,
         report=report,
         stats=stats,
+        sft_keys=sft_keys,
     )

@@ -113,6 +113,8 @@ class TrainConfig:
     """Where raw text is tokenized to (keyed by content hash and the settings below)."""
     jsonl_key: str = "text"
     """For raw .jsonl / .json / .parquet data: the key (column) holding each document's text."""
+    sft_keys: str | None = None
+    """Supervised fine-tuning on JSON Lines records: PROMPT,RESPONSE names the two fields (e.g. prompt,response; TRL's prompt,completion). Each record is one sample: the prompt's tokens, the response's and the end-of-text token, cut to --seq-len + 1 (longer records are truncated, counted in the log), right-padded, with the loss on the response (and its end) only. A dataset megapar-data --sft-keys wrote needs no flag. Pair it with --loss-mean token for TRL's / torchtune's loss (docs/guides/training.md "Fine-tuning on prompt / response pairs")."""
     allow_invalid_utf8: bool = False
     """For raw text: replace invalid UTF-8 with U+FFFD even above 0.1 % of a file's bytes (else an error; fewer are replaced with a warning)."""
     val_fraction: float = 0.05

@@ -23,6 +23,7 @@ from megapar.data import (
     GPTDataset,
     IndexedDataset,
     MLMDataset,
+    SFTDataset,
     asset_path,
     collate,
     ensure_dataset,
@@ -37,6 +38,7 @@ from megapar.data.inputs import (
     expand_inputs,
     is_raw_text,
     model_directory,
+    parse_sft_keys,
     skipped_inputs,
 )
 from megapar.data.megatron import is_megatron_index
@@ -54,6 +56,7 @@ from megapar.training.tokenizer_checks import (
 )
 from megapar.training.validate import explicit
 from megapar.training.validate_resume import checkpoint_manifest, named
+from megapar.training.validate_sft import holds_records
 
 DEFAULT_TEXT = "shakespeare_sample.txt"
 
@@ -118,6 +121,7 @@ def _resolve_one(
             jsonl_key=cfg.jsonl_key,
             allow_invalid_utf8=cfg.allow_invalid_utf8,
             stats=stats,
+            sft_keys=parse_sft_keys(cfg.sft_keys) if cfg.sft_keys is not None else None,
         )
         if stats and tokenized is not None:
             tokenized.append(prefix)
@@ -269,16 +273,18 @@ def data_tokenizer(cfg: TrainConfig):
 def max_samples(cfg: TrainConfig, model_type: str) -> int:
     """An upper bound on the samples --data can give, from file sizes alone (nothing is read):
     a token takes at least one byte of text (plus a begin and an end token per document, and a
-    document at least one byte) or of a prepared .bin."""
+    document at least one byte) or of a prepared .bin. Prompt / response records (--sft-keys,
+    or a dataset of them) give a sample per record, so at most one per token."""
 
-    tokens = 0
+    tokens, sft = 0, cfg.sft_keys is not None
     for path in data_paths(cfg.data):
         data = _text_or_prefix(cfg, path)
         if is_raw_text(data):
             tokens += sum(3 * os.path.getsize(f) + 2 for f in expand_inputs([data]))
         else:
             tokens += os.path.getsize(data + ".bin")
-    return tokens // cfg.seq_len + 1 if model_type in CAUSAL_LM_TYPES else tokens
+            sft = sft or holds_records(data)
+    return tokens // cfg.seq_len + 1 if model_type in CAUSAL_LM_TYPES and not sft else tokens
 
 
 def resolve_model(cfg: TrainConfig, notes: list[str] | None = None, manifest: dict | None = None):
@@ -400,10 +406,13 @@ def _own_vocab(cfg: TrainConfig, manifest: dict | None) -> int:
     return recipe(cfg.model or DEFAULT_MODEL).vocab_size
 
 
-def _samples(lengths, seq_len: int, model_type: str):
+def _samples(lengths, seq_len: int, model_type: str, records: bool = False):
     """Running count of samples the first k documents (token counts `lengths`) hold: GPT
-    windows of a concatenated stream, or MLM chunks of up to seq_len - 3 tokens per document."""
+    windows of a concatenated stream, MLM chunks of up to seq_len - 3 tokens per document, or
+    (`records`: prompt / response records) one per document."""
 
+    if records:
+        return np.arange(1, len(lengths) + 1)
     if model_type in CAUSAL_LM_TYPES:
         return np.maximum(np.cumsum(lengths) - 1, 0) // seq_len
     body, most = np.maximum(lengths - 1, 0), max(1, seq_len - 3)
@@ -434,8 +443,9 @@ def split_for_training(cfg: TrainConfig, indexed, model_type: str):
         )
     perm = np.random.default_rng(cfg.seed).permutation(n)
     lengths = np.diff(indexed.doc_offsets)[perm].astype(np.int64)
-    counts = _samples(lengths, cfg.seq_len, model_type)
-    rest = _samples(lengths[::-1], cfg.seq_len, model_type)[::-1]  # samples in perm[k:]
+    records = indexed.prompt_lengths is not None
+    counts = _samples(lengths, cfg.seq_len, model_type, records)
+    rest = _samples(lengths[::-1], cfg.seq_len, model_type, records)[::-1]  # in perm[k:]
     want = max(1, int(round(n * cfg.val_fraction)))
     k = max(want, int(np.searchsorted(counts, cfg.global_batch_size)) + 1)
     if k >= n or k > max(want, n // 2) or rest[k] < cfg.global_batch_size:
@@ -468,6 +478,13 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str, notes: list[s
     if blend is None:
         return _build_one(cfg, prefix, model_type, notes)
     prefixes = [_resolve_one(cfg, p) for _, p in blend]
+    records = [holds_records(p) for p in prefixes]
+    if any(records) and not all(records):
+        raise ValueError(
+            f"--data blends prompt / response records ({blend[records.index(True)][1]}) with "
+            f"text ({blend[records.index(False)][1]}); blend datasets of one kind (tokenize "
+            f"the records with megapar-data --sft-keys, the text without)"
+        )
     weights, names = [w for w, _ in blend], [p for _, p in blend]
     part_notes: list[str] = []
     parts = []
@@ -493,20 +510,57 @@ def _build_one(cfg: TrainConfig, prefix: str, model_type: str, notes: list[str] 
     train_docs, val_docs, note = split_for_training(cfg, indexed, model_type)
     if note and notes is not None:
         notes.append(note)
-    if model_type in CAUSAL_LM_TYPES:
+    if indexed.prompt_lengths is not None:
+        if model_type not in CAUSAL_LM_TYPES:
+            raise ValueError(
+                f"--data {prefix} holds prompt / response records, which train a causal "
+                f"language model, and the model is {model_type}; use a GPT / Llama-style model"
+            )
 
-        def make(docs: DocRange) -> GPTDataset | MLMDataset:
+        def make(docs: DocRange) -> GPTDataset | MLMDataset | SFTDataset:
+            return SFTDataset(indexed, cfg.seq_len, doc_range=docs)
+
+    elif model_type in CAUSAL_LM_TYPES:
+
+        def make(docs: DocRange) -> GPTDataset | MLMDataset | SFTDataset:
             return GPTDataset(indexed, cfg.seq_len, doc_range=docs)
 
     else:
         special = load_tokenizer(indexed.tokenizer_spec)
 
-        def make(docs: DocRange) -> GPTDataset | MLMDataset:
+        def make(docs: DocRange) -> GPTDataset | MLMDataset | SFTDataset:
             return MLMDataset(indexed, cfg.seq_len, special, cfg.seed, doc_range=docs)
 
     train = make(train_docs)
     val = make(val_docs) if val_docs is not None else None
+    if isinstance(train, SFTDataset) and notes is not None:
+        notes.append(_records_note(cfg, indexed, [train, val]))
     return train, val
+
+
+def _records_note(cfg: TrainConfig, indexed, parts) -> str:
+    """The log's one line on a dataset of prompt / response records: how many, how they become
+    samples, and how many were truncated (`SFTDataset.truncated`, `unlabelled`)."""
+    parts = [p for p in parts if p is not None]
+    truncated = sum(p.truncated for p in parts)
+    unlabelled = sum(p.unlabelled for p in parts)
+    keys = ",".join(indexed.sft_keys)
+    cut = (
+        f"{truncated:,} longer than --seq-len + 1 = {cfg.seq_len + 1} tokens truncated at the "
+        f"end ({unlabelled:,} of them with no response token left)"
+        if truncated
+        else f"none longer than --seq-len + 1 = {cfg.seq_len + 1} tokens"
+    )
+    mean = (
+        "; --loss-mean microbatch averages each micro-batch's mean, --loss-mean token the "
+        "batch's response tokens (TRL's, torchtune's)"
+        if cfg.loss_mean == "microbatch"
+        else ""
+    )
+    return (
+        f"supervised fine-tuning: {indexed.num_docs:,} records ({keys}), one right-padded "
+        f"sample each, the loss on the responses only; {cut}{mean}"
+    )
 
 
 def planned_samples(sampler: GlobalBatchSampler, steps: int):

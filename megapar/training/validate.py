@@ -36,6 +36,7 @@ from megapar.pipeline.schedules import check_schedule, chunks_per_rank, schedule
 from megapar.training.config import choice_problem, flag_choices
 from megapar.training.usage import UsageError, flag_of
 from megapar.training.validate_fp8 import Fp8Error, check_fp8
+from megapar.training.validate_sft import check_sft_keys
 from megapar.training.validate_sharding import check_ep, check_optimizer_sharding, check_zero3
 from megapar.training.validate_unused import check_unused
 
@@ -208,6 +209,7 @@ def _check_combinations(cfg) -> None:
     except Fp8Error as exc:
         raise UsageError(str(exc)) from None
     check_unused(cfg, given)
+    check_sft_keys(cfg, given)
     check_optimizer_sharding(cfg)  # ZeRO 1/2 with compression, LAMB / LARS offloaded
     rehearsal = [
         name

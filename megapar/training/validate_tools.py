@@ -113,9 +113,13 @@ def _check_data(args, manifest: dict, causal: bool) -> None:
 
 def _check_batches(args, indexed, tokenizer, causal: bool) -> None:
     """UsageError unless --data holds one batch of --micro-batch-size samples at --seq-len (a
-    causal LM's windows of seq_len + 1 tokens, BERT's MLM samples, as the workers cut them)."""
+    causal LM's windows of seq_len + 1 tokens, a record each of a dataset of prompt / response
+    records, BERT's MLM samples, as the workers cut them)."""
     shown = getattr(args, "data_shown", args.data)
-    if causal:
+    if causal and indexed.prompt_lengths is not None:
+        samples = indexed.num_docs
+        what = f"record{'s' * (samples != 1)} (samples) of up to {args.seq_len + 1}"
+    elif causal:
         samples = (indexed.num_tokens - 1) // args.seq_len
         what = f"window{'s' * (samples != 1)} of {args.seq_len + 1}"
     else:

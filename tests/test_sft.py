@@ -1,0 +1,225 @@
+"""Supervised fine-tuning on prompt / response records (--sft-keys): the first step's loss equals
+transformers' forward on the same masked batch, tp / pp / dp equal one process, a resume
+continues the run, and bad input is refused in one line before any worker starts.
+
+The CLI is called in-process (`main(argv)`), so its workers are forked from this process."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megapar.cli.convert import main as convert
+from megapar.cli.data import main as data_main
+from megapar.cli.eval import main as evaluate
+from megapar.cli.train import main
+from megapar.data import IndexedDataset, SFTDataset, asset_path, collate
+
+TINY = ["--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--log-interval", "1", "--eval-interval", "0", "--no-progress", "--warmup-steps", "1",
+        "--val-fraction", "0", "--loss-mean", "token"]
+LINES = [x.strip() for x in Path(asset_path("shakespeare_sample.txt")).read_text().splitlines()
+         if len(x.strip()) > 20]
+
+
+def _records(path, n, keys=("prompt", "completion"), long=True):
+    """`n` records of Shakespeare lines under `keys`; with `long`, the first has a prompt of
+    more than 33 GPT-2 tokens (no response token left at --seq-len 32) and the second a
+    response that runs past them (truncated)."""
+    rows = [(LINES[2 * i], " " + LINES[2 * i + 1]) for i in range(n)]
+    if long:
+        rows[0] = (" ".join(LINES[100:104]), " " + LINES[104])
+        rows[1] = (LINES[105], " " + " ".join(LINES[106:110]))
+    path.write_text("".join(json.dumps(dict(zip(keys, row))) + "\n" for row in rows))
+    return rows
+
+
+def _losses(log):
+    return [json.loads(x)["loss"] for x in Path(log).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def test_first_step_loss_equals_transformers_forward_on_the_masked_batch(tmp_path, cache, capsys):
+    """A transformers GPT-2 trained by megapar-train --from-hf --sft-keys prompt,completion on
+    8 records, one global batch (its token mean is the same in any order): the first step's
+    loss equals transformers' forward on the records tokenized by transformers' GPT-2
+    tokenizer (prompt, completion, eos; cut to 33 tokens; right-padded; labels -100 on the
+    prompt and the padding) with F.cross_entropy(ignore_index=-100) (fp32, 1e-5 relative)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+    torch.manual_seed(0)
+    hf, bpe = tmp_path / "hf", tmp_path / "bpe"
+    model = GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model.save_pretrained(hf)
+    bpe.mkdir()
+    for name in ("vocab.json", "merges.txt"):  # megapar's GPT-2 BPE, under transformers' names
+        shutil.copy(Path(asset_path(f"gpt2_{name}")), bpe / name)
+    data, log = tmp_path / "pairs.jsonl", tmp_path / "log.jsonl"
+    rows = _records(data, 8)
+    assert main(["--from-hf", str(hf), "--tokenizer", "gpt2", "--data", str(data),
+                 "--sft-keys", "prompt,completion", "--data-cache", cache, "--max-steps", "1",
+                 "--log-json", str(log), *TINY]) == 0
+    err = capsys.readouterr().err
+    assert ("supervised fine-tuning: 8 records (prompt,completion), one right-padded sample "
+            "each, the loss on the responses only; 2 longer than --seq-len + 1 = 33 tokens "
+            "truncated at the end (1 of them with no response token left)") in err, err
+
+    tokenizer = GPT2TokenizerFast.from_pretrained(bpe)
+    eos, ids, labels = tokenizer.eos_token_id, [], []
+    for prompt, response in rows:
+        p, r = tokenizer(prompt)["input_ids"], tokenizer(response)["input_ids"]
+        tokens = (p + r + [eos])[:33]
+        target = [-100] * len(p) + tokens[len(p):]
+        ids.append(tokens[:-1] + [eos] * (33 - len(tokens)))
+        labels.append((target[1:] + [-100] * 33)[:32])
+    assert sum(t != -100 for t in labels[0]) == 0 and len(labels[1]) == 32
+    with torch.no_grad():
+        logits = GPT2LMHeadModel.from_pretrained(hf)(input_ids=torch.tensor(ids)).logits
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.tensor(labels).flatten(),
+                                            ignore_index=-100).item()
+    loss = _losses(log)[0]
+    assert math.isclose(loss, ref, rel_tol=1e-5), (loss, ref)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """16 records tokenized by megapar-data --sft-keys prompt,response (a prepared dataset of
+    records: megapar-train needs no flag), two of them longer than --seq-len + 1."""
+    tmp = tmp_path_factory.mktemp("records")
+    _records(tmp / "pairs.jsonl", 16, keys=("prompt", "response"))
+    prefix = str(tmp / "sft")
+    assert data_main(["--input", str(tmp / "pairs.jsonl"), "--sft-keys", "prompt,response",
+                      "--output-prefix", prefix, "--no-progress"]) == 0
+    return prefix
+
+
+def test_a_prepared_dataset_of_records_keeps_the_prompt_out_of_the_labels(records):
+    """The dataset megapar-data wrote: one sample per record, labels -100 up to the prompt's
+    last token, then the response's tokens and the eod, then -100 on the padding."""
+    ds = IndexedDataset(records)
+    sample, n = SFTDataset(ds, 32)[2], int(ds.doc_offsets[3] - ds.doc_offsets[2])
+    p = int(ds.prompt_lengths[2])
+    doc = ds.doc(2)
+    assert sample["input_ids"].tolist() == doc[:-1].tolist() + [ds.eod_id] * (33 - n)
+    assert sample["labels"].tolist() == [-100] * (p - 1) + doc[p:].tolist() + [-100] * (33 - n)
+    assert len(SFTDataset(ds, 32)) == 16 == ds.num_docs
+
+
+def test_tp_pp_dp_equal_one_process_over_three_steps(tmp_path, records):
+    """gpt2-tiny on the records: tp 2 x pp 2, dp 2 and cp 2 give one process's losses (and grad
+    norms) at every one of 3 steps (fp32, 1e-5 relative)."""
+    common = ["--model", "gpt2-tiny", "--data", records, "--max-steps", "3", *TINY]
+    runs = {}
+    for name, layout in (("serial", []), ("tp2pp2", ["--tp", "2", "--pp", "2"]),
+                         ("dp2", ["--dp", "2"]), ("cp2", ["--cp", "2"])):
+        log = tmp_path / f"{name}.jsonl"
+        assert main([*common, *layout, "--log-json", str(log)]) == 0
+        runs[name] = [(r["loss"], r["grad_norm"]) for r in map(json.loads,
+                                                               log.read_text().splitlines())]
+    assert len(runs["serial"]) == 3
+    for name in ("tp2pp2", "dp2", "cp2"):
+        for (a, ga), (b, gb) in zip(runs["serial"], runs[name]):
+            assert math.isclose(a, b, rel_tol=1e-5) and math.isclose(ga, gb, rel_tol=1e-5), \
+                (name, runs)
+
+
+def test_resume_continues_the_losses_and_validates(tmp_path, records, capsys):
+    """4 steps with validation every 2 steps, and the same stopped after 2 steps and resumed:
+    the same losses and validation losses (the sampler's position is in the checkpoint); then
+    megapar-eval of the checkpoint on the records."""
+    common = ["--model", "gpt2-tiny", "--data", records, "--max-steps", "4", *TINY,
+              "--val-fraction", "0.25", "--eval-interval", "2", "--eval-steps", "1"]
+    full, part, ckpt = tmp_path / "full.jsonl", tmp_path / "part.jsonl", tmp_path / "ckpt"
+    assert main([*common, "--log-json", str(full)]) == 0
+    assert main([*common, "--exit-interval", "2", "--save", str(ckpt), "--log-json",
+                 str(part)]) == 0
+    assert main([*common, "--load", str(ckpt), "--save", str(ckpt), "--log-json",
+                 str(part)]) == 0
+    a = [json.loads(x) for x in full.read_text().splitlines()]
+    b = [json.loads(x) for x in part.read_text().splitlines()]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r.get("val_loss") for r in a][1::2] == [r.get("val_loss") for r in b][1::2]
+    assert a[1].get("val_loss") is not None
+    for x, y in zip(a, b):
+        assert math.isclose(x["loss"], y["loss"], rel_tol=1e-5), (a, b)
+
+    # megapar-eval on the dataset of records: its samples, the loss on the responses only,
+    # equal to transformers' forward of the exported model on them (fp32, 1e-5 relative)
+    from transformers import GPT2LMHeadModel
+
+    assert convert([str(ckpt), "--to-hf", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    assert evaluate(["--load", str(ckpt), "--data", records, "--seq-len", "32",
+                     "--micro-batch-size", "16", "--max-batches", "1"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    batch = collate([s for s in SFTDataset(IndexedDataset(records), 32)])
+    with torch.no_grad():
+        logits = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")(batch["input_ids"]).logits
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
+                                            ignore_index=-100).item()
+    assert report["tokens"] == int((batch["labels"] != -100).sum()) < 16 * 32
+    assert math.isclose(report["loss"], ref, rel_tol=1e-5), (report, ref)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sft-keys", "prompt"], "--sft-keys 'prompt' is not two different field names "
+     "PROMPT,RESPONSE; pass e.g. --sft-keys prompt,response"),
+    (["--sft-keys", "prompt,response", "--data", "0.5", "{prefix}", "0.5", "{prefix}"],
+     "reads one --data of records, not a blend"),
+    (["--sft-keys", "prompt,response", "--data", "{prefix}"],
+     "is a dataset megapar-data --sft-keys wrote, which trains on its responses as it is; "
+     "drop --sft-keys"),
+    (["--sft-keys", "prompt,response", "--data", "{text}"],
+     "is not .jsonl / .json; convert it to one"),
+    (["--sft-keys", "prompt,response", "--data", "{bad}"],
+     "bad.jsonl:2: the record has no field 'response' (its fields: 'prompt', 'answer'); add "
+     "it, or pass --sft-keys naming the prompt and response fields"),
+    (["--sft-keys", "prompt,response", "--data", "{good}", "--jsonl-key", "prompt"],
+     "--jsonl-key prompt would be ignored: --sft-keys prompt,response names the fields read"),
+    (["--sft-keys", "prompt,response", "--data", "{good}", "--model", "bert-tiny"],
+     "trains a causal language model on the responses, and the model is bert"),
+    (["--sft-keys", "prompt,response", "--data", "{array}"],
+     "array.json is one JSON array; write one object per line (e.g. jq -c '.[]'"),
+    (["--data", "0.5", "{prefix}", "0.5", "{text}", "--model", "gpt2-tiny"],
+     "blends prompt / response records"),
+])
+def test_bad_input_is_refused_in_one_line_before_any_worker(argv, message, tmp_path, records,
+                                                             cache, capsys):
+    text = tmp_path / "plain.txt"
+    text.write_text("\n\n".join(LINES[:200]))
+    bad, good = tmp_path / "bad.jsonl", tmp_path / "good.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "answer": "d"}\n')
+    good.write_text('{"prompt": "a", "response": "b"}\n')
+    (tmp_path / "array.json").write_text('[\n{"prompt": "a", "response": "b"}\n]\n')
+    paths = {"prefix": records, "text": str(text), "bad": str(bad), "good": str(good),
+             "array": str(tmp_path / "array.json")}
+    argv = [a.format(**paths) for a in argv]
+    assert main([*argv, "--data-cache", cache, "--max-steps", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and err[0].startswith("megapar-train: error:"), err
+
+
+def test_megapar_data_refuses_a_record_without_a_key_and_non_jsonl(tmp_path, capsys):
+    bad, text = tmp_path / "bad.jsonl", tmp_path / "plain.txt"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": "c"}\n')
+    text.write_text("some text\n")
+    out = str(tmp_path / "out")
+    assert data_main(["--input", str(bad), "--sft-keys", "prompt,completion",
+                      "--output-prefix", out, "--no-progress"]) == 2
+    assert data_main(["--input", str(text), "--sft-keys", "prompt,completion",
+                      "--output-prefix", out, "--no-progress"]) == 2
+    assert data_main(["--input", str(bad), "--sft-keys", "prompt,completion", "--split-lines",
+                      "--output-prefix", out, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "bad.jsonl:3: the record has no field 'completion'" in err[0], err
+    assert "plain.txt is not .jsonl / .json" in err[1], err
+    assert err[2].startswith("megapar-data: error: --split-lines cannot be combined"), err
+    assert not any(Path(out + ext).exists() for ext in (".bin", ".idx", ".json"))
