@@ -604,8 +604,8 @@ def test_a_sigterm_before_the_ranks_start_is_one_line_and_exit_143(tiny_ckpt, tm
     def patch():
         check = eval_cli.check_eval_args
 
-        def check_then_sigterm(args):
-            manifest = check(args)
+        def check_then_sigterm(args, given=()):
+            manifest = check(args, given)
             os.kill(os.getpid(), signal.SIGTERM)
             return manifest
 
@@ -655,3 +655,26 @@ def test_too_little_data_is_counted_in_words():
     for tokens, said in ((6, "has 1 window of 5 tokens"), (10, "has 2 windows of 5 tokens")):
         with pytest.raises(UsageError, match=said):
             _check_batches(args, SimpleNamespace(num_tokens=tokens), None, causal=True)
+
+
+def test_seed_on_raw_text_for_a_causal_lm_is_refused_before_any_tokenizing(
+        tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """--seed with a causal LM's checkpoint and raw --data: refused (it seeds only BERT's
+    masking) before the text is tokenized; the refusal came after tokenizing, which also left
+    the tokenized copy in --data-cache."""
+    import megapar.training.validate_tools as tools
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the text was tokenized before --seed was refused")
+
+    monkeypatch.setattr(tools, "tokenize_text", no_tokenizing)
+    _refuse_workers(monkeypatch)
+    text = tmp_path / "corpus.txt"
+    text.write_text("Some words of a corpus. " * 50)
+    ckpt, _ = tiny_ckpt
+    assert evaluate(["--load", str(ckpt), "--data", str(text), "--seed", "5", "--data-cache",
+                     str(tmp_path / "cache")]) == 2
+    assert _one_error_line(capsys) == (
+        "megapar-eval: error: --seed 5 would be ignored: it seeds BERT's masking, and the "
+        "checkpoint holds a gpt2 (its loss masks nothing); drop it")
+    assert not (tmp_path / "cache").exists()

@@ -386,13 +386,7 @@ def main(argv=None) -> int:
                 f"{args.tp * args.pp} (it has no data parallelism); start "
                 f"{args.tp * args.pp} or change --tp / --pp"
             )
-        manifest = check_eval_args(args)
-        kind = manifest["model"].get("model_type")
-        if "seed" in parser.given(argv) and kind in CAUSAL_LM_TYPES:
-            raise UsageError(
-                f"--seed {args.seed} would be ignored: it seeds BERT's masking, and the "
-                f"checkpoint holds a {kind} (its loss masks nothing); drop it"
-            )
+        manifest = check_eval_args(args, parser.given(argv))
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
             args.save_logits = logits_file(args.save_logits)
