@@ -11,7 +11,6 @@ resharded on load when --tp / --pp differ from its layout.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -41,6 +40,7 @@ from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
+from megapar.training.logging import perplexity, strict_json
 from megapar.training.tokenizer_checks import check_given_tokenizer
 from megapar.training.usage import flag_of
 from megapar.training.validate import UsageError, check_writable, names_directory
@@ -210,7 +210,7 @@ def _loss_worker(args):
     if mesh.rank != 0:  # every rank has the loss; rank 0 reports it (once under torchrun)
         return None
     loss = nll / max(tokens, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "batches": k}
+    return {"loss": loss, "perplexity": perplexity(loss), "tokens": tokens, "batches": k}
 
 
 @torch.no_grad()
@@ -427,7 +427,17 @@ def main(argv=None) -> int:
         )
         return 1
     if results and results[0] is not None:
-        print(json.dumps(results[0]))
+        result = results[0]
+        if "perplexity" in result and not math.isfinite(result["perplexity"]):
+            loss = result["loss"]
+            why = (
+                f"exp({loss:.6g}) exceeds the largest float (a loss above "
+                f"{math.log(sys.float_info.max):.2f})"
+                if math.isfinite(loss)
+                else f"the loss is {loss}"
+            )
+            print(f"megapar-eval: perplexity {why}: written as null", file=sys.stderr)
+        print(strict_json(result))
     return 0
 
 

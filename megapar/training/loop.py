@@ -55,6 +55,7 @@ from megapar.training.logging import (
     NullLogger,
     format_line,
     peak_memory_mb,
+    perplexity,
 )
 from megapar.training.profiling import StepProfiler
 from megapar.training.step import loss_weight
@@ -342,7 +343,7 @@ class Trainer:
             val = self.evaluate()
             if val is not None:
                 metrics["val_loss"] = val
-                metrics["val_ppl"] = math.exp(min(val, 50.0))
+                metrics["val_ppl"] = perplexity(val)  # inf: null in --log-json
         return metrics
 
     def failure(
