@@ -312,6 +312,7 @@ def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
     `seed` because the model lacks it."""
     set_action(f"megapar.prepare: loading the {type(model).__name__}'s weights")
     engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
+    engine.source_generation_config = reader.generation_config  # and its generation_config
 
     _check_same_weights(model, engine.mesh)
     source = getattr(model, "name_or_path", "")  # from_pretrained(DIR)'s DIR
