@@ -643,20 +643,6 @@ def test_a_blend_or_several_paths_as_data_name_the_fix(capsys, tmp_path):
         assert capsys.readouterr().err == f"megapar-eval: error: {line}\n"
 
 
-def test_too_little_data_is_counted_in_words():
-    """The refusal of --data smaller than one batch counts its windows in words ("1 window",
-    not "1 windows")."""
-    from types import SimpleNamespace
-
-    from megapar.training.validate import UsageError
-    from megapar.training.validate_tools import _check_batches
-
-    args = SimpleNamespace(data="d", seq_len=4, micro_batch_size=4)
-    for tokens, said in ((6, "has 1 window of 5 tokens"), (10, "has 2 windows of 5 tokens")):
-        with pytest.raises(UsageError, match=said):
-            _check_batches(args, SimpleNamespace(num_tokens=tokens), None, causal=True)
-
-
 def test_seed_on_raw_text_for_a_causal_lm_is_refused_before_any_tokenizing(
         tiny_ckpt, tmp_path, capsys, monkeypatch):
     """--seed with a causal LM's checkpoint and raw --data: refused (it seeds only BERT's
@@ -725,3 +711,18 @@ def test_perplexity_is_the_exponential_or_inf_and_strict_json_writes_null():
     assert perplexity(710.0) == math.inf and math.isnan(perplexity(math.nan))
     assert strict_json({"a": math.inf, "b": math.nan, "c": 1.5}) == \
         '{"a": null, "b": null, "c": 1.5}'
+
+
+def test_too_little_data_is_counted_in_words():
+    """The refusal of --data smaller than one batch counts its windows in words ("1 window",
+    not "1 windows")."""
+    from types import SimpleNamespace
+
+    from megapar.training.validate import UsageError
+    from megapar.training.validate_tools import _check_batches
+
+    args = SimpleNamespace(data="d", seq_len=4, micro_batch_size=4)
+    for tokens, said in ((6, "has 1 window of 5 tokens"), (10, "has 2 windows of 5 tokens")):
+        with pytest.raises(UsageError, match=said):
+            _check_batches(args, SimpleNamespace(num_tokens=tokens), None, causal=True)
+
