@@ -725,4 +725,3 @@ def test_too_little_data_is_counted_in_words():
     for tokens, said in ((6, "has 1 window of 5 tokens"), (10, "has 2 windows of 5 tokens")):
         with pytest.raises(UsageError, match=said):
             _check_batches(args, SimpleNamespace(num_tokens=tokens), None, causal=True)
-
