@@ -1042,3 +1042,33 @@ def test_prepare_refuses_what_megapar_train_refuses_in_the_apis_terms(kwargs, wo
     message = str(info.value)
     assert all(w in message for w in words) and "--" not in message, message
     assert len(message.splitlines()) == 1, message
+
+
+def _export_with_generation_config(out):
+    model = _hf_model()
+    model.generation_config.update(do_sample=True, top_k=7, max_new_tokens=11)
+    model.save_pretrained(f"{out}/src")
+    engine = megapar.prepare(model, micro_batch_size=2)
+    engine.train_step(_batches(1)[0])
+    engine.export_hf(f"{out}/hf")
+    engine.save(f"{out}/ckpt")
+
+
+def test_export_hf_of_an_in_memory_model_carries_its_generation_config(run, tmp_path):
+    """prepare(model) records the model's generation_config, as megapar-train --from-hf
+    records its directory's: export_hf and megapar-convert --to-hf of the engine's checkpoint
+    write it back as save_pretrained does (they wrote one made from the config: do_sample,
+    top_k and max_new_tokens were lost)."""
+    import warnings
+
+    from megapar.cli.convert import main as convert
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer known: said, and not what this tests
+        run(_export_with_generation_config, 1, str(tmp_path))
+    assert convert([str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf2"),
+                    "--no-progress"]) == 0
+    source = json.loads((tmp_path / "src" / "generation_config.json").read_text())
+    assert source["top_k"] == 7 and source["do_sample"] is True
+    for hf in ("hf", "hf2"):
+        assert json.loads((tmp_path / hf / "generation_config.json").read_text()) == source

@@ -372,6 +372,50 @@ def test_a_failing_rank_brings_the_run_down_naming_rank_and_step(tmp_path, text,
     assert time.monotonic() - start < 60  # the other ranks were brought down, not left waiting
 
 
+def test_under_torchrun_no_rank_logs_into_a_save_the_failed_run_made(tmp_path, text, cache,
+                                                                    monkeypatch):
+    """Two ranks forked with torchrun's variables, each running megapar-train; rank 1 fails at
+    step 1. Rank 1 wrote SAVE/logs/rank1.log into the --save rank 0 had made (rank 0 then left
+    it, or rank 1 made it again), so a run that saved nothing left a --save holding only logs;
+    now every rank's log goes under --data-cache, as rank 0's did, and no --save is left."""
+    import torch.distributed as dist
+
+    from forked import exit_code, fork_running
+    from megapar.launcher import free_port
+    from megapar.training.step import TrainStep
+
+    real_step = TrainStep.step
+
+    def flaky_step(self, micro_batches, step_index, *rest):
+        if dist.get_rank() == 1:
+            raise RuntimeError("injected failure")
+        return real_step(self, micro_batches, step_index, *rest)
+
+    monkeypatch.setattr(TrainStep, "step", flaky_step)
+    save = tmp_path / "ckpt"
+    argv = ["--dp", "2", "--model", "gpt2-tiny", "--data", text, "--tokenizer", "sentencepiece",
+            "--data-cache", cache, "--max-steps", "2", "--save", str(save), "--timeout-s", "60",
+            *TINY]
+    port = str(free_port())
+
+    def rank(r):
+        def run():
+            os.environ.update({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": port})
+            return main(argv)
+        return run
+
+    pids = [fork_running(rank(r), tmp_path / f"out{r}") for r in range(2)]
+    assert [exit_code(pid) for pid in pids] == [1, 1]
+    out = (tmp_path / "out1").read_text()
+    assert "rank 1 failed at step 1: RuntimeError: injected failure" in out, out
+    log = Path(out.split("full traceback in ")[1].split(" (or ")[0])
+    assert log.parent.parent == Path(cache) / "logs" and log.name == "rank1.log", out
+    assert "injected failure" in log.read_text()
+    assert not save.exists(), sorted(save.rglob("*"))
+
+
 def test_paths_with_spaces_and_non_ascii_characters(tmp_path, text, capsys):
     """Paths are paths: --data (text and a prepared prefix), --from-hf, --tokenizer, --save
     and --load under "with space/ünïcødé" train, save and resume; none is read as a blend."""

@@ -151,10 +151,11 @@ def test_train_tokenizer_usage_errors(tmp_path, capsys):
     assert not np.any([p.name.startswith("x") for p in tmp_path.iterdir()])
 
 
-def _wordpiece_dir(root: Path, with_mask: bool, eos: bool = True) -> str:
-    """A BERT-style WordPiece tokenizer directory (lower case, spaces dropped, [CLS] A [SEP]),
-    with [SEP] as its end of sequence, or (`eos` False) no end of sequence, as BERT's hub
-    tokenizers have it; with or without its own [MASK]."""
+def _wordpiece_dir(root: Path, with_mask: bool, eos: bool = True, template: bool = True) -> str:
+    """A BERT-style WordPiece tokenizer directory (lower case, spaces dropped, [CLS] A [SEP],
+    or, `template` False, saved without a post-processor: no [CLS] / [SEP] added), with [SEP]
+    as its end of sequence, or (`eos` False) no end of sequence, as BERT's hub tokenizers have
+    it; with or without its own [MASK]."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers import trainers
 
@@ -165,12 +166,14 @@ def _wordpiece_dir(root: Path, with_mask: bool, eos: bool = True) -> str:
     tok.decoder = decoders.WordPiece()
     tok.train_from_iterator([TEXT], trainers.WordPieceTrainer(
         vocab_size=800, special_tokens=specials, show_progress=False))
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    if template:
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     roles = dict(unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
                  **({"eos_token": "[SEP]"} if eos else {}),
                  **({"mask_token": "[MASK]"} if with_mask else {}))
-    out = root / f"wordpiece{'-mask' if with_mask else ''}{'' if eos else '-no-eos'}"
+    out = root / (f"wordpiece{'-mask' if with_mask else ''}{'' if eos else '-no-eos'}"
+                  f"{'' if template else '-no-template'}")
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **roles).save_pretrained(out)
     return str(out)
 
@@ -181,6 +184,8 @@ MASK_SPECS = {  # name: (spec, whether the exported [MASK] takes the space befor
     "sentencepiece": (lambda root, gpt2_dir: "sentencepiece", False),
     "wordpiece with its [MASK]": (lambda root, gpt2_dir: _wordpiece_dir(root, True), False),
     "wordpiece, [MASK] appended": (lambda root, gpt2_dir: _wordpiece_dir(root, False), False),
+    "wordpiece without a post-processor": (
+        lambda root, gpt2_dir: _wordpiece_dir(root, True, template=False), False),
 }
 
 
@@ -205,13 +210,35 @@ def test_an_exported_mask_follows_the_text_as_megapar_masks_it(tmp_path, gpt2_di
     before = ours.encode("The king is")
     assert hf("The king is [MASK]", add_special_tokens=False)["input_ids"] == \
         [*before, ours.mask_id]
-    if name != "gpt2 transformers directory":  # which keeps its own post-processor (none)
-        assert hf("The king is [MASK]")["input_ids"] == [ours.cls_id, *before, ours.mask_id,
-                                                         ours.sep_id]
+    # [CLS] A [SEP] as megapar's masked-LM samples have it, whatever the tokenizer's own
+    # post-processor (a transformers directory's, GPT-2's or a WordPiece one's, added none)
+    assert hf("The king is [MASK]")["input_ids"] == [ours.cls_id, *before, ours.mask_id,
+                                                     ours.sep_id]
     added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
     assert next(t for t in added if t["content"] == "[MASK]")["lstrip"] is lstrip
     assert hf.model_max_length == 48
     assert len(hf(TEXT, truncation=True)["input_ids"]) == 48
+
+
+def test_a_wordpiece_tokenizer_saved_without_a_post_processor_exports_as_megapar_trains(
+        tmp_path):
+    """A WordPiece tokenizer.json with no post-processor: megapar's masked-LM samples are
+    [CLS] A [SEP] B [SEP] (B's token type 1) with it, and the BERT export's tokenizer,
+    loaded by AutoTokenizer, now encodes a pair so too (it was exported as it was, adding
+    neither [CLS] nor [SEP])."""
+    from megapar.data.hf_tokenizer import save_for_transformers
+
+    directory = _wordpiece_dir(tmp_path, with_mask=True, template=False)
+    source = transformers.AutoTokenizer.from_pretrained(directory)
+    assert source("the king")["input_ids"] == source("the king", add_special_tokens=False)[
+        "input_ids"]  # the tokenizer itself adds nothing
+    ours, out = load_tokenizer(directory), tmp_path / "exported"
+    save_for_transformers(ours, str(out), sentence_pairs=True)
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    a, b = ours.encode("the king is"), ours.encode("a queen")
+    pair = hf("the king is", "a queen")
+    assert pair["input_ids"] == [ours.cls_id, *a, ours.sep_id, *b, ours.sep_id]
+    assert pair["token_type_ids"] == [0] * (len(a) + 2) + [1] * (len(b) + 1)
 
 
 def test_a_bert_tokenizer_without_an_eos_ends_documents_with_its_sep(tmp_path):

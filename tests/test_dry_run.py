@@ -331,6 +331,42 @@ def test_with_data_the_first_batch_is_the_samplers(capsys, tmp_path):
     assert rc == 0 and "data skipped (--data" in err and "rank 1 (" in out
 
 
+def test_a_resumed_dry_run_shows_the_batch_the_resumed_run_trains_on_next(capsys, tmp_path):
+    """--load CKPT: each rank's first batch is the one the resumed run takes next (where the
+    checkpoint's data order left off), not a fresh order's first: after 2 steps of 4 samples, a
+    fresh order's third global batch; at --global-batch-size 8, its third and fourth."""
+    from megapar.cli.data import main as data_main
+    from megapar.training.config import parse_args
+    from megapar.cli.train import plan_run
+    from megapar.training.data import build_datasets, make_sampler
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: " + "some words here " * 40
+                                for i in range(60)))
+    assert data_main(["--input", str(text), "--output-prefix", str(tmp_path / "corpus"),
+                      "--no-progress"]) == 0
+    common = ["--model", "gpt2-tiny", "--data", str(tmp_path / "corpus"), "--seq-len", "32",
+              "--micro-batch-size", "2"]
+    rc, _, err = _train([*common, "--global-batch-size", "4", "--max-steps", "2", "--save",
+                         str(tmp_path / "ck"), "--no-progress"], capsys)
+    assert rc == 0, err
+    cfg = parse_args([*common, "--global-batch-size", "4"])
+    _, plan = plan_run(cfg)
+    train, _ = build_datasets(cfg, plan.prefix, "gpt2")
+    stream = [b for mbs in make_sampler(cfg, train, 1, 0) for mb in mbs for b in mb]
+    for batch in (4, 8):
+        rc, out, err = _train([*common, "--global-batch-size", str(batch), "--max-steps", "4",
+                               "--load", str(tmp_path / "ck"), "--dry-run", "--world-size",
+                               "2", "--json", "--dry-run-ranks", "all"], capsys)
+        assert rc == 0, err
+        assert "the first batch shown is the one the resumed run trains on next" in err
+        assert "sample 8 of epoch 0" in err
+        rows = [json.loads(line) for line in out.splitlines()]
+        shown = [b for row in sorted(rows, key=lambda r: r["dp_rank"])
+                 for mb in row["first_batch"] for b in mb]
+        assert shown == stream[8:8 + batch]
+
+
 def test_a_rank_failing_in_the_rehearsal_is_named_in_one_line(capsys, monkeypatch):
     import megapar.training.engine as engine
 

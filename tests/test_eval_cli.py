@@ -604,8 +604,8 @@ def test_a_sigterm_before_the_ranks_start_is_one_line_and_exit_143(tiny_ckpt, tm
     def patch():
         check = eval_cli.check_eval_args
 
-        def check_then_sigterm(args):
-            manifest = check(args)
+        def check_then_sigterm(args, given=()):
+            manifest = check(args, given)
             os.kill(os.getpid(), signal.SIGTERM)
             return manifest
 
@@ -641,6 +641,76 @@ def test_a_blend_or_several_paths_as_data_name_the_fix(capsys, tmp_path):
     ):
         assert evaluate(["--load", str(tmp_path / "ckpt"), "--data", *data, "--seq-len", "8"]) == 2
         assert capsys.readouterr().err == f"megapar-eval: error: {line}\n"
+
+
+def test_seed_on_raw_text_for_a_causal_lm_is_refused_before_any_tokenizing(
+        tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """--seed with a causal LM's checkpoint and raw --data: refused (it seeds only BERT's
+    masking) before the text is tokenized; the refusal came after tokenizing, which also left
+    the tokenized copy in --data-cache."""
+    import megapar.training.validate_tools as tools
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the text was tokenized before --seed was refused")
+
+    monkeypatch.setattr(tools, "tokenize_text", no_tokenizing)
+    _refuse_workers(monkeypatch)
+    text = tmp_path / "corpus.txt"
+    text.write_text("Some words of a corpus. " * 50)
+    ckpt, _ = tiny_ckpt
+    assert evaluate(["--load", str(ckpt), "--data", str(text), "--seed", "5", "--data-cache",
+                     str(tmp_path / "cache")]) == 2
+    assert _one_error_line(capsys) == (
+        "megapar-eval: error: --seed 5 would be ignored: it seeds BERT's masking, and the "
+        "checkpoint holds a gpt2 (its loss masks nothing); drop it")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_perplexity_is_never_capped_and_an_overflow_is_null_in_valid_json(
+        tmp_path, corpus, capsys, monkeypatch):
+    """The loss's exponential as it is: at a loss of 60 exp(60) (was exp(50): capped silently);
+    past the largest float (a loss above 709.78) null, said on stderr, and the line stays
+    strict JSON (no Infinity); the loss itself is reported as measured."""
+    from megapar.pipeline.executor import PipelineExecutor
+
+    prefix, _, _ = corpus
+    model_json = tmp_path / "gpt2.json"
+    model_json.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2,
+                                      "n_head": 4, "n_positions": 64}))
+    ckpt = tmp_path / "ckpt"
+    assert train(["--model", str(model_json), "--data", prefix, "--seq-len", "16",
+                  "--micro-batch-size", "2", "--global-batch-size", "2", "--max-steps", "1",
+                  "--eval-interval", "0", "--no-progress", "--save", str(ckpt)]) == 0
+
+    def strict(text):
+        def refuse(constant):
+            raise ValueError(f"not JSON: {constant}")
+        return json.loads(text, parse_constant=refuse)
+
+    for loss, expected in ((60.0, math.exp(60.0)), (1000.0, None)):
+        monkeypatch.setattr(PipelineExecutor, "run",
+                            lambda self, *a, _loss=loss, **k: torch.tensor(_loss))
+        capsys.readouterr()
+        assert evaluate(["--load", str(ckpt), "--data", prefix, "--seq-len", "16",
+                         "--micro-batch-size", "2", "--max-batches", "2"]) == 0
+        out, err = capsys.readouterr()
+        report = strict(out.strip().splitlines()[-1])
+        assert report["loss"] == loss
+        assert report["perplexity"] == expected
+        overflow = ("megapar-eval: perplexity exp(1000) exceeds the largest float (a loss "
+                    "above 709.78): written as null")
+        assert (overflow in err) == (expected is None), err
+
+
+def test_perplexity_is_the_exponential_or_inf_and_strict_json_writes_null():
+    """`perplexity` (megapar-eval's and the training log's val_ppl): exp(loss) uncapped, inf
+    past the largest float, nan for nan; `strict_json` writes those as null."""
+    from megapar.training.logging import perplexity, strict_json
+
+    assert perplexity(60.0) == math.exp(60.0) and perplexity(709.0) == math.exp(709.0)
+    assert perplexity(710.0) == math.inf and math.isnan(perplexity(math.nan))
+    assert strict_json({"a": math.inf, "b": math.nan, "c": 1.5}) == \
+        '{"a": null, "b": null, "c": 1.5}'
 
 
 def test_too_little_data_is_counted_in_words():

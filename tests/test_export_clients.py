@@ -151,12 +151,18 @@ def test_an_export_carries_the_tokenizer_it_trained_with(tmp_path, text, name, c
     assert isinstance(hf.decode(generated[0]), str)
 
 
-@pytest.mark.parametrize("tokenizer", ["gpt2", "sentencepiece"])
+@pytest.mark.parametrize("tokenizer", ["gpt2", "sentencepiece", "wordpiece-no-post-processor"])
 def test_a_bert_export_encodes_sentences_as_it_trained(tmp_path, text, tokenizer):
     """megapar's masked-LM samples are [CLS] A [SEP] B [SEP] (B with token type 1): an exported
-    BERT's tokenizer adds the same, so a client feeds the model what it saw in training."""
+    BERT's tokenizer adds the same, so a client feeds the model what it saw in training; also
+    from a WordPiece tokenizer.json saved without a post-processor (exported as it was, it
+    added neither)."""
     if tokenizer == "sentencepiece":
         skip_unless_transformers_converts()
+    if tokenizer == "wordpiece-no-post-processor":
+        from test_data_hf_tokenizer import _wordpiece_dir
+
+        tokenizer = _wordpiece_dir(tmp_path, with_mask=True, template=False)
     model = tmp_path / "bert.json"
     model.write_text(json.dumps({"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2,
                                  "num_attention_heads": 4, "intermediate_size": 64,

@@ -59,6 +59,24 @@ def test_an_ffn_size_tp_does_not_split_names_the_ones_it_does():
                             "divides the 4 attention heads, FFN size 174)")
 
 
+@pytest.mark.parametrize("model", ["gpt2-tiny", "bert-tiny", "llama-tiny", "mixtral-tiny",
+                                   "qwen3-moe-tiny"])
+def test_a_layout_refusal_is_worded_for_its_caller_at_the_source(model):
+    """validate(layout) words the refusal for megapar-train (--tp 3, --pp 99), validate(layout,
+    api=True) for megapar.prepare (tp=3, pp=99): the same sentence, no flag left in it (prepare
+    rewrote megapar-train's with a regular expression)."""
+    config = resolve_model(model)
+    for layout, cli, api in ((Layout(tp=3), "--tp 3; use --tp 1", "tp=3; use tp=1"),
+                             (Layout(pp=99), "into --pp 99 stages", "into pp=99 stages")):
+        with pytest.raises(LayoutError) as flags:
+            config.validate(layout)
+        with pytest.raises(LayoutError) as words:
+            config.validate(layout, api=True)
+        assert cli in str(flags.value) and api in str(words.value) and "--" not in str(words.value)
+        said = str(flags.value).replace("--tp ", "tp=").replace("--pp ", "pp=")
+        assert str(words.value) == said.replace("lower --pp", "lower pp")
+
+
 def test_train_help_names_every_model_family_and_parallelism():
     """megapar-train --help began "Train a GPT-2, BERT or Llama with tensor, pipeline and data
     parallelism" while it trains Mixtral and Qwen3-MoE too, with --cp and --ep."""

@@ -173,6 +173,7 @@ class HFReader:
         self.prefix = self._detect_prefix()
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._generation_file: Path | None = self.path / "generation_config.json"
+        self._generation: dict | None = None  # an in-memory model's (`from_model`)
 
     @classmethod
     def from_model(cls, hf_model) -> HFReader:
@@ -188,18 +189,25 @@ class HFReader:
         self._saved_dtype = None
         self.prefix = self._detect_prefix()
         self._expected = None
-        self._generation_file = None  # an in-memory model: no files
+        self._generation_file = None  # an in-memory model: no files, its generation_config
+        generation = getattr(hf_model, "generation_config", None)  # as save_pretrained writes it
+        self._generation = (
+            json.loads(generation.to_json_string()) if generation is not None else None
+        )
         return self
 
     @property
     def generation_config(self) -> dict | None:
-        """The directory's ``generation_config.json`` (as a dict), None when it has none. An
-        import records it, so that the export writes it back."""
+        """The directory's ``generation_config.json`` (as a dict; an in-memory model's
+        ``generation_config`` as ``save_pretrained`` would write it), None when it has none. An
+        import (and `megapar.prepare`) records it, so that the export writes it back."""
         return self._read_generation_config()
 
     def _read_generation_config(self) -> dict | None:
         path = self._generation_file
-        if path is None or not path.is_file():
+        if path is None:
+            return self._generation
+        if not path.is_file():
             return None
         try:
             data = json.loads(path.read_text())

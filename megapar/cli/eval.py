@@ -11,7 +11,6 @@ resharded on load when --tp / --pp differ from its layout.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -48,6 +47,7 @@ from megapar.one_line_parser import OneLineParser, shell_word
 from megapar.pipeline.executor import PipelineExecutor
 from megapar.pipeline.partition import build_stage
 from megapar.tensor_parallel.partition import gather_full
+from megapar.training.logging import perplexity, strict_json
 from megapar.training.tokenizer_checks import check_given_tokenizer
 from megapar.training.usage import flag_of
 from megapar.training.validate import UsageError, check_writable, names_directory
@@ -220,7 +220,7 @@ def _loss_worker(args):
     if mesh.rank != 0:  # every rank has the loss; rank 0 reports it (once under torchrun)
         return None
     loss = nll / max(tokens, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens, "batches": k}
+    return {"loss": loss, "perplexity": perplexity(loss), "tokens": tokens, "batches": k}
 
 
 @torch.no_grad()
@@ -396,13 +396,7 @@ def main(argv=None) -> int:
                 f"{args.tp * args.pp} (it has no data parallelism); start "
                 f"{args.tp * args.pp} or change --tp / --pp"
             )
-        manifest = check_eval_args(args)
-        kind = manifest["model"].get("model_type")
-        if "seed" in parser.given(argv) and kind in CAUSAL_LM_TYPES:
-            raise UsageError(
-                f"--seed {args.seed} would be ignored: it seeds BERT's masking, and the "
-                f"checkpoint holds a {kind} (its loss masks nothing); drop it"
-            )
+        manifest = check_eval_args(args, parser.given(argv))
         _check_ids(args, config_from_dict(manifest["model"]).vocab_size)
         if args.input_ids:  # the output too, before the evaluation (rank 0 writes it last)
             args.save_logits = logits_file(args.save_logits)
@@ -443,7 +437,17 @@ def main(argv=None) -> int:
         )
         return 1
     if results and results[0] is not None:
-        print(json.dumps(results[0]))
+        result = results[0]
+        if "perplexity" in result and not math.isfinite(result["perplexity"]):
+            loss = result["loss"]
+            why = (
+                f"exp({loss:.6g}) exceeds the largest float (a loss above "
+                f"{math.log(sys.float_info.max):.2f})"
+                if math.isfinite(loss)
+                else f"the loss is {loss}"
+            )
+            print(f"megapar-eval: perplexity {why}: written as null", file=sys.stderr)
+        print(strict_json(result))
     return 0
 
 

@@ -249,12 +249,25 @@ def main(argv=None) -> int:
             remove_empty(made)
 
 
+def _rank_log_dir(cfg: TrainConfig, made: list[Path]) -> Path:
+    """Where this process writes a failed rank's log: SAVE/logs when --save holds a checkpoint,
+    or when this process took --save's lock and found --save there (`made`: the directories
+    of it it made); else the cache's run log directory (`log_dir_for`). A rank without the lock
+    (torchrun / Slurm ranks other than 0) cannot tell whether the run made --save, so it
+    writes there only beside a checkpoint: never a logs/ in a --save the lock holder made and
+    removes when the run fails, nor a --save made again after that."""
+    saved = bool(cfg.save) and has_checkpoint(cfg.save or "")
+    kept = cfg.save if saved or (takes_save_lock() and not made) else None
+    return log_dir_for(kept, cfg.data_cache)
+
+
 def _run(
     cfg: TrainConfig, layout: Layout, plan: DataPlan, notes: list[str], made: list[Path]
 ) -> int:
     """Start the workers (or run this rank) and turn a failure into one line. The rank logs go
     to SAVE/logs, or to the cache's run log directory when this run made --save (`made`) and
-    saved nothing there: that --save is removed again, and the line names where the log is."""
+    saved nothing there (`_rank_log_dir`): that --save is removed again, and the line names
+    where the log is."""
     cfg.dp = layout.dp
     if cfg.dry_run:
         return rehearse(cfg, layout, plan, notes)
@@ -281,8 +294,7 @@ def _run(
             text, failed = str(exc), rank
         else:  # a rank run in this process (one worker, or under torchrun)
             text, failed = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", rank
-        kept = cfg.save if not made or has_checkpoint(cfg.save or "") else None
-        line, log = worker_failure(text, log_dir_for(kept, cfg.data_cache), failed)
+        line, log = worker_failure(text, _rank_log_dir(cfg, made), failed)
         _remove_dead_saves(cfg)
         print(f"megapar-train: error: {line}", file=sys.stderr)
         tell_torchrun(line, log)  # its summary's root cause: this line, not "<N/A>"

@@ -246,7 +246,8 @@ def to_transformers(
     "The king is [MASK]" must not leave a stray space token before the mask. A SentencePiece
     model is converted by transformers from the model's own settings; a transformers directory
     is loaded as it is. With `sentence_pairs` (a BERT export) encoding adds [CLS] A [SEP] (and
-    B [SEP], token type 1) as megapar's masked-LM samples have them. `model_max_length`: the
+    B [SEP], token type 1) as megapar's masked-LM samples have them (a transformers directory's
+    own post-processor is kept where it adds them already). `model_max_length`: the
     model's positions, where ``truncation=True`` cuts (transformers' default is unbounded)."""
 
     hf = _base_tokenizer(tok)
@@ -280,7 +281,7 @@ def to_transformers(
     for role, tid in roles.items():
         if getattr(hf, role, None) is None:
             setattr(hf, role, hf.convert_ids_to_tokens(tid))
-    if sentence_pairs and tok.kind != "hf" and {"cls_token", "sep_token"} <= set(roles):
+    if sentence_pairs and {"cls_token", "sep_token"} <= set(roles) and not _adds_cls_sep(hf, tok):
         _add_pair_template(hf, tok)
     if model_max_length is not None:
         hf.model_max_length = model_max_length
@@ -305,6 +306,16 @@ def _base_tokenizer(tok: Tokenizer):
     else:  # GPT-2 style vocab.json + merges.txt: megapar's own tokenizers pipeline
         hf = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(tok._backend.to_str()))
     return hf
+
+
+def _adds_cls_sep(hf, tok: Tokenizer) -> bool:
+    """Whether `hf` already encodes a text as [CLS] A [SEP] with `tok`'s ids, as megapar's
+    masked-LM samples have it (a transformers BERT directory's own post-processor; a
+    tokenizer.json saved without one, or with transformers' empty template, does not)."""
+    if tok.kind != "hf":  # converted or built here: no post-processor of its own
+        return False
+    ids = hf("a", add_special_tokens=True)["input_ids"]
+    return len(ids) >= 2 and ids[0] == tok.cls_id and ids[-1] == tok.sep_id
 
 
 def _add_pair_template(hf, tok: Tokenizer) -> None:

@@ -19,11 +19,11 @@ __all__ = ["NOT_RUN", "RankReport", "dry_run", "parse_ranks", "rehearse_rank", "
 
 
 def dry_run(
-    cfg, config, layout, ranks=None, gpus_per_node: int = 8, dataset=None
+    cfg, config, layout, ranks=None, gpus_per_node: int = 8, dataset=None, order=None
 ) -> list[RankReport]:
     """Rehearse `ranks` (default: `sample_ranks`) of a job of `layout` running `cfg`
-    on model `config`."""
+    on model `config` (`dataset`, `order`: `rehearse_rank`'s)."""
     return [
-        rehearse_rank(cfg, config, layout, rank, gpus_per_node, dataset)
+        rehearse_rank(cfg, config, layout, rank, gpus_per_node, dataset, order)
         for rank in (sample_ranks(layout, cfg.zero) if ranks is None else ranks)
     ]

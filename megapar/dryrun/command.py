@@ -17,7 +17,7 @@ from megapar.dryrun import parse_ranks, rehearse_rank, report
 from megapar.dryrun.modelled import planned_bubble
 from megapar.models.config import config_from_dict
 from megapar.plan.params import model_params
-from megapar.training.data import build_datasets
+from megapar.training.data import build_datasets, continue_order, make_sampler
 
 
 def rehearse(cfg, layout, plan, notes: list[str]) -> int:
@@ -32,6 +32,14 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
     dataset = None
     if plan.prefix is not None:
         dataset, _ = build_datasets(cfg, plan.prefix, config.model_type)
+        if plan.sampler_state:  # resuming: the batches are the checkpoint's next ones
+            sampler = make_sampler(cfg, dataset, layout.dp, 0)
+            notes.extend(continue_order(cfg, sampler, plan.sampler_state))
+            epoch, sample = sampler.position
+            notes.append(
+                f"dry run: the first batch shown is the one the resumed run trains on next "
+                f"(--load's data order: sample {sample} of epoch {epoch})"
+            )
     for note in notes:
         print(f"megapar-train: {note}", file=sys.stderr)
     first_save = cfg.save_interval if 0 < cfg.save_interval < cfg.max_steps else cfg.max_steps
@@ -51,7 +59,9 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
     start, reports = time.perf_counter(), []
     for rank in ranks:
         try:
-            r = rehearse_rank(cfg, config, layout, rank, cfg.gpus_per_node, dataset)
+            r = rehearse_rank(
+                cfg, config, layout, rank, cfg.gpus_per_node, dataset, plan.sampler_state
+            )
         except Exception as exc:  # noqa: BLE001 - what the job's worker would die of, one line
             tp, pp, dp = layout.coords(rank)
             print(

@@ -59,7 +59,7 @@ from megapar.plan.state import (
     zero_traffic,
 )
 from megapar.training.config import TrainConfig, flag_choices
-from megapar.training.data import make_sampler
+from megapar.training.data import continue_order, make_sampler
 from megapar.training.engine import Engine
 from megapar.training.validate import UsageError, check_zero3
 
@@ -210,21 +210,22 @@ def traffic(calls, mesh: Mesh, per_node: int, repeats: list[int] | None = None) 
 
 
 def rehearse_rank(
-    cfg, config, layout: Layout, rank: int, gpus_per_node: int = 8, dataset=None
+    cfg, config, layout: Layout, rank: int, gpus_per_node: int = 8, dataset=None, order=None
 ) -> RankReport:
     """Rank `rank` of a job of `layout` running `cfg` on model `config` (see the module
-    docstring); `dataset`: the training split, for the first batch (None: no data)."""
+    docstring); `dataset`: the training split, for the first batch (None: no data); `order`:
+    the data order a resumed run continues (`DataPlan.sampler_state`; None: a fresh start)."""
     with fake_process_group(layout.world_size, rank):
         mesh = Mesh(layout, rank, sequence_parallel=cfg.sequence_parallel)
         with fake_tensors():
-            return _rehearse(cfg, config, mesh, gpus_per_node, dataset)
+            return _rehearse(cfg, config, mesh, gpus_per_node, dataset, order)
 
 
 REHEARSED_AS = {"dualpipev": "zb-v"}
 """Schedules whose one-micro-batch rehearsal runs under another of the same placement."""
 
 
-def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankReport:
+def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset, order) -> RankReport:
     """Rank `mesh.rank`'s first step, rehearsed on fake tensors: one micro-batch of the
     schedule, then the gradient syncs and the optimizer's first step, and what they hold and
     send (see the module docstring)."""
@@ -251,7 +252,7 @@ def _rehearse(cfg, config, mesh: Mesh, gpus_per_node: int, dataset) -> RankRepor
     )
     if engine.fp8_summary:  # the rehearsal emulates the float8 products; the casts are real
         notes.append(engine.fp8_summary)
-    first_batch = _first_batch(cfg, mesh, dataset)
+    first_batch = _first_batch(cfg, mesh, dataset, order)
     run_calls, per_step, per_micro_batch_buckets, peak = run_micro_batch(
         cfg, config, engine, layout, m, dataset, first_batch
     )
@@ -331,11 +332,14 @@ def _run_config(cfg: TrainConfig, modelled: str) -> TrainConfig:
     )
 
 
-def _first_batch(cfg, mesh: Mesh, dataset) -> list | None:
-    """This rank's micro-batches of the first global batch, as sample indices (None: no data)."""
+def _first_batch(cfg, mesh: Mesh, dataset, order) -> list | None:
+    """This rank's micro-batches of the run's first global batch, as sample indices (None: no
+    data): the data order's first, or, resuming, the next one of the checkpoint's `order`."""
     first_batch = None
     if dataset is not None:
-        first = next(iter(make_sampler(cfg, dataset, mesh.layout.dp, mesh.dp_rank)))
+        sampler = make_sampler(cfg, dataset, mesh.layout.dp, mesh.dp_rank)
+        continue_order(cfg, sampler, order)
+        first = next(iter(sampler))
         first_batch = [list(map(int, mb)) for mb in first]
     return first_batch
 

@@ -26,9 +26,18 @@ class ConfigError(ValueError):
     """A model config that is unknown or inconsistent."""
 
 
-def tp_split_error(what: str, size: int, tp: int, sizes: dict[str, int]) -> str:
+def layout_option(name: str, value: object = None, api: bool = False) -> str:
+    """A layout setting as its caller gives it: megapar-train's flag (``--tp 2``, ``--pp``),
+    or with `api` megapar.prepare's keyword (``tp=2``, ``pp``)."""
+    if api:
+        return name if value is None else f"{name}={value}"
+    return f"--{name}" if value is None else f"--{name} {value}"
+
+
+def tp_split_error(what: str, size: int, tp: int, sizes: dict[str, int], api: bool = False) -> str:
     """The one line for a model size that --tp does not split: the size, and the --tp values
-    that split every size tensor parallelism cuts (`sizes`, by name)."""
+    that split every size tensor parallelism cuts (`sizes`, by name); worded for the caller
+    (`layout_option`)."""
     fits = [
         1,
         *(t for t in range(2, min(sizes.values()) + 1) if not any(n % t for n in sizes.values())),
@@ -40,8 +49,17 @@ def tp_split_error(what: str, size: int, tp: int, sizes: dict[str, int]) -> str:
 
     verb = "are" if what == "attention heads" else "is"
     return (
-        f"{named(what, size)} {verb} not divisible by --tp {tp}; use --tp {choices} (each "
+        f"{named(what, size)} {verb} not divisible by {layout_option('tp', tp, api)}; use "
+        f"{layout_option('tp', choices, api)} (each "
         f"divides the {', '.join(named(k, n) for k, n in sizes.items())})"
+    )
+
+
+def _pp_error(layers: int, pp: int, api: bool) -> str:
+    """The one line for more pipeline stages than layers, worded for the caller."""
+    return (
+        f"{layers} layers cannot be cut into {layout_option('pp', pp, api)} stages (each stage "
+        f"needs at least one layer); lower {layout_option('pp', None, api)}"
     )
 
 
@@ -122,18 +140,17 @@ class _Base:
             ):
                 raise ConfigError(f"model config: {f.name}={value!r} must be in [0, 1)")
 
-    def _check(self, layout: Layout, hidden: int, heads: int, ffn: int, layers: int) -> None:
+    def _check(
+        self, layout: Layout, hidden: int, heads: int, ffn: int, layers: int, api: bool
+    ) -> None:
         if hidden % heads:
             raise LayoutError(f"hidden size {hidden} is not divisible by {heads} attention heads")
         sizes = {"attention heads": heads, "hidden size": hidden, "FFN size": ffn}
         for what, size in sizes.items():
             if size % layout.tp:
-                raise LayoutError(tp_split_error(what, size, layout.tp, sizes))
+                raise LayoutError(tp_split_error(what, size, layout.tp, sizes, api))
         if layers < layout.pp:
-            raise LayoutError(
-                f"{layers} layers cannot be cut into --pp {layout.pp} stages "
-                f"(each stage needs at least one layer); lower --pp"
-            )
+            raise LayoutError(_pp_error(layers, layout.pp, api))
 
 
 @dataclass
@@ -186,8 +203,10 @@ class GPT2Config(_Base):
     def ffn_size(self) -> int:
         return self.n_inner or 4 * self.n_embd
 
-    def validate(self, layout: Layout) -> None:
-        self._check(layout, self.n_embd, self.n_head, self.ffn_size, self.n_layer)
+    def validate(self, layout: Layout, api: bool = False) -> None:
+        """LayoutError / ConfigError unless the model can take `layout` (worded for
+        megapar-train, or with `api` for megapar.prepare: `layout_option`)."""
+        self._check(layout, self.n_embd, self.n_head, self.ffn_size, self.n_layer, api)
 
 
 @dataclass
@@ -238,13 +257,16 @@ class BertConfig(_Base):
     def ffn_size(self) -> int:
         return self.intermediate_size
 
-    def validate(self, layout: Layout) -> None:
+    def validate(self, layout: Layout, api: bool = False) -> None:
+        """LayoutError / ConfigError unless the model can take `layout` (worded for
+        megapar-train, or with `api` for megapar.prepare: `layout_option`)."""
         self._check(
             layout,
             self.hidden_size,
             self.num_attention_heads,
             self.intermediate_size,
             self.num_hidden_layers,
+            api,
         )
 
 
@@ -343,7 +365,9 @@ class LlamaConfig(_Base):
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
-    def validate(self, layout: Layout) -> None:
+    def validate(self, layout: Layout, api: bool = False) -> None:
+        """LayoutError / ConfigError unless the model can take `layout` (worded for
+        megapar-train, or with `api` for megapar.prepare: `layout_option`)."""
         q, kv = self.num_attention_heads, self.kv_heads
         if q % kv:
             raise ConfigError(
@@ -359,13 +383,9 @@ class LlamaConfig(_Base):
         sizes = {"attention heads": q, "FFN size": self.intermediate_size}
         for what, size in sizes.items():
             if size % layout.tp:
-                raise LayoutError(tp_split_error(what, size, layout.tp, sizes))
+                raise LayoutError(tp_split_error(what, size, layout.tp, sizes, api))
         if self.num_hidden_layers < layout.pp:
-            raise LayoutError(
-                f"{self.num_hidden_layers} layers cannot be cut into --pp "
-                f"{layout.pp} stages (each stage needs at least one layer); "
-                f"lower --pp"
-            )
+            raise LayoutError(_pp_error(self.num_hidden_layers, layout.pp, api))
         biased = [k for k in ("attention_bias", "mlp_bias") if getattr(self, k)]
         if biased:
             raise ConfigError(

@@ -92,8 +92,8 @@ class _MoEConfig(LlamaConfig):
         hf.architectures = [self.hf_config_class.replace("Config", "ForCausalLM")]
         return hf
 
-    def validate(self, layout: Layout) -> None:
-        super().validate(layout)
+    def validate(self, layout: Layout, api: bool = False) -> None:
+        super().validate(layout, api)
         if self.num_experts_per_tok > self.num_local_experts:
             raise ConfigError(
                 f"num_experts_per_tok {self.num_experts_per_tok} exceeds the "
@@ -186,8 +186,8 @@ class Qwen3MoeConfig(_MoEConfig):
             f"leave none sparse)"
         )
 
-    def validate(self, layout: Layout) -> None:
-        super().validate(layout)
+    def validate(self, layout: Layout, api: bool = False) -> None:
+        super().validate(layout, api)
         if self.use_sliding_window:
             raise ConfigError(
                 "use_sliding_window is not supported: megapar has no sliding window; set "

@@ -75,6 +75,9 @@ class DataPlan:
     data_fingerprint: list[str] | None = None
     """Each --data part's `IndexedDataset.fingerprint`, recorded in checkpoints: a resume on
     other content is refused (`check_same_data`). None for a dry run without data."""
+    sampler_state: dict | None = None
+    """The data order --load's checkpoint saved (`GlobalBatchSampler.state_dict`), which the
+    resumed run continues (`continue_order`); None on a fresh start."""
 
 
 def resolve_data_prefix(
@@ -577,6 +580,8 @@ def planned_samples(sampler: GlobalBatchSampler, steps: int):
 
 
 def make_sampler(cfg: TrainConfig, dataset, dp: int, dp_rank: int, shuffle=True):
+    """The run's `GlobalBatchSampler` of `dataset` for dp rank `dp_rank` of `dp`, at the start
+    of the data order (a resumed run then calls `continue_order`)."""
     shuffle = shuffle and not getattr(dataset, "shuffled", False)  # a blend comes shuffled
     return GlobalBatchSampler(
         len(dataset),
@@ -587,6 +592,30 @@ def make_sampler(cfg: TrainConfig, dataset, dp: int, dp_rank: int, shuffle=True)
         cfg.seed,
         shuffle=shuffle,
     )
+
+
+def continue_order(cfg: TrainConfig, sampler: GlobalBatchSampler, saved: dict | None) -> list[str]:
+    """Put `sampler` where a run resumed from a checkpoint whose data order is `saved` (its
+    sampler's `state_dict`; None: none recorded) takes its next global batch: the saved
+    position, or the start of the order when --allow-data-change resumes on data of another
+    size. Returns the notes that say so (another global batch, the order started anew)."""
+    if not saved:
+        return []
+    if cfg.allow_data_change and saved.get("dataset_len") != sampler.dataset_len:
+        return [
+            f"--allow-data-change: the data order starts anew on --data's "
+            f"{sampler.dataset_len} samples (the checkpoint's data had "
+            f"{saved.get('dataset_len')})"
+        ]
+    sampler.load_state_dict(saved)
+    saved_batch = saved.get("global_batch_size", sampler.global_batch_size)
+    if saved_batch == sampler.global_batch_size:
+        return []
+    epoch, sample = sampler.position
+    return [
+        f"global batch {sampler.global_batch_size} (the checkpoint's: {saved_batch}): the data "
+        f"order continues at sample {sample} of epoch {epoch}"
+    ]
 
 
 def batches(dataset, sampler, device: torch.device):

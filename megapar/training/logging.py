@@ -154,11 +154,7 @@ class MetricsLogger(NullLogger):
         W&B."""
         record = {"step": step, **metrics, "time": round(time.time(), 4)}
         if self.json is not None:  # strict JSON: a skipped fp16 step's inf norm becomes null
-            clean = {
-                k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                for k, v in record.items()
-            }
-            self.json.write(json.dumps(clean, allow_nan=False) + "\n")
+            self.json.write(strict_json(record) + "\n")
         scalars = scalars_of(metrics)
         if self.tb is not None:
             for key, value in scalars.items():
@@ -175,6 +171,25 @@ class MetricsLogger(NullLogger):
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def perplexity(loss: float) -> float:
+    """exp(`loss`), the perplexity of a mean loss, never capped: inf where it exceeds the
+    largest float (a loss above 709.78), nan for a nan loss."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+def strict_json(record: dict) -> str:
+    """`record` as one line of strict JSON: a float that is not finite (an inf perplexity, a
+    skipped fp16 step's inf norm) is null, which every JSON reader takes (json.dumps would
+    write Infinity / NaN, which are not JSON)."""
+    clean = {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
+    }
+    return json.dumps(clean, allow_nan=False)
 
 
 def scalars_of(metrics: dict) -> dict[str, float]:

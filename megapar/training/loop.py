@@ -44,6 +44,7 @@ from megapar.training.data import (
     DataPlan,
     batches,
     build_datasets,
+    continue_order,
     make_sampler,
     planned_samples,
 )
@@ -54,6 +55,7 @@ from megapar.training.logging import (
     NullLogger,
     format_line,
     peak_memory_mb,
+    perplexity,
 )
 from megapar.training.profiling import StepProfiler
 from megapar.training.step import loss_weight
@@ -171,26 +173,7 @@ class Trainer:
             self.notes.append(
                 f"learning-rate schedule follows the flags, not the checkpoint: {changed}"
             )
-        saved_order = state.meta.get("sampler")
-        if (
-            saved_order
-            and self.cfg.allow_data_change
-            and saved_order.get("dataset_len") != self.sampler.dataset_len
-        ):
-            self.notes.append(
-                f"--allow-data-change: the data order starts anew on --data's "
-                f"{self.sampler.dataset_len} samples (the checkpoint's data had "
-                f"{saved_order.get('dataset_len')})"
-            )
-        elif saved_order:
-            self.sampler.load_state_dict(saved_order)
-            saved_batch = saved_order.get("global_batch_size", self.sampler.global_batch_size)
-            if saved_batch != self.sampler.global_batch_size:
-                epoch, sample = self.sampler.position
-                self.notes.append(
-                    f"global batch {self.sampler.global_batch_size} (the checkpoint's: "
-                    f"{saved_batch}): the data order continues at sample {sample} of epoch {epoch}"
-                )
+        self.notes.extend(continue_order(self.cfg, self.sampler, state.meta.get("sampler")))
         how = (
             f"resharded from {state.layout}"
             if state.resharded
@@ -360,7 +343,7 @@ class Trainer:
             val = self.evaluate()
             if val is not None:
                 metrics["val_loss"] = val
-                metrics["val_ppl"] = math.exp(min(val, 50.0))
+                metrics["val_ppl"] = perplexity(val)  # inf: null in --log-json
         return metrics
 
     def failure(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 import warnings
 
 import torch
@@ -273,14 +272,9 @@ def _check_model_layout(config, cfg: TrainConfig) -> None:
     """Refuse a tp / pp the model cannot take (heads tp does not divide, fewer layers than
     stages), as megapar-train does, in the API's terms: `tp=2`, not `--tp 2`."""
     try:
-        config.validate(Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp))
+        config.validate(Layout(cfg.tp, cfg.pp, 1, cp=cfg.cp), api=True)
     except LayoutError as exc:
-        said = re.sub(  # --tp 2 -> tp=2, --virtual-stages -> virtual_stages
-            r"--([a-z][a-z-]*)( (\d+))?",
-            lambda m: m[1].replace("-", "_") + (f"={m[3]}" if m[3] else ""),
-            str(exc),
-        )
-        raise LayoutError(f"megapar.prepare: {said}") from None
+        raise LayoutError(f"megapar.prepare: {exc}") from None
 
 
 def _lr_scheduler(lr_schedule, cfg: TrainConfig):
@@ -312,6 +306,7 @@ def _load_model_weights(engine: Engine, model, reader, seed: int) -> None:
     `seed` because the model lacks it."""
     set_action(f"megapar.prepare: loading the {type(model).__name__}'s weights")
     engine.source_dtype = reader.dtype  # export_hf writes the model's own dtype back
+    engine.source_generation_config = reader.generation_config  # and its generation_config
 
     _check_same_weights(model, engine.mesh)
     source = getattr(model, "name_or_path", "")  # from_pretrained(DIR)'s DIR

@@ -106,6 +106,8 @@ def plan_data(
         check_newer_steps(cfg, manifest)  # steps a resumed or fresh run would overwrite
         notes.extend(_earlier_log(cfg, manifest))
     plan = prepare_data(cfg, notes, manifest, config)
+    if manifest is not None:  # the data order the resumed run continues (a dry run shows it)
+        plan.sampler_state = (manifest.get("meta") or {}).get("sampler")
     if plan.prefix is None:  # a rehearsal without the data
         return plan
     # ids outside the vocabulary: refused at any tp

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from collections.abc import Collection
 
 import numpy as np
 
@@ -42,8 +43,9 @@ from megapar.training.validate_resume import checkpoint_manifest
 
 
 # --- megapar-eval ----------------------------------------------------------------------------
-def check_eval_args(args) -> dict:
-    """Check megapar-eval's arguments and checkpoint; returns the checkpoint's manifest. Sets
+def check_eval_args(args, given: Collection[str] = ()) -> dict:
+    """Check megapar-eval's arguments and checkpoint (`given`: the flags' dests the command
+    line set, `OneLineParser.given`); returns the checkpoint's manifest. Sets
     ``args.seq_len_note``: the line saying which --seq-len a checkpoint that records none gets
     (None otherwise), for the caller to print once its own checks pass."""
 
@@ -70,6 +72,11 @@ def check_eval_args(args) -> dict:
             f"--seq-len {args.seq_len} exceeds the model's {positions} positions; lower --seq-len"
         )
     causal = config.model_type in CAUSAL_LM_TYPES
+    if "seed" in given and causal:  # before any text is tokenized
+        raise UsageError(
+            f"--seed {args.seed} would be ignored: it seeds BERT's masking, and the "
+            f"checkpoint holds a {config.model_type} (its loss masks nothing); drop it"
+        )
     if args.data:
         check_text_options(args)  # before anything is read or tokenized
         if not causal:
