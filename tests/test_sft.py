@@ -223,3 +223,39 @@ def test_megapar_data_refuses_a_record_without_a_key_and_non_jsonl(tmp_path, cap
     assert "plain.txt is not .jsonl / .json" in err[1], err
     assert err[2].startswith("megapar-data: error: --split-lines cannot be combined"), err
     assert not any(Path(out + ext).exists() for ext in (".bin", ".idx", ".json"))
+
+
+def test_megapar_eval_reads_raw_records_as_the_checkpoint_trained_on_them(tmp_path, records,
+                                                                          cache, capsys):
+    """megapar-eval of a checkpoint trained with --sft-keys on raw records: the raw .jsonl is
+    read as those records (a note says so; --sft-keys given says the same), with the loss of
+    the dataset megapar-data --sft-keys made of it; --jsonl-key reads a field's text instead;
+    --sft-keys with a prepared dataset or beside --jsonl-key is refused in one line."""
+    raw, ckpt = str(Path(records).parent / "pairs.jsonl"), str(tmp_path / "ckpt")
+    assert main(["--model", "gpt2-tiny", "--data", raw, "--sft-keys", "prompt,response",
+                 "--data-cache", cache, "--max-steps", "1", "--save", ckpt, *TINY]) == 0
+    capsys.readouterr()
+    common = ["--load", ckpt, "--seq-len", "32", "--micro-batch-size", "4", "--max-batches", "2",
+              "--data-cache", cache]
+    reports, notes = [], []
+    for data in (["--data", records], ["--data", raw],
+                 ["--data", raw, "--sft-keys", "prompt,response"],
+                 ["--data", raw, "--jsonl-key", "prompt"]):
+        argv = [*common, *data] if data[1] == raw else [*common[:-2], *data]
+        assert evaluate(argv) == 0
+        out = capsys.readouterr()
+        reports.append(json.loads(out.out.strip().splitlines()[-1]))
+        notes.append(out.err)
+    assert reports[1] == reports[2] == reports[0], reports
+    assert reports[3]["tokens"] == reports[3]["batches"] * 4 * 32, reports  # text windows
+    assert "is read as prompt / response records (--sft-keys prompt,response, as --load" in notes[1]
+    assert "--sft-keys" not in notes[2] + notes[3], notes
+    for argv, message in (
+        (["--data", records, "--sft-keys", "prompt,response"],
+         "--sft-keys prompt,response would be ignored: --data"),
+        (["--data", raw, "--sft-keys", "prompt,response", "--jsonl-key", "prompt"],
+         "--jsonl-key prompt would be ignored: --sft-keys prompt,response names the fields"),
+    ):
+        assert evaluate(["--load", ckpt, *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err

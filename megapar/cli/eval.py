@@ -61,6 +61,7 @@ LOSS_ONLY = (
     "seed",
     "tokenizer",
     "jsonl_key",
+    "sft_keys",
     "allow_invalid_utf8",
     "data_cache",
 )
@@ -166,6 +167,14 @@ def build_parser() -> OneLineParser:
         default=None,
         help="for raw .jsonl / .json / .parquet data: the key (column) holding each "
         "document's text (default: text)",
+    )
+    p.add_argument(
+        "--sft-keys",
+        default=None,
+        metavar="PROMPT,RESPONSE",
+        help="for raw JSON Lines prompt / response records: the two fields; each record is "
+        "one sample, the loss the responses' (as megapar-train --sft-keys trains; default: "
+        "the checkpoint's, when it trained with --sft-keys and --data is .jsonl / .json)",
     )
     p.add_argument(
         "--allow-invalid-utf8",

@@ -14,13 +14,21 @@ import os
 import sys
 
 from megapar.data import IndexedDataset, load_tokenizer
-from megapar.data.inputs import expand_inputs, is_raw_text, reads_key
+from megapar.data.inputs import (
+    SFT_SUFFIXES,
+    expand_inputs,
+    is_raw_text,
+    iter_records,
+    parse_sft_keys,
+    reads_key,
+)
 from megapar.training.config import TrainConfig
 from megapar.training.data import resolve_data_prefix
 from megapar.training.tokenizer_checks import check_checkpoint_tokenizer, recorded_as_trained
 from megapar.training.validate import UsageError, check_writable, flag_of
+from megapar.training.validate_sft import check_sft_keys
 
-TEXT_OPTIONS = ("jsonl_key", "allow_invalid_utf8", "data_cache")
+TEXT_OPTIONS = ("jsonl_key", "sft_keys", "allow_invalid_utf8", "data_cache")
 """megapar-eval's options for raw text (their parser defaults, None / False, mean not given)."""
 DEFAULT_CACHE = TrainConfig.data_cache
 """--data-cache left out: megapar-train's default, so both share one cache."""
@@ -49,6 +57,9 @@ def check_text_options(args) -> None:
                 f"{'it' if len(given) == 1 else 'them'}"
             )
         return
+    if args.sft_keys is not None:  # before --jsonl-key's check: it names --sft-keys's fields
+        cfg = TrainConfig(data=args.data, sft_keys=args.sft_keys, jsonl_key=args.jsonl_key)
+        check_sft_keys(cfg, {"jsonl_key"} if args.jsonl_key is not None else set())
     if args.jsonl_key is not None:
         try:
             files = expand_inputs([os.path.expanduser(args.data)])
@@ -60,6 +71,33 @@ def check_text_options(args) -> None:
                 f".json / .parquet (a .txt file's text is all of it); drop --jsonl-key"
             )
     check_writable(args.data_cache or DEFAULT_CACHE, "--data-cache")
+
+
+def trained_sft_keys(args, manifest: dict) -> str | None:
+    """--sft-keys left out where the checkpoint trained with it (its ``train_config``) and raw
+    --data is JSON Lines whose files each start with such a record, --jsonl-key not given:
+    sets ``args.sft_keys`` to the checkpoint's, as --tokenizer and --seq-len default to what
+    it trained with, and returns the line saying so (None where nothing was set)."""
+    recorded = ((manifest.get("meta") or {}).get("train_config") or {}).get("sft_keys")
+    if args.sft_keys is not None or args.jsonl_key is not None or not recorded:
+        return None
+    if not is_text(args.data):
+        return None
+    try:
+        keys = parse_sft_keys(str(recorded))
+        files = expand_inputs([os.path.expanduser(args.data)])
+        if not files or not all(f.endswith(SFT_SUFFIXES) for f in files):
+            return None
+        if any(next(iter_records([f], keys), None) is None for f in files):
+            return None
+    except (OSError, ValueError):  # not records of those fields: read as text, as asked
+        return None
+    args.sft_keys = ",".join(keys)
+    return (
+        f"megapar-eval: --data {args.data} is read as prompt / response records (--sft-keys "
+        f"{args.sft_keys}, as --load {args.load} trained): the loss is the responses'; pass "
+        f"--jsonl-key FIELD to score a field's whole text instead"
+    )
 
 
 def text_tokenizer(args, manifest: dict) -> tuple[str, str]:
@@ -100,6 +138,7 @@ def tokenize_text(args, manifest: dict, vocab_size: int, tokenized: list[str] | 
         tokenizer=spec,
         data_cache=args.data_cache or DEFAULT_CACHE,
         jsonl_key=args.jsonl_key or "text",
+        sft_keys=args.sft_keys,
         allow_invalid_utf8=args.allow_invalid_utf8,
         progress=sys.stderr.isatty(),
     )

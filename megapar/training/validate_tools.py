@@ -31,6 +31,7 @@ from megapar.training.eval_text import (
     is_text,
     text_tokenizer,
     tokenize_text,
+    trained_sft_keys,
 )
 from megapar.training.tokenizer_checks import check_checkpoint_tokenizer
 from megapar.training.validate import (
@@ -46,8 +47,9 @@ from megapar.training.validate_resume import checkpoint_manifest
 def check_eval_args(args, given: Collection[str] = ()) -> dict:
     """Check megapar-eval's arguments and checkpoint (`given`: the flags' dests the command
     line set, `OneLineParser.given`); returns the checkpoint's manifest. Sets
-    ``args.seq_len_note``: the line saying which --seq-len a checkpoint that records none gets
-    (None otherwise), for the caller to print once its own checks pass."""
+    ``args.seq_len_note``: the lines saying which --seq-len a checkpoint that records none gets
+    and that raw --data is read as the records the checkpoint trained on (`trained_sft_keys`)
+    (None where neither applies), for the caller to print once its own checks pass."""
 
     for name in ("tp", "pp", "micro_batch_size", "max_batches", "seq_len"):
         value = getattr(args, name)
@@ -77,6 +79,12 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
             f"--seed {args.seed} would be ignored: it seeds BERT's masking, and the "
             f"checkpoint holds a {config.model_type} (its loss masks nothing); drop it"
         )
+    if args.sft_keys is not None and not causal:
+        raise UsageError(
+            f"--sft-keys {args.sft_keys} scores a causal language model's responses, and the "
+            f"checkpoint holds a {config.model_type} (masked-LM samples); drop --sft-keys"
+        )
+    sft_note = trained_sft_keys(args, manifest) if args.data and causal else None
     if args.data:
         check_text_options(args)  # before anything is read or tokenized
         if not causal:
@@ -92,7 +100,8 @@ def check_eval_args(args, given: Collection[str] = ()) -> dict:
             raise
     if args.input_ids:
         _check_ids_file(args.input_ids, positions)
-    args.seq_len_note = note  # megapar-eval prints it once its own checks pass too
+    notes = [n for n in (note, sft_note) if n]  # megapar-eval prints them once its checks pass
+    args.seq_len_note = "\n".join(notes) or None
     return manifest
 
 
