@@ -365,6 +365,15 @@ def test_a_resumed_dry_run_shows_the_batch_the_resumed_run_trains_on_next(capsys
         shown = [b for row in sorted(rows, key=lambda r: r["dp_rank"])
                  for mb in row["first_batch"] for b in mb]
         assert shown == stream[8:8 + batch]
+    # the first save the rehearsal describes is the resumed run's (after step 2): the next
+    # multiple of --save-interval before --max-steps, else the end (a fresh run's: 2, 2, 1)
+    for interval, steps, first in (("2", "8", 4), ("2", "4", 4), ("1", "8", 3)):
+        rc, out, err = _train([*common, "--global-batch-size", "4", "--max-steps", steps,
+                               "--save-interval", interval, "--load", str(tmp_path / "ck"),
+                               "--save", str(tmp_path / "ck"), "--dry-run",
+                               "--world-size", "2"], capsys)
+        assert rc == 0, err
+        assert f"checkpoint of the first save: {tmp_path / 'ck'}/step_{first:08d}/" in out, out
 
 
 def test_a_rank_failing_in_the_rehearsal_is_named_in_one_line(capsys, monkeypatch):

@@ -20,6 +20,17 @@ from megapar.plan.params import model_params
 from megapar.training.data import build_datasets, continue_order, make_sampler
 
 
+def first_save_step(cfg, start: int) -> int:
+    """The step the run's first save writes, as the training loop saves: the first multiple of
+    --save-interval after `start` (the step a resumed run starts from) and before --max-steps,
+    else --max-steps (the save at the end)."""
+    if cfg.save_interval > 0:
+        step = (start // cfg.save_interval + 1) * cfg.save_interval
+        if step < cfg.max_steps:
+            return step
+    return cfg.max_steps
+
+
 def rehearse(cfg, layout, plan, notes: list[str]) -> int:
     """Rehearse the ranks --dry-run-ranks names; print each as it is done. Returns the exit code."""
 
@@ -42,8 +53,7 @@ def rehearse(cfg, layout, plan, notes: list[str]) -> int:
             )
     for note in notes:
         print(f"megapar-train: {note}", file=sys.stderr)
-    first_save = cfg.save_interval if 0 < cfg.save_interval < cfg.max_steps else cfg.max_steps
-    step_dir = f"{cfg.save or '<--save>'}/step_{first_save:08d}"
+    step_dir = f"{cfg.save or '<--save>'}/step_{first_save_step(cfg, plan.start_step):08d}"
     out = sys.stdout
     if not cfg.json:
         print(

@@ -78,6 +78,9 @@ class DataPlan:
     sampler_state: dict | None = None
     """The data order --load's checkpoint saved (`GlobalBatchSampler.state_dict`), which the
     resumed run continues (`continue_order`); None on a fresh start."""
+    start_step: int = 0
+    """The step --load's checkpoint saved, after which the resumed run trains (0 on a fresh
+    start)."""
 
 
 def resolve_data_prefix(

@@ -108,6 +108,7 @@ def plan_data(
     plan = prepare_data(cfg, notes, manifest, config)
     if manifest is not None:  # the data order the resumed run continues (a dry run shows it)
         plan.sampler_state = (manifest.get("meta") or {}).get("sampler")
+        plan.start_step = int(manifest.get("step", 0))
     if plan.prefix is None:  # a rehearsal without the data
         return plan
     # ids outside the vocabulary: refused at any tp
