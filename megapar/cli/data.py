@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from megapar.cli.closed_stdout import quiet_when_stdout_closes
 from megapar.faults.processes import exit_uncollected
-from megapar.one_line_parser import OneLineParser
+from megapar.one_line_parser import OneLineParser, show_progress
 
 OTHER_FLAGS = {
     "--vocab-file": "--tokenizer",
@@ -171,7 +171,11 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
         help="replace an existing PREFIX.bin/.idx/.json (and the tokenizer a "
         "--train-tokenizer run writes); without it they are refused",
     )
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="hide the progress bar (shown only when stderr is a terminal)",
+    )
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -402,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers=args.workers,
             split_paragraphs=args.split_lines,
             jsonl_key=args.jsonl_key,
-            progress=not args.no_progress,
+            progress=show_progress(False if args.no_progress else None),
             format=args.format,
             allow_invalid_utf8=args.allow_invalid_utf8,
             report=report,

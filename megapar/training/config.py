@@ -213,8 +213,8 @@ class TrainConfig:
     """Record a torch.profiler Chrome trace of steps A:B (e.g. 5:7) on every rank."""
     profile_dir: str = "profile"
     """Where --profile-steps writes trace_rank<R>.json."""
-    progress: bool = True
-    """Show a progress bar on rank 0."""
+    progress: bool | None = None
+    """Show a progress bar on rank 0 (and while raw --data is tokenized). Not given: only when stderr is a terminal, so a log file (a redirect, a pipe, a batch job) gets the log lines alone."""
     # --- faults ---
     timeout_s: float = 300.0
     """Timeout of every collective / point-to-point wait, in seconds (on GPUs: of the wait for all ranks to join; NCCL's own is --nccl-timeout-s)."""

@@ -43,7 +43,7 @@ from megapar.data.megatron import is_megatron_index
 from megapar.data.tokenizers import hf_dir_tokenizer
 from megapar.models.config import CAUSAL_LM_TYPES
 from megapar.models.recipes import resolve_model as recipe
-from megapar.one_line_parser import shell_word
+from megapar.one_line_parser import shell_word, show_progress
 from megapar.training.config import TrainConfig
 from megapar.training.model_config import DEFAULT_MODEL, resolve_model_config
 from megapar.training.tokenizer_checks import (
@@ -113,7 +113,7 @@ def _resolve_one(
             cfg.tokenizer,
             os.path.expanduser(cfg.data_cache),
             split_paragraphs=True,
-            progress=cfg.progress,
+            progress=show_progress(cfg.progress),
             report=report,
             jsonl_key=cfg.jsonl_key,
             allow_invalid_utf8=cfg.allow_invalid_utf8,
