@@ -863,6 +863,19 @@ OTHER_TOOLS = [
      "optimizer state too; to start from a checkpoint's weights alone, export it"),
     ("train", ["--recompute-activations"], "did you mean --recompute selective?"),
     ("train", ["--learning_rate", "1e-3"], "--learning_rate: did you mean --lr?"),
+    # Megatron's interleaving, sample counts, ramp-up, overlap and model flags: nothing was
+    # named, or an unrelated flag (--overlap-grad-reduce: "did you mean --grad-reduce-dtype?")
+    ("train", ["--virtual-pipeline-model-parallel-size", "2"],
+     "did you mean --schedule interleaved --virtual-stages?"),
+    ("train", ["--num-layers-per-virtual-pipeline-stage", "1"],
+     "did you mean --schedule interleaved --virtual-stages (model chunks per rank"),
+    ("train", ["--train-samples", "100"], "megapar-train counts steps: give --max-steps"),
+    ("train", ["--rampup-batch-size", "4", "4", "100"], "has no batch-size ramp-up"),
+    ("train", ["--overlap-grad-reduce"], "always overlaps the gradient reduction"),
+    ("train", ["--distributed-backend", "gloo"], "picks gloo on the CPU and NCCL with CUDA"),
+    ("train", ["--init-method-std", "0.02"], "in transformers' names): set initializer_range there"),
+    ("train", ["--hidden-dropout", "0"], "set resid_pdrop (GPT-2), hidden_dropout_prob (BERT)"),
+    ("train", ["--log-throughput"], "tokens/s, TFLOP/s and MFU are on every log line"),
     # megapar-eval has no --cp / --dp (was "did you mean --tp?"), no --model, no --from-hf
     ("eval", ["--load", "ck", "--cp", "2"], "--cp: megapar-eval has no context parallelism"),
     ("eval", ["--load", "ck", "--dp", "2"], "--dp: megapar-eval runs on --tp x --pp processes"),
