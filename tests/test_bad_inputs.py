@@ -893,7 +893,16 @@ OTHER_TOOLS = [
     ("data", ["--input", "a", "--vocab-file", "v.json"], "--vocab-file: did you mean --tokenizer?"),
     ("data", ["--input", "a", "--append-eod"], "--append-eod: megapar-data always ends each "
      "document with the end-of-document token; drop it"),
+    # ... and "--split-sentences / --keep-newlines / --partitions: did you mean --split-lines?"
+    ("data", ["--input", "a", "--split-sentences"], "--split-sentences: megapar-data splits no "
+     "sentences"),
+    ("data", ["--input", "a", "--keep-newlines"], "keeps every newline as it is; drop it"),
+    ("data", ["--input", "a", "--partitions", "2"], "--partitions: did you mean --workers?"),
     ("bubble", ["--stages", "4"], "--stages: did you mean --pp?"),
+    ("bubble", ["--pp", "2", "-m", "4", "--tensor-model-parallel-size", "2"],
+     "--tensor-model-parallel-size: did you mean --tp?"),
+    ("bubble", ["--pp", "2", "-m", "4", "--virtual-pipeline-model-parallel-size", "2"],
+     "did you mean --schedule interleaved --virtual-stages?"),
     # another megapar command's flag: "--vocab-size: did you mean --world-size?", "--to-hf:
     # did you mean --from-hf?", megapar-eval's "--save: did you mean --seed?"
     ("train", ["--vocab-size", "100"], "--vocab-size: the vocabulary follows the tokenizer"),

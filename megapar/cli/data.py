@@ -46,9 +46,15 @@ OTHER_FLAGS = {
     "--seq-len": "megapar-data keeps whole documents (megapar-train cuts them into --seq-len "
     "windows); drop it",
     "--model": "megapar-data needs only the --tokenizer (a model's vocabulary follows it); drop it",
+    "--split-sentences": "megapar-data splits no sentences: a document's text stays whole "
+    "(--split-lines makes each blank-line paragraph of a .txt a document); drop it",
+    "--keep-newlines": "megapar-data keeps every newline as it is; drop it",
+    "--partitions": "--workers",
+    "--log-interval": "megapar-data shows a progress bar when stderr is a terminal; drop it",
 }
 """Megatron-LM's preprocess_data.py flags, answered with megapar-data's (difflib named
-`--vocab-size` for `--vocab-file`, which is the size of a tokenizer to train)."""
+`--vocab-size` for `--vocab-file`, which is the size of a tokenizer to train, and `--split-lines`
+for `--split-sentences`, `--keep-newlines` and `--partitions`)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
