@@ -482,6 +482,11 @@ def build_datasets(cfg: TrainConfig, prefix: str, model_type: str, notes: list[s
         whole = replace(cfg, val_fraction=0.0)
         parts = [_build_one(whole, part, model_type) for part in prefixes]
         part_notes = [n for n in part_notes if "no validation split" in n]
+    if val is None and cfg.val_fraction > 0:
+        part_notes.append(
+            "the blend validates only when every part has a validation split: training "
+            "without validation, on all of every part"
+        )
     if notes is not None:
         notes.extend(part_notes)
     train = BlendedDataset([t for t, _ in parts], weights, names, cfg.seed)
