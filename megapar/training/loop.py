@@ -309,6 +309,11 @@ class Trainer:
             f"{mesh.layout}, global batch {cfg.global_batch_size} x {cfg.seq_len} "
             f"tokens, {self.sampler.micro_batches_per_rank} micro-batch"
             f"{'es' if self.sampler.micro_batches_per_rank != 1 else ''} per step"
+            + (
+                f" of {self.sampler.micro_batch_size} on each of the {mesh.dp} dp ranks"
+                if mesh.dp > 1
+                else ""
+            )
         )
         for note in self.notes:
             logger.message(note)
