@@ -152,7 +152,13 @@ TRAIN = [
                                                  "samples: [CLS] A [SEP] B [SEP] takes at least "
                                                  "5 tokens; raise --seq-len"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"],
-     "global batch size 10 is not divisible by micro-batch size 4"),
+     "global batch size 10 is not divisible by micro-batch size 4 x dp 1 = 4; choose a multiple "
+     "of 4, or --micro-batch-size 2 / 5 / 10"),
+    # the micro-batch size not given adapts to any multiple of dp: "choose a multiple of 12"
+    # (the default micro-batch size 4 x dp 3) was stricter than the fix needs
+    (["--dp", "3", "--global-batch-size", "16"],
+     "global batch size 16 is not divisible by dp 3: each dp rank takes an equal share; choose "
+     "a multiple of 3 (e.g. 15 or 18; the micro-batch size, not given, then adapts to it)"),
     (["--config", "{missing.yaml}"], "no such config file"),
     (["--config", "{bad.yaml}"], "not valid YAML at line"),
     (["--config", "{bad.json}"], "not valid JSON at line 1"),
