@@ -68,6 +68,7 @@ def env(tmp_path_factory):
     (root / "empty_dir").mkdir()
     (root / "mixed").mkdir()  # text and a dataset megapar-data wrote beside it
     (root / "mixed" / "a.txt").write_text("text to train on\n")
+    (root / "few_words.txt").write_text("A few words.\n")
     for ext in (".bin", ".idx", ".json"):
         shutil.copy(prefix + ext, root / "mixed" / f"tok{ext}")
     import torch
@@ -329,6 +330,7 @@ def _fill(argv, env):
              "prefix.json": env["prefix"] + ".json", "cache": str(env["root"] / "cache"),
              "empty_idx": str(env["root"] / "empty_idx"),
              "new_dir/": str(env["root"] / "new_dir") + "/", "mixed": str(env["root"] / "mixed"),
+             "few_words.txt": str(env["root"] / "few_words.txt"),
              **{f"ids:{k}": str(v) for k, v in env["ids"].items()}}
     return [names[a[1:-1]] if a.startswith("{") else a for a in argv]
 
@@ -488,6 +490,10 @@ EVAL = [
      "new_dir/ is a directory; give a file name, e.g. --save-logits "),
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "64",
       "--micro-batch-size", "100000"], "fewer than one batch of --micro-batch-size 100000"),
+    # data with no window at all: was "lower --seq-len or --micro-batch-size", and no
+    # micro-batch size helps
+    (["--load", "{ckpt}", "--data", "{few_words.txt}", "--seq-len", "16",
+      "--data-cache", "{cache}"], "has 0 windows of 17 tokens (it holds "),
     # was ignored without a word: a causal LM's loss masks nothing
     (["--load", "{ckpt}", "--data", "{prefix}", "--seq-len", "16", "--seed", "5"],
      "--seed 5 would be ignored: it seeds BERT's masking, and the checkpoint holds a gpt2"),
